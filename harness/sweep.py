@@ -1,0 +1,220 @@
+"""The correctness sweep: baseline first, then each EPD topology, every prompt, one verdict each.
+
+Topologies run one after another (a 1E+1P+1D topology alone takes ~8 GB on CPU), each with
+fresh storage. The baseline answers every prompt twice: a baseline that disagrees with itself
+would make EPD look broken when it is not, so its cases get UNSTABLE_BASELINE instead.
+Artifacts land in the run directory as they are produced, so a failed run keeps what it had.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.compare import EXACT, Policy
+from harness.guards import GuardResult, check_transfers
+from harness.judge import baseline_is_stable, judge_case
+from harness.prompts import PromptSpec, render_request
+from harness.report import CaseRecord, format_verdict_table, write_summary_json
+from harness.runner import InstanceStats, Outcome, RunSettings, TopologySession
+from harness.topology import TOPOLOGIES, Topology
+
+BASELINE = TOPOLOGIES["baseline"]
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    topologies: tuple[Topology, ...]  # EPD topologies; the baseline always runs first
+    prompts: tuple[PromptSpec, ...]
+    # Policy against the monolithic baseline. Exact on CPU (deterministic); on GPUs upstream
+    # allows logprob-close drift for P/D and keeps exactness for 1E+1P+1D vs 1P+1D.
+    baseline_policy: Policy = EXACT
+
+
+@dataclass
+class SweepResult:
+    run_dir: Path
+    records: list[CaseRecord] = field(default_factory=list)
+    outcomes: dict[str, dict[str, Outcome]] = field(default_factory=dict)
+    instances: list[InstanceStats] = field(default_factory=list)
+    seconds_by_topology: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.records) and all(r.policy_passed for r in self.records)
+
+
+def ordered_topologies(topologies: tuple[Topology, ...]) -> list[Topology]:
+    """EPD topologies in run order: each exact reference runs before the topology using it."""
+    pending = [t for t in topologies if not t.is_baseline]
+    names = {t.name for t in pending}
+    ordered: list[Topology] = []
+    while pending:
+        ready = [t for t in pending if t.exact_reference not in names - {o.name for o in ordered}]
+        ready = ready or pending[:1]
+        ordered.append(ready[0])
+        pending.remove(ready[0])
+    return ordered
+
+
+class Sweep:
+    """Runs the baseline and topologies on demand, once each, and judges their cases.
+
+    The CLI walks it in order; the pytest scenarios ask for single (topology, prompt) cases
+    and share one instance per session, so the baseline is computed once.
+    """
+
+    def __init__(
+        self,
+        plan: SweepPlan,
+        settings: RunSettings,
+        log: Callable[[str], None] = print,
+        on_event: Callable[[str, str, float], None] | None = None,
+    ):
+        self.plan = plan
+        self.settings = settings
+        self.log = log
+        self.on_event = on_event
+        self.result = SweepResult(run_dir=settings.run_dir)
+        self.bodies = {
+            p.name: render_request(p, settings.serving.served_model_name) for p in plan.prompts
+        }
+        self.stability: dict[str, tuple[bool, str]] = {}
+        self.guards: dict[str, dict[str, list[GuardResult]]] = {}
+        self._judged: dict[tuple[str, str], list[CaseRecord]] = {}
+        settings.run_dir.mkdir(parents=True, exist_ok=True)
+        write_json(settings.run_dir / "requests.json", self.bodies)
+
+    def baseline(self) -> dict[str, Outcome]:
+        if BASELINE.name not in self.result.outcomes:
+            self.log(f"[sweep] baseline: {len(self.bodies)} prompt(s), each twice "
+                     "(determinism control)")  # fmt: skip
+            self._run_baseline()
+            self.write_outputs()
+        return self.result.outcomes[BASELINE.name]
+
+    def topology(self, name: str) -> dict[str, Outcome]:
+        if name not in self.result.outcomes:
+            topology = TOPOLOGIES[name]
+            if topology.exact_reference:
+                self.topology(topology.exact_reference)
+            self.log(f"[sweep] {name}: starting {len(topology.roles)} instance(s)")
+            self._run_topology(topology)
+            self.write_outputs()
+        return self.result.outcomes[name]
+
+    def judge(self, topology_name: str, prompt: str) -> list[CaseRecord]:
+        """Records for one case: against the baseline, and its exact reference if it has one."""
+        key = (topology_name, prompt)
+        if key not in self._judged:
+            baseline = self.baseline()
+            outcome = self.topology(topology_name)[prompt]
+            topology = TOPOLOGIES[topology_name]
+            references = [(BASELINE.name, baseline, self.plan.baseline_policy)]
+            if topology.exact_reference:
+                references.append(
+                    (topology.exact_reference, self.topology(topology.exact_reference), EXACT)
+                )
+            records = []
+            for reference_name, reference_outcomes, policy in references:
+                record = judge_case(
+                    topology_name,
+                    reference_name,
+                    reference_outcomes[prompt],
+                    outcome,
+                    self.guards[topology_name][prompt],
+                    policy=policy,
+                    baseline_stable=reference_name != BASELINE.name or self.stability[prompt][0],
+                )
+                self.log(f"[sweep] {topology_name} {prompt} vs {reference_name}: "
+                         f"{record.verdict.value} ({record.detail})")  # fmt: skip
+                records.append(record)
+            self._judged[key] = records
+            self.result.records.extend(records)
+            self.write_outputs()
+        return self._judged[key]
+
+    def run_all(self) -> SweepResult:
+        self.baseline()
+        for topology in ordered_topologies(self.plan.topologies):
+            for prompt in self.bodies:
+                self.judge(topology.name, prompt)
+        return self.result
+
+    def _run_baseline(self) -> None:
+        started = time.monotonic()
+        first: dict[str, Outcome] = {}
+        with TopologySession(BASELINE, self.settings, on_event=self.on_event) as session:
+            for name, body in self.bodies.items():
+                first[name] = session.send(name, body)
+            for name, body in self.bodies.items():
+                self.stability[name] = baseline_is_stable(first[name], session.send(name, body))
+                if not self.stability[name][0]:
+                    self.log(f"[sweep] baseline UNSTABLE on {name}: {self.stability[name][1]}")
+            self.result.instances.extend(session.stats.values())
+        self.result.outcomes[BASELINE.name] = first
+        self.result.seconds_by_topology[BASELINE.name] = time.monotonic() - started
+
+    def _run_topology(self, topology: Topology) -> None:
+        """Every prompt on one topology, with the guards read while its storage exists."""
+        started = time.monotonic()
+        outcomes: dict[str, Outcome] = {}
+        guards: dict[str, list[GuardResult]] = {}
+        try:
+            with TopologySession(topology, self.settings, on_event=self.on_event) as session:
+                for name, body in self.bodies.items():
+                    outcome = session.send(name, body)
+                    outcomes[name] = outcome
+                    guards[name] = (
+                        check_transfers(
+                            topology,
+                            outcome.trace,
+                            outcome.result,
+                            session.ec_storage,
+                            self.settings.serving.block_size,
+                        )
+                        if outcome.result is not None
+                        else []
+                    )
+                self.result.instances.extend(session.stats.values())
+        except Exception as exc:  # noqa: BLE001 - a topology that cannot start fails its cases
+            error = f"{topology.name} could not start: {type(exc).__name__}: {exc}"
+            self.log(f"[sweep] {error}")
+            for name in self.bodies:
+                outcomes.setdefault(name, Outcome(prompt=name, error=error))
+                guards.setdefault(name, [])
+        self.guards[topology.name] = guards
+        self.result.outcomes[topology.name] = outcomes
+        self.result.seconds_by_topology[topology.name] = time.monotonic() - started
+
+    def write_outputs(self) -> None:
+        """Everything so far, rewritten after each step: a failed run keeps what it had."""
+        result = self.result
+        write_json(
+            result.run_dir / "responses.json",
+            {
+                topology: {prompt: outcome.to_json() for prompt, outcome in by_prompt.items()}
+                for topology, by_prompt in result.outcomes.items()
+            },
+        )
+        write_summary_json(
+            result.run_dir / "summary.json",
+            result.records,
+            {
+                "topologies": [t.name for t in self.plan.topologies],
+                "prompts": list(self.bodies),
+                "baseline_stability": {p: list(s) for p, s in self.stability.items()},
+                "instances": [stats.__dict__ for stats in result.instances],
+                "seconds_by_topology": {
+                    name: round(seconds, 1) for name, seconds in result.seconds_by_topology.items()
+                },
+            },
+        )
+        (result.run_dir / "verdicts.txt").write_text(format_verdict_table(result.records) + "\n")
+
+
+def write_json(path: Path, data: object) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True))

@@ -1,0 +1,325 @@
+"""parse_chat_response / ChatResult on recorded-style vLLM bodies, and the transfer guards."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.client import ChatResult, PositionLogprobs, parse_chat_response, sampling_fields
+from harness.guards import (
+    EC_CACHE_FILE,
+    check_consumer_embeds,
+    check_encoder_output,
+    check_kv_transfer,
+    check_transfers,
+    expected_kv_prefix,
+)
+from harness.proxy import EncoderCall, RequestTrace
+from harness.topology import get_topology
+
+# A vLLM chat completion as served with return_token_ids, logprobs, top_logprobs=2 and
+# return_tokens_as_token_ids, plus --enable-prompt-tokens-details.
+RECORDED_BODY = {
+    "id": "chatcmpl-9b2e8f",
+    "object": "chat.completion",
+    "created": 1760000000,
+    "model": "epd-model",
+    "prompt_token_ids": [151644, 872, 198, 151652, 151655, 151653, 3838, 374],
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "A red", "tool_calls": []},
+            "logprobs": {
+                "content": [
+                    {
+                        "token": "token_id:32",
+                        "logprob": -0.0123,
+                        "bytes": [65],
+                        "top_logprobs": [
+                            {"token": "token_id:32", "logprob": -0.0123, "bytes": [65]},
+                            {"token": "token_id:785", "logprob": -4.5, "bytes": [84]},
+                        ],
+                    },
+                    {
+                        "token": "token_id:2518",
+                        "logprob": -1.25,
+                        "bytes": None,
+                        "top_logprobs": [
+                            {"token": "token_id:2518", "logprob": -1.25, "bytes": None},
+                            {"token": "token_id:6303", "logprob": -1.5, "bytes": None},
+                        ],
+                    },
+                ]
+            },
+            "finish_reason": "length",
+            "stop_reason": None,
+            "token_ids": [32, 2518],
+        }
+    ],
+    "usage": {
+        "prompt_tokens": 8,
+        "total_tokens": 10,
+        "completion_tokens": 2,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    },
+    "kv_transfer_params": None,
+}
+
+
+def body_with(**changes) -> dict:
+    body = copy.deepcopy(RECORDED_BODY)
+    body.update(changes)
+    return body
+
+
+# --- parse_chat_response ---------------------------------------------------------------------
+
+
+def test_parse_recorded_body() -> None:
+    result = parse_chat_response(RECORDED_BODY)
+    assert result.token_ids == (32, 2518)
+    assert result.prompt_token_ids == (151644, 872, 198, 151652, 151655, 151653, 3838, 374)
+    assert result.text == "A red"
+    assert result.finish_reason == "length"
+    assert result.cached_tokens == 0
+    assert result.logprobs == (
+        PositionLogprobs(32, -0.0123, ((32, -0.0123), (785, -4.5))),
+        PositionLogprobs(2518, -1.25, ((2518, -1.25), (6303, -1.5))),
+    )
+    assert [p.top_ids() for p in result.logprobs] == [{32, 785}, {2518, 6303}]
+    assert result.raw is RECORDED_BODY
+
+
+def test_parse_cached_tokens_from_prompt_tokens_details() -> None:
+    body = body_with(usage={"prompt_tokens": 89, "prompt_tokens_details": {"cached_tokens": 64}})
+    assert parse_chat_response(body).cached_tokens == 64
+    assert parse_chat_response(body_with(usage={"prompt_tokens": 8})).cached_tokens is None
+    assert parse_chat_response(body_with(usage=None)).cached_tokens is None
+
+
+def test_parse_without_logprobs() -> None:
+    body = copy.deepcopy(RECORDED_BODY)
+    body["choices"][0]["logprobs"] = None
+    body["choices"][0]["message"]["content"] = None
+    result = parse_chat_response(body)
+    assert result.logprobs == ()
+    assert result.text == ""
+    assert result.token_ids == (32, 2518)
+
+
+def test_missing_token_ids_mentions_return_token_ids() -> None:
+    body = copy.deepcopy(RECORDED_BODY)
+    del body["choices"][0]["token_ids"]
+    with pytest.raises(ValueError, match="return_token_ids"):
+        parse_chat_response(body)
+
+
+def test_missing_prompt_token_ids_mentions_return_token_ids() -> None:
+    body = copy.deepcopy(RECORDED_BODY)
+    del body["prompt_token_ids"]
+    with pytest.raises(ValueError, match="return_token_ids"):
+        parse_chat_response(body)
+
+
+def test_null_token_ids_mentions_return_token_ids() -> None:
+    body = copy.deepcopy(RECORDED_BODY)
+    body["choices"][0]["token_ids"] = None
+    with pytest.raises(ValueError, match="return_token_ids"):
+        parse_chat_response(body)
+
+
+def test_no_choices_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="return_token_ids"):
+        parse_chat_response(body_with(choices=[]))
+
+
+@pytest.mark.parametrize("label", ["A", "token_id:", "token_id:abc", "tok:12"])
+def test_logprob_token_must_be_a_token_id(label: str) -> None:
+    body = copy.deepcopy(RECORDED_BODY)
+    body["choices"][0]["logprobs"]["content"][1]["top_logprobs"][1]["token"] = label
+    with pytest.raises(ValueError, match="token_id:N"):
+        parse_chat_response(body)
+
+
+def test_chat_result_json_round_trip() -> None:
+    result = parse_chat_response(body_with(usage={"prompt_tokens_details": {"cached_tokens": 5}}))
+    data = result.to_json()
+    assert data == {
+        "prompt_token_ids": [151644, 872, 198, 151652, 151655, 151653, 3838, 374],
+        "token_ids": [32, 2518],
+        "text": "A red",
+        "finish_reason": "length",
+        "cached_tokens": 5,
+        "logprobs": [
+            {"token_id": 32, "logprob": -0.0123, "top": [[32, -0.0123], [785, -4.5]]},
+            {"token_id": 2518, "logprob": -1.25, "top": [[2518, -1.25], [6303, -1.5]]},
+        ],
+    }
+    back = ChatResult.from_json(json.loads(json.dumps(data)))
+    assert back == result
+    assert back.logprobs == result.logprobs
+    assert back.cached_tokens == 5
+    assert back.raw == {}
+
+
+def test_sampling_fields_ask_for_token_ids() -> None:
+    fields = sampling_fields(max_tokens=7, top_logprobs=3, seed=9)
+    assert fields == {
+        "temperature": 0.0,
+        "seed": 9,
+        "max_tokens": 7,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }
+
+
+# --- guards: kv_transfer ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt_tokens", "block_size", "expected"),
+    [(89, 32, 64), (185, 32, 160), (33, 32, 32), (32, 32, 0), (65, 32, 64), (1, 32, 0)],
+)
+def test_expected_kv_prefix(prompt_tokens: int, block_size: int, expected: int) -> None:
+    assert expected_kv_prefix(prompt_tokens, block_size) == expected
+
+
+def d_result(prompt_tokens: int, cached: int | None) -> ChatResult:
+    return ChatResult(
+        prompt_token_ids=tuple(range(prompt_tokens)),
+        token_ids=(1, 2),
+        text="",
+        finish_reason="length",
+        cached_tokens=cached,
+    )
+
+
+@pytest.mark.parametrize("cached", [None, 0, 32])  # 32: a local prefix hit, not the transfer
+def test_kv_transfer_fails_below_expected_prefix(cached: int | None) -> None:
+    guard = check_kv_transfer(d_result(89, cached), block_size=32)
+    assert guard.name == "kv_transfer"
+    assert guard.ok is False
+    assert f"cached_tokens={cached}" in guard.evidence
+    assert "expected >= 64" in guard.evidence
+
+
+@pytest.mark.parametrize(("prompt_tokens", "cached"), [(89, 64), (185, 160), (185, 184)])
+def test_kv_transfer_passes_at_expected_prefix(prompt_tokens: int, cached: int) -> None:
+    guard = check_kv_transfer(d_result(prompt_tokens, cached), block_size=32)
+    assert guard.ok is True
+    assert guard.to_json() == {"ok": True, "evidence": guard.evidence}
+
+
+def test_kv_transfer_fails_when_nothing_could_transfer() -> None:
+    # a 32-token prompt leaves no whole block to load: the guard cannot prove a transfer
+    assert check_kv_transfer(d_result(32, 0), block_size=32).ok is False
+
+
+# --- guards: encoder_output / consumer_embeds ------------------------------------------------
+
+HASH = "epd-e456d13150a50187998c5d612c086e23"
+
+
+def encoded_trace(media_count: int = 1, metadata: dict | None = None) -> RequestTrace:
+    metadata = {"image_grid_thw": [1, 16, 16]} if metadata is None else metadata
+    return RequestTrace(
+        request_id="r1",
+        media_count=media_count,
+        encoder_calls=[
+            EncoderCall(
+                url="http://127.0.0.1:1",
+                positions=(0,),
+                status=200,
+                ec_transfer_params={HASH: {"item_indices": [0], "metadata": metadata}},
+            )
+        ],
+        forwarded_part_types=["image_embeds"],
+        metadata_only=[True],
+    )
+
+
+def test_encoder_output_fails_on_empty_hash_directory(tmp_path: Path) -> None:
+    (tmp_path / HASH).mkdir()  # what a 0.32 consumer leaves behind on a miss
+    guard = check_encoder_output(encoded_trace(), tmp_path)
+    assert guard.ok is False
+    assert f"no {EC_CACHE_FILE} for {HASH}" in guard.evidence
+
+
+def test_encoder_output_fails_without_storage(tmp_path: Path) -> None:
+    assert check_encoder_output(encoded_trace(), None).ok is False
+    assert check_encoder_output(encoded_trace(), tmp_path / "missing").ok is False
+
+
+def test_encoder_output_passes_when_cache_file_exists(tmp_path: Path) -> None:
+    (tmp_path / HASH).mkdir()
+    safetensors_header = b"\x02\x00\x00\x00\x00\x00\x00\x00{}"
+    (tmp_path / HASH / "encoder_cache.safetensors").write_bytes(safetensors_header)
+    guard = check_encoder_output(encoded_trace(), tmp_path)
+    assert guard.ok is True
+    assert guard.evidence == "1 media item(s); encoders reported 1 with metadata in 1 call(s)"
+
+
+def test_encoder_output_fails_when_metadata_is_missing(tmp_path: Path) -> None:
+    (tmp_path / HASH).mkdir()
+    (tmp_path / HASH / EC_CACHE_FILE).write_bytes(b"x")
+    guard = check_encoder_output(encoded_trace(metadata={}), tmp_path)
+    assert guard.ok is False
+    assert "encoders reported 0 with metadata" in guard.evidence
+
+
+def test_encoder_output_fails_when_an_item_was_not_encoded(tmp_path: Path) -> None:
+    (tmp_path / HASH).mkdir()
+    (tmp_path / HASH / EC_CACHE_FILE).write_bytes(b"x")
+    guard = check_encoder_output(encoded_trace(media_count=2), tmp_path)
+    assert guard.ok is False
+    assert guard.evidence.startswith("2 media item(s); encoders reported 1")
+
+
+def test_encoder_output_counts_the_same_image_on_two_encoders(tmp_path: Path) -> None:
+    (tmp_path / HASH).mkdir()
+    (tmp_path / HASH / EC_CACHE_FILE).write_bytes(b"x")
+    entry = {HASH: {"item_indices": [0], "metadata": {"image_grid_thw": [1, 16, 16]}}}
+    trace = RequestTrace(
+        request_id="r2",
+        media_count=2,
+        encoder_calls=[
+            EncoderCall("http://127.0.0.1:1", (0,), 200, copy.deepcopy(entry)),
+            EncoderCall("http://127.0.0.1:2", (1,), 200, copy.deepcopy(entry)),
+        ],
+        forwarded_part_types=["image_embeds", "image_embeds"],
+        metadata_only=[True, True],
+    )
+    assert check_encoder_output(trace, tmp_path).ok is True
+
+
+def test_consumer_embeds_guard() -> None:
+    assert check_consumer_embeds(encoded_trace()).ok is True
+    raw = encoded_trace()
+    raw.forwarded_part_types, raw.metadata_only = ["image_url"], [False]
+    guard = check_consumer_embeds(raw)
+    assert guard.ok is False
+    assert "image_url" in guard.evidence
+    short = encoded_trace(media_count=2)
+    assert check_consumer_embeds(short).ok is False
+
+
+def test_check_transfers_picks_guards_per_topology(tmp_path: Path) -> None:
+    trace = encoded_trace()
+    result = d_result(89, 64)
+    names = {
+        name: [g.name for g in check_transfers(get_topology(name), trace, result, tmp_path, 32)]
+        for name in ("baseline", "1E+1PD", "1P+1D", "1E+1P+1D")
+    }
+    assert names == {
+        "baseline": [],
+        "1E+1PD": ["encoder_output", "consumer_embeds"],
+        "1P+1D": ["kv_transfer"],
+        "1E+1P+1D": ["encoder_output", "consumer_embeds", "kv_transfer"],
+    }
+    text_only = RequestTrace(request_id="t", media_count=0)
+    assert check_transfers(get_topology("1E+1PD"), text_only, result, tmp_path, 32) == []

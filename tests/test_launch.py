@@ -1,0 +1,386 @@
+"""Server lifecycle against real subprocesses: small Python HTTP servers misbehaving on cue."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness.launch import (
+    ManagedServer,
+    ServerCommand,
+    ServerDied,
+    ServerGroup,
+    StartupTimeout,
+    log_path_for,
+)
+from harness.ports import reserve_ports
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CRASH_LINE = "FATAL: distinctive-fake-crash-7f3a"
+GONE_TIMEOUT_S = 5.0
+
+# argv: port, delay_s, modes (comma-separated). Serves GET /health -> 200 on 127.0.0.1:port
+# after delay_s, unless a mode says otherwise:
+#   die          print CRASH_LINE and the death time, exit 3 after delay_s
+#   never-ready  stay alive, never listen
+#   ignore-term  ignore SIGTERM (only SIGKILL ends it)
+#   children     first spawn two sleepers: one in the group, one in a session of its own
+FAKE_SERVER = r"""
+import http.server, os, signal, subprocess, sys, time
+port, delay_s, modes = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3].split(",")
+env = os.environ.get("EPD_FAKE_SERVER")
+print(f"fake server pid {os.getpid()} modes {modes} EPD_FAKE_SERVER={env}", flush=True)
+if "ignore-term" in modes:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if "children" in modes:
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    print(f"CHILD {subprocess.Popen(sleeper).pid}", flush=True)
+    print(f"CHILD {subprocess.Popen(sleeper, start_new_session=True).pid}", flush=True)
+time.sleep(delay_s)
+if "die" in modes:
+    print("FATAL: distinctive-fake-crash-7f3a", flush=True)
+    print(f"DIED AT {time.time()}", flush=True)
+    sys.exit(3)
+if "never-ready" in modes:
+    time.sleep(3600)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+# A harness stand-in, run as its own process. argv: log_dir, lock_dir, mode, then either
+# "server" (start one ManagedServer, print its pid, wait to be SIGKILLed) or "group" (install
+# the signal handlers, run a ServerGroup, print the pids and events, wait to be SIGTERMed).
+HARNESS = r"""
+import sys, time
+from pathlib import Path
+from harness.launch import (ManagedServer, ServerCommand, ServerGroup, install_signal_handlers,
+                            log_path_for)
+from harness.ports import reserve_ports
+log_dir, lock_dir, mode, shape = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+(lease,) = reserve_ports(1, lock_dir=lock_dir)
+command = ServerCommand(
+    name="harness-child/server0",
+    argv=[sys.executable, "-c", sys.argv[5], str(lease.port), "0.2", mode],
+    health_url=f"http://127.0.0.1:{lease.port}/health",
+    log_path=log_path_for(log_dir, "harness-child/server0"),
+)
+server = ManagedServer(command, port_lease=lease)
+if shape == "server":
+    server.start()
+    print(f"SERVER {server.pid}", flush=True)
+    time.sleep(60)
+install_signal_handlers()
+on_event = lambda name, state, elapsed_s: print(f"EVENT {name} {state}", flush=True)
+with ServerGroup([server], on_event=on_event) as group:
+    group.start_all()
+    group.wait_all_ready(timeout_s=20)
+    print(f"SERVER {server.pid}", flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.fixture
+def make_server(tmp_path: Path) -> Iterator[Callable[..., ManagedServer]]:
+    """Build fake servers on leased ports; every one is stopped at teardown, whatever happened."""
+    servers: list[ManagedServer] = []
+
+    def make(name: str, mode: str = "serve", delay_s: float = 0.2) -> ManagedServer:
+        (lease,) = reserve_ports(1, lock_dir=tmp_path / "port-locks")
+        command = ServerCommand(
+            name=name,
+            argv=[sys.executable, "-c", FAKE_SERVER, str(lease.port), str(delay_s), mode],
+            health_url=f"http://127.0.0.1:{lease.port}/health",
+            log_path=log_path_for(tmp_path / "logs", name),
+            env={"EPD_FAKE_SERVER": "1"},
+        )
+        server = ManagedServer(command, port_lease=lease)
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop(grace_s=1.0)
+
+
+def wait_for_log(server: ManagedServer, pattern: str, count: int = 1) -> list[str]:
+    deadline = time.monotonic() + GONE_TIMEOUT_S
+    while True:
+        found = re.findall(pattern, server.command.log_path.read_text())
+        if len(found) >= count or time.monotonic() > deadline:
+            assert len(found) >= count, f"{pattern!r} not in log:\n{server.log_tail()}"
+            return found
+        time.sleep(0.05)
+
+
+def is_gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie (this machine's init does not reap orphans)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def live_members_of_group(pgid: int) -> list[int]:
+    pids = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                pids.append(proc.pid)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return pids
+
+
+def wait_until_gone(pids: list[int], timeout_s: float = GONE_TIMEOUT_S) -> float:
+    """Seconds until every pid is gone; fails the test with the survivors after timeout_s."""
+    start = time.monotonic()
+    while not all(is_gone(pid) for pid in pids):
+        assert time.monotonic() - start < timeout_s, [p for p in pids if not is_gone(p)]
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def test_death_at_start_is_reported_within_3s_with_the_log_tail(make_server) -> None:
+    server = make_server("1E+1P+1D/encoder0", mode="die", delay_s=0)
+    server.start()
+    start = time.monotonic()
+    with pytest.raises(ServerDied) as died:
+        server.wait_until_ready(timeout_s=30)
+    elapsed_s = time.monotonic() - start
+    assert elapsed_s <= 3.0
+    message = str(died.value)
+    assert "1E+1P+1D/encoder0" in message
+    assert "during startup: exit code 3" in message
+    assert CRASH_LINE in message
+    assert str(server.command.log_path) in message
+    assert died.value.exit_code == 3 and server.exit_code == 3
+
+
+def test_death_while_polling_is_noticed_within_a_second(make_server) -> None:
+    server = make_server("late-crash", mode="die", delay_s=1.2)
+    server.start()
+    with pytest.raises(ServerDied, match="late-crash"):
+        server.wait_until_ready(timeout_s=30)
+    noticed_at = time.time()
+    (died_at,) = wait_for_log(server, r"DIED AT ([0-9.]+)")
+    delay_s = noticed_at - float(died_at)
+    print(f"death-detection delay: {delay_s:.3f} s")
+    assert delay_s < 1.0
+
+
+def test_orphans_of_a_dead_server_are_stopped_too(make_server) -> None:
+    server = make_server("orphaning", mode="children,die", delay_s=1.0)
+    server.start()
+    with pytest.raises(ServerDied, match="orphaning"):
+        server.wait_until_ready(timeout_s=20)
+    children = [int(pid) for pid in wait_for_log(server, r"CHILD (\d+)", count=2)]
+    assert not any(is_gone(pid) for pid in children)  # orphaned, still running
+    server.stop(grace_s=2)
+    # The one in the group falls to killpg; the one in its own session only to the psutil
+    # record taken while the server was still alive.
+    assert all(is_gone(pid) for pid in children)
+
+
+def test_never_ready_raises_startup_timeout_naming_the_server(make_server) -> None:
+    server = make_server("1P+1D/prefill0", mode="never-ready")
+    server.start()
+    start = time.monotonic()
+    with pytest.raises(StartupTimeout) as timed_out:
+        server.wait_until_ready(timeout_s=1.5)
+    assert 1.5 <= time.monotonic() - start < 3.0
+    message = str(timed_out.value)
+    assert "not ready after 1.5 s (timeout 1.5 s): 1P+1D/prefill0" in message
+    assert "fake server pid" in message  # the log tail
+    assert timed_out.value.names == ("1P+1D/prefill0",)
+    assert server.is_alive()
+
+
+def test_ready_then_stop_leaves_no_process_of_the_tree(make_server) -> None:
+    server = make_server("baseline/baseline0", mode="children")
+    server.start()
+    server.wait_until_ready(timeout_s=20)
+    assert server.startup_seconds is not None and 0.2 <= server.startup_seconds < 10
+    assert server.probe_health()
+    server.check_alive()
+    assert server.peak_rss_bytes() > 10 * 2**20  # three Python processes
+    children = [int(pid) for pid in wait_for_log(server, r"CHILD (\d+)", count=2)]
+    log = server.command.log_path.read_text()
+    assert log.startswith(f"# epd-harness: baseline/baseline0: {sys.executable} -c ")
+    assert "modes ['children'] EPD_FAKE_SERVER=1" in log  # env additions reach the server
+    pgid = server.pgid
+    assert pgid == server.pid
+    assert {os.getpgid(children[0]), os.getpgid(children[1])} == {pgid, children[1]}
+
+    server.stop(grace_s=5)
+
+    assert all(is_gone(pid) for pid in [server.pid, *children])
+    # Not os.killpg(pgid, 0): it also counts zombies, which an init that does not reap
+    # orphans (like this machine's) keeps forever.
+    assert live_members_of_group(pgid) == []
+    assert server.exit_code == -signal.SIGTERM
+    assert not server.is_alive()
+
+
+def test_sigterm_ignoring_server_is_sigkilled_after_the_grace(make_server) -> None:
+    server = make_server("stubborn", mode="ignore-term")
+    server.start()
+    server.wait_until_ready(timeout_s=20)
+    start = time.monotonic()
+    server.stop(grace_s=1.0)
+    elapsed_s = time.monotonic() - start
+    assert 1.0 <= elapsed_s < 1.0 + 2.0
+    assert server.exit_code == -signal.SIGKILL
+    assert is_gone(server.pid)
+
+
+def test_stop_is_idempotent_releases_the_port_and_allows_no_restart(make_server) -> None:
+    server = make_server("once")
+    lease = server.port_lease
+    server.start()
+    server.wait_until_ready(timeout_s=20)
+    assert lease.held
+    server.stop()
+    server.stop()
+    assert not lease.held
+    with pytest.raises(RuntimeError) as refused:
+        server.start()
+    assert str(refused.value) == "once: a ManagedServer starts once; it is already stopped"
+
+
+def test_spawn_failure_names_the_server(tmp_path: Path) -> None:
+    command = ServerCommand(
+        name="missing/encoder0",
+        argv=[str(tmp_path / "no-such-vllm"), "serve"],
+        health_url="http://127.0.0.1:1/health",
+        log_path=tmp_path / "missing.log",
+    )
+    with pytest.raises(FileNotFoundError) as failed:
+        ManagedServer(command).start()
+    assert any("while starting missing/encoder0" in note for note in failed.value.__notes__)
+
+
+def test_group_fails_at_once_when_one_server_dies_and_stops_the_others(make_server) -> None:
+    slow = make_server("1E+1PD/pd0", mode="never-ready")
+    crashing = make_server("1E+1PD/encoder0", mode="die", delay_s=1.0)
+    events: list[tuple[str, str]] = []
+    start = time.monotonic()
+    with pytest.raises(ServerDied) as died:
+        with ServerGroup(
+            [slow, crashing], on_event=lambda name, state, _: events.append((name, state))
+        ) as group:
+            group.start_all()
+            group.wait_all_ready(timeout_s=60)
+    assert time.monotonic() - start < 1.0 + 2.0 + 1.0  # death + detection + stopping slow
+    assert died.value.name == "1E+1PD/encoder0"
+    assert CRASH_LINE in str(died.value)
+    assert not slow.is_alive() and is_gone(slow.pid)
+    assert events == [
+        ("1E+1PD/pd0", "starting"),
+        ("1E+1PD/encoder0", "starting"),
+        ("1E+1PD/encoder0", "died"),
+        ("1E+1PD/encoder0", "stopped"),  # reverse start order
+        ("1E+1PD/pd0", "stopped"),
+    ]
+
+
+def test_group_check_alive_notices_a_death_while_serving(make_server) -> None:
+    servers = [make_server("1P+1D/prefill0"), make_server("1P+1D/decode0")]
+    events: list[tuple[str, str]] = []
+    with ServerGroup(servers, on_event=lambda n, s, _: events.append((n, s))) as group:
+        group.start_all()
+        group.wait_all_ready(timeout_s=20)
+        group.check_alive()
+        os.kill(servers[1].pid, signal.SIGKILL)
+        wait_until_gone([servers[1].pid])
+        with pytest.raises(ServerDied) as died:
+            group.check_alive()
+        assert "1P+1D/decode0" in str(died.value)
+        assert "died while serving: killed by SIGKILL" in str(died.value)
+    assert sorted(e for e in events if e[1] == "ready") == [
+        ("1P+1D/decode0", "ready"),
+        ("1P+1D/prefill0", "ready"),
+    ]
+    assert ("1P+1D/decode0", "died") in events
+    assert all(is_gone(server.pid) for server in servers)
+
+
+def run_harness(tmp_path: Path, mode: str, shape: str) -> tuple[subprocess.Popen[str], list[int]]:
+    harness = subprocess.Popen(
+        [sys.executable, "-c", HARNESS, str(tmp_path / "logs"), str(tmp_path / "port-locks"),
+         mode, shape, FAKE_SERVER],  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    lines = []
+    while True:
+        line = harness.stdout.readline()
+        assert line, f"harness ended early:\n{''.join(lines)}"
+        lines.append(line)
+        if line.startswith("SERVER "):
+            return harness, [int(line.split()[1])]
+
+
+def test_sigkilled_harness_takes_its_server_down(tmp_path: Path) -> None:
+    harness, (server_pid,) = run_harness(tmp_path, "never-ready", "server")
+    server = psutil.Process(server_pid)
+    try:
+        harness.kill()
+        harness.wait(timeout=GONE_TIMEOUT_S)
+        print(f"server gone {wait_until_gone([server_pid]):.3f} s after the harness was SIGKILLed")
+    finally:
+        if not is_gone(server_pid):
+            server.kill()  # psutil refuses if the pid was reused
+        harness.stdout.close()
+
+
+def test_sigterm_to_the_harness_stops_its_group_cleanly(tmp_path: Path) -> None:
+    harness, (server_pid,) = run_harness(tmp_path, "children", "group")
+    server = psutil.Process(server_pid)
+    log = log_path_for(tmp_path / "logs", "harness-child/server0")
+    try:
+        children = [int(pid) for pid in re.findall(r"CHILD (\d+)", log.read_text())]
+        assert len(children) == 2
+        harness.send_signal(signal.SIGTERM)
+        output, _ = harness.communicate(timeout=GONE_TIMEOUT_S + 15)
+        # The grandchildren are beyond the parent-death signal: only the group stop gets them.
+        assert all(is_gone(pid) for pid in [server_pid, *children])
+        assert "EVENT harness-child/server0 stopped" in output
+        assert "KeyboardInterrupt: received SIGTERM" in output
+    finally:
+        if not is_gone(server_pid):
+            server.kill()
+        harness.stdout.close()
+
+
+def test_server_command_normalises_its_fields(tmp_path: Path) -> None:
+    command = ServerCommand(
+        name="x", argv=["vllm", "serve"], health_url="http://h/health", log_path=tmp_path / "x"
+    )
+    assert command.argv == ("vllm", "serve")
+    with pytest.raises(ValueError) as rejected:
+        ServerCommand(name="y", argv=["vllm", 8000], health_url="", log_path=tmp_path / "y")
+    assert str(rejected.value) == "y: argv must be a non-empty list of str, got ('vllm', 8000)"
+
+
+def test_log_path_for_makes_a_flat_readable_file_name(tmp_path: Path) -> None:
+    assert log_path_for(tmp_path, "1E+1P+1D/encoder0") == tmp_path / "1E-1P-1D__encoder0.log"
+    assert log_path_for(tmp_path, "a b:c") == tmp_path / "a_b_c.log"

@@ -1,0 +1,262 @@
+"""Port leases against real sockets, real flocks and real competing processes."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.ports import (
+    DEFAULT_PORT_RANGE,
+    PORT_LOCK_DIR_ENV,
+    NoFreePortError,
+    PortLease,
+    default_lock_dir,
+    reserve_ports,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SUBPROCESS_TIMEOUT_S = 20
+
+# Run in a separate process: report whether the lease's lock file and port are free to it.
+CONTENDER = r"""
+import fcntl, json, os, sys
+from pathlib import Path
+from harness.ports import NoFreePortError, reserve_ports
+lock_path, port = Path(sys.argv[1]), int(sys.argv[2])
+fd = os.open(lock_path, os.O_RDWR | os.O_CREAT)
+try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    flock = "acquired"
+    fcntl.flock(fd, fcntl.LOCK_UN)
+except BlockingIOError:
+    flock = "blocked"
+os.close(fd)
+try:
+    leases = reserve_ports(1, lock_dir=lock_path.parent, port_range=range(port, port + 1))
+    reserve = "reserved"
+    leases[0].release()
+except NoFreePortError as exc:
+    reserve = str(exc)
+print(json.dumps({"flock": flock, "reserve": reserve}))
+"""
+
+# Run in several processes at once: reserve ports, print them, hold them until stdin closes.
+HOLDER = r"""
+import json, sys
+from pathlib import Path
+from harness.ports import reserve_ports
+lock_dir, start, count = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+leases = reserve_ports(count, start=start, lock_dir=lock_dir)
+print(json.dumps([lease.port for lease in leases]), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def lock_dir(tmp_path: Path) -> Path:
+    return tmp_path / "port-locks"
+
+
+def run_python(script: str, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        check=False,
+    )
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr}"
+    return result.stdout
+
+
+def contend(lease: PortLease) -> dict[str, str]:
+    return json.loads(run_python(CONTENDER, str(lease.lock_path), str(lease.port)))
+
+
+def bind_listener(port: int) -> socket.socket:
+    """Bind and listen the way an ordinary server would."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen()
+    return sock
+
+
+def a_free_port(lock_dir: Path) -> int:
+    (lease,) = reserve_ports(1, lock_dir=lock_dir)
+    lease.release()
+    return lease.port
+
+
+def test_leases_of_one_call_are_distinct_and_in_range(lock_dir: Path) -> None:
+    leases = reserve_ports(20, lock_dir=lock_dir)
+    try:
+        ports = [lease.port for lease in leases]
+        assert len(set(ports)) == 20
+        assert all(port in DEFAULT_PORT_RANGE for port in ports)
+        assert all(lease.lock_path == lock_dir / f"port-{lease.port}.lock" for lease in leases)
+    finally:
+        for lease in leases:
+            lease.release()
+
+
+def test_two_calls_from_the_same_start_do_not_share_a_port(lock_dir: Path) -> None:
+    start = a_free_port(lock_dir)
+    first = reserve_ports(3, start=start, lock_dir=lock_dir)
+    second = reserve_ports(3, start=start, lock_dir=lock_dir)
+    try:
+        assert first[0].port == start
+        assert not {lease.port for lease in first} & {lease.port for lease in second}
+    finally:
+        for lease in first + second:
+            lease.release()
+
+
+def test_parallel_processes_never_share_a_port(lock_dir: Path) -> None:
+    start = a_free_port(lock_dir)  # all three scan from the same port: maximal contention
+    holders = [
+        subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(lock_dir), str(start), "25"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        )
+        for _ in range(3)
+    ]
+    try:
+        # Every holder prints only once it holds all its leases, and holds them until stdin
+        # closes, so all three sets are held at the same time when compared.
+        port_sets = []
+        for holder in holders:
+            line = holder.stdout.readline()
+            assert line, f"holder failed: {holder.stderr.read()}"
+            port_sets.append(set(json.loads(line)))
+        assert all(len(ports) == 25 for ports in port_sets)
+        assert len(set.union(*port_sets)) == 75, port_sets
+    finally:
+        for holder in holders:
+            holder.stdin.close()
+            holder.wait(timeout=SUBPROCESS_TIMEOUT_S)
+            holder.stdout.close()
+            holder.stderr.close()
+
+
+def test_lease_is_locked_against_other_processes_until_released(lock_dir: Path) -> None:
+    (lease,) = reserve_ports(1, lock_dir=lock_dir)
+    try:
+        while_probing = contend(lease)
+        assert while_probing["flock"] == "blocked"
+        assert "1 locked by other harness leases" in while_probing["reserve"]
+
+        lease.hand_over()  # the server now binds the port; the lock must stay
+        after_hand_over = contend(lease)
+        assert after_hand_over["flock"] == "blocked"
+        assert f"ports {lease.port}-{lease.port}" in after_hand_over["reserve"]
+    finally:
+        lease.release()
+    assert contend(lease) == {"flock": "acquired", "reserve": "reserved"}
+
+
+def test_probe_keeps_the_port_bound_until_hand_over(lock_dir: Path) -> None:
+    (lease,) = reserve_ports(1, lock_dir=lock_dir)
+    with lease:
+        plain = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        with plain, pytest.raises(OSError) as refused:
+            plain.bind(("127.0.0.1", lease.port))
+        assert refused.value.errno == errno.EADDRINUSE
+
+        assert lease.hand_over() == lease.port
+        bind_listener(lease.port).close()
+
+
+def test_released_port_can_be_bound(lock_dir: Path) -> None:
+    (lease,) = reserve_ports(1, lock_dir=lock_dir)
+    lease.release()
+    bind_listener(lease.port).close()
+
+
+def test_release_is_idempotent_and_ends_the_lease(lock_dir: Path) -> None:
+    with reserve_ports(1, lock_dir=lock_dir)[0] as lease:
+        assert lease.held
+    assert not lease.held
+    lease.release()
+    with pytest.raises(RuntimeError, match=f"port {lease.port}: cannot hand over a released"):
+        lease.hand_over()
+
+
+def test_exhausted_range_raises_naming_the_range(lock_dir: Path) -> None:
+    (lease,) = reserve_ports(1, lock_dir=lock_dir)
+    port = lease.port
+    try:
+        with pytest.raises(NoFreePortError) as exhausted:
+            reserve_ports(1, lock_dir=lock_dir, port_range=range(port, port + 1))
+        message = str(exhausted.value)
+        assert f"ports {port}-{port}" in message
+        assert "1 locked by other harness leases" in message
+        assert str(lock_dir) in message
+    finally:
+        lease.release()
+
+
+def test_busy_port_is_skipped(lock_dir: Path) -> None:
+    listener = bind_listener(a_free_port(lock_dir))
+    port = listener.getsockname()[1]
+    with listener, pytest.raises(NoFreePortError, match="1 bound by other processes"):
+        reserve_ports(1, lock_dir=lock_dir, port_range=range(port, port + 1))
+    # The refused port's lock was dropped: once the listener is gone, the port is reservable.
+    reserve_ports(1, lock_dir=lock_dir, port_range=range(port, port + 1))[0].release()
+
+
+def test_failed_reservation_releases_what_it_took(lock_dir: Path) -> None:
+    port = a_free_port(lock_dir)
+    with pytest.raises(NoFreePortError, match="found only 1 of 2"):
+        reserve_ports(2, lock_dir=lock_dir, port_range=range(port, port + 1))
+    reserve_ports(1, lock_dir=lock_dir, port_range=range(port, port + 1))[0].release()
+
+
+def test_time_wait_does_not_make_a_port_look_busy(lock_dir: Path) -> None:
+    port = a_free_port(lock_dir)
+    # Leave a connection in TIME_WAIT on the port: the server side closes first.
+    with bind_listener(port) as listener:
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = listener.accept()
+        accepted.close()
+        client.recv(1)
+        client.close()
+    plain = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    with plain, pytest.raises(OSError) as in_time_wait:
+        plain.bind(("127.0.0.1", port))
+    assert in_time_wait.value.errno == errno.EADDRINUSE, "precondition: TIME_WAIT on the port"
+
+    (lease,) = reserve_ports(1, lock_dir=lock_dir, port_range=range(port, port + 1))
+    lease.release()
+
+
+def test_lock_dir_defaults_to_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(PORT_LOCK_DIR_ENV, str(tmp_path / "from-env"))
+    assert default_lock_dir() == tmp_path / "from-env"
+    (lease,) = reserve_ports(1)
+    with lease:
+        assert lease.lock_path.parent == tmp_path / "from-env"
+        with open(lease.lock_path) as lock, pytest.raises(BlockingIOError):
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_arguments_are_checked(lock_dir: Path) -> None:
+    with pytest.raises(ValueError, match="count must be at least 1, got 0"):
+        reserve_ports(0, lock_dir=lock_dir)
+    with pytest.raises(ValueError, match="start port 80 is outside ports 20000-29999"):
+        reserve_ports(1, start=80, lock_dir=lock_dir)

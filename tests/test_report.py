@@ -1,0 +1,128 @@
+"""Verdict table, failure block and summary.json on hand-built records."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from harness.client import ChatResult
+from harness.compare import Verdict, compare_results
+from harness.report import CaseRecord, format_failure, format_verdict_table, write_summary_json
+
+
+def record(
+    topology: str = "1E+1P+1D",
+    prompt: str = "image-cat",
+    verdict: Verdict = Verdict.MATCH,
+    passed: bool = True,
+    **overrides,
+) -> CaseRecord:
+    fields = dict(
+        topology=topology,
+        prompt=prompt,
+        reference="baseline",
+        verdict=verdict,
+        policy_passed=passed,
+        detail="identical: generated tokens equal (32/32)",
+        divergence=None,
+        guards={"kv_transfer": {"ok": True, "evidence": "cached_tokens=96 of 120"}},
+        timings={"request_s": 1.25},
+        error=None,
+    )
+    fields.update(overrides)
+    return CaseRecord(**fields)
+
+
+RECORDS = [
+    record(prompt="image-cat"),
+    record(prompt="video-clip", verdict=Verdict.DRIFT, detail="x" * 200),
+    record(topology="1P+1D", verdict=Verdict.MISMATCH, passed=False),
+]
+
+
+def test_table_has_header_one_row_per_record_and_totals():
+    lines = format_verdict_table(RECORDS).splitlines()
+    assert lines[0].split() == ["TOPOLOGY", "PROMPT", "REFERENCE", "VERDICT", "PASS", "DETAIL"]
+    rows = lines[1:-1]
+    assert len(rows) == len(RECORDS)
+    assert rows[2].startswith("1P+1D") and " NO " in rows[2]
+    assert all(" yes " in row for row in rows[:2])
+    # Aligned: every row's VERDICT column starts where the header's does.
+    column = lines[0].index("VERDICT")
+    assert [row[column:].split()[0] for row in rows] == ["MATCH", "DRIFT", "MISMATCH"]
+    assert len(rows[1]) < 150  # the 200-char detail was cut
+    assert lines[-1] == "verdicts: 2 pass, 1 fail (MATCH 1, MISMATCH 1, DRIFT 1)"
+
+
+def test_totals_line_is_not_a_test_runner_summary():
+    text = format_verdict_table(RECORDS)
+    assert not re.search(r"\d+ passed, \d+ failed", text)
+
+
+def test_detail_newlines_do_not_break_rows():
+    lines = format_verdict_table([record(detail="one\ntwo")]).splitlines()
+    assert len(lines) == 3 and lines[1].endswith("one two")
+
+
+def test_empty_table_still_reports_totals():
+    assert format_verdict_table([]).splitlines()[-1] == "verdicts: 0 pass, 0 fail (none)"
+
+
+def test_summary_round_trips(tmp_path):
+    path = tmp_path / "run" / "summary.json"
+    write_summary_json(path, RECORDS, {"model": "tiny", "seed": 1234})
+    with open(path) as f:
+        data = json.load(f)
+    assert data["run"] == {"model": "tiny", "seed": 1234}
+    assert data["passed"] is False
+    assert data["totals"] == {"MATCH": 1, "DRIFT": 1, "MISMATCH": 1}
+    assert [c["verdict"] for c in data["cases"]] == ["MATCH", "DRIFT", "MISMATCH"]
+    assert data["cases"][0] == RECORDS[0].to_json()
+    assert data["cases"][0]["guards"]["kv_transfer"]["ok"] is True
+    assert [p.name for p in path.parent.iterdir()] == ["summary.json"]  # no temp file left
+
+
+def test_summary_passes_only_when_every_record_passes(tmp_path):
+    path = tmp_path / "summary.json"
+    write_summary_json(path, RECORDS[:2], {})
+    assert json.loads(path.read_text())["passed"] is True
+    write_summary_json(path, [], {})  # overwrites in place
+    assert json.loads(path.read_text())["passed"] is False  # nothing compared, nothing proved
+
+
+def test_summary_is_sorted_and_indented(tmp_path):
+    path = tmp_path / "summary.json"
+    write_summary_json(path, RECORDS[:1], {"b": 1, "a": 2})
+    text = path.read_text()
+    assert text.index('"cases"') < text.index('"passed"') < text.index('"run"')
+    assert '\n  "cases"' in text
+
+
+def test_failure_block_carries_all_evidence():
+    ref = ChatResult((1, 2), (10, 11, 12), "", "length")
+    cand = ChatResult((1, 2), (10, 11, 99), "", "length")
+    cmp = compare_results(ref, cand)
+    rec = record(
+        verdict=Verdict.MISMATCH,
+        passed=False,
+        detail=cmp.headline(),
+        explanation=cmp.describe(),
+        divergence=cmp.divergence.to_json(),
+        guards={
+            "kv_transfer": {"ok": False, "evidence": "cached_tokens=0, expected >= 96"},
+            "ec_transfer": {"ok": True, "evidence": "1 embedding file read"},
+        },
+        error="proxy returned HTTP 500",
+    )
+    text = format_failure(rec)
+    assert "1E+1P+1D" in text and "image-cat" in text and "baseline" in text
+    assert "MISMATCH" in text and "FAILED" in text
+    assert "generated tokens differ at position 2 of 3/3" in text
+    assert "kv_transfer failed: cached_tokens=0, expected >= 96" in text
+    assert "ec_transfer" not in text  # only failed guards
+    assert "error: proxy returned HTTP 500" in text
+
+
+def test_failure_block_falls_back_to_detail():
+    text = format_failure(record(verdict=Verdict.ERROR, passed=False, detail="timed out"))
+    assert "timed out" in text and "ERROR" in text
