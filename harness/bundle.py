@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import html
 import importlib.metadata
 import json
 import os
@@ -30,7 +31,7 @@ from typing import Any
 from fixtures.tiny_model import model_digest
 from harness.prompts import PromptSpec
 from harness.report import CaseRecord, format_failure
-from harness.report_html import write_report_html, write_text_atomic
+from harness.report_html import strip_ansi, write_report_html, write_text_atomic
 from harness.topology import ServingConfig, Topology
 
 RUN_JSON = "run.json"
@@ -38,17 +39,18 @@ DIFF_MD = "diff.md"
 JUNIT_XML = "junit.xml"
 
 SECRET_NAME_PARTS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
-# vLLM flags whose value is a credential; other flags merely mention tokens (--max-num-batched-tokens).
+# vLLM flags whose value is a credential. Flags are not matched by name: many merely mention
+# tokens (--max-num-batched-tokens).
 SECRET_FLAGS = ("--api-key", "--hf-token")
 REDACTED = "[redacted]"
 # Shorter values are not scrubbed from free text: replacing every "1" would destroy the
 # artifacts, and a credential that short protects nothing anyway.
 MIN_SCRUBBED_LEN = 6
-# Import name -> what run.json calls it. Looked up through package metadata: importing vllm
-# takes seconds and may initialise a device.
+# Import names whose distribution and version run.json records. Read from package metadata:
+# importing vllm takes seconds and may initialise a device.
 VERSIONED_PACKAGES = ("vllm", "torch", "transformers", "harness")
 
-# XML 1.0 forbids most control characters; vLLM log tails in error texts carry ANSI escapes.
+# XML 1.0 forbids most control characters (an error's log tail may hold any).
 _XML_INVALID = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
 
@@ -260,8 +262,8 @@ def _fence(text: str, info: str = "text") -> str:
 
 
 def _cell(value: object) -> str:
-    """A Markdown table cell: pipes escaped, newlines flattened."""
-    return " ".join(str(value).split()).replace("|", "\\|")
+    """Inline Markdown: one line, pipes escaped (tables), markup escaped (GitHub renders it)."""
+    return html.escape(" ".join(str(value).split()), quote=False).replace("|", "\\|")
 
 
 def _window_md(window: Sequence[int], start: int, index: int) -> str:
@@ -320,10 +322,13 @@ def _case_md(record: CaseRecord) -> list[str]:
     failed = record.failed_guards()
     if failed:
         lines += ["### Failed guards", ""]
-        lines += [f"- `{name}`: {_cell(g.get('evidence', '(no evidence)'))}" for name, g in failed.items()]
+        lines += [
+            f"- `{name}`: {_cell(g.get('evidence', '(no evidence)'))}"
+            for name, g in failed.items()
+        ]
         lines.append("")
     if record.error:
-        lines += ["### Error", "", _fence(record.error), ""]
+        lines += ["### Error", "", _fence(strip_ansi(record.error)), ""]
     return lines
 
 
@@ -347,8 +352,10 @@ def write_diff_md(run_dir: str | os.PathLike[str], records: Sequence[CaseRecord]
 
 
 def _xml_text(text: str) -> str:
-    """Text XML 1.0 can carry: forbidden characters become visible `\\xNN` escapes."""
-    return _XML_INVALID.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+    """Text XML 1.0 can carry: colour codes dropped, other forbidden characters escaped."""
+    return _XML_INVALID.sub(
+        lambda m: m.group().encode("unicode_escape").decode(), strip_ansi(text)
+    )
 
 
 def render_junit_xml(records: Sequence[CaseRecord]) -> str:

@@ -40,11 +40,26 @@ class PlantedFault(ProxyFaults):
 
     A fault that silently touched nothing would make the self-test vacuous in turn (the run
     would be "red" for some other reason, or green by luck), so the tests assert on `touched`
-    and `missing` as well as on the verdict.
+    and `problems` as well as on the verdict. Hooks run on the proxy's thread, where an
+    exception would only surface as an opaque HTTP 500: they record their problems instead.
     """
 
     touched: list[Path] = field(default_factory=list)  # files rewritten, in order
-    missing: list[Path] = field(default_factory=list)  # files the fault expected but did not find
+    problems: list[str] = field(default_factory=list)  # what the fault could not do, and why
+
+    def rewrite(
+        self, request_id: str, path: Path, transform: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Rewrite one file, recording it as touched or recording why it could not be."""
+        if not path.is_file():
+            self.problems.append(f"{request_id}: {path} does not exist")
+            return
+        try:
+            rewrite_tensors(path, transform)
+        except Exception as exc:  # noqa: BLE001 - reported through `problems`, see above
+            self.problems.append(f"{request_id}: rewriting {path}: {type(exc).__name__}: {exc}")
+            return
+        self.touched.append(path)
 
 
 def plant(live: ProxyFaults, fault: ProxyFaults | None = None) -> None:
@@ -69,13 +84,10 @@ def corrupt_ec_files(ec_storage: Path) -> PlantedFault:
     fault = PlantedFault()
 
     def after_encode(request_id: str, ec_transfer_params: dict[str, Any]) -> None:
+        if not ec_transfer_params:
+            fault.problems.append(f"{request_id}: the encoders reported no mm_hash")
         for mm_hash in ec_transfer_params:
-            path = ec_storage / mm_hash / EC_CACHE_FILE
-            if not path.is_file():
-                fault.missing.append(path)
-                continue
-            rewrite_tensors(path, flip_away_from_zero)
-            fault.touched.append(path)
+            fault.rewrite(request_id, ec_storage / mm_hash / EC_CACHE_FILE, flip_away_from_zero)
 
     fault.after_encode = after_encode
     return fault
@@ -93,10 +105,9 @@ def zero_kv_files(kv_storage: Path) -> PlantedFault:
     def after_prefill(request_id: str, prefill_response: dict[str, Any]) -> None:
         paths = sorted(kv_storage.rglob(f"*{KV_FILE_SUFFIX}"))
         if not paths:
-            fault.missing.append(kv_storage / f"*/*{KV_FILE_SUFFIX}")
+            fault.problems.append(f"{request_id}: no *{KV_FILE_SUFFIX} under {kv_storage}")
         for path in paths:
-            rewrite_tensors(path, zeros)
-            fault.touched.append(path)
+            fault.rewrite(request_id, path, zeros)
 
     fault.after_prefill = after_prefill
     return fault

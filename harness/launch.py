@@ -185,7 +185,11 @@ class ManagedServer:
         with open(command.log_path, "wb") as log:
             log.write(f"# epd-harness: {command.name}: {shlex.join(command.argv)}\n".encode())
             if command.env:
-                additions = " ".join(f"{k}={v}" for k, v in sorted(command.env.items()))
+                # The log is an artifact: a credential passed to a server must not land in it.
+                from harness.bundle import redact_env  # late: bundle is high-level
+
+                redacted = redact_env(command.env)
+                additions = " ".join(f"{k}={v}" for k, v in sorted(redacted.items()))
                 log.write(f"# epd-harness: environment additions: {additions}\n".encode())
             log.flush()
             if self._port_lease is not None:

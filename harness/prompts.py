@@ -11,6 +11,7 @@ tail are a scenario of their own.
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,11 +49,21 @@ class VideoPart:
 
 
 @dataclass(frozen=True)
+class VideoFramesPart:
+    """A video sent as JPEG frames (`data:video/jpeg;base64,<frame>,<frame>,...`)."""
+
+    seed: int
+    num_frames: int = 8
+    size: tuple[int, int] = IMAGE_SIZE
+
+
+@dataclass(frozen=True)
 class TextPart:
     text: str
 
 
-Part = ImagePart | VideoPart | TextPart
+Part = ImagePart | VideoPart | VideoFramesPart | TextPart
+MEDIA_PARTS = (ImagePart, VideoPart, VideoFramesPart)
 
 
 @dataclass(frozen=True)
@@ -67,7 +78,7 @@ class PromptSpec:
 
     @property
     def media_count(self) -> int:
-        return sum(isinstance(p, (ImagePart, VideoPart)) for p in self.parts)
+        return sum(isinstance(p, MEDIA_PARTS) for p in self.parts)
 
 
 def render_part(part: Part) -> dict[str, Any]:
@@ -79,6 +90,10 @@ def render_part(part: Part) -> dict[str, Any]:
     if isinstance(part, VideoPart):
         mp4 = media.video_mp4_bytes(part.seed, part.num_frames, part.fps, part.size)
         return {"type": "video_url", "video_url": {"url": media.data_url("video/mp4", mp4)}}
+    if isinstance(part, VideoFramesPart):
+        frames = media.make_video_frames_jpeg(part.seed, part.num_frames, part.size)
+        joined = ",".join(base64.b64encode(frame).decode("ascii") for frame in frames)
+        return {"type": "video_url", "video_url": {"url": f"data:video/jpeg;base64,{joined}"}}
     raise TypeError(f"unknown prompt part {part!r}")
 
 

@@ -10,7 +10,8 @@ recorded encoder / prefill responses without a server. Per chat request the prox
 3. reads each encoder's `ec_transfer_params = {mm_hash: {"item_indices": [...],
    "metadata": {...}}}`;
 4. rewrites every media part that has metadata into a metadata-only `image_embeds` /
-   `video_embeds` part (`uuid` = mm_hash) and copies the entries into `ec_transfer_params`;
+   `video_embeds` part (with the item's own `uuid`, which vLLM turns into the same mm_hash
+   the encoder used) and copies the entries into `ec_transfer_params`;
    media without metadata stay raw (vLLM's silent fallback, which the guards look for);
 5. with a prefill instance: sends the rewritten body with `max_tokens: 1` and
    `kv_transfer_params.do_remote_decode`, then hands P's `kv_transfer_params` to decode.
@@ -206,10 +207,15 @@ def rewrite_for_consumer(
             result.forwarded_part_types.append(ref.part_type)
             result.metadata_only.append(False)
             continue
+        # The consumer must derive the encoder's cache key itself, so it gets the same uuid
+        # the encoder got, not the key the encoder returned: with per-request
+        # mm_processor_kwargs / media_io_kwargs vLLM hashes (uuid, kwargs) into the key, and
+        # handing back the key would hash it twice, miss the EC file, and leave a consumer
+        # with metadata only and no embeddings (its engine dies). Without kwargs both are equal.
         content[ref.part_index] = {
             "type": embeds_type,
             embeds_type: copy.deepcopy(item.metadata),
-            "uuid": item.mm_hash,
+            "uuid": ref.uuid,
         }
         result.forwarded_part_types.append(embeds_type)
         result.metadata_only.append(True)

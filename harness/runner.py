@@ -20,21 +20,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.bundle import redact_argv, redact_env
 from harness.client import ChatClient, ChatResult
 from harness.launch import ManagedServer, ServerCommand, ServerDied, ServerGroup, log_path_for
 from harness.ports import PortLease, reserve_ports
 from harness.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer, RequestTrace
-from harness.topology import (
-    LOOPBACK_HOST,
-    InstanceSpec,
-    Role,
-    ServingConfig,
-    Topology,
-    plan_instances,
+from harness.platforms import (
+    CPU,
+    DEFAULT_CPU_CORES,
+    PlatformProfile,
+    place_instances,
+    reserve_side_channel_ports,
 )
+from harness.topology import LOOPBACK_HOST, InstanceSpec, Role, ServingConfig, Topology
 
 STARTUP_TIMEOUT_S = 600.0
 LOG_TAIL_LINES = 40
+LOG_SLICE_LINES = 30  # error lines kept from an instance's log of one request
+LOG_TAIL_SLICE_LINES = 10
+# After a failed request: how long to give an instance whose engine is dying to exit.
+DEATH_GRACE_S = 3.0
+STORAGE_DIR_NAME = "storage"
 
 
 @dataclass(frozen=True)
@@ -44,7 +50,11 @@ class RunSettings:
     serving: ServingConfig
     run_dir: Path  # artifacts: one subdirectory per topology (logs, storage)
     vllm_executable: str = "vllm"
-    cpu_cores: tuple[int, ...] = (0, 1)
+    platform: PlatformProfile = CPU
+    # The devices this run may use: CPU cores on CPU (instances take turns), GPU / XPU ids
+    # otherwise (one per instance unless `colocate`).
+    devices: tuple[int, ...] = DEFAULT_CPU_CORES
+    colocate: bool = False
     startup_timeout_s: float = STARTUP_TIMEOUT_S
     request_timeout_s: float = 300.0
 
@@ -93,16 +103,23 @@ class TopologySession:
         settings: RunSettings,
         faults: ProxyFaults | None = None,
         on_event: Callable[[str, str, float], None] | None = None,
+        label: str | None = None,
+        reuse_storage: Path | None = None,
     ):
+        """`label` names the artifact directory (default: the topology's name).
+        `reuse_storage` serves from an earlier session's storage directory as it was left,
+        instead of fresh storage (the "rerun without wiping the EC storage" scenario)."""
         self.topology = topology
         self.settings = settings
         self.faults = faults
         self.on_event = on_event
-        self.dir = settings.run_dir / safe_name(topology.name)
+        self.dir = settings.run_dir / safe_name(label or topology.name)
+        self.storage_dir = reuse_storage or self.dir / STORAGE_DIR_NAME
         self.instances: list[InstanceSpec] = []
         self.stats: dict[str, InstanceStats] = {}
         self.proxy: EPDProxy | None = None
         self._leases: list[PortLease] = []
+        self._side_channel_leases: list[PortLease] = []
         self._servers: list[ManagedServer] = []
         self._group: ServerGroup | None = None
         self._proxy_server: ProxyServer | None = None
@@ -122,15 +139,22 @@ class TopologySession:
         self.close()
 
     def _start(self) -> None:
-        fresh_dir(self.dir)
+        prepare_session_dir(self.dir)
+        settings = self.settings
         self._leases = reserve_ports(len(self.topology.roles))
-        self.instances = plan_instances(
+        self._side_channel_leases = reserve_side_channel_ports(self.topology, settings.serving)
+        self.instances = place_instances(
             self.topology,
-            self.settings.serving,
+            settings.serving,
+            settings.platform,
             [lease.port for lease in self._leases],
-            storage_dir=self.dir / "storage",
-            cpu_cores=self.settings.cpu_cores,
+            self.storage_dir,
+            settings.devices,
+            colocate=settings.colocate,
+            side_channel_ports=[lease.port for lease in self._side_channel_leases],
         )
+        for lease in self._side_channel_leases:
+            lease.hand_over()  # NIXL binds these itself; the flock keeps other workers off
         for spec in self.instances:
             for storage in (spec.ec_storage, spec.kv_storage):
                 if storage is not None:
@@ -173,9 +197,9 @@ class TopologySession:
         if self._group is not None:
             self._group.stop_all()
             self._group = None
-        for lease in self._leases:
+        for lease in (*self._leases, *self._side_channel_leases):
             lease.release()
-        self._leases = []
+        self._leases, self._side_channel_leases = [], []
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -185,14 +209,17 @@ class TopologySession:
         request_id = f"{safe_name(self.topology.name)}-{prompt}-{uuid.uuid4().hex[:8]}"
         outcome = Outcome(prompt=prompt)
         started = time.monotonic()
+        log_offsets = {server.name: log_size(server) for server in self._servers}
         try:
             self._group.check_alive()
             outcome.result = self._client.chat(body, request_id=request_id)
         except ServerDied as exc:
             outcome.error = str(exc)
         except Exception as exc:  # noqa: BLE001 - every failure is reported, none is raised
-            outcome.error = f"{type(exc).__name__}: {exc}"
-            died = self.dead_instance_report()
+            # The HTTP error rarely says why ("EngineCore encountered an issue"); the
+            # instances' logs of this request's window do, and an engine may still be dying.
+            outcome.error = f"{type(exc).__name__}: {exc}\n{self.log_slices(log_offsets)}"
+            died = self.wait_for_death(DEATH_GRACE_S)
             if died:
                 outcome.error += f"\n{died}"
         outcome.seconds = time.monotonic() - started
@@ -200,6 +227,25 @@ class TopologySession:
             outcome.trace = self.proxy.traces.get(request_id)
         self._sample_memory()
         return outcome
+
+    def log_slices(self, offsets: dict[str, int]) -> str:
+        """What each instance logged since `offsets` (its last lines), for error evidence."""
+        slices = []
+        for server in self._servers:
+            new_lines = read_log_from(server, offsets.get(server.name, 0)).splitlines()
+            if new_lines:
+                picked = select_evidence(new_lines)
+                slices.append(f"--- {server.command.name} logged during the request ---\n{picked}")
+        return "\n".join(slices)
+
+    def wait_for_death(self, grace_s: float) -> str | None:
+        """After a failed request, give a dying instance `grace_s` to exit, then report it."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            report = self.dead_instance_report()
+            if report or time.monotonic() >= deadline:
+                return report
+            time.sleep(0.2)
 
     def dead_instance_report(self) -> str | None:
         """Name and log tail of the first instance that died, if any."""
@@ -233,6 +279,30 @@ def routes_for(instances: list[InstanceSpec]) -> ProxyRoutes:
     )
 
 
+def select_evidence(lines: list[str]) -> str:
+    """The error lines (a traceback's cause often comes long before the shutdown noise that
+    ends the log), then the last few lines."""
+    errors = [line for line in lines if "Error" in line or "ERROR" in line][:LOG_SLICE_LINES]
+    tail = [line for line in lines[-LOG_TAIL_SLICE_LINES:] if line not in errors]
+    return "\n".join(errors + (["..."] if errors and tail else []) + tail)
+
+
+def log_size(server: ManagedServer) -> int:
+    try:
+        return server.command.log_path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def read_log_from(server: ManagedServer, offset: int) -> str:
+    try:
+        with open(server.command.log_path, "rb") as log:
+            log.seek(offset)
+            return log.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
 def bind_loopback_socket() -> socket.socket:
     """A socket the kernel bound to a free loopback port: no window between choice and bind."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -240,15 +310,20 @@ def bind_loopback_socket() -> socket.socket:
     return sock
 
 
-def fresh_dir(path: Path) -> None:
-    """An empty directory: storage must never carry over from an earlier run."""
+def prepare_session_dir(path: Path) -> None:
+    """An empty directory: storage must never carry over from an earlier run by accident."""
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
 
 
 def command_json(command: ServerCommand) -> str:
+    """The launch command as an artifact; secret values never reach it."""
     return json.dumps(
-        {"name": command.name, "argv": list(command.argv), "env": dict(command.env)},
+        {
+            "name": command.name,
+            "argv": redact_argv(command.argv),
+            "env": redact_env(command.env),
+        },
         indent=2,
     )

@@ -14,6 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fixtures.tiny_model import model_digest
+from harness.baseline_cache import BaselineCache, baseline_key
+from harness.bundle import write_bundle, write_run_info
 from harness.compare import EXACT, Policy
 from harness.guards import GuardResult, check_transfers
 from harness.judge import baseline_is_stable, judge_case
@@ -28,7 +31,9 @@ BASELINE = TOPOLOGIES["baseline"]
 @dataclass(frozen=True)
 class SweepPlan:
     topologies: tuple[Topology, ...]  # EPD topologies; the baseline always runs first
-    prompts: tuple[PromptSpec, ...]
+    prompts: tuple[PromptSpec, ...]  # sent to the baseline and to every topology
+    # Answered by the baseline only, for callers that send them elsewhere (the matrix).
+    baseline_only_prompts: tuple[PromptSpec, ...] = ()
     # Policy against the monolithic baseline. Exact on CPU (deterministic); on GPUs upstream
     # allows logprob-close drift for P/D and keeps exactness for 1E+1P+1D vs 1P+1D.
     baseline_policy: Policy = EXACT
@@ -73,28 +78,66 @@ class Sweep:
         settings: RunSettings,
         log: Callable[[str], None] = print,
         on_event: Callable[[str, str, float], None] | None = None,
+        baseline_cache: BaselineCache | None = None,
     ):
         self.plan = plan
+        self.baseline_cache = baseline_cache
+        self.baseline_outcomes: dict[str, Outcome] = {}
+        self._model_digest: str | None = None
         self.settings = settings
         self.log = log
         self.on_event = on_event
         self.result = SweepResult(run_dir=settings.run_dir)
         self.bodies = {
-            p.name: render_request(p, settings.serving.served_model_name) for p in plan.prompts
+            p.name: render_request(p, settings.serving.served_model_name)
+            for p in (*plan.prompts, *plan.baseline_only_prompts)
         }
+        self.topology_prompts = [p.name for p in plan.prompts]
         self.stability: dict[str, tuple[bool, str]] = {}
         self.guards: dict[str, dict[str, list[GuardResult]]] = {}
         self._judged: dict[tuple[str, str], list[CaseRecord]] = {}
         settings.run_dir.mkdir(parents=True, exist_ok=True)
         write_json(settings.run_dir / "requests.json", self.bodies)
+        self.run_info = write_run_info(
+            settings.run_dir,
+            settings.serving,
+            (BASELINE, *plan.topologies),
+            (*plan.prompts, *plan.baseline_only_prompts),
+            settings.serving.model,
+        )
 
     def baseline(self) -> dict[str, Outcome]:
-        if BASELINE.name not in self.result.outcomes:
-            self.log(f"[sweep] baseline: {len(self.bodies)} prompt(s), each twice "
-                     "(determinism control)")  # fmt: skip
-            self._run_baseline()
-            self.write_outputs()
-        return self.result.outcomes[BASELINE.name]
+        """Baseline outcomes for every body: from the cache where valid, else computed."""
+        if BASELINE.name in self.result.outcomes:
+            return self.result.outcomes[BASELINE.name]
+        cache = self.baseline_cache
+        if cache is None:
+            self._run_baseline(list(self.bodies))
+        else:
+            with cache.locked():
+                keys = {name: self._baseline_key(body) for name, body in self.bodies.items()}
+                cached = {name: cache.load(key, name) for name, key in keys.items()}
+                for name, outcome in cached.items():
+                    if outcome is not None:
+                        self.baseline_outcomes[name] = outcome
+                        self.stability[name] = (True, "from the baseline cache")
+                missing = [name for name, outcome in cached.items() if outcome is None]
+                self.log(f"[sweep] baseline cache: {len(cached) - len(missing)} hit(s), "
+                         f"{len(missing)} to compute")  # fmt: skip
+                if missing:
+                    self._run_baseline(missing)
+                    for name in missing:
+                        if self.stability[name][0]:
+                            cache.store(keys[name], self.baseline_outcomes[name])
+        self.result.outcomes[BASELINE.name] = self.baseline_outcomes
+        self.write_outputs()
+        return self.baseline_outcomes
+
+    def _baseline_key(self, body: dict) -> str:
+        if self._model_digest is None:
+            model = Path(self.settings.serving.model)
+            self._model_digest = model_digest(model) if model.is_dir() else str(model)
+        return baseline_key(self.settings.serving, self._model_digest, body)
 
     def topology(self, name: str) -> dict[str, Outcome]:
         if name not in self.result.outcomes:
@@ -140,22 +183,23 @@ class Sweep:
     def run_all(self) -> SweepResult:
         self.baseline()
         for topology in ordered_topologies(self.plan.topologies):
-            for prompt in self.bodies:
+            for prompt in self.topology_prompts:
                 self.judge(topology.name, prompt)
         return self.result
 
-    def _run_baseline(self) -> None:
+    def _run_baseline(self, names: list[str]) -> None:
+        """Each prompt twice on one monolithic instance: the second answer is the control."""
+        self.log(f"[sweep] baseline: {len(names)} prompt(s), each twice (determinism control)")
         started = time.monotonic()
-        first: dict[str, Outcome] = {}
         with TopologySession(BASELINE, self.settings, on_event=self.on_event) as session:
-            for name, body in self.bodies.items():
-                first[name] = session.send(name, body)
-            for name, body in self.bodies.items():
-                self.stability[name] = baseline_is_stable(first[name], session.send(name, body))
+            for name in names:
+                self.baseline_outcomes[name] = session.send(name, self.bodies[name])
+            for name in names:
+                again = session.send(name, self.bodies[name])
+                self.stability[name] = baseline_is_stable(self.baseline_outcomes[name], again)
                 if not self.stability[name][0]:
                     self.log(f"[sweep] baseline UNSTABLE on {name}: {self.stability[name][1]}")
             self.result.instances.extend(session.stats.values())
-        self.result.outcomes[BASELINE.name] = first
         self.result.seconds_by_topology[BASELINE.name] = time.monotonic() - started
 
     def _run_topology(self, topology: Topology) -> None:
@@ -165,8 +209,8 @@ class Sweep:
         guards: dict[str, list[GuardResult]] = {}
         try:
             with TopologySession(topology, self.settings, on_event=self.on_event) as session:
-                for name, body in self.bodies.items():
-                    outcome = session.send(name, body)
+                for name in self.topology_prompts:
+                    outcome = session.send(name, self.bodies[name])
                     outcomes[name] = outcome
                     guards[name] = (
                         check_transfers(
@@ -183,7 +227,7 @@ class Sweep:
         except Exception as exc:  # noqa: BLE001 - a topology that cannot start fails its cases
             error = f"{topology.name} could not start: {type(exc).__name__}: {exc}"
             self.log(f"[sweep] {error}")
-            for name in self.bodies:
+            for name in self.topology_prompts:
                 outcomes.setdefault(name, Outcome(prompt=name, error=error))
                 guards.setdefault(name, [])
         self.guards[topology.name] = guards
@@ -193,13 +237,11 @@ class Sweep:
     def write_outputs(self) -> None:
         """Everything so far, rewritten after each step: a failed run keeps what it had."""
         result = self.result
-        write_json(
-            result.run_dir / "responses.json",
-            {
-                topology: {prompt: outcome.to_json() for prompt, outcome in by_prompt.items()}
-                for topology, by_prompt in result.outcomes.items()
-            },
-        )
+        responses = {
+            topology: {prompt: outcome.to_json() for prompt, outcome in by_prompt.items()}
+            for topology, by_prompt in result.outcomes.items()
+        }
+        write_json(result.run_dir / "responses.json", responses)
         write_summary_json(
             result.run_dir / "summary.json",
             result.records,
@@ -214,6 +256,7 @@ class Sweep:
             },
         )
         (result.run_dir / "verdicts.txt").write_text(format_verdict_table(result.records) + "\n")
+        write_bundle(result.run_dir, result.records, responses, self.run_info)
 
 
 def write_json(path: Path, data: object) -> None:

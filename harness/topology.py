@@ -120,6 +120,9 @@ class ServingConfig:
     ec_connector: str = "ECExampleConnector"
     # D's usage.prompt_tokens_details.cached_tokens is the evidence that KV moved.
     enable_prompt_tokens_details: bool = True
+    # Per-request mm_processor_kwargs / media_io_kwargs are refused unless trusted; scenarios
+    # send them on purpose (they must reach the encoder, vLLM #56786).
+    trust_request_mm_kwargs: bool = True
     extra_args: tuple[str, ...] = ()
 
 
@@ -161,6 +164,8 @@ class InstanceSpec:
             argv += ["--allowed-local-media-path", s.allowed_local_media_path]
         if s.enable_prompt_tokens_details:
             argv.append("--enable-prompt-tokens-details")
+        if s.trust_request_mm_kwargs:
+            argv.append("--trust-request-mm-kwargs")
         if self.role is Role.ENCODER:
             # Upstream's encoder flags: no prefix caching, and a token budget large enough to
             # admit a whole video (the budget bounds the encoder cache).

@@ -384,3 +384,25 @@ def test_server_command_normalises_its_fields(tmp_path: Path) -> None:
 def test_log_path_for_makes_a_flat_readable_file_name(tmp_path: Path) -> None:
     assert log_path_for(tmp_path, "1E+1P+1D/encoder0") == tmp_path / "1E-1P-1D__encoder0.log"
     assert log_path_for(tmp_path, "a b:c") == tmp_path / "a_b_c.log"
+
+
+def test_log_header_redacts_credentials_but_the_server_gets_them(tmp_path: Path) -> None:
+    """The server needs its token; the log, an artifact that gets uploaded, must not show it."""
+    secret = "hf_planted_secret_9d2c"
+    command = ServerCommand(
+        name="secretive",
+        argv=[sys.executable, "-c", "import os; print('token length', len(os.environ['HF_TOKEN']))"],
+        health_url="http://127.0.0.1:1/health",
+        log_path=tmp_path / "secretive.log",
+        env={"HF_TOKEN": secret, "OMP_NUM_THREADS": "1"},
+    )
+    server = ManagedServer(command)
+    server.start()
+    try:
+        wait_until_gone([server.pid])
+    finally:
+        server.stop(grace_s=1.0)
+    log = command.log_path.read_text()
+    assert secret not in log, log
+    assert "HF_TOKEN=[redacted] OMP_NUM_THREADS=1" in log, log
+    assert f"token length {len(secret)}" in log, log

@@ -285,7 +285,7 @@ def test_rewrite_recorded_image() -> None:
     assert result.body["messages"][0]["content"] == [
         text("what is this?"),
         {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 16, 16]},
-         "uuid": RECORDED_HASH},
+         "uuid": media[0].uuid},
     ]  # fmt: skip
     assert result.body["ec_transfer_params"] == params
     assert result.forwarded_part_types == ["image_embeds"]
@@ -309,10 +309,12 @@ def test_rewrite_mixed_media_keeps_text_and_unencoded_parts() -> None:
     }
     result = rewrite_for_consumer(request, media, encoded, params)
     assert result.body["messages"][0]["content"] == [
-        {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 16, 16]}, "uuid": "hCat"},
+        {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 16, 16]},
+         "uuid": media[0].uuid},
         text("then"),
-        {"type": "video_embeds", "video_embeds": {"video_grid_thw": [2, 8, 8]}, "uuid": "hClip"},
-    ]
+        {"type": "video_embeds", "video_embeds": {"video_grid_thw": [2, 8, 8]},
+         "uuid": media[1].uuid},
+    ]  # fmt: skip
     assert result.body["messages"][1]["content"] == [image(DOG), audio]
     assert result.forwarded_part_types == [
         "image_embeds", "video_embeds", "image_url", "input_audio",
@@ -324,6 +326,23 @@ def test_rewrite_mixed_media_keeps_text_and_unencoded_parts() -> None:
     result.body["messages"][0]["content"][0]["image_embeds"]["image_grid_thw"][1] = 99
     assert params["hCat"]["metadata"]["image_grid_thw"] == [1, 16, 16]
     assert encoded[0].metadata == {"image_grid_thw": [1, 16, 16]}
+
+
+def test_rewrite_hands_the_consumer_the_item_uuid_not_the_encoder_key() -> None:
+    """With per-request kwargs vLLM keys the EC file by hash(uuid, kwargs); the consumer, given
+    the same uuid and kwargs, derives the same key. Handing it the key itself would hash it a
+    second time (seen on vLLM 0.32: the consumer missed the file and its engine died)."""
+    request = chat([image(CAT)], mm_processor_kwargs={"max_pixels": 12544})
+    media = collect_media(request)
+    key = "5f0c"  # what the encoder answered: not the uuid it was given
+    params = {key: {"item_indices": [0], "metadata": {"image_grid_thw": [1, 4, 4]}}}
+    result = rewrite_for_consumer(
+        request, media, index_encoder_response(EncoderBatch(0, (0,)), params), params
+    )
+    part = result.body["messages"][0]["content"][0]
+    assert part["uuid"] == media[0].uuid != key
+    assert result.body["mm_processor_kwargs"] == {"max_pixels": 12544}
+    assert result.body["ec_transfer_params"] == params
 
 
 def test_rewrite_without_encoded_media_leaves_body_alone() -> None:

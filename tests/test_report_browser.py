@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from PIL import Image, ImageStat
+
+from harness.bundle import write_bundle, write_run_info
+from harness.client import ChatResult, PositionLogprobs
+from harness.compare import Verdict
+from harness.guards import GuardResult
+from harness.judge import judge_case
+from harness.report import CaseRecord
+from harness.prompts import SKELETON_PROMPTS
+from harness.runner import Outcome
+from harness.topology import TOPOLOGIES, ServingConfig
 
 CHROMIUM = Path("/usr/bin/chromium")
 APT_TIMEOUT_S = 1200.0
+BROWSER_TIMEOUT_S = 120.0
+DIVERGENCE = 9
 
 
 def ensure_chromium() -> Path:
@@ -44,3 +59,90 @@ def ensure_chromium() -> Path:
         pytest.fail(f"apt-get installed chromium but {CHROMIUM} does not exist")
     print(f"installed Chromium in {time.monotonic() - started:.0f}s")
     return CHROMIUM
+
+
+def mismatch_run() -> tuple[list[CaseRecord], dict[str, dict[str, Any]]]:
+    """A passing text case and an image case whose candidate departs at position 9."""
+    ids = [(37 * i) % 800 for i in range(48)]
+    departed = ids[:DIVERGENCE] + [31, 402, 77] + ids[DIVERGENCE + 3 :]
+
+    def chat(token_ids: list[int], text: str) -> ChatResult:
+        return ChatResult(
+            prompt_token_ids=tuple(range(120)),
+            token_ids=tuple(token_ids),
+            text=text,
+            finish_reason="length",
+            logprobs=tuple(
+                PositionLogprobs(t, -1.25, ((t, -1.25), (t + 1, -1.5), (t + 2, -2.75)))
+                for t in token_ids
+            ),
+        )
+
+    reference = {
+        "text": Outcome("text", chat(ids, "A house, a tree and a car.")),
+        "image": Outcome("image", chat(ids, "The sky is blue over the house.")),
+    }
+    candidate = {
+        "text": Outcome("text", chat(ids, "A house, a tree and a car.")),
+        "image": Outcome("image", chat(departed, "The sky is <b>not</b> blue.")),
+    }
+    records = [
+        judge_case("1E+1P+1D", "baseline", reference[p], candidate[p],
+                   [GuardResult("encoder_output", True, "1 media item(s) encoded once")])
+        for p in ("text", "image")
+    ]  # fmt: skip
+    responses = {
+        "baseline": {p: o.to_json() for p, o in reference.items()},
+        "1E+1P+1D": {p: o.to_json() for p, o in candidate.items()},
+    }
+    return records, responses
+
+
+def chromium(browser: Path, profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """One headless Chromium run with nothing that reaches the network or a GPU."""
+    argv = [
+        str(browser), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+        "--no-first-run", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", f"--user-data-dir={profile}", *args,
+    ]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=BROWSER_TIMEOUT_S)
+    assert proc.returncode == 0, f"chromium exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.mark.browser
+def test_report_renders_in_headless_chromium(tmp_path: Path):
+    browser = ensure_chromium()
+    run_dir = tmp_path / "run"
+    records, responses = mismatch_run()
+    assert [r.verdict for r in records] == [Verdict.MATCH, Verdict.MISMATCH]
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    serving = ServingConfig(model=str(model))
+    topologies = (TOPOLOGIES["baseline"], TOPOLOGIES["1E+1P+1D"])
+    run_info = write_run_info(run_dir, serving, topologies, SKELETON_PROMPTS, model)
+    write_bundle(run_dir, records, responses, run_info)
+    url = (run_dir / "report.html").as_uri()
+
+    dom = chromium(browser, tmp_path / "profile-dom", "--dump-dom", url).stdout
+    assert '<table class="verdicts">' in dom
+    divergence = records[1].divergence
+    assert divergence is not None
+    for anchor, token in (("ref", divergence["reference_token"]), ("can", 31)):
+        assert re.search(
+            rf'<span class="t diverge" id="case-1-{anchor}-div"[^>]*>{token}</span>', dom
+        ), f"no highlighted divergence {anchor}={token} in the rendered DOM"
+
+    screenshot = run_dir / "report.png"
+    chromium(browser, tmp_path / "profile-shot", f"--screenshot={screenshot}",
+             "--window-size=1280,2000", url)  # fmt: skip
+    assert screenshot.is_file() and screenshot.stat().st_size > 20_000
+    with Image.open(screenshot) as image:
+        assert image.size == (1280, 2000)
+        gray = image.convert("L")
+        assert ImageStat.Stat(gray).stddev[0] > 20, "the screenshot is (nearly) blank"
+        # The divergence highlight's red, as rendered, not as written in the CSS.
+        colors = dict((rgb, n) for n, rgb in image.convert("RGB").getcolors(1 << 24))
+        red = colors.get((207, 34, 46), 0)
+        assert red > 200, "no divergence/MISMATCH red on the screenshot"

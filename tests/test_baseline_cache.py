@@ -1,0 +1,59 @@
+"""The baseline cache: keys that change with anything numerics-relevant, corrupt entries refused."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from harness.baseline_cache import BaselineCache, BaselineCacheError, baseline_key
+from harness.client import ChatResult, PositionLogprobs
+from harness.runner import Outcome
+from harness.topology import ServingConfig
+
+SERVING = ServingConfig(model="/models/tiny")
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.0}
+RESULT = ChatResult(
+    prompt_token_ids=(1, 2, 3),
+    token_ids=(7, 8),
+    text="ab",
+    finish_reason="length",
+    logprobs=(PositionLogprobs(7, -0.5, ((7, -0.5), (9, -1.0))),),
+)
+
+
+def test_key_is_stable_and_changes_with_what_changes_tokens() -> None:
+    key = baseline_key(SERVING, "digest-a", BODY)
+    assert key == baseline_key(SERVING, "digest-a", dict(BODY))
+    assert key != baseline_key(SERVING, "digest-b", BODY), "model content must be in the key"
+    assert key != baseline_key(dataclasses.replace(SERVING, block_size=16), "digest-a", BODY)
+    assert key != baseline_key(dataclasses.replace(SERVING, cpu_threads_per_instance=2),
+                               "digest-a", BODY)  # fmt: skip
+    assert key != baseline_key(SERVING, "digest-a", {**BODY, "seed": 7})
+
+
+def test_key_ignores_where_the_model_lives() -> None:
+    moved = dataclasses.replace(SERVING, model="/elsewhere/tiny")
+    assert baseline_key(SERVING, "d", BODY) == baseline_key(moved, "d", BODY)
+
+
+def test_store_then_load_round_trips(tmp_path: Path) -> None:
+    cache = BaselineCache(tmp_path)
+    assert cache.load("k", "image") is None
+    with cache.locked():
+        cache.store("k", Outcome(prompt="image", result=RESULT))
+    loaded = cache.load("k", "image")
+    assert loaded is not None and loaded.result == RESULT and loaded.prompt == "image"
+
+
+def test_failed_outcomes_are_not_stored(tmp_path: Path) -> None:
+    cache = BaselineCache(tmp_path)
+    cache.store("k", Outcome(prompt="image", error="boom"))
+    assert cache.load("k", "image") is None
+
+
+def test_corrupt_entry_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    (tmp_path / "k.json").write_text("{not json")
+    with pytest.raises(BaselineCacheError, match=r"corrupt baseline cache entry .*k\.json"):
+        BaselineCache(tmp_path).load("k", "image")

@@ -1,0 +1,239 @@
+"""The artifact bundle (run.json, diff.md, junit.xml, report.html) from hand-built cases."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from fixtures.tiny_model import model_digest
+from harness.bundle import (
+    REDACTED,
+    redact_argv,
+    render_diff_md,
+    write_bundle,
+    write_diff_md,
+    write_junit_xml,
+    write_run_info,
+)
+from harness.client import ChatResult, PositionLogprobs
+from harness.compare import Verdict
+from harness.guards import GuardResult
+from harness.judge import judge_case
+from harness.prompts import SKELETON_PROMPTS
+from harness.report import CaseRecord, format_failure
+from harness.report_html import render_report_html
+from harness.runner import Outcome
+from harness.topology import TOPOLOGIES, ServingConfig
+
+SECRET = "secret123"
+ENV_SECRET = "env-secret-987"
+DIVERGENCE = 7
+HOSTILE_TEXT = "<script>alert('pwned')</script>"
+
+
+def chat(token_ids: list[int], text: str = "") -> ChatResult:
+    """A result whose top-5 at every position is the generated id and four unrelated ids."""
+    return ChatResult(
+        prompt_token_ids=(1, 2, 3, 4),
+        token_ids=tuple(token_ids),
+        text=text,
+        finish_reason="length",
+        logprobs=tuple(
+            PositionLogprobs(tid, -0.5, ((tid, -0.5), *((900 + k, -3.0 - k) for k in range(4))))
+            for tid in token_ids
+        ),
+    )
+
+
+REFERENCE_IDS = list(range(100, 120))
+CANDIDATE_IDS = REFERENCE_IDS[:DIVERGENCE] + [555] + REFERENCE_IDS[DIVERGENCE + 1 :]
+
+
+def sample_run() -> tuple[list[CaseRecord], dict]:
+    """MATCH, MISMATCH at DIVERGENCE, VACUOUS with a failed guard, ERROR: one of each shape."""
+    reference = {
+        "text": Outcome("text", chat(REFERENCE_IDS, "a plain answer")),
+        "image": Outcome("image", chat(REFERENCE_IDS, "the sky is blue")),
+    }
+    candidate = {
+        "text": Outcome("text", chat(REFERENCE_IDS, "a plain answer")),
+        "image": Outcome("image", chat(CANDIDATE_IDS, f"the sky is {HOSTILE_TEXT}")),
+    }
+    ok_guard = GuardResult("kv_transfer", True, "cached_tokens=96 of 120")
+    records = [
+        judge_case("1E+1P+1D", "baseline", reference["text"], candidate["text"], [ok_guard]),
+        judge_case("1E+1P+1D", "baseline", reference["image"], candidate["image"], [ok_guard]),
+        judge_case(
+            "1P+1D",
+            "baseline",
+            reference["text"],
+            candidate["text"],
+            [GuardResult("kv_transfer", False, "cached_tokens=0: D recomputed the prompt")],
+        ),
+        judge_case(
+            "2E+1PD",
+            "baseline",
+            reference["image"],
+            Outcome("image", error=f"HTTP 500 \x1b[31m{SECRET} leaked\x1b[0m\x07 {HOSTILE_TEXT}"),
+            [],
+        ),
+    ]
+    responses = {
+        "baseline": {name: o.to_json() for name, o in reference.items()},
+        "1E+1P+1D": {name: o.to_json() for name, o in candidate.items()},
+    }
+    return records, responses
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    """A run directory with one launched instance whose command carries secrets."""
+    run = tmp_path / "run"
+    topology_dir = run / "1E-1P-1D"
+    topology_dir.mkdir(parents=True)
+    command = {
+        "name": "1E+1P+1D/decode0",
+        "argv": ["vllm", "serve", "/models/tiny", "--api-key", SECRET, "--max-num-batched-tokens",
+                 "8192"],
+        "env": {"HF_TOKEN": SECRET, "OMP_NUM_THREADS": "1"},
+    }  # fmt: skip
+    (topology_dir / "1E-1P-1D__decode0.cmd.json").write_text(json.dumps(command))
+    return run
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
+    (model / "model.safetensors").write_bytes(b"\x00" * 64)
+    return model
+
+
+def run_info(run_dir: Path, model_dir: Path) -> dict:
+    return write_run_info(
+        run_dir,
+        ServingConfig(model=str(model_dir)),
+        (TOPOLOGIES["baseline"], TOPOLOGIES["1E+1P+1D"]),
+        SKELETON_PROMPTS[:2],
+        model_dir,
+    )
+
+
+def test_run_json_records_versions_model_config_and_instances(run_dir, model_dir):
+    run_info(run_dir, model_dir)
+    info = json.loads((run_dir / "run.json").read_text())
+    harness = info["versions"]["harness"]
+    assert harness == {
+        "distribution": "epd-harness",
+        "version": importlib.metadata.version("epd-harness"),
+    }
+    assert set(info["versions"]) == {"vllm", "torch", "transformers", "harness"}
+    assert info["python"] and info["platform"] and info["hostname"]
+    assert info["model"] == {"dir": str(model_dir), "digest": model_digest(model_dir)}
+    serving = dataclasses.asdict(ServingConfig(model=str(model_dir)))
+    assert info["serving"] == json.loads(json.dumps(serving))  # every field, tuples as lists
+    assert [t["name"] for t in info["topologies"]] == ["baseline", "1E+1P+1D"]
+    assert info["prompts"][0]["name"] == SKELETON_PROMPTS[0].name
+    instance = info["instances"]["1E+1P+1D/decode0"]
+    assert instance["env"] == {"HF_TOKEN": REDACTED, "OMP_NUM_THREADS": "1"}
+    assert instance["argv"][3:] == ["--api-key", REDACTED, "--max-num-batched-tokens", "8192"]
+
+
+def test_model_given_by_name_has_no_digest(run_dir):
+    info = write_run_info(run_dir, ServingConfig(model="Qwen/Qwen2.5-VL-3B-Instruct"), (), (),
+                          "Qwen/Qwen2.5-VL-3B-Instruct")  # fmt: skip
+    assert info["model"]["digest"] is None
+
+
+def test_no_secret_reaches_any_file_of_the_bundle(run_dir, model_dir, monkeypatch):
+    monkeypatch.setenv("EPD_TEST_API_KEY", ENV_SECRET)
+    records, responses = sample_run()
+    responses["1E+1P+1D"]["text"]["result"]["text"] = f"echoed {ENV_SECRET}"
+    write_bundle(run_dir, records, responses, run_info(run_dir, model_dir))
+
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    names = {p.name for p in files}
+    assert {"run.json", "diff.md", "junit.xml", "report.html"} <= names
+    assert not [n for n in names if n.endswith(".tmp")]  # atomic writes left nothing behind
+    for path in files:
+        data = path.read_bytes()
+        assert SECRET.encode() not in data, path
+        assert ENV_SECRET.encode() not in data, path
+    command = json.loads((run_dir / "1E-1P-1D" / "1E-1P-1D__decode0.cmd.json").read_text())
+    assert command["env"]["HF_TOKEN"] == REDACTED  # rewritten in place, still valid JSON
+
+
+def test_redact_argv_hides_credential_flags_only():
+    argv = ["--api-key", "k1", "--hf-token=k2", "--max-num-batched-tokens", "64", "--port", "1"]
+    assert redact_argv(argv) == [
+        "--api-key", REDACTED, f"--hf-token={REDACTED}", "--max-num-batched-tokens", "64",
+        "--port", "1",
+    ]  # fmt: skip
+
+
+def test_junit_xml_has_one_testcase_per_record_and_a_failure_per_failed_policy(tmp_path):
+    records, _ = sample_run()
+    write_junit_xml(tmp_path, records)
+    root = ET.parse(tmp_path / "junit.xml").getroot()  # parses despite the ANSI escapes
+    cases = root.findall("./testsuite/testcase")
+    failing = [r for r in records if not r.policy_passed]
+    assert len(cases) == len(records) == 4
+    assert len(root.findall("./testsuite/testcase/failure")) == len(failing) == 3
+    assert root.find("testsuite").get("failures") == "3"
+    assert root.get("tests") == "4"
+    mismatch = cases[1]
+    assert (mismatch.get("classname"), mismatch.get("name")) == ("1E+1P+1D", "image vs baseline")
+    failure = mismatch.find("failure")
+    assert failure.get("type") == "MISMATCH"
+    assert failure.text == format_failure(records[1])
+    assert cases[0].find("failure") is None
+    error = cases[3].find("failure").text
+    # Colour codes dropped, a bell (forbidden in XML 1.0) kept visible; scrubbing is the bundle's.
+    assert f"HTTP 500 {SECRET} leaked\\x07 " in error
+
+
+def test_diff_md_shows_each_failing_case_with_its_evidence(tmp_path):
+    records, _ = sample_run()
+    write_diff_md(tmp_path, records)
+    text = (tmp_path / "diff.md").read_text()
+    assert text.startswith("# EPD diff: 3 of 4 case(s) failed")
+    assert f"First divergence at generated position {DIVERGENCE}" in text
+    assert f"**[{REFERENCE_IDS[DIVERGENCE]}]**" in text and "**[555]**" in text
+    assert "| 1 | 107 | -0.5000 | 555 | -0.5000 |" in text  # the top-k, both sides
+    assert "`kv_transfer`: cached_tokens=0: D recomputed the prompt" in text
+    assert "HTTP 500" in text
+    assert text.count("\n## ") == 3  # the MATCH case is not in the diff
+
+
+def test_diff_md_for_a_passing_run_is_a_short_note():
+    records, _ = sample_run()
+    assert render_diff_md(records[:1]) == "# EPD diff\n\nAll 1 case(s) passed their policy.\n"
+    assert "proves nothing" in render_diff_md([])
+
+
+def test_html_highlights_the_divergence_on_both_sides_and_escapes_text():
+    records, responses = sample_run()
+    page = render_report_html(records, responses, {})
+    reference_token, candidate_token = REFERENCE_IDS[DIVERGENCE], 555
+    assert f'id="case-1-ref-div" title="position {DIVERGENCE}: first divergence">' \
+           f"{reference_token}</span>" in page  # fmt: skip
+    assert f'id="case-1-can-div" title="position {DIVERGENCE}: first divergence">' \
+           f"{candidate_token}</span>" in page  # fmt: skip
+    assert page.count('class="t diverge"') == 2 + 1  # both sides, plus the legend's sample
+    assert "<script" not in page
+    assert "&lt;script&gt;alert(&#x27;pwned&#x27;)&lt;/script&gt;" in page
+    for verdict in (Verdict.MATCH, Verdict.MISMATCH, Verdict.VACUOUS, Verdict.ERROR):
+        assert f'class="badge verdict-{verdict.value.lower()}"' in page
+    assert "cached_tokens=0: D recomputed the prompt" in page
+
+
+def test_html_falls_back_to_the_windows_without_responses():
+    records, _ = sample_run()
+    page = render_report_html(records[1:2], {}, {})
+    assert 'id="case-0-ref-div"' in page and 'id="case-0-can-div"' in page

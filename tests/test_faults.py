@@ -1,0 +1,189 @@
+"""The planted faults on files laid out as vLLM 0.32's example connectors lay them out (no vLLM).
+
+The self-test trusts these faults to change what a consumer loads and nothing else: a fault
+that changed a shape or a key would make the consumer fail (ERROR) instead of computing with
+wrong values (MISMATCH), and one that changed nothing would let the self-test pass vacuously.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from harness.faults import (
+    PlantedFault,
+    corrupt_ec_files,
+    drop_encoder_metadata,
+    kill_instance,
+    plant,
+    zero_kv_files,
+)
+from harness.guards import EC_CACHE_FILE
+from harness.launch import ManagedServer, ServerCommand
+from harness.proxy import ProxyFaults
+
+MM_HASH = "epd-0123456789abcdef0123456789abcdef"
+KV_LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+FILE_METADATA = {"written-by": "test_faults"}
+EXIT_WAIT_S = 5.0
+
+
+def write_ec_file(ec_storage: Path, mm_hash: str = MM_HASH) -> tuple[Path, torch.Tensor]:
+    """An EC file as ECExampleConnector writes it: one `ec_cache` tensor per mm_hash.
+
+    Includes exact zeros, which plain negation would leave unchanged.
+    """
+    path = ec_storage / mm_hash / EC_CACHE_FILE
+    path.parent.mkdir(parents=True)
+    tensor = torch.randn(64, 128, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    tensor[0, :8] = 0
+    save_file({"ec_cache": tensor}, str(path), metadata=FILE_METADATA)
+    return path, tensor
+
+
+def write_kv_files(kv_storage: Path, prompt_hash: str) -> list[Path]:
+    """KV files as ExampleConnector writes them: `<prompt hash>/<layer>.safetensors`."""
+    folder = kv_storage / prompt_hash
+    folder.mkdir(parents=True)
+    paths = []
+    for n, layer in enumerate(KV_LAYERS):
+        path = folder / f"{layer}.safetensors"
+        kv = torch.randn(2, 64, 2, 32, generator=torch.Generator().manual_seed(n))
+        save_file({"kv_cache": kv.to(torch.bfloat16)}, str(path))
+        paths.append(path)
+    return paths
+
+
+def read_pid(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text else None
+
+
+def test_corrupt_ec_file_keeps_keys_shapes_dtypes_and_changes_every_value(tmp_path: Path):
+    path, original = write_ec_file(tmp_path)
+    fault = corrupt_ec_files(tmp_path)
+    assert fault.after_encode is not None, f"corrupt_ec_files planted no after_encode: {fault}"
+
+    fault.after_encode("req-1", {MM_HASH: {"item_indices": [0], "metadata": {}}})
+
+    assert fault.touched == [path] and not fault.problems, (fault.touched, fault.problems)
+    corrupted = load_file(path)
+    assert set(corrupted) == {"ec_cache"}, f"keys changed: {sorted(corrupted)}"
+    tensor = corrupted["ec_cache"]
+    assert (tensor.shape, tensor.dtype) == (original.shape, original.dtype), (
+        f"{tuple(tensor.shape)} {tensor.dtype} != {tuple(original.shape)} {original.dtype}"
+    )
+    unchanged = int((tensor == original).sum())
+    assert unchanged == 0, f"{unchanged} of {original.numel()} values unchanged (zeros included)"
+    assert bool(((tensor >= 0) != (original >= 0)).all()), "some element kept its sign"
+    with safe_open(str(path), framework="pt") as handle:
+        assert handle.metadata() == FILE_METADATA, f"file metadata lost: {handle.metadata()}"
+    leftovers = [p.name for p in path.parent.iterdir() if p != path]
+    assert not leftovers, f"temporary files left beside the EC file: {leftovers}"
+
+
+def test_corrupt_ec_files_records_a_missing_file_instead_of_raising(tmp_path: Path):
+    """Hooks run on the proxy thread: an exception would only be an opaque HTTP 500."""
+    fault = corrupt_ec_files(tmp_path)
+    fault.after_encode("req-2", {MM_HASH: {"item_indices": [0]}})
+    fault.after_encode("req-3", {})
+    assert not fault.touched, f"touched files that do not exist: {fault.touched}"
+    assert len(fault.problems) == 2, f"expected two problems, got {fault.problems}"
+    assert "does not exist" in fault.problems[0], fault.problems
+    assert "no mm_hash" in fault.problems[1], fault.problems
+
+
+def test_corrupt_ec_files_touches_only_the_reported_hashes(tmp_path: Path):
+    """Another request's EC file must survive, or one fault would bleed into the next case."""
+    write_ec_file(tmp_path, MM_HASH)
+    other_path, other = write_ec_file(tmp_path, "epd-other")
+    corrupt_ec_files(tmp_path).after_encode("req-4", {MM_HASH: {"item_indices": [0]}})
+    assert torch.equal(load_file(other_path)["ec_cache"], other), "an unreported hash was touched"
+
+
+def test_zero_kv_files_zeroes_every_layer_of_every_prompt(tmp_path: Path):
+    paths = write_kv_files(tmp_path, "prompt-a") + write_kv_files(tmp_path, "prompt-b")
+    originals = {path: load_file(path)["kv_cache"] for path in paths}
+    fault = zero_kv_files(tmp_path)
+    assert fault.after_prefill is not None, f"zero_kv_files planted no after_prefill: {fault}"
+
+    fault.after_prefill("req-5", {"kv_transfer_params": None})
+
+    assert sorted(fault.touched) == sorted(paths) and not fault.problems, (
+        fault.touched,
+        fault.problems,
+    )
+    for path, original in originals.items():
+        zeroed = load_file(path)
+        assert set(zeroed) == {"kv_cache"}, f"{path}: keys changed: {sorted(zeroed)}"
+        tensor = zeroed["kv_cache"]
+        assert (tensor.shape, tensor.dtype) == (original.shape, original.dtype), path
+        assert int(tensor.count_nonzero()) == 0, f"{path}: {int(tensor.count_nonzero())} nonzero"
+
+
+def test_zero_kv_files_reports_an_empty_storage(tmp_path: Path):
+    fault = zero_kv_files(tmp_path)
+    fault.after_prefill("req-6", {})
+    assert not fault.touched and len(fault.problems) == 1, (fault.touched, fault.problems)
+
+
+def test_drop_encoder_metadata_sets_only_the_drop_flag():
+    fault = drop_encoder_metadata()
+    assert fault.drop_encoder_metadata is True, fault
+    assert fault.after_encode is None and fault.after_prefill is None, fault
+
+
+def test_plant_swaps_the_hooks_on_the_live_object_and_clears_them():
+    """The proxy keeps the session's ProxyFaults object: planting must mutate that object."""
+    live = ProxyFaults()
+    fault = PlantedFault(drop_encoder_metadata=True, after_prefill=lambda rid, resp: None)
+    plant(live, fault)
+    assert live.drop_encoder_metadata and live.after_prefill is fault.after_prefill, live
+    plant(live, None)
+    assert live == ProxyFaults(), f"plant(live, None) left hooks behind: {live}"
+
+
+def test_kill_instance_sigkills_the_whole_process_group(tmp_path: Path):
+    child_pid_file = tmp_path / "child.pid"
+    script = (
+        "import subprocess, sys, time; "
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(child_pid_file)!r}, 'w').write(str(c.pid)); time.sleep(60)"
+    )
+    server = ManagedServer(
+        ServerCommand(
+            name="victim",
+            argv=[sys.executable, "-c", script],
+            health_url="http://127.0.0.1:9/health",
+            log_path=tmp_path / "victim.log",
+        )
+    )
+    server.start()
+    try:
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while not read_pid(child_pid_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child_pid = read_pid(child_pid_file)
+        assert child_pid, f"the victim wrote no child pid; log: {server.log_tail()}"
+        kill_instance(server)
+        while server.is_alive() and time.monotonic() < deadline + EXIT_WAIT_S:
+            time.sleep(0.05)
+        assert server.exit_code == -signal.SIGKILL, f"exit code {server.exit_code}"
+        with pytest.raises(RuntimeError, match="not running"):
+            kill_instance(server)
+    finally:
+        server.stop()
+    assert not psutil.pid_exists(child_pid) or psutil.Process(child_pid).status() == "zombie", (
+        f"the group's child {child_pid} survived the kill"
+    )

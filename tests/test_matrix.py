@@ -1,0 +1,72 @@
+"""The scenario matrix's declarations and how a scenario's result is read (no vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.compare import Verdict
+from harness.guards import GuardResult
+from harness.matrix import MATRIX, Scenario, ScenarioResult, get_scenario, matrix_prompts
+from harness.prompts import PromptSpec, TextPart
+from harness.report import CaseRecord
+from harness.topology import TOPOLOGIES
+
+
+def record(verdict: Verdict, error: str | None = None, passed: bool = True) -> CaseRecord:
+    return CaseRecord(
+        topology="1E+1P+1D:s", prompt="p", reference="baseline", verdict=verdict,
+        policy_passed=passed, detail="d", divergence=None, guards={}, timings={}, error=error,
+    )  # fmt: skip
+
+
+def test_every_scenario_names_a_known_topology_and_has_prompts() -> None:
+    names = [s.name for s in MATRIX]
+    assert len(names) == len(set(names)), "scenario names must be unique (they are test ids)"
+    for scenario in MATRIX:
+        assert scenario.topology in TOPOLOGIES, scenario.name
+        assert scenario.prompts, scenario.name
+        if scenario.expect != (Verdict.MATCH,):
+            assert scenario.reason and scenario.expect_evidence, f"{scenario.name}: say why"
+
+
+def test_matrix_prompts_are_distinct_by_name() -> None:
+    prompts = matrix_prompts()
+    assert len({p.name for p in prompts}) == len(prompts)
+
+
+def test_a_prompt_name_reused_for_another_prompt_is_refused() -> None:
+    a = PromptSpec("same", (TextPart("one"),))
+    b = PromptSpec("same", (TextPart("two"),))
+    with pytest.raises(ValueError, match="'same' is used for two different prompts"):
+        matrix_prompts((Scenario("x", "1E+1PD", (a,)), Scenario("y", "1E+1PD", (b,))))
+
+
+def test_unknown_scenario_names_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="unknown scenario 'nope'.*ec-images-1-2-3"):
+        get_scenario("nope")
+
+
+def test_match_scenario_with_a_mismatch_has_a_problem() -> None:
+    result = ScenarioResult(Scenario("s", "1E+1PD", ()), [record(Verdict.MISMATCH, passed=False)])
+    assert result.problems() == ["p: expected MATCH, got MISMATCH: d"]
+
+
+def test_expected_error_needs_its_evidence() -> None:
+    scenario = Scenario("s", "1E+1P+1D", (), expect=(Verdict.ERROR,),
+                        expect_evidence="Expected number of multimodal", reason="r")  # fmt: skip
+    with_evidence = ScenarioResult(scenario, [record(Verdict.ERROR, "... Expected number of "
+                                                     "multimodal embeddings ...", passed=False)])
+    assert with_evidence.problems() == []
+    other_error = ScenarioResult(scenario, [record(Verdict.ERROR, "connection refused", False)])
+    assert "evidence lacks" in other_error.problems()[0]
+    fixed_upstream = ScenarioResult(scenario, [record(Verdict.MATCH)])
+    assert fixed_upstream.problems() == ["p: expected ERROR, got MATCH: d"]
+
+
+def test_failed_check_is_a_problem_even_when_tokens_match() -> None:
+    result = ScenarioResult(
+        Scenario("s", "2E+1PD", ()),
+        [record(Verdict.MATCH)],
+        [GuardResult("every_encoder_used", False, "only one encoder got work")],
+    )
+    assert result.problems() == ["check every_encoder_used failed: only one encoder got work"]

@@ -1,0 +1,271 @@
+"""`epd-harness plan`: schedules that fit the devices, rendered commands, and one-line errors.
+
+Plans are checked by their invariants (no device twice in a wave, no wave bigger than the host,
+every topology exactly once, distinct ports) as well as by the exact 8-GPU layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from harness import plan as plan_module
+from harness.plan import (
+    DEFAULT_TOPOLOGY_NAMES,
+    Plan,
+    PlanRequest,
+    add_plan_parser,
+    build_plan,
+    format_plan,
+)
+from harness.platforms import CPU, CUDA, XPU, DevicePlanError, PlatformProfile
+from harness.topology import TOPOLOGIES, ServingConfig, get_topology, plan_instances
+
+MODEL = "/models/qwen"
+VLLM = "/opt/venv/bin/vllm"
+
+
+def request(
+    platform: PlatformProfile,
+    devices: tuple[int, ...],
+    names: tuple[str, ...] = DEFAULT_TOPOLOGY_NAMES,
+    colocate: bool = False,
+) -> PlanRequest:
+    return PlanRequest(
+        platform=platform,
+        devices=devices,
+        topologies=tuple(get_topology(n) for n in names),
+        model=MODEL,
+        colocate=colocate,
+        vllm_executable=VLLM,
+        run_dir=Path("/runs/r1"),
+    )
+
+
+def assert_valid_gpu_plan(plan: Plan, devices: tuple[int, ...], names: tuple[str, ...]) -> None:
+    """The invariants every GPU plan must keep, whatever its shape."""
+    planned = [t.name for w in plan.waves for t in w.topologies]
+    assert sorted(planned) == sorted(names), "every topology exactly once"
+    for wave in plan.waves:
+        used = [d for t in wave.topologies for d in t.devices]
+        assert len(used) == len(set(used)), f"wave {wave.index} uses a device twice: {used}"
+        assert len(used) <= len(devices), f"wave {wave.index} uses {used}, host has {devices}"
+        assert set(used) <= set(devices), f"wave {wave.index} uses unknown devices: {used}"
+        for topology in wave.topologies:
+            for instance in topology.instances:
+                assert set(instance.devices) <= set(topology.devices), instance.name
+    ports = [p for i in plan.instances for p in (i.port, i.side_channel_port) if p is not None]
+    assert len(ports) == len(set(ports)), f"a port is planned twice: {sorted(ports)}"
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="epd-harness")
+    add_plan_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["plan", *argv])
+    code = args.func(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --- the acceptance shapes -------------------------------------------------------------------
+
+
+def test_eight_gpus_run_the_four_topologies_at_once_on_disjoint_gpus() -> None:
+    devices = tuple(range(8))
+    plan = build_plan(request(CUDA, devices))
+    assert len(plan.waves) == 1
+    layout = {t.name: t.devices for t in plan.waves[0].topologies}
+    assert layout == {
+        "baseline": (0,), "1E+1PD": (1, 2), "1P+1D": (3, 4), "1E+1P+1D": (5, 6, 7),
+    }  # fmt: skip
+    per_instance = [i.devices for i in plan.instances]
+    assert sorted(d for ds in per_instance for d in ds) == list(devices)
+    assert_valid_gpu_plan(plan, devices, DEFAULT_TOPOLOGY_NAMES)
+
+
+def test_two_gpus_run_the_fitting_topologies_in_sequential_waves() -> None:
+    names = ("baseline", "1E+1PD", "1P+1D")
+    plan = build_plan(request(CUDA, (0, 1), names))
+    assert [[t.name for t in w.topologies] for w in plan.waves] == [
+        ["baseline"], ["1E+1PD"], ["1P+1D"],
+    ]  # fmt: skip
+    assert_valid_gpu_plan(plan, (0, 1), names)
+
+
+def test_two_gpus_with_the_three_instance_topology_need_colocation() -> None:
+    with pytest.raises(DevicePlanError, match=r"1E\+1P\+1D needs 3 devices .* only 2 given"):
+        build_plan(request(CUDA, (0, 1)))
+    plan = build_plan(request(CUDA, (0, 1), colocate=True))
+    assert len(plan.waves) == 4
+    assert_valid_gpu_plan(plan, (0, 1), DEFAULT_TOPOLOGY_NAMES)
+    epd = {i.name: i for i in plan.instances if i.name.startswith("1E+1P+1D/")}
+    assert epd["1E+1P+1D/prefill0"].devices != epd["1E+1P+1D/decode0"].devices
+    assert epd["1E+1P+1D/encoder0"].gpu_memory_fraction == 0.45
+    assert epd["1E+1P+1D/decode0"].gpu_memory_fraction == 0.9
+
+
+def test_one_gpu_is_an_error_for_every_multi_instance_topology_unless_colocated() -> None:
+    with pytest.raises(DevicePlanError) as info:
+        build_plan(request(CUDA, (0,)))
+    assert "1E+1P+1D needs 3" in str(info.value)
+    assert "1E+1PD needs 2" in str(info.value)
+    plan = build_plan(request(CUDA, (0,), colocate=True))
+    assert_valid_gpu_plan(plan, (0,), DEFAULT_TOPOLOGY_NAMES)
+    assert {i.devices for i in plan.instances} == {(0,)}
+    for wave in plan.waves:
+        shares = [i.gpu_memory_fraction for t in wave.topologies for i in t.instances]
+        assert sum(shares) <= 0.9 + 1e-9, (wave.index, shares)
+
+
+def test_a_bigger_host_than_needed_leaves_devices_unused_not_shared() -> None:
+    plan = build_plan(request(CUDA, tuple(range(16)), ("1E+1P+1D",), colocate=True))
+    assert [i.devices for i in plan.instances] == [(0,), (1,), (2,)]
+    assert {i.gpu_memory_fraction for i in plan.instances} == {0.9}
+
+
+# --- rendering -------------------------------------------------------------------------------
+
+
+def test_cuda_plan_instances_carry_devices_nixl_ports_and_memory_flags() -> None:
+    plan = build_plan(request(CUDA, tuple(range(8))))
+    for instance in plan.instances:
+        env = dict(instance.env)
+        assert env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, instance.devices)), instance.name
+        assert "--gpu-memory-utilization" in instance.argv
+        assert instance.argv[:3] == (VLLM, "serve", MODEL)
+        if instance.role in ("prefill", "decode"):
+            assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(instance.side_channel_port)
+        else:
+            assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in env, instance.name
+
+
+def test_cpu_plan_matches_what_topology_renders_today() -> None:
+    plan = build_plan(request(CPU, (0, 1), tuple(TOPOLOGIES)))
+    assert len(plan.waves) == len(TOPOLOGIES)
+    serving = ServingConfig(model=MODEL)
+    for wave in plan.waves:
+        (topology,) = wave.topologies
+        ports = [i.port for i in topology.instances]
+        storage = Path("/runs/r1") / topology.name.replace("+", "-") / "storage"
+        expected = plan_instances(get_topology(topology.name), serving, ports, storage, (0, 1))
+        assert [list(i.argv) for i in topology.instances] == [e.argv(VLLM) for e in expected]
+        assert [dict(i.env) for i in topology.instances] == [e.env() for e in expected]
+
+
+def test_xpu_plan_pins_devices_with_ze_affinity_mask() -> None:
+    plan = build_plan(request(XPU, (4, 5), ("1P+1D",)))
+    envs = [dict(i.env) for i in plan.instances]
+    assert [e["ZE_AFFINITY_MASK"] for e in envs] == ["4", "5"]
+    assert not any("CUDA_VISIBLE_DEVICES" in e for e in envs)
+
+
+def test_command_line_is_the_argv_shell_quoted() -> None:
+    for instance in build_plan(request(CUDA, tuple(range(8)))).instances:
+        assert shlex.split(instance.command_line) == list(instance.argv)
+
+
+def test_planning_reserves_no_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("plan must not reserve ports: they are placeholders")
+
+    monkeypatch.setattr("harness.ports.reserve_ports", refuse)
+    monkeypatch.setattr("harness.platforms.reserve_ports", refuse)
+    plan = build_plan(request(CUDA, tuple(range(8))))
+    assert plan.ports_are_placeholders
+    assert [i.port for i in plan.instances][:3] == [20000, 20001, 20002]
+
+
+def test_format_plan_shows_the_schedule_and_every_command() -> None:
+    plan = build_plan(request(CUDA, tuple(range(8))))
+    text = format_plan(plan)
+    assert "  wave 1: baseline [0], 1E+1PD [1,2], 1P+1D [3,4], 1E+1P+1D [5,6,7]" in text
+    assert "placeholders" in text
+    for instance in plan.instances:
+        assert f"argv: {instance.command_line}" in text
+        assert f"CUDA_VISIBLE_DEVICES={instance.devices[0]}" in text
+
+
+# --- command line ----------------------------------------------------------------------------
+
+
+def test_cli_prints_the_eight_gpu_plan(capsys) -> None:
+    code, out, err = run_cli(
+        ["--platform", "cuda", "--devices", "0,1,2,3,4,5,6,7", "--vllm", "vllm"], capsys
+    )
+    assert code == 0, err
+    assert "wave 1: baseline [0], 1E+1PD [1,2], 1P+1D [3,4], 1E+1P+1D [5,6,7]" in out
+    assert "wave 2" not in out
+    assert "Qwen/Qwen2.5-VL-3B-Instruct" in out
+
+
+def test_cli_json_is_the_plan_as_data(capsys) -> None:
+    argv = ["--platform", "cuda", "--devices", "0,1", "--topology", "1P+1D", "--model", MODEL]
+    code, out, _ = run_cli([*argv, "--vllm", VLLM, "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["platform"] == "cuda"
+    assert data["ports_are_placeholders"] is True
+    (instance, _decode) = data["waves"][0]["topologies"][0]["instances"]
+    assert instance["name"] == "1P+1D/prefill0"
+    assert instance["argv"][:3] == [VLLM, "serve", MODEL]
+
+
+def test_cli_topologies_are_repeatable_and_comma_separated(capsys) -> None:
+    argv = ["--platform", "cuda", "--devices", "0,1,2", "--topology", "baseline,1P+1D"]
+    code, out, _ = run_cli([*argv, "--topology", "1E+1P+1D", "--vllm", "vllm", "--json"], capsys)
+    assert code == 0
+    waves = json.loads(out)["waves"]
+    assert [[t["name"] for t in w["topologies"]] for w in waves] == [
+        ["baseline", "1P+1D"], ["1E+1P+1D"],
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "cause"),
+    [
+        (["--platform", "cuda", "--devices", "0,0"], "device 0 is listed twice"),
+        (["--platform", "cuda", "--devices", "a"], "device 'a'"),
+        (["--platform", "cuda", "--devices", "-1"], "device '-1'"),
+        (["--platform", "cuda", "--devices", "0"], "1E+1P+1D needs 3"),
+        (["--platform", "cuda"], "--devices is required with --platform cuda"),
+        (["--platform", "cuda", "--devices", "0,1,2", "--topology", "nope"], "unknown topology"),
+        (["--topology", "1P+1D,1P+1D"], "topology 1P+1D is listed twice"),
+    ],
+)
+def test_cli_bad_input_is_exit_2_with_one_line_naming_the_cause(
+    argv: list[str], cause: str, capsys
+) -> None:
+    code, out, err = run_cli([*argv, "--model", MODEL, "--vllm", "vllm"], capsys)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1, err
+    assert err.startswith("epd-harness: error: ")
+    assert cause in err
+
+
+def test_cli_one_gpu_with_colocate_is_a_valid_plan(capsys) -> None:
+    argv = ["--platform", "cuda", "--devices", "0", "--colocate", "--vllm", "vllm"]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err
+    assert "  wave 4: 1E+1P+1D [0]" in out
+    assert "gpu memory 0.3" in out
+
+
+def test_cli_cpu_defaults_to_the_runner_cores(capsys) -> None:
+    code, out, _ = run_cli(["--model", MODEL, "--vllm", "vllm", "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["platform"] == "cpu"
+    assert data["devices"] == [0, 1]
+    names = [t["name"] for w in data["waves"] for t in w["topologies"]]
+    assert names == list(DEFAULT_TOPOLOGY_NAMES)
+
+
+def test_module_main_runs_the_subcommand(capsys) -> None:
+    code = plan_module.main(["--platform", "xpu", "--devices", "1,2", "--topology", "1E+1PD"])
+    assert code == 0
+    assert "ZE_AFFINITY_MASK=1" in capsys.readouterr().out

@@ -1,0 +1,317 @@
+"""Platform profiles and device placement: what cpu / cuda / xpu instances render, nothing launched.
+
+The GPU renderings are checked here because no GPU runs these tests: a wrong CUDA_VISIBLE_DEVICES
+or a shared NIXL side-channel port would otherwise first show up as a confusing nightly failure.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from harness.platforms import (
+    CPU,
+    CPU_ONLY_ENV_KEYS,
+    CUDA,
+    DEFAULT_GPU_MEMORY_FRACTION,
+    GPU_DEFAULT_MODEL,
+    PLATFORMS,
+    XPU,
+    DevicePlanError,
+    PlacedInstanceSpec,
+    assign_devices,
+    get_platform,
+    memory_fractions,
+    parse_devices,
+    place_instances,
+    reserve_side_channel_ports,
+    schedule_waves,
+    serving_for,
+    side_channel_port_count,
+)
+from harness.topology import (
+    EPD_TOPOLOGY_NAMES,
+    TOPOLOGIES,
+    Role,
+    ServingConfig,
+    get_topology,
+    plan_instances,
+)
+
+MODEL = "/models/qwen"
+EIGHT_GPUS = tuple(range(8))
+DEFAULT_SET = tuple(get_topology(n) for n in ("baseline", *EPD_TOPOLOGY_NAMES))
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    assert argv.count(flag) <= 1, f"{flag} repeated in {argv}"
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def place_all(profile, devices, tmp_path: Path, topologies=DEFAULT_SET, colocate=False):
+    """Every instance of every topology, placed as the schedule says, with distinct fake ports."""
+    serving = serving_for(profile, MODEL)
+    ports = iter(range(21000, 22000))
+    specs: list[PlacedInstanceSpec] = []
+    for wave in schedule_waves(topologies, devices, profile, colocate):
+        for slot in wave.slots:
+            topology = slot.topology
+            http = [next(ports) for _ in topology.roles]
+            side = [next(ports) for _ in range(side_channel_port_count(topology, serving))]
+            specs += place_instances(
+                topology, serving, profile, http, tmp_path / topology.name, slot.devices,
+                colocate=colocate, side_channel_ports=side,
+            )  # fmt: skip
+    return specs
+
+
+# --- profiles --------------------------------------------------------------------------------
+
+
+def test_profiles_are_the_three_platforms_with_their_device_variables() -> None:
+    assert set(PLATFORMS) == {"cpu", "cuda", "xpu"}
+    assert CPU.device_env_var is None
+    assert CUDA.device_env_var == "CUDA_VISIBLE_DEVICES"
+    assert XPU.device_env_var == "ZE_AFFINITY_MASK"
+    assert CUDA.default_model == XPU.default_model == GPU_DEFAULT_MODEL
+    assert GPU_DEFAULT_MODEL == "Qwen/Qwen2.5-VL-3B-Instruct"
+    assert get_platform("cuda") is CUDA
+    with pytest.raises(ValueError, match=r"unknown platform 'tpu' \(known: cpu, cuda, xpu\)"):
+        get_platform("tpu")
+
+
+def test_serving_for_cpu_is_todays_default_and_cuda_uses_nixl_without_eager() -> None:
+    assert serving_for(CPU, MODEL) == ServingConfig(model=MODEL)
+    cuda = serving_for(CUDA, MODEL)
+    assert cuda.kv_connector == "NixlConnector"
+    assert cuda.enforce_eager is False
+    assert serving_for(CUDA, MODEL, max_model_len=2048).max_model_len == 2048
+
+
+# --- cpu: exactly what topology.py renders ---------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(TOPOLOGIES))
+def test_cpu_placement_renders_exactly_what_topology_renders(name: str, tmp_path: Path) -> None:
+    topology = get_topology(name)
+    serving = ServingConfig(model=MODEL)
+    ports = list(range(23000, 23000 + len(topology.roles)))
+    cores = (3, 5)
+    expected = plan_instances(topology, serving, ports, tmp_path, cpu_cores=cores)
+    placed = place_instances(topology, serving, CPU, ports, tmp_path, cores)
+    assert [p.argv("/v/vllm") for p in placed] == [e.argv("/v/vllm") for e in expected]
+    assert [p.env() for p in placed] == [e.env() for e in expected]
+    assert [p.devices for p in placed] == [e.cpu_cores for e in expected]
+    assert all(p.side_channel_port is None and p.gpu_memory_fraction is None for p in placed)
+
+
+# --- cuda ------------------------------------------------------------------------------------
+
+
+def test_cuda_instances_get_distinct_devices_and_side_channel_ports(tmp_path: Path) -> None:
+    specs = place_all(CUDA, EIGHT_GPUS, tmp_path)
+    envs = {spec.name: spec.env() for spec in specs}
+    visible = [env["CUDA_VISIBLE_DEVICES"] for env in envs.values()]
+    assert sorted(visible) == [str(d) for d in EIGHT_GPUS], visible
+    port_key = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+    nixl = {name: env[port_key] for name, env in envs.items() if port_key in env}
+    kv_instances = {s.name for s in specs if s.role in (Role.PREFILL, Role.DECODE)}
+    assert set(nixl) == kv_instances == {
+        "1P+1D/prefill0", "1P+1D/decode0", "1E+1P+1D/prefill0", "1E+1P+1D/decode0",
+    }  # fmt: skip
+    assert len(set(nixl.values())) == len(nixl), nixl
+    http_ports = {str(s.port) for s in specs}
+    assert not http_ports & set(nixl.values()), "a side-channel port collides with an HTTP port"
+    for name in nixl:
+        assert envs[name]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+
+
+def test_cuda_kv_config_is_nixl_with_a_cuda_buffer(tmp_path: Path) -> None:
+    specs = {s.name: s for s in place_all(CUDA, EIGHT_GPUS, tmp_path)}
+    for name, role in (("1E+1P+1D/prefill0", "kv_producer"), ("1E+1P+1D/decode0", "kv_consumer")):
+        config = json.loads(flag_value(specs[name].argv(), "--kv-transfer-config"))
+        assert config == {
+            "kv_connector": "NixlConnector",
+            "kv_role": role,
+            "kv_buffer_device": "cuda",
+        }, name
+    assert flag_value(specs["1E+1PD/pd0"].argv(), "--kv-transfer-config") is None
+
+
+def test_cuda_argv_sets_memory_utilization_and_no_eager_and_env_drops_cpu_keys(
+    tmp_path: Path,
+) -> None:
+    for spec in place_all(CUDA, EIGHT_GPUS, tmp_path):
+        argv, env = spec.argv(), spec.env()
+        assert flag_value(argv, "--gpu-memory-utilization") == "0.9", spec.name
+        assert "--enforce-eager" not in argv, spec.name
+        assert not set(CPU_ONLY_ENV_KEYS) & set(env), (spec.name, env)
+        assert env["HF_HUB_OFFLINE"] == "1"
+        assert "ZE_AFFINITY_MASK" not in env
+
+
+def test_platform_flags_go_before_extra_args_and_extra_env_wins(tmp_path: Path) -> None:
+    serving = serving_for(CUDA, MODEL, extra_args=("--seed", "0"))
+    topology = get_topology("1P+1D")
+    specs = place_instances(
+        topology, serving, CUDA, [21000, 21001], tmp_path, (4, 6), side_channel_ports=[21002, 21003]
+    )
+    assert specs[0].argv()[-4:] == ["--gpu-memory-utilization", "0.9", "--seed", "0"]
+    overridden = replace(specs[1], extra_env=(("CUDA_VISIBLE_DEVICES", "GPU-uuid"),))
+    assert overridden.env()["CUDA_VISIBLE_DEVICES"] == "GPU-uuid"
+    assert [s.devices for s in specs] == [(4,), (6,)]
+
+
+def test_missing_device_or_side_channel_port_is_an_error_naming_the_instance() -> None:
+    serving = serving_for(CUDA, MODEL)
+    no_device = PlacedInstanceSpec("t/baseline0", Role.BASELINE, 21000, serving, platform=CUDA)
+    with pytest.raises(ValueError, match="t/baseline0: cuda needs a device"):
+        no_device.env()
+    no_port = PlacedInstanceSpec(
+        "t/decode0", Role.DECODE, 21001, serving, platform=CUDA, devices=(0,)
+    )
+    missing = "t/decode0: NixlConnector needs a VLLM_NIXL_SIDE_CHANNEL_PORT"
+    with pytest.raises(ValueError, match=missing):
+        no_port.env()
+
+
+def test_place_instances_rejects_a_wrong_number_of_side_channel_ports(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"1P\+1D needs 2 NIXL side-channel ports, got 1"):
+        place_instances(
+            get_topology("1P+1D"), serving_for(CUDA, MODEL), CUDA, [21000, 21001], tmp_path,
+            (0, 1), side_channel_ports=[21002],
+        )  # fmt: skip
+
+
+def test_side_channel_ports_only_for_nixl_kv_instances() -> None:
+    nixl, example = serving_for(CUDA, MODEL), serving_for(CPU, MODEL)
+    counts = {name: side_channel_port_count(t, nixl) for name, t in TOPOLOGIES.items()}
+    assert counts == {"baseline": 0, "1E+1PD": 0, "1P+1D": 2, "1E+1P+1D": 2, "2E+1PD": 0}
+    assert all(side_channel_port_count(t, example) == 0 for t in TOPOLOGIES.values())
+
+
+def test_reserve_side_channel_ports_holds_distinct_locked_ports(tmp_path: Path) -> None:
+    leases = reserve_side_channel_ports(
+        get_topology("1E+1P+1D"), serving_for(CUDA, MODEL), lock_dir=tmp_path
+    )
+    try:
+        assert len(leases) == 2
+        assert len({lease.port for lease in leases}) == 2
+        assert all(lease.held for lease in leases)
+    finally:
+        for lease in leases:
+            lease.release()
+    assert reserve_side_channel_ports(get_topology("1P+1D"), serving_for(CPU, MODEL)) == []
+
+
+# --- xpu -------------------------------------------------------------------------------------
+
+
+def test_xpu_uses_ze_affinity_mask_and_an_xpu_nixl_buffer(tmp_path: Path) -> None:
+    specs = place_all(XPU, (2, 3, 4), tmp_path, topologies=(get_topology("1E+1P+1D"),))
+    assert [s.env()["ZE_AFFINITY_MASK"] for s in specs] == ["2", "3", "4"]
+    assert all("CUDA_VISIBLE_DEVICES" not in s.env() for s in specs)
+    decode = json.loads(flag_value(specs[2].argv(), "--kv-transfer-config"))
+    assert decode["kv_buffer_device"] == "xpu"
+
+
+# --- device lists ----------------------------------------------------------------------------
+
+
+def test_parse_devices_accepts_a_comma_list() -> None:
+    assert parse_devices("0,1, 7") == (0, 1, 7)
+    assert parse_devices("3") == (3,)
+
+
+@pytest.mark.parametrize(
+    ("text", "cause"),
+    [
+        ("0,0", "device 0 is listed twice in '0,0'"),
+        ("1,2,1", "device 1 is listed twice"),
+        ("a", "device 'a' in 'a' is not a non-negative integer"),
+        ("-1", "device '-1' in '-1' is not a non-negative integer"),
+        ("1.5", "device '1.5'"),
+        ("", "no devices given"),
+        ("0,,1", "empty entry in device list '0,,1'"),
+    ],
+)
+def test_parse_devices_rejects_bad_lists_in_one_line(text: str, cause: str) -> None:
+    with pytest.raises(DevicePlanError) as info:
+        parse_devices(text)
+    assert cause in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+# --- assignment and memory -------------------------------------------------------------------
+
+
+def test_gpu_assignment_is_one_device_per_instance() -> None:
+    topology = get_topology("1E+1P+1D")
+    assert assign_devices(topology, (5, 6, 7, 8), CUDA) == ((5,), (6,), (7,))
+    with pytest.raises(DevicePlanError, match=r"1E\+1P\+1D needs 3 devices .* got 2: 0,1"):
+        assign_devices(topology, (0, 1), CUDA)
+
+
+def test_colocation_spreads_prefill_and_decode_first_and_encoders_fill_in() -> None:
+    roles_devices = assign_devices(get_topology("1E+1P+1D"), (0, 1), CUDA, colocate=True)
+    encoder, prefill, decode = roles_devices
+    assert prefill != decode, "P and D must not share when there is a device for each"
+    assert encoder == prefill == (0,)
+    assert assign_devices(get_topology("2E+1PD"), (0, 1), CUDA, colocate=True) == (
+        (1,), (0,), (0,),
+    )  # fmt: skip
+    assert set(assign_devices(get_topology("1P+1D"), (3,), CUDA, colocate=True)) == {(3,)}
+
+
+def test_memory_fractions_split_the_budget_among_sharers() -> None:
+    assert memory_fractions(((0,), (1,)), CUDA) == (0.9, 0.9)
+    assert memory_fractions(((0,), (0,), (1,)), CUDA) == (0.45, 0.45, 0.9)
+    assert memory_fractions(((0,), (0,), (0,)), CUDA) == (0.3, 0.3, 0.3)
+    assert memory_fractions(((0,), (1,)), CPU) == (None, None)
+    for sharers in range(1, 8):
+        share = memory_fractions(tuple((0,) for _ in range(sharers)), CUDA)[0]
+        assert share * sharers <= DEFAULT_GPU_MEMORY_FRACTION + 1e-9, sharers
+
+
+def test_colocated_instances_render_their_share(tmp_path: Path) -> None:
+    specs = place_all(CUDA, (0,), tmp_path, topologies=(get_topology("1E+1P+1D"),), colocate=True)
+    assert {s.env()["CUDA_VISIBLE_DEVICES"] for s in specs} == {"0"}
+    assert [flag_value(s.argv(), "--gpu-memory-utilization") for s in specs] == ["0.3"] * 3
+
+
+# --- schedule --------------------------------------------------------------------------------
+
+
+def test_eight_gpus_run_the_default_set_in_one_wave_on_disjoint_devices() -> None:
+    waves = schedule_waves(DEFAULT_SET, EIGHT_GPUS, CUDA)
+    assert len(waves) == 1
+    assert sorted(waves[0].devices_in_use) == list(EIGHT_GPUS)
+    assert {s.topology.name: s.devices for s in waves[0].slots} == {
+        "baseline": (0,), "1E+1PD": (1, 2), "1P+1D": (3, 4), "1E+1P+1D": (5, 6, 7),
+    }  # fmt: skip
+
+
+def test_too_few_gpus_is_one_error_naming_every_topology_that_cannot_fit() -> None:
+    with pytest.raises(DevicePlanError) as info:
+        schedule_waves(DEFAULT_SET, (0,), CUDA)
+    message = str(info.value)
+    assert "\n" not in message
+    for expected in ("1E+1PD needs 2", "1P+1D needs 2", "1E+1P+1D needs 3", "--colocate"):
+        assert expected in message
+    assert "baseline" not in message
+
+
+def test_cpu_runs_one_topology_per_wave_on_the_shared_cores() -> None:
+    waves = schedule_waves(DEFAULT_SET, (0, 1), CPU)
+    assert [[s.topology.name for s in w.slots] for w in waves] == [
+        ["baseline"], ["1E+1PD"], ["1P+1D"], ["1E+1P+1D"],
+    ]  # fmt: skip
+    assert all(w.slots[0].devices == (0, 1) for w in waves)
+
+
+def test_schedule_rejects_a_repeated_device() -> None:
+    with pytest.raises(DevicePlanError, match="repeats a device"):
+        schedule_waves(DEFAULT_SET, (0, 0), CUDA)

