@@ -11,7 +11,8 @@ purpose, and the self-test checks that the judge names the right verdict:
 - `kill_instance`: an instance dies mid-run                          -> ERROR, at once
 
 Faults act only through the proxy's `ProxyFaults` hooks and on the files in the run's own
-storage directories; vLLM's installed files are never touched. Only tests import this module.
+storage directories; vLLM's installed files are never touched. Only the self-tests and an
+explicit `--plant-fault` use them; a normal run never does.
 """
 
 from __future__ import annotations
@@ -174,3 +175,23 @@ def rewrite_tensors(path: Path, transform: Callable[[torch.Tensor], torch.Tensor
     temporary = path.with_name(f".{path.name}.planted")
     save_file(tensors, str(temporary), metadata=metadata)
     os.replace(temporary, path)
+
+
+# Faults a whole run can be started with (`epd-harness run --plant-fault NAME`), so that a
+# bundle from a planted failure can be replayed by `epd-harness repro` with the same fault.
+FAULT_NAMES = ("corrupt-ec", "zero-kv", "drop-metadata")
+
+
+def fault_for(name: str, ec_storage: Path | None, kv_storage: Path | None) -> PlantedFault:
+    """The named fault, aimed at a running topology's storage."""
+    if name == "corrupt-ec":
+        if ec_storage is None:
+            raise ValueError("fault corrupt-ec needs a topology with an encoder")
+        return corrupt_ec_files(ec_storage)
+    if name == "zero-kv":
+        if kv_storage is None:
+            raise ValueError("fault zero-kv needs a topology with P and D")
+        return zero_kv_files(kv_storage)
+    if name == "drop-metadata":
+        return drop_encoder_metadata()
+    raise ValueError(f"unknown fault {name!r} (known: {', '.join(FAULT_NAMES)})")

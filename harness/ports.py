@@ -39,6 +39,7 @@ from types import TracebackType
 LOOPBACK_HOST = "127.0.0.1"
 DEFAULT_PORT_RANGE = range(20000, 30000)
 PORT_LOCK_DIR_ENV = "EPD_HARNESS_PORT_DIR"
+PORT_RANGE_ENV = "EPD_HARNESS_PORT_RANGE"  # "LOW-HIGH", inclusive: confine a job's ports
 DEFAULT_PORT_LOCK_DIR = Path("/tmp/epd-harness-ports")
 
 
@@ -109,6 +110,17 @@ class PortLease:
         return f"PortLease(port={self._port}, {state})"
 
 
+def default_port_range() -> range:
+    """`$EPD_HARNESS_PORT_RANGE` ("24000-24099", inclusive), or DEFAULT_PORT_RANGE."""
+    text = os.environ.get(PORT_RANGE_ENV)
+    if not text:
+        return DEFAULT_PORT_RANGE
+    low, sep, high = text.partition("-")
+    if not (sep and low.strip().isdigit() and high.strip().isdigit()):
+        raise ValueError(f"{PORT_RANGE_ENV}={text!r}: expected LOW-HIGH, e.g. 24000-24099")
+    return range(int(low), int(high) + 1)
+
+
 def default_lock_dir() -> Path:
     """`$EPD_HARNESS_PORT_DIR`, or /tmp/epd-harness-ports: shared by every harness on the host."""
     return Path(os.environ.get(PORT_LOCK_DIR_ENV) or DEFAULT_PORT_LOCK_DIR)
@@ -119,7 +131,7 @@ def reserve_ports(
     *,
     start: int | None = None,
     lock_dir: Path | None = None,
-    port_range: range = DEFAULT_PORT_RANGE,
+    port_range: range | None = None,
 ) -> list[PortLease]:
     """Reserve `count` distinct ports of `port_range`, scanning up from `start` and wrapping around.
 
@@ -129,6 +141,7 @@ def reserve_ports(
     skipped. Raises `NoFreePortError` naming the range and why ports were refused; on failure,
     the leases taken so far are released.
     """
+    port_range = port_range if port_range is not None else default_port_range()
     if count < 1:
         raise ValueError(f"count must be at least 1, got {count}")
     if len(port_range) == 0:

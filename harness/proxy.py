@@ -31,6 +31,10 @@ from harness import proxy_protocol as protocol
 CLIENT_KEEPALIVE_S = 3.0
 UPSTREAM_TIMEOUT_S = 600.0
 HEALTH_PROBE_TIMEOUT_S = 5.0
+# When the proxy stops, requests still in flight get this long, then are cancelled. aiohttp's
+# default (60 s) lets one hung instance hold every teardown (and Ctrl-C) for a minute.
+SHUTDOWN_GRACE_S = 1.0
+STOP_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -304,20 +308,38 @@ class ProxyServer:
         return self
 
     async def _start(self) -> None:
-        self._runner = web.AppRunner(self.proxy.make_app(), access_log=None)
+        self._runner = web.AppRunner(
+            self.proxy.make_app(), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
+        )
         await self._runner.setup()
         self._sock.listen(128)
         await web.SockSite(self._runner, self._sock).start()
 
+    @property
+    def running(self) -> bool:
+        """False once stopped, or when the event loop died (then nothing serves the port)."""
+        return self._thread.is_alive() and not self._loop.is_closed()
+
     def stop(self) -> None:
-        if not self._thread.is_alive():
+        """Stop serving and free the port; idempotent.
+
+        If the event loop died without cleanup, nothing will ever run it again: its loop and
+        listening socket are closed here all the same (closing the listener also drops the
+        connections queued on it), or the port would stay bound until garbage collection.
+        """
+        if self._loop.is_closed():
             return
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
-        self._loop.close()
-        self._sock.close()
+        try:
+            if self._thread.is_alive():
+                if self._runner is not None:
+                    cleanup = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+                    cleanup.result(timeout=STOP_TIMEOUT_S)
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=STOP_TIMEOUT_S)
+        finally:
+            if not self._loop.is_running():
+                self._loop.close()
+            self._sock.close()
 
     def __enter__(self) -> ProxyServer:
         return self.start()

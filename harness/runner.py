@@ -10,6 +10,7 @@ case does not take the rest of the run down silently. Leaving the session stops 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
@@ -135,8 +136,17 @@ class TopologySession:
             raise
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        """Close; a failure to close must not replace the exception that ended the session
+        (a Ctrl-C turned into a TimeoutError would be swallowed as "could not start")."""
+        try:
+            self.close()
+        except Exception as close_error:
+            if exc is None:
+                raise
+            exc.add_note(f"closing {self.topology.name} failed too: {close_error!r}")
 
     def _start(self) -> None:
         prepare_session_dir(self.dir)
@@ -187,19 +197,24 @@ class TopologySession:
         self._client = ChatClient(self.entry_url, timeout_s=self.settings.request_timeout_s)
 
     def close(self) -> None:
-        """Stop the proxy, then every instance (process groups), then give the ports back."""
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-        if self._proxy_server is not None:
-            self._proxy_server.stop()
-            self._proxy_server = None
-        if self._group is not None:
-            self._group.stop_all()
-            self._group = None
-        for lease in (*self._leases, *self._side_channel_leases):
-            lease.release()
+        """Stop the proxy, then every instance (process groups), then give the ports back.
+
+        Every step runs even when an earlier one fails (the first failure is raised at the
+        end): a proxy that does not stop must not leave the instances running.
+        """
+        client, proxy_server, group = self._client, self._proxy_server, self._group
+        self._client = self._proxy_server = self._group = None
+        leases = (*self._leases, *self._side_channel_leases)
         self._leases, self._side_channel_leases = [], []
+        with contextlib.ExitStack() as steps:  # callbacks run last registered, first
+            for lease in leases:
+                steps.callback(lease.release)
+            if group is not None:
+                steps.callback(group.stop_all)
+            if proxy_server is not None:
+                steps.callback(proxy_server.stop)
+            if client is not None:
+                steps.callback(client.close)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -222,6 +237,10 @@ class TopologySession:
             died = self.wait_for_death(DEATH_GRACE_S)
             if died:
                 outcome.error += f"\n{died}"
+            elif self._proxy_server is not None and not self._proxy_server.running:
+                outcome.error += f"\nproxy {self.entry_url} is not running (stopped or crashed)"
+            else:
+                outcome.error += f"\n{self.waited_on_report(request_id)}"
         outcome.seconds = time.monotonic() - started
         if self.proxy is not None:
             outcome.trace = self.proxy.traces.get(request_id)
@@ -247,6 +266,27 @@ class TopologySession:
                 return report
             time.sleep(0.2)
 
+    def waited_on_report(self, request_id: str) -> str:
+        """Which instance a failed request was still waiting on, from the proxy's trace (the
+        entry instance itself without a proxy), and that instance's last log lines."""
+        url = self.entry_url
+        trace = self.proxy.traces.get(request_id) if self.proxy is not None else None
+        if trace is not None:
+            pending = [call.url for call in trace.encoder_calls if call.status is None]
+            if trace.prefill_url and trace.prefill_status is None:
+                pending.append(trace.prefill_url)
+            if trace.decode_url and trace.decode_status is None:
+                pending.append(trace.decode_url)
+            url = pending[0] if pending else ""
+        by_url = {spec.url: server for spec, server in zip(self.instances, self._servers)}
+        server = by_url.get(url)
+        if server is None:
+            return "no instance was still working on it (see the proxy's trace)"
+        return (
+            f"the request was still waiting on {server.name} ({url}); last lines of "
+            f"{server.command.log_path}:\n{server.log_tail(LOG_TAIL_SLICE_LINES)}"
+        )
+
     def dead_instance_report(self) -> str | None:
         """Name and log tail of the first instance that died, if any."""
         for server in self._servers:
@@ -257,6 +297,21 @@ class TopologySession:
                     f"{server.log_tail(LOG_TAIL_LINES)}"
                 )
         return None
+
+    def server(self, role: Role, index: int = 0) -> ManagedServer:
+        """The running server of the index-th instance with `role` (fault injection, checks)."""
+        matching = [srv for spec, srv in zip(self.instances, self._servers) if spec.role is role]
+        if index >= len(matching):
+            raise LookupError(f"{self.topology.name} has no {role.value} instance #{index}")
+        return matching[index]
+
+    @property
+    def servers(self) -> tuple[ManagedServer, ...]:
+        return tuple(self._servers)
+
+    @property
+    def kv_storage(self) -> Path | None:
+        return next((s.kv_storage for s in self.instances if s.kv_storage), None)
 
     @property
     def ec_storage(self) -> Path | None:

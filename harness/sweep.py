@@ -18,6 +18,7 @@ from fixtures.tiny_model import model_digest
 from harness.baseline_cache import BaselineCache, baseline_key
 from harness.bundle import write_bundle, write_run_info
 from harness.compare import EXACT, Policy
+from harness.faults import fault_for, plant
 from harness.guards import GuardResult, check_transfers
 from harness.judge import baseline_is_stable, judge_case
 from harness.prompts import PromptSpec, render_request
@@ -37,6 +38,9 @@ class SweepPlan:
     # Policy against the monolithic baseline. Exact on CPU (deterministic); on GPUs upstream
     # allows logprob-close drift for P/D and keeps exactness for 1E+1P+1D vs 1P+1D.
     baseline_policy: Policy = EXACT
+    # A planted fault (harness.faults.FAULT_NAMES) for self-tests from the command line;
+    # recorded in run.json so `repro` replays it. Never set in a normal run.
+    fault: str | None = None
 
 
 @dataclass
@@ -79,7 +83,9 @@ class Sweep:
         log: Callable[[str], None] = print,
         on_event: Callable[[str, str, float], None] | None = None,
         baseline_cache: BaselineCache | None = None,
+        bodies: dict[str, dict] | None = None,
     ):
+        """`bodies` replays recorded request bodies (repro) instead of rendering the plan's."""
         self.plan = plan
         self.baseline_cache = baseline_cache
         self.baseline_outcomes: dict[str, Outcome] = {}
@@ -88,11 +94,11 @@ class Sweep:
         self.log = log
         self.on_event = on_event
         self.result = SweepResult(run_dir=settings.run_dir)
-        self.bodies = {
+        self.bodies = bodies or {
             p.name: render_request(p, settings.serving.served_model_name)
             for p in (*plan.prompts, *plan.baseline_only_prompts)
         }
-        self.topology_prompts = [p.name for p in plan.prompts]
+        self.topology_prompts = list(bodies) if bodies else [p.name for p in plan.prompts]
         self.stability: dict[str, tuple[bool, str]] = {}
         self.guards: dict[str, dict[str, list[GuardResult]]] = {}
         self._judged: dict[tuple[str, str], list[CaseRecord]] = {}
@@ -104,6 +110,11 @@ class Sweep:
             (BASELINE, *plan.topologies),
             (*plan.prompts, *plan.baseline_only_prompts),
             settings.serving.model,
+        )
+        self.run_info.update(
+            platform_profile=settings.platform.name,
+            devices=list(settings.devices),
+            fault=plan.fault,
         )
 
     def baseline(self) -> dict[str, Outcome]:
@@ -209,6 +220,11 @@ class Sweep:
         guards: dict[str, list[GuardResult]] = {}
         try:
             with TopologySession(topology, self.settings, on_event=self.on_event) as session:
+                if self.plan.fault and session.proxy is not None:
+                    plant(
+                        session.proxy.faults,
+                        fault_for(self.plan.fault, session.ec_storage, session.kv_storage),
+                    )
                 for name in self.topology_prompts:
                     outcome = session.send(name, self.bodies[name])
                     outcomes[name] = outcome
@@ -260,4 +276,9 @@ class Sweep:
 
 
 def write_json(path: Path, data: object) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True))
+    try:
+        path.write_text(json.dumps(data, indent=2, sort_keys=True))
+    except OSError as exc:
+        if exc.filename is None:  # a failed write() (a full disk) does not say which file
+            exc.filename = str(path)
+        raise

@@ -100,7 +100,8 @@ def load_scenario_file(path: str | os.PathLike[str]) -> tuple[Scenario, ...]:
         raise BadInput(f"{where}: {describe_os_error(exc)}") from None
     except UnicodeDecodeError as exc:
         raise BadInput(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    data = _parse_yaml(text, where) if source.suffix in (".yaml", ".yml") else _parse_json(text, where)
+    is_yaml = source.suffix in (".yaml", ".yml")
+    data = _parse_yaml(text, where) if is_yaml else _parse_json(text, where)
     if not isinstance(data, list):
         raise BadInput(f"{where}: expected a list of {{topology, prompt}}, got {_kind(data)}")
     if not data:
@@ -108,11 +109,12 @@ def load_scenario_file(path: str | os.PathLike[str]) -> tuple[Scenario, ...]:
     scenarios: list[Scenario] = []
     for number, entry in enumerate(data, start=1):
         at = f"{where}: entry {number}"
+        fields = ", ".join(SCENARIO_FIELDS)
         if not isinstance(entry, dict):
-            raise BadInput(f"{at}: expected a mapping with {', '.join(SCENARIO_FIELDS)}, got {_kind(entry)}")
+            raise BadInput(f"{at}: expected a mapping with {fields}, got {_kind(entry)}")
         unknown = sorted(set(entry) - set(SCENARIO_FIELDS), key=str)
         if unknown:
-            raise BadInput(f"{at}: unknown field {unknown[0]!r} (fields: {', '.join(SCENARIO_FIELDS)})")
+            raise BadInput(f"{at}: unknown field {unknown[0]!r} (fields: {fields})")
         for field_name in SCENARIO_FIELDS:
             if not isinstance(entry.get(field_name), str):
                 got = "nothing" if field_name not in entry else _kind(entry[field_name])
@@ -128,7 +130,8 @@ def load_scenario_file(path: str | os.PathLike[str]) -> tuple[Scenario, ...]:
         scenario = Scenario(entry["topology"], entry["prompt"])
         if scenario in scenarios:
             first = scenarios.index(scenario) + 1
-            raise BadInput(f"{at}: repeats entry {first} ({scenario.topology} / {scenario.prompt})")
+            case = f"{scenario.topology} / {scenario.prompt}"
+            raise BadInput(f"{at}: repeats entry {first} ({case})")
         scenarios.append(scenario)
     return tuple(scenarios)
 
@@ -137,14 +140,15 @@ def _parse_json(text: str, where: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise BadInput(f"{where}: not valid JSON: line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        position = f"line {exc.lineno} column {exc.colno}"
+        raise BadInput(f"{where}: not valid JSON: {position}: {exc.msg}") from None
 
 
 def _parse_yaml(text: str, where: str) -> Any:
     try:
         import yaml
     except ImportError:
-        raise BadInput(f"{where}: reading YAML needs PyYAML (pip install pyyaml); or write JSON") from None
+        raise BadInput(f"{where}: reading YAML needs PyYAML; or write JSON") from None
     try:
         return yaml.safe_load(text)
     except yaml.MarkedYAMLError as exc:
@@ -177,7 +181,8 @@ def check_model_dir(model: str | os.PathLike[str]) -> Path:
         raise BadInput(f"model {path} is not a directory (pass a checkpoint directory)")
     config = path / "config.json"
     if not config.is_file():
-        raise BadInput(f"model directory {path} has no config.json (is it a Hugging Face checkpoint?)")
+        raise BadInput(f"model directory {path} has no config.json "
+                       "(is it a Hugging Face checkpoint?)")  # fmt: skip
     try:
         data = json.loads(config.read_text(encoding="utf-8"))
     except OSError as exc:
@@ -185,14 +190,15 @@ def check_model_dir(model: str | os.PathLike[str]) -> Path:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         detail = (f"line {exc.lineno} column {exc.colno}: {exc.msg}"
                   if isinstance(exc, json.JSONDecodeError) else "not UTF-8")  # fmt: skip
-        raise BadInput(f"model directory {path}: config.json is not valid JSON ({detail})") from None
+        raise BadInput(f"model directory {path}: config.json is not valid JSON "
+                       f"({detail})") from None  # fmt: skip
     if not isinstance(data, dict):
-        raise BadInput(f"model directory {path}: config.json is {_kind(data)}, not a JSON object")
+        raise BadInput(f"model directory {path}: config.json is {_kind(data)}, not an object")
     return path
 
 
 def max_position_tokens(model_dir: Path) -> int | None:
-    """The model's own context limit from config.json (text_config first, as Qwen2.5-VL nests it)."""
+    """The model's context limit from config.json (text_config first: Qwen2.5-VL nests it)."""
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     for section in (config.get("text_config") or {}, config):
         value = section.get("max_position_embeddings") if isinstance(section, dict) else None
@@ -238,18 +244,20 @@ def check_vllm(executable: str, allow_untested: bool) -> str:
             timeout=VLLM_VERSION_TIMEOUT_S,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise BadInput(f"cannot run the interpreter of {resolved} ({shlex.join(interpreter)}): {exc}") from None
+        raise BadInput(f"cannot run the interpreter of {resolved} "
+                       f"({shlex.join(interpreter)}): {exc}") from None  # fmt: skip
     version = probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else ""
     if probe.returncode != 0 or not version:
         detail = _one_line(probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else "")
         raise BadInput(f"cannot read the vLLM version of {resolved}: {detail or 'no output'}")
     if version == "NOT-INSTALLED":
-        raise BadInput(f"vLLM is not installed for {interpreter[-1]}, the interpreter of {resolved}")
+        raise BadInput(f"vLLM is not installed for {interpreter[-1]}, "
+                       f"the interpreter of {resolved}")  # fmt: skip
     match = re.match(r"(\d+)\.(\d+)", version)
     if match is None or (int(match[1]), int(match[2])) != SUPPORTED_VLLM_SERIES:
         series = ".".join(map(str, SUPPORTED_VLLM_SERIES))
-        raise BadInput(f"vLLM {version} ({resolved}) is untested: epd-harness supports {series}.x; "
-                       "pass --allow-untested-vllm to run anyway")  # fmt: skip
+        raise BadInput(f"vLLM {version} ({resolved}) is untested: epd-harness supports "
+                       f"{series}.x; pass --allow-untested-vllm to run anyway")  # fmt: skip
     return version
 
 
@@ -272,13 +280,19 @@ def available_cpu_cores() -> tuple[int, ...]:
     return tuple(sorted(os.sched_getaffinity(0)))
 
 
-def check_devices(devices: tuple[int, ...], available: tuple[int, ...], given: bool) -> tuple[int, ...]:
-    """On CPU a device is a core this process may run on (taskset/cgroups narrow the set)."""
+def check_devices(
+    devices: tuple[int, ...], available: tuple[int, ...], given: bool
+) -> tuple[int, ...]:
+    """On CPU a device is a core this process may run on (taskset and cgroups narrow the set).
+
+    Syntax (numbers, each once) is `harness.platforms.parse_devices`'s job; this checks that
+    the cores exist for us: OMP threads bound to a core we may not use fail at vLLM start-up.
+    """
     missing = [d for d in devices if d not in available]
     if missing:
         source = "--devices" if given else "the default devices"
-        raise BadInput(f"{source} {','.join(map(str, devices))}: core {missing[0]} is not available "
-                       f"to this process (available: {_ranges(available)})")  # fmt: skip
+        raise BadInput(f"{source} {','.join(map(str, devices))}: core {missing[0]} is not "
+                       f"available to this process (available: {_ranges(available)})")  # fmt: skip
     return devices
 
 
@@ -302,11 +316,12 @@ def check_host(host: str, allow_non_loopback: bool) -> str:
     """
     loopback = host in LOOPBACK_NAMES or _is_loopback_address(host)
     if not loopback and not allow_non_loopback:
-        raise BadInput(f"refusing to serve on {host}: it is not a loopback address, and vLLM "
-                       "servers have no authentication; pass --allow-non-loopback to allow it")  # fmt: skip
+        raise BadInput(f"refusing to serve on {host}: it is not a loopback address, and "
+                       "vLLM servers have no authentication; pass --allow-non-loopback to "
+                       "allow it")  # fmt: skip
     if host not in (RUNNER_HOST, *LOOPBACK_NAMES):
-        raise BadInput(f"--host {host}: this version's runner binds every server to {RUNNER_HOST} "
-                       "only; other addresses are not supported yet")  # fmt: skip
+        raise BadInput(f"--host {host}: this version's runner binds every server to "
+                       f"{RUNNER_HOST} only; other addresses are not supported yet")  # fmt: skip
     return RUNNER_HOST
 
 
@@ -399,7 +414,8 @@ def check_media_references(bodies: Mapping[str, dict[str, Any]], media_dir: Path
             if media_dir is None:
                 raise BadInput(f"prompt {prompt!r} references {url} but no --media-dir was given")
             if not path.resolve().is_relative_to(media_dir):
-                raise BadInput(f"prompt {prompt!r} references {path}, outside --media-dir {media_dir}")
+                raise BadInput(f"prompt {prompt!r} references {path}, "
+                               f"outside --media-dir {media_dir}")  # fmt: skip
             if not path.is_file():
                 raise BadInput(f"prompt {prompt!r}: media file {path} does not exist")
 
@@ -414,6 +430,37 @@ def _media_urls(body: dict[str, Any]) -> Iterable[str]:
 
 
 # -- the context length, before any server sees the request ----------------------------------
+
+
+def check_model_limit(max_model_len: int, model_limit: int | None) -> None:
+    """--max-model-len must be positive and within the model's own context (vLLM refuses more)."""
+    if max_model_len < 1:
+        raise BadInput(f"--max-model-len {max_model_len}: must be a positive number of tokens")
+    if model_limit is not None and max_model_len > model_limit:
+        raise BadInput(f"--max-model-len {max_model_len} exceeds the model's own limit of "
+                       f"{model_limit} tokens (max_position_embeddings)")  # fmt: skip
+
+
+def check_prompts_fit(
+    max_model_len: int, prompts: Iterable[PromptSpec], prompt_tokens: Mapping[str, int]
+) -> None:
+    """Each request must fit: its prompt tokens plus max_tokens within --max-model-len.
+
+    Otherwise every server rejects it with a 400, and the run reports an ERROR per topology
+    after minutes of start-up, for what is a one-number mistake.
+    """
+    too_long = [
+        (p.name, prompt_tokens[p.name], p.max_tokens)
+        for p in prompts
+        if prompt_tokens[p.name] + p.max_tokens > max_model_len
+    ]
+    if too_long:
+        name, needed, generated = max(too_long, key=lambda item: item[1] + item[2])
+        others = f" (and {len(too_long) - 1} more prompt(s))" if len(too_long) > 1 else ""
+        raise BadInput(f"--max-model-len {max_model_len} is too small for prompt "
+                       f"{name!r}{others}: it has {needed} prompt tokens (counted with the "
+                       f"model's processor) + {generated} to generate = "
+                       f"{needed + generated}")  # fmt: skip
 
 
 def estimate_prompt_tokens(
@@ -438,10 +485,12 @@ def estimate_prompt_tokens(
         for name, count in fresh.items():
             counts[name] = count
             _store_count(cache_dir, keys[name], count)
-    return {name: int(count) for name, count in counts.items() if count is not None}
+    return {name: int(counts[name] or 0) for name in bodies}
 
 
-def _count_with_processor(model_dir: Path, bodies: Mapping[str, dict[str, Any]]) -> dict[str, int]:
+def _count_with_processor(
+    model_dir: Path, bodies: Mapping[str, dict[str, Any]]
+) -> dict[str, int]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from transformers import AutoProcessor
@@ -503,8 +552,7 @@ def _count_tokens(processor: Any, body: dict[str, Any]) -> int:
     for message in body["messages"]:
         content = message["content"]
         if isinstance(content, str):
-            messages.append({"role": message["role"], "content": [{"type": "text", "text": content}]})
-            continue
+            content = [{"type": "text", "text": content}]
         parts = []
         for part in content:
             if part["type"] == "text":
@@ -519,7 +567,9 @@ def _count_tokens(processor: Any, body: dict[str, Any]) -> int:
                 raise ValueError(f"cannot estimate tokens of a {part['type']!r} part")
         messages.append({"role": message["role"], "content": parts})
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    encoded = processor(text=[text], images=images or None, videos=videos or None, return_tensors="np")
+    encoded = processor(
+        text=[text], images=images or None, videos=videos or None, return_tensors="np"
+    )
     return int(encoded["input_ids"].shape[-1])
 
 
@@ -528,7 +578,7 @@ def _media_bytes(url: str) -> bytes:
         return base64.b64decode(url.partition(",")[2])
     if url.startswith("file://"):
         return Path(url[len("file://") :]).read_bytes()
-    raise ValueError(f"cannot estimate tokens of media at {url[:80]} (only data: and file:// URLs)")
+    raise ValueError(f"cannot count tokens of media at {url[:80]} (only data: and file://)")
 
 
 def _load_image(url: str) -> Any:
@@ -555,36 +605,6 @@ def _load_video(url: str) -> Any:
     if not frames:
         raise ValueError("the video has no decodable frame")
     return np.stack(frames)
-
-
-def check_model_limit(max_model_len: int, model_limit: int | None) -> None:
-    """--max-model-len must be positive and within the model's own context (vLLM refuses more)."""
-    if max_model_len < 1:
-        raise BadInput(f"--max-model-len {max_model_len}: must be a positive number of tokens")
-    if model_limit is not None and max_model_len > model_limit:
-        raise BadInput(f"--max-model-len {max_model_len} exceeds the model's own limit of "
-                       f"{model_limit} tokens (max_position_embeddings)")  # fmt: skip
-
-
-def check_prompts_fit(
-    max_model_len: int, prompts: Iterable[PromptSpec], prompt_tokens: Mapping[str, int]
-) -> None:
-    """Each request must fit: its prompt tokens plus max_tokens within --max-model-len.
-
-    Otherwise every server rejects it with a 400, and the run reports an ERROR per topology
-    after minutes of start-up, for what is a one-number mistake.
-    """
-    too_long = [
-        (p.name, prompt_tokens[p.name], p.max_tokens)
-        for p in prompts
-        if prompt_tokens[p.name] + p.max_tokens > max_model_len
-    ]
-    if too_long:
-        name, needed, generated = max(too_long, key=lambda item: item[1] + item[2])
-        others = f" (and {len(too_long) - 1} more prompt(s))" if len(too_long) > 1 else ""
-        raise BadInput(f"--max-model-len {max_model_len} is too small for prompt {name!r}{others}: "
-                       f"it has {needed} prompt tokens (counted with the model's processor) + "
-                       f"{generated} to generate = {needed + generated}")  # fmt: skip
 
 
 # -- errors -----------------------------------------------------------------------------------

@@ -63,14 +63,8 @@ class LiveTopology:
         return self.session.topology.name
 
     def server(self, role: Role) -> ManagedServer:
-        """The first instance with `role`.
-
-        Reaches into the session's private server list: TopologySession has no accessor yet.
-        """
-        for spec, server in zip(self.session.instances, self.session._servers):
-            if spec.role is role:
-                return server
-        raise LookupError(f"{self.name} has no {role.value} instance")
+        """The first instance with `role`."""
+        return self.session.server(role)
 
     def send(self, prompt: str, body: dict) -> tuple[Outcome, list[GuardResult]]:
         """One request and its transfer guards, read at once, while the storage is as it left it."""
@@ -258,8 +252,7 @@ class TestKvFaults:
 
     def test_zeroed_kv_is_a_mismatch(self, epd_sweep, kv_topology: LiveTopology):
         live = kv_topology
-        kv_storage = next(spec.kv_storage for spec in live.session.instances if spec.kv_storage)
-        fault = zero_kv_files(kv_storage)
+        fault = zero_kv_files(live.session.kv_storage)
         plant(live.faults, fault)
         try:
             outcome, guards = live.send(ZERO_KV_PROMPT, epd_sweep.bodies[ZERO_KV_PROMPT])
@@ -279,7 +272,7 @@ class TestKvFaults:
 def topology_processes(session: TopologySession) -> list[psutil.Process]:
     """Every process of every instance right now: leaders and the EngineCores they forked."""
     processes = []
-    for server in session._servers:
+    for server in session.servers:
         leader = psutil.Process(server.pid)
         processes += [leader, *leader.children(recursive=True)]
     return processes

@@ -2,23 +2,24 @@
 
 Each test runs `main([...])` in-process and reads stderr. None may start a real server: every
 run passes `--vllm` pointing at REFUSING_VLLM, a script that only exits, so a check that
-wrongly lets a run through fails with that script's message instead of costing a vLLM start.
+wrongly lets a run through fails on that script's message instead of costing a vLLM start.
+Run with `-s` to see each error line as users see it (docs/bad-input.md is made from that).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from fixtures.tiny_model import model_digest
 from harness import validate
 from harness.baseline_cache import baseline_key
 from harness.cli import main, resolve_model
@@ -32,11 +33,12 @@ REFUSING_VLLM = (
     "sys.exit(2)\n"
 )
 KNOWN_TOPOLOGIES = "baseline, 1E+1PD, 1P+1D, 1E+1P+1D, 2E+1PD"
+RunCli = Callable[..., tuple[int, str]]
 
 
 @pytest.fixture
 def vllm(tmp_path: Path) -> Path:
-    """A `vllm` that passes the version check (it runs under this venv's Python) and never serves."""
+    """A `vllm` that passes the version check (it runs on this venv's Python), never serves."""
     path = tmp_path / "bin" / "vllm"
     path.parent.mkdir()
     path.write_text(f"#!{sys.executable}\n{REFUSING_VLLM}")
@@ -45,40 +47,61 @@ def vllm(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def run_cli(tmp_path: Path, vllm: Path, capsys, monkeypatch) -> Iterator:
-    """Run `epd-harness run ARGS` with a safe vllm, run dir and port lock dir; return (code, err)."""
+def run_cli(tmp_path: Path, vllm: Path, capsys, monkeypatch) -> RunCli:
+    """`epd-harness run ARGS` with a safe vllm, run dir and port lock dir: (exit code, stderr)."""
     monkeypatch.setenv("EPD_HARNESS_PORT_DIR", str(tmp_path / "port-locks"))
     monkeypatch.delenv(validate.PORT_RANGE_ENV, raising=False)
 
     def run(*args: str, run_dir: Path | None = None) -> tuple[int, str]:
-        defaults = ["--vllm", str(vllm), "--baseline-cache", "off",
-                    "--run-dir", str(run_dir or tmp_path / "run")]  # fmt: skip
-        code = main(["run", *defaults, *args])
+        run_dir = run_dir or tmp_path / "run"
+        code = main(["run", "--vllm", str(vllm), "--baseline-cache", "off",
+                     "--run-dir", str(run_dir), *args])  # fmt: skip
         return code, capsys.readouterr().err
 
-    yield run
+    return run
 
 
 def assert_one_error_line(code: int, err: str, cause: str) -> None:
+    with real_stdout():
+        print(f"\nBAD-INPUT {os.environ.get('PYTEST_CURRENT_TEST', '?')}: {err}", end="")
     assert "Traceback" not in err, err
     assert err.count("\n") == 1, f"expected exactly one line on stderr, got:\n{err}"
-    assert (code, err) == (2, f"epd-harness: error: {cause}\n"), f"exit code {code}, stderr:\n{err}"
+    expected = f"epd-harness: error: {cause}\n"
+    assert (code, err) == (2, expected), f"exit code {code}, stderr:\n{err}"
 
 
-def test_unknown_topology(run_cli) -> None:
+@contextlib.contextmanager
+def real_stdout() -> Iterator[None]:
+    """Print past capsys, so `pytest -s` shows each error line as users see it."""
+    saved = sys.stdout
+    sys.stdout = sys.__stdout__
+    try:
+        yield
+    finally:
+        sys.stdout = saved
+
+
+# -- names ------------------------------------------------------------------------------------
+
+
+def test_unknown_topology(run_cli: RunCli) -> None:
     code, err = run_cli("--topology", "1E+1PD,9E")
     assert_one_error_line(code, err, f"unknown topology '9E' (known: {KNOWN_TOPOLOGIES})")
 
 
-def test_unknown_prompt(run_cli) -> None:
+def test_unknown_prompt(run_cli: RunCli) -> None:
     code, err = run_cli("--prompt", "image,nope")
-    assert_one_error_line(code, err, "unknown prompt 'nope' (known: text, image, two_images, video)")
+    cause = "unknown prompt 'nope' (known: text, image, two_images, video)"
+    assert_one_error_line(code, err, cause)
 
 
-def test_usage_errors_are_one_line_too(run_cli) -> None:
+def test_usage_errors_are_one_line_too(run_cli: RunCli) -> None:
     code, err = run_cli("--max-model-len", "many")
-    assert_one_error_line(code, err, "argument --max-model-len: invalid int value: 'many' "
-                                     "(see 'epd-harness run --help')")  # fmt: skip
+    cause = "argument --max-model-len: invalid int value: 'many' (see 'epd-harness run --help')"
+    assert_one_error_line(code, err, cause)
+
+
+REPEATED = '[{"topology": "1P+1D", "prompt": "text"}, {"topology": "1P+1D", "prompt": "text"}]'
 
 
 @pytest.mark.parametrize(
@@ -91,33 +114,36 @@ def test_usage_errors_are_one_line_too(run_cli) -> None:
         ("empty.json", "[]", "lists no scenarios"),
         ("typo.yaml", "- topology: 1E+1PD\n  prmpt: image\n",
          "entry 1: unknown field 'prmpt' (fields: topology, prompt)"),
-        ("missing.yaml", "- topology: 1E+1PD\n", "entry 1: 'prompt' must be a name (a string), got nothing"),
+        ("missing.yaml", "- topology: 1E+1PD\n",
+         "entry 1: 'prompt' must be a name (a string), got nothing"),
         ("unclosed.yaml", "- topology: 1E+1PD\n  prompt: [image\n",
          "not valid YAML: line 3 column 1: expected ',' or ']', but got '<stream end>'"),
         ("unknown.yaml", "- {topology: 1E+1PD, prompt: image}\n- {topology: 3E, prompt: image}\n",
          f"entry 2: unknown topology '3E' (known: {KNOWN_TOPOLOGIES})"),
         ("baseline.json", '[{"topology": "baseline", "prompt": "image"}]',
          "entry 1: 'baseline' is the reference every case is compared with; name an EPD topology"),
-        ("repeat.json", '[{"topology": "1P+1D", "prompt": "text"}, {"topology": "1P+1D", "prompt": "text"}]',
-         "entry 2: repeats entry 1 (1P+1D / text)"),
+        ("repeat.json", REPEATED, "entry 2: repeats entry 1 (1P+1D / text)"),
     ],
 )  # fmt: skip
-def test_malformed_scenario_file(run_cli, tmp_path: Path, name: str, text: str, cause: str) -> None:
+def test_malformed_scenario_file(
+    run_cli: RunCli, tmp_path: Path, name: str, text: str, cause: str
+) -> None:
     path = tmp_path / name
     path.write_text(text)
     code, err = run_cli("--scenario-file", str(path))
     assert_one_error_line(code, err, f"scenario file {path}: {cause}")
 
 
-def test_missing_scenario_file(run_cli, tmp_path: Path) -> None:
+def test_missing_scenario_file(run_cli: RunCli, tmp_path: Path) -> None:
     path = tmp_path / "nowhere.json"
     code, err = run_cli("--scenario-file", str(path))
     assert_one_error_line(code, err, f"scenario file {path}: no such file or directory: {path}")
 
 
-def test_scenario_file_with_topology_flag(run_cli, tmp_path: Path) -> None:
+def test_scenario_file_with_topology_flag(run_cli: RunCli, tmp_path: Path) -> None:
     code, err = run_cli("--scenario-file", str(tmp_path / "s.json"), "--topology", "1P+1D")
-    assert_one_error_line(code, err, "--scenario-file names the cases itself; drop --topology and --prompt")
+    cause = "--scenario-file names the cases itself; drop --topology and --prompt"
+    assert_one_error_line(code, err, cause)
 
 
 def test_good_scenario_file_is_read_in_order(tmp_path: Path) -> None:
@@ -127,42 +153,75 @@ def test_good_scenario_file_is_read_in_order(tmp_path: Path) -> None:
     assert scenarios == (validate.Scenario("1E+1P+1D", "video"), validate.Scenario("1P+1D", "text"))
 
 
-def test_model_directory_missing(run_cli, tmp_path: Path) -> None:
+# -- the model ----------------------------------------------------------------------------------
+
+
+def test_model_directory_missing(run_cli: RunCli, tmp_path: Path) -> None:
     code, err = run_cli("--model", str(tmp_path / "no-model"))
     assert_one_error_line(code, err, f"model directory {tmp_path / 'no-model'} does not exist")
 
 
-def test_model_directory_without_config(run_cli, tmp_path: Path) -> None:
-    (tmp_path / "empty-model").mkdir()
-    code, err = run_cli("--model", str(tmp_path / "empty-model"))
-    assert_one_error_line(code, err, f"model directory {tmp_path / 'empty-model'} has no "
-                                     "config.json (is it a Hugging Face checkpoint?)")  # fmt: skip
+def test_model_directory_without_config(run_cli: RunCli, tmp_path: Path) -> None:
+    model = tmp_path / "empty-model"
+    model.mkdir()
+    code, err = run_cli("--model", str(model))
+    cause = f"model directory {model} has no config.json (is it a Hugging Face checkpoint?)"
+    assert_one_error_line(code, err, cause)
 
 
-def test_model_config_not_json(run_cli, tmp_path: Path) -> None:
+def test_model_config_not_json(run_cli: RunCli, tmp_path: Path) -> None:
     model = tmp_path / "broken-model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "qwen2_5_vl",')
     code, err = run_cli("--model", str(model))
-    assert_one_error_line(code, err, f"model directory {model}: config.json is not valid JSON "
-                                     "(line 1 column 29: Expecting property name enclosed in "
-                                     "double quotes)")  # fmt: skip
+    json_error = "line 1 column 29: Expecting property name enclosed in double quotes"
+    cause = f"model directory {model}: config.json is not valid JSON ({json_error})"
+    assert_one_error_line(code, err, cause)
 
 
-def test_model_is_a_file(run_cli, tmp_path: Path) -> None:
-    (tmp_path / "model.safetensors").write_bytes(b"\0")
-    code, err = run_cli("--model", str(tmp_path / "model.safetensors"))
-    assert_one_error_line(code, err, f"model {tmp_path / 'model.safetensors'} is not a directory "
-                                     "(pass a checkpoint directory)")  # fmt: skip
+def test_model_is_a_file(run_cli: RunCli, tmp_path: Path) -> None:
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\0")
+    code, err = run_cli("--model", str(weights))
+    cause = f"model {weights} is not a directory (pass a checkpoint directory)"
+    assert_one_error_line(code, err, cause)
 
 
-def test_vllm_missing(run_cli) -> None:
+def test_max_model_len_too_small_for_the_video(
+    run_cli: RunCli, tmp_path: Path, monkeypatch
+) -> None:
+    """Counted with the model's processor (bypassing the count cache) before any server starts;
+    vLLM reports the same 379 prompt tokens for this video."""
+    monkeypatch.setattr(validate, "_cached_count", lambda cache_dir, key: None)
+    code, err = run_cli("--prompt", "text,video", "--max-model-len", "64")
+    cause = (
+        "--max-model-len 64 is too small for prompt 'video' (and 1 more prompt(s)): it has 379 "
+        "prompt tokens (counted with the model's processor) + 32 to generate = 411"
+    )
+    assert_one_error_line(code, err, cause)
+    assert not (tmp_path / "run" / "requests.json").exists(), "the check must precede the run"
+
+
+def test_max_model_len_beyond_the_model(run_cli: RunCli) -> None:
+    code, err = run_cli("--max-model-len", "1000000")
+    cause = (
+        "--max-model-len 1000000 exceeds the model's own limit of 32768 tokens "
+        "(max_position_embeddings)"
+    )
+    assert_one_error_line(code, err, cause)
+
+
+# -- vLLM ---------------------------------------------------------------------------------------
+
+
+def test_vllm_missing(run_cli: RunCli) -> None:
     code, err = run_cli("--vllm", "/nonexistent/vllm")
-    assert_one_error_line(code, err, "vLLM executable /nonexistent/vllm not found (pass --vllm PATH)")
+    cause = "vLLM executable /nonexistent/vllm not found (pass --vllm PATH)"
+    assert_one_error_line(code, err, cause)
 
 
 def fake_vllm_of_version(tmp_path: Path, version: str) -> Path:
-    """A vllm whose interpreter sees a `vllm` distribution of `version` first on its path."""
+    """A vllm whose interpreter finds a `vllm` distribution of `version` first on its path."""
     site = tmp_path / f"site-{version}"
     dist_info = site / f"vllm-{version}.dist-info"
     dist_info.mkdir(parents=True)
@@ -176,14 +235,17 @@ def fake_vllm_of_version(tmp_path: Path, version: str) -> Path:
     return vllm
 
 
-def test_vllm_of_an_untested_version(run_cli, tmp_path: Path) -> None:
+def test_vllm_of_an_untested_version(run_cli: RunCli, tmp_path: Path) -> None:
     vllm = fake_vllm_of_version(tmp_path, "0.31.1")
     code, err = run_cli("--vllm", str(vllm))
-    assert_one_error_line(code, err, f"vLLM 0.31.1 ({vllm}) is untested: epd-harness supports "
-                                     "0.32.x; pass --allow-untested-vllm to run anyway")  # fmt: skip
+    cause = (
+        f"vLLM 0.31.1 ({vllm}) is untested: epd-harness supports 0.32.x; "
+        "pass --allow-untested-vllm to run anyway"
+    )
+    assert_one_error_line(code, err, cause)
 
 
-def test_untested_vllm_is_allowed_on_request(run_cli, tmp_path: Path, monkeypatch) -> None:
+def test_untested_vllm_is_allowed_on_request(run_cli: RunCli, tmp_path: Path, monkeypatch) -> None:
     """With the override the version check passes; the (held) port range is the next error."""
     vllm = fake_vllm_of_version(tmp_path, "0.31.1")
     with held_port() as port:
@@ -192,8 +254,12 @@ def test_untested_vllm_is_allowed_on_request(run_cli, tmp_path: Path, monkeypatc
     assert code == 2 and "no free port" in err and "is untested" not in err, err
 
 
-def test_supported_version_with_local_suffix_passes() -> None:
-    assert validate.check_vllm(str(Path(sys.executable).parent / "vllm"), False).startswith("0.32.")
+def test_supported_version_with_a_local_suffix_passes() -> None:
+    version = validate.check_vllm(str(Path(sys.executable).parent / "vllm"), False)
+    assert version.startswith("0.32."), version
+
+
+# -- devices, host, ports -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -205,105 +271,118 @@ def test_supported_version_with_local_suffix_passes() -> None:
         ("0,,1", "--devices: empty entry in device list '0,,1'"),
     ],
 )
-def test_invalid_device_list(run_cli, devices: str, cause: str) -> None:
+def test_invalid_device_list(run_cli: RunCli, devices: str, cause: str) -> None:
     code, err = run_cli(f"--devices={devices}")
     assert_one_error_line(code, err, cause)
 
 
-def test_device_this_process_may_not_use(run_cli) -> None:
+def test_device_this_process_may_not_use(run_cli: RunCli) -> None:
     available = validate.available_cpu_cores()
     missing = max(available) + 1
     code, err = run_cli("--devices", f"{available[0]},{missing}")
-    assert_one_error_line(code, err, f"--devices {available[0]},{missing}: core {missing} is not "
-                                     f"available to this process (available: "
-                                     f"{validate._ranges(available)})")  # fmt: skip
+    cause = (
+        f"--devices {available[0]},{missing}: core {missing} is not available to this process "
+        f"(available: {validate._ranges(available)})"
+    )
+    assert_one_error_line(code, err, cause)
+
+
+def test_non_loopback_host_needs_the_flag(run_cli: RunCli) -> None:
+    code, err = run_cli("--host", "0.0.0.0")
+    cause = (
+        "refusing to serve on 0.0.0.0: it is not a loopback address, and vLLM servers have no "
+        "authentication; pass --allow-non-loopback to allow it"
+    )
+    assert_one_error_line(code, err, cause)
+
+
+def test_non_loopback_host_with_the_flag_is_not_silently_ignored(run_cli: RunCli) -> None:
+    code, err = run_cli("--host", "0.0.0.0", "--allow-non-loopback")
+    cause = (
+        "--host 0.0.0.0: this version's runner binds every server to 127.0.0.1 only; other "
+        "addresses are not supported yet"
+    )
+    assert_one_error_line(code, err, cause)
 
 
 @contextlib.contextmanager
 def held_port() -> Iterator[int]:
-    """A port some other program is listening on, for as long as the block runs."""
+    """A port another program listens on, for as long as the block runs."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         yield sock.getsockname()[1]
 
 
-def test_no_free_port(run_cli, tmp_path: Path, monkeypatch) -> None:
+def test_no_free_port(run_cli: RunCli, tmp_path: Path, monkeypatch) -> None:
     with held_port() as port:
         monkeypatch.setenv(validate.PORT_RANGE_ENV, f"{port}-{port}")
         code, err = run_cli("--topology", "1E+1P+1D")
-    assert_one_error_line(code, err, f"no free port: found only 0 of 3 free ports on 127.0.0.1 in "
-                                     f"ports {port}-{port} (scanned from {port}): 0 locked by "
-                                     f"other harness leases under {tmp_path / 'port-locks'}, "
-                                     f"1 bound by other processes")  # fmt: skip
+    cause = (
+        f"no free port: found only 0 of 3 free ports on 127.0.0.1 in ports {port}-{port} "
+        f"(scanned from {port}): 0 locked by other harness leases under "
+        f"{tmp_path / 'port-locks'}, 1 bound by other processes"
+    )
+    assert_one_error_line(code, err, cause)
 
 
-def test_malformed_port_range(run_cli, monkeypatch) -> None:
+def test_malformed_port_range(run_cli: RunCli, monkeypatch) -> None:
     monkeypatch.setenv(validate.PORT_RANGE_ENV, "24000:24100")
     code, err = run_cli()
-    assert_one_error_line(code, err, "EPD_HARNESS_PORT_RANGE='24000:24100': expected LOW-HIGH, "
-                                     "e.g. 24000-24099")  # fmt: skip
+    cause = "EPD_HARNESS_PORT_RANGE='24000:24100': expected LOW-HIGH, e.g. 24000-24099"
+    assert_one_error_line(code, err, cause)
 
 
-def test_media_dir_missing(run_cli, tmp_path: Path) -> None:
+# -- files: media, run directory, disk space, baseline cache ------------------------------------
+
+
+def test_media_dir_missing(run_cli: RunCli, tmp_path: Path) -> None:
     code, err = run_cli("--media-dir", str(tmp_path / "media"))
     assert_one_error_line(code, err, f"media directory {tmp_path / 'media'} does not exist")
 
 
 def test_media_file_referenced_but_missing(tmp_path: Path) -> None:
-    """No built-in prompt uses file:// media yet; the check a rendered body goes through does."""
+    """No built-in prompt uses file:// media yet; this is the check every rendered body passes."""
     (tmp_path / "media").mkdir()
     missing = tmp_path / "media" / "cat.png"
-    body = {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": f"file://{missing}"}}]}]}  # fmt: skip
+    part = {"type": "image_url", "image_url": {"url": f"file://{missing}"}}
+    body = {"messages": [{"role": "user", "content": [part]}]}
     with pytest.raises(BadInput) as refused:
         validate.check_media_references({"cat": body}, tmp_path / "media")
     assert str(refused.value) == f"prompt 'cat': media file {missing} does not exist"
     with pytest.raises(BadInput) as outside:
         validate.check_media_references({"cat": body}, tmp_path / "elsewhere")
-    assert str(outside.value) == (f"prompt 'cat' references {missing}, outside --media-dir "
-                                  f"{tmp_path / 'elsewhere'}")  # fmt: skip
+    expected = f"prompt 'cat' references {missing}, outside --media-dir {tmp_path / 'elsewhere'}"
+    assert str(outside.value) == expected
 
 
-def test_max_model_len_too_small_for_the_video(run_cli, tmp_path: Path, monkeypatch) -> None:
-    """Counted with the model's processor (not its cache) before any server starts; vLLM
-    reports 379 prompt tokens for this video too."""
-    monkeypatch.setattr(validate, "_cached_count", lambda cache_dir, key: None)
-    code, err = run_cli("--prompt", "text,video", "--max-model-len", "64")
-    assert_one_error_line(code, err, "--max-model-len 64 is too small for prompt 'video' (and 1 "
-                                     "more prompt(s)): it has 379 prompt tokens (counted with the "
-                                     "model's processor) + 32 to generate = 411")  # fmt: skip
-    assert not (tmp_path / "run" / "requests.json").exists(), "the check must precede the run"
-
-
-def test_max_model_len_beyond_the_model(run_cli) -> None:
-    code, err = run_cli("--max-model-len", "1000000")
-    assert_one_error_line(code, err, "--max-model-len 1000000 exceeds the model's own limit of "
-                                     "32768 tokens (max_position_embeddings)")  # fmt: skip
-
-
-def test_run_dir_under_a_regular_file(run_cli, tmp_path: Path) -> None:
+def test_run_dir_under_a_regular_file(run_cli: RunCli, tmp_path: Path) -> None:
     """Root ignores chmod, so 'not writable' is made with a path through a regular file."""
     (tmp_path / "a-file").write_text("")
     run_dir = tmp_path / "a-file" / "run"
     code, err = run_cli(run_dir=run_dir)
-    assert_one_error_line(code, err, f"run directory {run_dir} (logs, EC and KV storage) is not "
-                                     f"writable: not a directory: {run_dir}")  # fmt: skip
+    cause = (
+        f"run directory {run_dir} (logs, EC and KV storage) is not writable: "
+        f"not a directory: {run_dir}"
+    )
+    assert_one_error_line(code, err, cause)
 
 
-def test_run_dir_in_proc(run_cli) -> None:
+def test_run_dir_in_proc(run_cli: RunCli) -> None:
     code, err = run_cli(run_dir=Path("/proc/epd-harness-run"))
-    assert_one_error_line(code, err, "run directory /proc/epd-harness-run (logs, EC and KV "
-                                     "storage) is not writable: no such file or directory: "
-                                     "/proc/epd-harness-run")  # fmt: skip
+    cause = (
+        "run directory /proc/epd-harness-run (logs, EC and KV storage) is not writable: "
+        "no such file or directory: /proc/epd-harness-run"
+    )
+    assert_one_error_line(code, err, cause)
 
 
 @contextlib.contextmanager
 def tiny_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
     """A real file system that fills up; skips the test where mounting is not allowed."""
     mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)  # fmt: skip
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)]
+    mounted = subprocess.run(mount, capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
     try:
@@ -312,7 +391,7 @@ def tiny_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", str(mount_point)], check=True)
 
 
-def test_disk_full_during_the_run(run_cli, tmp_path: Path) -> None:
+def test_disk_full_during_the_run(run_cli: RunCli, tmp_path: Path) -> None:
     """A 64 KiB tmpfs: the write probe fits, requests.json (66 KB, all prompts) does not.
 
     What was written stays: the run directory and the part of requests.json that fit.
@@ -321,24 +400,28 @@ def test_disk_full_during_the_run(run_cli, tmp_path: Path) -> None:
         run_dir = tiny / "run"
         code, err = run_cli(run_dir=run_dir)
         kept = {p.name: p.stat().st_size for p in run_dir.iterdir()}
-    assert_one_error_line(code, err, f"no space left on device while writing under {run_dir}; "
-                                     "artifacts written so far are kept")  # fmt: skip
+    # The file is named once sweep.write_json attaches it (a failed write() carries no name).
+    named = f"no space left on device: {run_dir / 'requests.json'}"
+    unnamed = f"no space left on device while writing under {run_dir}"
+    cause = named if named in err else unnamed
+    assert_one_error_line(code, err, f"{cause}; artifacts written so far are kept")
     assert kept.get("requests.json", 0) > 0, f"the partial file must be kept: {kept}"
 
 
-def test_disk_full_at_the_write_probe(run_cli, tmp_path: Path) -> None:
+def test_disk_full_at_the_write_probe(run_cli: RunCli, tmp_path: Path) -> None:
     with tiny_tmpfs(tmp_path / "full", "4k") as full:
         (full / "ballast").write_bytes(b"\0" * 4096)
         code, err = run_cli(run_dir=full / "run")
     probe = full / "run" / f".epd-harness-write-probe-{os.getpid()}"
-    assert_one_error_line(code, err, f"run directory {full / 'run'} (logs, EC and KV storage) is "
-                                     f"not writable: no space left on device: {probe}")  # fmt: skip
+    cause = (
+        f"run directory {full / 'run'} (logs, EC and KV storage) is not writable: "
+        f"no space left on device: {probe}"
+    )
+    assert_one_error_line(code, err, cause)
 
 
 def text_prompt_cache_entry(cache: Path) -> Path:
     """Where the baseline cache keeps the entry a `--prompt text` run on the tiny model reads."""
-    from fixtures.tiny_model import model_digest
-
     model_dir = resolve_model(None)
     body = render_request(SKELETON_PROMPTS[0], "epd-model")
     key = baseline_key(ServingConfig(model=str(model_dir)), model_digest(model_dir), body)
@@ -354,38 +437,28 @@ def text_prompt_cache_entry(cache: Path) -> Path:
         ('{"format": 0, "result": {}}', "format 0, expected 1"),
     ],
 )
-def test_corrupt_baseline_cache_entry(run_cli, tmp_path: Path, text: str, cause: str) -> None:
+def test_corrupt_baseline_cache_entry(
+    run_cli: RunCli, tmp_path: Path, text: str, cause: str
+) -> None:
     """The entry this very run would read is garbage: refused before any server starts."""
     entry = text_prompt_cache_entry(tmp_path / "baseline-cache")
     entry.write_text(text)
     code, err = run_cli("--prompt", "text", "--topology", "1P+1D",
                         "--baseline-cache", str(tmp_path / "baseline-cache"))  # fmt: skip
-    assert_one_error_line(code, err, f"corrupt baseline cache entry {entry}: {cause}; delete it "
-                                     "or pass --refresh-baseline")  # fmt: skip
+    remedy = "delete it or pass --refresh-baseline"
+    assert_one_error_line(code, err, f"corrupt baseline cache entry {entry}: {cause}; {remedy}")
     kept = sorted(p.name for p in (tmp_path / "run").iterdir())
     assert {"run.json", "requests.json"} <= set(kept), f"artifacts written so far: {kept}"
 
 
-def test_baseline_cache_that_is_a_file(run_cli, tmp_path: Path) -> None:
-    (tmp_path / "cache-file").write_text("")
-    code, err = run_cli("--baseline-cache", str(tmp_path / "cache-file"))
-    assert_one_error_line(code, err, f"baseline cache {tmp_path / 'cache-file'} is not a directory "
-                                     "(pass a directory or 'off')")  # fmt: skip
+def test_baseline_cache_that_is_a_file(run_cli: RunCli, tmp_path: Path) -> None:
+    cache = tmp_path / "cache-file"
+    cache.write_text("")
+    code, err = run_cli("--baseline-cache", str(cache))
+    cause = f"baseline cache {cache} is not a directory (pass a directory or 'off')"
+    assert_one_error_line(code, err, cause)
 
 
-def test_non_loopback_host_needs_the_flag(run_cli) -> None:
-    code, err = run_cli("--host", "0.0.0.0")
-    assert_one_error_line(code, err, "refusing to serve on 0.0.0.0: it is not a loopback address, "
-                                     "and vLLM servers have no authentication; pass "
-                                     "--allow-non-loopback to allow it")  # fmt: skip
-
-
-def test_non_loopback_host_with_the_flag_is_not_silently_ignored(run_cli) -> None:
-    code, err = run_cli("--host", "0.0.0.0", "--allow-non-loopback")
-    assert_one_error_line(code, err, "--host 0.0.0.0: this version's runner binds every server to "
-                                     "127.0.0.1 only; other addresses are not supported yet")  # fmt: skip
-
-
-def test_describe_os_error_names_both_paths() -> None:
-    exc = OSError(errno.ENOSPC, "No space left on device", "/runs/a", None)
+def test_describe_os_error_is_one_lowercase_line_with_the_path() -> None:
+    exc = OSError(errno.ENOSPC, "No space left on device", "/runs/a")
     assert validate.describe_os_error(exc) == "no space left on device: /runs/a"

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from harness.launch import (
+    STARTUP_STOP_GRACE_S,
     ManagedServer,
     ServerCommand,
     ServerDied,
@@ -250,6 +251,30 @@ def test_sigterm_ignoring_server_is_sigkilled_after_the_grace(make_server) -> No
     assert is_gone(server.pid)
 
 
+def wait_until_ignoring_sigterm(pid: int) -> None:
+    """Poll the kernel's view (SigIgn in /proc/PID/status) until the fake has set SIG_IGN."""
+    deadline = time.monotonic() + GONE_TIMEOUT_S
+    while True:
+        status = Path(f"/proc/{pid}/status").read_text()
+        ignored = int(re.search(r"^SigIgn:\s*([0-9a-f]+)", status, re.M)[1], 16)
+        if ignored & (1 << (signal.SIGTERM - 1)):
+            return
+        assert time.monotonic() < deadline, f"pid {pid} never ignored SIGTERM:\n{status}"
+        time.sleep(0.01)
+
+
+def test_never_ready_server_ignoring_sigterm_gets_the_short_grace(make_server) -> None:
+    """Stopping siblings of a server that died at start-up must not cost STOP_GRACE_S each."""
+    server = make_server("hung-at-start", mode="ignore-term,never-ready")
+    server.start()
+    wait_until_ignoring_sigterm(server.pid)
+    start = time.monotonic()
+    server.stop()  # the default grace: STOP_GRACE_S
+    elapsed_s = time.monotonic() - start
+    assert STARTUP_STOP_GRACE_S <= elapsed_s < STARTUP_STOP_GRACE_S + 2.0, f"{elapsed_s:.1f} s"
+    assert server.exit_code == -signal.SIGKILL
+
+
 def test_stop_is_idempotent_releases_the_port_and_allows_no_restart(make_server) -> None:
     server = make_server("once")
     lease = server.port_lease
@@ -389,9 +414,10 @@ def test_log_path_for_makes_a_flat_readable_file_name(tmp_path: Path) -> None:
 def test_log_header_redacts_credentials_but_the_server_gets_them(tmp_path: Path) -> None:
     """The server needs its token; the log, an artifact that gets uploaded, must not show it."""
     secret = "hf_planted_secret_9d2c"
+    report_length = "import os; print('token length', len(os.environ['HF_TOKEN']))"
     command = ServerCommand(
         name="secretive",
-        argv=[sys.executable, "-c", "import os; print('token length', len(os.environ['HF_TOKEN']))"],
+        argv=[sys.executable, "-c", report_length],
         health_url="http://127.0.0.1:1/health",
         log_path=tmp_path / "secretive.log",
         env={"HF_TOKEN": secret, "OMP_NUM_THREADS": "1"},
