@@ -170,9 +170,10 @@ def epd_sweep(pytestconfig: pytest.Config, epd_settings):
     return sweep
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def epd_matrix(epd_sweep):
-    """The scenario matrix on the shared baseline; one topology session open at a time."""
+    """The scenario matrix on the shared baseline; one topology session open at a time, and
+    none left open once the module's scenarios are done (the next module starts its own)."""
     from harness.matrix import MatrixRun
 
     matrix = MatrixRun(epd_sweep)

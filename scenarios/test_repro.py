@@ -1,0 +1,33 @@
+"""A bundle from a planted failure, replayed by `epd-harness repro`, gives the same verdict.
+
+Runs the real CLI in-process: `run --plant-fault corrupt-ec` must exit 1 with a MISMATCH in its
+summary, and `repro` on that bundle must start the topology again with the recorded flags,
+body and fault, and report the verdict reproduced (exit 0).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.cli import EXIT_FAILED, EXIT_OK, main
+
+pytestmark = pytest.mark.e2e
+
+
+def test_repro_of_a_planted_mismatch_reproduces_it(epd_run_dir: Path, capsys) -> None:
+    bundle = epd_run_dir / "planted-corrupt-ec"
+    code = main(["run", "--topology", "1E+1PD", "--prompt", "image", "--plant-fault",
+                 "corrupt-ec", "--run-dir", str(bundle)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == EXIT_FAILED, f"a planted EC corruption must fail the run:\n{out[-3000:]}"
+    summary = json.loads((bundle / "summary.json").read_text())
+    assert [c["verdict"] for c in summary["cases"]] == ["MISMATCH"], summary["cases"]
+    assert json.loads((bundle / "run.json").read_text())["fault"] == "corrupt-ec"
+
+    code = main(["repro", str(bundle), "--run-dir", str(epd_run_dir / "planted-repro")])
+    out = capsys.readouterr().out
+    assert code == EXIT_OK, f"repro did not reproduce the MISMATCH:\n{out[-3000:]}"
+    assert "MISMATCH now, MISMATCH in the bundle: reproduced" in out

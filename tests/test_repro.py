@@ -1,0 +1,60 @@
+"""Reading a run bundle for `epd-harness repro` (no vLLM: the rerun itself is e2e)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main
+from harness.repro import Bundle, BundleError
+from harness.topology import ServingConfig
+
+
+def write_bundle(root: Path, cases: list[dict], serving: dict | None = None) -> Path:
+    root.mkdir(parents=True)
+    serving = serving or {"model": "/m", "block_size": 32, "extra_args": [], "unknown_flag": 1}
+    (root / "run.json").write_text(json.dumps({"serving": serving, "fault": "corrupt-ec"}))
+    (root / "requests.json").write_text(json.dumps({"image": {"model": "epd-model"}}))
+    (root / "summary.json").write_text(json.dumps({"cases": cases}))
+    return root
+
+
+def case(topology: str, prompt: str, verdict: str, passed: bool) -> dict:
+    return {"topology": topology, "prompt": prompt, "verdict": verdict,
+            "policy_passed": passed, "reference": "baseline"}  # fmt: skip
+
+
+def test_picks_the_first_failing_case_and_cuts_scenario_labels(tmp_path: Path) -> None:
+    bundle = Bundle.load(write_bundle(tmp_path / "b", [
+        case("1E+1PD", "text", "MATCH", True),
+        case("1E+1PD:ec-images-1-2-3", "image", "MISMATCH", False),
+    ]))  # fmt: skip
+    picked = bundle.pick_case(None)
+    assert (picked.topology, picked.prompt, picked.verdict) == ("1E+1PD", "image", "MISMATCH")
+
+
+def test_a_named_case_can_be_a_passing_one(tmp_path: Path) -> None:
+    bundle = Bundle.load(write_bundle(tmp_path / "b", [case("1P+1D", "text", "MATCH", True)]))
+    assert bundle.pick_case("1P+1D:text").verdict == "MATCH"
+    with pytest.raises(BundleError, match="no case '1P\\+1D:video'"):
+        bundle.pick_case("1P+1D:video")
+
+
+def test_all_passing_bundle_says_what_to_do(tmp_path: Path) -> None:
+    bundle = Bundle.load(write_bundle(tmp_path / "b", [case("1P+1D", "text", "MATCH", True)]))
+    with pytest.raises(BundleError, match="every case passed; name one with --case"):
+        bundle.pick_case(None)
+
+
+def test_serving_config_is_rebuilt_ignoring_unknown_fields(tmp_path: Path) -> None:
+    bundle = Bundle.load(write_bundle(tmp_path / "b", []))
+    assert bundle.serving() == ServingConfig(model="/m", block_size=32)
+
+
+def test_repro_of_a_directory_that_is_no_bundle_is_bad_input(tmp_path: Path, capsys) -> None:
+    (tmp_path / "empty").mkdir()
+    assert main(["repro", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a run bundle: no run.json, requests.json, summary.json" in err[0]
