@@ -30,8 +30,8 @@ from typing import Any
 
 from fixtures.tiny_model import model_digest
 from harness.prompts import PromptSpec
-from harness.report import CaseRecord, format_failure
-from harness.report_html import strip_ansi, write_report_html, write_text_atomic
+from harness.report import CaseRecord, format_failure, write_text_atomic
+from harness.report_html import strip_ansi, write_report_html
 from harness.topology import ServingConfig, Topology
 
 RUN_JSON = "run.json"

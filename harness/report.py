@@ -19,6 +19,7 @@ from typing import Any
 from harness.compare import Verdict
 
 DETAIL_WIDTH = 70
+ARTIFACT_MODE = 0o644  # mkstemp creates 0600; artifacts are for everyone who reads the run
 COLUMNS = ("TOPOLOGY", "PROMPT", "REFERENCE", "VERDICT", "PASS", "DETAIL")
 
 
@@ -101,13 +102,18 @@ def write_summary_json(
         "totals": _totals(records),
         "passed": bool(records) and all(r.policy_passed for r in records),
     }
-    text = json.dumps(document, sort_keys=True, indent=2) + "\n"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    write_text_atomic(target, json.dumps(document, sort_keys=True, indent=2) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file and a rename: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        os.replace(tmp, target)
+        os.chmod(tmp, ARTIFACT_MODE)
+        os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise

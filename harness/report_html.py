@@ -12,17 +12,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Mapping, Sequence
 from html import escape
 from pathlib import Path
 from typing import Any
 
 from harness.compare import Verdict
-from harness.report import CaseRecord
+from harness.report import CaseRecord, write_text_atomic
 
 REPORT_HTML = "report.html"
-ARTIFACT_MODE = 0o644  # mkstemp creates 0600; artifacts are for everyone who reads the run
 # Terminal escape sequences: vLLM colours its log lines, and error texts carry log tails.
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -107,20 +105,6 @@ table.kv td, table.kv th { padding: 3px 12px 3px 0; vertical-align: top; text-al
     font-size: 12.5px; border-bottom: 1px solid var(--soft); }
 table.kv th { color: var(--muted); font-weight: 600; white-space: nowrap; }
 """
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file and a rename: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, ARTIFACT_MODE)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def strip_ansi(text: str) -> str:

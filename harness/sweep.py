@@ -22,7 +22,7 @@ from harness.faults import fault_for, plant
 from harness.guards import GuardResult, check_transfers
 from harness.judge import baseline_is_stable, judge_case
 from harness.prompts import PromptSpec, render_request
-from harness.report import CaseRecord, format_verdict_table, write_summary_json
+from harness.report import CaseRecord, format_verdict_table, write_summary_json, write_text_atomic
 from harness.runner import InstanceStats, Outcome, RunSettings, TopologySession
 from harness.topology import TOPOLOGIES, Topology
 
@@ -271,7 +271,7 @@ class Sweep:
                 },
             },
         )
-        (result.run_dir / "verdicts.txt").write_text(format_verdict_table(result.records) + "\n")
+        write_text_atomic(result.run_dir / "verdicts.txt", format_verdict_table(result.records) + "\n")
         write_bundle(result.run_dir, result.records, responses, self.run_info)
 
 

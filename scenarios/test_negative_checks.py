@@ -272,7 +272,7 @@ class TestDecodeAccepts:
         encoder = post_chat(live.url(Role.ENCODER), encoder_request(body, fresh))
         assert encoder.status == 200, f"the encoder did not encode {fresh}: {encoder}"
         consumer_body = metadata_only(body, fresh, grid)
-        prefill = post_chat(live.url(Role.PREFILL), prefill_request(consumer_body))
+        prefill = post_chat(live.url(Role.PREFILL), build_prefill_request(consumer_body))
         assert prefill.status == 200, f"P did not prefill {fresh}: {prefill}"
         direct = post_chat(live.url(Role.DECODE), consumer_body)
         result = assert_same_answer(outcome.result, direct, f"D with the fresh uuid {fresh}")
@@ -294,23 +294,6 @@ class TestDecodeAccepts:
         )
         answer = post_chat(epd_topology.url(Role.DECODE), body)
         assert_killed_by_missing_embeddings(epd_topology, Role.DECODE, answer)
-
-
-def prefill_request(consumer_body: dict[str, Any]) -> dict[str, Any]:
-    """What the proxy would send P: one token, no streaming, and KV kept for a remote decode."""
-    return {
-        **copy.deepcopy(consumer_body),
-        "max_tokens": 1,
-        "stream": False,
-        "kv_transfer_params": {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        },
-    }
 
 
 def encoder_request(body: dict[str, Any], uuid: str) -> dict[str, Any]:
