@@ -169,14 +169,21 @@ def serving_for(profile: PlatformProfile, model: str, **overrides: object) -> Se
 def devices_needed(
     topology: Topology, profile: PlatformProfile, available: int, colocate: bool
 ) -> int:
-    """How many devices `topology` takes out of `available`: one per instance unless colocated.
+    """How many devices `topology` takes out of `available`: one per instance when there are
+    enough; when there are not, an encoder (it holds no KV cache) shares a device with another
+    instance, while P, D and PD each keep their own unless `colocate` lets everything share.
 
     On CPU the answer is 0: cores are shared, so a topology never excludes another.
     """
     if not profile.exclusive_devices:
         return 0
     instances = len(topology.roles)
-    return min(instances, available) if colocate else instances
+    if instances <= available:
+        return instances
+    if colocate:
+        return available
+    own_device = max(1, instances - topology.encoders)
+    return own_device if own_device <= available else instances
 
 
 def assign_devices(
@@ -188,18 +195,20 @@ def assign_devices(
     """The device(s) of each instance of `topology`, in role order, from `devices`.
 
     CPU: cores in turn, exactly as `plan_instances` hands them out. GPU: one device each while
-    there are enough; with `colocate`, non-encoders are spread first and encoders share the
-    least loaded devices, since an encoder holds no KV cache.
+    there are enough; otherwise non-encoders are spread first and encoders share the least
+    loaded devices, since an encoder holds no KV cache (with `colocate`, non-encoders may
+    share too).
     """
     if not devices:
         raise DevicePlanError(f"{topology.name}: no {profile.device_kind}s to place it on")
     if not profile.exclusive_devices:
         return tuple((devices[i % len(devices)],) for i in range(len(topology.roles)))
     instances = len(topology.roles)
-    if instances > len(devices) and not colocate:
+    own_device = max(1, instances - topology.encoders)
+    if own_device > len(devices) and not colocate:
         raise DevicePlanError(
-            f"{topology.name} needs {instances} devices (one per instance), "
-            f"got {len(devices)}: {_join(devices)}"
+            f"{topology.name} needs {own_device} devices (one per instance besides "
+            f"encoders), got {len(devices)}: {_join(devices)}"
         )
     if instances <= len(devices):
         return tuple((device,) for device in devices[:instances])
@@ -285,9 +294,11 @@ def schedule_waves(
     available = len(devices)
     too_big = [t for t in topologies if devices_needed(t, profile, available, colocate) > available]
     if too_big:
-        needs = ", ".join(f"{t.name} needs {len(t.roles)}" for t in too_big)
+        needs = ", ".join(
+            f"{t.name} needs {max(1, len(t.roles) - t.encoders)}" for t in too_big
+        )
         raise DevicePlanError(
-            f"{needs} devices (one per instance) but only {len(devices)} given "
+            f"{needs} devices (one per instance besides encoders) but only {len(devices)} given "
             f"({_join(devices)}); use --colocate to share devices within a topology, "
             f"or leave {'it' if len(too_big) == 1 else 'them'} out with --topology"
         )

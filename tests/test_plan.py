@@ -96,9 +96,17 @@ def test_two_gpus_run_the_fitting_topologies_in_sequential_waves() -> None:
     assert_valid_gpu_plan(plan, (0, 1), names)
 
 
-def test_two_gpus_with_the_three_instance_topology_need_colocation() -> None:
-    with pytest.raises(DevicePlanError, match=r"1E\+1P\+1D needs 3 devices .* only 2 given"):
-        build_plan(request(CUDA, (0, 1)))
+def test_two_gpus_run_every_topology_in_sequence_with_the_encoder_sharing() -> None:
+    plan = build_plan(request(CUDA, (0, 1)))
+    assert len(plan.waves) == 4
+    assert_valid_gpu_plan(plan, (0, 1), DEFAULT_TOPOLOGY_NAMES)
+    epd = {i.name: i for i in plan.instances if i.name.startswith("1E+1P+1D/")}
+    assert epd["1E+1P+1D/prefill0"].devices != epd["1E+1P+1D/decode0"].devices
+    assert epd["1E+1P+1D/encoder0"].devices == epd["1E+1P+1D/prefill0"].devices
+    assert epd["1E+1P+1D/encoder0"].gpu_memory_fraction == 0.45
+
+
+def test_two_gpus_with_colocation_give_the_same_valid_plan() -> None:
     plan = build_plan(request(CUDA, (0, 1), colocate=True))
     assert len(plan.waves) == 4
     assert_valid_gpu_plan(plan, (0, 1), DEFAULT_TOPOLOGY_NAMES)
@@ -111,8 +119,9 @@ def test_two_gpus_with_the_three_instance_topology_need_colocation() -> None:
 def test_one_gpu_is_an_error_for_every_multi_instance_topology_unless_colocated() -> None:
     with pytest.raises(DevicePlanError) as info:
         build_plan(request(CUDA, (0,)))
-    assert "1E+1P+1D needs 3" in str(info.value)
-    assert "1E+1PD needs 2" in str(info.value)
+    assert "1E+1P+1D needs 2" in str(info.value)
+    assert "1P+1D needs 2" in str(info.value)
+    assert "1E+1PD needs" not in str(info.value), "E and PD share the one GPU"
     plan = build_plan(request(CUDA, (0,), colocate=True))
     assert_valid_gpu_plan(plan, (0,), DEFAULT_TOPOLOGY_NAMES)
     assert {i.devices for i in plan.instances} == {(0,)}
@@ -230,7 +239,7 @@ def test_cli_topologies_are_repeatable_and_comma_separated(capsys) -> None:
         (["--platform", "cuda", "--devices", "0,0"], "device 0 is listed twice"),
         (["--platform", "cuda", "--devices", "a"], "device 'a'"),
         (["--platform", "cuda", "--devices", "-1"], "device '-1'"),
-        (["--platform", "cuda", "--devices", "0"], "1E+1P+1D needs 3"),
+        (["--platform", "cuda", "--devices", "0"], "1E+1P+1D needs 2"),
         (["--platform", "cuda"], "--devices is required with --platform cuda"),
         (["--platform", "cuda", "--devices", "0,1,2", "--topology", "nope"], "unknown topology"),
         (["--topology", "1P+1D,1P+1D"], "topology 1P+1D is listed twice"),

@@ -1,0 +1,70 @@
+"""How outcomes and guards become a verdict (harness/judge.py), without servers."""
+
+from __future__ import annotations
+
+from harness.client import ChatResult, PositionLogprobs
+from harness.compare import LOGPROB_CLOSE, Verdict
+from harness.guards import GuardResult
+from harness.judge import baseline_is_stable, judge_case
+from harness.runner import Outcome
+
+PROMPT = (1, 2, 3)
+
+
+def outcome(tokens: tuple[int, ...], top: tuple[int, ...] = (), error: str | None = None) -> Outcome:
+    if error:
+        return Outcome(prompt="image", error=error)
+    logprobs = tuple(
+        PositionLogprobs(t, -1.0, tuple((alt, -1.0 - i * 0.1) for i, alt in enumerate((t, *top))))
+        for t in tokens
+    )
+    result = ChatResult(PROMPT, tokens, "", "length", logprobs)
+    return Outcome(prompt="image", result=result)
+
+
+HELD = GuardResult("kv_transfer", True, "cached 160 >= 160")
+BROKEN = GuardResult("consumer_embeds", False, "parts forwarded to the consumer: ['image_url']")
+
+
+def test_equal_tokens_and_held_guards_match() -> None:
+    record = judge_case("1P+1D", "baseline", outcome((5, 6)), outcome((5, 6)), [HELD])
+    assert record.verdict is Verdict.MATCH and record.policy_passed
+    assert record.guards == {"kv_transfer": {"ok": True, "evidence": "cached 160 >= 160"}}
+
+
+def test_equal_tokens_with_a_failed_guard_are_vacuous() -> None:
+    record = judge_case("1E+1PD", "baseline", outcome((5, 6)), outcome((5, 6)), [HELD, BROKEN])
+    assert record.verdict is Verdict.VACUOUS and not record.policy_passed
+    assert "consumer_embeds" in record.detail and "image_url" in record.detail
+
+
+def test_a_failed_request_is_an_error_whatever_the_guards() -> None:
+    record = judge_case("1E+1PD", "baseline", outcome((5,)), outcome((), error="HTTP 500: boom"), [])
+    assert record.verdict is Verdict.ERROR and record.error == "HTTP 500: boom"
+
+
+def test_a_reference_without_result_is_an_error_naming_it() -> None:
+    record = judge_case("1E+1P+1D", "1P+1D", outcome((), error="died"), outcome((5,)), [])
+    assert record.verdict is Verdict.ERROR and "reference 1P+1D has no result" in record.detail
+
+
+def test_an_unstable_baseline_is_its_own_verdict() -> None:
+    record = judge_case("1P+1D", "baseline", outcome((5,)), outcome((7,)), [],
+                        baseline_stable=False)  # fmt: skip
+    assert record.verdict is Verdict.UNSTABLE_BASELINE and not record.policy_passed
+
+
+def test_drift_fails_exact_but_passes_the_logprob_close_policy() -> None:
+    reference, candidate = outcome((5, 6), top=(8,)), outcome((5, 8), top=(6,))
+    exact = judge_case("1P+1D", "baseline", reference, candidate, [])
+    close = judge_case("1P+1D", "baseline", reference, candidate, [], policy=LOGPROB_CLOSE)
+    assert exact.verdict is close.verdict is Verdict.DRIFT
+    assert not exact.policy_passed and close.policy_passed
+    assert exact.divergence is not None and exact.divergence["index"] == 1
+
+
+def test_baseline_control_compares_the_two_answers() -> None:
+    assert baseline_is_stable(outcome((5, 6)), outcome((5, 6)))[0] is True
+    stable, detail = baseline_is_stable(outcome((5, 6)), outcome((5, 9)))
+    assert stable is False and "position 1" in detail
+    assert baseline_is_stable(outcome((5,)), outcome((), error="timeout")) == (False, "timeout")
