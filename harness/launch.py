@@ -295,10 +295,10 @@ class ManagedServer:
                 for proc in tracked:
                     _signal_process(proc, signal.SIGKILL)
                 if not self._wait_gone(tracked, KILL_WAIT_S):
-                    survivors = _live_group_members(pgid) + [p for p in tracked if _is_live(p)]
+                    survivors = _live_group_members(pgid) + [p for p in tracked if is_live_process(p)]
                     raise ServerStopFailed(
                         f"{self.name}: processes survived SIGKILL for {KILL_WAIT_S} s: "
-                        + ", ".join(_describe_process(p) for p in survivors)
+                        + ", ".join(describe_process(p) for p in survivors)
                     )
             self._popen.wait()  # reap only now: the group is empty, so its id may be reused
         if self._port_lease is not None:
@@ -342,7 +342,7 @@ class ManagedServer:
             if (
                 self.exit_code is not None
                 and not _live_group_members(self._popen.pid)
-                and not any(_is_live(p) for p in tracked)
+                and not any(is_live_process(p) for p in tracked)
             ):
                 return True
             if time.monotonic() >= deadline:
@@ -548,7 +548,7 @@ def _pgid_of(proc: psutil.Process) -> int | None:
         return None
 
 
-def _is_live(proc: psutil.Process) -> bool:
+def is_live_process(proc: psutil.Process) -> bool:
     """Running and not a zombie (a zombie has exited; only its parent's wait() is missing)."""
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
@@ -564,12 +564,12 @@ def _live_group_members(pgid: int) -> list[psutil.Process]:
         return []
     members = []
     for proc in psutil.process_iter():
-        if _pgid_of(proc) == pgid and _is_live(proc):
+        if _pgid_of(proc) == pgid and is_live_process(proc):
             members.append(proc)
     return members
 
 
-def _describe_process(proc: psutil.Process) -> str:
+def describe_process(proc: psutil.Process) -> str:
     try:
         return f"pid {proc.pid} ({proc.name()}, {proc.status()})"
     except psutil.NoSuchProcess:

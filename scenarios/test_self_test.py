@@ -33,7 +33,7 @@ from harness.faults import (
 )
 from harness.guards import GuardResult, check_transfers
 from harness.judge import judge_case
-from harness.launch import ManagedServer
+from harness.launch import ManagedServer, describe_process, is_live_process
 from harness.proxy import ProxyFaults
 from harness.report import CaseRecord, format_failure
 from harness.runner import Outcome, RunSettings, TopologySession
@@ -232,7 +232,7 @@ class TestEncoderFaults:
         )
 
         live.session.close()  # the fixture's close() afterwards is a no-op
-        survivors = [describe(p) for p in processes if is_live(p)]
+        survivors = [describe_process(p) for p in processes if is_live_process(p)]
         assert not survivors, (
             f"processes of {live.name} outlived the session ({len(processes)} recorded): "
             f"{survivors}"
@@ -276,21 +276,6 @@ def topology_processes(session: TopologySession) -> list[psutil.Process]:
         leader = psutil.Process(server.pid)
         processes += [leader, *leader.children(recursive=True)]
     return processes
-
-
-def is_live(process: psutil.Process) -> bool:
-    """Running and not a zombie; psutil also says False if the pid now names another process."""
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def describe(process: psutil.Process) -> str:
-    try:
-        return f"pid {process.pid} {process.name()} ({process.status()})"
-    except psutil.NoSuchProcess:
-        return f"pid {process.pid} (gone)"
 
 
 def last_log_line(server: ManagedServer) -> str:
