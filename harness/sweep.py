@@ -228,6 +228,8 @@ class Sweep:
                 for name in self.topology_prompts:
                     outcome = session.send(name, self.bodies[name])
                     outcomes[name] = outcome
+                    status = "failed" if outcome.error else "answered"
+                    self.log(f"[sweep] {topology.name} {name}: {status} in {outcome.seconds:.2f}s")
                     guards[name] = (
                         check_transfers(
                             topology,
