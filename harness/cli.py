@@ -37,7 +37,7 @@ from harness.repro import Bundle, BundleError, keep_up, reproduce
 from harness.report import CaseRecord, format_failure, format_verdict_table
 from harness.runner import RunSettings
 from harness.sweep import BASELINE, Sweep, SweepPlan
-from harness.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Topology, get_topology
+from harness.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Topology
 from harness.validate import BadInput
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from harness.compare import EXACT, Policy, Verdict
-from harness.guards import GuardResult, check_transfers
+from harness.guards import GuardResult
 from harness.judge import judge_case
 from harness.prompts import (
     SHORT_TEXT,
@@ -280,17 +280,8 @@ class MatrixRun:
         baseline: dict[str, Outcome],
     ) -> ScenarioResult:
         result = ScenarioResult(scenario)
-        topology = TOPOLOGIES[scenario.topology]
         for outcome in outcomes:
-            guards = []
-            if outcome.result is not None:
-                guards = check_transfers(
-                    topology,
-                    outcome.trace,
-                    outcome.result,
-                    session.ec_storage,
-                    self.sweep.settings.serving.block_size,
-                )
+            guards = session.transfer_guards(outcome)
             result.records.append(
                 judge_case(
                     f"{scenario.topology}:{scenario.name}",

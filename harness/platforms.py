@@ -107,16 +107,8 @@ CUDA = PlatformProfile(
     gpu_memory_fraction=DEFAULT_GPU_MEMORY_FRACTION,
     exclusive_devices=True,
 )
-XPU = PlatformProfile(
-    name="xpu",
-    device_env_var="ZE_AFFINITY_MASK",
-    kv_connector=NIXL_CONNECTOR,
-    nixl_kv_buffer_device="xpu",
-    default_model=GPU_DEFAULT_MODEL,
-    enforce_eager=False,
-    gpu_memory_fraction=DEFAULT_GPU_MEMORY_FRACTION,
-    exclusive_devices=True,
-)
+# Same as CUDA but for how an instance is pinned to its device and where NIXL buffers live.
+XPU = replace(CUDA, name="xpu", device_env_var="ZE_AFFINITY_MASK", nixl_kv_buffer_device="xpu")
 PLATFORMS: dict[str, PlatformProfile] = {p.name: p for p in (CPU, CUDA, XPU)}
 
 

@@ -17,12 +17,13 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from harness.bundle import redact_argv, redact_env
 from harness.client import ChatClient, ChatResult
+from harness.guards import GuardResult, check_transfers
 from harness.launch import ManagedServer, ServerCommand, ServerDied, ServerGroup, log_path_for
 from harness.ports import PortLease, reserve_ports
 from harness.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer, RequestTrace
@@ -304,6 +305,18 @@ class TopologySession:
         if index >= len(matching):
             raise LookupError(f"{self.topology.name} has no {role.value} instance #{index}")
         return matching[index]
+
+    def transfer_guards(self, outcome: Outcome) -> list[GuardResult]:
+        """The guards of one answered request, read now, while storage is as it left it."""
+        if outcome.result is None:
+            return []
+        return check_transfers(
+            self.topology,
+            outcome.trace,
+            outcome.result,
+            self.ec_storage,
+            self.settings.serving.block_size,
+        )
 
     @property
     def servers(self) -> tuple[ManagedServer, ...]:

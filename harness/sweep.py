@@ -19,7 +19,7 @@ from harness.baseline_cache import BaselineCache, baseline_key
 from harness.bundle import write_bundle, write_run_info
 from harness.compare import EXACT, Policy
 from harness.faults import fault_for, plant
-from harness.guards import GuardResult, check_transfers
+from harness.guards import GuardResult
 from harness.judge import baseline_is_stable, judge_case
 from harness.prompts import PromptSpec, render_request
 from harness.report import CaseRecord, format_verdict_table, write_summary_json, write_text_atomic
@@ -230,17 +230,7 @@ class Sweep:
                     outcomes[name] = outcome
                     status = "failed" if outcome.error else "answered"
                     self.log(f"[sweep] {topology.name} {name}: {status} in {outcome.seconds:.2f}s")
-                    guards[name] = (
-                        check_transfers(
-                            topology,
-                            outcome.trace,
-                            outcome.result,
-                            session.ec_storage,
-                            self.settings.serving.block_size,
-                        )
-                        if outcome.result is not None
-                        else []
-                    )
+                    guards[name] = session.transfer_guards(outcome)
                 self.result.instances.extend(session.stats.values())
         except Exception as exc:  # noqa: BLE001 - a topology that cannot start fails its cases
             error = f"{topology.name} could not start: {type(exc).__name__}: {exc}"

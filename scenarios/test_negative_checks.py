@@ -39,6 +39,12 @@ import pytest
 from harness.client import ChatResult, parse_chat_response
 from harness.compare import compare_results
 from harness.guards import EC_CACHE_FILE, expected_kv_prefix
+from harness.proxy_protocol import (
+    EncoderBatch,
+    build_encoder_request,
+    build_prefill_request,
+    collect_media,
+)
 from harness.runner import Outcome, RunSettings, TopologySession
 from harness.topology import TOPOLOGIES, Role
 
@@ -298,10 +304,8 @@ class TestDecodeAccepts:
 
 def encoder_request(body: dict[str, Any], uuid: str) -> dict[str, Any]:
     """What the proxy would send an encoder for the body's image, under a uuid of our choice."""
-    [image] = [p for p in body["messages"][0]["content"] if p.get("type") == "image_url"]
-    return {
-        "model": body["model"],
-        "messages": [{"role": "user", "content": [{**image, "uuid": uuid}]}],
-        "max_tokens": 1,
-        "stream": False,
-    }
+    tagged = copy.deepcopy(body)
+    [image] = [p for p in tagged["messages"][0]["content"] if p.get("type") == "image_url"]
+    image["uuid"] = uuid  # a client-given uuid is what the encoder keys the item by
+    media = collect_media(tagged)
+    return build_encoder_request(tagged, media, EncoderBatch(0, (0,)))

@@ -31,7 +31,7 @@ from harness.faults import (
     plant,
     zero_kv_files,
 )
-from harness.guards import GuardResult, check_transfers
+from harness.guards import GuardResult
 from harness.judge import judge_case
 from harness.launch import ManagedServer, describe_process, is_live_process
 from harness.proxy import ProxyFaults
@@ -70,17 +70,20 @@ class LiveTopology:
         """One request and its transfer guards, read at once, while the storage is as it left it."""
         started = time.monotonic()
         outcome = self.session.send(prompt, body)
-        guards = []
-        if outcome.result is not None:
-            guards = check_transfers(
-                self.session.topology,
-                outcome.trace,
-                outcome.result,
-                self.session.ec_storage,
-                self.session.settings.serving.block_size,
-            )
+        guards = self.session.transfer_guards(outcome)
         print(f"[self-test] {self.name} {prompt}: {time.monotonic() - started:.1f}s")
         return outcome, guards
+
+    def send_with_fault(
+        self, fault: PlantedFault, prompt: str, body: dict
+    ) -> tuple[Outcome, list[GuardResult]]:
+        """One request with `fault` planted; the proxy is clean again afterwards, whatever
+        happened, so the next test of the class starts from a clean proxy."""
+        plant(self.faults, fault)
+        try:
+            return self.send(prompt, body)
+        finally:
+            plant(self.faults, None)
 
 
 def self_test_settings(settings: RunSettings) -> RunSettings:
@@ -159,11 +162,7 @@ class TestEncoderFaults:
     def test_corrupted_ec_files_are_a_mismatch(self, epd_sweep, encoder_topology: LiveTopology):
         live = encoder_topology
         fault = corrupt_ec_files(live.session.ec_storage)
-        plant(live.faults, fault)
-        try:
-            outcome, guards = live.send(CORRUPT_EC_PROMPT, epd_sweep.bodies[CORRUPT_EC_PROMPT])
-        finally:
-            plant(live.faults, None)
+        outcome, guards = live.send_with_fault(fault, CORRUPT_EC_PROMPT, epd_sweep.bodies[CORRUPT_EC_PROMPT])
         assert_fault_fired(fault)
         assert len(fault.touched) == 2, f"two images, two EC files expected: {fault.touched}"
         record = judge(epd_sweep, live, outcome, guards)
@@ -177,13 +176,9 @@ class TestEncoderFaults:
 
     def test_dropped_encoder_metadata_is_vacuous(self, epd_sweep, encoder_topology: LiveTopology):
         live = encoder_topology
-        plant(live.faults, drop_encoder_metadata())
-        try:
-            outcome, guards = live.send(
-                DROP_METADATA_PROMPT, epd_sweep.bodies[DROP_METADATA_PROMPT]
-            )
-        finally:
-            plant(live.faults, None)
+        outcome, guards = live.send_with_fault(
+            drop_encoder_metadata(), DROP_METADATA_PROMPT, epd_sweep.bodies[DROP_METADATA_PROMPT]
+        )
         record = judge(epd_sweep, live, outcome, guards)
         assert record.verdict is Verdict.VACUOUS, (
             f"raw media reaching the consumer must be VACUOUS, got {record.verdict.value}:\n"
@@ -253,11 +248,7 @@ class TestKvFaults:
     def test_zeroed_kv_is_a_mismatch(self, epd_sweep, kv_topology: LiveTopology):
         live = kv_topology
         fault = zero_kv_files(live.session.kv_storage)
-        plant(live.faults, fault)
-        try:
-            outcome, guards = live.send(ZERO_KV_PROMPT, epd_sweep.bodies[ZERO_KV_PROMPT])
-        finally:
-            plant(live.faults, None)
+        outcome, guards = live.send_with_fault(fault, ZERO_KV_PROMPT, epd_sweep.bodies[ZERO_KV_PROMPT])
         assert_fault_fired(fault)
         record = judge(epd_sweep, live, outcome, guards)
         assert record.verdict is Verdict.MISMATCH, (
