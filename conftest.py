@@ -97,7 +97,7 @@ def epd_run_dir(pytestconfig: pytest.Config, epd_worker: tuple[str, int]) -> Pat
 
 @pytest.fixture(scope="session")
 def epd_platform(pytestconfig: pytest.Config):
-    from harness.platforms import get_platform
+    from harness.spec.platforms import get_platform
 
     return get_platform(pytestconfig.getoption("--epd-platform"))
 
@@ -105,7 +105,7 @@ def epd_platform(pytestconfig: pytest.Config):
 @pytest.fixture(scope="session")
 def epd_model(pytestconfig: pytest.Config, epd_platform) -> str:
     """A local model directory (the tiny model by default on CPU) or a GPU host's model name."""
-    from harness.cli import resolve_model
+    from harness.cli.main import resolve_model
 
     given = pytestconfig.getoption("--epd-model") or epd_platform.default_model
     if given and not Path(given).exists() and epd_platform.default_model:
@@ -117,9 +117,9 @@ def epd_model(pytestconfig: pytest.Config, epd_platform) -> str:
 def epd_settings(
     pytestconfig: pytest.Config, epd_platform, epd_model: str, epd_run_dir: Path, epd_worker
 ):
-    from harness.cli import default_vllm_executable
-    from harness.platforms import DEFAULT_CPU_CORES, parse_devices, serving_for
-    from harness.runner import RunSettings
+    from harness.cli.main import default_vllm_executable
+    from harness.spec.platforms import DEFAULT_CPU_CORES, parse_devices, serving_for
+    from harness.serve.session import RunSettings
 
     given = pytestconfig.getoption("--epd-devices")
     devices = parse_devices(given) if given else DEFAULT_CPU_CORES
@@ -137,8 +137,8 @@ SWEEP_KEY = pytest.StashKey[object]()
 
 
 def baseline_cache(pytestconfig: pytest.Config):
-    from harness.baseline_cache import BaselineCache
-    from harness.cli import DEFAULT_CACHE
+    from harness.run.baseline_cache import BaselineCache
+    from harness.cli.main import DEFAULT_CACHE
 
     given = pytestconfig.getoption("--epd-baseline-cache")
     if given == "off":
@@ -150,10 +150,10 @@ def baseline_cache(pytestconfig: pytest.Config):
 @pytest.fixture(scope="session")
 def epd_sweep(pytestconfig: pytest.Config, epd_settings):
     """The shared sweep: baseline once, each topology once, judged case by case on demand."""
-    from harness.matrix import matrix_prompts
-    from harness.prompts import SKELETON_PROMPTS
-    from harness.sweep import Sweep, SweepPlan
-    from harness.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES
+    from harness.run.matrix import matrix_prompts
+    from harness.spec.prompts import SKELETON_PROMPTS
+    from harness.run.sweep import Sweep, SweepPlan
+    from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES
 
     plan = SweepPlan(
         topologies=tuple(TOPOLOGIES[name] for name in EPD_TOPOLOGY_NAMES),
@@ -174,7 +174,7 @@ def epd_sweep(pytestconfig: pytest.Config, epd_settings):
 def epd_matrix(epd_sweep):
     """The scenario matrix on the shared baseline; one topology session open at a time, and
     none left open once the module's scenarios are done (the next module starts its own)."""
-    from harness.matrix import MatrixRun
+    from harness.run.matrix import MatrixRun
 
     matrix = MatrixRun(epd_sweep)
     yield matrix
@@ -186,7 +186,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     sweep = config.stash.get(SWEEP_KEY, None)
     if sweep is None:
         return
-    from harness.report import format_verdict_table
+    from harness.report.text import format_verdict_table
 
     terminalreporter.section("EPD verdicts")
     terminalreporter.write_line(format_verdict_table(sweep.result.records))

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.prompts import SKELETON_PROMPTS
-from harness.report import format_failure
-from harness.topology import EPD_TOPOLOGY_NAMES
+from harness.spec.prompts import SKELETON_PROMPTS
+from harness.report.text import format_failure
+from harness.spec.topology import EPD_TOPOLOGY_NAMES
 
 # What CI runs within its budget: the full E -> P -> D path, with an image and a video.
 CI_CASES = {("1E+1P+1D", "image"), ("1E+1P+1D", "video")}

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.matrix import MATRIX
-from harness.report import format_failure
+from harness.run.matrix import MATRIX
+from harness.report.text import format_failure
 
 
 def scenario_params():

@@ -36,17 +36,17 @@ from typing import Any
 
 import pytest
 
-from harness.client import ChatResult, parse_chat_response
-from harness.compare import compare_results
-from harness.guards import EC_CACHE_FILE, expected_kv_prefix
-from harness.proxy_protocol import (
+from harness.serve.client import ChatResult, parse_chat_response
+from harness.judge.compare import compare_results
+from harness.judge.guards import EC_CACHE_FILE, expected_kv_prefix
+from harness.serve.proxy_protocol import (
     EncoderBatch,
     build_encoder_request,
     build_prefill_request,
     collect_media,
 )
-from harness.runner import Outcome, RunSettings, TopologySession
-from harness.topology import TOPOLOGIES, Role
+from harness.serve.session import Outcome, RunSettings, TopologySession
+from harness.spec.topology import TOPOLOGIES, Role
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli import EXIT_FAILED, EXIT_OK, main
+from harness.cli.main import EXIT_FAILED, EXIT_OK, main
 
 pytestmark = pytest.mark.e2e
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
-from harness.compare import Verdict
-from harness.faults import (
+from harness.judge.compare import Verdict
+from harness.run.faults import (
     PlantedFault,
     corrupt_ec_files,
     drop_encoder_metadata,
@@ -31,13 +31,13 @@ from harness.faults import (
     plant,
     zero_kv_files,
 )
-from harness.guards import GuardResult
-from harness.judge import judge_case
-from harness.launch import ManagedServer, describe_process, is_live_process
-from harness.proxy import ProxyFaults
-from harness.report import CaseRecord, format_failure
-from harness.runner import Outcome, RunSettings, TopologySession
-from harness.topology import TOPOLOGIES, Role
+from harness.judge.guards import GuardResult
+from harness.judge.verdicts import judge_case
+from harness.serve.launch import ManagedServer, describe_process, is_live_process
+from harness.serve.proxy import ProxyFaults
+from harness.report.text import CaseRecord, format_failure
+from harness.serve.session import Outcome, RunSettings, TopologySession
+from harness.spec.topology import TOPOLOGIES, Role
 
 pytestmark = pytest.mark.e2e
 
@@ -70,7 +70,7 @@ class LiveTopology:
         """One request and its transfer guards, read at once, while the storage is as it left it."""
         started = time.monotonic()
         outcome = self.session.send(prompt, body)
-        guards = self.session.transfer_guards(outcome)
+        guards = session_guards(self.session, outcome)
         print(f"[self-test] {self.name} {prompt}: {time.monotonic() - started:.1f}s")
         return outcome, guards
 

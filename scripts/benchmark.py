@@ -22,11 +22,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.baseline_cache import BaselineCache  # noqa: E402
-from harness.cli import default_vllm_executable, resolve_model, select_prompts, split_names  # noqa: E402
-from harness.runner import RunSettings  # noqa: E402
-from harness.sweep import Sweep, SweepPlan, SweepResult  # noqa: E402
-from harness.topology import EPD_TOPOLOGY_NAMES, ServingConfig, get_topology  # noqa: E402
+from harness.run.baseline_cache import BaselineCache  # noqa: E402
+from harness.cli.main import default_vllm_executable, resolve_model, select_prompts, split_names  # noqa: E402
+from harness.serve.session import RunSettings  # noqa: E402
+from harness.run.sweep import Sweep, SweepPlan, SweepResult  # noqa: E402
+from harness.spec.topology import EPD_TOPOLOGY_NAMES, ServingConfig, get_topology  # noqa: E402
 
 
 def run_once(plan: SweepPlan, model: Path, run_dir: Path, cache: BaselineCache) -> tuple[float, SweepResult]:

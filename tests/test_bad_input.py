@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.tiny_model import model_digest
-from harness import validate
-from harness.baseline_cache import baseline_key
-from harness.cli import main, resolve_model
-from harness.prompts import SKELETON_PROMPTS, render_request
-from harness.topology import ServingConfig
-from harness.validate import BadInput
+from harness.fixtures.tiny_model import model_digest
+from harness.preflight import checks as validate
+from harness.run.baseline_cache import baseline_key
+from harness.cli.main import main, resolve_model
+from harness.spec.prompts import SKELETON_PROMPTS, render_request
+from harness.spec.topology import ServingConfig
+from harness.preflight.checks import BadInput
 
 REFUSING_VLLM = (
     "import sys\n"
@@ -125,31 +125,31 @@ REPEATED = '[{"topology": "1P+1D", "prompt": "text"}, {"topology": "1P+1D", "pro
         ("repeat.json", REPEATED, "entry 2: repeats entry 1 (1P+1D / text)"),
     ],
 )  # fmt: skip
-def test_malformed_scenario_file(
+def test_malformed_cases_file(
     run_cli: RunCli, tmp_path: Path, name: str, text: str, cause: str
 ) -> None:
     path = tmp_path / name
     path.write_text(text)
-    code, err = run_cli("--scenario-file", str(path))
-    assert_one_error_line(code, err, f"scenario file {path}: {cause}")
+    code, err = run_cli("--cases-file", str(path))
+    assert_one_error_line(code, err, f"cases file {path}: {cause}")
 
 
-def test_missing_scenario_file(run_cli: RunCli, tmp_path: Path) -> None:
+def test_missing_cases_file(run_cli: RunCli, tmp_path: Path) -> None:
     path = tmp_path / "nowhere.json"
-    code, err = run_cli("--scenario-file", str(path))
-    assert_one_error_line(code, err, f"scenario file {path}: no such file or directory: {path}")
+    code, err = run_cli("--cases-file", str(path))
+    assert_one_error_line(code, err, f"cases file {path}: no such file or directory: {path}")
 
 
-def test_scenario_file_with_topology_flag(run_cli: RunCli, tmp_path: Path) -> None:
-    code, err = run_cli("--scenario-file", str(tmp_path / "s.json"), "--topology", "1P+1D")
-    cause = "--scenario-file names the cases itself; drop --topology and --prompt"
+def test_cases_file_with_topology_flag(run_cli: RunCli, tmp_path: Path) -> None:
+    code, err = run_cli("--cases-file", str(tmp_path / "s.json"), "--topology", "1P+1D")
+    cause = "--cases-file names the cases itself; drop --topology and --prompt"
     assert_one_error_line(code, err, cause)
 
 
-def test_good_scenario_file_is_read_in_order(tmp_path: Path) -> None:
+def test_good_cases_file_is_read_in_order(tmp_path: Path) -> None:
     path = tmp_path / "cases.yaml"
     path.write_text("- {topology: 1E+1P+1D, prompt: video}\n- {topology: 1P+1D, prompt: text}\n")
-    scenarios = validate.load_scenario_file(path)
+    scenarios = validate.load_cases_file(path)
     assert scenarios == (validate.Scenario("1E+1P+1D", "video"), validate.Scenario("1P+1D", "text"))
 
 

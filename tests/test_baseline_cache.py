@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.baseline_cache import BaselineCache, BaselineCacheError, baseline_key
-from harness.client import ChatResult, PositionLogprobs
-from harness.runner import Outcome
-from harness.topology import ServingConfig
+from harness.run.baseline_cache import BaselineCache, BaselineCacheError, baseline_key
+from harness.serve.client import ChatResult, PositionLogprobs
+from harness.serve.session import Outcome
+from harness.spec.topology import ServingConfig
 
 SERVING = ServingConfig(model="/models/tiny")
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.0}

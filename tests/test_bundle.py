@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.tiny_model import model_digest
-from harness.bundle import (
+from harness.fixtures.tiny_model import model_digest
+from harness.report.bundle import (
     REDACTED,
     redact_argv,
     render_diff_md,
@@ -20,15 +20,15 @@ from harness.bundle import (
     write_junit_xml,
     write_run_info,
 )
-from harness.client import ChatResult, PositionLogprobs
-from harness.compare import Verdict
-from harness.guards import GuardResult
-from harness.judge import judge_case
-from harness.prompts import SKELETON_PROMPTS
-from harness.report import CaseRecord, format_failure
-from harness.report_html import render_report_html
-from harness.runner import Outcome
-from harness.topology import TOPOLOGIES, ServingConfig
+from harness.serve.client import ChatResult, PositionLogprobs
+from harness.judge.compare import Verdict
+from harness.judge.guards import GuardResult
+from harness.judge.verdicts import judge_case
+from harness.spec.prompts import SKELETON_PROMPTS
+from harness.report.text import CaseRecord, format_failure
+from harness.report.html import render_report_html
+from harness.serve.session import Outcome
+from harness.spec.topology import TOPOLOGIES, ServingConfig
 
 SECRET = "secret123"
 ENV_SECRET = "env-secret-987"

@@ -35,17 +35,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness import cli
-from harness.launch import (
+from harness.cli import main as cli
+from harness.serve.launch import (
     KILL_WAIT_S,
     STARTUP_STOP_GRACE_S,
     ManagedServer,
     ServerCommand,
     ServerDied,
 )
-from harness.prompts import SKELETON_PROMPTS, render_request
-from harness.runner import RunSettings, TopologySession
-from harness.topology import TOPOLOGIES, ServingConfig
+from harness.spec.prompts import SKELETON_PROMPTS, render_request
+from harness.serve.session import RunSettings, TopologySession
+from harness.spec.topology import TOPOLOGIES, ServingConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODE_ENV = "FAKE_VLLM_MODE"
@@ -137,9 +137,9 @@ server.serve_forever()
 DRIVER = r"""
 import json, sys, time
 from pathlib import Path
-from harness.launch import (ManagedServer, ServerCommand, ServerDied, ServerGroup,
+from harness.serve.launch import (ManagedServer, ServerCommand, ServerDied, ServerGroup,
                             StartupTimeout, install_signal_handlers, log_path_for)
-from harness.ports import reserve_ports
+from harness.serve.ports import reserve_ports
 fake, log_dir, timeout_s = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
 say = lambda **fields: print(json.dumps(fields), flush=True)
 install_signal_handlers()
@@ -170,9 +170,9 @@ except KeyboardInterrupt as exc:
 # NIXL run, its side-channel ports, prints them, and holds them until stdin closes.
 PORT_WORKER = r"""
 import json, sys
-from harness.platforms import NIXL_CONNECTOR, reserve_side_channel_ports
-from harness.ports import reserve_ports
-from harness.topology import TOPOLOGIES, ServingConfig
+from harness.spec.platforms import NIXL_CONNECTOR, reserve_side_channel_ports
+from harness.serve.ports import reserve_ports
+from harness.spec.topology import TOPOLOGIES, ServingConfig
 topology = TOPOLOGIES["1E+1P+1D"]
 serving = ServingConfig(model="m", kv_connector=NIXL_CONNECTOR)
 sys.stdin.readline()  # all start together
@@ -347,7 +347,7 @@ def artifact_names(run_dir: Path) -> set[str]:
 
 def start_cli(tmp_path: Path, fake: Path, mode: str, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "harness.cli", "run", "--vllm", str(fake), "--baseline-cache",
+        [sys.executable, "-m", "harness.cli.main", "run", "--vllm", str(fake), "--baseline-cache",
          "off", "--run-dir", str(tmp_path / "run"), *args],  # fmt: skip
         cwd=REPO_ROOT,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT), MODE_ENV: mode},
@@ -733,12 +733,12 @@ def test_disk_full_mid_run_keeps_what_was_written(
 ) -> None:
     """The disk fills after the baseline: summary.json cannot be written (a write() that fails
     carries no file name, as on a real full disk)."""
-    import harness.sweep
+    import harness.run.sweep
 
     def full_disk(*_args: object, **_kwargs: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(harness.sweep, "write_summary_json", full_disk)
+    monkeypatch.setattr(harness.run.sweep, "write_summary_json", full_disk)
     before = set(psutil.Process().children(recursive=True))
     code, out, err = run_cli_in_process(
         tmp_path, fake_vllm, capsys, "--topology", "1P+1D", "--prompt", "text"
@@ -772,12 +772,12 @@ def test_planted_token_reaches_no_artifact(
     assert SECRET not in out + err
 
 
-def test_scenario_file_runs_only_its_cases(
+def test_cases_file_runs_only_its_cases(
     tmp_path: Path, fake_vllm: Path, lock_dir: Path, capsys
 ) -> None:
     scenarios = tmp_path / "cases.json"
     scenarios.write_text('[{"topology": "1E+1PD", "prompt": "text"}]')
-    code, out, err = run_cli_in_process(tmp_path, fake_vllm, capsys, "--scenario-file",
+    code, out, err = run_cli_in_process(tmp_path, fake_vllm, capsys, "--cases-file",
                                         str(scenarios))  # fmt: skip
     assert code == 0, f"exit {code}\n{out}\n{err}"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.cli import main
+from harness.cli.main import main
 
 
 @pytest.mark.parametrize(

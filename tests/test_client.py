@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.client import ChatResult, PositionLogprobs, parse_chat_response, sampling_fields
-from harness.guards import (
+from harness.serve.client import ChatResult, PositionLogprobs, parse_chat_response, sampling_fields
+from harness.judge.guards import (
     EC_CACHE_FILE,
     check_consumer_embeds,
     check_encoder_output,
@@ -17,8 +17,8 @@ from harness.guards import (
     check_transfers,
     expected_kv_prefix,
 )
-from harness.proxy import EncoderCall, RequestTrace
-from harness.topology import get_topology
+from harness.serve.proxy import EncoderCall, RequestTrace
+from harness.spec.topology import get_topology
 
 # A vLLM chat completion as served with return_token_ids, logprobs, top_logprobs=2 and
 # return_tokens_as_token_ids, plus --enable-prompt-tokens-details.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.client import ChatResult, PositionLogprobs
-from harness.compare import (
+from harness.serve.client import ChatResult, PositionLogprobs
+from harness.judge.compare import (
     EXACT,
     LOGPROB_CLOSE,
     Policy,

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fixtures import media, tiny_model
+from harness.fixtures import media, tiny_model
 
 # --- media -----------------------------------------------------------------------------------
 

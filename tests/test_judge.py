@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from harness.client import ChatResult, PositionLogprobs
-from harness.compare import LOGPROB_CLOSE, Verdict
-from harness.guards import GuardResult
-from harness.judge import baseline_is_stable, judge_case
-from harness.runner import Outcome
+from harness.serve.client import ChatResult, PositionLogprobs
+from harness.judge.compare import LOGPROB_CLOSE, Verdict
+from harness.judge.guards import GuardResult
+from harness.judge.verdicts import baseline_is_stable, judge_case
+from harness.serve.session import Outcome
 
 PROMPT = (1, 2, 3)
 

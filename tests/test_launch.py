@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness.launch import (
+from harness.serve.launch import (
     STARTUP_STOP_GRACE_S,
     ManagedServer,
     ServerCommand,
@@ -23,7 +23,7 @@ from harness.launch import (
     StartupTimeout,
     log_path_for,
 )
-from harness.ports import reserve_ports
+from harness.serve.ports import reserve_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CRASH_LINE = "FATAL: distinctive-fake-crash-7f3a"
@@ -71,9 +71,9 @@ http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 HARNESS = r"""
 import sys, time
 from pathlib import Path
-from harness.launch import (ManagedServer, ServerCommand, ServerGroup, install_signal_handlers,
+from harness.serve.launch import (ManagedServer, ServerCommand, ServerGroup, install_signal_handlers,
                             log_path_for)
-from harness.ports import reserve_ports
+from harness.serve.ports import reserve_ports
 log_dir, lock_dir, mode, shape = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
 (lease,) = reserve_ports(1, lock_dir=lock_dir)
 command = ServerCommand(

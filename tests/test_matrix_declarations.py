@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from harness.compare import Verdict
-from harness.guards import GuardResult
-from harness.matrix import MATRIX, Scenario, ScenarioResult, get_scenario, matrix_prompts
-from harness.prompts import PromptSpec, TextPart
-from harness.report import CaseRecord
-from harness.topology import TOPOLOGIES
+from harness.judge.compare import Verdict
+from harness.judge.guards import GuardResult
+from harness.run.matrix import MATRIX, Scenario, ScenarioResult, get_scenario, matrix_prompts
+from harness.spec.prompts import PromptSpec, TextPart
+from harness.report.text import CaseRecord
+from harness.spec.topology import TOPOLOGIES
 
 
 def record(verdict: Verdict, error: str | None = None, passed: bool = True) -> CaseRecord:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import plan as plan_module
-from harness.plan import (
+from harness.cli import plan as plan_module
+from harness.cli.plan import (
     DEFAULT_TOPOLOGY_NAMES,
     Plan,
     PlanRequest,
@@ -22,8 +22,8 @@ from harness.plan import (
     build_plan,
     format_plan,
 )
-from harness.platforms import CPU, CUDA, XPU, DevicePlanError, PlatformProfile
-from harness.topology import TOPOLOGIES, ServingConfig, get_topology, plan_instances
+from harness.spec.platforms import CPU, CUDA, XPU, DevicePlanError, PlatformProfile
+from harness.spec.topology import TOPOLOGIES, ServingConfig, get_topology, plan_instances
 
 MODEL = "/models/qwen"
 VLLM = "/opt/venv/bin/vllm"

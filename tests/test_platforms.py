@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.platforms import (
+from harness.spec.platforms import (
     CPU,
     CPU_ONLY_ENV_KEYS,
     CUDA,
@@ -32,7 +32,7 @@ from harness.platforms import (
     serving_for,
     side_channel_port_count,
 )
-from harness.topology import (
+from harness.spec.topology import (
     EPD_TOPOLOGY_NAMES,
     TOPOLOGIES,
     Role,

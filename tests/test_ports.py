@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.ports import (
+from harness.serve.ports import (
     DEFAULT_PORT_RANGE,
     PORT_LOCK_DIR_ENV,
     NoFreePortError,
@@ -29,7 +29,7 @@ SUBPROCESS_TIMEOUT_S = 20
 CONTENDER = r"""
 import fcntl, json, os, sys
 from pathlib import Path
-from harness.ports import NoFreePortError, reserve_ports
+from harness.serve.ports import NoFreePortError, reserve_ports
 lock_path, port = Path(sys.argv[1]), int(sys.argv[2])
 fd = os.open(lock_path, os.O_RDWR | os.O_CREAT)
 try:
@@ -52,7 +52,7 @@ print(json.dumps({"flock": flock, "reserve": reserve}))
 HOLDER = r"""
 import json, sys
 from pathlib import Path
-from harness.ports import reserve_ports
+from harness.serve.ports import reserve_ports
 lock_dir, start, count = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 leases = reserve_ports(count, start=start, lock_dir=lock_dir)
 print(json.dumps([lease.port for lease in leases]), flush=True)

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from harness.proxy_protocol import (
+from harness.serve.proxy_protocol import (
     EncodedItem,
     EncoderBatch,
     MediaRef,

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from harness.client import ChatClient, ChatResult, sampling_fields
-from harness.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer
-from harness.proxy_protocol import media_uuid
+from harness.serve.client import ChatClient, ChatResult, sampling_fields
+from harness.serve.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer
+from harness.serve.proxy_protocol import media_uuid
 
 CAT = "file:///media/cat.png"
 DOG = "file:///media/dog.png"

@@ -13,15 +13,15 @@ from typing import Any
 import pytest
 from PIL import Image, ImageStat
 
-from harness.bundle import write_bundle, write_run_info
-from harness.client import ChatResult, PositionLogprobs
-from harness.compare import Verdict
-from harness.guards import GuardResult
-from harness.judge import judge_case
-from harness.report import CaseRecord
-from harness.prompts import SKELETON_PROMPTS
-from harness.runner import Outcome
-from harness.topology import TOPOLOGIES, ServingConfig
+from harness.report.bundle import write_bundle, write_run_info
+from harness.serve.client import ChatResult, PositionLogprobs
+from harness.judge.compare import Verdict
+from harness.judge.guards import GuardResult
+from harness.judge.verdicts import judge_case
+from harness.report.text import CaseRecord
+from harness.spec.prompts import SKELETON_PROMPTS
+from harness.serve.session import Outcome
+from harness.spec.topology import TOPOLOGIES, ServingConfig
 
 CHROMIUM = Path("/usr/bin/chromium")
 APT_TIMEOUT_S = 1200.0

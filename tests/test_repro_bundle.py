@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli import main
-from harness.repro import Bundle, BundleError
-from harness.topology import ServingConfig
+from harness.cli.main import main
+from harness.run.repro import Bundle, BundleError
+from harness.spec.topology import ServingConfig
 
 
 def write_bundle(root: Path, cases: list[dict], serving: dict | None = None) -> Path:

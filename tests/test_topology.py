@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.topology import (
+from harness.spec.topology import (
     LOOPBACK_HOST,
     TOPOLOGIES,
     InstanceSpec,

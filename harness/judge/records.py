@@ -1,0 +1,66 @@
+"""What judging produces: the verdicts a case can end with, the policy that accepts some of
+them, and the record of one judged case (everything needed to judge it again without rerunning).
+
+The verdicts, in the order they are decided:
+
+* ERROR: the request failed (HTTP error, timeout, crash): nothing to compare;
+* UNSTABLE_BASELINE: the reference disagreed with itself, so no comparison with it means much;
+* MISMATCH / DRIFT / MATCH: the token ids decide (see `harness.judge.compare`);
+* VACUOUS: the tokens are equal but a transfer guard failed, so equality proves nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+class Verdict(str, enum.Enum):
+    """How one case ended; a Policy decides which of these pass."""
+
+    MATCH = "MATCH"  # tokens equal and every guard held
+    MISMATCH = "MISMATCH"  # a differing token is not in the other's top-k, or prompt ids differ
+    DRIFT = "DRIFT"  # at the first divergence each token is in the other's top-k
+    VACUOUS = "VACUOUS"  # tokens equal but a transfer guard failed: equality proves nothing
+    UNSTABLE_BASELINE = "UNSTABLE_BASELINE"  # the baseline disagreed with itself
+    ERROR = "ERROR"  # HTTP error, timeout or crash: nothing to compare
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Which verdicts count as a pass: exact equality, or equality up to logprob-close drift."""
+
+    passing: frozenset[Verdict]
+
+    def passes(self, verdict: Verdict) -> bool:
+        return verdict in self.passing
+
+
+EXACT = Policy(frozenset({Verdict.MATCH}))
+LOGPROB_CLOSE = Policy(frozenset({Verdict.MATCH, Verdict.DRIFT}))
+
+
+@dataclass(frozen=True)
+class CaseRecord:
+    """The outcome of comparing one topology's answer to one prompt against one reference."""
+
+    topology: str
+    prompt: str
+    reference: str  # name of the reference topology, e.g. "baseline"
+    verdict: Verdict
+    policy_passed: bool
+    detail: str  # one line, e.g. TokenComparison.headline()
+    divergence: dict[str, Any] | None  # Divergence.to_json()
+    guards: dict[str, dict[str, Any]]  # name -> {"ok": bool, "evidence": str}
+    timings: dict[str, float]
+    error: str | None
+    explanation: str = ""  # TokenComparison.describe(): the multi-line evidence
+
+    def failed_guards(self) -> dict[str, dict[str, Any]]:
+        return {name: g for name, g in self.guards.items() if not g.get("ok")}
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["verdict"] = self.verdict.value
+        return data

@@ -1,0 +1,64 @@
+"""From two outcomes and the transfer guards to one case record with a verdict.
+
+The order of the checks is the meaning of the verdicts: a failed request is ERROR whatever
+else holds; a baseline that disagreed with itself makes any comparison against it
+UNSTABLE_BASELINE; otherwise the tokens decide MATCH / DRIFT / MISMATCH, and a MATCH whose
+transfer guards failed is VACUOUS (it proves nothing about EPD).
+"""
+
+from __future__ import annotations
+
+from harness.judge.compare import TokenComparison, compare_results, token_verdict
+from harness.judge.guards import GuardResult
+from harness.judge.records import EXACT, CaseRecord, Policy, Verdict
+from harness.serve.session import Outcome
+
+
+def judge_case(
+    topology: str,
+    reference_name: str,
+    reference: Outcome,
+    candidate: Outcome,
+    guards: list[GuardResult],
+    policy: Policy = EXACT,
+    baseline_stable: bool = True,
+) -> CaseRecord:
+    comparison: TokenComparison | None = None
+    error = None
+    if candidate.error or candidate.result is None:
+        verdict, detail, error = Verdict.ERROR, "request failed on this topology", candidate.error
+    elif reference.error or reference.result is None:
+        verdict = Verdict.ERROR
+        detail = f"reference {reference_name} has no result"
+        error = reference.error
+    elif not baseline_stable:
+        verdict, detail = Verdict.UNSTABLE_BASELINE, "the reference disagreed with itself"
+    else:
+        comparison = compare_results(reference.result, candidate.result)
+        verdict = token_verdict(comparison)
+        detail = comparison.headline()
+        failed = [g for g in guards if not g.ok]
+        if verdict is Verdict.MATCH and failed:
+            verdict = Verdict.VACUOUS
+            detail = f"tokens equal but guard failed: {failed[0].name}: {failed[0].evidence}"
+    return CaseRecord(
+        topology=topology,
+        prompt=candidate.prompt,
+        reference=reference_name,
+        verdict=verdict,
+        policy_passed=policy.passes(verdict),
+        detail=detail,
+        divergence=comparison.divergence.to_json() if comparison and comparison.divergence else None,
+        guards={g.name: g.to_json() for g in guards},
+        timings={"request_s": round(candidate.seconds, 3)},
+        error=error,
+        explanation=comparison.describe() if comparison else (error or detail),
+    )
+
+
+def baseline_is_stable(first: Outcome, second: Outcome) -> tuple[bool, str]:
+    """The baseline control: the same request twice must give the same ids."""
+    if first.result is None or second.result is None:
+        return False, first.error or second.error or "no result"
+    comparison = compare_results(first.result, second.result)
+    return comparison.exact, comparison.headline()

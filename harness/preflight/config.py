@@ -1,0 +1,207 @@
+"""One place that turns a user's inputs into a checked, typed run configuration.
+
+A vLLM topology costs tens of seconds to start and gigabytes to run. A typo in a topology name,
+a model directory without `config.json`, a video that cannot fit `--max-model-len`, a port range
+somebody else holds, or a flag that the chosen path would silently ignore should cost the user
+one second and one line, not a baseline run followed by a traceback. Checks run cheapest first
+(names and flag combinations, then files, then the vLLM version: a subprocess; then ports; last
+the token count, which loads the model's processor unless cached). The first problem raises
+`BadInput`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.environment import cache_dir, port_range
+from harness.errors import BadInput, lookup
+from harness.preflight import files, names, resources, tokens
+from harness.preflight.model import resolve_model
+from harness.preflight.vllm import check_vllm, default_vllm_executable
+from harness.run.baseline_cache import BaselineCache
+from harness.run.faults import FAULT_NAMES
+from harness.run.scenarios import MATRIX, Scenario, get_scenario, matrix_prompts
+from harness.spec.platforms import (
+    DEFAULT_CPU_CORES,
+    DevicePlanError,
+    PlatformProfile,
+    get_platform,
+    parse_devices,
+)
+from harness.spec.prompts import SKELETON_PROMPTS, PromptSpec, render_request
+from harness.spec.settings import RunSettings
+from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Topology, serving_for
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """What a user asked for, as given (names and paths, unchecked)."""
+
+    topologies: tuple[str, ...] = ()  # empty: every EPD topology
+    prompts: tuple[str, ...] = ()  # empty: the sweep's prompts
+    cases_file: str | None = None
+    scenarios: tuple[str, ...] = ()  # matrix scenarios, or ("all",)
+    model: str | None = None  # directory or hub name; None: the platform's default
+    run_dir: str | None = None
+    vllm: str | None = None
+    allow_untested_vllm: bool = False
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    devices: str | None = None
+    media_dir: str | None = None
+    baseline_cache: str | None = None  # a directory, "off", or None for the default
+    refresh_baseline: bool = False
+    platform: str = "cpu"
+    colocate: bool = False
+    plant_fault: str | None = None
+    workers: int = 1  # parallel pytest-xdist workers sharing the devices
+    worker_id: str | None = None  # "gw0"...: run directories of workers stay apart
+    count_tokens: bool = True  # check that every prompt fits (loads the processor once)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A run, checked: what to start, what to send, where to write, what to compare with."""
+
+    topologies: tuple[Topology, ...]
+    prompts: tuple[PromptSpec, ...]
+    cases: tuple[names.RequestedCase, ...]  # from a cases file: only these are judged
+    matrix: tuple[Scenario, ...]  # matrix scenarios, judged as declared
+    settings: RunSettings
+    baseline_cache: BaselineCache | None
+    fault: str | None
+    prompt_tokens: dict[str, int] = field(default_factory=dict)
+
+
+def prepare_run(request: RunRequest) -> RunConfig:
+    _refuse_ignored_flags(request)
+    platform = get_platform(request.platform)
+    matrix = _scenarios(request.scenarios)
+    cases = names.load_cases_file(request.cases_file) if request.cases_file else ()
+    if matrix:
+        topology_names = list(dict.fromkeys(s.topology for s in matrix))
+        prompt_names: list[str] = []
+    elif cases:
+        topology_names = list(dict.fromkeys(c.topology for c in cases))
+        prompt_names = list(dict.fromkeys(c.prompt for c in cases))
+    else:
+        topology_names = list(request.topologies) or list(EPD_TOPOLOGY_NAMES)
+        prompt_names = list(request.prompts)
+    topologies = names.check_topologies(topology_names)
+    if matrix:
+        prompts = matrix_prompts(matrix)
+    else:
+        prompts = names.check_prompts(prompt_names) if prompt_names else SKELETON_PROMPTS
+    devices = _devices(request.devices, platform)
+    if request.plant_fault is not None:
+        lookup("fault", request.plant_fault, dict.fromkeys(FAULT_NAMES))
+    ports = port_range()
+
+    model_dir = resolve_model(request.model, platform.default_model, cache_dir())
+    tokens.check_model_limit(request.max_model_len, files.max_position_tokens(model_dir))
+    media_dir = files.check_media_dir(request.media_dir) if request.media_dir else None
+    run_dir = _run_dir(request)
+    files.check_run_dir(run_dir)
+    baseline_cache = _baseline_cache(request.baseline_cache, request.refresh_baseline)
+
+    served = check_vllm(request.vllm or default_vllm_executable(), request.allow_untested_vllm)
+    if baseline_cache is not None and not served.known:
+        baseline_cache = None  # an unknown version must never match another's baseline
+    resources.check_free_ports(max(len(t.roles) for t in (TOPOLOGIES["baseline"], *topologies)),
+                               ports)  # fmt: skip
+
+    serving = serving_for(
+        platform,
+        str(model_dir),
+        max_model_len=request.max_model_len,
+        allowed_local_media_path=str(media_dir) if media_dir else None,
+    )
+    bodies = {p.name: render_request(p, serving.served_model_name) for p in prompts}
+    files.check_media_references(bodies, media_dir)
+    prompt_tokens: dict[str, int] = {}
+    if request.count_tokens:
+        prompt_tokens = tokens.estimate_prompt_tokens(model_dir, bodies, cache_dir() / "prompt-tokens")
+        tokens.check_prompts_fit(request.max_model_len, prompts, prompt_tokens)
+    settings = RunSettings(
+        serving=serving,
+        run_dir=run_dir,
+        vllm=served,
+        platform=platform,
+        devices=devices,
+        colocate=request.colocate,
+        workers=request.workers,
+    )
+    return RunConfig(
+        topologies=topologies,
+        prompts=prompts,
+        cases=cases,
+        matrix=matrix,
+        settings=settings,
+        baseline_cache=baseline_cache,
+        fault=request.plant_fault,
+        prompt_tokens=prompt_tokens,
+    )
+
+
+def _refuse_ignored_flags(request: RunRequest) -> None:
+    """A flag the chosen path would ignore is refused, never dropped: a self-test whose fault
+    was silently not planted comes out green."""
+    if request.cases_file and (request.topologies or request.prompts):
+        raise BadInput("--cases-file names the cases itself; drop --topology and --prompt")
+    if request.scenarios and (request.topologies or request.prompts or request.cases_file):
+        raise BadInput("--scenario names its topology and prompts; drop --topology, --prompt "
+                       "and --cases-file")  # fmt: skip
+    if request.scenarios and request.plant_fault:
+        raise BadInput("--plant-fault plants its fault in the sweep's topologies, not in matrix "
+                       "scenarios; drop --scenario (or --plant-fault)")  # fmt: skip
+    if request.refresh_baseline and request.baseline_cache == "off":
+        raise BadInput("--refresh-baseline refreshes the baseline cache, which "
+                       "--baseline-cache off turns off; drop one of them")  # fmt: skip
+    if request.colocate and request.platform == "cpu":
+        raise BadInput("--colocate shares GPUs within a topology; on cpu instances always share "
+                       "the cores: drop --colocate")  # fmt: skip
+
+
+def _scenarios(requested: tuple[str, ...]) -> tuple[Scenario, ...]:
+    if not requested:
+        return ()
+    if list(requested) == ["all"]:
+        return MATRIX
+    return tuple(get_scenario(name) for name in requested)
+
+
+def _devices(text: str | None, platform: PlatformProfile) -> tuple[int, ...]:
+    """CPU cores this process may use (the default cores are checked too), or the GPU / XPU
+    indices to spread instances over (required there)."""
+    if platform.exclusive_devices and text is None:
+        raise BadInput(f"--platform {platform.name} needs --devices (e.g. --devices 0,1,2,3)")
+    try:
+        devices = parse_devices(text) if text is not None else DEFAULT_CPU_CORES
+    except DevicePlanError as exc:
+        raise BadInput(f"--devices: {exc}") from None
+    if platform.exclusive_devices:
+        return devices
+    available = resources.available_cpu_cores()
+    return resources.check_devices(devices, available, given=text is not None)
+
+
+def _run_dir(request: RunRequest) -> Path:
+    if request.run_dir:
+        path = Path(request.run_dir)
+    else:
+        path = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    if request.worker_id and request.workers > 1:
+        path = path / request.worker_id  # workers never write into each other's artifacts
+    return path.resolve()
+
+
+def _baseline_cache(value: str | None, refresh: bool) -> BaselineCache | None:
+    if value == "off":
+        return None
+    directory = Path(value).expanduser().resolve() if value else cache_dir() / "baseline"
+    if directory.exists() and not directory.is_dir():
+        raise BadInput(f"baseline cache {directory} is not a directory (pass a directory or 'off')")
+    return BaselineCache(directory, refresh=refresh)

@@ -1,0 +1,80 @@
+"""Which model the instances serve, resolved to a local directory before anything starts.
+
+Every instance runs with `HF_HUB_OFFLINE=1` (a run must never depend on a hub answering in the
+middle of a comparison), so a model given by name has to be on disk before the first start-up
+timeout begins. A name is looked up in the Hugging Face cache; when it is not there it is
+fetched once with `huggingface_hub` (GPU hosts reach the hub), and when that fails too the run
+stops with one line saying how to provide it. The tiny CPU model is built locally.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from harness.errors import BadInput
+from harness.preflight.files import check_model_dir, one_line
+
+
+def hf_hub_cache(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where huggingface_hub keeps models: $HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub."""
+    if environ.get("HF_HUB_CACHE"):
+        return Path(environ["HF_HUB_CACHE"])
+    home = environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface"
+    return Path(home) / "hub"
+
+
+def cached_snapshot(name: str, cache: Path) -> Path | None:
+    """The snapshot directory `refs/main` points at in the hub cache, if it holds a config."""
+    repo = cache / f"models--{name.replace('/', '--')}"
+    try:
+        revision = (repo / "refs" / "main").read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    snapshot = repo / "snapshots" / revision
+    return snapshot if (snapshot / "config.json").is_file() else None
+
+
+def fetch_snapshot(name: str) -> Path:
+    """Download `name` into the hub cache (GPU hosts); BadInput naming how to fix a failure."""
+    how = (f"download it first (huggingface-cli download {name}) or pass --model DIR with a "
+           "local checkpoint")  # fmt: skip
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise BadInput(f"model {name} is not in the Hugging Face cache ({hf_hub_cache()}) and "
+                       f"huggingface_hub is not installed to fetch it: {how}") from None  # fmt: skip
+    try:
+        return Path(snapshot_download(name))
+    except Exception as exc:  # noqa: BLE001 - any hub failure ends as the same one line
+        raise BadInput(f"model {name} is not in the Hugging Face cache ({hf_hub_cache()}) and "
+                       f"could not be fetched ({type(exc).__name__}: {one_line(str(exc), 160)}): "
+                       f"{how}") from None  # fmt: skip
+
+
+def resolve_named_model(name: str, fetch: bool = True) -> Path:
+    """A model name (org/name) -> its local checkpoint directory, fetched if allowed."""
+    snapshot = cached_snapshot(name, hf_hub_cache())
+    if snapshot is None:
+        if not fetch or os.environ.get("HF_HUB_OFFLINE") == "1":
+            raise BadInput(f"model {name} is not in the Hugging Face cache ({hf_hub_cache()}) "
+                           f"and HF_HUB_OFFLINE=1 forbids fetching it: download it first "
+                           f"(huggingface-cli download {name}) or pass --model DIR")  # fmt: skip
+        snapshot = fetch_snapshot(name)
+    return check_model_dir(snapshot)
+
+
+def resolve_model(model: str | None, default_name: str | None, cache_root: Path) -> Path:
+    """The directory every instance serves: a given directory (checked), a model name
+    (resolved through the hub cache), the platform's default name, or the tiny model built
+    once into `cache_root`."""
+    given = model or default_name
+    if given is None:
+        from harness.fixtures.tiny_model import ensure_tiny_model
+
+        return ensure_tiny_model(cache_root / "models")
+    path = Path(given).expanduser()
+    if path.exists() or given.startswith((".", "/", "~")) or given.count("/") != 1:
+        return check_model_dir(path)
+    return resolve_named_model(given)

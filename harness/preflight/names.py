@@ -1,0 +1,114 @@
+"""Names the user typed (topologies, prompts, the cases file), checked before anything starts.
+
+A misspelt key is refused rather than ignored: it would otherwise silently run a different
+case than the one the user wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.errors import BadInput, lookup
+from harness.preflight.files import describe_os_error, kind_of, one_line
+from harness.spec.prompts import SKELETON_PROMPTS, PromptSpec
+from harness.spec.topology import TOPOLOGIES, Topology
+
+
+def check_topologies(names: Iterable[str]) -> tuple[Topology, ...]:
+    """Look every name up; the first unknown one is the error, with the known names."""
+    return tuple(lookup("topology", name, TOPOLOGIES) for name in names)
+
+
+def check_prompts(names: Iterable[str]) -> tuple[PromptSpec, ...]:
+    by_name = {p.name: p for p in SKELETON_PROMPTS}
+    return tuple(lookup("prompt", name, by_name) for name in names)
+
+
+@dataclass(frozen=True)
+class RequestedCase:
+    """One case a cases file asks for: this EPD topology, on this prompt."""
+
+    topology: str
+    prompt: str
+
+
+CASE_FIELDS = ("topology", "prompt")
+
+
+def load_cases_file(path: str | os.PathLike[str]) -> tuple[RequestedCase, ...]:
+    """Read a JSON or YAML list of {topology, prompt} mappings, checking every field.
+
+    YAML is read when the name ends in .yaml/.yml (PyYAML must be installed); anything else
+    must be JSON. Unknown fields are refused rather than ignored: a misspelt key would
+    otherwise silently run a different case than the one the user wrote.
+    """
+    source = Path(path)
+    where = f"cases file {source}"
+    try:
+        text = source.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise BadInput(f"{where}: {describe_os_error(exc)}") from None
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    is_yaml = source.suffix in (".yaml", ".yml")
+    data = _parse_yaml(text, where) if is_yaml else _parse_json(text, where)
+    if not isinstance(data, list):
+        raise BadInput(f"{where}: expected a list of {{topology, prompt}}, got {kind_of(data)}")
+    if not data:
+        raise BadInput(f"{where}: lists no cases")
+    scenarios: list[RequestedCase] = []
+    for number, entry in enumerate(data, start=1):
+        at = f"{where}: entry {number}"
+        fields = ", ".join(CASE_FIELDS)
+        if not isinstance(entry, dict):
+            raise BadInput(f"{at}: expected a mapping with {fields}, got {kind_of(entry)}")
+        unknown = sorted(set(entry) - set(CASE_FIELDS), key=str)
+        if unknown:
+            raise BadInput(f"{at}: unknown field {unknown[0]!r} (fields: {fields})")
+        for field_name in CASE_FIELDS:
+            if not isinstance(entry.get(field_name), str):
+                got = "nothing" if field_name not in entry else kind_of(entry[field_name])
+                raise BadInput(f"{at}: {field_name!r} must be a name (a string), got {got}")
+        try:
+            (topology,) = check_topologies([entry["topology"]])
+            check_prompts([entry["prompt"]])
+        except BadInput as exc:
+            raise BadInput(f"{at}: {exc}") from None
+        if topology.is_baseline:
+            raise BadInput(f"{at}: 'baseline' is the reference every case is compared with; "
+                           "name an EPD topology")  # fmt: skip
+        scenario = RequestedCase(entry["topology"], entry["prompt"])
+        if scenario in scenarios:
+            first = scenarios.index(scenario) + 1
+            case = f"{scenario.topology} / {scenario.prompt}"
+            raise BadInput(f"{at}: repeats entry {first} ({case})")
+        scenarios.append(scenario)
+    return tuple(scenarios)
+
+
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        position = f"line {exc.lineno} column {exc.colno}"
+        raise BadInput(f"{where}: not valid JSON: {position}: {exc.msg}") from None
+
+
+def _parse_yaml(text: str, where: str) -> Any:
+    try:
+        import yaml
+    except ImportError:
+        raise BadInput(f"{where}: reading YAML needs PyYAML; or write JSON") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        position = f"line {mark.line + 1} column {mark.column + 1}: " if mark else ""
+        raise BadInput(f"{where}: not valid YAML: {position}{exc.problem}") from None
+    except yaml.YAMLError as exc:
+        raise BadInput(f"{where}: not valid YAML: {one_line(str(exc))}") from None

@@ -1,0 +1,58 @@
+"""What the run takes from the machine: CPU cores (or devices) and ports."""
+
+from __future__ import annotations
+
+import os
+
+from harness.errors import BadInput
+from harness.preflight.files import describe_os_error
+from harness.serve.ports import NoFreePortError, reserve_ports
+
+
+def available_cpu_cores() -> tuple[int, ...]:
+    return tuple(sorted(os.sched_getaffinity(0)))
+
+
+def check_devices(
+    devices: tuple[int, ...], available: tuple[int, ...], given: bool
+) -> tuple[int, ...]:
+    """On CPU a device is a core this process may run on (taskset and cgroups narrow the set).
+
+    Syntax (numbers, each once) is `harness.platforms.parse_devices`'s job; this checks that
+    the cores exist for us: OMP threads bound to a core we may not use fail at vLLM start-up.
+    """
+    missing = [d for d in devices if d not in available]
+    if missing:
+        source = "--devices" if given else "the default devices"
+        raise BadInput(f"{source} {','.join(map(str, devices))}: core {missing[0]} is not "
+                       f"available to this process (available: {_ranges(available)})")  # fmt: skip
+    return devices
+
+
+def _ranges(numbers: tuple[int, ...]) -> str:
+    """(0, 1, 2, 5) -> '0-2,5'."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs) or "none"
+
+
+def check_free_ports(count: int, port_range: range) -> None:
+    """Take and give back `count` leases: proves the range has room before anything starts.
+
+    It cannot promise the ports are still free a minute later (the runner takes its own leases
+    then), but it turns "every port is taken" from a traceback mid-run into one line up front.
+    """
+    try:
+        leases = reserve_ports(count, port_range=port_range)
+    except NoFreePortError as exc:
+        raise BadInput(f"no free port: {exc}") from None
+    except OSError as exc:
+        raise BadInput(f"cannot reserve ports: {describe_os_error(exc)}") from None
+    for lease in leases:
+        lease.release()
+
+

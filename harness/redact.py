@@ -1,0 +1,51 @@
+"""Secrets never reach an artifact: credentials in environments and argv lists are masked.
+
+A leaf module, because the launcher writes each instance's command file and the bundle
+rewrites them, and neither should import the other for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+SECRET_NAME_PARTS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
+# vLLM flags whose value is a credential. Flags are not matched by name: many merely mention
+# tokens (--max-num-batched-tokens).
+SECRET_FLAGS = ("--api-key", "--hf-token")
+REDACTED = "[redacted]"
+# Shorter values are not scrubbed from free text: replacing every "1" would destroy the
+# artifacts, and a credential that short protects nothing anyway.
+MIN_SCRUBBED_LEN = 6
+
+
+def is_secret_name(name: str) -> bool:
+    upper = name.upper()
+    return any(part in upper for part in SECRET_NAME_PARTS)
+
+
+def redact_env(env: Mapping[str, str]) -> dict[str, str]:
+    return {name: REDACTED if is_secret_name(name) else value for name, value in env.items()}
+
+
+def redact_argv(argv: Sequence[str]) -> list[str]:
+    """`--api-key X` and `--api-key=X` keep the flag and lose the value."""
+    redacted: list[str] = []
+    hide_next = False
+    for arg in argv:
+        flag, eq, _ = arg.partition("=")
+        if hide_next:
+            redacted.append(REDACTED)
+        elif eq and flag in SECRET_FLAGS:
+            redacted.append(f"{flag}={REDACTED}")
+        else:
+            redacted.append(arg)
+        hide_next = not hide_next and arg in SECRET_FLAGS
+    return redacted
+
+
+def secret_values(env: Mapping[str, str], argv: Sequence[str]) -> set[str]:
+    """Every credential value in an environment and an argv list (to scrub from free text)."""
+    values = {value for name, value in env.items() if is_secret_name(name)}
+    values |= {new for old, new in zip(argv, argv[1:]) if old in SECRET_FLAGS}
+    values |= {arg.partition("=")[2] for arg in argv if arg.partition("=")[0] in SECRET_FLAGS}
+    return values

@@ -1,0 +1,90 @@
+"""What a run tells people and machines as text: a verdict table, failure blocks, summary.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from harness.files import write_text_atomic
+from harness.judge.records import CaseRecord, Verdict
+
+DETAIL_WIDTH = 70
+COLUMNS = ("TOPOLOGY", "PROMPT", "REFERENCE", "VERDICT", "PASS", "DETAIL")
+
+
+def _one_line(text: str, width: int) -> str:
+    """Collapse whitespace and cut to `width` so a table row stays one readable line."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def _totals(records: Iterable[CaseRecord]) -> dict[str, int]:
+    """Count per verdict, in the Verdict enum's order, omitting verdicts that never occurred."""
+    counts = Counter(r.verdict for r in records)
+    return {v.value: counts[v] for v in Verdict if counts[v]}
+
+
+def format_verdict_table(records: Sequence[CaseRecord]) -> str:
+    """An aligned plain-text table and a totals line.
+
+    The totals line says "pass"/"fail", never "N passed, N failed": CI reads lines of that
+    form as a test runner's summary.
+    """
+    rows = [
+        (
+            r.topology,
+            r.prompt,
+            r.reference,
+            r.verdict.value,
+            "yes" if r.policy_passed else "NO",
+            _one_line(r.detail, DETAIL_WIDTH),
+        )
+        for r in records
+    ]
+    widths = [max(len(cell) for cell in column) for column in zip(COLUMNS, *rows)]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+        for row in (COLUMNS, *rows)
+    ]
+    passed = sum(r.policy_passed for r in records)
+    counts = ", ".join(f"{v} {n}" for v, n in _totals(records).items()) or "none"
+    lines.append(f"verdicts: {passed} pass, {len(records) - passed} fail ({counts})")
+    return "\n".join(lines)
+
+
+def write_summary_json(
+    path: str | os.PathLike[str], records: Sequence[CaseRecord], run_info: dict[str, Any]
+) -> None:
+    """Write summary.json atomically, so a reader never sees half a file.
+
+    `passed` is False for a run without cases: a run that compared nothing proved nothing.
+    """
+    target = Path(path)
+    document = {
+        "run": run_info,
+        "cases": [r.to_json() for r in records],
+        "totals": _totals(records),
+        "passed": bool(records) and all(r.policy_passed for r in records),
+    }
+    write_text_atomic(target, json.dumps(document, sort_keys=True, indent=2) + "\n")
+
+
+def format_failure(record: CaseRecord) -> str:
+    """A multi-line block for the console or a pytest assertion message."""
+    outcome = "passed" if record.policy_passed else "FAILED"
+    lines = [
+        f"{record.topology} vs {record.reference} on prompt {record.prompt!r}: "
+        f"{record.verdict.value} (policy {outcome})",
+    ]
+    explanation = record.explanation or record.detail
+    if explanation:
+        lines += [f"  {line}" for line in explanation.splitlines()]
+    for name, guard in record.failed_guards().items():
+        lines.append(f"  guard {name} failed: {guard.get('evidence', '(no evidence)')}")
+    if record.error:
+        lines.append(f"  error: {record.error}")
+    return "\n".join(lines)

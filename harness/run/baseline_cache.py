@@ -1,0 +1,102 @@
+"""A file-locked cache of baseline outcomes, shared by runs and by parallel pytest workers.
+
+The monolithic baseline is the same for every EPD topology, so a warm rerun (or a second xdist
+worker) need not start it again. An entry is valid only for exactly what produced it: the key
+covers the served vLLM and torch versions, the model's content digest, every numerics-relevant serving flag and
+the rendered request body (which carries the sampling fields). Only outcomes whose baseline
+passed the determinism control are stored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from harness.files import write_json_atomic
+from harness.serve.client import ChatResult
+from harness.serve.session import Outcome
+from harness.spec.settings import ServedVllm
+from harness.spec.topology import ServingConfig
+
+CACHE_FORMAT = 2  # 2: keyed by the served vLLM and torch
+LOCK_FILE_NAME = ".lock"
+# Flags that cannot change a baseline's tokens (where files are, what is reported).
+NUMERICS_NEUTRAL_FIELDS = ("allowed_local_media_path", "enable_prompt_tokens_details")
+
+
+class BaselineCacheError(RuntimeError):
+    """A cache entry exists but cannot be used (corrupt or of another format)."""
+
+
+def baseline_key(
+    served: ServedVllm, serving: ServingConfig, model_digest: str, body: dict[str, Any]
+) -> str:
+    """The cache key: the *served* vLLM and torch versions (never the harness's own), the
+    model's content, every numerics-relevant flag and the request body."""
+    if not served.known:
+        raise ValueError("a baseline of an unknown vLLM version cannot be cached")
+    flags = {
+        name: value
+        for name, value in dataclasses.asdict(serving).items()
+        if name not in NUMERICS_NEUTRAL_FIELDS and name != "model"
+    }
+    material = {
+        "format": CACHE_FORMAT,
+        "vllm": served.version,
+        "torch": served.torch_version,
+        "model_digest": model_digest,
+        "serving": flags,
+        "request": body,
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+class BaselineCache:
+    """`refresh=True` ignores what is stored (and overwrites it): `--refresh-baseline`."""
+
+    def __init__(self, directory: Path, refresh: bool = False):
+        self.directory = directory
+        self.refresh = refresh
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Held while a baseline is computed, so a second worker waits and then reads."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / LOCK_FILE_NAME, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _path(self, key: str) -> Path:
+        return self.directory / f"{key}.json"
+
+    def load(self, key: str, prompt: str) -> Outcome | None:
+        path = self._path(key)
+        if self.refresh or not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                raise ValueError(f"expected a JSON object, found {type(data).__name__}")
+            if data.get("format") != CACHE_FORMAT:
+                raise ValueError(f"format {data.get('format')!r}, expected {CACHE_FORMAT}")
+            return Outcome(prompt=prompt, result=ChatResult.from_json(data["result"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BaselineCacheError(
+                f"corrupt baseline cache entry {path}: {exc}; delete it or pass "
+                "--refresh-baseline"
+            ) from None
+
+    def store(self, key: str, outcome: Outcome) -> None:
+        if outcome.result is None:
+            return
+        path = self._path(key)
+        write_json_atomic(path, {"format": CACHE_FORMAT, "result": outcome.result.to_json()})

@@ -1,0 +1,116 @@
+"""`epd-harness repro BUNDLE`: rerun one failing case of a run with the identical configuration.
+
+The bundle has everything needed: run.json (serving flags, platform, planted fault),
+requests.json (the exact bodies that were sent) and summary.json (which case failed, with what
+verdict). The case's topology is started afresh with those flags, the recorded body is sent
+again, and the verdict is compared with the recorded one. `--keep-up` then leaves the topology
+serving, and prints every instance's URL and exact launch command, for poking at it by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shlex
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.judge.records import CaseRecord
+from harness.run.sweep import Sweep, SweepSpec
+from harness.serve.session import TopologySession
+from harness.spec.platforms import get_platform
+from harness.spec.settings import RunSettings, ServedVllm
+from harness.spec.topology import ServingConfig, get_topology
+
+log = logging.getLogger(__name__)
+
+BUNDLE_FILES = ("run.json", "requests.json", "summary.json")
+
+
+class BundleError(ValueError):
+    """The bundle is missing a file, or has no case to reproduce."""
+
+
+@dataclass(frozen=True)
+class ReproCase:
+    topology: str  # the topology name proper ("1E+1PD:scenario" labels are cut at ':')
+    prompt: str
+    verdict: str  # what the bundle recorded
+    reference: str
+
+
+@dataclass(frozen=True)
+class Bundle:
+    path: Path
+    run: dict[str, Any]
+    requests: dict[str, dict[str, Any]]
+    cases: list[dict[str, Any]]
+
+    @classmethod
+    def load(cls, path: Path) -> Bundle:
+        missing = [name for name in BUNDLE_FILES if not (path / name).is_file()]
+        if missing:
+            raise BundleError(f"{path} is not a run bundle: no {', '.join(missing)}")
+        try:
+            run, requests, summary = (json.loads((path / n).read_text()) for n in BUNDLE_FILES)
+        except json.JSONDecodeError as exc:
+            raise BundleError(f"{path}: a bundle file is not JSON: {exc}") from None
+        return cls(path=path, run=run, requests=requests, cases=summary.get("cases", []))
+
+    def serving(self) -> ServingConfig:
+        fields = {f.name for f in dataclasses.fields(ServingConfig)}
+        given = {k: v for k, v in self.run["serving"].items() if k in fields}
+        given["extra_args"] = tuple(given.get("extra_args") or ())
+        return ServingConfig(**given)
+
+    def pick_case(self, wanted: str | None) -> ReproCase:
+        """The named case (`TOPOLOGY:PROMPT`), else the first that failed its policy."""
+        for case in self.cases:
+            topology = case["topology"].split(":")[0]
+            name = f"{topology}:{case['prompt']}"
+            if (wanted is None and not case["policy_passed"]) or wanted == name:
+                return ReproCase(topology, case["prompt"], case["verdict"], case["reference"])
+        if wanted:
+            raise BundleError(f"{self.path}: no case {wanted!r}")
+        raise BundleError(f"{self.path}: every case passed; name one with --case TOPOLOGY:PROMPT")
+
+
+def reproduce(
+    bundle: Bundle, run_dir: Path, served: ServedVllm, wanted: str | None = None
+) -> tuple[ReproCase, list[CaseRecord], Sweep]:
+    case = bundle.pick_case(wanted)
+    if case.prompt not in bundle.requests:
+        raise BundleError(f"{bundle.path}: requests.json has no body for {case.prompt!r}")
+    settings = RunSettings(
+        serving=bundle.serving(),
+        run_dir=run_dir,
+        vllm=served,
+        platform=get_platform(bundle.run.get("platform_profile", "cpu")),
+        devices=tuple(bundle.run.get("devices") or (0, 1)),
+    )
+    topology = get_topology(case.topology)
+    recorded = (bundle.run.get("served_vllm") or {}).get("version")
+    if recorded and recorded != served.version:
+        log.warning("repro: the bundle was served by vLLM %s, this run serves %s", recorded,
+                    served.version)  # fmt: skip
+    spec = SweepSpec(topologies=(topology,), prompts=(), fault=bundle.run.get("fault"))
+    sweep = Sweep(spec, settings, bodies={case.prompt: bundle.requests[case.prompt]})
+    records = sweep.judge(topology.name, case.prompt)
+    return case, records, sweep
+
+
+def keep_up(sweep: Sweep, topology_name: str) -> None:
+    """Serve the topology until Ctrl-C (or SIGTERM), showing how to reach and relaunch it."""
+    with TopologySession(
+        get_topology(topology_name), sweep.settings, label=f"{topology_name}-kept-up"
+    ) as session:
+        log.info("%s is up; entry point (proxy): %s", topology_name, session.entry_url)
+        for spec in session.instances:
+            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env().items()))
+            argv = shlex.join(spec.argv(sweep.settings.vllm_executable))
+            log.info("  %s %s\n    %s %s", spec.name, spec.url, env, argv)
+        log.info("Ctrl-C stops everything.")
+        signal.pause()

@@ -1,0 +1,163 @@
+"""The EPD scenario matrix, declared: each scenario a topology + prompts + how to send them +
+the verdict expected, covering the ways EPD has really broken (see docs/scenarios.md).
+
+A scenario normally expects MATCH. Where vLLM itself is known to fail, the scenario says so:
+`expect` names the verdict, `expect_evidence` a string the evidence must contain, `reason` the
+upstream cause. Such a scenario passes only while the failure looks exactly like that, so a fix
+upstream (or a different failure) turns it red instead of going unnoticed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from harness.errors import lookup
+from harness.judge.records import EXACT, Policy, Verdict
+from harness.spec.prompts import (
+    SHORT_TEXT,
+    TAIL_TEXT,
+    ImagePart,
+    PromptSpec,
+    TextPart,
+    VideoFramesPart,
+    VideoPart,
+)
+
+# vLLM closes idle keep-alive connections after 5 s (#41567): wait longer than that.
+IDLE_GAP_S = 6.0
+LONG_TEXT = " ".join([TAIL_TEXT] * 3)
+
+
+class SendMode(str, enum.Enum):
+    SEQUENTIAL = "sequential"  # one request after another
+    CONCURRENT = "concurrent"  # all of the scenario's requests in flight at once
+    IDLE_GAPS = "idle_gaps"  # a pause longer than the servers' keep-alive between requests
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    topology: str
+    prompts: tuple[PromptSpec, ...]
+    mode: SendMode = SendMode.SEQUENTIAL
+    policy: Policy = EXACT
+    # The verdicts this scenario may end with; anything but MATCH needs a reason.
+    expect: tuple[Verdict, ...] = (Verdict.MATCH,)
+    expect_evidence: str = ""  # must appear in the failing record's error / explanation
+    reason: str = ""  # why a verdict other than MATCH is expected (the upstream cause)
+    # Start a fresh session on the storage the previous one left (encoder-cache hits, #51222).
+    rerun_on_kept_storage: bool = False
+    # Every encoder must have received work (round-robin across requests, #52484).
+    require_every_encoder: bool = False
+    ci: bool = False  # part of CI's representative subset
+
+    @property
+    def effective_policy(self) -> Policy:
+        """A documented upstream failure passes as its expected verdict (the evidence is
+        checked separately); everything else is judged by the scenario's policy."""
+        if self.expect == (Verdict.MATCH,):
+            return self.policy
+        return Policy(frozenset(self.expect))
+
+
+def image_prompt(name: str, *seeds: int, text: str = TAIL_TEXT, **extra) -> PromptSpec:
+    parts = tuple(ImagePart(seed=s) for s in seeds) + (TextPart(text),)
+    return PromptSpec(name, parts, extra=tuple(extra.items()))
+
+
+MATRIX: tuple[Scenario, ...] = (
+    # -- 1E+1PD: EC transfer alone ------------------------------------------------------------
+    Scenario("ec-images-1-2-3", "1E+1PD", (
+        image_prompt("m-one-image", 11),
+        image_prompt("m-two-images", 12, 13),
+        image_prompt("m-three-images", 14, 15, 16),
+    ), ci=True),  # fmt: skip
+    Scenario("ec-same-image-twice-in-request", "1E+1PD",
+             (image_prompt("m-same-image-twice", 17, 17),)),  # fmt: skip
+    Scenario("ec-same-image-across-requests", "1E+1PD", (
+        image_prompt("m-repeat-a", 18),
+        PromptSpec("m-repeat-b", (ImagePart(seed=18), TextPart(TAIL_TEXT + " Again."))),
+    )),  # fmt: skip
+    Scenario("ec-video-mp4", "1E+1PD", (
+        PromptSpec("m-video-mp4", (VideoPart(seed=21), TextPart(TAIL_TEXT))),
+    )),  # fmt: skip
+    Scenario(
+        "ec-video-jpeg-frames-default-fps",
+        "1E+1PD",
+        (PromptSpec("m-video-jpeg-frames", (VideoFramesPart(seed=22), TextPart(TAIL_TEXT))),),
+        expect=(Verdict.DRIFT, Verdict.MISMATCH),
+        expect_evidence="generated tokens differ",
+        reason="Qwen2.5-VL video positions use second_per_grid_ts, which the encoder does not "
+        "publish as metadata: the consumer assumes 1.0 (qwen2_5_vl.py), while the baseline "
+        "derives 2.0 from JPEG frames' default 1 fps. Prompt ids still match; tokens drift.",
+    ),
+    Scenario("ec-video-jpeg-frames-at-2-fps", "1E+1PD", (
+        PromptSpec("m-video-jpeg-frames-2fps", (VideoFramesPart(seed=22), TextPart(TAIL_TEXT)),
+                   extra=(("media_io_kwargs", {"video": {"fps": 2.0}}),)),
+    )),  # fmt: skip  (the control: at 2 fps second_per_grid_ts is 1.0 on both sides)
+    Scenario("ec-video-fps-4", "1E+1PD", (
+        PromptSpec("m-video-fps4", (VideoPart(seed=23, num_frames=16, fps=4.0),
+                                    TextPart(TAIL_TEXT))),
+    )),  # fmt: skip
+    Scenario("ec-per-request-media-kwargs", "1E+1PD", (
+        # 224x224 is 28*28*64 pixels: a cap of 28*28*16 makes the grid [1, 8, 8], so the
+        # kwarg visibly changes the prompt (its ids are compared with the baseline's).
+        image_prompt("m-max-pixels", 24, mm_processor_kwargs={"max_pixels": 28 * 28 * 16}),
+        PromptSpec("m-video-fps-kwarg", (VideoPart(seed=25, num_frames=8), TextPart(TAIL_TEXT)),
+                   extra=(("mm_processor_kwargs", {"fps": 1.0}),)),
+    )),  # fmt: skip
+    Scenario("ec-concurrent-requests", "1E+1PD", (
+        image_prompt("m-concurrent-a", 31),
+        image_prompt("m-concurrent-b", 32, 33),
+        PromptSpec("m-concurrent-c", (VideoPart(seed=34), TextPart(TAIL_TEXT))),
+        PromptSpec("m-concurrent-text", (TextPart(LONG_TEXT),)),
+    ), mode=SendMode.CONCURRENT),  # fmt: skip
+    Scenario("ec-idle-over-keepalive", "1E+1PD", (
+        image_prompt("m-idle-a", 35),
+        image_prompt("m-idle-b", 36),
+    ), mode=SendMode.IDLE_GAPS),  # fmt: skip
+    Scenario("ec-rerun-on-kept-storage", "1E+1PD", (image_prompt("m-one-image", 11),),
+             rerun_on_kept_storage=True),  # fmt: skip
+    # -- 2E+1PD: round-robin fan-out ----------------------------------------------------------
+    Scenario("ec-two-encoders-round-robin", "2E+1PD", (
+        image_prompt("m-rr-a", 41),
+        image_prompt("m-rr-b", 42),
+        image_prompt("m-rr-c", 43),
+        image_prompt("m-rr-two", 44, 45),
+    ), require_every_encoder=True),  # fmt: skip
+    # -- 1E+1P+1D: EC then KV -----------------------------------------------------------------
+    Scenario("epd-images-video-long-text", "1E+1P+1D", (
+        image_prompt("m-one-image", 11),
+        image_prompt("m-image-long-text", 51, text=LONG_TEXT),
+        PromptSpec("m-video-mp4", (VideoPart(seed=21), TextPart(TAIL_TEXT))),
+        PromptSpec("m-text-only", (TextPart(LONG_TEXT),)),
+    ), ci=True),  # fmt: skip
+    Scenario(
+        "epd-media-in-decode-tail",
+        "1E+1P+1D",
+        (image_prompt("m-image-short-text", 52, text=SHORT_TEXT),),
+        expect=(Verdict.ERROR,),
+        expect_evidence="Expected number of multimodal embeddings to match",
+        reason="vLLM 0.32: with ExampleConnector D recomputes the last partial block; media "
+        "placeholders there need embeddings D never received (metadata-only rewrite), and "
+        "D's engine dies",
+        ci=True,
+    ),
+)
+
+
+def matrix_prompts(scenarios: tuple[Scenario, ...] = MATRIX) -> tuple[PromptSpec, ...]:
+    """Every distinct prompt of the scenarios, for the baseline to answer once."""
+    by_name: dict[str, PromptSpec] = {}
+    for scenario in scenarios:
+        for prompt in scenario.prompts:
+            if by_name.setdefault(prompt.name, prompt) != prompt:
+                raise ValueError(f"prompt name {prompt.name!r} is used for two different prompts")
+    return tuple(by_name.values())
+
+
+def get_scenario(name: str) -> Scenario:
+    return lookup("scenario", name, {s.name: s for s in MATRIX})
+
+

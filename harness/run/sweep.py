@@ -1,0 +1,353 @@
+"""The correctness sweep: the baseline and each EPD topology, every prompt, one verdict each.
+
+Topologies run in the waves `harness.spec.placement.schedule` computes (what `epd-harness
+plan` prints): the topologies of a wave start side by side, serve every prompt, and stop before
+the next wave starts; each topology gets fresh storage. The baseline answers every prompt twice:
+a baseline that disagrees with itself would make EPD look broken when it is not, so its cases
+get UNSTABLE_BASELINE instead. A baseline already in the cache (same served vLLM, model, flags
+and request) is not started at all. Artifacts land in the run directory as they are produced,
+so a failed run keeps what it had.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.files import write_json_atomic, write_text_atomic
+from harness.fixtures.tiny_model import model_digest
+from harness.judge.guards import GuardResult, session_guards
+from harness.judge.records import EXACT, CaseRecord, Policy
+from harness.judge.verdicts import baseline_is_stable, judge_case
+from harness.report.bundle import write_bundle, write_run_info
+from harness.report.text import format_verdict_table, write_summary_json
+from harness.run.baseline_cache import BaselineCache, baseline_key
+from harness.run.faults import fault_for, plant
+from harness.serve.launch import EventCallback
+from harness.serve.session import InstanceStats, Outcome, TopologySession
+from harness.spec.placement import Schedule, schedule
+from harness.spec.prompts import PromptSpec, render_request
+from harness.spec.settings import RunSettings
+from harness.spec.topology import TOPOLOGIES, Topology
+
+BASELINE = TOPOLOGIES["baseline"]
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """Which topologies and prompts a sweep covers (the baseline always runs, unless cached)."""
+
+    topologies: tuple[Topology, ...]  # EPD topologies
+    prompts: tuple[PromptSpec, ...]  # sent to the baseline and to every topology
+    # Answered by the baseline only, for callers that send them elsewhere (the matrix).
+    baseline_only_prompts: tuple[PromptSpec, ...] = ()
+    # Policy against the monolithic baseline. Exact on CPU (deterministic); on GPUs upstream
+    # allows logprob-close drift for P/D and keeps exactness for 1E+1P+1D vs 1P+1D.
+    baseline_policy: Policy = EXACT
+    # A planted fault (harness.run.faults.FAULT_NAMES) for self-tests from the command line;
+    # recorded in run.json so `repro` replays it. Never set in a normal run.
+    fault: str | None = None
+
+
+@dataclass
+class SweepResult:
+    run_dir: Path
+    records: list[CaseRecord] = field(default_factory=list)
+    outcomes: dict[str, dict[str, Outcome]] = field(default_factory=dict)
+    instances: list[InstanceStats] = field(default_factory=list)
+    seconds_by_wave: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.records) and all(r.policy_passed for r in self.records)
+
+
+def ordered_topologies(topologies: tuple[Topology, ...]) -> list[Topology]:
+    """EPD topologies in run order: each exact reference before the topology using it."""
+    pending = [t for t in topologies if not t.is_baseline]
+    for topology in list(pending):
+        reference = topology.exact_reference
+        if reference and reference not in {t.name for t in pending}:
+            pending.append(TOPOLOGIES[reference])
+    names = {t.name for t in pending}
+    ordered: list[Topology] = []
+    while pending:
+        done = {o.name for o in ordered}
+        ready = [t for t in pending if t.exact_reference not in names - done] or pending[:1]
+        ordered.append(ready[0])
+        pending.remove(ready[0])
+    return ordered
+
+
+class Sweep:
+    """Serves the baseline and topologies on demand, a wave at a time, and judges their cases.
+
+    The CLI walks every case; the pytest scenarios ask for single (topology, prompt) cases and
+    share one Sweep per session, so each wave (and the baseline) is started once.
+    """
+
+    def __init__(
+        self,
+        spec: SweepSpec,
+        settings: RunSettings,
+        on_event: EventCallback | None = None,
+        baseline_cache: BaselineCache | None = None,
+        bodies: dict[str, dict] | None = None,
+    ):
+        """`bodies` replays recorded request bodies (repro) instead of rendering the spec's."""
+        self.spec = spec
+        self.settings = settings
+        self.on_event = on_event
+        self.baseline_cache = baseline_cache
+        self.result = SweepResult(run_dir=settings.run_dir)
+        self.bodies = bodies or {
+            p.name: render_request(p, settings.serving.served_model_name)
+            for p in (*spec.prompts, *spec.baseline_only_prompts)
+        }
+        self.topology_prompts = list(bodies) if bodies else [p.name for p in spec.prompts]
+        self.stability: dict[str, tuple[bool, str]] = {}
+        self.guards: dict[str, dict[str, list[GuardResult]]] = {}
+        self._judged: dict[tuple[str, str], list[CaseRecord]] = {}
+        self._model_digest: str | None = None
+        self._baseline_missing: list[str] | None = None  # prompts the cache lacks
+        settings.run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(settings.run_dir / "requests.json", self.bodies)
+        self.run_info = write_run_info(
+            settings,
+            (BASELINE, *spec.topologies),
+            (*spec.prompts, *spec.baseline_only_prompts),
+            fault=spec.fault,
+        )
+
+    # -- the schedule --------------------------------------------------------------------------
+
+    def schedule(self) -> Schedule:
+        """The waves this sweep runs: the baseline (unless every answer is cached) and the
+        topologies, packed by the one scheduler."""
+        topologies = ordered_topologies(self.spec.topologies)
+        if self._needs_baseline_run():
+            topologies.insert(0, BASELINE)
+        return schedule(
+            topologies,
+            self.settings.devices,
+            self.settings.platform,
+            self.settings.colocate,
+            cpu_budget=self._cpu_budget(),
+        )
+
+    def _cpu_budget(self) -> int | None:
+        if self.settings.platform.exclusive_devices:
+            return None
+        from harness.spec.placement import available_memory_bytes, cpu_instance_budget
+
+        return cpu_instance_budget(
+            len(self.settings.devices), available_memory_bytes(), self.settings.workers
+        )
+
+    def _needs_baseline_run(self) -> bool:
+        if BASELINE.name in self.result.outcomes:
+            return False
+        if self._baseline_missing is None:
+            self._load_cached_baseline()
+        return bool(self._baseline_missing)
+
+    def _load_cached_baseline(self) -> None:
+        self.result.outcomes.setdefault(BASELINE.name, {})
+        cache = self.baseline_cache
+        if cache is None:
+            self._baseline_missing = list(self.bodies)
+            return
+        with cache.locked():
+            outcomes = self.result.outcomes[BASELINE.name]
+            for name, body in self.bodies.items():
+                cached = cache.load(self._baseline_key(body), name)
+                if cached is not None:
+                    outcomes[name] = cached
+                    self.stability[name] = (True, "from the baseline cache")
+        self._baseline_missing = [name for name in self.bodies if name not in self.stability]
+        log.info("[sweep] baseline cache: %d hit(s), %d to compute",
+                 len(self.bodies) - len(self._baseline_missing), len(self._baseline_missing))  # fmt: skip
+        if not self._baseline_missing:
+            self.write_outputs()
+
+    def _baseline_key(self, body: dict) -> str:
+        if self._model_digest is None:
+            model = Path(self.settings.serving.model)
+            self._model_digest = model_digest(model) if model.is_dir() else str(model)
+        return baseline_key(self.settings.vllm, self.settings.serving, self._model_digest, body)
+
+    # -- serving -----------------------------------------------------------------------------
+
+    def serve_baseline(self) -> dict[str, Outcome]:
+        """Baseline outcomes for every body: from the cache where valid, else computed (this
+        starts the baseline's wave)."""
+        if self._needs_baseline_run():
+            self._serve_wave_of(BASELINE.name)
+        return self.result.outcomes[BASELINE.name]
+
+    def serve_topology(self, name: str) -> dict[str, Outcome]:
+        """The outcomes of topology `name`, starting its wave if it has not run yet."""
+        if name not in self.result.outcomes:
+            self._serve_wave_of(name)
+        return self.result.outcomes[name]
+
+    def _serve_wave_of(self, name: str) -> None:
+        plan = self.schedule()
+        wave = plan.wave_of(name)
+        slots = [s for s in wave.slots if s.topology.name not in self._served()]
+        started = time.monotonic()
+        log.info("[sweep] wave %d: starting %s", wave.index,
+                 ", ".join(f"{s.topology.name} ({len(s.topology.roles)})" for s in slots))  # fmt: skip
+        with contextlib.ExitStack() as stack:
+            sessions: list[TopologySession] = []
+            failed: dict[str, Exception] = {}
+            for slot in slots:
+                session = TopologySession(
+                    slot.topology, self.settings, on_event=self.on_event, devices=slot.devices
+                )
+                stack.callback(session.close)
+                sessions.append(session)
+                try:
+                    session.start_servers()
+                except Exception as exc:  # noqa: BLE001 - a topology that cannot start fails its cases
+                    failed[slot.topology.name] = exc
+            for session in sessions:
+                if session.topology.name in failed:
+                    continue
+                try:
+                    session.wait_until_serving()
+                except Exception as exc:  # noqa: BLE001
+                    failed[session.topology.name] = exc
+                    session.close()  # a dead sibling must not hold memory while others serve
+            for session in sessions:
+                if session.topology.name in failed:
+                    self._record_start_failure(session.topology, failed[session.topology.name])
+                elif session.topology.is_baseline:
+                    self._serve_baseline_prompts(session)
+                else:
+                    self._serve_prompts(session)
+                self.result.instances.extend(session.stats.values())
+                session.close()  # free its memory before the next topology's requests
+        self.result.seconds_by_wave[f"wave {wave.index}"] = round(time.monotonic() - started, 1)
+        self.write_outputs()
+
+    def _served(self) -> set[str]:
+        served = {name for name in self.result.outcomes if name != BASELINE.name}
+        if not self._needs_baseline_run():
+            served.add(BASELINE.name)
+        return served
+
+    def _serve_baseline_prompts(self, session: TopologySession) -> None:
+        """Each missing prompt twice on one monolithic instance: the second is the control."""
+        names = list(self._baseline_missing or ())
+        outcomes = self.result.outcomes[BASELINE.name]
+        log.info("[sweep] baseline: %d prompt(s), each twice (determinism control)", len(names))
+        for name in names:
+            outcomes[name] = session.send(name, self.bodies[name])
+        for name in names:
+            again = session.send(name, self.bodies[name])
+            self.stability[name] = baseline_is_stable(outcomes[name], again)
+            if not self.stability[name][0]:
+                log.warning("[sweep] baseline UNSTABLE on %s: %s", name, self.stability[name][1])
+        if self.baseline_cache is not None:
+            with self.baseline_cache.locked():
+                for name in names:
+                    if self.stability[name][0]:
+                        self.baseline_cache.store(self._baseline_key(self.bodies[name]), outcomes[name])
+        self._baseline_missing = []
+
+    def _serve_prompts(self, session: TopologySession) -> None:
+        """Every prompt on one topology, with the guards read while its storage exists."""
+        topology = session.topology
+        outcomes: dict[str, Outcome] = {}
+        guards: dict[str, list[GuardResult]] = {}
+        if self.spec.fault and session.proxy is not None:
+            plant(session.proxy.faults, fault_for(self.spec.fault, session.ec_storage, session.kv_storage))
+        for name in self.topology_prompts:
+            outcome = session.send(name, self.bodies[name])
+            outcomes[name] = outcome
+            status = "failed" if outcome.error else "answered"
+            log.info("[sweep] %s %s: %s in %.2fs", topology.name, name, status, outcome.seconds)
+            guards[name] = session_guards(session, outcome)
+        self.guards[topology.name] = guards
+        self.result.outcomes[topology.name] = outcomes
+
+    def _record_start_failure(self, topology: Topology, cause: Exception) -> None:
+        """An EPD topology that cannot start fails its cases (ERROR, with the cause); a baseline
+        that cannot start fails the run: there is nothing to compare with."""
+        if topology.is_baseline:
+            raise cause
+        error = f"{topology.name} could not start: {type(cause).__name__}: {cause}"
+        log.error("[sweep] %s", error)
+        self.guards[topology.name] = {name: [] for name in self.topology_prompts}
+        self.result.outcomes[topology.name] = {
+            name: Outcome(prompt=name, error=error) for name in self.topology_prompts
+        }
+
+    # -- judging -------------------------------------------------------------------------------
+
+    def judge(self, topology_name: str, prompt: str) -> list[CaseRecord]:
+        """Records for one case: against the baseline, and its exact reference if it has one."""
+        key = (topology_name, prompt)
+        if key not in self._judged:
+            baseline = self.serve_baseline()
+            outcome = self.serve_topology(topology_name)[prompt]
+            topology = TOPOLOGIES[topology_name]
+            references = [(BASELINE.name, baseline, self.spec.baseline_policy)]
+            if topology.exact_reference:
+                reference = self.serve_topology(topology.exact_reference)
+                references.append((topology.exact_reference, reference, EXACT))
+            records = []
+            for reference_name, reference_outcomes, policy in references:
+                record = judge_case(
+                    topology_name,
+                    reference_name,
+                    reference_outcomes[prompt],
+                    outcome,
+                    self.guards[topology_name][prompt],
+                    policy=policy,
+                    baseline_stable=reference_name != BASELINE.name or self.stability[prompt][0],
+                )
+                log.info("[sweep] %s %s vs %s: %s (%s)", topology_name, prompt, reference_name,
+                         record.verdict.value, record.detail)  # fmt: skip
+                records.append(record)
+            self._judged[key] = records
+            self.result.records.extend(records)
+            self.write_outputs()
+        return self._judged[key]
+
+    def run_all(self) -> SweepResult:
+        """Every wave, then every case (references before the topologies judged against them)."""
+        for wave in self.schedule().waves:
+            self._serve_wave_of(wave.slots[0].topology.name)
+        for topology in ordered_topologies(self.spec.topologies):
+            if topology in self.spec.topologies:
+                for prompt in self.topology_prompts:
+                    self.judge(topology.name, prompt)
+        return self.result
+
+    def write_outputs(self) -> None:
+        """Everything so far, rewritten after each step: a failed run keeps what it had."""
+        result = self.result
+        responses = {
+            topology: {prompt: outcome.to_json() for prompt, outcome in by_prompt.items()}
+            for topology, by_prompt in result.outcomes.items()
+        }
+        write_json_atomic(result.run_dir / "responses.json", responses)
+        write_summary_json(
+            result.run_dir / "summary.json",
+            result.records,
+            {
+                "topologies": [t.name for t in self.spec.topologies],
+                "prompts": list(self.bodies),
+                "baseline_stability": {p: list(s) for p, s in self.stability.items()},
+                "instances": [stats.__dict__ for stats in result.instances],
+                "seconds_by_wave": dict(result.seconds_by_wave),
+            },
+        )
+        write_text_atomic(result.run_dir / "verdicts.txt", format_verdict_table(result.records) + "\n")
+        write_bundle(result.run_dir, result.records, responses, self.run_info)

@@ -1,0 +1,576 @@
+"""Process lifecycle for servers: start, wait until healthy, notice death at once, stop completely.
+
+A correctness run that leaves a vLLM server behind poisons the next one (a held port, a busy
+core, gigabytes of RAM), and one that waits out a 10-minute startup timeout for a server that
+crashed in its first second wastes the CI budget. So:
+
+* every server runs in its own session (its pid is its process group id), so one `killpg`
+  reaches the workers it forks; descendants that leave the group are tracked through psutil;
+* the child asks the kernel for SIGTERM when the harness dies (PR_SET_PDEATHSIG), so even a
+  SIGKILLed harness does not leave the server itself running (the server is expected to take its
+  own children down on SIGTERM, as vLLM does);
+* readiness polling checks on every poll that the process is still alive, and a death is
+  reported with the exit code and the tail of the server's log: the evidence, not "timed out";
+* the server's exit is observed without reaping it (waitid WNOWAIT) until `stop()` has emptied
+  its group. An unreaped leader keeps its pid, and so the group id, from being reused; with
+  pid_max often 32768, a reaped pid can come back as an unrelated process that `killpg` would
+  then hit;
+* nothing is ever killed by name, only by the pid, group and psutil handles recorded here.
+
+SIGTERM to the harness itself (CI cancelling, `timeout`) ends it without unwinding `with`
+blocks unless `install_signal_handlers()` was called; then it unwinds like Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import http.client
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Literal
+
+import psutil
+
+from harness.serve.ports import PortLease
+
+HEALTH_POLL_INTERVAL_S = 0.5
+# A health request that hangs delays death detection by this much; vLLM's /health answers in
+# milliseconds, and a server that is not listening yet refuses at once.
+HEALTH_REQUEST_TIMEOUT_S = 1.0
+STOP_GRACE_S = 15.0
+# A server that never became ready has no request to finish, and vLLM 0.32 can ignore SIGTERM
+# for good during its engine start-up (measured: no exit within 40 s when signalled 0.3-3 s
+# after parsing its arguments). Such a server gets this much grace, not STOP_GRACE_S, so a
+# sibling's death or a Ctrl-C during start-up does not cost 15 s per instance.
+STARTUP_STOP_GRACE_S = 3.0
+KILL_WAIT_S = 5.0
+STOP_POLL_INTERVAL_S = 0.05
+LOG_TAIL_LINES = 40
+LOG_TAIL_MAX_BYTES = 256 * 1024
+
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+ServerState = Literal["starting", "ready", "died", "stopped"]
+# on_event(server name, state, seconds since the group's start_all)
+EventCallback = Callable[[str, ServerState, float], None]
+
+# Health checks go to 127.0.0.1 directly: a CI runner's HTTP(S)_PROXY must not relay them.
+_DIRECT_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# Resolved once, in the parent: the child must not dlopen/dlsym between fork and exec, where a
+# loader lock held by another parent thread at fork time would deadlock it.
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
+class ServerDied(RuntimeError):
+    """A server process exited while the harness still needed it."""
+
+    def __init__(self, message: str, name: str = "", exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+        self.exit_code = exit_code
+
+
+class StartupTimeout(RuntimeError):
+    """Servers were alive but not healthy when the readiness timeout ran out."""
+
+    def __init__(self, message: str, names: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.names = names
+
+
+class ServerStopFailed(RuntimeError):
+    """Processes of a server outlived SIGKILL (e.g. stuck in uninterruptible sleep)."""
+
+
+@dataclass(frozen=True)
+class ServerCommand:
+    """How to run one server: what `ManagedServer` spawns and where it writes its log."""
+
+    name: str  # unique within a run, e.g. "1E+1P+1D/encoder0"
+    argv: tuple[str, ...]  # a list is accepted and stored as a tuple; never a shell string
+    health_url: str  # answers 2xx once the server can take requests
+    log_path: Path  # stdout and stderr together; truncated at start
+    env: Mapping[str, str] = field(default_factory=dict)  # merged over os.environ
+
+    def __post_init__(self) -> None:
+        argv = tuple(self.argv)
+        if not argv or not all(isinstance(arg, str) for arg in argv):
+            raise ValueError(f"{self.name}: argv must be a non-empty list of str, got {argv!r}")
+        object.__setattr__(self, "argv", argv)
+        object.__setattr__(self, "env", dict(self.env))
+
+
+def log_path_for(log_dir: Path, name: str) -> Path:
+    """A log file for server `name` in `log_dir`: "1E+1P+1D/encoder0" -> 1E-1P-1D__encoder0.log.
+
+    '/' would make a subdirectory and '+' is awkward in shells; other unsafe characters become
+    '_'. The two meaningful separators get distinct replacements so names stay distinguishable.
+    """
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name.replace("/", "__").replace("+", "-"))
+    return log_dir / f"{safe}.log"
+
+
+class ManagedServer:
+    """One server process: spawned in its own session, watched for death, stopped completely.
+
+    One lifecycle per object: `start()` once, `stop()` any number of times. A `PortLease` given
+    here is handed over right before the spawn and released once the process group is gone.
+    """
+
+    def __init__(self, command: ServerCommand, *, port_lease: PortLease | None = None) -> None:
+        self.command = command
+        self._port_lease = port_lease
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._spawned_at: float | None = None
+        self._startup_seconds: float | None = None
+        self._peak_rss_bytes = 0
+        # Every descendant ever sampled, so that stop() also finds those that left the group
+        # (setsid, daemonizing helpers), even after the server itself died and they were orphaned.
+        self._seen_descendants: dict[int, psutil.Process] = {}
+        self._stopped = False
+
+    @property
+    def name(self) -> str:
+        return self.command.name
+
+    @property
+    def port_lease(self) -> PortLease | None:
+        return self._port_lease
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._popen is None else self._popen.pid
+
+    @property
+    def pgid(self) -> int | None:
+        """The process group id: the pid, since the child calls setsid() before exec."""
+        return self.pid
+
+    @property
+    def startup_seconds(self) -> float | None:
+        """Seconds from spawn to the first healthy answer; None until ready."""
+        return self._startup_seconds
+
+    @property
+    def exit_code(self) -> int | None:
+        """The exit status (negative: killed by that signal), or None while running/unstarted."""
+        if self._popen is None:
+            return None
+        if self._popen.returncode is not None:
+            return self._popen.returncode
+        info = os.waitid(os.P_PID, self._popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if info is None:
+            return None
+        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+    def is_alive(self) -> bool:
+        return self._popen is not None and self.exit_code is None
+
+    def start(self) -> None:
+        """Spawn the server and return at once (readiness is `wait_until_ready`'s job).
+
+        A spawn failure (say, the executable is missing) propagates with the server name and
+        command line attached as a note.
+        """
+        if self._popen is not None or self._stopped:
+            state = "stopped" if self._stopped else f"started (pid {self.pid})"
+            raise RuntimeError(f"{self.name}: a ManagedServer starts once; it is already {state}")
+        command = self.command
+        command.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(command.log_path, "wb") as log:
+            log.write(f"# epd-harness: {command.name}: {shlex.join(command.argv)}\n".encode())
+            if command.env:
+                # The log is an artifact: a credential passed to a server must not land in it.
+                from harness.report.bundle import redact_env  # late: bundle is high-level
+
+                redacted = redact_env(command.env)
+                additions = " ".join(f"{k}={v}" for k, v in sorted(redacted.items()))
+                log.write(f"# epd-harness: environment additions: {additions}\n".encode())
+            log.flush()
+            if self._port_lease is not None:
+                self._port_lease.hand_over()
+            try:
+                self._popen = subprocess.Popen(
+                    command.argv,
+                    env={**os.environ, **command.env},
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=_parent_death_signal(os.getpid()) if _PRCTL else None,
+                )
+            except Exception as exc:
+                exc.add_note(f"while starting {command.name}: {shlex.join(command.argv)}")
+                raise
+        self._spawned_at = time.monotonic()
+
+    def probe_health(self) -> bool:
+        """One GET of the health URL: True on a 2xx answer, False on any error or timeout."""
+        try:
+            with _DIRECT_OPENER.open(
+                self.command.health_url, timeout=HEALTH_REQUEST_TIMEOUT_S
+            ) as response:
+                return 200 <= response.status < 300
+        except (OSError, http.client.HTTPException):  # refused, reset, timed out, 4xx/5xx
+            return False
+
+    def wait_until_ready(self, timeout_s: float) -> None:
+        """Poll until healthy. Raises ServerDied (within ~a second of a death) or StartupTimeout."""
+        _await_ready([self], timeout_s, on_ready=lambda server: None)
+
+    def check_alive(self) -> None:
+        """Raise ServerDied (exit code, log tail) if the process exited; else sample its tree."""
+        if self._popen is None:
+            raise RuntimeError(f"{self.name}: not started")
+        code = self.exit_code
+        if code is None:
+            self._sample_tree()
+            return
+        phase = "while serving" if self._startup_seconds is not None else "during startup"
+        raise ServerDied(
+            f"{self.name} (pid {self.pid}) died {phase}: {_describe_exit(code)}, noticed "
+            f"{self._age_s():.1f} s after start\n{self._log_evidence()}",
+            name=self.name,
+            exit_code=code,
+        )
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last `lines` lines of the server's log ("" if there is no log yet).
+
+        Reads at most the last 256 KiB: vLLM logs grow large, and progress bars' carriage
+        returns count as line breaks here, so a tail is never one giant line.
+        """
+        try:
+            with open(self.command.log_path, "rb") as log:
+                size = log.seek(0, os.SEEK_END)
+                log.seek(max(0, size - LOG_TAIL_MAX_BYTES))
+                data = log.read()
+        except FileNotFoundError:
+            return ""
+        return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-lines:])
+
+    def peak_rss_bytes(self) -> int:
+        """Largest summed RSS of the server's process tree seen so far, for reports.
+
+        Sampled at every readiness poll, every `check_alive()`, at `stop()` and here, so a peak
+        between samples is missed. Pages shared between forked processes count once per process:
+        read it as an upper bound. 0 if the server was never sampled while alive.
+        """
+        self._sample_tree()
+        return self._peak_rss_bytes
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM the group, wait up to `grace_s`, then SIGKILL; return once nothing is left.
+
+        A server that never became ready waits at most STARTUP_STOP_GRACE_S. Descendants seen
+        by any sample (each readiness poll, `check_alive()`, and one right before the first
+        signal) are signalled too, in case they left the group. Raises ServerStopFailed,
+        listing the survivors, if anything outlives SIGKILL by KILL_WAIT_S; calling stop()
+        again retries. Idempotent once it has succeeded; releases the port lease at the end.
+        """
+        if self._stopped:
+            return
+        if self._popen is not None:
+            self._sample_tree()
+            pgid = self._popen.pid
+            tracked = list(self._seen_descendants.values())
+            _signal_group(pgid, signal.SIGTERM)
+            for proc in tracked:
+                if _pgid_of(proc) not in (None, pgid):
+                    _signal_process(proc, signal.SIGTERM)
+            if self._startup_seconds is None:
+                grace_s = min(grace_s, STARTUP_STOP_GRACE_S)
+            if not self._wait_gone(tracked, grace_s):
+                _signal_group(pgid, signal.SIGKILL)
+                for proc in tracked:
+                    _signal_process(proc, signal.SIGKILL)
+                if not self._wait_gone(tracked, KILL_WAIT_S):
+                    survivors = _live_group_members(pgid) + [p for p in tracked if is_live_process(p)]
+                    raise ServerStopFailed(
+                        f"{self.name}: processes survived SIGKILL for {KILL_WAIT_S} s: "
+                        + ", ".join(describe_process(p) for p in survivors)
+                    )
+            self._popen.wait()  # reap only now: the group is empty, so its id may be reused
+        if self._port_lease is not None:
+            self._port_lease.release()
+        self._stopped = True
+
+    def _mark_ready(self) -> None:
+        self._startup_seconds = self._age_s()
+
+    def _age_s(self) -> float:
+        return 0.0 if self._spawned_at is None else time.monotonic() - self._spawned_at
+
+    def _log_evidence(self) -> str:
+        return f"--- last {LOG_TAIL_LINES} lines of {self.command.log_path} ---\n{self.log_tail()}"
+
+    def _sample_tree(self) -> None:
+        """Record the current descendants and update the peak RSS of the whole tree."""
+        if not self.is_alive():
+            return
+        try:
+            root = psutil.Process(self._popen.pid)
+            descendants = root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        self._seen_descendants.update((proc.pid, proc) for proc in descendants)
+        total = 0
+        for proc in [root, *descendants]:
+            try:
+                total += proc.memory_info().rss
+            except psutil.NoSuchProcess:
+                continue
+        self._peak_rss_bytes = max(self._peak_rss_bytes, total)
+
+    def _wait_gone(self, tracked: list[psutil.Process], timeout_s: float) -> bool:
+        """Wait until the leader has exited and no live process of the group or `tracked` is left.
+
+        Returns False if `timeout_s` passes first.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if (
+                self.exit_code is not None
+                and not _live_group_members(self._popen.pid)
+                and not any(is_live_process(p) for p in tracked)
+            ):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(STOP_POLL_INTERVAL_S)
+
+
+class ServerGroup:
+    """Several servers that live and die together, e.g. the instances of one topology.
+
+        with ServerGroup(servers, on_event=print) as group:
+            group.start_all()
+            group.wait_all_ready(timeout_s=600)
+            ...  # send requests, calling group.check_alive() between them
+
+    Leaving the block stops every server, last started first, whatever ended it (an exception,
+    Ctrl-C, or SIGTERM once `install_signal_handlers()` is in place).
+    """
+
+    def __init__(
+        self, servers: Iterable[ManagedServer], *, on_event: EventCallback | None = None
+    ) -> None:
+        self.servers = tuple(servers)
+        names = [server.name for server in self.servers]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"server names must be unique; repeated: {duplicates}")
+        self._on_event = on_event
+        self._started_at = time.monotonic()
+        self._reported_dead: set[str] = set()
+
+    def start_all(self) -> None:
+        """Spawn every server without waiting, so they boot concurrently."""
+        self._started_at = time.monotonic()
+        for server in self.servers:
+            self._emit(server, "starting")
+            server.start()
+
+    def wait_all_ready(self, timeout_s: float) -> None:
+        """Wait until all are healthy; the first death fails the group at once with its log tail."""
+        try:
+            _await_ready(self.servers, timeout_s, on_ready=lambda s: self._emit(s, "ready"))
+        except ServerDied as exc:
+            self._report_death(exc)
+            raise
+
+    def check_alive(self) -> None:
+        """Raise ServerDied for the first server that has exited (call it between requests)."""
+        try:
+            for server in self.servers:
+                server.check_alive()
+        except ServerDied as exc:
+            self._report_death(exc)
+            raise
+
+    def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop every server in reverse start order; a failing stop does not skip the others."""
+        failures: list[Exception] = []
+        for server in reversed(self.servers):
+            was_started = server.pid is not None
+            try:
+                server.stop(grace_s)
+            except Exception as exc:
+                failures.append(exc)
+                continue
+            if was_started:
+                self._emit(server, "stopped")
+        if failures:
+            for other in failures[1:]:
+                failures[0].add_note(f"also failed to stop: {other}")
+            raise failures[0]
+
+    def __enter__(self) -> ServerGroup:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop_all()
+
+    def _report_death(self, exc: ServerDied) -> None:
+        if exc.name not in self._reported_dead:
+            self._reported_dead.add(exc.name)
+            server = next(s for s in self.servers if s.name == exc.name)
+            self._emit(server, "died")
+
+    def _emit(self, server: ManagedServer, state: ServerState) -> None:
+        if self._on_event is not None:
+            self._on_event(server.name, state, time.monotonic() - self._started_at)
+
+
+def install_signal_handlers(
+    signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGHUP),
+) -> None:
+    """Make SIGTERM / SIGHUP raise KeyboardInterrupt in the main thread, so cleanup runs.
+
+    By default SIGTERM ends Python at once: no `finally`, no `__exit__`, so servers get only the
+    parent-death signal and their grandchildren may linger. KeyboardInterrupt rather than
+    SystemExit because pytest treats it as "abort the session" (and still tears fixtures
+    down), while SystemExit would only fail the current test and go on to start more servers.
+    A repeated signal during cleanup is swallowed so the stop is not cut short (SIGKILL still
+    ends everything, and the parent-death signal then reaches the servers). The swallowing
+    handler is a Python function, not SIG_IGN, because an ignored disposition would be
+    inherited by servers spawned later. Must be called from the main thread.
+    """
+
+    def swallow(signum: int, frame: FrameType | None) -> None:
+        """Ignore a repeated signal while the first one's cleanup runs."""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        for sig in signals:
+            signal.signal(sig, swallow)
+        raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+
+    for sig in signals:
+        signal.signal(sig, interrupt)
+
+
+def _await_ready(
+    servers: Sequence[ManagedServer],
+    timeout_s: float,
+    on_ready: Callable[[ManagedServer], None],
+) -> None:
+    """Poll until every server answers its health URL, checking all of them for death each poll.
+
+    A death is noticed within one poll interval plus the probes of that round (milliseconds
+    while servers refuse connections; at most HEALTH_REQUEST_TIMEOUT_S per hung server).
+    """
+    started = time.monotonic()
+    deadline = started + timeout_s
+    pending = [server for server in servers if server.startup_seconds is None]
+    while True:
+        for server in servers:
+            server.check_alive()
+        for server in list(pending):
+            if server.probe_health():
+                server._mark_ready()
+                pending.remove(server)
+                on_ready(server)
+        if not pending:
+            return
+        now = time.monotonic()
+        if now >= deadline:
+            evidence = "\n".join(server._log_evidence() for server in pending)
+            names = tuple(server.name for server in pending)
+            raise StartupTimeout(
+                f"not ready after {now - started:.1f} s (timeout {timeout_s} s): "
+                f"{', '.join(names)}\n{evidence}",
+                names=names,
+            )
+        time.sleep(min(HEALTH_POLL_INTERVAL_S, deadline - now))
+
+
+def _parent_death_signal(parent_pid: int) -> Callable[[], None]:
+    """A preexec_fn asking the kernel to SIGTERM the child when the harness dies.
+
+    The kernel sends it when the *thread* that forked the child exits, so servers must be
+    started from a thread that lives as long as they should (the main thread, normally). If
+    the harness died before prctl ran, the child would never get the signal: it exits instead.
+    """
+
+    def preexec() -> None:
+        if _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            errno_ = ctypes.get_errno()
+            raise OSError(errno_, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(errno_)}")
+        if os.getppid() != parent_pid:
+            os._exit(128 + signal.SIGTERM)
+
+    return preexec
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _signal_process(proc: psutil.Process, sig: signal.Signals) -> None:
+    """Signal a recorded process; psutil refuses if its pid now belongs to another process."""
+    try:
+        proc.send_signal(sig)
+    except psutil.NoSuchProcess:
+        pass
+
+
+def _pgid_of(proc: psutil.Process) -> int | None:
+    try:
+        return os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return None
+
+
+def is_live_process(proc: psutil.Process) -> bool:
+    """Running and not a zombie (a zombie has exited; only its parent's wait() is missing)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _live_group_members(pgid: int) -> list[psutil.Process]:
+    """Non-zombie processes of group `pgid`; killpg(pgid, 0) alone counts zombies as members."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return []
+    members = []
+    for proc in psutil.process_iter():
+        if _pgid_of(proc) == pgid and is_live_process(proc):
+            members.append(proc)
+    return members
+
+
+def describe_process(proc: psutil.Process) -> str:
+    try:
+        return f"pid {proc.pid} ({proc.name()}, {proc.status()})"
+    except psutil.NoSuchProcess:
+        return f"pid {proc.pid} (gone)"

@@ -1,0 +1,348 @@
+"""The EPD proxy: an aiohttp server on 127.0.0.1 that drives encode -> prefill -> decode.
+
+It runs inside the harness process, on its own event-loop thread, so the harness can read the
+trace of every request (what each encoder returned, which parts reached the consumer as
+metadata-only embeds, what P handed to D): that trace is the evidence that a MATCH is not
+vacuous. The protocol itself lives in `harness.serve.proxy_protocol`.
+
+Planted faults (the self-test) enter only through `ProxyFaults`; the default does nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from harness.serve import proxy_protocol as protocol
+
+# vLLM closes idle keep-alive connections after 5 s; reusing one it is closing breaks the
+# next request (vLLM #41567), so the proxy drops its own idle connections sooner.
+CLIENT_KEEPALIVE_S = 3.0
+UPSTREAM_TIMEOUT_S = 600.0
+HEALTH_PROBE_TIMEOUT_S = 5.0
+# When the proxy stops, requests still in flight get this long, then are cancelled. aiohttp's
+# default (60 s) lets one hung instance hold every teardown (and Ctrl-C) for a minute.
+SHUTDOWN_GRACE_S = 1.0
+STOP_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class ProxyRoutes:
+    """Where the proxy sends work. Without a prefill URL, decode is a PD instance."""
+
+    encoder_urls: tuple[str, ...] = ()
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.decode_urls:
+            raise ValueError("a proxy needs at least one decode (or PD) URL")
+
+
+@dataclass
+class ProxyFaults:
+    """Hooks for the self-test: each turns one guard or comparison red on purpose.
+
+    `after_encode` runs after every encoder sub-request has returned and before anything is
+    sent downstream (e.g. to corrupt the EC files); `drop_encoder_metadata` makes the proxy
+    ignore the encoder's metadata so raw media reach the consumer; `after_prefill` runs after
+    P answered (e.g. to zero the KV files).
+    """
+
+    after_encode: Callable[[str, dict[str, Any]], None] | None = None
+    drop_encoder_metadata: bool = False
+    after_prefill: Callable[[str, dict[str, Any]], None] | None = None
+
+
+@dataclass
+class EncoderCall:
+    url: str
+    positions: tuple[int, ...]
+    status: int | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class RequestTrace:
+    """What the proxy did for one request id; read by the transfer guards and the report."""
+
+    request_id: str
+    media_count: int = 0
+    encoder_calls: list[EncoderCall] = field(default_factory=list)
+    forwarded_part_types: list[str] = field(default_factory=list)
+    metadata_only: list[bool] = field(default_factory=list)
+    prefill_url: str | None = None
+    prefill_status: int | None = None
+    prefill_kv_transfer_params: dict[str, Any] | None = None
+    prefill_seconds: float = 0.0
+    decode_url: str | None = None
+    decode_status: int | None = None
+    decode_seconds: float = 0.0
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data = dict(self.__dict__)
+        data["encoder_calls"] = [dict(c.__dict__) for c in self.encoder_calls]
+        return data
+
+
+class UpstreamError(Exception):
+    """An instance answered non-200 or could not be reached; becomes the proxy's reply."""
+
+    def __init__(self, stage: str, url: str, status: int | None, body: str):
+        super().__init__(f"{stage} {url} answered {status}: {body[:1000]}")
+        self.stage, self.url, self.status, self.body = stage, url, status, body
+
+
+class EPDProxy:
+    """The aiohttp application; one instance per topology run."""
+
+    def __init__(self, routes: ProxyRoutes, faults: ProxyFaults | None = None):
+        self.routes = routes
+        self.faults = faults or ProxyFaults()
+        self.traces: dict[str, RequestTrace] = {}
+        self._encoder_cursor = 0  # persists across requests: round-robin is per proxy
+        self._prefill_cycle = itertools.cycle(routes.prefill_urls or (None,))
+        self._decode_cycle = itertools.cycle(routes.decode_urls)
+        self._session: aiohttp.ClientSession | None = None
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=512 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self.handle_chat)
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/v1/models", self.handle_models)
+        app.on_startup.append(self._open_session)
+        app.on_cleanup.append(self._close_session)
+        return app
+
+    async def _open_session(self, _app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
+        timeout = aiohttp.ClientTimeout(total=UPSTREAM_TIMEOUT_S)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+
+    async def _close_session(self, _app: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _post(self, stage: str, url: str, body: dict, request_id: str) -> dict[str, Any]:
+        assert self._session is not None
+        try:
+            async with self._session.post(
+                f"{url}/v1/chat/completions", json=body, headers={"x-request-id": request_id}
+            ) as response:
+                text = await response.text()
+                if response.status != 200:
+                    raise UpstreamError(stage, url, response.status, text)
+                return json.loads(text)
+        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
+            raise UpstreamError(stage, url, None, f"{type(exc).__name__}: {exc}") from exc
+
+    async def _encode(
+        self, request: dict, media: list[protocol.MediaRef], request_id: str, trace: RequestTrace
+    ) -> tuple[dict[int, protocol.EncodedItem], dict[str, Any]]:
+        batches, self._encoder_cursor = protocol.plan_encoder_batches(
+            media, len(self.routes.encoder_urls), self._encoder_cursor
+        )
+
+        async def run(n: int, batch: protocol.EncoderBatch):
+            url = self.routes.encoder_urls[batch.encoder_index]
+            call = EncoderCall(url=url, positions=batch.positions)
+            trace.encoder_calls.append(call)
+            started = time.monotonic()
+            body = protocol.build_encoder_request(request, media, batch)
+            response = await self._post("encoder", url, body, f"{request_id}:{n}:encode")
+            call.seconds = time.monotonic() - started
+            call.status = 200
+            call.ec_transfer_params = response.get("ec_transfer_params")
+            return batch, call.ec_transfer_params
+
+        results = await asyncio.gather(*(run(n, b) for n, b in enumerate(batches)))
+        encoded: dict[int, protocol.EncodedItem] = {}
+        merged: dict[str, Any] = {}
+        for batch, params in results:
+            encoded.update(protocol.index_encoder_response(batch, params))
+            merged.update(params or {})
+        if self.faults.after_encode is not None:
+            self.faults.after_encode(request_id, merged)
+        if self.faults.drop_encoder_metadata:
+            return {}, {}
+        return encoded, merged
+
+    async def handle_chat(self, http_request: web.Request) -> web.StreamResponse:
+        request_id = http_request.headers.get("x-request-id") or f"epd-{uuid.uuid4().hex}"
+        trace = RequestTrace(request_id=request_id)
+        self.traces[request_id] = trace
+        try:
+            request = await http_request.json()
+        except json.JSONDecodeError as exc:
+            trace.error = f"request body is not JSON: {exc}"
+            return web.json_response({"error": trace.error}, status=400)
+        try:
+            body = await self._route(request, request_id, trace)
+            decode_url = next(self._decode_cycle)
+            trace.decode_url = decode_url
+            return await self._forward_decode(http_request, decode_url, body, request_id, trace)
+        except UpstreamError as exc:
+            trace.error = str(exc)
+            return web.json_response(
+                {"error": {"stage": exc.stage, "url": exc.url, "status": exc.status,
+                           "message": exc.body[:2000]}},
+                status=502,
+            )  # fmt: skip
+
+    async def _route(self, request: dict, request_id: str, trace: RequestTrace) -> dict:
+        media = protocol.collect_media(request)
+        trace.media_count = len(media)
+        encoded: dict[int, protocol.EncodedItem] = {}
+        ec_params: dict[str, Any] = {}
+        if media and self.routes.encoder_urls:
+            encoded, ec_params = await self._encode(request, media, request_id, trace)
+        rewrite = protocol.rewrite_for_consumer(request, media, encoded, ec_params)
+        trace.forwarded_part_types = rewrite.forwarded_part_types
+        trace.metadata_only = rewrite.metadata_only
+        prefill_url = next(self._prefill_cycle)
+        prefill_response = None
+        if prefill_url is not None:
+            trace.prefill_url = prefill_url
+            started = time.monotonic()
+            prefill_response = await self._post(
+                "prefill", prefill_url, protocol.build_prefill_request(rewrite.body), request_id
+            )
+            trace.prefill_seconds = time.monotonic() - started
+            trace.prefill_status = 200
+            trace.prefill_kv_transfer_params = prefill_response.get("kv_transfer_params")
+            if self.faults.after_prefill is not None:
+                self.faults.after_prefill(request_id, prefill_response)
+        return protocol.build_decode_request(rewrite.body, prefill_response)
+
+    async def _forward_decode(
+        self, http_request: web.Request, url: str, body: dict, request_id: str,
+        trace: RequestTrace,
+    ) -> web.StreamResponse:  # fmt: skip
+        assert self._session is not None
+        started = time.monotonic()
+        try:
+            async with self._session.post(
+                f"{url}/v1/chat/completions", json=body, headers={"x-request-id": request_id}
+            ) as upstream:
+                trace.decode_status = upstream.status
+                if not body.get("stream"):
+                    payload = await upstream.read()
+                    trace.decode_seconds = time.monotonic() - started
+                    if upstream.status != 200:
+                        trace.error = f"decode {url} answered {upstream.status}: {payload[:1000]!r}"
+                    return web.Response(
+                        body=payload, status=upstream.status, content_type="application/json"
+                    )
+                response = web.StreamResponse(status=upstream.status)
+                response.content_type = upstream.content_type
+                await response.prepare(http_request)
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+                trace.decode_seconds = time.monotonic() - started
+                return response
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise UpstreamError("decode", url, None, f"{type(exc).__name__}: {exc}") from exc
+
+    async def handle_health(self, _request: web.Request) -> web.Response:
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=HEALTH_PROBE_TIMEOUT_S)
+
+        async def probe(url: str) -> bool:
+            try:
+                async with self._session.get(f"{url}/health", timeout=timeout) as response:
+                    return response.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                return False
+
+        urls = [*self.routes.encoder_urls, *self.routes.prefill_urls, *self.routes.decode_urls]
+        healthy = await asyncio.gather(*(probe(u) for u in urls))
+        status = dict(zip(urls, healthy))
+        return web.json_response({"instances": status}, status=200 if all(healthy) else 503)
+
+    async def handle_models(self, _request: web.Request) -> web.Response:
+        assert self._session is not None
+        url = self.routes.decode_urls[0]
+        try:
+            async with self._session.get(f"{url}/v1/models") as upstream:
+                payload = await upstream.read()
+                return web.Response(
+                    body=payload, status=upstream.status, content_type="application/json"
+                )
+        except aiohttp.ClientError as exc:
+            return web.json_response({"error": f"decode {url}: {exc}"}, status=502)
+
+
+class ProxyServer:
+    """Runs an EPDProxy on a background event-loop thread, on a socket the caller bound.
+
+    Taking an already-bound socket (from the port lease) leaves no window in which another
+    process could take the port between choosing it and serving on it.
+    """
+
+    def __init__(self, proxy: EPDProxy, sock: socket.socket):
+        self.proxy = proxy
+        self._sock = sock
+        host, port = sock.getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._runner: web.AppRunner | None = None
+
+    def start(self) -> ProxyServer:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
+        return self
+
+    async def _start(self) -> None:
+        self._runner = web.AppRunner(
+            self.proxy.make_app(), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
+        )
+        await self._runner.setup()
+        self._sock.listen(128)
+        await web.SockSite(self._runner, self._sock).start()
+
+    @property
+    def running(self) -> bool:
+        """False once stopped, or when the event loop died (then nothing serves the port)."""
+        return self._thread.is_alive() and not self._loop.is_closed()
+
+    def stop(self) -> None:
+        """Stop serving and free the port; idempotent.
+
+        If the event loop died without cleanup, nothing will ever run it again: its loop and
+        listening socket are closed here all the same (closing the listener also drops the
+        connections queued on it), or the port would stay bound until garbage collection.
+        """
+        if self._loop.is_closed():
+            return
+        try:
+            if self._thread.is_alive():
+                if self._runner is not None:
+                    cleanup = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+                    cleanup.result(timeout=STOP_TIMEOUT_S)
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=STOP_TIMEOUT_S)
+        finally:
+            if not self._loop.is_running():
+                self._loop.close()
+            self._sock.close()
+
+    def __enter__(self) -> ProxyServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -1,0 +1,247 @@
+"""The EPD proxy protocol of vLLM 0.32, as pure functions over request and response bodies.
+
+Kept apart from the HTTP server (`harness.serve.proxy`) so every rewrite can be unit-tested against
+recorded encoder / prefill responses without a server. Per chat request the proxy:
+
+1. collects the media parts in order (`image_url`, `video_url`, `audio_url`, `input_audio`);
+2. fans them out to the encoders round-robin (cursor kept across requests); images that land
+   on the same encoder share one sub-request, each video gets its own; every item carries a
+   `uuid` so the encoder's cache key is stable and known;
+3. reads each encoder's `ec_transfer_params = {mm_hash: {"item_indices": [...],
+   "metadata": {...}}}`;
+4. rewrites every media part that has metadata into a metadata-only `image_embeds` /
+   `video_embeds` part (with the item's own `uuid`, which vLLM turns into the same mm_hash
+   the encoder used) and copies the entries into `ec_transfer_params`;
+   media without metadata stay raw (vLLM's silent fallback, which the guards look for);
+5. with a prefill instance: sends the rewritten body with `max_tokens: 1` and
+   `kv_transfer_params.do_remote_decode`, then hands P's `kv_transfer_params` to decode.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+MEDIA_PART_TYPES = ("image_url", "video_url", "audio_url", "input_audio")
+EMBEDS_PART_TYPE = {"image_url": "image_embeds", "video_url": "video_embeds"}
+# Request fields the encoder must see too: they change what the media turn into (#56786).
+ENCODER_PASSTHROUGH_FIELDS = ("mm_processor_kwargs", "media_io_kwargs")
+PREFILL_KV_TRANSFER_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    """Where one media part sits in a chat body, and the cache key the encoder will use."""
+
+    position: int  # index among the request's media parts, in order
+    message_index: int
+    part_index: int
+    part_type: str  # one of MEDIA_PART_TYPES
+    uuid: str
+
+    @property
+    def is_video(self) -> bool:
+        return self.part_type == "video_url"
+
+
+@dataclass(frozen=True)
+class EncoderBatch:
+    """One encoder sub-request: the media positions it carries, in sub-request order."""
+
+    encoder_index: int
+    positions: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EncodedItem:
+    """What an encoder reported for one media position."""
+
+    mm_hash: str
+    metadata: dict[str, Any]
+
+
+@dataclass
+class RewriteResult:
+    """The consumer-bound body plus a record of what was rewritten (the guards read it)."""
+
+    body: dict[str, Any]
+    forwarded_part_types: list[str] = field(default_factory=list)  # per media position
+    metadata_only: list[bool] = field(default_factory=list)  # per media position
+
+
+def media_uuid(part: dict[str, Any], request: dict[str, Any]) -> str:
+    """A stable cache key for a media part: its own `uuid` if the client gave one, else a hash.
+
+    The hash covers the part and the request's processor / media-io kwargs, because the same
+    image processed with another `max_pixels` yields other embeddings. Like upstream's proxy it
+    hashes the URL, not the bytes behind a `file://` URL: a file changed in place keeps its key
+    (failure mode: stale embeddings), which is a thing the scenarios probe on purpose.
+    """
+    if part.get("uuid"):
+        return str(part["uuid"])
+    keyed = {
+        "part": {k: v for k, v in part.items() if k != "uuid"},
+        **{name: request.get(name) for name in ENCODER_PASSTHROUGH_FIELDS},
+    }
+    digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()
+    return f"epd-{digest[:32]}"
+
+
+def collect_media(request: dict[str, Any]) -> list[MediaRef]:
+    """Every media part of the request, in order of appearance."""
+    refs: list[MediaRef] = []
+    for message_index, message in enumerate(request.get("messages") or []):
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for part_index, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in MEDIA_PART_TYPES:
+                refs.append(
+                    MediaRef(
+                        position=len(refs),
+                        message_index=message_index,
+                        part_index=part_index,
+                        part_type=part["type"],
+                        uuid=media_uuid(part, request),
+                    )
+                )
+    return refs
+
+
+def plan_encoder_batches(
+    media: list[MediaRef], encoder_count: int, cursor: int
+) -> tuple[list[EncoderBatch], int]:
+    """Assign media to encoders round-robin from `cursor`; return batches and the next cursor.
+
+    The cursor persists across requests: restarting it at encoder 0 for every request sent all
+    single-image traffic to one encoder (vLLM #52484).
+    """
+    if encoder_count <= 0:
+        raise ValueError("media need at least one encoder")
+    images_by_encoder: dict[int, list[int]] = {}
+    batches: list[EncoderBatch] = []
+    for ref in media:
+        encoder_index = cursor % encoder_count
+        cursor += 1
+        if ref.is_video:
+            batches.append(EncoderBatch(encoder_index, (ref.position,)))
+        else:
+            images_by_encoder.setdefault(encoder_index, []).append(ref.position)
+    for encoder_index, positions in images_by_encoder.items():
+        batches.append(EncoderBatch(encoder_index, tuple(positions)))
+    batches.sort(key=lambda b: b.positions[0])
+    return batches, cursor
+
+
+def _part_at(request: dict[str, Any], ref: MediaRef) -> dict[str, Any]:
+    return request["messages"][ref.message_index]["content"][ref.part_index]
+
+
+def build_encoder_request(
+    request: dict[str, Any], media: list[MediaRef], batch: EncoderBatch
+) -> dict[str, Any]:
+    """The encoder sub-request: only the batch's media parts, each with its `uuid`."""
+    parts = []
+    for position in batch.positions:
+        ref = media[position]
+        part = copy.deepcopy(_part_at(request, ref))
+        part["uuid"] = ref.uuid
+        parts.append(part)
+    body: dict[str, Any] = {
+        "model": request.get("model"),
+        "messages": [{"role": "user", "content": parts}],
+        "max_tokens": 1,
+        "stream": False,
+    }
+    for name in ENCODER_PASSTHROUGH_FIELDS:
+        if name in request:
+            body[name] = copy.deepcopy(request[name])
+    return body
+
+
+def index_encoder_response(
+    batch: EncoderBatch, ec_transfer_params: dict[str, Any] | None
+) -> dict[int, EncodedItem]:
+    """Map the encoder's `item_indices` (sub-request order) back to request media positions.
+
+    An entry without metadata is left out: such media stay raw downstream.
+    """
+    found: dict[int, EncodedItem] = {}
+    for mm_hash, entry in (ec_transfer_params or {}).items():
+        metadata = entry.get("metadata") or {}
+        for item_index in entry.get("item_indices") or []:
+            if not 0 <= item_index < len(batch.positions):
+                raise ValueError(
+                    f"encoder reported item index {item_index} for a sub-request of "
+                    f"{len(batch.positions)} item(s): {json.dumps(ec_transfer_params)[:300]}"
+                )
+            if metadata:
+                found[batch.positions[item_index]] = EncodedItem(mm_hash, metadata)
+    return found
+
+
+def rewrite_for_consumer(
+    request: dict[str, Any],
+    media: list[MediaRef],
+    encoded: dict[int, EncodedItem],
+    ec_transfer_params: dict[str, Any],
+) -> RewriteResult:
+    """Replace encoded media parts by metadata-only `*_embeds` parts; attach the EC params."""
+    body = copy.deepcopy(request)
+    result = RewriteResult(body=body)
+    for ref in media:
+        item = encoded.get(ref.position)
+        embeds_type = EMBEDS_PART_TYPE.get(ref.part_type)
+        content = body["messages"][ref.message_index]["content"]
+        if item is None or embeds_type is None:
+            result.forwarded_part_types.append(ref.part_type)
+            result.metadata_only.append(False)
+            continue
+        # The consumer must derive the encoder's cache key itself, so it gets the same uuid
+        # the encoder got, not the key the encoder returned: with per-request
+        # mm_processor_kwargs / media_io_kwargs vLLM hashes (uuid, kwargs) into the key, and
+        # handing back the key would hash it twice, miss the EC file, and leave a consumer
+        # with metadata only and no embeddings (its engine dies). Without kwargs both are equal.
+        content[ref.part_index] = {
+            "type": embeds_type,
+            embeds_type: copy.deepcopy(item.metadata),
+            "uuid": ref.uuid,
+        }
+        result.forwarded_part_types.append(embeds_type)
+        result.metadata_only.append(True)
+    if ec_transfer_params:
+        body["ec_transfer_params"] = copy.deepcopy(ec_transfer_params)
+    return result
+
+
+def build_prefill_request(consumer_body: dict[str, Any]) -> dict[str, Any]:
+    """P computes the prompt (one token) and keeps its KV for D."""
+    body = copy.deepcopy(consumer_body)
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body["stream"] = False
+    body.pop("stream_options", None)
+    body["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    return body
+
+
+def build_decode_request(
+    consumer_body: dict[str, Any], prefill_response: dict[str, Any] | None
+) -> dict[str, Any]:
+    """D gets the same rewritten body plus whatever KV coordinates P returned."""
+    body = copy.deepcopy(consumer_body)
+    kv_params = (prefill_response or {}).get("kv_transfer_params")
+    if kv_params:
+        body["kv_transfer_params"] = kv_params
+    return body

@@ -1,0 +1,383 @@
+"""One topology, up and serving: ports held, instances launched, proxy in front, requests sent.
+
+`TopologySession` is the unit both the CLI sweep and the pytest scenarios use. Entering it
+starts every instance of the topology at once and waits until all are healthy (a dead instance
+fails the start at once, with its log tail); `send()` drives one rendered request through the
+proxy and never raises for a failed request: an HTTP error, a timeout or a dead instance
+becomes an `Outcome` with the error and the log tail of the instance that died, so one broken
+case does not take the rest of the run down silently. Leaving the session stops everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.redact import redact_argv, redact_env
+from harness.serve.client import ChatClient, ChatResult
+from harness.serve.launch import ManagedServer, ServerCommand, ServerDied, ServerGroup, log_path_for
+from harness.environment import LOOPBACK_HOST
+from harness.files import write_text_atomic
+from harness.serve.ports import PortLease, lease_devices, reserve_ports
+from harness.serve.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer, RequestTrace
+from harness.spec.instances import InstanceSpec
+from harness.spec.placement import place_instances, side_channel_port_count
+from harness.spec.settings import RunSettings
+from harness.spec.topology import Role, Topology
+
+LOG_TAIL_LINES = 40
+LOG_SLICE_LINES = 30  # error lines kept from an instance's log of one request
+LOG_TAIL_SLICE_LINES = 10
+# After a failed request: how long to give an instance whose engine is dying to exit.
+DEATH_GRACE_S = 3.0
+STORAGE_DIR_NAME = "storage"
+
+
+@dataclass
+class Outcome:
+    """One request on one topology: a result, or the reason there is none."""
+
+    prompt: str
+    result: ChatResult | None = None
+    error: str | None = None
+    trace: RequestTrace | None = None
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt": self.prompt,
+            "result": self.result.to_json() if self.result else None,
+            "error": self.error,
+            "trace": self.trace.to_json() if self.trace else None,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+@dataclass
+class InstanceStats:
+    name: str
+    role: str
+    url: str
+    log_path: str
+    startup_s: float | None = None
+    peak_rss_bytes: int = 0
+
+
+def safe_name(name: str) -> str:
+    """A topology name usable in paths and request ids: 1E+1P+1D -> 1E-1P-1D."""
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
+
+
+class TopologySession:
+    """Context manager: a running topology and the means to send it requests."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        settings: RunSettings,
+        faults: ProxyFaults | None = None,
+        on_event: Callable[[str, str, float], None] | None = None,
+        label: str | None = None,
+        reuse_storage: Path | None = None,
+        devices: tuple[int, ...] | None = None,
+    ):
+        """`label` names the artifact directory (default: the topology's name).
+        `reuse_storage` serves from an earlier session's storage directory as it was left,
+        instead of fresh storage (the "rerun without wiping the EC storage" scenario).
+        `devices` are the topology's slot in the schedule (default: all the run's devices)."""
+        self.topology = topology
+        self.settings = settings
+        self.devices = devices or settings.devices
+        self.faults = faults
+        self.on_event = on_event
+        self.dir = settings.run_dir / safe_name(label or topology.name)
+        self.storage_dir = reuse_storage or self.dir / STORAGE_DIR_NAME
+        self.instances: list[InstanceSpec] = []
+        self.stats: dict[str, InstanceStats] = {}
+        self.proxy: EPDProxy | None = None
+        self._leases: list[PortLease] = []
+        self._side_channel_leases: list[PortLease] = []
+        self._device_leases: list[PortLease] = []
+        self._servers: list[ManagedServer] = []
+        self._group: ServerGroup | None = None
+        self._proxy_server: ProxyServer | None = None
+        self._client: ChatClient | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def __enter__(self) -> TopologySession:
+        try:
+            self.start_servers()
+            self.wait_until_serving()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        """Close; a failure to close must not replace the exception that ended the session
+        (a Ctrl-C turned into a TimeoutError would be swallowed as "could not start")."""
+        try:
+            self.close()
+        except Exception as close_error:
+            if exc is None:
+                raise
+            exc.add_note(f"closing {self.topology.name} failed too: {close_error!r}")
+
+    def start_servers(self) -> None:
+        """Hold the ports (and on GPUs the devices), then start every instance; returns at once.
+
+        Callers that start several topologies side by side (a wave) start them all first and
+        then wait for each; on failure the caller must `close()`.
+        """
+        prepare_session_dir(self.dir)
+        settings = self.settings
+        if settings.platform.exclusive_devices:
+            self._device_leases = lease_devices(settings.platform.name, self.devices)
+        self._leases = reserve_ports(len(self.topology.roles))
+        side_channels = side_channel_port_count(self.topology, settings.serving)
+        self._side_channel_leases = reserve_ports(side_channels) if side_channels else []
+        self.instances = place_instances(
+            self.topology,
+            settings.serving,
+            settings.platform,
+            [lease.port for lease in self._leases],
+            self.storage_dir,
+            self.devices,
+            colocate=settings.colocate,
+            side_channel_ports=[lease.port for lease in self._side_channel_leases],
+        )
+        for lease in self._side_channel_leases:
+            lease.hand_over()  # NIXL binds these itself; the flock keeps other workers off
+        for spec in self.instances:
+            for storage in (spec.ec_storage, spec.kv_storage):
+                if storage is not None:
+                    storage.mkdir(parents=True, exist_ok=True)
+        for spec, lease in zip(self.instances, self._leases):
+            command = ServerCommand(
+                name=spec.name,
+                argv=spec.argv(self.settings.vllm_executable),
+                env=spec.env(),
+                health_url=f"{spec.url}/health",
+                log_path=log_path_for(self.dir, spec.name),
+            )
+            write_text_atomic(command.log_path.with_suffix(".cmd.json"), command_json(command))
+            self._servers.append(ManagedServer(command, port_lease=lease))
+            self.stats[spec.name] = InstanceStats(
+                spec.name, spec.role.value, spec.url, str(command.log_path)
+            )
+        self._group = ServerGroup(self._servers, on_event=self.on_event)
+        self._group.start_all()
+
+    def wait_until_serving(self) -> None:
+        """Wait until every instance is healthy (a death fails at once), then put the proxy in
+        front and open the client."""
+        assert self._group is not None, "start_servers() first"
+        self._group.wait_all_ready(self.settings.startup_timeout_s)
+        for server, spec in zip(self._servers, self.instances):
+            self.stats[spec.name].startup_s = server.startup_seconds
+        self._sample_memory()
+        self.entry_url = self.instances[0].url
+        if not self.topology.is_baseline:
+            self.proxy = EPDProxy(routes_for(self.instances), self.faults)
+            self._proxy_server = ProxyServer(self.proxy, bind_loopback_socket())
+            self._proxy_server.start()
+            self.entry_url = self._proxy_server.url
+        self._client = ChatClient(self.entry_url, timeout_s=self.settings.request_timeout_s)
+
+    def close(self) -> None:
+        """Stop the proxy, then every instance (process groups), then give the ports back.
+
+        Every step runs even when an earlier one fails (the first failure is raised at the
+        end): a proxy that does not stop must not leave the instances running.
+        """
+        client, proxy_server, group = self._client, self._proxy_server, self._group
+        self._client = self._proxy_server = self._group = None
+        leases = (*self._leases, *self._side_channel_leases, *self._device_leases)
+        self._leases, self._side_channel_leases, self._device_leases = [], [], []
+        with contextlib.ExitStack() as steps:  # callbacks run last registered, first
+            for lease in leases:
+                steps.callback(lease.release)
+            if group is not None:
+                steps.callback(group.stop_all)
+            if proxy_server is not None:
+                steps.callback(proxy_server.stop)
+            if client is not None:
+                steps.callback(client.close)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
+        """Send one rendered body; every failure becomes an Outcome with its cause."""
+        assert self._client is not None and self._group is not None, "session not started"
+        request_id = f"{safe_name(self.topology.name)}-{prompt}-{uuid.uuid4().hex[:8]}"
+        outcome = Outcome(prompt=prompt)
+        started = time.monotonic()
+        log_offsets = {server.name: log_size(server) for server in self._servers}
+        try:
+            self._group.check_alive()
+            outcome.result = self._client.chat(body, request_id=request_id)
+        except ServerDied as exc:
+            outcome.error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - every failure is reported, none is raised
+            # The HTTP error rarely says why ("EngineCore encountered an issue"); the
+            # instances' logs of this request's window do, and an engine may still be dying.
+            outcome.error = f"{type(exc).__name__}: {exc}\n{self.log_slices(log_offsets)}"
+            died = self.wait_for_death(DEATH_GRACE_S)
+            if died:
+                outcome.error += f"\n{died}"
+            elif self._proxy_server is not None and not self._proxy_server.running:
+                outcome.error += f"\nproxy {self.entry_url} is not running (stopped or crashed)"
+            else:
+                outcome.error += f"\n{self.waited_on_report(request_id)}"
+        outcome.seconds = time.monotonic() - started
+        if self.proxy is not None:
+            outcome.trace = self.proxy.traces.get(request_id)
+        self._sample_memory()
+        return outcome
+
+    def log_slices(self, offsets: dict[str, int]) -> str:
+        """What each instance logged since `offsets` (its last lines), for error evidence."""
+        slices = []
+        for server in self._servers:
+            new_lines = read_log_from(server, offsets.get(server.name, 0)).splitlines()
+            if new_lines:
+                picked = select_evidence(new_lines)
+                slices.append(f"--- {server.command.name} logged during the request ---\n{picked}")
+        return "\n".join(slices)
+
+    def wait_for_death(self, grace_s: float) -> str | None:
+        """After a failed request, give a dying instance `grace_s` to exit, then report it."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            report = self.dead_instance_report()
+            if report or time.monotonic() >= deadline:
+                return report
+            time.sleep(0.2)
+
+    def waited_on_report(self, request_id: str) -> str:
+        """Which instance a failed request was still waiting on, from the proxy's trace (the
+        entry instance itself without a proxy), and that instance's last log lines."""
+        url = self.entry_url
+        trace = self.proxy.traces.get(request_id) if self.proxy is not None else None
+        if trace is not None:
+            pending = [call.url for call in trace.encoder_calls if call.status is None]
+            if trace.prefill_url and trace.prefill_status is None:
+                pending.append(trace.prefill_url)
+            if trace.decode_url and trace.decode_status is None:
+                pending.append(trace.decode_url)
+            url = pending[0] if pending else ""
+        by_url = {spec.url: server for spec, server in zip(self.instances, self._servers)}
+        server = by_url.get(url)
+        if server is None:
+            return "no instance was still working on it (see the proxy's trace)"
+        return (
+            f"the request was still waiting on {server.name} ({url}); last lines of "
+            f"{server.command.log_path}:\n{server.log_tail(LOG_TAIL_SLICE_LINES)}"
+        )
+
+    def dead_instance_report(self) -> str | None:
+        """Name and log tail of the first instance that died, if any."""
+        for server in self._servers:
+            if not server.is_alive():
+                return (
+                    f"instance {server.command.name} exited with code {server.exit_code}; "
+                    f"last lines of {server.command.log_path}:\n"
+                    f"{server.log_tail(LOG_TAIL_LINES)}"
+                )
+        return None
+
+    def server(self, role: Role, index: int = 0) -> ManagedServer:
+        """The running server of the index-th instance with `role` (fault injection, checks)."""
+        matching = [srv for spec, srv in zip(self.instances, self._servers) if spec.role is role]
+        if index >= len(matching):
+            raise LookupError(f"{self.topology.name} has no {role.value} instance #{index}")
+        return matching[index]
+
+    @property
+    def servers(self) -> tuple[ManagedServer, ...]:
+        return tuple(self._servers)
+
+    @property
+    def kv_storage(self) -> Path | None:
+        return next((s.kv_storage for s in self.instances if s.kv_storage), None)
+
+    @property
+    def ec_storage(self) -> Path | None:
+        return next((s.ec_storage for s in self.instances if s.ec_storage), None)
+
+    def _sample_memory(self) -> None:
+        for server, spec in zip(self._servers, self.instances):
+            stats = self.stats[spec.name]
+            stats.peak_rss_bytes = max(stats.peak_rss_bytes, server.peak_rss_bytes())
+
+
+def routes_for(instances: list[InstanceSpec]) -> ProxyRoutes:
+    by_role: dict[Role, list[str]] = {}
+    for spec in instances:
+        by_role.setdefault(spec.role, []).append(spec.url)
+    return ProxyRoutes(
+        encoder_urls=tuple(by_role.get(Role.ENCODER, ())),
+        prefill_urls=tuple(by_role.get(Role.PREFILL, ())),
+        decode_urls=tuple(by_role.get(Role.DECODE, ()) or by_role.get(Role.PREFILL_DECODE, ())),
+    )
+
+
+def select_evidence(lines: list[str]) -> str:
+    """The error lines (a traceback's cause often comes long before the shutdown noise that
+    ends the log), then the last few lines."""
+    errors = [line for line in lines if "Error" in line or "ERROR" in line][:LOG_SLICE_LINES]
+    tail = [line for line in lines[-LOG_TAIL_SLICE_LINES:] if line not in errors]
+    return "\n".join(errors + (["..."] if errors and tail else []) + tail)
+
+
+def log_size(server: ManagedServer) -> int:
+    try:
+        return server.command.log_path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def read_log_from(server: ManagedServer, offset: int) -> str:
+    try:
+        with open(server.command.log_path, "rb") as log:
+            log.seek(offset)
+            return log.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def bind_loopback_socket() -> socket.socket:
+    """A socket the kernel bound to a free loopback port: no window between choice and bind."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((LOOPBACK_HOST, 0))
+    return sock
+
+
+def prepare_session_dir(path: Path) -> None:
+    """An empty directory: storage must never carry over from an earlier run by accident."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+
+
+def command_json(command: ServerCommand) -> str:
+    """The launch command as an artifact; secret values never reach it."""
+    return json.dumps(
+        {
+            "name": command.name,
+            "argv": redact_argv(command.argv),
+            "env": redact_env(command.env),
+        },
+        indent=2,
+    )

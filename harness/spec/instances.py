@@ -1,0 +1,151 @@
+"""One vLLM server, fully determined, and the one place that renders it into argv and env.
+
+An `InstanceSpec` knows its role, port, the shared `ServingConfig`, its storage, its platform
+and device(s); `argv()` and `env()` render exactly what the launcher runs (an argv list, never
+a shell string) and what `epd-harness plan` prints. Flags that vary by platform (GPU memory
+share, NIXL side channel, device pin) are rendered here too, so no other module splices flags
+into a command line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.environment import LOOPBACK_HOST
+from harness.spec.platforms import (
+    CPU,
+    CPU_ONLY_ENV_KEYS,
+    GPU_MEMORY_UTILIZATION_FLAG,
+    NIXL_CONNECTOR,
+    SIDE_CHANNEL_HOST_ENV,
+    SIDE_CHANNEL_PORT_ENV,
+    PlatformProfile,
+)
+from harness.spec.topology import Role, ServingConfig
+
+# Upstream's encoder flags: no prefix caching, and a token budget large enough to admit a whole
+# video (the budget bounds the encoder cache).
+ENCODER_ARGS = ("--no-enable-prefix-caching", "--max-num-batched-tokens", "114688")
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """One vLLM server of a topology: render it, launch it, log it."""
+
+    name: str  # unique within a run, e.g. "1E+1P+1D/encoder0"; names log files
+    role: Role
+    port: int
+    serving: ServingConfig
+    ec_storage: Path | None = None  # shared EC directory of the topology (E writes, PD/P read)
+    kv_storage: Path | None = None  # shared KV directory of the topology (P writes, D reads)
+    platform: PlatformProfile = CPU
+    # CPU: the cores its OMP threads bind to; GPU / XPU: the device indices it sees.
+    devices: tuple[int, ...] = (0,)
+    # --gpu-memory-utilization: the full budget alone, a slice of it when colocated; None on CPU.
+    gpu_memory_fraction: float | None = None
+    # VLLM_NIXL_SIDE_CHANNEL_PORT, only for instances running NixlConnector; unique per host.
+    side_channel_port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK_HOST}:{self.port}"
+
+    @property
+    def uses_nixl(self) -> bool:
+        """True when this instance runs NixlConnector, and so needs a side-channel port."""
+        has_kv = self.role.is_kv_producer or self.role.is_kv_consumer
+        return has_kv and self.serving.kv_connector == NIXL_CONNECTOR
+
+    def argv(self, vllm_executable: str = "vllm") -> list[str]:
+        """The `vllm serve` command line. The user's extra_args come last, so that a flag given
+        there still wins (argparse keeps the last)."""
+        s = self.serving
+        argv = [
+            vllm_executable, "serve", s.model,
+            "--host", LOOPBACK_HOST,
+            "--port", str(self.port),
+            "--served-model-name", s.served_model_name,
+            "--max-model-len", str(s.max_model_len),
+            "--max-num-seqs", str(s.max_num_seqs),
+            "--dtype", s.dtype,
+            "--block-size", str(s.block_size),
+            "--max-logprobs", str(s.max_logprobs),
+        ]  # fmt: skip
+        if s.enforce_eager:
+            argv.append("--enforce-eager")
+        if s.allowed_local_media_path:
+            argv += ["--allowed-local-media-path", s.allowed_local_media_path]
+        if s.enable_prompt_tokens_details:
+            argv.append("--enable-prompt-tokens-details")
+        if s.trust_request_mm_kwargs:
+            argv.append("--trust-request-mm-kwargs")
+        if self.role is Role.ENCODER:
+            argv += ENCODER_ARGS
+        ec_config = self.ec_transfer_config()
+        if ec_config is not None:
+            argv += ["--ec-transfer-config", json.dumps(ec_config, sort_keys=True)]
+        kv_config = self.kv_transfer_config()
+        if kv_config is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv_config, sort_keys=True)]
+        if self.gpu_memory_fraction is not None:
+            argv += [GPU_MEMORY_UTILIZATION_FLAG, f"{self.gpu_memory_fraction:g}"]
+        return argv + list(s.extra_args)
+
+    def ec_transfer_config(self) -> dict | None:
+        if not (self.role.is_ec_producer or self.role.is_ec_consumer):
+            return None
+        if self.ec_storage is None:
+            if self.role is Role.PREFILL:
+                return None  # a P without encoders (1P+1D) is a plain KV producer
+            raise ValueError(f"{self.name}: role {self.role.value} needs an EC storage directory")
+        return {
+            "ec_connector": self.serving.ec_connector,
+            "ec_role": "ec_producer" if self.role.is_ec_producer else "ec_consumer",
+            "ec_connector_extra_config": {"shared_storage_path": str(self.ec_storage)},
+        }
+
+    def kv_transfer_config(self) -> dict | None:
+        if not (self.role.is_kv_producer or self.role.is_kv_consumer):
+            return None
+        config: dict = {
+            "kv_connector": self.serving.kv_connector,
+            "kv_role": "kv_producer" if self.role.is_kv_producer else "kv_consumer",
+        }
+        if self.serving.kv_connector == "ExampleConnector":
+            if self.kv_storage is None:
+                raise ValueError(f"{self.name}: ExampleConnector needs a KV storage directory")
+            config["kv_connector_extra_config"] = {"shared_storage_path": str(self.kv_storage)}
+        if self.serving.kv_connector == NIXL_CONNECTOR:
+            config["kv_buffer_device"] = self.platform.nixl_kv_buffer_device
+        return config
+
+    def env(self) -> dict[str, str]:
+        """Environment additions for this instance (merged over the harness's environment)."""
+        s = self.serving
+        env = {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+        if self.platform.device_env_var is None:
+            cores = ",".join(str(c) for c in self.devices[: s.cpu_threads_per_instance])
+            env.update({
+                "VLLM_CPU_KVCACHE_SPACE": str(s.cpu_kvcache_space_gib),
+                "VLLM_CPU_OMP_THREADS_BIND": cores,
+                "OMP_NUM_THREADS": str(s.cpu_threads_per_instance),
+            })  # fmt: skip
+        else:
+            if not self.devices:
+                raise ValueError(f"{self.name}: {self.platform.name} needs a device")
+            env[self.platform.device_env_var] = ",".join(str(d) for d in self.devices)
+        if self.uses_nixl:
+            if self.side_channel_port is None:
+                raise ValueError(f"{self.name}: {NIXL_CONNECTOR} needs a {SIDE_CHANNEL_PORT_ENV}")
+            env[SIDE_CHANNEL_PORT_ENV] = str(self.side_channel_port)
+            # Pinned to the host the port was reserved on: "localhost" may resolve elsewhere.
+            env[SIDE_CHANNEL_HOST_ENV] = LOOPBACK_HOST
+        assert not (set(env) & set(CPU_ONLY_ENV_KEYS)) or self.platform.device_env_var is None
+        return env

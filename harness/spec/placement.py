@@ -1,0 +1,315 @@
+"""Where each instance runs, and which topologies run side by side: the one scheduler.
+
+`epd-harness plan`, `epd-harness run`, the pytest scenarios and their xdist workers all call
+`schedule()` with the same inputs and so get the same waves and the same devices; what `plan`
+prints is what runs.
+
+GPU / XPU (exclusive devices). By default every instance gets a device of its own, because two
+vLLM instances on one device race for its memory: each sizes its KV cache from what it sees
+free at start-up, so co-located start-ups fail or come up with caches of unpredictable size.
+A topology that needs more devices than the host has is an error naming it, unless `colocate`
+is set: then its instances share the devices it is given (non-encoders spread first, encoders
+fill in, since an encoder holds no KV cache) and every instance on a shared device gets an
+equal slice of the memory budget. Topologies never share a device with each other: a wave runs
+side by side only topologies whose device sets are disjoint. Parallel xdist workers hold a
+lock per device while they serve (`harness.serve.ports.lease_devices`), so a worker that reaches
+a later wave early waits for the devices instead of sharing them.
+
+CPU (shared cores). Instances bind their OMP thread to a core, cores handed out in turn. Start-up
+is CPU-bound (about 20 CPU-seconds per instance with the tiny model), and one topology alone
+leaves cores idle (the baseline is one instance), so topologies share a wave while the wave's
+instances stay within `cpu_instance_budget` (two per core, and what memory holds at
+`CPU_INSTANCE_BYTES` each). Under xdist every worker gets an equal part of that budget.
+
+Nothing here starts a process or touches a device: these functions only compute.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from harness.spec.instances import InstanceSpec
+from harness.spec.platforms import NIXL_CONNECTOR, DevicePlanError, PlatformProfile
+from harness.spec.topology import Role, ServingConfig, Topology
+
+# Peak RSS of one CPU instance of the tiny model (measured: 2.1 GB encoder, 3.0 GB others),
+# with room to spare: the memory side of the CPU wave budget.
+CPU_INSTANCE_BYTES = 3_500_000_000
+CPU_INSTANCES_PER_CORE = 2
+# Leave this share of the available memory to everything else on the machine.
+CPU_MEMORY_HEADROOM = 0.8
+
+
+# --- devices of one topology's instances --------------------------------------------------------
+
+
+def devices_needed(
+    topology: Topology, profile: PlatformProfile, available: int, colocate: bool
+) -> int:
+    """How many devices `topology` takes out of `available`: one per instance when there are
+    enough; when there are not, an encoder (it holds no KV cache) shares a device with another
+    instance, while P, D and PD each keep their own unless `colocate` lets everything share.
+
+    On CPU the answer is 0: cores are shared, so a topology never excludes another.
+    """
+    if not profile.exclusive_devices:
+        return 0
+    instances = len(topology.roles)
+    if instances <= available:
+        return instances
+    if colocate:
+        return available
+    own_device = max(1, instances - topology.encoders)
+    return own_device if own_device <= available else instances
+
+
+def assign_devices(
+    topology: Topology,
+    devices: Sequence[int],
+    profile: PlatformProfile,
+    colocate: bool = False,
+) -> tuple[tuple[int, ...], ...]:
+    """The device(s) of each instance of `topology`, in role order, from `devices`.
+
+    CPU: cores in turn. GPU: one device each while
+    there are enough; otherwise non-encoders are spread first and encoders share the least
+    loaded devices, since an encoder holds no KV cache (with `colocate`, non-encoders may
+    share too).
+    """
+    if not devices:
+        raise DevicePlanError(f"{topology.name}: no {profile.device_kind}s to place it on")
+    if not profile.exclusive_devices:
+        return tuple((devices[i % len(devices)],) for i in range(len(topology.roles)))
+    instances = len(topology.roles)
+    own_device = max(1, instances - topology.encoders)
+    if own_device > len(devices) and not colocate:
+        raise DevicePlanError(
+            f"{topology.name} needs {own_device} devices (one per instance besides "
+            f"encoders), got {len(devices)}: {_join(devices)}"
+        )
+    if instances <= len(devices):
+        return tuple((device,) for device in devices[:instances])
+    load = dict.fromkeys(devices, 0)
+    chosen: dict[int, int] = {}
+    order = sorted(range(instances), key=lambda i: topology.roles[i] is Role.ENCODER)
+    for index in order:
+        device = min(devices, key=lambda d: load[d])  # min keeps the first of equals: stable
+        load[device] += 1
+        chosen[index] = device
+    return tuple((chosen[index],) for index in range(instances))
+
+
+def memory_fractions(
+    assignment: Sequence[tuple[int, ...]], profile: PlatformProfile
+) -> tuple[float | None, ...]:
+    """Each instance's --gpu-memory-utilization: the budget split evenly among its device's sharers.
+
+    Rounded down to hundredths so that the shares of one device never add up past the budget.
+    """
+    if profile.gpu_memory_fraction is None:
+        return tuple(None for _ in assignment)
+    sharers: dict[int, int] = {}
+    for devices in assignment:
+        for device in devices:
+            sharers[device] = sharers.get(device, 0) + 1
+    fractions = []
+    for devices in assignment:
+        most = max(sharers[device] for device in devices)
+        hundredths = math.floor(round(profile.gpu_memory_fraction * 100 / most, 6))
+        fractions.append(hundredths / 100)
+    return tuple(fractions)
+
+
+# --- scheduling topologies into waves ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TopologySlot:
+    """One topology's place in a wave."""
+
+    topology: Topology
+    # Devices the topology holds for the wave; on GPU disjoint from every other slot of the
+    # wave, on CPU the shared cores.
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Wave:
+    """Topologies that run at the same time; waves run one after another."""
+
+    index: int  # 1-based, for people reading the plan
+    slots: tuple[TopologySlot, ...]
+
+    @property
+    def devices_in_use(self) -> tuple[int, ...]:
+        return tuple(device for slot in self.slots for device in slot.devices)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    waves: tuple[Wave, ...]
+
+    def slot_of(self, topology_name: str) -> TopologySlot:
+        for wave in self.waves:
+            for slot in wave.slots:
+                if slot.topology.name == topology_name:
+                    return slot
+        raise KeyError(f"{topology_name} is not in the schedule")
+
+    def wave_of(self, topology_name: str) -> Wave:
+        return next(w for w in self.waves if any(s.topology.name == topology_name for s in w.slots))
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (the physical total where that is missing)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cpu_instance_budget(cores: int, memory_bytes: int, workers: int = 1) -> int:
+    """How many CPU instances one wave may run: two per core, within memory, shared among
+    `workers` parallel xdist workers; at least one (a topology always runs, if alone)."""
+    by_memory = int(memory_bytes * CPU_MEMORY_HEADROOM) // CPU_INSTANCE_BYTES
+    return max(1, min(cores * CPU_INSTANCES_PER_CORE, by_memory) // max(1, workers))
+
+
+def schedule(
+    topologies: Sequence[Topology],
+    devices: Sequence[int],
+    profile: PlatformProfile,
+    colocate: bool = False,
+    cpu_budget: int | None = None,
+) -> Schedule:
+    """Pack topologies into waves, first fit in the given order.
+
+    The given order is kept where possible (baseline and exact references first), so a
+    sequential plan runs references before the topologies compared with them. GPU: waves of
+    disjoint device sets. CPU: waves within `cpu_budget` instances (default: this machine's
+    `cpu_instance_budget`). Raises DevicePlanError naming every topology that cannot fit.
+    """
+    if not devices:
+        raise DevicePlanError(f"no {profile.device_kind}s given")
+    if len(set(devices)) != len(devices):
+        raise DevicePlanError(f"device list {_join(devices)} repeats a device")
+    if not profile.exclusive_devices:
+        budget = cpu_budget or cpu_instance_budget(len(devices), available_memory_bytes())
+        cores = tuple(devices)
+        # Each topology starts on the core after the last one the wave has handed out.
+        return _pack(
+            topologies,
+            lambda t: len(t.roles),
+            budget,
+            lambda t, used, filled: cores[filled % len(cores) :] + cores[: filled % len(cores)],
+        )
+    available = len(devices)
+    too_big = [t for t in topologies if devices_needed(t, profile, available, colocate) > available]
+    if too_big:
+        needs = ", ".join(
+            f"{t.name} needs {max(1, len(t.roles) - t.encoders)}" for t in too_big
+        )
+        raise DevicePlanError(
+            f"{needs} devices (one per instance besides encoders) but only {len(devices)} given "
+            f"({_join(devices)}); use --colocate to share devices within a topology, "
+            f"or leave {'it' if len(too_big) == 1 else 'them'} out with --topology"
+        )
+    need = {t.name: devices_needed(t, profile, available, colocate) for t in topologies}
+    order = {device: i for i, device in enumerate(devices)}
+    return _pack(
+        topologies,
+        lambda t: need[t.name],
+        available,
+        lambda t, used, filled: tuple(sorted(set(devices) - set(used), key=order.get)[: need[t.name]]),
+    )
+
+
+def _pack(topologies, size, capacity: int, take) -> Schedule:
+    waves: list[list[TopologySlot]] = []
+    room: list[int] = []
+    for topology in topologies:
+        target = next((i for i, left in enumerate(room) if left >= size(topology)), None)
+        if target is None:
+            waves.append([])
+            room.append(capacity)
+            target = len(waves) - 1
+        used = [d for slot in waves[target] for d in slot.devices]
+        filled = capacity - room[target]
+        waves[target].append(TopologySlot(topology, take(topology, used, filled)))
+        room[target] -= size(topology)
+    return Schedule(tuple(Wave(i, tuple(slots)) for i, slots in enumerate(waves, start=1)))
+
+
+# --- placing one topology's instances ------------------------------------------------------------
+
+
+def side_channel_port_count(topology: Topology, serving: ServingConfig) -> int:
+    """How many NIXL side-channel ports `topology` needs: one per KV producer or consumer."""
+    if serving.kv_connector != NIXL_CONNECTOR:
+        return 0
+    return sum(1 for role in topology.roles if role.is_kv_producer or role.is_kv_consumer)
+
+
+def place_instances(
+    topology: Topology,
+    serving: ServingConfig,
+    profile: PlatformProfile,
+    ports: Sequence[int],
+    storage_dir: Path,
+    devices: Sequence[int],
+    *,
+    colocate: bool = False,
+    side_channel_ports: Sequence[int] = (),
+) -> list[InstanceSpec]:
+    """Every instance of `topology`: name, port, fresh storage, device(s), memory share and
+    side-channel port. `devices` are the topology's slot devices (its cores on CPU).
+
+    Storage is per topology run on purpose: both example connectors key what they store by
+    content, so a reused directory would let a consumer load what an earlier run left there.
+    """
+    if len(ports) != len(topology.roles):
+        raise ValueError(f"{topology.name} needs {len(topology.roles)} ports, got {len(ports)}")
+    needed = side_channel_port_count(topology, serving)
+    if len(side_channel_ports) != needed:
+        raise ValueError(
+            f"{topology.name} needs {needed} NIXL side-channel ports, got {len(side_channel_ports)}"
+        )
+    assignment = assign_devices(topology, devices, profile, colocate)
+    fractions = memory_fractions(assignment, profile)
+    ec_storage = storage_dir / "ec" if topology.has_ec_transfer else None
+    kv_storage = storage_dir / "kv" if topology.has_kv_transfer else None
+    side_ports = iter(side_channel_ports)
+    counts: dict[Role, int] = {}
+    placed = []
+    for role, port, instance_devices, fraction in zip(
+        topology.roles, ports, assignment, fractions, strict=True
+    ):
+        n = counts.get(role, 0)
+        counts[role] = n + 1
+        instance = InstanceSpec(
+            name=f"{topology.name}/{role.value}{n}",
+            role=role,
+            port=port,
+            serving=serving,
+            ec_storage=ec_storage,
+            kv_storage=kv_storage,
+            platform=profile,
+            devices=instance_devices,
+            gpu_memory_fraction=fraction,
+        )
+        if instance.uses_nixl:
+            instance = replace(instance, side_channel_port=next(side_ports))
+        placed.append(instance)
+    return placed
+
+
+def _join(devices: Sequence[int]) -> str:
+    return ",".join(str(d) for d in devices)

@@ -1,0 +1,138 @@
+"""Platform profiles: the same topology, launched on CPU, CUDA or XPU.
+
+`topology.py` decides *what* each instance is (its role and transfer configs); a profile says
+what running on one kind of hardware adds to its command line and environment (rendered by
+`harness.spec.instances`), and `harness.spec.placement` decides *where* each instance runs:
+
+* cpu (the default): instances bind their one OMP thread
+  to a core (cores handed out in turn, so instances may share one), get a CPU KV cache
+  (`VLLM_CPU_KVCACHE_SPACE`) and move KV through `ExampleConnector` (shared files).
+* cuda: one GPU per instance through `CUDA_VISIBLE_DEVICES`, an explicit
+  `--gpu-memory-utilization`, KV through `NixlConnector`, CUDA graphs on (no --enforce-eager),
+  and the real default model Qwen/Qwen2.5-VL-3B-Instruct.
+* xpu: as cuda, with `ZE_AFFINITY_MASK` selecting the device.
+
+Device policy (GPU platforms). By default every instance gets a device of its own, because two
+vLLM instances on one device race for its memory: each sizes its KV cache from what it sees
+free at start-up, so co-located start-ups fail or come up with caches of unpredictable size.
+A topology that needs more devices than the host has is an error naming it, unless `colocate`
+is set: then its instances share the devices it is given (non-encoders spread first, encoders
+fill in, since an encoder holds no KV cache) and every instance on a shared device gets an
+equal slice of the memory budget. Topologies never share a device with each other: a wave runs
+side by side only topologies whose device sets are disjoint.
+
+NIXL side channel. Every instance that runs `NixlConnector` listens on
+`VLLM_NIXL_SIDE_CHANNEL_PORT` (plus its data-parallel index; this harness runs data-parallel
+size 1, so one port each). Two instances on one host with the same port fail in confusing ways,
+so each gets its own, reserved through `harness.serve.ports` exactly like the HTTP ports, which keeps parallel pytest workers and CI jobs apart too.
+
+Nothing here starts a process or touches a device: these functions only compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from harness.errors import BadInput, lookup
+
+NIXL_CONNECTOR = "NixlConnector"
+SIDE_CHANNEL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+GPU_MEMORY_UTILIZATION_FLAG = "--gpu-memory-utilization"
+# vLLM's own default; rendered explicitly so a log shows what each instance was allowed.
+DEFAULT_GPU_MEMORY_FRACTION = 0.9
+# What topology.py renders for CPU placement; meaningless (and misleading in logs) on a GPU.
+CPU_ONLY_ENV_KEYS = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")
+# The CPU cores instances bind to when none are given: the harness's RunSettings default.
+DEFAULT_CPU_CORES = (0, 1)
+GPU_DEFAULT_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
+
+
+class DevicePlanError(BadInput):
+    """Devices cannot hold the requested topologies, or the device list itself is invalid."""
+
+
+@dataclass(frozen=True)
+class PlatformProfile:
+    """What launching on one kind of hardware changes; everything numerics-related stays shared."""
+
+    name: str  # the --platform value: "cpu", "cuda" or "xpu"
+    # Variable that pins an instance to its device (CUDA_VISIBLE_DEVICES, ZE_AFFINITY_MASK);
+    # None on CPU, where placement is topology.py's OMP core binding instead.
+    device_env_var: str | None
+    # KV connector between P and D. ExampleConnector on CPU because the CPU wheel does not pull
+    # in nixl; NixlConnector on GPUs because that is what upstream ships and tests there.
+    kv_connector: str
+    # `kv_buffer_device` written into a NixlConnector config (vLLM's supported pairs: cuda ->
+    # cuda|cpu, xpu -> xpu|cpu, cpu -> cpu). Unused with ExampleConnector.
+    nixl_kv_buffer_device: str
+    # The model served when none is given; None means the locally built tiny model (CPU).
+    default_model: str | None
+    # CPU has no graphs to capture, so eager is the only mode; GPU runs test what users run.
+    enforce_eager: bool
+    # --gpu-memory-utilization of an instance that has its device alone; None on CPU, where
+    # VLLM_CPU_KVCACHE_SPACE sizes the cache instead.
+    gpu_memory_fraction: float | None
+    # Whether instances own their devices (GPU) or take turns on shared cores (CPU). Decides
+    # both the error for a topology that does not fit and whether topologies can run in waves.
+    exclusive_devices: bool
+
+    @property
+    def device_kind(self) -> str:
+        """How the --devices numbers are meant, for messages."""
+        return "device" if self.exclusive_devices else "core"
+
+
+CPU = PlatformProfile(
+    name="cpu",
+    device_env_var=None,
+    kv_connector="ExampleConnector",
+    nixl_kv_buffer_device="cpu",
+    default_model=None,
+    enforce_eager=True,
+    gpu_memory_fraction=None,
+    exclusive_devices=False,
+)
+CUDA = PlatformProfile(
+    name="cuda",
+    device_env_var="CUDA_VISIBLE_DEVICES",
+    kv_connector=NIXL_CONNECTOR,
+    nixl_kv_buffer_device="cuda",
+    default_model=GPU_DEFAULT_MODEL,
+    enforce_eager=False,
+    gpu_memory_fraction=DEFAULT_GPU_MEMORY_FRACTION,
+    exclusive_devices=True,
+)
+# Same as CUDA but for how an instance is pinned to its device and where NIXL buffers live.
+XPU = replace(CUDA, name="xpu", device_env_var="ZE_AFFINITY_MASK", nixl_kv_buffer_device="xpu")
+PLATFORMS: dict[str, PlatformProfile] = {p.name: p for p in (CPU, CUDA, XPU)}
+
+
+def get_platform(name: str) -> PlatformProfile:
+    """Look a platform up by name, or fail (BadInput) with the list of known names."""
+    return lookup("platform", name, PLATFORMS)
+
+
+def parse_devices(text: str) -> tuple[int, ...]:
+    """Read a device list like "0,1,2"; any malformed or repeated entry is one error line.
+
+    Devices are physical indices as the host lists them (nvidia-smi, xpu-smi, or CPU core
+    numbers): an instance's CUDA_VISIBLE_DEVICES replaces the harness's own, it does not
+    index into it.
+    """
+    entries = [entry.strip() for entry in text.split(",")]
+    if entries == [""]:
+        raise DevicePlanError("no devices given (expected a list like 0,1,2)")
+    devices: list[int] = []
+    for entry in entries:
+        if not entry:
+            raise DevicePlanError(f"empty entry in device list {text!r}")
+        if not entry.isdigit():
+            raise DevicePlanError(
+                f"device {entry!r} in {text!r} is not a non-negative integer index"
+            )
+        device = int(entry)
+        if device in devices:
+            raise DevicePlanError(f"device {device} is listed twice in {text!r}")
+        devices.append(device)
+    return tuple(devices)

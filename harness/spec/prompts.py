@@ -1,0 +1,117 @@
+"""Prompt specs and their rendering into chat request bodies.
+
+A prompt is rendered once per run (media embedded as `data:` URLs) and the identical body is
+replayed to the baseline and every topology, so any difference comes from serving, never from
+how the request was built.
+
+P->D topologies with vLLM 0.32's partial-prefix KV connector need every media item inside the
+transferred block-aligned prefix (see `TAIL_TEXT`); prompts that put media in D's recomputed
+tail are a scenario of their own.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.fixtures import media
+from harness.serve.client import sampling_fields
+
+DEFAULT_MAX_TOKENS = 32
+IMAGE_SIZE = (224, 224)
+# Roughly a hundred tokens with the tiny model's tokenizer: more than one KV block (32) of text
+# after the last media item, so D recomputes only text in its trailing partial block.
+TAIL_TEXT = " ".join(
+    [
+        "Describe this image in detail: the color of the sky, the shapes on the left and on the",
+        "right, the small red square at the top, the large blue circle in the center, and what",
+        "the picture shows about the house, the tree and the car. Please answer the question",
+        "with one word, then two words, then three words, and tell what is in the video frame.",
+    ]
+)
+SHORT_TEXT = "Describe this image."
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    seed: int
+    size: tuple[int, int] = IMAGE_SIZE
+
+
+@dataclass(frozen=True)
+class VideoPart:
+    seed: int
+    num_frames: int = 8
+    fps: float = 2.0
+    size: tuple[int, int] = IMAGE_SIZE
+
+
+@dataclass(frozen=True)
+class VideoFramesPart:
+    """A video sent as JPEG frames (`data:video/jpeg;base64,<frame>,<frame>,...`)."""
+
+    seed: int
+    num_frames: int = 8
+    size: tuple[int, int] = IMAGE_SIZE
+
+
+@dataclass(frozen=True)
+class TextPart:
+    text: str
+
+
+Part = ImagePart | VideoPart | VideoFramesPart | TextPart
+MEDIA_PARTS = (ImagePart, VideoPart, VideoFramesPart)
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """One user turn, declaratively: what media in what order, and how long to generate."""
+
+    name: str
+    parts: tuple[Part, ...]
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    # Extra request fields, e.g. mm_processor_kwargs / media_io_kwargs (JSON-able values).
+    extra: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
+
+    @property
+    def media_count(self) -> int:
+        return sum(isinstance(p, MEDIA_PARTS) for p in self.parts)
+
+
+def render_part(part: Part) -> dict[str, Any]:
+    if isinstance(part, TextPart):
+        return {"type": "text", "text": part.text}
+    if isinstance(part, ImagePart):
+        png = media.image_png_bytes(media.make_image(part.seed, part.size))
+        return {"type": "image_url", "image_url": {"url": media.data_url("image/png", png)}}
+    if isinstance(part, VideoPart):
+        mp4 = media.video_mp4_bytes(part.seed, part.num_frames, part.fps, part.size)
+        return {"type": "video_url", "video_url": {"url": media.data_url("video/mp4", mp4)}}
+    if isinstance(part, VideoFramesPart):
+        frames = media.make_video_frames_jpeg(part.seed, part.num_frames, part.size)
+        joined = ",".join(base64.b64encode(frame).decode("ascii") for frame in frames)
+        return {"type": "video_url", "video_url": {"url": f"data:video/jpeg;base64,{joined}"}}
+    raise TypeError(f"unknown prompt part {part!r}")
+
+
+def render_request(prompt: PromptSpec, model: str, top_logprobs: int = 5) -> dict[str, Any]:
+    """The chat body sent, byte for byte, to every topology."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": [render_part(p) for p in prompt.parts]}],
+        **sampling_fields(prompt.max_tokens, top_logprobs=top_logprobs),
+    }
+    for key, value in prompt.extra:
+        body[key] = json.loads(json.dumps(value))
+    return body
+
+
+SKELETON_PROMPTS: tuple[PromptSpec, ...] = (
+    PromptSpec("text", (TextPart(TAIL_TEXT),)),
+    PromptSpec("image", (ImagePart(seed=1), TextPart(TAIL_TEXT))),
+    PromptSpec("two_images", (ImagePart(seed=2), ImagePart(seed=3), TextPart(TAIL_TEXT))),
+    PromptSpec("video", (VideoPart(seed=4), TextPart(TAIL_TEXT))),
+)

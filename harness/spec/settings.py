@@ -1,0 +1,54 @@
+"""What one run is: the served vLLM, the shared serving flags, where artifacts go, which devices.
+
+`harness.preflight.prepare_run` builds these from a user's inputs (CLI flags, pytest options,
+the benchmark's arguments) after checking every one of them; everything downstream takes them
+as given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.spec.platforms import CPU, DEFAULT_CPU_CORES, PlatformProfile
+from harness.spec.topology import ServingConfig
+
+STARTUP_TIMEOUT_S = 600.0
+REQUEST_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class ServedVllm:
+    """The vLLM that serves, as read from its own interpreter (not from the harness's: they are
+    different installations whenever `--vllm` points elsewhere). Baseline cache keys and every
+    report use these versions."""
+
+    executable: str
+    version: str  # e.g. "0.32.0+cpu"; "unknown" when it could not be read
+    torch_version: str = "unknown"
+
+    @property
+    def known(self) -> bool:
+        return self.version != "unknown"
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every topology of one run shares."""
+
+    serving: ServingConfig
+    run_dir: Path  # artifacts: one subdirectory per topology (logs, storage)
+    vllm: ServedVllm = ServedVllm("vllm", "unknown")
+    platform: PlatformProfile = CPU
+    # The devices this run may use: CPU cores on CPU, GPU / XPU ids otherwise (one per instance
+    # unless `colocate`).
+    devices: tuple[int, ...] = DEFAULT_CPU_CORES
+    colocate: bool = False
+    # Parallel xdist workers sharing these devices (CPU waves shrink accordingly).
+    workers: int = 1
+    startup_timeout_s: float = STARTUP_TIMEOUT_S
+    request_timeout_s: float = REQUEST_TIMEOUT_S
+
+    @property
+    def vllm_executable(self) -> str:
+        return self.vllm.executable
