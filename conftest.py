@@ -30,9 +30,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--epd-devices",
         help="devices this session may use: GPU ids on cuda/xpu, cores on cpu (default: 0,1); "
-        "pytest-xdist workers split them into disjoint contiguous shares",
+        "pytest-xdist workers run each topology on the devices `epd-harness plan` gives it",
     )
     group.addoption("--epd-colocate", action="store_true", help="let instances share a device")
+    group.addoption(
+        "--epd-allow-untested-vllm",
+        action="store_true",
+        help="run a vLLM outside the tested series (the version gate applies to pytest too)",
+    )
     group.addoption(
         "--epd-topology",
         help="comma list: run only scenarios of these topologies (names contain '+', so -k "
@@ -64,19 +69,6 @@ def epd_topology_of(item: pytest.Item) -> str | None:
     return topology if isinstance(topology, str) else getattr(scenario, "topology", None)
 
 
-def worker_share(devices: tuple[int, ...], worker_id: str, worker_count: int) -> tuple[int, ...]:
-    """This xdist worker's contiguous, disjoint share of the devices (all of them without xdist)."""
-    if worker_count <= 1 or not worker_id.startswith("gw"):
-        return devices
-    index = int(worker_id[2:])
-    share = len(devices) // worker_count
-    if share == 0:
-        raise pytest.UsageError(
-            f"{worker_count} xdist workers cannot share {len(devices)} device(s) disjointly"
-        )
-    return devices[index * share : (index + 1) * share]
-
-
 @pytest.fixture(scope="session")
 def epd_worker(request: pytest.FixtureRequest) -> tuple[str, int]:
     """(xdist worker id, worker count); ("main", 1) without xdist."""
@@ -85,77 +77,57 @@ def epd_worker(request: pytest.FixtureRequest) -> tuple[str, int]:
 
 
 @pytest.fixture(scope="session")
-def epd_run_dir(pytestconfig: pytest.Config, epd_worker: tuple[str, int]) -> Path:
-    given = pytestconfig.getoption("--epd-run-dir")
-    root = Path(pytestconfig.rootpath)
-    path = Path(given) if given else root / "runs" / f"pytest-{time.strftime('%Y%m%d-%H%M%S')}"
-    if epd_worker[1] > 1:
-        path = path / epd_worker[0]  # workers never write into each other's artifacts
-    path.mkdir(parents=True, exist_ok=True)
-    return path.resolve()
+def epd_config(pytestconfig: pytest.Config, epd_worker: tuple[str, int]):
+    """The run, checked and assembled exactly as `epd-harness run` does (the same preflight:
+    names, model, served-vLLM version gate, ports, token counts)."""
+    from harness.errors import BadInput
+    from harness.preflight import RunRequest, prepare_run
 
-
-@pytest.fixture(scope="session")
-def epd_platform(pytestconfig: pytest.Config):
-    from harness.spec.platforms import get_platform
-
-    return get_platform(pytestconfig.getoption("--epd-platform"))
-
-
-@pytest.fixture(scope="session")
-def epd_model(pytestconfig: pytest.Config, epd_platform) -> str:
-    """A local model directory (the tiny model by default on CPU) or a GPU host's model name."""
-    from harness.cli.main import resolve_model
-
-    given = pytestconfig.getoption("--epd-model") or epd_platform.default_model
-    if given and not Path(given).exists() and epd_platform.default_model:
-        return given  # a model name the GPU host resolves from its own cache
-    return str(resolve_model(given))
-
-
-@pytest.fixture(scope="session")
-def epd_settings(
-    pytestconfig: pytest.Config, epd_platform, epd_model: str, epd_run_dir: Path, epd_worker
-):
-    from harness.cli.main import default_vllm_executable
-    from harness.spec.platforms import DEFAULT_CPU_CORES, parse_devices, serving_for
-    from harness.serve.session import RunSettings
-
-    given = pytestconfig.getoption("--epd-devices")
-    devices = parse_devices(given) if given else DEFAULT_CPU_CORES
-    return RunSettings(
-        serving=serving_for(epd_platform, epd_model),
-        run_dir=epd_run_dir,
-        vllm_executable=pytestconfig.getoption("--epd-vllm") or default_vllm_executable(),
-        platform=epd_platform,
-        devices=worker_share(devices, *epd_worker),
-        colocate=pytestconfig.getoption("--epd-colocate"),
+    given_dir = pytestconfig.getoption("--epd-run-dir")
+    run_dir = given_dir or str(
+        Path(pytestconfig.rootpath) / "runs" / f"pytest-{time.strftime('%Y%m%d-%H%M%S')}"
     )
+    request = RunRequest(
+        model=pytestconfig.getoption("--epd-model"),
+        run_dir=run_dir,
+        vllm=pytestconfig.getoption("--epd-vllm"),
+        allow_untested_vllm=pytestconfig.getoption("--epd-allow-untested-vllm"),
+        devices=pytestconfig.getoption("--epd-devices"),
+        baseline_cache=pytestconfig.getoption("--epd-baseline-cache"),
+        refresh_baseline=pytestconfig.getoption("--epd-refresh-baseline"),
+        platform=pytestconfig.getoption("--epd-platform"),
+        colocate=pytestconfig.getoption("--epd-colocate"),
+        worker_id=epd_worker[0],
+        workers=epd_worker[1],
+    )
+    try:
+        return prepare_run(request)
+    except BadInput as exc:
+        pytest.fail(f"epd-harness: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def epd_settings(epd_config):
+    return epd_config.settings
+
+
+@pytest.fixture(scope="session")
+def epd_run_dir(epd_settings) -> Path:
+    return epd_settings.run_dir
 
 
 SWEEP_KEY = pytest.StashKey[object]()
 
 
-def baseline_cache(pytestconfig: pytest.Config):
-    from harness.run.baseline_cache import BaselineCache
-    from harness.cli.main import DEFAULT_CACHE
-
-    given = pytestconfig.getoption("--epd-baseline-cache")
-    if given == "off":
-        return None
-    directory = Path(given) if given else DEFAULT_CACHE / "baseline"
-    return BaselineCache(directory, refresh=pytestconfig.getoption("--epd-refresh-baseline"))
-
-
 @pytest.fixture(scope="session")
-def epd_sweep(pytestconfig: pytest.Config, epd_settings):
-    """The shared sweep: baseline once, each topology once, judged case by case on demand."""
-    from harness.run.matrix import matrix_prompts
+def epd_sweep(pytestconfig: pytest.Config, epd_config):
+    """The shared sweep: baseline once, each wave once, judged case by case on demand."""
+    from harness.run.scenarios import matrix_prompts
+    from harness.run.sweep import Sweep, SweepSpec
     from harness.spec.prompts import SKELETON_PROMPTS
-    from harness.run.sweep import Sweep, SweepPlan
     from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES
 
-    plan = SweepPlan(
+    spec = SweepSpec(
         topologies=tuple(TOPOLOGIES[name] for name in EPD_TOPOLOGY_NAMES),
         prompts=SKELETON_PROMPTS,
         baseline_only_prompts=matrix_prompts(),
@@ -165,7 +137,9 @@ def epd_sweep(pytestconfig: pytest.Config, epd_settings):
     def on_event(name: str, state: str, elapsed_s: float) -> None:
         print(f"[{time.monotonic() - started:7.1f}s] {name}: {state} ({elapsed_s:.1f}s)")
 
-    sweep = Sweep(plan, epd_settings, on_event=on_event, baseline_cache=baseline_cache(pytestconfig))
+    sweep = Sweep(
+        spec, epd_config.settings, on_event=on_event, baseline_cache=epd_config.baseline_cache
+    )
     pytestconfig.stash[SWEEP_KEY] = sweep
     return sweep
 

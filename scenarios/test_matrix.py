@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.run.matrix import MATRIX
+from harness.run.scenarios import MATRIX
 from harness.report.text import format_failure
 
 

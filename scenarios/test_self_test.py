@@ -31,7 +31,7 @@ from harness.run.faults import (
     plant,
     zero_kv_files,
 )
-from harness.judge.guards import GuardResult
+from harness.judge.guards import GuardResult, session_guards
 from harness.judge.verdicts import judge_case
 from harness.serve.launch import ManagedServer, describe_process, is_live_process
 from harness.serve.proxy import ProxyFaults
@@ -94,7 +94,7 @@ def self_test_settings(settings: RunSettings) -> RunSettings:
 @pytest.fixture(scope="module")
 def baseline(epd_sweep) -> dict[str, Outcome]:
     """The shared baseline, computed before this module starts any topology of its own."""
-    return epd_sweep.baseline()
+    return epd_sweep.serve_baseline()
 
 
 def start_topology(name: str, settings: RunSettings) -> Iterator[LiveTopology]:
@@ -124,7 +124,7 @@ def judge(
     record = judge_case(
         live.name,
         "baseline",
-        epd_sweep.baseline()[outcome.prompt],
+        epd_sweep.serve_baseline()[outcome.prompt],
         outcome,
         guards,
         baseline_stable=stable,

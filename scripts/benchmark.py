@@ -15,29 +15,24 @@ import argparse
 import json
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from harness.run.baseline_cache import BaselineCache  # noqa: E402
-from harness.cli.main import default_vllm_executable, resolve_model, select_prompts, split_names  # noqa: E402
-from harness.serve.session import RunSettings  # noqa: E402
-from harness.run.sweep import Sweep, SweepPlan, SweepResult  # noqa: E402
-from harness.spec.topology import EPD_TOPOLOGY_NAMES, ServingConfig, get_topology  # noqa: E402
+from harness.cli.main import split_names
+from harness.preflight import RunRequest, prepare_run
+from harness.run.sweep import Sweep, SweepResult, SweepSpec
 
 
-def run_once(plan: SweepPlan, model: Path, run_dir: Path, cache: BaselineCache) -> tuple[float, SweepResult]:
-    settings = RunSettings(
-        serving=ServingConfig(model=str(model)),
-        run_dir=run_dir,
-        vllm_executable=default_vllm_executable(),
-    )
+def run_once(request: RunRequest) -> tuple[float, SweepResult, int]:
+    """One sweep as `epd-harness run` would do it; returns its wall time, result and waves."""
+    config = prepare_run(request)
+    spec = SweepSpec(topologies=config.topologies, prompts=config.prompts)
     started = time.monotonic()
-    result = Sweep(plan, settings, log=lambda line: None, baseline_cache=cache).run_all()
-    return time.monotonic() - started, result
+    sweep = Sweep(spec, config.settings, baseline_cache=config.baseline_cache)
+    waves = len(sweep.schedule().waves)
+    result = sweep.run_all()
+    return time.monotonic() - started, result, waves
 
 
 def latencies_by_role(result: SweepResult) -> dict[str, list[float]]:
@@ -61,19 +56,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--topology", action="append")
     parser.add_argument("--prompt", action="append")
+    parser.add_argument("--devices", help="CPU cores (default: as epd-harness run)")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args()
-    topologies = tuple(get_topology(n) for n in (split_names(args.topology) or EPD_TOPOLOGY_NAMES))
-    plan = SweepPlan(topologies=topologies, prompts=select_prompts(split_names(args.prompt)))
-    model = resolve_model(None)
     work = Path(tempfile.mkdtemp(prefix="epd-benchmark-"))
-    cache = BaselineCache(work / "baseline-cache")
 
-    cold_s, cold = run_once(plan, model, work / "cold", cache)
-    warm_s, warm = run_once(plan, model, work / "warm", cache)
+    def request(name: str) -> RunRequest:
+        return RunRequest(
+            topologies=split_names(args.topology),
+            prompts=split_names(args.prompt),
+            devices=args.devices,
+            run_dir=str(work / name),
+            baseline_cache=str(work / "baseline-cache"),
+        )
 
-    rows = [("sweep wall time, cold (baseline computed)", f"{cold_s:.1f} s"),
-            ("sweep wall time, warm (baseline cached)", f"{warm_s:.1f} s"),
+    cold_s, cold, cold_waves = run_once(request("cold"))
+    warm_s, warm, warm_waves = run_once(request("warm"))
+
+    rows = [(f"sweep wall time, cold (baseline computed; {cold_waves} waves)", f"{cold_s:.1f} s"),
+            (f"sweep wall time, warm (baseline cached; {warm_waves} waves)", f"{warm_s:.1f} s"),
             ("verdicts cold / warm", f"{'all pass' if cold.passed else 'FAIL'} / "
                                      f"{'all pass' if warm.passed else 'FAIL'}")]  # fmt: skip
     for stats in cold.instances:

@@ -20,12 +20,15 @@ from pathlib import Path
 import pytest
 
 from harness.fixtures.tiny_model import model_digest
-from harness.preflight import checks as validate
+from harness import environment
+from harness.preflight import files, names, resources, tokens
+from harness.preflight.vllm import check_vllm
 from harness.run.baseline_cache import baseline_key
-from harness.cli.main import main, resolve_model
+from harness.cli.main import main
+from harness.preflight.model import resolve_model
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.spec.topology import ServingConfig
-from harness.preflight.checks import BadInput
+from harness.errors import BadInput
 
 REFUSING_VLLM = (
     "import sys\n"
@@ -50,7 +53,7 @@ def vllm(tmp_path: Path) -> Path:
 def run_cli(tmp_path: Path, vllm: Path, capsys, monkeypatch) -> RunCli:
     """`epd-harness run ARGS` with a safe vllm, run dir and port lock dir: (exit code, stderr)."""
     monkeypatch.setenv("EPD_HARNESS_PORT_DIR", str(tmp_path / "port-locks"))
-    monkeypatch.delenv(validate.PORT_RANGE_ENV, raising=False)
+    monkeypatch.delenv(environment.PORT_RANGE_ENV, raising=False)
 
     def run(*args: str, run_dir: Path | None = None) -> tuple[int, str]:
         run_dir = run_dir or tmp_path / "run"
@@ -111,7 +114,7 @@ REPEATED = '[{"topology": "1P+1D", "prompt": "text"}, {"topology": "1P+1D", "pro
          "not valid JSON: line 1 column 44: Expecting value"),
         ("mapping.json", '{"topology": "1E+1PD", "prompt": "image"}',
          "expected a list of {topology, prompt}, got a mapping"),
-        ("empty.json", "[]", "lists no scenarios"),
+        ("empty.json", "[]", "lists no cases"),
         ("typo.yaml", "- topology: 1E+1PD\n  prmpt: image\n",
          "entry 1: unknown field 'prmpt' (fields: topology, prompt)"),
         ("missing.yaml", "- topology: 1E+1PD\n",
@@ -149,8 +152,8 @@ def test_cases_file_with_topology_flag(run_cli: RunCli, tmp_path: Path) -> None:
 def test_good_cases_file_is_read_in_order(tmp_path: Path) -> None:
     path = tmp_path / "cases.yaml"
     path.write_text("- {topology: 1E+1P+1D, prompt: video}\n- {topology: 1P+1D, prompt: text}\n")
-    scenarios = validate.load_cases_file(path)
-    assert scenarios == (validate.Scenario("1E+1P+1D", "video"), validate.Scenario("1P+1D", "text"))
+    scenarios = names.load_cases_file(path)
+    assert scenarios == (names.RequestedCase("1E+1P+1D", "video"), names.RequestedCase("1P+1D", "text"))
 
 
 # -- the model ----------------------------------------------------------------------------------
@@ -192,7 +195,7 @@ def test_max_model_len_too_small_for_the_video(
 ) -> None:
     """Counted with the model's processor (bypassing the count cache) before any server starts;
     vLLM reports the same 379 prompt tokens for this video."""
-    monkeypatch.setattr(validate, "_cached_count", lambda cache_dir, key: None)
+    monkeypatch.setattr(tokens, "_cached_count", lambda cache_dir, key: None)
     code, err = run_cli("--prompt", "text,video", "--max-model-len", "64")
     cause = (
         "--max-model-len 64 is too small for prompt 'video' (and 1 more prompt(s)): it has 379 "
@@ -249,13 +252,13 @@ def test_untested_vllm_is_allowed_on_request(run_cli: RunCli, tmp_path: Path, mo
     """With the override the version check passes; the (held) port range is the next error."""
     vllm = fake_vllm_of_version(tmp_path, "0.31.1")
     with held_port() as port:
-        monkeypatch.setenv(validate.PORT_RANGE_ENV, f"{port}-{port}")
+        monkeypatch.setenv(environment.PORT_RANGE_ENV, f"{port}-{port}")
         code, err = run_cli("--vllm", str(vllm), "--allow-untested-vllm", "--topology", "1E+1PD")
     assert code == 2 and "no free port" in err and "is untested" not in err, err
 
 
 def test_supported_version_with_a_local_suffix_passes() -> None:
-    version = validate.check_vllm(str(Path(sys.executable).parent / "vllm"), False)
+    version = check_vllm(str(Path(sys.executable).parent / "vllm"), False).version
     assert version.startswith("0.32."), version
 
 
@@ -277,12 +280,12 @@ def test_invalid_device_list(run_cli: RunCli, devices: str, cause: str) -> None:
 
 
 def test_device_this_process_may_not_use(run_cli: RunCli) -> None:
-    available = validate.available_cpu_cores()
+    available = resources.available_cpu_cores()
     missing = max(available) + 1
     code, err = run_cli("--devices", f"{available[0]},{missing}")
     cause = (
         f"--devices {available[0]},{missing}: core {missing} is not available to this process "
-        f"(available: {validate._ranges(available)})"
+        f"(available: {resources._ranges(available)})"
     )
     assert_one_error_line(code, err, cause)
 
@@ -316,7 +319,7 @@ def held_port() -> Iterator[int]:
 
 def test_no_free_port(run_cli: RunCli, tmp_path: Path, monkeypatch) -> None:
     with held_port() as port:
-        monkeypatch.setenv(validate.PORT_RANGE_ENV, f"{port}-{port}")
+        monkeypatch.setenv(environment.PORT_RANGE_ENV, f"{port}-{port}")
         code, err = run_cli("--topology", "1E+1P+1D")
     cause = (
         f"no free port: found only 0 of 3 free ports on 127.0.0.1 in ports {port}-{port} "
@@ -327,7 +330,7 @@ def test_no_free_port(run_cli: RunCli, tmp_path: Path, monkeypatch) -> None:
 
 
 def test_malformed_port_range(run_cli: RunCli, monkeypatch) -> None:
-    monkeypatch.setenv(validate.PORT_RANGE_ENV, "24000:24100")
+    monkeypatch.setenv(environment.PORT_RANGE_ENV, "24000:24100")
     code, err = run_cli()
     cause = "EPD_HARNESS_PORT_RANGE='24000:24100': expected LOW-HIGH, e.g. 24000-24099"
     assert_one_error_line(code, err, cause)
@@ -348,10 +351,10 @@ def test_media_file_referenced_but_missing(tmp_path: Path) -> None:
     part = {"type": "image_url", "image_url": {"url": f"file://{missing}"}}
     body = {"messages": [{"role": "user", "content": [part]}]}
     with pytest.raises(BadInput) as refused:
-        validate.check_media_references({"cat": body}, tmp_path / "media")
+        files.check_media_references({"cat": body}, tmp_path / "media")
     assert str(refused.value) == f"prompt 'cat': media file {missing} does not exist"
     with pytest.raises(BadInput) as outside:
-        validate.check_media_references({"cat": body}, tmp_path / "elsewhere")
+        files.check_media_references({"cat": body}, tmp_path / "elsewhere")
     expected = f"prompt 'cat' references {missing}, outside --media-dir {tmp_path / 'elsewhere'}"
     assert str(outside.value) == expected
 
@@ -461,4 +464,4 @@ def test_baseline_cache_that_is_a_file(run_cli: RunCli, tmp_path: Path) -> None:
 
 def test_describe_os_error_is_one_lowercase_line_with_the_path() -> None:
     exc = OSError(errno.ENOSPC, "No space left on device", "/runs/a")
-    assert validate.describe_os_error(exc) == "no space left on device: /runs/a"
+    assert files.describe_os_error(exc) == "no space left on device: /runs/a"

@@ -44,7 +44,11 @@ from harness.serve.launch import (
     ServerDied,
 )
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
-from harness.serve.session import RunSettings, TopologySession
+from harness.environment import cache_dir
+from harness.preflight.model import resolve_model
+from harness.preflight.vllm import default_vllm_executable
+from harness.serve.session import TopologySession
+from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import TOPOLOGIES, ServingConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -170,14 +174,15 @@ except KeyboardInterrupt as exc:
 # NIXL run, its side-channel ports, prints them, and holds them until stdin closes.
 PORT_WORKER = r"""
 import json, sys
-from harness.spec.platforms import NIXL_CONNECTOR, reserve_side_channel_ports
 from harness.serve.ports import reserve_ports
+from harness.spec.placement import side_channel_port_count
+from harness.spec.platforms import NIXL_CONNECTOR
 from harness.spec.topology import TOPOLOGIES, ServingConfig
 topology = TOPOLOGIES["1E+1P+1D"]
 serving = ServingConfig(model="m", kv_connector=NIXL_CONNECTOR)
 sys.stdin.readline()  # all start together
 http = reserve_ports(len(topology.roles))
-side = reserve_side_channel_ports(topology, serving)
+side = reserve_ports(side_channel_port_count(topology, serving))
 print(json.dumps({"http": [l.port for l in http], "side": [l.port for l in side]}), flush=True)
 sys.stdin.read()
 """
@@ -314,7 +319,7 @@ def fake_settings(
     return RunSettings(
         serving=ServingConfig(model=str(tmp_path / "model"), extra_args=extra_args),
         run_dir=tmp_path / "run",
-        vllm_executable=str(fake),
+        vllm=ServedVllm(str(fake), "unknown"),
         startup_timeout_s=20.0,
         request_timeout_s=request_timeout_s,
     )
@@ -790,9 +795,9 @@ def test_cases_file_runs_only_its_cases(
 
 def vllm_settings(tmp_path: Path) -> RunSettings:
     return RunSettings(
-        serving=ServingConfig(model=str(cli.resolve_model(None))),
+        serving=ServingConfig(model=str(resolve_model(None, None, cache_dir()))),
         run_dir=tmp_path / "run",
-        vllm_executable=cli.default_vllm_executable(),
+        vllm=ServedVllm(default_vllm_executable(), "unknown"),
     )
 
 
@@ -815,7 +820,7 @@ def descendants() -> list[psutil.Process]:
 def test_real_vllm_with_a_bad_flag_dies_with_its_parser_error(tmp_path: Path) -> None:
     command = ServerCommand(
         name="bad-flag/baseline0",
-        argv=[cli.default_vllm_executable(), "serve", "--no-such-flag"],
+        argv=[default_vllm_executable(), "serve", "--no-such-flag"],
         health_url="http://127.0.0.1:9/health",
         log_path=tmp_path / "bad-flag.log",
     )

@@ -6,7 +6,8 @@ import pytest
 
 from harness.judge.compare import Verdict
 from harness.judge.guards import GuardResult
-from harness.run.matrix import MATRIX, Scenario, ScenarioResult, get_scenario, matrix_prompts
+from harness.run.scenarios import MATRIX, get_scenario, matrix_prompts
+from harness.run.matrix import Scenario, ScenarioResult
 from harness.spec.prompts import PromptSpec, TextPart
 from harness.report.text import CaseRecord
 from harness.spec.topology import TOPOLOGIES

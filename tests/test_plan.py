@@ -23,7 +23,8 @@ from harness.cli.plan import (
     format_plan,
 )
 from harness.spec.platforms import CPU, CUDA, XPU, DevicePlanError, PlatformProfile
-from harness.spec.topology import TOPOLOGIES, ServingConfig, get_topology, plan_instances
+from harness.spec.placement import place_instances
+from harness.spec.topology import TOPOLOGIES, ServingConfig, get_topology
 
 MODEL = "/models/qwen"
 VLLM = "/opt/venv/bin/vllm"
@@ -160,7 +161,7 @@ def test_cpu_plan_matches_what_topology_renders_today() -> None:
         (topology,) = wave.topologies
         ports = [i.port for i in topology.instances]
         storage = Path("/runs/r1") / topology.name.replace("+", "-") / "storage"
-        expected = plan_instances(get_topology(topology.name), serving, ports, storage, (0, 1))
+        expected = place_instances(get_topology(topology.name), serving, CPU, ports, storage, (0, 1))
         assert [list(i.argv) for i in topology.instances] == [e.argv(VLLM) for e in expected]
         assert [dict(i.env) for i in topology.instances] == [e.env() for e in expected]
 

@@ -12,34 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from harness.spec.platforms import (
-    CPU,
-    CPU_ONLY_ENV_KEYS,
-    CUDA,
-    DEFAULT_GPU_MEMORY_FRACTION,
-    GPU_DEFAULT_MODEL,
-    PLATFORMS,
-    XPU,
-    DevicePlanError,
-    PlacedInstanceSpec,
-    assign_devices,
-    get_platform,
-    memory_fractions,
-    parse_devices,
-    place_instances,
-    reserve_side_channel_ports,
-    schedule_waves,
-    serving_for,
-    side_channel_port_count,
-)
-from harness.spec.topology import (
-    EPD_TOPOLOGY_NAMES,
-    TOPOLOGIES,
-    Role,
-    ServingConfig,
-    get_topology,
-    plan_instances,
-)
+from harness.serve.ports import reserve_ports
+from harness.spec.instances import InstanceSpec
+from harness.spec.platforms import CPU, CPU_ONLY_ENV_KEYS, CUDA, DEFAULT_GPU_MEMORY_FRACTION, GPU_DEFAULT_MODEL, PLATFORMS, XPU, DevicePlanError, get_platform, parse_devices
+from harness.spec.placement import schedule
+from harness.spec.placement import assign_devices, memory_fractions, place_instances, side_channel_port_count
+from harness.spec.topology import serving_for
+from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Role, ServingConfig, get_topology
 
 MODEL = "/models/qwen"
 EIGHT_GPUS = tuple(range(8))
@@ -55,8 +34,8 @@ def place_all(profile, devices, tmp_path: Path, topologies=DEFAULT_SET, colocate
     """Every instance of every topology, placed as the schedule says, with distinct fake ports."""
     serving = serving_for(profile, MODEL)
     ports = iter(range(21000, 22000))
-    specs: list[PlacedInstanceSpec] = []
-    for wave in schedule_waves(topologies, devices, profile, colocate):
+    specs: list[InstanceSpec] = []
+    for wave in schedule(topologies, devices, profile, colocate).waves:
         for slot in wave.slots:
             topology = slot.topology
             http = [next(ports) for _ in topology.roles]
@@ -100,11 +79,11 @@ def test_cpu_placement_renders_exactly_what_topology_renders(name: str, tmp_path
     serving = ServingConfig(model=MODEL)
     ports = list(range(23000, 23000 + len(topology.roles)))
     cores = (3, 5)
-    expected = plan_instances(topology, serving, ports, tmp_path, cpu_cores=cores)
+    expected = place_instances(topology, serving, CPU, ports, tmp_path, cores)
     placed = place_instances(topology, serving, CPU, ports, tmp_path, cores)
     assert [p.argv("/v/vllm") for p in placed] == [e.argv("/v/vllm") for e in expected]
     assert [p.env() for p in placed] == [e.env() for e in expected]
-    assert [p.devices for p in placed] == [e.cpu_cores for e in expected]
+    assert [p.devices for p in placed] == [e.devices for e in expected]
     assert all(p.side_channel_port is None and p.gpu_memory_fraction is None for p in placed)
 
 
@@ -167,10 +146,10 @@ def test_platform_flags_go_before_extra_args_and_extra_env_wins(tmp_path: Path) 
 
 def test_missing_device_or_side_channel_port_is_an_error_naming_the_instance() -> None:
     serving = serving_for(CUDA, MODEL)
-    no_device = PlacedInstanceSpec("t/baseline0", Role.BASELINE, 21000, serving, platform=CUDA)
+    no_device = InstanceSpec("t/baseline0", Role.BASELINE, 21000, serving, platform=CUDA)
     with pytest.raises(ValueError, match="t/baseline0: cuda needs a device"):
         no_device.env()
-    no_port = PlacedInstanceSpec(
+    no_port = InstanceSpec(
         "t/decode0", Role.DECODE, 21001, serving, platform=CUDA, devices=(0,)
     )
     missing = "t/decode0: NixlConnector needs a VLLM_NIXL_SIDE_CHANNEL_PORT"
@@ -193,18 +172,10 @@ def test_side_channel_ports_only_for_nixl_kv_instances() -> None:
     assert all(side_channel_port_count(t, example) == 0 for t in TOPOLOGIES.values())
 
 
-def test_reserve_side_channel_ports_holds_distinct_locked_ports(tmp_path: Path) -> None:
-    leases = reserve_side_channel_ports(
-        get_topology("1E+1P+1D"), serving_for(CUDA, MODEL), lock_dir=tmp_path
-    )
-    try:
-        assert len(leases) == 2
-        assert len({lease.port for lease in leases}) == 2
-        assert all(lease.held for lease in leases)
-    finally:
-        for lease in leases:
-            lease.release()
-    assert reserve_side_channel_ports(get_topology("1P+1D"), serving_for(CPU, MODEL)) == []
+def test_side_channel_ports_one_per_nixl_kv_instance() -> None:
+    assert side_channel_port_count(get_topology("1E+1P+1D"), serving_for(CUDA, MODEL)) == 2
+    assert side_channel_port_count(get_topology("1E+1PD"), serving_for(CUDA, MODEL)) == 0
+    assert side_channel_port_count(get_topology("1P+1D"), serving_for(CPU, MODEL)) == 0
 
 
 # --- xpu -------------------------------------------------------------------------------------
@@ -288,7 +259,7 @@ def test_colocated_instances_render_their_share(tmp_path: Path) -> None:
 
 
 def test_eight_gpus_run_the_default_set_in_one_wave_on_disjoint_devices() -> None:
-    waves = schedule_waves(DEFAULT_SET, EIGHT_GPUS, CUDA)
+    waves = schedule(DEFAULT_SET, EIGHT_GPUS, CUDA).waves
     assert len(waves) == 1
     assert sorted(waves[0].devices_in_use) == list(EIGHT_GPUS)
     assert {s.topology.name: s.devices for s in waves[0].slots} == {
@@ -298,7 +269,7 @@ def test_eight_gpus_run_the_default_set_in_one_wave_on_disjoint_devices() -> Non
 
 def test_too_few_gpus_is_one_error_naming_every_topology_that_cannot_fit() -> None:
     with pytest.raises(DevicePlanError) as info:
-        schedule_waves(DEFAULT_SET, (0,), CUDA)
+        schedule(DEFAULT_SET, (0,), CUDA).waves
     message = str(info.value)
     assert "\n" not in message
     for expected in ("1P+1D needs 2", "1E+1P+1D needs 2", "--colocate"):
@@ -308,7 +279,7 @@ def test_too_few_gpus_is_one_error_naming_every_topology_that_cannot_fit() -> No
 
 
 def test_cpu_runs_one_topology_per_wave_on_the_shared_cores() -> None:
-    waves = schedule_waves(DEFAULT_SET, (0, 1), CPU)
+    waves = schedule(DEFAULT_SET, (0, 1), CPU).waves
     assert [[s.topology.name for s in w.slots] for w in waves] == [
         ["baseline"], ["1E+1PD"], ["1P+1D"], ["1E+1P+1D"],
     ]  # fmt: skip
@@ -317,4 +288,4 @@ def test_cpu_runs_one_topology_per_wave_on_the_shared_cores() -> None:
 
 def test_schedule_rejects_a_repeated_device() -> None:
     with pytest.raises(DevicePlanError, match="repeats a device"):
-        schedule_waves(DEFAULT_SET, (0, 0), CUDA)
+        schedule(DEFAULT_SET, (0, 0), CUDA).waves

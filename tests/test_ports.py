@@ -13,14 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.serve.ports import (
-    DEFAULT_PORT_RANGE,
-    PORT_LOCK_DIR_ENV,
-    NoFreePortError,
-    PortLease,
-    default_lock_dir,
-    reserve_ports,
-)
+from harness.environment import DEFAULT_PORT_RANGE, PORT_LOCK_DIR_ENV
+from harness.environment import port_lock_dir
+from harness.serve.ports import NoFreePortError, PortLease, reserve_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUBPROCESS_TIMEOUT_S = 20
@@ -247,7 +242,7 @@ def test_lock_dir_defaults_to_the_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(PORT_LOCK_DIR_ENV, str(tmp_path / "from-env"))
-    assert default_lock_dir() == tmp_path / "from-env"
+    assert port_lock_dir() == tmp_path / "from-env"
     (lease,) = reserve_ports(1)
     with lease:
         assert lease.lock_path.parent == tmp_path / "from-env"

@@ -11,15 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.spec.topology import (
-    LOOPBACK_HOST,
-    TOPOLOGIES,
-    InstanceSpec,
-    Role,
-    ServingConfig,
-    get_topology,
-    plan_instances,
-)
+from harness.environment import LOOPBACK_HOST
+from harness.spec.placement import place_instances
+from harness.spec.platforms import CPU
+from harness.spec.topology import TOPOLOGIES, Role, ServingConfig, get_topology
+from harness.spec.instances import InstanceSpec
 
 SERVING = ServingConfig(model="/models/tiny-qwen2-vl", max_model_len=2048, max_num_seqs=4)
 # Flags whose values change numerics: every role must carry the baseline's value.
@@ -45,7 +41,7 @@ def json_flag(argv: list[str], flag: str) -> dict | None:
 def specs_by_role(topology_name: str, tmp_path: Path) -> dict[Role, InstanceSpec]:
     topology = get_topology(topology_name)
     ports = [21000 + i for i in range(len(topology.roles))]
-    return {s.role: s for s in plan_instances(topology, SERVING, ports, tmp_path / "storage")}
+    return {s.role: s for s in place_instances(topology, SERVING, CPU, ports, tmp_path / "storage", (0, 1))}
 
 
 @pytest.fixture
@@ -184,7 +180,7 @@ def test_extra_args_reach_every_role_at_the_end(tmp_path: Path) -> None:
     for name in ("baseline", "1E+1P+1D"):
         topology = get_topology(name)
         ports = list(range(21100, 21100 + len(topology.roles)))
-        for spec in plan_instances(topology, serving, ports, tmp_path / name):
+        for spec in place_instances(topology, serving, CPU, ports, tmp_path / name, (0, 1)):
             assert spec.argv()[-2:] == ["--seed", "0"]
 
 
@@ -217,14 +213,14 @@ def test_host_defaults_to_loopback(rendered) -> None:
 
 def test_env_binds_the_instance_core_and_shares_the_thread_count(tmp_path: Path) -> None:
     topology = get_topology("1E+1P+1D")
-    specs = plan_instances(topology, SERVING, [21200, 21201, 21202], tmp_path, cpu_cores=(4, 7))
+    specs = place_instances(topology, SERVING, CPU, [21200, 21201, 21202], tmp_path, (4, 7))
     envs = [s.env() for s in specs]
     assert [e["VLLM_CPU_OMP_THREADS_BIND"] for e in envs] == ["4", "7", "4"]
     for spec, env in zip(specs, envs):
-        assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(spec.cpu_cores[0])
+        assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(spec.devices[0])
         assert all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
         assert env["HF_HUB_OFFLINE"] == "1"
-    baseline_env = plan_instances(get_topology("baseline"), SERVING, [21203], tmp_path)[0].env()
+    baseline_env = place_instances(get_topology("baseline"), SERVING, CPU, [21203], tmp_path, (0, 1))[0].env()
     thread_counts = {e["OMP_NUM_THREADS"] for e in [*envs, baseline_env]}
     assert thread_counts == {"1"}
 
@@ -243,12 +239,12 @@ def test_extra_env_overrides_defaults() -> None:
 
 
 def test_plan_instances_names_ports_and_cores(tmp_path: Path) -> None:
-    specs = plan_instances(get_topology("2E+1PD"), SERVING, [22001, 22002, 22003], tmp_path)
+    specs = place_instances(get_topology("2E+1PD"), SERVING, CPU, [22001, 22002, 22003], tmp_path, (0, 1))
     assert [s.name for s in specs] == ["2E+1PD/encoder0", "2E+1PD/encoder1", "2E+1PD/pd0"]
     assert len({s.name for s in specs}) == 3
     assert [s.role for s in specs] == [Role.ENCODER, Role.ENCODER, Role.PREFILL_DECODE]
     assert [s.port for s in specs] == [22001, 22002, 22003]
-    assert [s.cpu_cores for s in specs] == [(0,), (1,), (0,)]
+    assert [s.devices for s in specs] == [(0,), (1,), (0,)]
     assert all(s.serving is SERVING for s in specs)
 
 
@@ -267,7 +263,7 @@ def test_plan_instances_storage_dirs_per_topology(
 ) -> None:
     topology = get_topology(name)
     ports = list(range(23000, 23000 + len(topology.roles)))
-    specs = plan_instances(topology, SERVING, ports, tmp_path / "run")
+    specs = place_instances(topology, SERVING, CPU, ports, tmp_path / "run", (0, 1))
     assert {s.ec_storage for s in specs} == {tmp_path / "run/ec" if has_ec else None}
     assert {s.kv_storage for s in specs} == {tmp_path / "run/kv" if has_kv else None}
 
@@ -275,7 +271,7 @@ def test_plan_instances_storage_dirs_per_topology(
 def test_every_planned_topology_renders(tmp_path: Path) -> None:
     for name, topology in TOPOLOGIES.items():
         ports = list(range(24000, 24000 + len(topology.roles)))
-        for spec in plan_instances(topology, SERVING, ports, tmp_path / name):
+        for spec in place_instances(topology, SERVING, CPU, ports, tmp_path / name, (0, 1)):
             argv = spec.argv()
             assert argv[:2] == ["vllm", "serve"]
             if spec.role is Role.PREFILL:
@@ -288,7 +284,7 @@ def test_every_planned_topology_renders(tmp_path: Path) -> None:
 def test_plan_instances_rejects_wrong_number_of_ports(tmp_path: Path, count: int) -> None:
     ports = list(range(25000, 25000 + count))
     with pytest.raises(ValueError, match=r"1E\+1PD needs 2 ports, got " + str(count)):
-        plan_instances(get_topology("1E+1PD"), SERVING, ports, tmp_path)
+        place_instances(get_topology("1E+1PD"), SERVING, CPU, ports, tmp_path, (0, 1))
 
 
 # --- lookup and roles ------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from harness.run.baseline_cache import BaselineCache, baseline_key
 from harness.run.faults import fault_for, plant
 from harness.serve.launch import EventCallback
 from harness.serve.session import InstanceStats, Outcome, TopologySession
-from harness.spec.placement import Schedule, schedule
+from harness.spec.placement import Schedule, Wave, schedule
 from harness.spec.prompts import PromptSpec, render_request
 from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, Topology
@@ -155,13 +155,13 @@ class Sweep:
             self._load_cached_baseline()
         return bool(self._baseline_missing)
 
-    def _load_cached_baseline(self) -> None:
+    def _load_cached_baseline(self, locked: bool = False) -> None:
         self.result.outcomes.setdefault(BASELINE.name, {})
         cache = self.baseline_cache
         if cache is None:
             self._baseline_missing = list(self.bodies)
             return
-        with cache.locked():
+        with contextlib.nullcontext() if locked else cache.locked():
             outcomes = self.result.outcomes[BASELINE.name]
             for name, body in self.bodies.items():
                 cached = cache.load(self._baseline_key(body), name)
@@ -196,9 +196,24 @@ class Sweep:
         return self.result.outcomes[name]
 
     def _serve_wave_of(self, name: str) -> None:
-        plan = self.schedule()
-        wave = plan.wave_of(name)
+        """Start every topology of `name`'s wave that has not run yet, side by side; serve
+        their prompts; stop them. A wave with the baseline holds the baseline cache's lock
+        throughout, so a parallel worker waits and then reads what this one stored."""
+        wave = self.schedule().wave_of(name)
+        with contextlib.ExitStack() as lock:
+            if self.baseline_cache is not None and any(s.topology.is_baseline for s in wave.slots):
+                lock.enter_context(self.baseline_cache.locked())
+                self._baseline_missing = None  # another worker may have stored it meanwhile
+                self._load_cached_baseline(locked=True)
+                if name == BASELINE.name and not self._needs_baseline_run():
+                    return
+                wave = self.schedule().wave_of(name)  # without the baseline, if now cached
+            self._serve_slots(wave)
+
+    def _serve_slots(self, wave: Wave) -> None:
         slots = [s for s in wave.slots if s.topology.name not in self._served()]
+        if not slots:
+            return
         started = time.monotonic()
         log.info("[sweep] wave %d: starting %s", wave.index,
                  ", ".join(f"{s.topology.name} ({len(s.topology.roles)})" for s in slots))  # fmt: skip
@@ -253,11 +268,10 @@ class Sweep:
             self.stability[name] = baseline_is_stable(outcomes[name], again)
             if not self.stability[name][0]:
                 log.warning("[sweep] baseline UNSTABLE on %s: %s", name, self.stability[name][1])
-        if self.baseline_cache is not None:
-            with self.baseline_cache.locked():
-                for name in names:
-                    if self.stability[name][0]:
-                        self.baseline_cache.store(self._baseline_key(self.bodies[name]), outcomes[name])
+        if self.baseline_cache is not None:  # its lock is held by _serve_wave_of
+            for name in names:
+                if self.stability[name][0]:
+                    self.baseline_cache.store(self._baseline_key(self.bodies[name]), outcomes[name])
         self._baseline_missing = []
 
     def _serve_prompts(self, session: TopologySession) -> None:
