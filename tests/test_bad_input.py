@@ -22,7 +22,8 @@ import pytest
 from harness.fixtures.tiny_model import model_digest
 from harness import environment
 from harness.preflight import files, names, resources, tokens
-from harness.preflight.vllm import check_vllm
+from harness.environment import cache_dir
+from harness.preflight.vllm import check_vllm, default_vllm_executable, probe_served_vllm
 from harness.run.baseline_cache import baseline_key
 from harness.cli.main import main
 from harness.preflight.model import resolve_model
@@ -290,22 +291,14 @@ def test_device_this_process_may_not_use(run_cli: RunCli) -> None:
     assert_one_error_line(code, err, cause)
 
 
-def test_non_loopback_host_needs_the_flag(run_cli: RunCli) -> None:
-    code, err = run_cli("--host", "0.0.0.0")
-    cause = (
-        "refusing to serve on 0.0.0.0: it is not a loopback address, and vLLM servers have no "
-        "authentication; pass --allow-non-loopback to allow it"
+@pytest.mark.parametrize("flags", [("--host", "0.0.0.0"), ("--allow-non-loopback",)])
+def test_host_flags_are_gone_not_ignored(run_cli: RunCli, flags: tuple[str, ...]) -> None:
+    """Every server and the proxy bind 127.0.0.1 (harness.environment.LOOPBACK_HOST); a flag
+    that suggested otherwise could only ever fail, so it no longer exists."""
+    code, err = run_cli(*flags)
+    assert_one_error_line(
+        code, err, f"unrecognized arguments: {' '.join(flags)} (see 'epd-harness --help')"
     )
-    assert_one_error_line(code, err, cause)
-
-
-def test_non_loopback_host_with_the_flag_is_not_silently_ignored(run_cli: RunCli) -> None:
-    code, err = run_cli("--host", "0.0.0.0", "--allow-non-loopback")
-    cause = (
-        "--host 0.0.0.0: this version's runner binds every server to 127.0.0.1 only; other "
-        "addresses are not supported yet"
-    )
-    assert_one_error_line(code, err, cause)
 
 
 @contextlib.contextmanager
@@ -397,18 +390,17 @@ def tiny_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
 def test_disk_full_during_the_run(run_cli: RunCli, tmp_path: Path) -> None:
     """A 64 KiB tmpfs: the write probe fits, requests.json (66 KB, all prompts) does not.
 
-    What was written stays: the run directory and the part of requests.json that fit.
+    What was written stays (the run directory), and no half file is left: artifacts are
+    written whole or not at all.
     """
     with tiny_tmpfs(tmp_path / "tiny", "64k") as tiny:
         run_dir = tiny / "run"
         code, err = run_cli(run_dir=run_dir)
         kept = {p.name: p.stat().st_size for p in run_dir.iterdir()}
-    # The file is named once sweep.write_json attaches it (a failed write() carries no name).
-    named = f"no space left on device: {run_dir / 'requests.json'}"
-    unnamed = f"no space left on device while writing under {run_dir}"
-    cause = named if named in err else unnamed
+    # The atomic writer names the target (a failed write() alone carries no file name).
+    cause = f"no space left on device: {run_dir / 'requests.json'}"
     assert_one_error_line(code, err, f"{cause}; artifacts written so far are kept")
-    assert kept.get("requests.json", 0) > 0, f"the partial file must be kept: {kept}"
+    assert kept == {}, f"no half-written file (nor its temporary) may stay: {kept}"
 
 
 def test_disk_full_at_the_write_probe(run_cli: RunCli, tmp_path: Path) -> None:
@@ -425,9 +417,10 @@ def test_disk_full_at_the_write_probe(run_cli: RunCli, tmp_path: Path) -> None:
 
 def text_prompt_cache_entry(cache: Path) -> Path:
     """Where the baseline cache keeps the entry a `--prompt text` run on the tiny model reads."""
-    model_dir = resolve_model(None)
+    model_dir = resolve_model(None, None, cache_dir())
     body = render_request(SKELETON_PROMPTS[0], "epd-model")
-    key = baseline_key(ServingConfig(model=str(model_dir)), model_digest(model_dir), body)
+    served = probe_served_vllm(default_vllm_executable())
+    key = baseline_key(served, ServingConfig(model=str(model_dir)), model_digest(model_dir), body)
     cache.mkdir(exist_ok=True)
     return cache / f"{key}.json"
 
@@ -435,9 +428,9 @@ def text_prompt_cache_entry(cache: Path) -> Path:
 @pytest.mark.parametrize(
     "text,cause",
     [
-        ('{"format": 1, "result": ', "Expecting value: line 1 column 25 (char 24)"),
+        ('{"format": 2, "result": ', "Expecting value: line 1 column 25 (char 24)"),
         ("[]", "expected a JSON object, found list"),
-        ('{"format": 0, "result": {}}', "format 0, expected 1"),
+        ('{"format": 0, "result": {}}', "format 0, expected 2"),
     ],
 )
 def test_corrupt_baseline_cache_entry(

@@ -28,6 +28,7 @@ from harness.spec.prompts import SKELETON_PROMPTS
 from harness.report.text import CaseRecord, format_failure
 from harness.report.html import render_report_html
 from harness.serve.session import Outcome
+from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import TOPOLOGIES, ServingConfig
 
 SECRET = "secret123"
@@ -115,25 +116,30 @@ def model_dir(tmp_path: Path) -> Path:
     return model
 
 
+SERVED = ServedVllm("/other-venv/bin/vllm", "0.31.0+cpu", "2.9.1+cpu")
+
+
 def run_info(run_dir: Path, model_dir: Path) -> dict:
+    settings = RunSettings(ServingConfig(model=str(model_dir)), run_dir, vllm=SERVED)
     return write_run_info(
-        run_dir,
-        ServingConfig(model=str(model_dir)),
-        (TOPOLOGIES["baseline"], TOPOLOGIES["1E+1P+1D"]),
-        SKELETON_PROMPTS[:2],
-        model_dir,
+        settings, (TOPOLOGIES["baseline"], TOPOLOGIES["1E+1P+1D"]), SKELETON_PROMPTS[:2]
     )
 
 
 def test_run_json_records_versions_model_config_and_instances(run_dir, model_dir):
     run_info(run_dir, model_dir)
     info = json.loads((run_dir / "run.json").read_text())
-    harness = info["versions"]["harness"]
+    assert info["served_vllm"] == {
+        "executable": "/other-venv/bin/vllm",
+        "version": "0.31.0+cpu",
+        "torch_version": "2.9.1+cpu",
+    }, "run.json records the served vLLM, not the harness interpreter's"
+    harness = info["harness_packages"]["harness"]
     assert harness == {
         "distribution": "epd-harness",
         "version": importlib.metadata.version("epd-harness"),
     }
-    assert set(info["versions"]) == {"vllm", "torch", "transformers", "harness"}
+    assert set(info["harness_packages"]) == {"vllm", "torch", "transformers", "harness"}
     assert info["python"] and info["platform"] and info["hostname"]
     assert info["model"] == {"dir": str(model_dir), "digest": model_digest(model_dir)}
     serving = dataclasses.asdict(ServingConfig(model=str(model_dir)))
@@ -143,12 +149,6 @@ def test_run_json_records_versions_model_config_and_instances(run_dir, model_dir
     instance = info["instances"]["1E+1P+1D/decode0"]
     assert instance["env"] == {"HF_TOKEN": REDACTED, "OMP_NUM_THREADS": "1"}
     assert instance["argv"][3:] == ["--api-key", REDACTED, "--max-num-batched-tokens", "8192"]
-
-
-def test_model_given_by_name_has_no_digest(run_dir):
-    info = write_run_info(run_dir, ServingConfig(model="Qwen/Qwen2.5-VL-3B-Instruct"), (), (),
-                          "Qwen/Qwen2.5-VL-3B-Instruct")  # fmt: skip
-    assert info["model"]["digest"] is None
 
 
 def test_no_secret_reaches_any_file_of_the_bundle(run_dir, model_dir, monkeypatch):

@@ -380,8 +380,9 @@ def signal_cli(harness: subprocess.Popen[str], sig: signal.Signals) -> tuple[str
 def test_sigint_during_startup_stops_everything(
     tmp_path: Path, fake_vllm: Path, lock_dir: Path
 ) -> None:
+    # One core: a CPU wave holds two instances, so the baseline starts alone.
     harness = start_cli(tmp_path, fake_vllm, "*:slow-start=60", "--topology", "1E+1PD", "--prompt",
-                        "text")  # fmt: skip
+                        "text", "--devices", "0")  # fmt: skip
     run_dir = tmp_path / "run"
     log = run_dir / "baseline" / "baseline__baseline0.log"
     procs: list[psutil.Process] = []
@@ -413,7 +414,8 @@ def test_sigterm_while_a_request_hangs_ends_within_seconds(
     tmp_path: Path, fake_vllm: Path, lock_dir: Path
 ) -> None:
     """pd0 never answers; CI cancels the job (SIGTERM) in the middle of the request."""
-    harness = start_cli(tmp_path, fake_vllm, "pd:hang", "--topology", "1E+1PD", "--prompt", "text")
+    harness = start_cli(tmp_path, fake_vllm, "pd:hang", "--topology", "1E+1PD", "--prompt", "text",
+                        "--devices", "0")  # fmt: skip
     run_dir = tmp_path / "run"
     pd_log = run_dir / "1E-1PD" / "1E-1PD__pd0.log"
     procs: list[psutil.Process] = []

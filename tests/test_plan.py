@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli import plan as plan_module
+import dataclasses
+
+from harness.spec.placement import available_memory_bytes, cpu_instance_budget
 from harness.cli.plan import (
     DEFAULT_TOPOLOGY_NAMES,
     Plan,
@@ -153,17 +155,51 @@ def test_cuda_plan_instances_carry_devices_nixl_ports_and_memory_flags() -> None
             assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in env, instance.name
 
 
-def test_cpu_plan_matches_what_topology_renders_today() -> None:
+def test_cpu_plan_renders_what_a_run_launches() -> None:
     plan = build_plan(request(CPU, (0, 1), tuple(TOPOLOGIES)))
-    assert len(plan.waves) == len(TOPOLOGIES)
+    assert sum(len(w.topologies) for w in plan.waves) == len(TOPOLOGIES)
     serving = ServingConfig(model=MODEL)
     for wave in plan.waves:
-        (topology,) = wave.topologies
-        ports = [i.port for i in topology.instances]
-        storage = Path("/runs/r1") / topology.name.replace("+", "-") / "storage"
-        expected = place_instances(get_topology(topology.name), serving, CPU, ports, storage, (0, 1))
-        assert [list(i.argv) for i in topology.instances] == [e.argv(VLLM) for e in expected]
-        assert [dict(i.env) for i in topology.instances] == [e.env() for e in expected]
+        for topology in wave.topologies:
+            ports = [i.port for i in topology.instances]
+            storage = Path("/runs/r1") / topology.name.replace("+", "-") / "storage"
+            expected = place_instances(
+                get_topology(topology.name), serving, CPU, ports, storage, topology.devices
+            )
+            assert [list(i.argv) for i in topology.instances] == [e.argv(VLLM) for e in expected]
+            assert [dict(i.env) for i in topology.instances] == [e.env() for e in expected]
+
+
+@pytest.mark.parametrize(
+    "platform,devices,workers",
+    [(CUDA, tuple(range(8)), 4), (CUDA, (0, 1), 1), (CPU, (0, 1), 1), (CPU, (0, 1), 2)],
+)
+def test_a_run_and_its_xdist_workers_use_the_devices_plan_prints(
+    tmp_path: Path, platform: PlatformProfile, devices: tuple[int, ...], workers: int
+) -> None:
+    """Trap 6: `plan` once gave 1E+1P+1D three GPUs of 8 while each xdist worker got two.
+    Now a run (and every worker) asks the same scheduler, with the same inputs."""
+    from harness.run.sweep import Sweep, SweepSpec
+    from harness.spec.settings import RunSettings
+    from harness.spec.topology import EPD_TOPOLOGY_NAMES, serving_for
+
+    budget = cpu_instance_budget(len(devices), available_memory_bytes(), workers)
+    printed = build_plan(
+        dataclasses.replace(
+            request(platform, devices, DEFAULT_TOPOLOGY_NAMES, colocate=len(devices) < 3),
+            cpu_budget=None if platform.exclusive_devices else budget,
+        )
+    )
+    settings = RunSettings(
+        serving_for(platform, MODEL), tmp_path / "run", platform=platform, devices=devices,
+        colocate=len(devices) < 3, workers=workers,
+    )  # fmt: skip
+    spec = SweepSpec(tuple(TOPOLOGIES[n] for n in EPD_TOPOLOGY_NAMES), prompts=())
+    sweep = Sweep(spec, settings)
+    sweep._baseline_missing = ["text"]  # the baseline is not cached: it is scheduled too
+    ran = {s.topology.name: s.devices for w in sweep.schedule().waves for s in w.slots}
+    planned = {t.name: t.devices for w in printed.waves for t in w.topologies}
+    assert ran == planned
 
 
 def test_xpu_plan_pins_devices_with_ze_affinity_mask() -> None:
@@ -182,8 +218,8 @@ def test_planning_reserves_no_port(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*_args, **_kwargs):
         raise AssertionError("plan must not reserve ports: they are placeholders")
 
-    monkeypatch.setattr("harness.ports.reserve_ports", refuse)
-    monkeypatch.setattr("harness.platforms.reserve_ports", refuse)
+    monkeypatch.setattr("harness.serve.ports.reserve_ports", refuse)
+    monkeypatch.setattr("harness.serve.session.reserve_ports", refuse)
     plan = build_plan(request(CUDA, tuple(range(8))))
     assert plan.ports_are_placeholders
     assert [i.port for i in plan.instances][:3] == [20000, 20001, 20002]
@@ -273,9 +309,3 @@ def test_cli_cpu_defaults_to_the_runner_cores(capsys) -> None:
     assert data["devices"] == [0, 1]
     names = [t["name"] for w in data["waves"] for t in w["topologies"]]
     assert names == list(DEFAULT_TOPOLOGY_NAMES)
-
-
-def test_module_main_runs_the_subcommand(capsys) -> None:
-    code = plan_module.main(["--platform", "xpu", "--devices", "1,2", "--topology", "1E+1PD"])
-    assert code == 0
-    assert "ZE_AFFINITY_MASK=1" in capsys.readouterr().out

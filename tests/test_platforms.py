@@ -15,7 +15,7 @@ import pytest
 from harness.serve.ports import reserve_ports
 from harness.spec.instances import InstanceSpec
 from harness.spec.platforms import CPU, CPU_ONLY_ENV_KEYS, CUDA, DEFAULT_GPU_MEMORY_FRACTION, GPU_DEFAULT_MODEL, PLATFORMS, XPU, DevicePlanError, get_platform, parse_devices
-from harness.spec.placement import schedule
+from harness.spec.placement import cpu_instance_budget, schedule
 from harness.spec.placement import assign_devices, memory_fractions, place_instances, side_channel_port_count
 from harness.spec.topology import serving_for
 from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Role, ServingConfig, get_topology
@@ -132,15 +132,13 @@ def test_cuda_argv_sets_memory_utilization_and_no_eager_and_env_drops_cpu_keys(
         assert "ZE_AFFINITY_MASK" not in env
 
 
-def test_platform_flags_go_before_extra_args_and_extra_env_wins(tmp_path: Path) -> None:
+def test_platform_flags_go_before_extra_args(tmp_path: Path) -> None:
     serving = serving_for(CUDA, MODEL, extra_args=("--seed", "0"))
     topology = get_topology("1P+1D")
     specs = place_instances(
         topology, serving, CUDA, [21000, 21001], tmp_path, (4, 6), side_channel_ports=[21002, 21003]
     )
     assert specs[0].argv()[-4:] == ["--gpu-memory-utilization", "0.9", "--seed", "0"]
-    overridden = replace(specs[1], extra_env=(("CUDA_VISIBLE_DEVICES", "GPU-uuid"),))
-    assert overridden.env()["CUDA_VISIBLE_DEVICES"] == "GPU-uuid"
     assert [s.devices for s in specs] == [(4,), (6,)]
 
 
@@ -278,12 +276,28 @@ def test_too_few_gpus_is_one_error_naming_every_topology_that_cannot_fit() -> No
     assert "1E+1PD needs" not in message, "an encoder may share the PD's device"
 
 
-def test_cpu_runs_one_topology_per_wave_on_the_shared_cores() -> None:
-    waves = schedule(DEFAULT_SET, (0, 1), CPU).waves
+def test_cpu_waves_fill_the_instance_budget_first_fit_in_order() -> None:
+    """Trap 6: the baseline (one instance) no longer starts alone with a core idle."""
+    waves = schedule(DEFAULT_SET, (0, 1), CPU, cpu_budget=4).waves
     assert [[s.topology.name for s in w.slots] for w in waves] == [
-        ["baseline"], ["1E+1PD"], ["1P+1D"], ["1E+1P+1D"],
+        ["baseline", "1E+1PD"], ["1P+1D"], ["1E+1P+1D"],
     ]  # fmt: skip
-    assert all(w.slots[0].devices == (0, 1) for w in waves)
+    # Each topology of a wave starts on the core after the last one handed out.
+    assert [s.devices for s in waves[0].slots] == [(0, 1), (1, 0)]
+
+
+def test_cpu_budget_of_one_runs_topologies_one_at_a_time() -> None:
+    waves = schedule(DEFAULT_SET, (0, 1), CPU, cpu_budget=1).waves
+    assert [len(w.slots) for w in waves] == [1, 1, 1, 1]
+
+
+def test_cpu_budget_is_two_instances_per_core_within_memory_and_shared_by_workers() -> None:
+    gib = 2**30
+    assert cpu_instance_budget(cores=2, memory_bytes=24 * gib) == 4
+    assert cpu_instance_budget(cores=2, memory_bytes=8 * gib) == 1  # 3.5 GB per instance
+    assert cpu_instance_budget(cores=8, memory_bytes=24 * gib) == 5
+    assert cpu_instance_budget(cores=2, memory_bytes=24 * gib, workers=2) == 2
+    assert cpu_instance_budget(cores=1, memory_bytes=1 * gib, workers=4) == 1
 
 
 def test_schedule_rejects_a_repeated_device() -> None:

@@ -114,6 +114,7 @@ class Sweep:
         self._judged: dict[tuple[str, str], list[CaseRecord]] = {}
         self._model_digest: str | None = None
         self._baseline_missing: list[str] | None = None  # prompts the cache lacks
+        self._schedule: Schedule | None = None
         settings.run_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(settings.run_dir / "requests.json", self.bodies)
         self.run_info = write_run_info(
@@ -127,10 +128,15 @@ class Sweep:
 
     def schedule(self) -> Schedule:
         """The waves this sweep runs: the baseline (unless every answer is cached) and the
-        topologies, packed by the one scheduler."""
-        topologies = ordered_topologies(self.spec.topologies)
-        if self._needs_baseline_run():
-            topologies.insert(0, BASELINE)
+        topologies, packed by the one scheduler; computed once, so waves never reshuffle."""
+        if self._schedule is None:
+            topologies = ordered_topologies(self.spec.topologies)
+            if self._needs_baseline_run():
+                topologies.insert(0, BASELINE)
+            self._schedule = self._pack(topologies)
+        return self._schedule
+
+    def _pack(self, topologies: list[Topology]) -> Schedule:
         return schedule(
             topologies,
             self.settings.devices,
@@ -149,8 +155,6 @@ class Sweep:
         )
 
     def _needs_baseline_run(self) -> bool:
-        if BASELINE.name in self.result.outcomes:
-            return False
         if self._baseline_missing is None:
             self._load_cached_baseline()
         return bool(self._baseline_missing)
@@ -168,7 +172,7 @@ class Sweep:
                 if cached is not None:
                     outcomes[name] = cached
                     self.stability[name] = (True, "from the baseline cache")
-        self._baseline_missing = [name for name in self.bodies if name not in self.stability]
+        self._baseline_missing = [n for n in self.bodies if n not in self.result.outcomes[BASELINE.name]]
         log.info("[sweep] baseline cache: %d hit(s), %d to compute",
                  len(self.bodies) - len(self._baseline_missing), len(self._baseline_missing))  # fmt: skip
         if not self._baseline_missing:
@@ -199,15 +203,15 @@ class Sweep:
         """Start every topology of `name`'s wave that has not run yet, side by side; serve
         their prompts; stop them. A wave with the baseline holds the baseline cache's lock
         throughout, so a parallel worker waits and then reads what this one stored."""
-        wave = self.schedule().wave_of(name)
+        self._serve_wave(self.schedule().wave_of(name))
+
+    def _serve_wave(self, wave: Wave) -> None:
         with contextlib.ExitStack() as lock:
-            if self.baseline_cache is not None and any(s.topology.is_baseline for s in wave.slots):
+            if self.baseline_cache is not None and any(
+                s.topology.is_baseline for s in wave.slots
+            ) and self._needs_baseline_run():
                 lock.enter_context(self.baseline_cache.locked())
-                self._baseline_missing = None  # another worker may have stored it meanwhile
-                self._load_cached_baseline(locked=True)
-                if name == BASELINE.name and not self._needs_baseline_run():
-                    return
-                wave = self.schedule().wave_of(name)  # without the baseline, if now cached
+                self._load_cached_baseline(locked=True)  # a parallel worker may have stored it
             self._serve_slots(wave)
 
     def _serve_slots(self, wave: Wave) -> None:
@@ -337,7 +341,7 @@ class Sweep:
     def run_all(self) -> SweepResult:
         """Every wave, then every case (references before the topologies judged against them)."""
         for wave in self.schedule().waves:
-            self._serve_wave_of(wave.slots[0].topology.name)
+            self._serve_wave(wave)
         for topology in ordered_topologies(self.spec.topologies):
             if topology in self.spec.topologies:
                 for prompt in self.topology_prompts:

@@ -16,7 +16,6 @@ from pathlib import Path
 from harness.environment import LOOPBACK_HOST
 from harness.spec.platforms import (
     CPU,
-    CPU_ONLY_ENV_KEYS,
     GPU_MEMORY_UTILIZATION_FLAG,
     NIXL_CONNECTOR,
     SIDE_CHANNEL_HOST_ENV,
@@ -42,7 +41,7 @@ class InstanceSpec:
     kv_storage: Path | None = None  # shared KV directory of the topology (P writes, D reads)
     platform: PlatformProfile = CPU
     # CPU: the cores its OMP threads bind to; GPU / XPU: the device indices it sees.
-    devices: tuple[int, ...] = (0,)
+    devices: tuple[int, ...] = ()
     # --gpu-memory-utilization: the full budget alone, a slice of it when colocated; None on CPU.
     gpu_memory_fraction: float | None = None
     # VLLM_NIXL_SIDE_CHANNEL_PORT, only for instances running NixlConnector; unique per host.
@@ -130,6 +129,8 @@ class InstanceSpec:
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
         }
+        if not self.devices:
+            raise ValueError(f"{self.name}: {self.platform.name} needs a device")
         if self.platform.device_env_var is None:
             cores = ",".join(str(c) for c in self.devices[: s.cpu_threads_per_instance])
             env.update({
@@ -138,8 +139,6 @@ class InstanceSpec:
                 "OMP_NUM_THREADS": str(s.cpu_threads_per_instance),
             })  # fmt: skip
         else:
-            if not self.devices:
-                raise ValueError(f"{self.name}: {self.platform.name} needs a device")
             env[self.platform.device_env_var] = ",".join(str(d) for d in self.devices)
         if self.uses_nixl:
             if self.side_channel_port is None:
@@ -147,5 +146,4 @@ class InstanceSpec:
             env[SIDE_CHANNEL_PORT_ENV] = str(self.side_channel_port)
             # Pinned to the host the port was reserved on: "localhost" may resolve elsewhere.
             env[SIDE_CHANNEL_HOST_ENV] = LOOPBACK_HOST
-        assert not (set(env) & set(CPU_ONLY_ENV_KEYS)) or self.platform.device_env_var is None
         return env
