@@ -45,12 +45,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# A test without one of these markers is `unit`: pure logic, no torch, no vLLM, no browser.
+TIER_MARKERS = ("process", "model", "browser", "e2e")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`--epd-topology` filter, and one xdist group per topology (its sessions stay on one
-    worker under `--dist loadgroup`)."""
+    """The `unit` tier for unmarked tests, the `--epd-topology` filter, and one xdist group per
+    topology (its sessions stay on one worker under `--dist loadgroup`)."""
     wanted = {n.strip() for n in (config.getoption("--epd-topology") or "").split(",") if n.strip()}
     kept, dropped = [], []
     for item in items:
+        if not any(item.get_closest_marker(m) for m in TIER_MARKERS):
+            item.add_marker(pytest.mark.unit)
         topology = epd_topology_of(item)
         if topology is not None:
             item.add_marker(pytest.mark.xdist_group(topology))

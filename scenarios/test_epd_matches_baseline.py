@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.spec.prompts import SKELETON_PROMPTS
 from harness.report.text import format_failure
+from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.topology import EPD_TOPOLOGY_NAMES
 
 # What CI runs within its budget: the full E -> P -> D path, with an image and a video.

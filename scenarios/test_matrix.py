@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.run.scenarios import MATRIX
 from harness.report.text import format_failure
+from harness.run.scenarios import MATRIX
 
 
 def scenario_params():

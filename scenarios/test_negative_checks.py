@@ -36,9 +36,9 @@ from typing import Any
 
 import pytest
 
-from harness.serve.client import ChatResult, parse_chat_response
 from harness.judge.compare import compare_results
 from harness.judge.guards import EC_CACHE_FILE, expected_kv_prefix
+from harness.serve.client import ChatResult, parse_chat_response
 from harness.serve.proxy_protocol import (
     EncoderBatch,
     build_encoder_request,

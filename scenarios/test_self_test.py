@@ -23,6 +23,9 @@ import psutil
 import pytest
 
 from harness.judge.compare import Verdict
+from harness.judge.guards import GuardResult, session_guards
+from harness.judge.verdicts import judge_case
+from harness.report.text import CaseRecord, format_failure
 from harness.run.faults import (
     PlantedFault,
     corrupt_ec_files,
@@ -31,11 +34,8 @@ from harness.run.faults import (
     plant,
     zero_kv_files,
 )
-from harness.judge.guards import GuardResult, session_guards
-from harness.judge.verdicts import judge_case
 from harness.serve.launch import ManagedServer, describe_process, is_live_process
 from harness.serve.proxy import ProxyFaults
-from harness.report.text import CaseRecord, format_failure
 from harness.serve.session import Outcome, RunSettings, TopologySession
 from harness.spec.topology import TOPOLOGIES, Role
 

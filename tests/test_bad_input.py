@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,18 +19,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
 from harness.fixtures.tiny_model import model_digest
+
 from harness import environment
-from harness.preflight import files, names, resources, tokens
+from harness.cli.main import main
 from harness.environment import cache_dir
+from harness.errors import BadInput
+from harness.preflight import files, names, resources, tokens
+from harness.preflight.model import resolve_model
 from harness.preflight.vllm import check_vllm, default_vllm_executable, probe_served_vllm
 from harness.run.baseline_cache import baseline_key
-from harness.cli.main import main
-from harness.preflight.model import resolve_model
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.spec.topology import ServingConfig
-from harness.errors import BadInput
+
+pytestmark = pytest.mark.model
 
 REFUSING_VLLM = (
     "import sys\n"
@@ -50,6 +53,51 @@ def vllm(tmp_path: Path) -> Path:
     return path
 
 
+DOC = Path(__file__).resolve().parents[1] / "docs" / "bad-input.md"
+UPDATE_DOC_ENV = "EPD_UPDATE_DOCS"
+# test id -> (arguments, stderr) as users see them; docs/bad-input.md holds exactly these rows.
+SEEN: dict[str, tuple[str, str]] = {}
+LAST_ARGS: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bad_input_doc_is_current():
+    """After the module: docs/bad-input.md must show what these tests saw, row for row (the
+    catalogue is generated, never copied by hand): EPD_UPDATE_DOCS=1 rewrites it."""
+    yield
+    if not SEEN:
+        return
+    rows = doc_rows()
+    if os.environ.get(UPDATE_DOC_ENV) == "1":
+        rows.update(SEEN)
+        head = DOC.read_text(encoding="utf-8").split(TABLE_HEADER)[0]
+        body = "".join(f"| `{tid}` | `{args}` | `{err}` |\n" for tid, (args, err) in sorted(rows.items()))
+        DOC.write_text(head + TABLE_HEADER + body, encoding="utf-8")
+        return
+    stale = {tid: seen for tid, seen in SEEN.items() if rows.get(tid) != seen}
+    assert not stale, (
+        f"{DOC} is stale for {sorted(stale)}: run {UPDATE_DOC_ENV}=1 pytest tests/test_bad_input.py"
+    )
+
+
+TABLE_HEADER = "| test | arguments | stderr |\n|---|---|---|\n"
+
+
+def doc_rows() -> dict[str, tuple[str, str]]:
+    text = DOC.read_text(encoding="utf-8")
+    table = text.split(TABLE_HEADER)[1] if TABLE_HEADER in text else ""
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split(" | ")]
+        if len(cells) == 3:
+            rows[cells[0]] = (cells[1], cells[2])
+    return rows
+
+
+def as_users_see(text: str, tmp_path: Path) -> str:
+    return text.replace(str(tmp_path), "$TMP").strip()
+
+
 @pytest.fixture
 def run_cli(tmp_path: Path, vllm: Path, capsys, monkeypatch) -> RunCli:
     """`epd-harness run ARGS` with a safe vllm, run dir and port lock dir: (exit code, stderr)."""
@@ -60,18 +108,25 @@ def run_cli(tmp_path: Path, vllm: Path, capsys, monkeypatch) -> RunCli:
         run_dir = run_dir or tmp_path / "run"
         code = main(["run", "--vllm", str(vllm), "--baseline-cache", "off",
                      "--run-dir", str(run_dir), *args])  # fmt: skip
-        return code, capsys.readouterr().err
+        err = capsys.readouterr().err
+        LAST_ARGS["args"] = as_users_see(" ".join(args) or "(defaults)", tmp_path)
+        LAST_ARGS["tmp"] = str(tmp_path)
+        return code, err
 
     return run
 
 
 def assert_one_error_line(code: int, err: str, cause: str) -> None:
-    with real_stdout():
-        print(f"\nBAD-INPUT {os.environ.get('PYTEST_CURRENT_TEST', '?')}: {err}", end="")
     assert "Traceback" not in err, err
     assert err.count("\n") == 1, f"expected exactly one line on stderr, got:\n{err}"
     expected = f"epd-harness: error: {cause}\n"
     assert (code, err) == (2, expected), f"exit code {code}, stderr:\n{err}"
+    test_id = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0].split("::", 1)[-1]
+    tmp = LAST_ARGS.get("tmp", "")
+    shown = err.replace(tmp, "$TMP").strip() if tmp else err.strip()
+    shown = re.sub(r"(ports )\d+-\d+ \(scanned from \d+\)", r"\1N-N (scanned from N)", shown)
+    shown = re.sub(r"(write-probe-)\d+", r"\1PID", shown)
+    SEEN[test_id] = (LAST_ARGS.get("args", ""), shown.replace("|", "\\|"))
 
 
 @contextlib.contextmanager

@@ -9,8 +9,11 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-
 from harness.fixtures.tiny_model import model_digest
+
+from harness.judge.compare import Verdict
+from harness.judge.guards import GuardResult
+from harness.judge.verdicts import judge_case
 from harness.report.bundle import (
     REDACTED,
     redact_argv,
@@ -20,14 +23,11 @@ from harness.report.bundle import (
     write_junit_xml,
     write_run_info,
 )
-from harness.serve.client import ChatResult, PositionLogprobs
-from harness.judge.compare import Verdict
-from harness.judge.guards import GuardResult
-from harness.judge.verdicts import judge_case
-from harness.spec.prompts import SKELETON_PROMPTS
-from harness.report.text import CaseRecord, format_failure
 from harness.report.html import render_report_html
+from harness.report.text import CaseRecord, format_failure
+from harness.serve.client import ChatResult, PositionLogprobs
 from harness.serve.session import Outcome
+from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import TOPOLOGIES, ServingConfig
 

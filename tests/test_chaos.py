@@ -36,6 +36,9 @@ import psutil
 import pytest
 
 from harness.cli import main as cli
+from harness.environment import cache_dir
+from harness.preflight.model import resolve_model
+from harness.preflight.vllm import default_vllm_executable
 from harness.serve.launch import (
     KILL_WAIT_S,
     STARTUP_STOP_GRACE_S,
@@ -43,13 +46,12 @@ from harness.serve.launch import (
     ServerCommand,
     ServerDied,
 )
-from harness.spec.prompts import SKELETON_PROMPTS, render_request
-from harness.environment import cache_dir
-from harness.preflight.model import resolve_model
-from harness.preflight.vllm import default_vllm_executable
 from harness.serve.session import TopologySession
+from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import TOPOLOGIES, ServingConfig
+
+pytestmark = pytest.mark.process
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODE_ENV = "FAKE_VLLM_MODE"

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from harness.serve.client import ChatResult, PositionLogprobs, parse_chat_response, sampling_fields
 from harness.judge.guards import (
     EC_CACHE_FILE,
     check_consumer_embeds,
@@ -17,7 +16,9 @@ from harness.judge.guards import (
     check_transfers,
     expected_kv_prefix,
 )
+from harness.serve.client import ChatResult, PositionLogprobs, parse_chat_response
 from harness.serve.proxy import EncoderCall, RequestTrace
+from harness.spec.prompts import sampling_fields
 from harness.spec.topology import get_topology
 
 # A vLLM chat completion as served with return_token_ids, logprobs, top_logprobs=2 and

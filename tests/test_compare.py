@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.serve.client import ChatResult, PositionLogprobs
-from harness.judge.records import EXACT, LOGPROB_CLOSE, Policy
 from harness.judge.compare import Verdict, compare_results, token_verdict
+from harness.judge.records import EXACT, LOGPROB_CLOSE, Policy
+from harness.serve.client import ChatResult, PositionLogprobs
 
 PROMPT = (1, 2, 3, 4)
 

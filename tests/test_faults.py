@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from harness.judge.guards import EC_CACHE_FILE
 from harness.run.faults import (
     PlantedFault,
     corrupt_ec_files,
@@ -26,9 +27,10 @@ from harness.run.faults import (
     plant,
     zero_kv_files,
 )
-from harness.judge.guards import EC_CACHE_FILE
 from harness.serve.launch import ManagedServer, ServerCommand
 from harness.serve.proxy import ProxyFaults
+
+pytestmark = pytest.mark.model
 
 MM_HASH = "epd-0123456789abcdef0123456789abcdef"
 KV_LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")

@@ -17,9 +17,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
-from PIL import Image
-
 from harness.fixtures import media, tiny_model
+from PIL import Image
 
 # --- media -----------------------------------------------------------------------------------
 

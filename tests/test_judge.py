@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from harness.serve.client import ChatResult, PositionLogprobs
-from harness.judge.records import LOGPROB_CLOSE
 from harness.judge.compare import Verdict
 from harness.judge.guards import GuardResult
+from harness.judge.records import LOGPROB_CLOSE
 from harness.judge.verdicts import baseline_is_stable, judge_case
+from harness.serve.client import ChatResult, PositionLogprobs
 from harness.serve.session import Outcome
 
 PROMPT = (1, 2, 3)

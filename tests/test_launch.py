@@ -25,6 +25,8 @@ from harness.serve.launch import (
 )
 from harness.serve.ports import reserve_ports
 
+pytestmark = pytest.mark.process
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CRASH_LINE = "FATAL: distinctive-fake-crash-7f3a"
 GONE_TIMEOUT_S = 5.0

@@ -6,10 +6,10 @@ import pytest
 
 from harness.judge.compare import Verdict
 from harness.judge.guards import GuardResult
-from harness.run.scenarios import MATRIX, get_scenario, matrix_prompts
-from harness.run.matrix import Scenario, ScenarioResult
-from harness.spec.prompts import PromptSpec, TextPart
 from harness.report.text import CaseRecord
+from harness.run.matrix import Scenario, ScenarioResult
+from harness.run.scenarios import MATRIX, get_scenario, matrix_prompts
+from harness.spec.prompts import PromptSpec, TextPart
 from harness.spec.topology import TOPOLOGIES
 
 

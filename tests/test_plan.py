@@ -7,15 +7,13 @@ every topology exactly once, distinct ports) as well as by the exact 8-GPU layou
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 from pathlib import Path
 
 import pytest
 
-import dataclasses
-
-from harness.spec.placement import available_memory_bytes, cpu_instance_budget
 from harness.cli.plan import (
     DEFAULT_TOPOLOGY_NAMES,
     Plan,
@@ -24,8 +22,8 @@ from harness.cli.plan import (
     build_plan,
     format_plan,
 )
+from harness.spec.placement import available_memory_bytes, cpu_instance_budget, place_instances
 from harness.spec.platforms import CPU, CUDA, XPU, DevicePlanError, PlatformProfile
-from harness.spec.placement import place_instances
 from harness.spec.topology import TOPOLOGIES, ServingConfig, get_topology
 
 MODEL = "/models/qwen"

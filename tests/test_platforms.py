@@ -7,18 +7,39 @@ or a shared NIXL side-channel port would otherwise first show up as a confusing 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from harness.serve.ports import reserve_ports
 from harness.spec.instances import InstanceSpec
-from harness.spec.platforms import CPU, CPU_ONLY_ENV_KEYS, CUDA, DEFAULT_GPU_MEMORY_FRACTION, GPU_DEFAULT_MODEL, PLATFORMS, XPU, DevicePlanError, get_platform, parse_devices
-from harness.spec.placement import cpu_instance_budget, schedule
-from harness.spec.placement import assign_devices, memory_fractions, place_instances, side_channel_port_count
-from harness.spec.topology import serving_for
-from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Role, ServingConfig, get_topology
+from harness.spec.placement import (
+    assign_devices,
+    cpu_instance_budget,
+    memory_fractions,
+    place_instances,
+    schedule,
+    side_channel_port_count,
+)
+from harness.spec.platforms import (
+    CPU,
+    CPU_ONLY_ENV_KEYS,
+    CUDA,
+    DEFAULT_GPU_MEMORY_FRACTION,
+    GPU_DEFAULT_MODEL,
+    PLATFORMS,
+    XPU,
+    DevicePlanError,
+    get_platform,
+    parse_devices,
+)
+from harness.spec.topology import (
+    EPD_TOPOLOGY_NAMES,
+    TOPOLOGIES,
+    Role,
+    ServingConfig,
+    get_topology,
+    serving_for,
+)
 
 MODEL = "/models/qwen"
 EIGHT_GPUS = tuple(range(8))
@@ -267,7 +288,7 @@ def test_eight_gpus_run_the_default_set_in_one_wave_on_disjoint_devices() -> Non
 
 def test_too_few_gpus_is_one_error_naming_every_topology_that_cannot_fit() -> None:
     with pytest.raises(DevicePlanError) as info:
-        schedule(DEFAULT_SET, (0,), CUDA).waves
+        schedule(DEFAULT_SET, (0,), CUDA)
     message = str(info.value)
     assert "\n" not in message
     for expected in ("1P+1D needs 2", "1E+1P+1D needs 2", "--colocate"):
@@ -302,4 +323,4 @@ def test_cpu_budget_is_two_instances_per_core_within_memory_and_shared_by_worker
 
 def test_schedule_rejects_a_repeated_device() -> None:
     with pytest.raises(DevicePlanError, match="repeats a device"):
-        schedule(DEFAULT_SET, (0, 0), CUDA).waves
+        schedule(DEFAULT_SET, (0, 0), CUDA)

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.environment import DEFAULT_PORT_RANGE, PORT_LOCK_DIR_ENV
-from harness.environment import port_lock_dir
+from harness.environment import DEFAULT_PORT_RANGE, PORT_LOCK_DIR_ENV, port_lock_dir
 from harness.serve.ports import NoFreePortError, PortLease, reserve_ports
+
+pytestmark = pytest.mark.process
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUBPROCESS_TIMEOUT_S = 20

@@ -20,9 +20,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from harness.serve.client import ChatClient, ChatResult, sampling_fields
+from harness.serve.client import ChatClient, ChatResult
 from harness.serve.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer
 from harness.serve.proxy_protocol import media_uuid
+from harness.spec.prompts import sampling_fields
+
+pytestmark = pytest.mark.process
 
 CAT = "file:///media/cat.png"
 DOG = "file:///media/dog.png"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import re
 
-from harness.serve.client import ChatResult
 from harness.judge.compare import Verdict, compare_results
 from harness.report.text import CaseRecord, format_failure, format_verdict_table, write_summary_json
+from harness.serve.client import ChatResult
 
 
 def record(

@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 from PIL import Image, ImageStat
 
-from harness.report.bundle import write_bundle, write_run_info
-from harness.serve.client import ChatResult, PositionLogprobs
 from harness.judge.compare import Verdict
 from harness.judge.guards import GuardResult
 from harness.judge.verdicts import judge_case
+from harness.report.bundle import write_bundle, write_run_info
 from harness.report.text import CaseRecord
-from harness.spec.prompts import SKELETON_PROMPTS
+from harness.serve.client import ChatResult, PositionLogprobs
 from harness.serve.session import Outcome
+from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.topology import TOPOLOGIES, ServingConfig
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from harness.environment import LOOPBACK_HOST
+from harness.spec.instances import InstanceSpec
 from harness.spec.placement import place_instances
 from harness.spec.platforms import CPU
 from harness.spec.topology import TOPOLOGIES, Role, ServingConfig, get_topology
-from harness.spec.instances import InstanceSpec
 
 SERVING = ServingConfig(model="/models/tiny-qwen2-vl", max_model_len=2048, max_num_seqs=4)
 # Flags whose values change numerics: every role must carry the baseline's value.

@@ -18,7 +18,14 @@ from typing import NoReturn
 from harness.cli import doctor
 from harness.cli.plan import add_plan_parser
 from harness.environment import cache_dir
-from harness.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, BadInput, HarnessError
+from harness.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    BadInput,
+    HarnessError,
+)
 from harness.judge.records import CaseRecord
 from harness.preflight import RunRequest, prepare_run
 from harness.preflight.config import DEFAULT_MAX_MODEL_LEN
@@ -32,7 +39,12 @@ from harness.run.matrix import MatrixRun
 from harness.run.repro import Bundle, BundleError, keep_up, reproduce
 from harness.run.scenarios import MATRIX, Scenario
 from harness.run.sweep import Sweep, SweepResult, SweepSpec
-from harness.serve.launch import ServerDied, ServerStopFailed, StartupTimeout, install_signal_handlers
+from harness.serve.launch import (
+    ServerDied,
+    ServerStopFailed,
+    StartupTimeout,
+    install_signal_handlers,
+)
 from harness.serve.ports import NoFreePortError
 from harness.spec.platforms import DEFAULT_CPU_CORES, get_platform
 from harness.spec.prompts import SKELETON_PROMPTS

@@ -36,8 +36,20 @@ from harness.spec.placement import (
     schedule,
     side_channel_port_count,
 )
-from harness.spec.platforms import DEFAULT_CPU_CORES, PLATFORMS, PlatformProfile, get_platform, parse_devices
-from harness.spec.topology import EPD_TOPOLOGY_NAMES, ServingConfig, Topology, get_topology, serving_for
+from harness.spec.platforms import (
+    DEFAULT_CPU_CORES,
+    PLATFORMS,
+    PlatformProfile,
+    get_platform,
+    parse_devices,
+)
+from harness.spec.topology import (
+    EPD_TOPOLOGY_NAMES,
+    ServingConfig,
+    Topology,
+    get_topology,
+    serving_for,
+)
 
 DEFAULT_TOPOLOGY_NAMES = ("baseline", *EPD_TOPOLOGY_NAMES)
 PLACEHOLDER_PORT_START = DEFAULT_PORT_RANGE.start

@@ -23,7 +23,6 @@ from harness.preflight.files import one_line
 from harness.spec.prompts import PromptSpec
 
 
-
 def check_model_limit(max_model_len: int, model_limit: int | None) -> None:
     """--max-model-len must be positive and within the model's own context (vLLM refuses more)."""
     if max_model_len < 1:

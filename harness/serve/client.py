@@ -12,8 +12,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-DEFAULT_TOP_LOGPROBS = 5
-DEFAULT_SEED = 1234
 REQUEST_TIMEOUT_S = 300.0
 
 
@@ -117,21 +115,6 @@ def parse_chat_response(body: dict[str, Any]) -> ChatResult:
         cached_tokens=details.get("cached_tokens"),
         raw=body,
     )
-
-
-def sampling_fields(
-    max_tokens: int, top_logprobs: int = DEFAULT_TOP_LOGPROBS, seed: int = DEFAULT_SEED
-) -> dict[str, Any]:
-    """The request fields that make a completion comparable token by token."""
-    return {
-        "temperature": 0.0,
-        "seed": seed,
-        "max_tokens": max_tokens,
-        "logprobs": True,
-        "top_logprobs": top_logprobs,
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,
-    }
 
 
 class ChatClient:

@@ -41,6 +41,7 @@ from typing import Literal
 
 import psutil
 
+from harness.redact import redact_env
 from harness.serve.ports import PortLease
 
 HEALTH_POLL_INTERVAL_S = 0.5
@@ -191,8 +192,6 @@ class ManagedServer:
             log.write(f"# epd-harness: {command.name}: {shlex.join(command.argv)}\n".encode())
             if command.env:
                 # The log is an artifact: a credential passed to a server must not land in it.
-                from harness.report.bundle import redact_env  # late: bundle is high-level
-
                 redacted = redact_env(command.env)
                 additions = " ".join(f"{k}={v}" for k, v in sorted(redacted.items()))
                 log.write(f"# epd-harness: environment additions: {additions}\n".encode())

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.environment import LOOPBACK_HOST
+from harness.files import write_text_atomic
 from harness.redact import redact_argv, redact_env
 from harness.serve.client import ChatClient, ChatResult
 from harness.serve.launch import ManagedServer, ServerCommand, ServerDied, ServerGroup, log_path_for
-from harness.environment import LOOPBACK_HOST
-from harness.files import write_text_atomic
 from harness.serve.ports import PortLease, lease_devices, reserve_ports
 from harness.serve.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer, RequestTrace
 from harness.spec.instances import InstanceSpec

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness.fixtures import media
-from harness.serve.client import sampling_fields
 
 DEFAULT_MAX_TOKENS = 32
+DEFAULT_TOP_LOGPROBS = 5
+DEFAULT_SEED = 1234
 IMAGE_SIZE = (224, 224)
 # Roughly a hundred tokens with the tiny model's tokenizer: more than one KV block (32) of text
 # after the last media item, so D recomputes only text in its trailing partial block.
@@ -95,6 +96,21 @@ def render_part(part: Part) -> dict[str, Any]:
         joined = ",".join(base64.b64encode(frame).decode("ascii") for frame in frames)
         return {"type": "video_url", "video_url": {"url": f"data:video/jpeg;base64,{joined}"}}
     raise TypeError(f"unknown prompt part {part!r}")
+
+
+def sampling_fields(
+    max_tokens: int, top_logprobs: int = DEFAULT_TOP_LOGPROBS, seed: int = DEFAULT_SEED
+) -> dict[str, Any]:
+    """The request fields that make a completion comparable token by token."""
+    return {
+        "temperature": 0.0,
+        "seed": seed,
+        "max_tokens": max_tokens,
+        "logprobs": True,
+        "top_logprobs": top_logprobs,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }
 
 
 def render_request(prompt: PromptSpec, model: str, top_logprobs: int = 5) -> dict[str, Any]:

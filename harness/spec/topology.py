@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from harness.errors import lookup
 from harness.spec.platforms import PlatformProfile
 
+
 class Role(str, enum.Enum):
     """What one vLLM instance does in a topology."""
 

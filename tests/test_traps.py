@@ -1,0 +1,155 @@
+"""Seven places where the harness once quietly did the wrong thing (issue 8), each pinned.
+
+Each test here failed on the code before the fix. Trap 3 (--host) is pinned in
+test_bad_input.py, trap 6 (one scheduler) in test_plan.py, trap 7 (orphans of a SIGKILLed
+harness) in test_watchdog.py and scenarios/test_orphans.py.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness.cli.main import main
+from harness.errors import BadInput
+from harness.preflight.model import resolve_model, resolve_named_model
+from harness.preflight.vllm import probe_served_vllm
+from harness.run.baseline_cache import BaselineCache, baseline_key
+from harness.serve.client import ChatResult
+from harness.serve.session import Outcome
+from harness.spec.settings import ServedVllm
+from harness.spec.topology import ServingConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_NAME = "Qwen/Qwen2.5-VL-3B-Instruct"
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str]:
+    code = main(["run", *args])
+    return code, capsys.readouterr().err
+
+
+# -- 1: a flag a code path ignores is refused ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,cause",
+    [
+        (
+            ("--scenario", "ec-images-1-2-3", "--plant-fault", "corrupt-ec"),
+            "--plant-fault plants its fault in the sweep's topologies, not in matrix scenarios",
+        ),
+        (
+            ("--baseline-cache", "off", "--refresh-baseline"),
+            "--refresh-baseline refreshes the baseline cache, which --baseline-cache off",
+        ),
+        (("--colocate",), "--colocate shares GPUs within a topology; on cpu"),
+    ],
+)
+def test_an_ignored_flag_is_refused_before_anything_starts(capsys, args, cause) -> None:
+    """`--scenario X --plant-fault corrupt-ec` once dropped the fault and exited 0: a self-test
+    that came out green."""
+    code, err = run_cli(capsys, *args)
+    assert code == 2, err
+    assert err.startswith(f"epd-harness: error: {cause}"), err
+    assert err.count("\n") == 1, err
+
+
+# -- 2: the served vLLM, not the harness's own, keys the baseline and the record -------------
+
+
+def fake_vllm(tmp_path: Path, vllm: str, torch: str) -> Path:
+    """A `vllm` whose interpreter reports other versions than the harness's own Python."""
+    interpreter = tmp_path / "other-venv" / "bin" / "python"
+    interpreter.parent.mkdir(parents=True)
+    interpreter.write_text(f'#!/bin/sh\necho \'{{"vllm": "{vllm}", "torch": "{torch}"}}\'\n')
+    interpreter.chmod(0o755)
+    executable = interpreter.parent / "vllm"
+    executable.write_text(f"#!{interpreter}\n")
+    executable.chmod(0o755)
+    return executable
+
+
+def test_served_version_is_read_from_the_served_interpreter(tmp_path: Path) -> None:
+    served = probe_served_vllm(str(fake_vllm(tmp_path, "0.28.0", "2.9.1+cpu")))
+    assert (served.version, served.torch_version) == ("0.28.0", "2.9.1+cpu")
+
+
+def test_a_baseline_of_another_served_vllm_is_not_reused(tmp_path: Path) -> None:
+    serving = ServingConfig(model="/m")
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    cache = BaselineCache(tmp_path / "cache")
+    stored = Outcome("text", ChatResult((1,), (2,), "x", "length", ()))
+    cache.store(baseline_key(ServedVllm("a", "0.32.0+cpu", "2.13.0"), serving, "d", body), stored)
+    other = ServedVllm("b", "0.28.0", "2.13.0")
+    assert cache.load(baseline_key(other, serving, "d", body), "text") is None
+    same = ServedVllm("c", "0.32.0+cpu", "2.13.0")
+    assert cache.load(baseline_key(same, serving, "d", body), "text") is not None
+
+
+# -- 4: a model given by name is on disk before any start-up timeout begins ------------------
+
+
+def test_a_hub_model_missing_from_the_cache_is_one_error_before_any_start(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """`--platform cuda` once started every instance with HF_HUB_OFFLINE=1 and a model name
+    nothing had fetched: a fresh GPU host died at baseline start-up."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, err = run_cli(capsys, "--platform", "cuda", "--devices", "0,1,2,3,4,5,6,7",
+                        "--run-dir", str(tmp_path / "run"))  # fmt: skip
+    assert code == 2, err
+    assert err.startswith(f"epd-harness: error: model {MODEL_NAME} is not in the Hugging Face "
+                          f"cache ({tmp_path / 'hub'})"), err  # fmt: skip
+    assert "huggingface-cli download" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists(), "nothing may start (or be written) before the model"
+
+
+def test_a_hub_model_in_the_cache_is_served_from_its_local_snapshot(
+    tmp_path: Path, monkeypatch
+) -> None:
+    repo = tmp_path / "hub" / "models--Qwen--Qwen2.5-VL-3B-Instruct"
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert resolve_named_model(MODEL_NAME) == snapshot
+    assert resolve_model(None, MODEL_NAME, tmp_path) == snapshot
+
+
+def test_a_model_path_that_does_not_exist_is_not_taken_for_a_hub_name(tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match="does not exist"):
+        resolve_model(str(tmp_path / "no-model"), None, tmp_path)
+
+
+# -- 5: every script the project points at exists ---------------------------------------------
+
+
+def test_every_script_the_project_names_exists() -> None:
+    """`doctor` and pyproject.toml once pointed at scripts/setup-cpu-env, which never existed."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()  # fmt: skip
+    sources = [p for p in tracked if p.endswith((".py", ".toml", ".md", ".ini", ".yml", ".yaml"))
+               or p in (".ci/run", "scripts/cpu")]  # fmt: skip
+    named: dict[str, str] = {}
+    for source in sources:
+        text = (ROOT / source).read_text(encoding="utf-8")
+        for match in re.finditer(r"\bscripts/([A-Za-z0-9_.-]+[A-Za-z0-9_])", text):
+            named.setdefault(f"scripts/{match[1]}", source)
+    missing = {script: where for script, where in named.items() if not (ROOT / script).exists()}
+    assert named, "the scan found no reference at all: it would pass vacuously"
+    assert not missing, f"named but missing (script: where): {missing}"
+
+
+def test_doctor_names_the_setup_command_that_exists() -> None:
+    from harness.cli import doctor
+
+    text = Path(doctor.__file__).read_text(encoding="utf-8")
+    assert "scripts/cpu setup" in text
+    assert (ROOT / "scripts" / "cpu").exists()
