@@ -25,8 +25,6 @@ from harness.spec.platforms import (
     CPU_ONLY_ENV_KEYS,
     CUDA,
     DEFAULT_GPU_MEMORY_FRACTION,
-    GPU_DEFAULT_MODEL,
-    PLATFORMS,
     XPU,
     DevicePlanError,
     get_platform,
@@ -71,13 +69,7 @@ def place_all(profile, devices, tmp_path: Path, topologies=DEFAULT_SET, colocate
 # --- profiles --------------------------------------------------------------------------------
 
 
-def test_profiles_are_the_three_platforms_with_their_device_variables() -> None:
-    assert set(PLATFORMS) == {"cpu", "cuda", "xpu"}
-    assert CPU.device_env_var is None
-    assert CUDA.device_env_var == "CUDA_VISIBLE_DEVICES"
-    assert XPU.device_env_var == "ZE_AFFINITY_MASK"
-    assert CUDA.default_model == XPU.default_model == GPU_DEFAULT_MODEL
-    assert GPU_DEFAULT_MODEL == "Qwen/Qwen2.5-VL-3B-Instruct"
+def test_platforms_are_looked_up_by_name_or_refused_naming_the_known_ones() -> None:
     assert get_platform("cuda") is CUDA
     with pytest.raises(ValueError, match=r"unknown platform 'tpu' \(known: cpu, cuda, xpu\)"):
         get_platform("tpu")

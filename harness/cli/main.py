@@ -33,7 +33,6 @@ from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_
 from harness.preflight.model import resolve_model
 from harness.preflight.vllm import SUPPORTED_VLLM_SERIES, default_vllm_executable, probe_served_vllm
 from harness.report.text import format_failure, format_verdict_table
-from harness.run.baseline_cache import BaselineCacheError
 from harness.run.faults import FAULT_NAMES
 from harness.run.matrix import MatrixRun
 from harness.run.repro import Bundle, BundleError, keep_up, reproduce
@@ -288,10 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         install_log_handler()
         install_signal_handlers()
         return args.func(args)
-    except (HarnessError, BaselineCacheError) as exc:
-        return fail(str(exc), getattr(exc, "exit_code", EXIT_BAD_INPUT))
     except NoFreePortError as exc:
         return fail(f"no free port: {exc}")
+    except HarnessError as exc:
+        return fail(str(exc), exc.exit_code)
     except OSError as exc:
         if exc.errno not in ENVIRONMENT_ERRNOS:
             raise

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from harness.errors import HarnessError
 from harness.files import write_json_atomic
 from harness.serve.client import ChatResult
 from harness.serve.session import Outcome
@@ -30,7 +31,7 @@ LOCK_FILE_NAME = ".lock"
 NUMERICS_NEUTRAL_FIELDS = ("allowed_local_media_path", "enable_prompt_tokens_details")
 
 
-class BaselineCacheError(RuntimeError):
+class BaselineCacheError(HarnessError):
     """A cache entry exists but cannot be used (corrupt or of another format)."""
 
 

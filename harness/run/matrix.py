@@ -66,7 +66,7 @@ class MatrixRun:
             self.results[scenario.name] = self._run(scenario)
         return self.results[scenario.name]
 
-    def _session_for(self, topology_name: str) -> TopologySession:
+    def _start_or_reuse_session(self, topology_name: str) -> TopologySession:
         """The open session of this topology, or a new one (closing any other first: memory)."""
         session = self._session
         healthy = session is not None and session.dead_instance_report() is None
@@ -84,7 +84,7 @@ class MatrixRun:
 
     def _run(self, scenario: Scenario) -> ScenarioResult:
         baseline = self.sweep.serve_baseline()
-        session = self._session_for(scenario.topology)
+        session = self._start_or_reuse_session(scenario.topology)
         outcomes = self._send(session, scenario)
         result = self._judge(scenario, session, outcomes, baseline)
         if scenario.rerun_on_kept_storage:

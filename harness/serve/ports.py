@@ -38,9 +38,10 @@ from types import TracebackType
 
 from harness.environment import LOOPBACK_HOST, port_lock_dir
 from harness.environment import port_range as configured_port_range
+from harness.errors import HarnessError
 
 
-class NoFreePortError(RuntimeError):
+class NoFreePortError(HarnessError):
     """Not enough ports in the range were both unlocked and bindable."""
 
 
