@@ -132,7 +132,7 @@ def test_a_model_path_that_does_not_exist_is_not_taken_for_a_hub_name(tmp_path: 
 
 
 def test_every_script_the_project_names_exists() -> None:
-    """`doctor` and pyproject.toml once pointed at scripts/setup-cpu-env, which never existed."""
+    """`doctor` and pyproject.toml once pointed at a setup script that never existed."""
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.split()  # fmt: skip
     sources = [p for p in tracked if p.endswith((".py", ".toml", ".md", ".ini", ".yml", ".yaml"))
