@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from harness.fixtures import media, tiny_model
 from PIL import Image
 
-from fixtures import media, tiny_model
-from harness import prompts
+from harness.spec import prompts
 
 pytestmark = pytest.mark.model
 
@@ -52,9 +52,6 @@ PATCH_VARIANTS = 8
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    pytest.importorskip("cv2")
     return tiny_model.build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
