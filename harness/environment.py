@@ -20,7 +20,7 @@ LOOPBACK_HOST = "127.0.0.1"
 CACHE_ENV = "EPD_HARNESS_CACHE"  # tiny model, baseline cache, prompt token counts, proxies
 PORT_RANGE_ENV = "EPD_HARNESS_PORT_RANGE"  # "LOW-HIGH" inclusive: confine a job's ports
 PORT_LOCK_DIR_ENV = "EPD_HARNESS_PORT_DIR"  # lock files that keep harnesses off each other's ports
-WATCHDOG_ENV = "EPD_HARNESS_WATCHDOG"  # "0" disables the orphan watchdog (tests of its absence)
+WATCHDOG_ENV = "EPD_HARNESS_WATCHDOG"  # "off" / "0" disables the orphan watchdog
 
 DEFAULT_PORT_RANGE = range(20000, 30000)
 DEFAULT_PORT_LOCK_DIR = Path("/tmp/epd-harness-ports")
@@ -34,7 +34,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "ports the harness may reserve for servers and NIXL side channels",
     ),
     PORT_LOCK_DIR_ENV: (str(DEFAULT_PORT_LOCK_DIR), "port lock files shared by every harness"),
-    WATCHDOG_ENV: ("1", "0 turns the orphan watchdog off (only for testing it)"),
+    WATCHDOG_ENV: ("on", "off (or 0) turns the orphan watchdog off (only for testing it)"),
 }
 
 
@@ -63,4 +63,4 @@ def port_lock_dir(environ: Mapping[str, str] = os.environ) -> Path:
 
 
 def watchdog_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    return environ.get(WATCHDOG_ENV, "1") != "0"
+    return environ.get(WATCHDOG_ENV, "").strip().lower() not in ("off", "0", "false", "no")

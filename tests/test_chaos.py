@@ -9,8 +9,10 @@ FAKE_VLLM stands in for vLLM in the fast tests: a `vllm serve` look-alike that r
 it needs, ignores the rest and rejects `--no-such-*` flags with vLLM's parser error; it serves
 `/health` and chat completions with token ids, and misbehaves on cue. The cue is the
 environment variable `FAKE_VLLM_MODE="<who>:<mode>[=<seconds>];..."`, where <who> is a role
-(baseline, encoder, pd, prefill, decode), a served model name, or `*`. Tests marked `e2e` do
-the same to real vLLM.
+(baseline, encoder, pd, prefill, decode), a served model name, or `*`; modes: slow-start,
+die-start, slow, hang, ignore-term (SIGTERM ignored, as vLLM does while its engine starts) and
+fork-child (a child in the server's group, like vLLM's engine core). Tests marked `e2e` do the
+same to real vLLM.
 
 `EPD_CHAOS_TRIALS` sets the length of the mixed-trials loop (default 6, for CI; 30 on request).
 """
@@ -39,14 +41,16 @@ from harness.cli import main as cli
 from harness.environment import cache_dir
 from harness.preflight.model import resolve_model
 from harness.preflight.vllm import default_vllm_executable
+from harness.serve import watchdog
 from harness.serve.launch import (
     KILL_WAIT_S,
     STARTUP_STOP_GRACE_S,
     ManagedServer,
     ServerCommand,
     ServerDied,
+    log_path_for,
 )
-from harness.serve.session import TopologySession
+from harness.serve.session import TopologySession, safe_name
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import TOPOLOGIES, ServingConfig
@@ -57,6 +61,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 MODE_ENV = "FAKE_VLLM_MODE"
 GONE_TIMEOUT_S = 5.0
 END_WITHIN_S = 5.0  # "within seconds": how soon after the fault a run must have ended
+# Servers that ignore the parent-death SIGTERM: the watchdog's grace and SIGKILL, with margin.
+WATCHDOG_END_WITHIN_S = 30.0
+WATCHDOG_E2E_TOPOLOGY = os.environ.get("EPD_WATCHDOG_E2E_TOPOLOGY", "1P+1D")  # two instances
+WATCHDOG_EXIT_S = 2.0  # how soon the watchdog must be gone once it has nothing left to do
 POLL_S = 0.02
 CHAOS_TRIALS = int(os.environ.get("EPD_CHAOS_TRIALS", "6"))
 TEXT_BODY = render_request(SKELETON_PROMPTS[0], "epd-model")
@@ -90,6 +98,12 @@ for item in filter(None, os.environ.get("FAKE_VLLM_MODE", "").split(";")):
 print(f"fake vllm pid {os.getpid()} role {role} port {args.port} modes {modes}", flush=True)
 if "ignore-term" in modes:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if "fork-child" in modes:  # like vLLM's engine core: a child in the server's process group
+    child = os.fork()
+    if child == 0:
+        time.sleep(3600)
+        os._exit(0)
+    print(f"CHILD {child}", flush=True)
 time.sleep(modes.get("slow-start", 0))
 if "die-start" in modes:
     print("FATAL: fake engine core failed to start (chaos-7c1d)", flush=True)
@@ -146,6 +160,7 @@ from pathlib import Path
 from harness.serve.launch import (ManagedServer, ServerCommand, ServerDied, ServerGroup,
                             StartupTimeout, install_signal_handlers, log_path_for)
 from harness.serve.ports import reserve_ports
+from harness.serve.watchdog import client as watchdog
 fake, log_dir, timeout_s = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
 say = lambda **fields: print(json.dumps(fields), flush=True)
 install_signal_handlers()
@@ -158,7 +173,8 @@ for name, lease in zip(("chaos/a", "chaos/b"), reserve_ports(2)):
 try:
     with ServerGroup(servers, on_event=lambda name, state, _: say(event=state, name=name)) as group:
         group.start_all()
-        say(servers=[{"name": s.name, "pid": s.pid, "port": s.port_lease.port} for s in servers])
+        say(servers=[{"name": s.name, "pid": s.pid, "port": s.port_lease.port} for s in servers],
+            watchdog=watchdog().pid)
         group.wait_all_ready(timeout_s)
         say(ready=True)
         while True:  # the harness between requests
@@ -170,6 +186,34 @@ except (ServerDied, StartupTimeout) as exc:
 except KeyboardInterrupt as exc:
     say(interrupted=str(exc))
     sys.exit(130)
+"""
+
+# A harness stand-in on real vLLM: a TopologySession of two `vllm serve` instances started
+# from the main thread. argv: vllm, model, run dir, topology. Prints one JSON line once both
+# servers are spawned (their pids, ports and the watchdog's pid), then waits to be killed.
+VLLM_DRIVER = r"""
+import json, sys, threading, time
+from pathlib import Path
+from harness.serve.session import TopologySession
+from harness.serve.watchdog import client as watchdog
+from harness.spec.settings import RunSettings, ServedVllm
+from harness.spec.topology import TOPOLOGIES, ServingConfig
+vllm, model, run_dir, topology = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+say = lambda **fields: print(json.dumps(fields), flush=True)
+settings = RunSettings(serving=ServingConfig(model=model), run_dir=run_dir,
+                       vllm=ServedVllm(vllm, "unknown"))
+session = TopologySession(TOPOLOGIES[topology], settings)
+
+def report_once_spawned():
+    while len(session._servers) < 2 or any(s.pid is None for s in session._servers):
+        time.sleep(0.01)
+    say(servers=[{"name": s.name, "pid": s.pid, "port": s.port_lease.port}
+                 for s in session._servers], watchdog=watchdog().pid)
+
+threading.Thread(target=report_once_spawned, daemon=True).start()
+with session:
+    say(ready=True)
+    time.sleep(3600)
 """
 
 # Several "pytest workers" at once: each reserves a 1E+1P+1D topology's HTTP ports and, for a
@@ -573,8 +617,9 @@ class Trial:
     # servers' exit when the driver was SIGKILLed.
     ended_s: float = 0.0
     output: list[dict] = field(default_factory=list)
-    procs: list[psutil.Process] = field(default_factory=list)
+    procs: list[psutil.Process] = field(default_factory=list)  # servers and forked children
     ports: list[int] = field(default_factory=list)
+    watchdog: psutil.Process | None = None  # the driver's, if it started one
 
 
 @dataclass(frozen=True)
@@ -583,8 +628,12 @@ class TrialKind:
     exit_code: int  # the driver's, as the fault should end it
     waits_for_ready: bool  # the fault lands on serving servers, not starting ones
     error_has: str = ""  # what the driver's error must say about chaos/b, if it reports one
+    end_within_s: float = END_WITHIN_S
 
 
+# Servers that ignore SIGTERM and fork a child into their group, as vLLM does while its engine
+# starts: after a harness SIGKILL only the watchdog (its grace, then SIGKILL) can end them.
+STUBBORN = "*:ignore-term;*:fork-child"
 TRIAL_KINDS = {
     "server-dies-at-start": TrialKind("b:die-start", 3, False, "chaos-7c1d"),
     "server-sigkilled-while-serving": TrialKind("", 3, True, "killed by SIGKILL"),
@@ -592,11 +641,20 @@ TRIAL_KINDS = {
     "harness-sigint-at-startup": TrialKind("*:slow-start=60", 130, False),
     "harness-sigterm-while-serving": TrialKind("", 130, True),
     "harness-sigkilled": TrialKind("", -signal.SIGKILL, True),
+    "harness-sigkilled-stubborn-at-start": TrialKind(
+        f"{STUBBORN};*:slow-start=60", -signal.SIGKILL, False, end_within_s=WATCHDOG_END_WITHIN_S
+    ),
+    "harness-sigkilled-stubborn-serving": TrialKind(
+        STUBBORN, -signal.SIGKILL, True, end_within_s=WATCHDOG_END_WITHIN_S
+    ),
 }
 
 
-def run_trial(kind: str, tmp_path: Path, fake: Path) -> Trial:
-    """Start the driver, inflict `kind`, wait for the driver to exit; record what it ran."""
+def run_trial(kind: str, tmp_path: Path, fake: Path, gone_within_s: float | None = None) -> Trial:
+    """Start the driver, inflict `kind`, wait for the driver to exit; record what it ran.
+
+    After a harness SIGKILL, waits up to `gone_within_s` (default: the kind's bound) for its
+    processes to go."""
     spec = TRIAL_KINDS[kind]
     trial = Trial(kind)
     ready_timeout_s = "1.0" if kind == "startup-timeout" else "20"
@@ -607,6 +665,7 @@ def run_trial(kind: str, tmp_path: Path, fake: Path) -> Trial:
         stderr=subprocess.STDOUT,
         text=True,
     )
+    logs = [tmp_path / "logs" / f"chaos__{name}.log" for name in "ab"]
 
     def read_until(key: str) -> None:
         while True:
@@ -620,21 +679,27 @@ def run_trial(kind: str, tmp_path: Path, fake: Path) -> Trial:
         read_until("servers")
         trial.ports = [server["port"] for server in trial.output[-1]["servers"]]
         trial.procs = [psutil.Process(server["pid"]) for server in trial.output[-1]["servers"]]
+        if trial.output[-1].get("watchdog"):
+            trial.watchdog = psutil.Process(trial.output[-1]["watchdog"])
+        if "fork-child" in spec.mode:  # also proves SIGTERM is ignored by now: that comes first
+            children = wait_for(
+                lambda: len(found := forked_children(logs)) == 2 and found, "both children"
+            )
+            trial.procs += [psutil.Process(pid) for pid in children]
         if spec.waits_for_ready:
             read_until("ready")
         started = time.monotonic()
         if kind == "server-sigkilled-while-serving":
             trial.procs[1].kill()
         elif kind == "harness-sigint-at-startup":
-            logs = [tmp_path / "logs" / f"chaos__{name}.log" for name in "ab"]
             wait_for(lambda: all("fake vllm pid" in read(log) for log in logs), "both to start")
             started = time.monotonic()
             driver.send_signal(signal.SIGINT)
         elif kind.startswith("harness-sig"):
             driver.send_signal(signal.SIGTERM if "sigterm" in kind else signal.SIGKILL)
         rest, _ = driver.communicate(timeout=30)
-        if kind == "harness-sigkilled":  # the end is the servers' end (parent-death signal)
-            survivors(trial.procs)
+        if kind.startswith("harness-sigkilled"):  # the end is the servers' end
+            survivors(trial.procs, spec.end_within_s if gone_within_s is None else gone_within_s)
         trial.ended_s = time.monotonic() - started
         trial.output += [json.loads(line) for line in rest.splitlines() if line.startswith("{")]
         trial.code = driver.returncode
@@ -646,13 +711,18 @@ def run_trial(kind: str, tmp_path: Path, fake: Path) -> Trial:
     return trial
 
 
+def forked_children(logs: list[Path]) -> list[int]:
+    return [int(line.split()[1]) for log in logs for line in read(log).splitlines()
+            if line.startswith("CHILD ")]  # fmt: skip
+
+
 def check_trial(trial: Trial, lock_dir: Path) -> list[str]:
     """Everything wrong with one trial, one line each (empty: the trial was clean)."""
     spec = TRIAL_KINDS[trial.kind]
     problems = []
     if trial.code != spec.exit_code:
         problems.append(f"exit code {trial.code}, expected {spec.exit_code}")
-    if trial.ended_s > END_WITHIN_S:
+    if trial.ended_s > spec.end_within_s:
         problems.append(f"ended {trial.ended_s:.1f} s after the fault")
     errors = [entry["error"] for entry in trial.output if "error" in entry]
     if spec.error_has:
@@ -667,6 +737,10 @@ def check_trial(trial: Trial, lock_dir: Path) -> list[str]:
     held = held_ports(trial.ports, lock_dir)
     if held:
         problems.append(f"ports still held: {held}")
+    # The driver's exit (or, after its SIGKILL, its servers' end) ends the watchdog at once.
+    if trial.watchdog is not None and survivors([trial.watchdog], WATCHDOG_EXIT_S):
+        kill_all([trial.watchdog])
+        problems.append(f"watchdog left behind: {describe([trial.watchdog])}")
     return problems
 
 
@@ -677,6 +751,38 @@ def test_sigkilled_harness_takes_its_servers_down(
     trial = run_trial("harness-sigkilled", tmp_path, fake_vllm)
     assert len(trial.procs) == 2, trial.output
     assert check_trial(trial, lock_dir) == [], trial.output
+
+
+@pytest.mark.parametrize(
+    "kind", ["harness-sigkilled-stubborn-at-start", "harness-sigkilled-stubborn-serving"]
+)
+def test_watchdog_stops_servers_that_ignore_the_harness_death(
+    kind: str, tmp_path: Path, fake_vllm: Path, lock_dir: Path
+) -> None:
+    """The servers ignore SIGTERM, each with a child in its group: the parent-death signal
+    does nothing, so only the watchdog can end them once the harness is SIGKILLed."""
+    trial = run_trial(kind, tmp_path, fake_vllm)
+    print(f"\n{kind}: all 4 processes gone {trial.ended_s:.1f} s after the harness's SIGKILL")
+    assert len(trial.procs) == 4 and trial.watchdog is not None, trial.output
+    assert check_trial(trial, lock_dir) == [], trial.output
+    log = read(tmp_path / "logs" / "watchdog.log")
+    assert "harness gone; SIGTERM to 2 process(es)" in log, log
+    assert "SIGKILL to" in log and "gone" in log, log
+
+
+def test_without_the_watchdog_stubborn_servers_outlive_a_sigkilled_harness(
+    tmp_path: Path, fake_vllm: Path, lock_dir: Path, monkeypatch
+) -> None:
+    """What the watchdog is for, and proof that the test above can fail: with it switched off,
+    SIGTERM-ignoring servers and their children survive the harness."""
+    monkeypatch.setenv(watchdog.DISABLE_ENV, "off")
+    trial = run_trial("harness-sigkilled-stubborn-serving", tmp_path, fake_vllm, gone_within_s=3)
+    try:
+        assert trial.watchdog is None, trial.output
+        alive = survivors(trial.procs, timeout_s=0)
+        assert len(alive) == 4, f"expected all 4 alive: {describe(alive)}"
+    finally:
+        kill_all(trial.procs)
 
 
 def test_chaos_trials_leave_nothing_behind(
@@ -909,3 +1015,101 @@ def test_real_vllm_instance_killed_while_serving_fails_the_next_request_fast(
     assert "1E+1PD/pd0" in outcome.error, outcome.error
     assert "killed by SIGKILL" in outcome.error or "exited with code -9" in outcome.error
     assert reported_s <= 3.0, f"{reported_s:.2f} s"
+
+
+def run_processes(recorded: list[psutil.Process], pgids: set[int], marks: list[str]) -> list:
+    """Live processes of a run: recorded handles, members of its groups, and (only to check,
+    never to kill) any process whose command line has one of `marks` (its ports, its run dir)."""
+    found = {p.pid: p for p in recorded if is_live(p)}
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+            if proc.pid in found or proc.pid == os.getpid() or not is_live(proc):
+                continue
+            cmdline = " ".join(proc.cmdline())
+            if os.getpgid(proc.pid) in pgids or any(mark in cmdline for mark in marks):
+                found[proc.pid] = proc
+    return list(found.values())
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "milestone, delay_s",
+    [
+        ("spawn", 3.0),
+        ("args", 0.5),
+        pytest.param("args", 1.5, marks=pytest.mark.ci),
+        ("args", 3.0),
+        ("args", 8.0),
+    ],
+    ids=["spawn+3s", "args+0.5s", "args+1.5s", "args+3s", "args+8s"],
+)
+def test_real_vllm_left_starting_by_a_sigkilled_harness_is_stopped(
+    milestone: str, delay_s: float, tmp_path: Path, lock_dir: Path
+) -> None:
+    """Trap 7: vLLM's API server ignores the parent-death SIGTERM while its engine starts, so
+    a SIGKILLed harness left both instances running (1P+1D here; EPD_WATCHDOG_E2E_TOPOLOGY
+    picks another two-instance topology). The harness is SIGKILLed `delay_s`
+    after the spawn, or after both instances logged their parsed arguments ("args"; the
+    window where vLLM ignores SIGTERM opens a fraction of a second later). The watchdog must
+    end every process of the run within WATCHDOG_END_WITHIN_S."""
+    run_dir = tmp_path / "run"
+    session_dir = run_dir / safe_name(WATCHDOG_E2E_TOPOLOGY)
+    with open(tmp_path / "harness.err", "wb") as err:
+        harness = subprocess.Popen(
+            [sys.executable, "-c", VLLM_DRIVER, cli.default_vllm_executable(),
+             str(cli.resolve_model(None)), str(run_dir), WATCHDOG_E2E_TOPOLOGY],  # fmt: skip
+            cwd=REPO_ROOT,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+    recorded: list[psutil.Process] = []
+    pgids: set[int] = set()
+    try:
+        line = harness.stdout.readline()
+        assert line.startswith("{"), f"{line}{read(tmp_path / 'harness.err')}"
+        report = json.loads(line)
+        servers = [psutil.Process(server["pid"]) for server in report["servers"]]
+        spawned = time.monotonic()
+        if milestone == "args":
+            logs = [log_path_for(session_dir, server["name"]) for server in report["servers"]]
+            wait_for(
+                lambda: alive_or_fail(harness) or all("non-default args" in read(log) for log in logs),
+                "both instances to parse their arguments",
+                180,
+            )
+        milestone_s = time.monotonic() - spawned
+        time.sleep(delay_s)
+        alive_or_fail(harness)
+        for server in servers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                recorded += [server, *server.children(recursive=True)]
+        watchdog_proc = psutil.Process(report["watchdog"]) if report["watchdog"] else None
+        harness.kill()
+        killed = time.monotonic()
+        pgids |= {server.pid for server in servers}
+        marks = [str(run_dir), *(f"--port {server['port']}" for server in report["servers"])]
+        deadline = killed + WATCHDOG_END_WITHIN_S
+        while (left := run_processes(recorded, pgids, marks)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        gone_s = time.monotonic() - killed
+        log = read(session_dir / "watchdog.log")
+        ready = [s["name"] for s in report["servers"] if "Application startup complete" in
+                 read(log_path_for(session_dir, s["name"]))]  # fmt: skip
+        print(f"\nreal vLLM {WATCHDOG_E2E_TOPOLOGY}, harness SIGKILLed {killed - spawned:.1f} s after spawning, "
+              f"{delay_s} s after {milestone} (at {milestone_s:.1f} s) "
+              f"({len(recorded)} processes recorded; ready: {ready or 'none'}): "
+              + (f"{len(left)} still alive after {gone_s:.1f} s" if left else
+                 f"all gone {gone_s:.1f} s later") + f"\nwatchdog.log:\n{log}")  # fmt: skip
+        assert not left, f"alive {gone_s:.0f} s after the harness's SIGKILL: {describe(left)}"
+        if watchdog_proc is not None:
+            assert not survivors([watchdog_proc], WATCHDOG_EXIT_S), "the watchdog lingers"
+    finally:
+        if harness.poll() is None:
+            harness.kill()
+        harness.wait()
+        harness.stdout.close()
+        # Clean-up only by recorded handle or by the run's own groups, never by name.
+        kill_all(recorded + run_processes([], pgids, []))

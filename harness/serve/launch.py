@@ -9,6 +9,9 @@ crashed in its first second wastes the CI budget. So:
 * the child asks the kernel for SIGTERM when the harness dies (PR_SET_PDEATHSIG), so even a
   SIGKILLed harness does not leave the server itself running (the server is expected to take its
   own children down on SIGTERM, as vLLM does);
+* that needs the server's cooperation, which vLLM does not give while its engine starts, so a
+  watchdog process (`harness.watchdog`) that outlives the harness stops every group the harness
+  had not finished stopping when it dies, SIGKILL included;
 * readiness polling checks on every poll that the process is still alive, and a death is
   reported with the exit code and the tail of the server's log: the evidence, not "timed out";
 * the server's exit is observed without reaping it (waitid WNOWAIT) until `stop()` has emptied
@@ -42,6 +45,7 @@ from typing import Literal
 import psutil
 
 from harness.redact import redact_env
+from harness.serve import watchdog
 from harness.serve.ports import PortLease
 
 HEALTH_POLL_INTERVAL_S = 0.5
@@ -198,6 +202,7 @@ class ManagedServer:
             log.flush()
             if self._port_lease is not None:
                 self._port_lease.hand_over()
+            watchdog.client().ensure_running()
             try:
                 self._popen = subprocess.Popen(
                     command.argv,
@@ -212,6 +217,7 @@ class ManagedServer:
                 exc.add_note(f"while starting {command.name}: {shlex.join(command.argv)}")
                 raise
         self._spawned_at = time.monotonic()
+        watchdog.client().started(self._popen.pid, command.name, command.log_path)
 
     def probe_health(self) -> bool:
         """One GET of the health URL: True on a 2xx answer, False on any error or timeout."""
@@ -299,6 +305,7 @@ class ManagedServer:
                         f"{self.name}: processes survived SIGKILL for {KILL_WAIT_S} s: "
                         + ", ".join(describe_process(p) for p in survivors)
                     )
+            watchdog.client().done(pgid)
             self._popen.wait()  # reap only now: the group is empty, so its id may be reused
         if self._port_lease is not None:
             self._port_lease.release()

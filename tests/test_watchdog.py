@@ -1,0 +1,205 @@
+"""The watchdog process on its own: what it stops once the harness is gone, and what it spares.
+
+The harness is played by the test: it writes the protocol lines to a watchdog's stdin and
+closes it (EOF: "the harness is gone"). The processes to stop are Python sleepers in sessions
+of their own, like servers. How the harness and vLLM-like servers fare when a real harness
+is SIGKILLed is tests/test_chaos.py's part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness.serve import watchdog
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+BOUND_S = 30.0
+
+# argv: mode. Ignores SIGTERM; "fork" forks a child into its group and prints its pid; with
+# "fork,exit" the leader then exits, leaving the child holding the group.
+SLEEPER = r"""
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if "fork" in sys.argv[1]:
+    child = os.fork()
+    if child == 0:
+        time.sleep(600)
+        os._exit(0)
+    print(child, flush=True)
+else:
+    print(os.getpid(), flush=True)
+if "exit" in sys.argv[1]:
+    os._exit(0)
+time.sleep(600)
+"""
+
+# A harness that ends normally: one ManagedServer (a SIGTERM-ignoring sleeper), started and
+# stopped; prints the watchdog's pid and exits.
+NORMAL_HARNESS = r"""
+import sys
+from pathlib import Path
+from harness.serve.launch import ManagedServer, ServerCommand
+from harness.serve.watchdog import client
+command = ServerCommand(name="normal/server0", argv=[sys.executable, "-c", sys.argv[2], "plain"],
+                        health_url="http://127.0.0.1:9/health", log_path=Path(sys.argv[1]))
+server = ManagedServer(command)
+server.start()
+print(client().pid, flush=True)
+server.stop(grace_s=0.5)
+"""
+
+
+def spawn_sleeper(mode: str) -> tuple[subprocess.Popen[str], int]:
+    """A sleeper in a session of its own; returns it and the pid it printed."""
+    sleeper = subprocess.Popen([sys.executable, "-c", SLEEPER, mode], stdout=subprocess.PIPE,
+                               text=True, start_new_session=True)  # fmt: skip
+    return sleeper, int(sleeper.stdout.readline())
+
+
+def start_watchdog() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "harness.serve.watchdog"], stdin=subprocess.PIPE,
+                            env=ENV, start_new_session=True)  # fmt: skip
+
+
+def tell(dog: subprocess.Popen[bytes], **fields: object) -> None:
+    dog.stdin.write((json.dumps(fields) + "\n").encode())
+    dog.stdin.flush()
+
+
+def start_line(pgid: int, log: Path, create_time: float | None = None) -> dict:
+    if create_time is None:
+        create_time = psutil.Process(pgid).create_time()
+    return {"event": "start", "pgid": pgid, "create_time": create_time, "name": f"t/{pgid}",
+            "log": str(log)}  # fmt: skip
+
+
+def is_live(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def seconds_until_gone(pids: list[int], timeout_s: float = BOUND_S) -> float | None:
+    start = time.monotonic()
+    while any(is_live(pid) for pid in pids):
+        if time.monotonic() - start > timeout_s:
+            return None
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def cleanup(*procs: subprocess.Popen) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream:
+                stream.close()
+
+
+def test_harness_gone_stops_a_group_that_ignores_sigterm(tmp_path: Path) -> None:
+    leader, pid = spawn_sleeper("fork")
+    dog = start_watchdog()
+    try:
+        tell(dog, **start_line(leader.pid, tmp_path / "server.log"))
+        time.sleep(2 * watchdog.SAMPLE_INTERVAL_S)
+        dog.stdin.close()  # the harness is gone
+        gone_s = seconds_until_gone([leader.pid, pid])
+        assert gone_s is not None, f"leader {leader.pid} or child {pid} survived the watchdog"
+        print(f"SIGTERM-ignoring leader and child gone {gone_s:.1f} s after EOF")
+        assert gone_s < watchdog.GRACE_S + watchdog.KILL_WAIT_S
+        assert dog.wait(timeout=5) == 0
+        log = (tmp_path / watchdog.LOG_NAME).read_text()
+        assert f"t/{leader.pid} (group {leader.pid}) harness gone; SIGTERM to 2" in log, log
+        assert "SIGKILL to" in log and "gone" in log, log
+    finally:
+        cleanup(leader, dog)
+
+
+def test_a_member_holding_the_group_after_the_leader_was_reaped_is_stopped(
+    tmp_path: Path,
+) -> None:
+    """The leader exited and was reaped (as happens once the harness is gone): the group id is
+    held only by a child the watchdog sampled, so that is what identifies the group."""
+    leader, child = spawn_sleeper("fork,exit")
+    dog = start_watchdog()
+    try:
+        tell(dog, **start_line(leader.pid, tmp_path / "server.log"))
+        time.sleep(2 * watchdog.SAMPLE_INTERVAL_S)  # the watchdog records the child
+        leader.wait()  # reaped: its pid is free, only the child keeps the group id
+        assert os.getpgid(child) == leader.pid and is_live(child)
+        dog.stdin.close()
+        gone_s = seconds_until_gone([child])
+        assert gone_s is not None, f"the child {child} survived the watchdog"
+        print(f"orphaned group member gone {gone_s:.1f} s after EOF")
+    finally:
+        if is_live(child):
+            os.kill(child, signal.SIGKILL)
+        cleanup(leader, dog)
+
+
+def test_a_process_that_is_not_the_recorded_one_is_spared(tmp_path: Path) -> None:
+    """Pid reuse: the group's id now belongs to a process created at another time."""
+    stranger, pid = spawn_sleeper("plain")
+    dog = start_watchdog()
+    try:
+        wrong_time = psutil.Process(pid).create_time() - 100
+        tell(dog, **start_line(pid, tmp_path / "server.log", create_time=wrong_time))
+        time.sleep(2 * watchdog.SAMPLE_INTERVAL_S)
+        dog.stdin.close()
+        assert dog.wait(timeout=10) == 0
+        assert is_live(pid), "the watchdog signalled a process it had not recorded"
+        assert "nothing of this group left running" in (tmp_path / watchdog.LOG_NAME).read_text()
+    finally:
+        cleanup(stranger, dog)
+
+
+def test_groups_the_harness_stopped_are_forgotten_and_the_watchdog_exits_at_once(
+    tmp_path: Path,
+) -> None:
+    sleeper, pid = spawn_sleeper("plain")
+    dog = start_watchdog()
+    try:
+        tell(dog, **start_line(pid, tmp_path / "server.log"))
+        tell(dog, event="done", pgid=pid)
+        time.sleep(2 * watchdog.SAMPLE_INTERVAL_S)
+        closed = time.monotonic()
+        dog.stdin.close()
+        assert dog.wait(timeout=5) == 0
+        exit_s = time.monotonic() - closed
+        assert exit_s < 1.0, f"{exit_s:.2f} s"
+        assert is_live(pid)
+        assert not (tmp_path / watchdog.LOG_NAME).exists()
+    finally:
+        cleanup(sleeper, dog)
+
+
+def test_a_normally_ending_harness_leaves_no_watchdog(tmp_path: Path) -> None:
+    harness = subprocess.run(
+        [sys.executable, "-c", NORMAL_HARNESS, str(tmp_path / "server.log"), SLEEPER],
+        check=False, env=ENV, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert harness.returncode == 0, harness.stderr
+    dog_pid = int(harness.stdout.split()[0])
+    assert not is_live(dog_pid), f"watchdog {dog_pid} outlived the harness"
+    assert not (tmp_path / watchdog.LOG_NAME).exists()
+
+
+def test_disabled_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(watchdog.DISABLE_ENV, "off")
+    client = watchdog.WatchdogClient()
+    client.ensure_running()
+    client.started(os.getpid(), "x", None)
+    assert client.pid is None
