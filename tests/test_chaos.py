@@ -38,10 +38,9 @@ import psutil
 import pytest
 
 from harness.cli import main as cli
-from harness.environment import cache_dir
+from harness.environment import WATCHDOG_ENV, cache_dir
 from harness.preflight.model import resolve_model
 from harness.preflight.vllm import default_vllm_executable
-from harness.serve import watchdog
 from harness.serve.launch import (
     KILL_WAIT_S,
     STARTUP_STOP_GRACE_S,
@@ -775,7 +774,7 @@ def test_without_the_watchdog_stubborn_servers_outlive_a_sigkilled_harness(
 ) -> None:
     """What the watchdog is for, and proof that the test above can fail: with it switched off,
     SIGTERM-ignoring servers and their children survive the harness."""
-    monkeypatch.setenv(watchdog.DISABLE_ENV, "off")
+    monkeypatch.setenv(WATCHDOG_ENV, "off")
     trial = run_trial("harness-sigkilled-stubborn-serving", tmp_path, fake_vllm, gone_within_s=3)
     try:
         assert trial.watchdog is None, trial.output

@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from harness.environment import WATCHDOG_ENV
 from harness.serve import watchdog
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -198,7 +199,7 @@ def test_a_normally_ending_harness_leaves_no_watchdog(tmp_path: Path) -> None:
 
 
 def test_disabled_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(watchdog.DISABLE_ENV, "off")
+    monkeypatch.setenv(WATCHDOG_ENV, "off")
     client = watchdog.WatchdogClient()
     client.ensure_running()
     client.started(os.getpid(), "x", None)
