@@ -304,12 +304,12 @@ def test_cpu_budget_of_one_runs_topologies_one_at_a_time() -> None:
     assert [len(w.slots) for w in waves] == [1, 1, 1, 1]
 
 
-def test_cpu_budget_is_two_instances_per_core_within_memory_and_shared_by_workers() -> None:
+def test_cpu_budget_is_one_instance_per_core_within_memory_and_shared_by_workers() -> None:
     gib = 2**30
-    assert cpu_instance_budget(cores=2, memory_bytes=24 * gib) == 4
-    assert cpu_instance_budget(cores=2, memory_bytes=8 * gib) == 1  # 3.5 GB per instance
-    assert cpu_instance_budget(cores=8, memory_bytes=24 * gib) == 5
-    assert cpu_instance_budget(cores=2, memory_bytes=24 * gib, workers=2) == 2
+    assert cpu_instance_budget(cores=2, memory_bytes=24 * gib) == 2
+    assert cpu_instance_budget(cores=2, memory_bytes=4 * gib) == 1  # 3.5 GB per instance
+    assert cpu_instance_budget(cores=16, memory_bytes=24 * gib) == 5  # memory decides
+    assert cpu_instance_budget(cores=8, memory_bytes=64 * gib, workers=2) == 4
     assert cpu_instance_budget(cores=1, memory_bytes=1 * gib, workers=4) == 1
 
 

@@ -173,8 +173,9 @@ class Sweep:
                     outcomes[name] = cached
                     self.stability[name] = (True, "from the baseline cache")
         self._baseline_missing = [n for n in self.bodies if n not in self.result.outcomes[BASELINE.name]]
-        log.info("[sweep] baseline cache: %d hit(s), %d to compute",
-                 len(self.bodies) - len(self._baseline_missing), len(self._baseline_missing))  # fmt: skip
+        log.log(logging.DEBUG if locked else logging.INFO, "[sweep] baseline cache: %d hit(s), "
+                "%d to compute", len(self.bodies) - len(self._baseline_missing),
+                len(self._baseline_missing))  # fmt: skip
         if not self._baseline_missing:
             self.write_outputs()
 
