@@ -45,7 +45,8 @@ from harness.serve.proxy_protocol import (
     build_prefill_request,
     collect_media,
 )
-from harness.serve.session import Outcome, RunSettings, TopologySession
+from harness.serve.session import Outcome, TopologySession
+from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, Role
 
 pytestmark = pytest.mark.e2e

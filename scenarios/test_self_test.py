@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
-from harness.judge.compare import Verdict
 from harness.judge.guards import GuardResult, session_guards
+from harness.judge.records import CaseRecord, Verdict
 from harness.judge.verdicts import judge_case
-from harness.report.text import CaseRecord, format_failure
+from harness.report.text import format_failure
 from harness.run.faults import (
     PlantedFault,
     corrupt_ec_files,
@@ -36,7 +36,8 @@ from harness.run.faults import (
 )
 from harness.serve.launch import ManagedServer, describe_process, is_live_process
 from harness.serve.proxy import ProxyFaults
-from harness.serve.session import Outcome, RunSettings, TopologySession
+from harness.serve.session import Outcome, TopologySession
+from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, Role
 
 pytestmark = pytest.mark.e2e
