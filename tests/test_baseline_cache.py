@@ -61,9 +61,10 @@ def test_store_then_load_round_trips(tmp_path: Path) -> None:
     cache = BaselineCache(tmp_path)
     assert cache.load("k", "image") is None
     with cache.locked():
-        cache.store("k", Outcome(prompt="image", result=RESULT))
+        cache.store("k", Outcome(prompt="image", result=RESULT), noise_floor_nats=0.25)
     loaded = cache.load("k", "image")
-    assert loaded is not None and loaded.result == RESULT and loaded.prompt == "image"
+    assert loaded is not None and loaded.outcome.result == RESULT
+    assert loaded.outcome.prompt == "image" and loaded.noise_floor_nats == 0.25
 
 
 def test_failed_outcomes_are_not_stored(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.judge.compare import Verdict, compare_results, token_verdict
+from harness.judge.compare import Verdict, compare_results, noise_floor, token_verdict
 from harness.judge.records import EXACT, LOGPROB_CLOSE, Policy
 from harness.serve.client import ChatResult, PositionLogprobs
 
@@ -96,9 +96,9 @@ def test_prefix_diverges_at_shorter_length(shorter):
     )
     assert short_window == (110, 111)
     assert long_window == (110, 111, 112, 113, 114)
-    # Nothing to look up for the side that ended: closeness cannot be proved.
-    assert d.logprob_close is None
-    assert token_verdict(cmp) is Verdict.MISMATCH
+    # Nothing to look up for the side that ended: no near-tie, so no drift at any tolerance.
+    assert d.near_tie is None and not d.is_drift
+    assert token_verdict(compare_results(ref, cand, tolerance=5.0)) is Verdict.MISMATCH
     assert "(ended)" in cmp.describe()
 
 
@@ -119,13 +119,59 @@ def test_prompt_prefix_differs_at_shorter_length():
     assert cmp.prompt_divergence_index == 3 and not cmp.exact
 
 
-def test_logprob_close_is_drift():
-    cand = SEQ[:5] + (555,) + SEQ[6:]
-    ref_r = result(SEQ, tops={5: (105, 555, 7)})
-    cand_r = result(cand, tops={5: (555, 105, 8)})
-    cmp = compare_results(ref_r, cand_r)
-    assert cmp.divergence.logprob_close is True
+def near_tie(gap: float, prefix_lp: float = -0.5) -> tuple[ChatResult, ChatResult]:
+    """Reference and candidate diverging at 5 between 105 and 555, each side preferring its own
+    token by `gap` nats; the candidate's prefix log-probs are `prefix_lp` (the reference's -0.5)."""
+    cand_tokens = SEQ[:5] + (555,) + SEQ[6:]
+
+    def side(tokens: tuple[int, ...], own: int, other: int, lp: float) -> ChatResult:
+        logprobs = tuple(
+            PositionLogprobs(
+                t,
+                lp if i < 5 else -0.5,
+                ((own, -0.5), (other, -0.5 - gap)) if i == 5 else ((t, lp if i < 5 else -0.5),),
+            )
+            for i, t in enumerate(tokens)
+        )
+        return ChatResult(PROMPT, tokens, "", "length", logprobs)
+
+    return side(SEQ, 105, 555, -0.5), side(cand_tokens, 555, 105, prefix_lp)
+
+
+def test_a_near_tie_after_an_agreeing_prefix_within_the_tolerance_is_drift():
+    reference, candidate = near_tie(gap=0.02, prefix_lp=-0.51)
+    cmp = compare_results(reference, candidate, tolerance=0.05)
+    d = cmp.divergence
+    assert d.reference_gap == pytest.approx(0.02) and d.candidate_gap == pytest.approx(0.02)
+    assert d.prefix_delta == pytest.approx(0.01)
+    assert d.near_tie and d.is_drift
     assert token_verdict(cmp) is Verdict.DRIFT
+    assert "drift: yes" in cmp.describe()
+
+
+def test_a_zero_noise_floor_leaves_no_room_for_drift():
+    """On CPU the measured floor is 0: even an exact tie that resolved differently is MISMATCH."""
+    reference, candidate = near_tie(gap=0.0)
+    cmp = compare_results(reference, candidate, tolerance=0.0)
+    assert cmp.divergence.near_tie is True and not cmp.divergence.is_drift
+    assert token_verdict(cmp) is Verdict.MISMATCH
+
+
+@pytest.mark.parametrize(
+    "gap, prefix_lp, why",
+    [
+        (3.0, -0.5, "a decisive token flipped: no near-tie"),
+        (0.02, -0.9, "the prefix log-probs disagreed beyond the tolerance"),
+    ],
+)
+def test_top_k_membership_alone_is_no_longer_drift(gap, prefix_lp, why):
+    """Upstream's rule (each token in the other's top-k) holds in both cases; the new rule says
+    MISMATCH, which is what a corrupted embedding looks like."""
+    reference, candidate = near_tie(gap=gap, prefix_lp=prefix_lp)
+    cmp = compare_results(reference, candidate, tolerance=0.05)
+    assert 555 in dict(cmp.divergence.reference_top) and 105 in dict(cmp.divergence.candidate_top)
+    assert token_verdict(cmp) is Verdict.MISMATCH, why
+    assert "drift: no" in cmp.describe()
 
 
 @pytest.mark.parametrize(
@@ -135,27 +181,28 @@ def test_logprob_close_is_drift():
         ((105, 555), (555, 8)),  # reference's token missing from the candidate's top-k
     ],
 )
-def test_not_logprob_close_is_mismatch(ref_top, cand_top):
+def test_a_token_outside_the_other_sides_top_k_has_no_gap(ref_top, cand_top):
     cand = SEQ[:5] + (555,) + SEQ[6:]
-    cmp = compare_results(result(SEQ, tops={5: ref_top}), result(cand, tops={5: cand_top}))
-    assert cmp.divergence.logprob_close is False
+    cmp = compare_results(
+        result(SEQ, tops={5: ref_top}), result(cand, tops={5: cand_top}), tolerance=10.0
+    )
+    assert cmp.divergence.near_tie is None
     assert token_verdict(cmp) is Verdict.MISMATCH
-    assert "logprob-close: no" in cmp.describe()
+    assert "n/a (other token not in its top-k)" in cmp.describe()
 
 
 @pytest.mark.parametrize("missing", ["reference", "candidate"])
-def test_missing_logprobs_cannot_prove_closeness(missing):
+def test_missing_logprobs_cannot_prove_drift(missing):
     cand = SEQ[:5] + (555,) + SEQ[6:]
     ref_r = result(SEQ, tops={5: (105, 555)}, with_logprobs=missing != "reference")
     cand_r = result(cand, tops={5: (555, 105)}, with_logprobs=missing != "candidate")
-    cmp = compare_results(ref_r, cand_r)
-    assert cmp.divergence.logprob_close is None
+    cmp = compare_results(ref_r, cand_r, tolerance=10.0)
+    assert cmp.divergence.near_tie is None and cmp.divergence.prefix_delta is None
     assert token_verdict(cmp) is Verdict.MISMATCH
-    assert f"no logprobs at 5 on the {missing}" in cmp.describe()
 
 
 def test_misaligned_logprobs_are_not_evidence():
-    """A logprob entry for another token than the one generated cannot vouch for closeness."""
+    """A logprob entry for another token than the one generated cannot vouch for drift."""
     cand = SEQ[:5] + (555,) + SEQ[6:]
     ref_r = result(SEQ, tops={5: (105, 555)})
     shifted = result(cand, tops={5: (555, 105)})
@@ -166,7 +213,23 @@ def test_misaligned_logprobs_are_not_evidence():
         finish_reason="length",
         logprobs=shifted.logprobs[1:],  # off by one
     )
-    assert compare_results(ref_r, misaligned).divergence.logprob_close is None
+    d = compare_results(ref_r, misaligned, tolerance=10.0).divergence
+    assert d.candidate_gap is None and not d.is_drift
+
+
+def test_negative_tolerance_is_refused():
+    with pytest.raises(ValueError, match="tolerance"):
+        compare_results(result(SEQ), result(SEQ), tolerance=-0.1)
+
+
+def test_noise_floor_is_the_largest_logprob_difference_of_equal_answers():
+    a, b = near_tie(gap=0.5, prefix_lp=-0.53)
+    assert noise_floor(a, a) == 0.0
+    assert noise_floor(b, b) == 0.0
+    same_tokens = ChatResult(PROMPT, SEQ, "", "length", tuple(
+        PositionLogprobs(p.token_id, p.logprob - 0.125, p.top) for p in a.logprobs))  # fmt: skip
+    assert noise_floor(a, same_tokens) == pytest.approx(0.125)
+    assert noise_floor(a, b) is None, "different tokens: no floor can be read"
 
 
 def test_describe_names_index_both_tokens_and_tops():
@@ -182,7 +245,7 @@ def test_describe_names_index_both_tokens_and_tops():
     assert "455" in candidate_line and "[455]" in candidate_line
     assert "reference top-2 at 7: 107(-0.50) 455(-1.50)" in text
     assert "candidate top-2 at 7: 455(-0.50) 107(-1.50)" in text
-    assert "logprob-close: yes" in text
+    assert "drift: no" in text and "tolerance 0 nats" in text
 
 
 def test_negative_window_is_refused():

@@ -55,17 +55,21 @@ def test_an_unstable_baseline_is_its_own_verdict() -> None:
     assert record.verdict is Verdict.UNSTABLE_BASELINE and not record.policy_passed
 
 
-def test_drift_fails_exact_but_passes_the_logprob_close_policy() -> None:
+def test_drift_needs_a_measured_floor_and_fails_exact_but_passes_logprob_close() -> None:
+    """Near-tie (0.1 nats) at position 1 after an equal prefix."""
     reference, candidate = outcome((5, 6), top=(8,)), outcome((5, 8), top=(6,))
-    exact = judge_case("1P+1D", "baseline", reference, candidate, [])
-    close = judge_case("1P+1D", "baseline", reference, candidate, [], policy=LOGPROB_CLOSE)
+    exact = judge_case("1P+1D", "baseline", reference, candidate, [], drift_tolerance=0.2)
+    close = judge_case("1P+1D", "baseline", reference, candidate, [], policy=LOGPROB_CLOSE,
+                       drift_tolerance=0.2)  # fmt: skip
     assert exact.verdict is close.verdict is Verdict.DRIFT
     assert not exact.policy_passed and close.policy_passed
     assert exact.divergence is not None and exact.divergence["index"] == 1
+    on_cpu = judge_case("1P+1D", "baseline", reference, candidate, [], policy=LOGPROB_CLOSE)
+    assert on_cpu.verdict is Verdict.MISMATCH and not on_cpu.policy_passed
 
 
 def test_baseline_control_compares_the_two_answers() -> None:
     assert baseline_is_stable(outcome((5, 6)), outcome((5, 6)))[0] is True
-    stable, detail = baseline_is_stable(outcome((5, 6)), outcome((5, 9)))
-    assert stable is False and "position 1" in detail
-    assert baseline_is_stable(outcome((5,)), outcome((), error="timeout")) == (False, "timeout")
+    stable, detail, floor = baseline_is_stable(outcome((5, 6)), outcome((5, 9)))
+    assert stable is False and "position 1" in detail and floor is None
+    assert baseline_is_stable(outcome((5,)), outcome((), error="timeout")) == (False, "timeout", None)

@@ -20,8 +20,8 @@ class Verdict(str, enum.Enum):
     """How one case ended; a Policy decides which of these pass."""
 
     MATCH = "MATCH"  # tokens equal and every guard held
-    MISMATCH = "MISMATCH"  # a differing token is not in the other's top-k, or prompt ids differ
-    DRIFT = "DRIFT"  # at the first divergence each token is in the other's top-k
+    MISMATCH = "MISMATCH"  # ids differ, and not as numeric noise would make them (or prompts differ)
+    DRIFT = "DRIFT"  # a near-tie at the divergence after an agreeing prefix, within the noise floor
     VACUOUS = "VACUOUS"  # tokens equal but a transfer guard failed: equality proves nothing
     UNSTABLE_BASELINE = "UNSTABLE_BASELINE"  # the baseline disagreed with itself
     ERROR = "ERROR"  # HTTP error, timeout or crash: nothing to compare
@@ -29,7 +29,7 @@ class Verdict(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Policy:
-    """Which verdicts count as a pass: exact equality, or equality up to logprob-close drift."""
+    """Which verdicts count as a pass: exact equality, or equality up to measured drift."""
 
     passing: frozenset[Verdict]
 

@@ -2,13 +2,14 @@
 
 The order of the checks is the meaning of the verdicts: a failed request is ERROR whatever
 else holds; a baseline that disagreed with itself makes any comparison against it
-UNSTABLE_BASELINE; otherwise the tokens decide MATCH / DRIFT / MISMATCH, and a MATCH whose
+UNSTABLE_BASELINE; otherwise the tokens (and, at a divergence, the log-probs against the
+measured noise floor) decide MATCH / DRIFT / MISMATCH, and a MATCH whose
 transfer guards failed is VACUOUS (it proves nothing about EPD).
 """
 
 from __future__ import annotations
 
-from harness.judge.compare import TokenComparison, compare_results, token_verdict
+from harness.judge.compare import TokenComparison, compare_results, noise_floor, token_verdict
 from harness.judge.guards import GuardResult
 from harness.judge.records import EXACT, CaseRecord, Policy, Verdict
 from harness.serve.session import Outcome
@@ -22,7 +23,10 @@ def judge_case(
     guards: list[GuardResult],
     policy: Policy = EXACT,
     baseline_stable: bool = True,
+    drift_tolerance: float = 0.0,
 ) -> CaseRecord:
+    """`drift_tolerance` is the noise floor (nats) the run measured: 0 on CPU, where any
+    difference is a MISMATCH."""
     comparison: TokenComparison | None = None
     error = None
     if candidate.error or candidate.result is None:
@@ -34,7 +38,9 @@ def judge_case(
     elif not baseline_stable:
         verdict, detail = Verdict.UNSTABLE_BASELINE, "the reference disagreed with itself"
     else:
-        comparison = compare_results(reference.result, candidate.result)
+        comparison = compare_results(
+            reference.result, candidate.result, tolerance=drift_tolerance
+        )
         verdict = token_verdict(comparison)
         detail = comparison.headline()
         failed = [g for g in guards if not g.ok]
@@ -56,9 +62,10 @@ def judge_case(
     )
 
 
-def baseline_is_stable(first: Outcome, second: Outcome) -> tuple[bool, str]:
-    """The baseline control: the same request twice must give the same ids."""
+def baseline_is_stable(first: Outcome, second: Outcome) -> tuple[bool, str, float | None]:
+    """The baseline control: the same request twice must give the same ids. Also returns the
+    noise floor it shows (the largest log-prob difference; None when unstable)."""
     if first.result is None or second.result is None:
-        return False, first.error or second.error or "no result"
+        return False, first.error or second.error or "no result", None
     comparison = compare_results(first.result, second.result)
-    return comparison.exact, comparison.headline()
+    return comparison.exact, comparison.headline(), noise_floor(first.result, second.result)

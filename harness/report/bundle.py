@@ -33,7 +33,7 @@ from harness.fixtures.tiny_model import model_digest
 from harness.judge.records import CaseRecord
 from harness.redact import MIN_SCRUBBED_LEN, REDACTED, redact_argv, redact_env, secret_values
 from harness.report.html import strip_ansi, write_report_html
-from harness.report.text import format_failure
+from harness.report.text import drift_summary, format_failure
 from harness.spec.prompts import PromptSpec
 from harness.spec.settings import RunSettings
 from harness.spec.topology import Topology
@@ -271,8 +271,7 @@ def _divergence_md(d: Mapping[str, Any]) -> list[str]:
             lines.append("| " + " | ".join(cells) + " |")
     else:
         lines += ["", f"No top-k logprobs at position {index}."]
-    close = {True: "yes", False: "no", None: "unknown"}[d.get("logprob_close")]
-    lines += ["", f"logprob-close: {close}"]
+    lines += ["", f"drift: {drift_summary(d)}"]
     return lines
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from harness.files import write_text_atomic
 from harness.judge.records import CaseRecord, Verdict
+from harness.report.text import drift_summary
 
 REPORT_HTML = "report.html"
 # Terminal escape sequences: vLLM colours its log lines, and error texts carry log tails.
@@ -278,16 +279,14 @@ def _topk_table(
 
 def _topk(divergence: Mapping[str, Any]) -> str:
     ref, cand = divergence.get("reference_token"), divergence.get("candidate_token")
-    close = {True: "yes: each token is in the other's top-k", False: "no", None: "unknown"}[
-        divergence.get("logprob_close")
-    ]
+    close = drift_summary(divergence)
     return (
         f"<h4>Top-k logprobs at position {divergence['index']}</h4>\n<div class=\"topk\">"
         + _topk_table("reference", divergence.get("reference_top"), ref, cand)
         + _topk_table("candidate", divergence.get("candidate_top"), cand, ref)
         + "</div>\n"
         '<p class="legend">bold: the token this side generated · highlighted: the token the '
-        f"other side generated · logprob-close: {escape(close)}</p>"
+        f"other side generated · drift: {escape(close)}</p>"
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +88,14 @@ def format_failure(record: CaseRecord) -> str:
     if record.error:
         lines.append(f"  error: {record.error}")
     return "\n".join(lines)
+
+
+def drift_summary(d: Mapping[str, Any]) -> str:
+    """'no (gaps 3.10 / 2.95 nats, prefix delta 0.000; tolerance 0 nats)' from Divergence.to_json."""
+
+    def nats(value: object) -> str:
+        return "n/a" if value is None else f"{value:.3f}"
+
+    return (f"{'yes' if d.get('drift') else 'no'} (gaps {nats(d.get('reference_gap'))} / "
+            f"{nats(d.get('candidate_gap'))} nats, prefix delta {nats(d.get('prefix_delta'))}; "
+            f"tolerance {d.get('tolerance', 0):g} nats)")  # fmt: skip

@@ -25,7 +25,7 @@ from harness.serve.session import Outcome
 from harness.spec.settings import ServedVllm
 from harness.spec.topology import ServingConfig
 
-CACHE_FORMAT = 2  # 2: keyed by the served vLLM and torch
+CACHE_FORMAT = 3  # 2: keyed by the served vLLM and torch; 3: with the noise floor
 LOCK_FILE_NAME = ".lock"
 # Flags that cannot change a baseline's tokens (where files are, what is reported).
 NUMERICS_NEUTRAL_FIELDS = ("allowed_local_media_path", "enable_prompt_tokens_details")
@@ -58,6 +58,14 @@ def baseline_key(
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 
+@dataclasses.dataclass(frozen=True)
+class CachedBaseline:
+    """A stored baseline answer and the noise floor its determinism control showed."""
+
+    outcome: Outcome
+    noise_floor_nats: float
+
+
 class BaselineCache:
     """`refresh=True` ignores what is stored (and overwrites it): `--refresh-baseline`."""
 
@@ -79,7 +87,7 @@ class BaselineCache:
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.json"
 
-    def load(self, key: str, prompt: str) -> Outcome | None:
+    def load(self, key: str, prompt: str) -> CachedBaseline | None:
         path = self._path(key)
         if self.refresh or not path.exists():
             return None
@@ -89,15 +97,20 @@ class BaselineCache:
                 raise ValueError(f"expected a JSON object, found {type(data).__name__}")
             if data.get("format") != CACHE_FORMAT:
                 raise ValueError(f"format {data.get('format')!r}, expected {CACHE_FORMAT}")
-            return Outcome(prompt=prompt, result=ChatResult.from_json(data["result"]))
+            outcome = Outcome(prompt=prompt, result=ChatResult.from_json(data["result"]))
+            return CachedBaseline(outcome, float(data["noise_floor_nats"]))
         except (ValueError, KeyError, TypeError) as exc:
             raise BaselineCacheError(
                 f"corrupt baseline cache entry {path}: {exc}; delete it or pass "
                 "--refresh-baseline"
             ) from None
 
-    def store(self, key: str, outcome: Outcome) -> None:
+    def store(self, key: str, outcome: Outcome, noise_floor_nats: float = 0.0) -> None:
         if outcome.result is None:
             return
-        path = self._path(key)
-        write_json_atomic(path, {"format": CACHE_FORMAT, "result": outcome.result.to_json()})
+        entry = {
+            "format": CACHE_FORMAT,
+            "result": outcome.result.to_json(),
+            "noise_floor_nats": noise_floor_nats,
+        }
+        write_json_atomic(self._path(key), entry)

@@ -10,6 +10,19 @@ purpose, and the self-test checks that the judge names the right verdict:
   still equal the baseline's, so only the transfer guards can tell   -> VACUOUS
 - `kill_instance`: an instance dies mid-run                          -> ERROR, at once
 
+Graded faults (issue 10) find how small a break the harness still catches, so a loss of
+sensitivity shows up as a number (docs/self-test.md; the search is in `harness.run.graded`):
+
+- `ec_noise`: seeded Gaussian noise, a given fraction of each EC tensor's std, added to the
+  encoder outputs between encoder and consumer
+- `kv_noise`: the same on the KV ExampleConnector files between P and D
+- `ec_swap_items`: the EC files of a request's media items swap places (two images: each image
+  gets the other's embedding)
+- `ec_zero_frame`: the rows of one temporal frame (pair) of a video's EC embedding are zeroed
+- `ec_video_grid`: the consumer is told a video grid of the same size but another shape, so
+  its M-RoPE positions are wrong while embeddings and prompt ids stay right (the
+  `second_per_grid_ts` error itself cannot be planted from outside vLLM: see `ec_video_grid`)
+
 Faults act only through the proxy's `ProxyFaults` hooks and on the files in the run's own
 storage directories; vLLM's installed files are never touched. Only the self-tests and an
 explicit `--plant-fault` use them; a normal run never does.
@@ -18,13 +31,16 @@ explicit `--plant-fault` use them; a normal run never does.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import signal
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness.errors import BadInput
 from harness.judge.guards import EC_CACHE_FILE
 from harness.serve.launch import ManagedServer
 from harness.serve.proxy import ProxyFaults
@@ -47,6 +63,9 @@ class PlantedFault(ProxyFaults):
 
     touched: list[Path] = field(default_factory=list)  # files rewritten, in order
     problems: list[str] = field(default_factory=list)  # what the fault could not do, and why
+    # What the fault measurably did, one line per file or item (e.g. the relative std of the
+    # noise really added, after rounding to the file's dtype): evidence for the report.
+    effects: list[str] = field(default_factory=list)
 
     def rewrite(
         self, request_id: str, path: Path, transform: Callable[[torch.Tensor], torch.Tensor]

@@ -137,6 +137,7 @@ class MatrixRun:
                     guards,
                     policy=scenario.effective_policy,
                     baseline_stable=self.sweep.stability[outcome.prompt][0],
+                    drift_tolerance=self.sweep.noise_floor,
                 )
             )
         if scenario.require_every_encoder:

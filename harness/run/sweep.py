@@ -109,7 +109,8 @@ class Sweep:
             for p in (*spec.prompts, *spec.baseline_only_prompts)
         }
         self.topology_prompts = list(bodies) if bodies else [p.name for p in spec.prompts]
-        self.stability: dict[str, tuple[bool, str]] = {}
+        # prompt -> (stable, detail, noise floor in nats) from the baseline's control
+        self.stability: dict[str, tuple[bool, str, float | None]] = {}
         self.guards: dict[str, dict[str, list[GuardResult]]] = {}
         self._judged: dict[tuple[str, str], list[CaseRecord]] = {}
         self._model_digest: str | None = None
@@ -170,8 +171,8 @@ class Sweep:
             for name, body in self.bodies.items():
                 cached = cache.load(self._baseline_key(body), name)
                 if cached is not None:
-                    outcomes[name] = cached
-                    self.stability[name] = (True, "from the baseline cache")
+                    outcomes[name] = cached.outcome
+                    self.stability[name] = (True, "from the baseline cache", cached.noise_floor_nats)
         self._baseline_missing = [n for n in self.bodies if n not in self.result.outcomes[BASELINE.name]]
         log.log(logging.DEBUG if locked else logging.INFO, "[sweep] baseline cache: %d hit(s), "
                 "%d to compute", len(self.bodies) - len(self._baseline_missing),
@@ -275,8 +276,10 @@ class Sweep:
                 log.warning("[sweep] baseline UNSTABLE on %s: %s", name, self.stability[name][1])
         if self.baseline_cache is not None:  # its lock is held by _serve_wave_of
             for name in names:
-                if self.stability[name][0]:
-                    self.baseline_cache.store(self._baseline_key(self.bodies[name]), outcomes[name])
+                stable, _, floor = self.stability[name]
+                if stable:
+                    key = self._baseline_key(self.bodies[name])
+                    self.baseline_cache.store(key, outcomes[name], floor or 0.0)
         self._baseline_missing = []
 
     def _serve_prompts(self, session: TopologySession) -> None:
@@ -309,6 +312,14 @@ class Sweep:
 
     # -- judging -------------------------------------------------------------------------------
 
+    @property
+    def noise_floor(self) -> float:
+        """The largest log-prob difference the baseline showed against itself (nats): the drift
+        tolerance of every comparison. 0 on CPU, where the numerics flags make runs bitwise
+        repeatable, so any difference there is a MISMATCH."""
+        floors = [floor for stable, _, floor in self.stability.values() if stable and floor]
+        return max(floors, default=0.0)
+
     def judge(self, topology_name: str, prompt: str) -> list[CaseRecord]:
         """Records for one case: against the baseline, and its exact reference if it has one."""
         key = (topology_name, prompt)
@@ -330,6 +341,7 @@ class Sweep:
                     self.guards[topology_name][prompt],
                     policy=policy,
                     baseline_stable=reference_name != BASELINE.name or self.stability[prompt][0],
+                    drift_tolerance=self.noise_floor,
                 )
                 log.info("[sweep] %s %s vs %s: %s (%s)", topology_name, prompt, reference_name,
                          record.verdict.value, record.detail)  # fmt: skip
@@ -364,9 +376,12 @@ class Sweep:
                 "topologies": [t.name for t in self.spec.topologies],
                 "prompts": list(self.bodies),
                 "baseline_stability": {p: list(s) for p, s in self.stability.items()},
+                "noise_floor_nats": self.noise_floor,
                 "instances": [stats.__dict__ for stats in result.instances],
                 "seconds_by_wave": dict(result.seconds_by_wave),
             },
         )
         write_text_atomic(result.run_dir / "verdicts.txt", format_verdict_table(result.records) + "\n")
+        # run.json: the drift tolerance every comparison used, as measured (0 on CPU).
+        self.run_info["noise_floor_nats"] = self.noise_floor
         write_bundle(result.run_dir, result.records, responses, self.run_info)
