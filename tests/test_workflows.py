@@ -126,9 +126,12 @@ def test_ci_runs_on_push_and_pull_request_through_scripts_cpu() -> None:
     assert '-m "e2e and ci"' in commands, "the CPU e2e scenarios"
 
 
-def test_ci_caches_pip() -> None:
-    (setup,) = steps_using(load("ci.yml"), "actions/setup-python")
-    assert setup["with"]["cache"] == "pip"
+def test_ci_caches_pip_for_the_vllm_job_and_runs_the_unit_tier_without_it() -> None:
+    workflow = load("ci.yml")
+    cpu_setup = [s for s in workflow["jobs"]["cpu"]["steps"] if "setup-python" in s.get("uses", "")]
+    assert cpu_setup and cpu_setup[0]["with"]["cache"] == "pip"
+    unit = " ".join(s.get("run", "") for s in workflow["jobs"]["unit"]["steps"])
+    assert "tox -e fast" in unit and "scripts/cpu" not in unit, "the unit tier needs no vLLM"
 
 
 @pytest.mark.parametrize("name", WORKFLOW_NAMES)
