@@ -33,7 +33,7 @@ from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_
 from harness.preflight.model import resolve_model
 from harness.preflight.vllm import SUPPORTED_VLLM_SERIES, default_vllm_executable, probe_served_vllm
 from harness.report.text import format_failure, format_verdict_table
-from harness.run.faults import FAULT_NAMES
+from harness.run.faults import FAULT_NAMES, FAULT_SYNTAX, GRADED_FAULTS
 from harness.run.matrix import MatrixRun
 from harness.run.repro import Bundle, BundleError, keep_up, reproduce
 from harness.run.scenarios import MATRIX, Scenario
@@ -203,6 +203,9 @@ def command_list(_args: argparse.Namespace) -> int:
         expect = "/".join(v.value for v in scenario.expect)
         print(f"  {scenario.name:36s} {scenario.topology:9s} expects {expect}")
     print(f"faults (run --plant-fault NAME): {', '.join(FAULT_NAMES)}")
+    print("graded faults (run --plant-fault NAME[:STRENGTH]; see docs/self-test.md):")
+    for description in GRADED_FAULTS.values():
+        print(f"  {description}")
     return EXIT_OK
 
 
@@ -243,8 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--colocate", action="store_true",
                      help="GPU: let a topology's instances share devices when there are too few")  # fmt: skip
     run.add_argument("--plant-fault", metavar="FAULT",
-                     help=f"self-test: plant a fault ({', '.join(FAULT_NAMES)}) in the sweep's "
-                     "topologies; the run must turn red")  # fmt: skip
+                     help=f"self-test: plant a fault ({', '.join(FAULT_NAMES)}) or a graded "
+                     f"one ({FAULT_SYNTAX}) in the sweep's topologies; the run must turn red")  # fmt: skip
     run.set_defaults(func=command_run)
 
     repro = sub.add_parser("repro", help="rerun a bundle's failing case with identical config")

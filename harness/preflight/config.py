@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.environment import cache_dir, port_range
-from harness.errors import BadInput, lookup
+from harness.errors import BadInput
 from harness.preflight import files, names, resources, tokens
 from harness.preflight.model import resolve_model
 from harness.preflight.vllm import check_vllm, default_vllm_executable
 from harness.run.baseline_cache import BaselineCache
-from harness.run.faults import FAULT_NAMES
+from harness.run.faults import parse_fault
 from harness.run.scenarios import MATRIX, Scenario, get_scenario, matrix_prompts
 from harness.spec.platforms import (
     DEFAULT_CPU_CORES,
@@ -97,7 +97,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         prompts = names.check_prompts(prompt_names) if prompt_names else SKELETON_PROMPTS
     devices = _devices(request.devices, platform)
     if request.plant_fault is not None:
-        lookup("fault", request.plant_fault, dict.fromkeys(FAULT_NAMES))
+        parse_fault(request.plant_fault)  # a plain or graded fault (ec-noise:0.05): BadInput
     ports = port_range()
 
     model_dir = resolve_model(request.model, platform.default_model, cache_dir())

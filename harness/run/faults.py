@@ -142,6 +142,183 @@ def drop_encoder_metadata() -> PlantedFault:
     return PlantedFault(drop_encoder_metadata=True)
 
 
+# -- graded faults -------------------------------------------------------------------------------
+
+
+def ec_noise(ec_storage: Path, fraction: float, seed: int = 0) -> PlantedFault:
+    """After the encoders answered, add Gaussian noise of `fraction` x each EC tensor's std.
+
+    Seeded per file (`seed` and the mm_hash), so a rerun plants the very same noise. Noise much
+    below the dtype's resolution (bf16: ~0.4% of a value) is partly rounded away: `effects`
+    records the relative std really added, file by file.
+    """
+    fault = PlantedFault()
+
+    def after_encode(request_id: str, ec_transfer_params: dict[str, Any]) -> None:
+        if not ec_transfer_params:
+            fault.problems.append(f"{request_id}: the encoders reported no mm_hash")
+        for mm_hash in ec_transfer_params:
+            path = ec_storage / mm_hash / EC_CACHE_FILE
+            fault.rewrite(
+                request_id, path, noise_transform(fraction, file_seed(seed, mm_hash), fault)
+            )
+
+    fault.after_encode = after_encode
+    return fault
+
+
+def kv_noise(kv_storage: Path, fraction: float, seed: int = 0) -> PlantedFault:
+    """After P answered, add Gaussian noise of `fraction` x each tensor's std to the KV files
+    P wrote for this request.
+
+    Unlike `zero_kv_files`, only files new or rewritten since the fault was made (or since its
+    previous request) are touched: noise must not pile up on earlier prompts' files, and a
+    request whose KV files already existed (nothing new written) is reported as a problem, not
+    silently passed.
+    """
+    fault = PlantedFault()
+    seen = kv_file_stamps(kv_storage)
+
+    def after_prefill(request_id: str, prefill_response: dict[str, Any]) -> None:
+        current = kv_file_stamps(kv_storage)
+        fresh = sorted(path for path, stamp in current.items() if seen.get(path) != stamp)
+        if not fresh:
+            fault.problems.append(
+                f"{request_id}: P wrote no new *{KV_FILE_SUFFIX} under {kv_storage} "
+                f"({len(current)} older file(s) left alone)"
+            )
+        for path in fresh:
+            key = str(path.relative_to(kv_storage))
+            fault.rewrite(request_id, path, noise_transform(fraction, file_seed(seed, key), fault))
+        seen.clear()
+        seen.update(kv_file_stamps(kv_storage))
+
+    fault.after_prefill = after_prefill
+    return fault
+
+
+def ec_swap_items(ec_storage: Path) -> PlantedFault:
+    """After the encoders answered, the EC files of the request's items swap places.
+
+    With two images each gets the other's embedding (with more, every item gets the next one's).
+    The items must have equal shapes (same image size): otherwise the consumer would reject the
+    file (an ERROR, not the MISMATCH this fault is for), so a mismatch is reported as a problem.
+    """
+    fault = PlantedFault()
+
+    def after_encode(request_id: str, ec_transfer_params: dict[str, Any]) -> None:
+        hashes = list(ec_transfer_params)
+        if len(hashes) < 2:
+            fault.problems.append(
+                f"{request_id}: {len(hashes)} distinct media item(s); swapping needs two or more"
+            )
+            return
+        paths = [ec_storage / h / EC_CACHE_FILE for h in hashes]
+        try:
+            swap_tensor_files(paths)
+        except Exception as exc:  # noqa: BLE001 - reported through `problems`
+            fault.problems.append(f"{request_id}: swapping {len(paths)} EC files: "
+                                  f"{type(exc).__name__}: {exc}")  # fmt: skip
+            return
+        fault.touched += paths
+        fault.effects.append(f"rotated the EC files of {', '.join(hashes)} by one")
+
+    fault.after_encode = after_encode
+    return fault
+
+
+def ec_zero_frame(ec_storage: Path, frame: int = 0) -> PlantedFault:
+    """After the encoders answered, zero one temporal frame of every video's EC embedding.
+
+    How rows map to frames (Qwen2.5-VL, checked against the published grid): the encoder output
+    of a video is `[grid_t * (grid_h / m) * (grid_w / m), hidden]` with m the spatial merge size
+    (2), rows ordered frame-major: `grid_t` blocks of `(grid_h / m) * (grid_w / m)` rows each.
+    One grid_t step is one temporal patch, i.e. a pair of input frames (temporal_patch_size 2):
+    an 8-frame 224x224 video has grid [4, 16, 16], 256 rows, 64 per frame pair. The encoder
+    publishes the grid as `video_grid_thw` in its metadata, which is where it is read from; a
+    row count that does not divide by grid_t is reported as a problem.
+    """
+    fault = PlantedFault()
+
+    def after_encode(request_id: str, ec_transfer_params: dict[str, Any]) -> None:
+        videos = {h: video_grid(e) for h, e in ec_transfer_params.items() if video_grid(e)}
+        if not videos:
+            fault.problems.append(f"{request_id}: no video among the encoded items "
+                                  f"({len(ec_transfer_params)} item(s))")  # fmt: skip
+        for mm_hash, grid in videos.items():
+            path = ec_storage / mm_hash / EC_CACHE_FILE
+            fault.rewrite(request_id, path, zero_frame_transform(grid[0], frame, fault))
+
+    fault.after_encode = after_encode
+    return fault
+
+
+def ec_video_grid(ec_storage: Path | None = None) -> PlantedFault:
+    """A position error: the consumer is told video grid [2t, h/2, w] instead of [t, h, w].
+
+    The size (t*h*w, hence the placeholder count, the prompt ids and the EC rows) is unchanged,
+    so the consumer loads the right embeddings into the right number of placeholders, but its
+    M-RoPE positions (temporal index, row, column of every video token) are computed for the
+    wrong shape.
+
+    Why not `second_per_grid_ts` itself: vLLM 0.32's consumer cannot be told it. The encoder
+    publishes only `video_grid_thw` (`Qwen2VLMultiModalDataParser.embedding_fields`), and the
+    field config a `video_embeds` part is parsed with (`_create_qwen2vl_field_factory`) has no
+    `second_per_grid_ts`, so `MultiModalKwargsItems.from_hf_inputs` drops such a key silently
+    and `Qwen2_5_VLForConditionalGeneration.iter_mm_grid_thw` falls back to 1.0. Changing
+    fps / mm_processor_kwargs in the consumer's request instead changes the item's mm_hash
+    (vLLM hashes the uuid with the kwargs): the consumer misses the EC file (an ERROR).
+
+    The metadata is rewritten in place in the encoders' answer, which the proxy then copies into
+    the consumer's `video_embeds` parts (and its request trace).
+    """
+    del ec_storage  # the files stay as they are; only what the consumer is told changes
+    fault = PlantedFault()
+
+    def after_encode(request_id: str, ec_transfer_params: dict[str, Any]) -> None:
+        videos = {h: e for h, e in ec_transfer_params.items() if video_grid(e)}
+        if not videos:
+            fault.problems.append(f"{request_id}: no video among the encoded items "
+                                  f"({len(ec_transfer_params)} item(s))")  # fmt: skip
+        for mm_hash, entry in videos.items():
+            t, h, w = video_grid(entry) or (0, 0, 0)
+            if h % 4:
+                fault.problems.append(f"{request_id}: {mm_hash}: grid height {h} is not a "
+                                      "multiple of 4; cannot halve it keeping the merge size")  # fmt: skip
+                continue
+            wrong = [2 * t, h // 2, w]
+            entry["metadata"]["video_grid_thw"] = grid_like(
+                entry["metadata"]["video_grid_thw"], wrong
+            )
+            fault.effects.append(f"{mm_hash}: video_grid_thw [{t}, {h}, {w}] -> {wrong}")
+            fault.touched.append(Path(mm_hash))
+
+    fault.after_encode = after_encode
+    return fault
+
+
+def video_grid(entry: dict[str, Any]) -> tuple[int, int, int] | None:
+    """(t, h, w) from an encoder's `ec_transfer_params` entry, None if it is not a video."""
+    grid = (entry.get("metadata") or {}).get("video_grid_thw")
+    if grid is None:
+        return None
+    flat = [int(v) for v in _flatten(grid)]
+    return (flat[0], flat[1], flat[2]) if len(flat) == 3 else None
+
+
+def grid_like(original: Any, values: list[int]) -> Any:
+    """`values` nested like `original` ([t, h, w] or [[t, h, w]])."""
+    if isinstance(original, list) and original and isinstance(original[0], list):
+        return [values]
+    return values
+
+
+def _flatten(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _flatten(v)]
+    return [value]
+
+
 def kill_instance(server: ManagedServer) -> None:
     """SIGKILL a running server's whole process group, as a crash or the OOM killer would.
 
@@ -169,6 +346,97 @@ def zeros(tensor: torch.Tensor) -> torch.Tensor:
     import torch
 
     return torch.zeros_like(tensor)
+
+
+def file_seed(seed: int, key: str) -> int:
+    """A per-file seed: the same for the same (seed, file key) on every run and machine."""
+    return zlib.crc32(f"{seed}:{key}".encode())
+
+
+def add_relative_noise(tensor: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
+    """`tensor` + N(0, (fraction * std(tensor))^2), computed in float32, cast back.
+
+    The std is the tensor's own (all elements), so the strength means the same for an EC
+    embedding and for a KV layer whatever their scale. Seeded: equal inputs give equal outputs.
+    """
+    import torch
+
+    original = tensor.float()
+    std = float(original.std()) if original.numel() > 1 else 0.0
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.randn(original.shape, generator=generator, dtype=torch.float32)
+    return (original + noise * (fraction * std)).to(tensor.dtype)
+
+
+def relative_change(before: torch.Tensor, after: torch.Tensor) -> float:
+    """std(after - before) / std(before), in float32: the strength really planted."""
+    b = before.float()
+    std = float(b.std())
+    return float((after.float() - b).std()) / std if std else math.inf
+
+
+def noise_transform(
+    fraction: float, seed: int, fault: PlantedFault
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def transform(tensor: torch.Tensor) -> torch.Tensor:
+        noisy = add_relative_noise(tensor, fraction, seed)
+        fault.effects.append(f"noise {fraction:g} of std asked, "
+                             f"{relative_change(tensor, noisy):.3g} planted ({tensor.dtype})")  # fmt: skip
+        return noisy
+
+    return transform
+
+
+def zero_frame_rows(tensor: torch.Tensor, grid_t: int, frame: int) -> torch.Tensor:
+    """`tensor` with the rows of temporal frame `frame` (of `grid_t`, frame-major) zeroed."""
+    rows = tensor.shape[0]
+    if grid_t <= 0 or rows % grid_t:
+        raise ValueError(f"{rows} rows do not split into {grid_t} temporal frames")
+    if not 0 <= frame < grid_t:
+        raise ValueError(f"frame {frame} is outside the video's {grid_t} temporal frames")
+    per_frame = rows // grid_t
+    out = tensor.clone()
+    out[frame * per_frame : (frame + 1) * per_frame] = 0
+    return out
+
+
+def zero_frame_transform(
+    grid_t: int, frame: int, fault: PlantedFault
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def transform(tensor: torch.Tensor) -> torch.Tensor:
+        zeroed = zero_frame_rows(tensor, grid_t, frame)
+        per_frame = tensor.shape[0] // grid_t
+        fault.effects.append(f"zeroed rows {frame * per_frame}-{(frame + 1) * per_frame - 1} "
+                             f"(frame {frame} of {grid_t}) of {tuple(tensor.shape)}")  # fmt: skip
+        return zeroed
+
+    return transform
+
+
+def kv_file_stamps(kv_storage: Path) -> dict[Path, tuple[int, int]]:
+    """Every KV file under `kv_storage` with its (mtime_ns, size): what changed since."""
+    stamps = {}
+    for path in kv_storage.rglob(f"*{KV_FILE_SUFFIX}") if kv_storage.is_dir() else ():
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            continue
+        stamps[path] = (stat.st_mtime_ns, stat.st_size)
+    return stamps
+
+
+def swap_tensor_files(paths: list[Path]) -> None:
+    """Rotate the contents of safetensors files by one (2 files: a swap); shapes must agree."""
+    from safetensors.torch import load_file, save_file
+
+    contents = [load_file(path) for path in paths]
+    layouts = [{k: (tuple(t.shape), t.dtype) for k, t in c.items()} for c in contents]
+    if any(layout != layouts[0] for layout in layouts):
+        raise ValueError(f"the items' tensors differ in shape or dtype: {layouts}")
+    for n, path in enumerate(paths):
+        temporary = path.with_name(f".{path.name}.planted")
+        save_file(contents[(n + 1) % len(paths)], str(temporary))
+        os.replace(temporary, path)
 
 
 def rewrite_tensors(path: Path, transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -199,18 +467,81 @@ def rewrite_tensors(path: Path, transform: Callable[[torch.Tensor], torch.Tensor
 # Faults a whole run can be started with (`epd-harness run --plant-fault NAME`), so that a
 # bundle from a planted failure can be replayed by `epd-harness repro` with the same fault.
 FAULT_NAMES = ("corrupt-ec", "zero-kv", "drop-metadata")
+# Graded faults, NAME or NAME:STRENGTH (see `parse_fault`).
+GRADED_FAULTS = {
+    "ec-noise": "ec-noise:FRACTION  Gaussian noise, FRACTION x std, on each EC tensor (e.g. 0.05)",
+    "kv-noise": "kv-noise:FRACTION  the same on the KV files P wrote for D",
+    "ec-swap-items": "ec-swap-items      a request's media items get each other's EC embedding",
+    "ec-zero-frame": "ec-zero-frame[:N]  temporal frame (pair) N (default 0) of a video's EC "
+    "embedding zeroed",
+    "ec-video-grid": "ec-video-grid      the consumer is told video grid [2t, h/2, w]: wrong "
+    "positions, same size",
+}
+MAX_NOISE_FRACTION = 100.0
+FAULT_SYNTAX = (
+    "ec-noise:FRACTION, kv-noise:FRACTION, ec-swap-items, ec-zero-frame[:N], ec-video-grid"
+)
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """A parsed `--plant-fault` value: the kind and, for graded faults, its strength."""
+
+    kind: str
+    strength: float | None = None  # noise: fraction of std; ec-zero-frame: the frame index
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.strength is None else f"{self.kind}:{self.strength:g}"
+
+
+def parse_fault(text: str) -> FaultSpec:
+    """`corrupt-ec`, `ec-noise:0.05`, `ec-zero-frame:1`, ...; BadInput (one line) otherwise."""
+    kind, sep, value = text.strip().partition(":")
+    if kind not in (*FAULT_NAMES, *GRADED_FAULTS):
+        raise BadInput(f"unknown fault {text!r} (known: {', '.join(FAULT_NAMES)}) and no graded "
+                       f"fault either ({FAULT_SYNTAX})")  # fmt: skip
+    if kind in ("ec-noise", "kv-noise"):
+        try:
+            fraction = float(value) if sep else math.nan
+        except ValueError:
+            fraction = math.nan
+        if not (0 < fraction <= MAX_NOISE_FRACTION):
+            raise BadInput(f"fault {text!r}: {kind} needs a strength, a fraction of each "
+                           f"tensor's std in (0, {MAX_NOISE_FRACTION:g}], e.g. {kind}:0.05")  # fmt: skip
+        return FaultSpec(kind, fraction)
+    if kind == "ec-zero-frame" and sep:
+        if not value.isdigit():
+            raise BadInput(f"fault {text!r}: ec-zero-frame takes a temporal frame index "
+                           "(0, 1, ...), e.g. ec-zero-frame:1")  # fmt: skip
+        return FaultSpec(kind, float(int(value)))
+    if sep:
+        raise BadInput(f"fault {text!r}: {kind} takes no strength; drop ':{value}'")
+    return FaultSpec(kind)
 
 
 def fault_for(name: str, ec_storage: Path | None, kv_storage: Path | None) -> PlantedFault:
-    """The named fault, aimed at a running topology's storage."""
-    if name == "corrupt-ec":
-        if ec_storage is None:
-            raise ValueError("fault corrupt-ec needs a topology with an encoder")
-        return corrupt_ec_files(ec_storage)
-    if name == "zero-kv":
+    """The named fault (plain or graded, see `parse_fault`), aimed at a running topology's
+    storage."""
+    spec = parse_fault(name)
+    if spec.kind in ("zero-kv", "kv-noise"):
         if kv_storage is None:
-            raise ValueError("fault zero-kv needs a topology with P and D")
-        return zero_kv_files(kv_storage)
-    if name == "drop-metadata":
+            raise ValueError(f"fault {spec.kind} needs a topology with P and D")
+        return (
+            zero_kv_files(kv_storage)
+            if spec.kind == "zero-kv"
+            else kv_noise(kv_storage, spec.strength or 0.0)
+        )
+    if spec.kind == "drop-metadata":
         return drop_encoder_metadata()
-    raise ValueError(f"unknown fault {name!r} (known: {', '.join(FAULT_NAMES)})")
+    if ec_storage is None:
+        raise ValueError(f"fault {spec.kind} needs a topology with an encoder")
+    if spec.kind == "corrupt-ec":
+        return corrupt_ec_files(ec_storage)
+    if spec.kind == "ec-noise":
+        return ec_noise(ec_storage, spec.strength or 0.0)
+    if spec.kind == "ec-swap-items":
+        return ec_swap_items(ec_storage)
+    if spec.kind == "ec-zero-frame":
+        return ec_zero_frame(ec_storage, int(spec.strength or 0))
+    return ec_video_grid(ec_storage)

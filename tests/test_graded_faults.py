@@ -1,0 +1,229 @@
+"""The graded faults on files laid out as vLLM 0.32's example connectors lay them out (no vLLM).
+
+A threshold is only as good as the fault's strength: noise asked for at 5% of std must be 5%
+of std (after the dtype's rounding), the same seed must plant the same noise, and no fault may
+change a key, shape or dtype (the consumer would fail: an ERROR, not the planted MISMATCH).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from harness.judge.guards import EC_CACHE_FILE
+from harness.run.faults import (
+    add_relative_noise,
+    ec_noise,
+    ec_swap_items,
+    ec_video_grid,
+    ec_zero_frame,
+    fault_for,
+    kv_noise,
+    relative_change,
+    zero_frame_rows,
+)
+from harness.serve import proxy_protocol as protocol
+
+pytestmark = pytest.mark.model
+
+HASH_A = "epd-aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+HASH_B = "epd-bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"
+VIDEO_HASH = "epd-vvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvv"
+# 8 frames of 224x224: grid [4, 16, 16] in 14-px patches, 4*8*8 = 256 rows after the 2x2 merge.
+VIDEO_GRID = [4, 16, 16]
+VIDEO_ROWS = 256
+HIDDEN = 64
+
+
+def write_ec(storage: Path, mm_hash: str, tensor: torch.Tensor) -> Path:
+    path = storage / mm_hash / EC_CACHE_FILE
+    path.parent.mkdir(parents=True)
+    save_file({"ec_cache": tensor}, str(path))
+    return path
+
+
+def random_tensor(*shape: int, seed: int = 0, dtype=torch.float32, scale: float = 3.0):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=generator) * scale + 0.5).to(dtype)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.05, 0.005])
+def test_noise_has_the_requested_relative_strength_in_float32(fraction: float):
+    original = random_tensor(256, HIDDEN)
+    noisy = add_relative_noise(original, fraction, seed=1)
+    measured = relative_change(original, noisy)
+    assert abs(measured - fraction) / fraction < 0.03, f"asked {fraction}, planted {measured}"
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.05])
+def test_noise_keeps_its_strength_through_bf16_rounding(fraction: float):
+    """bf16 keeps ~8 bits of mantissa (a step of ~0.4-0.8% of a value): 5% survives it."""
+    original = random_tensor(256, HIDDEN, dtype=torch.bfloat16)
+    noisy = add_relative_noise(original, fraction, seed=1)
+    assert noisy.dtype == torch.bfloat16 and noisy.shape == original.shape
+    measured = relative_change(original, noisy)
+    assert abs(measured - fraction) / fraction < 0.1, f"asked {fraction}, planted {measured}"
+
+
+def test_noise_is_deterministic_for_a_seed_and_differs_across_seeds():
+    original = random_tensor(64, HIDDEN)
+    first = add_relative_noise(original, 0.05, seed=7)
+    assert torch.equal(first, add_relative_noise(original, 0.05, seed=7)), "same seed, other noise"
+    assert not torch.equal(first, add_relative_noise(original, 0.05, seed=8)), "seed ignored"
+    assert not torch.equal(first, original), "no noise added"
+
+
+def test_ec_noise_rewrites_each_reported_file_keeping_key_shape_dtype(tmp_path: Path):
+    originals = {
+        HASH_A: random_tensor(64, HIDDEN, seed=1, dtype=torch.bfloat16),
+        HASH_B: random_tensor(64, HIDDEN, seed=2, dtype=torch.bfloat16),
+    }
+    paths = {h: write_ec(tmp_path, h, t) for h, t in originals.items()}
+    fault = ec_noise(tmp_path, 0.05, seed=3)
+    fault.after_encode("req-1", {h: {"item_indices": [n]} for n, h in enumerate(originals)})
+
+    assert sorted(fault.touched) == sorted(paths.values()) and not fault.problems, fault
+    assert len(fault.effects) == 2 and "0.05 of std asked" in fault.effects[0], fault.effects
+    for mm_hash, original in originals.items():
+        loaded = load_file(paths[mm_hash])
+        assert set(loaded) == {"ec_cache"}, sorted(loaded)
+        tensor = loaded["ec_cache"]
+        assert (tensor.shape, tensor.dtype) == (original.shape, original.dtype)
+        measured = relative_change(original, tensor)
+        assert 0.045 < measured < 0.055, f"{mm_hash}: planted {measured}"
+
+    # The same seed on the same files plants the same noise (per file: seed and mm_hash).
+    again_dir = tmp_path / "again"
+    again = {h: write_ec(again_dir, h, t) for h, t in originals.items()}
+    ec_noise(again_dir, 0.05, seed=3).after_encode("req-2", {h: {} for h in originals})
+    for mm_hash in originals:
+        assert torch.equal(load_file(again[mm_hash])["ec_cache"],
+                           load_file(paths[mm_hash])["ec_cache"]), mm_hash  # fmt: skip
+    noised = [load_file(paths[h])["ec_cache"] - originals[h] for h in originals]
+    assert not torch.equal(noised[0], noised[1]), "both files got the same noise"
+
+
+def write_kv(kv_storage: Path, prompt_hash: str, seed: int) -> Path:
+    folder = kv_storage / prompt_hash
+    folder.mkdir(parents=True)
+    path = folder / "model.layers.0.self_attn.attn.safetensors"
+    save_file({"kv_cache": random_tensor(2, 64, 2, 32, seed=seed, dtype=torch.bfloat16)},
+              str(path))  # fmt: skip
+    return path
+
+
+def test_kv_noise_touches_only_files_written_for_this_request(tmp_path: Path):
+    older = write_kv(tmp_path, "prompt-old", seed=1)
+    before_old = load_file(older)["kv_cache"]
+    fault = kv_noise(tmp_path, 0.05, seed=0)  # made before the request: "old" is not its own
+
+    fresh = write_kv(tmp_path, "prompt-new", seed=2)  # what P writes for this request
+    before_new = load_file(fresh)["kv_cache"]
+    fault.after_prefill("req-1", {})
+
+    assert fault.touched == [fresh] and not fault.problems, fault
+    assert torch.equal(load_file(older)["kv_cache"], before_old), "an older prompt's KV changed"
+    after_new = load_file(fresh)["kv_cache"]
+    assert after_new.shape == before_new.shape and after_new.dtype == before_new.dtype
+    assert 0.04 < relative_change(before_new, after_new) < 0.06
+
+    fault.after_prefill("req-2", {})  # P wrote nothing new: reported, never a silent pass
+    assert fault.touched == [fresh] and len(fault.problems) == 1, fault
+    assert "wrote no new" in fault.problems[0], fault.problems
+
+
+def test_swap_items_really_swaps(tmp_path: Path):
+    a = random_tensor(64, HIDDEN, seed=1, dtype=torch.bfloat16)
+    b = random_tensor(64, HIDDEN, seed=2, dtype=torch.bfloat16)
+    path_a, path_b = write_ec(tmp_path, HASH_A, a), write_ec(tmp_path, HASH_B, b)
+    fault = ec_swap_items(tmp_path)
+    fault.after_encode("req-1", {HASH_A: {"item_indices": [0]}, HASH_B: {"item_indices": [1]}})
+    assert fault.touched == [path_a, path_b] and not fault.problems, fault
+    assert torch.equal(load_file(path_a)["ec_cache"], b), "item A did not get B's embedding"
+    assert torch.equal(load_file(path_b)["ec_cache"], a), "item B did not get A's embedding"
+    assert not [p.name for p in path_a.parent.iterdir() if p != path_a], "temporary files left"
+
+
+def test_swap_items_refuses_unequal_shapes_and_single_items(tmp_path: Path):
+    a = random_tensor(64, HIDDEN, seed=1)
+    path_a = write_ec(tmp_path, HASH_A, a)
+    write_ec(tmp_path, HASH_B, random_tensor(16, HIDDEN, seed=2))
+    fault = ec_swap_items(tmp_path)
+    fault.after_encode("req-1", {HASH_A: {}, HASH_B: {}})
+    fault.after_encode("req-2", {HASH_A: {}})
+    assert not fault.touched and len(fault.problems) == 2, fault
+    assert "differ in shape" in fault.problems[0] and "swapping needs two" in fault.problems[1]
+    assert torch.equal(load_file(path_a)["ec_cache"], a), "a refused swap changed a file"
+
+
+def test_zero_frame_zeroes_exactly_one_frames_rows():
+    tensor = random_tensor(VIDEO_ROWS, HIDDEN, seed=4) + 10  # no zeros of its own
+    for frame in range(VIDEO_GRID[0]):
+        zeroed = zero_frame_rows(tensor, VIDEO_GRID[0], frame)
+        zero_rows = (zeroed == 0).all(dim=1).nonzero().flatten().tolist()
+        per_frame = VIDEO_ROWS // VIDEO_GRID[0]
+        assert zero_rows == list(range(frame * per_frame, (frame + 1) * per_frame)), zero_rows
+        kept = torch.ones(VIDEO_ROWS, dtype=torch.bool)
+        kept[frame * per_frame : (frame + 1) * per_frame] = False
+        assert torch.equal(zeroed[kept], tensor[kept]), "rows of other frames changed"
+    with pytest.raises(ValueError, match="outside"):
+        zero_frame_rows(tensor, VIDEO_GRID[0], VIDEO_GRID[0])
+    with pytest.raises(ValueError, match="do not split"):
+        zero_frame_rows(tensor[:255], VIDEO_GRID[0], 0)
+
+
+def test_ec_zero_frame_reads_the_grid_from_the_encoders_metadata(tmp_path: Path):
+    video = random_tensor(VIDEO_ROWS, HIDDEN, seed=5, dtype=torch.bfloat16) + 10
+    path = write_ec(tmp_path, VIDEO_HASH, video)
+    image_path = write_ec(tmp_path, HASH_A, random_tensor(64, HIDDEN))
+    fault = ec_zero_frame(tmp_path, frame=2)
+    fault.after_encode("req-1", {
+        VIDEO_HASH: {"item_indices": [0], "metadata": {"video_grid_thw": [VIDEO_GRID]}},
+        HASH_A: {"item_indices": [0], "metadata": {"image_grid_thw": [[1, 16, 16]]}},
+    })  # fmt: skip
+    assert fault.touched == [path] and not fault.problems, fault
+    assert fault.effects == [f"zeroed rows 128-191 (frame 2 of 4) of ({VIDEO_ROWS}, {HIDDEN})"]
+    zeroed = load_file(path)["ec_cache"]
+    assert zeroed.dtype == video.dtype and zeroed.shape == video.shape
+    assert (zeroed == 0).all(dim=1).nonzero().flatten().tolist() == list(range(128, 192))
+    assert image_path not in fault.touched
+
+    no_video = ec_zero_frame(tmp_path)
+    no_video.after_encode("req-2", {HASH_A: {"metadata": {"image_grid_thw": [[1, 16, 16]]}}})
+    assert not no_video.touched and "no video" in no_video.problems[0], no_video
+
+
+def test_video_grid_fault_reaches_the_consumer_body_with_the_same_size():
+    """Planted in after_encode, the wrong grid is what the proxy's rewrite forwards."""
+    request = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+        {"type": "text", "text": "Describe."},
+    ]}]}  # fmt: skip
+    media = protocol.collect_media(request)
+    batches, _ = protocol.plan_encoder_batches(media, 1, 0)
+    params = {VIDEO_HASH: {"item_indices": [0], "metadata": {"video_grid_thw": [VIDEO_GRID]}}}
+    encoded = protocol.index_encoder_response(batches[0], params)  # before after_encode
+    fault = ec_video_grid()
+    fault.after_encode("req-1", params)  # as the proxy calls it
+    assert not fault.problems and len(fault.touched) == 1, fault
+
+    body = protocol.rewrite_for_consumer(request, media, encoded, params).body
+    grid = body["messages"][0]["content"][0]["video_embeds"]["video_grid_thw"]
+    assert grid == [[8, 8, 16]], grid
+    t, h, w = grid[0]
+    assert t * h * w == VIDEO_GRID[0] * VIDEO_GRID[1] * VIDEO_GRID[2], "the size changed"
+
+
+def test_fault_for_builds_the_graded_faults(tmp_path: Path):
+    assert fault_for("ec-noise:0.05", tmp_path, None).after_encode is not None
+    assert fault_for("kv-noise:0.5", None, tmp_path).after_prefill is not None
+    assert fault_for("ec-swap-items", tmp_path, None).after_encode is not None
+    assert fault_for("ec-zero-frame:1", tmp_path, None).after_encode is not None
+    assert fault_for("ec-video-grid", tmp_path, None).after_encode is not None
+    with pytest.raises(ValueError, match="needs a topology with P and D"):
+        fault_for("kv-noise:0.05", tmp_path, None)
+    with pytest.raises(ValueError, match="needs a topology with an encoder"):
+        fault_for("ec-noise:0.05", None, tmp_path)
