@@ -121,7 +121,7 @@ def judge(
     epd_sweep, live: LiveTopology, outcome: Outcome, guards: list[GuardResult]
 ) -> CaseRecord:
     """The case against the baseline, exactly as the sweep would judge it; printed as evidence."""
-    stable, _ = epd_sweep.stability[outcome.prompt]
+    stable = epd_sweep.stability[outcome.prompt][0]
     record = judge_case(
         live.name,
         "baseline",
@@ -129,6 +129,7 @@ def judge(
         outcome,
         guards,
         baseline_stable=stable,
+        drift_tolerance=epd_sweep.noise_floor,
     )
     print(format_failure(record))
     return record

@@ -1056,8 +1056,9 @@ def test_real_vllm_left_starting_by_a_sigkilled_harness_is_stopped(
     session_dir = run_dir / safe_name(WATCHDOG_E2E_TOPOLOGY)
     with open(tmp_path / "harness.err", "wb") as err:
         harness = subprocess.Popen(
-            [sys.executable, "-c", VLLM_DRIVER, cli.default_vllm_executable(),
-             str(cli.resolve_model(None)), str(run_dir), WATCHDOG_E2E_TOPOLOGY],  # fmt: skip
+            [sys.executable, "-c", VLLM_DRIVER, default_vllm_executable(),
+             str(resolve_model(None, None, cache_dir())), str(run_dir),
+             WATCHDOG_E2E_TOPOLOGY],  # fmt: skip
             cwd=REPO_ROOT,
             env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
             stdout=subprocess.PIPE,
