@@ -153,3 +153,16 @@ def test_doctor_names_the_setup_command_that_exists() -> None:
     text = Path(doctor.__file__).read_text(encoding="utf-8")
     assert "scripts/cpu setup" in text
     assert (ROOT / "scripts" / "cpu").exists()
+
+
+def test_plan_shows_the_snapshot_a_run_will_serve(tmp_path: Path, monkeypatch, capsys) -> None:
+    """What `plan` prints is what runs: the hub name resolved to its cached snapshot."""
+    repo = tmp_path / "hub" / "models--Qwen--Qwen2.5-VL-3B-Instruct"
+    (repo / "snapshots" / "rev1").mkdir(parents=True)
+    (repo / "snapshots" / "rev1" / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("rev1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert main(["plan", "--platform", "cuda", "--devices", "0,1", "--colocate"]) == 0
+    out = capsys.readouterr().out
+    assert f"serve {repo / 'snapshots' / 'rev1'} " in out, out[:2000]

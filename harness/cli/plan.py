@@ -27,6 +27,7 @@ from pathlib import Path
 
 from harness.environment import DEFAULT_PORT_RANGE, cache_dir
 from harness.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
+from harness.preflight.model import cached_snapshot, hf_hub_cache
 from harness.preflight.vllm import default_vllm_executable
 from harness.serve.session import safe_name
 from harness.spec.placement import (
@@ -275,10 +276,14 @@ def parse_topologies(values: Sequence[str] | None) -> tuple[Topology, ...]:
     return tuple(get_topology(name) for name in names)
 
 
-def default_model(platform: PlatformProfile) -> str:
-    """The platform's model, or on CPU the tiny model's cache path (computed, not built)."""
-    if platform.default_model is not None:
-        return platform.default_model
+def planned_model(given: str | None, platform: PlatformProfile) -> str:
+    """What `vllm serve` will be given: a hub name as the snapshot directory a run resolves it
+    to (looked up, never fetched, here), the tiny model's cache path on CPU (computed, not
+    built), or the name itself when its snapshot is not cached yet."""
+    name = given or platform.default_model
+    if name is not None:
+        snapshot = cached_snapshot(name, hf_hub_cache()) if name.count("/") == 1 else None
+        return str(snapshot) if snapshot is not None else name
     try:
         from harness.fixtures.tiny_model import CACHE_DIR_PREFIX, CACHE_KEY_CHARS, cache_key
 
@@ -301,7 +306,7 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         platform=platform,
         devices=devices,
         topologies=parse_topologies(args.topology),
-        model=args.model or default_model(platform),
+        model=planned_model(args.model, platform),
         colocate=args.colocate,
         vllm_executable=args.vllm or default_vllm_executable(),
         run_dir=Path(args.run_dir).resolve() if args.run_dir else PLACEHOLDER_RUN_DIR,
