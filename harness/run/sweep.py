@@ -28,7 +28,13 @@ from harness.run.baseline_cache import BaselineCache, baseline_key
 from harness.run.faults import fault_for, plant
 from harness.serve.launch import EventCallback
 from harness.serve.session import InstanceStats, Outcome, TopologySession
-from harness.spec.placement import Schedule, Wave, schedule
+from harness.spec.placement import (
+    Schedule,
+    Wave,
+    available_memory_bytes,
+    cpu_instance_budget,
+    schedule,
+)
 from harness.spec.prompts import PromptSpec, render_request
 from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, Topology
@@ -149,8 +155,6 @@ class Sweep:
     def _cpu_budget(self) -> int | None:
         if self.settings.platform.exclusive_devices:
             return None
-        from harness.spec.placement import available_memory_bytes, cpu_instance_budget
-
         return cpu_instance_budget(
             len(self.settings.devices), available_memory_bytes(), self.settings.workers
         )
