@@ -1,0 +1,144 @@
+"""`--plant-fault` values with strengths, and the detection table the graded self-test keeps
+(pure logic: no torch, no vLLM)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.cli.main import main
+from harness.errors import BadInput
+from harness.run.faults import FaultSpec, parse_fault
+from harness.run.graded import (
+    DETECTION_PROMPTS,
+    NOISE_LADDER,
+    DetectionTable,
+    Rung,
+    load_thresholds,
+    regressions,
+    run_ladder,
+)
+
+THRESHOLDS = Path(__file__).resolve().parents[1] / "scenarios" / "detection_thresholds.json"
+
+
+@pytest.mark.parametrize(
+    "text, spec",
+    [
+        ("corrupt-ec", FaultSpec("corrupt-ec")),
+        ("ec-noise:0.05", FaultSpec("ec-noise", 0.05)),
+        ("kv-noise:5e-3", FaultSpec("kv-noise", 0.005)),
+        ("ec-swap-items", FaultSpec("ec-swap-items")),
+        ("ec-zero-frame", FaultSpec("ec-zero-frame")),
+        ("ec-zero-frame:2", FaultSpec("ec-zero-frame", 2.0)),
+        ("ec-video-grid", FaultSpec("ec-video-grid")),
+    ],
+)
+def test_fault_values_parse(text: str, spec: FaultSpec):
+    assert parse_fault(text) == spec
+
+
+@pytest.mark.parametrize(
+    "text, cause",
+    [
+        ("ec-noise", "ec-noise needs a strength"),
+        ("ec-noise:0", "in (0, 100]"),
+        ("kv-noise:-0.1", "in (0, 100]"),
+        ("ec-noise:nan", "in (0, 100]"),
+        ("ec-noise:inf", "in (0, 100]"),
+        ("ec-noise:lots", "e.g. ec-noise:0.05"),
+        ("ec-zero-frame:-1", "takes a temporal frame index"),
+        ("ec-swap-items:2", "takes no strength"),
+        ("corrupt-ec:0.5", "takes no strength"),
+        ("ec-melt:0.5", "unknown fault 'ec-melt:0.5'"),
+    ],
+)
+def test_bad_fault_values_are_one_bad_input_line(text: str, cause: str):
+    with pytest.raises(BadInput) as raised:
+        parse_fault(text)
+    message = str(raised.value)
+    assert cause in message and "\n" not in message, message
+
+
+def test_cli_refuses_a_bad_strength_in_one_line(capsys):
+    assert main(["run", "--plant-fault", "ec-noise:zero"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ec-noise needs a strength" in err[0], err
+
+
+def test_list_shows_the_graded_faults(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("ec-noise:FRACTION", "kv-noise:FRACTION", "ec-swap-items", "ec-zero-frame",
+                 "ec-video-grid"):  # fmt: skip
+        assert name in out, out
+
+
+def rung(strength: float, verdict: str, index: int | None = 0, topology="1E+1PD") -> Rung:
+    caught = verdict in ("MISMATCH", "VACUOUS")
+    return Rung("ec-noise", strength, topology, f"p-{strength}", verdict, caught, index, True,
+                "detail", 1)  # fmt: skip
+
+
+def test_ladder_stops_after_the_first_miss():
+    verdicts = {0.5: "MISMATCH", 0.05: "MISMATCH", 0.005: "MATCH", 0.0005: "MISMATCH"}
+    asked = []
+
+    def plant_and_judge(n: int, strength: float) -> Rung:
+        asked.append((n, strength))
+        return rung(strength, verdicts[strength])
+
+    rungs = run_ladder(NOISE_LADDER, plant_and_judge)
+    assert asked == [(0, 0.5), (1, 0.05), (2, 0.005)], asked
+    cell = DetectionTable(rungs).cells()["ec-noise"]["1E+1PD"]
+    assert cell["smallest_caught"] == 0.05 and cell["missed_at"] == 0.005, cell
+    assert cell["missed_verdict"] == "MATCH", cell
+
+
+def test_regressions_are_larger_thresholds_or_nothing_caught():
+    committed = {"ec-noise": {"1E+1PD": 0.005, "1E+1P+1D": 0.05}}
+    same = DetectionTable([rung(0.5, "MISMATCH"), rung(0.05, "MISMATCH"), rung(0.005, "MISMATCH")])
+    assert regressions(same.cells(), committed) == []
+    worse = DetectionTable([rung(0.5, "MISMATCH"), rung(0.05, "MISMATCH"), rung(0.005, "MATCH")])
+    problems = regressions(worse.cells(), committed)
+    assert len(problems) == 1 and "0.05, committed 0.005" in problems[0], problems
+    blind = DetectionTable([rung(0.5, "DRIFT", topology="1E+1P+1D")])
+    problems = regressions(blind.cells(), committed)
+    assert len(problems) == 1 and "no longer caught at all" in problems[0], problems
+    new_cell = DetectionTable([rung(0.5, "MISMATCH", topology="2E+1PD")])
+    assert regressions(new_cell.cells(), committed) == [], "an uncommitted cell is not worse"
+
+
+def test_table_is_written_as_json_and_markdown(tmp_path: Path):
+    table = DetectionTable([rung(0.5, "MISMATCH", 0), rung(0.05, "MISMATCH", 2),
+                            rung(0.005, "MATCH", None)])  # fmt: skip
+    table.write(tmp_path)
+    data = json.loads((tmp_path / "detection.json").read_text())
+    cell = data["thresholds"]["ec-noise"]["1E+1PD"]
+    assert cell["smallest_caught"] == 0.05 and cell["first_token_index"] == 2, cell
+    assert len(data["rungs"]) == 3
+    markdown = (tmp_path / "detection.md").read_text()
+    assert "| ec-noise | 1E+1PD | 0.05 | 2 | MISMATCH | 0.005 (MATCH) |" in markdown, markdown
+
+
+def test_committed_thresholds_cover_the_acceptance_topologies():
+    committed = load_thresholds(THRESHOLDS)
+    for fault, topologies in (("ec-noise", ("1E+1PD", "1E+1P+1D")),
+                              ("kv-noise", ("1P+1D", "1E+1P+1D"))):  # fmt: skip
+        for topology in topologies:
+            assert committed[fault][topology] <= 0.05, (fault, topology, committed)
+
+
+def test_detection_prompts_have_media_of_their_own():
+    from harness.run.scenarios import matrix_prompts
+    from harness.spec.prompts import SKELETON_PROMPTS
+
+    def seeds(prompts) -> list[int]:
+        return [p.seed for prompt in prompts for p in prompt.parts if hasattr(p, "seed")]
+
+    own = seeds(DETECTION_PROMPTS)
+    assert len(own) == len(set(own)), f"two detection rungs share media: {own}"
+    shared = set(own) & set(seeds((*SKELETON_PROMPTS, *matrix_prompts())))
+    assert not shared, f"detection media also used by the sweep or matrix: {shared}"
