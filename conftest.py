@@ -49,6 +49,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 TIER_MARKERS = ("process", "model", "browser", "e2e")
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """With `-m unit` (tox -e fast: no torch, no vLLM installed), a module whose tier marker is
+    another one is not even imported: its top-level imports need what the unit tier lacks. Any
+    other selection collects everything (a missing dependency then fails loudly)."""
+    if config.getoption("markexpr") != "unit" or collection_path.suffix != ".py":
+        return None
+    text = collection_path.read_text(encoding="utf-8", errors="replace")
+    if any(f"pytestmark = pytest.mark.{tier}" in text for tier in TIER_MARKERS):
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The `unit` tier for unmarked tests, the `--epd-topology` filter, and one xdist group per
     topology (its sessions stay on one worker under `--dist loadgroup`)."""
