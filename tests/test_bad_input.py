@@ -484,9 +484,9 @@ def text_prompt_cache_entry(cache: Path) -> Path:
 @pytest.mark.parametrize(
     "text,cause",
     [
-        ('{"format": 2, "result": ', "Expecting value: line 1 column 25 (char 24)"),
+        ('{"format": 3, "result": ', "Expecting value: line 1 column 25 (char 24)"),
         ("[]", "expected a JSON object, found list"),
-        ('{"format": 0, "result": {}}', "format 0, expected 2"),
+        ('{"format": 0, "result": {}}', "format 0, expected 3"),
     ],
 )
 def test_corrupt_baseline_cache_entry(
