@@ -8,8 +8,11 @@ we check, from the proxy's trace and the instances' storage:
   storage holds `<mm_hash>/encoder_cache.safetensors` for it (a consumer that misses may leave
   an empty `<mm_hash>/` directory in 0.32, so the directory alone proves nothing);
 - `consumer_embeds`: every media part reached the consumer as a metadata-only `*_embeds` part;
-- `kv_transfer`: D reported `cached_tokens` reaching the block-aligned prompt prefix
-  (align_down(prompt_tokens - 1, block_size)); a local prefix hit alone is smaller.
+- `kv_transfer`: D reported `cached_tokens` reaching what the run's KV connector moves
+  (`harness.spec.connectors.KvRule`): with ExampleConnector the block-aligned prompt prefix
+  (align_down(prompt_tokens - 1, block_size)), with NixlConnector the whole prompt but the token
+  D computes (prompt_tokens - 1). A local prefix hit alone is smaller. The evidence names the
+  rule applied, so a report says which one a MATCH was held to.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from harness.serve.client import ChatResult
 from harness.serve.proxy import RequestTrace
 from harness.serve.session import Outcome, TopologySession
+from harness.spec.connectors import KvRule, expected_kv_tokens, kv_connector_for_class
 from harness.spec.topology import Topology
 
 EC_CACHE_FILE = "encoder_cache.safetensors"
@@ -72,14 +76,23 @@ def check_consumer_embeds(trace: RequestTrace) -> GuardResult:
     )
 
 
-def check_kv_transfer(result: ChatResult, block_size: int) -> GuardResult:
-    expected = expected_kv_prefix(len(result.prompt_token_ids), block_size)
+def kv_rule_for(kv_connector: str) -> KvRule:
+    """The rule for a ServingConfig's connector class; an unknown connector (given through
+    extra_args) is held to the weaker block-aligned rule, which every connector meets."""
+    known = kv_connector_for_class(kv_connector)
+    return known.rule if known is not None else KvRule.BLOCK_ALIGNED_PREFIX
+
+
+def check_kv_transfer(
+    result: ChatResult, block_size: int, rule: KvRule = KvRule.BLOCK_ALIGNED_PREFIX
+) -> GuardResult:
+    expected = expected_kv_tokens(rule, len(result.prompt_token_ids), block_size)
     cached = result.cached_tokens
     ok = cached is not None and expected > 0 and cached >= expected
     return GuardResult(
         "kv_transfer",
         ok,
-        f"D cached_tokens={cached}, expected >= {expected} "
+        f"D cached_tokens={cached}, expected >= {expected} by the {rule.value} rule "
         f"(prompt {len(result.prompt_token_ids)} tokens, block {block_size})",
     )
 
@@ -90,6 +103,7 @@ def check_transfers(
     result: ChatResult,
     ec_storage: Path | None,
     block_size: int,
+    kv_rule: KvRule = KvRule.BLOCK_ALIGNED_PREFIX,
 ) -> list[GuardResult]:
     """Every guard that applies to this topology and request."""
     guards: list[GuardResult] = []
@@ -97,7 +111,7 @@ def check_transfers(
         guards.append(check_encoder_output(trace, ec_storage))
         guards.append(check_consumer_embeds(trace))
     if topology.has_kv_transfer:
-        guards.append(check_kv_transfer(result, block_size))
+        guards.append(check_kv_transfer(result, block_size, kv_rule))
     return guards
 
 
@@ -112,4 +126,5 @@ def session_guards(session: TopologySession, outcome: Outcome) -> list[GuardResu
         outcome.result,
         session.ec_storage,
         session.settings.serving.block_size,
+        kv_rule_for(session.settings.serving.kv_connector),
     )
