@@ -168,3 +168,36 @@ def test_nixl_refused_in_one_line_when_the_served_python_lacks_it(tmp_path: Path
 def test_example_connector_needs_no_probe(tmp_path: Path) -> None:
     served = dataclasses.replace(SERVED, executable=str(tmp_path / "missing-vllm"))
     check_kv_connector(served, EXAMPLE)  # would fail if it probed anything
+
+
+# --- the planted KV fault under NIXL ----------------------------------------------------------
+
+
+def test_zero_kv_under_nixl_misroutes_the_block_ids_p_hands_to_d(tmp_path: Path) -> None:
+    from harness.run.faults import fault_for
+
+    fault = fault_for("zero-kv", None, tmp_path, "NixlConnector")
+    response = {"kv_transfer_params": {"remote_block_ids": [[4, 5, 6]], "remote_port": 1}}
+    fault.after_prefill("r1", response)
+    assert response["kv_transfer_params"]["remote_block_ids"] == [[6, 5, 4]]
+    assert fault.effects == ["r1: remote_block_ids [[4, 5, 6]] -> [[6, 5, 4]]"]
+    assert fault.problems == []
+
+
+@pytest.mark.parametrize(
+    ("params", "problem"),
+    [({}, "no remote_block_ids"), ({"remote_block_ids": [[7]]}, "nothing to misroute")],
+)
+def test_nixl_fault_that_cannot_act_says_so(params: dict, problem: str, tmp_path: Path) -> None:
+    from harness.run.faults import fault_for
+
+    fault = fault_for("zero-kv", None, tmp_path, "NixlConnector")
+    fault.after_prefill("r1", {"kv_transfer_params": params})
+    assert problem in fault.problems[0] and not fault.effects
+
+
+def test_kv_noise_has_no_nixl_form(tmp_path: Path) -> None:
+    from harness.run.faults import fault_for
+
+    with pytest.raises(BadInput, match="KV never leaves P's memory"):
+        fault_for("kv-noise:0.1", None, tmp_path, "NixlConnector")

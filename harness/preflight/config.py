@@ -105,7 +105,11 @@ def prepare_run(request: RunRequest) -> RunConfig:
     devices = _devices(request.devices, platform)
     kv_connector = _kv_connector(request.kv_connector, platform)
     if request.plant_fault is not None:
-        parse_fault(request.plant_fault)  # a plain or graded fault (ec-noise:0.05): BadInput
+        fault = parse_fault(request.plant_fault)  # a plain or graded fault: BadInput
+        if fault.kind == "kv-noise" and kv_connector.name == "nixl":
+            raise BadInput("--plant-fault kv-noise rewrites ExampleConnector's KV files; with "
+                           "--kv-connector nixl the KV never leaves P's memory (zero-kv "
+                           "misroutes NIXL's block ids instead)")  # fmt: skip
     ports = port_range()
 
     model_dir = resolve_model(request.model, platform.default_model, cache_dir())
