@@ -38,6 +38,27 @@ def d_result(prompt_tokens: int, cached: int | None) -> ChatResult:
 # --- the rule per connector -------------------------------------------------------------------
 
 
+def test_metrics_page_as_vllm_032_serves_it_under_nixl() -> None:
+    """Recorded from a NIXL D after one 121-token request (labels as vLLM renders them)."""
+    from harness.serve.kv_metrics import parse_counters
+
+    page = "\n".join([
+        "# HELP vllm:nixl_xfer_time_seconds Histogram of transfer duration for NIXL KV",
+        'vllm:nixl_xfer_time_seconds_count{engine="0",model_name="epd-model"} 1.0',
+        'vllm:nixl_bytes_transferred_sum{engine="0",model_name="epd-model"} 65536.0',
+        'vllm:nixl_num_failed_transfers_total{engine="0",model_name="epd-model"} 0.0',
+        'vllm:prompt_tokens_by_source_total{engine="0",model_name="epd-model",source="external_kv_transfer"} 0.0',
+        'vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="epd-model",source="p2p"} 121.0',
+        'vllm:prompt_tokens_cached_by_source_created{engine="0",model_name="epd-model",source="p2p"} 1.79e+09',
+    ])  # fmt: skip
+    counters = parse_counters(page).values
+    assert counters["p2p_cached_tokens"] == 121.0
+    assert counters["nixl_transfers"] == 1.0 and counters["nixl_bytes"] == 65536.0
+    assert counters["external_kv_tokens"] == 0.0
+    earlier = parse_counters(page.replace("} 121.0", "} 21.0"))
+    assert parse_counters(page).minus(earlier)["p2p_cached_tokens"] == 100.0
+
+
 @pytest.mark.parametrize(
     ("rule", "prompt", "expected"),
     [
@@ -53,25 +74,46 @@ def test_expected_tokens_per_rule(rule: KvRule, prompt: int, expected: int) -> N
     assert expected_kv_tokens(rule, prompt, 32) == expected
 
 
+def nixl_counters(p2p: float, failed: float = 0.0) -> dict[str, float]:
+    return {"p2p_cached_tokens": p2p, "nixl_transfers": 1.0, "nixl_bytes": 65536.0,
+            "nixl_failed_transfers": failed}  # fmt: skip
+
+
 def test_nixl_rule_refuses_what_the_example_rule_accepts() -> None:
     """64 of 89 is all ExampleConnector moves, but under NIXL it means the partial last block
     was recomputed: D did not get the whole prompt."""
     result = d_result(89, 64)
     example = check_kv_transfer(result, 32, KvRule.BLOCK_ALIGNED_PREFIX)
-    nixl = check_kv_transfer(result, 32, KvRule.WHOLE_PROMPT)
+    nixl = check_kv_transfer(result, 32, KvRule.WHOLE_PROMPT, nixl_counters(64))
     assert example.ok and not nixl.ok
     assert "block-aligned prefix rule" in example.evidence and "expected >= 64" in example.evidence
     assert "whole prompt rule" in nixl.evidence and "expected >= 88" in nixl.evidence
 
 
-@pytest.mark.parametrize("cached", [None, 0, 32, 87])
-def test_nixl_rule_fails_short_of_the_whole_prompt(cached: int | None) -> None:
-    assert check_kv_transfer(d_result(89, cached), 32, KvRule.WHOLE_PROMPT).ok is False
+@pytest.mark.parametrize("p2p", [0, 32, 87])
+def test_nixl_rule_fails_short_of_the_whole_prompt(p2p: float) -> None:
+    assert (
+        check_kv_transfer(d_result(89, 0), 32, KvRule.WHOLE_PROMPT, nixl_counters(p2p)).ok is False
+    )
 
 
-@pytest.mark.parametrize("cached", [88, 89])
-def test_nixl_rule_holds_for_the_whole_prompt(cached: int) -> None:
-    assert check_kv_transfer(d_result(89, cached), 32, KvRule.WHOLE_PROMPT).ok is True
+@pytest.mark.parametrize("p2p", [88, 89])
+def test_nixl_rule_holds_for_the_whole_prompt_even_with_cached_tokens_zero(p2p: float) -> None:
+    """As measured on vLLM 0.32: cached_tokens=0 on D, the p2p counter the whole prompt."""
+    guard = check_kv_transfer(d_result(89, 0), 32, KvRule.WHOLE_PROMPT, nixl_counters(p2p))
+    assert guard.ok is True
+    assert f"p2p cached tokens +{p2p:g}" in guard.evidence and "cached_tokens=0" in guard.evidence
+
+
+def test_nixl_rule_fails_on_a_failed_transfer() -> None:
+    guard = check_kv_transfer(d_result(89, 0), 32, KvRule.WHOLE_PROMPT, nixl_counters(89, 1))
+    assert not guard.ok and "failed +1" in guard.evidence
+
+
+def test_nixl_rule_without_metrics_is_not_evidence() -> None:
+    """cached_tokens cannot stand in under NIXL: without D's counters the guard fails."""
+    guard = check_kv_transfer(d_result(89, 88), 32, KvRule.WHOLE_PROMPT, None)
+    assert not guard.ok and "could not be read" in guard.evidence
 
 
 def test_rule_follows_the_serving_config_connector() -> None:
@@ -83,7 +125,7 @@ def test_rule_follows_the_serving_config_connector() -> None:
 
 def test_check_transfers_applies_the_rule_it_is_given(tmp_path: Path) -> None:
     [guard] = check_transfers(get_topology("1P+1D"), None, d_result(89, 64), tmp_path, 32,
-                              KvRule.WHOLE_PROMPT)  # fmt: skip
+                              KvRule.WHOLE_PROMPT, nixl_counters(64))  # fmt: skip
     assert not guard.ok and "whole prompt" in guard.evidence
 
 
@@ -201,3 +243,26 @@ def test_kv_noise_has_no_nixl_form(tmp_path: Path) -> None:
 
     with pytest.raises(BadInput, match="KV never leaves P's memory"):
         fault_for("kv-noise:0.1", None, tmp_path, "NixlConnector")
+
+
+# --- matrix expectations per connector --------------------------------------------------------
+
+
+def test_decode_tail_crash_is_expected_only_under_example_connector() -> None:
+    from harness.judge.records import Verdict
+    from harness.run.scenarios import get_scenario
+
+    tail = get_scenario("epd-media-in-decode-tail")
+    example = tail.for_kv_connector("ExampleConnector")
+    assert example.expect == (Verdict.ERROR,) and "multimodal embeddings" in example.expect_evidence
+    nixl = tail.for_kv_connector("NixlConnector")
+    assert nixl.expect == (Verdict.MATCH,)
+    assert nixl.expect_evidence == "" and nixl.reason == ""
+    assert nixl.effective_policy == nixl.policy  # judged like any MATCH scenario
+
+
+def test_scenarios_without_an_override_are_the_same_under_every_connector() -> None:
+    from harness.run.scenarios import MATRIX
+
+    plain = [s for s in MATRIX if not s.expect_by_kv_connector]
+    assert plain and all(s.for_kv_connector("NixlConnector") is s for s in plain)
