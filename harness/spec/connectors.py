@@ -8,11 +8,12 @@ read the same facts:
 
 * the vLLM class name written into `--kv-transfer-config`;
 * the Python module the served vLLM must be able to import (NIXL is not a vLLM dependency);
-* `kv_connector_extra_config` it needs beyond storage paths. NIXL's KV lease (default 30 s) is
-  how long P keeps a finished request's blocks for D to pull. On 2 shared cores D's first
-  handshake alone can outlast it, P frees the blocks, and D stalls until it times out (measured:
-  single requests of 17-69 s). A long lease costs nothing when D pulls promptly: P frees the
-  blocks as soon as D reports the read;
+* `kv_connector_extra_config` it needs on CPU beyond storage paths. NIXL's KV lease (default
+  30 s) is how long P keeps a finished request's blocks for D to pull. On 2 shared cores D's
+  first handshake and request can outlast it (measured: first requests of 27-34 s, single
+  requests stalled for minutes), P frees the blocks, and D stalls until it times out. A long
+  lease costs nothing when D pulls promptly: P frees the blocks as soon as D reports the read.
+  GPU runs keep vLLM's defaults, which is what users deploy;
 * how much of the prompt D receives, which is what the KV guard expects (`KvRule`).
 """
 
@@ -45,8 +46,8 @@ class KvConnector:
     # Module the served vLLM's interpreter must import for this connector (None: built in).
     requires_module: str | None = None
     install_hint: str = ""
-    # Added to kv_connector_extra_config (storage paths are the renderer's business).
-    extra_config: dict = field(default_factory=dict)
+    # Added to kv_connector_extra_config on CPU only (storage paths are the renderer's business).
+    cpu_extra_config: dict = field(default_factory=dict)
     # Shares files between P and D under the topology's KV storage directory.
     uses_shared_storage: bool = False
     # Needs a VLLM_NIXL_SIDE_CHANNEL_PORT per KV instance.
@@ -68,7 +69,7 @@ NIXL = KvConnector(
     requires_module="nixl._api",
     install_hint="scripts/cpu setup --nixl (or pip install -e '.[nixl]' in the served vLLM's "
     "environment)",
-    extra_config={"kv_lease_duration": NIXL_KV_LEASE_DURATION_S},
+    cpu_extra_config={"kv_lease_duration": NIXL_KV_LEASE_DURATION_S},
     uses_side_channel=True,
 )
 KV_CONNECTORS: dict[str, KvConnector] = {c.name: c for c in (EXAMPLE, NIXL)}

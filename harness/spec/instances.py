@@ -120,9 +120,9 @@ class InstanceSpec:
         if self.serving.kv_connector == NIXL_CONNECTOR:
             config["kv_buffer_device"] = self.platform.nixl_kv_buffer_device
         known = kv_connector_for_class(self.serving.kv_connector)
-        if known is not None and known.extra_config:
+        if known is not None and known.cpu_extra_config and self.platform.device_env_var is None:
             extra = config.setdefault("kv_connector_extra_config", {})
-            extra.update(known.extra_config)
+            extra.update(known.cpu_extra_config)
         return config
 
     def env(self) -> dict[str, str]:
