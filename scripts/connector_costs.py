@@ -47,7 +47,10 @@ def tree_cpu_seconds(pid: int) -> float:
 
 
 def port_is_free(port: int) -> bool:
+    """Bindable as a server binds (SO_REUSEADDR): connections of the stopped server may still
+    sit in TIME_WAIT, which does not keep the next server off the port."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((LOOPBACK_HOST, port))
         except OSError:

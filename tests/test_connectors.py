@@ -39,7 +39,7 @@ def d_result(prompt_tokens: int, cached: int | None) -> ChatResult:
 
 
 def test_metrics_page_as_vllm_032_serves_it_under_nixl() -> None:
-    """Recorded from a NIXL D after one 121-token request (labels as vLLM renders them)."""
+    """Sampled from a NIXL D around a 121-token request (labels as vLLM renders them)."""
     from harness.serve.kv_metrics import parse_counters
 
     page = "\n".join([

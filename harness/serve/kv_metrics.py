@@ -3,10 +3,11 @@
 Why not `usage.prompt_tokens_details.cached_tokens` alone: it is what ExampleConnector runs are
 judged by, but under NixlConnector vLLM 0.32 reports `cached_tokens=0` on D although the whole
 prompt's KV arrived (measured: 0 for 121-379-token prompts whose outputs matched the baseline,
-while D's log showed successful NIXL transfers). D does count them, in
-`vllm:prompt_tokens_cached_by_source{source="p2p"}`: the whole prompt (121 of 121 measured), not
-in `prompt_tokens_by_source{source="external_kv_transfer"}`, which stayed 0 under NIXL too; NIXL
-adds its own transfer counters (transfers, bytes, failures). The session
+while D's log showed successful NIXL transfers). D does count them in its Prometheus
+counters: `vllm:prompt_tokens_cached_by_source{source="p2p"}` and
+`vllm:prompt_tokens_by_source{source="external_kv_transfer"}` both grew by the whole prompt per
+request (121, 187, 253, 379 tokens), `local_compute` by 0; NIXL adds its own transfer counters
+(transfers, bytes, failures). The session
 reads them just before and just after each request and keeps the difference, so the KV guard
 has evidence for every connector. Requests sent concurrently to one D blur the difference: the
 guard then sees the sum of all of them (never less than one request's share).
