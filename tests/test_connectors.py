@@ -221,9 +221,18 @@ def test_zero_kv_under_nixl_misroutes_the_block_ids_p_hands_to_d(tmp_path: Path)
     fault = fault_for("zero-kv", None, tmp_path, "NixlConnector")
     response = {"kv_transfer_params": {"remote_block_ids": [[4, 5, 6]], "remote_port": 1}}
     fault.after_prefill("r1", response)
-    assert response["kv_transfer_params"]["remote_block_ids"] == [[6, 5, 4]]
-    assert fault.effects == ["r1: remote_block_ids [[4, 5, 6]] -> [[6, 5, 4]]"]
+    assert response["kv_transfer_params"]["remote_block_ids"] == [[4, 4, 4]]
+    assert fault.effects == ["r1: remote_block_ids [[4, 5, 6]] -> [[4, 4, 4]]"]
     assert fault.problems == []
+
+
+def test_nixl_fault_handles_a_flat_block_list(tmp_path: Path) -> None:
+    from harness.run.faults import fault_for
+
+    fault = fault_for("zero-kv", None, tmp_path, "NixlConnector")
+    response = {"kv_transfer_params": {"remote_block_ids": [9, 10]}}
+    fault.after_prefill("r1", response)
+    assert response["kv_transfer_params"]["remote_block_ids"] == [9, 9]
 
 
 @pytest.mark.parametrize(

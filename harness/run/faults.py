@@ -11,8 +11,8 @@ purpose, and the self-test checks that the judge names the right verdict:
 - `kill_instance`: an instance dies mid-run                          -> ERROR, at once
 - `misroute_nixl_blocks`: under NixlConnector there are no files: P's KV stays in P's memory
   and D reads it over UCX. The proxy carries P's `kv_transfer_params` to D, so the fault
-  reverses `remote_block_ids` there: D's NIXL reads P's real blocks, each into the wrong
-  position of the prompt                                             -> MISMATCH
+  points every `remote_block_ids` entry at P's first block: D's NIXL reads P's real buffers,
+  but the first block's KV into every position                       -> MISMATCH
 
 Graded faults (issue 10) find how small a break the harness still catches, so a loss of
 sensitivity shows up as a number (docs/self-test.md; the search is in `harness.run.graded`):
@@ -138,16 +138,19 @@ def zero_kv_files(kv_storage: Path) -> PlantedFault:
 
 
 def misroute_nixl_blocks() -> PlantedFault:
-    """After P answered, reverse the block ids P handed out for D's NIXL read.
+    """After P answered, point every block id P handed out for D's NIXL read at P's first block.
 
     What `zero_kv_files` does to ExampleConnector's files cannot be done to NIXL's buffers from
     outside vLLM: they are P's registered KV cache in P's own address space, read by D through
     UCX. (Zeroing them would take a NIXL peer that asks P's side channel for its region
     addresses and writes into P's memory as root: a debugger, not a harness.) What the harness
-    does own is the hand-over: the proxy carries `remote_block_ids` from P to D. Reversed, D
-    really reads P's buffers over NIXL, but prompt block i gets block n-1-i's keys and values,
-    which no correct decode survives. A prompt of one block has nothing to reverse: recorded as
-    a problem rather than passed off as planted.
+    does own is the hand-over: the proxy carries `remote_block_ids` from P to D. With every id
+    set to the first block's, D really reads P's buffers over NIXL, but gets the prompt's first
+    block n times and none of the rest (the media's KV among it). A permutation would not do:
+    keys carry their positions (RoPE is applied before caching) and attention over a set of
+    keys ignores their order, so reversed blocks changed answers only through the partial last
+    block, and left one prompt in four (two_images) matching the baseline (measured). A prompt of one block has nothing to misroute: recorded as a
+    problem rather than passed off as planted.
     """
     fault = PlantedFault()
 
@@ -159,12 +162,14 @@ def misroute_nixl_blocks() -> PlantedFault:
             return
         # One list per KV cache group (vLLM's BlockIds), or a flat list in older releases.
         grouped = isinstance(blocks[0], list)
-        reversed_blocks = [group[::-1] for group in blocks] if grouped else blocks[::-1]
-        if reversed_blocks == blocks:
+        groups = blocks if grouped else [blocks]
+        misrouted = [[group[0]] * len(group) if group else group for group in groups]
+        if misrouted == groups:
             fault.problems.append(f"{request_id}: one block {blocks}: nothing to misroute")
             return
-        params["remote_block_ids"] = reversed_blocks
-        fault.effects.append(f"{request_id}: remote_block_ids {blocks} -> {reversed_blocks}")
+        params["remote_block_ids"] = misrouted if grouped else misrouted[0]
+        fault.effects.append(f"{request_id}: remote_block_ids {blocks} -> "
+                             f"{params['remote_block_ids']}")  # fmt: skip
 
     fault.after_prefill = after_prefill
     return fault
