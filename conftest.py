@@ -39,6 +39,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run a vLLM outside the tested series (the version gate applies to pytest too)",
     )
     group.addoption(
+        "--epd-kv-connector",
+        help="KV connector between P and D: example (cpu default) or nixl (GPU default); "
+        "see docs/connectors.md",
+    )
+    group.addoption(
         "--epd-topology",
         help="comma list: run only scenarios of these topologies (names contain '+', so -k "
         "cannot select them)",
@@ -117,6 +122,7 @@ def epd_config(pytestconfig: pytest.Config, epd_worker: tuple[str, int]):
         colocate=pytestconfig.getoption("--epd-colocate"),
         worker_id=epd_worker[0],
         workers=epd_worker[1],
+        kv_connector=pytestconfig.getoption("--epd-kv-connector"),
     )
     try:
         return prepare_run(request)

@@ -30,9 +30,9 @@ from harness.run.faults import (
     PlantedFault,
     corrupt_ec_files,
     drop_encoder_metadata,
+    fault_for,
     kill_instance,
     plant,
-    zero_kv_files,
 )
 from harness.serve.launch import ManagedServer, describe_process, is_live_process
 from harness.serve.proxy import ProxyFaults
@@ -137,7 +137,7 @@ def judge(
 
 def assert_fault_fired(fault: PlantedFault) -> None:
     """A fault that touched nothing would make a red verdict mean something else."""
-    assert fault.touched and not fault.problems, (
+    assert (fault.touched or fault.effects) and not fault.problems, (
         f"the planted fault did not do its job: touched {fault.touched}, "
         f"problems {fault.problems}"
     )
@@ -249,13 +249,15 @@ class TestKvFaults:
 
     def test_zeroed_kv_is_a_mismatch(self, epd_sweep, kv_topology: LiveTopology):
         live = kv_topology
-        fault = zero_kv_files(live.session.kv_storage)
+        # ExampleConnector: its files zeroed; NixlConnector: its block ids misrouted (faults.py)
+        fault = fault_for("zero-kv", None, live.session.kv_storage,
+                          live.session.settings.serving.kv_connector)  # fmt: skip
         outcome, guards = live.send_with_fault(fault, ZERO_KV_PROMPT, epd_sweep.bodies[ZERO_KV_PROMPT])
         assert_fault_fired(fault)
         record = judge(epd_sweep, live, outcome, guards)
         assert record.verdict is Verdict.MISMATCH, (
             f"zeroed KV must be a MISMATCH, got {record.verdict.value} "
-            f"({len(fault.touched)} KV files zeroed):\n" + format_failure(record)
+            f"({len(fault.touched)} KV files zeroed; {fault.effects}):\n" + format_failure(record)
         )
         assert record.policy_passed is False, f"a MISMATCH passed the policy: {record}"
         failed = record.failed_guards()

@@ -357,6 +357,20 @@ def test_host_flags_are_gone_not_ignored(run_cli: RunCli, flags: tuple[str, ...]
     )
 
 
+def test_unknown_kv_connector(run_cli: RunCli) -> None:
+    code, err = run_cli("--kv-connector", "mooncake")
+    cause = "unknown KV connector 'mooncake' (known: example, nixl)"
+    assert_one_error_line(code, err, cause)
+
+
+def test_kv_connector_without_a_decode_instance(run_cli: RunCli) -> None:
+    """1E+1PD moves no KV: a --kv-connector there would be ignored, so it is refused."""
+    code, err = run_cli("--kv-connector", "nixl", "--topology", "1E+1PD")
+    cause = ("--kv-connector moves KV from P to D, and none of 1E+1PD has a D; drop it or add "
+             "a P->D topology (1P+1D, 1E+1P+1D)")  # fmt: skip
+    assert_one_error_line(code, err, cause)
+
+
 @contextlib.contextmanager
 def held_port() -> Iterator[int]:
     """A port another program listens on, for as long as the block runs."""

@@ -137,6 +137,8 @@ def test_kv_connector_without_example_storage_has_no_extra_config(tmp_path: Path
         "kv_connector": "NixlConnector",
         "kv_role": "kv_consumer",
         "kv_buffer_device": "cpu",  # the CPU platform's NIXL buffers
+        # a lease long enough for a slow first handshake on shared cores (spec/connectors.py)
+        "kv_connector_extra_config": {"kv_lease_duration": 300},
     }
 
 

@@ -45,6 +45,7 @@ from harness.serve.launch import (
     install_signal_handlers,
 )
 from harness.serve.ports import NoFreePortError
+from harness.spec.connectors import KV_CONNECTORS
 from harness.spec.platforms import DEFAULT_CPU_CORES, get_platform
 from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.topology import TOPOLOGIES
@@ -112,6 +113,7 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         platform=args.platform,
         colocate=args.colocate,
         plant_fault=args.plant_fault,
+        kv_connector=args.kv_connector,
     )
 
 
@@ -243,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="matrix scenarios to run as declared (repeatable, comma-separated, "
                      "or 'all'; see 'epd-harness list')")  # fmt: skip
     run.add_argument("--platform", default="cpu", help="cpu (default), cuda or xpu")
+    run.add_argument("--kv-connector", metavar="|".join(KV_CONNECTORS),
+                     help="how P's KV reaches D: example (files; cpu default) or nixl (GPU "
+                     "default; on cpu needs scripts/cpu setup --nixl); docs/connectors.md")  # fmt: skip
     run.add_argument("--colocate", action="store_true",
                      help="GPU: let a topology's instances share devices when there are too few")  # fmt: skip
     run.add_argument("--plant-fault", metavar="FAULT",

@@ -8,8 +8,13 @@ we check, from the proxy's trace and the instances' storage:
   storage holds `<mm_hash>/encoder_cache.safetensors` for it (a consumer that misses may leave
   an empty `<mm_hash>/` directory in 0.32, so the directory alone proves nothing);
 - `consumer_embeds`: every media part reached the consumer as a metadata-only `*_embeds` part;
-- `kv_transfer`: D reported `cached_tokens` reaching the block-aligned prompt prefix
-  (align_down(prompt_tokens - 1, block_size)); a local prefix hit alone is smaller.
+- `kv_transfer`: D reported `cached_tokens` reaching what the run's KV connector moves
+  (`harness.spec.connectors.KvRule`): with ExampleConnector the block-aligned prompt prefix
+  (align_down(prompt_tokens - 1, block_size)) in D's `cached_tokens`; with NixlConnector the
+  whole prompt (at least prompt_tokens - 1) in D's own `p2p` cached-token counter for that
+  request, read from its /metrics (`cached_tokens` is 0 under NIXL in 0.32), with no failed NIXL
+  transfer. A local prefix hit alone is smaller. The evidence names the rule applied, so a
+  report says which one a MATCH was held to.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 from harness.serve.client import ChatResult
 from harness.serve.proxy import RequestTrace
 from harness.serve.session import Outcome, TopologySession
+from harness.spec.connectors import KvRule, expected_kv_tokens, kv_connector_for_class
 from harness.spec.topology import Topology
 
 EC_CACHE_FILE = "encoder_cache.safetensors"
@@ -72,15 +78,46 @@ def check_consumer_embeds(trace: RequestTrace) -> GuardResult:
     )
 
 
-def check_kv_transfer(result: ChatResult, block_size: int) -> GuardResult:
-    expected = expected_kv_prefix(len(result.prompt_token_ids), block_size)
+def kv_rule_for(kv_connector: str) -> KvRule:
+    """The rule for a ServingConfig's connector class; an unknown connector (given through
+    extra_args) is held to the weaker block-aligned rule, which every connector meets."""
+    known = kv_connector_for_class(kv_connector)
+    return known.rule if known is not None else KvRule.BLOCK_ALIGNED_PREFIX
+
+
+def check_kv_transfer(
+    result: ChatResult,
+    block_size: int,
+    rule: KvRule = KvRule.BLOCK_ALIGNED_PREFIX,
+    counters: dict[str, float] | None = None,
+) -> GuardResult:
+    """Did D receive what the connector moves? ExampleConnector: D's `cached_tokens`. NIXL:
+    D's `p2p` cached-token counter for the request (`cached_tokens` stays 0 under NIXL in vLLM
+    0.32, see harness.serve.kv_metrics), and no failed NIXL transfer."""
+    prompt = len(result.prompt_token_ids)
+    expected = expected_kv_tokens(rule, prompt, block_size)
+    if rule is KvRule.WHOLE_PROMPT:
+        if counters is None:
+            return GuardResult("kv_transfer", False, f"D's /metrics could not be read, so "
+                               f"nothing shows that the {rule.value} ({expected} of {prompt} "
+                               f"tokens) reached D (cached_tokens={result.cached_tokens})")  # fmt: skip
+        received = counters.get("p2p_cached_tokens", 0.0)
+        failed = counters.get("nixl_failed_transfers", 0.0)
+        ok = expected > 0 and received >= expected and failed == 0
+        evidence = (
+            f"D p2p cached tokens +{received:g}, expected >= {expected} by the {rule.value} rule "
+            f"(prompt {prompt} tokens); NIXL transfers +{counters.get('nixl_transfers', 0):g}, "
+            f"bytes +{counters.get('nixl_bytes', 0):g}, failed +{failed:g}; "
+            f"cached_tokens={result.cached_tokens}"
+        )
+        return GuardResult("kv_transfer", ok, evidence)
     cached = result.cached_tokens
     ok = cached is not None and expected > 0 and cached >= expected
     return GuardResult(
         "kv_transfer",
         ok,
-        f"D cached_tokens={cached}, expected >= {expected} "
-        f"(prompt {len(result.prompt_token_ids)} tokens, block {block_size})",
+        f"D cached_tokens={cached}, expected >= {expected} by the {rule.value} rule "
+        f"(prompt {prompt} tokens, block {block_size})",
     )
 
 
@@ -90,6 +127,8 @@ def check_transfers(
     result: ChatResult,
     ec_storage: Path | None,
     block_size: int,
+    kv_rule: KvRule = KvRule.BLOCK_ALIGNED_PREFIX,
+    kv_counters: dict[str, float] | None = None,
 ) -> list[GuardResult]:
     """Every guard that applies to this topology and request."""
     guards: list[GuardResult] = []
@@ -97,7 +136,7 @@ def check_transfers(
         guards.append(check_encoder_output(trace, ec_storage))
         guards.append(check_consumer_embeds(trace))
     if topology.has_kv_transfer:
-        guards.append(check_kv_transfer(result, block_size))
+        guards.append(check_kv_transfer(result, block_size, kv_rule, kv_counters))
     return guards
 
 
@@ -112,4 +151,6 @@ def session_guards(session: TopologySession, outcome: Outcome) -> list[GuardResu
         outcome.result,
         session.ec_storage,
         session.settings.serving.block_size,
+        kv_rule_for(session.settings.serving.kv_connector),
+        outcome.kv_counters,
     )

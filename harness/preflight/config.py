@@ -18,11 +18,13 @@ from pathlib import Path
 from harness.environment import cache_dir, port_range
 from harness.errors import BadInput
 from harness.preflight import files, names, resources, tokens
+from harness.preflight.connectors import check_kv_connector
 from harness.preflight.model import resolve_model
 from harness.preflight.vllm import check_vllm, default_vllm_executable
 from harness.run.baseline_cache import BaselineCache
 from harness.run.faults import parse_fault
 from harness.run.scenarios import MATRIX, Scenario, get_scenario, matrix_prompts
+from harness.spec.connectors import KvConnector, get_kv_connector, kv_connector_for_class
 from harness.spec.platforms import (
     DEFAULT_CPU_CORES,
     DevicePlanError,
@@ -60,6 +62,7 @@ class RunRequest:
     workers: int = 1  # parallel pytest-xdist workers sharing the devices
     worker_id: str | None = None  # "gw0"...: run directories of workers stay apart
     count_tokens: bool = True  # check that every prompt fits (loads the processor once)
+    kv_connector: str | None = None  # "example" or "nixl"; None: the platform's default
 
 
 @dataclass(frozen=True)
@@ -91,13 +94,22 @@ def prepare_run(request: RunRequest) -> RunConfig:
         topology_names = list(request.topologies) or list(EPD_TOPOLOGY_NAMES)
         prompt_names = list(request.prompts)
     topologies = names.check_topologies(topology_names)
+    if request.kv_connector is not None and not any(t.has_kv_transfer for t in topologies):
+        raise BadInput(f"--kv-connector moves KV from P to D, and none of "
+                       f"{', '.join(t.name for t in topologies)} has a D; drop it or add a "
+                       f"P->D topology (1P+1D, 1E+1P+1D)")  # fmt: skip
     if matrix:
         prompts = matrix_prompts(matrix)
     else:
         prompts = names.check_prompts(prompt_names) if prompt_names else SKELETON_PROMPTS
     devices = _devices(request.devices, platform)
+    kv_connector = _kv_connector(request.kv_connector, platform)
     if request.plant_fault is not None:
-        parse_fault(request.plant_fault)  # a plain or graded fault (ec-noise:0.05): BadInput
+        fault = parse_fault(request.plant_fault)  # a plain or graded fault: BadInput
+        if fault.kind == "kv-noise" and kv_connector.name == "nixl":
+            raise BadInput("--plant-fault kv-noise rewrites ExampleConnector's KV files; with "
+                           "--kv-connector nixl the KV never leaves P's memory (zero-kv "
+                           "misroutes NIXL's block ids instead)")  # fmt: skip
     ports = port_range()
 
     model_dir = resolve_model(request.model, platform.default_model, cache_dir())
@@ -110,6 +122,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
     served = check_vllm(request.vllm or default_vllm_executable(), request.allow_untested_vllm)
     if baseline_cache is not None and not served.known:
         baseline_cache = None  # an unknown version must never match another's baseline
+    check_kv_connector(served, kv_connector)
     resources.check_free_ports(max(len(t.roles) for t in (TOPOLOGIES["baseline"], *topologies)),
                                ports)  # fmt: skip
 
@@ -118,6 +131,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         str(model_dir),
         max_model_len=request.max_model_len,
         allowed_local_media_path=str(media_dir) if media_dir else None,
+        kv_connector=kv_connector.vllm_class,
     )
     bodies = {p.name: render_request(p, serving.served_model_name) for p in prompts}
     files.check_media_references(bodies, media_dir)
@@ -171,6 +185,15 @@ def _scenarios(requested: tuple[str, ...]) -> tuple[Scenario, ...]:
     if list(requested) == ["all"]:
         return MATRIX
     return tuple(get_scenario(name) for name in requested)
+
+
+def _kv_connector(name: str | None, platform: PlatformProfile) -> KvConnector:
+    """The --kv-connector asked for, or the platform's default (example on cpu, nixl on GPUs)."""
+    if name is not None:
+        return get_kv_connector(name)
+    default = kv_connector_for_class(platform.kv_connector)
+    assert default is not None, f"{platform.name}: unknown default {platform.kv_connector}"
+    return default
 
 
 def _devices(text: str | None, platform: PlatformProfile) -> tuple[int, ...]:

@@ -99,6 +99,12 @@ def check_vllm(executable: str, allow_untested: bool) -> ServedVllm:
     return served
 
 
+def served_interpreter(executable: str) -> list[str] | None:
+    """The interpreter argv of a resolved vLLM executable (its `#!` line), or None."""
+    resolved = shutil.which(executable)
+    return _shebang(Path(resolved)) if resolved else None
+
+
 def _shebang(path: Path) -> list[str] | None:
     try:
         with open(path, "rb") as script:

@@ -27,8 +27,11 @@ from harness.spec.topology import ServingConfig
 
 CACHE_FORMAT = 3  # 2: keyed by the served vLLM and torch; 3: with the noise floor
 LOCK_FILE_NAME = ".lock"
-# Flags that cannot change a baseline's tokens (where files are, what is reported).
-NUMERICS_NEUTRAL_FIELDS = ("allowed_local_media_path", "enable_prompt_tokens_details")
+# Flags that cannot change a baseline's tokens (where files are, what is reported; and the KV
+# connector, which the monolithic baseline does not run: its argv and env are rendered without
+# one, so a baseline computed for an ExampleConnector run serves a NixlConnector run as well).
+NUMERICS_NEUTRAL_FIELDS = ("allowed_local_media_path", "enable_prompt_tokens_details",
+                           "kv_connector")  # fmt: skip
 
 
 class BaselineCacheError(HarnessError):

@@ -9,6 +9,10 @@ purpose, and the self-test checks that the judge names the right verdict:
 - `drop_encoder_metadata`: raw media reach the consumer, which encodes them itself; the tokens
   still equal the baseline's, so only the transfer guards can tell   -> VACUOUS
 - `kill_instance`: an instance dies mid-run                          -> ERROR, at once
+- `misroute_nixl_blocks`: under NixlConnector there are no files: P's KV stays in P's memory
+  and D reads it over UCX. The proxy carries P's `kv_transfer_params` to D, so the fault
+  points every `remote_block_ids` entry at P's first block: D's NIXL reads P's real buffers,
+  but the first block's KV into every position                       -> MISMATCH
 
 Graded faults (issue 10) find how small a break the harness still catches, so a loss of
 sensitivity shows up as a number (docs/self-test.md; the search is in `harness.run.graded`):
@@ -128,6 +132,44 @@ def zero_kv_files(kv_storage: Path) -> PlantedFault:
             fault.problems.append(f"{request_id}: no *{KV_FILE_SUFFIX} under {kv_storage}")
         for path in paths:
             fault.rewrite(request_id, path, zeros)
+
+    fault.after_prefill = after_prefill
+    return fault
+
+
+def misroute_nixl_blocks() -> PlantedFault:
+    """After P answered, point every block id P handed out for D's NIXL read at P's first block.
+
+    What `zero_kv_files` does to ExampleConnector's files cannot be done to NIXL's buffers from
+    outside vLLM: they are P's registered KV cache in P's own address space, read by D through
+    UCX. (Zeroing them would take a NIXL peer that asks P's side channel for its region
+    addresses and writes into P's memory as root: a debugger, not a harness.) What the harness
+    does own is the hand-over: the proxy carries `remote_block_ids` from P to D. With every id
+    set to the first block's, D really reads P's buffers over NIXL, but gets the prompt's first
+    block n times and none of the rest (the media's KV among it). A permutation would not do:
+    keys carry their positions (RoPE is applied before caching) and attention over a set of
+    keys ignores their order, so reversed blocks changed answers only through the partial last
+    block, and left one prompt in four (two_images) matching the baseline (measured). A prompt of one block has nothing to misroute: recorded as a
+    problem rather than passed off as planted.
+    """
+    fault = PlantedFault()
+
+    def after_prefill(request_id: str, prefill_response: dict[str, Any]) -> None:
+        params = prefill_response.get("kv_transfer_params") or {}
+        blocks = params.get("remote_block_ids")
+        if not blocks:
+            fault.problems.append(f"{request_id}: P returned no remote_block_ids: {params}")
+            return
+        # One list per KV cache group (vLLM's BlockIds), or a flat list in older releases.
+        grouped = isinstance(blocks[0], list)
+        groups = blocks if grouped else [blocks]
+        misrouted = [[group[0]] * len(group) if group else group for group in groups]
+        if misrouted == groups:
+            fault.problems.append(f"{request_id}: one block {blocks}: nothing to misroute")
+            return
+        params["remote_block_ids"] = misrouted if grouped else misrouted[0]
+        fault.effects.append(f"{request_id}: remote_block_ids {blocks} -> "
+                             f"{params['remote_block_ids']}")  # fmt: skip
 
     fault.after_prefill = after_prefill
     return fault
@@ -520,13 +562,24 @@ def parse_fault(text: str) -> FaultSpec:
     return FaultSpec(kind)
 
 
-def fault_for(name: str, ec_storage: Path | None, kv_storage: Path | None) -> PlantedFault:
+def fault_for(
+    name: str,
+    ec_storage: Path | None,
+    kv_storage: Path | None,
+    kv_connector: str = "ExampleConnector",
+) -> PlantedFault:
     """The named fault (plain or graded, see `parse_fault`), aimed at a running topology's
-    storage."""
+    storage; under NixlConnector zero-kv becomes `misroute_nixl_blocks` (there are no files)."""
     spec = parse_fault(name)
     if spec.kind in ("zero-kv", "kv-noise"):
         if kv_storage is None:
             raise ValueError(f"fault {spec.kind} needs a topology with P and D")
+        if kv_connector == "NixlConnector":
+            if spec.kind == "kv-noise":
+                raise BadInput("kv-noise rewrites ExampleConnector's KV files; under "
+                               "--kv-connector nixl the KV never leaves P's memory: use zero-kv, "
+                               "which misroutes NIXL's block ids instead")  # fmt: skip
+            return misroute_nixl_blocks()
         return (
             zero_kv_files(kv_storage)
             if spec.kind == "zero-kv"

@@ -62,6 +62,8 @@ class MatrixRun:
             self._session = None
 
     def run(self, scenario: Scenario) -> ScenarioResult:
+        """The scenario, with its expectation for the run's KV connector."""
+        scenario = scenario.for_kv_connector(self.sweep.settings.serving.kv_connector)
         if scenario.name not in self.results:
             self.results[scenario.name] = self._run(scenario)
         return self.results[scenario.name]

@@ -292,7 +292,9 @@ class Sweep:
         outcomes: dict[str, Outcome] = {}
         guards: dict[str, list[GuardResult]] = {}
         if self.spec.fault and session.proxy is not None:
-            plant(session.proxy.faults, fault_for(self.spec.fault, session.ec_storage, session.kv_storage))
+            fault = fault_for(self.spec.fault, session.ec_storage, session.kv_storage,
+                              session.settings.serving.kv_connector)  # fmt: skip
+            plant(session.proxy.faults, fault)
         for name in self.topology_prompts:
             outcome = session.send(name, self.bodies[name])
             outcomes[name] = outcome

@@ -25,6 +25,7 @@ from harness.environment import LOOPBACK_HOST
 from harness.files import write_text_atomic
 from harness.redact import redact_argv, redact_env
 from harness.serve.client import ChatClient, ChatResult
+from harness.serve.kv_metrics import read_counters
 from harness.serve.launch import ManagedServer, ServerCommand, ServerDied, ServerGroup, log_path_for
 from harness.serve.ports import PortLease, lease_devices, reserve_ports
 from harness.serve.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer, RequestTrace
@@ -50,6 +51,9 @@ class Outcome:
     error: str | None = None
     trace: RequestTrace | None = None
     seconds: float = 0.0
+    # D's KV counters, after minus before the request (harness.serve.kv_metrics); None without
+    # a D, or when its /metrics could not be read.
+    kv_counters: dict[str, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -58,6 +62,7 @@ class Outcome:
             "error": self.error,
             "trace": self.trace.to_json() if self.trace else None,
             "seconds": round(self.seconds, 3),
+            "kv_counters": self.kv_counters,
         }
 
 
@@ -224,6 +229,8 @@ class TopologySession:
         outcome = Outcome(prompt=prompt)
         started = time.monotonic()
         log_offsets = {server.name: log_size(server) for server in self._servers}
+        decode_url = next((i.url for i in self.instances if i.role is Role.DECODE), None)
+        counters_before = read_counters(decode_url) if decode_url else None
         try:
             self._group.check_alive()
             outcome.result = self._client.chat(body, request_id=request_id)
@@ -241,6 +248,10 @@ class TopologySession:
             else:
                 outcome.error += f"\n{self.waited_on_report(request_id)}"
         outcome.seconds = time.monotonic() - started
+        if decode_url and counters_before is not None and outcome.result is not None:
+            counters_after = read_counters(decode_url)
+            if counters_after is not None:
+                outcome.kv_counters = counters_after.minus(counters_before)
         if self.proxy is not None:
             outcome.trace = self.proxy.traces.get(request_id)
         self._sample_memory()

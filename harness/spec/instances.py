@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.environment import LOOPBACK_HOST
+from harness.spec.connectors import kv_connector_for_class
 from harness.spec.platforms import (
     CPU,
     GPU_MEMORY_UTILIZATION_FLAG,
@@ -118,6 +119,10 @@ class InstanceSpec:
             config["kv_connector_extra_config"] = {"shared_storage_path": str(self.kv_storage)}
         if self.serving.kv_connector == NIXL_CONNECTOR:
             config["kv_buffer_device"] = self.platform.nixl_kv_buffer_device
+        known = kv_connector_for_class(self.serving.kv_connector)
+        if known is not None and known.cpu_extra_config and self.platform.device_env_var is None:
+            extra = config.setdefault("kv_connector_extra_config", {})
+            extra.update(known.cpu_extra_config)
         return config
 
     def env(self) -> dict[str, str]:

@@ -1,0 +1,277 @@
+"""KV connectors as a dimension of a run: the guard's rule per connector, the baseline cache key,
+the rendered kv-transfer-config, and the one-line refusals of --kv-connector."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.errors import BadInput
+from harness.judge.guards import check_kv_transfer, check_transfers, kv_rule_for
+from harness.preflight.connectors import check_kv_connector
+from harness.run.baseline_cache import baseline_key
+from harness.serve.client import ChatResult
+from harness.spec.connectors import (
+    EXAMPLE,
+    NIXL,
+    KvRule,
+    expected_kv_tokens,
+    get_kv_connector,
+    kv_connector_for_class,
+)
+from harness.spec.instances import InstanceSpec
+from harness.spec.settings import ServedVllm
+from harness.spec.topology import Role, ServingConfig, get_topology
+
+SERVED = ServedVllm("/venv/bin/vllm", "0.32.0+cpu", "2.13.0+cpu")
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def d_result(prompt_tokens: int, cached: int | None) -> ChatResult:
+    return ChatResult(prompt_token_ids=tuple(range(prompt_tokens)), token_ids=(1,), text="",
+                      finish_reason="length", cached_tokens=cached)  # fmt: skip
+
+
+# --- the rule per connector -------------------------------------------------------------------
+
+
+def test_metrics_page_as_vllm_032_serves_it_under_nixl() -> None:
+    """Sampled from a NIXL D around a 121-token request (labels as vLLM renders them)."""
+    from harness.serve.kv_metrics import parse_counters
+
+    page = "\n".join([
+        "# HELP vllm:nixl_xfer_time_seconds Histogram of transfer duration for NIXL KV",
+        'vllm:nixl_xfer_time_seconds_count{engine="0",model_name="epd-model"} 1.0',
+        'vllm:nixl_bytes_transferred_sum{engine="0",model_name="epd-model"} 65536.0',
+        'vllm:nixl_num_failed_transfers_total{engine="0",model_name="epd-model"} 0.0',
+        'vllm:prompt_tokens_by_source_total{engine="0",model_name="epd-model",source="external_kv_transfer"} 0.0',
+        'vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="epd-model",source="p2p"} 121.0',
+        'vllm:prompt_tokens_cached_by_source_created{engine="0",model_name="epd-model",source="p2p"} 1.79e+09',
+    ])  # fmt: skip
+    counters = parse_counters(page).values
+    assert counters["p2p_cached_tokens"] == 121.0
+    assert counters["nixl_transfers"] == 1.0 and counters["nixl_bytes"] == 65536.0
+    assert counters["external_kv_tokens"] == 0.0
+    earlier = parse_counters(page.replace("} 121.0", "} 21.0"))
+    assert parse_counters(page).minus(earlier)["p2p_cached_tokens"] == 100.0
+
+
+@pytest.mark.parametrize(
+    ("rule", "prompt", "expected"),
+    [
+        (KvRule.BLOCK_ALIGNED_PREFIX, 89, 64),
+        (KvRule.BLOCK_ALIGNED_PREFIX, 185, 160),
+        (KvRule.BLOCK_ALIGNED_PREFIX, 32, 0),
+        (KvRule.WHOLE_PROMPT, 89, 88),
+        (KvRule.WHOLE_PROMPT, 185, 184),
+        (KvRule.WHOLE_PROMPT, 32, 31),
+    ],
+)
+def test_expected_tokens_per_rule(rule: KvRule, prompt: int, expected: int) -> None:
+    assert expected_kv_tokens(rule, prompt, 32) == expected
+
+
+def nixl_counters(p2p: float, failed: float = 0.0) -> dict[str, float]:
+    return {"p2p_cached_tokens": p2p, "nixl_transfers": 1.0, "nixl_bytes": 65536.0,
+            "nixl_failed_transfers": failed}  # fmt: skip
+
+
+def test_nixl_rule_refuses_what_the_example_rule_accepts() -> None:
+    """64 of 89 is all ExampleConnector moves, but under NIXL it means the partial last block
+    was recomputed: D did not get the whole prompt."""
+    result = d_result(89, 64)
+    example = check_kv_transfer(result, 32, KvRule.BLOCK_ALIGNED_PREFIX)
+    nixl = check_kv_transfer(result, 32, KvRule.WHOLE_PROMPT, nixl_counters(64))
+    assert example.ok and not nixl.ok
+    assert "block-aligned prefix rule" in example.evidence and "expected >= 64" in example.evidence
+    assert "whole prompt rule" in nixl.evidence and "expected >= 88" in nixl.evidence
+
+
+@pytest.mark.parametrize("p2p", [0, 32, 87])
+def test_nixl_rule_fails_short_of_the_whole_prompt(p2p: float) -> None:
+    assert (
+        check_kv_transfer(d_result(89, 0), 32, KvRule.WHOLE_PROMPT, nixl_counters(p2p)).ok is False
+    )
+
+
+@pytest.mark.parametrize("p2p", [88, 89])
+def test_nixl_rule_holds_for_the_whole_prompt_even_with_cached_tokens_zero(p2p: float) -> None:
+    """As measured on vLLM 0.32: cached_tokens=0 on D, the p2p counter the whole prompt."""
+    guard = check_kv_transfer(d_result(89, 0), 32, KvRule.WHOLE_PROMPT, nixl_counters(p2p))
+    assert guard.ok is True
+    assert f"p2p cached tokens +{p2p:g}" in guard.evidence and "cached_tokens=0" in guard.evidence
+
+
+def test_nixl_rule_fails_on_a_failed_transfer() -> None:
+    guard = check_kv_transfer(d_result(89, 0), 32, KvRule.WHOLE_PROMPT, nixl_counters(89, 1))
+    assert not guard.ok and "failed +1" in guard.evidence
+
+
+def test_nixl_rule_without_metrics_is_not_evidence() -> None:
+    """cached_tokens cannot stand in under NIXL: without D's counters the guard fails."""
+    guard = check_kv_transfer(d_result(89, 88), 32, KvRule.WHOLE_PROMPT, None)
+    assert not guard.ok and "could not be read" in guard.evidence
+
+
+def test_rule_follows_the_serving_config_connector() -> None:
+    assert kv_rule_for("ExampleConnector") is KvRule.BLOCK_ALIGNED_PREFIX
+    assert kv_rule_for("NixlConnector") is KvRule.WHOLE_PROMPT
+    # a connector given through extra_args: the weaker rule, which any connector meets
+    assert kv_rule_for("SomeOtherConnector") is KvRule.BLOCK_ALIGNED_PREFIX
+
+
+def test_check_transfers_applies_the_rule_it_is_given(tmp_path: Path) -> None:
+    [guard] = check_transfers(get_topology("1P+1D"), None, d_result(89, 64), tmp_path, 32,
+                              KvRule.WHOLE_PROMPT, nixl_counters(64))  # fmt: skip
+    assert not guard.ok and "whole prompt" in guard.evidence
+
+
+# --- names and rendering ----------------------------------------------------------------------
+
+
+def test_names_and_classes_round_trip() -> None:
+    assert get_kv_connector("nixl") is NIXL and get_kv_connector("example") is EXAMPLE
+    assert kv_connector_for_class("NixlConnector") is NIXL
+    with pytest.raises(BadInput, match="KV connector"):
+        get_kv_connector("mooncake")
+
+
+def kv_config(role: Role, vllm_class: str, tmp_path: Path) -> dict:
+    serving = ServingConfig(model="m", kv_connector=vllm_class)
+    spec = InstanceSpec("t/x", role, 20000, serving, kv_storage=tmp_path, devices=(0,),
+                        side_channel_port=20100)  # fmt: skip
+    argv = spec.argv()
+    return json.loads(argv[argv.index("--kv-transfer-config") + 1])
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
+def test_nixl_instances_get_the_long_lease_and_cpu_buffers(role: Role, tmp_path: Path) -> None:
+    config = kv_config(role, "NixlConnector", tmp_path)
+    assert config["kv_connector_extra_config"] == {"kv_lease_duration": 300}
+    assert config["kv_buffer_device"] == "cpu"
+
+
+def test_example_instances_keep_only_their_storage(tmp_path: Path) -> None:
+    config = kv_config(Role.DECODE, "ExampleConnector", tmp_path)
+    assert config["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path)}
+
+
+# --- the baseline cache key -------------------------------------------------------------------
+
+
+def test_baseline_is_rendered_without_a_connector_so_its_key_ignores_it() -> None:
+    """The decision behind NUMERICS_NEUTRAL_FIELDS: the baseline runs no KV connector, so its
+    argv and env are the same under either, and so is its cache key. If the renderer ever gave
+    the baseline a connector, the first assertion fails and the key must include it again."""
+    example = ServingConfig(model="m", kv_connector="ExampleConnector")
+    nixl = dataclasses.replace(example, kv_connector="NixlConnector")
+    baselines = [InstanceSpec("b/baseline0", Role.BASELINE, 20000, s, devices=(0,))
+                 for s in (example, nixl)]  # fmt: skip
+    assert baselines[0].argv() == baselines[1].argv()
+    assert baselines[0].env() == baselines[1].env()
+    assert baseline_key(SERVED, example, "d", BODY) == baseline_key(SERVED, nixl, "d", BODY)
+
+
+def test_baseline_key_still_changes_with_the_ec_connector_and_block_size() -> None:
+    serving = ServingConfig(model="m")
+    key = baseline_key(SERVED, serving, "d", BODY)
+    assert key != baseline_key(SERVED, dataclasses.replace(serving, block_size=16), "d", BODY)
+
+
+# --- the preflight refusal --------------------------------------------------------------------
+
+
+def fake_vllm(tmp_path: Path, python: str) -> str:
+    script = tmp_path / "vllm"
+    script.write_text(f"#!{python}\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.process  # runs a stand-in interpreter
+def test_nixl_refused_in_one_line_when_the_served_python_lacks_it(tmp_path: Path) -> None:
+    interpreter = tmp_path / "python"
+    interpreter.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'nixl'\" >&2\n"
+                           "exit 1\n")  # fmt: skip
+    interpreter.chmod(0o755)
+    served = dataclasses.replace(SERVED, executable=fake_vllm(tmp_path, str(interpreter)))
+    with pytest.raises(BadInput) as caught:
+        check_kv_connector(served, NIXL)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "--kv-connector nixl needs nixl" in message
+    assert "No module named 'nixl'" in message
+    assert "scripts/cpu setup --nixl" in message
+
+
+def test_example_connector_needs_no_probe(tmp_path: Path) -> None:
+    served = dataclasses.replace(SERVED, executable=str(tmp_path / "missing-vllm"))
+    check_kv_connector(served, EXAMPLE)  # would fail if it probed anything
+
+
+# --- the planted KV fault under NIXL ----------------------------------------------------------
+
+
+def test_zero_kv_under_nixl_misroutes_the_block_ids_p_hands_to_d(tmp_path: Path) -> None:
+    from harness.run.faults import fault_for
+
+    fault = fault_for("zero-kv", None, tmp_path, "NixlConnector")
+    response = {"kv_transfer_params": {"remote_block_ids": [[4, 5, 6]], "remote_port": 1}}
+    fault.after_prefill("r1", response)
+    assert response["kv_transfer_params"]["remote_block_ids"] == [[4, 4, 4]]
+    assert fault.effects == ["r1: remote_block_ids [[4, 5, 6]] -> [[4, 4, 4]]"]
+    assert fault.problems == []
+
+
+def test_nixl_fault_handles_a_flat_block_list(tmp_path: Path) -> None:
+    from harness.run.faults import fault_for
+
+    fault = fault_for("zero-kv", None, tmp_path, "NixlConnector")
+    response = {"kv_transfer_params": {"remote_block_ids": [9, 10]}}
+    fault.after_prefill("r1", response)
+    assert response["kv_transfer_params"]["remote_block_ids"] == [9, 9]
+
+
+@pytest.mark.parametrize(
+    ("params", "problem"),
+    [({}, "no remote_block_ids"), ({"remote_block_ids": [[7]]}, "nothing to misroute")],
+)
+def test_nixl_fault_that_cannot_act_says_so(params: dict, problem: str, tmp_path: Path) -> None:
+    from harness.run.faults import fault_for
+
+    fault = fault_for("zero-kv", None, tmp_path, "NixlConnector")
+    fault.after_prefill("r1", {"kv_transfer_params": params})
+    assert problem in fault.problems[0] and not fault.effects
+
+
+def test_kv_noise_has_no_nixl_form(tmp_path: Path) -> None:
+    from harness.run.faults import fault_for
+
+    with pytest.raises(BadInput, match="KV never leaves P's memory"):
+        fault_for("kv-noise:0.1", None, tmp_path, "NixlConnector")
+
+
+# --- matrix expectations per connector --------------------------------------------------------
+
+
+def test_decode_tail_crash_is_expected_only_under_example_connector() -> None:
+    from harness.judge.records import Verdict
+    from harness.run.scenarios import get_scenario
+
+    tail = get_scenario("epd-media-in-decode-tail")
+    example = tail.for_kv_connector("ExampleConnector")
+    assert example.expect == (Verdict.ERROR,) and "multimodal embeddings" in example.expect_evidence
+    nixl = tail.for_kv_connector("NixlConnector")
+    assert nixl.expect == (Verdict.MATCH,)
+    assert nixl.expect_evidence == "" and nixl.reason == ""
+    assert nixl.effective_policy == nixl.policy  # judged like any MATCH scenario
+
+
+def test_scenarios_without_an_override_are_the_same_under_every_connector() -> None:
+    from harness.run.scenarios import MATRIX
+
+    plain = [s for s in MATRIX if not s.expect_by_kv_connector]
+    assert plain and all(s.for_kv_connector("NixlConnector") is s for s in plain)
