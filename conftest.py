@@ -39,6 +39,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run a vLLM outside the tested series (the version gate applies to pytest too)",
     )
     group.addoption(
+        "--epd-proxy",
+        default="harness",
+        help="the EPD proxy under test: harness (default) or vllm (the served release's own, "
+        "fetched from its sdist; docs/proxies.md)",
+    )
+    group.addoption("--epd-vllm-source", help="with --epd-proxy vllm: a vLLM checkout")
+    group.addoption(
         "--epd-topology",
         help="comma list: run only scenarios of these topologies (names contain '+', so -k "
         "cannot select them)",
@@ -105,6 +112,8 @@ def epd_config(pytestconfig: pytest.Config, epd_worker: tuple[str, int]):
         colocate=pytestconfig.getoption("--epd-colocate"),
         worker_id=epd_worker[0],
         workers=epd_worker[1],
+        proxy=pytestconfig.getoption("--epd-proxy"),
+        vllm_source=pytestconfig.getoption("--epd-vllm-source"),
     )
     try:
         return prepare_run(request)

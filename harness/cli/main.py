@@ -112,6 +112,8 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         platform=args.platform,
         colocate=args.colocate,
         plant_fault=args.plant_fault,
+        proxy=args.proxy,
+        vllm_source=args.vllm_source,
     )
 
 
@@ -248,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--plant-fault", metavar="FAULT",
                      help=f"self-test: plant a fault ({', '.join(FAULT_NAMES)}) or a graded "
                      f"one ({FAULT_SYNTAX}) in the sweep's topologies; the run must turn red")  # fmt: skip
+    run.add_argument("--proxy", default="harness", choices=("harness", "vllm"),
+                     help="the EPD proxy under test: the harness's own (default) or the served "
+                     "vLLM release's (docs/proxies.md)")  # fmt: skip
+    run.add_argument("--vllm-source", metavar="DIR",
+                     help="with --proxy vllm: take vLLM's proxy files from this checkout instead "
+                     "of the release's sdist on the package index")  # fmt: skip
     run.set_defaults(func=command_run)
 
     repro = sub.add_parser("repro", help="rerun a bundle's failing case with identical config")

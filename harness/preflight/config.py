@@ -17,7 +17,7 @@ from pathlib import Path
 
 from harness.environment import cache_dir, port_range
 from harness.errors import BadInput
-from harness.preflight import files, names, resources, tokens
+from harness.preflight import files, names, resources, tokens, upstream_proxy
 from harness.preflight.model import resolve_model
 from harness.preflight.vllm import check_vllm, default_vllm_executable
 from harness.run.baseline_cache import BaselineCache
@@ -31,7 +31,7 @@ from harness.spec.platforms import (
     parse_devices,
 )
 from harness.spec.prompts import SKELETON_PROMPTS, PromptSpec, render_request
-from harness.spec.settings import RunSettings
+from harness.spec.settings import HARNESS_PROXY, PROXY_KINDS, VLLM_PROXY, RunSettings
 from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Topology, serving_for
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -60,6 +60,8 @@ class RunRequest:
     workers: int = 1  # parallel pytest-xdist workers sharing the devices
     worker_id: str | None = None  # "gw0"...: run directories of workers stay apart
     count_tokens: bool = True  # check that every prompt fits (loads the processor once)
+    proxy: str = HARNESS_PROXY  # the EPD proxy under test: "harness" or "vllm"
+    vllm_source: str | None = None  # a vLLM checkout holding its proxy files (--proxy vllm)
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
     baseline_cache = _baseline_cache(request.baseline_cache, request.refresh_baseline)
 
     served = check_vllm(request.vllm or default_vllm_executable(), request.allow_untested_vllm)
+    proxy = upstream_proxy.proxy_choice(request.proxy, request.vllm_source, served, cache_dir())
     if baseline_cache is not None and not served.known:
         baseline_cache = None  # an unknown version must never match another's baseline
     resources.check_free_ports(max(len(t.roles) for t in (TOPOLOGIES["baseline"], *topologies)),
@@ -133,6 +136,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         devices=devices,
         colocate=request.colocate,
         workers=request.workers,
+        proxy=proxy,
     )
     return RunConfig(
         topologies=topologies,
@@ -160,6 +164,11 @@ def _refuse_ignored_flags(request: RunRequest) -> None:
     if request.refresh_baseline and request.baseline_cache == "off":
         raise BadInput("--refresh-baseline refreshes the baseline cache, which "
                        "--baseline-cache off turns off; drop one of them")  # fmt: skip
+    if request.proxy not in PROXY_KINDS:
+        raise BadInput(f"--proxy {request.proxy}: choose one of {', '.join(PROXY_KINDS)}")
+    if request.vllm_source and request.proxy != VLLM_PROXY:
+        raise BadInput("--vllm-source gives vLLM's proxy files, which only --proxy vllm runs; "
+                       "add --proxy vllm (or drop --vllm-source)")  # fmt: skip
     if request.colocate and request.platform == "cpu":
         raise BadInput("--colocate shares GPUs within a topology; on cpu instances always share "
                        "the cores: drop --colocate")  # fmt: skip

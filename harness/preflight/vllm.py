@@ -99,6 +99,12 @@ def check_vllm(executable: str, allow_untested: bool) -> ServedVllm:
     return served
 
 
+def interpreter_of(executable: str) -> list[str] | None:
+    """The Python a vLLM executable runs with (its `#!` line), e.g. to run vLLM's own proxy."""
+    resolved = shutil.which(executable)
+    return _shebang(Path(resolved)) if resolved else None
+
+
 def _shebang(path: Path) -> list[str] | None:
     try:
         with open(path, "rb") as script:
