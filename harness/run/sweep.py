@@ -287,8 +287,8 @@ class Sweep:
         topology = session.topology
         outcomes: dict[str, Outcome] = {}
         guards: dict[str, list[GuardResult]] = {}
-        if self.spec.fault and session.proxy is not None:
-            plant(session.proxy.faults, fault_for(self.spec.fault, session.ec_storage, session.kv_storage))
+        if self.spec.fault:  # the session's faults: its proxy's (harness) or its taps' (vllm)
+            plant(session.faults, fault_for(self.spec.fault, session.ec_storage, session.kv_storage))
         for name in self.topology_prompts:
             outcome = session.send(name, self.bodies[name])
             outcomes[name] = outcome

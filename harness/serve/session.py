@@ -104,7 +104,9 @@ class TopologySession:
         self.topology = topology
         self.settings = settings
         self.devices = devices or settings.devices
-        self.faults = faults
+        # One object for the session's life: the harness proxy or the taps hold it, and
+        # `harness.run.faults.plant` swaps its hooks.
+        self.faults = faults if faults is not None else ProxyFaults()
         self.on_event = on_event
         self.dir = settings.run_dir / safe_name(label or topology.name)
         self.storage_dir = reuse_storage or self.dir / STORAGE_DIR_NAME
