@@ -31,6 +31,7 @@ from harness.preflight import RunRequest, prepare_run
 from harness.preflight.config import DEFAULT_MAX_MODEL_LEN
 from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_os_error
 from harness.preflight.model import resolve_model
+from harness.preflight.upstream_proxy import proxy_choice
 from harness.preflight.vllm import SUPPORTED_VLLM_SERIES, default_vllm_executable, probe_served_vllm
 from harness.report.text import format_failure, format_verdict_table
 from harness.run.faults import FAULT_NAMES, FAULT_SYNTAX, GRADED_FAULTS
@@ -177,7 +178,8 @@ def command_repro(args: argparse.Namespace) -> int:
         run_dir = Path(args.run_dir or bundle.path.parent / f"{bundle.path.name}-repro").resolve()
         check_run_dir(run_dir)
         served = probe_served_vllm(args.vllm or default_vllm_executable())
-        case, records, sweep = reproduce(bundle, run_dir, served, args.case)
+        proxy = proxy_choice(bundle.proxy_kind, None, served, cache_dir())
+        case, records, sweep = reproduce(bundle, run_dir, served, args.case, proxy)
     except BundleError as exc:
         raise BadInput(str(exc)) from None
     print()
