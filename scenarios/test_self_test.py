@@ -121,7 +121,7 @@ def judge(
     epd_sweep, live: LiveTopology, outcome: Outcome, guards: list[GuardResult]
 ) -> CaseRecord:
     """The case against the baseline, exactly as the sweep would judge it; printed as evidence."""
-    stable, _ = epd_sweep.stability[outcome.prompt]
+    stable = epd_sweep.stability[outcome.prompt][0]  # (stable, detail, noise floor)
     record = judge_case(
         live.name,
         "baseline",
