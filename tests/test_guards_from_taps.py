@@ -85,3 +85,22 @@ def test_check_transfers_from_taps_picks_guards_per_topology(tmp_path: Path) -> 
     assert [(g.name, g.ok) for g in guards] == [
         ("encoder_output", True), ("consumer_embeds", True), ("kv_transfer", True),
     ]  # fmt: skip
+
+
+def test_every_encoder_used_is_read_at_the_encoders_taps() -> None:
+    from types import SimpleNamespace
+
+    from harness.run.matrix import check_every_encoder_used
+    from harness.serve.session import Outcome
+    from harness.spec.topology import Role
+
+    session = SimpleNamespace(instances=[
+        SimpleNamespace(name="t/encoder0", role=Role.ENCODER),
+        SimpleNamespace(name="t/encoder1", role=Role.ENCODER),
+        SimpleNamespace(name="t/pd0", role=Role.PREFILL_DECODE),
+    ])  # fmt: skip
+    first = Outcome("image", taps=[encoder(0, {"h": ENTRY}), consumer(1, "pd")])
+    assert check_every_encoder_used(session, [first]).ok is False  # encoder1 got nothing
+    second = encoder(2, {"h": ENTRY})
+    second.instance = "t/encoder1"
+    assert check_every_encoder_used(session, [first, Outcome("image", taps=[second])]).ok
