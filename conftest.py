@@ -44,6 +44,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "see docs/connectors.md",
     )
     group.addoption(
+        "--epd-proxy",
+        default="harness",
+        help="the EPD proxy under test: harness (default) or vllm (the served release's own, "
+        "fetched from its sdist; docs/proxies.md)",
+    )
+    group.addoption("--epd-vllm-source", help="with --epd-proxy vllm: a vLLM checkout")
+    group.addoption(
         "--epd-topology",
         help="comma list: run only scenarios of these topologies (names contain '+', so -k "
         "cannot select them)",
@@ -123,6 +130,8 @@ def epd_config(pytestconfig: pytest.Config, epd_worker: tuple[str, int]):
         worker_id=epd_worker[0],
         workers=epd_worker[1],
         kv_connector=pytestconfig.getoption("--epd-kv-connector"),
+        proxy=pytestconfig.getoption("--epd-proxy"),
+        vllm_source=pytestconfig.getoption("--epd-vllm-source"),
     )
     try:
         return prepare_run(request)

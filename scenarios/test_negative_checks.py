@@ -129,16 +129,18 @@ class LiveTopology:
     def proxied(self, body: dict[str, Any]) -> tuple[Outcome, str, dict[str, Any]]:
         """The full proxied flow for one single-image body: outcome, mm_hash, its metadata."""
         outcome = self.session.send(PROMPT, body)
-        assert outcome.result is not None and outcome.trace is not None, (
+        assert outcome.result is not None and outcome.taps is not None, (
             f"the proxied flow failed, nothing to compare with: {outcome.error}"
         )
+        # What the encoders answered, as their taps saw it (whichever proxy served).
+        encoders = [r for r in outcome.taps if r.role == Role.ENCODER.value]
         entries = {
             mm_hash: entry
-            for call in outcome.trace.encoder_calls
-            for mm_hash, entry in (call.ec_transfer_params or {}).items()
+            for record in encoders
+            for mm_hash, entry in (record.ec_transfer_params or {}).items()
         }
         assert len(entries) == 1 and all(e.get("metadata") for e in entries.values()), (
-            f"expected one encoded image with metadata: {outcome.trace.to_json()}"
+            f"expected one encoded image with metadata: {[r.to_json() for r in encoders]}"
         )
         [(mm_hash, entry)] = entries.items()
         return outcome, mm_hash, entry["metadata"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
-from harness.judge.guards import GuardResult, session_guards
+from harness.judge.guards import GuardResult, outcome_evidence, session_guards
 from harness.judge.records import CaseRecord, Verdict
 from harness.judge.verdicts import judge_case
 from harness.report.text import format_failure
@@ -121,7 +121,7 @@ def judge(
     epd_sweep, live: LiveTopology, outcome: Outcome, guards: list[GuardResult]
 ) -> CaseRecord:
     """The case against the baseline, exactly as the sweep would judge it; printed as evidence."""
-    stable = epd_sweep.stability[outcome.prompt][0]
+    stable = epd_sweep.stability[outcome.prompt][0]  # (stable, detail, noise floor)
     record = judge_case(
         live.name,
         "baseline",
@@ -194,8 +194,10 @@ class TestEncoderFaults:
         assert failed == ["consumer_embeds"], (
             f"the encoder did run and write its file; only consumer_embeds should fail: {failed}"
         )
-        assert outcome.trace is not None and not any(outcome.trace.metadata_only), (
-            f"the consumer should have received raw media: {outcome.trace}"
+        evidence = outcome_evidence(outcome)  # the taps' records, whichever proxy served
+        assert evidence is not None and evidence.consumer_calls, f"no consumer call: {outcome}"
+        assert not any(any(call.metadata_only) for call in evidence.consumer_calls), (
+            f"the consumer should have received raw media: {evidence.consumer_calls}"
         )
 
     def test_killed_encoder_fails_the_next_request_fast(

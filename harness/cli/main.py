@@ -31,6 +31,7 @@ from harness.preflight import RunRequest, prepare_run
 from harness.preflight.config import DEFAULT_MAX_MODEL_LEN
 from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_os_error
 from harness.preflight.model import resolve_model
+from harness.preflight.upstream_proxy import proxy_choice
 from harness.preflight.vllm import SUPPORTED_VLLM_SERIES, default_vllm_executable, probe_served_vllm
 from harness.report.text import format_failure, format_verdict_table
 from harness.run.faults import FAULT_NAMES, FAULT_SYNTAX, GRADED_FAULTS
@@ -114,6 +115,8 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         colocate=args.colocate,
         plant_fault=args.plant_fault,
         kv_connector=args.kv_connector,
+        proxy=args.proxy,
+        vllm_source=args.vllm_source,
     )
 
 
@@ -177,7 +180,8 @@ def command_repro(args: argparse.Namespace) -> int:
         run_dir = Path(args.run_dir or bundle.path.parent / f"{bundle.path.name}-repro").resolve()
         check_run_dir(run_dir)
         served = probe_served_vllm(args.vllm or default_vllm_executable())
-        case, records, sweep = reproduce(bundle, run_dir, served, args.case)
+        proxy = proxy_choice(bundle.proxy_kind, None, served, cache_dir())
+        case, records, sweep = reproduce(bundle, run_dir, served, args.case, proxy)
     except BundleError as exc:
         raise BadInput(str(exc)) from None
     print()
@@ -253,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--plant-fault", metavar="FAULT",
                      help=f"self-test: plant a fault ({', '.join(FAULT_NAMES)}) or a graded "
                      f"one ({FAULT_SYNTAX}) in the sweep's topologies; the run must turn red")  # fmt: skip
+    run.add_argument("--proxy", default="harness", choices=("harness", "vllm"),
+                     help="the EPD proxy under test: the harness's own (default) or the served "
+                     "vLLM release's (docs/proxies.md)")  # fmt: skip
+    run.add_argument("--vllm-source", metavar="DIR",
+                     help="with --proxy vllm: take vLLM's proxy files from this checkout instead "
+                     "of the release's sdist on the package index")  # fmt: skip
     run.set_defaults(func=command_run)
 
     repro = sub.add_parser("repro", help="rerun a bundle's failing case with identical config")

@@ -2,33 +2,38 @@
 
 A consumer that receives raw media encodes them itself and still matches the baseline, and a D
 that skips the KV connector recomputes the prompt and still matches. So for every EPD request
-we check, from the proxy's trace and the instances' storage:
+we check, from what the instances' recording taps saw (`harness.serve.tap`: the evidence
+holds whichever proxy is under test) and the instances' storage:
 
 - `encoder_output`: every media item got an entry with metadata from an encoder, and the EC
   storage holds `<mm_hash>/encoder_cache.safetensors` for it (a consumer that misses may leave
   an empty `<mm_hash>/` directory in 0.32, so the directory alone proves nothing);
-- `consumer_embeds`: every media part reached the consumer as a metadata-only `*_embeds` part;
-- `kv_transfer`: D reported `cached_tokens` reaching what the run's KV connector moves
-  (`harness.spec.connectors.KvRule`): with ExampleConnector the block-aligned prompt prefix
-  (align_down(prompt_tokens - 1, block_size)) in D's `cached_tokens`; with NixlConnector the
-  whole prompt (at least prompt_tokens - 1) in D's own `p2p` cached-token counter for that
-  request, read from its /metrics (`cached_tokens` is 0 under NIXL in 0.32), with no failed NIXL
-  transfer. A local prefix hit alone is smaller. The evidence names the rule applied, so a
-  report says which one a MATCH was held to.
+- `consumer_embeds`: every media part reached every consumer request (PD; or P and D) as a
+  metadata-only `*_embeds` part;
+- `kv_transfer`: D itself (at its tap, not through the proxy) received what the run's KV
+  connector moves (`harness.spec.connectors.KvRule`): with ExampleConnector the block-aligned
+  prompt prefix (align_down(prompt_tokens - 1, block_size)) in D's `cached_tokens`; with
+  NixlConnector the whole prompt (at least prompt_tokens - 1) in D's own `p2p` cached-token
+  counter for that request, read from its /metrics (`cached_tokens` is 0 under NIXL in 0.32),
+  with no failed NIXL transfer. A local prefix hit alone is smaller. The evidence names the rule
+  applied, so a report says which one a MATCH was held to.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from harness.serve.client import ChatResult
 from harness.serve.proxy import RequestTrace
 from harness.serve.session import Outcome, TopologySession
+from harness.serve.tap import TapRecord
 from harness.spec.connectors import KvRule, expected_kv_tokens, kv_connector_for_class
-from harness.spec.topology import Topology
+from harness.spec.topology import Role, Topology
 
 EC_CACHE_FILE = "encoder_cache.safetensors"
+CONSUMER_ROLES = (Role.PREFILL_DECODE.value, Role.PREFILL.value, Role.DECODE.value)
 
 
 @dataclass(frozen=True)
@@ -46,35 +51,113 @@ def expected_kv_prefix(prompt_tokens: int, block_size: int) -> int:
     return ((prompt_tokens - 1) // block_size) * block_size
 
 
-def check_encoder_output(trace: RequestTrace, ec_storage: Path | None) -> GuardResult:
+@dataclass(frozen=True)
+class ConsumerCall:
+    """The media parts one EC consumer request carried, as its tap saw them."""
+
+    instance: str
+    part_types: tuple[str, ...]
+    metadata_only: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
+class TransferEvidence:
+    """What the guards read for one request: taken at the instances' taps, so it holds for any
+    proxy under test (`from_taps`); `from_trace` reads the harness proxy's own trace instead."""
+
+    media_count: int
+    encoder_answers: tuple[dict[str, Any], ...] = ()  # ec_transfer_params, one per call
+    consumer_calls: tuple[ConsumerCall, ...] = ()
+    decode_cached_tokens: int | None = None
+    decode_answered: bool = False
+    source: str = "taps"
+
+    @classmethod
+    def from_taps(cls, records: list[TapRecord], media_count: int) -> TransferEvidence:
+        encoders = [r for r in records if r.role == Role.ENCODER.value]
+        consumers = [r for r in records if r.role in CONSUMER_ROLES]
+        decodes = [
+            r for r in records
+            if r.role in (Role.DECODE.value, Role.PREFILL_DECODE.value) and r.status == 200
+        ]  # fmt: skip
+        return cls(
+            media_count=media_count,
+            encoder_answers=tuple(r.ec_transfer_params or {} for r in encoders),
+            consumer_calls=tuple(
+                ConsumerCall(r.instance, tuple(r.part_types), tuple(r.metadata_only))
+                for r in consumers
+            ),
+            decode_cached_tokens=decodes[-1].cached_tokens if decodes else None,
+            decode_answered=bool(decodes),
+            source="taps",
+        )
+
+    @classmethod
+    def from_trace(cls, trace: RequestTrace, result: ChatResult | None = None) -> TransferEvidence:
+        return cls(
+            media_count=trace.media_count,
+            encoder_answers=tuple(c.ec_transfer_params or {} for c in trace.encoder_calls),
+            consumer_calls=(
+                ConsumerCall(
+                    "consumer", tuple(trace.forwarded_part_types), tuple(trace.metadata_only)
+                ),
+            ),
+            decode_cached_tokens=result.cached_tokens if result is not None else None,
+            decode_answered=result is not None,
+            source="proxy trace",
+        )
+
+
+def as_evidence(
+    source: TransferEvidence | RequestTrace, result: ChatResult | None = None
+) -> TransferEvidence:
+    """Guards take tap evidence; a harness-proxy trace is read the way it always was."""
+    if isinstance(source, RequestTrace):
+        return TransferEvidence.from_trace(source, result)
+    return source
+
+
+def check_encoder_output(
+    source: TransferEvidence | RequestTrace, ec_storage: Path | None
+) -> GuardResult:
+    evidence = as_evidence(source)
     # Counted per call: the same image sent to two encoders has one hash but two items.
     with_metadata = [
         (mm_hash, entry)
-        for call in trace.encoder_calls
-        for mm_hash, entry in (call.ec_transfer_params or {}).items()
-        if entry.get("metadata")
+        for answer in evidence.encoder_answers
+        for mm_hash, entry in answer.items()
+        if isinstance(entry, dict) and entry.get("metadata")
     ]
     covered = sum(len(entry.get("item_indices") or []) for _, entry in with_metadata)
     hashes = sorted({mm_hash for mm_hash, _ in with_metadata})
     missing_files = [
         h for h in hashes if ec_storage is None or not (ec_storage / h / EC_CACHE_FILE).is_file()
     ]
-    ok = covered == trace.media_count and not missing_files
-    evidence = (
-        f"{trace.media_count} media item(s); encoders reported {covered} with metadata "
-        f"in {len(trace.encoder_calls)} call(s)"
+    ok = covered == evidence.media_count and not missing_files
+    text = (
+        f"{evidence.media_count} media item(s); encoders reported {covered} with metadata "
+        f"in {len(evidence.encoder_answers)} call(s)"
     )
+    if evidence.source != "proxy trace":
+        text += f" (seen at the {evidence.source})"
     if missing_files:
-        evidence += f"; no {EC_CACHE_FILE} for {', '.join(missing_files)} under {ec_storage}"
-    return GuardResult("encoder_output", ok, evidence)
+        text += f"; no {EC_CACHE_FILE} for {', '.join(missing_files)} under {ec_storage}"
+    return GuardResult("encoder_output", ok, text)
 
 
-def check_consumer_embeds(trace: RequestTrace) -> GuardResult:
-    ok = len(trace.metadata_only) == trace.media_count and all(trace.metadata_only)
+def check_consumer_embeds(source: TransferEvidence | RequestTrace) -> GuardResult:
+    """Every consumer request (PD; or P and D) got every media item as a metadata-only part."""
+    evidence = as_evidence(source)
+    calls = evidence.consumer_calls
+    ok = bool(calls) and all(
+        len(call.metadata_only) == evidence.media_count and all(call.metadata_only)
+        for call in calls
+    )
+    seen = "; ".join(f"{c.instance}: {list(c.part_types) or 'none'}" for c in calls)
     return GuardResult(
         "consumer_embeds",
         ok,
-        f"parts forwarded to the consumer: {trace.forwarded_part_types or 'none'}",
+        f"parts the consumer(s) received ({evidence.source}): {seen or 'no consumer request'}",
     )
 
 
@@ -88,42 +171,45 @@ def kv_rule_for(kv_connector: str) -> KvRule:
 def check_kv_transfer(
     result: ChatResult,
     block_size: int,
+    evidence: TransferEvidence | None = None,
     rule: KvRule = KvRule.BLOCK_ALIGNED_PREFIX,
     counters: dict[str, float] | None = None,
 ) -> GuardResult:
-    """Did D receive what the connector moves? ExampleConnector: D's `cached_tokens`. NIXL:
+    """Did D receive what the connector moves? ExampleConnector: D's own `cached_tokens` (at its
+    tap; without tap evidence, the answer the client got, which a proxy could rewrite). NIXL:
     D's `p2p` cached-token counter for the request (`cached_tokens` stays 0 under NIXL in vLLM
     0.32, see harness.serve.kv_metrics), and no failed NIXL transfer."""
     prompt = len(result.prompt_token_ids)
     expected = expected_kv_tokens(rule, prompt, block_size)
+    cached = result.cached_tokens if evidence is None else evidence.decode_cached_tokens
+    source = "client answer" if evidence is None else evidence.source
     if rule is KvRule.WHOLE_PROMPT:
         if counters is None:
             return GuardResult("kv_transfer", False, f"D's /metrics could not be read, so "
                                f"nothing shows that the {rule.value} ({expected} of {prompt} "
-                               f"tokens) reached D (cached_tokens={result.cached_tokens})")  # fmt: skip
+                               f"tokens) reached D (cached_tokens={cached})")  # fmt: skip
         received = counters.get("p2p_cached_tokens", 0.0)
         failed = counters.get("nixl_failed_transfers", 0.0)
         ok = expected > 0 and received >= expected and failed == 0
-        evidence = (
+        text = (
             f"D p2p cached tokens +{received:g}, expected >= {expected} by the {rule.value} rule "
             f"(prompt {prompt} tokens); NIXL transfers +{counters.get('nixl_transfers', 0):g}, "
             f"bytes +{counters.get('nixl_bytes', 0):g}, failed +{failed:g}; "
-            f"cached_tokens={result.cached_tokens}"
+            f"cached_tokens={cached} ({source})"
         )
-        return GuardResult("kv_transfer", ok, evidence)
-    cached = result.cached_tokens
+        return GuardResult("kv_transfer", ok, text)
     ok = cached is not None and expected > 0 and cached >= expected
     return GuardResult(
         "kv_transfer",
         ok,
-        f"D cached_tokens={cached}, expected >= {expected} by the {rule.value} rule "
+        f"D cached_tokens={cached} ({source}), expected >= {expected} by the {rule.value} rule "
         f"(prompt {prompt} tokens, block {block_size})",
     )
 
 
 def check_transfers(
     topology: Topology,
-    trace: RequestTrace | None,
+    source: TransferEvidence | RequestTrace | None,
     result: ChatResult,
     ec_storage: Path | None,
     block_size: int,
@@ -131,12 +217,13 @@ def check_transfers(
     kv_counters: dict[str, float] | None = None,
 ) -> list[GuardResult]:
     """Every guard that applies to this topology and request."""
+    evidence = as_evidence(source, result) if source is not None else None
     guards: list[GuardResult] = []
-    if topology.has_ec_transfer and trace is not None and trace.media_count:
-        guards.append(check_encoder_output(trace, ec_storage))
-        guards.append(check_consumer_embeds(trace))
+    if topology.has_ec_transfer and evidence is not None and evidence.media_count:
+        guards.append(check_encoder_output(evidence, ec_storage))
+        guards.append(check_consumer_embeds(evidence))
     if topology.has_kv_transfer:
-        guards.append(check_kv_transfer(result, block_size, kv_rule, kv_counters))
+        guards.append(check_kv_transfer(result, block_size, evidence, kv_rule, kv_counters))
     return guards
 
 
@@ -147,10 +234,20 @@ def session_guards(session: TopologySession, outcome: Outcome) -> list[GuardResu
         return []
     return check_transfers(
         session.topology,
-        outcome.trace,
+        outcome_evidence(outcome),
         outcome.result,
         session.ec_storage,
         session.settings.serving.block_size,
         kv_rule_for(session.settings.serving.kv_connector),
         outcome.kv_counters,
     )
+
+
+def outcome_evidence(outcome: Outcome) -> TransferEvidence | None:
+    """The taps' records when the session had taps (always, since issue 9), else the proxy's
+    trace (sessions built without taps, e.g. in older bundles' replays)."""
+    if outcome.taps is not None:
+        return TransferEvidence.from_taps(outcome.taps, outcome.media_count)
+    if outcome.trace is not None:
+        return TransferEvidence.from_trace(outcome.trace, outcome.result)
+    return None

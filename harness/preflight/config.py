@@ -17,7 +17,7 @@ from pathlib import Path
 
 from harness.environment import cache_dir, port_range
 from harness.errors import BadInput
-from harness.preflight import files, names, resources, tokens
+from harness.preflight import files, names, resources, tokens, upstream_proxy
 from harness.preflight.connectors import check_kv_connector
 from harness.preflight.model import resolve_model
 from harness.preflight.vllm import check_vllm, default_vllm_executable
@@ -33,7 +33,7 @@ from harness.spec.platforms import (
     parse_devices,
 )
 from harness.spec.prompts import SKELETON_PROMPTS, PromptSpec, render_request
-from harness.spec.settings import RunSettings
+from harness.spec.settings import HARNESS_PROXY, PROXY_KINDS, VLLM_PROXY, RunSettings
 from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Topology, serving_for
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -63,6 +63,8 @@ class RunRequest:
     worker_id: str | None = None  # "gw0"...: run directories of workers stay apart
     count_tokens: bool = True  # check that every prompt fits (loads the processor once)
     kv_connector: str | None = None  # "example" or "nixl"; None: the platform's default
+    proxy: str = HARNESS_PROXY  # the EPD proxy under test: "harness" or "vllm"
+    vllm_source: str | None = None  # a vLLM checkout holding its proxy files (--proxy vllm)
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
     baseline_cache = _baseline_cache(request.baseline_cache, request.refresh_baseline)
 
     served = check_vllm(request.vllm or default_vllm_executable(), request.allow_untested_vllm)
+    proxy = upstream_proxy.proxy_choice(request.proxy, request.vllm_source, served, cache_dir())
     if baseline_cache is not None and not served.known:
         baseline_cache = None  # an unknown version must never match another's baseline
     check_kv_connector(served, kv_connector)
@@ -147,6 +150,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         devices=devices,
         colocate=request.colocate,
         workers=request.workers,
+        proxy=proxy,
     )
     return RunConfig(
         topologies=topologies,
@@ -174,6 +178,11 @@ def _refuse_ignored_flags(request: RunRequest) -> None:
     if request.refresh_baseline and request.baseline_cache == "off":
         raise BadInput("--refresh-baseline refreshes the baseline cache, which "
                        "--baseline-cache off turns off; drop one of them")  # fmt: skip
+    if request.proxy not in PROXY_KINDS:
+        raise BadInput(f"--proxy {request.proxy}: choose one of {', '.join(PROXY_KINDS)}")
+    if request.vllm_source and request.proxy != VLLM_PROXY:
+        raise BadInput("--vllm-source gives vLLM's proxy files, which only --proxy vllm runs; "
+                       "add --proxy vllm (or drop --vllm-source)")  # fmt: skip
     if request.colocate and request.platform == "cpu":
         raise BadInput("--colocate shares GPUs within a topology; on cpu instances always share "
                        "the cores: drop --colocate")  # fmt: skip

@@ -99,8 +99,8 @@ def check_vllm(executable: str, allow_untested: bool) -> ServedVllm:
     return served
 
 
-def served_interpreter(executable: str) -> list[str] | None:
-    """The interpreter argv of a resolved vLLM executable (its `#!` line), or None."""
+def interpreter_of(executable: str) -> list[str] | None:
+    """The Python a vLLM executable runs with (its `#!` line), e.g. to run vLLM's own proxy."""
     resolved = shutil.which(executable)
     return _shebang(Path(resolved)) if resolved else None
 

@@ -156,12 +156,13 @@ class MatrixRun:
 
 
 def check_every_encoder_used(session: TopologySession, outcomes: list[Outcome]) -> GuardResult:
-    encoders = {spec.url for spec in session.instances if spec.role.is_ec_producer}
+    """Read at the encoders' taps (any proxy): the instances that answered encoder work."""
+    encoders = {spec.name for spec in session.instances if spec.role.is_ec_producer}
     used = {
-        call.url
+        record.instance
         for outcome in outcomes
-        if outcome.trace is not None
-        for call in outcome.trace.encoder_calls
+        for record in outcome.taps or ()
+        if record.instance in encoders and record.status == 200
     }
     return GuardResult(
         "every_encoder_used",

@@ -22,7 +22,7 @@ from harness.judge.records import CaseRecord
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.session import TopologySession
 from harness.spec.platforms import get_platform
-from harness.spec.settings import RunSettings, ServedVllm
+from harness.spec.settings import HARNESS_PROXY, ProxyChoice, RunSettings, ServedVllm
 from harness.spec.topology import ServingConfig, get_topology
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,11 @@ class Bundle:
         given["extra_args"] = tuple(given.get("extra_args") or ())
         return ServingConfig(**given)
 
+    @property
+    def proxy_kind(self) -> str:
+        """The proxy under test of the bundle's run (bundles from before issue 9: harness)."""
+        return (self.run.get("proxy") or {}).get("kind") or HARNESS_PROXY
+
     def pick_case(self, wanted: str | None) -> ReproCase:
         """The named case (`TOPOLOGY:PROMPT`), else the first that failed its policy."""
         for case in self.cases:
@@ -79,8 +84,13 @@ class Bundle:
 
 
 def reproduce(
-    bundle: Bundle, run_dir: Path, served: ServedVllm, wanted: str | None = None
+    bundle: Bundle,
+    run_dir: Path,
+    served: ServedVllm,
+    wanted: str | None = None,
+    proxy: ProxyChoice | None = None,
 ) -> tuple[ReproCase, list[CaseRecord], Sweep]:
+    """`proxy`: the proxy under test the bundle was run with (see `Bundle.proxy_kind`)."""
     case = bundle.pick_case(wanted)
     if case.prompt not in bundle.requests:
         raise BundleError(f"{bundle.path}: requests.json has no body for {case.prompt!r}")
@@ -90,6 +100,7 @@ def reproduce(
         vllm=served,
         platform=get_platform(bundle.run.get("platform_profile", "cpu")),
         devices=tuple(bundle.run.get("devices") or (0, 1)),
+        proxy=proxy or ProxyChoice(),
     )
     topology = get_topology(case.topology)
     recorded = (bundle.run.get("served_vllm") or {}).get("version")

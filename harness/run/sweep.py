@@ -291,10 +291,10 @@ class Sweep:
         topology = session.topology
         outcomes: dict[str, Outcome] = {}
         guards: dict[str, list[GuardResult]] = {}
-        if self.spec.fault and session.proxy is not None:
+        if self.spec.fault:  # the session's faults: its proxy's (harness) or its taps' (vllm)
             fault = fault_for(self.spec.fault, session.ec_storage, session.kv_storage,
                               session.settings.serving.kv_connector)  # fmt: skip
-            plant(session.proxy.faults, fault)
+            plant(session.faults, fault)
         for name in self.topology_prompts:
             outcome = session.send(name, self.bodies[name])
             outcomes[name] = outcome

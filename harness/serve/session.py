@@ -29,9 +29,12 @@ from harness.serve.kv_metrics import read_counters
 from harness.serve.launch import ManagedServer, ServerCommand, ServerDied, ServerGroup, log_path_for
 from harness.serve.ports import PortLease, lease_devices, reserve_ports
 from harness.serve.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer, RequestTrace
+from harness.serve.proxy_protocol import collect_media
+from harness.serve.tap import TapRecord, TapSet, TapTarget
+from harness.serve.vllm_proxy import vllm_proxy_launch
 from harness.spec.instances import InstanceSpec
 from harness.spec.placement import place_instances, side_channel_port_count
-from harness.spec.settings import RunSettings
+from harness.spec.settings import VLLM_PROXY, RunSettings
 from harness.spec.topology import Role, Topology
 
 LOG_TAIL_LINES = 40
@@ -39,6 +42,7 @@ LOG_SLICE_LINES = 30  # error lines kept from an instance's log of one request
 LOG_TAIL_SLICE_LINES = 10
 # After a failed request: how long to give an instance whose engine is dying to exit.
 DEATH_GRACE_S = 3.0
+PROXY_STARTUP_TIMEOUT_S = 120.0
 STORAGE_DIR_NAME = "storage"
 
 
@@ -49,7 +53,9 @@ class Outcome:
     prompt: str
     result: ChatResult | None = None
     error: str | None = None
-    trace: RequestTrace | None = None
+    trace: RequestTrace | None = None  # the harness proxy's own account (--proxy harness)
+    taps: list[TapRecord] | None = None  # what every instance was sent and answered
+    media_count: int = 0  # media parts in the request the client sent
     seconds: float = 0.0
     # D's KV counters, after minus before the request (harness.serve.kv_metrics); None without
     # a D, or when its /metrics could not be read.
@@ -61,6 +67,8 @@ class Outcome:
             "result": self.result.to_json() if self.result else None,
             "error": self.error,
             "trace": self.trace.to_json() if self.trace else None,
+            "taps": [r.to_json() for r in self.taps] if self.taps is not None else None,
+            "media_count": self.media_count,
             "seconds": round(self.seconds, 3),
             "kv_counters": self.kv_counters,
         }
@@ -101,7 +109,9 @@ class TopologySession:
         self.topology = topology
         self.settings = settings
         self.devices = devices or settings.devices
-        self.faults = faults
+        # One object for the session's life: the harness proxy or the taps hold it, and
+        # `harness.run.faults.plant` swaps its hooks.
+        self.faults = faults if faults is not None else ProxyFaults()
         self.on_event = on_event
         self.dir = settings.run_dir / safe_name(label or topology.name)
         self.storage_dir = reuse_storage or self.dir / STORAGE_DIR_NAME
@@ -114,6 +124,9 @@ class TopologySession:
         self._servers: list[ManagedServer] = []
         self._group: ServerGroup | None = None
         self._proxy_server: ProxyServer | None = None
+        self._taps: TapSet | None = None
+        self.tap_urls: dict[str, str] = {}  # instance URL -> its tap's URL
+        self._vllm_proxy: ManagedServer | None = None
         self._client: ChatClient | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -194,11 +207,54 @@ class TopologySession:
         self._sample_memory()
         self.entry_url = self.instances[0].url
         if not self.topology.is_baseline:
-            self.proxy = EPDProxy(routes_for(self.instances), self.faults)
-            self._proxy_server = ProxyServer(self.proxy, bind_loopback_socket())
-            self._proxy_server.start()
-            self.entry_url = self._proxy_server.url
+            self._start_taps()
+            if self.settings.proxy.kind == VLLM_PROXY:
+                self._start_vllm_proxy()
+            else:
+                self.proxy = EPDProxy(routes_for(self.instances, self.tap_urls), self.faults)
+                self._proxy_server = ProxyServer(self.proxy, bind_loopback_socket())
+                self._proxy_server.start()
+                self.entry_url = self._proxy_server.url
         self._client = ChatClient(self.entry_url, timeout_s=self.settings.request_timeout_s)
+
+    def _start_taps(self) -> None:
+        """A recording tap in front of every instance: the guards' evidence, for any proxy.
+        Planted faults act in the taps only when the proxy under test is not the harness's
+        (whose own hooks plant them, as before)."""
+        tap_faults = self.faults if self.settings.proxy.kind == VLLM_PROXY else None
+        targets = [TapTarget(spec.name, spec.role.value, spec.url) for spec in self.instances]
+        self._taps = TapSet(targets, tap_faults).start(LOOPBACK_HOST)
+        self.tap_urls = {spec.url: self._taps.urls[spec.name] for spec in self.instances}
+
+    def _start_vllm_proxy(self) -> None:
+        """The served release's own proxy, pointed at the taps, managed like an instance."""
+        choice = self.settings.proxy
+        assert choice.files_dir is not None and choice.interpreter, "preflight sets them"
+        lease = reserve_ports(1)[0]
+        self._leases.append(lease)
+        routes = routes_for(self.instances, self.tap_urls)
+        launch = vllm_proxy_launch(
+            choice.interpreter,
+            choice.files_dir,
+            LOOPBACK_HOST,
+            lease.port,
+            list(routes.encoder_urls),
+            list(routes.prefill_urls),
+            list(routes.decode_urls),
+        )
+        url = f"http://{LOOPBACK_HOST}:{lease.port}"
+        command = ServerCommand(
+            name=f"{self.topology.name}/vllm-proxy",
+            argv=launch.argv,
+            health_url=f"{url}{launch.health_path}",
+            log_path=log_path_for(self.dir, f"{self.topology.name}/vllm-proxy"),
+        )
+        write_text_atomic(command.log_path.with_suffix(".cmd.json"), command_json(command))
+        server = ManagedServer(command, port_lease=lease)
+        self._vllm_proxy = server
+        server.start()
+        server.wait_until_ready(PROXY_STARTUP_TIMEOUT_S)
+        self.entry_url = url
 
     def close(self) -> None:
         """Stop the proxy, then every instance (process groups), then give the ports back.
@@ -207,7 +263,9 @@ class TopologySession:
         end): a proxy that does not stop must not leave the instances running.
         """
         client, proxy_server, group = self._client, self._proxy_server, self._group
+        taps, vllm_proxy = self._taps, self._vllm_proxy
         self._client = self._proxy_server = self._group = None
+        self._taps = self._vllm_proxy = None
         leases = (*self._leases, *self._side_channel_leases, *self._device_leases)
         self._leases, self._side_channel_leases, self._device_leases = [], [], []
         with contextlib.ExitStack() as steps:  # callbacks run last registered, first
@@ -215,6 +273,10 @@ class TopologySession:
                 steps.callback(lease.release)
             if group is not None:
                 steps.callback(group.stop_all)
+            if taps is not None:
+                steps.callback(taps.stop)
+            if vllm_proxy is not None:
+                steps.callback(vllm_proxy.stop)
             if proxy_server is not None:
                 steps.callback(proxy_server.stop)
             if client is not None:
@@ -226,13 +288,16 @@ class TopologySession:
         """Send one rendered body; every failure becomes an Outcome with its cause."""
         assert self._client is not None and self._group is not None, "session not started"
         request_id = f"{safe_name(self.topology.name)}-{prompt}-{uuid.uuid4().hex[:8]}"
-        outcome = Outcome(prompt=prompt)
+        outcome = Outcome(prompt=prompt, media_count=len(collect_media(body)))
         started = time.monotonic()
         log_offsets = {server.name: log_size(server) for server in self._servers}
         decode_url = next((i.url for i in self.instances if i.role is Role.DECODE), None)
         counters_before = read_counters(decode_url) if decode_url else None
+        tap_mark = self._taps.mark() if self._taps is not None else 0
         try:
             self._group.check_alive()
+            if self._vllm_proxy is not None:
+                self._vllm_proxy.check_alive()
             outcome.result = self._client.chat(body, request_id=request_id)
         except ServerDied as exc:
             outcome.error = str(exc)
@@ -245,6 +310,12 @@ class TopologySession:
                 outcome.error += f"\n{died}"
             elif self._proxy_server is not None and not self._proxy_server.running:
                 outcome.error += f"\nproxy {self.entry_url} is not running (stopped or crashed)"
+            elif self._vllm_proxy is not None and not self._vllm_proxy.is_alive():
+                outcome.error += (
+                    f"\nvLLM's proxy exited ({self._vllm_proxy.exit_code}); last lines of "
+                    f"{self._vllm_proxy.command.log_path}:\n"
+                    f"{self._vllm_proxy.log_tail(LOG_TAIL_SLICE_LINES)}"
+                )
             else:
                 outcome.error += f"\n{self.waited_on_report(request_id)}"
         outcome.seconds = time.monotonic() - started
@@ -254,6 +325,8 @@ class TopologySession:
                 outcome.kv_counters = counters_after.minus(counters_before)
         if self.proxy is not None:
             outcome.trace = self.proxy.traces.get(request_id)
+        if self._taps is not None:
+            outcome.taps = self._taps.since(tap_mark)
         self._sample_memory()
         return outcome
 
@@ -289,6 +362,13 @@ class TopologySession:
                 pending.append(trace.decode_url)
             url = pending[0] if pending else ""
         by_url = {spec.url: server for spec, server in zip(self.instances, self._servers)}
+        tap_urls = self.tap_urls
+        by_url.update({tap_urls[u]: server for u, server in list(by_url.items()) if u in tap_urls})
+        if self._taps is not None and trace is None:  # vLLM's proxy: the taps know
+            pending = [r for r in self._taps.records if r.status is None and r.error is None]
+            names = {spec.name: server for spec, server in zip(self.instances, self._servers)}
+            url = pending[-1].instance if pending else ""
+            by_url.update(names)
         server = by_url.get(url)
         if server is None:
             return "no instance was still working on it (see the proxy's trace)"
@@ -333,10 +413,11 @@ class TopologySession:
             stats.peak_rss_bytes = max(stats.peak_rss_bytes, server.peak_rss_bytes())
 
 
-def routes_for(instances: list[InstanceSpec]) -> ProxyRoutes:
+def routes_for(instances: list[InstanceSpec], via: dict[str, str] | None = None) -> ProxyRoutes:
+    """Where a proxy sends each role's work; `via` maps instance URLs to their taps' URLs."""
     by_role: dict[Role, list[str]] = {}
     for spec in instances:
-        by_role.setdefault(spec.role, []).append(spec.url)
+        by_role.setdefault(spec.role, []).append((via or {}).get(spec.url, spec.url))
     return ProxyRoutes(
         encoder_urls=tuple(by_role.get(Role.ENCODER, ())),
         prefill_urls=tuple(by_role.get(Role.PREFILL, ())),

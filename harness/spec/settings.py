@@ -32,6 +32,30 @@ class ServedVllm:
         return self.version != "unknown"
 
 
+HARNESS_PROXY = "harness"
+VLLM_PROXY = "vllm"
+PROXY_KINDS = (HARNESS_PROXY, VLLM_PROXY)
+
+
+@dataclass(frozen=True)
+class ProxyChoice:
+    """The EPD proxy under test: the harness's own (`harness.serve.proxy`), or the one the
+    served vLLM release ships (`disagg_epd_proxy.py`, and for 1P+1D the toy proxy of its NIXL
+    tests), taken from that release's sdist or a checkout; never from this repository."""
+
+    kind: str = HARNESS_PROXY
+    files_dir: Path | None = None  # holds the vLLM release's proxy files (kind "vllm")
+    origin: str = ""  # where they came from: the sdist's URL and sha256, or the checkout
+    interpreter: tuple[str, ...] = ()  # the served vLLM's Python, which runs them
+
+    def to_json(self) -> dict[str, str | None]:
+        return {
+            "kind": self.kind,
+            "files_dir": str(self.files_dir) if self.files_dir else None,
+            "origin": self.origin,
+        }
+
+
 @dataclass(frozen=True)
 class RunSettings:
     """What every topology of one run shares."""
@@ -48,6 +72,7 @@ class RunSettings:
     workers: int = 1
     startup_timeout_s: float = STARTUP_TIMEOUT_S
     request_timeout_s: float = REQUEST_TIMEOUT_S
+    proxy: ProxyChoice = ProxyChoice()
 
     @property
     def vllm_executable(self) -> str:

@@ -1,0 +1,78 @@
+"""vLLM's own EPD proxy under test: the served release's `disagg_epd_proxy.py`, fetched from its
+sdist through the package index (cached after the first run), in front of the instances' taps.
+
+A release whose shipped proxy breaks EPD turns these red; the transfer guards read only what
+the taps in front of every instance saw, since the proxy under test keeps no trace for us.
+Whatever `--epd-proxy` says, this module always runs vLLM's proxy (with `--epd-vllm-source`
+its files come from that checkout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+
+from harness.report.text import format_failure
+from harness.spec.prompts import SKELETON_PROMPTS
+
+TOPOLOGIES = ("1E+1PD", "1E+1P+1D")
+PROMPTS = ("image", "video")
+EPD_PROXY_NAME = "disagg_epd_proxy.py"
+
+
+@pytest.fixture(scope="module")
+def vllm_proxy_sweep(pytestconfig: pytest.Config, epd_config):
+    from harness.environment import cache_dir
+    from harness.errors import BadInput
+    from harness.preflight.upstream_proxy import proxy_choice
+    from harness.run.sweep import Sweep, SweepSpec
+    from harness.spec.topology import TOPOLOGIES as ALL
+
+    settings = epd_config.settings
+    try:
+        proxy = proxy_choice(
+            "vllm", pytestconfig.getoption("--epd-vllm-source"), settings.vllm, cache_dir()
+        )
+    except BadInput as exc:
+        pytest.fail(f"epd-harness: {exc}", pytrace=False)
+    settings = dataclasses.replace(settings, proxy=proxy, run_dir=settings.run_dir / "vllm-proxy")
+    spec = SweepSpec(
+        topologies=tuple(ALL[name] for name in TOPOLOGIES),
+        prompts=tuple(p for p in SKELETON_PROMPTS if p.name in PROMPTS),
+    )
+    started = time.monotonic()
+
+    def on_event(name: str, state: str, elapsed_s: float) -> None:
+        print(f"[{time.monotonic() - started:7.1f}s] {name}: {state} ({elapsed_s:.1f}s)")
+
+    return Sweep(spec, settings, on_event=on_event, baseline_cache=epd_config.baseline_cache)
+
+
+def case_params():
+    for topology in TOPOLOGIES:
+        for prompt in PROMPTS:
+            yield pytest.param(
+                topology, prompt, marks=[pytest.mark.e2e, pytest.mark.ci],
+                id=f"vllm-proxy-{topology}-{prompt}",
+            )  # fmt: skip
+
+
+@pytest.mark.parametrize("topology,prompt", list(case_params()))
+def test_vllm_proxy_matches_with_transfers_seen_at_the_taps(
+    vllm_proxy_sweep, topology: str, prompt: str
+) -> None:
+    records = vllm_proxy_sweep.judge(topology, prompt)
+    assert records, f"no comparison was made for {topology} / {prompt}"
+    failures = [record for record in records if not record.policy_passed]
+    assert not failures, "\n\n".join(format_failure(record) for record in failures)
+    for record in records:
+        ec = record.guards.get("encoder_output")
+        assert ec and ec["ok"] and "seen at the taps" in ec["evidence"], record.guards
+        assert record.guards["consumer_embeds"]["ok"], record.guards
+    # The proxy that served was vLLM's own, not the harness's.
+    commands = list((vllm_proxy_sweep.settings.run_dir).rglob("*vllm-proxy.cmd.json"))
+    argv = [json.loads(path.read_text())["argv"] for path in commands]
+    assert any(any(arg.endswith(EPD_PROXY_NAME) for arg in a) for a in argv), argv

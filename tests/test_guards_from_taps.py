@@ -1,0 +1,106 @@
+"""Transfer guards over tap records (harness/judge/guards.py `TransferEvidence.from_taps`):
+the evidence is what each instance was sent and answered, whatever proxy was in between."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.judge.guards import (
+    TransferEvidence,
+    check_consumer_embeds,
+    check_encoder_output,
+    check_kv_transfer,
+    check_transfers,
+)
+from harness.serve.client import ChatResult
+from harness.serve.tap import TapRecord
+from harness.spec.topology import get_topology
+
+ENTRY = {"item_indices": [0], "metadata": {"image_grid_thw": [1, 4, 4]}}
+
+
+def encoder(seq: int, params: dict | None) -> TapRecord:
+    return TapRecord(seq, "t/encoder0", "encoder", "/v1/chat/completions", status=200,
+                     part_types=["image_url"], metadata_only=[False], ec_transfer_params=params)  # fmt: skip
+
+
+def consumer(seq: int, role: str, metadata_only: bool = True, cached: int | None = None) -> TapRecord:
+    usage = {"prompt_tokens": 89, "prompt_tokens_details": {"cached_tokens": cached}}
+    part = "image_embeds" if metadata_only else "image_url"
+    return TapRecord(seq, f"t/{role}0", role, "/v1/chat/completions", status=200,
+                     part_types=[part], metadata_only=[metadata_only], usage=usage)  # fmt: skip
+
+
+def answer(cached: int | None) -> ChatResult:
+    return ChatResult(prompt_token_ids=tuple(range(89)), token_ids=(1,), text="",
+                      finish_reason="length", cached_tokens=cached)  # fmt: skip
+
+
+def with_file(tmp_path: Path, mm_hash: str) -> Path:
+    (tmp_path / mm_hash).mkdir()
+    (tmp_path / mm_hash / "encoder_cache.safetensors").write_bytes(b"x")
+    return tmp_path
+
+
+def test_every_consumer_request_must_be_metadata_only() -> None:
+    # E+P+D: P got embeds, D got raw media (a proxy that rewrote only for P) -> red
+    records = [encoder(0, {"h": ENTRY}), consumer(1, "prefill"), consumer(2, "decode", False)]
+    guard = check_consumer_embeds(TransferEvidence.from_taps(records, media_count=1))
+    assert guard.ok is False and "t/decode0" in guard.evidence
+    records[2] = consumer(2, "decode")
+    assert check_consumer_embeds(TransferEvidence.from_taps(records, media_count=1)).ok
+
+
+def test_no_consumer_request_at_all_is_not_a_pass() -> None:
+    evidence = TransferEvidence.from_taps([encoder(0, {"h": ENTRY})], media_count=1)
+    assert check_consumer_embeds(evidence).ok is False
+
+
+def test_encoder_answers_at_the_taps_cover_the_media(tmp_path: Path) -> None:
+    storage = with_file(tmp_path, "h")
+    ok = TransferEvidence.from_taps([encoder(0, {"h": ENTRY}), consumer(1, "pd")], 1)
+    guard = check_encoder_output(ok, storage)
+    assert guard.ok and "seen at the taps" in guard.evidence
+    nothing = TransferEvidence.from_taps([encoder(0, None), consumer(1, "pd")], 1)
+    assert check_encoder_output(nothing, storage).ok is False
+    # a decode retry re-encodes: two rounds of encoder answers for one item are not a pass
+    retried = TransferEvidence.from_taps([encoder(0, {"h": ENTRY}), encoder(1, {"h": ENTRY})], 1)
+    assert check_encoder_output(retried, storage).ok is False
+
+
+def test_kv_guard_believes_d_not_the_answer_the_proxy_passed_on() -> None:
+    # the client's answer claims 64 cached tokens (a proxy could write that); D said 0
+    taps = TransferEvidence.from_taps([consumer(0, "prefill"), consumer(1, "decode", cached=0)], 0)
+    guard = check_kv_transfer(answer(64), block_size=32, evidence=taps)
+    assert guard.ok is False and "cached_tokens=0 (taps)" in guard.evidence
+    honest = TransferEvidence.from_taps([consumer(1, "decode", cached=64)], 0)
+    assert check_kv_transfer(answer(None), block_size=32, evidence=honest).ok
+
+
+def test_check_transfers_from_taps_picks_guards_per_topology(tmp_path: Path) -> None:
+    storage = with_file(tmp_path, "h")
+    records = [encoder(0, {"h": ENTRY}), consumer(1, "prefill"), consumer(2, "decode", cached=64)]
+    evidence = TransferEvidence.from_taps(records, media_count=1)
+    guards = check_transfers(get_topology("1E+1P+1D"), evidence, answer(None), storage, 32)
+    assert [(g.name, g.ok) for g in guards] == [
+        ("encoder_output", True), ("consumer_embeds", True), ("kv_transfer", True),
+    ]  # fmt: skip
+
+
+def test_every_encoder_used_is_read_at_the_encoders_taps() -> None:
+    from types import SimpleNamespace
+
+    from harness.run.matrix import check_every_encoder_used
+    from harness.serve.session import Outcome
+    from harness.spec.topology import Role
+
+    session = SimpleNamespace(instances=[
+        SimpleNamespace(name="t/encoder0", role=Role.ENCODER),
+        SimpleNamespace(name="t/encoder1", role=Role.ENCODER),
+        SimpleNamespace(name="t/pd0", role=Role.PREFILL_DECODE),
+    ])  # fmt: skip
+    first = Outcome("image", taps=[encoder(0, {"h": ENTRY}), consumer(1, "pd")])
+    assert check_every_encoder_used(session, [first]).ok is False  # encoder1 got nothing
+    second = encoder(2, {"h": ENTRY})
+    second.instance = "t/encoder1"
+    assert check_every_encoder_used(session, [first, Outcome("image", taps=[second])]).ok

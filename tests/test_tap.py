@@ -1,0 +1,213 @@
+"""Recording taps (harness/serve/tap.py) against a fake instance on loopback.
+
+The fake is a small aiohttp app that keeps the exact bytes it received and answers with exact
+bytes (JSON, or an event stream in chunks), so the tests can show that a tap is transparent:
+bytes in == bytes out in both directions. Then what the tap records, and the planted faults
+that act at taps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from harness.judge.guards import TransferEvidence, check_consumer_embeds, check_encoder_output
+from harness.serve.proxy import ProxyFaults
+from harness.serve.tap import TapSet, TapTarget
+
+pytestmark = pytest.mark.process
+
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# Deliberately not what json.dumps would write: odd spacing, key order, a non-ASCII byte.
+ENCODER_ANSWER = (
+    b'{"id":"x",  "ec_transfer_params": {"h1": {"item_indices": [0], '
+    b'"metadata": {"image_grid_thw": [1, 4, 4]}}}, "note": "caf\xc3\xa9"}'
+)
+DECODE_ANSWER = (
+    b'{"choices": [], "usage": {"prompt_tokens": 40, "prompt_tokens_details": '
+    b'{"cached_tokens": 32}}, "kv_transfer_params": null}'
+)
+STREAM_CHUNKS = [
+    b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n',
+    b'data: {"choices": [], "usage": {"prompt_tokens": 9, "prompt_tokens_details": '
+    b'{"cached_tokens": 8}}}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+
+class FakeInstance:
+    """Keeps every body it receives; answers `answer` or, for stream requests, chunks."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+        self.received: list[bytes] = []
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.received.append(body)
+        if json.loads(body).get("stream"):
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for chunk in STREAM_CHUNKS:
+                await response.write(chunk)
+                await asyncio.sleep(0.01)
+            await response.write_eof()
+            return response
+        return web.Response(body=self.answer, content_type="application/json")
+
+
+@pytest.fixture
+def fakes() -> Iterator[dict[str, Any]]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    instances = {"encoder": FakeInstance(ENCODER_ANSWER), "pd": FakeInstance(DECODE_ANSWER)}
+    runners, urls = [], {}
+
+    async def start() -> None:
+        for role, fake in instances.items():
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(16)
+            runner = web.AppRunner(fake.app(), access_log=None)
+            await runner.setup()
+            await web.SockSite(runner, sock).start()
+            runners.append(runner)
+            urls[role] = f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=10)
+    yield {"instances": instances, "urls": urls}
+
+    async def stop() -> None:
+        for runner in runners:
+            await runner.cleanup()
+
+    asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+    loop.close()
+
+
+def taps_for(fakes: dict[str, Any], faults: ProxyFaults | None = None) -> TapSet:
+    targets = [TapTarget(f"x/{role}", role, url) for role, url in fakes["urls"].items()]
+    return TapSet(targets, faults).start("127.0.0.1")
+
+
+def post(url: str, body: bytes) -> tuple[int, bytes, str]:
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    with DIRECT.open(request, timeout=10) as response:
+        return response.status, response.read(), response.headers.get("Content-Type", "")
+
+
+def chat_bytes(parts: list[dict[str, Any]], **extra: Any) -> bytes:
+    body = {"model": "m", "messages": [{"role": "user", "content": parts}], **extra}
+    # Odd spacing on purpose: a tap that re-serialized would change these bytes.
+    return json.dumps(body, indent=3, ensure_ascii=False).encode()
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "file:///cat.png"}, "uuid": "u1"}
+EMBEDS = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 4]}, "uuid": "u1"}
+
+
+def test_bodies_pass_byte_for_byte_both_ways(fakes: dict[str, Any]) -> None:
+    sent = chat_bytes([{"type": "text", "text": "héllo"}, IMAGE], max_tokens=1)
+    with taps_for(fakes) as taps:
+        status, answered, _ = post(taps.urls["x/encoder"], sent)
+    assert status == 200
+    assert fakes["instances"]["encoder"].received == [sent]
+    assert answered == ENCODER_ANSWER
+
+
+def test_a_streamed_answer_passes_byte_for_byte_and_is_recorded(fakes: dict[str, Any]) -> None:
+    sent = chat_bytes([EMBEDS], stream=True)
+    with taps_for(fakes) as taps:
+        status, answered, content_type = post(taps.urls["x/pd"], sent)
+        [record] = taps.records
+    assert status == 200 and "text/event-stream" in content_type
+    assert fakes["instances"]["pd"].received == [sent]
+    assert answered == b"".join(STREAM_CHUNKS)
+    assert record.streamed and record.cached_tokens == 8
+
+
+def test_the_record_holds_what_the_instance_was_sent_and_answered(fakes: dict[str, Any]) -> None:
+    kv = {"do_remote_prefill": True, "remote_block_ids": [1]}
+    with taps_for(fakes) as taps:
+        mark = taps.mark()
+        post(taps.urls["x/encoder"], chat_bytes([IMAGE]))
+        post(taps.urls["x/pd"], chat_bytes([EMBEDS], ec_transfer_params={"h1": {}},
+                                           kv_transfer_params=kv))  # fmt: skip
+        encoder, consumer = taps.since(mark)
+        assert taps.since(taps.mark()) == []
+    assert (encoder.instance, encoder.status, encoder.part_types) == ("x/encoder", 200, ["image_url"])
+    assert encoder.ec_transfer_params == json.loads(ENCODER_ANSWER)["ec_transfer_params"]
+    assert consumer.part_types == ["image_embeds"] and consumer.metadata_only == [True]
+    assert consumer.uuids == ["u1"]
+    assert consumer.sent_ec_transfer_params == {"h1": {}}
+    assert consumer.sent_kv_transfer_params == kv
+    assert consumer.cached_tokens == 32
+
+
+def test_guards_read_from_tap_records(fakes: dict[str, Any], tmp_path: Any) -> None:
+    (tmp_path / "h1").mkdir()
+    (tmp_path / "h1" / "encoder_cache.safetensors").write_bytes(b"x")
+    with taps_for(fakes) as taps:
+        post(taps.urls["x/encoder"], chat_bytes([IMAGE]))
+        post(taps.urls["x/pd"], chat_bytes([EMBEDS]))
+        good = TransferEvidence.from_taps(taps.since(0), media_count=1)
+        post(taps.urls["x/pd"], chat_bytes([IMAGE]))  # a consumer that got raw media
+        raw = TransferEvidence.from_taps(taps.since(0), media_count=1)
+    assert check_encoder_output(good, tmp_path).ok
+    assert check_consumer_embeds(good).ok
+    assert good.decode_cached_tokens == 32
+    assert not check_consumer_embeds(raw).ok
+    assert not check_encoder_output(good, tmp_path / "elsewhere").ok
+
+
+def test_drop_metadata_planted_at_the_tap_gives_the_consumer_raw_media(
+    fakes: dict[str, Any],
+) -> None:
+    with taps_for(fakes, ProxyFaults(drop_encoder_metadata=True)) as taps:
+        post(taps.urls["x/encoder"], chat_bytes([IMAGE]))
+        post(taps.urls["x/pd"], chat_bytes([EMBEDS], ec_transfer_params={"h1": {}}))
+        consumer = taps.records[-1]
+    got = json.loads(fakes["instances"]["pd"].received[-1])
+    assert got["messages"][0]["content"] == [IMAGE]
+    assert "ec_transfer_params" not in got
+    assert consumer.rewritten_by_fault and consumer.part_types == ["image_url"]
+    assert not check_consumer_embeds(TransferEvidence.from_taps([consumer], 1)).ok
+
+
+def test_after_encode_runs_before_the_answer_leaves_the_tap(fakes: dict[str, Any]) -> None:
+    seen: list[dict[str, Any]] = []
+    faults = ProxyFaults(after_encode=lambda _rid, params: seen.append(params))
+    with taps_for(fakes, faults) as taps:
+        post(taps.urls["x/encoder"], chat_bytes([IMAGE]))
+        assert seen == [json.loads(ENCODER_ANSWER)["ec_transfer_params"]]
+        post(taps.urls["x/pd"], chat_bytes([EMBEDS]))
+    assert len(seen) == 1  # only encoder answers
+
+
+def test_other_paths_pass_through_unrecorded(fakes: dict[str, Any]) -> None:
+    with taps_for(fakes) as taps:
+        with DIRECT.open(f"{taps.urls['x/pd']}/health", timeout=10) as response:
+            assert response.status == 200
+        assert taps.records == []

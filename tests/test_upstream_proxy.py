@@ -1,0 +1,192 @@
+"""vLLM's own proxy files: found through a package index's simple API, verified, extracted,
+cached (harness/preflight/upstream_proxy.py); and the command that runs them
+(harness/serve/vllm_proxy.py).
+
+The index here is a fake on loopback serving a made-up sdist that holds stand-in files at the
+release's paths (no upstream code is involved); it counts its downloads so the cache shows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import io
+import json
+import tarfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.errors import BadInput
+from harness.preflight import upstream_proxy
+from harness.preflight.config import RunRequest, prepare_run
+from harness.serve.vllm_proxy import EPD_PROXY_FILE, TOY_PROXY_FILE, vllm_proxy_launch
+
+RELEASE = "9.8.7"
+
+
+def make_sdist(release: str, files: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for name, data in files.items():
+            info = tarfile.TarInfo(f"vllm-{release}/{name}")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+STANDIN = {
+    EPD_PROXY_FILE: b"# stand-in epd proxy\n",
+    TOY_PROXY_FILE: b"# stand-in toy proxy\n",
+    "vllm/other.py": b"# not needed\n",
+}
+
+
+class FakeIndex:
+    def __init__(self, sdist: bytes, style: str, sha256: str | None = None) -> None:
+        self.sdist, self.style = sdist, style
+        self.sha256 = sha256 or hashlib.sha256(sdist).hexdigest()
+        self.downloads = 0
+        index = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+                name = f"vllm-{RELEASE}.tar.gz"
+                if self.path == "/simple/vllm/":
+                    if index.style == "json":
+                        body = json.dumps({"files": [{
+                            "filename": name, "url": f"../../files/{name}",
+                            "hashes": {"sha256": index.sha256},
+                        }]}).encode()  # fmt: skip
+                        kind = "application/vnd.pypi.simple.v1+json"
+                    else:
+                        body = (f'<html><body><a href="/files/{name}#sha256={index.sha256}">'
+                                f"{name}</a></body></html>").encode()  # fmt: skip
+                        kind = "text/html"
+                elif self.path == f"/files/{name}":
+                    index.downloads += 1
+                    body, kind = index.sdist, "application/octet-stream"
+                else:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/simple"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(params=["json", "html"])
+def index(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeIndex]:
+    fake = FakeIndex(make_sdist(RELEASE, STANDIN), request.param)
+    monkeypatch.setattr(upstream_proxy, "pip_indexes", lambda _interpreter=None: [fake.url])
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    yield fake
+    fake.close()
+
+
+@pytest.mark.process
+def test_the_release_files_are_fetched_verified_extracted_and_cached(
+    index: FakeIndex, tmp_path: Path
+) -> None:
+    first = upstream_proxy.cached_or_fetched(f"{RELEASE}+cpu", tmp_path)
+    assert (first.directory / EPD_PROXY_FILE).read_bytes() == STANDIN[EPD_PROXY_FILE]
+    assert (first.directory / TOY_PROXY_FILE).read_bytes() == STANDIN[TOY_PROXY_FILE]
+    assert not (first.directory / "vllm" / "other.py").exists()  # only what is needed
+    assert index.sha256 in first.origin and first.directory.name == RELEASE
+    again = upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+    assert again == first and index.downloads == 1
+
+
+@pytest.mark.process
+def test_a_sha256_other_than_the_index_says_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fake = FakeIndex(make_sdist(RELEASE, STANDIN), "json", sha256="0" * 64)
+    monkeypatch.setattr(upstream_proxy, "pip_indexes", lambda _interpreter=None: [fake.url])
+    try:
+        with pytest.raises(BadInput, match="sha256"):
+            upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+    finally:
+        fake.close()
+    assert not (tmp_path / "vllm-proxy" / RELEASE).exists()
+
+
+@pytest.mark.process
+def test_a_release_the_index_lacks_is_one_clear_line(index: FakeIndex, tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match=r"no sdist vllm-1\.2\.3\.tar\.gz.*--vllm-source"):
+        upstream_proxy.cached_or_fetched("1.2.3", tmp_path)
+
+
+def test_release_version_drops_the_local_suffix() -> None:
+    assert upstream_proxy.release_version("0.32.0+cpu") == "0.32.0"
+    assert upstream_proxy.release_version("0.33.0") == "0.33.0"
+    with pytest.raises(BadInput):
+        upstream_proxy.release_version("unknown")
+
+
+def test_a_checkout_must_hold_both_files(tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match="not a vLLM checkout"):
+        upstream_proxy.from_checkout(str(tmp_path))
+    for name in (EPD_PROXY_FILE, TOY_PROXY_FILE):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("#")
+    assert upstream_proxy.from_checkout(str(tmp_path)).directory == tmp_path.resolve()
+
+
+def test_pip_config_scopes_rank_like_pip(monkeypatch: pytest.MonkeyPatch) -> None:
+    listed = ("global.index-url='http://g/simple'\n:env:.index-url='http://e/simple'\n"
+              "global.extra-index-url='file:///a file:///b'\n")  # fmt: skip
+
+    class Done:
+        stdout = listed
+
+    monkeypatch.setattr(upstream_proxy.subprocess, "run", lambda *a, **k: Done())
+    assert upstream_proxy.pip_indexes(["python"]) == ["http://e/simple", "file:///a", "file:///b"]
+
+
+def test_vllm_source_without_the_vllm_proxy_is_refused() -> None:
+    with pytest.raises(BadInput, match="--vllm-source .* --proxy vllm"):
+        prepare_run(RunRequest(vllm_source="/somewhere", count_tokens=False))
+    with pytest.raises(BadInput, match="--proxy nginx"):
+        prepare_run(RunRequest(proxy="nginx", count_tokens=False))
+
+
+def test_encoder_topologies_get_the_epd_proxy_with_static_urls(tmp_path: Path) -> None:
+    launch = vllm_proxy_launch(("py",), tmp_path, "127.0.0.1", 9000,
+                               ["http://127.0.0.1:1"], [], ["http://127.0.0.1:3"])  # fmt: skip
+    argv = list(launch.argv)
+    assert argv[:2] == ["py", str(tmp_path / EPD_PROXY_FILE)]
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert argv[argv.index("--prefill-servers-urls") + 1] == "none"
+    assert argv[argv.index("--decode-servers-urls") + 1] == "http://127.0.0.1:3"
+    assert launch.health_path == "/health"
+    epd = list(vllm_proxy_launch(("py",), tmp_path, "127.0.0.1", 9000, ["http://127.0.0.1:1"],
+                                 ["http://127.0.0.1:2"], ["http://127.0.0.1:3"]).argv)  # fmt: skip
+    assert epd[epd.index("--prefill-servers-urls") + 1] == "http://127.0.0.1:2"
+
+
+def test_one_p_one_d_gets_the_toy_proxy(tmp_path: Path) -> None:
+    launch = vllm_proxy_launch(("py",), tmp_path, "127.0.0.1", 9000, [],
+                               ["http://127.0.0.1:2"], ["http://127.0.0.1:3"])  # fmt: skip
+    argv = list(launch.argv)
+    assert argv[1] == str(tmp_path / TOY_PROXY_FILE)
+    assert argv[argv.index("--prefiller-ports") + 1] == "2"
+    assert argv[argv.index("--decoder-hosts") + 1] == "127.0.0.1"
+    assert launch.health_path == "/healthcheck"
