@@ -171,9 +171,9 @@ def kv_rule_for(kv_connector: str) -> KvRule:
 def check_kv_transfer(
     result: ChatResult,
     block_size: int,
-    evidence: TransferEvidence | None = None,
     rule: KvRule = KvRule.BLOCK_ALIGNED_PREFIX,
     counters: dict[str, float] | None = None,
+    evidence: TransferEvidence | None = None,
 ) -> GuardResult:
     """Did D receive what the connector moves? ExampleConnector: D's own `cached_tokens` (at its
     tap; without tap evidence, the answer the client got, which a proxy could rewrite). NIXL:
@@ -223,7 +223,9 @@ def check_transfers(
         guards.append(check_encoder_output(evidence, ec_storage))
         guards.append(check_consumer_embeds(evidence))
     if topology.has_kv_transfer:
-        guards.append(check_kv_transfer(result, block_size, evidence, kv_rule, kv_counters))
+        guards.append(
+            check_kv_transfer(result, block_size, kv_rule, kv_counters, evidence=evidence)
+        )
     return guards
 
 
