@@ -11,7 +11,7 @@ from __future__ import annotations
 import subprocess
 
 from harness.errors import BadInput
-from harness.preflight.vllm import served_interpreter
+from harness.preflight.vllm import interpreter_of
 from harness.spec.connectors import KvConnector
 from harness.spec.settings import ServedVllm
 
@@ -23,7 +23,7 @@ def check_kv_connector(served: ServedVllm, connector: KvConnector) -> None:
     module = connector.requires_module
     if module is None:
         return
-    interpreter = served_interpreter(served.executable)
+    interpreter = interpreter_of(served.executable)
     if interpreter is None:
         raise BadInput(f"--kv-connector {connector.name}: cannot tell which Python "
                        f"{served.executable} runs, so cannot check that it imports {module}")  # fmt: skip
