@@ -31,7 +31,7 @@ from harness.preflight import RunRequest, prepare_run
 from harness.preflight.config import DEFAULT_MAX_MODEL_LEN
 from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_os_error
 from harness.preflight.model import resolve_model
-from harness.preflight.vllm import SUPPORTED_VLLM_SERIES, default_vllm_executable, probe_served_vllm
+from harness.preflight.vllm import default_vllm_executable, probe_served_vllm
 from harness.report.text import format_failure, format_verdict_table
 from harness.run.faults import FAULT_NAMES, FAULT_SYNTAX, GRADED_FAULTS
 from harness.run.matrix import MatrixRun
@@ -45,11 +45,11 @@ from harness.serve.launch import (
     install_signal_handlers,
 )
 from harness.serve.ports import NoFreePortError
+from harness.spec.generations import GENERATIONS_BY_NAME
 from harness.spec.platforms import DEFAULT_CPU_CORES, get_platform
 from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.topology import TOPOLOGIES
 
-SUPPORTED_SERIES = ".".join(map(str, SUPPORTED_VLLM_SERIES))
 log = logging.getLogger("harness")
 
 
@@ -104,6 +104,7 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         run_dir=args.run_dir,
         vllm=args.vllm,
         allow_untested_vllm=args.allow_untested_vllm,
+        protocol=args.protocol,
         max_model_len=args.max_model_len,
         devices=args.devices,
         media_dir=args.media_dir,
@@ -229,7 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", help="artifact directory (default: runs/<timestamp>)")
     run.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
     run.add_argument("--allow-untested-vllm", action="store_true",
-                     help=f"run a vLLM other than {SUPPORTED_SERIES}.x")  # fmt: skip
+                     help="run a vLLM older than every known EPD protocol generation")  # fmt: skip
+    run.add_argument("--protocol", choices=sorted(GENERATIONS_BY_NAME),
+                     help="EPD protocol generation to speak (default: by the served vLLM's "
+                     "version; see docs/versions.md)")  # fmt: skip
     run.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
     run.add_argument("--devices", help="CPU cores the instances bind to, e.g. 0,1 (default: "
                      f"{','.join(map(str, DEFAULT_CPU_CORES))}); GPU / XPU indices there")  # fmt: skip

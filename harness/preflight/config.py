@@ -11,6 +11,7 @@ the token count, which loads the model's processor unless cached). The first pro
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from harness.environment import cache_dir, port_range
 from harness.errors import BadInput
 from harness.preflight import files, names, resources, tokens
 from harness.preflight.model import resolve_model
-from harness.preflight.vllm import check_vllm, default_vllm_executable
+from harness.preflight.vllm import check_vllm, default_vllm_executable, served_generation
 from harness.run.baseline_cache import BaselineCache
 from harness.run.faults import parse_fault
 from harness.run.scenarios import MATRIX, Scenario, get_scenario, matrix_prompts
@@ -35,6 +36,7 @@ from harness.spec.settings import RunSettings
 from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Topology, serving_for
 
 DEFAULT_MAX_MODEL_LEN = 4096
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class RunRequest:
     run_dir: str | None = None
     vllm: str | None = None
     allow_untested_vllm: bool = False
+    protocol: str | None = None  # a protocol generation's name; None: by the served version
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     devices: str | None = None
     media_dir: str | None = None
@@ -108,6 +111,9 @@ def prepare_run(request: RunRequest) -> RunConfig:
     baseline_cache = _baseline_cache(request.baseline_cache, request.refresh_baseline)
 
     served = check_vllm(request.vllm or default_vllm_executable(), request.allow_untested_vllm)
+    protocol = served_generation(served, request.protocol)
+    if protocol.warning:
+        log.warning("epd-harness: %s", protocol.warning)
     if baseline_cache is not None and not served.known:
         baseline_cache = None  # an unknown version must never match another's baseline
     resources.check_free_ports(max(len(t.roles) for t in (TOPOLOGIES["baseline"], *topologies)),
@@ -133,6 +139,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         devices=devices,
         colocate=request.colocate,
         workers=request.workers,
+        protocol=protocol.generation,
     )
     return RunConfig(
         topologies=topologies,

@@ -21,13 +21,14 @@ from harness.files import write_json_atomic, write_text_atomic
 from harness.fixtures.tiny_model import model_digest
 from harness.judge.guards import GuardResult, session_guards
 from harness.judge.records import EXACT, CaseRecord, Policy
-from harness.judge.verdicts import baseline_is_stable, judge_case
+from harness.judge.verdicts import baseline_is_stable, judge_case, not_applicable_case
 from harness.report.bundle import write_bundle, write_run_info
 from harness.report.text import format_verdict_table, write_summary_json
 from harness.run.baseline_cache import BaselineCache, baseline_key
 from harness.run.faults import fault_for, plant
 from harness.serve.launch import EventCallback
 from harness.serve.session import InstanceStats, Outcome, TopologySession
+from harness.spec.generations import not_applicable
 from harness.spec.placement import Schedule, Wave, schedule
 from harness.spec.prompts import PromptSpec, render_request
 from harness.spec.settings import RunSettings
@@ -290,6 +291,8 @@ class Sweep:
         if self.spec.fault and session.proxy is not None:
             plant(session.proxy.faults, fault_for(self.spec.fault, session.ec_storage, session.kv_storage))
         for name in self.topology_prompts:
+            if self.not_applicable(topology.name, name):
+                continue  # judged NOT_APPLICABLE without a request
             outcome = session.send(name, self.bodies[name])
             outcomes[name] = outcome
             status = "failed" if outcome.error else "answered"
@@ -320,9 +323,24 @@ class Sweep:
         floors = [floor for stable, _, floor in self.stability.values() if stable and floor]
         return max(floors, default=0.0)
 
+    def not_applicable(self, topology_name: str, prompt: str) -> str | None:
+        """Why the served release cannot run this case meaningfully (None: it can)."""
+        spec = next((p for p in self.spec.prompts if p.name == prompt), None)
+        if spec is None:  # a replayed body without its spec: send it
+            return None
+        return not_applicable(self.settings.protocol, TOPOLOGIES[topology_name], spec)
+
     def judge(self, topology_name: str, prompt: str) -> list[CaseRecord]:
-        """Records for one case: against the baseline, and its exact reference if it has one."""
+        """Records for one case: against the baseline, and its exact reference if it has one.
+        A case the served release cannot run is NOT_APPLICABLE, with the table's reason."""
         key = (topology_name, prompt)
+        reason = self.not_applicable(topology_name, prompt)
+        if key not in self._judged and reason is not None:
+            record = not_applicable_case(topology_name, prompt, BASELINE.name, reason)
+            log.info("[sweep] %s %s: NOT_APPLICABLE (%s)", topology_name, prompt, reason)
+            self._judged[key] = [record]
+            self.result.records.append(record)
+            self.write_outputs()
         if key not in self._judged:
             baseline = self.serve_baseline()
             outcome = self.serve_topology(topology_name)[prompt]

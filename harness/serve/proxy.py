@@ -25,6 +25,7 @@ import aiohttp
 from aiohttp import web
 
 from harness.serve import proxy_protocol as protocol
+from harness.spec.generations import NEWEST, ProtocolGeneration
 
 # vLLM closes idle keep-alive connections after 5 s; reusing one it is closing breaks the
 # next request (vLLM #41567), so the proxy drops its own idle connections sooner.
@@ -109,9 +110,13 @@ class UpstreamError(Exception):
 class EPDProxy:
     """The aiohttp application; one instance per topology run."""
 
-    def __init__(self, routes: ProxyRoutes, faults: ProxyFaults | None = None):
+    def __init__(
+        self, routes: ProxyRoutes, faults: ProxyFaults | None = None,
+        generation: ProtocolGeneration = NEWEST,
+    ):  # fmt: skip
         self.routes = routes
         self.faults = faults or ProxyFaults()
+        self.generation = generation
         self.traces: dict[str, RequestTrace] = {}
         self._encoder_cursor = 0  # persists across requests: round-robin is per proxy
         self._prefill_cycle = itertools.cycle(routes.prefill_urls or (None,))
@@ -153,7 +158,7 @@ class EPDProxy:
         self, request: dict, media: list[protocol.MediaRef], request_id: str, trace: RequestTrace
     ) -> tuple[dict[int, protocol.EncodedItem], dict[str, Any]]:
         batches, self._encoder_cursor = protocol.plan_encoder_batches(
-            media, len(self.routes.encoder_urls), self._encoder_cursor
+            media, len(self.routes.encoder_urls), self._encoder_cursor, self.generation
         )
 
         async def run(n: int, batch: protocol.EncoderBatch):
@@ -170,10 +175,9 @@ class EPDProxy:
 
         results = await asyncio.gather(*(run(n, b) for n, b in enumerate(batches)))
         encoded: dict[int, protocol.EncodedItem] = {}
-        merged: dict[str, Any] = {}
         for batch, params in results:
-            encoded.update(protocol.index_encoder_response(batch, params))
-            merged.update(params or {})
+            encoded.update(protocol.index_encoder_response(batch, params, self.generation))
+        merged = protocol.merge_encoder_params([p for _, p in results], self.generation)
         if self.faults.after_encode is not None:
             self.faults.after_encode(request_id, merged)
         if self.faults.drop_encoder_metadata:
@@ -201,6 +205,12 @@ class EPDProxy:
                            "message": exc.body[:2000]}},
                 status=502,
             )  # fmt: skip
+        except Exception as exc:
+            # The proxy's own failure (e.g. an encoder answer of another protocol generation):
+            # recorded with its cause, or the case's error would be an empty 500.
+            trace.error = f"proxy failed: {type(exc).__name__}: {exc}"
+            return web.json_response({"error": {"stage": "proxy", "message": trace.error}},
+                                     status=500)  # fmt: skip
 
     async def _route(self, request: dict, request_id: str, trace: RequestTrace) -> dict:
         media = protocol.collect_media(request)

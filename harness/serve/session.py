@@ -156,6 +156,7 @@ class TopologySession:
             self.devices,
             colocate=settings.colocate,
             side_channel_ports=[lease.port for lease in self._side_channel_leases],
+            generation=settings.protocol,
         )
         for lease in self._side_channel_leases:
             lease.hand_over()  # NIXL binds these itself; the flock keeps other workers off
@@ -189,7 +190,9 @@ class TopologySession:
         self._sample_memory()
         self.entry_url = self.instances[0].url
         if not self.topology.is_baseline:
-            self.proxy = EPDProxy(routes_for(self.instances), self.faults)
+            self.proxy = EPDProxy(
+                routes_for(self.instances), self.faults, self.settings.protocol
+            )
             self._proxy_server = ProxyServer(self.proxy, bind_loopback_socket())
             self._proxy_server.start()
             self.entry_url = self._proxy_server.url
