@@ -124,10 +124,8 @@ def test_not_applicable_cases_per_generation() -> None:
     # raw-media: no metadata, no encoder case with media proves anything.
     assert not applies("raw-media", "1E+1PD", "image")
     assert not applies("raw-media", "2E+1PD", "two_images")
-    # ec-items: images yes, video no (it goes raw).
-    assert applies("ec-items", "1E+1P+1D", "image") and not applies("ec-items", "1E+1PD", "video")
-    # by-hash and newer: everything.
-    for name in ("by-hash", "by-hash-indexed"):
+    # ec-items and newer: everything the sweep sends.
+    for name in ("ec-items", "by-hash", "by-hash-indexed"):
         assert all(applies(name, t, p) for t in ("1E+1PD", "2E+1PD") for p in PROMPTS)
 
 
@@ -156,14 +154,14 @@ def test_answers_without_positions_get_one_item_per_sub_request() -> None:
 
 def test_video_skips_the_encoder_where_the_generation_does_not_encode_it() -> None:
     media = refs("video_url", "image_url")
-    batches, cursor = plan_encoder_batches(media, 2, 0, GENERATIONS_BY_NAME["ec-items"])
+    batches, cursor = plan_encoder_batches(media, 2, 0, GENERATIONS_BY_NAME["raw-media"])
     assert [b.positions for b in batches] == [(1,)] and cursor == 1
     batches, _ = plan_encoder_batches(media, 2, 0, NEWEST)
     assert sorted(b.positions for b in batches) == [(0,), (1,)]
 
 
 def test_index_ec_items_answer() -> None:
-    params = {"ec_items": [{"mm_hash": "h1", "metadata": {"image_grid_thw": [1, 4, 4]}}]}
+    params = {"ec_items": [{"mm_hash": "h1", "image_grid_thw": [1, 4, 4]}]}  # as 0.28 answers
     found = index_encoder_response(EncoderBatch(0, (3,)), params, GENERATIONS_BY_NAME["ec-items"])
     assert found[3].mm_hash == "h1" and found[3].metadata == {"image_grid_thw": [1, 4, 4]}
 
@@ -179,6 +177,8 @@ def test_an_answer_of_another_generation_is_an_error_with_the_answer() -> None:
     params = {"ec_items": [{"mm_hash": "h1", "metadata": {"x": 1}}]}
     with pytest.raises(EncoderAnswerError, match="ec_items.*h1"):
         index_encoder_response(EncoderBatch(0, (0,)), params, NEWEST)
+    video = not_applicable(GENERATIONS_BY_NAME["raw-media"], TOPOLOGIES["1E+1PD"], PROMPTS["video"])
+    assert video and "no metadata" in video
     with pytest.raises(EncoderAnswerError, match="expected"):
         index_encoder_response(EncoderBatch(0, (0,)), {"h": {}}, GENERATIONS_BY_NAME["ec-items"])
 

@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from harness.cli import doctor
 from harness.cli.plan import add_plan_parser
+from harness.cli.versions import add_goldens_parser, add_versions_parser
 from harness.environment import cache_dir
 from harness.errors import (
     EXIT_BAD_INPUT,
@@ -105,6 +106,7 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         vllm=args.vllm,
         allow_untested_vllm=args.allow_untested_vllm,
         protocol=args.protocol,
+        golden=args.golden,
         max_model_len=args.max_model_len,
         devices=args.devices,
         media_dir=args.media_dir,
@@ -132,7 +134,8 @@ def command_run(args: argparse.Namespace) -> int:
     else:
         spec = SweepSpec(topologies=config.topologies, prompts=config.prompts, fault=config.fault)
     sweep = Sweep(spec, settings, on_event=args.progress.on_event,
-                  baseline_cache=config.baseline_cache)  # fmt: skip
+                  baseline_cache=config.baseline_cache, goldens=config.goldens,
+                  golden_release=config.golden_release)  # fmt: skip
     if config.matrix:
         return finish_run(args, run_matrix(sweep, config.matrix), sweep.result)
     if config.cases:
@@ -234,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--protocol", choices=sorted(GENERATIONS_BY_NAME),
                      help="EPD protocol generation to speak (default: by the served vLLM's "
                      "version; see docs/versions.md)")  # fmt: skip
+    run.add_argument("--golden", metavar="VERSION",
+                     help="judge against VERSION's stored baseline (its goldens) instead of "
+                     "starting one; see docs/versions.md")  # fmt: skip
     run.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
     run.add_argument("--devices", help="CPU cores the instances bind to, e.g. 0,1 (default: "
                      f"{','.join(map(str, DEFAULT_CPU_CORES))}); GPU / XPU indices there")  # fmt: skip
@@ -273,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=command_doctor)
 
     add_plan_parser(sub)
+    add_versions_parser(sub)
+    add_goldens_parser(sub)
     return parser
 
 

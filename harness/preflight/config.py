@@ -23,6 +23,7 @@ from harness.preflight.model import resolve_model
 from harness.preflight.vllm import check_vllm, default_vllm_executable, served_generation
 from harness.run.baseline_cache import BaselineCache
 from harness.run.faults import parse_fault
+from harness.run.goldens import GoldenStore, release_of
 from harness.run.scenarios import MATRIX, Scenario, get_scenario, matrix_prompts
 from harness.spec.platforms import (
     DEFAULT_CPU_CORES,
@@ -52,6 +53,7 @@ class RunRequest:
     vllm: str | None = None
     allow_untested_vllm: bool = False
     protocol: str | None = None  # a protocol generation's name; None: by the served version
+    golden: str | None = None  # a release (e.g. 0.31.0) whose stored baseline stands in
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     devices: str | None = None
     media_dir: str | None = None
@@ -77,6 +79,10 @@ class RunConfig:
     baseline_cache: BaselineCache | None
     fault: str | None
     prompt_tokens: dict[str, int] = field(default_factory=dict)
+    # Where every baseline answer is kept per release (None with --baseline-cache off), and
+    # the release whose goldens replace the baseline (--golden).
+    goldens: GoldenStore | None = None
+    golden_release: str | None = None
 
 
 def prepare_run(request: RunRequest) -> RunConfig:
@@ -141,7 +147,10 @@ def prepare_run(request: RunRequest) -> RunConfig:
         workers=request.workers,
         protocol=protocol.generation,
     )
+    goldens, golden_release = _goldens(request, baseline_cache)
     return RunConfig(
+        goldens=goldens,
+        golden_release=golden_release,
         topologies=topologies,
         prompts=prompts,
         cases=cases,
@@ -203,6 +212,18 @@ def _run_dir(request: RunRequest) -> Path:
     if request.worker_id and request.workers > 1:
         path = path / request.worker_id  # workers never write into each other's artifacts
     return path.resolve()
+
+
+def _goldens(request: RunRequest, baseline_cache: BaselineCache | None
+             ) -> tuple[GoldenStore | None, str | None]:  # fmt: skip
+    """Goldens live beside the baseline cache; --golden reads them even when it is off."""
+    directory = (baseline_cache.directory.parent if baseline_cache else cache_dir()) / "goldens"
+    if request.golden is None:
+        return (GoldenStore(directory) if baseline_cache else None), None
+    if request.refresh_baseline:
+        raise BadInput("--golden starts no baseline, so there is nothing to refresh; drop "
+                       "--refresh-baseline (or --golden)")  # fmt: skip
+    return GoldenStore(directory), release_of(request.golden)
 
 
 def _baseline_cache(value: str | None, refresh: bool) -> BaselineCache | None:

@@ -26,6 +26,7 @@ from harness.report.bundle import write_bundle, write_run_info
 from harness.report.text import format_verdict_table, write_summary_json
 from harness.run.baseline_cache import BaselineCache, baseline_key
 from harness.run.faults import fault_for, plant
+from harness.run.goldens import GoldenStore, golden_key
 from harness.serve.launch import EventCallback
 from harness.serve.session import InstanceStats, Outcome, TopologySession
 from harness.spec.generations import not_applicable
@@ -98,8 +99,17 @@ class Sweep:
         on_event: EventCallback | None = None,
         baseline_cache: BaselineCache | None = None,
         bodies: dict[str, dict] | None = None,
+        goldens: GoldenStore | None = None,
+        golden_release: str | None = None,
     ):
-        """`bodies` replays recorded request bodies (repro) instead of rendering the spec's."""
+        """`bodies` replays recorded request bodies (repro) instead of rendering the spec's.
+        `goldens` keeps every baseline answer per release (harness.run.goldens); with
+        `golden_release` the baseline is never started: that release's goldens stand in."""
+        self.goldens = goldens
+        self.golden_release = golden_release
+        if golden_release is not None and goldens is None:
+            raise ValueError("golden_release needs a GoldenStore")
+        self.baseline_label = f"golden-{golden_release}" if golden_release else BASELINE.name
         self.spec = spec
         self.settings = settings
         self.on_event = on_event
@@ -125,6 +135,8 @@ class Sweep:
             (*spec.prompts, *spec.baseline_only_prompts),
             fault=spec.fault,
         )
+        if golden_release is not None:
+            self.run_info["golden_release"] = golden_release
 
     # -- the schedule --------------------------------------------------------------------------
 
@@ -163,6 +175,9 @@ class Sweep:
 
     def _load_cached_baseline(self, locked: bool = False) -> None:
         self.result.outcomes.setdefault(BASELINE.name, {})
+        if self.golden_release is not None:
+            self._load_goldens()
+            return
         cache = self.baseline_cache
         if cache is None:
             self._baseline_missing = list(self.bodies)
@@ -173,6 +188,7 @@ class Sweep:
                 cached = cache.load(self._baseline_key(body), name)
                 if cached is not None:
                     outcomes[name] = cached.outcome
+                    self._store_golden(name, body, cached.outcome)
                     self.stability[name] = (True, "from the baseline cache", cached.noise_floor_nats)
         self._baseline_missing = [n for n in self.bodies if n not in self.result.outcomes[BASELINE.name]]
         log.log(logging.DEBUG if locked else logging.INFO, "[sweep] baseline cache: %d hit(s), "
@@ -181,11 +197,32 @@ class Sweep:
         if not self._baseline_missing:
             self.write_outputs()
 
-    def _baseline_key(self, body: dict) -> str:
+    def _digest(self) -> str:
         if self._model_digest is None:
             model = Path(self.settings.serving.model)
             self._model_digest = model_digest(model) if model.is_dir() else str(model)
-        return baseline_key(self.settings.vllm, self.settings.serving, self._model_digest, body)
+        return self._model_digest
+
+    def _baseline_key(self, body: dict) -> str:
+        return baseline_key(self.settings.vllm, self.settings.serving, self._digest(), body)
+
+    def _golden_key(self, body: dict) -> str:
+        return golden_key(self.settings.serving, self._digest(), body)
+
+    def _load_goldens(self) -> None:
+        """--golden: another release's stored baseline answers; a missing one is BadInput."""
+        assert self.goldens is not None and self.golden_release is not None
+        outcomes = self.result.outcomes[BASELINE.name]
+        for name, body in self.bodies.items():
+            outcomes[name] = self.goldens.outcome_for(self._golden_key(body), name, self.golden_release)
+            self.stability[name] = (True, f"golden of vLLM {self.golden_release}", 0.0)
+        self._baseline_missing = []
+        log.info("[sweep] baseline: the goldens of vLLM %s (%d prompt(s)); no baseline started",
+                 self.golden_release, len(outcomes))  # fmt: skip
+
+    def _store_golden(self, name: str, body: dict, outcome: Outcome) -> None:
+        if self.goldens is not None and self.golden_release is None:
+            self.goldens.store(self._golden_key(body), name, self.settings.vllm, outcome)
 
     # -- serving -----------------------------------------------------------------------------
 
@@ -281,6 +318,9 @@ class Sweep:
                 if stable:
                     key = self._baseline_key(self.bodies[name])
                     self.baseline_cache.store(key, outcomes[name], floor or 0.0)
+        for name in names:
+            if self.stability[name][0]:
+                self._store_golden(name, self.bodies[name], outcomes[name])
         self._baseline_missing = []
 
     def _serve_prompts(self, session: TopologySession) -> None:
@@ -336,7 +376,7 @@ class Sweep:
         key = (topology_name, prompt)
         reason = self.not_applicable(topology_name, prompt)
         if key not in self._judged and reason is not None:
-            record = not_applicable_case(topology_name, prompt, BASELINE.name, reason)
+            record = not_applicable_case(topology_name, prompt, self.baseline_label, reason)
             log.info("[sweep] %s %s: NOT_APPLICABLE (%s)", topology_name, prompt, reason)
             self._judged[key] = [record]
             self.result.records.append(record)
@@ -345,7 +385,7 @@ class Sweep:
             baseline = self.serve_baseline()
             outcome = self.serve_topology(topology_name)[prompt]
             topology = TOPOLOGIES[topology_name]
-            references = [(BASELINE.name, baseline, self.spec.baseline_policy)]
+            references = [(self.baseline_label, baseline, self.spec.baseline_policy)]
             if topology.exact_reference:
                 reference = self.serve_topology(topology.exact_reference)
                 references.append((topology.exact_reference, reference, EXACT))
@@ -358,7 +398,8 @@ class Sweep:
                     outcome,
                     self.guards[topology_name][prompt],
                     policy=policy,
-                    baseline_stable=reference_name != BASELINE.name or self.stability[prompt][0],
+                    baseline_stable=reference_name != self.baseline_label
+                    or self.stability[prompt][0],
                     drift_tolerance=self.noise_floor,
                 )
                 log.info("[sweep] %s %s vs %s: %s (%s)", topology_name, prompt, reference_name,

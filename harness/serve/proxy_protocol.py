@@ -231,7 +231,12 @@ def _index_item_list(batch: EncoderBatch, params: dict[str, Any]) -> dict[int, E
     if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
         raise EncoderAnswerError(f"expected {{'ec_items': [{{...}}, ...]}}, encoder answered "
                                  f"{_excerpt(params)}")  # fmt: skip
-    return _index_single_item(batch, [(str(i.get("mm_hash", "")), i) for i in items], params)
+    # 0.28 / 0.29 flatten each item's metadata next to its key: {"mm_hash": h, "image_grid_thw": ..}
+    entries = [
+        (str(item.get("mm_hash", "")), {"metadata": {k: v for k, v in item.items() if k != "mm_hash"}})
+        for item in items
+    ]
+    return _index_single_item(batch, entries, params)
 
 
 def _index_single_item(

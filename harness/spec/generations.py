@@ -98,11 +98,12 @@ GENERATIONS: tuple[ProtocolGeneration, ...] = (
         name="ec-items",
         first=(0, 28, 0),
         until=(0, 30, 0),
-        why="the encoder answers {'ec_items': [...]} with each item's metadata; consumers "
-        "take metadata-only *_embeds parts behind --enable-mm-embeds",
+        why="the encoder answers {'ec_items': [{'mm_hash': h, <grid fields>}, ...]} (read in "
+        "0.28.0's example_connector.request_finished); EC and KV consumers accept "
+        "metadata-only *_embeds parts only with --enable-mm-embeds (0.30 turns it on itself)",
         encoder_answer=EncoderAnswer.ITEM_LIST,
         encoder_publishes_metadata=True,
-        video_through_encoder=False,
+        video_through_encoder=True,
         has_trust_request_mm_kwargs_flag=False,
         consumers_need_enable_mm_embeds=True,
         per_request_media_kwargs=False,
@@ -111,8 +112,8 @@ GENERATIONS: tuple[ProtocolGeneration, ...] = (
         name="by-hash",
         first=(0, 30, 0),
         until=(0, 31, 0),
-        why="ec_transfer_params keyed by mm_hash with metadata, but without item_indices: "
-        "the harness sends one media item per encoder sub-request to know which is which",
+        why="ec_transfer_params = {mm_hash: {'metadata': {...}}} without item_indices (read in "
+        "0.30.0's collect_ec_item_metadata): one media item per encoder sub-request",
         encoder_answer=EncoderAnswer.BY_HASH,
         encoder_publishes_metadata=True,
         video_through_encoder=True,
