@@ -91,3 +91,40 @@ def test_goldens_are_per_release_and_agreement_finds_the_first_difference(tmp_pa
 def test_release_of_strips_the_local_build_suffix() -> None:
     assert release_of("0.31.0+cpu") == "0.31.0"
     assert first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([1], [1]) is None
+
+
+@pytest.mark.parametrize(("good", "bad", "first_changed"), [
+    ("0.27.1", "0.32.0", "0.28.0"),  # NOT_APPLICABLE on 0.27.1, MATCH from 0.28.0
+    ("0.32.0", "0.27.1", "0.27.1"),  # the other way round: 0.28.0 still MATCHes
+])  # fmt: skip
+def test_bisect_finds_the_first_release_whose_verdict_differs(
+    tmp_path: Path, monkeypatch, capsys, good: str, bad: str, first_changed: str
+) -> None:
+    import argparse
+
+    from harness.cli import versions
+
+    tried: list[str] = []
+
+    def fake_run(version: str, run_dir: Path, run_args: list[str], lock_file: str | None):
+        tried.append(version)
+        verdict = "NOT_APPLICABLE" if version == "0.27.1" else "MATCH"
+        return ReleaseRun(version, "x", 0, 1.0, 0.0, 0, [case("1E+1PD", "image", verdict)])
+
+    monkeypatch.setattr(versions, "run_release", fake_run)
+    monkeypatch.setattr(versions, "check_disk_for", lambda _versions: None)
+    args = argparse.Namespace(case="1E+1PD:image", good=good, bad=bad, run_dir=str(tmp_path),
+                              lock_file=None)  # fmt: skip
+    assert versions.command_bisect(args) == 0
+    assert f"first release that differs: {first_changed}" in capsys.readouterr().out
+    assert len(tried) <= 5 and len(set(tried)) == len(tried)  # bisected, each release once
+
+
+def test_bisect_refuses_a_malformed_case() -> None:
+    import argparse
+
+    from harness.cli import versions
+
+    args = argparse.Namespace(case="1E+1PD", good="0.28.0", bad="0.32.0", run_dir=None, lock_file=None)
+    with pytest.raises(BadInput, match="TOPOLOGY:PROMPT"):
+        versions.command_bisect(args)

@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from harness.cli import doctor
 from harness.cli.plan import add_plan_parser
-from harness.cli.versions import add_goldens_parser, add_versions_parser
+from harness.cli.versions import add_bisect_parser, add_goldens_parser, add_versions_parser
 from harness.environment import cache_dir
 from harness.errors import (
     EXIT_BAD_INPUT,
@@ -281,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     add_versions_parser(sub)
     add_goldens_parser(sub)
+    add_bisect_parser(sub)
     return parser
 
 

