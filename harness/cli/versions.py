@@ -150,8 +150,10 @@ def command_versions(args: argparse.Namespace) -> int:
     refuse_conflicts(args)
     versions = list(parse_release_list(args.releases))
     run_args = _run_args(args)
-    check_disk_for(versions)
     root = Path(args.run_dir or f"runs/versions-{time.strftime('%Y%m%d-%H%M%S')}")
+    # Releases whose run is already finished here need no venv (a summary job that only
+    # gathers other jobs' runs installs nothing).
+    check_disk_for([v for v in versions if not (root / v / RELEASE_RUN_FILE).exists()])
     if args.install_only:
         for version in versions:
             env, seconds = ensure_release(version)
