@@ -128,3 +128,33 @@ def test_bisect_refuses_a_malformed_case() -> None:
     args = argparse.Namespace(case="1E+1PD", good="0.28.0", bad="0.32.0", run_dir=None, lock_file=None)
     with pytest.raises(BadInput, match="TOPOLOGY:PROMPT"):
         versions.command_bisect(args)
+
+
+def test_golden_stands_in_for_the_baseline_without_starting_it(tmp_path: Path) -> None:
+    """--golden: the sweep's baseline comes from another release's golden; nothing starts
+    (no session exists here to start), and a missing golden is BadInput."""
+    from harness.run.sweep import Sweep, SweepSpec
+    from harness.spec.prompts import SKELETON_PROMPTS
+    from harness.spec.settings import RunSettings
+    from harness.spec.topology import TOPOLOGIES
+
+    serving = serving_for(CPU, "/not-a-dir-model", max_model_len=4096)
+    text = next(p for p in SKELETON_PROMPTS if p.name == "text")
+    image = next(p for p in SKELETON_PROMPTS if p.name == "image")
+    settings = RunSettings(serving=serving, run_dir=tmp_path / "run",
+                           vllm=ServedVllm("vllm", "0.32.0+cpu", "2.13.0"))  # fmt: skip
+    store = GoldenStore(tmp_path / "goldens")
+
+    def sweep(prompts: tuple) -> Sweep:
+        spec = SweepSpec(topologies=(TOPOLOGIES["1E+1PD"],), prompts=prompts)
+        return Sweep(spec, settings, goldens=store, golden_release="0.31.0")
+
+    probe = sweep((text,))
+    key = probe._golden_key(probe.bodies["text"])
+    store.store(key, "text", ServedVllm("vllm", "0.31.0+cpu"), Outcome("text", result([9, 8])))
+    outcomes = probe.serve_baseline()
+    assert outcomes["text"].result.token_ids == (9, 8)
+    assert probe.baseline_label == "golden-0.31.0" and probe.run_info["golden_release"] == "0.31.0"
+    assert not any(s.topology.is_baseline for w in probe.schedule().waves for s in w.slots)
+    with pytest.raises(BadInput, match="no golden of vLLM 0.31.0 for prompt 'image'"):
+        sweep((text, image)).serve_baseline()
