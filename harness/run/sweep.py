@@ -134,6 +134,7 @@ class Sweep:
             (BASELINE, *spec.topologies),
             (*spec.prompts, *spec.baseline_only_prompts),
             fault=spec.fault,
+            protocol=settings.protocol.to_json(),
         )
         if golden_release is not None:
             self.run_info["golden_release"] = golden_release
