@@ -219,7 +219,7 @@ class EPDProxy:
         ec_params: dict[str, Any] = {}
         if media and self.routes.encoder_urls:
             encoded, ec_params = await self._encode(request, media, request_id, trace)
-        rewrite = protocol.rewrite_for_consumer(request, media, encoded, ec_params)
+        rewrite = protocol.rewrite_for_consumer(request, media, encoded, ec_params, self.generation)
         trace.forwarded_part_types = rewrite.forwarded_part_types
         trace.metadata_only = rewrite.metadata_only
         prefill_url = next(self._prefill_cycle)

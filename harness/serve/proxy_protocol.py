@@ -272,6 +272,22 @@ def merge_encoder_params(
     return merged
 
 
+def tensor_metadata(metadata: dict[str, Any]) -> dict[str, str]:
+    """Each metadata value as vLLM 0.28 / 0.29 read it: base64 of `torch.save(tensor)`.
+    torch is imported here only: no other generation (and no unit test of them) needs it."""
+    import base64
+    import io
+
+    import torch
+
+    encoded = {}
+    for name, value in metadata.items():
+        buffer = io.BytesIO()
+        torch.save(torch.tensor(value), buffer)
+        encoded[name] = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return encoded
+
+
 def _excerpt(value: Any) -> str:
     return json.dumps(value, default=str)[:300]
 
@@ -281,8 +297,10 @@ def rewrite_for_consumer(
     media: list[MediaRef],
     encoded: dict[int, EncodedItem],
     ec_transfer_params: dict[str, Any],
+    generation: ProtocolGeneration = NEWEST,
 ) -> RewriteResult:
-    """Replace encoded media parts by metadata-only `*_embeds` parts; attach the EC params."""
+    """Replace encoded media parts by metadata-only `*_embeds` parts; attach the EC params.
+    Generations that read every metadata value as a tensor get base64 torch tensors."""
     body = copy.deepcopy(request)
     result = RewriteResult(body=body)
     for ref in media:
@@ -300,7 +318,8 @@ def rewrite_for_consumer(
         # with metadata only and no embeddings (its engine dies). Without kwargs both are equal.
         content[ref.part_index] = {
             "type": embeds_type,
-            embeds_type: copy.deepcopy(item.metadata),
+            embeds_type: (tensor_metadata(item.metadata) if generation.metadata_as_tensors
+                          else copy.deepcopy(item.metadata)),  # fmt: skip
             "uuid": ref.uuid,
         }
         result.forwarded_part_types.append(embeds_type)

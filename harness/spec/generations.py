@@ -54,6 +54,9 @@ class ProtocolGeneration:
     has_trust_request_mm_kwargs_flag: bool
     # EC consumers (PD, P) must be started with `--enable-mm-embeds` to accept `*_embeds` parts.
     consumers_need_enable_mm_embeds: bool
+    # Each value of a metadata-only `*_embeds` dict must be a base64 torch-serialised tensor
+    # (0.28 / 0.29 `parse_image_embeds` runs `fetch_image_embedding` on every value), not JSON.
+    metadata_as_tensors: bool
     # Per-request mm_processor_kwargs / media_io_kwargs reach the encoder's cache key (#56786).
     per_request_media_kwargs: bool
 
@@ -75,6 +78,7 @@ class ProtocolGeneration:
             "video_through_encoder": self.video_through_encoder,
             "has_trust_request_mm_kwargs_flag": self.has_trust_request_mm_kwargs_flag,
             "consumers_need_enable_mm_embeds": self.consumers_need_enable_mm_embeds,
+            "metadata_as_tensors": self.metadata_as_tensors,
             "per_request_media_kwargs": self.per_request_media_kwargs,
         }
 
@@ -92,6 +96,7 @@ GENERATIONS: tuple[ProtocolGeneration, ...] = (
         video_through_encoder=False,
         has_trust_request_mm_kwargs_flag=False,
         consumers_need_enable_mm_embeds=False,
+        metadata_as_tensors=False,
         per_request_media_kwargs=False,
     ),
     ProtocolGeneration(
@@ -106,6 +111,7 @@ GENERATIONS: tuple[ProtocolGeneration, ...] = (
         video_through_encoder=True,
         has_trust_request_mm_kwargs_flag=False,
         consumers_need_enable_mm_embeds=True,
+        metadata_as_tensors=True,
         per_request_media_kwargs=False,
     ),
     ProtocolGeneration(
@@ -119,6 +125,7 @@ GENERATIONS: tuple[ProtocolGeneration, ...] = (
         video_through_encoder=True,
         has_trust_request_mm_kwargs_flag=False,
         consumers_need_enable_mm_embeds=False,
+        metadata_as_tensors=False,
         per_request_media_kwargs=False,
     ),
     ProtocolGeneration(
@@ -132,6 +139,7 @@ GENERATIONS: tuple[ProtocolGeneration, ...] = (
         video_through_encoder=True,
         has_trust_request_mm_kwargs_flag=True,
         consumers_need_enable_mm_embeds=False,
+        metadata_as_tensors=False,
         per_request_media_kwargs=True,
     ),
 )
