@@ -189,3 +189,20 @@ def test_merge_concatenates_item_lists_and_unions_hashes() -> None:
     merged = merge_encoder_params([a, None, b], GENERATIONS_BY_NAME["ec-items"])
     assert merged == {"ec_items": [{"mm_hash": "a"}, {"mm_hash": "b"}]}
     assert merge_encoder_params([{"x": {}}, {"y": {}}], NEWEST) == {"x": {}, "y": {}}
+
+
+def test_encoder_output_guard_counts_what_the_generation_read() -> None:
+    """0.30 answers without item_indices: the guard counts the proxy's reading, not the 0.32
+    shape (measured: every 0.30 image case was VACUOUS before)."""
+    from harness.judge.guards import check_encoder_output
+    from harness.serve.proxy import EncoderCall, RequestTrace
+
+    trace = RequestTrace("r", media_count=2)
+    trace.encoder_calls = [
+        EncoderCall("e", (0,), 200, {"h0": {"metadata": {"image_grid_thw": [1, 2, 2]}}}, indexed={0: "h0"}),
+        EncoderCall("e", (1,), 200, {"ec_items": [{"mm_hash": "h1"}]}, indexed={}),
+    ]
+    result = check_encoder_output(trace, None)
+    assert not result.ok and "reported 1 with metadata" in result.evidence
+    trace.encoder_calls[1].indexed = {1: "h1"}
+    assert "reported 2 with metadata" in check_encoder_output(trace, None).evidence

@@ -42,14 +42,20 @@ def expected_kv_prefix(prompt_tokens: int, block_size: int) -> int:
 
 def check_encoder_output(trace: RequestTrace, ec_storage: Path | None) -> GuardResult:
     # Counted per call: the same image sent to two encoders has one hash but two items.
-    with_metadata = [
-        (mm_hash, entry)
-        for call in trace.encoder_calls
-        for mm_hash, entry in (call.ec_transfer_params or {}).items()
-        if entry.get("metadata")
-    ]
-    covered = sum(len(entry.get("item_indices") or []) for _, entry in with_metadata)
-    hashes = sorted({mm_hash for mm_hash, _ in with_metadata})
+    if any(call.indexed is not None for call in trace.encoder_calls):
+        # What the proxy read with the served release's protocol (older answers carry no
+        # item_indices, or are lists: harness.spec.generations).
+        indexed = [h for call in trace.encoder_calls for h in (call.indexed or {}).values()]
+        covered, hashes = len(indexed), sorted(set(indexed))
+    else:
+        with_metadata = [
+            (mm_hash, entry)
+            for call in trace.encoder_calls
+            for mm_hash, entry in (call.ec_transfer_params or {}).items()
+            if entry.get("metadata")
+        ]
+        covered = sum(len(entry.get("item_indices") or []) for _, entry in with_metadata)
+        hashes = sorted({mm_hash for mm_hash, _ in with_metadata})
     missing_files = [
         h for h in hashes if ec_storage is None or not (ec_storage / h / EC_CACHE_FILE).is_file()
     ]

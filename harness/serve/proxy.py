@@ -73,6 +73,9 @@ class EncoderCall:
     status: int | None = None
     ec_transfer_params: dict[str, Any] | None = None
     seconds: float = 0.0
+    # Media position -> mm_hash of each item the answer gave metadata for, as the served
+    # release's protocol generation reads it (None: not read, e.g. the call failed).
+    indexed: dict[int, str] | None = None
 
 
 @dataclass
@@ -171,13 +174,17 @@ class EPDProxy:
             call.seconds = time.monotonic() - started
             call.status = 200
             call.ec_transfer_params = response.get("ec_transfer_params")
-            return batch, call.ec_transfer_params
+            return batch, call
 
         results = await asyncio.gather(*(run(n, b) for n, b in enumerate(batches)))
         encoded: dict[int, protocol.EncodedItem] = {}
-        for batch, params in results:
-            encoded.update(protocol.index_encoder_response(batch, params, self.generation))
-        merged = protocol.merge_encoder_params([p for _, p in results], self.generation)
+        for batch, call in results:
+            items = protocol.index_encoder_response(batch, call.ec_transfer_params, self.generation)
+            call.indexed = {position: item.mm_hash for position, item in items.items()}
+            encoded.update(items)
+        merged = protocol.merge_encoder_params(
+            [call.ec_transfer_params for _, call in results], self.generation
+        )
         if self.faults.after_encode is not None:
             self.faults.after_encode(request_id, merged)
         if self.faults.drop_encoder_metadata:
