@@ -295,19 +295,35 @@ def fake_vllm_of_version(tmp_path: Path, version: str) -> Path:
     return vllm
 
 
-def test_vllm_of_an_untested_version(run_cli: RunCli, tmp_path: Path) -> None:
-    vllm = fake_vllm_of_version(tmp_path, "0.31.1")
+def test_vllm_older_than_every_protocol_generation(run_cli: RunCli, tmp_path: Path) -> None:
+    vllm = fake_vllm_of_version(tmp_path, "0.26.0")
     code, err = run_cli("--vllm", str(vllm))
     cause = (
-        f"vLLM 0.31.1 ({vllm}) is untested: epd-harness supports 0.32.x; "
-        "pass --allow-untested-vllm to run anyway"
+        f"vLLM 0.26.0 ({vllm}) is untested: epd-harness speaks the EPD protocol of 0.27.0 "
+        "and newer; pass --allow-untested-vllm to run anyway"
     )
     assert_one_error_line(code, err, cause)
 
 
+def test_vllm_of_an_older_generation_passes_the_gate(
+    run_cli: RunCli, tmp_path: Path, monkeypatch
+) -> None:
+    """0.30 speaks a known generation: the version check passes; the held port is next."""
+    vllm = fake_vllm_of_version(tmp_path, "0.30.0")
+    with held_port() as port:
+        monkeypatch.setenv(environment.PORT_RANGE_ENV, f"{port}-{port}")
+        code, err = run_cli("--vllm", str(vllm), "--topology", "1E+1PD")
+    assert code == 2 and "no free port" in err and "is untested" not in err, err
+
+
+def test_unknown_protocol_name_is_refused(run_cli: RunCli) -> None:
+    code, err = run_cli("--protocol", "by-magic")
+    assert code == 2 and "--protocol" in err and "by-magic" in err, err
+
+
 def test_untested_vllm_is_allowed_on_request(run_cli: RunCli, tmp_path: Path, monkeypatch) -> None:
     """With the override the version check passes; the (held) port range is the next error."""
-    vllm = fake_vllm_of_version(tmp_path, "0.31.1")
+    vllm = fake_vllm_of_version(tmp_path, "0.26.0")
     with held_port() as port:
         monkeypatch.setenv(environment.PORT_RANGE_ENV, f"{port}-{port}")
         code, err = run_cli("--vllm", str(vllm), "--allow-untested-vllm", "--topology", "1E+1PD")

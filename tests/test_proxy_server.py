@@ -23,6 +23,7 @@ from aiohttp import web
 from harness.serve.client import ChatClient, ChatResult
 from harness.serve.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer
 from harness.serve.proxy_protocol import media_uuid
+from harness.spec.generations import GENERATIONS_BY_NAME, NEWEST, ProtocolGeneration
 from harness.spec.prompts import sampling_fields
 
 pytestmark = pytest.mark.process
@@ -102,6 +103,8 @@ class FakeInstance:
             )
         if self.kind == "encoder":
             return web.json_response(self.encoder_answer(body))
+        if self.kind == "encoder-ec-items":
+            return web.json_response(ec_items_answer(body))
         if self.kind == "prefill":
             return web.json_response(
                 {
@@ -148,6 +151,14 @@ class FakeInstance:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+def ec_items_answer(body: dict[str, Any]) -> dict[str, Any]:
+    """Like vLLM 0.28 / 0.29 (example_connector.request_finished): a list, metadata flattened."""
+    items = [{"mm_hash": part["uuid"], "image_grid_thw": [[1, 16, 16]]}
+             for part in body["messages"][0]["content"]]  # fmt: skip
+    return {"id": "chatcmpl-e", "ec_transfer_params": {"ec_items": items},
+            "choices": [{"index": 0, "finish_reason": "stop", "message": {"content": ""}}]}  # fmt: skip
 
 
 def decode_answer() -> dict[str, Any]:
@@ -224,11 +235,13 @@ class Harness:
         prefills: tuple[FakeInstance | str, ...] = (),
         decodes: tuple[FakeInstance | str, ...] = (),
         faults: ProxyFaults | None = None,
+        generation: ProtocolGeneration = NEWEST,
     ) -> tuple[EPDProxy, ProxyServer]:
         def urls(items: tuple[FakeInstance | str, ...]) -> tuple[str, ...]:
             return tuple(i if isinstance(i, str) else i.url for i in items)
 
-        proxy = EPDProxy(ProxyRoutes(urls(encoders), urls(prefills), urls(decodes)), faults)
+        routes = ProxyRoutes(urls(encoders), urls(prefills), urls(decodes))
+        proxy = EPDProxy(routes, faults, generation)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         server = ProxyServer(proxy, sock).start()
@@ -575,3 +588,43 @@ def test_fault_hooks_see_encoder_params_and_prefill_response(h: Harness) -> None
          {uuid: {"item_indices": [0], "metadata": {"image_grid_thw": [1, 16, 16]}}}),
         ("prefill", "req-hooks", PREFILL_KV_PARAMS),
     ]  # fmt: skip
+
+
+# --- older protocol generations -------------------------------------------------------------
+
+
+def test_an_encoder_answer_of_another_generation_is_recorded_with_its_cause(h: Harness) -> None:
+    """0.28's list answer once crashed a 0.32 proxy with an empty error: now the cause is said."""
+    encoder, decode = h.fake("encoder-ec-items"), h.fake("decode")
+    proxy, server = h.proxy((encoder,), (), (decode,))
+    status, body = raw_post(server.url, image_request(), "req-gen")
+    assert status == 500 and body["error"]["stage"] == "proxy"
+    trace = proxy.traces["req-gen"]
+    assert trace.error and "EncoderAnswerError" in trace.error and "ec_items" in trace.error
+    assert body["error"]["message"] == trace.error
+    assert decode.bodies == []
+
+
+@pytest.mark.model  # the ec-items rewrite serialises metadata with torch
+def test_the_ec_items_generation_rewrites_one_image_per_sub_request(h: Harness) -> None:
+    import base64
+    import io
+
+    import torch
+
+    encoder, decode = h.fake("encoder-ec-items"), h.fake("decode")
+    proxy, server = h.proxy((encoder,), (), (decode,), generation=GENERATIONS_BY_NAME["ec-items"])
+    request = image_request()
+    request["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": DOG}})
+    status, _ = raw_post(server.url, request, "req-items")
+    assert status == 200, proxy.traces["req-items"].error
+    assert [len(b["messages"][0]["content"]) for b in encoder.bodies] == [1, 1]
+    parts = decode.bodies[0]["messages"][0]["content"]
+    embeds = [p for p in parts if p["type"] == "image_embeds"]
+    assert len(embeds) == 2
+    for part in embeds:  # what 0.28's parse_image_embeds reads: base64 of torch.save(tensor)
+        raw = base64.b64decode(part["image_embeds"]["image_grid_thw"])
+        tensor = torch.load(io.BytesIO(raw), weights_only=True)
+        assert tensor.tolist() == [[1, 16, 16]] and tensor.dtype == torch.int64
+    assert len(decode.bodies[0]["ec_transfer_params"]["ec_items"]) == 2
+    assert proxy.traces["req-items"].metadata_only == [True, True]

@@ -23,7 +23,7 @@ from harness.spec.topology import TOPOLOGIES, get_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = ROOT / ".github" / "workflows"
-WORKFLOW_NAMES = ("ci.yml", "nightly-gpu.yml", "cherry-pick.yml")
+WORKFLOW_NAMES = ("ci.yml", "nightly-gpu.yml", "cherry-pick.yml", "versions-cpu.yml")
 # Labels our self-hosted GPU runners carry; any other custom label in runs-on is a typo.
 SELF_HOSTED_LABELS = ("gpu", "gpu-8", "gpu-2")
 LINT_TIMEOUT_S = 60
@@ -221,3 +221,17 @@ def test_cherry_pick_writes_the_verdict_tables_into_the_step_summary() -> None:
     (step,) = summary
     assert step.get("if") == "always()"
     assert "verdicts.txt" in step["run"]
+
+
+def test_versions_workflow_covers_the_floor_to_the_newest_release_and_writes_the_summary() -> None:
+    from harness.spec.generations import GENERATIONS, KNOWN_RELEASES, dotted
+
+    workflow = load("versions-cpu.yml")
+    assert "schedule" in workflow[True] and "workflow_dispatch" in workflow[True]
+    floor = next(g.first for g in GENERATIONS if g.encoder_publishes_metadata)
+    expected = [dotted(v) for v in KNOWN_RELEASES if v >= floor]
+    assert workflow["jobs"]["release"]["strategy"]["matrix"]["release"] == expected
+    assert workflow["env"]["RELEASES"] == ",".join(expected)
+    table_steps = " ".join(s.get("run", "") for s in workflow["jobs"]["table"]["steps"])
+    assert "versions.md" in table_steps and "GITHUB_STEP_SUMMARY" in table_steps
+    assert workflow["jobs"]["table"]["if"] == "always()"

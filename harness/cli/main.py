@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from harness.cli import doctor
 from harness.cli.plan import add_plan_parser
+from harness.cli.versions import add_bisect_parser, add_goldens_parser, add_versions_parser
 from harness.environment import cache_dir
 from harness.errors import (
     EXIT_BAD_INPUT,
@@ -32,7 +33,7 @@ from harness.preflight.config import DEFAULT_MAX_MODEL_LEN
 from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_os_error
 from harness.preflight.model import resolve_model
 from harness.preflight.upstream_proxy import proxy_choice
-from harness.preflight.vllm import SUPPORTED_VLLM_SERIES, default_vllm_executable, probe_served_vllm
+from harness.preflight.vllm import default_vllm_executable, probe_served_vllm
 from harness.report.text import format_failure, format_verdict_table
 from harness.run.faults import FAULT_NAMES, FAULT_SYNTAX, GRADED_FAULTS
 from harness.run.matrix import MatrixRun
@@ -47,11 +48,11 @@ from harness.serve.launch import (
 )
 from harness.serve.ports import NoFreePortError
 from harness.spec.connectors import KV_CONNECTORS
+from harness.spec.generations import GENERATIONS_BY_NAME
 from harness.spec.platforms import DEFAULT_CPU_CORES, get_platform
 from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.topology import TOPOLOGIES
 
-SUPPORTED_SERIES = ".".join(map(str, SUPPORTED_VLLM_SERIES))
 log = logging.getLogger("harness")
 
 
@@ -106,6 +107,8 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         run_dir=args.run_dir,
         vllm=args.vllm,
         allow_untested_vllm=args.allow_untested_vllm,
+        protocol=args.protocol,
+        golden=args.golden,
         max_model_len=args.max_model_len,
         devices=args.devices,
         media_dir=args.media_dir,
@@ -136,7 +139,8 @@ def command_run(args: argparse.Namespace) -> int:
     else:
         spec = SweepSpec(topologies=config.topologies, prompts=config.prompts, fault=config.fault)
     sweep = Sweep(spec, settings, on_event=args.progress.on_event,
-                  baseline_cache=config.baseline_cache)  # fmt: skip
+                  baseline_cache=config.baseline_cache, goldens=config.goldens,
+                  golden_release=config.golden_release)  # fmt: skip
     if config.matrix:
         return finish_run(args, run_matrix(sweep, config.matrix), sweep.result)
     if config.cases:
@@ -235,7 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", help="artifact directory (default: runs/<timestamp>)")
     run.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
     run.add_argument("--allow-untested-vllm", action="store_true",
-                     help=f"run a vLLM other than {SUPPORTED_SERIES}.x")  # fmt: skip
+                     help="run a vLLM older than every known EPD protocol generation")  # fmt: skip
+    run.add_argument("--protocol", choices=sorted(GENERATIONS_BY_NAME),
+                     help="EPD protocol generation to speak (default: by the served vLLM's "
+                     "version; see docs/versions.md)")  # fmt: skip
+    run.add_argument("--golden", metavar="VERSION",
+                     help="judge against VERSION's stored baseline (its goldens) instead of "
+                     "starting one; see docs/versions.md")  # fmt: skip
     run.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
     run.add_argument("--devices", help="CPU cores the instances bind to, e.g. 0,1 (default: "
                      f"{','.join(map(str, DEFAULT_CPU_CORES))}); GPU / XPU indices there")  # fmt: skip
@@ -284,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=command_doctor)
 
     add_plan_parser(sub)
+    add_versions_parser(sub)
+    add_goldens_parser(sub)
+    add_bisect_parser(sub)
     return parser
 
 

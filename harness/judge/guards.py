@@ -117,6 +117,18 @@ def as_evidence(
     return source
 
 
+def encoder_entries(answer: object) -> list[tuple[str, dict[str, Any]]]:
+    """(mm_hash, entry) pairs of one encoder answer's ec_transfer_params, whatever the release's
+    shape (harness.spec.generations): {mm_hash: entry} from 0.30 on, {"ec_items": [entry with
+    its mm_hash]} in 0.28-0.29; anything else has no entries."""
+    if not isinstance(answer, dict):
+        return []
+    items = answer.get("ec_items")
+    if isinstance(items, list):
+        return [(str(i.get("mm_hash")), i) for i in items if isinstance(i, dict)]
+    return [(str(h), e) for h, e in answer.items() if isinstance(e, dict)]
+
+
 def check_encoder_output(
     source: TransferEvidence | RequestTrace, ec_storage: Path | None
 ) -> GuardResult:
@@ -125,10 +137,14 @@ def check_encoder_output(
     with_metadata = [
         (mm_hash, entry)
         for answer in evidence.encoder_answers
-        for mm_hash, entry in answer.items()
-        if isinstance(entry, dict) and entry.get("metadata")
+        for mm_hash, entry in encoder_entries(answer)
+        if entry.get("metadata")
     ]
-    covered = sum(len(entry.get("item_indices") or []) for _, entry in with_metadata)
+    # An entry without item_indices (0.28-0.30: one media item per encoder request) is one item.
+    covered = sum(
+        len(entry["item_indices"] or []) if "item_indices" in entry else 1
+        for _, entry in with_metadata
+    )
     hashes = sorted({mm_hash for mm_hash, _ in with_metadata})
     missing_files = [
         h for h in hashes if ec_storage is None or not (ec_storage / h / EC_CACHE_FILE).is_file()

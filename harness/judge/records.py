@@ -6,7 +6,10 @@ The verdicts, in the order they are decided:
 * ERROR: the request failed (HTTP error, timeout, crash): nothing to compare;
 * UNSTABLE_BASELINE: the reference disagreed with itself, so no comparison with it means much;
 * MISMATCH / DRIFT / MATCH: the token ids decide (see `harness.judge.compare`);
-* VACUOUS: the tokens are equal but a transfer guard failed, so equality proves nothing.
+* VACUOUS: the tokens are equal but a transfer guard failed, so equality proves nothing;
+* NOT_APPLICABLE: the served vLLM release lacks what the case needs (its protocol generation,
+  `harness.spec.generations`, says what and why); decided before anything is sent, and never
+  passing under any policy: a case that could not be tested is not a pass.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class Verdict(str, enum.Enum):
     VACUOUS = "VACUOUS"  # tokens equal but a transfer guard failed: equality proves nothing
     UNSTABLE_BASELINE = "UNSTABLE_BASELINE"  # the baseline disagreed with itself
     ERROR = "ERROR"  # HTTP error, timeout or crash: nothing to compare
+    NOT_APPLICABLE = "NOT_APPLICABLE"  # this vLLM release lacks what the case needs
 
 
 @dataclass(frozen=True)

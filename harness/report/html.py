@@ -32,6 +32,7 @@ BADGE_COLORS = {
     Verdict.VACUOUS: "#8250df",
     Verdict.UNSTABLE_BASELINE: "#bc4c00",
     Verdict.ERROR: "#82071e",
+    Verdict.NOT_APPLICABLE: "#656d76",
 }
 
 CSS = """

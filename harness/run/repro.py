@@ -21,6 +21,7 @@ from typing import Any
 from harness.judge.records import CaseRecord
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.session import TopologySession
+from harness.spec.generations import NEWEST, generation_for
 from harness.spec.platforms import get_platform
 from harness.spec.settings import HARNESS_PROXY, ProxyChoice, RunSettings, ServedVllm
 from harness.spec.topology import ServingConfig, get_topology
@@ -101,6 +102,8 @@ def reproduce(
         platform=get_platform(bundle.run.get("platform_profile", "cpu")),
         devices=tuple(bundle.run.get("devices") or (0, 1)),
         proxy=proxy or ProxyChoice(),
+        # The protocol of the release serving now (the bundle's may have been another).
+        protocol=generation_for(served.version).generation if served.known else NEWEST,
     )
     topology = get_topology(case.topology)
     recorded = (bundle.run.get("served_vllm") or {}).get("version")

@@ -21,13 +21,15 @@ from harness.files import write_json_atomic, write_text_atomic
 from harness.fixtures.tiny_model import model_digest
 from harness.judge.guards import GuardResult, session_guards
 from harness.judge.records import EXACT, CaseRecord, Policy
-from harness.judge.verdicts import baseline_is_stable, judge_case
+from harness.judge.verdicts import baseline_is_stable, judge_case, not_applicable_case
 from harness.report.bundle import write_bundle, write_run_info
 from harness.report.text import format_verdict_table, write_summary_json
 from harness.run.baseline_cache import BaselineCache, baseline_key
 from harness.run.faults import fault_for, plant
+from harness.run.goldens import GoldenStore, golden_key
 from harness.serve.launch import EventCallback
 from harness.serve.session import InstanceStats, Outcome, TopologySession
+from harness.spec.generations import not_applicable
 from harness.spec.placement import (
     Schedule,
     Wave,
@@ -103,8 +105,17 @@ class Sweep:
         on_event: EventCallback | None = None,
         baseline_cache: BaselineCache | None = None,
         bodies: dict[str, dict] | None = None,
+        goldens: GoldenStore | None = None,
+        golden_release: str | None = None,
     ):
-        """`bodies` replays recorded request bodies (repro) instead of rendering the spec's."""
+        """`bodies` replays recorded request bodies (repro) instead of rendering the spec's.
+        `goldens` keeps every baseline answer per release (harness.run.goldens); with
+        `golden_release` the baseline is never started: that release's goldens stand in."""
+        self.goldens = goldens
+        self.golden_release = golden_release
+        if golden_release is not None and goldens is None:
+            raise ValueError("golden_release needs a GoldenStore")
+        self.baseline_label = f"golden-{golden_release}" if golden_release else BASELINE.name
         self.spec = spec
         self.settings = settings
         self.on_event = on_event
@@ -129,7 +140,10 @@ class Sweep:
             (BASELINE, *spec.topologies),
             (*spec.prompts, *spec.baseline_only_prompts),
             fault=spec.fault,
+            protocol=settings.protocol.to_json(),
         )
+        if golden_release is not None:
+            self.run_info["golden_release"] = golden_release
 
     # -- the schedule --------------------------------------------------------------------------
 
@@ -166,6 +180,9 @@ class Sweep:
 
     def _load_cached_baseline(self, locked: bool = False) -> None:
         self.result.outcomes.setdefault(BASELINE.name, {})
+        if self.golden_release is not None:
+            self._load_goldens()
+            return
         cache = self.baseline_cache
         if cache is None:
             self._baseline_missing = list(self.bodies)
@@ -176,6 +193,7 @@ class Sweep:
                 cached = cache.load(self._baseline_key(body), name)
                 if cached is not None:
                     outcomes[name] = cached.outcome
+                    self._store_golden(name, body, cached.outcome)
                     self.stability[name] = (True, "from the baseline cache", cached.noise_floor_nats)
         self._baseline_missing = [n for n in self.bodies if n not in self.result.outcomes[BASELINE.name]]
         log.log(logging.DEBUG if locked else logging.INFO, "[sweep] baseline cache: %d hit(s), "
@@ -184,11 +202,32 @@ class Sweep:
         if not self._baseline_missing:
             self.write_outputs()
 
-    def _baseline_key(self, body: dict) -> str:
+    def _digest(self) -> str:
         if self._model_digest is None:
             model = Path(self.settings.serving.model)
             self._model_digest = model_digest(model) if model.is_dir() else str(model)
-        return baseline_key(self.settings.vllm, self.settings.serving, self._model_digest, body)
+        return self._model_digest
+
+    def _baseline_key(self, body: dict) -> str:
+        return baseline_key(self.settings.vllm, self.settings.serving, self._digest(), body)
+
+    def _golden_key(self, body: dict) -> str:
+        return golden_key(self.settings.serving, self._digest(), body)
+
+    def _load_goldens(self) -> None:
+        """--golden: another release's stored baseline answers; a missing one is BadInput."""
+        assert self.goldens is not None and self.golden_release is not None
+        outcomes = self.result.outcomes[BASELINE.name]
+        for name, body in self.bodies.items():
+            outcomes[name] = self.goldens.outcome_for(self._golden_key(body), name, self.golden_release)
+            self.stability[name] = (True, f"golden of vLLM {self.golden_release}", 0.0)
+        self._baseline_missing = []
+        log.info("[sweep] baseline: the goldens of vLLM %s (%d prompt(s)); no baseline started",
+                 self.golden_release, len(outcomes))  # fmt: skip
+
+    def _store_golden(self, name: str, body: dict, outcome: Outcome) -> None:
+        if self.goldens is not None and self.golden_release is None:
+            self.goldens.store(self._golden_key(body), name, self.settings.vllm, outcome)
 
     # -- serving -----------------------------------------------------------------------------
 
@@ -284,6 +323,9 @@ class Sweep:
                 if stable:
                     key = self._baseline_key(self.bodies[name])
                     self.baseline_cache.store(key, outcomes[name], floor or 0.0)
+        for name in names:
+            if self.stability[name][0]:
+                self._store_golden(name, self.bodies[name], outcomes[name])
         self._baseline_missing = []
 
     def _serve_prompts(self, session: TopologySession) -> None:
@@ -296,6 +338,8 @@ class Sweep:
                               session.settings.serving.kv_connector)  # fmt: skip
             plant(session.faults, fault)
         for name in self.topology_prompts:
+            if self.not_applicable(topology.name, name):
+                continue  # judged NOT_APPLICABLE without a request
             outcome = session.send(name, self.bodies[name])
             outcomes[name] = outcome
             status = "failed" if outcome.error else "answered"
@@ -326,14 +370,29 @@ class Sweep:
         floors = [floor for stable, _, floor in self.stability.values() if stable and floor]
         return max(floors, default=0.0)
 
+    def not_applicable(self, topology_name: str, prompt: str) -> str | None:
+        """Why the served release cannot run this case meaningfully (None: it can)."""
+        spec = next((p for p in self.spec.prompts if p.name == prompt), None)
+        if spec is None:  # a replayed body without its spec: send it
+            return None
+        return not_applicable(self.settings.protocol, TOPOLOGIES[topology_name], spec)
+
     def judge(self, topology_name: str, prompt: str) -> list[CaseRecord]:
-        """Records for one case: against the baseline, and its exact reference if it has one."""
+        """Records for one case: against the baseline, and its exact reference if it has one.
+        A case the served release cannot run is NOT_APPLICABLE, with the table's reason."""
         key = (topology_name, prompt)
+        reason = self.not_applicable(topology_name, prompt)
+        if key not in self._judged and reason is not None:
+            record = not_applicable_case(topology_name, prompt, self.baseline_label, reason)
+            log.info("[sweep] %s %s: NOT_APPLICABLE (%s)", topology_name, prompt, reason)
+            self._judged[key] = [record]
+            self.result.records.append(record)
+            self.write_outputs()
         if key not in self._judged:
             baseline = self.serve_baseline()
             outcome = self.serve_topology(topology_name)[prompt]
             topology = TOPOLOGIES[topology_name]
-            references = [(BASELINE.name, baseline, self.spec.baseline_policy)]
+            references = [(self.baseline_label, baseline, self.spec.baseline_policy)]
             if topology.exact_reference:
                 reference = self.serve_topology(topology.exact_reference)
                 references.append((topology.exact_reference, reference, EXACT))
@@ -346,7 +405,8 @@ class Sweep:
                     outcome,
                     self.guards[topology_name][prompt],
                     policy=policy,
-                    baseline_stable=reference_name != BASELINE.name or self.stability[prompt][0],
+                    baseline_stable=reference_name != self.baseline_label
+                    or self.stability[prompt][0],
                     drift_tolerance=self.noise_floor,
                 )
                 log.info("[sweep] %s %s vs %s: %s (%s)", topology_name, prompt, reference_name,

@@ -25,6 +25,7 @@ import aiohttp
 from aiohttp import web
 
 from harness.serve import proxy_protocol as protocol
+from harness.spec.generations import NEWEST, ProtocolGeneration
 
 # vLLM closes idle keep-alive connections after 5 s; reusing one it is closing breaks the
 # next request (vLLM #41567), so the proxy drops its own idle connections sooner.
@@ -72,6 +73,9 @@ class EncoderCall:
     status: int | None = None
     ec_transfer_params: dict[str, Any] | None = None
     seconds: float = 0.0
+    # Media position -> mm_hash of each item the answer gave metadata for, as the served
+    # release's protocol generation reads it (None: not read, e.g. the call failed).
+    indexed: dict[int, str] | None = None
 
 
 @dataclass
@@ -109,9 +113,13 @@ class UpstreamError(Exception):
 class EPDProxy:
     """The aiohttp application; one instance per topology run."""
 
-    def __init__(self, routes: ProxyRoutes, faults: ProxyFaults | None = None):
+    def __init__(
+        self, routes: ProxyRoutes, faults: ProxyFaults | None = None,
+        generation: ProtocolGeneration = NEWEST,
+    ):  # fmt: skip
         self.routes = routes
         self.faults = faults or ProxyFaults()
+        self.generation = generation
         self.traces: dict[str, RequestTrace] = {}
         self._encoder_cursor = 0  # persists across requests: round-robin is per proxy
         self._prefill_cycle = itertools.cycle(routes.prefill_urls or (None,))
@@ -153,7 +161,7 @@ class EPDProxy:
         self, request: dict, media: list[protocol.MediaRef], request_id: str, trace: RequestTrace
     ) -> tuple[dict[int, protocol.EncodedItem], dict[str, Any]]:
         batches, self._encoder_cursor = protocol.plan_encoder_batches(
-            media, len(self.routes.encoder_urls), self._encoder_cursor
+            media, len(self.routes.encoder_urls), self._encoder_cursor, self.generation
         )
 
         async def run(n: int, batch: protocol.EncoderBatch):
@@ -166,14 +174,17 @@ class EPDProxy:
             call.seconds = time.monotonic() - started
             call.status = 200
             call.ec_transfer_params = response.get("ec_transfer_params")
-            return batch, call.ec_transfer_params
+            return batch, call
 
         results = await asyncio.gather(*(run(n, b) for n, b in enumerate(batches)))
         encoded: dict[int, protocol.EncodedItem] = {}
-        merged: dict[str, Any] = {}
-        for batch, params in results:
-            encoded.update(protocol.index_encoder_response(batch, params))
-            merged.update(params or {})
+        for batch, call in results:
+            items = protocol.index_encoder_response(batch, call.ec_transfer_params, self.generation)
+            call.indexed = {position: item.mm_hash for position, item in items.items()}
+            encoded.update(items)
+        merged = protocol.merge_encoder_params(
+            [call.ec_transfer_params for _, call in results], self.generation
+        )
         if self.faults.after_encode is not None:
             self.faults.after_encode(request_id, merged)
         if self.faults.drop_encoder_metadata:
@@ -201,6 +212,12 @@ class EPDProxy:
                            "message": exc.body[:2000]}},
                 status=502,
             )  # fmt: skip
+        except Exception as exc:
+            # The proxy's own failure (e.g. an encoder answer of another protocol generation):
+            # recorded with its cause, or the case's error would be an empty 500.
+            trace.error = f"proxy failed: {type(exc).__name__}: {exc}"
+            return web.json_response({"error": {"stage": "proxy", "message": trace.error}},
+                                     status=500)  # fmt: skip
 
     async def _route(self, request: dict, request_id: str, trace: RequestTrace) -> dict:
         media = protocol.collect_media(request)
@@ -209,7 +226,7 @@ class EPDProxy:
         ec_params: dict[str, Any] = {}
         if media and self.routes.encoder_urls:
             encoded, ec_params = await self._encode(request, media, request_id, trace)
-        rewrite = protocol.rewrite_for_consumer(request, media, encoded, ec_params)
+        rewrite = protocol.rewrite_for_consumer(request, media, encoded, ec_params, self.generation)
         trace.forwarded_part_types = rewrite.forwarded_part_types
         trace.metadata_only = rewrite.metadata_only
         prefill_url = next(self._prefill_cycle)

@@ -1,4 +1,8 @@
-"""The EPD proxy protocol of vLLM 0.32, as pure functions over request and response bodies.
+"""The EPD proxy protocol, as pure functions over request and response bodies.
+
+Written for vLLM 0.31 / 0.32 (the `by-hash-indexed` generation) and parameterised by the served
+release's `ProtocolGeneration` (`harness.spec.generations`) where older releases differ: how
+media are batched, which media go to encoders, and how the encoder's answer is read.
 
 Kept apart from the HTTP server (`harness.serve.proxy`) so every rewrite can be unit-tested against
 recorded encoder / prefill responses without a server. Per chat request the proxy:
@@ -24,6 +28,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from harness.spec.generations import NEWEST, EncoderAnswer, ProtocolGeneration
 
 MEDIA_PART_TYPES = ("image_url", "video_url", "audio_url", "input_audio")
 EMBEDS_PART_TYPE = {"image_url": "image_embeds", "video_url": "video_embeds"}
@@ -119,21 +125,27 @@ def collect_media(request: dict[str, Any]) -> list[MediaRef]:
 
 
 def plan_encoder_batches(
-    media: list[MediaRef], encoder_count: int, cursor: int
-) -> tuple[list[EncoderBatch], int]:
+    media: list[MediaRef], encoder_count: int, cursor: int,
+    generation: ProtocolGeneration = NEWEST,
+) -> tuple[list[EncoderBatch], int]:  # fmt: skip
     """Assign media to encoders round-robin from `cursor`; return batches and the next cursor.
 
     The cursor persists across requests: restarting it at encoder 0 for every request sent all
-    single-image traffic to one encoder (vLLM #52484).
+    single-image traffic to one encoder (vLLM #52484). A generation whose answer does not say
+    which item of a sub-request an entry belongs to gets one item per sub-request; videos skip
+    the encoder where the generation does not encode them.
     """
     if encoder_count <= 0:
         raise ValueError("media need at least one encoder")
+    one_per_batch = generation.encoder_answer is not EncoderAnswer.BY_HASH_INDEXED
     images_by_encoder: dict[int, list[int]] = {}
     batches: list[EncoderBatch] = []
     for ref in media:
+        if ref.is_video and not generation.video_through_encoder:
+            continue
         encoder_index = cursor % encoder_count
         cursor += 1
-        if ref.is_video:
+        if ref.is_video or one_per_batch:
             batches.append(EncoderBatch(encoder_index, (ref.position,)))
         else:
             images_by_encoder.setdefault(encoder_index, []).append(ref.position)
@@ -169,25 +181,115 @@ def build_encoder_request(
     return body
 
 
-def index_encoder_response(
-    batch: EncoderBatch, ec_transfer_params: dict[str, Any] | None
-) -> dict[int, EncodedItem]:
-    """Map the encoder's `item_indices` (sub-request order) back to request media positions.
+class EncoderAnswerError(ValueError):
+    """The encoder's `ec_transfer_params` do not have the shape the generation expects."""
 
-    An entry without metadata is left out: such media stay raw downstream.
+
+def index_encoder_response(
+    batch: EncoderBatch, ec_transfer_params: dict[str, Any] | None,
+    generation: ProtocolGeneration = NEWEST,
+) -> dict[int, EncodedItem]:  # fmt: skip
+    """Map the encoder's entries back to request media positions.
+
+    `by-hash-indexed`: each entry's `item_indices` (sub-request order) say where it belongs.
+    Older answers carry no position; their sub-requests hold one item (`plan_encoder_batches`),
+    so every entry belongs to it. An entry without metadata is left out: such media stay raw
+    downstream. A shape other than the generation's raises EncoderAnswerError with the answer.
     """
+    params = ec_transfer_params or {}
+    answer = generation.encoder_answer
+    if not isinstance(params, dict):
+        raise EncoderAnswerError(f"encoder answered ec_transfer_params of type "
+                                 f"{type(params).__name__}: {_excerpt(params)}")  # fmt: skip
+    if answer is EncoderAnswer.ITEM_LIST:
+        return _index_item_list(batch, params)
+    if "ec_items" in params:
+        raise EncoderAnswerError(
+            f"encoder answered an ec_items list, which {generation.name} does not speak "
+            f"(a release older than 0.30?): {_excerpt(params)}")  # fmt: skip
+    if answer is EncoderAnswer.BY_HASH:
+        return _index_single_item(batch, [(h, e) for h, e in params.items()], params)
     found: dict[int, EncodedItem] = {}
-    for mm_hash, entry in (ec_transfer_params or {}).items():
+    for mm_hash, entry in params.items():
+        if not isinstance(entry, dict):
+            raise EncoderAnswerError(f"encoder entry {mm_hash!r} is not an object: "
+                                     f"{_excerpt(params)}")  # fmt: skip
         metadata = entry.get("metadata") or {}
         for item_index in entry.get("item_indices") or []:
             if not 0 <= item_index < len(batch.positions):
                 raise ValueError(
                     f"encoder reported item index {item_index} for a sub-request of "
-                    f"{len(batch.positions)} item(s): {json.dumps(ec_transfer_params)[:300]}"
+                    f"{len(batch.positions)} item(s): {_excerpt(params)}"
                 )
             if metadata:
                 found[batch.positions[item_index]] = EncodedItem(mm_hash, metadata)
     return found
+
+
+def _index_item_list(batch: EncoderBatch, params: dict[str, Any]) -> dict[int, EncodedItem]:
+    items = params.get("ec_items")
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise EncoderAnswerError(f"expected {{'ec_items': [{{...}}, ...]}}, encoder answered "
+                                 f"{_excerpt(params)}")  # fmt: skip
+    # 0.28 / 0.29 flatten each item's metadata next to its key: {"mm_hash": h, "image_grid_thw": ..}
+    entries = [
+        (str(item.get("mm_hash", "")), {"metadata": {k: v for k, v in item.items() if k != "mm_hash"}})
+        for item in items
+    ]
+    return _index_single_item(batch, entries, params)
+
+
+def _index_single_item(
+    batch: EncoderBatch, entries: list[tuple[str, Any]], params: dict[str, Any]
+) -> dict[int, EncodedItem]:
+    """Answers without positions: valid only for one-item sub-requests."""
+    if len(batch.positions) != 1:
+        raise ValueError(f"an answer without item positions needs one item per sub-request, "
+                         f"got {len(batch.positions)}")  # fmt: skip
+    with_metadata = [(h, e) for h, e in entries if isinstance(e, dict) and e.get("metadata")]
+    if len(with_metadata) > 1:
+        raise EncoderAnswerError(f"{len(with_metadata)} entries with metadata for one item: "
+                                 f"{_excerpt(params)}")  # fmt: skip
+    if not with_metadata:
+        return {}
+    mm_hash, entry = with_metadata[0]
+    return {batch.positions[0]: EncodedItem(mm_hash, entry["metadata"])}
+
+
+def merge_encoder_params(
+    answers: list[dict[str, Any] | None], generation: ProtocolGeneration = NEWEST
+) -> dict[str, Any]:
+    """The `ec_transfer_params` a consumer gets: every sub-request's answer in one object
+    (entries by hash merged; `ec_items` lists concatenated in sub-request order)."""
+    merged: dict[str, Any] = {}
+    for params in answers:
+        if not params:
+            continue
+        if generation.encoder_answer is EncoderAnswer.ITEM_LIST:
+            merged.setdefault("ec_items", []).extend(copy.deepcopy(params.get("ec_items") or []))
+        else:
+            merged.update(copy.deepcopy(params))
+    return merged
+
+
+def tensor_metadata(metadata: dict[str, Any]) -> dict[str, str]:
+    """Each metadata value as vLLM 0.28 / 0.29 read it: base64 of `torch.save(tensor)`.
+    torch is imported here only: no other generation (and no unit test of them) needs it."""
+    import base64
+    import io
+
+    import torch
+
+    encoded = {}
+    for name, value in metadata.items():
+        buffer = io.BytesIO()
+        torch.save(torch.tensor(value), buffer)
+        encoded[name] = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return encoded
+
+
+def _excerpt(value: Any) -> str:
+    return json.dumps(value, default=str)[:300]
 
 
 def rewrite_for_consumer(
@@ -195,8 +297,10 @@ def rewrite_for_consumer(
     media: list[MediaRef],
     encoded: dict[int, EncodedItem],
     ec_transfer_params: dict[str, Any],
+    generation: ProtocolGeneration = NEWEST,
 ) -> RewriteResult:
-    """Replace encoded media parts by metadata-only `*_embeds` parts; attach the EC params."""
+    """Replace encoded media parts by metadata-only `*_embeds` parts; attach the EC params.
+    Generations that read every metadata value as a tensor get base64 torch tensors."""
     body = copy.deepcopy(request)
     result = RewriteResult(body=body)
     for ref in media:
@@ -214,7 +318,8 @@ def rewrite_for_consumer(
         # with metadata only and no embeddings (its engine dies). Without kwargs both are equal.
         content[ref.part_index] = {
             "type": embeds_type,
-            embeds_type: copy.deepcopy(item.metadata),
+            embeds_type: (tensor_metadata(item.metadata) if generation.metadata_as_tensors
+                          else copy.deepcopy(item.metadata)),  # fmt: skip
             "uuid": ref.uuid,
         }
         result.forwarded_part_types.append(embeds_type)

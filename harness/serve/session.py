@@ -174,6 +174,7 @@ class TopologySession:
             self.devices,
             colocate=settings.colocate,
             side_channel_ports=[lease.port for lease in self._side_channel_leases],
+            generation=settings.protocol,
         )
         for lease in self._side_channel_leases:
             lease.hand_over()  # NIXL binds these itself; the flock keeps other workers off
@@ -211,7 +212,9 @@ class TopologySession:
             if self.settings.proxy.kind == VLLM_PROXY:
                 self._start_vllm_proxy()
             else:
-                self.proxy = EPDProxy(routes_for(self.instances, self.tap_urls), self.faults)
+                self.proxy = EPDProxy(
+                    routes_for(self.instances, self.tap_urls), self.faults, self.settings.protocol
+                )
                 self._proxy_server = ProxyServer(self.proxy, bind_loopback_socket())
                 self._proxy_server.start()
                 self.entry_url = self._proxy_server.url

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from harness.environment import LOOPBACK_HOST
 from harness.spec.connectors import kv_connector_for_class
+from harness.spec.generations import NEWEST, ProtocolGeneration
 from harness.spec.platforms import (
     CPU,
     GPU_MEMORY_UTILIZATION_FLAG,
@@ -47,6 +48,8 @@ class InstanceSpec:
     gpu_memory_fraction: float | None = None
     # VLLM_NIXL_SIDE_CHANNEL_PORT, only for instances running NixlConnector; unique per host.
     side_channel_port: int | None = None
+    # What the served release understands: flags it lacks are never rendered.
+    generation: ProtocolGeneration = NEWEST
 
     @property
     def url(self) -> str:
@@ -79,8 +82,10 @@ class InstanceSpec:
             argv += ["--allowed-local-media-path", s.allowed_local_media_path]
         if s.enable_prompt_tokens_details:
             argv.append("--enable-prompt-tokens-details")
-        if s.trust_request_mm_kwargs:
+        if s.trust_request_mm_kwargs and self.generation.has_trust_request_mm_kwargs_flag:
             argv.append("--trust-request-mm-kwargs")
+        if self.role.accepts_metadata_only_embeds and self.generation.consumers_need_enable_mm_embeds:
+            argv.append("--enable-mm-embeds")
         if self.role is Role.ENCODER:
             argv += ENCODER_ARGS
         ec_config = self.ec_transfer_config()

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from harness.spec.generations import NEWEST, ProtocolGeneration
 from harness.spec.instances import InstanceSpec
 from harness.spec.platforms import NIXL_CONNECTOR, DevicePlanError, PlatformProfile
 from harness.spec.topology import Role, ServingConfig, Topology
@@ -269,6 +270,7 @@ def place_instances(
     *,
     colocate: bool = False,
     side_channel_ports: Sequence[int] = (),
+    generation: ProtocolGeneration = NEWEST,
 ) -> list[InstanceSpec]:
     """Every instance of `topology`: name, port, fresh storage, device(s), memory share and
     side-channel port. `devices` are the topology's slot devices (its cores on CPU).
@@ -305,6 +307,7 @@ def place_instances(
             platform=profile,
             devices=instance_devices,
             gpu_memory_fraction=fraction,
+            generation=generation,
         )
         if instance.uses_nixl:
             instance = replace(instance, side_channel_port=next(side_ports))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.spec.generations import NEWEST, ProtocolGeneration
 from harness.spec.platforms import CPU, DEFAULT_CPU_CORES, PlatformProfile
 from harness.spec.topology import ServingConfig
 
@@ -73,6 +74,9 @@ class RunSettings:
     startup_timeout_s: float = STARTUP_TIMEOUT_S
     request_timeout_s: float = REQUEST_TIMEOUT_S
     proxy: ProxyChoice = ProxyChoice()
+    # The EPD protocol the served vLLM speaks (harness.spec.generations): which flags are
+    # rendered, how the proxy reads encoders, which cases apply.
+    protocol: ProtocolGeneration = NEWEST
 
     @property
     def vllm_executable(self) -> str:

