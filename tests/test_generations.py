@@ -191,18 +191,20 @@ def test_merge_concatenates_item_lists_and_unions_hashes() -> None:
     assert merge_encoder_params([{"x": {}}, {"y": {}}], NEWEST) == {"x": {}, "y": {}}
 
 
-def test_encoder_output_guard_counts_what_the_generation_read() -> None:
-    """0.30 answers without item_indices: the guard counts the proxy's reading, not the 0.32
-    shape (measured: every 0.30 image case was VACUOUS before)."""
-    from harness.judge.guards import check_encoder_output
-    from harness.serve.proxy import EncoderCall, RequestTrace
+def test_encoder_output_guard_reads_every_generations_answer_shape() -> None:
+    """0.30 answers carry no item_indices (one item per encoder request) and 0.28-0.29 answer
+    {"ec_items": [...]}: the guard counts an item per entry with metadata in either shape
+    (measured: every 0.30 image case was VACUOUS while the guard expected the 0.32 shape)."""
+    from harness.judge.guards import TransferEvidence, check_encoder_output
 
-    trace = RequestTrace("r", media_count=2)
-    trace.encoder_calls = [
-        EncoderCall("e", (0,), 200, {"h0": {"metadata": {"image_grid_thw": [1, 2, 2]}}}, indexed={0: "h0"}),
-        EncoderCall("e", (1,), 200, {"ec_items": [{"mm_hash": "h1"}]}, indexed={}),
-    ]
-    result = check_encoder_output(trace, None)
+    by_hash = {"h0": {"metadata": {"image_grid_thw": [1, 2, 2]}}}
+    ec_items = {"ec_items": [{"mm_hash": "h1", "metadata": {"image_grid_thw": [1, 2, 2]}}]}
+    evidence = TransferEvidence(media_count=2, encoder_answers=(by_hash, ec_items))
+    assert "reported 2 with metadata" in check_encoder_output(evidence, None).evidence
+    without_metadata = {"ec_items": [{"mm_hash": "h1"}]}
+    evidence = TransferEvidence(media_count=2, encoder_answers=(by_hash, without_metadata))
+    result = check_encoder_output(evidence, None)
     assert not result.ok and "reported 1 with metadata" in result.evidence
-    trace.encoder_calls[1].indexed = {1: "h1"}
-    assert "reported 2 with metadata" in check_encoder_output(trace, None).evidence
+    indexed = {"h2": {"metadata": {"x": 1}, "item_indices": [0, 1]}}
+    evidence = TransferEvidence(media_count=2, encoder_answers=(indexed,))
+    assert "reported 2 with metadata" in check_encoder_output(evidence, None).evidence
