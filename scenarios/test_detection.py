@@ -117,8 +117,10 @@ class Live:
         rung = rung_from_record(kind, strength, record, len(fault.touched), fault.effects, seconds)
         if not rung.caught:
             print(format_failure(record))
-        print(f"[detection]   {kind} {strength:g}: {rung.verdict}, first differing token "
-              f"{rung.first_token_index}; {'; '.join(fault.effects[:2])}")  # fmt: skip
+        print(
+            f"[detection]   {kind} {strength:g}: {rung.verdict}, first differing token "
+            f"{rung.first_token_index}; {'; '.join(fault.effects[:2])}"
+        )
         return rung
 
 
@@ -136,8 +138,10 @@ def detection_baseline(epd_config) -> Sweep:
     sweep = Sweep(spec, settings, baseline_cache=epd_config.baseline_cache)
     started = time.monotonic()
     sweep.serve_baseline()
-    print(f"\n[detection] baseline for {len(DETECTION_PROMPTS)} prompts in "
-          f"{time.monotonic() - started:.1f}s")  # fmt: skip
+    print(
+        f"\n[detection] baseline for {len(DETECTION_PROMPTS)} prompts in "
+        f"{time.monotonic() - started:.1f}s"
+    )
     for prompt in DETECTION_PROMPTS:
         assert sweep.stability[prompt.name][0], (
             f"the baseline disagreed with itself on {prompt.name}: no threshold means anything"
@@ -202,9 +206,11 @@ def assert_acceptance(kind: str, live: Live, rungs: list[Rung]) -> None:
     )
     limit = KNOWN_LATE_INDEX.get((kind, live.name), ACCEPTANCE_MAX_INDEX)
     if limit > ACCEPTANCE_MAX_INDEX:
-        print(f"[detection] ACCEPTANCE NOT MET (known): {kind} {ACCEPTANCE_STRENGTH} on "
-              f"{live.name} differs first at token {rung.first_token_index}, not by "
-              f"{ACCEPTANCE_MAX_INDEX}; held to the measured {limit}")  # fmt: skip
+        print(
+            f"[detection] ACCEPTANCE NOT MET (known): {kind} {ACCEPTANCE_STRENGTH} on "
+            f"{live.name} differs first at token {rung.first_token_index}, not by "
+            f"{ACCEPTANCE_MAX_INDEX}; held to the measured {limit}"
+        )
     assert rung.first_token_index is not None and rung.first_token_index <= limit, (
         f"{kind} {ACCEPTANCE_STRENGTH} on {live.name} must differ by generated token "
         f"{limit}: {rung}"
@@ -212,9 +218,13 @@ def assert_acceptance(kind: str, live: Live, rungs: list[Rung]) -> None:
 
 
 def single_rung(
-    table: DetectionTable, run_dir: Path, kind: str, live: Live, prompt: PromptSpec,
+    table: DetectionTable,
+    run_dir: Path,
+    kind: str,
+    live: Live,
+    prompt: PromptSpec,
     fault: PlantedFault,
-) -> Rung:  # fmt: skip
+) -> Rung:
     rung = live.rung(kind, PRESENT, prompt, fault)
     record_and_check(table, run_dir, kind, live, [rung])
     return rung
@@ -267,21 +277,24 @@ class TestEncoderPrefillDecode(EncoderLadders):
 
     def test_swapped_items_are_caught(self, live: Live, detection_table, epd_settings):
         fault = ec_swap_items(live.session.ec_storage)
-        rung = single_rung(detection_table, epd_settings.run_dir, "ec-swap-items", live,
-                           SWAP_PROMPT, fault)  # fmt: skip
+        rung = single_rung(
+            detection_table, epd_settings.run_dir, "ec-swap-items", live, SWAP_PROMPT, fault
+        )
         assert len(fault.touched) == 2, f"two images, two EC files expected: {fault.touched}"
         assert rung.caught, f"swapped embeddings went unnoticed: {rung}"
 
     def test_zeroed_video_frame_is_caught(self, live: Live, detection_table, epd_settings):
         fault = ec_zero_frame(live.session.ec_storage, frame=0)
-        rung = single_rung(detection_table, epd_settings.run_dir, "ec-zero-frame", live,
-                           ZERO_FRAME_PROMPT, fault)  # fmt: skip
+        rung = single_rung(
+            detection_table, epd_settings.run_dir, "ec-zero-frame", live, ZERO_FRAME_PROMPT, fault
+        )
         assert rung.caught, f"a zeroed video frame went unnoticed: {rung}"
 
     def test_wrong_video_grid_is_caught(self, live: Live, detection_table, epd_settings):
         fault = ec_video_grid(live.session.ec_storage)
-        rung = single_rung(detection_table, epd_settings.run_dir, "ec-video-grid", live,
-                           VIDEO_GRID_PROMPT, fault)  # fmt: skip
+        rung = single_rung(
+            detection_table, epd_settings.run_dir, "ec-video-grid", live, VIDEO_GRID_PROMPT, fault
+        )
         assert rung.caught, f"wrong video positions went unnoticed: {rung}"
         assert rung.prompt_ids_equal, (
             f"the grid keeps its size, so the prompt ids must stay equal (only positions "

@@ -272,8 +272,10 @@ class TestDecodeAccepts:
         outcome, mm_hash, grid = live.proxied(body)
         direct = post_chat(live.url(Role.DECODE), metadata_only(body, mm_hash, grid))
         result = assert_same_answer(outcome.result, direct, f"D with the flow's uuid {mm_hash}")
-        print(f"[negative] D, flow's uuid: cached_tokens={result.cached_tokens} "
-              f"of {len(result.prompt_token_ids)} prompt tokens")  # fmt: skip
+        print(
+            f"[negative] D, flow's uuid: cached_tokens={result.cached_tokens} "
+            f"of {len(result.prompt_token_ids)} prompt tokens"
+        )
 
         # D has just served that prompt and may answer from its local prefix cache. Under a
         # fresh uuid, driven E -> P -> D by hand, D can only answer right through the connector.
@@ -291,8 +293,10 @@ class TestDecodeAccepts:
             f"D reported cached_tokens={result.cached_tokens}, expected >= {expected}: "
             "did it load P's KV at all?"
         )
-        print(f"[negative] D, fresh uuid: cached_tokens={result.cached_tokens} "
-              f"of {len(result.prompt_token_ids)} prompt tokens")  # fmt: skip
+        print(
+            f"[negative] D, fresh uuid: cached_tokens={result.cached_tokens} "
+            f"of {len(result.prompt_token_ids)} prompt tokens"
+        )
 
     def test_d_accepts_then_dies_on_a_uuid_no_encoder_produced(
         self, epd_sweep, epd_topology: LiveTopology

@@ -42,8 +42,9 @@ def nixl_session(epd_sweep, epd_settings) -> Iterator[tuple[TopologySession, Pro
         pytest.fail(f"epd-harness: {exc}", pytrace=False)
     epd_sweep.serve_baseline()
     serving = dataclasses.replace(epd_settings.serving, kv_connector=NIXL.vllm_class)
-    settings = dataclasses.replace(epd_settings, serving=serving,
-                                   run_dir=epd_settings.run_dir / "nixl")  # fmt: skip
+    settings = dataclasses.replace(
+        epd_settings, serving=serving, run_dir=epd_settings.run_dir / "nixl"
+    )
     faults = ProxyFaults()
     with TopologySession(TOPOLOGIES["1P+1D"], settings, faults) as session:
         yield session, faults
@@ -53,8 +54,14 @@ def judged(epd_sweep, session: TopologySession, prompt: str):
     outcome = session.send(prompt, epd_sweep.bodies[prompt])
     guards = session_guards(session, outcome)
     stable = epd_sweep.stability[prompt][0]
-    record = judge_case("1P+1D", "baseline", epd_sweep.serve_baseline()[prompt], outcome, guards,
-                        baseline_stable=stable)  # fmt: skip
+    record = judge_case(
+        "1P+1D",
+        "baseline",
+        epd_sweep.serve_baseline()[prompt],
+        outcome,
+        guards,
+        baseline_stable=stable,
+    )
     print(format_failure(record))
     return record
 

@@ -19,8 +19,19 @@ pytestmark = pytest.mark.e2e
 
 def test_repro_of_a_planted_mismatch_reproduces_it(epd_run_dir: Path, capsys) -> None:
     bundle = epd_run_dir / "planted-corrupt-ec"
-    code = main(["run", "--topology", "1E+1PD", "--prompt", "image", "--plant-fault",
-                 "corrupt-ec", "--run-dir", str(bundle)])  # fmt: skip
+    code = main(
+        [
+            "run",
+            "--topology",
+            "1E+1PD",
+            "--prompt",
+            "image",
+            "--plant-fault",
+            "corrupt-ec",
+            "--run-dir",
+            str(bundle),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == EXIT_FAILED, f"a planted EC corruption must fail the run:\n{out[-3000:]}"
     summary = json.loads((bundle / "summary.json").read_text())

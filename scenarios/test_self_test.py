@@ -117,9 +117,7 @@ def kv_topology(epd_settings, baseline) -> Iterator[LiveTopology]:
     yield from start_topology("1P+1D", epd_settings)
 
 
-def judge(
-    epd_sweep, live: LiveTopology, outcome: Outcome, guards: list[GuardResult]
-) -> CaseRecord:
+def judge(epd_sweep, live: LiveTopology, outcome: Outcome, guards: list[GuardResult]) -> CaseRecord:
     """The case against the baseline, exactly as the sweep would judge it; printed as evidence."""
     stable = epd_sweep.stability[outcome.prompt][0]  # (stable, detail, noise floor)
     record = judge_case(
@@ -138,8 +136,7 @@ def judge(
 def assert_fault_fired(fault: PlantedFault) -> None:
     """A fault that touched nothing would make a red verdict mean something else."""
     assert (fault.touched or fault.effects) and not fault.problems, (
-        f"the planted fault did not do its job: touched {fault.touched}, "
-        f"problems {fault.problems}"
+        f"the planted fault did not do its job: touched {fault.touched}, problems {fault.problems}"
     )
 
 
@@ -148,8 +145,7 @@ def send_clean(epd_sweep, live: LiveTopology, prompt: str) -> CaseRecord:
     outcome, guards = live.send(prompt, epd_sweep.bodies[prompt])
     record = judge(epd_sweep, live, outcome, guards)
     assert record.verdict is Verdict.MATCH and record.policy_passed, (
-        "the clean request must MATCH before any fault means anything:\n"
-        + format_failure(record)
+        "the clean request must MATCH before any fault means anything:\n" + format_failure(record)
     )
     return record
 
@@ -164,7 +160,9 @@ class TestEncoderFaults:
     def test_corrupted_ec_files_are_a_mismatch(self, epd_sweep, encoder_topology: LiveTopology):
         live = encoder_topology
         fault = corrupt_ec_files(live.session.ec_storage)
-        outcome, guards = live.send_with_fault(fault, CORRUPT_EC_PROMPT, epd_sweep.bodies[CORRUPT_EC_PROMPT])
+        outcome, guards = live.send_with_fault(
+            fault, CORRUPT_EC_PROMPT, epd_sweep.bodies[CORRUPT_EC_PROMPT]
+        )
         assert_fault_fired(fault)
         assert len(fault.touched) == 2, f"two images, two EC files expected: {fault.touched}"
         record = judge(epd_sweep, live, outcome, guards)
@@ -252,9 +250,12 @@ class TestKvFaults:
     def test_zeroed_kv_is_a_mismatch(self, epd_sweep, kv_topology: LiveTopology):
         live = kv_topology
         # ExampleConnector: its files zeroed; NixlConnector: its block ids misrouted (faults.py)
-        fault = fault_for("zero-kv", None, live.session.kv_storage,
-                          live.session.settings.serving.kv_connector)  # fmt: skip
-        outcome, guards = live.send_with_fault(fault, ZERO_KV_PROMPT, epd_sweep.bodies[ZERO_KV_PROMPT])
+        fault = fault_for(
+            "zero-kv", None, live.session.kv_storage, live.session.settings.serving.kv_connector
+        )
+        outcome, guards = live.send_with_fault(
+            fault, ZERO_KV_PROMPT, epd_sweep.bodies[ZERO_KV_PROMPT]
+        )
         assert_fault_fired(fault)
         record = judge(epd_sweep, live, outcome, guards)
         assert record.verdict is Verdict.MISMATCH, (
@@ -279,4 +280,3 @@ def last_log_line(server: ManagedServer) -> str:
     lines = [line for line in server.log_tail(5).splitlines() if line.strip()]
     assert lines, f"{server.name} has an empty log at {server.command.log_path}"
     return lines[-1]
-

@@ -55,9 +55,11 @@ def case_params():
     for topology in TOPOLOGIES:
         for prompt in PROMPTS:
             yield pytest.param(
-                topology, prompt, marks=[pytest.mark.e2e, pytest.mark.ci],
+                topology,
+                prompt,
+                marks=[pytest.mark.e2e, pytest.mark.ci],
                 id=f"vllm-proxy-{topology}-{prompt}",
-            )  # fmt: skip
+            )
 
 
 @pytest.mark.parametrize("topology,prompt", list(case_params()))

@@ -37,7 +37,12 @@ def run_once(request: RunRequest) -> tuple[float, SweepResult, int]:
 
 def latencies_by_role(result: SweepResult) -> dict[str, list[float]]:
     """Seconds each role spent per request, from the proxy's traces."""
-    by_role: dict[str, list[float]] = {"encoder": [], "prefill": [], "decode/pd": [], "end-to-end": []}
+    by_role: dict[str, list[float]] = {
+        "encoder": [],
+        "prefill": [],
+        "decode/pd": [],
+        "end-to-end": [],
+    }
     for topology, outcomes in result.outcomes.items():
         for outcome in outcomes.values():
             if topology != "baseline":
@@ -73,17 +78,29 @@ def main() -> int:
     cold_s, cold, cold_waves = run_once(request("cold"))
     warm_s, warm, warm_waves = run_once(request("warm"))
 
-    rows = [(f"sweep wall time, cold (baseline computed; {cold_waves} waves)", f"{cold_s:.1f} s"),
-            (f"sweep wall time, warm (baseline cached; {warm_waves} waves)", f"{warm_s:.1f} s"),
-            ("verdicts cold / warm", f"{'all pass' if cold.passed else 'FAIL'} / "
-                                     f"{'all pass' if warm.passed else 'FAIL'}")]  # fmt: skip
+    rows = [
+        (f"sweep wall time, cold (baseline computed; {cold_waves} waves)", f"{cold_s:.1f} s"),
+        (f"sweep wall time, warm (baseline cached; {warm_waves} waves)", f"{warm_s:.1f} s"),
+        (
+            "verdicts cold / warm",
+            f"{'all pass' if cold.passed else 'FAIL'} / {'all pass' if warm.passed else 'FAIL'}",
+        ),
+    ]
     for stats in cold.instances:
-        rows.append((f"start-up {stats.name}", f"{stats.startup_s or 0:.1f} s, "
-                                               f"peak RSS {stats.peak_rss_bytes / 2**30:.2f} GiB"))
+        rows.append(
+            (
+                f"start-up {stats.name}",
+                f"{stats.startup_s or 0:.1f} s, peak RSS {stats.peak_rss_bytes / 2**30:.2f} GiB",
+            )
+        )
     for role, seconds in latencies_by_role(cold).items():
         if seconds:
-            rows.append((f"request latency {role} (median / max of {len(seconds)})",
-                         f"{statistics.median(seconds):.3f} / {max(seconds):.3f} s"))
+            rows.append(
+                (
+                    f"request latency {role} (median / max of {len(seconds)})",
+                    f"{statistics.median(seconds):.3f} / {max(seconds):.3f} s",
+                )
+            )
     harness_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rows.append(("harness peak RSS (this process)", f"{harness_rss_mib:.0f} MiB"))
 

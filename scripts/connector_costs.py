@@ -67,7 +67,7 @@ def measure(connector: str, topology_name: str, requests: int, idle_s: float, ru
             kv_connector=connector,
             baseline_cache="off",
             count_tokens=False,
-        )  # fmt: skip
+        )
     )
     body = render_request(
         next(p for p in SKELETON_PROMPTS if p.name == "image"),

@@ -71,7 +71,9 @@ def bad_input_doc_is_current():
     if os.environ.get(UPDATE_DOC_ENV) == "1":
         rows.update(SEEN)
         head = DOC.read_text(encoding="utf-8").split(TABLE_HEADER)[0]
-        body = "".join(f"| `{tid}` | `{args}` | `{err}` |\n" for tid, (args, err) in sorted(rows.items()))
+        body = "".join(
+            f"| `{tid}` | `{args}` | `{err}` |\n" for tid, (args, err) in sorted(rows.items())
+        )
         DOC.write_text(head + TABLE_HEADER + body, encoding="utf-8")
         return
     stale = {tid: seen for tid, seen in SEEN.items() if rows.get(tid) != seen}
@@ -106,8 +108,18 @@ def run_cli(tmp_path: Path, vllm: Path, capsys, monkeypatch) -> RunCli:
 
     def run(*args: str, run_dir: Path | None = None) -> tuple[int, str]:
         run_dir = run_dir or tmp_path / "run"
-        code = main(["run", "--vllm", str(vllm), "--baseline-cache", "off",
-                     "--run-dir", str(run_dir), *args])  # fmt: skip
+        code = main(
+            [
+                "run",
+                "--vllm",
+                str(vllm),
+                "--baseline-cache",
+                "off",
+                "--run-dir",
+                str(run_dir),
+                *args,
+            ]
+        )
         err = capsys.readouterr().err
         LAST_ARGS["args"] = as_users_see(" ".join(args) or "(defaults)", tmp_path)
         LAST_ARGS["tmp"] = str(tmp_path)
@@ -167,24 +179,45 @@ REPEATED = '[{"topology": "1P+1D", "prompt": "text"}, {"topology": "1P+1D", "pro
 @pytest.mark.parametrize(
     "name,text,cause",
     [
-        ("trailing-comma.json", '[{"topology": "1E+1PD", "prompt": "image"},]',
-         "not valid JSON: line 1 column 44: Expecting value"),
-        ("mapping.json", '{"topology": "1E+1PD", "prompt": "image"}',
-         "expected a list of {topology, prompt}, got a mapping"),
+        (
+            "trailing-comma.json",
+            '[{"topology": "1E+1PD", "prompt": "image"},]',
+            "not valid JSON: line 1 column 44: Expecting value",
+        ),
+        (
+            "mapping.json",
+            '{"topology": "1E+1PD", "prompt": "image"}',
+            "expected a list of {topology, prompt}, got a mapping",
+        ),
         ("empty.json", "[]", "lists no cases"),
-        ("typo.yaml", "- topology: 1E+1PD\n  prmpt: image\n",
-         "entry 1: unknown field 'prmpt' (fields: topology, prompt)"),
-        ("missing.yaml", "- topology: 1E+1PD\n",
-         "entry 1: 'prompt' must be a name (a string), got nothing"),
-        ("unclosed.yaml", "- topology: 1E+1PD\n  prompt: [image\n",
-         "not valid YAML: line 3 column 1: expected ',' or ']', but got '<stream end>'"),
-        ("unknown.yaml", "- {topology: 1E+1PD, prompt: image}\n- {topology: 3E, prompt: image}\n",
-         f"entry 2: unknown topology '3E' (known: {KNOWN_TOPOLOGIES})"),
-        ("baseline.json", '[{"topology": "baseline", "prompt": "image"}]',
-         "entry 1: 'baseline' is the reference every case is compared with; name an EPD topology"),
+        (
+            "typo.yaml",
+            "- topology: 1E+1PD\n  prmpt: image\n",
+            "entry 1: unknown field 'prmpt' (fields: topology, prompt)",
+        ),
+        (
+            "missing.yaml",
+            "- topology: 1E+1PD\n",
+            "entry 1: 'prompt' must be a name (a string), got nothing",
+        ),
+        (
+            "unclosed.yaml",
+            "- topology: 1E+1PD\n  prompt: [image\n",
+            "not valid YAML: line 3 column 1: expected ',' or ']', but got '<stream end>'",
+        ),
+        (
+            "unknown.yaml",
+            "- {topology: 1E+1PD, prompt: image}\n- {topology: 3E, prompt: image}\n",
+            f"entry 2: unknown topology '3E' (known: {KNOWN_TOPOLOGIES})",
+        ),
+        (
+            "baseline.json",
+            '[{"topology": "baseline", "prompt": "image"}]',
+            "entry 1: 'baseline' is the reference every case is compared with; name an EPD topology",
+        ),
         ("repeat.json", REPEATED, "entry 2: repeats entry 1 (1P+1D / text)"),
     ],
-)  # fmt: skip
+)
 def test_malformed_cases_file(
     run_cli: RunCli, tmp_path: Path, name: str, text: str, cause: str
 ) -> None:
@@ -210,7 +243,10 @@ def test_good_cases_file_is_read_in_order(tmp_path: Path) -> None:
     path = tmp_path / "cases.yaml"
     path.write_text("- {topology: 1E+1P+1D, prompt: video}\n- {topology: 1P+1D, prompt: text}\n")
     scenarios = names.load_cases_file(path)
-    assert scenarios == (names.RequestedCase("1E+1P+1D", "video"), names.RequestedCase("1P+1D", "text"))
+    assert scenarios == (
+        names.RequestedCase("1E+1P+1D", "video"),
+        names.RequestedCase("1P+1D", "text"),
+    )
 
 
 # -- the model ----------------------------------------------------------------------------------
@@ -382,8 +418,10 @@ def test_unknown_kv_connector(run_cli: RunCli) -> None:
 def test_kv_connector_without_a_decode_instance(run_cli: RunCli) -> None:
     """1E+1PD moves no KV: a --kv-connector there would be ignored, so it is refused."""
     code, err = run_cli("--kv-connector", "nixl", "--topology", "1E+1PD")
-    cause = ("--kv-connector moves KV from P to D, and none of 1E+1PD has a D; drop it or add "
-             "a P->D topology (1P+1D, 1E+1P+1D)")  # fmt: skip
+    cause = (
+        "--kv-connector moves KV from P to D, and none of 1E+1PD has a D; drop it or add "
+        "a P->D topology (1P+1D, 1E+1P+1D)"
+    )
     assert_one_error_line(code, err, cause)
 
 
@@ -525,8 +563,14 @@ def test_corrupt_baseline_cache_entry(
     """The entry this very run would read is garbage: refused before any server starts."""
     entry = text_prompt_cache_entry(tmp_path / "baseline-cache")
     entry.write_text(text)
-    code, err = run_cli("--prompt", "text", "--topology", "1P+1D",
-                        "--baseline-cache", str(tmp_path / "baseline-cache"))  # fmt: skip
+    code, err = run_cli(
+        "--prompt",
+        "text",
+        "--topology",
+        "1P+1D",
+        "--baseline-cache",
+        str(tmp_path / "baseline-cache"),
+    )
     remedy = "delete it or pass --refresh-baseline"
     assert_one_error_line(code, err, f"corrupt baseline cache entry {entry}: {cause}; {remedy}")
     kept = sorted(p.name for p in (tmp_path / "run").iterdir())

@@ -28,10 +28,15 @@ RESULT = ChatResult(
 def test_key_is_stable_and_changes_with_what_changes_tokens() -> None:
     key = baseline_key(SERVED, SERVING, "digest-a", BODY)
     assert key == baseline_key(SERVED, SERVING, "digest-a", dict(BODY))
-    assert key != baseline_key(SERVED, SERVING, "digest-b", BODY), "model content must be in the key"
-    assert key != baseline_key(SERVED, dataclasses.replace(SERVING, block_size=16), "digest-a", BODY)
-    assert key != baseline_key(SERVED, dataclasses.replace(SERVING, cpu_threads_per_instance=2),
-                               "digest-a", BODY)  # fmt: skip
+    assert key != baseline_key(SERVED, SERVING, "digest-b", BODY), (
+        "model content must be in the key"
+    )
+    assert key != baseline_key(
+        SERVED, dataclasses.replace(SERVING, block_size=16), "digest-a", BODY
+    )
+    assert key != baseline_key(
+        SERVED, dataclasses.replace(SERVING, cpu_threads_per_instance=2), "digest-a", BODY
+    )
     assert key != baseline_key(SERVED, SERVING, "digest-a", {**BODY, "seed": 7})
 
 

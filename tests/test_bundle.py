@@ -99,10 +99,17 @@ def run_dir(tmp_path: Path) -> Path:
     topology_dir.mkdir(parents=True)
     command = {
         "name": "1E+1P+1D/decode0",
-        "argv": ["vllm", "serve", "/models/tiny", "--api-key", SECRET, "--max-num-batched-tokens",
-                 "8192"],
+        "argv": [
+            "vllm",
+            "serve",
+            "/models/tiny",
+            "--api-key",
+            SECRET,
+            "--max-num-batched-tokens",
+            "8192",
+        ],
         "env": {"HF_TOKEN": SECRET, "OMP_NUM_THREADS": "1"},
-    }  # fmt: skip
+    }
     (topology_dir / "1E-1P-1D__decode0.cmd.json").write_text(json.dumps(command))
     return run
 
@@ -172,9 +179,14 @@ def test_no_secret_reaches_any_file_of_the_bundle(run_dir, model_dir, monkeypatc
 def test_redact_argv_hides_credential_flags_only():
     argv = ["--api-key", "k1", "--hf-token=k2", "--max-num-batched-tokens", "64", "--port", "1"]
     assert redact_argv(argv) == [
-        "--api-key", REDACTED, f"--hf-token={REDACTED}", "--max-num-batched-tokens", "64",
-        "--port", "1",
-    ]  # fmt: skip
+        "--api-key",
+        REDACTED,
+        f"--hf-token={REDACTED}",
+        "--max-num-batched-tokens",
+        "64",
+        "--port",
+        "1",
+    ]
 
 
 def test_junit_xml_has_one_testcase_per_record_and_a_failure_per_failed_policy(tmp_path):
@@ -221,10 +233,14 @@ def test_html_highlights_the_divergence_on_both_sides_and_escapes_text():
     records, responses = sample_run()
     page = render_report_html(records, responses, {})
     reference_token, candidate_token = REFERENCE_IDS[DIVERGENCE], 555
-    assert f'id="case-1-ref-div" title="position {DIVERGENCE}: first divergence">' \
-           f"{reference_token}</span>" in page  # fmt: skip
-    assert f'id="case-1-can-div" title="position {DIVERGENCE}: first divergence">' \
-           f"{candidate_token}</span>" in page  # fmt: skip
+    assert (
+        f'id="case-1-ref-div" title="position {DIVERGENCE}: first divergence">'
+        f"{reference_token}</span>" in page
+    )
+    assert (
+        f'id="case-1-can-div" title="position {DIVERGENCE}: first divergence">'
+        f"{candidate_token}</span>" in page
+    )
     assert page.count('class="t diverge"') == 2 + 1  # both sides, plus the legend's sample
     assert "<script" not in page
     assert "&lt;script&gt;alert(&#x27;pwned&#x27;)&lt;/script&gt;" in page

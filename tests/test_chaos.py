@@ -397,8 +397,19 @@ def artifact_names(run_dir: Path) -> set[str]:
 
 def start_cli(tmp_path: Path, fake: Path, mode: str, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "harness.cli.main", "run", "--vllm", str(fake), "--baseline-cache",
-         "off", "--run-dir", str(tmp_path / "run"), *args],  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "harness.cli.main",
+            "run",
+            "--vllm",
+            str(fake),
+            "--baseline-cache",
+            "off",
+            "--run-dir",
+            str(tmp_path / "run"),
+            *args,
+        ],
         cwd=REPO_ROOT,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT), MODE_ENV: mode},
         stdout=subprocess.PIPE,
@@ -426,15 +437,27 @@ def test_sigint_during_startup_stops_everything(
     tmp_path: Path, fake_vllm: Path, lock_dir: Path
 ) -> None:
     # One core: a CPU wave holds two instances, so the baseline starts alone.
-    harness = start_cli(tmp_path, fake_vllm, "*:slow-start=60", "--topology", "1E+1PD", "--prompt",
-                        "text", "--devices", "0")  # fmt: skip
+    harness = start_cli(
+        tmp_path,
+        fake_vllm,
+        "*:slow-start=60",
+        "--topology",
+        "1E+1PD",
+        "--prompt",
+        "text",
+        "--devices",
+        "0",
+    )
     run_dir = tmp_path / "run"
     log = run_dir / "baseline" / "baseline__baseline0.log"
     procs: list[psutil.Process] = []
     try:
         with nothing_left_behind(procs, [], lock_dir):
-            wait_for(lambda: alive_or_fail(harness) or "fake vllm pid" in read(log),
-                     "the baseline to be starting", 60)  # fmt: skip
+            wait_for(
+                lambda: alive_or_fail(harness) or "fake vllm pid" in read(log),
+                "the baseline to be starting",
+                60,
+            )
             procs += fake_processes(harness.pid, fake_vllm)
             err, ended_s = signal_cli(harness, signal.SIGINT)
     finally:
@@ -449,8 +472,12 @@ def test_sigint_during_startup_stops_everything(
     )
     assert (harness.returncode, err) == (130, expected), f"exit {harness.returncode}\n{err}"
     assert ended_s < END_WITHIN_S, f"took {ended_s:.1f} s to end after SIGINT"
-    expected_files = {"requests.json", "run.json", "baseline/baseline__baseline0.log",
-                      "baseline/baseline__baseline0.cmd.json"}  # fmt: skip
+    expected_files = {
+        "requests.json",
+        "run.json",
+        "baseline/baseline__baseline0.log",
+        "baseline/baseline__baseline0.cmd.json",
+    }
     assert expected_files <= artifact_names(run_dir), artifact_names(run_dir)
 
 
@@ -459,15 +486,19 @@ def test_sigterm_while_a_request_hangs_ends_within_seconds(
     tmp_path: Path, fake_vllm: Path, lock_dir: Path
 ) -> None:
     """pd0 never answers; CI cancels the job (SIGTERM) in the middle of the request."""
-    harness = start_cli(tmp_path, fake_vllm, "pd:hang", "--topology", "1E+1PD", "--prompt", "text",
-                        "--devices", "0")  # fmt: skip
+    harness = start_cli(
+        tmp_path, fake_vllm, "pd:hang", "--topology", "1E+1PD", "--prompt", "text", "--devices", "0"
+    )
     run_dir = tmp_path / "run"
     pd_log = run_dir / "1E-1PD" / "1E-1PD__pd0.log"
     procs: list[psutil.Process] = []
     try:
         with nothing_left_behind(procs, [], lock_dir):
-            wait_for(lambda: alive_or_fail(harness) or "REQUEST " in read(pd_log),
-                     "the request to reach pd0", 60)  # fmt: skip
+            wait_for(
+                lambda: alive_or_fail(harness) or "REQUEST " in read(pd_log),
+                "the request to reach pd0",
+                60,
+            )
             procs += fake_processes(harness.pid, fake_vllm)
             err, ended_s = signal_cli(harness, signal.SIGTERM)
     finally:
@@ -711,8 +742,12 @@ def run_trial(kind: str, tmp_path: Path, fake: Path, gone_within_s: float | None
 
 
 def forked_children(logs: list[Path]) -> list[int]:
-    return [int(line.split()[1]) for log in logs for line in read(log).splitlines()
-            if line.startswith("CHILD ")]  # fmt: skip
+    return [
+        int(line.split()[1])
+        for log in logs
+        for line in read(log).splitlines()
+        if line.startswith("CHILD ")
+    ]
 
 
 def check_trial(trial: Trial, lock_dir: Path) -> list[str]:
@@ -784,9 +819,7 @@ def test_without_the_watchdog_stubborn_servers_outlive_a_sigkilled_harness(
         kill_all(trial.procs)
 
 
-def test_chaos_trials_leave_nothing_behind(
-    tmp_path: Path, fake_vllm: Path, lock_dir: Path
-) -> None:
+def test_chaos_trials_leave_nothing_behind(tmp_path: Path, fake_vllm: Path, lock_dir: Path) -> None:
     """Mixed faults, one after another: every trial must end fast and leave nothing."""
     kinds = list(TRIAL_KINDS)
     results = []
@@ -799,9 +832,11 @@ def test_chaos_trials_leave_nothing_behind(
     slowest: dict[str, float] = {}
     for trial, _ in results:
         slowest[trial.kind] = max(slowest.get(trial.kind, 0.0), trial.ended_s)
-    print(f"\nchaos: {len(results)} trials; trials leaving processes: {count['left behind']}, "
-          f"leaving ports held: {count['ports still held']}; slowest end per kind: "
-          + ", ".join(f"{kind} {s:.2f} s" for kind, s in slowest.items()))  # fmt: skip
+    print(
+        f"\nchaos: {len(results)} trials; trials leaving processes: {count['left behind']}, "
+        f"leaving ports held: {count['ports still held']}; slowest end per kind: "
+        + ", ".join(f"{kind} {s:.2f} s" for kind, s in slowest.items())
+    )
     failed = [f"trial {n} {t.kind}: {'; '.join(p)}" for n, (t, p) in enumerate(results) if p]
     assert not failed, "\n".join(failed)
 
@@ -811,8 +846,13 @@ def test_parallel_workers_never_share_http_or_side_channel_ports(
 ) -> None:
     environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     workers = [
-        subprocess.Popen([sys.executable, "-c", PORT_WORKER], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True, env=environment)  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, "-c", PORT_WORKER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=environment,
+        )
         for _ in range(4)
     ]
     try:
@@ -836,8 +876,18 @@ def test_parallel_workers_never_share_http_or_side_channel_ports(
 
 
 def run_cli_in_process(tmp_path: Path, fake: Path, capsys, *args: str) -> tuple[int, str, str]:
-    code = cli.main(["run", "--vllm", str(fake), "--baseline-cache", "off",
-                     "--run-dir", str(tmp_path / "run"), *args])  # fmt: skip
+    code = cli.main(
+        [
+            "run",
+            "--vllm",
+            str(fake),
+            "--baseline-cache",
+            "off",
+            "--run-dir",
+            str(tmp_path / "run"),
+            *args,
+        ]
+    )
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -863,8 +913,12 @@ def test_disk_full_mid_run_keeps_what_was_written(
         "artifacts written so far are kept\n"
     )
     assert (code, err) == (2, expected), f"exit {code}\n{out}\n{err}"
-    expected_files = {"requests.json", "run.json", "responses.json",
-                      "baseline/baseline__baseline0.log"}  # fmt: skip
+    expected_files = {
+        "requests.json",
+        "run.json",
+        "responses.json",
+        "baseline/baseline__baseline0.log",
+    }
     assert expected_files <= artifact_names(run_dir), artifact_names(run_dir)
     left = survivors([p for p in psutil.Process().children(recursive=True) if p not in before])
     assert not left, f"left behind: {describe(left)}"
@@ -891,8 +945,7 @@ def test_cases_file_runs_only_its_cases(
 ) -> None:
     scenarios = tmp_path / "cases.json"
     scenarios.write_text('[{"topology": "1E+1PD", "prompt": "text"}]')
-    code, out, err = run_cli_in_process(tmp_path, fake_vllm, capsys, "--cases-file",
-                                        str(scenarios))  # fmt: skip
+    code, out, err = run_cli_in_process(tmp_path, fake_vllm, capsys, "--cases-file", str(scenarios))
     assert code == 0, f"exit {code}\n{out}\n{err}"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     cases = [(case["topology"], case["prompt"], case["reference"]) for case in summary["cases"]]
@@ -979,9 +1032,11 @@ def test_real_vllm_instance_killed_during_startup_is_reported_at_once(
     failed_at = time.monotonic()
     tree, killed_at = killed[0]
     reported_s, failed_s = died_at[0] - killed_at, failed_at - killed_at
-    print(f"real vLLM encoder SIGKILLed during start-up: reported dead {reported_s:.2f} s "
-          f"later; start failed (pd0 stopped) {failed_s:.2f} s later; start-up timeout "
-          f"{settings.startup_timeout_s:.0f} s")  # fmt: skip
+    print(
+        f"real vLLM encoder SIGKILLed during start-up: reported dead {reported_s:.2f} s "
+        f"later; start failed (pd0 stopped) {failed_s:.2f} s later; start-up timeout "
+        f"{settings.startup_timeout_s:.0f} s"
+    )
     assert died.value.name == "1E+1PD/encoder0", str(died.value)
     assert "killed by SIGKILL" in str(died.value), str(died.value)
     assert "non-default args" in str(died.value), "the log tail must be in the error"
@@ -1056,9 +1111,15 @@ def test_real_vllm_left_starting_by_a_sigkilled_harness_is_stopped(
     session_dir = run_dir / safe_name(WATCHDOG_E2E_TOPOLOGY)
     with open(tmp_path / "harness.err", "wb") as err:
         harness = subprocess.Popen(
-            [sys.executable, "-c", VLLM_DRIVER, default_vllm_executable(),
-             str(resolve_model(None, None, cache_dir())), str(run_dir),
-             WATCHDOG_E2E_TOPOLOGY],  # fmt: skip
+            [
+                sys.executable,
+                "-c",
+                VLLM_DRIVER,
+                default_vllm_executable(),
+                str(resolve_model(None, None, cache_dir())),
+                str(run_dir),
+                WATCHDOG_E2E_TOPOLOGY,
+            ],
             cwd=REPO_ROOT,
             env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
             stdout=subprocess.PIPE,
@@ -1076,7 +1137,9 @@ def test_real_vllm_left_starting_by_a_sigkilled_harness_is_stopped(
         if milestone == "args":
             logs = [log_path_for(session_dir, server["name"]) for server in report["servers"]]
             wait_for(
-                lambda: alive_or_fail(harness) or all("non-default args" in read(log) for log in logs),
+                lambda: (
+                    alive_or_fail(harness) or all("non-default args" in read(log) for log in logs)
+                ),
                 "both instances to parse their arguments",
                 180,
             )
@@ -1096,13 +1159,22 @@ def test_real_vllm_left_starting_by_a_sigkilled_harness_is_stopped(
             time.sleep(0.2)
         gone_s = time.monotonic() - killed
         log = read(session_dir / "watchdog.log")
-        ready = [s["name"] for s in report["servers"] if "Application startup complete" in
-                 read(log_path_for(session_dir, s["name"]))]  # fmt: skip
-        print(f"\nreal vLLM {WATCHDOG_E2E_TOPOLOGY}, harness SIGKILLed {killed - spawned:.1f} s after spawning, "
-              f"{delay_s} s after {milestone} (at {milestone_s:.1f} s) "
-              f"({len(recorded)} processes recorded; ready: {ready or 'none'}): "
-              + (f"{len(left)} still alive after {gone_s:.1f} s" if left else
-                 f"all gone {gone_s:.1f} s later") + f"\nwatchdog.log:\n{log}")  # fmt: skip
+        ready = [
+            s["name"]
+            for s in report["servers"]
+            if "Application startup complete" in read(log_path_for(session_dir, s["name"]))
+        ]
+        print(
+            f"\nreal vLLM {WATCHDOG_E2E_TOPOLOGY}, harness SIGKILLed {killed - spawned:.1f} s after spawning, "
+            f"{delay_s} s after {milestone} (at {milestone_s:.1f} s) "
+            f"({len(recorded)} processes recorded; ready: {ready or 'none'}): "
+            + (
+                f"{len(left)} still alive after {gone_s:.1f} s"
+                if left
+                else f"all gone {gone_s:.1f} s later"
+            )
+            + f"\nwatchdog.log:\n{log}"
+        )
         assert not left, f"alive {gone_s:.0f} s after the harness's SIGKILL: {describe(left)}"
         if watchdog_proc is not None:
             assert not survivors([watchdog_proc], WATCHDOG_EXIT_S), "the watchdog lingers"

@@ -14,7 +14,10 @@ from harness.cli.main import main
         (["--scenario", "ec-video-mp4", "--topology", "1P+1D"], "--scenario names its topology"),
         (["--platform", "cuda"], "--platform cuda needs --devices"),
         (["--platform", "tpu"], "unknown platform 'tpu' (known: cpu, cuda, xpu)"),
-        (["--plant-fault", "melt"], "unknown fault 'melt' (known: corrupt-ec, zero-kv, drop-metadata)"),
+        (
+            ["--plant-fault", "melt"],
+            "unknown fault 'melt' (known: corrupt-ec, zero-kv, drop-metadata)",
+        ),
     ],
 )
 def test_bad_run_options_are_one_line_exit_2(argv: list[str], cause: str, capsys) -> None:

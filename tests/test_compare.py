@@ -226,8 +226,13 @@ def test_noise_floor_is_the_largest_logprob_difference_of_equal_answers():
     a, b = near_tie(gap=0.5, prefix_lp=-0.53)
     assert noise_floor(a, a) == 0.0
     assert noise_floor(b, b) == 0.0
-    same_tokens = ChatResult(PROMPT, SEQ, "", "length", tuple(
-        PositionLogprobs(p.token_id, p.logprob - 0.125, p.top) for p in a.logprobs))  # fmt: skip
+    same_tokens = ChatResult(
+        PROMPT,
+        SEQ,
+        "",
+        "length",
+        tuple(PositionLogprobs(p.token_id, p.logprob - 0.125, p.top) for p in a.logprobs),
+    )
     assert noise_floor(a, same_tokens) == pytest.approx(0.125)
     assert noise_floor(a, b) is None, "different tokens: no floor can be read"
 

@@ -31,8 +31,13 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def d_result(prompt_tokens: int, cached: int | None) -> ChatResult:
-    return ChatResult(prompt_token_ids=tuple(range(prompt_tokens)), token_ids=(1,), text="",
-                      finish_reason="length", cached_tokens=cached)  # fmt: skip
+    return ChatResult(
+        prompt_token_ids=tuple(range(prompt_tokens)),
+        token_ids=(1,),
+        text="",
+        finish_reason="length",
+        cached_tokens=cached,
+    )
 
 
 # --- the rule per connector -------------------------------------------------------------------
@@ -42,15 +47,17 @@ def test_metrics_page_as_vllm_032_serves_it_under_nixl() -> None:
     """Sampled from a NIXL D around a 121-token request (labels as vLLM renders them)."""
     from harness.serve.kv_metrics import parse_counters
 
-    page = "\n".join([
-        "# HELP vllm:nixl_xfer_time_seconds Histogram of transfer duration for NIXL KV",
-        'vllm:nixl_xfer_time_seconds_count{engine="0",model_name="epd-model"} 1.0',
-        'vllm:nixl_bytes_transferred_sum{engine="0",model_name="epd-model"} 65536.0',
-        'vllm:nixl_num_failed_transfers_total{engine="0",model_name="epd-model"} 0.0',
-        'vllm:prompt_tokens_by_source_total{engine="0",model_name="epd-model",source="external_kv_transfer"} 0.0',
-        'vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="epd-model",source="p2p"} 121.0',
-        'vllm:prompt_tokens_cached_by_source_created{engine="0",model_name="epd-model",source="p2p"} 1.79e+09',
-    ])  # fmt: skip
+    page = "\n".join(
+        [
+            "# HELP vllm:nixl_xfer_time_seconds Histogram of transfer duration for NIXL KV",
+            'vllm:nixl_xfer_time_seconds_count{engine="0",model_name="epd-model"} 1.0',
+            'vllm:nixl_bytes_transferred_sum{engine="0",model_name="epd-model"} 65536.0',
+            'vllm:nixl_num_failed_transfers_total{engine="0",model_name="epd-model"} 0.0',
+            'vllm:prompt_tokens_by_source_total{engine="0",model_name="epd-model",source="external_kv_transfer"} 0.0',
+            'vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="epd-model",source="p2p"} 121.0',
+            'vllm:prompt_tokens_cached_by_source_created{engine="0",model_name="epd-model",source="p2p"} 1.79e+09',
+        ]
+    )
     counters = parse_counters(page).values
     assert counters["p2p_cached_tokens"] == 121.0
     assert counters["nixl_transfers"] == 1.0 and counters["nixl_bytes"] == 65536.0
@@ -75,8 +82,12 @@ def test_expected_tokens_per_rule(rule: KvRule, prompt: int, expected: int) -> N
 
 
 def nixl_counters(p2p: float, failed: float = 0.0) -> dict[str, float]:
-    return {"p2p_cached_tokens": p2p, "nixl_transfers": 1.0, "nixl_bytes": 65536.0,
-            "nixl_failed_transfers": failed}  # fmt: skip
+    return {
+        "p2p_cached_tokens": p2p,
+        "nixl_transfers": 1.0,
+        "nixl_bytes": 65536.0,
+        "nixl_failed_transfers": failed,
+    }
 
 
 def test_nixl_rule_refuses_what_the_example_rule_accepts() -> None:
@@ -124,8 +135,15 @@ def test_rule_follows_the_serving_config_connector() -> None:
 
 
 def test_check_transfers_applies_the_rule_it_is_given(tmp_path: Path) -> None:
-    [guard] = check_transfers(get_topology("1P+1D"), None, d_result(89, 64), tmp_path, 32,
-                              KvRule.WHOLE_PROMPT, nixl_counters(64))  # fmt: skip
+    [guard] = check_transfers(
+        get_topology("1P+1D"),
+        None,
+        d_result(89, 64),
+        tmp_path,
+        32,
+        KvRule.WHOLE_PROMPT,
+        nixl_counters(64),
+    )
     assert not guard.ok and "whole prompt" in guard.evidence
 
 
@@ -141,8 +159,9 @@ def test_names_and_classes_round_trip() -> None:
 
 def kv_config(role: Role, vllm_class: str, tmp_path: Path) -> dict:
     serving = ServingConfig(model="m", kv_connector=vllm_class)
-    spec = InstanceSpec("t/x", role, 20000, serving, kv_storage=tmp_path, devices=(0,),
-                        side_channel_port=20100)  # fmt: skip
+    spec = InstanceSpec(
+        "t/x", role, 20000, serving, kv_storage=tmp_path, devices=(0,), side_channel_port=20100
+    )
     argv = spec.argv()
     return json.loads(argv[argv.index("--kv-transfer-config") + 1])
 
@@ -168,8 +187,9 @@ def test_baseline_is_rendered_without_a_connector_so_its_key_ignores_it() -> Non
     the baseline a connector, the first assertion fails and the key must include it again."""
     example = ServingConfig(model="m", kv_connector="ExampleConnector")
     nixl = dataclasses.replace(example, kv_connector="NixlConnector")
-    baselines = [InstanceSpec("b/baseline0", Role.BASELINE, 20000, s, devices=(0,))
-                 for s in (example, nixl)]  # fmt: skip
+    baselines = [
+        InstanceSpec("b/baseline0", Role.BASELINE, 20000, s, devices=(0,)) for s in (example, nixl)
+    ]
     assert baselines[0].argv() == baselines[1].argv()
     assert baselines[0].env() == baselines[1].env()
     assert baseline_key(SERVED, example, "d", BODY) == baseline_key(SERVED, nixl, "d", BODY)
@@ -194,8 +214,9 @@ def fake_vllm(tmp_path: Path, python: str) -> str:
 @pytest.mark.process  # runs a stand-in interpreter
 def test_nixl_refused_in_one_line_when_the_served_python_lacks_it(tmp_path: Path) -> None:
     interpreter = tmp_path / "python"
-    interpreter.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'nixl'\" >&2\n"
-                           "exit 1\n")  # fmt: skip
+    interpreter.write_text(
+        "#!/bin/sh\necho \"ModuleNotFoundError: No module named 'nixl'\" >&2\nexit 1\n"
+    )
     interpreter.chmod(0o755)
     served = dataclasses.replace(SERVED, executable=fake_vllm(tmp_path, str(interpreter)))
     with pytest.raises(BadInput) as caught:

@@ -47,6 +47,7 @@ def write_ec_file(ec_storage: Path, mm_hash: str = MM_HASH) -> tuple[Path, torch
     """
     import torch
     from safetensors.torch import save_file
+
     path = ec_storage / mm_hash / EC_CACHE_FILE
     path.parent.mkdir(parents=True)
     tensor = torch.randn(64, 128, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
@@ -59,6 +60,7 @@ def write_kv_files(kv_storage: Path, prompt_hash: str) -> list[Path]:
     """KV files as ExampleConnector writes them: `<prompt hash>/<layer>.safetensors`."""
     import torch
     from safetensors.torch import save_file
+
     folder = kv_storage / prompt_hash
     folder.mkdir(parents=True)
     paths = []
@@ -81,6 +83,7 @@ def read_pid(path: Path) -> int | None:
 def test_corrupt_ec_file_keeps_keys_shapes_dtypes_and_changes_every_value(tmp_path: Path):
     from safetensors import safe_open
     from safetensors.torch import load_file
+
     path, original = write_ec_file(tmp_path)
     fault = corrupt_ec_files(tmp_path)
     assert fault.after_encode is not None, f"corrupt_ec_files planted no after_encode: {fault}"
@@ -118,6 +121,7 @@ def test_corrupt_ec_files_touches_only_the_reported_hashes(tmp_path: Path):
     """Another request's EC file must survive, or one fault would bleed into the next case."""
     import torch
     from safetensors.torch import load_file
+
     write_ec_file(tmp_path, MM_HASH)
     other_path, other = write_ec_file(tmp_path, "epd-other")
     corrupt_ec_files(tmp_path).after_encode("req-4", {MM_HASH: {"item_indices": [0]}})
@@ -126,6 +130,7 @@ def test_corrupt_ec_files_touches_only_the_reported_hashes(tmp_path: Path):
 
 def test_zero_kv_files_zeroes_every_layer_of_every_prompt(tmp_path: Path):
     from safetensors.torch import load_file
+
     paths = write_kv_files(tmp_path, "prompt-a") + write_kv_files(tmp_path, "prompt-b")
     originals = {path: load_file(path)["kv_cache"] for path in paths}
     fault = zero_kv_files(tmp_path)

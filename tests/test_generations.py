@@ -89,7 +89,11 @@ def test_a_flag_older_releases_lack_is_never_rendered_for_them() -> None:
 def test_newer_release_speaks_the_newest_generation_with_a_warning() -> None:
     choice = generation_for("0.35.1")
     assert choice.generation is NEWEST
-    assert choice.warning and "newer than any release" in choice.warning and "--protocol" in choice.warning
+    assert (
+        choice.warning
+        and "newer than any release" in choice.warning
+        and "--protocol" in choice.warning
+    )
     assert generation_for("0.32.7").warning is None  # a patch of the newest known series
 
 
@@ -112,8 +116,10 @@ def test_unreadable_version_is_bad_input() -> None:
 
 def test_not_applicable_cases_per_generation() -> None:
     def applies(generation: str, topology: str, prompt: str) -> bool:
-        return not_applicable(GENERATIONS_BY_NAME[generation], TOPOLOGIES[topology],
-                              PROMPTS[prompt]) is None  # fmt: skip
+        return (
+            not_applicable(GENERATIONS_BY_NAME[generation], TOPOLOGIES[topology], PROMPTS[prompt])
+            is None
+        )
 
     # Without encoders, every generation runs every prompt.
     for generation in GENERATIONS:
@@ -132,7 +138,9 @@ def test_not_applicable_cases_per_generation() -> None:
 def test_not_applicable_never_passes_any_policy() -> None:
     record = not_applicable_case("1E+1PD", "video", "baseline", "video is not encoded")
     assert record.verdict is Verdict.NOT_APPLICABLE and not record.policy_passed
-    assert not EXACT.passes(Verdict.NOT_APPLICABLE) and not LOGPROB_CLOSE.passes(Verdict.NOT_APPLICABLE)
+    assert not EXACT.passes(Verdict.NOT_APPLICABLE) and not LOGPROB_CLOSE.passes(
+        Verdict.NOT_APPLICABLE
+    )
     assert "video is not encoded" in record.detail
 
 

@@ -100,8 +100,9 @@ def test_ec_noise_rewrites_each_reported_file_keeping_key_shape_dtype(tmp_path: 
     again = {h: write_ec(again_dir, h, t) for h, t in originals.items()}
     ec_noise(again_dir, 0.05, seed=3).after_encode("req-2", {h: {} for h in originals})
     for mm_hash in originals:
-        assert torch.equal(load_file(again[mm_hash])["ec_cache"],
-                           load_file(paths[mm_hash])["ec_cache"]), mm_hash  # fmt: skip
+        assert torch.equal(
+            load_file(again[mm_hash])["ec_cache"], load_file(paths[mm_hash])["ec_cache"]
+        ), mm_hash
     noised = [load_file(paths[h])["ec_cache"] - originals[h] for h in originals]
     assert not torch.equal(noised[0], noised[1]), "both files got the same noise"
 
@@ -110,8 +111,7 @@ def write_kv(kv_storage: Path, prompt_hash: str, seed: int) -> Path:
     folder = kv_storage / prompt_hash
     folder.mkdir(parents=True)
     path = folder / "model.layers.0.self_attn.attn.safetensors"
-    save_file({"kv_cache": random_tensor(2, 64, 2, 32, seed=seed, dtype=torch.bfloat16)},
-              str(path))  # fmt: skip
+    save_file({"kv_cache": random_tensor(2, 64, 2, 32, seed=seed, dtype=torch.bfloat16)}, str(path))
     return path
 
 
@@ -180,10 +180,13 @@ def test_ec_zero_frame_reads_the_grid_from_the_encoders_metadata(tmp_path: Path)
     path = write_ec(tmp_path, VIDEO_HASH, video)
     image_path = write_ec(tmp_path, HASH_A, random_tensor(64, HIDDEN))
     fault = ec_zero_frame(tmp_path, frame=2)
-    fault.after_encode("req-1", {
-        VIDEO_HASH: {"item_indices": [0], "metadata": {"video_grid_thw": [VIDEO_GRID]}},
-        HASH_A: {"item_indices": [0], "metadata": {"image_grid_thw": [[1, 16, 16]]}},
-    })  # fmt: skip
+    fault.after_encode(
+        "req-1",
+        {
+            VIDEO_HASH: {"item_indices": [0], "metadata": {"video_grid_thw": [VIDEO_GRID]}},
+            HASH_A: {"item_indices": [0], "metadata": {"image_grid_thw": [[1, 16, 16]]}},
+        },
+    )
     assert fault.touched == [path] and not fault.problems, fault
     assert fault.effects == [f"zeroed rows 128-191 (frame 2 of 4) of ({VIDEO_ROWS}, {HIDDEN})"]
     zeroed = load_file(path)["ec_cache"]
@@ -198,10 +201,18 @@ def test_ec_zero_frame_reads_the_grid_from_the_encoders_metadata(tmp_path: Path)
 
 def test_video_grid_fault_reaches_the_consumer_body_with_the_same_size():
     """Planted in after_encode, the wrong grid is what the proxy's rewrite forwards."""
-    request = {"model": "m", "messages": [{"role": "user", "content": [
-        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
-        {"type": "text", "text": "Describe."},
-    ]}]}  # fmt: skip
+    request = {
+        "model": "m",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+                    {"type": "text", "text": "Describe."},
+                ],
+            }
+        ],
+    }
     media = protocol.collect_media(request)
     batches, _ = protocol.plan_encoder_batches(media, 1, 0)
     params = {VIDEO_HASH: {"item_indices": [0], "metadata": {"video_grid_thw": [VIDEO_GRID]}}}

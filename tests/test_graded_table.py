@@ -71,15 +71,21 @@ def test_cli_refuses_a_bad_strength_in_one_line(capsys):
 def test_list_shows_the_graded_faults(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
-    for name in ("ec-noise:FRACTION", "kv-noise:FRACTION", "ec-swap-items", "ec-zero-frame",
-                 "ec-video-grid"):  # fmt: skip
+    for name in (
+        "ec-noise:FRACTION",
+        "kv-noise:FRACTION",
+        "ec-swap-items",
+        "ec-zero-frame",
+        "ec-video-grid",
+    ):
         assert name in out, out
 
 
 def rung(strength: float, verdict: str, index: int | None = 0, topology="1E+1PD") -> Rung:
     caught = verdict in ("MISMATCH", "VACUOUS")
-    return Rung("ec-noise", strength, topology, f"p-{strength}", verdict, caught, index, True,
-                "detail", 1)  # fmt: skip
+    return Rung(
+        "ec-noise", strength, topology, f"p-{strength}", verdict, caught, index, True, "detail", 1
+    )
 
 
 def test_ladder_stops_after_the_first_miss():
@@ -112,8 +118,9 @@ def test_regressions_are_larger_thresholds_or_nothing_caught():
 
 
 def test_table_is_written_as_json_and_markdown(tmp_path: Path):
-    table = DetectionTable([rung(0.5, "MISMATCH", 0), rung(0.05, "MISMATCH", 2),
-                            rung(0.005, "MATCH", None)])  # fmt: skip
+    table = DetectionTable(
+        [rung(0.5, "MISMATCH", 0), rung(0.05, "MISMATCH", 2), rung(0.005, "MATCH", None)]
+    )
     table.write(tmp_path)
     data = json.loads((tmp_path / "detection.json").read_text())
     cell = data["thresholds"]["ec-noise"]["1E+1PD"]
@@ -125,8 +132,10 @@ def test_table_is_written_as_json_and_markdown(tmp_path: Path):
 
 def test_committed_thresholds_cover_the_acceptance_topologies():
     committed = load_thresholds(THRESHOLDS)
-    for fault, topologies in (("ec-noise", ("1E+1PD", "1E+1P+1D")),
-                              ("kv-noise", ("1P+1D", "1E+1P+1D"))):  # fmt: skip
+    for fault, topologies in (
+        ("ec-noise", ("1E+1PD", "1E+1P+1D")),
+        ("kv-noise", ("1P+1D", "1E+1P+1D")),
+    ):
         for topology in topologies:
             assert committed[fault][topology] <= 0.05, (fault, topology, committed)
 

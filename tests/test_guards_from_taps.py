@@ -20,20 +20,43 @@ ENTRY = {"item_indices": [0], "metadata": {"image_grid_thw": [1, 4, 4]}}
 
 
 def encoder(seq: int, params: dict | None) -> TapRecord:
-    return TapRecord(seq, "t/encoder0", "encoder", "/v1/chat/completions", status=200,
-                     part_types=["image_url"], metadata_only=[False], ec_transfer_params=params)  # fmt: skip
+    return TapRecord(
+        seq,
+        "t/encoder0",
+        "encoder",
+        "/v1/chat/completions",
+        status=200,
+        part_types=["image_url"],
+        metadata_only=[False],
+        ec_transfer_params=params,
+    )
 
 
-def consumer(seq: int, role: str, metadata_only: bool = True, cached: int | None = None) -> TapRecord:
+def consumer(
+    seq: int, role: str, metadata_only: bool = True, cached: int | None = None
+) -> TapRecord:
     usage = {"prompt_tokens": 89, "prompt_tokens_details": {"cached_tokens": cached}}
     part = "image_embeds" if metadata_only else "image_url"
-    return TapRecord(seq, f"t/{role}0", role, "/v1/chat/completions", status=200,
-                     part_types=[part], metadata_only=[metadata_only], usage=usage)  # fmt: skip
+    return TapRecord(
+        seq,
+        f"t/{role}0",
+        role,
+        "/v1/chat/completions",
+        status=200,
+        part_types=[part],
+        metadata_only=[metadata_only],
+        usage=usage,
+    )
 
 
 def answer(cached: int | None) -> ChatResult:
-    return ChatResult(prompt_token_ids=tuple(range(89)), token_ids=(1,), text="",
-                      finish_reason="length", cached_tokens=cached)  # fmt: skip
+    return ChatResult(
+        prompt_token_ids=tuple(range(89)),
+        token_ids=(1,),
+        text="",
+        finish_reason="length",
+        cached_tokens=cached,
+    )
 
 
 def with_file(tmp_path: Path, mm_hash: str) -> Path:
@@ -83,8 +106,10 @@ def test_check_transfers_from_taps_picks_guards_per_topology(tmp_path: Path) -> 
     evidence = TransferEvidence.from_taps(records, media_count=1)
     guards = check_transfers(get_topology("1E+1P+1D"), evidence, answer(None), storage, 32)
     assert [(g.name, g.ok) for g in guards] == [
-        ("encoder_output", True), ("consumer_embeds", True), ("kv_transfer", True),
-    ]  # fmt: skip
+        ("encoder_output", True),
+        ("consumer_embeds", True),
+        ("kv_transfer", True),
+    ]
 
 
 def test_every_encoder_used_is_read_at_the_encoders_taps() -> None:
@@ -94,11 +119,13 @@ def test_every_encoder_used_is_read_at_the_encoders_taps() -> None:
     from harness.serve.session import Outcome
     from harness.spec.topology import Role
 
-    session = SimpleNamespace(instances=[
-        SimpleNamespace(name="t/encoder0", role=Role.ENCODER),
-        SimpleNamespace(name="t/encoder1", role=Role.ENCODER),
-        SimpleNamespace(name="t/pd0", role=Role.PREFILL_DECODE),
-    ])  # fmt: skip
+    session = SimpleNamespace(
+        instances=[
+            SimpleNamespace(name="t/encoder0", role=Role.ENCODER),
+            SimpleNamespace(name="t/encoder1", role=Role.ENCODER),
+            SimpleNamespace(name="t/pd0", role=Role.PREFILL_DECODE),
+        ]
+    )
     first = Outcome("image", taps=[encoder(0, {"h": ENTRY}), consumer(1, "pd")])
     assert check_every_encoder_used(session, [first]).ok is False  # encoder1 got nothing
     second = encoder(2, {"h": ENTRY})

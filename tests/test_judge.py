@@ -12,7 +12,9 @@ from harness.serve.session import Outcome
 PROMPT = (1, 2, 3)
 
 
-def outcome(tokens: tuple[int, ...], top: tuple[int, ...] = (), error: str | None = None) -> Outcome:
+def outcome(
+    tokens: tuple[int, ...], top: tuple[int, ...] = (), error: str | None = None
+) -> Outcome:
     if error:
         return Outcome(prompt="image", error=error)
     logprobs = tuple(
@@ -40,7 +42,9 @@ def test_equal_tokens_with_a_failed_guard_are_vacuous() -> None:
 
 
 def test_a_failed_request_is_an_error_whatever_the_guards() -> None:
-    record = judge_case("1E+1PD", "baseline", outcome((5,)), outcome((), error="HTTP 500: boom"), [])
+    record = judge_case(
+        "1E+1PD", "baseline", outcome((5,)), outcome((), error="HTTP 500: boom"), []
+    )
     assert record.verdict is Verdict.ERROR and record.error == "HTTP 500: boom"
 
 
@@ -50,8 +54,9 @@ def test_a_reference_without_result_is_an_error_naming_it() -> None:
 
 
 def test_an_unstable_baseline_is_its_own_verdict() -> None:
-    record = judge_case("1P+1D", "baseline", outcome((5,)), outcome((7,)), [],
-                        baseline_stable=False)  # fmt: skip
+    record = judge_case(
+        "1P+1D", "baseline", outcome((5,)), outcome((7,)), [], baseline_stable=False
+    )
     assert record.verdict is Verdict.UNSTABLE_BASELINE and not record.policy_passed
 
 
@@ -59,8 +64,9 @@ def test_drift_needs_a_measured_floor_and_fails_exact_but_passes_logprob_close()
     """Near-tie (0.1 nats) at position 1 after an equal prefix."""
     reference, candidate = outcome((5, 6), top=(8,)), outcome((5, 8), top=(6,))
     exact = judge_case("1P+1D", "baseline", reference, candidate, [], drift_tolerance=0.2)
-    close = judge_case("1P+1D", "baseline", reference, candidate, [], policy=LOGPROB_CLOSE,
-                       drift_tolerance=0.2)  # fmt: skip
+    close = judge_case(
+        "1P+1D", "baseline", reference, candidate, [], policy=LOGPROB_CLOSE, drift_tolerance=0.2
+    )
     assert exact.verdict is close.verdict is Verdict.DRIFT
     assert not exact.policy_passed and close.policy_passed
     assert exact.divergence is not None and exact.divergence["index"] == 1
@@ -72,4 +78,8 @@ def test_baseline_control_compares_the_two_answers() -> None:
     assert baseline_is_stable(outcome((5, 6)), outcome((5, 6)))[0] is True
     stable, detail, floor = baseline_is_stable(outcome((5, 6)), outcome((5, 9)))
     assert stable is False and "position 1" in detail and floor is None
-    assert baseline_is_stable(outcome((5,)), outcome((), error="timeout")) == (False, "timeout", None)
+    assert baseline_is_stable(outcome((5,)), outcome((), error="timeout")) == (
+        False,
+        "timeout",
+        None,
+    )

@@ -350,8 +350,16 @@ def test_group_check_alive_notices_a_death_while_serving(make_server) -> None:
 
 def run_harness(tmp_path: Path, mode: str, shape: str) -> tuple[subprocess.Popen[str], list[int]]:
     harness = subprocess.Popen(
-        [sys.executable, "-c", HARNESS, str(tmp_path / "logs"), str(tmp_path / "port-locks"),
-         mode, shape, FAKE_SERVER],  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            HARNESS,
+            str(tmp_path / "logs"),
+            str(tmp_path / "port-locks"),
+            mode,
+            shape,
+            FAKE_SERVER,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

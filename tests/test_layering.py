@@ -34,10 +34,14 @@ def test_the_package_keeps_its_layers() -> None:
 
 def test_an_upward_import_breaks_the_contract(tmp_path: Path) -> None:
     """The contract is not vacuous: a spec module importing the CLI turns it red."""
-    shutil.copytree(ROOT / "harness", tmp_path / "harness", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        ROOT / "harness", tmp_path / "harness", ignore=shutil.ignore_patterns("__pycache__")
+    )
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     topology = tmp_path / "harness" / "spec" / "topology.py"
-    topology.write_text(topology.read_text() + "\nfrom harness.cli import main as _upward  # noqa\n")
+    topology.write_text(
+        topology.read_text() + "\nfrom harness.cli import main as _upward  # noqa\n"
+    )
     result = lint_imports(tmp_path)
     assert result.returncode != 0, result.stdout
     assert "harness.spec is not allowed to import harness.cli" in result.stdout, result.stdout

@@ -15,9 +15,17 @@ from harness.spec.topology import TOPOLOGIES
 
 def record(verdict: Verdict, error: str | None = None, passed: bool = True) -> CaseRecord:
     return CaseRecord(
-        topology="1E+1P+1D:s", prompt="p", reference="baseline", verdict=verdict,
-        policy_passed=passed, detail="d", divergence=None, guards={}, timings={}, error=error,
-    )  # fmt: skip
+        topology="1E+1P+1D:s",
+        prompt="p",
+        reference="baseline",
+        verdict=verdict,
+        policy_passed=passed,
+        detail="d",
+        divergence=None,
+        guards={},
+        timings={},
+        error=error,
+    )
 
 
 def test_every_scenario_names_a_known_topology_and_has_prompts() -> None:
@@ -53,10 +61,18 @@ def test_match_scenario_with_a_mismatch_has_a_problem() -> None:
 
 
 def test_expected_error_needs_its_evidence() -> None:
-    scenario = Scenario("s", "1E+1P+1D", (), expect=(Verdict.ERROR,),
-                        expect_evidence="Expected number of multimodal", reason="r")  # fmt: skip
-    with_evidence = ScenarioResult(scenario, [record(Verdict.ERROR, "... Expected number of "
-                                                     "multimodal embeddings ...", passed=False)])
+    scenario = Scenario(
+        "s",
+        "1E+1P+1D",
+        (),
+        expect=(Verdict.ERROR,),
+        expect_evidence="Expected number of multimodal",
+        reason="r",
+    )
+    with_evidence = ScenarioResult(
+        scenario,
+        [record(Verdict.ERROR, "... Expected number of multimodal embeddings ...", passed=False)],
+    )
     assert with_evidence.problems() == []
     other_error = ScenarioResult(scenario, [record(Verdict.ERROR, "connection refused", False)])
     assert "evidence lacks" in other_error.problems()[0]

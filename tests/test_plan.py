@@ -80,8 +80,11 @@ def test_eight_gpus_run_the_four_topologies_at_once_on_disjoint_gpus() -> None:
     assert len(plan.waves) == 1
     layout = {t.name: t.devices for t in plan.waves[0].topologies}
     assert layout == {
-        "baseline": (0,), "1E+1PD": (1, 2), "1P+1D": (3, 4), "1E+1P+1D": (5, 6, 7),
-    }  # fmt: skip
+        "baseline": (0,),
+        "1E+1PD": (1, 2),
+        "1P+1D": (3, 4),
+        "1E+1P+1D": (5, 6, 7),
+    }
     per_instance = [i.devices for i in plan.instances]
     assert sorted(d for ds in per_instance for d in ds) == list(devices)
     assert_valid_gpu_plan(plan, devices, DEFAULT_TOPOLOGY_NAMES)
@@ -91,8 +94,10 @@ def test_two_gpus_run_the_fitting_topologies_in_sequential_waves() -> None:
     names = ("baseline", "1E+1PD", "1P+1D")
     plan = build_plan(request(CUDA, (0, 1), names))
     assert [[t.name for t in w.topologies] for w in plan.waves] == [
-        ["baseline"], ["1E+1PD"], ["1P+1D"],
-    ]  # fmt: skip
+        ["baseline"],
+        ["1E+1PD"],
+        ["1P+1D"],
+    ]
     assert_valid_gpu_plan(plan, (0, 1), names)
 
 
@@ -188,9 +193,13 @@ def test_a_run_and_its_xdist_workers_use_the_devices_plan_prints(
         )
     )
     settings = RunSettings(
-        serving_for(platform, MODEL), tmp_path / "run", platform=platform, devices=devices,
-        colocate=len(devices) < 3, workers=workers,
-    )  # fmt: skip
+        serving_for(platform, MODEL),
+        tmp_path / "run",
+        platform=platform,
+        devices=devices,
+        colocate=len(devices) < 3,
+        workers=workers,
+    )
     spec = SweepSpec(tuple(TOPOLOGIES[n] for n in EPD_TOPOLOGY_NAMES), prompts=())
     sweep = Sweep(spec, settings)
     sweep._baseline_missing = ["text"]  # the baseline is not cached: it is scheduled too
@@ -258,8 +267,9 @@ def test_cli_topologies_are_repeatable_and_comma_separated(capsys) -> None:
     assert code == 0
     waves = json.loads(out)["waves"]
     assert [[t["name"] for t in w["topologies"]] for w in waves] == [
-        ["baseline", "1P+1D"], ["1E+1P+1D"],
-    ]  # fmt: skip
+        ["baseline", "1P+1D"],
+        ["1E+1P+1D"],
+    ]
 
 
 @pytest.mark.parametrize(

@@ -60,9 +60,15 @@ def place_all(profile, devices, tmp_path: Path, topologies=DEFAULT_SET, colocate
             http = [next(ports) for _ in topology.roles]
             side = [next(ports) for _ in range(side_channel_port_count(topology, serving))]
             specs += place_instances(
-                topology, serving, profile, http, tmp_path / topology.name, slot.devices,
-                colocate=colocate, side_channel_ports=side,
-            )  # fmt: skip
+                topology,
+                serving,
+                profile,
+                http,
+                tmp_path / topology.name,
+                slot.devices,
+                colocate=colocate,
+                side_channel_ports=side,
+            )
     return specs
 
 
@@ -111,9 +117,16 @@ def test_cuda_instances_get_distinct_devices_and_side_channel_ports(tmp_path: Pa
     port_key = "VLLM_NIXL_SIDE_CHANNEL_PORT"
     nixl = {name: env[port_key] for name, env in envs.items() if port_key in env}
     kv_instances = {s.name for s in specs if s.role in (Role.PREFILL, Role.DECODE)}
-    assert set(nixl) == kv_instances == {
-        "1P+1D/prefill0", "1P+1D/decode0", "1E+1P+1D/prefill0", "1E+1P+1D/decode0",
-    }  # fmt: skip
+    assert (
+        set(nixl)
+        == kv_instances
+        == {
+            "1P+1D/prefill0",
+            "1P+1D/decode0",
+            "1E+1P+1D/prefill0",
+            "1E+1P+1D/decode0",
+        }
+    )
     assert len(set(nixl.values())) == len(nixl), nixl
     http_ports = {str(s.port) for s in specs}
     assert not http_ports & set(nixl.values()), "a side-channel port collides with an HTTP port"
@@ -160,9 +173,7 @@ def test_missing_device_or_side_channel_port_is_an_error_naming_the_instance() -
     no_device = InstanceSpec("t/baseline0", Role.BASELINE, 21000, serving, platform=CUDA)
     with pytest.raises(ValueError, match="t/baseline0: cuda needs a device"):
         no_device.env()
-    no_port = InstanceSpec(
-        "t/decode0", Role.DECODE, 21001, serving, platform=CUDA, devices=(0,)
-    )
+    no_port = InstanceSpec("t/decode0", Role.DECODE, 21001, serving, platform=CUDA, devices=(0,))
     missing = "t/decode0: NixlConnector needs a VLLM_NIXL_SIDE_CHANNEL_PORT"
     with pytest.raises(ValueError, match=missing):
         no_port.env()
@@ -171,9 +182,14 @@ def test_missing_device_or_side_channel_port_is_an_error_naming_the_instance() -
 def test_place_instances_rejects_a_wrong_number_of_side_channel_ports(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"1P\+1D needs 2 NIXL side-channel ports, got 1"):
         place_instances(
-            get_topology("1P+1D"), serving_for(CUDA, MODEL), CUDA, [21000, 21001], tmp_path,
-            (0, 1), side_channel_ports=[21002],
-        )  # fmt: skip
+            get_topology("1P+1D"),
+            serving_for(CUDA, MODEL),
+            CUDA,
+            [21000, 21001],
+            tmp_path,
+            (0, 1),
+            side_channel_ports=[21002],
+        )
 
 
 def test_side_channel_ports_only_for_nixl_kv_instances() -> None:
@@ -245,8 +261,10 @@ def test_colocation_spreads_prefill_and_decode_first_and_encoders_fill_in() -> N
     assert prefill != decode, "P and D must not share when there is a device for each"
     assert encoder == prefill == (0,)
     assert assign_devices(get_topology("2E+1PD"), (0, 1), CUDA, colocate=True) == (
-        (1,), (0,), (0,),
-    )  # fmt: skip
+        (1,),
+        (0,),
+        (0,),
+    )
     assert set(assign_devices(get_topology("1P+1D"), (3,), CUDA, colocate=True)) == {(3,)}
 
 
@@ -274,8 +292,11 @@ def test_eight_gpus_run_the_default_set_in_one_wave_on_disjoint_devices() -> Non
     assert len(waves) == 1
     assert sorted(waves[0].devices_in_use) == list(EIGHT_GPUS)
     assert {s.topology.name: s.devices for s in waves[0].slots} == {
-        "baseline": (0,), "1E+1PD": (1, 2), "1P+1D": (3, 4), "1E+1P+1D": (5, 6, 7),
-    }  # fmt: skip
+        "baseline": (0,),
+        "1E+1PD": (1, 2),
+        "1P+1D": (3, 4),
+        "1E+1P+1D": (5, 6, 7),
+    }
 
 
 def test_too_few_gpus_is_one_error_naming_every_topology_that_cannot_fit() -> None:
@@ -293,8 +314,10 @@ def test_cpu_waves_fill_the_instance_budget_first_fit_in_order() -> None:
     """Trap 6: the baseline (one instance) no longer starts alone with a core idle."""
     waves = schedule(DEFAULT_SET, (0, 1), CPU, cpu_budget=4).waves
     assert [[s.topology.name for s in w.slots] for w in waves] == [
-        ["baseline", "1E+1PD"], ["1P+1D"], ["1E+1P+1D"],
-    ]  # fmt: skip
+        ["baseline", "1E+1PD"],
+        ["1P+1D"],
+        ["1E+1P+1D"],
+    ]
     # Each topology of a wave starts on the core after the last one handed out.
     assert [s.devices for s in waves[0].slots] == [(0, 1), (1, 0)]
 

@@ -284,9 +284,12 @@ def test_rewrite_recorded_image() -> None:
     result = rewrite_for_consumer(request, media, encoded, params)
     assert result.body["messages"][0]["content"] == [
         text("what is this?"),
-        {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 16, 16]},
-         "uuid": media[0].uuid},
-    ]  # fmt: skip
+        {
+            "type": "image_embeds",
+            "image_embeds": {"image_grid_thw": [1, 16, 16]},
+            "uuid": media[0].uuid,
+        },
+    ]
     assert result.body["ec_transfer_params"] == params
     assert result.forwarded_part_types == ["image_embeds"]
     assert result.metadata_only == [True]
@@ -309,16 +312,25 @@ def test_rewrite_mixed_media_keeps_text_and_unencoded_parts() -> None:
     }
     result = rewrite_for_consumer(request, media, encoded, params)
     assert result.body["messages"][0]["content"] == [
-        {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 16, 16]},
-         "uuid": media[0].uuid},
+        {
+            "type": "image_embeds",
+            "image_embeds": {"image_grid_thw": [1, 16, 16]},
+            "uuid": media[0].uuid,
+        },
         text("then"),
-        {"type": "video_embeds", "video_embeds": {"video_grid_thw": [2, 8, 8]},
-         "uuid": media[1].uuid},
-    ]  # fmt: skip
+        {
+            "type": "video_embeds",
+            "video_embeds": {"video_grid_thw": [2, 8, 8]},
+            "uuid": media[1].uuid,
+        },
+    ]
     assert result.body["messages"][1]["content"] == [image(DOG), audio]
     assert result.forwarded_part_types == [
-        "image_embeds", "video_embeds", "image_url", "input_audio",
-    ]  # fmt: skip
+        "image_embeds",
+        "video_embeds",
+        "image_url",
+        "input_audio",
+    ]
     assert result.metadata_only == [True, True, False, False]
     assert result.body["ec_transfer_params"] == params
     assert request == original  # the input is not mutated

@@ -136,11 +136,14 @@ class FakeInstance:
             "object": "chat.completion",
             "ec_transfer_params": params,
             "choices": [
-                {"index": 0, "finish_reason": "stop", "message": {"role": "assistant",
-                                                                  "content": ""}}
+                {
+                    "index": 0,
+                    "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": ""},
+                }
             ],
             "usage": {"prompt_tokens": 80, "completion_tokens": 0, "total_tokens": 80},
-        }  # fmt: skip
+        }
 
     async def stream_answer(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -155,10 +158,15 @@ class FakeInstance:
 
 def ec_items_answer(body: dict[str, Any]) -> dict[str, Any]:
     """Like vLLM 0.28 / 0.29 (example_connector.request_finished): a list, metadata flattened."""
-    items = [{"mm_hash": part["uuid"], "image_grid_thw": [[1, 16, 16]]}
-             for part in body["messages"][0]["content"]]  # fmt: skip
-    return {"id": "chatcmpl-e", "ec_transfer_params": {"ec_items": items},
-            "choices": [{"index": 0, "finish_reason": "stop", "message": {"content": ""}}]}  # fmt: skip
+    items = [
+        {"mm_hash": part["uuid"], "image_grid_thw": [[1, 16, 16]]}
+        for part in body["messages"][0]["content"]
+    ]
+    return {
+        "id": "chatcmpl-e",
+        "ec_transfer_params": {"ec_items": items},
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"content": ""}}],
+    }
 
 
 def decode_answer() -> dict[str, Any]:
@@ -319,14 +327,14 @@ def test_full_epd_round_trip(h: Harness) -> None:
     expected_uuid = media_uuid(request["messages"][0]["content"][1], request)
     assert len(encoder.bodies) == 1
     assert encoder.bodies[0]["messages"] == [
-        {"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": CAT}, "uuid": expected_uuid}]}
-    ]  # fmt: skip
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": CAT}, "uuid": expected_uuid}],
+        }
+    ]
     assert encoder.bodies[0]["max_tokens"] == 1 and encoder.bodies[0]["stream"] is False
     assert encoder.request_ids == ["req-epd-1:0:encode"]
-    ec_params = {
-        expected_uuid: {"item_indices": [0], "metadata": {"image_grid_thw": [1, 16, 16]}}
-    }
+    ec_params = {expected_uuid: {"item_indices": [0], "metadata": {"image_grid_thw": [1, 16, 16]}}}
     embeds_part = {
         "type": "image_embeds",
         "image_embeds": {"image_grid_thw": [1, 16, 16]},
@@ -401,8 +409,11 @@ def test_pd_topology_has_no_prefill_leg(h: Harness) -> None:
 def test_text_only_request_skips_the_encoder(h: Harness) -> None:
     encoder, prefill, decode = h.fake("encoder"), h.fake("prefill"), h.fake("decode")
     proxy, server = h.proxy((encoder,), (prefill,), (decode,))
-    request = {"model": "epd-model", "messages": [{"role": "user", "content": "hi"}],
-               "max_tokens": 2}  # fmt: skip
+    request = {
+        "model": "epd-model",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+    }
     status, _ = raw_post(server.url, request, "req-text")
     assert status == 200
     assert encoder.bodies == []
@@ -417,17 +428,20 @@ def test_streaming_passes_decode_chunks_through(h: Harness) -> None:
     _, server = h.proxy((encoder,), (prefill,), (decode,))
     body = {**image_request(), "stream": True, "stream_options": {"include_usage": True}}
     request = urllib.request.Request(
-        f"{server.url}/v1/chat/completions", data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"}, method="POST",
-    )  # fmt: skip
+        f"{server.url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     with DIRECT.open(request, timeout=10) as response:
         assert response.headers["Content-Type"].startswith("text/event-stream")
         text = response.read().decode()
     lines = [line for line in text.split("\n") if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     assert [json.loads(line[6:])["choices"][0]["delta"]["content"] for line in lines[:-1]] == [
-        "Hel", "lo",
-    ]  # fmt: skip
+        "Hel",
+        "lo",
+    ]
     assert prefill.bodies[0]["stream"] is False
     assert "stream_options" not in prefill.bodies[0]
     assert decode.bodies[0]["stream"] is True
@@ -481,9 +495,11 @@ def test_non_json_request_is_400(h: Harness) -> None:
     decode = h.fake("decode")
     proxy, server = h.proxy((), (), (decode,))
     request = urllib.request.Request(
-        f"{server.url}/v1/chat/completions", data=b"{not json",
-        headers={"x-request-id": "req-bad"}, method="POST",
-    )  # fmt: skip
+        f"{server.url}/v1/chat/completions",
+        data=b"{not json",
+        headers={"x-request-id": "req-bad"},
+        method="POST",
+    )
     with pytest.raises(urllib.error.HTTPError) as info:
         DIRECT.open(request, timeout=10)
     assert info.value.code == 400
@@ -524,8 +540,10 @@ def test_two_encoders_share_single_image_requests(h: Harness) -> None:
     assert len(e0.bodies) == 2
     assert len(e1.bodies) == 1
     assert [proxy.traces[f"req-rr-{n}"].encoder_calls[0].url for n in range(3)] == [
-        e0.url, e1.url, e0.url,
-    ]  # fmt: skip
+        e0.url,
+        e1.url,
+        e0.url,
+    ]
     assert [b["messages"][0]["content"][0]["image_url"]["url"] for b in e0.bodies] == [CAT, CAT]
     assert all(proxy.traces[f"req-rr-{n}"].metadata_only == [True] for n in range(3))
 
@@ -553,16 +571,16 @@ def test_two_images_on_two_encoders_in_one_request(h: Harness) -> None:
 
 def test_drop_encoder_metadata_sends_raw_media_to_decode(h: Harness) -> None:
     encoder, prefill, decode = h.fake("encoder"), h.fake("prefill"), h.fake("decode")
-    proxy, server = h.proxy((encoder,), (prefill,), (decode,),
-                            faults=ProxyFaults(drop_encoder_metadata=True))  # fmt: skip
+    proxy, server = h.proxy(
+        (encoder,), (prefill,), (decode,), faults=ProxyFaults(drop_encoder_metadata=True)
+    )
     request = image_request()
     status, _ = raw_post(server.url, request, "req-drop")
     assert status == 200
     assert len(encoder.bodies) == 1  # the encoder still ran
     d_body = decode.bodies[0]
     assert d_body["messages"] == request["messages"]  # raw image_url, no uuid added
-    assert d_body["messages"][0]["content"][1] == {"type": "image_url",
-                                                   "image_url": {"url": CAT}}  # fmt: skip
+    assert d_body["messages"][0]["content"][1] == {"type": "image_url", "image_url": {"url": CAT}}
     assert "ec_transfer_params" not in d_body
     assert d_body["kv_transfer_params"] == PREFILL_KV_PARAMS
     trace = proxy.traces["req-drop"]
@@ -584,10 +602,13 @@ def test_fault_hooks_see_encoder_params_and_prefill_response(h: Harness) -> None
     assert status == 200
     uuid = media_uuid(request["messages"][0]["content"][1], request)
     assert seen == [
-        ("encode", "req-hooks",
-         {uuid: {"item_indices": [0], "metadata": {"image_grid_thw": [1, 16, 16]}}}),
+        (
+            "encode",
+            "req-hooks",
+            {uuid: {"item_indices": [0], "metadata": {"image_grid_thw": [1, 16, 16]}}},
+        ),
         ("prefill", "req-hooks", PREFILL_KV_PARAMS),
-    ]  # fmt: skip
+    ]
 
 
 # --- older protocol generations -------------------------------------------------------------

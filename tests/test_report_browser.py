@@ -87,10 +87,15 @@ def mismatch_run() -> tuple[list[CaseRecord], dict[str, dict[str, Any]]]:
         "image": Outcome("image", chat(departed, "The sky is <b>not</b> blue.")),
     }
     records = [
-        judge_case("1E+1P+1D", "baseline", reference[p], candidate[p],
-                   [GuardResult("encoder_output", True, "1 media item(s) encoded once")])
+        judge_case(
+            "1E+1P+1D",
+            "baseline",
+            reference[p],
+            candidate[p],
+            [GuardResult("encoder_output", True, "1 media item(s) encoded once")],
+        )
         for p in ("text", "image")
-    ]  # fmt: skip
+    ]
     responses = {
         "baseline": {p: o.to_json() for p, o in reference.items()},
         "1E+1P+1D": {p: o.to_json() for p, o in candidate.items()},
@@ -101,10 +106,18 @@ def mismatch_run() -> tuple[list[CaseRecord], dict[str, dict[str, Any]]]:
 def chromium(browser: Path, profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """One headless Chromium run with nothing that reaches the network or a GPU."""
     argv = [
-        str(browser), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-        "--no-first-run", "--disable-background-networking", "--disable-component-update",
-        "--disable-sync", f"--user-data-dir={profile}", *args,
-    ]  # fmt: skip
+        str(browser),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+        *args,
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=BROWSER_TIMEOUT_S)
     assert proc.returncode == 0, f"chromium exited {proc.returncode}:\n{proc.stderr[-3000:]}"
     return proc
@@ -135,8 +148,13 @@ def test_report_renders_in_headless_chromium(tmp_path: Path):
         ), f"no highlighted divergence {anchor}={token} in the rendered DOM"
 
     screenshot = run_dir / "report.png"
-    chromium(browser, tmp_path / "profile-shot", f"--screenshot={screenshot}",
-             "--window-size=1280,2000", url)  # fmt: skip
+    chromium(
+        browser,
+        tmp_path / "profile-shot",
+        f"--screenshot={screenshot}",
+        "--window-size=1280,2000",
+        url,
+    )
     assert screenshot.is_file() and screenshot.stat().st_size > 20_000
     with Image.open(screenshot) as image:
         assert image.size == (1280, 2000)

@@ -22,15 +22,25 @@ def write_bundle(root: Path, cases: list[dict], serving: dict | None = None) -> 
 
 
 def case(topology: str, prompt: str, verdict: str, passed: bool) -> dict:
-    return {"topology": topology, "prompt": prompt, "verdict": verdict,
-            "policy_passed": passed, "reference": "baseline"}  # fmt: skip
+    return {
+        "topology": topology,
+        "prompt": prompt,
+        "verdict": verdict,
+        "policy_passed": passed,
+        "reference": "baseline",
+    }
 
 
 def test_picks_the_first_failing_case_and_cuts_scenario_labels(tmp_path: Path) -> None:
-    bundle = Bundle.load(write_bundle(tmp_path / "b", [
-        case("1E+1PD", "text", "MATCH", True),
-        case("1E+1PD:ec-images-1-2-3", "image", "MISMATCH", False),
-    ]))  # fmt: skip
+    bundle = Bundle.load(
+        write_bundle(
+            tmp_path / "b",
+            [
+                case("1E+1PD", "text", "MATCH", True),
+                case("1E+1PD:ec-images-1-2-3", "image", "MISMATCH", False),
+            ],
+        )
+    )
     picked = bundle.pick_case(None)
     assert (picked.topology, picked.prompt, picked.verdict) == ("1E+1PD", "image", "MISMATCH")
 
@@ -57,4 +67,6 @@ def test_repro_of_a_directory_that_is_no_bundle_is_bad_input(tmp_path: Path, cap
     (tmp_path / "empty").mkdir()
     assert main(["repro", str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "is not a run bundle: no run.json, requests.json, summary.json" in err[0]
+    assert (
+        len(err) == 1 and "is not a run bundle: no run.json, requests.json, summary.json" in err[0]
+    )

@@ -153,11 +153,17 @@ def test_the_record_holds_what_the_instance_was_sent_and_answered(fakes: dict[st
     with taps_for(fakes) as taps:
         mark = taps.mark()
         post(taps.urls["x/encoder"], chat_bytes([IMAGE]))
-        post(taps.urls["x/pd"], chat_bytes([EMBEDS], ec_transfer_params={"h1": {}},
-                                           kv_transfer_params=kv))  # fmt: skip
+        post(
+            taps.urls["x/pd"],
+            chat_bytes([EMBEDS], ec_transfer_params={"h1": {}}, kv_transfer_params=kv),
+        )
         encoder, consumer = taps.since(mark)
         assert taps.since(taps.mark()) == []
-    assert (encoder.instance, encoder.status, encoder.part_types) == ("x/encoder", 200, ["image_url"])
+    assert (encoder.instance, encoder.status, encoder.part_types) == (
+        "x/encoder",
+        200,
+        ["image_url"],
+    )
     assert encoder.ec_transfer_params == json.loads(ENCODER_ANSWER)["ec_transfer_params"]
     assert consumer.part_types == ["image_embeds"] and consumer.metadata_only == [True]
     assert consumer.uuids == ["u1"]

@@ -68,9 +68,7 @@ def test_ensure_replaces_an_incomplete_directory(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".building-*"))
 
 
-def test_concurrent_ensures_build_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_concurrent_ensures_build_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_build = tiny_model.build_tiny_model
     builds = []
 
@@ -90,6 +88,7 @@ def test_concurrent_ensures_build_once(
 def test_independent_builds_are_byte_identical(tiny_model_dir: Path, tmp_path: Path) -> None:
     # Disturb every global RNG: the build must depend on the spec's seed alone.
     import torch
+
     random.seed(99)
     np.random.seed(99)
     torch.manual_seed(99)
@@ -111,6 +110,7 @@ def test_model_digest_sees_names_and_bytes(tiny_model_dir: Path, tmp_path: Path)
 
 def test_config_is_tiny_qwen25vl(tiny_model_dir: Path) -> None:
     import transformers
+
     config = transformers.AutoConfig.from_pretrained(tiny_model_dir)
     assert config.model_type == "qwen2_5_vl"
     assert config.architectures == ["Qwen2_5_VLForConditionalGeneration"]
@@ -126,6 +126,7 @@ def test_config_is_tiny_qwen25vl(tiny_model_dir: Path) -> None:
 
 def test_processor_loads_and_tokenizes_an_image_prompt(tiny_model_dir: Path) -> None:
     import transformers
+
     processor = transformers.AutoProcessor.from_pretrained(tiny_model_dir)
     assert type(processor).__name__ == "Qwen2_5_VLProcessor"
     config = transformers.AutoConfig.from_pretrained(tiny_model_dir)

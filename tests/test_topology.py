@@ -41,7 +41,10 @@ def json_flag(argv: list[str], flag: str) -> dict | None:
 def specs_by_role(topology_name: str, tmp_path: Path) -> dict[Role, InstanceSpec]:
     topology = get_topology(topology_name)
     ports = [21000 + i for i in range(len(topology.roles))]
-    return {s.role: s for s in place_instances(topology, SERVING, CPU, ports, tmp_path / "storage", (0, 1))}
+    return {
+        s.role: s
+        for s in place_instances(topology, SERVING, CPU, ports, tmp_path / "storage", (0, 1))
+    }
 
 
 @pytest.fixture
@@ -223,7 +226,9 @@ def test_env_binds_the_instance_core_and_shares_the_thread_count(tmp_path: Path)
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(spec.devices[0])
         assert all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
         assert env["HF_HUB_OFFLINE"] == "1"
-    baseline_env = place_instances(get_topology("baseline"), SERVING, CPU, [21203], tmp_path, (0, 1))[0].env()
+    baseline_env = place_instances(
+        get_topology("baseline"), SERVING, CPU, [21203], tmp_path, (0, 1)
+    )[0].env()
     thread_counts = {e["OMP_NUM_THREADS"] for e in [*envs, baseline_env]}
     assert thread_counts == {"1"}
 
@@ -232,7 +237,9 @@ def test_env_binds_the_instance_core_and_shares_the_thread_count(tmp_path: Path)
 
 
 def test_plan_instances_names_ports_and_cores(tmp_path: Path) -> None:
-    specs = place_instances(get_topology("2E+1PD"), SERVING, CPU, [22001, 22002, 22003], tmp_path, (0, 1))
+    specs = place_instances(
+        get_topology("2E+1PD"), SERVING, CPU, [22001, 22002, 22003], tmp_path, (0, 1)
+    )
     assert [s.name for s in specs] == ["2E+1PD/encoder0", "2E+1PD/encoder1", "2E+1PD/pd0"]
     assert len({s.name for s in specs}) == 3
     assert [s.role for s in specs] == [Role.ENCODER, Role.ENCODER, Role.PREFILL_DECODE]

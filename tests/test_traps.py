@@ -100,11 +100,20 @@ def test_a_hub_model_missing_from_the_cache_is_one_error_before_any_start(
     nothing had fetched: a fresh GPU host died at baseline start-up."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    code, err = run_cli(capsys, "--platform", "cuda", "--devices", "0,1,2,3,4,5,6,7",
-                        "--run-dir", str(tmp_path / "run"))  # fmt: skip
+    code, err = run_cli(
+        capsys,
+        "--platform",
+        "cuda",
+        "--devices",
+        "0,1,2,3,4,5,6,7",
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     assert code == 2, err
-    assert err.startswith(f"epd-harness: error: model {MODEL_NAME} is not in the Hugging Face "
-                          f"cache ({tmp_path / 'hub'})"), err  # fmt: skip
+    assert err.startswith(
+        f"epd-harness: error: model {MODEL_NAME} is not in the Hugging Face "
+        f"cache ({tmp_path / 'hub'})"
+    ), err
     assert "huggingface-cli download" in err and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists(), "nothing may start (or be written) before the model"
 
@@ -133,10 +142,15 @@ def test_a_model_path_that_does_not_exist_is_not_taken_for_a_hub_name(tmp_path: 
 
 def test_every_script_the_project_names_exists() -> None:
     """`doctor` and pyproject.toml once pointed at a setup script that never existed."""
-    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.split()  # fmt: skip
-    sources = [p for p in tracked if p.endswith((".py", ".toml", ".md", ".ini", ".yml", ".yaml"))
-               or p in (".ci/run", "scripts/cpu")]  # fmt: skip
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    sources = [
+        p
+        for p in tracked
+        if p.endswith((".py", ".toml", ".md", ".ini", ".yml", ".yaml"))
+        or p in (".ci/run", "scripts/cpu")
+    ]
     named: dict[str, str] = {}
     for source in sources:
         text = (ROOT / source).read_text(encoding="utf-8")

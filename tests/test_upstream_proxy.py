@@ -60,14 +60,23 @@ class FakeIndex:
                 name = f"vllm-{RELEASE}.tar.gz"
                 if self.path == "/simple/vllm/":
                     if index.style == "json":
-                        body = json.dumps({"files": [{
-                            "filename": name, "url": f"../../files/{name}",
-                            "hashes": {"sha256": index.sha256},
-                        }]}).encode()  # fmt: skip
+                        body = json.dumps(
+                            {
+                                "files": [
+                                    {
+                                        "filename": name,
+                                        "url": f"../../files/{name}",
+                                        "hashes": {"sha256": index.sha256},
+                                    }
+                                ]
+                            }
+                        ).encode()
                         kind = "application/vnd.pypi.simple.v1+json"
                     else:
-                        body = (f'<html><body><a href="/files/{name}#sha256={index.sha256}">'
-                                f"{name}</a></body></html>").encode()  # fmt: skip
+                        body = (
+                            f'<html><body><a href="/files/{name}#sha256={index.sha256}">'
+                            f"{name}</a></body></html>"
+                        ).encode()
                         kind = "text/html"
                 elif self.path == f"/files/{name}":
                     index.downloads += 1
@@ -151,8 +160,10 @@ def test_a_checkout_must_hold_both_files(tmp_path: Path) -> None:
 
 
 def test_pip_config_scopes_rank_like_pip(monkeypatch: pytest.MonkeyPatch) -> None:
-    listed = ("global.index-url='http://g/simple'\n:env:.index-url='http://e/simple'\n"
-              "global.extra-index-url='file:///a file:///b'\n")  # fmt: skip
+    listed = (
+        "global.index-url='http://g/simple'\n:env:.index-url='http://e/simple'\n"
+        "global.extra-index-url='file:///a file:///b'\n"
+    )
 
     class Done:
         stdout = listed
@@ -169,22 +180,33 @@ def test_vllm_source_without_the_vllm_proxy_is_refused() -> None:
 
 
 def test_encoder_topologies_get_the_epd_proxy_with_static_urls(tmp_path: Path) -> None:
-    launch = vllm_proxy_launch(("py",), tmp_path, "127.0.0.1", 9000,
-                               ["http://127.0.0.1:1"], [], ["http://127.0.0.1:3"])  # fmt: skip
+    launch = vllm_proxy_launch(
+        ("py",), tmp_path, "127.0.0.1", 9000, ["http://127.0.0.1:1"], [], ["http://127.0.0.1:3"]
+    )
     argv = list(launch.argv)
     assert argv[:2] == ["py", str(tmp_path / EPD_PROXY_FILE)]
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
     assert argv[argv.index("--prefill-servers-urls") + 1] == "none"
     assert argv[argv.index("--decode-servers-urls") + 1] == "http://127.0.0.1:3"
     assert launch.health_path == "/health"
-    epd = list(vllm_proxy_launch(("py",), tmp_path, "127.0.0.1", 9000, ["http://127.0.0.1:1"],
-                                 ["http://127.0.0.1:2"], ["http://127.0.0.1:3"]).argv)  # fmt: skip
+    epd = list(
+        vllm_proxy_launch(
+            ("py",),
+            tmp_path,
+            "127.0.0.1",
+            9000,
+            ["http://127.0.0.1:1"],
+            ["http://127.0.0.1:2"],
+            ["http://127.0.0.1:3"],
+        ).argv
+    )
     assert epd[epd.index("--prefill-servers-urls") + 1] == "http://127.0.0.1:2"
 
 
 def test_one_p_one_d_gets_the_toy_proxy(tmp_path: Path) -> None:
-    launch = vllm_proxy_launch(("py",), tmp_path, "127.0.0.1", 9000, [],
-                               ["http://127.0.0.1:2"], ["http://127.0.0.1:3"])  # fmt: skip
+    launch = vllm_proxy_launch(
+        ("py",), tmp_path, "127.0.0.1", 9000, [], ["http://127.0.0.1:2"], ["http://127.0.0.1:3"]
+    )
     argv = list(launch.argv)
     assert argv[1] == str(tmp_path / TOY_PROXY_FILE)
     assert argv[argv.index("--prefiller-ports") + 1] == "2"

@@ -40,28 +40,52 @@ def test_a_release_env_is_ready_only_with_its_marker(tmp_path: Path, monkeypatch
 
 
 def case(topology: str, prompt: str, verdict: str, reference: str = "baseline", **extra) -> dict:
-    return {"topology": topology, "prompt": prompt, "reference": reference, "verdict": verdict,
-            "detail": extra.get("detail", ""), "error": extra.get("error"),
-            "guards": extra.get("guards", {})}  # fmt: skip
+    return {
+        "topology": topology,
+        "prompt": prompt,
+        "reference": reference,
+        "verdict": verdict,
+        "detail": extra.get("detail", ""),
+        "error": extra.get("error"),
+        "guards": extra.get("guards", {}),
+    }
 
 
 def test_matrix_table_has_every_case_and_evidence_for_each_non_match() -> None:
-    old = ReleaseRun("0.27.1", "raw-media", 1, 100.0, 0.0, 3 * 1024**3, [
-        case("1E+1PD", "image", "NOT_APPLICABLE", detail="not applicable: no metadata"),
-        case("1P+1D", "image", "MATCH"),
-    ])  # fmt: skip
-    new = ReleaseRun("0.32.0", "by-hash-indexed", 0, 90.0, 0.0, 4 * 1024**3, [
-        case("1E+1PD", "image", "MATCH"),
-        case("1P+1D", "image", "MATCH"),
-        case("1E+1P+1D", "image", "ERROR", reference="1P+1D", error="proxy failed: boom"),
-    ])  # fmt: skip
+    old = ReleaseRun(
+        "0.27.1",
+        "raw-media",
+        1,
+        100.0,
+        0.0,
+        3 * 1024**3,
+        [
+            case("1E+1PD", "image", "NOT_APPLICABLE", detail="not applicable: no metadata"),
+            case("1P+1D", "image", "MATCH"),
+        ],
+    )
+    new = ReleaseRun(
+        "0.32.0",
+        "by-hash-indexed",
+        0,
+        90.0,
+        0.0,
+        4 * 1024**3,
+        [
+            case("1E+1PD", "image", "MATCH"),
+            case("1P+1D", "image", "MATCH"),
+            case("1E+1P+1D", "image", "ERROR", reference="1P+1D", error="proxy failed: boom"),
+        ],
+    )
     table = format_matrix([old, new])
     assert "| 1E+1PD / image | NOT_APPLICABLE | MATCH |" in table
     assert "| 1E+1P+1D / image vs 1P+1D | - | ERROR |" in table
     assert "0.27.1 1E+1PD / image: NOT_APPLICABLE: not applicable: no metadata" in table
     assert "0.32.0 1E+1P+1D / image vs 1P+1D: ERROR: proxy failed: boom" in table
     assert "MATCH:" not in table  # a MATCH needs no evidence line
-    assert not matrix_passed([old, new]) and matrix_passed([new.__class__(**{**new.__dict__, "exit_code": 0})])
+    assert not matrix_passed([old, new]) and matrix_passed(
+        [new.__class__(**{**new.__dict__, "exit_code": 0})]
+    )
 
 
 def test_golden_references_label_like_the_baseline() -> None:
@@ -69,8 +93,15 @@ def test_golden_references_label_like_the_baseline() -> None:
 
 
 def result(ids: list[int]) -> ChatResult:
-    return ChatResult.from_json({"prompt_token_ids": [1, 2], "token_ids": ids, "text": "",
-                                 "logprobs": [], "finish_reason": "length"})  # fmt: skip
+    return ChatResult.from_json(
+        {
+            "prompt_token_ids": [1, 2],
+            "token_ids": ids,
+            "text": "",
+            "logprobs": [],
+            "finish_reason": "length",
+        }
+    )
 
 
 def test_goldens_are_per_release_and_agreement_finds_the_first_difference(tmp_path: Path) -> None:
@@ -79,10 +110,19 @@ def test_goldens_are_per_release_and_agreement_finds_the_first_difference(tmp_pa
     body = {"messages": [{"role": "user", "content": "hi"}]}
     key = golden_key(serving, "digest", body)
     assert key != golden_key(serving, "other-model", body)
-    for version, ids in (("0.30.0+cpu", [5, 6, 7]), ("0.31.0+cpu", [5, 6, 8]), ("0.32.0+cpu", [5, 6, 8])):
-        store.store(key, "video", ServedVllm("vllm", version, "2.13.0"), Outcome("video", result(ids)))
+    for version, ids in (
+        ("0.30.0+cpu", [5, 6, 7]),
+        ("0.31.0+cpu", [5, 6, 8]),
+        ("0.32.0+cpu", [5, 6, 8]),
+    ):
+        store.store(
+            key, "video", ServedVllm("vllm", version, "2.13.0"), Outcome("video", result(ids))
+        )
     rows = [r.describe() for r in agreement(store)]
-    assert rows == ["video: 0.30.0 -> 0.31.0: differ from token 2", "video: 0.31.0 -> 0.32.0: identical"]
+    assert rows == [
+        "video: 0.30.0 -> 0.31.0: differ from token 2",
+        "video: 0.31.0 -> 0.32.0: identical",
+    ]
     assert store.outcome_for(key, "video", "0.30.0").result.token_ids == (5, 6, 7)
     with pytest.raises(BadInput, match="no golden of vLLM 0.29.0"):
         store.outcome_for(key, "video", "0.29.0")
@@ -93,10 +133,13 @@ def test_release_of_strips_the_local_build_suffix() -> None:
     assert first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([1], [1]) is None
 
 
-@pytest.mark.parametrize(("good", "bad", "first_changed"), [
-    ("0.27.1", "0.32.0", "0.28.0"),  # NOT_APPLICABLE on 0.27.1, MATCH from 0.28.0
-    ("0.32.0", "0.27.1", "0.27.1"),  # the other way round: 0.28.0 still MATCHes
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("good", "bad", "first_changed"),
+    [
+        ("0.27.1", "0.32.0", "0.28.0"),  # NOT_APPLICABLE on 0.27.1, MATCH from 0.28.0
+        ("0.32.0", "0.27.1", "0.27.1"),  # the other way round: 0.28.0 still MATCHes
+    ],
+)
 def test_bisect_finds_the_first_release_whose_verdict_differs(
     tmp_path: Path, monkeypatch, capsys, good: str, bad: str, first_changed: str
 ) -> None:
@@ -113,8 +156,9 @@ def test_bisect_finds_the_first_release_whose_verdict_differs(
 
     monkeypatch.setattr(versions, "run_release", fake_run)
     monkeypatch.setattr(versions, "check_disk_for", lambda _versions: None)
-    args = argparse.Namespace(case="1E+1PD:image", good=good, bad=bad, run_dir=str(tmp_path),
-                              lock_file=None)  # fmt: skip
+    args = argparse.Namespace(
+        case="1E+1PD:image", good=good, bad=bad, run_dir=str(tmp_path), lock_file=None
+    )
     assert versions.command_bisect(args) == 0
     assert f"first release that differs: {first_changed}" in capsys.readouterr().out
     assert len(tried) <= 5 and len(set(tried)) == len(tried)  # bisected, each release once
@@ -125,7 +169,9 @@ def test_bisect_refuses_a_malformed_case() -> None:
 
     from harness.cli import versions
 
-    args = argparse.Namespace(case="1E+1PD", good="0.28.0", bad="0.32.0", run_dir=None, lock_file=None)
+    args = argparse.Namespace(
+        case="1E+1PD", good="0.28.0", bad="0.32.0", run_dir=None, lock_file=None
+    )
     with pytest.raises(BadInput, match="TOPOLOGY:PROMPT"):
         versions.command_bisect(args)
 
@@ -141,8 +187,9 @@ def test_golden_stands_in_for_the_baseline_without_starting_it(tmp_path: Path) -
     serving = serving_for(CPU, "/not-a-dir-model", max_model_len=4096)
     text = next(p for p in SKELETON_PROMPTS if p.name == "text")
     image = next(p for p in SKELETON_PROMPTS if p.name == "image")
-    settings = RunSettings(serving=serving, run_dir=tmp_path / "run",
-                           vllm=ServedVllm("vllm", "0.32.0+cpu", "2.13.0"))  # fmt: skip
+    settings = RunSettings(
+        serving=serving, run_dir=tmp_path / "run", vllm=ServedVllm("vllm", "0.32.0+cpu", "2.13.0")
+    )
     store = GoldenStore(tmp_path / "goldens")
 
     def sweep(prompts: tuple) -> Sweep:

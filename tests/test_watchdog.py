@@ -62,14 +62,22 @@ server.stop(grace_s=0.5)
 
 def spawn_sleeper(mode: str) -> tuple[subprocess.Popen[str], int]:
     """A sleeper in a session of its own; returns it and the pid it printed."""
-    sleeper = subprocess.Popen([sys.executable, "-c", SLEEPER, mode], stdout=subprocess.PIPE,
-                               text=True, start_new_session=True)  # fmt: skip
+    sleeper = subprocess.Popen(
+        [sys.executable, "-c", SLEEPER, mode],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     return sleeper, int(sleeper.stdout.readline())
 
 
 def start_watchdog() -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "harness.serve.watchdog"], stdin=subprocess.PIPE,
-                            env=ENV, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "harness.serve.watchdog"],
+        stdin=subprocess.PIPE,
+        env=ENV,
+        start_new_session=True,
+    )
 
 
 def tell(dog: subprocess.Popen[bytes], **fields: object) -> None:
@@ -80,8 +88,13 @@ def tell(dog: subprocess.Popen[bytes], **fields: object) -> None:
 def start_line(pgid: int, log: Path, create_time: float | None = None) -> dict:
     if create_time is None:
         create_time = psutil.Process(pgid).create_time()
-    return {"event": "start", "pgid": pgid, "create_time": create_time, "name": f"t/{pgid}",
-            "log": str(log)}  # fmt: skip
+    return {
+        "event": "start",
+        "pgid": pgid,
+        "create_time": create_time,
+        "name": f"t/{pgid}",
+        "log": str(log),
+    }
 
 
 def is_live(pid: int) -> bool:
@@ -190,8 +203,12 @@ def test_groups_the_harness_stopped_are_forgotten_and_the_watchdog_exits_at_once
 def test_a_normally_ending_harness_leaves_no_watchdog(tmp_path: Path) -> None:
     harness = subprocess.run(
         [sys.executable, "-c", NORMAL_HARNESS, str(tmp_path / "server.log"), SLEEPER],
-        check=False, env=ENV, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        check=False,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert harness.returncode == 0, harness.stderr
     dog_pid = int(harness.stdout.split()[0])
     assert not is_live(dog_pid), f"watchdog {dog_pid} outlived the harness"

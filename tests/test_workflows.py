@@ -45,11 +45,13 @@ def run_actionlint(paths: list[Path], tmp_path: Path) -> subprocess.CompletedPro
         find_tool("actionlint"),
         "-oneline",
         "-no-color",
-        "-config-file", str(config),
-        "-shellcheck", find_tool("shellcheck"),
+        "-config-file",
+        str(config),
+        "-shellcheck",
+        find_tool("shellcheck"),
         "-pyflakes=",  # no Python in run: steps; keep results independent of what is on PATH
         *map(str, paths),
-    ]  # fmt: skip
+    ]
     return subprocess.run(
         argv, cwd=ROOT, capture_output=True, text=True, timeout=LINT_TIMEOUT_S, check=False
     )
@@ -167,8 +169,14 @@ def test_gpu_workflows_run_on_self_hosted_gpu_runners_with_a_matrix(name: str) -
 @pytest.mark.parametrize("name", ("nightly-gpu.yml", "cherry-pick.yml"))
 def test_gpu_workflows_run_pytest_with_xdist_on_cuda(name: str) -> None:
     commands = run_text(load(name))
-    for expected in ("-m pytest", "-n \"$WORKERS\"", "--dist loadgroup", "--epd-platform cuda",
-                     "--epd-devices", "--epd-model"):  # fmt: skip
+    for expected in (
+        "-m pytest",
+        '-n "$WORKERS"',
+        "--dist loadgroup",
+        "--epd-platform cuda",
+        "--epd-devices",
+        "--epd-model",
+    ):
         assert expected in commands, f"{name}: {expected!r} missing"
 
 

@@ -71,8 +71,10 @@ def check_vllm_cli(vllm_executable: str) -> Check:
 
 
 def check_torchvision() -> Check:
-    proc = _run_python("import torchvision.transforms.v2.functional; import torchvision; "
-                       "print(torchvision.__version__)")  # fmt: skip
+    proc = _run_python(
+        "import torchvision.transforms.v2.functional; import torchvision; "
+        "print(torchvision.__version__)"
+    )
     if proc.returncode != 0:
         return Check(
             "torchvision imports",

@@ -85,8 +85,11 @@ class Progress:
     def describe(self) -> str:
         """'while baseline/baseline0 was starting': what the interruption cut short."""
         current = {**self.states, **self.stopped_from}
-        busy = [f"{name} was {state}" for name, state in current.items()
-                if state in ("starting", "ready")]  # fmt: skip
+        busy = [
+            f"{name} was {state}"
+            for name, state in current.items()
+            if state in ("starting", "ready")
+        ]
         return "while " + ", ".join(busy) if busy else "before any server was running"
 
 
@@ -129,18 +132,28 @@ def command_run(args: argparse.Namespace) -> int:
     args.progress.run_dir = settings.run_dir
     counts = ", ".join(f"{name} {n}" for name, n in config.prompt_tokens.items())
     log.info("epd-harness: model %s", settings.serving.model)
-    log.info("epd-harness: vLLM %s, torch %s (%s); %s %s", settings.vllm.version,
-             settings.vllm.torch_version, settings.vllm.executable, settings.platform.device_kind,
-             ",".join(map(str, settings.devices)))  # fmt: skip
+    log.info(
+        "epd-harness: vLLM %s, torch %s (%s); %s %s",
+        settings.vllm.version,
+        settings.vllm.torch_version,
+        settings.vllm.executable,
+        settings.platform.device_kind,
+        ",".join(map(str, settings.devices)),
+    )
     log.info("epd-harness: prompt tokens: %s (max model len %d)", counts, args.max_model_len)
     log.info("epd-harness: artifacts in %s", settings.run_dir)
     if config.matrix:
         spec = SweepSpec(topologies=(), prompts=(), baseline_only_prompts=config.prompts)
     else:
         spec = SweepSpec(topologies=config.topologies, prompts=config.prompts, fault=config.fault)
-    sweep = Sweep(spec, settings, on_event=args.progress.on_event,
-                  baseline_cache=config.baseline_cache, goldens=config.goldens,
-                  golden_release=config.golden_release)  # fmt: skip
+    sweep = Sweep(
+        spec,
+        settings,
+        on_event=args.progress.on_event,
+        baseline_cache=config.baseline_cache,
+        goldens=config.goldens,
+        golden_release=config.golden_release,
+    )
     if config.matrix:
         return finish_run(args, run_matrix(sweep, config.matrix), sweep.result)
     if config.cases:
@@ -192,9 +205,11 @@ def command_repro(args: argparse.Namespace) -> int:
     print(format_verdict_table(records))
     own = next((r for r in records if r.reference == case.reference), records[0])
     same = own.verdict.value == case.verdict
-    print(f"\nepd-harness: {case.topology} / {case.prompt} vs {case.reference}: "
-          f"{own.verdict.value} now, {case.verdict} in the bundle: "
-          f"{'reproduced' if same else 'NOT reproduced'}; artifacts in {run_dir}")  # fmt: skip
+    print(
+        f"\nepd-harness: {case.topology} / {case.prompt} vs {case.reference}: "
+        f"{own.verdict.value} now, {case.verdict} in the bundle: "
+        f"{'reproduced' if same else 'NOT reproduced'}; artifacts in {run_dir}"
+    )
     if args.keep_up:
         keep_up(sweep, case.topology)
     return EXIT_OK if same else EXIT_FAILED
@@ -234,45 +249,83 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--topology", action="append", help="repeatable or comma-separated")
     run.add_argument("--prompt", action="append", help="repeatable or comma-separated")
     run.add_argument("--cases-file", help="JSON/YAML list of {topology, prompt} cases to run")
-    run.add_argument("--model", help="model directory or hub name (default: the tiny model "
-                     "on cpu, built once; the platform's model on GPUs)")  # fmt: skip
+    run.add_argument(
+        "--model",
+        help="model directory or hub name (default: the tiny model "
+        "on cpu, built once; the platform's model on GPUs)",
+    )
     run.add_argument("--run-dir", help="artifact directory (default: runs/<timestamp>)")
     run.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
-    run.add_argument("--allow-untested-vllm", action="store_true",
-                     help="run a vLLM older than every known EPD protocol generation")  # fmt: skip
-    run.add_argument("--protocol", choices=sorted(GENERATIONS_BY_NAME),
-                     help="EPD protocol generation to speak (default: by the served vLLM's "
-                     "version; see docs/versions.md)")  # fmt: skip
-    run.add_argument("--golden", metavar="VERSION",
-                     help="judge against VERSION's stored baseline (its goldens) instead of "
-                     "starting one; see docs/versions.md")  # fmt: skip
+    run.add_argument(
+        "--allow-untested-vllm",
+        action="store_true",
+        help="run a vLLM older than every known EPD protocol generation",
+    )
+    run.add_argument(
+        "--protocol",
+        choices=sorted(GENERATIONS_BY_NAME),
+        help="EPD protocol generation to speak (default: by the served vLLM's "
+        "version; see docs/versions.md)",
+    )
+    run.add_argument(
+        "--golden",
+        metavar="VERSION",
+        help="judge against VERSION's stored baseline (its goldens) instead of "
+        "starting one; see docs/versions.md",
+    )
     run.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
-    run.add_argument("--devices", help="CPU cores the instances bind to, e.g. 0,1 (default: "
-                     f"{','.join(map(str, DEFAULT_CPU_CORES))}); GPU / XPU indices there")  # fmt: skip
+    run.add_argument(
+        "--devices",
+        help="CPU cores the instances bind to, e.g. 0,1 (default: "
+        f"{','.join(map(str, DEFAULT_CPU_CORES))}); GPU / XPU indices there",
+    )
     run.add_argument("--media-dir", help="directory file:// media may come from")
-    run.add_argument("--baseline-cache",
-                     help=f"baseline cache directory, or 'off' (default: "
-                     f"{cache_dir() / 'baseline'})")  # fmt: skip
-    run.add_argument("--refresh-baseline", action="store_true",
-                     help="recompute the baseline and overwrite its cache entries")  # fmt: skip
-    run.add_argument("--scenario", action="append",
-                     help="matrix scenarios to run as declared (repeatable, comma-separated, "
-                     "or 'all'; see 'epd-harness list')")  # fmt: skip
+    run.add_argument(
+        "--baseline-cache",
+        help=f"baseline cache directory, or 'off' (default: {cache_dir() / 'baseline'})",
+    )
+    run.add_argument(
+        "--refresh-baseline",
+        action="store_true",
+        help="recompute the baseline and overwrite its cache entries",
+    )
+    run.add_argument(
+        "--scenario",
+        action="append",
+        help="matrix scenarios to run as declared (repeatable, comma-separated, "
+        "or 'all'; see 'epd-harness list')",
+    )
     run.add_argument("--platform", default="cpu", help="cpu (default), cuda or xpu")
-    run.add_argument("--kv-connector", metavar="|".join(KV_CONNECTORS),
-                     help="how P's KV reaches D: example (files; cpu default) or nixl (GPU "
-                     "default; on cpu needs scripts/cpu setup --nixl); docs/connectors.md")  # fmt: skip
-    run.add_argument("--colocate", action="store_true",
-                     help="GPU: let a topology's instances share devices when there are too few")  # fmt: skip
-    run.add_argument("--plant-fault", metavar="FAULT",
-                     help=f"self-test: plant a fault ({', '.join(FAULT_NAMES)}) or a graded "
-                     f"one ({FAULT_SYNTAX}) in the sweep's topologies; the run must turn red")  # fmt: skip
-    run.add_argument("--proxy", default="harness", choices=("harness", "vllm"),
-                     help="the EPD proxy under test: the harness's own (default) or the served "
-                     "vLLM release's (docs/proxies.md)")  # fmt: skip
-    run.add_argument("--vllm-source", metavar="DIR",
-                     help="with --proxy vllm: take vLLM's proxy files from this checkout instead "
-                     "of the release's sdist on the package index")  # fmt: skip
+    run.add_argument(
+        "--kv-connector",
+        metavar="|".join(KV_CONNECTORS),
+        help="how P's KV reaches D: example (files; cpu default) or nixl (GPU "
+        "default; on cpu needs scripts/cpu setup --nixl); docs/connectors.md",
+    )
+    run.add_argument(
+        "--colocate",
+        action="store_true",
+        help="GPU: let a topology's instances share devices when there are too few",
+    )
+    run.add_argument(
+        "--plant-fault",
+        metavar="FAULT",
+        help=f"self-test: plant a fault ({', '.join(FAULT_NAMES)}) or a graded "
+        f"one ({FAULT_SYNTAX}) in the sweep's topologies; the run must turn red",
+    )
+    run.add_argument(
+        "--proxy",
+        default="harness",
+        choices=("harness", "vllm"),
+        help="the EPD proxy under test: the harness's own (default) or the served "
+        "vLLM release's (docs/proxies.md)",
+    )
+    run.add_argument(
+        "--vllm-source",
+        metavar="DIR",
+        help="with --proxy vllm: take vLLM's proxy files from this checkout instead "
+        "of the release's sdist on the package index",
+    )
     run.set_defaults(func=command_run)
 
     repro = sub.add_parser("repro", help="rerun a bundle's failing case with identical config")
@@ -280,9 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
     repro.add_argument("--case", help="TOPOLOGY:PROMPT (default: the first failing case)")
     repro.add_argument("--run-dir", help="artifact directory (default: <bundle>-repro)")
     repro.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
-    repro.add_argument("--keep-up", action="store_true",
-                       help="afterwards leave the topology serving and print its URLs and "
-                       "launch commands (Ctrl-C stops it)")  # fmt: skip
+    repro.add_argument(
+        "--keep-up",
+        action="store_true",
+        help="afterwards leave the topology serving and print its URLs and "
+        "launch commands (Ctrl-C stops it)",
+    )
     repro.set_defaults(func=command_repro)
 
     listing = sub.add_parser("list", help="known topologies and prompts")
@@ -336,8 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         cause = f" ({exc})" if str(exc) else ""
         artifacts = f"; artifacts in {progress.run_dir}" if progress.run_dir else ""
-        print(f"epd-harness: interrupted{cause} {progress.describe()}; every server was stopped"
-              f"{artifacts}", file=sys.stderr)  # fmt: skip
+        print(
+            f"epd-harness: interrupted{cause} {progress.describe()}; every server was stopped"
+            f"{artifacts}",
+            file=sys.stderr,
+        )
         return EXIT_INTERRUPTED
 
 

@@ -129,7 +129,9 @@ def build_plan(request: PlanRequest) -> Plan:
     """
     budget = request.cpu_budget
     if budget is None and not request.platform.exclusive_devices:
-        budget = cpu_instance_budget(len(request.devices), available_memory_bytes(), request.workers)
+        budget = cpu_instance_budget(
+            len(request.devices), available_memory_bytes(), request.workers
+        )
     waves = schedule(
         request.topologies, request.devices, request.platform, request.colocate, budget
     ).waves

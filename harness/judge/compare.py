@@ -175,11 +175,15 @@ def _render_drift(d: Divergence) -> str:
         return "no (one side ended: a length difference is no near-tie)"
     gaps = []
     for side, gap in (("reference", d.reference_gap), ("candidate", d.candidate_gap)):
-        gaps.append(f"{side} gap {'n/a (other token not in its top-k)' if gap is None else f'{gap:.3f}'}")
+        gaps.append(
+            f"{side} gap {'n/a (other token not in its top-k)' if gap is None else f'{gap:.3f}'}"
+        )
     prefix = "n/a" if d.prefix_delta is None else f"{d.prefix_delta:.3f}"
     verdict = "yes" if d.is_drift else "no"
-    return (f"{verdict} ({', '.join(gaps)}; prefix log-prob delta {prefix}; tolerance "
-            f"{d.tolerance:g} nats, the measured noise floor)")  # fmt: skip
+    return (
+        f"{verdict} ({', '.join(gaps)}; prefix log-prob delta {prefix}; tolerance "
+        f"{d.tolerance:g} nats, the measured noise floor)"
+    )
 
 
 def _first_difference(a: tuple[int, ...], b: tuple[int, ...]) -> int | None:
@@ -204,7 +208,9 @@ def _top_at(result: ChatResult, index: int) -> tuple[tuple[int, float], ...] | N
     return position.top
 
 
-def _gap(top: tuple[tuple[int, float], ...] | None, own: int | None, other: int | None) -> float | None:
+def _gap(
+    top: tuple[tuple[int, float], ...] | None, own: int | None, other: int | None
+) -> float | None:
     """log p(own) - log p(other) from one side's top-k; None if either is missing from it."""
     if top is None or own is None or other is None:
         return None

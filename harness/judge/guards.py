@@ -77,9 +77,10 @@ class TransferEvidence:
         encoders = [r for r in records if r.role == Role.ENCODER.value]
         consumers = [r for r in records if r.role in CONSUMER_ROLES]
         decodes = [
-            r for r in records
+            r
+            for r in records
             if r.role in (Role.DECODE.value, Role.PREFILL_DECODE.value) and r.status == 200
-        ]  # fmt: skip
+        ]
         return cls(
             media_count=media_count,
             encoder_answers=tuple(r.ec_transfer_params or {} for r in encoders),
@@ -201,9 +202,13 @@ def check_kv_transfer(
     source = "client answer" if evidence is None else evidence.source
     if rule is KvRule.WHOLE_PROMPT:
         if counters is None:
-            return GuardResult("kv_transfer", False, f"D's /metrics could not be read, so "
-                               f"nothing shows that the {rule.value} ({expected} of {prompt} "
-                               f"tokens) reached D (cached_tokens={cached})")  # fmt: skip
+            return GuardResult(
+                "kv_transfer",
+                False,
+                f"D's /metrics could not be read, so "
+                f"nothing shows that the {rule.value} ({expected} of {prompt} "
+                f"tokens) reached D (cached_tokens={cached})",
+            )
         received = counters.get("p2p_cached_tokens", 0.0)
         failed = counters.get("nixl_failed_transfers", 0.0)
         ok = expected > 0 and received >= expected and failed == 0

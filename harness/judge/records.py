@@ -23,7 +23,9 @@ class Verdict(str, enum.Enum):
     """How one case ended; a Policy decides which of these pass."""
 
     MATCH = "MATCH"  # tokens equal and every guard held
-    MISMATCH = "MISMATCH"  # ids differ, and not as numeric noise would make them (or prompts differ)
+    MISMATCH = (
+        "MISMATCH"  # ids differ, and not as numeric noise would make them (or prompts differ)
+    )
     DRIFT = "DRIFT"  # a near-tie at the divergence after an agreeing prefix, within the noise floor
     VACUOUS = "VACUOUS"  # tokens equal but a transfer guard failed: equality proves nothing
     UNSTABLE_BASELINE = "UNSTABLE_BASELINE"  # the baseline disagreed with itself

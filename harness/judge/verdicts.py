@@ -38,9 +38,7 @@ def judge_case(
     elif not baseline_stable:
         verdict, detail = Verdict.UNSTABLE_BASELINE, "the reference disagreed with itself"
     else:
-        comparison = compare_results(
-            reference.result, candidate.result, tolerance=drift_tolerance
-        )
+        comparison = compare_results(reference.result, candidate.result, tolerance=drift_tolerance)
         verdict = token_verdict(comparison)
         detail = comparison.headline()
         failed = [g for g in guards if not g.ok]
@@ -54,7 +52,9 @@ def judge_case(
         verdict=verdict,
         policy_passed=policy.passes(verdict),
         detail=detail,
-        divergence=comparison.divergence.to_json() if comparison and comparison.divergence else None,
+        divergence=comparison.divergence.to_json()
+        if comparison and comparison.divergence
+        else None,
         guards={g.name: g.to_json() for g in guards},
         timings={"request_s": round(candidate.seconds, 3)},
         error=error,
@@ -71,8 +71,7 @@ def baseline_is_stable(first: Outcome, second: Outcome) -> tuple[bool, str, floa
     return comparison.exact, comparison.headline(), noise_floor(first.result, second.result)
 
 
-def not_applicable_case(topology: str, prompt: str, reference_name: str, reason: str
-                        ) -> CaseRecord:  # fmt: skip
+def not_applicable_case(topology: str, prompt: str, reference_name: str, reason: str) -> CaseRecord:
     """The record of a case the served release cannot run meaningfully (nothing was sent)."""
     return CaseRecord(
         topology=topology,

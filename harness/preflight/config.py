@@ -106,9 +106,11 @@ def prepare_run(request: RunRequest) -> RunConfig:
         prompt_names = list(request.prompts)
     topologies = names.check_topologies(topology_names)
     if request.kv_connector is not None and not any(t.has_kv_transfer for t in topologies):
-        raise BadInput(f"--kv-connector moves KV from P to D, and none of "
-                       f"{', '.join(t.name for t in topologies)} has a D; drop it or add a "
-                       f"P->D topology (1P+1D, 1E+1P+1D)")  # fmt: skip
+        raise BadInput(
+            f"--kv-connector moves KV from P to D, and none of "
+            f"{', '.join(t.name for t in topologies)} has a D; drop it or add a "
+            f"P->D topology (1P+1D, 1E+1P+1D)"
+        )
     if matrix:
         prompts = matrix_prompts(matrix)
     else:
@@ -118,9 +120,11 @@ def prepare_run(request: RunRequest) -> RunConfig:
     if request.plant_fault is not None:
         fault = parse_fault(request.plant_fault)  # a plain or graded fault: BadInput
         if fault.kind == "kv-noise" and kv_connector.name == "nixl":
-            raise BadInput("--plant-fault kv-noise rewrites ExampleConnector's KV files; with "
-                           "--kv-connector nixl the KV never leaves P's memory (zero-kv "
-                           "misroutes NIXL's block ids instead)")  # fmt: skip
+            raise BadInput(
+                "--plant-fault kv-noise rewrites ExampleConnector's KV files; with "
+                "--kv-connector nixl the KV never leaves P's memory (zero-kv "
+                "misroutes NIXL's block ids instead)"
+            )
     ports = port_range()
 
     model_dir = resolve_model(request.model, platform.default_model, cache_dir())
@@ -138,8 +142,9 @@ def prepare_run(request: RunRequest) -> RunConfig:
     if baseline_cache is not None and not served.known:
         baseline_cache = None  # an unknown version must never match another's baseline
     check_kv_connector(served, kv_connector)
-    resources.check_free_ports(max(len(t.roles) for t in (TOPOLOGIES["baseline"], *topologies)),
-                               ports)  # fmt: skip
+    resources.check_free_ports(
+        max(len(t.roles) for t in (TOPOLOGIES["baseline"], *topologies)), ports
+    )
 
     serving = serving_for(
         platform,
@@ -152,7 +157,9 @@ def prepare_run(request: RunRequest) -> RunConfig:
     files.check_media_references(bodies, media_dir)
     prompt_tokens: dict[str, int] = {}
     if request.count_tokens:
-        prompt_tokens = tokens.estimate_prompt_tokens(model_dir, bodies, cache_dir() / "prompt-tokens")
+        prompt_tokens = tokens.estimate_prompt_tokens(
+            model_dir, bodies, cache_dir() / "prompt-tokens"
+        )
         tokens.check_prompts_fit(request.max_model_len, prompts, prompt_tokens)
     settings = RunSettings(
         serving=serving,
@@ -186,22 +193,31 @@ def _refuse_ignored_flags(request: RunRequest) -> None:
     if request.cases_file and (request.topologies or request.prompts):
         raise BadInput("--cases-file names the cases itself; drop --topology and --prompt")
     if request.scenarios and (request.topologies or request.prompts or request.cases_file):
-        raise BadInput("--scenario names its topology and prompts; drop --topology, --prompt "
-                       "and --cases-file")  # fmt: skip
+        raise BadInput(
+            "--scenario names its topology and prompts; drop --topology, --prompt and --cases-file"
+        )
     if request.scenarios and request.plant_fault:
-        raise BadInput("--plant-fault plants its fault in the sweep's topologies, not in matrix "
-                       "scenarios; drop --scenario (or --plant-fault)")  # fmt: skip
+        raise BadInput(
+            "--plant-fault plants its fault in the sweep's topologies, not in matrix "
+            "scenarios; drop --scenario (or --plant-fault)"
+        )
     if request.refresh_baseline and request.baseline_cache == "off":
-        raise BadInput("--refresh-baseline refreshes the baseline cache, which "
-                       "--baseline-cache off turns off; drop one of them")  # fmt: skip
+        raise BadInput(
+            "--refresh-baseline refreshes the baseline cache, which "
+            "--baseline-cache off turns off; drop one of them"
+        )
     if request.proxy not in PROXY_KINDS:
         raise BadInput(f"--proxy {request.proxy}: choose one of {', '.join(PROXY_KINDS)}")
     if request.vllm_source and request.proxy != VLLM_PROXY:
-        raise BadInput("--vllm-source gives vLLM's proxy files, which only --proxy vllm runs; "
-                       "add --proxy vllm (or drop --vllm-source)")  # fmt: skip
+        raise BadInput(
+            "--vllm-source gives vLLM's proxy files, which only --proxy vllm runs; "
+            "add --proxy vllm (or drop --vllm-source)"
+        )
     if request.colocate and request.platform == "cpu":
-        raise BadInput("--colocate shares GPUs within a topology; on cpu instances always share "
-                       "the cores: drop --colocate")  # fmt: skip
+        raise BadInput(
+            "--colocate shares GPUs within a topology; on cpu instances always share "
+            "the cores: drop --colocate"
+        )
 
 
 def _scenarios(requested: tuple[str, ...]) -> tuple[Scenario, ...]:
@@ -246,15 +262,18 @@ def _run_dir(request: RunRequest) -> Path:
     return path.resolve()
 
 
-def _goldens(request: RunRequest, baseline_cache: BaselineCache | None
-             ) -> tuple[GoldenStore | None, str | None]:  # fmt: skip
+def _goldens(
+    request: RunRequest, baseline_cache: BaselineCache | None
+) -> tuple[GoldenStore | None, str | None]:
     """Goldens live beside the baseline cache; --golden reads them even when it is off."""
     directory = (baseline_cache.directory.parent if baseline_cache else cache_dir()) / "goldens"
     if request.golden is None:
         return (GoldenStore(directory) if baseline_cache else None), None
     if request.refresh_baseline:
-        raise BadInput("--golden starts no baseline, so there is nothing to refresh; drop "
-                       "--refresh-baseline (or --golden)")  # fmt: skip
+        raise BadInput(
+            "--golden starts no baseline, so there is nothing to refresh; drop "
+            "--refresh-baseline (or --golden)"
+        )
     return GoldenStore(directory), release_of(request.golden)
 
 

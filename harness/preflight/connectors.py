@@ -25,16 +25,25 @@ def check_kv_connector(served: ServedVllm, connector: KvConnector) -> None:
         return
     interpreter = interpreter_of(served.executable)
     if interpreter is None:
-        raise BadInput(f"--kv-connector {connector.name}: cannot tell which Python "
-                       f"{served.executable} runs, so cannot check that it imports {module}")  # fmt: skip
+        raise BadInput(
+            f"--kv-connector {connector.name}: cannot tell which Python "
+            f"{served.executable} runs, so cannot check that it imports {module}"
+        )
     try:
-        probe = subprocess.run([*interpreter, "-c", f"import {module}"],
-                               capture_output=True, text=True, timeout=IMPORT_PROBE_TIMEOUT_S)  # fmt: skip
+        probe = subprocess.run(
+            [*interpreter, "-c", f"import {module}"],
+            capture_output=True,
+            text=True,
+            timeout=IMPORT_PROBE_TIMEOUT_S,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise BadInput(f"--kv-connector {connector.name}: cannot run {interpreter[-1]}: "
-                       f"{exc}") from None  # fmt: skip
+        raise BadInput(
+            f"--kv-connector {connector.name}: cannot run {interpreter[-1]}: {exc}"
+        ) from None
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
-        raise BadInput(f"--kv-connector {connector.name} needs {module.split('.')[0]} in the served "
-                       f"vLLM's environment ({interpreter[-1]}: {last}); install it with "
-                       f"{connector.install_hint}")  # fmt: skip
+        raise BadInput(
+            f"--kv-connector {connector.name} needs {module.split('.')[0]} in the served "
+            f"vLLM's environment ({interpreter[-1]}: {last}); install it with "
+            f"{connector.install_hint}"
+        )

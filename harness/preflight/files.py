@@ -19,7 +19,6 @@ from harness.errors import BadInput
 WRITE_PROBE_BYTES = 4096
 
 
-
 def check_model_dir(model: str | os.PathLike[str]) -> Path:
     """A directory with a config.json that is a JSON object: the least a checkpoint has.
 
@@ -33,17 +32,22 @@ def check_model_dir(model: str | os.PathLike[str]) -> Path:
         raise BadInput(f"model {path} is not a directory (pass a checkpoint directory)")
     config = path / "config.json"
     if not config.is_file():
-        raise BadInput(f"model directory {path} has no config.json "
-                       "(is it a Hugging Face checkpoint?)")  # fmt: skip
+        raise BadInput(
+            f"model directory {path} has no config.json (is it a Hugging Face checkpoint?)"
+        )
     try:
         data = json.loads(config.read_text(encoding="utf-8"))
     except OSError as exc:
         raise BadInput(f"model directory {path}: config.json: {describe_os_error(exc)}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        detail = (f"line {exc.lineno} column {exc.colno}: {exc.msg}"
-                  if isinstance(exc, json.JSONDecodeError) else "not UTF-8")  # fmt: skip
-        raise BadInput(f"model directory {path}: config.json is not valid JSON "
-                       f"({detail})") from None  # fmt: skip
+        detail = (
+            f"line {exc.lineno} column {exc.colno}: {exc.msg}"
+            if isinstance(exc, json.JSONDecodeError)
+            else "not UTF-8"
+        )
+        raise BadInput(
+            f"model directory {path}: config.json is not valid JSON ({detail})"
+        ) from None
     if not isinstance(data, dict):
         raise BadInput(f"model directory {path}: config.json is {kind_of(data)}, not an object")
     return path
@@ -57,8 +61,6 @@ def max_position_tokens(model_dir: Path) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
-
-
 
 
 def check_run_dir(run_dir: Path) -> Path:
@@ -78,8 +80,9 @@ def check_run_dir(run_dir: Path) -> Path:
     except OSError as exc:
         # A failed write() carries no file name (only open() does): name the probe then.
         cause = describe_os_error(exc) if exc.filename else f"{describe_os_error(exc)}: {probe}"
-        raise BadInput(f"run directory {run_dir} (logs, EC and KV storage) is not writable: "
-                       f"{cause}") from None  # fmt: skip
+        raise BadInput(
+            f"run directory {run_dir} (logs, EC and KV storage) is not writable: {cause}"
+        ) from None
     finally:
         with contextlib.suppress(OSError):
             probe.unlink(missing_ok=True)
@@ -108,8 +111,9 @@ def check_media_references(bodies: Mapping[str, dict[str, Any]], media_dir: Path
             if media_dir is None:
                 raise BadInput(f"prompt {prompt!r} references {url} but no --media-dir was given")
             if not path.resolve().is_relative_to(media_dir):
-                raise BadInput(f"prompt {prompt!r} references {path}, "
-                               f"outside --media-dir {media_dir}")  # fmt: skip
+                raise BadInput(
+                    f"prompt {prompt!r} references {path}, outside --media-dir {media_dir}"
+                )
             if not path.is_file():
                 raise BadInput(f"prompt {prompt!r}: media file {path} does not exist")
 
@@ -121,7 +125,6 @@ def _media_urls(body: dict[str, Any]) -> Iterable[str]:
             for key in ("image_url", "video_url"):
                 if isinstance(part.get(key), dict):
                     yield part[key].get("url", "")
-
 
 
 # OSErrors that mean "this environment cannot hold the run", not "the harness has a bug".

@@ -38,19 +38,25 @@ def cached_snapshot(name: str, cache: Path) -> Path | None:
 
 def fetch_snapshot(name: str) -> Path:
     """Download `name` into the hub cache (GPU hosts); BadInput naming how to fix a failure."""
-    how = (f"download it first (huggingface-cli download {name}) or pass --model DIR with a "
-           "local checkpoint")  # fmt: skip
+    how = (
+        f"download it first (huggingface-cli download {name}) or pass --model DIR with a "
+        "local checkpoint"
+    )
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise BadInput(f"model {name} is not in the Hugging Face cache ({hf_hub_cache()}) and "
-                       f"huggingface_hub is not installed to fetch it: {how}") from None  # fmt: skip
+        raise BadInput(
+            f"model {name} is not in the Hugging Face cache ({hf_hub_cache()}) and "
+            f"huggingface_hub is not installed to fetch it: {how}"
+        ) from None
     try:
         return Path(snapshot_download(name))
     except Exception as exc:  # noqa: BLE001 - any hub failure ends as the same one line
-        raise BadInput(f"model {name} is not in the Hugging Face cache ({hf_hub_cache()}) and "
-                       f"could not be fetched ({type(exc).__name__}: {one_line(str(exc), 160)}): "
-                       f"{how}") from None  # fmt: skip
+        raise BadInput(
+            f"model {name} is not in the Hugging Face cache ({hf_hub_cache()}) and "
+            f"could not be fetched ({type(exc).__name__}: {one_line(str(exc), 160)}): "
+            f"{how}"
+        ) from None
 
 
 def resolve_named_model(name: str, fetch: bool = True) -> Path:
@@ -58,9 +64,11 @@ def resolve_named_model(name: str, fetch: bool = True) -> Path:
     snapshot = cached_snapshot(name, hf_hub_cache())
     if snapshot is None:
         if not fetch or os.environ.get("HF_HUB_OFFLINE") == "1":
-            raise BadInput(f"model {name} is not in the Hugging Face cache ({hf_hub_cache()}) "
-                           f"and HF_HUB_OFFLINE=1 forbids fetching it: download it first "
-                           f"(huggingface-cli download {name}) or pass --model DIR")  # fmt: skip
+            raise BadInput(
+                f"model {name} is not in the Hugging Face cache ({hf_hub_cache()}) "
+                f"and HF_HUB_OFFLINE=1 forbids fetching it: download it first "
+                f"(huggingface-cli download {name}) or pass --model DIR"
+            )
         snapshot = fetch_snapshot(name)
     return check_model_dir(snapshot)
 

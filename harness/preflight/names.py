@@ -80,8 +80,10 @@ def load_cases_file(path: str | os.PathLike[str]) -> tuple[RequestedCase, ...]:
         except BadInput as exc:
             raise BadInput(f"{at}: {exc}") from None
         if topology.is_baseline:
-            raise BadInput(f"{at}: 'baseline' is the reference every case is compared with; "
-                           "name an EPD topology")  # fmt: skip
+            raise BadInput(
+                f"{at}: 'baseline' is the reference every case is compared with; "
+                "name an EPD topology"
+            )
         scenario = RequestedCase(entry["topology"], entry["prompt"])
         if scenario in scenarios:
             first = scenarios.index(scenario) + 1

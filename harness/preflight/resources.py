@@ -24,8 +24,10 @@ def check_devices(
     missing = [d for d in devices if d not in available]
     if missing:
         source = "--devices" if given else "the default devices"
-        raise BadInput(f"{source} {','.join(map(str, devices))}: core {missing[0]} is not "
-                       f"available to this process (available: {_ranges(available)})")  # fmt: skip
+        raise BadInput(
+            f"{source} {','.join(map(str, devices))}: core {missing[0]} is not "
+            f"available to this process (available: {_ranges(available)})"
+        )
     return devices
 
 
@@ -54,5 +56,3 @@ def check_free_ports(count: int, port_range: range) -> None:
         raise BadInput(f"cannot reserve ports: {describe_os_error(exc)}") from None
     for lease in leases:
         lease.release()
-
-

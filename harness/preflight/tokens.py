@@ -28,8 +28,10 @@ def check_model_limit(max_model_len: int, model_limit: int | None) -> None:
     if max_model_len < 1:
         raise BadInput(f"--max-model-len {max_model_len}: must be a positive number of tokens")
     if model_limit is not None and max_model_len > model_limit:
-        raise BadInput(f"--max-model-len {max_model_len} exceeds the model's own limit of "
-                       f"{model_limit} tokens (max_position_embeddings)")  # fmt: skip
+        raise BadInput(
+            f"--max-model-len {max_model_len} exceeds the model's own limit of "
+            f"{model_limit} tokens (max_position_embeddings)"
+        )
 
 
 def check_prompts_fit(
@@ -48,10 +50,12 @@ def check_prompts_fit(
     if too_long:
         name, needed, generated = max(too_long, key=lambda item: item[1] + item[2])
         others = f" (and {len(too_long) - 1} more prompt(s))" if len(too_long) > 1 else ""
-        raise BadInput(f"--max-model-len {max_model_len} is too small for prompt "
-                       f"{name!r}{others}: it has {needed} prompt tokens (counted with the "
-                       f"model's processor) + {generated} to generate = "
-                       f"{needed + generated}")  # fmt: skip
+        raise BadInput(
+            f"--max-model-len {max_model_len} is too small for prompt "
+            f"{name!r}{others}: it has {needed} prompt tokens (counted with the "
+            f"model's processor) + {generated} to generate = "
+            f"{needed + generated}"
+        )
 
 
 def estimate_prompt_tokens(
@@ -79,9 +83,7 @@ def estimate_prompt_tokens(
     return {name: int(counts[name] or 0) for name in bodies}
 
 
-def _count_with_processor(
-    model_dir: Path, bodies: Mapping[str, dict[str, Any]]
-) -> dict[str, int]:
+def _count_with_processor(model_dir: Path, bodies: Mapping[str, dict[str, Any]]) -> dict[str, int]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from transformers import AutoProcessor
@@ -93,8 +95,10 @@ def _count_with_processor(
             processor = AutoProcessor.from_pretrained(str(model_dir))
             return {name: _count_tokens(processor, body) for name, body in bodies.items()}
         except Exception as exc:  # noqa: BLE001 - any processor failure is the model's problem
-            raise BadInput(f"cannot count prompt tokens with the processor of {model_dir}: "
-                           f"{type(exc).__name__}: {one_line(str(exc))}") from None  # fmt: skip
+            raise BadInput(
+                f"cannot count prompt tokens with the processor of {model_dir}: "
+                f"{type(exc).__name__}: {one_line(str(exc))}"
+            ) from None
         finally:
             transformers_logging.set_verbosity(verbosity)
 
@@ -196,5 +200,3 @@ def _load_video(url: str) -> Any:
     if not frames:
         raise ValueError("the video has no decodable frame")
     return np.stack(frames)
-
-

@@ -53,14 +53,18 @@ def proxy_choice(kind: str, source: str | None, served: ServedVllm, cache: Path)
         return ProxyChoice(kind)
     interpreter = interpreter_of(served.executable)
     if interpreter is None:
-        raise BadInput(f"--proxy vllm runs vLLM's proxy with the served vLLM's Python, and "
-                       f"{served.executable} names none (#! line)")  # fmt: skip
+        raise BadInput(
+            f"--proxy vllm runs vLLM's proxy with the served vLLM's Python, and "
+            f"{served.executable} names none (#! line)"
+        )
     if source:
         files = from_checkout(source)
     else:
         if not served.known:
-            raise BadInput("--proxy vllm needs the served vLLM's version to fetch its proxy; "
-                           "pass --vllm-source DIR")  # fmt: skip
+            raise BadInput(
+                "--proxy vllm needs the served vLLM's version to fetch its proxy; "
+                "pass --vllm-source DIR"
+            )
         files = cached_or_fetched(served.version, cache, interpreter)
     return ProxyChoice(VLLM_PROXY, files.directory, files.origin, tuple(interpreter))
 
@@ -69,8 +73,10 @@ def release_version(version: str) -> str:
     """The release a served vLLM comes from: "0.32.0+cpu" -> "0.32.0"."""
     release = version.split("+", 1)[0].strip()
     if not re.fullmatch(r"\d+(\.\d+)*([a-z]+\d*)?(\.post\d+)?", release):
-        raise BadInput(f"cannot tell the vLLM release of version {version!r} to fetch its proxy "
-                       "from; pass --vllm-source DIR (a vLLM checkout)")  # fmt: skip
+        raise BadInput(
+            f"cannot tell the vLLM release of version {version!r} to fetch its proxy "
+            "from; pass --vllm-source DIR (a vLLM checkout)"
+        )
     return release
 
 
@@ -82,7 +88,9 @@ def from_checkout(source: str) -> ProxyFiles:
     return ProxyFiles(directory, f"checkout {directory}")
 
 
-def cached_or_fetched(version: str, cache: Path, interpreter: list[str] | None = None) -> ProxyFiles:
+def cached_or_fetched(
+    version: str, cache: Path, interpreter: list[str] | None = None
+) -> ProxyFiles:
     """The release's proxy files from the cache, fetched through the index the first time."""
     release = release_version(version)
     directory = cache / "vllm-proxy" / release
@@ -101,8 +109,10 @@ def cached_or_fetched(version: str, cache: Path, interpreter: list[str] | None =
         origin = f"{url.split('#', 1)[0]} sha256={sha256}"
         write_text_atomic(origin_path, json.dumps({"origin": origin, "release": release}))
         return ProxyFiles(directory, origin)
-    raise BadInput(f"no sdist vllm-{release}.tar.gz on the package index "
-                   f"({'; '.join(problems) or 'no index configured'}); pass --vllm-source DIR")  # fmt: skip
+    raise BadInput(
+        f"no sdist vllm-{release}.tar.gz on the package index "
+        f"({'; '.join(problems) or 'no index configured'}); pass --vllm-source DIR"
+    )
 
 
 def pip_indexes(interpreter: list[str] | None = None) -> list[str]:
@@ -203,8 +213,10 @@ def fetch_and_extract(url: str, sha256: str, directory: Path) -> None:
         except (urllib.error.URLError, OSError) as exc:
             raise BadInput(f"cannot download the vLLM sdist: {exc}") from None
         if digest.hexdigest() != sha256:
-            raise BadInput(f"the vLLM sdist's sha256 is {digest.hexdigest()}, the index says "
-                           f"{sha256}: refusing it")  # fmt: skip
+            raise BadInput(
+                f"the vLLM sdist's sha256 is {digest.hexdigest()}, the index says "
+                f"{sha256}: refusing it"
+            )
         staging = Path(scratch) / "files"
         with tarfile.open(sdist, "r:gz") as archive:
             for member in archive.getmembers():

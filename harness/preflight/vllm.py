@@ -70,8 +70,9 @@ def probe_served_vllm(executable: str) -> ServedVllm:
             timeout=VLLM_VERSION_TIMEOUT_S,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise BadInput(f"cannot run the interpreter of {resolved} "
-                       f"({shlex.join(interpreter)}): {exc}") from None  # fmt: skip
+        raise BadInput(
+            f"cannot run the interpreter of {resolved} ({shlex.join(interpreter)}): {exc}"
+        ) from None
     lines = probe.stdout.strip().splitlines()
     try:
         versions = json.loads(lines[-1]) if probe.returncode == 0 and lines else None
@@ -81,8 +82,9 @@ def probe_served_vllm(executable: str) -> ServedVllm:
         detail = one_line(probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else "")
         raise BadInput(f"cannot read the vLLM version of {resolved}: {detail or 'no output'}")
     if versions.get("vllm") is None:
-        raise BadInput(f"vLLM is not installed for {interpreter[-1]}, "
-                       f"the interpreter of {resolved}")  # fmt: skip
+        raise BadInput(
+            f"vLLM is not installed for {interpreter[-1]}, the interpreter of {resolved}"
+        )
     return ServedVllm(resolved, versions["vllm"], versions.get("torch") or "unknown")
 
 
@@ -99,14 +101,18 @@ def check_vllm(executable: str, allow_untested: bool) -> ServedVllm:
     if allow_untested:
         return served
     if not served.known:
-        raise BadInput(f"cannot tell which vLLM {served.executable} runs (it is not a Python "
-                       "script); pass --allow-untested-vllm to skip the version check")  # fmt: skip
+        raise BadInput(
+            f"cannot tell which vLLM {served.executable} runs (it is not a Python "
+            "script); pass --allow-untested-vllm to skip the version check"
+        )
     match = re.match(r"(\d+)\.(\d+)", served.version)
     oldest = GENERATIONS[0].first
     if match is None or (int(match[1]), int(match[2])) < oldest[:2]:
-        raise BadInput(f"vLLM {served.version} ({served.executable}) is untested: epd-harness "
-                       f"speaks the EPD protocol of {dotted(oldest)} and newer; pass "
-                       "--allow-untested-vllm to run anyway")  # fmt: skip
+        raise BadInput(
+            f"vLLM {served.version} ({served.executable}) is untested: epd-harness "
+            f"speaks the EPD protocol of {dotted(oldest)} and newer; pass "
+            "--allow-untested-vllm to run anyway"
+        )
     return served
 
 
@@ -114,12 +120,17 @@ def interpreter_of(executable: str) -> list[str] | None:
     """The Python a vLLM executable runs with (its `#!` line), e.g. to run vLLM's own proxy."""
     resolved = shutil.which(executable)
     return _shebang(Path(resolved)) if resolved else None
+
+
 def served_generation(served: ServedVllm, override: str | None) -> GenerationChoice:
     """The protocol generation to speak with `served`: `override` (--protocol) if given, else
     the one its version falls in; an unreadable version gets the newest, with a warning."""
     if override is None and not served.known:
-        return GenerationChoice(NEWEST, f"the vLLM version of {served.executable} is unknown: "
-                                f"speaking {NEWEST.name}; pass --protocol NAME to choose")  # fmt: skip
+        return GenerationChoice(
+            NEWEST,
+            f"the vLLM version of {served.executable} is unknown: "
+            f"speaking {NEWEST.name}; pass --protocol NAME to choose",
+        )
     return generation_for(served.version, override)
 
 

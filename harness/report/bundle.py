@@ -292,8 +292,7 @@ def _case_md(record: CaseRecord) -> list[str]:
     if failed:
         lines += ["### Failed guards", ""]
         lines += [
-            f"- `{name}`: {_cell(g.get('evidence', '(no evidence)'))}"
-            for name, g in failed.items()
+            f"- `{name}`: {_cell(g.get('evidence', '(no evidence)'))}" for name, g in failed.items()
         ]
         lines.append("")
     if record.error:
@@ -322,9 +321,7 @@ def write_diff_md(run_dir: str | os.PathLike[str], records: Sequence[CaseRecord]
 
 def _xml_text(text: str) -> str:
     """Text XML 1.0 can carry: colour codes dropped, other forbidden characters escaped."""
-    return _XML_INVALID.sub(
-        lambda m: m.group().encode("unicode_escape").decode(), strip_ansi(text)
-    )
+    return _XML_INVALID.sub(lambda m: m.group().encode("unicode_escape").decode(), strip_ansi(text))
 
 
 def render_junit_xml(records: Sequence[CaseRecord]) -> str:

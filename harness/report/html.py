@@ -125,8 +125,10 @@ def _served(run_info: Mapping[str, Any]) -> list[str]:
     served = run_info.get("served_vllm") or {}
     if not served:
         return []
-    return [f"vLLM {escape(str(served.get('version')))}",
-            f"torch {escape(str(served.get('torch_version')))}"]  # fmt: skip
+    return [
+        f"vLLM {escape(str(served.get('version')))}",
+        f"torch {escape(str(served.get('torch_version')))}",
+    ]
 
 
 def _header(records: Sequence[CaseRecord], run_info: Mapping[str, Any]) -> str:
@@ -144,8 +146,8 @@ def _header(records: Sequence[CaseRecord], run_info: Mapping[str, Any]) -> str:
     return (
         "<header>\n<h1>EPD correctness report</h1>\n"
         f'<p class="summary-line"><span class="status {"pass" if passed else "fail"}">'
-        f'{"PASS" if passed else "FAIL"}</span>{escape(line)}'
-        f'{f" <span class=muted>({escape(counts)})</span>" if counts else ""}</p>\n'
+        f"{'PASS' if passed else 'FAIL'}</span>{escape(line)}"
+        f"{f' <span class=muted>({escape(counts)})</span>' if counts else ''}</p>\n"
         f"{_meta_line(run_info)}\n</header>"
     )
 
@@ -173,7 +175,7 @@ def _verdict_table(records: Sequence[CaseRecord]) -> str:
             f'<td><a href="#case-{i}">{escape(r.topology)}</a></td>'
             f"<td><code>{escape(r.prompt)}</code></td><td>{escape(r.reference)}</td>"
             f"<td>{_badge(r.verdict)}</td>"
-            f'<td>{"yes" if r.policy_passed else "<span class=no>NO</span>"}</td>'
+            f"<td>{'yes' if r.policy_passed else '<span class=no>NO</span>'}</td>"
             f'<td class="detail">{escape(r.detail)}</td></tr>'
         )
     head = "".join(
@@ -243,9 +245,7 @@ def _windows_only(divergence: Mapping[str, Any], anchor: str) -> str:
     for side in ("reference", "candidate"):
         window = divergence[f"{side}_window"]
         ids = _token_ids(window, index - start, f"{anchor}-{side[:3]}-div")
-        sides.append(
-            f'<div class="side"><h3>{side} · ids from position {start}</h3>{ids}</div>'
-        )
+        sides.append(f'<div class="side"><h3>{side} · ids from position {start}</h3>{ids}</div>')
     return "".join(sides)
 
 
@@ -264,7 +264,7 @@ def _topk_table(
     caption: str, top: Sequence[Sequence[Any]] | None, own: int | None, other: int | None
 ) -> str:
     if not top:
-        return f'<table><caption>{escape(caption)}</caption><tr><td>none</td></tr></table>'
+        return f"<table><caption>{escape(caption)}</caption><tr><td>none</td></tr></table>"
     rows = []
     for rank, (tid, logprob) in enumerate(top, start=1):
         cls = "own" if tid == own else "other" if tid == other else ""
@@ -282,7 +282,7 @@ def _topk(divergence: Mapping[str, Any]) -> str:
     ref, cand = divergence.get("reference_token"), divergence.get("candidate_token")
     close = drift_summary(divergence)
     return (
-        f"<h4>Top-k logprobs at position {divergence['index']}</h4>\n<div class=\"topk\">"
+        f'<h4>Top-k logprobs at position {divergence["index"]}</h4>\n<div class="topk">'
         + _topk_table("reference", divergence.get("reference_top"), ref, cand)
         + _topk_table("candidate", divergence.get("candidate_top"), cand, ref)
         + "</div>\n"

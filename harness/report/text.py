@@ -96,6 +96,8 @@ def drift_summary(d: Mapping[str, Any]) -> str:
     def nats(value: object) -> str:
         return "n/a" if value is None else f"{value:.3f}"
 
-    return (f"{'yes' if d.get('drift') else 'no'} (gaps {nats(d.get('reference_gap'))} / "
-            f"{nats(d.get('candidate_gap'))} nats, prefix delta {nats(d.get('prefix_delta'))}; "
-            f"tolerance {d.get('tolerance', 0):g} nats)")  # fmt: skip
+    return (
+        f"{'yes' if d.get('drift') else 'no'} (gaps {nats(d.get('reference_gap'))} / "
+        f"{nats(d.get('candidate_gap'))} nats, prefix delta {nats(d.get('prefix_delta'))}; "
+        f"tolerance {d.get('tolerance', 0):g} nats)"
+    )

@@ -30,8 +30,11 @@ LOCK_FILE_NAME = ".lock"
 # Flags that cannot change a baseline's tokens (where files are, what is reported; and the KV
 # connector, which the monolithic baseline does not run: its argv and env are rendered without
 # one, so a baseline computed for an ExampleConnector run serves a NixlConnector run as well).
-NUMERICS_NEUTRAL_FIELDS = ("allowed_local_media_path", "enable_prompt_tokens_details",
-                           "kv_connector")  # fmt: skip
+NUMERICS_NEUTRAL_FIELDS = (
+    "allowed_local_media_path",
+    "enable_prompt_tokens_details",
+    "kv_connector",
+)
 
 
 class BaselineCacheError(HarnessError):
@@ -104,8 +107,7 @@ class BaselineCache:
             return CachedBaseline(outcome, float(data["noise_floor_nats"]))
         except (ValueError, KeyError, TypeError) as exc:
             raise BaselineCacheError(
-                f"corrupt baseline cache entry {path}: {exc}; delete it or pass "
-                "--refresh-baseline"
+                f"corrupt baseline cache entry {path}: {exc}; delete it or pass --refresh-baseline"
             ) from None
 
     def store(self, key: str, outcome: Outcome, noise_floor_nats: float = 0.0) -> None:

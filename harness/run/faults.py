@@ -168,8 +168,9 @@ def misroute_nixl_blocks() -> PlantedFault:
             fault.problems.append(f"{request_id}: one block {blocks}: nothing to misroute")
             return
         params["remote_block_ids"] = misrouted if grouped else misrouted[0]
-        fault.effects.append(f"{request_id}: remote_block_ids {blocks} -> "
-                             f"{params['remote_block_ids']}")  # fmt: skip
+        fault.effects.append(
+            f"{request_id}: remote_block_ids {blocks} -> {params['remote_block_ids']}"
+        )
 
     fault.after_prefill = after_prefill
     return fault
@@ -259,8 +260,9 @@ def ec_swap_items(ec_storage: Path) -> PlantedFault:
         try:
             swap_tensor_files(paths)
         except Exception as exc:  # noqa: BLE001 - reported through `problems`
-            fault.problems.append(f"{request_id}: swapping {len(paths)} EC files: "
-                                  f"{type(exc).__name__}: {exc}")  # fmt: skip
+            fault.problems.append(
+                f"{request_id}: swapping {len(paths)} EC files: {type(exc).__name__}: {exc}"
+            )
             return
         fault.touched += paths
         fault.effects.append(f"rotated the EC files of {', '.join(hashes)} by one")
@@ -285,8 +287,10 @@ def ec_zero_frame(ec_storage: Path, frame: int = 0) -> PlantedFault:
     def after_encode(request_id: str, ec_transfer_params: dict[str, Any]) -> None:
         videos = {h: video_grid(e) for h, e in ec_transfer_params.items() if video_grid(e)}
         if not videos:
-            fault.problems.append(f"{request_id}: no video among the encoded items "
-                                  f"({len(ec_transfer_params)} item(s))")  # fmt: skip
+            fault.problems.append(
+                f"{request_id}: no video among the encoded items "
+                f"({len(ec_transfer_params)} item(s))"
+            )
         for mm_hash, grid in videos.items():
             path = ec_storage / mm_hash / EC_CACHE_FILE
             fault.rewrite(request_id, path, zero_frame_transform(grid[0], frame, fault))
@@ -320,13 +324,17 @@ def ec_video_grid(ec_storage: Path | None = None) -> PlantedFault:
     def after_encode(request_id: str, ec_transfer_params: dict[str, Any]) -> None:
         videos = {h: e for h, e in ec_transfer_params.items() if video_grid(e)}
         if not videos:
-            fault.problems.append(f"{request_id}: no video among the encoded items "
-                                  f"({len(ec_transfer_params)} item(s))")  # fmt: skip
+            fault.problems.append(
+                f"{request_id}: no video among the encoded items "
+                f"({len(ec_transfer_params)} item(s))"
+            )
         for mm_hash, entry in videos.items():
             t, h, w = video_grid(entry) or (0, 0, 0)
             if h % 4:
-                fault.problems.append(f"{request_id}: {mm_hash}: grid height {h} is not a "
-                                      "multiple of 4; cannot halve it keeping the merge size")  # fmt: skip
+                fault.problems.append(
+                    f"{request_id}: {mm_hash}: grid height {h} is not a "
+                    "multiple of 4; cannot halve it keeping the merge size"
+                )
                 continue
             wrong = [2 * t, h // 2, w]
             entry["metadata"]["video_grid_thw"] = grid_like(
@@ -422,8 +430,10 @@ def noise_transform(
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     def transform(tensor: torch.Tensor) -> torch.Tensor:
         noisy = add_relative_noise(tensor, fraction, seed)
-        fault.effects.append(f"noise {fraction:g} of std asked, "
-                             f"{relative_change(tensor, noisy):.3g} planted ({tensor.dtype})")  # fmt: skip
+        fault.effects.append(
+            f"noise {fraction:g} of std asked, "
+            f"{relative_change(tensor, noisy):.3g} planted ({tensor.dtype})"
+        )
         return noisy
 
     return transform
@@ -448,8 +458,10 @@ def zero_frame_transform(
     def transform(tensor: torch.Tensor) -> torch.Tensor:
         zeroed = zero_frame_rows(tensor, grid_t, frame)
         per_frame = tensor.shape[0] // grid_t
-        fault.effects.append(f"zeroed rows {frame * per_frame}-{(frame + 1) * per_frame - 1} "
-                             f"(frame {frame} of {grid_t}) of {tuple(tensor.shape)}")  # fmt: skip
+        fault.effects.append(
+            f"zeroed rows {frame * per_frame}-{(frame + 1) * per_frame - 1} "
+            f"(frame {frame} of {grid_t}) of {tuple(tensor.shape)}"
+        )
         return zeroed
 
     return transform
@@ -541,21 +553,27 @@ def parse_fault(text: str) -> FaultSpec:
     """`corrupt-ec`, `ec-noise:0.05`, `ec-zero-frame:1`, ...; BadInput (one line) otherwise."""
     kind, sep, value = text.strip().partition(":")
     if kind not in (*FAULT_NAMES, *GRADED_FAULTS):
-        raise BadInput(f"unknown fault {text!r} (known: {', '.join(FAULT_NAMES)}) and no graded "
-                       f"fault either ({FAULT_SYNTAX})")  # fmt: skip
+        raise BadInput(
+            f"unknown fault {text!r} (known: {', '.join(FAULT_NAMES)}) and no graded "
+            f"fault either ({FAULT_SYNTAX})"
+        )
     if kind in ("ec-noise", "kv-noise"):
         try:
             fraction = float(value) if sep else math.nan
         except ValueError:
             fraction = math.nan
         if not (0 < fraction <= MAX_NOISE_FRACTION):
-            raise BadInput(f"fault {text!r}: {kind} needs a strength, a fraction of each "
-                           f"tensor's std in (0, {MAX_NOISE_FRACTION:g}], e.g. {kind}:0.05")  # fmt: skip
+            raise BadInput(
+                f"fault {text!r}: {kind} needs a strength, a fraction of each "
+                f"tensor's std in (0, {MAX_NOISE_FRACTION:g}], e.g. {kind}:0.05"
+            )
         return FaultSpec(kind, fraction)
     if kind == "ec-zero-frame" and sep:
         if not value.isdigit():
-            raise BadInput(f"fault {text!r}: ec-zero-frame takes a temporal frame index "
-                           "(0, 1, ...), e.g. ec-zero-frame:1")  # fmt: skip
+            raise BadInput(
+                f"fault {text!r}: ec-zero-frame takes a temporal frame index "
+                "(0, 1, ...), e.g. ec-zero-frame:1"
+            )
         return FaultSpec(kind, float(int(value)))
     if sep:
         raise BadInput(f"fault {text!r}: {kind} takes no strength; drop ':{value}'")
@@ -576,9 +594,11 @@ def fault_for(
             raise ValueError(f"fault {spec.kind} needs a topology with P and D")
         if kv_connector == "NixlConnector":
             if spec.kind == "kv-noise":
-                raise BadInput("kv-noise rewrites ExampleConnector's KV files; under "
-                               "--kv-connector nixl the KV never leaves P's memory: use zero-kv, "
-                               "which misroutes NIXL's block ids instead")  # fmt: skip
+                raise BadInput(
+                    "kv-noise rewrites ExampleConnector's KV files; under "
+                    "--kv-connector nixl the KV never leaves P's memory: use zero-kv, "
+                    "which misroutes NIXL's block ids instead"
+                )
             return misroute_nixl_blocks()
         return (
             zero_kv_files(kv_storage)

@@ -40,8 +40,12 @@ def golden_key(serving: ServingConfig, model_digest: str, body: dict[str, Any]) 
         for name, value in dataclasses.asdict(serving).items()
         if name not in NUMERICS_NEUTRAL_FIELDS and name != "model"
     }
-    material = {"golden": GOLDEN_FORMAT, "model_digest": model_digest, "serving": flags,
-                "request": body}  # fmt: skip
+    material = {
+        "golden": GOLDEN_FORMAT,
+        "model_digest": model_digest,
+        "serving": flags,
+        "request": body,
+    }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 
@@ -72,29 +76,38 @@ class GoldenStore:
     def store(self, key: str, prompt: str, served: ServedVllm, outcome: Outcome) -> None:
         if outcome.result is None or not served.known:
             return
-        write_json_atomic(self._path(key, release_of(served.version)), {
-            "format": GOLDEN_FORMAT,
-            "prompt": prompt,
-            "vllm": served.version,
-            "torch": served.torch_version,
-            "result": outcome.result.to_json(),
-        })  # fmt: skip
+        write_json_atomic(
+            self._path(key, release_of(served.version)),
+            {
+                "format": GOLDEN_FORMAT,
+                "prompt": prompt,
+                "vllm": served.version,
+                "torch": served.torch_version,
+                "result": outcome.result.to_json(),
+            },
+        )
 
     def load(self, key: str, release: str) -> Golden | None:
         path = self._path(key, release)
         if not path.exists():
             return None
         data = json.loads(path.read_text())
-        return Golden(data["prompt"], release, data.get("torch", "unknown"),
-                      ChatResult.from_json(data["result"]))  # fmt: skip
+        return Golden(
+            data["prompt"],
+            release,
+            data.get("torch", "unknown"),
+            ChatResult.from_json(data["result"]),
+        )
 
     def outcome_for(self, key: str, prompt: str, release: str) -> Outcome:
         """`--golden`: VERSION's baseline answer to this request, or one clear line."""
         golden = self.load(key, release)
         if golden is None:
-            raise BadInput(f"no golden of vLLM {release} for prompt {prompt!r} (same model, "
-                           f"flags and request) under {self.directory}; run that release's "
-                           "sweep once to store it")  # fmt: skip
+            raise BadInput(
+                f"no golden of vLLM {release} for prompt {prompt!r} (same model, "
+                f"flags and request) under {self.directory}; run that release's "
+                "sweep once to store it"
+            )
         return Outcome(prompt=prompt, result=golden.result)
 
     def all(self) -> dict[str, list[Golden]]:
@@ -127,8 +140,14 @@ def agreement(store: GoldenStore) -> list[Agreement]:
     rows = []
     for goldens in store.all().values():
         for older, newer in zip(goldens, goldens[1:]):
-            rows.append(Agreement(newer.prompt, older.release, newer.release,
-                                  first_difference(older.token_ids, newer.token_ids)))  # fmt: skip
+            rows.append(
+                Agreement(
+                    newer.prompt,
+                    older.release,
+                    newer.release,
+                    first_difference(older.token_ids, newer.token_ids),
+                )
+            )
     return sorted(rows, key=lambda a: (a.prompt, parse_version(a.older)))
 
 

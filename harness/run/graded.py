@@ -142,9 +142,15 @@ class DetectionTable:
         for rung in self.rungs:
             cell = table.setdefault(rung.fault, {}).setdefault(
                 rung.topology,
-                {"smallest_caught": None, "first_token_index": None, "verdict": None,
-                 "missed_at": None, "missed_verdict": None, "tried": []},
-            )  # fmt: skip
+                {
+                    "smallest_caught": None,
+                    "first_token_index": None,
+                    "verdict": None,
+                    "missed_at": None,
+                    "missed_verdict": None,
+                    "tried": [],
+                },
+            )
             cell["tried"].append(rung.strength)
             if rung.caught and cell["missed_at"] is None:
                 if cell["smallest_caught"] is None or rung.strength < cell["smallest_caught"]:

@@ -35,15 +35,19 @@ class ScenarioResult:
         wanted = "/".join(v.value for v in expected)
         for record in self.records:
             if record.verdict not in expected:
-                found.append(f"{record.prompt}: expected {wanted}, got "
-                             f"{record.verdict.value}: {record.detail}")  # fmt: skip
+                found.append(
+                    f"{record.prompt}: expected {wanted}, got "
+                    f"{record.verdict.value}: {record.detail}"
+                )
             elif record.verdict is Verdict.MATCH and not record.policy_passed:
                 found.append(f"{record.prompt}: policy rejected {record.verdict.value}")
             elif self.scenario.expect_evidence:
                 evidence = f"{record.error or ''}\n{record.explanation}"
                 if self.scenario.expect_evidence not in evidence:
-                    found.append(f"{record.prompt}: {record.verdict.value} as expected, but the "
-                                 f"evidence lacks {self.scenario.expect_evidence!r}")  # fmt: skip
+                    found.append(
+                        f"{record.prompt}: {record.verdict.value} as expected, but the "
+                        f"evidence lacks {self.scenario.expect_evidence!r}"
+                    )
         found += [f"check {c.name} failed: {c.evidence}" for c in self.checks if not c.ok]
         return found
 
@@ -104,8 +108,10 @@ class MatrixRun:
             result.records += rerun_result.records
             result.checks += rerun_result.checks
         for record in result.records:
-            log.info(f"[matrix] {scenario.name} {record.prompt}: {record.verdict.value} "
-                     f"({record.detail})")  # fmt: skip
+            log.info(
+                f"[matrix] {scenario.name} {record.prompt}: {record.verdict.value} "
+                f"({record.detail})"
+            )
         return result
 
     def _send(self, session: TopologySession, scenario: Scenario) -> list[Outcome]:

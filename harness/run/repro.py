@@ -108,8 +108,9 @@ def reproduce(
     topology = get_topology(case.topology)
     recorded = (bundle.run.get("served_vllm") or {}).get("version")
     if recorded and recorded != served.version:
-        log.warning("repro: the bundle was served by vLLM %s, this run serves %s", recorded,
-                    served.version)  # fmt: skip
+        log.warning(
+            "repro: the bundle was served by vLLM %s, this run serves %s", recorded, served.version
+        )
     spec = SweepSpec(topologies=(topology,), prompts=(), fault=bundle.run.get("fault"))
     sweep = Sweep(spec, settings, bodies={case.prompt: bundle.requests[case.prompt]})
     records = sweep.judge(topology.name, case.prompt)

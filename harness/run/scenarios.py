@@ -86,20 +86,32 @@ def image_prompt(name: str, *seeds: int, text: str = TAIL_TEXT, **extra) -> Prom
 
 MATRIX: tuple[Scenario, ...] = (
     # -- 1E+1PD: EC transfer alone ------------------------------------------------------------
-    Scenario("ec-images-1-2-3", "1E+1PD", (
-        image_prompt("m-one-image", 11),
-        image_prompt("m-two-images", 12, 13),
-        image_prompt("m-three-images", 14, 15, 16),
-    ), ci=True),  # fmt: skip
-    Scenario("ec-same-image-twice-in-request", "1E+1PD",
-             (image_prompt("m-same-image-twice", 17, 17),)),  # fmt: skip
-    Scenario("ec-same-image-across-requests", "1E+1PD", (
-        image_prompt("m-repeat-a", 18),
-        PromptSpec("m-repeat-b", (ImagePart(seed=18), TextPart(TAIL_TEXT + " Again."))),
-    )),  # fmt: skip
-    Scenario("ec-video-mp4", "1E+1PD", (
-        PromptSpec("m-video-mp4", (VideoPart(seed=21), TextPart(TAIL_TEXT))),
-    )),  # fmt: skip
+    Scenario(
+        "ec-images-1-2-3",
+        "1E+1PD",
+        (
+            image_prompt("m-one-image", 11),
+            image_prompt("m-two-images", 12, 13),
+            image_prompt("m-three-images", 14, 15, 16),
+        ),
+        ci=True,
+    ),
+    Scenario(
+        "ec-same-image-twice-in-request", "1E+1PD", (image_prompt("m-same-image-twice", 17, 17),)
+    ),
+    Scenario(
+        "ec-same-image-across-requests",
+        "1E+1PD",
+        (
+            image_prompt("m-repeat-a", 18),
+            PromptSpec("m-repeat-b", (ImagePart(seed=18), TextPart(TAIL_TEXT + " Again."))),
+        ),
+    ),
+    Scenario(
+        "ec-video-mp4",
+        "1E+1PD",
+        (PromptSpec("m-video-mp4", (VideoPart(seed=21), TextPart(TAIL_TEXT))),),
+    ),
     Scenario(
         "ec-video-jpeg-frames-default-fps",
         "1E+1PD",
@@ -111,47 +123,90 @@ MATRIX: tuple[Scenario, ...] = (
         "derives 2.0 from JPEG frames' default 1 fps. Prompt ids still match; the tokens differ "
         "because the positions are wrong, not by numeric noise: a MISMATCH, never a DRIFT.",
     ),
-    Scenario("ec-video-jpeg-frames-at-2-fps", "1E+1PD", (
-        PromptSpec("m-video-jpeg-frames-2fps", (VideoFramesPart(seed=22), TextPart(TAIL_TEXT)),
-                   extra=(("media_io_kwargs", {"video": {"fps": 2.0}}),)),
-    )),  # fmt: skip  (the control: at 2 fps second_per_grid_ts is 1.0 on both sides)
-    Scenario("ec-video-fps-4", "1E+1PD", (
-        PromptSpec("m-video-fps4", (VideoPart(seed=23, num_frames=16, fps=4.0),
-                                    TextPart(TAIL_TEXT))),
-    )),  # fmt: skip
-    Scenario("ec-per-request-media-kwargs", "1E+1PD", (
-        # 224x224 is 28*28*64 pixels: a cap of 28*28*16 makes the grid [1, 8, 8], so the
-        # kwarg visibly changes the prompt (its ids are compared with the baseline's).
-        image_prompt("m-max-pixels", 24, mm_processor_kwargs={"max_pixels": 28 * 28 * 16}),
-        PromptSpec("m-video-fps-kwarg", (VideoPart(seed=25, num_frames=8), TextPart(TAIL_TEXT)),
-                   extra=(("mm_processor_kwargs", {"fps": 1.0}),)),
-    )),  # fmt: skip
-    Scenario("ec-concurrent-requests", "1E+1PD", (
-        image_prompt("m-concurrent-a", 31),
-        image_prompt("m-concurrent-b", 32, 33),
-        PromptSpec("m-concurrent-c", (VideoPart(seed=34), TextPart(TAIL_TEXT))),
-        PromptSpec("m-concurrent-text", (TextPart(LONG_TEXT),)),
-    ), mode=SendMode.CONCURRENT),  # fmt: skip
-    Scenario("ec-idle-over-keepalive", "1E+1PD", (
-        image_prompt("m-idle-a", 35),
-        image_prompt("m-idle-b", 36),
-    ), mode=SendMode.IDLE_GAPS),  # fmt: skip
-    Scenario("ec-rerun-on-kept-storage", "1E+1PD", (image_prompt("m-one-image", 11),),
-             rerun_on_kept_storage=True),  # fmt: skip
+    Scenario(
+        "ec-video-jpeg-frames-at-2-fps",
+        "1E+1PD",
+        (
+            PromptSpec(
+                "m-video-jpeg-frames-2fps",
+                (VideoFramesPart(seed=22), TextPart(TAIL_TEXT)),
+                extra=(("media_io_kwargs", {"video": {"fps": 2.0}}),),
+            ),
+        ),
+    ),  # the control: at 2 fps second_per_grid_ts is 1.0 on both sides
+    Scenario(
+        "ec-video-fps-4",
+        "1E+1PD",
+        (
+            PromptSpec(
+                "m-video-fps4", (VideoPart(seed=23, num_frames=16, fps=4.0), TextPart(TAIL_TEXT))
+            ),
+        ),
+    ),
+    Scenario(
+        "ec-per-request-media-kwargs",
+        "1E+1PD",
+        (
+            # 224x224 is 28*28*64 pixels: a cap of 28*28*16 makes the grid [1, 8, 8], so the
+            # kwarg visibly changes the prompt (its ids are compared with the baseline's).
+            image_prompt("m-max-pixels", 24, mm_processor_kwargs={"max_pixels": 28 * 28 * 16}),
+            PromptSpec(
+                "m-video-fps-kwarg",
+                (VideoPart(seed=25, num_frames=8), TextPart(TAIL_TEXT)),
+                extra=(("mm_processor_kwargs", {"fps": 1.0}),),
+            ),
+        ),
+    ),
+    Scenario(
+        "ec-concurrent-requests",
+        "1E+1PD",
+        (
+            image_prompt("m-concurrent-a", 31),
+            image_prompt("m-concurrent-b", 32, 33),
+            PromptSpec("m-concurrent-c", (VideoPart(seed=34), TextPart(TAIL_TEXT))),
+            PromptSpec("m-concurrent-text", (TextPart(LONG_TEXT),)),
+        ),
+        mode=SendMode.CONCURRENT,
+    ),
+    Scenario(
+        "ec-idle-over-keepalive",
+        "1E+1PD",
+        (
+            image_prompt("m-idle-a", 35),
+            image_prompt("m-idle-b", 36),
+        ),
+        mode=SendMode.IDLE_GAPS,
+    ),
+    Scenario(
+        "ec-rerun-on-kept-storage",
+        "1E+1PD",
+        (image_prompt("m-one-image", 11),),
+        rerun_on_kept_storage=True,
+    ),
     # -- 2E+1PD: round-robin fan-out ----------------------------------------------------------
-    Scenario("ec-two-encoders-round-robin", "2E+1PD", (
-        image_prompt("m-rr-a", 41),
-        image_prompt("m-rr-b", 42),
-        image_prompt("m-rr-c", 43),
-        image_prompt("m-rr-two", 44, 45),
-    ), require_every_encoder=True),  # fmt: skip
+    Scenario(
+        "ec-two-encoders-round-robin",
+        "2E+1PD",
+        (
+            image_prompt("m-rr-a", 41),
+            image_prompt("m-rr-b", 42),
+            image_prompt("m-rr-c", 43),
+            image_prompt("m-rr-two", 44, 45),
+        ),
+        require_every_encoder=True,
+    ),
     # -- 1E+1P+1D: EC then KV -----------------------------------------------------------------
-    Scenario("epd-images-video-long-text", "1E+1P+1D", (
-        image_prompt("m-one-image", 11),
-        image_prompt("m-image-long-text", 51, text=LONG_TEXT),
-        PromptSpec("m-video-mp4", (VideoPart(seed=21), TextPart(TAIL_TEXT))),
-        PromptSpec("m-text-only", (TextPart(LONG_TEXT),)),
-    ), ci=True),  # fmt: skip
+    Scenario(
+        "epd-images-video-long-text",
+        "1E+1P+1D",
+        (
+            image_prompt("m-one-image", 11),
+            image_prompt("m-image-long-text", 51, text=LONG_TEXT),
+            PromptSpec("m-video-mp4", (VideoPart(seed=21), TextPart(TAIL_TEXT))),
+            PromptSpec("m-text-only", (TextPart(LONG_TEXT),)),
+        ),
+        ci=True,
+    ),
     Scenario(
         "epd-media-in-decode-tail",
         "1E+1P+1D",
@@ -181,5 +236,3 @@ def matrix_prompts(scenarios: tuple[Scenario, ...] = MATRIX) -> tuple[PromptSpec
 
 def get_scenario(name: str) -> Scenario:
     return lookup("scenario", name, {s.name: s for s in MATRIX})
-
-

@@ -194,11 +194,20 @@ class Sweep:
                 if cached is not None:
                     outcomes[name] = cached.outcome
                     self._store_golden(name, body, cached.outcome)
-                    self.stability[name] = (True, "from the baseline cache", cached.noise_floor_nats)
-        self._baseline_missing = [n for n in self.bodies if n not in self.result.outcomes[BASELINE.name]]
-        log.log(logging.DEBUG if locked else logging.INFO, "[sweep] baseline cache: %d hit(s), "
-                "%d to compute", len(self.bodies) - len(self._baseline_missing),
-                len(self._baseline_missing))  # fmt: skip
+                    self.stability[name] = (
+                        True,
+                        "from the baseline cache",
+                        cached.noise_floor_nats,
+                    )
+        self._baseline_missing = [
+            n for n in self.bodies if n not in self.result.outcomes[BASELINE.name]
+        ]
+        log.log(
+            logging.DEBUG if locked else logging.INFO,
+            "[sweep] baseline cache: %d hit(s), %d to compute",
+            len(self.bodies) - len(self._baseline_missing),
+            len(self._baseline_missing),
+        )
         if not self._baseline_missing:
             self.write_outputs()
 
@@ -219,11 +228,16 @@ class Sweep:
         assert self.goldens is not None and self.golden_release is not None
         outcomes = self.result.outcomes[BASELINE.name]
         for name, body in self.bodies.items():
-            outcomes[name] = self.goldens.outcome_for(self._golden_key(body), name, self.golden_release)
+            outcomes[name] = self.goldens.outcome_for(
+                self._golden_key(body), name, self.golden_release
+            )
             self.stability[name] = (True, f"golden of vLLM {self.golden_release}", 0.0)
         self._baseline_missing = []
-        log.info("[sweep] baseline: the goldens of vLLM %s (%d prompt(s)); no baseline started",
-                 self.golden_release, len(outcomes))  # fmt: skip
+        log.info(
+            "[sweep] baseline: the goldens of vLLM %s (%d prompt(s)); no baseline started",
+            self.golden_release,
+            len(outcomes),
+        )
 
     def _store_golden(self, name: str, body: dict, outcome: Outcome) -> None:
         if self.goldens is not None and self.golden_release is None:
@@ -252,9 +266,11 @@ class Sweep:
 
     def _serve_wave(self, wave: Wave) -> None:
         with contextlib.ExitStack() as lock:
-            if self.baseline_cache is not None and any(
-                s.topology.is_baseline for s in wave.slots
-            ) and self._needs_baseline_run():
+            if (
+                self.baseline_cache is not None
+                and any(s.topology.is_baseline for s in wave.slots)
+                and self._needs_baseline_run()
+            ):
                 lock.enter_context(self.baseline_cache.locked())
                 self._load_cached_baseline(locked=True)  # a parallel worker may have stored it
             self._serve_slots(wave)
@@ -264,8 +280,11 @@ class Sweep:
         if not slots:
             return
         started = time.monotonic()
-        log.info("[sweep] wave %d: starting %s", wave.index,
-                 ", ".join(f"{s.topology.name} ({len(s.topology.roles)})" for s in slots))  # fmt: skip
+        log.info(
+            "[sweep] wave %d: starting %s",
+            wave.index,
+            ", ".join(f"{s.topology.name} ({len(s.topology.roles)})" for s in slots),
+        )
         with contextlib.ExitStack() as stack:
             sessions: list[TopologySession] = []
             failed: dict[str, Exception] = {}
@@ -334,8 +353,12 @@ class Sweep:
         outcomes: dict[str, Outcome] = {}
         guards: dict[str, list[GuardResult]] = {}
         if self.spec.fault:  # the session's faults: its proxy's (harness) or its taps' (vllm)
-            fault = fault_for(self.spec.fault, session.ec_storage, session.kv_storage,
-                              session.settings.serving.kv_connector)  # fmt: skip
+            fault = fault_for(
+                self.spec.fault,
+                session.ec_storage,
+                session.kv_storage,
+                session.settings.serving.kv_connector,
+            )
             plant(session.faults, fault)
         for name in self.topology_prompts:
             if self.not_applicable(topology.name, name):
@@ -409,8 +432,14 @@ class Sweep:
                     or self.stability[prompt][0],
                     drift_tolerance=self.noise_floor,
                 )
-                log.info("[sweep] %s %s vs %s: %s (%s)", topology_name, prompt, reference_name,
-                         record.verdict.value, record.detail)  # fmt: skip
+                log.info(
+                    "[sweep] %s %s vs %s: %s (%s)",
+                    topology_name,
+                    prompt,
+                    reference_name,
+                    record.verdict.value,
+                    record.detail,
+                )
                 records.append(record)
             self._judged[key] = records
             self.result.records.extend(records)
@@ -447,7 +476,9 @@ class Sweep:
                 "seconds_by_wave": dict(result.seconds_by_wave),
             },
         )
-        write_text_atomic(result.run_dir / "verdicts.txt", format_verdict_table(result.records) + "\n")
+        write_text_atomic(
+            result.run_dir / "verdicts.txt", format_verdict_table(result.records) + "\n"
+        )
         # run.json: the drift tolerance every comparison used, as measured (0 on CPU).
         self.run_info["noise_floor_nats"] = self.noise_floor
         write_bundle(result.run_dir, result.records, responses, self.run_info)

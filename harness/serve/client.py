@@ -133,10 +133,18 @@ class ChatClient:
         body = copy.deepcopy(body)
         standard = {
             key: body.pop(key)
-            for key in ("model", "messages", "temperature", "seed", "max_tokens", "logprobs",
-                        "top_logprobs", "stream")
+            for key in (
+                "model",
+                "messages",
+                "temperature",
+                "seed",
+                "max_tokens",
+                "logprobs",
+                "top_logprobs",
+                "stream",
+            )
             if key in body
-        }  # fmt: skip
+        }
         headers = {"x-request-id": request_id} if request_id else None
         response = self._client.chat.completions.create(
             **standard, extra_body=body or None, extra_headers=headers

@@ -300,7 +300,9 @@ class ManagedServer:
                 for proc in tracked:
                     _signal_process(proc, signal.SIGKILL)
                 if not self._wait_gone(tracked, KILL_WAIT_S):
-                    survivors = _live_group_members(pgid) + [p for p in tracked if is_live_process(p)]
+                    survivors = _live_group_members(pgid) + [
+                        p for p in tracked if is_live_process(p)
+                    ]
                     raise ServerStopFailed(
                         f"{self.name}: processes survived SIGKILL for {KILL_WAIT_S} s: "
                         + ", ".join(describe_process(p) for p in survivors)

@@ -201,7 +201,9 @@ def _bind_probe(port: int) -> socket.socket | None:
     return probe
 
 
-def lease_devices(kind: str, devices: tuple[int, ...], lock_dir: Path | None = None) -> list[PortLease]:
+def lease_devices(
+    kind: str, devices: tuple[int, ...], lock_dir: Path | None = None
+) -> list[PortLease]:
     """Exclusive locks on GPU / XPU `devices` (`<lock_dir>/<kind>-device-<N>.lock`), waiting for
     a holder to let go: parallel workers that reach a later wave early queue for its devices
     instead of sharing them. The leases have no socket; `release()` drops the lock."""

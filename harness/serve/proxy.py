@@ -114,9 +114,11 @@ class EPDProxy:
     """The aiohttp application; one instance per topology run."""
 
     def __init__(
-        self, routes: ProxyRoutes, faults: ProxyFaults | None = None,
+        self,
+        routes: ProxyRoutes,
+        faults: ProxyFaults | None = None,
         generation: ProtocolGeneration = NEWEST,
-    ):  # fmt: skip
+    ):
         self.routes = routes
         self.faults = faults or ProxyFaults()
         self.generation = generation
@@ -208,16 +210,23 @@ class EPDProxy:
         except UpstreamError as exc:
             trace.error = str(exc)
             return web.json_response(
-                {"error": {"stage": exc.stage, "url": exc.url, "status": exc.status,
-                           "message": exc.body[:2000]}},
+                {
+                    "error": {
+                        "stage": exc.stage,
+                        "url": exc.url,
+                        "status": exc.status,
+                        "message": exc.body[:2000],
+                    }
+                },
                 status=502,
-            )  # fmt: skip
+            )
         except Exception as exc:
             # The proxy's own failure (e.g. an encoder answer of another protocol generation):
             # recorded with its cause, or the case's error would be an empty 500.
             trace.error = f"proxy failed: {type(exc).__name__}: {exc}"
-            return web.json_response({"error": {"stage": "proxy", "message": trace.error}},
-                                     status=500)  # fmt: skip
+            return web.json_response(
+                {"error": {"stage": "proxy", "message": trace.error}}, status=500
+            )
 
     async def _route(self, request: dict, request_id: str, trace: RequestTrace) -> dict:
         media = protocol.collect_media(request)
@@ -245,9 +254,13 @@ class EPDProxy:
         return protocol.build_decode_request(rewrite.body, prefill_response)
 
     async def _forward_decode(
-        self, http_request: web.Request, url: str, body: dict, request_id: str,
+        self,
+        http_request: web.Request,
+        url: str,
+        body: dict,
+        request_id: str,
         trace: RequestTrace,
-    ) -> web.StreamResponse:  # fmt: skip
+    ) -> web.StreamResponse:
         assert self._session is not None
         started = time.monotonic()
         try:

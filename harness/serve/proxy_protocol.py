@@ -125,9 +125,11 @@ def collect_media(request: dict[str, Any]) -> list[MediaRef]:
 
 
 def plan_encoder_batches(
-    media: list[MediaRef], encoder_count: int, cursor: int,
+    media: list[MediaRef],
+    encoder_count: int,
+    cursor: int,
     generation: ProtocolGeneration = NEWEST,
-) -> tuple[list[EncoderBatch], int]:  # fmt: skip
+) -> tuple[list[EncoderBatch], int]:
     """Assign media to encoders round-robin from `cursor`; return batches and the next cursor.
 
     The cursor persists across requests: restarting it at encoder 0 for every request sent all
@@ -186,9 +188,10 @@ class EncoderAnswerError(ValueError):
 
 
 def index_encoder_response(
-    batch: EncoderBatch, ec_transfer_params: dict[str, Any] | None,
+    batch: EncoderBatch,
+    ec_transfer_params: dict[str, Any] | None,
     generation: ProtocolGeneration = NEWEST,
-) -> dict[int, EncodedItem]:  # fmt: skip
+) -> dict[int, EncodedItem]:
     """Map the encoder's entries back to request media positions.
 
     `by-hash-indexed`: each entry's `item_indices` (sub-request order) say where it belongs.
@@ -199,21 +202,25 @@ def index_encoder_response(
     params = ec_transfer_params or {}
     answer = generation.encoder_answer
     if not isinstance(params, dict):
-        raise EncoderAnswerError(f"encoder answered ec_transfer_params of type "
-                                 f"{type(params).__name__}: {_excerpt(params)}")  # fmt: skip
+        raise EncoderAnswerError(
+            f"encoder answered ec_transfer_params of type "
+            f"{type(params).__name__}: {_excerpt(params)}"
+        )
     if answer is EncoderAnswer.ITEM_LIST:
         return _index_item_list(batch, params)
     if "ec_items" in params:
         raise EncoderAnswerError(
             f"encoder answered an ec_items list, which {generation.name} does not speak "
-            f"(a release older than 0.30?): {_excerpt(params)}")  # fmt: skip
+            f"(a release older than 0.30?): {_excerpt(params)}"
+        )
     if answer is EncoderAnswer.BY_HASH:
         return _index_single_item(batch, [(h, e) for h, e in params.items()], params)
     found: dict[int, EncodedItem] = {}
     for mm_hash, entry in params.items():
         if not isinstance(entry, dict):
-            raise EncoderAnswerError(f"encoder entry {mm_hash!r} is not an object: "
-                                     f"{_excerpt(params)}")  # fmt: skip
+            raise EncoderAnswerError(
+                f"encoder entry {mm_hash!r} is not an object: {_excerpt(params)}"
+            )
         metadata = entry.get("metadata") or {}
         for item_index in entry.get("item_indices") or []:
             if not 0 <= item_index < len(batch.positions):
@@ -229,11 +236,15 @@ def index_encoder_response(
 def _index_item_list(batch: EncoderBatch, params: dict[str, Any]) -> dict[int, EncodedItem]:
     items = params.get("ec_items")
     if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-        raise EncoderAnswerError(f"expected {{'ec_items': [{{...}}, ...]}}, encoder answered "
-                                 f"{_excerpt(params)}")  # fmt: skip
+        raise EncoderAnswerError(
+            f"expected {{'ec_items': [{{...}}, ...]}}, encoder answered {_excerpt(params)}"
+        )
     # 0.28 / 0.29 flatten each item's metadata next to its key: {"mm_hash": h, "image_grid_thw": ..}
     entries = [
-        (str(item.get("mm_hash", "")), {"metadata": {k: v for k, v in item.items() if k != "mm_hash"}})
+        (
+            str(item.get("mm_hash", "")),
+            {"metadata": {k: v for k, v in item.items() if k != "mm_hash"}},
+        )
         for item in items
     ]
     return _index_single_item(batch, entries, params)
@@ -244,12 +255,15 @@ def _index_single_item(
 ) -> dict[int, EncodedItem]:
     """Answers without positions: valid only for one-item sub-requests."""
     if len(batch.positions) != 1:
-        raise ValueError(f"an answer without item positions needs one item per sub-request, "
-                         f"got {len(batch.positions)}")  # fmt: skip
+        raise ValueError(
+            f"an answer without item positions needs one item per sub-request, "
+            f"got {len(batch.positions)}"
+        )
     with_metadata = [(h, e) for h, e in entries if isinstance(e, dict) and e.get("metadata")]
     if len(with_metadata) > 1:
-        raise EncoderAnswerError(f"{len(with_metadata)} entries with metadata for one item: "
-                                 f"{_excerpt(params)}")  # fmt: skip
+        raise EncoderAnswerError(
+            f"{len(with_metadata)} entries with metadata for one item: {_excerpt(params)}"
+        )
     if not with_metadata:
         return {}
     mm_hash, entry = with_metadata[0]
@@ -318,8 +332,11 @@ def rewrite_for_consumer(
         # with metadata only and no embeddings (its engine dies). Without kwargs both are equal.
         content[ref.part_index] = {
             "type": embeds_type,
-            embeds_type: (tensor_metadata(item.metadata) if generation.metadata_as_tensors
-                          else copy.deepcopy(item.metadata)),  # fmt: skip
+            embeds_type: (
+                tensor_metadata(item.metadata)
+                if generation.metadata_as_tensors
+                else copy.deepcopy(item.metadata)
+            ),
             "uuid": ref.uuid,
         }
         result.forwarded_part_types.append(embeds_type)

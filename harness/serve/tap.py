@@ -43,10 +43,17 @@ EMBEDS_PART_TYPES = ("image_embeds", "video_embeds", "audio_embeds")
 HOP_HEADERS = frozenset(
     h.lower()
     for h in (
-        "Host", "Content-Length", "Transfer-Encoding", "Connection", "Keep-Alive",
-        "Proxy-Connection", "TE", "Trailer", "Upgrade",
+        "Host",
+        "Content-Length",
+        "Transfer-Encoding",
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Connection",
+        "TE",
+        "Trailer",
+        "Upgrade",
     )
-)  # fmt: skip
+)
 UPSTREAM_TIMEOUT_S = 900.0
 CLIENT_KEEPALIVE_S = 3.0  # below vLLM's 5 s idle close (vLLM #41567), as in the proxy
 SHUTDOWN_GRACE_S = 1.0
@@ -125,7 +132,7 @@ def describe_answer(record: TapRecord, payload: bytes, content_type: str) -> dic
     if "text/event-stream" in content_type:
         record.streamed = True
         for line in payload.decode("utf-8", errors="replace").splitlines():
-            data = line[len("data:"):].strip() if line.startswith("data:") else ""
+            data = line[len("data:") :].strip() if line.startswith("data:") else ""
             if not data or data == "[DONE]":
                 continue
             try:
@@ -372,6 +379,8 @@ class TapSet:
 
     def _run_answer_hooks(self, record: TapRecord, answer: dict[str, Any]) -> None:
         if record.role == "encoder" and self.faults.after_encode is not None:
-            self.faults.after_encode(record.request_id or "", answer.get("ec_transfer_params") or {})
+            self.faults.after_encode(
+                record.request_id or "", answer.get("ec_transfer_params") or {}
+            )
         if record.role == "prefill" and self.faults.after_prefill is not None:
             self.faults.after_prefill(record.request_id or "", answer)

@@ -37,23 +37,38 @@ def vllm_proxy_launch(
         raise ValueError("vLLM's proxy needs a decode (or PD) URL")
     if encoder_urls:
         argv = [
-            *interpreter, str(files_dir / EPD_PROXY_FILE),
-            "--host", host, "--port", str(port),
-            "--encode-servers-urls", ",".join(encoder_urls),
-            "--prefill-servers-urls", ",".join(prefill_urls) if prefill_urls else "none",
-            "--decode-servers-urls", ",".join(decode_urls),
-        ]  # fmt: skip
+            *interpreter,
+            str(files_dir / EPD_PROXY_FILE),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--encode-servers-urls",
+            ",".join(encoder_urls),
+            "--prefill-servers-urls",
+            ",".join(prefill_urls) if prefill_urls else "none",
+            "--decode-servers-urls",
+            ",".join(decode_urls),
+        ]
         return VllmProxyLaunch(tuple(argv), "/health")
     if not prefill_urls:
         raise ValueError("vLLM ships no proxy for a topology without encoders and prefill")
     argv = [
-        *interpreter, str(files_dir / TOY_PROXY_FILE),
-        "--host", host, "--port", str(port),
-        "--prefiller-hosts", *(_host(u) for u in prefill_urls),
-        "--prefiller-ports", *(_port(u) for u in prefill_urls),
-        "--decoder-hosts", *(_host(u) for u in decode_urls),
-        "--decoder-ports", *(_port(u) for u in decode_urls),
-    ]  # fmt: skip
+        *interpreter,
+        str(files_dir / TOY_PROXY_FILE),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--prefiller-hosts",
+        *(_host(u) for u in prefill_urls),
+        "--prefiller-ports",
+        *(_port(u) for u in prefill_urls),
+        "--decoder-hosts",
+        *(_host(u) for u in decode_urls),
+        "--decoder-ports",
+        *(_port(u) for u in decode_urls),
+    ]
     return VllmProxyLaunch(tuple(argv), "/healthcheck")
 
 

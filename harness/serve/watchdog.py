@@ -102,8 +102,13 @@ class WatchdogClient:
             create_time = psutil.Process(pgid).create_time()
         except psutil.NoSuchProcess:  # cannot happen for an unreaped child; be safe anyway
             return
-        line = _encode(event="start", pgid=pgid, create_time=create_time, name=name,
-                       log=str(log_path) if log_path else "")  # fmt: skip
+        line = _encode(
+            event="start",
+            pgid=pgid,
+            create_time=create_time,
+            name=name,
+            log=str(log_path) if log_path else "",
+        )
         with self._lock:
             self._groups[pgid] = line
             self._send(line)
@@ -321,15 +326,21 @@ def stop_groups(groups: list[Group], log: Log) -> None:
             log(group, "harness gone; nothing of this group left running")
     for group in pending:
         alive = live_processes(group)
-        log(group, f"harness gone; SIGTERM to {len(alive)} process(es): "
-                   + ", ".join(str(p.pid) for p in alive))  # fmt: skip
+        log(
+            group,
+            f"harness gone; SIGTERM to {len(alive)} process(es): "
+            + ", ".join(str(p.pid) for p in alive),
+        )
         signal_group(group, signal.SIGTERM)
     if wait_until_gone(pending, GRACE_S, start, log):
         return
     for group in pending:
         alive = live_processes(group)
-        log(group, f"still running after {GRACE_S:.0f} s; SIGKILL to "
-                   + ", ".join(str(p.pid) for p in alive))  # fmt: skip
+        log(
+            group,
+            f"still running after {GRACE_S:.0f} s; SIGKILL to "
+            + ", ".join(str(p.pid) for p in alive),
+        )
         signal_group(group, signal.SIGKILL)
     if wait_until_gone(pending, KILL_WAIT_S, start, log):
         return
@@ -365,8 +376,12 @@ def handle(groups: dict[int, Group], line: bytes, log: Log) -> None:
         message = json.loads(line)
         event, pgid = message["event"], int(message["pgid"])
         if event == "start":
-            groups[pgid] = Group(pgid, float(message["create_time"]), str(message["name"]),
-                                 str(message.get("log") or ""))  # fmt: skip
+            groups[pgid] = Group(
+                pgid,
+                float(message["create_time"]),
+                str(message["name"]),
+                str(message.get("log") or ""),
+            )
         elif event == "done":
             groups.pop(pgid, None)
         else:

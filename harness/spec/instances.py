@@ -66,16 +66,26 @@ class InstanceSpec:
         there still wins (argparse keeps the last)."""
         s = self.serving
         argv = [
-            vllm_executable, "serve", s.model,
-            "--host", LOOPBACK_HOST,
-            "--port", str(self.port),
-            "--served-model-name", s.served_model_name,
-            "--max-model-len", str(s.max_model_len),
-            "--max-num-seqs", str(s.max_num_seqs),
-            "--dtype", s.dtype,
-            "--block-size", str(s.block_size),
-            "--max-logprobs", str(s.max_logprobs),
-        ]  # fmt: skip
+            vllm_executable,
+            "serve",
+            s.model,
+            "--host",
+            LOOPBACK_HOST,
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            s.served_model_name,
+            "--max-model-len",
+            str(s.max_model_len),
+            "--max-num-seqs",
+            str(s.max_num_seqs),
+            "--dtype",
+            s.dtype,
+            "--block-size",
+            str(s.block_size),
+            "--max-logprobs",
+            str(s.max_logprobs),
+        ]
         if s.enforce_eager:
             argv.append("--enforce-eager")
         if s.allowed_local_media_path:
@@ -84,7 +94,10 @@ class InstanceSpec:
             argv.append("--enable-prompt-tokens-details")
         if s.trust_request_mm_kwargs and self.generation.has_trust_request_mm_kwargs_flag:
             argv.append("--trust-request-mm-kwargs")
-        if self.role.accepts_metadata_only_embeds and self.generation.consumers_need_enable_mm_embeds:
+        if (
+            self.role.accepts_metadata_only_embeds
+            and self.generation.consumers_need_enable_mm_embeds
+        ):
             argv.append("--enable-mm-embeds")
         if self.role is Role.ENCODER:
             argv += ENCODER_ARGS
@@ -143,11 +156,13 @@ class InstanceSpec:
             raise ValueError(f"{self.name}: {self.platform.name} needs a device")
         if self.platform.device_env_var is None:
             cores = ",".join(str(c) for c in self.devices[: s.cpu_threads_per_instance])
-            env.update({
-                "VLLM_CPU_KVCACHE_SPACE": str(s.cpu_kvcache_space_gib),
-                "VLLM_CPU_OMP_THREADS_BIND": cores,
-                "OMP_NUM_THREADS": str(s.cpu_threads_per_instance),
-            })  # fmt: skip
+            env.update(
+                {
+                    "VLLM_CPU_KVCACHE_SPACE": str(s.cpu_kvcache_space_gib),
+                    "VLLM_CPU_OMP_THREADS_BIND": cores,
+                    "OMP_NUM_THREADS": str(s.cpu_threads_per_instance),
+                }
+            )
         else:
             env[self.platform.device_env_var] = ",".join(str(d) for d in self.devices)
         if self.uses_nixl:

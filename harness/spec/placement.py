@@ -216,9 +216,7 @@ def schedule(
     available = len(devices)
     too_big = [t for t in topologies if devices_needed(t, profile, available, colocate) > available]
     if too_big:
-        needs = ", ".join(
-            f"{t.name} needs {max(1, len(t.roles) - t.encoders)}" for t in too_big
-        )
+        needs = ", ".join(f"{t.name} needs {max(1, len(t.roles) - t.encoders)}" for t in too_big)
         raise DevicePlanError(
             f"{needs} devices (one per instance besides encoders) but only {len(devices)} given "
             f"({_join(devices)}); use --colocate to share devices within a topology, "
@@ -230,7 +228,9 @@ def schedule(
         topologies,
         lambda t: need[t.name],
         available,
-        lambda t, used, filled: tuple(sorted(set(devices) - set(used), key=order.get)[: need[t.name]]),
+        lambda t, used, filled: tuple(
+            sorted(set(devices) - set(used), key=order.get)[: need[t.name]]
+        ),
     )
 
 
