@@ -611,6 +611,25 @@ def test_fault_hooks_see_encoder_params_and_prefill_response(h: Harness) -> None
     ]
 
 
+def test_an_entry_rewritten_in_after_encode_reaches_the_consumer(h: Harness) -> None:
+    """The graded position fault rewrites the encoder's metadata in place; the consumer must be
+    told the rewritten value (a copy taken before the hook would silently drop the fault:
+    CI once saw the planted video-grid error come out MATCH)."""
+
+    def regrid(request_id: str, params: dict[str, Any]) -> None:
+        for entry in params.values():
+            entry["metadata"]["image_grid_thw"] = [2, 8, 16]
+
+    encoder, prefill, decode = h.fake("encoder"), h.fake("prefill"), h.fake("decode")
+    _, server = h.proxy((encoder,), (prefill,), (decode,), faults=ProxyFaults(after_encode=regrid))
+    status, _ = raw_post(server.url, image_request(), "req-regrid")
+    assert status == 200
+    for consumer in (prefill, decode):
+        part = consumer.bodies[0]["messages"][0]["content"][1]
+        assert part["type"] == "image_embeds", part
+        assert part["image_embeds"]["image_grid_thw"] == [2, 8, 16], part
+
+
 # --- older protocol generations -------------------------------------------------------------
 
 

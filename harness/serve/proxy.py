@@ -179,16 +179,18 @@ class EPDProxy:
             return batch, call
 
         results = await asyncio.gather(*(run(n, b) for n, b in enumerate(batches)))
+        merged = protocol.merge_encoder_params(
+            [call.ec_transfer_params for _, call in results], self.generation
+        )
+        # Before the answers are read: a planted fault that rewrites an entry in place (the
+        # merge keeps the entries themselves) must reach what the consumer is told.
+        if self.faults.after_encode is not None:
+            self.faults.after_encode(request_id, merged)
         encoded: dict[int, protocol.EncodedItem] = {}
         for batch, call in results:
             items = protocol.index_encoder_response(batch, call.ec_transfer_params, self.generation)
             call.indexed = {position: item.mm_hash for position, item in items.items()}
             encoded.update(items)
-        merged = protocol.merge_encoder_params(
-            [call.ec_transfer_params for _, call in results], self.generation
-        )
-        if self.faults.after_encode is not None:
-            self.faults.after_encode(request_id, merged)
         if self.faults.drop_encoder_metadata:
             return {}, {}
         return encoded, merged

@@ -274,15 +274,17 @@ def merge_encoder_params(
     answers: list[dict[str, Any] | None], generation: ProtocolGeneration = NEWEST
 ) -> dict[str, Any]:
     """The `ec_transfer_params` a consumer gets: every sub-request's answer in one object
-    (entries by hash merged; `ec_items` lists concatenated in sub-request order)."""
+    (entries by hash merged; `ec_items` lists concatenated in sub-request order). The entries
+    themselves are shared, not copied: a planted fault that rewrites one (ProxyFaults.after_encode)
+    must reach the consumer and the trace alike."""
     merged: dict[str, Any] = {}
     for params in answers:
         if not params:
             continue
         if generation.encoder_answer is EncoderAnswer.ITEM_LIST:
-            merged.setdefault("ec_items", []).extend(copy.deepcopy(params.get("ec_items") or []))
+            merged.setdefault("ec_items", []).extend(params.get("ec_items") or [])
         else:
-            merged.update(copy.deepcopy(params))
+            merged.update(params)
     return merged
 
 
