@@ -21,6 +21,7 @@ from harness.report.text import CaseRecord
 from harness.serve.client import ChatResult, PositionLogprobs
 from harness.serve.session import Outcome
 from harness.spec.prompts import SKELETON_PROMPTS
+from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import TOPOLOGIES, ServingConfig
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -134,7 +135,10 @@ def test_report_renders_in_headless_chromium(tmp_path: Path):
     (model / "config.json").write_text("{}")
     serving = ServingConfig(model=str(model))
     topologies = (TOPOLOGIES["baseline"], TOPOLOGIES["1E+1P+1D"])
-    run_info = write_run_info(run_dir, serving, topologies, SKELETON_PROMPTS, model)
+    settings = RunSettings(
+        serving, run_dir, vllm=ServedVllm("/venv/bin/vllm", "0.32.0+cpu", "2.13.0")
+    )
+    run_info = write_run_info(settings, topologies, SKELETON_PROMPTS)
     write_bundle(run_dir, records, responses, run_info)
     url = (run_dir / "report.html").as_uri()
 
