@@ -359,22 +359,36 @@ class ProxyServer:
         listening socket are closed here all the same (closing the listener also drops the
         connections queued on it), or the port would stay bound until garbage collection.
         """
-        if self._loop.is_closed():
-            return
-        try:
-            if self._thread.is_alive():
-                if self._runner is not None:
-                    cleanup = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
-                    cleanup.result(timeout=STOP_TIMEOUT_S)
-                self._loop.call_soon_threadsafe(self._loop.stop)
-                self._thread.join(timeout=STOP_TIMEOUT_S)
-        finally:
-            if not self._loop.is_running():
-                self._loop.close()
-            self._sock.close()
+        stop_loop_thread(self._loop, self._thread, self._runner, [self._sock])
 
     def __enter__(self) -> ProxyServer:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def stop_loop_thread(
+    loop: asyncio.AbstractEventLoop,
+    thread: threading.Thread,
+    runner: web.AppRunner | None,
+    socks: list[socket.socket],
+) -> None:
+    """Stop an aiohttp app served by `runner` on `loop` in `thread`, then free its sockets;
+    idempotent. A loop that died without cleanup is closed all the same (closing a listener
+    also drops the connections queued on it), or its ports would stay bound until garbage
+    collection. The proxy and the taps both stop through here."""
+    if loop.is_closed():
+        return
+    try:
+        if thread.is_alive():
+            if runner is not None:
+                cleanup = asyncio.run_coroutine_threadsafe(runner.cleanup(), loop)
+                cleanup.result(timeout=STOP_TIMEOUT_S)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=STOP_TIMEOUT_S)
+    finally:
+        if not loop.is_running():
+            loop.close()
+        for sock in socks:
+            sock.close()

@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from harness.serve.proxy import ProxyFaults
+from harness.serve.proxy import ProxyFaults, stop_loop_thread
 from harness.serve.proxy_protocol import MEDIA_PART_TYPES
 
 RECORDED_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -57,7 +57,6 @@ HOP_HEADERS = frozenset(
 UPSTREAM_TIMEOUT_S = 900.0
 CLIENT_KEEPALIVE_S = 3.0  # below vLLM's 5 s idle close (vLLM #41567), as in the proxy
 SHUTDOWN_GRACE_S = 1.0
-STOP_TIMEOUT_S = 10.0
 MAX_BODY_BYTES = 512 * 1024 * 1024
 
 
@@ -222,20 +221,7 @@ class TapSet:
 
     def stop(self) -> None:
         """Stop serving and free the ports; idempotent."""
-        if self._loop.is_closed():
-            return
-        try:
-            if self._thread.is_alive():
-                if self._runner is not None:
-                    cleanup = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
-                    cleanup.result(timeout=STOP_TIMEOUT_S)
-                self._loop.call_soon_threadsafe(self._loop.stop)
-                self._thread.join(timeout=STOP_TIMEOUT_S)
-        finally:
-            if not self._loop.is_running():
-                self._loop.close()
-            for sock in self._socks:
-                sock.close()
+        stop_loop_thread(self._loop, self._thread, self._runner, self._socks)
 
     def __enter__(self) -> TapSet:
         return self

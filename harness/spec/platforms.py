@@ -4,27 +4,22 @@
 what running on one kind of hardware adds to its command line and environment (rendered by
 `harness.spec.instances`), and `harness.spec.placement` decides *where* each instance runs:
 
-* cpu (the default): instances bind their one OMP thread
-  to a core (cores handed out in turn, so instances may share one), get a CPU KV cache
+* cpu (the default): instances bind their one OMP thread to a core (cores handed out in
+  turn, so instances may share one), get a CPU KV cache
   (`VLLM_CPU_KVCACHE_SPACE`) and move KV through `ExampleConnector` (shared files).
 * cuda: one GPU per instance through `CUDA_VISIBLE_DEVICES`, an explicit
   `--gpu-memory-utilization`, KV through `NixlConnector`, CUDA graphs on (no --enforce-eager),
   and the real default model Qwen/Qwen2.5-VL-3B-Instruct.
 * xpu: as cuda, with `ZE_AFFINITY_MASK` selecting the device.
 
-Device policy (GPU platforms). By default every instance gets a device of its own, because two
-vLLM instances on one device race for its memory: each sizes its KV cache from what it sees
-free at start-up, so co-located start-ups fail or come up with caches of unpredictable size.
-A topology that needs more devices than the host has is an error naming it, unless `colocate`
-is set: then its instances share the devices it is given (non-encoders spread first, encoders
-fill in, since an encoder holds no KV cache) and every instance on a shared device gets an
-equal slice of the memory budget. Topologies never share a device with each other: a wave runs
-side by side only topologies whose device sets are disjoint.
+The device policy (one GPU per instance unless colocated; waves of disjoint devices) is
+`harness.spec.placement`'s.
 
 NIXL side channel. Every instance that runs `NixlConnector` listens on
 `VLLM_NIXL_SIDE_CHANNEL_PORT` (plus its data-parallel index; this harness runs data-parallel
 size 1, so one port each). Two instances on one host with the same port fail in confusing ways,
-so each gets its own, reserved through `harness.serve.ports` exactly like the HTTP ports, which keeps parallel pytest workers and CI jobs apart too.
+so each gets its own, reserved through `harness.serve.ports` exactly like the HTTP ports,
+which keeps parallel pytest workers and CI jobs apart too.
 
 Nothing here starts a process or touches a device: these functions only compute.
 """
