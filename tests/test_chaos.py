@@ -395,21 +395,15 @@ def artifact_names(run_dir: Path) -> set[str]:
 # -- the harness process interrupted ---------------------------------------------------------
 
 
+def run_args(tmp_path: Path, fake: Path, *args: str) -> list[str]:
+    """`epd-harness run` on the fake vLLM, without the baseline cache, into tmp_path/run."""
+    return ["run", "--vllm", str(fake), "--baseline-cache", "off",
+            "--run-dir", str(tmp_path / "run"), *args]  # fmt: skip
+
+
 def start_cli(tmp_path: Path, fake: Path, mode: str, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "harness.cli.main",
-            "run",
-            "--vllm",
-            str(fake),
-            "--baseline-cache",
-            "off",
-            "--run-dir",
-            str(tmp_path / "run"),
-            *args,
-        ],
+        [sys.executable, "-m", "harness.cli.main", *run_args(tmp_path, fake, *args)],
         cwd=REPO_ROOT,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT), MODE_ENV: mode},
         stdout=subprocess.PIPE,
@@ -876,18 +870,7 @@ def test_parallel_workers_never_share_http_or_side_channel_ports(
 
 
 def run_cli_in_process(tmp_path: Path, fake: Path, capsys, *args: str) -> tuple[int, str, str]:
-    code = cli.main(
-        [
-            "run",
-            "--vllm",
-            str(fake),
-            "--baseline-cache",
-            "off",
-            "--run-dir",
-            str(tmp_path / "run"),
-            *args,
-        ]
-    )
+    code = cli.main(run_args(tmp_path, fake, *args))
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
