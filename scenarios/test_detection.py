@@ -66,11 +66,6 @@ THRESHOLDS = Path(__file__).with_name("detection_thresholds.json")
 # Issue 10's acceptance: 5% noise is a MISMATCH within the first three generated tokens.
 ACCEPTANCE_STRENGTH = 0.05
 ACCEPTANCE_MAX_INDEX = 2
-# Measured shortfalls of that acceptance, kept from getting worse (docs/self-test.md): on 1P+1D,
-# KV noise at 5% first changes generated token 6 (the tiny model's sensitivity is built into
-# the vision path; D recomputes the prompt's last partial block, ~30 text tokens, from clean
-# KV, and the first tokens hold). Remove an entry once the model makes the acceptance hold.
-KNOWN_LATE_INDEX = {("kv-noise", "1P+1D"): 6}
 NOISE_SEED = 10
 
 
@@ -204,16 +199,10 @@ def assert_acceptance(kind: str, live: Live, rungs: list[Rung]) -> None:
     assert rung.verdict == Verdict.MISMATCH.value, (
         f"{kind} {ACCEPTANCE_STRENGTH} on {live.name} must be a MISMATCH: {rung}"
     )
-    limit = KNOWN_LATE_INDEX.get((kind, live.name), ACCEPTANCE_MAX_INDEX)
-    if limit > ACCEPTANCE_MAX_INDEX:
-        print(
-            f"[detection] ACCEPTANCE NOT MET (known): {kind} {ACCEPTANCE_STRENGTH} on "
-            f"{live.name} differs first at token {rung.first_token_index}, not by "
-            f"{ACCEPTANCE_MAX_INDEX}; held to the measured {limit}"
-        )
-    assert rung.first_token_index is not None and rung.first_token_index <= limit, (
+    index = rung.first_token_index
+    assert index is not None and index <= ACCEPTANCE_MAX_INDEX, (
         f"{kind} {ACCEPTANCE_STRENGTH} on {live.name} must differ by generated token "
-        f"{limit}: {rung}"
+        f"{ACCEPTANCE_MAX_INDEX}: {rung}"
     )
 
 

@@ -9,7 +9,13 @@ benign drift. These tests build the checkpoint and measure, with transformers on
 2. two distinct images -> a different first generated token;
 3. the same image with one 28x28 patch altered -> a different output within 4 tokens;
 4. 1% Gaussian noise (relative to the merged embeddings' std) on the vision merger's output,
-   i.e. what the encoder hands the LLM -> different generated tokens.
+   i.e. what the encoder hands the LLM -> different generated tokens;
+5. 5% noise on the merged embeddings of each EC-noise prompt of the graded self-test (what
+   `ec-noise:0.05` plants in the EC files) -> different tokens, by generated token 2 in at
+   least 90% of the trials;
+6. 5% Gaussian noise (relative to each layer's K|V std) on the KV of the block-aligned prompt
+   prefix that ExampleConnector hands D -> a different token by generated token 2 (the graded
+   self-test's acceptance, issue 10), what `kv-noise:0.05` plants in vLLM.
 
 Sensitivity is measured in bfloat16: it is the checkpoint's dtype and what vLLM serves, so the
 figures describe the model the harness runs. Nothing here hard-codes a model output; each test
@@ -31,7 +37,9 @@ import pytest
 from harness.fixtures import media, tiny_model
 from PIL import Image
 
-from harness.spec import prompts
+from harness.run import graded
+from harness.spec import connectors, prompts
+from harness.spec.topology import ServingConfig
 
 pytestmark = pytest.mark.model
 
@@ -47,6 +55,12 @@ IMAGE_SEEDS = tuple(range(1, 9))
 SWEEP_IMAGE_SEEDS = (1, 2, 3)
 NOISE_RELATIVE_STD = 0.01
 NOISE_SEEDS = tuple(range(5))
+# The graded self-test's acceptance (issue 10): 5% of std, a different token by index 2.
+NOISE_ACCEPTANCE_STD = 0.05
+NOISE_ACCEPTANCE_MAX_INDEX = 2
+# EC noise flips a token by index 2 at nearly every seed, not every one (measured: 19 of 20
+# prompt x seed trials; the 20th at index 5); every trial must diverge.
+EC_NOISE_EARLY_SHARE = 0.9
 PATCH_VARIANTS = 8
 
 
@@ -253,6 +267,27 @@ def test_one_percent_noise_on_merged_embeddings_changes_tokens(
     assert all(d is not None for d in divergences)
 
 
+def test_five_percent_ec_noise_changes_a_token_by_index_two(models: dict, processor) -> None:
+    model = models["bfloat16"]
+    divergences = []
+    for spec in graded.EC_NOISE_PROMPTS:
+        inputs = _inputs(processor, spec)
+        clean, _ = _generate(model, inputs, spec.max_tokens)
+        noise = [_gaussian_noise(NOISE_ACCEPTANCE_STD, seed) for seed in NOISE_SEEDS]
+        found = [
+            _first_divergence(clean, _generate(model, inputs, spec.max_tokens, perturb)[0])
+            for perturb in noise
+        ]
+        print(f"{spec.name}: first divergence per EC noise seed: {found}")
+        divergences += found
+    assert all(d is not None for d in divergences), divergences
+    early = sum(d <= NOISE_ACCEPTANCE_MAX_INDEX for d in divergences)
+    print(
+        f"EC noise 5%: {early}/{len(divergences)} trials differ by token {NOISE_ACCEPTANCE_MAX_INDEX}"
+    )
+    assert early >= EC_NOISE_EARLY_SHARE * len(divergences)
+
+
 def test_noise_hook_is_not_vacuous(models: dict, processor) -> None:
     """A zero perturbation through the same hook must reproduce the clean tokens exactly."""
     model = models["bfloat16"]
@@ -303,3 +338,92 @@ def test_cache_key_ignores_the_transformers_version(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(tiny_model.importlib.metadata, "version", fake_version)
     assert tiny_model.cache_key() == before
+
+
+def _generate_with_noisy_prefix_kv(model, inputs, max_new_tokens: int, fraction: float, seed: int):
+    """Greedy tokens when the prompt's transferred KV prefix carries noise, as D would see it.
+
+    P computes the prefix KV cleanly; the fault adds noise of `fraction` x the std of each
+    layer's K and V together (one file per layer); D recomputes the tail past the last full
+    block. So: record each layer's clean K/V projections of the prefix in a first pass, then
+    generate with those rows replaced by clean + noise. Noise is added before RoPE here and
+    after it in vLLM: isotropic Gaussian noise is unchanged in law by the rotation.
+    """
+    import torch
+
+    length = inputs["input_ids"].shape[1]
+    block = ServingConfig(model="unused").block_size
+    prefix = connectors.expected_kv_tokens(connectors.KvRule.BLOCK_ALIGNED_PREFIX, length, block)
+    projections = [
+        (index, name, getattr(layer.self_attn, name))
+        for index, layer in enumerate(model.model.language_model.layers)
+        for name in ("k_proj", "v_proj")
+    ]
+    clean: dict = {}
+
+    def record(key):
+        def hook(module, args, output):
+            if output.shape[1] == length:
+                clean[key] = output[0, :prefix].float().clone()
+
+        return hook
+
+    handles = [proj.register_forward_hook(record((i, n))) for i, n, proj in projections]
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    generator = torch.Generator().manual_seed(seed)
+    noisy = {}
+    for index in {i for i, _, _ in projections}:
+        k, v = clean[(index, "k_proj")], clean[(index, "v_proj")]
+        std = torch.cat([k.flatten(), v.flatten()]).std()
+        for name, values in (("k_proj", k), ("v_proj", v)):
+            noise = torch.randn(values.shape, generator=generator) * std * fraction
+            noisy[(index, name)] = values + noise
+
+    def replace(key):
+        def hook(module, args, output):
+            if output.shape[1] != length:
+                return None  # a decode step: its own KV is D's, not transferred
+            output = output.clone()
+            output[0, :prefix] = noisy[key].to(output.dtype)
+            return output
+
+        return hook
+
+    handles = [proj.register_forward_hook(replace((i, n))) for i, n, proj in projections]
+    try:
+        return _generate(model, inputs, max_new_tokens)[0], prefix
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@pytest.mark.parametrize("spec", graded.KV_NOISE_PROMPTS, ids=lambda spec: spec.name)
+def test_five_percent_kv_noise_changes_a_token_by_index_two(
+    models: dict, processor, spec: prompts.PromptSpec
+) -> None:
+    model = models["bfloat16"]
+    inputs = _inputs(processor, spec)
+    clean, _ = _generate(model, inputs, spec.max_tokens)
+    divergences = []
+    for seed in NOISE_SEEDS:
+        tokens, prefix = _generate_with_noisy_prefix_kv(
+            model, inputs, spec.max_tokens, NOISE_ACCEPTANCE_STD, seed
+        )
+        divergences.append(_first_divergence(clean, tokens))
+    print(f"{spec.name}: KV prefix {prefix} tokens; first divergence per noise seed: {divergences}")
+    assert prefix > 0, "the prompt is shorter than one block: nothing would be transferred"
+    assert all(d is not None and d <= NOISE_ACCEPTANCE_MAX_INDEX for d in divergences), divergences
+
+
+def test_kv_noise_hook_is_not_vacuous(models: dict, processor) -> None:
+    """Zero KV noise through the same hooks must reproduce the clean tokens exactly."""
+    model = models["bfloat16"]
+    spec = graded.KV_NOISE_PROMPTS[0]
+    inputs = _inputs(processor, spec)
+    clean, _ = _generate(model, inputs, spec.max_tokens)
+    assert _generate_with_noisy_prefix_kv(model, inputs, spec.max_tokens, 0.0, 0)[0] == clean
