@@ -51,6 +51,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption("--epd-vllm-source", help="with --epd-proxy vllm: a vLLM checkout")
     group.addoption(
+        "--epd-proxy-registration",
+        default="static",
+        help="with --epd-proxy vllm: static (URLs on its command line) or dynamic (registered "
+        "through its admin API)",
+    )
+    group.addoption(
         "--epd-topology",
         help="comma list: run only scenarios of these topologies (names contain '+', so -k "
         "cannot select them)",
@@ -132,6 +138,7 @@ def epd_config(pytestconfig: pytest.Config, epd_worker: tuple[str, int]):
         kv_connector=pytestconfig.getoption("--epd-kv-connector"),
         proxy=pytestconfig.getoption("--epd-proxy"),
         vllm_source=pytestconfig.getoption("--epd-vllm-source"),
+        proxy_registration=pytestconfig.getoption("--epd-proxy-registration"),
     )
     try:
         return prepare_run(request)

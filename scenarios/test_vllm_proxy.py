@@ -23,8 +23,13 @@ PROMPTS = ("image", "video")
 EPD_PROXY_NAME = "disagg_epd_proxy.py"
 
 
-@pytest.fixture(scope="module")
-def vllm_proxy_sweep(pytestconfig: pytest.Config, epd_config):
+def vllm_proxy_sweep_for(
+    pytestconfig: pytest.Config,
+    epd_config,
+    topologies: tuple[str, ...],
+    prompts: tuple[str, ...],
+    registration: str,
+):
     from harness.environment import cache_dir
     from harness.errors import BadInput
     from harness.preflight.upstream_proxy import proxy_choice
@@ -34,14 +39,19 @@ def vllm_proxy_sweep(pytestconfig: pytest.Config, epd_config):
     settings = epd_config.settings
     try:
         proxy = proxy_choice(
-            "vllm", pytestconfig.getoption("--epd-vllm-source"), settings.vllm, cache_dir()
+            "vllm",
+            pytestconfig.getoption("--epd-vllm-source"),
+            settings.vllm,
+            cache_dir(),
+            registration,
         )
     except BadInput as exc:
         pytest.fail(f"epd-harness: {exc}", pytrace=False)
-    settings = dataclasses.replace(settings, proxy=proxy, run_dir=settings.run_dir / "vllm-proxy")
+    run_dir = settings.run_dir / f"vllm-proxy-{registration}"
+    settings = dataclasses.replace(settings, proxy=proxy, run_dir=run_dir)
     spec = SweepSpec(
-        topologies=tuple(ALL[name] for name in TOPOLOGIES),
-        prompts=tuple(p for p in SKELETON_PROMPTS if p.name in PROMPTS),
+        topologies=tuple(ALL[name] for name in topologies),
+        prompts=tuple(p for p in SKELETON_PROMPTS if p.name in prompts),
     )
     started = time.monotonic()
 
@@ -49,6 +59,16 @@ def vllm_proxy_sweep(pytestconfig: pytest.Config, epd_config):
         print(f"[{time.monotonic() - started:7.1f}s] {name}: {state} ({elapsed_s:.1f}s)")
 
     return Sweep(spec, settings, on_event=on_event, baseline_cache=epd_config.baseline_cache)
+
+
+@pytest.fixture(scope="module")
+def vllm_proxy_sweep(pytestconfig: pytest.Config, epd_config):
+    return vllm_proxy_sweep_for(pytestconfig, epd_config, TOPOLOGIES, PROMPTS, "static")
+
+
+@pytest.fixture(scope="module")
+def dynamic_registration_sweep(pytestconfig: pytest.Config, epd_config):
+    return vllm_proxy_sweep_for(pytestconfig, epd_config, ("1E+1P+1D",), ("image",), "dynamic")
 
 
 def case_params():
@@ -62,11 +82,8 @@ def case_params():
             )
 
 
-@pytest.mark.parametrize("topology,prompt", list(case_params()))
-def test_vllm_proxy_matches_with_transfers_seen_at_the_taps(
-    vllm_proxy_sweep, topology: str, prompt: str
-) -> None:
-    records = vllm_proxy_sweep.judge(topology, prompt)
+def assert_matches_with_transfers_seen_at_the_taps(sweep, topology: str, prompt: str) -> list:
+    records = sweep.judge(topology, prompt)
     assert records, f"no comparison was made for {topology} / {prompt}"
     failures = [record for record in records if not record.policy_passed]
     assert not failures, "\n\n".join(format_failure(record) for record in failures)
@@ -74,7 +91,31 @@ def test_vllm_proxy_matches_with_transfers_seen_at_the_taps(
         ec = record.guards.get("encoder_output")
         assert ec and ec["ok"] and "seen at the taps" in ec["evidence"], record.guards
         assert record.guards["consumer_embeds"]["ok"], record.guards
+    return [json.loads(p.read_text()) for p in sweep.settings.run_dir.rglob("*vllm-proxy.cmd.json")]
+
+
+@pytest.mark.parametrize("topology,prompt", list(case_params()))
+def test_vllm_proxy_matches_with_transfers_seen_at_the_taps(
+    vllm_proxy_sweep, topology: str, prompt: str
+) -> None:
+    commands = assert_matches_with_transfers_seen_at_the_taps(vllm_proxy_sweep, topology, prompt)
     # The proxy that served was vLLM's own, not the harness's.
-    commands = list((vllm_proxy_sweep.settings.run_dir).rglob("*vllm-proxy.cmd.json"))
-    argv = [json.loads(path.read_text())["argv"] for path in commands]
+    argv = [command["argv"] for command in commands]
     assert any(any(arg.endswith(EPD_PROXY_NAME) for arg in a) for a in argv), argv
+
+
+@pytest.mark.e2e
+@pytest.mark.ci
+def test_dynamic_registration_matches(dynamic_registration_sweep) -> None:
+    """vLLM's proxy started empty (`--dynamic-registration`), every instance registered through
+    its admin API as an external launcher would: same tokens, same evidence at the taps."""
+    commands = assert_matches_with_transfers_seen_at_the_taps(
+        dynamic_registration_sweep, "1E+1P+1D", "image"
+    )
+    (command,) = commands
+    assert "--dynamic-registration" in command["argv"], command["argv"]
+    assert not [a for a in command["argv"] if a.endswith("-servers-urls")], command["argv"]
+    assert command["env"].get("ADMIN_API_KEY") == "[redacted]", command["env"]
+    (roster_file,) = dynamic_registration_sweep.settings.run_dir.rglob("*vllm-proxy.instances.json")
+    roster = json.loads(roster_file.read_text())
+    assert [len(roster[role]["live"]) for role in ("encode", "prefill", "decode")] == [1, 1, 1]

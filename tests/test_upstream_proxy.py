@@ -23,7 +23,16 @@ import pytest
 from harness.errors import BadInput
 from harness.preflight import upstream_proxy
 from harness.preflight.config import RunRequest, prepare_run
-from harness.serve.vllm_proxy import EPD_PROXY_FILE, TOY_PROXY_FILE, vllm_proxy_launch
+from harness.serve.vllm_proxy import (
+    ADMIN_KEY_ENV,
+    DYNAMIC_REGISTRATION_FLAG,
+    EPD_PROXY_FILE,
+    TOY_PROXY_FILE,
+    Registration,
+    register_instances,
+    registrations,
+    vllm_proxy_launch,
+)
 
 RELEASE = "9.8.7"
 
@@ -212,3 +221,130 @@ def test_one_p_one_d_gets_the_toy_proxy(tmp_path: Path) -> None:
     assert argv[argv.index("--prefiller-ports") + 1] == "2"
     assert argv[argv.index("--decoder-hosts") + 1] == "127.0.0.1"
     assert launch.health_path == "/healthcheck"
+
+
+# -- dynamic registration ------------------------------------------------------------------------
+
+
+def test_dynamic_registration_starts_the_epd_proxy_empty_with_its_admin_key(
+    tmp_path: Path,
+) -> None:
+    launch = vllm_proxy_launch(
+        ("py",),
+        tmp_path,
+        "127.0.0.1",
+        9000,
+        ["http://127.0.0.1:1"],
+        [],
+        ["http://127.0.0.1:3"],
+        admin_key="k" * 32,
+    )
+    argv = list(launch.argv)
+    assert DYNAMIC_REGISTRATION_FLAG in argv
+    assert not [a for a in argv if a.endswith("-servers-urls")], argv
+    assert launch.env == {ADMIN_KEY_ENV: "k" * 32}
+    with pytest.raises(ValueError, match="toy proxy"):
+        vllm_proxy_launch(
+            ("py",), tmp_path, "h", 1, [], ["http://127.0.0.1:2"], ["http://127.0.0.1:3"], "k"
+        )
+
+
+def test_registrations_name_the_proxys_roles() -> None:
+    e, p, d = "http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"
+    assert registrations([e], [], [d]) == [
+        Registration("encode", e),
+        Registration("prefill_decode", d),
+    ]
+    assert registrations([e, e + "0"], [p], [d]) == [
+        Registration("encode", e),
+        Registration("encode", e + "0"),
+        Registration("prefill", p),
+        Registration("decode", d),
+    ]
+
+
+class FakeAdminApi(http.server.BaseHTTPRequestHandler):
+    """The shape of disagg_epd_proxy's /instances: POST (x-api-key) adds, GET lists."""
+
+    key = "secret-key"
+    roster: dict[str, dict[str, list[str]]] = {}
+    drop: set[str] = set()  # URLs it accepts but never lists live
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.headers.get("x-api-key") != self.key:
+            self._answer(403, {"detail": "Invalid admin API key"})
+            return
+        if body["url"] not in self.drop:
+            entry = self.roster.setdefault(body["role"], {"live": [], "evicted": []})
+            entry["live"].append(body["url"])
+        self._answer(200, {"registered": True})
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._answer(200, self.roster)
+
+    def _answer(self, status: int, payload: object) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def admin_api() -> Iterator[str]:
+    FakeAdminApi.roster, FakeAdminApi.drop = {}, set()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeAdminApi)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_every_instance_is_registered_and_read_back(admin_api: str) -> None:
+    wanted = registrations(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], ["http://127.0.0.1:3"])
+    roster = register_instances(admin_api, FakeAdminApi.key, wanted)
+    assert roster["encode"]["live"] == ["http://127.0.0.1:1"]
+    assert roster["prefill"]["live"] == ["http://127.0.0.1:2"]
+    assert roster["decode"]["live"] == ["http://127.0.0.1:3"]
+
+
+def test_a_refused_registration_names_the_instance(admin_api: str) -> None:
+    with pytest.raises(RuntimeError, match=r"refused to register encode http://127.0.0.1:1: 403"):
+        register_instances(admin_api, "wrong-key", [Registration("encode", "http://127.0.0.1:1")])
+
+
+def test_an_instance_missing_from_the_roster_is_an_error(admin_api: str) -> None:
+    FakeAdminApi.drop = {"http://127.0.0.1:3"}
+    wanted = registrations(["http://127.0.0.1:1"], [], ["http://127.0.0.1:3"])
+    with pytest.raises(RuntimeError, match="not list as live: prefill_decode http://127.0.0.1:3"):
+        register_instances(admin_api, FakeAdminApi.key, wanted)
+
+
+def test_dynamic_registration_is_refused_where_it_would_be_ignored(tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match="only --proxy vllm runs"):
+        prepare_run(RunRequest(proxy_registration="dynamic", count_tokens=False))
+    with pytest.raises(BadInput, match="--proxy-registration sometimes"):
+        prepare_run(RunRequest(proxy_registration="sometimes", count_tokens=False))
+    with pytest.raises(BadInput, match="1P\\+1D .*toy P/D proxy"):
+        prepare_run(
+            RunRequest(
+                proxy="vllm",
+                proxy_registration="dynamic",
+                topologies=("1E+1PD", "1P+1D"),
+                count_tokens=False,
+            )
+        )
+    old = tmp_path / EPD_PROXY_FILE
+    old.parent.mkdir(parents=True)
+    old.write_text("parser.add_argument('--encode-servers-urls')\n")
+    with pytest.raises(BadInput, match="has no --dynamic-registration"):
+        upstream_proxy.check_dynamic_registration(old, "vllm-0.31.0.tar.gz")
+    old.write_text(f"parser.add_argument('{DYNAMIC_REGISTRATION_FLAG}')\n")
+    upstream_proxy.check_dynamic_registration(old, "vllm-0.32.0.tar.gz")

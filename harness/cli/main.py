@@ -123,6 +123,7 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         kv_connector=args.kv_connector,
         proxy=args.proxy,
         vllm_source=args.vllm_source,
+        proxy_registration=args.proxy_registration,
     )
 
 
@@ -197,7 +198,9 @@ def command_repro(args: argparse.Namespace) -> int:
         run_dir = Path(args.run_dir or bundle.path.parent / f"{bundle.path.name}-repro").resolve()
         check_run_dir(run_dir)
         served = probe_served_vllm(args.vllm or default_vllm_executable())
-        proxy = proxy_choice(bundle.proxy_kind, None, served, cache_dir())
+        proxy = proxy_choice(
+            bundle.proxy_kind, None, served, cache_dir(), bundle.proxy_registration
+        )
         case, records, sweep = reproduce(bundle, run_dir, served, args.case, proxy)
     except BundleError as exc:
         raise BadInput(str(exc)) from None
@@ -325,6 +328,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="with --proxy vllm: take vLLM's proxy files from this checkout instead "
         "of the release's sdist on the package index",
+    )
+    run.add_argument(
+        "--proxy-registration",
+        default="static",
+        choices=("static", "dynamic"),
+        help="with --proxy vllm: give vLLM's EPD proxy the instances' URLs on its command line "
+        "(static, default) or start it empty and register each through its admin API "
+        "(dynamic, as an external launcher would)",
     )
     run.set_defaults(func=command_run)
 

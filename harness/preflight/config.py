@@ -35,7 +35,15 @@ from harness.spec.platforms import (
     parse_devices,
 )
 from harness.spec.prompts import SKELETON_PROMPTS, PromptSpec, render_request
-from harness.spec.settings import HARNESS_PROXY, PROXY_KINDS, VLLM_PROXY, RunSettings
+from harness.spec.settings import (
+    DYNAMIC_REGISTRATION,
+    HARNESS_PROXY,
+    PROXY_KINDS,
+    REGISTRATION_MODES,
+    STATIC_REGISTRATION,
+    VLLM_PROXY,
+    RunSettings,
+)
 from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Topology, serving_for
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -70,6 +78,7 @@ class RunRequest:
     kv_connector: str | None = None  # "example" or "nixl"; None: the platform's default
     proxy: str = HARNESS_PROXY  # the EPD proxy under test: "harness" or "vllm"
     vllm_source: str | None = None  # a vLLM checkout holding its proxy files (--proxy vllm)
+    proxy_registration: str = STATIC_REGISTRATION  # how vLLM's proxy learns the instances
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,14 @@ def prepare_run(request: RunRequest) -> RunConfig:
         topology_names = list(request.topologies) or list(EPD_TOPOLOGY_NAMES)
         prompt_names = list(request.prompts)
     topologies = names.check_topologies(topology_names)
+    if request.proxy_registration == DYNAMIC_REGISTRATION:
+        static_only = [t.name for t in topologies if not t.is_baseline and not t.has_ec_transfer]
+        if static_only:
+            raise BadInput(
+                f"--proxy-registration dynamic: {', '.join(static_only)} run(s) vLLM's toy "
+                f"P/D proxy, which takes only static URLs; choose topologies with encoders "
+                f"(e.g. --topology 1E+1PD,1E+1P+1D)"
+            )
     if request.kv_connector is not None and not any(t.has_kv_transfer for t in topologies):
         raise BadInput(
             f"--kv-connector moves KV from P to D, and none of "
@@ -135,7 +152,9 @@ def prepare_run(request: RunRequest) -> RunConfig:
     baseline_cache = _baseline_cache(request.baseline_cache, request.refresh_baseline)
 
     served = check_vllm(request.vllm or default_vllm_executable(), request.allow_untested_vllm)
-    proxy = upstream_proxy.proxy_choice(request.proxy, request.vllm_source, served, cache_dir())
+    proxy = upstream_proxy.proxy_choice(
+        request.proxy, request.vllm_source, served, cache_dir(), request.proxy_registration
+    )
     protocol = served_generation(served, request.protocol)
     if protocol.warning:
         log.warning("epd-harness: %s", protocol.warning)
@@ -208,6 +227,16 @@ def _refuse_ignored_flags(request: RunRequest) -> None:
         )
     if request.proxy not in PROXY_KINDS:
         raise BadInput(f"--proxy {request.proxy}: choose one of {', '.join(PROXY_KINDS)}")
+    if request.proxy_registration not in REGISTRATION_MODES:
+        raise BadInput(
+            f"--proxy-registration {request.proxy_registration}: choose one of "
+            f"{', '.join(REGISTRATION_MODES)}"
+        )
+    if request.proxy_registration == DYNAMIC_REGISTRATION and request.proxy != VLLM_PROXY:
+        raise BadInput(
+            "--proxy-registration dynamic registers the instances with vLLM's proxy, which "
+            "only --proxy vllm runs; add --proxy vllm (or drop --proxy-registration)"
+        )
     if request.vllm_source and request.proxy != VLLM_PROXY:
         raise BadInput(
             "--vllm-source gives vLLM's proxy files, which only --proxy vllm runs; "

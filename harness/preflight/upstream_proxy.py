@@ -29,8 +29,14 @@ from pathlib import Path
 from harness.errors import BadInput
 from harness.files import write_text_atomic
 from harness.preflight.vllm import interpreter_of
-from harness.serve.vllm_proxy import EPD_PROXY_FILE, TOY_PROXY_FILE
-from harness.spec.settings import VLLM_PROXY, ProxyChoice, ServedVllm
+from harness.serve.vllm_proxy import DYNAMIC_REGISTRATION_FLAG, EPD_PROXY_FILE, TOY_PROXY_FILE
+from harness.spec.settings import (
+    DYNAMIC_REGISTRATION,
+    STATIC_REGISTRATION,
+    VLLM_PROXY,
+    ProxyChoice,
+    ServedVllm,
+)
 
 PROXY_FILES = (EPD_PROXY_FILE, TOY_PROXY_FILE)
 ORIGIN_FILE = "origin.json"
@@ -47,7 +53,13 @@ class ProxyFiles:
     origin: str
 
 
-def proxy_choice(kind: str, source: str | None, served: ServedVllm, cache: Path) -> ProxyChoice:
+def proxy_choice(
+    kind: str,
+    source: str | None,
+    served: ServedVllm,
+    cache: Path,
+    registration: str = STATIC_REGISTRATION,
+) -> ProxyChoice:
     """The proxy under test, its files in place (fetched once per release) for `vllm`."""
     if kind != VLLM_PROXY:
         return ProxyChoice(kind)
@@ -66,7 +78,19 @@ def proxy_choice(kind: str, source: str | None, served: ServedVllm, cache: Path)
                 "pass --vllm-source DIR"
             )
         files = cached_or_fetched(served.version, cache, interpreter)
-    return ProxyChoice(VLLM_PROXY, files.directory, files.origin, tuple(interpreter))
+    if registration == DYNAMIC_REGISTRATION:
+        check_dynamic_registration(files.directory / EPD_PROXY_FILE, files.origin)
+    return ProxyChoice(VLLM_PROXY, files.directory, files.origin, tuple(interpreter), registration)
+
+
+def check_dynamic_registration(proxy_file: Path, origin: str) -> None:
+    """Refuse --proxy-registration dynamic for a release whose EPD proxy lacks the mode (it
+    appeared in vLLM's proxy later than EPD itself)."""
+    if DYNAMIC_REGISTRATION_FLAG not in proxy_file.read_text(errors="replace"):
+        raise BadInput(
+            f"--proxy-registration dynamic: this release's {EPD_PROXY_FILE} ({origin}) has no "
+            f"{DYNAMIC_REGISTRATION_FLAG}; use static registration"
+        )
 
 
 def release_version(version: str) -> str:

@@ -23,7 +23,13 @@ from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.session import TopologySession
 from harness.spec.generations import NEWEST, generation_for
 from harness.spec.platforms import get_platform
-from harness.spec.settings import HARNESS_PROXY, ProxyChoice, RunSettings, ServedVllm
+from harness.spec.settings import (
+    HARNESS_PROXY,
+    STATIC_REGISTRATION,
+    ProxyChoice,
+    RunSettings,
+    ServedVllm,
+)
 from harness.spec.topology import ServingConfig, get_topology
 
 log = logging.getLogger(__name__)
@@ -71,6 +77,11 @@ class Bundle:
     def proxy_kind(self) -> str:
         """The proxy under test of the bundle's run (bundles from before issue 9: harness)."""
         return (self.run.get("proxy") or {}).get("kind") or HARNESS_PROXY
+
+    @property
+    def proxy_registration(self) -> str:
+        """How vLLM's proxy learned the instances in the bundle's run (before: static)."""
+        return (self.run.get("proxy") or {}).get("registration") or STATIC_REGISTRATION
 
     def pick_case(self, wanted: str | None) -> ReproCase:
         """The named case (`TOPOLOGY:PROMPT`), else the first that failed its policy."""

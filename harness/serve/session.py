@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 import shutil
 import socket
 import time
@@ -31,10 +32,10 @@ from harness.serve.ports import PortLease, lease_devices, reserve_ports
 from harness.serve.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer, RequestTrace
 from harness.serve.proxy_protocol import collect_media
 from harness.serve.tap import TapRecord, TapSet, TapTarget
-from harness.serve.vllm_proxy import vllm_proxy_launch
+from harness.serve.vllm_proxy import register_instances, registrations, vllm_proxy_launch
 from harness.spec.instances import InstanceSpec
 from harness.spec.placement import place_instances, side_channel_port_count
-from harness.spec.settings import VLLM_PROXY, RunSettings
+from harness.spec.settings import DYNAMIC_REGISTRATION, VLLM_PROXY, RunSettings
 from harness.spec.topology import Role, Topology
 
 LOG_TAIL_LINES = 40
@@ -230,20 +231,18 @@ class TopologySession:
         self.tap_urls = {spec.url: self._taps.urls[spec.name] for spec in self.instances}
 
     def _start_vllm_proxy(self) -> None:
-        """The served release's own proxy, pointed at the taps, managed like an instance."""
+        """The served release's own proxy, pointed at the taps, managed like an instance; with
+        dynamic registration it starts empty and each tap URL is registered once it answers."""
         choice = self.settings.proxy
         assert choice.files_dir is not None and choice.interpreter, "preflight sets them"
         lease = reserve_ports(1)[0]
         self._leases.append(lease)
         routes = routes_for(self.instances, self.tap_urls)
+        urls = (list(routes.encoder_urls), list(routes.prefill_urls), list(routes.decode_urls))
+        dynamic = choice.registration == DYNAMIC_REGISTRATION
+        admin_key = secrets.token_hex(16) if dynamic else None
         launch = vllm_proxy_launch(
-            choice.interpreter,
-            choice.files_dir,
-            LOOPBACK_HOST,
-            lease.port,
-            list(routes.encoder_urls),
-            list(routes.prefill_urls),
-            list(routes.decode_urls),
+            choice.interpreter, choice.files_dir, LOOPBACK_HOST, lease.port, *urls, admin_key
         )
         url = f"http://{LOOPBACK_HOST}:{lease.port}"
         command = ServerCommand(
@@ -251,12 +250,18 @@ class TopologySession:
             argv=launch.argv,
             health_url=f"{url}{launch.health_path}",
             log_path=log_path_for(self.dir, f"{self.topology.name}/vllm-proxy"),
+            env=launch.env,
         )
         write_text_atomic(command.log_path.with_suffix(".cmd.json"), command_json(command))
         server = ManagedServer(command, port_lease=lease)
         self._vllm_proxy = server
         server.start()
         server.wait_until_ready(PROXY_STARTUP_TIMEOUT_S)
+        if admin_key is not None:
+            roster = register_instances(url, admin_key, registrations(*urls))
+            write_text_atomic(
+                command.log_path.with_suffix(".instances.json"), json.dumps(roster, indent=2)
+            )
         self.entry_url = url
 
     def close(self) -> None:

@@ -36,6 +36,11 @@ class ServedVllm:
 HARNESS_PROXY = "harness"
 VLLM_PROXY = "vllm"
 PROXY_KINDS = (HARNESS_PROXY, VLLM_PROXY)
+# How vLLM's EPD proxy learns the instances: URLs on its command line, or started empty with
+# `--dynamic-registration` and each instance registered through its admin API.
+STATIC_REGISTRATION = "static"
+DYNAMIC_REGISTRATION = "dynamic"
+REGISTRATION_MODES = (STATIC_REGISTRATION, DYNAMIC_REGISTRATION)
 
 
 @dataclass(frozen=True)
@@ -48,12 +53,14 @@ class ProxyChoice:
     files_dir: Path | None = None  # holds the vLLM release's proxy files (kind "vllm")
     origin: str = ""  # where they came from: the sdist's URL and sha256, or the checkout
     interpreter: tuple[str, ...] = ()  # the served vLLM's Python, which runs them
+    registration: str = STATIC_REGISTRATION  # kind "vllm" only
 
     def to_json(self) -> dict[str, str | None]:
         return {
             "kind": self.kind,
             "files_dir": str(self.files_dir) if self.files_dir else None,
             "origin": self.origin,
+            "registration": self.registration,
         }
 
 
