@@ -112,10 +112,13 @@ def test_dynamic_registration_matches(dynamic_registration_sweep) -> None:
     commands = assert_matches_with_transfers_seen_at_the_taps(
         dynamic_registration_sweep, "1E+1P+1D", "image"
     )
-    (command,) = commands
+    # 1P+1D, the reference of 1E+1P+1D, runs the toy proxy with static URLs.
+    (command,) = [c for c in commands if any(a.endswith(EPD_PROXY_NAME) for a in c["argv"])]
     assert "--dynamic-registration" in command["argv"], command["argv"]
     assert not [a for a in command["argv"] if a.endswith("-servers-urls")], command["argv"]
     assert command["env"].get("ADMIN_API_KEY") == "[redacted]", command["env"]
-    (roster_file,) = dynamic_registration_sweep.settings.run_dir.rglob("*vllm-proxy.instances.json")
+    (roster_file,) = list(
+        dynamic_registration_sweep.settings.run_dir.rglob("*vllm-proxy.instances.json")
+    )
     roster = json.loads(roster_file.read_text())
     assert [len(roster[role]["live"]) for role in ("encode", "prefill", "decode")] == [1, 1, 1]

@@ -332,12 +332,12 @@ def test_dynamic_registration_is_refused_where_it_would_be_ignored(tmp_path: Pat
         prepare_run(RunRequest(proxy_registration="dynamic", count_tokens=False))
     with pytest.raises(BadInput, match="--proxy-registration sometimes"):
         prepare_run(RunRequest(proxy_registration="sometimes", count_tokens=False))
-    with pytest.raises(BadInput, match="1P\\+1D .*toy P/D proxy"):
+    with pytest.raises(BadInput, match="none of 1P\\+1D has an encoder"):
         prepare_run(
             RunRequest(
                 proxy="vllm",
                 proxy_registration="dynamic",
-                topologies=("1E+1PD", "1P+1D"),
+                topologies=("1P+1D",),
                 count_tokens=False,
             )
         )

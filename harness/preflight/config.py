@@ -114,14 +114,14 @@ def prepare_run(request: RunRequest) -> RunConfig:
         topology_names = list(request.topologies) or list(EPD_TOPOLOGY_NAMES)
         prompt_names = list(request.prompts)
     topologies = names.check_topologies(topology_names)
-    if request.proxy_registration == DYNAMIC_REGISTRATION:
-        static_only = [t.name for t in topologies if not t.is_baseline and not t.has_ec_transfer]
-        if static_only:
-            raise BadInput(
-                f"--proxy-registration dynamic: {', '.join(static_only)} run(s) vLLM's toy "
-                f"P/D proxy, which takes only static URLs; choose topologies with encoders "
-                f"(e.g. --topology 1E+1PD,1E+1P+1D)"
-            )
+    if request.proxy_registration == DYNAMIC_REGISTRATION and not any(
+        t.has_ec_transfer for t in topologies
+    ):
+        raise BadInput(
+            f"--proxy-registration dynamic registers instances with vLLM's EPD proxy, and "
+            f"none of {', '.join(t.name for t in topologies)} has an encoder (1P+1D runs the "
+            f"toy P/D proxy, which takes only static URLs); add 1E+1PD or 1E+1P+1D"
+        )
     if request.kv_connector is not None and not any(t.has_kv_transfer for t in topologies):
         raise BadInput(
             f"--kv-connector moves KV from P to D, and none of "

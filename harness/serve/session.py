@@ -232,14 +232,16 @@ class TopologySession:
 
     def _start_vllm_proxy(self) -> None:
         """The served release's own proxy, pointed at the taps, managed like an instance; with
-        dynamic registration it starts empty and each tap URL is registered once it answers."""
+        dynamic registration the EPD proxy starts empty and each tap URL is registered once it
+        answers."""
         choice = self.settings.proxy
         assert choice.files_dir is not None and choice.interpreter, "preflight sets them"
         lease = reserve_ports(1)[0]
         self._leases.append(lease)
         routes = routes_for(self.instances, self.tap_urls)
         urls = (list(routes.encoder_urls), list(routes.prefill_urls), list(routes.decode_urls))
-        dynamic = choice.registration == DYNAMIC_REGISTRATION
+        # The toy P/D proxy (no encoders) has only static URLs: 1P+1D keeps them.
+        dynamic = choice.registration == DYNAMIC_REGISTRATION and bool(routes.encoder_urls)
         admin_key = secrets.token_hex(16) if dynamic else None
         launch = vllm_proxy_launch(
             choice.interpreter, choice.files_dir, LOOPBACK_HOST, lease.port, *urls, admin_key
