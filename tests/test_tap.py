@@ -21,7 +21,7 @@ from aiohttp import web
 
 from harness.judge.guards import TransferEvidence, check_consumer_embeds, check_encoder_output
 from harness.serve.proxy import ProxyFaults
-from harness.serve.tap import TapSet, TapTarget
+from harness.serve.tap import TapRecord, TapSet, TapTarget, records_of
 
 pytestmark = pytest.mark.process
 
@@ -217,3 +217,21 @@ def test_other_paths_pass_through_unrecorded(fakes: dict[str, Any]) -> None:
         with DIRECT.open(f"{taps.urls['x/pd']}/health", timeout=10) as response:
             assert response.status == 200
         assert taps.records == []
+
+
+def test_records_of_one_request_leave_out_requests_in_flight_beside_it() -> None:
+    def record(seq: int, request_id: str | None) -> TapRecord:
+        return TapRecord(seq, "1E+1PD/encoder0", "encoder", "/v1/chat/completions", request_id)
+
+    window = [
+        record(0, "req-a:0:encode"),
+        record(1, "req-b:0:1f2e3d"),  # vLLM's proxy: <parent>:<item>:<random>
+        record(2, "req-a"),
+        record(3, "req-b"),
+        record(4, "req-ab"),  # a request whose id merely starts with "req-a"
+    ]
+    assert [r.seq for r in records_of(window, "req-a")] == [0, 2]
+    assert [r.seq for r in records_of(window, "req-b")] == [1, 3]
+    # A proxy that sets its own ids (vLLM's toy P/D proxy): the window is all there is.
+    theirs = [record(5, "3f1c"), record(6, None)]
+    assert records_of(theirs, "req-a") == theirs

@@ -336,7 +336,7 @@ class TopologySession:
         if self.proxy is not None:
             outcome.trace = self.proxy.traces.get(request_id)
         if self._taps is not None:
-            outcome.taps = self._taps.since(tap_mark)
+            outcome.taps = self._taps.of_request(tap_mark, request_id)
         self._sample_memory()
         return outcome
 

@@ -102,6 +102,23 @@ class TapRecord:
         return dict(self.__dict__)
 
 
+def records_of(records: list[TapRecord], request_id: str) -> list[TapRecord]:
+    """The records the proxy made for client request `request_id`, among `records`.
+
+    Requests in flight together (the matrix's concurrency scenario) share a time window, so the
+    window alone would hand each request the others' encoder calls. Both EPD proxies pass the
+    client's `x-request-id` on: as is to P, D and PD, as `<id>:<item>:<suffix>` to encoders.
+    A proxy that sets ids of its own (vLLM's toy P/D proxy) leaves nothing to match; then the
+    window is all there is, which is exact for requests sent one at a time.
+    """
+    mine = [
+        r
+        for r in records
+        if r.request_id == request_id or (r.request_id or "").startswith(f"{request_id}:")
+    ]
+    return mine or records
+
+
 def is_metadata_only(part: dict[str, Any]) -> bool:
     """An `*_embeds` part carrying the encoder's metadata (a dict), not tensors (a string)."""
     kind = part.get("type")
@@ -239,6 +256,10 @@ class TapSet:
     def since(self, mark: int) -> list[TapRecord]:
         with self._lock:
             return [r for r in self.records if r.seq >= mark]
+
+    def of_request(self, mark: int, request_id: str) -> list[TapRecord]:
+        """What the instances received for one client request sent after `mark`."""
+        return records_of(self.since(mark), request_id)
 
     def _new_record(self, target: TapTarget, path: str, request_id: str | None) -> TapRecord:
         with self._lock:
