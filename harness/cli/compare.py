@@ -1,0 +1,59 @@
+"""`epd-harness compare RUN_A RUN_B`: two runs of the same cases, tokens and instance calls.
+
+Made for judging vLLM's own proxy against the harness's (`run --proxy harness` and `run --proxy
+vllm` over the same cases, then compare), but any two bundles of the same cases will do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from harness.errors import EXIT_FAILED, EXIT_OK, BadInput
+from harness.report.proxy_diff import diff_runs, format_diff, unpaired_cases
+
+RESPONSES_FILE = "responses.json"
+
+
+def read_responses(run_dir: str) -> dict[str, Any]:
+    path = Path(run_dir) / RESPONSES_FILE
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BadInput(f"{path} does not exist: not a run directory of 'epd-harness run'") from None
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"{path} cannot be read: {exc}") from None
+
+
+def proxy_label(run_dir: str) -> str:
+    """The run's proxy under test (run.json), to head the columns; the directory otherwise."""
+    try:
+        run = json.loads((Path(run_dir) / "run.json").read_text(encoding="utf-8"))
+        kind = (run.get("proxy") or {}).get("kind")
+    except (OSError, ValueError):
+        kind = None
+    return f"{kind} ({Path(run_dir).name})" if kind else Path(run_dir).name
+
+
+def command_compare(args: argparse.Namespace) -> int:
+    first, second = read_responses(args.first), read_responses(args.second)
+    diffs = diff_runs(first, second)
+    if not diffs:
+        raise BadInput(f"{args.first} and {args.second} hold no case in common")
+    print(format_diff(diffs, proxy_label(args.first), proxy_label(args.second)))
+    for line in unpaired_cases(first, second):
+        print(f"not compared: {line}")
+    return EXIT_OK if all(diff.same for diff in diffs) else EXIT_FAILED
+
+
+def add_compare_parser(sub: argparse._SubParsersAction) -> None:
+    compare = sub.add_parser(
+        "compare",
+        help="two runs of the same cases (e.g. --proxy harness and --proxy vllm): tokens and "
+        "what every instance was sent; exit 1 if anything differs",
+    )
+    compare.add_argument("first", help="a run directory")
+    compare.add_argument("second", help="another run directory with the same cases")
+    compare.set_defaults(func=command_compare)

@@ -1,0 +1,139 @@
+"""Two runs of the same cases side by side: what differs between two proxies under test.
+
+`--proxy harness` and `--proxy vllm` on the same cases should give the same tokens, and the
+instances should be sent the same calls; where they are not, the difference is what a reader
+has to explain (vLLM 0.32's proxy, for one, retries decode after a 500). Both runs' evidence
+comes from the taps in front of the instances, so it is the same kind of evidence whichever
+proxy served. Request ids and uuids differ by design and are left out; so is the order in which
+calls of requests in flight together reached an instance.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+BASELINE_GROUP = "baseline"
+
+
+@dataclass(frozen=True)
+class InstanceCall:
+    """One chat call an instance received, as far as it can differ between proxies."""
+
+    instance: str  # the instance's name within its topology, e.g. "encoder0"
+    part_types: tuple[str, ...]
+    metadata_only: tuple[bool, ...]
+    sent_ec_params: bool
+    sent_kv_params: bool
+    status: int | None
+    ec_entries_answered: int
+    prompt_tokens: int | None
+
+    @classmethod
+    def from_tap(cls, tap: dict[str, Any]) -> InstanceCall:
+        return cls(
+            instance=str(tap.get("instance", "?")).rsplit("/", 1)[-1],
+            part_types=tuple(tap.get("part_types") or ()),
+            metadata_only=tuple(tap.get("metadata_only") or ()),
+            sent_ec_params=bool(tap.get("sent_ec_transfer_params")),
+            sent_kv_params=bool(tap.get("sent_kv_transfer_params")),
+            status=tap.get("status"),
+            ec_entries_answered=len(tap.get("ec_transfer_params") or {}),
+            prompt_tokens=(tap.get("usage") or {}).get("prompt_tokens"),
+        )
+
+    def describe(self) -> str:
+        parts = ",".join(
+            f"{kind}{'(meta)' if meta else ''}"
+            for kind, meta in zip(self.part_types, self.metadata_only + (False,) * 99)
+        )
+        sent = "+".join(
+            name for name, on in (("ec", self.sent_ec_params), ("kv", self.sent_kv_params)) if on
+        )
+        return (
+            f"{self.instance}[{parts or 'text'}{' ' + sent if sent else ''}]"
+            f"->{self.status if self.status is not None else 'no answer'}"
+        )
+
+
+@dataclass(frozen=True)
+class CaseDiff:
+    group: str  # the responses.json group: a topology, or "matrix:<scenario>"
+    prompt: str
+    tokens: str  # "equal", "differ at N", or why they cannot be compared
+    only_first: tuple[InstanceCall, ...]
+    only_second: tuple[InstanceCall, ...]
+
+    @property
+    def same(self) -> bool:
+        return self.tokens == "equal" and not self.only_first and not self.only_second
+
+
+def calls_of(outcome: dict[str, Any]) -> Counter[InstanceCall]:
+    return Counter(InstanceCall.from_tap(tap) for tap in outcome.get("taps") or ())
+
+
+def compare_tokens(first: dict[str, Any], second: dict[str, Any]) -> str:
+    a = (first.get("result") or {}).get("token_ids")
+    b = (second.get("result") or {}).get("token_ids")
+    if a is None or b is None:
+        sides = [name for name, ids in (("first", a), ("second", b)) if ids is None]
+        return f"no tokens on the {' and '.join(sides)} run"
+    if a == b:
+        return "equal"
+    index = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"differ at {index}"
+
+
+def diff_runs(first: dict[str, Any], second: dict[str, Any]) -> list[CaseDiff]:
+    """Every case both runs' responses.json hold ({group: {prompt: outcome}}), baseline aside."""
+    diffs = []
+    for group in sorted(set(first) & set(second) - {BASELINE_GROUP}):
+        for prompt in sorted(set(first[group]) & set(second[group])):
+            a, b = first[group][prompt], second[group][prompt]
+            calls_a, calls_b = calls_of(a), calls_of(b)
+            diffs.append(
+                CaseDiff(
+                    group,
+                    prompt,
+                    compare_tokens(a, b),
+                    tuple(sorted((calls_a - calls_b).elements(), key=repr)),
+                    tuple(sorted((calls_b - calls_a).elements(), key=repr)),
+                )
+            )
+    return diffs
+
+
+def unpaired_cases(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
+    """Cases only one run holds: a comparison that silently skipped them would look complete."""
+    names = []
+    for run, other, label in ((first, second, "first"), (second, first, "second")):
+        for group, cases in run.items():
+            if group == BASELINE_GROUP:
+                continue
+            for prompt in cases:
+                if prompt not in other.get(group, {}):
+                    names.append(f"{group} / {prompt}: only in the {label} run")
+    return names
+
+
+def format_diff(diffs: list[CaseDiff], first: str, second: str) -> str:
+    lines = [
+        f"| case | tokens | calls only with {first} | calls only with {second} |",
+        "|---|---|---|---|",
+    ]
+    for diff in diffs:
+        lines.append(
+            f"| {diff.group} / {diff.prompt} | {diff.tokens} | "
+            f"{'; '.join(c.describe() for c in diff.only_first) or '-'} | "
+            f"{'; '.join(c.describe() for c in diff.only_second) or '-'} |"
+        )
+    same = sum(diff.same for diff in diffs)
+    lines.append("")
+    lines.append(
+        f"{same}/{len(diffs)} cases: equal tokens and the same calls at every instance "
+        f"(part types, metadata-only, EC/KV params sent, status, EC entries answered, "
+        f"prompt tokens)"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,93 @@
+"""Comparing two runs of the same cases (harness/report/proxy_diff.py, `epd-harness compare`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.cli.main import main
+from harness.report.proxy_diff import diff_runs, format_diff, unpaired_cases
+
+
+def tap(instance: str, parts: list[str], meta: list[bool], status: int | None = 200) -> dict:
+    return {
+        "instance": f"1E+1P+1D/{instance}",
+        "part_types": parts,
+        "metadata_only": meta,
+        "sent_ec_transfer_params": {"h": {}} if any(meta) else None,
+        "sent_kv_transfer_params": None,
+        "status": status,
+        "request_id": "differs-by-design",
+        "uuids": ["also-differs"],
+    }
+
+
+def outcome(tokens: list[int] | None, taps: list[dict]) -> dict[str, Any]:
+    return {"result": {"token_ids": tokens} if tokens is not None else None, "taps": taps}
+
+
+ENCODE = tap("encoder0", ["image_url"], [False])
+DECODE = tap("decode0", ["image_embeds"], [True])
+
+
+def test_same_tokens_and_calls_are_the_same_case_whatever_the_ids() -> None:
+    first = {"baseline": {}, "1E+1P+1D": {"image": outcome([1, 2, 3], [ENCODE, DECODE])}}
+    second = {"1E+1P+1D": {"image": outcome([1, 2, 3], [DECODE, dict(ENCODE, uuids=["x"])])}}
+    (diff,) = diff_runs(first, second)
+    assert diff.same, diff
+
+
+def test_a_retry_shows_as_calls_only_one_proxy_made() -> None:
+    failed = dict(DECODE, status=500)
+    first = {"t": {"p": outcome(None, [ENCODE, failed])}}
+    second = {"t": {"p": outcome(None, [ENCODE, failed, ENCODE, dict(DECODE, status=None)])}}
+    (diff,) = diff_runs(first, second)
+    assert not diff.same
+    assert diff.only_first == ()
+    assert [c.describe() for c in diff.only_second] == [
+        "decode0[image_embeds(meta) ec]->no answer",
+        "encoder0[image_url]->200",
+    ]
+    assert "no tokens on the first and second run" in diff.tokens
+
+
+def test_tokens_that_differ_say_where() -> None:
+    first = {"t": {"p": outcome([1, 2, 3], [])}}
+    second = {"t": {"p": outcome([1, 9, 3], [])}}
+    (diff,) = diff_runs(first, second)
+    assert diff.tokens == "differ at 1" and not diff.same
+    table = format_diff([diff], "harness", "vllm")
+    assert "| t / p | differ at 1 | - | - |" in table
+    assert "0/1 cases" in table
+
+
+def test_cases_only_one_run_holds_are_named() -> None:
+    first = {"t": {"p": outcome([1], []), "q": outcome([1], [])}}
+    second = {"t": {"p": outcome([1], [])}, "u": {"r": outcome([1], [])}}
+    assert unpaired_cases(first, second) == [
+        "t / q: only in the first run",
+        "u / r: only in the second run",
+    ]
+
+
+def write_run(path: Path, responses: dict, proxy: str) -> str:
+    path.mkdir()
+    (path / "responses.json").write_text(json.dumps(responses))
+    (path / "run.json").write_text(json.dumps({"proxy": {"kind": proxy}}))
+    return str(path)
+
+
+def test_the_command_exits_1_on_a_difference_and_0_without(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a = write_run(tmp_path / "a", {"t": {"p": outcome([1], [ENCODE])}}, "harness")
+    b = write_run(tmp_path / "b", {"t": {"p": outcome([1], [ENCODE])}}, "vllm")
+    c = write_run(tmp_path / "c", {"t": {"p": outcome([2], [ENCODE])}}, "vllm")
+    assert main(["compare", a, b]) == 0
+    assert "calls only with harness (a)" in capsys.readouterr().out
+    assert main(["compare", a, c]) == 1
+    assert main(["compare", a, str(tmp_path / "missing")]) == 2
+    assert "not a run directory" in capsys.readouterr().err
