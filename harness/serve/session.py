@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.environment import LOOPBACK_HOST
 from harness.files import write_text_atomic
@@ -36,6 +36,9 @@ from harness.spec.instances import InstanceSpec
 from harness.spec.placement import place_instances, side_channel_port_count
 from harness.spec.settings import VLLM_PROXY, RunSettings
 from harness.spec.topology import Role, Topology
+
+if TYPE_CHECKING:
+    from harness.serve.attached import AttachedEvidence
 
 LOG_TAIL_LINES = 40
 LOG_SLICE_LINES = 30  # error lines kept from an instance's log of one request
@@ -60,6 +63,8 @@ class Outcome:
     # D's KV counters, after minus before the request (harness.serve.kv_metrics); None without
     # a D, or when its /metrics could not be read.
     kv_counters: dict[str, float] | None = None
+    # An attached deployment's (--proxy attach): what could be seen from outside it.
+    attached: AttachedEvidence | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -71,6 +76,7 @@ class Outcome:
             "media_count": self.media_count,
             "seconds": round(self.seconds, 3),
             "kv_counters": self.kv_counters,
+            "attached": self.attached.to_json() if self.attached else None,
         }
 
 
