@@ -147,16 +147,27 @@ def test_encoder_output_holds_when_every_item_left_an_ec_file() -> None:
     assert consumer.evidence.startswith("not checkable: ")
 
 
-def test_encoder_output_fails_on_missing_files_and_says_why_when_the_storage_was_used() -> None:
-    stale = AttachedEvidence(
-        media_items=2, ec_storage="/ec", ec_files_before=5, ec_files_written=["a"]
+def test_encoder_output_fails_without_files_or_encoder_requests() -> None:
+    missing = AttachedEvidence(media_items=2, ec_storage="/ec", ec_files_written=["a"])
+    guard = guards_of("1E+1PD", missing)["encoder_output"]
+    assert (
+        guard.failed and "1 EC file(s) written" in guard.evidence and "(0 there" in guard.evidence
     )
-    guard = guards_of("1E+1PD", stale)["encoder_output"]
-    assert guard.failed and "not encoded again" in guard.evidence
     idle = AttachedEvidence(
         media_items=1, ec_storage="/ec", ec_files_written=["a"], encoder_requests=0.0
     )
     assert guards_of("1E+1PD", idle)["encoder_output"].failed  # somebody else wrote it
+
+
+def test_a_storage_that_saw_the_media_before_makes_the_encoder_guard_unchecked() -> None:
+    """Judged twice, a deployment's encoder loads the items it stored the first time: no new
+    file, and nothing outside tells which stored file is which item's."""
+    stale = AttachedEvidence(
+        media_items=2, ec_storage="/ec", ec_files_before=5, ec_files_written=[], encoder_requests=1
+    )
+    guard = guards_of("1E+1PD", stale)["encoder_output"]
+    assert not guard.checkable and not guard.ok and not guard.failed
+    assert "not encoded again" in guard.evidence and "(5 there before)" in guard.evidence
 
 
 def test_without_ec_storage_the_encoder_guard_is_not_checkable() -> None:

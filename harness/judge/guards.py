@@ -276,12 +276,14 @@ def check_transfers(
 
 
 def check_encoder_files(evidence: AttachedEvidence) -> GuardResult:
-    """Attach mode's `encoder_output`: every distinct media item of the request left an EC
-    file in the storage during the request (a new or rewritten
-    `<mm_hash>/encoder_cache.safetensors`), and the encoders' /metrics counted the requests
-    they finished. An item whose file was already there is not encoded again (vLLM loads the
-    file), so a storage that saw these media before shows fewer files: this request then did
-    not exercise the encoder for them, and the guard says so."""
+    """Attach mode's `encoder_output`: the encoders' /metrics counted the requests they
+    finished, and every distinct media item of the request left an EC file in the storage
+    during the request (a new or rewritten `<mm_hash>/encoder_cache.safetensors`).
+
+    vLLM does not encode an item whose file already exists (it loads the file), and which file
+    is which item's cannot be told from outside. So when fewer files were written than items
+    and the storage already held files, the guard is not checkable (a deployment judged twice
+    has seen these media before), never held; on a storage that held none it fails."""
     if evidence.ec_storage is None:
         return not_checkable(
             "encoder_output",
@@ -290,7 +292,6 @@ def check_encoder_files(evidence: AttachedEvidence) -> GuardResult:
         )
     written = len(evidence.ec_files_written)
     served = evidence.encoder_requests
-    ok = written >= evidence.media_items and (served is None or served >= 1)
     text = (
         f"{evidence.media_items} media item(s); {written} EC file(s) written under "
         f"{evidence.ec_storage} during the request ({evidence.ec_files_before} there before)"
@@ -300,12 +301,16 @@ def check_encoder_files(evidence: AttachedEvidence) -> GuardResult:
         if served is None
         else f"; the encoders finished {served:g} request(s) (their /metrics)"
     )
-    if written < evidence.media_items and evidence.ec_files_before:
-        text += (
-            "; an item whose EC file already exists is not encoded again: judge with an EC "
-            "storage that has not seen these media"
+    if served == 0 or (written < evidence.media_items and not evidence.ec_files_before):
+        return GuardResult("encoder_output", False, text)
+    if written < evidence.media_items:
+        return not_checkable(
+            "encoder_output",
+            f"{text}; an item whose EC file already exists is not encoded again, and which "
+            "file is which item's cannot be told from here: judge with an EC storage that "
+            "has not seen these media",
         )
-    return GuardResult("encoder_output", ok, text)
+    return GuardResult("encoder_output", True, text)
 
 
 def attached_guards(
