@@ -6,9 +6,10 @@ the attach file it writes), then judges it with a second, separate `epd-harness 
 FILE` that launches nothing: no server command file in its run directory, no instance in its
 summary, and no new `vllm serve` process while it ran (sampled every 0.2 s). Its verdicts must
 equal those of a normal run of the same prompts, with the encoder guard checked from the EC
-files and the consumer guard reported as not checkable. Then one instance's process group is
-SIGKILLed, and the next attach run must end within seconds, every case an ERROR whose detail
-names that instance, its role and its URL.
+files and the consumer guard reported as not checkable. Judged a second time, the EC storage
+has seen the media and the encoder guard turns not checkable too (never held, never failed).
+Then one instance's process group is SIGKILLed, and the next attach run must end within
+seconds, every case an ERROR whose detail names that instance, its role and its URL.
 """
 
 from __future__ import annotations
@@ -156,6 +157,21 @@ def test_attach_judges_a_kept_up_topology_like_a_normal_run(
             assert encoder["ok"] and "EC file(s) written under" in encoder["evidence"], encoder
             assert case["guards"]["consumer_embeds"]["not_checkable"], case["guards"]
         assert "guards NOT CHECKED" in out, out[-2000:]
+
+        # Judged again: the EC storage has seen these media, so the encoder loads them rather
+        # than encoding again, and which stored file is which item's cannot be told from here.
+        code, summary, took = attach_run(epd_config, attach_file, run_dir / "again", cache)
+        out = capsys.readouterr().out
+        with capsys.disabled():
+            print(f"[attach] second attach run: exit {code} in {took:.1f}s")
+        assert code == EXIT_OK, out[-4000:]
+        cases = summary["cases"]
+        assert [(c["prompt"], c["reference"], c["verdict"]) for c in cases] == expected, out
+        for case in cases:
+            if case["prompt"] != "text":
+                encoder = case["guards"]["encoder_output"]
+                assert encoder.get("not_checkable"), encoder
+                assert "not encoded again" in encoder["evidence"], encoder
 
         pgid = session.server(Role.PREFILL_DECODE).pgid
         assert pgid is not None
