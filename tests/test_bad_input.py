@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import socket
@@ -247,6 +248,195 @@ def test_good_cases_file_is_read_in_order(tmp_path: Path) -> None:
         names.RequestedCase("1E+1P+1D", "video"),
         names.RequestedCase("1P+1D", "text"),
     )
+
+
+# -- attach mode: the attach file, and flags attach mode would ignore -------------------------
+
+GOOD_ATTACH = {
+    "proxy": "http://127.0.0.1:8000",
+    "instances": [
+        {"role": "encoder", "url": "http://127.0.0.1:8001"},
+        {"role": "pd", "url": "http://127.0.0.1:8002"},
+    ],
+}
+ENCODER = {"role": "encoder", "url": "http://127.0.0.1:8001"}
+PD = {"role": "pd", "url": "http://127.0.0.1:8002"}
+ATTACH_ROLES = "roles: encoder, pd, prefill, decode"
+ATTACH_TOPOLOGIES = (
+    "1E+1PD = encoder, pd; 1P+1D = prefill, decode; 1E+1P+1D = encoder, prefill, decode; "
+    "2E+1PD = encoder x2, pd"
+)
+
+
+@pytest.fixture
+def attach_file(tmp_path: Path) -> Path:
+    path = tmp_path / "attach.json"
+    path.write_text(json.dumps(GOOD_ATTACH))
+    return path
+
+
+MALFORMED_ATTACH_FILES = [
+    ("list.json", [ENCODER, PD], "expected a mapping with proxy and instances, got a list"),
+    (
+        "typo.json",
+        {**GOOD_ATTACH, "ec_storge": "/mnt/ec"},
+        "unknown field 'ec_storge' (fields: topology, proxy, instances, ec_storage, kv_connector)",
+    ),
+    (
+        "no-proxy.json",
+        {"instances": [ENCODER, PD]},
+        "no 'proxy': the URL the EPD requests are sent to",
+    ),
+    (
+        "proxy-path.json",
+        {**GOOD_ATTACH, "proxy": "http://127.0.0.1:8000/v1"},
+        "'proxy' 'http://127.0.0.1:8000/v1' has a path; give the server's root, e.g. "
+        "http://127.0.0.1:8000",
+    ),
+    (
+        "proxy-host.json",
+        {**GOOD_ATTACH, "proxy": "127.0.0.1:8000"},
+        "'proxy' '127.0.0.1:8000' is not an http(s) URL such as http://10.0.0.5:8000",
+    ),
+    (
+        "no-port.json",
+        {**GOOD_ATTACH, "proxy": "http://proxy.internal"},
+        "'proxy' 'http://proxy.internal' names no port",
+    ),
+    (
+        "no-instances.json",
+        {"proxy": "http://127.0.0.1:8000"},
+        "no 'instances': list each instance's role and url",
+    ),
+    (
+        "empty.json",
+        {**GOOD_ATTACH, "instances": []},
+        "'instances' must list {role, url} mappings, got an empty list",
+    ),
+    (
+        "role.json",
+        {
+            **GOOD_ATTACH,
+            "instances": [ENCODER, {"role": "prefill_decode", "url": "http://h:1"}],
+        },
+        f"instance 2: unknown role 'prefill_decode' ({ATTACH_ROLES})",
+    ),
+    (
+        "baseline.json",
+        {**GOOD_ATTACH, "instances": [{"role": "baseline", "url": "http://h:1"}]},
+        f"instance 1: unknown role 'baseline' ({ATTACH_ROLES})",
+    ),
+    (
+        "no-url.json",
+        {**GOOD_ATTACH, "instances": [ENCODER, {"role": "pd"}]},
+        "instance 2: no 'url'",
+    ),
+    (
+        "instance-field.json",
+        {**GOOD_ATTACH, "instances": [ENCODER, {**PD, "name": "pd-a"}]},
+        "instance 2: unknown field 'name' (fields: role, url)",
+    ),
+    (
+        "no-topology.json",
+        {**GOOD_ATTACH, "instances": [ENCODER, {"role": "decode", "url": "http://h:1"}]},
+        f"the roles encoder, decode make no known topology ({ATTACH_TOPOLOGIES})",
+    ),
+    (
+        "mismatch.json",
+        {**GOOD_ATTACH, "topology": "1E+1P+1D"},
+        "'topology' is 1E+1P+1D (encoder, prefill, decode), but the instances are "
+        "encoder, pd, which make 1E+1PD",
+    ),
+    (
+        "twice.json",
+        {**GOOD_ATTACH, "instances": [ENCODER, {**PD, "url": "http://127.0.0.1:8001/"}]},
+        "http://127.0.0.1:8001 is listed twice: every instance has its own URL",
+    ),
+    (
+        "connector.json",
+        {**GOOD_ATTACH, "kv_connector": "nixl"},
+        "'kv_connector' says how P's KV reaches D, and there is no decode instance",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "name,document,cause", MALFORMED_ATTACH_FILES, ids=[c[0] for c in MALFORMED_ATTACH_FILES]
+)
+def test_malformed_attach_file(
+    run_cli: RunCli, tmp_path: Path, name: str, document: object, cause: str
+) -> None:
+    path = tmp_path / name
+    path.write_text(json.dumps(document))
+    code, err = run_cli("--attach", str(path))
+    assert_one_error_line(code, err, f"attach file {path}: {cause}")
+
+
+def test_attach_file_missing(run_cli: RunCli, tmp_path: Path) -> None:
+    path = tmp_path / "nowhere.json"
+    code, err = run_cli("--attach", str(path))
+    assert_one_error_line(code, err, f"attach file {path}: no such file or directory: {path}")
+
+
+def test_attach_file_ec_storage_not_here(run_cli: RunCli, tmp_path: Path) -> None:
+    path = tmp_path / "attach.json"
+    path.write_text(json.dumps({**GOOD_ATTACH, "ec_storage": "/mnt/nowhere"}))
+    code, err = run_cli("--attach", str(path))
+    cause = (
+        f"attach file {path}: 'ec_storage' /mnt/nowhere is not a directory on this machine "
+        "(drop the field if the storage is not reachable from here: its guard is then not "
+        "checkable)"
+    )
+    assert_one_error_line(code, err, cause)
+
+
+def test_proxy_attach_without_a_file(run_cli: RunCli) -> None:
+    code, err = run_cli("--proxy", "attach")
+    cause = "--proxy attach judges a running deployment: name it with --attach FILE"
+    assert_one_error_line(code, err, cause)
+
+
+def test_attach_with_another_proxy(run_cli: RunCli, attach_file: Path) -> None:
+    code, err = run_cli("--attach", str(attach_file), "--proxy", "vllm")
+    cause = (
+        "--attach judges a running deployment through its own proxy; drop --proxy vllm "
+        "(or --attach)"
+    )
+    assert_one_error_line(code, err, cause)
+
+
+IGNORED_BY_ATTACH = [
+    (
+        ("--plant-fault", "corrupt-ec"),
+        "--plant-fault plants its fault in the harness's proxy or taps, and an attached "
+        "deployment has neither; drop --plant-fault (or --attach)",
+    ),
+    (
+        ("--kv-connector", "nixl"),
+        "--kv-connector sets the connector of topologies the harness launches; an "
+        "attached deployment's is the attach file's kv_connector: drop --kv-connector",
+    ),
+    (
+        ("--scenario", "all"),
+        "--scenario names topologies to launch; with --attach the deployment is the "
+        "topology: drop --scenario and choose prompts with --prompt",
+    ),
+    (
+        ("--topology", "1P+1D"),
+        "--topology 1P+1D: the attach file describes 1E+1PD, the one topology it "
+        "judges; drop --topology",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "flags,cause", IGNORED_BY_ATTACH, ids=[" ".join(c[0]) for c in IGNORED_BY_ATTACH]
+)
+def test_flags_attach_mode_would_ignore(
+    run_cli: RunCli, attach_file: Path, flags: tuple[str, ...], cause: str
+) -> None:
+    code, err = run_cli("--attach", str(attach_file), *flags)
+    assert_one_error_line(code, err, cause)
 
 
 # -- the model ----------------------------------------------------------------------------------

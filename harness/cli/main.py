@@ -52,6 +52,7 @@ from harness.spec.connectors import KV_CONNECTORS
 from harness.spec.generations import GENERATIONS_BY_NAME
 from harness.spec.platforms import DEFAULT_CPU_CORES, get_platform
 from harness.spec.prompts import SKELETON_PROMPTS
+from harness.spec.settings import ATTACH_PROXY, HARNESS_PROXY, PROXY_KINDS
 from harness.spec.topology import TOPOLOGIES
 
 log = logging.getLogger("harness")
@@ -122,9 +123,11 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         colocate=args.colocate,
         plant_fault=args.plant_fault,
         kv_connector=args.kv_connector,
-        proxy=args.proxy,
+        # --attach alone means --proxy attach; with another --proxy the preflight refuses it.
+        proxy=args.proxy or (ATTACH_PROXY if args.attach else HARNESS_PROXY),
         vllm_source=args.vllm_source,
         proxy_registration=args.proxy_registration,
+        attach=args.attach,
     )
 
 
@@ -196,6 +199,11 @@ def command_repro(args: argparse.Namespace) -> int:
     """Rerun a bundle's failing case (or --case) with its recorded flags, body and fault."""
     try:
         bundle = Bundle.load(Path(args.bundle).resolve())
+        if bundle.proxy_kind == ATTACH_PROXY:
+            raise BadInput(
+                f"{bundle.path} judged an attached deployment, which repro cannot start; "
+                "rerun 'epd-harness run --attach FILE' against it"
+            )
         run_dir = Path(args.run_dir or bundle.path.parent / f"{bundle.path.name}-repro").resolve()
         check_run_dir(run_dir)
         served = probe_served_vllm(args.vllm or default_vllm_executable())
@@ -319,10 +327,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--proxy",
-        default="harness",
-        choices=("harness", "vllm"),
-        help="the EPD proxy under test: the harness's own (default) or the served "
-        "vLLM release's (docs/proxies.md)",
+        choices=PROXY_KINDS,
+        help="the EPD proxy under test: the harness's own (default), the served "
+        "vLLM release's, or attach: a running deployment's (docs/proxies.md)",
+    )
+    run.add_argument(
+        "--attach",
+        metavar="FILE",
+        help="judge a running deployment, launching nothing of it: FILE (JSON/YAML) names "
+        "its proxy URL and each instance's role and URL; implies --proxy attach "
+        "(repro --keep-up writes one)",
     )
     run.add_argument(
         "--vllm-source",

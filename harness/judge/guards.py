@@ -17,6 +17,12 @@ holds whichever proxy is under test) and the instances' storage:
   counter for that request, read from its /metrics (`cached_tokens` is 0 under NIXL in 0.32),
   with no failed NIXL transfer. A local prefix hit alone is smaller. The evidence names the rule
   applied, so a report says which one a MATCH was held to.
+
+A deployment the harness only attached to (`--proxy attach`) has no taps: nobody stands
+between its proxy and its instances. There the guards read what can be seen from outside
+(`attached_guards`), and a guard nothing there can decide is reported as not checkable
+(`GuardResult.checkable` False): never as held, and never as failed either, since a failure
+would make every attached MATCH VACUOUS for a reason that is not the deployment's.
 """
 
 from __future__ import annotations
@@ -25,14 +31,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.serve.attached import AttachedEvidence, AttachedSession
 from harness.serve.client import ChatResult
 from harness.serve.proxy import RequestTrace
 from harness.serve.session import Outcome, TopologySession
 from harness.serve.tap import TapRecord
-from harness.spec.connectors import KvRule, expected_kv_tokens, kv_connector_for_class
+from harness.spec.connectors import (
+    EC_CACHE_FILE,
+    KvRule,
+    expected_kv_tokens,
+    kv_connector_for_class,
+)
 from harness.spec.topology import Role, Topology
 
-EC_CACHE_FILE = "encoder_cache.safetensors"
 CONSUMER_ROLES = (Role.PREFILL_DECODE.value, Role.PREFILL.value, Role.DECODE.value)
 
 
@@ -41,9 +52,23 @@ class GuardResult:
     name: str
     ok: bool
     evidence: str
+    # False: nothing where the run stands can decide this guard (attach mode); `ok` is then
+    # False too, so a reader that knows only `ok` never takes it for held.
+    checkable: bool = True
+
+    @property
+    def failed(self) -> bool:
+        return self.checkable and not self.ok
 
     def to_json(self) -> dict:
-        return {"ok": self.ok, "evidence": self.evidence}
+        data: dict = {"ok": self.ok, "evidence": self.evidence}
+        if not self.checkable:
+            data["not_checkable"] = True
+        return data
+
+
+def not_checkable(name: str, why: str) -> GuardResult:
+    return GuardResult(name, False, f"not checkable: {why}", checkable=False)
 
 
 def expected_kv_prefix(prompt_tokens: int, block_size: int) -> int:
@@ -250,11 +275,87 @@ def check_transfers(
     return guards
 
 
-def session_guards(session: TopologySession, outcome: Outcome) -> list[GuardResult]:
+def check_encoder_files(evidence: AttachedEvidence) -> GuardResult:
+    """Attach mode's `encoder_output`: the encoders' /metrics counted the requests they
+    finished, and every distinct media item of the request left an EC file in the storage
+    during the request (a new or rewritten `<mm_hash>/encoder_cache.safetensors`).
+
+    vLLM does not encode an item whose file already exists (it loads the file), and which file
+    is which item's cannot be told from outside. So when fewer files were written than items
+    and the storage already held files, the guard is not checkable (a deployment judged twice
+    has seen these media before), never held; on a storage that held none it fails."""
+    if evidence.ec_storage is None:
+        return not_checkable(
+            "encoder_output",
+            "the attach file names no ec_storage reachable from here, and the encoders' "
+            "answers are seen only between the proxy and them",
+        )
+    written = len(evidence.ec_files_written)
+    served = evidence.encoder_requests
+    text = (
+        f"{evidence.media_items} media item(s); {written} EC file(s) written under "
+        f"{evidence.ec_storage} during the request ({evidence.ec_files_before} there before)"
+    )
+    text += (
+        "; the encoders' /metrics could not be read"
+        if served is None
+        else f"; the encoders finished {served:g} request(s) (their /metrics)"
+    )
+    if served == 0 or (written < evidence.media_items and not evidence.ec_files_before):
+        return GuardResult("encoder_output", False, text)
+    if written < evidence.media_items:
+        return not_checkable(
+            "encoder_output",
+            f"{text}; an item whose EC file already exists is not encoded again, and which "
+            "file is which item's cannot be told from here: judge with an EC storage that "
+            "has not seen these media",
+        )
+    return GuardResult("encoder_output", True, text)
+
+
+def attached_guards(
+    topology: Topology,
+    evidence: AttachedEvidence,
+    result: ChatResult,
+    block_size: int,
+    kv_rule: KvRule,
+    kv_counters: dict[str, float] | None,
+) -> list[GuardResult]:
+    """The guards of a request to an attached deployment, from what is seen outside it."""
+    guards: list[GuardResult] = []
+    if topology.has_ec_transfer and evidence.media_items:
+        guards.append(check_encoder_files(evidence))
+        guards.append(
+            not_checkable(
+                "consumer_embeds",
+                "what the consumer(s) were sent is seen only between the proxy and them "
+                "(where a launched topology's taps stand); an attached deployment has no taps",
+            )
+        )
+    if topology.has_kv_transfer:
+        if kv_rule is KvRule.WHOLE_PROMPT and kv_counters is None:
+            guards.append(not_checkable("kv_transfer", "D's /metrics could not be read from here"))
+        else:
+            guards.append(check_kv_transfer(result, block_size, kv_rule, kv_counters))
+    return guards
+
+
+def session_guards(
+    session: TopologySession | AttachedSession, outcome: Outcome
+) -> list[GuardResult]:
     """The guards of one answered request, read now, while the session's storage is as the
     request left it (the sweep, the matrix and the self-test all judge through this)."""
     if outcome.result is None:
         return []
+    if outcome.attached is not None:
+        return attached_guards(
+            session.topology,
+            outcome.attached,
+            outcome.result,
+            session.settings.serving.block_size,
+            kv_rule_for(session.settings.serving.kv_connector),
+            outcome.kv_counters,
+        )
     return check_transfers(
         session.topology,
         outcome_evidence(outcome),

@@ -58,13 +58,22 @@ class CaseRecord:
     policy_passed: bool
     detail: str  # one line, e.g. TokenComparison.headline()
     divergence: dict[str, Any] | None  # Divergence.to_json()
-    guards: dict[str, dict[str, Any]]  # name -> {"ok": bool, "evidence": str}
+    # name -> {"ok": bool, "evidence": str}, plus "not_checkable": True for a guard nothing
+    # could decide (attach mode): not held, not failed (harness.judge.guards)
+    guards: dict[str, dict[str, Any]]
     timings: dict[str, float]
     error: str | None
     explanation: str = ""  # TokenComparison.describe(): the multi-line evidence
 
     def failed_guards(self) -> dict[str, dict[str, Any]]:
-        return {name: g for name, g in self.guards.items() if not g.get("ok")}
+        return {
+            name: g
+            for name, g in self.guards.items()
+            if not g.get("ok") and not g.get("not_checkable")
+        }
+
+    def unchecked_guards(self) -> dict[str, dict[str, Any]]:
+        return {name: g for name, g in self.guards.items() if g.get("not_checkable")}
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

@@ -4,7 +4,9 @@ The order of the checks is the meaning of the verdicts: a failed request is ERRO
 else holds; a baseline that disagreed with itself makes any comparison against it
 UNSTABLE_BASELINE; otherwise the tokens (and, at a divergence, the log-probs against the
 measured noise floor) decide MATCH / DRIFT / MISMATCH, and a MATCH whose
-transfer guards failed is VACUOUS (it proves nothing about EPD).
+transfer guards failed is VACUOUS (it proves nothing about EPD). A guard that could not be
+checked (attach mode) neither fails nor holds: the verdict stands on the tokens and the guards
+that were checked, and its detail names the unchecked ones.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ def judge_case(
     comparison: TokenComparison | None = None
     error = None
     if candidate.error or candidate.result is None:
-        verdict, detail, error = Verdict.ERROR, "request failed on this topology", candidate.error
+        verdict, error = Verdict.ERROR, candidate.error
+        # The error's first line names what failed (the instance that died, when one did).
+        first = (error or "").strip().splitlines()[:1]
+        detail = f"request failed: {first[0]}" if first else "request failed on this topology"
     elif reference.error or reference.result is None:
         verdict = Verdict.ERROR
         detail = f"reference {reference_name} has no result"
@@ -41,10 +46,13 @@ def judge_case(
         comparison = compare_results(reference.result, candidate.result, tolerance=drift_tolerance)
         verdict = token_verdict(comparison)
         detail = comparison.headline()
-        failed = [g for g in guards if not g.ok]
+        failed = [g for g in guards if g.failed]
+        unchecked = [g.name for g in guards if not g.checkable]
         if verdict is Verdict.MATCH and failed:
             verdict = Verdict.VACUOUS
             detail = f"tokens equal but guard failed: {failed[0].name}: {failed[0].evidence}"
+        elif unchecked:
+            detail += f"; not checkable: {', '.join(unchecked)}"
     return CaseRecord(
         topology=topology,
         prompt=candidate.prompt,

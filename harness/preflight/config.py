@@ -19,6 +19,7 @@ from pathlib import Path
 from harness.environment import cache_dir, port_range
 from harness.errors import BadInput
 from harness.preflight import files, names, resources, tokens, upstream_proxy
+from harness.preflight.attach import load_attach_file
 from harness.preflight.connectors import check_kv_connector
 from harness.preflight.model import resolve_model
 from harness.preflight.vllm import check_vllm, default_vllm_executable, served_generation
@@ -26,6 +27,7 @@ from harness.run.baseline_cache import BaselineCache
 from harness.run.faults import parse_fault
 from harness.run.goldens import GoldenStore, release_of
 from harness.run.scenarios import MATRIX, Scenario, get_scenario, matrix_prompts
+from harness.spec.attach import AttachSpec
 from harness.spec.connectors import KvConnector, get_kv_connector, kv_connector_for_class
 from harness.spec.platforms import (
     DEFAULT_CPU_CORES,
@@ -36,12 +38,14 @@ from harness.spec.platforms import (
 )
 from harness.spec.prompts import SKELETON_PROMPTS, PromptSpec, render_request
 from harness.spec.settings import (
+    ATTACH_PROXY,
     DYNAMIC_REGISTRATION,
     HARNESS_PROXY,
     PROXY_KINDS,
     REGISTRATION_MODES,
     STATIC_REGISTRATION,
     VLLM_PROXY,
+    ProxyChoice,
     RunSettings,
 )
 from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Topology, serving_for
@@ -76,9 +80,10 @@ class RunRequest:
     worker_id: str | None = None  # "gw0"...: run directories of workers stay apart
     count_tokens: bool = True  # check that every prompt fits (loads the processor once)
     kv_connector: str | None = None  # "example" or "nixl"; None: the platform's default
-    proxy: str = HARNESS_PROXY  # the EPD proxy under test: "harness" or "vllm"
+    proxy: str = HARNESS_PROXY  # the EPD proxy under test: "harness", "vllm" or "attach"
     vllm_source: str | None = None  # a vLLM checkout holding its proxy files (--proxy vllm)
     proxy_registration: str = STATIC_REGISTRATION  # how vLLM's proxy learns the instances
+    attach: str | None = None  # the attach file of a running deployment (--proxy attach)
 
 
 @dataclass(frozen=True)
@@ -102,11 +107,15 @@ class RunConfig:
 def prepare_run(request: RunRequest) -> RunConfig:
     _refuse_ignored_flags(request)
     platform = get_platform(request.platform)
+    attach = _attach(request, platform)
     matrix = _scenarios(request.scenarios)
     cases = names.load_cases_file(request.cases_file) if request.cases_file else ()
-    if matrix:
+    if attach is not None:
+        topology_names = [attach.topology.name]
+        prompt_names: list[str] = list(request.prompts)
+    elif matrix:
         topology_names = list(dict.fromkeys(s.topology for s in matrix))
-        prompt_names: list[str] = []
+        prompt_names = []
     elif cases:
         topology_names = list(dict.fromkeys(c.topology for c in cases))
         prompt_names = list(dict.fromkeys(c.prompt for c in cases))
@@ -133,7 +142,10 @@ def prepare_run(request: RunRequest) -> RunConfig:
     else:
         prompts = names.check_prompts(prompt_names) if prompt_names else SKELETON_PROMPTS
     devices = _devices(request.devices, platform)
-    kv_connector = _kv_connector(request.kv_connector, platform)
+    if attach is not None:  # the deployment's own, as its attach file says
+        kv_connector = get_kv_connector(attach.kv_connector)
+    else:
+        kv_connector = _kv_connector(request.kv_connector, platform)
     if request.plant_fault is not None:
         fault = parse_fault(request.plant_fault)  # a plain or graded fault: BadInput
         if fault.kind == "kv-noise" and kv_connector.name == "nixl":
@@ -152,17 +164,22 @@ def prepare_run(request: RunRequest) -> RunConfig:
     baseline_cache = _baseline_cache(request.baseline_cache, request.refresh_baseline)
 
     served = check_vllm(request.vllm or default_vllm_executable(), request.allow_untested_vllm)
-    proxy = upstream_proxy.proxy_choice(
-        request.proxy, request.vllm_source, served, cache_dir(), request.proxy_registration
-    )
+    if attach is not None:
+        proxy = ProxyChoice(ATTACH_PROXY, origin=str(attach.source), attach=attach)
+    else:
+        proxy = upstream_proxy.proxy_choice(
+            request.proxy, request.vllm_source, served, cache_dir(), request.proxy_registration
+        )
     protocol = served_generation(served, request.protocol)
     if protocol.warning:
         log.warning("epd-harness: %s", protocol.warning)
     if baseline_cache is not None and not served.known:
         baseline_cache = None  # an unknown version must never match another's baseline
-    check_kv_connector(served, kv_connector)
+    if attach is None:  # an attached deployment brings its own connector
+        check_kv_connector(served, kv_connector)
+    launched = () if attach is not None else topologies
     resources.check_free_ports(
-        max(len(t.roles) for t in (TOPOLOGIES["baseline"], *topologies)), ports
+        max(len(t.roles) for t in (TOPOLOGIES["baseline"], *launched)), ports
     )
 
     serving = serving_for(
@@ -242,11 +259,56 @@ def _refuse_ignored_flags(request: RunRequest) -> None:
             "--vllm-source gives vLLM's proxy files, which only --proxy vllm runs; "
             "add --proxy vllm (or drop --vllm-source)"
         )
+    if request.proxy == ATTACH_PROXY:
+        _refuse_flags_attach_ignores(request)
+    elif request.attach:
+        raise BadInput(
+            f"--attach judges a running deployment through its own proxy; drop --proxy "
+            f"{request.proxy} (or --attach)"
+        )
     if request.colocate and request.platform == "cpu":
         raise BadInput(
             "--colocate shares GPUs within a topology; on cpu instances always share "
             "the cores: drop --colocate"
         )
+
+
+def _refuse_flags_attach_ignores(request: RunRequest) -> None:
+    """Attach mode launches nothing but the baseline: flags that shape what is launched, or
+    that act in the harness's own proxy or taps, would be ignored."""
+    if not request.attach:
+        raise BadInput("--proxy attach judges a running deployment: name it with --attach FILE")
+    if request.plant_fault:
+        raise BadInput(
+            "--plant-fault plants its fault in the harness's proxy or taps, and an attached "
+            "deployment has neither; drop --plant-fault (or --attach)"
+        )
+    if request.kv_connector:
+        raise BadInput(
+            "--kv-connector sets the connector of topologies the harness launches; an "
+            "attached deployment's is the attach file's kv_connector: drop --kv-connector"
+        )
+    if request.scenarios or request.cases_file:
+        flag = "--scenario" if request.scenarios else "--cases-file"
+        raise BadInput(
+            f"{flag} names topologies to launch; with --attach the deployment is the "
+            f"topology: drop {flag} and choose prompts with --prompt"
+        )
+
+
+def _attach(request: RunRequest, platform: PlatformProfile) -> AttachSpec | None:
+    """The attached deployment (--proxy attach); a --topology must be the one it makes."""
+    if request.proxy != ATTACH_PROXY or not request.attach:
+        return None
+    default = kv_connector_for_class(platform.kv_connector)
+    assert default is not None, f"{platform.name}: unknown default {platform.kv_connector}"
+    attach = load_attach_file(request.attach, default.name)
+    if request.topologies and list(request.topologies) != [attach.topology.name]:
+        raise BadInput(
+            f"--topology {','.join(request.topologies)}: the attach file describes "
+            f"{attach.topology.name}, the one topology it judges; drop --topology"
+        )
+    return attach
 
 
 def _scenarios(requested: tuple[str, ...]) -> tuple[Scenario, ...]:

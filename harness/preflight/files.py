@@ -149,3 +149,40 @@ def kind_of(value: object) -> str:
     return {dict: "a mapping", list: "a list", str: "a string", type(None): "null"}.get(
         type(value), type(value).__name__
     )
+
+
+def load_json_or_yaml(source: Path, where: str) -> Any:
+    """A JSON file's data, or a YAML file's when the name ends in .yaml / .yml (PyYAML must
+    be installed); `where` starts every error ("cases file x: not valid JSON: ...")."""
+    try:
+        text = source.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise BadInput(f"{where}: {describe_os_error(exc)}") from None
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if source.suffix in (".yaml", ".yml"):
+        return _parse_yaml(text, where)
+    return _parse_json(text, where)
+
+
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        position = f"line {exc.lineno} column {exc.colno}"
+        raise BadInput(f"{where}: not valid JSON: {position}: {exc.msg}") from None
+
+
+def _parse_yaml(text: str, where: str) -> Any:
+    try:
+        import yaml
+    except ImportError:
+        raise BadInput(f"{where}: reading YAML needs PyYAML; or write JSON") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        position = f"line {mark.line + 1} column {mark.column + 1}: " if mark else ""
+        raise BadInput(f"{where}: not valid YAML: {position}{exc.problem}") from None
+    except yaml.YAMLError as exc:
+        raise BadInput(f"{where}: not valid YAML: {one_line(str(exc))}") from None

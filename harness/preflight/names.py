@@ -6,15 +6,13 @@ case than the one the user wrote.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from harness.errors import BadInput, lookup
-from harness.preflight.files import describe_os_error, kind_of, one_line
+from harness.preflight.files import kind_of, load_json_or_yaml
 from harness.spec.prompts import SKELETON_PROMPTS, PromptSpec
 from harness.spec.topology import TOPOLOGIES, Topology
 
@@ -49,14 +47,7 @@ def load_cases_file(path: str | os.PathLike[str]) -> tuple[RequestedCase, ...]:
     """
     source = Path(path)
     where = f"cases file {source}"
-    try:
-        text = source.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise BadInput(f"{where}: {describe_os_error(exc)}") from None
-    except UnicodeDecodeError as exc:
-        raise BadInput(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    is_yaml = source.suffix in (".yaml", ".yml")
-    data = _parse_yaml(text, where) if is_yaml else _parse_json(text, where)
+    data = load_json_or_yaml(source, where)
     if not isinstance(data, list):
         raise BadInput(f"{where}: expected a list of {{topology, prompt}}, got {kind_of(data)}")
     if not data:
@@ -91,26 +82,3 @@ def load_cases_file(path: str | os.PathLike[str]) -> tuple[RequestedCase, ...]:
             raise BadInput(f"{at}: repeats entry {first} ({case})")
         scenarios.append(scenario)
     return tuple(scenarios)
-
-
-def _parse_json(text: str, where: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        position = f"line {exc.lineno} column {exc.colno}"
-        raise BadInput(f"{where}: not valid JSON: {position}: {exc.msg}") from None
-
-
-def _parse_yaml(text: str, where: str) -> Any:
-    try:
-        import yaml
-    except ImportError:
-        raise BadInput(f"{where}: reading YAML needs PyYAML; or write JSON") from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark
-        position = f"line {mark.line + 1} column {mark.column + 1}: " if mark else ""
-        raise BadInput(f"{where}: not valid YAML: {position}{exc.problem}") from None
-    except yaml.YAMLError as exc:
-        raise BadInput(f"{where}: not valid YAML: {one_line(str(exc))}") from None

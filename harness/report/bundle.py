@@ -295,6 +295,11 @@ def _case_md(record: CaseRecord) -> list[str]:
             f"- `{name}`: {_cell(g.get('evidence', '(no evidence)'))}" for name, g in failed.items()
         ]
         lines.append("")
+    unchecked = record.unchecked_guards()
+    if unchecked:
+        lines += ["### Guards not checkable", ""]
+        lines += [f"- `{name}`: {_cell(g.get('evidence', ''))}" for name, g in unchecked.items()]
+        lines.append("")
     if record.error:
         lines += ["### Error", "", _fence(strip_ansi(record.error)), ""]
     return lines

@@ -102,6 +102,7 @@ details.case[open] > summary { border-bottom: 1px solid var(--line);
 ul.guards { margin: 0; padding-left: 0; list-style: none; }
 ul.guards li { padding: 3px 0; }
 ul.guards li.failed { color: var(--bad); }
+ul.guards li.unchecked { color: var(--muted); font-style: italic; }
 ul.guards .mark { display: inline-block; width: 1.4em; font-weight: 700; }
 table.kv td, table.kv th { padding: 3px 12px 3px 0; vertical-align: top; text-align: left;
     font-size: 12.5px; border-bottom: 1px solid var(--soft); }
@@ -296,13 +297,17 @@ def _guards(guards: Mapping[str, Mapping[str, Any]]) -> str:
         return ""
     items = []
     for name, guard in guards.items():
-        ok = bool(guard.get("ok"))
+        ok, unchecked = bool(guard.get("ok")), bool(guard.get("not_checkable"))
+        css, mark = ("unchecked", "?") if unchecked else ("ok", "✓") if ok else ("failed", "✗")
         items.append(
-            f'<li class="{"ok" if ok else "failed"}"><span class="mark">{"✓" if ok else "✗"}'
+            f'<li class="{css}"><span class="mark">{mark}'
             f"</span><code>{escape(name)}</code>: {escape(str(guard.get('evidence', '')))}</li>"
         )
-    failed = sum(not g.get("ok") for g in guards.values())
-    title = f"Transfer guards ({failed} failed)" if failed else "Transfer guards"
+    failed = sum(not g.get("ok") and not g.get("not_checkable") for g in guards.values())
+    unchecked_count = sum(bool(g.get("not_checkable")) for g in guards.values())
+    notes = [f"{failed} failed"] if failed else []
+    notes += [f"{unchecked_count} not checkable"] if unchecked_count else []
+    title = f"Transfer guards ({', '.join(notes)})" if notes else "Transfer guards"
     return f'<h4>{title}</h4>\n<ul class="guards">' + "".join(items) + "</ul>"
 
 

@@ -53,6 +53,10 @@ def format_verdict_table(records: Sequence[CaseRecord]) -> str:
     passed = sum(r.policy_passed for r in records)
     counts = ", ".join(f"{v} {n}" for v, n in _totals(records).items()) or "none"
     lines.append(f"verdicts: {passed} pass, {len(records) - passed} fail ({counts})")
+    unchecked = Counter(name for r in records for name in r.unchecked_guards())
+    if unchecked:
+        named = ", ".join(f"{name} in {n} case(s)" for name, n in unchecked.items())
+        lines.append(f"guards NOT CHECKED (no evidence where this run stands): {named}")
     return "\n".join(lines)
 
 
@@ -85,6 +89,8 @@ def format_failure(record: CaseRecord) -> str:
         lines += [f"  {line}" for line in explanation.splitlines()]
     for name, guard in record.failed_guards().items():
         lines.append(f"  guard {name} failed: {guard.get('evidence', '(no evidence)')}")
+    for name, guard in record.unchecked_guards().items():
+        lines.append(f"  guard {name} {guard.get('evidence', 'not checkable')}")
     if record.error:
         lines.append(f"  error: {record.error}")
     return "\n".join(lines)

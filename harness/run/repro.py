@@ -4,7 +4,9 @@ The bundle has everything needed: run.json (serving flags, platform, planted fau
 requests.json (the exact bodies that were sent) and summary.json (which case failed, with what
 verdict). The case's topology is started afresh with those flags, the recorded body is sent
 again, and the verdict is compared with the recorded one. `--keep-up` then leaves the topology
-serving, and prints every instance's URL and exact launch command, for poking at it by hand.
+serving, and prints every instance's URL and exact launch command, for poking at it by hand,
+and writes an attach file for it (`attach.json` in the repro's run directory), so that
+`epd-harness run --attach FILE` can judge the very deployment it keeps up.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from typing import Any
 
 from harness.judge.records import CaseRecord
 from harness.run.sweep import Sweep, SweepSpec
+from harness.serve.attached import write_attach_file
 from harness.serve.session import TopologySession
+from harness.spec.attach import ATTACH_FILE_NAME
 from harness.spec.generations import NEWEST, generation_for
 from harness.spec.platforms import get_platform
 from harness.spec.settings import (
@@ -138,5 +142,10 @@ def keep_up(sweep: Sweep, topology_name: str) -> None:
             env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env().items()))
             argv = shlex.join(spec.argv(sweep.settings.vllm_executable))
             log.info("  %s %s\n    %s %s", spec.name, spec.url, env, argv)
+        attach_file = sweep.settings.run_dir / ATTACH_FILE_NAME
+        write_attach_file(session, attach_file)
+        log.info(
+            "attach file: %s (judge it: epd-harness run --attach %s)", attach_file, attach_file
+        )
         log.info("Ctrl-C stops everything.")
         signal.pause()

@@ -7,6 +7,11 @@ a baseline that disagrees with itself would make EPD look broken when it is not,
 get UNSTABLE_BASELINE instead. A baseline already in the cache (same served vLLM, model, flags
 and request) is not started at all. Artifacts land in the run directory as they are produced,
 so a failed run keeps what it had.
+
+With `--proxy attach` the one EPD topology is a deployment somebody else started
+(`harness.serve.attached`): it is served by no wave and nothing of it is launched; its cases
+are judged against the baseline only (an exact reference such as 1E+1P+1D's 1P+1D would have
+to be started beside the deployment, which is not the deployment under test).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from harness.report.text import format_verdict_table, write_summary_json
 from harness.run.baseline_cache import BaselineCache, baseline_key
 from harness.run.faults import fault_for, plant
 from harness.run.goldens import GoldenStore, golden_key
+from harness.serve.attached import AttachedDown, AttachedSession
 from harness.serve.launch import EventCallback
 from harness.serve.session import InstanceStats, Outcome, TopologySession
 from harness.spec.generations import not_applicable
@@ -133,6 +139,7 @@ class Sweep:
         self._model_digest: str | None = None
         self._baseline_missing: list[str] | None = None  # prompts the cache lacks
         self._schedule: Schedule | None = None
+        self.attached = settings.proxy.attach  # the deployment under test (--proxy attach)
         settings.run_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(settings.run_dir / "requests.json", self.bodies)
         self.run_info = write_run_info(
@@ -151,7 +158,8 @@ class Sweep:
         """The waves this sweep runs: the baseline (unless every answer is cached) and the
         topologies, packed by the one scheduler; computed once, so waves never reshuffle."""
         if self._schedule is None:
-            topologies = ordered_topologies(self.spec.topologies)
+            # An attached deployment is served by none of this run's waves.
+            topologies = [] if self.attached else ordered_topologies(self.spec.topologies)
             if self._needs_baseline_run():
                 topologies.insert(0, BASELINE)
             self._schedule = self._pack(topologies)
@@ -253,10 +261,54 @@ class Sweep:
         return self.result.outcomes[BASELINE.name]
 
     def serve_topology(self, name: str) -> dict[str, Outcome]:
-        """The outcomes of topology `name`, starting its wave if it has not run yet."""
+        """The outcomes of topology `name`, starting its wave if it has not run yet (an
+        attached deployment's are sent to it instead)."""
         if name not in self.result.outcomes:
-            self._serve_wave_of(name)
+            if self.attached is not None and name == self.attached.topology.name:
+                self._serve_attached()
+            else:
+                self._serve_wave_of(name)
         return self.result.outcomes[name]
+
+    def _serve_attached(self) -> None:
+        """Every prompt through the attached deployment's proxy. A deployment that is not
+        serving fails its cases (ERROR naming the instance), as a topology that cannot start."""
+        assert self.attached is not None
+        log.info(
+            "[sweep] %s: attached at %s (%s); nothing launched",
+            self.attached.topology.name,
+            self.attached.proxy_url,
+            ", ".join(i.describe() for i in self.attached.instances),
+        )
+        session = AttachedSession(self.attached, self.settings)
+        try:
+            session.open()
+        except AttachedDown as exc:
+            self._fail_cases(
+                self.attached.topology,
+                f"{exc}\nthe attached {self.attached.topology.name} was not serving when the "
+                "run began: no request was sent",
+            )
+        else:
+            try:
+                self._note_attached_versions(session.versions)
+                self._serve_prompts(session)
+            finally:
+                session.close()
+        self.write_outputs()
+
+    def _note_attached_versions(self, versions: dict[str, str]) -> None:
+        """Record the versions the attached instances report; a version other than the
+        baseline's is worth a warning (the baseline is this machine's vLLM)."""
+        self.run_info["attached_versions"] = versions
+        ours = self.settings.vllm.version.split("+")[0]  # a local build suffix is not a release
+        others = {v for v in versions.values() if v != "unknown" and v.split("+")[0] != ours}
+        if others:
+            log.warning(
+                "[sweep] the attached instances serve vLLM %s; the baseline is vLLM %s",
+                ", ".join(sorted(others)),
+                self.settings.vllm.version,
+            )
 
     def _serve_wave_of(self, name: str) -> None:
         """Start every topology of `name`'s wave that has not run yet, side by side; serve
@@ -347,7 +399,7 @@ class Sweep:
                 self._store_golden(name, self.bodies[name], outcomes[name])
         self._baseline_missing = []
 
-    def _serve_prompts(self, session: TopologySession) -> None:
+    def _serve_prompts(self, session: TopologySession | AttachedSession) -> None:
         """Every prompt on one topology, with the guards read while its storage exists."""
         topology = session.topology
         outcomes: dict[str, Outcome] = {}
@@ -376,7 +428,12 @@ class Sweep:
         that cannot start fails the run: there is nothing to compare with."""
         if topology.is_baseline:
             raise cause
-        error = f"{topology.name} could not start: {type(cause).__name__}: {cause}"
+        self._fail_cases(
+            topology, f"{topology.name} could not start: {type(cause).__name__}: {cause}"
+        )
+
+    def _fail_cases(self, topology: Topology, error: str) -> None:
+        """Every case of the topology fails with `error` (its first line names the cause)."""
         log.error("[sweep] %s", error)
         self.guards[topology.name] = {name: [] for name in self.topology_prompts}
         self.result.outcomes[topology.name] = {
@@ -416,7 +473,7 @@ class Sweep:
             outcome = self.serve_topology(topology_name)[prompt]
             topology = TOPOLOGIES[topology_name]
             references = [(self.baseline_label, baseline, self.spec.baseline_policy)]
-            if topology.exact_reference:
+            if topology.exact_reference and self.attached is None:
                 reference = self.serve_topology(topology.exact_reference)
                 references.append((topology.exact_reference, reference, EXACT))
             records = []

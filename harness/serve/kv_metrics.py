@@ -11,6 +11,10 @@ request (121, 187, 253, 379 tokens), `local_compute` by 0; NIXL adds its own tra
 reads them just before and just after each request and keeps the difference, so the KV guard
 has evidence for every connector. Requests sent concurrently to one D blur the difference: the
 guard then sees the sum of all of them (never less than one request's share).
+
+The same page counts the requests an instance finished (`vllm:request_success`, over every
+finish reason): in attach mode (`harness.serve.attached`) that is the evidence an encoder
+served during a request, since nobody records its answers there.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ COUNTERS = {
     "vllm:nixl_xfer_time_seconds_count": "nixl_transfers",
     "vllm:nixl_bytes_transferred_sum": "nixl_bytes",
     "vllm:nixl_num_failed_transfers_total": "nixl_failed_transfers",
+    "vllm:request_success_total": "finished_requests",
 }
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?P<labels>\{[^}]*\})?\s+(?P<value>\S+)")
 

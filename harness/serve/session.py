@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.environment import LOOPBACK_HOST
 from harness.files import write_text_atomic
@@ -37,6 +37,9 @@ from harness.spec.instances import InstanceSpec
 from harness.spec.placement import place_instances, side_channel_port_count
 from harness.spec.settings import DYNAMIC_REGISTRATION, VLLM_PROXY, RunSettings
 from harness.spec.topology import Role, Topology
+
+if TYPE_CHECKING:
+    from harness.serve.attached import AttachedEvidence
 
 LOG_TAIL_LINES = 40
 LOG_SLICE_LINES = 30  # error lines kept from an instance's log of one request
@@ -61,6 +64,8 @@ class Outcome:
     # D's KV counters, after minus before the request (harness.serve.kv_metrics); None without
     # a D, or when its /metrics could not be read.
     kv_counters: dict[str, float] | None = None
+    # An attached deployment's (--proxy attach): what could be seen from outside it.
+    attached: AttachedEvidence | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -72,6 +77,7 @@ class Outcome:
             "media_count": self.media_count,
             "seconds": round(self.seconds, 3),
             "kv_counters": self.kv_counters,
+            "attached": self.attached.to_json() if self.attached else None,
         }
 
 

@@ -55,6 +55,8 @@ class KvConnector:
 
 
 NIXL_KV_LEASE_DURATION_S = 300
+# ECExampleConnector's layout: `<shared_storage_path>/<mm_hash>/encoder_cache.safetensors`.
+EC_CACHE_FILE = "encoder_cache.safetensors"
 
 EXAMPLE = KvConnector(
     name="example",

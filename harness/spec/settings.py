@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from harness.spec.attach import AttachSpec
 from harness.spec.generations import NEWEST, ProtocolGeneration
 from harness.spec.platforms import CPU, DEFAULT_CPU_CORES, PlatformProfile
 from harness.spec.topology import ServingConfig
@@ -35,33 +37,39 @@ class ServedVllm:
 
 HARNESS_PROXY = "harness"
 VLLM_PROXY = "vllm"
-PROXY_KINDS = (HARNESS_PROXY, VLLM_PROXY)
 # How vLLM's EPD proxy learns the instances: URLs on its command line, or started empty with
 # `--dynamic-registration` and each instance registered through its admin API.
 STATIC_REGISTRATION = "static"
 DYNAMIC_REGISTRATION = "dynamic"
 REGISTRATION_MODES = (STATIC_REGISTRATION, DYNAMIC_REGISTRATION)
+ATTACH_PROXY = "attach"  # a deployment the harness did not start (harness.spec.attach)
+PROXY_KINDS = (HARNESS_PROXY, VLLM_PROXY, ATTACH_PROXY)
 
 
 @dataclass(frozen=True)
 class ProxyChoice:
     """The EPD proxy under test: the harness's own (`harness.serve.proxy`), or the one the
     served vLLM release ships (`disagg_epd_proxy.py`, and for 1P+1D the toy proxy of its NIXL
-    tests), taken from that release's sdist or a checkout; never from this repository."""
+    tests), taken from that release's sdist or a checkout, never from this repository; or,
+    with `attach`, the proxy of a deployment somebody else started (nothing is launched)."""
 
     kind: str = HARNESS_PROXY
     files_dir: Path | None = None  # holds the vLLM release's proxy files (kind "vllm")
     origin: str = ""  # where they came from: the sdist's URL and sha256, or the checkout
     interpreter: tuple[str, ...] = ()  # the served vLLM's Python, which runs them
     registration: str = STATIC_REGISTRATION  # kind "vllm" only
+    attach: AttachSpec | None = None  # kind "attach": the deployment under test
 
-    def to_json(self) -> dict[str, str | None]:
-        return {
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
             "kind": self.kind,
             "files_dir": str(self.files_dir) if self.files_dir else None,
             "origin": self.origin,
             "registration": self.registration,
         }
+        if self.attach is not None:
+            data["attach"] = self.attach.to_json()
+        return data
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,255 @@
+"""Attach mode without servers: the attach file read into an AttachSpec, the guards an attached
+deployment allows (the rest reported as not checkable, never as held), and how reports show
+them. Malformed attach files and refused flags are in tests/test_bad_input.py (the catalogue).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.errors import BadInput
+from harness.judge.guards import GuardResult, attached_guards, not_checkable
+from harness.judge.records import Verdict
+from harness.judge.verdicts import judge_case
+from harness.preflight.attach import load_attach_file
+from harness.report.html import _guards
+from harness.report.text import format_failure, format_verdict_table
+from harness.serve.attached import AttachedEvidence
+from harness.serve.client import ChatResult
+from harness.serve.session import Outcome
+from harness.spec.attach import AttachSpec, attached_instances
+from harness.spec.connectors import KvRule
+from harness.spec.settings import ATTACH_PROXY, ProxyChoice
+from harness.spec.topology import Role, get_topology
+
+
+def write(tmp_path: Path, document: object, name: str = "attach.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(document) if name.endswith(".json") else str(document))
+    return path
+
+
+def test_a_file_becomes_a_spec_with_the_harness_names(tmp_path: Path) -> None:
+    (tmp_path / "ec").mkdir()
+    path = write(
+        tmp_path,
+        {
+            "proxy": "http://10.0.0.5:8000/",
+            "instances": [
+                {"role": "decode", "url": "http://10.0.0.8:8000"},
+                {"role": "encoder", "url": "http://10.0.0.6:8000"},
+                {"role": "prefill", "url": "https://10.0.0.7:443"},
+            ],
+            "ec_storage": "ec",  # relative to the file
+            "kv_connector": "nixl",
+        },
+    )
+    spec = load_attach_file(str(path), "example")
+    assert spec.topology.name == "1E+1P+1D"  # from the roles, in any order
+    assert spec.proxy_url == "http://10.0.0.5:8000"  # the trailing slash dropped
+    assert [(i.name, i.role, i.url) for i in spec.instances] == [
+        ("1E+1P+1D/decode0", Role.DECODE, "http://10.0.0.8:8000"),
+        ("1E+1P+1D/encoder0", Role.ENCODER, "http://10.0.0.6:8000"),
+        ("1E+1P+1D/prefill0", Role.PREFILL, "https://10.0.0.7:443"),
+    ]
+    assert spec.ec_storage == tmp_path / "ec" and spec.kv_connector == "nixl"
+    assert spec.instances[0].describe() == "1E+1P+1D/decode0 (decode, http://10.0.0.8:8000)"
+
+
+def test_two_encoders_are_numbered_per_role_and_the_default_connector_applies(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "attach.yaml"
+    path.write_text(
+        "topology: 1P+1D\nproxy: http://h:1\ninstances:\n"
+        "  - {role: prefill, url: 'http://h:2'}\n  - {role: decode, url: 'http://h:3'}\n"
+    )
+    spec = load_attach_file(str(path), "example")
+    assert spec.topology.name == "1P+1D" and spec.kv_connector == "example"
+    two = write(
+        tmp_path,
+        {
+            "proxy": "http://h:1",
+            "instances": [
+                {"role": "encoder", "url": "http://h:2"},
+                {"role": "encoder", "url": "http://h:3"},
+                {"role": "pd", "url": "http://h:4"},
+            ],
+        },
+    )
+    names = [i.name for i in load_attach_file(str(two), "example").instances]
+    assert names == ["2E+1PD/encoder0", "2E+1PD/encoder1", "2E+1PD/pd0"]
+
+
+def test_what_keep_up_writes_reads_back_as_the_same_spec(tmp_path: Path) -> None:
+    (tmp_path / "ec").mkdir()
+    path = tmp_path / "attach.json"
+    topology = get_topology("1E+1PD")
+    spec = AttachSpec(
+        source=path,
+        topology=topology,
+        proxy_url="http://127.0.0.1:9000",
+        instances=attached_instances(
+            topology,
+            [
+                (Role.ENCODER, "http://127.0.0.1:9001"),
+                (Role.PREFILL_DECODE, "http://127.0.0.1:9002"),
+            ],
+        ),
+        ec_storage=tmp_path / "ec",
+    )
+    path.write_text(json.dumps(spec.to_json()))
+    assert "kv_connector" not in spec.to_json()  # 1E+1PD has no D: the field would be refused
+    assert load_attach_file(str(path), "example") == spec
+    recorded = ProxyChoice(ATTACH_PROXY, origin=str(path), attach=spec).to_json()
+    assert recorded["attach"]["instances"][1] == {"role": "pd", "url": "http://127.0.0.1:9002"}
+
+
+def test_a_yaml_error_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "attach.yml"
+    path.write_text("proxy: [http://h:1\n")
+    with pytest.raises(BadInput, match=rf"attach file {path}: not valid YAML: line 2"):
+        load_attach_file(str(path), "example")
+
+
+# -- guards ------------------------------------------------------------------------------------
+
+
+def answer(cached: int | None = None) -> ChatResult:
+    return ChatResult(tuple(range(89)), (1, 2), "", "length", cached_tokens=cached)
+
+
+def guards_of(topology: str, evidence: AttachedEvidence, **kw) -> dict[str, GuardResult]:
+    guards = attached_guards(
+        get_topology(topology),
+        evidence,
+        kw.pop("result", answer()),
+        32,
+        kw.pop("rule", KvRule.BLOCK_ALIGNED_PREFIX),
+        kw.pop("counters", None),
+    )
+    return {g.name: g for g in guards}
+
+
+def test_encoder_output_holds_when_every_item_left_an_ec_file() -> None:
+    evidence = AttachedEvidence(
+        media_items=2, ec_storage="/ec", ec_files_written=["a", "b"], encoder_requests=1.0
+    )
+    guards = guards_of("1E+1PD", evidence)
+    assert guards["encoder_output"].ok and guards["encoder_output"].checkable
+    assert "2 EC file(s) written under /ec" in guards["encoder_output"].evidence
+    assert "the encoders finished 1 request(s)" in guards["encoder_output"].evidence
+    consumer = guards["consumer_embeds"]
+    assert not consumer.checkable and not consumer.ok and not consumer.failed
+    assert consumer.evidence.startswith("not checkable: ")
+
+
+def test_encoder_output_fails_without_files_or_encoder_requests() -> None:
+    missing = AttachedEvidence(media_items=2, ec_storage="/ec", ec_files_written=["a"])
+    guard = guards_of("1E+1PD", missing)["encoder_output"]
+    assert (
+        guard.failed and "1 EC file(s) written" in guard.evidence and "(0 there" in guard.evidence
+    )
+    idle = AttachedEvidence(
+        media_items=1, ec_storage="/ec", ec_files_written=["a"], encoder_requests=0.0
+    )
+    assert guards_of("1E+1PD", idle)["encoder_output"].failed  # somebody else wrote it
+
+
+def test_a_storage_that_saw_the_media_before_makes_the_encoder_guard_unchecked() -> None:
+    """Judged twice, a deployment's encoder loads the items it stored the first time: no new
+    file, and nothing outside tells which stored file is which item's."""
+    stale = AttachedEvidence(
+        media_items=2, ec_storage="/ec", ec_files_before=5, ec_files_written=[], encoder_requests=1
+    )
+    guard = guards_of("1E+1PD", stale)["encoder_output"]
+    assert not guard.checkable and not guard.ok and not guard.failed
+    assert "not encoded again" in guard.evidence and "(5 there before)" in guard.evidence
+
+
+def test_without_ec_storage_the_encoder_guard_is_not_checkable() -> None:
+    guard = guards_of("1E+1PD", AttachedEvidence(media_items=1))["encoder_output"]
+    assert not guard.checkable and not guard.ok and "no ec_storage" in guard.evidence
+
+
+def test_text_only_requests_have_no_ec_guards() -> None:
+    assert guards_of("1E+1PD", AttachedEvidence(media_items=0)) == {}
+
+
+def test_kv_transfer_reads_the_answer_or_d_metrics_and_is_unchecked_without_them() -> None:
+    evidence = AttachedEvidence(media_items=0)
+    held = guards_of("1P+1D", evidence, result=answer(cached=64))["kv_transfer"]
+    assert held.ok and "client answer" in held.evidence
+    assert guards_of("1P+1D", evidence, result=answer(cached=0))["kv_transfer"].failed
+    nixl = guards_of("1P+1D", evidence, rule=KvRule.WHOLE_PROMPT)["kv_transfer"]
+    assert not nixl.checkable and "/metrics could not be read" in nixl.evidence
+    counted = guards_of(
+        "1P+1D", evidence, rule=KvRule.WHOLE_PROMPT, counters={"p2p_cached_tokens": 88.0}
+    )["kv_transfer"]
+    assert counted.ok and counted.checkable
+
+
+# -- verdicts and reports ----------------------------------------------------------------------
+
+
+def outcome(error: str | None = None) -> Outcome:
+    return Outcome("image", result=None if error else answer(), error=error)
+
+
+UNCHECKED = not_checkable("consumer_embeds", "no taps")
+HELD = GuardResult("encoder_output", True, "1 media item(s); 1 EC file(s) written")
+
+
+def test_an_unchecked_guard_neither_holds_nor_fails_and_the_detail_names_it() -> None:
+    record = judge_case("1E+1PD", "baseline", outcome(), outcome(), [HELD, UNCHECKED])
+    assert record.verdict is Verdict.MATCH and record.policy_passed
+    assert record.detail.endswith("; not checkable: consumer_embeds"), record.detail
+    assert record.guards["consumer_embeds"] == {
+        "ok": False,
+        "not_checkable": True,
+        "evidence": "not checkable: no taps",
+    }
+    assert record.failed_guards() == {}
+    assert list(record.unchecked_guards()) == ["consumer_embeds"]
+    broken = GuardResult("encoder_output", False, "0 EC file(s)")
+    vacuous = judge_case("1E+1PD", "baseline", outcome(), outcome(), [broken, UNCHECKED])
+    assert vacuous.verdict is Verdict.VACUOUS and "encoder_output" in vacuous.detail
+
+
+def test_the_verdict_table_and_the_failure_block_show_unchecked_guards() -> None:
+    record = judge_case("1E+1PD", "baseline", outcome(), outcome(), [HELD, UNCHECKED])
+    table = format_verdict_table([record, record])
+    assert table.splitlines()[-1] == (
+        "guards NOT CHECKED (no evidence where this run stands): consumer_embeds in 2 case(s)"
+    )
+    assert "NOT CHECKED" not in format_verdict_table(
+        [judge_case("1E+1PD", "baseline", outcome(), outcome(), [HELD])]
+    )
+    assert "guard consumer_embeds not checkable: no taps" in format_failure(record)
+    html = _guards(record.guards)
+    assert "(1 not checkable)" in html and 'class="unchecked"' in html and ">?<" in html
+
+
+def test_an_error_names_its_first_line_in_the_detail() -> None:
+    error = "1E+1PD/pd0 (pd, http://h:2) is not serving: GET /health: connection refused\nmore"
+    record = judge_case("1E+1PD", "baseline", outcome(), outcome(error=error), [])
+    assert record.verdict is Verdict.ERROR
+    assert record.detail == f"request failed: {error.splitlines()[0]}"
+
+
+def test_repro_refuses_a_bundle_of_an_attached_deployment(tmp_path: Path, capsys) -> None:
+    from harness.cli.main import main
+
+    bundle = tmp_path / "run"
+    bundle.mkdir()
+    (bundle / "run.json").write_text(json.dumps({"proxy": {"kind": "attach"}}))
+    (bundle / "requests.json").write_text("{}")
+    (bundle / "summary.json").write_text('{"cases": []}')
+    assert main(["repro", str(bundle)]) == 2
+    assert capsys.readouterr().err == (
+        f"epd-harness: error: {bundle} judged an attached deployment, which repro cannot "
+        "start; rerun 'epd-harness run --attach FILE' against it\n"
+    )

@@ -1,0 +1,381 @@
+"""Attach mode against a fake deployment of real processes: a sweep that launches nothing judges
+it, and an instance that is down (before the run, or while a request is in flight) is an ERROR
+naming it, within seconds.
+
+FAKE_DEPLOYMENT stands in for a deployment somebody else started: one script, one role per
+process. Every process serves `/health`, `/version` and a `/metrics` page with vLLM's finished
+request counter. The encoder writes `<hash>/encoder_cache.safetensors` into the EC storage for
+every media part it is sent; the pd answers with fixed token ids; the proxy sends the request to
+the encoder (when it has media), then to the pd, and passes the pd's answer on. The cue
+`FAKE_DEPLOYMENT_MODE=<role>:hang` makes that role hold every chat request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from harness.judge.records import Verdict
+from harness.report.text import format_verdict_table
+from harness.run.baseline_cache import BaselineCache, baseline_key
+from harness.run.sweep import Sweep, SweepSpec
+from harness.serve.attached import AttachedSession
+from harness.serve.client import parse_chat_response
+from harness.serve.launch import ManagedServer, ServerCommand, log_path_for
+from harness.serve.ports import reserve_ports
+from harness.serve.session import Outcome
+from harness.spec.attach import AttachSpec, attached_instances
+from harness.spec.prompts import SKELETON_PROMPTS, render_request
+from harness.spec.settings import ATTACH_PROXY, ProxyChoice, RunSettings, ServedVllm
+from harness.spec.topology import Role, ServingConfig, get_topology
+
+pytestmark = pytest.mark.process
+
+MODE_ENV = "FAKE_DEPLOYMENT_MODE"
+REPORTED_WITHIN_S = 6.0  # two missed health checks a second apart, plus slack on 2 busy cores
+
+FAKE_DEPLOYMENT = r"""
+import hashlib, http.server, json, os, sys, time, urllib.request
+role, port, peer_a, peer_b = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+hang = f"{role}:hang" in os.environ.get("FAKE_DEPLOYMENT_MODE", "")
+finished = 0
+print(f"fake {role} pid {os.getpid()} port {port}", flush=True)
+
+def chat_answer(body):
+    ids = [7 + i for i in range(int(body.get("max_tokens") or 4))]
+    top = lambda t: {"token": f"token_id:{t}", "logprob": -0.5, "bytes": None}
+    return {"id": "x", "object": "chat.completion", "created": 0, "model": body.get("model"),
+            "prompt_token_ids": [1, 2, 3],
+            "usage": {"prompt_tokens": 3, "completion_tokens": len(ids), "total_tokens": 3 + len(ids),
+                      "prompt_tokens_details": {"cached_tokens": 0}},
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "fake"},
+                         "finish_reason": "length", "token_ids": ids,
+                         "logprobs": {"content": [{**top(t), "top_logprobs": [top(t)]} for t in ids]}}]}
+
+def media_parts(body):
+    return [p for m in body.get("messages") or [] for p in (m.get("content") or [])
+            if isinstance(p, dict) and p.get("type") not in (None, "text")]
+
+def post(url, body):
+    request = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return json.loads(reply.read())
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        if self.path == "/metrics":
+            text = f'vllm:request_success_total{{finished_reason="length"}} {finished}\n'
+            return self.reply(200, text.encode(), "text/plain")
+        if self.path == "/version":
+            return self.reply(200, b'{"version": "0.32.0+cpu"}')
+        self.reply(200 if self.path == "/health" and role != "proxy" else 404, b"{}")
+
+    def do_POST(self):
+        global finished
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        time.sleep(3600 if hang else 0)
+        if role == "encoder":
+            for part in media_parts(body):
+                digest = hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()
+                os.makedirs(os.path.join(peer_a, digest), exist_ok=True)
+                with open(os.path.join(peer_a, digest, "encoder_cache.safetensors"), "wb") as f:
+                    f.write(b"ec")
+            answer = {"ec_transfer_params": {}}
+        elif role == "pd":
+            answer = chat_answer(body)
+        else:
+            try:
+                if media_parts(body):
+                    post(peer_a, {**body, "max_tokens": 1})
+                answer = post(peer_b, body)
+            except OSError as exc:
+                return self.reply(502, json.dumps({"error": str(exc)}).encode())
+        finished += 1
+        self.reply(200, json.dumps(answer).encode())
+
+    def reply(self, status, data, kind="application/json"):
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+server.daemon_threads = True
+server.serve_forever()
+"""
+
+PROMPTS = tuple(p for p in SKELETON_PROMPTS if p.name in ("text", "image"))
+MODEL = "fake-model-dir"  # not a directory: the baseline key uses the name as it is
+
+
+class Deployment:
+    """Encoder, pd and proxy processes (each its own process group), and the attach spec."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.ec_storage = tmp_path / "ec"
+        self.ec_storage.mkdir()
+        self.logs = tmp_path / "deployment"
+        leases = reserve_ports(3)
+        urls = [f"http://127.0.0.1:{lease.port}" for lease in leases]
+        encoder_url, pd_url, proxy_url = urls
+        peers = {
+            "encoder": (str(self.ec_storage), "-"),
+            "pd": ("-", "-"),
+            "proxy": (encoder_url, pd_url),
+        }
+        script = tmp_path / "fake_deployment.py"
+        script.write_text(FAKE_DEPLOYMENT)
+        self.servers: dict[str, ManagedServer] = {}
+        for (role, (peer_a, peer_b)), lease, url in zip(peers.items(), leases, urls):
+            argv = [sys.executable, str(script), role, str(lease.port), peer_a, peer_b]
+            command = ServerCommand(
+                name=f"fake/{role}",
+                argv=argv,
+                health_url=f"{url}/{'metrics' if role == 'proxy' else 'health'}",
+                log_path=log_path_for(self.logs, f"fake/{role}"),
+            )
+            self.servers[role] = ManagedServer(command, port_lease=lease)
+        topology = get_topology("1E+1PD")
+        self.spec = AttachSpec(
+            source=tmp_path / "attach.json",
+            topology=topology,
+            proxy_url=proxy_url,
+            instances=attached_instances(
+                topology, [(Role.ENCODER, encoder_url), (Role.PREFILL_DECODE, pd_url)]
+            ),
+            ec_storage=self.ec_storage,
+        )
+
+    def start(self) -> None:
+        for server in self.servers.values():
+            server.start()
+        for server in self.servers.values():
+            server.wait_until_ready(20.0)
+
+    def kill(self, role: str) -> None:
+        """SIGKILL the role's process group, as the e2e scenario does to real vLLM."""
+        pgid = self.servers[role].pgid
+        assert pgid is not None
+        os.killpg(pgid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop(grace_s=2.0)
+
+
+@pytest.fixture
+def deployment(tmp_path: Path, monkeypatch) -> Iterator[Deployment]:
+    monkeypatch.setenv("EPD_HARNESS_PORT_DIR", str(tmp_path / "port-locks"))
+    fake = Deployment(tmp_path)
+    try:
+        fake.start()
+        yield fake
+    finally:
+        fake.stop()
+
+
+def attach_settings(tmp_path: Path, spec: AttachSpec, name: str) -> RunSettings:
+    return RunSettings(
+        serving=ServingConfig(model=MODEL),
+        run_dir=tmp_path / name,
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+        proxy=ProxyChoice(ATTACH_PROXY, origin=str(spec.source), attach=spec),
+        request_timeout_s=30.0,
+    )
+
+
+def cached_baseline(tmp_path: Path, settings: RunSettings) -> BaselineCache:
+    """The baseline's answers, as a normal run would have cached them: the fake pd's."""
+    cache = BaselineCache(tmp_path / "baseline-cache")
+    for prompt in PROMPTS:
+        body = render_request(prompt, settings.serving.served_model_name)
+        key = baseline_key(settings.vllm, settings.serving, MODEL, body)
+        answer = {  # what the fake pd answers, token for token
+            "prompt_token_ids": [1, 2, 3],
+            "choices": [
+                {
+                    "finish_reason": "length",
+                    "token_ids": [7 + i for i in range(prompt.max_tokens)],
+                    "message": {"content": "fake"},
+                    "logprobs": {
+                        "content": [
+                            {
+                                "token": f"token_id:{7 + i}",
+                                "logprob": -0.5,
+                                "top_logprobs": [{"token": f"token_id:{7 + i}", "logprob": -0.5}],
+                            }
+                            for i in range(prompt.max_tokens)
+                        ]
+                    },
+                }
+            ],
+        }
+        cache.store(key, Outcome(prompt.name, result=parse_chat_response(answer)))
+    return cache
+
+
+def attach_sweep(tmp_path: Path, spec: AttachSpec, name: str) -> Sweep:
+    settings = attach_settings(tmp_path, spec, name)
+    return Sweep(
+        SweepSpec(topologies=(spec.topology,), prompts=PROMPTS),
+        settings,
+        baseline_cache=cached_baseline(tmp_path, settings),
+    )
+
+
+def test_a_sweep_judges_the_attached_deployment_and_launches_nothing(
+    tmp_path: Path, deployment: Deployment
+) -> None:
+    sweep = attach_sweep(tmp_path, deployment.spec, "attach-run")
+    records = sweep.run_all().records
+    assert [(r.prompt, r.reference, r.verdict) for r in records] == [
+        ("text", "baseline", Verdict.MATCH),
+        ("image", "baseline", Verdict.MATCH),
+    ], format_verdict_table(records)
+    image = records[1]
+    encoder = image.guards["encoder_output"]
+    assert encoder["ok"] and "1 EC file(s) written" in encoder["evidence"], encoder
+    assert "the encoders finished 1 request(s)" in encoder["evidence"], encoder
+    assert image.guards["consumer_embeds"]["not_checkable"], image.guards
+    assert "NOT CHECKED" in format_verdict_table(records)
+    # Nothing launched: no server's command file, no instance in the summary.
+    run_dir = sweep.settings.run_dir
+    assert not list(run_dir.rglob("*.cmd.json")), list(run_dir.rglob("*.cmd.json"))
+    assert json.loads((run_dir / "summary.json").read_text())["run"]["instances"] == []
+    proxy = json.loads((run_dir / "run.json").read_text())["proxy"]
+    assert proxy["kind"] == "attach" and proxy["attach"]["proxy"] == deployment.spec.proxy_url
+    assert sweep.run_info["attached_versions"] == {
+        "1E+1PD/encoder0": "0.32.0+cpu",
+        "1E+1PD/pd0": "0.32.0+cpu",
+    }
+
+
+def test_an_instance_down_before_the_run_is_an_error_naming_it(
+    tmp_path: Path, deployment: Deployment
+) -> None:
+    deployment.kill("pd")
+    pd = deployment.spec.with_role(Role.PREFILL_DECODE)[0]
+    started = time.monotonic()
+    records = attach_sweep(tmp_path, deployment.spec, "attach-dead").run_all().records
+    took = time.monotonic() - started
+    assert [r.verdict for r in records] == [Verdict.ERROR, Verdict.ERROR], records
+    named = f"1E+1PD/pd0 (pd, {pd.url}) is not serving: GET /health: connection refused"
+    for record in records:
+        assert record.detail == f"request failed: {named}", record.detail
+        assert "no request was sent" in (record.error or ""), record.error
+    assert took < REPORTED_WITHIN_S, f"took {took:.1f} s"
+
+
+def test_an_instance_dying_while_the_proxy_holds_the_request_ends_it_within_seconds(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The proxy holds every request (as a proxy retrying a dead backend might); the pd is
+    killed meanwhile: the request ends when two health checks in a row miss, not at the
+    30 s request timeout."""
+    monkeypatch.setenv(MODE_ENV, "proxy:hang")
+    monkeypatch.setenv("EPD_HARNESS_PORT_DIR", str(tmp_path / "port-locks"))
+    fake = Deployment(tmp_path)
+    try:
+        fake.start()
+        settings = attach_settings(tmp_path, fake.spec, "attach-mid")
+        with AttachedSession(fake.spec, settings) as session:
+            threading.Timer(1.0, fake.kill, args=("pd",)).start()
+            outcome = session.send("text", render_request(PROMPTS[0], "epd-model"))
+    finally:
+        fake.stop()
+    assert outcome.result is None and outcome.error, outcome
+    pd = fake.spec.with_role(Role.PREFILL_DECODE)[0]
+    assert outcome.error.startswith(f"1E+1PD/pd0 (pd, {pd.url}) is not serving"), outcome.error
+    assert "while the request was in flight" in outcome.error, outcome.error
+    assert outcome.seconds < 1.0 + REPORTED_WITHIN_S, f"{outcome.seconds:.1f} s"
+
+
+def test_a_proxy_that_is_gone_is_named(tmp_path: Path, deployment: Deployment) -> None:
+    deployment.kill("proxy")
+    records = attach_sweep(tmp_path, deployment.spec, "attach-noproxy").run_all().records
+    url = deployment.spec.proxy_url
+    assert all(r.verdict is Verdict.ERROR for r in records), records
+    expected = f"request failed: the proxy {url} is not reachable: connection refused"
+    assert records[0].detail == expected, records[0].detail
+
+
+# A `vllm serve` look-alike that only becomes healthy: enough for a topology to be kept up.
+FAKE_VLLM_SERVE = r"""
+import argparse, http.server
+parser = argparse.ArgumentParser(prog="vllm")
+parser.add_argument("command")
+parser.add_argument("model")
+parser.add_argument("--port", type=int, required=True)
+args, _ = parser.parse_known_args()
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+http.server.ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
+"""
+
+
+def test_keep_up_writes_an_attach_file_that_reaches_the_kept_up_topology(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """`repro --keep-up` (harness.run.repro.keep_up) writes attach.json into its run directory:
+    the proxy in front, each instance's own URL (not its tap's), the EC storage; an attached
+    session opens on it while the topology is kept up."""
+    from harness.preflight.attach import load_attach_file
+    from harness.run import repro
+
+    monkeypatch.setenv("EPD_HARNESS_PORT_DIR", str(tmp_path / "port-locks"))
+    vllm = tmp_path / "bin" / "vllm"
+    vllm.parent.mkdir()
+    vllm.write_text(f"#!{sys.executable}\n{FAKE_VLLM_SERVE}")
+    vllm.chmod(0o755)
+    settings = RunSettings(
+        serving=ServingConfig(model=MODEL),
+        run_dir=tmp_path / "repro",
+        vllm=ServedVllm(str(vllm), "unknown"),
+        startup_timeout_s=20.0,
+    )
+    sweep = Sweep(SweepSpec(topologies=(get_topology("1E+1PD"),), prompts=()), settings)
+    seen: dict[str, object] = {}
+
+    def while_kept_up() -> None:  # stands in for signal.pause(): the topology is serving
+        spec = load_attach_file(str(settings.run_dir / "attach.json"), "example")
+        seen["spec"] = spec
+        with AttachedSession(spec, settings) as session:
+            seen["versions"] = session.versions  # opened: every instance answered /health
+        commands = sorted((settings.run_dir / "1E-1PD-kept-up").glob("*.cmd.json"))
+        argvs = [json.loads(c.read_text())["argv"] for c in commands]
+        seen["ports"] = [argv[argv.index("--port") + 1] for argv in argvs]
+
+    monkeypatch.setattr(repro.signal, "pause", while_kept_up)
+    with caplog.at_level("INFO", logger="harness"):
+        repro.keep_up(sweep, "1E+1PD")
+    spec = seen["spec"]
+    assert isinstance(spec, AttachSpec) and spec.topology.name == "1E+1PD"
+    ports = [i.url.rsplit(":", 1)[1] for i in spec.instances]
+    assert ports == seen["ports"], (ports, seen["ports"])  # the instances', not their taps'
+    assert spec.ec_storage == settings.run_dir / "1E-1PD-kept-up" / "storage" / "ec"
+    assert seen["versions"] == {"1E+1PD/encoder0": "unknown", "1E+1PD/pd0": "unknown"}
+    attach_file = settings.run_dir / "attach.json"
+    assert f"attach file: {attach_file} (judge it: epd-harness run --attach" in caplog.text
