@@ -69,6 +69,8 @@ def tree_thread_cpu_seconds(pid: int) -> dict[tuple[int, str], float]:
                 continue
             # The name sits in parentheses and may hold spaces: split after the last ')'.
             name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            if int(task.name) == process_id:
+                name += " (main thread)"  # threads inherit the name the process had
             fields = stat[stat.rindex(")") + 2 :].split()
             threads[(int(task.name), name)] = (int(fields[11]) + int(fields[12])) / tick
     return threads
