@@ -44,6 +44,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "see docs/connectors.md",
     )
     group.addoption(
+        "--epd-ec-connector",
+        help="EC connector between E and its consumer: example (the only one that runs; "
+        "cpu and mooncake are refused with their cause); see docs/connectors.md",
+    )
+    group.addoption(
         "--epd-proxy",
         default="harness",
         help="the EPD proxy under test: harness (default) or vllm (the served release's own, "
@@ -136,6 +141,7 @@ def epd_config(pytestconfig: pytest.Config, epd_worker: tuple[str, int]):
         worker_id=epd_worker[0],
         workers=epd_worker[1],
         kv_connector=pytestconfig.getoption("--epd-kv-connector"),
+        ec_connector=pytestconfig.getoption("--epd-ec-connector"),
         proxy=pytestconfig.getoption("--epd-proxy"),
         vllm_source=pytestconfig.getoption("--epd-vllm-source"),
         proxy_registration=pytestconfig.getoption("--epd-proxy-registration"),

