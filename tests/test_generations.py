@@ -8,7 +8,8 @@ import pytest
 
 from harness.errors import BadInput
 from harness.judge.records import EXACT, LOGPROB_CLOSE, Verdict
-from harness.judge.verdicts import not_applicable_case
+from harness.judge.verdicts import judge_case, judged_as_declared, not_applicable_case
+from harness.serve.client import ChatResult
 from harness.serve.proxy_protocol import (
     EncoderAnswerError,
     EncoderBatch,
@@ -17,6 +18,7 @@ from harness.serve.proxy_protocol import (
     merge_encoder_params,
     plan_encoder_batches,
 )
+from harness.serve.session import Outcome
 from harness.spec.generations import (
     GENERATIONS,
     GENERATIONS_BY_NAME,
@@ -24,6 +26,7 @@ from harness.spec.generations import (
     NEWEST,
     dotted,
     generation_for,
+    known_failure,
     not_applicable,
     parse_version,
 )
@@ -142,6 +145,89 @@ def test_not_applicable_never_passes_any_policy() -> None:
         Verdict.NOT_APPLICABLE
     )
     assert "video is not encoded" in record.detail
+
+
+# -- failures a release is declared to have --------------------------------------------------
+
+
+def outcome(prompt: str, ids: list[int], prompt_ids: tuple[int, ...] = (1, 2, 3)) -> Outcome:
+    result = ChatResult.from_json(
+        {
+            "prompt_token_ids": list(prompt_ids),
+            "token_ids": ids,
+            "text": "",
+            "logprobs": [],
+            "finish_reason": "length",
+        }
+    )
+    return Outcome(prompt=prompt, result=result)
+
+
+def test_only_by_hash_declares_the_video_timing_failure_and_only_through_an_encoder() -> None:
+    by_hash = GENERATIONS_BY_NAME["by-hash"]
+    for topology in ("1E+1PD", "1E+1P+1D", "2E+1PD"):
+        failure = known_failure(by_hash, TOPOLOGIES[topology], PROMPTS["video"])
+        assert failure is not None and failure.verdict == "MISMATCH", topology
+    assert known_failure(by_hash, TOPOLOGIES["1P+1D"], PROMPTS["video"]) is None
+    assert known_failure(by_hash, TOPOLOGIES["baseline"], PROMPTS["video"]) is None
+    for prompt in ("text", "image", "two_images"):
+        assert known_failure(by_hash, TOPOLOGIES["1E+1PD"], PROMPTS[prompt]) is None
+    for generation in GENERATIONS:
+        if generation.name != "by-hash":
+            assert generation.known_failures == (), generation.name
+    assert by_hash.to_json()["known_failures"][0]["media"] == "video"
+
+
+def test_a_declared_failure_passes_only_when_it_fails_exactly_as_declared() -> None:
+    failure = GENERATIONS_BY_NAME["by-hash"].known_failures[0]
+
+    def judged(candidate: Outcome) -> object:
+        record = judge_case("1E+1PD", "baseline", outcome("video", [5, 6, 7]), candidate, [])
+        return judged_as_declared(record, failure)
+
+    as_declared = judged(outcome("video", [9, 6, 7]))
+    assert as_declared.verdict is Verdict.MISMATCH and as_declared.policy_passed
+    assert failure.reason in as_declared.detail
+    # Any other outcome fails, and says what was declared.
+    for candidate in (
+        outcome("video", [5, 6, 7]),  # the failure is gone: MATCH
+        outcome("video", [9, 6, 7], prompt_ids=(1, 2, 4)),  # placeholders sized differently
+        Outcome(prompt="video", error="HTTP 500"),  # another failure altogether
+    ):
+        record = judged(candidate)
+        assert not record.policy_passed, record.detail
+        assert "NOT the declared MISMATCH" in record.detail
+
+
+def test_the_sweep_judges_a_declared_case_by_its_declaration(tmp_path: Path) -> None:
+    """A 0.30 sweep: 1E+1PD video failing as declared passes; 1P+1D video is judged as usual
+    (its MISMATCH would fail); outcomes are planted, nothing is served."""
+    from harness.run.sweep import Sweep, SweepSpec
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    settings = RunSettings(
+        serving=serving_for(CPU, "/not-a-dir-model", max_model_len=4096),
+        run_dir=tmp_path / "run",
+        vllm=ServedVllm("vllm", "0.30.0+cpu", "2.13.0"),
+        protocol=GENERATIONS_BY_NAME["by-hash"],
+    )
+    spec = SweepSpec(
+        topologies=(TOPOLOGIES["1E+1PD"], TOPOLOGIES["1P+1D"]), prompts=(PROMPTS["video"],)
+    )
+    sweep = Sweep(spec, settings)
+    baseline = {"video": outcome("video", [5, 6, 7])}
+    different = {"video": outcome("video", [9, 6, 7])}
+    served = {"1E+1PD": different, "1P+1D": different}
+    sweep.serve_baseline = lambda: baseline  # type: ignore[method-assign]
+    sweep.serve_topology = lambda name: served[name]  # type: ignore[method-assign]
+    sweep.guards = {name: {"video": []} for name in served}
+    sweep.stability = {"video": (True, "", 0.0)}
+    (encoder,) = sweep.judge("1E+1PD", "video")
+    (no_encoder,) = sweep.judge("1P+1D", "video")
+    assert encoder.verdict is Verdict.MISMATCH and encoder.policy_passed
+    assert "declared for this release" in encoder.detail
+    assert no_encoder.verdict is Verdict.MISMATCH and not no_encoder.policy_passed
+    assert "declared" not in no_encoder.detail
 
 
 # -- the proxy speaking older generations ----------------------------------------------------

@@ -48,6 +48,7 @@ def case(topology: str, prompt: str, verdict: str, reference: str = "baseline", 
         "detail": extra.get("detail", ""),
         "error": extra.get("error"),
         "guards": extra.get("guards", {}),
+        "policy_passed": extra.get("policy_passed", verdict == "MATCH"),
     }
 
 
@@ -83,8 +84,32 @@ def test_matrix_table_has_every_case_and_evidence_for_each_non_match() -> None:
     assert "0.27.1 1E+1PD / image: NOT_APPLICABLE: not applicable: no metadata" in table
     assert "0.32.0 1E+1P+1D / image vs 1P+1D: ERROR: proxy failed: boom" in table
     assert "MATCH:" not in table  # a MATCH needs no evidence line
-    assert not matrix_passed([old, new]) and matrix_passed(
-        [new.__class__(**{**new.__dict__, "exit_code": 0})]
+    # NOT_APPLICABLE is explained by the generations table (the release's own exit code is 1);
+    # an ERROR is not.
+    assert matrix_passed([old]) and not matrix_passed([old, new])
+    assert not matrix_passed([ReleaseRun("0.31.0", "by-hash-indexed", 1, 1.0, 0.0, 0, [])])
+
+
+def test_a_declared_release_failure_is_marked_and_explained_an_undeclared_one_is_not() -> None:
+    declared = case(
+        "1E+1PD",
+        "video",
+        "MISMATCH",
+        detail="generated tokens differ at position 1 of 32/32; declared for this release: x",
+        policy_passed=True,
+    )
+    run = ReleaseRun(
+        "0.30.0", "by-hash", 0, 1.0, 0.0, 0, [declared, case("1P+1D", "video", "MATCH")]
+    )
+    table = format_matrix([run])
+    assert "| 1E+1PD / video | MISMATCH (declared) |" in table
+    assert "| 1P+1D / video | MATCH |" in table
+    assert "0.30.0 1E+1PD / video: MISMATCH: generated tokens differ" in table
+    assert matrix_passed([run])
+    undeclared = {**declared, "policy_passed": False}
+    assert not matrix_passed([ReleaseRun("0.30.0", "by-hash", 1, 1.0, 0.0, 0, [undeclared])])
+    assert "| 1E+1PD / video | MISMATCH |" in format_matrix(
+        [ReleaseRun("0.30.0", "by-hash", 1, 1.0, 0.0, 0, [undeclared])]
     )
 
 
