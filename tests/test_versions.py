@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -230,3 +231,42 @@ def test_golden_stands_in_for_the_baseline_without_starting_it(tmp_path: Path) -
     assert not any(s.topology.is_baseline for w in probe.schedule().waves for s in w.slots)
     with pytest.raises(BadInput, match="no golden of vLLM 0.31.0 for prompt 'image'"):
         sweep((text, image)).serve_baseline()
+
+
+def finished(run_dir: Path, run_args: list[str]) -> None:
+    from harness.cli.versions import RELEASE_RUN_FILE
+
+    run = ReleaseRun("0.30.0", "by-hash", 0, 1.0, 0.0, 0, [case("1E+1PD", "video", "MATCH")])
+    run.run_args = run_args
+    run_dir.mkdir(parents=True)
+    (run_dir / RELEASE_RUN_FILE).write_text(json.dumps(run.to_json()))
+
+
+def test_a_finished_run_is_reused_only_for_the_cases_it_ran(tmp_path: Path) -> None:
+    from harness.cli.versions import run_release
+
+    one_case = ["--topology", "1E+1PD", "--prompt", "video"]
+    full = ReleaseRun("0.30.0", "by-hash", 0, 1.0, 0.0, 0)
+    assert full.covers([]) and full.covers(one_case)
+    assert not full.covers(["--golden", "0.31.0"])  # judged against something else
+    partial = ReleaseRun("0.30.0", "by-hash", 0, 1.0, 0.0, 0, run_args=one_case)
+    assert partial.covers(one_case) and not partial.covers([])
+    assert not partial.covers(["--topology", "1E+1PD", "--prompt", "image"])
+    finished(tmp_path / "0.30.0", one_case)
+    assert run_release("0.30.0", tmp_path / "0.30.0", one_case, None).run_args == one_case
+    with pytest.raises(BadInput, match="holds a finished run of vLLM 0.30.0 with other cases"):
+        run_release("0.30.0", tmp_path / "0.30.0", [], None)  # never taken for the full sweep
+
+
+def test_bisect_reuses_a_matrix_sweep_and_keeps_its_own_runs_apart(tmp_path: Path) -> None:
+    from harness.cli.versions import bisect_run_dir
+
+    one_case = ["--topology", "1E+1PD", "--prompt", "video"]
+    finished(tmp_path / "0.30.0", [])  # the version matrix's full sweep
+    assert bisect_run_dir(tmp_path, "0.30.0", "1E+1PD:video", one_case) == tmp_path / "0.30.0"
+    own = bisect_run_dir(tmp_path, "0.29.0", "1E+1PD:video", one_case)
+    assert own == tmp_path / "bisect-1E-1PD-video" / "0.29.0"
+    finished(tmp_path / "0.31.0", ["--topology", "1P+1D", "--prompt", "video"])
+    assert bisect_run_dir(tmp_path, "0.31.0", "1E+1PD:video", one_case).parent.name == (
+        "bisect-1E-1PD-video"
+    )

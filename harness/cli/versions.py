@@ -6,8 +6,10 @@ user running that release by hand would get: its own baseline (the cache key hol
 version), its own protocol generation, its own bundle. The table is release x case -> verdict;
 every verdict other than MATCH carries its evidence (the case's detail, error or reason).
 
-A release whose run directory already holds a finished run (`release-run.json`) is not run
-again: a matrix interrupted after three releases resumes at the fourth.
+A release whose run directory already holds a finished run (`release-run.json`) of the same
+cases is not run again: a matrix interrupted after three releases resumes at the fourth, and
+`bisect` reuses a matrix's full sweeps. A finished run of other cases is never taken for the
+one asked (a one-case bisect run is no release's sweep).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import subprocess
 import sys
 import time
@@ -48,6 +51,17 @@ class ReleaseRun:
     venv_bytes: int
     cases: list[dict[str, Any]] = field(default_factory=list)
     failure: str | None = None  # the run's own error line when it produced no cases
+    # The `run` arguments it was made with (case selection, golden, baseline cache); a run
+    # from before they were recorded was a full sweep.
+    run_args: list[str] = field(default_factory=list)
+
+    def covers(self, run_args: list[str]) -> bool:
+        """Whether this finished run answers a run with `run_args`: the same arguments, or a
+        full sweep (no --topology / --prompt) made with the same other arguments."""
+        if self.run_args == run_args:
+            return True
+        mine = _without_selection(self.run_args)
+        return mine == self.run_args and mine == _without_selection(run_args)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -78,14 +92,40 @@ def evidence(case: dict[str, Any]) -> str:
     return line if len(line) <= EVIDENCE_WIDTH else line[: EVIDENCE_WIDTH - 3] + "..."
 
 
+SELECTION_FLAGS = ("--topology", "--prompt")
+
+
+def _without_selection(run_args: list[str]) -> list[str]:
+    kept: list[str] = []
+    skip = False
+    for arg in run_args:
+        if skip:
+            skip = False
+        elif arg in SELECTION_FLAGS:
+            skip = True
+        else:
+            kept.append(arg)
+    return kept
+
+
+def finished_run(run_dir: Path) -> ReleaseRun | None:
+    path = run_dir / RELEASE_RUN_FILE
+    return ReleaseRun(**json.loads(path.read_text())) if path.exists() else None
+
+
 def run_release(
     version: str, run_dir: Path, run_args: list[str], lock_file: str | None
 ) -> ReleaseRun:
-    finished = run_dir / RELEASE_RUN_FILE
-    if finished.exists():
-        data = json.loads(finished.read_text())
+    finished = finished_run(run_dir)
+    if finished is not None:
+        if not finished.covers(run_args):
+            raise BadInput(
+                f"{run_dir} holds a finished run of vLLM {version} with other cases "
+                f"({' '.join(finished.run_args) or 'the full sweep'}, not "
+                f"{' '.join(run_args) or 'the full sweep'}): use another --run-dir"
+            )
         log.info("[versions] %s: reusing the finished run in %s", version, run_dir)
-        return ReleaseRun(**data)
+        return finished
     env, install_seconds = ensure_release(version)
     argv = [
         sys.executable,
@@ -127,8 +167,9 @@ def run_release(
         venv_bytes=directory_bytes(env.venv),
         cases=cases,
         failure=failure,
+        run_args=list(run_args),
     )
-    write_json_atomic(finished, result.to_json())
+    write_json_atomic(run_dir / RELEASE_RUN_FILE, result.to_json())
     return result
 
 
@@ -186,7 +227,7 @@ def command_versions(args: argparse.Namespace) -> int:
     root = Path(args.run_dir or f"runs/versions-{time.strftime('%Y%m%d-%H%M%S')}")
     # Releases whose run is already finished here need no venv (a summary job that only
     # gathers other jobs' runs installs nothing).
-    check_disk_for([v for v in versions if not (root / v / RELEASE_RUN_FILE).exists()])
+    check_disk_for([v for v in versions if finished_run(root / v) is None])
     if args.install_only:
         for version in versions:
             env, seconds = ensure_release(version)
@@ -289,7 +330,12 @@ def command_bisect(args: argparse.Namespace) -> int:
 
     def verdict(version: str) -> str:
         if version not in verdicts:
-            run = run_release(version, root / version, run_args, args.lock_file)
+            run = run_release(
+                version,
+                bisect_run_dir(root, version, args.case, run_args),
+                run_args,
+                args.lock_file,
+            )
             verdicts[version] = case_verdict(run, topology, prompt)
             print(f"bisect: {topology}:{prompt} on {version}: {verdicts[version]}", flush=True)
         return verdicts[version]
@@ -322,6 +368,17 @@ def command_bisect(args: argparse.Namespace) -> int:
         },
     )
     return 0
+
+
+def bisect_run_dir(root: Path, version: str, case: str, run_args: list[str]) -> Path:
+    """Where bisect finds or makes `version`'s run of one case: the run-dir's own run of that
+    release when it covers the case (a version matrix's full sweep), else a subdirectory of
+    its own, so a one-case run never stands in for a release's sweep later."""
+    matrix_run = finished_run(root / version)
+    if matrix_run is not None and matrix_run.covers(run_args):
+        return root / version
+    slug = re.sub(r"[^A-Za-z0-9._-]", "-", case)
+    return root / f"bisect-{slug}" / version
 
 
 def add_bisect_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
