@@ -270,3 +270,29 @@ def test_bisect_reuses_a_matrix_sweep_and_keeps_its_own_runs_apart(tmp_path: Pat
     assert bisect_run_dir(tmp_path, "0.31.0", "1E+1PD:video", one_case).parent.name == (
         "bisect-1E-1PD-video"
     )
+
+
+def test_the_lock_wait_is_measured_apart_from_the_sweep(tmp_path: Path) -> None:
+    """--lock-file: the flock is taken before the sweep's clock starts (a sweep queued behind
+    other vLLM jobs must not report their time as its own), and it is really exclusive."""
+    import fcntl
+    import os
+    import threading
+    import time
+
+    from harness.cli.versions import wait_for_lock
+
+    lock = tmp_path / "vllm.lock"
+    holder = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    threading.Timer(0.5, os.close, (holder,)).start()  # the other job ends after 0.5 s
+    started = time.monotonic()
+    fd, waited = wait_for_lock(str(lock))
+    try:
+        assert 0.4 <= waited <= time.monotonic() - started
+        other = os.open(lock, os.O_RDWR)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(other)
+    finally:
+        os.close(fd)

@@ -15,8 +15,10 @@ one asked (a one-case bisect run is no release's sweep).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -51,6 +53,8 @@ class ReleaseRun:
     venv_bytes: int
     cases: list[dict[str, Any]] = field(default_factory=list)
     failure: str | None = None  # the run's own error line when it produced no cases
+    # How long it waited for --lock-file before starting (not part of `seconds`).
+    lock_wait_seconds: float = 0.0
     # The `run` arguments it was made with (case selection, golden, baseline cache); a run
     # from before they were recorded was a full sweep.
     run_args: list[str] = field(default_factory=list)
@@ -108,6 +112,21 @@ def _without_selection(run_args: list[str]) -> list[str]:
     return kept
 
 
+def wait_for_lock(lock_file: str) -> tuple[int, float]:
+    """An open descriptor holding an exclusive flock on `lock_file` (what `flock FILE cmd`
+    holds, so it serialises with every other vLLM job on the host), and the seconds waited.
+    Taken here rather than by wrapping the run in flock(1), so the sweep's time excludes the
+    wait for other jobs."""
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    started = time.monotonic()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, time.monotonic() - started
+
+
 def finished_run(run_dir: Path) -> ReleaseRun | None:
     path = run_dir / RELEASE_RUN_FILE
     return ReleaseRun(**json.loads(path.read_text())) if path.exists() else None
@@ -138,15 +157,29 @@ def run_release(
         str(run_dir),
         *run_args,
     ]
-    if lock_file:
-        argv = ["flock", lock_file, *argv]  # serialise with every other vLLM job on the host
     log.info("[versions] %s: %s", version, " ".join(argv))
-    started = time.monotonic()
     console = run_dir.with_name(run_dir.name + ".console.log")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(console, "w") as output:
-        done = subprocess.run(argv, stdout=output, stderr=subprocess.STDOUT, check=False)
-    seconds = time.monotonic() - started
+    lock_fd, waited = None, 0.0
+    if lock_file:
+        log.info("[versions] %s: waiting for %s", version, lock_file)
+        lock_fd, waited = wait_for_lock(lock_file)
+    try:
+        started = time.monotonic()
+        with open(console, "w") as output:
+            # The run holds the lock's descriptor too: were this process to die, the run
+            # would still hold the lock until it ends (as under flock(1)).
+            done = subprocess.run(
+                argv,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                check=False,
+                pass_fds=() if lock_fd is None else (lock_fd,),
+            )
+        seconds = time.monotonic() - started
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)
     summary_path = run_dir / "summary.json"
     cases: list[dict[str, Any]] = []
     failure = None
@@ -167,6 +200,7 @@ def run_release(
         venv_bytes=directory_bytes(env.venv),
         cases=cases,
         failure=failure,
+        lock_wait_seconds=round(waited, 1),
         run_args=list(run_args),
     )
     write_json_atomic(run_dir / RELEASE_RUN_FILE, result.to_json())
