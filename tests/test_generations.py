@@ -288,11 +288,13 @@ def test_merge_concatenates_item_lists_and_unions_hashes() -> None:
 def test_encoder_output_guard_reads_every_generations_answer_shape() -> None:
     """0.30 answers carry no item_indices (one item per encoder request) and 0.28-0.29 answer
     {"ec_items": [...]}: the guard counts an item per entry with metadata in either shape
-    (measured: every 0.30 image case was VACUOUS while the guard expected the 0.32 shape)."""
+    (measured: every 0.30 image case was VACUOUS while the guard expected the 0.32 shape, and
+    every 0.29 one while it looked for a "metadata" key 0.29's flattened items do not have)."""
     from harness.judge.guards import TransferEvidence, check_encoder_output
 
     by_hash = {"h0": {"metadata": {"image_grid_thw": [1, 2, 2]}}}
-    ec_items = {"ec_items": [{"mm_hash": "h1", "metadata": {"image_grid_thw": [1, 2, 2]}}]}
+    # As 0.29.0's encoder answered (its taps, 1E+1PD image): metadata next to mm_hash.
+    ec_items = {"ec_items": [{"image_grid_thw": [1, 16, 16], "mm_hash": "h1"}]}
     evidence = TransferEvidence(media_count=2, encoder_answers=(by_hash, ec_items))
     assert "reported 2 with metadata" in check_encoder_output(evidence, None).evidence
     without_metadata = {"ec_items": [{"mm_hash": "h1"}]}
