@@ -20,6 +20,7 @@ from harness.serve.proxy_protocol import (
 )
 from harness.serve.session import Outcome
 from harness.spec.generations import (
+    FLOOR,
     GENERATIONS,
     GENERATIONS_BY_NAME,
     KNOWN_RELEASES,
@@ -39,7 +40,7 @@ from harness.spec.topology import TOPOLOGIES, Role, serving_for
 # whether its instances start at all.
 EXPECTED = {
     "0.27.1": ("raw-media", False, False),
-    "0.28.0": ("ec-items", False, True),
+    "0.28.0": ("ec-items-report-only", False, True),
     "0.29.0": ("ec-items", False, True),
     "0.30.0": ("by-hash", False, False),
     "0.31.0": ("by-hash-indexed", True, False),
@@ -133,7 +134,11 @@ def test_not_applicable_cases_per_generation() -> None:
     # raw-media: no metadata, no encoder case with media proves anything.
     assert not applies("raw-media", "1E+1PD", "image")
     assert not applies("raw-media", "2E+1PD", "two_images")
-    # ec-items and newer: everything the sweep sends.
+    # ec-items-report-only (0.28): metadata, but no consumer serves a metadata-only part.
+    assert not applies("ec-items-report-only", "1E+1PD", "image")
+    assert not applies("ec-items-report-only", "1E+1P+1D", "video")
+    assert applies("ec-items-report-only", "1E+1PD", "text")
+    # ec-items (0.29) and newer: everything the sweep sends.
     for name in ("ec-items", "by-hash", "by-hash-indexed"):
         assert all(applies(name, t, p) for t in ("1E+1PD", "2E+1PD") for p in PROMPTS)
 
@@ -163,19 +168,28 @@ def outcome(prompt: str, ids: list[int], prompt_ids: tuple[int, ...] = (1, 2, 3)
     return Outcome(prompt=prompt, result=result)
 
 
-def test_only_by_hash_declares_the_video_timing_failure_and_only_through_an_encoder() -> None:
-    by_hash = GENERATIONS_BY_NAME["by-hash"]
-    for topology in ("1E+1PD", "1E+1P+1D", "2E+1PD"):
-        failure = known_failure(by_hash, TOPOLOGIES[topology], PROMPTS["video"])
-        assert failure is not None and failure.verdict == "MISMATCH", topology
-    assert known_failure(by_hash, TOPOLOGIES["1P+1D"], PROMPTS["video"]) is None
-    assert known_failure(by_hash, TOPOLOGIES["baseline"], PROMPTS["video"]) is None
-    for prompt in ("text", "image", "two_images"):
-        assert known_failure(by_hash, TOPOLOGIES["1E+1PD"], PROMPTS[prompt]) is None
+def test_0_29_and_0_30_declare_the_video_timing_failure_and_only_through_an_encoder() -> None:
+    declaring = {"ec-items", "by-hash"}
+    for name in declaring:
+        generation = GENERATIONS_BY_NAME[name]
+        for topology in ("1E+1PD", "1E+1P+1D", "2E+1PD"):
+            failure = known_failure(generation, TOPOLOGIES[topology], PROMPTS["video"])
+            assert failure is not None and failure.verdict == "MISMATCH", (name, topology)
+        assert known_failure(generation, TOPOLOGIES["1P+1D"], PROMPTS["video"]) is None
+        assert known_failure(generation, TOPOLOGIES["baseline"], PROMPTS["video"]) is None
+        for prompt in ("text", "image", "two_images"):
+            assert known_failure(generation, TOPOLOGIES["1E+1PD"], PROMPTS[prompt]) is None
+        assert generation.to_json()["known_failures"][0]["media"] == "video"
     for generation in GENERATIONS:
-        if generation.name != "by-hash":
+        if generation.name not in declaring:
             assert generation.known_failures == (), generation.name
-    assert by_hash.to_json()["known_failures"][0]["media"] == "video"
+
+
+def test_the_floor_is_the_first_generation_whose_consumers_serve_metadata_only_parts() -> None:
+    assert FLOOR.name == "ec-items" and FLOOR.first == (0, 29, 0)
+    older = [g for g in GENERATIONS if g.first < FLOOR.first]
+    assert older and not any(g.consumer_takes_metadata_only for g in older)
+    assert all(g.consumer_takes_metadata_only for g in GENERATIONS if g.first >= FLOOR.first)
 
 
 def test_a_declared_failure_passes_only_when_it_fails_exactly_as_declared() -> None:
