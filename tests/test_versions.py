@@ -296,3 +296,36 @@ def test_the_lock_wait_is_measured_apart_from_the_sweep(tmp_path: Path) -> None:
         os.close(other)
     finally:
         os.close(fd)
+
+
+def test_matrix_rows_follow_the_newest_release_and_evidence_is_not_repeated() -> None:
+    guard = {"encoder_output": {"ok": False, "evidence": "encoders reported 0"}}
+    old = ReleaseRun("0.28.0", "x", 1, 1.0, 0.0, 0, [case("1E+1P+1D", "image", "NOT_APPLICABLE")])
+    new = ReleaseRun(
+        "0.32.0",
+        "y",
+        0,
+        1.0,
+        0.0,
+        0,
+        [
+            case("1E+1P+1D", "image", "MATCH"),
+            case("1E+1P+1D", "image", "MATCH", reference="1P+1D"),
+            case("1E+1P+1D", "video", "MATCH"),
+            case(
+                "1E+1PD",
+                "image",
+                "VACUOUS",
+                detail="tokens equal but guard failed: encoder_output: encoders reported 0",
+                guards=guard,
+            ),
+        ],
+    )
+    rows = [line.split(" | ")[0] for line in format_matrix([old, new]).splitlines()[2:6]]
+    assert rows == [
+        "| 1E+1P+1D / image",
+        "| 1E+1P+1D / image vs 1P+1D",
+        "| 1E+1P+1D / video",
+        "| 1E+1PD / image",
+    ]
+    assert format_matrix([new]).count("encoders reported 0") == 1

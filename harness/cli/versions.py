@@ -90,7 +90,7 @@ def evidence(case: dict[str, Any]) -> str:
         for n, g in (case.get("guards") or {}).items()
         if not g.get("ok")
     ]
-    if case["verdict"] == "VACUOUS" and guards:
+    if case["verdict"] == "VACUOUS" and guards and guards[0] not in text:
         text = f"{text}; guard {guards[0]}"
     line = " ".join(text.split())
     return line if len(line) <= EVIDENCE_WIDTH else line[: EVIDENCE_WIDTH - 3] + "..."
@@ -210,7 +210,9 @@ def run_release(
 def format_matrix(runs: list[ReleaseRun]) -> str:
     """A markdown table: one row per case, one column per release; then the evidence."""
     labels: list[str] = []
-    for run in runs:
+    # Newest first: an old release may lack cases (a NOT_APPLICABLE case has no record against
+    # 1P+1D), so the newest one's order keeps each case's rows together.
+    for run in reversed(runs):
         for label in run.verdicts():
             if label not in labels:
                 labels.append(label)
