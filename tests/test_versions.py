@@ -186,7 +186,11 @@ def test_bisect_finds_the_first_release_whose_verdict_differs(
         case="1E+1PD:image", good=good, bad=bad, run_dir=str(tmp_path), lock_file=None
     )
     assert versions.command_bisect(args) == 0
-    assert f"first release that differs: {first_changed}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"first release that differs: {first_changed}" in out
+    assert f"{first_changed} in {tmp_path / 'bisect-1E-1PD-image' / first_changed}" in out
+    record = json.loads((tmp_path / "bisect-1E-1PD-image.json").read_text())
+    assert record["first_changed"] == first_changed and first_changed in record["bundles"]
     assert len(tried) <= 5 and len(set(tried)) == len(tried)  # bisected, each release once
 
 

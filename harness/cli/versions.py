@@ -363,15 +363,12 @@ def command_bisect(args: argparse.Namespace) -> int:
     root = Path(args.run_dir or f"runs/bisect-{time.strftime('%Y%m%d-%H%M%S')}")
     run_args = ["--topology", topology, "--prompt", prompt]
     verdicts: dict[str, str] = {}
+    bundles: dict[str, Path] = {}  # release -> the run directory (bundle) its verdict came from
 
     def verdict(version: str) -> str:
         if version not in verdicts:
-            run = run_release(
-                version,
-                bisect_run_dir(root, version, args.case, run_args),
-                run_args,
-                args.lock_file,
-            )
+            bundles[version] = bisect_run_dir(root, version, args.case, run_args)
+            run = run_release(version, bundles[version], run_args, args.lock_file)
             verdicts[version] = case_verdict(run, topology, prompt)
             print(f"bisect: {topology}:{prompt} on {version}: {verdicts[version]}", flush=True)
         return verdicts[version]
@@ -389,11 +386,12 @@ def command_bisect(args: argparse.Namespace) -> int:
             hi = mid
     print(
         f"bisect: {topology}:{prompt} changed from {reference} on {path[lo]} to "
-        f"{verdicts[path[hi]]} on {path[hi]} (first release that differs: {path[hi]}); "
-        f"runs in {root}"
+        f"{verdicts[path[hi]]} on {path[hi]} (first release that differs: {path[hi]})\n"
+        f"bisect: bundles: {path[lo]} in {bundles[path[lo]]}, {path[hi]} in {bundles[path[hi]]}"
     )
+    slug = re.sub(r"[^A-Za-z0-9._-]", "-", args.case)
     write_json_atomic(
-        root / "bisect.json",
+        root / f"bisect-{slug}.json",
         {
             "case": args.case,
             "good": good,
@@ -401,6 +399,7 @@ def command_bisect(args: argparse.Namespace) -> int:
             "verdicts": verdicts,
             "last_like_good": path[lo],
             "first_changed": path[hi],
+            "bundles": {path[lo]: str(bundles[path[lo]]), path[hi]: str(bundles[path[hi]])},
         },
     )
     return 0
