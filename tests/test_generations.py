@@ -8,7 +8,8 @@ import pytest
 
 from harness.errors import BadInput
 from harness.judge.records import EXACT, LOGPROB_CLOSE, Verdict
-from harness.judge.verdicts import not_applicable_case
+from harness.judge.verdicts import judge_case, judged_as_declared, not_applicable_case
+from harness.serve.client import ChatResult
 from harness.serve.proxy_protocol import (
     EncoderAnswerError,
     EncoderBatch,
@@ -17,13 +18,16 @@ from harness.serve.proxy_protocol import (
     merge_encoder_params,
     plan_encoder_batches,
 )
+from harness.serve.session import Outcome
 from harness.spec.generations import (
+    FLOOR,
     GENERATIONS,
     GENERATIONS_BY_NAME,
     KNOWN_RELEASES,
     NEWEST,
     dotted,
     generation_for,
+    known_failure,
     not_applicable,
     parse_version,
 )
@@ -36,7 +40,7 @@ from harness.spec.topology import TOPOLOGIES, Role, serving_for
 # whether its instances start at all.
 EXPECTED = {
     "0.27.1": ("raw-media", False, False),
-    "0.28.0": ("ec-items", False, True),
+    "0.28.0": ("ec-items-report-only", False, True),
     "0.29.0": ("ec-items", False, True),
     "0.30.0": ("by-hash", False, False),
     "0.31.0": ("by-hash-indexed", True, False),
@@ -130,7 +134,11 @@ def test_not_applicable_cases_per_generation() -> None:
     # raw-media: no metadata, no encoder case with media proves anything.
     assert not applies("raw-media", "1E+1PD", "image")
     assert not applies("raw-media", "2E+1PD", "two_images")
-    # ec-items and newer: everything the sweep sends.
+    # ec-items-report-only (0.28): metadata, but no consumer serves a metadata-only part.
+    assert not applies("ec-items-report-only", "1E+1PD", "image")
+    assert not applies("ec-items-report-only", "1E+1P+1D", "video")
+    assert applies("ec-items-report-only", "1E+1PD", "text")
+    # ec-items (0.29) and newer: everything the sweep sends.
     for name in ("ec-items", "by-hash", "by-hash-indexed"):
         assert all(applies(name, t, p) for t in ("1E+1PD", "2E+1PD") for p in PROMPTS)
 
@@ -142,6 +150,98 @@ def test_not_applicable_never_passes_any_policy() -> None:
         Verdict.NOT_APPLICABLE
     )
     assert "video is not encoded" in record.detail
+
+
+# -- failures a release is declared to have --------------------------------------------------
+
+
+def outcome(prompt: str, ids: list[int], prompt_ids: tuple[int, ...] = (1, 2, 3)) -> Outcome:
+    result = ChatResult.from_json(
+        {
+            "prompt_token_ids": list(prompt_ids),
+            "token_ids": ids,
+            "text": "",
+            "logprobs": [],
+            "finish_reason": "length",
+        }
+    )
+    return Outcome(prompt=prompt, result=result)
+
+
+def test_0_29_and_0_30_declare_the_video_timing_failure_and_only_through_an_encoder() -> None:
+    declaring = {"ec-items", "by-hash"}
+    for name in declaring:
+        generation = GENERATIONS_BY_NAME[name]
+        for topology in ("1E+1PD", "1E+1P+1D", "2E+1PD"):
+            failure = known_failure(generation, TOPOLOGIES[topology], PROMPTS["video"])
+            assert failure is not None and failure.verdict == "MISMATCH", (name, topology)
+        assert known_failure(generation, TOPOLOGIES["1P+1D"], PROMPTS["video"]) is None
+        assert known_failure(generation, TOPOLOGIES["baseline"], PROMPTS["video"]) is None
+        for prompt in ("text", "image", "two_images"):
+            assert known_failure(generation, TOPOLOGIES["1E+1PD"], PROMPTS[prompt]) is None
+        assert generation.to_json()["known_failures"][0]["media"] == "video"
+    for generation in GENERATIONS:
+        if generation.name not in declaring:
+            assert generation.known_failures == (), generation.name
+
+
+def test_the_floor_is_the_first_generation_whose_consumers_serve_metadata_only_parts() -> None:
+    assert FLOOR.name == "ec-items" and FLOOR.first == (0, 29, 0)
+    older = [g for g in GENERATIONS if g.first < FLOOR.first]
+    assert older and not any(g.consumer_takes_metadata_only for g in older)
+    assert all(g.consumer_takes_metadata_only for g in GENERATIONS if g.first >= FLOOR.first)
+
+
+def test_a_declared_failure_passes_only_when_it_fails_exactly_as_declared() -> None:
+    failure = GENERATIONS_BY_NAME["by-hash"].known_failures[0]
+
+    def judged(candidate: Outcome) -> object:
+        record = judge_case("1E+1PD", "baseline", outcome("video", [5, 6, 7]), candidate, [])
+        return judged_as_declared(record, failure)
+
+    as_declared = judged(outcome("video", [9, 6, 7]))
+    assert as_declared.verdict is Verdict.MISMATCH and as_declared.policy_passed
+    assert failure.reason in as_declared.detail
+    # Any other outcome fails, and says what was declared.
+    for candidate in (
+        outcome("video", [5, 6, 7]),  # the failure is gone: MATCH
+        outcome("video", [9, 6, 7], prompt_ids=(1, 2, 4)),  # placeholders sized differently
+        Outcome(prompt="video", error="HTTP 500"),  # another failure altogether
+    ):
+        record = judged(candidate)
+        assert not record.policy_passed, record.detail
+        assert "NOT the declared MISMATCH" in record.detail
+
+
+def test_the_sweep_judges_a_declared_case_by_its_declaration(tmp_path: Path) -> None:
+    """A 0.30 sweep: 1E+1PD video failing as declared passes; 1P+1D video is judged as usual
+    (its MISMATCH would fail); outcomes are planted, nothing is served."""
+    from harness.run.sweep import Sweep, SweepSpec
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    settings = RunSettings(
+        serving=serving_for(CPU, "/not-a-dir-model", max_model_len=4096),
+        run_dir=tmp_path / "run",
+        vllm=ServedVllm("vllm", "0.30.0+cpu", "2.13.0"),
+        protocol=GENERATIONS_BY_NAME["by-hash"],
+    )
+    spec = SweepSpec(
+        topologies=(TOPOLOGIES["1E+1PD"], TOPOLOGIES["1P+1D"]), prompts=(PROMPTS["video"],)
+    )
+    sweep = Sweep(spec, settings)
+    baseline = {"video": outcome("video", [5, 6, 7])}
+    different = {"video": outcome("video", [9, 6, 7])}
+    served = {"1E+1PD": different, "1P+1D": different}
+    sweep.serve_baseline = lambda: baseline  # type: ignore[method-assign]
+    sweep.serve_topology = lambda name: served[name]  # type: ignore[method-assign]
+    sweep.guards = {name: {"video": []} for name in served}
+    sweep.stability = {"video": (True, "", 0.0)}
+    (encoder,) = sweep.judge("1E+1PD", "video")
+    (no_encoder,) = sweep.judge("1P+1D", "video")
+    assert encoder.verdict is Verdict.MISMATCH and encoder.policy_passed
+    assert "declared for this release" in encoder.detail
+    assert no_encoder.verdict is Verdict.MISMATCH and not no_encoder.policy_passed
+    assert "declared" not in no_encoder.detail
 
 
 # -- the proxy speaking older generations ----------------------------------------------------
@@ -202,11 +302,13 @@ def test_merge_concatenates_item_lists_and_unions_hashes() -> None:
 def test_encoder_output_guard_reads_every_generations_answer_shape() -> None:
     """0.30 answers carry no item_indices (one item per encoder request) and 0.28-0.29 answer
     {"ec_items": [...]}: the guard counts an item per entry with metadata in either shape
-    (measured: every 0.30 image case was VACUOUS while the guard expected the 0.32 shape)."""
+    (measured: every 0.30 image case was VACUOUS while the guard expected the 0.32 shape, and
+    every 0.29 one while it looked for a "metadata" key 0.29's flattened items do not have)."""
     from harness.judge.guards import TransferEvidence, check_encoder_output
 
     by_hash = {"h0": {"metadata": {"image_grid_thw": [1, 2, 2]}}}
-    ec_items = {"ec_items": [{"mm_hash": "h1", "metadata": {"image_grid_thw": [1, 2, 2]}}]}
+    # As 0.29.0's encoder answered (its taps, 1E+1PD image): metadata next to mm_hash.
+    ec_items = {"ec_items": [{"image_grid_thw": [1, 16, 16], "mm_hash": "h1"}]}
     evidence = TransferEvidence(media_count=2, encoder_answers=(by_hash, ec_items))
     assert "reported 2 with metadata" in check_encoder_output(evidence, None).evidence
     without_metadata = {"ec_items": [{"mm_hash": "h1"}]}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,7 @@ def case(topology: str, prompt: str, verdict: str, reference: str = "baseline", 
         "detail": extra.get("detail", ""),
         "error": extra.get("error"),
         "guards": extra.get("guards", {}),
+        "policy_passed": extra.get("policy_passed", verdict == "MATCH"),
     }
 
 
@@ -83,8 +85,32 @@ def test_matrix_table_has_every_case_and_evidence_for_each_non_match() -> None:
     assert "0.27.1 1E+1PD / image: NOT_APPLICABLE: not applicable: no metadata" in table
     assert "0.32.0 1E+1P+1D / image vs 1P+1D: ERROR: proxy failed: boom" in table
     assert "MATCH:" not in table  # a MATCH needs no evidence line
-    assert not matrix_passed([old, new]) and matrix_passed(
-        [new.__class__(**{**new.__dict__, "exit_code": 0})]
+    # NOT_APPLICABLE is explained by the generations table (the release's own exit code is 1);
+    # an ERROR is not.
+    assert matrix_passed([old]) and not matrix_passed([old, new])
+    assert not matrix_passed([ReleaseRun("0.31.0", "by-hash-indexed", 1, 1.0, 0.0, 0, [])])
+
+
+def test_a_declared_release_failure_is_marked_and_explained_an_undeclared_one_is_not() -> None:
+    declared = case(
+        "1E+1PD",
+        "video",
+        "MISMATCH",
+        detail="generated tokens differ at position 1 of 32/32; declared for this release: x",
+        policy_passed=True,
+    )
+    run = ReleaseRun(
+        "0.30.0", "by-hash", 0, 1.0, 0.0, 0, [declared, case("1P+1D", "video", "MATCH")]
+    )
+    table = format_matrix([run])
+    assert "| 1E+1PD / video | MISMATCH (declared) |" in table
+    assert "| 1P+1D / video | MATCH |" in table
+    assert "0.30.0 1E+1PD / video: MISMATCH: generated tokens differ" in table
+    assert matrix_passed([run])
+    undeclared = {**declared, "policy_passed": False}
+    assert not matrix_passed([ReleaseRun("0.30.0", "by-hash", 1, 1.0, 0.0, 0, [undeclared])])
+    assert "| 1E+1PD / video | MISMATCH |" in format_matrix(
+        [ReleaseRun("0.30.0", "by-hash", 1, 1.0, 0.0, 0, [undeclared])]
     )
 
 
@@ -160,7 +186,11 @@ def test_bisect_finds_the_first_release_whose_verdict_differs(
         case="1E+1PD:image", good=good, bad=bad, run_dir=str(tmp_path), lock_file=None
     )
     assert versions.command_bisect(args) == 0
-    assert f"first release that differs: {first_changed}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"first release that differs: {first_changed}" in out
+    assert f"{first_changed} in {tmp_path / 'bisect-1E-1PD-image' / first_changed}" in out
+    record = json.loads((tmp_path / "bisect-1E-1PD-image.json").read_text())
+    assert record["first_changed"] == first_changed and first_changed in record["bundles"]
     assert len(tried) <= 5 and len(set(tried)) == len(tried)  # bisected, each release once
 
 
@@ -205,3 +235,101 @@ def test_golden_stands_in_for_the_baseline_without_starting_it(tmp_path: Path) -
     assert not any(s.topology.is_baseline for w in probe.schedule().waves for s in w.slots)
     with pytest.raises(BadInput, match="no golden of vLLM 0.31.0 for prompt 'image'"):
         sweep((text, image)).serve_baseline()
+
+
+def finished(run_dir: Path, run_args: list[str]) -> None:
+    from harness.cli.versions import RELEASE_RUN_FILE
+
+    run = ReleaseRun("0.30.0", "by-hash", 0, 1.0, 0.0, 0, [case("1E+1PD", "video", "MATCH")])
+    run.run_args = run_args
+    run_dir.mkdir(parents=True)
+    (run_dir / RELEASE_RUN_FILE).write_text(json.dumps(run.to_json()))
+
+
+def test_a_finished_run_is_reused_only_for_the_cases_it_ran(tmp_path: Path) -> None:
+    from harness.cli.versions import run_release
+
+    one_case = ["--topology", "1E+1PD", "--prompt", "video"]
+    full = ReleaseRun("0.30.0", "by-hash", 0, 1.0, 0.0, 0)
+    assert full.covers([]) and full.covers(one_case)
+    assert not full.covers(["--golden", "0.31.0"])  # judged against something else
+    partial = ReleaseRun("0.30.0", "by-hash", 0, 1.0, 0.0, 0, run_args=one_case)
+    assert partial.covers(one_case) and not partial.covers([])
+    assert not partial.covers(["--topology", "1E+1PD", "--prompt", "image"])
+    finished(tmp_path / "0.30.0", one_case)
+    assert run_release("0.30.0", tmp_path / "0.30.0", one_case, None).run_args == one_case
+    with pytest.raises(BadInput, match="holds a finished run of vLLM 0.30.0 with other cases"):
+        run_release("0.30.0", tmp_path / "0.30.0", [], None)  # never taken for the full sweep
+
+
+def test_bisect_reuses_a_matrix_sweep_and_keeps_its_own_runs_apart(tmp_path: Path) -> None:
+    from harness.cli.versions import bisect_run_dir
+
+    one_case = ["--topology", "1E+1PD", "--prompt", "video"]
+    finished(tmp_path / "0.30.0", [])  # the version matrix's full sweep
+    assert bisect_run_dir(tmp_path, "0.30.0", "1E+1PD:video", one_case) == tmp_path / "0.30.0"
+    own = bisect_run_dir(tmp_path, "0.29.0", "1E+1PD:video", one_case)
+    assert own == tmp_path / "bisect-1E-1PD-video" / "0.29.0"
+    finished(tmp_path / "0.31.0", ["--topology", "1P+1D", "--prompt", "video"])
+    assert bisect_run_dir(tmp_path, "0.31.0", "1E+1PD:video", one_case).parent.name == (
+        "bisect-1E-1PD-video"
+    )
+
+
+def test_the_lock_wait_is_measured_apart_from_the_sweep(tmp_path: Path) -> None:
+    """--lock-file: the flock is taken before the sweep's clock starts (a sweep queued behind
+    other vLLM jobs must not report their time as its own), and it is really exclusive."""
+    import fcntl
+    import os
+    import threading
+    import time
+
+    from harness.cli.versions import wait_for_lock
+
+    lock = tmp_path / "vllm.lock"
+    holder = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    threading.Timer(0.5, os.close, (holder,)).start()  # the other job ends after 0.5 s
+    started = time.monotonic()
+    fd, waited = wait_for_lock(str(lock))
+    try:
+        assert 0.4 <= waited <= time.monotonic() - started
+        other = os.open(lock, os.O_RDWR)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(other)
+    finally:
+        os.close(fd)
+
+
+def test_matrix_rows_follow_the_newest_release_and_evidence_is_not_repeated() -> None:
+    guard = {"encoder_output": {"ok": False, "evidence": "encoders reported 0"}}
+    old = ReleaseRun("0.28.0", "x", 1, 1.0, 0.0, 0, [case("1E+1P+1D", "image", "NOT_APPLICABLE")])
+    new = ReleaseRun(
+        "0.32.0",
+        "y",
+        0,
+        1.0,
+        0.0,
+        0,
+        [
+            case("1E+1P+1D", "image", "MATCH"),
+            case("1E+1P+1D", "image", "MATCH", reference="1P+1D"),
+            case("1E+1P+1D", "video", "MATCH"),
+            case(
+                "1E+1PD",
+                "image",
+                "VACUOUS",
+                detail="tokens equal but guard failed: encoder_output: encoders reported 0",
+                guards=guard,
+            ),
+        ],
+    )
+    rows = [line.split(" | ")[0] for line in format_matrix([old, new]).splitlines()[2:6]]
+    assert rows == [
+        "| 1E+1P+1D / image",
+        "| 1E+1P+1D / image vs 1P+1D",
+        "| 1E+1P+1D / video",
+        "| 1E+1PD / image",
+    ]
+    assert format_matrix([new]).count("encoders reported 0") == 1

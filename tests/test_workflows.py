@@ -232,12 +232,11 @@ def test_cherry_pick_writes_the_verdict_tables_into_the_step_summary() -> None:
 
 
 def test_versions_workflow_covers_the_floor_to_the_newest_release_and_writes_the_summary() -> None:
-    from harness.spec.generations import GENERATIONS, KNOWN_RELEASES, dotted
+    from harness.spec.generations import FLOOR, KNOWN_RELEASES, dotted
 
     workflow = load("versions-cpu.yml")
     assert "schedule" in workflow[True] and "workflow_dispatch" in workflow[True]
-    floor = next(g.first for g in GENERATIONS if g.encoder_publishes_metadata)
-    expected = [dotted(v) for v in KNOWN_RELEASES if v >= floor]
+    expected = [dotted(v) for v in KNOWN_RELEASES if v >= FLOOR.first]
     assert workflow["jobs"]["release"]["strategy"]["matrix"]["release"] == expected
     assert workflow["env"]["RELEASES"] == ",".join(expected)
     table_steps = " ".join(s.get("run", "") for s in workflow["jobs"]["table"]["steps"])

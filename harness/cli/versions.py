@@ -6,15 +6,20 @@ user running that release by hand would get: its own baseline (the cache key hol
 version), its own protocol generation, its own bundle. The table is release x case -> verdict;
 every verdict other than MATCH carries its evidence (the case's detail, error or reason).
 
-A release whose run directory already holds a finished run (`release-run.json`) is not run
-again: a matrix interrupted after three releases resumes at the fourth.
+A release whose run directory already holds a finished run (`release-run.json`) of the same
+cases is not run again: a matrix interrupted after three releases resumes at the fourth, and
+`bisect` reuses a matrix's full sweeps. A finished run of other cases is never taken for the
+one asked (a one-case bisect run is no release's sweep).
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
+import os
+import re
 import subprocess
 import sys
 import time
@@ -48,6 +53,19 @@ class ReleaseRun:
     venv_bytes: int
     cases: list[dict[str, Any]] = field(default_factory=list)
     failure: str | None = None  # the run's own error line when it produced no cases
+    # How long it waited for --lock-file before starting (not part of `seconds`).
+    lock_wait_seconds: float = 0.0
+    # The `run` arguments it was made with (case selection, golden, baseline cache); a run
+    # from before they were recorded was a full sweep.
+    run_args: list[str] = field(default_factory=list)
+
+    def covers(self, run_args: list[str]) -> bool:
+        """Whether this finished run answers a run with `run_args`: the same arguments, or a
+        full sweep (no --topology / --prompt) made with the same other arguments."""
+        if self.run_args == run_args:
+            return True
+        mine = _without_selection(self.run_args)
+        return mine == self.run_args and mine == _without_selection(run_args)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -72,20 +90,61 @@ def evidence(case: dict[str, Any]) -> str:
         for n, g in (case.get("guards") or {}).items()
         if not g.get("ok")
     ]
-    if case["verdict"] == "VACUOUS" and guards:
+    if case["verdict"] == "VACUOUS" and guards and guards[0] not in text:
         text = f"{text}; guard {guards[0]}"
     line = " ".join(text.split())
     return line if len(line) <= EVIDENCE_WIDTH else line[: EVIDENCE_WIDTH - 3] + "..."
 
 
+SELECTION_FLAGS = ("--topology", "--prompt")
+
+
+def _without_selection(run_args: list[str]) -> list[str]:
+    kept: list[str] = []
+    skip = False
+    for arg in run_args:
+        if skip:
+            skip = False
+        elif arg in SELECTION_FLAGS:
+            skip = True
+        else:
+            kept.append(arg)
+    return kept
+
+
+def wait_for_lock(lock_file: str) -> tuple[int, float]:
+    """An open descriptor holding an exclusive flock on `lock_file` (what `flock FILE cmd`
+    holds, so it serialises with every other vLLM job on the host), and the seconds waited.
+    Taken here rather than by wrapping the run in flock(1), so the sweep's time excludes the
+    wait for other jobs."""
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    started = time.monotonic()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, time.monotonic() - started
+
+
+def finished_run(run_dir: Path) -> ReleaseRun | None:
+    path = run_dir / RELEASE_RUN_FILE
+    return ReleaseRun(**json.loads(path.read_text())) if path.exists() else None
+
+
 def run_release(
     version: str, run_dir: Path, run_args: list[str], lock_file: str | None
 ) -> ReleaseRun:
-    finished = run_dir / RELEASE_RUN_FILE
-    if finished.exists():
-        data = json.loads(finished.read_text())
+    finished = finished_run(run_dir)
+    if finished is not None:
+        if not finished.covers(run_args):
+            raise BadInput(
+                f"{run_dir} holds a finished run of vLLM {version} with other cases "
+                f"({' '.join(finished.run_args) or 'the full sweep'}, not "
+                f"{' '.join(run_args) or 'the full sweep'}): use another --run-dir"
+            )
         log.info("[versions] %s: reusing the finished run in %s", version, run_dir)
-        return ReleaseRun(**data)
+        return finished
     env, install_seconds = ensure_release(version)
     argv = [
         sys.executable,
@@ -98,15 +157,29 @@ def run_release(
         str(run_dir),
         *run_args,
     ]
-    if lock_file:
-        argv = ["flock", lock_file, *argv]  # serialise with every other vLLM job on the host
     log.info("[versions] %s: %s", version, " ".join(argv))
-    started = time.monotonic()
     console = run_dir.with_name(run_dir.name + ".console.log")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(console, "w") as output:
-        done = subprocess.run(argv, stdout=output, stderr=subprocess.STDOUT, check=False)
-    seconds = time.monotonic() - started
+    lock_fd, waited = None, 0.0
+    if lock_file:
+        log.info("[versions] %s: waiting for %s", version, lock_file)
+        lock_fd, waited = wait_for_lock(lock_file)
+    try:
+        started = time.monotonic()
+        with open(console, "w") as output:
+            # The run holds the lock's descriptor too: were this process to die, the run
+            # would still hold the lock until it ends (as under flock(1)).
+            done = subprocess.run(
+                argv,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                check=False,
+                pass_fds=() if lock_fd is None else (lock_fd,),
+            )
+        seconds = time.monotonic() - started
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)
     summary_path = run_dir / "summary.json"
     cases: list[dict[str, Any]] = []
     failure = None
@@ -127,22 +200,26 @@ def run_release(
         venv_bytes=directory_bytes(env.venv),
         cases=cases,
         failure=failure,
+        lock_wait_seconds=round(waited, 1),
+        run_args=list(run_args),
     )
-    write_json_atomic(finished, result.to_json())
+    write_json_atomic(run_dir / RELEASE_RUN_FILE, result.to_json())
     return result
 
 
 def format_matrix(runs: list[ReleaseRun]) -> str:
     """A markdown table: one row per case, one column per release; then the evidence."""
     labels: list[str] = []
-    for run in runs:
+    # Newest first: an old release may lack cases (a NOT_APPLICABLE case has no record against
+    # 1P+1D), so the newest one's order keeps each case's rows together.
+    for run in reversed(runs):
         for label in run.verdicts():
             if label not in labels:
                 labels.append(label)
     header = ["case", *(f"{r.version} ({r.protocol})" for r in runs)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for label in labels:
-        cells = [run.verdicts().get(label, {}).get("verdict", "-") for run in runs]
+        cells = [cell(run.verdicts().get(label)) for run in runs]
         lines.append("| " + " | ".join([label, *cells]) + " |")
     lines.append("| sweep time (s) | " + " | ".join(f"{r.seconds:.0f}" for r in runs) + " |")
     lines.append(
@@ -158,8 +235,25 @@ def format_matrix(runs: list[ReleaseRun]) -> str:
     return "\n".join(lines)
 
 
+def cell(case: dict[str, Any] | None) -> str:
+    """A case's verdict for the table; a failure the release is declared to have (its
+    generation's known_failures, passed as declared) is marked so."""
+    if case is None:
+        return "-"
+    declared = case["verdict"] != "MATCH" and case.get("policy_passed")
+    return f"{case['verdict']} (declared)" if declared else case["verdict"]
+
+
+def explained(case: dict[str, Any]) -> bool:
+    """Passed, passed as a declared release failure, or not applicable on this release by the
+    generations table: what the matrix accepts. Anything else is unexplained."""
+    return bool(case.get("policy_passed")) or case["verdict"] == "NOT_APPLICABLE"
+
+
 def matrix_passed(runs: list[ReleaseRun]) -> bool:
-    return all(r.cases and r.exit_code == 0 for r in runs)
+    """Every release produced cases, and each is a pass or explained by the table (a release's
+    own exit code also fails on NOT_APPLICABLE, which the matrix counts as explained)."""
+    return all(r.cases and not r.failure and all(explained(c) for c in r.cases) for r in runs)
 
 
 def command_versions(args: argparse.Namespace) -> int:
@@ -169,7 +263,7 @@ def command_versions(args: argparse.Namespace) -> int:
     root = Path(args.run_dir or f"runs/versions-{time.strftime('%Y%m%d-%H%M%S')}")
     # Releases whose run is already finished here need no venv (a summary job that only
     # gathers other jobs' runs installs nothing).
-    check_disk_for([v for v in versions if not (root / v / RELEASE_RUN_FILE).exists()])
+    check_disk_for([v for v in versions if finished_run(root / v) is None])
     if args.install_only:
         for version in versions:
             env, seconds = ensure_release(version)
@@ -269,10 +363,12 @@ def command_bisect(args: argparse.Namespace) -> int:
     root = Path(args.run_dir or f"runs/bisect-{time.strftime('%Y%m%d-%H%M%S')}")
     run_args = ["--topology", topology, "--prompt", prompt]
     verdicts: dict[str, str] = {}
+    bundles: dict[str, Path] = {}  # release -> the run directory (bundle) its verdict came from
 
     def verdict(version: str) -> str:
         if version not in verdicts:
-            run = run_release(version, root / version, run_args, args.lock_file)
+            bundles[version] = bisect_run_dir(root, version, args.case, run_args)
+            run = run_release(version, bundles[version], run_args, args.lock_file)
             verdicts[version] = case_verdict(run, topology, prompt)
             print(f"bisect: {topology}:{prompt} on {version}: {verdicts[version]}", flush=True)
         return verdicts[version]
@@ -290,11 +386,12 @@ def command_bisect(args: argparse.Namespace) -> int:
             hi = mid
     print(
         f"bisect: {topology}:{prompt} changed from {reference} on {path[lo]} to "
-        f"{verdicts[path[hi]]} on {path[hi]} (first release that differs: {path[hi]}); "
-        f"runs in {root}"
+        f"{verdicts[path[hi]]} on {path[hi]} (first release that differs: {path[hi]})\n"
+        f"bisect: bundles: {path[lo]} in {bundles[path[lo]]}, {path[hi]} in {bundles[path[hi]]}"
     )
+    slug = re.sub(r"[^A-Za-z0-9._-]", "-", args.case)
     write_json_atomic(
-        root / "bisect.json",
+        root / f"bisect-{slug}.json",
         {
             "case": args.case,
             "good": good,
@@ -302,9 +399,21 @@ def command_bisect(args: argparse.Namespace) -> int:
             "verdicts": verdicts,
             "last_like_good": path[lo],
             "first_changed": path[hi],
+            "bundles": {path[lo]: str(bundles[path[lo]]), path[hi]: str(bundles[path[hi]])},
         },
     )
     return 0
+
+
+def bisect_run_dir(root: Path, version: str, case: str, run_args: list[str]) -> Path:
+    """Where bisect finds or makes `version`'s run of one case: the run-dir's own run of that
+    release when it covers the case (a version matrix's full sweep), else a subdirectory of
+    its own, so a one-case run never stands in for a release's sweep later."""
+    matrix_run = finished_run(root / version)
+    if matrix_run is not None and matrix_run.covers(run_args):
+        return root / version
+    slug = re.sub(r"[^A-Za-z0-9._-]", "-", case)
+    return root / f"bisect-{slug}" / version
 
 
 def add_bisect_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -34,6 +34,7 @@ from typing import Any
 from harness.serve.attached import AttachedEvidence, AttachedSession
 from harness.serve.client import ChatResult
 from harness.serve.proxy import RequestTrace
+from harness.serve.proxy_protocol import ec_item_entry
 from harness.serve.session import Outcome, TopologySession
 from harness.serve.tap import TapRecord
 from harness.spec.connectors import (
@@ -145,13 +146,14 @@ def as_evidence(
 
 def encoder_entries(answer: object) -> list[tuple[str, dict[str, Any]]]:
     """(mm_hash, entry) pairs of one encoder answer's ec_transfer_params, whatever the release's
-    shape (harness.spec.generations): {mm_hash: entry} from 0.30 on, {"ec_items": [entry with
-    its mm_hash]} in 0.28-0.29; anything else has no entries."""
+    shape (harness.spec.generations): {mm_hash: entry} from 0.30 on, {"ec_items": [item with
+    its mm_hash and its metadata flattened]} in 0.28-0.29 (read as the proxy reads it);
+    anything else has no entries."""
     if not isinstance(answer, dict):
         return []
     items = answer.get("ec_items")
     if isinstance(items, list):
-        return [(str(i.get("mm_hash")), i) for i in items if isinstance(i, dict)]
+        return [ec_item_entry(i) for i in items if isinstance(i, dict)]
     return [(str(h), e) for h, e in answer.items() if isinstance(e, dict)]
 
 

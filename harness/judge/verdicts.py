@@ -11,10 +11,13 @@ that were checked, and its detail names the unchecked ones.
 
 from __future__ import annotations
 
+import dataclasses
+
 from harness.judge.compare import TokenComparison, compare_results, noise_floor, token_verdict
 from harness.judge.guards import GuardResult
 from harness.judge.records import EXACT, CaseRecord, Policy, Verdict
 from harness.serve.session import Outcome
+from harness.spec.generations import KnownFailure
 
 
 def judge_case(
@@ -94,3 +97,20 @@ def not_applicable_case(topology: str, prompt: str, reference_name: str, reason:
         error=None,
         explanation=reason,
     )
+
+
+def judged_as_declared(record: CaseRecord, failure: KnownFailure) -> CaseRecord:
+    """`record` judged against a failure its vLLM release is declared to have.
+
+    It passes only when the release failed exactly as declared (verdict and the beginning of
+    the detail); any other outcome, a MATCH included, fails and says what was declared, so a
+    declaration that no longer describes the release cannot hide a change."""
+    held = record.verdict.value == failure.verdict and record.detail.startswith(failure.evidence)
+    if held:
+        detail = f"{record.detail}; declared for this release: {failure.reason}"
+    else:
+        detail = (
+            f"{record.detail}; NOT the declared {failure.verdict} "
+            f"({failure.evidence.strip()!r}...): {failure.reason}"
+        )
+    return dataclasses.replace(record, policy_passed=held, detail=detail)

@@ -26,7 +26,12 @@ from harness.files import write_json_atomic, write_text_atomic
 from harness.fixtures.tiny_model import model_digest
 from harness.judge.guards import GuardResult, session_guards
 from harness.judge.records import EXACT, CaseRecord, Policy
-from harness.judge.verdicts import baseline_is_stable, judge_case, not_applicable_case
+from harness.judge.verdicts import (
+    baseline_is_stable,
+    judge_case,
+    judged_as_declared,
+    not_applicable_case,
+)
 from harness.report.bundle import write_bundle, write_run_info
 from harness.report.text import format_verdict_table, write_summary_json
 from harness.run.baseline_cache import BaselineCache, baseline_key
@@ -35,7 +40,7 @@ from harness.run.goldens import GoldenStore, golden_key
 from harness.serve.attached import AttachedDown, AttachedSession
 from harness.serve.launch import EventCallback
 from harness.serve.session import InstanceStats, Outcome, TopologySession
-from harness.spec.generations import not_applicable
+from harness.spec.generations import KnownFailure, known_failure, not_applicable
 from harness.spec.placement import (
     Schedule,
     Wave,
@@ -457,9 +462,17 @@ class Sweep:
             return None
         return not_applicable(self.settings.protocol, TOPOLOGIES[topology_name], spec)
 
+    def declared_failure(self, topology_name: str, prompt: str) -> KnownFailure | None:
+        """The failure the served release is declared to have on this case (None: none)."""
+        spec = next((p for p in self.spec.prompts if p.name == prompt), None)
+        if spec is None:
+            return None
+        return known_failure(self.settings.protocol, TOPOLOGIES[topology_name], spec)
+
     def judge(self, topology_name: str, prompt: str) -> list[CaseRecord]:
         """Records for one case: against the baseline, and its exact reference if it has one.
-        A case the served release cannot run is NOT_APPLICABLE, with the table's reason."""
+        A case the served release cannot run is NOT_APPLICABLE, with the table's reason; one
+        it is declared to fail passes only when it failed exactly so (`judged_as_declared`)."""
         key = (topology_name, prompt)
         reason = self.not_applicable(topology_name, prompt)
         if key not in self._judged and reason is not None:
@@ -477,6 +490,7 @@ class Sweep:
                 reference = self.serve_topology(topology.exact_reference)
                 references.append((topology.exact_reference, reference, EXACT))
             records = []
+            declared = self.declared_failure(topology_name, prompt)
             for reference_name, reference_outcomes, policy in references:
                 record = judge_case(
                     topology_name,
@@ -489,6 +503,8 @@ class Sweep:
                     or self.stability[prompt][0],
                     drift_tolerance=self.noise_floor,
                 )
+                if declared is not None:
+                    record = judged_as_declared(record, declared)
                 log.info(
                     "[sweep] %s %s vs %s: %s (%s)",
                     topology_name,

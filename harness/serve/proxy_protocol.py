@@ -239,15 +239,17 @@ def _index_item_list(batch: EncoderBatch, params: dict[str, Any]) -> dict[int, E
         raise EncoderAnswerError(
             f"expected {{'ec_items': [{{...}}, ...]}}, encoder answered {_excerpt(params)}"
         )
-    # 0.28 / 0.29 flatten each item's metadata next to its key: {"mm_hash": h, "image_grid_thw": ..}
-    entries = [
-        (
-            str(item.get("mm_hash", "")),
-            {"metadata": {k: v for k, v in item.items() if k != "mm_hash"}},
-        )
-        for item in items
-    ]
-    return _index_single_item(batch, entries, params)
+    return _index_single_item(batch, [ec_item_entry(item) for item in items], params)
+
+
+def ec_item_entry(item: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """One item of a 0.28 / 0.29 `ec_items` answer as (mm_hash, {"metadata": ...}), the shape
+    of the newer answers: those releases flatten the metadata next to the key,
+    {"mm_hash": h, "image_grid_thw": [...]}. Read so by the proxy and by the guards alike."""
+    return (
+        str(item.get("mm_hash", "")),
+        {"metadata": {k: v for k, v in item.items() if k != "mm_hash"}},
+    )
 
 
 def _index_single_item(
