@@ -318,3 +318,30 @@ def test_encoder_output_guard_reads_every_generations_answer_shape() -> None:
     indexed = {"h2": {"metadata": {"x": 1}, "item_indices": [0, 1]}}
     evidence = TransferEvidence(media_count=2, encoder_answers=(indexed,))
     assert "reported 2 with metadata" in check_encoder_output(evidence, None).evidence
+
+
+def test_a_topology_whose_every_case_is_not_applicable_is_not_started(tmp_path: Path) -> None:
+    """On 0.28 an encoder topology sent only media prompts has nothing to run: the sweep
+    judges its cases NOT_APPLICABLE without starting it (measured: a bisect try on 0.28.0 spent
+    50 s starting 1E+1PD for one NOT_APPLICABLE case); with a text prompt it starts."""
+    from harness.run.sweep import Sweep, SweepSpec
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    settings = RunSettings(
+        serving=serving_for(CPU, "/not-a-dir-model", max_model_len=4096),
+        run_dir=tmp_path / "run",
+        vllm=ServedVllm("vllm", "0.28.0+cpu", "2.13.0"),
+        protocol=GENERATIONS_BY_NAME["ec-items-report-only"],
+    )
+
+    def started(*prompts: str) -> set[str]:
+        spec = SweepSpec(
+            topologies=(TOPOLOGIES["1E+1PD"], TOPOLOGIES["1E+1P+1D"], TOPOLOGIES["1P+1D"]),
+            prompts=tuple(PROMPTS[p] for p in prompts),
+        )
+        waves = Sweep(spec, settings).schedule().waves
+        return {slot.topology.name for wave in waves for slot in wave.slots}
+
+    assert started("image", "video") >= {"1P+1D"}
+    assert not started("image", "video") & {"1E+1PD", "1E+1P+1D"}
+    assert started("text", "image") >= {"1E+1PD", "1E+1P+1D", "1P+1D"}

@@ -164,11 +164,28 @@ class Sweep:
         topologies, packed by the one scheduler; computed once, so waves never reshuffle."""
         if self._schedule is None:
             # An attached deployment is served by none of this run's waves.
-            topologies = [] if self.attached else ordered_topologies(self.spec.topologies)
+            topologies = [] if self.attached else self._topologies_with_cases()
             if self._needs_baseline_run():
                 topologies.insert(0, BASELINE)
             self._schedule = self._pack(topologies)
         return self._schedule
+
+    def _topologies_with_cases(self) -> list[Topology]:
+        """The EPD topologies worth starting: those with a case the served release can run,
+        and the exact references those are judged against. One whose every case is
+        NOT_APPLICABLE (an encoder topology with only media prompts on 0.27 / 0.28) is judged
+        without a request, so starting its instances would only cost time."""
+        wanted = [
+            t
+            for t in ordered_topologies(self.spec.topologies)
+            if any(self.not_applicable(t.name, p) is None for p in self.topology_prompts)
+        ]
+        references = {t.exact_reference for t in wanted if t.exact_reference}
+        return [
+            t
+            for t in ordered_topologies(self.spec.topologies)
+            if t in wanted or t.name in references
+        ]
 
     def _pack(self, topologies: list[Topology]) -> Schedule:
         return schedule(
