@@ -175,10 +175,11 @@ class Sweep:
         and the exact references those are judged against. One whose every case is
         NOT_APPLICABLE (an encoder topology with only media prompts on 0.27 / 0.28) is judged
         without a request, so starting its instances would only cost time."""
+        prompts = self.topology_prompts
         wanted = [
             t
             for t in ordered_topologies(self.spec.topologies)
-            if any(self.not_applicable(t.name, p) is None for p in self.topology_prompts)
+            if not prompts or any(self.not_applicable(t.name, p) is None for p in prompts)
         ]
         references = {t.exact_reference for t in wanted if t.exact_reference}
         return [
