@@ -401,6 +401,18 @@ def run_args(tmp_path: Path, fake: Path, *args: str) -> list[str]:
             "--run-dir", str(tmp_path / "run"), *args]  # fmt: skip
 
 
+def sigint_as_at_a_terminal() -> None:
+    """In the child before exec: SIGINT back to its default disposition.
+
+    A process started in the background by a non-interactive shell (`cmd &` in a script, a
+    CI step that backgrounds its job) inherits SIGINT *ignored*, and Python then leaves it
+    ignored: the harness under test would not see the Ctrl-C these tests send (measured: a
+    run of the suite started that way failed both SIGINT tests). What is tested is a harness
+    whose SIGINT is a Ctrl-C, whatever started pytest.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_cli(tmp_path: Path, fake: Path, mode: str, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "harness.cli.main", *run_args(tmp_path, fake, *args)],
@@ -409,6 +421,7 @@ def start_cli(tmp_path: Path, fake: Path, mode: str, *args: str) -> subprocess.P
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=sigint_as_at_a_terminal,
     )
 
 
@@ -688,6 +701,7 @@ def run_trial(kind: str, tmp_path: Path, fake: Path, gone_within_s: float | None
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=sigint_as_at_a_terminal,
     )
     logs = [tmp_path / "logs" / f"chaos__{name}.log" for name in "ab"]
 
