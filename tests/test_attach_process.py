@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fake_vllm import install_fake_vllm
 
 from harness.judge.records import Verdict
 from harness.report.text import format_verdict_table
@@ -314,28 +315,6 @@ def test_a_proxy_that_is_gone_is_named(tmp_path: Path, deployment: Deployment) -
     assert records[0].detail == expected, records[0].detail
 
 
-# A `vllm serve` look-alike that only becomes healthy: enough for a topology to be kept up.
-FAKE_VLLM_SERVE = r"""
-import argparse, http.server
-parser = argparse.ArgumentParser(prog="vllm")
-parser.add_argument("command")
-parser.add_argument("model")
-parser.add_argument("--port", type=int, required=True)
-args, _ = parser.parse_known_args()
-
-class Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-http.server.ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
-"""
-
-
 def test_keep_up_writes_an_attach_file_that_reaches_the_kept_up_topology(
     tmp_path: Path, monkeypatch, caplog
 ) -> None:
@@ -346,10 +325,7 @@ def test_keep_up_writes_an_attach_file_that_reaches_the_kept_up_topology(
     from harness.run import repro
 
     monkeypatch.setenv("EPD_HARNESS_PORT_DIR", str(tmp_path / "port-locks"))
-    vllm = tmp_path / "bin" / "vllm"
-    vllm.parent.mkdir()
-    vllm.write_text(f"#!{sys.executable}\n{FAKE_VLLM_SERVE}")
-    vllm.chmod(0o755)
+    vllm = install_fake_vllm(tmp_path / "bin")
     settings = RunSettings(
         serving=ServingConfig(model=MODEL),
         run_dir=tmp_path / "repro",

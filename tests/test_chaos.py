@@ -5,14 +5,8 @@ the instance (and shows its log tail); no process of it survives (checked throug
 handles taken while it ran; zombies count as gone, since this machine's init does not reap
 orphans); and no port it used is still held (by a lease's lock or by a live socket).
 
-FAKE_VLLM stands in for vLLM in the fast tests: a `vllm serve` look-alike that reads the flags
-it needs, ignores the rest and rejects `--no-such-*` flags with vLLM's parser error; it serves
-`/health` and chat completions with token ids, and misbehaves on cue. The cue is the
-environment variable `FAKE_VLLM_MODE="<who>:<mode>[=<seconds>];..."`, where <who> is a role
-(baseline, encoder, pd, prefill, decode), a served model name, or `*`; modes: slow-start,
-die-start, slow, hang, ignore-term (SIGTERM ignored, as vLLM does while its engine starts) and
-fork-child (a child in the server's group, like vLLM's engine core). Tests marked `e2e` do the
-same to real vLLM.
+The fast tests run tests/fake_vllm.py's `vllm serve` look-alike (misbehaving on cue, through
+`FAKE_VLLM_MODE`); tests marked `e2e` do the same to real vLLM.
 
 `EPD_CHAOS_TRIALS` sets the length of the mixed-trials loop (default 6, for CI; 30 on request).
 """
@@ -36,6 +30,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from fake_vllm import MODE_ENV, install_fake_vllm
 
 from harness.cli import main as cli
 from harness.environment import WATCHDOG_ENV, cache_dir
@@ -50,6 +45,7 @@ from harness.serve.launch import (
     log_path_for,
 )
 from harness.serve.session import TopologySession, safe_name
+from harness.serve.watchdog import client as watchdog_client
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import TOPOLOGIES, ServingConfig
@@ -57,7 +53,6 @@ from harness.spec.topology import TOPOLOGIES, ServingConfig
 pytestmark = pytest.mark.process
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-MODE_ENV = "FAKE_VLLM_MODE"
 GONE_TIMEOUT_S = 5.0
 END_WITHIN_S = 5.0  # "within seconds": how soon after the fault a run must have ended
 # Servers that ignore the parent-death SIGTERM: the watchdog's grace and SIGKILL, with margin.
@@ -71,85 +66,6 @@ SECRET = "hf_planted_secret_3b7e91"
 # The hung-request tests take ~6 s when teardown works; when it hangs (aiohttp's 60 s grace),
 # they are cut here rather than holding the suite for a minute. Survivors are still killed.
 HUNG_TEST_TIMEOUT_S = 15
-
-FAKE_VLLM = r"""
-import argparse, http.server, json, os, signal, sys, time
-parser = argparse.ArgumentParser(prog="vllm")
-parser.add_argument("command", choices=["serve"])
-parser.add_argument("model")
-for flag in ("--host", "--served-model-name", "--ec-transfer-config", "--kv-transfer-config"):
-    parser.add_argument(flag, default="")
-parser.add_argument("--port", type=int, required=True)
-args, unknown = parser.parse_known_args()
-rejected = [arg for arg in unknown if arg.startswith("--no-such-")]
-if rejected:
-    parser.error(f"unrecognized arguments: {' '.join(rejected)}")
-ec = json.loads(args.ec_transfer_config or "{}").get("ec_role", "")
-kv = json.loads(args.kv_transfer_config or "{}").get("kv_role", "")
-role = ("encoder" if ec == "ec_producer" else "prefill" if kv == "kv_producer"
-        else "decode" if kv == "kv_consumer" else "pd" if ec else "baseline")
-modes = {}
-for item in filter(None, os.environ.get("FAKE_VLLM_MODE", "").split(";")):
-    who, _, mode = item.partition(":")
-    if who in (role, args.served_model_name, "*"):
-        name, _, seconds = mode.partition("=")
-        modes[name] = float(seconds or 0)
-print(f"fake vllm pid {os.getpid()} role {role} port {args.port} modes {modes}", flush=True)
-if "ignore-term" in modes:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-if "fork-child" in modes:  # like vLLM's engine core: a child in the server's process group
-    child = os.fork()
-    if child == 0:
-        time.sleep(3600)
-        os._exit(0)
-    print(f"CHILD {child}", flush=True)
-time.sleep(modes.get("slow-start", 0))
-if "die-start" in modes:
-    print("FATAL: fake engine core failed to start (chaos-7c1d)", flush=True)
-    sys.exit(3)
-
-def top(token_id):
-    return {"token": f"token_id:{token_id}", "logprob": -0.5, "bytes": None}
-
-class Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def do_GET(self):
-        self.reply(200 if self.path in ("/health", "/v1/models") else 404, {})
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        print(f"REQUEST {self.headers.get('x-request-id')}", flush=True)
-        time.sleep(3600 if "hang" in modes else modes.get("slow", 0))
-        ids = [7 + i for i in range(int(body.get("max_tokens") or 4))]
-        logprobs = [{**top(t), "top_logprobs": [top(t)]} for t in ids]
-        usage = {"prompt_tokens": 3, "completion_tokens": len(ids), "total_tokens": 3 + len(ids),
-                 "prompt_tokens_details": {"cached_tokens": 0}}
-        self.reply(200, {
-            "id": "chatcmpl-fake", "object": "chat.completion", "created": 0,
-            "model": body.get("model"), "prompt_token_ids": [1, 2, 3], "usage": usage,
-            "kv_transfer_params": {"fake": True} if role == "prefill" else None,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "fake"},
-                         "finish_reason": "length", "token_ids": ids,
-                         "logprobs": {"content": logprobs}}],
-        })
-
-    def reply(self, status, payload):
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
-server.daemon_threads = True
-print(f"listening on {args.port}", flush=True)
-server.serve_forever()
-"""
 
 # A harness stand-in for the trial loop: a ServerGroup of two fake servers, chaos/a and
 # chaos/b. argv: fake vllm, log dir, readiness timeout. Prints one JSON object per line.
@@ -238,11 +154,7 @@ sys.stdin.read()
 
 @pytest.fixture
 def fake_vllm(tmp_path: Path) -> Path:
-    path = tmp_path / "bin" / "vllm"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(f"#!{sys.executable}\n{FAKE_VLLM}")
-    path.chmod(0o755)
-    return path
+    return install_fake_vllm(tmp_path / "bin")
 
 
 @pytest.fixture
@@ -971,8 +883,10 @@ def vllm_api_server(role_marker: str) -> psutil.Process | None:
 
 
 def descendants() -> list[psutil.Process]:
-    """Everything this test process started (the e2e tests start nothing but vLLM trees)."""
-    return psutil.Process().children(recursive=True)
+    """Everything this test process started (the e2e tests start nothing but vLLM trees), but
+    its watchdog: that lives as long as the harness process does, by design."""
+    own_watchdog = watchdog_client().pid
+    return [p for p in psutil.Process().children(recursive=True) if p.pid != own_watchdog]
 
 
 @pytest.mark.e2e
@@ -1092,8 +1006,9 @@ def run_processes(recorded: list[psutil.Process], pgids: set[int], marks: list[s
         pytest.param("args", 1.5, marks=pytest.mark.ci),
         ("args", 3.0),
         ("args", 8.0),
+        ("args", 20.0),
     ],
-    ids=["spawn+3s", "args+0.5s", "args+1.5s", "args+3s", "args+8s"],
+    ids=["spawn+3s", "args+0.5s", "args+1.5s", "args+3s", "args+8s", "args+20s"],
 )
 def test_real_vllm_left_starting_by_a_sigkilled_harness_is_stopped(
     milestone: str, delay_s: float, tmp_path: Path, lock_dir: Path

@@ -35,3 +35,37 @@ def test_links_in_the_readme_and_docs_point_at_files_that_exist() -> None:
             if not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not broken, broken
+
+
+# Paths inside a vLLM sdist that the harness names (it fetches them; they are not ours).
+VLLM_SDIST_PREFIXES = ("tests/v1/", "examples/")
+# A repository path: starts at one of our top-level folders, not inside another word or path
+# (e.g. `~/.cache/epd-harness/baseline` is no reference to a `harness/baseline`).
+REPO_PATH = re.compile(
+    r"(?<![\w./~-])((?:harness|scenarios|tests|docs|scripts|fixtures|\.github)/[\w./-]*\w)"
+)
+
+
+def test_every_repository_path_named_in_code_and_docs_exists() -> None:
+    """A docstring or page pointing at a module that moved is how a newcomer gets lost."""
+    sources = [
+        ROOT / "README.md",
+        ROOT / "conftest.py",
+        ROOT / "pyproject.toml",
+        ROOT / "tox.ini",
+        *(ROOT / "docs").glob("*.md"),
+        *(ROOT / "scripts").iterdir(),
+        *(
+            p
+            for d in ("harness", "scenarios", "tests", "fixtures")
+            for p in (ROOT / d).rglob("*.py")
+        ),
+    ]
+    missing = set()
+    for source in sources:
+        if not source.is_file() or source == Path(__file__):  # this file names examples
+            continue
+        for path in REPO_PATH.findall(source.read_text(encoding="utf-8")):
+            if not path.startswith(VLLM_SDIST_PREFIXES) and not (ROOT / path).exists():
+                missing.add(f"{source.relative_to(ROOT)} -> {path}")
+    assert not missing, sorted(missing)

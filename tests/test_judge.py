@@ -1,4 +1,4 @@
-"""How outcomes and guards become a verdict (harness/judge.py), without servers."""
+"""How outcomes and guards become a verdict (harness/judge/), without servers."""
 
 from __future__ import annotations
 

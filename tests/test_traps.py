@@ -2,7 +2,8 @@
 
 Each test here failed on the code before the fix. Trap 3 (--host) is pinned in
 test_bad_input.py, trap 6 (one scheduler) in test_plan.py, trap 7 (orphans of a SIGKILLed
-harness) in test_watchdog.py and scenarios/test_orphans.py.
+harness) in test_watchdog.py and, with real vLLM, in test_chaos.py
+(test_real_vllm_left_starting_by_a_sigkilled_harness_is_stopped).
 """
 
 from __future__ import annotations
