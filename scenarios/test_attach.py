@@ -30,12 +30,11 @@ import pytest
 from harness.cli.main import EXIT_FAILED, EXIT_OK, main
 from harness.report.text import format_failure
 from harness.serve.attached import write_attach_file
-from harness.serve.session import TopologySession
 from harness.spec.attach import ATTACH_FILE_NAME
 from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.topology import TOPOLOGIES, Role
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.epd_topology("1E+1PD")]
 
 TOPOLOGY = "1E+1PD"
 PROMPTS = ("text", "image", "video")
@@ -43,8 +42,9 @@ DEAD_RUN_MAX_S = 30.0  # preflight (cached token counts) + one health check; no 
 
 
 @pytest.fixture(scope="module")
-def normal_sweep(epd_config):
-    """The normal run: the harness launches 1E+1PD and judges it, as `epd-harness run` does."""
+def normal_sweep(epd_config, epd_pool):
+    """The normal run: the harness launches 1E+1PD (the session's running one) and judges it,
+    as `epd-harness run` does."""
     from harness.run.baseline_cache import BaselineCache
     from harness.run.sweep import Sweep, SweepSpec
 
@@ -58,7 +58,7 @@ def normal_sweep(epd_config):
         prompts=tuple(p for p in SKELETON_PROMPTS if p.name in PROMPTS),
     )
     normal = dataclasses.replace(settings, run_dir=run_dir / "normal")
-    return Sweep(spec, normal, baseline_cache=cache)
+    return Sweep(spec, normal, baseline_cache=cache, pool=epd_pool)
 
 
 def vllm_servers() -> dict[int, str]:
@@ -120,8 +120,9 @@ def attach_run(config, attach_file: Path, run_dir: Path, cache: Path) -> tuple[i
     return code, json.loads((run_dir / "summary.json").read_text()), took
 
 
+@pytest.mark.epd_ends_session
 def test_attach_judges_a_kept_up_topology_like_a_normal_run(
-    normal_sweep, epd_config, capsys
+    normal_sweep, epd_config, epd_pool, capsys
 ) -> None:
     normal = [record for prompt in PROMPTS for record in normal_sweep.judge(TOPOLOGY, prompt)]
     failures = [r for r in normal if not r.policy_passed]
@@ -130,7 +131,14 @@ def test_attach_judges_a_kept_up_topology_like_a_normal_run(
     run_dir = normal_sweep.settings.run_dir.parent
     cache = normal_sweep.baseline_cache.directory
 
-    kept_up = TopologySession(TOPOLOGIES[TOPOLOGY], normal_sweep.settings, label="kept-up")
+    # A deployment of its own, with an EC storage no request has seen: the first attach run
+    # must find every EC file written during its requests.
+    kept_up = epd_pool.private(
+        TOPOLOGIES[TOPOLOGY],
+        "the deployment the attach runs judge, with fresh storage",
+        label="kept-up",
+        settings=normal_sweep.settings,
+    )
     with kept_up as session:
         attach_file = run_dir / ATTACH_FILE_NAME
         spec = write_attach_file(session, attach_file)

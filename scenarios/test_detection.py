@@ -8,24 +8,21 @@ caught (MISMATCH, or VACUOUS) goes into the run directory (detection.json, detec
 must be no worse than scenarios/detection_thresholds.json; EC and KV noise at 5% of std must be
 a MISMATCH within the first three generated tokens on every topology that carries them.
 
-Each topology starts once per class (~40-60 s on CPU) and serves a clean request first. The
-baseline for this module's prompts (harness.run.graded.DETECTION_PROMPTS) is its own baseline
-sweep, served (or read from the baseline cache) before any topology here starts.
+Each topology is the session's running one (harness.testing.plugin: started once for every
+scenario that needs it) and serves a clean request first. The shared baseline answers this
+module's prompts (harness.run.graded.DETECTION_PROMPTS) with every other scenario's.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from harness.judge.guards import session_guards
 from harness.judge.records import CaseRecord, Verdict
-from harness.judge.verdicts import judge_case
 from harness.report.text import format_failure
 from harness.run.faults import (
     PlantedFault,
@@ -34,7 +31,6 @@ from harness.run.faults import (
     ec_video_grid,
     ec_zero_frame,
     kv_noise,
-    plant,
 )
 from harness.run.graded import (
     CLEAN_PROMPT,
@@ -53,12 +49,8 @@ from harness.run.graded import (
     run_ladder,
     rung_from_record,
 )
-from harness.run.sweep import Sweep, SweepSpec
-from harness.serve.proxy import ProxyFaults
-from harness.serve.session import TopologySession
 from harness.spec.prompts import PromptSpec
-from harness.spec.settings import RunSettings
-from harness.spec.topology import TOPOLOGIES
+from harness.testing.live import LiveTopology
 
 pytestmark = pytest.mark.e2e
 
@@ -71,35 +63,27 @@ NOISE_SEED = 10
 
 @dataclass
 class Live:
-    """A started topology, the fault object its proxy reads, and the baseline it is judged by."""
+    """A running topology of the session, sending this module's prompts."""
 
-    session: TopologySession
-    faults: ProxyFaults  # the very object the proxy holds: `plant` swaps its hooks
-    baseline: Sweep
+    topology: LiveTopology
 
     @property
     def name(self) -> str:
-        return self.session.topology.name
+        return self.topology.name
+
+    @property
+    def session(self):
+        return self.topology.session
 
     def judge(self, prompt: PromptSpec, fault: PlantedFault | None) -> tuple[CaseRecord, float]:
         """One request (with `fault` planted, if any), its guards read at once, judged."""
-        plant(self.faults, fault)
         started = time.monotonic()
-        try:
-            outcome = self.session.send(prompt.name, self.baseline.bodies[prompt.name])
-            guards = session_guards(self.session, outcome)
-        finally:
-            plant(self.faults, None)
+        if fault is None:
+            observed = self.topology.send(prompt.name)
+        else:
+            observed = self.topology.send_with_fault(fault, prompt.name)
         seconds = time.monotonic() - started
-        record = judge_case(
-            self.name,
-            "baseline",
-            self.baseline.serve_baseline()[prompt.name],
-            outcome,
-            guards,
-            baseline_stable=self.baseline.stability[prompt.name][0],
-            drift_tolerance=self.baseline.noise_floor,
-        )
+        record = self.topology.judge(observed)
         print(f"[detection] {self.name} {prompt.name}: {record.verdict.value} in {seconds:.1f}s")
         return record, seconds
 
@@ -120,32 +104,18 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def detection_baseline(epd_config) -> Sweep:
-    """The baseline's answers to this module's prompts, before any topology here starts.
-
-    A baseline sweep of its own (same settings, same cache) in a subdirectory: the shared sweep
-    of conftest.py answers only the sweep's and the matrix's prompts.
-    """
-    settings = dataclasses.replace(
-        epd_config.settings, run_dir=epd_config.settings.run_dir / "detection-baseline"
-    )
-    spec = SweepSpec(topologies=(), prompts=(), baseline_only_prompts=DETECTION_PROMPTS)
-    sweep = Sweep(spec, settings, baseline_cache=epd_config.baseline_cache)
-    started = time.monotonic()
-    sweep.serve_baseline()
-    print(
-        f"\n[detection] baseline for {len(DETECTION_PROMPTS)} prompts in "
-        f"{time.monotonic() - started:.1f}s"
-    )
+def detection_baseline(epd_sweep):
+    """The baseline answered this module's prompts, each stable, before any rung is judged."""
+    epd_sweep.serve_baseline()
     for prompt in DETECTION_PROMPTS:
-        assert sweep.stability[prompt.name][0], (
+        stability = epd_sweep.baseline.stability[prompt.name]
+        assert stability.stable, (
             f"the baseline disagreed with itself on {prompt.name}: no threshold means anything"
         )
-    return sweep
 
 
 @pytest.fixture(scope="module")
-def detection_table(epd_settings) -> Iterator[DetectionTable]:
+def detection_table(epd_settings):
     """Every rung of the module; written into the run directory after each ladder and at the
     end, where the bundle carries it, and printed."""
     table = DetectionTable()
@@ -157,19 +127,9 @@ def detection_table(epd_settings) -> Iterator[DetectionTable]:
         print(f"[detection] written to {epd_settings.run_dir / 'detection.md'}")
 
 
-def start(name: str, settings: RunSettings, baseline: Sweep) -> Iterator[Live]:
-    faults = ProxyFaults()
-    settings = dataclasses.replace(settings, run_dir=settings.run_dir / "detection")
-    started = time.monotonic()
-    with TopologySession(TOPOLOGIES[name], settings, faults) as session:
-        print(f"\n[detection] {name} started in {time.monotonic() - started:.1f}s")
-        yield Live(session, faults, baseline)
-    print(f"[detection] {name} ran {time.monotonic() - started:.1f}s in all")
-
-
-@pytest.fixture(scope="class")
-def live(request, epd_settings, detection_baseline) -> Iterator[Live]:
-    yield from start(request.cls.TOPOLOGY, epd_settings, detection_baseline)
+@pytest.fixture
+def live(request, epd_live, detection_baseline) -> Live:
+    return Live(epd_live(request.cls.TOPOLOGY))
 
 
 def record_and_check(
@@ -259,6 +219,7 @@ class KvLadders(Ladders):
 
 
 @pytest.mark.ci
+@pytest.mark.epd_topology("1E+1PD")
 class TestEncoderPrefillDecode(EncoderLadders):
     """1E+1PD: the EC ladder, then swapped items, a zeroed frame and a wrong video grid."""
 
@@ -292,12 +253,14 @@ class TestEncoderPrefillDecode(EncoderLadders):
 
 
 @pytest.mark.ci
+@pytest.mark.epd_topology("1P+1D")
 class TestPrefillDecode(KvLadders):
     """1P+1D: the KV ladder."""
 
     TOPOLOGY = "1P+1D"
 
 
+@pytest.mark.epd_topology("1E+1P+1D")
 class TestEncoderPrefillThenDecode(EncoderLadders, KvLadders):
     """1E+1P+1D: both ladders on one topology (their prompts differ)."""
 

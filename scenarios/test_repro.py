@@ -14,7 +14,7 @@ import pytest
 
 from harness.cli.main import EXIT_FAILED, EXIT_OK, main
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.epd_topology("1E+1PD")]
 
 
 def test_repro_of_a_planted_mismatch_reproduces_it(epd_run_dir: Path, capsys) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 
 import pytest
 
@@ -26,6 +25,8 @@ EPD_PROXY_NAME = "disagg_epd_proxy.py"
 def vllm_proxy_sweep_for(
     pytestconfig: pytest.Config,
     epd_config,
+    epd_pool,
+    epd_events,
     topologies: tuple[str, ...],
     prompts: tuple[str, ...],
     registration: str,
@@ -53,22 +54,27 @@ def vllm_proxy_sweep_for(
         topologies=tuple(ALL[name] for name in topologies),
         prompts=tuple(p for p in SKELETON_PROMPTS if p.name in prompts),
     )
-    started = time.monotonic()
-
-    def on_event(name: str, state: str, elapsed_s: float) -> None:
-        print(f"[{time.monotonic() - started:7.1f}s] {name}: {state} ({elapsed_s:.1f}s)")
-
-    return Sweep(spec, settings, on_event=on_event, baseline_cache=epd_config.baseline_cache)
-
-
-@pytest.fixture(scope="module")
-def vllm_proxy_sweep(pytestconfig: pytest.Config, epd_config):
-    return vllm_proxy_sweep_for(pytestconfig, epd_config, TOPOLOGIES, PROMPTS, "static")
+    return Sweep(
+        spec,
+        settings,
+        on_event=epd_events,
+        baseline_cache=epd_config.baseline_cache,
+        pool=epd_pool,
+    )
 
 
 @pytest.fixture(scope="module")
-def dynamic_registration_sweep(pytestconfig: pytest.Config, epd_config):
-    return vllm_proxy_sweep_for(pytestconfig, epd_config, ("1E+1P+1D",), ("image",), "dynamic")
+def vllm_proxy_sweep(pytestconfig: pytest.Config, epd_config, epd_pool, epd_events):
+    return vllm_proxy_sweep_for(
+        pytestconfig, epd_config, epd_pool, epd_events, TOPOLOGIES, PROMPTS, "static"
+    )
+
+
+@pytest.fixture(scope="module")
+def dynamic_registration_sweep(pytestconfig: pytest.Config, epd_config, epd_pool, epd_events):
+    return vllm_proxy_sweep_for(
+        pytestconfig, epd_config, epd_pool, epd_events, ("1E+1P+1D",), ("image",), "dynamic"
+    )
 
 
 def case_params():
@@ -77,7 +83,7 @@ def case_params():
             yield pytest.param(
                 topology,
                 prompt,
-                marks=[pytest.mark.e2e, pytest.mark.ci],
+                marks=[pytest.mark.e2e, pytest.mark.ci, pytest.mark.epd_proxy("vllm")],
                 id=f"vllm-proxy-{topology}-{prompt}",
             )
 
@@ -106,6 +112,8 @@ def test_vllm_proxy_matches_with_transfers_seen_at_the_taps(
 
 @pytest.mark.e2e
 @pytest.mark.ci
+@pytest.mark.epd_topology("1E+1P+1D")
+@pytest.mark.epd_proxy("vllm-dynamic")
 def test_dynamic_registration_matches(dynamic_registration_sweep) -> None:
     """vLLM's proxy started empty (`--dynamic-registration`), every instance registered through
     its admin API as an external launcher would: same tokens, same evidence at the taps."""

@@ -6,7 +6,9 @@ prefill instance), and misbehaves on cue. The cue is the environment variable
 `FAKE_VLLM_MODE="<who>:<mode>[=<seconds>];..."`, where <who> is a role (baseline, encoder, pd,
 prefill, decode), a served model name, or `*`; modes: slow-start, die-start, slow, hang,
 ignore-term (SIGTERM ignored, as vLLM does while its engine starts) and fork-child (a child in
-the server's group, like vLLM's engine core).
+the server's group, like vLLM's engine core). With `FAKE_VLLM_START_LOG=<file>` every start
+appends a JSON line (role, argv without the port, CUDA_*/VLLM_* env): what start-counting tests
+count.
 
 Only for tests of process handling and pure logic: what an e2e scenario checks is real vLLM.
 """
@@ -41,6 +43,11 @@ for item in filter(None, os.environ.get("FAKE_VLLM_MODE", "").split(";")):
         name, _, seconds = mode.partition("=")
         modes[name] = float(seconds or 0)
 print(f"fake vllm pid {os.getpid()} role {role} port {args.port} modes {modes}", flush=True)
+if os.environ.get("FAKE_VLLM_START_LOG"):  # one line per start: what tests count
+    with open(os.environ["FAKE_VLLM_START_LOG"], "a") as start_log:
+        launch = [a for a in sys.argv[1:] if a != str(args.port)]
+        start_log.write(json.dumps({"role": role, "launch": launch, "env": {
+            k: v for k, v in os.environ.items() if k.startswith(("CUDA_", "VLLM_"))}}) + "\n")
 if "ignore-term" in modes:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if "fork-child" in modes:  # like vLLM's engine core: a child in the server's process group

@@ -13,17 +13,17 @@ import pytest
 from harness.errors import BadInput
 from harness.judge.guards import GuardResult, attached_guards, not_checkable
 from harness.judge.records import Verdict
-from harness.judge.verdicts import judge_case
+from harness.outcomes.attached import AttachedEvidence
+from harness.outcomes.chat import ChatResult
+from harness.outcomes.outcome import Outcome
 from harness.preflight.attach import load_attach_file
 from harness.report.html import _guards
 from harness.report.text import format_failure, format_verdict_table
-from harness.serve.attached import AttachedEvidence
-from harness.serve.client import ChatResult
-from harness.serve.session import Outcome
 from harness.spec.attach import AttachSpec, attached_instances
 from harness.spec.connectors import KvRule
 from harness.spec.settings import ATTACH_PROXY, ProxyChoice
 from harness.spec.topology import Role, get_topology
+from harness.testing.judging import judged
 
 
 def write(tmp_path: Path, document: object, name: str = "attach.json") -> Path:
@@ -204,7 +204,7 @@ HELD = GuardResult("encoder_output", True, "1 media item(s); 1 EC file(s) writte
 
 
 def test_an_unchecked_guard_neither_holds_nor_fails_and_the_detail_names_it() -> None:
-    record = judge_case("1E+1PD", "baseline", outcome(), outcome(), [HELD, UNCHECKED])
+    record = judged("1E+1PD", "baseline", outcome(), outcome(), [HELD, UNCHECKED])
     assert record.verdict is Verdict.MATCH and record.policy_passed
     assert record.detail.endswith("; not checkable: consumer_embeds"), record.detail
     assert record.guards["consumer_embeds"] == {
@@ -215,18 +215,18 @@ def test_an_unchecked_guard_neither_holds_nor_fails_and_the_detail_names_it() ->
     assert record.failed_guards() == {}
     assert list(record.unchecked_guards()) == ["consumer_embeds"]
     broken = GuardResult("encoder_output", False, "0 EC file(s)")
-    vacuous = judge_case("1E+1PD", "baseline", outcome(), outcome(), [broken, UNCHECKED])
+    vacuous = judged("1E+1PD", "baseline", outcome(), outcome(), [broken, UNCHECKED])
     assert vacuous.verdict is Verdict.VACUOUS and "encoder_output" in vacuous.detail
 
 
 def test_the_verdict_table_and_the_failure_block_show_unchecked_guards() -> None:
-    record = judge_case("1E+1PD", "baseline", outcome(), outcome(), [HELD, UNCHECKED])
+    record = judged("1E+1PD", "baseline", outcome(), outcome(), [HELD, UNCHECKED])
     table = format_verdict_table([record, record])
     assert table.splitlines()[-1] == (
         "guards NOT CHECKED (no evidence where this run stands): consumer_embeds in 2 case(s)"
     )
     assert "NOT CHECKED" not in format_verdict_table(
-        [judge_case("1E+1PD", "baseline", outcome(), outcome(), [HELD])]
+        [judged("1E+1PD", "baseline", outcome(), outcome(), [HELD])]
     )
     assert "guard consumer_embeds not checkable: no taps" in format_failure(record)
     html = _guards(record.guards)
@@ -235,7 +235,7 @@ def test_the_verdict_table_and_the_failure_block_show_unchecked_guards() -> None
 
 def test_an_error_names_its_first_line_in_the_detail() -> None:
     error = "1E+1PD/pd0 (pd, http://h:2) is not serving: GET /health: connection refused\nmore"
-    record = judge_case("1E+1PD", "baseline", outcome(), outcome(error=error), [])
+    record = judged("1E+1PD", "baseline", outcome(), outcome(error=error), [])
     assert record.verdict is Verdict.ERROR
     assert record.detail == f"request failed: {error.splitlines()[0]}"
 

@@ -25,14 +25,14 @@ import pytest
 from fake_vllm import install_fake_vllm
 
 from harness.judge.records import Verdict
+from harness.outcomes.chat import parse_chat_response
+from harness.outcomes.outcome import Outcome
 from harness.report.text import format_verdict_table
 from harness.run.baseline_cache import BaselineCache, baseline_key
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.attached import AttachedSession
-from harness.serve.client import parse_chat_response
 from harness.serve.launch import ManagedServer, ServerCommand, log_path_for
 from harness.serve.ports import reserve_ports
-from harness.serve.session import Outcome
 from harness.spec.attach import AttachSpec, attached_instances
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.spec.settings import ATTACH_PROXY, ProxyChoice, RunSettings, ServedVllm
@@ -340,18 +340,21 @@ def test_keep_up_writes_an_attach_file_that_reaches_the_kept_up_topology(
         seen["spec"] = spec
         with AttachedSession(spec, settings) as session:
             seen["versions"] = session.versions  # opened: every instance answered /health
-        commands = sorted((settings.run_dir / "1E-1PD-kept-up").glob("*.cmd.json"))
+        commands = sorted((settings.run_dir / "1E-1PD").glob("*.cmd.json"))
         argvs = [json.loads(c.read_text())["argv"] for c in commands]
         seen["ports"] = [argv[argv.index("--port") + 1] for argv in argvs]
 
     monkeypatch.setattr(repro.signal, "pause", while_kept_up)
     with caplog.at_level("INFO", logger="harness"):
-        repro.keep_up(sweep, "1E+1PD")
+        try:
+            repro.keep_up(sweep, "1E+1PD")
+        finally:
+            sweep.pool.close()
     spec = seen["spec"]
     assert isinstance(spec, AttachSpec) and spec.topology.name == "1E+1PD"
     ports = [i.url.rsplit(":", 1)[1] for i in spec.instances]
     assert ports == seen["ports"], (ports, seen["ports"])  # the instances', not their taps'
-    assert spec.ec_storage == settings.run_dir / "1E-1PD-kept-up" / "storage" / "ec"
+    assert spec.ec_storage == settings.run_dir / "1E-1PD" / "storage" / "ec"
     assert seen["versions"] == {"1E+1PD/encoder0": "unknown", "1E+1PD/pd0": "unknown"}
     attach_file = settings.run_dir / "attach.json"
     assert f"attach file: {attach_file} (judge it: epd-harness run --attach" in caplog.text

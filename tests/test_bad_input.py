@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from harness.fixtures.tiny_model import model_digest
 
+from fixtures.tiny_model import model_digest
 from harness import environment
 from harness.cli.main import main
 from harness.environment import cache_dir
@@ -789,7 +789,7 @@ def text_prompt_cache_entry(cache: Path) -> Path:
     [
         ('{"format": 3, "result": ', "Expecting value: line 1 column 25 (char 24)"),
         ("[]", "expected a JSON object, found list"),
-        ('{"format": 0, "result": {}}', "format 0, expected 3"),
+        ('{"format": 0, "result": {}}', "format 0, expected 4"),
     ],
 )
 def test_corrupt_baseline_cache_entry(

@@ -9,11 +9,12 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from harness.fixtures.tiny_model import model_digest
 
+from fixtures.tiny_model import model_digest
 from harness.judge.compare import Verdict
 from harness.judge.guards import GuardResult
-from harness.judge.verdicts import judge_case
+from harness.outcomes.chat import ChatResult, PositionLogprobs
+from harness.outcomes.outcome import Outcome
 from harness.report.bundle import (
     REDACTED,
     cpu_description,
@@ -26,11 +27,10 @@ from harness.report.bundle import (
 )
 from harness.report.html import render_report_html
 from harness.report.text import CaseRecord, format_failure
-from harness.serve.client import ChatResult, PositionLogprobs
-from harness.serve.session import Outcome
 from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.testing.judging import judged
 
 SECRET = "secret123"
 ENV_SECRET = "env-secret-987"
@@ -68,16 +68,16 @@ def sample_run() -> tuple[list[CaseRecord], dict]:
     }
     ok_guard = GuardResult("kv_transfer", True, "cached_tokens=96 of 120")
     records = [
-        judge_case("1E+1P+1D", "baseline", reference["text"], candidate["text"], [ok_guard]),
-        judge_case("1E+1P+1D", "baseline", reference["image"], candidate["image"], [ok_guard]),
-        judge_case(
+        judged("1E+1P+1D", "baseline", reference["text"], candidate["text"], [ok_guard]),
+        judged("1E+1P+1D", "baseline", reference["image"], candidate["image"], [ok_guard]),
+        judged(
             "1P+1D",
             "baseline",
             reference["text"],
             candidate["text"],
             [GuardResult("kv_transfer", False, "cached_tokens=0: D recomputed the prompt")],
         ),
-        judge_case(
+        judged(
             "2E+1PD",
             "baseline",
             reference["image"],

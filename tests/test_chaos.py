@@ -496,7 +496,7 @@ def test_proxy_stopped_mid_run_fails_the_request_and_leaves_nothing(
             procs += fake_processes(os.getpid(), fake_vllm)
             ports += session_ports(session)
             assert session.send("text", TEXT_BODY).result is not None
-            session._proxy_server.stop()
+            session._entry.proxy_server.stop()
             outcome = session.send("text", TEXT_BODY)
     assert outcome.result is None and "Connection" in outcome.error, outcome.error
     assert outcome.seconds < END_WITHIN_S, f"{outcome.seconds:.1f} s"
@@ -509,7 +509,7 @@ def test_proxy_stopped_mid_run_is_reported_as_such(
     with nothing_left_behind(procs, [], lock_dir):
         with TopologySession(TOPOLOGIES["1E+1PD"], fake_settings(tmp_path, fake_vllm)) as session:
             procs += fake_processes(os.getpid(), fake_vllm)
-            session._proxy_server.stop()
+            session._entry.proxy_server.stop()
             outcome = session.send("text", TEXT_BODY)
     assert f"proxy {session.entry_url} is not running" in outcome.error, outcome.error
 
@@ -526,7 +526,7 @@ def test_proxy_event_loop_dying_mid_run_frees_its_port(
         with TopologySession(TOPOLOGIES["1E+1PD"], settings) as session:
             procs += fake_processes(os.getpid(), fake_vllm)
             ports += session_ports(session)
-            proxy = session._proxy_server
+            proxy = session._entry.proxy_server
             proxy._loop.call_soon_threadsafe(proxy._loop.stop)
             proxy._thread.join(timeout=5)
             outcome = session.send("text", TEXT_BODY)
@@ -806,12 +806,12 @@ def test_disk_full_mid_run_keeps_what_was_written(
 ) -> None:
     """The disk fills after the baseline: summary.json cannot be written (a write() that fails
     carries no file name, as on a real full disk)."""
-    import harness.run.sweep
+    import harness.report.run_outputs
 
     def full_disk(*_args: object, **_kwargs: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(harness.run.sweep, "write_summary_json", full_disk)
+    monkeypatch.setattr(harness.report.run_outputs, "write_summary_json", full_disk)
     before = set(psutil.Process().children(recursive=True))
     code, out, err = run_cli_in_process(
         tmp_path, fake_vllm, capsys, "--topology", "1P+1D", "--prompt", "text"

@@ -16,8 +16,8 @@ from harness.judge.guards import (
     check_transfers,
     expected_kv_prefix,
 )
-from harness.serve.client import ChatResult, PositionLogprobs, parse_chat_response
-from harness.serve.proxy import EncoderCall, RequestTrace
+from harness.outcomes.chat import ChatResult, PositionLogprobs, parse_chat_response
+from harness.outcomes.trace import EncoderCall, RequestTrace
 from harness.spec.prompts import sampling_fields
 from harness.spec.topology import get_topology
 

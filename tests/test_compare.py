@@ -6,7 +6,7 @@ import pytest
 
 from harness.judge.compare import Verdict, compare_results, noise_floor, token_verdict
 from harness.judge.records import EXACT, LOGPROB_CLOSE, Policy
-from harness.serve.client import ChatResult, PositionLogprobs
+from harness.outcomes.chat import ChatResult, PositionLogprobs
 
 PROMPT = (1, 2, 3, 4)
 

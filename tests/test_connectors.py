@@ -12,9 +12,9 @@ import pytest
 
 from harness.errors import BadInput
 from harness.judge.guards import check_kv_transfer, check_transfers, kv_rule_for
+from harness.outcomes.chat import ChatResult
 from harness.preflight.connectors import check_kv_connector, ec_connector_for
 from harness.run.baseline_cache import baseline_key
-from harness.serve.client import ChatResult
 from harness.spec.connectors import (
     EC_CONNECTORS,
     EC_EXAMPLE,
@@ -292,7 +292,7 @@ def test_decode_tail_crash_is_expected_only_under_example_connector() -> None:
     nixl = tail.for_kv_connector("NixlConnector")
     assert nixl.expect == (Verdict.MATCH,)
     assert nixl.expect_evidence == "" and nixl.reason == ""
-    assert nixl.effective_policy == nixl.policy  # judged like any MATCH scenario
+    assert nixl.declared is None  # judged like any MATCH scenario
 
 
 def test_scenarios_without_an_override_are_the_same_under_every_connector() -> None:

@@ -12,8 +12,8 @@ from harness.judge.guards import (
     check_kv_transfer,
     check_transfers,
 )
-from harness.serve.client import ChatResult
-from harness.serve.tap import TapRecord
+from harness.outcomes.chat import ChatResult
+from harness.outcomes.taps import TapRecord
 from harness.spec.topology import get_topology
 
 ENTRY = {"item_indices": [0], "metadata": {"image_grid_thw": [1, 4, 4]}}
@@ -115,8 +115,8 @@ def test_check_transfers_from_taps_picks_guards_per_topology(tmp_path: Path) -> 
 def test_every_encoder_used_is_read_at_the_encoders_taps() -> None:
     from types import SimpleNamespace
 
+    from harness.outcomes.outcome import Outcome
     from harness.run.matrix import check_every_encoder_used
-    from harness.serve.session import Outcome
     from harness.spec.topology import Role
 
     session = SimpleNamespace(

@@ -202,7 +202,7 @@ def test_a_run_and_its_xdist_workers_use_the_devices_plan_prints(
     )
     spec = SweepSpec(tuple(TOPOLOGIES[n] for n in EPD_TOPOLOGY_NAMES), prompts=())
     sweep = Sweep(spec, settings)
-    sweep._baseline_missing = ["text"]  # the baseline is not cached: it is scheduled too
+    sweep.baseline.add({"text": {}})  # the baseline is not cached: it is scheduled too
     ran = {s.topology.name: s.devices for w in sweep.schedule().waves for s in w.slots}
     planned = {t.name: t.devices for w in printed.waves for t in w.topologies}
     assert ran == planned

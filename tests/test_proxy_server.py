@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from harness.serve.client import ChatClient, ChatResult
+from harness.outcomes.chat import ChatResult
+from harness.serve.client import ChatClient
 from harness.serve.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer
 from harness.serve.proxy_protocol import media_uuid
 from harness.spec.generations import GENERATIONS_BY_NAME, NEWEST, ProtocolGeneration

@@ -6,8 +6,8 @@ import json
 import re
 
 from harness.judge.compare import Verdict, compare_results
+from harness.outcomes.chat import ChatResult
 from harness.report.text import CaseRecord, format_failure, format_verdict_table, write_summary_json
-from harness.serve.client import ChatResult
 
 
 def record(

@@ -15,14 +15,14 @@ from PIL import Image, ImageStat
 
 from harness.judge.compare import Verdict
 from harness.judge.guards import GuardResult
-from harness.judge.verdicts import judge_case
+from harness.outcomes.chat import ChatResult, PositionLogprobs
+from harness.outcomes.outcome import Outcome
 from harness.report.bundle import write_bundle, write_run_info
 from harness.report.text import CaseRecord
-from harness.serve.client import ChatResult, PositionLogprobs
-from harness.serve.session import Outcome
 from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.testing.judging import judged
 
 CHROMIUM = Path("/usr/bin/chromium")
 APT_TIMEOUT_S = 1200.0
@@ -88,7 +88,7 @@ def mismatch_run() -> tuple[list[CaseRecord], dict[str, dict[str, Any]]]:
         "image": Outcome("image", chat(departed, "The sky is <b>not</b> blue.")),
     }
     records = [
-        judge_case(
+        judged(
             "1E+1P+1D",
             "baseline",
             reference[p],

@@ -20,8 +20,9 @@ import pytest
 from aiohttp import web
 
 from harness.judge.guards import TransferEvidence, check_consumer_embeds, check_encoder_output
+from harness.outcomes.taps import TapRecord, records_of
 from harness.serve.proxy import ProxyFaults
-from harness.serve.tap import TapRecord, TapSet, TapTarget, records_of
+from harness.serve.tap import TapSet, TapTarget
 
 pytestmark = pytest.mark.process
 

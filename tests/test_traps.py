@@ -16,11 +16,11 @@ import pytest
 
 from harness.cli.main import main
 from harness.errors import BadInput
+from harness.outcomes.chat import ChatResult
+from harness.outcomes.outcome import Outcome
 from harness.preflight.model import resolve_model, resolve_named_model
 from harness.preflight.vllm import probe_served_vllm
 from harness.run.baseline_cache import BaselineCache, baseline_key
-from harness.serve.client import ChatResult
-from harness.serve.session import Outcome
 from harness.spec.settings import ServedVllm
 from harness.spec.topology import ServingConfig
 

@@ -10,9 +10,9 @@ import pytest
 from harness.cli.releases import parse_release_list, release_env
 from harness.cli.versions import ReleaseRun, case_label, format_matrix, matrix_passed
 from harness.errors import BadInput
+from harness.outcomes.chat import ChatResult
+from harness.outcomes.outcome import Outcome
 from harness.run.goldens import GoldenStore, agreement, first_difference, golden_key, release_of
-from harness.serve.client import ChatResult
-from harness.serve.session import Outcome
 from harness.spec.platforms import CPU
 from harness.spec.settings import ServedVllm
 from harness.spec.topology import serving_for
@@ -227,11 +227,11 @@ def test_golden_stands_in_for_the_baseline_without_starting_it(tmp_path: Path) -
         return Sweep(spec, settings, goldens=store, golden_release="0.31.0")
 
     probe = sweep((text,))
-    key = probe._golden_key(probe.bodies["text"])
+    key = golden_key(serving, probe.baseline.digest(), probe.bodies["text"])
     store.store(key, "text", ServedVllm("vllm", "0.31.0+cpu"), Outcome("text", result([9, 8])))
     outcomes = probe.serve_baseline()
     assert outcomes["text"].result.token_ids == (9, 8)
-    assert probe.baseline_label == "golden-0.31.0" and probe.run_info["golden_release"] == "0.31.0"
+    assert probe.baseline.label == "golden-0.31.0" and probe.run_info["golden_release"] == "0.31.0"
     assert not any(s.topology.is_baseline for w in probe.schedule().waves for s in w.slots)
     with pytest.raises(BadInput, match="no golden of vLLM 0.31.0 for prompt 'image'"):
         sweep((text, image)).serve_baseline()

@@ -28,6 +28,7 @@ from harness.errors import (
     BadInput,
     HarnessError,
 )
+from harness.judge.policy import REFERENCE_POLICIES
 from harness.judge.records import CaseRecord
 from harness.preflight import RunRequest, prepare_run
 from harness.preflight.config import DEFAULT_MAX_MODEL_LEN
@@ -40,7 +41,7 @@ from harness.run.faults import FAULT_NAMES, FAULT_SYNTAX, GRADED_FAULTS
 from harness.run.matrix import MatrixRun
 from harness.run.repro import Bundle, BundleError, keep_up, reproduce
 from harness.run.scenarios import MATRIX, Scenario
-from harness.run.sweep import Sweep, SweepResult, SweepSpec
+from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.launch import (
     ServerDied,
     ServerStopFailed,
@@ -129,6 +130,7 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         vllm_source=args.vllm_source,
         proxy_registration=args.proxy_registration,
         attach=args.attach,
+        reference_policy=args.reference_policy,
     )
 
 
@@ -160,28 +162,36 @@ def command_run(args: argparse.Namespace) -> int:
         goldens=config.goldens,
         golden_release=config.golden_release,
     )
-    if config.matrix:
-        return finish_run(args, run_matrix(sweep, config.matrix), sweep.result)
-    if config.cases:
-        for case in config.cases:
-            sweep.judge(case.topology, case.prompt)
-        return finish_run(args, [], sweep.result)
-    return finish_run(args, [], sweep.run_all())
+    try:
+        if config.matrix:
+            return finish_run(args, run_matrix(sweep, config.matrix), sweep)
+        if config.cases:
+            for case in config.cases:
+                sweep.judge(case.topology, case.prompt)
+            return finish_run(args, [], sweep)
+        sweep.run_all()
+        return finish_run(args, [], sweep)
+    finally:
+        sweep.pool.close()
 
 
 def run_matrix(sweep: Sweep, scenarios: tuple[Scenario, ...]) -> list[str]:
-    """Every scenario as declared; returns the problems (empty: all behaved as declared)."""
+    """Every scenario as declared, grouped by topology so each starts once (those that end
+    their session last in their group); returns the problems (empty: all as declared)."""
     matrix = MatrixRun(sweep)
+    first_seen = {s.topology: i for i, s in reversed(list(enumerate(scenarios)))}
+    ordered = sorted(scenarios, key=lambda s: (first_seen[s.topology], s.ends_its_session))
     problems: list[str] = []
-    try:
-        for scenario in scenarios:
-            problems += [f"{scenario.name}: {p}" for p in matrix.run(scenario).problems()]
-    finally:
-        matrix.close()
+    for index, scenario in enumerate(ordered):
+        problems += [f"{scenario.name}: {p}" for p in matrix.run(scenario).problems()]
+        following = ordered[index + 1] if index + 1 < len(ordered) else None
+        if following is None or following.topology != scenario.topology:
+            sweep.pool.release(scenario.topology)
     return problems
 
 
-def finish_run(args: argparse.Namespace, problems: list[str], result: SweepResult) -> int:
+def finish_run(args: argparse.Namespace, problems: list[str], sweep: Sweep) -> int:
+    result = sweep.result
     print()
     print(format_verdict_table(result.records))
     failed: list[CaseRecord] = [r for r in result.records if not r.policy_passed]
@@ -191,7 +201,8 @@ def finish_run(args: argparse.Namespace, problems: list[str], result: SweepResul
     for problem in problems:
         print(f"scenario problem: {problem}")
     elapsed_s = time.monotonic() - args.progress.started
-    print(f"\nepd-harness: {elapsed_s:.0f}s; artifacts in {result.run_dir}")
+    print(f"\n{sweep.pool.summary()}")
+    print(f"epd-harness: {elapsed_s:.0f}s; artifacts in {result.run_dir}")
     ok = bool(result.records) and not failed and not problems
     return EXIT_OK if ok else EXIT_FAILED
 
@@ -214,17 +225,20 @@ def command_repro(args: argparse.Namespace) -> int:
         case, records, sweep = reproduce(bundle, run_dir, served, args.case, proxy)
     except BundleError as exc:
         raise BadInput(str(exc)) from None
-    print()
-    print(format_verdict_table(records))
-    own = next((r for r in records if r.reference == case.reference), records[0])
-    same = own.verdict.value == case.verdict
-    print(
-        f"\nepd-harness: {case.topology} / {case.prompt} vs {case.reference}: "
-        f"{own.verdict.value} now, {case.verdict} in the bundle: "
-        f"{'reproduced' if same else 'NOT reproduced'}; artifacts in {run_dir}"
-    )
-    if args.keep_up:
-        keep_up(sweep, case.topology)
+    try:
+        print()
+        print(format_verdict_table(records))
+        own = next((r for r in records if r.reference == case.reference), records[0])
+        same = own.verdict.value == case.verdict
+        print(
+            f"\nepd-harness: {case.topology} / {case.prompt} vs {case.reference}: "
+            f"{own.verdict.value} now, {case.verdict} in the bundle: "
+            f"{'reproduced' if same else 'NOT reproduced'}; artifacts in {run_dir}"
+        )
+        if args.keep_up:
+            keep_up(sweep, case.topology)
+    finally:
+        sweep.pool.close()
     return EXIT_OK if same else EXIT_FAILED
 
 
@@ -320,6 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="|".join(EC_CONNECTORS),
         help="how E's embeddings reach their consumer: example (files; the only one that "
         "runs: cpu and mooncake are refused with their measured cause); docs/connectors.md",
+    )
+    run.add_argument(
+        "--reference-policy",
+        choices=REFERENCE_POLICIES,
+        help="how each topology is judged against its references: exact (every comparison "
+        "must MATCH; the cpu default) or pd-drift (a P->D topology against the monolithic "
+        "baseline may DRIFT within the measured noise floor; the GPU default, as upstream)",
     )
     run.add_argument(
         "--colocate",

@@ -287,7 +287,7 @@ def planned_model(given: str | None, platform: PlatformProfile) -> str:
         snapshot = cached_snapshot(name, hf_hub_cache()) if name.count("/") == 1 else None
         return str(snapshot) if snapshot is not None else name
     try:
-        from harness.fixtures.tiny_model import CACHE_DIR_PREFIX, CACHE_KEY_CHARS, cache_key
+        from fixtures.tiny_model import CACHE_DIR_PREFIX, CACHE_KEY_CHARS, cache_key
 
         return str(cache_dir() / "models" / f"{CACHE_DIR_PREFIX}{cache_key()[:CACHE_KEY_CHARS]}")
     except Exception:  # noqa: BLE001 - torch/transformers absent: the path cannot be known yet

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.judge.records import Verdict
-from harness.serve.client import ChatResult
+from harness.outcomes.chat import ChatResult
 
 DEFAULT_WINDOW = 5
 
@@ -310,8 +310,20 @@ def noise_floor(first: ChatResult, second: ChatResult) -> float | None:
     or logprobs are missing (no floor can be read then)."""
     if first.token_ids != second.token_ids or len(first.logprobs) != len(second.logprobs):
         return None
+    return prefix_noise_floor(first, second)
+
+
+def prefix_noise_floor(first: ChatResult, second: ChatResult) -> float | None:
+    """The largest |Δ log p| over the positions before the two answers' ids part (the chosen
+    token's and every top-k entry both sides list): the noise floor read from two answers that
+    may differ, e.g. one request alone and the same request batched with another. None
+    without logprobs there."""
+    index = _first_difference(first.token_ids, second.token_ids)
+    agreed = len(first.token_ids) if index is None else index
+    if len(first.logprobs) < agreed or len(second.logprobs) < agreed:
+        return None
     deltas = [0.0]
-    for a, b in zip(first.logprobs, second.logprobs):
+    for a, b in zip(first.logprobs[:agreed], second.logprobs[:agreed]):
         deltas.append(abs(a.logprob - b.logprob))
         other = dict(b.top)
         deltas += [abs(lp - other[tid]) for tid, lp in a.top if tid in other]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from harness.environment import cache_dir, port_range
 from harness.errors import BadInput
+from harness.judge.policy import REFERENCE_POLICIES
 from harness.preflight import files, names, resources, tokens, upstream_proxy
 from harness.preflight.attach import load_attach_file
 from harness.preflight.connectors import check_kv_connector, ec_connector_for
@@ -85,6 +86,8 @@ class RunRequest:
     vllm_source: str | None = None  # a vLLM checkout holding its proxy files (--proxy vllm)
     proxy_registration: str = STATIC_REGISTRATION  # how vLLM's proxy learns the instances
     attach: str | None = None  # the attach file of a running deployment (--proxy attach)
+    # How each (topology, reference) pair is judged; None: the platform's default.
+    reference_policy: str | None = None
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         workers=request.workers,
         proxy=proxy,
         protocol=protocol.generation,
+        reference_policy=request.reference_policy or "",
     )
     goldens, golden_release = _goldens(request, baseline_cache)
     return RunConfig(
@@ -244,6 +248,11 @@ def _refuse_ignored_flags(request: RunRequest) -> None:
         raise BadInput(
             "--refresh-baseline refreshes the baseline cache, which "
             "--baseline-cache off turns off; drop one of them"
+        )
+    if request.reference_policy and request.reference_policy not in REFERENCE_POLICIES:
+        raise BadInput(
+            f"--reference-policy {request.reference_policy}: choose one of "
+            f"{', '.join(REFERENCE_POLICIES)}"
         )
     if request.proxy not in PROXY_KINDS:
         raise BadInput(f"--proxy {request.proxy}: choose one of {', '.join(PROXY_KINDS)}")

@@ -28,8 +28,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fixtures.tiny_model import model_digest
 from harness.files import write_text_atomic
-from harness.fixtures.tiny_model import model_digest
 from harness.judge.records import CaseRecord
 from harness.redact import MIN_SCRUBBED_LEN, REDACTED, redact_argv, redact_env, secret_values
 from harness.report.html import strip_ansi, write_report_html

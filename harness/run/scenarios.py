@@ -14,7 +14,7 @@ import enum
 from dataclasses import dataclass
 
 from harness.errors import lookup
-from harness.judge.records import EXACT, Policy, Verdict
+from harness.judge.records import DeclaredFailure, Verdict
 from harness.spec.prompts import (
     SHORT_TEXT,
     TAIL_TEXT,
@@ -42,7 +42,6 @@ class Scenario:
     topology: str
     prompts: tuple[PromptSpec, ...]
     mode: SendMode = SendMode.SEQUENTIAL
-    policy: Policy = EXACT
     # The verdicts this scenario may end with; anything but MATCH needs a reason.
     expect: tuple[Verdict, ...] = (Verdict.MATCH,)
     expect_evidence: str = ""  # must appear in the failing record's error / explanation
@@ -71,12 +70,21 @@ class Scenario:
         return self
 
     @property
-    def effective_policy(self) -> Policy:
-        """A documented upstream failure passes as its expected verdict (the evidence is
-        checked separately); everything else is judged by the scenario's policy."""
+    def declared(self) -> DeclaredFailure | None:
+        """The upstream failure this scenario is declared to have (None: it must pass as the
+        run's reference policy says, MATCH on CPU)."""
         if self.expect == (Verdict.MATCH,):
-            return self.policy
-        return Policy(frozenset(self.expect))
+            return None
+        if len(self.expect) != 1:
+            raise ValueError(f"{self.name}: a declared failure names one verdict: {self.expect}")
+        return DeclaredFailure(self.expect[0].value, self.expect_evidence, self.reason)
+
+    @property
+    def ends_its_session(self) -> bool:
+        """An expected ERROR is an instance dying, and a rerun on kept storage stops the shared
+        session: run such a scenario after the others of its topology (the pool starts the
+        topology again for anything later, and says why)."""
+        return Verdict.ERROR in self.expect or self.rerun_on_kept_storage
 
 
 def image_prompt(name: str, *seeds: int, text: str = TAIL_TEXT, **extra) -> PromptSpec:

@@ -30,16 +30,18 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from harness.files import write_json_atomic
-from harness.serve.client import ChatClient, ChatResult
+from harness.outcomes.attached import AttachedEvidence
+from harness.outcomes.chat import ChatResult
+from harness.outcomes.outcome import Outcome, ServedTopology
+from harness.serve.client import ChatClient
 from harness.serve.kv_metrics import read_counters
 from harness.serve.proxy import ProxyFaults
 from harness.serve.proxy_protocol import collect_media
-from harness.serve.session import DEATH_GRACE_S, Outcome, TopologySession, safe_name
+from harness.serve.session import DEATH_GRACE_S, TopologySession, safe_name, served_topology
 from harness.spec.attach import AttachSpec, attached_instances
 from harness.spec.connectors import EC_CACHE_FILE, kv_connector_for_class
 from harness.spec.settings import RunSettings
@@ -57,20 +59,6 @@ _DIRECT_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 class AttachedDown(RuntimeError):
     """An attached instance (or the deployment's proxy) is not serving; the message names it
     with its role and URL."""
-
-
-@dataclass
-class AttachedEvidence:
-    """What one request left that can be seen from outside the deployment."""
-
-    media_items: int  # distinct media items in the request: one EC file each
-    ec_storage: str | None = None  # None: not reachable from here
-    ec_files_before: int = 0  # EC files in the storage when the request started
-    ec_files_written: list[str] = field(default_factory=list)  # <mm_hash>es new or rewritten
-    encoder_requests: float | None = None  # finished on the encoders (None: /metrics unread)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def health_problem(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
@@ -140,6 +128,11 @@ class AttachedSession:
     @property
     def kv_storage(self) -> Path | None:
         return None  # D's own reports are the KV evidence (harness.judge.guards)
+
+    @property
+    def served(self) -> ServedTopology:
+        """What the guards need to know of the deployment."""
+        return served_topology(self.topology, self.ec_storage, self.settings)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

@@ -18,12 +18,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from harness.outcomes.trace import EncoderCall, RequestTrace
 from harness.serve import proxy_protocol as protocol
 from harness.spec.generations import NEWEST, ProtocolGeneration
 
@@ -64,42 +65,6 @@ class ProxyFaults:
     after_encode: Callable[[str, dict[str, Any]], None] | None = None
     drop_encoder_metadata: bool = False
     after_prefill: Callable[[str, dict[str, Any]], None] | None = None
-
-
-@dataclass
-class EncoderCall:
-    url: str
-    positions: tuple[int, ...]
-    status: int | None = None
-    ec_transfer_params: dict[str, Any] | None = None
-    seconds: float = 0.0
-    # Media position -> mm_hash of each item the answer gave metadata for, as the served
-    # release's protocol generation reads it (None: not read, e.g. the call failed).
-    indexed: dict[int, str] | None = None
-
-
-@dataclass
-class RequestTrace:
-    """What the proxy did for one request id; read by the transfer guards and the report."""
-
-    request_id: str
-    media_count: int = 0
-    encoder_calls: list[EncoderCall] = field(default_factory=list)
-    forwarded_part_types: list[str] = field(default_factory=list)
-    metadata_only: list[bool] = field(default_factory=list)
-    prefill_url: str | None = None
-    prefill_status: int | None = None
-    prefill_kv_transfer_params: dict[str, Any] | None = None
-    prefill_seconds: float = 0.0
-    decode_url: str | None = None
-    decode_status: int | None = None
-    decode_seconds: float = 0.0
-    error: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        data = dict(self.__dict__)
-        data["encoder_calls"] = [dict(c.__dict__) for c in self.encoder_calls]
-        return data
 
 
 class UpstreamError(Exception):

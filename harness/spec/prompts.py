@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.fixtures import media
+from fixtures import media
 
 DEFAULT_MAX_TOKENS = 32
 DEFAULT_TOP_LOGPROBS = 5

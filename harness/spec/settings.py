@@ -92,6 +92,9 @@ class RunSettings:
     # The EPD protocol the served vLLM speaks (harness.spec.generations): which flags are
     # rendered, how the proxy reads encoders, which cases apply.
     protocol: ProtocolGeneration = NEWEST
+    # How each (topology, reference) pair is judged (harness.judge.policy.REFERENCE_POLICIES);
+    # empty: the platform's default (exact on CPU, P->D drift allowed on GPUs).
+    reference_policy: str = ""
 
     @property
     def vllm_executable(self) -> str:
