@@ -53,6 +53,7 @@ from harness.spec.prompts import PromptSpec
 from harness.testing.live import LiveTopology
 
 pytestmark = pytest.mark.e2e
+EPD_BASELINE_PROMPTS = DETECTION_PROMPTS
 
 THRESHOLDS = Path(__file__).with_name("detection_thresholds.json")
 # Issue 10's acceptance: 5% noise is a MISMATCH within the first three generated tokens.

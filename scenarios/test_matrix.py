@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 
 from harness.report.text import format_failure
-from harness.run.scenarios import MATRIX
+from harness.run.scenarios import MATRIX, matrix_prompts
+
+EPD_BASELINE_PROMPTS = matrix_prompts()
 
 
 def scenario_params():

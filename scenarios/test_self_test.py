@@ -37,6 +37,7 @@ from harness.run.self_test import (
     CLEAN_PROMPT,
     CORRUPT_EC_PROMPT,
     DROP_METADATA_PROMPT,
+    SELF_TEST_PROMPTS,
     ZERO_KV_PROMPT,
 )
 from harness.serve.launch import ManagedServer, describe_process, is_live_process
@@ -45,6 +46,7 @@ from harness.spec.topology import Role
 from harness.testing.live import LiveTopology
 
 pytestmark = pytest.mark.e2e
+EPD_BASELINE_PROMPTS = SELF_TEST_PROMPTS
 
 # A dead instance must fail the next request quickly, not after a request timeout.
 DEATH_NOTICE_MAX_S = 10.0

@@ -7,7 +7,7 @@ nothing here opens a socket or a process, so judging a stored outcome needs no s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +51,16 @@ class Outcome:
 
 @dataclass
 class InstanceStats:
+    """One instance of a run: where it served, how long it took to start and where that time
+    went (harness.outcomes.startup), and the most memory its process tree held."""
+
     name: str
     role: str
     url: str
     log_path: str
     startup_s: float | None = None
     peak_rss_bytes: int = 0
+    timeline: dict[str, float | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

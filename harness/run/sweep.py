@@ -47,7 +47,7 @@ from harness.spec.placement import (
 from harness.spec.placement import schedule as pack_waves
 from harness.spec.prompts import PromptSpec, render_request
 from harness.spec.settings import RunSettings
-from harness.spec.topology import TOPOLOGIES, Topology
+from harness.spec.topology import TOPOLOGIES, Topology, ordered_topologies
 
 BASELINE = TOPOLOGIES["baseline"]
 log = logging.getLogger(__name__)
@@ -80,23 +80,6 @@ class SweepResult:
         return bool(self.records) and all(r.policy_passed for r in self.records)
 
 
-def ordered_topologies(topologies: tuple[Topology, ...]) -> list[Topology]:
-    """EPD topologies in run order: each exact reference before the topology using it."""
-    pending = [t for t in topologies if not t.is_baseline]
-    for topology in list(pending):
-        reference = topology.exact_reference
-        if reference and reference not in {t.name for t in pending}:
-            pending.append(TOPOLOGIES[reference])
-    names = {t.name for t in pending}
-    ordered: list[Topology] = []
-    while pending:
-        done = {o.name for o in ordered}
-        ready = [t for t in pending if t.exact_reference not in names - done] or pending[:1]
-        ordered.append(ready[0])
-        pending.remove(ready[0])
-    return ordered
-
-
 class Sweep:
     """Serves the baseline and topologies on demand and judges their cases.
 
@@ -114,10 +97,12 @@ class Sweep:
         goldens: GoldenStore | None = None,
         golden_release: str | None = None,
         pool: TopologyPool | None = None,
+        baseline: BaselineAnswers | None = None,
     ):
         """`bodies` replays recorded request bodies (repro) instead of rendering the spec's.
         `pool` is shared with the caller (pytest); without one the sweep has its own and stops
-        each wave once its prompts are answered (memory for the next)."""
+        each wave once its prompts are answered (memory for the next). `baseline` is another
+        sweep's baseline answers, to share (its cache and goldens are used, not these)."""
         self.spec = spec
         self.settings = settings
         self.on_event = on_event
@@ -128,7 +113,9 @@ class Sweep:
         }
         self.topology_prompts = list(bodies) if bodies else [p.name for p in spec.prompts]
         self.specs = {p.name: p for p in (*spec.prompts, *spec.baseline_only_prompts)}
-        self.baseline = BaselineAnswers(settings, baseline_cache, goldens, golden_release)
+        self.baseline = baseline or BaselineAnswers(
+            settings, baseline_cache, goldens, golden_release
+        )
         self.baseline.add(self.bodies)
         self.judging = CaseJudge(settings, self.baseline)
         self.owns_pool = pool is None

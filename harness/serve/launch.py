@@ -137,6 +137,7 @@ class ManagedServer:
         self._port_lease = port_lease
         self._popen: subprocess.Popen[bytes] | None = None
         self._spawned_at: float | None = None
+        self._spawned_wall_s: float | None = None
         self._startup_seconds: float | None = None
         self._peak_rss_bytes = 0
         # Every descendant ever sampled, so that stop() also finds those that left the group
@@ -160,6 +161,12 @@ class ManagedServer:
     def pgid(self) -> int | None:
         """The process group id: the pid, since the child calls setsid() before exec."""
         return self.pid
+
+    @property
+    def spawned_wall_s(self) -> float | None:
+        """Wall-clock time of the spawn (epoch seconds): what vLLM's log stamps are read
+        against (harness.outcomes.startup)."""
+        return self._spawned_wall_s
 
     @property
     def startup_seconds(self) -> float | None:
@@ -217,6 +224,7 @@ class ManagedServer:
                 exc.add_note(f"while starting {command.name}: {shlex.join(command.argv)}")
                 raise
         self._spawned_at = time.monotonic()
+        self._spawned_wall_s = time.time()
         watchdog.client().started(self._popen.pid, command.name, command.log_path)
 
     def probe_health(self) -> bool:

@@ -22,6 +22,7 @@ from typing import Any
 from harness.environment import LOOPBACK_HOST
 from harness.files import write_text_atomic
 from harness.outcomes.outcome import InstanceStats, Outcome, ServedTopology
+from harness.outcomes.startup import startup_timeline
 from harness.serve.entry import Entry, command_json, open_entry, proxy_key
 from harness.serve.kv_metrics import read_counters
 from harness.serve.launch import ManagedServer, ServerCommand, ServerDied, ServerGroup, log_path_for
@@ -163,7 +164,12 @@ class TopologySession:
         assert self._group is not None, "start_servers() first"
         self._group.wait_all_ready(self.settings.startup_timeout_s)
         for server, spec in zip(self._servers, self.instances):
-            self.stats[spec.name].startup_s = server.startup_seconds
+            stats = self.stats[spec.name]
+            stats.startup_s = server.startup_seconds
+            if server.spawned_wall_s is not None:
+                stats.timeline = startup_timeline(
+                    server.command.log_path, server.spawned_wall_s, server.startup_seconds
+                )
         self._sample_memory()
         if not self.topology.is_baseline:
             self._start_taps()

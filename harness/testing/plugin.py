@@ -30,6 +30,9 @@ TOPOLOGY_ORDER = ("baseline", "1E+1PD", "2E+1PD", "1P+1D", "1E+1P+1D")
 DEFAULT_VARIANT = ""
 POOL_KEY = pytest.StashKey[object]()
 SWEEP_KEY = pytest.StashKey[object]()
+PROMPTS_KEY = pytest.StashKey[tuple]()
+# A scenario module lists the prompts its tests send (besides the sweep's) under this name.
+BASELINE_PROMPTS = "EPD_BASELINE_PROMPTS"
 RUN_ROOT_KEY = pytest.StashKey[str]()
 WORKER_RUN_ROOT = "epd_run_root"  # how xdist hands the controller's run root to workers
 
@@ -141,6 +144,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return (1, group.order(), ends_session(item), position[id(item)])
 
     items.sort(key=key)
+    # The prompts the selected scenario modules need the baseline to answer: one baseline
+    # start answers all of them.
+    needed: dict[str, object] = {}
+    for module in dict.fromkeys(getattr(item, "module", None) for item in items):
+        for prompt in getattr(module, BASELINE_PROMPTS, ()):
+            needed.setdefault(prompt.name, prompt)
+    config.stash[PROMPTS_KEY] = tuple(needed.values())
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -250,19 +260,19 @@ def epd_pool(pytestconfig: pytest.Config, epd_settings, epd_events):
 
 @pytest.fixture(scope="session")
 def epd_sweep(pytestconfig: pytest.Config, epd_config, epd_pool, epd_events):
-    """The shared sweep: its baseline answers every scenario's prompts (one start for all),
-    its cases are judged on demand, each topology served once from the pool."""
-    from harness.run.graded import DETECTION_PROMPTS
-    from harness.run.scenarios import matrix_prompts
-    from harness.run.self_test import SELF_TEST_PROMPTS
+    """The shared sweep: its baseline answers the prompts of every selected scenario module
+    (their `EPD_BASELINE_PROMPTS`: one baseline start for all), its cases are judged on
+    demand, each topology served once from the pool."""
     from harness.run.sweep import Sweep, SweepSpec
     from harness.spec.prompts import SKELETON_PROMPTS
     from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES
 
+    sweep_names = {p.name for p in SKELETON_PROMPTS}
+    others = [p for p in pytestconfig.stash.get(PROMPTS_KEY, ()) if p.name not in sweep_names]
     spec = SweepSpec(
         topologies=tuple(TOPOLOGIES[name] for name in EPD_TOPOLOGY_NAMES),
         prompts=SKELETON_PROMPTS,
-        baseline_only_prompts=(*matrix_prompts(), *DETECTION_PROMPTS, *SELF_TEST_PROMPTS),
+        baseline_only_prompts=tuple(others),
     )
     sweep = Sweep(
         spec,
