@@ -311,3 +311,22 @@ def test_cli_cpu_defaults_to_the_runner_cores(capsys) -> None:
     assert data["devices"] == [0, 1]
     names = [t["name"] for w in data["waves"] for t in w["topologies"]]
     assert names == list(DEFAULT_TOPOLOGY_NAMES)
+
+
+def test_the_plan_says_what_is_shared() -> None:
+    from harness.cli.plan import PlannedInstance, sharing_line
+
+    def instance(name: str, port: int, storage: str) -> PlannedInstance:
+        argv = ("vllm", "serve", "m", "--port", str(port), "--ec", storage)
+        return PlannedInstance(name, "encoder", port, (0,), argv, (("A", "1"),), None, None)
+
+    separate = sharing_line(
+        [instance("1E+1PD/e0", 1, "/a/ec"), instance("1E+1P+1D/e0", 2, "/b/ec")]
+    )
+    assert separate.endswith(
+        "instances shared between topologies: none (each topology's EC and KV storage is its own)"
+    )
+    same = sharing_line([instance("1E+1PD/e0", 1, "/s/ec"), instance("1E+1P+1D/e0", 2, "/s/ec")])
+    assert same.endswith("1E+1PD/e0 = 1E+1P+1D/e0"), same
+    plan = format_plan(build_plan(request(CUDA, tuple(range(8)))))
+    assert "instances shared between topologies: none" in plan

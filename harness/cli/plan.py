@@ -215,6 +215,7 @@ def format_plan(plan: Plan) -> str:
     for wave in plan.waves:
         slots = ", ".join(f"{t.name} [{_join(t.devices)}]" for t in wave.topologies)
         lines.append(f"  wave {wave.index}: {slots}")
+    lines.append(sharing_line(plan.instances))
     common = common_env(plan.instances)
     lines.append("environment of every instance: " + _env_text(common))
     for wave in plan.waves:
@@ -224,6 +225,26 @@ def format_plan(plan: Plan) -> str:
             for instance in topology.instances:
                 lines += _instance_lines(instance, kind, common)
     return "\n".join(lines)
+
+
+def sharing_line(instances: Sequence[PlannedInstance]) -> str:
+    """What is started once and shared: each topology once per run, whatever judges it and
+    through whichever proxy (harness.run.pool); an instance whose launch (argv but its port,
+    env) another topology has too would be shared as well. None is, today: each topology's EC
+    and KV storage is its own, because both example connectors key what they store by content
+    and a shared producer would let a guard hold for a transfer that did not happen."""
+    launches: dict[tuple[str, tuple[tuple[str, str], ...]], list[str]] = {}
+    for instance in instances:
+        argv = instance.command_line.replace(f"--port {instance.port}", "--port PORT")
+        launches.setdefault((argv, tuple(instance.env)), []).append(instance.name)
+    shared = [names for names in launches.values() if len(names) > 1]
+    text = (
+        "sharing: each topology starts once per run and serves every scenario that judges "
+        "it, through any proxy; instances shared between topologies: "
+    )
+    if not shared:
+        return text + "none (each topology's EC and KV storage is its own)"
+    return text + "; ".join(" = ".join(names) for names in shared)
 
 
 def common_env(instances: Sequence[PlannedInstance]) -> tuple[tuple[str, str], ...]:
