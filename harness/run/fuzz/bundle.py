@@ -195,7 +195,7 @@ def write_fuzz_bundle(
     minimal = [g.minimal for g in report.groups if g.minimal is not None]
     # Minimal requests first: `repro RUN_DIR` picks the first failing case.
     judged = [e for e in report.evaluations if e.record is not None]
-    ordered = minimal + [e for e in judged if e not in minimal]
+    ordered = minimal + [e for e in judged if not any(e is m for m in minimal)]
     records = _records(ordered)
     bodies = {e.spec.name: e.body for e in key}
     run_info = write_run_info(
@@ -209,7 +209,9 @@ def write_fuzz_bundle(
     write_json_atomic(run_dir / "requests.json", bodies)
     summary = fuzz_summary(report, meta, group_dirs)
     write_summary_json(run_dir / "summary.json", records, {"fuzz": summary})
-    responses = _responses([*key, *(e for e in judged if e not in key)], topology.name)
+    responses = _responses(
+        [*key, *(e for e in judged if not any(e is k for k in key))], topology.name
+    )
     write_json_atomic(run_dir / "responses.json", responses)
     write_text_atomic(run_dir / "verdicts.txt", format_verdict_table(records) + "\n")
     write_json_atomic(
