@@ -5,9 +5,9 @@ the baseline's ids and reported either way)."""
 from __future__ import annotations
 
 import pytest
+from harness.fixtures.tiny_model import ensure_tiny_model
 
 from harness.environment import cache_dir
-from harness.fixtures.tiny_model import ensure_tiny_model
 from harness.preflight.tokens import estimate_prompt_tokens
 from harness.run.fuzz.layout import TokenizerEstimator, estimate_positions
 from harness.run.fuzz.space import FuzzSpace
