@@ -457,3 +457,31 @@ def test_save_writes_a_new_failure_as_a_declared_scenario(tmp_path: Path) -> Non
     assert scenario.expect_evidence in DECODE_TAIL_ERROR
     assert scenario.prompts[0].parts == new.spec.parts
     assert Recognition(None).known is False
+
+
+# -- the command line's refusals ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "cause"),
+    [
+        (["--reason", "x"], "--reason declares the cause of what --save writes"),
+        (["--save", "--plant-fault", "corrupt-ec"], "a planted fault is the harness's own"),
+        (["--examples", "0"], "--examples 0: must be at least 1"),
+    ],
+)
+def test_fuzz_refuses_flags_it_would_ignore_in_one_line(args, cause, capsys) -> None:
+    from harness.cli.main import main
+
+    assert main(["fuzz", "--topology", "1E+1PD", *args]) == 2
+    err = capsys.readouterr().err
+    assert cause in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_fuzz_refuses_the_baseline_and_several_topologies(capsys) -> None:
+    from harness.cli.main import main
+
+    assert main(["fuzz", "--topology", "baseline"]) == 2
+    assert main(["fuzz", "--topology", "1E+1PD,1P+1D"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert "the baseline is the reference" in err[0] and "one topology at a time" in err[1]
