@@ -485,3 +485,20 @@ def test_fuzz_refuses_the_baseline_and_several_topologies(capsys) -> None:
     assert main(["fuzz", "--topology", "1E+1PD,1P+1D"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert "the baseline is the reference" in err[0] and "one topology at a time" in err[1]
+
+
+def test_a_topology_with_d_gets_prompts_of_at_least_one_block() -> None:
+    serving = ServingConfig(model="m")
+    space = space_for(NEWEST, TOPOLOGIES["1E+1P+1D"], serving)
+    assert space.min_prompt_tokens == 33
+    assert space_for(NEWEST, TOPOLOGIES["1E+1PD"], serving).min_prompt_tokens == 0
+    for example in draw_examples(space, 40, seed=1, estimator=FakeEstimator()):
+        assert estimate_positions(example.spec, FakeEstimator())[1] >= 33
+
+
+def test_an_ec_path_declaration_covers_every_encoder_topology() -> None:
+    epd = {r.name for r in rules_for(TOPOLOGIES["1E+1P+1D"], "ExampleConnector", NEWEST)}
+    assert "scenario ec-video-jpeg-frames-default-fps" in epd
+    assert "scenario epd-media-in-decode-tail" in epd
+    pd = {r.name for r in rules_for(TOPOLOGIES["1P+1D"], "ExampleConnector", NEWEST)}
+    assert not pd

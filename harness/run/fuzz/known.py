@@ -22,7 +22,7 @@ from harness.run.fuzz.layout import PromptLayout
 from harness.run.scenarios import MATRIX, Scenario
 from harness.spec.generations import KnownFailure, ProtocolGeneration, known_failure
 from harness.spec.prompts import PromptSpec, VideoFramesPart
-from harness.spec.topology import Topology
+from harness.spec.topology import TOPOLOGIES, Topology
 
 Trigger = Callable[[PromptSpec, PromptLayout | None], bool]
 
@@ -92,12 +92,22 @@ def rules_for(
     rules = [
         _scenario_rule(s.for_kv_connector(kv_connector))
         for s in MATRIX
-        if s.topology == topology.name
+        if declared_for(TOPOLOGIES[s.topology], topology)
     ]
     rules = [r for r in rules if r is not None]
     for failure in generation.known_failures:
         rules.append(_generation_rule(generation, topology, failure))
     return rules
+
+
+def declared_for(declared: Topology, fuzzed: Topology) -> bool:
+    """A scenario's failure applies to its own topology; one declared on an encoder topology
+    without KV transfer (the EC path alone: 1E+1PD) applies to every encoder topology, since
+    the same encoder and consumer code serve them (1E+1P+1D's P is that consumer)."""
+    if declared.name == fuzzed.name:
+        return True
+    ec_only = declared.has_ec_transfer and not declared.has_kv_transfer
+    return ec_only and fuzzed.has_ec_transfer
 
 
 def _scenario_rule(scenario: Scenario) -> KnownRule | None:

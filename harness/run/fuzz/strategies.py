@@ -146,7 +146,7 @@ def fuzz_examples(
     spec = assemble(media, texts, extra, max_tokens)
     if estimator is not None:
         _, total = estimate_positions(spec, estimator)
-        assume(total + max_tokens <= space.max_model_len)
+        assume(space.min_prompt_tokens <= total <= space.max_model_len - max_tokens)
     return FuzzExample(spec, aim)
 
 
