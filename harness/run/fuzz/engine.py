@@ -183,6 +183,7 @@ class FuzzEngine:
         self._starts = 0
         self._confirmed: dict[str, int] = {}
         self._mispredicted: dict[str, str] = {}  # rule name -> the example that disagreed
+        self._outside_trigger: dict[str, list[str]] = {}  # rule name -> crashes without it
         self._down: str | None = None  # an attached deployment that died
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -372,9 +373,10 @@ class FuzzEngine:
         return None
 
     def _check_prediction(self, evaluation: Evaluation) -> None:
-        """Count confirmations of each crash trigger; one that disagreed with real vLLM (the
-        trigger held and it did not fail so, or it failed so without the trigger) is not
-        trusted again in this run."""
+        """Count confirmations of each crash trigger. A trigger that held without the crash
+        is not trusted again in this run (skipping on it could hide an answer). The crash
+        without its trigger says the trigger is too narrow, not wrong where it holds: the
+        example is judged and grouped as new (`recognise`), and skipping goes on."""
         for rule in self.rules:
             if not rule.crash or rule.trigger is None:
                 continue
@@ -383,13 +385,22 @@ class FuzzEngine:
             happened = record is not None and rule.signature_matches(record)
             if predicted and happened:
                 self._confirmed[rule.name] = self._confirmed.get(rule.name, 0) + 1
-            elif predicted != happened and rule.name not in self._mispredicted:
+            elif predicted and rule.name not in self._mispredicted:
                 self._mispredicted[rule.name] = evaluation.spec.name
                 log.warning(
-                    "[fuzz] %s: trigger %s but %s; its predictions are no longer trusted",
+                    "[fuzz] %s: the trigger of %s held but %s; its predictions are no "
+                    "longer trusted",
                     evaluation.spec.name,
-                    "held" if predicted else "did not hold",
+                    rule.name,
                     evaluation.summary(),
+                )
+            elif happened:
+                self._outside_trigger.setdefault(rule.name, []).append(evaluation.spec.name)
+                log.warning(
+                    "[fuzz] %s: %s's crash without its trigger (%s): reported as new",
+                    evaluation.spec.name,
+                    rule.name,
+                    rule.trigger_text,
                 )
 
     def run(self, examples: list[FuzzExample]) -> FuzzReport:
@@ -432,6 +443,7 @@ class FuzzEngine:
             "confirm_known": self.confirm_known,
             "confirmed": dict(self._confirmed),
             "mispredicted": dict(self._mispredicted),
+            "crashed_outside_trigger": dict(self._outside_trigger),
         }
 
     # -- shrinking -----------------------------------------------------------------------------
