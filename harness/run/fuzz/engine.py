@@ -479,27 +479,40 @@ class FuzzEngine:
             log.warning(
                 "[fuzz] the predicted minimal request did not reproduce; shrinking by sending"
             )
-        oracle = SendingOracle(self, group.signature)
+        oracle = SendingOracle(self, group)
         group.shrink = shrink(start.spec, oracle, self.budget, "sent", divergence)
         # Every reproducing trial is accepted at once, so the last one is the minimal request.
         group.minimal = oracle.last_reproduced if group.shrink.accepted else start
 
 
 class SendingOracle:
-    """Every candidate sent to the topology: reproduced when it fails with the signature."""
+    """Candidates sent to the topology: reproduced when one fails with the group's signature
+    and is the same kind of failure (the same declaration, or new). A candidate a trusted
+    known crash's trigger predicts is not sent: it would kill D on the known bug (a restart)
+    and cannot be the group's failure unless the group is that crash."""
 
-    def __init__(self, engine: FuzzEngine, target: Signature):
+    def __init__(self, engine: FuzzEngine, group: FailureGroup):
         self.engine = engine
-        self.target = target
+        self.target = group.signature
+        self.rule = group.recognition.rule
         self.last_reproduced: Evaluation | None = None
 
     def restart_pending(self) -> bool:
         return self.engine.topology_dead() is not None
 
     def attempt(self, spec: PromptSpec) -> Trial:
-        evaluation = self.engine.evaluate(spec)
+        evaluation = self.engine.ask_baseline(spec)
+        if evaluation.status == "judged":
+            predicted = self.engine.predicted_crash(evaluation)
+            if predicted is not None and predicted != self.rule:
+                note = f"not sent: {predicted.name} predicted ({predicted.trigger_text})"
+                return Trial(spec, False, note, evaluation.seconds)
+            self.engine.send_topology(evaluation)
+        recognition = evaluation.recognition
         reproduced = (
-            evaluation.signature is not None and evaluation.signature.key == self.target.key
+            evaluation.signature is not None
+            and evaluation.signature.key == self.target.key
+            and (recognition.rule if recognition else None) == self.rule
         )
         if reproduced:
             self.last_reproduced = evaluation
