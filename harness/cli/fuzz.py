@@ -89,7 +89,7 @@ def command_fuzz(args: argparse.Namespace) -> int:
             "epd-harness fuzz needs Hypothesis: pip install 'epd-harness[fuzz]'"
         ) from None
     from harness.run.fuzz.bundle import write_examples, write_fuzz_bundle
-    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.engine import FuzzEngine, FuzzReport
     from harness.run.fuzz.layout import TokenizerEstimator
     from harness.run.fuzz.save import save_scenarios
     from harness.run.fuzz.shrink import ShrinkBudget
@@ -154,6 +154,12 @@ def command_fuzz(args: argparse.Namespace) -> int:
         settings.run_dir,
     )
     began = time.monotonic()
+    report = FuzzReport(examples=examples)
+    written: list[Path] = []
+
+    def write(report: FuzzReport) -> None:
+        written[:] = write_fuzz_bundle(settings, topology, report, meta, args.plant_fault)
+
     with FuzzEngine(
         settings,
         topology,
@@ -163,10 +169,9 @@ def command_fuzz(args: argparse.Namespace) -> int:
         confirm_known=args.confirm_known,
         budget=budget,
     ) as engine:
-        startup = time.monotonic() - began
-        report = engine.run(examples)
-    report.startup_seconds = startup
-    group_dirs = write_fuzz_bundle(settings, topology, report, meta, args.plant_fault)
+        report.startup_seconds = time.monotonic() - began
+        engine.run(examples, report, on_progress=write)
+    group_dirs = written
     print()
     print((settings.run_dir / "fuzz.md").read_text())
     if args.save:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -403,8 +404,17 @@ class FuzzEngine:
                     rule.trigger_text,
                 )
 
-    def run(self, examples: list[FuzzExample]) -> FuzzReport:
-        report = FuzzReport(examples=list(examples))
+    def run(
+        self,
+        examples: list[FuzzExample],
+        report: FuzzReport | None = None,
+        on_progress: Callable[[FuzzReport], None] | None = None,
+    ) -> FuzzReport:
+        """Every example, then every group shrunk; `on_progress` gets the report after the
+        examples and after each group (the CLI writes the bundle there, so an interrupted run
+        keeps what it had). Cheap groups shrink first: a known crash against its prediction
+        (one restart), then failures that kill nothing, then crashes."""
+        report = report if report is not None else FuzzReport(examples=list(examples))
         began = time.monotonic()
         for index, example in enumerate(examples):
             evaluation = self.ask_baseline(example.spec)
@@ -430,13 +440,21 @@ class FuzzEngine:
             )
         report.examples_seconds = time.monotonic() - began
         report.groups = group_failures(report.evaluations)
+        self._progress(report, on_progress)
         began = time.monotonic()
-        for group in report.groups:
+        for group in sorted(report.groups, key=shrink_cost):
             self.shrink_group(group)
-        report.shrink_seconds = time.monotonic() - began
+            report.shrink_seconds = time.monotonic() - began
+            self._progress(report, on_progress)
+        return report
+
+    def _progress(
+        self, report: FuzzReport, on_progress: Callable[[FuzzReport], None] | None
+    ) -> None:
         report.restarts = list(self.report_restarts)
         report.predictions = self.prediction_summary()
-        return report
+        if on_progress is not None:
+            on_progress(report)
 
     def prediction_summary(self) -> dict[str, Any]:
         return {
@@ -547,6 +565,15 @@ class PredictingOracle:
             f"{layout.get('last_media_end')}, D loads {layout.get('kv_prefix')}"
         )
         return Trial(spec, reproduced, outcome, evaluation.seconds)
+
+
+def shrink_cost(group: FailureGroup) -> int:
+    """0: a known crash shrunk against its trigger; 1: a failure that kills nothing; 2: a
+    crash (every accepted step costs a restart)."""
+    rule = group.recognition.rule
+    if rule is not None and rule.crash and rule.trigger is not None:
+        return 0
+    return 2 if group.signature.verdict == "ERROR" else 1
 
 
 def group_failures(evaluations: list[Evaluation]) -> list[FailureGroup]:
