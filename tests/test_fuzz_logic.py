@@ -502,3 +502,33 @@ def test_an_ec_path_declaration_covers_every_encoder_topology() -> None:
     assert "scenario epd-media-in-decode-tail" in epd
     pd = {r.name for r in rules_for(TOPOLOGIES["1P+1D"], "ExampleConnector", NEWEST)}
     assert not pd
+
+
+def test_a_spent_run_budget_sends_nothing_more_and_says_so(tmp_path: Path) -> None:
+    from harness.run.fuzz.engine import FuzzEngine, RunBudget
+    from harness.run.fuzz.strategies import FuzzExample
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    settings = RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "model")),
+        run_dir=tmp_path,
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+    )
+    engine = FuzzEngine(
+        settings, TOPOLOGIES["1E+1PD"], run_budget=RunBudget(max_restarts=0, max_seconds=0.0)
+    )
+    examples = [FuzzExample(image_prompt((56, 56), name=f"ex-{i:04d}")) for i in range(3)]
+    report = engine.run(examples)  # no server was started: nothing may be sent
+    assert report.counts() == {"not-sent": 3}
+    assert all("time budget" in e.note for e in report.evaluations)
+
+
+def test_the_command_line_imports_without_hypothesis() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['hypothesis'] = None\n"
+        "from harness.cli.main import build_parser; build_parser()"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -20,6 +20,7 @@ from typing import Any
 from harness.errors import EXIT_FAILED, EXIT_OK, BadInput
 from harness.preflight import RunRequest, prepare_run
 from harness.preflight.config import DEFAULT_MAX_MODEL_LEN
+from harness.run.fuzz.engine import RunBudget
 from harness.spec.settings import ATTACH_PROXY, HARNESS_PROXY
 
 log = logging.getLogger("harness")
@@ -59,6 +60,20 @@ def add_fuzz_parser(sub: Any) -> None:
     )
     fuzz.add_argument("--max-shrink-trials", type=int, default=80, help="per failure group")
     fuzz.add_argument("--max-restarts", type=int, default=6, help="per failure group's shrink")
+    fuzz.add_argument(
+        "--max-run-restarts",
+        type=int,
+        default=RunBudget.max_restarts,
+        help="restarts of the topology in the whole run; once spent, what needs one is "
+        "counted as not sent",
+    )
+    fuzz.add_argument(
+        "--budget-s",
+        type=float,
+        default=RunBudget.max_seconds,
+        help="wall time of the run from the servers' start; examples and shrinks left when "
+        "it is spent are counted as not sent / not shrunk",
+    )
     fuzz.set_defaults(func=command_fuzz)
 
 
@@ -76,8 +91,12 @@ def _refuse(args: argparse.Namespace) -> None:
         raise BadInput(f"--topology {args.topology}: fuzz runs one topology at a time")
     if args.topology == "baseline":
         raise BadInput("--topology baseline: the baseline is the reference; name an EPD topology")
-    if args.confirm_known < 0 or args.max_shrink_trials < 0 or args.max_restarts < 0:
-        raise BadInput("--confirm-known, --max-shrink-trials and --max-restarts must be >= 0")
+    counts = (args.confirm_known, args.max_shrink_trials, args.max_restarts, args.max_run_restarts)
+    if min(counts) < 0 or args.budget_s <= 0:
+        raise BadInput(
+            "--confirm-known, --max-shrink-trials, --max-restarts and --max-run-restarts must "
+            "be >= 0, --budget-s > 0"
+        )
 
 
 def command_fuzz(args: argparse.Namespace) -> int:
@@ -125,6 +144,7 @@ def command_fuzz(args: argparse.Namespace) -> int:
     for note in space.notes:
         log.warning("epd-harness fuzz: %s", note)
     budget = ShrinkBudget(max_trials=args.max_shrink_trials, max_restarts=args.max_restarts)
+    run_budget = RunBudget(max_restarts=args.max_run_restarts, max_seconds=args.budget_s)
     began = time.monotonic()
     examples = draw_examples(space, args.examples, args.seed, estimator)
     meta = {
@@ -143,6 +163,7 @@ def command_fuzz(args: argparse.Namespace) -> int:
         "space": space.to_json(),
         "layout_estimator": type(estimator).__name__ if estimator else None,
         "shrink_budget": budget.to_json(),
+        "run_budget": run_budget.to_json(),
         "confirm_known": args.confirm_known,
     }
     write_examples(settings.run_dir, examples, meta)
@@ -168,6 +189,7 @@ def command_fuzz(args: argparse.Namespace) -> int:
         on_event=args.progress.on_event,
         confirm_known=args.confirm_known,
         budget=budget,
+        run_budget=run_budget,
     ) as engine:
         report.startup_seconds = time.monotonic() - began
         engine.run(examples, report, on_progress=write)

@@ -13,14 +13,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.files import write_json_atomic, write_text_atomic
 from harness.judge.records import CaseRecord
 from harness.report.bundle import write_bundle, write_run_info
 from harness.report.text import format_failure, format_verdict_table, write_summary_json
 from harness.run.fuzz.engine import BASELINE, Evaluation, FailureGroup, FuzzReport
-from harness.run.fuzz.strategies import FuzzExample
 from harness.spec.prompt_codec import prompt_to_json
 from harness.spec.prompts import (
     ImagePart,
@@ -31,6 +30,9 @@ from harness.spec.prompts import (
 )
 from harness.spec.settings import RunSettings
 from harness.spec.topology import Topology
+
+if TYPE_CHECKING:
+    from harness.run.fuzz.strategies import FuzzExample
 
 EXAMPLES_JSON = "examples.json"
 FUZZ_JSON = "fuzz.json"
@@ -277,6 +279,14 @@ def render_fuzz_md(
         json.dumps(coverage(report), sort_keys=True),
         "",
     ]
+    unsent = [e for e in report.evaluations if e.status in ("not-sent", "known-predicted")]
+    if unsent:
+        reasons: dict[str, int] = {}
+        for e in unsent:
+            reasons[f"{e.status}: {e.note}"] = reasons.get(f"{e.status}: {e.note}", 0) + 1
+        lines += ["## Not sent to the topology (counted, not judged)", ""]
+        lines += [f"- {n} x {reason}" for reason, n in sorted(reasons.items())]
+        lines.append("")
     rejected = [e for e in report.evaluations if e.status == "baseline-rejected"]
     if rejected:
         lines += ["## Rejected by the baseline (skipped, never judged)", ""]

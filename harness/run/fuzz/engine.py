@@ -17,13 +17,14 @@ attached deployment cannot be restarted: after a death the remaining examples ar
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.judge.guards import GuardResult, session_guards
 from harness.judge.records import EXACT, CaseRecord
@@ -33,7 +34,6 @@ from harness.run.fuzz.known import KnownRule, Recognition, recognise, rules_for
 from harness.run.fuzz.layout import PlaceholderIds, PromptLayout, layout_from_ids
 from harness.run.fuzz.shrink import ShrinkBudget, ShrinkResult, Trial, shrink, size_key
 from harness.run.fuzz.signature import Signature, is_failure, signature_of
-from harness.run.fuzz.strategies import FuzzExample
 from harness.serve.attached import AttachedSession
 from harness.serve.launch import EventCallback
 from harness.serve.session import Outcome, TopologySession
@@ -41,8 +41,29 @@ from harness.spec.prompts import MEDIA_PARTS, ImagePart, PromptSpec, render_requ
 from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, Topology
 
+if TYPE_CHECKING:  # the strategies need Hypothesis, which the engine itself does not
+    from harness.run.fuzz.strategies import FuzzExample
+
 BASELINE = TOPOLOGIES["baseline"]
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunBudget:
+    """Caps on one whole fuzz run, so it holds the shared machine for a bounded time: topology
+    restarts (each one after a death costs tens of seconds to minutes on CPU) and wall time
+    from the start of the servers. What a spent budget left unsent or unshrunk is counted and
+    reported, never dropped silently."""
+
+    max_restarts: int = 6
+    max_seconds: float = 780.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"max_restarts": self.max_restarts, "max_seconds": self.max_seconds}
+
+
+class BudgetSpent(Exception):
+    """The run's restart budget is spent and the topology is down."""
 
 
 def judge_example(
@@ -166,6 +187,7 @@ class FuzzEngine:
         on_event: EventCallback | None = None,
         confirm_known: int = 2,
         budget: ShrinkBudget = ShrinkBudget(),
+        run_budget: RunBudget = RunBudget(),
     ):
         self.settings = settings
         self.topology = topology
@@ -174,6 +196,8 @@ class FuzzEngine:
         self.on_event = on_event
         self.confirm_known = confirm_known
         self.budget = budget
+        self.run_budget = run_budget
+        self.began = time.monotonic()
         self.rules: list[KnownRule] = rules_for(
             topology, settings.serving.kv_connector, settings.protocol
         )
@@ -263,6 +287,12 @@ class FuzzEngine:
             return 0.0
         if not isinstance(self.session, TopologySession):
             raise RuntimeError(f"the attached deployment is down: {dead}")
+        restarts = sum(r["what"] == self.topology.name for r in self.report_restarts)
+        if restarts >= self.run_budget.max_restarts:
+            raise BudgetSpent(
+                f"the run's restart budget ({self.run_budget.max_restarts}) is spent and "
+                f"{self.topology.name} is down"
+            )
         began = time.monotonic()
         log.info("[fuzz] %s: restarting (%s)", self.topology.name, dead.splitlines()[0])
         self.session.close()
@@ -329,7 +359,11 @@ class FuzzEngine:
         if self._down is not None:
             evaluation.status, evaluation.note = "not-sent", "the attached deployment is down"
             return evaluation
-        evaluation.restart_seconds += self._ensure_topology()
+        try:
+            evaluation.restart_seconds += self._ensure_topology()
+        except BudgetSpent as exc:
+            evaluation.status, evaluation.note = "not-sent", str(exc)
+            return evaluation
         assert self.session is not None
         candidate = self.session.send(spec.name, evaluation.body)
         guards = session_guards(self.session, candidate)
@@ -417,6 +451,11 @@ class FuzzEngine:
         report = report if report is not None else FuzzReport(examples=list(examples))
         began = time.monotonic()
         for index, example in enumerate(examples):
+            if self.time_left() <= 0:
+                evaluation = Evaluation(example.spec, {}, Outcome(prompt=example.name), "not-sent")
+                evaluation.note = f"the run's time budget ({self.run_budget.max_seconds:.0f} s)"
+                report.evaluations.append(evaluation)
+                continue
             evaluation = self.ask_baseline(example.spec)
             if evaluation.status == "judged":
                 rule = self.predicted_crash(evaluation)
@@ -443,6 +482,9 @@ class FuzzEngine:
         self._progress(report, on_progress)
         began = time.monotonic()
         for group in sorted(report.groups, key=shrink_cost):
+            if self.time_left() <= 0:
+                group.note = "not shrunk: the run's time budget is spent"
+                continue
             self.shrink_group(group)
             report.shrink_seconds = time.monotonic() - began
             self._progress(report, on_progress)
@@ -455,6 +497,9 @@ class FuzzEngine:
         report.predictions = self.prediction_summary()
         if on_progress is not None:
             on_progress(report)
+
+    def time_left(self) -> float:
+        return self.run_budget.max_seconds - (time.monotonic() - self.began)
 
     def prediction_summary(self) -> dict[str, Any]:
         return {
@@ -471,14 +516,23 @@ class FuzzEngine:
         rule = group.recognition.rule
         divergence = (start.record.divergence or {}).get("index") if start.record else None
         log.info("[fuzz] shrinking %s from %s", group.signature.key, start.spec.name)
+        budget = dataclasses.replace(
+            self.budget, max_seconds=min(self.budget.max_seconds, self.time_left())
+        )
         if self.attached and start.record is not None and start.record.verdict.value == "ERROR":
             group.note = "not shrunk: an attached deployment cannot be restarted after a crash"
             return
         if rule is not None and rule.crash and rule.trigger is not None:
             predicted = shrink(
-                start.spec, PredictingOracle(self, rule), self.budget, "predicted", divergence
+                start.spec, PredictingOracle(self, rule), budget, "predicted", divergence
             )
             confirm = self.evaluate(predicted.minimal)
+            if confirm.status == "not-sent":
+                group.shrink, group.note = (
+                    predicted,
+                    f"minimal request not confirmed: {confirm.note}",
+                )
+                return
             predicted.confirmed = (
                 confirm.signature is not None and confirm.signature.key == group.signature.key
             )
@@ -498,7 +552,7 @@ class FuzzEngine:
                 "[fuzz] the predicted minimal request did not reproduce; shrinking by sending"
             )
         oracle = SendingOracle(self, group)
-        group.shrink = shrink(start.spec, oracle, self.budget, "sent", divergence)
+        group.shrink = shrink(start.spec, oracle, budget, "sent", divergence)
         # Every reproducing trial is accepted at once, so the last one is the minimal request.
         group.minimal = oracle.last_reproduced if group.shrink.accepted else start
 
