@@ -92,23 +92,30 @@ class CaseJudge:
         spec: PromptSpec | None = None,
         exact_reference: tuple[str, Outcome] | None = None,
         declared: Declaration | None = None,
+        baseline: Reference | None = None,
+        noise_floor: float | None = None,
     ) -> list[CaseRecord]:
         """Records against the baseline's answer to the same request (and `exact_reference`:
         a topology's name and its answer). A failure the served release is declared to have
-        for `spec` (`harness.spec.generations`) applies unless `declared` says otherwise."""
+        for `spec` (`harness.spec.generations`) applies unless `declared` says otherwise.
+        `baseline` and `noise_floor` stand in for the run's baseline answers where the caller
+        asks the baseline itself, request by request (fuzzing)."""
         prompt = observed.outcome.prompt
-        references = [self.baseline.reference(prompt)]
+        references = [baseline or self.baseline.reference(prompt)]
         if exact_reference is not None:
             name, outcome = exact_reference
             references.append(Reference(name, outcome, monolithic=False))
         if declared is None and spec is not None:
             declared = known_failure(self.settings.protocol, topology, spec)
+        rules = self.rules
+        if noise_floor is not None:
+            rules = JudgingRules(self.reference_policy, noise_floor)
         return judge_case(
             label or topology.name,
             topology,
             observed.outcome,
             observed.guards,
             references,
-            self.rules,
+            rules,
             declared,
         )
