@@ -54,7 +54,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="the EPD proxy under test: harness (default) or vllm (the served release's own, "
         "fetched from its sdist; docs/proxies.md)",
     )
-    group.addoption("--epd-vllm-source", help="with --epd-proxy vllm: a vLLM checkout")
+    group.addoption(
+        "--epd-vllm-source",
+        help="the vLLM source tree the served vLLM was built from: its own proxy, toy proxy and "
+        "correctness script (scenarios/test_vllm_proxy.py, tests/test_upstream_parity.py); "
+        "required for a development build, else the release's sdist is fetched",
+    )
+    group.addoption(
+        "--epd-no-enforce-eager",
+        action="store_true",
+        help="GPU: let vLLM compile and capture graphs (default: --enforce-eager, as upstream)",
+    )
     group.addoption(
         "--epd-proxy-registration",
         default="static",
@@ -69,7 +79,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 # A test without one of these markers is `unit`: pure logic, no torch, no vLLM, no browser.
-TIER_MARKERS = ("process", "model", "browser", "e2e")
+TIER_MARKERS = ("process", "model", "index", "browser", "e2e")
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -143,8 +153,13 @@ def epd_config(pytestconfig: pytest.Config, epd_worker: tuple[str, int]):
         kv_connector=pytestconfig.getoption("--epd-kv-connector"),
         ec_connector=pytestconfig.getoption("--epd-ec-connector"),
         proxy=pytestconfig.getoption("--epd-proxy"),
-        vllm_source=pytestconfig.getoption("--epd-vllm-source"),
+        # The scenarios that run vLLM's own files read --epd-vllm-source themselves; the run's
+        # proxy takes it only when it is vLLM's.
+        vllm_source=pytestconfig.getoption("--epd-vllm-source")
+        if pytestconfig.getoption("--epd-proxy") == "vllm"
+        else None,
         proxy_registration=pytestconfig.getoption("--epd-proxy-registration"),
+        no_enforce_eager=pytestconfig.getoption("--epd-no-enforce-eager"),
     )
     try:
         return prepare_run(request)
