@@ -259,15 +259,20 @@ def test_a_flag_planted_in_a_copy_of_the_0_32_0_script_turns_parity_red(tmp_path
 
 
 @pytest.mark.index
-def test_the_served_vllms_own_script_differs_only_deliberately(pytestconfig, epd_config) -> None:
-    """The served release's script (a development build: its tree, --epd-vllm-source)."""
-    served = epd_config.settings.vllm
+def test_the_served_vllms_own_script_differs_only_deliberately(pytestconfig) -> None:
+    """The served vLLM's own script: its release's sdist, or for a development build the tree
+    it was built from (--epd-vllm-source), compared on --epd-platform (cuda when cpu)."""
+    from harness.preflight.vllm import default_vllm_executable, probe_served_vllm, served_generation
+    from harness.spec.platforms import get_platform
+
+    served = probe_served_vllm(pytestconfig.getoption("--epd-vllm") or default_vllm_executable())
     files = upstream_proxy.upstream_files(
         served, pytestconfig.getoption("--epd-vllm-source"), cache_dir()
     )
     assert files.script is not None, f"{files.origin} has no {upstream_proxy.UPSTREAM_SCRIPT_FILE}"
-    generation = epd_config.settings.protocol
-    platform = epd_config.settings.platform
+    platform = get_platform(pytestconfig.getoption("--epd-platform"))
     platform = platform if platform.exclusive_devices else CUDA
+    generation = served_generation(served, None).generation
     parity = compare(files.script.read_text(encoding="utf-8"), generation, platform)
-    assert parity.report() == [], f"{files.origin}:\n" + "\n".join(parity.report())
+    where = f"vLLM {served.version}, {files.origin} ({files.commit_check or 'a release sdist'})"
+    assert parity.report() == [], f"{where}:\n" + "\n".join(parity.report())
