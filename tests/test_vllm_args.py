@@ -74,13 +74,16 @@ def test_the_baseline_and_every_instance_of_the_run_are_rendered_with_placeholde
     assert encoder[encoder.index("--gpu-memory-utilization") + 1] == "0.01"
 
 
-def test_the_same_run_renders_the_same_lines_so_a_verdict_can_be_cached(tmp_path: Path) -> None:
+def test_a_line_is_the_same_in_every_run_that_serves_it_so_a_verdict_can_be_cached(
+    tmp_path: Path,
+) -> None:
     serving = serving_for(CPU, str(tmp_path / "a"))
     other = serving_for(CPU, str(tmp_path / "b"))
     topologies = tuple(get_topology(n) for n in EPD_TOPOLOGY_NAMES)
-    assert serve_argvs(topologies, serving, CPU, (0, 1), False, NEWEST) == serve_argvs(
-        topologies, other, CPU, (0, 1), False, NEWEST
-    )
+    everything = serve_argvs(topologies, serving, CPU, (0, 1), False, NEWEST)
+    assert everything == serve_argvs(topologies, other, CPU, (0, 1), False, NEWEST)
+    one = serve_argvs((get_topology("1P+1D"),), other, CPU, (0,), False, NEWEST)
+    assert one == {name: everything[name] for name in one}, "a subset run: the same lines"
 
 
 def test_a_cached_verdict_runs_no_subprocess(tmp_path: Path, monkeypatch) -> None:
@@ -94,9 +97,12 @@ def test_a_cached_verdict_runs_no_subprocess(tmp_path: Path, monkeypatch) -> Non
     monkeypatch.setattr(vllm_args, "_run_probe", fake_probe)
     first = check_serve_argvs(argvs, PYTHON, "0.32.0+cpu", tmp_path)
     again = check_serve_argvs(argvs, PYTHON, "0.32.0+cpu", tmp_path)
-    assert (first.cached, again.cached, len(calls)) == (False, True, 1)
-    assert check_serve_argvs(argvs, PYTHON, "0.31.0+cpu", tmp_path).cached is False
+    assert (first.judged, again.judged, len(calls)) == (1, 0, 1)
+    assert check_serve_argvs(argvs, PYTHON, "0.31.0+cpu", tmp_path).judged == 1
     assert len(calls) == 2, "another vLLM version is judged again"
+    more = {**argvs, "t/pd0": ["serve", "MODEL", "--x"], "u/pd0": ["serve", "MODEL", "--x"]}
+    assert check_serve_argvs(more, PYTHON, "0.32.0+cpu", tmp_path).judged == 1
+    assert calls[-1] == {"t/pd0": ["serve", "MODEL", "--x"]}, "only the one line not seen before"
 
 
 def test_a_refusal_is_one_line_naming_the_instance(tmp_path: Path, monkeypatch) -> None:
@@ -142,7 +148,8 @@ def test_every_rendered_argv_parses_with_the_served_vllms_own_parser() -> None:
     assert names == {"cpu", "cuda", "xpu"}
     assert len(argvs) >= 3 * 2 * len(GENERATIONS) * 9
     check = check_serve_argvs(argvs, PYTHON, "0.32.0+cpu", cache=None)
-    assert check.cached is False and set(check.instances) == set(argvs)
+    assert check.judged == len({json.dumps(a) for a in argvs.values()})
+    assert set(check.instances) == set(argvs)
 
 
 @pytest.mark.model

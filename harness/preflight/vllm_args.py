@@ -10,9 +10,11 @@ parses, and runs `ServeSubcommand.validate`) with the serve command itself repla
 vLLM's parser and validation, no server, no model load.
 
 The parser treats ports, paths and the model name as opaque values, so they are rendered as
-placeholders; that keeps the judged lines identical from run to run, and a verdict is cached
-by the served interpreter, its vLLM version and the lines (`<cache>/argv-check/`). Importing
-vLLM's CLI costs seconds (measured: docs/bad-input.md); a cached verdict costs nothing.
+placeholders (one port for all): a line depends only on the serving flags and the instance's
+role, so it is the same in every run that serves it. Each accepted line is cached by the served
+interpreter, its vLLM version and the line (`<cache>/argv-check/`), and only lines not seen
+before go to the subprocess. Importing vLLM's CLI costs seconds (measured: docs/running.md); a
+run whose lines were all judged before costs nothing.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ PARSE_TIMEOUT_S = 600.0  # importing vLLM on a loaded 2-core machine took 40 s
 PLACEHOLDER_MODEL = "MODEL"
 PLACEHOLDER_MEDIA = "/MEDIA"
 PLACEHOLDER_RUN_DIR = Path("/RUN")
-PLACEHOLDER_PORT_START = 20000
-CACHE_FORMAT = 1
+PLACEHOLDER_PORT = 20000
+CACHE_FORMAT = 2
 
 # Runs in the served interpreter: argv of each instance (after `vllm`) on stdin as JSON,
 # {name: problem or null} into the file OUT (set above it). Logs and usage go nowhere.
@@ -73,9 +75,9 @@ class ArgvCheck:
     """What the check judged, for run.json."""
 
     parser: str  # whose parser: "vllm 0.32.0+cpu (/venv/bin/python)"
-    instances: tuple[str, ...]  # the instance names judged (placeholders for ports and paths)
-    cached: bool  # the verdict came from the cache (no subprocess)
-    seconds: float  # the subprocess's wall time (0 when cached)
+    instances: tuple[str, ...]  # the instances whose lines were checked
+    judged: int  # distinct lines the subprocess parsed now (0: all accepted in earlier runs)
+    seconds: float  # the subprocess's wall time (0 when it was not needed)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -97,7 +99,6 @@ def serve_argvs(
         allowed_local_media_path=PLACEHOLDER_MEDIA if serving.allowed_local_media_path else None,
     )
     wanted = [TOPOLOGIES["baseline"], *(t for t in topologies if not t.is_baseline)]
-    ports = iter(range(PLACEHOLDER_PORT_START, PLACEHOLDER_PORT_START + 10_000))
     argvs: dict[str, list[str]] = {}
     for wave in schedule(wanted, devices, platform, colocate, cpu_budget=len(devices)).waves:
         for slot in wave.slots:
@@ -106,13 +107,11 @@ def serve_argvs(
                 topology,
                 opaque,
                 platform,
-                [next(ports) for _ in topology.roles],
+                [PLACEHOLDER_PORT] * len(topology.roles),
                 PLACEHOLDER_RUN_DIR / topology.name,
                 slot.devices,
                 colocate=colocate,
-                side_channel_ports=[
-                    next(ports) for _ in range(side_channel_port_count(topology, opaque))
-                ],
+                side_channel_ports=[PLACEHOLDER_PORT] * side_channel_port_count(topology, opaque),
                 generation=generation,
             )
             argvs.update({spec.name: spec.argv("vllm")[1:] for spec in specs})
@@ -133,24 +132,34 @@ def check_serve_argvs(
             "no Python interpreter (#! line) to run its own parser with"
         )
     parser = f"vllm {version} ({' '.join(interpreter)})"
-    key = _cache_key(interpreter, version, argvs)
-    marker = cache / "argv-check" / f"{key}.json" if cache is not None else None
-    if marker is not None and marker.is_file():
-        return ArgvCheck(parser, tuple(argvs), cached=True, seconds=0.0)
     first_name: dict[str, str] = {}  # each distinct line (as JSON) -> its first instance
     for name, argv in argvs.items():
         first_name.setdefault(json.dumps(argv), name)
-    results, seconds = _run_probe(interpreter, {n: argvs[n] for n in first_name.values()})
+    directory = cache / "argv-check" if cache is not None else None
+    marker = {
+        line: directory / f"{_cache_key(interpreter, version, line)}.json" if directory else None
+        for line in first_name
+    }
+    unseen = {line for line, path in marker.items() if path is None or not path.is_file()}
+    if not unseen:
+        return ArgvCheck(parser, tuple(argvs), judged=0, seconds=0.0)
+    results, seconds = _run_probe(
+        interpreter, {first_name[line]: json.loads(line) for line in unseen}
+    )
     for name, argv in argvs.items():
-        problem = results.get(first_name[json.dumps(argv)], "no verdict from the parser")
+        line = json.dumps(argv)
+        problem = results.get(first_name[line], "no verdict") if line in unseen else None
         if problem is not None:
             raise BadInput(
                 f"{name}: the served vLLM's own parser refuses its command line: "
                 f"{describe_refusal(problem)}"
             )
-    if marker is not None:
-        write_text_atomic(marker, json.dumps({"parser": parser, "argv": argvs}, indent=1))
-    return ArgvCheck(parser, tuple(argvs), cached=False, seconds=round(seconds, 1))
+    for line in unseen:
+        if marker[line] is not None:
+            write_text_atomic(
+                marker[line], json.dumps({"parser": parser, "argv": json.loads(line)})
+            )
+    return ArgvCheck(parser, tuple(argvs), judged=len(unseen), seconds=round(seconds, 1))
 
 
 def describe_refusal(text: str) -> str:
@@ -167,9 +176,9 @@ def describe_refusal(text: str) -> str:
     return one_line(joined)[:400]
 
 
-def _cache_key(interpreter: Sequence[str], version: str, argvs: dict[str, list[str]]) -> str:
+def _cache_key(interpreter: Sequence[str], version: str, line: str) -> str:
     material = {"format": CACHE_FORMAT, "interpreter": list(interpreter), "vllm": version}
-    material["argv"] = argvs
+    material["argv"] = line
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 
