@@ -55,7 +55,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="the EPD proxy under test: harness (default) or vllm (the served release's own, "
         "fetched from its sdist; docs/proxies.md)",
     )
-    group.addoption("--epd-vllm-source", help="with --epd-proxy vllm: a vLLM checkout")
+    group.addoption(
+        "--epd-vllm-source",
+        help="the vLLM source tree the served vLLM was built from: its own proxy, toy proxy and "
+        "correctness script (scenarios/test_vllm_proxy.py, tests/test_upstream_parity.py); "
+        "required for a development build, else the release's sdist is fetched",
+    )
+    group.addoption(
+        "--epd-no-enforce-eager",
+        action="store_true",
+        help="GPU: let vLLM compile and capture graphs (default: --enforce-eager, as upstream)",
+    )
     group.addoption(
         "--epd-proxy-registration",
         default="static",
@@ -75,7 +85,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 # A test without one of these markers is `unit`: pure logic, no torch, no vLLM, no browser.
-TIER_MARKERS = ("process", "model", "browser", "e2e")
+TIER_MARKERS = ("process", "model", "index", "browser", "e2e")
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

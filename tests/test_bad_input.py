@@ -562,6 +562,41 @@ def test_supported_version_with_a_local_suffix_passes() -> None:
     assert version.startswith("0.32."), version
 
 
+def test_vllm_dev_build_without_its_source_tree(run_cli: RunCli, tmp_path: Path) -> None:
+    vllm = fake_vllm_of_version(tmp_path, "0.33.0.dev12+gabc1234")
+    code, err = run_cli("--vllm", str(vllm), "--proxy", "vllm")
+    cause = (
+        "vLLM 0.33.0.dev12+gabc1234 is a development build: its EPD proxy and scripts come "
+        "from its own source tree, not a release's sdist; pass --vllm-source DIR (pytest: "
+        "--epd-vllm-source DIR) (a checkout of abc1234)"
+    )
+    assert_one_error_line(code, err, cause)
+
+
+def test_vllm_parser_refuses_a_rendered_flag(run_cli: RunCli, monkeypatch) -> None:
+    """The served vLLM's own parser judges every command line before any server starts."""
+    from harness.spec import instances
+
+    monkeypatch.setattr(
+        instances, "ENCODER_ARGS", (*instances.ENCODER_ARGS, "--encoder-cache-turbo")
+    )
+    code, err = run_cli("--topology", "1E+1PD", "--prompt", "text")
+    cause = (
+        "1E+1PD/encoder0: the served vLLM's own parser refuses its command line: "
+        "unrecognized arguments: --encoder-cache-turbo"
+    )
+    assert_one_error_line(code, err, cause)
+
+
+def test_no_enforce_eager_on_cpu(run_cli: RunCli) -> None:
+    code, err = run_cli("--no-enforce-eager")
+    cause = (
+        "--no-enforce-eager lets vLLM capture GPU graphs; on cpu there are none to capture and "
+        "the harness's CPU runs are eager by design: drop --no-enforce-eager"
+    )
+    assert_one_error_line(code, err, cause)
+
+
 # -- devices, host, ports -----------------------------------------------------------------------
 
 

@@ -160,6 +160,50 @@ def test_run_json_records_versions_model_config_and_instances(run_dir, model_dir
     assert "cpu" in info  # the host's CPU features (None where /proc/cpuinfo cannot be read)
 
 
+def test_run_json_records_eager_the_memory_shares_the_parser_check_and_the_vllm_tree(
+    run_dir, model_dir
+):
+    from harness.spec.platforms import CPU, CUDA
+    from harness.spec.settings import ProxyChoice
+
+    proxy = ProxyChoice(
+        "vllm",
+        Path("/src/vllm"),
+        "checkout /src/vllm",
+        source_commit="a" * 40,
+        commit_check="matches the served vLLM's build (gaaaaaaa)",
+    )
+    check = {
+        "parser": "vllm 0.33.0.dev1+gaaaaaaa (py)",
+        "instances": ["x"],
+        "judged": 1,
+        "seconds": 9.5,
+    }
+    settings = RunSettings(
+        ServingConfig(model=str(model_dir), enforce_eager=True),
+        run_dir,
+        vllm=SERVED,
+        platform=CUDA,
+        devices=(0, 1, 2, 3),
+        proxy=proxy,
+        argv_check=check,
+    )
+    write_run_info(settings, (TOPOLOGIES["1E+1PD"],), SKELETON_PROMPTS[:1])
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["serving"]["enforce_eager"] is True
+    assert info["gpu_memory_shares"] == {
+        "shares": {"baseline": 0.9, "encoder": 0.01, "pd": 0.7, "prefill": 0.7, "decode": 0.7},
+        "device_budget": 0.9,
+        "encoder_room_on_a_shared_device": 0.2,
+    }
+    assert info["argv_check"] == check
+    assert info["proxy"]["source_commit"] == "a" * 40
+    assert info["proxy"]["commit_check"].startswith("matches")
+    cpu = dataclasses.replace(settings, platform=CPU, argv_check=None)
+    write_run_info(cpu, (TOPOLOGIES["1E+1PD"],), SKELETON_PROMPTS[:1])
+    assert json.loads((run_dir / "run.json").read_text())["gpu_memory_shares"] is None
+
+
 def test_cpu_description_names_the_features_that_pick_vllm_cpu_kernels():
     """Two hosts of "the same kind" differ in AMX, which changes vLLM-CPU's attention path."""
     cpuinfo = (

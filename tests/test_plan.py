@@ -108,7 +108,9 @@ def test_two_gpus_run_every_topology_in_sequence_with_the_encoder_sharing() -> N
     epd = {i.name: i for i in plan.instances if i.name.startswith("1E+1P+1D/")}
     assert epd["1E+1P+1D/prefill0"].devices != epd["1E+1P+1D/decode0"].devices
     assert epd["1E+1P+1D/encoder0"].devices == epd["1E+1P+1D/prefill0"].devices
-    assert epd["1E+1P+1D/encoder0"].gpu_memory_fraction == 0.45
+    # Upstream's own colocated layout (disagg_1e1p1d_example.sh): E 0.01 beside P 0.7.
+    assert epd["1E+1P+1D/encoder0"].gpu_memory_fraction == 0.01
+    assert epd["1E+1P+1D/prefill0"].gpu_memory_fraction == 0.7
 
 
 def test_two_gpus_with_colocation_give_the_same_valid_plan() -> None:
@@ -117,8 +119,8 @@ def test_two_gpus_with_colocation_give_the_same_valid_plan() -> None:
     assert_valid_gpu_plan(plan, (0, 1), DEFAULT_TOPOLOGY_NAMES)
     epd = {i.name: i for i in plan.instances if i.name.startswith("1E+1P+1D/")}
     assert epd["1E+1P+1D/prefill0"].devices != epd["1E+1P+1D/decode0"].devices
-    assert epd["1E+1P+1D/encoder0"].gpu_memory_fraction == 0.45
-    assert epd["1E+1P+1D/decode0"].gpu_memory_fraction == 0.9
+    assert epd["1E+1P+1D/encoder0"].gpu_memory_fraction == 0.01
+    assert epd["1E+1P+1D/decode0"].gpu_memory_fraction == 0.7
 
 
 def test_one_gpu_is_an_error_for_every_multi_instance_topology_unless_colocated() -> None:
@@ -138,7 +140,7 @@ def test_one_gpu_is_an_error_for_every_multi_instance_topology_unless_colocated(
 def test_a_bigger_host_than_needed_leaves_devices_unused_not_shared() -> None:
     plan = build_plan(request(CUDA, tuple(range(16)), ("1E+1P+1D",), colocate=True))
     assert [i.devices for i in plan.instances] == [(0,), (1,), (2,)]
-    assert {i.gpu_memory_fraction for i in plan.instances} == {0.9}
+    assert [i.gpu_memory_fraction for i in plan.instances] == [0.01, 0.7, 0.7]
 
 
 # --- rendering -------------------------------------------------------------------------------
@@ -249,6 +251,48 @@ def test_cli_prints_the_eight_gpu_plan(capsys) -> None:
     assert "Qwen/Qwen2.5-VL-3B-Instruct" in out
 
 
+def test_cli_four_gpu_plan_shows_enforce_eager_and_upstreams_memory_shares(capsys) -> None:
+    code, out, err = run_cli(
+        ["--platform", "cuda", "--devices", "0,1,2,3", "--vllm", "vllm"], capsys
+    )
+    assert code == 0, err
+    assert "eager: every instance runs --enforce-eager" in out
+    assert "gpu memory shares (upstream's): baseline 0.9, encoder 0.01, pd 0.7" in out
+    argvs = [line for line in out.splitlines() if line.startswith("    argv: ")]
+    assert argvs and all("--enforce-eager" in line for line in argvs)
+    shares = {
+        line.split(" (", 1)[1].split(")", 1)[0]: line.split("gpu memory ", 1)[1].split(",")[0]
+        for line in out.splitlines()
+        if "gpu memory " in line and line.startswith("  ")
+    }
+    assert shares == {
+        "baseline": "0.9",
+        "encoder": "0.01",
+        "pd": "0.7",
+        "prefill": "0.7",
+        "decode": "0.7",
+    }
+    code, out, err = run_cli(
+        ["--platform", "cuda", "--devices", "0,1,2,3", "--no-enforce-eager", "--json"], capsys
+    )
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["enforce_eager"] is False
+    assert not any(
+        "--enforce-eager" in i["argv"]
+        for w in data["waves"]
+        for t in w["topologies"]
+        for i in t["instances"]
+    )
+
+
+def test_cli_refuses_no_enforce_eager_on_cpu(capsys) -> None:
+    code, out, err = run_cli(["--no-enforce-eager", "--model", MODEL, "--vllm", "vllm"], capsys)
+    assert (code, out) == (2, "")
+    assert err.startswith("epd-harness: error: --no-enforce-eager lets vLLM capture GPU graphs")
+    assert err.count("\n") == 1
+
+
 def test_cli_json_is_the_plan_as_data(capsys) -> None:
     argv = ["--platform", "cuda", "--devices", "0,1", "--topology", "1P+1D", "--model", MODEL]
     code, out, _ = run_cli([*argv, "--vllm", VLLM, "--json"], capsys)
@@ -300,7 +344,7 @@ def test_cli_one_gpu_with_colocate_is_a_valid_plan(capsys) -> None:
     code, out, err = run_cli(argv, capsys)
     assert code == 0, err
     assert "  wave 4: 1E+1P+1D [0]" in out
-    assert "gpu memory 0.3" in out
+    assert "gpu memory 0.35," in out, "P and D split what the device leaves beside E"
 
 
 def test_cli_cpu_defaults_to_the_runner_cores(capsys) -> None:

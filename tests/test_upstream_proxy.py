@@ -12,6 +12,8 @@ import hashlib
 import http.server
 import io
 import json
+import subprocess
+import sys
 import tarfile
 import threading
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ import pytest
 from harness.errors import BadInput
 from harness.preflight import upstream_proxy
 from harness.preflight.config import RunRequest, prepare_run
+from harness.preflight.upstream_proxy import UPSTREAM_SCRIPT_FILE
 from harness.serve.vllm_proxy import (
     ADMIN_KEY_ENV,
     DYNAMIC_REGISTRATION_FLAG,
@@ -33,6 +36,7 @@ from harness.serve.vllm_proxy import (
     registrations,
     vllm_proxy_launch,
 )
+from harness.spec.settings import ServedVllm
 
 RELEASE = "9.8.7"
 
@@ -195,7 +199,7 @@ def test_encoder_topologies_get_the_epd_proxy_with_static_urls(tmp_path: Path) -
     argv = list(launch.argv)
     assert argv[:2] == ["py", str(tmp_path / EPD_PROXY_FILE)]
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
-    assert argv[argv.index("--prefill-servers-urls") + 1] == "none"
+    assert argv[argv.index("--prefill-servers-urls") + 1] == "disable"
     assert argv[argv.index("--decode-servers-urls") + 1] == "http://127.0.0.1:3"
     assert launch.health_path == "/health"
     epd = list(
@@ -348,3 +352,140 @@ def test_dynamic_registration_is_refused_where_it_would_be_ignored(tmp_path: Pat
         upstream_proxy.check_dynamic_registration(old, "vllm-0.31.0.tar.gz")
     old.write_text(f"parser.add_argument('{DYNAMIC_REGISTRATION_FLAG}')\n")
     upstream_proxy.check_dynamic_registration(old, "vllm-0.32.0.tar.gz")
+
+
+# --- the upstream script, and development builds ------------------------------------------------
+
+
+@pytest.mark.process
+def test_the_correctness_script_is_extracted_when_the_sdist_has_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    script = b"#!/bin/bash\n# stand-in correctness script\n"
+    fake = FakeIndex(make_sdist(RELEASE, {**STANDIN, UPSTREAM_SCRIPT_FILE: script}), "json")
+    monkeypatch.setattr(upstream_proxy, "pip_indexes", lambda _interpreter=None: [fake.url])
+    try:
+        files = upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+        assert files.script is not None and files.script.read_bytes() == script
+        assert upstream_proxy.cached_or_fetched(RELEASE, tmp_path) == files
+        assert fake.downloads == 1
+    finally:
+        fake.close()
+
+
+@pytest.mark.process
+def test_a_cache_written_before_it_listed_its_files_is_fetched_again_once(
+    index: FakeIndex, tmp_path: Path
+) -> None:
+    first = upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+    origin = first.directory / upstream_proxy.ORIGIN_FILE
+    origin.write_text(json.dumps({"origin": "old", "release": RELEASE}))  # the old format
+    again = upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+    assert again.origin != "old" and index.downloads == 2
+    upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+    assert index.downloads == 2
+
+
+@pytest.mark.parametrize(
+    ("version", "dev", "commit"),
+    [
+        ("0.32.0+cpu", False, None),
+        ("0.33.0", False, None),
+        ("0.33.0rc1", False, None),
+        ("0.32.0.post1", False, None),
+        ("0.33.0.dev12+gabc1234", True, "abc1234"),
+        ("0.32.1.dev0+g0123abcd.cu129", True, "0123abcd"),
+        ("0.33.0.dev3", True, None),
+        ("0.32.0+g89abcdef0", True, "89abcdef0"),
+    ],
+)
+def test_a_development_build_is_told_by_its_version(
+    version: str, dev: bool, commit: str | None
+) -> None:
+    assert upstream_proxy.is_dev_build(version) is dev
+    assert upstream_proxy.build_commit(version) == commit
+
+
+def test_a_development_build_never_gets_a_release_sdist(tmp_path: Path) -> None:
+    with pytest.raises(BadInput) as info:
+        upstream_proxy.cached_or_fetched("0.33.0.dev12+gabc1234", tmp_path)
+    message = str(info.value)
+    assert "development build" in message and "--vllm-source DIR" in message
+    assert "--epd-vllm-source" in message and "abc1234" in message
+    assert "\n" not in message
+    assert not (tmp_path / "vllm-proxy").exists(), "nothing fetched"
+
+
+def fake_dev_vllm(tmp_path: Path, version: str) -> ServedVllm:
+    """A served vLLM as the version probe would report a development build of it."""
+    executable = tmp_path / "bin" / "vllm"
+    executable.parent.mkdir(parents=True, exist_ok=True)
+    executable.write_text(f"#!{sys.executable}\n")
+    executable.chmod(0o755)
+    return ServedVllm(str(executable), version)
+
+
+def vllm_tree(path: Path, commit: bool) -> str | None:
+    """A stand-in vLLM source tree (the proxy files only); a git checkout with one commit."""
+    for name in (EPD_PROXY_FILE, TOY_PROXY_FILE, UPSTREAM_SCRIPT_FILE):
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text("# stand-in\n")
+    if not commit:
+        return None
+    git = ["git", "-C", str(path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "tree"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+    return head.stdout.strip()
+
+
+def test_without_the_source_tree_a_development_build_is_one_error_naming_the_option(
+    tmp_path: Path,
+) -> None:
+    served = fake_dev_vllm(tmp_path, "0.33.0.dev12+gabc1234")
+    with pytest.raises(BadInput, match=r"development build.*pass --vllm-source DIR"):
+        upstream_proxy.proxy_choice("vllm", None, served, tmp_path / "cache")
+    with pytest.raises(BadInput, match=r"development build.*--epd-vllm-source"):
+        upstream_proxy.upstream_files(served, None, tmp_path / "cache")
+
+
+@pytest.mark.process
+def test_the_source_trees_commit_is_recorded_and_must_be_the_builds(tmp_path: Path) -> None:
+    tree = tmp_path / "vllm"
+    commit = vllm_tree(tree, commit=True)
+    assert commit is not None
+    served = fake_dev_vllm(tmp_path, f"0.33.0.dev12+g{commit[:9]}")
+    choice = upstream_proxy.proxy_choice("vllm", str(tree), served, tmp_path / "cache")
+    recorded = choice.to_json()
+    assert recorded["source_commit"] == commit
+    assert recorded["commit_check"] == f"matches the served vLLM's build (g{commit[:9]})"
+    assert recorded["origin"] == f"checkout {tree.resolve()}"
+    files = upstream_proxy.upstream_files(served, str(tree), tmp_path / "cache")
+    assert files.script == tree.resolve() / UPSTREAM_SCRIPT_FILE
+    other = fake_dev_vllm(tmp_path, "0.33.0.dev12+gabc1234")
+    with pytest.raises(BadInput) as info:
+        upstream_proxy.proxy_choice("vllm", str(tree), other, tmp_path / "cache")
+    assert f"is at commit {commit[:12]}" in str(info.value)
+    assert "was built from abc1234" in str(info.value)
+
+
+@pytest.mark.process
+def test_a_tree_without_git_or_a_build_without_a_commit_says_it_was_not_checked(
+    tmp_path: Path,
+) -> None:
+    plain = tmp_path / "unpacked"
+    vllm_tree(plain, commit=False)
+    served = fake_dev_vllm(tmp_path, "0.33.0.dev12+gabc1234")
+    files = upstream_proxy.from_checkout(str(plain), served)
+    assert files.commit is None
+    assert (
+        files.commit_check.startswith("not checked: ")
+        and "not a git checkout" in files.commit_check
+    )
+    tree = tmp_path / "vllm"
+    commit = vllm_tree(tree, commit=True)
+    release = fake_dev_vllm(tmp_path, "0.33.0")
+    files = upstream_proxy.from_checkout(str(tree), release)
+    assert files.commit == commit
+    assert files.commit_check == "not checked: the served vLLM's version (0.33.0) names no commit"

@@ -4,9 +4,10 @@ A vLLM topology costs tens of seconds to start and gigabytes to run. A typo in a
 a model directory without `config.json`, a video that cannot fit `--max-model-len`, a port range
 somebody else holds, or a flag that the chosen path would silently ignore should cost the user
 one second and one line, not a baseline run followed by a traceback. Checks run cheapest first
-(names and flag combinations, then files, then the vLLM version: a subprocess; then ports; last
-the token count, which loads the model's processor unless cached). The first problem raises
-`BadInput`.
+(names and flag combinations, then files, then the vLLM version: a subprocess; then ports; then
+the token count, which loads the model's processor unless cached; last every `vllm serve`
+command line through the served vLLM's own parser, a subprocess unless cached). The first
+problem raises `BadInput`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ from harness.preflight import files, names, resources, tokens, upstream_proxy
 from harness.preflight.attach import load_attach_file
 from harness.preflight.connectors import check_kv_connector, ec_connector_for
 from harness.preflight.model import resolve_model
-from harness.preflight.vllm import check_vllm, default_vllm_executable, served_generation
+from harness.preflight.vllm import (
+    check_vllm,
+    default_vllm_executable,
+    interpreter_of,
+    served_generation,
+)
+from harness.preflight.vllm_args import check_serve_argvs, serve_argvs
 from harness.run.baseline_cache import BaselineCache
 from harness.run.faults import parse_fault
 from harness.run.goldens import GoldenStore, release_of
@@ -52,6 +59,12 @@ from harness.spec.settings import (
 from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Topology, serving_for
 
 DEFAULT_MAX_MODEL_LEN = 4096
+# On cpu vLLM captures no graphs (it empties the capture sizes) and would only trade eager for
+# an inductor compile at every start; every CPU figure of this project is eager.
+NO_ENFORCE_EAGER_ON_CPU = (
+    "--no-enforce-eager lets vLLM capture GPU graphs; on cpu there are none to capture and "
+    "the harness's CPU runs are eager by design: drop --no-enforce-eager"
+)
 log = logging.getLogger(__name__)
 
 
@@ -88,6 +101,9 @@ class RunRequest:
     attach: str | None = None  # the attach file of a running deployment (--proxy attach)
     # How each (topology, reference) pair is judged; None: the platform's default.
     reference_policy: str | None = None
+    # GPU platforms: drop --enforce-eager, so vLLM compiles and captures graphs (upstream's
+    # correctness script, and the harness by default, serve eager).
+    no_enforce_eager: bool = False
 
 
 @dataclass(frozen=True)
@@ -194,6 +210,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         allowed_local_media_path=str(media_dir) if media_dir else None,
         kv_connector=kv_connector.vllm_class,
         ec_connector=ec_connector.vllm_class,
+        enforce_eager=platform.enforce_eager and not request.no_enforce_eager,
     )
     bodies = {p.name: render_request(p, serving.served_model_name) for p in prompts}
     files.check_media_references(bodies, media_dir)
@@ -203,6 +220,12 @@ def prepare_run(request: RunRequest) -> RunConfig:
             model_dir, bodies, cache_dir() / "prompt-tokens"
         )
         tokens.check_prompts_fit(request.max_model_len, prompts, prompt_tokens)
+    argv_check = check_serve_argvs(
+        serve_argvs(launched, serving, platform, devices, request.colocate, protocol.generation),
+        interpreter_of(served.executable),
+        served.version,
+        cache_dir(),
+    )
     settings = RunSettings(
         serving=serving,
         run_dir=run_dir,
@@ -214,6 +237,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         proxy=proxy,
         protocol=protocol.generation,
         reference_policy=request.reference_policy or "",
+        argv_check=argv_check.to_json(),
     )
     goldens, golden_release = _goldens(request, baseline_cache)
     return RunConfig(
@@ -283,6 +307,8 @@ def _refuse_ignored_flags(request: RunRequest) -> None:
             "--colocate shares GPUs within a topology; on cpu instances always share "
             "the cores: drop --colocate"
         )
+    if request.no_enforce_eager and request.platform == "cpu":
+        raise BadInput(NO_ENFORCE_EAGER_ON_CPU)
 
 
 def _refuse_flags_attach_ignores(request: RunRequest) -> None:

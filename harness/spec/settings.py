@@ -59,6 +59,10 @@ class ProxyChoice:
     interpreter: tuple[str, ...] = ()  # the served vLLM's Python, which runs them
     registration: str = STATIC_REGISTRATION  # kind "vllm" only
     attach: AttachSpec | None = None  # kind "attach": the deployment under test
+    # From a vLLM source tree (--vllm-source): its git commit, and whether that matches the
+    # served build's own commit (`harness.preflight.upstream_proxy.from_checkout`).
+    source_commit: str | None = None
+    commit_check: str = ""
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -66,6 +70,8 @@ class ProxyChoice:
             "files_dir": str(self.files_dir) if self.files_dir else None,
             "origin": self.origin,
             "registration": self.registration,
+            "source_commit": self.source_commit,
+            "commit_check": self.commit_check,
         }
         if self.attach is not None:
             data["attach"] = self.attach.to_json()
@@ -95,6 +101,9 @@ class RunSettings:
     # How each (topology, reference) pair is judged (harness.judge.policy.REFERENCE_POLICIES);
     # empty: the platform's default (exact on CPU, P->D drift allowed on GPUs).
     reference_policy: str = ""
+    # How the served vLLM's own parser judged every command line before the run
+    # (harness.preflight.vllm_args.ArgvCheck.to_json), for run.json; None: not checked.
+    argv_check: dict[str, Any] | None = None
 
     @property
     def vllm_executable(self) -> str:

@@ -212,9 +212,12 @@ def epd_config(pytestconfig: pytest.Config, epd_worker: tuple[str, int]):
         kv_connector=option("--epd-kv-connector"),
         ec_connector=option("--epd-ec-connector"),
         proxy=option("--epd-proxy"),
-        vllm_source=option("--epd-vllm-source"),
+        # The scenarios that run vLLM's own files read --epd-vllm-source themselves; the run's
+        # proxy takes it only when it is vLLM's.
+        vllm_source=option("--epd-vllm-source") if option("--epd-proxy") == "vllm" else None,
         proxy_registration=option("--epd-proxy-registration"),
         reference_policy=option("--epd-reference-policy"),
+        no_enforce_eager=option("--epd-no-enforce-eager"),
     )
     try:
         return prepare_run(request)
