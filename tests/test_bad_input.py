@@ -406,6 +406,17 @@ def test_attach_with_another_proxy(run_cli: RunCli, attach_file: Path) -> None:
     assert_one_error_line(code, err, cause)
 
 
+def test_fault_that_reaches_nothing_in_a_named_topology(run_cli: RunCli) -> None:
+    """An EC fault on 1P+1D (no encoder) would plant nothing there: refused, naming it, before
+    anything starts (it once crashed the sweep with a traceback)."""
+    code, err = run_cli("--plant-fault", "ec-noise:0.05", "--topology", "1E+1PD,1P+1D")
+    cause = (
+        "--plant-fault ec-noise:0.05: 1P+1D has no encoder for it to act on; leave it out "
+        "with --topology"
+    )
+    assert_one_error_line(code, err, cause)
+
+
 IGNORED_BY_ATTACH = [
     (
         ("--plant-fault", "corrupt-ec"),

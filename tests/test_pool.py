@@ -182,3 +182,17 @@ def tiny_model_dir() -> Path:
     from fixtures.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(cache_dir() / "models")
+
+
+def test_a_fault_goes_into_the_topologies_under_test_never_their_references(
+    tmp_path: Path, start_log: Path
+) -> None:
+    """`--plant-fault ec-noise:0.05 --topology 1E+1P+1D`: 1P+1D starts as its exact reference
+    only, and an EC fault has nothing to act on there (it once raised and ended the sweep)."""
+    settings = settings_for(tmp_path)
+    spec = SweepSpec((TOPOLOGIES["1E+1P+1D"],), prompts=(TEXT,), fault="ec-noise:0.05")
+    result = Sweep(spec, settings).run_all()
+    assert {(r.topology, r.reference) for r in result.records} == {
+        ("1E+1P+1D", "baseline"),
+        ("1E+1P+1D", "1P+1D"),
+    }

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness.spec.topology import Topology
 from harness.errors import BadInput
 from harness.judge.guards import EC_CACHE_FILE
 from harness.serve.launch import ManagedServer
@@ -578,6 +579,14 @@ def parse_fault(text: str) -> FaultSpec:
     if sep:
         raise BadInput(f"fault {text!r}: {kind} takes no strength; drop ':{value}'")
     return FaultSpec(kind)
+
+
+def fault_reaches(kind: str, topology: Topology) -> bool:
+    """Whether a fault of `kind` has anything to act on in `topology`: KV faults need a P->D
+    hop, the others an encoder."""
+    if kind in ("zero-kv", "kv-noise"):
+        return topology.has_kv_transfer
+    return topology.has_ec_transfer
 
 
 def fault_for(

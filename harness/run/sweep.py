@@ -327,7 +327,10 @@ class Sweep:
     def _serve_prompts(self, session: TopologySession | ProxiedSession | AttachedSession) -> None:
         """Every prompt on one topology, each observed (guards read at once)."""
         topology = session.topology
-        if self.spec.fault:  # the session's faults: its proxy's (harness) or its taps' (vllm)
+        # The fault goes into the topologies under test, never into an exact reference (1P+1D
+        # for 1E+1P+1D) that is only there to be compared with.
+        planted = bool(self.spec.fault) and topology in self.spec.topologies
+        if planted:  # the session's faults: its proxy's (harness) or its taps' (vllm)
             fault = fault_for(
                 self.spec.fault,
                 session.ec_storage,
@@ -345,7 +348,7 @@ class Sweep:
                 status = "failed" if outcome.error else "answered"
                 log.info("[sweep] %s %s: %s in %.2fs", topology.name, name, status, outcome.seconds)
         finally:
-            if self.spec.fault:
+            if planted:
                 plant(session.faults, None)
         self._keep(topology, observed)
 
