@@ -84,21 +84,66 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
+KV_CONNECTOR_DESELECTED = pytest.StashKey[list[str]]()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The `unit` tier for unmarked tests, the `--epd-topology` filter, and one xdist group per
-    topology (its sessions stay on one worker under `--dist loadgroup`)."""
+    """The `unit` tier for unmarked tests, the `--epd-topology` filter, the `kv_connector`
+    filter, and one xdist group per topology (its sessions stay on one worker under
+    `--dist loadgroup`)."""
     wanted = {n.strip() for n in (config.getoption("--epd-topology") or "").split(",") if n.strip()}
-    kept, dropped = [], []
+    connector = session_kv_connector(config)
+    kept, dropped, other_connector = [], [], []
     for item in items:
         if not any(item.get_closest_marker(m) for m in TIER_MARKERS):
             item.add_marker(pytest.mark.unit)
         topology = epd_topology_of(item)
         if topology is not None:
             item.add_marker(pytest.mark.xdist_group(topology))
-        (dropped if wanted and topology not in wanted else kept).append(item)
+        needs = item.get_closest_marker("kv_connector")
+        if connector is not None and needs is not None and connector not in needs.args:
+            other_connector.append(f"{item.nodeid} (needs {', '.join(needs.args)})")
+            dropped.append(item)
+        elif wanted and topology not in wanted:
+            dropped.append(item)
+        else:
+            kept.append(item)
+    config.stash[KV_CONNECTOR_DESELECTED] = other_connector
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+def session_kv_connector(config: pytest.Config) -> str | None:
+    """The KV connector this session runs (`--epd-kv-connector`, else the platform's default),
+    by its --kv-connector name; None when the options name none the harness knows (the
+    preflight then says what is wrong)."""
+    from harness.errors import BadInput
+    from harness.spec.connectors import get_kv_connector, kv_connector_for_class
+    from harness.spec.platforms import get_platform
+
+    try:
+        name = config.getoption("--epd-kv-connector")
+        if name:
+            return get_kv_connector(name).name
+        default = kv_connector_for_class(
+            get_platform(config.getoption("--epd-platform")).kv_connector
+        )
+    except BadInput:
+        return None
+    return default.name if default is not None else None
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
+    """Tests for another KV connector than the session's are deselected, never silently."""
+    deselected = config.stash.get(KV_CONNECTOR_DESELECTED, [])
+    if not deselected:
+        return []
+    return [
+        f"epd-harness: {len(deselected)} test(s) deselected: they apply to another KV connector "
+        f"than this session's ({session_kv_connector(config)}):",
+        *(f"  {line}" for line in deselected),
+    ]
 
 
 def epd_topology_of(item: pytest.Item) -> str | None:
