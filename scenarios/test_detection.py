@@ -327,7 +327,10 @@ class KvLadders(Ladders):
         rungs = run_ladder(
             NOISE_LADDER,
             lambda n, s: nixl_rung(
-                live, s, KV_NOISE_PROMPTS[n], nixl_kv_noise(site, s, NOISE_SEED)
+                live,
+                s,
+                KV_NOISE_PROMPTS[n],
+                nixl_kv_noise(site, s, NOISE_SEED, key=KV_NOISE_PROMPTS[n].name),
             ),
         )
         record_and_check(detection_table, epd_settings.run_dir, "nixl-kv-noise", live, rungs)

@@ -69,13 +69,16 @@ def fake_worker_class(receiving: dict[str, Meta], finished: set[str]) -> type:
     return Worker
 
 
-def order(control: Path, remote_request_id: str, fraction: float = 0.05) -> None:
+def order(
+    control: Path, remote_request_id: str, fraction: float = 0.05, label: str = "rung"
+) -> None:
     (control / plugin.FAULT_FILE).write_text(
         json.dumps(
             {
                 "fraction": fraction,
                 "seed": 10,
-                "label": "rung",
+                "key": "d-kv-noise-1",
+                "label": label,
                 "remote_request_id": remote_request_id,
             }
         )
@@ -126,7 +129,9 @@ def test_without_an_order_nothing_is_touched(tmp_path: Path) -> None:
     assert not (tmp_path / plugin.EFFECTS_FILE).exists()
 
 
-def test_the_same_order_plants_the_same_noise(tmp_path: Path) -> None:
+def test_a_rerun_plants_the_same_noise(tmp_path: Path) -> None:
+    """Seeded by the order's key (the rung's prompt), not by the request id, whose random part
+    differs from run to run."""
     import torch
 
     caches = []
@@ -136,7 +141,7 @@ def test_the_same_order_plants_the_same_noise(tmp_path: Path) -> None:
         worker_class = fake_worker_class({"d": Meta(([1, 2],), Remote("p"))}, {"d"})
         plugin.wrap(worker_class, control)
         worker = worker_class()
-        order(control, "p")
+        order(control, "p", label=f"1P+1D-d-kv-noise-1-{run:08x}")
         worker.get_transfer_results()
         caches.append(worker.device_kv_caches["layer.0"])
     assert torch.equal(caches[0], caches[1])
@@ -148,7 +153,13 @@ def test_the_harness_orders_from_ps_answer_and_reads_back_what_d_did(tmp_path: P
     assert fault.after_prefill is not None
     fault.after_prefill("req-A", {"kv_transfer_params": {"remote_request_id": "p-A"}})
     written = json.loads((site.control / plugin.FAULT_FILE).read_text())
-    assert written == {"fraction": 0.05, "seed": 10, "label": "req-A", "remote_request_id": "p-A"}
+    assert written == {
+        "fraction": 0.05,
+        "seed": 10,
+        "key": "req-A",
+        "label": "req-A",
+        "remote_request_id": "p-A",
+    }
 
     plugin.append_line(
         site.control,

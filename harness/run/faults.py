@@ -304,6 +304,9 @@ class NixlKvNoise(PlantedFault):
     site: NixlKvNoiseSite | None = None
     fraction: float = 0.0
     seed: int = 0
+    # What the noise is seeded with beside `seed` (e.g. the prompt's name): request ids carry a
+    # random part, and a rerun must plant the very same noise. None: the request id.
+    key: str | None = None
     ordered: list[str] = field(default_factory=list)  # labels (harness request ids) ordered
 
     def order(self, request_id: str, prefill_response: dict[str, Any]) -> None:
@@ -316,6 +319,7 @@ class NixlKvNoise(PlantedFault):
         order = {
             "fraction": self.fraction,
             "seed": self.seed,
+            "key": self.key or request_id,
             "label": request_id,
             "remote_request_id": remote,
         }
@@ -353,10 +357,13 @@ class NixlKvNoise(PlantedFault):
         self.ordered.clear()
 
 
-def nixl_kv_noise(site: NixlKvNoiseSite, fraction: float, seed: int = 0) -> NixlKvNoise:
+def nixl_kv_noise(
+    site: NixlKvNoiseSite, fraction: float, seed: int = 0, key: str | None = None
+) -> NixlKvNoise:
     """Noise of `fraction` x each layer's std on the KV blocks D reads over NIXL for the next
-    request (D must have been started with `site.env()`); `collect()` after the request."""
-    fault = NixlKvNoise(site=site, fraction=fraction, seed=seed)
+    request (D must have been started with `site.env()`), seeded by (`seed`, `key`, layer);
+    `collect()` after the request."""
+    fault = NixlKvNoise(site=site, fraction=fraction, seed=seed, key=key)
     fault.after_prefill = fault.order
     return fault
 

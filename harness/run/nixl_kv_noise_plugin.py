@@ -14,7 +14,8 @@ only (`harness.run.faults.install_nixl_kv_noise_plugin`).
 The conversation with the harness goes through the directory named by EPD_HARNESS_NIXL_KV_NOISE:
 
 - `fault.json` (written by the harness after P answered, before D is asked): `fraction`,
-  `seed`, `label` (the harness's request id) and `remote_request_id` (P's request id, which D's
+  `seed` and `key` (the noise is seeded by them and the layer's name, so a rerun plants the same
+  noise), `label` (the harness's request id) and `remote_request_id` (P's request id, which D's
   receive metadata carries): only that request is perturbed, so a clean request before or after
   never is;
 - `effects.jsonl` (appended here, one line per perturbed request): blocks, layers, the relative
@@ -69,9 +70,9 @@ def block_dim(shape: tuple[int, ...], num_blocks: int) -> int:
     raise ValueError(f"no dimension of {tuple(shape)} has the cache's {num_blocks} blocks")
 
 
-def layer_seed(seed: int, label: str, layer: str) -> int:
-    """The same noise for the same (seed, request label, layer) on every run."""
-    return zlib.crc32(f"{seed}:{label}:{layer}".encode())
+def layer_seed(seed: int, key: str, layer: str) -> int:
+    """The same noise for the same (seed, key, layer) on every run."""
+    return zlib.crc32(f"{seed}:{key}:{layer}".encode())
 
 
 def perturb_blocks(cache: Any, dim: int, block_ids: list[int], fraction: float, seed: int) -> float:
@@ -106,7 +107,7 @@ def perturb_request(worker: Any, meta: Any, fault: dict[str, Any]) -> dict[str, 
         if not hasattr(cache, "index_select"):
             continue  # a (conv, ssm) state tuple of a hybrid model: not attention KV
         dim = block_dim(tuple(cache.shape), worker.num_blocks)
-        seed = layer_seed(int(fault["seed"]), str(fault["label"]), layer)
+        seed = layer_seed(int(fault["seed"]), str(fault.get("key", fault["label"])), layer)
         planted.append(perturb_blocks(cache, dim, block_ids, float(fault["fraction"]), seed))
         shape, layers = list(cache.shape), layers + 1
     if not planted:
