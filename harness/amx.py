@@ -22,8 +22,13 @@ constants and tests its functions; only the installed copy's `.pth` line calls `
 from __future__ import annotations
 
 import os
-import platform
-from collections.abc import Callable, Mapping
+import sys
+
+# Not `from typing import TYPE_CHECKING`: importing typing alone would cost more at every
+# interpreter start than everything else the hook does (type checkers honour this form too).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
 
 HOOK_MODULE = "_epd_harness_amx"  # the name the copy in site-packages is imported by
 HOOK_PTH = "epd-harness-amx.pth"
@@ -100,8 +105,10 @@ def decide(
     """What the hook does here, as its STATUS line; the system call only where AMX exists."""
     if environ.get(DISABLE_ENV, "").strip().lower() in ("off", "0", "false", "no"):
         return f"{DISABLED}: {DISABLE_ENV}={environ[DISABLE_ENV]}"
-    machine = machine or platform.machine()
-    system = system or platform.system()
+    # os.uname, not the platform module: this runs at every interpreter start, and importing
+    # platform costs more than everything else the hook does.
+    system = system or ("Linux" if sys.platform.startswith("linux") else sys.platform)
+    machine = machine or (os.uname().machine if hasattr(os, "uname") else "unknown")
     if system != "Linux" or machine not in ("x86_64", "AMD64"):
         return f"{NOT_NEEDED}: {system} {machine} (AMX permission is an x86_64 Linux request)"
     try:
