@@ -124,7 +124,9 @@ def model_dir(tmp_path: Path) -> Path:
     return model
 
 
-SERVED = ServedVllm("/other-venv/bin/vllm", "0.31.0+cpu", "2.9.1+cpu")
+SERVED = ServedVllm(
+    "/other-venv/bin/vllm", "0.31.0+cpu", "2.9.1+cpu", amx_permission="not needed: no amx_tile"
+)
 
 
 def run_info(run_dir: Path, model_dir: Path) -> dict:
@@ -141,7 +143,8 @@ def test_run_json_records_versions_model_config_and_instances(run_dir, model_dir
         "executable": "/other-venv/bin/vllm",
         "version": "0.31.0+cpu",
         "torch_version": "2.9.1+cpu",
-    }, "run.json records the served vLLM, not the harness interpreter's"
+        "amx_permission": "not needed: no amx_tile",
+    }, "run.json records the served vLLM (and its AMX hook), not the harness interpreter's"
     harness = info["harness_packages"]["harness"]
     assert harness == {
         "distribution": "epd-harness",

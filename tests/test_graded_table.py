@@ -14,9 +14,12 @@ from harness.run.faults import FaultSpec, parse_fault
 from harness.run.graded import (
     DETECTION_PROMPTS,
     NOISE_LADDER,
+    TINY_MODEL,
     DetectionTable,
     Rung,
     load_thresholds,
+    measured_on,
+    model_key,
     regressions,
     run_ladder,
 )
@@ -151,3 +154,19 @@ def test_detection_prompts_have_media_of_their_own():
     assert len(own) == len(set(own)), f"two detection rungs share media: {own}"
     shared = set(own) & set(seeds((*SKELETON_PROMPTS, *matrix_prompts())))
     assert not shared, f"detection media also used by the sweep or matrix: {shared}"
+
+
+def test_thresholds_gate_only_the_platform_and_model_they_were_measured_on(tmp_path: Path):
+    committed = load_thresholds(THRESHOLDS, "cpu", TINY_MODEL)
+    assert committed is not None and committed["kv-noise"]["1P+1D"] == 0.05
+    assert load_thresholds(THRESHOLDS, "cuda", TINY_MODEL) is None, "measured on CPU only"
+    assert load_thresholds(THRESHOLDS, "cpu", "Qwen/Qwen2.5-VL-3B-Instruct") is None
+    assert "cpu / tiny-qwen25vl" in measured_on(THRESHOLDS)
+
+
+def test_model_key_names_a_model_the_same_however_it_was_given(tmp_path: Path):
+    assert model_key("/root/.cache/epd-harness/models/tiny-qwen25vl-1a7363f493f0") == TINY_MODEL
+    snapshot = "/hf/hub/models--Qwen--Qwen2.5-VL-3B-Instruct/snapshots/0123abcd"
+    assert model_key(snapshot) == "Qwen/Qwen2.5-VL-3B-Instruct"
+    assert model_key("Qwen/Qwen2.5-VL-3B-Instruct") == "Qwen/Qwen2.5-VL-3B-Instruct"
+    assert model_key(str(tmp_path / "my-model")) == "my-model"

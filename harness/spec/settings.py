@@ -29,6 +29,9 @@ class ServedVllm:
     executable: str
     version: str  # e.g. "0.32.0+cpu"; "unknown" when it could not be read
     torch_version: str = "unknown"
+    # What the served interpreter's AMX start-up hook did (`harness.amx` STATUS line), read
+    # from a fresh interpreter: on an AMX CPU anything but "granted" leaves NIXL's D to SIGILL.
+    amx_permission: str = "unknown"
 
     @property
     def known(self) -> bool:

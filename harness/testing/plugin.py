@@ -31,6 +31,7 @@ DEFAULT_VARIANT = ""
 POOL_KEY = pytest.StashKey[object]()
 SWEEP_KEY = pytest.StashKey[object]()
 PROMPTS_KEY = pytest.StashKey[tuple]()
+KV_CONNECTOR_DESELECTED = pytest.StashKey[list]()
 # A scenario module lists the prompts its tests send (besides the sweep's) under this name.
 BASELINE_PROMPTS = "EPD_BASELINE_PROMPTS"
 RUN_ROOT_KEY = pytest.StashKey[str]()
@@ -79,6 +80,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "epd_ends_session: the item stops or breaks its session: run it last"
     )
+    config.addinivalue_line(
+        "markers",
+        "kv_connector(*names): the item applies only to sessions running one of these KV "
+        "connectors (example, nixl); deselected and listed otherwise",
+    )
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         config.stash[RUN_ROOT_KEY] = workerinput.get(WORKER_RUN_ROOT)
@@ -125,16 +131,26 @@ def ends_session(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`--epd-topology` keeps the e2e items of those topologies; then every other tier first,
-    in collection order, and the e2e items by group."""
+    """`--epd-topology` keeps the e2e items of those topologies, a `kv_connector(...)` marker
+    keeps an item only for a session that runs one of those connectors (listed, never
+    silently); then every other tier first, in collection order, and the e2e items by group."""
     wanted = {
         n.strip() for n in (config.getoption("--epd-topology", None) or "").split(",") if n.strip()
     }
-    if wanted:
-        dropped = [i for i in items if (g := epd_group(i)) is not None and g.topology not in wanted]
-        if dropped:
-            config.hook.pytest_deselected(items=dropped)
-            items[:] = [i for i in items if i not in dropped]
+    connector = session_kv_connector(config)
+    dropped, other_connector = [], []
+    for item in items:
+        group = epd_group(item)
+        needs = item.get_closest_marker("kv_connector")
+        if connector is not None and needs is not None and connector not in needs.args:
+            other_connector.append(f"{item.nodeid} (needs {', '.join(needs.args)})")
+            dropped.append(item)
+        elif wanted and group is not None and group.topology not in wanted:
+            dropped.append(item)
+    config.stash[KV_CONNECTOR_DESELECTED] = other_connector
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [i for i in items if i not in dropped]
     position = {id(item): n for n, item in enumerate(items)}
 
     def key(item: pytest.Item) -> tuple:
@@ -151,6 +167,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for prompt in getattr(module, BASELINE_PROMPTS, ()):
             needed.setdefault(prompt.name, prompt)
     config.stash[PROMPTS_KEY] = tuple(needed.values())
+
+
+def session_kv_connector(config: pytest.Config) -> str | None:
+    """The KV connector this session runs (`--epd-kv-connector`, else the platform's default),
+    by its --kv-connector name; None when the options name none the harness knows (the
+    preflight then says what is wrong)."""
+    from harness.errors import BadInput
+    from harness.spec.connectors import get_kv_connector, kv_connector_for_class
+    from harness.spec.platforms import get_platform
+
+    try:
+        name = config.getoption("--epd-kv-connector", None)
+        if name:
+            return get_kv_connector(name).name
+        default = kv_connector_for_class(
+            get_platform(config.getoption("--epd-platform", "cpu")).kv_connector
+        )
+    except BadInput:
+        return None
+    return default.name if default is not None else None
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
+    """Tests for another KV connector than the session's are deselected, never silently."""
+    deselected = config.stash.get(KV_CONNECTOR_DESELECTED, [])
+    if not deselected:
+        return []
+    return [
+        f"epd-harness: {len(deselected)} test(s) deselected: they apply to another KV connector "
+        f"than this session's ({session_kv_connector(config)}):",
+        *(f"  {line}" for line in deselected),
+    ]
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -298,19 +346,21 @@ def epd_matrix(epd_sweep):
 
 @pytest.fixture(scope="session")
 def epd_live(epd_sweep, epd_pool, epd_settings):
-    """`epd_live("1E+1PD")` (or with ServingConfig overrides, e.g. kv_connector=...): the
-    session's running topology, started on first use, judged by the shared sweep."""
+    """`epd_live("1E+1PD")` (or with ServingConfig overrides, e.g. kv_connector=..., and an
+    environment added to a role's instances, `role_env`): the session's running topology,
+    started on first use, judged by the shared sweep."""
     from harness.spec.topology import TOPOLOGIES
     from harness.testing.live import LiveTopology
 
-    def live(name: str, **serving: object) -> LiveTopology:
+    def live(name: str, role_env=None, **serving: object) -> LiveTopology:
         epd_sweep.serve_baseline()  # before any topology of ours: never two starts at once
         settings = epd_settings
         if serving:
             settings = dataclasses.replace(
                 settings, serving=dataclasses.replace(settings.serving, **serving)
             )
-        return LiveTopology(epd_pool.session(TOPOLOGIES[name], settings), epd_sweep)
+        session = epd_pool.session(TOPOLOGIES[name], settings, role_env=role_env)
+        return LiveTopology(session, epd_sweep)
 
     return live
 
