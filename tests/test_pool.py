@@ -1,7 +1,7 @@
-"""The topology pool starts each topology once and shares it (harness/run/pool.py), with the fake
-vLLM (harness/testing/fake_vllm.py) counting every start: a sweep starts each distinct instance once, a
-second request for a running topology starts nothing, another proxy in front starts nothing, a
-dead or released topology is started again with its reason."""
+"""The topology pool starts each topology once and shares it (harness/run/pool.py), with the
+fake vLLM (harness/testing/fake_vllm.py) counting every start: a sweep starts each distinct
+instance once, a second request for a running topology starts nothing, another proxy in front
+starts nothing, a dead or released topology is started again with its reason."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 The harness is played by the test: it writes the protocol lines to a watchdog's stdin and
 closes it (EOF: "the harness is gone"). The processes to stop are Python sleepers in sessions
 of their own, like servers. How the harness and vLLM-like servers fare when a real harness
-is SIGKILLed is tests/test_chaos.py's part.
+is SIGKILLed is tests/test_chaos.py's part (tests/test_chaos_vllm.py's with real vLLM).
 """
 
 from __future__ import annotations
