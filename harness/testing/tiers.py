@@ -12,7 +12,7 @@ checks:
 
 * a test module that declares no tier, or two, is a collection error naming the fix;
 * a test carrying a tier marker other than its module's, or `ci` outside an `e2e` module, is
-  a usage error (the tier would be ambiguous, and `-m` would select it twice);
+  a usage error (a test of two tiers is selected by both: `-m process` once ran real vLLM);
 * a module whose tier the `-m` expression cannot select is not imported at all (the tier is
   read from the module's source before import): `-m unit` imports no module that needs
   torch, and `-m "not e2e"` none of the scenarios;
