@@ -44,11 +44,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.spec.topology import Topology
 from harness.errors import BadInput
 from harness.judge.guards import EC_CACHE_FILE
 from harness.serve.launch import ManagedServer
 from harness.serve.proxy import ProxyFaults
+from harness.spec.topology import Topology
 
 if TYPE_CHECKING:
     import torch
