@@ -35,15 +35,6 @@ def test_release_version_drops_the_local_suffix() -> None:
         upstream_proxy.release_version("unknown")
 
 
-def test_a_checkout_must_hold_both_files(tmp_path: Path) -> None:
-    with pytest.raises(BadInput, match="not a vLLM checkout"):
-        upstream_proxy.from_checkout(str(tmp_path))
-    for name in (EPD_PROXY_FILE, TOY_PROXY_FILE):
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text("#")
-    assert upstream_proxy.from_checkout(str(tmp_path)).directory == tmp_path.resolve()
-
-
 def test_pip_config_scopes_rank_like_pip(monkeypatch: pytest.MonkeyPatch) -> None:
     listed = (
         "global.index-url='http://g/simple'\n:env:.index-url='http://e/simple'\n"

@@ -25,6 +25,15 @@ def fake_dev_vllm(tmp_path: Path, version: str) -> ServedVllm:
     return ServedVllm(str(install_fake_vllm(tmp_path / "bin", serves=False)), version)
 
 
+def test_a_checkout_must_hold_both_files(tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match="not a vLLM checkout"):
+        upstream_proxy.from_checkout(str(tmp_path))
+    for name in (EPD_PROXY_FILE, TOY_PROXY_FILE):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("#")
+    assert upstream_proxy.from_checkout(str(tmp_path)).directory == tmp_path.resolve()
+
+
 def vllm_tree(path: Path, commit: bool) -> str | None:
     """A stand-in vLLM source tree (the proxy files only); a git checkout with one commit."""
     for name in (EPD_PROXY_FILE, TOY_PROXY_FILE, UPSTREAM_SCRIPT_FILE):

@@ -49,6 +49,8 @@ TIERS: dict[str, str] = {
     "process": "real small subprocesses and fake servers (launcher, proxy, watchdog, chaos); "
     "starts no real vLLM",
     "model": "needs torch and transformers (the CPU vLLM environment); starts no vLLM server",
+    "index": "reads the package index: vLLM release sdists (cached in the harness cache after "
+    "the first fetch)",
     "browser": "renders the HTML report in headless Chromium (opt-in: scripts/cpu test --browser)",
     "e2e": "starts real vLLM instances (needs the CPU vLLM environment or a GPU; hold the "
     "machine's vLLM lock)",
@@ -57,7 +59,8 @@ TIERS: dict[str, str] = {
 CI_MARKER = "ci"
 CI_DESCRIPTION = "the subset of e2e tests CI runs within its time budget (only in e2e modules)"
 EXAMPLE = (
-    "pytestmark = pytest.mark.unit  # or check, process, model, browser, e2e (docs/testing.md)"
+    "pytestmark = pytest.mark.unit  # or check, process, model, index, browser, e2e "
+    "(docs/testing.md)"
 )
 
 MODULE_TIER = pytest.StashKey[dict[Path, str]]()
