@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli.main import EXIT_FAILED, main
+from harness.cli.main import EXIT_FAILED
 from harness.spec.prompts import ImagePart
 
 pytestmark = pytest.mark.e2e
@@ -23,8 +23,8 @@ pytestmark = pytest.mark.e2e
 CI_EXAMPLES = 20
 
 
-def fuzz(run_dir: Path, *args: str) -> tuple[int, dict]:
-    code = main(["fuzz", "--run-dir", str(run_dir), *args])
+def fuzz(epd_cli, run_dir: Path, *args: str) -> tuple[int, dict]:
+    code, _, _ = epd_cli("fuzz", "--run-dir", run_dir, *args)
     return code, json.loads((run_dir / "fuzz.json").read_text())
 
 
@@ -53,10 +53,19 @@ def test_a_seeded_fuzz_of_1e_1pd_finds_no_new_failure(epd_settings, epd_pool) ->
 
 
 @pytest.mark.epd_topology("1E+1PD")
-def test_fuzzing_finds_and_shrinks_a_planted_shape_dependent_fault(epd_run_dir: Path) -> None:
+def test_fuzzing_finds_and_shrinks_a_planted_shape_dependent_fault(
+    epd_run_dir: Path, epd_cli
+) -> None:
     run_dir = epd_run_dir / "fuzz-planted"
     code, report = fuzz(
-        run_dir, "--topology", "1E+1PD", "--examples", "40", "--plant-fault", "ec-swap-items"
+        epd_cli,
+        run_dir,
+        "--topology",
+        "1E+1PD",
+        "--examples",
+        "40",
+        "--plant-fault",
+        "ec-swap-items",
     )
     assert code == EXIT_FAILED, report["counts"]
     (group,) = [g for g in report["groups"] if g["signature"]["verdict"] == "MISMATCH"]

@@ -13,7 +13,7 @@ import pytest
 from fixtures.tiny_model import model_digest
 from harness.judge.compare import Verdict
 from harness.judge.guards import GuardResult
-from harness.outcomes.chat import ChatResult, PositionLogprobs
+from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
 from harness.report.bundle import (
     REDACTED,
@@ -30,7 +30,10 @@ from harness.report.text import CaseRecord, format_failure
 from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.testing.builders import chat
 from harness.testing.judging import judged
+
+pytestmark = pytest.mark.unit
 
 SECRET = "secret123"
 ENV_SECRET = "env-secret-987"
@@ -38,17 +41,11 @@ DIVERGENCE = 7
 HOSTILE_TEXT = "<script>alert('pwned')</script>"
 
 
-def chat(token_ids: list[int], text: str = "") -> ChatResult:
+def answer(token_ids: list[int], text: str = "") -> ChatResult:
     """A result whose top-5 at every position is the generated id and four unrelated ids."""
-    return ChatResult(
-        prompt_token_ids=(1, 2, 3, 4),
-        token_ids=tuple(token_ids),
-        text=text,
-        finish_reason="length",
-        logprobs=tuple(
-            PositionLogprobs(tid, -0.5, ((tid, -0.5), *((900 + k, -3.0 - k) for k in range(4))))
-            for tid in token_ids
-        ),
+    unrelated = [(900 + k, -3.0 - k) for k in range(4)]
+    return chat(
+        token_ids, prompt_ids=(1, 2, 3, 4), text=text, top=lambda _, t: [(t, -0.5), *unrelated]
     )
 
 
@@ -59,12 +56,12 @@ CANDIDATE_IDS = REFERENCE_IDS[:DIVERGENCE] + [555] + REFERENCE_IDS[DIVERGENCE + 
 def sample_run() -> tuple[list[CaseRecord], dict]:
     """MATCH, MISMATCH at DIVERGENCE, VACUOUS with a failed guard, ERROR: one of each shape."""
     reference = {
-        "text": Outcome("text", chat(REFERENCE_IDS, "a plain answer")),
-        "image": Outcome("image", chat(REFERENCE_IDS, "the sky is blue")),
+        "text": Outcome("text", answer(REFERENCE_IDS, "a plain answer")),
+        "image": Outcome("image", answer(REFERENCE_IDS, "the sky is blue")),
     }
     candidate = {
-        "text": Outcome("text", chat(REFERENCE_IDS, "a plain answer")),
-        "image": Outcome("image", chat(CANDIDATE_IDS, f"the sky is {HOSTILE_TEXT}")),
+        "text": Outcome("text", answer(REFERENCE_IDS, "a plain answer")),
+        "image": Outcome("image", answer(CANDIDATE_IDS, f"the sky is {HOSTILE_TEXT}")),
     }
     ok_guard = GuardResult("kv_transfer", True, "cached_tokens=96 of 120")
     records = [

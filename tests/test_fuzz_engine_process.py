@@ -1,4 +1,4 @@
-"""The fuzz engine end to end against tests/fake_vllm.py: examples sent to a baseline and a
+"""The fuzz engine end to end against the fake vLLM (harness/testing/fake_vllm.py): examples sent to a baseline and a
 topology kept up side by side, judged, grouped, shrunk, and written as bundles repro takes.
 
 The fake encoder publishes no metadata, so every media request reaches the consumer as raw
@@ -9,10 +9,11 @@ answers proves nothing about vLLM; this checks the engine's own bookkeeping only
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from fake_vllm import install_fake_vllm
 
 from harness.judge.records import Verdict
 from harness.run.fuzz.bundle import write_examples, write_fuzz_bundle
@@ -28,13 +29,13 @@ from harness.spec.topology import TOPOLOGIES, ServingConfig
 pytestmark = pytest.mark.process
 
 
-def test_the_engine_judges_groups_shrinks_and_bundles(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("EPD_HARNESS_PORT_DIR", str(tmp_path / "port-locks"))
-    fake = install_fake_vllm(tmp_path / "bin")
+def test_the_engine_judges_groups_shrinks_and_bundles(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path
+) -> None:
     settings = RunSettings(
         serving=ServingConfig(model=str(tmp_path / "model")),
         run_dir=tmp_path / "run",
-        vllm=ServedVllm(str(fake), "unknown"),
+        vllm=ServedVllm(str(fake_vllm), "unknown"),
         startup_timeout_s=20.0,
         request_timeout_s=30.0,
     )
@@ -70,3 +71,12 @@ def test_the_engine_judges_groups_shrinks_and_bundles(tmp_path: Path, monkeypatc
     assert fuzz["new_failures"] == 1 and len(fuzz["examples"]) == 3
     assert fuzz["timing"]["per_judged_example_mean_s"] is not None
     assert "Minimal request" in (settings.run_dir / "fuzz.md").read_text()
+
+
+def test_the_command_line_imports_without_hypothesis() -> None:
+    """In a fresh interpreter: this one has imported Hypothesis already."""
+    code = (
+        "import sys; sys.modules['hypothesis'] = None\n"
+        "from harness.cli.main import build_parser; build_parser()"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

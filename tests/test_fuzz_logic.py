@@ -36,6 +36,9 @@ from harness.spec.prompts import (
     VideoPart,
 )
 from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.testing.builders import case_record
+
+pytestmark = pytest.mark.unit
 
 IDS = PlaceholderIds(image=785, video=786)
 DECODE_TAIL_ERROR = (
@@ -70,14 +73,12 @@ class FakeEstimator:
 
 
 def record(verdict: Verdict, detail: str = "", error: str | None = None, **kw) -> CaseRecord:
-    return CaseRecord(
-        topology="1E+1P+1D",
-        prompt="ex-0001",
-        reference="baseline",
-        verdict=verdict,
-        policy_passed=verdict is Verdict.MATCH,
+    return case_record(
+        "1E+1P+1D",
+        "ex-0001",
+        verdict,
+        verdict is Verdict.MATCH,
         detail=detail,
-        divergence=None,
         guards=kw.get("guards", {}),
         timings={},
         error=error,
@@ -470,21 +471,18 @@ def test_save_writes_a_new_failure_as_a_declared_scenario(tmp_path: Path) -> Non
         (["--examples", "0"], "--examples 0: must be at least 1"),
     ],
 )
-def test_fuzz_refuses_flags_it_would_ignore_in_one_line(args, cause, capsys) -> None:
-    from harness.cli.main import main
-
-    assert main(["fuzz", "--topology", "1E+1PD", *args]) == 2
-    err = capsys.readouterr().err
+def test_fuzz_refuses_flags_it_would_ignore_in_one_line(args, cause, epd_cli) -> None:
+    code, _, err = epd_cli("fuzz", "--topology", "1E+1PD", *args)
+    assert code == 2
     assert cause in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_fuzz_refuses_the_baseline_and_several_topologies(capsys) -> None:
-    from harness.cli.main import main
-
-    assert main(["fuzz", "--topology", "baseline"]) == 2
-    assert main(["fuzz", "--topology", "1E+1PD,1P+1D"]) == 2
-    err = capsys.readouterr().err.splitlines()
-    assert "the baseline is the reference" in err[0] and "one topology at a time" in err[1]
+def test_fuzz_refuses_the_baseline_and_several_topologies(epd_cli) -> None:
+    baseline = epd_cli("fuzz", "--topology", "baseline")
+    several = epd_cli("fuzz", "--topology", "1E+1PD,1P+1D")
+    assert baseline.code == several.code == 2
+    assert "the baseline is the reference" in baseline.err
+    assert "one topology at a time" in several.err
 
 
 def test_a_topology_with_d_gets_prompts_of_at_least_one_block() -> None:
@@ -521,14 +519,3 @@ def test_a_spent_run_budget_sends_nothing_more_and_says_so(tmp_path: Path) -> No
     report = engine.run(examples)  # no server was started: nothing may be sent
     assert report.counts() == {"not-sent": 3}
     assert all("time budget" in e.note for e in report.evaluations)
-
-
-def test_the_command_line_imports_without_hypothesis() -> None:
-    import subprocess
-    import sys
-
-    code = (
-        "import sys; sys.modules['hypothesis'] = None\n"
-        "from harness.cli.main import build_parser; build_parser()"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)

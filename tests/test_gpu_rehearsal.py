@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.process
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_rehearsal.py"
 WORKFLOW = ROOT / ".github" / "workflows" / "nightly-gpu.yml"
@@ -63,7 +65,6 @@ def workflow_pytest_args(inputs: dict[str, str], tmp_path: Path) -> list[str]:
 # --- refusals --------------------------------------------------------------------------------
 
 
-@pytest.mark.process
 def test_without_nvidia_smi_it_refuses_in_one_line(tmp_path: Path) -> None:
     done = run_script(path=f"{tmp_path}:/usr/bin:/bin")
     assert done.returncode == 2
@@ -74,7 +75,6 @@ def test_without_nvidia_smi_it_refuses_in_one_line(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.process
 def test_an_nvidia_smi_that_lists_no_gpu_is_refused_naming_what_it_said(tmp_path: Path) -> None:
     path = fake_nvidia_smi(
         tmp_path / "bin",
@@ -86,7 +86,6 @@ def test_an_nvidia_smi_that_lists_no_gpu_is_refused_naming_what_it_said(tmp_path
     assert done.stderr.count("\n") == 1
 
 
-@pytest.mark.process
 def test_devices_the_host_lacks_are_refused(tmp_path: Path) -> None:
     path = fake_nvidia_smi(tmp_path / "bin", "printf '0\\n1\\n'")
     done = run_script("--devices", "0,1,2,3", path=path)

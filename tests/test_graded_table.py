@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli.main import main
 from harness.errors import BadInput
 from harness.run.faults import FaultSpec, parse_fault
 from harness.run.graded import (
@@ -23,6 +22,8 @@ from harness.run.graded import (
     regressions,
     run_ladder,
 )
+
+pytestmark = pytest.mark.unit
 
 THRESHOLDS = Path(__file__).resolve().parents[1] / "scenarios" / "detection_thresholds.json"
 
@@ -65,15 +66,16 @@ def test_bad_fault_values_are_one_bad_input_line(text: str, cause: str):
     assert cause in message and "\n" not in message, message
 
 
-def test_cli_refuses_a_bad_strength_in_one_line(capsys):
-    assert main(["run", "--plant-fault", "ec-noise:zero"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+def test_cli_refuses_a_bad_strength_in_one_line(epd_cli):
+    code, _, stderr = epd_cli("run", "--plant-fault", "ec-noise:zero")
+    assert code == 2
+    err = stderr.strip().splitlines()
     assert len(err) == 1 and "ec-noise needs a strength" in err[0], err
 
 
-def test_list_shows_the_graded_faults(capsys):
-    assert main(["list"]) == 0
-    out = capsys.readouterr().out
+def test_list_shows_the_graded_faults(epd_cli):
+    code, out, _ = epd_cli("list")
+    assert code == 0
     for name in (
         "ec-noise:FRACTION",
         "kv-noise:FRACTION",

@@ -40,6 +40,8 @@ from harness.spec.topology import (
     serving_for,
 )
 
+pytestmark = pytest.mark.unit
+
 MODEL = "/models/qwen"
 EIGHT_GPUS = tuple(range(8))
 DEFAULT_SET = tuple(get_topology(n) for n in ("baseline", *EPD_TOPOLOGY_NAMES))

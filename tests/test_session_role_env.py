@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-from fake_vllm import install_fake_vllm
 
 from harness.serve.session import TopologySession
 from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import TOPOLOGIES, Role, ServingConfig
+from harness.testing.fake_vllm import install_fake_vllm
 
 pytestmark = pytest.mark.process
 

@@ -11,6 +11,8 @@ import pytest
 
 from harness.preflight.shell_script import UNKNOWN, ScriptError, read_commands
 
+pytestmark = pytest.mark.unit
+
 
 def commands(script: str, **pinned: str) -> list[tuple[str, dict[str, str], tuple[str, ...]]]:
     return [(c.stage, c.env, c.argv) for c in read_commands(textwrap.dedent(script), pinned)]

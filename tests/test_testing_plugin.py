@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest_plugins = ["pytester"]
+pytestmark = pytest.mark.unit
 
 MODULE = """
 import pytest

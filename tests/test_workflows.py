@@ -21,6 +21,8 @@ from harness.cli.plan import DEFAULT_TOPOLOGY_NAMES, PlanRequest, build_plan
 from harness.spec.platforms import CUDA, parse_devices
 from harness.spec.topology import TOPOLOGIES, get_topology
 
+pytestmark = pytest.mark.check
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = ROOT / ".github" / "workflows"
 WORKFLOW_NAMES = ("ci.yml", "nightly-gpu.yml", "cherry-pick.yml", "versions-cpu.yml")

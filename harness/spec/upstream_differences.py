@@ -6,7 +6,7 @@ per-role `vllm serve` flags, environment and proxy command lines, renders the sa
 way the harness launches them on a GPU platform, and compares item by item. A difference this
 table does not list, for that instance and that release's protocol generation, fails naming
 the item; an entry that no release uses is stale and fails too. docs/upstream-parity.md shows
-the table (`render_markdown`, checked by tests/test_upstream_parity.py).
+the table (`render_markdown`, checked by tests/test_upstream_parity_rules.py).
 
 An item is a `vllm serve` flag (`--max-num-seqs`), a key inside a JSON-valued flag
 (`--kv-transfer-config kv_buffer_device`), the served `model`, an environment variable

@@ -12,6 +12,11 @@ instance death, a rerun on kept storage, a kill) run last in their group. Under 
 worker takes a group and the groups its cases reference (`xdist_group`), so no two workers
 start the same topology.
 
+The harness's own tests get their helpers here too: `epd_cli` (the CLI in-process),
+`fake_vllm` (the fake `vllm` executable) and `port_locks` (port leases of one test); the
+record builders, the in-process fake instance and the process watchers are plain modules of
+this package (builders, fake_instance, processes).
+
 Markers: `epd_topology(name)` for items whose topology is not a `topology`/`scenario` parameter,
 `epd_variant(name)` for items that run under other settings, `epd_ends_session` for items that
 stop or break their session. Options are in the repository's conftest.py.
@@ -363,6 +368,38 @@ def epd_live(epd_sweep, epd_pool, epd_settings):
         return LiveTopology(session, epd_sweep)
 
     return live
+
+
+# -- helpers of the harness's own tests ---------------------------------------------------------
+
+
+@pytest.fixture
+def epd_cli(capsys: pytest.CaptureFixture[str]):
+    """`epd_cli("run", ...)`: the CLI in this process -> CliResult(code, out, err)
+    (harness.testing.cli)."""
+    from harness.testing.cli import CliRunner
+
+    return CliRunner(capsys)
+
+
+@pytest.fixture
+def fake_vllm(tmp_path: Path) -> Path:
+    """The fake `vllm serve` look-alike (harness.testing.fake_vllm), installed for this test;
+    misbehaving on cue through FAKE_VLLM_MODE."""
+    from harness.testing.fake_vllm import install_fake_vllm
+
+    return install_fake_vllm(tmp_path / "bin")
+
+
+@pytest.fixture
+def port_locks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Port leases of this test only (EPD_HARNESS_PORT_DIR), for the harness in this process
+    and in the processes it starts: what a test leaves held is its own."""
+    from harness.environment import PORT_LOCK_DIR_ENV
+
+    directory = tmp_path / "port-locks"
+    monkeypatch.setenv(PORT_LOCK_DIR_ENV, str(directory))
+    return directory
 
 
 # -- the session's account ---------------------------------------------------------------------
