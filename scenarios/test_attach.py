@@ -41,7 +41,7 @@ PROMPTS = ("text", "image", "video")
 DEAD_RUN_MAX_S = 30.0  # preflight (cached token counts) + one health check; no request is sent
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def normal_sweep(epd_config, epd_pool):
     """The normal run: the harness launches 1E+1PD (the session's running one) and judges it,
     as `epd-harness run` does."""

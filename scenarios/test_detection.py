@@ -122,7 +122,7 @@ class Live:
         return rung
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def detection_baseline(epd_sweep):
     """The baseline answered this module's prompts, each stable, before any rung is judged."""
     epd_sweep.serve_baseline()
@@ -133,7 +133,7 @@ def detection_baseline(epd_sweep):
         )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def detection_table(epd_settings):
     """Every rung of the module; written into the run directory after each ladder and at the
     end, where the bundle carries it, and printed."""

@@ -63,7 +63,7 @@ def vllm_proxy_sweep_for(
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vllm_proxy_sweeps(pytestconfig: pytest.Config, epd_sweep, epd_events):
     """Both sweeps, made together at the module's first test: each needs 1P+1D's answers as
     the exact reference of 1E+1P+1D, and gets them before the session stops 1P+1D (the pool's

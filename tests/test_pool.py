@@ -159,6 +159,7 @@ def test_xdist_workers_on_eight_gpus_start_each_topology_once(
         sys.executable, "-m", "pytest", "scenarios/test_epd_matches_baseline.py",
         "-m", "e2e", "-k", "text", "-n", "4", "--dist", "loadgroup", "-p", "no:cacheprovider",
         "--epd-platform", "cuda", "--epd-devices", "0,1,2,3,4,5,6,7", "--epd-vllm", str(fake),
+        "--epd-kv-connector", "example",  # the count does not depend on it; NIXL needs nixl
         "--epd-model", str(model), "--epd-baseline-cache", str(tmp_path / "cache"),
         "--epd-run-dir", str(tmp_path / "run"),
     ]  # fmt: skip

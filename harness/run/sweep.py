@@ -117,6 +117,8 @@ class Sweep:
             settings, baseline_cache, goldens, golden_release
         )
         self.baseline.add(self.bodies)
+        if not self.baseline.batch_probes:  # a shared baseline keeps the first sweep's probes
+            self.baseline.batch_probes = set(self.topology_prompts) or None
         self.judging = CaseJudge(settings, self.baseline)
         self.owns_pool = pool is None
         self.pool = pool or TopologyPool(settings, on_event)

@@ -17,6 +17,10 @@ The harness's own tests get their helpers here too: `epd_cli` (the CLI in-proces
 record builders, the in-process fake instance and the process watchers are plain modules of
 this package (builders, fake_instance, processes).
 
+A fixture that keeps state across a topology's items (a sweep, a table of results) must be
+session-scoped: one module's items can fall into several groups, and pytest builds a
+module-scoped fixture again each time the module comes back.
+
 Markers: `epd_topology(name)` for items whose topology is not a `topology`/`scenario` parameter,
 `epd_variant(name)` for items that run under other settings, `epd_ends_session` for items that
 stop or break their session. Options are in the repository's conftest.py.
@@ -58,8 +62,9 @@ class EpdGroup:
         return (self.topology, self.variant)
 
     def order(self) -> tuple:
+        """Default instances first, then variants; within them, the plan's topology order."""
         rank = TOPOLOGY_ORDER.index(self.topology) if self.topology in TOPOLOGY_ORDER else 99
-        return (self.variant != DEFAULT_VARIANT, self.variant, rank, self.topology, self.proxy)
+        return (self.variant != DEFAULT_VARIANT, self.variant, rank, self.topology)
 
     def xdist_name(self) -> str:
         """A topology and the references its cases are judged against share a worker, through
@@ -159,10 +164,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     position = {id(item): n for n, item in enumerate(items)}
 
     def key(item: pytest.Item) -> tuple:
+        """Within one running topology: every proxy's items, then those that end it."""
         group = epd_group(item)
         if group is None:
-            return (0, (), False, position[id(item)])
-        return (1, group.order(), ends_session(item), position[id(item)])
+            return (0, (), False, "", position[id(item)])
+        return (1, group.order(), ends_session(item), group.proxy, position[id(item)])
 
     items.sort(key=key)
     # The prompts the selected scenario modules need the baseline to answer: one baseline
@@ -341,7 +347,7 @@ def epd_sweep(pytestconfig: pytest.Config, epd_config, epd_pool, epd_events):
     return sweep
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def epd_matrix(epd_sweep):
     """The scenario matrix on the shared baseline and pool."""
     from harness.run.matrix import MatrixRun
