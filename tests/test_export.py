@@ -35,6 +35,7 @@ from harness.run.export_issue import (
     ENVIRONMENT_KEYS,
     ISSUE_FIELDS,
     TITLE_PREFIX,
+    condensed_error,
     error_headline,
     render_issue,
 )
@@ -114,11 +115,11 @@ def test_vllms_own_proxy_is_shipped_with_its_sha256_and_pointed_at_the_instances
     assert digest == hashlib.sha256(shipped.read_bytes()).hexdigest()
     assert name == str(shipped.relative_to(out / "vllm-proxy"))
     serve = (out / "serve.sh").read_text()
-    assert '"${PROXY_DIR}"/examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py' in (
-        serve.replace("'", "")
-    )
-    assert '--encode-servers-urls http://"${HOST}":"${ENCODER0_PORT}"' in serve.replace("'", "")
-    assert '--decode-servers-urls http://"${HOST}":"${DECODE0_PORT}"' in serve.replace("'", "")
+    script = '"${PROXY_DIR}/examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py"'
+    assert f'"${{PYTHON}}" {script} \\\n' in serve
+    assert '--encode-servers-urls "http://${HOST}:${ENCODER0_PORT}"' in serve
+    assert '--prefill-servers-urls "http://${HOST}:${PREFILL0_PORT}"' in serve
+    assert '--decode-servers-urls "http://${HOST}:${DECODE0_PORT}"' in serve
     assert "harness" not in (out / "serve.sh").read_text().split("# Every variable")[1]
 
 
@@ -431,3 +432,34 @@ def test_check_without_serve_state_is_an_error_in_one_line(tmp_path: Path, capsy
     )
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "is serve.sh serving?" in done.stderr
+
+
+def test_an_errors_evidence_is_cut_to_exceptions_and_exits() -> None:
+    error = "\n".join(
+        [
+            "InternalServerError: Error code: 502",
+            "--- 1E+1P+1D/decode0 logged during the request ---",
+            "(Worker pid=1) ERROR [x.py:1] Traceback (most recent call last):",
+            '(Worker pid=1) ERROR [x.py:1]   File "/site/vllm/worker.py", line 3, in run',
+            "(Worker pid=1) ERROR [x.py:1] AssertionError: Expected number of embeddings",
+            "(Worker pid=1) ERROR [x.py:1] AssertionError: Expected number of embeddings",
+            'INFO:     127.0.0.1:1 - "POST /v1/chat/completions HTTP/1.1" 500 Internal Server Error',
+            "(APIServer pid=2) INFO [core_client.py:7] [shutdown] MPClient: complete",
+            "instance 1E+1P+1D/decode0 exited with code 0; last lines of d.log:",
+        ]
+    )
+    assert condensed_error(error) == [
+        "InternalServerError: Error code: 502",
+        "--- 1E+1P+1D/decode0 logged during the request ---",
+        "(Worker pid=1) ERROR [x.py:1] AssertionError: Expected number of embeddings",
+        'INFO:     127.0.0.1:1 - "POST /v1/chat/completions HTTP/1.1" 500 Internal Server Error',
+        "instance 1E+1P+1D/decode0 exited with code 0; last lines of d.log:",
+    ]
+
+
+def test_a_probe_names_only_the_connector_its_consumer_runs(tmp_path: Path) -> None:
+    plan = plan_for(write_bundle(tmp_path / "run"), probe=UNKNOWN_UUID_PROBE)
+    text = render_issue(plan)
+    assert "EPD 1E+1P+1D (ExampleConnector): " in text.splitlines()[0]
+    assert "- EC connector: ECExampleConnector (not used by this case)" in text
+    assert "the request goes straight to decode0" in text

@@ -449,19 +449,21 @@ def encoder_metadata(bundle: Bundle, label: str, prompt: str) -> dict[str, Any]:
     responses = json.loads((bundle.path / "responses.json").read_text(encoding="utf-8"))
     key = f"matrix:{label.partition(':')[2]}" if ":" in label else label
     taps = ((responses.get(key) or {}).get(prompt) or {}).get("taps") or []
-    entries = [
-        entry
+    # By item hash: a proxy that retried (vLLM's re-encodes after a failed decode) encoded
+    # the same image twice.
+    entries = {
+        mm_hash: entry["metadata"]
         for record in taps
         if record.get("role") == Role.ENCODER.value
-        for entry in (record.get("ec_transfer_params") or {}).values()
+        for mm_hash, entry in (record.get("ec_transfer_params") or {}).items()
         if isinstance(entry, dict) and entry.get("metadata")
-    ]
+    }
     if len(entries) != 1:
         raise BadInput(
             f"--probe {UNKNOWN_UUID_PROBE} needs the encoder's answer for one image in "
             f"{label} / {prompt}; the bundle's taps hold {len(entries)}"
         )
-    return entries[0]["metadata"]
+    return next(iter(entries.values()))
 
 
 def unknown_uuid_body(body: dict[str, Any], metadata: dict[str, Any], case: ReproCase) -> dict:
@@ -563,9 +565,15 @@ def export_name(bundle: Bundle, case: ReproCase, probe: str | None) -> str:
 
 
 def shell_word(arg: Arg) -> str:
-    """One argument as a shell word: literal pieces single-quoted, variables double-quoted."""
+    """One argument as a shell word: `"http://${HOST}:${PORT}"` when its literal text needs
+    no escaping inside double quotes, else literal pieces single-quoted and variables
+    double-quoted (a JSON config: `'{"path": "'"${WORK}"'/storage/kv"}'`)."""
     if all(isinstance(piece, str) for piece in arg):
         return shlex.quote("".join(str(piece) for piece in arg))
+    literal = "".join(piece for piece in arg if isinstance(piece, str))
+    if not re.search(r'["$`\\!]', literal):
+        inner = "".join(f"${{{p.name}}}" if isinstance(p, Var) else p for p in arg)
+        return f'"{inner}"'
     return "".join(
         f'"${{{piece.name}}}"' if isinstance(piece, Var) else shlex.quote(piece) for piece in arg
     )
@@ -573,10 +581,11 @@ def shell_word(arg: Arg) -> str:
 
 def shell_command(server: ExportedServer) -> str:
     """`env K=V ... argv...` over continuation lines, one option per line."""
-    words = ["env", *(f"{key}={shell_word(value)}" for key, value in server.env)]
+    words = [f"{key}={shell_word(value)}" for key, value in server.env]
     argv = [shell_word(arg) for arg in server.argv]
-    lines = [" ".join(words + argv[:3])]
-    rest = argv[3:]
+    head = next((i for i, word in enumerate(argv) if word.startswith("--")), len(argv))
+    lines = [" ".join((["env", *words] if words else []) + argv[:head])]
+    rest = argv[head:]
     while rest:
         pair = rest[0].startswith("--") and len(rest) > 1 and not rest[1].startswith("--")
         take = 2 if pair else 1

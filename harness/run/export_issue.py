@@ -36,6 +36,7 @@ ENVIRONMENT_KEYS = (
 )
 ROLE_NAMES = {"encoder": "E", "prefill": "P", "decode": "D", "pd": "PD", "baseline": "monolithic"}
 MAX_EVIDENCE_LINES = 60
+HEADLINE_CHARS = 160
 # Exceptions that say an engine died, not why: never the headline.
 GENERIC_ERRORS = ("EngineDeadError", "EngineCore encountered", "APIError", "InternalServerError")
 ERROR_LINE = re.compile(r"\b(\w*(?:Error|Exception)): (?P<message>.+)$")
@@ -124,6 +125,14 @@ def uses(plan: ExportPlan, role: str) -> bool:
     return any(s.role == role for s in plan.servers)
 
 
+def uses_kv(plan: ExportPlan) -> bool:
+    return uses(plan, "decode") or uses(plan, "prefill")
+
+
+def uses_ec(plan: ExportPlan) -> bool:
+    return uses(plan, "encoder") or uses(plan, "pd") or uses(plan, "prefill")
+
+
 def title(plan: ExportPlan) -> str:
     case, record = plan.case, plan.record
     kv, ec = connectors(plan)
@@ -131,8 +140,8 @@ def title(plan: ExportPlan) -> str:
     transfer = ", ".join(
         name
         for name, used in (
-            (kv, uses(plan, "decode") or uses(plan, "prefill")),
-            (ec, uses(plan, "encoder") or plan.probe is not None),
+            (kv, uses_kv(plan)),
+            (ec, uses_ec(plan)),
         )
         if used
     )
@@ -169,7 +178,9 @@ def error_headline(error: str) -> str:
     for line in error.splitlines():
         match = ERROR_LINE.search(line)
         if match and not any(g in line for g in GENERIC_ERRORS):
-            return match["message"].strip()[:200]
+            message = match["message"].strip()
+            sentence = re.split(r"(?<=\w)\. ", message, maxsplit=1)[0]  # the first sentence
+            return sentence[:HEADLINE_CHARS]
     return ""
 
 
@@ -195,9 +206,8 @@ def environment(plan: ExportPlan) -> list[str]:
         f"(features: {features})",
         f"- Model: {model_line(plan)}",
         f"- Topology: {plan.case.topology}: {chain}",
-        f"- KV connector: {kv}" + ("" if uses(plan, "decode") else " (not used by this case)"),
-        f"- EC connector: {ec}"
-        + ("" if uses(plan, "encoder") or plan.probe else " (not used by this case)"),
+        f"- KV connector: {kv}" + ("" if uses_kv(plan) else " (not used by this case)"),
+        f"- EC connector: {ec}" + ("" if uses_ec(plan) else " (not used by this case)"),
         f"- Proxy: {proxy}",
     ]
 
@@ -258,19 +268,48 @@ def happened_section(plan: ExportPlan) -> list[str]:
             "Measured by the harness's negative check on this release; `check.py` prints the "
             "instance's log when it reproduces.",
         ]
-    text = str(record.get("explanation") or record.get("detail") or "")
     if record.get("error"):
-        text = str(record["error"])
-    evidence = text.splitlines()
+        evidence = condensed_error(str(record["error"]))
+        note = (
+            "The harness's record of the failed request: its error, and what each instance "
+            "logged during it, cut to the exceptions and exits (a reproduction's full logs are "
+            "in `work/logs/`):"
+        )
+    else:
+        evidence = str(record.get("explanation") or record.get("detail") or "").splitlines()
+        note = "The harness's comparison with the expected answer:"
     if len(evidence) > MAX_EVIDENCE_LINES:
         evidence = evidence[:MAX_EVIDENCE_LINES] + [f"... ({len(evidence)} lines in all)"]
     return [
         f"{plan.case.verdict}: {record.get('detail', '')}",
         "",
+        note,
+        "",
         "```",
         *evidence,
         "```",
     ]
+
+
+def condensed_error(error: str) -> list[str]:
+    """An ERROR's evidence without the traceback frames and shutdown chatter: the error
+    itself, whose log each line is from, exception lines, 5xx answers and exits, each once."""
+    kept: list[str] = []
+    seen: set[str] = set()
+    for index, line in enumerate(error.splitlines()):
+        keep = (
+            index == 0
+            or line.startswith("--- ")
+            or DEAD_INSTANCE.search(line)
+            or (ERROR_LINE.search(line) and "Traceback" not in line)
+            or re.search(r'HTTP/1\.1" 5\d\d', line)
+        )
+        message = ERROR_LINE.search(line)
+        key = message["message"] if message else line
+        if keep and key not in seen:
+            seen.add(key)
+            kept.append(line)
+    return kept
 
 
 def files_section(plan: ExportPlan) -> list[str]:
@@ -297,7 +336,7 @@ def files_section(plan: ExportPlan) -> list[str]:
 
 def found_section(plan: ExportPlan, record: dict[str, Any]) -> list[str]:
     run = plan.run
-    argv = " ".join(run.get("harness_argv") or []) or "(unknown)"
+    argv = " ".join(["epd-harness", *(run.get("harness_argv") or [])[1:]])
     proxy_kind = (run.get("proxy") or {}).get("kind", "harness")
     lines = [
         f"By epd-harness (`{argv}`), run `{plan.bundle.name}` of {run.get('created', '?')}: "
