@@ -463,3 +463,24 @@ def test_a_probe_names_only_the_connector_its_consumer_runs(tmp_path: Path) -> N
     assert "EPD 1E+1P+1D (ExampleConnector): " in text.splitlines()[0]
     assert "- EC connector: ECExampleConnector (not used by this case)" in text
     assert "the request goes straight to decode0" in text
+
+
+def test_check_cuts_a_log_to_exception_messages_and_its_tail() -> None:
+    log = "\n".join(
+        [
+            "loading",
+            "(Worker) ERROR Traceback (most recent call last):",
+            '(Worker) ERROR   File "/site/vllm/utils.py", line 701, in sanity_check',
+            "(Worker) ERROR AssertionError: Expected number of multimodal embeddings",
+            "(Worker) ERROR AssertionError: Expected number of multimodal embeddings",
+            '"POST /v1/chat/completions HTTP/1.1" 500 Internal Server Error',
+            "Shutting down",
+        ]
+    )
+    lines = check.evidence(log).splitlines()
+    picked = lines[: lines.index("...")]
+    assert picked == [
+        "(Worker) ERROR AssertionError: Expected number of multimodal embeddings",
+        '"POST /v1/chat/completions HTTP/1.1" 500 Internal Server Error',
+    ]
+    assert lines[-1] == "Shutting down"  # then the log's last lines

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import urllib.error
@@ -38,11 +39,13 @@ EXIT_ERROR = 2
 HEALTH_TIMEOUT_S = 5.0
 # After a failed request: how long a dying engine may take to bring its server down.
 DEATH_GRACE_S = 15.0
-EXIT_FILE_WAIT_S = 3.0
+EXIT_WAIT_S = 10.0
 WINDOW = 5  # ids shown on each side of a divergence
 LOG_ERROR_LINES = 30
 LOG_TAIL_LINES = 12
 ENDPOINTS_FILE = "endpoints.tsv"
+EXCEPTION_LINE = re.compile(r"\b\w*(?:Error|Exception): (?P<message>.+)$")
+SERVER_ERROR_LINE = re.compile(r'HTTP/1\.1" 5\d\d')
 # Straight to 127.0.0.1: an HTTP(S)_PROXY in the environment must not relay these requests.
 DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -106,23 +109,34 @@ def process_alive(pid: int | None) -> bool | None:
 
 
 def evidence(log_text: str) -> str:
-    """The error lines of a log (the cause often comes long before the shutdown noise), then
-    its last lines."""
+    """A log cut to what says why: each exception message once (not the traceback frames that
+    precede it), 5xx answers, then the log's last lines."""
     lines = log_text.splitlines()
-    errors = [line for line in lines if "Error" in line or "ERROR" in line][:LOG_ERROR_LINES]
-    tail = [line for line in lines[-LOG_TAIL_LINES:] if line not in errors]
-    return "\n".join(errors + (["..."] if errors and tail else []) + tail)
+    picked: list[str] = []
+    seen: set[str] = set()
+    for line in lines:
+        exception = EXCEPTION_LINE.search(line)
+        if exception and "Traceback" not in line and exception["message"] not in seen:
+            seen.add(exception["message"])
+            picked.append(line)
+        elif SERVER_ERROR_LINE.search(line):
+            picked.append(line)
+    picked = picked[:LOG_ERROR_LINES]
+    tail = [line for line in lines[-LOG_TAIL_LINES:] if line not in picked]
+    return "\n".join(picked + (["..."] if picked and tail else []) + tail)
 
 
 def down_report(instance: Instance, state_dir: Path) -> str | None:
-    """Why `instance` no longer serves (None: it does), with its log's evidence."""
+    """Why `instance` no longer serves (None: it does), with its log's evidence. A server
+    whose engine died answers no /health while its API server shuts down: give it EXIT_WAIT_S
+    to exit, and serve.sh a moment to note its exit code."""
     if healthy(instance.url):
         return None
-    alive = process_alive(instance.pid)
     exit_file = state_dir / f"{instance.name}.exit"
-    deadline = time.monotonic() + EXIT_FILE_WAIT_S  # serve.sh notes an exit within a second
-    while alive is False and not exit_file.is_file() and time.monotonic() < deadline:
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while not exit_file.is_file() and time.monotonic() < deadline:
         time.sleep(0.2)
+    alive = process_alive(instance.pid)
     if exit_file.is_file():
         state = f"exited with code {exit_file.read_text().strip()}"
     elif alive is False:
