@@ -163,6 +163,18 @@ def test_a_small_model_is_copied_a_hub_snapshot_is_named(tmp_path: Path) -> None
     assert "huggingface-cli download Qwen/Qwen2.5-VL-3B-Instruct --revision 0123abcd" in (
         render_issue(plan)
     )
+    hub_out = tmp_path / "hub-export"
+    write_export(plan, hub_out, REPAIR)
+    assert not (hub_out / "model").exists()
+    serve = (hub_out / "serve.sh").read_text()
+    assert (
+        "snapshot_download(sys.argv[1], revision=sys.argv[2]))' Qwen/Qwen2.5-VL-3B-Instruct 0123abcd"
+        in serve
+    )
+    parsed = subprocess.run(
+        ["bash", "-n", str(hub_out / "serve.sh")], capture_output=True, text=True
+    )
+    assert parsed.returncode == 0, parsed.stderr
 
 
 def test_a_gone_model_directory_is_refused(tmp_path: Path) -> None:

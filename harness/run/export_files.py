@@ -11,6 +11,7 @@ can lose a SIGTERM that arrives while its engine starts, docs/found-in-vllm.md).
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -110,6 +111,7 @@ def render_serve_sh(plan: ExportPlan) -> str:
         for s in servers
     )
     return SERVE_SH.format(
+        model=model_line(plan),
         title=f"{plan.case.topology} of vLLM {version} for {plan.case.prompt}",
         bundle=plan.bundle.name,
         ports=ports + ("\n" + side_ports if side_ports else ""),
@@ -119,6 +121,26 @@ def render_serve_sh(plan: ExportPlan) -> str:
         proxy_start=proxy_start,
         entry=url_word(plan.entry),
         endpoints=endpoints,
+    )
+
+
+def model_line(plan: ExportPlan) -> str:
+    """`MODEL=` in serve.sh: the shipped files, or a hub model's snapshot of the recorded
+    revision, fetched into the Hugging Face cache (the instances run offline)."""
+    model = plan.model
+    if model.directory is not None:
+        return "MODEL=${MODEL:-$HERE/model}"
+    name = shlex.quote(model.hub_name or "")
+    revision = shlex.quote(model.hub_revision or "main")
+    return (
+        "if [[ -z ${MODEL:-} ]]; then  # the recorded revision, into the Hugging Face cache\n"
+        f'  MODEL=$("$PYTHON" -c \'import sys; from huggingface_hub import snapshot_download\n'
+        f"print(snapshot_download(sys.argv[1], revision=sys.argv[2]))' {name} {revision}) || {{\n"
+        f'    echo "serve.sh: cannot fetch {model.hub_name} at {model.hub_revision or "main"}; '
+        'set MODEL=<its snapshot directory>" >&2\n'
+        "    exit 2\n"
+        "  }\n"
+        "fi"
     )
 
 
@@ -158,7 +180,7 @@ if [[ -z ${{PYTHON:-}} ]]; then  # vLLM's own Python: runs vLLM's proxy and the 
   [[ -x $PYTHON ]] || PYTHON=python3
 fi
 HOST=${{HOST:-127.0.0.1}}
-MODEL=${{MODEL:-$HERE/model}}
+{model}
 WORK=${{WORK:-$HERE/work}}
 PROXY_DIR=${{PROXY_DIR:-$HERE/vllm-proxy}}  # or a vLLM source checkout of the same release
 STARTUP_TIMEOUT=${{STARTUP_TIMEOUT:-900}}

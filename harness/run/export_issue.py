@@ -231,9 +231,10 @@ def model_instructions(plan: ExportPlan) -> list[str]:
     revision = f" --revision {model.hub_revision}" if model.hub_revision else ""
     return [
         "",
-        f"The model is not shipped: download it first (`huggingface-cli download "
-        f"{model.hub_name}{revision}`; the instances run with `HF_HUB_OFFLINE=1`) and run "
-        f"with `MODEL=<its snapshot directory>`.",
+        f"The model is not shipped: `serve.sh` fetches `{model.hub_name}` at the recorded "
+        f"revision into the Hugging Face cache before it starts anything (the instances run "
+        f"with `HF_HUB_OFFLINE=1`); offline, download it first (`huggingface-cli download "
+        f"{model.hub_name}{revision}`) and run with `MODEL=<its snapshot directory>`.",
     ]
 
 
