@@ -496,3 +496,18 @@ def test_check_cuts_a_log_to_exception_messages_and_its_tail() -> None:
         '"POST /v1/chat/completions HTTP/1.1" 500 Internal Server Error',
     ]
     assert lines[-1] == "Shutting down"  # then the log's last lines
+
+
+def test_the_baseline_is_rendered_with_the_runs_flags_when_it_came_from_the_cache(
+    tmp_path: Path,
+) -> None:
+    plan = plan_for(write_bundle(tmp_path / "run"))  # the synthetic run started no baseline
+    assert plan.baseline is not None and plan.baseline.name == "baseline0"
+    words = [shell_word(arg) for arg in plan.baseline.argv]
+    assert words[:3] == ['"${VLLM}"', "serve", '"${MODEL}"']
+    assert words[words.index("--port") + 1] == '"${BASELINE0_PORT}"'
+    assert not any("transfer-config" in word for word in words)
+    serve = render_serve_sh(plan)
+    assert "  baseline) ;;" not in serve and "  case|baseline) ;;" in serve
+    probe = plan_for(write_bundle(tmp_path / "probe"), probe=UNKNOWN_UUID_PROBE)
+    assert probe.baseline is None and "  case) ;;" in render_serve_sh(probe)

@@ -171,6 +171,23 @@ def test_the_probe_goes_to_the_consumer_alone(tmp_path: Path) -> None:
     assert_nothing_left(out, env)
 
 
+def test_run_sh_baseline_checks_the_expected_ids_on_a_monolithic_server(tmp_path: Path) -> None:
+    out = export_case(tmp_path, verdict="MISMATCH")
+    env = {**environment(tmp_path, "decode:die-request"), "BASELINE0_PORT": str(free_ports(1)[0])}
+    done = subprocess.run(
+        ["bash", str(out / "run.sh"), "baseline"],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "the expected ids hold on this machine's monolithic vLLM" in done.stdout
+    assert [p.name for p in (out / "work/state").glob("*.pid")] == ["baseline0.pid"]
+    assert_nothing_left(out, env)
+
+
 def test_serve_sh_stops_every_group_on_sigterm_even_a_server_that_ignores_it(
     tmp_path: Path,
 ) -> None:

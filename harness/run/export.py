@@ -40,9 +40,13 @@ from harness.run.repro import Bundle, ReproCase
 from harness.run.scenarios import MATRIX
 from harness.serve.session import safe_name
 from harness.serve.vllm_proxy import EPD_PROXY_FILE, TOY_PROXY_FILE, vllm_proxy_launch
-from harness.spec.platforms import SIDE_CHANNEL_HOST_ENV, SIDE_CHANNEL_PORT_ENV
+from harness.spec.generations import generation_for
+from harness.spec.placement import place_instances
+from harness.spec.platforms import SIDE_CHANNEL_HOST_ENV, SIDE_CHANNEL_PORT_ENV, get_platform
 from harness.spec.settings import ATTACH_PROXY
-from harness.spec.topology import Role, get_topology
+from harness.spec.topology import TOPOLOGIES, Role, get_topology
+
+BASELINE = TOPOLOGIES["baseline"]
 
 # A model directory at most this large is copied into the export (the tiny model is ~3 MB).
 MAX_COPIED_MODEL_BYTES = 64 * 1024 * 1024
@@ -54,6 +58,7 @@ NEVER_ENCODED_UUID = "epd-export-never-encoded-0000000000000000"
 PROXY_NAME = "proxy"
 FIRST_PORT = 18100  # the proxy's; instances follow in topology order
 FIRST_SIDE_CHANNEL_PORT = 18200
+BASELINE_PORT = 18199
 HF_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<rev>[0-9a-f]+)")
 TRANSFER_CONFIG_FLAGS = ("--ec-transfer-config", "--kv-transfer-config")
 REQUEST_TIMEOUT_S = 600
@@ -132,6 +137,9 @@ class ExportPlan:
     probe: str | None
     declared: str | None  # how the harness declares this failure, None if it does not
     run: dict[str, Any]  # the bundle's run.json
+    # The monolithic reference (`serve.sh baseline`), to check the expected ids on another
+    # machine; None for a probe, which the baseline would refuse by design.
+    baseline: ExportedServer | None = None
 
     @property
     def entry(self) -> ExportedServer:
@@ -216,6 +224,7 @@ def plan_export(
         probe=probe,
         declared=declared_failure(bundle, label, case, record),
         run=bundle.run,
+        baseline=None if probe else baseline_server(bundle),
     )
 
 
@@ -294,6 +303,36 @@ def instance_servers(
             )
         )
     return tuple(servers)
+
+
+def baseline_server(bundle: Bundle) -> ExportedServer:
+    """The monolithic reference: its recorded command, or when the run took its answers from
+    the baseline cache (no baseline started), the command the harness's renderer gives it
+    for the run's flags, platform and release."""
+    recorded = sorted((bundle.path / safe_name(BASELINE.name)).glob("*.cmd.json"))
+    if recorded:
+        command = json.loads(recorded[0].read_text(encoding="utf-8"))
+    else:
+        version = str((bundle.run.get("served_vllm") or {}).get("version", "unknown"))
+        [spec] = place_instances(
+            BASELINE,
+            bundle.serving(),
+            get_platform(bundle.run.get("platform_profile", "cpu")),
+            [BASELINE_PORT],
+            bundle.path / "unused-storage",
+            tuple(bundle.run.get("devices") or (0,)),
+            generation=generation_for(version).generation,
+        )
+        command = {"argv": spec.argv(), "env": spec.env()}
+    port = Var("BASELINE0_PORT")
+    return ExportedServer(
+        name="baseline0",
+        role=Role.BASELINE.value,
+        port=port,
+        default_port=BASELINE_PORT,
+        argv=template_argv(command["argv"], bundle.serving().model, port),
+        env=template_env(command["env"], None),
+    )
 
 
 def role_of(short_name: str) -> str:

