@@ -160,8 +160,8 @@ def plan_export(
 ) -> ExportPlan:
     """What the export of one case holds; BadInput (one line) for what cannot be exported.
 
-    `upstream` gives vLLM's proxy files; it is called only when the case needs the proxy
-    (not for the baseline, nor a probe sent to one instance), since it may fetch them.
+    `upstream` gives vLLM's proxy files; it is called only when the export needs the proxy
+    (a probe goes to one instance directly), since it may fetch them.
     """
     refuse_unexportable(bundle)
     if probe is not None and probe not in PROBES:
@@ -171,44 +171,19 @@ def plan_export(
     body = bundle.requests.get(case.prompt)
     if body is None:
         raise BadInput(f"{bundle.path}: requests.json has no body for {case.prompt!r}")
-    topology = get_topology(case.topology)
-    servers = instance_servers(bundle, label, topology.roles)
-    expected = expected_answer(bundle, case)
+    servers = instance_servers(bundle, label, get_topology(case.topology).roles)
     proxy: ExportedServer | None = None
     proxy_file: ProxyFile | None = None
     if probe == UNKNOWN_UUID_PROBE:
         consumer = probed_consumer(servers, case)
-        metadata = encoder_metadata(bundle, label, case.prompt)
-        body = unknown_uuid_body(body, metadata, case)
+        body = unknown_uuid_body(body, encoder_metadata(bundle, label, case.prompt), case)
         servers = (consumer,)
-        expected = {
-            "check": "refused-and-alive",
-            "send_to": consumer.name,
-            "what": f"{consumer.name} alone, sent the request with its image as a "
-            f"metadata-only part under a uuid no encoder produced; expecting a 4xx and "
-            f"{consumer.name} still serving",
-            "timeout_s": REQUEST_TIMEOUT_S,
-            "recorded": {
-                "verdict": "ERROR",
-                "source": "the harness's negative check (scenarios/test_negative_checks.py)",
-            },
-        }
-    elif not topology.is_baseline:
+        expected = survival_expectation(consumer)
+    else:
         if upstream is None:
             raise ValueError("an export through vLLM's proxy needs its files")
         proxy, proxy_file = proxy_server(servers, upstream())
-    if probe is None:
-        expected = {
-            **expected,
-            "check": "tokens",
-            "what": f"{case.topology} / {case.prompt}: {describe_request(body)}; expecting the "
-            f"monolithic baseline's token ids",
-            "timeout_s": REQUEST_TIMEOUT_S,
-            "recorded": {
-                "verdict": case.verdict,
-                "source": f"the harness (run {bundle.path.name})",
-            },
-        }
+        expected = tokens_expectation(bundle, case, body)
     return ExportPlan(
         name=export_name(bundle, case, probe),
         bundle=bundle.path,
@@ -452,6 +427,34 @@ def split_markers(text: str, variables: dict[str, Var]) -> Arg:
 
 def sha256_of(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def tokens_expectation(bundle: Bundle, case: ReproCase, body: dict[str, Any]) -> dict[str, Any]:
+    """expected.json of a case: the baseline's ids, and what the harness recorded."""
+    return {
+        **expected_answer(bundle, case),
+        "check": "tokens",
+        "what": f"{case.topology} / {case.prompt}: {describe_request(body)}; expecting the "
+        "monolithic baseline's token ids",
+        "timeout_s": REQUEST_TIMEOUT_S,
+        "recorded": {"verdict": case.verdict, "source": f"the harness (run {bundle.path.name})"},
+    }
+
+
+def survival_expectation(consumer: ExportedServer) -> dict[str, Any]:
+    """expected.json of the unknown-uuid probe: a refusal, and the consumer still serving."""
+    return {
+        "check": "refused-and-alive",
+        "send_to": consumer.name,
+        "what": f"{consumer.name} alone, sent the request with its image as a metadata-only "
+        f"part under a uuid no encoder produced; expecting a 4xx and {consumer.name} still "
+        "serving",
+        "timeout_s": REQUEST_TIMEOUT_S,
+        "recorded": {
+            "verdict": "ERROR",
+            "source": "the harness's negative check (scenarios/test_negative_checks.py)",
+        },
+    }
 
 
 def expected_answer(bundle: Bundle, case: ReproCase) -> dict[str, Any]:
