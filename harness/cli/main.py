@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from harness.cli import doctor
 from harness.cli.compare import add_compare_parser
+from harness.cli.export import add_export_parser
 from harness.cli.fuzz import add_fuzz_parser
 from harness.cli.plan import add_plan_parser
 from harness.cli.versions import add_bisect_parser, add_goldens_parser, add_versions_parser
@@ -422,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bisect_parser(sub)
     add_compare_parser(sub)
     add_fuzz_parser(sub)
+    add_export_parser(sub)
     return parser
 
 

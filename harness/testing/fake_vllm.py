@@ -6,8 +6,10 @@ needs, ignores the rest and rejects `--no-such-*` flags with vLLM's parser error
 and misbehaves on cue. The cue is the environment variable
 `FAKE_VLLM_MODE="<who>:<mode>[=<seconds>];..."`, where <who> is a role (baseline, encoder, pd,
 prefill, decode), a served model name, or `*`; modes: slow-start, die-start, slow, hang,
-ignore-term (SIGTERM ignored, as vLLM does while its engine starts) and fork-child (a child in
-the server's group, like vLLM's engine core). With `FAKE_VLLM_START_LOG=<file>` every start
+ignore-term (SIGTERM ignored, as vLLM does while its engine starts), fork-child (a child in
+the server's group, like vLLM's engine core) and die-request (the process exits on its first
+chat request, logging an assertion, as an engine core that dies takes its API server down).
+With `FAKE_VLLM_START_LOG=<file>` every start
 appends a JSON line (role, argv without the port, CUDA_*/VLLM_* env): what start-counting tests
 count.
 
@@ -93,6 +95,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         print(f"REQUEST {self.headers.get('x-request-id')}", flush=True)
+        if "die-request" in modes:
+            print("ERROR AssertionError: fake engine core died on a request (chaos-9e2a)", flush=True)
+            os._exit(0)
         time.sleep(3600 if "hang" in modes else modes.get("slow", 0))
         ids = [7 + i for i in range(int(body.get("max_tokens") or 4))]
         logprobs = [{**top(t), "top_logprobs": [top(t)]} for t in ids]
