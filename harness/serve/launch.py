@@ -153,6 +153,12 @@ class ManagedServer:
     def port_lease(self) -> PortLease | None:
         return self._port_lease
 
+    def detach_port_lease(self) -> PortLease | None:
+        """Hand this server's port lease to a successor (a dead server started again on the
+        same port, `TopologySession.revive_dead`): its `stop()` then keeps the port held."""
+        lease, self._port_lease = self._port_lease, None
+        return lease
+
     @property
     def pid(self) -> int | None:
         return None if self._popen is None else self._popen.pid
@@ -404,6 +410,15 @@ class ServerGroup:
         except ServerDied as exc:
             self._report_death(exc)
             raise
+
+    def revive(self, dead: ManagedServer, fresh: ManagedServer) -> None:
+        """Put `fresh` in `dead`'s place and spawn it (a server that died is started again as
+        a new object, with a log of its own); `wait_all_ready` then waits for it."""
+        index = self.servers.index(dead)
+        self.servers = (*self.servers[:index], fresh, *self.servers[index + 1 :])
+        self._reported_dead.discard(dead.name)
+        self._emit(fresh, "starting")
+        fresh.start()
 
     def check_alive(self) -> None:
         """Raise ServerDied for the first server that has exited (call it between requests)."""

@@ -271,7 +271,8 @@ def render_fuzz_md(
         f"- examples: {timing['examples_s']} s; per judged example: mean "
         f"{timing['per_judged_example_mean_s']} s, median {timing['per_judged_example_median_s']} s",
         f"- shrinking: {timing['shrink_s']} s",
-        f"- restarts: {timing['restarts']}, {timing['restart_s']} s in all",
+        f"- restarts: {timing['restarts']}, {timing['restart_s']} s in all"
+        + (f" ({', '.join(restarts_by_kind(report))})" if report.restarts else ""),
         f"- total: {timing['total_s']} s",
         "",
         "## What the examples hit (exact layouts from the baseline's prompt ids)",
@@ -293,6 +294,17 @@ def render_fuzz_md(
         lines += [f"- {e.spec.name}: {e.note}" for e in rejected]
         lines.append("")
     return "\n".join(lines)
+
+
+def restarts_by_kind(report: FuzzReport) -> list[str]:
+    """'4 revived (38-52 s)', '1 restarted (80 s)': the instance alone, or the topology."""
+    kinds: dict[str, list[float]] = {}
+    for restart in report.restarts:
+        kinds.setdefault(restart.get("how", "restarted"), []).append(restart["seconds"])
+    return [
+        f"{len(seconds)} {how} ({min(seconds):.0f}-{max(seconds):.0f} s)"
+        for how, seconds in sorted(kinds.items())
+    ]
 
 
 def render_group(number: int, group: FailureGroup, directory: Path, run_dir: Path) -> list[str]:
