@@ -432,6 +432,14 @@ def _image_last_with_little_text(spec: PromptSpec) -> bool:
     return len(parts) >= 2 and isinstance(parts[-2], ImagePart) and len(parts[-1].text) < 12
 
 
+def test_a_text_can_shrink_by_whole_blocks_of_words() -> None:
+    spec = PromptSpec("s", (ImagePart(0, (56, 56)), TextPart(" a" * 40)))
+    shorter = [c for c in candidates(spec, step_words=32) if c.parts[0] == spec.parts[0]]
+    texts = {len(c.parts[1].text.split()) for c in shorter if len(c.parts) == 2}
+    assert 8 in texts, "40 words less one block of 32"
+    assert 8 not in {len(c.parts[1].text.split()) for c in candidates(spec) if len(c.parts) == 2}
+
+
 def test_shrinking_reaches_one_image_and_short_text_in_few_restarts() -> None:
     start = PromptSpec(
         "ex-0042",

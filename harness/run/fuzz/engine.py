@@ -562,7 +562,12 @@ class FuzzEngine:
             return True
         if rule is not None and rule.crash and rule.trigger is not None:
             group.shrink = shrink(
-                start.spec, PredictingOracle(self, rule), budget, "predicted", divergence
+                start.spec,
+                PredictingOracle(self, rule),
+                budget,
+                "predicted",
+                divergence,
+                step_words=self.settings.serving.block_size,
             )
             return False
         self._shrink_by_sending(group, budget, divergence)
@@ -604,7 +609,14 @@ class FuzzEngine:
         self, group: FailureGroup, budget: ShrinkBudget, divergence: int | None
     ) -> None:
         oracle = SendingOracle(self, group)
-        group.shrink = shrink(group.start.spec, oracle, budget, "sent", divergence)
+        group.shrink = shrink(
+            group.start.spec,
+            oracle,
+            budget,
+            "sent",
+            divergence,
+            step_words=self.settings.serving.block_size,
+        )
         # Every reproducing trial is accepted at once, so the last one is the minimal request.
         group.minimal = oracle.last_reproduced if group.shrink.accepted else group.start
 
