@@ -636,6 +636,23 @@ def test_a_spent_run_budget_sends_nothing_more_and_says_so(tmp_path: Path) -> No
     assert all("time budget" in e.note for e in report.evaluations)
 
 
+def test_shrinking_keeps_a_request_long_enough_to_move_kv(tmp_path: Path) -> None:
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    settings = RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "model")),
+        run_dir=tmp_path,
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+    )
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1P+1D"], min_prompt_tokens=34)
+    spec = image_prompt((56, 56))
+    short = Evaluation(spec, {}, Outcome(prompt="p"), "judged", PromptLayout(25, (), 32))
+    assert "25 prompt tokens, under the space's 34" in engine.too_short(short)
+    long_enough = Evaluation(spec, {}, Outcome(prompt="p"), "judged", PromptLayout(34, (), 32))
+    assert engine.too_short(long_enough) is None
+
+
 def test_the_command_line_imports_without_hypothesis() -> None:
     import subprocess
     import sys

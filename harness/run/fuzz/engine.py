@@ -196,9 +196,12 @@ class FuzzEngine:
         budget: ShrinkBudget = ShrinkBudget(),
         run_budget: RunBudget = RunBudget(),
         pool: TopologyPool | None = None,
+        min_prompt_tokens: int = 0,
     ):
         """`pool` is the run's running topologies (a pytest session's); without one the
-        engine has its own, stopped when it closes."""
+        engine has its own, stopped when it closes. `min_prompt_tokens` is the space's
+        (`FuzzSpace.min_prompt_tokens`): shrinking keeps a request at least that long, since
+        a shorter one moves no KV and shows nothing of P->D."""
         self.settings = settings
         self.owns_pool = pool is None
         self.pool = pool or TopologyPool(settings, on_event)
@@ -210,6 +213,7 @@ class FuzzEngine:
         self.confirm_known = confirm_known
         self.budget = budget
         self.run_budget = run_budget
+        self.min_prompt_tokens = min_prompt_tokens
         self.began = time.monotonic()
         self.rules: list[KnownRule] = rules_for(
             topology, settings.serving.kv_connector, settings.protocol
@@ -411,6 +415,16 @@ class FuzzEngine:
             evaluation.layout.run_starts,
             consumer_alive=self.topology_dead() is None,
         )
+
+    def too_short(self, evaluation: Evaluation) -> str | None:
+        """Why a shrink candidate is not tried: a prompt under the space's minimum."""
+        layout = evaluation.layout
+        if layout is not None and layout.prompt_tokens < self.min_prompt_tokens:
+            return (
+                f"not sent: {layout.prompt_tokens} prompt tokens, under the space's "
+                f"{self.min_prompt_tokens} (no KV moved)"
+            )
+        return None
 
     def evaluate(self, spec: PromptSpec) -> Evaluation:
         evaluation = self.ask_baseline(spec)
@@ -639,6 +653,9 @@ class SendingOracle:
     def attempt(self, spec: PromptSpec) -> Trial:
         evaluation = self.engine.ask_baseline(spec)
         if evaluation.status == "judged":
+            short = self.engine.too_short(evaluation)
+            if short is not None:
+                return Trial(spec, False, short, evaluation.seconds)
             predicted = self.engine.predicted_crash(evaluation)
             if predicted is not None and predicted != self.rule:
                 note = f"not sent: {predicted.name} predicted ({predicted.trigger_text})"
@@ -675,6 +692,9 @@ class PredictingOracle:
         evaluation = self.engine.ask_baseline(spec)
         if evaluation.status != "judged":
             return Trial(spec, False, evaluation.summary(), evaluation.seconds)
+        short = self.engine.too_short(evaluation)
+        if short is not None:
+            return Trial(spec, False, short.replace("not sent", "not tried"), evaluation.seconds)
         reproduced = self.rule.predicts(spec, evaluation.layout)
         layout = evaluation.layout.to_json() if evaluation.layout else {}
         outcome = (
