@@ -165,9 +165,14 @@ def evaluation_json(evaluation: Evaluation) -> dict[str, Any]:
 def coverage(report: FuzzReport) -> dict[str, int]:
     """What the examples really hit (exact layouts): boundary offsets and D's tail."""
     counts = {"with media": 0, "ends -1": 0, "ends on": 0, "ends +1": 0, "in D's tail": 0}
+    counts |= {"text only": 0, "k*block+1 tokens": 0}
     for evaluation in report.evaluations:
         layout = evaluation.layout
-        if layout is None or layout.last_media_end is None:
+        if layout is None:
+            continue
+        counts["k*block+1 tokens"] += not layout.kv_keys_agree
+        if layout.last_media_end is None:
+            counts["text only"] += 1
             continue
         counts["with media"] += 1
         offset = layout.boundary_offset
