@@ -151,7 +151,7 @@ MATRIX: tuple[Scenario, ...] = (
         ),
     ),  # the control: at 2 fps second_per_grid_ts is 1.0 on both sides
     Scenario(
-        "ec-video-mp4-below-two-fps",
+        "ec-video-mp4-not-at-2-fps",
         "1E+1PD",
         (
             PromptSpec(
@@ -160,8 +160,9 @@ MATRIX: tuple[Scenario, ...] = (
         ),
         expect=(Verdict.MISMATCH,),
         expect_evidence="generated tokens differ",
-        reason="the JPEG frames' cause (found by epd-harness fuzz): an mp4 recorded at 1 fps "
-        "has nothing to sample down to 2 fps, so the baseline derives second_per_grid_ts 2.0 "
+        reason="the JPEG frames' cause (found by epd-harness fuzz): an mp4 whose frames "
+        "cannot be sampled to 2 fps (recorded at 1 fps; or 4 frames at 3 fps, which the "
+        "loader's minimum of 4 frames keeps) gives the baseline second_per_grid_ts 2 / fps, "
         "while the consumer, which the encoder does not tell, assumes 1.0: the video's "
         "temporal positions differ (harness/run/fuzz/video_timing.py)",
     ),

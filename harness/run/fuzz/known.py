@@ -76,7 +76,7 @@ SCENARIO_TRIGGERS: dict[str, tuple[str, Trigger]] = {
         "a video as JPEG frames whose temporal positions move at its rate (not 2 fps)",
         frames_timing_differs,
     ),
-    "ec-video-mp4-below-two-fps": (
+    "ec-video-mp4-not-at-2-fps": (
         "an mp4 sampled at a rate that moves a temporal position (not 2 fps)",
         mp4_timing_differs,
     ),
