@@ -378,6 +378,7 @@ def test_the_kv_lookup_miss_is_known_apart_from_the_decode_tail_crash() -> None:
         (VideoFramesPart(0, num_frames=8), (), True),
         (VideoPart(0, num_frames=16, fps=3.0), (), False),  # 10 kept: 1.875 fps, 5 steps
         (VideoPart(0, num_frames=13, fps=2.0), (), False),
+        (VideoPart(0, num_frames=4, fps=3.0), (), True),  # at least 4 frames kept: 3 fps
         (VideoPart(0, num_frames=8, fps=2.0), (("mm_processor_kwargs", {"fps": 1.0}),), False),
         (
             VideoPart(0, num_frames=8, fps=1.0),
