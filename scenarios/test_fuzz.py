@@ -42,7 +42,10 @@ def test_a_seeded_fuzz_of_1e_1pd_finds_no_new_failure(epd_settings, epd_pool) ->
     estimator = TokenizerEstimator(Path(epd_settings.serving.model))
     examples = draw_examples(space, CI_EXAMPLES, 0, estimator)
     assert len(examples) == CI_EXAMPLES
-    with FuzzEngine(epd_settings, topology, pool=epd_pool) as engine:
+    engine = FuzzEngine(
+        epd_settings, topology, pool=epd_pool, min_prompt_tokens=space.min_prompt_tokens
+    )
+    with engine:
         report = engine.run(examples)
     judged = [e for e in report.evaluations if e.status == "judged"]
     assert len(judged) >= CI_EXAMPLES // 2, report.counts()

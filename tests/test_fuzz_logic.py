@@ -10,6 +10,12 @@ import pytest
 
 from harness.judge.records import CaseRecord, Verdict
 from harness.outcomes.outcome import Outcome
+from harness.run.fuzz.consumer import (
+    ConsumerState,
+    looked_up_tokens,
+    media_identities,
+    stored_tokens,
+)
 from harness.run.fuzz.engine import Evaluation, FailureGroup, group_failures
 from harness.run.fuzz.known import Recognition, recognise, rules_for
 from harness.run.fuzz.layout import (
@@ -24,6 +30,7 @@ from harness.run.fuzz.shrink import ShrinkBudget, Trial, candidates, shrink, siz
 from harness.run.fuzz.signature import Signature, cause_line, died_role, signature_of
 from harness.run.fuzz.space import FuzzSpace, space_for
 from harness.run.fuzz.strategies import FILLER, draw_examples
+from harness.run.fuzz.video_timing import video_positions_differ
 from harness.run.scenarios import found_scenarios
 from harness.spec.generations import GENERATIONS_BY_NAME, NEWEST
 from harness.spec.prompt_codec import prompt_from_json, prompt_to_json
@@ -214,6 +221,52 @@ def test_a_run_ending_on_a_boundary_is_loaded_one_after_it_is_recomputed(
     assert layout.media_in_decode_tail is in_tail
 
 
+@pytest.mark.parametrize(
+    ("tokens", "stored", "looked_up"), [(64, 32, 32), (65, 64, 32), (66, 64, 64)]
+)
+def test_examples_connector_keys_differ_one_token_past_a_block(
+    tokens: int, stored: int, looked_up: int
+) -> None:
+    assert (stored_tokens(tokens, 32), looked_up_tokens(tokens, 32)) == (stored, looked_up)
+    layout = PromptLayout(tokens, (("image", 2, 6),), 32)
+    assert layout.kv_keys_agree is (stored == looked_up)
+    assert layout.media_past_kv_miss is (stored != looked_up), "D computes the image itself"
+    assert not layout.media_in_decode_tail, "an early image is in no partial block"
+    assert layout.kv_short_of_transfer is (stored != looked_up)
+
+
+def test_what_d_holds_follows_the_storage_and_its_prefix_cache() -> None:
+    state = ConsumerState(block=32)
+    text = list(range(100, 165))  # 65 tokens: P stores 64, D looks for 32
+    assert state.holds(text, (), ()) == 0
+    state.served(text, (), (), consumer_alive=False)  # D died on it: nothing cached
+    assert state.holds(text, (), ()) == 0, "P stored 64 tokens where D looks for 32"
+    shorter = text[:40]  # 40 tokens: P stores 32 under D's lookup key for `text`
+    state.served(shorter, (), (), consumer_alive=False)
+    assert state.holds(text, (), ()) == 32
+    state.storage_reset()
+    assert state.holds(text, (), ()) == 0
+    state.served(text[:64] + [7, 8], (), (), consumer_alive=True)  # D caches 2 full blocks
+    assert state.holds(text, (), ()) == 64, "a prefix-cache hit, capped at n - 1"
+    state.consumer_restarted()
+    assert state.holds(text, (), ()) == 0, "a revived D holds nothing of its own"
+
+
+def test_a_prefix_hit_stops_where_another_media_item_sits() -> None:
+    state = ConsumerState(block=32)
+    ids = [1] * 10 + [785] * 40 + [2] * 30  # one image at 10..50, 80 tokens
+    state.served(ids, ("image-a",), (10,), consumer_alive=True)
+    assert state.holds(ids, ("image-a",), (10,)) == 64
+    assert state.holds(ids, ("image-b",), (10,)) == 0, "same placeholders, another image"
+
+
+def test_media_identities_follow_the_part_and_its_kwargs() -> None:
+    plain = image_prompt((56, 56), (56, 56))
+    kwargs = PromptSpec("k", plain.parts, extra=(("mm_processor_kwargs", {"max_pixels": 9}),))
+    assert len(set(media_identities(plain))) == 2  # seeds 0 and 1
+    assert media_identities(plain)[0] != media_identities(kwargs)[0]
+
+
 def test_vision_grid_matches_the_qwen2_vl_resize_rule() -> None:
     grid = VisionGrid(min_pixels=3136, max_pixels=200704)
     assert grid.image_tokens(224, 224) == 64
@@ -290,6 +343,59 @@ def test_the_video_timing_mismatch_is_known_for_frames_not_at_two_fps() -> None:
     assert recognise(old, mismatch, video, None).rule.name == "release by-hash"
 
 
+def test_the_kv_lookup_miss_is_known_apart_from_the_decode_tail_crash() -> None:
+    rules = rules_for(TOPOLOGIES["1E+1P+1D"], "ExampleConnector", NEWEST)
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    spec = image_prompt((56, 56))
+    miss = PromptLayout(65, (("image", 20, 24),), 32)
+    assert recognise(rules, crash, spec, miss).rule.name == "scenario epd-kv-lookup-miss-media"
+    covered = PromptLayout(65, (("image", 20, 24),), 32, consumer_holds=32)
+    assert not recognise(rules, crash, spec, covered).known, "D held the image: no crash"
+    tail = PromptLayout(66, (("image", 60, 65),), 32)
+    assert recognise(rules, crash, spec, tail).rule.name == "scenario epd-media-in-decode-tail"
+    vacuous = record(
+        Verdict.VACUOUS,
+        "tokens equal but guard failed: kv_transfer: D cached 0 of 64",
+        guards={"kv_transfer": {"ok": False, "evidence": ""}},
+    )
+    text = PromptSpec("t", (TextPart(" x"),))
+    known = recognise(rules, vacuous, text, PromptLayout(65, (), 32))
+    assert known.rule.name == "scenario epd-kv-lookup-miss-text"
+    assert not recognise(rules, vacuous, text, PromptLayout(66, (), 32)).known
+    nixl = rules_for(TOPOLOGIES["1E+1P+1D"], "NixlConnector", NEWEST)
+    assert not recognise(nixl, crash, spec, miss).known
+
+
+# Measured on 1E+1PD with real vLLM 0.32 (MISMATCH exactly where True), all but the 11- and
+# 2-frame mp4s (read from the rule).
+@pytest.mark.parametrize(
+    ("part", "extra", "differ"),
+    [
+        (VideoPart(0, num_frames=8, fps=1.0), (), True),  # nothing to sample down: 1 fps
+        (VideoPart(0, num_frames=8, fps=2.0), (), False),
+        (VideoPart(0, num_frames=16, fps=4.0), (), False),  # sampled down to 2 fps
+        (VideoPart(0, num_frames=11, fps=2.0), (), False),  # 10 of 11 kept: 1.82 fps, 5 steps
+        (VideoPart(0, num_frames=2, fps=1.0), (), False),  # one temporal step: no position
+        (VideoFramesPart(0, num_frames=8), (), True),
+        (VideoPart(0, num_frames=16, fps=3.0), (), False),  # 10 kept: 1.875 fps, 5 steps
+        (VideoPart(0, num_frames=13, fps=2.0), (), False),
+        (VideoPart(0, num_frames=4, fps=3.0), (), True),  # at least 4 frames kept: 3 fps
+        (VideoPart(0, num_frames=8, fps=2.0), (("mm_processor_kwargs", {"fps": 1.0}),), False),
+        (
+            VideoPart(0, num_frames=8, fps=1.0),
+            (("media_io_kwargs", {"video": {"fps": 1.0}}),),
+            True,
+        ),
+        (VideoFramesPart(0, num_frames=2), (), False),
+        (VideoFramesPart(0, num_frames=3), (), True),
+        (VideoFramesPart(0, num_frames=8), (("media_io_kwargs", {"video": {"fps": 2.0}}),), False),
+    ],
+)
+def test_video_positions_differ_where_the_sampled_rate_moves_a_step(part, extra, differ) -> None:
+    spec = PromptSpec("v", (part, TextPart(" x")), extra=extra)
+    assert video_positions_differ(part, spec) is differ
+
+
 # -- shrinking ----------------------------------------------------------------------------------
 
 
@@ -337,6 +443,14 @@ def _image_last_with_little_text(spec: PromptSpec) -> bool:
     if isinstance(parts[-1], ImagePart):
         return True
     return len(parts) >= 2 and isinstance(parts[-2], ImagePart) and len(parts[-1].text) < 12
+
+
+def test_a_text_can_shrink_by_whole_blocks_of_words() -> None:
+    spec = PromptSpec("s", (ImagePart(0, (56, 56)), TextPart(" a" * 40)))
+    shorter = [c for c in candidates(spec, step_words=32) if c.parts[0] == spec.parts[0]]
+    texts = {len(c.parts[1].text.split()) for c in shorter if len(c.parts) == 2}
+    assert 8 in texts, "40 words less one block of 32"
+    assert 8 not in {len(c.parts[1].text.split()) for c in candidates(spec) if len(c.parts) == 2}
 
 
 def test_shrinking_reaches_one_image_and_short_text_in_few_restarts() -> None:
@@ -488,10 +602,10 @@ def test_fuzz_refuses_the_baseline_and_several_topologies(epd_cli) -> None:
 def test_a_topology_with_d_gets_prompts_of_at_least_one_block() -> None:
     serving = ServingConfig(model="m")
     space = space_for(NEWEST, TOPOLOGIES["1E+1P+1D"], serving)
-    assert space.min_prompt_tokens == 33
+    assert space.min_prompt_tokens == 34
     assert space_for(NEWEST, TOPOLOGIES["1E+1PD"], serving).min_prompt_tokens == 0
     for example in draw_examples(space, 40, seed=1, estimator=FakeEstimator()):
-        assert estimate_positions(example.spec, FakeEstimator())[1] >= 33
+        assert estimate_positions(example.spec, FakeEstimator())[1] >= 34
 
 
 def test_an_ec_path_declaration_covers_every_encoder_topology() -> None:
@@ -519,3 +633,20 @@ def test_a_spent_run_budget_sends_nothing_more_and_says_so(tmp_path: Path) -> No
     report = engine.run(examples)  # no server was started: nothing may be sent
     assert report.counts() == {"not-sent": 3}
     assert all("time budget" in e.note for e in report.evaluations)
+
+
+def test_shrinking_keeps_a_request_long_enough_to_move_kv(tmp_path: Path) -> None:
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    settings = RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "model")),
+        run_dir=tmp_path,
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+    )
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1P+1D"], min_prompt_tokens=34)
+    spec = image_prompt((56, 56))
+    short = Evaluation(spec, {}, Outcome(prompt="p"), "judged", PromptLayout(25, (), 32))
+    assert "25 prompt tokens, under the space's 34" in engine.too_short(short)
+    long_enough = Evaluation(spec, {}, Outcome(prompt="p"), "judged", PromptLayout(34, (), 32))
+    assert engine.too_short(long_enough) is None

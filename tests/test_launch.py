@@ -211,6 +211,31 @@ def test_never_ready_raises_startup_timeout_naming_the_server(make_server) -> No
     assert server.is_alive()
 
 
+def test_a_health_answer_from_a_program_that_took_the_port_is_not_readiness(
+    make_server,
+) -> None:
+    """Seen on this machine: a test's fake server, leasing ports from a lock directory of its
+    own, took a revived D's port while vLLM loaded and answered /health for it."""
+    server = make_server("1E+1P+1D/decode0", mode="never-ready")
+    port = int(server.command.health_url.split(":")[2].split("/")[0])
+    server.port_lease.hand_over()
+    intruder = subprocess.Popen(
+        [sys.executable, "-c", FAKE_SERVER, str(port), "0", "serve"], start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + GONE_TIMEOUT_S
+        while not server.probe_health():
+            assert time.monotonic() < deadline, "the intruder never answered"
+            time.sleep(0.05)
+        server.start()
+        with pytest.raises(StartupTimeout):
+            server.wait_until_ready(timeout_s=1.5)
+        assert not server.owns_health_port()
+    finally:
+        intruder.kill()
+        intruder.wait()
+
+
 def test_ready_then_stop_leaves_no_process_of_the_tree(make_server) -> None:
     server = make_server("baseline/baseline0", mode="children")
     server.start()

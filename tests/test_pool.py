@@ -99,6 +99,36 @@ def test_a_running_topology_is_shared_and_a_dead_one_started_again_with_its_caus
     assert pool.running() == []
 
 
+def test_a_dead_instance_is_revived_in_place_and_its_siblings_keep_running(
+    tmp_path: Path, start_log: Path
+) -> None:
+    """`revive` starts only the instance that died, on its port, with a log of its own (the
+    dead one's stays as evidence); the same session, its sibling and its proxy serve on."""
+    settings = settings_for(tmp_path)
+    pool = TopologyPool(settings)
+    body = {"model": "epd-model", "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        session = pool.session(TOPOLOGIES["1P+1D"])
+        prefill, victim = session.server(Role.PREFILL), session.server(Role.DECODE)
+        old_log, port = victim.command.log_path, victim.port_lease.port
+        os.killpg(victim.pgid, signal.SIGKILL)
+        wait_for(lambda: not victim.is_alive(), "the killed D to be gone")
+        assert pool.revive(TOPOLOGIES["1P+1D"]) is session and len(starts(start_log)) == 3
+        fresh = session.server(Role.DECODE)
+        assert fresh is not victim and fresh.is_alive() and fresh.port_lease.port == port
+        assert session.server(Role.PREFILL) is prefill and prefill.is_alive()
+        assert old_log.exists() and fresh.command.log_path.name.endswith(".revived-1.log")
+        assert session.dead_instance_report() is None
+        assert session.send("text", body).result is not None
+        reason = pool.starts[-1].reason
+        assert reason.startswith("revive decode0: instance 1P+1D/decode0 exited"), reason
+        assert pool.revive(TOPOLOGIES["1P+1D"]) is session, "nothing dead: nothing started"
+        assert len(starts(start_log)) == 3
+    finally:
+        pool.close()
+    assert pool.running() == []
+
+
 def test_another_proxy_in_front_starts_no_instance(tmp_path: Path, start_log: Path) -> None:
     """The same instances through the harness's proxy and through another entry (here a
     second harness proxy stands in for vLLM's, which the fake cannot run)."""

@@ -190,6 +190,7 @@ def command_fuzz(args: argparse.Namespace) -> int:
         confirm_known=args.confirm_known,
         budget=budget,
         run_budget=run_budget,
+        min_prompt_tokens=space.min_prompt_tokens,
     ) as engine:
         report.startup_seconds = time.monotonic() - began
         engine.run(examples, report, on_progress=write)

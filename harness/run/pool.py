@@ -135,6 +135,36 @@ class TopologyPool:
             raise outcome
         return self.through(outcome, request.settings)
 
+    def revive(
+        self, topology: Topology, settings: RunSettings | None = None
+    ) -> TopologySession | ProxiedSession:
+        """`session(topology)`, except that a running session whose instance died gets only
+        that instance started again, in place (`TopologySession.revive_dead`: its siblings,
+        storage and proxy kept), where `session` would start the whole topology afresh. For
+        callers that send request after request that kill one instance (fuzzing): on CPU one
+        instance starts in about half the time three do. Counted among the starts with its
+        cause; a revival that fails falls back to a full restart."""
+        settings = settings or self.settings
+        key = SessionKey.of(topology, settings)
+        live = self._live.get(key)
+        died = live.session.dead_instance_report() if live is not None else None
+        if live is None or died is None:
+            return self.session(topology, settings)
+        cause = died.splitlines()[0]
+        started = time.monotonic()
+        try:
+            revived = live.session.revive_dead()
+        except Exception as exc:  # noqa: BLE001 - the restart below says what it costs
+            log.warning("reviving %s failed (%s); restarting it", topology.name, exc)
+            self.starts.append(StartRecord(key, f"revive: {cause}", None))
+            return self.session(topology, settings)
+        names = ", ".join(s.name.rsplit("/", 1)[-1] for s in revived)
+        seconds = round(time.monotonic() - started, 1)
+        self.starts.append(StartRecord(key, f"revive {names}: {cause}", seconds))
+        self.instances.extend(revived)
+        live.used = time.monotonic()
+        return self.through(live.session, settings)
+
     def through(
         self, session: TopologySession, settings: RunSettings
     ) -> TopologySession | ProxiedSession:

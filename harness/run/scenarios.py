@@ -31,6 +31,11 @@ from harness.spec.prompts import (
 # vLLM closes idle keep-alive connections after 5 s (#41567): wait longer than that.
 IDLE_GAP_S = 6.0
 LONG_TEXT = " ".join([TAIL_TEXT] * 3)
+KV_LOOKUP_MISS = (
+    "vLLM 0.32 ExampleConnector: P stores the KV of align_to_block_size(n) tokens, D looks it "
+    "up under align_to_block_size(n - 1); at n = k*block + 1 the keys differ and D loads none "
+    "of P's KV (no 'External Cache Hit!' in D's log)"
+)
 
 
 class SendMode(str, enum.Enum):
@@ -146,6 +151,22 @@ MATRIX: tuple[Scenario, ...] = (
         ),
     ),  # the control: at 2 fps second_per_grid_ts is 1.0 on both sides
     Scenario(
+        "ec-video-mp4-not-at-2-fps",
+        "1E+1PD",
+        (
+            PromptSpec(
+                "m-video-mp4-1fps", (VideoPart(seed=26, num_frames=8, fps=1.0), TextPart(TAIL_TEXT))
+            ),
+        ),
+        expect=(Verdict.MISMATCH,),
+        expect_evidence="generated tokens differ",
+        reason="the JPEG frames' cause (found by epd-harness fuzz): an mp4 whose frames "
+        "cannot be sampled to 2 fps (recorded at 1 fps; or 4 frames at 3 fps, which the "
+        "loader's minimum of 4 frames keeps) gives the baseline second_per_grid_ts 2 / fps, "
+        "while the consumer, which the encoder does not tell, assumes 1.0: the video's "
+        "temporal positions differ (harness/run/fuzz/video_timing.py)",
+    ),
+    Scenario(
         "ec-video-fps-4",
         "1E+1PD",
         (
@@ -230,6 +251,32 @@ MATRIX: tuple[Scenario, ...] = (
         ci=True,
         # NIXL hands D the whole prompt's KV, so D computes only the last (text) token
         # (docs/connectors.md, measured with --kv-connector nixl).
+        expect_by_kv_connector=(("NixlConnector", (Verdict.MATCH,)),),
+    ),
+    # Found by `epd-harness fuzz` (docs/fuzzing.md): at n = k*32 + 1 prompt tokens (block 32;
+    # the texts are sized on the tiny model) ExampleConnector's P stores k blocks and D looks
+    # up k - 1 (harness/run/fuzz/consumer.py). D finds none of P's KV and computes the prompt
+    # itself: media kill it, text is answered right with no KV moved.
+    Scenario(
+        "epd-kv-lookup-miss-media",
+        "1E+1P+1D",
+        (image_prompt("m-image-at-block-plus-one", 53, text=TAIL_TEXT + " Thanks."),),
+        expect=(Verdict.ERROR,),
+        expect_evidence="Expected number of multimodal embeddings to match",
+        reason=KV_LOOKUP_MISS
+        + "; the image lies in the part D computes itself, with no embeddings, and D's "
+        "engine dies (the decode-tail assertion, with the image far from D's tail)",
+        expect_by_kv_connector=(("NixlConnector", (Verdict.MATCH,)),),
+    ),
+    Scenario(
+        "epd-kv-lookup-miss-text",
+        "1E+1P+1D",
+        (PromptSpec("m-text-at-block-plus-one", (TextPart(TAIL_TEXT + " Please be brief."),)),),
+        expect=(Verdict.VACUOUS,),
+        expect_evidence="tokens equal but guard failed: kv_transfer",
+        reason=KV_LOOKUP_MISS
+        + "; D computes the text itself and answers right, but no KV reached it: D's "
+        "cached_tokens stays below the block-aligned prefix",
         expect_by_kv_connector=(("NixlConnector", (Verdict.MATCH,)),),
     ),
 )

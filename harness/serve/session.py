@@ -92,6 +92,7 @@ class TopologySession:
         self._entries: dict[str, Entry] = {}
         self._entry: Entry | None = None
         self._entry_url: str | None = None
+        self.revivals: dict[str, int] = {}  # instance name -> times started again in place
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -178,6 +179,39 @@ class TopologySession:
         if not self.topology.is_baseline:
             self._start_taps()
         self._entry = self._open_entry(self.settings)
+
+    def revive_dead(self) -> list[InstanceStats]:
+        """Start every instance that died again, in place, and wait until it serves: the same
+        flags, port and storage, a fresh log beside the dead one's (which stays as evidence).
+        The other instances, the taps and the proxy keep running with what they hold, so this
+        costs one instance's start instead of the topology's. Returns the revived instances'
+        stats (raises what stopped one from coming up; the session is then unusable)."""
+        assert self._group is not None, "session not started"
+        revived: list[InstanceStats] = []
+        for index, (spec, dead) in enumerate(zip(self.instances, self._servers)):
+            if dead.is_alive():
+                continue
+            lease = dead.detach_port_lease()
+            dead.stop()  # whatever of its group is left; the port stays held
+            count = self.revivals.get(spec.name, 0) + 1
+            self.revivals[spec.name] = count
+            command = dataclasses.replace(
+                dead.command, log_path=log_path_for(self.dir, f"{spec.name}.revived-{count}")
+            )
+            write_text_atomic(command.log_path.with_suffix(".cmd.json"), command_json(command))
+            fresh = ManagedServer(command, port_lease=lease)
+            self._servers[index] = fresh
+            self._group.revive(dead, fresh)
+            stats = InstanceStats(spec.name, spec.role.value, spec.url, str(command.log_path))
+            self.stats[spec.name] = stats
+            revived.append(stats)
+        self._group.wait_all_ready(self.settings.startup_timeout_s)
+        for stats, server in ((s, self._by_name(s.name)) for s in revived):
+            stats.startup_s = server.startup_seconds
+        return revived
+
+    def _by_name(self, name: str) -> ManagedServer:
+        return next(server for server in self._servers if server.name == name)
 
     def _start_taps(self) -> None:
         """A recording tap in front of every instance: the guards' evidence, for any proxy.

@@ -165,9 +165,14 @@ def evaluation_json(evaluation: Evaluation) -> dict[str, Any]:
 def coverage(report: FuzzReport) -> dict[str, int]:
     """What the examples really hit (exact layouts): boundary offsets and D's tail."""
     counts = {"with media": 0, "ends -1": 0, "ends on": 0, "ends +1": 0, "in D's tail": 0}
+    counts |= {"text only": 0, "k*block+1 tokens": 0}
     for evaluation in report.evaluations:
         layout = evaluation.layout
-        if layout is None or layout.last_media_end is None:
+        if layout is None:
+            continue
+        counts["k*block+1 tokens"] += not layout.kv_keys_agree
+        if layout.last_media_end is None:
+            counts["text only"] += 1
             continue
         counts["with media"] += 1
         offset = layout.boundary_offset
@@ -271,7 +276,8 @@ def render_fuzz_md(
         f"- examples: {timing['examples_s']} s; per judged example: mean "
         f"{timing['per_judged_example_mean_s']} s, median {timing['per_judged_example_median_s']} s",
         f"- shrinking: {timing['shrink_s']} s",
-        f"- restarts: {timing['restarts']}, {timing['restart_s']} s in all",
+        f"- restarts: {timing['restarts']}, {timing['restart_s']} s in all"
+        + (f" ({', '.join(restarts_by_kind(report))})" if report.restarts else ""),
         f"- total: {timing['total_s']} s",
         "",
         "## What the examples hit (exact layouts from the baseline's prompt ids)",
@@ -293,6 +299,17 @@ def render_fuzz_md(
         lines += [f"- {e.spec.name}: {e.note}" for e in rejected]
         lines.append("")
     return "\n".join(lines)
+
+
+def restarts_by_kind(report: FuzzReport) -> list[str]:
+    """'4 revived (38-52 s)', '1 restarted (80 s)': the instance alone, or the topology."""
+    kinds: dict[str, list[float]] = {}
+    for restart in report.restarts:
+        kinds.setdefault(restart.get("how", "restarted"), []).append(restart["seconds"])
+    return [
+        f"{len(seconds)} {how} ({min(seconds):.0f}-{max(seconds):.0f} s)"
+        for how, seconds in sorted(kinds.items())
+    ]
 
 
 def render_group(number: int, group: FailureGroup, directory: Path, run_dir: Path) -> list[str]:

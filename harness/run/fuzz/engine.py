@@ -10,9 +10,13 @@ release, and each kill costs a restart. Then the topology answers, the transfer 
 read, and the case is judged by the harness's own verdicts (one function, `judge_example`).
 A failure is checked against a second baseline answer (an unstable baseline blames nothing).
 
-An instance that died is noticed before the next request that needs it, and only then is its
-topology restarted (a fresh session directory, so the dead one's logs stay as evidence). An
-attached deployment cannot be restarted: after a death the remaining examples are not sent.
+An instance that died is noticed before the next request that needs it, and only then is it
+started again, in place (`TopologyPool.revive`: its siblings, storage and proxy keep running;
+the dead one's log stays as evidence); a topology that cannot be revived is restarted in a
+fresh session directory. What D holds before each request (its prefix cache, the KV files of
+earlier requests) is followed across examples (`harness.run.fuzz.consumer`), because whether
+some requests kill D depends on it. An attached deployment cannot be restarted: after a death
+the remaining examples are not sent.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from harness.judge.verdicts import Reference, baseline_stability
 from harness.outcomes.outcome import Outcome
 from harness.run.baseline import BaselineAnswers
 from harness.run.faults import fault_for, plant
+from harness.run.fuzz.consumer import ConsumerState, media_identities
 from harness.run.fuzz.known import KnownRule, Recognition, recognise, rules_for
 from harness.run.fuzz.layout import PlaceholderIds, PromptLayout, layout_from_ids
 from harness.run.fuzz.shrink import ShrinkBudget, ShrinkResult, Trial, shrink, size_key
@@ -191,9 +196,12 @@ class FuzzEngine:
         budget: ShrinkBudget = ShrinkBudget(),
         run_budget: RunBudget = RunBudget(),
         pool: TopologyPool | None = None,
+        min_prompt_tokens: int = 0,
     ):
         """`pool` is the run's running topologies (a pytest session's); without one the
-        engine has its own, stopped when it closes."""
+        engine has its own, stopped when it closes. `min_prompt_tokens` is the space's
+        (`FuzzSpace.min_prompt_tokens`): shrinking keeps a request at least that long, since
+        a shorter one moves no KV and shows nothing of P->D."""
         self.settings = settings
         self.owns_pool = pool is None
         self.pool = pool or TopologyPool(settings, on_event)
@@ -205,11 +213,13 @@ class FuzzEngine:
         self.confirm_known = confirm_known
         self.budget = budget
         self.run_budget = run_budget
+        self.min_prompt_tokens = min_prompt_tokens
         self.began = time.monotonic()
         self.rules: list[KnownRule] = rules_for(
             topology, settings.serving.kv_connector, settings.protocol
         )
         self.placeholders = PlaceholderIds.from_model_dir(Path(settings.serving.model))
+        self.consumer = ConsumerState(settings.serving.block_size)
         self.baseline: TopologySession | ProxiedSession | None = None
         self.session: TopologySession | ProxiedSession | AttachedSession | None = None
         self.report_restarts: list[dict[str, Any]] = []
@@ -295,13 +305,26 @@ class FuzzEngine:
                 f"{self.topology.name} is down"
             )
         began = time.monotonic()
-        log.info("[fuzz] %s: restarting (%s)", self.topology.name, dead.splitlines()[0])
-        # The pool starts it again (a fresh session directory: the dead one's logs stay).
-        self.session = self.pool.session(self.topology)
-        self._plant(self.session)
+        log.info("[fuzz] %s: reviving (%s)", self.topology.name, dead.splitlines()[0])
+        before = _base(self.session)
+        # The dead instance starts again in place (its log stays as evidence); a topology the
+        # pool could not revive starts afresh, in a new session directory with new storage.
+        self.session = self.pool.revive(self.topology)
+        how = "revived"
+        if _base(self.session) is before:
+            self.consumer.consumer_restarted()
+        else:
+            how = "restarted"
+            self.consumer.storage_reset()
+            self._plant(self.session)
         seconds = time.monotonic() - began
         self.report_restarts.append(
-            {"what": self.topology.name, "why": dead.splitlines()[0], "seconds": round(seconds, 1)}
+            {
+                "what": self.topology.name,
+                "how": how,
+                "why": dead.splitlines()[0],
+                "seconds": round(seconds, 1),
+            }
         )
         return seconds
 
@@ -334,11 +357,10 @@ class FuzzEngine:
             evaluation.status = "baseline-rejected"
             evaluation.note = (answer.error or "no result").strip().splitlines()[0][:200]
         elif self.placeholders is not None:
-            evaluation.layout = layout_from_ids(
-                answer.result.prompt_token_ids,
-                self.placeholders,
-                self.settings.serving.block_size,
-            )
+            ids = answer.result.prompt_token_ids
+            layout = layout_from_ids(ids, self.placeholders, self.settings.serving.block_size)
+            holds = self.consumer.holds(ids, media_identities(spec), layout.run_starts)
+            evaluation.layout = dataclasses.replace(layout, consumer_holds=holds)
         evaluation.seconds = time.monotonic() - began
         return evaluation
 
@@ -356,6 +378,7 @@ class FuzzEngine:
             return evaluation
         assert self.session is not None
         candidate = self.session.send(spec.name, evaluation.body)
+        self._served(evaluation)
         guards = transfer_guards(self.session.served, candidate)
         record = judge_example(self.judging, self.topology, evaluation.baseline, candidate, guards)
         if is_failure(record):  # the control: does the baseline agree with itself?
@@ -381,6 +404,28 @@ class FuzzEngine:
         evaluation.seconds += time.monotonic() - began
         return evaluation
 
+    def _served(self, evaluation: Evaluation) -> None:
+        """What the request left in the KV storage and in D's prefix cache."""
+        result = evaluation.baseline.result
+        if result is None or evaluation.layout is None:
+            return
+        self.consumer.served(
+            result.prompt_token_ids,
+            media_identities(evaluation.spec),
+            evaluation.layout.run_starts,
+            consumer_alive=self.topology_dead() is None,
+        )
+
+    def too_short(self, evaluation: Evaluation) -> str | None:
+        """Why a shrink candidate is not tried: a prompt under the space's minimum."""
+        layout = evaluation.layout
+        if layout is not None and layout.prompt_tokens < self.min_prompt_tokens:
+            return (
+                f"not sent: {layout.prompt_tokens} prompt tokens, under the space's "
+                f"{self.min_prompt_tokens} (no KV moved)"
+            )
+        return None
+
     def evaluate(self, spec: PromptSpec) -> Evaluation:
         evaluation = self.ask_baseline(spec)
         if evaluation.status != "judged":
@@ -400,18 +445,18 @@ class FuzzEngine:
 
     def _check_prediction(self, evaluation: Evaluation) -> None:
         """Count confirmations of each crash trigger. A trigger that held without the crash
-        is not trusted again in this run (skipping on it could hide an answer). The crash
-        without its trigger says the trigger is too narrow, not wrong where it holds: the
-        example is judged and grouped as new (`recognise`), and skipping goes on."""
-        for rule in self.rules:
-            if not rule.crash or rule.trigger is None:
-                continue
-            predicted = rule.predicts(evaluation.spec, evaluation.layout)
-            record = evaluation.record
-            happened = record is not None and rule.signature_matches(record)
-            if predicted and happened:
+        is not trusted again in this run (skipping on it could hide an answer). A crash that
+        no trigger predicted says a trigger is too narrow, not wrong where it holds: the
+        example is judged and grouped as new (`recognise`), and skipping goes on. Two
+        declarations may share a crash's signature (the decode-tail bug and the KV lookup
+        miss kill D alike): the one whose trigger held is the one it confirms."""
+        record = evaluation.record
+        crash_rules = [r for r in self.rules if r.crash and r.trigger is not None]
+        predicted = [r for r in crash_rules if r.predicts(evaluation.spec, evaluation.layout)]
+        for rule in predicted:
+            if record is not None and rule.signature_matches(record):
                 self._confirmed[rule.name] = self._confirmed.get(rule.name, 0) + 1
-            elif predicted and rule.name not in self._mispredicted:
+            elif rule.name not in self._mispredicted:
                 self._mispredicted[rule.name] = evaluation.spec.name
                 log.warning(
                     "[fuzz] %s: the trigger of %s held but %s; its predictions are no "
@@ -420,7 +465,10 @@ class FuzzEngine:
                     rule.name,
                     evaluation.summary(),
                 )
-            elif happened:
+        if predicted or record is None:
+            return
+        for rule in crash_rules:
+            if rule.signature_matches(record):
                 self._outside_trigger.setdefault(rule.name, []).append(evaluation.spec.name)
                 log.warning(
                     "[fuzz] %s: %s's crash without its trigger (%s): reported as new",
@@ -437,8 +485,9 @@ class FuzzEngine:
     ) -> FuzzReport:
         """Every example, then every group shrunk; `on_progress` gets the report after the
         examples and after each group (the CLI writes the bundle there, so an interrupted run
-        keeps what it had). Cheap groups shrink first: a known crash against its prediction
-        (one restart), then failures that kill nothing, then crashes."""
+        keeps what it had). Cheap groups shrink first (`shrink_order`), and the minimal
+        requests of known crashes, shrunk against their triggers without a send, are sent
+        last: each kills D, and the last one costs no revival."""
         report = report if report is not None else FuzzReport(examples=list(examples))
         began = time.monotonic()
         for index, example in enumerate(examples):
@@ -472,11 +521,20 @@ class FuzzEngine:
         report.groups = group_failures(report.evaluations)
         self._progress(report, on_progress)
         began = time.monotonic()
-        for group in sorted(report.groups, key=shrink_cost):
+        unconfirmed: list[FailureGroup] = []
+        for group in sorted(report.groups, key=shrink_order):
             if self.time_left() <= 0:
                 group.note = "not shrunk: the run's time budget is spent"
                 continue
-            self.shrink_group(group)
+            if not self.shrink_group(group):
+                unconfirmed.append(group)
+            report.shrink_seconds = time.monotonic() - began
+            self._progress(report, on_progress)
+        for group in unconfirmed:
+            if self.time_left() <= 0:
+                group.note = "minimal request predicted, not sent: the run's time budget is spent"
+                continue
+            self.confirm_predicted(group)
             report.shrink_seconds = time.monotonic() - began
             self._progress(report, on_progress)
         return report
@@ -502,7 +560,10 @@ class FuzzEngine:
 
     # -- shrinking -----------------------------------------------------------------------------
 
-    def shrink_group(self, group: FailureGroup) -> None:
+    def shrink_group(self, group: FailureGroup) -> bool:
+        """Shrink one group. A known crash with a trigger is shrunk against its prediction
+        (baseline requests only) and left for `confirm_predicted` (returns False); any
+        other group is shrunk by sending (returns True)."""
         start = group.start
         rule = group.recognition.rule
         divergence = (start.record.divergence or {}).get("index") if start.record else None
@@ -512,40 +573,66 @@ class FuzzEngine:
         )
         if self.attached and start.record is not None and start.record.verdict.value == "ERROR":
             group.note = "not shrunk: an attached deployment cannot be restarted after a crash"
-            return
+            return True
         if rule is not None and rule.crash and rule.trigger is not None:
-            predicted = shrink(
-                start.spec, PredictingOracle(self, rule), budget, "predicted", divergence
+            group.shrink = shrink(
+                start.spec,
+                PredictingOracle(self, rule),
+                budget,
+                "predicted",
+                divergence,
+                step_words=self.settings.serving.block_size,
             )
-            confirm = self.evaluate(predicted.minimal)
-            if confirm.status == "not-sent":
-                group.shrink, group.note = (
-                    predicted,
-                    f"minimal request not confirmed: {confirm.note}",
-                )
-                return
-            predicted.confirmed = (
-                confirm.signature is not None and confirm.signature.key == group.signature.key
+            return False
+        self._shrink_by_sending(group, budget, divergence)
+        return True
+
+    def confirm_predicted(self, group: FailureGroup) -> None:
+        """Send the minimal request a known crash was shrunk to against its trigger; if it
+        does not fail as the group did, shrink the group by sending instead."""
+        predicted = group.shrink
+        assert predicted is not None
+        confirm = self.evaluate(predicted.minimal)
+        if confirm.status == "not-sent":
+            group.note = f"minimal request not confirmed: {confirm.note}"
+            return
+        predicted.confirmed = (
+            confirm.signature is not None and confirm.signature.key == group.signature.key
+        )
+        predicted.trials.append(
+            Trial(
+                predicted.minimal,
+                bool(predicted.confirmed),
+                f"confirmation on {self.topology.name}: {confirm.summary()}",
+                confirm.seconds,
+                restarted=confirm.restart_seconds > 0,
             )
-            predicted.trials.append(
-                Trial(
-                    predicted.minimal,
-                    bool(predicted.confirmed),
-                    f"confirmation on {self.topology.name}: {confirm.summary()}",
-                    confirm.seconds,
-                    restarted=confirm.restart_seconds > 0,
-                )
-            )
-            if predicted.confirmed:
-                group.shrink, group.minimal = predicted, confirm
-                return
-            log.warning(
-                "[fuzz] the predicted minimal request did not reproduce; shrinking by sending"
-            )
+        )
+        if predicted.confirmed:
+            group.minimal = confirm
+            return
+        log.warning("[fuzz] the predicted minimal request did not reproduce; shrinking by sending")
+        start = group.start
+        divergence = (start.record.divergence or {}).get("index") if start.record else None
+        budget = dataclasses.replace(
+            self.budget, max_seconds=min(self.budget.max_seconds, self.time_left())
+        )
+        self._shrink_by_sending(group, budget, divergence)
+
+    def _shrink_by_sending(
+        self, group: FailureGroup, budget: ShrinkBudget, divergence: int | None
+    ) -> None:
         oracle = SendingOracle(self, group)
-        group.shrink = shrink(start.spec, oracle, budget, "sent", divergence)
+        group.shrink = shrink(
+            group.start.spec,
+            oracle,
+            budget,
+            "sent",
+            divergence,
+            step_words=self.settings.serving.block_size,
+        )
         # Every reproducing trial is accepted at once, so the last one is the minimal request.
-        group.minimal = oracle.last_reproduced if group.shrink.accepted else start
+        group.minimal = oracle.last_reproduced if group.shrink.accepted else group.start
 
 
 class SendingOracle:
@@ -566,6 +653,9 @@ class SendingOracle:
     def attempt(self, spec: PromptSpec) -> Trial:
         evaluation = self.engine.ask_baseline(spec)
         if evaluation.status == "judged":
+            short = self.engine.too_short(evaluation)
+            if short is not None:
+                return Trial(spec, False, short, evaluation.seconds)
             predicted = self.engine.predicted_crash(evaluation)
             if predicted is not None and predicted != self.rule:
                 note = f"not sent: {predicted.name} predicted ({predicted.trigger_text})"
@@ -602,6 +692,9 @@ class PredictingOracle:
         evaluation = self.engine.ask_baseline(spec)
         if evaluation.status != "judged":
             return Trial(spec, False, evaluation.summary(), evaluation.seconds)
+        short = self.engine.too_short(evaluation)
+        if short is not None:
+            return Trial(spec, False, short.replace("not sent", "not tried"), evaluation.seconds)
         reproduced = self.rule.predicts(spec, evaluation.layout)
         layout = evaluation.layout.to_json() if evaluation.layout else {}
         outcome = (
@@ -612,13 +705,22 @@ class PredictingOracle:
         return Trial(spec, reproduced, outcome, evaluation.seconds)
 
 
-def shrink_cost(group: FailureGroup) -> int:
-    """0: a known crash shrunk against its trigger; 1: a failure that kills nothing; 2: a
-    crash (every accepted step costs a restart)."""
+def _base(session: object) -> object:
+    """The running topology behind a session (a proxied view shares its base's instances)."""
+    return session.base if isinstance(session, ProxiedSession) else session
+
+
+def shrink_order(group: FailureGroup) -> int:
+    """0: a new failure that kills nothing (each trial one request); 1: a known crash, shrunk
+    against its trigger (baseline requests only); 2: a known failure that kills nothing;
+    3: a new crash (every accepted step costs a revival)."""
     rule = group.recognition.rule
+    crash = group.signature.verdict == "ERROR"
     if rule is not None and rule.crash and rule.trigger is not None:
-        return 0
-    return 2 if group.signature.verdict == "ERROR" else 1
+        return 1
+    if not crash:
+        return 0 if rule is None else 2
+    return 3
 
 
 def group_failures(evaluations: list[Evaluation]) -> list[FailureGroup]:

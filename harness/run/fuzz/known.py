@@ -19,26 +19,41 @@ from dataclasses import dataclass
 
 from harness.judge.records import CaseRecord, Verdict
 from harness.run.fuzz.layout import PromptLayout
+from harness.run.fuzz.video_timing import video_positions_differ
 from harness.run.scenarios import MATRIX, Scenario
 from harness.spec.generations import KnownFailure, ProtocolGeneration, known_failure
-from harness.spec.prompts import PromptSpec, VideoFramesPart
+from harness.spec.prompts import PromptSpec, VideoFramesPart, VideoPart
 from harness.spec.topology import TOPOLOGIES, Topology
 
 Trigger = Callable[[PromptSpec, PromptLayout | None], bool]
 
 
 def media_in_decode_tail(spec: PromptSpec, layout: PromptLayout | None) -> bool:
-    """A placeholder in the part of the prompt a block-aligned KV consumer recomputes."""
+    """A placeholder in the partial block a block-aligned KV consumer recomputes."""
     return layout is not None and layout.media_in_decode_tail
 
 
-def frames_not_at_two_fps(spec: PromptSpec, layout: PromptLayout | None) -> bool:
-    """A video given as JPEG frames read at another rate than 2 fps (default 1): its
-    second_per_grid_ts is not the 1.0 a consumer assumes."""
-    if not any(isinstance(p, VideoFramesPart) for p in spec.parts):
-        return False
-    video = (dict(spec.extra).get("media_io_kwargs") or {}).get("video") or {}
-    return float(video.get("fps", 1.0)) != 2.0
+def media_past_kv_miss(spec: PromptSpec, layout: PromptLayout | None) -> bool:
+    """n = k * block + 1 tokens (D misses P's KV) and a placeholder past what D holds."""
+    return layout is not None and layout.media_past_kv_miss
+
+
+def kv_short_without_media(spec: PromptSpec, layout: PromptLayout | None) -> bool:
+    """n = k * block + 1 tokens, D holds less than the transfer, no placeholder past it."""
+    return layout is not None and layout.kv_short_of_transfer and not layout.media_past_kv_miss
+
+
+def frames_timing_differs(spec: PromptSpec, layout: PromptLayout | None) -> bool:
+    """A video given as JPEG frames whose temporal positions a consumer gets wrong (read at
+    another rate than 2 fps: by default 1)."""
+    return any(
+        isinstance(p, VideoFramesPart) and video_positions_differ(p, spec) for p in spec.parts
+    )
+
+
+def mp4_timing_differs(spec: PromptSpec, layout: PromptLayout | None) -> bool:
+    """An mp4 video whose sampled rate moves a temporal position (recorded below 2 fps)."""
+    return any(isinstance(p, VideoPart) and video_positions_differ(p, spec) for p in spec.parts)
 
 
 # The trigger of each declared scenario, by name; a scenario without one is recognised by its
@@ -48,9 +63,22 @@ SCENARIO_TRIGGERS: dict[str, tuple[str, Trigger]] = {
         "a placeholder in D's recomputed tail (prompt layout from the baseline's ids)",
         media_in_decode_tail,
     ),
+    "epd-kv-lookup-miss-media": (
+        "n = k*block+1 prompt tokens (D looks up one block less than P stored) and a "
+        "placeholder past what D holds",
+        media_past_kv_miss,
+    ),
+    "epd-kv-lookup-miss-text": (
+        "n = k*block+1 prompt tokens and no placeholder past what D holds",
+        kv_short_without_media,
+    ),
     "ec-video-jpeg-frames-default-fps": (
-        "a video as JPEG frames at an fps other than 2",
-        frames_not_at_two_fps,
+        "a video as JPEG frames whose temporal positions move at its rate (not 2 fps)",
+        frames_timing_differs,
+    ),
+    "ec-video-mp4-not-at-2-fps": (
+        "an mp4 sampled at a rate that moves a temporal position (not 2 fps)",
+        mp4_timing_differs,
     ),
 }
 

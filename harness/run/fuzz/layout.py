@@ -4,9 +4,11 @@ Two views of the same thing:
 
 * `PromptLayout` is exact: read from the prompt ids the baseline answered with (each media
   item is a run of its placeholder id). It says where the last placeholder run ends, which
-  block boundary that is near, and whether it reaches into the tail a KV consumer recomputes
-  under a block-aligned connector: D loads `align_down(n - 1, block)` tokens of an n-token
-  prompt and computes the rest itself, so a placeholder there needs embeddings D never got.
+  block boundary that is near, and which part of the prompt D computes itself under a
+  block-aligned connector (ExampleConnector): D loads `align_down(n - 1, block)` tokens of an
+  n-token prompt and computes the rest, so a placeholder there needs embeddings D never got;
+  except at n = k * block + 1, where P's and D's keys differ and D loads none of P's KV
+  (`harness.run.fuzz.consumer`: what D holds then depends on the requests before).
   Reports, known-failure triggers and shrinking all read this view.
 * `LayoutEstimator` is a cheap prediction made before anything is sent, so the strategies can
   aim a request at a boundary (`harness.run.fuzz.strategies`). It only has to be close: what
@@ -21,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from harness.run.fuzz.consumer import looked_up_tokens, stored_tokens
 from harness.spec.prompts import ImagePart, PromptSpec, TextPart, VideoFramesPart, VideoPart
 
 
@@ -48,11 +51,25 @@ class PromptLayout:
     prompt_tokens: int
     runs: tuple[tuple[str, int, int], ...]  # (image|video, start, end exclusive), in order
     block_size: int
+    # Tokens D already holds before this request's transfer (its prefix cache, or an earlier
+    # request's KV files under D's lookup key): `ConsumerState.holds`, set by the engine.
+    consumer_holds: int = 0
 
     @property
     def kv_prefix(self) -> int:
-        """Tokens a block-aligned KV consumer loads: align_down(n - 1, block)."""
-        return ((self.prompt_tokens - 1) // self.block_size) * self.block_size
+        """Tokens a block-aligned transfer moves, P stores, and the kv_transfer guard
+        expects D to have: align_down(n - 1, block)."""
+        return stored_tokens(self.prompt_tokens, self.block_size)
+
+    @property
+    def kv_keys_agree(self) -> bool:
+        """ExampleConnector's D looks up what P stored: false at n = k * block + 1."""
+        return looked_up_tokens(self.prompt_tokens, self.block_size) == self.kv_prefix
+
+    @property
+    def consumer_computes_from(self) -> int:
+        """Where D's own computation of the prompt starts under ExampleConnector."""
+        return self.kv_prefix if self.kv_keys_agree else self.consumer_holds
 
     @property
     def last_media_end(self) -> int | None:
@@ -60,8 +77,24 @@ class PromptLayout:
 
     @property
     def media_in_decode_tail(self) -> bool:
-        """A placeholder lies in the part of the prompt D recomputes itself."""
-        return any(end > self.kv_prefix for _, _, end in self.runs)
+        """A placeholder lies in the partial block D recomputes after loading P's KV."""
+        return self.kv_keys_agree and any(end > self.kv_prefix for _, _, end in self.runs)
+
+    @property
+    def media_past_kv_miss(self) -> bool:
+        """D finds none of P's KV (the keys differ) and a placeholder lies past what it
+        holds: it computes media it has no embeddings for."""
+        return not self.kv_keys_agree and any(end > self.consumer_holds for _, _, end in self.runs)
+
+    @property
+    def kv_short_of_transfer(self) -> bool:
+        """D ends up holding less than a block-aligned transfer would give it (the keys
+        differ and nothing it held already covers the gap)."""
+        return not self.kv_keys_agree and self.consumer_holds < self.kv_prefix
+
+    @property
+    def run_starts(self) -> tuple[int, ...]:
+        return tuple(start for _, start, _ in self.runs)
 
     @property
     def boundary_offset(self) -> int | None:
@@ -79,9 +112,13 @@ class PromptLayout:
             "runs": [list(r) for r in self.runs],
             "block_size": self.block_size,
             "kv_prefix": self.kv_prefix,
+            "kv_keys_agree": self.kv_keys_agree,
+            "consumer_holds": self.consumer_holds,
+            "consumer_computes_from": self.consumer_computes_from,
             "last_media_end": self.last_media_end,
             "boundary_offset": self.boundary_offset,
             "media_in_decode_tail": self.media_in_decode_tail,
+            "media_past_kv_miss": self.media_past_kv_miss,
         }
 
 

@@ -77,9 +77,14 @@ def _words_halves(text: str) -> list[str]:
     return [" ".join(words[:half]), " ".join(words[half:])]
 
 
-def candidates(spec: PromptSpec, divergence: int | None = None) -> list[PromptSpec]:
+def candidates(
+    spec: PromptSpec, divergence: int | None = None, step_words: int | None = None
+) -> list[PromptSpec]:
     """Every one-step simplification of `spec` that is smaller by `size_key`, smallest first
-    (duplicates removed; a request always keeps at least one part)."""
+    (duplicates removed; a request always keeps at least one part). `step_words` (the KV
+    block size) adds texts shortened by that many words: with one-token words a prompt
+    shorter by whole blocks, which keeps a failure that depends on the prompt's length
+    modulo the block (the KV lookup miss) while the text shrinks."""
     parts = list(spec.parts)
     media_at = [i for i, p in enumerate(parts) if isinstance(p, MEDIA_PARTS)]
     text_at = [i for i, p in enumerate(parts) if isinstance(p, TextPart)]
@@ -100,6 +105,10 @@ def candidates(spec: PromptSpec, divergence: int | None = None) -> list[PromptSp
         text = parts[drop].text  # type: ignore[union-attr]
         for half in _words_halves(text):
             add([TextPart(half) if i == drop else p for i, p in enumerate(parts)])
+        words = text.split(" ")
+        if step_words and len(words) > step_words:
+            shorter = " ".join(words[: len(words) - step_words])
+            add([TextPart(shorter) if i == drop else p for i, p in enumerate(parts)])
     for index in media_at:
         for smaller in _smaller_media(parts[index]):
             add([smaller if i == index else p for i, p in enumerate(parts)])
@@ -229,6 +238,7 @@ def shrink(
     mode: str = "sent",
     divergence: int | None = None,
     clock: Callable[[], float] = time.monotonic,
+    step_words: int | None = None,
 ) -> ShrinkResult:
     """Greedy: from the current request, try its candidates smallest first; take the first
     that reproduces and start over from it; stop at a request none of whose candidates
@@ -238,7 +248,7 @@ def shrink(
     restarts = 0
     while True:
         progressed = False
-        for candidate in candidates(result.minimal, divergence):
+        for candidate in candidates(result.minimal, divergence, step_words):
             stop = _over_budget(result, budget, restarts, oracle, clock() - began)
             if stop:
                 result.stopped_by = stop

@@ -36,7 +36,8 @@ class FuzzSpace:
     max_words: int = 40  # per text slot, before any padding towards a target
     # A KV consumer loads align_down(n - 1, block) tokens: a shorter prompt moves no KV, and
     # the kv_transfer guard (rightly) calls its MATCH vacuous. Such requests test nothing of
-    # P->D, so a topology with D gets prompts of at least one block and a token.
+    # P->D, so a topology with D gets prompts of at least one block and two tokens (at one
+    # block and one token ExampleConnector's D looks up zero tokens: harness/run/fuzz/consumer.py).
     min_prompt_tokens: int = 0
     notes: tuple[str, ...] = ()  # why a dimension is off
 
@@ -76,7 +77,7 @@ def space_for(
         media_kwargs=media_kwargs,
         max_images=4 if media else 0,
         max_videos=1 if videos else 0,
-        min_prompt_tokens=serving.block_size + 1 if topology.has_kv_transfer else 0,
+        min_prompt_tokens=serving.block_size + 2 if topology.has_kv_transfer else 0,
         notes=tuple(notes),
     )
 
