@@ -16,7 +16,7 @@ from harness.cli.main import main
         (["--platform", "tpu"], "unknown platform 'tpu' (known: cpu, cuda, xpu)"),
         (
             ["--plant-fault", "melt"],
-            "unknown fault 'melt' (known: corrupt-ec, zero-kv, drop-metadata)",
+            "unknown fault 'melt' (known: corrupt-ec, zero-kv, drop-metadata, stream-duplicate-chunk)",
         ),
     ],
 )

@@ -181,6 +181,7 @@ def collect_run_info(
         "serving": dataclasses.asdict(settings.serving),
         "platform_profile": settings.platform.name,
         "proxy": settings.proxy.to_json(),
+        "stream": settings.stream,
         "devices": list(settings.devices),
         "topologies": [
             {

@@ -9,6 +9,7 @@ run accepts (the reference policy, the measured noise floor), is decided here on
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ from harness.judge.verdicts import (
 from harness.outcomes.outcome import Outcome, ServedTopology
 from harness.run.baseline import BaselineAnswers
 from harness.spec.generations import known_failure, not_applicable
-from harness.spec.prompts import PromptSpec
+from harness.spec.prompts import PromptSpec, streaming_request
 from harness.spec.settings import RunSettings
 from harness.spec.topology import Topology
 
@@ -42,13 +43,20 @@ class ServingSession:
     """What `observe` needs of a session: a TopologySession or an AttachedSession."""
 
     served: ServedTopology
+    settings: RunSettings
 
     def send(self, prompt: str, body: dict[str, Any]) -> Outcome: ...
 
 
-def observe(session: ServingSession, prompt: str, body: dict[str, Any]) -> Observed:
+def observe(
+    session: ServingSession, prompt: str, body: dict[str, Any], stream: bool | None = None
+) -> Observed:
     """Send one body and read its guards at once, while the storage is as the request left it
-    (the next request, or a planted fault, may change it)."""
+    (the next request, or a planted fault, may change it). Streamed (`streaming_request`) when
+    `stream` says so, by default when the run streams (`--stream`); the answer is judged
+    against the baseline's unstreamed one all the same."""
+    if session.settings.stream if stream is None else stream:
+        body = streaming_request(body)
     outcome = session.send(prompt, body)
     return Observed(outcome, tuple(transfer_guards(session.served, outcome)))
 
@@ -71,7 +79,9 @@ class CaseJudge:
 
     @property
     def rules(self) -> JudgingRules:
-        return JudgingRules(self.reference_policy, self.baseline.noise_floor)
+        return JudgingRules(
+            self.reference_policy, self.baseline.noise_floor, self.baseline.batched_noise_floor
+        )
 
     def not_applicable(self, topology: Topology, spec: PromptSpec | None) -> str | None:
         """Why the served release cannot run this case meaningfully (None: it can, or the
@@ -92,10 +102,15 @@ class CaseJudge:
         spec: PromptSpec | None = None,
         exact_reference: tuple[str, Outcome] | None = None,
         declared: Declaration | None = None,
+        batched: bool = False,
+        others: Sequence[tuple[str, Outcome]] = (),
     ) -> list[CaseRecord]:
         """Records against the baseline's answer to the same request (and `exact_reference`:
         a topology's name and its answer). A failure the served release is declared to have
-        for `spec` (`harness.spec.generations`) applies unless `declared` says otherwise."""
+        for `spec` (`harness.spec.generations`) applies unless `declared` says otherwise.
+        `batched`: the answer was computed with other requests in flight (a load); `others`:
+        the answers those requests should have had (name, baseline outcome), so an answer
+        that is another request's is named as such."""
         prompt = observed.outcome.prompt
         references = [self.baseline.reference(prompt)]
         if exact_reference is not None:
@@ -111,4 +126,6 @@ class CaseJudge:
             references,
             self.rules,
             declared,
+            batched=batched,
+            others=others,
         )

@@ -215,6 +215,7 @@ def epd_config(pytestconfig: pytest.Config, epd_worker: tuple[str, int]):
         vllm_source=option("--epd-vllm-source"),
         proxy_registration=option("--epd-proxy-registration"),
         reference_policy=option("--epd-reference-policy"),
+        stream=option("--epd-stream"),
     )
     try:
         return prepare_run(request)
