@@ -35,14 +35,19 @@ class ChatClient:
     """Thin wrapper over the `openai` client pointed at one server (a proxy or an instance)."""
 
     def __init__(self, base_url: str, timeout_s: float = REQUEST_TIMEOUT_S):
-        import openai  # imported late: the fast tests of pure logic do not need it
+        import httpx  # imported late: the fast tests of pure logic do not need them
+        import openai
 
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self._client = openai.OpenAI(
             base_url=f"{self.base_url}/v1", api_key="EMPTY", timeout=timeout_s, max_retries=0
         )
-        self._http: Any = None  # httpx.Client for streams, made on first use
+        # Streams; shared by the threads of a load (httpx clients are thread-safe).
+        self._http = httpx.Client(
+            timeout=timeout_s,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
 
     def chat(self, body: dict[str, Any], request_id: str | None = None) -> ChatResult:
         return self.send(body, request_id).result
@@ -78,8 +83,6 @@ class ChatClient:
         an error or breaks off raises StreamFailed with what was read."""
         import httpx
 
-        if self._http is None:
-            self._http = httpx.Client(timeout=self.timeout_s)
         headers = {"x-request-id": request_id} if request_id else {}
         started = time.monotonic()
         events: list[tuple[float, bytes]] = []
@@ -113,8 +116,7 @@ class ChatClient:
 
     def close(self) -> None:
         self._client.close()
-        if self._http is not None:
-            self._http.close()
+        self._http.close()
 
 
 class StreamHTTPError(Exception):
