@@ -21,6 +21,7 @@ from harness.outcomes.chat import ChatResult, parse_chat_response
 from harness.outcomes.stream import StreamFailed, StreamRecord, parse_stream, split_events
 
 REQUEST_TIMEOUT_S = 300.0
+KEEPALIVE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,13 @@ class ChatClient:
         self._client = openai.OpenAI(
             base_url=f"{self.base_url}/v1", api_key="EMPTY", timeout=timeout_s, max_retries=0
         )
-        # Streams; shared by the threads of a load (httpx clients are thread-safe).
-        self._http = httpx.Client(
-            timeout=timeout_s,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        # Streams; shared by the threads of a load (httpx clients are thread-safe). Idle
+        # connections are dropped before a vLLM or uvicorn server's 5 s keep-alive closes them
+        # (reusing one it is closing breaks the next request, vLLM #41567).
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S
         )
+        self._http = httpx.Client(timeout=timeout_s, limits=limits)
 
     def chat(self, body: dict[str, Any], request_id: str | None = None) -> ChatResult:
         return self.send(body, request_id).result
