@@ -404,11 +404,17 @@ class LoadRun:
                 )
             )
         self.result.results += results
-        for result in results:
+        # The run's bundle (responses.json, report.html) holds every request of a load and a
+        # soak's first round; after that only the requests that did not pass, or a long soak's
+        # bundle would be rewritten whole at tens of MB per round. load.md and load.json list
+        # every request, judged.
+        kept = [r for r in results if self.result.rounds <= 1 or not r.record.policy_passed]
+        for result in kept:
             label = f"load:{self.topology.name}:{result.number}"
             self.sweep.result.outcomes[label] = {result.prompt: result.outcome}
             self.sweep.result.records.append(result.record)
-        self.sweep.write_outputs()
+        if kept or self.result.rounds <= 1:
+            self.sweep.write_outputs()
         self._write_account()
 
     # -- resources ---------------------------------------------------------------------------
