@@ -333,3 +333,24 @@ def test_a_death_ends_the_load_and_every_later_request_says_why(tmp_path: Path) 
         assert "instance 1E+1PD/pd0 exited with code -9" in later.record.detail
     assert [r.not_sent for r in result_.results] == [False] * 5 + [True] * 5
     assert not result_.passed
+
+
+@pytest.mark.parametrize(
+    "argv, cause",
+    [
+        ([], "load needs --topology"),
+        (["--topology", "baseline"], "the baseline is what a load is judged against"),
+        (["--topology", "9E"], "unknown topology '9E'"),
+        (["--topology", "1E+1PD", "--kill", "decode"], "--kill decode: 1E+1PD has encoder, pd"),
+        (["--topology", "1E+1P+1D", "--kill", "decode", "--duration", "60"], "no soak"),
+        (["--topology", "1E+1PD", "--duration", "0"], "--duration is the soak's length"),
+        (["--topology", "1E+1PD", "--media", "2"], "at least 3 distinct media"),
+        (["--topology", "1E+1PD", "--concurrency", "0"], "at least 1"),
+    ],
+)
+def test_bad_load_options_are_one_line_exit_2(argv: list[str], cause: str, capsys) -> None:
+    from harness.cli.main import main
+
+    assert main(["load", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and cause in err[0], err
