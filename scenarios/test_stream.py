@@ -9,8 +9,9 @@ stream does), and the case must be a MISMATCH on both the ids and the framing.
 
 vLLM's toy P/D proxy (the one its NIXL tests run; the harness runs it for 1P+1D under
 `--proxy vllm`) answers every stream with `media_type="application/json"`: the events are
-right, the content type is not an event stream's. That is declared here as the upstream
-failure it is (a MISMATCH whose evidence names it), so it shows, and a fix turns it red.
+right, the content type is not an event stream's. That is declared as the upstream failure it
+is (`harness.run.judging.TOY_PROXY_JSON_STREAM`: a MISMATCH whose evidence names it), so it
+shows, and a fix turns it red.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import dataclasses
 
 import pytest
 
-from harness.judge.records import DeclaredFailure, Verdict
+from harness.judge.records import Verdict
 from harness.judge.verdicts import STREAM_CHECK
 from harness.report.text import format_failure
 from harness.run.faults import duplicate_stream_chunk, plant
-from harness.run.judging import observe
+from harness.run.judging import TOY_PROXY_JSON_STREAM, observe
 from harness.spec.prompts import SKELETON_PROMPTS, TAIL_TEXT, ImagePart, PromptSpec, TextPart
 from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES
 
@@ -31,14 +32,6 @@ pytestmark = pytest.mark.e2e
 
 STREAM_FAULT_PROMPT = PromptSpec("st-fault", (ImagePart(seed=81), TextPart(TAIL_TEXT)))
 EPD_BASELINE_PROMPTS = (STREAM_FAULT_PROMPT,)
-TOY_PROXY_JSON_STREAM = DeclaredFailure(
-    "MISMATCH",
-    "stream framing broken: served as application/json",
-    "vLLM's toy P/D proxy (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py in the "
-    "release's sdist) returns every answer as StreamingResponse(media_type="
-    "'application/json'), a stream too: its events are right, its content type is not "
-    "text/event-stream, which event-stream clients (EventSource) refuse",
-)
 STREAMED_TOPOLOGIES = tuple(n for n in EPD_TOPOLOGY_NAMES if n in ("1E+1PD", "1P+1D", "1E+1P+1D"))
 
 
@@ -102,27 +95,16 @@ def case_params():
 def test_streamed_answers_match_and_are_framed(
     streamed_sweeps, proxy: str, topology: str, prompt: str
 ) -> None:
-    sweep = streamed_sweeps[proxy]
-    declared = TOY_PROXY_JSON_STREAM if proxy == "vllm" and topology == "1P+1D" else None
-    records = judge_streamed(sweep, topology, prompt, declared)
+    records = streamed_sweeps[proxy].judge(topology, prompt)
     failures = [r for r in records if not r.policy_passed]
     assert not failures, "\n\n".join(format_failure(r) for r in failures)
+    toy_proxy = proxy == "vllm" and not TOPOLOGIES[topology].encoders
     for record in records:
-        framing = record.guards[STREAM_CHECK]
-        assert framing["ok"] or declared is not None, framing
-        assert record.verdict.value == (declared.verdict if declared else "MATCH"), record.detail
-
-
-def judge_streamed(sweep, topology: str, prompt: str, declared: DeclaredFailure | None):
-    """The case as the sweep judges it, with `declared` when its proxy has a declared failure
-    (the sweep's own judge declares only what the served release gets wrong)."""
-    if declared is None:
-        return sweep.judge(topology, prompt)
-    sweep.serve_baseline()
-    observed = sweep.serve_topology(topology)[prompt]
-    records = sweep.judging.judge(TOPOLOGIES[topology], observed, declared=declared)
-    sweep.add_records(topology, [observed.outcome], records)
-    return records
+        if toy_proxy:  # declared (harness.run.judging.TOY_PROXY_JSON_STREAM), and so it failed
+            assert record.verdict is Verdict.MISMATCH, record.detail
+            assert TOY_PROXY_JSON_STREAM.reason in record.detail
+        else:
+            assert record.verdict is Verdict.MATCH and record.guards[STREAM_CHECK]["ok"], record
 
 
 @pytest.mark.epd_topology("1E+1P+1D")

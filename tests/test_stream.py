@@ -171,3 +171,30 @@ def test_compare_reports_a_difference_between_two_proxies_streams() -> None:
     assert "stream |" in format_diff(diffs, "harness", "vllm")
     [alike] = diff_runs({"1P+1D": {"text": ok}}, {"1P+1D": {"text": ok}})
     assert alike.same and alike.stream == STREAMS_ALIKE
+
+
+def test_the_toy_proxys_json_stream_is_a_declared_failure_only_there(tmp_path) -> None:
+    from harness.run.judging import TOY_PROXY_JSON_STREAM, proxy_failure
+    from harness.spec.settings import ProxyChoice, RunSettings
+    from harness.spec.topology import TOPOLOGIES, ServingConfig
+
+    vllm = RunSettings(ServingConfig(model="m"), tmp_path, proxy=ProxyChoice("vllm"))
+    harness = RunSettings(ServingConfig(model="m"), tmp_path)
+    _, as_json = parse(encode(vllm_chunks()), content_type="application/json")
+    streamed = Outcome("text", result=baseline_outcome().result, stream=as_json)
+    assert proxy_failure(vllm, TOPOLOGIES["1P+1D"], streamed) is TOY_PROXY_JSON_STREAM
+    assert proxy_failure(vllm, TOPOLOGIES["1E+1P+1D"], streamed) is None  # vLLM's EPD proxy
+    assert proxy_failure(harness, TOPOLOGIES["1P+1D"], streamed) is None
+    assert proxy_failure(vllm, TOPOLOGIES["1P+1D"], baseline_outcome()) is None  # not streamed
+    record = judged(
+        "1P+1D", "baseline", baseline_outcome(), streamed, declared=TOY_PROXY_JSON_STREAM
+    )
+    assert record.verdict is Verdict.MISMATCH and record.policy_passed, record.detail
+    fixed = judged(
+        "1P+1D",
+        "baseline",
+        baseline_outcome(),
+        streamed_outcome(encode(vllm_chunks())),
+        declared=TOY_PROXY_JSON_STREAM,
+    )
+    assert fixed.verdict is Verdict.MATCH and not fixed.policy_passed  # a fix turns it red

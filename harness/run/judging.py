@@ -15,7 +15,7 @@ from typing import Any
 
 from harness.judge.guards import GuardResult, transfer_guards
 from harness.judge.policy import ReferencePolicy, default_reference_policy
-from harness.judge.records import CaseRecord
+from harness.judge.records import CaseRecord, DeclaredFailure
 from harness.judge.verdicts import (
     Declaration,
     JudgingRules,
@@ -27,7 +27,7 @@ from harness.outcomes.outcome import Outcome, ServedTopology
 from harness.run.baseline import BaselineAnswers
 from harness.spec.generations import known_failure, not_applicable
 from harness.spec.prompts import PromptSpec, streaming_request
-from harness.spec.settings import RunSettings
+from harness.spec.settings import VLLM_PROXY, RunSettings
 from harness.spec.topology import Topology
 
 
@@ -59,6 +59,28 @@ def observe(
         body = streaming_request(body)
     outcome = session.send(prompt, body)
     return Observed(outcome, tuple(transfer_guards(session.served, outcome)))
+
+
+# vLLM's toy P/D proxy (the served release's tests/v1/kv_connector/nixl_integration/
+# toy_proxy_server.py; `--proxy vllm` runs it for topologies without an encoder) answers every
+# request with StreamingResponse(media_type="application/json"), a stream too. Measured on
+# 0.32.0: the events, ids and usage are right; the content type is not an event stream's.
+TOY_PROXY_JSON_STREAM = DeclaredFailure(
+    "MISMATCH",
+    "stream framing broken: served as application/json",
+    "vLLM's toy P/D proxy (toy_proxy_server.py in the release's sdist) streams with "
+    "media_type='application/json', not text/event-stream, which event-stream clients refuse",
+)
+
+
+def proxy_failure(
+    settings: RunSettings, topology: Topology, outcome: Outcome
+) -> Declaration | None:
+    """A failure the proxy under test is declared to have for this answer (None: none)."""
+    toy_proxy = settings.proxy.kind == VLLM_PROXY and not topology.encoders
+    if toy_proxy and not topology.is_baseline and outcome.stream is not None:
+        return TOY_PROXY_JSON_STREAM
+    return None
 
 
 def reference_policy_of(settings: RunSettings) -> ReferencePolicy:
@@ -118,6 +140,8 @@ class CaseJudge:
             references.append(Reference(name, outcome, monolithic=False))
         if declared is None and spec is not None:
             declared = known_failure(self.settings.protocol, topology, spec)
+        if declared is None:
+            declared = proxy_failure(self.settings, topology, observed.outcome)
         return judge_case(
             label or topology.name,
             topology,
