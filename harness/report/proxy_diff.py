@@ -100,15 +100,17 @@ STREAMS_ALIKE = "framed alike"
 
 def stream_framing(outcome: dict[str, Any]) -> str | None:
     """What a client saw of a streamed answer's framing, as far as two proxies may differ in
-    it: content type, events, role chunks, chunks with tokens, [DONE], usage against the ids,
-    and the problems found (None: not streamed)."""
+    it: the media type, role chunks, [DONE], usage against the ids, and the problems found
+    (None: not streamed). How many events carried the tokens is left out: vLLM puts every
+    token ready since the last event into the next one, so that count follows the timing
+    (measured: 9 to 35 events for the same 32 tokens), not the proxy."""
     stream = outcome.get("stream")
     if not stream:
         return None
     done = "[DONE] last" if stream.get("done_last") else "no [DONE] last"
+    media_type = (stream.get("content_type") or "").split(";")[0].strip()
     text = (
-        f"{stream.get('content_type') or 'no content-type'}, {stream.get('events')} events, "
-        f"{stream.get('role_chunks')} role, {stream.get('token_chunks')} with tokens, {done}, "
+        f"{media_type or 'no content-type'}, {stream.get('role_chunks')} role chunk(s), {done}, "
         f"usage {stream.get('usage_completion_tokens')}/{stream.get('ids_counted')} ids"
     )
     problems = stream.get("problems") or []
