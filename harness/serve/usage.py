@@ -23,6 +23,8 @@ def tree_usage(pid: int | None) -> InstanceUsage:
         return InstanceUsage(alive=False)
     try:
         root = psutil.Process(pid)
+        if root.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return InstanceUsage(alive=False)  # killed, not reaped yet
         members = [root, *root.children(recursive=True)]
     except psutil.Error:
         return InstanceUsage(alive=False)
