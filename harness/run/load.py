@@ -57,7 +57,7 @@ from harness.run.faults import kill_instance
 from harness.run.judging import Observed, observe
 from harness.run.scenarios import get_scenario
 from harness.run.sweep import BASELINE, Sweep
-from harness.serve.attached import AttachedSession
+from harness.serve.attached import AttachedDown, AttachedSession
 from harness.serve.session import ProxiedSession, TopologySession
 from harness.serve.usage import clean_storage, storage_usage, tree_pids, tree_usage
 from harness.spec.load import (
@@ -182,7 +182,13 @@ class LoadRun:
         regular = [r for r in plan if not r.alone]
         if self.spec.concurrency > 1:
             self._calibrate(regular)
-        session = self._open()
+        try:
+            session = self._open()
+        except AttachedDown as exc:  # a deployment not serving: nothing is sent
+            self.result.ended_by = str(exc).splitlines()[0]
+            self._judge_round([_Sent(r, None, 0.0, 0.0) for r in plan], declared)
+            self._finish()
+            return self.result
         self._started = time.monotonic()
         self._sample(session, "before")
         try:
