@@ -187,6 +187,16 @@ def test_growth_is_fitted_after_the_first_sample() -> None:
     assert growth([(0, 1.0), (60, 2.0)]).per_minute is None
 
 
+def test_a_filling_cache_levels_off_where_a_leak_keeps_its_rate() -> None:
+    minutes = range(11)
+    filling = growth([(60 * m, 1000 - 500 * 0.5**m) for m in minutes])
+    leaking = growth([(60 * m, 1000 + 10 * m) for m in minutes])
+    assert filling.late_per_minute is not None and filling.late_per_minute < 2
+    assert filling.per_minute is not None and filling.per_minute > 3 * filling.late_per_minute
+    assert leaking.late_per_minute == pytest.approx(10.0)
+    assert leaking.per_minute == pytest.approx(10.0)
+
+
 def tap(role: str, seconds: float, status: int | None = 200) -> TapRecord:
     return TapRecord(0, f"t/{role}0", role, "/v1/chat/completions", status=status, seconds=seconds)
 

@@ -110,11 +110,13 @@ def role_seconds(outcome: Outcome) -> dict[str, float]:
 @dataclass(frozen=True)
 class Growth:
     """How one quantity moved over a load: first, last, and the rate fitted over the samples
-    after the first (start-up and warm-up are not growth)."""
+    after the first (start-up is not growth), and over the last half of them: a cache that
+    fills levels off, so its late rate falls; a leak keeps its rate."""
 
     first: float
     last: float
     per_minute: float | None  # least squares; None with fewer than two samples after warm-up
+    late_per_minute: float | None = None  # the same over the last half of the samples
 
     @property
     def change(self) -> float:
@@ -122,18 +124,27 @@ class Growth:
 
 
 def growth(points: Sequence[tuple[float, float]]) -> Growth:
-    """`points` (seconds, value), in time order; the rate is fitted from the second point on."""
+    """`points` (seconds, value), in time order; the rate is fitted from the second point on,
+    the late rate over the last half."""
     if not points:
         return Growth(0.0, 0.0, None)
     fitted = list(points[1:])
-    rate = None
-    if len(fitted) >= 2:
-        mean_t = sum(t for t, _ in fitted) / len(fitted)
-        mean_v = sum(v for _, v in fitted) / len(fitted)
-        spread = sum((t - mean_t) ** 2 for t, _ in fitted)
-        if spread > 0:
-            rate = 60 * sum((t - mean_t) * (v - mean_v) for t, v in fitted) / spread
-    return Growth(points[0][1], points[-1][1], rate)
+    late = fitted[len(fitted) // 2 :]
+    return Growth(
+        points[0][1], points[-1][1], _slope(fitted), _slope(late) if len(late) >= 3 else None
+    )
+
+
+def _slope(points: Sequence[tuple[float, float]]) -> float | None:
+    """Least-squares change per minute; None with fewer than two points or no time between."""
+    if len(points) < 2:
+        return None
+    mean_t = sum(t for t, _ in points) / len(points)
+    mean_v = sum(v for _, v in points) / len(points)
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
+    if spread <= 0:
+        return None
+    return 60 * sum((t - mean_t) * (v - mean_v) for t, v in points) / spread
 
 
 @dataclass
@@ -239,7 +250,8 @@ def bound_problems(
         if rss.change > bounds.rss_growth_bytes:
             problems.append(
                 f"{name}: RSS grew {rss.change / MIB:.1f} MiB after the first round "
-                f"(bound {bounds.rss_growth_bytes / MIB:.0f} MiB; {_rate(rss.per_minute, MIB, 'MiB')})"
+                f"(bound {bounds.rss_growth_bytes / MIB:.0f} MiB; {_rate(rss.per_minute, MIB, 'MiB')}, "
+                f"last half {_rate(rss.late_per_minute, MIB, 'MiB')})"
             )
         if fds.change > bounds.fd_growth:
             problems.append(
@@ -318,22 +330,25 @@ def format_load(
 def resource_lines(stats: LoadStats, samples: Sequence[ResourceSample]) -> list[str]:
     if not samples:
         return []
+    labels = [s.label for s in samples]
+    shown = ", ".join(labels) if len(labels) <= 4 else f"{labels[0]}, {labels[1]} ... {labels[-1]}"
     lines = [
         "",
         "## Resources",
         "",
-        f"Sampled {len(samples)} time(s): {', '.join(s.label for s in samples)}. Rates are fitted "
-        "from the second sample on.",
+        f"Sampled {len(samples)} time(s): {shown}. Rates are fitted from the second sample on, "
+        "and over the last half of the samples.",
         "",
-        "| instance | RSS first | RSS last | RSS rate | open files first | last | rate |",
-        "|---|---|---|---|---|---|---|",
+        "| instance | RSS first | RSS last | RSS rate | last half | open files first | last | "
+        "rate |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, figures in stats.instances.items():
         rss, fds = figures["rss_bytes"], figures["open_fds"]
         lines.append(
             f"| {name} | {rss.first / MIB:.0f} MiB | {rss.last / MIB:.0f} MiB | "
-            f"{_rate(rss.per_minute, MIB, 'MiB')} | {fds.first:.0f} | {fds.last:.0f} | "
-            f"{_rate(fds.per_minute, 1, 'fds')} |"
+            f"{_rate(rss.per_minute, MIB, 'MiB')} | {_rate(rss.late_per_minute, MIB, 'MiB')} | "
+            f"{fds.first:.0f} | {fds.last:.0f} | {_rate(fds.per_minute, 1, 'fds')} |"
         )
     lines += ["", "| storage | files first | files last | bytes first | bytes last | bytes rate |"]
     lines.append("|---|---|---|---|---|---|")
@@ -361,7 +376,12 @@ def stats_json(stats: LoadStats) -> dict[str, Any]:
     def growths(table: dict[str, dict[str, Growth]]) -> dict[str, Any]:
         return {
             name: {
-                key: {"first": g.first, "last": g.last, "per_minute": g.per_minute}
+                key: {
+                    "first": g.first,
+                    "last": g.last,
+                    "per_minute": g.per_minute,
+                    "late_per_minute": g.late_per_minute,
+                }
                 for key, g in figures.items()
             }
             for name, figures in table.items()

@@ -22,9 +22,12 @@ A soak (`duration_s`) repeats rounds of the plan until the time is up; between r
 nothing in flight, it samples every instance's RSS and open files and the connectors' storage,
 then cleans the KV storage (ExampleConnector keys files by prompt and writes them again when
 they are missing). The EC storage is not cleaned: an encoder that still holds an item's
-embeddings in memory does not encode it again, so it would not write the file again either
+embeddings in memory does not encode it again, so it does not write the file again either
 (vLLM 0.32 `Scheduler._try_schedule_encoder_inputs` asks its encoder cache before the
-connector), and the consumer would find none; with a fixed mix it holds one file per item.
+connector). Measured: after the EC storage of a served image was emptied, the same image was
+answered right (the consumer held the embeddings too) with no file written, so the
+`encoder_output` guard had nothing to hold and the case was VACUOUS. With a fixed mix the EC
+storage holds one file per item and does not grow.
 """
 
 from __future__ import annotations
