@@ -490,9 +490,10 @@ class LoadRun:
             notes.append(f"batch numerics: {result.calibration.describe()}")
         if result.killed is not None and result.killed_at_s is not None:
             ends = [r.ended_s - result.killed_at_s for r in result.results if not r.not_sent]
+            held = "" if result.problems else "; every request ended ERROR naming it, as it must"
             notes.append(
-                f"killed {result.killed} at {result.killed_at_s:.1f}s; the last request in "
-                f"flight ended {max(ends, default=0.0):.2f}s later"
+                f"killed {result.killed} at {result.killed_at_s:.1f}s (planted); the last "
+                f"request in flight ended {max(ends, default=0.0):.2f}s later{held}"
             )
         if result.ended_by is not None:
             notes.append(f"the load ended early: {result.ended_by}")
