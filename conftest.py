@@ -8,11 +8,11 @@ seconds on CPU.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-pytest_plugins = ["harness.testing.plugin"]
+# The scenarios' fixtures and the test helpers; the repository's test tiers (every test module
+# declares one, checked); pytest's own pytester, for the tiers' tests.
+pytest_plugins = ["harness.testing.plugin", "harness.testing.tiers", "pytester"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -55,7 +55,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="the EPD proxy under test: harness (default) or vllm (the served release's own, "
         "fetched from its sdist; docs/proxies.md)",
     )
-    group.addoption("--epd-vllm-source", help="with --epd-proxy vllm: a vLLM checkout")
+    group.addoption(
+        "--epd-vllm-source",
+        help="the vLLM source tree the served vLLM was built from: its own proxy, toy proxy and "
+        "correctness script (scenarios/test_vllm_proxy.py, tests/test_upstream_parity.py); "
+        "required for a development build, else the release's sdist is fetched",
+    )
+    group.addoption(
+        "--epd-no-enforce-eager",
+        action="store_true",
+        help="GPU: let vLLM compile and capture graphs (default: --enforce-eager, as upstream)",
+    )
     group.addoption(
         "--epd-proxy-registration",
         default="static",
@@ -78,26 +88,3 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="comma list: run only scenarios of these topologies (names contain '+', so -k "
         "cannot select them)",
     )
-
-
-# A test without one of these markers is `unit`: pure logic, no torch, no vLLM, no browser.
-TIER_MARKERS = ("process", "model", "browser", "e2e")
-
-
-def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """With `-m unit` (tox -e fast: no torch, no vLLM installed), a module whose tier marker is
-    another one is not even imported: its top-level imports need what the unit tier lacks. Any
-    other selection collects everything (a missing dependency then fails loudly)."""
-    if config.getoption("markexpr") != "unit" or collection_path.suffix != ".py":
-        return None
-    text = collection_path.read_text(encoding="utf-8", errors="replace")
-    if any(f"pytestmark = pytest.mark.{tier}" in text for tier in TIER_MARKERS):
-        return True
-    return None
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The `unit` tier for unmarked tests."""
-    for item in items:
-        if not any(item.get_closest_marker(m) for m in TIER_MARKERS):
-            item.add_marker(pytest.mark.unit)

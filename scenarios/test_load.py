@@ -32,7 +32,7 @@ KILL_IN_FLIGHT = 32
 SOAK_S = 90.0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def load_sweep(epd_sweep, epd_events):
     """A sweep whose baseline answers the mix (the session's baseline, shared) on the
     session's pool; its artifacts under load/."""

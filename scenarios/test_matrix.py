@@ -14,10 +14,12 @@ from harness.run.scenarios import MATRIX, matrix_prompts
 
 EPD_BASELINE_PROMPTS = matrix_prompts()
 
+pytestmark = pytest.mark.e2e
+
 
 def scenario_params():
     for scenario in MATRIX:
-        marks = [pytest.mark.e2e] + ([pytest.mark.ci] if scenario.ci else [])
+        marks = [pytest.mark.ci] if scenario.ci else []
         yield pytest.param(scenario, marks=marks, id=scenario.name)
 
 

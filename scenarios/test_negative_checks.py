@@ -259,6 +259,8 @@ class TestPrefillDecodeAccepts:
 class TestDecodeAccepts:
     """1E+1P+1D: D is a KV consumer without any EC configuration."""
 
+    # Drives D without P's kv_transfer_params: only ExampleConnector's shared files reach it so.
+    @pytest.mark.kv_connector("example")
     def test_d_answers_a_metadata_only_image_like_the_proxied_flow(
         self, epd_sweep, epd_topology: DirectChecks
     ):

@@ -51,7 +51,7 @@ def streamed_sweep(epd_sweep, epd_events, proxy=None, label: str = "streamed"):
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def streamed_sweeps(pytestconfig: pytest.Config, epd_sweep, epd_events):
     """Both streamed sweeps, made together at the module's first test (each needs 1P+1D's
     answers as 1E+1P+1D's exact reference before the session stops 1P+1D)."""

@@ -19,6 +19,8 @@ import pytest
 from harness.report.text import format_failure
 from harness.spec.prompts import TAIL_TEXT, ImagePart, PromptSpec, TextPart, VideoPart
 
+pytestmark = pytest.mark.e2e
+
 TOPOLOGIES = ("1E+1PD", "1E+1P+1D")
 IMAGE = PromptSpec("vp-image", (ImagePart(seed=71), TextPart(TAIL_TEXT)))
 VIDEO = PromptSpec("vp-video", (VideoPart(seed=72), TextPart(TAIL_TEXT)))
@@ -61,7 +63,7 @@ def vllm_proxy_sweep_for(
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vllm_proxy_sweeps(pytestconfig: pytest.Config, epd_sweep, epd_events):
     """Both sweeps, made together at the module's first test: each needs 1P+1D's answers as
     the exact reference of 1E+1P+1D, and gets them before the session stops 1P+1D (the pool's
@@ -91,7 +93,7 @@ def case_params():
             yield pytest.param(
                 topology,
                 prompt.name,
-                marks=[pytest.mark.e2e, pytest.mark.ci, pytest.mark.epd_proxy("vllm")],
+                marks=[pytest.mark.ci, pytest.mark.epd_proxy("vllm")],
                 id=f"vllm-proxy-{topology}-{prompt}",
             )
 
@@ -120,7 +122,6 @@ def test_vllm_proxy_matches_with_transfers_seen_at_the_taps(
     assert any(any(arg.endswith(EPD_PROXY_NAME) for arg in a) for a in argv), argv
 
 
-@pytest.mark.e2e
 @pytest.mark.ci
 @pytest.mark.epd_topology("1E+1P+1D")
 @pytest.mark.epd_proxy("vllm-dynamic")

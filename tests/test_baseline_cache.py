@@ -13,6 +13,8 @@ from harness.run.baseline_cache import BaselineCache, BaselineCacheError, baseli
 from harness.spec.settings import ServedVllm
 from harness.spec.topology import ServingConfig
 
+pytestmark = pytest.mark.unit
+
 SERVING = ServingConfig(model="/models/tiny")
 SERVED = ServedVllm("/venv/bin/vllm", "0.32.0+cpu", "2.13.0+cpu")
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.0}

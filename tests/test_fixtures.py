@@ -17,6 +17,8 @@ from PIL import Image
 
 from fixtures import media
 
+pytestmark = pytest.mark.unit
+
 # --- media -----------------------------------------------------------------------------------
 
 

@@ -9,7 +9,6 @@ import pytest
 from harness.errors import BadInput
 from harness.judge.records import EXACT, LOGPROB_CLOSE, Verdict
 from harness.judge.verdicts import not_applicable_case
-from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
 from harness.serve.proxy_protocol import (
     EncoderAnswerError,
@@ -35,7 +34,10 @@ from harness.spec.instances import InstanceSpec
 from harness.spec.platforms import CPU
 from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.topology import TOPOLOGIES, Role, serving_for
+from harness.testing.builders import outcome
 from harness.testing.judging import judged
+
+pytestmark = pytest.mark.unit
 
 # Which generation each release on the package index speaks, and the two flags that decide
 # whether its instances start at all.
@@ -154,19 +156,6 @@ def test_not_applicable_never_passes_any_policy() -> None:
 
 
 # -- failures a release is declared to have --------------------------------------------------
-
-
-def outcome(prompt: str, ids: list[int], prompt_ids: tuple[int, ...] = (1, 2, 3)) -> Outcome:
-    result = ChatResult.from_json(
-        {
-            "prompt_token_ids": list(prompt_ids),
-            "token_ids": ids,
-            "text": "",
-            "logprobs": [],
-            "finish_reason": "length",
-        }
-    )
-    return Outcome(prompt=prompt, result=result)
 
 
 def test_0_29_and_0_30_declare_the_video_timing_failure_and_only_through_an_encoder() -> None:

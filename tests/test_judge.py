@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
+
 from harness.judge.compare import Verdict
 from harness.judge.guards import GuardResult
 from harness.judge.policy import PD_DRIFT
 from harness.judge.verdicts import baseline_stability
-from harness.outcomes.chat import ChatResult, PositionLogprobs
 from harness.outcomes.outcome import Outcome
+from harness.testing import builders
 from harness.testing.judging import judged
+
+pytestmark = pytest.mark.unit
 
 PROMPT = (1, 2, 3)
 
@@ -16,14 +20,12 @@ PROMPT = (1, 2, 3)
 def outcome(
     tokens: tuple[int, ...], top: tuple[int, ...] = (), error: str | None = None
 ) -> Outcome:
-    if error:
-        return Outcome(prompt="image", error=error)
-    logprobs = tuple(
-        PositionLogprobs(t, -1.0, tuple((alt, -1.0 - i * 0.1) for i, alt in enumerate((t, *top))))
-        for t in tokens
-    )
-    result = ChatResult(PROMPT, tokens, "", "length", logprobs)
-    return Outcome(prompt="image", result=result)
+    """Each position: its token at -1.0, then `top`'s ids 0.1 nats apart."""
+
+    def ranked(_position: int, token: int) -> list[tuple[int, float]]:
+        return [(alt, -1.0 - i * 0.1) for i, alt in enumerate((token, *top))]
+
+    return builders.outcome("image", tokens, error=error, prompt_ids=PROMPT, top=ranked)
 
 
 HELD = GuardResult("kv_transfer", True, "cached 160 >= 160")

@@ -15,6 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.check
+
 ROOT = Path(__file__).resolve().parent.parent
 LINT_IMPORTS = str(Path(sys.executable).parent / "lint-imports")
 

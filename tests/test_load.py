@@ -43,6 +43,8 @@ from harness.spec.prompts import TextPart
 from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, ServingConfig
 
+pytestmark = pytest.mark.unit
+
 IMAGE = 785
 
 # -- the mix and its plan --------------------------------------------------------------------

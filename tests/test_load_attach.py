@@ -9,7 +9,6 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from fake_vllm import install_fake_vllm
 from test_attach_process import MODEL, Deployment, attach_settings
 from test_attach_process import deployment as deployment  # the fixture
 
@@ -22,6 +21,7 @@ from harness.run.sweep import Sweep, SweepSpec
 from harness.spec.load import LoadSpec, load_mix
 from harness.spec.prompts import render_request
 from harness.spec.settings import ServedVllm
+from harness.testing.fake_vllm import install_fake_vllm
 
 pytestmark = pytest.mark.process
 

@@ -13,22 +13,14 @@ from harness.run.matrix import Scenario, ScenarioResult
 from harness.run.scenarios import MATRIX, get_scenario, matrix_prompts
 from harness.spec.prompts import PromptSpec, TextPart
 from harness.spec.topology import TOPOLOGIES
+from harness.testing.builders import case_record
 from harness.testing.judging import judged
+
+pytestmark = pytest.mark.unit
 
 
 def record(verdict: Verdict, error: str | None = None, passed: bool = True) -> CaseRecord:
-    return CaseRecord(
-        topology="1E+1P+1D:s",
-        prompt="p",
-        reference="baseline",
-        verdict=verdict,
-        policy_passed=passed,
-        detail="d",
-        divergence=None,
-        guards={},
-        timings={},
-        error=error,
-    )
+    return case_record("1E+1P+1D:s", "p", verdict, passed, detail="d", guards={}, error=error)
 
 
 def test_every_scenario_names_a_known_topology_and_has_prompts() -> None:

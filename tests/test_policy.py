@@ -14,19 +14,19 @@ from harness.judge.policy import (
 )
 from harness.judge.records import EXACT, LOGPROB_CLOSE, Verdict
 from harness.judge.verdicts import batch_shape_noise
-from harness.outcomes.chat import ChatResult, PositionLogprobs
+from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
 from harness.spec.platforms import CPU, CUDA, XPU
 from harness.spec.topology import TOPOLOGIES
+from harness.testing.builders import chat
 from harness.testing.judging import judged
+
+pytestmark = pytest.mark.unit
 
 
 def result(tokens: tuple[int, ...], logprob: float = -1.0, second: float = 0.1) -> ChatResult:
     """Each position: its token at `logprob`, the token + 100 `second` nats below."""
-    positions = tuple(
-        PositionLogprobs(t, logprob, ((t, logprob), (t + 100, logprob - second))) for t in tokens
-    )
-    return ChatResult((1, 2, 3), tokens, "", "length", positions)
+    return chat(tokens, top=lambda _, t: [(t, logprob), (t + 100, logprob - second)])
 
 
 def outcome(tokens: tuple[int, ...], **kwargs: float) -> Outcome:
@@ -61,19 +61,12 @@ def test_the_platform_chooses_the_policy() -> None:
 
 def near_tie_divergence() -> tuple[Outcome, Outcome]:
     """Equal first token (log-probs 0.02 apart), then a near tie (0.05 nats) flipped."""
-    reference = Outcome("image", result((5,), -1.0, 0.05))
-    candidate = Outcome("image", result((5,), -1.02, 0.05))
-    ref_positions = (
-        *reference.result.logprobs,
-        PositionLogprobs(6, -0.70, ((6, -0.70), (7, -0.75))),
-    )
-    cand_positions = (
-        *candidate.result.logprobs,
-        PositionLogprobs(7, -0.70, ((7, -0.70), (6, -0.74))),
-    )
-    reference = Outcome("image", ChatResult((1, 2, 3), (5, 6), "", "length", ref_positions))
-    candidate = Outcome("image", ChatResult((1, 2, 3), (5, 7), "", "length", cand_positions))
-    return reference, candidate
+
+    def side(first_lp: float, second: int, other: int, other_lp: float) -> Outcome:
+        tops = {0: [(5, first_lp), (105, first_lp - 0.05)], 1: [(second, -0.70), (other, other_lp)]}
+        return Outcome("image", chat((5, second), top=lambda i, _: tops[i]))
+
+    return side(-1.0, 6, 7, -0.75), side(-1.02, 7, 6, -0.74)
 
 
 def test_drift_across_a_hop_passes_under_pd_drift_and_fails_exact() -> None:

@@ -1,7 +1,7 @@
-"""The topology pool starts each topology once and shares it (harness/run/pool.py), with the fake
-vLLM (tests/fake_vllm.py) counting every start: a sweep starts each distinct instance once, a
-second request for a running topology starts nothing, another proxy in front starts nothing, a
-dead or released topology is started again with its reason."""
+"""The topology pool starts each topology once and shares it (harness/run/pool.py), with the
+fake vLLM (harness/testing/fake_vllm.py) counting every start: a sweep starts each distinct
+instance once, a second request for a running topology starts nothing, another proxy in front
+starts nothing, a dead or released topology is started again with its reason."""
 
 from __future__ import annotations
 
@@ -10,12 +10,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from fake_vllm import install_fake_vllm
 
 from harness.environment import cache_dir
 from harness.run.pool import TopologyPool
@@ -23,6 +21,8 @@ from harness.run.sweep import Sweep, SweepSpec
 from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.settings import ProxyChoice, RunSettings, ServedVllm
 from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Role, ServingConfig
+from harness.testing.fake_vllm import START_LOG_ENV, install_fake_vllm
+from harness.testing.processes import wait_for
 
 pytestmark = pytest.mark.process
 
@@ -32,10 +32,9 @@ TEXT = next(p for p in SKELETON_PROMPTS if p.name == "text")
 
 
 @pytest.fixture
-def start_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("EPD_HARNESS_PORT_DIR", str(tmp_path / "port-locks"))
+def start_log(tmp_path: Path, port_locks: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     log = tmp_path / "starts.jsonl"
-    monkeypatch.setenv("FAKE_VLLM_START_LOG", str(log))
+    monkeypatch.setenv(START_LOG_ENV, str(log))
     return log
 
 
@@ -84,7 +83,7 @@ def test_a_running_topology_is_shared_and_a_dead_one_started_again_with_its_caus
         assert again is first and len(starts(start_log)) == 2
         victim = first.server(Role.DECODE)
         os.killpg(victim.pgid, signal.SIGKILL)
-        wait_until(lambda: not victim.is_alive())
+        wait_for(lambda: not victim.is_alive(), "the decode instance to die", 10)
         restarted = pool.session(TOPOLOGIES["1P+1D"])
         assert restarted is not first and len(starts(start_log)) == 4
         reason = pool.starts[-1].reason
@@ -147,13 +146,6 @@ def test_a_shared_sweep_answers_its_reference_before_the_pool_stops_it(
         pool.close()
 
 
-def wait_until(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_xdist_workers_on_eight_gpus_start_each_topology_once(
     tmp_path: Path, start_log: Path
 ) -> None:
@@ -167,6 +159,7 @@ def test_xdist_workers_on_eight_gpus_start_each_topology_once(
         sys.executable, "-m", "pytest", "scenarios/test_epd_matches_baseline.py",
         "-m", "e2e", "-k", "text", "-n", "4", "--dist", "loadgroup", "-p", "no:cacheprovider",
         "--epd-platform", "cuda", "--epd-devices", "0,1,2,3,4,5,6,7", "--epd-vllm", str(fake),
+        "--epd-kv-connector", "example",  # the count does not depend on it; NIXL needs nixl
         "--epd-model", str(model), "--epd-baseline-cache", str(tmp_path / "cache"),
         "--epd-run-dir", str(tmp_path / "run"),
     ]  # fmt: skip
@@ -182,3 +175,17 @@ def tiny_model_dir() -> Path:
     from fixtures.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(cache_dir() / "models")
+
+
+def test_a_fault_goes_into_the_topologies_under_test_never_their_references(
+    tmp_path: Path, start_log: Path
+) -> None:
+    """`--plant-fault ec-noise:0.05 --topology 1E+1P+1D`: 1P+1D starts as its exact reference
+    only, and an EC fault has nothing to act on there (it once raised and ended the sweep)."""
+    settings = settings_for(tmp_path)
+    spec = SweepSpec((TOPOLOGIES["1E+1P+1D"],), prompts=(TEXT,), fault="ec-noise:0.05")
+    result = Sweep(spec, settings).run_all()
+    assert {(r.topology, r.reference) for r in result.records} == {
+        ("1E+1P+1D", "baseline"),
+        ("1E+1P+1D", "1P+1D"),
+    }

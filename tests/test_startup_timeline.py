@@ -5,7 +5,11 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
+import pytest
+
 from harness.outcomes.startup import PHASES, describe_timeline, startup_timeline
+
+pytestmark = pytest.mark.unit
 
 SPAWNED = datetime.datetime(2026, 12, 1, 15, 29, 25)
 CPU_LOG = """\

@@ -25,6 +25,8 @@ from harness.serve.proxy import FirstTokenChunkTwice, carries_tokens
 from harness.spec.prompts import streaming_request
 from harness.testing.judging import judged
 
+pytestmark = pytest.mark.unit
+
 
 def parse(events: list[bytes], content_type: str = EVENT_STREAM, complete: bool = True):
     return parse_stream(timed(events), content_type, complete)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest_plugins = ["pytester"]
+pytestmark = pytest.mark.unit
 
 MODULE = """
 import pytest
@@ -59,8 +59,8 @@ def test_e2e_items_run_by_topology_with_session_enders_last(pytester: pytest.Pyt
         "test_needs_only_the_baseline",
         "test_sweep_case[1E+1PD]",
         "test_fault_on_1e1pd",
-        "test_kills_the_encoder",  # ends its session: last of 1E+1PD's own proxy
         "test_through_vllm_proxy",  # the same instances through vLLM's proxy, right after
+        "test_kills_the_encoder",  # ends its session: last of everything on 1E+1PD
         "test_sweep_case[1P+1D]",
         "test_sweep_case[1E+1P+1D]",
         "test_nixl",  # other instances (another KV connector) after every default one

@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from harness.cli import doctor
 from harness.cli.compare import add_compare_parser
+from harness.cli.fuzz import add_fuzz_parser
 from harness.cli.load import add_load_parser
 from harness.cli.plan import add_plan_parser
 from harness.cli.versions import add_bisect_parser, add_goldens_parser, add_versions_parser
@@ -133,6 +134,7 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         attach=args.attach,
         reference_policy=args.reference_policy,
         stream=args.stream,
+        no_enforce_eager=args.no_enforce_eager,
     )
 
 
@@ -222,7 +224,11 @@ def command_repro(args: argparse.Namespace) -> int:
         check_run_dir(run_dir)
         served = probe_served_vllm(args.vllm or default_vllm_executable())
         proxy = proxy_choice(
-            bundle.proxy_kind, None, served, cache_dir(), bundle.proxy_registration
+            bundle.proxy_kind,
+            bundle.vllm_source,
+            served,
+            cache_dir(),
+            bundle.proxy_registration,
         )
         case, records, sweep = reproduce(bundle, run_dir, served, args.case, proxy)
     except BundleError as exc:
@@ -350,6 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="GPU: let a topology's instances share devices when there are too few",
     )
     run.add_argument(
+        "--no-enforce-eager",
+        action="store_true",
+        help="GPU: let vLLM compile and capture graphs (the default, like upstream's "
+        "correctness script, is --enforce-eager); refused on cpu",
+    )
+    run.add_argument(
         "--plant-fault",
         metavar="FAULT",
         help=f"self-test: plant a fault ({', '.join(FAULT_NAMES)}) or a graded "
@@ -372,7 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--vllm-source",
         metavar="DIR",
         help="with --proxy vllm: take vLLM's proxy files from this checkout instead "
-        "of the release's sdist on the package index",
+        "of the release's sdist on the package index (a development build's only source: "
+        "the tree it was built from)",
     )
     run.add_argument(
         "--proxy-registration",
@@ -418,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bisect_parser(sub)
     add_compare_parser(sub)
     add_load_parser(sub)
+    add_fuzz_parser(sub)
     return parser
 
 

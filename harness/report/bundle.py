@@ -34,6 +34,7 @@ from harness.judge.records import CaseRecord
 from harness.redact import MIN_SCRUBBED_LEN, REDACTED, redact_argv, redact_env, secret_values
 from harness.report.html import strip_ansi, write_report_html
 from harness.report.text import drift_summary, format_failure
+from harness.spec.placement import gpu_memory_policy
 from harness.spec.prompts import PromptSpec
 from harness.spec.settings import RunSettings
 from harness.spec.topology import Topology
@@ -183,6 +184,10 @@ def collect_run_info(
         "proxy": settings.proxy.to_json(),
         "stream": settings.stream,
         "devices": list(settings.devices),
+        # Each role's --gpu-memory-utilization and the rule for shared devices (GPU platforms).
+        "gpu_memory_shares": gpu_memory_policy(settings.platform),
+        # Every vllm serve command line, judged by the served vLLM's own parser beforehand.
+        "argv_check": settings.argv_check,
         "topologies": [
             {
                 "name": t.name,

@@ -4,8 +4,9 @@ Every EPD answer is judged against these, so they are checked before they are tr
 
 * the control: each request is sent twice, alone; a baseline that disagrees with itself would
   make EPD look broken when it is not, so its cases get UNSTABLE_BASELINE instead;
-* the batched pass: each request once more, in flight together with another request, so the
-  engine runs it in another batch shape. How far its log-probs move (over the tokens both
+* the batched pass: each of the sweep's requests once more, in flight together with another
+  request, so the engine runs it in another batch shape (the scenarios' many other requests
+  get the control only: the floor is one number for the run). How far its log-probs move (over the tokens both
   answers agree on) is the noise a change of kernel shapes makes on this platform: the same
   kind of change a P->D hop makes (D computes only the prompt's tail). The largest such move
   over the run is the noise floor the drift rule may excuse (`harness.judge.compare`); whether
@@ -102,6 +103,10 @@ class BaselineAnswers:
         self.outcomes: dict[str, Outcome] = {}
         self.stability: dict[str, Stability] = {}
         self.calibrations: list[BatchCalibration] = []
+        # The requests the batched pass measures (None: all): the floor is one number for
+        # the run, so the sweep's own prompts measure it and the scenarios' many others only
+        # get their determinism control.
+        self.batch_probes: set[str] | None = None
         self._digest: str | None = None
 
     # -- what is known ---------------------------------------------------------------------
@@ -192,17 +197,24 @@ class BaselineAnswers:
         if not names:
             return
         log.info(
-            "[baseline] %d request(s): each alone twice (determinism control), then batched "
-            "with another (noise floor)",
+            "[baseline] %d request(s): each alone twice (determinism control); the sweep's "
+            "batched with another (noise floor)",
             len(names),
         )
         for name in names:
             self.outcomes[name] = session.send(name, self.bodies[name])
         again = {name: session.send(name, self.bodies[name]) for name in names}
-        batched = self._batched_pass(session, names)
+        probes = [n for n in names if self.batch_probes is None or n in self.batch_probes]
+        batched = self._batched_pass(session, probes)
         for name in names:
             control = baseline_stability(self.outcomes[name], again[name])
-            floor, detail = batch_shape_noise(self.outcomes[name], batched[name])
+            if name in batched:
+                floor, detail = batch_shape_noise(self.outcomes[name], batched[name])
+            else:
+                floor, detail = (
+                    None,
+                    "not batched (the run's floor is measured on its sweep prompts)",
+                )
             floors = [f for f in (control.noise_floor, floor) if f is not None]
             self.stability[name] = Stability(
                 control.stable,
@@ -225,6 +237,8 @@ class BaselineAnswers:
         """Each request in flight together with its neighbour in the list (itself when alone:
         two copies still make a batch of two)."""
         batched: dict[str, Outcome] = {}
+        if not names:
+            return batched
         with ThreadPoolExecutor(max_workers=2) as pool:
             for index, name in enumerate(names):
                 partner = names[(index + 1) % len(names)]

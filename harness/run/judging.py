@@ -9,6 +9,7 @@ run accepts (the reference policy, the measured noise floor), is decided here on
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -126,15 +127,19 @@ class CaseJudge:
         declared: Declaration | None = None,
         batched: bool = False,
         others: Sequence[tuple[str, Outcome]] = (),
+        baseline: Reference | None = None,
+        noise_floor: float | None = None,
     ) -> list[CaseRecord]:
         """Records against the baseline's answer to the same request (and `exact_reference`:
         a topology's name and its answer). A failure the served release is declared to have
         for `spec` (`harness.spec.generations`) applies unless `declared` says otherwise.
         `batched`: the answer was computed with other requests in flight (a load); `others`:
         the answers those requests should have had (name, baseline outcome), so an answer
-        that is another request's is named as such."""
+        that is another request's is named as such. `baseline` and `noise_floor` stand in
+        for the run's baseline answers where the caller asks the baseline itself, request by
+        request (fuzzing)."""
         prompt = observed.outcome.prompt
-        references = [self.baseline.reference(prompt)]
+        references = [baseline or self.baseline.reference(prompt)]
         if exact_reference is not None:
             name, outcome = exact_reference
             references.append(Reference(name, outcome, monolithic=False))
@@ -142,13 +147,16 @@ class CaseJudge:
             declared = known_failure(self.settings.protocol, topology, spec)
         if declared is None:
             declared = proxy_failure(self.settings, topology, observed.outcome)
+        rules = self.rules
+        if noise_floor is not None:
+            rules = dataclasses.replace(rules, noise_floor_nats=noise_floor)
         return judge_case(
             label or topology.name,
             topology,
             observed.outcome,
             observed.guards,
             references,
-            self.rules,
+            rules,
             declared,
             batched=batched,
             others=others,

@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,10 +33,11 @@ from harness.serve.launch import EventCallback
 from harness.serve.session import ProxiedSession, TopologySession, safe_name
 from harness.spec.placement import CPU_INSTANCE_BYTES, CPU_MEMORY_HEADROOM, available_memory_bytes
 from harness.spec.settings import RunSettings
-from harness.spec.topology import ServingConfig, Topology
+from harness.spec.topology import Role, ServingConfig, Topology
 
 STARTS_FILE = "topology-starts.json"
 log = logging.getLogger(__name__)
+RoleEnv = Mapping[Role, Mapping[str, str]]
 
 
 @dataclass(frozen=True)
@@ -46,18 +47,30 @@ class SessionKey:
 
     topology: str
     serving: ServingConfig
+    # Environment added to the instances of a role (a self-test's plugin in D), as sorted
+    # (role, ((name, value), ...)) pairs: other environment, other instances.
+    role_env: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
 
     @classmethod
-    def of(cls, topology: Topology, settings: RunSettings) -> SessionKey:
-        return cls(topology.name, settings.serving)
+    def of(
+        cls, topology: Topology, settings: RunSettings, role_env: RoleEnv | None = None
+    ) -> SessionKey:
+        frozen = tuple(
+            sorted(
+                (role.value, tuple(sorted(env.items()))) for role, env in (role_env or {}).items()
+            )
+        )
+        return cls(topology.name, settings.serving, frozen)
 
     def describe(self, base: ServingConfig | None = None) -> str:
-        """The topology, with what differs from the run's own serving flags."""
+        """The topology, with what differs from the run's own serving flags and environment."""
         parts = [self.topology]
         if base is not None:
             for name, value in dataclasses.asdict(self.serving).items():
                 if getattr(base, name) != value:
                     parts.append(f"{name}={value}")
+        for role, env in self.role_env:
+            parts.append(f"{role}+env({','.join(name for name, _ in env)})")
         return " ".join(parts)
 
 
@@ -77,6 +90,11 @@ class SessionRequest:
     topology: Topology
     settings: RunSettings
     devices: tuple[int, ...] | None = None
+    role_env: RoleEnv | None = None
+
+    @property
+    def key(self) -> SessionKey:
+        return SessionKey.of(self.topology, self.settings, self.role_env)
 
 
 @dataclass
@@ -106,12 +124,13 @@ class TopologyPool:
         topology: Topology,
         settings: RunSettings | None = None,
         devices: tuple[int, ...] | None = None,
+        role_env: RoleEnv | None = None,
     ) -> TopologySession | ProxiedSession:
         """The running session of `topology` under `settings` (default: the run's), started
         now if it is not running, reached through the proxy `settings` names (the instances
         are shared whatever the proxy); raises what stopped it from starting."""
-        request = SessionRequest(topology, settings or self.settings, devices)
-        outcome = self.open([request])[SessionKey.of(topology, request.settings)]
+        request = SessionRequest(topology, settings or self.settings, devices, role_env)
+        outcome = self.open([request])[request.key]
         if isinstance(outcome, BaseException):
             raise outcome
         return self.through(outcome, request.settings)
@@ -139,7 +158,7 @@ class TopologyPool:
         found: dict[SessionKey, TopologySession | BaseException] = {}
         starting: list[tuple[SessionKey, TopologySession, str]] = []
         for request in requests:
-            key = SessionKey.of(request.topology, request.settings)
+            key = request.key
             live = self._live.get(key)
             reason = "first use" if not self._started_before(key) else "restart: stopped earlier"
             if live is not None:
@@ -275,14 +294,14 @@ class TopologyPool:
         return any(s.key == key for s in self.starts)
 
     def _new_session(self, request: SessionRequest) -> TopologySession:
-        key = SessionKey.of(request.topology, request.settings)
-        label = safe_name(key.describe(self.settings.serving).replace(" ", "_"))
+        label = safe_name(request.key.describe(self.settings.serving).replace(" ", "_"))
         return TopologySession(
             request.topology,
             request.settings,
             on_event=self.on_event,
             label=label,
             devices=request.devices,
+            role_env=request.role_env,
         )
 
     def _stop(self, key: SessionKey) -> None:

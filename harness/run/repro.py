@@ -83,6 +83,13 @@ class Bundle:
         return (self.run.get("proxy") or {}).get("kind") or HARNESS_PROXY
 
     @property
+    def vllm_source(self) -> str | None:
+        """The vLLM source tree the bundle's run took vLLM's proxy from (--vllm-source), which
+        a development build needs again; None for a release's sdist."""
+        origin = (self.run.get("proxy") or {}).get("origin") or ""
+        return origin.removeprefix("checkout ") if origin.startswith("checkout ") else None
+
+    @property
     def proxy_registration(self) -> str:
         """How vLLM's proxy learned the instances in the bundle's run (before: static)."""
         return (self.run.get("proxy") or {}).get("registration") or STATIC_REGISTRATION

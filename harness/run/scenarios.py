@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from harness.errors import lookup
 from harness.judge.records import DeclaredFailure, Verdict
+from harness.spec.prompt_codec import prompt_from_json
 from harness.spec.prompts import (
     SHORT_TEXT,
     TAIL_TEXT,
@@ -256,6 +259,32 @@ MATRIX: tuple[Scenario, ...] = (
         expect_by_kv_connector=(("NixlConnector", (Verdict.MATCH,)),),
     ),
 )
+
+
+# Scenarios `epd-harness fuzz --save` wrote: each a minimal request a fuzz run found failing,
+# declared with its verdict, evidence and cause (harness.run.fuzz.save); appended to MATRIX.
+FOUND_SCENARIOS_FILE = Path(__file__).with_name("found_scenarios.json")
+
+
+def found_scenarios(path: Path = FOUND_SCENARIOS_FILE) -> tuple[Scenario, ...]:
+    """The saved scenarios; an unreadable file is an error, never an empty matrix."""
+    if not path.exists():
+        return ()
+    entries = json.loads(path.read_text())
+    return tuple(
+        Scenario(
+            name=entry["name"],
+            topology=entry["topology"],
+            prompts=tuple(prompt_from_json(p) for p in entry["prompts"]),
+            expect=tuple(Verdict(v) for v in entry["expect"]),
+            expect_evidence=entry.get("expect_evidence", ""),
+            reason=entry.get("reason", ""),
+        )
+        for entry in entries
+    )
+
+
+MATRIX = MATRIX + found_scenarios()
 
 
 def matrix_prompts(scenarios: tuple[Scenario, ...] = MATRIX) -> tuple[PromptSpec, ...]:

@@ -117,6 +117,8 @@ class Sweep:
             settings, baseline_cache, goldens, golden_release
         )
         self.baseline.add(self.bodies)
+        if not self.baseline.batch_probes:  # a shared baseline keeps the first sweep's probes
+            self.baseline.batch_probes = set(self.topology_prompts) or None
         self.judging = CaseJudge(settings, self.baseline)
         self.owns_pool = pool is None
         self.pool = pool or TopologyPool(settings, on_event)
@@ -327,7 +329,10 @@ class Sweep:
     def _serve_prompts(self, session: TopologySession | ProxiedSession | AttachedSession) -> None:
         """Every prompt on one topology, each observed (guards read at once)."""
         topology = session.topology
-        if self.spec.fault:  # the session's faults: its proxy's (harness) or its taps' (vllm)
+        # The fault goes into the topologies under test, never into an exact reference (1P+1D
+        # for 1E+1P+1D) that is only there to be compared with.
+        planted = bool(self.spec.fault) and topology in self.spec.topologies
+        if planted:  # the session's faults: its proxy's (harness) or its taps' (vllm)
             fault = fault_for(
                 self.spec.fault,
                 session.ec_storage,
@@ -345,7 +350,7 @@ class Sweep:
                 status = "failed" if outcome.error else "answered"
                 log.info("[sweep] %s %s: %s in %.2fs", topology.name, name, status, outcome.seconds)
         finally:
-            if self.spec.fault:
+            if planted:
                 plant(session.faults, None)
         self._keep(topology, observed)
 

@@ -15,7 +15,7 @@ import dataclasses
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,14 +60,18 @@ class TopologySession:
         label: str | None = None,
         reuse_storage: Path | None = None,
         devices: tuple[int, ...] | None = None,
+        role_env: Mapping[Role, Mapping[str, str]] | None = None,
     ):
         """`label` names the artifact directory (default: the topology's name).
         `reuse_storage` serves from an earlier session's storage directory as it was left,
         instead of fresh storage (the "rerun without wiping the EC storage" scenario).
-        `devices` are the topology's slot in the schedule (default: all the run's devices)."""
+        `devices` are the topology's slot in the schedule (default: all the run's devices).
+        `role_env` adds environment variables to the instances of a role, over what the
+        renderer gives them (the self-test's plugin in D; recorded in each `.cmd.json`)."""
         self.topology = topology
         self.settings = settings
         self.devices = devices or settings.devices
+        self.role_env = role_env or {}
         # One object for the session's life: the harness proxy or the taps hold it, and
         # `harness.run.faults.plant` swaps its hooks.
         self.faults = faults if faults is not None else ProxyFaults()
@@ -146,7 +150,7 @@ class TopologySession:
             command = ServerCommand(
                 name=spec.name,
                 argv=spec.argv(self.settings.vllm_executable),
-                env=spec.env(),
+                env={**spec.env(), **self.role_env.get(spec.role, {})},
                 health_url=f"{spec.url}/health",
                 log_path=log_path_for(self.dir, spec.name),
             )

@@ -12,6 +12,15 @@ instance death, a rerun on kept storage, a kill) run last in their group. Under 
 worker takes a group and the groups its cases reference (`xdist_group`), so no two workers
 start the same topology.
 
+The harness's own tests get their helpers here too: `epd_cli` (the CLI in-process),
+`fake_vllm` (the fake `vllm` executable) and `port_locks` (port leases of one test); the
+record builders, the in-process fake instance and the process watchers are plain modules of
+this package (builders, fake_instance, processes).
+
+A fixture that keeps state across a topology's items (a sweep, a table of results) must be
+session-scoped: one module's items can fall into several groups, and pytest builds a
+module-scoped fixture again each time the module comes back.
+
 Markers: `epd_topology(name)` for items whose topology is not a `topology`/`scenario` parameter,
 `epd_variant(name)` for items that run under other settings, `epd_ends_session` for items that
 stop or break their session. Options are in the repository's conftest.py.
@@ -31,6 +40,7 @@ DEFAULT_VARIANT = ""
 POOL_KEY = pytest.StashKey[object]()
 SWEEP_KEY = pytest.StashKey[object]()
 PROMPTS_KEY = pytest.StashKey[tuple]()
+KV_CONNECTOR_DESELECTED = pytest.StashKey[list]()
 # A scenario module lists the prompts its tests send (besides the sweep's) under this name.
 BASELINE_PROMPTS = "EPD_BASELINE_PROMPTS"
 RUN_ROOT_KEY = pytest.StashKey[str]()
@@ -52,8 +62,9 @@ class EpdGroup:
         return (self.topology, self.variant)
 
     def order(self) -> tuple:
+        """Default instances first, then variants; within them, the plan's topology order."""
         rank = TOPOLOGY_ORDER.index(self.topology) if self.topology in TOPOLOGY_ORDER else 99
-        return (self.variant != DEFAULT_VARIANT, self.variant, rank, self.topology, self.proxy)
+        return (self.variant != DEFAULT_VARIANT, self.variant, rank, self.topology)
 
     def xdist_name(self) -> str:
         """A topology and the references its cases are judged against share a worker, through
@@ -78,6 +89,11 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers", "epd_ends_session: the item stops or breaks its session: run it last"
+    )
+    config.addinivalue_line(
+        "markers",
+        "kv_connector(*names): the item applies only to sessions running one of these KV "
+        "connectors (example, nixl); deselected and listed otherwise",
     )
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
@@ -125,23 +141,34 @@ def ends_session(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`--epd-topology` keeps the e2e items of those topologies; then every other tier first,
-    in collection order, and the e2e items by group."""
+    """`--epd-topology` keeps the e2e items of those topologies, a `kv_connector(...)` marker
+    keeps an item only for a session that runs one of those connectors (listed, never
+    silently); then every other tier first, in collection order, and the e2e items by group."""
     wanted = {
         n.strip() for n in (config.getoption("--epd-topology", None) or "").split(",") if n.strip()
     }
-    if wanted:
-        dropped = [i for i in items if (g := epd_group(i)) is not None and g.topology not in wanted]
-        if dropped:
-            config.hook.pytest_deselected(items=dropped)
-            items[:] = [i for i in items if i not in dropped]
+    connector = session_kv_connector(config)
+    dropped, other_connector = [], []
+    for item in items:
+        group = epd_group(item)
+        needs = item.get_closest_marker("kv_connector")
+        if connector is not None and needs is not None and connector not in needs.args:
+            other_connector.append(f"{item.nodeid} (needs {', '.join(needs.args)})")
+            dropped.append(item)
+        elif wanted and group is not None and group.topology not in wanted:
+            dropped.append(item)
+    config.stash[KV_CONNECTOR_DESELECTED] = other_connector
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [i for i in items if i not in dropped]
     position = {id(item): n for n, item in enumerate(items)}
 
     def key(item: pytest.Item) -> tuple:
+        """Within one running topology: every proxy's items, then those that end it."""
         group = epd_group(item)
         if group is None:
-            return (0, (), False, position[id(item)])
-        return (1, group.order(), ends_session(item), position[id(item)])
+            return (0, (), False, "", position[id(item)])
+        return (1, group.order(), ends_session(item), group.proxy, position[id(item)])
 
     items.sort(key=key)
     # The prompts the selected scenario modules need the baseline to answer: one baseline
@@ -151,6 +178,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for prompt in getattr(module, BASELINE_PROMPTS, ()):
             needed.setdefault(prompt.name, prompt)
     config.stash[PROMPTS_KEY] = tuple(needed.values())
+
+
+def session_kv_connector(config: pytest.Config) -> str | None:
+    """The KV connector this session runs (`--epd-kv-connector`, else the platform's default),
+    by its --kv-connector name; None when the options name none the harness knows (the
+    preflight then says what is wrong)."""
+    from harness.errors import BadInput
+    from harness.spec.connectors import get_kv_connector, kv_connector_for_class
+    from harness.spec.platforms import get_platform
+
+    try:
+        name = config.getoption("--epd-kv-connector", None)
+        if name:
+            return get_kv_connector(name).name
+        default = kv_connector_for_class(
+            get_platform(config.getoption("--epd-platform", "cpu")).kv_connector
+        )
+    except BadInput:
+        return None
+    return default.name if default is not None else None
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
+    """Tests for another KV connector than the session's are deselected, never silently."""
+    deselected = config.stash.get(KV_CONNECTOR_DESELECTED, [])
+    if not deselected:
+        return []
+    return [
+        f"epd-harness: {len(deselected)} test(s) deselected: they apply to another KV connector "
+        f"than this session's ({session_kv_connector(config)}):",
+        *(f"  {line}" for line in deselected),
+    ]
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -212,10 +271,13 @@ def epd_config(pytestconfig: pytest.Config, epd_worker: tuple[str, int]):
         kv_connector=option("--epd-kv-connector"),
         ec_connector=option("--epd-ec-connector"),
         proxy=option("--epd-proxy"),
-        vllm_source=option("--epd-vllm-source"),
+        # The scenarios that run vLLM's own files read --epd-vllm-source themselves; the run's
+        # proxy takes it only when it is vLLM's.
+        vllm_source=option("--epd-vllm-source") if option("--epd-proxy") == "vllm" else None,
         proxy_registration=option("--epd-proxy-registration"),
         reference_policy=option("--epd-reference-policy"),
         stream=option("--epd-stream"),
+        no_enforce_eager=option("--epd-no-enforce-eager"),
     )
     try:
         return prepare_run(request)
@@ -286,7 +348,7 @@ def epd_sweep(pytestconfig: pytest.Config, epd_config, epd_pool, epd_events):
     return sweep
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def epd_matrix(epd_sweep):
     """The scenario matrix on the shared baseline and pool."""
     from harness.run.matrix import MatrixRun
@@ -296,21 +358,55 @@ def epd_matrix(epd_sweep):
 
 @pytest.fixture(scope="session")
 def epd_live(epd_sweep, epd_pool, epd_settings):
-    """`epd_live("1E+1PD")` (or with ServingConfig overrides, e.g. kv_connector=...): the
-    session's running topology, started on first use, judged by the shared sweep."""
+    """`epd_live("1E+1PD")` (or with ServingConfig overrides, e.g. kv_connector=..., and an
+    environment added to a role's instances, `role_env`): the session's running topology,
+    started on first use, judged by the shared sweep."""
     from harness.spec.topology import TOPOLOGIES
     from harness.testing.live import LiveTopology
 
-    def live(name: str, **serving: object) -> LiveTopology:
+    def live(name: str, role_env=None, **serving: object) -> LiveTopology:
         epd_sweep.serve_baseline()  # before any topology of ours: never two starts at once
         settings = epd_settings
         if serving:
             settings = dataclasses.replace(
                 settings, serving=dataclasses.replace(settings.serving, **serving)
             )
-        return LiveTopology(epd_pool.session(TOPOLOGIES[name], settings), epd_sweep)
+        session = epd_pool.session(TOPOLOGIES[name], settings, role_env=role_env)
+        return LiveTopology(session, epd_sweep)
 
     return live
+
+
+# -- helpers of the harness's own tests ---------------------------------------------------------
+
+
+@pytest.fixture
+def epd_cli(capsys: pytest.CaptureFixture[str]):
+    """`epd_cli("run", ...)`: the CLI in this process -> CliResult(code, out, err)
+    (harness.testing.cli)."""
+    from harness.testing.cli import CliRunner
+
+    return CliRunner(capsys)
+
+
+@pytest.fixture
+def fake_vllm(tmp_path: Path) -> Path:
+    """The fake `vllm serve` look-alike (harness.testing.fake_vllm), installed for this test;
+    misbehaving on cue through FAKE_VLLM_MODE."""
+    from harness.testing.fake_vllm import install_fake_vllm
+
+    return install_fake_vllm(tmp_path / "bin")
+
+
+@pytest.fixture
+def port_locks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Port leases of this test only (EPD_HARNESS_PORT_DIR), for the harness in this process
+    and in the processes it starts: what a test leaves held is its own."""
+    from harness.environment import PORT_LOCK_DIR_ENV
+
+    directory = tmp_path / "port-locks"
+    monkeypatch.setenv(PORT_LOCK_DIR_ENV, str(directory))
+    return directory
 
 
 # -- the session's account ---------------------------------------------------------------------

@@ -1,8 +1,9 @@
-"""The one fake vLLM of the process tests: a `vllm serve` look-alike on a real port.
+"""The one fake vLLM of the harness's tests: a `vllm` executable that serves like one, or refuses.
 
-It reads the flags it needs, ignores the rest and rejects `--no-such-*` flags with vLLM's parser
-error; it serves `/health` and chat completions with token ids (and kv_transfer_params from a
-prefill instance), and misbehaves on cue. The cue is the environment variable
+Serving (the default), it is a `vllm serve` look-alike on a real port: it reads the flags it
+needs, ignores the rest and rejects `--no-such-*` flags with vLLM's parser error; it serves
+`/health` and chat completions with token ids (and kv_transfer_params from a prefill instance),
+and misbehaves on cue. The cue is the environment variable
 `FAKE_VLLM_MODE="<who>:<mode>[=<seconds>];..."`, where <who> is a role (baseline, encoder, pd,
 prefill, decode), a served model name, or `*`; modes: slow-start, die-start, slow, hang,
 ignore-term (SIGTERM ignored, as vLLM does while its engine starts) and fork-child (a child in
@@ -10,15 +11,34 @@ the server's group, like vLLM's engine core). With `FAKE_VLLM_START_LOG=<file>` 
 appends a JSON line (role, argv without the port, CUDA_*/VLLM_* env): what start-counting tests
 count.
 
+With `serves=False` it only exits, saying a test got as far as starting a server: what
+bad-input tests pass, so a check that wrongly lets a run through fails on that line instead of
+costing a start.
+
+What the harness reads of a served vLLM before starting it comes from the interpreter on the
+executable's `#!` line (`harness.preflight.vllm`): by default this test's Python, so the
+versions are this environment's; `vllm_version` / `torch_version` make that interpreter find
+distributions of those versions first, and `missing_modules` make importing those modules fail
+there as if they were not installed (the `--kv-connector nixl` probe).
+
 Only for tests of process handling and pure logic: what an e2e scenario checks is real vLLM.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 MODE_ENV = "FAKE_VLLM_MODE"
+START_LOG_ENV = "FAKE_VLLM_START_LOG"
+REFUSAL = "refusing-vllm: a test got as far as starting a server"
+
+REFUSING_SCRIPT = f"""
+import sys
+print({REFUSAL!r}, file=sys.stderr)
+sys.exit(2)
+"""
 
 SCRIPT = r"""
 import argparse, http.server, json, os, signal, sys, time
@@ -105,10 +125,53 @@ server.serve_forever()
 """
 
 
-def install_fake_vllm(directory: Path) -> Path:
-    """Write the fake as an executable `vllm` in `directory` (run by this test's Python)."""
+def install_fake_vllm(
+    directory: Path,
+    *,
+    serves: bool = True,
+    vllm_version: str | None = None,
+    torch_version: str | None = None,
+    missing_modules: Sequence[str] = (),
+    name: str = "vllm",
+) -> Path:
+    """Write the fake as an executable `name` in `directory` and return its path.
+
+    `serves`: the `vllm serve` look-alike (True) or a vllm that refuses to start (False).
+    `vllm_version`, `torch_version`: what the version probe reads (default: this environment's).
+    `missing_modules`: modules whose import fails in the served interpreter.
+    """
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "vllm"
-    path.write_text(f"#!{sys.executable}\n{SCRIPT}")
+    interpreter = sys.executable
+    if vllm_version or torch_version or missing_modules:
+        root = directory / f"{name}-python"
+        interpreter = str(_interpreter(root, vllm_version, torch_version, missing_modules))
+    path = directory / name
+    path.write_text(f"#!{interpreter}\n{SCRIPT if serves else REFUSING_SCRIPT}")
     path.chmod(0o755)
     return path
+
+
+def _interpreter(
+    root: Path, vllm_version: str | None, torch_version: str | None, missing: Sequence[str]
+) -> Path:
+    """A `python` that runs this test's Python with `root/site` first on its path."""
+    site = root / "site"
+    site.mkdir(parents=True, exist_ok=True)
+    for dist, version in (("vllm", vllm_version), ("torch", torch_version)):
+        if version:
+            info = site / f"{dist}-{version}.dist-info"
+            info.mkdir(exist_ok=True)
+            (info / "METADATA").write_text(
+                f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n"
+            )
+    for module in missing:
+        message = f"No module named {module!r}"
+        (site / f"{module}.py").write_text(
+            f"raise ModuleNotFoundError({message!r}, name={module!r})\n"
+        )
+    python = root / "python"
+    python.write_text(
+        f'#!/bin/sh\nPYTHONPATH={site}${{PYTHONPATH:+:$PYTHONPATH}} exec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    return python
