@@ -107,6 +107,7 @@ def test_streamed_answers_match_and_are_framed(
             assert record.verdict is Verdict.MATCH and record.guards[STREAM_CHECK]["ok"], record
 
 
+@pytest.mark.ci
 @pytest.mark.epd_topology("1E+1P+1D")
 def test_a_chunk_relayed_twice_by_the_proxy_is_a_mismatch(epd_live) -> None:
     live = epd_live("1E+1P+1D")
