@@ -78,6 +78,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "against its references (harness/judge/policy.py)",
     )
     group.addoption(
+        "--epd-stream",
+        action="store_true",
+        help="send the EPD topologies streamed requests (stream: true, with usage; ids read "
+        "from the stream, framing checked); the baseline answers unstreamed",
+    )
+    group.addoption(
         "--epd-topology",
         help="comma list: run only scenarios of these topologies (names contain '+', so -k "
         "cannot select them)",

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
         (["--platform", "tpu"], "unknown platform 'tpu' (known: cpu, cuda, xpu)"),
         (
             ["--plant-fault", "melt"],
-            "unknown fault 'melt' (known: corrupt-ec, zero-kv, drop-metadata)",
+            "unknown fault 'melt' (known: corrupt-ec, zero-kv, drop-metadata, stream-duplicate-chunk)",
         ),
     ],
 )

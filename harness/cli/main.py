@@ -19,6 +19,7 @@ from harness.cli import doctor
 from harness.cli.compare import add_compare_parser
 from harness.cli.export import add_export_parser
 from harness.cli.fuzz import add_fuzz_parser
+from harness.cli.load import add_load_parser
 from harness.cli.plan import add_plan_parser
 from harness.cli.versions import add_bisect_parser, add_goldens_parser, add_versions_parser
 from harness.environment import cache_dir
@@ -133,6 +134,7 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         proxy_registration=args.proxy_registration,
         attach=args.attach,
         reference_policy=args.reference_policy,
+        stream=args.stream,
         no_enforce_eager=args.no_enforce_eager,
     )
 
@@ -394,6 +396,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(static, default) or start it empty and register each through its admin API "
         "(dynamic, as an external launcher would)",
     )
+    run.add_argument(
+        "--stream",
+        action="store_true",
+        help="send every EPD topology streamed requests (stream: true, with usage): the "
+        "token ids are read from the stream and its framing checked (the baseline answers "
+        "unstreamed)",
+    )
     run.set_defaults(func=command_run)
 
     repro = sub.add_parser("repro", help="rerun a bundle's failing case with identical config")
@@ -422,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_goldens_parser(sub)
     add_bisect_parser(sub)
     add_compare_parser(sub)
+    add_load_parser(sub)
     add_fuzz_parser(sub)
     add_export_parser(sub)
     return parser

@@ -28,12 +28,17 @@ from harness.judge.compare import (
     noise_floor,
     prefix_noise_floor,
     token_verdict,
+    whose_answer,
 )
 from harness.judge.guards import GuardResult
 from harness.judge.policy import ReferencePolicy
 from harness.judge.records import CaseRecord, Policy, Verdict
+from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
 from harness.spec.topology import Topology
+
+# The record's entry for a streamed answer's framing (beside the transfer guards).
+STREAM_CHECK = "stream_framing"
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,15 @@ class JudgingRules:
     reference_policy: ReferencePolicy
     # nats: the drift rule's tolerance, measured by the run (harness.run.baseline); 0 on CPU.
     noise_floor_nats: float = 0.0
+    # nats: the log-prob noise the baseline itself showed when its answers were batched with
+    # other requests (its batched pass; a load's calibration at the load's concurrency): the
+    # tolerance for answers that were batched too. None: not measured beyond the pass.
+    batched_noise_floor_nats: float | None = None
+
+    def tolerance(self, batched: bool) -> float:
+        if batched and self.batched_noise_floor_nats is not None:
+            return max(self.noise_floor_nats, self.batched_noise_floor_nats)
+        return self.noise_floor_nats
 
 
 class Declaration(Protocol):
@@ -80,12 +94,22 @@ def judge_case(
     references: Sequence[Reference],
     rules: JudgingRules,
     declared: Declaration | None = None,
+    *,
+    batched: bool = False,
+    others: Sequence[tuple[str, Outcome]] = (),
 ) -> list[CaseRecord]:
-    """One record per reference: `label` names the case's topology (and scenario)."""
+    """One record per reference: `label` names the case's topology (and scenario).
+
+    `batched`: the answer was computed in flight together with other requests (a load), so
+    the reference policy may allow it the batch noise the baseline showed. `others`: answers
+    of other requests in flight with it (name, outcome), to name whose answer it is when it is
+    not its own."""
     records = []
+    answers = [(name, o.result) for name, o in others if o.result is not None]
     for reference in references:
-        policy = rules.reference_policy.policy_for(topology, reference.monolithic)
-        record = _against(label, reference, outcome, guards, policy, rules.noise_floor_nats)
+        policy = rules.reference_policy.policy_for(topology, reference.monolithic, batched)
+        tolerance = rules.tolerance(batched)
+        record = _against(label, reference, outcome, guards, policy, tolerance, answers)
         if declared is not None:
             record = _as_declared(record, declared)
         records.append(record)
@@ -99,9 +123,11 @@ def _against(
     guards: Sequence[GuardResult],
     policy: Policy,
     tolerance: float,
+    others: Sequence[tuple[str, ChatResult]] = (),
 ) -> CaseRecord:
     comparison: TokenComparison | None = None
     error = None
+    checks = {g.name: g.to_json() for g in guards}
     if candidate.error or candidate.result is None:
         verdict, error = Verdict.ERROR, candidate.error
         # The error's first line names what failed (the instance that died, when one did).
@@ -126,6 +152,17 @@ def _against(
             detail = f"tokens equal but guard failed: {failed[0].name}: {failed[0].evidence}"
         elif unchecked:
             detail += f"; not checkable: {', '.join(unchecked)}"
+        if verdict is not Verdict.MATCH and not comparison.exact:
+            owner = whose_answer(candidate.result, others)
+            detail = f"{owner}: {detail}" if owner else detail
+        # A stream that carried the answer with broken framing is not that answer to a client:
+        # evidence that fails the case, whatever the ids say.
+        framing = candidate.stream
+        if framing is not None and not framing.ok:
+            verdict = Verdict.MISMATCH
+            detail = f"stream framing broken: {'; '.join(framing.problems)}; {detail}"
+    if candidate.stream is not None:
+        checks[STREAM_CHECK] = {"ok": candidate.stream.ok, "evidence": candidate.stream.describe()}
     return CaseRecord(
         topology=label,
         prompt=candidate.prompt,
@@ -136,7 +173,7 @@ def _against(
         divergence=comparison.divergence.to_json()
         if comparison and comparison.divergence
         else None,
-        guards={g.name: g.to_json() for g in guards},
+        guards=checks,
         timings={"request_s": round(candidate.seconds, 3)},
         error=error,
         explanation=comparison.describe() if comparison else (error or detail),

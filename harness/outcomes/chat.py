@@ -70,7 +70,7 @@ class ChatResult:
         )
 
 
-def _token_id_of(label: str) -> int:
+def token_id_of(label: str) -> int:
     """`token_id:123` -> 123 (what `return_tokens_as_token_ids` makes vLLM print)."""
     prefix, _, number = label.partition(":")
     if prefix != "token_id" or not number.lstrip("-").isdigit():
@@ -94,10 +94,10 @@ def parse_chat_response(body: dict[str, Any]) -> ChatResult:
     for entry in (choice.get("logprobs") or {}).get("content") or []:
         positions.append(
             PositionLogprobs(
-                token_id=_token_id_of(entry["token"]),
+                token_id=token_id_of(entry["token"]),
                 logprob=float(entry["logprob"]),
                 top=tuple(
-                    (_token_id_of(t["token"]), float(t["logprob"]))
+                    (token_id_of(t["token"]), float(t["logprob"]))
                     for t in entry.get("top_logprobs") or []
                 ),
             )

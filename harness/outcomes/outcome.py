@@ -13,6 +13,7 @@ from typing import Any
 
 from harness.outcomes.attached import AttachedEvidence
 from harness.outcomes.chat import ChatResult
+from harness.outcomes.stream import StreamRecord
 from harness.outcomes.taps import TapRecord
 from harness.outcomes.trace import RequestTrace
 from harness.spec.topology import Topology
@@ -34,6 +35,10 @@ class Outcome:
     kv_counters: dict[str, float] | None = None
     # An attached deployment's (--proxy attach): what could be seen from outside it.
     attached: AttachedEvidence | None = None
+    # A streamed answer's framing, as the client received it (None: not streamed).
+    stream: StreamRecord | None = None
+    # Seconds since the epoch when the request was sent (load: which requests overlapped).
+    sent_at: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -46,6 +51,8 @@ class Outcome:
             "seconds": round(self.seconds, 3),
             "kv_counters": self.kv_counters,
             "attached": self.attached.to_json() if self.attached else None,
+            "stream": self.stream.to_json() if self.stream else None,
+            "sent_at": round(self.sent_at, 3),
         }
 
 

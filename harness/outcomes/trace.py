@@ -39,6 +39,7 @@ class RequestTrace:
     decode_status: int | None = None
     decode_seconds: float = 0.0
     error: str | None = None
+    fault_effects: list[str] = field(default_factory=list)  # what a planted fault did
 
     def to_json(self) -> dict[str, Any]:
         data = dict(self.__dict__)

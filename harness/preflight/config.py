@@ -32,7 +32,7 @@ from harness.preflight.vllm import (
 )
 from harness.preflight.vllm_args import check_serve_argvs, serve_argvs
 from harness.run.baseline_cache import BaselineCache
-from harness.run.faults import fault_reaches, parse_fault
+from harness.run.faults import STREAM_FAULTS, fault_reaches, parse_fault
 from harness.run.goldens import GoldenStore, release_of
 from harness.run.scenarios import MATRIX, Scenario, get_scenario, matrix_prompts
 from harness.spec.attach import AttachSpec
@@ -101,6 +101,10 @@ class RunRequest:
     attach: str | None = None  # the attach file of a running deployment (--proxy attach)
     # How each (topology, reference) pair is judged; None: the platform's default.
     reference_policy: str | None = None
+    # EPD topologies are sent streamed requests (--stream).
+    stream: bool = False
+    # Prompts given as specs, not names (a load's mix): checked like named ones.
+    prompt_specs: tuple[PromptSpec, ...] = ()
     # GPU platforms: drop --enforce-eager, so vLLM compiles and captures graphs (upstream's
     # correctness script, and the harness by default, serve eager).
     no_enforce_eager: bool = False
@@ -160,6 +164,8 @@ def prepare_run(request: RunRequest) -> RunConfig:
     ec_connector = ec_connector_for(request.ec_connector, topologies)
     if matrix:
         prompts = matrix_prompts(matrix)
+    elif request.prompt_specs:
+        prompts = request.prompt_specs
     else:
         prompts = names.check_prompts(prompt_names) if prompt_names else SKELETON_PROMPTS
     devices = _devices(request.devices, platform)
@@ -169,6 +175,10 @@ def prepare_run(request: RunRequest) -> RunConfig:
         kv_connector = _kv_connector(request.kv_connector, platform)
     if request.plant_fault is not None:
         fault = parse_fault(request.plant_fault)  # a plain or graded fault: BadInput
+        if fault.kind in STREAM_FAULTS and not request.stream:
+            raise BadInput(
+                f"--plant-fault {fault.kind} acts on streamed answers only: add --stream"
+            )
         if fault.kind == "kv-noise" and kv_connector.name == "nixl":
             raise BadInput(
                 "--plant-fault kv-noise rewrites ExampleConnector's KV files; with "
@@ -245,6 +255,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         proxy=proxy,
         protocol=protocol.generation,
         reference_policy=request.reference_policy or "",
+        stream=request.stream,
         argv_check=argv_check.to_json(),
     )
     goldens, golden_release = _goldens(request, baseline_cache)
@@ -280,6 +291,10 @@ def _refuse_ignored_flags(request: RunRequest) -> None:
         raise BadInput(
             "--refresh-baseline refreshes the baseline cache, which "
             "--baseline-cache off turns off; drop one of them"
+        )
+    if request.prompt_specs and (request.prompts or request.cases_file or request.scenarios):
+        raise BadInput(
+            "a load sends its own mix of prompts; drop --prompt, --cases-file and --scenario"
         )
     if request.reference_policy and request.reference_policy not in REFERENCE_POLICIES:
         raise BadInput(

@@ -182,6 +182,7 @@ def collect_run_info(
         "serving": dataclasses.asdict(settings.serving),
         "platform_profile": settings.platform.name,
         "proxy": settings.proxy.to_json(),
+        "stream": settings.stream,
         "devices": list(settings.devices),
         # Each role's --gpu-memory-utilization and the rule for shared devices (GPU platforms).
         "gpu_memory_shares": gpu_memory_policy(settings.platform),

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,47 @@ from harness.spec.settings import RunSettings
 
 BASELINE_NAME = "baseline"
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchedAnswer:
+    """One request answered in flight with others, against its answer alone."""
+
+    label: str  # the request ("request 17")
+    prompt: str
+    same_ids: bool
+    noise_nats: float | None  # the largest log-prob move over the ids both answers agree on
+    detail: str
+
+
+@dataclass(frozen=True)
+class BatchCalibration:
+    """The baseline itself under a load's traffic: the same requests at the same concurrency,
+    each answer compared with the same request answered alone. Whether batching changes ids
+    on this platform, and by how much it moves log-probs, is measured here, not assumed."""
+
+    concurrency: int
+    answers: tuple[BatchedAnswer, ...]
+
+    @property
+    def noise_floor(self) -> float:
+        return max((a.noise_nats or 0.0 for a in self.answers), default=0.0)
+
+    @property
+    def changed(self) -> list[BatchedAnswer]:
+        return [a for a in self.answers if not a.same_ids]
+
+    def describe(self) -> str:
+        changed = sorted({a.prompt for a in self.changed})
+        ids = (
+            f"batching changed the ids of {len(self.changed)} answer(s) ({', '.join(changed)})"
+            if changed
+            else "every answer's ids equal its answer alone"
+        )
+        return (
+            f"the baseline at concurrency {self.concurrency}, {len(self.answers)} request(s): "
+            f"{ids}; log-prob noise up to {self.noise_floor:.3g} nats"
+        )
 
 
 class BaselineAnswers:
@@ -60,6 +102,7 @@ class BaselineAnswers:
         self.bodies: dict[str, dict[str, Any]] = {}
         self.outcomes: dict[str, Outcome] = {}
         self.stability: dict[str, Stability] = {}
+        self.calibrations: list[BatchCalibration] = []
         # The requests the batched pass measures (None: all): the floor is one number for
         # the run, so the sweep's own prompts measure it and the scenarios' many others only
         # get their determinism control.
@@ -92,6 +135,14 @@ class BaselineAnswers:
         batched pass of every stable request: the drift tolerance of every comparison."""
         floors = [s.noise_floor for s in self.stability.values() if s.stable and s.noise_floor]
         return max(floors, default=0.0)
+
+    @property
+    def batched_noise_floor(self) -> float | None:
+        """The largest log-prob noise the baseline showed under a load's traffic (nats); None
+        when no load calibrated it (the batched pass's is in `noise_floor`)."""
+        if not self.calibrations:
+            return None
+        return max(c.noise_floor for c in self.calibrations)
 
     # -- from the cache or the goldens ----------------------------------------------------
 
@@ -196,6 +247,38 @@ class BaselineAnswers:
                 batched[name] = mine.result()
                 other.result()
         return batched
+
+    def calibrate_batched(
+        self,
+        session: TopologySession,
+        requests: Sequence[tuple[str, str]],
+        concurrency: int,
+    ) -> BatchCalibration:
+        """`requests` ((label, prompt), each prompt answered already) sent to the running
+        baseline `concurrency` at a time, as a load sends them; each answer compared with the
+        prompt's answer alone (`batch_shape_noise`). Kept for the judging of batched answers
+        (`batched_noise_floor`)."""
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            sent = [
+                (label, prompt, pool.submit(session.send, prompt, self.bodies[prompt]))
+                for label, prompt in requests
+            ]
+            outcomes = [(label, prompt, future.result()) for label, prompt, future in sent]
+        answers = []
+        for label, prompt, outcome in outcomes:
+            alone = self.outcomes[prompt]
+            noise, detail = batch_shape_noise(alone, outcome)
+            same = (
+                outcome.result is not None
+                and alone.result is not None
+                and outcome.result.token_ids == alone.result.token_ids
+                and outcome.result.prompt_token_ids == alone.result.prompt_token_ids
+            )
+            answers.append(BatchedAnswer(label, prompt, same, noise, detail))
+        calibration = BatchCalibration(concurrency, tuple(answers))
+        self.calibrations.append(calibration)
+        log.info("[baseline] %s", calibration.describe())
+        return calibration
 
     # -- keys --------------------------------------------------------------------------------
 

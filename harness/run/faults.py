@@ -9,6 +9,8 @@ purpose, and the self-test checks that the judge names the right verdict:
 - `drop_encoder_metadata`: raw media reach the consumer, which encodes them itself; the tokens
   still equal the baseline's, so only the transfer guards can tell   -> VACUOUS
 - `kill_instance`: an instance dies mid-run                          -> ERROR, at once
+- `duplicate_stream_chunk`: the proxy relays the first chunk of D's stream with tokens twice:
+  the client's ids differ and the stream's usage no longer counts them -> MISMATCH
 - `misroute_nixl_blocks`: under NixlConnector there are no files: P's KV stays in P's memory
   and D reads it over UCX. The proxy carries P's `kv_transfer_params` to D, so the fault
   points every `remote_block_ids` entry at P's first block: D's NIXL reads P's real buffers,
@@ -189,6 +191,13 @@ def drop_encoder_metadata() -> PlantedFault:
     the tokens still match; only the transfer guards can turn it red.
     """
     return PlantedFault(drop_encoder_metadata=True)
+
+
+def duplicate_stream_chunk() -> PlantedFault:
+    """The proxy relays the first chunk of D's stream that carries generated tokens twice, as a
+    proxy that relays P's first token and then D's whole stream does: the client reads one
+    token twice, and the final usage counts one fewer than the stream carried."""
+    return PlantedFault(duplicate_first_token_chunk=True)
 
 
 # -- graded faults -------------------------------------------------------------------------------
@@ -657,7 +666,9 @@ def rewrite_tensors(path: Path, transform: Callable[[torch.Tensor], torch.Tensor
 
 # Faults a whole run can be started with (`epd-harness run --plant-fault NAME`), so that a
 # bundle from a planted failure can be replayed by `epd-harness repro` with the same fault.
-FAULT_NAMES = ("corrupt-ec", "zero-kv", "drop-metadata")
+FAULT_NAMES = ("corrupt-ec", "zero-kv", "drop-metadata", "stream-duplicate-chunk")
+# Faults that act on streamed answers only (`--stream`).
+STREAM_FAULTS = ("stream-duplicate-chunk",)
 # Graded faults, NAME or NAME:STRENGTH (see `parse_fault`).
 GRADED_FAULTS = {
     "ec-noise": "ec-noise:FRACTION  Gaussian noise, FRACTION x std, on each EC tensor (e.g. 0.05)",
@@ -719,9 +730,11 @@ def parse_fault(text: str) -> FaultSpec:
 
 def fault_reaches(kind: str, topology: Topology) -> bool:
     """Whether a fault of `kind` has anything to act on in `topology`: KV faults need a P->D
-    hop, the others an encoder."""
+    hop, stream faults a stream from D (or PD) through a proxy, the others an encoder."""
     if kind in ("zero-kv", "kv-noise"):
         return topology.has_kv_transfer
+    if kind in STREAM_FAULTS:
+        return not topology.is_baseline
     return topology.has_ec_transfer
 
 
@@ -754,6 +767,8 @@ def fault_for(
         )
     if spec.kind == "drop-metadata":
         return drop_encoder_metadata()
+    if spec.kind == "stream-duplicate-chunk":
+        return duplicate_stream_chunk()
     if ec_storage is None:
         raise ValueError(f"fault {spec.kind} needs a topology with an encoder")
     if spec.kind == "corrupt-ec":

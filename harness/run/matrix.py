@@ -85,14 +85,15 @@ class MatrixRun:
 
     def _send(self, session: TopologySession, scenario: Scenario) -> list[Observed]:
         bodies = [(p.name, self.sweep.bodies[p.name]) for p in scenario.prompts]
+        stream = True if scenario.stream else None  # None: as the run says (--stream)
         if scenario.mode is SendMode.CONCURRENT:
             with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
-                return list(pool.map(lambda item: observe(session, *item), bodies))
+                return list(pool.map(lambda item: observe(session, *item, stream), bodies))
         observed = []
         for index, (name, body) in enumerate(bodies):
             if scenario.mode is SendMode.IDLE_GAPS and index:
                 time.sleep(IDLE_GAP_S)
-            observed.append(observe(session, name, body))
+            observed.append(observe(session, name, body, stream))
         return observed
 
     def _judge(

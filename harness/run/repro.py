@@ -124,6 +124,7 @@ def reproduce(
         platform=get_platform(bundle.run.get("platform_profile", "cpu")),
         devices=tuple(bundle.run.get("devices") or (0, 1)),
         proxy=proxy or ProxyChoice(),
+        stream=bool(bundle.run.get("stream")),
         # The protocol of the release serving now (the bundle's may have been another).
         protocol=generation_for(served.version).generation if served.known else NEWEST,
     )

@@ -62,6 +62,9 @@ class Scenario:
     # What to expect instead under another KV connector (vLLM class name -> verdicts), where
     # the upstream failure belongs to one connector only; `for_kv_connector` applies it.
     expect_by_kv_connector: tuple[tuple[str, tuple[Verdict, ...]], ...] = ()
+    # Streamed requests (stream: true, with usage; harness.outcomes.stream), whatever the run's
+    # --stream says: the ids read from the stream, and its framing, are judged.
+    stream: bool = False
 
     def for_kv_connector(self, kv_connector: str) -> Scenario:
         """This scenario as judged under `kv_connector` (the run's ServingConfig.kv_connector):
@@ -201,6 +204,18 @@ MATRIX: tuple[Scenario, ...] = (
         mode=SendMode.CONCURRENT,
     ),
     Scenario(
+        "ec-streamed-concurrent",
+        "1E+1PD",
+        (
+            image_prompt("m-concurrent-a", 31),
+            image_prompt("m-concurrent-b", 32, 33),
+            PromptSpec("m-concurrent-c", (VideoPart(seed=34), TextPart(TAIL_TEXT))),
+            PromptSpec("m-concurrent-text", (TextPart(LONG_TEXT),)),
+        ),
+        mode=SendMode.CONCURRENT,
+        stream=True,
+    ),
+    Scenario(
         "ec-idle-over-keepalive",
         "1E+1PD",
         (
@@ -238,6 +253,17 @@ MATRIX: tuple[Scenario, ...] = (
             PromptSpec("m-text-only", (TextPart(LONG_TEXT),)),
         ),
         ci=True,
+    ),
+    Scenario(
+        "epd-streamed",
+        "1E+1P+1D",
+        (
+            image_prompt("m-one-image", 11),
+            PromptSpec("m-video-mp4", (VideoPart(seed=21), TextPart(TAIL_TEXT))),
+            PromptSpec("m-text-only", (TextPart(LONG_TEXT),)),
+        ),
+        ci=True,
+        stream=True,
     ),
     Scenario(
         "epd-media-in-decode-tail",

@@ -35,9 +35,8 @@ from typing import Any
 
 from harness.files import write_json_atomic
 from harness.outcomes.attached import AttachedEvidence
-from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome, ServedTopology
-from harness.serve.client import ChatClient
+from harness.serve.client import ChatClient, ChatReply
 from harness.serve.kv_metrics import read_counters
 from harness.serve.proxy import ProxyFaults
 from harness.serve.proxy_protocol import collect_media
@@ -176,7 +175,7 @@ class AttachedSession:
         line names the instance that is down, when one is."""
         assert self._client is not None, "open() first"
         media = collect_media(body)
-        outcome = Outcome(prompt=prompt, media_count=len(media))
+        outcome = Outcome(prompt=prompt, media_count=len(media), sent_at=time.time())
         started = time.monotonic()
         down = self.first_down()
         if down is not None:
@@ -190,10 +189,12 @@ class AttachedSession:
         files_before = ec_files(storage) if storage is not None else {}
         request_id = f"{safe_name(self.topology.name)}-{prompt}-{uuid.uuid4().hex[:8]}"
         try:
-            outcome.result = self._chat_watched(body, request_id)
+            reply = self._chat_watched(body, request_id)
+            outcome.result, outcome.stream = reply.result, reply.stream
         except AttachedDown as exc:
             outcome.error = str(exc)
         except Exception as exc:  # noqa: BLE001 - every failure is reported, none is raised
+            outcome.stream = getattr(exc, "record", None)  # a stream that failed: as read
             outcome.error = f"{type(exc).__name__}: {exc}"
             cause = self._cause_of_failure()
             outcome.error = f"{cause}\n{outcome.error}" if cause else outcome.error
@@ -219,7 +220,7 @@ class AttachedSession:
         )
         return outcome
 
-    def _chat_watched(self, body: dict[str, Any], request_id: str) -> ChatResult:
+    def _chat_watched(self, body: dict[str, Any], request_id: str) -> ChatReply:
         """The request runs on a thread while every instance's /health is asked each second:
         an instance that dies mid-request ends it within seconds (AttachedDown), not at the
         request timeout. An abandoned request ends on its own timeout or when the session
@@ -230,7 +231,7 @@ class AttachedSession:
 
         def run() -> None:
             try:
-                box["result"] = client.chat(body, request_id=request_id)
+                box["result"] = client.send(body, request_id=request_id)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                 box["error"] = exc
 

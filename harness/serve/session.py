@@ -284,7 +284,7 @@ class TopologySession:
         entry = entry or self._entry
         assert entry is not None and self._group is not None, "session not started"
         request_id = f"{safe_name(self.topology.name)}-{prompt}-{uuid.uuid4().hex[:8]}"
-        outcome = Outcome(prompt=prompt, media_count=len(collect_media(body)))
+        outcome = Outcome(prompt=prompt, media_count=len(collect_media(body)), sent_at=time.time())
         started = time.monotonic()
         log_offsets = {server.name: log_size(server) for server in self._servers}
         decode_url = next((i.url for i in self.instances if i.role is Role.DECODE), None)
@@ -293,15 +293,22 @@ class TopologySession:
         try:
             self._group.check_alive()
             entry.check_alive()
-            outcome.result = entry.client.chat(body, request_id=request_id)
+            reply = entry.client.send(body, request_id=request_id)
+            outcome.result, outcome.stream = reply.result, reply.stream
         except ServerDied as exc:
             outcome.error = str(exc)
         except Exception as exc:  # noqa: BLE001 - every failure is reported, none is raised
+            outcome.stream = getattr(exc, "record", None)  # a stream that failed: as read
             # The HTTP error rarely says why ("EngineCore encountered an issue"); the
             # instances' logs of this request's window do, and an engine may still be dying.
-            outcome.error = f"{type(exc).__name__}: {exc}\n{self.log_slices(log_offsets)}"
+            failure = f"{type(exc).__name__}: {exc}\n{self.log_slices(log_offsets)}"
             died = self.wait_for_death(DEATH_GRACE_S) or entry.down_report()
-            outcome.error += f"\n{died or self.waited_on_report(request_id, entry)}"
+            # An instance that died is the cause: its name leads (a case's detail line and
+            # every request in flight when it died say which instance it was).
+            if died:
+                outcome.error = f"{died}\n{failure}"
+            else:
+                outcome.error = f"{failure}\n{self.waited_on_report(request_id, entry)}"
         outcome.seconds = time.monotonic() - started
         if decode_url and counters_before is not None and outcome.result is not None:
             counters_after = read_counters(decode_url)
@@ -381,6 +388,11 @@ class TopologySession:
     @property
     def servers(self) -> tuple[ManagedServer, ...]:
         return tuple(self._servers)
+
+    @property
+    def taps(self) -> TapSet | None:
+        """The recording taps in front of the instances (None for the baseline)."""
+        return self._taps
 
     @property
     def kv_storage(self) -> Path | None:

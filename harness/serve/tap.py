@@ -17,8 +17,9 @@ Planted faults (the self-test) can act here too, so a fault needs no cooperation
 proxy under test: `after_encode` runs when an encoder's answer passes (before the proxy sees
 it), `after_prefill` when P's answer passes, and `drop_encoder_metadata` makes the consumer's
 taps replace each metadata-only `*_embeds` part by the raw media part an encoder was sent with
-the same uuid (the consumer then encodes the media itself). Only under a planted fault is a
-body changed.
+the same uuid (the consumer then encodes the media itself), and `duplicate_first_token_chunk`
+makes D's (or PD's) tap relay the first event of its stream that carries tokens twice. Only
+under a planted fault is a body changed.
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ import aiohttp
 from aiohttp import web
 
 from harness.outcomes.taps import TapRecord, records_of
-from harness.serve.proxy import ProxyFaults, stop_loop_thread
+from harness.serve.proxy import FirstTokenChunkTwice, ProxyFaults, stop_loop_thread
 from harness.serve.proxy_protocol import MEDIA_PART_TYPES
 
 RECORDED_PATHS = ("/v1/chat/completions", "/v1/completions")
+DECODE_ROLES = ("decode", "pd")  # where a client's stream comes from
 EMBEDS_PART_TYPES = ("image_embeds", "video_embeds", "audio_embeds")
 # Headers that describe one hop, not the message: aiohttp sets its own for the next hop.
 HOP_HEADERS = frozenset(
@@ -280,9 +282,15 @@ class TapSet:
         if "text/event-stream" in content_type:
             kept = bytearray()
             await response.prepare(request)
+            fault = None
+            if self.faults.duplicate_first_token_chunk and record.role in DECODE_ROLES:
+                fault = FirstTokenChunkTwice()
             async for chunk in upstream.content.iter_any():
                 kept.extend(chunk)
-                await response.write(chunk)
+                await response.write(fault.feed(chunk) if fault else chunk)
+            if fault is not None:
+                await response.write(fault.flush())
+                record.rewritten_by_fault = fault.duplicated is not None
             await response.write_eof()
             describe_answer(record, bytes(kept), content_type)
             record.seconds = time.monotonic() - started

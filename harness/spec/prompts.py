@@ -125,6 +125,12 @@ def render_request(prompt: PromptSpec, model: str, top_logprobs: int = 5) -> dic
     return body
 
 
+def streaming_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The same request, streamed: `stream: true` with the final usage chunk, whose counts the
+    stream's framing check holds against the ids the chunks carried."""
+    return {**body, "stream": True, "stream_options": {"include_usage": True}}
+
+
 SKELETON_PROMPTS: tuple[PromptSpec, ...] = (
     PromptSpec("text", (TextPart(TAIL_TEXT),)),
     PromptSpec("image", (ImagePart(seed=1), TextPart(TAIL_TEXT))),

@@ -104,6 +104,9 @@ class RunSettings:
     # How each (topology, reference) pair is judged (harness.judge.policy.REFERENCE_POLICIES);
     # empty: the platform's default (exact on CPU, P->D drift allowed on GPUs).
     reference_policy: str = ""
+    # EPD topologies are sent `stream: true` (with usage) and their answers read from the
+    # stream's events, framing checked (`--stream`); the baseline answers without streaming.
+    stream: bool = False
     # How the served vLLM's own parser judged every command line before the run
     # (harness.preflight.vllm_args.ArgvCheck.to_json), for run.json; None: not checked.
     argv_check: dict[str, Any] | None = None

@@ -276,6 +276,7 @@ def epd_config(pytestconfig: pytest.Config, epd_worker: tuple[str, int]):
         vllm_source=option("--epd-vllm-source") if option("--epd-proxy") == "vllm" else None,
         proxy_registration=option("--epd-proxy-registration"),
         reference_policy=option("--epd-reference-policy"),
+        stream=option("--epd-stream"),
         no_enforce_eager=option("--epd-no-enforce-eager"),
     )
     try:
