@@ -124,14 +124,18 @@ def write_bundle(
     upstream: Path | None = None,
     model: Path | str | None = None,
     kv_connector: str = "ExampleConnector",
+    pre_pool_layout: bool = False,
 ) -> Path:
-    """A bundle of one case of `topology` with `verdict`, baseline answer and encoder taps."""
+    """A bundle of one case of `topology` with `verdict`, baseline answer and encoder taps; a
+    matrix scenario's commands in the shared `<topology>/` (or, `pre_pool_layout`, in the
+    `matrix-<topology>/` of bundles written before the pool)."""
     root.mkdir(parents=True)
     if model is None:
         model = write_model(root.parent / f"{root.name}-model")
     serving = ServingConfig(model=str(model), kv_connector=kv_connector)
     label = f"{topology}:{scenario}" if scenario else topology
-    session_dir = root / safe_name(f"matrix-{topology}" if scenario else topology)
+    own_dir = scenario and pre_pool_layout
+    session_dir = root / safe_name(f"matrix-{topology}" if own_dir else topology)
     session_dir.mkdir()
     specs = place_instances(
         TOPOLOGIES[topology],

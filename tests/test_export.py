@@ -457,3 +457,15 @@ def test_the_baseline_is_rendered_with_the_runs_flags_when_it_came_from_the_cach
     assert "  baseline) ;;" not in serve and "  case|baseline) ;;" in serve
     probe = plan_for(write_bundle(tmp_path / "probe"), probe=UNKNOWN_UUID_PROBE)
     assert probe.baseline is None and "  case) ;;" in render_serve_sh(probe)
+
+
+@pytest.mark.parametrize("pre_pool_layout", [False, True])
+def test_a_matrix_case_is_exported_from_either_session_layout(
+    tmp_path: Path, pre_pool_layout: bool
+) -> None:
+    """The pool serves a matrix scenario on the sweep's `<topology>/`; older bundles kept the
+    matrix's own `matrix-<topology>/`: both give every instance's command."""
+    out = write(tmp_path, scenario="epd-media-in-decode-tail", pre_pool_layout=pre_pool_layout)
+    serve = (out / "serve.sh").read_text()
+    for instance in ("ENCODER0", "PREFILL0", "DECODE0"):
+        assert f'"http://${{HOST}}:${{{instance}_PORT}}"' in serve

@@ -235,11 +235,14 @@ def pick_case(bundle: Bundle, wanted: str | None) -> tuple[ReproCase, dict[str, 
 
 
 def topology_dir(bundle: Bundle, label: str) -> Path:
-    """Where the session that served `label` left its commands: `<topology>/`, or for a
-    matrix scenario (`1E+1PD:ec-video-mp4`) the matrix's `matrix-<topology>/`."""
+    """Where the session that served `label` left its commands: `<topology>/`, which a matrix
+    scenario (`1E+1PD:ec-video-mp4`) shares with the sweep since the pool starts a topology
+    once; bundles written before the pool kept a matrix's own `matrix-<topology>/`."""
     topology, _, scenario = label.partition(":")
-    name = f"matrix-{topology}" if scenario else topology
-    return bundle.path / safe_name(name)
+    shared = bundle.path / safe_name(topology)
+    if scenario and not any(shared.glob("*.cmd.json")):
+        return bundle.path / safe_name(f"matrix-{topology}")
+    return shared
 
 
 def instance_servers(
@@ -251,7 +254,7 @@ def instance_servers(
     for path in sorted(directory.glob("*.cmd.json")):
         command = json.loads(path.read_text(encoding="utf-8"))
         short = command.get("name", "").rsplit("/", 1)[-1]
-        if short and short != "vllm-proxy":
+        if short and not short.startswith("vllm-proxy"):
             commands.append((short, command))
     order = {role.value: index for index, role in enumerate(dict.fromkeys(roles))}
     commands.sort(key=lambda item: (order.get(role_of(item[0]), len(order)), item[0]))
