@@ -101,16 +101,6 @@ def poisoned_pythonpath(root: Path) -> Path:
     return root
 
 
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
-
-
 def port_variables(serve_sh: str) -> list[str]:
     return [line.split("=", 1)[0] for line in serve_sh.splitlines() if "_PORT=${" in line]
 
@@ -131,7 +121,7 @@ def processes_mentioning(text: str) -> list[str]:
     "repro", REPROS, ids=lambda r: f"{r.case}{'-' + r.probe if r.probe else ''}"
 )
 def test_the_export_reproduces_with_vllm_alone(
-    recorded_run: Path, epd_settings, tmp_path: Path, repro: Repro
+    recorded_run: Path, epd_settings, tmp_path: Path, repro: Repro, held_ports
 ) -> None:
     made = tmp_path / "made"
     argv = ["export", str(recorded_run), "--case", repro.case, "--out", str(made)]
@@ -146,7 +136,7 @@ def test_the_export_reproduces_with_vllm_alone(
         "HOME": os.environ.get("HOME", str(tmp_path)),
         "VLLM": epd_settings.vllm.executable,
         "PYTHONPATH": str(poisoned_pythonpath(tmp_path / "poison")),
-        **dict(zip(variables, map(str, free_ports(len(variables))))),
+        **dict(zip(variables, map(str, held_ports(len(variables))))),
     }
     started = time.monotonic()
     done = subprocess.run(

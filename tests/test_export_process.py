@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,17 +26,8 @@ from harness.run.repro import Bundle
 from harness.testing.fake_vllm import MODE_ENV, install_fake_vllm
 
 pytestmark = pytest.mark.process
+TakePorts = Callable[[int], list[int]]  # the held_ports fixture (harness/testing/plugin.py)
 RUN_TIMEOUT_S = 120
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
 
 
 def poisoned_harness(root: Path) -> Path:
@@ -56,9 +48,9 @@ def export_case(tmp_path: Path, verdict: str = "ERROR", probe: str | None = None
     return out
 
 
-def environment(tmp_path: Path, modes: str = "") -> dict[str, str]:
+def environment(held_ports: TakePorts, tmp_path: Path, modes: str = "") -> dict[str, str]:
     fake = install_fake_vllm(tmp_path / "bin")
-    ports = free_ports(4)
+    ports = held_ports(4)
     return {
         "PATH": os.environ["PATH"],
         "HOME": str(tmp_path),
@@ -113,9 +105,9 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_a_matching_answer_exits_0(tmp_path: Path) -> None:
+def test_a_matching_answer_exits_0(tmp_path: Path, held_ports: TakePorts) -> None:
     out = export_case(tmp_path, verdict="MATCH")
-    env = environment(tmp_path)
+    env = environment(held_ports, tmp_path)
     done = run_sh(out, env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "MATCH: the 4 generated and 3 prompt token ids equal the expected ones" in done.stdout
@@ -124,9 +116,11 @@ def test_a_matching_answer_exits_0(tmp_path: Path) -> None:
     assert_nothing_left(out, env)
 
 
-def test_a_death_during_the_request_exits_2_naming_the_instance(tmp_path: Path) -> None:
+def test_a_death_during_the_request_exits_2_naming_the_instance(
+    tmp_path: Path, held_ports: TakePorts
+) -> None:
     out = export_case(tmp_path)
-    env = environment(tmp_path, "decode:die-request")
+    env = environment(held_ports, tmp_path, "decode:die-request")
     done = run_sh(out, env)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "ERROR: decode0 died during the request" in done.stdout
@@ -136,13 +130,15 @@ def test_a_death_during_the_request_exits_2_naming_the_instance(tmp_path: Path) 
     assert_nothing_left(out, env)
 
 
-def test_different_ids_exit_1_with_the_first_divergence(tmp_path: Path) -> None:
+def test_different_ids_exit_1_with_the_first_divergence(
+    tmp_path: Path, held_ports: TakePorts
+) -> None:
     out = export_case(tmp_path, verdict="MISMATCH")
     path = out / "expected.json"
     expected = json.loads(path.read_text())
     expected["token_ids"][1] = 80  # the fake answers 7 8 9 10
     path.write_text(json.dumps(expected))
-    env = environment(tmp_path)
+    env = environment(held_ports, tmp_path)
     done = run_sh(out, env)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "MISMATCH: generated token ids differ at position 1" in done.stdout
@@ -150,9 +146,11 @@ def test_different_ids_exit_1_with_the_first_divergence(tmp_path: Path) -> None:
     assert_nothing_left(out, env)
 
 
-def test_an_instance_that_dies_while_starting_fails_the_start(tmp_path: Path) -> None:
+def test_an_instance_that_dies_while_starting_fails_the_start(
+    tmp_path: Path, held_ports: TakePorts
+) -> None:
     out = export_case(tmp_path)
-    env = environment(tmp_path, "prefill:die-start")
+    env = environment(held_ports, tmp_path, "prefill:die-start")
     done = run_sh(out, env)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "prefill0 exited while starting" in done.stdout
@@ -161,9 +159,9 @@ def test_an_instance_that_dies_while_starting_fails_the_start(tmp_path: Path) ->
     assert_nothing_left(out, env)
 
 
-def test_the_probe_goes_to_the_consumer_alone(tmp_path: Path) -> None:
+def test_the_probe_goes_to_the_consumer_alone(tmp_path: Path, held_ports: TakePorts) -> None:
     out = export_case(tmp_path, probe=UNKNOWN_UUID_PROBE)
-    env = environment(tmp_path)
+    env = environment(held_ports, tmp_path)
     done = run_sh(out, env)
     # The fake answers anything with 200: a consumer that answers a request it cannot serve.
     assert done.returncode == 1, done.stdout + done.stderr
@@ -172,9 +170,14 @@ def test_the_probe_goes_to_the_consumer_alone(tmp_path: Path) -> None:
     assert_nothing_left(out, env)
 
 
-def test_run_sh_baseline_checks_the_expected_ids_on_a_monolithic_server(tmp_path: Path) -> None:
+def test_run_sh_baseline_checks_the_expected_ids_on_a_monolithic_server(
+    tmp_path: Path, held_ports: TakePorts
+) -> None:
     out = export_case(tmp_path, verdict="MISMATCH")
-    env = {**environment(tmp_path, "decode:die-request"), "BASELINE0_PORT": str(free_ports(1)[0])}
+    env = {
+        **environment(held_ports, tmp_path, "decode:die-request"),
+        "BASELINE0_PORT": str(held_ports(1)[0]),
+    }
     done = subprocess.run(
         ["bash", str(out / "run.sh"), "baseline"],
         cwd=out,
@@ -190,10 +193,10 @@ def test_run_sh_baseline_checks_the_expected_ids_on_a_monolithic_server(tmp_path
 
 
 def test_serve_sh_stops_every_group_on_sigterm_even_a_server_that_ignores_it(
-    tmp_path: Path,
+    tmp_path: Path, held_ports: TakePorts
 ) -> None:
     out = export_case(tmp_path)
-    env = environment(tmp_path, "encoder:fork-child;decode:ignore-term")
+    env = environment(held_ports, tmp_path, "encoder:fork-child;decode:ignore-term")
     serve = subprocess.Popen(
         ["bash", str(out / "serve.sh")],
         cwd=out,

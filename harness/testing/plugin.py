@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -407,6 +408,25 @@ def port_locks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     directory = tmp_path / "port-locks"
     monkeypatch.setenv(PORT_LOCK_DIR_ENV, str(directory))
     return directory
+
+
+@pytest.fixture
+def held_ports() -> Iterator[Callable[[int], list[int]]]:
+    """`take(n)`: n ports for servers a test starts outside the harness (an export's `run.sh`),
+    leased like the harness's own (locked under the shared lock directory, so no harness run
+    picks them) and handed over for binding; released when the test ends."""
+    from harness.serve.ports import reserve_ports
+
+    leases = []
+
+    def take(count: int) -> list[int]:
+        taken = reserve_ports(count)
+        leases.extend(taken)
+        return [lease.hand_over() for lease in taken]
+
+    yield take
+    for lease in leases:
+        lease.release()
 
 
 # -- the session's account ---------------------------------------------------------------------
