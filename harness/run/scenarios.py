@@ -103,6 +103,14 @@ def image_prompt(name: str, *seeds: int, text: str = TAIL_TEXT, **extra) -> Prom
     return PromptSpec(name, parts, extra=tuple(extra.items()))
 
 
+# Sent all at once, unstreamed and streamed: four requests of every media kind in flight.
+CONCURRENT_PROMPTS = (
+    image_prompt("m-concurrent-a", 31),
+    image_prompt("m-concurrent-b", 32, 33),
+    PromptSpec("m-concurrent-c", (VideoPart(seed=34), TextPart(TAIL_TEXT))),
+    PromptSpec("m-concurrent-text", (TextPart(LONG_TEXT),)),
+)
+
 MATRIX: tuple[Scenario, ...] = (
     # -- 1E+1PD: EC transfer alone ------------------------------------------------------------
     Scenario(
@@ -195,23 +203,13 @@ MATRIX: tuple[Scenario, ...] = (
     Scenario(
         "ec-concurrent-requests",
         "1E+1PD",
-        (
-            image_prompt("m-concurrent-a", 31),
-            image_prompt("m-concurrent-b", 32, 33),
-            PromptSpec("m-concurrent-c", (VideoPart(seed=34), TextPart(TAIL_TEXT))),
-            PromptSpec("m-concurrent-text", (TextPart(LONG_TEXT),)),
-        ),
+        CONCURRENT_PROMPTS,
         mode=SendMode.CONCURRENT,
     ),
     Scenario(
         "ec-streamed-concurrent",
         "1E+1PD",
-        (
-            image_prompt("m-concurrent-a", 31),
-            image_prompt("m-concurrent-b", 32, 33),
-            PromptSpec("m-concurrent-c", (VideoPart(seed=34), TextPart(TAIL_TEXT))),
-            PromptSpec("m-concurrent-text", (TextPart(LONG_TEXT),)),
-        ),
+        CONCURRENT_PROMPTS,
         mode=SendMode.CONCURRENT,
         stream=True,
     ),
