@@ -217,7 +217,7 @@ def write_bundle(
     return root
 
 
-REPAIR = "# the repairs\n"
+REPAIR = {"cpu_repair.py": "# the repairs\n"}
 
 
 def plan_for(bundle_dir: Path, wanted: str | None = None, probe: str | None = None):

@@ -44,7 +44,7 @@ def export_case(tmp_path: Path, verdict: str = "ERROR", probe: str | None = None
     upstream = UpstreamProxy(Path(bundle.run["proxy"]["files_dir"]), "a stand-in proxy")
     plan = plan_export(bundle, f"1E+1P+1D:{PROMPT}", lambda: upstream, probe)
     out = tmp_path / "scratch" / plan.name
-    write_export(plan, out, "print('no repairs needed here')\n")
+    write_export(plan, out, {"cpu_repair.py": "print('no repairs needed here')\n"})
     return out
 
 
@@ -273,3 +273,23 @@ def test_check_without_serve_state_is_an_error_in_one_line(tmp_path: Path, capsy
     )
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "is serve.sh serving?" in done.stderr
+
+
+def test_the_shipped_repairs_import_nothing_of_the_harness(tmp_path: Path) -> None:
+    """cpu_repair.py (harness/cli/cpu_env.py) imports the AMX hook: the export ships it beside
+    it, so it imports where the harness is not installed (here: where importing it raises)."""
+    from harness.cli.export import cpu_repair_files
+
+    out = tmp_path / "export"
+    write_export(plan_for(write_bundle(tmp_path / "run")), out, cpu_repair_files())
+    code = "import cpu_repair; print(cpu_repair.amx.HOOK_PTH)"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=out,
+        env={**os.environ, "PYTHONPATH": f"{out}:{poisoned_harness(tmp_path)}"},
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "epd-harness-amx.pth"

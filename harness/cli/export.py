@@ -4,7 +4,7 @@ directory that reproduces it with vLLM alone (`harness.run.export`; docs/found-i
 The command line resolves what the exporter is handed: vLLM's proxy files of the served
 release (the run's own when it ran `--proxy vllm`, else the release's sdist through the package
 index, cached, as `--proxy vllm` fetches them) and the CPU repairs the export carries
-(`harness.cli.cpu_env`, which is self-contained).
+(`harness.cli.cpu_env`, with the AMX start-up hook it installs, `harness.amx`, beside it).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from harness import amx
 from harness.cli import cpu_env
 from harness.environment import cache_dir
 from harness.errors import EXIT_OK, BadInput
@@ -24,6 +25,22 @@ from harness.run.repro import Bundle, BundleError
 from harness.spec.settings import VLLM_PROXY
 
 EXPORTS_DIR = "exports"
+AMX_IMPORT = "from harness import amx\n"
+AMX_COPY = "epd_amx"  # harness/amx.py as the export's module, beside cpu_repair.py
+
+
+def cpu_repair_files() -> dict[str, str]:
+    """The export's repairs: `cpu_repair.py` is harness/cli/cpu_env.py, whose one harness import
+    (the AMX hook it installs) is pointed at a copy shipped beside it, so that nothing of the
+    export imports the harness."""
+    source = Path(cpu_env.__file__).read_text(encoding="utf-8")
+    if source.count(AMX_IMPORT) != 1:
+        raise RuntimeError(f"{cpu_env.__file__}: expected one line {AMX_IMPORT!r} to repoint")
+    local = f"import {AMX_COPY} as amx  # harness/amx.py, copied beside this file\n"
+    return {
+        "cpu_repair.py": source.replace(AMX_IMPORT, local),
+        f"{AMX_COPY}.py": Path(amx.__file__).read_text(encoding="utf-8"),
+    }
 
 
 def upstream_proxy(bundle: Bundle) -> UpstreamProxy:
@@ -49,8 +66,7 @@ def command_export(args: argparse.Namespace) -> int:
         raise BadInput(str(exc)) from None
     plan = plan_export(bundle, args.case, lambda: upstream_proxy(bundle), args.probe)
     out = Path(args.out) if args.out else bundle.path / EXPORTS_DIR / plan.name
-    source = Path(cpu_env.__file__).read_text(encoding="utf-8")
-    written = write_export(plan, out.resolve(), source)
+    written = write_export(plan, out.resolve(), cpu_repair_files())
     size = sum(path.stat().st_size for path in written)
     print(f"epd-harness export: {title(plan)}")
     print(f"epd-harness export: {out} ({len(written)} files, {size / 1e6:.1f} MB)")

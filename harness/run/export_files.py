@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 from harness.errors import BadInput
@@ -26,8 +27,9 @@ SUMS_FILE = "SHA256SUMS"
 EXECUTABLE = 0o755
 
 
-def write_export(plan: ExportPlan, out_dir: Path, cpu_repair_source: str) -> list[Path]:
-    """Write the export into `out_dir` (new, or empty); returns the files written."""
+def write_export(plan: ExportPlan, out_dir: Path, cpu_repair: Mapping[str, str]) -> list[Path]:
+    """Write the export into `out_dir` (new, or empty); returns the files written. `cpu_repair`:
+    `cpu_repair.py`'s source and any module it imports, by file name."""
     if out_dir.exists() and any(out_dir.iterdir()):
         raise BadInput(f"{out_dir} exists and is not empty: choose another --out")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -35,7 +37,8 @@ def write_export(plan: ExportPlan, out_dir: Path, cpu_repair_source: str) -> lis
         "serve.sh": render_serve_sh(plan),
         "run.sh": render_run_sh(plan),
         "check.py": CHECK_SOURCE.read_text(encoding="utf-8"),
-        "cpu_repair.py": cpu_repair_header(plan) + cpu_repair_source,
+        **cpu_repair,
+        "cpu_repair.py": cpu_repair_header(plan) + cpu_repair["cpu_repair.py"],
         "request.json": json.dumps(plan.request, indent=1) + "\n",
         "expected.json": json.dumps(plan.expected, indent=1) + "\n",
         "ISSUE.md": render_issue(plan),

