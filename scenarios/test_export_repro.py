@@ -121,7 +121,7 @@ def processes_mentioning(text: str) -> list[str]:
     "repro", REPROS, ids=lambda r: f"{r.case}{'-' + r.probe if r.probe else ''}"
 )
 def test_the_export_reproduces_with_vllm_alone(
-    recorded_run: Path, epd_settings, tmp_path: Path, repro: Repro, held_ports
+    recorded_run: Path, epd_settings, tmp_path: Path, repro: Repro, leased_ports
 ) -> None:
     made = tmp_path / "made"
     argv = ["export", str(recorded_run), "--case", repro.case, "--out", str(made)]
@@ -136,7 +136,7 @@ def test_the_export_reproduces_with_vllm_alone(
         "HOME": os.environ.get("HOME", str(tmp_path)),
         "VLLM": epd_settings.vllm.executable,
         "PYTHONPATH": str(poisoned_pythonpath(tmp_path / "poison")),
-        **dict(zip(variables, map(str, held_ports(len(variables))))),
+        **dict(zip(variables, map(str, leased_ports(len(variables))))),
     }
     started = time.monotonic()
     done = subprocess.run(

@@ -26,7 +26,7 @@ from harness.run.repro import Bundle
 from harness.testing.fake_vllm import MODE_ENV, install_fake_vllm
 
 pytestmark = pytest.mark.process
-TakePorts = Callable[[int], list[int]]  # the held_ports fixture (harness/testing/plugin.py)
+TakePorts = Callable[[int], list[int]]  # the leased_ports fixture (harness/testing/plugin.py)
 RUN_TIMEOUT_S = 120
 
 
@@ -48,9 +48,9 @@ def export_case(tmp_path: Path, verdict: str = "ERROR", probe: str | None = None
     return out
 
 
-def environment(held_ports: TakePorts, tmp_path: Path, modes: str = "") -> dict[str, str]:
+def environment(leased_ports: TakePorts, tmp_path: Path, modes: str = "") -> dict[str, str]:
     fake = install_fake_vllm(tmp_path / "bin")
-    ports = held_ports(4)
+    ports = leased_ports(4)
     return {
         "PATH": os.environ["PATH"],
         "HOME": str(tmp_path),
@@ -105,9 +105,9 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_a_matching_answer_exits_0(tmp_path: Path, held_ports: TakePorts) -> None:
+def test_a_matching_answer_exits_0(tmp_path: Path, leased_ports: TakePorts) -> None:
     out = export_case(tmp_path, verdict="MATCH")
-    env = environment(held_ports, tmp_path)
+    env = environment(leased_ports, tmp_path)
     done = run_sh(out, env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "MATCH: the 4 generated and 3 prompt token ids equal the expected ones" in done.stdout
@@ -117,10 +117,10 @@ def test_a_matching_answer_exits_0(tmp_path: Path, held_ports: TakePorts) -> Non
 
 
 def test_a_death_during_the_request_exits_2_naming_the_instance(
-    tmp_path: Path, held_ports: TakePorts
+    tmp_path: Path, leased_ports: TakePorts
 ) -> None:
     out = export_case(tmp_path)
-    env = environment(held_ports, tmp_path, "decode:die-request")
+    env = environment(leased_ports, tmp_path, "decode:die-request")
     done = run_sh(out, env)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "ERROR: decode0 died during the request" in done.stdout
@@ -131,14 +131,14 @@ def test_a_death_during_the_request_exits_2_naming_the_instance(
 
 
 def test_different_ids_exit_1_with_the_first_divergence(
-    tmp_path: Path, held_ports: TakePorts
+    tmp_path: Path, leased_ports: TakePorts
 ) -> None:
     out = export_case(tmp_path, verdict="MISMATCH")
     path = out / "expected.json"
     expected = json.loads(path.read_text())
     expected["token_ids"][1] = 80  # the fake answers 7 8 9 10
     path.write_text(json.dumps(expected))
-    env = environment(held_ports, tmp_path)
+    env = environment(leased_ports, tmp_path)
     done = run_sh(out, env)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "MISMATCH: generated token ids differ at position 1" in done.stdout
@@ -147,10 +147,10 @@ def test_different_ids_exit_1_with_the_first_divergence(
 
 
 def test_an_instance_that_dies_while_starting_fails_the_start(
-    tmp_path: Path, held_ports: TakePorts
+    tmp_path: Path, leased_ports: TakePorts
 ) -> None:
     out = export_case(tmp_path)
-    env = environment(held_ports, tmp_path, "prefill:die-start")
+    env = environment(leased_ports, tmp_path, "prefill:die-start")
     done = run_sh(out, env)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "prefill0 exited while starting" in done.stdout
@@ -159,9 +159,9 @@ def test_an_instance_that_dies_while_starting_fails_the_start(
     assert_nothing_left(out, env)
 
 
-def test_the_probe_goes_to_the_consumer_alone(tmp_path: Path, held_ports: TakePorts) -> None:
+def test_the_probe_goes_to_the_consumer_alone(tmp_path: Path, leased_ports: TakePorts) -> None:
     out = export_case(tmp_path, probe=UNKNOWN_UUID_PROBE)
-    env = environment(held_ports, tmp_path)
+    env = environment(leased_ports, tmp_path)
     done = run_sh(out, env)
     # The fake answers anything with 200: a consumer that answers a request it cannot serve.
     assert done.returncode == 1, done.stdout + done.stderr
@@ -171,12 +171,12 @@ def test_the_probe_goes_to_the_consumer_alone(tmp_path: Path, held_ports: TakePo
 
 
 def test_run_sh_baseline_checks_the_expected_ids_on_a_monolithic_server(
-    tmp_path: Path, held_ports: TakePorts
+    tmp_path: Path, leased_ports: TakePorts
 ) -> None:
     out = export_case(tmp_path, verdict="MISMATCH")
     env = {
-        **environment(held_ports, tmp_path, "decode:die-request"),
-        "BASELINE0_PORT": str(held_ports(1)[0]),
+        **environment(leased_ports, tmp_path, "decode:die-request"),
+        "BASELINE0_PORT": str(leased_ports(1)[0]),
     }
     done = subprocess.run(
         ["bash", str(out / "run.sh"), "baseline"],
@@ -193,10 +193,10 @@ def test_run_sh_baseline_checks_the_expected_ids_on_a_monolithic_server(
 
 
 def test_serve_sh_stops_every_group_on_sigterm_even_a_server_that_ignores_it(
-    tmp_path: Path, held_ports: TakePorts
+    tmp_path: Path, leased_ports: TakePorts
 ) -> None:
     out = export_case(tmp_path)
-    env = environment(held_ports, tmp_path, "encoder:fork-child;decode:ignore-term")
+    env = environment(leased_ports, tmp_path, "encoder:fork-child;decode:ignore-term")
     serve = subprocess.Popen(
         ["bash", str(out / "serve.sh")],
         cwd=out,

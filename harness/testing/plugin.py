@@ -411,7 +411,7 @@ def port_locks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture
-def held_ports() -> Iterator[Callable[[int], list[int]]]:
+def leased_ports() -> Iterator[Callable[[int], list[int]]]:
     """`take(n)`: n ports for servers a test starts outside the harness (an export's `run.sh`),
     leased like the harness's own (locked under the shared lock directory, so no harness run
     picks them) and handed over for binding; released when the test ends."""
