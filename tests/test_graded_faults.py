@@ -147,6 +147,22 @@ def test_swap_items_really_swaps(tmp_path: Path):
     assert not [p.name for p in path_a.parent.iterdir() if p != path_a], "temporary files left"
 
 
+def test_a_swap_is_undone_before_a_later_request_reads_one_of_its_items(tmp_path: Path):
+    a = random_tensor(64, HIDDEN, seed=1, dtype=torch.bfloat16)
+    b = random_tensor(64, HIDDEN, seed=2, dtype=torch.bfloat16)
+    path_a, path_b = write_ec(tmp_path, HASH_A, a), write_ec(tmp_path, HASH_B, b)
+    fault = ec_swap_items(tmp_path)
+    fault.after_encode("req-1", {HASH_A: {}, HASH_B: {}})
+    fault.after_encode("req-2", {HASH_A: {}})  # image A alone: nothing to swap it with
+    assert torch.equal(load_file(path_a)["ec_cache"], a), "A alone read B's swapped-in embedding"
+    assert torch.equal(load_file(path_b)["ec_cache"], a), "B, not in req-2, was touched"
+    fault.after_encode("req-3", {HASH_A: {}, HASH_B: {}})  # the pair again: swapped once, not back
+    assert torch.equal(load_file(path_a)["ec_cache"], b) and torch.equal(
+        load_file(path_b)["ec_cache"], a
+    ), "the pair's second request did not see a single swap"
+    assert not [p.name for p in path_a.parent.iterdir() if p != path_a], "temporary files left"
+
+
 def test_swap_items_refuses_unequal_shapes_and_single_items(tmp_path: Path):
     a = random_tensor(64, HIDDEN, seed=1)
     path_a = write_ec(tmp_path, HASH_A, a)

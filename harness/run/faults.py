@@ -392,11 +392,20 @@ def ec_swap_items(ec_storage: Path) -> PlantedFault:
     With two images each gets the other's embedding (with more, every item gets the next one's).
     The items must have equal shapes (same image size): otherwise the consumer would reject the
     file (an ERROR, not the MISMATCH this fault is for), so a mismatch is reported as a problem.
+
+    The fault belongs to the request: a swapped file stays in the storage, and a later request
+    with one of those items (which the encoder need not write again) would read the other's
+    embedding. Fuzzing then shrank the planted fault to a single image. So each item's original
+    file is kept, and put back when a later request reports that item, before anything else.
     """
     fault = PlantedFault()
+    originals: dict[Path, bytes] = {}  # a swapped file's content before its first swap
 
     def after_encode(request_id: str, ec_transfer_params: dict[str, Any]) -> None:
         hashes = list(ec_transfer_params)
+        for path in [ec_storage / h / EC_CACHE_FILE for h in hashes]:
+            if path in originals:
+                write_bytes_atomic(path, originals.pop(path))
         if len(hashes) < 2:
             fault.problems.append(
                 f"{request_id}: {len(hashes)} distinct media item(s); swapping needs two or more"
@@ -404,12 +413,14 @@ def ec_swap_items(ec_storage: Path) -> PlantedFault:
             return
         paths = [ec_storage / h / EC_CACHE_FILE for h in hashes]
         try:
+            before = {path: path.read_bytes() for path in paths}
             swap_tensor_files(paths)
         except Exception as exc:  # noqa: BLE001 - reported through `problems`
             fault.problems.append(
                 f"{request_id}: swapping {len(paths)} EC files: {type(exc).__name__}: {exc}"
             )
             return
+        originals.update(before)
         fault.touched += paths
         fault.effects.append(f"rotated the EC files of {', '.join(hashes)} by one")
 
@@ -623,6 +634,13 @@ def kv_file_stamps(kv_storage: Path) -> dict[Path, tuple[int, int]]:
             continue
         stamps[path] = (stat.st_mtime_ns, stat.st_size)
     return stamps
+
+
+def write_bytes_atomic(path: Path, content: bytes) -> None:
+    """Replace a file whole (a reader never sees it half-written)."""
+    temporary = path.with_name(f".{path.name}.planted")
+    temporary.write_bytes(content)
+    os.replace(temporary, path)
 
 
 def swap_tensor_files(paths: list[Path]) -> None:
