@@ -33,6 +33,9 @@ from harness.errors import BadInput, lookup
 NIXL_CONNECTOR = "NixlConnector"
 SIDE_CHANNEL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+# The EC connectors' side channel (ECCPUConnector with NIXL listens there); vLLM's default is
+# "localhost", like NIXL's, so it is rendered for every EC instance whichever connector runs.
+EC_SIDE_CHANNEL_HOST_ENV = "VLLM_EC_SIDE_CHANNEL_HOST"
 GPU_MEMORY_UTILIZATION_FLAG = "--gpu-memory-utilization"
 # vLLM's own default; rendered explicitly so a log shows what each instance was allowed.
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
