@@ -11,6 +11,7 @@ case does not take the rest of the run down silently. Leaving the session stops 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import secrets
 import shutil
@@ -28,13 +29,14 @@ from harness.redact import redact_argv, redact_env
 from harness.serve.client import ChatClient, ChatResult
 from harness.serve.kv_metrics import read_counters
 from harness.serve.launch import ManagedServer, ServerCommand, ServerDied, ServerGroup, log_path_for
-from harness.serve.ports import PortLease, lease_devices, reserve_ports
+from harness.serve.launcher import NodeInfo, launcher_for
+from harness.serve.ports import PortLease, reserve_ports
 from harness.serve.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer, RequestTrace
 from harness.serve.proxy_protocol import collect_media
 from harness.serve.tap import TapRecord, TapSet, TapTarget
 from harness.serve.vllm_proxy import register_instances, registrations, vllm_proxy_launch
 from harness.spec.instances import InstanceSpec
-from harness.spec.placement import place_instances, side_channel_port_count
+from harness.spec.placement import place_instances
 from harness.spec.settings import DYNAMIC_REGISTRATION, VLLM_PROXY, RunSettings
 from harness.spec.topology import Role, Topology
 
@@ -89,6 +91,7 @@ class InstanceStats:
     log_path: str
     startup_s: float | None = None
     peak_rss_bytes: int = 0
+    node: str | None = None  # the node's address when a launcher placed it on a cluster
 
 
 def safe_name(name: str) -> str:
@@ -121,13 +124,14 @@ class TopologySession:
         self.faults = faults if faults is not None else ProxyFaults()
         self.on_event = on_event
         self.dir = settings.run_dir / safe_name(label or topology.name)
-        self.storage_dir = reuse_storage or self.dir / STORAGE_DIR_NAME
+        self._launcher = launcher_for(settings)
+        self.storage_dir = reuse_storage or (
+            self._launcher.storage_root(self.dir) / STORAGE_DIR_NAME
+        )
         self.instances: list[InstanceSpec] = []
         self.stats: dict[str, InstanceStats] = {}
         self.proxy: EPDProxy | None = None
-        self._leases: list[PortLease] = []
-        self._side_channel_leases: list[PortLease] = []
-        self._device_leases: list[PortLease] = []
+        self._leases: list[PortLease] = []  # the vLLM proxy's; the instances' are the launcher's
         self._servers: list[ManagedServer] = []
         self._group: ServerGroup | None = None
         self._proxy_server: ProxyServer | None = None
@@ -160,47 +164,61 @@ class TopologySession:
             exc.add_note(f"closing {self.topology.name} failed too: {close_error!r}")
 
     def start_servers(self) -> None:
-        """Hold the ports (and on GPUs the devices), then start every instance; returns at once.
+        """Place the instances (ports held; on GPUs the devices), then start every one; returns
+        at once. Where they run is the launcher's business (`harness.serve.launcher`).
 
         Callers that start several topologies side by side (a wave) start them all first and
         then wait for each; on failure the caller must `close()`.
         """
         prepare_session_dir(self.dir)
         settings = self.settings
-        if settings.platform.exclusive_devices:
-            self._device_leases = lease_devices(settings.platform.name, self.devices)
-        self._leases = reserve_ports(len(self.topology.roles))
-        side_channels = side_channel_port_count(self.topology, settings.serving)
-        self._side_channel_leases = reserve_ports(side_channels) if side_channels else []
+        launcher = self._launcher
+        placed = launcher.reserve(self.topology, self.devices)
         self.instances = place_instances(
             self.topology,
             settings.serving,
             settings.platform,
-            [lease.port for lease in self._leases],
+            placed.ports,
             self.storage_dir,
             self.devices,
             colocate=settings.colocate,
-            side_channel_ports=[lease.port for lease in self._side_channel_leases],
+            side_channel_ports=placed.side_channel_ports,
             generation=settings.protocol,
+            hosts=placed.hosts,
         )
-        for lease in self._side_channel_leases:
-            lease.hand_over()  # NIXL binds these itself; the flock keeps other workers off
+        if placed.devices is not None:
+            self.instances = [
+                dataclasses.replace(spec, devices=devices)
+                for spec, devices in zip(self.instances, placed.devices, strict=True)
+            ]
+        nodes = placed.nodes or [None] * len(self.instances)
         for spec in self.instances:
             for storage in (spec.ec_storage, spec.kv_storage):
                 if storage is not None:
                     storage.mkdir(parents=True, exist_ok=True)
-        for spec, lease in zip(self.instances, self._leases):
-            command = ServerCommand(
+        commands = [
+            ServerCommand(
                 name=spec.name,
                 argv=spec.argv(self.settings.vllm_executable),
-                env=spec.env(),
+                env=launcher.instance_env(spec),
                 health_url=f"{spec.url}/health",
                 log_path=log_path_for(self.dir, spec.name),
             )
-            write_text_atomic(command.log_path.with_suffix(".cmd.json"), command_json(command))
-            self._servers.append(ManagedServer(command, port_lease=lease))
+            for spec in self.instances
+        ]
+        for command, node in zip(commands, nodes):
+            write_text_atomic(
+                command.log_path.with_suffix(".cmd.json"), command_json(command, node)
+            )
+        launcher.check_before_start(self.topology, self.instances, commands)
+        for index, (spec, command, node) in enumerate(zip(self.instances, commands, nodes)):
+            self._servers.append(launcher.server(index, command))
             self.stats[spec.name] = InstanceStats(
-                spec.name, spec.role.value, spec.url, str(command.log_path)
+                spec.name,
+                spec.role.value,
+                spec.url,
+                str(command.log_path),
+                node=node.address if node is not None else None,
             )
         self._group = ServerGroup(self._servers, on_event=self.on_event)
         self._group.start_all()
@@ -210,6 +228,7 @@ class TopologySession:
         front and open the client."""
         assert self._group is not None, "start_servers() first"
         self._group.wait_all_ready(self.settings.startup_timeout_s)
+        self._launcher.check_serving(self.instances)
         for server, spec in zip(self._servers, self.instances):
             self.stats[spec.name].startup_s = server.startup_seconds
         self._sample_memory()
@@ -282,9 +301,9 @@ class TopologySession:
         taps, vllm_proxy = self._taps, self._vllm_proxy
         self._client = self._proxy_server = self._group = None
         self._taps = self._vllm_proxy = None
-        leases = (*self._leases, *self._side_channel_leases, *self._device_leases)
-        self._leases, self._side_channel_leases, self._device_leases = [], [], []
+        leases, self._leases = self._leases, []
         with contextlib.ExitStack() as steps:  # callbacks run last registered, first
+            steps.callback(self._launcher.close)
             for lease in leases:
                 steps.callback(lease.release)
             if group is not None:
@@ -306,7 +325,7 @@ class TopologySession:
         request_id = f"{safe_name(self.topology.name)}-{prompt}-{uuid.uuid4().hex[:8]}"
         outcome = Outcome(prompt=prompt, media_count=len(collect_media(body)))
         started = time.monotonic()
-        log_offsets = {server.name: log_size(server) for server in self._servers}
+        log_offsets = {server.name: server.log_size() for server in self._servers}
         decode_url = next((i.url for i in self.instances if i.role is Role.DECODE), None)
         counters_before = read_counters(decode_url) if decode_url else None
         tap_mark = self._taps.mark() if self._taps is not None else 0
@@ -350,7 +369,7 @@ class TopologySession:
         """What each instance logged since `offsets` (its last lines), for error evidence."""
         slices = []
         for server in self._servers:
-            new_lines = read_log_from(server, offsets.get(server.name, 0)).splitlines()
+            new_lines = server.read_log_from(offsets.get(server.name, 0)).splitlines()
             if new_lines:
                 picked = select_evidence(new_lines)
                 slices.append(f"--- {server.command.name} logged during the request ---\n{picked}")
@@ -449,22 +468,6 @@ def select_evidence(lines: list[str]) -> str:
     return "\n".join(errors + (["..."] if errors and tail else []) + tail)
 
 
-def log_size(server: ManagedServer) -> int:
-    try:
-        return server.command.log_path.stat().st_size
-    except FileNotFoundError:
-        return 0
-
-
-def read_log_from(server: ManagedServer, offset: int) -> str:
-    try:
-        with open(server.command.log_path, "rb") as log:
-            log.seek(offset)
-            return log.read().decode("utf-8", errors="replace")
-    except FileNotFoundError:
-        return ""
-
-
 def bind_loopback_socket() -> socket.socket:
     """A socket the kernel bound to a free loopback port: no window between choice and bind."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -479,13 +482,14 @@ def prepare_session_dir(path: Path) -> None:
     path.mkdir(parents=True)
 
 
-def command_json(command: ServerCommand) -> str:
-    """The launch command as an artifact; secret values never reach it."""
-    return json.dumps(
-        {
-            "name": command.name,
-            "argv": redact_argv(command.argv),
-            "env": redact_env(command.env),
-        },
-        indent=2,
-    )
+def command_json(command: ServerCommand, node: NodeInfo | None = None) -> str:
+    """The launch command as an artifact (and the node it ran on, when a launcher placed it on
+    a cluster); secret values never reach it."""
+    document: dict[str, Any] = {
+        "name": command.name,
+        "argv": redact_argv(command.argv),
+        "env": redact_env(command.env),
+    }
+    if node is not None:
+        document["node"] = node.to_json()
+    return json.dumps(document, indent=2)
