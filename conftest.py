@@ -62,6 +62,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "through its admin API)",
     )
     group.addoption(
+        "--epd-launcher",
+        default="local",
+        help="where instances run: local (default) or ray (Ray actors on a cluster's nodes; "
+        "docs/multi-node.md)",
+    )
+    group.addoption(
+        "--epd-ray-address",
+        help="with --epd-launcher ray: the cluster's HOST:PORT (default: a one-host cluster "
+        "of three nodes, started for the session and stopped after it)",
+    )
+    group.addoption(
         "--epd-topology",
         help="comma list: run only scenarios of these topologies (names contain '+', so -k "
         "cannot select them)",
@@ -145,6 +156,8 @@ def epd_config(pytestconfig: pytest.Config, epd_worker: tuple[str, int]):
         proxy=pytestconfig.getoption("--epd-proxy"),
         vllm_source=pytestconfig.getoption("--epd-vllm-source"),
         proxy_registration=pytestconfig.getoption("--epd-proxy-registration"),
+        launcher=pytestconfig.getoption("--epd-launcher"),
+        ray_address=pytestconfig.getoption("--epd-ray-address"),
     )
     try:
         return prepare_run(request)
@@ -199,6 +212,14 @@ def epd_matrix(epd_sweep):
     matrix = MatrixRun(epd_sweep)
     yield matrix
     matrix.close()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """End what a launcher holds beyond its topologies (with --epd-launcher ray: the Ray
+    connection and the rehearsal cluster the session started)."""
+    from harness.serve.launcher import end_launchers
+
+    end_launchers()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
