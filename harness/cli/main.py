@@ -217,7 +217,15 @@ def finish_run(args: argparse.Namespace, problems: list[str], result: SweepResul
 
 
 def command_repro(args: argparse.Namespace) -> int:
-    """Rerun a bundle's failing case (or --case) with its recorded flags, body and fault."""
+    """Rerun a bundle's failing case (or --case) with its recorded flags, body, fault and
+    launcher."""
+    try:
+        return repro_bundle(args)
+    finally:
+        end_launchers()
+
+
+def repro_bundle(args: argparse.Namespace) -> int:
     try:
         bundle = Bundle.load(Path(args.bundle).resolve())
         if bundle.proxy_kind == ATTACH_PROXY:

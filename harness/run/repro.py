@@ -29,7 +29,10 @@ from harness.spec.generations import NEWEST, generation_for
 from harness.spec.platforms import get_platform
 from harness.spec.settings import (
     HARNESS_PROXY,
+    RAY_LAUNCHER,
+    SPREAD_PLACEMENT,
     STATIC_REGISTRATION,
+    LauncherChoice,
     ProxyChoice,
     RunSettings,
     ServedVllm,
@@ -83,6 +86,22 @@ class Bundle:
         return (self.run.get("proxy") or {}).get("kind") or HARNESS_PROXY
 
     @property
+    def launcher(self) -> LauncherChoice:
+        """Where the bundle's instances ran: this host, or the same Ray cluster (the recorded
+        address; a one-host rehearsal cluster when the run started one itself)."""
+        recorded = self.run.get("launcher") or {}
+        if recorded.get("kind") != RAY_LAUNCHER:
+            return LauncherChoice()
+        shared = recorded.get("shared_dir")
+        return LauncherChoice(
+            RAY_LAUNCHER,
+            ray_address=recorded.get("ray_address"),
+            placement=recorded.get("placement") or SPREAD_PLACEMENT,
+            shared_dir=Path(shared) if shared else None,
+            instance_env=tuple((recorded.get("instance_env") or {}).items()),
+        )
+
+    @property
     def proxy_registration(self) -> str:
         """How vLLM's proxy learned the instances in the bundle's run (before: static)."""
         return (self.run.get("proxy") or {}).get("registration") or STATIC_REGISTRATION
@@ -119,6 +138,7 @@ def reproduce(
         proxy=proxy or ProxyChoice(),
         # The protocol of the release serving now (the bundle's may have been another).
         protocol=generation_for(served.version).generation if served.known else NEWEST,
+        launcher=bundle.launcher,
     )
     topology = get_topology(case.topology)
     recorded = (bundle.run.get("served_vllm") or {}).get("version")
