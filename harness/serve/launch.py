@@ -225,7 +225,7 @@ class ManagedServer:
 
     def wait_until_ready(self, timeout_s: float) -> None:
         """Poll until healthy. Raises ServerDied (within ~a second of a death) or StartupTimeout."""
-        _await_ready([self], timeout_s, on_ready=lambda server: None)
+        await_ready([self], timeout_s, on_ready=lambda server: None)
 
     def check_alive(self) -> None:
         """Raise ServerDied (exit code, log tail) if the process exited; else sample its tree."""
@@ -395,7 +395,7 @@ class ServerGroup:
     def wait_all_ready(self, timeout_s: float) -> None:
         """Wait until all are healthy; the first death fails the group at once with its log tail."""
         try:
-            _await_ready(self.servers, timeout_s, on_ready=lambda s: self._emit(s, "ready"))
+            await_ready(self.servers, timeout_s, on_ready=lambda s: self._emit(s, "ready"))
         except ServerDied as exc:
             self._report_death(exc)
             raise
@@ -475,7 +475,7 @@ def install_signal_handlers(
         signal.signal(sig, interrupt)
 
 
-def _await_ready(
+def await_ready(
     servers: Sequence[ManagedServer],
     timeout_s: float,
     on_ready: Callable[[ManagedServer], None],

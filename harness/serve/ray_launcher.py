@@ -40,6 +40,7 @@ channel), and every NIXL side channel can be reached from every peer's node.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import shutil
@@ -67,7 +68,7 @@ from harness.serve.launch import (
     ManagedServer,
     ServerCommand,
     ServerDied,
-    _await_ready,
+    await_ready,
     describe_exit,
     probe_health_url,
     read_log_tail,
@@ -105,6 +106,7 @@ class RayRuntime:
     def __init__(self) -> None:
         self.cluster: LocalRayCluster | None = None
         self.address: str | None = None
+        self._at_exit = False
 
     def connect(self, choice: LauncherChoice, run_dir: Path) -> None:
         if ray.is_initialized():
@@ -116,14 +118,21 @@ class RayRuntime:
                 )
             return
         os.environ[USAGE_STATS_ENV] = "0"
+        if not self._at_exit:
+            atexit.register(close_runtime)
+            self._at_exit = True
         node_ip = None
         expected_nodes = 1
         if choice.ray_address is None:
             cluster = LocalRayCluster(run_dir / REHEARSAL_DIR)
-            self.cluster = cluster
-            atexit.register(close_runtime)
             log.info("[ray] starting a one-host cluster: nodes %s", ", ".join(cluster.addresses))
-            cluster.start()
+            try:
+                cluster.start()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    cluster.stop()
+                raise
+            self.cluster = cluster
             self.address, node_ip = cluster.address, cluster.driver_address
             expected_nodes = len(cluster.addresses)
         else:
@@ -131,13 +140,23 @@ class RayRuntime:
             host = self.address.rsplit(":", 1)[0]
             # Ray takes a driver's loopback address for the host's routable one: say which.
             node_ip = host if host.startswith("127.") else None
-        ray.init(
-            address=self.address,
-            _node_ip_address=node_ip,
-            log_to_driver=False,
-            namespace=f"epd-harness-{os.getpid()}",
-        )
-        atexit.register(close_runtime)
+        try:
+            ray.init(
+                address=self.address,
+                _node_ip_address=node_ip,
+                log_to_driver=False,
+                namespace=f"epd-harness-{os.getpid()}",
+            )
+        except Exception as exc:
+            self.close()
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise LaunchRefused(
+                f"cannot connect to the Ray cluster at {self.address}: {type(exc).__name__}: "
+                f"{first}"
+            ) from None
+        except BaseException:
+            self.close()
+            raise
         deadline = time.monotonic() + PLACEMENT_TIMEOUT_S
         while len(alive_nodes()) < expected_nodes and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -384,7 +403,7 @@ class RayServer:
         return probe_health_url(self.command.health_url)
 
     def wait_until_ready(self, timeout_s: float) -> None:
-        _await_ready([self], timeout_s, on_ready=lambda server: None)
+        await_ready([self], timeout_s, on_ready=lambda server: None)
 
     def is_alive(self) -> bool:
         self._poll()
@@ -565,6 +584,14 @@ class RayLauncher:
             [agent.where.remote() for agent in self._agents],
             f"starting {topology.name}'s agents (is epd-harness installed on every node?)",
         )
+        for w in where:
+            if w["kill_children"] != AGENT_ENV[KILL_CHILDREN_ENV]:
+                raise LaunchRefused(
+                    f"{topology.name}: the agent on node {w['address']} runs with "
+                    f"{KILL_CHILDREN_ENV}={w['kill_children']!r}, so Ray would SIGKILL its "
+                    "server's leader and watchdog and leave vLLM's engine behind; does the "
+                    "cluster allow runtime_env env_vars?"
+                )
         self._nodes = [NodeInfo(w["address"], w["node_id"], w["hostname"]) for w in where]
         self._agent_pids = [w["pid"] for w in where]
         sides = [needs_side_channel(role, self.settings.serving) for role in roles]
