@@ -30,6 +30,7 @@ is how a node-local disk looks to a connector that needs shared storage.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import secrets
@@ -39,6 +40,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 from harness.environment import LOOPBACK_HOST
 from harness.errors import HarnessError
@@ -257,8 +260,21 @@ class LocalRayCluster:
                 node.server.peak_rss_bytes()
 
     def memory_bytes(self) -> dict[str, int]:
-        """Summed RSS of each node's process tree now (workers and actors included)."""
-        return {node.address: node.server.peak_rss_bytes() for node in self.nodes}
+        """Summed RSS of each node's process tree now (workers, agents and what they run
+        included; pages shared between processes count once per process)."""
+        self.sample()
+        sizes = {}
+        for node in self.nodes:
+            total = 0
+            try:
+                root = psutil.Process(node.server.pid)
+                for proc in [root, *root.children(recursive=True)]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        total += proc.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+            sizes[node.address] = total
+        return sizes
 
     def stop(self) -> None:
         """Stop every node (workers first, the head last), release their ports, remove the

@@ -221,7 +221,8 @@ class InstanceAgent:
     def __init__(self) -> None:
         self.leases: list[PortLease] = []
         self.server: ManagedServer | None = None
-        self.workdir = Path(tempfile.mkdtemp(prefix="epd-harness-ray-"))
+        self.workdir: Path | None = None  # the server's log (and, if the agent is killed, the
+        # watchdog's watchdog.log: left on the node as the evidence of what it stopped)
 
     def where(self) -> dict[str, Any]:
         context = ray.get_runtime_context()
@@ -261,6 +262,7 @@ class InstanceAgent:
         return ""
 
     def start(self, name: str, argv: list[str], env: dict[str, str], health_url: str) -> dict:
+        self.workdir = Path(tempfile.mkdtemp(prefix="epd-harness-ray-"))
         log_path = self.workdir / f"{uuid.uuid4().hex[:8]}.log"
         command = ServerCommand(name, argv, health_url, log_path, env)
         self.server = ManagedServer(command, port_lease=self.leases[0] if self.leases else None)
@@ -320,7 +322,8 @@ class InstanceAgent:
 
     def discard(self) -> None:
         """Remove the node-side log, once the harness has fetched all of it."""
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 _Agent = ray.remote(InstanceAgent)
