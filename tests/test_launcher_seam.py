@@ -10,10 +10,13 @@ the commands may start before starting any of them.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from harness.errors import BadInput
+from harness.preflight import launcher as launcher_flags
 from harness.serve import session as session_module
 from harness.serve.launcher import LaunchRefused, LocalLauncher, NodeInfo, Reservation
 from harness.serve.session import TopologySession
@@ -130,3 +133,42 @@ def test_the_local_launcher_binds_loopback_and_has_no_nodes(tmp_path) -> None:
         assert len(placed.ports) == 2 and len(placed.side_channel_ports) == 2
     finally:
         launcher.close()
+
+
+@dataclass
+class Request:
+    launcher: str = "ray"
+    proxy: str = "harness"
+    ray_address: str | None = None
+    ray_placement: str | None = None
+    ray_shared_dir: str | None = None
+    ray_instance_env: tuple[str, ...] = ()
+
+
+def test_the_ray_flags_become_one_launcher_choice(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(launcher_flags.importlib.metadata, "version", lambda name: "2.60.0")
+    choice = launcher_flags.check_launcher(
+        Request(
+            ray_address="10.0.0.1:6379",
+            ray_placement="pack",
+            ray_shared_dir=str(tmp_path),
+            ray_instance_env=("UCX_TLS=tcp", "A=b=c"),
+        )
+    )
+    assert choice == LauncherChoice(
+        "ray",
+        ray_address="10.0.0.1:6379",
+        placement="pack",
+        shared_dir=tmp_path.resolve(),
+        instance_env=(("UCX_TLS", "tcp"), ("A", "b=c")),
+    )
+    assert launcher_flags.check_launcher(Request(launcher="local")) == LauncherChoice()
+
+
+def test_without_ray_installed_the_ray_launcher_is_one_line(monkeypatch) -> None:
+    def missing(name: str) -> str:
+        raise launcher_flags.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(launcher_flags.importlib.metadata, "version", missing)
+    with pytest.raises(BadInput, match=r"--launcher ray needs Ray .*scripts/cpu setup --ray"):
+        launcher_flags.check_launcher(Request())
