@@ -121,3 +121,6 @@ def test_in_namespaces_localhost_unchecked_never_matches(netns_cluster) -> None:
     )
     assert code != 0 and case.get("verdict") != "MATCH", output[-3000:]
     print(f"verdict {case.get('verdict')}: {case.get('detail')}\n{case.get('error') or ''}")
+    # What vLLM itself did: D asked "localhost" (itself) for P's NIXL metadata, and failed.
+    decode_log = netns_cluster[2] / "localhost-unchecked" / "1P-1D" / "1P-1D__decode0.log"
+    assert "handshake_failed" in decode_log.read_text(errors="replace"), decode_log
