@@ -27,24 +27,24 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness.cli.main import EXIT_FAILED, EXIT_OK, main
+from harness.cli.main import EXIT_FAILED, EXIT_OK
 from harness.report.text import format_failure
 from harness.serve.attached import write_attach_file
-from harness.serve.session import TopologySession
 from harness.spec.attach import ATTACH_FILE_NAME
 from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.topology import TOPOLOGIES, Role
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.epd_topology("1E+1PD")]
 
 TOPOLOGY = "1E+1PD"
 PROMPTS = ("text", "image", "video")
 DEAD_RUN_MAX_S = 30.0  # preflight (cached token counts) + one health check; no request is sent
 
 
-@pytest.fixture(scope="module")
-def normal_sweep(epd_config):
-    """The normal run: the harness launches 1E+1PD and judges it, as `epd-harness run` does."""
+@pytest.fixture(scope="session")
+def normal_sweep(epd_config, epd_pool):
+    """The normal run: the harness launches 1E+1PD (the session's running one) and judges it,
+    as `epd-harness run` does."""
     from harness.run.baseline_cache import BaselineCache
     from harness.run.sweep import Sweep, SweepSpec
 
@@ -58,7 +58,7 @@ def normal_sweep(epd_config):
         prompts=tuple(p for p in SKELETON_PROMPTS if p.name in PROMPTS),
     )
     normal = dataclasses.replace(settings, run_dir=run_dir / "normal")
-    return Sweep(spec, normal, baseline_cache=cache)
+    return Sweep(spec, normal, baseline_cache=cache, pool=epd_pool)
 
 
 def vllm_servers() -> dict[int, str]:
@@ -95,33 +95,24 @@ def new_vllm_servers() -> Iterator[dict[int, str]]:
         sampler.join()
 
 
-def attach_run(config, attach_file: Path, run_dir: Path, cache: Path) -> tuple[int, dict, float]:
-    """`epd-harness run --attach FILE` in-process: (exit code, summary.json, seconds)."""
+def attach_run(
+    epd_cli, config, attach_file: Path, run_dir: Path, cache: Path
+) -> tuple[int, str, dict, float]:
+    """`epd-harness run --attach FILE` in-process: (exit code, stdout, summary.json, seconds)."""
     settings = config.settings
     started = time.monotonic()
-    code = main(
-        [
-            "run",
-            "--attach",
-            str(attach_file),
-            "--prompt",
-            ",".join(PROMPTS),
-            "--model",
-            settings.serving.model,
-            "--vllm",
-            settings.vllm.executable,
-            "--baseline-cache",
-            str(cache),
-            "--run-dir",
-            str(run_dir),
-        ]
-    )
+    code, out, _ = epd_cli(
+        "run", "--attach", attach_file, "--prompt", ",".join(PROMPTS),
+        "--model", settings.serving.model, "--vllm", settings.vllm.executable,
+        "--baseline-cache", cache, "--run-dir", run_dir,
+    )  # fmt: skip
     took = time.monotonic() - started
-    return code, json.loads((run_dir / "summary.json").read_text()), took
+    return code, out, json.loads((run_dir / "summary.json").read_text()), took
 
 
+@pytest.mark.epd_ends_session
 def test_attach_judges_a_kept_up_topology_like_a_normal_run(
-    normal_sweep, epd_config, capsys
+    normal_sweep, epd_config, epd_pool, epd_cli, capsys
 ) -> None:
     normal = [record for prompt in PROMPTS for record in normal_sweep.judge(TOPOLOGY, prompt)]
     failures = [r for r in normal if not r.policy_passed]
@@ -130,7 +121,14 @@ def test_attach_judges_a_kept_up_topology_like_a_normal_run(
     run_dir = normal_sweep.settings.run_dir.parent
     cache = normal_sweep.baseline_cache.directory
 
-    kept_up = TopologySession(TOPOLOGIES[TOPOLOGY], normal_sweep.settings, label="kept-up")
+    # A deployment of its own, with an EC storage no request has seen: the first attach run
+    # must find every EC file written during its requests.
+    kept_up = epd_pool.private(
+        TOPOLOGIES[TOPOLOGY],
+        "the deployment the attach runs judge, with fresh storage",
+        label="kept-up",
+        settings=normal_sweep.settings,
+    )
     with kept_up as session:
         attach_file = run_dir / ATTACH_FILE_NAME
         spec = write_attach_file(session, attach_file)
@@ -139,8 +137,9 @@ def test_attach_judges_a_kept_up_topology_like_a_normal_run(
         assert len(vllm_servers()) == len(spec.instances), vllm_servers()
 
         with new_vllm_servers() as launched:
-            code, summary, took = attach_run(epd_config, attach_file, run_dir / "attached", cache)
-        out = capsys.readouterr().out
+            code, out, summary, took = attach_run(
+                epd_cli, epd_config, attach_file, run_dir / "attached", cache
+            )
         with capsys.disabled():
             print(f"\n[attach] attach run: exit {code} in {took:.1f}s")
         assert code == EXIT_OK, out[-4000:]
@@ -160,8 +159,9 @@ def test_attach_judges_a_kept_up_topology_like_a_normal_run(
 
         # Judged again: the EC storage has seen these media, so the encoder loads them rather
         # than encoding again, and which stored file is which item's cannot be told from here.
-        code, summary, took = attach_run(epd_config, attach_file, run_dir / "again", cache)
-        out = capsys.readouterr().out
+        code, out, summary, took = attach_run(
+            epd_cli, epd_config, attach_file, run_dir / "again", cache
+        )
         with capsys.disabled():
             print(f"[attach] second attach run: exit {code} in {took:.1f}s")
         assert code == EXIT_OK, out[-4000:]
@@ -176,8 +176,9 @@ def test_attach_judges_a_kept_up_topology_like_a_normal_run(
         pgid = session.server(Role.PREFILL_DECODE).pgid
         assert pgid is not None
         os.killpg(pgid, signal.SIGKILL)
-        code, summary, took = attach_run(epd_config, attach_file, run_dir / "attached-dead", cache)
-        out = capsys.readouterr().out
+        code, out, summary, took = attach_run(
+            epd_cli, epd_config, attach_file, run_dir / "attached-dead", cache
+        )
         with capsys.disabled():
             print(f"[attach] attach run with {pd.name} killed: exit {code} in {took:.1f}s")
     assert code == EXIT_FAILED, out[-4000:]

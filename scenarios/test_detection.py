@@ -8,33 +8,40 @@ caught (MISMATCH, or VACUOUS) goes into the run directory (detection.json, detec
 must be no worse than scenarios/detection_thresholds.json; EC and KV noise at 5% of std must be
 a MISMATCH within the first three generated tokens on every topology that carries them.
 
-Each topology starts once per class (~40-60 s on CPU) and serves a clean request first. The
-baseline for this module's prompts (harness.run.graded.DETECTION_PROMPTS) is its own baseline
-sweep, served (or read from the baseline cache) before any topology here starts.
+Each topology is the session's running one (harness.testing.plugin: started once for every
+scenario that needs it) and serves a clean request first. The shared baseline answers this
+module's prompts (harness.run.graded.DETECTION_PROMPTS) with every other scenario's.
+
+The KV ladder follows the session's KV connector (`--epd-kv-connector`, or the platform's
+default): noise on ExampleConnector's files, or under NIXL noise planted inside D by a vLLM
+plugin that only this module's D is started with (harness.run.nixl_kv_noise_plugin). Each is
+marked `kv_connector(...)` and deselected, with a line saying so, under the other connector.
+Thresholds gate only on the platform and model they were measured on; elsewhere the table is
+reported.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from harness.judge.guards import session_guards
 from harness.judge.records import CaseRecord, Verdict
-from harness.judge.verdicts import judge_case
 from harness.report.text import format_failure
 from harness.run.faults import (
+    NixlKvNoise,
+    NixlKvNoiseSite,
     PlantedFault,
     ec_noise,
     ec_swap_items,
     ec_video_grid,
     ec_zero_frame,
+    install_nixl_kv_noise_plugin,
     kv_noise,
-    plant,
+    nixl_kv_noise,
 )
 from harness.run.graded import (
     CLEAN_PROMPT,
@@ -49,18 +56,20 @@ from harness.run.graded import (
     DetectionTable,
     Rung,
     load_thresholds,
+    measured_on,
+    model_key,
     regressions,
     run_ladder,
     rung_from_record,
 )
-from harness.run.sweep import Sweep, SweepSpec
-from harness.serve.proxy import ProxyFaults
-from harness.serve.session import TopologySession
+from harness.serve.session import safe_name
+from harness.spec.connectors import NIXL
 from harness.spec.prompts import PromptSpec
-from harness.spec.settings import RunSettings
-from harness.spec.topology import TOPOLOGIES
+from harness.spec.topology import TOPOLOGIES, Role
+from harness.testing.live import LiveTopology
 
 pytestmark = pytest.mark.e2e
+EPD_BASELINE_PROMPTS = DETECTION_PROMPTS
 
 THRESHOLDS = Path(__file__).with_name("detection_thresholds.json")
 # Issue 10's acceptance: 5% noise is a MISMATCH within the first three generated tokens.
@@ -71,35 +80,29 @@ NOISE_SEED = 10
 
 @dataclass
 class Live:
-    """A started topology, the fault object its proxy reads, and the baseline it is judged by."""
+    """A running topology of the session, sending this module's prompts."""
 
-    session: TopologySession
-    faults: ProxyFaults  # the very object the proxy holds: `plant` swaps its hooks
-    baseline: Sweep
+    topology: LiveTopology
+    # Under NixlConnector: where D's KV-noise plugin takes its orders (None: not planted).
+    nixl_kv_noise: NixlKvNoiseSite | None = None
 
     @property
     def name(self) -> str:
-        return self.session.topology.name
+        return self.topology.name
+
+    @property
+    def session(self):
+        return self.topology.session
 
     def judge(self, prompt: PromptSpec, fault: PlantedFault | None) -> tuple[CaseRecord, float]:
         """One request (with `fault` planted, if any), its guards read at once, judged."""
-        plant(self.faults, fault)
         started = time.monotonic()
-        try:
-            outcome = self.session.send(prompt.name, self.baseline.bodies[prompt.name])
-            guards = session_guards(self.session, outcome)
-        finally:
-            plant(self.faults, None)
+        if fault is None:
+            observed = self.topology.send(prompt.name)
+        else:
+            observed = self.topology.send_with_fault(fault, prompt.name)
         seconds = time.monotonic() - started
-        record = judge_case(
-            self.name,
-            "baseline",
-            self.baseline.serve_baseline()[prompt.name],
-            outcome,
-            guards,
-            baseline_stable=self.baseline.stability[prompt.name][0],
-            drift_tolerance=self.baseline.noise_floor,
-        )
+        record = self.topology.judge(observed)
         print(f"[detection] {self.name} {prompt.name}: {record.verdict.value} in {seconds:.1f}s")
         return record, seconds
 
@@ -119,33 +122,19 @@ class Live:
         return rung
 
 
-@pytest.fixture(scope="module")
-def detection_baseline(epd_config) -> Sweep:
-    """The baseline's answers to this module's prompts, before any topology here starts.
-
-    A baseline sweep of its own (same settings, same cache) in a subdirectory: the shared sweep
-    of conftest.py answers only the sweep's and the matrix's prompts.
-    """
-    settings = dataclasses.replace(
-        epd_config.settings, run_dir=epd_config.settings.run_dir / "detection-baseline"
-    )
-    spec = SweepSpec(topologies=(), prompts=(), baseline_only_prompts=DETECTION_PROMPTS)
-    sweep = Sweep(spec, settings, baseline_cache=epd_config.baseline_cache)
-    started = time.monotonic()
-    sweep.serve_baseline()
-    print(
-        f"\n[detection] baseline for {len(DETECTION_PROMPTS)} prompts in "
-        f"{time.monotonic() - started:.1f}s"
-    )
+@pytest.fixture(scope="session")
+def detection_baseline(epd_sweep):
+    """The baseline answered this module's prompts, each stable, before any rung is judged."""
+    epd_sweep.serve_baseline()
     for prompt in DETECTION_PROMPTS:
-        assert sweep.stability[prompt.name][0], (
+        stability = epd_sweep.baseline.stability[prompt.name]
+        assert stability.stable, (
             f"the baseline disagreed with itself on {prompt.name}: no threshold means anything"
         )
-    return sweep
 
 
-@pytest.fixture(scope="module")
-def detection_table(epd_settings) -> Iterator[DetectionTable]:
+@pytest.fixture(scope="session")
+def detection_table(epd_settings):
     """Every rung of the module; written into the run directory after each ladder and at the
     end, where the bundle carries it, and printed."""
     table = DetectionTable()
@@ -157,19 +146,33 @@ def detection_table(epd_settings) -> Iterator[DetectionTable]:
         print(f"[detection] written to {epd_settings.run_dir / 'detection.md'}")
 
 
-def start(name: str, settings: RunSettings, baseline: Sweep) -> Iterator[Live]:
-    faults = ProxyFaults()
-    settings = dataclasses.replace(settings, run_dir=settings.run_dir / "detection")
-    started = time.monotonic()
-    with TopologySession(TOPOLOGIES[name], settings, faults) as session:
-        print(f"\n[detection] {name} started in {time.monotonic() - started:.1f}s")
-        yield Live(session, faults, baseline)
-    print(f"[detection] {name} ran {time.monotonic() - started:.1f}s in all")
+@pytest.fixture
+def live(request, epd_live, epd_settings, detection_baseline) -> Live:
+    """The session's running topology; under NixlConnector its D gets the KV-noise plugin on
+    its PYTHONPATH (it acts only on requests the harness orders it to): other instances than
+    the session's plain ones, so the pool starts them as a topology of their own."""
+    name = request.cls.TOPOLOGY
+    site = None
+    if epd_settings.serving.kv_connector == NIXL.vllm_class and TOPOLOGIES[name].has_kv_transfer:
+        site = install_nixl_kv_noise_plugin(
+            epd_settings.run_dir / f"nixl-kv-noise-{safe_name(name)}"
+        )
+    role_env = {Role.DECODE: site.env()} if site is not None else None
+    return Live(epd_live(name, role_env=role_env), nixl_kv_noise=site)
 
 
-@pytest.fixture(scope="class")
-def live(request, epd_settings, detection_baseline) -> Iterator[Live]:
-    yield from start(request.cls.TOPOLOGY, epd_settings, detection_baseline)
+def committed_thresholds(live: Live) -> dict[str, dict[str, float]] | None:
+    """The thresholds measured on this session's platform and model; None: nothing was
+    measured there, so the table is reported and not gated (said so once per ladder)."""
+    settings = live.session.settings
+    platform, model = settings.platform.name, model_key(settings.serving.model)
+    committed = load_thresholds(THRESHOLDS, platform, model)
+    if committed is None:
+        print(
+            f"[detection] not gated: no thresholds measured on {platform} / {model} "
+            f"(measured: {', '.join(measured_on(THRESHOLDS))}); see detection.md"
+        )
+    return committed
 
 
 def record_and_check(
@@ -178,8 +181,11 @@ def record_and_check(
     """Into the table (and the run directory), then against the committed thresholds."""
     table.add(rungs)
     table.write(run_dir)
+    committed = committed_thresholds(live)
+    if committed is None:
+        return
     measured = {kind: {live.name: DetectionTable(rungs).cells()[kind][live.name]}}
-    worse = regressions(measured, load_thresholds(THRESHOLDS))
+    worse = regressions(measured, committed)
     assert not worse, "detection got worse than scenarios/detection_thresholds.json:\n" + "\n".join(
         worse
     )
@@ -192,7 +198,9 @@ def noise_ladder(
 
 
 def assert_acceptance(kind: str, live: Live, rungs: list[Rung]) -> None:
-    """5% of std: a MISMATCH within the first three generated tokens."""
+    """5% of std: a MISMATCH within the first three generated tokens (where measured)."""
+    if committed_thresholds(live) is None:
+        return
     at = [r for r in rungs if r.strength == ACCEPTANCE_STRENGTH]
     assert at, f"{kind} on {live.name}: the ladder stopped before {ACCEPTANCE_STRENGTH}: {rungs}"
     rung = at[0]
@@ -245,9 +253,30 @@ class EncoderLadders(Ladders):
         assert_acceptance("ec-noise", live, rungs)
 
 
-class KvLadders(Ladders):
-    """The KV ladder, for every topology with P and D."""
+def nixl_rung(live: Live, strength: float, prompt: PromptSpec, fault: NixlKvNoise) -> Rung:
+    """`Live.rung` for the fault D's plugin plants: what D did is read back after D answered."""
+    record, seconds = live.judge(prompt, fault)
+    fault.collect()
+    assert fault.touched and not fault.problems, (
+        f"nixl-kv-noise {strength:g} on {live.name} did not do its job (a verdict would mean "
+        f"nothing): touched {fault.touched}, problems {fault.problems}"
+    )
+    rung = rung_from_record(
+        "nixl-kv-noise", strength, record, len(fault.touched), fault.effects, seconds
+    )
+    if not rung.caught:
+        print(format_failure(record))
+    print(
+        f"[detection]   nixl-kv-noise {strength:g}: {rung.verdict}, first differing token "
+        f"{rung.first_token_index}; {'; '.join(fault.effects[:2])}"
+    )
+    return rung
 
+
+class KvLadders(Ladders):
+    """The KV ladder, for every topology with P and D, in the session's KV connector's form."""
+
+    @pytest.mark.kv_connector("example")
     def test_kv_noise_ladder(self, live: Live, detection_table, epd_settings):
         storage = live.session.kv_storage
         assert storage is not None
@@ -257,8 +286,25 @@ class KvLadders(Ladders):
         record_and_check(detection_table, epd_settings.run_dir, "kv-noise", live, rungs)
         assert_acceptance("kv-noise", live, rungs)
 
+    @pytest.mark.kv_connector("nixl")
+    def test_nixl_kv_noise_ladder(self, live: Live, detection_table, epd_settings):
+        site = live.nixl_kv_noise
+        assert site is not None, "under NixlConnector D must have been started with the plugin"
+        rungs = run_ladder(
+            NOISE_LADDER,
+            lambda n, s: nixl_rung(
+                live,
+                s,
+                KV_NOISE_PROMPTS[n],
+                nixl_kv_noise(site, s, NOISE_SEED, key=KV_NOISE_PROMPTS[n].name),
+            ),
+        )
+        record_and_check(detection_table, epd_settings.run_dir, "nixl-kv-noise", live, rungs)
+        assert_acceptance("nixl-kv-noise", live, rungs)
+
 
 @pytest.mark.ci
+@pytest.mark.epd_topology("1E+1PD")
 class TestEncoderPrefillDecode(EncoderLadders):
     """1E+1PD: the EC ladder, then swapped items, a zeroed frame and a wrong video grid."""
 
@@ -292,12 +338,14 @@ class TestEncoderPrefillDecode(EncoderLadders):
 
 
 @pytest.mark.ci
+@pytest.mark.epd_topology("1P+1D")
 class TestPrefillDecode(KvLadders):
     """1P+1D: the KV ladder."""
 
     TOPOLOGY = "1P+1D"
 
 
+@pytest.mark.epd_topology("1E+1P+1D")
 class TestEncoderPrefillThenDecode(EncoderLadders, KvLadders):
     """1E+1P+1D: both ladders on one topology (their prompts differ)."""
 

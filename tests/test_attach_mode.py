@@ -13,17 +13,19 @@ import pytest
 from harness.errors import BadInput
 from harness.judge.guards import GuardResult, attached_guards, not_checkable
 from harness.judge.records import Verdict
-from harness.judge.verdicts import judge_case
+from harness.outcomes.attached import AttachedEvidence
+from harness.outcomes.outcome import Outcome
 from harness.preflight.attach import load_attach_file
 from harness.report.html import _guards
 from harness.report.text import format_failure, format_verdict_table
-from harness.serve.attached import AttachedEvidence
-from harness.serve.client import ChatResult
-from harness.serve.session import Outcome
 from harness.spec.attach import AttachSpec, attached_instances
 from harness.spec.connectors import KvRule
 from harness.spec.settings import ATTACH_PROXY, ProxyChoice
 from harness.spec.topology import Role, get_topology
+from harness.testing.builders import cached_answer
+from harness.testing.judging import judged
+
+pytestmark = pytest.mark.unit
 
 
 def write(tmp_path: Path, document: object, name: str = "attach.json") -> Path:
@@ -118,15 +120,11 @@ def test_a_yaml_error_names_the_file(tmp_path: Path) -> None:
 # -- guards ------------------------------------------------------------------------------------
 
 
-def answer(cached: int | None = None) -> ChatResult:
-    return ChatResult(tuple(range(89)), (1, 2), "", "length", cached_tokens=cached)
-
-
 def guards_of(topology: str, evidence: AttachedEvidence, **kw) -> dict[str, GuardResult]:
     guards = attached_guards(
         get_topology(topology),
         evidence,
-        kw.pop("result", answer()),
+        kw.pop("result", cached_answer(89, None)),
         32,
         kw.pop("rule", KvRule.BLOCK_ALIGNED_PREFIX),
         kw.pop("counters", None),
@@ -181,9 +179,9 @@ def test_text_only_requests_have_no_ec_guards() -> None:
 
 def test_kv_transfer_reads_the_answer_or_d_metrics_and_is_unchecked_without_them() -> None:
     evidence = AttachedEvidence(media_items=0)
-    held = guards_of("1P+1D", evidence, result=answer(cached=64))["kv_transfer"]
+    held = guards_of("1P+1D", evidence, result=cached_answer(89, 64))["kv_transfer"]
     assert held.ok and "client answer" in held.evidence
-    assert guards_of("1P+1D", evidence, result=answer(cached=0))["kv_transfer"].failed
+    assert guards_of("1P+1D", evidence, result=cached_answer(89, 0))["kv_transfer"].failed
     nixl = guards_of("1P+1D", evidence, rule=KvRule.WHOLE_PROMPT)["kv_transfer"]
     assert not nixl.checkable and "/metrics could not be read" in nixl.evidence
     counted = guards_of(
@@ -196,7 +194,7 @@ def test_kv_transfer_reads_the_answer_or_d_metrics_and_is_unchecked_without_them
 
 
 def outcome(error: str | None = None) -> Outcome:
-    return Outcome("image", result=None if error else answer(), error=error)
+    return Outcome("image", result=None if error else cached_answer(89, None), error=error)
 
 
 UNCHECKED = not_checkable("consumer_embeds", "no taps")
@@ -204,7 +202,7 @@ HELD = GuardResult("encoder_output", True, "1 media item(s); 1 EC file(s) writte
 
 
 def test_an_unchecked_guard_neither_holds_nor_fails_and_the_detail_names_it() -> None:
-    record = judge_case("1E+1PD", "baseline", outcome(), outcome(), [HELD, UNCHECKED])
+    record = judged("1E+1PD", "baseline", outcome(), outcome(), [HELD, UNCHECKED])
     assert record.verdict is Verdict.MATCH and record.policy_passed
     assert record.detail.endswith("; not checkable: consumer_embeds"), record.detail
     assert record.guards["consumer_embeds"] == {
@@ -215,18 +213,18 @@ def test_an_unchecked_guard_neither_holds_nor_fails_and_the_detail_names_it() ->
     assert record.failed_guards() == {}
     assert list(record.unchecked_guards()) == ["consumer_embeds"]
     broken = GuardResult("encoder_output", False, "0 EC file(s)")
-    vacuous = judge_case("1E+1PD", "baseline", outcome(), outcome(), [broken, UNCHECKED])
+    vacuous = judged("1E+1PD", "baseline", outcome(), outcome(), [broken, UNCHECKED])
     assert vacuous.verdict is Verdict.VACUOUS and "encoder_output" in vacuous.detail
 
 
 def test_the_verdict_table_and_the_failure_block_show_unchecked_guards() -> None:
-    record = judge_case("1E+1PD", "baseline", outcome(), outcome(), [HELD, UNCHECKED])
+    record = judged("1E+1PD", "baseline", outcome(), outcome(), [HELD, UNCHECKED])
     table = format_verdict_table([record, record])
     assert table.splitlines()[-1] == (
         "guards NOT CHECKED (no evidence where this run stands): consumer_embeds in 2 case(s)"
     )
     assert "NOT CHECKED" not in format_verdict_table(
-        [judge_case("1E+1PD", "baseline", outcome(), outcome(), [HELD])]
+        [judged("1E+1PD", "baseline", outcome(), outcome(), [HELD])]
     )
     assert "guard consumer_embeds not checkable: no taps" in format_failure(record)
     html = _guards(record.guards)
@@ -235,21 +233,20 @@ def test_the_verdict_table_and_the_failure_block_show_unchecked_guards() -> None
 
 def test_an_error_names_its_first_line_in_the_detail() -> None:
     error = "1E+1PD/pd0 (pd, http://h:2) is not serving: GET /health: connection refused\nmore"
-    record = judge_case("1E+1PD", "baseline", outcome(), outcome(error=error), [])
+    record = judged("1E+1PD", "baseline", outcome(), outcome(error=error), [])
     assert record.verdict is Verdict.ERROR
     assert record.detail == f"request failed: {error.splitlines()[0]}"
 
 
-def test_repro_refuses_a_bundle_of_an_attached_deployment(tmp_path: Path, capsys) -> None:
-    from harness.cli.main import main
-
+def test_repro_refuses_a_bundle_of_an_attached_deployment(tmp_path: Path, epd_cli) -> None:
     bundle = tmp_path / "run"
     bundle.mkdir()
     (bundle / "run.json").write_text(json.dumps({"proxy": {"kind": "attach"}}))
     (bundle / "requests.json").write_text("{}")
     (bundle / "summary.json").write_text('{"cases": []}')
-    assert main(["repro", str(bundle)]) == 2
-    assert capsys.readouterr().err == (
+    code, _, err = epd_cli("repro", bundle)
+    assert code == 2
+    assert err == (
         f"epd-harness: error: {bundle} judged an attached deployment, which repro cannot "
         "start; rerun 'epd-harness run --attach FILE' against it\n"
     )

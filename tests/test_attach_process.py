@@ -22,17 +22,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fake_vllm import install_fake_vllm
 
 from harness.judge.records import Verdict
+from harness.outcomes.chat import parse_chat_response
+from harness.outcomes.outcome import Outcome
 from harness.report.text import format_verdict_table
 from harness.run.baseline_cache import BaselineCache, baseline_key
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.attached import AttachedSession
-from harness.serve.client import parse_chat_response
 from harness.serve.launch import ManagedServer, ServerCommand, log_path_for
 from harness.serve.ports import reserve_ports
-from harness.serve.session import Outcome
 from harness.spec.attach import AttachSpec, attached_instances
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.spec.settings import ATTACH_PROXY, ProxyChoice, RunSettings, ServedVllm
@@ -180,8 +179,7 @@ class Deployment:
 
 
 @pytest.fixture
-def deployment(tmp_path: Path, monkeypatch) -> Iterator[Deployment]:
-    monkeypatch.setenv("EPD_HARNESS_PORT_DIR", str(tmp_path / "port-locks"))
+def deployment(tmp_path: Path, port_locks: Path) -> Iterator[Deployment]:
     fake = Deployment(tmp_path)
     try:
         fake.start()
@@ -283,13 +281,12 @@ def test_an_instance_down_before_the_run_is_an_error_naming_it(
 
 
 def test_an_instance_dying_while_the_proxy_holds_the_request_ends_it_within_seconds(
-    tmp_path: Path, monkeypatch
+    tmp_path: Path, port_locks: Path, monkeypatch
 ) -> None:
     """The proxy holds every request (as a proxy retrying a dead backend might); the pd is
     killed meanwhile: the request ends when two health checks in a row miss, not at the
     30 s request timeout."""
     monkeypatch.setenv(MODE_ENV, "proxy:hang")
-    monkeypatch.setenv("EPD_HARNESS_PORT_DIR", str(tmp_path / "port-locks"))
     fake = Deployment(tmp_path)
     try:
         fake.start()
@@ -316,7 +313,7 @@ def test_a_proxy_that_is_gone_is_named(tmp_path: Path, deployment: Deployment) -
 
 
 def test_keep_up_writes_an_attach_file_that_reaches_the_kept_up_topology(
-    tmp_path: Path, monkeypatch, caplog
+    tmp_path: Path, port_locks: Path, fake_vllm: Path, monkeypatch, caplog
 ) -> None:
     """`repro --keep-up` (harness.run.repro.keep_up) writes attach.json into its run directory:
     the proxy in front, each instance's own URL (not its tap's), the EC storage; an attached
@@ -324,12 +321,10 @@ def test_keep_up_writes_an_attach_file_that_reaches_the_kept_up_topology(
     from harness.preflight.attach import load_attach_file
     from harness.run import repro
 
-    monkeypatch.setenv("EPD_HARNESS_PORT_DIR", str(tmp_path / "port-locks"))
-    vllm = install_fake_vllm(tmp_path / "bin")
     settings = RunSettings(
         serving=ServingConfig(model=MODEL),
         run_dir=tmp_path / "repro",
-        vllm=ServedVllm(str(vllm), "unknown"),
+        vllm=ServedVllm(str(fake_vllm), "unknown"),
         startup_timeout_s=20.0,
     )
     sweep = Sweep(SweepSpec(topologies=(get_topology("1E+1PD"),), prompts=()), settings)
@@ -340,18 +335,21 @@ def test_keep_up_writes_an_attach_file_that_reaches_the_kept_up_topology(
         seen["spec"] = spec
         with AttachedSession(spec, settings) as session:
             seen["versions"] = session.versions  # opened: every instance answered /health
-        commands = sorted((settings.run_dir / "1E-1PD-kept-up").glob("*.cmd.json"))
+        commands = sorted((settings.run_dir / "1E-1PD").glob("*.cmd.json"))
         argvs = [json.loads(c.read_text())["argv"] for c in commands]
         seen["ports"] = [argv[argv.index("--port") + 1] for argv in argvs]
 
     monkeypatch.setattr(repro.signal, "pause", while_kept_up)
     with caplog.at_level("INFO", logger="harness"):
-        repro.keep_up(sweep, "1E+1PD")
+        try:
+            repro.keep_up(sweep, "1E+1PD")
+        finally:
+            sweep.pool.close()
     spec = seen["spec"]
     assert isinstance(spec, AttachSpec) and spec.topology.name == "1E+1PD"
     ports = [i.url.rsplit(":", 1)[1] for i in spec.instances]
     assert ports == seen["ports"], (ports, seen["ports"])  # the instances', not their taps'
-    assert spec.ec_storage == settings.run_dir / "1E-1PD-kept-up" / "storage" / "ec"
+    assert spec.ec_storage == settings.run_dir / "1E-1PD" / "storage" / "ec"
     assert seen["versions"] == {"1E+1PD/encoder0": "unknown", "1E+1PD/pd0": "unknown"}
     attach_file = settings.run_dir / "attach.json"
     assert f"attach file: {attach_file} (judge it: epd-harness run --attach" in caplog.text

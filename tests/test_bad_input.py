@@ -1,8 +1,8 @@
 """Bad input ends the CLI with exit code 2 and exactly one line, `epd-harness: error: <cause>`.
 
-Each test runs `main([...])` in-process and reads stderr. None may start a real server: every
-run passes `--vllm` pointing at REFUSING_VLLM, a script that only exits, so a check that
-wrongly lets a run through fails on that script's message instead of costing a vLLM start.
+Each test runs the CLI in-process (`epd_cli`) and reads stderr. None may start a real server:
+every run passes `--vllm` pointing at a fake vLLM that refuses to serve (it only exits), so a
+check that wrongly lets a run through fails on its message instead of costing a vLLM start.
 Run with `-s` to see each error line as users see it (docs/bad-input.md is made from that).
 """
 
@@ -20,10 +20,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from harness.fixtures.tiny_model import model_digest
 
+from fixtures.tiny_model import model_digest
 from harness import environment
-from harness.cli.main import main
 from harness.environment import cache_dir
 from harness.errors import BadInput
 from harness.preflight import files, names, resources, tokens
@@ -33,26 +32,19 @@ from harness.run.baseline_cache import baseline_key
 from harness.spec.connectors import get_ec_connector
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.spec.topology import ServingConfig
+from harness.testing.cli import run_argv
+from harness.testing.fake_vllm import install_fake_vllm
 
 pytestmark = pytest.mark.model
 
-REFUSING_VLLM = (
-    "import sys\n"
-    "print('refusing-vllm: a bad-input test got as far as starting a server', file=sys.stderr)\n"
-    "sys.exit(2)\n"
-)
 KNOWN_TOPOLOGIES = "baseline, 1E+1PD, 1P+1D, 1E+1P+1D, 2E+1PD"
-RunCli = Callable[..., tuple[int, str]]
+BadRun = Callable[..., tuple[int, str]]
 
 
 @pytest.fixture
 def vllm(tmp_path: Path) -> Path:
     """A `vllm` that passes the version check (it runs on this venv's Python), never serves."""
-    path = tmp_path / "bin" / "vllm"
-    path.parent.mkdir()
-    path.write_text(f"#!{sys.executable}\n{REFUSING_VLLM}")
-    path.chmod(0o755)
-    return path
+    return install_fake_vllm(tmp_path / "bin", serves=False)
 
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bad-input.md"
@@ -103,26 +95,12 @@ def as_users_see(text: str, tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def run_cli(tmp_path: Path, vllm: Path, capsys, monkeypatch) -> RunCli:
+def bad_run(tmp_path: Path, vllm: Path, epd_cli, port_locks: Path, monkeypatch) -> BadRun:
     """`epd-harness run ARGS` with a safe vllm, run dir and port lock dir: (exit code, stderr)."""
-    monkeypatch.setenv("EPD_HARNESS_PORT_DIR", str(tmp_path / "port-locks"))
     monkeypatch.delenv(environment.PORT_RANGE_ENV, raising=False)
 
     def run(*args: str, run_dir: Path | None = None) -> tuple[int, str]:
-        run_dir = run_dir or tmp_path / "run"
-        code = main(
-            [
-                "run",
-                "--vllm",
-                str(vllm),
-                "--baseline-cache",
-                "off",
-                "--run-dir",
-                str(run_dir),
-                *args,
-            ]
-        )
-        err = capsys.readouterr().err
+        code, _, err = epd_cli(*run_argv(vllm, run_dir or tmp_path / "run", *args))
         LAST_ARGS["args"] = as_users_see(" ".join(args) or "(defaults)", tmp_path)
         LAST_ARGS["tmp"] = str(tmp_path)
         return code, err
@@ -158,19 +136,19 @@ def real_stdout() -> Iterator[None]:
 # -- names ------------------------------------------------------------------------------------
 
 
-def test_unknown_topology(run_cli: RunCli) -> None:
-    code, err = run_cli("--topology", "1E+1PD,9E")
+def test_unknown_topology(bad_run: BadRun) -> None:
+    code, err = bad_run("--topology", "1E+1PD,9E")
     assert_one_error_line(code, err, f"unknown topology '9E' (known: {KNOWN_TOPOLOGIES})")
 
 
-def test_unknown_prompt(run_cli: RunCli) -> None:
-    code, err = run_cli("--prompt", "image,nope")
+def test_unknown_prompt(bad_run: BadRun) -> None:
+    code, err = bad_run("--prompt", "image,nope")
     cause = "unknown prompt 'nope' (known: text, image, two_images, video)"
     assert_one_error_line(code, err, cause)
 
 
-def test_usage_errors_are_one_line_too(run_cli: RunCli) -> None:
-    code, err = run_cli("--max-model-len", "many")
+def test_usage_errors_are_one_line_too(bad_run: BadRun) -> None:
+    code, err = bad_run("--max-model-len", "many")
     cause = "argument --max-model-len: invalid int value: 'many' (see 'epd-harness run --help')"
     assert_one_error_line(code, err, cause)
 
@@ -221,22 +199,22 @@ REPEATED = '[{"topology": "1P+1D", "prompt": "text"}, {"topology": "1P+1D", "pro
     ],
 )
 def test_malformed_cases_file(
-    run_cli: RunCli, tmp_path: Path, name: str, text: str, cause: str
+    bad_run: BadRun, tmp_path: Path, name: str, text: str, cause: str
 ) -> None:
     path = tmp_path / name
     path.write_text(text)
-    code, err = run_cli("--cases-file", str(path))
+    code, err = bad_run("--cases-file", str(path))
     assert_one_error_line(code, err, f"cases file {path}: {cause}")
 
 
-def test_missing_cases_file(run_cli: RunCli, tmp_path: Path) -> None:
+def test_missing_cases_file(bad_run: BadRun, tmp_path: Path) -> None:
     path = tmp_path / "nowhere.json"
-    code, err = run_cli("--cases-file", str(path))
+    code, err = bad_run("--cases-file", str(path))
     assert_one_error_line(code, err, f"cases file {path}: no such file or directory: {path}")
 
 
-def test_cases_file_with_topology_flag(run_cli: RunCli, tmp_path: Path) -> None:
-    code, err = run_cli("--cases-file", str(tmp_path / "s.json"), "--topology", "1P+1D")
+def test_cases_file_with_topology_flag(bad_run: BadRun, tmp_path: Path) -> None:
+    code, err = bad_run("--cases-file", str(tmp_path / "s.json"), "--topology", "1P+1D")
     cause = "--cases-file names the cases itself; drop --topology and --prompt"
     assert_one_error_line(code, err, cause)
 
@@ -365,24 +343,24 @@ MALFORMED_ATTACH_FILES = [
     "name,document,cause", MALFORMED_ATTACH_FILES, ids=[c[0] for c in MALFORMED_ATTACH_FILES]
 )
 def test_malformed_attach_file(
-    run_cli: RunCli, tmp_path: Path, name: str, document: object, cause: str
+    bad_run: BadRun, tmp_path: Path, name: str, document: object, cause: str
 ) -> None:
     path = tmp_path / name
     path.write_text(json.dumps(document))
-    code, err = run_cli("--attach", str(path))
+    code, err = bad_run("--attach", str(path))
     assert_one_error_line(code, err, f"attach file {path}: {cause}")
 
 
-def test_attach_file_missing(run_cli: RunCli, tmp_path: Path) -> None:
+def test_attach_file_missing(bad_run: BadRun, tmp_path: Path) -> None:
     path = tmp_path / "nowhere.json"
-    code, err = run_cli("--attach", str(path))
+    code, err = bad_run("--attach", str(path))
     assert_one_error_line(code, err, f"attach file {path}: no such file or directory: {path}")
 
 
-def test_attach_file_ec_storage_not_here(run_cli: RunCli, tmp_path: Path) -> None:
+def test_attach_file_ec_storage_not_here(bad_run: BadRun, tmp_path: Path) -> None:
     path = tmp_path / "attach.json"
     path.write_text(json.dumps({**GOOD_ATTACH, "ec_storage": "/mnt/nowhere"}))
-    code, err = run_cli("--attach", str(path))
+    code, err = bad_run("--attach", str(path))
     cause = (
         f"attach file {path}: 'ec_storage' /mnt/nowhere is not a directory on this machine "
         "(drop the field if the storage is not reachable from here: its guard is then not "
@@ -391,17 +369,28 @@ def test_attach_file_ec_storage_not_here(run_cli: RunCli, tmp_path: Path) -> Non
     assert_one_error_line(code, err, cause)
 
 
-def test_proxy_attach_without_a_file(run_cli: RunCli) -> None:
-    code, err = run_cli("--proxy", "attach")
+def test_proxy_attach_without_a_file(bad_run: BadRun) -> None:
+    code, err = bad_run("--proxy", "attach")
     cause = "--proxy attach judges a running deployment: name it with --attach FILE"
     assert_one_error_line(code, err, cause)
 
 
-def test_attach_with_another_proxy(run_cli: RunCli, attach_file: Path) -> None:
-    code, err = run_cli("--attach", str(attach_file), "--proxy", "vllm")
+def test_attach_with_another_proxy(bad_run: BadRun, attach_file: Path) -> None:
+    code, err = bad_run("--attach", str(attach_file), "--proxy", "vllm")
     cause = (
         "--attach judges a running deployment through its own proxy; drop --proxy vllm "
         "(or --attach)"
+    )
+    assert_one_error_line(code, err, cause)
+
+
+def test_fault_that_reaches_nothing_in_a_named_topology(bad_run: BadRun) -> None:
+    """An EC fault on 1P+1D (no encoder) would plant nothing there: refused, naming it, before
+    anything starts (it once crashed the sweep with a traceback)."""
+    code, err = bad_run("--plant-fault", "ec-noise:0.05", "--topology", "1E+1PD,1P+1D")
+    cause = (
+        "--plant-fault ec-noise:0.05: 1P+1D has no encoder for it to act on; leave it out "
+        "with --topology"
     )
     assert_one_error_line(code, err, cause)
 
@@ -434,9 +423,9 @@ IGNORED_BY_ATTACH = [
     "flags,cause", IGNORED_BY_ATTACH, ids=[" ".join(c[0]) for c in IGNORED_BY_ATTACH]
 )
 def test_flags_attach_mode_would_ignore(
-    run_cli: RunCli, attach_file: Path, flags: tuple[str, ...], cause: str
+    bad_run: BadRun, attach_file: Path, flags: tuple[str, ...], cause: str
 ) -> None:
-    code, err = run_cli("--attach", str(attach_file), *flags)
+    code, err = bad_run("--attach", str(attach_file), *flags)
     assert_one_error_line(code, err, cause)
 
 
@@ -454,14 +443,14 @@ RAY_FLAGS_WITHOUT_RAY = [
     "flags,cause", RAY_FLAGS_WITHOUT_RAY, ids=[c[0][0] for c in RAY_FLAGS_WITHOUT_RAY]
 )
 def test_ray_flags_without_the_ray_launcher(
-    run_cli: RunCli, flags: tuple[str, ...], cause: str
+    bad_run: BadRun, flags: tuple[str, ...], cause: str
 ) -> None:
-    code, err = run_cli(*flags)
+    code, err = bad_run(*flags)
     assert_one_error_line(code, err, cause)
 
 
-def test_ray_launcher_with_attach(run_cli: RunCli, attach_file: Path) -> None:
-    code, err = run_cli("--launcher", "ray", "--attach", str(attach_file))
+def test_ray_launcher_with_attach(bad_run: BadRun, attach_file: Path) -> None:
+    code, err = bad_run("--launcher", "ray", "--attach", str(attach_file))
     cause = (
         "--launcher ray launches the topology on a Ray cluster, and --attach judges one "
         "somebody else launched; drop one of them"
@@ -469,64 +458,64 @@ def test_ray_launcher_with_attach(run_cli: RunCli, attach_file: Path) -> None:
     assert_one_error_line(code, err, cause)
 
 
-def test_ray_instance_env_malformed(run_cli: RunCli) -> None:
-    code, err = run_cli("--launcher", "ray", "--ray-instance-env", "no-equals-sign")
+def test_ray_instance_env_malformed(bad_run: BadRun) -> None:
+    code, err = bad_run("--launcher", "ray", "--ray-instance-env", "no-equals-sign")
     assert_one_error_line(code, err, "--ray-instance-env 'no-equals-sign': expected NAME=VALUE")
 
 
-def test_ray_address_malformed(run_cli: RunCli) -> None:
-    code, err = run_cli("--launcher", "ray", "--ray-address", "head-node")
+def test_ray_address_malformed(bad_run: BadRun) -> None:
+    code, err = bad_run("--launcher", "ray", "--ray-address", "head-node")
     assert_one_error_line(
         code, err, "--ray-address 'head-node': expected HOST:PORT of the cluster's head"
     )
 
 
-def test_ray_shared_dir_missing(run_cli: RunCli, tmp_path: Path) -> None:
-    code, err = run_cli("--launcher", "ray", "--ray-shared-dir", str(tmp_path / "nfs"))
+def test_ray_shared_dir_missing(bad_run: BadRun, tmp_path: Path) -> None:
+    code, err = bad_run("--launcher", "ray", "--ray-shared-dir", str(tmp_path / "nfs"))
     assert_one_error_line(code, err, f"--ray-shared-dir {tmp_path / 'nfs'}: not a directory")
 
 
 # -- the model ----------------------------------------------------------------------------------
 
 
-def test_model_directory_missing(run_cli: RunCli, tmp_path: Path) -> None:
-    code, err = run_cli("--model", str(tmp_path / "no-model"))
+def test_model_directory_missing(bad_run: BadRun, tmp_path: Path) -> None:
+    code, err = bad_run("--model", str(tmp_path / "no-model"))
     assert_one_error_line(code, err, f"model directory {tmp_path / 'no-model'} does not exist")
 
 
-def test_model_directory_without_config(run_cli: RunCli, tmp_path: Path) -> None:
+def test_model_directory_without_config(bad_run: BadRun, tmp_path: Path) -> None:
     model = tmp_path / "empty-model"
     model.mkdir()
-    code, err = run_cli("--model", str(model))
+    code, err = bad_run("--model", str(model))
     cause = f"model directory {model} has no config.json (is it a Hugging Face checkpoint?)"
     assert_one_error_line(code, err, cause)
 
 
-def test_model_config_not_json(run_cli: RunCli, tmp_path: Path) -> None:
+def test_model_config_not_json(bad_run: BadRun, tmp_path: Path) -> None:
     model = tmp_path / "broken-model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "qwen2_5_vl",')
-    code, err = run_cli("--model", str(model))
+    code, err = bad_run("--model", str(model))
     json_error = "line 1 column 29: Expecting property name enclosed in double quotes"
     cause = f"model directory {model}: config.json is not valid JSON ({json_error})"
     assert_one_error_line(code, err, cause)
 
 
-def test_model_is_a_file(run_cli: RunCli, tmp_path: Path) -> None:
+def test_model_is_a_file(bad_run: BadRun, tmp_path: Path) -> None:
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"\0")
-    code, err = run_cli("--model", str(weights))
+    code, err = bad_run("--model", str(weights))
     cause = f"model {weights} is not a directory (pass a checkpoint directory)"
     assert_one_error_line(code, err, cause)
 
 
 def test_max_model_len_too_small_for_the_video(
-    run_cli: RunCli, tmp_path: Path, monkeypatch
+    bad_run: BadRun, tmp_path: Path, monkeypatch
 ) -> None:
     """Counted with the model's processor (bypassing the count cache) before any server starts;
     vLLM reports the same 379 prompt tokens for this video."""
     monkeypatch.setattr(tokens, "_cached_count", lambda cache_dir, key: None)
-    code, err = run_cli("--prompt", "text,video", "--max-model-len", "64")
+    code, err = bad_run("--prompt", "text,video", "--max-model-len", "64")
     cause = (
         "--max-model-len 64 is too small for prompt 'video' (and 1 more prompt(s)): it has 379 "
         "prompt tokens (counted with the model's processor) + 32 to generate = 411"
@@ -535,8 +524,8 @@ def test_max_model_len_too_small_for_the_video(
     assert not (tmp_path / "run" / "requests.json").exists(), "the check must precede the run"
 
 
-def test_max_model_len_beyond_the_model(run_cli: RunCli) -> None:
-    code, err = run_cli("--max-model-len", "1000000")
+def test_max_model_len_beyond_the_model(bad_run: BadRun) -> None:
+    code, err = bad_run("--max-model-len", "1000000")
     cause = (
         "--max-model-len 1000000 exceeds the model's own limit of 32768 tokens "
         "(max_position_embeddings)"
@@ -547,30 +536,20 @@ def test_max_model_len_beyond_the_model(run_cli: RunCli) -> None:
 # -- vLLM ---------------------------------------------------------------------------------------
 
 
-def test_vllm_missing(run_cli: RunCli) -> None:
-    code, err = run_cli("--vllm", "/nonexistent/vllm")
+def test_vllm_missing(bad_run: BadRun) -> None:
+    code, err = bad_run("--vllm", "/nonexistent/vllm")
     cause = "vLLM executable /nonexistent/vllm not found (pass --vllm PATH)"
     assert_one_error_line(code, err, cause)
 
 
 def fake_vllm_of_version(tmp_path: Path, version: str) -> Path:
     """A vllm whose interpreter finds a `vllm` distribution of `version` first on its path."""
-    site = tmp_path / f"site-{version}"
-    dist_info = site / f"vllm-{version}.dist-info"
-    dist_info.mkdir(parents=True)
-    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
-    interpreter = tmp_path / f"python-{version}"
-    interpreter.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
-    interpreter.chmod(0o755)
-    vllm = tmp_path / f"vllm-{version}"
-    vllm.write_text(f"#!{interpreter}\n{REFUSING_VLLM}")
-    vllm.chmod(0o755)
-    return vllm
+    return install_fake_vllm(tmp_path, serves=False, vllm_version=version, name=f"vllm-{version}")
 
 
-def test_vllm_older_than_every_protocol_generation(run_cli: RunCli, tmp_path: Path) -> None:
+def test_vllm_older_than_every_protocol_generation(bad_run: BadRun, tmp_path: Path) -> None:
     vllm = fake_vllm_of_version(tmp_path, "0.26.0")
-    code, err = run_cli("--vllm", str(vllm))
+    code, err = bad_run("--vllm", str(vllm))
     cause = (
         f"vLLM 0.26.0 ({vllm}) is untested: epd-harness speaks the EPD protocol of 0.27.0 "
         "and newer; pass --allow-untested-vllm to run anyway"
@@ -579,33 +558,68 @@ def test_vllm_older_than_every_protocol_generation(run_cli: RunCli, tmp_path: Pa
 
 
 def test_vllm_of_an_older_generation_passes_the_gate(
-    run_cli: RunCli, tmp_path: Path, monkeypatch
+    bad_run: BadRun, tmp_path: Path, monkeypatch
 ) -> None:
     """0.30 speaks a known generation: the version check passes; the held port is next."""
     vllm = fake_vllm_of_version(tmp_path, "0.30.0")
     with held_port() as port:
         monkeypatch.setenv(environment.PORT_RANGE_ENV, f"{port}-{port}")
-        code, err = run_cli("--vllm", str(vllm), "--topology", "1E+1PD")
+        code, err = bad_run("--vllm", str(vllm), "--topology", "1E+1PD")
     assert code == 2 and "no free port" in err and "is untested" not in err, err
 
 
-def test_unknown_protocol_name_is_refused(run_cli: RunCli) -> None:
-    code, err = run_cli("--protocol", "by-magic")
+def test_unknown_protocol_name_is_refused(bad_run: BadRun) -> None:
+    code, err = bad_run("--protocol", "by-magic")
     assert code == 2 and "--protocol" in err and "by-magic" in err, err
 
 
-def test_untested_vllm_is_allowed_on_request(run_cli: RunCli, tmp_path: Path, monkeypatch) -> None:
+def test_untested_vllm_is_allowed_on_request(bad_run: BadRun, tmp_path: Path, monkeypatch) -> None:
     """With the override the version check passes; the (held) port range is the next error."""
     vllm = fake_vllm_of_version(tmp_path, "0.26.0")
     with held_port() as port:
         monkeypatch.setenv(environment.PORT_RANGE_ENV, f"{port}-{port}")
-        code, err = run_cli("--vllm", str(vllm), "--allow-untested-vllm", "--topology", "1E+1PD")
+        code, err = bad_run("--vllm", str(vllm), "--allow-untested-vllm", "--topology", "1E+1PD")
     assert code == 2 and "no free port" in err and "is untested" not in err, err
 
 
 def test_supported_version_with_a_local_suffix_passes() -> None:
     version = check_vllm(str(Path(sys.executable).parent / "vllm"), False).version
     assert version.startswith("0.32."), version
+
+
+def test_vllm_dev_build_without_its_source_tree(bad_run: BadRun, tmp_path: Path) -> None:
+    vllm = fake_vllm_of_version(tmp_path, "0.33.0.dev12+gabc1234")
+    code, err = bad_run("--vllm", str(vllm), "--proxy", "vllm")
+    cause = (
+        "vLLM 0.33.0.dev12+gabc1234 is a development build: its EPD proxy and scripts come "
+        "from its own source tree, not a release's sdist; pass --vllm-source DIR (pytest: "
+        "--epd-vllm-source DIR) (a checkout of abc1234)"
+    )
+    assert_one_error_line(code, err, cause)
+
+
+def test_vllm_parser_refuses_a_rendered_flag(bad_run: BadRun, monkeypatch) -> None:
+    """The served vLLM's own parser judges every command line before any server starts."""
+    from harness.spec import instances
+
+    monkeypatch.setattr(
+        instances, "ENCODER_ARGS", (*instances.ENCODER_ARGS, "--encoder-cache-turbo")
+    )
+    code, err = bad_run("--topology", "1E+1PD", "--prompt", "text")
+    cause = (
+        "1E+1PD/encoder0: the served vLLM's own parser refuses its command line: "
+        "unrecognized arguments: --encoder-cache-turbo"
+    )
+    assert_one_error_line(code, err, cause)
+
+
+def test_no_enforce_eager_on_cpu(bad_run: BadRun) -> None:
+    code, err = bad_run("--no-enforce-eager")
+    cause = (
+        "--no-enforce-eager lets vLLM capture GPU graphs; on cpu there are none to capture and "
+        "the harness's CPU runs are eager by design: drop --no-enforce-eager"
+    )
+    assert_one_error_line(code, err, cause)
 
 
 # -- devices, host, ports -----------------------------------------------------------------------
@@ -620,15 +634,15 @@ def test_supported_version_with_a_local_suffix_passes() -> None:
         ("0,,1", "--devices: empty entry in device list '0,,1'"),
     ],
 )
-def test_invalid_device_list(run_cli: RunCli, devices: str, cause: str) -> None:
-    code, err = run_cli(f"--devices={devices}")
+def test_invalid_device_list(bad_run: BadRun, devices: str, cause: str) -> None:
+    code, err = bad_run(f"--devices={devices}")
     assert_one_error_line(code, err, cause)
 
 
-def test_device_this_process_may_not_use(run_cli: RunCli) -> None:
+def test_device_this_process_may_not_use(bad_run: BadRun) -> None:
     available = resources.available_cpu_cores()
     missing = max(available) + 1
-    code, err = run_cli("--devices", f"{available[0]},{missing}")
+    code, err = bad_run("--devices", f"{available[0]},{missing}")
     cause = (
         f"--devices {available[0]},{missing}: core {missing} is not available to this process "
         f"(available: {resources._ranges(available)})"
@@ -637,24 +651,24 @@ def test_device_this_process_may_not_use(run_cli: RunCli) -> None:
 
 
 @pytest.mark.parametrize("flags", [("--host", "0.0.0.0"), ("--allow-non-loopback",)])
-def test_host_flags_are_gone_not_ignored(run_cli: RunCli, flags: tuple[str, ...]) -> None:
+def test_host_flags_are_gone_not_ignored(bad_run: BadRun, flags: tuple[str, ...]) -> None:
     """Every server and the proxy bind 127.0.0.1 (harness.environment.LOOPBACK_HOST); a flag
     that suggested otherwise could only ever fail, so it no longer exists."""
-    code, err = run_cli(*flags)
+    code, err = bad_run(*flags)
     assert_one_error_line(
         code, err, f"unrecognized arguments: {' '.join(flags)} (see 'epd-harness --help')"
     )
 
 
-def test_unknown_kv_connector(run_cli: RunCli) -> None:
-    code, err = run_cli("--kv-connector", "mooncake")
+def test_unknown_kv_connector(bad_run: BadRun) -> None:
+    code, err = bad_run("--kv-connector", "mooncake")
     cause = "unknown KV connector 'mooncake' (known: example, nixl)"
     assert_one_error_line(code, err, cause)
 
 
-def test_kv_connector_without_a_decode_instance(run_cli: RunCli) -> None:
+def test_kv_connector_without_a_decode_instance(bad_run: BadRun) -> None:
     """1E+1PD moves no KV: a --kv-connector there would be ignored, so it is refused."""
-    code, err = run_cli("--kv-connector", "nixl", "--topology", "1E+1PD")
+    code, err = bad_run("--kv-connector", "nixl", "--topology", "1E+1PD")
     cause = (
         "--kv-connector moves KV from P to D, and none of 1E+1PD has a D; drop it or add "
         "a P->D topology (1P+1D, 1E+1P+1D)"
@@ -662,15 +676,15 @@ def test_kv_connector_without_a_decode_instance(run_cli: RunCli) -> None:
     assert_one_error_line(code, err, cause)
 
 
-def test_unknown_ec_connector(run_cli: RunCli) -> None:
-    code, err = run_cli("--ec-connector", "shm")
+def test_unknown_ec_connector(bad_run: BadRun) -> None:
+    code, err = bad_run("--ec-connector", "shm")
     cause = "unknown EC connector 'shm' (known: example, cpu, mooncake)"
     assert_one_error_line(code, err, cause)
 
 
-def test_ec_connector_without_an_encoder(run_cli: RunCli) -> None:
+def test_ec_connector_without_an_encoder(bad_run: BadRun) -> None:
     """1P+1D has no E: an --ec-connector there would be ignored, so it is refused."""
-    code, err = run_cli("--ec-connector", "example", "--topology", "1P+1D")
+    code, err = bad_run("--ec-connector", "example", "--topology", "1P+1D")
     cause = (
         "--ec-connector moves embeddings from E to its consumer, and none of 1P+1D has an E; "
         "drop it or add a topology with an encoder (1E+1PD, 1E+1P+1D)"
@@ -687,11 +701,11 @@ def test_ec_connector_without_an_encoder(run_cli: RunCli) -> None:
     ids=["cpu", "mooncake"],
 )
 def test_ec_connector_that_cannot_run_here(
-    run_cli: RunCli, name: str, vllm_class: str, cause: str
+    bad_run: BadRun, name: str, vllm_class: str, cause: str
 ) -> None:
     """Known to vLLM 0.32, tried here, and blocked below any setting: refused with the cause
     that was measured, never started (and never reported as unknown)."""
-    code, err = run_cli("--ec-connector", name, "--topology", "1E+1PD")
+    code, err = bad_run("--ec-connector", name, "--topology", "1E+1PD")
     connector = get_ec_connector(name)
     assert connector.vllm_class == vllm_class and cause in (connector.cannot_run_because or "")
     expected = (
@@ -711,10 +725,10 @@ def held_port() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
-def test_no_free_port(run_cli: RunCli, tmp_path: Path, monkeypatch) -> None:
+def test_no_free_port(bad_run: BadRun, tmp_path: Path, monkeypatch) -> None:
     with held_port() as port:
         monkeypatch.setenv(environment.PORT_RANGE_ENV, f"{port}-{port}")
-        code, err = run_cli("--topology", "1E+1P+1D")
+        code, err = bad_run("--topology", "1E+1P+1D")
     cause = (
         f"no free port: found only 0 of 3 free ports on 127.0.0.1 in ports {port}-{port} "
         f"(scanned from {port}): 0 locked by other harness leases under "
@@ -723,9 +737,9 @@ def test_no_free_port(run_cli: RunCli, tmp_path: Path, monkeypatch) -> None:
     assert_one_error_line(code, err, cause)
 
 
-def test_malformed_port_range(run_cli: RunCli, monkeypatch) -> None:
+def test_malformed_port_range(bad_run: BadRun, monkeypatch) -> None:
     monkeypatch.setenv(environment.PORT_RANGE_ENV, "24000:24100")
-    code, err = run_cli()
+    code, err = bad_run()
     cause = "EPD_HARNESS_PORT_RANGE='24000:24100': expected LOW-HIGH, e.g. 24000-24099"
     assert_one_error_line(code, err, cause)
 
@@ -733,8 +747,8 @@ def test_malformed_port_range(run_cli: RunCli, monkeypatch) -> None:
 # -- files: media, run directory, disk space, baseline cache ------------------------------------
 
 
-def test_media_dir_missing(run_cli: RunCli, tmp_path: Path) -> None:
-    code, err = run_cli("--media-dir", str(tmp_path / "media"))
+def test_media_dir_missing(bad_run: BadRun, tmp_path: Path) -> None:
+    code, err = bad_run("--media-dir", str(tmp_path / "media"))
     assert_one_error_line(code, err, f"media directory {tmp_path / 'media'} does not exist")
 
 
@@ -753,11 +767,11 @@ def test_media_file_referenced_but_missing(tmp_path: Path) -> None:
     assert str(outside.value) == expected
 
 
-def test_run_dir_under_a_regular_file(run_cli: RunCli, tmp_path: Path) -> None:
+def test_run_dir_under_a_regular_file(bad_run: BadRun, tmp_path: Path) -> None:
     """Root ignores chmod, so 'not writable' is made with a path through a regular file."""
     (tmp_path / "a-file").write_text("")
     run_dir = tmp_path / "a-file" / "run"
-    code, err = run_cli(run_dir=run_dir)
+    code, err = bad_run(run_dir=run_dir)
     cause = (
         f"run directory {run_dir} (logs, EC and KV storage) is not writable: "
         f"not a directory: {run_dir}"
@@ -765,8 +779,8 @@ def test_run_dir_under_a_regular_file(run_cli: RunCli, tmp_path: Path) -> None:
     assert_one_error_line(code, err, cause)
 
 
-def test_run_dir_in_proc(run_cli: RunCli) -> None:
-    code, err = run_cli(run_dir=Path("/proc/epd-harness-run"))
+def test_run_dir_in_proc(bad_run: BadRun) -> None:
+    code, err = bad_run(run_dir=Path("/proc/epd-harness-run"))
     cause = (
         "run directory /proc/epd-harness-run (logs, EC and KV storage) is not writable: "
         "no such file or directory: /proc/epd-harness-run"
@@ -792,7 +806,7 @@ def tiny_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", str(mount_point)], check=True)
 
 
-def test_disk_full_during_the_run(run_cli: RunCli, tmp_path: Path) -> None:
+def test_disk_full_during_the_run(bad_run: BadRun, tmp_path: Path) -> None:
     """A 64 KiB tmpfs: the write probe fits, requests.json (66 KB, all prompts) does not.
 
     What was written stays (the run directory), and no half file is left: artifacts are
@@ -800,7 +814,7 @@ def test_disk_full_during_the_run(run_cli: RunCli, tmp_path: Path) -> None:
     """
     with tiny_tmpfs(tmp_path / "tiny", "64k") as tiny:
         run_dir = tiny / "run"
-        code, err = run_cli(run_dir=run_dir)
+        code, err = bad_run(run_dir=run_dir)
         kept = {p.name: p.stat().st_size for p in run_dir.iterdir()}
     # The atomic writer names the target (a failed write() alone carries no file name).
     cause = f"no space left on device: {run_dir / 'requests.json'}"
@@ -808,10 +822,10 @@ def test_disk_full_during_the_run(run_cli: RunCli, tmp_path: Path) -> None:
     assert kept == {}, f"no half-written file (nor its temporary) may stay: {kept}"
 
 
-def test_disk_full_at_the_write_probe(run_cli: RunCli, tmp_path: Path) -> None:
+def test_disk_full_at_the_write_probe(bad_run: BadRun, tmp_path: Path) -> None:
     with tiny_tmpfs(tmp_path / "full", "4k") as full:
         (full / "ballast").write_bytes(b"\0" * 4096)
-        code, err = run_cli(run_dir=full / "run")
+        code, err = bad_run(run_dir=full / "run")
     probe = full / "run" / f".epd-harness-write-probe-{os.getpid()}"
     cause = (
         f"run directory {full / 'run'} (logs, EC and KV storage) is not writable: "
@@ -835,16 +849,16 @@ def text_prompt_cache_entry(cache: Path) -> Path:
     [
         ('{"format": 3, "result": ', "Expecting value: line 1 column 25 (char 24)"),
         ("[]", "expected a JSON object, found list"),
-        ('{"format": 0, "result": {}}', "format 0, expected 3"),
+        ('{"format": 0, "result": {}}', "format 0, expected 4"),
     ],
 )
 def test_corrupt_baseline_cache_entry(
-    run_cli: RunCli, tmp_path: Path, text: str, cause: str
+    bad_run: BadRun, tmp_path: Path, text: str, cause: str
 ) -> None:
     """The entry this very run would read is garbage: refused before any server starts."""
     entry = text_prompt_cache_entry(tmp_path / "baseline-cache")
     entry.write_text(text)
-    code, err = run_cli(
+    code, err = bad_run(
         "--prompt",
         "text",
         "--topology",
@@ -858,10 +872,10 @@ def test_corrupt_baseline_cache_entry(
     assert {"run.json", "requests.json"} <= set(kept), f"artifacts written so far: {kept}"
 
 
-def test_baseline_cache_that_is_a_file(run_cli: RunCli, tmp_path: Path) -> None:
+def test_baseline_cache_that_is_a_file(bad_run: BadRun, tmp_path: Path) -> None:
     cache = tmp_path / "cache-file"
     cache.write_text("")
-    code, err = run_cli("--baseline-cache", str(cache))
+    code, err = bad_run("--baseline-cache", str(cache))
     cause = f"baseline cache {cache} is not a directory (pass a directory or 'off')"
     assert_one_error_line(code, err, cause)
 

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from harness.outcomes.chat import ChatResult, PositionLogprobs
+from harness.outcomes.outcome import Outcome
 from harness.run.baseline_cache import BaselineCache, BaselineCacheError, baseline_key
-from harness.serve.client import ChatResult, PositionLogprobs
-from harness.serve.session import Outcome
 from harness.spec.settings import ServedVllm
 from harness.spec.topology import ServingConfig
+
+pytestmark = pytest.mark.unit
 
 SERVING = ServingConfig(model="/models/tiny")
 SERVED = ServedVllm("/venv/bin/vllm", "0.32.0+cpu", "2.13.0+cpu")

@@ -9,11 +9,12 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from harness.fixtures.tiny_model import model_digest
 
+from fixtures.tiny_model import model_digest
 from harness.judge.compare import Verdict
 from harness.judge.guards import GuardResult
-from harness.judge.verdicts import judge_case
+from harness.outcomes.chat import ChatResult
+from harness.outcomes.outcome import Outcome
 from harness.report.bundle import (
     REDACTED,
     cpu_description,
@@ -26,11 +27,13 @@ from harness.report.bundle import (
 )
 from harness.report.html import render_report_html
 from harness.report.text import CaseRecord, format_failure
-from harness.serve.client import ChatResult, PositionLogprobs
-from harness.serve.session import Outcome
 from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.settings import LauncherChoice, RunSettings, ServedVllm
 from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.testing.builders import chat
+from harness.testing.judging import judged
+
+pytestmark = pytest.mark.unit
 
 SECRET = "secret123"
 ENV_SECRET = "env-secret-987"
@@ -38,17 +41,11 @@ DIVERGENCE = 7
 HOSTILE_TEXT = "<script>alert('pwned')</script>"
 
 
-def chat(token_ids: list[int], text: str = "") -> ChatResult:
+def answer(token_ids: list[int], text: str = "") -> ChatResult:
     """A result whose top-5 at every position is the generated id and four unrelated ids."""
-    return ChatResult(
-        prompt_token_ids=(1, 2, 3, 4),
-        token_ids=tuple(token_ids),
-        text=text,
-        finish_reason="length",
-        logprobs=tuple(
-            PositionLogprobs(tid, -0.5, ((tid, -0.5), *((900 + k, -3.0 - k) for k in range(4))))
-            for tid in token_ids
-        ),
+    unrelated = [(900 + k, -3.0 - k) for k in range(4)]
+    return chat(
+        token_ids, prompt_ids=(1, 2, 3, 4), text=text, top=lambda _, t: [(t, -0.5), *unrelated]
     )
 
 
@@ -59,25 +56,25 @@ CANDIDATE_IDS = REFERENCE_IDS[:DIVERGENCE] + [555] + REFERENCE_IDS[DIVERGENCE + 
 def sample_run() -> tuple[list[CaseRecord], dict]:
     """MATCH, MISMATCH at DIVERGENCE, VACUOUS with a failed guard, ERROR: one of each shape."""
     reference = {
-        "text": Outcome("text", chat(REFERENCE_IDS, "a plain answer")),
-        "image": Outcome("image", chat(REFERENCE_IDS, "the sky is blue")),
+        "text": Outcome("text", answer(REFERENCE_IDS, "a plain answer")),
+        "image": Outcome("image", answer(REFERENCE_IDS, "the sky is blue")),
     }
     candidate = {
-        "text": Outcome("text", chat(REFERENCE_IDS, "a plain answer")),
-        "image": Outcome("image", chat(CANDIDATE_IDS, f"the sky is {HOSTILE_TEXT}")),
+        "text": Outcome("text", answer(REFERENCE_IDS, "a plain answer")),
+        "image": Outcome("image", answer(CANDIDATE_IDS, f"the sky is {HOSTILE_TEXT}")),
     }
     ok_guard = GuardResult("kv_transfer", True, "cached_tokens=96 of 120")
     records = [
-        judge_case("1E+1P+1D", "baseline", reference["text"], candidate["text"], [ok_guard]),
-        judge_case("1E+1P+1D", "baseline", reference["image"], candidate["image"], [ok_guard]),
-        judge_case(
+        judged("1E+1P+1D", "baseline", reference["text"], candidate["text"], [ok_guard]),
+        judged("1E+1P+1D", "baseline", reference["image"], candidate["image"], [ok_guard]),
+        judged(
             "1P+1D",
             "baseline",
             reference["text"],
             candidate["text"],
             [GuardResult("kv_transfer", False, "cached_tokens=0: D recomputed the prompt")],
         ),
-        judge_case(
+        judged(
             "2E+1PD",
             "baseline",
             reference["image"],
@@ -124,7 +121,9 @@ def model_dir(tmp_path: Path) -> Path:
     return model
 
 
-SERVED = ServedVllm("/other-venv/bin/vllm", "0.31.0+cpu", "2.9.1+cpu")
+SERVED = ServedVllm(
+    "/other-venv/bin/vllm", "0.31.0+cpu", "2.9.1+cpu", amx_permission="not needed: no amx_tile"
+)
 
 
 def run_info(run_dir: Path, model_dir: Path) -> dict:
@@ -141,7 +140,8 @@ def test_run_json_records_versions_model_config_and_instances(run_dir, model_dir
         "executable": "/other-venv/bin/vllm",
         "version": "0.31.0+cpu",
         "torch_version": "2.9.1+cpu",
-    }, "run.json records the served vLLM, not the harness interpreter's"
+        "amx_permission": "not needed: no amx_tile",
+    }, "run.json records the served vLLM (and its AMX hook), not the harness interpreter's"
     harness = info["harness_packages"]["harness"]
     assert harness == {
         "distribution": "epd-harness",
@@ -158,6 +158,50 @@ def test_run_json_records_versions_model_config_and_instances(run_dir, model_dir
     assert instance["env"] == {"HF_TOKEN": REDACTED, "OMP_NUM_THREADS": "1"}
     assert instance["argv"][3:] == ["--api-key", REDACTED, "--max-num-batched-tokens", "8192"]
     assert "cpu" in info  # the host's CPU features (None where /proc/cpuinfo cannot be read)
+
+
+def test_run_json_records_eager_the_memory_shares_the_parser_check_and_the_vllm_tree(
+    run_dir, model_dir
+):
+    from harness.spec.platforms import CPU, CUDA
+    from harness.spec.settings import ProxyChoice
+
+    proxy = ProxyChoice(
+        "vllm",
+        Path("/src/vllm"),
+        "checkout /src/vllm",
+        source_commit="a" * 40,
+        commit_check="matches the served vLLM's build (gaaaaaaa)",
+    )
+    check = {
+        "parser": "vllm 0.33.0.dev1+gaaaaaaa (py)",
+        "instances": ["x"],
+        "judged": 1,
+        "seconds": 9.5,
+    }
+    settings = RunSettings(
+        ServingConfig(model=str(model_dir), enforce_eager=True),
+        run_dir,
+        vllm=SERVED,
+        platform=CUDA,
+        devices=(0, 1, 2, 3),
+        proxy=proxy,
+        argv_check=check,
+    )
+    write_run_info(settings, (TOPOLOGIES["1E+1PD"],), SKELETON_PROMPTS[:1])
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["serving"]["enforce_eager"] is True
+    assert info["gpu_memory_shares"] == {
+        "shares": {"baseline": 0.9, "encoder": 0.01, "pd": 0.7, "prefill": 0.7, "decode": 0.7},
+        "device_budget": 0.9,
+        "encoder_room_on_a_shared_device": 0.2,
+    }
+    assert info["argv_check"] == check
+    assert info["proxy"]["source_commit"] == "a" * 40
+    assert info["proxy"]["commit_check"].startswith("matches")
+    cpu = dataclasses.replace(settings, platform=CPU, argv_check=None)
+    write_run_info(cpu, (TOPOLOGIES["1E+1PD"],), SKELETON_PROMPTS[:1])
+    assert json.loads((run_dir / "run.json").read_text())["gpu_memory_shares"] is None
 
 
 def test_cpu_description_names_the_features_that_pick_vllm_cpu_kernels():

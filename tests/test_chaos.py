@@ -5,8 +5,8 @@ the instance (and shows its log tail); no process of it survives (checked throug
 handles taken while it ran; zombies count as gone, since this machine's init does not reap
 orphans); and no port it used is still held (by a lease's lock or by a live socket).
 
-The fast tests run tests/fake_vllm.py's `vllm serve` look-alike (misbehaving on cue, through
-`FAKE_VLLM_MODE`); tests marked `e2e` do the same to real vLLM.
+These run harness/testing/fake_vllm.py's `vllm serve` look-alike (misbehaving on cue, through
+`FAKE_VLLM_MODE`); tests/test_chaos_vllm.py does the same to real vLLM (the e2e tier).
 
 `EPD_CHAOS_TRIALS` sets the length of the mixed-trials loop (default 6, for CI; 30 on request).
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
-import fcntl
 import json
 import os
 import signal
@@ -24,42 +23,42 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 import pytest
-from fake_vllm import MODE_ENV, install_fake_vllm
 
-from harness.cli import main as cli
-from harness.environment import WATCHDOG_ENV, cache_dir
-from harness.preflight.model import resolve_model
-from harness.preflight.vllm import default_vllm_executable
-from harness.serve.launch import (
-    KILL_WAIT_S,
-    STARTUP_STOP_GRACE_S,
-    ManagedServer,
-    ServerCommand,
-    ServerDied,
-    log_path_for,
-)
-from harness.serve.session import TopologySession, safe_name
-from harness.serve.watchdog import client as watchdog_client
+from harness.environment import WATCHDOG_ENV
+from harness.serve.launch import ServerDied
+from harness.serve.session import TopologySession
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.testing.cli import run_argv
+from harness.testing.fake_vllm import MODE_ENV
+from harness.testing.processes import (
+    REPO_ROOT,
+    alive_or_fail,
+    child_env,
+    describe,
+    files_under,
+    held_ports,
+    kill_all,
+    nothing_left_behind,
+    read,
+    session_ports,
+    survivors,
+    wait_for,
+)
 
 pytestmark = pytest.mark.process
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-GONE_TIMEOUT_S = 5.0
 END_WITHIN_S = 5.0  # "within seconds": how soon after the fault a run must have ended
 # Servers that ignore the parent-death SIGTERM: the watchdog's grace and SIGKILL, with margin.
 WATCHDOG_END_WITHIN_S = 30.0
-WATCHDOG_E2E_TOPOLOGY = os.environ.get("EPD_WATCHDOG_E2E_TOPOLOGY", "1P+1D")  # two instances
 WATCHDOG_EXIT_S = 2.0  # how soon the watchdog must be gone once it has nothing left to do
-POLL_S = 0.02
 CHAOS_TRIALS = int(os.environ.get("EPD_CHAOS_TRIALS", "6"))
 TEXT_BODY = render_request(SKELETON_PROMPTS[0], "epd-model")
 SECRET = "hf_planted_secret_3b7e91"
@@ -103,34 +102,6 @@ except KeyboardInterrupt as exc:
     sys.exit(130)
 """
 
-# A harness stand-in on real vLLM: a TopologySession of two `vllm serve` instances started
-# from the main thread. argv: vllm, model, run dir, topology. Prints one JSON line once both
-# servers are spawned (their pids, ports and the watchdog's pid), then waits to be killed.
-VLLM_DRIVER = r"""
-import json, sys, threading, time
-from pathlib import Path
-from harness.serve.session import TopologySession
-from harness.serve.watchdog import client as watchdog
-from harness.spec.settings import RunSettings, ServedVllm
-from harness.spec.topology import TOPOLOGIES, ServingConfig
-vllm, model, run_dir, topology = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
-say = lambda **fields: print(json.dumps(fields), flush=True)
-settings = RunSettings(serving=ServingConfig(model=model), run_dir=run_dir,
-                       vllm=ServedVllm(vllm, "unknown"))
-session = TopologySession(TOPOLOGIES[topology], settings)
-
-def report_once_spawned():
-    while len(session._servers) < 2 or any(s.pid is None for s in session._servers):
-        time.sleep(0.01)
-    say(servers=[{"name": s.name, "pid": s.pid, "port": s.port_lease.port}
-                 for s in session._servers], watchdog=watchdog().pid)
-
-threading.Thread(target=report_once_spawned, daemon=True).start()
-with session:
-    say(ready=True)
-    time.sleep(3600)
-"""
-
 # Several "pytest workers" at once: each reserves a 1E+1P+1D topology's HTTP ports and, for a
 # NIXL run, its side-channel ports, prints them, and holds them until stdin closes.
 PORT_WORKER = r"""
@@ -152,42 +123,6 @@ sys.stdin.read()
 # -- helpers ----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def fake_vllm(tmp_path: Path) -> Path:
-    return install_fake_vllm(tmp_path / "bin")
-
-
-@pytest.fixture
-def lock_dir(tmp_path: Path, monkeypatch) -> Path:
-    """Port locks of this test only, for the harness in-process and in its subprocesses."""
-    directory = tmp_path / "port-locks"
-    monkeypatch.setenv("EPD_HARNESS_PORT_DIR", str(directory))
-    return directory
-
-
-def wait_for(predicate: Callable[[], object], what: str, timeout_s: float = 20.0) -> object:
-    """Poll `predicate` until it returns something truthy; fail naming `what` after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(POLL_S)
-    return value
-
-
-def read(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except FileNotFoundError:
-        return ""
-
-
-def is_live(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def fake_processes(root_pid: int, fake: Path) -> list[psutil.Process]:
     """The fake servers under `root_pid`, and everything under them, as psutil handles."""
     found = []
@@ -196,78 +131,6 @@ def fake_processes(root_pid: int, fake: Path) -> list[psutil.Process]:
             if str(fake) in " ".join(proc.cmdline()):
                 found += [proc, *proc.children(recursive=True)]
     return found
-
-
-def describe(procs: list[psutil.Process]) -> str:
-    parts = []
-    for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-            cmdline = " ".join(proc.cmdline())[:120]
-            parts.append(f"pid {proc.pid} pgid {os.getpgid(proc.pid)} {proc.status()}: {cmdline}")
-    return "; ".join(parts)
-
-
-def survivors(procs: list[psutil.Process], timeout_s: float = GONE_TIMEOUT_S) -> list:
-    """The processes of `procs` still live (zombies excluded) after waiting up to `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while (alive := [p for p in procs if is_live(p)]) and time.monotonic() < deadline:
-        time.sleep(POLL_S)
-    return alive
-
-
-def held_ports(ports: list[int], lock_dir: Path) -> list[str]:
-    """Ports something still holds: a harness lease (its flock) or a live socket of any process.
-
-    A connection in TIME_WAIT belongs to the kernel, not to a leftover process; it expires by
-    itself and does not stop a server (they bind with SO_REUSEADDR) from taking the port.
-    """
-    sockets = {}
-    for conn in psutil.net_connections(kind="tcp"):
-        if conn.laddr and conn.status != psutil.CONN_TIME_WAIT:
-            sockets.setdefault(conn.laddr.port, f"{conn.status} pid {conn.pid}")
-    held = []
-    for port in ports:
-        if port in sockets:
-            held.append(f"{port} ({sockets[port]})")
-        elif lease_is_held(lock_dir / f"port-{port}.lock"):
-            held.append(f"{port} (lease still locked)")
-    return held
-
-
-def lease_is_held(lock_path: Path) -> bool:
-    if not lock_path.exists():
-        return False
-    with open(lock_path, "rb") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(lock, fcntl.LOCK_UN)
-    return False
-
-
-def kill_all(procs: list[psutil.Process]) -> None:
-    """Last-resort cleanup after a failed check: by recorded handle, never by name."""
-    for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
-
-
-@contextlib.contextmanager
-def nothing_left_behind(procs: list, ports: list[int], lock_dir: Path) -> Iterator[None]:
-    """Fill `procs` and `ports` inside the block; afterwards all must be gone and free.
-
-    Survivors are killed before any failure propagates, so one broken case does not leak
-    servers into the rest of the session.
-    """
-    try:
-        yield
-    finally:
-        alive = survivors(procs)
-        kill_all(alive)
-    assert not alive, f"processes left behind: {describe(alive)}"
-    held = held_ports(ports, lock_dir)
-    assert not held, f"ports left held: {held}"
 
 
 def fake_settings(
@@ -282,13 +145,6 @@ def fake_settings(
     )
 
 
-def session_ports(session: TopologySession) -> list[int]:
-    ports = [spec.port for spec in session.instances]
-    if session.proxy is not None:
-        ports.append(int(session.entry_url.rsplit(":", 1)[1]))
-    return ports
-
-
 def when_request_reaches(log: Path, action: Callable[[], None]) -> None:
     """Run `action` on a thread as soon as `log` shows a request arriving, so the fault lands
     mid-request."""
@@ -300,17 +156,7 @@ def when_request_reaches(log: Path, action: Callable[[], None]) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def artifact_names(run_dir: Path) -> set[str]:
-    return {p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*") if p.is_file()}
-
-
 # -- the harness process interrupted ---------------------------------------------------------
-
-
-def run_args(tmp_path: Path, fake: Path, *args: str) -> list[str]:
-    """`epd-harness run` on the fake vLLM, without the baseline cache, into tmp_path/run."""
-    return ["run", "--vllm", str(fake), "--baseline-cache", "off",
-            "--run-dir", str(tmp_path / "run"), *args]  # fmt: skip
 
 
 def sigint_as_at_a_terminal() -> None:
@@ -327,21 +173,14 @@ def sigint_as_at_a_terminal() -> None:
 
 def start_cli(tmp_path: Path, fake: Path, mode: str, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "harness.cli.main", *run_args(tmp_path, fake, *args)],
+        [sys.executable, "-m", "harness.cli.main", *run_argv(fake, tmp_path / "run", *args)],
         cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), MODE_ENV: mode},
+        env=child_env(**{MODE_ENV: mode}),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         preexec_fn=sigint_as_at_a_terminal,
     )
-
-
-def alive_or_fail(harness: subprocess.Popen[str]) -> None:
-    """Fail at once, with the harness's output, if it ended while the test waits on it."""
-    if harness.poll() is not None:
-        out, err = harness.communicate()
-        raise AssertionError(f"the harness ended early (exit {harness.returncode}):\n{out}\n{err}")
 
 
 def signal_cli(harness: subprocess.Popen[str], sig: signal.Signals) -> tuple[str, float]:
@@ -353,7 +192,7 @@ def signal_cli(harness: subprocess.Popen[str], sig: signal.Signals) -> tuple[str
 
 
 def test_sigint_during_startup_stops_everything(
-    tmp_path: Path, fake_vllm: Path, lock_dir: Path
+    tmp_path: Path, fake_vllm: Path, port_locks: Path
 ) -> None:
     # One core: a CPU wave holds two instances, so the baseline starts alone.
     harness = start_cli(
@@ -371,7 +210,7 @@ def test_sigint_during_startup_stops_everything(
     log = run_dir / "baseline" / "baseline__baseline0.log"
     procs: list[psutil.Process] = []
     try:
-        with nothing_left_behind(procs, [], lock_dir):
+        with nothing_left_behind(procs, [], port_locks):
             wait_for(
                 lambda: alive_or_fail(harness) or "fake vllm pid" in read(log),
                 "the baseline to be starting",
@@ -383,7 +222,7 @@ def test_sigint_during_startup_stops_everything(
         kill_all([psutil.Process(harness.pid)] if harness.poll() is None else [])
     argv = json.loads(log.with_suffix(".cmd.json").read_text())["argv"]
     port = int(argv[argv.index("--port") + 1])
-    assert not held_ports([port], lock_dir), f"port {port} of baseline0 still held"
+    assert not held_ports([port], port_locks), f"port {port} of baseline0 still held"
     assert len(procs) == 1, f"expected the baseline server, recorded {describe(procs)}"
     expected = (
         "epd-harness: interrupted while baseline/baseline0 was starting; every server was "
@@ -397,12 +236,12 @@ def test_sigint_during_startup_stops_everything(
         "baseline/baseline__baseline0.log",
         "baseline/baseline__baseline0.cmd.json",
     }
-    assert expected_files <= artifact_names(run_dir), artifact_names(run_dir)
+    assert expected_files <= files_under(run_dir), files_under(run_dir)
 
 
 @pytest.mark.timeout(HUNG_TEST_TIMEOUT_S)
 def test_sigterm_while_a_request_hangs_ends_within_seconds(
-    tmp_path: Path, fake_vllm: Path, lock_dir: Path
+    tmp_path: Path, fake_vllm: Path, port_locks: Path
 ) -> None:
     """pd0 never answers; CI cancels the job (SIGTERM) in the middle of the request."""
     harness = start_cli(
@@ -412,7 +251,7 @@ def test_sigterm_while_a_request_hangs_ends_within_seconds(
     pd_log = run_dir / "1E-1PD" / "1E-1PD__pd0.log"
     procs: list[psutil.Process] = []
     try:
-        with nothing_left_behind(procs, [], lock_dir):
+        with nothing_left_behind(procs, [], port_locks):
             wait_for(
                 lambda: alive_or_fail(harness) or "REQUEST " in read(pd_log),
                 "the request to reach pd0",
@@ -435,13 +274,13 @@ def test_sigterm_while_a_request_hangs_ends_within_seconds(
 
 
 def test_instance_sigkilled_mid_request_is_named_with_its_log_tail(
-    tmp_path: Path, fake_vllm: Path, lock_dir: Path, monkeypatch
+    tmp_path: Path, fake_vllm: Path, port_locks: Path, monkeypatch
 ) -> None:
     monkeypatch.setenv(MODE_ENV, "decode:slow=30")
     procs: list[psutil.Process] = []
     ports: list[int] = []
     killed_at: list[float] = []
-    with nothing_left_behind(procs, ports, lock_dir):
+    with nothing_left_behind(procs, ports, port_locks):
         with TopologySession(TOPOLOGIES["1P+1D"], fake_settings(tmp_path, fake_vllm)) as session:
             procs += fake_processes(os.getpid(), fake_vllm)
             ports += session_ports(session)
@@ -460,18 +299,18 @@ def test_instance_sigkilled_mid_request_is_named_with_its_log_tail(
     assert f"fake vllm pid {decode.pid} role decode" in outcome.error, outcome.error  # log tail
     assert reported_s < END_WITHIN_S, f"reported {reported_s:.1f} s after the kill"
     expected_files = {"1P-1D/1P-1D__decode0.log", "1P-1D/1P-1D__decode0.cmd.json"}
-    assert expected_files <= artifact_names(tmp_path / "run")
+    assert expected_files <= files_under(tmp_path / "run")
 
 
 @pytest.mark.timeout(HUNG_TEST_TIMEOUT_S)
 def test_request_timeout_names_the_hung_instance_and_ends_within_seconds(
-    tmp_path: Path, fake_vllm: Path, lock_dir: Path, monkeypatch
+    tmp_path: Path, fake_vllm: Path, port_locks: Path, monkeypatch
 ) -> None:
     """decode0 accepts the request and never answers; the client gives up after 1.5 s."""
     monkeypatch.setenv(MODE_ENV, "decode:hang")
     procs: list[psutil.Process] = []
     ports: list[int] = []
-    with nothing_left_behind(procs, ports, lock_dir):
+    with nothing_left_behind(procs, ports, port_locks):
         settings = fake_settings(tmp_path, fake_vllm, request_timeout_s=1.5)
         with TopologySession(TOPOLOGIES["1P+1D"], settings) as session:
             procs += fake_processes(os.getpid(), fake_vllm)
@@ -487,46 +326,46 @@ def test_request_timeout_names_the_hung_instance_and_ends_within_seconds(
 
 
 def test_proxy_stopped_mid_run_fails_the_request_and_leaves_nothing(
-    tmp_path: Path, fake_vllm: Path, lock_dir: Path
+    tmp_path: Path, fake_vllm: Path, port_locks: Path
 ) -> None:
     procs: list[psutil.Process] = []
     ports: list[int] = []
-    with nothing_left_behind(procs, ports, lock_dir):
+    with nothing_left_behind(procs, ports, port_locks):
         with TopologySession(TOPOLOGIES["1E+1PD"], fake_settings(tmp_path, fake_vllm)) as session:
             procs += fake_processes(os.getpid(), fake_vllm)
             ports += session_ports(session)
             assert session.send("text", TEXT_BODY).result is not None
-            session._proxy_server.stop()
+            session._entry.proxy_server.stop()
             outcome = session.send("text", TEXT_BODY)
     assert outcome.result is None and "Connection" in outcome.error, outcome.error
     assert outcome.seconds < END_WITHIN_S, f"{outcome.seconds:.1f} s"
 
 
 def test_proxy_stopped_mid_run_is_reported_as_such(
-    tmp_path: Path, fake_vllm: Path, lock_dir: Path
+    tmp_path: Path, fake_vllm: Path, port_locks: Path
 ) -> None:
     procs: list[psutil.Process] = []
-    with nothing_left_behind(procs, [], lock_dir):
+    with nothing_left_behind(procs, [], port_locks):
         with TopologySession(TOPOLOGIES["1E+1PD"], fake_settings(tmp_path, fake_vllm)) as session:
             procs += fake_processes(os.getpid(), fake_vllm)
-            session._proxy_server.stop()
+            session._entry.proxy_server.stop()
             outcome = session.send("text", TEXT_BODY)
     assert f"proxy {session.entry_url} is not running" in outcome.error, outcome.error
 
 
 def test_proxy_event_loop_dying_mid_run_frees_its_port(
-    tmp_path: Path, fake_vllm: Path, lock_dir: Path
+    tmp_path: Path, fake_vllm: Path, port_locks: Path
 ) -> None:
     """The proxy's loop stops without cleanup (a crash): its socket still queues connections
     nobody serves, so the request times out; closing the session must still free the port."""
     procs: list[psutil.Process] = []
     ports: list[int] = []
-    with nothing_left_behind(procs, ports, lock_dir):
+    with nothing_left_behind(procs, ports, port_locks):
         settings = fake_settings(tmp_path, fake_vllm, request_timeout_s=1.0)
         with TopologySession(TOPOLOGIES["1E+1PD"], settings) as session:
             procs += fake_processes(os.getpid(), fake_vllm)
             ports += session_ports(session)
-            proxy = session._proxy_server
+            proxy = session._entry.proxy_server
             proxy._loop.call_soon_threadsafe(proxy._loop.stop)
             proxy._thread.join(timeout=5)
             outcome = session.send("text", TEXT_BODY)
@@ -534,12 +373,12 @@ def test_proxy_event_loop_dying_mid_run_frees_its_port(
 
 
 def test_instance_with_a_bad_flag_fails_the_start_at_once(
-    tmp_path: Path, fake_vllm: Path, lock_dir: Path
+    tmp_path: Path, fake_vllm: Path, port_locks: Path
 ) -> None:
     settings = fake_settings(tmp_path, fake_vllm, extra_args=("--no-such-flag",))
     procs: list[psutil.Process] = []
     start = time.monotonic()
-    with nothing_left_behind(procs, [], lock_dir):
+    with nothing_left_behind(procs, [], port_locks):
         with pytest.raises(ServerDied) as died:
             with TopologySession(TOPOLOGIES["1E+1PD"], settings):
                 pass
@@ -549,7 +388,7 @@ def test_instance_with_a_bad_flag_fails_the_start_at_once(
     assert "died during startup: exit code 2" in message, message
     assert "vllm: error: unrecognized arguments: --no-such-flag" in message, message
     assert elapsed_s < END_WITHIN_S, f"{elapsed_s:.1f} s to report a server that died at once"
-    names = artifact_names(tmp_path / "run")
+    names = files_under(tmp_path / "run")
     assert {"1E-1PD/1E-1PD__encoder0.log", "1E-1PD/1E-1PD__pd0.log"} <= names, names
 
 
@@ -609,7 +448,7 @@ def run_trial(kind: str, tmp_path: Path, fake: Path, gone_within_s: float | None
     ready_timeout_s = "1.0" if kind == "startup-timeout" else "20"
     driver = subprocess.Popen(
         [sys.executable, "-c", DRIVER, str(fake), str(tmp_path / "logs"), ready_timeout_s],
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), MODE_ENV: spec.mode},
+        env=child_env(**{MODE_ENV: spec.mode}),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -670,7 +509,7 @@ def forked_children(logs: list[Path]) -> list[int]:
     ]
 
 
-def check_trial(trial: Trial, lock_dir: Path) -> list[str]:
+def check_trial(trial: Trial, port_locks: Path) -> list[str]:
     """Everything wrong with one trial, one line each (empty: the trial was clean)."""
     spec = TRIAL_KINDS[trial.kind]
     problems = []
@@ -688,7 +527,7 @@ def check_trial(trial: Trial, lock_dir: Path) -> list[str]:
     if alive:
         kill_all(alive)
         problems.append(f"left behind: {describe(alive)}")
-    held = held_ports(trial.ports, lock_dir)
+    held = held_ports(trial.ports, port_locks)
     if held:
         problems.append(f"ports still held: {held}")
     # The driver's exit (or, after its SIGKILL, its servers' end) ends the watchdog at once.
@@ -699,33 +538,33 @@ def check_trial(trial: Trial, lock_dir: Path) -> list[str]:
 
 
 def test_sigkilled_harness_takes_its_servers_down(
-    tmp_path: Path, fake_vllm: Path, lock_dir: Path
+    tmp_path: Path, fake_vllm: Path, port_locks: Path
 ) -> None:
     """The parent-death signal: nothing of a SIGKILLed harness's ServerGroup survives it."""
     trial = run_trial("harness-sigkilled", tmp_path, fake_vllm)
     assert len(trial.procs) == 2, trial.output
-    assert check_trial(trial, lock_dir) == [], trial.output
+    assert check_trial(trial, port_locks) == [], trial.output
 
 
 @pytest.mark.parametrize(
     "kind", ["harness-sigkilled-stubborn-at-start", "harness-sigkilled-stubborn-serving"]
 )
 def test_watchdog_stops_servers_that_ignore_the_harness_death(
-    kind: str, tmp_path: Path, fake_vllm: Path, lock_dir: Path
+    kind: str, tmp_path: Path, fake_vllm: Path, port_locks: Path
 ) -> None:
     """The servers ignore SIGTERM, each with a child in its group: the parent-death signal
     does nothing, so only the watchdog can end them once the harness is SIGKILLed."""
     trial = run_trial(kind, tmp_path, fake_vllm)
     print(f"\n{kind}: all 4 processes gone {trial.ended_s:.1f} s after the harness's SIGKILL")
     assert len(trial.procs) == 4 and trial.watchdog is not None, trial.output
-    assert check_trial(trial, lock_dir) == [], trial.output
+    assert check_trial(trial, port_locks) == [], trial.output
     log = read(tmp_path / "logs" / "watchdog.log")
     assert "harness gone; SIGTERM to 2 process(es)" in log, log
     assert "SIGKILL to" in log and "gone" in log, log
 
 
 def test_without_the_watchdog_stubborn_servers_outlive_a_sigkilled_harness(
-    tmp_path: Path, fake_vllm: Path, lock_dir: Path, monkeypatch
+    tmp_path: Path, fake_vllm: Path, port_locks: Path, monkeypatch
 ) -> None:
     """What the watchdog is for, and proof that the test above can fail: with it switched off,
     SIGTERM-ignoring servers and their children survive the harness."""
@@ -739,13 +578,15 @@ def test_without_the_watchdog_stubborn_servers_outlive_a_sigkilled_harness(
         kill_all(trial.procs)
 
 
-def test_chaos_trials_leave_nothing_behind(tmp_path: Path, fake_vllm: Path, lock_dir: Path) -> None:
+def test_chaos_trials_leave_nothing_behind(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path
+) -> None:
     """Mixed faults, one after another: every trial must end fast and leave nothing."""
     kinds = list(TRIAL_KINDS)
     results = []
     for number in range(CHAOS_TRIALS):
         trial = run_trial(kinds[number % len(kinds)], tmp_path / f"trial-{number}", fake_vllm)
-        results.append((trial, check_trial(trial, lock_dir)))
+        results.append((trial, check_trial(trial, port_locks)))
     count = collections.Counter(
         problem.split(":")[0] for _, problems in results for problem in problems
     )
@@ -762,9 +603,9 @@ def test_chaos_trials_leave_nothing_behind(tmp_path: Path, fake_vllm: Path, lock
 
 
 def test_parallel_workers_never_share_http_or_side_channel_ports(
-    tmp_path: Path, lock_dir: Path
+    tmp_path: Path, port_locks: Path
 ) -> None:
-    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    environment = child_env()
     workers = [
         subprocess.Popen(
             [sys.executable, "-c", PORT_WORKER],
@@ -789,32 +630,26 @@ def test_parallel_workers_never_share_http_or_side_channel_ports(
     ports = [port for report in reports for port in report.get("http", []) + report.get("side", [])]
     assert sizes == [5] * 4, f"3 HTTP + 2 side-channel ports each: {reports}"
     assert len(set(ports)) == len(ports), f"a port was handed out twice: {reports}"
-    assert not held_ports(ports, lock_dir), "an exited worker's leases must be gone"
+    assert not held_ports(ports, port_locks), "an exited worker's leases must be gone"
 
 
 # -- the whole CLI in-process, with fake servers ---------------------------------------------
 
 
-def run_cli_in_process(tmp_path: Path, fake: Path, capsys, *args: str) -> tuple[int, str, str]:
-    code = cli.main(run_args(tmp_path, fake, *args))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 def test_disk_full_mid_run_keeps_what_was_written(
-    tmp_path: Path, fake_vllm: Path, lock_dir: Path, capsys, monkeypatch
+    tmp_path: Path, fake_vllm: Path, port_locks: Path, epd_cli, monkeypatch
 ) -> None:
     """The disk fills after the baseline: summary.json cannot be written (a write() that fails
     carries no file name, as on a real full disk)."""
-    import harness.run.sweep
+    import harness.report.run_outputs
 
     def full_disk(*_args: object, **_kwargs: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(harness.run.sweep, "write_summary_json", full_disk)
+    monkeypatch.setattr(harness.report.run_outputs, "write_summary_json", full_disk)
     before = set(psutil.Process().children(recursive=True))
-    code, out, err = run_cli_in_process(
-        tmp_path, fake_vllm, capsys, "--topology", "1P+1D", "--prompt", "text"
+    code, out, err = epd_cli(
+        *run_argv(fake_vllm, tmp_path / "run", "--topology", "1P+1D", "--prompt", "text")
     )
     run_dir = tmp_path / "run"
     expected = (
@@ -828,21 +663,21 @@ def test_disk_full_mid_run_keeps_what_was_written(
         "responses.json",
         "baseline/baseline__baseline0.log",
     }
-    assert expected_files <= artifact_names(run_dir), artifact_names(run_dir)
+    assert expected_files <= files_under(run_dir), files_under(run_dir)
     left = survivors([p for p in psutil.Process().children(recursive=True) if p not in before])
     assert not left, f"left behind: {describe(left)}"
 
 
 def test_planted_token_reaches_no_artifact(
-    tmp_path: Path, fake_vllm: Path, lock_dir: Path, capsys, monkeypatch
+    tmp_path: Path, fake_vllm: Path, port_locks: Path, epd_cli, monkeypatch
 ) -> None:
     monkeypatch.setenv("HF_TOKEN", SECRET)
     monkeypatch.setenv("EPD_TEST_API_KEY", f"{SECRET}-key")
-    code, out, err = run_cli_in_process(
-        tmp_path, fake_vllm, capsys, "--topology", "1E+1PD", "--prompt", "text"
+    code, out, err = epd_cli(
+        *run_argv(fake_vllm, tmp_path / "run", "--topology", "1E+1PD", "--prompt", "text")
     )
     assert code == 0, f"exit {code}\n{out}\n{err}"
-    names = artifact_names(tmp_path / "run")
+    names = files_under(tmp_path / "run")
     assert len(names) > 8, f"too few artifacts to prove anything: {names}"
     leaks = sorted(name for name in names if SECRET in read(tmp_path / "run" / name))
     assert not leaks, f"{SECRET} found in {leaks}"
@@ -850,250 +685,12 @@ def test_planted_token_reaches_no_artifact(
 
 
 def test_cases_file_runs_only_its_cases(
-    tmp_path: Path, fake_vllm: Path, lock_dir: Path, capsys
+    tmp_path: Path, fake_vllm: Path, port_locks: Path, epd_cli
 ) -> None:
     scenarios = tmp_path / "cases.json"
     scenarios.write_text('[{"topology": "1E+1PD", "prompt": "text"}]')
-    code, out, err = run_cli_in_process(tmp_path, fake_vllm, capsys, "--cases-file", str(scenarios))
+    code, out, err = epd_cli(*run_argv(fake_vllm, tmp_path / "run", "--cases-file", str(scenarios)))
     assert code == 0, f"exit {code}\n{out}\n{err}"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     cases = [(case["topology"], case["prompt"], case["reference"]) for case in summary["cases"]]
     assert cases == [("1E+1PD", "text", "baseline")], cases
-
-
-# -- real vLLM --------------------------------------------------------------------------------
-
-
-def vllm_settings(tmp_path: Path) -> RunSettings:
-    return RunSettings(
-        serving=ServingConfig(model=str(resolve_model(None, None, cache_dir()))),
-        run_dir=tmp_path / "run",
-        vllm=ServedVllm(default_vllm_executable(), "unknown"),
-    )
-
-
-def vllm_api_server(role_marker: str) -> psutil.Process | None:
-    """This test's vLLM API server whose command line has `role_marker` (e.g. ec_producer)."""
-    for proc in psutil.Process().children():
-        with contextlib.suppress(psutil.NoSuchProcess):
-            cmdline = " ".join(proc.cmdline())
-            if " serve " in cmdline and role_marker in cmdline:
-                return proc
-    return None
-
-
-def descendants() -> list[psutil.Process]:
-    """Everything this test process started (the e2e tests start nothing but vLLM trees), but
-    its watchdog: that lives as long as the harness process does, by design."""
-    own_watchdog = watchdog_client().pid
-    return [p for p in psutil.Process().children(recursive=True) if p.pid != own_watchdog]
-
-
-@pytest.mark.e2e
-def test_real_vllm_with_a_bad_flag_dies_with_its_parser_error(tmp_path: Path) -> None:
-    command = ServerCommand(
-        name="bad-flag/baseline0",
-        argv=[default_vllm_executable(), "serve", "--no-such-flag"],
-        health_url="http://127.0.0.1:9/health",
-        log_path=tmp_path / "bad-flag.log",
-    )
-    server = ManagedServer(command)
-    start = time.monotonic()
-    server.start()
-    try:
-        with pytest.raises(ServerDied) as died:
-            server.wait_until_ready(timeout_s=120)
-    finally:
-        server.stop(grace_s=2)
-    elapsed_s = time.monotonic() - start
-    print(f"vllm with a bad flag reported dead {elapsed_s:.1f} s after spawn")
-    assert "unrecognized arguments: --no-such-flag" in str(died.value), str(died.value)
-    assert "died during startup: exit code 2" in str(died.value), str(died.value)
-    assert elapsed_s < 60, f"{elapsed_s:.1f} s (vLLM's import alone takes ~10 s here)"
-
-
-@pytest.mark.e2e
-def test_real_vllm_instance_killed_during_startup_is_reported_at_once(
-    tmp_path: Path, monkeypatch
-) -> None:
-    """The encoder is SIGKILLed while both instances load. Its death must be reported (the
-    "died" event) within 3 s, and the start must fail soon after, not at the 600 s timeout:
-    stopping the still-starting pd0 is bounded by STARTUP_STOP_GRACE_S."""
-    monkeypatch.setenv("HF_TOKEN", SECRET)
-    settings = vllm_settings(tmp_path)
-    killed: list[tuple[list[psutil.Process], float]] = []
-    died_at: list[float] = []
-
-    def kill_encoder_once_it_loads() -> None:
-        encoder = wait_for(lambda: vllm_api_server("ec_producer"), "the encoder to spawn", 60)
-        log = settings.run_dir / "1E-1PD" / "1E-1PD__encoder0.log"
-        wait_for(lambda: "non-default args" in read(log), "the encoder to initialise", 120)
-        tree = [encoder, *encoder.children(recursive=True)]
-        encoder.kill()
-        killed.append((tree, time.monotonic()))
-
-    def on_event(name: str, state: str, _elapsed_s: float) -> None:
-        if state == "died":
-            died_at.append(time.monotonic())
-
-    threading.Thread(target=kill_encoder_once_it_loads, daemon=True).start()
-    with pytest.raises(ServerDied) as died:
-        with TopologySession(TOPOLOGIES["1E+1PD"], settings, on_event=on_event):
-            pass
-    failed_at = time.monotonic()
-    tree, killed_at = killed[0]
-    reported_s, failed_s = died_at[0] - killed_at, failed_at - killed_at
-    print(
-        f"real vLLM encoder SIGKILLed during start-up: reported dead {reported_s:.2f} s "
-        f"later; start failed (pd0 stopped) {failed_s:.2f} s later; start-up timeout "
-        f"{settings.startup_timeout_s:.0f} s"
-    )
-    assert died.value.name == "1E+1PD/encoder0", str(died.value)
-    assert "killed by SIGKILL" in str(died.value), str(died.value)
-    assert "non-default args" in str(died.value), "the log tail must be in the error"
-    assert reported_s <= 3.0, f"death reported {reported_s:.2f} s after the kill"
-    bound_s = 3.0 + STARTUP_STOP_GRACE_S + KILL_WAIT_S
-    assert failed_s <= bound_s, f"start failed {failed_s:.1f} s after the kill"
-    left = survivors(tree + descendants())
-    assert not left, describe(left)
-    leaks = [n for n in artifact_names(settings.run_dir) if SECRET in read(settings.run_dir / n)]
-    assert not leaks, f"the planted HF_TOKEN reached {leaks}"
-
-
-@pytest.mark.e2e
-def test_real_vllm_instance_killed_while_serving_fails_the_next_request_fast(
-    tmp_path: Path, lock_dir: Path
-) -> None:
-    settings = vllm_settings(tmp_path)
-    procs: list[psutil.Process] = []
-    ports: list[int] = []
-    with nothing_left_behind(procs, ports, lock_dir):
-        with TopologySession(TOPOLOGIES["1E+1PD"], settings) as session:
-            procs += descendants()
-            ports += session_ports(session)
-            assert session.send("text", TEXT_BODY).result is not None
-            vllm_api_server("ec_consumer").kill()
-            killed_at = time.monotonic()
-            outcome = session.send("text", TEXT_BODY)
-            reported_s = time.monotonic() - killed_at
-    print(f"real vLLM pd0 SIGKILLed while serving: next request failed {reported_s:.2f} s later")
-    assert "1E+1PD/pd0" in outcome.error, outcome.error
-    assert "killed by SIGKILL" in outcome.error or "exited with code -9" in outcome.error
-    assert reported_s <= 3.0, f"{reported_s:.2f} s"
-
-
-def run_processes(recorded: list[psutil.Process], pgids: set[int], marks: list[str]) -> list:
-    """Live processes of a run: recorded handles, members of its groups, and (only to check,
-    never to kill) any process whose command line has one of `marks` (its ports, its run dir)."""
-    found = {p.pid: p for p in recorded if is_live(p)}
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-            if proc.pid in found or proc.pid == os.getpid() or not is_live(proc):
-                continue
-            cmdline = " ".join(proc.cmdline())
-            if os.getpgid(proc.pid) in pgids or any(mark in cmdline for mark in marks):
-                found[proc.pid] = proc
-    return list(found.values())
-
-
-@pytest.mark.e2e
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    "milestone, delay_s",
-    [
-        ("spawn", 3.0),
-        ("args", 0.5),
-        pytest.param("args", 1.5, marks=pytest.mark.ci),
-        ("args", 3.0),
-        ("args", 8.0),
-        ("args", 20.0),
-    ],
-    ids=["spawn+3s", "args+0.5s", "args+1.5s", "args+3s", "args+8s", "args+20s"],
-)
-def test_real_vllm_left_starting_by_a_sigkilled_harness_is_stopped(
-    milestone: str, delay_s: float, tmp_path: Path, lock_dir: Path
-) -> None:
-    """Trap 7: vLLM's API server ignores the parent-death SIGTERM while its engine starts, so
-    a SIGKILLed harness left both instances running (1P+1D here; EPD_WATCHDOG_E2E_TOPOLOGY
-    picks another two-instance topology). The harness is SIGKILLed `delay_s`
-    after the spawn, or after both instances logged their parsed arguments ("args"; the
-    window where vLLM ignores SIGTERM opens a fraction of a second later). The watchdog must
-    end every process of the run within WATCHDOG_END_WITHIN_S."""
-    run_dir = tmp_path / "run"
-    session_dir = run_dir / safe_name(WATCHDOG_E2E_TOPOLOGY)
-    with open(tmp_path / "harness.err", "wb") as err:
-        harness = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                VLLM_DRIVER,
-                default_vllm_executable(),
-                str(resolve_model(None, None, cache_dir())),
-                str(run_dir),
-                WATCHDOG_E2E_TOPOLOGY,
-            ],
-            cwd=REPO_ROOT,
-            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-        )
-    recorded: list[psutil.Process] = []
-    pgids: set[int] = set()
-    try:
-        line = harness.stdout.readline()
-        assert line.startswith("{"), f"{line}{read(tmp_path / 'harness.err')}"
-        report = json.loads(line)
-        servers = [psutil.Process(server["pid"]) for server in report["servers"]]
-        spawned = time.monotonic()
-        if milestone == "args":
-            logs = [log_path_for(session_dir, server["name"]) for server in report["servers"]]
-            wait_for(
-                lambda: (
-                    alive_or_fail(harness) or all("non-default args" in read(log) for log in logs)
-                ),
-                "both instances to parse their arguments",
-                180,
-            )
-        milestone_s = time.monotonic() - spawned
-        time.sleep(delay_s)
-        alive_or_fail(harness)
-        for server in servers:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                recorded += [server, *server.children(recursive=True)]
-        watchdog_proc = psutil.Process(report["watchdog"]) if report["watchdog"] else None
-        harness.kill()
-        killed = time.monotonic()
-        pgids |= {server.pid for server in servers}
-        marks = [str(run_dir), *(f"--port {server['port']}" for server in report["servers"])]
-        deadline = killed + WATCHDOG_END_WITHIN_S
-        while (left := run_processes(recorded, pgids, marks)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        gone_s = time.monotonic() - killed
-        log = read(session_dir / "watchdog.log")
-        ready = [
-            s["name"]
-            for s in report["servers"]
-            if "Application startup complete" in read(log_path_for(session_dir, s["name"]))
-        ]
-        print(
-            f"\nreal vLLM {WATCHDOG_E2E_TOPOLOGY}, harness SIGKILLed {killed - spawned:.1f} s after spawning, "
-            f"{delay_s} s after {milestone} (at {milestone_s:.1f} s) "
-            f"({len(recorded)} processes recorded; ready: {ready or 'none'}): "
-            + (
-                f"{len(left)} still alive after {gone_s:.1f} s"
-                if left
-                else f"all gone {gone_s:.1f} s later"
-            )
-            + f"\nwatchdog.log:\n{log}"
-        )
-        assert not left, f"alive {gone_s:.0f} s after the harness's SIGKILL: {describe(left)}"
-        if watchdog_proc is not None:
-            assert not survivors([watchdog_proc], WATCHDOG_EXIT_S), "the watchdog lingers"
-    finally:
-        if harness.poll() is None:
-            harness.kill()
-        harness.wait()
-        harness.stdout.close()
-        # Clean-up only by recorded handle or by the run's own groups, never by name.
-        kill_all(recorded + run_processes([], pgids, []))

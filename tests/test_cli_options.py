@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.cli.main import main
+pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize(
@@ -16,19 +16,20 @@ from harness.cli.main import main
         (["--platform", "tpu"], "unknown platform 'tpu' (known: cpu, cuda, xpu)"),
         (
             ["--plant-fault", "melt"],
-            "unknown fault 'melt' (known: corrupt-ec, zero-kv, drop-metadata)",
+            "unknown fault 'melt' (known: corrupt-ec, zero-kv, drop-metadata, stream-duplicate-chunk)",
         ),
     ],
 )
-def test_bad_run_options_are_one_line_exit_2(argv: list[str], cause: str, capsys) -> None:
-    assert main(["run", *argv]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+def test_bad_run_options_are_one_line_exit_2(argv: list[str], cause: str, epd_cli) -> None:
+    code, _, stderr = epd_cli("run", *argv)
+    assert code == 2
+    err = stderr.strip().splitlines()
     assert len(err) == 1, err
     assert err[0].startswith("epd-harness: error: ") and cause in err[0], err[0]
 
 
-def test_list_names_scenarios_and_faults(capsys) -> None:
-    assert main(["list"]) == 0
-    out = capsys.readouterr().out
+def test_list_names_scenarios_and_faults(epd_cli) -> None:
+    code, out, _ = epd_cli("list")
+    assert code == 0
     assert "epd-media-in-decode-tail" in out and "expects ERROR" in out
     assert "corrupt-ec, zero-kv, drop-metadata" in out

@@ -16,10 +16,13 @@ from harness.judge.guards import (
     check_transfers,
     expected_kv_prefix,
 )
-from harness.serve.client import ChatResult, PositionLogprobs, parse_chat_response
-from harness.serve.proxy import EncoderCall, RequestTrace
+from harness.outcomes.chat import ChatResult, PositionLogprobs, parse_chat_response
+from harness.outcomes.trace import EncoderCall, RequestTrace
 from harness.spec.prompts import sampling_fields
 from harness.spec.topology import get_topology
+from harness.testing.builders import cached_answer
+
+pytestmark = pytest.mark.unit
 
 # A vLLM chat completion as served with return_token_ids, logprobs, top_logprobs=2 and
 # return_tokens_as_token_ids, plus --enable-prompt-tokens-details.
@@ -190,19 +193,9 @@ def test_expected_kv_prefix(prompt_tokens: int, block_size: int, expected: int) 
     assert expected_kv_prefix(prompt_tokens, block_size) == expected
 
 
-def d_result(prompt_tokens: int, cached: int | None) -> ChatResult:
-    return ChatResult(
-        prompt_token_ids=tuple(range(prompt_tokens)),
-        token_ids=(1, 2),
-        text="",
-        finish_reason="length",
-        cached_tokens=cached,
-    )
-
-
 @pytest.mark.parametrize("cached", [None, 0, 32])  # 32: a local prefix hit, not the transfer
 def test_kv_transfer_fails_below_expected_prefix(cached: int | None) -> None:
-    guard = check_kv_transfer(d_result(89, cached), block_size=32)
+    guard = check_kv_transfer(cached_answer(89, cached), block_size=32)
     assert guard.name == "kv_transfer"
     assert guard.ok is False
     assert f"cached_tokens={cached}" in guard.evidence
@@ -211,14 +204,14 @@ def test_kv_transfer_fails_below_expected_prefix(cached: int | None) -> None:
 
 @pytest.mark.parametrize(("prompt_tokens", "cached"), [(89, 64), (185, 160), (185, 184)])
 def test_kv_transfer_passes_at_expected_prefix(prompt_tokens: int, cached: int) -> None:
-    guard = check_kv_transfer(d_result(prompt_tokens, cached), block_size=32)
+    guard = check_kv_transfer(cached_answer(prompt_tokens, cached), block_size=32)
     assert guard.ok is True
     assert guard.to_json() == {"ok": True, "evidence": guard.evidence}
 
 
 def test_kv_transfer_fails_when_nothing_could_transfer() -> None:
     # a 32-token prompt leaves no whole block to load: the guard cannot prove a transfer
-    assert check_kv_transfer(d_result(32, 0), block_size=32).ok is False
+    assert check_kv_transfer(cached_answer(32, 0), block_size=32).ok is False
 
 
 # --- guards: encoder_output / consumer_embeds ------------------------------------------------
@@ -311,7 +304,7 @@ def test_consumer_embeds_guard() -> None:
 
 def test_check_transfers_picks_guards_per_topology(tmp_path: Path) -> None:
     trace = encoded_trace()
-    result = d_result(89, 64)
+    result = cached_answer(89, 64)
     names = {
         name: [g.name for g in check_transfers(get_topology(name), trace, result, tmp_path, 32)]
         for name in ("baseline", "1E+1PD", "1P+1D", "1E+1P+1D")

@@ -6,7 +6,10 @@ import pytest
 
 from harness.judge.compare import Verdict, compare_results, noise_floor, token_verdict
 from harness.judge.records import EXACT, LOGPROB_CLOSE, Policy
-from harness.serve.client import ChatResult, PositionLogprobs
+from harness.outcomes.chat import ChatResult, PositionLogprobs
+from harness.testing.builders import chat
+
+pytestmark = pytest.mark.unit
 
 PROMPT = (1, 2, 3, 4)
 
@@ -19,21 +22,11 @@ def result(
 ) -> ChatResult:
     """A result whose position i has top-k `tops[i]` (default: just the generated token)."""
     tops = tops or {}
-    logprobs = tuple(
-        PositionLogprobs(
-            token_id=t,
-            logprob=-0.5,
-            top=tuple((tid, -0.5 - rank) for rank, tid in enumerate(tops.get(i, (t,)))),
-        )
-        for i, t in enumerate(tokens)
-    )
-    return ChatResult(
-        prompt_token_ids=prompt,
-        token_ids=tokens,
-        text="",
-        finish_reason="length",
-        logprobs=logprobs if with_logprobs else (),
-    )
+
+    def top(i: int, t: int) -> list[tuple[int, float]]:
+        return [(tid, -0.5 - rank) for rank, tid in enumerate(tops.get(i, (t,)))]
+
+    return chat(tokens, prompt_ids=prompt, top=top if with_logprobs else None)
 
 
 SEQ = tuple(range(100, 120))  # 20 tokens
@@ -125,15 +118,12 @@ def near_tie(gap: float, prefix_lp: float = -0.5) -> tuple[ChatResult, ChatResul
     cand_tokens = SEQ[:5] + (555,) + SEQ[6:]
 
     def side(tokens: tuple[int, ...], own: int, other: int, lp: float) -> ChatResult:
-        logprobs = tuple(
-            PositionLogprobs(
-                t,
-                lp if i < 5 else -0.5,
-                ((own, -0.5), (other, -0.5 - gap)) if i == 5 else ((t, lp if i < 5 else -0.5),),
-            )
-            for i, t in enumerate(tokens)
-        )
-        return ChatResult(PROMPT, tokens, "", "length", logprobs)
+        def top(i: int, t: int) -> tuple[tuple[int, float], ...]:
+            if i == 5:
+                return ((own, -0.5), (other, -0.5 - gap))
+            return ((t, lp if i < 5 else -0.5),)
+
+        return chat(tokens, prompt_ids=PROMPT, top=top)
 
     return side(SEQ, 105, 555, -0.5), side(cand_tokens, 555, 105, prefix_lp)
 

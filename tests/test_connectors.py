@@ -14,7 +14,6 @@ from harness.errors import BadInput
 from harness.judge.guards import check_kv_transfer, check_transfers, kv_rule_for
 from harness.preflight.connectors import check_kv_connector, ec_connector_for
 from harness.run.baseline_cache import baseline_key
-from harness.serve.client import ChatResult
 from harness.spec.connectors import (
     EC_CONNECTORS,
     EC_EXAMPLE,
@@ -29,19 +28,12 @@ from harness.spec.connectors import (
 from harness.spec.instances import InstanceSpec
 from harness.spec.settings import ServedVllm
 from harness.spec.topology import Role, ServingConfig, get_topology
+from harness.testing.builders import cached_answer
+
+pytestmark = pytest.mark.unit
 
 SERVED = ServedVllm("/venv/bin/vllm", "0.32.0+cpu", "2.13.0+cpu")
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-
-
-def d_result(prompt_tokens: int, cached: int | None) -> ChatResult:
-    return ChatResult(
-        prompt_token_ids=tuple(range(prompt_tokens)),
-        token_ids=(1,),
-        text="",
-        finish_reason="length",
-        cached_tokens=cached,
-    )
 
 
 # --- the rule per connector -------------------------------------------------------------------
@@ -97,7 +89,7 @@ def nixl_counters(p2p: float, failed: float = 0.0) -> dict[str, float]:
 def test_nixl_rule_refuses_what_the_example_rule_accepts() -> None:
     """64 of 89 is all ExampleConnector moves, but under NIXL it means the partial last block
     was recomputed: D did not get the whole prompt."""
-    result = d_result(89, 64)
+    result = cached_answer(89, 64)
     example = check_kv_transfer(result, 32, KvRule.BLOCK_ALIGNED_PREFIX)
     nixl = check_kv_transfer(result, 32, KvRule.WHOLE_PROMPT, nixl_counters(64))
     assert example.ok and not nixl.ok
@@ -108,26 +100,27 @@ def test_nixl_rule_refuses_what_the_example_rule_accepts() -> None:
 @pytest.mark.parametrize("p2p", [0, 32, 87])
 def test_nixl_rule_fails_short_of_the_whole_prompt(p2p: float) -> None:
     assert (
-        check_kv_transfer(d_result(89, 0), 32, KvRule.WHOLE_PROMPT, nixl_counters(p2p)).ok is False
+        check_kv_transfer(cached_answer(89, 0), 32, KvRule.WHOLE_PROMPT, nixl_counters(p2p)).ok
+        is False
     )
 
 
 @pytest.mark.parametrize("p2p", [88, 89])
 def test_nixl_rule_holds_for_the_whole_prompt_even_with_cached_tokens_zero(p2p: float) -> None:
     """As measured on vLLM 0.32: cached_tokens=0 on D, the p2p counter the whole prompt."""
-    guard = check_kv_transfer(d_result(89, 0), 32, KvRule.WHOLE_PROMPT, nixl_counters(p2p))
+    guard = check_kv_transfer(cached_answer(89, 0), 32, KvRule.WHOLE_PROMPT, nixl_counters(p2p))
     assert guard.ok is True
     assert f"p2p cached tokens +{p2p:g}" in guard.evidence and "cached_tokens=0" in guard.evidence
 
 
 def test_nixl_rule_fails_on_a_failed_transfer() -> None:
-    guard = check_kv_transfer(d_result(89, 0), 32, KvRule.WHOLE_PROMPT, nixl_counters(89, 1))
+    guard = check_kv_transfer(cached_answer(89, 0), 32, KvRule.WHOLE_PROMPT, nixl_counters(89, 1))
     assert not guard.ok and "failed +1" in guard.evidence
 
 
 def test_nixl_rule_without_metrics_is_not_evidence() -> None:
     """cached_tokens cannot stand in under NIXL: without D's counters the guard fails."""
-    guard = check_kv_transfer(d_result(89, 88), 32, KvRule.WHOLE_PROMPT, None)
+    guard = check_kv_transfer(cached_answer(89, 88), 32, KvRule.WHOLE_PROMPT, None)
     assert not guard.ok and "could not be read" in guard.evidence
 
 
@@ -142,7 +135,7 @@ def test_check_transfers_applies_the_rule_it_is_given(tmp_path: Path) -> None:
     [guard] = check_transfers(
         get_topology("1P+1D"),
         None,
-        d_result(89, 64),
+        cached_answer(89, 64),
         tmp_path,
         32,
         KvRule.WHOLE_PROMPT,
@@ -205,31 +198,7 @@ def test_baseline_key_still_changes_with_the_ec_connector_and_block_size() -> No
     assert key != baseline_key(SERVED, dataclasses.replace(serving, block_size=16), "d", BODY)
 
 
-# --- the preflight refusal --------------------------------------------------------------------
-
-
-def fake_vllm(tmp_path: Path, python: str) -> str:
-    script = tmp_path / "vllm"
-    script.write_text(f"#!{python}\n")
-    script.chmod(0o755)
-    return str(script)
-
-
-@pytest.mark.process  # runs a stand-in interpreter
-def test_nixl_refused_in_one_line_when_the_served_python_lacks_it(tmp_path: Path) -> None:
-    interpreter = tmp_path / "python"
-    interpreter.write_text(
-        "#!/bin/sh\necho \"ModuleNotFoundError: No module named 'nixl'\" >&2\nexit 1\n"
-    )
-    interpreter.chmod(0o755)
-    served = dataclasses.replace(SERVED, executable=fake_vllm(tmp_path, str(interpreter)))
-    with pytest.raises(BadInput) as caught:
-        check_kv_connector(served, NIXL)
-    message = str(caught.value)
-    assert "\n" not in message
-    assert "--kv-connector nixl needs nixl" in message
-    assert "No module named 'nixl'" in message
-    assert "scripts/cpu setup --nixl" in message
+# --- the preflight refusal (its probe: tests/test_vllm_probe.py) ---------------------------------
 
 
 def test_example_connector_needs_no_probe(tmp_path: Path) -> None:
@@ -292,7 +261,7 @@ def test_decode_tail_crash_is_expected_only_under_example_connector() -> None:
     nixl = tail.for_kv_connector("NixlConnector")
     assert nixl.expect == (Verdict.MATCH,)
     assert nixl.expect_evidence == "" and nixl.reason == ""
-    assert nixl.effective_policy == nixl.policy  # judged like any MATCH scenario
+    assert nixl.declared is None  # judged like any MATCH scenario
 
 
 def test_scenarios_without_an_override_are_the_same_under_every_connector() -> None:

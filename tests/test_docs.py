@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
+import pytest
+
 from harness import environment
+
+pytestmark = pytest.mark.check
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,3 +74,25 @@ def test_every_repository_path_named_in_code_and_docs_exists() -> None:
             if not path.startswith(VLLM_SDIST_PREFIXES) and not (ROOT / path).exists():
                 missing.add(f"{source.relative_to(ROOT)} -> {path}")
     assert not missing, sorted(missing)
+
+
+def test_every_script_the_project_names_exists() -> None:
+    """`doctor` and pyproject.toml once pointed at a setup script that never existed (trap 5 of
+    issue 8; tests/test_traps.py pins the others)."""
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    sources = [
+        p
+        for p in tracked
+        if p.endswith((".py", ".toml", ".md", ".ini", ".yml", ".yaml"))
+        or p in (".ci/run", "scripts/cpu")
+    ]
+    named: dict[str, str] = {}
+    for source in sources:
+        text = (ROOT / source).read_text(encoding="utf-8")
+        for match in re.finditer(r"\bscripts/([A-Za-z0-9_.-]+[A-Za-z0-9_])", text):
+            named.setdefault(f"scripts/{match[1]}", source)
+    missing = {script: where for script, where in named.items() if not (ROOT / script).exists()}
+    assert named, "the scan found no reference at all: it would pass vacuously"
+    assert not missing, f"named but missing (script: where): {missing}"

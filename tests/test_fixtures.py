@@ -13,8 +13,11 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
-from harness.fixtures import media
 from PIL import Image
+
+from fixtures import media
+
+pytestmark = pytest.mark.unit
 
 # --- media -----------------------------------------------------------------------------------
 

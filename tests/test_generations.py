@@ -8,8 +8,8 @@ import pytest
 
 from harness.errors import BadInput
 from harness.judge.records import EXACT, LOGPROB_CLOSE, Verdict
-from harness.judge.verdicts import judge_case, judged_as_declared, not_applicable_case
-from harness.serve.client import ChatResult
+from harness.judge.verdicts import not_applicable_case
+from harness.outcomes.outcome import Outcome
 from harness.serve.proxy_protocol import (
     EncoderAnswerError,
     EncoderBatch,
@@ -18,7 +18,6 @@ from harness.serve.proxy_protocol import (
     merge_encoder_params,
     plan_encoder_batches,
 )
-from harness.serve.session import Outcome
 from harness.spec.generations import (
     FLOOR,
     GENERATIONS,
@@ -35,6 +34,10 @@ from harness.spec.instances import InstanceSpec
 from harness.spec.platforms import CPU
 from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.topology import TOPOLOGIES, Role, serving_for
+from harness.testing.builders import outcome
+from harness.testing.judging import judged
+
+pytestmark = pytest.mark.unit
 
 # Which generation each release on the package index speaks, and the two flags that decide
 # whether its instances start at all.
@@ -155,19 +158,6 @@ def test_not_applicable_never_passes_any_policy() -> None:
 # -- failures a release is declared to have --------------------------------------------------
 
 
-def outcome(prompt: str, ids: list[int], prompt_ids: tuple[int, ...] = (1, 2, 3)) -> Outcome:
-    result = ChatResult.from_json(
-        {
-            "prompt_token_ids": list(prompt_ids),
-            "token_ids": ids,
-            "text": "",
-            "logprobs": [],
-            "finish_reason": "length",
-        }
-    )
-    return Outcome(prompt=prompt, result=result)
-
-
 def test_0_29_and_0_30_declare_the_video_timing_failure_and_only_through_an_encoder() -> None:
     declaring = {"ec-items", "by-hash"}
     for name in declaring:
@@ -195,11 +185,12 @@ def test_the_floor_is_the_first_generation_whose_consumers_serve_metadata_only_p
 def test_a_declared_failure_passes_only_when_it_fails_exactly_as_declared() -> None:
     failure = GENERATIONS_BY_NAME["by-hash"].known_failures[0]
 
-    def judged(candidate: Outcome) -> object:
-        record = judge_case("1E+1PD", "baseline", outcome("video", [5, 6, 7]), candidate, [])
-        return judged_as_declared(record, failure)
+    def as_declared_by(candidate: Outcome) -> object:
+        return judged(
+            "1E+1PD", "baseline", outcome("video", [5, 6, 7]), candidate, declared=failure
+        )
 
-    as_declared = judged(outcome("video", [9, 6, 7]))
+    as_declared = as_declared_by(outcome("video", [9, 6, 7]))
     assert as_declared.verdict is Verdict.MISMATCH and as_declared.policy_passed
     assert failure.reason in as_declared.detail
     # Any other outcome fails, and says what was declared.
@@ -208,7 +199,7 @@ def test_a_declared_failure_passes_only_when_it_fails_exactly_as_declared() -> N
         outcome("video", [9, 6, 7], prompt_ids=(1, 2, 4)),  # placeholders sized differently
         Outcome(prompt="video", error="HTTP 500"),  # another failure altogether
     ):
-        record = judged(candidate)
+        record = as_declared_by(candidate)
         assert not record.policy_passed, record.detail
         assert "NOT the declared MISMATCH" in record.detail
 
@@ -216,6 +207,8 @@ def test_a_declared_failure_passes_only_when_it_fails_exactly_as_declared() -> N
 def test_the_sweep_judges_a_declared_case_by_its_declaration(tmp_path: Path) -> None:
     """A 0.30 sweep: 1E+1PD video failing as declared passes; 1P+1D video is judged as usual
     (its MISMATCH would fail); outcomes are planted, nothing is served."""
+    from harness.judge.verdicts import Stability
+    from harness.run.judging import Observed
     from harness.run.sweep import Sweep, SweepSpec
     from harness.spec.settings import RunSettings, ServedVllm
 
@@ -229,17 +222,15 @@ def test_the_sweep_judges_a_declared_case_by_its_declaration(tmp_path: Path) -> 
         topologies=(TOPOLOGIES["1E+1PD"], TOPOLOGIES["1P+1D"]), prompts=(PROMPTS["video"],)
     )
     sweep = Sweep(spec, settings)
-    baseline = {"video": outcome("video", [5, 6, 7])}
-    different = {"video": outcome("video", [9, 6, 7])}
-    served = {"1E+1PD": different, "1P+1D": different}
-    sweep.serve_baseline = lambda: baseline  # type: ignore[method-assign]
+    sweep.baseline.outcomes["video"] = outcome("video", [5, 6, 7])
+    sweep.baseline.stability["video"] = Stability(True, "planted", 0.0)
+    different = Observed(outcome("video", [9, 6, 7]), ())
+    served = {"1E+1PD": {"video": different}, "1P+1D": {"video": different}}
     sweep.serve_topology = lambda name: served[name]  # type: ignore[method-assign]
-    sweep.guards = {name: {"video": []} for name in served}
-    sweep.stability = {"video": (True, "", 0.0)}
     (encoder,) = sweep.judge("1E+1PD", "video")
     (no_encoder,) = sweep.judge("1P+1D", "video")
     assert encoder.verdict is Verdict.MISMATCH and encoder.policy_passed
-    assert "declared for this release" in encoder.detail
+    assert "declared upstream failure" in encoder.detail
     assert no_encoder.verdict is Verdict.MISMATCH and not no_encoder.policy_passed
     assert "declared" not in no_encoder.detail
 

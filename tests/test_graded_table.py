@@ -8,18 +8,22 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli.main import main
 from harness.errors import BadInput
 from harness.run.faults import FaultSpec, parse_fault
 from harness.run.graded import (
     DETECTION_PROMPTS,
     NOISE_LADDER,
+    TINY_MODEL,
     DetectionTable,
     Rung,
     load_thresholds,
+    measured_on,
+    model_key,
     regressions,
     run_ladder,
 )
+
+pytestmark = pytest.mark.unit
 
 THRESHOLDS = Path(__file__).resolve().parents[1] / "scenarios" / "detection_thresholds.json"
 
@@ -62,15 +66,16 @@ def test_bad_fault_values_are_one_bad_input_line(text: str, cause: str):
     assert cause in message and "\n" not in message, message
 
 
-def test_cli_refuses_a_bad_strength_in_one_line(capsys):
-    assert main(["run", "--plant-fault", "ec-noise:zero"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+def test_cli_refuses_a_bad_strength_in_one_line(epd_cli):
+    code, _, stderr = epd_cli("run", "--plant-fault", "ec-noise:zero")
+    assert code == 2
+    err = stderr.strip().splitlines()
     assert len(err) == 1 and "ec-noise needs a strength" in err[0], err
 
 
-def test_list_shows_the_graded_faults(capsys):
-    assert main(["list"]) == 0
-    out = capsys.readouterr().out
+def test_list_shows_the_graded_faults(epd_cli):
+    code, out, _ = epd_cli("list")
+    assert code == 0
     for name in (
         "ec-noise:FRACTION",
         "kv-noise:FRACTION",
@@ -151,3 +156,19 @@ def test_detection_prompts_have_media_of_their_own():
     assert len(own) == len(set(own)), f"two detection rungs share media: {own}"
     shared = set(own) & set(seeds((*SKELETON_PROMPTS, *matrix_prompts())))
     assert not shared, f"detection media also used by the sweep or matrix: {shared}"
+
+
+def test_thresholds_gate_only_the_platform_and_model_they_were_measured_on(tmp_path: Path):
+    committed = load_thresholds(THRESHOLDS, "cpu", TINY_MODEL)
+    assert committed is not None and committed["kv-noise"]["1P+1D"] == 0.05
+    assert load_thresholds(THRESHOLDS, "cuda", TINY_MODEL) is None, "measured on CPU only"
+    assert load_thresholds(THRESHOLDS, "cpu", "Qwen/Qwen2.5-VL-3B-Instruct") is None
+    assert "cpu / tiny-qwen25vl" in measured_on(THRESHOLDS)
+
+
+def test_model_key_names_a_model_the_same_however_it_was_given(tmp_path: Path):
+    assert model_key("/root/.cache/epd-harness/models/tiny-qwen25vl-1a7363f493f0") == TINY_MODEL
+    snapshot = "/hf/hub/models--Qwen--Qwen2.5-VL-3B-Instruct/snapshots/0123abcd"
+    assert model_key(snapshot) == "Qwen/Qwen2.5-VL-3B-Instruct"
+    assert model_key("Qwen/Qwen2.5-VL-3B-Instruct") == "Qwen/Qwen2.5-VL-3B-Instruct"
+    assert model_key(str(tmp_path / "my-model")) == "my-model"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from harness.judge.guards import (
     TransferEvidence,
     check_consumer_embeds,
@@ -12,9 +14,11 @@ from harness.judge.guards import (
     check_kv_transfer,
     check_transfers,
 )
-from harness.serve.client import ChatResult
-from harness.serve.tap import TapRecord
+from harness.outcomes.taps import TapRecord
 from harness.spec.topology import get_topology
+from harness.testing.builders import cached_answer
+
+pytestmark = pytest.mark.unit
 
 ENTRY = {"item_indices": [0], "metadata": {"image_grid_thw": [1, 4, 4]}}
 
@@ -46,16 +50,6 @@ def consumer(
         part_types=[part],
         metadata_only=[metadata_only],
         usage=usage,
-    )
-
-
-def answer(cached: int | None) -> ChatResult:
-    return ChatResult(
-        prompt_token_ids=tuple(range(89)),
-        token_ids=(1,),
-        text="",
-        finish_reason="length",
-        cached_tokens=cached,
     )
 
 
@@ -94,17 +88,19 @@ def test_encoder_answers_at_the_taps_cover_the_media(tmp_path: Path) -> None:
 def test_kv_guard_believes_d_not_the_answer_the_proxy_passed_on() -> None:
     # the client's answer claims 64 cached tokens (a proxy could write that); D said 0
     taps = TransferEvidence.from_taps([consumer(0, "prefill"), consumer(1, "decode", cached=0)], 0)
-    guard = check_kv_transfer(answer(64), block_size=32, evidence=taps)
+    guard = check_kv_transfer(cached_answer(89, 64), block_size=32, evidence=taps)
     assert guard.ok is False and "cached_tokens=0 (taps)" in guard.evidence
     honest = TransferEvidence.from_taps([consumer(1, "decode", cached=64)], 0)
-    assert check_kv_transfer(answer(None), block_size=32, evidence=honest).ok
+    assert check_kv_transfer(cached_answer(89, None), block_size=32, evidence=honest).ok
 
 
 def test_check_transfers_from_taps_picks_guards_per_topology(tmp_path: Path) -> None:
     storage = with_file(tmp_path, "h")
     records = [encoder(0, {"h": ENTRY}), consumer(1, "prefill"), consumer(2, "decode", cached=64)]
     evidence = TransferEvidence.from_taps(records, media_count=1)
-    guards = check_transfers(get_topology("1E+1P+1D"), evidence, answer(None), storage, 32)
+    guards = check_transfers(
+        get_topology("1E+1P+1D"), evidence, cached_answer(89, None), storage, 32
+    )
     assert [(g.name, g.ok) for g in guards] == [
         ("encoder_output", True),
         ("consumer_embeds", True),
@@ -115,8 +111,8 @@ def test_check_transfers_from_taps_picks_guards_per_topology(tmp_path: Path) -> 
 def test_every_encoder_used_is_read_at_the_encoders_taps() -> None:
     from types import SimpleNamespace
 
+    from harness.outcomes.outcome import Outcome
     from harness.run.matrix import check_every_encoder_used
-    from harness.serve.session import Outcome
     from harness.spec.topology import Role
 
     session = SimpleNamespace(

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
+
 from harness.judge.compare import Verdict
 from harness.judge.guards import GuardResult
-from harness.judge.records import LOGPROB_CLOSE
-from harness.judge.verdicts import baseline_is_stable, judge_case
-from harness.serve.client import ChatResult, PositionLogprobs
-from harness.serve.session import Outcome
+from harness.judge.policy import PD_DRIFT
+from harness.judge.verdicts import baseline_stability
+from harness.outcomes.outcome import Outcome
+from harness.testing import builders
+from harness.testing.judging import judged
+
+pytestmark = pytest.mark.unit
 
 PROMPT = (1, 2, 3)
 
@@ -15,14 +20,12 @@ PROMPT = (1, 2, 3)
 def outcome(
     tokens: tuple[int, ...], top: tuple[int, ...] = (), error: str | None = None
 ) -> Outcome:
-    if error:
-        return Outcome(prompt="image", error=error)
-    logprobs = tuple(
-        PositionLogprobs(t, -1.0, tuple((alt, -1.0 - i * 0.1) for i, alt in enumerate((t, *top))))
-        for t in tokens
-    )
-    result = ChatResult(PROMPT, tokens, "", "length", logprobs)
-    return Outcome(prompt="image", result=result)
+    """Each position: its token at -1.0, then `top`'s ids 0.1 nats apart."""
+
+    def ranked(_position: int, token: int) -> list[tuple[int, float]]:
+        return [(alt, -1.0 - i * 0.1) for i, alt in enumerate((token, *top))]
+
+    return builders.outcome("image", tokens, error=error, prompt_ids=PROMPT, top=ranked)
 
 
 HELD = GuardResult("kv_transfer", True, "cached 160 >= 160")
@@ -30,56 +33,50 @@ BROKEN = GuardResult("consumer_embeds", False, "parts forwarded to the consumer:
 
 
 def test_equal_tokens_and_held_guards_match() -> None:
-    record = judge_case("1P+1D", "baseline", outcome((5, 6)), outcome((5, 6)), [HELD])
+    record = judged("1P+1D", "baseline", outcome((5, 6)), outcome((5, 6)), [HELD])
     assert record.verdict is Verdict.MATCH and record.policy_passed
     assert record.guards == {"kv_transfer": {"ok": True, "evidence": "cached 160 >= 160"}}
 
 
 def test_equal_tokens_with_a_failed_guard_are_vacuous() -> None:
-    record = judge_case("1E+1PD", "baseline", outcome((5, 6)), outcome((5, 6)), [HELD, BROKEN])
+    record = judged("1E+1PD", "baseline", outcome((5, 6)), outcome((5, 6)), [HELD, BROKEN])
     assert record.verdict is Verdict.VACUOUS and not record.policy_passed
     assert "consumer_embeds" in record.detail and "image_url" in record.detail
 
 
 def test_a_failed_request_is_an_error_whatever_the_guards() -> None:
-    record = judge_case(
-        "1E+1PD", "baseline", outcome((5,)), outcome((), error="HTTP 500: boom"), []
-    )
+    record = judged("1E+1PD", "baseline", outcome((5,)), outcome((), error="HTTP 500: boom"), [])
     assert record.verdict is Verdict.ERROR and record.error == "HTTP 500: boom"
 
 
 def test_a_reference_without_result_is_an_error_naming_it() -> None:
-    record = judge_case("1E+1P+1D", "1P+1D", outcome((), error="died"), outcome((5,)), [])
+    record = judged("1E+1P+1D", "1P+1D", outcome((), error="died"), outcome((5,)), [])
     assert record.verdict is Verdict.ERROR and "reference 1P+1D has no result" in record.detail
 
 
 def test_an_unstable_baseline_is_its_own_verdict() -> None:
-    record = judge_case(
-        "1P+1D", "baseline", outcome((5,)), outcome((7,)), [], baseline_stable=False
-    )
+    record = judged("1P+1D", "baseline", outcome((5,)), outcome((7,)), [], stable=False)
     assert record.verdict is Verdict.UNSTABLE_BASELINE and not record.policy_passed
 
 
 def test_drift_needs_a_measured_floor_and_fails_exact_but_passes_logprob_close() -> None:
     """Near-tie (0.1 nats) at position 1 after an equal prefix."""
     reference, candidate = outcome((5, 6), top=(8,)), outcome((5, 8), top=(6,))
-    exact = judge_case("1P+1D", "baseline", reference, candidate, [], drift_tolerance=0.2)
-    close = judge_case(
-        "1P+1D", "baseline", reference, candidate, [], policy=LOGPROB_CLOSE, drift_tolerance=0.2
+    exact = judged("1P+1D", "baseline", reference, candidate, [], tolerance=0.2)
+    close = judged(
+        "1P+1D", "baseline", reference, candidate, [], reference_policy=PD_DRIFT, tolerance=0.2
     )
     assert exact.verdict is close.verdict is Verdict.DRIFT
     assert not exact.policy_passed and close.policy_passed
     assert exact.divergence is not None and exact.divergence["index"] == 1
-    on_cpu = judge_case("1P+1D", "baseline", reference, candidate, [], policy=LOGPROB_CLOSE)
+    on_cpu = judged("1P+1D", "baseline", reference, candidate, [], reference_policy=PD_DRIFT)
     assert on_cpu.verdict is Verdict.MISMATCH and not on_cpu.policy_passed
 
 
 def test_baseline_control_compares_the_two_answers() -> None:
-    assert baseline_is_stable(outcome((5, 6)), outcome((5, 6)))[0] is True
-    stable, detail, floor = baseline_is_stable(outcome((5, 6)), outcome((5, 9)))
-    assert stable is False and "position 1" in detail and floor is None
-    assert baseline_is_stable(outcome((5,)), outcome((), error="timeout")) == (
-        False,
-        "timeout",
-        None,
-    )
+    assert baseline_stability(outcome((5, 6)), outcome((5, 6))).stable is True
+    unstable = baseline_stability(outcome((5, 6)), outcome((5, 9)))
+    assert unstable.stable is False and "position 1" in unstable.detail
+    assert unstable.noise_floor is None
+    failed = baseline_stability(outcome((5,)), outcome((), error="timeout"))
+    assert (failed.stable, failed.detail, failed.noise_floor) == (False, "timeout", None)

@@ -24,10 +24,16 @@ from harness.serve.launch import (
     log_path_for,
 )
 from harness.serve.ports import reserve_ports
+from harness.testing.processes import (
+    child_env,
+    is_live,
+    live_members_of_group,
+    seconds_until_gone,
+    survivors,
+)
 
 pytestmark = pytest.mark.process
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 CRASH_LINE = "FATAL: distinctive-fake-crash-7f3a"
 GONE_TIMEOUT_S = 5.0
 
@@ -76,6 +82,13 @@ from pathlib import Path
 from harness.serve.launch import (ManagedServer, ServerCommand, ServerGroup, install_signal_handlers,
                             log_path_for)
 from harness.serve.ports import reserve_ports
+from harness.testing.processes import (
+    child_env,
+    is_live,
+    live_members_of_group,
+    seconds_until_gone,
+    survivors,
+)
 log_dir, lock_dir, mode, shape = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
 (lease,) = reserve_ports(1, lock_dir=lock_dir)
 command = ServerCommand(
@@ -133,31 +146,14 @@ def wait_for_log(server: ManagedServer, pattern: str, count: int = 1) -> list[st
 
 
 def is_gone(pid: int) -> bool:
-    """Exited: no such process, or a zombie (this machine's init does not reap orphans)."""
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def live_members_of_group(pgid: int) -> list[int]:
-    pids = []
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                pids.append(proc.pid)
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            continue
-    return pids
+    return not is_live(pid)
 
 
 def wait_until_gone(pids: list[int], timeout_s: float = GONE_TIMEOUT_S) -> float:
     """Seconds until every pid is gone; fails the test with the survivors after timeout_s."""
-    start = time.monotonic()
-    while not all(is_gone(pid) for pid in pids):
-        assert time.monotonic() - start < timeout_s, [p for p in pids if not is_gone(p)]
-        time.sleep(0.05)
-    return time.monotonic() - start
+    took = seconds_until_gone(pids, timeout_s)
+    assert took is not None, survivors(pids, 0)
+    return took
 
 
 def test_death_at_start_is_reported_within_3s_with_the_log_tail(make_server) -> None:
@@ -213,6 +209,31 @@ def test_never_ready_raises_startup_timeout_naming_the_server(make_server) -> No
     assert "fake server pid" in message  # the log tail
     assert timed_out.value.names == ("1P+1D/prefill0",)
     assert server.is_alive()
+
+
+def test_a_health_answer_from_a_program_that_took_the_port_is_not_readiness(
+    make_server,
+) -> None:
+    """Seen on this machine: a test's fake server, leasing ports from a lock directory of its
+    own, took a revived D's port while vLLM loaded and answered /health for it."""
+    server = make_server("1E+1P+1D/decode0", mode="never-ready")
+    port = int(server.command.health_url.split(":")[2].split("/")[0])
+    server.port_lease.hand_over()
+    intruder = subprocess.Popen(
+        [sys.executable, "-c", FAKE_SERVER, str(port), "0", "serve"], start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + GONE_TIMEOUT_S
+        while not server.probe_health():
+            assert time.monotonic() < deadline, "the intruder never answered"
+            time.sleep(0.05)
+        server.start()
+        with pytest.raises(StartupTimeout):
+            server.wait_until_ready(timeout_s=1.5)
+        assert not server.owns_health_port()
+    finally:
+        intruder.kill()
+        intruder.wait()
 
 
 def test_ready_then_stop_leaves_no_process_of_the_tree(make_server) -> None:
@@ -363,7 +384,7 @@ def run_harness(tmp_path: Path, mode: str, shape: str) -> tuple[subprocess.Popen
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        env=child_env(),
     )
     lines = []
     while True:

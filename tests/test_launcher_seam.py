@@ -24,6 +24,8 @@ from harness.spec.platforms import CPU, CUDA
 from harness.spec.settings import LauncherChoice, RunSettings
 from harness.spec.topology import TOPOLOGIES, serving_for
 
+pytestmark = pytest.mark.unit
+
 NODES = [NodeInfo("10.0.0.2", "n2", "host-p"), NodeInfo("10.0.0.3", "n3", "host-d")]
 
 

@@ -6,26 +6,21 @@ import pytest
 
 from harness.judge.compare import Verdict
 from harness.judge.guards import GuardResult
+from harness.outcomes.chat import ChatResult
+from harness.outcomes.outcome import Outcome
 from harness.report.text import CaseRecord
 from harness.run.matrix import Scenario, ScenarioResult
 from harness.run.scenarios import MATRIX, get_scenario, matrix_prompts
 from harness.spec.prompts import PromptSpec, TextPart
 from harness.spec.topology import TOPOLOGIES
+from harness.testing.builders import case_record
+from harness.testing.judging import judged
+
+pytestmark = pytest.mark.unit
 
 
 def record(verdict: Verdict, error: str | None = None, passed: bool = True) -> CaseRecord:
-    return CaseRecord(
-        topology="1E+1P+1D:s",
-        prompt="p",
-        reference="baseline",
-        verdict=verdict,
-        policy_passed=passed,
-        detail="d",
-        divergence=None,
-        guards={},
-        timings={},
-        error=error,
-    )
+    return case_record("1E+1P+1D:s", "p", verdict, passed, detail="d", guards={}, error=error)
 
 
 def test_every_scenario_names_a_known_topology_and_has_prompts() -> None:
@@ -57,10 +52,17 @@ def test_unknown_scenario_names_the_known_ones() -> None:
 
 def test_match_scenario_with_a_mismatch_has_a_problem() -> None:
     result = ScenarioResult(Scenario("s", "1E+1PD", ()), [record(Verdict.MISMATCH, passed=False)])
-    assert result.problems() == ["p: expected MATCH, got MISMATCH: d"]
+    assert result.problems() == ["p: MISMATCH: d"]
+
+
+def test_a_failed_check_is_a_problem_even_when_every_case_passed() -> None:
+    check = GuardResult("every_encoder_used", False, "encoders ['e0', 'e1']; received work: ['e0']")
+    result = ScenarioResult(Scenario("s", "2E+1PD", ()), [record(Verdict.MATCH)], [check])
+    assert result.problems() == [f"check every_encoder_used failed: {check.evidence}"]
 
 
 def test_expected_error_needs_its_evidence() -> None:
+    """A declared failure is judged on the one judging path: it passes only as declared."""
     scenario = Scenario(
         "s",
         "1E+1P+1D",
@@ -69,21 +71,15 @@ def test_expected_error_needs_its_evidence() -> None:
         expect_evidence="Expected number of multimodal",
         reason="r",
     )
-    with_evidence = ScenarioResult(
-        scenario,
-        [record(Verdict.ERROR, "... Expected number of multimodal embeddings ...", passed=False)],
-    )
-    assert with_evidence.problems() == []
-    other_error = ScenarioResult(scenario, [record(Verdict.ERROR, "connection refused", False)])
-    assert "evidence lacks" in other_error.problems()[0]
-    fixed_upstream = ScenarioResult(scenario, [record(Verdict.MATCH)])
-    assert fixed_upstream.problems() == ["p: expected ERROR, got MATCH: d"]
+    reference = Outcome("p", ChatResult((1, 2), (5, 6), "", "length"))
 
+    def judged_as_declared(candidate: Outcome):
+        return judged("1E+1P+1D:s", "baseline", reference, candidate, declared=scenario.declared)
 
-def test_failed_check_is_a_problem_even_when_tokens_match() -> None:
-    result = ScenarioResult(
-        Scenario("s", "2E+1PD", ()),
-        [record(Verdict.MATCH)],
-        [GuardResult("every_encoder_used", False, "only one encoder got work")],
-    )
-    assert result.problems() == ["check every_encoder_used failed: only one encoder got work"]
+    died = Outcome("p", error="HTTP 500\n... Expected number of multimodal embeddings ...")
+    assert judged_as_declared(died).policy_passed
+    other_error = judged_as_declared(Outcome("p", error="connection refused"))
+    assert not other_error.policy_passed and "NOT the declared ERROR" in other_error.detail
+    fixed_upstream = judged_as_declared(reference)
+    assert fixed_upstream.verdict is Verdict.MATCH and not fixed_upstream.policy_passed
+    assert ScenarioResult(scenario, [other_error]).problems() == [f"p: ERROR: {other_error.detail}"]

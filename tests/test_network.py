@@ -22,6 +22,8 @@ from harness.spec.platforms import (
 )
 from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, serving_for
 
+pytestmark = pytest.mark.unit
+
 NODES = ("10.0.0.2", "10.0.0.3", "10.0.0.4")
 
 

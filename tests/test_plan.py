@@ -6,7 +6,6 @@ every topology exactly once, distinct ports) as well as by the exact 8-GPU layou
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from pathlib import Path
@@ -17,13 +16,14 @@ from harness.cli.plan import (
     DEFAULT_TOPOLOGY_NAMES,
     Plan,
     PlanRequest,
-    add_plan_parser,
     build_plan,
     format_plan,
 )
 from harness.spec.placement import available_memory_bytes, cpu_instance_budget, place_instances
 from harness.spec.platforms import CPU, CUDA, XPU, DevicePlanError, PlatformProfile
 from harness.spec.topology import TOPOLOGIES, ServingConfig, get_topology
+
+pytestmark = pytest.mark.unit
 
 MODEL = "/models/qwen"
 VLLM = "/opt/venv/bin/vllm"
@@ -60,15 +60,6 @@ def assert_valid_gpu_plan(plan: Plan, devices: tuple[int, ...], names: tuple[str
                 assert set(instance.devices) <= set(topology.devices), instance.name
     ports = [p for i in plan.instances for p in (i.port, i.side_channel_port) if p is not None]
     assert len(ports) == len(set(ports)), f"a port is planned twice: {sorted(ports)}"
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser(prog="epd-harness")
-    add_plan_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["plan", *argv])
-    code = args.func(args)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # --- the acceptance shapes -------------------------------------------------------------------
@@ -108,7 +99,9 @@ def test_two_gpus_run_every_topology_in_sequence_with_the_encoder_sharing() -> N
     epd = {i.name: i for i in plan.instances if i.name.startswith("1E+1P+1D/")}
     assert epd["1E+1P+1D/prefill0"].devices != epd["1E+1P+1D/decode0"].devices
     assert epd["1E+1P+1D/encoder0"].devices == epd["1E+1P+1D/prefill0"].devices
-    assert epd["1E+1P+1D/encoder0"].gpu_memory_fraction == 0.45
+    # Upstream's own colocated layout (disagg_1e1p1d_example.sh): E 0.01 beside P 0.7.
+    assert epd["1E+1P+1D/encoder0"].gpu_memory_fraction == 0.01
+    assert epd["1E+1P+1D/prefill0"].gpu_memory_fraction == 0.7
 
 
 def test_two_gpus_with_colocation_give_the_same_valid_plan() -> None:
@@ -117,8 +110,8 @@ def test_two_gpus_with_colocation_give_the_same_valid_plan() -> None:
     assert_valid_gpu_plan(plan, (0, 1), DEFAULT_TOPOLOGY_NAMES)
     epd = {i.name: i for i in plan.instances if i.name.startswith("1E+1P+1D/")}
     assert epd["1E+1P+1D/prefill0"].devices != epd["1E+1P+1D/decode0"].devices
-    assert epd["1E+1P+1D/encoder0"].gpu_memory_fraction == 0.45
-    assert epd["1E+1P+1D/decode0"].gpu_memory_fraction == 0.9
+    assert epd["1E+1P+1D/encoder0"].gpu_memory_fraction == 0.01
+    assert epd["1E+1P+1D/decode0"].gpu_memory_fraction == 0.7
 
 
 def test_one_gpu_is_an_error_for_every_multi_instance_topology_unless_colocated() -> None:
@@ -138,7 +131,7 @@ def test_one_gpu_is_an_error_for_every_multi_instance_topology_unless_colocated(
 def test_a_bigger_host_than_needed_leaves_devices_unused_not_shared() -> None:
     plan = build_plan(request(CUDA, tuple(range(16)), ("1E+1P+1D",), colocate=True))
     assert [i.devices for i in plan.instances] == [(0,), (1,), (2,)]
-    assert {i.gpu_memory_fraction for i in plan.instances} == {0.9}
+    assert [i.gpu_memory_fraction for i in plan.instances] == [0.01, 0.7, 0.7]
 
 
 # --- rendering -------------------------------------------------------------------------------
@@ -202,7 +195,7 @@ def test_a_run_and_its_xdist_workers_use_the_devices_plan_prints(
     )
     spec = SweepSpec(tuple(TOPOLOGIES[n] for n in EPD_TOPOLOGY_NAMES), prompts=())
     sweep = Sweep(spec, settings)
-    sweep._baseline_missing = ["text"]  # the baseline is not cached: it is scheduled too
+    sweep.baseline.add({"text": {}})  # the baseline is not cached: it is scheduled too
     ran = {s.topology.name: s.devices for w in sweep.schedule().waves for s in w.slots}
     planned = {t.name: t.devices for w in printed.waves for t in w.topologies}
     assert ran == planned
@@ -220,7 +213,7 @@ def test_planning_reserves_no_port(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("plan must not reserve ports: they are placeholders")
 
     monkeypatch.setattr("harness.serve.ports.reserve_ports", refuse)
-    monkeypatch.setattr("harness.serve.session.reserve_ports", refuse)
+    monkeypatch.setattr("harness.serve.launcher.reserve_ports", refuse)
     plan = build_plan(request(CUDA, tuple(range(8))))
     assert plan.ports_are_placeholders
     assert [i.port for i in plan.instances][:3] == [20000, 20001, 20002]
@@ -239,9 +232,9 @@ def test_format_plan_shows_the_schedule_and_every_command() -> None:
 # --- command line ----------------------------------------------------------------------------
 
 
-def test_cli_prints_the_eight_gpu_plan(capsys) -> None:
-    code, out, err = run_cli(
-        ["--platform", "cuda", "--devices", "0,1,2,3,4,5,6,7", "--vllm", "vllm"], capsys
+def test_cli_prints_the_eight_gpu_plan(epd_cli) -> None:
+    code, out, err = epd_cli(
+        "plan", "--platform", "cuda", "--devices", "0,1,2,3,4,5,6,7", "--vllm", "vllm"
     )
     assert code == 0, err
     assert "wave 1: baseline [0], 1E+1PD [1,2], 1P+1D [3,4], 1E+1P+1D [5,6,7]" in out
@@ -249,9 +242,49 @@ def test_cli_prints_the_eight_gpu_plan(capsys) -> None:
     assert "Qwen/Qwen2.5-VL-3B-Instruct" in out
 
 
-def test_cli_json_is_the_plan_as_data(capsys) -> None:
+def test_cli_four_gpu_plan_shows_enforce_eager_and_upstreams_memory_shares(epd_cli) -> None:
+    code, out, err = epd_cli("plan", "--platform", "cuda", "--devices", "0,1,2,3", "--vllm", "vllm")
+    assert code == 0, err
+    assert "eager: every instance runs --enforce-eager" in out
+    assert "gpu memory shares (upstream's): baseline 0.9, encoder 0.01, pd 0.7" in out
+    argvs = [line for line in out.splitlines() if line.startswith("    argv: ")]
+    assert argvs and all("--enforce-eager" in line for line in argvs)
+    shares = {
+        line.split(" (", 1)[1].split(")", 1)[0]: line.split("gpu memory ", 1)[1].split(",")[0]
+        for line in out.splitlines()
+        if "gpu memory " in line and line.startswith("  ")
+    }
+    assert shares == {
+        "baseline": "0.9",
+        "encoder": "0.01",
+        "pd": "0.7",
+        "prefill": "0.7",
+        "decode": "0.7",
+    }
+    code, out, err = epd_cli(
+        "plan", "--platform", "cuda", "--devices", "0,1,2,3", "--no-enforce-eager", "--json"
+    )
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["enforce_eager"] is False
+    assert not any(
+        "--enforce-eager" in i["argv"]
+        for w in data["waves"]
+        for t in w["topologies"]
+        for i in t["instances"]
+    )
+
+
+def test_cli_refuses_no_enforce_eager_on_cpu(epd_cli) -> None:
+    code, out, err = epd_cli("plan", "--no-enforce-eager", "--model", MODEL, "--vllm", "vllm")
+    assert (code, out) == (2, "")
+    assert err.startswith("epd-harness: error: --no-enforce-eager lets vLLM capture GPU graphs")
+    assert err.count("\n") == 1
+
+
+def test_cli_json_is_the_plan_as_data(epd_cli) -> None:
     argv = ["--platform", "cuda", "--devices", "0,1", "--topology", "1P+1D", "--model", MODEL]
-    code, out, _ = run_cli([*argv, "--vllm", VLLM, "--json"], capsys)
+    code, out, _ = epd_cli("plan", *argv, "--vllm", VLLM, "--json")
     assert code == 0
     data = json.loads(out)
     assert data["platform"] == "cuda"
@@ -261,9 +294,9 @@ def test_cli_json_is_the_plan_as_data(capsys) -> None:
     assert instance["argv"][:3] == [VLLM, "serve", MODEL]
 
 
-def test_cli_topologies_are_repeatable_and_comma_separated(capsys) -> None:
+def test_cli_topologies_are_repeatable_and_comma_separated(epd_cli) -> None:
     argv = ["--platform", "cuda", "--devices", "0,1,2", "--topology", "baseline,1P+1D"]
-    code, out, _ = run_cli([*argv, "--topology", "1E+1P+1D", "--vllm", "vllm", "--json"], capsys)
+    code, out, _ = epd_cli("plan", *argv, "--topology", "1E+1P+1D", "--vllm", "vllm", "--json")
     assert code == 0
     waves = json.loads(out)["waves"]
     assert [[t["name"] for t in w["topologies"]] for w in waves] == [
@@ -285,9 +318,9 @@ def test_cli_topologies_are_repeatable_and_comma_separated(capsys) -> None:
     ],
 )
 def test_cli_bad_input_is_exit_2_with_one_line_naming_the_cause(
-    argv: list[str], cause: str, capsys
+    argv: list[str], cause: str, epd_cli
 ) -> None:
-    code, out, err = run_cli([*argv, "--model", MODEL, "--vllm", "vllm"], capsys)
+    code, out, err = epd_cli("plan", *argv, "--model", MODEL, "--vllm", "vllm")
     assert code == 2
     assert out == ""
     assert err.count("\n") == 1, err
@@ -295,19 +328,38 @@ def test_cli_bad_input_is_exit_2_with_one_line_naming_the_cause(
     assert cause in err
 
 
-def test_cli_one_gpu_with_colocate_is_a_valid_plan(capsys) -> None:
+def test_cli_one_gpu_with_colocate_is_a_valid_plan(epd_cli) -> None:
     argv = ["--platform", "cuda", "--devices", "0", "--colocate", "--vllm", "vllm"]
-    code, out, err = run_cli(argv, capsys)
+    code, out, err = epd_cli("plan", *argv)
     assert code == 0, err
     assert "  wave 4: 1E+1P+1D [0]" in out
-    assert "gpu memory 0.3" in out
+    assert "gpu memory 0.35," in out, "P and D split what the device leaves beside E"
 
 
-def test_cli_cpu_defaults_to_the_runner_cores(capsys) -> None:
-    code, out, _ = run_cli(["--model", MODEL, "--vllm", "vllm", "--json"], capsys)
+def test_cli_cpu_defaults_to_the_runner_cores(epd_cli) -> None:
+    code, out, _ = epd_cli("plan", "--model", MODEL, "--vllm", "vllm", "--json")
     assert code == 0
     data = json.loads(out)
     assert data["platform"] == "cpu"
     assert data["devices"] == [0, 1]
     names = [t["name"] for w in data["waves"] for t in w["topologies"]]
     assert names == list(DEFAULT_TOPOLOGY_NAMES)
+
+
+def test_the_plan_says_what_is_shared() -> None:
+    from harness.cli.plan import PlannedInstance, sharing_line
+
+    def instance(name: str, port: int, storage: str) -> PlannedInstance:
+        argv = ("vllm", "serve", "m", "--port", str(port), "--ec", storage)
+        return PlannedInstance(name, "encoder", port, (0,), argv, (("A", "1"),), None, None)
+
+    separate = sharing_line(
+        [instance("1E+1PD/e0", 1, "/a/ec"), instance("1E+1P+1D/e0", 2, "/b/ec")]
+    )
+    assert separate.endswith(
+        "instances shared between topologies: none (each topology's EC and KV storage is its own)"
+    )
+    same = sharing_line([instance("1E+1PD/e0", 1, "/s/ec"), instance("1E+1P+1D/e0", 2, "/s/ec")])
+    assert same.endswith("1E+1PD/e0 = 1E+1P+1D/e0"), same
+    plan = format_plan(build_plan(request(CUDA, tuple(range(8)))))
+    assert "instances shared between topologies: none" in plan

@@ -13,6 +13,7 @@ import pytest
 
 from harness.spec.instances import InstanceSpec
 from harness.spec.placement import (
+    ENCODER_ROOM,
     assign_devices,
     cpu_instance_budget,
     memory_fractions,
@@ -38,6 +39,8 @@ from harness.spec.topology import (
     get_topology,
     serving_for,
 )
+
+pytestmark = pytest.mark.unit
 
 MODEL = "/models/qwen"
 EIGHT_GPUS = tuple(range(8))
@@ -81,11 +84,12 @@ def test_platforms_are_looked_up_by_name_or_refused_naming_the_known_ones() -> N
         get_platform("tpu")
 
 
-def test_serving_for_cpu_is_todays_default_and_cuda_uses_nixl_without_eager() -> None:
+def test_serving_for_cpu_is_todays_default_and_cuda_uses_nixl_eager_like_upstream() -> None:
     assert serving_for(CPU, MODEL) == ServingConfig(model=MODEL)
     cuda = serving_for(CUDA, MODEL)
     assert cuda.kv_connector == "NixlConnector"
-    assert cuda.enforce_eager is False
+    assert cuda.enforce_eager is True, "upstream's correctness script serves eager"
+    assert serving_for(CUDA, MODEL, enforce_eager=False).enforce_eager is False
     assert serving_for(CUDA, MODEL, max_model_len=2048).max_model_len == 2048
 
 
@@ -146,13 +150,20 @@ def test_cuda_kv_config_is_nixl_with_a_cuda_buffer(tmp_path: Path) -> None:
     assert flag_value(specs["1E+1PD/pd0"].argv(), "--kv-transfer-config") is None
 
 
-def test_cuda_argv_sets_memory_utilization_and_no_eager_and_env_drops_cpu_keys(
+def test_cuda_argv_sets_upstreams_memory_shares_and_eager_and_env_drops_cpu_keys(
     tmp_path: Path,
 ) -> None:
+    upstream = {
+        "baseline": "0.9",
+        "encoder": "0.01",
+        "pd": "0.7",
+        "prefill": "0.7",
+        "decode": "0.7",
+    }
     for spec in place_all(CUDA, EIGHT_GPUS, tmp_path):
         argv, env = spec.argv(), spec.env()
-        assert flag_value(argv, "--gpu-memory-utilization") == "0.9", spec.name
-        assert "--enforce-eager" not in argv, spec.name
+        assert flag_value(argv, "--gpu-memory-utilization") == upstream[spec.role.value], spec.name
+        assert "--enforce-eager" in argv, spec.name
         assert not set(CPU_ONLY_ENV_KEYS) & set(env), (spec.name, env)
         assert env["HF_HUB_OFFLINE"] == "1"
         assert "ZE_AFFINITY_MASK" not in env
@@ -164,7 +175,7 @@ def test_platform_flags_go_before_extra_args(tmp_path: Path) -> None:
     specs = place_instances(
         topology, serving, CUDA, [21000, 21001], tmp_path, (4, 6), side_channel_ports=[21002, 21003]
     )
-    assert specs[0].argv()[-4:] == ["--gpu-memory-utilization", "0.9", "--seed", "0"]
+    assert specs[0].argv()[-4:] == ["--gpu-memory-utilization", "0.7", "--seed", "0"]
     assert [s.devices for s in specs] == [(4,), (6,)]
 
 
@@ -268,20 +279,58 @@ def test_colocation_spreads_prefill_and_decode_first_and_encoders_fill_in() -> N
     assert set(assign_devices(get_topology("1P+1D"), (3,), CUDA, colocate=True)) == {(3,)}
 
 
-def test_memory_fractions_split_the_budget_among_sharers() -> None:
-    assert memory_fractions(((0,), (1,)), CUDA) == (0.9, 0.9)
-    assert memory_fractions(((0,), (0,), (1,)), CUDA) == (0.45, 0.45, 0.9)
-    assert memory_fractions(((0,), (0,), (0,)), CUDA) == (0.3, 0.3, 0.3)
-    assert memory_fractions(((0,), (1,)), CPU) == (None, None)
-    for sharers in range(1, 8):
-        share = memory_fractions(tuple((0,) for _ in range(sharers)), CUDA)[0]
-        assert share * sharers <= DEFAULT_GPU_MEMORY_FRACTION + 1e-9, sharers
+def test_memory_fractions_are_upstreams_shares_on_devices_of_their_own() -> None:
+    roles = (Role.ENCODER, Role.PREFILL, Role.DECODE)
+    assert memory_fractions(roles, ((0,), (1,), (2,)), CUDA) == (0.01, 0.7, 0.7)
+    assert memory_fractions((Role.BASELINE,), ((0,),), CUDA) == (0.9,)
+    assert memory_fractions((Role.ENCODER, Role.PREFILL_DECODE), ((0,), (1,)), CUDA) == (0.01, 0.7)
+    assert memory_fractions(roles, ((0,), (1,), (2,)), CPU) == (None, None, None)
+
+
+def test_an_encoder_beside_p_leaves_p_upstreams_share_and_kv_holders_split_the_rest() -> None:
+    roles = (Role.ENCODER, Role.PREFILL, Role.DECODE)
+    # Upstream's own disagg_1e1p1d_example.sh: E and P on one GPU at 0.01 and 0.7.
+    assert memory_fractions(roles, ((0,), (0,), (1,)), CUDA) == (0.01, 0.7, 0.7)
+    assert memory_fractions(roles, ((0,), (1,), (1,)), CUDA) == (0.01, 0.45, 0.45)
+    assert memory_fractions(roles, ((0,), (0,), (0,)), CUDA) == (0.01, 0.35, 0.35)
+    two_encoders = (Role.ENCODER, Role.ENCODER, Role.PREFILL_DECODE)
+    assert memory_fractions(two_encoders, ((1,), (0,), (0,)), CUDA) == (0.01, 0.01, 0.7)
+    assert memory_fractions(two_encoders, ((0,), (0,), (0,)), CUDA) == (0.01, 0.01, 0.5)
+
+
+@pytest.mark.parametrize("name", list(TOPOLOGIES))
+@pytest.mark.parametrize("devices", [1, 2, 3])
+def test_a_shared_devices_shares_and_encoder_room_never_exceed_its_budget(
+    name: str, devices: int
+) -> None:
+    topology = get_topology(name)
+    assignment = assign_devices(topology, tuple(range(devices)), CUDA, colocate=True)
+    fractions = memory_fractions(topology.roles, assignment, CUDA)
+    for device in range(devices):
+        on_it = [
+            (role, share)
+            for role, where, share in zip(topology.roles, assignment, fractions)
+            if device in where
+        ]
+        holders = sum(share for role, share in on_it if role is not Role.ENCODER)
+        room = ENCODER_ROOM * sum(1 for role, _ in on_it if role is Role.ENCODER)
+        assert holders + room <= DEFAULT_GPU_MEMORY_FRACTION + 1e-9, (name, device, on_it)
+
+
+def test_encoders_that_leave_no_room_are_one_error_naming_the_device() -> None:
+    roles = (*(Role.ENCODER,) * 5, Role.PREFILL_DECODE)
+    with pytest.raises(DevicePlanError, match="device 3: 5 encoders leave its KV-holding"):
+        memory_fractions(roles, tuple((3,) for _ in roles), CUDA)
 
 
 def test_colocated_instances_render_their_share(tmp_path: Path) -> None:
     specs = place_all(CUDA, (0,), tmp_path, topologies=(get_topology("1E+1P+1D"),), colocate=True)
     assert {s.env()["CUDA_VISIBLE_DEVICES"] for s in specs} == {"0"}
-    assert [flag_value(s.argv(), "--gpu-memory-utilization") for s in specs] == ["0.3"] * 3
+    assert [flag_value(s.argv(), "--gpu-memory-utilization") for s in specs] == [
+        "0.01",
+        "0.35",
+        "0.35",
+    ]
 
 
 # --- schedule --------------------------------------------------------------------------------

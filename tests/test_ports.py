@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -15,10 +14,10 @@ import pytest
 
 from harness.environment import DEFAULT_PORT_RANGE, PORT_LOCK_DIR_ENV, port_lock_dir
 from harness.serve.ports import NoFreePortError, PortLease, reserve_ports
+from harness.testing.processes import child_env
 
 pytestmark = pytest.mark.process
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 SUBPROCESS_TIMEOUT_S = 20
 
 # Run in a separate process: report whether the lease's lock file and port are free to it.
@@ -56,18 +55,13 @@ sys.stdin.read()
 """
 
 
-@pytest.fixture
-def lock_dir(tmp_path: Path) -> Path:
-    return tmp_path / "port-locks"
-
-
 def run_python(script: str, *args: str) -> str:
     result = subprocess.run(
         [sys.executable, "-c", script, *args],
         capture_output=True,
         text=True,
         timeout=SUBPROCESS_TIMEOUT_S,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        env=child_env(),
         check=False,
     )
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr}"
@@ -87,28 +81,28 @@ def bind_listener(port: int) -> socket.socket:
     return sock
 
 
-def a_free_port(lock_dir: Path) -> int:
-    (lease,) = reserve_ports(1, lock_dir=lock_dir)
+def a_free_port(port_locks: Path) -> int:
+    (lease,) = reserve_ports(1, lock_dir=port_locks)
     lease.release()
     return lease.port
 
 
-def test_leases_of_one_call_are_distinct_and_in_range(lock_dir: Path) -> None:
-    leases = reserve_ports(20, lock_dir=lock_dir)
+def test_leases_of_one_call_are_distinct_and_in_range(port_locks: Path) -> None:
+    leases = reserve_ports(20, lock_dir=port_locks)
     try:
         ports = [lease.port for lease in leases]
         assert len(set(ports)) == 20
         assert all(port in DEFAULT_PORT_RANGE for port in ports)
-        assert all(lease.lock_path == lock_dir / f"port-{lease.port}.lock" for lease in leases)
+        assert all(lease.lock_path == port_locks / f"port-{lease.port}.lock" for lease in leases)
     finally:
         for lease in leases:
             lease.release()
 
 
-def test_two_calls_from_the_same_start_do_not_share_a_port(lock_dir: Path) -> None:
-    start = a_free_port(lock_dir)
-    first = reserve_ports(3, start=start, lock_dir=lock_dir)
-    second = reserve_ports(3, start=start, lock_dir=lock_dir)
+def test_two_calls_from_the_same_start_do_not_share_a_port(port_locks: Path) -> None:
+    start = a_free_port(port_locks)
+    first = reserve_ports(3, start=start, lock_dir=port_locks)
+    second = reserve_ports(3, start=start, lock_dir=port_locks)
     try:
         assert first[0].port == start
         assert not {lease.port for lease in first} & {lease.port for lease in second}
@@ -117,16 +111,16 @@ def test_two_calls_from_the_same_start_do_not_share_a_port(lock_dir: Path) -> No
             lease.release()
 
 
-def test_parallel_processes_never_share_a_port(lock_dir: Path) -> None:
-    start = a_free_port(lock_dir)  # all three scan from the same port: maximal contention
+def test_parallel_processes_never_share_a_port(port_locks: Path) -> None:
+    start = a_free_port(port_locks)  # all three scan from the same port: maximal contention
     holders = [
         subprocess.Popen(
-            [sys.executable, "-c", HOLDER, str(lock_dir), str(start), "25"],
+            [sys.executable, "-c", HOLDER, str(port_locks), str(start), "25"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+            env=child_env(),
         )
         for _ in range(3)
     ]
@@ -148,8 +142,8 @@ def test_parallel_processes_never_share_a_port(lock_dir: Path) -> None:
             holder.stderr.close()
 
 
-def test_lease_is_locked_against_other_processes_until_released(lock_dir: Path) -> None:
-    (lease,) = reserve_ports(1, lock_dir=lock_dir)
+def test_lease_is_locked_against_other_processes_until_released(port_locks: Path) -> None:
+    (lease,) = reserve_ports(1, lock_dir=port_locks)
     try:
         while_probing = contend(lease)
         assert while_probing["flock"] == "blocked"
@@ -164,8 +158,8 @@ def test_lease_is_locked_against_other_processes_until_released(lock_dir: Path) 
     assert contend(lease) == {"flock": "acquired", "reserve": "reserved"}
 
 
-def test_probe_keeps_the_port_bound_until_hand_over(lock_dir: Path) -> None:
-    (lease,) = reserve_ports(1, lock_dir=lock_dir)
+def test_probe_keeps_the_port_bound_until_hand_over(port_locks: Path) -> None:
+    (lease,) = reserve_ports(1, lock_dir=port_locks)
     with lease:
         plain = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         with plain, pytest.raises(OSError) as refused:
@@ -176,14 +170,14 @@ def test_probe_keeps_the_port_bound_until_hand_over(lock_dir: Path) -> None:
         bind_listener(lease.port).close()
 
 
-def test_released_port_can_be_bound(lock_dir: Path) -> None:
-    (lease,) = reserve_ports(1, lock_dir=lock_dir)
+def test_released_port_can_be_bound(port_locks: Path) -> None:
+    (lease,) = reserve_ports(1, lock_dir=port_locks)
     lease.release()
     bind_listener(lease.port).close()
 
 
-def test_release_is_idempotent_and_ends_the_lease(lock_dir: Path) -> None:
-    with reserve_ports(1, lock_dir=lock_dir)[0] as lease:
+def test_release_is_idempotent_and_ends_the_lease(port_locks: Path) -> None:
+    with reserve_ports(1, lock_dir=port_locks)[0] as lease:
         assert lease.held
     assert not lease.held
     lease.release()
@@ -191,38 +185,38 @@ def test_release_is_idempotent_and_ends_the_lease(lock_dir: Path) -> None:
         lease.hand_over()
 
 
-def test_exhausted_range_raises_naming_the_range(lock_dir: Path) -> None:
-    (lease,) = reserve_ports(1, lock_dir=lock_dir)
+def test_exhausted_range_raises_naming_the_range(port_locks: Path) -> None:
+    (lease,) = reserve_ports(1, lock_dir=port_locks)
     port = lease.port
     try:
         with pytest.raises(NoFreePortError) as exhausted:
-            reserve_ports(1, lock_dir=lock_dir, port_range=range(port, port + 1))
+            reserve_ports(1, lock_dir=port_locks, port_range=range(port, port + 1))
         message = str(exhausted.value)
         assert f"ports {port}-{port}" in message
         assert "1 locked by other harness leases" in message
-        assert str(lock_dir) in message
+        assert str(port_locks) in message
     finally:
         lease.release()
 
 
-def test_busy_port_is_skipped(lock_dir: Path) -> None:
-    listener = bind_listener(a_free_port(lock_dir))
+def test_busy_port_is_skipped(port_locks: Path) -> None:
+    listener = bind_listener(a_free_port(port_locks))
     port = listener.getsockname()[1]
     with listener, pytest.raises(NoFreePortError, match="1 bound by other processes"):
-        reserve_ports(1, lock_dir=lock_dir, port_range=range(port, port + 1))
+        reserve_ports(1, lock_dir=port_locks, port_range=range(port, port + 1))
     # The refused port's lock was dropped: once the listener is gone, the port is reservable.
-    reserve_ports(1, lock_dir=lock_dir, port_range=range(port, port + 1))[0].release()
+    reserve_ports(1, lock_dir=port_locks, port_range=range(port, port + 1))[0].release()
 
 
-def test_failed_reservation_releases_what_it_took(lock_dir: Path) -> None:
-    port = a_free_port(lock_dir)
+def test_failed_reservation_releases_what_it_took(port_locks: Path) -> None:
+    port = a_free_port(port_locks)
     with pytest.raises(NoFreePortError, match="found only 1 of 2"):
-        reserve_ports(2, lock_dir=lock_dir, port_range=range(port, port + 1))
-    reserve_ports(1, lock_dir=lock_dir, port_range=range(port, port + 1))[0].release()
+        reserve_ports(2, lock_dir=port_locks, port_range=range(port, port + 1))
+    reserve_ports(1, lock_dir=port_locks, port_range=range(port, port + 1))[0].release()
 
 
-def test_time_wait_does_not_make_a_port_look_busy(lock_dir: Path) -> None:
-    port = a_free_port(lock_dir)
+def test_time_wait_does_not_make_a_port_look_busy(port_locks: Path) -> None:
+    port = a_free_port(port_locks)
     # Leave a connection in TIME_WAIT on the port: the server side closes first.
     with bind_listener(port) as listener:
         client = socket.create_connection(("127.0.0.1", port))
@@ -235,7 +229,7 @@ def test_time_wait_does_not_make_a_port_look_busy(lock_dir: Path) -> None:
         plain.bind(("127.0.0.1", port))
     assert in_time_wait.value.errno == errno.EADDRINUSE, "precondition: TIME_WAIT on the port"
 
-    (lease,) = reserve_ports(1, lock_dir=lock_dir, port_range=range(port, port + 1))
+    (lease,) = reserve_ports(1, lock_dir=port_locks, port_range=range(port, port + 1))
     lease.release()
 
 
@@ -251,8 +245,8 @@ def test_lock_dir_defaults_to_the_environment(
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
-def test_arguments_are_checked(lock_dir: Path) -> None:
+def test_arguments_are_checked(port_locks: Path) -> None:
     with pytest.raises(ValueError, match="count must be at least 1, got 0"):
-        reserve_ports(0, lock_dir=lock_dir)
+        reserve_ports(0, lock_dir=port_locks)
     with pytest.raises(ValueError, match="start port 80 is outside ports 20000-29999"):
-        reserve_ports(1, start=80, lock_dir=lock_dir)
+        reserve_ports(1, start=80, lock_dir=port_locks)

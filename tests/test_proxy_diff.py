@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from harness.cli.main import main
 from harness.report.proxy_diff import diff_runs, format_diff, unpaired_cases
+
+pytestmark = pytest.mark.unit
 
 
 def tap(instance: str, parts: list[str], meta: list[bool], status: int | None = 200) -> dict:
@@ -80,14 +81,14 @@ def write_run(path: Path, responses: dict, proxy: str) -> str:
     return str(path)
 
 
-def test_the_command_exits_1_on_a_difference_and_0_without(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_the_command_exits_1_on_a_difference_and_0_without(tmp_path: Path, epd_cli) -> None:
     a = write_run(tmp_path / "a", {"t": {"p": outcome([1], [ENCODE])}}, "harness")
     b = write_run(tmp_path / "b", {"t": {"p": outcome([1], [ENCODE])}}, "vllm")
     c = write_run(tmp_path / "c", {"t": {"p": outcome([2], [ENCODE])}}, "vllm")
-    assert main(["compare", a, b]) == 0
-    assert "calls only with harness (a)" in capsys.readouterr().out
-    assert main(["compare", a, c]) == 1
-    assert main(["compare", a, str(tmp_path / "missing")]) == 2
-    assert "not a run directory" in capsys.readouterr().err
+    same = epd_cli("compare", a, b)
+    assert same.code == 0
+    assert "calls only with harness (a)" in same.out
+    assert epd_cli("compare", a, c).code == 1
+    missing = epd_cli("compare", a, tmp_path / "missing")
+    assert missing.code == 2
+    assert "not a run directory" in missing.err

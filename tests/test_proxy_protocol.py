@@ -20,6 +20,8 @@ from harness.serve.proxy_protocol import (
     rewrite_for_consumer,
 )
 
+pytestmark = pytest.mark.unit
+
 CAT = "file:///media/cat.png"
 DOG = "file:///media/dog.png"
 CLIP = "file:///media/clip.mp4"

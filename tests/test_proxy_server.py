@@ -1,30 +1,29 @@
 """The aiohttp EPD proxy end to end, against fake encoder / prefill / decode instances.
 
-The fakes are small aiohttp apps on 127.0.0.1 (each on its own bound socket, port 0) that
-record every body they receive and answer the way vLLM 0.32 does. They run on one background
-event-loop thread; the proxy runs on its own (`ProxyServer`), and the test thread talks to it
+The fakes (harness/testing/fake_instance.py) are small aiohttp apps on 127.0.0.1 (each on its
+own bound socket, port 0) that record every body they receive and answer the way vLLM 0.32
+does (`vllm_answer`). They run on one background event-loop thread; the proxy runs on its own (`ProxyServer`), and the test thread talks to it
 with `ChatClient` or plain urllib, so every call below is a real HTTP round trip.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from aiohttp import web
 
-from harness.serve.client import ChatClient, ChatResult
+from harness.outcomes.chat import ChatResult
+from harness.serve.client import ChatClient
 from harness.serve.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer
 from harness.serve.proxy_protocol import media_uuid
 from harness.spec.generations import GENERATIONS_BY_NAME, NEWEST, ProtocolGeneration
 from harness.spec.prompts import sampling_fields
+from harness.testing.fake_instance import Answer, FakeInstance, LoopThread, Reply
 
 pytestmark = pytest.mark.process
 
@@ -42,118 +41,59 @@ PREFILL_KV_PARAMS = {
 }
 # urllib without any environment proxy: the fakes live on loopback.
 DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+DONE = b"data: [DONE]\n\n"
 
 
-class LoopThread:
-    """One asyncio loop on a daemon thread, for the fake upstream servers."""
+def vllm_answer(kind: str, status: int = 200) -> Answer:
+    """What a vLLM 0.32 instance of `kind` answers (encoder, encoder-ec-items, prefill, decode),
+    or an error with `status`."""
 
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=10)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        self.loop.close()
-
-
-class FakeInstance:
-    """A fake vLLM instance of one role that records what it receives."""
-
-    def __init__(self, kind: str, events: list[tuple[str, str]], status: int = 200) -> None:
-        self.kind = kind
-        self.status = status
-        self.events = events  # shared across fakes: arrival order
-        self.bodies: list[dict[str, Any]] = []
-        self.request_ids: list[str | None] = []
-        self.url = ""
-        self._runner: web.AppRunner | None = None
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self.handle_chat)
-        app.router.add_get("/health", self.handle_health)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        await web.SockSite(self._runner, sock).start()
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-    async def handle_health(self, _request: web.Request) -> web.Response:
-        return web.Response(text="")
-
-    async def handle_chat(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.bodies.append(body)
-        self.request_ids.append(request.headers.get("x-request-id"))
-        self.events.append((self.kind, self.url))
-        if self.status != 200:
-            return web.json_response(
-                {"object": "error", "message": f"{self.kind} exploded", "code": self.status},
-                status=self.status,
-            )
-        if self.kind == "encoder":
-            return web.json_response(self.encoder_answer(body))
-        if self.kind == "encoder-ec-items":
-            return web.json_response(ec_items_answer(body))
-        if self.kind == "prefill":
-            return web.json_response(
-                {
-                    "id": "chatcmpl-p",
-                    "kv_transfer_params": dict(PREFILL_KV_PARAMS),
-                    "choices": [
-                        {"index": 0, "finish_reason": "length", "message": {"content": "A"}}
-                    ],
-                    "usage": {"prompt_tokens": 89, "completion_tokens": 1, "total_tokens": 90},
-                }
-            )
+    def answer(body: dict[str, Any]) -> Reply | dict[str, Any]:
+        if status != 200:
+            error = {"object": "error", "message": f"{kind} exploded", "code": status}
+            return Reply(error, status)
+        if kind == "encoder":
+            return encoder_answer(body)
+        if kind == "encoder-ec-items":
+            return ec_items_answer(body)
+        if kind == "prefill":
+            return {
+                "id": "chatcmpl-p",
+                "kv_transfer_params": dict(PREFILL_KV_PARAMS),
+                "choices": [{"index": 0, "finish_reason": "length", "message": {"content": "A"}}],
+                "usage": {"prompt_tokens": 89, "completion_tokens": 1, "total_tokens": 90},
+            }
         if body.get("stream"):
-            return await self.stream_answer(request)
-        return web.json_response(decode_answer())
+            chunks = [{"choices": [{"index": 0, "delta": {"content": t}}]} for t in ("Hel", "lo")]
+            return Reply([f"data: {json.dumps(c)}\n\n".encode() for c in chunks] + [DONE])
+        return decode_answer()
 
-    @staticmethod
-    def encoder_answer(body: dict[str, Any]) -> dict[str, Any]:
-        """Like vLLM 0.32: one entry per item uuid, with the grid as metadata."""
-        params: dict[str, Any] = {}
-        for index, part in enumerate(body["messages"][0]["content"]):
-            if part["type"] == "video_url":
-                metadata = {"video_grid_thw": [2, 8, 8]}
-            else:
-                metadata = {"image_grid_thw": [1, 16, 16]}
-            entry = params.setdefault(part["uuid"], {"item_indices": [], "metadata": metadata})
-            entry["item_indices"].append(index)
-        return {
-            "id": "chatcmpl-e",
-            "object": "chat.completion",
-            "ec_transfer_params": params,
-            "choices": [
-                {
-                    "index": 0,
-                    "finish_reason": "stop",
-                    "message": {"role": "assistant", "content": ""},
-                }
-            ],
-            "usage": {"prompt_tokens": 80, "completion_tokens": 0, "total_tokens": 80},
-        }
+    return answer
 
-    async def stream_answer(self, request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        for token in ("Hel", "lo"):
-            chunk = {"choices": [{"index": 0, "delta": {"content": token}}]}
-            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+
+def encoder_answer(body: dict[str, Any]) -> dict[str, Any]:
+    """Like vLLM 0.32: one entry per item uuid, with the grid as metadata."""
+    params: dict[str, Any] = {}
+    for index, part in enumerate(body["messages"][0]["content"]):
+        if part["type"] == "video_url":
+            metadata = {"video_grid_thw": [2, 8, 8]}
+        else:
+            metadata = {"image_grid_thw": [1, 16, 16]}
+        entry = params.setdefault(part["uuid"], {"item_indices": [], "metadata": metadata})
+        entry["item_indices"].append(index)
+    return {
+        "id": "chatcmpl-e",
+        "object": "chat.completion",
+        "ec_transfer_params": params,
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "message": {"role": "assistant", "content": ""},
+            }
+        ],
+        "usage": {"prompt_tokens": 80, "completion_tokens": 0, "total_tokens": 80},
+    }
 
 
 def ec_items_answer(body: dict[str, Any]) -> dict[str, Any]:
@@ -225,7 +165,7 @@ class Harness:
         self.sockets: list[socket.socket] = []
 
     def fake(self, kind: str, status: int = 200) -> FakeInstance:
-        instance = FakeInstance(kind, self.events, status)
+        instance = FakeInstance(vllm_answer(kind, status), name=kind, events=self.events)
         self.lt.run(instance.start())
         self.fakes.append(instance)
         return instance
@@ -645,7 +585,8 @@ def test_an_encoder_answer_of_another_generation_is_recorded_with_its_cause(h: H
     assert decode.bodies == []
 
 
-@pytest.mark.model  # the ec-items rewrite serialises metadata with torch
+# The ec-items rewrite serialises metadata with torch: there in the CPU environment, as for
+# every process test.
 def test_the_ec_items_generation_rewrites_one_image_per_sub_request(h: Harness) -> None:
     import base64
     import io

@@ -4,10 +4,11 @@ What is checked: a topology's instances land on distinct nodes and are driven, p
 and logged exactly as local ones; a planted misconfiguration (a side-channel host left at
 `localhost`, connector storage the nodes do not share) is refused before anything starts,
 naming the instance and the cause; and nothing outlives a SIGKILL of the harness, of an
-instance's agent or of its node's raylet. Real vLLM does the same in
-`scenarios/test_ray.py`; what only the fake shows here is not known to hold with vLLM.
+instance's agent or of its node's raylet. Real vLLM does the same in `scenarios/test_ray.py`
+and `tests/test_ray_chaos_vllm.py`; what only the fake shows here is not known to hold with
+vLLM.
 
-Needs Ray (`scripts/cpu setup --ray`; `scripts/cpu test` installs it).
+Needs Ray (`scripts/cpu setup --ray`).
 """
 
 from __future__ import annotations
@@ -15,15 +16,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
-from fake_vllm import MODE_ENV, install_fake_vllm
 
 from harness.serve.launch import ServerDied
 from harness.serve.launcher import LaunchRefused
@@ -34,11 +32,12 @@ from harness.spec.platforms import NIXL_CONNECTOR
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.spec.settings import RAY_LAUNCHER, LauncherChoice, RunSettings, ServedVllm
 from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.testing.fake_vllm import MODE_ENV
+from harness.testing.processes import describe, kill_all, seconds_until_gone
+from harness.testing.ray_driver import end_driver, raylet_of, start_driver, tree_of
 
 pytestmark = pytest.mark.process
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DRIVER = Path(__file__).with_name("ray_driver.py")
 GONE_WITHIN_S = 30.0  # the issue's bound for every process of a run after a SIGKILL
 # Ray declares a node dead after its health checks fail for a while; the harness's poll of an
 # agent there gives up after CALL_TIMEOUT_S at the latest.
@@ -60,8 +59,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayCluste
 
 
 @pytest.fixture
-def fake(tmp_path: Path) -> Path:
-    return install_fake_vllm(tmp_path / "bin")
+def fake(fake_vllm: Path) -> Path:
+    return fake_vllm
 
 
 def settings_for(
@@ -77,34 +76,15 @@ def settings_for(
     )
 
 
-def tree_of(pid: int) -> list[psutil.Process]:
-    root = psutil.Process(pid)
-    return [root, *root.children(recursive=True)]
-
-
 def gone_after(procs: list[psutil.Process], limit_s: float = GONE_WITHIN_S) -> float | None:
-    """Seconds until every process in `procs` is gone (zombies count: no init reaps them
-    here), or None if some outlive `limit_s`."""
-    started = time.monotonic()
-    while time.monotonic() - started < limit_s:
-        if not any(_live(p) for p in procs):
-            return time.monotonic() - started
-        time.sleep(0.05)
-    return None
+    """Seconds until every process in `procs` is gone, or None if some outlive `limit_s`."""
+    return seconds_until_gone(procs, limit_s)
 
 
-def _live(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def kill_survivors(procs: list[psutil.Process]) -> list[str]:
-    left = [f"{p.pid} ({p.name()})" for p in procs if _live(p)]
-    for proc in procs:
-        if _live(proc):
-            proc.kill()
+def kill_survivors(procs: list[psutil.Process]) -> str:
+    """What outlived its bound (for the failure message), then SIGKILLed by handle."""
+    left = describe(procs)
+    kill_all(procs)
     return left
 
 
@@ -179,31 +159,16 @@ def test_an_agent_sigkilled_takes_its_server_down_and_is_named(
         assert "its agent is gone" in str(died.value)
 
 
-def start_driver(
-    tmp_path: Path, fake: Path, address: str, topology: str = "1P+1D"
-) -> tuple[subprocess.Popen[str], dict]:
-    driver = subprocess.Popen(
-        [sys.executable, str(DRIVER), str(fake), str(tmp_path / "model"), str(tmp_path / "run"),
-         topology, address, "ExampleConnector", f"{MODE_ENV}={STUBBORN}"],
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )  # fmt: skip
-    lines = []
-    for line in driver.stdout:
-        lines.append(line)
-        if line.startswith('{"servers"'):
-            return driver, json.loads(line)
-    driver.wait()
-    raise AssertionError(f"the driver ended early ({driver.returncode}):\n{''.join(lines)}")
+def driver_args(tmp_path: Path, fake: Path, address: str, topology: str = "1P+1D") -> list[str]:
+    return [str(fake), str(tmp_path / "model"), str(tmp_path / "run"), topology, address,
+            "ExampleConnector", f"{MODE_ENV}={STUBBORN}"]  # fmt: skip
 
 
 def test_a_sigkilled_harness_leaves_no_server_on_any_node(
     cluster: LocalRayCluster, fake: Path, tmp_path: Path
 ) -> None:
     """Ray ends the agents of a dead driver; each agent's watchdog then stops its server."""
-    driver, started = start_driver(tmp_path, fake, cluster.address)
+    driver, started = start_driver(driver_args(tmp_path, fake, cluster.address))
     try:
         procs = [psutil.Process(pid) for s in started["servers"] for pid in (s["pid"], *s["tree"])]
         assert len(procs) == 4
@@ -212,23 +177,14 @@ def test_a_sigkilled_harness_leaves_no_server_on_any_node(
         assert seconds is not None, kill_survivors(procs)
         print(f"\nharness SIGKILL: 4 server processes on 2 nodes gone in {seconds:.1f} s")
     finally:
-        driver.kill()
-        driver.wait()
-        driver.stdout.close()
-
-
-def raylet_of(cluster: LocalRayCluster, address: str) -> psutil.Process:
-    node = next(n for n in cluster.nodes if n.address == address)
-    raylets = [p for p in tree_of(node.server.pid) if p.name() == "raylet"]
-    assert len(raylets) == 1, raylets
-    return raylets[0]
+        end_driver(driver)
 
 
 def test_a_sigkilled_raylet_takes_its_nodes_servers_down(fake: Path, tmp_path: Path) -> None:
     """A cluster of its own: the node whose raylet dies is gone for good."""
     close_runtime()  # the module's cluster connection, if any: one cluster per harness
     with LocalRayCluster(tmp_path / "nodes") as own:
-        driver, started = start_driver(tmp_path, fake, own.address)
+        driver, started = start_driver(driver_args(tmp_path, fake, own.address))
         try:
             # Not the head's: the driver's own node, whose raylet's death ends the whole
             # cluster (`ray start --block` then stops the GCS too), as it would on a cluster.
@@ -247,9 +203,7 @@ def test_a_sigkilled_raylet_takes_its_nodes_servers_down(fake: Path, tmp_path: P
             )
             assert driver.returncode != 0 and victim["name"] in output, output[-3000:]
         finally:
-            driver.kill()
-            driver.wait()
-            driver.stdout.close()
+            end_driver(driver)
 
 
 def test_storage_the_nodes_do_not_share_is_refused(fake: Path, tmp_path: Path) -> None:
@@ -271,103 +225,3 @@ def test_storage_the_nodes_do_not_share_is_refused(fake: Path, tmp_path: Path) -
     assert message.startswith(f"EC storage {private}/"), message
     assert "is not shared: 1E+1P" in message and "does not see what" in message, message
     assert "--ray-shared-dir" in message
-
-
-# -- real vLLM -----------------------------------------------------------------------------------
-
-
-def real_vllm_and_model() -> tuple[str, str]:
-    from harness.environment import cache_dir
-    from harness.preflight.model import resolve_model
-    from harness.preflight.vllm import default_vllm_executable
-
-    return default_vllm_executable(), str(resolve_model(None, None, cache_dir()))
-
-
-def start_real_driver(
-    tmp_path: Path, address: str, topology: str = "1E+1P+1D"
-) -> tuple[subprocess.Popen[str], dict]:
-    vllm, model = real_vllm_and_model()
-    driver = subprocess.Popen(
-        [sys.executable, str(DRIVER), vllm, model, str(tmp_path / "run"), topology, address,
-         NIXL_CONNECTOR],
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "EPD_RAY_DRIVER_IDLE": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )  # fmt: skip
-    lines = []
-    for line in driver.stdout:
-        lines.append(line)
-        if line.startswith('{"servers"'):
-            return driver, json.loads(line)
-    driver.wait()
-    raise AssertionError(f"the driver ended early ({driver.returncode}):\n{''.join(lines[-60:])}")
-
-
-def processes_of(server: dict) -> list[psutil.Process]:
-    """The server's process tree now (vLLM's EngineCore and workers appear after the start)."""
-    return tree_of(server["pid"])
-
-
-@pytest.mark.e2e
-def test_real_vllm_nothing_outlives_an_agent_a_raylet_or_the_harness(tmp_path: Path) -> None:
-    """1E+1P+1D, KV over NIXL, one instance per node of a cluster the harness did not start:
-    SIGKILL the agent of one instance, the raylet of another's node, then the harness itself;
-    each time every vLLM process of the instance(s) concerned is gone within 30 s."""
-    close_runtime()
-    with LocalRayCluster(tmp_path / "nodes") as own:
-        driver, started = start_real_driver(tmp_path, own.address)
-        try:
-            servers = {s["node"]: s for s in started["servers"]}
-            assert len(servers) == 3, started  # three instances, three nodes
-            on_head = servers.pop(own.driver_address)
-            elsewhere, last = servers.values()
-            times = {}
-            procs = processes_of(on_head)
-            os.kill(on_head["agent"], signal.SIGKILL)
-            times[f"agent of {on_head['name']} ({len(procs)} processes)"] = gone_after(procs)
-            procs = processes_of(elsewhere)
-            raylet_of(own, elsewhere["node"]).kill()
-            times[f"raylet of {elsewhere['name']}'s node ({len(procs)} processes)"] = gone_after(
-                procs
-            )
-            procs = processes_of(last)
-            driver.kill()
-            times[f"the harness, with {last['name']} left ({len(procs)} processes)"] = gone_after(
-                procs
-            )
-            print(
-                "\n"
-                + "\n".join(f"SIGKILL of {k}: gone in {v:.1f} s" for k, v in times.items() if v)
-            )
-            assert all(v is not None for v in times.values()), times
-        finally:
-            driver.kill()
-            driver.wait()
-            driver.stdout.close()
-
-
-@pytest.mark.e2e
-def test_real_vllm_a_sigkilled_harness_takes_its_rehearsal_cluster_too(tmp_path: Path) -> None:
-    """Without --ray-address the harness starts the cluster itself: its SIGKILL must end the
-    instances and every process of the cluster (the watchdog stops the nodes' groups)."""
-    close_runtime()
-    driver, started = start_real_driver(tmp_path, "", topology="1P+1D")
-    try:
-        vllm = [p for s in started["servers"] for p in processes_of(s)]
-        # The cluster's nodes are the harness's children, their workers and the agents' vLLM
-        # servers their descendants, and so is the harness's watchdog.
-        everything = tree_of(driver.pid)[1:]
-        ray_tree = [p for p in everything if p not in vllm]
-        driver.kill()
-        seconds = gone_after(everything)
-        assert seconds is not None, kill_survivors(everything)
-        print(
-            f"\nharness SIGKILL: {len(vllm)} vLLM and {len(ray_tree)} other processes (Ray's "
-            f"and the watchdog) gone in {seconds:.1f} s"
-        )
-    finally:
-        driver.kill()
-        driver.wait()
-        driver.stdout.close()

@@ -5,38 +5,20 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from harness.judge.compare import Verdict, compare_results
-from harness.report.text import CaseRecord, format_failure, format_verdict_table, write_summary_json
-from harness.serve.client import ChatResult
+from harness.outcomes.chat import ChatResult
+from harness.report.text import format_failure, format_verdict_table, write_summary_json
+from harness.testing.builders import case_record
 
-
-def record(
-    topology: str = "1E+1P+1D",
-    prompt: str = "image-cat",
-    verdict: Verdict = Verdict.MATCH,
-    passed: bool = True,
-    **overrides,
-) -> CaseRecord:
-    fields = dict(
-        topology=topology,
-        prompt=prompt,
-        reference="baseline",
-        verdict=verdict,
-        policy_passed=passed,
-        detail="identical: generated tokens equal (32/32)",
-        divergence=None,
-        guards={"kv_transfer": {"ok": True, "evidence": "cached_tokens=96 of 120"}},
-        timings={"request_s": 1.25},
-        error=None,
-    )
-    fields.update(overrides)
-    return CaseRecord(**fields)
+pytestmark = pytest.mark.unit
 
 
 RECORDS = [
-    record(prompt="image-cat"),
-    record(prompt="video-clip", verdict=Verdict.DRIFT, detail="x" * 200),
-    record(topology="1P+1D", verdict=Verdict.MISMATCH, passed=False),
+    case_record(prompt="image-cat"),
+    case_record(prompt="video-clip", verdict=Verdict.DRIFT, detail="x" * 200),
+    case_record(topology="1P+1D", verdict=Verdict.MISMATCH, passed=False),
 ]
 
 
@@ -60,7 +42,7 @@ def test_totals_line_is_not_a_test_runner_summary():
 
 
 def test_detail_newlines_do_not_break_rows():
-    lines = format_verdict_table([record(detail="one\ntwo")]).splitlines()
+    lines = format_verdict_table([case_record(detail="one\ntwo")]).splitlines()
     assert len(lines) == 3 and lines[1].endswith("one two")
 
 
@@ -102,7 +84,7 @@ def test_failure_block_carries_all_evidence():
     ref = ChatResult((1, 2), (10, 11, 12), "", "length")
     cand = ChatResult((1, 2), (10, 11, 99), "", "length")
     cmp = compare_results(ref, cand)
-    rec = record(
+    rec = case_record(
         verdict=Verdict.MISMATCH,
         passed=False,
         detail=cmp.headline(),
@@ -124,5 +106,5 @@ def test_failure_block_carries_all_evidence():
 
 
 def test_failure_block_falls_back_to_detail():
-    text = format_failure(record(verdict=Verdict.ERROR, passed=False, detail="timed out"))
+    text = format_failure(case_record(verdict=Verdict.ERROR, passed=False, detail="timed out"))
     assert "timed out" in text and "ERROR" in text

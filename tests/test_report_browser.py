@@ -15,14 +15,17 @@ from PIL import Image, ImageStat
 
 from harness.judge.compare import Verdict
 from harness.judge.guards import GuardResult
-from harness.judge.verdicts import judge_case
+from harness.outcomes.chat import ChatResult
+from harness.outcomes.outcome import Outcome
 from harness.report.bundle import write_bundle, write_run_info
 from harness.report.text import CaseRecord
-from harness.serve.client import ChatResult, PositionLogprobs
-from harness.serve.session import Outcome
 from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.testing.builders import chat
+from harness.testing.judging import judged
+
+pytestmark = pytest.mark.browser
 
 CHROMIUM = Path("/usr/bin/chromium")
 APT_TIMEOUT_S = 1200.0
@@ -67,28 +70,22 @@ def mismatch_run() -> tuple[list[CaseRecord], dict[str, dict[str, Any]]]:
     ids = [(37 * i) % 800 for i in range(48)]
     departed = ids[:DIVERGENCE] + [31, 402, 77] + ids[DIVERGENCE + 3 :]
 
-    def chat(token_ids: list[int], text: str) -> ChatResult:
-        return ChatResult(
-            prompt_token_ids=tuple(range(120)),
-            token_ids=tuple(token_ids),
-            text=text,
-            finish_reason="length",
-            logprobs=tuple(
-                PositionLogprobs(t, -1.25, ((t, -1.25), (t + 1, -1.5), (t + 2, -2.75)))
-                for t in token_ids
-            ),
-        )
+    def answer(token_ids: list[int], text: str) -> ChatResult:
+        def ranked(_position: int, t: int) -> list[tuple[int, float]]:
+            return [(t, -1.25), (t + 1, -1.5), (t + 2, -2.75)]
+
+        return chat(token_ids, prompt_ids=range(120), text=text, top=ranked)
 
     reference = {
-        "text": Outcome("text", chat(ids, "A house, a tree and a car.")),
-        "image": Outcome("image", chat(ids, "The sky is blue over the house.")),
+        "text": Outcome("text", answer(ids, "A house, a tree and a car.")),
+        "image": Outcome("image", answer(ids, "The sky is blue over the house.")),
     }
     candidate = {
-        "text": Outcome("text", chat(ids, "A house, a tree and a car.")),
-        "image": Outcome("image", chat(departed, "The sky is <b>not</b> blue.")),
+        "text": Outcome("text", answer(ids, "A house, a tree and a car.")),
+        "image": Outcome("image", answer(departed, "The sky is <b>not</b> blue.")),
     }
     records = [
-        judge_case(
+        judged(
             "1E+1P+1D",
             "baseline",
             reference[p],
@@ -124,7 +121,6 @@ def chromium(browser: Path, profile: Path, *args: str) -> subprocess.CompletedPr
     return proc
 
 
-@pytest.mark.browser
 def test_report_renders_in_headless_chromium(tmp_path: Path):
     browser = ensure_chromium()
     run_dir = tmp_path / "run"

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli.main import main
 from harness.run.repro import Bundle, BundleError
 from harness.spec.settings import LauncherChoice
 from harness.spec.topology import ServingConfig
+
+pytestmark = pytest.mark.unit
 
 
 def write_bundle(root: Path, cases: list[dict], serving: dict | None = None) -> Path:
@@ -64,10 +65,11 @@ def test_serving_config_is_rebuilt_ignoring_unknown_fields(tmp_path: Path) -> No
     assert bundle.serving() == ServingConfig(model="/m", block_size=32)
 
 
-def test_repro_of_a_directory_that_is_no_bundle_is_bad_input(tmp_path: Path, capsys) -> None:
+def test_repro_of_a_directory_that_is_no_bundle_is_bad_input(tmp_path: Path, epd_cli) -> None:
     (tmp_path / "empty").mkdir()
-    assert main(["repro", str(tmp_path / "empty")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    code, _, stderr = epd_cli("repro", tmp_path / "empty")
+    assert code == 2
+    err = stderr.strip().splitlines()
     assert (
         len(err) == 1 and "is not a run bundle: no run.json, requests.json, summary.json" in err[0]
     )

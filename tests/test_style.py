@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.check
+
 ROOT = Path(__file__).resolve().parent.parent
 RUFF = str(Path(sys.executable).parent / "ruff")
 TREE = ["harness", "fixtures", "tests", "scenarios", "scripts", "conftest.py"]

@@ -1,27 +1,25 @@
-"""Recording taps (harness/serve/tap.py) against a fake instance on loopback.
+"""Recording taps (harness/serve/tap.py) against fake instances on loopback.
 
-The fake is a small aiohttp app that keeps the exact bytes it received and answers with exact
-bytes (JSON, or an event stream in chunks), so the tests can show that a tap is transparent:
-bytes in == bytes out in both directions. Then what the tap records, and the planted faults
+The fakes (harness/testing/fake_instance.py) keep the exact bytes they received and answer
+with exact bytes (JSON, or an event stream in chunks), so the tests can show that a tap is
+transparent: bytes in == bytes out in both directions. Then what the tap records, and the planted faults
 that act at taps.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
-import threading
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from harness.judge.guards import TransferEvidence, check_consumer_embeds, check_encoder_output
+from harness.outcomes.taps import TapRecord, records_of
 from harness.serve.proxy import ProxyFaults
-from harness.serve.tap import TapRecord, TapSet, TapTarget, records_of
+from harness.serve.tap import TapSet, TapTarget
+from harness.testing.fake_instance import FakeInstance, LoopThread, Reply
 
 pytestmark = pytest.mark.process
 
@@ -43,65 +41,23 @@ STREAM_CHUNKS = [
 ]
 
 
-class FakeInstance:
-    """Keeps every body it receives; answers `answer` or, for stream requests, chunks."""
-
-    def __init__(self, answer: bytes) -> None:
-        self.answer = answer
-        self.received: list[bytes] = []
-
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_get("/health", self.health)
-        return app
-
-    async def health(self, _request: web.Request) -> web.Response:
-        return web.Response(text="")
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        self.received.append(body)
-        if json.loads(body).get("stream"):
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await response.prepare(request)
-            for chunk in STREAM_CHUNKS:
-                await response.write(chunk)
-                await asyncio.sleep(0.01)
-            await response.write_eof()
-            return response
-        return web.Response(body=self.answer, content_type="application/json")
+def answering(answer: bytes):
+    """Exact `answer` bytes, or STREAM_CHUNKS for a stream request."""
+    return lambda body: Reply(STREAM_CHUNKS, chunk_delay_s=0.01) if body.get("stream") else answer
 
 
 @pytest.fixture
 def fakes() -> Iterator[dict[str, Any]]:
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    instances = {"encoder": FakeInstance(ENCODER_ANSWER), "pd": FakeInstance(DECODE_ANSWER)}
-    runners, urls = [], {}
-
-    async def start() -> None:
-        for role, fake in instances.items():
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sock.listen(16)
-            runner = web.AppRunner(fake.app(), access_log=None)
-            await runner.setup()
-            await web.SockSite(runner, sock).start()
-            runners.append(runner)
-            urls[role] = f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-    asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=10)
-    yield {"instances": instances, "urls": urls}
-
-    async def stop() -> None:
-        for runner in runners:
-            await runner.cleanup()
-
-    asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=10)
+    loop = LoopThread()
+    instances = {
+        "encoder": FakeInstance(answering(ENCODER_ANSWER)),
+        "pd": FakeInstance(answering(DECODE_ANSWER)),
+    }
+    for fake in instances.values():
+        loop.run(fake.start())
+    yield {"instances": instances, "urls": {role: fake.url for role, fake in instances.items()}}
+    for fake in instances.values():
+        loop.run(fake.stop())
     loop.close()
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness.fixtures import media, tiny_model
+
+from fixtures import media, tiny_model
 
 pytestmark = pytest.mark.model
 

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness.fixtures import media, tiny_model
 from PIL import Image
 
+from fixtures import media, tiny_model
 from harness.run import graded
 from harness.spec import connectors, prompts
 from harness.spec.topology import ServingConfig

@@ -17,6 +17,8 @@ from harness.spec.placement import place_instances
 from harness.spec.platforms import CPU
 from harness.spec.topology import TOPOLOGIES, Role, ServingConfig, get_topology
 
+pytestmark = pytest.mark.unit
+
 SERVING = ServingConfig(model="/models/tiny-qwen2-vl", max_model_len=2048, max_num_seqs=4)
 # Flags whose values change numerics: every role must carry the baseline's value.
 NUMERICS_VALUE_FLAGS = ("--block-size", "--max-model-len", "--dtype", "--max-num-seqs")

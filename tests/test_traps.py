@@ -1,36 +1,31 @@
 """Seven places where the harness once quietly did the wrong thing (issue 8), each pinned.
 
-Each test here failed on the code before the fix. Trap 3 (--host) is pinned in
-test_bad_input.py, trap 6 (one scheduler) in test_plan.py, trap 7 (orphans of a SIGKILLed
-harness) in test_watchdog.py and, with real vLLM, in test_chaos.py
+Each test here failed on the code before the fix. The tests that need more than the unit tier
+allows live with their kind: trap 2's probe of the served interpreter in test_vllm_probe.py,
+trap 3 (--host) in test_bad_input.py, trap 5 (every script named exists) in test_docs.py, trap
+6 (one scheduler) in test_plan.py, trap 7 (orphans of a SIGKILLed harness) in test_watchdog.py
+and, with real vLLM, in test_chaos_vllm.py
 (test_real_vllm_left_starting_by_a_sigkilled_harness_is_stopped).
 """
 
 from __future__ import annotations
 
-import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from harness.cli.main import main
 from harness.errors import BadInput
+from harness.outcomes.chat import ChatResult
+from harness.outcomes.outcome import Outcome
 from harness.preflight.model import resolve_model, resolve_named_model
-from harness.preflight.vllm import probe_served_vllm
 from harness.run.baseline_cache import BaselineCache, baseline_key
-from harness.serve.client import ChatResult
-from harness.serve.session import Outcome
 from harness.spec.settings import ServedVllm
 from harness.spec.topology import ServingConfig
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "Qwen/Qwen2.5-VL-3B-Instruct"
-
-
-def run_cli(capsys, *args: str) -> tuple[int, str]:
-    code = main(["run", *args])
-    return code, capsys.readouterr().err
 
 
 # -- 1: a flag a code path ignores is refused ------------------------------------------------
@@ -50,33 +45,16 @@ def run_cli(capsys, *args: str) -> tuple[int, str]:
         (("--colocate",), "--colocate shares GPUs within a topology; on cpu"),
     ],
 )
-def test_an_ignored_flag_is_refused_before_anything_starts(capsys, args, cause) -> None:
+def test_an_ignored_flag_is_refused_before_anything_starts(epd_cli, args, cause) -> None:
     """`--scenario X --plant-fault corrupt-ec` once dropped the fault and exited 0: a self-test
     that came out green."""
-    code, err = run_cli(capsys, *args)
+    code, _, err = epd_cli("run", *args)
     assert code == 2, err
     assert err.startswith(f"epd-harness: error: {cause}"), err
     assert err.count("\n") == 1, err
 
 
 # -- 2: the served vLLM, not the harness's own, keys the baseline and the record -------------
-
-
-def fake_vllm(tmp_path: Path, vllm: str, torch: str) -> Path:
-    """A `vllm` whose interpreter reports other versions than the harness's own Python."""
-    interpreter = tmp_path / "other-venv" / "bin" / "python"
-    interpreter.parent.mkdir(parents=True)
-    interpreter.write_text(f'#!/bin/sh\necho \'{{"vllm": "{vllm}", "torch": "{torch}"}}\'\n')
-    interpreter.chmod(0o755)
-    executable = interpreter.parent / "vllm"
-    executable.write_text(f"#!{interpreter}\n")
-    executable.chmod(0o755)
-    return executable
-
-
-def test_served_version_is_read_from_the_served_interpreter(tmp_path: Path) -> None:
-    served = probe_served_vllm(str(fake_vllm(tmp_path, "0.28.0", "2.9.1+cpu")))
-    assert (served.version, served.torch_version) == ("0.28.0", "2.9.1+cpu")
 
 
 def test_a_baseline_of_another_served_vllm_is_not_reused(tmp_path: Path) -> None:
@@ -95,14 +73,14 @@ def test_a_baseline_of_another_served_vllm_is_not_reused(tmp_path: Path) -> None
 
 
 def test_a_hub_model_missing_from_the_cache_is_one_error_before_any_start(
-    tmp_path: Path, monkeypatch, capsys
+    tmp_path: Path, monkeypatch, epd_cli
 ) -> None:
     """`--platform cuda` once started every instance with HF_HUB_OFFLINE=1 and a model name
     nothing had fetched: a fresh GPU host died at baseline start-up."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    code, err = run_cli(
-        capsys,
+    code, _, err = epd_cli(
+        "run",
         "--platform",
         "cuda",
         "--devices",
@@ -138,28 +116,7 @@ def test_a_model_path_that_does_not_exist_is_not_taken_for_a_hub_name(tmp_path: 
         resolve_model(str(tmp_path / "no-model"), None, tmp_path)
 
 
-# -- 5: every script the project points at exists ---------------------------------------------
-
-
-def test_every_script_the_project_names_exists() -> None:
-    """`doctor` and pyproject.toml once pointed at a setup script that never existed."""
-    tracked = subprocess.run(
-        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
-    sources = [
-        p
-        for p in tracked
-        if p.endswith((".py", ".toml", ".md", ".ini", ".yml", ".yaml"))
-        or p in (".ci/run", "scripts/cpu")
-    ]
-    named: dict[str, str] = {}
-    for source in sources:
-        text = (ROOT / source).read_text(encoding="utf-8")
-        for match in re.finditer(r"\bscripts/([A-Za-z0-9_.-]+[A-Za-z0-9_])", text):
-            named.setdefault(f"scripts/{match[1]}", source)
-    missing = {script: where for script, where in named.items() if not (ROOT / script).exists()}
-    assert named, "the scan found no reference at all: it would pass vacuously"
-    assert not missing, f"named but missing (script: where): {missing}"
+# -- 5: every script the project points at exists (the scan of the tree: tests/test_docs.py) ---
 
 
 def test_doctor_names_the_setup_command_that_exists() -> None:
@@ -170,7 +127,7 @@ def test_doctor_names_the_setup_command_that_exists() -> None:
     assert (ROOT / "scripts" / "cpu").exists()
 
 
-def test_plan_shows_the_snapshot_a_run_will_serve(tmp_path: Path, monkeypatch, capsys) -> None:
+def test_plan_shows_the_snapshot_a_run_will_serve(tmp_path: Path, monkeypatch, epd_cli) -> None:
     """What `plan` prints is what runs: the hub name resolved to its cached snapshot."""
     repo = tmp_path / "hub" / "models--Qwen--Qwen2.5-VL-3B-Instruct"
     (repo / "snapshots" / "rev1").mkdir(parents=True)
@@ -178,6 +135,6 @@ def test_plan_shows_the_snapshot_a_run_will_serve(tmp_path: Path, monkeypatch, c
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("rev1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    assert main(["plan", "--platform", "cuda", "--devices", "0,1", "--colocate"]) == 0
-    out = capsys.readouterr().out
+    code, out, _ = epd_cli("plan", "--platform", "cuda", "--devices", "0,1", "--colocate")
+    assert code == 0
     assert f"serve {repo / 'snapshots' / 'rev1'} " in out, out[:2000]

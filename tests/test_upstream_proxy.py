@@ -1,22 +1,12 @@
-"""vLLM's own proxy files: found through a package index's simple API, verified, extracted,
-cached (harness/preflight/upstream_proxy.py); and the command that runs them
-(harness/serve/vllm_proxy.py).
-
-The index here is a fake on loopback serving a made-up sdist that holds stand-in files at the
-release's paths (no upstream code is involved); it counts its downloads so the cache shows.
+"""vLLM's own proxy: which release files it needs, the pip configuration that says where to
+fetch them (harness/preflight/upstream_proxy.py), the command that runs them and the instances
+it is given (harness/serve/vllm_proxy.py). Fetching from an index and registering through the
+admin API, against fakes on loopback, are in tests/test_upstream_proxy_servers.py.
 """
 
 from __future__ import annotations
 
-import hashlib
-import http.server
-import io
-import json
-import tarfile
-import threading
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -29,127 +19,13 @@ from harness.serve.vllm_proxy import (
     EPD_PROXY_FILE,
     TOY_PROXY_FILE,
     Registration,
-    register_instances,
     registrations,
     vllm_proxy_launch,
 )
+from harness.spec.settings import ServedVllm
+from harness.testing.fake_vllm import install_fake_vllm
 
-RELEASE = "9.8.7"
-
-
-def make_sdist(release: str, files: dict[str, bytes]) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
-        for name, data in files.items():
-            info = tarfile.TarInfo(f"vllm-{release}/{name}")
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
-
-
-STANDIN = {
-    EPD_PROXY_FILE: b"# stand-in epd proxy\n",
-    TOY_PROXY_FILE: b"# stand-in toy proxy\n",
-    "vllm/other.py": b"# not needed\n",
-}
-
-
-class FakeIndex:
-    def __init__(self, sdist: bytes, style: str, sha256: str | None = None) -> None:
-        self.sdist, self.style = sdist, style
-        self.sha256 = sha256 or hashlib.sha256(sdist).hexdigest()
-        self.downloads = 0
-        index = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-                name = f"vllm-{RELEASE}.tar.gz"
-                if self.path == "/simple/vllm/":
-                    if index.style == "json":
-                        body = json.dumps(
-                            {
-                                "files": [
-                                    {
-                                        "filename": name,
-                                        "url": f"../../files/{name}",
-                                        "hashes": {"sha256": index.sha256},
-                                    }
-                                ]
-                            }
-                        ).encode()
-                        kind = "application/vnd.pypi.simple.v1+json"
-                    else:
-                        body = (
-                            f'<html><body><a href="/files/{name}#sha256={index.sha256}">'
-                            f"{name}</a></body></html>"
-                        ).encode()
-                        kind = "text/html"
-                elif self.path == f"/files/{name}":
-                    index.downloads += 1
-                    body, kind = index.sdist, "application/octet-stream"
-                else:
-                    self.send_error(404)
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/simple"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture(params=["json", "html"])
-def index(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeIndex]:
-    fake = FakeIndex(make_sdist(RELEASE, STANDIN), request.param)
-    monkeypatch.setattr(upstream_proxy, "pip_indexes", lambda _interpreter=None: [fake.url])
-    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
-        monkeypatch.delenv(name, raising=False)
-    yield fake
-    fake.close()
-
-
-@pytest.mark.process
-def test_the_release_files_are_fetched_verified_extracted_and_cached(
-    index: FakeIndex, tmp_path: Path
-) -> None:
-    first = upstream_proxy.cached_or_fetched(f"{RELEASE}+cpu", tmp_path)
-    assert (first.directory / EPD_PROXY_FILE).read_bytes() == STANDIN[EPD_PROXY_FILE]
-    assert (first.directory / TOY_PROXY_FILE).read_bytes() == STANDIN[TOY_PROXY_FILE]
-    assert not (first.directory / "vllm" / "other.py").exists()  # only what is needed
-    assert index.sha256 in first.origin and first.directory.name == RELEASE
-    again = upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
-    assert again == first and index.downloads == 1
-
-
-@pytest.mark.process
-def test_a_sha256_other_than_the_index_says_is_refused(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    fake = FakeIndex(make_sdist(RELEASE, STANDIN), "json", sha256="0" * 64)
-    monkeypatch.setattr(upstream_proxy, "pip_indexes", lambda _interpreter=None: [fake.url])
-    try:
-        with pytest.raises(BadInput, match="sha256"):
-            upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
-    finally:
-        fake.close()
-    assert not (tmp_path / "vllm-proxy" / RELEASE).exists()
-
-
-@pytest.mark.process
-def test_a_release_the_index_lacks_is_one_clear_line(index: FakeIndex, tmp_path: Path) -> None:
-    with pytest.raises(BadInput, match=r"no sdist vllm-1\.2\.3\.tar\.gz.*--vllm-source"):
-        upstream_proxy.cached_or_fetched("1.2.3", tmp_path)
+pytestmark = pytest.mark.unit
 
 
 def test_release_version_drops_the_local_suffix() -> None:
@@ -157,15 +33,6 @@ def test_release_version_drops_the_local_suffix() -> None:
     assert upstream_proxy.release_version("0.33.0") == "0.33.0"
     with pytest.raises(BadInput):
         upstream_proxy.release_version("unknown")
-
-
-def test_a_checkout_must_hold_both_files(tmp_path: Path) -> None:
-    with pytest.raises(BadInput, match="not a vLLM checkout"):
-        upstream_proxy.from_checkout(str(tmp_path))
-    for name in (EPD_PROXY_FILE, TOY_PROXY_FILE):
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text("#")
-    assert upstream_proxy.from_checkout(str(tmp_path)).directory == tmp_path.resolve()
 
 
 def test_pip_config_scopes_rank_like_pip(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -195,7 +62,7 @@ def test_encoder_topologies_get_the_epd_proxy_with_static_urls(tmp_path: Path) -
     argv = list(launch.argv)
     assert argv[:2] == ["py", str(tmp_path / EPD_PROXY_FILE)]
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
-    assert argv[argv.index("--prefill-servers-urls") + 1] == "none"
+    assert argv[argv.index("--prefill-servers-urls") + 1] == "disable"
     assert argv[argv.index("--decode-servers-urls") + 1] == "http://127.0.0.1:3"
     assert launch.health_path == "/health"
     epd = list(
@@ -263,70 +130,6 @@ def test_registrations_name_the_proxys_roles() -> None:
     ]
 
 
-class FakeAdminApi(http.server.BaseHTTPRequestHandler):
-    """The shape of disagg_epd_proxy's /instances: POST (x-api-key) adds, GET lists."""
-
-    key = "secret-key"
-    roster: dict[str, dict[str, list[str]]] = {}
-    drop: set[str] = set()  # URLs it accepts but never lists live
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if self.headers.get("x-api-key") != self.key:
-            self._answer(403, {"detail": "Invalid admin API key"})
-            return
-        if body["url"] not in self.drop:
-            entry = self.roster.setdefault(body["role"], {"live": [], "evicted": []})
-            entry["live"].append(body["url"])
-        self._answer(200, {"registered": True})
-
-    def do_GET(self) -> None:  # noqa: N802
-        self._answer(200, self.roster)
-
-    def _answer(self, status: int, payload: object) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
-@pytest.fixture
-def admin_api() -> Iterator[str]:
-    FakeAdminApi.roster, FakeAdminApi.drop = {}, set()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeAdminApi)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def test_every_instance_is_registered_and_read_back(admin_api: str) -> None:
-    wanted = registrations(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], ["http://127.0.0.1:3"])
-    roster = register_instances(admin_api, FakeAdminApi.key, wanted)
-    assert roster["encode"]["live"] == ["http://127.0.0.1:1"]
-    assert roster["prefill"]["live"] == ["http://127.0.0.1:2"]
-    assert roster["decode"]["live"] == ["http://127.0.0.1:3"]
-
-
-def test_a_refused_registration_names_the_instance(admin_api: str) -> None:
-    with pytest.raises(RuntimeError, match=r"refused to register encode http://127.0.0.1:1: 403"):
-        register_instances(admin_api, "wrong-key", [Registration("encode", "http://127.0.0.1:1")])
-
-
-def test_an_instance_missing_from_the_roster_is_an_error(admin_api: str) -> None:
-    FakeAdminApi.drop = {"http://127.0.0.1:3"}
-    wanted = registrations(["http://127.0.0.1:1"], [], ["http://127.0.0.1:3"])
-    with pytest.raises(RuntimeError, match="not list as live: prefill_decode http://127.0.0.1:3"):
-        register_instances(admin_api, FakeAdminApi.key, wanted)
-
-
 def test_dynamic_registration_is_refused_where_it_would_be_ignored(tmp_path: Path) -> None:
     with pytest.raises(BadInput, match="only --proxy vllm runs"):
         prepare_run(RunRequest(proxy_registration="dynamic", count_tokens=False))
@@ -348,3 +151,51 @@ def test_dynamic_registration_is_refused_where_it_would_be_ignored(tmp_path: Pat
         upstream_proxy.check_dynamic_registration(old, "vllm-0.31.0.tar.gz")
     old.write_text(f"parser.add_argument('{DYNAMIC_REGISTRATION_FLAG}')\n")
     upstream_proxy.check_dynamic_registration(old, "vllm-0.32.0.tar.gz")
+
+
+# --- development builds (their source trees: tests/test_vllm_source_tree.py) -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("version", "dev", "commit"),
+    [
+        ("0.32.0+cpu", False, None),
+        ("0.33.0", False, None),
+        ("0.33.0rc1", False, None),
+        ("0.32.0.post1", False, None),
+        ("0.33.0.dev12+gabc1234", True, "abc1234"),
+        ("0.32.1.dev0+g0123abcd.cu129", True, "0123abcd"),
+        ("0.33.0.dev3", True, None),
+        ("0.32.0+g89abcdef0", True, "89abcdef0"),
+    ],
+)
+def test_a_development_build_is_told_by_its_version(
+    version: str, dev: bool, commit: str | None
+) -> None:
+    assert upstream_proxy.is_dev_build(version) is dev
+    assert upstream_proxy.build_commit(version) == commit
+
+
+def test_a_development_build_never_gets_a_release_sdist(tmp_path: Path) -> None:
+    with pytest.raises(BadInput) as info:
+        upstream_proxy.cached_or_fetched("0.33.0.dev12+gabc1234", tmp_path)
+    message = str(info.value)
+    assert "development build" in message and "--vllm-source DIR" in message
+    assert "--epd-vllm-source" in message and "abc1234" in message
+    assert "\n" not in message
+    assert not (tmp_path / "vllm-proxy").exists(), "nothing fetched"
+
+
+def fake_dev_vllm(tmp_path: Path, version: str) -> ServedVllm:
+    """A served vLLM as the version probe would report a development build of it."""
+    return ServedVllm(str(install_fake_vllm(tmp_path / "bin", serves=False)), version)
+
+
+def test_without_the_source_tree_a_development_build_is_one_error_naming_the_option(
+    tmp_path: Path,
+) -> None:
+    served = fake_dev_vllm(tmp_path, "0.33.0.dev12+gabc1234")
+    with pytest.raises(BadInput, match=r"development build.*pass --vllm-source DIR"):
+        upstream_proxy.proxy_choice("vllm", None, served, tmp_path / "cache")
+    with pytest.raises(BadInput, match=r"development build.*--epd-vllm-source"):
+        upstream_proxy.upstream_files(served, None, tmp_path / "cache")

@@ -11,11 +11,12 @@ from harness.cli.releases import parse_release_list, release_env
 from harness.cli.versions import ReleaseRun, case_label, format_matrix, matrix_passed
 from harness.errors import BadInput
 from harness.run.goldens import GoldenStore, agreement, first_difference, golden_key, release_of
-from harness.serve.client import ChatResult
-from harness.serve.session import Outcome
 from harness.spec.platforms import CPU
 from harness.spec.settings import ServedVllm
 from harness.spec.topology import serving_for
+from harness.testing.builders import outcome
+
+pytestmark = pytest.mark.unit
 
 
 def test_release_range_expands_to_the_known_releases_within_it() -> None:
@@ -118,18 +119,6 @@ def test_golden_references_label_like_the_baseline() -> None:
     assert case_label(case("1E+1PD", "text", "MATCH", reference="golden-0.31.0")) == "1E+1PD / text"
 
 
-def result(ids: list[int]) -> ChatResult:
-    return ChatResult.from_json(
-        {
-            "prompt_token_ids": [1, 2],
-            "token_ids": ids,
-            "text": "",
-            "logprobs": [],
-            "finish_reason": "length",
-        }
-    )
-
-
 def test_goldens_are_per_release_and_agreement_finds_the_first_difference(tmp_path: Path) -> None:
     store = GoldenStore(tmp_path)
     serving = serving_for(CPU, "/m", max_model_len=4096)
@@ -142,7 +131,10 @@ def test_goldens_are_per_release_and_agreement_finds_the_first_difference(tmp_pa
         ("0.32.0+cpu", [5, 6, 8]),
     ):
         store.store(
-            key, "video", ServedVllm("vllm", version, "2.13.0"), Outcome("video", result(ids))
+            key,
+            "video",
+            ServedVllm("vllm", version, "2.13.0"),
+            outcome("video", ids, prompt_ids=(1, 2)),
         )
     rows = [r.describe() for r in agreement(store)]
     assert rows == [
@@ -227,11 +219,13 @@ def test_golden_stands_in_for_the_baseline_without_starting_it(tmp_path: Path) -
         return Sweep(spec, settings, goldens=store, golden_release="0.31.0")
 
     probe = sweep((text,))
-    key = probe._golden_key(probe.bodies["text"])
-    store.store(key, "text", ServedVllm("vllm", "0.31.0+cpu"), Outcome("text", result([9, 8])))
+    key = golden_key(serving, probe.baseline.digest(), probe.bodies["text"])
+    store.store(
+        key, "text", ServedVllm("vllm", "0.31.0+cpu"), outcome("text", [9, 8], prompt_ids=(1, 2))
+    )
     outcomes = probe.serve_baseline()
     assert outcomes["text"].result.token_ids == (9, 8)
-    assert probe.baseline_label == "golden-0.31.0" and probe.run_info["golden_release"] == "0.31.0"
+    assert probe.baseline.label == "golden-0.31.0" and probe.run_info["golden_release"] == "0.31.0"
     assert not any(s.topology.is_baseline for w in probe.schedule().waves for s in w.slots)
     with pytest.raises(BadInput, match="no golden of vLLM 0.31.0 for prompt 'image'"):
         sweep((text, image)).serve_baseline()

@@ -3,7 +3,7 @@
 The harness is played by the test: it writes the protocol lines to a watchdog's stdin and
 closes it (EOF: "the harness is gone"). The processes to stop are Python sleepers in sessions
 of their own, like servers. How the harness and vLLM-like servers fare when a real harness
-is SIGKILLed is tests/test_chaos.py's part.
+is SIGKILLed is tests/test_chaos.py's part (tests/test_chaos_vllm.py's with real vLLM).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import pytest
 
 from harness.environment import WATCHDOG_ENV
 from harness.serve import watchdog
+from harness.testing.processes import child_env, is_live, seconds_until_gone
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+pytestmark = pytest.mark.process
+
 BOUND_S = 30.0
 
 # argv: mode. Ignores SIGTERM; "fork" forks a child into its group and prints its pid; with
@@ -75,7 +76,7 @@ def start_watchdog() -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "harness.serve.watchdog"],
         stdin=subprocess.PIPE,
-        env=ENV,
+        env=child_env(),
         start_new_session=True,
     )
 
@@ -97,22 +98,6 @@ def start_line(pgid: int, log: Path, create_time: float | None = None) -> dict:
     }
 
 
-def is_live(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def seconds_until_gone(pids: list[int], timeout_s: float = BOUND_S) -> float | None:
-    start = time.monotonic()
-    while any(is_live(pid) for pid in pids):
-        if time.monotonic() - start > timeout_s:
-            return None
-        time.sleep(0.05)
-    return time.monotonic() - start
-
-
 def cleanup(*procs: subprocess.Popen) -> None:
     for proc in procs:
         if proc.poll() is None:
@@ -130,7 +115,7 @@ def test_harness_gone_stops_a_group_that_ignores_sigterm(tmp_path: Path) -> None
         tell(dog, **start_line(leader.pid, tmp_path / "server.log"))
         time.sleep(2 * watchdog.SAMPLE_INTERVAL_S)
         dog.stdin.close()  # the harness is gone
-        gone_s = seconds_until_gone([leader.pid, pid])
+        gone_s = seconds_until_gone([leader.pid, pid], BOUND_S)
         assert gone_s is not None, f"leader {leader.pid} or child {pid} survived the watchdog"
         print(f"SIGTERM-ignoring leader and child gone {gone_s:.1f} s after EOF")
         assert gone_s < watchdog.GRACE_S + watchdog.KILL_WAIT_S
@@ -155,7 +140,7 @@ def test_a_member_holding_the_group_after_the_leader_was_reaped_is_stopped(
         leader.wait()  # reaped: its pid is free, only the child keeps the group id
         assert os.getpgid(child) == leader.pid and is_live(child)
         dog.stdin.close()
-        gone_s = seconds_until_gone([child])
+        gone_s = seconds_until_gone([child], BOUND_S)
         assert gone_s is not None, f"the child {child} survived the watchdog"
         print(f"orphaned group member gone {gone_s:.1f} s after EOF")
     finally:
@@ -204,7 +189,7 @@ def test_a_normally_ending_harness_leaves_no_watchdog(tmp_path: Path) -> None:
     harness = subprocess.run(
         [sys.executable, "-c", NORMAL_HARNESS, str(tmp_path / "server.log"), SLEEPER],
         check=False,
-        env=ENV,
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=60,

@@ -21,6 +21,8 @@ from harness.cli.plan import DEFAULT_TOPOLOGY_NAMES, PlanRequest, build_plan
 from harness.spec.platforms import CUDA, parse_devices
 from harness.spec.topology import TOPOLOGIES, get_topology
 
+pytestmark = pytest.mark.check
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = ROOT / ".github" / "workflows"
 WORKFLOW_NAMES = ("ci.yml", "nightly-gpu.yml", "cherry-pick.yml", "versions-cpu.yml")
@@ -202,6 +204,26 @@ def test_gpu_matrix_entries_have_valid_plans(name: str) -> None:
         assert 1 <= entry["workers"] <= widest, (name, entry, widest)
 
 
+def test_nightly_passes_the_eager_choice_and_a_commits_own_vllm_tree() -> None:
+    workflow = load("nightly-gpu.yml")
+    inputs = triggers(workflow)["workflow_dispatch"]["inputs"]
+    assert inputs["graphs"]["type"] == "boolean" and inputs["graphs"]["default"] is False
+    steps = {step.get("name", ""): step.get("run", "") for step in all_steps(workflow)}
+    plan = next(run for name, run in steps.items() if name.startswith("Plan"))
+    assert "--no-enforce-eager" in plan, "the plan shows what runs"
+    assert "--epd-no-enforce-eager" in steps["EPD scenarios"]
+    assert '--epd-vllm-source "$VLLM_SOURCE"' in steps["EPD scenarios"]
+    tree = next(run for name, run in steps.items() if name.startswith("vLLM's source tree"))
+    assert "git -C vllm-src checkout" in tree and "VLLM_SOURCE=" in tree
+
+
+def test_nightly_runs_upstream_parity_on_the_served_vllm_whatever_the_scenarios_did() -> None:
+    (step,) = [s for s in all_steps(load("nightly-gpu.yml")) if "parity" in s.get("name", "")]
+    assert step["if"] == "${{ !cancelled() }}"
+    assert "tests/test_upstream_parity.py -m index -k served" in step["run"]
+    assert '--epd-vllm-source "$VLLM_SOURCE"' in step["run"]
+
+
 # --- cherry-pick.yml -------------------------------------------------------------------------
 
 
@@ -214,6 +236,12 @@ def test_cherry_pick_takes_a_vllm_and_a_release_ref() -> None:
     assert inputs["ref"]["required"] is True
     (checkout,) = steps_using(workflow, "actions/checkout")
     assert checkout["with"]["ref"] == "${{ inputs.ref }}"
+
+
+def test_cherry_pick_gives_a_commits_build_its_own_vllm_tree() -> None:
+    workflow = load("cherry-pick.yml")
+    assert '--epd-vllm-source "$VLLM_SOURCE"' in run_text(workflow)
+    assert 'git -C vllm-src checkout --quiet "$VLLM_SPEC"' in run_text(workflow)
 
 
 def test_cherry_pick_runs_the_full_matrix() -> None:
@@ -242,3 +270,12 @@ def test_versions_workflow_covers_the_floor_to_the_newest_release_and_writes_the
     table_steps = " ".join(s.get("run", "") for s in workflow["jobs"]["table"]["steps"])
     assert "versions.md" in table_steps and "GITHUB_STEP_SUMMARY" in table_steps
     assert workflow["jobs"]["table"]["if"] == "always()"
+
+
+def test_ci_installs_nixl_because_a_ci_scenario_runs_it() -> None:
+    """scenarios/test_nixl.py has a `ci` case; without the nixl extra it fails (never skips),
+    so both ways CI runs (the workflow and .ci/run) must install it."""
+    nixl_scenario = (ROOT / "scenarios" / "test_nixl.py").read_text()
+    assert "@pytest.mark.ci" in nixl_scenario
+    assert load("ci.yml")["jobs"]["cpu"]["env"]["EPD_CPU_NIXL"] == "1"
+    assert "export EPD_CPU_NIXL=1" in (ROOT / ".ci" / "run").read_text()

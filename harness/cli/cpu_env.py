@@ -9,6 +9,10 @@
    and `import torchvision` raises. Qwen2-VL's image processing imports torchvision, so we make
    the two fake-kernel registrations for nms / qnms tolerate the missing op.
 3. torchaudio and torchcodec fail to load their libraries; nothing here needs them, so they go.
+4. On a CPU with AMX, vLLM's AMX attention kernel kills a process that never asked Linux for AMX
+   (D's first step under NIXL, docs/connectors.md). A start-up hook (`harness.amx`, copied in
+   with a `.pth` line) makes every interpreter of the venv ask first; without AMX it does
+   nothing.
 
 Every repair is idempotent and refuses to run outside a virtual environment.
 """
@@ -21,6 +25,8 @@ import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+
+from harness import amx
 
 PATCH_MARKER = "# epd-harness: tolerate a torchvision op missing from this torch build"
 TORCHVISION_FAKE_OPS = ("torchvision::nms", "torchvision::qnms")
@@ -117,6 +123,31 @@ def remove_unloadable_packages() -> str:
     return f"fixed: uninstalled {', '.join(present)}"
 
 
+def install_amx_permission_hook(site: Path, python: str = sys.executable) -> str:
+    """Copy `harness.amx` into site-packages with the `.pth` line that runs it at start-up.
+
+    Checked by its result in a fresh interpreter of the venv (`python`; `epd-harness doctor`
+    and run.json read the same STATUS line), not only by the files being there.
+    """
+    source = Path(amx.__file__).read_text(encoding="utf-8")
+    module = site / f"{amx.HOOK_MODULE}.py"
+    pth = site / amx.HOOK_PTH
+    current = (
+        module.is_file()
+        and module.read_text(encoding="utf-8") == source
+        and pth.is_file()
+        and pth.read_text(encoding="utf-8") == amx.HOOK_PTH_LINE
+    )
+    if not current:
+        module.write_text(source, encoding="utf-8")
+        pth.write_text(amx.HOOK_PTH_LINE, encoding="utf-8")
+    status = subprocess.run(
+        [python, "-c", amx.PROBE], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    done = "ok: AMX permission hook present" if current else f"fixed: wrote {pth.name}"
+    return f"{done}; a fresh interpreter reports: {status or 'nothing'}"
+
+
 def repair_environment() -> list[str]:
     """Apply every repair to the running interpreter's virtualenv; return one line each."""
     require_virtualenv()
@@ -125,6 +156,7 @@ def repair_environment() -> list[str]:
         ensure_vllm_dist_info(site),
         patch_torchvision_meta_registrations(site),
         remove_unloadable_packages(),
+        install_amx_permission_hook(site),
     ]
 
 

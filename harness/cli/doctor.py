@@ -11,6 +11,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness import amx
+
 CHECK_TIMEOUT_S = 180.0
 
 
@@ -86,6 +88,28 @@ def check_torchvision() -> Check:
     return Check("torchvision imports", True, f"torchvision {_last_line(proc.stdout)}")
 
 
+def check_amx_permission(cpu_has_amx: bool | None = None) -> Check:
+    """What the AMX start-up hook did in a fresh interpreter of this environment. Only an AMX
+    CPU needs the grant (without it NIXL's D dies with SIGILL, docs/connectors.md); elsewhere
+    the check passes and says that nothing was needed."""
+    if cpu_has_amx is None:
+        try:
+            cpu_has_amx = amx.cpu_has_amx()
+        except OSError:
+            cpu_has_amx = False
+    status = _last_line(_run_python(amx.PROBE).stdout) or "the probe printed nothing"
+    cpu = "CPU has AMX" if cpu_has_amx else "CPU has no AMX"
+    if amx.needs_repair(status, cpu_has_amx):
+        return Check(
+            "AMX permission at start-up",
+            False,
+            f"{cpu}; {status}",
+            "without it vLLM's AMX attention kills NIXL's D with SIGILL: "
+            "python -m harness.cli.cpu_env installs the hook",
+        )
+    return Check("AMX permission at start-up", True, f"{cpu}; {status}")
+
+
 def check_model(model_dir: Path) -> Check:
     if not (model_dir / "config.json").is_file():
         return Check(
@@ -104,7 +128,12 @@ def check_model(model_dir: Path) -> Check:
 
 
 def run_checks(vllm_executable: str, model_dir: Path | None) -> list[Check]:
-    checks = [check_vllm_import(), check_vllm_cli(vllm_executable), check_torchvision()]
+    checks = [
+        check_vllm_import(),
+        check_vllm_cli(vllm_executable),
+        check_torchvision(),
+        check_amx_permission(),
+    ]
     if model_dir is not None:
         checks.append(check_model(model_dir))
     return checks

@@ -17,6 +17,9 @@ from typing import NoReturn
 
 from harness.cli import doctor
 from harness.cli.compare import add_compare_parser
+from harness.cli.export import add_export_parser
+from harness.cli.fuzz import add_fuzz_parser
+from harness.cli.load import add_load_parser
 from harness.cli.plan import add_plan_parser
 from harness.cli.versions import add_bisect_parser, add_goldens_parser, add_versions_parser
 from harness.environment import cache_dir
@@ -28,6 +31,7 @@ from harness.errors import (
     BadInput,
     HarnessError,
 )
+from harness.judge.policy import REFERENCE_POLICIES
 from harness.judge.records import CaseRecord
 from harness.preflight import RunRequest, prepare_run
 from harness.preflight.config import DEFAULT_MAX_MODEL_LEN, RunConfig
@@ -40,7 +44,7 @@ from harness.run.faults import FAULT_NAMES, FAULT_SYNTAX, GRADED_FAULTS
 from harness.run.matrix import MatrixRun
 from harness.run.repro import Bundle, BundleError, keep_up, reproduce
 from harness.run.scenarios import MATRIX, Scenario
-from harness.run.sweep import Sweep, SweepResult, SweepSpec
+from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.launch import (
     ServerDied,
     ServerStopFailed,
@@ -142,6 +146,9 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         ray_placement=args.ray_placement,
         ray_shared_dir=args.ray_shared_dir,
         ray_instance_env=tuple(args.ray_instance_env or ()),
+        reference_policy=args.reference_policy,
+        stream=args.stream,
+        no_enforce_eager=args.no_enforce_eager,
     )
 
 
@@ -180,28 +187,36 @@ def run_config(args: argparse.Namespace, config: RunConfig) -> int:
         goldens=config.goldens,
         golden_release=config.golden_release,
     )
-    if config.matrix:
-        return finish_run(args, run_matrix(sweep, config.matrix), sweep.result)
-    if config.cases:
-        for case in config.cases:
-            sweep.judge(case.topology, case.prompt)
-        return finish_run(args, [], sweep.result)
-    return finish_run(args, [], sweep.run_all())
+    try:
+        if config.matrix:
+            return finish_run(args, run_matrix(sweep, config.matrix), sweep)
+        if config.cases:
+            for case in config.cases:
+                sweep.judge(case.topology, case.prompt)
+            return finish_run(args, [], sweep)
+        sweep.run_all()
+        return finish_run(args, [], sweep)
+    finally:
+        sweep.pool.close()
 
 
 def run_matrix(sweep: Sweep, scenarios: tuple[Scenario, ...]) -> list[str]:
-    """Every scenario as declared; returns the problems (empty: all behaved as declared)."""
+    """Every scenario as declared, grouped by topology so each starts once (those that end
+    their session last in their group); returns the problems (empty: all as declared)."""
     matrix = MatrixRun(sweep)
+    first_seen = {s.topology: i for i, s in reversed(list(enumerate(scenarios)))}
+    ordered = sorted(scenarios, key=lambda s: (first_seen[s.topology], s.ends_its_session))
     problems: list[str] = []
-    try:
-        for scenario in scenarios:
-            problems += [f"{scenario.name}: {p}" for p in matrix.run(scenario).problems()]
-    finally:
-        matrix.close()
+    for index, scenario in enumerate(ordered):
+        problems += [f"{scenario.name}: {p}" for p in matrix.run(scenario).problems()]
+        following = ordered[index + 1] if index + 1 < len(ordered) else None
+        if following is None or following.topology != scenario.topology:
+            sweep.pool.release(scenario.topology)
     return problems
 
 
-def finish_run(args: argparse.Namespace, problems: list[str], result: SweepResult) -> int:
+def finish_run(args: argparse.Namespace, problems: list[str], sweep: Sweep) -> int:
+    result = sweep.result
     print()
     print(format_verdict_table(result.records))
     failed: list[CaseRecord] = [r for r in result.records if not r.policy_passed]
@@ -211,7 +226,8 @@ def finish_run(args: argparse.Namespace, problems: list[str], result: SweepResul
     for problem in problems:
         print(f"scenario problem: {problem}")
     elapsed_s = time.monotonic() - args.progress.started
-    print(f"\nepd-harness: {elapsed_s:.0f}s; artifacts in {result.run_dir}")
+    print(f"\n{sweep.pool.summary()}")
+    print(f"epd-harness: {elapsed_s:.0f}s; artifacts in {result.run_dir}")
     ok = bool(result.records) and not failed and not problems
     return EXIT_OK if ok else EXIT_FAILED
 
@@ -237,22 +253,29 @@ def repro_bundle(args: argparse.Namespace) -> int:
         check_run_dir(run_dir)
         served = probe_served_vllm(args.vllm or default_vllm_executable())
         proxy = proxy_choice(
-            bundle.proxy_kind, None, served, cache_dir(), bundle.proxy_registration
+            bundle.proxy_kind,
+            bundle.vllm_source,
+            served,
+            cache_dir(),
+            bundle.proxy_registration,
         )
         case, records, sweep = reproduce(bundle, run_dir, served, args.case, proxy)
     except BundleError as exc:
         raise BadInput(str(exc)) from None
-    print()
-    print(format_verdict_table(records))
-    own = next((r for r in records if r.reference == case.reference), records[0])
-    same = own.verdict.value == case.verdict
-    print(
-        f"\nepd-harness: {case.topology} / {case.prompt} vs {case.reference}: "
-        f"{own.verdict.value} now, {case.verdict} in the bundle: "
-        f"{'reproduced' if same else 'NOT reproduced'}; artifacts in {run_dir}"
-    )
-    if args.keep_up:
-        keep_up(sweep, case.topology)
+    try:
+        print()
+        print(format_verdict_table(records))
+        own = next((r for r in records if r.reference == case.reference), records[0])
+        same = own.verdict.value == case.verdict
+        print(
+            f"\nepd-harness: {case.topology} / {case.prompt} vs {case.reference}: "
+            f"{own.verdict.value} now, {case.verdict} in the bundle: "
+            f"{'reproduced' if same else 'NOT reproduced'}; artifacts in {run_dir}"
+        )
+        if args.keep_up:
+            keep_up(sweep, case.topology)
+    finally:
+        sweep.pool.close()
     return EXIT_OK if same else EXIT_FAILED
 
 
@@ -350,9 +373,22 @@ def build_parser() -> argparse.ArgumentParser:
         "runs: cpu and mooncake are refused with their measured cause); docs/connectors.md",
     )
     run.add_argument(
+        "--reference-policy",
+        choices=REFERENCE_POLICIES,
+        help="how each topology is judged against its references: exact (every comparison "
+        "must MATCH; the cpu default) or pd-drift (a P->D topology against the monolithic "
+        "baseline may DRIFT within the measured noise floor; the GPU default, as upstream)",
+    )
+    run.add_argument(
         "--colocate",
         action="store_true",
         help="GPU: let a topology's instances share devices when there are too few",
+    )
+    run.add_argument(
+        "--no-enforce-eager",
+        action="store_true",
+        help="GPU: let vLLM compile and capture graphs (the default, like upstream's "
+        "correctness script, is --enforce-eager); refused on cpu",
     )
     run.add_argument(
         "--plant-fault",
@@ -377,7 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--vllm-source",
         metavar="DIR",
         help="with --proxy vllm: take vLLM's proxy files from this checkout instead "
-        "of the release's sdist on the package index",
+        "of the release's sdist on the package index (a development build's only source: "
+        "the tree it was built from)",
     )
     run.add_argument(
         "--proxy-registration",
@@ -419,6 +456,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --launcher ray: environment for every instance (e.g. a cluster's UCX "
         "settings); repeatable; the network invariants still apply to it",
     )
+    run.add_argument(
+        "--stream",
+        action="store_true",
+        help="send every EPD topology streamed requests (stream: true, with usage): the "
+        "token ids are read from the stream and its framing checked (the baseline answers "
+        "unstreamed)",
+    )
     run.set_defaults(func=command_run)
 
     repro = sub.add_parser("repro", help="rerun a bundle's failing case with identical config")
@@ -447,6 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_goldens_parser(sub)
     add_bisect_parser(sub)
     add_compare_parser(sub)
+    add_load_parser(sub)
+    add_fuzz_parser(sub)
+    add_export_parser(sub)
     return parser
 
 

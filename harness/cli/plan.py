@@ -27,12 +27,14 @@ from pathlib import Path
 
 from harness.environment import DEFAULT_PORT_RANGE, cache_dir
 from harness.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
+from harness.preflight.config import NO_ENFORCE_EAGER_ON_CPU
 from harness.preflight.model import cached_snapshot, hf_hub_cache
 from harness.preflight.vllm import default_vllm_executable
 from harness.serve.session import safe_name
 from harness.spec.placement import (
     available_memory_bytes,
     cpu_instance_budget,
+    gpu_memory_policy,
     place_instances,
     schedule,
     side_channel_port_count,
@@ -71,6 +73,7 @@ class PlanRequest:
     run_dir: Path = PLACEHOLDER_RUN_DIR  # where storage directories would live
     workers: int = 1  # parallel pytest-xdist workers (CPU waves shrink with them)
     cpu_budget: int | None = None  # instances per CPU wave; None: this machine's
+    no_enforce_eager: bool = False  # GPU: let vLLM compile and capture graphs (run's flag)
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,9 @@ class Plan:
     colocate: bool
     waves: tuple[PlannedWave, ...]
     ports_are_placeholders: bool = True  # see the module docstring
+    enforce_eager: bool = True  # every instance runs --enforce-eager
+    # Each role's --gpu-memory-utilization and the shared-device rule; None on CPU.
+    gpu_memory_shares: dict | None = None
 
     @property
     def instances(self) -> tuple[PlannedInstance, ...]:
@@ -135,7 +141,11 @@ def build_plan(request: PlanRequest) -> Plan:
     waves = schedule(
         request.topologies, request.devices, request.platform, request.colocate, budget
     ).waves
-    serving = serving_for(request.platform, request.model)
+    serving = serving_for(
+        request.platform,
+        request.model,
+        enforce_eager=request.platform.enforce_eager and not request.no_enforce_eager,
+    )
     ports = itertools.count(PLACEHOLDER_PORT_START)
     planned_waves = []
     for wave in waves:
@@ -150,6 +160,8 @@ def build_plan(request: PlanRequest) -> Plan:
         devices=request.devices,
         colocate=request.colocate,
         waves=tuple(planned_waves),
+        enforce_eager=serving.enforce_eager,
+        gpu_memory_shares=gpu_memory_policy(request.platform),
     )
 
 
@@ -215,6 +227,20 @@ def format_plan(plan: Plan) -> str:
     for wave in plan.waves:
         slots = ", ".join(f"{t.name} [{_join(t.devices)}]" for t in wave.topologies)
         lines.append(f"  wave {wave.index}: {slots}")
+    lines.append(sharing_line(plan.instances))
+    lines.append(
+        "eager: every instance runs --enforce-eager, as upstream's correctness script does"
+        if plan.enforce_eager
+        else "eager: off (--no-enforce-eager): vLLM compiles and captures graphs at each start"
+    )
+    if plan.gpu_memory_shares is not None:
+        policy = plan.gpu_memory_shares
+        shares = ", ".join(f"{role} {share:g}" for role, share in policy["shares"].items())
+        lines.append(
+            f"gpu memory shares (upstream's): {shares}; on a shared device the KV holders "
+            f"split {policy['device_budget']:g} minus "
+            f"{policy['encoder_room_on_a_shared_device']:g} per encoder there"
+        )
     common = common_env(plan.instances)
     lines.append("environment of every instance: " + _env_text(common))
     for wave in plan.waves:
@@ -224,6 +250,26 @@ def format_plan(plan: Plan) -> str:
             for instance in topology.instances:
                 lines += _instance_lines(instance, kind, common)
     return "\n".join(lines)
+
+
+def sharing_line(instances: Sequence[PlannedInstance]) -> str:
+    """What is started once and shared: each topology once per run, whatever judges it and
+    through whichever proxy (harness.run.pool); an instance whose launch (argv but its port,
+    env) another topology has too would be shared as well. None is, today: each topology's EC
+    and KV storage is its own, because both example connectors key what they store by content
+    and a shared producer would let a guard hold for a transfer that did not happen."""
+    launches: dict[tuple[str, tuple[tuple[str, str], ...]], list[str]] = {}
+    for instance in instances:
+        argv = instance.command_line.replace(f"--port {instance.port}", "--port PORT")
+        launches.setdefault((argv, tuple(instance.env)), []).append(instance.name)
+    shared = [names for names in launches.values() if len(names) > 1]
+    text = (
+        "sharing: each topology starts once per run and serves every scenario that judges "
+        "it, through any proxy; instances shared between topologies: "
+    )
+    if not shared:
+        return text + "none (each topology's EC and KV storage is its own)"
+    return text + "; ".join(" = ".join(names) for names in shared)
 
 
 def common_env(instances: Sequence[PlannedInstance]) -> tuple[tuple[str, str], ...]:
@@ -287,7 +333,7 @@ def planned_model(given: str | None, platform: PlatformProfile) -> str:
         snapshot = cached_snapshot(name, hf_hub_cache()) if name.count("/") == 1 else None
         return str(snapshot) if snapshot is not None else name
     try:
-        from harness.fixtures.tiny_model import CACHE_DIR_PREFIX, CACHE_KEY_CHARS, cache_key
+        from fixtures.tiny_model import CACHE_DIR_PREFIX, CACHE_KEY_CHARS, cache_key
 
         return str(cache_dir() / "models" / f"{CACHE_DIR_PREFIX}{cache_key()[:CACHE_KEY_CHARS]}")
     except Exception:  # noqa: BLE001 - torch/transformers absent: the path cannot be known yet
@@ -296,6 +342,8 @@ def planned_model(given: str | None, platform: PlatformProfile) -> str:
 
 def request_from_args(args: argparse.Namespace) -> PlanRequest:
     platform = get_platform(args.platform)
+    if args.no_enforce_eager and not platform.exclusive_devices:
+        raise PlanInputError(NO_ENFORCE_EAGER_ON_CPU)
     if args.devices is None:
         if platform.exclusive_devices:
             raise PlanInputError(
@@ -312,6 +360,7 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         colocate=args.colocate,
         vllm_executable=args.vllm or default_vllm_executable(),
         run_dir=Path(args.run_dir).resolve() if args.run_dir else PLACEHOLDER_RUN_DIR,
+        no_enforce_eager=args.no_enforce_eager,
     )
 
 
@@ -350,6 +399,11 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
         action="store_true",
         help="let a topology's instances share devices (splitting the memory budget) when "
         "there are fewer devices than instances",
+    )
+    parser.add_argument(
+        "--no-enforce-eager",
+        action="store_true",
+        help="GPU: plan instances without --enforce-eager (vLLM compiles and captures graphs)",
     )
     parser.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
     parser.add_argument("--run-dir", help="artifact directory (default: a placeholder)")

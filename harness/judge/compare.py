@@ -17,11 +17,12 @@ so any difference is a MISMATCH.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from harness.judge.records import Verdict
-from harness.serve.client import ChatResult
+from harness.outcomes.chat import ChatResult
 
 DEFAULT_WINDOW = 5
 
@@ -310,9 +311,52 @@ def noise_floor(first: ChatResult, second: ChatResult) -> float | None:
     or logprobs are missing (no floor can be read then)."""
     if first.token_ids != second.token_ids or len(first.logprobs) != len(second.logprobs):
         return None
+    return prefix_noise_floor(first, second)
+
+
+def prefix_noise_floor(first: ChatResult, second: ChatResult) -> float | None:
+    """The largest |Δ log p| over the positions before the two answers' ids part (the chosen
+    token's and every top-k entry both sides list): the noise floor read from two answers that
+    may differ, e.g. one request alone and the same request batched with another. None
+    without logprobs there."""
+    index = _first_difference(first.token_ids, second.token_ids)
+    agreed = len(first.token_ids) if index is None else index
+    if len(first.logprobs) < agreed or len(second.logprobs) < agreed:
+        return None
     deltas = [0.0]
-    for a, b in zip(first.logprobs, second.logprobs):
+    for a, b in zip(first.logprobs[:agreed], second.logprobs[:agreed]):
         deltas.append(abs(a.logprob - b.logprob))
         other = dict(b.top)
         deltas += [abs(lp - other[tid]) for tid, lp in a.top if tid in other]
     return max(deltas)
+
+
+def whose_answer(candidate: ChatResult, others: Sequence[tuple[str, ChatResult]]) -> str | None:
+    """Whose answer a candidate that is not its own request's answer is, among `others` (name,
+    answer): requests in flight together that share an encoder, a prefill batch or a proxy can
+    be handed each other's embeddings, KV or response. Names the first whose prompt ids and
+    generated ids both equal the candidate's ("received X's answer"), else the first whose
+    generated ids alone do: the candidate's prompt is its own, but what it generated was
+    computed from X's context ("generated X's answer")."""
+    whole = [name for name, other in others if _same_answer(candidate, other, prompt=True)]
+    if whole:
+        return f"received {_owners(whole)}"
+    generated = [name for name, other in others if _same_answer(candidate, other, prompt=False)]
+    if generated:
+        return f"generated {_owners(generated)} (its prompt ids are its own)"
+    return None
+
+
+def _same_answer(candidate: ChatResult, other: ChatResult, prompt: bool) -> bool:
+    if not candidate.token_ids or candidate.token_ids != other.token_ids:
+        return False
+    return not prompt or candidate.prompt_token_ids == other.prompt_token_ids
+
+
+def _owners(names: list[str]) -> str:
+    """`request 4's answer`; when several answers are alike, the others are named too."""
+    text = f"{names[0]}'s answer"
+    if len(names) > 1:
+        more = ", ".join(names[1:4]) + (", ..." if len(names) > 4 else "")
+        text += f" (alike: {more})"
+    return text

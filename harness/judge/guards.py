@@ -31,18 +31,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.serve.attached import AttachedEvidence, AttachedSession
-from harness.serve.client import ChatResult
-from harness.serve.proxy import RequestTrace
-from harness.serve.proxy_protocol import ec_item_entry
-from harness.serve.session import Outcome, TopologySession
-from harness.serve.tap import TapRecord
+from harness.outcomes.attached import AttachedEvidence
+from harness.outcomes.chat import ChatResult
+from harness.outcomes.outcome import Outcome, ServedTopology
+from harness.outcomes.taps import TapRecord
+from harness.outcomes.trace import RequestTrace
 from harness.spec.connectors import (
     EC_CACHE_FILE,
     KvRule,
     expected_kv_tokens,
     kv_connector_for_class,
 )
+from harness.spec.generations import ec_item_entry
 from harness.spec.topology import Role, Topology
 
 CONSUMER_ROLES = (Role.PREFILL_DECODE.value, Role.PREFILL.value, Role.DECODE.value)
@@ -342,29 +342,29 @@ def attached_guards(
     return guards
 
 
-def session_guards(
-    session: TopologySession | AttachedSession, outcome: Outcome
-) -> list[GuardResult]:
-    """The guards of one answered request, read now, while the session's storage is as the
-    request left it (the sweep, the matrix and the self-test all judge through this)."""
+def transfer_guards(served: ServedTopology, outcome: Outcome) -> list[GuardResult]:
+    """The guards of one answered request. Read them as soon as the request is answered,
+    while the storage is as the request left it (the next request, or a planted fault, may
+    change it)."""
     if outcome.result is None:
         return []
+    kv_rule = kv_rule_for(served.kv_connector)
     if outcome.attached is not None:
         return attached_guards(
-            session.topology,
+            served.topology,
             outcome.attached,
             outcome.result,
-            session.settings.serving.block_size,
-            kv_rule_for(session.settings.serving.kv_connector),
+            served.block_size,
+            kv_rule,
             outcome.kv_counters,
         )
     return check_transfers(
-        session.topology,
+        served.topology,
         outcome_evidence(outcome),
         outcome.result,
-        session.ec_storage,
-        session.settings.serving.block_size,
-        kv_rule_for(session.settings.serving.kv_connector),
+        served.ec_storage,
+        served.block_size,
+        kv_rule,
         outcome.kv_counters,
     )
 

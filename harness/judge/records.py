@@ -79,3 +79,13 @@ class CaseRecord:
         data = asdict(self)
         data["verdict"] = self.verdict.value
         return data
+
+
+@dataclass(frozen=True)
+class DeclaredFailure:
+    """A failure a case is declared to have upstream: it passes only while it ends with
+    `verdict` and its evidence shows `evidence`; `reason` is the upstream cause."""
+
+    verdict: str  # a Verdict's value
+    evidence: str
+    reason: str

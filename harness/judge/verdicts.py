@@ -1,52 +1,148 @@
-"""From two outcomes and the transfer guards to one case record with a verdict.
+"""From an outcome, its transfer guards and its references to the verdict records of one case.
+
+`judge_case` is the only place a verdict is decided; everything that judges (the sweep, the
+matrix, the self-test, detection, NIXL, fuzzing, load) reaches it through the run's one judging
+path (`harness.run.judging.CaseJudge`), so a change to how cases are judged is made once.
 
 The order of the checks is the meaning of the verdicts: a failed request is ERROR whatever
-else holds; a baseline that disagreed with itself makes any comparison against it
+else holds; a reference that disagreed with itself makes any comparison against it
 UNSTABLE_BASELINE; otherwise the tokens (and, at a divergence, the log-probs against the
-measured noise floor) decide MATCH / DRIFT / MISMATCH, and a MATCH whose
-transfer guards failed is VACUOUS (it proves nothing about EPD). A guard that could not be
-checked (attach mode) neither fails nor holds: the verdict stands on the tokens and the guards
-that were checked, and its detail names the unchecked ones.
+measured noise floor) decide MATCH / DRIFT / MISMATCH, and a MATCH whose transfer guards failed
+is VACUOUS (it proves nothing about EPD). A guard that could not be checked (attach mode)
+neither fails nor holds: the verdict stands on the tokens and the guards that were checked,
+and its detail names the unchecked ones. Which verdicts pass is the reference policy's call
+(`harness.judge.policy`), unless the case is declared to fail upstream: then it passes only
+while it fails exactly as declared.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
-from harness.judge.compare import TokenComparison, compare_results, noise_floor, token_verdict
+from harness.judge.compare import (
+    TokenComparison,
+    compare_results,
+    noise_floor,
+    prefix_noise_floor,
+    token_verdict,
+    whose_answer,
+)
 from harness.judge.guards import GuardResult
-from harness.judge.records import EXACT, CaseRecord, Policy, Verdict
-from harness.serve.session import Outcome
-from harness.spec.generations import KnownFailure
+from harness.judge.policy import ReferencePolicy
+from harness.judge.records import CaseRecord, Policy, Verdict
+from harness.outcomes.chat import ChatResult
+from harness.outcomes.outcome import Outcome
+from harness.spec.topology import Topology
+
+# The record's entry for a streamed answer's framing (beside the transfer guards).
+STREAM_CHECK = "stream_framing"
+
+
+@dataclass(frozen=True)
+class Reference:
+    """An answer a case is compared with."""
+
+    name: str  # "baseline", "1P+1D", "golden-0.31.0"
+    outcome: Outcome
+    # The single-instance baseline (or another release's stored answers of it): the reference
+    # policy may allow drift against it for topologies with a P->D hop.
+    monolithic: bool
+    stable: bool = True  # the reference agreed with itself (the baseline's control)
+
+
+@dataclass(frozen=True)
+class JudgingRules:
+    """What a run decides once about judging."""
+
+    reference_policy: ReferencePolicy
+    # nats: the drift rule's tolerance, measured by the run (harness.run.baseline); 0 on CPU.
+    noise_floor_nats: float = 0.0
+    # nats: the log-prob noise the baseline itself showed when its answers were batched with
+    # other requests (its batched pass; a load's calibration at the load's concurrency): the
+    # tolerance for answers that were batched too. None: not measured beyond the pass.
+    batched_noise_floor_nats: float | None = None
+
+    def tolerance(self, batched: bool) -> float:
+        if batched and self.batched_noise_floor_nats is not None:
+            return max(self.noise_floor_nats, self.batched_noise_floor_nats)
+        return self.noise_floor_nats
+
+
+class Declaration(Protocol):
+    """A failure a case is declared to have upstream (a release's KnownFailure, a matrix
+    scenario's expectation): the verdict it must end with, a text its evidence must show, and
+    the upstream cause."""
+
+    @property
+    def verdict(self) -> str: ...
+
+    @property
+    def evidence(self) -> str: ...
+
+    @property
+    def reason(self) -> str: ...
 
 
 def judge_case(
-    topology: str,
-    reference_name: str,
-    reference: Outcome,
+    label: str,
+    topology: Topology,
+    outcome: Outcome,
+    guards: Sequence[GuardResult],
+    references: Sequence[Reference],
+    rules: JudgingRules,
+    declared: Declaration | None = None,
+    *,
+    batched: bool = False,
+    others: Sequence[tuple[str, Outcome]] = (),
+) -> list[CaseRecord]:
+    """One record per reference: `label` names the case's topology (and scenario).
+
+    `batched`: the answer was computed in flight together with other requests (a load), so
+    the reference policy may allow it the batch noise the baseline showed. `others`: answers
+    of other requests in flight with it (name, outcome), to name whose answer it is when it is
+    not its own."""
+    records = []
+    answers = [(name, o.result) for name, o in others if o.result is not None]
+    for reference in references:
+        policy = rules.reference_policy.policy_for(topology, reference.monolithic, batched)
+        tolerance = rules.tolerance(batched)
+        record = _against(label, reference, outcome, guards, policy, tolerance, answers)
+        if declared is not None:
+            record = _as_declared(record, declared)
+        records.append(record)
+    return records
+
+
+def _against(
+    label: str,
+    reference: Reference,
     candidate: Outcome,
-    guards: list[GuardResult],
-    policy: Policy = EXACT,
-    baseline_stable: bool = True,
-    drift_tolerance: float = 0.0,
+    guards: Sequence[GuardResult],
+    policy: Policy,
+    tolerance: float,
+    others: Sequence[tuple[str, ChatResult]] = (),
 ) -> CaseRecord:
-    """`drift_tolerance` is the noise floor (nats) the run measured: 0 on CPU, where any
-    difference is a MISMATCH."""
     comparison: TokenComparison | None = None
     error = None
+    checks = {g.name: g.to_json() for g in guards}
     if candidate.error or candidate.result is None:
         verdict, error = Verdict.ERROR, candidate.error
         # The error's first line names what failed (the instance that died, when one did).
         first = (error or "").strip().splitlines()[:1]
         detail = f"request failed: {first[0]}" if first else "request failed on this topology"
-    elif reference.error or reference.result is None:
+    elif reference.outcome.error or reference.outcome.result is None:
         verdict = Verdict.ERROR
-        detail = f"reference {reference_name} has no result"
-        error = reference.error
-    elif not baseline_stable:
+        detail = f"reference {reference.name} has no result"
+        error = reference.outcome.error
+    elif not reference.stable:
         verdict, detail = Verdict.UNSTABLE_BASELINE, "the reference disagreed with itself"
     else:
-        comparison = compare_results(reference.result, candidate.result, tolerance=drift_tolerance)
+        comparison = compare_results(
+            reference.outcome.result, candidate.result, tolerance=tolerance
+        )
         verdict = token_verdict(comparison)
         detail = comparison.headline()
         failed = [g for g in guards if g.failed]
@@ -56,36 +152,57 @@ def judge_case(
             detail = f"tokens equal but guard failed: {failed[0].name}: {failed[0].evidence}"
         elif unchecked:
             detail += f"; not checkable: {', '.join(unchecked)}"
+        if verdict is not Verdict.MATCH and not comparison.exact:
+            owner = whose_answer(candidate.result, others)
+            detail = f"{owner}: {detail}" if owner else detail
+        # A stream that carried the answer with broken framing is not that answer to a client:
+        # evidence that fails the case, whatever the ids say.
+        framing = candidate.stream
+        if framing is not None and not framing.ok:
+            verdict = Verdict.MISMATCH
+            detail = f"stream framing broken: {'; '.join(framing.problems)}; {detail}"
+    if candidate.stream is not None:
+        checks[STREAM_CHECK] = {"ok": candidate.stream.ok, "evidence": candidate.stream.describe()}
     return CaseRecord(
-        topology=topology,
+        topology=label,
         prompt=candidate.prompt,
-        reference=reference_name,
+        reference=reference.name,
         verdict=verdict,
         policy_passed=policy.passes(verdict),
         detail=detail,
         divergence=comparison.divergence.to_json()
         if comparison and comparison.divergence
         else None,
-        guards={g.name: g.to_json() for g in guards},
+        guards=checks,
         timings={"request_s": round(candidate.seconds, 3)},
         error=error,
         explanation=comparison.describe() if comparison else (error or detail),
     )
 
 
-def baseline_is_stable(first: Outcome, second: Outcome) -> tuple[bool, str, float | None]:
-    """The baseline control: the same request twice must give the same ids. Also returns the
-    noise floor it shows (the largest log-prob difference; None when unstable)."""
-    if first.result is None or second.result is None:
-        return False, first.error or second.error or "no result", None
-    comparison = compare_results(first.result, second.result)
-    return comparison.exact, comparison.headline(), noise_floor(first.result, second.result)
+def _as_declared(record: CaseRecord, failure: Declaration) -> CaseRecord:
+    """`record` judged against a failure it is declared to have.
+
+    It passes only when it failed exactly as declared: the verdict, and the evidence text
+    starting its detail line (a comparison's headline) or inside its error (what an instance
+    logged); any other outcome, a MATCH included, fails and says what was declared, so a
+    declaration that no longer describes vLLM cannot hide a change."""
+    shows = record.detail.startswith(failure.evidence) or failure.evidence in (record.error or "")
+    held = record.verdict.value == failure.verdict and shows
+    if held:
+        detail = f"{record.detail}; declared upstream failure: {failure.reason}"
+    else:
+        detail = (
+            f"{record.detail}; NOT the declared {failure.verdict} "
+            f"({failure.evidence.strip()!r}...): {failure.reason}"
+        )
+    return dataclasses.replace(record, policy_passed=held, detail=detail)
 
 
-def not_applicable_case(topology: str, prompt: str, reference_name: str, reason: str) -> CaseRecord:
+def not_applicable_case(label: str, prompt: str, reference_name: str, reason: str) -> CaseRecord:
     """The record of a case the served release cannot run meaningfully (nothing was sent)."""
     return CaseRecord(
-        topology=topology,
+        topology=label,
         prompt=prompt,
         reference=reference_name,
         verdict=Verdict.NOT_APPLICABLE,
@@ -99,18 +216,34 @@ def not_applicable_case(topology: str, prompt: str, reference_name: str, reason:
     )
 
 
-def judged_as_declared(record: CaseRecord, failure: KnownFailure) -> CaseRecord:
-    """`record` judged against a failure its vLLM release is declared to have.
+@dataclass(frozen=True)
+class Stability:
+    """The baseline's determinism control for one request, and the noise it showed."""
 
-    It passes only when the release failed exactly as declared (verdict and the beginning of
-    the detail); any other outcome, a MATCH included, fails and says what was declared, so a
-    declaration that no longer describes the release cannot hide a change."""
-    held = record.verdict.value == failure.verdict and record.detail.startswith(failure.evidence)
-    if held:
-        detail = f"{record.detail}; declared for this release: {failure.reason}"
-    else:
-        detail = (
-            f"{record.detail}; NOT the declared {failure.verdict} "
-            f"({failure.evidence.strip()!r}...): {failure.reason}"
-        )
-    return dataclasses.replace(record, policy_passed=held, detail=detail)
+    stable: bool  # the same request twice, alone, gave the same ids
+    detail: str
+    # nats: the largest log-prob difference seen between answers to this request (the
+    # control, and the pass in another batch shape); None when nothing could be read.
+    noise_floor: float | None = None
+
+
+def baseline_stability(first: Outcome, again: Outcome) -> Stability:
+    """The control: the same request twice must give the same ids; the log-prob differences
+    between the two are noise of the platform."""
+    if first.result is None or again.result is None:
+        return Stability(False, first.error or again.error or "no result")
+    comparison = compare_results(first.result, again.result)
+    return Stability(
+        comparison.exact, comparison.headline(), noise_floor(first.result, again.result)
+    )
+
+
+def batch_shape_noise(alone: Outcome, batched: Outcome) -> tuple[float | None, str]:
+    """The same request answered alone and in a batch with another: how far the log-probs moved
+    (over the tokens both agree on), and whether the ids changed at all."""
+    if alone.result is None or batched.result is None:
+        return None, f"no answer in the batched pass: {batched.error or alone.error}"
+    comparison = compare_results(alone.result, batched.result)
+    floor = prefix_noise_floor(alone.result, batched.result)
+    where = "same ids" if comparison.exact else comparison.headline()
+    return floor, f"batched with another request: {where}; log-prob noise {floor or 0:.3g} nats"

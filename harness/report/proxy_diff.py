@@ -64,10 +64,18 @@ class CaseDiff:
     tokens: str  # "equal", "differ at N", or why they cannot be compared
     only_first: tuple[InstanceCall, ...]
     only_second: tuple[InstanceCall, ...]
+    # How each run's stream reached the client (harness.outcomes.stream), when streamed:
+    # STREAMS_ALIKE, NOT_STREAMED, or both framings side by side.
+    stream: str = "not streamed"
 
     @property
     def same(self) -> bool:
-        return self.tokens == "equal" and not self.only_first and not self.only_second
+        return (
+            self.tokens == "equal"
+            and not self.only_first
+            and not self.only_second
+            and self.stream in (NOT_STREAMED, STREAMS_ALIKE)
+        )
 
 
 def calls_of(outcome: dict[str, Any]) -> Counter[InstanceCall]:
@@ -86,6 +94,38 @@ def compare_tokens(first: dict[str, Any], second: dict[str, Any]) -> str:
     return f"differ at {index}"
 
 
+NOT_STREAMED = "not streamed"
+STREAMS_ALIKE = "framed alike"
+
+
+def stream_framing(outcome: dict[str, Any]) -> str | None:
+    """What a client saw of a streamed answer's framing, as far as two proxies may differ in
+    it: the media type, role chunks, [DONE], usage against the ids, and the problems found
+    (None: not streamed). How many events carried the tokens is left out: vLLM puts every
+    token ready since the last event into the next one, so that count follows the timing
+    (measured: 9 to 35 events for the same 32 tokens), not the proxy."""
+    stream = outcome.get("stream")
+    if not stream:
+        return None
+    done = "[DONE] last" if stream.get("done_last") else "no [DONE] last"
+    media_type = (stream.get("content_type") or "").split(";")[0].strip()
+    text = (
+        f"{media_type or 'no content-type'}, {stream.get('role_chunks')} role chunk(s), {done}, "
+        f"usage {stream.get('usage_completion_tokens')}/{stream.get('ids_counted')} ids"
+    )
+    problems = stream.get("problems") or []
+    return text + (f"; broken: {'; '.join(problems)}" if problems else "")
+
+
+def compare_streams(first: dict[str, Any], second: dict[str, Any]) -> str:
+    a, b = stream_framing(first), stream_framing(second)
+    if a is None and b is None:
+        return NOT_STREAMED
+    if a == b:
+        return STREAMS_ALIKE
+    return f"{a or NOT_STREAMED} / {b or NOT_STREAMED}"
+
+
 def diff_runs(first: dict[str, Any], second: dict[str, Any]) -> list[CaseDiff]:
     """Every case both runs' responses.json hold ({group: {prompt: outcome}}), baseline aside."""
     diffs = []
@@ -100,6 +140,7 @@ def diff_runs(first: dict[str, Any], second: dict[str, Any]) -> list[CaseDiff]:
                     compare_tokens(a, b),
                     tuple(sorted((calls_a - calls_b).elements(), key=repr)),
                     tuple(sorted((calls_b - calls_a).elements(), key=repr)),
+                    compare_streams(a, b),
                 )
             )
     return diffs
@@ -119,21 +160,24 @@ def unpaired_cases(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
 
 
 def format_diff(diffs: list[CaseDiff], first: str, second: str) -> str:
+    streamed = any(diff.stream != NOT_STREAMED for diff in diffs)
     lines = [
-        f"| case | tokens | calls only with {first} | calls only with {second} |",
-        "|---|---|---|---|",
+        f"| case | tokens | calls only with {first} | calls only with {second} |"
+        + (" stream |" if streamed else ""),
+        "|---|---|---|---|" + ("---|" if streamed else ""),
     ]
     for diff in diffs:
         lines.append(
             f"| {diff.group} / {diff.prompt} | {diff.tokens} | "
             f"{'; '.join(c.describe() for c in diff.only_first) or '-'} | "
             f"{'; '.join(c.describe() for c in diff.only_second) or '-'} |"
+            + (f" {diff.stream} |" if streamed else "")
         )
     same = sum(diff.same for diff in diffs)
     lines.append("")
     lines.append(
         f"{same}/{len(diffs)} cases: equal tokens and the same calls at every instance "
         f"(part types, metadata-only, EC/KV params sent, status, EC entries answered, "
-        f"prompt tokens)"
+        f"prompt tokens)" + (", streams framed alike" if streamed else "")
     )
     return "\n".join(lines)

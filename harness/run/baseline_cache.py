@@ -20,12 +20,13 @@ from typing import Any
 
 from harness.errors import HarnessError
 from harness.files import write_json_atomic
-from harness.serve.client import ChatResult
-from harness.serve.session import Outcome
+from harness.outcomes.chat import ChatResult
+from harness.outcomes.outcome import Outcome
 from harness.spec.settings import ServedVllm
 from harness.spec.topology import ServingConfig
 
-CACHE_FORMAT = 3  # 2: keyed by the served vLLM and torch; 3: with the noise floor
+CACHE_FORMAT = 4  # 2: keyed by the served vLLM and torch; 3: with the noise floor; 4: the
+# floor includes the batched pass (harness.run.baseline)
 LOCK_FILE_NAME = ".lock"
 # Flags that cannot change a baseline's tokens (where files are, what is reported; and the KV
 # connector, which the monolithic baseline does not run: its argv and env are rendered without
@@ -66,10 +67,11 @@ def baseline_key(
 
 @dataclasses.dataclass(frozen=True)
 class CachedBaseline:
-    """A stored baseline answer and the noise floor its determinism control showed."""
+    """A stored baseline answer and the noise its controls showed."""
 
     outcome: Outcome
     noise_floor_nats: float
+    batch_detail: str  # what the batched pass saw (harness.judge.verdicts.batch_shape_noise)
 
 
 class BaselineCache:
@@ -104,18 +106,23 @@ class BaselineCache:
             if data.get("format") != CACHE_FORMAT:
                 raise ValueError(f"format {data.get('format')!r}, expected {CACHE_FORMAT}")
             outcome = Outcome(prompt=prompt, result=ChatResult.from_json(data["result"]))
-            return CachedBaseline(outcome, float(data["noise_floor_nats"]))
+            return CachedBaseline(
+                outcome, float(data["noise_floor_nats"]), str(data["batch_detail"])
+            )
         except (ValueError, KeyError, TypeError) as exc:
             raise BaselineCacheError(
                 f"corrupt baseline cache entry {path}: {exc}; delete it or pass --refresh-baseline"
             ) from None
 
-    def store(self, key: str, outcome: Outcome, noise_floor_nats: float = 0.0) -> None:
+    def store(
+        self, key: str, outcome: Outcome, noise_floor_nats: float = 0.0, batch_detail: str = ""
+    ) -> None:
         if outcome.result is None:
             return
         entry = {
             "format": CACHE_FORMAT,
             "result": outcome.result.to_json(),
             "noise_floor_nats": noise_floor_nats,
+            "batch_detail": batch_detail,
         }
         write_json_atomic(self._path(key), entry)

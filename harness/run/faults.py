@@ -9,6 +9,8 @@ purpose, and the self-test checks that the judge names the right verdict:
 - `drop_encoder_metadata`: raw media reach the consumer, which encodes them itself; the tokens
   still equal the baseline's, so only the transfer guards can tell   -> VACUOUS
 - `kill_instance`: an instance dies mid-run                          -> ERROR, at once
+- `duplicate_stream_chunk`: the proxy relays the first chunk of D's stream with tokens twice:
+  the client's ids differ and the stream's usage no longer counts them -> MISMATCH
 - `misroute_nixl_blocks`: under NixlConnector there are no files: P's KV stays in P's memory
   and D reads it over UCX. The proxy carries P's `kv_transfer_params` to D, so the fault
   points every `remote_block_ids` entry at P's first block: D's NIXL reads P's real buffers,
@@ -20,6 +22,8 @@ sensitivity shows up as a number (docs/self-test.md; the search is in `harness.r
 - `ec_noise`: seeded Gaussian noise, a given fraction of each EC tensor's std, added to the
   encoder outputs between encoder and consumer
 - `kv_noise`: the same on the KV ExampleConnector files between P and D
+- `nixl_kv_noise`: the same under NixlConnector, on the blocks D read from P, planted inside D by
+  a vLLM plugin the harness puts on D's PYTHONPATH (`harness.run.nixl_kv_noise_plugin`)
 - `ec_swap_items`: the EC files of a request's media items swap places (two images: each image
   gets the other's embedding)
 - `ec_zero_frame`: the rows of one temporal frame (pair) of a video's EC embedding are zeroed
@@ -28,13 +32,15 @@ sensitivity shows up as a number (docs/self-test.md; the search is in `harness.r
   `second_per_grid_ts` error itself cannot be planted from outside vLLM: see `ec_video_grid`)
 
 Faults act only through the proxy's `ProxyFaults` hooks and on the files in the run's own
-storage directories; vLLM's installed files are never touched. Only the self-tests and an
+storage directories (and, for `nixl_kv_noise`, through a plugin in a directory of the run that
+only a self-test's D is started with); vLLM's installed files are never touched. Only the self-tests and an
 explicit `--plant-fault` use them; a normal run never does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -46,8 +52,10 @@ from typing import TYPE_CHECKING, Any
 
 from harness.errors import BadInput
 from harness.judge.guards import EC_CACHE_FILE
+from harness.run import nixl_kv_noise_plugin as plugin
 from harness.serve.launch import ManagedServer
 from harness.serve.proxy import ProxyFaults
+from harness.spec.topology import Topology
 
 if TYPE_CHECKING:
     import torch
@@ -185,6 +193,13 @@ def drop_encoder_metadata() -> PlantedFault:
     return PlantedFault(drop_encoder_metadata=True)
 
 
+def duplicate_stream_chunk() -> PlantedFault:
+    """The proxy relays the first chunk of D's stream that carries generated tokens twice, as a
+    proxy that relays P's first token and then D's whole stream does: the client reads one
+    token twice, and the final usage counts one fewer than the stream carried."""
+    return PlantedFault(duplicate_first_token_chunk=True)
+
+
 # -- graded faults -------------------------------------------------------------------------------
 
 
@@ -238,6 +253,137 @@ def kv_noise(kv_storage: Path, fraction: float, seed: int = 0) -> PlantedFault:
 
     fault.after_prefill = after_prefill
     return fault
+
+
+@dataclass(frozen=True)
+class NixlKvNoiseSite:
+    """The plugin directory on D's PYTHONPATH and the control directory it talks through."""
+
+    plugin_path: Path  # holds the plugin package and its *.dist-info/entry_points.txt
+    control: Path  # fault.json in; effects.jsonl and loaded.jsonl out
+
+    def env(self, environ: dict[str, str] | None = None) -> dict[str, str]:
+        """D's environment additions: the plugin directory first on PYTHONPATH (the rest of
+        the harness's PYTHONPATH kept), and the control directory."""
+        inherited = (os.environ if environ is None else environ).get("PYTHONPATH", "")
+        path = os.pathsep.join(p for p in (str(self.plugin_path), inherited) if p)
+        return {"PYTHONPATH": path, plugin.CONTROL_ENV: str(self.control)}
+
+    def loaded(self) -> list[dict[str, Any]]:
+        """One record per D process that ran the plugin's entry point."""
+        return read_json_lines(self.control / plugin.LOADED_FILE)
+
+
+def install_nixl_kv_noise_plugin(directory: Path) -> NixlKvNoiseSite:
+    """Write the plugin as an importable package with entry-point metadata under `directory`.
+
+    Nothing goes into a virtualenv: only a process with `directory/plugin` on its PYTHONPATH
+    finds the entry point (importlib.metadata reads `*.dist-info` from every sys.path entry),
+    and only one with the control variable set acts on it.
+    """
+    plugin_path = directory / "plugin"
+    control = directory / "control"
+    package = plugin_path / plugin.PACKAGE
+    dist_info = plugin_path / f"{plugin.PACKAGE}-1.0.dist-info"
+    for folder in (package, dist_info, control):
+        folder.mkdir(parents=True, exist_ok=True)
+    source = Path(plugin.__file__).read_text(encoding="utf-8")
+    (package / "__init__.py").write_text(source, encoding="utf-8")
+    (dist_info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {plugin.PACKAGE.replace('_', '-')}\nVersion: 1.0\n"
+        "Summary: epd-harness self-test fault: noise on the KV blocks D read over NIXL\n",
+        encoding="utf-8",
+    )
+    (dist_info / "entry_points.txt").write_text(
+        f"[{plugin.ENTRY_POINT_GROUP}]\n{plugin.PACKAGE} = {plugin.PACKAGE}:register\n",
+        encoding="utf-8",
+    )
+    return NixlKvNoiseSite(plugin_path, control)
+
+
+@dataclass
+class NixlKvNoise(PlantedFault):
+    """`kv_noise` under NixlConnector: after P answered, D's plugin is told to add noise to the
+    blocks of this request once D's NIXL read of them completes.
+
+    The order names P's request id, which D's receive metadata carries, so exactly the faulted
+    request is perturbed. What D did arrives after D answered: `collect()` reads it back into
+    `touched` / `effects` / `problems`, and must be called before they mean anything.
+    """
+
+    site: NixlKvNoiseSite | None = None
+    fraction: float = 0.0
+    seed: int = 0
+    # What the noise is seeded with beside `seed` (e.g. the prompt's name): request ids carry a
+    # random part, and a rerun must plant the very same noise. None: the request id.
+    key: str | None = None
+    ordered: list[str] = field(default_factory=list)  # labels (harness request ids) ordered
+
+    def order(self, request_id: str, prefill_response: dict[str, Any]) -> None:
+        assert self.site is not None
+        params = prefill_response.get("kv_transfer_params") or {}
+        remote = params.get("remote_request_id")
+        if not remote:
+            self.problems.append(f"{request_id}: P returned no remote_request_id: {params}")
+            return
+        order = {
+            "fraction": self.fraction,
+            "seed": self.seed,
+            "key": self.key or request_id,
+            "label": request_id,
+            "remote_request_id": remote,
+        }
+        temporary = self.site.control / f".{plugin.FAULT_FILE}.new"
+        temporary.write_text(json.dumps(order), encoding="utf-8")
+        os.replace(temporary, self.site.control / plugin.FAULT_FILE)
+        self.ordered.append(request_id)
+
+    def collect(self) -> None:
+        """Read what D's plugin did for the requests ordered; an order D never carried out, or
+        one it could not, becomes a problem. Clears the order, so no later request is hit."""
+        assert self.site is not None
+        (self.site.control / plugin.FAULT_FILE).unlink(missing_ok=True)
+        done = {}
+        for record in read_json_lines(self.site.control / plugin.EFFECTS_FILE):
+            done.setdefault(record.get("label"), []).append(record)
+        for label in self.ordered:
+            records = done.get(label, [])
+            if not records:
+                loaded = self.site.loaded()
+                self.problems.append(
+                    f"{label}: D's plugin reported nothing for this request "
+                    f"(plugin loaded in {len(loaded)} process(es): {loaded[-3:]})"
+                )
+            for record in records:
+                if "problem" in record:
+                    self.problems.append(f"{label}: D's plugin: {record['problem']}")
+                    continue
+                self.touched.append(Path(f"D:{record['req_id']}"))
+                self.effects.append(
+                    f"noise {self.fraction:g} of std asked, {record['planted']:.3g} planted on "
+                    f"{record['blocks']} blocks x {record['layers']} layers "
+                    f"(cache {record['cache_shape']})"
+                )
+        self.ordered.clear()
+
+
+def nixl_kv_noise(
+    site: NixlKvNoiseSite, fraction: float, seed: int = 0, key: str | None = None
+) -> NixlKvNoise:
+    """Noise of `fraction` x each layer's std on the KV blocks D reads over NIXL for the next
+    request (D must have been started with `site.env()`), seeded by (`seed`, `key`, layer);
+    `collect()` after the request."""
+    fault = NixlKvNoise(site=site, fraction=fraction, seed=seed, key=key)
+    fault.after_prefill = fault.order
+    return fault
+
+
+def read_json_lines(path: Path) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def ec_swap_items(ec_storage: Path) -> PlantedFault:
@@ -520,7 +666,9 @@ def rewrite_tensors(path: Path, transform: Callable[[torch.Tensor], torch.Tensor
 
 # Faults a whole run can be started with (`epd-harness run --plant-fault NAME`), so that a
 # bundle from a planted failure can be replayed by `epd-harness repro` with the same fault.
-FAULT_NAMES = ("corrupt-ec", "zero-kv", "drop-metadata")
+FAULT_NAMES = ("corrupt-ec", "zero-kv", "drop-metadata", "stream-duplicate-chunk")
+# Faults that act on streamed answers only (`--stream`).
+STREAM_FAULTS = ("stream-duplicate-chunk",)
 # Graded faults, NAME or NAME:STRENGTH (see `parse_fault`).
 GRADED_FAULTS = {
     "ec-noise": "ec-noise:FRACTION  Gaussian noise, FRACTION x std, on each EC tensor (e.g. 0.05)",
@@ -580,6 +728,16 @@ def parse_fault(text: str) -> FaultSpec:
     return FaultSpec(kind)
 
 
+def fault_reaches(kind: str, topology: Topology) -> bool:
+    """Whether a fault of `kind` has anything to act on in `topology`: KV faults need a P->D
+    hop, stream faults a stream from D (or PD) through a proxy, the others an encoder."""
+    if kind in ("zero-kv", "kv-noise"):
+        return topology.has_kv_transfer
+    if kind in STREAM_FAULTS:
+        return not topology.is_baseline
+    return topology.has_ec_transfer
+
+
 def fault_for(
     name: str,
     ec_storage: Path | None,
@@ -596,8 +754,10 @@ def fault_for(
             if spec.kind == "kv-noise":
                 raise BadInput(
                     "kv-noise rewrites ExampleConnector's KV files; under "
-                    "--kv-connector nixl the KV never leaves P's memory: use zero-kv, "
-                    "which misroutes NIXL's block ids instead"
+                    "--kv-connector nixl the KV never leaves P's memory, and its noise needs "
+                    "a plugin D is started with (the graded self-test, "
+                    "scenarios/test_detection.py, plants it): use zero-kv, which misroutes "
+                    "NIXL's block ids instead"
                 )
             return misroute_nixl_blocks()
         return (
@@ -607,6 +767,8 @@ def fault_for(
         )
     if spec.kind == "drop-metadata":
         return drop_encoder_metadata()
+    if spec.kind == "stream-duplicate-chunk":
+        return duplicate_stream_chunk()
     if ec_storage is None:
         raise ValueError(f"fault {spec.kind} needs a topology with an encoder")
     if spec.kind == "corrupt-ec":

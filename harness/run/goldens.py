@@ -23,9 +23,9 @@ from typing import Any
 
 from harness.errors import BadInput
 from harness.files import write_json_atomic
+from harness.outcomes.chat import ChatResult
+from harness.outcomes.outcome import Outcome
 from harness.run.baseline_cache import NUMERICS_NEUTRAL_FIELDS
-from harness.serve.client import ChatResult
-from harness.serve.session import Outcome
 from harness.spec.generations import parse_version
 from harness.spec.settings import ServedVllm
 from harness.spec.topology import ServingConfig

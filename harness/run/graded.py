@@ -9,8 +9,9 @@ differed, and the verdict. "Caught" means MISMATCH, or VACUOUS (tokens equal but
 guard failed); anything else at a rung ends the ladder.
 
 The table goes into the run directory (`detection.json`, `detection.md`), and is compared with
-the thresholds committed in `scenarios/detection_thresholds.json`: a larger smallest-caught
-strength, or a fault kind no longer caught at all, is a regression (docs/self-test.md).
+the thresholds committed in `scenarios/detection_thresholds.json` for the platform and model
+they were measured on: a larger smallest-caught strength, or a fault kind no longer caught at
+all, is a regression (docs/self-test.md). Elsewhere the table is reported, not gated.
 """
 
 from __future__ import annotations
@@ -198,13 +199,45 @@ class DetectionTable:
         )
 
 
-def load_thresholds(path: Path) -> dict[str, dict[str, float]]:
-    """fault -> topology -> the committed smallest strength caught."""
+# The tiny model's cache directory is `tiny-qwen25vl-<content key>`; its thresholds hold for
+# every build of the same generator, so they are committed under the family name.
+TINY_MODEL = "tiny-qwen25vl"
+
+
+def model_key(model: str) -> str:
+    """The name a model's thresholds are committed under: the tiny model by family, a Hugging
+    Face cache snapshot (`.../models--ORG--NAME/snapshots/REV`) or a name as `ORG/NAME`, any
+    other directory by its own name."""
+    path = Path(model)
+    if path.name.startswith(f"{TINY_MODEL}-"):
+        return TINY_MODEL
+    for part in path.parts:
+        if part.startswith("models--"):
+            return part.removeprefix("models--").replace("--", "/", 1)
+    if not path.is_absolute() and len(path.parts) == 2 and not path.exists():
+        return model  # ORG/NAME as given to --model
+    return path.name
+
+
+def load_thresholds(
+    path: Path, platform: str = "cpu", model: str = TINY_MODEL
+) -> dict[str, dict[str, float]] | None:
+    """fault -> topology -> the committed smallest strength caught, as measured on `platform`
+    with `model`; None where nothing was measured for that pair (report, do not gate: the tiny
+    CPU model's thresholds say nothing about a 3B model on a GPU)."""
     data = json.loads(path.read_text())
-    return {
-        fault: {topology: float(value) for topology, value in by_topology.items()}
-        for fault, by_topology in data["thresholds"].items()
-    }
+    for section in data["measured"]:
+        if section["platform"] == platform and section["model"] == model:
+            return {
+                fault: {topology: float(value) for topology, value in by_topology.items()}
+                for fault, by_topology in section["thresholds"].items()
+            }
+    return None
+
+
+def measured_on(path: Path) -> list[str]:
+    """Each platform/model pair the thresholds were measured on, for a "not gated" line."""
+    return [f"{s['platform']} / {s['model']}" for s in json.loads(path.read_text())["measured"]]
 
 
 def regressions(

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.judge.records import CaseRecord
+from harness.run.pool import TopologyPool
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.attached import write_attach_file
-from harness.serve.session import TopologySession
 from harness.spec.attach import ATTACH_FILE_NAME
 from harness.spec.generations import NEWEST, generation_for
 from harness.spec.platforms import get_platform
@@ -102,6 +102,13 @@ class Bundle:
         )
 
     @property
+    def vllm_source(self) -> str | None:
+        """The vLLM source tree the bundle's run took vLLM's proxy from (--vllm-source), which
+        a development build needs again; None for a release's sdist."""
+        origin = (self.run.get("proxy") or {}).get("origin") or ""
+        return origin.removeprefix("checkout ") if origin.startswith("checkout ") else None
+
+    @property
     def proxy_registration(self) -> str:
         """How vLLM's proxy learned the instances in the bundle's run (before: static)."""
         return (self.run.get("proxy") or {}).get("registration") or STATIC_REGISTRATION
@@ -136,6 +143,7 @@ def reproduce(
         platform=get_platform(bundle.run.get("platform_profile", "cpu")),
         devices=tuple(bundle.run.get("devices") or (0, 1)),
         proxy=proxy or ProxyChoice(),
+        stream=bool(bundle.run.get("stream")),
         # The protocol of the release serving now (the bundle's may have been another).
         protocol=generation_for(served.version).generation if served.known else NEWEST,
         launcher=bundle.launcher,
@@ -147,25 +155,29 @@ def reproduce(
             "repro: the bundle was served by vLLM %s, this run serves %s", recorded, served.version
         )
     spec = SweepSpec(topologies=(topology,), prompts=(), fault=bundle.run.get("fault"))
-    sweep = Sweep(spec, settings, bodies={case.prompt: bundle.requests[case.prompt]})
-    records = sweep.judge(topology.name, case.prompt)
+    # A pool of its own, kept until the caller closes it: `keep_up` serves on the very
+    # session the case was reproduced on.
+    pool = TopologyPool(settings)
+    sweep = Sweep(spec, settings, bodies={case.prompt: bundle.requests[case.prompt]}, pool=pool)
+    try:
+        records = sweep.judge(topology.name, case.prompt)
+    except BaseException:
+        pool.close()
+        raise
     return case, records, sweep
 
 
 def keep_up(sweep: Sweep, topology_name: str) -> None:
-    """Serve the topology until Ctrl-C (or SIGTERM), showing how to reach and relaunch it."""
-    with TopologySession(
-        get_topology(topology_name), sweep.settings, label=f"{topology_name}-kept-up"
-    ) as session:
-        log.info("%s is up; entry point (proxy): %s", topology_name, session.entry_url)
-        for spec in session.instances:
-            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env().items()))
-            argv = shlex.join(spec.argv(sweep.settings.vllm_executable))
-            log.info("  %s %s\n    %s %s", spec.name, spec.url, env, argv)
-        attach_file = sweep.settings.run_dir / ATTACH_FILE_NAME
-        write_attach_file(session, attach_file)
-        log.info(
-            "attach file: %s (judge it: epd-harness run --attach %s)", attach_file, attach_file
-        )
-        log.info("Ctrl-C stops everything.")
-        signal.pause()
+    """Serve the topology the case was reproduced on until Ctrl-C (or SIGTERM), showing how
+    to reach and relaunch it (started again only if an instance died in the case)."""
+    session = sweep.pool.session(get_topology(topology_name))
+    log.info("%s is up; entry point (proxy): %s", topology_name, session.entry_url)
+    for spec in session.instances:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env().items()))
+        argv = shlex.join(spec.argv(sweep.settings.vllm_executable))
+        log.info("  %s %s\n    %s %s", spec.name, spec.url, env, argv)
+    attach_file = sweep.settings.run_dir / ATTACH_FILE_NAME
+    write_attach_file(session, attach_file)
+    log.info("attach file: %s (judge it: epd-harness run --attach %s)", attach_file, attach_file)
+    log.info("Ctrl-C stops everything.")
+    signal.pause()

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from harness.errors import lookup
-from harness.judge.records import EXACT, Policy, Verdict
+from harness.judge.records import DeclaredFailure, Verdict
+from harness.spec.prompt_codec import prompt_from_json
 from harness.spec.prompts import (
     SHORT_TEXT,
     TAIL_TEXT,
@@ -28,6 +31,11 @@ from harness.spec.prompts import (
 # vLLM closes idle keep-alive connections after 5 s (#41567): wait longer than that.
 IDLE_GAP_S = 6.0
 LONG_TEXT = " ".join([TAIL_TEXT] * 3)
+KV_LOOKUP_MISS = (
+    "vLLM 0.32 ExampleConnector: P stores the KV of align_to_block_size(n) tokens, D looks it "
+    "up under align_to_block_size(n - 1); at n = k*block + 1 the keys differ and D loads none "
+    "of P's KV (no 'External Cache Hit!' in D's log)"
+)
 
 
 class SendMode(str, enum.Enum):
@@ -42,7 +50,6 @@ class Scenario:
     topology: str
     prompts: tuple[PromptSpec, ...]
     mode: SendMode = SendMode.SEQUENTIAL
-    policy: Policy = EXACT
     # The verdicts this scenario may end with; anything but MATCH needs a reason.
     expect: tuple[Verdict, ...] = (Verdict.MATCH,)
     expect_evidence: str = ""  # must appear in the failing record's error / explanation
@@ -55,6 +62,9 @@ class Scenario:
     # What to expect instead under another KV connector (vLLM class name -> verdicts), where
     # the upstream failure belongs to one connector only; `for_kv_connector` applies it.
     expect_by_kv_connector: tuple[tuple[str, tuple[Verdict, ...]], ...] = ()
+    # Streamed requests (stream: true, with usage; harness.outcomes.stream), whatever the run's
+    # --stream says: the ids read from the stream, and its framing, are judged.
+    stream: bool = False
 
     def for_kv_connector(self, kv_connector: str) -> Scenario:
         """This scenario as judged under `kv_connector` (the run's ServingConfig.kv_connector):
@@ -71,12 +81,21 @@ class Scenario:
         return self
 
     @property
-    def effective_policy(self) -> Policy:
-        """A documented upstream failure passes as its expected verdict (the evidence is
-        checked separately); everything else is judged by the scenario's policy."""
+    def declared(self) -> DeclaredFailure | None:
+        """The upstream failure this scenario is declared to have (None: it must pass as the
+        run's reference policy says, MATCH on CPU)."""
         if self.expect == (Verdict.MATCH,):
-            return self.policy
-        return Policy(frozenset(self.expect))
+            return None
+        if len(self.expect) != 1:
+            raise ValueError(f"{self.name}: a declared failure names one verdict: {self.expect}")
+        return DeclaredFailure(self.expect[0].value, self.expect_evidence, self.reason)
+
+    @property
+    def ends_its_session(self) -> bool:
+        """An expected ERROR is an instance dying, and a rerun on kept storage stops the shared
+        session: run such a scenario after the others of its topology (the pool starts the
+        topology again for anything later, and says why)."""
+        return Verdict.ERROR in self.expect or self.rerun_on_kept_storage
 
 
 def image_prompt(name: str, *seeds: int, text: str = TAIL_TEXT, **extra) -> PromptSpec:
@@ -135,6 +154,22 @@ MATRIX: tuple[Scenario, ...] = (
         ),
     ),  # the control: at 2 fps second_per_grid_ts is 1.0 on both sides
     Scenario(
+        "ec-video-mp4-not-at-2-fps",
+        "1E+1PD",
+        (
+            PromptSpec(
+                "m-video-mp4-1fps", (VideoPart(seed=26, num_frames=8, fps=1.0), TextPart(TAIL_TEXT))
+            ),
+        ),
+        expect=(Verdict.MISMATCH,),
+        expect_evidence="generated tokens differ",
+        reason="the JPEG frames' cause (found by epd-harness fuzz): an mp4 whose frames "
+        "cannot be sampled to 2 fps (recorded at 1 fps; or 4 frames at 3 fps, which the "
+        "loader's minimum of 4 frames keeps) gives the baseline second_per_grid_ts 2 / fps, "
+        "while the consumer, which the encoder does not tell, assumes 1.0: the video's "
+        "temporal positions differ (harness/run/fuzz/video_timing.py)",
+    ),
+    Scenario(
         "ec-video-fps-4",
         "1E+1PD",
         (
@@ -167,6 +202,18 @@ MATRIX: tuple[Scenario, ...] = (
             PromptSpec("m-concurrent-text", (TextPart(LONG_TEXT),)),
         ),
         mode=SendMode.CONCURRENT,
+    ),
+    Scenario(
+        "ec-streamed-concurrent",
+        "1E+1PD",
+        (
+            image_prompt("m-concurrent-a", 31),
+            image_prompt("m-concurrent-b", 32, 33),
+            PromptSpec("m-concurrent-c", (VideoPart(seed=34), TextPart(TAIL_TEXT))),
+            PromptSpec("m-concurrent-text", (TextPart(LONG_TEXT),)),
+        ),
+        mode=SendMode.CONCURRENT,
+        stream=True,
     ),
     Scenario(
         "ec-idle-over-keepalive",
@@ -208,6 +255,17 @@ MATRIX: tuple[Scenario, ...] = (
         ci=True,
     ),
     Scenario(
+        "epd-streamed",
+        "1E+1P+1D",
+        (
+            image_prompt("m-one-image", 11),
+            PromptSpec("m-video-mp4", (VideoPart(seed=21), TextPart(TAIL_TEXT))),
+            PromptSpec("m-text-only", (TextPart(LONG_TEXT),)),
+        ),
+        ci=True,
+        stream=True,
+    ),
+    Scenario(
         "epd-media-in-decode-tail",
         "1E+1P+1D",
         (image_prompt("m-image-short-text", 52, text=SHORT_TEXT),),
@@ -221,7 +279,59 @@ MATRIX: tuple[Scenario, ...] = (
         # (docs/connectors.md, measured with --kv-connector nixl).
         expect_by_kv_connector=(("NixlConnector", (Verdict.MATCH,)),),
     ),
+    # Found by `epd-harness fuzz` (docs/fuzzing.md): at n = k*32 + 1 prompt tokens (block 32;
+    # the texts are sized on the tiny model) ExampleConnector's P stores k blocks and D looks
+    # up k - 1 (harness/run/fuzz/consumer.py). D finds none of P's KV and computes the prompt
+    # itself: media kill it, text is answered right with no KV moved.
+    Scenario(
+        "epd-kv-lookup-miss-media",
+        "1E+1P+1D",
+        (image_prompt("m-image-at-block-plus-one", 53, text=TAIL_TEXT + " Thanks."),),
+        expect=(Verdict.ERROR,),
+        expect_evidence="Expected number of multimodal embeddings to match",
+        reason=KV_LOOKUP_MISS
+        + "; the image lies in the part D computes itself, with no embeddings, and D's "
+        "engine dies (the decode-tail assertion, with the image far from D's tail)",
+        expect_by_kv_connector=(("NixlConnector", (Verdict.MATCH,)),),
+    ),
+    Scenario(
+        "epd-kv-lookup-miss-text",
+        "1E+1P+1D",
+        (PromptSpec("m-text-at-block-plus-one", (TextPart(TAIL_TEXT + " Please be brief."),)),),
+        expect=(Verdict.VACUOUS,),
+        expect_evidence="tokens equal but guard failed: kv_transfer",
+        reason=KV_LOOKUP_MISS
+        + "; D computes the text itself and answers right, but no KV reached it: D's "
+        "cached_tokens stays below the block-aligned prefix",
+        expect_by_kv_connector=(("NixlConnector", (Verdict.MATCH,)),),
+    ),
 )
+
+
+# Scenarios `epd-harness fuzz --save` wrote: each a minimal request a fuzz run found failing,
+# declared with its verdict, evidence and cause (harness.run.fuzz.save); appended to MATRIX.
+FOUND_SCENARIOS_FILE = Path(__file__).with_name("found_scenarios.json")
+
+
+def found_scenarios(path: Path = FOUND_SCENARIOS_FILE) -> tuple[Scenario, ...]:
+    """The saved scenarios; an unreadable file is an error, never an empty matrix."""
+    if not path.exists():
+        return ()
+    entries = json.loads(path.read_text())
+    return tuple(
+        Scenario(
+            name=entry["name"],
+            topology=entry["topology"],
+            prompts=tuple(prompt_from_json(p) for p in entry["prompts"]),
+            expect=tuple(Verdict(v) for v in entry["expect"]),
+            expect_evidence=entry.get("expect_evidence", ""),
+            reason=entry.get("reason", ""),
+        )
+        for entry in entries
+    )
+
+
+MATRIX = MATRIX + found_scenarios()
 
 
 def matrix_prompts(scenarios: tuple[Scenario, ...] = MATRIX) -> tuple[PromptSpec, ...]:

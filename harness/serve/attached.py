@@ -30,16 +30,17 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from harness.files import write_json_atomic
-from harness.serve.client import ChatClient, ChatResult
+from harness.outcomes.attached import AttachedEvidence
+from harness.outcomes.outcome import Outcome, ServedTopology
+from harness.serve.client import ChatClient, ChatReply
 from harness.serve.kv_metrics import read_counters
 from harness.serve.proxy import ProxyFaults
 from harness.serve.proxy_protocol import collect_media
-from harness.serve.session import DEATH_GRACE_S, Outcome, TopologySession, safe_name
+from harness.serve.session import DEATH_GRACE_S, TopologySession, safe_name, served_topology
 from harness.spec.attach import AttachSpec, attached_instances
 from harness.spec.connectors import EC_CACHE_FILE, kv_connector_for_class
 from harness.spec.settings import RunSettings
@@ -57,20 +58,6 @@ _DIRECT_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 class AttachedDown(RuntimeError):
     """An attached instance (or the deployment's proxy) is not serving; the message names it
     with its role and URL."""
-
-
-@dataclass
-class AttachedEvidence:
-    """What one request left that can be seen from outside the deployment."""
-
-    media_items: int  # distinct media items in the request: one EC file each
-    ec_storage: str | None = None  # None: not reachable from here
-    ec_files_before: int = 0  # EC files in the storage when the request started
-    ec_files_written: list[str] = field(default_factory=list)  # <mm_hash>es new or rewritten
-    encoder_requests: float | None = None  # finished on the encoders (None: /metrics unread)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def health_problem(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
@@ -141,6 +128,11 @@ class AttachedSession:
     def kv_storage(self) -> Path | None:
         return None  # D's own reports are the KV evidence (harness.judge.guards)
 
+    @property
+    def served(self) -> ServedTopology:
+        """What the guards need to know of the deployment."""
+        return served_topology(self.topology, self.ec_storage, self.settings)
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     def __enter__(self) -> AttachedSession:
@@ -183,7 +175,7 @@ class AttachedSession:
         line names the instance that is down, when one is."""
         assert self._client is not None, "open() first"
         media = collect_media(body)
-        outcome = Outcome(prompt=prompt, media_count=len(media))
+        outcome = Outcome(prompt=prompt, media_count=len(media), sent_at=time.time())
         started = time.monotonic()
         down = self.first_down()
         if down is not None:
@@ -197,10 +189,12 @@ class AttachedSession:
         files_before = ec_files(storage) if storage is not None else {}
         request_id = f"{safe_name(self.topology.name)}-{prompt}-{uuid.uuid4().hex[:8]}"
         try:
-            outcome.result = self._chat_watched(body, request_id)
+            reply = self._chat_watched(body, request_id)
+            outcome.result, outcome.stream = reply.result, reply.stream
         except AttachedDown as exc:
             outcome.error = str(exc)
         except Exception as exc:  # noqa: BLE001 - every failure is reported, none is raised
+            outcome.stream = getattr(exc, "record", None)  # a stream that failed: as read
             outcome.error = f"{type(exc).__name__}: {exc}"
             cause = self._cause_of_failure()
             outcome.error = f"{cause}\n{outcome.error}" if cause else outcome.error
@@ -226,7 +220,7 @@ class AttachedSession:
         )
         return outcome
 
-    def _chat_watched(self, body: dict[str, Any], request_id: str) -> ChatResult:
+    def _chat_watched(self, body: dict[str, Any], request_id: str) -> ChatReply:
         """The request runs on a thread while every instance's /health is asked each second:
         an instance that dies mid-request ends it within seconds (AttachedDown), not at the
         request timeout. An abandoned request ends on its own timeout or when the session
@@ -237,7 +231,7 @@ class AttachedSession:
 
         def run() -> None:
             try:
-                box["result"] = client.chat(body, request_id=request_id)
+                box["result"] = client.send(body, request_id=request_id)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                 box["error"] = exc
 

@@ -3,133 +3,62 @@
 Requests go out greedy (`temperature 0`, fixed `seed`) with `logprobs`, `top_logprobs` and
 vLLM's `return_token_ids`; `return_tokens_as_token_ids` makes every logprob entry read
 `token_id:N`, so the top-k at a divergence is in ids, not in ambiguous decoded strings.
+
+A body with `stream: true` is read as raw server-sent events (httpx, not the `openai` client,
+whose stream reader skips what it does not understand): every event is kept with the seconds
+since the request left, so its framing can be checked (`harness.outcomes.stream`) and the time
+to the first token measured.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from typing import Any
 
+from harness.outcomes.chat import ChatResult, parse_chat_response
+from harness.outcomes.stream import StreamFailed, StreamRecord, parse_stream, split_events
+
 REQUEST_TIMEOUT_S = 300.0
+KEEPALIVE_S = 3.0
 
 
 @dataclass(frozen=True)
-class PositionLogprobs:
-    """What the server said about one generated position."""
+class ChatReply:
+    """One answer: the result, and for a streamed one how its stream was framed."""
 
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
-
-    def top_ids(self) -> set[int]:
-        return {token_id for token_id, _ in self.top}
-
-
-@dataclass(frozen=True)
-class ChatResult:
-    """One chat completion reduced to what the harness compares and guards."""
-
-    prompt_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str | None
-    logprobs: tuple[PositionLogprobs, ...] = ()
-    # usage.prompt_tokens_details.cached_tokens: on D, prompt tokens loaded from the KV
-    # connector plus local prefix-cache hits (None when the server did not report it).
-    cached_tokens: int | None = None
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "prompt_token_ids": list(self.prompt_token_ids),
-            "token_ids": list(self.token_ids),
-            "text": self.text,
-            "finish_reason": self.finish_reason,
-            "cached_tokens": self.cached_tokens,
-            "logprobs": [
-                {"token_id": p.token_id, "logprob": p.logprob, "top": [list(t) for t in p.top]}
-                for p in self.logprobs
-            ],
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> ChatResult:
-        return cls(
-            prompt_token_ids=tuple(data["prompt_token_ids"]),
-            token_ids=tuple(data["token_ids"]),
-            text=data.get("text", ""),
-            finish_reason=data.get("finish_reason"),
-            cached_tokens=data.get("cached_tokens"),
-            logprobs=tuple(
-                PositionLogprobs(
-                    token_id=p["token_id"],
-                    logprob=p["logprob"],
-                    top=tuple((int(t[0]), float(t[1])) for t in p["top"]),
-                )
-                for p in data.get("logprobs", [])
-            ),
-        )
-
-
-def _token_id_of(label: str) -> int:
-    """`token_id:123` -> 123 (what `return_tokens_as_token_ids` makes vLLM print)."""
-    prefix, _, number = label.partition(":")
-    if prefix != "token_id" or not number.lstrip("-").isdigit():
-        raise ValueError(f"expected a 'token_id:N' logprob token, got {label!r}")
-    return int(number)
-
-
-def parse_chat_response(body: dict[str, Any]) -> ChatResult:
-    """Reduce a vLLM chat completion JSON body to a ChatResult; fail on a missing field."""
-    try:
-        choice = body["choices"][0]
-        token_ids = choice["token_ids"]
-        prompt_token_ids = body["prompt_token_ids"]
-    except (KeyError, IndexError, TypeError) as exc:
-        raise ValueError(
-            f"response lacks {exc}: was return_token_ids honoured? body: {json.dumps(body)[:500]}"
-        ) from None
-    if token_ids is None or prompt_token_ids is None:
-        raise ValueError("response carries null token ids: was return_token_ids honoured?")
-    positions = []
-    for entry in (choice.get("logprobs") or {}).get("content") or []:
-        positions.append(
-            PositionLogprobs(
-                token_id=_token_id_of(entry["token"]),
-                logprob=float(entry["logprob"]),
-                top=tuple(
-                    (_token_id_of(t["token"]), float(t["logprob"]))
-                    for t in entry.get("top_logprobs") or []
-                ),
-            )
-        )
-    details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
-    return ChatResult(
-        prompt_token_ids=tuple(prompt_token_ids),
-        token_ids=tuple(token_ids),
-        text=(choice.get("message") or {}).get("content") or "",
-        finish_reason=choice.get("finish_reason"),
-        logprobs=tuple(positions),
-        cached_tokens=details.get("cached_tokens"),
-        raw=body,
-    )
+    result: ChatResult
+    stream: StreamRecord | None = None
 
 
 class ChatClient:
     """Thin wrapper over the `openai` client pointed at one server (a proxy or an instance)."""
 
     def __init__(self, base_url: str, timeout_s: float = REQUEST_TIMEOUT_S):
-        import openai  # imported late: the fast tests of pure logic do not need it
+        import httpx  # imported late: the fast tests of pure logic do not need them
+        import openai
 
         self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
         self._client = openai.OpenAI(
             base_url=f"{self.base_url}/v1", api_key="EMPTY", timeout=timeout_s, max_retries=0
         )
+        # Streams; shared by the threads of a load (httpx clients are thread-safe). Idle
+        # connections are dropped before a vLLM or uvicorn server's 5 s keep-alive closes them
+        # (reusing one it is closing breaks the next request, vLLM #41567).
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S
+        )
+        self._http = httpx.Client(timeout=timeout_s, limits=limits)
 
     def chat(self, body: dict[str, Any], request_id: str | None = None) -> ChatResult:
-        """Send a rendered chat body as-is; vLLM-only fields travel in `extra_body`."""
+        return self.send(body, request_id).result
+
+    def send(self, body: dict[str, Any], request_id: str | None = None) -> ChatReply:
+        """Send a rendered chat body as-is (streamed when it says `stream: true`)."""
+        if body.get("stream"):
+            return self._send_streamed(body, request_id)
         body = copy.deepcopy(body)
         standard = {
             key: body.pop(key)
@@ -149,7 +78,49 @@ class ChatClient:
         response = self._client.chat.completions.create(
             **standard, extra_body=body or None, extra_headers=headers
         )
-        return parse_chat_response(response.model_dump())
+        return ChatReply(parse_chat_response(response.model_dump()))
+
+    def _send_streamed(self, body: dict[str, Any], request_id: str | None) -> ChatReply:
+        """POST the body and read its events as they arrive. A non-200 answer raises like the
+        openai client's errors do (its status and body in the message); a stream that reports
+        an error or breaks off raises StreamFailed with what was read."""
+        import httpx
+
+        headers = {"x-request-id": request_id} if request_id else {}
+        started = time.monotonic()
+        events: list[tuple[float, bytes]] = []
+        with self._http.stream(
+            "POST", f"{self.base_url}/v1/chat/completions", json=body, headers=headers
+        ) as response:
+            if response.status_code != 200:
+                text = response.read().decode("utf-8", errors="replace")
+                raise StreamHTTPError(f"Error code: {response.status_code} - {text[:2000]}")
+            content_type = response.headers.get("content-type", "")
+            buffer = b""
+            complete = True
+            try:
+                for data in response.iter_raw():
+                    buffer += data
+                    done, buffer = split_events(buffer)
+                    now = time.monotonic() - started
+                    events += [(now, event) for event in done]
+            except httpx.HTTPError as exc:
+                complete = False
+                broke = f"{type(exc).__name__}: {exc}"
+            if buffer.strip():  # an event the stream never terminated
+                events.append((time.monotonic() - started, buffer))
+        try:
+            result, record = parse_stream(events, content_type, complete)
+        except StreamFailed as exc:
+            if not complete:
+                raise StreamFailed(f"{exc} ({broke})", exc.record) from None
+            raise
+        return ChatReply(result, record)
 
     def close(self) -> None:
         self._client.close()
+        self._http.close()
+
+
+class StreamHTTPError(Exception):
+    """A streamed request answered with another status than 200."""

@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -137,6 +138,7 @@ class ManagedServer:
         self._port_lease = port_lease
         self._popen: subprocess.Popen[bytes] | None = None
         self._spawned_at: float | None = None
+        self._spawned_wall_s: float | None = None
         self._startup_seconds: float | None = None
         self._peak_rss_bytes = 0
         # Every descendant ever sampled, so that stop() also finds those that left the group
@@ -152,6 +154,12 @@ class ManagedServer:
     def port_lease(self) -> PortLease | None:
         return self._port_lease
 
+    def detach_port_lease(self) -> PortLease | None:
+        """Hand this server's port lease to a successor (a dead server started again on the
+        same port, `TopologySession.revive_dead`): its `stop()` then keeps the port held."""
+        lease, self._port_lease = self._port_lease, None
+        return lease
+
     @property
     def pid(self) -> int | None:
         return None if self._popen is None else self._popen.pid
@@ -160,6 +168,12 @@ class ManagedServer:
     def pgid(self) -> int | None:
         """The process group id: the pid, since the child calls setsid() before exec."""
         return self.pid
+
+    @property
+    def spawned_wall_s(self) -> float | None:
+        """Wall-clock time of the spawn (epoch seconds): what vLLM's log stamps are read
+        against (harness.outcomes.startup)."""
+        return self._spawned_wall_s
 
     @property
     def startup_seconds(self) -> float | None:
@@ -217,11 +231,38 @@ class ManagedServer:
                 exc.add_note(f"while starting {command.name}: {shlex.join(command.argv)}")
                 raise
         self._spawned_at = time.monotonic()
+        self._spawned_wall_s = time.time()
         watchdog.client().started(self._popen.pid, command.name, command.log_path)
 
     def probe_health(self) -> bool:
         """One GET of the health URL: True on a 2xx answer, False on any error or timeout."""
         return probe_health_url(self.command.health_url)
+
+    def owns_health_port(self) -> bool:
+        """Its own process tree listens on the health URL's port. A port is leased from the
+        harness's lock directory, which a program outside it (a test's fake server with a
+        lock directory of its own, anything else) does not see: while vLLM loads, tens of
+        seconds before it binds, such a program can take the port and answer /health. That
+        answer is not this server's readiness."""
+        port = urllib.parse.urlsplit(self.command.health_url).port
+        if port is None or self._popen is None:
+            return True
+        try:
+            root = psutil.Process(self._popen.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return False
+        for proc in tree:
+            try:
+                listing = getattr(proc, "net_connections", None) or proc.connections
+                if any(
+                    c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                    for c in listing(kind="tcp")
+                ):
+                    return True
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return False
 
     def wait_until_ready(self, timeout_s: float) -> None:
         """Poll until healthy. Raises ServerDied (within ~a second of a death) or StartupTimeout."""
@@ -400,6 +441,15 @@ class ServerGroup:
             self._report_death(exc)
             raise
 
+    def revive(self, dead: ManagedServer, fresh: ManagedServer) -> None:
+        """Put `fresh` in `dead`'s place and spawn it (a server that died is started again as
+        a new object, with a log of its own); `wait_all_ready` then waits for it."""
+        index = self.servers.index(dead)
+        self.servers = (*self.servers[:index], fresh, *self.servers[index + 1 :])
+        self._reported_dead.discard(dead.name)
+        self._emit(fresh, "starting")
+        fresh.start()
+
     def check_alive(self) -> None:
         """Raise ServerDied for the first server that has exited (call it between requests)."""
         try:
@@ -492,7 +542,7 @@ def await_ready(
         for server in servers:
             server.check_alive()
         for server in list(pending):
-            if server.probe_health():
+            if server.probe_health() and server.owns_health_port():
                 server._mark_ready()
                 pending.remove(server)
                 on_ready(server)

@@ -113,6 +113,10 @@ class LocalLauncher:
     def check_serving(self, instances: list[InstanceSpec]) -> None:
         """Nothing to check: every address is this host's loopback."""
 
+    def check_revivable(self) -> None:
+        """A dead instance may be started again in place (`TopologySession.revive_dead`): its
+        port lease passes to the new server on this host."""
+
     def close(self) -> None:
         """Give every lease back (a server's own lease is released by its stop())."""
         leases = (*self._port_leases, *self._side_channel_leases, *self._device_leases)
@@ -127,12 +131,3 @@ def end_launchers() -> None:
     ray_launcher = sys.modules.get("harness.serve.ray_launcher")
     if ray_launcher is not None:
         ray_launcher.close_runtime()
-
-
-def launcher_for(settings: RunSettings) -> Any:
-    """The launcher the run chose (`settings.launcher`); Ray is imported only when chosen."""
-    if settings.launcher.is_local:
-        return LocalLauncher(settings)
-    from harness.serve.ray_launcher import RayLauncher
-
-    return RayLauncher(settings)

@@ -18,12 +18,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from harness.outcomes.stream import event_data, split_events
+from harness.outcomes.trace import EncoderCall, RequestTrace
 from harness.serve import proxy_protocol as protocol
 from harness.spec.generations import NEWEST, ProtocolGeneration
 
@@ -64,42 +66,51 @@ class ProxyFaults:
     after_encode: Callable[[str, dict[str, Any]], None] | None = None
     drop_encoder_metadata: bool = False
     after_prefill: Callable[[str, dict[str, Any]], None] | None = None
+    # The decode stream's first event with generated tokens is relayed twice, as a proxy that
+    # relays P's first token and then all of D's stream would.
+    duplicate_first_token_chunk: bool = False
 
 
-@dataclass
-class EncoderCall:
-    url: str
-    positions: tuple[int, ...]
-    status: int | None = None
-    ec_transfer_params: dict[str, Any] | None = None
-    seconds: float = 0.0
-    # Media position -> mm_hash of each item the answer gave metadata for, as the served
-    # release's protocol generation reads it (None: not read, e.g. the call failed).
-    indexed: dict[int, str] | None = None
+class FirstTokenChunkTwice:
+    """Relays a server-sent event stream, its first event carrying generated token ids
+    twice (the planted `duplicate_first_token_chunk`); everything else byte for byte."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self._seen = 0  # events relayed so far
+        self.duplicated: str | None = None  # what was relayed twice, once it was
+
+    def feed(self, data: bytes) -> bytes:
+        if self.duplicated is not None:
+            return data
+        self._pending += data
+        events, rest = split_events(self._pending)
+        out = b""
+        for event in events:
+            self._seen += 1
+            out += event + b"\n\n"
+            if self.duplicated is None and carries_tokens(event):
+                out += event + b"\n\n"
+                self.duplicated = f"event {self._seen}: {event[:80]!r}..."
+        if self.duplicated is not None:
+            self._pending = b""
+            return out + rest
+        self._pending = rest
+        return out
+
+    def flush(self) -> bytes:
+        pending, self._pending = self._pending, b""
+        return pending
 
 
-@dataclass
-class RequestTrace:
-    """What the proxy did for one request id; read by the transfer guards and the report."""
-
-    request_id: str
-    media_count: int = 0
-    encoder_calls: list[EncoderCall] = field(default_factory=list)
-    forwarded_part_types: list[str] = field(default_factory=list)
-    metadata_only: list[bool] = field(default_factory=list)
-    prefill_url: str | None = None
-    prefill_status: int | None = None
-    prefill_kv_transfer_params: dict[str, Any] | None = None
-    prefill_seconds: float = 0.0
-    decode_url: str | None = None
-    decode_status: int | None = None
-    decode_seconds: float = 0.0
-    error: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        data = dict(self.__dict__)
-        data["encoder_calls"] = [dict(c.__dict__) for c in self.encoder_calls]
-        return data
+def carries_tokens(event: bytes) -> bool:
+    data = event_data(event)
+    try:
+        chunk = json.loads(data) if data else None
+    except json.JSONDecodeError:
+        return False
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    return bool(choices) and isinstance(choices[0], dict) and bool(choices[0].get("token_ids"))
 
 
 class UpstreamError(Exception):
@@ -281,8 +292,12 @@ class EPDProxy:
                 response = web.StreamResponse(status=upstream.status)
                 response.content_type = upstream.content_type
                 await response.prepare(http_request)
+                fault = FirstTokenChunkTwice() if self.faults.duplicate_first_token_chunk else None
                 async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
+                    await response.write(fault.feed(chunk) if fault else chunk)
+                if fault is not None:
+                    await response.write(fault.flush())
+                    trace.fault_effects.append(f"relayed twice: {fault.duplicated}")
                 await response.write_eof()
                 trace.decode_seconds = time.monotonic() - started
                 return response

@@ -29,7 +29,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.spec.generations import NEWEST, EncoderAnswer, ProtocolGeneration
+from harness.spec.generations import NEWEST, EncoderAnswer, ProtocolGeneration, ec_item_entry
 
 MEDIA_PART_TYPES = ("image_url", "video_url", "audio_url", "input_audio")
 EMBEDS_PART_TYPE = {"image_url": "image_embeds", "video_url": "video_embeds"}
@@ -240,16 +240,6 @@ def _index_item_list(batch: EncoderBatch, params: dict[str, Any]) -> dict[int, E
             f"expected {{'ec_items': [{{...}}, ...]}}, encoder answered {_excerpt(params)}"
         )
     return _index_single_item(batch, [ec_item_entry(item) for item in items], params)
-
-
-def ec_item_entry(item: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """One item of a 0.28 / 0.29 `ec_items` answer as (mm_hash, {"metadata": ...}), the shape
-    of the newer answers: those releases flatten the metadata next to the key,
-    {"mm_hash": h, "image_grid_thw": [...]}. Read so by the proxy and by the guards alike."""
-    return (
-        str(item.get("mm_hash", "")),
-        {"metadata": {k: v for k, v in item.items() if k != "mm_hash"}},
-    )
 
 
 def _index_single_item(

@@ -269,7 +269,15 @@ class InstanceAgent:
         for lease in self.leases[1:]:
             lease.hand_over()  # NIXL binds its side channel itself; the flock stays
         self.server.start()
-        return {"pid": self.server.pid, "log": str(log_path)}
+        return {
+            "pid": self.server.pid,
+            "log": str(log_path),
+            "spawned_wall_s": self.server.spawned_wall_s,
+        }
+
+    def owns_health_port(self) -> bool:
+        """The server's own process tree listens on its health port, on this node."""
+        return self.server is not None and self.server.owns_health_port()
 
     def poll(self, offset: int) -> dict[str, Any]:
         """The server's exit code (None: running), its log from `offset`, its tree's RSS."""
@@ -349,6 +357,7 @@ class RayServer:
         self._offset = 0
         self._rss = 0
         self._spawned_at: float | None = None
+        self._spawned_wall_s: float | None = None
         self._startup_seconds: float | None = None
         self._stopped = False
 
@@ -372,6 +381,12 @@ class RayServer:
     @property
     def startup_seconds(self) -> float | None:
         return self._startup_seconds
+
+    @property
+    def spawned_wall_s(self) -> float | None:
+        """The spawn's wall-clock time on the node (its clock stamps the log the start-up
+        timeline reads)."""
+        return self._spawned_wall_s
 
     @property
     def exit_code(self) -> int | None:
@@ -401,9 +416,17 @@ class RayServer:
             raise
         self._pid = started["pid"]
         self._spawned_at = time.monotonic()
+        self._spawned_wall_s = started.get("spawned_wall_s")
 
     def probe_health(self) -> bool:
         return probe_health_url(self.command.health_url)
+
+    def owns_health_port(self) -> bool:
+        """Asked on the node: an answer from another program on the port is no readiness."""
+        try:
+            return bool(ray.get(self._agent.owns_health_port.remote(), timeout=CALL_TIMEOUT_S))
+        except (RayActorError, GetTimeoutError):
+            return False  # check_alive() says what happened to the agent
 
     def wait_until_ready(self, timeout_s: float) -> None:
         await_ready([self], timeout_s, on_ready=lambda server: None)
@@ -694,6 +717,15 @@ class RayLauncher:
                             f"from {peer.name}'s node {peer.host}: {error}"
                         )
         runtime().log_memory()
+
+    def check_revivable(self) -> None:
+        """Reviving one instance in place needs its port held across the restart, which an
+        agent gives back when its server stops: on Ray the caller starts the topology again
+        (`TopologyPool.revive` does)."""
+        raise LaunchRefused(
+            "reviving an instance in place is the local launcher's; on Ray the topology is "
+            "started again"
+        )
 
     def close(self) -> None:
         """End the agents (their servers were stopped by then) and free the placement group."""

@@ -12,86 +12,46 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import secrets
 import shutil
-import socket
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from harness.environment import LOOPBACK_HOST
 from harness.files import write_text_atomic
-from harness.redact import redact_argv, redact_env
-from harness.serve.client import ChatClient, ChatResult
+from harness.outcomes.outcome import InstanceStats, Outcome, ServedTopology
+from harness.outcomes.startup import startup_timeline
+from harness.serve.entry import Entry, command_json, open_entry, proxy_key
 from harness.serve.kv_metrics import read_counters
 from harness.serve.launch import ManagedServer, ServerCommand, ServerDied, ServerGroup, log_path_for
-from harness.serve.launcher import NodeInfo, launcher_for
-from harness.serve.ports import PortLease, reserve_ports
-from harness.serve.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer, RequestTrace
+from harness.serve.launcher import LocalLauncher
+from harness.serve.ports import PortLease
+from harness.serve.proxy import EPDProxy, ProxyFaults
 from harness.serve.proxy_protocol import collect_media
-from harness.serve.tap import TapRecord, TapSet, TapTarget
-from harness.serve.vllm_proxy import register_instances, registrations, vllm_proxy_launch
+from harness.serve.tap import TapSet, TapTarget
 from harness.spec.instances import InstanceSpec
 from harness.spec.placement import place_instances
-from harness.spec.settings import DYNAMIC_REGISTRATION, VLLM_PROXY, RunSettings
+from harness.spec.settings import VLLM_PROXY, ProxyChoice, RunSettings
 from harness.spec.topology import Role, Topology
-
-if TYPE_CHECKING:
-    from harness.serve.attached import AttachedEvidence
 
 LOG_TAIL_LINES = 40
 LOG_SLICE_LINES = 30  # error lines kept from an instance's log of one request
 LOG_TAIL_SLICE_LINES = 10
 # After a failed request: how long to give an instance whose engine is dying to exit.
 DEATH_GRACE_S = 3.0
-PROXY_STARTUP_TIMEOUT_S = 120.0
 STORAGE_DIR_NAME = "storage"
 
 
-@dataclass
-class Outcome:
-    """One request on one topology: a result, or the reason there is none."""
+def launcher_for(settings: RunSettings) -> Any:
+    """The launcher the run chose (`settings.launcher`, `harness.serve.launcher`); Ray is
+    imported only when chosen."""
+    if settings.launcher.is_local:
+        return LocalLauncher(settings)
+    from harness.serve.ray_launcher import RayLauncher
 
-    prompt: str
-    result: ChatResult | None = None
-    error: str | None = None
-    trace: RequestTrace | None = None  # the harness proxy's own account (--proxy harness)
-    taps: list[TapRecord] | None = None  # what every instance was sent and answered
-    media_count: int = 0  # media parts in the request the client sent
-    seconds: float = 0.0
-    # D's KV counters, after minus before the request (harness.serve.kv_metrics); None without
-    # a D, or when its /metrics could not be read.
-    kv_counters: dict[str, float] | None = None
-    # An attached deployment's (--proxy attach): what could be seen from outside it.
-    attached: AttachedEvidence | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "prompt": self.prompt,
-            "result": self.result.to_json() if self.result else None,
-            "error": self.error,
-            "trace": self.trace.to_json() if self.trace else None,
-            "taps": [r.to_json() for r in self.taps] if self.taps is not None else None,
-            "media_count": self.media_count,
-            "seconds": round(self.seconds, 3),
-            "kv_counters": self.kv_counters,
-            "attached": self.attached.to_json() if self.attached else None,
-        }
-
-
-@dataclass
-class InstanceStats:
-    name: str
-    role: str
-    url: str
-    log_path: str
-    startup_s: float | None = None
-    peak_rss_bytes: int = 0
-    node: str | None = None  # the node's address when a launcher placed it on a cluster
+    return RayLauncher(settings)
 
 
 def safe_name(name: str) -> str:
@@ -111,14 +71,18 @@ class TopologySession:
         label: str | None = None,
         reuse_storage: Path | None = None,
         devices: tuple[int, ...] | None = None,
+        role_env: Mapping[Role, Mapping[str, str]] | None = None,
     ):
         """`label` names the artifact directory (default: the topology's name).
         `reuse_storage` serves from an earlier session's storage directory as it was left,
         instead of fresh storage (the "rerun without wiping the EC storage" scenario).
-        `devices` are the topology's slot in the schedule (default: all the run's devices)."""
+        `devices` are the topology's slot in the schedule (default: all the run's devices).
+        `role_env` adds environment variables to the instances of a role, over what the
+        renderer gives them (the self-test's plugin in D; recorded in each `.cmd.json`)."""
         self.topology = topology
         self.settings = settings
         self.devices = devices or settings.devices
+        self.role_env = role_env or {}
         # One object for the session's life: the harness proxy or the taps hold it, and
         # `harness.run.faults.plant` swaps its hooks.
         self.faults = faults if faults is not None else ProxyFaults()
@@ -130,15 +94,17 @@ class TopologySession:
         )
         self.instances: list[InstanceSpec] = []
         self.stats: dict[str, InstanceStats] = {}
-        self.proxy: EPDProxy | None = None
-        self._leases: list[PortLease] = []  # the vLLM proxy's; the instances' are the launcher's
+        self._leases: list[PortLease] = []  # the proxies'; the instances' are the launcher's
         self._servers: list[ManagedServer] = []
         self._group: ServerGroup | None = None
-        self._proxy_server: ProxyServer | None = None
         self._taps: TapSet | None = None
         self.tap_urls: dict[str, str] = {}  # instance URL -> its tap's URL
-        self._vllm_proxy: ManagedServer | None = None
-        self._client: ChatClient | None = None
+        # Ways in, by proxy_key(): the session's own proxy, and any other proxy asked for
+        # through `via` (the same instances judged through another proxy).
+        self._entries: dict[str, Entry] = {}
+        self._entry: Entry | None = None
+        self._entry_url: str | None = None
+        self.revivals: dict[str, int] = {}  # instance name -> times started again in place
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -200,15 +166,16 @@ class TopologySession:
             ServerCommand(
                 name=spec.name,
                 argv=spec.argv(self.settings.vllm_executable),
-                env=launcher.instance_env(spec),
+                env={**launcher.instance_env(spec), **self.role_env.get(spec.role, {})},
                 health_url=f"{spec.url}/health",
                 log_path=log_path_for(self.dir, spec.name),
             )
             for spec in self.instances
         ]
         for command, node in zip(commands, nodes):
+            node_json = node.to_json() if node is not None else None
             write_text_atomic(
-                command.log_path.with_suffix(".cmd.json"), command_json(command, node)
+                command.log_path.with_suffix(".cmd.json"), command_json(command, node_json)
             )
         launcher.check_before_start(self.topology, self.instances, commands)
         for index, (spec, command, node) in enumerate(zip(self.instances, commands, nodes)):
@@ -230,21 +197,50 @@ class TopologySession:
         self._group.wait_all_ready(self.settings.startup_timeout_s)
         self._launcher.check_serving(self.instances)
         for server, spec in zip(self._servers, self.instances):
-            self.stats[spec.name].startup_s = server.startup_seconds
+            stats = self.stats[spec.name]
+            stats.startup_s = server.startup_seconds
+            if server.spawned_wall_s is not None:
+                stats.timeline = startup_timeline(
+                    server.command.log_path, server.spawned_wall_s, server.startup_seconds
+                )
         self._sample_memory()
-        self.entry_url = self.instances[0].url
         if not self.topology.is_baseline:
             self._start_taps()
-            if self.settings.proxy.kind == VLLM_PROXY:
-                self._start_vllm_proxy()
-            else:
-                self.proxy = EPDProxy(
-                    routes_for(self.instances, self.tap_urls), self.faults, self.settings.protocol
-                )
-                self._proxy_server = ProxyServer(self.proxy, bind_loopback_socket())
-                self._proxy_server.start()
-                self.entry_url = self._proxy_server.url
-        self._client = ChatClient(self.entry_url, timeout_s=self.settings.request_timeout_s)
+        self._entry = self._open_entry(self.settings)
+
+    def revive_dead(self) -> list[InstanceStats]:
+        """Start every instance that died again, in place, and wait until it serves: the same
+        flags, port and storage, a fresh log beside the dead one's (which stays as evidence).
+        The other instances, the taps and the proxy keep running with what they hold, so this
+        costs one instance's start instead of the topology's. Returns the revived instances'
+        stats (raises what stopped one from coming up; the session is then unusable)."""
+        assert self._group is not None, "session not started"
+        self._launcher.check_revivable()
+        revived: list[InstanceStats] = []
+        for index, (spec, dead) in enumerate(zip(self.instances, self._servers)):
+            if dead.is_alive():
+                continue
+            lease = dead.detach_port_lease()
+            dead.stop()  # whatever of its group is left; the port stays held
+            count = self.revivals.get(spec.name, 0) + 1
+            self.revivals[spec.name] = count
+            command = dataclasses.replace(
+                dead.command, log_path=log_path_for(self.dir, f"{spec.name}.revived-{count}")
+            )
+            write_text_atomic(command.log_path.with_suffix(".cmd.json"), command_json(command))
+            fresh = ManagedServer(command, port_lease=lease)
+            self._servers[index] = fresh
+            self._group.revive(dead, fresh)
+            stats = InstanceStats(spec.name, spec.role.value, spec.url, str(command.log_path))
+            self.stats[spec.name] = stats
+            revived.append(stats)
+        self._group.wait_all_ready(self.settings.startup_timeout_s)
+        for stats, server in ((s, self._by_name(s.name)) for s in revived):
+            stats.startup_s = server.startup_seconds
+        return revived
+
+    def _by_name(self, name: str) -> ManagedServer:
+        return next(server for server in self._servers if server.name == name)
 
     def _start_taps(self) -> None:
         """A recording tap in front of every instance: the guards' evidence, for any proxy.
@@ -255,52 +251,48 @@ class TopologySession:
         self._taps = TapSet(targets, tap_faults).start(LOOPBACK_HOST)
         self.tap_urls = {spec.url: self._taps.urls[spec.name] for spec in self.instances}
 
-    def _start_vllm_proxy(self) -> None:
-        """The served release's own proxy, pointed at the taps, managed like an instance; with
-        dynamic registration the EPD proxy starts empty and each tap URL is registered once it
-        answers."""
-        choice = self.settings.proxy
-        assert choice.files_dir is not None and choice.interpreter, "preflight sets them"
-        lease = reserve_ports(1)[0]
-        self._leases.append(lease)
-        routes = routes_for(self.instances, self.tap_urls)
-        urls = (list(routes.encoder_urls), list(routes.prefill_urls), list(routes.decode_urls))
-        # The toy P/D proxy (no encoders) has only static URLs: 1P+1D keeps them.
-        dynamic = choice.registration == DYNAMIC_REGISTRATION and bool(routes.encoder_urls)
-        admin_key = secrets.token_hex(16) if dynamic else None
-        launch = vllm_proxy_launch(
-            choice.interpreter, choice.files_dir, LOOPBACK_HOST, lease.port, *urls, admin_key
+    def _open_entry(self, settings: RunSettings) -> Entry:
+        entry = open_entry(
+            self.topology,
+            settings,
+            self.instances,
+            self.tap_urls,
+            self.faults,
+            self.dir,
+            self._leases,
         )
-        url = f"http://{LOOPBACK_HOST}:{lease.port}"
-        command = ServerCommand(
-            name=f"{self.topology.name}/vllm-proxy",
-            argv=launch.argv,
-            health_url=f"{url}{launch.health_path}",
-            log_path=log_path_for(self.dir, f"{self.topology.name}/vllm-proxy"),
-            env=launch.env,
-        )
-        write_text_atomic(command.log_path.with_suffix(".cmd.json"), command_json(command))
-        server = ManagedServer(command, port_lease=lease)
-        self._vllm_proxy = server
-        server.start()
-        server.wait_until_ready(PROXY_STARTUP_TIMEOUT_S)
-        if admin_key is not None:
-            roster = register_instances(url, admin_key, registrations(*urls))
-            write_text_atomic(
-                command.log_path.with_suffix(".instances.json"), json.dumps(roster, indent=2)
-            )
-        self.entry_url = url
+        self._entries[entry.key] = entry
+        self._entry_url = self._entry_url or entry.url
+        return entry
+
+    def via(self, proxy: ProxyChoice) -> ProxiedSession:
+        """This running topology reached through `proxy` (started on first use, stopped with
+        the session): the same instances and taps, judged through another proxy."""
+        assert self._group is not None, "session not started"
+        key = proxy_key(self.topology, proxy)
+        settings = dataclasses.replace(self.settings, proxy=proxy)
+        entry = self._entries.get(key) or self._open_entry(settings)
+        return ProxiedSession(self, entry, settings)
+
+    @property
+    def entry_url(self) -> str:
+        """Where requests enter (kept after the session closed, for the reports)."""
+        assert self._entry_url is not None, "session not started"
+        return self._entry_url
+
+    @property
+    def proxy(self) -> EPDProxy | None:
+        """The harness's proxy, when it is this session's own (its traces)."""
+        return self._entry.proxy if self._entry is not None else None
 
     def close(self) -> None:
-        """Stop the proxy, then every instance (process groups), then give the ports back.
+        """Stop the proxies, then every instance (process groups), then give the ports back.
 
         Every step runs even when an earlier one fails (the first failure is raised at the
         end): a proxy that does not stop must not leave the instances running.
         """
-        client, proxy_server, group = self._client, self._proxy_server, self._group
-        taps, vllm_proxy = self._taps, self._vllm_proxy
-        self._client = self._proxy_server = self._group = None
-        self._taps = self._vllm_proxy = None
+        entries, group, taps = list(self._entries.values()), self._group, self._taps
+        self._entries, self._entry, self._group, self._taps = {}, None, None, None
         leases, self._leases = self._leases, []
         with contextlib.ExitStack() as steps:  # callbacks run last registered, first
             steps.callback(self._launcher.close)
@@ -310,20 +302,18 @@ class TopologySession:
                 steps.callback(group.stop_all)
             if taps is not None:
                 steps.callback(taps.stop)
-            if vllm_proxy is not None:
-                steps.callback(vllm_proxy.stop)
-            if proxy_server is not None:
-                steps.callback(proxy_server.stop)
-            if client is not None:
-                steps.callback(client.close)
+            for entry in entries:
+                steps.callback(entry.close)
 
     # -- requests ----------------------------------------------------------------------------
 
-    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
-        """Send one rendered body; every failure becomes an Outcome with its cause."""
-        assert self._client is not None and self._group is not None, "session not started"
+    def send(self, prompt: str, body: dict[str, Any], entry: Entry | None = None) -> Outcome:
+        """Send one rendered body (through `entry`, default the session's own proxy); every
+        failure becomes an Outcome with its cause."""
+        entry = entry or self._entry
+        assert entry is not None and self._group is not None, "session not started"
         request_id = f"{safe_name(self.topology.name)}-{prompt}-{uuid.uuid4().hex[:8]}"
-        outcome = Outcome(prompt=prompt, media_count=len(collect_media(body)))
+        outcome = Outcome(prompt=prompt, media_count=len(collect_media(body)), sent_at=time.time())
         started = time.monotonic()
         log_offsets = {server.name: server.log_size() for server in self._servers}
         decode_url = next((i.url for i in self.instances if i.role is Role.DECODE), None)
@@ -331,35 +321,29 @@ class TopologySession:
         tap_mark = self._taps.mark() if self._taps is not None else 0
         try:
             self._group.check_alive()
-            if self._vllm_proxy is not None:
-                self._vllm_proxy.check_alive()
-            outcome.result = self._client.chat(body, request_id=request_id)
+            entry.check_alive()
+            reply = entry.client.send(body, request_id=request_id)
+            outcome.result, outcome.stream = reply.result, reply.stream
         except ServerDied as exc:
             outcome.error = str(exc)
         except Exception as exc:  # noqa: BLE001 - every failure is reported, none is raised
+            outcome.stream = getattr(exc, "record", None)  # a stream that failed: as read
             # The HTTP error rarely says why ("EngineCore encountered an issue"); the
             # instances' logs of this request's window do, and an engine may still be dying.
-            outcome.error = f"{type(exc).__name__}: {exc}\n{self.log_slices(log_offsets)}"
-            died = self.wait_for_death(DEATH_GRACE_S)
+            failure = f"{type(exc).__name__}: {exc}\n{self.log_slices(log_offsets)}"
+            died = self.wait_for_death(DEATH_GRACE_S) or entry.down_report()
+            # An instance that died is the cause: its name leads (a case's detail line and
+            # every request in flight when it died say which instance it was).
             if died:
-                outcome.error += f"\n{died}"
-            elif self._proxy_server is not None and not self._proxy_server.running:
-                outcome.error += f"\nproxy {self.entry_url} is not running (stopped or crashed)"
-            elif self._vllm_proxy is not None and not self._vllm_proxy.is_alive():
-                outcome.error += (
-                    f"\nvLLM's proxy exited ({self._vllm_proxy.exit_code}); last lines of "
-                    f"{self._vllm_proxy.command.log_path}:\n"
-                    f"{self._vllm_proxy.log_tail(LOG_TAIL_SLICE_LINES)}"
-                )
+                outcome.error = f"{died}\n{failure}"
             else:
-                outcome.error += f"\n{self.waited_on_report(request_id)}"
+                outcome.error = f"{failure}\n{self.waited_on_report(request_id, entry)}"
         outcome.seconds = time.monotonic() - started
         if decode_url and counters_before is not None and outcome.result is not None:
             counters_after = read_counters(decode_url)
             if counters_after is not None:
                 outcome.kv_counters = counters_after.minus(counters_before)
-        if self.proxy is not None:
-            outcome.trace = self.proxy.traces.get(request_id)
+        outcome.trace = entry.trace(request_id)
         if self._taps is not None:
             outcome.taps = self._taps.of_request(tap_mark, request_id)
         self._sample_memory()
@@ -384,11 +368,11 @@ class TopologySession:
                 return report
             time.sleep(0.2)
 
-    def waited_on_report(self, request_id: str) -> str:
+    def waited_on_report(self, request_id: str, entry: Entry) -> str:
         """Which instance a failed request was still waiting on, from the proxy's trace (the
         entry instance itself without a proxy), and that instance's last log lines."""
-        url = self.entry_url
-        trace = self.proxy.traces.get(request_id) if self.proxy is not None else None
+        url = entry.url
+        trace = entry.trace(request_id)
         if trace is not None:
             pending = [call.url for call in trace.encoder_calls if call.status is None]
             if trace.prefill_url and trace.prefill_status is None:
@@ -435,6 +419,11 @@ class TopologySession:
         return tuple(self._servers)
 
     @property
+    def taps(self) -> TapSet | None:
+        """The recording taps in front of the instances (None for the baseline)."""
+        return self._taps
+
+    @property
     def kv_storage(self) -> Path | None:
         return next((s.kv_storage for s in self.instances if s.kv_storage), None)
 
@@ -442,21 +431,81 @@ class TopologySession:
     def ec_storage(self) -> Path | None:
         return next((s.ec_storage for s in self.instances if s.ec_storage), None)
 
+    @property
+    def served(self) -> ServedTopology:
+        """What the guards need to know of this topology."""
+        return served_topology(self.topology, self.ec_storage, self.settings)
+
     def _sample_memory(self) -> None:
         for server, spec in zip(self._servers, self.instances):
             stats = self.stats[spec.name]
             stats.peak_rss_bytes = max(stats.peak_rss_bytes, server.peak_rss_bytes())
 
 
-def routes_for(instances: list[InstanceSpec], via: dict[str, str] | None = None) -> ProxyRoutes:
-    """Where a proxy sends each role's work; `via` maps instance URLs to their taps' URLs."""
-    by_role: dict[Role, list[str]] = {}
-    for spec in instances:
-        by_role.setdefault(spec.role, []).append((via or {}).get(spec.url, spec.url))
-    return ProxyRoutes(
-        encoder_urls=tuple(by_role.get(Role.ENCODER, ())),
-        prefill_urls=tuple(by_role.get(Role.PREFILL, ())),
-        decode_urls=tuple(by_role.get(Role.DECODE, ()) or by_role.get(Role.PREFILL_DECODE, ())),
+class ProxiedSession:
+    """A running topology reached through another proxy than its own (`TopologySession.via`):
+    the same instances, taps, storage and guards' facts; requests through this proxy. Stopped
+    with the session it views."""
+
+    def __init__(self, base: TopologySession, entry: Entry, settings: RunSettings):
+        self.base = base
+        self.entry = entry
+        self.settings = settings  # the base's, with this view's proxy
+        self.topology = base.topology
+
+    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
+        return self.base.send(prompt, body, self.entry)
+
+    @property
+    def entry_url(self) -> str:
+        return self.entry.url
+
+    @property
+    def faults(self) -> ProxyFaults:
+        """Faults are planted in the session's own proxy (or its taps); through another proxy
+        they would act twice or not at all."""
+        if self.entry is not self.base._entry:
+            raise RuntimeError(
+                f"faults are planted through {self.topology.name}'s own proxy, not {self.entry.key}"
+            )
+        return self.base.faults
+
+    @property
+    def served(self) -> ServedTopology:
+        return self.base.served
+
+    @property
+    def instances(self) -> list[InstanceSpec]:
+        return self.base.instances
+
+    @property
+    def ec_storage(self) -> Path | None:
+        return self.base.ec_storage
+
+    @property
+    def kv_storage(self) -> Path | None:
+        return self.base.kv_storage
+
+    @property
+    def storage_dir(self) -> Path:
+        return self.base.storage_dir
+
+    @property
+    def dir(self) -> Path:
+        return self.base.dir
+
+    def dead_instance_report(self) -> str | None:
+        return self.base.dead_instance_report()
+
+    def server(self, role: Role, index: int = 0) -> ManagedServer:
+        return self.base.server(role, index)
+
+
+def served_topology(
+    topology: Topology, ec_storage: Path | None, settings: RunSettings
+) -> ServedTopology:
+    return ServedTopology(
+        topology, ec_storage, settings.serving.block_size, settings.serving.kv_connector
     )
 
 
@@ -468,28 +517,8 @@ def select_evidence(lines: list[str]) -> str:
     return "\n".join(errors + (["..."] if errors and tail else []) + tail)
 
 
-def bind_loopback_socket() -> socket.socket:
-    """A socket the kernel bound to a free loopback port: no window between choice and bind."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((LOOPBACK_HOST, 0))
-    return sock
-
-
 def prepare_session_dir(path: Path) -> None:
     """An empty directory: storage must never carry over from an earlier run by accident."""
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
-
-
-def command_json(command: ServerCommand, node: NodeInfo | None = None) -> str:
-    """The launch command as an artifact (and the node it ran on, when a launcher placed it on
-    a cluster); secret values never reach it."""
-    document: dict[str, Any] = {
-        "name": command.name,
-        "argv": redact_argv(command.argv),
-        "env": redact_env(command.env),
-    }
-    if node is not None:
-        document["node"] = node.to_json()
-    return json.dumps(document, indent=2)

@@ -17,8 +17,9 @@ Planted faults (the self-test) can act here too, so a fault needs no cooperation
 proxy under test: `after_encode` runs when an encoder's answer passes (before the proxy sees
 it), `after_prefill` when P's answer passes, and `drop_encoder_metadata` makes the consumer's
 taps replace each metadata-only `*_embeds` part by the raw media part an encoder was sent with
-the same uuid (the consumer then encodes the media itself). Only under a planted fault is a
-body changed.
+the same uuid (the consumer then encodes the media itself), and `duplicate_first_token_chunk`
+makes D's (or PD's) tap relay the first event of its stream that carries tokens twice. Only
+under a planted fault is a body changed.
 """
 
 from __future__ import annotations
@@ -28,16 +29,18 @@ import json
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from harness.serve.proxy import ProxyFaults, stop_loop_thread
+from harness.outcomes.taps import TapRecord, records_of
+from harness.serve.proxy import FirstTokenChunkTwice, ProxyFaults, stop_loop_thread
 from harness.serve.proxy_protocol import MEDIA_PART_TYPES
 
 RECORDED_PATHS = ("/v1/chat/completions", "/v1/completions")
+DECODE_ROLES = ("decode", "pd")  # where a client's stream comes from
 EMBEDS_PART_TYPES = ("image_embeds", "video_embeds", "audio_embeds")
 # Headers that describe one hop, not the message: aiohttp sets its own for the next hop.
 HOP_HEADERS = frozenset(
@@ -67,56 +70,6 @@ class TapTarget:
     name: str
     role: str  # Role.value: "encoder", "prefill", "decode", "prefill_decode", ...
     url: str  # the instance's own URL
-
-
-@dataclass
-class TapRecord:
-    """What one instance was sent and answered for one chat request."""
-
-    seq: int
-    instance: str
-    role: str
-    path: str
-    request_id: str | None = None  # the x-request-id the proxy under test sent, if any
-    part_types: list[str] = field(default_factory=list)  # non-text content parts, in order
-    metadata_only: list[bool] = field(default_factory=list)  # per part in part_types
-    uuids: list[str | None] = field(default_factory=list)  # per part in part_types
-    sent_ec_transfer_params: dict[str, Any] | None = None
-    sent_kv_transfer_params: dict[str, Any] | None = None
-    status: int | None = None
-    ec_transfer_params: dict[str, Any] | None = None  # answered
-    kv_transfer_params: dict[str, Any] | None = None  # answered
-    usage: dict[str, Any] | None = None
-    streamed: bool = False
-    error: str | None = None
-    seconds: float = 0.0
-    rewritten_by_fault: bool = False
-
-    @property
-    def cached_tokens(self) -> int | None:
-        details = (self.usage or {}).get("prompt_tokens_details") or {}
-        value = details.get("cached_tokens")
-        return value if isinstance(value, int) else None
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-def records_of(records: list[TapRecord], request_id: str) -> list[TapRecord]:
-    """The records the proxy made for client request `request_id`, among `records`.
-
-    Requests in flight together (the matrix's concurrency scenario) share a time window, so the
-    window alone would hand each request the others' encoder calls. Both EPD proxies pass the
-    client's `x-request-id` on: as is to P, D and PD, as `<id>:<item>:<suffix>` to encoders.
-    A proxy that sets ids of its own (vLLM's toy P/D proxy) leaves nothing to match; then the
-    window is all there is, which is exact for requests sent one at a time.
-    """
-    mine = [
-        r
-        for r in records
-        if r.request_id == request_id or (r.request_id or "").startswith(f"{request_id}:")
-    ]
-    return mine or records
 
 
 def is_metadata_only(part: dict[str, Any]) -> bool:
@@ -329,9 +282,15 @@ class TapSet:
         if "text/event-stream" in content_type:
             kept = bytearray()
             await response.prepare(request)
+            fault = None
+            if self.faults.duplicate_first_token_chunk and record.role in DECODE_ROLES:
+                fault = FirstTokenChunkTwice()
             async for chunk in upstream.content.iter_any():
                 kept.extend(chunk)
-                await response.write(chunk)
+                await response.write(fault.feed(chunk) if fault else chunk)
+            if fault is not None:
+                await response.write(fault.flush())
+                record.rewritten_by_fault = fault.duplicated is not None
             await response.write_eof()
             describe_answer(record, bytes(kept), content_type)
             record.seconds = time.monotonic() - started

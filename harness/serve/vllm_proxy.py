@@ -26,6 +26,8 @@ ADMIN_KEY_ENV = "ADMIN_API_KEY"  # the proxy refuses --dynamic-registration with
 ADMIN_KEY_HEADER = "x-api-key"
 INSTANCES_PATH = "/instances"
 REGISTRATION_TIMEOUT_S = 10.0
+# --prefill-servers-urls for E+PD: upstream's spelling (every release's proxy also takes "none").
+NO_PREFILL = "disable"
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ def vllm_proxy_launch(
             "--encode-servers-urls",
             ",".join(encoder_urls),
             "--prefill-servers-urls",
-            ",".join(prefill_urls) if prefill_urls else "none",
+            ",".join(prefill_urls) if prefill_urls else NO_PREFILL,
             "--decode-servers-urls",
             ",".join(decode_urls),
         ]

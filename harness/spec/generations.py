@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from harness.errors import BadInput, lookup
 from harness.spec.prompts import ImagePart, PromptSpec, VideoFramesPart, VideoPart
@@ -223,6 +224,16 @@ GENERATIONS_BY_NAME = {g.name: g for g in GENERATIONS}
 # The oldest generation whose encoder cases with media mean something: the floor of the version
 # matrix (older releases run, but every such case is NOT_APPLICABLE there).
 FLOOR = next(g for g in GENERATIONS if g.consumer_takes_metadata_only)
+
+
+def ec_item_entry(item: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """One item of a 0.28 / 0.29 `ec_items` answer as (mm_hash, {"metadata": ...}), the shape
+    of the newer answers: those releases flatten the metadata next to the key,
+    {"mm_hash": h, "image_grid_thw": [...]}. Read so by the proxy and by the guards alike."""
+    return (
+        str(item.get("mm_hash", "")),
+        {"metadata": {k: v for k, v in item.items() if k != "mm_hash"}},
+    )
 
 
 def dotted(version: Version) -> str:

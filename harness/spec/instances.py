@@ -30,6 +30,9 @@ from harness.spec.topology import Role, ServingConfig
 # Upstream's encoder flags: no prefix caching, and a token budget large enough to admit a whole
 # video (the budget bounds the encoder cache).
 ENCODER_ARGS = ("--no-enable-prefix-caching", "--max-num-batched-tokens", "114688")
+# Upstream starts every disaggregated instance (not the baseline) with it: answers carry the
+# X-Request-Id they were sent, which ties a proxy's sub-requests together in the instances' logs.
+REQUEST_ID_HEADERS_FLAG = "--enable-request-id-headers"
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,8 @@ class InstanceSpec:
             argv += ["--allowed-local-media-path", s.allowed_local_media_path]
         if s.enable_prompt_tokens_details:
             argv.append("--enable-prompt-tokens-details")
+        if self.role is not Role.BASELINE:
+            argv.append(REQUEST_ID_HEADERS_FLAG)
         if s.trust_request_mm_kwargs and self.generation.has_trust_request_mm_kwargs_flag:
             argv.append("--trust-request-mm-kwargs")
         if (

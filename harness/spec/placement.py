@@ -9,8 +9,7 @@ vLLM instances on one device race for its memory: each sizes its KV cache from w
 free at start-up, so co-located start-ups fail or come up with caches of unpredictable size.
 A topology that needs more devices than the host has is an error naming it, unless `colocate`
 is set: then its instances share the devices it is given (non-encoders spread first, encoders
-fill in, since an encoder holds no KV cache) and every instance on a shared device gets an
-equal slice of the memory budget. Topologies never share a device with each other: a wave runs
+fill in, since an encoder holds no KV cache). Topologies never share a device with each other: a wave runs
 side by side only topologies whose device sets are disjoint. Parallel xdist workers hold a
 lock per device while they serve (`harness.serve.ports.lease_devices`), so a worker that reaches
 a later wave early waits for the devices instead of sharing them.
@@ -21,6 +20,21 @@ three in 46-54 s. So topologies share a wave only while the wave holds at most o
 core (and what memory holds at `CPU_INSTANCE_BYTES` each): on 2 cores every topology runs alone,
 on a 16-core host the whole sweep starts at once. Under xdist every worker gets an equal part
 of that budget.
+
+Memory (`memory_fractions`). Each role gets upstream's `--gpu-memory-utilization`
+(run_epd_correctness_test.sh and the disaggregated_encoder examples of vLLM 0.28-0.32): the
+baseline 0.9, P, D and PD 0.7, an encoder 0.01. An EC producer that is not also a consumer
+loads only the encoder and allocates no KV cache in 0.32 (`ECTransferConfig.is_encode_only`,
+`VllmConfig._resolve_mm_encoder_only`), so its share only passes vLLM's start-up check that
+that much memory is free; what it really holds (the vision tower's weights, its activation
+peak) vLLM does not count against it. On a device that instances share, the shares of the
+instances that hold a KV cache, plus `ENCODER_ROOM` for each encoder there, add up to at most
+the device's budget (0.9, the rest is CUDA contexts and allocator slack): E beside P keeps P at
+upstream's 0.7 (0.7 + 0.2 = 0.9, the layout of upstream's own disagg_1e1p1d_example.sh, E and
+P on one GPU at 0.01 and 0.7); P beside D get 0.45 each; E, P and D on one device 0.35 each.
+vLLM sizes each KV cache from its own share minus what its own process holds, and refuses to
+start when less than its share is free, so these sums are what keeps co-located start-ups from
+failing. None of this was measured on a GPU here: `epd-harness plan` prints every share.
 
 Nothing here starts a process or touches a device: these functions only compute.
 """
@@ -44,6 +58,18 @@ CPU_INSTANCE_BYTES = 3_500_000_000
 CPU_INSTANCES_PER_CORE = 1  # start-up is CPU-bound: more per core only queues (see above)
 # Leave this share of the available memory to everything else on the machine.
 CPU_MEMORY_HEADROOM = 0.8
+
+# Each role's --gpu-memory-utilization when it has its device alone: upstream's (module docstring).
+UPSTREAM_MEMORY_SHARES: dict[Role, float] = {
+    Role.BASELINE: 0.9,
+    Role.ENCODER: 0.01,
+    Role.PREFILL_DECODE: 0.7,
+    Role.PREFILL: 0.7,
+    Role.DECODE: 0.7,
+}
+# What an encoder really holds on a device it shares, which its 0.01 does not cover: the room
+# upstream's own colocated example leaves it beside a 0.7 prefill (0.9 - 0.7).
+ENCODER_ROOM = 0.2
 
 
 # --- devices of one topology's instances --------------------------------------------------------
@@ -106,24 +132,52 @@ def assign_devices(
 
 
 def memory_fractions(
-    assignment: Sequence[tuple[int, ...]], profile: PlatformProfile
+    roles: Sequence[Role],
+    assignment: Sequence[tuple[int, ...]],
+    profile: PlatformProfile,
 ) -> tuple[float | None, ...]:
-    """Each instance's --gpu-memory-utilization: the budget split evenly among its device's sharers.
+    """Each instance's --gpu-memory-utilization (module docstring): upstream's share for its
+    role, and on a shared device the KV-holding instances split what the device's budget leaves
+    after `ENCODER_ROOM` per encoder, never more than upstream's share.
 
-    Rounded down to hundredths so that the shares of one device never add up past the budget.
+    Rounded down to hundredths, so a device's shares never add up past its budget. Raises
+    DevicePlanError when the encoders on a device leave its KV holders nothing.
     """
     if profile.gpu_memory_fraction is None:
         return tuple(None for _ in assignment)
-    sharers: dict[int, int] = {}
-    for devices in assignment:
+    budget = profile.gpu_memory_fraction
+    holders: dict[int, int] = {}
+    encoders: dict[int, int] = {}
+    for role, devices in zip(roles, assignment, strict=True):
         for device in devices:
-            sharers[device] = sharers.get(device, 0) + 1
-    fractions = []
-    for devices in assignment:
-        most = max(sharers[device] for device in devices)
-        hundredths = math.floor(round(profile.gpu_memory_fraction * 100 / most, 6))
-        fractions.append(hundredths / 100)
+            counts = encoders if role is Role.ENCODER else holders
+            counts[device] = counts.get(device, 0) + 1
+    fractions: list[float | None] = []
+    for role, devices in zip(roles, assignment, strict=True):
+        share = min(UPSTREAM_MEMORY_SHARES[role], budget)
+        if role is not Role.ENCODER:
+            for device in devices:
+                left = budget - ENCODER_ROOM * encoders.get(device, 0)
+                if left <= 0:
+                    raise DevicePlanError(
+                        f"device {device}: {encoders[device]} encoders leave its KV-holding "
+                        f"instances no memory ({ENCODER_ROOM:g} of it each); give the "
+                        "topology more devices"
+                    )
+                share = min(share, left / holders[device])
+        fractions.append(math.floor(round(share * 100, 6)) / 100)
     return tuple(fractions)
+
+
+def gpu_memory_policy(profile: PlatformProfile) -> dict[str, object] | None:
+    """The shares and the shared-device rule as data (run.json, `plan`); None on CPU."""
+    if profile.gpu_memory_fraction is None:
+        return None
+    return {
+        "shares": {role.value: share for role, share in UPSTREAM_MEMORY_SHARES.items()},
+        "device_budget": profile.gpu_memory_fraction,
+        "encoder_room_on_a_shared_device": ENCODER_ROOM,
+    }
 
 
 # --- scheduling topologies into waves ----------------------------------------------------------
@@ -294,7 +348,7 @@ def place_instances(
     if hosts and len(hosts) != len(topology.roles):
         raise ValueError(f"{topology.name} needs {len(topology.roles)} hosts, got {len(hosts)}")
     assignment = assign_devices(topology, devices, profile, colocate)
-    fractions = memory_fractions(assignment, profile)
+    fractions = memory_fractions(topology.roles, assignment, profile)
     ec_storage = storage_dir / "ec" if topology.has_ec_transfer else None
     kv_storage = storage_dir / "kv" if topology.has_kv_transfer else None
     side_ports = iter(side_channel_ports)

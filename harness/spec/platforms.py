@@ -8,9 +8,12 @@ what running on one kind of hardware adds to its command line and environment (r
   turn, so instances may share one), get a CPU KV cache
   (`VLLM_CPU_KVCACHE_SPACE`) and move KV through `ExampleConnector` (shared files).
 * cuda: one GPU per instance through `CUDA_VISIBLE_DEVICES`, an explicit
-  `--gpu-memory-utilization`, KV through `NixlConnector`, CUDA graphs on (no --enforce-eager),
-  and the real default model Qwen/Qwen2.5-VL-3B-Instruct.
-* xpu: as cuda, with `ZE_AFFINITY_MASK` selecting the device.
+  `--gpu-memory-utilization` (upstream's share per role, `harness.spec.placement`), KV through
+  `NixlConnector`, `--enforce-eager` as every `vllm serve` line of upstream's own correctness
+  script has it (`--no-enforce-eager` lets vLLM compile and capture CUDA graphs instead), and
+  upstream's default model Qwen/Qwen2.5-VL-3B-Instruct.
+* xpu: as cuda, with `ZE_AFFINITY_MASK` selecting the device (and XPU graphs where
+  `--no-enforce-eager` asks for them and torch has them).
 
 The device policy (one GPU per instance unless colocated; waves of disjoint devices) is
 `harness.spec.placement`'s.
@@ -37,7 +40,9 @@ SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 # "localhost", like NIXL's, so it is rendered for every EC instance whichever connector runs.
 EC_SIDE_CHANNEL_HOST_ENV = "VLLM_EC_SIDE_CHANNEL_HOST"
 GPU_MEMORY_UTILIZATION_FLAG = "--gpu-memory-utilization"
-# vLLM's own default; rendered explicitly so a log shows what each instance was allowed.
+# What the instances on one device may take of it together: vLLM's own default for an instance
+# that has the device alone, which leaves the rest to CUDA contexts and allocator slack. Each
+# role's share within it is `harness.spec.placement`'s.
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
 # What topology.py renders for CPU placement; meaningless (and misleading in logs) on a GPU.
 CPU_ONLY_ENV_KEYS = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")
@@ -66,10 +71,14 @@ class PlatformProfile:
     nixl_kv_buffer_device: str
     # The model served when none is given; None means the locally built tiny model (CPU).
     default_model: str | None
-    # CPU has no graphs to capture, so eager is the only mode; GPU runs test what users run.
+    # --enforce-eager by default. CPU: vLLM captures no graphs there, and every CPU figure of
+    # this project was measured eager. GPUs: upstream's correctness script serves eager, so a
+    # run is upstream's reference configuration and pays no compile or graph capture at each
+    # start; `--no-enforce-eager` (GPU platforms only) lets vLLM compile and capture graphs.
     enforce_eager: bool
-    # --gpu-memory-utilization of an instance that has its device alone; None on CPU, where
-    # VLLM_CPU_KVCACHE_SPACE sizes the cache instead.
+    # What the instances sharing one device may take of it together (their shares:
+    # `harness.spec.placement.memory_fractions`); None on CPU, where VLLM_CPU_KVCACHE_SPACE sizes
+    # the cache instead.
     gpu_memory_fraction: float | None
     # Whether instances own their devices (GPU) or take turns on shared cores (CPU). Decides
     # both the error for a topology that does not fit and whether topologies can run in waves.
@@ -97,7 +106,7 @@ CUDA = PlatformProfile(
     kv_connector=NIXL_CONNECTOR,
     nixl_kv_buffer_device="cuda",
     default_model=GPU_DEFAULT_MODEL,
-    enforce_eager=False,
+    enforce_eager=True,
     gpu_memory_fraction=DEFAULT_GPU_MEMORY_FRACTION,
     exclusive_devices=True,
 )

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.fixtures import media
+from fixtures import media
 
 DEFAULT_MAX_TOKENS = 32
 DEFAULT_TOP_LOGPROBS = 5
@@ -123,6 +123,12 @@ def render_request(prompt: PromptSpec, model: str, top_logprobs: int = 5) -> dic
     for key, value in prompt.extra:
         body[key] = json.loads(json.dumps(value))
     return body
+
+
+def streaming_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The same request, streamed: `stream: true` with the final usage chunk, whose counts the
+    stream's framing check holds against the ids the chunks carried."""
+    return {**body, "stream": True, "stream_options": {"include_usage": True}}
 
 
 SKELETON_PROMPTS: tuple[PromptSpec, ...] = (

@@ -29,6 +29,9 @@ class ServedVllm:
     executable: str
     version: str  # e.g. "0.32.0+cpu"; "unknown" when it could not be read
     torch_version: str = "unknown"
+    # What the served interpreter's AMX start-up hook did (`harness.amx` STATUS line), read
+    # from a fresh interpreter: on an AMX CPU anything but "granted" leaves NIXL's D to SIGILL.
+    amx_permission: str = "unknown"
 
     @property
     def known(self) -> bool:
@@ -59,6 +62,10 @@ class ProxyChoice:
     interpreter: tuple[str, ...] = ()  # the served vLLM's Python, which runs them
     registration: str = STATIC_REGISTRATION  # kind "vllm" only
     attach: AttachSpec | None = None  # kind "attach": the deployment under test
+    # From a vLLM source tree (--vllm-source): its git commit, and whether that matches the
+    # served build's own commit (`harness.preflight.upstream_proxy.from_checkout`).
+    source_commit: str | None = None
+    commit_check: str = ""
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -66,6 +73,8 @@ class ProxyChoice:
             "files_dir": str(self.files_dir) if self.files_dir else None,
             "origin": self.origin,
             "registration": self.registration,
+            "source_commit": self.source_commit,
+            "commit_check": self.commit_check,
         }
         if self.attach is not None:
             data["attach"] = self.attach.to_json()
@@ -136,6 +145,16 @@ class RunSettings:
     # The EPD protocol the served vLLM speaks (harness.spec.generations): which flags are
     # rendered, how the proxy reads encoders, which cases apply.
     protocol: ProtocolGeneration = NEWEST
+    # How each (topology, reference) pair is judged (harness.judge.policy.REFERENCE_POLICIES);
+    # empty: the platform's default (exact on CPU, P->D drift allowed on GPUs).
+    reference_policy: str = ""
+    # EPD topologies are sent `stream: true` (with usage) and their answers read from the
+    # stream's events, framing checked (`--stream`); the baseline answers without streaming.
+    stream: bool = False
+    # How the served vLLM's own parser judged every command line before the run
+    # (harness.preflight.vllm_args.ArgvCheck.to_json), for run.json; None: not checked.
+    argv_check: dict[str, Any] | None = None
+    # Where the instances run (harness.serve.launcher): this host, or the nodes of a Ray cluster.
     launcher: LauncherChoice = LauncherChoice()
 
     @property

@@ -129,3 +129,20 @@ def serving_for(profile: PlatformProfile, model: str, **overrides: object) -> Se
     }
     settings.update(overrides)
     return ServingConfig(model=model, **settings)  # type: ignore[arg-type]
+
+
+def ordered_topologies(topologies: tuple[Topology, ...]) -> list[Topology]:
+    """EPD topologies in run order: each exact reference before the topology using it."""
+    pending = [t for t in topologies if not t.is_baseline]
+    for topology in list(pending):
+        reference = topology.exact_reference
+        if reference and reference not in {t.name for t in pending}:
+            pending.append(TOPOLOGIES[reference])
+    names = {t.name for t in pending}
+    ordered: list[Topology] = []
+    while pending:
+        done = {o.name for o in ordered}
+        ready = [t for t in pending if t.exact_reference not in names - done] or pending[:1]
+        ordered.append(ready[0])
+        pending.remove(ready[0])
+    return ordered

@@ -1,0 +1,45 @@
+#!/bin/bash
+# The epd-harness nightly inside vLLM's CI image (the step in ci/buildkite/epd_harness.yaml):
+# the vLLM under test is the image's own build, and its source tree (the first argument,
+# /vllm-workspace there) holds that build's EPD proxy, toy proxy and correctness script.
+# Upstream parity first (the tree's script against the harness's command lines), then the
+# GPU rehearsal (doctor, plan, the GitHub nightly's own pytest line, a summary). runs/ is
+# uploaded as Buildkite artifacts whatever happened; the exit code is the worst of the two.
+set -euo pipefail
+
+vllm_tree=${1:?usage: nightly.sh VLLM_SOURCE_TREE}
+cd "$(dirname "$0")/../.."
+run_name="buildkite-${BUILDKITE_BUILD_NUMBER:-local}"
+
+# shellcheck disable=SC2329  # run by the EXIT trap below
+upload() {
+    if command -v buildkite-agent > /dev/null; then
+        buildkite-agent artifact upload "runs/**/*" || echo "nightly: artifact upload failed" >&2
+    else
+        echo "nightly: no buildkite-agent here; the artifacts stay in $PWD/runs" >&2
+    fi
+}
+trap upload EXIT
+
+if [[ -f $vllm_tree/requirements/kv_connectors.txt ]]; then
+    uv pip install --system -r "$vllm_tree/requirements/kv_connectors.txt"
+fi
+uv pip install --system -e ".[test]"
+mkdir -p "runs/$run_name"
+
+parity=0
+python3 -m pytest tests/test_upstream_parity.py -m index -k served \
+    --epd-platform cuda --epd-vllm-source "$vllm_tree" \
+    --junitxml "runs/$run_name/parity.xml" || parity=$?
+
+rehearsal_args=(--vllm-source "$vllm_tree" --run-name "$run_name")
+if [[ -n ${EPD_DEVICES:-} ]]; then rehearsal_args+=(--devices "$EPD_DEVICES"); fi
+if [[ -n ${EPD_WORKERS:-} ]]; then rehearsal_args+=(--workers "$EPD_WORKERS"); fi
+if [[ -n ${EPD_MODEL:-} ]]; then rehearsal_args+=(--model "$EPD_MODEL"); fi
+if [[ -n ${EPD_TOPOLOGIES:-} ]]; then rehearsal_args+=(--topology "$EPD_TOPOLOGIES"); fi
+if [[ -n ${EPD_SCENARIOS:-} ]]; then rehearsal_args+=(-k "$EPD_SCENARIOS"); fi
+rehearsal=0
+python3 scripts/gpu_rehearsal.py "${rehearsal_args[@]}" || rehearsal=$?
+
+echo "nightly: upstream parity exited $parity, the rehearsal $rehearsal"
+exit $((parity > rehearsal ? parity : rehearsal))

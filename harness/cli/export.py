@@ -1,0 +1,79 @@
+"""`epd-harness export RUN_DIR [--case TOPOLOGY:PROMPT] [--out DIR]`: one case of a run as a
+directory that reproduces it with vLLM alone (`harness.run.export`; docs/found-in-vllm.md).
+
+The command line resolves what the exporter is handed: vLLM's proxy files of the served
+release (the run's own when it ran `--proxy vllm`, else the release's sdist through the package
+index, cached, as `--proxy vllm` fetches them) and the CPU repairs the export carries
+(`harness.cli.cpu_env`, which is self-contained).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from harness.cli import cpu_env
+from harness.environment import cache_dir
+from harness.errors import EXIT_OK, BadInput
+from harness.preflight.upstream_proxy import PROXY_FILES, cached_or_fetched
+from harness.preflight.vllm import interpreter_of
+from harness.run.export import PROBES, UpstreamProxy, plan_export
+from harness.run.export_files import write_export
+from harness.run.export_issue import title
+from harness.run.repro import Bundle, BundleError
+from harness.spec.settings import VLLM_PROXY
+
+EXPORTS_DIR = "exports"
+
+
+def upstream_proxy(bundle: Bundle) -> UpstreamProxy:
+    """The files of the proxy the run used when it was vLLM's, else the served release's."""
+    recorded = bundle.run.get("proxy") or {}
+    files_dir = recorded.get("files_dir")
+    if (
+        recorded.get("kind") == VLLM_PROXY
+        and files_dir
+        and all((Path(files_dir) / name).is_file() for name in PROXY_FILES)
+    ):
+        return UpstreamProxy(Path(files_dir), recorded.get("origin") or files_dir)
+    served = bundle.run.get("served_vllm") or {}
+    interpreter = interpreter_of(served.get("executable", "")) if served.get("executable") else None
+    files = cached_or_fetched(served.get("version", "unknown"), cache_dir(), interpreter)
+    return UpstreamProxy(files.directory, files.origin)
+
+
+def command_export(args: argparse.Namespace) -> int:
+    try:
+        bundle = Bundle.load(Path(args.run_dir).resolve())
+    except BundleError as exc:
+        raise BadInput(str(exc)) from None
+    plan = plan_export(bundle, args.case, lambda: upstream_proxy(bundle), args.probe)
+    out = Path(args.out) if args.out else bundle.path / EXPORTS_DIR / plan.name
+    source = Path(cpu_env.__file__).read_text(encoding="utf-8")
+    written = write_export(plan, out.resolve(), source)
+    size = sum(path.stat().st_size for path in written)
+    print(f"epd-harness export: {title(plan)}")
+    print(f"epd-harness export: {out} ({len(written)} files, {size / 1e6:.1f} MB)")
+    print(f"epd-harness export: reproduce with: bash {out}/run.sh (report draft: ISSUE.md)")
+    return EXIT_OK
+
+
+def add_export_parser(sub: argparse._SubParsersAction) -> None:
+    export = sub.add_parser(
+        "export",
+        help="one case of a run as a directory that reproduces it with vLLM alone "
+        "(serve.sh, run.sh, check.py, the request, vLLM's proxy, the model, ISSUE.md)",
+    )
+    export.add_argument("run_dir", help="a run directory written by 'epd-harness run'")
+    export.add_argument(
+        "--case",
+        help="TOPOLOGY:PROMPT (default: the first case whose verdict is not MATCH)",
+    )
+    export.add_argument("--out", help=f"export directory (default: RUN_DIR/{EXPORTS_DIR}/<name>)")
+    export.add_argument(
+        "--probe",
+        choices=PROBES,
+        help="instead of the case's request, send its consumer (D, or PD) the request with "
+        "its image as a metadata-only part under a uuid no encoder produced",
+    )
+    export.set_defaults(func=command_export)

@@ -1,0 +1,210 @@
+"""`epd-harness fuzz`: differential fuzzing of one EPD topology against the baseline.
+
+Draws `--examples` requests from the strategies (`harness.run.fuzz.strategies`) with
+`--seed`, keeps the baseline and the topology (or an `--attach`ed deployment) up side by side,
+judges every example with the harness's verdicts and guards, groups failures by signature,
+shrinks each to a minimal request and writes a repro bundle per group. Exit 0 when no new
+failure was found (declared upstream failures are reported as known), 1 when one was, 2 on
+bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from harness.errors import EXIT_FAILED, EXIT_OK, BadInput
+from harness.preflight import RunRequest, prepare_run
+from harness.preflight.config import DEFAULT_MAX_MODEL_LEN
+from harness.run.fuzz.engine import RunBudget
+from harness.spec.settings import ATTACH_PROXY, HARNESS_PROXY
+
+log = logging.getLogger("harness")
+
+DEFAULT_EXAMPLES = 100
+
+
+def add_fuzz_parser(sub: Any) -> None:
+    fuzz = sub.add_parser(
+        "fuzz",
+        help="generated requests against one topology and the baseline, failures shrunk",
+    )
+    fuzz.add_argument("--topology", required=True, help="one EPD topology, e.g. 1E+1P+1D")
+    fuzz.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES, help="requests to draw")
+    fuzz.add_argument("--seed", type=int, default=0, help="the draw's seed (same seed, same list)")
+    fuzz.add_argument("--attach", metavar="FILE", help="fuzz a running deployment (attach file)")
+    fuzz.add_argument("--run-dir", help="artifact directory (default: runs/fuzz-<timestamp>)")
+    fuzz.add_argument(
+        "--save",
+        action="store_true",
+        help="write each new failure's minimal request as a matrix scenario "
+        "(harness/run/found_scenarios.json)",
+    )
+    fuzz.add_argument("--reason", help="with --save: the upstream cause to declare")
+    fuzz.add_argument("--plant-fault", metavar="FAULT", help="self-test: plant a fault")
+    fuzz.add_argument("--kv-connector", help="example (cpu default) or nixl")
+    fuzz.add_argument("--model", help="model directory (default: the tiny model)")
+    fuzz.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
+    fuzz.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
+    fuzz.add_argument("--devices", help="CPU cores the instances bind to (default 0,1)")
+    fuzz.add_argument(
+        "--confirm-known",
+        type=int,
+        default=2,
+        help="send this many examples a known crash's trigger predicts before trusting it "
+        "(later ones are counted, not sent: each would kill an instance)",
+    )
+    fuzz.add_argument("--max-shrink-trials", type=int, default=80, help="per failure group")
+    fuzz.add_argument("--max-restarts", type=int, default=6, help="per failure group's shrink")
+    fuzz.add_argument(
+        "--max-run-restarts",
+        type=int,
+        default=RunBudget.max_restarts,
+        help="restarts of the topology in the whole run; once spent, what needs one is "
+        "counted as not sent",
+    )
+    fuzz.add_argument(
+        "--budget-s",
+        type=float,
+        default=RunBudget.max_seconds,
+        help="wall time of the run from the servers' start; examples and shrinks left when "
+        "it is spent are counted as not sent / not shrunk",
+    )
+    fuzz.set_defaults(func=command_fuzz)
+
+
+def _refuse(args: argparse.Namespace) -> None:
+    if args.examples < 1:
+        raise BadInput(f"--examples {args.examples}: must be at least 1")
+    if args.reason and not args.save:
+        raise BadInput("--reason declares the cause of what --save writes; add --save")
+    if args.save and args.plant_fault:
+        raise BadInput(
+            "--save declares upstream failures; a planted fault is the harness's own, and "
+            "the scenario would run without it: drop --save (or --plant-fault)"
+        )
+    if "," in args.topology:
+        raise BadInput(f"--topology {args.topology}: fuzz runs one topology at a time")
+    if args.topology == "baseline":
+        raise BadInput("--topology baseline: the baseline is the reference; name an EPD topology")
+    counts = (args.confirm_known, args.max_shrink_trials, args.max_restarts, args.max_run_restarts)
+    if min(counts) < 0 or args.budget_s <= 0:
+        raise BadInput(
+            "--confirm-known, --max-shrink-trials, --max-restarts and --max-run-restarts must "
+            "be >= 0, --budget-s > 0"
+        )
+
+
+def command_fuzz(args: argparse.Namespace) -> int:
+    _refuse(args)
+    try:
+        import hypothesis
+    except ImportError:
+        raise BadInput(
+            "epd-harness fuzz needs Hypothesis: pip install 'epd-harness[fuzz]'"
+        ) from None
+    from harness.run.fuzz.bundle import write_examples, write_fuzz_bundle
+    from harness.run.fuzz.engine import FuzzEngine, FuzzReport
+    from harness.run.fuzz.layout import TokenizerEstimator
+    from harness.run.fuzz.save import save_scenarios
+    from harness.run.fuzz.shrink import ShrinkBudget
+    from harness.run.fuzz.space import space_for
+    from harness.run.fuzz.strategies import draw_examples
+
+    run_dir = args.run_dir or str(Path("runs") / f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}")
+    config = prepare_run(
+        RunRequest(
+            topologies=() if args.attach else (args.topology,),
+            model=args.model,
+            run_dir=run_dir,
+            vllm=args.vllm,
+            max_model_len=args.max_model_len,
+            devices=args.devices,
+            baseline_cache="off",
+            plant_fault=args.plant_fault,
+            kv_connector=args.kv_connector,
+            proxy=ATTACH_PROXY if args.attach else HARNESS_PROXY,
+            attach=args.attach,
+        )
+    )
+    settings = config.settings
+    args.progress.run_dir = settings.run_dir
+    topology = config.topologies[0]
+    if topology.name != args.topology:
+        raise BadInput(
+            f"--topology {args.topology}: the attach file describes {topology.name}; name that one"
+        )
+    model_dir = Path(settings.serving.model)
+    estimator = TokenizerEstimator(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+    space = space_for(settings.protocol, topology, settings.serving)
+    for note in space.notes:
+        log.warning("epd-harness fuzz: %s", note)
+    budget = ShrinkBudget(max_trials=args.max_shrink_trials, max_restarts=args.max_restarts)
+    run_budget = RunBudget(max_restarts=args.max_run_restarts, max_seconds=args.budget_s)
+    began = time.monotonic()
+    examples = draw_examples(space, args.examples, args.seed, estimator)
+    meta = {
+        "topology": topology.name,
+        "seed": args.seed,
+        "examples_asked": args.examples,
+        "examples_drawn": len(examples),
+        "draw_s": round(time.monotonic() - began, 2),
+        "hypothesis": hypothesis.__version__,
+        "harness": importlib.metadata.version("epd-harness"),
+        "vllm": settings.vllm.version,
+        "kv_connector": settings.serving.kv_connector,
+        "protocol": settings.protocol.name,
+        "fault": args.plant_fault,
+        "attached": bool(args.attach),
+        "space": space.to_json(),
+        "layout_estimator": type(estimator).__name__ if estimator else None,
+        "shrink_budget": budget.to_json(),
+        "run_budget": run_budget.to_json(),
+        "confirm_known": args.confirm_known,
+    }
+    write_examples(settings.run_dir, examples, meta)
+    log.info(
+        "epd-harness fuzz: %d examples (seed %d) on %s; artifacts in %s",
+        len(examples),
+        args.seed,
+        topology.name,
+        settings.run_dir,
+    )
+    began = time.monotonic()
+    report = FuzzReport(examples=examples)
+    written: list[Path] = []
+
+    def write(report: FuzzReport) -> None:
+        written[:] = write_fuzz_bundle(settings, topology, report, meta, args.plant_fault)
+
+    with FuzzEngine(
+        settings,
+        topology,
+        fault=args.plant_fault,
+        attached=bool(args.attach),
+        on_event=args.progress.on_event,
+        confirm_known=args.confirm_known,
+        budget=budget,
+        run_budget=run_budget,
+        min_prompt_tokens=space.min_prompt_tokens,
+    ) as engine:
+        report.startup_seconds = time.monotonic() - began
+        engine.run(examples, report, on_progress=write)
+    group_dirs = written
+    print()
+    print((settings.run_dir / "fuzz.md").read_text())
+    if args.save:
+        written = save_scenarios(report.groups, topology.name, meta, args.reason)
+        print(f"saved scenario(s): {', '.join(written) or 'none (no new failure)'}")
+    timing = report.timing()
+    print(
+        f"epd-harness fuzz: {len(report.new_groups)} new, "
+        f"{len(report.groups) - len(report.new_groups)} known failure group(s); "
+        f"{len(examples)} examples, {timing['total_s']} s; artifacts in {settings.run_dir}"
+        + (f"; first repro bundle: {group_dirs[0]}" if group_dirs else "")
+    )
+    return EXIT_FAILED if report.new_groups else EXIT_OK

@@ -1,0 +1,178 @@
+"""`epd-harness load`: many requests at once against one topology, every answer judged.
+
+Exit codes as for `run`: 0 every request passed its policy (and a soak stayed under its
+bounds; a planted kill ended every request in flight as it must), 1 otherwise, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from harness.errors import EXIT_FAILED, EXIT_OK, BadInput
+from harness.preflight import RunRequest, prepare_run
+from harness.preflight.config import DEFAULT_MAX_MODEL_LEN
+from harness.report.text import format_failure
+from harness.run.load import LoadRun
+from harness.run.pool import TopologyPool
+from harness.run.sweep import Sweep, SweepSpec
+from harness.spec.load import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_DISTINCT_MEDIA,
+    DEFAULT_REQUESTS,
+    MIN_DISTINCT_MEDIA,
+    LoadSpec,
+    load_mix,
+)
+from harness.spec.settings import ATTACH_PROXY, HARNESS_PROXY
+from harness.spec.topology import TOPOLOGIES, Role
+
+KILLABLE_ROLES = tuple(role.value for role in Role)
+FAILURES_SHOWN = 5
+
+
+def load_spec_from_args(args: argparse.Namespace, topology: str) -> LoadSpec:
+    """The load asked for, its flags checked against each other (BadInput, one line)."""
+    if args.requests < 1 or args.concurrency < 1:
+        raise BadInput("--requests and --concurrency must be at least 1")
+    if args.duration is not None and args.duration <= 0:
+        raise BadInput("--duration is the soak's length in seconds: give a positive number")
+    if args.media < MIN_DISTINCT_MEDIA:
+        raise BadInput(f"--media: a load mix needs at least {MIN_DISTINCT_MEDIA} distinct media")
+    if args.kill is not None:
+        if args.attach:
+            raise BadInput(
+                "--kill SIGKILLs an instance the harness launched; an attached deployment's "
+                "are not the harness's to kill: drop --kill (or --attach)"
+            )
+        if args.duration is not None:
+            raise BadInput("--kill ends the load at once, so there is no soak: drop --duration")
+        roles = [role.value for role in TOPOLOGIES[topology].roles]
+        if args.kill not in roles:
+            raise BadInput(f"--kill {args.kill}: {topology} has {', '.join(roles)}")
+    return LoadSpec(
+        topology=topology,
+        requests=args.requests,
+        concurrency=args.concurrency,
+        stream=args.stream,
+        duration_s=args.duration,
+        distinct_media=args.media,
+        kill=args.kill,
+    )
+
+
+def command_load(args: argparse.Namespace) -> int:
+    if not args.attach and not args.topology:
+        raise BadInput("load needs --topology (or --attach FILE: the deployment is the topology)")
+    if args.topology and args.topology not in TOPOLOGIES:
+        raise BadInput(f"unknown topology {args.topology!r} (known: {', '.join(TOPOLOGIES)})")
+    if args.topology and TOPOLOGIES[args.topology].is_baseline:
+        raise BadInput("the baseline is what a load is judged against: pick an EPD topology")
+    if args.topology:
+        load_spec_from_args(args, args.topology)  # flags checked before anything starts
+    mix = load_mix(max(args.media, MIN_DISTINCT_MEDIA))
+    config = prepare_run(
+        RunRequest(
+            topologies=(args.topology,) if args.topology else (),
+            prompt_specs=mix,
+            model=args.model,
+            run_dir=args.run_dir,
+            vllm=args.vllm,
+            max_model_len=args.max_model_len,
+            devices=args.devices,
+            baseline_cache=args.baseline_cache,
+            refresh_baseline=args.refresh_baseline,
+            kv_connector=args.kv_connector,
+            proxy=args.proxy or (ATTACH_PROXY if args.attach else HARNESS_PROXY),
+            vllm_source=args.vllm_source,
+            attach=args.attach,
+            stream=args.stream,
+        )
+    )
+    settings = config.settings
+    spec = load_spec_from_args(args, config.topologies[0].name)
+    args.progress.run_dir = settings.run_dir
+    pool = TopologyPool(settings, args.progress.on_event)
+    sweep = Sweep(
+        SweepSpec(topologies=(), prompts=(), baseline_only_prompts=config.prompts),
+        settings,
+        on_event=args.progress.on_event,
+        baseline_cache=config.baseline_cache,
+        goldens=config.goldens,
+        pool=pool,
+    )
+    sweep.run_info["load"] = {
+        "topology": spec.topology,
+        "requests": spec.requests,
+        "concurrency": spec.concurrency,
+        "stream": spec.stream,
+        "duration_s": spec.duration_s,
+        "distinct_media": spec.distinct_media,
+        "kill": spec.kill,
+    }
+    load = LoadRun(spec, sweep)
+    try:
+        result = load.run()
+    finally:
+        pool.close()
+        sweep.run_info["topology_starts"] = pool.summary()
+        sweep.write_outputs()
+    print()
+    print((settings.run_dir / "load.md").read_text().split("\n## Requests")[0].rstrip())
+    failed = [r.record for r in result.results if not r.record.policy_passed]
+    if not result.killed:
+        for record in failed[:FAILURES_SHOWN]:
+            print()
+            print(format_failure(record))
+        if len(failed) > FAILURES_SHOWN:
+            print(f"\n... {len(failed) - FAILURES_SHOWN} more failing request(s) in load.md")
+    print(f"\n{pool.summary()}")
+    elapsed = time.monotonic() - args.progress.started
+    print(f"epd-harness: {elapsed:.0f}s; artifacts in {settings.run_dir} (load.md, load.json)")
+    return EXIT_OK if result.passed else EXIT_FAILED
+
+
+def add_load_parser(sub: argparse._SubParsersAction) -> None:
+    load = sub.add_parser(
+        "load",
+        help="many requests at once against one topology over a mix of prompts and media, "
+        "every answer judged against the baseline's answer to its own prompt",
+    )
+    load.add_argument("--topology", help="the EPD topology to load, e.g. 1E+1P+1D")
+    load.add_argument("--requests", type=int, default=DEFAULT_REQUESTS, help="per round")
+    load.add_argument(
+        "--concurrency", type=int, default=DEFAULT_CONCURRENCY, help="requests in flight at most"
+    )
+    load.add_argument("--stream", action="store_true", help="stream every answer (with usage)")
+    load.add_argument(
+        "--duration",
+        type=float,
+        metavar="SECONDS",
+        help="a soak: rounds of --requests until SECONDS have passed; RSS, open files and "
+        "storage sampled between rounds and held to bounds",
+    )
+    load.add_argument(
+        "--media",
+        type=int,
+        default=DEFAULT_DISTINCT_MEDIA,
+        help=f"distinct media items in the mix (default {DEFAULT_DISTINCT_MEDIA})",
+    )
+    load.add_argument(
+        "--kill",
+        choices=KILLABLE_ROLES,
+        metavar="ROLE",
+        help="death under load: SIGKILL the topology's instance of ROLE (e.g. decode) once "
+        "every request is in flight; each must end ERROR naming it",
+    )
+    load.add_argument("--run-dir", help="artifact directory (default: runs/<timestamp>)")
+    load.add_argument("--model", help="model directory or hub name (default: the tiny model)")
+    load.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
+    load.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
+    load.add_argument("--devices", help="CPU cores the instances bind to (default 0,1)")
+    load.add_argument("--baseline-cache", help="baseline cache directory, or 'off'")
+    load.add_argument("--refresh-baseline", action="store_true")
+    load.add_argument("--kv-connector", help="example (cpu default) or nixl")
+    load.add_argument("--proxy", choices=("harness", "vllm", "attach"), help="the EPD proxy")
+    load.add_argument("--attach", metavar="FILE", help="load a running deployment instead")
+    load.add_argument("--vllm-source", metavar="DIR", help="with --proxy vllm: a vLLM checkout")
+    load.set_defaults(func=command_load)

@@ -1,0 +1,114 @@
+"""What a chat completion came back with, reduced to what a token-level comparison needs.
+
+`return_tokens_as_token_ids` makes every logprob entry read `token_id:N`, so the top-k at a
+divergence is in ids, not in ambiguous decoded strings; a response without vLLM's
+`return_token_ids` fields cannot be compared id by id and is refused when parsed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """What the server said about one generated position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+
+    def top_ids(self) -> set[int]:
+        return {token_id for token_id, _ in self.top}
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    """One chat completion reduced to what the harness compares and guards."""
+
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None
+    logprobs: tuple[PositionLogprobs, ...] = ()
+    # usage.prompt_tokens_details.cached_tokens: on D, prompt tokens loaded from the KV
+    # connector plus local prefix-cache hits (None when the server did not report it).
+    cached_tokens: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "token_ids": list(self.token_ids),
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "cached_tokens": self.cached_tokens,
+            "logprobs": [
+                {"token_id": p.token_id, "logprob": p.logprob, "top": [list(t) for t in p.top]}
+                for p in self.logprobs
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ChatResult:
+        return cls(
+            prompt_token_ids=tuple(data["prompt_token_ids"]),
+            token_ids=tuple(data["token_ids"]),
+            text=data.get("text", ""),
+            finish_reason=data.get("finish_reason"),
+            cached_tokens=data.get("cached_tokens"),
+            logprobs=tuple(
+                PositionLogprobs(
+                    token_id=p["token_id"],
+                    logprob=p["logprob"],
+                    top=tuple((int(t[0]), float(t[1])) for t in p["top"]),
+                )
+                for p in data.get("logprobs", [])
+            ),
+        )
+
+
+def token_id_of(label: str) -> int:
+    """`token_id:123` -> 123 (what `return_tokens_as_token_ids` makes vLLM print)."""
+    prefix, _, number = label.partition(":")
+    if prefix != "token_id" or not number.lstrip("-").isdigit():
+        raise ValueError(f"expected a 'token_id:N' logprob token, got {label!r}")
+    return int(number)
+
+
+def parse_chat_response(body: dict[str, Any]) -> ChatResult:
+    """Reduce a vLLM chat completion JSON body to a ChatResult; fail on a missing field."""
+    try:
+        choice = body["choices"][0]
+        token_ids = choice["token_ids"]
+        prompt_token_ids = body["prompt_token_ids"]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise ValueError(
+            f"response lacks {exc}: was return_token_ids honoured? body: {json.dumps(body)[:500]}"
+        ) from None
+    if token_ids is None or prompt_token_ids is None:
+        raise ValueError("response carries null token ids: was return_token_ids honoured?")
+    positions = []
+    for entry in (choice.get("logprobs") or {}).get("content") or []:
+        positions.append(
+            PositionLogprobs(
+                token_id=token_id_of(entry["token"]),
+                logprob=float(entry["logprob"]),
+                top=tuple(
+                    (token_id_of(t["token"]), float(t["logprob"]))
+                    for t in entry.get("top_logprobs") or []
+                ),
+            )
+        )
+    details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
+    return ChatResult(
+        prompt_token_ids=tuple(prompt_token_ids),
+        token_ids=tuple(token_ids),
+        text=(choice.get("message") or {}).get("content") or "",
+        finish_reason=choice.get("finish_reason"),
+        logprobs=tuple(positions),
+        cached_tokens=details.get("cached_tokens"),
+        raw=body,
+    )

@@ -1,0 +1,79 @@
+"""Where one vLLM instance's start-up went, read from its own log: the start-up timeline.
+
+A start is the whole cost of a run on CPU, and on CPU it is mostly imports: vLLM's CPU platform
+forces `spawn`, so the API server, then the engine core, then the worker each import torch and
+vLLM before the model loads (a fraction of a second for the tiny model) and the KV cache is
+allocated. On GPUs the engine core forks and a one-device worker runs in-process, so there the
+worker phase is missing and compile/graph capture shows between the model and the KV cache.
+vLLM stamps its lines to the second, so every phase is good to about a second.
+
+Phases, each the seconds from spawn to its first sign in the log (None when the log never
+shows it): api_server (the API server's first line: its imports are done), engine_core, worker,
+model_loaded, kv_cache (profile + KV cache + warm-up done), serving (the server announced its
+port). `ready_s` (the harness's first healthy /health) closes the timeline.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from pathlib import Path
+
+PHASES = ("api_server", "engine_core", "worker", "model_loaded", "kv_cache", "serving")
+# A vLLM log line: "(EngineCore pid=9090) INFO 12-01 15:30:36 [core.py:402] ...".
+_STAMPED = re.compile(
+    r"^\((?P<process>[A-Za-z_-]+)(?:-\d+)? pid=\d+\) \w+ (?P<stamp>\d\d-\d\d \d\d:\d\d:\d\d) "
+)
+# The first line that shows each phase is over (beyond the process prefix).
+_PHASE_SIGNS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("model_loaded", re.compile(r"Loading weights took|Model loading took")),
+    ("kv_cache", re.compile(r"init engine \(profile, create kv cache, warmup model\) took")),
+    ("serving", re.compile(r"Starting vLLM (API )?server on")),
+)
+_PROCESS_PHASES = {
+    "APIServer": "api_server",
+    "EngineCore": "engine_core",
+    "Worker": "worker",
+    "VllmWorker": "worker",
+}
+
+
+def startup_timeline(
+    log_path: Path, spawned_wall_s: float, ready_s: float | None
+) -> dict[str, float | None]:
+    """{phase: seconds since spawn} read from `log_path`; `spawned_wall_s` is the spawn's
+    wall-clock time (epoch seconds), `ready_s` the harness's measured seconds to ready."""
+    timeline: dict[str, float | None] = dict.fromkeys(PHASES)
+    spawned = datetime.datetime.fromtimestamp(spawned_wall_s)
+    try:
+        text = log_path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        match = _STAMPED.match(line)
+        if match is None:
+            continue
+        at = _seconds_since(spawned, match["stamp"])
+        process_phase = _PROCESS_PHASES.get(match["process"])
+        if process_phase and timeline[process_phase] is None:
+            timeline[process_phase] = at
+        for phase, sign in _PHASE_SIGNS:
+            if timeline[phase] is None and sign.search(line):
+                timeline[phase] = at
+    timeline["ready"] = None if ready_s is None else round(ready_s, 1)
+    return timeline
+
+
+def _seconds_since(spawned: datetime.datetime, stamp: str) -> float:
+    """`MM-DD HH:MM:SS` (local time, no year) as seconds after `spawned` (never below 0: the
+    stamps are whole seconds)."""
+    moment = datetime.datetime.strptime(f"{spawned.year}-{stamp}", "%Y-%m-%d %H:%M:%S")
+    if moment < spawned - datetime.timedelta(days=180):  # the log crossed New Year
+        moment = moment.replace(year=spawned.year + 1)
+    return max(0.0, round((moment - spawned).total_seconds(), 1))
+
+
+def describe_timeline(timeline: dict[str, float | None]) -> str:
+    """`api_server 3s, engine_core 28s, ...`: the phases the log showed, in order."""
+    shown = [f"{phase} {at:g}s" for phase, at in timeline.items() if at is not None]
+    return ", ".join(shown) or "no phases in the log"

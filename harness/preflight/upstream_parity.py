@@ -1,0 +1,337 @@
+"""Upstream parity: the served release's own `run_epd_correctness_test.sh`, role by role, against
+what the harness launches for the same role on a GPU platform.
+
+The script (from the release's sdist or a dev build's tree: `harness.preflight.upstream_proxy`)
+is read without running it (`harness.preflight.shell_script`), as run with
+`DEVICE_PLATFORM=<platform>`: each stage (a top-level function call) is one topology, known by
+the roles its `vllm serve` lines take (their EC and KV transfer configs), plus its proxy line.
+Each `vllm serve` line and proxy line becomes items (flags, keys of JSON-valued flags, the
+model, environment variables, the interpreter), and so does the harness's own rendering of the
+same topology (`harness.spec.placement.place_instances`, `harness.serve.vllm_proxy`), one device
+per instance, upstream's layout. Every item that differs must be a deliberate difference of
+`harness.spec.upstream_differences`; anything else is a finding naming the instance and the item.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.environment import LOOPBACK_HOST
+from harness.preflight.shell_script import UNKNOWN, Command, ScriptError, read_commands
+from harness.serve.vllm_proxy import EPD_PROXY_FILE, TOY_PROXY_FILE, vllm_proxy_launch
+from harness.spec.generations import ProtocolGeneration
+from harness.spec.placement import place_instances, side_channel_port_count
+from harness.spec.platforms import CUDA, PlatformProfile
+from harness.spec.topology import TOPOLOGIES, Role, Topology, serving_for
+from harness.spec.upstream_differences import DIFFERENCES, Difference, Kind
+
+SOURCE_ROOT = "<vllm-source>"  # GIT_ROOT, as the script is read
+SERVED_PYTHON = "<served vLLM's python>"
+PROXY_ROLES = {EPD_PROXY_FILE: "epd-proxy", TOY_PROXY_FILE: "toy-proxy"}
+ABSENT = None  # an item a launch does not have; a flag without a value has ""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One process a topology starts, as comparable items."""
+
+    instance: str  # "TOPOLOGY/role": "1E+1P+1D/prefill", "1E+1PD/epd-proxy"
+    items: dict[str, str]
+    where: str  # the script line, or "harness"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One item that differs; `allowed_by` is the table entry that explains it, if any."""
+
+    instance: str
+    item: str
+    upstream: str | None
+    harness: str | None
+    allowed_by: Difference | None
+    where: str
+
+    def describe(self) -> str:
+        def shown(value: str | None) -> str:
+            return "absent" if value is None else (repr(value) if value else "set")
+
+        return (
+            f"{self.instance}: {self.item} is {shown(self.upstream)} upstream ({self.where}), "
+            f"{shown(self.harness)} in the harness"
+        )
+
+
+@dataclass
+class Parity:
+    """The comparison of one script with the harness, for one release's generation."""
+
+    generation: str
+    findings: list[Finding] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # topologies missing on one side, ...
+    compared: list[str] = field(default_factory=list)  # instances compared
+
+    @property
+    def unexplained(self) -> list[Finding]:
+        return [f for f in self.findings if f.allowed_by is None]
+
+    @property
+    def used(self) -> set[Difference]:
+        return {f.allowed_by for f in self.findings if f.allowed_by is not None}
+
+    def unused(self) -> list[Difference]:
+        """Entries that apply to this generation and to an instance compared, yet explained
+        nothing: stale, or the harness moved closer to upstream without updating the table."""
+        return [
+            entry
+            for entry in DIFFERENCES
+            if entry not in self.used
+            and any(entry.applies_to(i, self.generation) for i in self.compared)
+        ]
+
+    def report(self) -> list[str]:
+        """One line per failure: an unexplained difference or a structural problem."""
+        return [*self.problems, *(f.describe() for f in self.unexplained)]
+
+
+# --- upstream ---------------------------------------------------------------------------------
+
+
+def upstream_launches(script_text: str, platform: PlatformProfile) -> dict[str, list[Launch]]:
+    """The script's launches per topology name (a stage whose roles match no harness topology
+    is keyed by its function name, prefixed "?")."""
+    pinned = {
+        "DEVICE_PLATFORM": platform.name,
+        "DEVICE_AFFINITY_ENV": platform.device_env_var or "",
+        "GIT_ROOT": SOURCE_ROOT,
+    }
+    by_stage: dict[str, list[Command]] = {}
+    for command in read_commands(script_text, pinned):
+        if _is_vllm_serve(command.argv) or _proxy_file(command.argv):
+            by_stage.setdefault(command.stage or "(top level)", []).append(command)
+    launches: dict[str, list[Launch]] = {}
+    for stage, commands in by_stage.items():
+        serves = [c for c in commands if _is_vllm_serve(c.argv)]
+        roles = tuple(_role_of(serve_items(c.argv, c.env)) for c in serves)
+        topology = _topology_of(roles)
+        name = topology.name if topology else f"?{stage}"
+        found = []
+        for command in commands:
+            if _is_vllm_serve(command.argv):
+                items = serve_items(command.argv, command.env)
+                role = _role_of(items).value
+            else:
+                items = proxy_items(command.argv)
+                role = PROXY_ROLES[_proxy_file(command.argv)]
+            unknown = [k for k, v in items.items() if UNKNOWN in v]
+            if unknown:
+                raise ScriptError(f"line {command.line}: cannot expand {unknown[0]}")
+            found.append(Launch(f"{name}/{role}", items, f"line {command.line}"))
+        launches.setdefault(name, []).extend(found)
+    return launches
+
+
+def _is_vllm_serve(argv: Sequence[str]) -> bool:
+    return len(argv) >= 2 and Path(argv[0]).name == "vllm" and argv[1] == "serve"
+
+
+def _proxy_file(argv: Sequence[str]) -> str | None:
+    for word in argv[:2]:
+        for name in PROXY_ROLES:
+            if word.endswith(name):
+                return name
+    return None
+
+
+def _role_of(items: dict[str, str]) -> Role:
+    ec_role = items.get("--ec-transfer-config ec_role")
+    kv_role = items.get("--kv-transfer-config kv_role")
+    if ec_role == "ec_producer":
+        return Role.ENCODER
+    if kv_role == "kv_producer":
+        return Role.PREFILL
+    if kv_role == "kv_consumer":
+        return Role.DECODE
+    if ec_role == "ec_consumer":
+        return Role.PREFILL_DECODE
+    return Role.BASELINE
+
+
+def _topology_of(roles: tuple[Role, ...]) -> Topology | None:
+    return next((t for t in TOPOLOGIES.values() if sorted(t.roles) == sorted(roles)), None)
+
+
+# --- items -----------------------------------------------------------------------------------
+
+
+def serve_items(argv: Sequence[str], env: dict[str, str]) -> dict[str, str]:
+    """A `vllm serve` line as items: "model", each flag (JSON values key by key), "env NAME"."""
+    start = list(argv).index("serve") + 1
+    items: dict[str, str] = {}
+    if start < len(argv) and not argv[start].startswith("--"):
+        items["model"] = argv[start]
+        start += 1
+    items.update(_flag_items(argv[start:]))
+    items.update({f"env {name}": value for name, value in env.items()})
+    return items
+
+
+def proxy_items(argv: Sequence[str]) -> dict[str, str]:
+    """A proxy line as items: "interpreter", "program" (its path in the vLLM tree), flags."""
+    program = _proxy_file(argv)
+    index = next(i for i, word in enumerate(argv) if program and word.endswith(program))
+    items = {"interpreter": " ".join(argv[:index]), "program": program or ""}
+    items.update(_flag_items(argv[index + 1 :]))
+    return items
+
+
+def _flag_items(words: Sequence[str]) -> dict[str, str]:
+    items: dict[str, str] = {}
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if not word.startswith("--"):
+            items[f"positional {word}"] = ""
+            i += 1
+            continue
+        name, equals, inline = word.partition("=")
+        name = name.replace("_", "-")
+        values = [inline] if equals else []
+        i += 1
+        while not equals and i < len(words) and not words[i].startswith("--"):
+            values.append(words[i])
+            i += 1
+        value = " ".join(values)
+        parsed = _json_object(value)
+        if parsed is None:
+            items[name] = value
+        else:
+            items.update({f"{name} {key}": leaf for key, leaf in _leaves(parsed)})
+    return items
+
+
+def _json_object(value: str) -> dict | None:
+    if not value.lstrip().startswith("{"):
+        return None
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def _leaves(data: dict, prefix: str = "") -> Iterable[tuple[str, str]]:
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, path + ".")
+        else:
+            yield path, value if isinstance(value, str) else json.dumps(value)
+
+
+# --- the harness -----------------------------------------------------------------------------
+
+
+def harness_launches(
+    topology: Topology, generation: ProtocolGeneration, platform: PlatformProfile = CUDA
+) -> list[Launch]:
+    """What the harness starts for `topology` on `platform`: every instance on a device of its
+    own (upstream's layout), placeholder ports and storage, and vLLM's own proxy (static)."""
+    model = platform.default_model or "MODEL"
+    serving = serving_for(platform, model)
+    ports = iter(range(30000, 31000))
+    specs = place_instances(
+        topology,
+        serving,
+        platform,
+        [next(ports) for _ in topology.roles],
+        Path("/runs/run-id") / topology.name,
+        tuple(range(len(topology.roles))),
+        side_channel_ports=[next(ports) for _ in range(side_channel_port_count(topology, serving))],
+        generation=generation,
+    )
+    launches = [
+        Launch(f"{topology.name}/{spec.role.value}", serve_items(spec.argv(), spec.env()), "")
+        for spec in specs
+    ]
+    if len(specs) > 1:
+        taps = {role: [] for role in Role}
+        for spec in specs:
+            taps[spec.role].append(f"http://{LOOPBACK_HOST}:{next(ports)}")
+        proxy = vllm_proxy_launch(
+            (SERVED_PYTHON,),
+            Path(SOURCE_ROOT),
+            LOOPBACK_HOST,
+            next(ports),
+            taps[Role.ENCODER],
+            taps[Role.PREFILL],
+            taps[Role.DECODE] + taps[Role.PREFILL_DECODE],
+        )
+        role = PROXY_ROLES[_proxy_file(proxy.argv) or ""]
+        launches.append(Launch(f"{topology.name}/{role}", proxy_items(proxy.argv), ""))
+    return launches
+
+
+# --- comparing -------------------------------------------------------------------------------
+
+
+def compare(
+    script_text: str, generation: ProtocolGeneration, platform: PlatformProfile = CUDA
+) -> Parity:
+    """The script's launches against the harness's, topology by topology, item by item."""
+    parity = Parity(generation.name)
+    upstream = upstream_launches(script_text, platform)
+    if not upstream:
+        parity.problems.append("the script launches no vllm serve at all")
+    for name, launches in upstream.items():
+        if name.startswith("?"):
+            roles = ", ".join(launch.instance.rsplit("/", 1)[1] for launch in launches)
+            parity.problems.append(
+                f"stage {name[1:]} launches {roles}: no harness topology has these roles"
+            )
+            continue
+        ours = {
+            launch.instance: launch
+            for launch in harness_launches(TOPOLOGIES[name], generation, platform)
+        }
+        theirs: dict[str, Launch] = {}
+        for launch in launches:
+            if launch.instance in theirs:
+                parity.problems.append(f"{launch.instance} is launched twice ({launch.where})")
+            theirs[launch.instance] = launch
+        for instance in sorted(set(ours) | set(theirs)):
+            if instance not in theirs or instance not in ours:
+                side = "upstream" if instance in theirs else "the harness"
+                parity.problems.append(f"{instance}: only {side} launches it")
+                continue
+            parity.compared.append(instance)
+            parity.findings += _differences(theirs[instance], ours[instance], generation.name)
+    return parity
+
+
+def _differences(theirs: Launch, ours: Launch, generation: str) -> list[Finding]:
+    findings = []
+    for item in sorted(set(theirs.items) | set(ours.items)):
+        upstream, harness = theirs.items.get(item, ABSENT), ours.items.get(item, ABSENT)
+        if upstream == harness:
+            continue
+        if upstream is ABSENT:
+            kind = Kind.HARNESS_ONLY
+        elif harness is ABSENT:
+            kind = Kind.UPSTREAM_ONLY
+        else:
+            kind = Kind.VALUE
+        allowed = next(
+            (
+                entry
+                for entry in DIFFERENCES
+                if entry.item == item
+                and entry.kind is kind
+                and entry.applies_to(ours.instance, generation)
+            ),
+            None,
+        )
+        findings.append(Finding(ours.instance, item, upstream, harness, allowed, theirs.where))
+    return findings

@@ -1,0 +1,38 @@
+"""Everything a run has produced so far, written to its run directory after every step.
+
+responses.json (every answer and its evidence), summary.json (every case, the totals and the
+run's facts), verdicts.txt (the table) and the bundle (run.json, diff.md, junit.xml,
+report.html). Rewritten whole each time, atomically: a run that fails or is interrupted keeps
+what it had.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from harness.files import write_json_atomic, write_text_atomic
+from harness.judge.records import CaseRecord
+from harness.outcomes.outcome import Outcome
+from harness.report.bundle import write_bundle
+from harness.report.text import format_verdict_table, write_summary_json
+
+
+def write_run_outputs(
+    run_dir: Path,
+    records: Sequence[CaseRecord],
+    outcomes: Mapping[str, Mapping[str, Outcome]],
+    summary: dict[str, Any],
+    run_info: dict[str, Any],
+) -> None:
+    """`outcomes` by topology (or scenario label) and prompt; `summary` goes into
+    summary.json's run section; `run_info` is what `write_run_info` returned."""
+    responses = {
+        topology: {prompt: outcome.to_json() for prompt, outcome in by_prompt.items()}
+        for topology, by_prompt in outcomes.items()
+    }
+    write_json_atomic(run_dir / "responses.json", responses)
+    write_summary_json(run_dir / "summary.json", records, summary)
+    write_text_atomic(run_dir / "verdicts.txt", format_verdict_table(records) + "\n")
+    write_bundle(run_dir, records, responses, run_info)

@@ -1,0 +1,297 @@
+"""The monolithic baseline's answers to a run's requests, and what its controls measured.
+
+Every EPD answer is judged against these, so they are checked before they are trusted:
+
+* the control: each request is sent twice, alone; a baseline that disagrees with itself would
+  make EPD look broken when it is not, so its cases get UNSTABLE_BASELINE instead;
+* the batched pass: each of the sweep's requests once more, in flight together with another
+  request, so the engine runs it in another batch shape (the scenarios' many other requests
+  get the control only: the floor is one number for the run). How far its log-probs move (over the tokens both
+  answers agree on) is the noise a change of kernel shapes makes on this platform: the same
+  kind of change a P->D hop makes (D computes only the prompt's tail). The largest such move
+  over the run is the noise floor the drift rule may excuse (`harness.judge.compare`); whether
+  the ids changed at all is recorded per request (batch numerics, measured, not assumed).
+
+An answer already in the baseline cache (same served vLLM, model, flags and request) is read
+from it, so a warm run starts no baseline at all; `--golden` stands another release's stored
+answers in for the baseline instead (`harness.run.goldens`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fixtures.tiny_model import model_digest
+from harness.judge.verdicts import Reference, Stability, baseline_stability, batch_shape_noise
+from harness.outcomes.outcome import Outcome
+from harness.run.baseline_cache import BaselineCache, baseline_key
+from harness.run.goldens import GoldenStore, golden_key
+from harness.serve.session import TopologySession
+from harness.spec.settings import RunSettings
+
+BASELINE_NAME = "baseline"
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchedAnswer:
+    """One request answered in flight with others, against its answer alone."""
+
+    label: str  # the request ("request 17")
+    prompt: str
+    same_ids: bool
+    noise_nats: float | None  # the largest log-prob move over the ids both answers agree on
+    detail: str
+
+
+@dataclass(frozen=True)
+class BatchCalibration:
+    """The baseline itself under a load's traffic: the same requests at the same concurrency,
+    each answer compared with the same request answered alone. Whether batching changes ids
+    on this platform, and by how much it moves log-probs, is measured here, not assumed."""
+
+    concurrency: int
+    answers: tuple[BatchedAnswer, ...]
+
+    @property
+    def noise_floor(self) -> float:
+        return max((a.noise_nats or 0.0 for a in self.answers), default=0.0)
+
+    @property
+    def changed(self) -> list[BatchedAnswer]:
+        return [a for a in self.answers if not a.same_ids]
+
+    def describe(self) -> str:
+        changed = sorted({a.prompt for a in self.changed})
+        ids = (
+            f"batching changed the ids of {len(self.changed)} answer(s) ({', '.join(changed)})"
+            if changed
+            else "every answer's ids equal its answer alone"
+        )
+        return (
+            f"the baseline at concurrency {self.concurrency}, {len(self.answers)} request(s): "
+            f"{ids}; log-prob noise up to {self.noise_floor:.3g} nats"
+        )
+
+
+class BaselineAnswers:
+    """The baseline's answer, stability and noise per request body (by prompt name)."""
+
+    def __init__(
+        self,
+        settings: RunSettings,
+        cache: BaselineCache | None = None,
+        goldens: GoldenStore | None = None,
+        golden_release: str | None = None,
+    ):
+        """`goldens` keeps every baseline answer per release; with `golden_release` the
+        baseline is never started: that release's stored answers stand in."""
+        if golden_release is not None and goldens is None:
+            raise ValueError("golden_release needs a GoldenStore")
+        self.settings = settings
+        self.cache = cache
+        self.goldens = goldens
+        self.golden_release = golden_release
+        self.label = f"golden-{golden_release}" if golden_release else BASELINE_NAME
+        self.bodies: dict[str, dict[str, Any]] = {}
+        self.outcomes: dict[str, Outcome] = {}
+        self.stability: dict[str, Stability] = {}
+        self.calibrations: list[BatchCalibration] = []
+        # The requests the batched pass measures (None: all): the floor is one number for
+        # the run, so the sweep's own prompts measure it and the scenarios' many others only
+        # get their determinism control.
+        self.batch_probes: set[str] | None = None
+        self._digest: str | None = None
+
+    # -- what is known ---------------------------------------------------------------------
+
+    def add(self, bodies: dict[str, dict[str, Any]]) -> None:
+        """Requests the baseline must answer (a body already known under its name is kept)."""
+        for name, body in bodies.items():
+            self.bodies.setdefault(name, body)
+
+    def missing(self) -> list[str]:
+        """Requests with no answer yet (after the cache or the goldens were read)."""
+        return [name for name in self.bodies if name not in self.outcomes]
+
+    def reference(self, prompt: str) -> Reference:
+        stability = self.stability.get(prompt)
+        return Reference(
+            self.label,
+            self.outcomes[prompt],
+            monolithic=True,
+            stable=stability.stable if stability else False,
+        )
+
+    @property
+    def noise_floor(self) -> float:
+        """The largest log-prob noise the baseline showed (nats), over the control and the
+        batched pass of every stable request: the drift tolerance of every comparison."""
+        floors = [s.noise_floor for s in self.stability.values() if s.stable and s.noise_floor]
+        return max(floors, default=0.0)
+
+    @property
+    def batched_noise_floor(self) -> float | None:
+        """The largest log-prob noise the baseline showed under a load's traffic (nats); None
+        when no load calibrated it (the batched pass's is in `noise_floor`)."""
+        if not self.calibrations:
+            return None
+        return max(c.noise_floor for c in self.calibrations)
+
+    # -- from the cache or the goldens ----------------------------------------------------
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Held while the baseline is computed, so a parallel worker waits and then reads."""
+        with self.cache.locked() if self.cache is not None else contextlib.nullcontext():
+            yield
+
+    def load_stored(self) -> None:
+        """Every answer the goldens or the cache hold for the known requests."""
+        if self.golden_release is not None:
+            self._load_goldens()
+            return
+        if self.cache is None:
+            return
+        hits = 0
+        for name in self.missing():
+            cached = self.cache.load(self._cache_key(self.bodies[name]), name)
+            if cached is not None:
+                hits += 1
+                self.outcomes[name] = cached.outcome
+                self.stability[name] = Stability(
+                    True, f"from the baseline cache; {cached.batch_detail}", cached.noise_floor_nats
+                )
+                self._store_golden(name, cached.outcome)
+        log.info("[baseline] cache: %d hit(s), %d to compute", hits, len(self.missing()))
+
+    def _load_goldens(self) -> None:
+        """--golden: another release's stored answers; a missing one is BadInput."""
+        assert self.goldens is not None and self.golden_release is not None
+        for name in self.missing():
+            self.outcomes[name] = self.goldens.outcome_for(
+                golden_key(self.settings.serving, self.digest(), self.bodies[name]),
+                name,
+                self.golden_release,
+            )
+            self.stability[name] = Stability(True, f"golden of vLLM {self.golden_release}", 0.0)
+        log.info(
+            "[baseline] the goldens of vLLM %s (%d request(s)); no baseline started",
+            self.golden_release,
+            len(self.outcomes),
+        )
+
+    # -- computed on a running baseline ---------------------------------------------------
+
+    def answer_on(self, session: TopologySession) -> None:
+        """Every missing request on a running monolithic instance: each alone, each alone
+        again (the control), then each batched with another (the noise floor); stored in the
+        cache and the goldens when stable. Call it holding `locked()`."""
+        names = self.missing()
+        if not names:
+            return
+        log.info(
+            "[baseline] %d request(s): each alone twice (determinism control); the sweep's "
+            "batched with another (noise floor)",
+            len(names),
+        )
+        for name in names:
+            self.outcomes[name] = session.send(name, self.bodies[name])
+        again = {name: session.send(name, self.bodies[name]) for name in names}
+        probes = [n for n in names if self.batch_probes is None or n in self.batch_probes]
+        batched = self._batched_pass(session, probes)
+        for name in names:
+            control = baseline_stability(self.outcomes[name], again[name])
+            if name in batched:
+                floor, detail = batch_shape_noise(self.outcomes[name], batched[name])
+            else:
+                floor, detail = (
+                    None,
+                    "not batched (the run's floor is measured on its sweep prompts)",
+                )
+            floors = [f for f in (control.noise_floor, floor) if f is not None]
+            self.stability[name] = Stability(
+                control.stable,
+                f"{control.detail}; {detail}",
+                max(floors) if control.stable and floors else None,
+            )
+            if not control.stable:
+                log.warning("[baseline] UNSTABLE on %s: %s", name, control.detail)
+                continue
+            if self.cache is not None:
+                self.cache.store(
+                    self._cache_key(self.bodies[name]),
+                    self.outcomes[name],
+                    self.stability[name].noise_floor or 0.0,
+                    detail,
+                )
+            self._store_golden(name, self.outcomes[name])
+
+    def _batched_pass(self, session: TopologySession, names: list[str]) -> dict[str, Outcome]:
+        """Each request in flight together with its neighbour in the list (itself when alone:
+        two copies still make a batch of two)."""
+        batched: dict[str, Outcome] = {}
+        if not names:
+            return batched
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            for index, name in enumerate(names):
+                partner = names[(index + 1) % len(names)]
+                mine = pool.submit(session.send, name, self.bodies[name])
+                other = pool.submit(session.send, f"{partner}-partner", self.bodies[partner])
+                batched[name] = mine.result()
+                other.result()
+        return batched
+
+    def calibrate_batched(
+        self,
+        session: TopologySession,
+        requests: Sequence[tuple[str, str]],
+        concurrency: int,
+    ) -> BatchCalibration:
+        """`requests` ((label, prompt), each prompt answered already) sent to the running
+        baseline `concurrency` at a time, as a load sends them; each answer compared with the
+        prompt's answer alone (`batch_shape_noise`). Kept for the judging of batched answers
+        (`batched_noise_floor`)."""
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            sent = [
+                (label, prompt, pool.submit(session.send, prompt, self.bodies[prompt]))
+                for label, prompt in requests
+            ]
+            outcomes = [(label, prompt, future.result()) for label, prompt, future in sent]
+        answers = []
+        for label, prompt, outcome in outcomes:
+            alone = self.outcomes[prompt]
+            noise, detail = batch_shape_noise(alone, outcome)
+            same = (
+                outcome.result is not None
+                and alone.result is not None
+                and outcome.result.token_ids == alone.result.token_ids
+                and outcome.result.prompt_token_ids == alone.result.prompt_token_ids
+            )
+            answers.append(BatchedAnswer(label, prompt, same, noise, detail))
+        calibration = BatchCalibration(concurrency, tuple(answers))
+        self.calibrations.append(calibration)
+        log.info("[baseline] %s", calibration.describe())
+        return calibration
+
+    # -- keys --------------------------------------------------------------------------------
+
+    def digest(self) -> str:
+        if self._digest is None:
+            model = Path(self.settings.serving.model)
+            self._digest = model_digest(model) if model.is_dir() else str(model)
+        return self._digest
+
+    def _cache_key(self, body: dict[str, Any]) -> str:
+        return baseline_key(self.settings.vllm, self.settings.serving, self.digest(), body)
+
+    def _store_golden(self, name: str, outcome: Outcome) -> None:
+        if self.goldens is not None and self.golden_release is None:
+            key = golden_key(self.settings.serving, self.digest(), self.bodies[name])
+            self.goldens.store(key, name, self.settings.vllm, outcome)

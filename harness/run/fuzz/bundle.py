@@ -1,0 +1,357 @@
+"""What a fuzz run leaves: a normal run bundle, one repro bundle per failure group, and the
+fuzz report (minimal requests first).
+
+The run directory is a bundle like any run's (run.json, requests.json, summary.json,
+responses.json, verdicts.txt, diff.md, report.html), plus `examples.json` (the seed and every
+drawn example, written before anything is sent), `fuzz.json` and `fuzz.md`. Each failure group
+gets `failures/NN-<signature>/`, again a normal bundle whose first failing case is the minimal
+request: `epd-harness repro` (and anything that takes a run bundle) takes it as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from harness.files import write_json_atomic, write_text_atomic
+from harness.judge.records import CaseRecord
+from harness.report.bundle import write_bundle, write_run_info
+from harness.report.text import format_failure, format_verdict_table, write_summary_json
+from harness.run.fuzz.engine import BASELINE, Evaluation, FailureGroup, FuzzReport
+from harness.spec.prompt_codec import prompt_to_json
+from harness.spec.prompts import (
+    ImagePart,
+    PromptSpec,
+    TextPart,
+    VideoFramesPart,
+    VideoPart,
+)
+from harness.spec.settings import RunSettings
+from harness.spec.topology import Topology
+
+if TYPE_CHECKING:
+    from harness.run.fuzz.strategies import FuzzExample
+
+EXAMPLES_JSON = "examples.json"
+FUZZ_JSON = "fuzz.json"
+FUZZ_MD = "fuzz.md"
+FAILURES_DIR = "failures"
+
+
+def describe_part(part: object) -> str:
+    if isinstance(part, TextPart):
+        words = len(part.text.split())
+        shown = part.text if len(part.text) <= 60 else part.text[:57] + "..."
+        return f"text ({words} words): {shown.strip()!r}"
+    if isinstance(part, ImagePart):
+        return f"image seed {part.seed}, {part.size[0]}x{part.size[1]}"
+    if isinstance(part, VideoPart):
+        return (
+            f"video (mp4) seed {part.seed}, {part.num_frames} frames at {part.fps:g} fps, "
+            f"{part.size[0]}x{part.size[1]}"
+        )
+    if isinstance(part, VideoFramesPart):
+        return (
+            f"video (JPEG frames) seed {part.seed}, {part.num_frames} frames, "
+            f"{part.size[0]}x{part.size[1]}"
+        )
+    return repr(part)
+
+
+def describe_spec(spec: PromptSpec) -> list[str]:
+    lines = [describe_part(p) for p in spec.parts]
+    if spec.extra:
+        lines.append(f"kwargs: {json.dumps(dict(spec.extra), sort_keys=True)}")
+    lines.append(f"max_tokens {spec.max_tokens}")
+    return lines
+
+
+def write_examples(run_dir: Path, examples: list[FuzzExample], meta: dict[str, Any]) -> None:
+    """The seed and every drawn example, before any is sent."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(
+        run_dir / EXAMPLES_JSON,
+        {"fuzz": meta, "examples": [{"name": e.name, **e.to_json()} for e in examples]},
+    )
+
+
+def _responses(evaluations: list[Evaluation], topology: str) -> dict[str, dict[str, Any]]:
+    baseline = {e.spec.name: e.baseline.to_json() for e in evaluations}
+    candidate = {e.spec.name: e.candidate.to_json() for e in evaluations if e.candidate}
+    return {BASELINE.name: baseline, topology: candidate}
+
+
+def _key_evaluations(group: FailureGroup) -> list[Evaluation]:
+    """The minimal request first, then the smallest member it started from, then the first
+    member found (each once)."""
+    chosen: list[Evaluation] = []
+    for evaluation in (group.minimal, group.start, group.members[0]):
+        if evaluation is not None and evaluation.spec.name not in {e.spec.name for e in chosen}:
+            chosen.append(evaluation)
+    return chosen
+
+
+def _records(evaluations: list[Evaluation]) -> list[CaseRecord]:
+    return [e.record for e in evaluations if e.record is not None]
+
+
+def write_group_bundle(
+    directory: Path,
+    settings: RunSettings,
+    topology: Topology,
+    group: FailureGroup,
+    meta: dict[str, Any],
+    fault: str | None,
+) -> None:
+    """A normal run bundle of one failure group; its first failing case is the minimal one."""
+    directory.mkdir(parents=True, exist_ok=True)
+    chosen = _key_evaluations(group)
+    group_settings = dataclasses.replace(settings, run_dir=directory)
+    run_info = write_run_info(
+        group_settings,
+        (BASELINE, topology),
+        [e.spec for e in chosen],
+        fault=fault,
+        protocol=settings.protocol.to_json(),
+        fuzz={**meta, "group": group_json(group)},
+    )
+    write_json_atomic(directory / "requests.json", {e.spec.name: e.body for e in chosen})
+    records = _records(chosen)
+    write_summary_json(directory / "summary.json", records, {"fuzz_group": group_json(group)})
+    responses = _responses(chosen, topology.name)
+    write_json_atomic(directory / "responses.json", responses)
+    write_text_atomic(directory / "verdicts.txt", format_verdict_table(records) + "\n")
+    write_bundle(directory, records, responses, run_info)
+
+
+def group_json(group: FailureGroup) -> dict[str, Any]:
+    rule = group.recognition.rule
+    outside = group.recognition.outside_trigger
+    return {
+        "signature": group.signature.to_json(),
+        "key": group.signature.key,
+        "known": rule.to_json() if rule else None,
+        "declared_signature_outside_its_trigger": outside.to_json() if outside else None,
+        "members": [e.spec.name for e in group.members],
+        "start": group.start.spec.name,
+        "minimal": prompt_to_json(group.minimal.spec) if group.minimal else None,
+        "minimal_layout": group.minimal.layout.to_json()
+        if group.minimal and group.minimal.layout
+        else None,
+        "shrink": group.shrink.to_json() if group.shrink else None,
+        "note": group.note,
+    }
+
+
+def evaluation_json(evaluation: Evaluation) -> dict[str, Any]:
+    record = evaluation.record
+    return {
+        "name": evaluation.spec.name,
+        "status": evaluation.status,
+        "verdict": record.verdict.value if record else None,
+        "signature": evaluation.signature.key if evaluation.signature else None,
+        "known": evaluation.recognition.rule.name
+        if evaluation.recognition and evaluation.recognition.rule
+        else None,
+        "layout": evaluation.layout.to_json() if evaluation.layout else None,
+        "note": evaluation.note,
+        "seconds": round(evaluation.seconds, 3),
+        "restart_seconds": round(evaluation.restart_seconds, 1),
+    }
+
+
+def coverage(report: FuzzReport) -> dict[str, int]:
+    """What the examples really hit (exact layouts): boundary offsets and D's tail."""
+    counts = {"with media": 0, "ends -1": 0, "ends on": 0, "ends +1": 0, "in D's tail": 0}
+    counts |= {"text only": 0, "k*block+1 tokens": 0}
+    for evaluation in report.evaluations:
+        layout = evaluation.layout
+        if layout is None:
+            continue
+        counts["k*block+1 tokens"] += not layout.kv_keys_agree
+        if layout.last_media_end is None:
+            counts["text only"] += 1
+            continue
+        counts["with media"] += 1
+        offset = layout.boundary_offset
+        counts["ends -1"] += offset == -1
+        counts["ends on"] += offset == 0
+        counts["ends +1"] += offset == 1
+        counts["in D's tail"] += layout.media_in_decode_tail
+    return counts
+
+
+def write_fuzz_bundle(
+    settings: RunSettings,
+    topology: Topology,
+    report: FuzzReport,
+    meta: dict[str, Any],
+    fault: str | None,
+) -> list[Path]:
+    """Everything; returns the failure groups' bundle directories, in report order."""
+    run_dir = settings.run_dir
+    group_dirs: list[Path] = []
+    for number, group in enumerate(report.groups, 1):
+        kind = "known" if group.known else "new"
+        directory = run_dir / FAILURES_DIR / f"{number:02d}-{kind}-{group.signature.slug}"
+        write_group_bundle(directory, settings, topology, group, meta, fault)
+        group_dirs.append(directory)
+    key = [e for g in report.groups for e in _key_evaluations(g)]
+    minimal = [g.minimal for g in report.groups if g.minimal is not None]
+    # Minimal requests first: `repro RUN_DIR` picks the first failing case.
+    judged = [e for e in report.evaluations if e.record is not None]
+    ordered = minimal + [e for e in judged if not any(e is m for m in minimal)]
+    records = _records(ordered)
+    bodies = {e.spec.name: e.body for e in key}
+    run_info = write_run_info(
+        settings,
+        (BASELINE, topology),
+        [e.spec for e in key],
+        fault=fault,
+        protocol=settings.protocol.to_json(),
+        fuzz=meta,
+    )
+    write_json_atomic(run_dir / "requests.json", bodies)
+    summary = fuzz_summary(report, meta, group_dirs)
+    write_summary_json(run_dir / "summary.json", records, {"fuzz": summary})
+    responses = _responses(
+        [*key, *(e for e in judged if not any(e is k for k in key))], topology.name
+    )
+    write_json_atomic(run_dir / "responses.json", responses)
+    write_text_atomic(run_dir / "verdicts.txt", format_verdict_table(records) + "\n")
+    write_json_atomic(
+        run_dir / FUZZ_JSON,
+        {
+            **summary,
+            "examples": [evaluation_json(e) for e in report.evaluations],
+            "groups": [group_json(g) for g in report.groups],
+        },
+    )
+    write_text_atomic(run_dir / FUZZ_MD, render_fuzz_md(report, meta, group_dirs, run_dir))
+    write_bundle(run_dir, records, responses, run_info)
+    return group_dirs
+
+
+def fuzz_summary(
+    report: FuzzReport, meta: dict[str, Any], group_dirs: list[Path]
+) -> dict[str, Any]:
+    return {
+        **meta,
+        "counts": report.counts(),
+        "coverage": coverage(report),
+        "timing": report.timing(),
+        "restarts": report.restarts,
+        "predictions": report.predictions,
+        "new_failures": len(report.new_groups),
+        "known_failures": len(report.groups) - len(report.new_groups),
+        "failure_bundles": [str(d) for d in group_dirs],
+    }
+
+
+def render_fuzz_md(
+    report: FuzzReport, meta: dict[str, Any], group_dirs: list[Path], run_dir: Path
+) -> str:
+    timing = report.timing()
+    lines = [
+        f"# Fuzz: {meta['topology']}, seed {meta['seed']}, {len(report.examples)} examples",
+        "",
+        f"vLLM {meta.get('vllm')}, KV connector {meta.get('kv_connector')}"
+        + (f", planted fault {meta['fault']}" if meta.get("fault") else ""),
+        "",
+    ]
+    new = report.new_groups
+    lines.append(
+        f"**{len(new)} new failure(s), {len(report.groups) - len(new)} known**; "
+        f"examples by outcome: {json.dumps(report.counts(), sort_keys=True)}"
+    )
+    lines.append("")
+    for number, (group, directory) in enumerate(zip(report.groups, group_dirs), 1):
+        lines += render_group(number, group, directory, run_dir)
+    lines += [
+        "## Cost",
+        "",
+        f"- start-up (baseline and {meta['topology']} side by side): {timing['startup_s']} s",
+        f"- examples: {timing['examples_s']} s; per judged example: mean "
+        f"{timing['per_judged_example_mean_s']} s, median {timing['per_judged_example_median_s']} s",
+        f"- shrinking: {timing['shrink_s']} s",
+        f"- restarts: {timing['restarts']}, {timing['restart_s']} s in all"
+        + (f" ({', '.join(restarts_by_kind(report))})" if report.restarts else ""),
+        f"- total: {timing['total_s']} s",
+        "",
+        "## What the examples hit (exact layouts from the baseline's prompt ids)",
+        "",
+        json.dumps(coverage(report), sort_keys=True),
+        "",
+    ]
+    unsent = [e for e in report.evaluations if e.status in ("not-sent", "known-predicted")]
+    if unsent:
+        reasons: dict[str, int] = {}
+        for e in unsent:
+            reasons[f"{e.status}: {e.note}"] = reasons.get(f"{e.status}: {e.note}", 0) + 1
+        lines += ["## Not sent to the topology (counted, not judged)", ""]
+        lines += [f"- {n} x {reason}" for reason, n in sorted(reasons.items())]
+        lines.append("")
+    rejected = [e for e in report.evaluations if e.status == "baseline-rejected"]
+    if rejected:
+        lines += ["## Rejected by the baseline (skipped, never judged)", ""]
+        lines += [f"- {e.spec.name}: {e.note}" for e in rejected]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def restarts_by_kind(report: FuzzReport) -> list[str]:
+    """'4 revived (38-52 s)', '1 restarted (80 s)': the instance alone, or the topology."""
+    kinds: dict[str, list[float]] = {}
+    for restart in report.restarts:
+        kinds.setdefault(restart.get("how", "restarted"), []).append(restart["seconds"])
+    return [
+        f"{len(seconds)} {how} ({min(seconds):.0f}-{max(seconds):.0f} s)"
+        for how, seconds in sorted(kinds.items())
+    ]
+
+
+def render_group(number: int, group: FailureGroup, directory: Path, run_dir: Path) -> list[str]:
+    rule = group.recognition.rule
+    status = f"known ({rule.name})" if rule else "NEW"
+    minimal = group.minimal or group.start
+    lines = [f"## {number}. {status}: {group.signature.key}", ""]
+    lines.append(f"Minimal request ({minimal.spec.name}):")
+    lines += [f"- {line}" for line in describe_spec(minimal.spec)]
+    if minimal.layout is not None:
+        layout = minimal.layout
+        lines.append(
+            f"- layout: {layout.prompt_tokens} prompt tokens; last media run ends at "
+            f"{layout.last_media_end}; D loads {layout.kv_prefix} "
+            f"(block {layout.block_size}); media in D's tail: {layout.media_in_decode_tail}"
+        )
+    lines.append("")
+    if rule:
+        lines += [f"Declared cause: {rule.reason}", ""]
+    outside = group.recognition.outside_trigger
+    if outside:
+        lines += [
+            f"Its verdict and evidence are those of {outside.name}, but without that "
+            f"declaration's trigger ({outside.trigger_text}): reported as new.",
+            "",
+        ]
+    shrink = group.shrink
+    if shrink is not None:
+        lines.append(
+            f"Shrunk from {shrink.start.name} ({len(group.members)} example(s) failed so) in "
+            f"{shrink.accepted} step(s), {len(shrink.trials)} trial(s), {shrink.restarts} "
+            f"restart(s), {shrink.seconds:.0f} s; mode {shrink.mode}"
+            + (f", confirmed: {shrink.confirmed}" if shrink.confirmed is not None else "")
+            + f"; ended by {shrink.stopped_by}."
+        )
+    if group.note:
+        lines.append(group.note)
+    if minimal.record is not None:
+        lines += ["", "```", format_failure(minimal.record)[:3000], "```"]
+    lines += [
+        "",
+        f"Repro bundle: `{directory.relative_to(run_dir)}` (`epd-harness repro {directory}`)",
+        "",
+    ]
+    return lines

@@ -1,0 +1,750 @@
+"""The fuzz run: baseline and topology kept up side by side, every example sent to both and
+judged, failures grouped by signature and shrunk.
+
+Each example goes to the baseline first. A request the baseline rejects is skipped and
+counted, never judged. Otherwise the baseline's prompt ids give the example's exact layout
+(`harness.run.fuzz.layout`), which says whether a declared crash's trigger holds; once such a
+prediction has been confirmed on real vLLM (`confirm_known` times), later examples it
+predicts are not sent: a request that kills D on a known bug can show nothing else on this
+release, and each kill costs a restart. Then the topology answers, the transfer guards are
+read, and the case is judged by the harness's own verdicts (one function, `judge_example`).
+A failure is checked against a second baseline answer (an unstable baseline blames nothing).
+
+An instance that died is noticed before the next request that needs it, and only then is it
+started again, in place (`TopologyPool.revive`: its siblings, storage and proxy keep running;
+the dead one's log stays as evidence); a topology that cannot be revived is restarted in a
+fresh session directory. What D holds before each request (its prefix cache, the KV files of
+earlier requests) is followed across examples (`harness.run.fuzz.consumer`), because whether
+some requests kill D depends on it. An attached deployment cannot be restarted: after a death
+the remaining examples are not sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from harness.judge.guards import GuardResult, transfer_guards
+from harness.judge.records import CaseRecord
+from harness.judge.verdicts import Reference, baseline_stability
+from harness.outcomes.outcome import Outcome
+from harness.run.baseline import BaselineAnswers
+from harness.run.faults import fault_for, plant
+from harness.run.fuzz.consumer import ConsumerState, media_identities
+from harness.run.fuzz.known import KnownRule, Recognition, recognise, rules_for
+from harness.run.fuzz.layout import PlaceholderIds, PromptLayout, layout_from_ids
+from harness.run.fuzz.shrink import ShrinkBudget, ShrinkResult, Trial, shrink, size_key
+from harness.run.fuzz.signature import Signature, is_failure, signature_of
+from harness.run.judging import CaseJudge, Observed
+from harness.run.pool import SessionRequest, TopologyPool
+from harness.serve.attached import AttachedSession
+from harness.serve.launch import EventCallback
+from harness.serve.session import ProxiedSession, TopologySession
+from harness.spec.prompts import MEDIA_PARTS, ImagePart, PromptSpec, render_request
+from harness.spec.settings import RunSettings
+from harness.spec.topology import TOPOLOGIES, Topology
+
+if TYPE_CHECKING:  # the strategies need Hypothesis, which the engine itself does not
+    from harness.run.fuzz.strategies import FuzzExample
+
+BASELINE = TOPOLOGIES["baseline"]
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunBudget:
+    """Caps on one whole fuzz run, so it holds the shared machine for a bounded time: topology
+    restarts (each one after a death costs tens of seconds to minutes on CPU) and wall time
+    from the start of the servers. What a spent budget left unsent or unshrunk is counted and
+    reported, never dropped silently."""
+
+    max_restarts: int = 6
+    max_seconds: float = 780.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"max_restarts": self.max_restarts, "max_seconds": self.max_seconds}
+
+
+class BudgetSpent(Exception):
+    """The run's restart budget is spent and the topology is down."""
+
+
+def judge_example(
+    judging: CaseJudge,
+    topology: Topology,
+    baseline: Outcome,
+    candidate: Outcome,
+    guards: list[GuardResult],
+    baseline_stable: bool = True,
+    drift_tolerance: float = 0.0,
+) -> CaseRecord:
+    """The fuzzer's cases on the run's one judging path, against the monolithic baseline's
+    answer the fuzzer asked for this very request (the run's reference policy applies)."""
+    [record] = judging.judge(
+        topology,
+        Observed(candidate, tuple(guards)),
+        baseline=Reference(BASELINE.name, baseline, monolithic=True, stable=baseline_stable),
+        noise_floor=drift_tolerance,
+    )
+    return record
+
+
+@dataclass
+class Evaluation:
+    """One request through the baseline and (unless skipped) the topology, judged."""
+
+    spec: PromptSpec
+    body: dict[str, Any]
+    baseline: Outcome
+    status: str  # judged | baseline-rejected | known-predicted | not-sent
+    layout: PromptLayout | None = None
+    candidate: Outcome | None = None
+    record: CaseRecord | None = None
+    signature: Signature | None = None
+    recognition: Recognition | None = None
+    note: str = ""
+    seconds: float = 0.0
+    restart_seconds: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return self.record is not None and is_failure(self.record)
+
+    def summary(self) -> str:
+        if self.record is None:
+            return f"{self.status}: {self.note}" if self.note else self.status
+        text = self.record.verdict.value
+        if self.signature is not None:
+            text = self.signature.key
+        if self.recognition is not None and self.recognition.known:
+            text += f" (known: {self.recognition.rule.name})"  # type: ignore[union-attr]
+        return text
+
+
+@dataclass
+class FailureGroup:
+    signature: Signature
+    recognition: Recognition
+    members: list[Evaluation] = field(default_factory=list)
+    shrink: ShrinkResult | None = None
+    minimal: Evaluation | None = None  # the minimal request's own evaluation
+    note: str = ""
+
+    @property
+    def known(self) -> bool:
+        return self.recognition.known
+
+    @property
+    def start(self) -> Evaluation:
+        return min(self.members, key=lambda e: size_key(e.spec))
+
+
+@dataclass
+class FuzzReport:
+    examples: list[FuzzExample]
+    evaluations: list[Evaluation] = field(default_factory=list)
+    groups: list[FailureGroup] = field(default_factory=list)
+    restarts: list[dict[str, Any]] = field(default_factory=list)  # what, why, seconds
+    startup_seconds: float = 0.0
+    examples_seconds: float = 0.0
+    shrink_seconds: float = 0.0
+    predictions: dict[str, Any] = field(default_factory=dict)  # crash triggers: trusted or not
+
+    def counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for ev in self.evaluations:
+            key = ev.status if ev.record is None else ev.record.verdict.value
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    @property
+    def new_groups(self) -> list[FailureGroup]:
+        return [g for g in self.groups if not g.known]
+
+    def timing(self) -> dict[str, Any]:
+        sent = [e.seconds - e.restart_seconds for e in self.evaluations if e.status == "judged"]
+        return {
+            "startup_s": round(self.startup_seconds, 1),
+            "examples_s": round(self.examples_seconds, 1),
+            "shrink_s": round(self.shrink_seconds, 1),
+            "total_s": round(self.startup_seconds + self.examples_seconds + self.shrink_seconds, 1),
+            "per_judged_example_mean_s": round(statistics.mean(sent), 3) if sent else None,
+            "per_judged_example_median_s": round(statistics.median(sent), 3) if sent else None,
+            "restarts": len(self.restarts),
+            "restart_s": round(sum(r["seconds"] for r in self.restarts), 1),
+        }
+
+
+class FuzzEngine:
+    """Context manager: the baseline and the topology (or an attached deployment) up."""
+
+    def __init__(
+        self,
+        settings: RunSettings,
+        topology: Topology,
+        *,
+        fault: str | None = None,
+        attached: bool = False,
+        on_event: EventCallback | None = None,
+        confirm_known: int = 2,
+        budget: ShrinkBudget = ShrinkBudget(),
+        run_budget: RunBudget = RunBudget(),
+        pool: TopologyPool | None = None,
+        min_prompt_tokens: int = 0,
+    ):
+        """`pool` is the run's running topologies (a pytest session's); without one the
+        engine has its own, stopped when it closes. `min_prompt_tokens` is the space's
+        (`FuzzSpace.min_prompt_tokens`): shrinking keeps a request at least that long, since
+        a shorter one moves no KV and shows nothing of P->D."""
+        self.settings = settings
+        self.owns_pool = pool is None
+        self.pool = pool or TopologyPool(settings, on_event)
+        self.judging = CaseJudge(settings, BaselineAnswers(settings))
+        self.topology = topology
+        self.fault = fault
+        self.attached = attached
+        self.on_event = on_event
+        self.confirm_known = confirm_known
+        self.budget = budget
+        self.run_budget = run_budget
+        self.min_prompt_tokens = min_prompt_tokens
+        self.began = time.monotonic()
+        self.rules: list[KnownRule] = rules_for(
+            topology, settings.serving.kv_connector, settings.protocol
+        )
+        self.placeholders = PlaceholderIds.from_model_dir(Path(settings.serving.model))
+        self.consumer = ConsumerState(settings.serving.block_size)
+        self.baseline: TopologySession | ProxiedSession | None = None
+        self.session: TopologySession | ProxiedSession | AttachedSession | None = None
+        self.report_restarts: list[dict[str, Any]] = []
+        self._confirmed: dict[str, int] = {}
+        self._mispredicted: dict[str, str] = {}  # rule name -> the example that disagreed
+        self._outside_trigger: dict[str, list[str]] = {}  # rule name -> crashes without it
+        self._down: str | None = None  # an attached deployment that died
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def __enter__(self) -> FuzzEngine:
+        try:
+            if self.attached:
+                self.baseline = self.pool.session(BASELINE)
+                attach = self.settings.proxy.attach
+                assert attach is not None, "an attached fuzz run needs the attach spec"
+                self.session = AttachedSession(attach, self.settings)
+                self.session.open()
+            else:
+                # The baseline and the topology start together (one wave) and stay up side
+                # by side: every example goes to both.
+                opened = self.pool.open(
+                    [
+                        SessionRequest(BASELINE, self.settings),
+                        SessionRequest(self.topology, self.settings),
+                    ]
+                )
+                for session in opened.values():
+                    if isinstance(session, BaseException):
+                        raise session
+                baseline, topology = opened.values()
+                self.baseline = baseline
+                self.session = self.pool.through(topology, self.settings)
+                self._plant(self.session)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close an attached session; the pool's sessions are the pool's (stopped here only
+        when the engine has a pool of its own)."""
+        session, self.session, self.baseline = self.session, None, None
+        try:
+            if isinstance(session, AttachedSession):
+                session.close()
+        finally:
+            if self.owns_pool:
+                self.pool.close()
+
+    def _plant(self, session: TopologySession | ProxiedSession) -> None:
+        if self.fault:
+            planted = fault_for(
+                self.fault,
+                session.ec_storage,
+                session.kv_storage,
+                session.settings.serving.kv_connector,
+            )
+            plant(session.faults, planted)
+
+    def topology_dead(self) -> str | None:
+        """Why the topology cannot take a request now (an instance died), or None."""
+        if isinstance(self.session, (TopologySession, ProxiedSession)):
+            return self.session.dead_instance_report()
+        if isinstance(self.session, AttachedSession):
+            return self._down
+        return "not started"
+
+    def _ensure_topology(self) -> float:
+        """Restart the topology if an instance died; returns the seconds that took."""
+        dead = self.topology_dead()
+        if dead is None:
+            return 0.0
+        if isinstance(self.session, AttachedSession):
+            raise RuntimeError(f"the attached deployment is down: {dead}")
+        restarts = sum(r["what"] == self.topology.name for r in self.report_restarts)
+        if restarts >= self.run_budget.max_restarts:
+            raise BudgetSpent(
+                f"the run's restart budget ({self.run_budget.max_restarts}) is spent and "
+                f"{self.topology.name} is down"
+            )
+        began = time.monotonic()
+        log.info("[fuzz] %s: reviving (%s)", self.topology.name, dead.splitlines()[0])
+        before = _base(self.session)
+        # The dead instance starts again in place (its log stays as evidence); a topology the
+        # pool could not revive starts afresh, in a new session directory with new storage.
+        self.session = self.pool.revive(self.topology)
+        how = "revived"
+        if _base(self.session) is before:
+            self.consumer.consumer_restarted()
+        else:
+            how = "restarted"
+            self.consumer.storage_reset()
+            self._plant(self.session)
+        seconds = time.monotonic() - began
+        self.report_restarts.append(
+            {
+                "what": self.topology.name,
+                "how": how,
+                "why": dead.splitlines()[0],
+                "seconds": round(seconds, 1),
+            }
+        )
+        return seconds
+
+    def _ensure_baseline(self) -> float:
+        assert self.baseline is not None
+        dead = self.baseline.dead_instance_report()
+        if dead is None:
+            return 0.0
+        began = time.monotonic()
+        log.warning("[fuzz] the baseline died; restarting (%s)", dead.splitlines()[0])
+        self.baseline = self.pool.session(BASELINE)
+        seconds = time.monotonic() - began
+        self.report_restarts.append(
+            {"what": "baseline", "why": dead.splitlines()[0], "seconds": round(seconds, 1)}
+        )
+        return seconds
+
+    # -- one request ---------------------------------------------------------------------------
+
+    def ask_baseline(self, spec: PromptSpec) -> Evaluation:
+        """The baseline's answer and the exact layout; status baseline-rejected when it had
+        none (the request is then never judged)."""
+        began = time.monotonic()
+        restart = self._ensure_baseline()
+        assert self.baseline is not None
+        body = render_request(spec, self.settings.serving.served_model_name)
+        answer = self.baseline.send(spec.name, body)
+        evaluation = Evaluation(spec, body, answer, status="judged", restart_seconds=restart)
+        if answer.result is None:
+            evaluation.status = "baseline-rejected"
+            evaluation.note = (answer.error or "no result").strip().splitlines()[0][:200]
+        elif self.placeholders is not None:
+            ids = answer.result.prompt_token_ids
+            layout = layout_from_ids(ids, self.placeholders, self.settings.serving.block_size)
+            holds = self.consumer.holds(ids, media_identities(spec), layout.run_starts)
+            evaluation.layout = dataclasses.replace(layout, consumer_holds=holds)
+        evaluation.seconds = time.monotonic() - began
+        return evaluation
+
+    def send_topology(self, evaluation: Evaluation) -> Evaluation:
+        """The topology's answer to an evaluation the baseline answered, judged."""
+        began = time.monotonic()
+        spec = evaluation.spec
+        if self._down is not None:
+            evaluation.status, evaluation.note = "not-sent", "the attached deployment is down"
+            return evaluation
+        try:
+            evaluation.restart_seconds += self._ensure_topology()
+        except BudgetSpent as exc:
+            evaluation.status, evaluation.note = "not-sent", str(exc)
+            return evaluation
+        assert self.session is not None
+        candidate = self.session.send(spec.name, evaluation.body)
+        self._served(evaluation)
+        guards = transfer_guards(self.session.served, candidate)
+        record = judge_example(self.judging, self.topology, evaluation.baseline, candidate, guards)
+        if is_failure(record):  # the control: does the baseline agree with itself?
+            assert self.baseline is not None
+            again = self.baseline.send(spec.name, evaluation.body)
+            control = baseline_stability(evaluation.baseline, again)
+            if not control.stable or control.noise_floor:
+                record = judge_example(
+                    self.judging,
+                    self.topology,
+                    evaluation.baseline,
+                    candidate,
+                    guards,
+                    baseline_stable=control.stable,
+                    drift_tolerance=control.noise_floor or 0.0,
+                )
+        evaluation.candidate, evaluation.record = candidate, record
+        if is_failure(record):
+            evaluation.signature = signature_of(record)
+            evaluation.recognition = recognise(self.rules, record, spec, evaluation.layout)
+        if isinstance(self.session, AttachedSession) and self.session.first_down():
+            self._down = self.session.first_down()
+        evaluation.seconds += time.monotonic() - began
+        return evaluation
+
+    def _served(self, evaluation: Evaluation) -> None:
+        """What the request left in the KV storage and in D's prefix cache."""
+        result = evaluation.baseline.result
+        if result is None or evaluation.layout is None:
+            return
+        self.consumer.served(
+            result.prompt_token_ids,
+            media_identities(evaluation.spec),
+            evaluation.layout.run_starts,
+            consumer_alive=self.topology_dead() is None,
+        )
+
+    def too_short(self, evaluation: Evaluation) -> str | None:
+        """Why a shrink candidate is not tried: a prompt under the space's minimum."""
+        layout = evaluation.layout
+        if layout is not None and layout.prompt_tokens < self.min_prompt_tokens:
+            return (
+                f"not sent: {layout.prompt_tokens} prompt tokens, under the space's "
+                f"{self.min_prompt_tokens} (no KV moved)"
+            )
+        return None
+
+    def evaluate(self, spec: PromptSpec) -> Evaluation:
+        evaluation = self.ask_baseline(spec)
+        if evaluation.status != "judged":
+            return evaluation
+        return self.send_topology(evaluation)
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def predicted_crash(self, evaluation: Evaluation) -> KnownRule | None:
+        """The known crash this example triggers, if its prediction is trusted by now."""
+        for rule in self.rules:
+            if rule.crash and rule.predicts(evaluation.spec, evaluation.layout):
+                trusted = self._confirmed.get(rule.name, 0) >= self.confirm_known
+                if trusted and rule.name not in self._mispredicted:
+                    return rule
+        return None
+
+    def _check_prediction(self, evaluation: Evaluation) -> None:
+        """Count confirmations of each crash trigger. A trigger that held without the crash
+        is not trusted again in this run (skipping on it could hide an answer). A crash that
+        no trigger predicted says a trigger is too narrow, not wrong where it holds: the
+        example is judged and grouped as new (`recognise`), and skipping goes on. Two
+        declarations may share a crash's signature (the decode-tail bug and the KV lookup
+        miss kill D alike): the one whose trigger held is the one it confirms."""
+        record = evaluation.record
+        crash_rules = [r for r in self.rules if r.crash and r.trigger is not None]
+        predicted = [r for r in crash_rules if r.predicts(evaluation.spec, evaluation.layout)]
+        for rule in predicted:
+            if record is not None and rule.signature_matches(record):
+                self._confirmed[rule.name] = self._confirmed.get(rule.name, 0) + 1
+            elif rule.name not in self._mispredicted:
+                self._mispredicted[rule.name] = evaluation.spec.name
+                log.warning(
+                    "[fuzz] %s: the trigger of %s held but %s; its predictions are no "
+                    "longer trusted",
+                    evaluation.spec.name,
+                    rule.name,
+                    evaluation.summary(),
+                )
+        if predicted or record is None:
+            return
+        for rule in crash_rules:
+            if rule.signature_matches(record):
+                self._outside_trigger.setdefault(rule.name, []).append(evaluation.spec.name)
+                log.warning(
+                    "[fuzz] %s: %s's crash without its trigger (%s): reported as new",
+                    evaluation.spec.name,
+                    rule.name,
+                    rule.trigger_text,
+                )
+
+    def run(
+        self,
+        examples: list[FuzzExample],
+        report: FuzzReport | None = None,
+        on_progress: Callable[[FuzzReport], None] | None = None,
+    ) -> FuzzReport:
+        """Every example, then every group shrunk; `on_progress` gets the report after the
+        examples and after each group (the CLI writes the bundle there, so an interrupted run
+        keeps what it had). Cheap groups shrink first (`shrink_order`), and the minimal
+        requests of known crashes, shrunk against their triggers without a send, are sent
+        last: each kills D, and the last one costs no revival."""
+        report = report if report is not None else FuzzReport(examples=list(examples))
+        began = time.monotonic()
+        for index, example in enumerate(examples):
+            if self.time_left() <= 0:
+                evaluation = Evaluation(example.spec, {}, Outcome(prompt=example.name), "not-sent")
+                evaluation.note = f"the run's time budget ({self.run_budget.max_seconds:.0f} s)"
+                report.evaluations.append(evaluation)
+                continue
+            evaluation = self.ask_baseline(example.spec)
+            if evaluation.status == "judged":
+                rule = self.predicted_crash(evaluation)
+                if rule is not None:
+                    evaluation.status = "known-predicted"
+                    evaluation.note = f"{rule.name}: {rule.trigger_text} (not sent)"
+                else:
+                    self.send_topology(evaluation)
+                    self._check_prediction(evaluation)
+            if not evaluation.failed:
+                evaluation.body = {}  # only failing bodies are kept for the bundle
+            report.evaluations.append(evaluation)
+            log.info(
+                "[fuzz] %d/%d %s %s: %s (%.2fs)",
+                index + 1,
+                len(examples),
+                example.name,
+                describe(example.spec, evaluation.layout),
+                evaluation.summary(),
+                evaluation.seconds,
+            )
+        report.examples_seconds = time.monotonic() - began
+        report.groups = group_failures(report.evaluations)
+        self._progress(report, on_progress)
+        began = time.monotonic()
+        unconfirmed: list[FailureGroup] = []
+        for group in sorted(report.groups, key=shrink_order):
+            if self.time_left() <= 0:
+                group.note = "not shrunk: the run's time budget is spent"
+                continue
+            if not self.shrink_group(group):
+                unconfirmed.append(group)
+            report.shrink_seconds = time.monotonic() - began
+            self._progress(report, on_progress)
+        for group in unconfirmed:
+            if self.time_left() <= 0:
+                group.note = "minimal request predicted, not sent: the run's time budget is spent"
+                continue
+            self.confirm_predicted(group)
+            report.shrink_seconds = time.monotonic() - began
+            self._progress(report, on_progress)
+        return report
+
+    def _progress(
+        self, report: FuzzReport, on_progress: Callable[[FuzzReport], None] | None
+    ) -> None:
+        report.restarts = list(self.report_restarts)
+        report.predictions = self.prediction_summary()
+        if on_progress is not None:
+            on_progress(report)
+
+    def time_left(self) -> float:
+        return self.run_budget.max_seconds - (time.monotonic() - self.began)
+
+    def prediction_summary(self) -> dict[str, Any]:
+        return {
+            "confirm_known": self.confirm_known,
+            "confirmed": dict(self._confirmed),
+            "mispredicted": dict(self._mispredicted),
+            "crashed_outside_trigger": dict(self._outside_trigger),
+        }
+
+    # -- shrinking -----------------------------------------------------------------------------
+
+    def shrink_group(self, group: FailureGroup) -> bool:
+        """Shrink one group. A known crash with a trigger is shrunk against its prediction
+        (baseline requests only) and left for `confirm_predicted` (returns False); any
+        other group is shrunk by sending (returns True)."""
+        start = group.start
+        rule = group.recognition.rule
+        divergence = (start.record.divergence or {}).get("index") if start.record else None
+        log.info("[fuzz] shrinking %s from %s", group.signature.key, start.spec.name)
+        budget = dataclasses.replace(
+            self.budget, max_seconds=min(self.budget.max_seconds, self.time_left())
+        )
+        if self.attached and start.record is not None and start.record.verdict.value == "ERROR":
+            group.note = "not shrunk: an attached deployment cannot be restarted after a crash"
+            return True
+        if rule is not None and rule.crash and rule.trigger is not None:
+            group.shrink = shrink(
+                start.spec,
+                PredictingOracle(self, rule),
+                budget,
+                "predicted",
+                divergence,
+                step_words=self.settings.serving.block_size,
+            )
+            return False
+        self._shrink_by_sending(group, budget, divergence)
+        return True
+
+    def confirm_predicted(self, group: FailureGroup) -> None:
+        """Send the minimal request a known crash was shrunk to against its trigger; if it
+        does not fail as the group did, shrink the group by sending instead."""
+        predicted = group.shrink
+        assert predicted is not None
+        confirm = self.evaluate(predicted.minimal)
+        if confirm.status == "not-sent":
+            group.note = f"minimal request not confirmed: {confirm.note}"
+            return
+        predicted.confirmed = (
+            confirm.signature is not None and confirm.signature.key == group.signature.key
+        )
+        predicted.trials.append(
+            Trial(
+                predicted.minimal,
+                bool(predicted.confirmed),
+                f"confirmation on {self.topology.name}: {confirm.summary()}",
+                confirm.seconds,
+                restarted=confirm.restart_seconds > 0,
+            )
+        )
+        if predicted.confirmed:
+            group.minimal = confirm
+            return
+        log.warning("[fuzz] the predicted minimal request did not reproduce; shrinking by sending")
+        start = group.start
+        divergence = (start.record.divergence or {}).get("index") if start.record else None
+        budget = dataclasses.replace(
+            self.budget, max_seconds=min(self.budget.max_seconds, self.time_left())
+        )
+        self._shrink_by_sending(group, budget, divergence)
+
+    def _shrink_by_sending(
+        self, group: FailureGroup, budget: ShrinkBudget, divergence: int | None
+    ) -> None:
+        oracle = SendingOracle(self, group)
+        group.shrink = shrink(
+            group.start.spec,
+            oracle,
+            budget,
+            "sent",
+            divergence,
+            step_words=self.settings.serving.block_size,
+        )
+        # Every reproducing trial is accepted at once, so the last one is the minimal request.
+        group.minimal = oracle.last_reproduced if group.shrink.accepted else group.start
+
+
+class SendingOracle:
+    """Candidates sent to the topology: reproduced when one fails with the group's signature
+    and is the same kind of failure (the same declaration, or new). A candidate a trusted
+    known crash's trigger predicts is not sent: it would kill D on the known bug (a restart)
+    and cannot be the group's failure unless the group is that crash."""
+
+    def __init__(self, engine: FuzzEngine, group: FailureGroup):
+        self.engine = engine
+        self.target = group.signature
+        self.rule = group.recognition.rule
+        self.last_reproduced: Evaluation | None = None
+
+    def restart_pending(self) -> bool:
+        return self.engine.topology_dead() is not None
+
+    def attempt(self, spec: PromptSpec) -> Trial:
+        evaluation = self.engine.ask_baseline(spec)
+        if evaluation.status == "judged":
+            short = self.engine.too_short(evaluation)
+            if short is not None:
+                return Trial(spec, False, short, evaluation.seconds)
+            predicted = self.engine.predicted_crash(evaluation)
+            if predicted is not None and predicted != self.rule:
+                note = f"not sent: {predicted.name} predicted ({predicted.trigger_text})"
+                return Trial(spec, False, note, evaluation.seconds)
+            self.engine.send_topology(evaluation)
+        recognition = evaluation.recognition
+        reproduced = (
+            evaluation.signature is not None
+            and evaluation.signature.key == self.target.key
+            and (recognition.rule if recognition else None) == self.rule
+        )
+        if reproduced:
+            self.last_reproduced = evaluation
+        return Trial(
+            spec,
+            reproduced,
+            evaluation.summary(),
+            evaluation.seconds,
+            restarted=evaluation.restart_seconds > 0,
+        )
+
+
+class PredictingOracle:
+    """Baseline requests only: reproduced when the known crash's trigger holds."""
+
+    def __init__(self, engine: FuzzEngine, rule: KnownRule):
+        self.engine = engine
+        self.rule = rule
+
+    def restart_pending(self) -> bool:
+        return False
+
+    def attempt(self, spec: PromptSpec) -> Trial:
+        evaluation = self.engine.ask_baseline(spec)
+        if evaluation.status != "judged":
+            return Trial(spec, False, evaluation.summary(), evaluation.seconds)
+        short = self.engine.too_short(evaluation)
+        if short is not None:
+            return Trial(spec, False, short.replace("not sent", "not tried"), evaluation.seconds)
+        reproduced = self.rule.predicts(spec, evaluation.layout)
+        layout = evaluation.layout.to_json() if evaluation.layout else {}
+        outcome = (
+            f"trigger {'holds' if reproduced else 'does not hold'} (predicted, not sent): "
+            f"prompt {layout.get('prompt_tokens')} tokens, last media ends at "
+            f"{layout.get('last_media_end')}, D loads {layout.get('kv_prefix')}"
+        )
+        return Trial(spec, reproduced, outcome, evaluation.seconds)
+
+
+def _base(session: object) -> object:
+    """The running topology behind a session (a proxied view shares its base's instances)."""
+    return session.base if isinstance(session, ProxiedSession) else session
+
+
+def shrink_order(group: FailureGroup) -> int:
+    """0: a new failure that kills nothing (each trial one request); 1: a known crash, shrunk
+    against its trigger (baseline requests only); 2: a known failure that kills nothing;
+    3: a new crash (every accepted step costs a revival)."""
+    rule = group.recognition.rule
+    crash = group.signature.verdict == "ERROR"
+    if rule is not None and rule.crash and rule.trigger is not None:
+        return 1
+    if not crash:
+        return 0 if rule is None else 2
+    return 3
+
+
+def group_failures(evaluations: list[Evaluation]) -> list[FailureGroup]:
+    """Failing examples by signature and by what they are (a declaration, or new)."""
+    groups: dict[tuple[str, str], FailureGroup] = {}
+    for evaluation in evaluations:
+        if not evaluation.failed or evaluation.signature is None:
+            continue
+        recognition = evaluation.recognition or Recognition(None)
+        known = recognition.rule.name if recognition.rule else "new"
+        key = (evaluation.signature.key, known)
+        group = groups.setdefault(key, FailureGroup(evaluation.signature, recognition))
+        group.members.append(evaluation)
+    return sorted(groups.values(), key=lambda g: (g.known, g.members[0].spec.name))
+
+
+def describe(spec: PromptSpec, layout: PromptLayout | None) -> str:
+    """'2 img 1 vid, 143 tok, ends -1 from a block, in D's tail'"""
+    images = sum(isinstance(p, ImagePart) for p in spec.parts)
+    media = sum(isinstance(p, MEDIA_PARTS) for p in spec.parts)
+    text = f"{images} img {media - images} vid"
+    if layout is not None:
+        text += f", {layout.prompt_tokens} tok"
+        if layout.boundary_offset is not None:
+            text += f", ends {layout.boundary_offset:+d} from a block"
+            text += ", in D's tail" if layout.media_in_decode_tail else ""
+    return text

@@ -1,0 +1,81 @@
+"""`fuzz --save`: a new failure's minimal request, written as a matrix scenario in one step.
+
+The scenario is declared the way the matrix declares an upstream failure (`Scenario.expect`,
+`expect_evidence`, `reason`), so from then on it passes only while vLLM fails exactly so, and
+a fix upstream turns it red. Found scenarios live in `harness/run/found_scenarios.json`, which
+`harness.run.scenarios` appends to the matrix; a known failure is already declared and is not
+written again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from harness.files import write_text_atomic
+from harness.run.fuzz.engine import FailureGroup
+from harness.run.scenarios import FOUND_SCENARIOS_FILE
+from harness.spec.prompt_codec import prompt_to_json
+from harness.spec.prompts import PromptSpec
+
+
+def evidence_of(group: FailureGroup) -> str:
+    """The part of the evidence a rerun must show: the cause line up to its first varying
+    number for a crash, the comparison's headline for a mismatch, the guard for VACUOUS."""
+    signature = group.signature
+    if signature.verdict == "ERROR":
+        return re.split(r"\bN\b", signature.cause, maxsplit=1)[0].rstrip(" :,=(") or signature.where
+    if signature.verdict == "VACUOUS":
+        return "tokens equal but guard failed: " + signature.where.removeprefix("guard ")
+    if signature.where == "prompt ids":
+        return "prompt ids differ"
+    return "generated tokens differ"
+
+
+def scenario_entry(
+    group: FailureGroup, topology: str, meta: dict[str, Any], reason: str | None
+) -> dict[str, Any]:
+    minimal = (group.minimal or group.start).spec
+    digest = hashlib.sha256(
+        json.dumps(prompt_to_json(minimal), sort_keys=True).encode()
+    ).hexdigest()[:10]
+    name = f"fuzz-{group.signature.slug[:40]}-{digest}"
+    spec = PromptSpec(f"{name}-request", minimal.parts, minimal.max_tokens, minimal.extra)
+    found = f"epd-harness fuzz --topology {topology} --seed {meta['seed']} (vLLM {meta['vllm']})"
+    return {
+        "name": name,
+        "topology": topology,
+        "prompts": [prompt_to_json(spec)],
+        "expect": [group.signature.verdict],
+        "expect_evidence": evidence_of(group),
+        "reason": reason or f"found by {found}; cause not investigated yet",
+        "found_by": {**meta, "signature": group.signature.key},
+    }
+
+
+def save_scenarios(
+    groups: list[FailureGroup],
+    topology: str,
+    meta: dict[str, Any],
+    reason: str | None = None,
+    path: Path = FOUND_SCENARIOS_FILE,
+) -> list[str]:
+    """Append one scenario per new failure group (replacing one of the same name); returns
+    the names written."""
+    try:
+        entries = json.loads(path.read_text()) if path.exists() else []
+    except ValueError as exc:
+        raise ValueError(f"{path} is not JSON: {exc}") from None
+    written = []
+    for group in groups:
+        if group.known:
+            continue
+        entry = scenario_entry(group, topology, meta, reason)
+        entries = [e for e in entries if e.get("name") != entry["name"]] + [entry]
+        written.append(entry["name"])
+    if written:
+        write_text_atomic(path, json.dumps(entries, indent=2, sort_keys=True) + "\n")
+    return written

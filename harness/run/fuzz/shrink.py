@@ -1,0 +1,286 @@
+"""Shrinking a failing request to the smallest one that fails with the same signature.
+
+The cost model decides the design. A candidate that does not reproduce costs a request (under
+a second). One that reproduces a crash kills an instance, and the next request needs the
+topology restarted: tens of seconds on CPU. So:
+
+* the search is greedy and takes the biggest step first: every candidate is one
+  simplification of the current request (one media item kept alone, one dropped, an image
+  made small, a text dropped or halved, a kwarg dropped, fewer tokens), and candidates are
+  tried smallest first, so the first one that reproduces is the largest reduction on offer and
+  the number of accepted steps (the expensive ones) stays small;
+* the topology is restarted only after a death, lazily, before the next request that needs it;
+* a budget caps trials, restarts and seconds, and the result says what it cost and whether
+  the budget, not a local minimum, ended it;
+* a known crash whose trigger can be read from the baseline's layout is shrunk against that
+  prediction (baseline requests only), and only the end result is sent to the topology to
+  confirm it (`harness.run.fuzz.engine`): one restart instead of one per step.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from harness.spec.prompt_codec import prompt_to_json
+from harness.spec.prompts import (
+    MEDIA_PARTS,
+    ImagePart,
+    Part,
+    PromptSpec,
+    TextPart,
+    VideoFramesPart,
+    VideoPart,
+)
+
+SMALL_IMAGE = (56, 56)  # the smallest a Qwen2-VL processor keeps as is (4 tokens)
+MIN_SIDE = 28
+
+
+def size_key(spec: PromptSpec) -> tuple[int, ...]:
+    """How big a request is, most significant first: media items, videos, pixels, text
+    parts, text length, kwargs, tokens to generate."""
+    media = [p for p in spec.parts if isinstance(p, MEDIA_PARTS)]
+    videos = sum(isinstance(p, (VideoPart, VideoFramesPart)) for p in media)
+    pixels = sum(
+        p.size[0] * p.size[1] * (1 if isinstance(p, ImagePart) else p.num_frames) for p in media
+    )
+    texts = [p.text for p in spec.parts if isinstance(p, TextPart)]
+    return (
+        len(media),
+        videos,
+        pixels,
+        len(texts),
+        sum(len(t) for t in texts),
+        len(spec.extra),
+        spec.max_tokens,
+    )
+
+
+def _with(spec: PromptSpec, parts: list[Part] | None = None, **changes: Any) -> PromptSpec:
+    return PromptSpec(
+        spec.name,
+        tuple(parts if parts is not None else spec.parts),
+        changes.get("max_tokens", spec.max_tokens),
+        changes.get("extra", spec.extra),
+    )
+
+
+def _words_halves(text: str) -> list[str]:
+    words = text.split(" ")
+    if len(words) <= 2:
+        return []
+    half = len(words) // 2
+    return [" ".join(words[:half]), " ".join(words[half:])]
+
+
+def candidates(
+    spec: PromptSpec, divergence: int | None = None, step_words: int | None = None
+) -> list[PromptSpec]:
+    """Every one-step simplification of `spec` that is smaller by `size_key`, smallest first
+    (duplicates removed; a request always keeps at least one part). `step_words` (the KV
+    block size) adds texts shortened by that many words: with one-token words a prompt
+    shorter by whole blocks, which keeps a failure that depends on the prompt's length
+    modulo the block (the KV lookup miss) while the text shrinks."""
+    parts = list(spec.parts)
+    media_at = [i for i, p in enumerate(parts) if isinstance(p, MEDIA_PARTS)]
+    text_at = [i for i, p in enumerate(parts) if isinstance(p, TextPart)]
+    found: list[PromptSpec] = []
+
+    def add(new_parts: list[Part], **changes: Any) -> None:
+        if new_parts:
+            found.append(_with(spec, new_parts, **changes))
+
+    for keep in media_at:  # one media item alone, texts kept
+        add([p for i, p in enumerate(parts) if i == keep or i not in media_at])
+    for drop in media_at:
+        add([p for i, p in enumerate(parts) if i != drop])
+    if text_at:
+        add([p for i, p in enumerate(parts) if i not in text_at])
+    for drop in text_at:
+        add([p for i, p in enumerate(parts) if i != drop])
+        text = parts[drop].text  # type: ignore[union-attr]
+        for half in _words_halves(text):
+            add([TextPart(half) if i == drop else p for i, p in enumerate(parts)])
+        words = text.split(" ")
+        if step_words and len(words) > step_words:
+            shorter = " ".join(words[: len(words) - step_words])
+            add([TextPart(shorter) if i == drop else p for i, p in enumerate(parts)])
+    for index in media_at:
+        for smaller in _smaller_media(parts[index]):
+            add([smaller if i == index else p for i, p in enumerate(parts)])
+    extra = dict(spec.extra)
+    for key in extra:
+        add(parts, extra=tuple((k, v) for k, v in spec.extra if k != key))
+    for tokens in {1, spec.max_tokens // 2, (divergence or 0) + 1}:
+        if 1 <= tokens < spec.max_tokens:
+            add(parts, max_tokens=tokens)
+    current = size_key(spec)
+    unique: dict[str, PromptSpec] = {}
+    for candidate in found:
+        if size_key(candidate) < current:
+            unique.setdefault(json.dumps(prompt_to_json(candidate), sort_keys=True), candidate)
+    return sorted(unique.values(), key=size_key)
+
+
+def _smaller_media(part: Part) -> list[Part]:
+    width, height = part.size  # type: ignore[union-attr]
+    sizes = {SMALL_IMAGE, (max(MIN_SIDE, width // 2), max(MIN_SIDE, height // 2))}
+    sizes.add((min(width, height), min(width, height)))
+    out: list[Part] = []
+    for size in sorted(sizes):
+        if size[0] * size[1] < width * height:
+            out.append(_resized(part, size))
+    if isinstance(part, (VideoPart, VideoFramesPart)) and part.num_frames > 2:
+        out.append(_frames(part, max(2, part.num_frames // 2)))
+    if isinstance(part, VideoPart) and part.fps != 2.0:
+        out.append(VideoPart(part.seed, part.num_frames, 2.0, part.size))
+    return out
+
+
+def _resized(part: Part, size: tuple[int, int]) -> Part:
+    if isinstance(part, ImagePart):
+        return ImagePart(part.seed, size)
+    if isinstance(part, VideoPart):
+        return VideoPart(part.seed, part.num_frames, part.fps, size)
+    assert isinstance(part, VideoFramesPart)
+    return VideoFramesPart(part.seed, part.num_frames, size)
+
+
+def _frames(part: VideoPart | VideoFramesPart, frames: int) -> Part:
+    if isinstance(part, VideoPart):
+        return VideoPart(part.seed, frames, part.fps, part.size)
+    return VideoFramesPart(part.seed, frames, part.size)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One candidate tried: whether it failed the same way, and what it cost."""
+
+    spec: PromptSpec
+    reproduced: bool
+    outcome: str  # one line: the verdict and signature seen, or why it was not judged
+    seconds: float
+    restarted: bool = False  # the topology had to be restarted before it could be sent
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.spec.name,
+            "spec": prompt_to_json(self.spec),
+            "reproduced": self.reproduced,
+            "outcome": self.outcome,
+            "seconds": round(self.seconds, 3),
+            "restarted": self.restarted,
+        }
+
+
+class Oracle(Protocol):
+    """Sends a candidate and says whether it fails with the target signature."""
+
+    def attempt(self, spec: PromptSpec) -> Trial: ...
+
+    def restart_pending(self) -> bool:
+        """The next attempt must restart the topology first (an instance died)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ShrinkBudget:
+    max_trials: int = 80
+    max_restarts: int = 6
+    max_seconds: float = 1200.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "max_trials": self.max_trials,
+            "max_restarts": self.max_restarts,
+            "max_seconds": self.max_seconds,
+        }
+
+
+@dataclass
+class ShrinkResult:
+    start: PromptSpec
+    minimal: PromptSpec
+    mode: str  # "sent" (every step sent to the topology) or "predicted" (see the module doc)
+    trials: list[Trial] = field(default_factory=list)
+    accepted: int = 0
+    seconds: float = 0.0
+    stopped_by: str = "local minimum"  # or which budget ended it
+    confirmed: bool | None = None  # predicted mode: the minimal request sent and reproduced
+
+    @property
+    def restarts(self) -> int:
+        return sum(t.restarted for t in self.trials)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "start": self.start.name,
+            "minimal": prompt_to_json(self.minimal),
+            "mode": self.mode,
+            "accepted_steps": self.accepted,
+            "trials": len(self.trials),
+            "restarts": self.restarts,
+            "seconds": round(self.seconds, 1),
+            "stopped_by": self.stopped_by,
+            "confirmed": self.confirmed,
+            "steps": [t.to_json() for t in self.trials],
+        }
+
+
+def shrink(
+    start: PromptSpec,
+    oracle: Oracle,
+    budget: ShrinkBudget,
+    mode: str = "sent",
+    divergence: int | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    step_words: int | None = None,
+) -> ShrinkResult:
+    """Greedy: from the current request, try its candidates smallest first; take the first
+    that reproduces and start over from it; stop at a request none of whose candidates
+    reproduces, or when the budget is spent. Candidates are named START-sNNN."""
+    began = clock()
+    result = ShrinkResult(start=start, minimal=start, mode=mode)
+    restarts = 0
+    while True:
+        progressed = False
+        for candidate in candidates(result.minimal, divergence, step_words):
+            stop = _over_budget(result, budget, restarts, oracle, clock() - began)
+            if stop:
+                result.stopped_by = stop
+                result.seconds = clock() - began
+                return result
+            named = _with(candidate)
+            named = PromptSpec(
+                f"{start.name}-s{len(result.trials):03d}",
+                named.parts,
+                named.max_tokens,
+                named.extra,
+            )
+            trial = oracle.attempt(named)
+            result.trials.append(trial)
+            restarts += trial.restarted
+            if trial.reproduced:
+                result.minimal = named
+                result.accepted += 1
+                progressed = True
+                break
+        if not progressed:
+            result.seconds = clock() - began
+            return result
+
+
+def _over_budget(
+    result: ShrinkResult, budget: ShrinkBudget, restarts: int, oracle: Oracle, elapsed: float
+) -> str | None:
+    if len(result.trials) >= budget.max_trials:
+        return f"trial budget ({budget.max_trials})"
+    if elapsed >= budget.max_seconds:
+        return f"time budget ({budget.max_seconds:.0f} s)"
+    if oracle.restart_pending() and restarts >= budget.max_restarts:
+        return f"restart budget ({budget.max_restarts})"
+    return None

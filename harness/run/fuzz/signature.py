@@ -1,0 +1,116 @@
+"""A failure's signature: what makes two failing requests the same bug.
+
+The verdict alone is too coarse (every crash is an ERROR) and the full evidence too fine (a
+divergence index or a pid changes with the request), so a signature is the verdict, where it
+showed (the instance role that died, an HTTP status, the prompt or the generated ids, the
+guard that failed) and the first distinguishing line of the evidence with its numbers
+blanked. Failures are grouped by it, shrinking keeps it, and known failures are recognised
+by it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from harness.judge.records import CaseRecord, Verdict
+
+# Exception lines that only wrap the cause: an engine that died, a client that saw a 500.
+WRAPPERS = (
+    "EngineDeadError",
+    "EngineGenerateError",
+    "APIConnectionError",
+    "APITimeoutError",
+    "InternalServerError",
+    "APIStatusError",
+    "ConnectError",
+    "ConnectionRefusedError",
+    "RemoteProtocolError",
+    "ServerDied",
+    "ClientConnectorError",
+)
+_EXCEPTION = re.compile(r"\b([A-Z][\w.]*(?:Error|Exception))\b:?\s?(.*)")
+_DIED = re.compile(r"instance (\S+) exited with code (-?\d+)|(\S+) \(pid \d+\) died")
+_STATUS = re.compile(r"Error code: (\d{3})")
+_NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?")
+CAUSE_WIDTH = 160
+
+
+@dataclass(frozen=True)
+class Signature:
+    verdict: str
+    where: str
+    cause: str = ""
+
+    @property
+    def key(self) -> str:
+        return " | ".join(part for part in (self.verdict, self.where, self.cause) if part)
+
+    @property
+    def slug(self) -> str:
+        text = f"{self.verdict}-{self.where}-{self.cause}".lower()
+        return re.sub(r"[^a-z0-9]+", "-", text).strip("-")[:60]
+
+    def to_json(self) -> dict[str, str]:
+        return {"verdict": self.verdict, "where": self.where, "cause": self.cause}
+
+
+def normalize(line: str) -> str:
+    """A cause line without what varies between occurrences: numbers, addresses, spacing."""
+    text = _NUMBER.sub("N", line)
+    return re.sub(r"\s+", " ", text).strip()[:CAUSE_WIDTH]
+
+
+def cause_line(error: str) -> str:
+    """The first exception line of the evidence that is not a mere wrapper (the assertion in
+    a worker, not the EngineDeadError it became), from where the exception's name starts;
+    else the error's first line."""
+    fallback = ""
+    for line in error.splitlines():
+        match = _EXCEPTION.search(line)
+        if match is None:
+            continue
+        name = match.group(1).rsplit(".", 1)[-1]
+        text = f"{name}: {match.group(2)}".rstrip(": ")
+        if name not in WRAPPERS:
+            return normalize(text)
+        fallback = fallback or normalize(text)
+    first = next((line for line in error.splitlines() if line.strip()), "")
+    return fallback or normalize(first)
+
+
+def died_role(error: str) -> str | None:
+    """The role of the instance that died ('1E+1P+1D/decode0' -> 'decode'), if one did."""
+    match = _DIED.search(error)
+    if match is None:
+        return None
+    name = match.group(1) or match.group(3)
+    return re.sub(r"\d+$", "", name.rsplit("/", 1)[-1])
+
+
+def http_status(error: str) -> str | None:
+    match = _STATUS.search(error)
+    return match.group(1) if match else None
+
+
+def signature_of(record: CaseRecord) -> Signature:
+    verdict = record.verdict.value
+    if record.verdict is Verdict.ERROR:
+        error = record.error or record.detail
+        role = died_role(error)
+        status = http_status(error)
+        where = f"{role} died" if role else (f"HTTP {status}" if status else "request failed")
+        return Signature(verdict, where, cause_line(error))
+    if record.verdict is Verdict.VACUOUS:
+        failed = sorted(record.failed_guards())
+        return Signature(verdict, f"guard {failed[0]}" if failed else "guard")
+    if record.verdict in (Verdict.MISMATCH, Verdict.DRIFT):
+        where = "prompt ids" if record.detail.startswith("prompt ids differ") else "generated ids"
+        return Signature(verdict, where)
+    return Signature(verdict, "")
+
+
+def is_failure(record: CaseRecord) -> bool:
+    """A verdict that blames the topology: not MATCH, and not a baseline that disagreed with
+    itself (that is the reference's problem, counted apart)."""
+    return record.verdict not in (Verdict.MATCH, Verdict.UNSTABLE_BASELINE)

@@ -1,0 +1,91 @@
+"""What the fuzzer may generate for one served release, topology and model.
+
+The strategies draw only requests the served release can run meaningfully on the topology
+(the protocol generation's `not_applicable` answers for a probe of each kind: media at all,
+video, per-request media kwargs) and that fit the model's context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from harness.spec.generations import ProtocolGeneration, not_applicable
+from harness.spec.prompts import ImagePart, PromptSpec, TextPart, VideoPart
+from harness.spec.topology import ServingConfig, Topology
+
+# Per-request media kwargs the strategies may add (values JSON-able, as sent).
+MAX_PIXELS_CHOICES = (28 * 28 * 16, 28 * 28 * 64, 28 * 28 * 256)
+VIDEO_FPS_CHOICES = (1.0, 2.0, 4.0)
+
+
+@dataclass(frozen=True)
+class FuzzSpace:
+    """Bounds of the generated requests."""
+
+    block_size: int = 32
+    max_model_len: int = 4096
+    max_images: int = 4
+    max_videos: int = 1
+    media: bool = True  # any media at all (False: the release cannot run media here)
+    videos: bool = True
+    media_kwargs: bool = True  # mm_processor_kwargs / media_io_kwargs per request
+    min_max_tokens: int = 1
+    max_max_tokens: int = 48
+    seed_pool: int = 6  # media seeds drawn from [0, pool): repeats across requests are common
+    max_words: int = 40  # per text slot, before any padding towards a target
+    # A KV consumer loads align_down(n - 1, block) tokens: a shorter prompt moves no KV, and
+    # the kv_transfer guard (rightly) calls its MATCH vacuous. Such requests test nothing of
+    # P->D, so a topology with D gets prompts of at least one block and two tokens (at one
+    # block and one token ExampleConnector's D looks up zero tokens: harness/run/fuzz/consumer.py).
+    min_prompt_tokens: int = 0
+    notes: tuple[str, ...] = ()  # why a dimension is off
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def space_for(
+    generation: ProtocolGeneration, topology: Topology, serving: ServingConfig
+) -> FuzzSpace:
+    """The space for this release and topology: a dimension the release cannot run is off,
+    with the generation table's reason kept in `notes`."""
+    notes: list[str] = []
+    image = PromptSpec("probe-image", (ImagePart(seed=0), TextPart("x")))
+    video = PromptSpec("probe-video", (VideoPart(seed=0), TextPart("x")))
+    kwargs = PromptSpec(
+        "probe-kwargs",
+        (ImagePart(seed=0), TextPart("x")),
+        extra=(("mm_processor_kwargs", {"max_pixels": MAX_PIXELS_CHOICES[0]}),),
+    )
+    media = _allowed(generation, topology, image, notes)
+    videos = media and _allowed(generation, topology, video, notes)
+    media_kwargs = media and _allowed(generation, topology, kwargs, notes)
+    if media_kwargs and not (
+        serving.trust_request_mm_kwargs and generation.has_trust_request_mm_kwargs_flag
+    ):
+        media_kwargs = False
+        notes.append(
+            "per-request media kwargs: the instances are not started with "
+            "--trust-request-mm-kwargs (the release lacks the flag, or the run turned it off)"
+        )
+    return FuzzSpace(
+        block_size=serving.block_size,
+        max_model_len=serving.max_model_len,
+        media=media,
+        videos=videos,
+        media_kwargs=media_kwargs,
+        max_images=4 if media else 0,
+        max_videos=1 if videos else 0,
+        min_prompt_tokens=serving.block_size + 2 if topology.has_kv_transfer else 0,
+        notes=tuple(notes),
+    )
+
+
+def _allowed(
+    generation: ProtocolGeneration, topology: Topology, probe: PromptSpec, notes: list[str]
+) -> bool:
+    reason = not_applicable(generation, topology, probe)
+    if reason is not None:
+        notes.append(f"{probe.name.removeprefix('probe-')}: {reason}")
+    return reason is None

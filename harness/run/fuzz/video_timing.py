@@ -1,0 +1,56 @@
+"""Whether a video's temporal positions differ between the baseline and an EC consumer.
+
+Qwen2.5-VL gives the t-th temporal step of a video the position `int(t * second_per_grid_ts *
+tokens_per_second)`. The baseline's processor derives `second_per_grid_ts` from the rate the
+frames were sampled at (`temporal_patch_size / sampled_fps`); an EC consumer gets only the
+grid from the encoder, not this field, and uses 1.0 (vLLM 0.32, `iter_mm_grid_thw`). So the
+two disagree exactly when the sampled rate is not 2 fps *and* some step's position moves:
+JPEG frames read at their default 1 fps, an mp4 recorded below 2 fps (nothing to sample
+down), an odd frame count that sampling trims (a rate just under 2, which moves only late
+steps). The rules below are vLLM 0.32's video loaders', read from its source
+(`multimodal/media/video.py`, `Qwen2VLVideoBackend`).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+from harness.spec.prompts import PromptSpec, VideoFramesPart, VideoPart
+
+TEMPORAL_PATCH = 2  # Qwen2-VL's temporal_patch_size: two frames per step
+TARGET_FPS = 2.0  # the loader's default sampling rate
+JPEG_FRAMES_FPS = 1.0  # the rate JPEG frames are read at unless media_io_kwargs says
+MIN_FRAMES, MAX_FRAMES, MAX_FPS = 4, 768, 30
+TOKENS_PER_SECOND = 2  # Qwen2.5-VL's vision_config.tokens_per_second (the tiny model's too)
+CONSUMER_SECONDS_PER_STEP = 1.0
+
+
+def sampled(part: VideoPart | VideoFramesPart, spec: PromptSpec) -> tuple[int, float]:
+    """(frames the processor keeps, the rate they stand for) for one video of `spec`."""
+    io = (dict(spec.extra).get("media_io_kwargs") or {}).get("video") or {}
+    if isinstance(part, VideoFramesPart):
+        return part.num_frames, float(io.get("fps", JPEG_FRAMES_FPS))
+    total, original = part.num_frames, part.fps
+    target = float(io.get("fps", TARGET_FPS))
+    most = math.floor(min(MAX_FRAMES, total) / TEMPORAL_PATCH) * TEMPORAL_PATCH
+    frames = total / original * min(target, MAX_FPS)
+    frames = min(max(frames, MIN_FRAMES), most, total)
+    kept = math.floor(frames / TEMPORAL_PATCH) * TEMPORAL_PATCH
+    return kept, kept / total * original
+
+
+def positions_differ(frames: int, fps: float) -> bool:
+    """Some temporal step of this video sits elsewhere on the baseline than on a consumer."""
+    steps = math.ceil(frames / TEMPORAL_PATCH)
+    seconds = _float32(TEMPORAL_PATCH / fps)  # held in a float32 tensor, then .item()
+    baseline, consumer = seconds * TOKENS_PER_SECOND, CONSUMER_SECONDS_PER_STEP * TOKENS_PER_SECOND
+    return any(int(t * baseline) != int(t * consumer) for t in range(steps))
+
+
+def video_positions_differ(part: VideoPart | VideoFramesPart, spec: PromptSpec) -> bool:
+    return positions_differ(*sampled(part, spec))
+
+
+def _float32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]

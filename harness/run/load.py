@@ -1,0 +1,620 @@
+"""A load: many requests at once over a mix of prompts, every answer judged against the
+baseline's answer to its own prompt.
+
+The baseline answers each prompt of the mix once, alone (cached like every baseline answer),
+and then, when requests go out more than one at a time, the same requests once more at the
+load's concurrency: whether batching changes the baseline's own answers on this platform is
+measured there, and the log-prob noise it shows is the tolerance the drift rule gives batched
+answers (`harness.judge.policy`: a batched answer may DRIFT within that floor, so where it is
+0 every comparison stays exact). Then the topology serves the plan (`harness.spec.load`), at
+most `concurrency` requests in flight; each answer is observed (its transfer guards read at
+once) and judged on the run's one judging path, with the answers of the other prompts, so an
+answer that belongs to another request is named ("request 17 received request 4's answer").
+
+What the load does when an instance dies: a prompt declared to end an instance on this
+topology (media in the part D recomputes, under ExampleConnector) is sent after all others,
+alone, and judged as declared. Any other death ends the load: every request in flight ends
+ERROR with the instance's name first (the session waits for a dying engine), requests not yet
+sent are recorded as not sent with the same cause, and no further round starts. `kill` plants
+such a death on purpose, once every request of the round is in flight.
+
+A soak (`duration_s`) repeats rounds of the plan until the time is up; between rounds, with
+nothing in flight, it samples every instance's RSS and open files and the connectors' storage,
+then cleans the KV storage (ExampleConnector keys files by prompt and writes them again when
+they are missing). The EC storage is not cleaned: an encoder that still holds an item's
+embeddings in memory does not encode it again, so it does not write the file again either
+(vLLM 0.32 `Scheduler._try_schedule_encoder_inputs` asks its encoder cache before the
+connector). Measured: after the EC storage of a served image was emptied, the same image was
+answered right (the consumer held the embeddings too) with no file written, so the
+`encoder_output` guard had nothing to hold and the case was VACUOUS. With a fixed mix the EC
+storage holds one file per item and does not grow.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.files import write_json_atomic, write_text_atomic
+from harness.judge.records import CaseRecord, DeclaredFailure, Verdict
+from harness.outcomes.load import ResourceSample
+from harness.outcomes.outcome import Outcome
+from harness.report.load import (
+    LoadRequestResult,
+    LoadStats,
+    SoakBounds,
+    bound_problems,
+    format_load,
+    load_stats,
+    stats_json,
+)
+from harness.run.baseline import BatchCalibration
+from harness.run.faults import kill_instance
+from harness.run.judging import Observed, observe
+from harness.run.scenarios import get_scenario
+from harness.run.sweep import BASELINE, Sweep
+from harness.serve.attached import AttachedDown, AttachedSession
+from harness.serve.session import ProxiedSession, TopologySession
+from harness.serve.usage import clean_storage, storage_usage, tree_pids, tree_usage
+from harness.spec.load import (
+    LoadSpec,
+    MediaPlacement,
+    PlannedRequest,
+    Region,
+    media_placement,
+    plan_requests,
+)
+from harness.spec.topology import TOPOLOGIES, Role, Topology
+
+DECODE_TAIL_SCENARIO = "epd-media-in-decode-tail"
+KILL_WAIT_S = 300.0  # how long a planted kill waits for every request to be in flight
+log = logging.getLogger(__name__)
+
+Session = TopologySession | ProxiedSession | AttachedSession
+
+
+@dataclass
+class LoadResult:
+    """Everything a load did, judged."""
+
+    spec: LoadSpec
+    results: list[LoadRequestResult] = field(default_factory=list)
+    samples: list[ResourceSample] = field(default_factory=list)
+    placements: dict[str, MediaPlacement] = field(default_factory=dict)
+    calibration: BatchCalibration | None = None
+    rounds: int = 0
+    ended_by: str | None = None  # the death that ended the load early (its first line)
+    killed: str | None = None  # the instance a planted kill ended
+    killed_at_s: float | None = None
+    problems: list[str] = field(default_factory=list)  # bounds a soak broke, a kill not seen
+    processes: list[int] = field(default_factory=list)  # every instance's process tree, at start
+    stats: LoadStats | None = None
+
+    @property
+    def records(self) -> list[CaseRecord]:
+        return [r.record for r in self.results]
+
+    @property
+    def passed(self) -> bool:
+        """Every request passed its policy (or, under a planted kill, ended ERROR naming the
+        killed instance), nothing ended the load unplanned, every bound held."""
+        if self.problems or not self.results:
+            return False
+        if self.killed is not None:
+            return True  # checked into `problems` by the load itself
+        return self.ended_by is None and all(r.record.policy_passed for r in self.results)
+
+
+def media_token_ids(model: str) -> frozenset[int]:
+    """The placeholder ids media expand to, from the model's config (Qwen2/2.5-VL:
+    `image_token_id`, `video_token_id`); empty when the model is not a local directory."""
+    path = Path(model) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return frozenset()
+    found = set()
+    for source in (config, config.get("text_config") or {}):
+        for key in ("image_token_id", "video_token_id"):
+            if isinstance(source.get(key), int):
+                found.add(source[key])
+    return frozenset(found)
+
+
+def decode_tail_failure(topology: Topology, kv_connector: str) -> DeclaredFailure | None:
+    """The failure a request whose media end in D's recomputed tail is declared to have on
+    `topology` under `kv_connector`: the matrix's declaration, the one place it is made."""
+    if not topology.has_kv_transfer:
+        return None
+    return get_scenario(DECODE_TAIL_SCENARIO).for_kv_connector(kv_connector).declared
+
+
+class LoadRun:
+    """One load on a sweep's baseline and pool (its judging path and its artifacts)."""
+
+    def __init__(
+        self,
+        spec: LoadSpec,
+        sweep: Sweep,
+        bounds: SoakBounds | None = None,
+        on_progress: Callable[[str], None] | None = None,
+        keep_baseline: bool = False,
+    ):
+        """`keep_baseline`: leave the baseline running after its calibration (a pytest
+        session's other scenarios use it); else it is stopped to make room."""
+        self.spec = spec
+        self.sweep = sweep
+        self.topology = TOPOLOGIES[spec.topology]
+        self.bounds = bounds or SoakBounds()
+        self.say = on_progress or log.info
+        self.keep_baseline = keep_baseline
+        self.result = LoadResult(spec)
+        self.prompts = [name for name in sweep.specs if name in sweep.baseline.bodies]
+        self.notes: list[str] = []
+        self._started = 0.0
+        self._attached: AttachedSession | None = None
+
+    # -- the whole load ------------------------------------------------------------------------
+
+    def run(self) -> LoadResult:
+        """Baseline (and its batch calibration), then the topology's rounds, then the requests
+        that must go alone; the account is rewritten as it grows."""
+        self.sweep.serve_baseline()
+        self._place_media()
+        declared = {prompt: self._declared(prompt) for prompt in self.prompts}
+        ending = {p for p, d in declared.items() if d is not None and d.verdict == "ERROR"}
+        prompts = list(self.prompts)
+        left_out = self.spec.duration_s is not None or self.spec.kill is not None
+        if ending and (left_out or not self.spec.ending):
+            # A soak measures resources over time and a planted death its own cause: a
+            # request that ends D by a declared failure would cut either short.
+            prompts = [p for p in prompts if p not in ending]
+            self.notes.append(
+                f"not in this load: {', '.join(sorted(ending))} (declared to end an instance "
+                f"on {self.topology.name}; a plain load sends it last)"
+            )
+            ending = set()
+        plan = plan_requests(prompts, self.spec.requests, frozenset(ending))
+        regular = [r for r in plan if not r.alone]
+        if self.spec.concurrency > 1:
+            self._calibrate(regular)
+        try:
+            session = self._open()
+        except AttachedDown as exc:  # a deployment not serving: nothing is sent
+            self.result.ended_by = str(exc).splitlines()[0]
+            self._judge_round([_Sent(r, None, 0.0, 0.0) for r in plan], declared)
+            self._finish()
+            return self.result
+        self._started = time.monotonic()
+        self._sample(session, "before")
+        try:
+            self._rounds(session, regular, declared)
+            alone = [r for r in plan if r.alone]
+            if alone:
+                self._send_alone(alone, declared)
+        finally:
+            self._finish()
+        return self.result
+
+    def _place_media(self) -> None:
+        """Where each prompt's media end, read from the baseline's prompt ids."""
+        media_ids = media_token_ids(self.sweep.settings.serving.model)
+        block = self.sweep.settings.serving.block_size
+        for prompt in self.prompts:
+            answer = self.sweep.baseline.outcomes[prompt].result
+            if answer is not None and media_ids:
+                self.result.placements[prompt] = media_placement(
+                    answer.prompt_token_ids, media_ids, block
+                )
+
+    def _region(self, prompt: str) -> str:
+        placement = self.result.placements.get(prompt)
+        return placement.region.value if placement else "unknown"
+
+    def _declared(self, prompt: str) -> DeclaredFailure | None:
+        placement = self.result.placements.get(prompt)
+        if placement is None or placement.region is not Region.DECODE_TAIL:
+            return None
+        return decode_tail_failure(self.topology, self.sweep.settings.serving.kv_connector)
+
+    def _calibrate(self, regular: list[PlannedRequest]) -> None:
+        """The baseline under the same traffic: batch numerics measured, not assumed."""
+        baseline = self.sweep.pool.session(BASELINE)
+        assert isinstance(baseline, TopologySession)
+        self.say(
+            f"[load] the baseline answers the {len(regular)} requests at concurrency "
+            f"{self.spec.concurrency}: does batching change its answers?"
+        )
+        self.result.calibration = self.sweep.baseline.calibrate_batched(
+            baseline, [(r.name, r.prompt) for r in regular], self.spec.concurrency
+        )
+        if not self.keep_baseline:
+            self.sweep.pool.release(BASELINE.name)
+
+    def _open(self) -> Session:
+        """The topology's running session (started again if an instance of it died), or the
+        attached deployment."""
+        attached = self.sweep.attached
+        if attached is not None:
+            if self._attached is None:
+                self._attached = AttachedSession(attached, self.sweep.settings)
+                self._attached.open()
+            return self._attached
+        return self.sweep.pool.session(self.topology, self.sweep.settings)
+
+    # -- rounds ------------------------------------------------------------------------------
+
+    def _rounds(
+        self,
+        session: Session,
+        regular: list[PlannedRequest],
+        declared: dict[str, DeclaredFailure | None],
+    ) -> None:
+        deadline = None
+        if self.spec.duration_s is not None:
+            deadline = self._started + self.spec.duration_s
+        while True:
+            offset = self.result.rounds * len(regular)
+            self.result.rounds += 1
+            planned = [PlannedRequest(r.number + offset, r.prompt) for r in regular]
+            sent = self._round(session, planned)
+            self._judge_round(sent, declared)
+            label = f"round {self.result.rounds}" if deadline is not None else "after"
+            sample = self._sample(session, label)
+            stop = self.result.ended_by or self.result.killed
+            if stop or deadline is None or time.monotonic() >= deadline:
+                return
+            kv = _storage_of(session, "kv")
+            if kv is not None:
+                sample.cleaned["kv"] = clean_storage(kv)
+            self.say(
+                f"[load] round {self.result.rounds} done at "
+                f"{time.monotonic() - self._started:.0f}s of {self.spec.duration_s:.0f}s"
+            )
+
+    def _round(self, session: Session, planned: list[PlannedRequest]) -> list[_Sent]:
+        """Every planned request, at most `concurrency` in flight; after a death, nothing
+        more is sent."""
+        stop = threading.Event()
+        flight = _InFlight()
+
+        def one(request: PlannedRequest) -> _Sent:
+            if stop.is_set():
+                return _Sent(request, None, 0.0, 0.0)
+            body = self.sweep.bodies[request.prompt]
+            started = flight.begin(self._now())
+            try:
+                observed = observe(session, request.prompt, body, stream=self.spec.stream)
+            finally:
+                ended = flight.end(self._now())
+            if observed.outcome.error and not stop.is_set():
+                dead = _dead_instance(session)
+                if dead is not None:
+                    stop.set()
+                    if self.result.killed is None:
+                        self.result.ended_by = dead.splitlines()[0]
+            return _Sent(request, observed, started, ended)
+
+        killer = None
+        if self.spec.kill is not None and self.result.rounds == 1:
+            target = min(self.spec.concurrency, len(planned))
+            killer = threading.Thread(
+                target=self._kill_when_in_flight, args=(session, flight, target), daemon=True
+            )
+            killer.start()
+        self.say(
+            f"[load] {self.topology.name}: {len(planned)} request(s), "
+            f"{self.spec.concurrency} at a time{', streamed' if self.spec.stream else ''}"
+        )
+        with ThreadPoolExecutor(max_workers=self.spec.concurrency) as pool:
+            sent = list(pool.map(one, planned))
+        if killer is not None:
+            killer.join(timeout=5)
+        return sent
+
+    def _kill_when_in_flight(self, session: Session, flight: _InFlight, target: int) -> None:
+        """SIGKILL the instance of the spec's role once `target` requests are in flight and
+        one of them has reached it (its tap recorded a call)."""
+        assert self.spec.kill is not None
+        base = session.base if isinstance(session, ProxiedSession) else session
+        assert isinstance(base, TopologySession), "a planted kill needs a launched topology"
+        server = base.server(Role(self.spec.kill))
+        deadline = time.monotonic() + KILL_WAIT_S
+        while time.monotonic() < deadline:
+            taps = base.taps.records if base.taps is not None else []
+            reached = any(r.instance == server.name for r in list(taps))
+            if flight.current >= target and reached:
+                break
+            time.sleep(0.05)
+        else:
+            self.result.problems.append(
+                f"the kill never found {target} request(s) in flight with one at {server.name}"
+            )
+            return
+        self.result.killed_at_s = self._now()
+        self.result.killed = server.name
+        kill_instance(server)
+        self.say(f"[load] killed {server.name} with {flight.current} request(s) in flight")
+
+    def _send_alone(
+        self, alone: list[PlannedRequest], declared: dict[str, DeclaredFailure | None]
+    ) -> None:
+        """The requests declared to end an instance, one at a time after all others (the
+        topology started again before each one that finds an instance dead)."""
+        for request in alone:
+            if self.result.ended_by is not None:
+                sent = _Sent(request, None, 0.0, 0.0)
+            else:
+                session = self._open()
+                body = self.sweep.bodies[request.prompt]
+                self.say(
+                    f"[load] {request.name} ({request.prompt}) alone, last: its media end in "
+                    f"the part D recomputes ({self._region(request.prompt)})"
+                )
+                started = self._now()
+                observed = observe(session, request.prompt, body, stream=self.spec.stream)
+                sent = _Sent(request, observed, started, self._now())
+            self._judge_round([sent], declared, alone=True)
+
+    # -- judging -----------------------------------------------------------------------------
+
+    def _judge_round(
+        self,
+        sent: list[_Sent],
+        declared: dict[str, DeclaredFailure | None],
+        alone: bool = False,
+    ) -> None:
+        """Each request against the baseline's answer to its own prompt, with the answers of
+        the other prompts named by a request that carried them."""
+        baseline = self.sweep.baseline
+        results: list[LoadRequestResult] = []
+        for item in sent:
+            request = item.request
+            observed = item.observed
+            if observed is None:
+                cause = self.result.ended_by or self.result.killed or "the load ended"
+                observed = Observed(Outcome(prompt=request.prompt, error=f"not sent: {cause}"), ())
+            batched = not alone and any(
+                other is not item and other.observed is not None and item.overlaps(other)
+                for other in sent
+            )
+            others = [
+                (_carrier(sent, item, prompt), baseline.outcomes[prompt])
+                for prompt in self.prompts
+                if prompt != request.prompt and baseline.outcomes[prompt].result is not None
+            ]
+            [record] = self.sweep.judging.judge(
+                self.topology,
+                observed,
+                label=f"{self.topology.name}:load#{request.number}",
+                spec=self.sweep.specs.get(request.prompt),
+                declared=None if self.result.killed else declared.get(request.prompt),
+                batched=batched,
+                others=others,
+            )
+            results.append(
+                LoadRequestResult(
+                    number=request.number,
+                    prompt=request.prompt,
+                    region=self._region(request.prompt),
+                    outcome=observed.outcome,
+                    record=record,
+                    batched=batched,
+                    started_s=item.started_s,
+                    ended_s=item.ended_s,
+                    not_sent=item.observed is None,
+                )
+            )
+        self.result.results += results
+        # The run's bundle (responses.json, report.html) holds every request of a load and a
+        # soak's first round; after that only the requests that did not pass, or a long soak's
+        # bundle would be rewritten whole at tens of MB per round. load.md and load.json list
+        # every request, judged.
+        kept = [r for r in results if self.result.rounds <= 1 or not r.record.policy_passed]
+        for result in kept:
+            label = f"load:{self.topology.name}:{result.number}"
+            self.sweep.result.outcomes[label] = {result.prompt: result.outcome}
+            self.sweep.result.records.append(result.record)
+        if kept or self.result.rounds <= 1:
+            self.sweep.write_outputs()
+        self._write_account()
+
+    # -- resources ---------------------------------------------------------------------------
+
+    def _sample(self, session: Session, label: str) -> ResourceSample:
+        base = session.base if isinstance(session, ProxiedSession) else session
+        sample = ResourceSample(
+            at_s=round(self._now(), 2),
+            requests_done=sum(not r.not_sent for r in self.result.results),
+            label=label,
+        )
+        if isinstance(base, TopologySession):
+            for server in base.servers:
+                sample.instances[server.name] = tree_usage(server.pid)
+                if label == "before":
+                    self.result.processes += tree_pids(server.pid)
+        for kind in ("ec", "kv"):
+            storage = _storage_of(session, kind)
+            if storage is not None:
+                sample.storage[kind] = storage_usage(storage)
+        self.result.samples.append(sample)
+        return sample
+
+    # -- the account ---------------------------------------------------------------------------
+
+    def _finish(self) -> None:
+        result = self.result
+        if result.killed is not None:
+            result.problems += self._kill_problems()
+        if self.spec.duration_s is not None:
+            stats = load_stats(result.results, result.samples)
+            result.problems += bound_problems(stats, result.samples, self.bounds)
+        self._write_account()
+        if self._attached is not None:
+            self._attached.close()
+
+    def _kill_problems(self) -> list[str]:
+        """Under a planted kill: every request in flight ended ERROR naming the killed
+        instance first, each within KILL_END_S of the kill."""
+        assert self.result.killed is not None and self.result.killed_at_s is not None
+        problems = []
+        for result in self.result.results:
+            first = (result.outcome.error or "").strip().splitlines()[:1]
+            if result.record.verdict is not Verdict.ERROR:
+                problems.append(
+                    f"request {result.number}: {result.record.verdict.value}, not ERROR"
+                )
+            elif not first or self.result.killed not in first[0]:
+                problems.append(
+                    f"request {result.number}: ERROR without {self.result.killed} first: "
+                    f"{first[0] if first else '(no error)'}"
+                )
+            elif not result.not_sent and result.ended_s - self.result.killed_at_s > KILL_END_S:
+                problems.append(
+                    f"request {result.number} ended {result.ended_s - self.result.killed_at_s:.1f}s "
+                    f"after the kill (bound {KILL_END_S:g}s)"
+                )
+        return problems
+
+    def account_notes(self) -> list[str]:
+        result = self.result
+        notes = list(self.notes)
+        if result.calibration is not None:
+            notes.append(f"batch numerics: {result.calibration.describe()}")
+        if result.killed is not None and result.killed_at_s is not None:
+            ends = [r.ended_s - result.killed_at_s for r in result.results if not r.not_sent]
+            held = "" if result.problems else "; every request ended ERROR naming it, as it must"
+            notes.append(
+                f"killed {result.killed} at {result.killed_at_s:.1f}s (planted); the last "
+                f"request in flight ended {max(ends, default=0.0):.2f}s later{held}"
+            )
+        if result.ended_by is not None:
+            notes.append(f"the load ended early: {result.ended_by}")
+        if self.spec.duration_s is not None:
+            b = self.bounds
+            notes.append(
+                f"soak of {self.spec.duration_s:.0f}s, {result.rounds} round(s); bounds: storage "
+                f"<= {b.storage_bytes / 2**20:.0f} MiB each, RSS growth <= "
+                f"{b.rss_growth_bytes / 2**20:.0f} MiB and open files growth <= {b.fd_growth} "
+                "per instance after the first round"
+            )
+        notes += [f"problem: {p}" for p in result.problems]
+        return notes
+
+    def _write_account(self) -> None:
+        result = self.result
+        result.stats = load_stats(result.results, result.samples)
+        run_dir = self.sweep.settings.run_dir
+        title = (
+            f"Load on {self.topology.name}: {self.spec.requests} request(s) per round, "
+            f"concurrency {self.spec.concurrency}{', streamed' if self.spec.stream else ''}"
+        )
+        write_text_atomic(
+            run_dir / "load.md",
+            format_load(title, result.stats, result.results, result.samples, self.account_notes()),
+        )
+        write_json_atomic(run_dir / "load.json", self.account_json())
+
+    def account_json(self) -> dict[str, Any]:
+        result = self.result
+        assert result.stats is not None
+        return {
+            "spec": {
+                "topology": self.spec.topology,
+                "requests": self.spec.requests,
+                "concurrency": self.spec.concurrency,
+                "stream": self.spec.stream,
+                "duration_s": self.spec.duration_s,
+                "distinct_media": self.spec.distinct_media,
+                "kill": self.spec.kill,
+                "ending": self.spec.ending,
+            },
+            "passed": result.passed,
+            "stats": stats_json(result.stats),
+            "placements": {
+                prompt: {**placement.__dict__, "region": placement.region.value}
+                for prompt, placement in result.placements.items()
+            },
+            "calibration": None
+            if result.calibration is None
+            else {
+                "concurrency": result.calibration.concurrency,
+                "noise_floor_nats": result.calibration.noise_floor,
+                "changed": [a.__dict__ for a in result.calibration.changed],
+                "describe": result.calibration.describe(),
+            },
+            "rounds": result.rounds,
+            "ended_by": result.ended_by,
+            "killed": result.killed,
+            "killed_at_s": result.killed_at_s,
+            "problems": result.problems,
+            "notes": self.account_notes(),
+            "requests": [r.to_json() for r in result.results],
+            "samples": [s.to_json() for s in result.samples],
+        }
+
+    def _now(self) -> float:
+        return time.monotonic() - self._started
+
+
+KILL_END_S = 30.0  # a request in flight when its instance is killed must end within this
+
+
+@dataclass
+class _Sent:
+    """A planned request and what came of it (observed None: never sent)."""
+
+    request: PlannedRequest
+    observed: Observed | None
+    started_s: float
+    ended_s: float
+
+    def overlaps(self, other: _Sent) -> bool:
+        return self.started_s < other.ended_s and other.started_s < self.ended_s
+
+
+class _InFlight:
+    """How many requests are in flight right now (the planted kill waits for all of them)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.current = 0
+
+    def begin(self, now: float) -> float:
+        with self._lock:
+            self.current += 1
+        return now
+
+    def end(self, now: float) -> float:
+        with self._lock:
+            self.current -= 1
+        return now
+
+
+def _carrier(sent: list[_Sent], item: _Sent, prompt: str) -> str:
+    """The name of a request that carried `prompt`: one in flight with `item` if any, else the
+    nearest by number, else the prompt itself (a request of the mix that this round lacks)."""
+    carriers = [s for s in sent if s.request.prompt == prompt]
+    if not carriers:
+        return f"prompt {prompt}"
+    overlapping = [s for s in carriers if s.observed is not None and item.overlaps(s)]
+    pool = overlapping or carriers
+    best = min(pool, key=lambda s: abs(s.request.number - item.request.number))
+    return best.request.name
+
+
+def _dead_instance(session: Session) -> str | None:
+    if isinstance(session, AttachedSession):
+        return session.first_down()
+    return session.dead_instance_report()
+
+
+def _storage_of(session: Session, kind: str) -> Path | None:
+    return session.ec_storage if kind == "ec" else session.kv_storage

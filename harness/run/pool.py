@@ -1,0 +1,387 @@
+"""Every topology a run serves, each started once and shared by everything that needs it.
+
+A start is the whole cost of a run on CPU (tens of seconds per topology; requests take well under
+a second), so a topology is started the first time something asks for it and then kept: the
+sweep's cases, the matrix, the self-test and detection scenarios and fuzzing all ask the pool,
+and a pytest session orders its e2e tests by topology (`harness.testing.plugin`) so each one
+starts once per session. A session is keyed by what makes its instances what they are: the
+topology, the serving flags (connectors included) and the proxy under test; its storage is its
+own, never another topology's, because both example connectors key what they store by content
+and a consumer could otherwise load what another topology's producer left (and a transfer guard
+would hold for a transfer that did not happen).
+
+It stops a session only when told (`release`), when memory or devices are needed for another
+(least recently used first), or at the end. A session whose instance died (a case that kills D,
+the self-test's kill) is started again on its next use, and the restart is counted with its
+cause: `starts` is the account `epd-harness` and pytest print at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.files import write_json_atomic
+from harness.outcomes.outcome import InstanceStats
+from harness.serve.entry import proxy_key
+from harness.serve.launch import EventCallback
+from harness.serve.session import ProxiedSession, TopologySession, safe_name
+from harness.spec.placement import CPU_INSTANCE_BYTES, CPU_MEMORY_HEADROOM, available_memory_bytes
+from harness.spec.settings import LauncherChoice, RunSettings
+from harness.spec.topology import Role, ServingConfig, Topology
+
+STARTS_FILE = "topology-starts.json"
+log = logging.getLogger(__name__)
+RoleEnv = Mapping[Role, Mapping[str, str]]
+
+
+@dataclass(frozen=True)
+class SessionKey:
+    """What makes a running topology's instances what they are: two requests with equal keys
+    share them (through whichever proxy each asks for)."""
+
+    topology: str
+    serving: ServingConfig
+    # Environment added to the instances of a role (a self-test's plugin in D), as sorted
+    # (role, ((name, value), ...)) pairs: other environment, other instances.
+    role_env: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    # Where the instances run (this host, or a Ray cluster's nodes): other nodes, other
+    # instances, even under the same flags.
+    launcher: LauncherChoice = LauncherChoice()
+
+    @classmethod
+    def of(
+        cls, topology: Topology, settings: RunSettings, role_env: RoleEnv | None = None
+    ) -> SessionKey:
+        frozen = tuple(
+            sorted(
+                (role.value, tuple(sorted(env.items()))) for role, env in (role_env or {}).items()
+            )
+        )
+        return cls(topology.name, settings.serving, frozen, settings.launcher)
+
+    def describe(
+        self, base: ServingConfig | None = None, base_launcher: LauncherChoice | None = None
+    ) -> str:
+        """The topology, with what differs from the run's own serving flags, environment and
+        launcher."""
+        parts = [self.topology]
+        if base is not None:
+            for name, value in dataclasses.asdict(self.serving).items():
+                if getattr(base, name) != value:
+                    parts.append(f"{name}={value}")
+        if base_launcher is not None and self.launcher != base_launcher:
+            parts.append(f"launcher={self.launcher.kind}")
+        for role, env in self.role_env:
+            parts.append(f"{role}+env({','.join(name for name, _ in env)})")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class StartRecord:
+    """One start of one topology, and why it was needed."""
+
+    key: SessionKey
+    reason: str  # "first use", "restart: <cause>", "private: <why>"
+    seconds: float | None  # until every instance was ready; None when it did not come up
+
+
+@dataclass(frozen=True)
+class SessionRequest:
+    """A topology wanted now, with the settings it runs under and its devices (its slot)."""
+
+    topology: Topology
+    settings: RunSettings
+    devices: tuple[int, ...] | None = None
+    role_env: RoleEnv | None = None
+
+    @property
+    def key(self) -> SessionKey:
+        return SessionKey.of(self.topology, self.settings, self.role_env)
+
+
+@dataclass
+class _Live:
+    session: TopologySession
+    used: float  # monotonic time of the last use: least recently used is stopped first
+    devices: tuple[int, ...] = field(default_factory=tuple)
+
+
+class TopologyPool:
+    """The running topologies of one run (one CLI run, or one pytest process)."""
+
+    def __init__(self, settings: RunSettings, on_event: EventCallback | None = None):
+        self.settings = settings  # the run's own: artifacts land under its run_dir
+        self.on_event = on_event
+        self.starts: list[StartRecord] = []
+        self.instances: list[InstanceStats] = []
+        # Other proxies put in front of a running topology (its instances not started again).
+        self.entries: list[str] = []
+        self._live: dict[SessionKey, _Live] = {}
+        self._before_stop: list[Callable[[TopologySession], None]] = []
+
+    # -- asking for sessions ------------------------------------------------------------------
+
+    def session(
+        self,
+        topology: Topology,
+        settings: RunSettings | None = None,
+        devices: tuple[int, ...] | None = None,
+        role_env: RoleEnv | None = None,
+    ) -> TopologySession | ProxiedSession:
+        """The running session of `topology` under `settings` (default: the run's), started
+        now if it is not running, reached through the proxy `settings` names (the instances
+        are shared whatever the proxy); raises what stopped it from starting."""
+        request = SessionRequest(topology, settings or self.settings, devices, role_env)
+        outcome = self.open([request])[request.key]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return self.through(outcome, request.settings)
+
+    def revive(
+        self, topology: Topology, settings: RunSettings | None = None
+    ) -> TopologySession | ProxiedSession:
+        """`session(topology)`, except that a running session whose instance died gets only
+        that instance started again, in place (`TopologySession.revive_dead`: its siblings,
+        storage and proxy kept), where `session` would start the whole topology afresh. For
+        callers that send request after request that kill one instance (fuzzing): on CPU one
+        instance starts in about half the time three do. Counted among the starts with its
+        cause; a revival that fails falls back to a full restart."""
+        settings = settings or self.settings
+        key = SessionKey.of(topology, settings)
+        live = self._live.get(key)
+        died = live.session.dead_instance_report() if live is not None else None
+        if live is None or died is None:
+            return self.session(topology, settings)
+        cause = died.splitlines()[0]
+        started = time.monotonic()
+        try:
+            revived = live.session.revive_dead()
+        except Exception as exc:  # noqa: BLE001 - the restart below says what it costs
+            log.warning("reviving %s failed (%s); restarting it", topology.name, exc)
+            self.starts.append(StartRecord(key, f"revive: {cause}", None))
+            return self.session(topology, settings)
+        names = ", ".join(s.name.rsplit("/", 1)[-1] for s in revived)
+        seconds = round(time.monotonic() - started, 1)
+        self.starts.append(StartRecord(key, f"revive {names}: {cause}", seconds))
+        self.instances.extend(revived)
+        live.used = time.monotonic()
+        return self.through(live.session, settings)
+
+    def through(
+        self, session: TopologySession, settings: RunSettings
+    ) -> TopologySession | ProxiedSession:
+        """`session` reached through the proxy `settings` names: itself when that is its own."""
+        own = proxy_key(session.topology, session.settings.proxy)
+        if proxy_key(session.topology, settings.proxy) == own:
+            return session
+        view = session.via(settings.proxy)
+        entry = f"{SessionKey.of(session.topology, settings).describe(self.settings.serving)} "
+        entry += f"through {view.entry.key}"
+        if entry not in self.entries:
+            self.entries.append(entry)
+        return view
+
+    def open(
+        self, requests: Sequence[SessionRequest]
+    ) -> dict[SessionKey, TopologySession | BaseException]:
+        """Sessions for every request; those not running start together (a wave) and are
+        waited for together. A request that cannot start maps to its exception; an
+        interruption stops whatever this call started and propagates."""
+        found: dict[SessionKey, TopologySession | BaseException] = {}
+        starting: list[tuple[SessionKey, TopologySession, str]] = []
+        for request in requests:
+            key = request.key
+            live = self._live.get(key)
+            reason = "first use" if not self._started_before(key) else "restart: stopped earlier"
+            if live is not None:
+                died = live.session.dead_instance_report()
+                if died is None:
+                    live.used = time.monotonic()
+                    found[key] = live.session
+                    continue
+                reason = f"restart: {died.splitlines()[0]}"
+                self._stop(key)
+            session = self._new_session(request)
+            starting.append((key, session, reason))
+        self._make_room([(key, s.topology, s.devices) for key, s, _ in starting])
+        with contextlib.ExitStack() as undo:
+            for _, session, _ in starting:
+                undo.callback(session.close)  # cleared below for those that come up
+            started = time.monotonic()
+            for key, session, _ in starting:
+                try:
+                    session.start_servers()
+                except Exception as exc:  # noqa: BLE001 - a topology that cannot start fails its cases
+                    found[key] = exc
+            for key, session, reason in starting:
+                if key in found:
+                    self.starts.append(StartRecord(key, reason, None))
+                    continue
+                try:
+                    session.wait_until_serving()
+                except Exception as exc:  # noqa: BLE001
+                    session.close()  # a dead sibling must not hold memory while others serve
+                    found[key] = exc
+                    self.starts.append(StartRecord(key, reason, None))
+                    continue
+                seconds = round(time.monotonic() - started, 1)
+                self.starts.append(StartRecord(key, reason, seconds))
+                self._live[key] = _Live(session, time.monotonic(), session.devices)
+                self.instances.extend(session.stats.values())
+                found[key] = session
+            undo.pop_all()
+        for key, session, _ in starting:
+            if isinstance(found[key], BaseException):
+                session.close()
+        return found
+
+    @contextlib.contextmanager
+    def private(
+        self,
+        topology: Topology,
+        why: str,
+        label: str,
+        settings: RunSettings | None = None,
+        reuse_storage: Path | None = None,
+    ) -> Iterator[TopologySession]:
+        """A session nobody else shares, for a scenario that must start one of its own (a
+        rerun on the storage an earlier session left); counted among the starts with `why`."""
+        settings = settings or self.settings
+        key = SessionKey.of(topology, settings)
+        self._make_room([(key, topology, ())])
+        session = TopologySession(
+            topology, settings, on_event=self.on_event, label=label, reuse_storage=reuse_storage
+        )
+        started = time.monotonic()
+        try:
+            session.__enter__()
+        except BaseException:
+            self.starts.append(StartRecord(key, f"private: {why}", None))
+            raise
+        self.starts.append(
+            StartRecord(key, f"private: {why}", round(time.monotonic() - started, 1))
+        )
+        self.instances.extend(session.stats.values())
+        try:
+            yield session
+        finally:
+            session.close()
+
+    # -- stopping ----------------------------------------------------------------------------
+
+    def release(self, topology: str | None = None, launcher: LauncherChoice | None = None) -> None:
+        """Stop the sessions of `topology` (every session when None), of those the ones
+        `launcher` runs (any when None); a later request starts it again, counted as a
+        restart."""
+        for key in [
+            k
+            for k in self._live
+            if (topology is None or k.topology == topology)
+            and (launcher is None or k.launcher == launcher)
+        ]:
+            self._stop(key)
+
+    def close(self) -> None:
+        self.release()
+
+    def before_stop(self, callback: Callable[[TopologySession], None]) -> None:
+        """Call `callback` with every session about to be stopped (released, or stopped to
+        make room): a sweep sharing the pool serves the prompts it will need as an exact
+        reference while the topology still runs, instead of starting it again later."""
+        self._before_stop.append(callback)
+
+    def running(self) -> list[SessionKey]:
+        return list(self._live)
+
+    # -- the account -------------------------------------------------------------------------
+
+    def distinct(self) -> list[SessionKey]:
+        return list(dict.fromkeys(s.key for s in self.starts))
+
+    def summary(self) -> str:
+        """How many topologies were started, how many distinct ones that is, and why each
+        extra start happened."""
+        base, launcher = self.settings.serving, self.settings.launcher
+        extra = [s for s in self.starts if s.reason != "first use"]
+        lines = [
+            f"topology starts: {len(self.starts)} for {len(self.distinct())} distinct "
+            f"(topology, connectors)"
+            + (f"; {len(extra)} more than once, each with its reason:" if extra else "")
+        ]
+        for start in self.starts:
+            took = "did not come up" if start.seconds is None else f"{start.seconds:.1f}s"
+            lines.append(f"  {start.key.describe(base, launcher)}: {start.reason} ({took})")
+        lines += [f"  {entry} (no start: another proxy in front)" for entry in self.entries]
+        return "\n".join(lines)
+
+    def starts_json(self) -> list[dict[str, object]]:
+        base, launcher = self.settings.serving, self.settings.launcher
+        return [
+            {"topology": s.key.describe(base, launcher), "reason": s.reason, "seconds": s.seconds}
+            for s in self.starts
+        ]
+
+    def write_starts(self, run_dir: Path) -> None:
+        """`topology-starts.json`: what a pytest session sums over every pool of its run."""
+        if self.starts:
+            write_json_atomic(run_dir / STARTS_FILE, self.starts_json())
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _started_before(self, key: SessionKey) -> bool:
+        return any(s.key == key for s in self.starts)
+
+    def _new_session(self, request: SessionRequest) -> TopologySession:
+        label = safe_name(
+            request.key.describe(self.settings.serving, self.settings.launcher).replace(" ", "_")
+        )
+        return TopologySession(
+            request.topology,
+            request.settings,
+            on_event=self.on_event,
+            label=label,
+            devices=request.devices,
+            role_env=request.role_env,
+        )
+
+    def _stop(self, key: SessionKey) -> None:
+        live = self._live.pop(key, None)
+        if live is None:
+            return
+        try:
+            if live.session.dead_instance_report() is None:
+                for callback in self._before_stop:
+                    callback(live.session)
+        finally:
+            live.session.close()
+
+    def _make_room(self, coming: Sequence[tuple[SessionKey, Topology, tuple[int, ...]]]) -> None:
+        """Stop least recently used sessions until the coming ones fit: on GPUs no two
+        sessions hold the same device; on CPU the instances fit in the memory available now
+        (`CPU_INSTANCE_BYTES` each, `CPU_MEMORY_HEADROOM` of it)."""
+        keep = {key for key, _, _ in coming}
+        others = sorted(
+            ((k, v) for k, v in self._live.items() if k not in keep), key=lambda kv: kv[1].used
+        )
+        if self.settings.platform.exclusive_devices:
+            wanted = {d for _, _, devices in coming for d in devices}
+            for key, live in others:
+                if wanted & set(live.devices):
+                    self._stop(key)
+            return
+        needed = sum(len(topology.roles) for _, topology, _ in coming)
+        for key, _ in others:
+            if cpu_instances_that_fit() >= needed:
+                break
+            self._stop(key)
+
+
+def cpu_instances_that_fit() -> int:
+    """How many more CPU instances the memory available now holds."""
+    return int(available_memory_bytes() * CPU_MEMORY_HEADROOM) // CPU_INSTANCE_BYTES

@@ -1,0 +1,351 @@
+#!/usr/bin/env python3
+"""check.py of an exported repro: send the recorded request once, compare the answer's token ids
+with the expected ones, and name any instance that died.
+
+`epd-harness export` copies this file into the export as `check.py`; there it runs without the
+harness, on the Python standard library alone, while `serve.sh` serves (`run.sh` does both):
+
+    python3 check.py [--state DIR]
+
+It reads `request.json` (the body exactly as the harness sent it, media inlined) and
+`expected.json` (the monolithic baseline's ids, or for a probe what the instance should do)
+beside it, and `DIR/endpoints.tsv`, which `serve.sh` writes once everything is healthy (the
+entry URL, every instance's URL, process id and log). Exit codes:
+
+- 0: the answer equals the expected one (a probe: the instance refused the request and kept
+  serving);
+- 1: a difference: other token ids (the first divergence is printed), or a probe answered;
+- 2: an error: an HTTP error, a timeout, an instance that died (named, with the error lines
+  of its log and its last lines), or check.py could not run at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+EXIT_MATCH = 0
+EXIT_DIFFERENCE = 1
+EXIT_ERROR = 2
+HEALTH_TIMEOUT_S = 5.0
+# After a failed request: how long a dying engine may take to bring its server down.
+DEATH_GRACE_S = 15.0
+EXIT_WAIT_S = 10.0
+WINDOW = 5  # ids shown on each side of a divergence
+LOG_ERROR_LINES = 30
+LOG_TAIL_LINES = 12
+ENDPOINTS_FILE = "endpoints.tsv"
+EXCEPTION_LINE = re.compile(r"\b\w*(?:Error|Exception): (?P<message>.+)$")
+SERVER_ERROR_LINE = re.compile(r'HTTP/1\.1" 5\d\d')
+# Straight to 127.0.0.1: an HTTP(S)_PROXY in the environment must not relay these requests.
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One HTTP exchange; `status` None means no HTTP answer (refused, reset, timed out)."""
+
+    url: str
+    status: int | None
+    text: str
+    seconds: float
+
+    def headline(self) -> str:
+        got = "no answer" if self.status is None else f"HTTP {self.status}"
+        return f"POST {self.url} -> {got} after {self.seconds:.1f}s: {self.text[:600]}"
+
+
+@dataclass(frozen=True)
+class Instance:
+    name: str
+    role: str
+    url: str
+    pid: int | None
+    log: str
+
+
+def post_json(url: str, body: dict[str, Any], timeout_s: float) -> Answer:
+    data = json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    started = time.monotonic()
+    try:
+        with DIRECT.open(request, timeout=timeout_s) as response:
+            status, text = response.status, response.read().decode("utf-8", errors="replace")
+    except urllib.error.HTTPError as exc:
+        status, text = exc.code, exc.read().decode("utf-8", errors="replace")
+    except OSError as exc:  # refused, reset, timed out
+        status, text = None, f"{type(exc).__name__}: {exc}"
+    return Answer(url, status, text, time.monotonic() - started)
+
+
+def healthy(url: str) -> bool:
+    try:
+        with DIRECT.open(f"{url}/health", timeout=HEALTH_TIMEOUT_S) as response:
+            return response.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+def process_alive(pid: int | None) -> bool | None:
+    """None when unknown (no pid, or not ours to signal)."""
+    if pid is None:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return None
+    return True
+
+
+def evidence(log_text: str) -> str:
+    """A log cut to what says why: each exception message once (not the traceback frames that
+    precede it), 5xx answers, then the log's last lines."""
+    lines = log_text.splitlines()
+    picked: list[str] = []
+    seen: set[str] = set()
+    for line in lines:
+        exception = EXCEPTION_LINE.search(line)
+        if exception and "Traceback" not in line and exception["message"] not in seen:
+            seen.add(exception["message"])
+            picked.append(line)
+        elif SERVER_ERROR_LINE.search(line):
+            picked.append(line)
+    picked = picked[:LOG_ERROR_LINES]
+    tail = [line for line in lines[-LOG_TAIL_LINES:] if line not in picked]
+    return "\n".join(picked + (["..."] if picked and tail else []) + tail)
+
+
+def down_report(instance: Instance, state_dir: Path) -> str | None:
+    """Why `instance` no longer serves (None: it does), with its log's evidence. A server
+    whose engine died answers no /health while its API server shuts down: give it EXIT_WAIT_S
+    to exit, and serve.sh a moment to note its exit code."""
+    if healthy(instance.url):
+        return None
+    exit_file = state_dir / f"{instance.name}.exit"
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while not exit_file.is_file() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = process_alive(instance.pid)
+    if exit_file.is_file():
+        state = f"exited with code {exit_file.read_text().strip()}"
+    elif alive is False:
+        state = "exited"
+    else:
+        state = "is running but its /health does not answer 200"
+    try:
+        log_text = Path(instance.log).read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        log_text = f"(its log {instance.log} cannot be read: {exc})"
+    return (
+        f"{instance.name} ({instance.role}, {instance.url}) {state}; evidence from "
+        f"{instance.log}:\n{indent(evidence(log_text))}"
+    )
+
+
+def dead_instances(instances: list[Instance], state_dir: Path, grace_s: float) -> list[str]:
+    """Reports of the instances that are down, giving a dying one `grace_s` to go down."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        reports = [r for r in (down_report(i, state_dir) for i in instances) if r]
+        if reports or time.monotonic() >= deadline:
+            return reports
+        time.sleep(0.5)
+
+
+def indent(text: str) -> str:
+    return "\n".join(f"    {line}" for line in text.splitlines())
+
+
+def first_difference(expected: list[int], got: list[int]) -> int | None:
+    """The first position where the sequences differ (a length difference counts), or None."""
+    for index, (want, have) in enumerate(zip(expected, got)):
+        if want != have:
+            return index
+    if len(expected) != len(got):
+        return min(len(expected), len(got))
+    return None
+
+
+def window(ids: list[int], index: int) -> str:
+    start = max(0, index - WINDOW)
+    shown = [
+        f"[{t}]" if start + i == index else str(t)
+        for i, t in enumerate(ids[start : index + WINDOW + 1])
+    ]
+    return f"{'... ' if start else ''}{' '.join(shown)}"
+
+
+def top_logprobs(response: dict[str, Any], index: int) -> list[tuple[int, float]] | None:
+    """The answer's top-k (token id, log-prob) at generated position `index`."""
+    try:
+        entry = response["choices"][0]["logprobs"]["content"][index]
+        return [
+            (int(str(t["token"]).split(":", 1)[1]), float(t["logprob"]))
+            for t in entry["top_logprobs"]
+        ]
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+def format_top(top: list[Any] | None) -> str:
+    if not top:
+        return "(not recorded)"
+    return ", ".join(f"{int(t)}: {float(lp):.3f}" for t, lp in top)
+
+
+def describe_difference(
+    what: str, expected: list[int], got: list[int], index: int, tops: tuple[Any, Any] = (None, None)
+) -> str:
+    want = expected[index] if index < len(expected) else "(ended)"
+    have = got[index] if index < len(got) else "(ended)"
+    lines = [
+        f"{what} token ids differ at position {index} of {len(expected)} expected "
+        f"({len(got)} received): expected {want}, got {have}",
+        f"  expected: {window(expected, index)}",
+        f"  received: {window(got, index)}",
+    ]
+    if tops != (None, None):
+        lines.append(f"  expected top-k there: {format_top(tops[0])}")
+        lines.append(f"  received top-k there: {format_top(tops[1])}")
+    return "\n".join(lines)
+
+
+def compare_tokens(expected: dict[str, Any], response: dict[str, Any]) -> str | None:
+    """None when prompt and generated ids equal the expected ones, else the first divergence."""
+    try:
+        prompt_ids = list(response["prompt_token_ids"])
+        token_ids = list(response["choices"][0]["token_ids"])
+    except (KeyError, IndexError, TypeError):
+        return "the answer carries no token ids (was return_token_ids honoured?)"
+    index = first_difference(expected["prompt_token_ids"], prompt_ids)
+    if index is not None:
+        return describe_difference("prompt", expected["prompt_token_ids"], prompt_ids, index) + (
+            "\n  (the prompts differ: the media placeholders were sized differently)"
+        )
+    index = first_difference(expected["token_ids"], token_ids)
+    if index is None:
+        return None
+    expected_top = (expected.get("top_logprobs") or [])[index : index + 1]
+    tops = (expected_top[0] if expected_top else None, top_logprobs(response, index))
+    return describe_difference("generated", expected["token_ids"], token_ids, index, tops)
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    mode: str  # "case", or "baseline": the monolithic reference serves the request
+    entry: str
+    instances: list[Instance]
+
+
+def read_endpoints(state_dir: Path) -> Endpoints:
+    """serve.sh's endpoints.tsv: `mode M`, `entry URL`, then `instance NAME ROLE URL PID LOG`."""
+    mode, entry, instances = "case", "", []
+    for line in (state_dir / ENDPOINTS_FILE).read_text(encoding="utf-8").splitlines():
+        fields = line.split("\t")
+        if fields[0] in ("mode", "entry") and len(fields) == 2:
+            mode, entry = (fields[1], entry) if fields[0] == "mode" else (mode, fields[1])
+        elif fields[0] == "instance" and len(fields) == 6:
+            name, role, url, pid, log = fields[1:]
+            instances.append(Instance(name, role, url, int(pid) if pid.isdigit() else None, log))
+    if not entry or not instances:
+        raise ValueError(f"{state_dir / ENDPOINTS_FILE} names no entry or no instance")
+    return Endpoints(mode, entry, instances)
+
+
+def judge(
+    expected: dict[str, Any], answer: Answer, instances: list[Instance], state_dir: Path
+) -> tuple[str, int, str]:
+    """(verdict, exit code, evidence) for one answer; the instances are checked afterwards."""
+    grace = DEATH_GRACE_S if answer.status != 200 else 0.0
+    dead = dead_instances(instances, state_dir, grace)
+    if dead:
+        cause = f"{answer.headline()}\n" + "\n".join(dead)
+        names = ", ".join(r.split(" ", 1)[0] for r in dead)
+        return "ERROR", EXIT_ERROR, f"{names} died during the request\n{cause}"
+    if expected["check"] == "refused-and-alive":
+        target = expected["send_to"]
+        if answer.status is not None and 400 <= answer.status < 500:
+            return (
+                "MATCH",
+                EXIT_MATCH,
+                f"{target} refused the request and keeps serving: {answer.headline()}",
+            )
+        if answer.status == 200:
+            return (
+                "MISMATCH",
+                EXIT_DIFFERENCE,
+                f"{target} answered a request it cannot serve: {answer.headline()}",
+            )
+        return "ERROR", EXIT_ERROR, answer.headline()
+    if answer.status != 200:
+        return "ERROR", EXIT_ERROR, answer.headline()
+    try:
+        response = json.loads(answer.text)
+    except ValueError:
+        return "ERROR", EXIT_ERROR, f"the answer is not JSON: {answer.text[:300]}"
+    difference = compare_tokens(expected, response)
+    if difference is not None:
+        return "MISMATCH", EXIT_DIFFERENCE, difference
+    generated = len(expected["token_ids"])
+    prompt = len(expected["prompt_token_ids"])
+    return (
+        "MATCH",
+        EXIT_MATCH,
+        f"the {generated} generated and {prompt} prompt token ids equal the expected ones",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    here = Path(__file__).resolve().parent
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    work = Path(os.environ.get("WORK") or here / "work")
+    parser.add_argument(
+        "--state", type=Path, default=work / "state", help="serve.sh's state directory"
+    )
+    args = parser.parse_args(argv)
+    try:
+        body = json.loads((here / "request.json").read_text(encoding="utf-8"))
+        expected = json.loads((here / "expected.json").read_text(encoding="utf-8"))
+        endpoints = read_endpoints(args.state)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"check.py: error: cannot run: {exc} (is serve.sh serving?)", file=sys.stderr)
+        return EXIT_ERROR
+    target = endpoints.entry
+    if expected.get("send_to"):
+        named = [i.url for i in endpoints.instances if i.name == expected["send_to"]]
+        if not named:
+            print(f"check.py: error: {expected['send_to']!r} is not serving", file=sys.stderr)
+            return EXIT_ERROR
+        target = named[0]
+    url = f"{target}/v1/chat/completions"
+    print(f"check.py: {expected['what']}")
+    if endpoints.mode == "baseline":
+        print("check.py: sent to the monolithic reference: do the expected ids hold here?")
+    print(f"check.py: POST {url}")
+    answer = post_json(url, body, float(expected.get("timeout_s", 600)))
+    verdict, code, detail = judge(expected, answer, endpoints.instances, args.state)
+    print(f"{verdict}: {detail}")
+    recorded = expected.get("recorded") or {}
+    if endpoints.mode == "baseline":
+        holds = "hold" if code == EXIT_MATCH else "do NOT hold"
+        print(f"check.py: the expected ids {holds} on this machine's monolithic vLLM")
+    elif recorded.get("verdict"):
+        same = "reproduced" if recorded["verdict"] == verdict else "NOT reproduced"
+        source = recorded.get("source", "the harness")
+        print(f"check.py: {source} recorded {recorded['verdict']}: {same}")
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,40 @@
+"""Judging a hand-made outcome in a test, the way a run judges it: one call to the one
+judging function (`harness.judge.verdicts.judge_case`) with one reference."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from harness.judge.guards import GuardResult
+from harness.judge.policy import EXACT_EVERYWHERE, ReferencePolicy
+from harness.judge.records import CaseRecord, DeclaredFailure
+from harness.judge.verdicts import JudgingRules, Reference, judge_case
+from harness.outcomes.outcome import Outcome
+from harness.spec.topology import TOPOLOGIES
+
+
+def judged(
+    topology: str,
+    reference_name: str,
+    reference: Outcome,
+    candidate: Outcome,
+    guards: Sequence[GuardResult] = (),
+    *,
+    reference_policy: str = EXACT_EVERYWHERE,
+    stable: bool = True,
+    tolerance: float = 0.0,
+    declared: DeclaredFailure | None = None,
+) -> CaseRecord:
+    """`topology` may carry a scenario label (`1E+1PD:name`); the reference is monolithic
+    when its name is not a topology's (baseline, golden-*)."""
+    monolithic = reference_name not in TOPOLOGIES or TOPOLOGIES[reference_name].is_baseline
+    [record] = judge_case(
+        topology,
+        TOPOLOGIES[topology.split(":")[0]],
+        candidate,
+        guards,
+        [Reference(reference_name, reference, monolithic, stable)],
+        JudgingRules(ReferencePolicy(reference_policy), tolerance),
+        declared,
+    )
+    return record

@@ -1,0 +1,454 @@
+"""The pytest plugin of the harness's scenarios: session-wide fixtures, and one start per topology.
+
+A topology start is the whole cost of an e2e session on CPU, so every scenario gets its
+topology from one pool per pytest process (`harness.run.pool`), and the e2e items are ordered
+so that each (topology, variant) group runs in one stretch: the baseline's first, then each
+topology in the plan's order (exact references before the topologies judged against them), then
+variants (another KV connector). Items reaching a topology through another proxy (vLLM's own)
+share its instances and run right after its group. When a group ends its topology is stopped
+(memory, and NIXL's spinning progress threads), after every sweep that will need its answers as
+an exact reference has had them (`TopologyPool.before_stop`). Items that end their session (an expected
+instance death, a rerun on kept storage, a kill) run last in their group. Under xdist, one
+worker takes a group and the groups its cases reference (`xdist_group`), so no two workers
+start the same topology.
+
+The harness's own tests get their helpers here too: `epd_cli` (the CLI in-process),
+`fake_vllm` (the fake `vllm` executable) and `port_locks` (port leases of one test); the
+record builders, the in-process fake instance and the process watchers are plain modules of
+this package (builders, fake_instance, processes).
+
+A fixture that keeps state across a topology's items (a sweep, a table of results) must be
+session-scoped: one module's items can fall into several groups, and pytest builds a
+module-scoped fixture again each time the module comes back.
+
+Markers: `epd_topology(name)` for items whose topology is not a `topology`/`scenario` parameter,
+`epd_variant(name)` for items that run under other settings, `epd_ends_session` for items that
+stop or break their session. Options are in the repository's conftest.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+TOPOLOGY_ORDER = ("baseline", "1E+1PD", "2E+1PD", "1P+1D", "1E+1P+1D")
+DEFAULT_VARIANT = ""
+POOL_KEY = pytest.StashKey[object]()
+SWEEP_KEY = pytest.StashKey[object]()
+PROMPTS_KEY = pytest.StashKey[tuple]()
+KV_CONNECTOR_DESELECTED = pytest.StashKey[list]()
+# A scenario module lists the prompts its tests send (besides the sweep's) under this name.
+BASELINE_PROMPTS = "EPD_BASELINE_PROMPTS"
+RUN_ROOT_KEY = pytest.StashKey[str]()
+WORKER_RUN_ROOT = "epd_run_root"  # how xdist hands the controller's run root to workers
+
+
+@dataclasses.dataclass(frozen=True)
+class EpdGroup:
+    """The running topology an e2e item needs: its name, the variant of its instances (another
+    KV connector: other instances), and the proxy it goes through (same instances)."""
+
+    topology: str
+    variant: str = DEFAULT_VARIANT
+    proxy: str = ""  # "" for the run's own proxy
+
+    @property
+    def instances(self) -> tuple[str, str]:
+        """What decides which instances run: items sharing it share one start."""
+        return (self.topology, self.variant)
+
+    def order(self) -> tuple:
+        """Default instances first, then variants; within them, the plan's topology order."""
+        rank = TOPOLOGY_ORDER.index(self.topology) if self.topology in TOPOLOGY_ORDER else 99
+        return (self.variant != DEFAULT_VARIANT, self.variant, rank, self.topology)
+
+    def xdist_name(self) -> str:
+        """A topology and the references its cases are judged against share a worker, through
+        whichever proxy."""
+        from harness.spec.topology import TOPOLOGIES
+
+        root = self.topology
+        while root in TOPOLOGIES and TOPOLOGIES[root].exact_reference:
+            root = TOPOLOGIES[root].exact_reference
+        return f"{self.variant}:{root}" if self.variant else root
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "epd_topology(name): the running topology an e2e item needs (harness.testing)"
+    )
+    config.addinivalue_line(
+        "markers", "epd_variant(name): the item runs its topology's instances under other settings"
+    )
+    config.addinivalue_line(
+        "markers", "epd_proxy(name): the item reaches its topology through another proxy"
+    )
+    config.addinivalue_line(
+        "markers", "epd_ends_session: the item stops or breaks its session: run it last"
+    )
+    config.addinivalue_line(
+        "markers",
+        "kv_connector(*names): the item applies only to sessions running one of these KV "
+        "connectors (example, nixl); deselected and listed otherwise",
+    )
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        config.stash[RUN_ROOT_KEY] = workerinput.get(WORKER_RUN_ROOT)
+    else:
+        given = config.getoption("--epd-run-dir", None)
+        config.stash[RUN_ROOT_KEY] = given or str(
+            Path(config.rootpath) / "runs" / f"pytest-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
+
+
+def pytest_configure_node(node) -> None:  # xdist: every worker writes under the same root
+    node.workerinput[WORKER_RUN_ROOT] = node.config.stash[RUN_ROOT_KEY]
+
+
+def epd_group(item: pytest.Item) -> EpdGroup | None:
+    """The group of an e2e item (None for every other tier)."""
+    if item.get_closest_marker("e2e") is None:
+        return None
+    variant_marker = item.get_closest_marker("epd_variant")
+    variant = variant_marker.args[0] if variant_marker else DEFAULT_VARIANT
+    proxy_marker = item.get_closest_marker("epd_proxy")
+    proxy = proxy_marker.args[0] if proxy_marker else ""
+    marker = item.get_closest_marker("epd_topology")
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    topology = params.get("topology")
+    scenario = params.get("scenario")
+    if marker is not None:
+        name = marker.args[0]
+    elif isinstance(topology, str):
+        name = topology
+    elif scenario is not None and hasattr(scenario, "topology"):
+        name = scenario.topology
+    else:
+        name = "baseline"
+    return EpdGroup(name, variant, proxy)
+
+
+def ends_session(item: pytest.Item) -> bool:
+    scenario = getattr(getattr(item, "callspec", None), "params", {}).get("scenario")
+    return item.get_closest_marker("epd_ends_session") is not None or bool(
+        getattr(scenario, "ends_its_session", False)
+    )
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`--epd-topology` keeps the e2e items of those topologies, a `kv_connector(...)` marker
+    keeps an item only for a session that runs one of those connectors (listed, never
+    silently); then every other tier first, in collection order, and the e2e items by group."""
+    wanted = {
+        n.strip() for n in (config.getoption("--epd-topology", None) or "").split(",") if n.strip()
+    }
+    connector = session_kv_connector(config)
+    dropped, other_connector = [], []
+    for item in items:
+        group = epd_group(item)
+        needs = item.get_closest_marker("kv_connector")
+        if connector is not None and needs is not None and connector not in needs.args:
+            other_connector.append(f"{item.nodeid} (needs {', '.join(needs.args)})")
+            dropped.append(item)
+        elif wanted and group is not None and group.topology not in wanted:
+            dropped.append(item)
+    config.stash[KV_CONNECTOR_DESELECTED] = other_connector
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [i for i in items if i not in dropped]
+    position = {id(item): n for n, item in enumerate(items)}
+
+    def key(item: pytest.Item) -> tuple:
+        """Within one running topology: every proxy's items, then those that end it."""
+        group = epd_group(item)
+        if group is None:
+            return (0, (), False, "", position[id(item)])
+        return (1, group.order(), ends_session(item), group.proxy, position[id(item)])
+
+    items.sort(key=key)
+    # The prompts the selected scenario modules need the baseline to answer: one baseline
+    # start answers all of them.
+    needed: dict[str, object] = {}
+    for module in dict.fromkeys(getattr(item, "module", None) for item in items):
+        for prompt in getattr(module, BASELINE_PROMPTS, ()):
+            needed.setdefault(prompt.name, prompt)
+    config.stash[PROMPTS_KEY] = tuple(needed.values())
+
+
+def session_kv_connector(config: pytest.Config) -> str | None:
+    """The KV connector this session runs (`--epd-kv-connector`, else the platform's default),
+    by its --kv-connector name; None when the options name none the harness knows (the
+    preflight then says what is wrong)."""
+    from harness.errors import BadInput
+    from harness.spec.connectors import get_kv_connector, kv_connector_for_class
+    from harness.spec.platforms import get_platform
+
+    try:
+        name = config.getoption("--epd-kv-connector", None)
+        if name:
+            return get_kv_connector(name).name
+        default = kv_connector_for_class(
+            get_platform(config.getoption("--epd-platform", "cpu")).kv_connector
+        )
+    except BadInput:
+        return None
+    return default.name if default is not None else None
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
+    """Tests for another KV connector than the session's are deselected, never silently."""
+    deselected = config.stash.get(KV_CONNECTOR_DESELECTED, [])
+    if not deselected:
+        return []
+    return [
+        f"epd-harness: {len(deselected)} test(s) deselected: they apply to another KV connector "
+        f"than this session's ({session_kv_connector(config)}):",
+        *(f"  {line}" for line in deselected),
+    ]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """One xdist group per topology and the references its cases use, marked as each item is
+    collected: before xdist's `--dist loadgroup` reads the marks."""
+    group = epd_group(item)
+    if group is not None:
+        item.add_marker(pytest.mark.xdist_group(group.xdist_name()))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """At the end of a group, stop its topology: nothing later in the session needs it running
+    (a sweep that will need its answers as an exact reference is given them first, by the
+    pool's before-stop hook)."""
+    pool = item.config.stash.get(POOL_KEY, None)
+    here = epd_group(item)
+    if pool is None or here is None or nextitem is None:
+        return  # at the very end the pool's fixture stops everything
+    after = epd_group(nextitem)
+    if after is not None and after.instances == here.instances:
+        return
+    if here.topology == "baseline":
+        return  # small; stopped when memory is needed, and fuzzing or load may still use it
+    pool.release(here.topology)
+
+
+# -- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def epd_worker(request: pytest.FixtureRequest) -> tuple[str, int]:
+    """(xdist worker id, worker count); ("main", 1) without xdist."""
+    workerinput = getattr(request.config, "workerinput", {})
+    return workerinput.get("workerid", "main"), int(workerinput.get("workercount", 1))
+
+
+@pytest.fixture(scope="session")
+def epd_config(pytestconfig: pytest.Config, epd_worker: tuple[str, int]):
+    """The run, checked and assembled exactly as `epd-harness run` does (the same preflight:
+    names, model, served-vLLM version gate, ports, token counts)."""
+    from harness.errors import BadInput
+    from harness.preflight import RunRequest, prepare_run
+
+    option = pytestconfig.getoption
+    request = RunRequest(
+        model=option("--epd-model"),
+        run_dir=pytestconfig.stash[RUN_ROOT_KEY],
+        vllm=option("--epd-vllm"),
+        allow_untested_vllm=option("--epd-allow-untested-vllm"),
+        devices=option("--epd-devices"),
+        baseline_cache=option("--epd-baseline-cache"),
+        refresh_baseline=option("--epd-refresh-baseline"),
+        platform=option("--epd-platform"),
+        colocate=option("--epd-colocate"),
+        worker_id=epd_worker[0],
+        workers=epd_worker[1],
+        kv_connector=option("--epd-kv-connector"),
+        ec_connector=option("--epd-ec-connector"),
+        proxy=option("--epd-proxy"),
+        # The scenarios that run vLLM's own files read --epd-vllm-source themselves; the run's
+        # proxy takes it only when it is vLLM's.
+        vllm_source=option("--epd-vllm-source") if option("--epd-proxy") == "vllm" else None,
+        proxy_registration=option("--epd-proxy-registration"),
+        launcher=option("--epd-launcher"),
+        ray_address=option("--epd-ray-address"),
+        reference_policy=option("--epd-reference-policy"),
+        stream=option("--epd-stream"),
+        no_enforce_eager=option("--epd-no-enforce-eager"),
+    )
+    try:
+        return prepare_run(request)
+    except BadInput as exc:
+        pytest.fail(f"epd-harness: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def epd_settings(epd_config):
+    return epd_config.settings
+
+
+@pytest.fixture(scope="session")
+def epd_run_dir(epd_settings) -> Path:
+    return epd_settings.run_dir
+
+
+@pytest.fixture(scope="session")
+def epd_events():
+    """Progress lines for server state changes, with the time since the session began."""
+    started = time.monotonic()
+
+    def on_event(name: str, state: str, elapsed_s: float) -> None:
+        print(f"[{time.monotonic() - started:7.1f}s] {name}: {state} ({elapsed_s:.1f}s)")
+
+    return on_event
+
+
+@pytest.fixture(scope="session")
+def epd_pool(pytestconfig: pytest.Config, epd_settings, epd_events):
+    """Every running topology of this pytest process; what it started is written to the run
+    directory at the end, for the session's summary."""
+    from harness.run.pool import TopologyPool
+
+    pool = TopologyPool(epd_settings, epd_events)
+    pytestconfig.stash[POOL_KEY] = pool
+    try:
+        yield pool
+    finally:
+        pool.close()
+        pool.write_starts(epd_settings.run_dir)
+
+
+@pytest.fixture(scope="session")
+def epd_sweep(pytestconfig: pytest.Config, epd_config, epd_pool, epd_events):
+    """The shared sweep: its baseline answers the prompts of every selected scenario module
+    (their `EPD_BASELINE_PROMPTS`: one baseline start for all), its cases are judged on
+    demand, each topology served once from the pool."""
+    from harness.run.sweep import Sweep, SweepSpec
+    from harness.spec.prompts import SKELETON_PROMPTS
+    from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES
+
+    sweep_names = {p.name for p in SKELETON_PROMPTS}
+    others = [p for p in pytestconfig.stash.get(PROMPTS_KEY, ()) if p.name not in sweep_names]
+    spec = SweepSpec(
+        topologies=tuple(TOPOLOGIES[name] for name in EPD_TOPOLOGY_NAMES),
+        prompts=SKELETON_PROMPTS,
+        baseline_only_prompts=tuple(others),
+    )
+    sweep = Sweep(
+        spec,
+        epd_config.settings,
+        on_event=epd_events,
+        baseline_cache=epd_config.baseline_cache,
+        pool=epd_pool,
+    )
+    pytestconfig.stash[SWEEP_KEY] = sweep
+    return sweep
+
+
+@pytest.fixture(scope="session")
+def epd_matrix(epd_sweep):
+    """The scenario matrix on the shared baseline and pool."""
+    from harness.run.matrix import MatrixRun
+
+    return MatrixRun(epd_sweep)
+
+
+@pytest.fixture(scope="session")
+def epd_live(epd_sweep, epd_pool, epd_settings):
+    """`epd_live("1E+1PD")` (or with ServingConfig overrides, e.g. kv_connector=..., and an
+    environment added to a role's instances, `role_env`): the session's running topology,
+    started on first use, judged by the shared sweep."""
+    from harness.spec.topology import TOPOLOGIES
+    from harness.testing.live import LiveTopology
+
+    def live(name: str, role_env=None, **serving: object) -> LiveTopology:
+        epd_sweep.serve_baseline()  # before any topology of ours: never two starts at once
+        settings = epd_settings
+        if serving:
+            settings = dataclasses.replace(
+                settings, serving=dataclasses.replace(settings.serving, **serving)
+            )
+        session = epd_pool.session(TOPOLOGIES[name], settings, role_env=role_env)
+        return LiveTopology(session, epd_sweep)
+
+    return live
+
+
+# -- helpers of the harness's own tests ---------------------------------------------------------
+
+
+@pytest.fixture
+def epd_cli(capsys: pytest.CaptureFixture[str]):
+    """`epd_cli("run", ...)`: the CLI in this process -> CliResult(code, out, err)
+    (harness.testing.cli)."""
+    from harness.testing.cli import CliRunner
+
+    return CliRunner(capsys)
+
+
+@pytest.fixture
+def fake_vllm(tmp_path: Path) -> Path:
+    """The fake `vllm serve` look-alike (harness.testing.fake_vllm), installed for this test;
+    misbehaving on cue through FAKE_VLLM_MODE."""
+    from harness.testing.fake_vllm import install_fake_vllm
+
+    return install_fake_vllm(tmp_path / "bin")
+
+
+@pytest.fixture
+def port_locks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Port leases of this test only (EPD_HARNESS_PORT_DIR), for the harness in this process
+    and in the processes it starts: what a test leaves held is its own."""
+    from harness.environment import PORT_LOCK_DIR_ENV
+
+    directory = tmp_path / "port-locks"
+    monkeypatch.setenv(PORT_LOCK_DIR_ENV, str(directory))
+    return directory
+
+
+# -- the session's account ---------------------------------------------------------------------
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """End what a launcher holds beyond its topologies (with --epd-launcher ray: the Ray
+    connection and the rehearsal cluster the session started), after the pool closed them."""
+    from harness.serve.launcher import end_launchers
+
+    end_launchers()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """The verdict table of whatever the scenarios judged, every topology start of the
+    session (all workers), and where the artifacts are."""
+    sweep = config.stash.get(SWEEP_KEY, None)
+    if sweep is not None:
+        from harness.report.text import format_verdict_table
+
+        terminalreporter.section("EPD verdicts")
+        terminalreporter.write_line(format_verdict_table(sweep.result.records))
+        for stats in sweep.pool.instances:
+            terminalreporter.write_line(
+                f"{stats.name}: ready in {stats.startup_s or 0:.1f}s, "
+                f"peak RSS {stats.peak_rss_bytes / 2**30:.2f} GiB"
+            )
+    from harness.run.pool import STARTS_FILE
+
+    root = Path(config.stash.get(RUN_ROOT_KEY, ""))
+    files = sorted(root.glob(f"**/{STARTS_FILE}")) if root.is_dir() else []
+    if not files:
+        return
+    starts = [start for path in files for start in json.loads(path.read_text())]
+    distinct = {start["topology"] for start in starts}
+    terminalreporter.section("EPD topology starts")
+    terminalreporter.write_line(
+        f"topology starts: {len(starts)} for {len(distinct)} distinct (topology, connectors)"
+    )
+    for start in starts:
+        took = "did not come up" if start["seconds"] is None else f"{start['seconds']:.1f}s"
+        terminalreporter.write_line(f"  {start['topology']}: {start['reason']} ({took})")
+    terminalreporter.write_line(f"artifacts: {root}")

@@ -1,0 +1,182 @@
+"""Watching what a test started: processes, their groups, their ports and their logs.
+
+For tests of the `process` and `e2e` tiers, whose claim is that nothing a run started outlives
+it. A zombie counts as gone: this machine's init does not reap orphans, and a zombie holds
+neither memory nor a port. Clean-up goes by recorded handle or process group, never by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import psutil
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+GONE_TIMEOUT_S = 5.0
+POLL_S = 0.02
+
+Proc = psutil.Process | int  # a handle, or a pid
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment, with the repository importable (no install needed) and `extra`."""
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT), **extra}
+
+
+def wait_for(predicate: Callable[[], object], what: str, timeout_s: float = 20.0) -> object:
+    """Poll `predicate` until it returns something truthy (returned); fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(POLL_S)
+    return value
+
+
+def read(path: Path) -> str:
+    """A log's text so far ("" before it exists)."""
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def files_under(directory: Path) -> set[str]:
+    """Every file below `directory`, as paths relative to it."""
+    return {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()}
+
+
+def _handle(proc: Proc) -> psutil.Process | None:
+    try:
+        return proc if isinstance(proc, psutil.Process) else psutil.Process(proc)
+    except psutil.NoSuchProcess:
+        return None
+
+
+def is_live(proc: Proc) -> bool:
+    """Running, and not a zombie."""
+    handle = _handle(proc)
+    try:
+        return (
+            handle is not None and handle.is_running() and handle.status() != psutil.STATUS_ZOMBIE
+        )
+    except psutil.NoSuchProcess:
+        return False
+
+
+def survivors(procs: Iterable[Proc], timeout_s: float = GONE_TIMEOUT_S) -> list[Proc]:
+    """The processes of `procs` still live after waiting up to `timeout_s` for them to go."""
+    procs = list(procs)
+    deadline = time.monotonic() + timeout_s
+    while (alive := [p for p in procs if is_live(p)]) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    return alive
+
+
+def seconds_until_gone(procs: Iterable[Proc], timeout_s: float = GONE_TIMEOUT_S) -> float | None:
+    """How long until every process of `procs` was gone; None if some outlived `timeout_s`."""
+    start = time.monotonic()
+    if survivors(procs, timeout_s):
+        return None
+    return time.monotonic() - start
+
+
+def live_members_of_group(pgid: int) -> list[int]:
+    """The pids of the live processes in process group `pgid`."""
+    pids = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(ProcessLookupError, psutil.NoSuchProcess):
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                pids.append(proc.pid)
+    return pids
+
+
+def describe(procs: Iterable[Proc]) -> str:
+    """One clause per process: pid, group, state and command line (for a failure message)."""
+    parts = []
+    for proc in procs:
+        handle = _handle(proc)
+        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError, AttributeError):
+            cmdline = " ".join(handle.cmdline())[:120]
+            parts.append(
+                f"pid {handle.pid} pgid {os.getpgid(handle.pid)} {handle.status()}: {cmdline}"
+            )
+    return "; ".join(parts)
+
+
+def kill_all(procs: Iterable[Proc]) -> None:
+    """Last-resort clean-up after a failed check: SIGKILL by recorded handle."""
+    for proc in procs:
+        handle = _handle(proc)
+        with contextlib.suppress(psutil.NoSuchProcess, AttributeError):
+            handle.kill()
+
+
+def held_ports(ports: Iterable[int], lock_dir: Path) -> list[str]:
+    """Ports something still holds: a harness lease (its flock in `lock_dir`) or a live socket
+    of any process, each with who holds it.
+
+    A connection in TIME_WAIT belongs to the kernel, not to a leftover process; it expires by
+    itself and does not stop a server (they bind with SO_REUSEADDR) from taking the port.
+    """
+    sockets = {}
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.laddr and conn.status != psutil.CONN_TIME_WAIT:
+            sockets.setdefault(conn.laddr.port, f"{conn.status} pid {conn.pid}")
+    held = []
+    for port in ports:
+        if port in sockets:
+            held.append(f"{port} ({sockets[port]})")
+        elif lease_is_held(lock_dir / f"port-{port}.lock"):
+            held.append(f"{port} (lease still locked)")
+    return held
+
+
+def lease_is_held(lock_path: Path) -> bool:
+    """Whether a process holds the port lease whose lock file is `lock_path`."""
+    if not lock_path.exists():
+        return False
+    with open(lock_path, "rb") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return False
+
+
+@contextlib.contextmanager
+def nothing_left_behind(procs: list, ports: list[int], lock_dir: Path) -> Iterator[None]:
+    """Fill `procs` and `ports` inside the block; afterwards all must be gone and free.
+
+    Survivors are killed before any failure propagates, so one broken case does not leak
+    servers into the rest of the session.
+    """
+    try:
+        yield
+    finally:
+        alive = survivors(procs)
+        kill_all(alive)
+    assert not alive, f"processes left behind: {describe(alive)}"
+    held = held_ports(ports, lock_dir)
+    assert not held, f"ports left held: {held}"
+
+
+def alive_or_fail(harness: subprocess.Popen[str]) -> None:
+    """Fail at once, with its output, if the harness process ended while the test waits on it."""
+    if harness.poll() is not None:
+        out, err = harness.communicate()
+        raise AssertionError(f"the harness ended early (exit {harness.returncode}):\n{out}\n{err}")
+
+
+def session_ports(session) -> list[int]:
+    """The ports a running `TopologySession` holds: its instances' and its proxy's."""
+    ports = [spec.port for spec in session.instances]
+    if session.proxy is not None:
+        ports.append(int(session.entry_url.rsplit(":", 1)[1]))
+    return ports

@@ -1,0 +1,78 @@
+"""Differential fuzzing on real vLLM (`epd-harness fuzz`, docs/fuzzing.md), run in-process.
+
+A short seeded fuzz of 1E+1PD must find no new failure (every generated request MATCHes the
+baseline, or fails exactly as a declaration says): it runs on the session's running baseline
+and 1E+1PD (the pool's), so it starts nothing of its own. With a planted fault that only a
+shape of request triggers (two distinct images of one size: their EC files swap) the command
+line's fuzz, with topologies of its own, must find it and shrink it to that shape (two images,
+nothing else but a text).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.cli.main import EXIT_FAILED
+from harness.spec.prompts import ImagePart
+
+pytestmark = pytest.mark.e2e
+
+CI_EXAMPLES = 20
+
+
+def fuzz(epd_cli, run_dir: Path, *args: str) -> tuple[int, dict]:
+    code, _, _ = epd_cli("fuzz", "--run-dir", run_dir, *args)
+    return code, json.loads((run_dir / "fuzz.json").read_text())
+
+
+@pytest.mark.ci
+@pytest.mark.epd_topology("1E+1PD")
+def test_a_seeded_fuzz_of_1e_1pd_finds_no_new_failure(epd_settings, epd_pool) -> None:
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.layout import TokenizerEstimator
+    from harness.run.fuzz.space import space_for
+    from harness.run.fuzz.strategies import draw_examples
+    from harness.spec.topology import TOPOLOGIES
+
+    topology = TOPOLOGIES["1E+1PD"]
+    space = space_for(epd_settings.protocol, topology, epd_settings.serving)
+    estimator = TokenizerEstimator(Path(epd_settings.serving.model))
+    examples = draw_examples(space, CI_EXAMPLES, 0, estimator)
+    assert len(examples) == CI_EXAMPLES
+    engine = FuzzEngine(
+        epd_settings, topology, pool=epd_pool, min_prompt_tokens=space.min_prompt_tokens
+    )
+    with engine:
+        report = engine.run(examples)
+    judged = [e for e in report.evaluations if e.status == "judged"]
+    assert len(judged) >= CI_EXAMPLES // 2, report.counts()
+    assert any(e.layout and e.layout.runs for e in judged), "no media example judged"
+    new = [(g.signature.key, [e.spec.name for e in g.members]) for g in report.new_groups]
+    assert not new, f"new failures: {new}; counts {report.counts()}"
+    print(f"[fuzz] {report.counts()} {report.timing()}")
+
+
+@pytest.mark.epd_topology("1E+1PD")
+def test_fuzzing_finds_and_shrinks_a_planted_shape_dependent_fault(
+    epd_run_dir: Path, epd_cli
+) -> None:
+    run_dir = epd_run_dir / "fuzz-planted"
+    code, report = fuzz(
+        epd_cli,
+        run_dir,
+        "--topology",
+        "1E+1PD",
+        "--examples",
+        "40",
+        "--plant-fault",
+        "ec-swap-items",
+    )
+    assert code == EXIT_FAILED, report["counts"]
+    (group,) = [g for g in report["groups"] if g["signature"]["verdict"] == "MISMATCH"]
+    parts = group["minimal"]["parts"]
+    images = [p for p in parts if p["kind"] == ImagePart.__name__]
+    assert len(images) == 2 and len(parts) <= 3, parts
+    assert images[0]["seed"] != images[1]["seed"], "identical images share one EC file"

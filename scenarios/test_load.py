@@ -1,0 +1,141 @@
+"""Loads on real vLLM: many requests at once over the load mix (harness.spec.load), every
+answer judged against the baseline's answer to its own prompt.
+
+- a small load on 1E+1P+1D, unstreamed and streamed (what CI runs): every request passes;
+- a load that ends with the mix's media-in-the-decode-tail request, sent last and alone, which
+  must fail exactly as the matrix declares it for the run's KV connector (it ends D: CI leaves
+  it to the matrix's `epd-media-in-decode-tail`, so D is not started twice);
+- death under load: D is SIGKILLed with every request in flight; each must end ERROR naming D
+  within seconds, nothing may hang, and nothing of the topology may be left running;
+- a short soak on 1E+1PD: RSS, open files and storage held to the load's bounds.
+
+The long figures (64 requests at concurrency 16, a 600 s soak) come from `epd-harness load`
+(docs/load.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from harness.judge.records import Verdict
+from harness.report.text import format_failure
+from harness.spec.load import TAIL_PROMPT, LoadSpec, load_mix
+
+pytestmark = pytest.mark.e2e
+
+MIX = load_mix()
+EPD_BASELINE_PROMPTS = MIX
+SMALL_REQUESTS, SMALL_CONCURRENCY = 16, 8
+KILL_IN_FLIGHT = 32
+SOAK_S = 90.0
+
+
+@pytest.fixture(scope="session")
+def load_sweep(epd_sweep, epd_events):
+    """A sweep whose baseline answers the mix (the session's baseline, shared) on the
+    session's pool; its artifacts under load/."""
+    from harness.run.sweep import Sweep, SweepSpec
+
+    settings = dataclasses.replace(epd_sweep.settings, run_dir=epd_sweep.settings.run_dir / "load")
+    return Sweep(
+        SweepSpec((), (), baseline_only_prompts=MIX),
+        settings,
+        on_event=epd_events,
+        pool=epd_sweep.pool,
+        baseline=epd_sweep.baseline,
+    )
+
+
+def run_load(load_sweep, spec: LoadSpec, label: str):
+    from harness.run.load import LoadRun
+    from harness.run.sweep import Sweep
+
+    settings = dataclasses.replace(
+        load_sweep.settings, run_dir=load_sweep.settings.run_dir / label, stream=spec.stream
+    )
+    sweep = Sweep(load_sweep.spec, settings, pool=load_sweep.pool, baseline=load_sweep.baseline)
+    result = LoadRun(spec, sweep, on_progress=print, keep_baseline=True).run()
+    print((settings.run_dir / "load.md").read_text())
+    return result
+
+
+def assert_every_request_passed(result) -> None:
+    failing = [r.record for r in result.results if not r.record.policy_passed]
+    assert not failing, "\n\n".join(format_failure(r) for r in failing[:5])
+    assert result.passed and not result.problems, result.problems
+
+
+@pytest.mark.ci
+@pytest.mark.epd_topology("1E+1P+1D")
+def test_a_small_load_every_answer_its_own(load_sweep) -> None:
+    spec = LoadSpec("1E+1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY, ending=False)
+    result = run_load(load_sweep, spec, "small")
+    assert len(result.results) == SMALL_REQUESTS
+    assert_every_request_passed(result)
+    assert result.stats is not None and result.stats.by_role.keys() >= {
+        "encoder",
+        "prefill",
+        "decode",
+    }
+    assert result.calibration is not None  # batch numerics measured on the baseline
+
+
+@pytest.mark.ci
+@pytest.mark.epd_topology("1E+1P+1D")
+def test_a_small_streamed_load_every_answer_its_own_and_framed(load_sweep) -> None:
+    spec = LoadSpec("1E+1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY, stream=True, ending=False)
+    result = run_load(load_sweep, spec, "small-streamed")
+    assert len(result.results) == SMALL_REQUESTS
+    assert_every_request_passed(result)
+    assert all(r.outcome.stream is not None and r.outcome.stream.ok for r in result.results)
+    assert result.stats is not None and result.stats.first_token.count == SMALL_REQUESTS
+
+
+@pytest.mark.epd_ends_session
+@pytest.mark.epd_topology("1E+1P+1D")
+def test_a_load_ends_with_the_declared_decode_tail_failure(load_sweep) -> None:
+    spec = LoadSpec("1E+1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY)
+    result = run_load(load_sweep, spec, "with-tail")
+    assert len(result.results) == SMALL_REQUESTS
+    assert_every_request_passed(result)
+    last = result.results[-1]
+    assert last.prompt == TAIL_PROMPT and last.region == "decode tail"
+    declared = "NixlConnector" not in load_sweep.settings.serving.kv_connector
+    assert last.record.verdict is (Verdict.ERROR if declared else Verdict.MATCH), last.record.detail
+    regions = {r.region for r in result.results}
+    assert regions >= {"no media", "prefix", "last transferred block", "decode tail"}, regions
+
+
+@pytest.mark.epd_ends_session
+@pytest.mark.epd_topology("1E+1P+1D")
+def test_death_under_load_ends_every_request_naming_d(load_sweep) -> None:
+    import psutil
+
+    from harness.serve.launch import is_live_process
+
+    spec = LoadSpec("1E+1P+1D", KILL_IN_FLIGHT, KILL_IN_FLIGHT, kill="decode")
+    result = run_load(load_sweep, spec, "death")
+    assert result.killed is not None and result.killed.endswith("decode0"), result.problems
+    assert len(result.results) == KILL_IN_FLIGHT
+    assert all(r.record.verdict is Verdict.ERROR for r in result.results)
+    assert not result.problems, result.problems  # each named D first, within the bound
+    load_sweep.pool.release("1E+1P+1D")  # the run ends: nothing of the topology is left
+    left = []
+    for pid in result.processes:
+        try:
+            process = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            continue
+        if is_live_process(process):
+            left.append(pid)
+    assert result.processes and not left, f"left running: {left}"
+
+
+@pytest.mark.epd_topology("1E+1PD")
+def test_a_short_soak_stays_within_its_bounds(load_sweep) -> None:
+    spec = LoadSpec("1E+1PD", SMALL_REQUESTS, SMALL_CONCURRENCY, duration_s=SOAK_S)
+    result = run_load(load_sweep, spec, "soak")
+    assert result.rounds >= 2
+    assert_every_request_passed(result)

@@ -1,0 +1,260 @@
+"""The first GPU night as one command: doctor, plan, the nightly's pytest line, and what it showed.
+
+    python scripts/gpu_rehearsal.py [--devices 0,1,2,3] [--workers N] [--model NAME|DIR]
+        [--colocate] [--topology T,...] [-k EXPR] [--no-enforce-eager] [--vllm-source DIR]
+        [--run-name NAME] [--dry-run]
+
+1. Refuses, exit 2, without a GPU (`nvidia-smi` lists none), or with --devices it does not list.
+2. A model given by name is fetched into the Hugging Face cache, as the nightly does.
+3. `epd-harness doctor --model DIR`, then `epd-harness plan --platform cuda ...` (kept as
+   runs/NAME/plan.txt); either failing stops the rehearsal.
+4. Runs the nightly's own pytest line: the "EPD scenarios" step of
+   .github/workflows/nightly-gpu.yml, run by bash with these inputs and a stand-in for python
+   that records its arguments, so the rehearsal can never drift from the workflow.
+5. Prints each instance's start-up, the makespan (pytest's wall time, and each wave's serving
+   time) and every verdict, from the run's summary.json files.
+
+Workers default to the plan's widest wave (more would only queue on the same GPUs). `--dry-run`
+prints the three commands and exits, GPU or not (then --devices is required). Exit code: the
+nightly pytest's, or 2 when the rehearsal refused or a step before it failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WORKFLOW = ROOT / ".github" / "workflows" / "nightly-gpu.yml"
+PYTEST_STEP = "EPD scenarios"
+DEFAULT_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
+EXIT_REFUSED = 2
+
+
+class Refused(Exception):
+    """A reason not to start: printed as one line, exit code 2."""
+
+
+def gpus_here() -> list[int]:
+    """The GPU indices nvidia-smi lists; Refused when there is no nvidia-smi or no GPU."""
+    nvidia_smi = shutil.which("nvidia-smi")
+    if nvidia_smi is None:
+        raise Refused(
+            "no GPU here (no nvidia-smi on PATH): this rehearses the first GPU night; on CPU "
+            "run scripts/cpu sweep"
+        )
+    listed = subprocess.run(
+        [nvidia_smi, "--query-gpu=index", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    indices = [int(line) for line in listed.stdout.split() if line.strip().isdigit()]
+    if listed.returncode != 0 or not indices:
+        detail = (listed.stderr.strip().splitlines() or ["it lists none"])[-1]
+        raise Refused(f"no GPU here (nvidia-smi: {detail}); on CPU run scripts/cpu sweep")
+    return indices
+
+
+def nightly_pytest_args(inputs: dict[str, str], workflow: Path = WORKFLOW) -> list[str]:
+    """The arguments the nightly's "EPD scenarios" step gives pytest, for these inputs (the
+    workflow's environment variables: DEVICES, WORKERS, COLOCATE, ...)."""
+    import yaml
+
+    data = yaml.safe_load(workflow.read_text(encoding="utf-8"))
+    steps = [
+        step
+        for job in data["jobs"].values()
+        for step in job.get("steps", [])
+        if step.get("name") == PYTEST_STEP
+    ]
+    if len(steps) != 1:
+        raise Refused(f"{workflow} has {len(steps)} steps named {PYTEST_STEP!r}, expected one")
+    with tempfile.TemporaryDirectory(prefix="epd-rehearsal-") as scratch:
+        venv = Path(scratch) / "venv"
+        (venv / "bin").mkdir(parents=True)
+        stand_in = venv / "bin" / "python"
+        stand_in.write_text('#!/bin/sh\nprintf "%s\\0" "$@" > "$EPD_REHEARSAL_ARGV"\n')
+        stand_in.chmod(0o755)
+        recorded = Path(scratch) / "argv"
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            **inputs,
+            "VENV": str(venv),
+            "EPD_REHEARSAL_ARGV": str(recorded),
+        }
+        done = subprocess.run(
+            ["bash", "-e", "-c", steps[0]["run"]], env=env, cwd=scratch, capture_output=True
+        )
+        if done.returncode != 0 or not recorded.is_file():
+            raise Refused(f"cannot read the nightly's pytest line: {done.stderr.decode()[-300:]}")
+        argv = [a.decode() for a in recorded.read_bytes().split(b"\0")[:-1]]
+    if argv[:2] != ["-m", "pytest"]:
+        raise Refused(f"the nightly's {PYTEST_STEP!r} step runs python {argv[:2]}, not pytest")
+    return argv[2:]
+
+
+def workflow_inputs(args: argparse.Namespace, devices: str, workers: int, model: str) -> dict:
+    return {
+        "RUN_NAME": args.run_name,
+        "DEVICES": devices,
+        "WORKERS": str(workers),
+        "COLOCATE": "true" if args.colocate else "false",
+        "TOPOLOGIES": args.topology or "",
+        "SCENARIOS": args.k or "",
+        "GRAPHS": "true" if args.no_enforce_eager else "false",
+        "EPD_MODEL_DIR": model,
+        "VLLM_SOURCE": args.vllm_source or "",
+    }
+
+
+def widest_wave(devices: str, args: argparse.Namespace) -> int:
+    """How many topologies the plan runs at once at most: the useful number of workers."""
+    from harness.cli.plan import PlanRequest, build_plan, parse_topologies
+    from harness.spec.platforms import CUDA, parse_devices
+
+    plan = build_plan(
+        PlanRequest(
+            platform=CUDA,
+            devices=parse_devices(devices),
+            topologies=parse_topologies([args.topology] if args.topology else None),
+            model="model",
+            colocate=args.colocate,
+        )
+    )
+    return max(len(wave.topologies) for wave in plan.waves)
+
+
+def fetch_model(name: str) -> str:
+    if Path(name).is_dir():
+        return str(Path(name).resolve())
+    from huggingface_hub import snapshot_download
+
+    print(f"[rehearsal] fetching {name} into the Hugging Face cache", flush=True)
+    return snapshot_download(name)
+
+
+def harness_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "harness.cli.main", *args]
+
+
+def summarize(run_dir: Path, wall_s: float) -> list[str]:
+    """Start-up per instance, makespan and verdicts from every summary.json under run_dir."""
+    lines = ["", "start-up per instance (s):"]
+    verdicts: list[tuple[str, str, str, str, bool, str]] = []
+    waves: list[str] = []
+    for summary_path in sorted(run_dir.rglob("summary.json")):
+        where = summary_path.parent.relative_to(run_dir).as_posix()
+        where = "" if where == "." else f" [{where}]"
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+        run = summary.get("run", {})
+        for instance in run.get("instances", []):
+            started = instance.get("startup_s")
+            shown = f"{started:7.1f}" if started is not None else "    n/a"
+            lines.append(f"  {shown}  {instance['name']}{where}")
+        for wave, seconds in (run.get("seconds_by_wave") or {}).items():
+            waves.append(f"wave {wave}{where} {seconds:.0f} s")
+        for case in summary.get("cases", []):
+            verdicts.append(
+                (
+                    case["topology"],
+                    case["prompt"],
+                    case["reference"],
+                    case["verdict"],
+                    bool(case["policy_passed"]),
+                    where.strip(),
+                )
+            )
+    lines.append(
+        f"makespan: {wall_s:.0f} s of pytest" + (f" ({', '.join(waves)})" if waves else "")
+    )
+    lines.append("verdicts:")
+    for topology, prompt, reference, verdict, passed, where in verdicts:
+        mark = "pass" if passed else "FAIL"
+        lines.append(
+            f"  {topology:10s} {prompt:14s} vs {reference:9s} {verdict:18s} {mark} {where}"
+        )
+    failed = sum(1 for v in verdicts if not v[4])
+    lines.append(f"{len(verdicts) - failed} pass, {failed} fail ({len(verdicts)} cases)")
+    return lines
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", help="GPU indices (default: every GPU nvidia-smi lists)")
+    parser.add_argument("--workers", type=int, help="xdist workers (default: the widest wave)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name or directory")
+    parser.add_argument("--colocate", action="store_true", help="share GPUs within a topology")
+    parser.add_argument("--topology", help="comma-separated topologies (default: all)")
+    parser.add_argument("-k", help="pytest -k expression over scenario ids")
+    parser.add_argument(
+        "--no-enforce-eager", action="store_true", help="compile and capture graphs"
+    )
+    parser.add_argument("--vllm-source", help="the vLLM tree a development build was built from")
+    parser.add_argument("--run-name", default=f"rehearsal-{time.strftime('%Y%m%d-%H%M%S')}")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    return parser.parse_args(argv)
+
+
+def rehearse(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        if not args.devices:
+            raise Refused("--dry-run needs --devices (it does not look for GPUs)")
+        devices = args.devices
+    else:
+        present = gpus_here()
+        devices = args.devices or ",".join(map(str, present))
+        missing = [d for d in devices.split(",") if d.strip().isdigit() and int(d) not in present]
+        if missing:
+            raise Refused(f"--devices {devices}: nvidia-smi lists no GPU {', '.join(missing)}")
+    workers = args.workers or widest_wave(devices, args)
+    model = args.model if args.dry_run else fetch_model(args.model)
+    run_dir = ROOT / "runs" / args.run_name
+    plan = ["plan", "--platform", "cuda", "--devices", devices, "--model", model]
+    plan += ["--colocate"] if args.colocate else []
+    plan += ["--no-enforce-eager"] if args.no_enforce_eager else []
+    plan += ["--topology", args.topology] if args.topology else []
+    pytest = [sys.executable, "-m", "pytest"]
+    pytest += nightly_pytest_args(workflow_inputs(args, devices, workers, model))
+    commands = [harness_command("doctor", "--model", model), harness_command(*plan), pytest]
+    if args.dry_run:
+        for command in commands:
+            print(shlex.join(command))
+        return 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for command, keep in zip(commands[:2], ("doctor.txt", "plan.txt")):
+        print(f"[rehearsal] {shlex.join(command)}", flush=True)
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        (run_dir / keep).write_text(done.stdout + done.stderr, encoding="utf-8")
+        print(done.stdout + done.stderr, flush=True)
+        if done.returncode != 0:
+            print(f"[rehearsal] stopped: {command[3]} exited {done.returncode}", file=sys.stderr)
+            return EXIT_REFUSED
+    print(f"[rehearsal] {shlex.join(pytest)}", flush=True)
+    started = time.monotonic()
+    code = subprocess.run(pytest, cwd=ROOT).returncode
+    print("\n".join(summarize(run_dir, time.monotonic() - started)))
+    print(f"[rehearsal] pytest exited {code}; artifacts in {run_dir}")
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return rehearse(parse_args(argv))
+    except Refused as exc:
+        print(f"gpu-rehearsal: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

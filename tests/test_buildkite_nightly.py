@@ -1,0 +1,74 @@
+"""ci/buildkite/nightly.sh run in a copy of the repository layout, with stand-ins for uv,
+python3 and the Buildkite agent: parity first, then the GPU rehearsal, and the artifacts
+uploaded whatever happened. The step file itself is checked in tests/test_buildkite.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.process
+
+NIGHTLY = Path(__file__).resolve().parents[1] / "ci" / "buildkite" / "nightly.sh"
+
+
+@pytest.mark.parametrize(("parity", "rehearsal", "expected"), [(0, 0, 0), (1, 0, 1), (0, 2, 2)])
+def test_the_nightly_script_runs_parity_and_the_rehearsal_then_uploads_whatever_happened(
+    tmp_path: Path, parity: int, rehearsal: int, expected: int
+) -> None:
+    """nightly.sh in a copy of the repository layout, with stand-ins for uv, python3 and the
+    agent that record how they were called."""
+    tree = tmp_path / "harness"
+    (tree / "ci" / "buildkite").mkdir(parents=True)
+    (tree / "ci" / "buildkite" / "nightly.sh").write_text(NIGHTLY.read_text())
+    log = tmp_path / "calls.log"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool, body in (
+        ("uv", 'echo "uv $*" >> "$CALLS"'),
+        ("buildkite-agent", 'echo "agent $*" >> "$CALLS"'),
+        (
+            "python3",
+            'echo "python3 $*" >> "$CALLS"\n'
+            'case "$*" in *test_upstream_parity*) exit "$PARITY";; esac\n'
+            'case "$*" in *gpu_rehearsal*) exit "$REHEARSAL";; esac',
+        ),
+    ):
+        (bin_dir / tool).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / tool).chmod(0o755)
+    vllm_tree = tmp_path / "vllm"
+    (vllm_tree / "requirements").mkdir(parents=True)
+    (vllm_tree / "requirements" / "kv_connectors.txt").write_text("nixl\n")
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "CALLS": str(log),
+        "PARITY": str(parity),
+        "REHEARSAL": str(rehearsal),
+        "BUILDKITE_BUILD_NUMBER": "77",
+        "EPD_DEVICES": "0,1",
+        "EPD_MODEL": "Qwen/Qwen2.5-VL-3B-Instruct",
+        "HOME": os.environ.get("HOME", str(tmp_path)),
+    }
+    done = subprocess.run(
+        ["bash", str(tree / "ci" / "buildkite" / "nightly.sh"), str(vllm_tree)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == expected, done.stderr
+    calls = log.read_text().splitlines()
+    assert calls[0] == f"uv pip install --system -r {vllm_tree}/requirements/kv_connectors.txt"
+    assert calls[1] == "uv pip install --system -e .[test]"
+    assert calls[2].startswith("python3 -m pytest tests/test_upstream_parity.py -m index -k served")
+    assert f"--epd-vllm-source {vllm_tree}" in calls[2]
+    assert calls[3] == (
+        f"python3 scripts/gpu_rehearsal.py --vllm-source {vllm_tree} --run-name buildkite-77 "
+        "--devices 0,1 --model Qwen/Qwen2.5-VL-3B-Instruct"
+    )
+    assert calls[4] == "agent artifact upload runs/**/*", "uploaded last, whatever happened"
+    assert (tree / "runs" / "buildkite-77").is_dir()

@@ -1,0 +1,471 @@
+"""The exporter's pure parts, on synthetic bundles (no vLLM, no server): what an export holds,
+the commands it renders, what it refuses, its ISSUE.md, and check.py's comparison.
+
+The exports that reproduce real vLLM failures are run in scenarios/test_export_repro.py (e2e);
+serve.sh / run.sh / check.py as processes, on fake servers, in tests/test_export_process.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from export_bundle import (
+    BASELINE_IDS,
+    GRID,
+    PROMPT,
+    PROMPT_IDS,
+    plan_for,
+    write,
+    write_bundle,
+    write_upstream,
+)
+
+from harness.cli.main import main
+from harness.errors import BadInput
+from harness.run import standalone_check as check
+from harness.run.export import (
+    NEVER_ENCODED_UUID,
+    UNKNOWN_UUID_PROBE,
+    Var,
+    describe_request,
+    shell_word,
+    template_storage,
+)
+from harness.run.export_files import render_serve_sh
+from harness.run.export_issue import (
+    ENVIRONMENT_KEYS,
+    ISSUE_FIELDS,
+    TITLE_PREFIX,
+    condensed_error,
+    error_headline,
+    render_issue,
+)
+
+pytestmark = pytest.mark.unit
+
+
+# -- what goes in ------------------------------------------------------------------------------
+
+
+def test_the_instances_come_in_role_order_with_their_recorded_flags(tmp_path: Path) -> None:
+    plan = plan_for(write_bundle(tmp_path / "run"))
+    assert [s.name for s in plan.servers] == ["encoder0", "prefill0", "decode0"]
+    assert [s.port.name for s in plan.servers] == ["ENCODER0_PORT", "PREFILL0_PORT", "DECODE0_PORT"]
+    assert len({s.default_port for s in (*plan.servers, plan.proxy)}) == 4
+    decode = plan.servers[2]
+    words = [shell_word(arg) for arg in decode.argv]
+    assert words[:3] == ['"${VLLM}"', "serve", '"${MODEL}"']
+    assert words[words.index("--port") + 1] == '"${DECODE0_PORT}"'
+    assert words[words.index("--host") + 1] == '"${HOST}"'
+    assert "--enable-prompt-tokens-details" in words and "--block-size" in words
+    assert dict(decode.env)["OMP_NUM_THREADS"] == ("1",)
+
+
+def test_no_path_of_the_recording_machine_survives(tmp_path: Path) -> None:
+    bundle_dir = write_bundle(tmp_path / "run")
+    serve = render_serve_sh(plan_for(bundle_dir))
+    assert str(tmp_path) not in serve
+    assert "/somewhere/venv/bin/vllm" not in serve
+    assert '"${WORK}"\'/storage/kv"' in serve and '"${WORK}"\'/storage/ec"' in serve
+
+
+def test_storage_paths_become_work_variables_and_stay_json() -> None:
+    arg = template_storage(
+        '{"kv_connector": "ExampleConnector", "kv_connector_extra_config": '
+        '{"shared_storage_path": "/run/1E-1P-1D/storage/kv"}, "kv_role": "kv_consumer"}'
+    )
+    assert Var("WORK") in arg
+    rendered = "".join("/w" if isinstance(piece, Var) else piece for piece in arg)
+    config = json.loads(rendered)
+    assert config["kv_connector_extra_config"]["shared_storage_path"] == "/w/storage/kv"
+    assert config["kv_role"] == "kv_consumer"
+
+
+def test_vllms_own_proxy_is_shipped_with_its_sha256_and_pointed_at_the_instances(
+    tmp_path: Path,
+) -> None:
+    out = write(tmp_path)
+    shipped = out / "vllm-proxy/examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py"
+    upstream = tmp_path / "run-upstream" / shipped.relative_to(out / "vllm-proxy")
+    assert shipped.read_bytes() == upstream.read_bytes()
+    digest, name = (out / "vllm-proxy/SHA256SUMS").read_text().split()
+    import hashlib
+
+    assert digest == hashlib.sha256(shipped.read_bytes()).hexdigest()
+    assert name == str(shipped.relative_to(out / "vllm-proxy"))
+    serve = (out / "serve.sh").read_text()
+    script = '"${PROXY_DIR}/examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py"'
+    assert f'"${{PYTHON}}" {script} \\\n' in serve
+    assert '--encode-servers-urls "http://${HOST}:${ENCODER0_PORT}"' in serve
+    assert '--prefill-servers-urls "http://${HOST}:${PREFILL0_PORT}"' in serve
+    assert '--decode-servers-urls "http://${HOST}:${DECODE0_PORT}"' in serve
+    assert "harness" not in (out / "serve.sh").read_text().split("# Every variable")[1]
+
+
+def test_p_d_gets_the_toy_proxy_with_hosts_and_ports(tmp_path: Path) -> None:
+    plan = plan_for(write_bundle(tmp_path / "run", topology="1P+1D", verdict="MISMATCH"))
+    assert plan.proxy_file is not None and plan.proxy_file.relative.endswith("toy_proxy_server.py")
+    words = [shell_word(arg) for arg in plan.proxy.argv]
+    assert words[words.index("--prefiller-ports") + 1] == '"${PREFILL0_PORT}"'
+    assert words[words.index("--decoder-hosts") + 1] == '"${HOST}"'
+    assert plan.proxy.health_path == "/healthcheck"
+
+
+def test_a_proxy_file_without_licence_header_is_not_shipped(tmp_path: Path) -> None:
+    upstream = write_upstream(tmp_path / "bare")
+    proxy = upstream / "examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py"
+    proxy.write_text("print('no header')\n")
+    with pytest.raises(BadInput, match="no licence header"):
+        plan_for(write_bundle(tmp_path / "run", upstream=upstream))
+
+
+def test_request_and_expected_answer_are_the_recorded_ones(tmp_path: Path) -> None:
+    out = write(tmp_path)
+    recorded = json.loads((tmp_path / "run/requests.json").read_text())[PROMPT]
+    assert json.loads((out / "request.json").read_text()) == recorded
+    expected = json.loads((out / "expected.json").read_text())
+    assert expected["check"] == "tokens"
+    assert (expected["prompt_token_ids"], expected["token_ids"]) == (PROMPT_IDS, BASELINE_IDS)
+    assert expected["recorded"]["verdict"] == "ERROR"
+
+
+def test_a_gone_model_directory_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match="model directory /gone/model is gone"):
+        plan_for(write_bundle(tmp_path / "run", model="/gone/model"))
+
+
+def test_the_unknown_uuid_probe_sends_only_the_consumer_a_never_encoded_uuid(
+    tmp_path: Path,
+) -> None:
+    plan = plan_for(write_bundle(tmp_path / "run"), probe=UNKNOWN_UUID_PROBE)
+    assert [s.name for s in plan.servers] == ["decode0"] and plan.proxy is None
+    part = plan.request["messages"][0]["content"][0]
+    assert part == {"type": "image_embeds", "image_embeds": GRID, "uuid": NEVER_ENCODED_UUID}
+    assert plan.expected["check"] == "refused-and-alive"
+    assert plan.expected["send_to"] == "decode0"
+    assert plan.name.endswith("-unknown-uuid")
+    pd = plan_for(write_bundle(tmp_path / "pd", topology="1E+1PD"), probe=UNKNOWN_UUID_PROBE)
+    assert [s.name for s in pd.servers] == ["pd0"]
+
+
+def test_the_default_case_is_the_first_that_did_not_match_even_when_declared(
+    tmp_path: Path,
+) -> None:
+    plan = plan_for(write_bundle(tmp_path / "run", scenario="epd-media-in-decode-tail"))
+    assert plan.label == "1E+1P+1D:epd-media-in-decode-tail"
+    assert plan.case.verdict == "ERROR"
+    assert plan.declared is not None and "epd-media-in-decode-tail expects ERROR" in plan.declared
+    assert plan.name == "vllm-0.32.0-1E-1P-1D-m-image-error"
+
+
+def test_nixl_side_channel_ports_become_variables(tmp_path: Path) -> None:
+    plan = plan_for(write_bundle(tmp_path / "run", topology="1P+1D", kv_connector="NixlConnector"))
+    env = {key: value for server in plan.servers for key, value in server.env}
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] in (
+        (Var("PREFILL0_NIXL_PORT"),),
+        (Var("DECODE0_NIXL_PORT"),),
+    )
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == (Var("HOST"),)
+    assert "DECODE0_NIXL_PORT=${DECODE0_NIXL_PORT:-" in render_serve_sh(plan)
+
+
+# -- what is refused ---------------------------------------------------------------------------
+
+
+def one_line_refusal(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_a_planted_fault_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
+    bundle = write_bundle(tmp_path / "run", verdict="MISMATCH", fault="corrupt-ec")
+    line = one_line_refusal(capsys, ["export", str(bundle)])
+    assert "planted by the harness's self-test (corrupt-ec)" in line
+    assert not (bundle / "exports").exists()
+
+
+def test_an_attached_run_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
+    bundle = write_bundle(tmp_path / "run", proxy_kind="attach")
+    line = one_line_refusal(capsys, ["export", str(bundle)])
+    assert "attached deployment" in line and "no commands to export" in line
+
+
+def test_an_all_match_run_needs_a_case_and_an_existing_out_is_kept(tmp_path: Path, capsys) -> None:
+    bundle = write_bundle(tmp_path / "run", verdict="MATCH")
+    assert "name one with --case" in one_line_refusal(capsys, ["export", str(bundle)])
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "mine").write_text("keep")
+    line = one_line_refusal(
+        capsys, ["export", str(bundle), "--case", f"1E+1P+1D:{PROMPT}", "--out", str(out)]
+    )
+    assert "is not empty" in line and (out / "mine").read_text() == "keep"
+
+
+def test_the_cli_writes_the_export_beside_the_run(tmp_path: Path, capsys) -> None:
+    bundle = write_bundle(tmp_path / "run")
+    assert main(["export", str(bundle)]) == 0
+    out = bundle / "exports" / "vllm-0.32.0-1E-1P-1D-m-image-error"
+    assert {p.name for p in out.iterdir()} >= {
+        "run.sh",
+        "serve.sh",
+        "check.py",
+        "cpu_repair.py",
+        "request.json",
+        "expected.json",
+        "ISSUE.md",
+        "model",
+        "vllm-proxy",
+    }
+    assert "cpu_env" in (out / "cpu_repair.py").read_text()  # the harness's repairs, copied
+    printed = capsys.readouterr().out
+    assert f"bash {out}/run.sh" in printed
+
+
+# -- ISSUE.md ----------------------------------------------------------------------------------
+
+
+def issue_fields(text: str) -> dict[str, str]:
+    """Heading -> body of each `## ` section; the environment's `- Key: value` lines too."""
+    sections = {}
+    for chunk in re.split(r"^(?=## )", text, flags=re.M)[1:]:
+        heading, _, body = chunk.partition("\n")
+        sections[heading.strip()] = body.strip()
+    return sections
+
+
+@pytest.mark.parametrize("verdict", ["ERROR", "MISMATCH", "MATCH"])
+def test_issue_md_has_every_field_of_an_upstream_report(tmp_path: Path, verdict: str) -> None:
+    out = write(tmp_path, verdict=verdict)
+    text = (out / "ISSUE.md").read_text()
+    assert text.startswith(TITLE_PREFIX) and len(text.splitlines()[0]) > len(TITLE_PREFIX) + 20
+    sections = issue_fields(text)
+    assert [f for f in ISSUE_FIELDS if f not in sections] == []
+    assert all(sections[f] for f in ISSUE_FIELDS), "an empty section"
+    environment = dict(line[2:].split(": ", 1) for line in sections["## Environment"].splitlines())
+    assert set(ENVIRONMENT_KEYS) <= set(environment)
+    assert environment["vLLM"].startswith("0.32.0+cpu")
+    assert "ExampleConnector" in environment["KV connector"]
+    assert "disagg_epd_proxy.py" in environment["Proxy"]
+    assert "bash run.sh" in sections["## How to reproduce"]
+    assert "cpu_repair.py" in sections["## How to reproduce"]
+    assert " ".join(map(str, BASELINE_IDS)) in sections["## What was expected"]
+    assert "--kv-transfer-config" in sections["## The commands"]
+
+
+def test_issue_md_of_an_error_names_the_dead_instance_and_its_assertion(tmp_path: Path) -> None:
+    out = write(tmp_path, verdict="ERROR", scenario="epd-media-in-decode-tail")
+    text = (out / "ISSUE.md").read_text()
+    title = text.splitlines()[0]
+    assert "D dies on a request of 1 image + 3 words of text" in title
+    assert "Expected number of multimodal embeddings to match" in title
+    happened = issue_fields(text)["## What happened"]
+    assert "instance 1E+1P+1D/decode0 exited with code 0" in happened
+    assert (
+        "matrix scenario epd-media-in-decode-tail expects ERROR"
+        in (issue_fields(text)["## How it was found"])
+    )
+
+
+def test_issue_md_of_a_mismatch_names_the_first_divergence(tmp_path: Path) -> None:
+    text = (write(tmp_path, verdict="MISMATCH") / "ISSUE.md").read_text()
+    assert "first difference at generated token 1" in text.splitlines()[0]
+    assert "generated tokens differ at position 1" in issue_fields(text)["## What happened"]
+
+
+def test_the_error_headline_skips_generic_engine_errors() -> None:
+    error = (
+        "APIError: Internal Server Error\n"
+        "(EngineCore pid=1) ERROR EngineDeadError: EngineCore encountered an issue\n"
+        "(EngineCore pid=1) ERROR AssertionError: Expected number of multimodal embeddings\n"
+    )
+    assert error_headline(error) == "Expected number of multimodal embeddings"
+    assert error_headline("nothing here") == ""
+
+
+def test_describe_request_counts_media_and_words() -> None:
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url"},
+                    {"type": "image_url"},
+                    {"type": "video_url"},
+                    {"type": "text", "text": "two words"},
+                ],
+            }
+        ]
+    }
+    assert describe_request(body) == "2 images + 1 video + 2 words of text"
+
+
+# -- check.py ----------------------------------------------------------------------------------
+
+
+def test_check_py_needs_only_the_standard_library() -> None:
+    tree = ast.parse(Path(check.__file__).read_text())
+    imported = {
+        (node.module if isinstance(node, ast.ImportFrom) else alias.name or "").split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
+    assert imported - set(sys.stdlib_module_names) - {"__future__"} == set()
+
+
+def test_first_difference() -> None:
+    assert check.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert check.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert check.first_difference([1, 2, 3], [1, 2]) == 2
+
+
+def answer(status: int | None, payload: object) -> check.Answer:
+    return check.Answer("http://x/v1/chat/completions", status, json.dumps(payload), 0.1)
+
+
+def response(prompt: list[int], tokens: list[int]) -> dict:
+    top = [{"token": "token_id:99", "logprob": -0.1}]
+    content = [{"token": f"token_id:{t}", "logprob": -0.1, "top_logprobs": top} for t in tokens]
+    return {
+        "prompt_token_ids": prompt,
+        "choices": [{"token_ids": tokens, "logprobs": {"content": content}}],
+    }
+
+
+EXPECTED = {
+    "check": "tokens",
+    "prompt_token_ids": [1, 2, 3],
+    "token_ids": [7, 8, 9, 10],
+    "top_logprobs": [[[7, -0.5]], [[8, -0.5], [5, -2.0]], [[9, -0.5]], [[10, -0.5]]],
+}
+
+
+def test_check_judges_match_mismatch_and_prompt_difference(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    verdict, code, detail = check.judge(
+        EXPECTED, answer(200, response([1, 2, 3], [7, 8, 9, 10])), [], tmp_path
+    )
+    assert (verdict, code) == ("MATCH", 0)
+    verdict, code, detail = check.judge(
+        EXPECTED, answer(200, response([1, 2, 3], [7, 5, 9, 10])), [], tmp_path
+    )
+    assert (verdict, code) == ("MISMATCH", 1)
+    assert "generated token ids differ at position 1" in detail and "expected 8, got 5" in detail
+    assert "expected top-k there: 8: -0.500, 5: -2.000" in detail
+    assert "received top-k there: 99: -0.100" in detail
+    verdict, code, detail = check.judge(
+        EXPECTED, answer(200, response([1, 2, 4], [7, 8, 9, 10])), [], tmp_path
+    )
+    assert (verdict, code) == ("MISMATCH", 1) and "prompt token ids differ at position 2" in detail
+
+
+def test_check_calls_a_dead_instance_an_error_naming_it(tmp_path: Path, monkeypatch) -> None:
+    log = tmp_path / "decode0.log"
+    log.write_text("starting\nAssertionError: Expected number of multimodal embeddings\nbye\n")
+    (tmp_path / "decode0.exit").write_text("0\n")
+    dead = check.Instance("decode0", "decode", "http://127.0.0.1:1", None, str(log))
+    alive = check.Instance("prefill0", "prefill", "http://127.0.0.1:2", None, str(log))
+    monkeypatch.setattr(check, "healthy", lambda url: url.endswith(":2"))
+    verdict, code, detail = check.judge(
+        EXPECTED, answer(502, {"error": "bad gateway"}), [alive, dead], tmp_path
+    )
+    assert (verdict, code) == ("ERROR", 2)
+    assert detail.startswith("decode0 died during the request")
+    assert "decode0 (decode, http://127.0.0.1:1) exited with code 0" in detail
+    assert "AssertionError: Expected number of multimodal embeddings" in detail
+    assert "prefill0" not in detail.split("\n", 1)[0]
+
+
+def test_check_judges_a_probe_by_refusal_and_survival(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    probe = {"check": "refused-and-alive", "send_to": "decode0"}
+    assert check.judge(probe, answer(400, {}), [], tmp_path)[:2] == ("MATCH", 0)
+    assert check.judge(probe, answer(200, {}), [], tmp_path)[:2] == ("MISMATCH", 1)
+    assert check.judge(probe, answer(500, {}), [], tmp_path)[:2] == ("ERROR", 2)
+
+
+def test_an_errors_evidence_is_cut_to_exceptions_and_exits() -> None:
+    error = "\n".join(
+        [
+            "InternalServerError: Error code: 502",
+            "--- 1E+1P+1D/decode0 logged during the request ---",
+            "(Worker pid=1) ERROR [x.py:1] Traceback (most recent call last):",
+            '(Worker pid=1) ERROR [x.py:1]   File "/site/vllm/worker.py", line 3, in run',
+            "(Worker pid=1) ERROR [x.py:1] AssertionError: Expected number of embeddings",
+            "(Worker pid=1) ERROR [x.py:1] AssertionError: Expected number of embeddings",
+            'INFO:     127.0.0.1:1 - "POST /v1/chat/completions HTTP/1.1" 500 Internal Server Error',
+            "(APIServer pid=2) INFO [core_client.py:7] [shutdown] MPClient: complete",
+            "instance 1E+1P+1D/decode0 exited with code 0; last lines of d.log:",
+        ]
+    )
+    assert condensed_error(error) == [
+        "InternalServerError: Error code: 502",
+        "--- 1E+1P+1D/decode0 logged during the request ---",
+        "(Worker pid=1) ERROR [x.py:1] AssertionError: Expected number of embeddings",
+        'INFO:     127.0.0.1:1 - "POST /v1/chat/completions HTTP/1.1" 500 Internal Server Error',
+        "instance 1E+1P+1D/decode0 exited with code 0; last lines of d.log:",
+    ]
+
+
+def test_a_probe_names_only_the_connector_its_consumer_runs(tmp_path: Path) -> None:
+    plan = plan_for(write_bundle(tmp_path / "run"), probe=UNKNOWN_UUID_PROBE)
+    text = render_issue(plan)
+    assert "EPD 1E+1P+1D (ExampleConnector): " in text.splitlines()[0]
+    assert "- EC connector: ECExampleConnector (not used by this case)" in text
+    assert "the request goes straight to decode0" in text
+
+
+def test_check_cuts_a_log_to_exception_messages_and_its_tail() -> None:
+    log = "\n".join(
+        [
+            "loading",
+            "(Worker) ERROR Traceback (most recent call last):",
+            '(Worker) ERROR   File "/site/vllm/utils.py", line 701, in sanity_check',
+            "(Worker) ERROR AssertionError: Expected number of multimodal embeddings",
+            "(Worker) ERROR AssertionError: Expected number of multimodal embeddings",
+            '"POST /v1/chat/completions HTTP/1.1" 500 Internal Server Error',
+            "Shutting down",
+        ]
+    )
+    lines = check.evidence(log).splitlines()
+    picked = lines[: lines.index("...")]
+    assert picked == [
+        "(Worker) ERROR AssertionError: Expected number of multimodal embeddings",
+        '"POST /v1/chat/completions HTTP/1.1" 500 Internal Server Error',
+    ]
+    assert lines[-1] == "Shutting down"  # then the log's last lines
+
+
+def test_the_baseline_is_rendered_with_the_runs_flags_when_it_came_from_the_cache(
+    tmp_path: Path,
+) -> None:
+    plan = plan_for(write_bundle(tmp_path / "run"))  # the synthetic run started no baseline
+    assert plan.baseline is not None and plan.baseline.name == "baseline0"
+    words = [shell_word(arg) for arg in plan.baseline.argv]
+    assert words[:3] == ['"${VLLM}"', "serve", '"${MODEL}"']
+    assert words[words.index("--port") + 1] == '"${BASELINE0_PORT}"'
+    assert not any("transfer-config" in word for word in words)
+    serve = render_serve_sh(plan)
+    assert "  baseline) ;;" not in serve and "  case|baseline) ;;" in serve
+    probe = plan_for(write_bundle(tmp_path / "probe"), probe=UNKNOWN_UUID_PROBE)
+    assert probe.baseline is None and "  case) ;;" in render_serve_sh(probe)
+
+
+@pytest.mark.parametrize("pre_pool_layout", [False, True])
+def test_a_matrix_case_is_exported_from_either_session_layout(
+    tmp_path: Path, pre_pool_layout: bool
+) -> None:
+    """The pool serves a matrix scenario on the sweep's `<topology>/`; older bundles kept the
+    matrix's own `matrix-<topology>/`: both give every instance's command."""
+    out = write(tmp_path, scenario="epd-media-in-decode-tail", pre_pool_layout=pre_pool_layout)
+    serve = (out / "serve.sh").read_text()
+    for instance in ("ENCODER0", "PREFILL0", "DECODE0"):
+        assert f'"http://${{HOST}}:${{{instance}_PORT}}"' in serve

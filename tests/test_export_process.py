@@ -1,0 +1,272 @@
+"""An export's run.sh / serve.sh / check.py as processes, on fake servers (harness/testing/fake_vllm.py and
+a stand-in proxy): what each exit code means, a death named, nothing left running, and the
+harness never imported. Whether the exports reproduce vLLM's failures is e2e
+(scenarios/test_export_repro.py): a fake only shows that the scripts handle processes right.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from export_bundle import PROMPT, REPAIR, plan_for, write, write_bundle
+
+from harness.run.export import UNKNOWN_UUID_PROBE, UpstreamProxy, plan_export
+from harness.run.export_files import write_export
+from harness.run.export_issue import render_issue
+from harness.run.repro import Bundle
+from harness.testing.fake_vllm import MODE_ENV, install_fake_vllm
+
+pytestmark = pytest.mark.process
+RUN_TIMEOUT_S = 120
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+def poisoned_harness(root: Path) -> Path:
+    """A PYTHONPATH entry whose `harness` raises on import: any process of the export that
+    imported the harness would fail loudly."""
+    package = root / "poison" / "harness"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise ImportError('the export imported the harness')\n")
+    return package.parent
+
+
+def export_case(tmp_path: Path, verdict: str = "ERROR", probe: str | None = None) -> Path:
+    bundle = Bundle.load(write_bundle(tmp_path / "run", verdict=verdict))
+    upstream = UpstreamProxy(Path(bundle.run["proxy"]["files_dir"]), "a stand-in proxy")
+    plan = plan_export(bundle, f"1E+1P+1D:{PROMPT}", lambda: upstream, probe)
+    out = tmp_path / "scratch" / plan.name
+    write_export(plan, out, "print('no repairs needed here')\n")
+    return out
+
+
+def environment(tmp_path: Path, modes: str = "") -> dict[str, str]:
+    fake = install_fake_vllm(tmp_path / "bin")
+    ports = free_ports(4)
+    return {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "VLLM": str(fake),
+        "PYTHON": sys.executable,
+        "PYTHONPATH": str(poisoned_harness(tmp_path)),
+        "CPU_REPAIR": "no",
+        "STOP_TIMEOUT": "3",
+        "STARTUP_TIMEOUT": "60",
+        "PROXY_PORT": str(ports[0]),
+        "ENCODER0_PORT": str(ports[1]),
+        "PREFILL0_PORT": str(ports[2]),
+        "DECODE0_PORT": str(ports[3]),
+        MODE_ENV: modes,
+    }
+
+
+def run_sh(out: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(out / "run.sh")],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+
+
+def assert_nothing_left(out: Path, env: dict[str, str]) -> None:
+    """Every server serve.sh started (its pid files) is gone, and every port is free again."""
+    pids = [int(p.read_text()) for p in (out / "work/state").glob("*.pid")]
+    assert pids, "serve.sh recorded no process"
+    deadline = time.monotonic() + 5
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in pids if pid_alive(pid)]
+        time.sleep(0.1)
+    assert alive == [], f"left running: {alive}"
+    for name in ("PROXY_PORT", "ENCODER0_PORT", "PREFILL0_PORT", "DECODE0_PORT"):
+        with socket.socket() as sock:  # TIME_WAIT allowed; a listener still there raises
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", int(env[name])))
+            sock.listen()
+
+
+def pid_alive(pid: int) -> bool:
+    """Running (a zombie left for a parent or PID 1 to reap counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def test_a_matching_answer_exits_0(tmp_path: Path) -> None:
+    out = export_case(tmp_path, verdict="MATCH")
+    env = environment(tmp_path)
+    done = run_sh(out, env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "MATCH: the 4 generated and 3 prompt token ids equal the expected ones" in done.stdout
+    assert "the harness (run run) recorded MATCH: reproduced" in done.stdout
+    assert "imported the harness" not in done.stdout + done.stderr
+    assert_nothing_left(out, env)
+
+
+def test_a_death_during_the_request_exits_2_naming_the_instance(tmp_path: Path) -> None:
+    out = export_case(tmp_path)
+    env = environment(tmp_path, "decode:die-request")
+    done = run_sh(out, env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "ERROR: decode0 died during the request" in done.stdout
+    assert "fake engine core died on a request (chaos-9e2a)" in done.stdout
+    assert "recorded ERROR: reproduced" in done.stdout
+    assert "decode0 exited with code 0" in done.stdout + done.stderr  # serve.sh noticed too
+    assert_nothing_left(out, env)
+
+
+def test_different_ids_exit_1_with_the_first_divergence(tmp_path: Path) -> None:
+    out = export_case(tmp_path, verdict="MISMATCH")
+    path = out / "expected.json"
+    expected = json.loads(path.read_text())
+    expected["token_ids"][1] = 80  # the fake answers 7 8 9 10
+    path.write_text(json.dumps(expected))
+    env = environment(tmp_path)
+    done = run_sh(out, env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "MISMATCH: generated token ids differ at position 1" in done.stdout
+    assert "expected 80, got 8" in done.stdout
+    assert_nothing_left(out, env)
+
+
+def test_an_instance_that_dies_while_starting_fails_the_start(tmp_path: Path) -> None:
+    out = export_case(tmp_path)
+    env = environment(tmp_path, "prefill:die-start")
+    done = run_sh(out, env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "prefill0 exited while starting" in done.stdout
+    assert "chaos-7c1d" in done.stderr  # its log tail
+    assert "serve.sh could not start everything" in done.stderr
+    assert_nothing_left(out, env)
+
+
+def test_the_probe_goes_to_the_consumer_alone(tmp_path: Path) -> None:
+    out = export_case(tmp_path, probe=UNKNOWN_UUID_PROBE)
+    env = environment(tmp_path)
+    done = run_sh(out, env)
+    # The fake answers anything with 200: a consumer that answers a request it cannot serve.
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "MISMATCH: decode0 answered a request it cannot serve" in done.stdout
+    assert [p.name for p in (out / "work/state").glob("*.pid")] == ["decode0.pid"]
+    assert_nothing_left(out, env)
+
+
+def test_run_sh_baseline_checks_the_expected_ids_on_a_monolithic_server(tmp_path: Path) -> None:
+    out = export_case(tmp_path, verdict="MISMATCH")
+    env = {**environment(tmp_path, "decode:die-request"), "BASELINE0_PORT": str(free_ports(1)[0])}
+    done = subprocess.run(
+        ["bash", str(out / "run.sh"), "baseline"],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "the expected ids hold on this machine's monolithic vLLM" in done.stdout
+    assert [p.name for p in (out / "work/state").glob("*.pid")] == ["baseline0.pid"]
+    assert_nothing_left(out, env)
+
+
+def test_serve_sh_stops_every_group_on_sigterm_even_a_server_that_ignores_it(
+    tmp_path: Path,
+) -> None:
+    out = export_case(tmp_path)
+    env = environment(tmp_path, "encoder:fork-child;decode:ignore-term")
+    serve = subprocess.Popen(
+        ["bash", str(out / "serve.sh")],
+        cwd=out,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not (out / "work/state/ready").exists():
+            assert serve.poll() is None and time.monotonic() < deadline, serve.stdout.read()
+            time.sleep(0.2)
+        log = (out / "work/logs/encoder0.log").read_text()
+        child = int(log.split("CHILD ")[1].split()[0])
+        assert pid_alive(child)
+        started = time.monotonic()
+        serve.send_signal(signal.SIGTERM)
+        output = serve.communicate(timeout=30)[0]
+        assert serve.returncode == 143, output
+        assert "decode0 did not stop within 3s of SIGTERM: killed" in output
+        assert time.monotonic() - started < 10
+        assert not pid_alive(child), "the engine-core stand-in outlived its group"
+        assert_nothing_left(out, env)
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+
+
+# -- moved from test_export.py: they run bash or python --------------------------------
+
+
+def test_the_shell_scripts_parse(tmp_path: Path) -> None:
+    out = write(tmp_path)
+    for script in ("serve.sh", "run.sh"):
+        checked = subprocess.run(["bash", "-n", str(out / script)], capture_output=True, text=True)
+        assert checked.returncode == 0, f"{script}: {checked.stderr}"
+
+
+def test_a_small_model_is_copied_a_hub_snapshot_is_named(tmp_path: Path) -> None:
+    out = write(tmp_path)
+    assert (out / "model/model.safetensors").stat().st_size == 1024
+    assert not (out / "model/.complete").exists()
+    snapshot = "/hub/models--Qwen--Qwen2.5-VL-3B-Instruct/snapshots/0123abcd"
+    plan = plan_for(write_bundle(tmp_path / "hub", model=snapshot))
+    assert (plan.model.hub_name, plan.model.hub_revision) == (
+        "Qwen/Qwen2.5-VL-3B-Instruct",
+        "0123abcd",
+    )
+    assert "huggingface-cli download Qwen/Qwen2.5-VL-3B-Instruct --revision 0123abcd" in (
+        render_issue(plan)
+    )
+    hub_out = tmp_path / "hub-export"
+    write_export(plan, hub_out, REPAIR)
+    assert not (hub_out / "model").exists()
+    serve = (hub_out / "serve.sh").read_text()
+    assert (
+        "snapshot_download(sys.argv[1], revision=sys.argv[2]))' Qwen/Qwen2.5-VL-3B-Instruct 0123abcd"
+        in serve
+    )
+    parsed = subprocess.run(
+        ["bash", "-n", str(hub_out / "serve.sh")], capture_output=True, text=True
+    )
+    assert parsed.returncode == 0, parsed.stderr
+
+
+def test_check_without_serve_state_is_an_error_in_one_line(tmp_path: Path, capsys) -> None:
+    out = write(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-I", str(out / "check.py"), "--state", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "is serve.sh serving?" in done.stderr

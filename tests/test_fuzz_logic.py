@@ -1,0 +1,652 @@
+"""The fuzzer's pure logic against fakes: strategies, layouts, signatures, known failures,
+shrinking and its budget, the bundle repro takes, and --save's scenario."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.judge.records import CaseRecord, Verdict
+from harness.outcomes.outcome import Outcome
+from harness.run.fuzz.consumer import (
+    ConsumerState,
+    looked_up_tokens,
+    media_identities,
+    stored_tokens,
+)
+from harness.run.fuzz.engine import Evaluation, FailureGroup, group_failures
+from harness.run.fuzz.known import Recognition, recognise, rules_for
+from harness.run.fuzz.layout import (
+    PlaceholderIds,
+    PromptLayout,
+    VisionGrid,
+    estimate_positions,
+    layout_from_ids,
+)
+from harness.run.fuzz.save import evidence_of, save_scenarios
+from harness.run.fuzz.shrink import ShrinkBudget, Trial, candidates, shrink, size_key
+from harness.run.fuzz.signature import Signature, cause_line, died_role, signature_of
+from harness.run.fuzz.space import FuzzSpace, space_for
+from harness.run.fuzz.strategies import FILLER, draw_examples
+from harness.run.fuzz.video_timing import video_positions_differ
+from harness.run.scenarios import found_scenarios
+from harness.spec.generations import GENERATIONS_BY_NAME, NEWEST
+from harness.spec.prompt_codec import prompt_from_json, prompt_to_json
+from harness.spec.prompts import (
+    MEDIA_PARTS,
+    ImagePart,
+    PromptSpec,
+    TextPart,
+    VideoFramesPart,
+    VideoPart,
+)
+from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.testing.builders import case_record
+
+pytestmark = pytest.mark.unit
+
+IDS = PlaceholderIds(image=785, video=786)
+DECODE_TAIL_ERROR = (
+    "InternalServerError: Error code: 500 - {'error': 'EngineCore encountered an issue'}\n"
+    "--- 1E+1P+1D/decode0 logged during the request ---\n"
+    "(EngineCore_DP0 pid=4242) ERROR 12-01 10:00:01 [core.py:710] Traceback (most recent call)\n"
+    "(EngineCore_DP0 pid=4242) ERROR 12-01 10:00:01 [core.py:710] AssertionError: Expected "
+    "number of multimodal embeddings to match number of input items: 1, but got "
+    "len(mm_embeddings)=0\n"
+    "(APIServer pid=4200) ERROR 12-01 10:00:01 [async_llm.py:500] EngineDeadError: EngineCore "
+    "encountered an issue.\n"
+    "instance 1E+1P+1D/decode0 exited with code 1; last lines of /x/decode0.log:\n..."
+)
+
+
+class FakeEstimator:
+    """One token per word, images sized by the Qwen2-VL rule, a 14 + 5 token chat frame."""
+
+    grid = VisionGrid()
+
+    def text_tokens(self, text: str) -> int:
+        return len(text.split())
+
+    def media_tokens(self, part, spec) -> int:
+        if isinstance(part, ImagePart):
+            return self.grid.image_tokens(*part.size)
+        return self.grid.video_tokens(part.num_frames, *part.size)
+
+    head_tokens = 14
+    tail_tokens = 5
+    wrap_tokens = 2
+
+
+def record(verdict: Verdict, detail: str = "", error: str | None = None, **kw) -> CaseRecord:
+    return case_record(
+        "1E+1P+1D",
+        "ex-0001",
+        verdict,
+        verdict is Verdict.MATCH,
+        detail=detail,
+        guards=kw.get("guards", {}),
+        timings={},
+        error=error,
+        explanation=kw.get("explanation", detail),
+    )
+
+
+def image_prompt(*sizes: tuple[int, int], text: str = " describe", name: str = "p") -> PromptSpec:
+    parts = tuple(ImagePart(seed=i, size=s) for i, s in enumerate(sizes)) + (TextPart(text),)
+    return PromptSpec(name, parts)
+
+
+# -- strategies ---------------------------------------------------------------------------------
+
+
+def test_a_seed_draws_the_same_examples_and_another_seed_others() -> None:
+    space = FuzzSpace()
+    first = draw_examples(space, 30, seed=7, estimator=FakeEstimator())
+    again = draw_examples(space, 30, seed=7, estimator=FakeEstimator())
+    other = draw_examples(space, 30, seed=8, estimator=FakeEstimator())
+    as_json = [prompt_to_json(e.spec) for e in first]
+    assert len(first) == 30 and [e.name for e in first][:2] == ["ex-0000", "ex-0001"]
+    assert as_json == [prompt_to_json(e.spec) for e in again]
+    assert as_json != [prompt_to_json(e.spec) for e in other]
+    assert len({json.dumps(j, sort_keys=True) for j in as_json}) == 30, "duplicates dropped"
+
+
+def test_examples_stay_inside_the_space() -> None:
+    space = FuzzSpace(max_model_len=900, videos=False, media_kwargs=False, max_videos=0)
+    examples = draw_examples(space, 60, seed=3, estimator=FakeEstimator())
+    for example in examples:
+        spec = example.spec
+        media = [p for p in spec.parts if isinstance(p, MEDIA_PARTS)]
+        assert sum(isinstance(p, ImagePart) for p in media) <= space.max_images
+        assert not any(isinstance(p, (VideoPart, VideoFramesPart)) for p in media)
+        assert spec.extra == ()
+        assert space.min_max_tokens <= spec.max_tokens <= space.max_max_tokens
+        _, total = estimate_positions(spec, FakeEstimator())
+        assert total + spec.max_tokens <= space.max_model_len
+
+
+def test_the_draw_covers_the_dimensions_epd_depends_on() -> None:
+    examples = draw_examples(FuzzSpace(), 150, seed=0, estimator=FakeEstimator())
+    specs = [e.spec for e in examples]
+
+    def media(spec):
+        return [p for p in spec.parts if isinstance(p, MEDIA_PARTS)]
+
+    assert {len(media(s)) for s in specs} >= {0, 1, 2, 3, 4}
+    assert any(isinstance(p, VideoPart) for s in specs for p in s.parts)
+    assert any(isinstance(p, VideoFramesPart) for s in specs for p in s.parts)
+    assert any(len(media(s)) != len(set(media(s))) for s in specs), "a repeat within a request"
+    assert any(dict(s.extra).get("mm_processor_kwargs") for s in specs)
+    assert any(isinstance(s.parts[0], TextPart) and len(media(s)) for s in specs), "text first"
+    assert any(isinstance(s.parts[-1], MEDIA_PARTS) for s in specs), "media last"
+    sizes = {p.size for s in specs for p in s.parts if isinstance(p, ImagePart)}
+    assert any(w != h for w, h in sizes), "aspect ratios other than square"
+
+
+@pytest.mark.parametrize(("aim", "offset"), [("before", -1), ("on", 0), ("after", 1)])
+def test_boundary_aims_land_where_the_estimator_says(aim: str, offset: int) -> None:
+    estimator = FakeEstimator()
+    examples = draw_examples(FuzzSpace(), 120, seed=11, estimator=estimator)
+    aimed = [e for e in examples if e.aim.get("boundary") == aim]
+    assert aimed, f"no example aimed {aim} a block boundary"
+    for example in aimed:
+        end, _ = estimate_positions(example.spec, estimator)
+        assert (end - offset) % 32 == 0, (example.spec, end)
+
+
+def test_tail_aims_put_the_last_run_inside_or_past_the_recomputed_tail() -> None:
+    estimator = FakeEstimator()
+    examples = draw_examples(FuzzSpace(), 150, seed=5, estimator=estimator)
+    inside = past = 0
+    for example in examples:
+        tail = example.aim.get("tail")
+        end, total = estimate_positions(example.spec, estimator)
+        if tail not in ("in-tail", "past-tail") or example.spec.parts[-1] != TextPart(
+            example.spec.parts[-1].text if isinstance(example.spec.parts[-1], TextPart) else ""
+        ):
+            continue
+        in_tail = end > ((total - 1) // 32) * 32
+        if tail == "in-tail" and set(example.spec.parts[-1].text.split()) <= {FILLER.strip()}:
+            inside += in_tail
+        if tail == "past-tail":
+            past += not in_tail
+    assert inside and past
+
+
+def test_the_space_follows_the_release_and_the_flags() -> None:
+    topology = TOPOLOGIES["1E+1PD"]
+    serving = ServingConfig(model="m")
+    assert space_for(NEWEST, topology, serving).media_kwargs
+    old = space_for(GENERATIONS_BY_NAME["ec-items-report-only"], topology, serving)
+    assert not old.media and old.max_images == 0 and old.notes
+    by_hash = space_for(GENERATIONS_BY_NAME["by-hash"], topology, serving)
+    assert by_hash.media and not by_hash.media_kwargs
+    untrusted = space_for(NEWEST, topology, ServingConfig(model="m", trust_request_mm_kwargs=False))
+    assert not untrusted.media_kwargs
+    assert space_for(GENERATIONS_BY_NAME["raw-media"], TOPOLOGIES["1P+1D"], serving).media
+
+
+def test_prompt_specs_survive_json() -> None:
+    spec = PromptSpec(
+        "x",
+        (TextPart("a"), ImagePart(3, (56, 28)), VideoPart(1, 4, 3.0, (56, 56))),
+        max_tokens=7,
+        extra=(("mm_processor_kwargs", {"max_pixels": 12544}),),
+    )
+    frames = PromptSpec("y", (VideoFramesPart(2, 3, (112, 56)),))
+    for item in (spec, frames):
+        assert prompt_from_json(json.loads(json.dumps(prompt_to_json(item)))) == item
+
+
+# -- layouts ------------------------------------------------------------------------------------
+
+
+def test_layout_from_ids_finds_runs_the_kv_prefix_and_the_tail() -> None:
+    ids = [1] * 20 + [785] * 10 + [2] + [786] * 4 + [3] * 6  # image 20..30, video 31..35
+    layout = layout_from_ids(ids, IDS, 32)
+    assert layout.runs == (("image", 20, 30), ("video", 31, 35))
+    assert layout.prompt_tokens == 41 and layout.kv_prefix == 32
+    assert layout.media_in_decode_tail and layout.boundary_offset == 3
+    safe = layout_from_ids([785] * 4 + [1] * 60, IDS, 32)
+    assert not safe.media_in_decode_tail and safe.boundary_offset == 4
+
+
+@pytest.mark.parametrize(("end", "tokens", "in_tail"), [(32, 38, False), (33, 39, True)])
+def test_a_run_ending_on_a_boundary_is_loaded_one_after_it_is_recomputed(
+    end: int, tokens: int, in_tail: bool
+) -> None:
+    layout = PromptLayout(tokens, (("image", end - 4, end),), 32)
+    assert layout.media_in_decode_tail is in_tail
+
+
+@pytest.mark.parametrize(
+    ("tokens", "stored", "looked_up"), [(64, 32, 32), (65, 64, 32), (66, 64, 64)]
+)
+def test_examples_connector_keys_differ_one_token_past_a_block(
+    tokens: int, stored: int, looked_up: int
+) -> None:
+    assert (stored_tokens(tokens, 32), looked_up_tokens(tokens, 32)) == (stored, looked_up)
+    layout = PromptLayout(tokens, (("image", 2, 6),), 32)
+    assert layout.kv_keys_agree is (stored == looked_up)
+    assert layout.media_past_kv_miss is (stored != looked_up), "D computes the image itself"
+    assert not layout.media_in_decode_tail, "an early image is in no partial block"
+    assert layout.kv_short_of_transfer is (stored != looked_up)
+
+
+def test_what_d_holds_follows_the_storage_and_its_prefix_cache() -> None:
+    state = ConsumerState(block=32)
+    text = list(range(100, 165))  # 65 tokens: P stores 64, D looks for 32
+    assert state.holds(text, (), ()) == 0
+    state.served(text, (), (), consumer_alive=False)  # D died on it: nothing cached
+    assert state.holds(text, (), ()) == 0, "P stored 64 tokens where D looks for 32"
+    shorter = text[:40]  # 40 tokens: P stores 32 under D's lookup key for `text`
+    state.served(shorter, (), (), consumer_alive=False)
+    assert state.holds(text, (), ()) == 32
+    state.storage_reset()
+    assert state.holds(text, (), ()) == 0
+    state.served(text[:64] + [7, 8], (), (), consumer_alive=True)  # D caches 2 full blocks
+    assert state.holds(text, (), ()) == 64, "a prefix-cache hit, capped at n - 1"
+    state.consumer_restarted()
+    assert state.holds(text, (), ()) == 0, "a revived D holds nothing of its own"
+
+
+def test_a_prefix_hit_stops_where_another_media_item_sits() -> None:
+    state = ConsumerState(block=32)
+    ids = [1] * 10 + [785] * 40 + [2] * 30  # one image at 10..50, 80 tokens
+    state.served(ids, ("image-a",), (10,), consumer_alive=True)
+    assert state.holds(ids, ("image-a",), (10,)) == 64
+    assert state.holds(ids, ("image-b",), (10,)) == 0, "same placeholders, another image"
+
+
+def test_media_identities_follow_the_part_and_its_kwargs() -> None:
+    plain = image_prompt((56, 56), (56, 56))
+    kwargs = PromptSpec("k", plain.parts, extra=(("mm_processor_kwargs", {"max_pixels": 9}),))
+    assert len(set(media_identities(plain))) == 2  # seeds 0 and 1
+    assert media_identities(plain)[0] != media_identities(kwargs)[0]
+
+
+def test_vision_grid_matches_the_qwen2_vl_resize_rule() -> None:
+    grid = VisionGrid(min_pixels=3136, max_pixels=200704)
+    assert grid.image_tokens(224, 224) == 64
+    assert grid.image_tokens(16, 16) == 4  # scaled up to 56 x 56
+    assert grid.image_tokens(448, 448) == 256
+    assert grid.image_tokens(640, 360) <= 256  # scaled down under max_pixels
+    assert grid.image_tokens(224, 224, max_pixels=28 * 28 * 16) == 16
+
+
+# -- signatures and known failures --------------------------------------------------------------
+
+
+def test_a_crash_signature_is_the_dead_role_and_the_worker_assertion() -> None:
+    crash = record(Verdict.ERROR, "request failed: InternalServerError", DECODE_TAIL_ERROR)
+    signature = signature_of(crash)
+    assert signature.where == "decode died"
+    assert signature.cause.startswith("AssertionError: Expected number of multimodal embeddings")
+    assert "N, but got len(mm_embeddings)=N" in signature.cause
+    other_pid = DECODE_TAIL_ERROR.replace("4242", "99").replace("items: 1", "items: 2")
+    assert signature_of(record(Verdict.ERROR, "", other_pid)) == signature
+
+
+def test_cause_line_skips_wrappers_and_falls_back_to_the_first_line() -> None:
+    assert cause_line("EngineDeadError: dead\nValueError: bad grid 3") == "ValueError: bad grid N"
+    assert cause_line("EngineDeadError: dead") == "EngineDeadError: dead"
+    assert cause_line("timed out after 300 s") == "timed out after N s"
+    assert died_role("prefill0 x\nxx 1E+1P+1D/prefill0 (pid 12) died while serving") == "prefill"
+    assert died_role("no death here") is None
+
+
+def test_mismatch_and_vacuous_signatures_ignore_positions() -> None:
+    late = signature_of(record(Verdict.MISMATCH, "generated tokens differ at position 7 of 9/9"))
+    early = signature_of(record(Verdict.MISMATCH, "generated tokens differ at position 0 of 3/3"))
+    assert late == early == Signature("MISMATCH", "generated ids")
+    prompt = signature_of(record(Verdict.MISMATCH, "prompt ids differ at position 30 (...)"))
+    assert prompt.where == "prompt ids"
+    vacuous = record(
+        Verdict.VACUOUS, "tokens equal", guards={"consumer_embeds": {"ok": False, "evidence": ""}}
+    )
+    assert signature_of(vacuous).where == "guard consumer_embeds"
+    assert signature_of(
+        record(Verdict.ERROR, "", "BadRequestError: Error code: 400 - x")
+    ).where == ("HTTP 400")
+
+
+def _tail_layout(in_tail: bool) -> PromptLayout:
+    return PromptLayout(38, (("image", 28, 33 if in_tail else 32),), 32)
+
+
+def test_the_decode_tail_crash_is_known_only_with_its_trigger_and_connector() -> None:
+    rules = rules_for(TOPOLOGIES["1E+1P+1D"], "ExampleConnector", NEWEST)
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    spec = image_prompt((56, 56))
+    known = recognise(rules, crash, spec, _tail_layout(True))
+    assert known.known and known.rule.name == "scenario epd-media-in-decode-tail"
+    assert known.rule.crash and known.rule.predicts(spec, _tail_layout(True))
+    untriggered = recognise(rules, crash, spec, _tail_layout(False))
+    assert not untriggered.known and untriggered.outside_trigger is not None
+    nixl = rules_for(TOPOLOGIES["1E+1P+1D"], "NixlConnector", NEWEST)
+    assert not recognise(nixl, crash, spec, _tail_layout(True)).known
+    assert not rules_for(TOPOLOGIES["1P+1D"], "ExampleConnector", NEWEST)
+
+
+def test_the_video_timing_mismatch_is_known_for_frames_not_at_two_fps() -> None:
+    rules = rules_for(TOPOLOGIES["1E+1PD"], "ExampleConnector", NEWEST)
+    mismatch = record(Verdict.MISMATCH, "generated tokens differ at position 3 of 32/32")
+    frames = PromptSpec("f", (VideoFramesPart(1), TextPart("x")))
+    at_two = PromptSpec("g", frames.parts, extra=(("media_io_kwargs", {"video": {"fps": 2.0}}),))
+    assert recognise(rules, mismatch, frames, None).known
+    assert not recognise(rules, mismatch, at_two, None).known
+    assert not recognise(rules, mismatch, image_prompt((56, 56)), None).known
+    old = rules_for(TOPOLOGIES["1E+1PD"], "ExampleConnector", GENERATIONS_BY_NAME["by-hash"])
+    video = PromptSpec("v", (VideoPart(1), TextPart("x")))
+    assert recognise(old, mismatch, video, None).rule.name == "release by-hash"
+
+
+def test_the_kv_lookup_miss_is_known_apart_from_the_decode_tail_crash() -> None:
+    rules = rules_for(TOPOLOGIES["1E+1P+1D"], "ExampleConnector", NEWEST)
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    spec = image_prompt((56, 56))
+    miss = PromptLayout(65, (("image", 20, 24),), 32)
+    assert recognise(rules, crash, spec, miss).rule.name == "scenario epd-kv-lookup-miss-media"
+    covered = PromptLayout(65, (("image", 20, 24),), 32, consumer_holds=32)
+    assert not recognise(rules, crash, spec, covered).known, "D held the image: no crash"
+    tail = PromptLayout(66, (("image", 60, 65),), 32)
+    assert recognise(rules, crash, spec, tail).rule.name == "scenario epd-media-in-decode-tail"
+    vacuous = record(
+        Verdict.VACUOUS,
+        "tokens equal but guard failed: kv_transfer: D cached 0 of 64",
+        guards={"kv_transfer": {"ok": False, "evidence": ""}},
+    )
+    text = PromptSpec("t", (TextPart(" x"),))
+    known = recognise(rules, vacuous, text, PromptLayout(65, (), 32))
+    assert known.rule.name == "scenario epd-kv-lookup-miss-text"
+    assert not recognise(rules, vacuous, text, PromptLayout(66, (), 32)).known
+    nixl = rules_for(TOPOLOGIES["1E+1P+1D"], "NixlConnector", NEWEST)
+    assert not recognise(nixl, crash, spec, miss).known
+
+
+# Measured on 1E+1PD with real vLLM 0.32 (MISMATCH exactly where True), all but the 11- and
+# 2-frame mp4s (read from the rule).
+@pytest.mark.parametrize(
+    ("part", "extra", "differ"),
+    [
+        (VideoPart(0, num_frames=8, fps=1.0), (), True),  # nothing to sample down: 1 fps
+        (VideoPart(0, num_frames=8, fps=2.0), (), False),
+        (VideoPart(0, num_frames=16, fps=4.0), (), False),  # sampled down to 2 fps
+        (VideoPart(0, num_frames=11, fps=2.0), (), False),  # 10 of 11 kept: 1.82 fps, 5 steps
+        (VideoPart(0, num_frames=2, fps=1.0), (), False),  # one temporal step: no position
+        (VideoFramesPart(0, num_frames=8), (), True),
+        (VideoPart(0, num_frames=16, fps=3.0), (), False),  # 10 kept: 1.875 fps, 5 steps
+        (VideoPart(0, num_frames=13, fps=2.0), (), False),
+        (VideoPart(0, num_frames=4, fps=3.0), (), True),  # at least 4 frames kept: 3 fps
+        (VideoPart(0, num_frames=8, fps=2.0), (("mm_processor_kwargs", {"fps": 1.0}),), False),
+        (
+            VideoPart(0, num_frames=8, fps=1.0),
+            (("media_io_kwargs", {"video": {"fps": 1.0}}),),
+            True,
+        ),
+        (VideoFramesPart(0, num_frames=2), (), False),
+        (VideoFramesPart(0, num_frames=3), (), True),
+        (VideoFramesPart(0, num_frames=8), (("media_io_kwargs", {"video": {"fps": 2.0}}),), False),
+    ],
+)
+def test_video_positions_differ_where_the_sampled_rate_moves_a_step(part, extra, differ) -> None:
+    spec = PromptSpec("v", (part, TextPart(" x")), extra=extra)
+    assert video_positions_differ(part, spec) is differ
+
+
+# -- shrinking ----------------------------------------------------------------------------------
+
+
+def test_candidates_are_smaller_and_come_smallest_first() -> None:
+    spec = PromptSpec(
+        "s",
+        (
+            TextPart(" one two three four"),
+            ImagePart(0, (448, 448)),
+            VideoPart(1, 8, 4.0, (112, 112)),
+            TextPart(" five six seven"),
+        ),
+        max_tokens=32,
+        extra=(("mm_processor_kwargs", {"max_pixels": 12544}),),
+    )
+    found = candidates(spec, divergence=4)
+    keys = [size_key(c) for c in found]
+    assert keys == sorted(keys) and all(k < size_key(spec) for k in keys)
+    assert len({json.dumps(prompt_to_json(c)) for c in found}) == len(found)
+    assert any(c.max_tokens == 5 for c in found), "enough tokens to reach the divergence"
+    assert not candidates(PromptSpec("t", (TextPart("a"),), max_tokens=1))
+
+
+class FakeOracle:
+    """Reproduces when `fails(spec)`; a reproduction "kills D" (restart before the next)."""
+
+    def __init__(self, fails, crash: bool = True):
+        self.fails, self.crash, self.dead, self.restarts = fails, crash, False, 0
+
+    def restart_pending(self) -> bool:
+        return self.dead
+
+    def attempt(self, spec: PromptSpec) -> Trial:
+        restarted = self.dead
+        self.restarts += restarted
+        reproduced = self.fails(spec)
+        self.dead = reproduced and self.crash
+        return Trial(spec, reproduced, "x", 0.1, restarted=restarted)
+
+
+def _image_last_with_little_text(spec: PromptSpec) -> bool:
+    """A stand-in for the decode-tail crash: the last part is an image, or one short text
+    after an image."""
+    parts = spec.parts
+    if isinstance(parts[-1], ImagePart):
+        return True
+    return len(parts) >= 2 and isinstance(parts[-2], ImagePart) and len(parts[-1].text) < 12
+
+
+def test_a_text_can_shrink_by_whole_blocks_of_words() -> None:
+    spec = PromptSpec("s", (ImagePart(0, (56, 56)), TextPart(" a" * 40)))
+    shorter = [c for c in candidates(spec, step_words=32) if c.parts[0] == spec.parts[0]]
+    texts = {len(c.parts[1].text.split()) for c in shorter if len(c.parts) == 2}
+    assert 8 in texts, "40 words less one block of 32"
+    assert 8 not in {len(c.parts[1].text.split()) for c in candidates(spec) if len(c.parts) == 2}
+
+
+def test_shrinking_reaches_one_image_and_short_text_in_few_restarts() -> None:
+    start = PromptSpec(
+        "ex-0042",
+        (
+            TextPart(" one two three four five six"),
+            VideoFramesPart(3, 6, (112, 112)),
+            ImagePart(1, (448, 224)),
+            ImagePart(2, (224, 224)),
+            TextPart(" seven eight"),
+        ),
+        max_tokens=40,
+    )
+    oracle = FakeOracle(_image_last_with_little_text)
+    result = shrink(start, oracle, ShrinkBudget(max_trials=200, max_restarts=20))
+    minimal = result.minimal
+    assert [type(p) for p in minimal.parts if isinstance(p, MEDIA_PARTS)] == [ImagePart]
+    assert size_key(minimal)[2] <= 56 * 56
+    assert minimal.max_tokens == 1 and result.stopped_by == "local minimum"
+    # Each accepted step but the last killed D; the next trial restarted it.
+    assert result.restarts == oracle.restarts == result.accepted - 1
+    assert result.accepted <= 8, "biggest steps first keep the expensive steps few"
+    assert minimal.name.startswith("ex-0042-s")
+
+
+def test_the_restart_budget_stops_a_crash_shrink_and_says_so() -> None:
+    start = image_prompt((448, 448), (224, 224), (112, 112), text=" a b c")
+    oracle = FakeOracle(lambda spec: True)
+    result = shrink(start, oracle, ShrinkBudget(max_trials=100, max_restarts=2))
+    assert result.stopped_by == "restart budget (2)" and result.restarts == 2
+
+
+def test_a_mismatch_shrink_restarts_nothing_and_the_trial_budget_holds() -> None:
+    start = image_prompt((448, 448), (224, 224), text=" a b c d e f")
+    oracle = FakeOracle(lambda spec: any(isinstance(p, ImagePart) for p in spec.parts), False)
+    result = shrink(start, oracle, ShrinkBudget(max_trials=3))
+    assert result.restarts == 0 and len(result.trials) == 3
+    assert result.stopped_by == "trial budget (3)"
+
+
+# -- grouping, the bundle repro takes, --save -----------------------------------------------------
+
+
+def _evaluation(name: str, spec: PromptSpec, rec: CaseRecord, known: bool) -> Evaluation:
+    rules = rules_for(TOPOLOGIES["1E+1P+1D"], "ExampleConnector", NEWEST)
+    layout = _tail_layout(known)
+    ev = Evaluation(
+        PromptSpec(name, spec.parts, spec.max_tokens, spec.extra),
+        {"messages": [], "name": name},
+        Outcome(prompt=name),
+        status="judged",
+        layout=layout,
+        candidate=Outcome(prompt=name, error=rec.error),
+        record=CaseRecord(**{**rec.__dict__, "prompt": name}),
+    )
+    ev.signature = signature_of(rec)
+    ev.recognition = recognise(rules, rec, spec, layout)
+    return ev
+
+
+def test_failures_group_by_signature_and_declaration() -> None:
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    mismatch = record(Verdict.MISMATCH, "generated tokens differ at position 2 of 4/4")
+    evaluations = [
+        _evaluation("ex-0001", image_prompt((448, 448)), crash, True),
+        _evaluation("ex-0002", image_prompt((56, 56)), crash, True),
+        _evaluation("ex-0003", image_prompt((56, 56)), crash, False),
+        _evaluation("ex-0004", image_prompt((56, 56)), mismatch, False),
+    ]
+    groups = group_failures(evaluations)
+    assert [(g.known, len(g.members)) for g in groups] == [(False, 1), (False, 1), (True, 2)]
+    known = groups[-1]
+    assert known.start.spec.name == "ex-0002", "shrinking starts from the smallest member"
+
+
+def test_a_group_bundle_is_a_bundle_repro_takes_minimal_first(tmp_path: Path) -> None:
+    from harness.run.fuzz.bundle import write_group_bundle
+    from harness.run.repro import Bundle
+    from harness.spec.platforms import CPU
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    start = _evaluation("ex-0007", image_prompt((448, 448), (56, 56)), crash, True)
+    minimal = _evaluation("ex-0007-s004", image_prompt((56, 56)), crash, True)
+    group = FailureGroup(start.signature, start.recognition, [start], minimal=minimal)
+    settings = RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "no-model")),
+        run_dir=tmp_path,
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+        platform=CPU,
+    )
+    directory = tmp_path / "failures" / "01-known"
+    write_group_bundle(directory, settings, TOPOLOGIES["1E+1P+1D"], group, {"seed": 3}, None)
+    bundle = Bundle.load(directory)
+    case = bundle.pick_case(None)
+    assert (case.topology, case.prompt, case.verdict) == ("1E+1P+1D", "ex-0007-s004", "ERROR")
+    assert set(bundle.requests) == {"ex-0007-s004", "ex-0007"}
+    assert bundle.serving().kv_connector == "ExampleConnector"
+
+
+def test_save_writes_a_new_failure_as_a_declared_scenario(tmp_path: Path) -> None:
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    new = _evaluation("ex-0003", image_prompt((56, 56), text=" hi"), crash, False)
+    known = _evaluation("ex-0004", image_prompt((56, 56)), crash, True)
+    groups = [
+        FailureGroup(new.signature, new.recognition, [new], minimal=new),
+        FailureGroup(known.signature, known.recognition, [known], minimal=known),
+    ]
+    path = tmp_path / "found.json"
+    meta = {"seed": 3, "vllm": "0.32.0+cpu"}
+    written = save_scenarios(groups, "1E+1P+1D", meta, "a cause", path=path)
+    assert len(written) == 1
+    assert save_scenarios(groups, "1E+1P+1D", meta, "a cause", path=path) == written
+    (scenario,) = found_scenarios(path)
+    assert scenario.name == written[0] and scenario.expect == (Verdict.ERROR,)
+    assert scenario.reason == "a cause" and scenario.topology == "1E+1P+1D"
+    assert scenario.expect_evidence == evidence_of(groups[0])
+    assert scenario.expect_evidence in DECODE_TAIL_ERROR
+    assert scenario.prompts[0].parts == new.spec.parts
+    assert Recognition(None).known is False
+
+
+# -- the command line's refusals ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "cause"),
+    [
+        (["--reason", "x"], "--reason declares the cause of what --save writes"),
+        (["--save", "--plant-fault", "corrupt-ec"], "a planted fault is the harness's own"),
+        (["--examples", "0"], "--examples 0: must be at least 1"),
+    ],
+)
+def test_fuzz_refuses_flags_it_would_ignore_in_one_line(args, cause, epd_cli) -> None:
+    code, _, err = epd_cli("fuzz", "--topology", "1E+1PD", *args)
+    assert code == 2
+    assert cause in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_fuzz_refuses_the_baseline_and_several_topologies(epd_cli) -> None:
+    baseline = epd_cli("fuzz", "--topology", "baseline")
+    several = epd_cli("fuzz", "--topology", "1E+1PD,1P+1D")
+    assert baseline.code == several.code == 2
+    assert "the baseline is the reference" in baseline.err
+    assert "one topology at a time" in several.err
+
+
+def test_a_topology_with_d_gets_prompts_of_at_least_one_block() -> None:
+    serving = ServingConfig(model="m")
+    space = space_for(NEWEST, TOPOLOGIES["1E+1P+1D"], serving)
+    assert space.min_prompt_tokens == 34
+    assert space_for(NEWEST, TOPOLOGIES["1E+1PD"], serving).min_prompt_tokens == 0
+    for example in draw_examples(space, 40, seed=1, estimator=FakeEstimator()):
+        assert estimate_positions(example.spec, FakeEstimator())[1] >= 34
+
+
+def test_an_ec_path_declaration_covers_every_encoder_topology() -> None:
+    epd = {r.name for r in rules_for(TOPOLOGIES["1E+1P+1D"], "ExampleConnector", NEWEST)}
+    assert "scenario ec-video-jpeg-frames-default-fps" in epd
+    assert "scenario epd-media-in-decode-tail" in epd
+    pd = {r.name for r in rules_for(TOPOLOGIES["1P+1D"], "ExampleConnector", NEWEST)}
+    assert not pd
+
+
+def test_a_spent_run_budget_sends_nothing_more_and_says_so(tmp_path: Path) -> None:
+    from harness.run.fuzz.engine import FuzzEngine, RunBudget
+    from harness.run.fuzz.strategies import FuzzExample
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    settings = RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "model")),
+        run_dir=tmp_path,
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+    )
+    engine = FuzzEngine(
+        settings, TOPOLOGIES["1E+1PD"], run_budget=RunBudget(max_restarts=0, max_seconds=0.0)
+    )
+    examples = [FuzzExample(image_prompt((56, 56), name=f"ex-{i:04d}")) for i in range(3)]
+    report = engine.run(examples)  # no server was started: nothing may be sent
+    assert report.counts() == {"not-sent": 3}
+    assert all("time budget" in e.note for e in report.evaluations)
+
+
+def test_shrinking_keeps_a_request_long_enough_to_move_kv(tmp_path: Path) -> None:
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    settings = RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "model")),
+        run_dir=tmp_path,
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+    )
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1P+1D"], min_prompt_tokens=34)
+    spec = image_prompt((56, 56))
+    short = Evaluation(spec, {}, Outcome(prompt="p"), "judged", PromptLayout(25, (), 32))
+    assert "25 prompt tokens, under the space's 34" in engine.too_short(short)
+    long_enough = Evaluation(spec, {}, Outcome(prompt="p"), "judged", PromptLayout(34, (), 32))
+    assert engine.too_short(long_enough) is None

@@ -1,0 +1,191 @@
+"""scripts/gpu_rehearsal.py, as far as it can be tried without a GPU: it refuses clearly, its
+pytest line is the GitHub nightly's own, its workers fill the widest wave, and its summary says
+what the run's summary.json files hold."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.process
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_rehearsal.py"
+WORKFLOW = ROOT / ".github" / "workflows" / "nightly-gpu.yml"
+
+
+def load_rehearsal():
+    spec = importlib.util.spec_from_file_location("gpu_rehearsal", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(*args: str, path: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PATH": path}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+def fake_nvidia_smi(directory: Path, body: str) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    tool = directory / "nvidia-smi"
+    tool.write_text(f"#!/bin/sh\n{body}\n")
+    tool.chmod(0o755)
+    return f"{directory}:/usr/bin:/bin"
+
+
+def workflow_pytest_args(inputs: dict[str, str], tmp_path: Path) -> list[str]:
+    """What the nightly's "EPD scenarios" step gives pytest: its bash run with a python that
+    records its arguments (independent of the rehearsal's own reading of the step)."""
+    workflow = yaml.safe_load(WORKFLOW.read_text())
+    (step,) = [s for s in workflow["jobs"]["gpu"]["steps"] if s.get("name") == "EPD scenarios"]
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done > "$OUT"\n')
+    python.chmod(0o755)
+    out = tmp_path / "args.txt"
+    env = {"PATH": "/usr/bin:/bin", "VENV": str(venv), "OUT": str(out), **inputs}
+    subprocess.run(["bash", "-e", "-c", step["run"]], env=env, check=True, cwd=tmp_path)
+    args = out.read_text().splitlines()
+    assert args[:2] == ["-m", "pytest"]
+    return args[2:]
+
+
+# --- refusals --------------------------------------------------------------------------------
+
+
+def test_without_nvidia_smi_it_refuses_in_one_line(tmp_path: Path) -> None:
+    done = run_script(path=f"{tmp_path}:/usr/bin:/bin")
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr == (
+        "gpu-rehearsal: no GPU here (no nvidia-smi on PATH): this rehearses the first GPU "
+        "night; on CPU run scripts/cpu sweep\n"
+    )
+
+
+def test_an_nvidia_smi_that_lists_no_gpu_is_refused_naming_what_it_said(tmp_path: Path) -> None:
+    path = fake_nvidia_smi(
+        tmp_path / "bin",
+        "echo 'NVIDIA-SMI has failed because it could not communicate' >&2; exit 9",
+    )
+    done = run_script(path=path)
+    assert done.returncode == 2
+    assert done.stderr.startswith("gpu-rehearsal: no GPU here (nvidia-smi: NVIDIA-SMI has failed")
+    assert done.stderr.count("\n") == 1
+
+
+def test_devices_the_host_lacks_are_refused(tmp_path: Path) -> None:
+    path = fake_nvidia_smi(tmp_path / "bin", "printf '0\\n1\\n'")
+    done = run_script("--devices", "0,1,2,3", path=path)
+    assert (done.returncode, done.stderr) == (
+        2,
+        "gpu-rehearsal: --devices 0,1,2,3: nvidia-smi lists no GPU 2, 3\n",
+    )
+
+
+def test_a_dry_run_needs_the_devices_it_will_not_look_for(capsys) -> None:
+    assert load_rehearsal().main(["--dry-run"]) == 2
+    assert "--dry-run needs --devices" in capsys.readouterr().err
+
+
+# --- the nightly's pytest line ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--colocate", "--topology", "1P+1D,1E+1P+1D", "-k", "image or video"],
+        ["--no-enforce-eager", "--vllm-source", "/src/vllm", "--workers", "1"],
+    ],
+    ids=["defaults", "colocate-topologies-k", "graphs-source"],
+)
+def test_the_pytest_line_is_the_nightly_workflows_own(
+    extra: list[str], tmp_path: Path, capsys
+) -> None:
+    rehearsal = load_rehearsal()
+    argv = ["--dry-run", "--devices", "0,1,2,3", "--model", "/models/qwen", "--run-name", "r1"]
+    assert rehearsal.main([*argv, *extra]) == 0
+    doctor, plan, pytest_line = capsys.readouterr().out.splitlines()
+    ours = shlex.split(pytest_line)
+    assert ours[:3] == [sys.executable, "-m", "pytest"]
+    given = rehearsal.parse_args([*argv, *extra])
+    workers = given.workers or rehearsal.widest_wave("0,1,2,3", given)
+    inputs = {
+        "RUN_NAME": "r1",
+        "DEVICES": "0,1,2,3",
+        "WORKERS": str(workers),
+        "COLOCATE": "true" if given.colocate else "false",
+        "TOPOLOGIES": given.topology or "",
+        "SCENARIOS": given.k or "",
+        "GRAPHS": "true" if given.no_enforce_eager else "false",
+        "EPD_MODEL_DIR": "/models/qwen",
+        "VLLM_SOURCE": given.vllm_source or "",
+    }
+    assert ours[3:] == workflow_pytest_args(inputs, tmp_path)
+    assert shlex.split(doctor)[-4:] == ["harness.cli.main", "doctor", "--model", "/models/qwen"]
+    assert shlex.split(plan)[3:9] == [
+        "plan",
+        "--platform",
+        "cuda",
+        "--devices",
+        "0,1,2,3",
+        "--model",
+    ]
+    assert ("--no-enforce-eager" in plan) == given.no_enforce_eager
+
+
+def test_workers_default_to_the_plans_widest_wave() -> None:
+    rehearsal = load_rehearsal()
+    args = rehearsal.parse_args(["--dry-run"])
+    assert rehearsal.widest_wave("0,1,2,3,4,5,6,7", args) == 4
+    assert rehearsal.widest_wave("0,1,2,3", args) == 2
+    colocated = rehearsal.parse_args(["--colocate"])
+    assert rehearsal.widest_wave("0,1", colocated) == 1
+
+
+# --- the summary -----------------------------------------------------------------------------
+
+
+def test_the_summary_shows_start_up_makespan_and_every_verdict(tmp_path: Path) -> None:
+    for worker, topology, verdict, passed in (
+        ("gw0", "1E+1PD", "MATCH", True),
+        ("gw1", "1P+1D", "MISMATCH", False),
+    ):
+        (tmp_path / worker).mkdir()
+        summary = {
+            "run": {
+                "instances": [{"name": f"{topology}/encoder0", "startup_s": 41.25}],
+                "seconds_by_wave": {"1": 300.4},
+            },
+            "cases": [
+                {
+                    "topology": topology,
+                    "prompt": "image",
+                    "reference": "baseline",
+                    "verdict": verdict,
+                    "policy_passed": passed,
+                }
+            ],
+        }
+        (tmp_path / worker / "summary.json").write_text(json.dumps(summary))
+    lines = load_rehearsal().summarize(tmp_path, 812.0)
+    assert "     41.2  1E+1PD/encoder0 [gw0]" in lines
+    assert "makespan: 812 s of pytest (wave 1 [gw0] 300 s, wave 1 [gw1] 300 s)" in lines
+    assert any(
+        line.split()[:5] == ["1P+1D", "image", "vs", "baseline", "MISMATCH"] for line in lines
+    )
+    assert any("MISMATCH" in line and line.split()[5] == "FAIL" for line in lines)
+    assert lines[-1] == "1 pass, 1 fail (2 cases)"

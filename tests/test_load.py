@@ -1,0 +1,368 @@
+"""Loads, without servers: the mix and its plan, where media land, the matcher that names
+whose answer a response is, batched answers under the reference policy, the load's
+statistics and bounds, and the load's handling of a death (a stand-in session: pure logic)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.judge.policy import EXACT_EVERYWHERE, ReferencePolicy
+from harness.judge.records import EXACT, LOGPROB_CLOSE, Verdict
+from harness.judge.verdicts import JudgingRules, Reference, judge_case
+from harness.outcomes.chat import ChatResult, PositionLogprobs
+from harness.outcomes.load import InstanceUsage, ResourceSample, StorageUsage
+from harness.outcomes.outcome import Outcome, ServedTopology
+from harness.outcomes.taps import TapRecord
+from harness.report.load import (
+    LoadRequestResult,
+    SoakBounds,
+    bound_problems,
+    growth,
+    load_stats,
+    percentile,
+    role_seconds,
+)
+from harness.run.baseline import BatchCalibration
+from harness.run.load import LoadRun, decode_tail_failure, media_token_ids
+from harness.run.sweep import Sweep, SweepSpec
+from harness.spec.load import (
+    SHARED_MEDIA,
+    TAIL_PROMPT,
+    LoadSpec,
+    Region,
+    distinct_media_of,
+    load_mix,
+    media_placement,
+    plan_requests,
+)
+from harness.spec.prompts import TextPart
+from harness.spec.settings import RunSettings
+from harness.spec.topology import TOPOLOGIES, ServingConfig
+
+pytestmark = pytest.mark.unit
+
+IMAGE = 785
+
+# -- the mix and its plan --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [3, 8, 12])
+def test_the_mix_has_k_distinct_media_shared_and_unique(k: int) -> None:
+    mix = load_mix(k)
+    assert distinct_media_of(mix) == k
+    assert len({p.name for p in mix}) == len(mix)
+    uses: dict[Any, int] = {}
+    for prompt in mix:
+        for part in set(p for p in prompt.parts if not isinstance(p, TextPart)):
+            uses[part] = uses.get(part, 0) + 1
+    shared = [part for part, n in uses.items() if n > 1]
+    assert len(shared) == SHARED_MEDIA and all(n == 1 for p, n in uses.items() if p not in shared)
+    assert TAIL_PROMPT in {p.name for p in mix} and any(not p.media_count for p in mix)
+
+
+def test_too_few_media_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least 3"):
+        load_mix(2)
+
+
+def test_a_plan_sends_prompts_round_robin_and_each_ending_one_last_alone() -> None:
+    plan = plan_requests(["a", "b", "tail"], 8, frozenset({"tail"}))
+    assert [r.prompt for r in plan] == ["a", "b", "a", "b", "a", "b", "a", "tail"]
+    assert [r.number for r in plan] == list(range(1, 9))
+    assert [r.alone for r in plan] == [False] * 7 + [True]
+    assert plan[4].name == "request 5"
+    with pytest.raises(ValueError):
+        plan_requests(["tail"], 4, frozenset({"tail"}))
+
+
+@pytest.mark.parametrize(
+    "ids, region",
+    [
+        ([1] * 10, Region.NO_MEDIA),
+        ([1, IMAGE, IMAGE] + [2] * 80, Region.PREFIX),  # 83 tokens: D computes from 64
+        ([1] * 40 + [IMAGE] * 20 + [2] * 23, Region.LAST_BLOCK),  # media end at 60 <= 64
+        ([1] * 40 + [IMAGE] * 30 + [2] * 13, Region.DECODE_TAIL),  # media end at 70 > 64
+    ],
+)
+def test_where_media_end_against_the_part_d_recomputes(ids: list[int], region: Region) -> None:
+    placement = media_placement(ids, frozenset({IMAGE}), 32)
+    assert placement.region is region, placement.describe()
+
+
+def test_the_decode_tail_failure_is_the_matrix_declaration_per_connector() -> None:
+    epd = TOPOLOGIES["1E+1P+1D"]
+    declared = decode_tail_failure(epd, "ExampleConnector")
+    assert declared is not None and declared.verdict == "ERROR"
+    assert "multimodal embeddings" in declared.evidence
+    assert decode_tail_failure(epd, "NixlConnector") is None
+    assert decode_tail_failure(TOPOLOGIES["1E+1PD"], "ExampleConnector") is None
+
+
+def test_media_token_ids_come_from_the_model_config(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"image_token_id": 7, "video_token_id": 8}))
+    assert media_token_ids(str(tmp_path)) == {7, 8}
+    assert media_token_ids("org/hub-name") == frozenset()
+
+
+# -- whose answer, batched answers -------------------------------------------------------------
+
+
+def result(tokens: tuple[int, ...], prompt: tuple[int, ...] = (1, 2, 3), lp: float = -1.0):
+    logprobs = tuple(PositionLogprobs(t, lp, ((t, lp), (t + 1, lp - 0.01))) for t in tokens)
+    return ChatResult(prompt, tokens, "", "length", logprobs)
+
+
+def judge(candidate: ChatResult, reference: ChatResult, **kwargs: Any):
+    rules = kwargs.pop("rules", JudgingRules(ReferencePolicy(EXACT_EVERYWHERE)))
+    [record] = judge_case(
+        "1E+1P+1D:load#17",
+        TOPOLOGIES["1E+1P+1D"],
+        Outcome("a", result=candidate),
+        (),
+        [Reference("baseline", Outcome("a", result=reference), monolithic=True)],
+        rules,
+        **kwargs,
+    )
+    return record
+
+
+def test_an_answer_that_is_another_requests_is_named() -> None:
+    mine, theirs = result((5, 6, 7)), result((8, 9), prompt=(1, 2, 4))
+    others = [("request 4", Outcome("b", result=theirs)), ("request 9", Outcome("c"))]
+    record = judge(theirs, mine, others=others)
+    assert record.verdict is Verdict.MISMATCH
+    assert record.detail.startswith("received request 4's answer: prompt ids differ"), record.detail
+
+
+def test_another_requests_generation_on_its_own_prompt_is_named() -> None:
+    mine, theirs = result((5, 6, 7)), result((8, 9), prompt=(1, 2, 4))
+    candidate = result((8, 9))  # its own prompt ids, request 4's tokens
+    record = judge(candidate, mine, others=[("request 4", Outcome("b", result=theirs))])
+    assert record.detail.startswith("generated request 4's answer (its prompt ids are its own)")
+
+
+def test_an_answer_like_no_other_is_a_plain_mismatch() -> None:
+    record = judge(
+        result((5, 6, 8)), result((5, 6, 7)), others=[("r", Outcome("b", result=result((9,))))]
+    )
+    assert record.detail.startswith("generated tokens differ at position 2")
+
+
+def test_batched_answers_may_drift_within_the_floor_the_baseline_showed_batched() -> None:
+    policy = ReferencePolicy(EXACT_EVERYWHERE)
+    epd = TOPOLOGIES["1E+1P+1D"]
+    assert policy.policy_for(epd, True, batched=True) is LOGPROB_CLOSE
+    assert policy.policy_for(epd, True) is EXACT and policy.policy_for(epd, False, True) is EXACT
+    reference = result((5, 6, 7))
+    near_tie = ChatResult(
+        (1, 2, 3),
+        (5, 6, 8),
+        "",
+        "length",
+        (*reference.logprobs[:2], PositionLogprobs(8, -1.0, ((8, -1.0), (7, -1.005)))),
+    )
+    measured = JudgingRules(policy, 0.0, batched_noise_floor_nats=0.02)
+    drift = judge(near_tie, reference, rules=measured, batched=True)
+    assert drift.verdict is Verdict.DRIFT and drift.policy_passed
+    unbatched = judge(near_tie, reference, rules=measured)
+    assert unbatched.verdict is Verdict.MISMATCH and not unbatched.policy_passed
+    zero = judge(near_tie, reference, rules=JudgingRules(policy, 0.0, 0.0), batched=True)
+    assert zero.verdict is Verdict.MISMATCH  # a floor of 0: batched or not, exact
+
+
+# -- statistics --------------------------------------------------------------------------------
+
+
+def test_percentiles_are_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0 and percentile(values, 99) == 99.0
+    assert percentile([3.0], 99) == 3.0
+
+
+def test_growth_is_fitted_after_the_first_sample() -> None:
+    g = growth([(0, 100.0), (60, 500.0), (120, 510.0), (180, 520.0)])
+    assert g.first == 100.0 and g.last == 520.0 and g.per_minute == pytest.approx(10.0)
+    assert growth([(0, 1.0), (60, 2.0)]).per_minute is None
+
+
+def test_a_filling_cache_levels_off_where_a_leak_keeps_its_rate() -> None:
+    minutes = range(11)
+    filling = growth([(60 * m, 1000 - 500 * 0.5**m) for m in minutes])
+    leaking = growth([(60 * m, 1000 + 10 * m) for m in minutes])
+    assert filling.late_per_minute is not None and filling.late_per_minute < 2
+    assert filling.per_minute is not None and filling.per_minute > 3 * filling.late_per_minute
+    assert leaking.late_per_minute == pytest.approx(10.0)
+    assert leaking.per_minute == pytest.approx(10.0)
+
+
+def tap(role: str, seconds: float, status: int | None = 200) -> TapRecord:
+    return TapRecord(0, f"t/{role}0", role, "/v1/chat/completions", status=status, seconds=seconds)
+
+
+def load_result(number: int, verdict: Verdict, seconds: float, region: str = "prefix"):
+    from harness.judge.records import CaseRecord
+
+    record = CaseRecord(
+        "t", "a", "baseline", verdict, verdict is Verdict.MATCH, "", None, {}, {}, None
+    )
+    outcome = Outcome(
+        "a",
+        result=result((1, 2, 3)) if verdict is not Verdict.ERROR else None,
+        seconds=seconds,
+        taps=[tap("encoder", 0.1), tap("encoder", 0.3), tap("decode", seconds / 2)],
+    )
+    return LoadRequestResult(
+        number, "a", region, outcome, record, True, number - 1.0, number + seconds
+    )
+
+
+def test_load_stats_count_verdicts_latency_roles_and_regions() -> None:
+    results = [load_result(n, Verdict.MATCH, 1.0 + n) for n in range(1, 5)]
+    results.append(load_result(5, Verdict.ERROR, 0.5, region="decode tail"))
+    stats = load_stats(results, [])
+    assert stats.verdicts == {"MATCH": 4, "ERROR": 1} and stats.passed == 4
+    assert (
+        stats.end_to_end.count == 4 and stats.end_to_end.p50 == 3.0 and stats.end_to_end.max == 5.0
+    )
+    assert stats.by_role["encoder"].p50 == 0.3  # a request's encoder calls: the longest
+    assert stats.by_region == {"prefix": {"MATCH": 4}, "decode tail": {"ERROR": 1}}
+    assert stats.tokens_per_s > 0 and stats.wall_s == pytest.approx(9.0)
+    assert role_seconds(Outcome("a", taps=[tap("decode", 9.0, status=None)])) == {}
+
+
+def sample(at: float, rss_mib: int, fds: int, kv_mib: int, alive: bool = True) -> ResourceSample:
+    return ResourceSample(
+        at_s=at,
+        requests_done=0,
+        label=f"at {at}",
+        instances={"d": InstanceUsage(rss_mib * 2**20, fds, 3, alive)},
+        storage={"kv": StorageUsage(10, kv_mib * 2**20)},
+    )
+
+
+def test_soak_bounds_hold_or_name_what_grew() -> None:
+    held = [sample(0, 900, 50, 10), sample(60, 1200, 80, 20), sample(120, 1210, 81, 20)]
+    assert bound_problems(load_stats([], held), held, SoakBounds()) == []
+    leaking = [*held, sample(180, 1600, 200, 600), sample(240, 2000, 300, 20)]
+    problems = bound_problems(load_stats([], leaking), leaking, SoakBounds())
+    assert any(p.startswith("kv storage reached 600.0 MiB") for p in problems), problems
+    assert any(p.startswith("d: RSS grew 800.0 MiB after the first round") for p in problems)
+    assert any(p.startswith("d: open files grew by 220") for p in problems)
+    dead = [*held, sample(180, 0, 0, 0, alive=False)]
+    assert "d not running at at 180" in bound_problems(load_stats([], dead), dead, SoakBounds())
+
+
+def test_a_calibration_says_which_answers_batching_changed() -> None:
+    from harness.run.baseline import BatchedAnswer
+
+    calibration = BatchCalibration(
+        16,
+        (
+            BatchedAnswer("request 1", "a", True, 0.0, ""),
+            BatchedAnswer("request 2", "b", False, 0.03, ""),
+        ),
+    )
+    assert calibration.noise_floor == 0.03 and [a.prompt for a in calibration.changed] == ["b"]
+    assert "batching changed the ids of 1 answer(s) (b)" in calibration.describe()
+
+
+# -- a load's rounds, with a stand-in session ----------------------------------------------------
+
+
+class StandIn:
+    """What a load needs of a session, answering from a table: a prompt's baseline answer,
+    another prompt's on cue, or nothing once `dies_after` requests were answered."""
+
+    def __init__(
+        self, answers: dict[str, ChatResult], settings: RunSettings, swap=None, dies_after=None
+    ):
+        self.answers = answers
+        self.settings = settings
+        self.topology = TOPOLOGIES["1E+1PD"]
+        self.served = ServedTopology(self.topology, None, 32, "ExampleConnector")
+        self.swap = swap or {}  # call number -> prompt whose answer is given instead
+        self.dies_after = dies_after
+        self.calls = 0
+        self.ec_storage = self.kv_storage = None
+
+    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
+        self.calls += 1
+        if self.dies_after is not None and self.calls > self.dies_after:
+            return Outcome(prompt, error=f"{self.dead_instance_report()}\nHTTP 502")
+        given = self.swap.get(self.calls, prompt)
+        return Outcome(prompt, result=self.answers[given], seconds=0.01)
+
+    def dead_instance_report(self) -> str | None:
+        if self.dies_after is not None and self.calls > self.dies_after:
+            return "instance 1E+1PD/pd0 exited with code -9; last lines of pd0.log:\n..."
+        return None
+
+
+def stand_in_load(tmp_path: Path, requests: int, **stand_in: Any) -> tuple[LoadRun, StandIn]:
+    settings = RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "no-model")), run_dir=tmp_path
+    )
+    mix = load_mix(3)
+    sweep = Sweep(SweepSpec((), (), baseline_only_prompts=mix), settings)
+    answers = {p.name: result((10 + n, 20 + n), prompt=(1, n)) for n, p in enumerate(mix)}
+    for name, answer in answers.items():
+        sweep.baseline.outcomes[name] = Outcome(name, result=answer)
+    from harness.judge.verdicts import Stability
+
+    sweep.baseline.stability = {name: Stability(True, "stable", 0.0) for name in answers}
+    session = StandIn(answers, settings, **stand_in)
+    sweep.pool.session = lambda topology, settings=None, devices=None: session  # type: ignore[method-assign]
+    spec = LoadSpec("1E+1PD", requests=requests, concurrency=1, distinct_media=3)
+    return LoadRun(spec, sweep, on_progress=lambda _: None), session
+
+
+def test_every_request_is_judged_and_a_swapped_answer_is_named(tmp_path: Path) -> None:
+    load, _ = stand_in_load(tmp_path, requests=10, swap={3: "ld-shared-a"})
+    result_ = load.run()
+    assert len(result_.results) == 10 and result_.rounds == 1
+    third = result_.results[2]
+    assert third.record.verdict is Verdict.MISMATCH
+    assert third.record.detail.startswith("received request 1's answer"), third.record.detail
+    assert all(r.record.policy_passed for n, r in enumerate(result_.results) if n != 2)
+    assert not result_.passed
+    account = json.loads((tmp_path / "load.json").read_text())
+    assert account["stats"]["verdicts"] == {"MATCH": 9, "MISMATCH": 1}
+    assert "received request 1's answer" in (tmp_path / "load.md").read_text()
+
+
+def test_a_death_ends_the_load_and_every_later_request_says_why(tmp_path: Path) -> None:
+    load, session = stand_in_load(tmp_path, requests=10, dies_after=4)
+    result_ = load.run()
+    assert session.calls == 5  # the fifth found the instance dead: nothing was sent after it
+    assert result_.ended_by == "instance 1E+1PD/pd0 exited with code -9; last lines of pd0.log:"
+    verdicts = [r.record.verdict for r in result_.results]
+    assert verdicts == [Verdict.MATCH] * 4 + [Verdict.ERROR] * 6
+    for later in result_.results[4:]:
+        assert "instance 1E+1PD/pd0 exited with code -9" in later.record.detail
+    assert [r.not_sent for r in result_.results] == [False] * 5 + [True] * 5
+    assert not result_.passed
+
+
+@pytest.mark.parametrize(
+    "argv, cause",
+    [
+        ([], "load needs --topology"),
+        (["--topology", "baseline"], "the baseline is what a load is judged against"),
+        (["--topology", "9E"], "unknown topology '9E'"),
+        (["--topology", "1E+1PD", "--kill", "decode"], "--kill decode: 1E+1PD has encoder, pd"),
+        (["--topology", "1E+1P+1D", "--kill", "decode", "--duration", "60"], "no soak"),
+        (["--topology", "1E+1PD", "--duration", "0"], "--duration is the soak's length"),
+        (["--topology", "1E+1PD", "--media", "2"], "at least 3 distinct media"),
+        (["--topology", "1E+1PD", "--concurrency", "0"], "at least 1"),
+    ],
+)
+def test_bad_load_options_are_one_line_exit_2(argv: list[str], cause: str, capsys) -> None:
+    from harness.cli.main import main
+
+    assert main(["load", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and cause in err[0], err

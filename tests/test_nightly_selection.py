@@ -1,0 +1,132 @@
+"""The nightly GPU job selects only tests that apply to what it runs: NIXL for KV (the cuda
+profile's default), so nothing that needs ExampleConnector's files.
+
+The nightly's pytest line is read from .github/workflows/nightly-gpu.yml and collected with
+`--collect-only` (nothing starts: no vLLM, no GPU needed). A plugin dumps every collected test
+with its `kv_connector` marker and its source. Two nets: no collected test is marked for another
+connector, and no collected test calls what only works with ExampleConnector (its KV files, its
+block-aligned rule), marked or not. The same collection under ExampleConnector shows both nets
+can catch something: there those tests are collected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.process
+
+ROOT = Path(__file__).resolve().parent.parent
+NIGHTLY = ROOT / ".github" / "workflows" / "nightly-gpu.yml"
+SCENARIO_STEP = "EPD scenarios"
+# Calls that work only with ExampleConnector: its KV files, or its block-aligned rule.
+EXAMPLE_ONLY_CALLS = re.compile(
+    r"(?<![\w.])(kv_noise|zero_kv_files|kv_file_stamps|expected_kv_prefix)\("
+)
+
+DUMP_PLUGIN = """
+import inspect, json, os
+from pathlib import Path
+
+def pytest_collection_finish(session):
+    items = []
+    for item in session.items:
+        marker = item.get_closest_marker("kv_connector")
+        function = getattr(item, "function", None)
+        try:
+            source = inspect.getsource(function) if function is not None else ""
+        except (OSError, TypeError):
+            source = ""
+        items.append({"id": item.nodeid, "kv_connector": list(marker.args) if marker else None,
+                      "source": source})
+    Path(os.environ["EPD_SELECTION_DUMP"]).write_text(json.dumps(items))
+"""
+
+
+def nightly_pytest_options() -> list[str]:
+    """The nightly's scenario selection: its pytest arguments that choose tests or the KV
+    connector (marker expression, platform, connector), as the workflow passes them."""
+    steps = [
+        step
+        for job in yaml.safe_load(NIGHTLY.read_text())["jobs"].values()
+        for step in job["steps"]
+        if step.get("name") == SCENARIO_STEP
+    ]
+    assert len(steps) == 1, f"one step named {SCENARIO_STEP!r} in {NIGHTLY.name}"
+    args_line = re.search(r"args=\((.*?)\)", steps[0]["run"], re.S)
+    assert args_line, steps[0]["run"]
+    words = shlex.split(args_line.group(1))
+    chosen = [words[0]]  # the test path
+    for flag in ("-m", "--epd-platform", "--epd-kv-connector"):
+        if flag in words:
+            chosen += [flag, words[words.index(flag) + 1]]
+    assert "-m" in chosen and "--epd-platform" in chosen, words
+    return chosen
+
+
+def collect(options: list[str], tmp_path: Path) -> tuple[list[dict], str]:
+    (tmp_path / "selection_dump.py").write_text(DUMP_PLUGIN)
+    dump = tmp_path / "selection.json"
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+        + ["-p", "selection_dump", *options],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tmp_path), "EPD_SELECTION_DUMP": str(dump)},
+        timeout=300,
+        check=False,
+    )
+    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
+    return json.loads(dump.read_text()), child.stdout
+
+
+def needing_example(items: list[dict]) -> dict[str, str]:
+    """Collected tests that need ExampleConnector, by marker or by what they call."""
+    found = {}
+    for item in items:
+        if item["kv_connector"] is not None and "example" in item["kv_connector"]:
+            if "nixl" not in item["kv_connector"]:
+                found[item["id"]] = f"marked kv_connector{tuple(item['kv_connector'])}"
+        match = EXAMPLE_ONLY_CALLS.search(item["source"])
+        if match:
+            found.setdefault(item["id"], f"calls {match.group(1)}()")
+    return found
+
+
+def test_the_nightly_selection_holds_nothing_that_needs_example_connector(tmp_path: Path):
+    options = nightly_pytest_options()
+    assert options[options.index("--epd-platform") + 1] == "cuda"
+    assert options[options.index("-m") + 1] == "e2e"
+    items, output = collect(options, tmp_path)
+    ids = [item["id"] for item in items]
+    assert any("test_nixl_kv_noise_ladder" in i for i in ids), "the NIXL KV ladder runs instead"
+    assert any("test_nixl.py" in i for i in ids)
+    assert not needing_example(items), needing_example(items)
+    assert "deselected: they apply to another KV connector" in output, output[-2000:]
+
+
+def test_the_same_nets_catch_those_tests_under_example_connector(tmp_path: Path):
+    """Proof that the check above can fail: under ExampleConnector (the CPU default) the
+    ExampleConnector-only tests are collected, and both nets name them."""
+    options = [*nightly_pytest_options(), "--epd-kv-connector", "example"]
+    items, _ = collect(options, tmp_path)
+    found = needing_example(items)
+    ladders = [i for i in found if i.endswith("::test_kv_noise_ladder")]
+    assert len(ladders) == 2, found
+    assert all("calls kv_noise()" in found[i] or "marked" in found[i] for i in ladders)
+    by_source = {i for i, why in found.items() if why.startswith("calls")}
+    by_marker = {
+        item["id"] for item in items if item["kv_connector"] and "nixl" not in item["kv_connector"]
+    }
+    assert by_source <= by_marker, (
+        f"a test calls ExampleConnector-only code unmarked: {by_source - by_marker}"
+    )

@@ -1,0 +1,108 @@
+"""The reference policy (harness/judge/policy.py): which pairs may drift, chosen by platform,
+and applied on the one judging path; and the baseline's batch-noise reading (verdicts.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.judge.compare import prefix_noise_floor
+from harness.judge.policy import (
+    EXACT_EVERYWHERE,
+    PD_DRIFT,
+    ReferencePolicy,
+    default_reference_policy,
+)
+from harness.judge.records import EXACT, LOGPROB_CLOSE, Verdict
+from harness.judge.verdicts import batch_shape_noise
+from harness.outcomes.chat import ChatResult
+from harness.outcomes.outcome import Outcome
+from harness.spec.platforms import CPU, CUDA, XPU
+from harness.spec.topology import TOPOLOGIES
+from harness.testing.builders import chat
+from harness.testing.judging import judged
+
+pytestmark = pytest.mark.unit
+
+
+def result(tokens: tuple[int, ...], logprob: float = -1.0, second: float = 0.1) -> ChatResult:
+    """Each position: its token at `logprob`, the token + 100 `second` nats below."""
+    return chat(tokens, top=lambda _, t: [(t, logprob), (t + 100, logprob - second)])
+
+
+def outcome(tokens: tuple[int, ...], **kwargs: float) -> Outcome:
+    return Outcome("image", result(tokens, **kwargs))
+
+
+@pytest.mark.parametrize(
+    "topology,reference,monolithic,expected",
+    [
+        ("1E+1PD", "baseline", True, EXACT),  # upstream: 1E+1PD vs the baseline, exact
+        ("1E+1P+1D", "1P+1D", False, EXACT),  # upstream: 1E+1P+1D vs 1P+1D, exact
+        ("1P+1D", "baseline", True, LOGPROB_CLOSE),  # a P->D hop vs the monolithic baseline
+        ("1E+1P+1D", "baseline", True, LOGPROB_CLOSE),
+        ("2E+1PD", "baseline", True, EXACT),
+    ],
+)
+def test_pd_drift_allows_drift_only_across_a_p_to_d_hop_against_the_baseline(
+    topology: str, reference: str, monolithic: bool, expected
+) -> None:
+    policy = ReferencePolicy(PD_DRIFT).policy_for(TOPOLOGIES[topology], monolithic)
+    assert policy == expected
+    assert ReferencePolicy(EXACT_EVERYWHERE).policy_for(TOPOLOGIES[topology], monolithic) == EXACT
+
+
+def test_the_platform_chooses_the_policy() -> None:
+    assert default_reference_policy(CPU).name == EXACT_EVERYWHERE
+    assert default_reference_policy(CUDA).name == PD_DRIFT
+    assert default_reference_policy(XPU).name == PD_DRIFT
+    with pytest.raises(ValueError, match="unknown reference policy 'loose'"):
+        ReferencePolicy("loose")
+
+
+def near_tie_divergence() -> tuple[Outcome, Outcome]:
+    """Equal first token (log-probs 0.02 apart), then a near tie (0.05 nats) flipped."""
+
+    def side(first_lp: float, second: int, other: int, other_lp: float) -> Outcome:
+        tops = {0: [(5, first_lp), (105, first_lp - 0.05)], 1: [(second, -0.70), (other, other_lp)]}
+        return Outcome("image", chat((5, second), top=lambda i, _: tops[i]))
+
+    return side(-1.0, 6, 7, -0.75), side(-1.02, 7, 6, -0.74)
+
+
+def test_drift_across_a_hop_passes_under_pd_drift_and_fails_exact() -> None:
+    reference, candidate = near_tie_divergence()
+    gpu = judged(
+        "1P+1D", "baseline", reference, candidate, reference_policy=PD_DRIFT, tolerance=0.1
+    )
+    cpu = judged("1P+1D", "baseline", reference, candidate, tolerance=0.1)
+    assert gpu.verdict is cpu.verdict is Verdict.DRIFT
+    assert gpu.policy_passed and not cpu.policy_passed
+    # The same drift where upstream holds the pair exact: 1E+1P+1D against 1P+1D.
+    exact_pair = judged(
+        "1E+1P+1D", "1P+1D", reference, candidate, reference_policy=PD_DRIFT, tolerance=0.1
+    )
+    assert exact_pair.verdict is Verdict.DRIFT and not exact_pair.policy_passed
+
+
+def test_a_large_difference_stays_a_mismatch_under_pd_drift() -> None:
+    """A corrupted transfer moves log-probs far beyond the floor before the ids part."""
+    reference = outcome((5, 6, 7))
+    candidate = Outcome("image", result((5, 8, 9), logprob=-3.0))
+    record = judged(
+        "1P+1D", "baseline", reference, candidate, reference_policy=PD_DRIFT, tolerance=0.1
+    )
+    assert record.verdict is Verdict.MISMATCH and not record.policy_passed
+
+
+def test_the_batch_noise_is_read_over_the_tokens_both_answers_agree_on() -> None:
+    alone = outcome((5, 6, 7))
+    same = outcome((5, 6, 7), logprob=-1.25)
+    assert prefix_noise_floor(alone.result, same.result) == pytest.approx(0.25)
+    floor, detail = batch_shape_noise(alone, same)
+    assert floor == pytest.approx(0.25) and "same ids" in detail
+    parted = Outcome("image", result((5, 9, 9), logprob=-1.5))
+    floor, detail = batch_shape_noise(alone, parted)
+    assert floor == pytest.approx(0.5)  # position 0 only: the ids part at 1
+    assert "differ at position 1" in detail
+    floor, detail = batch_shape_noise(alone, Outcome("image", error="HTTP 500"))
+    assert floor is None and "HTTP 500" in detail

@@ -1,0 +1,221 @@
+"""The topology pool starts each topology once and shares it (harness/run/pool.py), with the
+fake vLLM (harness/testing/fake_vllm.py) counting every start: a sweep starts each distinct
+instance once, a second request for a running topology starts nothing, another proxy in front
+starts nothing, a dead or released topology is started again with its reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from harness.environment import cache_dir
+from harness.run.pool import TopologyPool
+from harness.run.sweep import Sweep, SweepSpec
+from harness.spec.prompts import SKELETON_PROMPTS
+from harness.spec.settings import ProxyChoice, RunSettings, ServedVllm
+from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Role, ServingConfig
+from harness.testing.fake_vllm import START_LOG_ENV, install_fake_vllm
+from harness.testing.processes import wait_for
+
+pytestmark = pytest.mark.process
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TEXT = next(p for p in SKELETON_PROMPTS if p.name == "text")
+
+
+@pytest.fixture
+def start_log(tmp_path: Path, port_locks: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    log = tmp_path / "starts.jsonl"
+    monkeypatch.setenv(START_LOG_ENV, str(log))
+    return log
+
+
+def settings_for(tmp_path: Path) -> RunSettings:
+    fake = install_fake_vllm(tmp_path / "bin")
+    return RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "model")),
+        run_dir=tmp_path / "run",
+        vllm=ServedVllm(str(fake), "unknown"),
+        startup_timeout_s=20.0,
+    )
+
+
+def starts(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_a_sweep_starts_each_distinct_instance_once(tmp_path: Path, start_log: Path) -> None:
+    settings = settings_for(tmp_path)
+    spec = SweepSpec(tuple(TOPOLOGIES[n] for n in EPD_TOPOLOGY_NAMES), prompts=(TEXT,))
+    sweep = Sweep(spec, settings)
+    result = sweep.run_all()
+    assert {(r.topology, r.reference) for r in result.records} == {
+        ("1E+1PD", "baseline"),
+        ("1P+1D", "baseline"),
+        ("1E+1P+1D", "baseline"),
+        ("1E+1P+1D", "1P+1D"),
+    }
+    launches = Counter(json.dumps(s["launch"]) for s in starts(start_log))
+    assert launches and set(launches.values()) == {1}, f"an instance started twice: {launches}"
+    roles = Counter(s["role"] for s in starts(start_log))
+    # baseline; 1E+1PD (E, PD); 1P+1D (P, D); 1E+1P+1D (E, P, D): 8 instances, each once
+    assert roles == {"baseline": 1, "encoder": 2, "pd": 1, "prefill": 2, "decode": 2}, roles
+    assert [s.reason for s in sweep.pool.starts] == ["first use"] * 4, sweep.pool.summary()
+    assert sweep.pool.running() == [], "a sweep that owns its pool stops everything"
+
+
+def test_a_running_topology_is_shared_and_a_dead_one_started_again_with_its_cause(
+    tmp_path: Path, start_log: Path
+) -> None:
+    settings = settings_for(tmp_path)
+    pool = TopologyPool(settings)
+    try:
+        first = pool.session(TOPOLOGIES["1P+1D"])
+        again = pool.session(TOPOLOGIES["1P+1D"])
+        assert again is first and len(starts(start_log)) == 2
+        victim = first.server(Role.DECODE)
+        os.killpg(victim.pgid, signal.SIGKILL)
+        wait_for(lambda: not victim.is_alive(), "the decode instance to die", 10)
+        restarted = pool.session(TOPOLOGIES["1P+1D"])
+        assert restarted is not first and len(starts(start_log)) == 4
+        reason = pool.starts[-1].reason
+        assert reason.startswith("restart: instance 1P+1D/decode0 exited"), reason
+        pool.release("1P+1D")
+        assert pool.running() == []
+        pool.session(TOPOLOGIES["1P+1D"])
+        assert pool.starts[-1].reason == "restart: stopped earlier"
+        summary = pool.summary()
+        assert summary.startswith("topology starts: 3 for 1 distinct"), summary
+    finally:
+        pool.close()
+    assert pool.running() == []
+
+
+def test_a_dead_instance_is_revived_in_place_and_its_siblings_keep_running(
+    tmp_path: Path, start_log: Path
+) -> None:
+    """`revive` starts only the instance that died, on its port, with a log of its own (the
+    dead one's stays as evidence); the same session, its sibling and its proxy serve on."""
+    settings = settings_for(tmp_path)
+    pool = TopologyPool(settings)
+    body = {"model": "epd-model", "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        session = pool.session(TOPOLOGIES["1P+1D"])
+        prefill, victim = session.server(Role.PREFILL), session.server(Role.DECODE)
+        old_log, port = victim.command.log_path, victim.port_lease.port
+        os.killpg(victim.pgid, signal.SIGKILL)
+        wait_for(lambda: not victim.is_alive(), "the killed D to be gone")
+        assert pool.revive(TOPOLOGIES["1P+1D"]) is session and len(starts(start_log)) == 3
+        fresh = session.server(Role.DECODE)
+        assert fresh is not victim and fresh.is_alive() and fresh.port_lease.port == port
+        assert session.server(Role.PREFILL) is prefill and prefill.is_alive()
+        assert old_log.exists() and fresh.command.log_path.name.endswith(".revived-1.log")
+        assert session.dead_instance_report() is None
+        assert session.send("text", body).result is not None
+        reason = pool.starts[-1].reason
+        assert reason.startswith("revive decode0: instance 1P+1D/decode0 exited"), reason
+        assert pool.revive(TOPOLOGIES["1P+1D"]) is session, "nothing dead: nothing started"
+        assert len(starts(start_log)) == 3
+    finally:
+        pool.close()
+    assert pool.running() == []
+
+
+def test_another_proxy_in_front_starts_no_instance(tmp_path: Path, start_log: Path) -> None:
+    """The same instances through the harness's proxy and through another entry (here a
+    second harness proxy stands in for vLLM's, which the fake cannot run)."""
+    settings = settings_for(tmp_path)
+    pool = TopologyPool(settings)
+    try:
+        own = pool.session(TOPOLOGIES["1E+1PD"])
+        body = {"model": "epd-model", "messages": [{"role": "user", "content": "hi"}]}
+        entry = own.via(ProxyChoice())
+        assert entry.entry.key == "harness" and entry.entry is own._entry
+        assert own.send("text", body).result is not None
+        assert len(starts(start_log)) == 2
+    finally:
+        pool.close()
+
+
+def test_a_private_session_is_counted_with_its_reason(tmp_path: Path, start_log: Path) -> None:
+    settings = settings_for(tmp_path)
+    pool = TopologyPool(settings)
+    with pool.private(TOPOLOGIES["1E+1PD"], "a rerun on kept storage", label="rerun") as session:
+        assert session.dead_instance_report() is None
+    assert [s.reason for s in pool.starts] == ["private: a rerun on kept storage"]
+    assert len(starts(start_log)) == 2
+    pool.close()
+
+
+def test_a_shared_sweep_answers_its_reference_before_the_pool_stops_it(
+    tmp_path: Path, start_log: Path
+) -> None:
+    """1P+1D is stopped before 1E+1P+1D is judged (a pytest group ended): the sweep sharing
+    the pool answered its prompts on 1P+1D first, so judging 1E+1P+1D starts no 1P+1D."""
+    settings = settings_for(tmp_path)
+    pool = TopologyPool(settings)
+    try:
+        spec = SweepSpec((TOPOLOGIES["1E+1P+1D"],), prompts=(TEXT,))
+        sweep = Sweep(spec, settings, pool=pool)
+        sweep.serve_baseline()
+        pool.session(TOPOLOGIES["1P+1D"])  # something else used it
+        pool.release("1P+1D")
+        assert "1P+1D" in sweep.observed
+        records = sweep.judge("1E+1P+1D", "text")
+        assert {r.reference for r in records} == {"baseline", "1P+1D"}
+        assert [s.key.topology for s in pool.starts] == ["baseline", "1P+1D", "1E+1P+1D"]
+    finally:
+        pool.close()
+
+
+def test_xdist_workers_on_eight_gpus_start_each_topology_once(
+    tmp_path: Path, start_log: Path
+) -> None:
+    """The GPU nightly's shape: the sweep's scenarios under `-n 4 --dist loadgroup` on an
+    8-device cuda plan (the fake vLLM stands in for each instance). One wave holds every
+    topology, yet each worker starts only the topologies of its own cases (and their exact
+    references): every topology once across the workers."""
+    fake = install_fake_vllm(tmp_path / "bin")
+    model = tiny_model_dir()
+    argv = [
+        sys.executable, "-m", "pytest", "scenarios/test_epd_matches_baseline.py",
+        "-m", "e2e", "-k", "text", "-n", "4", "--dist", "loadgroup", "-p", "no:cacheprovider",
+        "--epd-platform", "cuda", "--epd-devices", "0,1,2,3,4,5,6,7", "--epd-vllm", str(fake),
+        "--epd-kv-connector", "example",  # the count does not depend on it; NIXL needs nixl
+        "--epd-model", str(model), "--epd-baseline-cache", str(tmp_path / "cache"),
+        "--epd-run-dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert "topology starts: 4 for 4 distinct" in run.stdout, run.stdout[-3000:]
+    roles = Counter(s["role"] for s in starts(start_log))
+    assert roles == {"baseline": 1, "encoder": 2, "pd": 1, "prefill": 2, "decode": 2}, roles
+    devices = [s["env"]["CUDA_VISIBLE_DEVICES"] for s in starts(start_log)]
+    assert sorted(devices) == [str(d) for d in range(8)], "one device each, as planned"
+
+
+def tiny_model_dir() -> Path:
+    from fixtures.tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model(cache_dir() / "models")
+
+
+def test_a_fault_goes_into_the_topologies_under_test_never_their_references(
+    tmp_path: Path, start_log: Path
+) -> None:
+    """`--plant-fault ec-noise:0.05 --topology 1E+1P+1D`: 1P+1D starts as its exact reference
+    only, and an EC fault has nothing to act on there (it once raised and ended the sweep)."""
+    settings = settings_for(tmp_path)
+    spec = SweepSpec((TOPOLOGIES["1E+1P+1D"],), prompts=(TEXT,), fault="ec-noise:0.05")
+    result = Sweep(spec, settings).run_all()
+    assert {(r.topology, r.reference) for r in result.records} == {
+        ("1E+1P+1D", "baseline"),
+        ("1E+1P+1D", "1P+1D"),
+    }

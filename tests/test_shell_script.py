@@ -1,0 +1,137 @@
+"""The reader of bash scripts that upstream parity uses (harness/preflight/shell_script.py): each
+command as bash would run it, expansions done, nothing executed. The scripts here are written
+for these tests."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from harness.preflight.shell_script import UNKNOWN, ScriptError, read_commands
+
+pytestmark = pytest.mark.unit
+
+
+def commands(script: str, **pinned: str) -> list[tuple[str, dict[str, str], tuple[str, ...]]]:
+    return [(c.stage, c.env, c.argv) for c in read_commands(textwrap.dedent(script), pinned)]
+
+
+def test_defaults_quotes_and_line_continuations_expand_like_bash() -> None:
+    script = """
+        PORT="${PORT:-8000}"
+        NAME=${NAME:-a b}
+        EMPTY=""
+        serve --port "$PORT" \\
+            --name "$NAME" --split $NAME "$EMPTY" \\
+            --literal '$PORT' --escaped \\$PORT x"$PORT"y  # a comment
+    """
+    ((_stage, env, argv),) = commands(script)
+    assert env == {}
+    assert argv == (
+        "serve",
+        "--port",
+        "8000",
+        "--name",
+        "a b",
+        "--split",
+        "a",
+        "b",
+        "",
+        "--literal",
+        "$PORT",
+        "--escaped",
+        "$PORT",
+        "x8000y",
+    )
+
+
+def test_pinned_variables_win_over_the_scripts_own_assignments() -> None:
+    script = """
+        MODE="${MODE:-cpu}"
+        if [[ "${MODE,,}" == "xpu" ]]; then
+            DEVICE_ENV="ZE_AFFINITY_MASK"
+        else
+            DEVICE_ENV="CUDA_VISIBLE_DEVICES"
+        fi
+        env "$DEVICE_ENV=0" run "$MODE"
+    """
+    assert commands(script)[-1][1:] == ({"CUDA_VISIBLE_DEVICES": "0"}, ("run", "cpu"))
+    pinned = commands(script, MODE="XPU", DEVICE_ENV="ZE_AFFINITY_MASK")
+    assert pinned[-1][1:] == ({"ZE_AFFINITY_MASK": "0"}, ("run", "XPU"))
+
+
+def test_multi_line_single_quoted_json_with_a_spliced_variable_is_one_word() -> None:
+    script = """
+        STORE=/tmp/store
+        serve --config '{
+            "path": "'"$STORE"'",
+            "role": "producer"
+        }' > "$LOG"/x.log 2>&1 &
+    """
+    ((_stage, _env, argv),) = commands(script)
+    assert argv[0:2] == ("serve", "--config")
+    assert json.loads(argv[2]) == {"path": "/tmp/store", "role": "producer"}
+    assert len(argv) == 3, "redirections are not arguments"
+
+
+def test_functions_run_where_they_are_called_with_their_locals_and_arguments() -> None:
+    script = """
+        PORT=1
+        start() {
+            local PORT=$2
+            local -a PIDS=()
+            GLOBAL=set
+            VAR=inner serve "$1" --port "$PORT"
+            PIDS+=($!)
+        }
+        helper() { echo "$1"; }
+        start first 10
+        start second 20
+        serve after --port "$PORT" --global "$GLOBAL"
+    """
+    serves = [c for c in commands(script) if c[2][:1] == ("serve",)]
+    assert serves == [
+        ("start", {"VAR": "inner"}, ("serve", "first", "--port", "10")),
+        ("start", {"VAR": "inner"}, ("serve", "second", "--port", "20")),
+        ("", {}, ("serve", "after", "--port", "1", "--global", "set")),
+    ]
+
+
+def test_env_prefixes_and_assignment_prefixes_are_the_commands_environment() -> None:
+    script = """
+        GPU=2
+        env "CUDA_VISIBLE_DEVICES=$GPU" \\
+        SIDE_PORT=5559 \\
+        serve model
+        A=1 B="x y" serve other
+    """
+    assert commands(script) == [
+        ("", {"CUDA_VISIBLE_DEVICES": "2", "SIDE_PORT": "5559"}, ("serve", "model")),
+        ("", {"A": "1", "B": "x y"}, ("serve", "other")),
+    ]
+
+
+def test_what_cannot_be_expanded_is_marked_never_guessed() -> None:
+    script = """
+        ROOT="$(cd "$(dirname "$0")" && pwd)"
+        serve "$ROOT/x" "${ARRAY[@]}" $((1 + 2)) "${ROOT:-fallback}"
+    """
+    ((_stage, _env, argv),) = commands(script)
+    assert argv == ("serve", f"{UNKNOWN}/x", UNKNOWN, UNKNOWN, UNKNOWN)
+    pinned = commands(script, ROOT="/src")
+    assert pinned[0][2] == ("serve", "/src/x", UNKNOWN, UNKNOWN, "/src")
+
+
+@pytest.mark.parametrize(
+    ("script", "message"),
+    [
+        ("serve 'open", "line 1: unterminated single quote"),
+        ('serve "open', "line 1: unterminated double quote"),
+        ("f() echo", "line 1: function f has no { body"),
+    ],
+)
+def test_a_script_it_cannot_follow_is_one_error_naming_the_line(script: str, message: str) -> None:
+    with pytest.raises(ScriptError, match=message):
+        read_commands(script)

@@ -1,0 +1,202 @@
+"""Streamed answers: server-sent events read into token ids, and their framing checked; the
+planted fault that relays a chunk twice; how a framing problem is judged; what `compare` shows
+of two proxies' streams."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+from sse_stream import PROMPT_IDS, TOKENS, encode, timed, vllm_chunks
+
+from harness.judge.records import Verdict
+from harness.judge.verdicts import STREAM_CHECK
+from harness.outcomes.outcome import Outcome
+from harness.outcomes.stream import (
+    EVENT_STREAM,
+    StreamFailed,
+    event_data,
+    parse_stream,
+    split_events,
+)
+from harness.report.proxy_diff import STREAMS_ALIKE, diff_runs, format_diff
+from harness.serve.proxy import FirstTokenChunkTwice, carries_tokens
+from harness.spec.prompts import streaming_request
+from harness.testing.judging import judged
+
+pytestmark = pytest.mark.unit
+
+
+def parse(events: list[bytes], content_type: str = EVENT_STREAM, complete: bool = True):
+    return parse_stream(timed(events), content_type, complete)
+
+
+def test_a_vllm_stream_gives_the_ids_logprobs_and_usage_of_the_answer() -> None:
+    result, record = parse(encode(vllm_chunks(cached=4)))
+    assert result.prompt_token_ids == tuple(PROMPT_IDS)
+    assert result.token_ids == tuple(TOKENS)
+    assert [p.token_id for p in result.logprobs] == TOKENS
+    assert result.logprobs[0].top[1] == (TOKENS[0] + 100, -4.0)
+    assert result.finish_reason == "length"
+    assert result.text == "".join(f"t{t}" for t in TOKENS)
+    assert result.cached_tokens == 4
+    assert record.ok, record.problems
+    assert (record.role_chunks, record.token_chunks, record.ids_counted) == (1, 3, 3)
+    assert record.usage_completion_tokens == 3 and record.done_last
+    assert record.first_token_s == pytest.approx(0.02)  # the second event: the first token
+
+
+def test_a_chunk_relayed_twice_is_read_as_sent_and_breaks_the_usage_count() -> None:
+    events = encode(vllm_chunks())
+    result, record = parse([events[0], events[1], events[1], *events[2:]])
+    assert result.token_ids == (TOKENS[0], TOKENS[0], *TOKENS[1:])
+    assert "usage counts 3 completion tokens, the stream carried 4 token ids" in record.problems
+
+
+@pytest.mark.parametrize(
+    "mangle, problem",
+    [
+        (lambda e: [e[0], *e], "2 role chunks (one expected)"),
+        (lambda e: e[:-1], "no [DONE] event"),
+        (lambda e: [*e, e[1]], "1 event(s) after [DONE]"),
+        (lambda e: [e[0], b"data: {not json\n\n", *e[1:]], "event 2 does not parse"),
+        (lambda e: [*e[:-2], e[-1]], "no usage chunk"),
+        (lambda e: [e[0], *e[2:]], "usage counts 3 completion tokens, the stream carried 2"),
+        (lambda e: [e[0], e[-2], *e[1:-2], e[-1]], "comes after the usage chunk"),
+    ],
+    ids=["two-roles", "no-done", "after-done", "unparsable", "no-usage", "dropped", "usage-early"],
+)
+def test_each_framing_rule_broken_is_a_problem(mangle, problem: str) -> None:
+    _, record = parse(mangle(encode(vllm_chunks())))
+    assert any(problem in p for p in record.problems), record.problems
+
+
+def test_two_completions_interleaved_are_a_problem() -> None:
+    chunks = vllm_chunks()
+    chunks[2] = copy.deepcopy(chunks[2])
+    chunks[2]["id"] = "chatcmpl-other"
+    _, record = parse(encode(chunks))
+    assert any("chunks of 2 completions" in p for p in record.problems), record.problems
+
+
+def test_a_stream_served_as_json_is_a_problem() -> None:
+    _, record = parse(encode(vllm_chunks()), content_type="application/json")
+    assert record.problems == [f"served as application/json, not {EVENT_STREAM}"]
+
+
+@pytest.mark.parametrize(
+    "events, complete, cause",
+    [
+        (encode([{"error": {"message": "engine died", "code": 500}}]), True, "reported an error"),
+        (encode(vllm_chunks())[:2], False, "broke off after 2 event(s)"),
+        (encode(vllm_chunks()[1:]), True, "no prompt_token_ids"),
+    ],
+    ids=["error-event", "broken-off", "no-prompt-ids"],
+)
+def test_a_stream_without_an_answer_fails(events, complete: bool, cause: str) -> None:
+    with pytest.raises(StreamFailed, match=re.escape(cause)) as failure:
+        parse(events, complete=complete)
+    assert failure.value.record.events >= 1
+
+
+def test_events_split_across_reads_and_crlf() -> None:
+    first, rest = split_events(b"data: a\r\n\r\ndata: b\n\ndata: c")
+    assert first == [b"data: a", b"data: b"] and rest == b"data: c"
+    assert event_data(b": a comment\ndata: x\ndata: y") == "x\ny"
+    assert event_data(b": only a comment") is None
+
+
+def test_the_planted_fault_relays_the_first_token_chunk_twice_and_nothing_else() -> None:
+    events = encode(vllm_chunks())
+    stream = b"".join(events)
+    rewriter = FirstTokenChunkTwice()
+    # fed in awkward pieces: an event split across reads must still be found whole
+    out = b"".join(rewriter.feed(stream[i : i + 7]) for i in range(0, len(stream), 7))
+    out += rewriter.flush()
+    assert out == b"".join([events[0], events[1], events[1], *events[2:]])
+    assert rewriter.duplicated is not None and rewriter.duplicated.startswith("event 2")
+    assert carries_tokens(events[1].rstrip()) and not carries_tokens(events[0].rstrip())
+
+
+def test_streaming_request_asks_for_usage() -> None:
+    body = streaming_request({"model": "m", "messages": []})
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+
+
+def streamed_outcome(events: list[bytes]) -> Outcome:
+    result, record = parse(events)
+    return Outcome(prompt="image", result=result, stream=record)
+
+
+def baseline_outcome() -> Outcome:
+    result, _ = parse(encode(vllm_chunks()))
+    return Outcome(prompt="image", result=result)
+
+
+def test_a_broken_framing_fails_the_case_even_with_equal_ids() -> None:
+    events = encode(vllm_chunks())
+    candidate = streamed_outcome([events[0], *events])  # two role chunks, ids untouched
+    assert candidate.result == baseline_outcome().result
+    record = judged("1E+1PD", "baseline", baseline_outcome(), candidate)
+    assert record.verdict is Verdict.MISMATCH and not record.policy_passed
+    assert record.detail.startswith("stream framing broken: "), record.detail
+    assert "2 role chunks (one expected)" in record.detail
+    assert record.guards[STREAM_CHECK]["ok"] is False
+
+
+def test_a_well_framed_stream_matches_and_records_its_framing() -> None:
+    record = judged(
+        "1E+1PD", "baseline", baseline_outcome(), streamed_outcome(encode(vllm_chunks()))
+    )
+    assert record.verdict is Verdict.MATCH and record.policy_passed
+    assert record.guards[STREAM_CHECK]["evidence"].startswith("stream framing held")
+
+
+def test_the_duplicated_chunk_is_a_mismatch_on_tokens_and_framing() -> None:
+    events = encode(vllm_chunks())
+    candidate = streamed_outcome([events[0], events[1], events[1], *events[2:]])
+    record = judged("1E+1P+1D", "baseline", baseline_outcome(), candidate)
+    assert record.verdict is Verdict.MISMATCH
+    assert "usage counts 3" in record.detail
+    assert "generated tokens differ at position 1" in record.detail
+
+
+def test_compare_reports_a_difference_between_two_proxies_streams() -> None:
+    ok = streamed_outcome(encode(vllm_chunks())).to_json()
+    _, as_json = parse(encode(vllm_chunks()), content_type="application/json")
+    other = {**ok, "stream": as_json.to_json()}
+    diffs = diff_runs({"1P+1D": {"text": ok}}, {"1P+1D": {"text": other}})
+    [diff] = diffs
+    assert not diff.same
+    assert "text/event-stream" in diff.stream and "application/json" in diff.stream
+    assert "stream |" in format_diff(diffs, "harness", "vllm")
+    [alike] = diff_runs({"1P+1D": {"text": ok}}, {"1P+1D": {"text": ok}})
+    assert alike.same and alike.stream == STREAMS_ALIKE
+
+
+def test_the_toy_proxys_json_stream_is_a_declared_failure_only_there(tmp_path) -> None:
+    from harness.run.judging import TOY_PROXY_JSON_STREAM, proxy_failure
+    from harness.spec.settings import ProxyChoice, RunSettings
+    from harness.spec.topology import TOPOLOGIES, ServingConfig
+
+    vllm = RunSettings(ServingConfig(model="m"), tmp_path, proxy=ProxyChoice("vllm"))
+    harness = RunSettings(ServingConfig(model="m"), tmp_path)
+    _, as_json = parse(encode(vllm_chunks()), content_type="application/json")
+    streamed = Outcome("text", result=baseline_outcome().result, stream=as_json)
+    assert proxy_failure(vllm, TOPOLOGIES["1P+1D"], streamed) is TOY_PROXY_JSON_STREAM
+    assert proxy_failure(vllm, TOPOLOGIES["1E+1P+1D"], streamed) is None  # vLLM's EPD proxy
+    assert proxy_failure(harness, TOPOLOGIES["1P+1D"], streamed) is None
+    assert proxy_failure(vllm, TOPOLOGIES["1P+1D"], baseline_outcome()) is None  # not streamed
+    record = judged(
+        "1P+1D", "baseline", baseline_outcome(), streamed, declared=TOY_PROXY_JSON_STREAM
+    )
+    assert record.verdict is Verdict.MISMATCH and record.policy_passed, record.detail
+    fixed = judged(
+        "1P+1D",
+        "baseline",
+        baseline_outcome(),
+        streamed_outcome(encode(vllm_chunks())),
+        declared=TOY_PROXY_JSON_STREAM,
+    )
+    assert fixed.verdict is Verdict.MATCH and not fixed.policy_passed  # a fix turns it red

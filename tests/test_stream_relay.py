@@ -1,0 +1,164 @@
+"""Streams relayed to the client: the chat client reading vLLM-shaped events through the
+harness's proxy and through a tap (as vLLM's proxy reaches D), the planted fault that relays a
+chunk twice at either, and a D that breaks its stream off or reports an error in it.
+
+The D here is a fake that streams exactly as vLLM 0.32 frames a chat stream (tests/sse_stream.py);
+what real vLLM streams is checked by the streamed e2e scenarios (scenarios/test_stream.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+from sse_stream import PROMPT_IDS, TOKENS, encode, vllm_chunks
+
+from harness.outcomes.stream import StreamFailed
+from harness.serve.client import ChatClient, StreamHTTPError
+from harness.serve.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer
+from harness.serve.tap import TapSet, TapTarget
+from harness.spec.prompts import sampling_fields, streaming_request
+
+pytestmark = pytest.mark.process
+
+BODY = streaming_request(
+    {
+        "model": "epd-model",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        **sampling_fields(max_tokens=3),
+    }
+)
+
+
+class StreamingD:
+    """A fake D: streams `events` (a short pause between them), or breaks off after
+    `break_after` events, or answers `status` before streaming anything."""
+
+    def __init__(self) -> None:
+        self.events = encode(vllm_chunks())
+        self.break_after: int | None = None
+        self.status = 200
+        self.url = ""
+        self.runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        await web.SockSite(self.runner, sock).start()
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if self.status != 200:
+            return web.json_response({"message": "D exploded"}, status=self.status)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for index, event in enumerate(self.events):
+            if self.break_after is not None and index == self.break_after:
+                request.transport.close()  # the connection drops mid-stream, as a dying D's
+                return response
+            await response.write(event)
+            await asyncio.sleep(0.005)
+        await response.write_eof()
+        return response
+
+
+@pytest.fixture
+def d() -> Iterator[StreamingD]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    fake = StreamingD()
+    asyncio.run_coroutine_threadsafe(fake.start(), loop).result(timeout=10)
+    yield fake
+    assert fake.runner is not None
+    asyncio.run_coroutine_threadsafe(fake.runner.cleanup(), loop).result(timeout=10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+    loop.close()
+
+
+def proxy_in_front(url: str, faults: ProxyFaults | None = None) -> tuple[EPDProxy, ProxyServer]:
+    proxy = EPDProxy(ProxyRoutes(decode_urls=(url,)), faults)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    return proxy, ProxyServer(proxy, sock).start()
+
+
+def send(url: str, request_id: str = "req-1") -> Any:
+    client = ChatClient(url, timeout_s=10)
+    try:
+        return client.send(BODY, request_id=request_id)
+    finally:
+        client.close()
+
+
+def test_a_stream_through_the_harness_proxy_carries_the_answer_framed(d: StreamingD) -> None:
+    _, server = proxy_in_front(d.url)
+    try:
+        reply = send(server.url)
+    finally:
+        server.stop()
+    assert reply.result.prompt_token_ids == tuple(PROMPT_IDS)
+    assert reply.result.token_ids == tuple(TOKENS)
+    assert reply.stream is not None and reply.stream.ok, reply.stream.problems
+    assert reply.stream.content_type.startswith("text/event-stream")
+    assert 0 < reply.stream.first_token_s <= reply.stream.last_event_s
+
+
+def test_the_planted_fault_at_the_harness_proxy_relays_a_chunk_twice(d: StreamingD) -> None:
+    proxy, server = proxy_in_front(d.url, ProxyFaults(duplicate_first_token_chunk=True))
+    try:
+        reply = send(server.url)
+    finally:
+        server.stop()
+    assert reply.result.token_ids == (TOKENS[0], *TOKENS)
+    assert reply.stream.ids_counted == 4 and reply.stream.usage_completion_tokens == 3
+    [effect] = proxy.traces["req-1"].fault_effects
+    assert effect.startswith("relayed twice: event 2")
+
+
+def test_the_planted_fault_at_ds_tap_relays_a_chunk_twice(d: StreamingD) -> None:
+    """The way a fault reaches a stream through vLLM's proxy: at D's tap."""
+    faults = ProxyFaults(duplicate_first_token_chunk=True)
+    taps = TapSet([TapTarget("t/decode0", "decode", d.url)], faults).start("127.0.0.1")
+    try:
+        reply = send(taps.urls["t/decode0"])
+        [record] = taps.records
+    finally:
+        taps.stop()
+    assert reply.result.token_ids == (TOKENS[0], *TOKENS)
+    assert record.rewritten_by_fault and record.streamed
+    assert record.usage["completion_tokens"] == 3  # what D itself said
+
+
+def test_a_stream_that_breaks_off_is_no_answer(d: StreamingD) -> None:
+    d.break_after = 2
+    _, server = proxy_in_front(d.url)
+    try:
+        with pytest.raises(StreamFailed, match="broke off") as failure:
+            send(server.url)
+    finally:
+        server.stop()
+    assert failure.value.record.ids_counted <= 1
+
+
+def test_an_error_in_the_stream_is_no_answer(d: StreamingD) -> None:
+    d.events = encode([{"error": {"message": "EngineCore died", "code": 500}}])
+    with pytest.raises(StreamFailed, match="EngineCore died"):
+        send(d.url)
+
+
+def test_a_refused_stream_raises_with_its_status(d: StreamingD) -> None:
+    d.status = 500
+    with pytest.raises(StreamHTTPError, match="Error code: 500"):
+        send(d.url)

@@ -1,0 +1,76 @@
+"""The pytest plugin's ordering (harness/testing/plugin.py): every e2e item of one running
+topology in one stretch, in the plan's order, items that end their session last, and one
+xdist group per topology and the references its cases use."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+MODULE = """
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+@pytest.mark.parametrize("topology", ["1E+1P+1D", "1E+1PD", "1P+1D"])
+def test_sweep_case(topology):
+    pass
+
+@pytest.mark.epd_topology("1E+1PD")
+@pytest.mark.epd_ends_session
+def test_kills_the_encoder():
+    pass
+
+@pytest.mark.epd_topology("1E+1PD")
+def test_fault_on_1e1pd():
+    pass
+
+@pytest.mark.epd_topology("1P+1D")
+@pytest.mark.epd_variant("nixl")
+def test_nixl():
+    pass
+
+@pytest.mark.epd_topology("1E+1PD")
+@pytest.mark.epd_proxy("vllm")
+def test_through_vllm_proxy():
+    pass
+
+def test_needs_only_the_baseline():
+    pass
+"""
+
+UNIT = """
+def test_pure_logic():
+    pass
+"""
+
+
+def test_e2e_items_run_by_topology_with_session_enders_last(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest('pytest_plugins = ["harness.testing.plugin"]\n')
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    pytester.makepyfile(test_a_e2e=MODULE, test_b_unit=UNIT)
+    run = pytester.inline_run("--collect-only", "-p", "no:cacheprovider")
+    [finished] = run.getcalls("pytest_collection_finish")
+    items = finished.session.items
+    order = [item.name for item in items]
+    assert order == [
+        "test_pure_logic",  # every other tier first
+        "test_needs_only_the_baseline",
+        "test_sweep_case[1E+1PD]",
+        "test_fault_on_1e1pd",
+        "test_through_vllm_proxy",  # the same instances through vLLM's proxy, right after
+        "test_kills_the_encoder",  # ends its session: last of everything on 1E+1PD
+        "test_sweep_case[1P+1D]",
+        "test_sweep_case[1E+1P+1D]",
+        "test_nixl",  # other instances (another KV connector) after every default one
+    ], order
+    groups = {
+        item.name: item.get_closest_marker("xdist_group").args[0]
+        for item in items
+        if item.get_closest_marker("xdist_group")
+    }
+    assert groups["test_sweep_case[1E+1P+1D]"] == groups["test_sweep_case[1P+1D]"] == "1P+1D"
+    assert groups["test_through_vllm_proxy"] == groups["test_kills_the_encoder"] == "1E+1PD"
+    assert groups["test_nixl"] == "nixl:1P+1D"
+    assert "test_pure_logic" not in groups

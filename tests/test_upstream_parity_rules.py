@@ -1,0 +1,188 @@
+"""Upstream parity's rules (harness/preflight/upstream_parity.py, the deliberate differences in
+harness/spec/upstream_differences.py, shown in docs/upstream-parity.md), on small scripts
+written here in the form of vLLM's run_epd_correctness_test.sh. The real scripts, read from
+each release's sdist, are compared in tests/test_upstream_parity.py (the `index` tier).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from harness.preflight.shell_script import ScriptError
+from harness.preflight.upstream_parity import compare
+from harness.spec.generations import NEWEST, generation_for
+from harness.spec.platforms import CUDA
+from harness.spec.topology import TOPOLOGIES
+from harness.spec.upstream_differences import DIFFERENCES, PROXY_ROLES, SERVE_ROLES, Kind
+from harness.spec.upstream_differences import render_markdown as render_table
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "upstream-parity.md"
+UPDATE_DOC_ENV = "EPD_UPDATE_DOCS"
+TABLE_START = "<!-- the table: harness.spec.upstream_differences.render_markdown -->\n"
+TABLE_END = "<!-- end of the table -->"
+
+# A script in the form of upstream's (its flags for the baseline and 1E+1PD), written here.
+SMALL = """\
+#!/bin/bash
+MODEL="${MODEL:-Qwen/Qwen2.5-VL-3B-Instruct}"
+GPU_E="${GPU_E:-0}"
+GPU_PD="${GPU_PD:-1}"
+STORE="${STORE:-/tmp/ec}"
+serve_baseline() {
+    env "$DEVICE_AFFINITY_ENV=$GPU_PD" vllm serve "$MODEL" --port 10001 --max-model-len 10240 \\
+        --enforce-eager --gpu-memory-utilization 0.9 --max-num-seqs 128 &
+}
+serve_e_pd() {
+    env "$DEVICE_AFFINITY_ENV=$GPU_E" vllm serve "$MODEL" --port 19534 --max-model-len 10240 \\
+        --enforce-eager --gpu-memory-utilization 0.01 --enable-request-id-headers \\
+        --no-enable-prefix-caching --max-num-batched-tokens 114688 --max-num-seqs 128 \\
+        --ec-transfer-config '{"ec_connector": "ECExampleConnector", "ec_role": "ec_producer",
+            "ec_connector_extra_config": {"shared_storage_path": "'"$STORE"'"}}' &
+    env "$DEVICE_AFFINITY_ENV=$GPU_PD" vllm serve "$MODEL" --port 19537 --max-model-len 10240 \\
+        --enforce-eager --enable-mm-embeds --gpu-memory-utilization 0.7 \\
+        --enable-request-id-headers --max-num-seqs 128 \\
+        --ec-transfer-config '{"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
+            "ec_connector_extra_config": {"shared_storage_path": "'"$STORE"'"}}' &
+    python "${GIT_ROOT}/examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py" \\
+        --host 0.0.0.0 --port 10001 --encode-servers-urls "http://localhost:19534" \\
+        --prefill-servers-urls disable --decode-servers-urls "http://localhost:19537" &
+}
+serve_baseline
+serve_e_pd
+"""
+
+
+def planted(script: str, after: str, line: str) -> str:
+    """`script` with `line` (a continued flag line) inserted after the first line ending in
+    `after`."""
+    lines = script.splitlines(keepends=True)
+    index = next(i for i, text in enumerate(lines) if text.rstrip().endswith(after))
+    indent = re.match(r"\s*", lines[index + 1]).group(0)
+    return "".join([*lines[: index + 1], f"{indent}{line} \\\n", *lines[index + 1 :]])
+
+
+# --- unit: the comparison ----------------------------------------------------------------------
+
+
+def test_a_script_in_upstreams_form_shows_only_deliberate_differences() -> None:
+    parity = compare(SMALL, NEWEST, CUDA)
+    assert parity.report() == []
+    assert sorted(parity.compared) == [
+        "1E+1PD/encoder",
+        "1E+1PD/epd-proxy",
+        "1E+1PD/pd",
+        "baseline/baseline",
+    ]
+    explained = {(f.instance, f.item) for f in parity.findings}
+    assert ("1E+1PD/pd", "--enable-mm-embeds") in explained, "0.30+: vLLM turns it on itself"
+    assert ("1E+1PD/encoder", "--gpu-memory-utilization") not in explained, "upstream's share"
+    assert ("baseline/baseline", "--enforce-eager") not in explained
+
+
+def test_a_planted_flag_fails_naming_the_instance_and_the_flag() -> None:
+    script = planted(
+        SMALL, "--gpu-memory-utilization 0.01 --enable-request-id-headers \\", "--x-new"
+    )
+    assert compare(script, NEWEST, CUDA).report() == [
+        "1E+1PD/encoder: --x-new is set upstream (line 11), absent in the harness"
+    ]
+
+
+def test_a_changed_value_or_environment_fails_naming_the_item() -> None:
+    script = SMALL.replace("--gpu-memory-utilization 0.7", "--gpu-memory-utilization 0.5")
+    script = script.replace(
+        'env "$DEVICE_AFFINITY_ENV=$GPU_PD" vllm',
+        'env "$DEVICE_AFFINITY_ENV=$GPU_PD" UCX_TLS=all vllm',
+        1,
+    )
+    assert compare(script, NEWEST, CUDA).report() == [
+        "baseline/baseline: env UCX_TLS is 'all' upstream (line 7), absent in the harness",
+        "1E+1PD/pd: --gpu-memory-utilization is '0.5' upstream (line 16), '0.7' in the harness",
+    ]
+
+
+def test_an_allowed_difference_is_allowed_only_where_and_when_the_table_says() -> None:
+    # Upstream-only --enable-mm-embeds is allowed on PD from 0.30 (vLLM turns it on itself);
+    # for 0.29 the harness renders it too, so nothing differs there.
+    older = generation_for("0.29.0", None).generation
+    assert compare(SMALL, older, CUDA).report() == []
+    script = SMALL.replace(
+        "--enforce-eager --gpu-memory-utilization 0.9",
+        "--enforce-eager --enable-mm-embeds --gpu-memory-utilization 0.9",
+    )
+    assert compare(script, NEWEST, CUDA).report() == [
+        "baseline/baseline: --enable-mm-embeds is set upstream (line 7), absent in the harness"
+    ]
+
+
+def test_stages_the_harness_cannot_match_are_problems_not_silence() -> None:
+    two_encoders = SMALL.replace('"ec_role": "ec_consumer"', '"ec_role": "ec_producer"')
+    report = compare(two_encoders, NEWEST, CUDA).report()
+    assert report == [
+        "stage serve_e_pd launches encoder, encoder, epd-proxy: no harness topology has these roles"
+    ]
+    without_proxy = "\n".join(
+        line
+        for line in SMALL.splitlines()
+        if "disagg_epd_proxy" not in line
+        and "--host 0.0.0.0" not in line
+        and "--prefill-servers-urls disable" not in line
+    )
+    assert compare(without_proxy, NEWEST, CUDA).report() == [
+        "1E+1PD/epd-proxy: only the harness launches it"
+    ]
+    assert compare("#!/bin/bash\necho nothing\n", NEWEST, CUDA).report() == [
+        "the script launches no vllm serve at all"
+    ]
+
+
+def test_a_line_it_cannot_expand_is_an_error_never_a_guess() -> None:
+    script = SMALL.replace("--port 19537", '--port "$(free_port)"')
+    with pytest.raises(ScriptError, match=r"line 16: cannot expand --port"):
+        compare(script, NEWEST, CUDA)
+
+
+def test_unused_entries_are_reported_as_stale() -> None:
+    parity = compare(SMALL, NEWEST, CUDA)
+    stale = {(entry.item, entry.kind) for entry in parity.unused()}
+    # The small script sets no --allowed-local-media-path and has no KV roles or proxies of
+    # 1P+1D: entries for the instances it has, which explained nothing, are stale for it.
+    assert ("--allowed-local-media-path", Kind.UPSTREAM_ONLY) in stale
+    assert ("env VLLM_NIXL_SIDE_CHANNEL_PORT", Kind.VALUE) not in stale, "no KV role compared"
+
+
+# --- unit: the table and its page -------------------------------------------------------------
+
+
+def test_every_entry_names_known_places_generations_and_a_reason() -> None:
+    from harness.spec.generations import GENERATIONS_BY_NAME
+
+    roles = set(SERVE_ROLES) | set(PROXY_ROLES)
+    for entry in DIFFERENCES:
+        assert entry.reason.endswith("."), entry
+        assert entry.where, entry
+        for where in entry.where:
+            topology, _, role = where.rpartition("/")
+            assert role in roles, (entry.item, where)
+            assert not topology or topology in TOPOLOGIES, (entry.item, where)
+        assert set(entry.generations) <= set(GENERATIONS_BY_NAME), entry
+    keys = [(e.item, e.kind, e.where, e.generations) for e in DIFFERENCES]
+    assert len(keys) == len(set(keys)), "an entry is listed twice"
+
+
+def test_the_docs_show_the_table_as_the_code_has_it() -> None:
+    text = DOC.read_text(encoding="utf-8")
+    assert TABLE_START in text and TABLE_END in text, f"{DOC} lost its table markers"
+    head, rest = text.split(TABLE_START, 1)
+    shown, tail = rest.split(TABLE_END, 1)
+    if os.environ.get(UPDATE_DOC_ENV) == "1":
+        DOC.write_text(head + TABLE_START + render_table() + TABLE_END + tail, encoding="utf-8")
+        return
+    assert shown == render_table(), f"{DOC} is stale: run {UPDATE_DOC_ENV}=1 pytest {__file__}"

