@@ -138,7 +138,7 @@ def test_epd_on_three_nodes_with_kv_over_nixl_matches(on_ray, epd_settings) -> N
 
 
 def test_a_side_channel_left_at_localhost_is_an_error_naming_it(
-    on_ray, epd_config, epd_settings
+    on_ray, epd_pool, epd_config, epd_settings
 ) -> None:
     """Planted: every instance told VLLM_NIXL_SIDE_CHANNEL_HOST=localhost. The topology is
     refused before any instance starts; its cases are ERROR and name instance and variable.
@@ -149,6 +149,9 @@ def test_a_side_channel_left_at_localhost_is_an_error_naming_it(
         kv_class=NIXL.vllm_class,
         instance_env=(("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"),),
     )
+    for key in epd_pool.running():  # this sweep's pool is its own: free the cluster's nodes
+        if not key.launcher.is_local:
+            epd_pool.release(key.topology, key.launcher)
     spec = SweepSpec(topologies=(TOPOLOGIES["1P+1D"],), prompts=(IMAGE,))
     sweep = Sweep(spec, settings, baseline_cache=epd_config.baseline_cache)
     (record,) = sweep.judge("1P+1D", IMAGE.name)

@@ -9,6 +9,7 @@ the commands may start before starting any of them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,3 +175,52 @@ def test_without_ray_installed_the_ray_launcher_is_one_line(monkeypatch) -> None
     monkeypatch.setattr(launcher_flags.importlib.metadata, "version", missing)
     with pytest.raises(BadInput, match=r"--launcher ray needs Ray .*scripts/cpu setup --ray"):
         launcher_flags.check_launcher(Request())
+
+
+# -- the pool ------------------------------------------------------------------------------------
+
+
+class StubSession:
+    def __init__(self, name: str, stopped: list[str]) -> None:
+        self.name, self._stopped = name, stopped
+
+    def dead_instance_report(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self._stopped.append(self.name)
+
+
+def test_a_ray_session_is_another_session_and_frees_its_cluster_for_the_next(
+    tmp_path, monkeypatch
+) -> None:
+    """The pool keys a session by its launcher too (a Ray 1E+1P+1D is not the local one),
+    and a session coming on a Ray cluster first stops the others on that cluster (the
+    rehearsal cluster's nodes hold one topology), never a local session."""
+    from harness.run.pool import SessionKey, TopologyPool, _Live
+
+    local = RunSettings(serving=serving_for(CPU, "/models/m"), run_dir=tmp_path / "run")
+    on_ray = dataclasses.replace(local, launcher=LauncherChoice("ray"))
+    nixl_on_ray = dataclasses.replace(
+        on_ray, serving=dataclasses.replace(on_ray.serving, kv_connector="NixlConnector")
+    )
+    elsewhere = dataclasses.replace(on_ray, launcher=LauncherChoice("ray", "10.0.0.1:6379"))
+    epd = TOPOLOGIES["1E+1P+1D"]
+    keys = {
+        name: SessionKey.of(epd, settings)
+        for name, settings in (
+            ("local", local),
+            ("ray", on_ray),
+            ("nixl-ray", nixl_on_ray),
+            ("elsewhere", elsewhere),
+        )
+    }
+    assert len(set(keys.values())) == 4
+    assert keys["ray"].describe(local.serving, local.launcher) == "1E+1P+1D launcher=ray"
+    monkeypatch.setattr("harness.run.pool.cpu_instances_that_fit", lambda: 100)  # memory: plenty
+    pool = TopologyPool(local)
+    stopped: list[str] = []
+    for name in ("local", "ray", "elsewhere"):
+        pool._live[keys[name]] = _Live(StubSession(name, stopped), 0.0)  # type: ignore[arg-type]
+    pool._make_room([(keys["nixl-ray"], epd, ())])
+    assert stopped == ["ray"], stopped

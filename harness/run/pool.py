@@ -364,8 +364,15 @@ class TopologyPool:
     def _make_room(self, coming: Sequence[tuple[SessionKey, Topology, tuple[int, ...]]]) -> None:
         """Stop least recently used sessions until the coming ones fit: on GPUs no two
         sessions hold the same device; on CPU the instances fit in the memory available now
-        (`CPU_INSTANCE_BYTES` each, `CPU_MEMORY_HEADROOM` of it)."""
+        (`CPU_INSTANCE_BYTES` each, `CPU_MEMORY_HEADROOM` of it). A session coming on a Ray
+        cluster first stops the others on that cluster: its placement takes one node's bundle
+        per instance (a rehearsal cluster has three nodes: one topology at a time), and a group
+        Ray cannot place would only wait and be refused."""
         keep = {key for key, _, _ in coming}
+        clusters = {k.launcher.ray_address for k in keep if not k.launcher.is_local}
+        for key in [k for k in self._live if k not in keep and not k.launcher.is_local]:
+            if key.launcher.ray_address in clusters:
+                self._stop(key)
         others = sorted(
             ((k, v) for k, v in self._live.items() if k not in keep), key=lambda kv: kv[1].used
         )
