@@ -73,6 +73,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "through its admin API)",
     )
     group.addoption(
+        "--epd-launcher",
+        default="local",
+        help="where instances run: local (default) or ray (Ray actors on a cluster's nodes; "
+        "docs/multi-node.md)",
+    )
+    group.addoption(
+        "--epd-ray-address",
+        help="with --epd-launcher ray: the cluster's HOST:PORT (default: a one-host cluster "
+        "of three nodes, started for the session and stopped after it)",
+    )
+    group.addoption(
         "--epd-reference-policy",
         help="exact (cpu default) or pd-drift (GPU default): how each topology is judged "
         "against its references (harness/judge/policy.py)",

@@ -21,6 +21,8 @@ CACHE_ENV = "EPD_HARNESS_CACHE"  # tiny model, baseline cache, prompt token coun
 PORT_RANGE_ENV = "EPD_HARNESS_PORT_RANGE"  # "LOW-HIGH" inclusive: confine a job's ports
 PORT_LOCK_DIR_ENV = "EPD_HARNESS_PORT_DIR"  # lock files that keep harnesses off each other's ports
 WATCHDOG_ENV = "EPD_HARNESS_WATCHDOG"  # "off" / "0" disables the orphan watchdog
+# "off" / "0" skips the multi-node network checks of --launcher ray (to show what they catch)
+NETWORK_CHECKS_ENV = "EPD_HARNESS_NETWORK_CHECKS"
 
 DEFAULT_PORT_RANGE = range(20000, 30000)
 DEFAULT_PORT_LOCK_DIR = Path("/tmp/epd-harness-ports")
@@ -35,6 +37,10 @@ VARIABLES: dict[str, tuple[str, str]] = {
     ),
     PORT_LOCK_DIR_ENV: (str(DEFAULT_PORT_LOCK_DIR), "port lock files shared by every harness"),
     WATCHDOG_ENV: ("on", "off (or 0) turns the orphan watchdog off (only for testing it)"),
+    NETWORK_CHECKS_ENV: (
+        "on",
+        "off (or 0) skips the network checks of --launcher ray (only for showing what they catch)",
+    ),
 }
 
 
@@ -63,4 +69,12 @@ def port_lock_dir(environ: Mapping[str, str] = os.environ) -> Path:
 
 
 def watchdog_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    return environ.get(WATCHDOG_ENV, "").strip().lower() not in ("off", "0", "false", "no")
+    return _switched_on(environ.get(WATCHDOG_ENV, ""))
+
+
+def network_checks_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    return _switched_on(environ.get(NETWORK_CHECKS_ENV, ""))
+
+
+def _switched_on(value: str) -> bool:
+    return value.strip().lower() not in ("off", "0", "false", "no")

@@ -429,6 +429,52 @@ def test_flags_attach_mode_would_ignore(
     assert_one_error_line(code, err, cause)
 
 
+# -- the launcher -------------------------------------------------------------------------------
+
+RAY_FLAGS_WITHOUT_RAY = [
+    (("--ray-address", "10.0.0.1:6379"), "--ray-address configures the Ray launcher; add "
+     "--launcher ray (or drop it)"),
+    (("--ray-placement", "pack", "--ray-shared-dir", "/tmp"), "--ray-placement, "
+     "--ray-shared-dir configure the Ray launcher; add --launcher ray (or drop them)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flags,cause", RAY_FLAGS_WITHOUT_RAY, ids=[c[0][0] for c in RAY_FLAGS_WITHOUT_RAY]
+)
+def test_ray_flags_without_the_ray_launcher(
+    bad_run: BadRun, flags: tuple[str, ...], cause: str
+) -> None:
+    code, err = bad_run(*flags)
+    assert_one_error_line(code, err, cause)
+
+
+def test_ray_launcher_with_attach(bad_run: BadRun, attach_file: Path) -> None:
+    code, err = bad_run("--launcher", "ray", "--attach", str(attach_file))
+    cause = (
+        "--launcher ray launches the topology on a Ray cluster, and --attach judges one "
+        "somebody else launched; drop one of them"
+    )
+    assert_one_error_line(code, err, cause)
+
+
+def test_ray_instance_env_malformed(bad_run: BadRun) -> None:
+    code, err = bad_run("--launcher", "ray", "--ray-instance-env", "no-equals-sign")
+    assert_one_error_line(code, err, "--ray-instance-env 'no-equals-sign': expected NAME=VALUE")
+
+
+def test_ray_address_malformed(bad_run: BadRun) -> None:
+    code, err = bad_run("--launcher", "ray", "--ray-address", "head-node")
+    assert_one_error_line(
+        code, err, "--ray-address 'head-node': expected HOST:PORT of the cluster's head"
+    )
+
+
+def test_ray_shared_dir_missing(bad_run: BadRun, tmp_path: Path) -> None:
+    code, err = bad_run("--launcher", "ray", "--ray-shared-dir", str(tmp_path / "nfs"))
+    assert_one_error_line(code, err, f"--ray-shared-dir {tmp_path / 'nfs'}: not a directory")
+
+
 # -- the model ----------------------------------------------------------------------------------
 
 

@@ -28,7 +28,7 @@ from harness.report.bundle import (
 from harness.report.html import render_report_html
 from harness.report.text import CaseRecord, format_failure
 from harness.spec.prompts import SKELETON_PROMPTS
-from harness.spec.settings import RunSettings, ServedVllm
+from harness.spec.settings import LauncherChoice, RunSettings, ServedVllm
 from harness.spec.topology import TOPOLOGIES, ServingConfig
 from harness.testing.builders import chat
 from harness.testing.judging import judged
@@ -313,3 +313,25 @@ def test_html_falls_back_to_the_windows_without_responses():
     records, _ = sample_run()
     page = render_report_html(records[1:2], {}, {})
     assert 'id="case-0-ref-div"' in page and 'id="case-0-can-div"' in page
+
+
+def test_run_json_and_the_report_name_each_instances_node(run_dir, model_dir):
+    """An instance placed on a node of a cluster (--launcher ray) carries it from its
+    .cmd.json into run.json and the report; the launcher itself is recorded too."""
+    path = run_dir / "1E-1P-1D" / "1E-1P-1D__decode0.cmd.json"
+    command = json.loads(path.read_text())
+    node = {"address": "10.0.0.4", "node_id": "ab12", "hostname": "node-d"}
+    path.write_text(json.dumps({**command, "node": node}))
+    settings = RunSettings(
+        ServingConfig(model=str(model_dir)),
+        run_dir,
+        vllm=SERVED,
+        launcher=LauncherChoice("ray", ray_address="10.0.0.1:6379"),
+    )
+    info = write_run_info(settings, (TOPOLOGIES["1E+1P+1D"],), SKELETON_PROMPTS[:1])
+    on_disk = json.loads((run_dir / "run.json").read_text())
+    assert on_disk["instances"]["1E+1P+1D/decode0"]["node"] == node
+    assert on_disk["launcher"]["kind"] == "ray"
+    assert on_disk["launcher"]["ray_address"] == "10.0.0.1:6379"
+    page = render_report_html([], {}, {**info, "instances": on_disk["instances"]})
+    assert "# 1E+1P+1D/decode0 (on node 10.0.0.4, node-d)" in page

@@ -213,7 +213,7 @@ def test_planning_reserves_no_port(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("plan must not reserve ports: they are placeholders")
 
     monkeypatch.setattr("harness.serve.ports.reserve_ports", refuse)
-    monkeypatch.setattr("harness.serve.session.reserve_ports", refuse)
+    monkeypatch.setattr("harness.serve.launcher.reserve_ports", refuse)
     plan = build_plan(request(CUDA, tuple(range(8))))
     assert plan.ports_are_placeholders
     assert [i.port for i in plan.instances][:3] == [20000, 20001, 20002]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from harness.run.repro import Bundle, BundleError
+from harness.spec.settings import LauncherChoice
 from harness.spec.topology import ServingConfig
 
 pytestmark = pytest.mark.unit
@@ -71,4 +72,24 @@ def test_repro_of_a_directory_that_is_no_bundle_is_bad_input(tmp_path: Path, epd
     err = stderr.strip().splitlines()
     assert (
         len(err) == 1 and "is not a run bundle: no run.json, requests.json, summary.json" in err[0]
+    )
+
+
+def test_repro_reruns_where_the_bundle_ran(tmp_path: Path) -> None:
+    """A bundle of a Ray run is rerun on Ray (the same cluster address, placement, env);
+    bundles of local runs, and those from before the launcher was recorded, locally."""
+    local = Bundle.load(write_bundle(tmp_path / "local", [case("1P+1D", "text", "MATCH", True)]))
+    assert local.launcher == LauncherChoice()
+    root = write_bundle(tmp_path / "ray", [case("1P+1D", "text", "MATCH", True)])
+    run = json.loads((root / "run.json").read_text())
+    run["launcher"] = {
+        "kind": "ray",
+        "ray_address": "10.0.0.1:6379",
+        "placement": "pack",
+        "shared_dir": None,
+        "instance_env": {"UCX_TLS": "tcp"},
+    }
+    (root / "run.json").write_text(json.dumps(run))
+    assert Bundle.load(root).launcher == LauncherChoice(
+        "ray", ray_address="10.0.0.1:6379", placement="pack", instance_env=(("UCX_TLS", "tcp"),)
     )

@@ -34,7 +34,7 @@ from harness.errors import (
 from harness.judge.policy import REFERENCE_POLICIES
 from harness.judge.records import CaseRecord
 from harness.preflight import RunRequest, prepare_run
-from harness.preflight.config import DEFAULT_MAX_MODEL_LEN
+from harness.preflight.config import DEFAULT_MAX_MODEL_LEN, RunConfig
 from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_os_error
 from harness.preflight.model import resolve_model
 from harness.preflight.upstream_proxy import proxy_choice
@@ -51,12 +51,20 @@ from harness.serve.launch import (
     StartupTimeout,
     install_signal_handlers,
 )
+from harness.serve.launcher import end_launchers
 from harness.serve.ports import NoFreePortError
 from harness.spec.connectors import EC_CONNECTORS, KV_CONNECTORS
 from harness.spec.generations import GENERATIONS_BY_NAME
 from harness.spec.platforms import DEFAULT_CPU_CORES, get_platform
 from harness.spec.prompts import SKELETON_PROMPTS
-from harness.spec.settings import ATTACH_PROXY, HARNESS_PROXY, PROXY_KINDS
+from harness.spec.settings import (
+    ATTACH_PROXY,
+    HARNESS_PROXY,
+    LAUNCHER_KINDS,
+    LOCAL_LAUNCHER,
+    PLACEMENTS,
+    PROXY_KINDS,
+)
 from harness.spec.topology import TOPOLOGIES
 
 log = logging.getLogger("harness")
@@ -133,6 +141,11 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         vllm_source=args.vllm_source,
         proxy_registration=args.proxy_registration,
         attach=args.attach,
+        launcher=args.launcher,
+        ray_address=args.ray_address,
+        ray_placement=args.ray_placement,
+        ray_shared_dir=args.ray_shared_dir,
+        ray_instance_env=tuple(args.ray_instance_env or ()),
         reference_policy=args.reference_policy,
         stream=args.stream,
         no_enforce_eager=args.no_enforce_eager,
@@ -141,6 +154,13 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
 
 def command_run(args: argparse.Namespace) -> int:
     config = prepare_run(request_from_args(args))
+    try:
+        return run_config(args, config)
+    finally:
+        end_launchers()  # a Ray connection, and the rehearsal cluster the run started
+
+
+def run_config(args: argparse.Namespace, config: RunConfig) -> int:
     settings = config.settings
     args.progress.run_dir = settings.run_dir
     counts = ", ".join(f"{name} {n}" for name, n in config.prompt_tokens.items())
@@ -213,7 +233,15 @@ def finish_run(args: argparse.Namespace, problems: list[str], sweep: Sweep) -> i
 
 
 def command_repro(args: argparse.Namespace) -> int:
-    """Rerun a bundle's failing case (or --case) with its recorded flags, body and fault."""
+    """Rerun a bundle's failing case (or --case) with its recorded flags, body, fault and
+    launcher."""
+    try:
+        return repro_bundle(args)
+    finally:
+        end_launchers()
+
+
+def repro_bundle(args: argparse.Namespace) -> int:
     try:
         bundle = Bundle.load(Path(args.bundle).resolve())
         if bundle.proxy_kind == ATTACH_PROXY:
@@ -395,6 +423,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --proxy vllm: give vLLM's EPD proxy the instances' URLs on its command line "
         "(static, default) or start it empty and register each through its admin API "
         "(dynamic, as an external launcher would)",
+    )
+    run.add_argument(
+        "--launcher",
+        default=LOCAL_LAUNCHER,
+        choices=LAUNCHER_KINDS,
+        help="where the instances run: subprocesses on this host (local, default) or Ray "
+        "actors on the nodes of a cluster (ray; docs/multi-node.md)",
+    )
+    run.add_argument(
+        "--ray-address",
+        metavar="HOST:PORT",
+        help="with --launcher ray: the cluster's head (GCS); default: start a one-host "
+        "cluster of three nodes (127.0.0.2-4) for the run and stop it afterwards",
+    )
+    run.add_argument(
+        "--ray-placement",
+        choices=PLACEMENTS,
+        help="with --launcher ray: each instance of a topology on a node of its own "
+        "(spread, default) or wherever they fit (pack)",
+    )
+    run.add_argument(
+        "--ray-shared-dir",
+        metavar="DIR",
+        help="with --launcher ray: where ExampleConnector storage goes, a directory every "
+        "node and the harness see (default: the run directory); checked before any start",
+    )
+    run.add_argument(
+        "--ray-instance-env",
+        action="append",
+        metavar="NAME=VALUE",
+        help="with --launcher ray: environment for every instance (e.g. a cluster's UCX "
+        "settings); repeatable; the network invariants still apply to it",
     )
     run.add_argument(
         "--stream",

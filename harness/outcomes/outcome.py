@@ -68,6 +68,7 @@ class InstanceStats:
     startup_s: float | None = None
     peak_rss_bytes: int = 0
     timeline: dict[str, float | None] = field(default_factory=dict)
+    node: str | None = None  # the node's address when a launcher placed it on a cluster
 
 
 @dataclass(frozen=True)

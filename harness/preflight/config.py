@@ -23,6 +23,7 @@ from harness.judge.policy import REFERENCE_POLICIES
 from harness.preflight import files, names, resources, tokens, upstream_proxy
 from harness.preflight.attach import load_attach_file
 from harness.preflight.connectors import check_kv_connector, ec_connector_for
+from harness.preflight.launcher import check_launcher, refuse_ray_flags_without_ray
 from harness.preflight.model import resolve_model
 from harness.preflight.vllm import (
     check_vllm,
@@ -49,6 +50,7 @@ from harness.spec.settings import (
     ATTACH_PROXY,
     DYNAMIC_REGISTRATION,
     HARNESS_PROXY,
+    LOCAL_LAUNCHER,
     PROXY_KINDS,
     REGISTRATION_MODES,
     STATIC_REGISTRATION,
@@ -99,6 +101,11 @@ class RunRequest:
     vllm_source: str | None = None  # a vLLM checkout holding its proxy files (--proxy vllm)
     proxy_registration: str = STATIC_REGISTRATION  # how vLLM's proxy learns the instances
     attach: str | None = None  # the attach file of a running deployment (--proxy attach)
+    launcher: str = LOCAL_LAUNCHER  # where instances run: "local" (this host) or "ray"
+    ray_address: str | None = None  # a Ray cluster's GCS; None: a one-host rehearsal cluster
+    ray_placement: str | None = None  # "spread" (default) or "pack"
+    ray_shared_dir: str | None = None  # a directory every node sees (ExampleConnector storage)
+    ray_instance_env: tuple[str, ...] = ()  # KEY=VALUE given to every instance on the cluster
     # How each (topology, reference) pair is judged; None: the platform's default.
     reference_policy: str | None = None
     # EPD topologies are sent streamed requests (--stream).
@@ -131,6 +138,7 @@ class RunConfig:
 def prepare_run(request: RunRequest) -> RunConfig:
     _refuse_ignored_flags(request)
     platform = get_platform(request.platform)
+    launcher = check_launcher(request)
     attach = _attach(request, platform)
     matrix = _scenarios(request.scenarios)
     cases = names.load_cases_file(request.cases_file) if request.cases_file else ()
@@ -254,6 +262,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         workers=request.workers,
         proxy=proxy,
         protocol=protocol.generation,
+        launcher=launcher,
         reference_policy=request.reference_policy or "",
         stream=request.stream,
         argv_check=argv_check.to_json(),
@@ -325,6 +334,7 @@ def _refuse_ignored_flags(request: RunRequest) -> None:
             f"--attach judges a running deployment through its own proxy; drop --proxy "
             f"{request.proxy} (or --attach)"
         )
+    refuse_ray_flags_without_ray(request)
     if request.colocate and request.platform == "cpu":
         raise BadInput(
             "--colocate shares GPUs within a topology; on cpu instances always share "

@@ -182,6 +182,7 @@ def collect_run_info(
         "serving": dataclasses.asdict(settings.serving),
         "platform_profile": settings.platform.name,
         "proxy": settings.proxy.to_json(),
+        "launcher": settings.launcher.to_json(),
         "stream": settings.stream,
         "devices": list(settings.devices),
         # Each role's --gpu-memory-utilization and the rule for shared devices (GPU platforms).
@@ -221,7 +222,8 @@ def _host_cpu() -> dict[str, Any] | None:
 
 
 def instance_commands(run_dir: Path) -> dict[str, dict[str, Any]]:
-    """Every launched instance's argv and environment, secrets redacted, by instance name."""
+    """Every launched instance's argv and environment, secrets redacted, by instance name;
+    with the node it ran on when a launcher placed it on a cluster."""
     commands: dict[str, dict[str, Any]] = {}
     for path in _command_files(run_dir):
         command = json.loads(path.read_text(encoding="utf-8"))
@@ -230,6 +232,8 @@ def instance_commands(run_dir: Path) -> dict[str, dict[str, Any]]:
             "env": redact_env(command.get("env", {})),
             "file": path.relative_to(run_dir).as_posix(),
         }
+        if command.get("node"):  # placed on a node of a cluster (--launcher ray)
+            commands[command.get("name", path.stem)]["node"] = command["node"]
     return commands
 
 

@@ -377,13 +377,23 @@ def _run_section(run_info: Mapping[str, Any]) -> str:
         parts += ["<h4>Serving config</h4>", _kv_table(run_info["serving"])]
     if instances:
         commands = "\n\n".join(
-            f"# {name}\n{' '.join(command.get('argv', []))}" for name, command in instances.items()
+            f"# {name}{_node_note(command)}\n{' '.join(command.get('argv', []))}"
+            for name, command in instances.items()
         )
         parts.append(
             f"<details><summary>Instance commands ({len(instances)})</summary>"
             f"<pre>{escape(commands)}</pre></details>"
         )
     return "\n".join(parts)
+
+
+def _node_note(command: Mapping[str, Any]) -> str:
+    """' (on node 10.0.0.3, host-b)' for an instance a launcher placed on a cluster."""
+    node = command.get("node") or {}
+    if not node.get("address"):
+        return ""
+    host = f", {node['hostname']}" if node.get("hostname") else ""
+    return f" (on node {node['address']}{host})"
 
 
 def render_report_html(

@@ -32,7 +32,7 @@ from harness.serve.entry import proxy_key
 from harness.serve.launch import EventCallback
 from harness.serve.session import ProxiedSession, TopologySession, safe_name
 from harness.spec.placement import CPU_INSTANCE_BYTES, CPU_MEMORY_HEADROOM, available_memory_bytes
-from harness.spec.settings import RunSettings
+from harness.spec.settings import LauncherChoice, RunSettings
 from harness.spec.topology import Role, ServingConfig, Topology
 
 STARTS_FILE = "topology-starts.json"
@@ -50,6 +50,9 @@ class SessionKey:
     # Environment added to the instances of a role (a self-test's plugin in D), as sorted
     # (role, ((name, value), ...)) pairs: other environment, other instances.
     role_env: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    # Where the instances run (this host, or a Ray cluster's nodes): other nodes, other
+    # instances, even under the same flags.
+    launcher: LauncherChoice = LauncherChoice()
 
     @classmethod
     def of(
@@ -60,15 +63,20 @@ class SessionKey:
                 (role.value, tuple(sorted(env.items()))) for role, env in (role_env or {}).items()
             )
         )
-        return cls(topology.name, settings.serving, frozen)
+        return cls(topology.name, settings.serving, frozen, settings.launcher)
 
-    def describe(self, base: ServingConfig | None = None) -> str:
-        """The topology, with what differs from the run's own serving flags and environment."""
+    def describe(
+        self, base: ServingConfig | None = None, base_launcher: LauncherChoice | None = None
+    ) -> str:
+        """The topology, with what differs from the run's own serving flags, environment and
+        launcher."""
         parts = [self.topology]
         if base is not None:
             for name, value in dataclasses.asdict(self.serving).items():
                 if getattr(base, name) != value:
                     parts.append(f"{name}={value}")
+        if base_launcher is not None and self.launcher != base_launcher:
+            parts.append(f"launcher={self.launcher.kind}")
         for role, env in self.role_env:
             parts.append(f"{role}+env({','.join(name for name, _ in env)})")
         return " ".join(parts)
@@ -267,10 +275,16 @@ class TopologyPool:
 
     # -- stopping ----------------------------------------------------------------------------
 
-    def release(self, topology: str | None = None) -> None:
-        """Stop the sessions of `topology` (every session when None); a later request starts
-        it again, counted as a restart."""
-        for key in [k for k in self._live if topology is None or k.topology == topology]:
+    def release(self, topology: str | None = None, launcher: LauncherChoice | None = None) -> None:
+        """Stop the sessions of `topology` (every session when None), of those the ones
+        `launcher` runs (any when None); a later request starts it again, counted as a
+        restart."""
+        for key in [
+            k
+            for k in self._live
+            if (topology is None or k.topology == topology)
+            and (launcher is None or k.launcher == launcher)
+        ]:
             self._stop(key)
 
     def close(self) -> None:
@@ -293,7 +307,7 @@ class TopologyPool:
     def summary(self) -> str:
         """How many topologies were started, how many distinct ones that is, and why each
         extra start happened."""
-        base = self.settings.serving
+        base, launcher = self.settings.serving, self.settings.launcher
         extra = [s for s in self.starts if s.reason != "first use"]
         lines = [
             f"topology starts: {len(self.starts)} for {len(self.distinct())} distinct "
@@ -302,14 +316,14 @@ class TopologyPool:
         ]
         for start in self.starts:
             took = "did not come up" if start.seconds is None else f"{start.seconds:.1f}s"
-            lines.append(f"  {start.key.describe(base)}: {start.reason} ({took})")
+            lines.append(f"  {start.key.describe(base, launcher)}: {start.reason} ({took})")
         lines += [f"  {entry} (no start: another proxy in front)" for entry in self.entries]
         return "\n".join(lines)
 
     def starts_json(self) -> list[dict[str, object]]:
-        base = self.settings.serving
+        base, launcher = self.settings.serving, self.settings.launcher
         return [
-            {"topology": s.key.describe(base), "reason": s.reason, "seconds": s.seconds}
+            {"topology": s.key.describe(base, launcher), "reason": s.reason, "seconds": s.seconds}
             for s in self.starts
         ]
 
@@ -324,7 +338,9 @@ class TopologyPool:
         return any(s.key == key for s in self.starts)
 
     def _new_session(self, request: SessionRequest) -> TopologySession:
-        label = safe_name(request.key.describe(self.settings.serving).replace(" ", "_"))
+        label = safe_name(
+            request.key.describe(self.settings.serving, self.settings.launcher).replace(" ", "_")
+        )
         return TopologySession(
             request.topology,
             request.settings,
@@ -348,8 +364,15 @@ class TopologyPool:
     def _make_room(self, coming: Sequence[tuple[SessionKey, Topology, tuple[int, ...]]]) -> None:
         """Stop least recently used sessions until the coming ones fit: on GPUs no two
         sessions hold the same device; on CPU the instances fit in the memory available now
-        (`CPU_INSTANCE_BYTES` each, `CPU_MEMORY_HEADROOM` of it)."""
+        (`CPU_INSTANCE_BYTES` each, `CPU_MEMORY_HEADROOM` of it). A session coming on a Ray
+        cluster first stops the others on that cluster: its placement takes one node's bundle
+        per instance (a rehearsal cluster has three nodes: one topology at a time), and a group
+        Ray cannot place would only wait and be refused."""
         keep = {key for key, _, _ in coming}
+        clusters = {k.launcher.ray_address for k in keep if not k.launcher.is_local}
+        for key in [k for k in self._live if k not in keep and not k.launcher.is_local]:
+            if key.launcher.ray_address in clusters:
+                self._stop(key)
         others = sorted(
             ((k, v) for k, v in self._live.items() if k not in keep), key=lambda kv: kv[1].used
         )

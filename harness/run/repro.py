@@ -29,7 +29,10 @@ from harness.spec.generations import NEWEST, generation_for
 from harness.spec.platforms import get_platform
 from harness.spec.settings import (
     HARNESS_PROXY,
+    RAY_LAUNCHER,
+    SPREAD_PLACEMENT,
     STATIC_REGISTRATION,
+    LauncherChoice,
     ProxyChoice,
     RunSettings,
     ServedVllm,
@@ -83,6 +86,22 @@ class Bundle:
         return (self.run.get("proxy") or {}).get("kind") or HARNESS_PROXY
 
     @property
+    def launcher(self) -> LauncherChoice:
+        """Where the bundle's instances ran: this host, or the same Ray cluster (the recorded
+        address; a one-host rehearsal cluster when the run started one itself)."""
+        recorded = self.run.get("launcher") or {}
+        if recorded.get("kind") != RAY_LAUNCHER:
+            return LauncherChoice()
+        shared = recorded.get("shared_dir")
+        return LauncherChoice(
+            RAY_LAUNCHER,
+            ray_address=recorded.get("ray_address"),
+            placement=recorded.get("placement") or SPREAD_PLACEMENT,
+            shared_dir=Path(shared) if shared else None,
+            instance_env=tuple((recorded.get("instance_env") or {}).items()),
+        )
+
+    @property
     def vllm_source(self) -> str | None:
         """The vLLM source tree the bundle's run took vLLM's proxy from (--vllm-source), which
         a development build needs again; None for a release's sdist."""
@@ -127,6 +146,7 @@ def reproduce(
         stream=bool(bundle.run.get("stream")),
         # The protocol of the release serving now (the bundle's may have been another).
         protocol=generation_for(served.version).generation if served.known else NEWEST,
+        launcher=bundle.launcher,
     )
     topology = get_topology(case.topology)
     recorded = (bundle.run.get("served_vllm") or {}).get("version")

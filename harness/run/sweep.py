@@ -281,7 +281,12 @@ class Sweep:
         on it now (a few requests) rather than start it again when a case needs them."""
         name = session.topology.name
         wanted = any(t.exact_reference == name for t in self.spec.topologies)
-        if not wanted or name in self.observed or session.settings.serving != self.settings.serving:
+        if (
+            not wanted
+            or name in self.observed
+            or session.settings.serving != self.settings.serving
+            or session.settings.launcher != self.settings.launcher
+        ):
             return
         log.info("[sweep] %s: answering the sweep's prompts before it stops (a reference)", name)
         self._serve_prompts(self.pool.through(session, self.settings))

@@ -15,6 +15,7 @@ import secrets
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from harness.environment import LOOPBACK_HOST
 from harness.files import write_text_atomic
@@ -182,13 +183,14 @@ def bind_loopback_socket() -> socket.socket:
     return sock
 
 
-def command_json(command: ServerCommand) -> str:
-    """The launch command as an artifact; secret values never reach it."""
-    return json.dumps(
-        {
-            "name": command.name,
-            "argv": redact_argv(command.argv),
-            "env": redact_env(command.env),
-        },
-        indent=2,
-    )
+def command_json(command: ServerCommand, node: dict[str, Any] | None = None) -> str:
+    """The launch command as an artifact (and the node it ran on, when a launcher placed it on
+    a cluster); secret values never reach it."""
+    document: dict[str, Any] = {
+        "name": command.name,
+        "argv": redact_argv(command.argv),
+        "env": redact_env(command.env),
+    }
+    if node is not None:
+        document["node"] = node
+    return json.dumps(document, indent=2)

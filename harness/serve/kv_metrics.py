@@ -36,6 +36,9 @@ COUNTERS = {
     "vllm:nixl_num_failed_transfers_total": "nixl_failed_transfers",
     "vllm:request_success_total": "finished_requests",
 }
+# Straight to the instance, wherever it runs (another node with --launcher ray): an HTTP(S)_PROXY
+# of a CI runner must not relay it.
+_DIRECT_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?P<labels>\{[^}]*\})?\s+(?P<value>\S+)")
 
 
@@ -76,7 +79,7 @@ def _keep_source_label(labels: str) -> str:
 def read_counters(base_url: str) -> KvCounters | None:
     """D's counters now, or None when its /metrics cannot be read (the guard then says so)."""
     try:
-        with urllib.request.urlopen(f"{base_url}/metrics", timeout=METRICS_TIMEOUT_S) as reply:
+        with _DIRECT_OPENER.open(f"{base_url}/metrics", timeout=METRICS_TIMEOUT_S) as reply:
             return parse_counters(reply.read().decode("utf-8", errors="replace"))
     except OSError:
         return None

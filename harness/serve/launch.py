@@ -236,13 +236,7 @@ class ManagedServer:
 
     def probe_health(self) -> bool:
         """One GET of the health URL: True on a 2xx answer, False on any error or timeout."""
-        try:
-            with _DIRECT_OPENER.open(
-                self.command.health_url, timeout=HEALTH_REQUEST_TIMEOUT_S
-            ) as response:
-                return 200 <= response.status < 300
-        except (OSError, http.client.HTTPException):  # refused, reset, timed out, 4xx/5xx
-            return False
+        return probe_health_url(self.command.health_url)
 
     def owns_health_port(self) -> bool:
         """Its own process tree listens on the health URL's port. A port is leased from the
@@ -272,7 +266,7 @@ class ManagedServer:
 
     def wait_until_ready(self, timeout_s: float) -> None:
         """Poll until healthy. Raises ServerDied (within ~a second of a death) or StartupTimeout."""
-        _await_ready([self], timeout_s, on_ready=lambda server: None)
+        await_ready([self], timeout_s, on_ready=lambda server: None)
 
     def check_alive(self) -> None:
         """Raise ServerDied (exit code, log tail) if the process exited; else sample its tree."""
@@ -284,7 +278,7 @@ class ManagedServer:
             return
         phase = "while serving" if self._startup_seconds is not None else "during startup"
         raise ServerDied(
-            f"{self.name} (pid {self.pid}) died {phase}: {_describe_exit(code)}, noticed "
+            f"{self.name} (pid {self.pid}) died {phase}: {describe_exit(code)}, noticed "
             f"{self._age_s():.1f} s after start\n{self._log_evidence()}",
             name=self.name,
             exit_code=code,
@@ -296,14 +290,23 @@ class ManagedServer:
         Reads at most the last 256 KiB: vLLM logs grow large, and progress bars' carriage
         returns count as line breaks here, so a tail is never one giant line.
         """
+        return read_log_tail(self.command.log_path, lines)
+
+    def log_size(self) -> int:
+        """Bytes in the log so far (0 before there is one): an offset for `read_log_from`."""
+        try:
+            return self.command.log_path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def read_log_from(self, offset: int) -> str:
+        """What the server logged after byte `offset`."""
         try:
             with open(self.command.log_path, "rb") as log:
-                size = log.seek(0, os.SEEK_END)
-                log.seek(max(0, size - LOG_TAIL_MAX_BYTES))
-                data = log.read()
+                log.seek(offset)
+                return log.read().decode("utf-8", errors="replace")
         except FileNotFoundError:
             return ""
-        return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-lines:])
 
     def peak_rss_bytes(self) -> int:
         """Largest summed RSS of the server's process tree seen so far, for reports.
@@ -433,7 +436,7 @@ class ServerGroup:
     def wait_all_ready(self, timeout_s: float) -> None:
         """Wait until all are healthy; the first death fails the group at once with its log tail."""
         try:
-            _await_ready(self.servers, timeout_s, on_ready=lambda s: self._emit(s, "ready"))
+            await_ready(self.servers, timeout_s, on_ready=lambda s: self._emit(s, "ready"))
         except ServerDied as exc:
             self._report_death(exc)
             raise
@@ -522,7 +525,7 @@ def install_signal_handlers(
         signal.signal(sig, interrupt)
 
 
-def _await_ready(
+def await_ready(
     servers: Sequence[ManagedServer],
     timeout_s: float,
     on_ready: Callable[[ManagedServer], None],
@@ -557,6 +560,29 @@ def _await_ready(
         time.sleep(min(HEALTH_POLL_INTERVAL_S, deadline - now))
 
 
+def probe_health_url(url: str) -> bool:
+    """One GET of `url`, straight to it (no HTTP proxy): True on a 2xx answer, False on any
+    error or timeout."""
+    try:
+        with _DIRECT_OPENER.open(url, timeout=HEALTH_REQUEST_TIMEOUT_S) as response:
+            return 200 <= response.status < 300
+    except (OSError, http.client.HTTPException, ValueError):  # refused, reset, 4xx/5xx, no URL
+        return False
+
+
+def read_log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last `lines` lines of the log at `path` ("" if there is none), reading at most its
+    last LOG_TAIL_MAX_BYTES."""
+    try:
+        with open(path, "rb") as log:
+            size = log.seek(0, os.SEEK_END)
+            log.seek(max(0, size - LOG_TAIL_MAX_BYTES))
+            data = log.read()
+    except FileNotFoundError:
+        return ""
+    return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-lines:])
+
+
 def _parent_death_signal(parent_pid: int) -> Callable[[], None]:
     """A preexec_fn asking the kernel to SIGTERM the child when the harness dies.
 
@@ -575,7 +601,7 @@ def _parent_death_signal(parent_pid: int) -> Callable[[], None]:
     return preexec
 
 
-def _describe_exit(code: int) -> str:
+def describe_exit(code: int) -> str:
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"

@@ -116,8 +116,12 @@ def reserve_ports(
     start: int | None = None,
     lock_dir: Path | None = None,
     port_range: range | None = None,
+    host: str = LOOPBACK_HOST,
 ) -> list[PortLease]:
     """Reserve `count` distinct ports of `port_range`, scanning up from `start` and wrapping around.
+
+    `host` is the address the servers will bind (loopback by default; a node's address when
+    a Ray launcher reserves them on that node): the bind probe holds the port there.
 
     `start` defaults to a random port of the range, drawn from the OS's entropy rather than the
     `random` module's state, which test plugins commonly seed identically in every worker.
@@ -147,7 +151,7 @@ def reserve_ports(
         if lock_fd is None:
             locked += 1
             continue
-        probe = _bind_probe(port)
+        probe = _bind_probe(port, host)
         if probe is None:
             os.close(lock_fd)
             busy += 1
@@ -158,7 +162,7 @@ def reserve_ports(
     for lease in leases:
         lease.release()
     raise NoFreePortError(
-        f"found only {len(leases)} of {count} free ports on {LOOPBACK_HOST} in "
+        f"found only {len(leases)} of {count} free ports on {host} in "
         f"{_describe(port_range)} (scanned from {start}): {locked} locked by other harness "
         f"leases under {lock_dir}, {busy} bound by other processes"
     )
@@ -187,17 +191,17 @@ def _lock_port(lock_path: Path) -> int | None:
     return fd
 
 
-def _bind_probe(port: int) -> socket.socket | None:
-    """A socket bound to 127.0.0.1:`port`, or None if the port is in use."""
+def _bind_probe(port: int, host: str = LOOPBACK_HOST) -> socket.socket | None:
+    """A socket bound to `host`:`port`, or None if the port is in use."""
     probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        probe.bind((LOOPBACK_HOST, port))
+        probe.bind((host, port))
     except OSError as exc:
         probe.close()
         if exc.errno == errno.EADDRINUSE:
             return None
-        raise OSError(exc.errno, f"cannot probe {LOOPBACK_HOST}:{port}: {exc.strerror}") from exc
+        raise OSError(exc.errno, f"cannot probe {host}:{port}: {exc.strerror}") from exc
     return probe
 
 

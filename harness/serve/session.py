@@ -26,12 +26,13 @@ from harness.outcomes.startup import startup_timeline
 from harness.serve.entry import Entry, command_json, open_entry, proxy_key
 from harness.serve.kv_metrics import read_counters
 from harness.serve.launch import ManagedServer, ServerCommand, ServerDied, ServerGroup, log_path_for
-from harness.serve.ports import PortLease, lease_devices, reserve_ports
+from harness.serve.launcher import LocalLauncher
+from harness.serve.ports import PortLease
 from harness.serve.proxy import EPDProxy, ProxyFaults
 from harness.serve.proxy_protocol import collect_media
 from harness.serve.tap import TapSet, TapTarget
 from harness.spec.instances import InstanceSpec
-from harness.spec.placement import place_instances, side_channel_port_count
+from harness.spec.placement import place_instances
 from harness.spec.settings import VLLM_PROXY, ProxyChoice, RunSettings
 from harness.spec.topology import Role, Topology
 
@@ -41,6 +42,16 @@ LOG_TAIL_SLICE_LINES = 10
 # After a failed request: how long to give an instance whose engine is dying to exit.
 DEATH_GRACE_S = 3.0
 STORAGE_DIR_NAME = "storage"
+
+
+def launcher_for(settings: RunSettings) -> Any:
+    """The launcher the run chose (`settings.launcher`, `harness.serve.launcher`); Ray is
+    imported only when chosen."""
+    if settings.launcher.is_local:
+        return LocalLauncher(settings)
+    from harness.serve.ray_launcher import RayLauncher
+
+    return RayLauncher(settings)
 
 
 def safe_name(name: str) -> str:
@@ -77,12 +88,13 @@ class TopologySession:
         self.faults = faults if faults is not None else ProxyFaults()
         self.on_event = on_event
         self.dir = settings.run_dir / safe_name(label or topology.name)
-        self.storage_dir = reuse_storage or self.dir / STORAGE_DIR_NAME
+        self._launcher = launcher_for(settings)
+        self.storage_dir = reuse_storage or (
+            self._launcher.storage_root(self.dir) / STORAGE_DIR_NAME
+        )
         self.instances: list[InstanceSpec] = []
         self.stats: dict[str, InstanceStats] = {}
-        self._leases: list[PortLease] = []
-        self._side_channel_leases: list[PortLease] = []
-        self._device_leases: list[PortLease] = []
+        self._leases: list[PortLease] = []  # the proxies'; the instances' are the launcher's
         self._servers: list[ManagedServer] = []
         self._group: ServerGroup | None = None
         self._taps: TapSet | None = None
@@ -118,47 +130,62 @@ class TopologySession:
             exc.add_note(f"closing {self.topology.name} failed too: {close_error!r}")
 
     def start_servers(self) -> None:
-        """Hold the ports (and on GPUs the devices), then start every instance; returns at once.
+        """Place the instances (ports held; on GPUs the devices), then start every one; returns
+        at once. Where they run is the launcher's business (`harness.serve.launcher`).
 
         Callers that start several topologies side by side (a wave) start them all first and
         then wait for each; on failure the caller must `close()`.
         """
         prepare_session_dir(self.dir)
         settings = self.settings
-        if settings.platform.exclusive_devices:
-            self._device_leases = lease_devices(settings.platform.name, self.devices)
-        self._leases = reserve_ports(len(self.topology.roles))
-        side_channels = side_channel_port_count(self.topology, settings.serving)
-        self._side_channel_leases = reserve_ports(side_channels) if side_channels else []
+        launcher = self._launcher
+        placed = launcher.reserve(self.topology, self.devices)
         self.instances = place_instances(
             self.topology,
             settings.serving,
             settings.platform,
-            [lease.port for lease in self._leases],
+            placed.ports,
             self.storage_dir,
             self.devices,
             colocate=settings.colocate,
-            side_channel_ports=[lease.port for lease in self._side_channel_leases],
+            side_channel_ports=placed.side_channel_ports,
             generation=settings.protocol,
+            hosts=placed.hosts,
         )
-        for lease in self._side_channel_leases:
-            lease.hand_over()  # NIXL binds these itself; the flock keeps other workers off
+        if placed.devices is not None:
+            self.instances = [
+                dataclasses.replace(spec, devices=devices)
+                for spec, devices in zip(self.instances, placed.devices, strict=True)
+            ]
+        nodes = placed.nodes or [None] * len(self.instances)
         for spec in self.instances:
             for storage in (spec.ec_storage, spec.kv_storage):
                 if storage is not None:
                     storage.mkdir(parents=True, exist_ok=True)
-        for spec, lease in zip(self.instances, self._leases):
-            command = ServerCommand(
+        commands = [
+            ServerCommand(
                 name=spec.name,
                 argv=spec.argv(self.settings.vllm_executable),
-                env={**spec.env(), **self.role_env.get(spec.role, {})},
+                env={**launcher.instance_env(spec), **self.role_env.get(spec.role, {})},
                 health_url=f"{spec.url}/health",
                 log_path=log_path_for(self.dir, spec.name),
             )
-            write_text_atomic(command.log_path.with_suffix(".cmd.json"), command_json(command))
-            self._servers.append(ManagedServer(command, port_lease=lease))
+            for spec in self.instances
+        ]
+        for command, node in zip(commands, nodes):
+            node_json = node.to_json() if node is not None else None
+            write_text_atomic(
+                command.log_path.with_suffix(".cmd.json"), command_json(command, node_json)
+            )
+        launcher.check_before_start(self.topology, self.instances, commands)
+        for index, (spec, command, node) in enumerate(zip(self.instances, commands, nodes)):
+            self._servers.append(launcher.server(index, command))
             self.stats[spec.name] = InstanceStats(
-                spec.name, spec.role.value, spec.url, str(command.log_path)
+                spec.name,
+                spec.role.value,
+                spec.url,
+                str(command.log_path),
+                node=node.address if node is not None else None,
             )
         self._group = ServerGroup(self._servers, on_event=self.on_event)
         self._group.start_all()
@@ -168,6 +195,7 @@ class TopologySession:
         front and open the client."""
         assert self._group is not None, "start_servers() first"
         self._group.wait_all_ready(self.settings.startup_timeout_s)
+        self._launcher.check_serving(self.instances)
         for server, spec in zip(self._servers, self.instances):
             stats = self.stats[spec.name]
             stats.startup_s = server.startup_seconds
@@ -187,6 +215,7 @@ class TopologySession:
         costs one instance's start instead of the topology's. Returns the revived instances'
         stats (raises what stopped one from coming up; the session is then unusable)."""
         assert self._group is not None, "session not started"
+        self._launcher.check_revivable()
         revived: list[InstanceStats] = []
         for index, (spec, dead) in enumerate(zip(self.instances, self._servers)):
             if dead.is_alive():
@@ -264,9 +293,9 @@ class TopologySession:
         """
         entries, group, taps = list(self._entries.values()), self._group, self._taps
         self._entries, self._entry, self._group, self._taps = {}, None, None, None
-        leases = (*self._leases, *self._side_channel_leases, *self._device_leases)
-        self._leases, self._side_channel_leases, self._device_leases = [], [], []
+        leases, self._leases = self._leases, []
         with contextlib.ExitStack() as steps:  # callbacks run last registered, first
+            steps.callback(self._launcher.close)
             for lease in leases:
                 steps.callback(lease.release)
             if group is not None:
@@ -286,7 +315,7 @@ class TopologySession:
         request_id = f"{safe_name(self.topology.name)}-{prompt}-{uuid.uuid4().hex[:8]}"
         outcome = Outcome(prompt=prompt, media_count=len(collect_media(body)), sent_at=time.time())
         started = time.monotonic()
-        log_offsets = {server.name: log_size(server) for server in self._servers}
+        log_offsets = {server.name: server.log_size() for server in self._servers}
         decode_url = next((i.url for i in self.instances if i.role is Role.DECODE), None)
         counters_before = read_counters(decode_url) if decode_url else None
         tap_mark = self._taps.mark() if self._taps is not None else 0
@@ -324,7 +353,7 @@ class TopologySession:
         """What each instance logged since `offsets` (its last lines), for error evidence."""
         slices = []
         for server in self._servers:
-            new_lines = read_log_from(server, offsets.get(server.name, 0)).splitlines()
+            new_lines = server.read_log_from(offsets.get(server.name, 0)).splitlines()
             if new_lines:
                 picked = select_evidence(new_lines)
                 slices.append(f"--- {server.command.name} logged during the request ---\n{picked}")
@@ -486,22 +515,6 @@ def select_evidence(lines: list[str]) -> str:
     errors = [line for line in lines if "Error" in line or "ERROR" in line][:LOG_SLICE_LINES]
     tail = [line for line in lines[-LOG_TAIL_SLICE_LINES:] if line not in errors]
     return "\n".join(errors + (["..."] if errors and tail else []) + tail)
-
-
-def log_size(server: ManagedServer) -> int:
-    try:
-        return server.command.log_path.stat().st_size
-    except FileNotFoundError:
-        return 0
-
-
-def read_log_from(server: ManagedServer, offset: int) -> str:
-    try:
-        with open(server.command.log_path, "rb") as log:
-            log.seek(offset)
-            return log.read().decode("utf-8", errors="replace")
-    except FileNotFoundError:
-        return ""
 
 
 def prepare_session_dir(path: Path) -> None:

@@ -18,6 +18,7 @@ from harness.spec.connectors import kv_connector_for_class
 from harness.spec.generations import NEWEST, ProtocolGeneration
 from harness.spec.platforms import (
     CPU,
+    EC_SIDE_CHANNEL_HOST_ENV,
     GPU_MEMORY_UTILIZATION_FLAG,
     NIXL_CONNECTOR,
     SIDE_CHANNEL_HOST_ENV,
@@ -53,10 +54,13 @@ class InstanceSpec:
     side_channel_port: int | None = None
     # What the served release understands: flags it lacks are never rendered.
     generation: ProtocolGeneration = NEWEST
+    # The address it binds and every peer reaches it at: loopback when the harness launches it
+    # on this host; its node's address when a Ray launcher placed it on a node of a cluster.
+    host: str = LOOPBACK_HOST
 
     @property
     def url(self) -> str:
-        return f"http://{LOOPBACK_HOST}:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def uses_nixl(self) -> bool:
@@ -73,7 +77,7 @@ class InstanceSpec:
             "serve",
             s.model,
             "--host",
-            LOOPBACK_HOST,
+            self.host,
             "--port",
             str(self.port),
             "--served-model-name",
@@ -174,6 +178,9 @@ class InstanceSpec:
             if self.side_channel_port is None:
                 raise ValueError(f"{self.name}: {NIXL_CONNECTOR} needs a {SIDE_CHANNEL_PORT_ENV}")
             env[SIDE_CHANNEL_PORT_ENV] = str(self.side_channel_port)
-            # Pinned to the host the port was reserved on: "localhost" may resolve elsewhere.
-            env[SIDE_CHANNEL_HOST_ENV] = LOOPBACK_HOST
+            # Pinned to the host the port was reserved on: "localhost" may resolve elsewhere,
+            # and on another machine it is another machine (harness.spec.network).
+            env[SIDE_CHANNEL_HOST_ENV] = self.host
+        if self.ec_transfer_config() is not None:
+            env[EC_SIDE_CHANNEL_HOST_ENV] = self.host
         return env

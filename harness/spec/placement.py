@@ -307,11 +307,15 @@ def _pack(topologies, size, capacity: int, take) -> Schedule:
 # --- placing one topology's instances ------------------------------------------------------------
 
 
+def needs_side_channel(role: Role, serving: ServingConfig) -> bool:
+    """Whether an instance of `role` runs NIXL, and so needs a side-channel port."""
+    has_kv = role.is_kv_producer or role.is_kv_consumer
+    return has_kv and serving.kv_connector == NIXL_CONNECTOR
+
+
 def side_channel_port_count(topology: Topology, serving: ServingConfig) -> int:
     """How many NIXL side-channel ports `topology` needs: one per KV producer or consumer."""
-    if serving.kv_connector != NIXL_CONNECTOR:
-        return 0
-    return sum(1 for role in topology.roles if role.is_kv_producer or role.is_kv_consumer)
+    return sum(1 for role in topology.roles if needs_side_channel(role, serving))
 
 
 def place_instances(
@@ -325,9 +329,11 @@ def place_instances(
     colocate: bool = False,
     side_channel_ports: Sequence[int] = (),
     generation: ProtocolGeneration = NEWEST,
+    hosts: Sequence[str] = (),
 ) -> list[InstanceSpec]:
     """Every instance of `topology`: name, port, fresh storage, device(s), memory share and
-    side-channel port. `devices` are the topology's slot devices (its cores on CPU).
+    side-channel port. `devices` are the topology's slot devices (its cores on CPU). `hosts`
+    are the addresses the instances bind, in role order (default: loopback, this host).
 
     Storage is per topology run on purpose: both example connectors key what they store by
     content, so a reused directory would let a consumer load what an earlier run left there.
@@ -339,6 +345,8 @@ def place_instances(
         raise ValueError(
             f"{topology.name} needs {needed} NIXL side-channel ports, got {len(side_channel_ports)}"
         )
+    if hosts and len(hosts) != len(topology.roles):
+        raise ValueError(f"{topology.name} needs {len(topology.roles)} hosts, got {len(hosts)}")
     assignment = assign_devices(topology, devices, profile, colocate)
     fractions = memory_fractions(topology.roles, assignment, profile)
     ec_storage = storage_dir / "ec" if topology.has_ec_transfer else None
@@ -363,6 +371,8 @@ def place_instances(
             gpu_memory_fraction=fraction,
             generation=generation,
         )
+        if hosts:
+            instance = replace(instance, host=hosts[len(placed)])
         if instance.uses_nixl:
             instance = replace(instance, side_channel_port=next(side_ports))
         placed.append(instance)

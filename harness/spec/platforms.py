@@ -36,6 +36,9 @@ from harness.errors import BadInput, lookup
 NIXL_CONNECTOR = "NixlConnector"
 SIDE_CHANNEL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+# The EC connectors' side channel (ECCPUConnector with NIXL listens there); vLLM's default is
+# "localhost", like NIXL's, so it is rendered for every EC instance whichever connector runs.
+EC_SIDE_CHANNEL_HOST_ENV = "VLLM_EC_SIDE_CHANNEL_HOST"
 GPU_MEMORY_UTILIZATION_FLAG = "--gpu-memory-utilization"
 # What the instances on one device may take of it together: vLLM's own default for an instance
 # that has the device alone, which leaves the rest to CUDA contexts and allocator slack. Each

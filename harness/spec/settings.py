@@ -81,6 +81,50 @@ class ProxyChoice:
         return data
 
 
+LOCAL_LAUNCHER = "local"
+RAY_LAUNCHER = "ray"
+LAUNCHER_KINDS = (LOCAL_LAUNCHER, RAY_LAUNCHER)
+# Where a Ray launcher puts a topology's instances: each on a node of its own (Ray's
+# STRICT_SPREAD), or wherever they fit (PACK: colocation, on request).
+SPREAD_PLACEMENT = "spread"
+PACK_PLACEMENT = "pack"
+PLACEMENTS = (SPREAD_PLACEMENT, PACK_PLACEMENT)
+
+
+@dataclass(frozen=True)
+class LauncherChoice:
+    """What turns an instance spec into a running server: `local` (a subprocess of the harness
+    on this host, `harness.serve.launch`) or `ray` (a Ray actor on a node of a cluster runs
+    that same launcher there, `harness.serve.ray_launcher`). Nothing downstream of the session
+    knows which one ran: the plan, the verdicts, the guards, the taps and the bundle are the
+    same."""
+
+    kind: str = LOCAL_LAUNCHER
+    # The cluster (GCS "host:port"); None with `ray`: a one-host rehearsal cluster of three
+    # nodes on 127.0.0.2-4 is started for the run and stopped after it.
+    ray_address: str | None = None
+    placement: str = SPREAD_PLACEMENT
+    # A directory every node (and the harness) sees, for connectors that move data through
+    # files (ExampleConnector); None: the run directory, which must then be shared.
+    shared_dir: Path | None = None
+    # Environment given to every instance besides what the spec renders (a cluster's UCX or
+    # network settings); the network invariants (harness.spec.network) still apply to it.
+    instance_env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def is_local(self) -> bool:
+        return self.kind == LOCAL_LAUNCHER
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "ray_address": self.ray_address,
+            "placement": self.placement if self.kind == RAY_LAUNCHER else None,
+            "shared_dir": str(self.shared_dir) if self.shared_dir else None,
+            "instance_env": dict(self.instance_env),
+        }
+
+
 @dataclass(frozen=True)
 class RunSettings:
     """What every topology of one run shares."""
@@ -110,6 +154,8 @@ class RunSettings:
     # How the served vLLM's own parser judged every command line before the run
     # (harness.preflight.vllm_args.ArgvCheck.to_json), for run.json; None: not checked.
     argv_check: dict[str, Any] | None = None
+    # Where the instances run (harness.serve.launcher): this host, or the nodes of a Ray cluster.
+    launcher: LauncherChoice = LauncherChoice()
 
     @property
     def vllm_executable(self) -> str:

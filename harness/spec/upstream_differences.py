@@ -198,6 +198,14 @@ DIFFERENCES: tuple[Difference, ...] = (
         "may resolve elsewhere.",
     ),
     Difference(
+        "env VLLM_EC_SIDE_CHANNEL_HOST",
+        Kind.HARNESS_ONLY,
+        ("encoder", "1E+1PD/pd", "1E+1P+1D/prefill"),
+        "Pinned to the instance's own address, as the NIXL one: vLLM's default 'localhost' is "
+        "another machine once E and its consumer run on different nodes "
+        "(harness/spec/network.py).",
+    ),
+    Difference(
         "env HF_HUB_OFFLINE",
         Kind.HARNESS_ONLY,
         SERVE_ROLES,

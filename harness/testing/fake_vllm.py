@@ -123,7 +123,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+server = http.server.ThreadingHTTPServer((args.host or "127.0.0.1", args.port), Handler)
 server.daemon_threads = True
 print(f"listening on {args.port}", flush=True)
 server.serve_forever()

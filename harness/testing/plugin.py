@@ -276,6 +276,8 @@ def epd_config(pytestconfig: pytest.Config, epd_worker: tuple[str, int]):
         # proxy takes it only when it is vLLM's.
         vllm_source=option("--epd-vllm-source") if option("--epd-proxy") == "vllm" else None,
         proxy_registration=option("--epd-proxy-registration"),
+        launcher=option("--epd-launcher"),
+        ray_address=option("--epd-ray-address"),
         reference_policy=option("--epd-reference-policy"),
         stream=option("--epd-stream"),
         no_enforce_eager=option("--epd-no-enforce-eager"),
@@ -430,6 +432,14 @@ def leased_ports() -> Iterator[Callable[[int], list[int]]]:
 
 
 # -- the session's account ---------------------------------------------------------------------
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """End what a launcher holds beyond its topologies (with --epd-launcher ray: the Ray
+    connection and the rehearsal cluster the session started), after the pool closed them."""
+    from harness.serve.launcher import end_launchers
+
+    end_launchers()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

@@ -1,0 +1,98 @@
+"""`--launcher` and the `--ray-*` flags, checked: which launcher runs the instances, and how.
+
+Nothing here contacts a cluster: whether its nodes can serve (network invariants, shared
+storage, the served vLLM on every node) is checked where the instances are placed
+(`harness.serve.ray_launcher`), before any of them starts.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from pathlib import Path
+from typing import Protocol
+
+from harness.errors import BadInput
+from harness.spec.settings import (
+    ATTACH_PROXY,
+    LAUNCHER_KINDS,
+    LOCAL_LAUNCHER,
+    PLACEMENTS,
+    RAY_LAUNCHER,
+    SPREAD_PLACEMENT,
+    LauncherChoice,
+)
+
+RAY_DISTRIBUTION = "ray"
+SETUP_HINT = "scripts/cpu setup --ray, or pip install 'epd-harness[ray]'"
+_ADDRESS = re.compile(r"[A-Za-z0-9_.:\[\]-]+:\d{1,5}")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class LauncherRequest(Protocol):
+    launcher: str
+    proxy: str
+    ray_address: str | None
+    ray_placement: str | None
+    ray_shared_dir: str | None
+    ray_instance_env: tuple[str, ...]
+
+
+def refuse_ray_flags_without_ray(request: LauncherRequest) -> None:
+    """A `--ray-*` flag means nothing to the local launcher: refused, never dropped."""
+    if request.launcher not in LAUNCHER_KINDS:
+        raise BadInput(f"--launcher {request.launcher}: choose one of {', '.join(LAUNCHER_KINDS)}")
+    given = [
+        flag
+        for flag, value in (
+            ("--ray-address", request.ray_address),
+            ("--ray-placement", request.ray_placement),
+            ("--ray-shared-dir", request.ray_shared_dir),
+            ("--ray-instance-env", request.ray_instance_env),
+        )
+        if value
+    ]
+    if request.launcher == LOCAL_LAUNCHER and given:
+        raise BadInput(
+            f"{', '.join(given)} configure{'s' if len(given) == 1 else ''} the Ray launcher; "
+            f"add --launcher ray (or drop {'it' if len(given) == 1 else 'them'})"
+        )
+    if request.launcher == RAY_LAUNCHER and request.proxy == ATTACH_PROXY:
+        raise BadInput(
+            "--launcher ray launches the topology on a Ray cluster, and --attach judges one "
+            "somebody else launched; drop one of them"
+        )
+
+
+def check_launcher(request: LauncherRequest) -> LauncherChoice:
+    """The launcher choice, checked; for `ray`, that Ray is installed here."""
+    if request.launcher == LOCAL_LAUNCHER:
+        return LauncherChoice()
+    try:
+        importlib.metadata.version(RAY_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise BadInput(f"--launcher ray needs Ray in this environment: {SETUP_HINT}") from None
+    address = request.ray_address
+    if address is not None and not _ADDRESS.fullmatch(address):
+        raise BadInput(f"--ray-address {address!r}: expected HOST:PORT of the cluster's head")
+    placement = request.ray_placement or SPREAD_PLACEMENT
+    if placement not in PLACEMENTS:
+        raise BadInput(f"--ray-placement {placement}: choose one of {', '.join(PLACEMENTS)}")
+    shared_dir = None
+    if request.ray_shared_dir:
+        shared_dir = Path(request.ray_shared_dir).expanduser().resolve()
+        if not shared_dir.is_dir():
+            raise BadInput(f"--ray-shared-dir {shared_dir}: not a directory")
+    env: list[tuple[str, str]] = []
+    for item in request.ray_instance_env:
+        name, sep, value = item.partition("=")
+        if not sep or not _ENV_NAME.fullmatch(name):
+            raise BadInput(f"--ray-instance-env {item!r}: expected NAME=VALUE")
+        env.append((name, value))
+    return LauncherChoice(
+        kind=RAY_LAUNCHER,
+        ray_address=address,
+        placement=placement,
+        shared_dir=shared_dir,
+        instance_env=tuple(env),
+    )

@@ -1,0 +1,227 @@
+"""The Ray launcher on a one-host cluster of three nodes (127.0.0.2-4), with the fake vLLM.
+
+What is checked: a topology's instances land on distinct nodes and are driven, proxied, tapped
+and logged exactly as local ones; a planted misconfiguration (a side-channel host left at
+`localhost`, connector storage the nodes do not share) is refused before anything starts,
+naming the instance and the cause; and nothing outlives a SIGKILL of the harness, of an
+instance's agent or of its node's raylet. Real vLLM does the same in `scenarios/test_ray.py`
+and `tests/test_ray_chaos_vllm.py`; what only the fake shows here is not known to hold with
+vLLM.
+
+Needs Ray (`scripts/cpu setup --ray`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness.serve.launch import ServerDied
+from harness.serve.launcher import LaunchRefused
+from harness.serve.ray_cluster import LocalRayCluster
+from harness.serve.ray_launcher import close_runtime
+from harness.serve.session import TopologySession
+from harness.spec.platforms import NIXL_CONNECTOR
+from harness.spec.prompts import SKELETON_PROMPTS, render_request
+from harness.spec.settings import RAY_LAUNCHER, LauncherChoice, RunSettings, ServedVllm
+from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.testing.fake_vllm import MODE_ENV
+from harness.testing.processes import describe, kill_all, seconds_until_gone
+from harness.testing.ray_driver import end_driver, raylet_of, start_driver, tree_of
+
+pytestmark = pytest.mark.process
+
+GONE_WITHIN_S = 30.0  # the issue's bound for every process of a run after a SIGKILL
+# Ray declares a node dead after its health checks fail for a while; the harness's poll of an
+# agent there gives up after CALL_TIMEOUT_S at the latest.
+RAY_NOTICES_NODE_DEATH_S = 90.0
+# Servers that ignore SIGTERM, each with a child in its group (vLLM's EngineCore): only a
+# SIGKILL of the whole group ends them.
+STUBBORN = "*:ignore-term;*:fork-child"
+IMAGE_BODY = render_request(SKELETON_PROMPTS[1], "epd-model")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayCluster]:
+    """One rehearsal cluster for the module; the harness (this process) connects at first use."""
+    with LocalRayCluster(tmp_path_factory.mktemp("ray") / "nodes") as nodes:
+        try:
+            yield nodes
+        finally:
+            close_runtime()
+
+
+@pytest.fixture
+def fake(fake_vllm: Path) -> Path:
+    return fake_vllm
+
+
+def settings_for(
+    tmp_path: Path, fake: Path, address: str, kv: str = "ExampleConnector", **launcher
+) -> RunSettings:
+    return RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "model"), kv_connector=kv),
+        run_dir=tmp_path / "run",
+        vllm=ServedVllm(str(fake), "unknown"),
+        startup_timeout_s=60.0,
+        request_timeout_s=30.0,
+        launcher=LauncherChoice(RAY_LAUNCHER, ray_address=address, **launcher),
+    )
+
+
+def gone_after(procs: list[psutil.Process], limit_s: float = GONE_WITHIN_S) -> float | None:
+    """Seconds until every process in `procs` is gone, or None if some outlive `limit_s`."""
+    return seconds_until_gone(procs, limit_s)
+
+
+def kill_survivors(procs: list[psutil.Process]) -> str:
+    """What outlived its bound (for the failure message), then SIGKILLed by handle."""
+    left = describe(procs)
+    kill_all(procs)
+    return left
+
+
+def test_a_topology_runs_on_three_nodes_and_is_served_like_a_local_one(
+    cluster: LocalRayCluster, fake: Path, tmp_path: Path
+) -> None:
+    settings = settings_for(tmp_path, fake, cluster.address)
+    with TopologySession(TOPOLOGIES["1E+1P+1D"], settings) as session:
+        hosts = [spec.host for spec in session.instances]
+        assert sorted(hosts) == sorted(cluster.addresses), hosts
+        procs = [p for server in session.servers for p in tree_of(server.pid)]
+        outcome = session.send("image", IMAGE_BODY)
+        assert outcome.error is None and outcome.result is not None, outcome.error
+        assert {r.role for r in outcome.taps or []} == {"encoder", "prefill", "decode"}
+        for spec, stats in ((s, session.stats[s.name]) for s in session.instances):
+            assert stats.node == spec.host and stats.url == f"http://{spec.host}:{spec.port}"
+            command = json.loads(Path(stats.log_path).with_suffix(".cmd.json").read_text())
+            assert command["node"]["address"] == spec.host
+            if spec.ec_transfer_config() is not None:
+                assert command["env"]["VLLM_EC_SIDE_CHANNEL_HOST"] == spec.host
+        decode_log = Path(session.stats["1E+1P+1D/decode0"].log_path)
+    # The bundle holds each instance's log, fetched through its agent from its node.
+    text = decode_log.read_text()
+    assert f"on Ray node {session.instances[2].host}" in text
+    assert "fake vllm pid" in text and "REQUEST 1E-1P-1D-image-" in text
+    assert gone_after(procs, 5.0) is not None, kill_survivors(procs)
+
+
+def test_a_side_channel_host_left_at_localhost_is_refused_before_any_start(
+    cluster: LocalRayCluster, fake: Path, tmp_path: Path
+) -> None:
+    settings = settings_for(
+        tmp_path,
+        fake,
+        cluster.address,
+        kv=NIXL_CONNECTOR,
+        instance_env=(("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"),),
+    )
+    session = TopologySession(TOPOLOGIES["1P+1D"], settings)
+    try:
+        with pytest.raises(LaunchRefused) as refused:
+            session.start_servers()
+        assert session.servers == ()  # nothing was started
+    finally:
+        session.close()
+    message = str(refused.value)
+    prefill = session.instances[0]
+    assert message.startswith(
+        f"1P+1D/prefill0: VLLM_NIXL_SIDE_CHANNEL_HOST is 'localhost', but its node's address "
+        f"is {prefill.host}"
+    ), message
+    assert "1P+1D/decode0: VLLM_NIXL_SIDE_CHANNEL_HOST is 'localhost'" in message
+
+
+def test_an_agent_sigkilled_takes_its_server_down_and_is_named(
+    cluster: LocalRayCluster, fake: Path, tmp_path: Path
+) -> None:
+    settings = settings_for(tmp_path, fake, cluster.address, instance_env=((MODE_ENV, STUBBORN),))
+    with TopologySession(TOPOLOGIES["1P+1D"], settings) as session:
+        decode = session.servers[1]
+        procs = tree_of(decode.pid)
+        assert len(procs) == 2, procs  # the server and the child it forked
+        os.kill(decode.agent_pid, signal.SIGKILL)
+        seconds = gone_after(procs)
+        assert seconds is not None, kill_survivors(procs)
+        print(f"\nagent SIGKILL: the decode server's 2 processes gone in {seconds:.1f} s")
+        with pytest.raises(ServerDied) as died:
+            decode.check_alive()
+        assert f"1P+1D/decode0 (pid {procs[0].pid} on Ray node {decode.node.address})" in str(
+            died.value
+        )
+        assert "its agent is gone" in str(died.value)
+
+
+def driver_args(tmp_path: Path, fake: Path, address: str, topology: str = "1P+1D") -> list[str]:
+    return [str(fake), str(tmp_path / "model"), str(tmp_path / "run"), topology, address,
+            "ExampleConnector", f"{MODE_ENV}={STUBBORN}"]  # fmt: skip
+
+
+def test_a_sigkilled_harness_leaves_no_server_on_any_node(
+    cluster: LocalRayCluster, fake: Path, tmp_path: Path
+) -> None:
+    """Ray ends the agents of a dead driver; each agent's watchdog then stops its server."""
+    driver, started = start_driver(driver_args(tmp_path, fake, cluster.address))
+    try:
+        procs = [psutil.Process(pid) for s in started["servers"] for pid in (s["pid"], *s["tree"])]
+        assert len(procs) == 4
+        driver.kill()
+        seconds = gone_after(procs)
+        assert seconds is not None, kill_survivors(procs)
+        print(f"\nharness SIGKILL: 4 server processes on 2 nodes gone in {seconds:.1f} s")
+    finally:
+        end_driver(driver)
+
+
+def test_a_sigkilled_raylet_takes_its_nodes_servers_down(fake: Path, tmp_path: Path) -> None:
+    """A cluster of its own: the node whose raylet dies is gone for good."""
+    close_runtime()  # the module's cluster connection, if any: one cluster per harness
+    with LocalRayCluster(tmp_path / "nodes") as own:
+        driver, started = start_driver(driver_args(tmp_path, fake, own.address))
+        try:
+            # Not the head's: the driver's own node, whose raylet's death ends the whole
+            # cluster (`ray start --block` then stops the GCS too), as it would on a cluster.
+            victim = next(s for s in started["servers"] if s["node"] != own.driver_address)
+            procs = [psutil.Process(pid) for pid in (victim["pid"], *victim["tree"])]
+            killed = time.monotonic()
+            raylet_of(own, victim["node"]).kill()
+            seconds = gone_after(procs)
+            assert seconds is not None, kill_survivors(procs)
+            # The harness notices once Ray declares the node dead (or a poll times out).
+            output, _ = driver.communicate(timeout=RAY_NOTICES_NODE_DEATH_S)
+            noticed = time.monotonic() - killed
+            print(
+                f"\nraylet SIGKILL: {victim['name']}'s processes gone in {seconds:.1f} s; "
+                f"the harness noticed after {noticed:.1f} s"
+            )
+            assert driver.returncode != 0 and victim["name"] in output, output[-3000:]
+        finally:
+            end_driver(driver)
+
+
+def test_storage_the_nodes_do_not_share_is_refused(fake: Path, tmp_path: Path) -> None:
+    """Every node but the head sees its own empty tmpfs at `private`: same path, not shared."""
+    close_runtime()
+    private = tmp_path / "private"
+    private.mkdir()
+    with LocalRayCluster(tmp_path / "nodes", private_dir=private) as own:
+        settings = settings_for(tmp_path, fake, own.address, shared_dir=private)
+        session = TopologySession(TOPOLOGIES["1E+1PD"], settings)
+        try:
+            with pytest.raises(LaunchRefused) as refused:
+                session.start_servers()
+            assert session.servers == ()
+        finally:
+            session.close()
+            close_runtime()
+    message = str(refused.value)
+    assert message.startswith(f"EC storage {private}/"), message
+    assert "is not shared: 1E+1P" in message and "does not see what" in message, message
+    assert "--ray-shared-dir" in message
