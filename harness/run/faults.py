@@ -395,8 +395,10 @@ def ec_swap_items(ec_storage: Path) -> PlantedFault:
 
     The fault belongs to the request: a swapped file stays in the storage, and a later request
     with one of those items (which the encoder need not write again) would read the other's
-    embedding. Fuzzing then shrank the planted fault to a single image. So each item's original
-    file is kept, and put back when a later request reports that item, before anything else.
+    embedding. So each item's original file is kept, and put back when a later request reports
+    that item, before anything else. What this cannot undo: the consumer's own encoder cache
+    (vLLM keeps a finished request's embeddings and reuses them by mm_hash), so a later request
+    with one of the images may still get the swapped embedding from memory.
     """
     fault = PlantedFault()
     originals: dict[Path, bytes] = {}  # a swapped file's content before its first swap
