@@ -12,7 +12,7 @@ import pytest
 
 from harness.judge.policy import EXACT_EVERYWHERE, ReferencePolicy
 from harness.judge.records import EXACT, LOGPROB_CLOSE, Verdict
-from harness.judge.verdicts import JudgingRules, Reference, judge_case
+from harness.judge.verdicts import JudgingRules
 from harness.outcomes.chat import ChatResult, PositionLogprobs
 from harness.outcomes.load import InstanceUsage, ResourceSample, StorageUsage
 from harness.outcomes.outcome import Outcome, ServedTopology
@@ -42,6 +42,7 @@ from harness.spec.load import (
 from harness.spec.prompts import TextPart
 from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.testing.judging import judged
 
 pytestmark = pytest.mark.unit
 
@@ -117,17 +118,11 @@ def result(tokens: tuple[int, ...], prompt: tuple[int, ...] = (1, 2, 3), lp: flo
 
 
 def judge(candidate: ChatResult, reference: ChatResult, **kwargs: Any):
-    rules = kwargs.pop("rules", JudgingRules(ReferencePolicy(EXACT_EVERYWHERE)))
-    [record] = judge_case(
-        "1E+1P+1D:load#17",
-        TOPOLOGIES["1E+1P+1D"],
+    reference_outcome, candidate_outcome = (
+        Outcome("a", result=reference),
         Outcome("a", result=candidate),
-        (),
-        [Reference("baseline", Outcome("a", result=reference), monolithic=True)],
-        rules,
-        **kwargs,
     )
-    return record
+    return judged("1E+1P+1D:load#17", "baseline", reference_outcome, candidate_outcome, **kwargs)
 
 
 def test_an_answer_that_is_another_requests_is_named() -> None:

@@ -24,9 +24,13 @@ def judged(
     stable: bool = True,
     tolerance: float = 0.0,
     declared: DeclaredFailure | None = None,
+    rules: JudgingRules | None = None,
+    batched: bool = False,
+    others: Sequence[tuple[str, Outcome]] = (),
 ) -> CaseRecord:
     """`topology` may carry a scenario label (`1E+1PD:name`); the reference is monolithic
-    when its name is not a topology's (baseline, golden-*)."""
+    when its name is not a topology's (baseline, golden-*). `rules` replaces the rules made of
+    `reference_policy` and `tolerance`; `batched` and `others` as a load judges its answers."""
     monolithic = reference_name not in TOPOLOGIES or TOPOLOGIES[reference_name].is_baseline
     [record] = judge_case(
         topology,
@@ -34,7 +38,9 @@ def judged(
         candidate,
         guards,
         [Reference(reference_name, reference, monolithic, stable)],
-        JudgingRules(ReferencePolicy(reference_policy), tolerance),
+        rules or JudgingRules(ReferencePolicy(reference_policy), tolerance),
         declared,
+        batched=batched,
+        others=others,
     )
     return record
