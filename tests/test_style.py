@@ -27,3 +27,15 @@ def test_ruff_finds_nothing_to_lint() -> None:
 def test_the_tree_is_formatted() -> None:
     result = ruff("format", "--check", "--no-cache")
     assert result.returncode == 0, "run `ruff format`:\n" + result.stdout + result.stderr
+
+
+def test_test_module_names_are_unique_across_tests_and_scenarios() -> None:
+    """Neither folder is a package, so pytest imports a test module by its file name: two
+    `test_x.py` collected together make a collection error (`-m "e2e and ci"` alone never
+    imports the unit one, so only the whole selection shows it)."""
+    names: dict[str, list[str]] = {}
+    for folder in ("tests", "scenarios"):
+        for path in (ROOT / folder).glob("test_*.py"):
+            names.setdefault(path.name, []).append(folder)
+    clashes = {name: folders for name, folders in names.items() if len(folders) > 1}
+    assert not clashes, f"rename one of each: {clashes}"
