@@ -44,6 +44,17 @@ def gone_after(procs: list[psutil.Process]) -> float | None:
     return seconds_until_gone(procs, GONE_WITHIN_S)
 
 
+def all_gone_after_the_harness(everything: list[psutil.Process]) -> float:
+    """Seconds until every process of a killed harness's tree is gone; else the test fails
+    naming those left, after killing them."""
+    seconds = gone_after(everything)
+    if seconds is None:
+        left = describe(everything)
+        kill_all(everything)
+        pytest.fail(f"outlived the harness by {GONE_WITHIN_S:.0f} s: {left}")
+    return seconds
+
+
 def test_real_vllm_nothing_outlives_an_agent_a_raylet_or_the_harness(tmp_path: Path) -> None:
     """1E+1P+1D, KV over NIXL, one instance per node of a cluster the harness did not start:
     SIGKILL the agent of one instance, the raylet of another's node, then the harness itself;
@@ -88,11 +99,7 @@ def test_real_vllm_a_sigkilled_harness_takes_its_rehearsal_cluster_too(tmp_path:
         everything = tree_of(driver.pid)[1:]
         ray_tree = [p for p in everything if p not in vllm]
         driver.kill()
-        seconds = gone_after(everything)
-        if seconds is None:
-            left = describe(everything)
-            kill_all(everything)
-            pytest.fail(f"outlived the harness by {GONE_WITHIN_S:.0f} s: {left}")
+        seconds = all_gone_after_the_harness(everything)
         print(
             f"\nharness SIGKILL: {len(vllm)} vLLM and {len(ray_tree)} other processes (Ray's "
             f"and the watchdog) gone in {seconds:.1f} s"
@@ -128,11 +135,7 @@ def test_real_vllm_a_sigkilled_epd_harness_run_leaves_nothing(tmp_path: Path) ->
         everything = tree_of(cli.pid)[1:]
         vllm = [p for p in everything if p.name().startswith(("vllm", "VLLM"))]
         cli.kill()
-        seconds = gone_after(everything)
-        if seconds is None:
-            left = describe(everything)
-            kill_all(everything)
-            pytest.fail(f"outlived the harness by {GONE_WITHIN_S:.0f} s: {left}")
+        seconds = all_gone_after_the_harness(everything)
         print(
             f"\nepd-harness run SIGKILL mid-run: {len(everything)} processes ({len(vllm)} "
             f"named vllm/VLLM*) gone in {seconds:.1f} s"
