@@ -123,15 +123,19 @@ def test_a_chunk_relayed_twice_by_the_proxy_is_a_mismatch(epd_live) -> None:
     trace = observed.outcome.trace
     assert trace is not None and len(trace.fault_effects) == 1, "the fault did not act"
     assert record.verdict is Verdict.MISMATCH and not record.policy_passed
-    generated = len(live.sweep.baseline.outcomes[STREAM_FAULT_PROMPT.name].result.token_ids)
+    baseline_ids = live.sweep.baseline.outcomes[STREAM_FAULT_PROMPT.name].result.token_ids
+    generated, read = len(baseline_ids), observed.outcome.result.token_ids
+    # vLLM puts every token ready since its last event into the next one: the relayed chunk
+    # holds one token on a quiet machine, several on a busy one (measured: 1, and 4 under xdist).
+    repeated = len(read) - generated
+    assert repeated >= 1, read
     assert "generated tokens differ at position" in record.detail
     assert (
-        f"usage counts {generated} completion tokens, the stream carried {generated + 1} "
+        f"usage counts {generated} completion tokens, the stream carried {generated + repeated} "
         "token ids" in record.detail
     ), record.detail
-    # what the client read: the first token twice, then the baseline's answer
-    baseline_ids = live.sweep.baseline.outcomes[STREAM_FAULT_PROMPT.name].result.token_ids
-    assert observed.outcome.result.token_ids == (baseline_ids[0], *baseline_ids)
+    # what the client read: the first chunk's tokens twice, then the baseline's answer
+    assert read == (*baseline_ids[:repeated], *baseline_ids)
     # the same request without the fault is a MATCH: the fault, not the stream, broke it
     clean = live.judge(observe(live.session, STREAM_FAULT_PROMPT.name, body, stream=True))
     assert clean.verdict is Verdict.MATCH, format_failure(clean)
