@@ -8,14 +8,11 @@ what real vLLM streams is checked by the streamed e2e scenarios (scenarios/test_
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from aiohttp import web
 from sse_stream import PROMPT_IDS, TOKENS, encode, vllm_chunks
 
 from harness.outcomes.stream import StreamFailed
@@ -23,6 +20,7 @@ from harness.serve.client import ChatClient, StreamHTTPError
 from harness.serve.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer
 from harness.serve.tap import TapSet, TapTarget
 from harness.spec.prompts import sampling_fields, streaming_request
+from harness.testing.fake_instance import FakeInstance, LoopThread, Reply
 
 pytestmark = pytest.mark.process
 
@@ -43,47 +41,25 @@ class StreamingD:
         self.events = encode(vllm_chunks())
         self.break_after: int | None = None
         self.status = 200
-        self.url = ""
-        self.runner: web.AppRunner | None = None
+        self.instance = FakeInstance(self.answer, name="decode")
 
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self.chat)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        await web.SockSite(self.runner, sock).start()
+    @property
+    def url(self) -> str:
+        return self.instance.url
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        await request.read()
+    def answer(self, _body: dict[str, Any]) -> Reply:
         if self.status != 200:
-            return web.json_response({"message": "D exploded"}, status=self.status)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        for index, event in enumerate(self.events):
-            if self.break_after is not None and index == self.break_after:
-                request.transport.close()  # the connection drops mid-stream, as a dying D's
-                return response
-            await response.write(event)
-            await asyncio.sleep(0.005)
-        await response.write_eof()
-        return response
+            return Reply({"message": "D exploded"}, status=self.status)
+        return Reply(list(self.events), chunk_delay_s=0.005, break_after=self.break_after)
 
 
 @pytest.fixture
 def d() -> Iterator[StreamingD]:
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
+    loop = LoopThread()
     fake = StreamingD()
-    asyncio.run_coroutine_threadsafe(fake.start(), loop).result(timeout=10)
+    loop.run(fake.instance.start())
     yield fake
-    assert fake.runner is not None
-    asyncio.run_coroutine_threadsafe(fake.runner.cleanup(), loop).result(timeout=10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=10)
+    loop.run(fake.instance.stop())
     loop.close()
 
 

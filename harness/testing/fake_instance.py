@@ -31,11 +31,13 @@ from aiohttp import web
 @dataclass(frozen=True)
 class Reply:
     """What a fake instance answers: JSON bytes exactly as given, a JSON object, or the chunks
-    of an event stream (written with `chunk_delay_s` after each)."""
+    of an event stream (written with `chunk_delay_s` after each; with `break_after`, the
+    connection drops before that chunk, as a dying instance's does mid-stream)."""
 
     body: bytes | dict[str, Any] | list[bytes]
     status: int = 200
     chunk_delay_s: float = 0.0
+    break_after: int | None = None
 
 
 # The request body (parsed) -> the reply; a dict or bytes stands for Reply(that).
@@ -117,7 +119,10 @@ class FakeInstance:
             status=reply.status, headers={"Content-Type": "text/event-stream"}
         )
         await response.prepare(request)
-        for chunk in reply.body:
+        for index, chunk in enumerate(reply.body):
+            if index == reply.break_after:
+                request.transport.close()
+                return response
             await response.write(chunk)
             if reply.chunk_delay_s:
                 await asyncio.sleep(reply.chunk_delay_s)
