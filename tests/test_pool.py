@@ -201,6 +201,30 @@ def test_xdist_workers_on_eight_gpus_start_each_topology_once(
     assert sorted(devices) == [str(d) for d in range(8)], "one device each, as planned"
 
 
+def test_xdist_workers_on_a_cpu_host_leave_every_topology_to_one_worker(
+    tmp_path: Path, start_log: Path
+) -> None:
+    """CI's shape (`scripts/cpu test`): on the CPU host one worker takes every e2e item, so
+    each topology, the baseline too, starts once however many workers run the other tiers."""
+    fake = install_fake_vllm(tmp_path / "bin")
+    argv = [
+        sys.executable, "-m", "pytest", "scenarios/test_epd_matches_baseline.py",
+        "-m", "e2e", "-k", "text", "-n", "3", "--dist", "loadgroup", "-p", "no:cacheprovider",
+        "--epd-vllm", str(fake), "--epd-kv-connector", "example",
+        "--epd-model", str(tiny_model_dir()), "--epd-baseline-cache", str(tmp_path / "cache"),
+        "--epd-run-dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert "topology starts: 4 for 4 distinct" in run.stdout, run.stdout[-3000:]
+    roles = Counter(s["role"] for s in starts(start_log))
+    assert roles == {"baseline": 1, "encoder": 2, "pd": 1, "prefill": 2, "decode": 2}, roles
+    workers = {log.parent.parent.name for log in (tmp_path / "run").glob("gw*/*/*.cmd.json")}
+    assert len(workers) == 1, workers
+    # The worker's verdict table reaches the terminal of the run.
+    [worker] = workers
+    assert f"EPD verdicts ({worker})" in run.stdout and " MATCH " in run.stdout, run.stdout[-3000:]
+
+
 def tiny_model_dir() -> Path:
     from fixtures.tiny_model import ensure_tiny_model
 

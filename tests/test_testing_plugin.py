@@ -1,6 +1,7 @@
 """The pytest plugin's ordering (harness/testing/plugin.py): every e2e item of one running
 topology in one stretch, in the plan's order, items that end their session last, and one
-xdist group per topology and the references its cases use."""
+xdist group per topology and the references its cases use on devices, one for every e2e item
+on a CPU host."""
 
 from __future__ import annotations
 
@@ -46,13 +47,33 @@ def test_pure_logic():
 """
 
 
-def test_e2e_items_run_by_topology_with_session_enders_last(pytester: pytest.Pytester) -> None:
-    pytester.makeconftest('pytest_plugins = ["harness.testing.plugin"]\n')
+CONFTEST = """
+pytest_plugins = ["harness.testing.plugin"]
+
+def pytest_addoption(parser):
+    parser.addoption("--epd-platform", default="cpu")
+"""
+
+
+def collected(pytester: pytest.Pytester, *args: str) -> list[pytest.Item]:
+    pytester.makeconftest(CONFTEST)
     pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
     pytester.makepyfile(test_a_e2e=MODULE, test_b_unit=UNIT)
-    run = pytester.inline_run("--collect-only", "-p", "no:cacheprovider")
+    run = pytester.inline_run("--collect-only", "-p", "no:cacheprovider", *args)
     [finished] = run.getcalls("pytest_collection_finish")
-    items = finished.session.items
+    return finished.session.items
+
+
+def xdist_groups(items: list[pytest.Item]) -> dict[str, str]:
+    return {
+        item.name: item.get_closest_marker("xdist_group").args[0]
+        for item in items
+        if item.get_closest_marker("xdist_group")
+    }
+
+
+def test_e2e_items_run_by_topology_with_session_enders_last(pytester: pytest.Pytester) -> None:
+    items = collected(pytester, "--epd-platform", "cuda")
     order = [item.name for item in items]
     assert order == [
         "test_pure_logic",  # every other tier first
@@ -65,12 +86,18 @@ def test_e2e_items_run_by_topology_with_session_enders_last(pytester: pytest.Pyt
         "test_sweep_case[1E+1P+1D]",
         "test_nixl",  # other instances (another KV connector) after every default one
     ], order
-    groups = {
-        item.name: item.get_closest_marker("xdist_group").args[0]
-        for item in items
-        if item.get_closest_marker("xdist_group")
-    }
+    groups = xdist_groups(items)
     assert groups["test_sweep_case[1E+1P+1D]"] == groups["test_sweep_case[1P+1D]"] == "1P+1D"
     assert groups["test_through_vllm_proxy"] == groups["test_kills_the_encoder"] == "1E+1PD"
     assert groups["test_nixl"] == "nixl:1P+1D"
+    assert "test_pure_logic" not in groups
+
+
+def test_on_a_cpu_host_one_xdist_group_takes_every_e2e_item(pytester: pytest.Pytester) -> None:
+    """The CPU host is one slot: one worker starts every topology once, the other workers run
+    the harness's own tests beside it."""
+    items = collected(pytester)  # the default platform: cpu
+    groups = xdist_groups(items)
+    assert set(groups.values()) == {"epd-host"}
+    assert len(groups) == len(items) - 1  # every item but the unit test
     assert "test_pure_logic" not in groups

@@ -18,6 +18,8 @@ from harness.outcomes.outcome import Outcome
 from harness.report.bundle import write_bundle
 from harness.report.text import format_verdict_table, write_summary_json
 
+VERDICTS_FILE = "verdicts.txt"  # the verdict table as the terminal shows it
+
 
 def write_run_outputs(
     run_dir: Path,
@@ -34,5 +36,5 @@ def write_run_outputs(
     }
     write_json_atomic(run_dir / "responses.json", responses)
     write_summary_json(run_dir / "summary.json", records, summary)
-    write_text_atomic(run_dir / "verdicts.txt", format_verdict_table(records) + "\n")
+    write_text_atomic(run_dir / VERDICTS_FILE, format_verdict_table(records) + "\n")
     write_bundle(run_dir, records, responses, run_info)

@@ -10,7 +10,7 @@ share its instances and run right after its group. When a group ends its topolog
 an exact reference has had them (`TopologyPool.before_stop`). Items that end their session (an expected
 instance death, a rerun on kept storage, a kill) run last in their group. Under xdist, one
 worker takes a group and the groups its cases reference (`xdist_group`), so no two workers
-start the same topology.
+start the same topology; on a CPU host one worker takes every e2e item (`shares_one_host`).
 
 The harness's own tests get their helpers here too: `epd_cli` (the CLI in-process),
 `fake_vllm` (the fake `vllm` executable) and `port_locks` (port leases of one test); the
@@ -213,13 +213,33 @@ def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
     ]
 
 
+# The xdist group of every e2e item on a platform whose instances share the host's cores.
+HOST_GROUP = "epd-host"
+
+
+def shares_one_host(config: pytest.Config) -> bool:
+    """Whether the session's platform runs every instance on the host's shared cores (CPU):
+    then its topologies cannot run side by side for speed (they split the same cores and
+    memory, and each worker would start a baseline of its own), so one worker takes every e2e
+    item and the other workers the harness's own tests."""
+    from harness.errors import BadInput
+    from harness.spec.platforms import get_platform
+
+    try:
+        return not get_platform(config.getoption("--epd-platform", "cpu")).exclusive_devices
+    except BadInput:
+        return False  # the preflight names the unknown platform
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_itemcollected(item: pytest.Item) -> None:
-    """One xdist group per topology and the references its cases use, marked as each item is
-    collected: before xdist's `--dist loadgroup` reads the marks."""
+    """The xdist group of an e2e item, marked as it is collected (before xdist's `--dist
+    loadgroup` reads the marks): on devices, one group per topology and the references its
+    cases use; on a shared host, one group for every e2e item."""
     group = epd_group(item)
     if group is not None:
-        item.add_marker(pytest.mark.xdist_group(group.xdist_name()))
+        name = HOST_GROUP if shares_one_host(item.config) else group.xdist_name()
+        item.add_marker(pytest.mark.xdist_group(name))
 
 
 @pytest.hookimpl(trylast=True)
@@ -443,8 +463,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    """The verdict table of whatever the scenarios judged, every topology start of the
-    session (all workers), and where the artifacts are."""
+    """The verdict table of whatever the scenarios judged (under xdist, each worker's, as it
+    wrote it), every topology start of the session (all workers), and where the artifacts
+    are."""
+    root = Path(config.stash.get(RUN_ROOT_KEY, ""))
     sweep = config.stash.get(SWEEP_KEY, None)
     if sweep is not None:
         from harness.report.text import format_verdict_table
@@ -456,9 +478,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
                 f"{stats.name}: ready in {stats.startup_s or 0:.1f}s, "
                 f"peak RSS {stats.peak_rss_bytes / 2**30:.2f} GiB"
             )
+    elif root.is_dir():
+        from harness.report.run_outputs import VERDICTS_FILE
+
+        for table in sorted(root.glob(f"gw*/{VERDICTS_FILE}")):
+            terminalreporter.section(f"EPD verdicts ({table.parent.name})")
+            terminalreporter.write_line(table.read_text().rstrip())
     from harness.run.pool import STARTS_FILE
 
-    root = Path(config.stash.get(RUN_ROOT_KEY, ""))
     files = sorted(root.glob(f"**/{STARTS_FILE}")) if root.is_dir() else []
     if not files:
         return
