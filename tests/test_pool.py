@@ -176,25 +176,30 @@ def test_a_shared_sweep_answers_its_reference_before_the_pool_stops_it(
         pool.close()
 
 
-def test_xdist_workers_on_eight_gpus_start_each_topology_once(
-    tmp_path: Path, start_log: Path
-) -> None:
-    """The GPU nightly's shape: the sweep's scenarios under `-n 4 --dist loadgroup` on an
-    8-device cuda plan (the fake vLLM stands in for each instance). One wave holds every
-    topology, yet each worker starts only the topologies of its own cases (and their exact
-    references): every topology once across the workers."""
+def xdist_sweep(tmp_path: Path, workers: int, *options: str) -> subprocess.CompletedProcess:
+    """The sweep's text cases under `-n workers --dist loadgroup`, the fake vLLM standing in
+    for each instance; it must count the four topologies it needs, each started once."""
     fake = install_fake_vllm(tmp_path / "bin")
-    model = tiny_model_dir()
     argv = [
         sys.executable, "-m", "pytest", "scenarios/test_epd_matches_baseline.py",
-        "-m", "e2e", "-k", "text", "-n", "4", "--dist", "loadgroup", "-p", "no:cacheprovider",
-        "--epd-platform", "cuda", "--epd-devices", "0,1,2,3,4,5,6,7", "--epd-vllm", str(fake),
+        "-m", "e2e", "-k", "text", "-n", str(workers), "--dist", "loadgroup",
+        "-p", "no:cacheprovider", "--epd-vllm", str(fake),
         "--epd-kv-connector", "example",  # the count does not depend on it; NIXL needs nixl
-        "--epd-model", str(model), "--epd-baseline-cache", str(tmp_path / "cache"),
-        "--epd-run-dir", str(tmp_path / "run"),
+        "--epd-model", str(tiny_model_dir()), "--epd-baseline-cache", str(tmp_path / "cache"),
+        "--epd-run-dir", str(tmp_path / "run"), *options,
     ]  # fmt: skip
     run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert "topology starts: 4 for 4 distinct" in run.stdout, run.stdout[-3000:]
+    return run
+
+
+def test_xdist_workers_on_eight_gpus_start_each_topology_once(
+    tmp_path: Path, start_log: Path
+) -> None:
+    """The GPU nightly's shape: four workers on an 8-device cuda plan. One wave holds every
+    topology, yet each worker starts only the topologies of its own cases (and their exact
+    references): every topology once across the workers."""
+    xdist_sweep(tmp_path, 4, "--epd-platform", "cuda", "--epd-devices", "0,1,2,3,4,5,6,7")
     roles = Counter(s["role"] for s in starts(start_log))
     assert roles == {"baseline": 1, "encoder": 2, "pd": 1, "prefill": 2, "decode": 2}, roles
     devices = [s["env"]["CUDA_VISIBLE_DEVICES"] for s in starts(start_log)]
@@ -206,16 +211,7 @@ def test_xdist_workers_on_a_cpu_host_leave_every_topology_to_one_worker(
 ) -> None:
     """CI's shape (`scripts/cpu test`): on the CPU host one worker takes every e2e item, so
     each topology, the baseline too, starts once however many workers run the other tiers."""
-    fake = install_fake_vllm(tmp_path / "bin")
-    argv = [
-        sys.executable, "-m", "pytest", "scenarios/test_epd_matches_baseline.py",
-        "-m", "e2e", "-k", "text", "-n", "3", "--dist", "loadgroup", "-p", "no:cacheprovider",
-        "--epd-vllm", str(fake), "--epd-kv-connector", "example",
-        "--epd-model", str(tiny_model_dir()), "--epd-baseline-cache", str(tmp_path / "cache"),
-        "--epd-run-dir", str(tmp_path / "run"),
-    ]  # fmt: skip
-    run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert "topology starts: 4 for 4 distinct" in run.stdout, run.stdout[-3000:]
+    run = xdist_sweep(tmp_path, 3)
     roles = Counter(s["role"] for s in starts(start_log))
     assert roles == {"baseline": 1, "encoder": 2, "pd": 1, "prefill": 2, "decode": 2}, roles
     workers = {log.parent.parent.name for log in (tmp_path / "run").glob("gw*/*/*.cmd.json")}
