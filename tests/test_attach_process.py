@@ -36,6 +36,7 @@ from harness.spec.attach import AttachSpec, attached_instances
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.spec.settings import ATTACH_PROXY, ProxyChoice, RunSettings, ServedVllm
 from harness.spec.topology import Role, ServingConfig, get_topology
+from harness.testing.fake_vllm import fake_run_settings
 
 pytestmark = pytest.mark.process
 
@@ -321,11 +322,8 @@ def test_keep_up_writes_an_attach_file_that_reaches_the_kept_up_topology(
     from harness.preflight.attach import load_attach_file
     from harness.run import repro
 
-    settings = RunSettings(
-        serving=ServingConfig(model=MODEL),
-        run_dir=tmp_path / "repro",
-        vllm=ServedVllm(str(fake_vllm), "unknown"),
-        startup_timeout_s=20.0,
+    settings = fake_run_settings(
+        tmp_path, fake_vllm, ServingConfig(model=MODEL), run_dir=tmp_path / "repro"
     )
     sweep = Sweep(SweepSpec(topologies=(get_topology("1E+1PD"),), prompts=()), settings)
     seen: dict[str, object] = {}

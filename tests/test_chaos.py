@@ -34,10 +34,10 @@ from harness.environment import WATCHDOG_ENV
 from harness.serve.launch import ServerDied
 from harness.serve.session import TopologySession
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
-from harness.spec.settings import RunSettings, ServedVllm
+from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, ServingConfig
 from harness.testing.cli import run_argv
-from harness.testing.fake_vllm import MODE_ENV
+from harness.testing.fake_vllm import MODE_ENV, fake_run_settings
 from harness.testing.processes import (
     REPO_ROOT,
     alive_or_fail,
@@ -136,11 +136,10 @@ def fake_processes(root_pid: int, fake: Path) -> list[psutil.Process]:
 def fake_settings(
     tmp_path: Path, fake: Path, request_timeout_s: float = 30.0, extra_args: tuple[str, ...] = ()
 ) -> RunSettings:
-    return RunSettings(
-        serving=ServingConfig(model=str(tmp_path / "model"), extra_args=extra_args),
-        run_dir=tmp_path / "run",
-        vllm=ServedVllm(str(fake), "unknown"),
-        startup_timeout_s=20.0,
+    return fake_run_settings(
+        tmp_path,
+        fake,
+        ServingConfig(model=str(tmp_path / "model"), extra_args=extra_args),
         request_timeout_s=request_timeout_s,
     )
 

@@ -23,8 +23,8 @@ from harness.run.fuzz.space import FuzzSpace
 from harness.run.fuzz.strategies import FuzzExample
 from harness.run.repro import Bundle
 from harness.spec.prompts import MEDIA_PARTS, ImagePart, PromptSpec, TextPart
-from harness.spec.settings import RunSettings, ServedVllm
-from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.spec.topology import TOPOLOGIES
+from harness.testing.fake_vllm import fake_run_settings
 
 pytestmark = pytest.mark.process
 
@@ -32,13 +32,7 @@ pytestmark = pytest.mark.process
 def test_the_engine_judges_groups_shrinks_and_bundles(
     tmp_path: Path, fake_vllm: Path, port_locks: Path
 ) -> None:
-    settings = RunSettings(
-        serving=ServingConfig(model=str(tmp_path / "model")),
-        run_dir=tmp_path / "run",
-        vllm=ServedVllm(str(fake_vllm), "unknown"),
-        startup_timeout_s=20.0,
-        request_timeout_s=30.0,
-    )
+    settings = fake_run_settings(tmp_path, fake_vllm, request_timeout_s=30.0)
     examples = [
         FuzzExample(PromptSpec("ex-0000", (TextPart(" a b"),))),
         FuzzExample(

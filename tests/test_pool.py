@@ -19,9 +19,9 @@ from harness.environment import cache_dir
 from harness.run.pool import TopologyPool
 from harness.run.sweep import Sweep, SweepSpec
 from harness.spec.prompts import SKELETON_PROMPTS
-from harness.spec.settings import ProxyChoice, RunSettings, ServedVllm
-from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Role, ServingConfig
-from harness.testing.fake_vllm import START_LOG_ENV, install_fake_vllm
+from harness.spec.settings import ProxyChoice, RunSettings
+from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Role
+from harness.testing.fake_vllm import START_LOG_ENV, fake_run_settings, install_fake_vllm
 from harness.testing.processes import wait_for
 
 pytestmark = pytest.mark.process
@@ -39,13 +39,7 @@ def start_log(tmp_path: Path, port_locks: Path, monkeypatch: pytest.MonkeyPatch)
 
 
 def settings_for(tmp_path: Path) -> RunSettings:
-    fake = install_fake_vllm(tmp_path / "bin")
-    return RunSettings(
-        serving=ServingConfig(model=str(tmp_path / "model")),
-        run_dir=tmp_path / "run",
-        vllm=ServedVllm(str(fake), "unknown"),
-        startup_timeout_s=20.0,
-    )
+    return fake_run_settings(tmp_path, install_fake_vllm(tmp_path / "bin"))
 
 
 def starts(log: Path) -> list[dict]:

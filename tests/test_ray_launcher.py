@@ -30,9 +30,9 @@ from harness.serve.ray_launcher import close_runtime
 from harness.serve.session import TopologySession
 from harness.spec.platforms import NIXL_CONNECTOR
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
-from harness.spec.settings import RAY_LAUNCHER, LauncherChoice, RunSettings, ServedVllm
+from harness.spec.settings import RAY_LAUNCHER, LauncherChoice, RunSettings
 from harness.spec.topology import TOPOLOGIES, ServingConfig
-from harness.testing.fake_vllm import MODE_ENV
+from harness.testing.fake_vllm import MODE_ENV, fake_run_settings
 from harness.testing.processes import describe, kill_all, seconds_until_gone
 from harness.testing.ray_driver import end_driver, raylet_of, start_driver, tree_of
 
@@ -66,10 +66,10 @@ def fake(fake_vllm: Path) -> Path:
 def settings_for(
     tmp_path: Path, fake: Path, address: str, kv: str = "ExampleConnector", **launcher
 ) -> RunSettings:
-    return RunSettings(
-        serving=ServingConfig(model=str(tmp_path / "model"), kv_connector=kv),
-        run_dir=tmp_path / "run",
-        vllm=ServedVllm(str(fake), "unknown"),
+    return fake_run_settings(
+        tmp_path,
+        fake,
+        ServingConfig(model=str(tmp_path / "model"), kv_connector=kv),
         startup_timeout_s=60.0,
         request_timeout_s=30.0,
         launcher=LauncherChoice(RAY_LAUNCHER, ray_address=address, **launcher),

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from harness.serve.session import TopologySession
-from harness.spec.settings import RunSettings, ServedVllm
-from harness.spec.topology import TOPOLOGIES, Role, ServingConfig
-from harness.testing.fake_vllm import install_fake_vllm
+from harness.spec.topology import TOPOLOGIES, Role
+from harness.testing.fake_vllm import fake_run_settings, install_fake_vllm
 
 pytestmark = pytest.mark.process
 
@@ -21,12 +20,7 @@ def test_role_env_reaches_only_that_roles_process_and_its_command_record(
 ) -> None:
     monkeypatch.setenv("EPD_HARNESS_PORT_DIR", str(tmp_path / "port-locks"))
     fake = install_fake_vllm(tmp_path / "bin")
-    settings = RunSettings(
-        serving=ServingConfig(model=str(tmp_path / "model")),
-        run_dir=tmp_path / "run",
-        vllm=ServedVllm(str(fake), "unknown"),
-        startup_timeout_s=20.0,
-    )
+    settings = fake_run_settings(tmp_path, fake)
     extra = {"EPD_TEST_ONLY_D": "yes"}
     with TopologySession(TOPOLOGIES["1P+1D"], settings, role_env={Role.DECODE: extra}) as session:
         environ = {}

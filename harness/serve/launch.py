@@ -294,19 +294,11 @@ class ManagedServer:
 
     def log_size(self) -> int:
         """Bytes in the log so far (0 before there is one): an offset for `read_log_from`."""
-        try:
-            return self.command.log_path.stat().st_size
-        except FileNotFoundError:
-            return 0
+        return log_size(self.command.log_path)
 
     def read_log_from(self, offset: int) -> str:
         """What the server logged after byte `offset`."""
-        try:
-            with open(self.command.log_path, "rb") as log:
-                log.seek(offset)
-                return log.read().decode("utf-8", errors="replace")
-        except FileNotFoundError:
-            return ""
+        return read_log_from(self.command.log_path, offset)
 
     def peak_rss_bytes(self) -> int:
         """Largest summed RSS of the server's process tree seen so far, for reports.
@@ -568,6 +560,24 @@ def probe_health_url(url: str) -> bool:
             return 200 <= response.status < 300
     except (OSError, http.client.HTTPException, ValueError):  # refused, reset, 4xx/5xx, no URL
         return False
+
+
+def log_size(path: Path) -> int:
+    """Bytes in the log at `path` (0 before there is one)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def read_log_from(path: Path, offset: int) -> str:
+    """What the log at `path` holds after byte `offset` ("" before there is one)."""
+    try:
+        with open(path, "rb") as log:
+            log.seek(offset)
+            return log.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
 
 
 def read_log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:

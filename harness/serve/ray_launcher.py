@@ -48,7 +48,7 @@ import socket
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,9 @@ from harness.serve.launch import (
     ServerDied,
     await_ready,
     describe_exit,
+    log_size,
     probe_health_url,
+    read_log_from,
     read_log_tail,
 )
 from harness.serve.launcher import LaunchRefused, NodeInfo, Reservation
@@ -461,19 +463,11 @@ class RayServer:
 
     def log_size(self) -> int:
         self._poll()
-        try:
-            return self.command.log_path.stat().st_size
-        except FileNotFoundError:
-            return 0
+        return log_size(self.command.log_path)
 
     def read_log_from(self, offset: int) -> str:
         self._poll()
-        try:
-            with open(self.command.log_path, "rb") as mirror:
-                mirror.seek(offset)
-                return mirror.read().decode("utf-8", errors="replace")
-        except FileNotFoundError:
-            return ""
+        return read_log_from(self.command.log_path, offset)
 
     def peak_rss_bytes(self) -> int:
         self._poll()
@@ -745,20 +739,12 @@ class RayLauncher:
         """Every directory a connector shares between instances (ExampleConnector's) must be
         the same directory on each of their nodes and for the harness: a file written by each
         is read by all the others. Otherwise the topology is refused, naming the node."""
-        users: dict[tuple[str, str], list[int]] = {}
+        users: dict[tuple[str, Path], list[int]] = {}
         for index, spec in enumerate(instances):
-            for label, config in (
-                ("EC storage", spec.ec_transfer_config()),
-                ("KV storage", spec.kv_transfer_config()),
-            ):
-                extra = (config or {}).get("ec_connector_extra_config") or (config or {}).get(
-                    "kv_connector_extra_config"
-                )
-                path = (extra or {}).get("shared_storage_path")
-                if path:
-                    users.setdefault((label, path), []).append(index)
+            for label, path in spec.shared_storage().items():
+                users.setdefault((label, path), []).append(index)
         for (label, path), members in users.items():
-            self._probe_storage(label, Path(path), [instances[i] for i in members], members)
+            self._probe_storage(label, path, [instances[i] for i in members], members)
 
     def _probe_storage(
         self, label: str, path: Path, members: list[InstanceSpec], indexes: list[int]
@@ -770,34 +756,28 @@ class RayLauncher:
             "its connector needs one directory every node of the topology and the harness "
             "see (--ray-shared-dir DIR on a shared filesystem)"
         )
+
+        def on_each_node(probe: Callable[[tuple[str, str]], tuple], writer: str) -> None:
+            """Each member's agent runs `storage_probe(*probe(its own file))`; the first node
+            with a problem refuses the topology."""
+            answers = _get(
+                [
+                    self._agents[i].storage_probe.remote(*probe(own))
+                    for i, own in zip(indexes, theirs)
+                ],
+                f"probing {label} {path} on the nodes",
+            )
+            for spec, problem in zip(members, answers):
+                if problem:
+                    raise LaunchRefused(
+                        f"{label} {path} is not shared: {spec.name}'s node {spec.host} does not "
+                        f"see what {writer} wrote there ({problem}); {hint}"
+                    )
+
         try:
             Path(mine[0]).write_text(mine[1], encoding="utf-8")
-            written = _get(
-                [
-                    self._agents[i].storage_probe.remote([mine], own)
-                    for i, own in zip(indexes, theirs)
-                ],
-                f"probing {label} {path} on the nodes",
-            )
-            for spec, problem in zip(members, written):
-                if problem:
-                    raise LaunchRefused(
-                        f"{label} {path} is not shared: {spec.name}'s node {spec.host} does not "
-                        f"see what the harness wrote there ({problem}); {hint}"
-                    )
-            read = _get(
-                [
-                    self._agents[i].storage_probe.remote([t for t in theirs if t != own], None)
-                    for i, own in zip(indexes, theirs)
-                ],
-                f"probing {label} {path} on the nodes",
-            )
-            for spec, problem in zip(members, read):
-                if problem:
-                    raise LaunchRefused(
-                        f"{label} {path} is not shared: {spec.name}'s node {spec.host} does not "
-                        f"see what another node wrote there ({problem}); {hint}"
-                    )
+            on_each_node(lambda own: ([mine], own), "the harness")
+            on_each_node(lambda own: ([t for t in theirs if t != own], None), "another node")
             for (probe, expected), spec in zip(theirs, members):
                 try:
                     same = Path(probe).read_text(encoding="utf-8") == expected

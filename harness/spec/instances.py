@@ -152,6 +152,19 @@ class InstanceSpec:
             extra.update(known.cpu_extra_config)
         return config
 
+    def shared_storage(self) -> dict[str, Path]:
+        """The directories its connectors share with other instances ("EC storage", "KV
+        storage"), as its transfer configs name them: only the example connectors have one."""
+        found: dict[str, Path] = {}
+        for label, config, extra in (
+            ("EC storage", self.ec_transfer_config(), "ec_connector_extra_config"),
+            ("KV storage", self.kv_transfer_config(), "kv_connector_extra_config"),
+        ):
+            path = ((config or {}).get(extra) or {}).get("shared_storage_path")
+            if path:
+                found[label] = Path(path)
+        return found
+
     def env(self) -> dict[str, str]:
         """Environment additions for this instance (merged over the harness's environment)."""
         s = self.serving

@@ -31,6 +31,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from harness.spec.settings import RunSettings, ServedVllm
+from harness.spec.topology import ServingConfig
 
 MODE_ENV = "FAKE_VLLM_MODE"
 START_LOG_ENV = "FAKE_VLLM_START_LOG"
@@ -128,6 +132,20 @@ server.daemon_threads = True
 print(f"listening on {args.port}", flush=True)
 server.serve_forever()
 """
+
+
+def fake_run_settings(
+    tmp_path: Path, fake: Path, serving: ServingConfig | None = None, **fields: Any
+) -> RunSettings:
+    """A run served by the fake vLLM `fake`: the model path under `tmp_path`, artifacts in
+    `tmp_path / "run"`, 20 s to start; `fields` replace any other RunSettings field."""
+    values: dict[str, Any] = {
+        "serving": serving or ServingConfig(model=str(tmp_path / "model")),
+        "run_dir": tmp_path / "run",
+        "vllm": ServedVllm(str(fake), "unknown"),
+        "startup_timeout_s": 20.0,
+    }
+    return RunSettings(**{**values, **fields})
 
 
 def install_fake_vllm(
