@@ -59,6 +59,10 @@ END_WITHIN_S = 5.0  # "within seconds": how soon after the fault a run must have
 # Servers that ignore the parent-death SIGTERM: the watchdog's grace and SIGKILL, with margin.
 WATCHDOG_END_WITHIN_S = 30.0
 WATCHDOG_EXIT_S = 2.0  # how soon the watchdog must be gone once it has nothing left to do
+# The startup-timeout trial's deadline: long enough for the fake's interpreter to have logged
+# its first line, which the error must quote, on a loaded CI host (1 s was not, once, beside two
+# other xdist workers). The trial's end is timed from the deadline, the fault it plants.
+STARTUP_TIMEOUT_TRIAL_S = 5.0
 CHAOS_TRIALS = int(os.environ.get("EPD_CHAOS_TRIALS", "6"))
 TEXT_BODY = render_request(SKELETON_PROMPTS[0], "epd-model")
 SECRET = "hf_planted_secret_3b7e91"
@@ -444,7 +448,7 @@ def run_trial(kind: str, tmp_path: Path, fake: Path, gone_within_s: float | None
     processes to go."""
     spec = TRIAL_KINDS[kind]
     trial = Trial(kind)
-    ready_timeout_s = "1.0" if kind == "startup-timeout" else "20"
+    ready_timeout_s = str(STARTUP_TIMEOUT_TRIAL_S) if kind == "startup-timeout" else "20"
     driver = subprocess.Popen(
         [sys.executable, "-c", DRIVER, str(fake), str(tmp_path / "logs"), ready_timeout_s],
         env=child_env(**{MODE_ENV: spec.mode}),
@@ -477,7 +481,9 @@ def run_trial(kind: str, tmp_path: Path, fake: Path, gone_within_s: float | None
         if spec.waits_for_ready:
             read_until("ready")
         started = time.monotonic()
-        if kind == "server-sigkilled-while-serving":
+        if kind == "startup-timeout":
+            started += STARTUP_TIMEOUT_TRIAL_S  # the fault is the deadline passing
+        elif kind == "server-sigkilled-while-serving":
             trial.procs[1].kill()
         elif kind == "harness-sigint-at-startup":
             wait_for(lambda: all("fake vllm pid" in read(log) for log in logs), "both to start")
