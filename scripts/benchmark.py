@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from harness.cli.main import split_names
-from harness.outcomes.startup import PHASES
+from harness.outcomes.startup import PHASES, describe_startup_cpu
 from harness.preflight import RunRequest, prepare_run
 from harness.run.sweep import Sweep, SweepResult, SweepSpec
 
@@ -123,7 +123,8 @@ def main() -> int:
         rows.append(
             (
                 f"start-up {stats.name}",
-                f"{stats.startup_s or 0:.1f} s, peak RSS {stats.peak_rss_bytes / 2**30:.2f} GiB",
+                f"{stats.startup_s or 0:.1f} s, {describe_startup_cpu(stats.startup_cpu_s)}, "
+                f"peak RSS {stats.peak_rss_bytes / 2**30:.2f} GiB",
             )
         )
     for role, seconds in latencies_by_role(cold).items():

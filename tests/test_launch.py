@@ -54,6 +54,11 @@ if "children" in modes:
     sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
     print(f"CHILD {subprocess.Popen(sleeper).pid}", flush=True)
     print(f"CHILD {subprocess.Popen(sleeper, start_new_session=True).pid}", flush=True)
+if "engine-core" in modes:  # a child named as vLLM names its engine core, busy for 0.5 s of CPU
+    busy = ("import ctypes, time; ctypes.CDLL(None).prctl(15, b'VLLM::EngineCore', 0, 0, 0)\n"
+            "while time.process_time() < 0.5: pass\n"
+            "print('BURNT', flush=True); time.sleep(120)")
+    subprocess.Popen([sys.executable, "-c", busy])
 time.sleep(delay_s)
 if "die" in modes:
     print("FATAL: distinctive-fake-crash-7f3a", flush=True)
@@ -260,6 +265,22 @@ def test_ready_then_stop_leaves_no_process_of_the_tree(make_server) -> None:
     assert live_members_of_group(pgid) == []
     assert server.exit_code == -signal.SIGTERM
     assert not server.is_alive()
+
+
+def test_cpu_seconds_are_summed_per_kind_of_process(make_server) -> None:
+    """The server's own process is `server`; a descendant is named by its process name
+    without vLLM's prefix, the kernel's 15-byte cut of `VLLM::EngineCore` included."""
+    server = make_server("1P+1D/prefill0", mode="engine-core")
+    server.start()
+    server.wait_until_ready(timeout_s=20)
+    wait_for_log(server, "BURNT")
+    cpu = server.cpu_seconds()
+    assert set(cpu) == {"server", "EngineCore"}, cpu
+    # The kernel's tick-based accounting (what psutil reads) lagged the child's own clock by
+    # a fifth here: half of the 0.5 s is the bound.
+    assert cpu["EngineCore"] >= 0.25, cpu
+    assert 0 < cpu["server"] < cpu["EngineCore"], cpu  # it only imported and slept
+    server.stop(grace_s=5)
 
 
 def test_sigterm_ignoring_server_is_sigkilled_after_the_grace(make_server) -> None:

@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.outcomes.startup import PHASES, describe_timeline, startup_timeline
+from harness.outcomes.startup import (
+    PHASES,
+    describe_startup_cpu,
+    describe_timeline,
+    startup_timeline,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -64,3 +69,9 @@ def test_a_missing_log_gives_an_empty_timeline(tmp_path: Path) -> None:
     timeline = startup_timeline(tmp_path / "absent.log", SPAWNED.timestamp(), None)
     assert set(timeline.values()) == {None}
     assert describe_timeline(timeline) == "no phases in the log"
+
+
+def test_startup_cpu_is_shown_per_process_with_its_sum() -> None:
+    cpu = {"server": 8.63, "python": 0.02, "EngineCore": 7.65, "Worker": 9.40}
+    assert describe_startup_cpu(cpu) == "CPU 25.7 s (server 8.6, EngineCore 7.7, Worker 9.4)"
+    assert describe_startup_cpu({}) == "CPU not sampled"

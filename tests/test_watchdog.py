@@ -178,7 +178,9 @@ def test_groups_the_harness_stopped_are_forgotten_and_the_watchdog_exits_at_once
         dog.stdin.close()
         assert dog.wait(timeout=5) == 0
         exit_s = time.monotonic() - closed
-        assert exit_s < 1.0, f"{exit_s:.2f} s"
+        # Not a stop: that would signal the group and wait up to GRACE_S. Usually well under a
+        # second; 4.25 s once beside three vLLM interpreters importing on two cores.
+        assert exit_s < watchdog.GRACE_S, f"{exit_s:.2f} s"
         assert is_live(pid)
         assert not (tmp_path / watchdog.LOG_NAME).exists()
     finally:

@@ -59,7 +59,8 @@ class Outcome:
 @dataclass
 class InstanceStats:
     """One instance of a run: where it served, how long it took to start and where that time
-    went (harness.outcomes.startup), and the most memory its process tree held."""
+    went (harness.outcomes.startup), the CPU its processes used to start, and the most memory
+    its process tree held."""
 
     name: str
     role: str
@@ -68,6 +69,9 @@ class InstanceStats:
     startup_s: float | None = None
     peak_rss_bytes: int = 0
     timeline: dict[str, float | None] = field(default_factory=dict)
+    # CPU seconds each kind of process used until the instance was ready (`server`, then vLLM's
+    # `EngineCore` and `Worker`): `ManagedServer.cpu_seconds`.
+    startup_cpu_s: dict[str, float] = field(default_factory=dict)
     node: str | None = None  # the node's address when a launcher placed it on a cluster
 
 

@@ -77,3 +77,15 @@ def describe_timeline(timeline: dict[str, float | None]) -> str:
     """`api_server 3s, engine_core 28s, ...`: the phases the log showed, in order."""
     shown = [f"{phase} {at:g}s" for phase, at in timeline.items() if at is not None]
     return ", ".join(shown) or "no phases in the log"
+
+
+def describe_startup_cpu(cpu_s: dict[str, float]) -> str:
+    """`CPU 29.8 s (server 9.9, EngineCore 9.1, Worker 10.8)`: what the instance's processes
+    used until it was ready; on a host with few cores this, not the wall time, is what the
+    other instances and tests starting beside it wait for."""
+    if not cpu_s:
+        return "CPU not sampled"
+    # Helpers that came and went (multiprocessing's resource tracker, a `uname`) count in the
+    # sum but are not named.
+    parts = ", ".join(f"{kind} {seconds:.1f}" for kind, seconds in cpu_s.items() if seconds >= 0.05)
+    return f"CPU {sum(cpu_s.values()):.1f} s ({parts})"

@@ -141,6 +141,8 @@ class ManagedServer:
         self._spawned_wall_s: float | None = None
         self._startup_seconds: float | None = None
         self._peak_rss_bytes = 0
+        # CPU seconds (user + system) of each process of the tree, the latest sample of each pid.
+        self._cpu_by_pid: dict[int, tuple[str, float]] = {}
         # Every descendant ever sampled, so that stop() also finds those that left the group
         # (setsid, daemonizing helpers), even after the server itself died and they were orphaned.
         self._seen_descendants: dict[int, psutil.Process] = {}
@@ -310,6 +312,19 @@ class ManagedServer:
         self._sample_tree()
         return self._peak_rss_bytes
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) the server's processes have used so far, summed per kind
+        of process: `server` for the process it started (vLLM's API server), every other by its
+        name without vLLM's `VLLM::` prefix (`EngineCore`, `Worker`). On CPU a vLLM start is
+        three interpreters importing torch and vLLM one after another; this says what each
+        cost. Sampled with the peak RSS (a process that ended between samples keeps its last
+        sample); empty if the server was never sampled while alive."""
+        self._sample_tree()
+        totals: dict[str, float] = {}
+        for kind, seconds in self._cpu_by_pid.values():
+            totals[kind] = round(totals.get(kind, 0.0) + seconds, 2)
+        return totals
+
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM the group, wait up to `grace_s`, then SIGKILL; return once nothing is left.
 
@@ -372,8 +387,11 @@ class ManagedServer:
         for proc in [root, *descendants]:
             try:
                 total += proc.memory_info().rss
+                times = proc.cpu_times()
+                kind = "server" if proc is root else process_kind(proc.name())
             except psutil.NoSuchProcess:
                 continue
+            self._cpu_by_pid[proc.pid] = (kind, times.user + times.system)
         self._peak_rss_bytes = max(self._peak_rss_bytes, total)
 
     def _wait_gone(self, tracked: list[psutil.Process], timeout_s: float) -> bool:
@@ -609,6 +627,14 @@ def _parent_death_signal(parent_pid: int) -> Callable[[], None]:
             os._exit(128 + signal.SIGTERM)
 
     return preexec
+
+
+def process_kind(name: str) -> str:
+    """What a server's descendant is, by its process name: vLLM names its engine core and
+    workers `VLLM::EngineCore` and `VLLM::Worker` (the kernel keeps 15 bytes of a name, so
+    `VLLM::EngineCor` too)."""
+    kind = name.removeprefix("VLLM::")
+    return "EngineCore" if kind.startswith("EngineCor") else kind
 
 
 def describe_exit(code: int) -> str:

@@ -282,10 +282,11 @@ class InstanceAgent:
         return self.server is not None and self.server.owns_health_port()
 
     def poll(self, offset: int) -> dict[str, Any]:
-        """The server's exit code (None: running), its log from `offset`, its tree's RSS."""
+        """The server's exit code (None: running), its log from `offset`, its tree's RSS and
+        CPU seconds."""
         server = self.server
         if server is None:
-            return {"exit": None, "data": b"", "rss": 0}
+            return {"exit": None, "data": b"", "rss": 0, "cpu": {}}
         rss = server.peak_rss_bytes()  # samples the tree: stop() reaches what left the group
         try:
             with open(server.command.log_path, "rb") as log_file:
@@ -293,7 +294,7 @@ class InstanceAgent:
                 data = log_file.read(LOG_CHUNK_BYTES)
         except FileNotFoundError:
             data = b""
-        return {"exit": server.exit_code, "data": data, "rss": rss}
+        return {"exit": server.exit_code, "data": data, "rss": rss, "cpu": server.cpu_seconds()}
 
     def listening(self) -> list[tuple[str, int]]:
         """Every (address, port) the server's process tree listens on."""
@@ -358,6 +359,7 @@ class RayServer:
         self._lost: str | None = None  # why the agent is gone, once it is
         self._offset = 0
         self._rss = 0
+        self._cpu: dict[str, float] = {}
         self._spawned_at: float | None = None
         self._spawned_wall_s: float | None = None
         self._startup_seconds: float | None = None
@@ -473,6 +475,10 @@ class RayServer:
         self._poll()
         return self._rss
 
+    def cpu_seconds(self) -> dict[str, float]:
+        self._poll()
+        return dict(self._cpu)
+
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """The agent stops the server as the local launcher does (SIGTERM, grace, SIGKILL, its
         group and recorded descendants); the rest of the log is fetched; the agent ends."""
@@ -524,6 +530,7 @@ class RayServer:
                 self._offset += len(data)
             self._exit = state["exit"]
             self._rss = max(self._rss, state["rss"])
+            self._cpu = state["cpu"] or self._cpu
             if len(data) < LOG_CHUNK_BYTES:
                 return
 

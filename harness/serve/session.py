@@ -199,6 +199,7 @@ class TopologySession:
         for server, spec in zip(self._servers, self.instances):
             stats = self.stats[spec.name]
             stats.startup_s = server.startup_seconds
+            stats.startup_cpu_s = server.cpu_seconds()
             if server.spawned_wall_s is not None:
                 stats.timeline = startup_timeline(
                     server.command.log_path, server.spawned_wall_s, server.startup_seconds
@@ -237,6 +238,7 @@ class TopologySession:
         self._group.wait_all_ready(self.settings.startup_timeout_s)
         for stats, server in ((s, self._by_name(s.name)) for s in revived):
             stats.startup_s = server.startup_seconds
+            stats.startup_cpu_s = server.cpu_seconds()
         return revived
 
     def _by_name(self, name: str) -> ManagedServer:

@@ -473,9 +473,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
         terminalreporter.section("EPD verdicts")
         terminalreporter.write_line(format_verdict_table(sweep.result.records))
+        from harness.outcomes.startup import describe_startup_cpu, describe_timeline
+
         for stats in sweep.pool.instances:
+            phases = {phase: at for phase, at in stats.timeline.items() if phase != "ready"}
             terminalreporter.write_line(
-                f"{stats.name}: ready in {stats.startup_s or 0:.1f}s, "
+                f"{stats.name}: ready in {stats.startup_s or 0:.1f}s ({describe_timeline(phases)}); "
+                f"{describe_startup_cpu(stats.startup_cpu_s)}; "
                 f"peak RSS {stats.peak_rss_bytes / 2**30:.2f} GiB"
             )
     elif root.is_dir():
