@@ -38,7 +38,7 @@ from harness.spec.settings import ATTACH_PROXY, ProxyChoice, RunSettings, Served
 from harness.spec.topology import Role, ServingConfig, get_topology
 from harness.testing.fake_vllm import fake_run_settings
 
-pytestmark = pytest.mark.process
+pytestmark = [pytest.mark.process, pytest.mark.wall_clock_bound]
 
 MODE_ENV = "FAKE_DEPLOYMENT_MODE"
 REPORTED_WITHIN_S = 6.0  # two missed health checks a second apart, plus slack on 2 busy cores

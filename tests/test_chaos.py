@@ -53,7 +53,7 @@ from harness.testing.processes import (
     wait_for,
 )
 
-pytestmark = pytest.mark.process
+pytestmark = [pytest.mark.process, pytest.mark.wall_clock_bound]
 
 END_WITHIN_S = 5.0  # "within seconds": how soon after the fault a run must have ended
 # Servers that ignore the parent-death SIGTERM: the watchdog's grace and SIGKILL, with margin.

@@ -32,7 +32,7 @@ from harness.testing.processes import (
     survivors,
 )
 
-pytestmark = pytest.mark.process
+pytestmark = [pytest.mark.process, pytest.mark.wall_clock_bound]
 
 CRASH_LINE = "FATAL: distinctive-fake-crash-7f3a"
 GONE_TIMEOUT_S = 5.0

@@ -42,7 +42,13 @@ def test_needs_only_the_baseline():
 """
 
 UNIT = """
+import pytest
+
 def test_pure_logic():
+    pass
+
+@pytest.mark.wall_clock_bound
+def test_noticed_within_a_second():
     pass
 """
 
@@ -77,6 +83,7 @@ def test_e2e_items_run_by_topology_with_session_enders_last(pytester: pytest.Pyt
     order = [item.name for item in items]
     assert order == [
         "test_pure_logic",  # every other tier first
+        "test_noticed_within_a_second",
         "test_needs_only_the_baseline",
         "test_sweep_case[1E+1PD]",
         "test_fault_on_1e1pd",
@@ -91,6 +98,7 @@ def test_e2e_items_run_by_topology_with_session_enders_last(pytester: pytest.Pyt
     assert groups["test_through_vllm_proxy"] == groups["test_kills_the_encoder"] == "1E+1PD"
     assert groups["test_nixl"] == "nixl:1P+1D"
     assert "test_pure_logic" not in groups
+    assert "test_noticed_within_a_second" not in groups  # devices: no cores shared with starts
 
 
 def test_on_a_cpu_host_one_xdist_group_takes_every_e2e_item(pytester: pytest.Pytester) -> None:
@@ -101,3 +109,6 @@ def test_on_a_cpu_host_one_xdist_group_takes_every_e2e_item(pytester: pytest.Pyt
     assert set(groups.values()) == {"epd-host"}
     assert len(groups) == len(items) - 1  # every item but the unit test
     assert "test_pure_logic" not in groups
+    # A wall-clock bound runs on that worker too, before any topology starts there.
+    host = [item.name for item in items if item.name in groups]
+    assert host[0] == "test_noticed_within_a_second", host

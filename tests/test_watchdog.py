@@ -23,7 +23,7 @@ from harness.environment import WATCHDOG_ENV
 from harness.serve import watchdog
 from harness.testing.processes import child_env, is_live, seconds_until_gone
 
-pytestmark = pytest.mark.process
+pytestmark = [pytest.mark.process, pytest.mark.wall_clock_bound]
 
 BOUND_S = 30.0
 

@@ -93,6 +93,12 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
+        f"{WALL_CLOCK_BOUND}: the item asserts a wall-clock bound (a death noticed within a "
+        "second, a run ended within seconds): on a CPU host under xdist it runs on the worker "
+        "that runs the e2e items, before them",
+    )
+    config.addinivalue_line(
+        "markers",
         "kv_connector(*names): the item applies only to sessions running one of these KV "
         "connectors (example, nixl); deselected and listed otherwise",
     )
@@ -215,6 +221,11 @@ def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
 
 # The xdist group of every e2e item on a platform whose instances share the host's cores.
 HOST_GROUP = "epd-host"
+# Items whose assertion is a wall-clock bound join that group on such a host. They sort before
+# the e2e items (every other tier does), so that worker runs them before any instance starts:
+# beside three vLLM interpreters importing on two cores, a watchdog took 4.25 s to exit and a
+# fake server had not logged its first line within a second (docs/testing.md).
+WALL_CLOCK_BOUND = "wall_clock_bound"
 
 
 def shares_one_host(config: pytest.Config) -> bool:
@@ -235,11 +246,13 @@ def shares_one_host(config: pytest.Config) -> bool:
 def pytest_itemcollected(item: pytest.Item) -> None:
     """The xdist group of an e2e item, marked as it is collected (before xdist's `--dist
     loadgroup` reads the marks): on devices, one group per topology and the references its
-    cases use; on a shared host, one group for every e2e item."""
+    cases use; on a shared host, one group for every e2e item and every wall-clock bound."""
     group = epd_group(item)
     if group is not None:
         name = HOST_GROUP if shares_one_host(item.config) else group.xdist_name()
         item.add_marker(pytest.mark.xdist_group(name))
+    elif item.get_closest_marker(WALL_CLOCK_BOUND) and shares_one_host(item.config):
+        item.add_marker(pytest.mark.xdist_group(HOST_GROUP))
 
 
 @pytest.hookimpl(trylast=True)
