@@ -213,6 +213,10 @@ def test_xdist_workers_on_a_cpu_host_leave_every_topology_to_one_worker(
     # The worker's verdict table reaches the terminal of the run.
     [worker] = workers
     assert f"EPD verdicts ({worker})" in run.stdout and " MATCH " in run.stdout, run.stdout[-3000:]
+    # So does each instance's start, one line per instance started (8), from that worker.
+    section = run.stdout.split("EPD instance starts", 1)[-1].split("EPD topology starts", 1)[0]
+    lines = [line for line in section.splitlines() if ": ready in " in line]
+    assert len(lines) == 8 and all("; CPU " in line for line in lines), section
 
 
 def tiny_model_dir() -> Path:

@@ -19,6 +19,8 @@ import datetime
 import re
 from pathlib import Path
 
+from harness.outcomes.outcome import InstanceStats
+
 PHASES = ("api_server", "engine_core", "worker", "model_loaded", "kv_cache", "serving")
 # A vLLM log line: "(EngineCore pid=9090) INFO 12-01 15:30:36 [core.py:402] ...".
 _STAMPED = re.compile(
@@ -89,3 +91,14 @@ def describe_startup_cpu(cpu_s: dict[str, float]) -> str:
     # sum but are not named.
     parts = ", ".join(f"{kind} {seconds:.1f}" for kind, seconds in cpu_s.items() if seconds >= 0.05)
     return f"CPU {sum(cpu_s.values()):.1f} s ({parts})"
+
+
+def describe_instance_start(stats: InstanceStats) -> str:
+    """One line per instance: when it was ready, where the time went, what its processes used
+    and the most memory its tree held."""
+    phases = {phase: at for phase, at in stats.timeline.items() if phase != "ready"}
+    return (
+        f"{stats.name}: ready in {stats.startup_s or 0:.1f}s ({describe_timeline(phases)}); "
+        f"{describe_startup_cpu(stats.startup_cpu_s)}; "
+        f"peak RSS {stats.peak_rss_bytes / 2**30:.2f} GiB"
+    )

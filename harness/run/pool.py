@@ -26,8 +26,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.files import write_json_atomic
+from harness.files import write_json_atomic, write_text_atomic
 from harness.outcomes.outcome import InstanceStats
+from harness.outcomes.startup import describe_instance_start
 from harness.serve.entry import proxy_key
 from harness.serve.launch import EventCallback
 from harness.serve.session import ProxiedSession, TopologySession, safe_name
@@ -36,6 +37,9 @@ from harness.spec.settings import LauncherChoice, RunSettings
 from harness.spec.topology import Role, ServingConfig, Topology
 
 STARTS_FILE = "topology-starts.json"
+INSTANCE_STARTS_FILE = (
+    "instance-starts.txt"  # one line per instance started (describe_instance_start)
+)
 log = logging.getLogger(__name__)
 RoleEnv = Mapping[Role, Mapping[str, str]]
 
@@ -328,9 +332,13 @@ class TopologyPool:
         ]
 
     def write_starts(self, run_dir: Path) -> None:
-        """`topology-starts.json`: what a pytest session sums over every pool of its run."""
+        """`topology-starts.json` and `instance-starts.txt`: what a pytest session sums over
+        every pool of its run (every xdist worker's)."""
         if self.starts:
             write_json_atomic(run_dir / STARTS_FILE, self.starts_json())
+        if self.instances:
+            lines = [describe_instance_start(stats) for stats in self.instances]
+            write_text_atomic(run_dir / INSTANCE_STARTS_FILE, "\n".join(lines) + "\n")
 
     # -- internals ---------------------------------------------------------------------------
 

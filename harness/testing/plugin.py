@@ -477,8 +477,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     """The verdict table of whatever the scenarios judged (under xdist, each worker's, as it
-    wrote it), every topology start of the session (all workers), and where the artifacts
-    are."""
+    wrote it), every instance and topology start of the session (all workers), and where the
+    artifacts are."""
     root = Path(config.stash.get(RUN_ROOT_KEY, ""))
     sweep = config.stash.get(SWEEP_KEY, None)
     if sweep is not None:
@@ -486,26 +486,20 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
         terminalreporter.section("EPD verdicts")
         terminalreporter.write_line(format_verdict_table(sweep.result.records))
-        from harness.outcomes.startup import describe_startup_cpu, describe_timeline
-
-        for stats in sweep.pool.instances:
-            phases = {phase: at for phase, at in stats.timeline.items() if phase != "ready"}
-            terminalreporter.write_line(
-                f"{stats.name}: ready in {stats.startup_s or 0:.1f}s ({describe_timeline(phases)}); "
-                f"{describe_startup_cpu(stats.startup_cpu_s)}; "
-                f"peak RSS {stats.peak_rss_bytes / 2**30:.2f} GiB"
-            )
     elif root.is_dir():
         from harness.report.run_outputs import VERDICTS_FILE
 
         for table in sorted(root.glob(f"gw*/{VERDICTS_FILE}")):
             terminalreporter.section(f"EPD verdicts ({table.parent.name})")
             terminalreporter.write_line(table.read_text().rstrip())
-    from harness.run.pool import STARTS_FILE
+    from harness.run.pool import INSTANCE_STARTS_FILE, STARTS_FILE
 
     files = sorted(root.glob(f"**/{STARTS_FILE}")) if root.is_dir() else []
     if not files:
         return
+    terminalreporter.section("EPD instance starts")
+    for lines in sorted(root.glob(f"**/{INSTANCE_STARTS_FILE}")):
+        terminalreporter.write_line(lines.read_text().rstrip())
     starts = [start for path in files for start in json.loads(path.read_text())]
     distinct = {start["topology"] for start in starts}
     terminalreporter.section("EPD topology starts")
