@@ -94,8 +94,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         f"{WALL_CLOCK_BOUND}: the item asserts a wall-clock bound (a death noticed within a "
-        "second, a run ended within seconds): on a CPU host under xdist it runs on the worker "
-        "that runs the e2e items, before them",
+        "second, a run ended within seconds): it runs after the e2e items, on a CPU host under "
+        "xdist on their worker",
     )
     config.addinivalue_line(
         "markers",
@@ -150,7 +150,8 @@ def ends_session(item: pytest.Item) -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`--epd-topology` keeps the e2e items of those topologies, a `kv_connector(...)` marker
     keeps an item only for a session that runs one of those connectors (listed, never
-    silently); then every other tier first, in collection order, and the e2e items by group."""
+    silently); then every other tier first, in collection order, the e2e items by group, and
+    the wall-clock bounds last."""
     wanted = {
         n.strip() for n in (config.getoption("--epd-topology", None) or "").split(",") if n.strip()
     }
@@ -171,10 +172,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     position = {id(item): n for n, item in enumerate(items)}
 
     def key(item: pytest.Item) -> tuple:
-        """Within one running topology: every proxy's items, then those that end it."""
+        """Every other tier, then the e2e items (within one running topology: every proxy's
+        items, then those that end it), then the wall-clock bounds."""
         group = epd_group(item)
         if group is None:
-            return (0, (), False, "", position[id(item)])
+            tier = 2 if item.get_closest_marker(WALL_CLOCK_BOUND) else 0
+            return (tier, (), False, "", position[id(item)])
         return (1, group.order(), ends_session(item), group.proxy, position[id(item)])
 
     items.sort(key=key)
@@ -221,10 +224,11 @@ def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
 
 # The xdist group of every e2e item on a platform whose instances share the host's cores.
 HOST_GROUP = "epd-host"
-# Items whose assertion is a wall-clock bound join that group on such a host. They sort before
-# the e2e items (every other tier does), so that worker runs them before any instance starts:
-# beside three vLLM interpreters importing on two cores, a watchdog took 4.25 s to exit and a
-# fake server had not logged its first line within a second (docs/testing.md).
+# Items whose assertion is a wall-clock bound join that group on such a host, and sort after
+# the e2e items: that worker runs them once its topologies have served and the other workers,
+# which finish sooner, have left the cores idle. Beside three vLLM interpreters importing on two
+# cores a watchdog took 4.25 s to exit and a fake server had not logged its first line within a
+# second (docs/testing.md).
 WALL_CLOCK_BOUND = "wall_clock_bound"
 
 
