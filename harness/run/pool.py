@@ -37,9 +37,8 @@ from harness.spec.settings import LauncherChoice, RunSettings
 from harness.spec.topology import Role, ServingConfig, Topology
 
 STARTS_FILE = "topology-starts.json"
-INSTANCE_STARTS_FILE = (
-    "instance-starts.txt"  # one line per instance started (describe_instance_start)
-)
+# One line per instance started (`describe_instance_start`): what pytest prints at the end.
+INSTANCE_STARTS_FILE = "instance-starts.txt"
 log = logging.getLogger(__name__)
 RoleEnv = Mapping[Role, Mapping[str, str]]
 
