@@ -36,7 +36,7 @@ from harness.testing.fake_vllm import MODE_ENV, fake_run_settings
 from harness.testing.processes import describe, kill_all, seconds_until_gone
 from harness.testing.ray_driver import end_driver, raylet_of, start_driver, tree_of
 
-pytestmark = pytest.mark.process
+pytestmark = [pytest.mark.process, pytest.mark.wall_clock_bound]
 
 GONE_WITHIN_S = 30.0  # the issue's bound for every process of a run after a SIGKILL
 # Ray declares a node dead after its health checks fail for a while; the harness's poll of an
@@ -50,7 +50,10 @@ IMAGE_BODY = render_request(SKELETON_PROMPTS[1], "epd-model")
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayCluster]:
-    """One rehearsal cluster for the module; the harness (this process) connects at first use."""
+    """One rehearsal cluster for the module; the harness (this process) connects at first use.
+    These tests run after the e2e items (wall-clock bounds), so an e2e Ray scenario may have left
+    this process connected to its own cluster until the session ends: one cluster per harness."""
+    close_runtime()
     with LocalRayCluster(tmp_path_factory.mktemp("ray") / "nodes") as nodes:
         try:
             yield nodes

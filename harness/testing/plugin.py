@@ -93,9 +93,9 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
-        f"{WALL_CLOCK_BOUND}: the item asserts a wall-clock bound (a death noticed within a "
-        "second, a run ended within seconds): it runs after the e2e items, on a CPU host under "
-        "xdist on their worker",
+        f"{WALL_CLOCK_BOUND}: the item is under a wall-clock bound (a death noticed within a "
+        "second, a Ray node registered within Ray's 30 s): it runs after the e2e items, on a CPU "
+        "host under xdist on their worker",
     )
     config.addinivalue_line(
         "markers",
@@ -224,11 +224,12 @@ def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
 
 # The xdist group of every e2e item on a platform whose instances share the host's cores.
 HOST_GROUP = "epd-host"
-# Items whose assertion is a wall-clock bound join that group on such a host, and sort after
-# the e2e items: that worker runs them once its topologies have served and the other workers,
-# which finish sooner, have left the cores idle. Beside three vLLM interpreters importing on two
-# cores a watchdog took 4.25 s to exit and a fake server had not logged its first line within a
-# second (docs/testing.md).
+# Items under a wall-clock bound (their own assertion's, or one inside what they start: Ray
+# gives a node's raylet 30 s to register) join that group on such a host, and sort after the e2e
+# items: that worker runs them once its topologies have served and the other workers, which
+# finish sooner, have left the cores idle. Beside three vLLM interpreters importing on two cores
+# a watchdog took 4.25 s to exit, a fake server had not logged its first line within a second,
+# and a Ray node's raylet did not register within Ray's 30 s (docs/testing.md).
 WALL_CLOCK_BOUND = "wall_clock_bound"
 
 
