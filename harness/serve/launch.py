@@ -319,11 +319,16 @@ class ManagedServer:
         three interpreters importing torch and vLLM one after another; this says what each
         cost. Sampled with the peak RSS (a process that ended between samples keeps its last
         sample); empty if the server was never sampled while alive."""
+        return self.sampled_usage()[1]
+
+    def sampled_usage(self) -> tuple[int, dict[str, float]]:
+        """`peak_rss_bytes()` and `cpu_seconds()` from one sample of the tree (a Ray agent's
+        poll wants both)."""
         self._sample_tree()
         totals: dict[str, float] = {}
         for kind, seconds in self._cpu_by_pid.values():
             totals[kind] = round(totals.get(kind, 0.0) + seconds, 2)
-        return totals
+        return self._peak_rss_bytes, totals
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM the group, wait up to `grace_s`, then SIGKILL; return once nothing is left.

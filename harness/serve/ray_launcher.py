@@ -287,14 +287,14 @@ class InstanceAgent:
         server = self.server
         if server is None:
             return {"exit": None, "data": b"", "rss": 0, "cpu": {}}
-        rss = server.peak_rss_bytes()  # samples the tree: stop() reaches what left the group
+        rss, cpu = server.sampled_usage()  # the sample also lets stop() reach what left the group
         try:
             with open(server.command.log_path, "rb") as log_file:
                 log_file.seek(offset)
                 data = log_file.read(LOG_CHUNK_BYTES)
         except FileNotFoundError:
             data = b""
-        return {"exit": server.exit_code, "data": data, "rss": rss, "cpu": server.cpu_seconds()}
+        return {"exit": server.exit_code, "data": data, "rss": rss, "cpu": cpu}
 
     def listening(self) -> list[tuple[str, int]]:
         """Every (address, port) the server's process tree listens on."""
