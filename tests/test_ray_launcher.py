@@ -36,7 +36,9 @@ from harness.testing.fake_vllm import MODE_ENV, fake_run_settings
 from harness.testing.processes import describe, kill_all, seconds_until_gone
 from harness.testing.ray_driver import end_driver, raylet_of, start_driver, tree_of
 
-pytestmark = [pytest.mark.process, pytest.mark.wall_clock_bound]
+# Under xdist on a CPU host the e2e items' worker runs these before its first topology, while
+# another worker runs the other wall-clock bounds (harness/testing/plugin.py).
+pytestmark = [pytest.mark.process, pytest.mark.wall_clock_bound(on_e2e_worker=True)]
 
 GONE_WITHIN_S = 30.0  # the issue's bound for every process of a run after a SIGKILL
 # Ray declares a node dead after its health checks fail for a while; the harness's poll of an
@@ -51,8 +53,8 @@ IMAGE_BODY = render_request(SKELETON_PROMPTS[1], "epd-model")
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayCluster]:
     """One rehearsal cluster for the module; the harness (this process) connects at first use.
-    These tests run after the e2e items (wall-clock bounds), so an e2e Ray scenario may have left
-    this process connected to its own cluster until the session ends: one cluster per harness."""
+    An e2e Ray scenario that ran earlier in this process keeps its own cluster's connection until
+    the session ends, and a harness has one cluster: that connection ends first."""
     close_runtime()
     with LocalRayCluster(tmp_path_factory.mktemp("ray") / "nodes") as nodes:
         try:

@@ -50,6 +50,10 @@ def test_pure_logic():
 @pytest.mark.wall_clock_bound
 def test_noticed_within_a_second():
     pass
+
+@pytest.mark.wall_clock_bound(on_e2e_worker=True)
+def test_rehearsal_cluster_registered_within_30s():
+    pass
 """
 
 
@@ -82,7 +86,9 @@ def test_e2e_items_run_by_topology_with_session_enders_last(pytester: pytest.Pyt
     items = collected(pytester, "--epd-platform", "cuda")
     order = [item.name for item in items]
     assert order == [
-        "test_pure_logic",  # every other tier first
+        "test_noticed_within_a_second",  # wall-clock bounds before any start
+        "test_rehearsal_cluster_registered_within_30s",
+        "test_pure_logic",  # then every other tier
         "test_needs_only_the_baseline",
         "test_sweep_case[1E+1PD]",
         "test_fault_on_1e1pd",
@@ -91,7 +97,6 @@ def test_e2e_items_run_by_topology_with_session_enders_last(pytester: pytest.Pyt
         "test_sweep_case[1P+1D]",
         "test_sweep_case[1E+1P+1D]",
         "test_nixl",  # other instances (another KV connector) after every default one
-        "test_noticed_within_a_second",  # wall-clock bounds after every start
     ], order
     groups = xdist_groups(items)
     assert groups["test_sweep_case[1E+1P+1D]"] == groups["test_sweep_case[1P+1D]"] == "1P+1D"
@@ -99,16 +104,37 @@ def test_e2e_items_run_by_topology_with_session_enders_last(pytester: pytest.Pyt
     assert groups["test_nixl"] == "nixl:1P+1D"
     assert "test_pure_logic" not in groups
     assert "test_noticed_within_a_second" not in groups  # devices: no cores shared with starts
+    assert "test_rehearsal_cluster_registered_within_30s" not in groups
 
 
 def test_on_a_cpu_host_one_xdist_group_takes_every_e2e_item(pytester: pytest.Pytester) -> None:
     """The CPU host is one slot: one worker starts every topology once, the other workers run
-    the harness's own tests beside it."""
+    the harness's own tests beside it; the wall-clock bounds open the session on two workers."""
     items = collected(pytester)  # the default platform: cpu
     groups = xdist_groups(items)
-    assert set(groups.values()) == {"epd-host"}
+    assert set(groups.values()) == {"epd-host", "epd-wall-clock"}
     assert len(groups) == len(items) - 1  # every item but the unit test
     assert "test_pure_logic" not in groups
-    # A wall-clock bound runs on that worker too, once every topology there has run.
-    host = [item.name for item in items if item.name in groups]
-    assert host[-1] == "test_noticed_within_a_second", host
+    assert groups["test_noticed_within_a_second"] == "epd-wall-clock"
+    # One marked for the e2e worker runs there, before its first topology starts.
+    host = [item.name for item in items if groups.get(item.name) == "epd-host"]
+    assert host[0] == "test_rehearsal_cluster_registered_within_30s", host
+    assert len(host) == len(items) - 2
+
+
+def test_a_wall_clock_bound_refuses_what_it_does_not_know(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(
+        test_c_bad="""
+import pytest
+
+@pytest.mark.wall_clock_bound(on_e2e_worker="yes")
+def test_bad_value():
+    pass
+"""
+    )
+    run = pytester.runpytest("--collect-only", "-p", "no:cacheprovider")
+    assert run.ret != 0
+    run.stderr.fnmatch_lines(
+        ["*test_bad_value: wall_clock_bound takes only on_e2e_worker=True or False, not 'yes'*"]
+    )

@@ -93,9 +93,10 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
-        f"{WALL_CLOCK_BOUND}: the item is under a wall-clock bound (a death noticed within a "
-        "second, a Ray node registered within Ray's 30 s): it runs after the e2e items, on a CPU "
-        "host under xdist on their worker",
+        f"{WALL_CLOCK_BOUND}(on_e2e_worker=False): the item is under a wall-clock bound (a "
+        "death noticed within a second, a Ray node registered within Ray's 30 s): it runs "
+        "before any topology starts; on a CPU host under xdist first on a worker of its own, or "
+        "with on_e2e_worker=True first on the e2e items' worker",
     )
     config.addinivalue_line(
         "markers",
@@ -150,8 +151,8 @@ def ends_session(item: pytest.Item) -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`--epd-topology` keeps the e2e items of those topologies, a `kv_connector(...)` marker
     keeps an item only for a session that runs one of those connectors (listed, never
-    silently); then every other tier first, in collection order, the e2e items by group, and
-    the wall-clock bounds last."""
+    silently); then the wall-clock bounds, every other tier in collection order, and the e2e
+    items by group."""
     wanted = {
         n.strip() for n in (config.getoption("--epd-topology", None) or "").split(",") if n.strip()
     }
@@ -172,13 +173,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     position = {id(item): n for n, item in enumerate(items)}
 
     def key(item: pytest.Item) -> tuple:
-        """Every other tier, then the e2e items (within one running topology: every proxy's
-        items, then those that end it), then the wall-clock bounds."""
+        """The wall-clock bounds, every other tier, then the e2e items (within one running
+        topology: every proxy's items, then those that end it)."""
         group = epd_group(item)
         if group is None:
-            tier = 2 if item.get_closest_marker(WALL_CLOCK_BOUND) else 0
+            tier = 0 if item.get_closest_marker(WALL_CLOCK_BOUND) else 1
             return (tier, (), False, "", position[id(item)])
-        return (1, group.order(), ends_session(item), group.proxy, position[id(item)])
+        return (2, group.order(), ends_session(item), group.proxy, position[id(item)])
 
     items.sort(key=key)
     # The prompts the selected scenario modules need the baseline to answer: one baseline
@@ -225,12 +226,16 @@ def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
 # The xdist group of every e2e item on a platform whose instances share the host's cores.
 HOST_GROUP = "epd-host"
 # Items under a wall-clock bound (their own assertion's, or one inside what they start: Ray
-# gives a node's raylet 30 s to register) join that group on such a host, and sort after the e2e
-# items: that worker runs them once its topologies have served and the other workers, which
-# finish sooner, have left the cores idle. Beside three vLLM interpreters importing on two cores
-# a watchdog took 4.25 s to exit, a fake server had not logged its first line within a second,
-# and a Ray node's raylet did not register within Ray's 30 s (docs/testing.md).
+# gives a node's raylet 30 s to register) sort first, so they run before any vLLM instance
+# starts: beside three vLLM interpreters importing on two cores a watchdog took 4.25 s to exit,
+# a fake server had not logged its first line within a second, and a Ray node's raylet did not
+# register within Ray's 30 s (docs/testing.md). On such a host under xdist they are split over
+# two workers so that neither idles while the other waits on timeouts: those marked
+# `on_e2e_worker=True` join HOST_GROUP (that worker runs them before its first topology), the
+# others form CLOCK_GROUP. xdist's `--dist loadgroup` hands the largest groups out first, one per
+# worker, so both run from the session's start, side by side with no vLLM instance running.
 WALL_CLOCK_BOUND = "wall_clock_bound"
+CLOCK_GROUP = "epd-wall-clock"
 
 
 def shares_one_host(config: pytest.Config) -> bool:
@@ -251,13 +256,29 @@ def shares_one_host(config: pytest.Config) -> bool:
 def pytest_itemcollected(item: pytest.Item) -> None:
     """The xdist group of an e2e item, marked as it is collected (before xdist's `--dist
     loadgroup` reads the marks): on devices, one group per topology and the references its
-    cases use; on a shared host, one group for every e2e item and every wall-clock bound."""
+    cases use; on a shared host, one group for every e2e item (and the wall-clock bounds marked
+    to run on its worker) and one for the other wall-clock bounds."""
     group = epd_group(item)
+    bound = item.get_closest_marker(WALL_CLOCK_BOUND)
     if group is not None:
         name = HOST_GROUP if shares_one_host(item.config) else group.xdist_name()
         item.add_marker(pytest.mark.xdist_group(name))
-    elif item.get_closest_marker(WALL_CLOCK_BOUND) and shares_one_host(item.config):
-        item.add_marker(pytest.mark.xdist_group(HOST_GROUP))
+    elif bound is not None and shares_one_host(item.config):
+        name = HOST_GROUP if on_e2e_worker(item, bound) else CLOCK_GROUP
+        item.add_marker(pytest.mark.xdist_group(name))
+
+
+def on_e2e_worker(item: pytest.Item, bound: pytest.Mark) -> bool:
+    """The `on_e2e_worker` of a `wall_clock_bound` mark; anything else on the mark is refused,
+    never dropped."""
+    extra = [repr(a) for a in bound.args] + [k for k in bound.kwargs if k != "on_e2e_worker"]
+    value = bound.kwargs.get("on_e2e_worker", False)
+    if extra or not isinstance(value, bool):
+        raise pytest.UsageError(
+            f"{item.nodeid}: {WALL_CLOCK_BOUND} takes only on_e2e_worker=True or False, "
+            f"not {', '.join(extra) or repr(value)}"
+        )
+    return value
 
 
 @pytest.hookimpl(trylast=True)
