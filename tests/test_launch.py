@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,12 +16,14 @@ import psutil
 import pytest
 
 from harness.serve.launch import (
+    HEALTH_REQUEST_TIMEOUT_S,
     STARTUP_STOP_GRACE_S,
     ManagedServer,
     ServerCommand,
     ServerDied,
     ServerGroup,
     StartupTimeout,
+    keep_earlier_log,
     log_path_for,
 )
 from harness.serve.ports import reserve_ports
@@ -212,8 +215,27 @@ def test_never_ready_raises_startup_timeout_naming_the_server(make_server) -> No
     message = str(timed_out.value)
     assert "not ready after 1.5 s (timeout 1.5 s): 1P+1D/prefill0" in message
     assert "fake server pid" in message  # the log tail
+    assert "/health, last probe: connection refused" in message  # nothing listened
     assert timed_out.value.names == ("1P+1D/prefill0",)
     assert server.is_alive()
+
+
+def test_a_listener_that_never_answers_is_named_as_such_at_the_timeout(make_server) -> None:
+    """A start that times out says what its health URL met: here something listens on the port
+    (the kernel accepts the connection) but nothing answers."""
+    server = make_server("1P+1D/prefill0", mode="never-ready")
+    port = int(server.command.health_url.split(":")[2].split("/")[0])
+    server.port_lease.hand_over()
+    with socket.socket() as mute:
+        mute.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        mute.bind(("127.0.0.1", port))
+        mute.listen(8)  # never accepts
+        server.start()
+        with pytest.raises(StartupTimeout) as timed_out:
+            server.wait_until_ready(timeout_s=2.5)
+    assert f"/health, last probe: no answer within {HEALTH_REQUEST_TIMEOUT_S} s" in str(
+        timed_out.value
+    )
 
 
 def test_a_health_answer_from_a_program_that_took_the_port_is_not_readiness(
@@ -233,9 +255,13 @@ def test_a_health_answer_from_a_program_that_took_the_port_is_not_readiness(
             assert time.monotonic() < deadline, "the intruder never answered"
             time.sleep(0.05)
         server.start()
-        with pytest.raises(StartupTimeout):
+        with pytest.raises(StartupTimeout) as timed_out:
             server.wait_until_ready(timeout_s=1.5)
         assert not server.owns_health_port()
+        assert (
+            "last probe: a 2xx answer, but the server's own processes do not listen on the port"
+            in str(timed_out.value)
+        )
     finally:
         intruder.kill()
         intruder.wait()
@@ -461,6 +487,29 @@ def test_server_command_normalises_its_fields(tmp_path: Path) -> None:
 def test_log_path_for_makes_a_flat_readable_file_name(tmp_path: Path) -> None:
     assert log_path_for(tmp_path, "1E+1P+1D/encoder0") == tmp_path / "1E-1P-1D__encoder0.log"
     assert log_path_for(tmp_path, "a b:c") == tmp_path / "a_b_c.log"
+
+
+def test_a_second_start_keeps_the_first_starts_log(tmp_path: Path) -> None:
+    """A pool's restart reuses the server's name: the log of the start that failed stays."""
+    for attempt in ("first", "second", "third"):
+        command = ServerCommand(
+            name="1P+1D/prefill0",
+            argv=[sys.executable, "-c", f"print('{attempt} start')"],
+            health_url="http://127.0.0.1:1/health",
+            log_path=log_path_for(tmp_path, "1P+1D/prefill0"),
+        )
+        server = ManagedServer(command)
+        server.start()
+        deadline = time.monotonic() + 30
+        while server.exit_code is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server.stop()
+    logs = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert sorted(logs) == ["1P-1D__prefill0.1.log", "1P-1D__prefill0.2.log", "1P-1D__prefill0.log"]
+    assert "first start" in logs["1P-1D__prefill0.1.log"]
+    assert "second start" in logs["1P-1D__prefill0.2.log"]
+    assert "third start" in logs["1P-1D__prefill0.log"]
+    assert keep_earlier_log(tmp_path / "never.log") is None
 
 
 def test_log_header_redacts_credentials_but_the_server_gets_them(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import http.client
+import itertools
 import os
 import re
 import shlex
@@ -35,6 +36,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -126,6 +128,22 @@ def log_path_for(log_dir: Path, name: str) -> Path:
     return log_dir / f"{safe}.log"
 
 
+def keep_earlier_log(path: Path) -> Path | None:
+    """Move the log of an earlier start of the same server out of the way, to <name>.<n>.log
+    (n counting up from 1), and return where it went (None: there was none).
+
+    A pool starts a topology again under the same names after an instance died or a start
+    timed out; the new start must not overwrite the log that shows why it was needed."""
+    if not path.exists():
+        return None
+    for n in itertools.count(1):
+        kept = path.with_name(f"{path.stem}.{n}{path.suffix}")
+        if not kept.exists():
+            path.rename(kept)
+            return kept
+    raise AssertionError("unreachable")
+
+
 class ManagedServer:
     """One server process: spawned in its own session, watched for death, stopped completely.
 
@@ -208,6 +226,7 @@ class ManagedServer:
             raise RuntimeError(f"{self.name}: a ManagedServer starts once; it is already {state}")
         command = self.command
         command.log_path.parent.mkdir(parents=True, exist_ok=True)
+        keep_earlier_log(command.log_path)
         with open(command.log_path, "wb") as log:
             log.write(f"# epd-harness: {command.name}: {shlex.join(command.argv)}\n".encode())
             if command.env:
@@ -238,7 +257,11 @@ class ManagedServer:
 
     def probe_health(self) -> bool:
         """One GET of the health URL: True on a 2xx answer, False on any error or timeout."""
-        return probe_health_url(self.command.health_url)
+        return self.health_probe_failure() is None
+
+    def health_probe_failure(self) -> str | None:
+        """One GET of the health URL: None on a 2xx answer, else what went wrong."""
+        return health_probe_failure(self.command.health_url)
 
     def owns_health_port(self) -> bool:
         """Its own process tree listens on the health URL's port. A port is leased from the
@@ -553,19 +576,29 @@ def await_ready(
     started = time.monotonic()
     deadline = started + timeout_s
     pending = [server for server in servers if server.startup_seconds is None]
+    last_probe: dict[str, str] = {}  # what the last probe of a pending server met
     while True:
         for server in servers:
             server.check_alive()
         for server in list(pending):
-            if server.probe_health() and server.owns_health_port():
+            failure = server.health_probe_failure()
+            if failure is None and server.owns_health_port():
                 server._mark_ready()
                 pending.remove(server)
                 on_ready(server)
+            else:
+                last_probe[server.name] = failure or (
+                    "a 2xx answer, but the server's own processes do not listen on the port"
+                )
         if not pending:
             return
         now = time.monotonic()
         if now >= deadline:
-            evidence = "\n".join(server._log_evidence() for server in pending)
+            evidence = "\n".join(
+                f"--- {server.command.health_url}, last probe: {last_probe.get(server.name)}\n"
+                + server._log_evidence()
+                for server in pending
+            )
             names = tuple(server.name for server in pending)
             raise StartupTimeout(
                 f"not ready after {now - started:.1f} s (timeout {timeout_s} s): "
@@ -575,14 +608,26 @@ def await_ready(
         time.sleep(min(HEALTH_POLL_INTERVAL_S, deadline - now))
 
 
-def probe_health_url(url: str) -> bool:
-    """One GET of `url`, straight to it (no HTTP proxy): True on a 2xx answer, False on any
-    error or timeout."""
+def health_probe_failure(url: str) -> str | None:
+    """One GET of `url`, straight to it: None on a 2xx answer, else what went wrong, in words
+    ("connection refused", "no answer within 1.0 s", "HTTP 503"), for a start that times out
+    to say whether nothing listened, something listened and did not answer, or it said no."""
     try:
         with _DIRECT_OPENER.open(url, timeout=HEALTH_REQUEST_TIMEOUT_S) as response:
-            return 200 <= response.status < 300
-    except (OSError, http.client.HTTPException, ValueError):  # refused, reset, 4xx/5xx, no URL
-        return False
+            return None if 200 <= response.status < 300 else f"HTTP {response.status}"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}"
+    except TimeoutError:
+        return f"no answer within {HEALTH_REQUEST_TIMEOUT_S} s"
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        if isinstance(reason, TimeoutError):
+            return f"no answer within {HEALTH_REQUEST_TIMEOUT_S} s"
+        if isinstance(reason, ConnectionRefusedError):
+            return "connection refused"
+        return str(reason)
+    except (OSError, http.client.HTTPException, ValueError) as exc:  # reset, bad answer, no URL
+        return f"{type(exc).__name__}: {exc}"
 
 
 def log_size(path: Path) -> int:

@@ -70,8 +70,9 @@ from harness.serve.launch import (
     ServerDied,
     await_ready,
     describe_exit,
+    health_probe_failure,
+    keep_earlier_log,
     log_size,
-    probe_health_url,
     read_log_from,
     read_log_tail,
 )
@@ -401,6 +402,7 @@ class RayServer:
         command.log_path.parent.mkdir(parents=True, exist_ok=True)
         additions = " ".join(f"{k}={v}" for k, v in sorted(redact_env(command.env).items()))
         node = self.node
+        keep_earlier_log(command.log_path)
         with open(command.log_path, "wb") as mirror:
             mirror.write(
                 f"# epd-harness: {command.name}: {' '.join(command.argv)}\n"
@@ -423,7 +425,10 @@ class RayServer:
         self._spawned_wall_s = started.get("spawned_wall_s")
 
     def probe_health(self) -> bool:
-        return probe_health_url(self.command.health_url)
+        return self.health_probe_failure() is None
+
+    def health_probe_failure(self) -> str | None:
+        return health_probe_failure(self.command.health_url)
 
     def owns_health_port(self) -> bool:
         """Asked on the node: an answer from another program on the port is no readiness."""
