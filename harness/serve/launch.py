@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import http.client
-import itertools
 import os
 import re
 import shlex
@@ -136,12 +135,11 @@ def keep_earlier_log(path: Path) -> Path | None:
     timed out; the new start must not overwrite the log that shows why it was needed."""
     if not path.exists():
         return None
-    for n in itertools.count(1):
-        kept = path.with_name(f"{path.stem}.{n}{path.suffix}")
-        if not kept.exists():
-            path.rename(kept)
-            return kept
-    raise AssertionError("unreachable")
+    n = 1
+    while (kept := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    path.rename(kept)
+    return kept
 
 
 class ManagedServer:
@@ -617,17 +615,14 @@ def health_probe_failure(url: str) -> str | None:
             return None if 200 <= response.status < 300 else f"HTTP {response.status}"
     except urllib.error.HTTPError as exc:
         return f"HTTP {exc.code}"
-    except TimeoutError:
-        return f"no answer within {HEALTH_REQUEST_TIMEOUT_S} s"
-    except urllib.error.URLError as exc:
-        reason = exc.reason
-        if isinstance(reason, TimeoutError):
+    except (OSError, http.client.HTTPException, ValueError) as exc:  # refused, reset, no URL
+        # urllib wraps what the socket met (a refusal, a timeout) in a URLError's reason.
+        cause = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        if isinstance(cause, TimeoutError):
             return f"no answer within {HEALTH_REQUEST_TIMEOUT_S} s"
-        if isinstance(reason, ConnectionRefusedError):
+        if isinstance(cause, ConnectionRefusedError):
             return "connection refused"
-        return str(reason)
-    except (OSError, http.client.HTTPException, ValueError) as exc:  # reset, bad answer, no URL
-        return f"{type(exc).__name__}: {exc}"
+        return f"{type(cause).__name__}: {cause}"
 
 
 def log_size(path: Path) -> int:

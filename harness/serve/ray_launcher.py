@@ -424,9 +424,6 @@ class RayServer:
         self._spawned_at = time.monotonic()
         self._spawned_wall_s = started.get("spawned_wall_s")
 
-    def probe_health(self) -> bool:
-        return self.health_probe_failure() is None
-
     def health_probe_failure(self) -> str | None:
         return health_probe_failure(self.command.health_url)
 
