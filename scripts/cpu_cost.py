@@ -3,7 +3,7 @@
 work could take on a number of cores.
 
 CI's pytest time on a 2-core host is bounded below by the CPU its tests need, however they are
-spread over xdist workers: a start of real vLLM on CPU is three interpreters importing torch and
+spread over xdist workers: a start of real vLLM on CPU is two interpreters importing torch and
 vLLM, and most of the e2e selection's CPU is spent inside vLLM's own processes. This measures
 that bound instead of guessing it. The count is the whole host's busy time (/proc/stat), so it
 includes what the command's processes leave behind or what Ray starts outside its tree, and

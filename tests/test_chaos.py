@@ -411,6 +411,7 @@ class Trial:
     procs: list[psutil.Process] = field(default_factory=list)  # servers and forked children
     ports: list[int] = field(default_factory=list)
     watchdog: psutil.Process | None = None  # the driver's, if it started one
+    ended_at: float = 0.0  # epoch seconds: a process born later cannot be the trial's
 
 
 @dataclass(frozen=True)
@@ -495,6 +496,7 @@ def run_trial(kind: str, tmp_path: Path, fake: Path, gone_within_s: float | None
         if kind.startswith("harness-sigkilled"):  # the end is the servers' end
             survivors(trial.procs, spec.end_within_s if gone_within_s is None else gone_within_s)
         trial.ended_s = time.monotonic() - started
+        trial.ended_at = time.time()
         trial.output += [json.loads(line) for line in rest.splitlines() if line.startswith("{")]
         trial.code = driver.returncode
     finally:
@@ -532,7 +534,7 @@ def check_trial(trial: Trial, port_locks: Path) -> list[str]:
     if alive:
         kill_all(alive)
         problems.append(f"left behind: {describe(alive)}")
-    held = held_ports(trial.ports, port_locks)
+    held = held_ports(trial.ports, port_locks, born_before=trial.ended_at)
     if held:
         problems.append(f"ports still held: {held}")
     # The driver's exit (or, after its SIGKILL, its servers' end) ends the watchdog at once.
@@ -636,6 +638,35 @@ def test_parallel_workers_never_share_http_or_side_channel_ports(
     assert sizes == [5] * 4, f"3 HTTP + 2 side-channel ports each: {reports}"
     assert len(set(ports)) == len(ports), f"a port was handed out twice: {reports}"
     assert not held_ports(ports, port_locks), "an exited worker's leases must be gone"
+
+
+def test_a_port_taken_by_a_process_born_after_the_trial_is_not_a_leftover(
+    tmp_path: Path,
+) -> None:
+    """Under xdist another test may bind a port a trial gave back: that is not the trial's."""
+    listener = subprocess.Popen(
+        [sys.executable, "-c", LISTENER],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        port = int(listener.stdout.readline())
+        born = psutil.Process(listener.pid).create_time()
+        assert held_ports([port], tmp_path, born_before=born + 1.0) == [
+            f"{port} (LISTEN pid {listener.pid})"
+        ]
+        assert held_ports([port], tmp_path, born_before=born - 1.0) == []
+    finally:
+        listener.kill()
+        listener.wait(timeout=10)
+        listener.stdout.close()
+
+
+LISTENER = (
+    "import socket, time\n"
+    "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+    "print(s.getsockname()[1], flush=True); time.sleep(60)"
+)
 
 
 # -- the whole CLI in-process, with fake servers ---------------------------------------------

@@ -125,7 +125,9 @@ def make_server(tmp_path: Path) -> Iterator[Callable[..., ManagedServer]]:
     """Build fake servers on leased ports; every one is stopped at teardown, whatever happened."""
     servers: list[ManagedServer] = []
 
-    def make(name: str, mode: str = "serve", delay_s: float = 0.2) -> ManagedServer:
+    def make(
+        name: str, mode: str = "serve", delay_s: float = 0.2, cpu_affinity: tuple[int, ...] = ()
+    ) -> ManagedServer:
         (lease,) = reserve_ports(1, lock_dir=tmp_path / "port-locks")
         command = ServerCommand(
             name=name,
@@ -133,6 +135,7 @@ def make_server(tmp_path: Path) -> Iterator[Callable[..., ManagedServer]]:
             health_url=f"http://127.0.0.1:{lease.port}/health",
             log_path=log_path_for(tmp_path / "logs", name),
             env={"EPD_FAKE_SERVER": "1"},
+            cpu_affinity=cpu_affinity,
         )
         server = ManagedServer(command, port_lease=lease)
         servers.append(server)
@@ -203,6 +206,28 @@ def test_orphans_of_a_dead_server_are_stopped_too(make_server) -> None:
     # The one in the group falls to killpg; the one in its own session only to the psutil
     # record taken while the server was still alive.
     assert all(is_gone(pid) for pid in children)
+
+
+def test_cpu_affinity_confines_the_server_and_what_it_starts(make_server) -> None:
+    core = min(os.sched_getaffinity(0))
+    server = make_server("confined", mode="children", cpu_affinity=(core,))
+    server.start()
+    server.wait_until_ready(timeout_s=20)
+    children = [int(pid) for pid in wait_for_log(server, r"CHILD (\d+)", count=2)]
+    for pid in [server.pid, *children]:
+        assert os.sched_getaffinity(pid) == {core}, pid
+    assert f"CPU affinity: {core}" in server.command.log_path.read_text()
+    unconfined = make_server("unconfined")
+    unconfined.start()
+    assert os.sched_getaffinity(unconfined.pid) == os.sched_getaffinity(0)
+
+
+def test_cpu_affinity_this_process_may_not_use_is_refused_before_the_spawn(make_server) -> None:
+    outside = max(os.sched_getaffinity(0)) + 1
+    server = make_server("1P+1D/decode0", cpu_affinity=(outside,))
+    with pytest.raises(ValueError, match=rf"1P\+1D/decode0: CPU affinity {outside} .*: {outside}$"):
+        server.start()
+    assert server.pid is None
 
 
 def test_never_ready_raises_startup_timeout_naming_the_server(make_server) -> None:

@@ -14,7 +14,7 @@ import pytest
 from harness.environment import LOOPBACK_HOST
 from harness.spec.instances import InstanceSpec
 from harness.spec.placement import place_instances
-from harness.spec.platforms import CPU
+from harness.spec.platforms import CPU, CUDA
 from harness.spec.topology import TOPOLOGIES, Role, ServingConfig, get_topology
 
 pytestmark = pytest.mark.unit
@@ -219,13 +219,18 @@ def test_host_defaults_to_loopback(rendered) -> None:
 # --- environment -----------------------------------------------------------------------------
 
 
-def test_env_binds_the_instance_core_and_shares_the_thread_count(tmp_path: Path) -> None:
+def test_cpu_instances_run_on_every_core_with_the_worker_in_the_engine_core(
+    tmp_path: Path,
+) -> None:
     topology = get_topology("1E+1P+1D")
-    specs = place_instances(topology, SERVING, CPU, [21200, 21201, 21202], tmp_path, (4, 7))
+    specs = place_instances(topology, SERVING, CPU, [21200, 21201, 21202], tmp_path, (7, 4))
     envs = [s.env() for s in specs]
-    assert [e["VLLM_CPU_OMP_THREADS_BIND"] for e in envs] == ["4", "7", "4"]
+    assert [s.cpu_affinity for s in specs] == [(4, 7)] * 3
     for spec, env in zip(specs, envs):
-        assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(spec.devices[0])
+        # vLLM's `uni` executor binds no OMP threads: a binding variable would be ignored.
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in env
+        assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        assert flag_value(spec.argv(), "--distributed-executor-backend") == "uni"
         assert all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
         assert env["HF_HUB_OFFLINE"] == "1"
     baseline_env = place_instances(
@@ -233,6 +238,16 @@ def test_env_binds_the_instance_core_and_shares_the_thread_count(tmp_path: Path)
     )[0].env()
     thread_counts = {e["OMP_NUM_THREADS"] for e in [*envs, baseline_env]}
     assert thread_counts == {"1"}
+
+
+def test_gpu_instances_keep_vllms_own_executor_and_no_cpu_affinity(tmp_path: Path) -> None:
+    specs = place_instances(
+        get_topology("1E+1P+1D"), SERVING, CUDA, [21200, 21201, 21202], tmp_path, (0, 1, 2)
+    )
+    for spec in specs:
+        assert spec.cpu_affinity == ()
+        assert "--distributed-executor-backend" not in spec.argv()
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in spec.env()
 
 
 # --- place_instances -------------------------------------------------------------------------
@@ -246,7 +261,7 @@ def test_plan_instances_names_ports_and_cores(tmp_path: Path) -> None:
     assert len({s.name for s in specs}) == 3
     assert [s.role for s in specs] == [Role.ENCODER, Role.ENCODER, Role.PREFILL_DECODE]
     assert [s.port for s in specs] == [22001, 22002, 22003]
-    assert [s.devices for s in specs] == [(0,), (1,), (0,)]
+    assert [s.devices for s in specs] == [(0, 1)] * 3
     assert all(s.serving is SERVING for s in specs)
 
 

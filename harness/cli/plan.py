@@ -221,7 +221,7 @@ def format_plan(plan: Plan) -> str:
     else:
         lines.append(
             f"schedule: {len(plan.waves)} wave(s); the topologies of a wave run at the same "
-            f"time, their instances taking the cores {_join(plan.devices)} in turn; a cached "
+            f"time, every instance on the cores {_join(plan.devices)}; a cached "
             "baseline is not started"
         )
     for wave in plan.waves:

@@ -1,10 +1,12 @@
 """Where one vLLM instance's start-up went, read from its own log: the start-up timeline.
 
-A start is the whole cost of a run on CPU, and on CPU it is mostly imports: vLLM's CPU platform
-forces `spawn`, so the API server, then the engine core, then the worker each import torch and
-vLLM before the model loads (a fraction of a second for the tiny model) and the KV cache is
-allocated. On GPUs the engine core forks and a one-device worker runs in-process, so there the
-worker phase is missing and compile/graph capture shows between the model and the KV cache.
+A start is the whole cost of a run on CPU, and on CPU it is mostly imports: the API server,
+then the engine core each import torch and vLLM before the model loads (a fraction of a second
+for the tiny model) and the KV cache is allocated. The worker runs inside the engine core, as
+on a one-device GPU (`harness.spec.platforms`), so the worker phase is missing there; with
+vLLM's `mp` executor (its CPU default, or several devices) a worker process imports them a third
+time and shows as that phase. On GPUs compile/graph capture shows between the model and the KV
+cache.
 vLLM stamps its lines to the second, so every phase is good to about a second.
 
 Phases, each the seconds from spawn to its first sign in the log (None when the log never

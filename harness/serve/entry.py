@@ -191,6 +191,8 @@ def command_json(command: ServerCommand, node: dict[str, Any] | None = None) -> 
         "argv": redact_argv(command.argv),
         "env": redact_env(command.env),
     }
+    if command.cpu_affinity:
+        document["cpu_affinity"] = list(command.cpu_affinity)
     if node is not None:
         document["node"] = node
     return json.dumps(document, indent=2)

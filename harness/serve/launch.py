@@ -108,6 +108,9 @@ class ServerCommand:
     health_url: str  # answers 2xx once the server can take requests
     log_path: Path  # stdout and stderr together; truncated at start
     env: Mapping[str, str] = field(default_factory=dict)  # merged over os.environ
+    # The CPUs the server and everything it starts may run on (inherited by its children);
+    # empty: wherever the harness itself may run.
+    cpu_affinity: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         argv = tuple(self.argv)
@@ -115,6 +118,7 @@ class ServerCommand:
             raise ValueError(f"{self.name}: argv must be a non-empty list of str, got {argv!r}")
         object.__setattr__(self, "argv", argv)
         object.__setattr__(self, "env", dict(self.env))
+        object.__setattr__(self, "cpu_affinity", tuple(self.cpu_affinity))
 
 
 def log_path_for(log_dir: Path, name: str) -> Path:
@@ -233,6 +237,16 @@ class ManagedServer:
                 additions = " ".join(f"{k}={v}" for k, v in sorted(redacted.items()))
                 log.write(f"# epd-harness: environment additions: {additions}\n".encode())
             log.flush()
+            if command.cpu_affinity:
+                cores = ",".join(map(str, command.cpu_affinity))
+                log.write(f"# epd-harness: CPU affinity: {cores}\n".encode())
+                log.flush()
+                unusable = set(command.cpu_affinity) - os.sched_getaffinity(0)
+                if unusable:
+                    raise ValueError(
+                        f"{command.name}: CPU affinity {cores} names CPUs this process may not "
+                        f"use: {','.join(map(str, sorted(unusable)))}"
+                    )
             if self._port_lease is not None:
                 self._port_lease.hand_over()
             watchdog.client().ensure_running()
@@ -244,7 +258,7 @@ class ManagedServer:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    preexec_fn=_parent_death_signal(os.getpid()) if _PRCTL else None,
+                    preexec_fn=_in_child(os.getpid(), command.cpu_affinity),
                 )
             except Exception as exc:
                 exc.add_note(f"while starting {command.name}: {shlex.join(command.argv)}")
@@ -337,8 +351,7 @@ class ManagedServer:
         """CPU seconds (user + system) the server's processes have used so far, summed per kind
         of process: `server` for the process it started (vLLM's API server), every other by its
         name without vLLM's `VLLM::` prefix (`EngineCore`, `Worker`). On CPU a vLLM start is
-        three interpreters importing torch and vLLM one after another; this says what each
-        cost. Sampled with the peak RSS (a process that ended between samples keeps its last
+        interpreters importing torch and vLLM one after another; this says what each cost. Sampled with the peak RSS (a process that ended between samples keeps its last
         sample); empty if the server was never sampled while alive."""
         return self.sampled_usage()[1]
 
@@ -656,15 +669,23 @@ def read_log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-lines:])
 
 
-def _parent_death_signal(parent_pid: int) -> Callable[[], None]:
-    """A preexec_fn asking the kernel to SIGTERM the child when the harness dies.
+def _in_child(parent_pid: int, cpu_affinity: tuple[int, ...]) -> Callable[[], None] | None:
+    """A preexec_fn: the child's CPU affinity, and a SIGTERM from the kernel when the harness
+    dies (None when there is nothing to do).
 
-    The kernel sends it when the *thread* that forked the child exits, so servers must be
-    started from a thread that lives as long as they should (the main thread, normally). If
+    The kernel sends that signal when the *thread* that forked the child exits, so servers must
+    be started from a thread that lives as long as they should (the main thread, normally). If
     the harness died before prctl ran, the child would never get the signal: it exits instead.
+    The affinity is set before exec, so every process the server starts inherits it.
     """
+    if not _PRCTL and not cpu_affinity:
+        return None
 
     def preexec() -> None:
+        if cpu_affinity:
+            os.sched_setaffinity(0, cpu_affinity)
+        if not _PRCTL:
+            return
         if _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
             errno_ = ctypes.get_errno()
             raise OSError(errno_, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(errno_)}")

@@ -264,10 +264,17 @@ class InstanceAgent:
                 return f"cannot write {write[0]}: {exc.strerror or exc}"
         return ""
 
-    def start(self, name: str, argv: list[str], env: dict[str, str], health_url: str) -> dict:
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        health_url: str,
+        cpu_affinity: tuple[int, ...] = (),
+    ) -> dict:
         self.workdir = Path(tempfile.mkdtemp(prefix="epd-harness-ray-"))
         log_path = self.workdir / f"{uuid.uuid4().hex[:8]}.log"
-        command = ServerCommand(name, argv, health_url, log_path, env)
+        command = ServerCommand(name, argv, health_url, log_path, env, tuple(cpu_affinity))
         self.server = ManagedServer(command, port_lease=self.leases[0] if self.leases else None)
         for lease in self.leases[1:]:
             lease.hand_over()  # NIXL binds its side channel itself; the flock stays
@@ -413,7 +420,11 @@ class RayServer:
         try:
             started = _get(
                 self._agent.start.remote(
-                    command.name, list(command.argv), dict(command.env), command.health_url
+                    command.name,
+                    list(command.argv),
+                    dict(command.env),
+                    command.health_url,
+                    command.cpu_affinity,
                 ),
                 f"starting {command.name} on node {node.address}",
             )

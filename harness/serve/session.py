@@ -169,6 +169,7 @@ class TopologySession:
                 env={**launcher.instance_env(spec), **self.role_env.get(spec.role, {})},
                 health_url=f"{spec.url}/health",
                 log_path=log_path_for(self.dir, spec.name),
+                cpu_affinity=spec.cpu_affinity,
             )
             for spec in self.instances
         ]

@@ -20,6 +20,8 @@ from harness.spec.platforms import (
     CPU,
     EC_SIDE_CHANNEL_HOST_ENV,
     GPU_MEMORY_UTILIZATION_FLAG,
+    IN_ENGINE_WORKER_ARGS,
+    IN_ENGINE_WORKER_ENV,
     NIXL_CONNECTOR,
     SIDE_CHANNEL_HOST_ENV,
     SIDE_CHANNEL_PORT_ENV,
@@ -46,7 +48,7 @@ class InstanceSpec:
     ec_storage: Path | None = None  # shared EC directory of the topology (E writes, PD/P read)
     kv_storage: Path | None = None  # shared KV directory of the topology (P writes, D reads)
     platform: PlatformProfile = CPU
-    # CPU: the cores its OMP threads bind to; GPU / XPU: the device indices it sees.
+    # CPU: the cores its processes may run on; GPU / XPU: the device indices it sees.
     devices: tuple[int, ...] = ()
     # --gpu-memory-utilization: the full budget alone, a slice of it when colocated; None on CPU.
     gpu_memory_fraction: float | None = None
@@ -95,6 +97,8 @@ class InstanceSpec:
         ]
         if s.enforce_eager:
             argv.append("--enforce-eager")
+        if self.platform.worker_in_engine_core:
+            argv += IN_ENGINE_WORKER_ARGS
         if s.allowed_local_media_path:
             argv += ["--allowed-local-media-path", s.allowed_local_media_path]
         if s.enable_prompt_tokens_details:
@@ -177,11 +181,9 @@ class InstanceSpec:
         if not self.devices:
             raise ValueError(f"{self.name}: {self.platform.name} needs a device")
         if self.platform.device_env_var is None:
-            cores = ",".join(str(c) for c in self.devices[: s.cpu_threads_per_instance])
             env.update(
                 {
                     "VLLM_CPU_KVCACHE_SPACE": str(s.cpu_kvcache_space_gib),
-                    "VLLM_CPU_OMP_THREADS_BIND": cores,
                     "OMP_NUM_THREADS": str(s.cpu_threads_per_instance),
                 }
             )
@@ -196,4 +198,12 @@ class InstanceSpec:
             env[SIDE_CHANNEL_HOST_ENV] = self.host
         if self.ec_transfer_config() is not None:
             env[EC_SIDE_CHANNEL_HOST_ENV] = self.host
+        if self.platform.worker_in_engine_core:
+            env.update(IN_ENGINE_WORKER_ENV)
         return env
+
+    @property
+    def cpu_affinity(self) -> tuple[int, ...]:
+        """The cores the launcher confines all of the instance's processes to (CPU), or ()
+        where a device variable places it instead (GPU / XPU)."""
+        return () if self.platform.device_env_var is not None else self.devices

@@ -14,9 +14,11 @@ side by side only topologies whose device sets are disjoint. Parallel xdist work
 lock per device while they serve (`harness.serve.ports.lease_devices`), so a worker that reaches
 a later wave early waits for the devices instead of sharing them.
 
-CPU (shared cores). Instances bind their OMP thread to a core, cores handed out in turn. Start-up
-is CPU-bound: measured on 2 cores, one or two instances starting together are ready in 26-27 s,
-three in 46-54 s. So topologies share a wave only while the wave holds at most one instance per
+CPU (shared cores). Every instance may run on all of the run's cores (its processes' CPU
+affinity, `harness.spec.platforms`), and the kernel spreads them: with one core each, the
+instances of a 1E+1P+1D on 2 cores would start two to a core while the other core had one. The
+cores also size the waves. Start-up is CPU-bound: measured on 2 cores (vLLM's `mp` executor
+then), one or two instances starting together are ready in 26-27 s, three in 46-54 s. So topologies share a wave only while the wave holds at most one instance per
 core (and what memory holds at `CPU_INSTANCE_BYTES` each): on 2 cores every topology runs alone,
 on a 16-core host the whole sweep starts at once. Under xdist every worker gets an equal part
 of that budget.
@@ -103,7 +105,7 @@ def assign_devices(
 ) -> tuple[tuple[int, ...], ...]:
     """The device(s) of each instance of `topology`, in role order, from `devices`.
 
-    CPU: cores in turn. GPU: one device each while
+    CPU: all of the cores, for each. GPU: one device each while
     there are enough; otherwise non-encoders are spread first and encoders share the least
     loaded devices, since an encoder holds no KV cache (with `colocate`, non-encoders may
     share too).
@@ -111,7 +113,7 @@ def assign_devices(
     if not devices:
         raise DevicePlanError(f"{topology.name}: no {profile.device_kind}s to place it on")
     if not profile.exclusive_devices:
-        return tuple((devices[i % len(devices)],) for i in range(len(topology.roles)))
+        return tuple(tuple(sorted(devices)) for _ in topology.roles)
     instances = len(topology.roles)
     own_device = max(1, instances - topology.encoders)
     if own_device > len(devices) and not colocate:

@@ -4,9 +4,10 @@
 what running on one kind of hardware adds to its command line and environment (rendered by
 `harness.spec.instances`), and `harness.spec.placement` decides *where* each instance runs:
 
-* cpu (the default): instances bind their one OMP thread to a core (cores handed out in
-  turn, so instances may share one), get a CPU KV cache
-  (`VLLM_CPU_KVCACHE_SPACE`) and move KV through `ExampleConnector` (shared files).
+* cpu (the default): each instance's processes may run on the run's cores (their CPU
+  affinity, set at spawn), its worker runs inside its engine core as on a one-device GPU
+  (below), it gets a CPU KV cache (`VLLM_CPU_KVCACHE_SPACE`) and moves KV through
+  `ExampleConnector` (shared files).
 * cuda: one GPU per instance through `CUDA_VISIBLE_DEVICES`, an explicit
   `--gpu-memory-utilization` (upstream's share per role, `harness.spec.placement`), KV through
   `NixlConnector`, `--enforce-eager` as every `vllm serve` line of upstream's own correctness
@@ -17,6 +18,21 @@ what running on one kind of hardware adds to its command line and environment (r
 
 The device policy (one GPU per instance unless colocated; waves of disjoint devices) is
 `harness.spec.placement`'s.
+
+The worker in the engine core. With one device vLLM runs its worker inside the engine core
+process on a GPU (the `uni` executor), but on CPU it switches to the `mp` executor and spawns a
+third interpreter for it, unless `VLLM_ENABLE_V1_MULTIPROCESSING=0` (vLLM 0.27.1-0.32.0,
+`platforms/cpu.py`; `vllm serve` still runs its engine core in a process of its own, that
+variable only moves the offline `LLM` class in-process). The CPU profile asks for `uni` that way,
+so a CPU run has the GPU night's process layout, and a start imports torch and vLLM twice, not
+three times. Measured here (2 cores, the tiny model, alone): ready in 17.5 s and 17.4 CPU-s
+instead of 27.5 s and 28.1 CPU-s; and the `mp` executor's worker polls its shared-memory queue
+for a second after every request (`shm_broadcast.py`, 1.0 CPU-s after a 0.13 s request), which
+`uni` has no queue for. What `mp` did besides, binding the worker's OMP threads to the cores in
+`VLLM_CPU_OMP_THREADS_BIND`, `uni` does not do, so the harness renders no such variable and
+confines the whole instance to its cores itself (`harness.serve.launch`). The serving
+config's `extra_args` come last on the command line, so `--distributed-executor-backend mp`
+there brings vLLM's CPU default back.
 
 NIXL side channel. Every instance that runs `NixlConnector` listens on
 `VLLM_NIXL_SIDE_CHANNEL_PORT` (plus its data-parallel index; this harness runs data-parallel
@@ -45,8 +61,11 @@ GPU_MEMORY_UTILIZATION_FLAG = "--gpu-memory-utilization"
 # role's share within it is `harness.spec.placement`'s.
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
 # What topology.py renders for CPU placement; meaningless (and misleading in logs) on a GPU.
-CPU_ONLY_ENV_KEYS = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")
-# The CPU cores instances bind to when none are given: the harness's RunSettings default.
+CPU_ONLY_ENV_KEYS = ("VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING")
+# The worker in the engine core process (module docstring): the flag, and what lets it hold on CPU.
+IN_ENGINE_WORKER_ARGS = ("--distributed-executor-backend", "uni")
+IN_ENGINE_WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# The CPU cores instances run on when none are given: the harness's RunSettings default.
 DEFAULT_CPU_CORES = (0, 1)
 GPU_DEFAULT_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
 
@@ -61,7 +80,7 @@ class PlatformProfile:
 
     name: str  # the --platform value: "cpu", "cuda" or "xpu"
     # Variable that pins an instance to its device (CUDA_VISIBLE_DEVICES, ZE_AFFINITY_MASK);
-    # None on CPU, where placement is topology.py's OMP core binding instead.
+    # None on CPU, where the instance's processes are confined to its cores instead.
     device_env_var: str | None
     # KV connector between P and D. ExampleConnector on CPU because the CPU wheel does not pull
     # in nixl; NixlConnector on GPUs because that is what upstream ships and tests there.
@@ -76,6 +95,9 @@ class PlatformProfile:
     # run is upstream's reference configuration and pays no compile or graph capture at each
     # start; `--no-enforce-eager` (GPU platforms only) lets vLLM compile and capture graphs.
     enforce_eager: bool
+    # Render `--distributed-executor-backend uni` and what lets it hold (module docstring):
+    # CPU only, since a one-device GPU instance runs its worker in the engine core already.
+    worker_in_engine_core: bool
     # What the instances sharing one device may take of it together (their shares:
     # `harness.spec.placement.memory_fractions`); None on CPU, where VLLM_CPU_KVCACHE_SPACE sizes
     # the cache instead.
@@ -97,6 +119,7 @@ CPU = PlatformProfile(
     nixl_kv_buffer_device="cpu",
     default_model=None,
     enforce_eager=True,
+    worker_in_engine_core=True,
     gpu_memory_fraction=None,
     exclusive_devices=False,
 )
@@ -107,6 +130,7 @@ CUDA = PlatformProfile(
     nixl_kv_buffer_device="cuda",
     default_model=GPU_DEFAULT_MODEL,
     enforce_eager=True,
+    worker_in_engine_core=False,
     gpu_memory_fraction=DEFAULT_GPU_MEMORY_FRACTION,
     exclusive_devices=True,
 )

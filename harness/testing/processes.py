@@ -117,16 +117,20 @@ def kill_all(procs: Iterable[Proc]) -> None:
             handle.kill()
 
 
-def held_ports(ports: Iterable[int], lock_dir: Path) -> list[str]:
+def held_ports(ports: Iterable[int], lock_dir: Path, born_before: float | None = None) -> list[str]:
     """Ports something still holds: a harness lease (its flock in `lock_dir`) or a live socket
     of any process, each with who holds it.
 
     A connection in TIME_WAIT belongs to the kernel, not to a leftover process; it expires by
-    itself and does not stop a server (they bind with SO_REUSEADDR) from taking the port.
+    itself and does not stop a server (they bind with SO_REUSEADDR) from taking the port. With
+    `born_before` (epoch seconds), a socket of a process created after it is not counted: that
+    process took a port the run had given back (another test, under xdist), it was not left.
     """
     sockets = {}
     for conn in psutil.net_connections(kind="tcp"):
         if conn.laddr and conn.status != psutil.CONN_TIME_WAIT:
+            if born_before is not None and _born_after(conn.pid, born_before):
+                continue
             sockets.setdefault(conn.laddr.port, f"{conn.status} pid {conn.pid}")
     held = []
     for port in ports:
@@ -135,6 +139,16 @@ def held_ports(ports: Iterable[int], lock_dir: Path) -> list[str]:
         elif lease_is_held(lock_dir / f"port-{port}.lock"):
             held.append(f"{port} (lease still locked)")
     return held
+
+
+def _born_after(pid: int | None, moment: float) -> bool:
+    """Whether process `pid` was created after `moment` (False when that cannot be told)."""
+    if pid is None:
+        return False
+    try:
+        return psutil.Process(pid).create_time() > moment
+    except psutil.Error:
+        return False
 
 
 def lease_is_held(lock_path: Path) -> bool:
