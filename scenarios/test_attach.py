@@ -75,6 +75,12 @@ def vllm_servers() -> dict[int, str]:
     return found
 
 
+def port_of(command_line: str) -> str:
+    """The `--port` of a `vllm serve` command line."""
+    words = command_line.split()
+    return words[words.index("--port") + 1]
+
+
 @contextmanager
 def new_vllm_servers() -> Iterator[dict[int, str]]:
     """Every `vllm serve` process that appears while the block runs (sampled every 0.2 s)."""
@@ -119,7 +125,7 @@ def test_attach_judges_a_kept_up_topology_like_a_normal_run(
     assert not failures, "\n\n".join(format_failure(r) for r in failures)
     expected = [(r.prompt, r.reference, r.verdict.value) for r in normal]
     run_dir = normal_sweep.settings.run_dir.parent
-    cache = normal_sweep.baseline_cache.directory
+    cache = normal_sweep.baseline.cache.directory
 
     # A deployment of its own, with an EC storage no request has seen: the first attach run
     # must find every EC file written during its requests.
@@ -133,8 +139,11 @@ def test_attach_judges_a_kept_up_topology_like_a_normal_run(
         attach_file = run_dir / ATTACH_FILE_NAME
         spec = write_attach_file(session, attach_file)
         pd = spec.with_role(Role.PREFILL_DECODE)[0]
-        # The sampler does see vLLM servers: the kept-up topology's own two.
-        assert len(vllm_servers()) == len(spec.instances), vllm_servers()
+        # The sampler does see vLLM servers: the kept-up topology's own two (the pool's shared
+        # topologies, the normal run's among them, may be running beside them).
+        ports = {url.rsplit(":", 1)[1] for url in (i.url for i in spec.instances)}
+        kept_up_servers = [c for c in vllm_servers().values() if port_of(c) in ports]
+        assert len(kept_up_servers) == len(spec.instances), vllm_servers()
 
         with new_vllm_servers() as launched:
             code, out, summary, took = attach_run(

@@ -346,6 +346,20 @@ def test_cli_cpu_defaults_to_the_runner_cores(epd_cli) -> None:
     assert names == list(DEFAULT_TOPOLOGY_NAMES)
 
 
+def test_cli_cpu_plan_says_where_the_worker_runs_and_on_which_cores(epd_cli) -> None:
+    argv = ["--topology", "1P+1D", "--devices", "0,1", "--model", MODEL, "--vllm", "vllm"]
+    code, out, err = epd_cli("plan", *argv)
+    assert code == 0, err
+    assert (
+        "worker: inside each instance's engine core (--distributed-executor-backend uni, as on "
+        "a one-device GPU), each instance's processes confined to the cores 0,1" in out
+    )
+    assert "1P+1D/decode0 (decode): port " in out and ", cores 0,1" in out
+    code, out, err = epd_cli("plan", "--platform", "cuda", "--devices", "0,1", "--vllm", "vllm")
+    assert code == 0, err
+    assert "worker: inside" not in out and "--distributed-executor-backend" not in out
+
+
 def test_the_plan_says_what_is_shared() -> None:
     from harness.cli.plan import PlannedInstance, sharing_line
 

@@ -170,6 +170,39 @@ def test_a_shared_sweep_answers_its_reference_before_the_pool_stops_it(
         pool.close()
 
 
+def test_a_streamed_sweep_streams_on_a_topology_an_unstreamed_one_started(
+    tmp_path: Path, start_log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sharing a running topology must not share how it is sent to: the streamed sweep asks
+    for streamed requests on the session the unstreamed sweep started (whose own settings say
+    unstreamed). The fake vLLM does not stream, so what is checked is what each sweep asked."""
+    import dataclasses
+
+    import harness.run.sweep as sweep_module
+
+    asked: list[tuple[str, bool]] = []
+
+    def observe_unstreamed(session, prompt, body, stream):
+        asked.append((session.topology.name, stream))
+        return real_observe(session, prompt, body, False)
+
+    real_observe = sweep_module.observe
+    monkeypatch.setattr(sweep_module, "observe", observe_unstreamed)
+    settings = settings_for(tmp_path)
+    pool = TopologyPool(settings)
+    try:
+        spec = SweepSpec((TOPOLOGIES["1E+1PD"],), prompts=(TEXT,))
+        plain = Sweep(spec, settings, pool=pool)
+        assert [r.verdict.value for r in plain.judge("1E+1PD", "text")] == ["MATCH"]
+        streamed_settings = dataclasses.replace(settings, stream=True)
+        streamed = Sweep(spec, streamed_settings, pool=pool, baseline=plain.baseline)
+        streamed.judge("1E+1PD", "text")
+        assert asked == [("1E+1PD", False), ("1E+1PD", True)]
+        assert [s.key.topology for s in pool.starts] == ["baseline", "1E+1PD"]
+    finally:
+        pool.close()
+
+
 def xdist_sweep(tmp_path: Path, workers: int, *options: str) -> subprocess.CompletedProcess:
     """The sweep's text cases under `-n workers --dist loadgroup`, the fake vLLM standing in
     for each instance; it must count the four topologies it needs, each started once."""

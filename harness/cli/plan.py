@@ -233,6 +233,12 @@ def format_plan(plan: Plan) -> str:
         if plan.enforce_eager
         else "eager: off (--no-enforce-eager): vLLM compiles and captures graphs at each start"
     )
+    if platform.worker_in_engine_core:
+        lines.append(
+            "worker: inside each instance's engine core (--distributed-executor-backend uni, "
+            "as on a one-device GPU), each instance's processes confined to the cores "
+            + _join(plan.devices)
+        )
     if plan.gpu_memory_shares is not None:
         policy = plan.gpu_memory_shares
         shares = ", ".join(f"{role} {share:g}" for role, share in policy["shares"].items())
@@ -285,7 +291,8 @@ def common_env(instances: Sequence[PlannedInstance]) -> tuple[tuple[str, str], .
 def _instance_lines(
     instance: PlannedInstance, kind: str, common: tuple[tuple[str, str], ...]
 ) -> list[str]:
-    facts = [f"port {instance.port}", f"{kind} {_join(instance.devices)}"]
+    plural = "s" if len(instance.devices) > 1 else ""
+    facts = [f"port {instance.port}", f"{kind}{plural} {_join(instance.devices)}"]
     if instance.gpu_memory_fraction is not None:
         facts.append(f"gpu memory {instance.gpu_memory_fraction:g}")
     if instance.side_channel_port is not None:

@@ -49,14 +49,14 @@ class ServingSession:
     def send(self, prompt: str, body: dict[str, Any]) -> Outcome: ...
 
 
-def observe(
-    session: ServingSession, prompt: str, body: dict[str, Any], stream: bool | None = None
-) -> Observed:
+def observe(session: ServingSession, prompt: str, body: dict[str, Any], stream: bool) -> Observed:
     """Send one body and read its guards at once, while the storage is as the request left it
     (the next request, or a planted fault, may change it). Streamed (`streaming_request`) when
-    `stream` says so, by default when the run streams (`--stream`); the answer is judged
-    against the baseline's unstreamed one all the same."""
-    if session.settings.stream if stream is None else stream:
+    `stream` says so; the answer is judged against the baseline's unstreamed one all the same.
+
+    `stream` has no default on purpose: the session may be one a shared pool started for
+    another scenario, so its own settings say how *that* scenario sends, not this one."""
+    if stream:
         body = streaming_request(body)
     outcome = session.send(prompt, body)
     return Observed(outcome, tuple(transfer_guards(session.served, outcome)))

@@ -351,8 +351,9 @@ class ManagedServer:
         """CPU seconds (user + system) the server's processes have used so far, summed per kind
         of process: `server` for the process it started (vLLM's API server), every other by its
         name without vLLM's `VLLM::` prefix (`EngineCore`, `Worker`). On CPU a vLLM start is
-        interpreters importing torch and vLLM one after another; this says what each cost. Sampled with the peak RSS (a process that ended between samples keeps its last
-        sample); empty if the server was never sampled while alive."""
+        interpreters importing torch and vLLM one after another; this says what each cost.
+        Sampled with the peak RSS (a process that ended between samples keeps its last sample);
+        empty if the server was never sampled while alive."""
         return self.sampled_usage()[1]
 
     def sampled_usage(self) -> tuple[int, dict[str, float]]:

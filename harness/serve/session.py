@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import shutil
 import time
 import uuid
@@ -39,6 +40,8 @@ from harness.spec.topology import Role, Topology
 LOG_TAIL_LINES = 40
 LOG_SLICE_LINES = 30  # error lines kept from an instance's log of one request
 LOG_TAIL_SLICE_LINES = 10
+# The line a raised exception ends its traceback with: "AssertionError: ...", "vllm....Error: ...".
+_RAISED = re.compile(r"\b[A-Za-z_][\w.]*(?:Error|Exception): ")
 # After a failed request: how long to give an instance whose engine is dying to exit.
 DEATH_GRACE_S = 3.0
 STORAGE_DIR_NAME = "storage"
@@ -514,10 +517,15 @@ def served_topology(
 
 def select_evidence(lines: list[str]) -> str:
     """The error lines (a traceback's cause often comes long before the shutdown noise that
-    ends the log), then the last few lines."""
-    errors = [line for line in lines if "Error" in line or "ERROR" in line][:LOG_SLICE_LINES]
-    tail = [line for line in lines[-LOG_TAIL_SLICE_LINES:] if line not in errors]
-    return "\n".join(errors + (["..."] if errors and tail else []) + tail)
+    ends the log), then the last few lines. Of the error lines, the exceptions' own come
+    first: vLLM logs every frame of a traceback as an ERROR line and the cause last, so an
+    engine core that dies in its in-process worker logs some 50 frame lines before it."""
+    errors = [i for i, line in enumerate(lines) if "Error" in line or "ERROR" in line]
+    raised = [i for i in errors if _RAISED.search(lines[i])][:LOG_SLICE_LINES]
+    others = [i for i in errors if i not in raised][: LOG_SLICE_LINES - len(raised)]
+    picked = [lines[i] for i in sorted({*raised, *others})]
+    tail = [line for line in lines[-LOG_TAIL_SLICE_LINES:] if line not in picked]
+    return "\n".join(picked + (["..."] if picked and tail else []) + tail)
 
 
 def prepare_session_dir(path: Path) -> None:

@@ -36,7 +36,9 @@ class LiveTopology:
     def send(self, prompt: str) -> Observed:
         """One request (the prompt's rendered body) and its guards, read at once."""
         started = time.monotonic()
-        observed = observe(self.session, prompt, self.sweep.bodies[prompt])
+        observed = observe(
+            self.session, prompt, self.sweep.bodies[prompt], self.sweep.settings.stream
+        )
         print(f"[{self.name}] {prompt}: {time.monotonic() - started:.1f}s")
         return observed
 

@@ -1,0 +1,50 @@
+"""What a failed request's evidence keeps of an instance's log (harness.serve.session)."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.serve.session import LOG_SLICE_LINES, LOG_TAIL_SLICE_LINES, select_evidence
+
+pytestmark = pytest.mark.unit
+
+CAUSE = "AssertionError: Expected number of multimodal embeddings to match number of input items"
+PREFIX = "(EngineCore pid=7) ERROR 12-02 06:47:08 [core.py:1512]"
+
+
+def engine_core_death(frames: int) -> list[str]:
+    """An engine core dying in its in-process worker: every frame an ERROR line, the cause
+    last, then the API server's error and its shutdown noise."""
+    return [
+        "(APIServer pid=6) INFO 12-02 06:47:07 [logger.py:1] Received request r1",
+        f"{PREFIX} Traceback (most recent call last):",
+        *(f'{PREFIX}   File "/site/vllm/frame{n}.py", line {n}, in f{n}' for n in range(frames)),
+        f"{PREFIX} {CAUSE}: 1, but got len(mm_embeddings)=0 instead.",
+        "(APIServer pid=6) ERROR 12-02 06:47:08 [async_llm.py:906] vllm.v1.engine.exceptions."
+        "EngineDeadError: EngineCore encountered an issue.",
+        *(f"INFO:     shutdown step {n}" for n in range(20)),
+    ]
+
+
+def test_the_cause_of_a_long_traceback_is_kept() -> None:
+    lines = engine_core_death(frames=2 * LOG_SLICE_LINES)
+    evidence = select_evidence(lines).splitlines()
+    assert any(CAUSE in line for line in evidence), evidence
+    assert any("EngineDeadError: EngineCore encountered an issue" in line for line in evidence)
+    assert len([line for line in evidence if "ERROR" in line]) == LOG_SLICE_LINES
+    shown = [line for line in evidence if line != "..."]
+    assert shown == sorted(shown, key=lines.index), "the log's order is kept"
+    assert evidence[-LOG_TAIL_SLICE_LINES:] == lines[-LOG_TAIL_SLICE_LINES:]
+
+
+def test_a_short_traceback_is_kept_whole_and_in_order() -> None:
+    lines = engine_core_death(frames=3)
+    evidence = select_evidence(lines).splitlines()
+    errors = [line for line in lines if "ERROR" in line]
+    assert evidence[: len(errors)] == errors
+    assert evidence[len(errors)] == "..."
+
+
+def test_a_log_without_errors_gives_its_last_lines() -> None:
+    lines = [f"INFO line {n}" for n in range(30)]
+    assert select_evidence(lines).splitlines() == lines[-LOG_TAIL_SLICE_LINES:]
