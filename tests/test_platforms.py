@@ -367,8 +367,8 @@ def test_cpu_waves_fill_the_instance_budget_first_fit_in_order() -> None:
         ["1P+1D"],
         ["1E+1P+1D"],
     ]
-    # Each topology of a wave starts on the core after the last one handed out.
-    assert [s.devices for s in waves[0].slots] == [(0, 1), (1, 0)]
+    # Every topology of a wave runs on all of the cores (their processes' affinity).
+    assert [s.devices for s in waves[0].slots] == [(0, 1), (0, 1)]
 
 
 def test_cpu_budget_of_one_runs_topologies_one_at_a_time() -> None:

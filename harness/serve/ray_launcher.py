@@ -270,7 +270,7 @@ class InstanceAgent:
         argv: list[str],
         env: dict[str, str],
         health_url: str,
-        cpu_affinity: tuple[int, ...] = (),
+        cpu_affinity: tuple[int, ...],
     ) -> dict:
         self.workdir = Path(tempfile.mkdtemp(prefix="epd-harness-ray-"))
         log_path = self.workdir / f"{uuid.uuid4().hex[:8]}.log"

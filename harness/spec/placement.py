@@ -18,7 +18,8 @@ CPU (shared cores). Every instance may run on all of the run's cores (its proces
 affinity, `harness.spec.platforms`), and the kernel spreads them: with one core each, the
 instances of a 1E+1P+1D on 2 cores would start two to a core while the other core had one. The
 cores also size the waves. Start-up is CPU-bound: measured on 2 cores (vLLM's `mp` executor
-then), one or two instances starting together are ready in 26-27 s, three in 46-54 s. So topologies share a wave only while the wave holds at most one instance per
+then), one or two instances starting together are ready in 26-27 s, three in 46-54 s. So
+topologies share a wave only while the wave holds at most one instance per
 core (and what memory holds at `CPU_INSTANCE_BYTES` each): on 2 cores every topology runs alone,
 on a 16-core host the whole sweep starts at once. Under xdist every worker gets an equal part
 of that budget.
@@ -261,14 +262,8 @@ def schedule(
         raise DevicePlanError(f"device list {_join(devices)} repeats a device")
     if not profile.exclusive_devices:
         budget = cpu_budget or cpu_instance_budget(len(devices), available_memory_bytes())
-        cores = tuple(devices)
-        # Each topology starts on the core after the last one the wave has handed out.
-        return _pack(
-            topologies,
-            lambda t: len(t.roles),
-            budget,
-            lambda t, used, filled: cores[filled % len(cores) :] + cores[: filled % len(cores)],
-        )
+        cores = tuple(sorted(devices))
+        return _pack(topologies, lambda t: len(t.roles), budget, lambda t, used: cores)
     available = len(devices)
     too_big = [t for t in topologies if devices_needed(t, profile, available, colocate) > available]
     if too_big:
@@ -284,9 +279,7 @@ def schedule(
         topologies,
         lambda t: need[t.name],
         available,
-        lambda t, used, filled: tuple(
-            sorted(set(devices) - set(used), key=order.get)[: need[t.name]]
-        ),
+        lambda t, used: tuple(sorted(set(devices) - set(used), key=order.get)[: need[t.name]]),
     )
 
 
@@ -300,8 +293,7 @@ def _pack(topologies, size, capacity: int, take) -> Schedule:
             room.append(capacity)
             target = len(waves) - 1
         used = [d for slot in waves[target] for d in slot.devices]
-        filled = capacity - room[target]
-        waves[target].append(TopologySlot(topology, take(topology, used, filled)))
+        waves[target].append(TopologySlot(topology, take(topology, used)))
         room[target] -= size(topology)
     return Schedule(tuple(Wave(i, tuple(slots)) for i, slots in enumerate(waves, start=1)))
 
