@@ -131,6 +131,19 @@ def log_path_for(log_dir: Path, name: str) -> Path:
     return log_dir / f"{safe}.log"
 
 
+def log_header(command: ServerCommand) -> str:
+    """The lines a server's log starts with: its command line, its environment additions (a
+    credential redacted: the log is an artifact) and its CPU affinity, whoever spawns it."""
+    lines = [f"# epd-harness: {command.name}: {shlex.join(command.argv)}"]
+    if command.env:
+        redacted = redact_env(command.env)
+        additions = " ".join(f"{k}={v}" for k, v in sorted(redacted.items()))
+        lines.append(f"# epd-harness: environment additions: {additions}")
+    if command.cpu_affinity:
+        lines.append(f"# epd-harness: CPU affinity: {','.join(map(str, command.cpu_affinity))}")
+    return "".join(f"{line}\n" for line in lines)
+
+
 def keep_earlier_log(path: Path) -> Path | None:
     """Move the log of an earlier start of the same server out of the way, to <name>.<n>.log
     (n counting up from 1), and return where it went (None: there was none).
@@ -227,26 +240,18 @@ class ManagedServer:
             state = "stopped" if self._stopped else f"started (pid {self.pid})"
             raise RuntimeError(f"{self.name}: a ManagedServer starts once; it is already {state}")
         command = self.command
+        # Refused before anything is touched: a start that cannot happen moves no earlier log.
+        unusable = set(command.cpu_affinity) - os.sched_getaffinity(0)
+        if unusable:
+            raise ValueError(
+                f"{command.name}: CPU affinity {','.join(map(str, command.cpu_affinity))} names "
+                f"CPUs this process may not use: {','.join(map(str, sorted(unusable)))}"
+            )
         command.log_path.parent.mkdir(parents=True, exist_ok=True)
         keep_earlier_log(command.log_path)
         with open(command.log_path, "wb") as log:
-            log.write(f"# epd-harness: {command.name}: {shlex.join(command.argv)}\n".encode())
-            if command.env:
-                # The log is an artifact: a credential passed to a server must not land in it.
-                redacted = redact_env(command.env)
-                additions = " ".join(f"{k}={v}" for k, v in sorted(redacted.items()))
-                log.write(f"# epd-harness: environment additions: {additions}\n".encode())
+            log.write(log_header(command).encode())
             log.flush()
-            if command.cpu_affinity:
-                cores = ",".join(map(str, command.cpu_affinity))
-                log.write(f"# epd-harness: CPU affinity: {cores}\n".encode())
-                log.flush()
-                unusable = set(command.cpu_affinity) - os.sched_getaffinity(0)
-                if unusable:
-                    raise ValueError(
-                        f"{command.name}: CPU affinity {cores} names CPUs this process may not "
-                        f"use: {','.join(map(str, sorted(unusable)))}"
-                    )
             if self._port_lease is not None:
                 self._port_lease.hand_over()
             watchdog.client().ensure_running()

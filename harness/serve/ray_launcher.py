@@ -59,7 +59,6 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from harness.environment import NETWORK_CHECKS_ENV, network_checks_enabled
-from harness.redact import redact_env
 from harness.serve.launch import (
     KILL_WAIT_S,
     LOG_TAIL_LINES,
@@ -72,6 +71,7 @@ from harness.serve.launch import (
     describe_exit,
     health_probe_failure,
     keep_earlier_log,
+    log_header,
     log_size,
     read_log_from,
     read_log_tail,
@@ -274,7 +274,7 @@ class InstanceAgent:
     ) -> dict:
         self.workdir = Path(tempfile.mkdtemp(prefix="epd-harness-ray-"))
         log_path = self.workdir / f"{uuid.uuid4().hex[:8]}.log"
-        command = ServerCommand(name, argv, health_url, log_path, env, tuple(cpu_affinity))
+        command = ServerCommand(name, argv, health_url, log_path, env, cpu_affinity)
         self.server = ManagedServer(command, port_lease=self.leases[0] if self.leases else None)
         for lease in self.leases[1:]:
             lease.hand_over()  # NIXL binds its side channel itself; the flock stays
@@ -407,13 +407,11 @@ class RayServer:
     def start(self) -> None:
         command = self.command
         command.log_path.parent.mkdir(parents=True, exist_ok=True)
-        additions = " ".join(f"{k}={v}" for k, v in sorted(redact_env(command.env).items()))
         node = self.node
         keep_earlier_log(command.log_path)
         with open(command.log_path, "wb") as mirror:
             mirror.write(
-                f"# epd-harness: {command.name}: {' '.join(command.argv)}\n"
-                f"# epd-harness: environment additions: {additions}\n"
+                f"{log_header(command)}"
                 f"# epd-harness: on Ray node {node.address} (node id {node.node_id}, host "
                 f"{node.hostname}); the lines below are its log, fetched through its agent\n".encode()
             )

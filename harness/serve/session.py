@@ -521,9 +521,9 @@ def select_evidence(lines: list[str]) -> str:
     first: vLLM logs every frame of a traceback as an ERROR line and the cause last, so an
     engine core that dies in its in-process worker logs some 50 frame lines before it."""
     errors = [i for i, line in enumerate(lines) if "Error" in line or "ERROR" in line]
-    raised = [i for i in errors if _RAISED.search(lines[i])][:LOG_SLICE_LINES]
-    others = [i for i in errors if i not in raised][: LOG_SLICE_LINES - len(raised)]
-    picked = [lines[i] for i in sorted({*raised, *others})]
+    kept = set([i for i in errors if _RAISED.search(lines[i])][:LOG_SLICE_LINES])
+    others = [i for i in errors if i not in kept][: LOG_SLICE_LINES - len(kept)]
+    picked = [lines[i] for i in sorted(kept.union(others))]
     tail = [line for line in lines[-LOG_TAIL_SLICE_LINES:] if line not in picked]
     return "\n".join(picked + (["..."] if picked and tail else []) + tail)
 

@@ -126,11 +126,12 @@ def held_ports(ports: Iterable[int], lock_dir: Path, born_before: float | None =
     `born_before` (epoch seconds), a socket of a process created after it is not counted: that
     process took a port the run had given back (another test, under xdist), it was not left.
     """
+    ports = list(ports)
     sockets = {}
     for conn in psutil.net_connections(kind="tcp"):
-        if conn.laddr and conn.status != psutil.CONN_TIME_WAIT:
-            if born_before is not None and _born_after(conn.pid, born_before):
-                continue
+        if not conn.laddr or conn.laddr.port not in ports or conn.status == psutil.CONN_TIME_WAIT:
+            continue
+        if born_before is None or not _born_after(conn.pid, born_before):
             sockets.setdefault(conn.laddr.port, f"{conn.status} pid {conn.pid}")
     held = []
     for port in ports:
