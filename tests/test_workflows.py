@@ -270,12 +270,3 @@ def test_versions_workflow_covers_the_floor_to_the_newest_release_and_writes_the
     table_steps = " ".join(s.get("run", "") for s in workflow["jobs"]["table"]["steps"])
     assert "versions.md" in table_steps and "GITHUB_STEP_SUMMARY" in table_steps
     assert workflow["jobs"]["table"]["if"] == "always()"
-
-
-def test_ci_installs_nixl_because_a_ci_scenario_runs_it() -> None:
-    """scenarios/test_nixl.py has a `ci` case; without the nixl extra it fails (never skips),
-    so both ways CI runs (the workflow and .ci/run) must install it."""
-    nixl_scenario = (ROOT / "scenarios" / "test_nixl.py").read_text()
-    assert "@pytest.mark.ci" in nixl_scenario
-    assert load("ci.yml")["jobs"]["cpu"]["env"]["EPD_CPU_NIXL"] == "1"
-    assert "export EPD_CPU_NIXL=1" in (ROOT / ".ci" / "run").read_text()
