@@ -78,6 +78,17 @@ def token_id_of(label: str) -> int:
     return int(number)
 
 
+def position_logprobs(entry: dict[str, Any]) -> PositionLogprobs:
+    """One entry of an OpenAI `logprobs.content` list, a whole answer's or a streamed chunk's."""
+    return PositionLogprobs(
+        token_id=token_id_of(entry["token"]),
+        logprob=float(entry["logprob"]),
+        top=tuple(
+            (token_id_of(t["token"]), float(t["logprob"])) for t in entry.get("top_logprobs") or []
+        ),
+    )
+
+
 def parse_chat_response(body: dict[str, Any]) -> ChatResult:
     """Reduce a vLLM chat completion JSON body to a ChatResult; fail on a missing field."""
     try:
@@ -90,18 +101,9 @@ def parse_chat_response(body: dict[str, Any]) -> ChatResult:
         ) from None
     if token_ids is None or prompt_token_ids is None:
         raise ValueError("response carries null token ids: was return_token_ids honoured?")
-    positions = []
-    for entry in (choice.get("logprobs") or {}).get("content") or []:
-        positions.append(
-            PositionLogprobs(
-                token_id=token_id_of(entry["token"]),
-                logprob=float(entry["logprob"]),
-                top=tuple(
-                    (token_id_of(t["token"]), float(t["logprob"]))
-                    for t in entry.get("top_logprobs") or []
-                ),
-            )
-        )
+    positions = [
+        position_logprobs(entry) for entry in (choice.get("logprobs") or {}).get("content") or []
+    ]
     details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
     return ChatResult(
         prompt_token_ids=tuple(prompt_token_ids),

@@ -21,7 +21,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harness.outcomes.chat import ChatResult, PositionLogprobs, token_id_of
+from harness.outcomes.chat import ChatResult, PositionLogprobs, position_logprobs
 
 DONE = "[DONE]"
 EVENT_STREAM = "text/event-stream"
@@ -219,17 +219,7 @@ def _read_chunk(
         record.problems.append(
             f"chunk {record.chunks}: {len(ids)} token id(s) but {len(entries)} log-prob entries"
         )
-    for entry in entries:
-        reading.logprobs.append(
-            PositionLogprobs(
-                token_id=token_id_of(entry["token"]),
-                logprob=float(entry["logprob"]),
-                top=tuple(
-                    (token_id_of(t["token"]), float(t["logprob"]))
-                    for t in entry.get("top_logprobs") or []
-                ),
-            )
-        )
+    reading.logprobs += [position_logprobs(entry) for entry in entries]
     if choice.get("finish_reason") is not None:
         record.finish_reasons += 1
         reading.finish_reason = choice["finish_reason"]
