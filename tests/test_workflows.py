@@ -9,6 +9,7 @@ these tests fail and say how to install them, instead of passing without having 
 
 from __future__ import annotations
 
+import configparser
 import shutil
 import subprocess
 import sys
@@ -270,3 +271,12 @@ def test_versions_workflow_covers_the_floor_to_the_newest_release_and_writes_the
     table_steps = " ".join(s.get("run", "") for s in workflow["jobs"]["table"]["steps"])
     assert "versions.md" in table_steps and "GITHUB_STEP_SUMMARY" in table_steps
     assert workflow["jobs"]["table"]["if"] == "always()"
+
+
+def test_tox_e2e_installs_the_extras_its_scenarios_need() -> None:
+    """`tox -e cpu-e2e` selects every e2e scenario, NIXL's and Ray's among them, which fail
+    without their extras (`scripts/cpu test` adds the same ones: tests/test_cpu_script.py)."""
+    tox = configparser.ConfigParser()
+    tox.read(ROOT / "tox.ini")
+    assert "not e2e" not in tox["testenv:cpu-e2e"]["commands"]
+    assert set(tox["testenv:cpu-e2e"]["extras"].split()) == {"test", "nixl", "ray"}
