@@ -285,15 +285,47 @@ def test_the_lock_wait_is_measured_apart_from_the_sweep(tmp_path: Path) -> None:
     fcntl.flock(holder, fcntl.LOCK_EX)
     threading.Timer(0.5, os.close, (holder,)).start()  # the other job ends after 0.5 s
     started = time.monotonic()
-    fd, waited = wait_for_lock(str(lock))
+    told: list[str] = []
+    fd, waited = wait_for_lock(str(lock), on_wait=lambda: told.append("waiting"))
     try:
         assert 0.4 <= waited <= time.monotonic() - started
+        assert told == ["waiting"]
         other = os.open(lock, os.O_RDWR)
         with pytest.raises(BlockingIOError):
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.close(other)
     finally:
         os.close(fd)
+
+
+def test_a_free_lock_is_taken_without_saying_it_waited(tmp_path: Path) -> None:
+    import os
+
+    from harness.cli.versions import wait_for_lock
+
+    told: list[str] = []
+    fd, _ = wait_for_lock(str(tmp_path / "vllm.lock"), on_wait=lambda: told.append("waiting"))
+    os.close(fd)
+    assert told == []
+
+
+def test_each_release_ends_with_one_line_of_verdicts() -> None:
+    run = ReleaseRun(
+        "0.27.1",
+        "raw-media",
+        1,
+        141.4,
+        0.0,
+        0,
+        [case("1P+1D", "text", "MATCH"), case("1E+1PD", "image", "NOT_APPLICABLE")]
+        + [case("1P+1D", "video", "MATCH")],
+        lock_wait_seconds=12.0,
+    )
+    assert run.outcome_line() == (
+        "MATCH 2, NOT_APPLICABLE 1; sweep 141s (after 12s for the lock), exit 1"
+    )
+    broken = ReleaseRun("0.28.0", "x", 2, 3.0, 0.0, 0, [], failure="error: no such flag")
+    assert broken.outcome_line() == "no cases: error: no such flag; sweep 3s, exit 2"
 
 
 def test_matrix_rows_follow_the_newest_release_and_evidence_is_not_repeated() -> None:

@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,18 @@ class ReleaseRun:
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
+    def outcome_line(self) -> str:
+        """What a matrix run prints as each release ends: its verdicts, time and exit code."""
+        counts: dict[str, int] = {}
+        for case in self.cases:
+            counts[case["verdict"]] = counts.get(case["verdict"], 0) + 1
+        verdicts = ", ".join(f"{verdict} {n}" for verdict, n in sorted(counts.items()))
+        waited = (
+            f" (after {self.lock_wait_seconds:.0f}s for the lock)" if self.lock_wait_seconds else ""
+        )
+        what = verdicts or f"no cases: {self.failure}"
+        return f"{what}; sweep {self.seconds:.0f}s{waited}, exit {self.exit_code}"
+
     def verdicts(self) -> dict[str, dict[str, Any]]:
         """'topology / prompt [vs reference]' -> case, the reference shown only when not the
         baseline (1E+1P+1D is judged against 1P+1D too)."""
@@ -112,15 +125,19 @@ def _without_selection(run_args: list[str]) -> list[str]:
     return kept
 
 
-def wait_for_lock(lock_file: str) -> tuple[int, float]:
+def wait_for_lock(lock_file: str, on_wait: Callable[[], None] = lambda: None) -> tuple[int, float]:
     """An open descriptor holding an exclusive flock on `lock_file` (what `flock FILE cmd`
     holds, so it serialises with every other vLLM job on the host), and the seconds waited.
     Taken here rather than by wrapping the run in flock(1), so the sweep's time excludes the
-    wait for other jobs."""
+    wait for other jobs. `on_wait` is called only when another job holds the lock."""
     fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
     started = time.monotonic()
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
     except BaseException:
         os.close(fd)
         raise
@@ -162,8 +179,10 @@ def run_release(
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     lock_fd, waited = None, 0.0
     if lock_file:
-        log.info("[versions] %s: waiting for %s", version, lock_file)
-        lock_fd, waited = wait_for_lock(lock_file)
+        lock_fd, waited = wait_for_lock(
+            lock_file,
+            on_wait=lambda: log.info("[versions] %s: waiting for %s (held)", version, lock_file),
+        )
     try:
         started = time.monotonic()
         with open(console, "w") as output:
@@ -204,6 +223,7 @@ def run_release(
         run_args=list(run_args),
     )
     write_json_atomic(run_dir / RELEASE_RUN_FILE, result.to_json())
+    log.info("[versions] %s: %s", version, result.outcome_line())
     return result
 
 
