@@ -36,7 +36,13 @@ from harness.spec.settings import RAY_LAUNCHER, LauncherChoice, RunSettings
 from harness.spec.topology import TOPOLOGIES
 from harness.testing.live import LiveTopology
 
-pytestmark = [pytest.mark.e2e, pytest.mark.epd_topology("1E+1P+1D"), pytest.mark.epd_variant("ray")]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.epd_topology("1E+1P+1D"),
+    pytest.mark.epd_variant("ray"),
+    # On a GPU platform only against a real cluster (--epd-ray-address): the rehearsal is CPU's.
+    pytest.mark.one_host_rehearsal(unless_ray_address=True),
+]
 
 IMAGE = next(p for p in SKELETON_PROMPTS if p.name == "image")
 

@@ -32,7 +32,8 @@ import pytest
 from harness.environment import NETWORK_CHECKS_ENV
 from harness.serve.launch import ManagedServer, ServerCommand
 
-pytestmark = pytest.mark.e2e
+# It builds its own rehearsal cluster, in namespaces of this host: the cpu platform's.
+pytestmark = [pytest.mark.e2e, pytest.mark.one_host_rehearsal]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_START_S = 180.0

@@ -470,6 +470,18 @@ def test_ray_address_malformed(bad_run: BadRun) -> None:
     )
 
 
+def test_ray_rehearsal_on_a_gpu_platform(bad_run: BadRun) -> None:
+    code, err = bad_run("--launcher", "ray", "--platform", "cuda", "--devices", "0,1,2")
+    assert_one_error_line(
+        code,
+        err,
+        "--launcher ray without --ray-address starts a one-host rehearsal cluster, which runs "
+        "on the cpu platform only (its nodes would share this host's cuda devices, each seeing "
+        "all of them); give --ray-address HOST:PORT of a cluster whose nodes have devices of "
+        "their own",
+    )
+
+
 def test_ray_shared_dir_missing(bad_run: BadRun, tmp_path: Path) -> None:
     code, err = bad_run("--launcher", "ray", "--ray-shared-dir", str(tmp_path / "nfs"))
     assert_one_error_line(code, err, f"--ray-shared-dir {tmp_path / 'nfs'}: not a directory")

@@ -224,3 +224,14 @@ def test_a_ray_session_is_another_session_and_frees_its_cluster_for_the_next(
         pool._live[keys[name]] = _Live(StubSession(name, stopped), 0.0)  # type: ignore[arg-type]
     pool._make_room([(keys["nixl-ray"], epd, ())])
     assert stopped == ["ray"], stopped
+
+
+def test_the_one_host_ray_rehearsal_is_refused_on_a_gpu_platform() -> None:
+    """Its nodes would each report every device of the host; a real cluster is fine anywhere,
+    and the rehearsal is fine on CPU."""
+    rehearsal = LauncherChoice(kind="ray")
+    refusal = rehearsal.refusal_on(CUDA)
+    assert refusal is not None and "--ray-address" in refusal and "cuda" in refusal
+    assert rehearsal.refusal_on(CPU) is None
+    assert LauncherChoice(kind="ray", ray_address="10.0.0.1:6379").refusal_on(CUDA) is None
+    assert LauncherChoice().refusal_on(CUDA) is None

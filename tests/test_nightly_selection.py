@@ -27,6 +27,8 @@ pytestmark = pytest.mark.process
 ROOT = Path(__file__).resolve().parent.parent
 NIGHTLY = ROOT / ".github" / "workflows" / "nightly-gpu.yml"
 SCENARIO_STEP = "EPD scenarios"
+# What a module uses to run its instances on Ray: the launcher, or a cluster of its own.
+RAY_USES = re.compile(r"\b(RAY_LAUNCHER|harness\.serve\.ray_cluster)\b")
 # Calls that work only with ExampleConnector: its KV files, or its block-aligned rule.
 EXAMPLE_ONLY_CALLS = re.compile(
     r"(?<![\w.])(kv_noise|zero_kv_files|kv_file_stamps|expected_kv_prefix)\("
@@ -45,8 +47,14 @@ def pytest_collection_finish(session):
             source = inspect.getsource(function) if function is not None else ""
         except (OSError, TypeError):
             source = ""
+        module = getattr(item, "module", None)
+        try:
+            module_source = inspect.getsource(module) if module is not None else ""
+        except (OSError, TypeError):
+            module_source = ""
         items.append({"id": item.nodeid, "kv_connector": list(marker.args) if marker else None,
-                      "source": source})
+                      "source": source, "module_source": module_source,
+                      "rehearsal": item.get_closest_marker("one_host_rehearsal") is not None})
     Path(os.environ["EPD_SELECTION_DUMP"]).write_text(json.dumps(items))
 """
 
@@ -130,3 +138,36 @@ def test_the_same_nets_catch_those_tests_under_example_connector(tmp_path: Path)
     assert by_source <= by_marker, (
         f"a test calls ExampleConnector-only code unmarked: {by_source - by_marker}"
     )
+
+
+def on_ray(items: list[dict]) -> dict[str, bool]:
+    """Collected tests whose module runs instances on Ray -> whether they are marked as
+    starting the one-host rehearsal."""
+    return {i["id"]: i["rehearsal"] for i in items if RAY_USES.search(i["module_source"])}
+
+
+def test_the_nightly_selection_starts_no_one_host_ray_rehearsal(tmp_path: Path):
+    """The rehearsal's Ray nodes would share the GPU host's devices, and the nightly installs no
+    Ray: its scenarios are deselected and listed there (run against a real cluster with
+    --epd-ray-address)."""
+    items, output = collect(nightly_pytest_options(), tmp_path)
+    assert not on_ray(items), on_ray(items)
+    assert "runs on the cpu platform only" in output, output[-2000:]
+    with_cluster = [*nightly_pytest_options(), "--epd-ray-address", "10.0.0.1:6379"]
+    items, _ = collect(with_cluster, tmp_path)
+    assert on_ray(items) and all(on_ray(items).values()), on_ray(items)
+    assert all("test_ray.py" in node for node in on_ray(items)), on_ray(items)
+
+
+def test_every_scenario_on_ray_is_marked_and_runs_on_cpu(tmp_path: Path):
+    """Proof the check above can fail: on the cpu platform the same tests are collected, and
+    every one whose module runs instances on Ray carries the marker."""
+    options = nightly_pytest_options()
+    cpu = options[: options.index("--epd-platform")] + ["--epd-platform", "cpu"]
+    items, _ = collect(cpu, tmp_path)
+    found = on_ray(items)
+    assert {n.split("::")[0] for n in found} == {
+        "scenarios/test_ray.py",
+        "scenarios/test_ray_netns.py",
+    }, found
+    assert all(found.values()), [n for n, marked in found.items() if not marked]

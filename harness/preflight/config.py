@@ -139,6 +139,9 @@ def prepare_run(request: RunRequest) -> RunConfig:
     _refuse_ignored_flags(request)
     platform = get_platform(request.platform)
     launcher = check_launcher(request)
+    refusal = launcher.refusal_on(platform)
+    if refusal is not None:
+        raise BadInput(refusal)
     attach = _attach(request, platform)
     matrix = _scenarios(request.scenarios)
     cases = names.load_cases_file(request.cases_file) if request.cases_file else ()

@@ -586,6 +586,9 @@ class RayLauncher:
         return self.choice.shared_dir / f"epd-{self._storage_tag}" / session_dir.name
 
     def reserve(self, topology: Topology, devices: tuple[int, ...]) -> Reservation:
+        refusal = self.choice.refusal_on(self.settings.platform)
+        if refusal is not None:  # prepare_run refuses it too; scenarios build settings directly
+            raise LaunchRefused(f"{topology.name}: {refusal}")
         runtime().connect(self.choice, self.settings.run_dir)
         roles = topology.roles
         bundle: dict[str, float] = {"CPU": 1}

@@ -115,6 +115,28 @@ class LauncherChoice:
     def is_local(self) -> bool:
         return self.kind == LOCAL_LAUNCHER
 
+    @property
+    def rehearses_on_this_host(self) -> bool:
+        """`ray` without an address: the run starts its own cluster of three nodes here."""
+        return self.kind == RAY_LAUNCHER and self.ray_address is None
+
+    def refusal_on(self, platform: PlatformProfile) -> str | None:
+        """Why this launcher cannot run instances of `platform`, or None.
+
+        The one-host rehearsal starts its Ray nodes without dividing the host's devices among
+        them, so on a platform whose instances own their devices each node would report all of
+        them, and Ray, which hands out device ids per node, could give two instances the same
+        device. It rehearses the network and the storage of a cluster, which the CPU profile
+        shows; on GPUs the cluster must be a real one."""
+        if not (self.rehearses_on_this_host and platform.exclusive_devices):
+            return None
+        return (
+            f"--launcher ray without --ray-address starts a one-host rehearsal cluster, which "
+            f"runs on the cpu platform only (its nodes would share this host's {platform.name} "
+            f"devices, each seeing all of them); give --ray-address HOST:PORT of a cluster "
+            f"whose nodes have devices of their own"
+        )
+
     def to_json(self) -> dict[str, Any]:
         return {
             "kind": self.kind,

@@ -42,6 +42,7 @@ POOL_KEY = pytest.StashKey[object]()
 SWEEP_KEY = pytest.StashKey[object]()
 PROMPTS_KEY = pytest.StashKey[tuple]()
 KV_CONNECTOR_DESELECTED = pytest.StashKey[list]()
+REHEARSAL_DESELECTED = pytest.StashKey[dict]()  # why -> the node ids deselected for it
 # A scenario module lists the prompts its tests send (besides the sweep's) under this name.
 BASELINE_PROMPTS = "EPD_BASELINE_PROMPTS"
 RUN_ROOT_KEY = pytest.StashKey[str]()
@@ -103,6 +104,12 @@ def pytest_configure(config: pytest.Config) -> None:
         "kv_connector(*names): the item applies only to sessions running one of these KV "
         "connectors (example, nixl); deselected and listed otherwise",
     )
+    config.addinivalue_line(
+        "markers",
+        "one_host_rehearsal(unless_ray_address=False): the item starts the one-host Ray "
+        "rehearsal cluster (with unless_ray_address=True: only without --epd-ray-address), "
+        "which runs on the cpu platform only; deselected and listed on another",
+    )
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         config.stash[RUN_ROOT_KEY] = workerinput.get(WORKER_RUN_ROOT)
@@ -158,15 +165,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     }
     connector = session_kv_connector(config)
     dropped, other_connector = [], []
+    rehearsal: dict[str, list[str]] = {}
     for item in items:
         group = epd_group(item)
         needs = item.get_closest_marker("kv_connector")
+        refusal = rehearsal_refusal(config, item)
         if connector is not None and needs is not None and connector not in needs.args:
             other_connector.append(f"{item.nodeid} (needs {', '.join(needs.args)})")
+            dropped.append(item)
+        elif refusal is not None:
+            rehearsal.setdefault(refusal, []).append(item.nodeid)
             dropped.append(item)
         elif wanted and group is not None and group.topology not in wanted:
             dropped.append(item)
     config.stash[KV_CONNECTOR_DESELECTED] = other_connector
+    config.stash[REHEARSAL_DESELECTED] = rehearsal
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = [i for i in items if i not in dropped]
@@ -211,16 +224,43 @@ def session_kv_connector(config: pytest.Config) -> str | None:
     return default.name if default is not None else None
 
 
+def rehearsal_refusal(config: pytest.Config, item: pytest.Item) -> str | None:
+    """Why an item marked `one_host_rehearsal` cannot run on the session's platform (the Ray
+    launcher's own refusal, `LauncherChoice.refusal_on`), or None."""
+    marker = item.get_closest_marker("one_host_rehearsal")
+    if marker is None:
+        return None
+    from harness.errors import BadInput
+    from harness.spec.platforms import get_platform
+    from harness.spec.settings import RAY_LAUNCHER, LauncherChoice
+
+    address = config.getoption("--epd-ray-address", None)
+    if not marker.kwargs.get("unless_ray_address", False):
+        address = None
+    try:
+        platform = get_platform(config.getoption("--epd-platform", "cpu"))
+    except BadInput:
+        return None  # the preflight says what is wrong with the platform
+    return LauncherChoice(RAY_LAUNCHER, ray_address=address).refusal_on(platform)
+
+
 def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
-    """Tests for another KV connector than the session's are deselected, never silently."""
+    """Tests that do not apply to the session (another KV connector; the one-host Ray
+    rehearsal on a GPU platform) are deselected, never silently."""
+    lines = []
     deselected = config.stash.get(KV_CONNECTOR_DESELECTED, [])
-    if not deselected:
-        return []
-    return [
-        f"epd-harness: {len(deselected)} test(s) deselected: they apply to another KV connector "
-        f"than this session's ({session_kv_connector(config)}):",
-        *(f"  {line}" for line in deselected),
-    ]
+    if deselected:
+        lines += [
+            f"epd-harness: {len(deselected)} test(s) deselected: they apply to another KV "
+            f"connector than this session's ({session_kv_connector(config)}):",
+            *(f"  {line}" for line in deselected),
+        ]
+    for why, nodes in config.stash.get(REHEARSAL_DESELECTED, {}).items():
+        lines += [
+            f"epd-harness: {len(nodes)} test(s) deselected: {why}:",
+            *(f"  {node}" for node in nodes),
+        ]
+    return lines
 
 
 # The xdist group of every e2e item on a platform whose instances share the host's cores.
