@@ -83,3 +83,51 @@ def test_expected_error_needs_its_evidence() -> None:
     fixed_upstream = judged_as_declared(reference)
     assert fixed_upstream.verdict is Verdict.MATCH and not fixed_upstream.policy_passed
     assert ScenarioResult(scenario, [other_error]).problems() == [f"p: ERROR: {other_error.detail}"]
+
+
+class RecordingJudge:
+    """Stands in for the sweep's judging: keeps what each answer was judged with."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def judge(self, topology, seen, **how) -> list[CaseRecord]:
+        self.calls.append({"prompt": seen.outcome.prompt, **how})
+        return [record(Verdict.MATCH)]
+
+
+def judged_by_matrix(scenario: Scenario) -> list[dict]:
+    from types import SimpleNamespace
+
+    from harness.run.judging import Observed
+    from harness.run.matrix import MatrixRun
+    from harness.testing.builders import outcome
+
+    answers = {p.name: outcome(p.name, [1, 2, 3]) for p in scenario.prompts}
+    judging = RecordingJudge()
+    sweep = SimpleNamespace(
+        judging=judging,
+        baseline=SimpleNamespace(outcomes=answers),
+        add_records=lambda *args: None,
+    )
+    session = SimpleNamespace(topology=TOPOLOGIES[scenario.topology])
+    observed = [Observed(outcome(p.name, [1, 2, 3]), ()) for p in scenario.prompts]
+    MatrixRun(sweep)._judge(scenario, session, observed)
+    return judging.calls
+
+
+def test_concurrent_requests_are_judged_as_batched_with_each_others_answers_at_hand() -> None:
+    """In flight together, the engine batches them in shapes the baseline never ran: on a GPU
+    their log-probs may move within the measured batch noise (on CPU that floor is 0), and an
+    answer that is another request's is named as such."""
+    calls = judged_by_matrix(get_scenario("ec-concurrent-requests"))
+    names = [p.name for p in get_scenario("ec-concurrent-requests").prompts]
+    assert [c["prompt"] for c in calls] == names
+    for call in calls:
+        assert call["batched"] is True
+        assert [name for name, _ in call["others"]] == [n for n in names if n != call["prompt"]]
+
+
+def test_sequential_requests_are_judged_alone() -> None:
+    for call in judged_by_matrix(get_scenario("ec-images-1-2-3")):
+        assert call["batched"] is False and not call["others"]

@@ -10,9 +10,10 @@ topology against the monolithic baseline) under the calibrated drift rule
 within the noise floor the run measured. A corrupted transfer does not look like that, so it
 stays a MISMATCH.
 
-An answer computed in flight with other requests (a load) runs in other batch shapes than the
-baseline's single request did; whether that moves anything on a platform is measured, never
-assumed: the baseline itself answers the load's requests at the load's concurrency
+An answer computed in flight with other requests (a load, a scenario's concurrent requests)
+runs in other batch shapes than the baseline's single request did; whether that moves anything
+on a platform is measured, never assumed: the baseline's batched pass sends each sweep request
+together with another, a load has the baseline answer its requests at the load's concurrency
 (`harness.run.baseline.BaselineAnswers.calibrate_batched`), and a batched answer is held to the
 drift rule within the noise that showed. Where batching moved nothing (a floor of 0) no drift
 can pass, so the comparison stays exact in effect.

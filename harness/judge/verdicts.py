@@ -100,8 +100,9 @@ def judge_case(
 ) -> list[CaseRecord]:
     """One record per reference: `label` names the case's topology (and scenario).
 
-    `batched`: the answer was computed in flight together with other requests (a load), so
-    the reference policy may allow it the batch noise the baseline showed. `others`: answers
+    `batched`: the answer was computed in flight together with other requests (a load, a
+    scenario's concurrent requests), so the reference policy may allow it the batch noise the
+    baseline showed. `others`: answers
     of other requests in flight with it (name, outcome), to name whose answer it is when it is
     not its own."""
     records = []

@@ -100,12 +100,21 @@ class MatrixRun:
         self, scenario: Scenario, session: TopologySession, observed: list[Observed]
     ) -> ScenarioResult:
         result = ScenarioResult(scenario)
+        # Requests in flight together are batched by the engine, in shapes the baseline's
+        # single requests never ran: judged as a load's are (`harness.judge.policy`), with
+        # the others' baseline answers at hand to name an answer that is another request's.
+        batched = scenario.mode is SendMode.CONCURRENT
+        answers = self.sweep.baseline.outcomes
         for seen in observed:
+            prompt = seen.outcome.prompt
+            others = [(p.name, answers[p.name]) for p in scenario.prompts if p.name != prompt]
             result.records += self.sweep.judging.judge(
                 session.topology,
                 seen,
                 label=f"{scenario.topology}:{scenario.name}",
                 declared=scenario.declared,
+                batched=batched,
+                others=others if batched else (),
             )
         if scenario.require_every_encoder:
             result.checks.append(check_every_encoder_used(session, [o.outcome for o in observed]))
