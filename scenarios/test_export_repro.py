@@ -25,7 +25,8 @@ import pytest
 
 from harness.cli.main import main
 
-pytestmark = pytest.mark.e2e
+# Its run and the exports start topologies of their own, with the CLI's (cpu) defaults.
+pytestmark = [pytest.mark.e2e, pytest.mark.own_instances]
 
 SCENARIOS = (
     "epd-media-in-decode-tail",

@@ -56,6 +56,7 @@ def test_a_seeded_fuzz_of_1e_1pd_finds_no_new_failure(epd_settings, epd_pool) ->
 
 
 @pytest.mark.epd_topology("1E+1PD")
+@pytest.mark.own_instances  # the CLI's fuzz, with topologies of its own
 def test_fuzzing_finds_and_shrinks_a_planted_shape_dependent_fault(
     epd_run_dir: Path, epd_cli
 ) -> None:

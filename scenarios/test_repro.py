@@ -14,7 +14,8 @@ import pytest
 
 from harness.cli.main import EXIT_FAILED, EXIT_OK
 
-pytestmark = [pytest.mark.e2e, pytest.mark.epd_topology("1E+1PD")]
+# `run` and `repro` start topologies of their own, with the CLI's (cpu) defaults.
+pytestmark = [pytest.mark.e2e, pytest.mark.epd_topology("1E+1PD"), pytest.mark.own_instances]
 
 
 def test_repro_of_a_planted_mismatch_reproduces_it(epd_run_dir: Path, epd_cli) -> None:

@@ -29,6 +29,17 @@ NIGHTLY = ROOT / ".github" / "workflows" / "nightly-gpu.yml"
 SCENARIO_STEP = "EPD scenarios"
 # What a module uses to run its instances on Ray: the launcher, or a cluster of its own.
 RAY_USES = re.compile(r"\b(RAY_LAUNCHER|harness\.serve\.ray_cluster)\b")
+# A module that drives the CLI in-process (`epd_cli(...)`, `main([...])`) may start topologies
+# of its own beside the session's pool; these of its items start none, and why.
+CLI_CALLS = re.compile(r"\b(epd_cli|main)\(")
+CLI_IN_POOL = {
+    "scenarios/test_attach.py::test_attach_judges_a_kept_up_topology_like_a_normal_run": (
+        "run --attach judges the pool's kept-up topology, its baseline from a cache"
+    ),
+    "scenarios/test_fuzz.py::test_a_seeded_fuzz_of_1e_1pd_finds_no_new_failure": (
+        "the fuzz engine on the session's pool, not the CLI"
+    ),
+}
 # Calls that work only with ExampleConnector: its KV files, or its block-aligned rule.
 EXAMPLE_ONLY_CALLS = re.compile(
     r"(?<![\w.])(kv_noise|zero_kv_files|kv_file_stamps|expected_kv_prefix)\("
@@ -54,7 +65,8 @@ def pytest_collection_finish(session):
             module_source = ""
         items.append({"id": item.nodeid, "kv_connector": list(marker.args) if marker else None,
                       "source": source, "module_source": module_source,
-                      "rehearsal": item.get_closest_marker("one_host_rehearsal") is not None})
+                      "rehearsal": item.get_closest_marker("one_host_rehearsal") is not None,
+                      "own": item.get_closest_marker("own_instances") is not None})
     Path(os.environ["EPD_SELECTION_DUMP"]).write_text(json.dumps(items))
 """
 
@@ -169,5 +181,37 @@ def test_every_scenario_on_ray_is_marked_and_runs_on_cpu(tmp_path: Path):
     assert {n.split("::")[0] for n in found} == {
         "scenarios/test_ray.py",
         "scenarios/test_ray_netns.py",
+    }, found
+    assert all(found.values()), [n for n, marked in found.items() if not marked]
+
+
+def driving_the_cli(items: list[dict]) -> dict[str, bool]:
+    """Collected tests of modules that drive the CLI in-process, but for those known to start
+    nothing of their own -> whether they are marked `own_instances`."""
+    return {
+        i["id"]: i["own"]
+        for i in items
+        if CLI_CALLS.search(i["module_source"]) and i["id"].split("[")[0] not in CLI_IN_POOL
+    }
+
+
+def test_the_nightly_selection_starts_no_topology_beside_its_pool(tmp_path: Path):
+    """A CLI run inside the session, with the CLI's cpu defaults, would put instances on the
+    devices the pool holds: those tests are deselected and listed on cuda."""
+    items, output = collect(nightly_pytest_options(), tmp_path)
+    assert not driving_the_cli(items), driving_the_cli(items)
+    assert "they start topologies of their own through the CLI" in output, output[-2000:]
+    assert set(CLI_IN_POOL) <= {i["id"] for i in items}, "the in-pool ones still run"
+
+
+def test_every_scenario_that_starts_its_own_topologies_is_marked(tmp_path: Path):
+    """Proof the check above can fail: on cpu they are collected, each one marked."""
+    options = nightly_pytest_options()
+    cpu = options[: options.index("--epd-platform")] + ["--epd-platform", "cpu"]
+    found = driving_the_cli(collect(cpu, tmp_path)[0])
+    assert {n.split("::")[0] for n in found} == {
+        "scenarios/test_export_repro.py",
+        "scenarios/test_repro.py",
+        "scenarios/test_fuzz.py",
     }, found
     assert all(found.values()), [n for n, marked in found.items() if not marked]

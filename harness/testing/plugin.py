@@ -42,7 +42,12 @@ POOL_KEY = pytest.StashKey[object]()
 SWEEP_KEY = pytest.StashKey[object]()
 PROMPTS_KEY = pytest.StashKey[tuple]()
 KV_CONNECTOR_DESELECTED = pytest.StashKey[list]()
-REHEARSAL_DESELECTED = pytest.StashKey[dict]()  # why -> the node ids deselected for it
+PLATFORM_DESELECTED = pytest.StashKey[dict]()  # why -> the node ids deselected for it
+# Why an item marked `own_instances` does not run where instances own their devices.
+OWN_INSTANCES_REFUSAL = (
+    "they start topologies of their own through the CLI, beside the session's pool and with "
+    "the CLI's defaults, which on {platform} would contend for the devices the pool holds"
+)
 # A scenario module lists the prompts its tests send (besides the sweep's) under this name.
 BASELINE_PROMPTS = "EPD_BASELINE_PROMPTS"
 RUN_ROOT_KEY = pytest.StashKey[str]()
@@ -110,6 +115,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "rehearsal cluster (with unless_ray_address=True: only without --epd-ray-address), "
         "which runs on the cpu platform only; deselected and listed on another",
     )
+    config.addinivalue_line(
+        "markers",
+        "own_instances: the item starts topologies of its own through the CLI (beside the "
+        "session's pool); deselected and listed on a platform whose instances own their devices",
+    )
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         config.stash[RUN_ROOT_KEY] = workerinput.get(WORKER_RUN_ROOT)
@@ -165,21 +175,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     }
     connector = session_kv_connector(config)
     dropped, other_connector = [], []
-    rehearsal: dict[str, list[str]] = {}
+    not_here: dict[str, list[str]] = {}
     for item in items:
         group = epd_group(item)
         needs = item.get_closest_marker("kv_connector")
-        refusal = rehearsal_refusal(config, item)
+        refusal = platform_refusal(config, item)
         if connector is not None and needs is not None and connector not in needs.args:
             other_connector.append(f"{item.nodeid} (needs {', '.join(needs.args)})")
             dropped.append(item)
         elif refusal is not None:
-            rehearsal.setdefault(refusal, []).append(item.nodeid)
+            not_here.setdefault(refusal, []).append(item.nodeid)
             dropped.append(item)
         elif wanted and group is not None and group.topology not in wanted:
             dropped.append(item)
     config.stash[KV_CONNECTOR_DESELECTED] = other_connector
-    config.stash[REHEARSAL_DESELECTED] = rehearsal
+    config.stash[PLATFORM_DESELECTED] = not_here
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = [i for i in items if i not in dropped]
@@ -224,29 +234,35 @@ def session_kv_connector(config: pytest.Config) -> str | None:
     return default.name if default is not None else None
 
 
-def rehearsal_refusal(config: pytest.Config, item: pytest.Item) -> str | None:
-    """Why an item marked `one_host_rehearsal` cannot run on the session's platform (the Ray
-    launcher's own refusal, `LauncherChoice.refusal_on`), or None."""
-    marker = item.get_closest_marker("one_host_rehearsal")
-    if marker is None:
+def platform_refusal(config: pytest.Config, item: pytest.Item) -> str | None:
+    """Why an item cannot run on the session's platform, or None: one marked
+    `one_host_rehearsal` gets the Ray launcher's own refusal (`LauncherChoice.refusal_on`), one
+    marked `own_instances` OWN_INSTANCES_REFUSAL where instances own their devices."""
+    rehearsal = item.get_closest_marker("one_host_rehearsal")
+    own = item.get_closest_marker("own_instances")
+    if rehearsal is None and own is None:
         return None
     from harness.errors import BadInput
     from harness.spec.platforms import get_platform
     from harness.spec.settings import RAY_LAUNCHER, LauncherChoice
 
-    address = config.getoption("--epd-ray-address", None)
-    if not marker.kwargs.get("unless_ray_address", False):
-        address = None
     try:
         platform = get_platform(config.getoption("--epd-platform", "cpu"))
     except BadInput:
         return None  # the preflight says what is wrong with the platform
+    if own is not None and platform.exclusive_devices:
+        return OWN_INSTANCES_REFUSAL.format(platform=platform.name)
+    if rehearsal is None:
+        return None
+    address = config.getoption("--epd-ray-address", None)
+    if not rehearsal.kwargs.get("unless_ray_address", False):
+        address = None
     return LauncherChoice(RAY_LAUNCHER, ray_address=address).refusal_on(platform)
 
 
 def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
-    """Tests that do not apply to the session (another KV connector; the one-host Ray
-    rehearsal on a GPU platform) are deselected, never silently."""
+    """Tests that do not apply to the session (another KV connector; on a GPU platform, the
+    one-host Ray rehearsal and topologies of a test's own) are deselected, never silently."""
     lines = []
     deselected = config.stash.get(KV_CONNECTOR_DESELECTED, [])
     if deselected:
@@ -255,7 +271,7 @@ def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
             f"connector than this session's ({session_kv_connector(config)}):",
             *(f"  {line}" for line in deselected),
         ]
-    for why, nodes in config.stash.get(REHEARSAL_DESELECTED, {}).items():
+    for why, nodes in config.stash.get(PLATFORM_DESELECTED, {}).items():
         lines += [
             f"epd-harness: {len(nodes)} test(s) deselected: {why}:",
             *(f"  {node}" for node in nodes),
