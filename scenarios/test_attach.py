@@ -106,11 +106,19 @@ def attach_run(
 ) -> tuple[int, str, dict, float]:
     """`epd-harness run --attach FILE` in-process: (exit code, stdout, summary.json, seconds)."""
     settings = config.settings
+    # The baseline the attach run may start is the session's: same platform, devices and
+    # numerics flags, so its answers are the cached ones (a GPU session's too).
+    baseline_flags = ["--platform", settings.platform.name]
+    baseline_flags += ["--devices", ",".join(map(str, settings.devices))]
+    if not settings.serving.enforce_eager:
+        baseline_flags.append("--no-enforce-eager")
+    if settings.colocate:
+        baseline_flags.append("--colocate")
     started = time.monotonic()
     code, out, _ = epd_cli(
         "run", "--attach", attach_file, "--prompt", ",".join(PROMPTS),
         "--model", settings.serving.model, "--vllm", settings.vllm.executable,
-        "--baseline-cache", cache, "--run-dir", run_dir,
+        "--baseline-cache", cache, "--run-dir", run_dir, *baseline_flags,
     )  # fmt: skip
     took = time.monotonic() - started
     return code, out, json.loads((run_dir / "summary.json").read_text()), took
