@@ -4,9 +4,10 @@ from P to D) turns it into a MISMATCH.
 
 This is the connector GPU users deploy; on CPU it needs the `nixl` extra (`scripts/cpu setup
 --nixl`; `scripts/cpu test`, the README's test command and CI's, installs it). Without it these
-tests fail with that one line, never skip. CI runs the clean 1P+1D image case (`ci`): passed in each of its
-runs under the shared lock on the project's loaded 2-core machine, 81-125 s per run (NIXL start
-and the first request's handshake; docs/connectors.md). The misrouted-blocks fault stays `e2e`.
+tests fail with that one line, never skip. CI runs the clean 1P+1D image case (`ci`): passed in
+each of its runs under the shared lock on the project's loaded 2-core machine, 81-125 s per run
+(NIXL start and the first request's handshake; docs/connectors.md). The misrouted-blocks fault
+stays `e2e`.
 """
 
 from __future__ import annotations

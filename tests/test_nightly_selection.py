@@ -152,6 +152,13 @@ def test_the_same_nets_catch_those_tests_under_example_connector(tmp_path: Path)
     )
 
 
+def nightly_options_on_cpu() -> list[str]:
+    """The nightly's selection with the cpu platform instead of cuda."""
+    options = nightly_pytest_options()
+    platform = options.index("--epd-platform")
+    return [*options[:platform], "--epd-platform", "cpu", *options[platform + 2 :]]
+
+
 def on_ray(items: list[dict]) -> dict[str, bool]:
     """Collected tests whose module runs instances on Ray -> whether they are marked as
     starting the one-host rehearsal."""
@@ -174,10 +181,7 @@ def test_the_nightly_selection_starts_no_one_host_ray_rehearsal(tmp_path: Path):
 def test_every_scenario_on_ray_is_marked_and_runs_on_cpu(tmp_path: Path):
     """Proof the check above can fail: on the cpu platform the same tests are collected, and
     every one whose module runs instances on Ray carries the marker."""
-    options = nightly_pytest_options()
-    cpu = options[: options.index("--epd-platform")] + ["--epd-platform", "cpu"]
-    items, _ = collect(cpu, tmp_path)
-    found = on_ray(items)
+    found = on_ray(collect(nightly_options_on_cpu(), tmp_path)[0])
     assert {n.split("::")[0] for n in found} == {
         "scenarios/test_ray.py",
         "scenarios/test_ray_netns.py",
@@ -206,9 +210,7 @@ def test_the_nightly_selection_starts_no_topology_beside_its_pool(tmp_path: Path
 
 def test_every_scenario_that_starts_its_own_topologies_is_marked(tmp_path: Path):
     """Proof the check above can fail: on cpu they are collected, each one marked."""
-    options = nightly_pytest_options()
-    cpu = options[: options.index("--epd-platform")] + ["--epd-platform", "cpu"]
-    found = driving_the_cli(collect(cpu, tmp_path)[0])
+    found = driving_the_cli(collect(nightly_options_on_cpu(), tmp_path)[0])
     assert {n.split("::")[0] for n in found} == {
         "scenarios/test_export_repro.py",
         "scenarios/test_repro.py",
