@@ -22,6 +22,16 @@ class Check:
     ok: bool
     detail: str
     hint: str = ""
+    # An optional extra that is not installed: not a failure, but said, with how to add it.
+    optional_missing: bool = False
+
+
+# Extras a run needs only for some of its options: (distribution, module, what needs it,
+# how to install it). Each imports in this interpreter, the served vLLM's own environment.
+OPTIONAL_EXTRAS = (
+    ("nixl", "nixl", "--kv-connector nixl", "scripts/cpu setup --nixl"),
+    ("ray", "ray", "--launcher ray", "scripts/cpu setup --ray"),
+)
 
 
 def _run_python(code: str) -> subprocess.CompletedProcess[str]:
@@ -110,6 +120,17 @@ def check_amx_permission(cpu_has_amx: bool | None = None) -> Check:
     return Check("AMX permission at start-up", True, f"{cpu}; {status}")
 
 
+def check_optional_extra(distribution: str, module: str, needed_for: str, setup: str) -> Check:
+    """Whether an optional extra imports here; its absence only says what it would enable."""
+    name = f"{distribution} (optional, for {needed_for})"
+    proc = _run_python(
+        f"import importlib.metadata, {module}; print(importlib.metadata.version({distribution!r}))"
+    )
+    if proc.returncode != 0:
+        return Check(name, True, "not installed", setup, optional_missing=True)
+    return Check(name, True, f"{distribution} {_last_line(proc.stdout)}")
+
+
 def check_model(model_dir: Path) -> Check:
     if not (model_dir / "config.json").is_file():
         return Check(
@@ -136,14 +157,15 @@ def run_checks(vllm_executable: str, model_dir: Path | None) -> list[Check]:
     ]
     if model_dir is not None:
         checks.append(check_model(model_dir))
+    checks += [check_optional_extra(*extra) for extra in OPTIONAL_EXTRAS]
     return checks
 
 
 def format_checks(checks: list[Check]) -> str:
     lines = []
     for check in checks:
-        mark = "ok  " if check.ok else "FAIL"
+        mark = "--  " if check.optional_missing else "ok  " if check.ok else "FAIL"
         lines.append(f"[{mark}] {check.name}: {check.detail}")
-        if not check.ok and check.hint:
+        if (check.optional_missing or not check.ok) and check.hint:
             lines.append(f"       -> {check.hint}")
     return "\n".join(lines)
