@@ -102,9 +102,8 @@ def judge_case(
 
     `batched`: the answer was computed in flight together with other requests (a load, a
     scenario's concurrent requests), so the reference policy may allow it the batch noise the
-    baseline showed. `others`: answers
-    of other requests in flight with it (name, outcome), to name whose answer it is when it is
-    not its own."""
+    baseline showed. `others`: answers of other requests in flight with it (name, outcome), to
+    name whose answer it is when it is not its own."""
     records = []
     answers = [(name, o.result) for name, o in others if o.result is not None]
     for reference in references:

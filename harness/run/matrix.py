@@ -106,15 +106,15 @@ class MatrixRun:
         batched = scenario.mode is SendMode.CONCURRENT
         answers = self.sweep.baseline.outcomes
         for seen in observed:
-            prompt = seen.outcome.prompt
-            others = [(p.name, answers[p.name]) for p in scenario.prompts if p.name != prompt]
+            mine = seen.outcome.prompt
+            others = [(p.name, answers[p.name]) for p in scenario.prompts if p.name != mine]
             result.records += self.sweep.judging.judge(
                 session.topology,
                 seen,
                 label=f"{scenario.topology}:{scenario.name}",
                 declared=scenario.declared,
                 batched=batched,
-                others=others if batched else (),
+                others=others if batched else [],
             )
         if scenario.require_every_encoder:
             result.checks.append(check_every_encoder_used(session, [o.outcome for o in observed]))

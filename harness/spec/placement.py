@@ -19,9 +19,9 @@ affinity, `harness.spec.platforms`), and the kernel spreads them: with one core 
 instances of a 1E+1P+1D on 2 cores would start two to a core while the other core had one. The
 cores also size the waves. Start-up is CPU-bound: measured on 2 cores (vLLM's `mp` executor
 then), one or two instances starting together are ready in 26-27 s, three in 46-54 s. So
-topologies share a wave only while the wave holds at most one instance per
-core (and what memory holds at `CPU_INSTANCE_BYTES` each): on 2 cores every topology runs alone,
-on a 16-core host the whole sweep starts at once. Under xdist every worker gets an equal part
+topologies share a wave only while the wave holds at most one instance per core (and what
+memory holds at `CPU_INSTANCE_BYTES` each): on 2 cores every topology runs alone, on a 16-core
+host the whole sweep starts at once. Under xdist every worker gets an equal part
 of that budget.
 
 Memory (`memory_fractions`). Each role gets upstream's `--gpu-memory-utilization`
