@@ -147,20 +147,23 @@ class TopologyPool:
         return self.through(outcome, request.settings)
 
     def revive(
-        self, topology: Topology, settings: RunSettings | None = None
+        self,
+        topology: Topology,
+        settings: RunSettings | None = None,
+        devices: tuple[int, ...] | None = None,
     ) -> TopologySession | ProxiedSession:
         """`session(topology)`, except that a running session whose instance died gets only
         that instance started again, in place (`TopologySession.revive_dead`: its siblings,
         storage and proxy kept), where `session` would start the whole topology afresh. For
         callers that send request after request that kill one instance (fuzzing): on CPU one
         instance starts in about half the time three do. Counted among the starts with its
-        cause; a revival that fails falls back to a full restart."""
+        cause; a revival that fails falls back to a full restart, on `devices` (its slot)."""
         settings = settings or self.settings
         key = SessionKey.of(topology, settings)
         live = self._live.get(key)
         died = live.session.dead_instance_report() if live is not None else None
         if live is None or died is None:
-            return self.session(topology, settings)
+            return self.session(topology, settings, devices)
         cause = died.splitlines()[0]
         started = time.monotonic()
         try:
@@ -168,7 +171,7 @@ class TopologyPool:
         except Exception as exc:  # noqa: BLE001 - the restart below says what it costs
             log.warning("reviving %s failed (%s); restarting it", topology.name, exc)
             self.starts.append(StartRecord(key, f"revive: {cause}", None))
-            return self.session(topology, settings)
+            return self.session(topology, settings, devices)
         names = ", ".join(s.name.rsplit("/", 1)[-1] for s in revived)
         seconds = round(time.monotonic() - started, 1)
         self.starts.append(StartRecord(key, f"revive {names}: {cause}", seconds))
@@ -252,15 +255,24 @@ class TopologyPool:
         label: str,
         settings: RunSettings | None = None,
         reuse_storage: Path | None = None,
+        devices: tuple[int, ...] | None = None,
     ) -> Iterator[TopologySession]:
         """A session nobody else shares, for a scenario that must start one of its own (a
-        rerun on the storage an earlier session left); counted among the starts with `why`."""
+        rerun on the storage an earlier session left), on `devices` (default: every device of
+        the run); counted among the starts with `why`. Room is made for its devices as for a
+        shared session's: on GPUs a session leases its devices, and a lease this process holds
+        through another session is waited for like any other holder's, for ever."""
         settings = settings or self.settings
         key = SessionKey.of(topology, settings)
-        self._make_room([(key, topology, ())])
         session = TopologySession(
-            topology, settings, on_event=self.on_event, label=label, reuse_storage=reuse_storage
+            topology,
+            settings,
+            on_event=self.on_event,
+            label=label,
+            reuse_storage=reuse_storage,
+            devices=devices,
         )
+        self._make_room([(key, topology, session.devices)])
         started = time.monotonic()
         try:
             session.__enter__()

@@ -283,6 +283,32 @@ def schedule(
     )
 
 
+def side_by_side(
+    topologies: Sequence[Topology],
+    devices: Sequence[int],
+    profile: PlatformProfile,
+    colocate: bool = False,
+) -> dict[str, tuple[int, ...]]:
+    """Each topology's devices when all of them must serve at once (fuzzing sends every
+    example to the baseline and to the topology, so both stay up). On GPUs they are one wave
+    of disjoint devices: a session given no slot would lease every device of the run and
+    place its first instance on the first of them, beside the other session's. Raises
+    DevicePlanError naming the count when the devices cannot hold them together; on CPU they
+    share the cores, as every topology does."""
+    if not profile.exclusive_devices:
+        return {t.name: tuple(devices) for t in topologies}
+    waves = schedule(topologies, devices, profile, colocate).waves
+    if len(waves) > 1:
+        needed = sum(devices_needed(t, profile, len(devices), colocate) for t in topologies)
+        raise DevicePlanError(
+            f"{' and '.join(t.name for t in topologies)} serve side by side: together they "
+            f"need {needed} {profile.device_kind}s, but only {len(devices)} given "
+            f"({_join(devices)}); give more with --devices, or let instances share with "
+            "--colocate"
+        )
+    return {slot.topology.name: slot.devices for slot in waves[0].slots}
+
+
 def _pack(topologies, size, capacity: int, take) -> Schedule:
     waves: list[list[TopologySlot]] = []
     room: list[int] = []

@@ -46,6 +46,7 @@ from harness.run.pool import SessionRequest, TopologyPool
 from harness.serve.attached import AttachedSession
 from harness.serve.launch import EventCallback
 from harness.serve.session import ProxiedSession, TopologySession
+from harness.spec.placement import side_by_side
 from harness.spec.prompts import MEDIA_PARTS, ImagePart, PromptSpec, render_request
 from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, Topology
@@ -207,6 +208,11 @@ class FuzzEngine:
         self.pool = pool or TopologyPool(settings, on_event)
         self.judging = CaseJudge(settings, BaselineAnswers(settings))
         self.topology = topology
+        # Where the baseline and the topology (unless attached) serve side by side, on GPUs
+        # on devices of their own; refused here, before anything starts, when the run's
+        # devices cannot hold both.
+        served = (BASELINE,) if attached else (BASELINE, topology)
+        self.devices = side_by_side(served, settings.devices, settings.platform, settings.colocate)
         self.fault = fault
         self.attached = attached
         self.on_event = on_event
@@ -233,7 +239,7 @@ class FuzzEngine:
     def __enter__(self) -> FuzzEngine:
         try:
             if self.attached:
-                self.baseline = self.pool.session(BASELINE)
+                self.baseline = self.pool.session(BASELINE, devices=self.devices[BASELINE.name])
                 attach = self.settings.proxy.attach
                 assert attach is not None, "an attached fuzz run needs the attach spec"
                 self.session = AttachedSession(attach, self.settings)
@@ -243,8 +249,8 @@ class FuzzEngine:
                 # by side: every example goes to both.
                 opened = self.pool.open(
                     [
-                        SessionRequest(BASELINE, self.settings),
-                        SessionRequest(self.topology, self.settings),
+                        SessionRequest(t, self.settings, self.devices[t.name])
+                        for t in (BASELINE, self.topology)
                     ]
                 )
                 for session in opened.values():
@@ -309,7 +315,7 @@ class FuzzEngine:
         before = _base(self.session)
         # The dead instance starts again in place (its log stays as evidence); a topology the
         # pool could not revive starts afresh, in a new session directory with new storage.
-        self.session = self.pool.revive(self.topology)
+        self.session = self.pool.revive(self.topology, devices=self.devices[self.topology.name])
         how = "revived"
         if _base(self.session) is before:
             self.consumer.consumer_restarted()
@@ -335,7 +341,7 @@ class FuzzEngine:
             return 0.0
         began = time.monotonic()
         log.warning("[fuzz] the baseline died; restarting (%s)", dead.splitlines()[0])
-        self.baseline = self.pool.session(BASELINE)
+        self.baseline = self.pool.session(BASELINE, devices=self.devices[BASELINE.name])
         seconds = time.monotonic() - began
         self.report_restarts.append(
             {"what": "baseline", "why": dead.splitlines()[0], "seconds": round(seconds, 1)}

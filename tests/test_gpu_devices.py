@@ -1,0 +1,151 @@
+"""On GPUs a session leases its devices (a file lock each, `harness.serve.ports.lease_devices`)
+and waits for any holder to let go, this process's other sessions included: whatever starts
+beside a running session must get devices of its own or stop what holds them. The fake vLLM
+(harness/testing/fake_vllm.py) stands in for every instance and logs the devices it was given;
+nothing here ran on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from harness.run.fuzz.engine import FuzzEngine
+from harness.run.pool import TopologyPool
+from harness.spec.platforms import CUDA, DevicePlanError
+from harness.spec.settings import RunSettings
+from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.testing.fake_vllm import START_LOG_ENV, fake_run_settings
+
+pytestmark = pytest.mark.process
+
+# A hang shows as this wait running out, never as a test that does not end.
+HANG_S = 60.0
+BASELINE = TOPOLOGIES["baseline"]
+
+
+@pytest.fixture
+def start_log(tmp_path: Path, port_locks: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    log = tmp_path / "starts.jsonl"
+    monkeypatch.setenv(START_LOG_ENV, str(log))
+    return log
+
+
+def devices_by_role(log: Path) -> list[tuple[str, str]]:
+    """(role, CUDA_VISIBLE_DEVICES) of every start, in order."""
+    starts = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return [(s["role"], s["env"].get("CUDA_VISIBLE_DEVICES", "")) for s in starts]
+
+
+def cuda_settings(tmp_path: Path, fake_vllm: Path, devices: tuple[int, ...]) -> RunSettings:
+    serving = ServingConfig(model=str(tmp_path / "model"), kv_connector=CUDA.kv_connector)
+    return fake_run_settings(tmp_path, fake_vllm, serving, platform=CUDA, devices=devices)
+
+
+def finishes(work: Callable[[], None]) -> bool:
+    """Whether `work` ends within HANG_S (in a thread: a wait on a lock cannot be interrupted)."""
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            failure.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    done.wait(HANG_S)
+    if failure:
+        raise failure[0]
+    return done.is_set()
+
+
+def test_a_private_session_stops_what_holds_its_devices_instead_of_waiting_on_it(
+    tmp_path: Path, fake_vllm: Path, start_log: Path
+) -> None:
+    """The matrix's rerun on kept storage and the attach scenario's deployment are private
+    sessions. One that made room for no device waited for ever on the baseline's lease, held
+    by the same pool: the nightly would have hung there."""
+    pool = TopologyPool(cuda_settings(tmp_path, fake_vllm, (0, 1, 2)))
+    try:
+
+        def baseline_then_private() -> None:
+            pool.session(BASELINE, devices=(0,))
+            with pool.private(TOPOLOGIES["1E+1PD"], "a test", label="private") as session:
+                assert session.dead_instance_report() is None
+
+        assert finishes(baseline_then_private), "the private session waited on its own pool"
+        assert pool.running() == [], "the baseline held a device the private session took"
+        roles = [role for role, _ in devices_by_role(start_log)]
+        assert roles == ["baseline", "encoder", "pd"], roles
+    finally:
+        pool.close()
+
+
+def test_a_private_session_on_its_own_devices_leaves_the_others_running(
+    tmp_path: Path, fake_vllm: Path, start_log: Path
+) -> None:
+    pool = TopologyPool(cuda_settings(tmp_path, fake_vllm, (0, 1, 2)))
+    try:
+
+        def baseline_beside_private() -> None:
+            pool.session(BASELINE, devices=(0,))
+            with pool.private(TOPOLOGIES["1E+1PD"], "a test", label="private", devices=(1, 2)):
+                assert [key.topology for key in pool.running()] == ["baseline"]
+
+        assert finishes(baseline_beside_private)
+        started = devices_by_role(start_log)
+        assert started[0] == ("baseline", "0") and {d for _, d in started[1:]} <= {"1", "2"}
+    finally:
+        pool.close()
+
+
+def test_fuzzing_on_gpus_serves_the_baseline_and_the_topology_on_devices_of_their_own(
+    tmp_path: Path, fake_vllm: Path, start_log: Path
+) -> None:
+    """Every example goes to both, so both stay up: given no slot, each session leased every
+    device and the topology's would have waited for ever on the baseline's."""
+    settings = cuda_settings(tmp_path, fake_vllm, (0, 1, 2))
+    engine = FuzzEngine(settings, TOPOLOGIES["1P+1D"])
+
+    def open_both() -> None:
+        with engine:
+            assert engine.session is not None and engine.baseline is not None
+
+    assert finishes(open_both), "the topology waited on the baseline's devices"
+    started = dict(devices_by_role(start_log))
+    assert started == {"baseline": "0", "prefill": "1", "decode": "2"}, started
+
+
+def test_fuzzing_on_too_few_gpus_is_refused_before_anything_starts(
+    tmp_path: Path, fake_vllm: Path, start_log: Path
+) -> None:
+    settings = cuda_settings(tmp_path, fake_vllm, (0, 1))
+    with pytest.raises(DevicePlanError) as refused:
+        FuzzEngine(settings, TOPOLOGIES["1P+1D"])
+    assert "baseline and 1P+1D serve side by side: together they need 3 devices" in str(
+        refused.value
+    )
+    assert devices_by_role(start_log) == []
+
+
+def test_a_session_asked_outside_the_waves_gets_its_slot_in_the_sweeps_schedule(
+    tmp_path: Path, fake_vllm: Path
+) -> None:
+    """A matrix or live scenario asks the pool for its topology directly: on its slot it
+    starts beside the baseline the sweep keeps, where every device would have stopped it."""
+    from harness.run.sweep import Sweep, SweepSpec
+    from harness.spec.prompts import SKELETON_PROMPTS
+
+    text = next(p for p in SKELETON_PROMPTS if p.name == "text")
+    settings = cuda_settings(tmp_path, fake_vllm, (0, 1, 2))
+    sweep = Sweep(SweepSpec((TOPOLOGIES["1P+1D"],), prompts=(text,)), settings)
+    assert sweep.devices_for("baseline") == (0,)
+    assert sweep.devices_for("1P+1D") == (1, 2)
+    assert sweep.devices_for("1E+1P+1D") is None
