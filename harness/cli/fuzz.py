@@ -17,11 +17,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.cli.serving_options import (
+    add_proxy_options,
+    add_serving_options,
+    proxy_fields,
+    serving_fields,
+)
 from harness.errors import EXIT_FAILED, EXIT_OK, BadInput
 from harness.preflight import RunRequest, prepare_run
-from harness.preflight.config import DEFAULT_MAX_MODEL_LEN
 from harness.run.fuzz.engine import RunBudget
-from harness.spec.settings import ATTACH_PROXY, HARNESS_PROXY
 
 log = logging.getLogger("harness")
 
@@ -36,7 +40,6 @@ def add_fuzz_parser(sub: Any) -> None:
     fuzz.add_argument("--topology", required=True, help="one EPD topology, e.g. 1E+1P+1D")
     fuzz.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES, help="requests to draw")
     fuzz.add_argument("--seed", type=int, default=0, help="the draw's seed (same seed, same list)")
-    fuzz.add_argument("--attach", metavar="FILE", help="fuzz a running deployment (attach file)")
     fuzz.add_argument("--run-dir", help="artifact directory (default: runs/fuzz-<timestamp>)")
     fuzz.add_argument(
         "--save",
@@ -46,11 +49,6 @@ def add_fuzz_parser(sub: Any) -> None:
     )
     fuzz.add_argument("--reason", help="with --save: the upstream cause to declare")
     fuzz.add_argument("--plant-fault", metavar="FAULT", help="self-test: plant a fault")
-    fuzz.add_argument("--kv-connector", help="example (cpu default) or nixl")
-    fuzz.add_argument("--model", help="model directory (default: the tiny model)")
-    fuzz.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
-    fuzz.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
-    fuzz.add_argument("--devices", help="CPU cores the instances bind to (default 0,1)")
     fuzz.add_argument(
         "--confirm-known",
         type=int,
@@ -74,6 +72,8 @@ def add_fuzz_parser(sub: Any) -> None:
         help="wall time of the run from the servers' start; examples and shrinks left when "
         "it is spent are counted as not sent / not shrunk",
     )
+    add_serving_options(fuzz)
+    add_proxy_options(fuzz, attach_help="fuzz a running deployment (attach file)")
     fuzz.set_defaults(func=command_fuzz)
 
 
@@ -119,16 +119,11 @@ def command_fuzz(args: argparse.Namespace) -> int:
     config = prepare_run(
         RunRequest(
             topologies=() if args.attach else (args.topology,),
-            model=args.model,
             run_dir=run_dir,
-            vllm=args.vllm,
-            max_model_len=args.max_model_len,
-            devices=args.devices,
             baseline_cache="off",
             plant_fault=args.plant_fault,
-            kv_connector=args.kv_connector,
-            proxy=ATTACH_PROXY if args.attach else HARNESS_PROXY,
-            attach=args.attach,
+            **serving_fields(args),
+            **proxy_fields(args),
         )
     )
     settings = config.settings
@@ -156,7 +151,12 @@ def command_fuzz(args: argparse.Namespace) -> int:
         "hypothesis": hypothesis.__version__,
         "harness": importlib.metadata.version("epd-harness"),
         "vllm": settings.vllm.version,
+        "platform": settings.platform.name,
+        "devices": list(settings.devices),
         "kv_connector": settings.serving.kv_connector,
+        "reference_policy": settings.reference_policy,
+        "launcher": settings.launcher.kind,
+        "proxy": settings.proxy.kind,
         "protocol": settings.protocol.name,
         "fault": args.plant_fault,
         "attached": bool(args.attach),

@@ -9,9 +9,14 @@ from __future__ import annotations
 import argparse
 import time
 
+from harness.cli.serving_options import (
+    add_proxy_options,
+    add_serving_options,
+    proxy_fields,
+    serving_fields,
+)
 from harness.errors import EXIT_FAILED, EXIT_OK, BadInput
 from harness.preflight import RunRequest, prepare_run
-from harness.preflight.config import DEFAULT_MAX_MODEL_LEN
 from harness.report.text import format_failure
 from harness.run.load import LoadRun
 from harness.run.pool import TopologyPool
@@ -24,7 +29,6 @@ from harness.spec.load import (
     LoadSpec,
     load_mix,
 )
-from harness.spec.settings import ATTACH_PROXY, HARNESS_PROXY
 from harness.spec.topology import TOPOLOGIES, Role
 
 KILLABLE_ROLES = tuple(role.value for role in Role)
@@ -75,18 +79,12 @@ def command_load(args: argparse.Namespace) -> int:
         RunRequest(
             topologies=(args.topology,) if args.topology else (),
             prompt_specs=mix,
-            model=args.model,
             run_dir=args.run_dir,
-            vllm=args.vllm,
-            max_model_len=args.max_model_len,
-            devices=args.devices,
             baseline_cache=args.baseline_cache,
             refresh_baseline=args.refresh_baseline,
-            kv_connector=args.kv_connector,
-            proxy=args.proxy or (ATTACH_PROXY if args.attach else HARNESS_PROXY),
-            vllm_source=args.vllm_source,
-            attach=args.attach,
             stream=args.stream,
+            **serving_fields(args),
+            **proxy_fields(args),
         )
     )
     settings = config.settings
@@ -165,14 +163,8 @@ def add_load_parser(sub: argparse._SubParsersAction) -> None:
         "every request is in flight; each must end ERROR naming it",
     )
     load.add_argument("--run-dir", help="artifact directory (default: runs/<timestamp>)")
-    load.add_argument("--model", help="model directory or hub name (default: the tiny model)")
-    load.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
-    load.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
-    load.add_argument("--devices", help="CPU cores the instances bind to (default 0,1)")
     load.add_argument("--baseline-cache", help="baseline cache directory, or 'off'")
     load.add_argument("--refresh-baseline", action="store_true")
-    load.add_argument("--kv-connector", help="example (cpu default) or nixl")
-    load.add_argument("--proxy", choices=("harness", "vllm", "attach"), help="the EPD proxy")
-    load.add_argument("--attach", metavar="FILE", help="load a running deployment instead")
-    load.add_argument("--vllm-source", metavar="DIR", help="with --proxy vllm: a vLLM checkout")
+    add_serving_options(load)
+    add_proxy_options(load, attach_help="load a running deployment (attach file) instead")
     load.set_defaults(func=command_load)

@@ -21,6 +21,12 @@ from harness.cli.export import add_export_parser
 from harness.cli.fuzz import add_fuzz_parser
 from harness.cli.load import add_load_parser
 from harness.cli.plan import add_plan_parser
+from harness.cli.serving_options import (
+    add_proxy_options,
+    add_serving_options,
+    proxy_fields,
+    serving_fields,
+)
 from harness.cli.versions import add_bisect_parser, add_goldens_parser, add_versions_parser
 from harness.environment import cache_dir
 from harness.errors import (
@@ -31,10 +37,9 @@ from harness.errors import (
     BadInput,
     HarnessError,
 )
-from harness.judge.policy import REFERENCE_POLICIES
 from harness.judge.records import CaseRecord
 from harness.preflight import RunRequest, prepare_run
-from harness.preflight.config import DEFAULT_MAX_MODEL_LEN, RunConfig
+from harness.preflight.config import RunConfig
 from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_os_error
 from harness.preflight.model import resolve_model
 from harness.preflight.upstream_proxy import proxy_choice
@@ -53,17 +58,10 @@ from harness.serve.launch import (
 )
 from harness.serve.launcher import end_launchers
 from harness.serve.ports import NoFreePortError
-from harness.spec.connectors import EC_CONNECTORS, KV_CONNECTORS
-from harness.spec.generations import GENERATIONS_BY_NAME
-from harness.spec.platforms import DEFAULT_CPU_CORES, get_platform
+from harness.spec.platforms import get_platform
 from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.settings import (
     ATTACH_PROXY,
-    HARNESS_PROXY,
-    LAUNCHER_KINDS,
-    LOCAL_LAUNCHER,
-    PLACEMENTS,
-    PROXY_KINDS,
 )
 from harness.spec.topology import TOPOLOGIES
 
@@ -120,44 +118,20 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         prompts=split_names(args.prompt),
         cases_file=args.cases_file,
         scenarios=split_names(args.scenario),
-        model=args.model,
         run_dir=args.run_dir,
-        vllm=args.vllm,
-        allow_untested_vllm=args.allow_untested_vllm,
-        protocol=args.protocol,
         golden=args.golden,
-        max_model_len=args.max_model_len,
-        devices=args.devices,
         media_dir=args.media_dir,
         baseline_cache=args.baseline_cache,
         refresh_baseline=args.refresh_baseline,
-        platform=args.platform,
-        colocate=args.colocate,
         plant_fault=args.plant_fault,
-        kv_connector=args.kv_connector,
-        ec_connector=args.ec_connector,
-        # --attach alone means --proxy attach; with another --proxy the preflight refuses it.
-        proxy=args.proxy or (ATTACH_PROXY if args.attach else HARNESS_PROXY),
-        vllm_source=args.vllm_source,
-        proxy_registration=args.proxy_registration,
-        attach=args.attach,
-        launcher=args.launcher,
-        ray_address=args.ray_address,
-        ray_placement=args.ray_placement,
-        ray_shared_dir=args.ray_shared_dir,
-        ray_instance_env=tuple(args.ray_instance_env or ()),
-        reference_policy=args.reference_policy,
         stream=args.stream,
-        no_enforce_eager=args.no_enforce_eager,
+        **serving_fields(args),
+        **proxy_fields(args),
     )
 
 
 def command_run(args: argparse.Namespace) -> int:
-    config = prepare_run(request_from_args(args))
-    try:
-        return run_config(args, config)
-    finally:
-        end_launchers()  # a Ray connection, and the rehearsal cluster the run started
+    return run_config(args, prepare_run(request_from_args(args)))
 
 
 def run_config(args: argparse.Namespace, config: RunConfig) -> int:
@@ -236,13 +210,6 @@ def command_repro(args: argparse.Namespace) -> int:
     """Rerun a bundle's failing case (or --case) with its recorded flags, body, fault and
     launcher."""
     try:
-        return repro_bundle(args)
-    finally:
-        end_launchers()
-
-
-def repro_bundle(args: argparse.Namespace) -> int:
-    try:
         bundle = Bundle.load(Path(args.bundle).resolve())
         if bundle.proxy_kind == ATTACH_PROXY:
             raise BadInput(
@@ -314,34 +281,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompt", action="append", help="repeatable or comma-separated")
     run.add_argument("--cases-file", help="JSON/YAML list of {topology, prompt} cases to run")
     run.add_argument(
-        "--model",
-        help="model directory or hub name (default: the tiny model "
-        "on cpu, built once; the platform's model on GPUs)",
+        "--scenario",
+        action="append",
+        help="matrix scenarios to run as declared (repeatable, comma-separated, "
+        "or 'all'; see 'epd-harness list')",
     )
     run.add_argument("--run-dir", help="artifact directory (default: runs/<timestamp>)")
-    run.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
-    run.add_argument(
-        "--allow-untested-vllm",
-        action="store_true",
-        help="run a vLLM older than every known EPD protocol generation",
-    )
-    run.add_argument(
-        "--protocol",
-        choices=sorted(GENERATIONS_BY_NAME),
-        help="EPD protocol generation to speak (default: by the served vLLM's "
-        "version; see docs/versions.md)",
-    )
     run.add_argument(
         "--golden",
         metavar="VERSION",
         help="judge against VERSION's stored baseline (its goldens) instead of "
         "starting one; see docs/versions.md",
-    )
-    run.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
-    run.add_argument(
-        "--devices",
-        help="CPU cores the instances bind to, e.g. 0,1 (default: "
-        f"{','.join(map(str, DEFAULT_CPU_CORES))}); GPU / XPU indices there",
     )
     run.add_argument("--media-dir", help="directory file:// media may come from")
     run.add_argument(
@@ -354,107 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="recompute the baseline and overwrite its cache entries",
     )
     run.add_argument(
-        "--scenario",
-        action="append",
-        help="matrix scenarios to run as declared (repeatable, comma-separated, "
-        "or 'all'; see 'epd-harness list')",
-    )
-    run.add_argument("--platform", default="cpu", help="cpu (default), cuda or xpu")
-    run.add_argument(
-        "--kv-connector",
-        metavar="|".join(KV_CONNECTORS),
-        help="how P's KV reaches D: example (files; cpu default) or nixl (GPU "
-        "default; on cpu needs scripts/cpu setup --nixl); docs/connectors.md",
-    )
-    run.add_argument(
-        "--ec-connector",
-        metavar="|".join(EC_CONNECTORS),
-        help="how E's embeddings reach their consumer: example (files; the only one that "
-        "runs: cpu and mooncake are refused with their measured cause); docs/connectors.md",
-    )
-    run.add_argument(
-        "--reference-policy",
-        choices=REFERENCE_POLICIES,
-        help="how each topology is judged against its references: exact (every comparison "
-        "must MATCH; the cpu default) or pd-drift (a P->D topology against the monolithic "
-        "baseline may DRIFT within the measured noise floor; the GPU default, as upstream)",
-    )
-    run.add_argument(
-        "--colocate",
-        action="store_true",
-        help="GPU: let a topology's instances share devices when there are too few",
-    )
-    run.add_argument(
-        "--no-enforce-eager",
-        action="store_true",
-        help="GPU: let vLLM compile and capture graphs (the default, like upstream's "
-        "correctness script, is --enforce-eager); refused on cpu",
-    )
-    run.add_argument(
         "--plant-fault",
         metavar="FAULT",
         help=f"self-test: plant a fault ({', '.join(FAULT_NAMES)}) or a graded "
         f"one ({FAULT_SYNTAX}) in the sweep's topologies; the run must turn red",
-    )
-    run.add_argument(
-        "--proxy",
-        choices=PROXY_KINDS,
-        help="the EPD proxy under test: the harness's own (default), the served "
-        "vLLM release's, or attach: a running deployment's (docs/proxies.md)",
-    )
-    run.add_argument(
-        "--attach",
-        metavar="FILE",
-        help="judge a running deployment, launching nothing of it: FILE (JSON/YAML) names "
-        "its proxy URL and each instance's role and URL; implies --proxy attach "
-        "(repro --keep-up writes one)",
-    )
-    run.add_argument(
-        "--vllm-source",
-        metavar="DIR",
-        help="with --proxy vllm: take vLLM's proxy files from this checkout instead "
-        "of the release's sdist on the package index (a development build's only source: "
-        "the tree it was built from)",
-    )
-    run.add_argument(
-        "--proxy-registration",
-        default="static",
-        choices=("static", "dynamic"),
-        help="with --proxy vllm: give vLLM's EPD proxy the instances' URLs on its command line "
-        "(static, default) or start it empty and register each through its admin API "
-        "(dynamic, as an external launcher would)",
-    )
-    run.add_argument(
-        "--launcher",
-        default=LOCAL_LAUNCHER,
-        choices=LAUNCHER_KINDS,
-        help="where the instances run: subprocesses on this host (local, default) or Ray "
-        "actors on the nodes of a cluster (ray; docs/multi-node.md)",
-    )
-    run.add_argument(
-        "--ray-address",
-        metavar="HOST:PORT",
-        help="with --launcher ray: the cluster's head (GCS); default: start a one-host "
-        "cluster of three nodes (127.0.0.2-4) for the run and stop it afterwards",
-    )
-    run.add_argument(
-        "--ray-placement",
-        choices=PLACEMENTS,
-        help="with --launcher ray: each instance of a topology on a node of its own "
-        "(spread, default) or wherever they fit (pack)",
-    )
-    run.add_argument(
-        "--ray-shared-dir",
-        metavar="DIR",
-        help="with --launcher ray: where ExampleConnector storage goes, a directory every "
-        "node and the harness see (default: the run directory); checked before any start",
-    )
-    run.add_argument(
-        "--ray-instance-env",
-        action="append",
-        metavar="NAME=VALUE",
-        help="with --launcher ray: environment for every instance (e.g. a cluster's UCX "
-        "settings); repeatable; the network invariants still apply to it",
     )
     run.add_argument(
         "--stream",
@@ -462,6 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="send every EPD topology streamed requests (stream: true, with usage): the "
         "token ids are read from the stream and its framing checked (the baseline answers "
         "unstreamed)",
+    )
+    add_serving_options(run)
+    add_proxy_options(
+        run,
+        attach_help="judge a running deployment, launching nothing of it: FILE (JSON/YAML) "
+        "names its proxy URL and each instance's role and URL; implies --proxy attach "
+        "(repro --keep-up writes one)",
     )
     run.set_defaults(func=command_run)
 
@@ -514,7 +374,12 @@ def main(argv: list[str] | None = None) -> int:
         args.progress = progress  # `run` reports server states into it; read on interruption
         install_log_handler()
         install_signal_handlers()
-        return args.func(args)
+        try:
+            return args.func(args)
+        finally:
+            # A Ray connection, and the rehearsal cluster a command started (run, repro, load,
+            # fuzz with --launcher ray); a no-op when Ray was never used.
+            end_launchers()
     except NoFreePortError as exc:
         return fail(f"no free port: {exc}")
     except HarnessError as exc:
