@@ -377,3 +377,35 @@ def test_the_plan_says_what_is_shared() -> None:
     assert same.endswith("1E+1PD/e0 = 1E+1P+1D/e0"), same
     plan = format_plan(build_plan(request(CUDA, tuple(range(8)))))
     assert "instances shared between topologies: none" in plan
+
+
+def test_cli_plans_the_kv_connector_run_would_serve(epd_cli) -> None:
+    """`run --platform cuda --kv-connector example` serves ExampleConnector where the GPU
+    default is NIXL: the plan shows the lines that run will start, not the default's."""
+    argv = ["--platform", "cuda", "--devices", "0,1", "--topology", "1P+1D", "--model", MODEL]
+    code, out, err = epd_cli("plan", *argv, "--vllm", VLLM, "--json")
+    assert code == 0, err
+    default = json.loads(out)
+    assert default["kv_connector"] == "NixlConnector"
+    code, out, err = epd_cli("plan", *argv, "--kv-connector", "example", "--vllm", VLLM, "--json")
+    assert code == 0, err
+    chosen = json.loads(out)
+    assert chosen["kv_connector"] == "ExampleConnector"
+    argvs = [" ".join(i["argv"]) for i in chosen["waves"][0]["topologies"][0]["instances"]]
+    assert all("ExampleConnector" in a and "NixlConnector" not in a for a in argvs), argvs
+
+
+@pytest.mark.parametrize(
+    ("argv", "cause"),
+    [
+        (["--topology", "baseline", "--kv-connector", "nixl"], "none of baseline has a D"),
+        (["--kv-connector", "lmcache"], "lmcache"),
+        (["--ec-connector", "mooncake"], "cannot run"),
+    ],
+)
+def test_cli_refuses_a_connector_the_plan_would_ignore_or_cannot_serve(
+    argv: list[str], cause: str, epd_cli
+) -> None:
+    code, out, err = epd_cli("plan", *argv, "--model", MODEL, "--vllm", VLLM)
+    assert (code, out) == (2, "")
+    assert err.startswith("epd-harness: error: ") and cause in err and err.count("\n") == 1, err

@@ -14,6 +14,7 @@ from harness.cli import fuzz, load, main
 from harness.cli.serving_options import (
     PROXY_FIELDS,
     SERVING_FIELDS,
+    add_connector_options,
     add_proxy_options,
     add_serving_options,
 )
@@ -102,3 +103,14 @@ def test_every_shared_option_reaches_the_preflight(
     request = got.value.request
     given = {name: getattr(request, name) for name in EXPECTED}
     assert given == EXPECTED
+
+
+def test_plan_takes_the_connector_options_run_takes() -> None:
+    """They change every P, D and encoder line, so `plan` must be able to show them."""
+    connectors = argparse.ArgumentParser()
+    add_connector_options(connectors)
+    subparsers = next(
+        a for a in main.build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    missing = option_strings(connectors) - option_strings(subparsers.choices["plan"])
+    assert not missing, f"plan lacks {sorted(missing)}"

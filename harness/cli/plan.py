@@ -25,9 +25,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from harness.cli.serving_options import add_connector_options
 from harness.environment import DEFAULT_PORT_RANGE, cache_dir
 from harness.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
 from harness.preflight.config import NO_ENFORCE_EAGER_ON_CPU
+from harness.preflight.connectors import ec_connector_for, kv_connector_for
 from harness.preflight.model import cached_snapshot, hf_hub_cache
 from harness.preflight.vllm import default_vllm_executable
 from harness.serve.session import safe_name
@@ -74,6 +76,8 @@ class PlanRequest:
     workers: int = 1  # parallel pytest-xdist workers (CPU waves shrink with them)
     cpu_budget: int | None = None  # instances per CPU wave; None: this machine's
     no_enforce_eager: bool = False  # GPU: let vLLM compile and capture graphs (run's flag)
+    kv_connector: str | None = None  # --kv-connector's name; None: the platform's
+    ec_connector: str | None = None  # --ec-connector's name; None: example
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,8 @@ class Plan:
     waves: tuple[PlannedWave, ...]
     ports_are_placeholders: bool = True  # see the module docstring
     enforce_eager: bool = True  # every instance runs --enforce-eager
+    kv_connector: str = ""  # the vLLM class P and D move KV with
+    ec_connector: str = ""  # the vLLM class encoders and their consumers move embeddings with
     # Each role's --gpu-memory-utilization and the shared-device rule; None on CPU.
     gpu_memory_shares: dict | None = None
 
@@ -145,6 +151,10 @@ def build_plan(request: PlanRequest) -> Plan:
         request.platform,
         request.model,
         enforce_eager=request.platform.enforce_eager and not request.no_enforce_eager,
+        kv_connector=kv_connector_for(
+            request.kv_connector, request.topologies, request.platform
+        ).vllm_class,
+        ec_connector=ec_connector_for(request.ec_connector, request.topologies).vllm_class,
     )
     ports = itertools.count(PLACEHOLDER_PORT_START)
     planned_waves = []
@@ -161,6 +171,8 @@ def build_plan(request: PlanRequest) -> Plan:
         colocate=request.colocate,
         waves=tuple(planned_waves),
         enforce_eager=serving.enforce_eager,
+        kv_connector=serving.kv_connector,
+        ec_connector=serving.ec_connector,
         gpu_memory_shares=gpu_memory_policy(request.platform),
     )
 
@@ -233,6 +245,7 @@ def format_plan(plan: Plan) -> str:
         if plan.enforce_eager
         else "eager: off (--no-enforce-eager): vLLM compiles and captures graphs at each start"
     )
+    lines.append(f"connectors: KV {plan.kv_connector}, EC {plan.ec_connector}")
     if platform.worker_in_engine_core:
         lines.append(
             "worker: inside each instance's engine core (--distributed-executor-backend uni, "
@@ -368,6 +381,8 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         vllm_executable=args.vllm or default_vllm_executable(),
         run_dir=Path(args.run_dir).resolve() if args.run_dir else PLACEHOLDER_RUN_DIR,
         no_enforce_eager=args.no_enforce_eager,
+        kv_connector=args.kv_connector,
+        ec_connector=args.ec_connector,
     )
 
 
@@ -412,6 +427,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
         action="store_true",
         help="GPU: plan instances without --enforce-eager (vLLM compiles and captures graphs)",
     )
+    add_connector_options(parser)
     parser.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
     parser.add_argument("--run-dir", help="artifact directory (default: a placeholder)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")

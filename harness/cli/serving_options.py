@@ -92,18 +92,7 @@ def add_serving_options(parser: argparse.ArgumentParser) -> None:
         help="GPU: let vLLM compile and capture graphs (the default, like upstream's "
         "correctness script, is --enforce-eager); refused on cpu",
     )
-    group.add_argument(
-        "--kv-connector",
-        metavar="|".join(KV_CONNECTORS),
-        help="how P's KV reaches D: example (files; cpu default) or nixl (GPU default; on cpu "
-        "needs scripts/cpu setup --nixl); docs/connectors.md",
-    )
-    group.add_argument(
-        "--ec-connector",
-        metavar="|".join(EC_CONNECTORS),
-        help="how E's embeddings reach their consumer: example (files; the only one that "
-        "runs: cpu and mooncake are refused with their measured cause); docs/connectors.md",
-    )
+    add_connector_options(group)
     group.add_argument(
         "--reference-policy",
         choices=REFERENCE_POLICIES,
@@ -142,6 +131,23 @@ def add_serving_options(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=VALUE",
         help="with --launcher ray: environment for every instance (e.g. a cluster's UCX "
         "settings); repeatable; the network invariants still apply to it",
+    )
+
+
+def add_connector_options(group: argparse._ActionsContainer) -> None:
+    """How KV and embeddings move between instances (`plan` takes these too: they change
+    every P, D and encoder command line)."""
+    group.add_argument(
+        "--kv-connector",
+        metavar="|".join(KV_CONNECTORS),
+        help="how P's KV reaches D: example (files; cpu default) or nixl (GPU default; on cpu "
+        "needs scripts/cpu setup --nixl); docs/connectors.md",
+    )
+    group.add_argument(
+        "--ec-connector",
+        metavar="|".join(EC_CONNECTORS),
+        help="how E's embeddings reach their consumer: example (files; the only one that "
+        "runs: cpu and mooncake are refused with their measured cause); docs/connectors.md",
     )
 
 

@@ -22,7 +22,12 @@ from harness.errors import BadInput
 from harness.judge.policy import REFERENCE_POLICIES
 from harness.preflight import files, names, resources, tokens, upstream_proxy
 from harness.preflight.attach import load_attach_file
-from harness.preflight.connectors import check_kv_connector, ec_connector_for
+from harness.preflight.connectors import (
+    check_kv_connector,
+    ec_connector_for,
+    kv_connector_for,
+    platform_kv_connector,
+)
 from harness.preflight.launcher import check_launcher, refuse_ray_flags_without_ray
 from harness.preflight.model import resolve_model
 from harness.preflight.vllm import (
@@ -37,7 +42,7 @@ from harness.run.faults import STREAM_FAULTS, fault_reaches, parse_fault
 from harness.run.goldens import GoldenStore, release_of
 from harness.run.scenarios import MATRIX, Scenario, get_scenario, matrix_prompts
 from harness.spec.attach import AttachSpec
-from harness.spec.connectors import KvConnector, get_kv_connector, kv_connector_for_class
+from harness.spec.connectors import get_kv_connector
 from harness.spec.platforms import (
     DEFAULT_CPU_CORES,
     DevicePlanError,
@@ -166,12 +171,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
             f"none of {', '.join(t.name for t in topologies)} has an encoder (1P+1D runs the "
             f"toy P/D proxy, which takes only static URLs); add 1E+1PD or 1E+1P+1D"
         )
-    if request.kv_connector is not None and not any(t.has_kv_transfer for t in topologies):
-        raise BadInput(
-            f"--kv-connector moves KV from P to D, and none of "
-            f"{', '.join(t.name for t in topologies)} has a D; drop it or add a "
-            f"P->D topology (1P+1D, 1E+1P+1D)"
-        )
+    requested_kv = kv_connector_for(request.kv_connector, topologies, platform)
     ec_connector = ec_connector_for(request.ec_connector, topologies)
     if matrix:
         prompts = matrix_prompts(matrix)
@@ -180,10 +180,8 @@ def prepare_run(request: RunRequest) -> RunConfig:
     else:
         prompts = names.check_prompts(prompt_names) if prompt_names else SKELETON_PROMPTS
     devices = _devices(request.devices, platform)
-    if attach is not None:  # the deployment's own, as its attach file says
-        kv_connector = get_kv_connector(attach.kv_connector)
-    else:
-        kv_connector = _kv_connector(request.kv_connector, platform)
+    # An attached deployment's is its own, as its attach file says.
+    kv_connector = get_kv_connector(attach.kv_connector) if attach is not None else requested_kv
     if request.plant_fault is not None:
         fault = parse_fault(request.plant_fault)  # a plain or graded fault: BadInput
         if fault.kind in STREAM_FAULTS and not request.stream:
@@ -374,9 +372,7 @@ def _attach(request: RunRequest, platform: PlatformProfile) -> AttachSpec | None
     """The attached deployment (--proxy attach); a --topology must be the one it makes."""
     if request.proxy != ATTACH_PROXY or not request.attach:
         return None
-    default = kv_connector_for_class(platform.kv_connector)
-    assert default is not None, f"{platform.name}: unknown default {platform.kv_connector}"
-    attach = load_attach_file(request.attach, default.name)
+    attach = load_attach_file(request.attach, platform_kv_connector(platform).name)
     if request.topologies and list(request.topologies) != [attach.topology.name]:
         raise BadInput(
             f"--topology {','.join(request.topologies)}: the attach file describes "
@@ -391,15 +387,6 @@ def _scenarios(requested: tuple[str, ...]) -> tuple[Scenario, ...]:
     if list(requested) == ["all"]:
         return MATRIX
     return tuple(get_scenario(name) for name in requested)
-
-
-def _kv_connector(name: str | None, platform: PlatformProfile) -> KvConnector:
-    """The --kv-connector asked for, or the platform's default (example on cpu, nixl on GPUs)."""
-    if name is not None:
-        return get_kv_connector(name)
-    default = kv_connector_for_class(platform.kv_connector)
-    assert default is not None, f"{platform.name}: unknown default {platform.kv_connector}"
-    return default
 
 
 def _devices(text: str | None, platform: PlatformProfile) -> tuple[int, ...]:

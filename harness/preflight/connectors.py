@@ -12,7 +12,15 @@ import subprocess
 
 from harness.errors import BadInput
 from harness.preflight.vllm import interpreter_of
-from harness.spec.connectors import EC_EXAMPLE, EcConnector, KvConnector, get_ec_connector
+from harness.spec.connectors import (
+    EC_EXAMPLE,
+    EcConnector,
+    KvConnector,
+    get_ec_connector,
+    get_kv_connector,
+    kv_connector_for_class,
+)
+from harness.spec.platforms import PlatformProfile
 from harness.spec.settings import ServedVllm
 from harness.spec.topology import Topology
 
@@ -48,6 +56,29 @@ def check_kv_connector(served: ServedVllm, connector: KvConnector) -> None:
             f"vLLM's environment ({interpreter[-1]}: {last}); install it with "
             f"{connector.install_hint}"
         )
+
+
+def platform_kv_connector(platform: PlatformProfile) -> KvConnector:
+    """The platform's KV connector: example on cpu, nixl on GPUs (upstream's)."""
+    default = kv_connector_for_class(platform.kv_connector)
+    assert default is not None, f"{platform.name}: unknown default {platform.kv_connector}"
+    return default
+
+
+def kv_connector_for(
+    name: str | None, topologies: tuple[Topology, ...], platform: PlatformProfile
+) -> KvConnector:
+    """The --kv-connector asked for, or the platform's: BadInput when no topology has a D (the
+    flag would be ignored) or the name is unknown."""
+    if name is None:
+        return platform_kv_connector(platform)
+    if not any(t.has_kv_transfer for t in topologies):
+        raise BadInput(
+            f"--kv-connector moves KV from P to D, and none of "
+            f"{', '.join(t.name for t in topologies)} has a D; drop it or add a "
+            f"P->D topology (1P+1D, 1E+1P+1D)"
+        )
+    return get_kv_connector(name)
 
 
 def ec_connector_for(name: str | None, topologies: tuple[Topology, ...]) -> EcConnector:
