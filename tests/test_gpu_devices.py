@@ -135,17 +135,28 @@ def test_fuzzing_on_too_few_gpus_is_refused_before_anything_starts(
     assert devices_by_role(start_log) == []
 
 
-def test_a_session_asked_outside_the_waves_gets_its_slot_in_the_sweeps_schedule(
-    tmp_path: Path, fake_vllm: Path
+def test_a_session_asked_outside_the_waves_starts_on_its_place_in_the_sweeps_schedule(
+    tmp_path: Path, fake_vllm: Path, start_log: Path
 ) -> None:
-    """A matrix or live scenario asks the pool for its topology directly: on its slot it
-    starts beside the baseline the sweep keeps, where every device would have stopped it."""
+    """A matrix, live or load scenario asks the pool for its topology directly: on its place
+    in the plan it starts beside the baseline the sweep keeps; given every device it would
+    have stopped the baseline, and under xdist waited for every other worker's devices."""
     from harness.run.sweep import Sweep, SweepSpec
     from harness.spec.prompts import SKELETON_PROMPTS
 
     text = next(p for p in SKELETON_PROMPTS if p.name == "text")
     settings = cuda_settings(tmp_path, fake_vllm, (0, 1, 2))
-    sweep = Sweep(SweepSpec((TOPOLOGIES["1P+1D"],), prompts=(text,)), settings)
-    assert sweep.devices_for("baseline") == (0,)
-    assert sweep.devices_for("1P+1D") == (1, 2)
-    assert sweep.devices_for("1E+1P+1D") is None
+    pool = TopologyPool(settings)
+    try:
+        sweep = Sweep(SweepSpec((TOPOLOGIES["1P+1D"],), prompts=(text,)), settings, pool=pool)
+        sweep.serve_baseline()
+
+        def asked_directly() -> None:
+            pool.session(TOPOLOGIES["1P+1D"])
+
+        assert finishes(asked_directly)
+        assert sorted(key.topology for key in pool.running()) == ["1P+1D", "baseline"]
+        started = dict(devices_by_role(start_log))
+        assert started == {"baseline": "0", "prefill": "1", "decode": "2"}, started
+    finally:
+        pool.close()

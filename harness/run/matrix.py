@@ -61,8 +61,7 @@ class MatrixRun:
     def _run(self, scenario: Scenario) -> ScenarioResult:
         self.sweep.serve_baseline()
         topology = TOPOLOGIES[scenario.topology]
-        devices = self.sweep.devices_for(topology.name)
-        session = self.sweep.pool.session(topology, devices=devices)
+        session = self.sweep.pool.session(topology)
         result = self._judge(scenario, session, self._send(session, scenario))
         if scenario.rerun_on_kept_storage:
             kept = session.storage_dir
@@ -73,7 +72,6 @@ class MatrixRun:
                 "a rerun on the storage the previous session left (encoder-cache hits)",
                 label=f"matrix-{scenario.topology}-rerun",
                 reuse_storage=kept,
-                devices=devices,
             ) as rerun:
                 rerun_result = self._judge(scenario, rerun, self._send(rerun, scenario))
             result.records += rerun_result.records

@@ -127,8 +127,20 @@ class TopologyPool:
         self.entries: list[str] = []
         self._live: dict[SessionKey, _Live] = {}
         self._before_stop: list[Callable[[TopologySession], None]] = []
+        # Each topology's devices in the run's schedule (`place`).
+        self._slots: dict[str, tuple[int, ...]] = {}
 
     # -- asking for sessions ------------------------------------------------------------------
+
+    def place(self, slots: Mapping[str, tuple[int, ...]]) -> None:
+        """The devices each topology gets when a caller asks for it without any: the sweep
+        gives its schedule here, so a matrix, live or load scenario starts its topology where
+        the plan put it. On GPUs a session given no devices would lease every device of the
+        run, stopping everything else of this pool and waiting for every other xdist worker's
+        devices. A topology's first placement stands (a later sweep on the pool, a load's,
+        does not move it)."""
+        for name, devices in slots.items():
+            self._slots.setdefault(name, devices)
 
     def session(
         self,
@@ -258,8 +270,8 @@ class TopologyPool:
         devices: tuple[int, ...] | None = None,
     ) -> Iterator[TopologySession]:
         """A session nobody else shares, for a scenario that must start one of its own (a
-        rerun on the storage an earlier session left), on `devices` (default: every device of
-        the run); counted among the starts with `why`. Room is made for its devices as for a
+        rerun on the storage an earlier session left), on `devices` (default: its place, else
+        every device of the run); counted among the starts with `why`. Room is made for its devices as for a
         shared session's: on GPUs a session leases its devices, and a lease this process holds
         through another session is waited for like any other holder's, for ever."""
         settings = settings or self.settings
@@ -270,7 +282,7 @@ class TopologyPool:
             on_event=self.on_event,
             label=label,
             reuse_storage=reuse_storage,
-            devices=devices,
+            devices=devices or self._slots.get(topology.name),
         )
         self._make_room([(key, topology, session.devices)])
         started = time.monotonic()
@@ -365,7 +377,7 @@ class TopologyPool:
             request.settings,
             on_event=self.on_event,
             label=label,
-            devices=request.devices,
+            devices=request.devices or self._slots.get(request.topology.name),
             role_env=request.role_env,
         )
 

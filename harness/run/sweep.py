@@ -164,17 +164,10 @@ class Sweep:
                 self.settings.colocate,
                 cpu_budget=self._cpu_budget(),
             )
+            self.pool.place(
+                {s.topology.name: s.devices for w in self._schedule.waves for s in w.slots}
+            )
         return self._schedule
-
-    def devices_for(self, name: str) -> tuple[int, ...] | None:
-        """Topology `name`'s devices in this sweep's schedule, for a session asked of the pool
-        outside the waves (a matrix scenario, a live scenario); None when the schedule does
-        not hold it (the session then takes every device of the run, stopping what holds
-        them first)."""
-        try:
-            return self.schedule().slot_of(name).devices
-        except KeyError:
-            return None
 
     def _topologies_with_cases(self) -> list[Topology]:
         """The EPD topologies worth starting: those with a case the served release can run,

@@ -489,8 +489,7 @@ def epd_live(epd_sweep, epd_pool, epd_settings):
             settings = dataclasses.replace(
                 settings, serving=dataclasses.replace(settings.serving, **serving)
             )
-        devices = epd_sweep.devices_for(name)
-        session = epd_pool.session(TOPOLOGIES[name], settings, devices, role_env)
+        session = epd_pool.session(TOPOLOGIES[name], settings, role_env=role_env)
         return LiveTopology(session, epd_sweep)
 
     return live
