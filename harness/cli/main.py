@@ -60,9 +60,7 @@ from harness.serve.launcher import end_launchers
 from harness.serve.ports import NoFreePortError
 from harness.spec.platforms import get_platform
 from harness.spec.prompts import SKELETON_PROMPTS
-from harness.spec.settings import (
-    ATTACH_PROXY,
-)
+from harness.spec.settings import ATTACH_PROXY
 from harness.spec.topology import TOPOLOGIES
 
 log = logging.getLogger("harness")

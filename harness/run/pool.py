@@ -271,9 +271,10 @@ class TopologyPool:
     ) -> Iterator[TopologySession]:
         """A session nobody else shares, for a scenario that must start one of its own (a
         rerun on the storage an earlier session left), on `devices` (default: its place, else
-        every device of the run); counted among the starts with `why`. Room is made for its devices as for a
-        shared session's: on GPUs a session leases its devices, and a lease this process holds
-        through another session is waited for like any other holder's, for ever."""
+        every device of the run); counted among the starts with `why`. Room is made for its
+        devices as for a shared session's: on GPUs a session leases its devices, and a lease
+        this process holds through another session is waited for like any other holder's,
+        for ever."""
         settings = settings or self.settings
         key = SessionKey.of(topology, settings)
         session = TopologySession(

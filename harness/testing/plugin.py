@@ -463,6 +463,9 @@ def epd_sweep(pytestconfig: pytest.Config, epd_config, epd_pool, epd_events):
         pool=epd_pool,
     )
     pytestconfig.stash[SWEEP_KEY] = sweep
+    # The plan, placed in the pool now: a scenario that asks the pool for its topology
+    # directly (a load's, a live one's) may come before any that the sweep serves.
+    sweep.schedule()
     return sweep
 
 
