@@ -26,7 +26,13 @@ pytestmark = pytest.mark.check
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = ROOT / ".github" / "workflows"
-WORKFLOW_NAMES = ("ci.yml", "nightly-gpu.yml", "cherry-pick.yml", "versions-cpu.yml")
+WORKFLOW_NAMES = (
+    "ci.yml",
+    "nightly-gpu.yml",
+    "cherry-pick.yml",
+    "versions-cpu.yml",
+    "gpu-night-on-cpu.yml",
+)
 # Labels our self-hosted GPU runners carry; any other custom label in runs-on is a typo.
 SELF_HOSTED_LABELS = ("gpu", "gpu-8", "gpu-2")
 LINT_TIMEOUT_S = 60
@@ -280,3 +286,20 @@ def test_tox_e2e_installs_the_extras_its_scenarios_need() -> None:
     tox.read(ROOT / "tox.ini")
     assert "not e2e" not in tox["testenv:cpu-e2e"]["commands"]
     assert set(tox["testenv:cpu-e2e"]["extras"].split()) == {"test", "nixl", "ray"}
+
+
+def test_the_gpu_night_on_cpu_judges_as_the_cuda_profile_does() -> None:
+    """The rehearsal is worth something only while it runs the GPU nightly's connector and
+    reference policy: the cuda profile's defaults, read from the profile, not copied."""
+    from harness.judge.policy import default_reference_policy
+    from harness.spec.connectors import kv_connector_for_class
+
+    workflow = load("gpu-night-on-cpu.yml")
+    assert "schedule" in triggers(workflow) and "workflow_dispatch" in triggers(workflow)
+    line = run_text(workflow).split()
+    nixl = kv_connector_for_class(CUDA.kv_connector)
+    assert nixl is not None
+    assert line[:4] == ["scripts/cpu", "test", "scenarios", "-m"] and line[4] == "e2e"
+    assert line[line.index("--epd-kv-connector") + 1] == nixl.name
+    policy = default_reference_policy(CUDA).name
+    assert line[line.index("--epd-reference-policy") + 1] == policy
