@@ -7,7 +7,6 @@ nothing here ran on a GPU.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +18,7 @@ from harness.run.pool import TopologyPool
 from harness.spec.platforms import CUDA, DevicePlanError
 from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, ServingConfig
-from harness.testing.fake_vllm import START_LOG_ENV, fake_run_settings
+from harness.testing.fake_vllm import fake_run_settings, logged_starts
 
 pytestmark = pytest.mark.process
 
@@ -28,17 +27,9 @@ HANG_S = 60.0
 BASELINE = TOPOLOGIES["baseline"]
 
 
-@pytest.fixture
-def start_log(tmp_path: Path, port_locks: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    log = tmp_path / "starts.jsonl"
-    monkeypatch.setenv(START_LOG_ENV, str(log))
-    return log
-
-
 def devices_by_role(log: Path) -> list[tuple[str, str]]:
     """(role, CUDA_VISIBLE_DEVICES) of every start, in order."""
-    starts = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    return [(s["role"], s["env"].get("CUDA_VISIBLE_DEVICES", "")) for s in starts]
+    return [(s["role"], s["env"].get("CUDA_VISIBLE_DEVICES", "")) for s in logged_starts(log)]
 
 
 def cuda_settings(tmp_path: Path, fake_vllm: Path, devices: tuple[int, ...]) -> RunSettings:
@@ -67,7 +58,7 @@ def finishes(work: Callable[[], None]) -> bool:
 
 
 def test_a_private_session_stops_what_holds_its_devices_instead_of_waiting_on_it(
-    tmp_path: Path, fake_vllm: Path, start_log: Path
+    tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path
 ) -> None:
     """The matrix's rerun on kept storage and the attach scenario's deployment are private
     sessions. One that made room for no device waited for ever on the baseline's lease, held
@@ -82,14 +73,14 @@ def test_a_private_session_stops_what_holds_its_devices_instead_of_waiting_on_it
 
         assert finishes(baseline_then_private), "the private session waited on its own pool"
         assert pool.running() == [], "the baseline held a device the private session took"
-        roles = [role for role, _ in devices_by_role(start_log)]
+        roles = [role for role, _ in devices_by_role(fake_vllm_start_log)]
         assert roles == ["baseline", "encoder", "pd"], roles
     finally:
         pool.close()
 
 
 def test_a_private_session_on_its_own_devices_leaves_the_others_running(
-    tmp_path: Path, fake_vllm: Path, start_log: Path
+    tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path
 ) -> None:
     pool = TopologyPool(cuda_settings(tmp_path, fake_vllm, (0, 1, 2)))
     try:
@@ -100,14 +91,14 @@ def test_a_private_session_on_its_own_devices_leaves_the_others_running(
                 assert [key.topology for key in pool.running()] == ["baseline"]
 
         assert finishes(baseline_beside_private)
-        started = devices_by_role(start_log)
+        started = devices_by_role(fake_vllm_start_log)
         assert started[0] == ("baseline", "0") and {d for _, d in started[1:]} <= {"1", "2"}
     finally:
         pool.close()
 
 
 def test_fuzzing_on_gpus_serves_the_baseline_and_the_topology_on_devices_of_their_own(
-    tmp_path: Path, fake_vllm: Path, start_log: Path
+    tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path
 ) -> None:
     """Every example goes to both, so both stay up: given no slot, each session leased every
     device and the topology's would have waited for ever on the baseline's."""
@@ -119,12 +110,12 @@ def test_fuzzing_on_gpus_serves_the_baseline_and_the_topology_on_devices_of_thei
             assert engine.session is not None and engine.baseline is not None
 
     assert finishes(open_both), "the topology waited on the baseline's devices"
-    started = dict(devices_by_role(start_log))
+    started = dict(devices_by_role(fake_vllm_start_log))
     assert started == {"baseline": "0", "prefill": "1", "decode": "2"}, started
 
 
 def test_fuzzing_on_too_few_gpus_is_refused_before_anything_starts(
-    tmp_path: Path, fake_vllm: Path, start_log: Path
+    tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path
 ) -> None:
     settings = cuda_settings(tmp_path, fake_vllm, (0, 1))
     with pytest.raises(DevicePlanError) as refused:
@@ -132,11 +123,11 @@ def test_fuzzing_on_too_few_gpus_is_refused_before_anything_starts(
     assert "baseline and 1P+1D serve side by side: together they need 3 devices" in str(
         refused.value
     )
-    assert devices_by_role(start_log) == []
+    assert devices_by_role(fake_vllm_start_log) == []
 
 
 def test_a_session_asked_outside_the_waves_starts_on_its_place_in_the_sweeps_schedule(
-    tmp_path: Path, fake_vllm: Path, start_log: Path
+    tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path
 ) -> None:
     """A matrix, live or load scenario asks the pool for its topology directly: on its place
     in the plan it starts beside the baseline the sweep keeps; given every device it would
@@ -156,7 +147,7 @@ def test_a_session_asked_outside_the_waves_starts_on_its_place_in_the_sweeps_sch
 
         assert finishes(asked_directly)
         assert sorted(key.topology for key in pool.running()) == ["1P+1D", "baseline"]
-        started = dict(devices_by_role(start_log))
+        started = dict(devices_by_role(fake_vllm_start_log))
         assert started == {"baseline": "0", "prefill": "1", "decode": "2"}, started
     finally:
         pool.close()

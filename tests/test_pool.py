@@ -21,7 +21,7 @@ from harness.run.sweep import Sweep, SweepSpec
 from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.settings import ProxyChoice, RunSettings
 from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Role
-from harness.testing.fake_vllm import START_LOG_ENV, fake_run_settings, install_fake_vllm
+from harness.testing.fake_vllm import fake_run_settings, install_fake_vllm, logged_starts
 from harness.testing.processes import wait_for
 
 pytestmark = pytest.mark.process
@@ -31,22 +31,13 @@ ROOT = Path(__file__).resolve().parent.parent
 TEXT = next(p for p in SKELETON_PROMPTS if p.name == "text")
 
 
-@pytest.fixture
-def start_log(tmp_path: Path, port_locks: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    log = tmp_path / "starts.jsonl"
-    monkeypatch.setenv(START_LOG_ENV, str(log))
-    return log
-
-
 def settings_for(tmp_path: Path) -> RunSettings:
     return fake_run_settings(tmp_path, install_fake_vllm(tmp_path / "bin"))
 
 
-def starts(log: Path) -> list[dict]:
-    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-
-
-def test_a_sweep_starts_each_distinct_instance_once(tmp_path: Path, start_log: Path) -> None:
+def test_a_sweep_starts_each_distinct_instance_once(
+    tmp_path: Path, fake_vllm_start_log: Path
+) -> None:
     settings = settings_for(tmp_path)
     spec = SweepSpec(tuple(TOPOLOGIES[n] for n in EPD_TOPOLOGY_NAMES), prompts=(TEXT,))
     sweep = Sweep(spec, settings)
@@ -57,9 +48,9 @@ def test_a_sweep_starts_each_distinct_instance_once(tmp_path: Path, start_log: P
         ("1E+1P+1D", "baseline"),
         ("1E+1P+1D", "1P+1D"),
     }
-    launches = Counter(json.dumps(s["launch"]) for s in starts(start_log))
+    launches = Counter(json.dumps(s["launch"]) for s in logged_starts(fake_vllm_start_log))
     assert launches and set(launches.values()) == {1}, f"an instance started twice: {launches}"
-    roles = Counter(s["role"] for s in starts(start_log))
+    roles = Counter(s["role"] for s in logged_starts(fake_vllm_start_log))
     # baseline; 1E+1PD (E, PD); 1P+1D (P, D); 1E+1P+1D (E, P, D): 8 instances, each once
     assert roles == {"baseline": 1, "encoder": 2, "pd": 1, "prefill": 2, "decode": 2}, roles
     assert [s.reason for s in sweep.pool.starts] == ["first use"] * 4, sweep.pool.summary()
@@ -67,19 +58,19 @@ def test_a_sweep_starts_each_distinct_instance_once(tmp_path: Path, start_log: P
 
 
 def test_a_running_topology_is_shared_and_a_dead_one_started_again_with_its_cause(
-    tmp_path: Path, start_log: Path
+    tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:
     settings = settings_for(tmp_path)
     pool = TopologyPool(settings)
     try:
         first = pool.session(TOPOLOGIES["1P+1D"])
         again = pool.session(TOPOLOGIES["1P+1D"])
-        assert again is first and len(starts(start_log)) == 2
+        assert again is first and len(logged_starts(fake_vllm_start_log)) == 2
         victim = first.server(Role.DECODE)
         os.killpg(victim.pgid, signal.SIGKILL)
         wait_for(lambda: not victim.is_alive(), "the decode instance to die", 10)
         restarted = pool.session(TOPOLOGIES["1P+1D"])
-        assert restarted is not first and len(starts(start_log)) == 4
+        assert restarted is not first and len(logged_starts(fake_vllm_start_log)) == 4
         reason = pool.starts[-1].reason
         assert reason.startswith("restart: instance 1P+1D/decode0 exited"), reason
         pool.release("1P+1D")
@@ -94,7 +85,7 @@ def test_a_running_topology_is_shared_and_a_dead_one_started_again_with_its_caus
 
 
 def test_a_dead_instance_is_revived_in_place_and_its_siblings_keep_running(
-    tmp_path: Path, start_log: Path
+    tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:
     """`revive` starts only the instance that died, on its port, with a log of its own (the
     dead one's stays as evidence); the same session, its sibling and its proxy serve on."""
@@ -107,7 +98,10 @@ def test_a_dead_instance_is_revived_in_place_and_its_siblings_keep_running(
         old_log, port = victim.command.log_path, victim.port_lease.port
         os.killpg(victim.pgid, signal.SIGKILL)
         wait_for(lambda: not victim.is_alive(), "the killed D to be gone")
-        assert pool.revive(TOPOLOGIES["1P+1D"]) is session and len(starts(start_log)) == 3
+        assert (
+            pool.revive(TOPOLOGIES["1P+1D"]) is session
+            and len(logged_starts(fake_vllm_start_log)) == 3
+        )
         fresh = session.server(Role.DECODE)
         assert fresh is not victim and fresh.is_alive() and fresh.port_lease.port == port
         assert session.server(Role.PREFILL) is prefill and prefill.is_alive()
@@ -117,13 +111,15 @@ def test_a_dead_instance_is_revived_in_place_and_its_siblings_keep_running(
         reason = pool.starts[-1].reason
         assert reason.startswith("revive decode0: instance 1P+1D/decode0 exited"), reason
         assert pool.revive(TOPOLOGIES["1P+1D"]) is session, "nothing dead: nothing started"
-        assert len(starts(start_log)) == 3
+        assert len(logged_starts(fake_vllm_start_log)) == 3
     finally:
         pool.close()
     assert pool.running() == []
 
 
-def test_another_proxy_in_front_starts_no_instance(tmp_path: Path, start_log: Path) -> None:
+def test_another_proxy_in_front_starts_no_instance(
+    tmp_path: Path, fake_vllm_start_log: Path
+) -> None:
     """The same instances through the harness's proxy and through another entry (here a
     second harness proxy stands in for vLLM's, which the fake cannot run)."""
     settings = settings_for(tmp_path)
@@ -134,23 +130,25 @@ def test_another_proxy_in_front_starts_no_instance(tmp_path: Path, start_log: Pa
         entry = own.via(ProxyChoice())
         assert entry.entry.key == "harness" and entry.entry is own._entry
         assert own.send("text", body).result is not None
-        assert len(starts(start_log)) == 2
+        assert len(logged_starts(fake_vllm_start_log)) == 2
     finally:
         pool.close()
 
 
-def test_a_private_session_is_counted_with_its_reason(tmp_path: Path, start_log: Path) -> None:
+def test_a_private_session_is_counted_with_its_reason(
+    tmp_path: Path, fake_vllm_start_log: Path
+) -> None:
     settings = settings_for(tmp_path)
     pool = TopologyPool(settings)
     with pool.private(TOPOLOGIES["1E+1PD"], "a rerun on kept storage", label="rerun") as session:
         assert session.dead_instance_report() is None
     assert [s.reason for s in pool.starts] == ["private: a rerun on kept storage"]
-    assert len(starts(start_log)) == 2
+    assert len(logged_starts(fake_vllm_start_log)) == 2
     pool.close()
 
 
 def test_a_shared_sweep_answers_its_reference_before_the_pool_stops_it(
-    tmp_path: Path, start_log: Path
+    tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:
     """1P+1D is stopped before 1E+1P+1D is judged (a pytest group ended): the sweep sharing
     the pool answered its prompts on 1P+1D first, so judging 1E+1P+1D starts no 1P+1D."""
@@ -171,7 +169,7 @@ def test_a_shared_sweep_answers_its_reference_before_the_pool_stops_it(
 
 
 def test_a_streamed_sweep_streams_on_a_topology_an_unstreamed_one_started(
-    tmp_path: Path, start_log: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, fake_vllm_start_log: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Sharing a running topology must not share how it is sent to: the streamed sweep asks
     for streamed requests on the session the unstreamed sweep started (whose own settings say
@@ -221,25 +219,25 @@ def xdist_sweep(tmp_path: Path, workers: int, *options: str) -> subprocess.Compl
 
 
 def test_xdist_workers_on_eight_gpus_start_each_topology_once(
-    tmp_path: Path, start_log: Path
+    tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:
     """The GPU nightly's shape: four workers on an 8-device cuda plan. One wave holds every
     topology, yet each worker starts only the topologies of its own cases (and their exact
     references): every topology once across the workers."""
     xdist_sweep(tmp_path, 4, "--epd-platform", "cuda", "--epd-devices", "0,1,2,3,4,5,6,7")
-    roles = Counter(s["role"] for s in starts(start_log))
+    roles = Counter(s["role"] for s in logged_starts(fake_vllm_start_log))
     assert roles == {"baseline": 1, "encoder": 2, "pd": 1, "prefill": 2, "decode": 2}, roles
-    devices = [s["env"]["CUDA_VISIBLE_DEVICES"] for s in starts(start_log)]
+    devices = [s["env"]["CUDA_VISIBLE_DEVICES"] for s in logged_starts(fake_vllm_start_log)]
     assert sorted(devices) == [str(d) for d in range(8)], "one device each, as planned"
 
 
 def test_xdist_workers_on_a_cpu_host_leave_every_topology_to_one_worker(
-    tmp_path: Path, start_log: Path
+    tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:
     """CI's shape (`scripts/cpu test`): on the CPU host one worker takes every e2e item, so
     each topology, the baseline too, starts once however many workers run the other tiers."""
     run = xdist_sweep(tmp_path, 3)
-    roles = Counter(s["role"] for s in starts(start_log))
+    roles = Counter(s["role"] for s in logged_starts(fake_vllm_start_log))
     assert roles == {"baseline": 1, "encoder": 2, "pd": 1, "prefill": 2, "decode": 2}, roles
     workers = {log.parent.parent.name for log in (tmp_path / "run").glob("gw*/*/*.cmd.json")}
     assert len(workers) == 1, workers
@@ -259,7 +257,7 @@ def tiny_model_dir() -> Path:
 
 
 def test_a_fault_goes_into_the_topologies_under_test_never_their_references(
-    tmp_path: Path, start_log: Path
+    tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:
     """`--plant-fault ec-noise:0.05 --topology 1E+1P+1D`: 1P+1D starts as its exact reference
     only, and an EC fault has nothing to act on there (it once raised and ended the sweep)."""

@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,9 +74,7 @@ class ReleaseRun:
 
     def outcome_line(self) -> str:
         """What a matrix run prints as each release ends: its verdicts, time and exit code."""
-        counts: dict[str, int] = {}
-        for case in self.cases:
-            counts[case["verdict"]] = counts.get(case["verdict"], 0) + 1
+        counts = Counter(case["verdict"] for case in self.cases)
         verdicts = ", ".join(f"{verdict} {n}" for verdict, n in sorted(counts.items()))
         waited = (
             f" (after {self.lock_wait_seconds:.0f}s for the lock)" if self.lock_wait_seconds else ""

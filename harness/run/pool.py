@@ -283,7 +283,7 @@ class TopologyPool:
             on_event=self.on_event,
             label=label,
             reuse_storage=reuse_storage,
-            devices=devices or self._slots.get(topology.name),
+            devices=self._placed(topology, devices),
         )
         self._make_room([(key, topology, session.devices)])
         started = time.monotonic()
@@ -369,6 +369,12 @@ class TopologyPool:
     def _started_before(self, key: SessionKey) -> bool:
         return any(s.key == key for s in self.starts)
 
+    def _placed(
+        self, topology: Topology, devices: tuple[int, ...] | None
+    ) -> tuple[int, ...] | None:
+        """The devices asked for, else the topology's place (`place`); None: every device."""
+        return devices or self._slots.get(topology.name)
+
     def _new_session(self, request: SessionRequest) -> TopologySession:
         label = safe_name(
             request.key.describe(self.settings.serving, self.settings.launcher).replace(" ", "_")
@@ -378,7 +384,7 @@ class TopologyPool:
             request.settings,
             on_event=self.on_event,
             label=label,
-            devices=request.devices or self._slots.get(request.topology.name),
+            devices=self._placed(request.topology, request.devices),
             role_env=request.role_env,
         )
 

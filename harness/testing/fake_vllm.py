@@ -28,6 +28,7 @@ Only for tests of process handling and pure logic: what an e2e scenario checks i
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -132,6 +133,13 @@ server.daemon_threads = True
 print(f"listening on {args.port}", flush=True)
 server.serve_forever()
 """
+
+
+def logged_starts(log: Path) -> list[dict[str, Any]]:
+    """Every start the fake logged to `log` (FAKE_VLLM_START_LOG): role, launch argv, env."""
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines()]
 
 
 def fake_run_settings(

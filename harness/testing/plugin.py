@@ -520,6 +520,17 @@ def fake_vllm(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
+def fake_vllm_start_log(tmp_path: Path, port_locks: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The file every fake vLLM started in this test logs its start to (read it with
+    `harness.testing.fake_vllm.logged_starts`); the test's own port leases come with it."""
+    from harness.testing.fake_vllm import START_LOG_ENV
+
+    log = tmp_path / "starts.jsonl"
+    monkeypatch.setenv(START_LOG_ENV, str(log))
+    return log
+
+
+@pytest.fixture
 def port_locks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Port leases of this test only (EPD_HARNESS_PORT_DIR), for the harness in this process
     and in the processes it starts: what a test leaves held is its own."""
