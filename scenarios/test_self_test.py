@@ -3,8 +3,8 @@
 A harness that only ever says MATCH proves nothing (upstream's bash harness stayed green while
 every comparison failed). So real topologies are run with one link broken on purpose, and the
 judge must name the break: corrupted EC files and zeroed KV files are MISMATCH, raw media that
-bypassed the encoder are VACUOUS (tokens equal, a transfer guard failed), a killed instance is
-ERROR within seconds and leaves no process behind.
+bypassed the encoder and a prompt D computed itself (no KV from P) are VACUOUS (tokens equal, a
+transfer guard failed), a killed instance is ERROR within seconds and leaves no process behind.
 
 Each topology is the session's running one (harness.testing.plugin: started once for every
 scenario that needs it) and serves a clean request first, then one fault after another on the
@@ -36,6 +36,7 @@ from harness.run.self_test import (
     AFTER_KILL_PROMPT,
     CLEAN_PROMPT,
     CORRUPT_EC_PROMPT,
+    DROP_KV_PROMPT,
     DROP_METADATA_PROMPT,
     SELF_TEST_PROMPTS,
     ZERO_KV_PROMPT,
@@ -169,7 +170,8 @@ class TestEncoderFaults:
 @pytest.mark.ci
 @pytest.mark.epd_topology("1P+1D")
 class TestKvFaults:
-    """1P+1D: a clean request, then zeroed KV under a prompt of its own.
+    """1P+1D: a clean request, then zeroed KV and KV withheld from D, each under a prompt of
+    its own.
 
     ExampleConnector keys KV by the prompt's token ids (and mm hashes), so the faulted prompt
     differs from the clean one: D looks up its own files, which the fault zeroed.
@@ -194,6 +196,22 @@ class TestKvFaults:
         assert record.policy_passed is False, f"a MISMATCH passed the policy: {record}"
         failed = record.failed_guards()
         assert not failed, f"D did load the (zeroed) KV; no guard should fail: {failed}"
+
+    def test_kv_that_never_reached_d_is_vacuous(self, kv_topology: LiveTopology):
+        """D computes the prompt itself and answers right: only the KV guard can tell."""
+        live = kv_topology
+        fault = fault_for(
+            "drop-kv", None, live.session.kv_storage, live.session.settings.serving.kv_connector
+        )
+        observed = live.send_with_fault(fault, DROP_KV_PROMPT.name)
+        assert_fault_fired(fault)
+        record = judged(live, observed)
+        assert record.verdict is Verdict.VACUOUS, (
+            f"a D that received no KV must be VACUOUS, got {record.verdict.value} "
+            f"({fault.effects}):\n" + format_failure(record)
+        )
+        assert record.policy_passed is False, f"a VACUOUS case passed the policy: {record}"
+        assert list(record.failed_guards()) == ["kv_transfer"], record.guards
 
 
 def topology_processes(session: TopologySession) -> list[psutil.Process]:

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
         (["--platform", "tpu"], "unknown platform 'tpu' (known: cpu, cuda, xpu)"),
         (
             ["--plant-fault", "melt"],
-            "unknown fault 'melt' (known: corrupt-ec, zero-kv, drop-metadata, stream-duplicate-chunk)",
+            "unknown fault 'melt' (known: corrupt-ec, zero-kv, drop-kv, drop-metadata, stream-duplicate-chunk)",
         ),
     ],
 )
@@ -32,4 +32,4 @@ def test_list_names_scenarios_and_faults(epd_cli) -> None:
     code, out, _ = epd_cli("list")
     assert code == 0
     assert "epd-media-in-decode-tail" in out and "expects ERROR" in out
-    assert "corrupt-ec, zero-kv, drop-metadata" in out
+    assert "corrupt-ec, zero-kv, drop-kv, drop-metadata" in out

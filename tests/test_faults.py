@@ -21,6 +21,8 @@ from harness.run.faults import (
     PlantedFault,
     corrupt_ec_files,
     drop_encoder_metadata,
+    drop_kv,
+    first_request_only,
     kill_instance,
     plant,
     zero_kv_files,
@@ -154,6 +156,47 @@ def test_zero_kv_files_reports_an_empty_storage(tmp_path: Path):
     fault = zero_kv_files(tmp_path)
     fault.after_prefill("req-6", {})
     assert not fault.touched and len(fault.problems) == 1, (fault.touched, fault.problems)
+
+
+def test_drop_kv_removes_only_the_directories_p_wrote_since_it_was_made(tmp_path: Path):
+    """ExampleConnector finds D's KV by the prompt's directory: removing it makes D compute
+    the prompt itself. An earlier prompt's directory stays."""
+    earlier = write_kv_files(tmp_path, "prompt-earlier")
+    fault = drop_kv(tmp_path)
+    fresh = write_kv_files(tmp_path, "prompt-now")
+    fault.after_prefill("req-7", {"kv_transfer_params": None})
+    assert not (tmp_path / "prompt-now").exists() and all(p.is_file() for p in earlier)
+    assert sorted(fault.touched) == sorted(fresh) and not fault.problems, fault
+    assert fault.effects == ["req-7: removed prompt-now/ (2 files)"], fault.effects
+
+
+def test_drop_kv_says_so_when_p_wrote_nothing_new(tmp_path: Path):
+    write_kv_files(tmp_path, "prompt-earlier")
+    fault = drop_kv(tmp_path)
+    fault.after_prefill("req-8", {})
+    assert not fault.touched and len(fault.problems) == 1, fault
+    assert "nothing to withhold from D" in fault.problems[0]
+
+
+def test_drop_kv_under_nixl_withholds_ps_params_from_d(tmp_path: Path):
+    fault = drop_kv(tmp_path, "NixlConnector")
+    response = {"kv_transfer_params": {"remote_block_ids": [[1, 2]], "do_remote_prefill": True}}
+    fault.after_prefill("req-9", response)
+    assert "kv_transfer_params" not in response and not fault.problems, fault
+    assert fault.effects and fault.effects[0].startswith("req-9: kv_transfer_params withheld")
+    fault.after_prefill("req-10", {"kv_transfer_params": None})
+    assert fault.problems == ["req-10: P returned no kv_transfer_params to drop"], fault.problems
+
+
+def test_first_request_only_acts_on_one_request_of_many(tmp_path: Path):
+    fault = first_request_only(drop_kv(tmp_path, "NixlConnector"))
+    responses = [{"kv_transfer_params": {"remote_block_ids": [[n]]}} for n in range(3)]
+    for n, response in enumerate(responses):
+        fault.after_prefill(f"req-{n}", response)
+    fault.after_prefill("req-0", {"kv_transfer_params": {"remote_block_ids": [[9]]}})
+    assert ["kv_transfer_params" in r for r in responses] == [False, True, True], responses
+    assert len(fault.effects) == 2 and all(e.startswith("req-0:") for e in fault.effects)
+    assert fault.after_encode is None, "a hook the fault did not have was added"
 
 
 def test_drop_encoder_metadata_sets_only_the_drop_flag():

@@ -38,7 +38,7 @@ from harness.preflight.vllm import (
 )
 from harness.preflight.vllm_args import check_serve_argvs, serve_argvs
 from harness.run.baseline_cache import BaselineCache
-from harness.run.faults import STREAM_FAULTS, fault_reaches, parse_fault
+from harness.run.faults import KV_FAULTS, STREAM_FAULTS, fault_reaches, parse_fault
 from harness.run.goldens import GoldenStore, release_of
 from harness.run.scenarios import MATRIX, Scenario, get_scenario, matrix_prompts
 from harness.spec.attach import AttachSpec
@@ -196,7 +196,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
             )
         unreached = [t.name for t in topologies if not fault_reaches(fault.kind, t)]
         if unreached:
-            part = "P->D hop" if fault.kind in ("zero-kv", "kv-noise") else "encoder"
+            part = "P->D hop" if fault.kind in KV_FAULTS else "encoder"
             raise BadInput(
                 f"--plant-fault {request.plant_fault}: {', '.join(unreached)} "
                 f"{'has' if len(unreached) == 1 else 'have'} no {part} for it to act on; "

@@ -8,6 +8,8 @@ purpose, and the self-test checks that the judge names the right verdict:
 - `zero_kv_files`: D decodes from zeroed KV                          -> MISMATCH
 - `drop_encoder_metadata`: raw media reach the consumer, which encodes them itself; the tokens
   still equal the baseline's, so only the transfer guards can tell   -> VACUOUS
+- `drop_kv`: none of P's KV reaches D, which computes the prompt itself; the tokens still
+  equal the baseline's, so only the `kv_transfer` guard can tell      -> VACUOUS
 - `kill_instance`: an instance dies mid-run                          -> ERROR, at once
 - `duplicate_stream_chunk`: the proxy relays the first chunk of D's stream with tokens twice:
   the client's ids differ and the stream's usage no longer counts them -> MISMATCH
@@ -43,6 +45,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import zlib
 from collections.abc import Callable
@@ -105,6 +108,28 @@ def plant(live: ProxyFaults, fault: ProxyFaults | None = None) -> None:
     source = fault if fault is not None else ProxyFaults()
     for hook in dataclasses.fields(ProxyFaults):
         setattr(live, hook.name, getattr(source, hook.name))
+
+
+def first_request_only(fault: PlantedFault) -> PlantedFault:
+    """`fault`, acting on the first request whose hook runs and on no other: one broken request
+    among many in flight (a load), the rest left as they were."""
+    chosen: list[str] = []
+
+    def once(hook: Callable[[str, dict[str, Any]], None] | None):
+        if hook is None:
+            return None
+
+        def run(request_id: str, params: dict[str, Any]) -> None:
+            if not chosen:
+                chosen.append(request_id)
+            if request_id == chosen[0]:
+                hook(request_id, params)
+
+        return run
+
+    fault.after_encode = once(fault.after_encode)
+    fault.after_prefill = once(fault.after_prefill)
+    return fault
 
 
 def corrupt_ec_files(ec_storage: Path) -> PlantedFault:
@@ -181,6 +206,56 @@ def misroute_nixl_blocks() -> PlantedFault:
         )
 
     fault.after_prefill = after_prefill
+    return fault
+
+
+def drop_kv(kv_storage: Path, kv_connector: str = "ExampleConnector") -> PlantedFault:
+    """After P answered, make sure none of its KV reaches D: D computes the whole prompt itself.
+
+    This is the KV side of the silent fallback `drop_encoder_metadata` plants: D answers right
+    from its own prefill, so the tokens still equal the baseline's and only the `kv_transfer`
+    guard can turn the case red (VACUOUS). Under NixlConnector the proxy hands D no
+    `kv_transfer_params` (D then treats the request as its own; P keeps the blocks until
+    vLLM's abort timeout frees them). Under ExampleConnector D finds its KV by the prompt's
+    directory in the shared storage, whatever the proxy says, so the directories P wrote since
+    the fault was made (or since its previous request) are removed: one request at a time, or
+    a concurrent request's directory goes too. A request after which nothing was dropped is
+    recorded as a problem, not passed off as planted.
+    """
+    fault = PlantedFault()
+    if kv_connector == "NixlConnector":
+
+        def drop_params(request_id: str, prefill_response: dict[str, Any]) -> None:
+            params = prefill_response.pop("kv_transfer_params", None)
+            if not params:
+                fault.problems.append(f"{request_id}: P returned no kv_transfer_params to drop")
+                return
+            fault.effects.append(f"{request_id}: kv_transfer_params withheld from D: {params}")
+
+        fault.after_prefill = drop_params
+        return fault
+    seen = kv_file_stamps(kv_storage)
+
+    def remove_directories(request_id: str, prefill_response: dict[str, Any]) -> None:
+        current = kv_file_stamps(kv_storage)
+        fresh = sorted({p.parent for p, stamp in current.items() if seen.get(p) != stamp})
+        if not fresh:
+            fault.problems.append(
+                f"{request_id}: P wrote no new *{KV_FILE_SUFFIX} under {kv_storage}: "
+                "nothing to withhold from D"
+            )
+        for directory in fresh:
+            files = sorted(directory.glob(f"*{KV_FILE_SUFFIX}"))
+            shutil.rmtree(directory, ignore_errors=True)
+            if directory.exists():
+                fault.problems.append(f"{request_id}: {directory} could not be removed")
+                continue
+            fault.touched += files
+            fault.effects.append(f"{request_id}: removed {directory.name}/ ({len(files)} files)")
+        seen.clear()
+        seen.update(kv_file_stamps(kv_storage))
+
+    fault.after_prefill = remove_directories
     return fault
 
 
@@ -686,7 +761,9 @@ def rewrite_tensors(path: Path, transform: Callable[[torch.Tensor], torch.Tensor
 
 # Faults a whole run can be started with (`epd-harness run --plant-fault NAME`), so that a
 # bundle from a planted failure can be replayed by `epd-harness repro` with the same fault.
-FAULT_NAMES = ("corrupt-ec", "zero-kv", "drop-metadata", "stream-duplicate-chunk")
+FAULT_NAMES = ("corrupt-ec", "zero-kv", "drop-kv", "drop-metadata", "stream-duplicate-chunk")
+# Faults that act on the P->D hop (a topology without one has nothing for them to break).
+KV_FAULTS = ("zero-kv", "drop-kv", "kv-noise")
 # Faults that act on streamed answers only (`--stream`).
 STREAM_FAULTS = ("stream-duplicate-chunk",)
 # Graded faults, NAME or NAME:STRENGTH (see `parse_fault`).
@@ -751,7 +828,7 @@ def parse_fault(text: str) -> FaultSpec:
 def fault_reaches(kind: str, topology: Topology) -> bool:
     """Whether a fault of `kind` has anything to act on in `topology`: KV faults need a P->D
     hop, stream faults a stream from D (or PD) through a proxy, the others an encoder."""
-    if kind in ("zero-kv", "kv-noise"):
+    if kind in KV_FAULTS:
         return topology.has_kv_transfer
     if kind in STREAM_FAULTS:
         return not topology.is_baseline
@@ -767,9 +844,11 @@ def fault_for(
     """The named fault (plain or graded, see `parse_fault`), aimed at a running topology's
     storage; under NixlConnector zero-kv becomes `misroute_nixl_blocks` (there are no files)."""
     spec = parse_fault(name)
-    if spec.kind in ("zero-kv", "kv-noise"):
+    if spec.kind in KV_FAULTS:
         if kv_storage is None:
             raise ValueError(f"fault {spec.kind} needs a topology with P and D")
+        if spec.kind == "drop-kv":
+            return drop_kv(kv_storage, kv_connector)
         if kv_connector == "NixlConnector":
             if spec.kind == "kv-noise":
                 raise BadInput(

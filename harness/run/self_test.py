@@ -15,6 +15,8 @@ DROP_METADATA_PROMPT = PromptSpec("st-video", (VideoPart(seed=64), TextPart(TAIL
 ZERO_KV_PROMPT = PromptSpec(
     "st-two-images-kv", (ImagePart(seed=65), ImagePart(seed=66), TextPart(TAIL_TEXT))
 )
+# D computes this prompt itself: none of P's KV reaches it (the planted `drop-kv`).
+DROP_KV_PROMPT = PromptSpec("st-image-kv", (ImagePart(seed=68), TextPart(TAIL_TEXT)))
 # The killed instance fails a request whose media nothing else uses.
 AFTER_KILL_PROMPT = PromptSpec("st-after-kill", (ImagePart(seed=67), TextPart(TAIL_TEXT)))
 SELF_TEST_PROMPTS = (
@@ -22,5 +24,6 @@ SELF_TEST_PROMPTS = (
     CORRUPT_EC_PROMPT,
     DROP_METADATA_PROMPT,
     ZERO_KV_PROMPT,
+    DROP_KV_PROMPT,
     AFTER_KILL_PROMPT,
 )
