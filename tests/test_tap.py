@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -166,6 +167,40 @@ def test_after_encode_runs_before_the_answer_leaves_the_tap(fakes: dict[str, Any
         assert seen == [json.loads(ENCODER_ANSWER)["ec_transfer_params"]]
         post(taps.urls["x/pd"], chat_bytes([EMBEDS]))
     assert len(seen) == 1  # only encoder answers
+
+
+PREFILL_ANSWER = (
+    b'{"choices": [],   "kv_transfer_params": {"do_remote_prefill": true, '
+    b'"remote_block_ids": [[3, 4]], "remote_engine_id": "p0"}}'
+)
+
+
+@pytest.mark.parametrize("withhold", [False, True])
+def test_what_ps_answer_hook_leaves_is_what_the_proxy_receives(withhold: bool) -> None:
+    """Under vLLM's proxy a KV fault acts in P's tap: under NIXL it changes P's
+    `kv_transfer_params`, so the proxy must get the answer as the hook left it (and the
+    upstream bytes themselves when the hook changed nothing)."""
+    from harness.run.faults import drop_kv
+
+    loop = LoopThread()
+    prefill = FakeInstance(answering(PREFILL_ANSWER))
+    loop.run(prefill.start())
+    fault = drop_kv(Path("/nonexistent"), "NixlConnector") if withhold else None
+    faults = fault or ProxyFaults(after_prefill=lambda _rid, answer: None)
+    try:
+        with TapSet([TapTarget("x/prefill", "prefill", prefill.url)], faults).start(
+            "127.0.0.1"
+        ) as taps:
+            _, answered, _ = post(taps.urls["x/prefill"], chat_bytes([EMBEDS], max_tokens=1))
+            [record] = taps.records
+    finally:
+        loop.run(prefill.stop())
+        loop.close()
+    if withhold:
+        assert "kv_transfer_params" not in json.loads(answered), answered
+        assert record.rewritten_by_fault and fault is not None and len(fault.effects) == 1
+    else:
+        assert answered == PREFILL_ANSWER and not record.rewritten_by_fault
 
 
 def test_other_paths_pass_through_unrecorded(fakes: dict[str, Any]) -> None:

@@ -299,7 +299,7 @@ class TapSet:
         answer = describe_answer(record, payload, content_type)
         record.seconds = time.monotonic() - started
         if answer is not None and upstream.status == 200:
-            self._run_answer_hooks(record, answer)
+            payload = self._run_answer_hooks(record, answer, payload)
         response.content_length = len(payload)
         await response.prepare(request)
         await response.write(payload)
@@ -343,10 +343,18 @@ class TapSet:
         record.rewritten_by_fault = True
         return json.dumps(body).encode()
 
-    def _run_answer_hooks(self, record: TapRecord, answer: dict[str, Any]) -> None:
+    def _run_answer_hooks(self, record: TapRecord, answer: dict[str, Any], payload: bytes) -> bytes:
+        """The planted faults' answer hooks; what the proxy under test receives is the answer
+        as a hook left it (P's `kv_transfer_params` misrouted or withheld under NIXL), the
+        upstream bytes unchanged when no hook changed it."""
+        before = json.dumps(answer, sort_keys=True)
         if record.role == "encoder" and self.faults.after_encode is not None:
             self.faults.after_encode(
                 record.request_id or "", answer.get("ec_transfer_params") or {}
             )
         if record.role == "prefill" and self.faults.after_prefill is not None:
             self.faults.after_prefill(record.request_id or "", answer)
+        if json.dumps(answer, sort_keys=True) == before:
+            return payload
+        record.rewritten_by_fault = True
+        return json.dumps(answer).encode()
