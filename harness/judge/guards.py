@@ -269,6 +269,66 @@ def check_kv_transfer(
     )
 
 
+def kv_tokens_needed(
+    outcome: Outcome, block_size: int, rule: KvRule = KvRule.WHOLE_PROMPT
+) -> int | None:
+    """Prompt tokens D had to get from P for this answered request under `rule`: what the rule
+    expects less what D held in its own prefix cache (the same reading `check_kv_transfer`
+    makes). None for a request that was not answered."""
+    result = outcome.result
+    if result is None:
+        return None
+    evidence = outcome_evidence(outcome)
+    cached = result.cached_tokens if evidence is None else evidence.decode_cached_tokens
+    expected = expected_kv_tokens(rule, len(result.prompt_token_ids), block_size)
+    return max(expected - (cached or 0), 0)
+
+
+def check_kv_account(
+    needs: dict[str, int], counters: dict[str, float] | None, rule: KvRule
+) -> GuardResult:
+    """Requests sent together to one D: did D's counters, over the whole span in which they
+    ran, grow by at least what they needed together?
+
+    D's p2p counter is one number for all its requests, so a request's own reading (taken
+    just before and after it) also holds whatever moved for the requests it overlapped: a
+    request whose KV never moved can look covered by its neighbours'. Over a span that starts
+    and ends with nothing in flight nobody else's tokens are counted, so the sum is exact:
+    a request left out shows as tokens missing. `needs`: request name -> `kv_tokens_needed`,
+    the rule each request is held to (prompt - 1, less D's local hit). vLLM 0.32's NIXL moves
+    the prompt less that hit (`_get_remote_prefill_token_count`; measured: p2p + local = the
+    prompt), one token more than the rule asks per request. So the account can miss only a
+    request that needed no more tokens than the round has requests: one whose prompt D held
+    all but a few tokens of.
+    """
+    name = "kv_account"
+    need = sum(needs.values())
+    if counters is None:
+        return GuardResult(name, False, "D's /metrics could not be read before and after the round")
+    received = counters.get("p2p_cached_tokens", 0.0)
+    failed = counters.get("nixl_failed_transfers", 0.0)
+    text = (
+        f"{len(needs)} request(s) needed {need} prompt tokens from P together by the "
+        f"{rule.value} rule; D's p2p cached tokens grew by {received:g} over the round, NIXL "
+        f"transfers +{counters.get('nixl_transfers', 0):g}, failed +{failed:g}"
+    )
+    if need == 0 and received == 0 and failed == 0:
+        return not_checkable(name, f"{text}: D held every prompt itself, nothing had to move")
+    if received > need:
+        text += (
+            f"; {received - need:g} more than needed (a missing request that needed no more "
+            "than that would hide in it)"
+        )
+    if received < need:
+        short = sorted(needs.items(), key=lambda item: -item[1])
+        largest = ", ".join(f"{label} {tokens}" for label, tokens in short[:5])
+        text += (
+            f"; {need - received:g} tokens never reached D, so the KV of at least one request "
+            f"did not move (the largest needs: {largest})"
+        )
+    return GuardResult(name, received >= need and failed == 0, text)
+
+
 def check_transfers(
     topology: Topology,
     source: TransferEvidence | RequestTrace | None,

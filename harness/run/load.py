@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.files import write_json_atomic, write_text_atomic
+from harness.judge.guards import GuardResult, check_kv_account, kv_rule_for, kv_tokens_needed
 from harness.judge.records import CaseRecord, DeclaredFailure, Verdict
 from harness.outcomes.load import ResourceSample
 from harness.outcomes.outcome import Outcome
@@ -61,8 +62,10 @@ from harness.run.judging import Observed, observe
 from harness.run.scenarios import get_scenario
 from harness.run.sweep import BASELINE, Sweep
 from harness.serve.attached import AttachedDown, AttachedSession
+from harness.serve.kv_metrics import KvCounters
 from harness.serve.session import ProxiedSession, TopologySession
 from harness.serve.usage import clean_storage, storage_usage, tree_pids, tree_usage
+from harness.spec.connectors import KvRule
 from harness.spec.load import (
     LoadSpec,
     MediaPlacement,
@@ -94,6 +97,7 @@ class LoadResult:
     killed: str | None = None  # the instance a planted kill ended
     killed_at_s: float | None = None
     problems: list[str] = field(default_factory=list)  # bounds a soak broke, a kill not seen
+    kv_accounts: list[GuardResult] = field(default_factory=list)  # one per round (NIXL's rule)
     processes: list[int] = field(default_factory=list)  # every instance's process tree, at start
     stats: LoadStats | None = None
 
@@ -264,7 +268,10 @@ class LoadRun:
             offset = self.result.rounds * len(regular)
             self.result.rounds += 1
             planned = [PlannedRequest(r.number + offset, r.prompt) for r in regular]
+            counters_before = session.decode_counters() if self._kv_accounted else None
             sent = self._round(session, planned)
+            if self._kv_accounted:
+                self._account_kv(sent, counters_before, session.decode_counters())
             self._judge_round(sent, declared)
             label = f"round {self.result.rounds}" if deadline is not None else "after"
             sample = self._sample(session, label)
@@ -364,6 +371,39 @@ class LoadRun:
             self._judge_round([sent], declared, alone=True)
 
     # -- judging -----------------------------------------------------------------------------
+
+    @property
+    def _kv_accounted(self) -> bool:
+        """Whether a round's KV is accounted as a whole: only where D's evidence is a counter
+        shared by every request in flight (NIXL's whole-prompt rule). ExampleConnector's
+        evidence is each request's own `cached_tokens`, read at D's tap."""
+        rule = kv_rule_for(self.sweep.settings.serving.kv_connector)
+        return self.topology.has_kv_transfer and rule is KvRule.WHOLE_PROMPT
+
+    def _account_kv(
+        self, sent: list[_Sent], before: KvCounters | None, after: KvCounters | None
+    ) -> None:
+        """The round's requests against D's counters over the whole round
+        (`harness.judge.guards.check_kv_account`); a shortfall fails the load. A round a death
+        ended is not accounted: its requests' transfers stopped part way."""
+        if self.result.ended_by or self.result.killed:
+            return
+        block = self.sweep.settings.serving.block_size
+        needs = {}
+        for item in sent:
+            if item.observed is not None:
+                need = kv_tokens_needed(item.observed.outcome, block)
+                if need is not None:
+                    needs[item.request.name] = need
+        if not needs:
+            return
+        counters = None if before is None or after is None else after.minus(before)
+        account = check_kv_account(needs, counters, KvRule.WHOLE_PROMPT)
+        self.result.kv_accounts.append(account)
+        if account.failed:
+            self.result.problems.append(
+                f"round {self.result.rounds}, KV account: {account.evidence}"
+            )
 
     def _judge_round(
         self,
@@ -497,6 +537,13 @@ class LoadRun:
             )
         if result.ended_by is not None:
             notes.append(f"the load ended early: {result.ended_by}")
+        if result.kv_accounts:
+            held = sum(a.ok for a in result.kv_accounts)
+            first = result.kv_accounts[0]
+            notes.append(
+                f"KV account (D's counters over each whole round): {held} of "
+                f"{len(result.kv_accounts)} round(s) held; round 1: {first.evidence}"
+            )
         if self.spec.duration_s is not None:
             b = self.bounds
             notes.append(
@@ -555,6 +602,7 @@ class LoadRun:
             "killed": result.killed,
             "killed_at_s": result.killed_at_s,
             "problems": result.problems,
+            "kv_accounts": [a.to_json() for a in result.kv_accounts],
             "notes": self.account_notes(),
             "requests": [r.to_json() for r in result.results],
             "samples": [s.to_json() for s in result.samples],

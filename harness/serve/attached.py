@@ -37,7 +37,7 @@ from harness.files import write_json_atomic
 from harness.outcomes.attached import AttachedEvidence
 from harness.outcomes.outcome import Outcome, ServedTopology
 from harness.serve.client import ChatClient, ChatReply
-from harness.serve.kv_metrics import read_counters
+from harness.serve.kv_metrics import KvCounters, read_counters
 from harness.serve.proxy import ProxyFaults
 from harness.serve.proxy_protocol import collect_media
 from harness.serve.session import DEATH_GRACE_S, TopologySession, safe_name, served_topology
@@ -182,8 +182,7 @@ class AttachedSession:
             outcome.error = down
             outcome.seconds = time.monotonic() - started
             return outcome
-        decodes = self.spec.with_role(Role.DECODE)
-        counters_before = read_counters(decodes[0].url) if decodes else None
+        counters_before = self.decode_counters()
         encoders_before = self._encoder_requests()
         storage = self.spec.ec_storage
         files_before = ec_files(storage) if storage is not None else {}
@@ -201,8 +200,8 @@ class AttachedSession:
         outcome.seconds = time.monotonic() - started
         if outcome.result is None:
             return outcome
-        if decodes and counters_before is not None:
-            counters_after = read_counters(decodes[0].url)
+        if counters_before is not None:
+            counters_after = self.decode_counters()
             if counters_after is not None:
                 outcome.kv_counters = counters_after.minus(counters_before)
         encoders_after = self._encoder_requests()
@@ -219,6 +218,11 @@ class AttachedSession:
             else encoders_after - encoders_before,
         )
         return outcome
+
+    def decode_counters(self) -> KvCounters | None:
+        """D's KV counters now (None: the deployment has no D, or its /metrics is unreadable)."""
+        decodes = self.spec.with_role(Role.DECODE)
+        return read_counters(decodes[0].url) if decodes else None
 
     def _chat_watched(self, body: dict[str, Any], request_id: str) -> ChatReply:
         """The request runs on a thread while every instance's /health is asked each second:

@@ -25,7 +25,7 @@ from harness.files import write_text_atomic
 from harness.outcomes.outcome import InstanceStats, Outcome, ServedTopology
 from harness.outcomes.startup import startup_timeline
 from harness.serve.entry import Entry, command_json, open_entry, proxy_key
-from harness.serve.kv_metrics import read_counters
+from harness.serve.kv_metrics import KvCounters, read_counters
 from harness.serve.launch import ManagedServer, ServerCommand, ServerDied, ServerGroup, log_path_for
 from harness.serve.launcher import LocalLauncher
 from harness.serve.ports import PortLease
@@ -322,8 +322,7 @@ class TopologySession:
         outcome = Outcome(prompt=prompt, media_count=len(collect_media(body)), sent_at=time.time())
         started = time.monotonic()
         log_offsets = {server.name: server.log_size() for server in self._servers}
-        decode_url = next((i.url for i in self.instances if i.role is Role.DECODE), None)
-        counters_before = read_counters(decode_url) if decode_url else None
+        counters_before = self.decode_counters()
         tap_mark = self._taps.mark() if self._taps is not None else 0
         try:
             self._group.check_alive()
@@ -345,8 +344,8 @@ class TopologySession:
             else:
                 outcome.error = f"{failure}\n{self.waited_on_report(request_id, entry)}"
         outcome.seconds = time.monotonic() - started
-        if decode_url and counters_before is not None and outcome.result is not None:
-            counters_after = read_counters(decode_url)
+        if counters_before is not None and outcome.result is not None:
+            counters_after = self.decode_counters()
             if counters_after is not None:
                 outcome.kv_counters = counters_after.minus(counters_before)
         outcome.trace = entry.trace(request_id)
@@ -354,6 +353,11 @@ class TopologySession:
             outcome.taps = self._taps.of_request(tap_mark, request_id)
         self._sample_memory()
         return outcome
+
+    def decode_counters(self) -> KvCounters | None:
+        """D's KV counters now (None: the topology has no D, or its /metrics is unreadable)."""
+        decode_url = next((i.url for i in self.instances if i.role is Role.DECODE), None)
+        return read_counters(decode_url) if decode_url else None
 
     def log_slices(self, offsets: dict[str, int]) -> str:
         """What each instance logged since `offsets` (its last lines), for error evidence."""
@@ -502,6 +506,9 @@ class ProxiedSession:
 
     def dead_instance_report(self) -> str | None:
         return self.base.dead_instance_report()
+
+    def decode_counters(self) -> KvCounters | None:
+        return self.base.decode_counters()
 
     def server(self, role: Role, index: int = 0) -> ManagedServer:
         return self.base.server(role, index)
