@@ -2,7 +2,8 @@
 answer judged against the baseline's answer to its own prompt.
 
 - a small load on 1E+1P+1D, unstreamed and streamed (what CI runs): every request passes;
-- under NIXL, a load in which one request's KV never reached D fails the round's KV account;
+- under NIXL, a load on 1P+1D in which one request's KV never reached D fails the round's KV
+  account;
 - a load that ends with the mix's media-in-the-decode-tail request, sent last and alone, which
   must fail exactly as the matrix declares it for the run's KV connector (it ends D: CI leaves
   it to the matrix's `epd-media-in-decode-tail`, so D is not started twice);
@@ -22,7 +23,7 @@ import pytest
 
 from harness.judge.records import Verdict
 from harness.report.text import format_failure
-from harness.spec.load import TAIL_PROMPT, LoadSpec, load_mix
+from harness.spec.load import TAIL_PROMPT, TEXT_PROMPT, LoadSpec, load_mix
 
 pytestmark = pytest.mark.e2e
 
@@ -95,23 +96,32 @@ def test_a_small_streamed_load_every_answer_its_own_and_framed(load_sweep) -> No
 
 
 @pytest.mark.kv_connector("nixl")
-@pytest.mark.epd_topology("1E+1P+1D")
+@pytest.mark.epd_topology("1P+1D")
 def test_a_load_in_which_one_request_got_no_kv_fails_its_kv_account(load_sweep) -> None:
     """Under NIXL a request's KV evidence is D's p2p counter, one number for every request in
     flight: a request whose KV never moved can look covered by its neighbours' transfers. One
     request of a concurrent load reaches D without P's kv_transfer_params (the planted
-    `drop-kv`), so D computes it itself and answers right; the round's account over D's
-    counters must come up short and fail the load, whatever that request's own reading says."""
+    `drop-kv`), so D computes its prompt itself and answers right; the round's account over
+    D's counters must show it and fail the load, whatever that request's own reading says.
+
+    On 1P+1D, whose D has seen none of the mix (the loads above run on 1E+1P+1D), and on the
+    text-only prompt, which no other prompt of the mix begins like: D has almost none of it
+    cached, so it computes nearly the whole prompt. (A prompt D held all but a few tokens of
+    would leave it too little to compute for any account to tell from the rule's one token a
+    request; and on 1E+1P+1D a media prompt would end D instead: vLLM's
+    `epd-media-in-decode-tail` failure, D has no embeddings to compute the media with.)"""
     from harness.run.faults import fault_for, first_request_only, plant
     from harness.spec.topology import TOPOLOGIES
 
-    session = load_sweep.pool.session(TOPOLOGIES["1E+1P+1D"])
+    session = load_sweep.pool.session(TOPOLOGIES["1P+1D"])
     connector = load_sweep.settings.serving.kv_connector
-    fault = first_request_only(fault_for("drop-kv", None, session.kv_storage, connector))
+    fault = first_request_only(
+        fault_for("drop-kv", None, session.kv_storage, connector), id_contains=f"-{TEXT_PROMPT}-"
+    )
     plant(session.faults, fault)
     try:
         result = run_load(
-            load_sweep, LoadSpec("1E+1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY), "kv-dropped"
+            load_sweep, LoadSpec("1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY), "kv-dropped"
         )
     finally:
         plant(session.faults)

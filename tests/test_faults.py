@@ -199,6 +199,15 @@ def test_first_request_only_acts_on_one_request_of_many(tmp_path: Path):
     assert fault.after_encode is None, "a hook the fault did not have was added"
 
 
+def test_first_request_only_can_pick_the_request_by_a_part_of_its_id(tmp_path: Path):
+    fault = first_request_only(drop_kv(tmp_path, "NixlConnector"), id_contains="-ld-text-")
+    ids = ["1P-1D-ld-shared-a-01", "1P-1D-ld-text-02", "1P-1D-ld-text-03"]
+    responses = [{"kv_transfer_params": {"remote_block_ids": [[n]]}} for n in range(3)]
+    for request_id, response in zip(ids, responses):
+        fault.after_prefill(request_id, response)
+    assert ["kv_transfer_params" in r for r in responses] == [True, False, True], responses
+
+
 def test_drop_encoder_metadata_sets_only_the_drop_flag():
     fault = drop_encoder_metadata()
     assert fault.drop_encoder_metadata is True, fault

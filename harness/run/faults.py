@@ -110,9 +110,10 @@ def plant(live: ProxyFaults, fault: ProxyFaults | None = None) -> None:
         setattr(live, hook.name, getattr(source, hook.name))
 
 
-def first_request_only(fault: PlantedFault) -> PlantedFault:
-    """`fault`, acting on the first request whose hook runs and on no other: one broken request
-    among many in flight (a load), the rest left as they were."""
+def first_request_only(fault: PlantedFault, id_contains: str = "") -> PlantedFault:
+    """`fault`, acting on the first request whose hook runs (of those whose id holds
+    `id_contains`; the harness's sessions put the prompt's name in it) and on no other: one
+    broken request among many in flight (a load), the rest left as they were."""
     chosen: list[str] = []
 
     def once(hook: Callable[[str, dict[str, Any]], None] | None):
@@ -120,9 +121,9 @@ def first_request_only(fault: PlantedFault) -> PlantedFault:
             return None
 
         def run(request_id: str, params: dict[str, Any]) -> None:
-            if not chosen:
+            if not chosen and id_contains in request_id:
                 chosen.append(request_id)
-            if request_id == chosen[0]:
+            if chosen and request_id == chosen[0]:
                 hook(request_id, params)
 
         return run

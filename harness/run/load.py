@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.files import write_json_atomic, write_text_atomic
-from harness.judge.guards import GuardResult, check_kv_account, kv_rule_for, kv_tokens_needed
+from harness.judge.guards import GuardResult, check_kv_account, kv_rule_for
 from harness.judge.records import CaseRecord, DeclaredFailure, Verdict
 from harness.outcomes.load import ResourceSample
 from harness.outcomes.outcome import Outcome
@@ -388,17 +388,16 @@ class LoadRun:
         ended is not accounted: its requests' transfers stopped part way."""
         if self.result.ended_by or self.result.killed:
             return
-        block = self.sweep.settings.serving.block_size
-        needs = {}
-        for item in sent:
-            if item.observed is not None:
-                need = kv_tokens_needed(item.observed.outcome, block)
-                if need is not None:
-                    needs[item.request.name] = need
-        if not needs:
+        prompts = {
+            item.request.name: len(item.observed.outcome.result.prompt_token_ids)
+            for item in sent
+            if item.observed is not None and item.observed.outcome.result is not None
+        }
+        if not prompts:
             return
         counters = None if before is None or after is None else after.minus(before)
-        account = check_kv_account(needs, counters, KvRule.WHOLE_PROMPT)
+        block = self.sweep.settings.serving.block_size
+        account = check_kv_account(prompts, counters, KvRule.WHOLE_PROMPT, block)
         self.result.kv_accounts.append(account)
         if account.failed:
             self.result.problems.append(

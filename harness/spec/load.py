@@ -35,6 +35,7 @@ MEDIUM_TEXTS = (
     "Name the largest shape in the picture, then the smallest one, then their colors.",
 )
 TAIL_PROMPT = "ld-media-in-tail"
+TEXT_PROMPT = "ld-text"  # the mix's one prompt without media
 
 
 class Region(str, Enum):
@@ -145,7 +146,7 @@ def load_mix(distinct_media: int = DEFAULT_DISTINCT_MEDIA) -> tuple[PromptSpec, 
     for index in range(SHARED_MEDIA, distinct_media - 1):
         text = texts[(index - SHARED_MEDIA) % len(texts)]
         prompts.append(PromptSpec(f"ld-unique-{index}", (_media(index), TextPart(text))))
-    prompts.append(PromptSpec("ld-text", (TextPart(LONG_TEXT),)))
+    prompts.append(PromptSpec(TEXT_PROMPT, (TextPart(LONG_TEXT),)))
     tail_image = ImagePart(seed=MEDIA_SEED_BASE + distinct_media - 1)
     prompts.append(PromptSpec(TAIL_PROMPT, (tail_image, TextPart(SHORT_TEXT))))
     return tuple(prompts)
