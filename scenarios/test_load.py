@@ -130,8 +130,14 @@ def test_a_load_in_which_one_request_got_no_kv_fails_its_kv_account(load_sweep) 
     short = [a for a in result.kv_accounts if a.failed]
     assert short and "never reached D" in short[0].evidence, result.kv_accounts
     assert any("KV account" in p for p in result.problems), result.problems
-    verdicts = {r.record.verdict for r in result.results}
-    assert verdicts <= {Verdict.MATCH, Verdict.VACUOUS}, [r.record.detail for r in result.results]
+    # Nothing else broke: every answer passed its policy (MATCH, or DRIFT under the GPU
+    # policy) or, if its own reading happened to fail too, is VACUOUS.
+    other = [
+        r.record
+        for r in result.results
+        if not r.record.policy_passed and r.record.verdict is not Verdict.VACUOUS
+    ]
+    assert not other, "\n\n".join(format_failure(r) for r in other[:3])
     caught = [r.number for r in result.results if r.record.verdict is Verdict.VACUOUS]
     print(f"requests whose own KV reading failed too: {caught or 'none'}")
 
