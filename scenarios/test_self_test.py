@@ -77,6 +77,15 @@ def assert_fault_fired(fault: PlantedFault) -> None:
     )
 
 
+def send_kv_fault(live: LiveTopology, name: str, prompt: str) -> tuple[PlantedFault, CaseRecord]:
+    """`prompt` sent with the KV fault `name` in the form the session's KV connector takes."""
+    session = live.session
+    fault = fault_for(name, None, session.kv_storage, session.settings.serving.kv_connector)
+    observed = live.send_with_fault(fault, prompt)
+    assert_fault_fired(fault)
+    return fault, judged(live, observed)
+
+
 def send_clean(live: LiveTopology) -> CaseRecord:
     record = judged(live, live.send(CLEAN_PROMPT.name))
     assert record.verdict is Verdict.MATCH and record.policy_passed, (
@@ -181,14 +190,8 @@ class TestKvFaults:
         send_clean(kv_topology)
 
     def test_zeroed_kv_is_a_mismatch(self, kv_topology: LiveTopology):
-        live = kv_topology
         # ExampleConnector: its files zeroed; NixlConnector: its block ids misrouted (faults.py)
-        fault = fault_for(
-            "zero-kv", None, live.session.kv_storage, live.session.settings.serving.kv_connector
-        )
-        observed = live.send_with_fault(fault, ZERO_KV_PROMPT.name)
-        assert_fault_fired(fault)
-        record = judged(live, observed)
+        fault, record = send_kv_fault(kv_topology, "zero-kv", ZERO_KV_PROMPT.name)
         assert record.verdict is Verdict.MISMATCH, (
             f"zeroed KV must be a MISMATCH, got {record.verdict.value} "
             f"({len(fault.touched)} KV files zeroed; {fault.effects}):\n" + format_failure(record)
@@ -199,13 +202,7 @@ class TestKvFaults:
 
     def test_kv_that_never_reached_d_is_vacuous(self, kv_topology: LiveTopology):
         """D computes the prompt itself and answers right: only the KV guard can tell."""
-        live = kv_topology
-        fault = fault_for(
-            "drop-kv", None, live.session.kv_storage, live.session.settings.serving.kv_connector
-        )
-        observed = live.send_with_fault(fault, DROP_KV_PROMPT.name)
-        assert_fault_fired(fault)
-        record = judged(live, observed)
+        fault, record = send_kv_fault(kv_topology, "drop-kv", DROP_KV_PROMPT.name)
         assert record.verdict is Verdict.VACUOUS, (
             f"a D that received no KV must be VACUOUS, got {record.verdict.value} "
             f"({fault.effects}):\n" + format_failure(record)
