@@ -23,7 +23,11 @@ import re
 import urllib.request
 from dataclasses import dataclass
 
-METRICS_TIMEOUT_S = 5.0
+# A busy D is slow to render /metrics: under NIXL, 8 streamed requests in flight on a loaded
+# 2-core host, 7 of 16 reads taken as their requests ended waited out a 5 s bound (each request
+# then VACUOUS for want of evidence, though D's counters read fine around the round). A dead D
+# refuses at once, so a longer bound costs only a hung one.
+METRICS_TIMEOUT_S = 30.0
 # metric sample name (with its labels) -> the short name the guard and the bundle use
 COUNTERS = {
     'vllm:prompt_tokens_cached_by_source_total{source="p2p"}': "p2p_cached_tokens",
