@@ -104,7 +104,7 @@ def test_a_load_in_which_one_request_got_no_kv_fails_its_kv_account(load_sweep) 
     `drop-kv`), so D computes its prompt itself and answers right; the round's account over
     D's counters must show it and fail the load, whatever that request's own reading says.
 
-    On 1P+1D, whose D has seen none of the mix (the loads above run on 1E+1P+1D), and on the
+    On 1P+1D, whose D has seen none of the mix (the other loads run on 1E+1P+1D), and on the
     text-only prompt, which no other prompt of the mix begins like: D has almost none of it
     cached, so it computes nearly the whole prompt. (A prompt D held all but a few tokens of
     would leave it too little to compute for any account to tell from the rule's one token a
