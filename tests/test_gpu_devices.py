@@ -151,3 +151,28 @@ def test_a_session_asked_outside_the_waves_starts_on_its_place_in_the_sweeps_sch
         assert started == {"baseline": "0", "prefill": "1", "decode": "2"}, started
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("stored", [False, True])
+def test_xdist_workers_place_every_topology_alike_whether_or_not_the_baseline_is_stored(
+    tmp_path: Path, fake_vllm: Path, stored: bool
+) -> None:
+    """A worker that finds the baseline's answers stored (a neighbour stored them) packs the
+    same devices as one that must serve them: the baseline keeps its slot."""
+    import dataclasses
+
+    from harness.run.sweep import Sweep, SweepSpec
+    from harness.spec.prompts import SKELETON_PROMPTS
+
+    text = next(p for p in SKELETON_PROMPTS if p.name == "text")
+    settings = dataclasses.replace(cuda_settings(tmp_path, fake_vllm, tuple(range(8))), workers=4)
+    topologies = tuple(TOPOLOGIES[n] for n in ("1E+1PD", "1P+1D", "1E+1P+1D"))
+    sweep = Sweep(SweepSpec(topologies, prompts=(text,)), settings, pool=TopologyPool(settings))
+    sweep._needs_baseline_run = lambda: not stored  # type: ignore[method-assign]
+    placed = {s.topology.name: s.devices for w in sweep.schedule().waves for s in w.slots}
+    assert placed == {
+        "baseline": (0,),
+        "1E+1PD": (1, 2),
+        "1P+1D": (3, 4),
+        "1E+1P+1D": (5, 6, 7),
+    }, placed

@@ -151,11 +151,19 @@ class Sweep:
 
     def schedule(self) -> Schedule:
         """The waves this sweep runs: the baseline (unless every answer is stored) and the
-        topologies, packed by the one scheduler; computed once, so waves never reshuffle."""
+        topologies, packed by the one scheduler; computed once, so waves never reshuffle.
+
+        xdist workers each pack the session's topologies, and must all put each on the same
+        devices. Whether the baseline's answers are stored depends on whether a neighbour has
+        stored them yet, so where instances own devices and workers share them the baseline
+        keeps its slot either way (a wave skips a baseline it does not need). Seen with the
+        fake vLLM on an 8-device plan: a worker that found the answers stored started 1E+1PD
+        on devices 0,1, the baseline's device among them."""
         if self._schedule is None:
             # An attached deployment is served by none of this run's waves.
             topologies = [] if self.attached else self._topologies_with_cases()
-            if self._needs_baseline_run():
+            shared_devices = self.settings.platform.exclusive_devices and self.settings.workers > 1
+            if self._needs_baseline_run() or (shared_devices and not self.attached):
                 topologies.insert(0, BASELINE)
             self._schedule = pack_waves(
                 topologies,
