@@ -203,6 +203,24 @@ def test_what_ps_answer_hook_leaves_is_what_the_proxy_receives(withhold: bool) -
         assert answered == PREFILL_ANSWER and not record.rewritten_by_fault
 
 
+def test_metadata_an_encoder_hook_rewrites_is_what_the_proxy_receives(
+    fakes: dict[str, Any],
+) -> None:
+    """`ec-video-grid` tells the consumer another grid by rewriting the encoder's answer in
+    place: through vLLM's proxy, the tap must pass that answer on, not the upstream bytes."""
+
+    def regrid(_rid: str, params: dict[str, Any]) -> None:
+        for entry in params.values():
+            entry["metadata"]["image_grid_thw"] = [1, 2, 8]
+
+    with taps_for(fakes, ProxyFaults(after_encode=regrid)) as taps:
+        _, answered, _ = post(taps.urls["x/encoder"], chat_bytes([IMAGE]))
+        [record] = taps.records
+    [entry] = json.loads(answered)["ec_transfer_params"].values()
+    assert entry["metadata"]["image_grid_thw"] == [1, 2, 8], answered
+    assert record.rewritten_by_fault
+
+
 def test_other_paths_pass_through_unrecorded(fakes: dict[str, Any]) -> None:
     with taps_for(fakes) as taps:
         with DIRECT.open(f"{taps.urls['x/pd']}/health", timeout=10) as response:

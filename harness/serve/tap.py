@@ -346,13 +346,18 @@ class TapSet:
     def _run_answer_hooks(self, record: TapRecord, answer: dict[str, Any], payload: bytes) -> bytes:
         """The planted faults' answer hooks; what the proxy under test receives is the answer
         as a hook left it (P's `kv_transfer_params` misrouted or withheld under NIXL), the
-        upstream bytes unchanged when no hook changed it."""
+        upstream bytes unchanged when no hook changed it (`ec-video-grid` rewrites the
+        encoder's metadata in place the same way)."""
+        encoder_hook = record.role == "encoder" and self.faults.after_encode is not None
+        prefill_hook = record.role == "prefill" and self.faults.after_prefill is not None
+        if not (encoder_hook or prefill_hook):
+            return payload
         before = json.dumps(answer, sort_keys=True)
-        if record.role == "encoder" and self.faults.after_encode is not None:
+        if encoder_hook:
             self.faults.after_encode(
                 record.request_id or "", answer.get("ec_transfer_params") or {}
             )
-        if record.role == "prefill" and self.faults.after_prefill is not None:
+        if prefill_hook:
             self.faults.after_prefill(record.request_id or "", answer)
         if json.dumps(answer, sort_keys=True) == before:
             return payload
