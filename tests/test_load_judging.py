@@ -336,6 +336,8 @@ def stand_in_load(
     settings = RunSettings(serving=serving, run_dir=tmp_path)
     mix = load_mix(3)
     sweep = Sweep(SweepSpec((), (), baseline_only_prompts=mix), settings)
+    # 40-token prompts: a withheld one leaves D far more to compute than the NIXL rule's one
+    # token a request.
     answers = {
         p.name: result((10 + n, 20 + n), prompt=(1, n, *range(100, 138))) for n, p in enumerate(mix)
     }
