@@ -117,22 +117,32 @@ def kill_all(procs: Iterable[Proc]) -> None:
             handle.kill()
 
 
-def held_ports(ports: Iterable[int], lock_dir: Path, born_before: float | None = None) -> list[str]:
+def held_ports(
+    ports: Iterable[int],
+    lock_dir: Path,
+    born_before: float | None = None,
+    born_after: float | None = None,
+) -> list[str]:
     """Ports something still holds: a harness lease (its flock in `lock_dir`) or a live socket
     of any process, each with who holds it.
 
     A connection in TIME_WAIT belongs to the kernel, not to a leftover process; it expires by
     itself and does not stop a server (they bind with SO_REUSEADDR) from taking the port. With
-    `born_before` (epoch seconds), a socket of a process created after it is not counted: that
-    process took a port the run had given back (another test, under xdist), it was not left.
+    `born_before` / `born_after` (epoch seconds: when the run ended / began), a socket of a
+    process created outside that span is not counted: it took a port the run had given back
+    (another test under xdist, leasing from another lock directory: a new process, or an old
+    one such as the other worker's pytest opening a tap), it was not left by the run.
     """
     ports = list(ports)
     sockets = {}
     for conn in psutil.net_connections(kind="tcp"):
         if not conn.laddr or conn.laddr.port not in ports or conn.status == psutil.CONN_TIME_WAIT:
             continue
-        if born_before is None or not _born_after(conn.pid, born_before):
-            sockets.setdefault(conn.laddr.port, f"{conn.status} pid {conn.pid}")
+        if born_before is not None and _born_after(conn.pid, born_before):
+            continue
+        if born_after is not None and _born_before(conn.pid, born_after):
+            continue
+        sockets.setdefault(conn.laddr.port, f"{conn.status} pid {conn.pid}")
     held = []
     for port in ports:
         if port in sockets:
@@ -148,6 +158,16 @@ def _born_after(pid: int | None, moment: float) -> bool:
         return False
     try:
         return psutil.Process(pid).create_time() > moment
+    except psutil.Error:
+        return False
+
+
+def _born_before(pid: int | None, moment: float) -> bool:
+    """Whether process `pid` was created before `moment` (False when that cannot be told)."""
+    if pid is None:
+        return False
+    try:
+        return psutil.Process(pid).create_time() < moment
     except psutil.Error:
         return False
 
