@@ -235,11 +235,10 @@ def drop_kv(kv_storage: Path, kv_connector: str = "ExampleConnector") -> Planted
 
         fault.after_prefill = drop_params
         return fault
-    seen = kv_file_stamps(kv_storage)
+    written = KvFilesSince(kv_storage)
 
     def remove_directories(request_id: str, prefill_response: dict[str, Any]) -> None:
-        current = kv_file_stamps(kv_storage)
-        fresh = sorted({p.parent for p, stamp in current.items() if seen.get(p) != stamp})
+        fresh = sorted({path.parent for path in written.fresh()})
         if not fresh:
             fault.problems.append(
                 f"{request_id}: P wrote no new *{KV_FILE_SUFFIX} under {kv_storage}: "
@@ -253,8 +252,7 @@ def drop_kv(kv_storage: Path, kv_connector: str = "ExampleConnector") -> Planted
                 continue
             fault.touched += files
             fault.effects.append(f"{request_id}: removed {directory.name}/ ({len(files)} files)")
-        seen.clear()
-        seen.update(kv_file_stamps(kv_storage))
+        written.settle()
 
     fault.after_prefill = remove_directories
     return fault
@@ -311,21 +309,19 @@ def kv_noise(kv_storage: Path, fraction: float, seed: int = 0) -> PlantedFault:
     silently passed.
     """
     fault = PlantedFault()
-    seen = kv_file_stamps(kv_storage)
+    written = KvFilesSince(kv_storage)
 
     def after_prefill(request_id: str, prefill_response: dict[str, Any]) -> None:
-        current = kv_file_stamps(kv_storage)
-        fresh = sorted(path for path, stamp in current.items() if seen.get(path) != stamp)
+        fresh = written.fresh()
         if not fresh:
             fault.problems.append(
                 f"{request_id}: P wrote no new *{KV_FILE_SUFFIX} under {kv_storage} "
-                f"({len(current)} older file(s) left alone)"
+                f"({len(kv_file_stamps(kv_storage))} older file(s) left alone)"
             )
         for path in fresh:
             key = str(path.relative_to(kv_storage))
             fault.rewrite(request_id, path, noise_transform(fraction, file_seed(seed, key), fault))
-        seen.clear()
-        seen.update(kv_file_stamps(kv_storage))
+        written.settle()
 
     fault.after_prefill = after_prefill
     return fault
@@ -712,6 +708,23 @@ def kv_file_stamps(kv_storage: Path) -> dict[Path, tuple[int, int]]:
             continue
         stamps[path] = (stat.st_mtime_ns, stat.st_size)
     return stamps
+
+
+class KvFilesSince:
+    """The KV files P wrote (new or rewritten) since this was made or last settled: what a
+    fault acting on one request's KV may touch, earlier prompts' files left alone."""
+
+    def __init__(self, kv_storage: Path):
+        self.kv_storage = kv_storage
+        self._seen = kv_file_stamps(kv_storage)
+
+    def fresh(self) -> list[Path]:
+        current = kv_file_stamps(self.kv_storage)
+        return sorted(path for path, stamp in current.items() if self._seen.get(path) != stamp)
+
+    def settle(self) -> None:
+        """Take the storage as it is now (after the fault acted) as seen."""
+        self._seen = kv_file_stamps(self.kv_storage)
 
 
 def write_bytes_atomic(path: Path, content: bytes) -> None:

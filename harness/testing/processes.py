@@ -138,9 +138,11 @@ def held_ports(
     for conn in psutil.net_connections(kind="tcp"):
         if not conn.laddr or conn.laddr.port not in ports or conn.status == psutil.CONN_TIME_WAIT:
             continue
-        if born_before is not None and _born_after(conn.pid, born_before):
-            continue
-        if born_after is not None and _born_before(conn.pid, born_after):
+        born = _created_at(conn.pid)
+        if born is not None and (
+            (born_before is not None and born > born_before)
+            or (born_after is not None and born < born_after)
+        ):
             continue
         sockets.setdefault(conn.laddr.port, f"{conn.status} pid {conn.pid}")
     held = []
@@ -152,24 +154,14 @@ def held_ports(
     return held
 
 
-def _born_after(pid: int | None, moment: float) -> bool:
-    """Whether process `pid` was created after `moment` (False when that cannot be told)."""
+def _created_at(pid: int | None) -> float | None:
+    """When process `pid` was created (epoch seconds; None when that cannot be told)."""
     if pid is None:
-        return False
+        return None
     try:
-        return psutil.Process(pid).create_time() > moment
+        return psutil.Process(pid).create_time()
     except psutil.Error:
-        return False
-
-
-def _born_before(pid: int | None, moment: float) -> bool:
-    """Whether process `pid` was created before `moment` (False when that cannot be told)."""
-    if pid is None:
-        return False
-    try:
-        return psutil.Process(pid).create_time() < moment
-    except psutil.Error:
-        return False
+        return None
 
 
 def lease_is_held(lock_path: Path) -> bool:
