@@ -117,11 +117,18 @@ def kill_all(procs: Iterable[Proc]) -> None:
             handle.kill()
 
 
+# psutil dates a process from the kernel's boot time, which /proc/stat gives in whole seconds:
+# a process may be dated up to a second before it was born. Judged "born before the run", it
+# would slip out of the check.
+CREATE_TIME_SLACK_S = 1.0
+
+
 def held_ports(
     ports: Iterable[int],
     lock_dir: Path,
     born_before: float | None = None,
     born_after: float | None = None,
+    always: Iterable[int] = (),
 ) -> list[str]:
     """Ports something still holds: a harness lease (its flock in `lock_dir`) or a live socket
     of any process, each with who holds it.
@@ -131,17 +138,20 @@ def held_ports(
     `born_before` / `born_after` (epoch seconds: when the run ended / began), a socket of a
     process created outside that span is not counted: it took a port the run had given back
     (another test under xdist, leasing from another lock directory: a new process, or an old
-    one such as the other worker's pytest opening a tap), it was not left by the run.
+    one such as the other worker's pytest opening a tap), it was not left by the run. A pid in
+    `always` counts whatever its age: the test's own process, born long before the run, runs
+    the harness in-process and could be what leaked the socket.
     """
     ports = list(ports)
+    always = set(always)
     sockets = {}
     for conn in psutil.net_connections(kind="tcp"):
         if not conn.laddr or conn.laddr.port not in ports or conn.status == psutil.CONN_TIME_WAIT:
             continue
         born = _created_at(conn.pid)
-        if born is not None and (
+        if conn.pid not in always and born is not None and (
             (born_before is not None and born > born_before)
-            or (born_after is not None and born < born_after)
+            or (born_after is not None and born < born_after - CREATE_TIME_SLACK_S)
         ):
             continue
         sockets.setdefault(conn.laddr.port, f"{conn.status} pid {conn.pid}")
@@ -182,15 +192,18 @@ def nothing_left_behind(procs: list, ports: list[int], lock_dir: Path) -> Iterat
     """Fill `procs` and `ports` inside the block; afterwards all must be gone and free.
 
     Survivors are killed before any failure propagates, so one broken case does not leak
-    servers into the rest of the session.
+    servers into the rest of the session. A port counts as held by a process born during the
+    block or by this test's own process (`held_ports`): an older process, such as the other
+    xdist worker's pytest, may take a port given back, and that is not this block's leftover.
     """
+    began = time.time()
     try:
         yield
     finally:
         alive = survivors(procs)
         kill_all(alive)
     assert not alive, f"processes left behind: {describe(alive)}"
-    held = held_ports(ports, lock_dir)
+    held = held_ports(ports, lock_dir, born_after=began, always=[os.getpid()])
     assert not held, f"ports left held: {held}"
 
 
