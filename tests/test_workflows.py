@@ -231,6 +231,57 @@ def test_nightly_runs_upstream_parity_on_the_served_vllm_whatever_the_scenarios_
     assert '--epd-vllm-source "$VLLM_SOURCE"' in step["run"]
 
 
+KERNELS_STEP = "Precompiled kernels"
+# A stand-in `vllm`: records its arguments; `download-kernels --help` answers as the release
+# named by $FAKE_VLLM_RELEASE would (argparse's exit 2 for a subcommand it does not know).
+FAKE_VLLM = """#!/bin/bash
+echo "$*" >> "$VENV/calls"
+if [[ $1 == download-kernels ]]; then
+  [[ $FAKE_VLLM_RELEASE == 0.31.0 ]] && exit 2
+  [[ $2 == --help ]] && exit 0
+  exit "${FAKE_VLLM_DOWNLOAD_EXIT:-0}"
+fi
+"""
+
+
+def run_kernels_step(workflow: str, tmp_path: Path, release: str, download_exit: int = 0):
+    """The workflow's kernels step, run by bash against the stand-in; (exit, output, calls)."""
+    (step,) = [s for s in all_steps(load(workflow)) if s.get("name", "").startswith(KERNELS_STEP)]
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    fake = venv / "bin" / "vllm"
+    fake.write_text(FAKE_VLLM)
+    fake.chmod(0o755)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "VENV": str(venv),
+        "FAKE_VLLM_RELEASE": release,
+        "FAKE_VLLM_DOWNLOAD_EXIT": str(download_exit),
+    }
+    done = subprocess.run(
+        ["bash", "-e", "-c", step["run"]], env=env, capture_output=True, text=True, timeout=30
+    )
+    calls = (venv / "calls").read_text().splitlines() if (venv / "calls").exists() else []
+    return done.returncode, done.stdout + done.stderr, calls
+
+
+@pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])
+def test_gpu_workflows_install_vllms_precompiled_kernels_where_the_release_has_them(
+    name: str, tmp_path: Path
+) -> None:
+    """vLLM 0.32.0 asks for `vllm download-kernels` after an install (else each instance fetches
+    or compiles FlashInfer's kernels while it starts); an older release has no such subcommand,
+    and a failed download only slows start-up: neither fails the night."""
+    code, out, calls = run_kernels_step(name, tmp_path / "new", "0.32.0")
+    assert (code, calls) == (0, ["download-kernels --help", "download-kernels"]), out
+    code, out, calls = run_kernels_step(name, tmp_path / "old", "0.31.0")
+    assert (code, calls) == (0, ["download-kernels --help"]), out
+    assert "nothing to install" in out
+    code, out, calls = run_kernels_step(name, tmp_path / "failed", "0.32.0", download_exit=1)
+    assert (code, calls) == (0, ["download-kernels --help", "download-kernels"]), out
+    assert "::warning::vllm download-kernels failed" in out
+
+
 # --- cherry-pick.yml -------------------------------------------------------------------------
 
 
