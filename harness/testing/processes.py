@@ -149,10 +149,11 @@ def held_ports(
         if not conn.laddr or conn.laddr.port not in ports or conn.status == psutil.CONN_TIME_WAIT:
             continue
         born = _created_at(conn.pid)
-        if conn.pid not in always and born is not None and (
+        outside = born is not None and (
             (born_before is not None and born > born_before)
             or (born_after is not None and born < born_after - CREATE_TIME_SLACK_S)
-        ):
+        )
+        if outside and conn.pid not in always:
             continue
         sockets.setdefault(conn.laddr.port, f"{conn.status} pid {conn.pid}")
     held = []
