@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from harness.judge.compare import Verdict, compare_results, noise_floor, token_verdict
@@ -112,20 +114,24 @@ def test_prompt_prefix_differs_at_shorter_length():
     assert cmp.prompt_divergence_index == 3 and not cmp.exact
 
 
-def near_tie(gap: float, prefix_lp: float = -0.5) -> tuple[ChatResult, ChatResult]:
+def near_tie(
+    gap: float, prefix_lp: float = -0.5, candidate_gap: float | None = None
+) -> tuple[ChatResult, ChatResult]:
     """Reference and candidate diverging at 5 between 105 and 555, each side preferring its own
-    token by `gap` nats; the candidate's prefix log-probs are `prefix_lp` (the reference's -0.5)."""
+    token by `gap` nats (the candidate by `candidate_gap` when given); the candidate's prefix
+    log-probs are `prefix_lp` (the reference's -0.5)."""
     cand_tokens = SEQ[:5] + (555,) + SEQ[6:]
 
-    def side(tokens: tuple[int, ...], own: int, other: int, lp: float) -> ChatResult:
+    def side(tokens: tuple[int, ...], own: int, other: int, lp: float, by: float) -> ChatResult:
         def top(i: int, t: int) -> tuple[tuple[int, float], ...]:
             if i == 5:
-                return ((own, -0.5), (other, -0.5 - gap))
+                return ((own, -0.5), (other, -0.5 - by))
             return ((t, lp if i < 5 else -0.5),)
 
         return chat(tokens, prompt_ids=PROMPT, top=top)
 
-    return side(SEQ, 105, 555, -0.5), side(cand_tokens, 555, 105, prefix_lp)
+    theirs = gap if candidate_gap is None else candidate_gap
+    return side(SEQ, 105, 555, -0.5, gap), side(cand_tokens, 555, 105, prefix_lp, theirs)
 
 
 def test_a_near_tie_after_an_agreeing_prefix_within_the_tolerance_is_drift():
@@ -162,6 +168,38 @@ def test_top_k_membership_alone_is_no_longer_drift(gap, prefix_lp, why):
     assert 555 in dict(cmp.divergence.reference_top) and 105 in dict(cmp.divergence.candidate_top)
     assert token_verdict(cmp) is Verdict.MISMATCH, why
     assert "drift: no" in cmp.describe()
+
+
+@pytest.mark.parametrize(
+    "candidate_gap, why",
+    [
+        (-3.0, "the candidate's own log-probs put the reference's token 3 nats above its own"),
+        (math.nan, "a NaN log-prob is evidence of nothing"),
+    ],
+)
+def test_a_gap_far_below_zero_or_nan_is_no_near_tie(candidate_gap, why):
+    """The rule takes a gap by its size: `max(0.02, -3.0)` or `max(0.02, nan)` alone would call
+    either a near-tie (found in review; both were DRIFT)."""
+    reference, candidate = near_tie(gap=0.02, candidate_gap=candidate_gap)
+    cmp = compare_results(reference, candidate, tolerance=0.05)
+    assert cmp.divergence.reference_gap == pytest.approx(0.02)
+    assert not cmp.divergence.near_tie and not cmp.divergence.is_drift, why
+    assert token_verdict(cmp) is Verdict.MISMATCH, why
+
+
+def test_a_slightly_negative_gap_is_still_a_near_tie():
+    """A side whose own token sits a hair below the other's (rounding of reported log-probs)
+    is as near a tie as one a hair above."""
+    reference, candidate = near_tie(gap=0.02, prefix_lp=-0.51, candidate_gap=-0.01)
+    cmp = compare_results(reference, candidate, tolerance=0.05)
+    assert cmp.divergence.near_tie is True and token_verdict(cmp) is Verdict.DRIFT
+
+
+def test_a_nan_log_prob_in_the_prefix_proves_no_agreement():
+    reference, candidate = near_tie(gap=0.02, prefix_lp=math.nan)
+    cmp = compare_results(reference, candidate, tolerance=0.05)
+    assert cmp.divergence.prefix_delta is None and not cmp.divergence.is_drift
+    assert token_verdict(cmp) is Verdict.MISMATCH
 
 
 @pytest.mark.parametrize(

@@ -73,6 +73,23 @@ def test_drift_needs_a_measured_floor_and_fails_exact_but_passes_logprob_close()
     assert on_cpu.verdict is Verdict.MISMATCH and not on_cpu.policy_passed
 
 
+def test_a_drift_with_a_failed_guard_is_vacuous_not_a_pass() -> None:
+    """Under pd-drift (the GPU policy) a D that got no KV and computed the prompt itself may
+    drift within the noise: within it, the answer proves no transfer, as equal ids would not
+    (found in review; it was DRIFT and passed)."""
+    reference, candidate = outcome((5, 6), top=(8,)), outcome((5, 8), top=(6,))
+    no_kv = GuardResult("kv_transfer", False, "D cached_tokens=0, expected >= 160")
+    record = judged(
+        "1P+1D", "baseline", reference, candidate, [no_kv], reference_policy=PD_DRIFT, tolerance=0.2
+    )
+    assert record.verdict is Verdict.VACUOUS and not record.policy_passed
+    assert record.detail.startswith("tokens within the noise floor but guard failed: kv_transfer")
+    held = judged(
+        "1P+1D", "baseline", reference, candidate, [HELD], reference_policy=PD_DRIFT, tolerance=0.2
+    )
+    assert held.verdict is Verdict.DRIFT and held.policy_passed
+
+
 def test_baseline_control_compares_the_two_answers() -> None:
     assert baseline_stability(outcome((5, 6)), outcome((5, 6))).stable is True
     unstable = baseline_stability(outcome((5, 6)), outcome((5, 9)))

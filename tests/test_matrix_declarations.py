@@ -131,3 +131,35 @@ def test_concurrent_requests_are_judged_as_batched_with_each_others_answers_at_h
 def test_sequential_requests_are_judged_alone() -> None:
     for call in judged_by_matrix(get_scenario("ec-images-1-2-3")):
         assert call["batched"] is False and not call["others"]
+
+
+def sent_by_matrix(scenario: Scenario, run_streams: bool) -> list[dict]:
+    """The bodies the matrix sends for `scenario` in a run given `--stream` or not."""
+    from types import SimpleNamespace
+
+    from harness.run.matrix import MatrixRun
+
+    bodies: list[dict] = []
+
+    def send(prompt: str, body: dict) -> Outcome:
+        bodies.append(body)
+        return Outcome(prompt, error="not served in this test")
+
+    sweep = SimpleNamespace(
+        bodies={p.name: {"messages": []} for p in scenario.prompts},
+        settings=SimpleNamespace(stream=run_streams),
+    )
+    MatrixRun(sweep)._send(SimpleNamespace(send=send, served=None), scenario)
+    return bodies
+
+
+@pytest.mark.parametrize("run_streams", [True, False])
+def test_a_scenario_is_sent_as_the_run_says_unless_it_streams_itself(run_streams: bool) -> None:
+    """`run --stream` streams every EPD request, the matrix's too (found in review: an
+    unstreamed scenario was sent unstreamed, its framing never checked); a scenario declared
+    streamed streams whatever the run says."""
+    spec = PromptSpec("p", (TextPart("hello"),))
+    plain = sent_by_matrix(Scenario("s", "1E+1PD", (spec,)), run_streams)
+    assert [body.get("stream", False) for body in plain] == [run_streams]
+    streamed = sent_by_matrix(Scenario("s", "1E+1PD", (spec,), stream=True), run_streams)
+    assert [body.get("stream") for body in streamed] == [True]

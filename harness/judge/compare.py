@@ -17,6 +17,7 @@ so any difference is a MISMATCH.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,10 +51,15 @@ class Divergence:
 
     @property
     def near_tie(self) -> bool | None:
-        """Both sides nearly tied between the two tokens; None when that cannot be known."""
-        if self.reference_gap is None or self.candidate_gap is None:
+        """Both sides nearly tied between the two tokens; None when that cannot be known.
+
+        A gap is near when its size is: a side whose own token sits far *below* the other's in
+        its own log-probs (a large negative gap) did not pick it by a near-tie, and a NaN gap
+        is evidence of nothing (`max` would drop it)."""
+        gaps = (self.reference_gap, self.candidate_gap)
+        if any(gap is None or not math.isfinite(gap) for gap in gaps):
             return None
-        return max(self.reference_gap, self.candidate_gap) <= self.tolerance
+        return max(abs(gap) for gap in gaps) <= self.tolerance
 
     @property
     def is_drift(self) -> bool:
@@ -226,7 +232,7 @@ def _prefix_delta(reference: ChatResult, candidate: ChatResult, index: int) -> f
     deltas = []
     for position in range(index):
         ref, cand = _logprob_at(reference, position), _logprob_at(candidate, position)
-        if ref is None or cand is None:
+        if ref is None or cand is None or not math.isfinite(ref - cand):
             return None
         deltas.append(abs(ref - cand))
     return max(deltas, default=0.0)

@@ -147,9 +147,13 @@ def _against(
         detail = comparison.headline()
         failed = [g for g in guards if g.failed]
         unchecked = [g.name for g in guards if not g.checkable]
-        if verdict is Verdict.MATCH and failed:
+        # A DRIFT passes as a MATCH does (within the noise floor), so it proves no more than
+        # one when a transfer did not happen: under pd-drift, a D that got no KV and computed
+        # the prompt itself would otherwise pass on GPU noise.
+        if verdict in (Verdict.MATCH, Verdict.DRIFT) and failed:
+            ids = "tokens equal" if verdict is Verdict.MATCH else "tokens within the noise floor"
             verdict = Verdict.VACUOUS
-            detail = f"tokens equal but guard failed: {failed[0].name}: {failed[0].evidence}"
+            detail = f"{ids} but guard failed: {failed[0].name}: {failed[0].evidence}"
         elif unchecked:
             detail += f"; not checkable: {', '.join(unchecked)}"
         if verdict is not Verdict.MATCH and not comparison.exact:

@@ -85,7 +85,8 @@ class MatrixRun:
 
     def _send(self, session: TopologySession, scenario: Scenario) -> list[Observed]:
         bodies = [(p.name, self.sweep.bodies[p.name]) for p in scenario.prompts]
-        stream = True if scenario.stream else None  # None: as the run says (--stream)
+        # A scenario that streams streams; the others as the run says (`--stream`).
+        stream = scenario.stream or self.sweep.settings.stream
         if scenario.mode is SendMode.CONCURRENT:
             with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
                 return list(pool.map(lambda item: observe(session, *item, stream), bodies))
