@@ -6,12 +6,14 @@ harness never imported. Whether the exports reproduce vLLM's failures is e2e
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -225,6 +227,86 @@ def test_serve_sh_stops_every_group_on_sigterm_even_a_server_that_ignores_it(
     finally:
         if serve.poll() is None:
             os.killpg(serve.pid, signal.SIGKILL)
+
+
+def test_a_second_ctrl_c_while_serve_sh_stops_still_kills_what_ignores_sigterm(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """Ctrl-C at the terminal (the whole foreground group); D ignores SIGTERM, as vLLM does
+    while its engine starts, nothing seems to happen, so Ctrl-C again within STOP_TIMEOUT.
+    Found in review: serve.sh dropped its traps first, the second SIGINT ended it before its
+    SIGKILL, and D, in a session of its own, kept running."""
+    out = export_case(tmp_path)
+    env = environment(leased_ports, tmp_path, "decode:ignore-term")
+    serve = subprocess.Popen(
+        ["bash", str(out / "serve.sh")],
+        cwd=out,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # serve.sh's group stands for the terminal's foreground job
+    )
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not (out / "work/state/ready").exists():
+            assert serve.poll() is None and time.monotonic() < deadline, serve.stdout.read()
+            time.sleep(0.2)
+        os.killpg(serve.pid, signal.SIGINT)
+        time.sleep(1)  # within STOP_TIMEOUT (3 s): serve.sh waits for D
+        os.killpg(serve.pid, signal.SIGINT)
+        output = serve.communicate(timeout=30)[0]
+        assert serve.returncode == 130, output
+        assert "decode0 did not stop within 3s of SIGTERM: killed" in output
+        assert_nothing_left(out, env)
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+
+
+class Stranger(http.server.BaseHTTPRequestHandler):
+    """Another server on an instance's port: healthy, and answers chat with other ids."""
+
+    def do_GET(self) -> None:
+        self.reply({})
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.reply({"prompt_token_ids": [1, 2, 3], "choices": [{"index": 0, "token_ids": [99]}]})
+
+    def reply(self, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_port_another_server_answers_on_fails_the_start_not_the_case(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """serve.sh calls an instance ready when its URL answers; vLLM binds its port only after
+    seconds of imports, so a server already on that port would answer for it and be judged.
+    Found in review: a stranger on D's port gave "MISMATCH ... NOT reproduced"."""
+    out = export_case(tmp_path, verdict="MATCH")
+    env = environment(leased_ports, tmp_path, "decode:slow-start=30")
+    stranger = http.server.ThreadingHTTPServer(("127.0.0.1", int(env["DECODE0_PORT"])), Stranger)
+    threading.Thread(target=stranger.serve_forever, daemon=True).start()
+    try:
+        done = run_sh(out, env)
+    finally:
+        stranger.shutdown()
+        stranger.server_close()
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert "MISMATCH" not in output
+    assert f"decode0: something already answers on http://127.0.0.1:{env['DECODE0_PORT']}" in (
+        output
+    )
+    assert_nothing_left(out, env)
 
 
 # -- moved from test_export.py: they run bash or python --------------------------------

@@ -220,9 +220,21 @@ log() {{ printf '[serve.sh %(%H:%M:%S)T] %s\n' -1 "$*"; }}
 declare -A PID_OF=() ROLE_OF=() URL_OF=()
 ORDER=()
 
+taken() {{  # taken URL: something already accepts connections on URL's host and port
+  local address=${{1#http://}}
+  address=${{address%%/*}}
+  (exec 3<>"/dev/tcp/${{address%:*}}/${{address##*:}}") 2>/dev/null
+}}
+
 start() {{  # start NAME ROLE URL COMMAND...: its own session and process group, output to its log
   local name=$1 role=$2 url=$3
   shift 3
+  # Readiness is "the URL answers": a server already there would answer for this one, and be
+  # the one judged.
+  if taken "$url"; then
+    log "$name: something already answers on $url; set its *_PORT variable to a free port"
+    exit 2
+  fi
   setsid "$@" >"$WORK/logs/$name.log" 2>&1 </dev/null &
   PID_OF[$name]=$!
   ROLE_OF[$name]=$role
@@ -234,7 +246,11 @@ start() {{  # start NAME ROLE URL COMMAND...: its own session and process group,
 
 stop_all() {{
   local status=$? name deadline
-  trap - EXIT INT TERM
+  # A second Ctrl-C (nothing seems to happen while a server ignores SIGTERM) or a TERM that
+  # reaches serve.sh twice must not end it before its SIGKILL: the servers are in sessions of
+  # their own, no terminal signal reaches them.
+  trap - EXIT
+  trap '' INT TERM
   for name in "${{!PID_OF[@]}}"; do kill -TERM -- "-${{PID_OF[$name]}}" 2>/dev/null || true; done
   deadline=$((SECONDS + STOP_TIMEOUT))
   for name in "${{!PID_OF[@]}}"; do
@@ -349,6 +365,7 @@ bash "$HERE/serve.sh" "$@" &
 SERVE=$!
 CHECK=
 stop() {{
+  trap '' INT TERM  # once: serve.sh is stopping its servers; a second signal would cut it short
   if [[ -n $CHECK ]]; then kill "$CHECK" 2>/dev/null; fi
   kill -TERM "$SERVE" 2>/dev/null
   wait "$SERVE" 2>/dev/null
