@@ -174,6 +174,52 @@ def test_nixl_side_channel_ports_become_variables(tmp_path: Path) -> None:
     assert "DECODE0_NIXL_PORT=${DECODE0_NIXL_PORT:-" in render_serve_sh(plan)
 
 
+def test_a_runs_media_dir_is_not_needed_its_files_travel_inline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run with `--media-dir` served `--allowed-local-media-path DIR` and may send file://
+    media: on another machine vLLM refuses every media request when DIR is missing, and the
+    file is not there (found in review). The export drops the flag and inlines the bytes."""
+    import base64
+    import functools
+
+    import export_bundle
+
+    media = tmp_path / "recording media"
+    media.mkdir()
+    picture = media / "cat.png"
+    picture.write_bytes(b"\x89PNG not really")
+    monkeypatch.setattr(
+        export_bundle,
+        "ServingConfig",
+        functools.partial(export_bundle.ServingConfig, allowed_local_media_path=str(media)),
+    )
+    bundle_dir = write_bundle(tmp_path / "run", verdict="MISMATCH")
+    requests = json.loads((bundle_dir / "requests.json").read_text())
+    parts = requests[PROMPT]["messages"][0]["content"]
+    parts[0]["image_url"]["url"] = f"file://{picture}"
+    (bundle_dir / "requests.json").write_text(json.dumps(requests))
+    logged = json.loads(next(bundle_dir.rglob("*decode0.cmd.json")).read_text())["argv"]
+    assert "--allowed-local-media-path" in logged, "the bundle stands for a --media-dir run"
+    plan = plan_for(bundle_dir)
+    serve = render_serve_sh(plan)
+    assert "--allowed-local-media-path" not in serve and str(media) not in serve
+    (part, _) = plan.request["messages"][0]["content"]
+    payload = base64.b64encode(picture.read_bytes()).decode()
+    assert part["image_url"]["url"] == f"data:image/png;base64,{payload}"
+    assert requests[PROMPT]["messages"][0]["content"][0]["image_url"]["url"].startswith("file")
+    picture.unlink()
+    with pytest.raises(BadInput, match="cat.png"):
+        plan_for(bundle_dir)
+
+
+def test_the_ec_side_channel_host_follows_host_as_nixls_does(tmp_path: Path) -> None:
+    """A Ray run's node address must not survive into an export (found in review)."""
+    plan = plan_for(write_bundle(tmp_path / "run"))
+    encoder = next(server for server in plan.servers if server.role == "encoder")
+    assert dict(encoder.env)["VLLM_EC_SIDE_CHANNEL_HOST"] == (Var("HOST"),)
+
+
 # -- what is refused ---------------------------------------------------------------------------
 
 

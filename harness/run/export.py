@@ -23,9 +23,11 @@ harness never launched it, so it has no commands to export: rerun the case with
 
 from __future__ import annotations
 
+import base64
 import copy
 import hashlib
 import json
+import mimetypes
 import re
 import shlex
 from collections.abc import Callable
@@ -42,7 +44,12 @@ from harness.serve.session import safe_name
 from harness.serve.vllm_proxy import EPD_PROXY_FILE, TOY_PROXY_FILE, vllm_proxy_launch
 from harness.spec.generations import generation_for
 from harness.spec.placement import place_instances
-from harness.spec.platforms import SIDE_CHANNEL_HOST_ENV, SIDE_CHANNEL_PORT_ENV, get_platform
+from harness.spec.platforms import (
+    EC_SIDE_CHANNEL_HOST_ENV,
+    SIDE_CHANNEL_HOST_ENV,
+    SIDE_CHANNEL_PORT_ENV,
+    get_platform,
+)
 from harness.spec.settings import ATTACH_PROXY
 from harness.spec.topology import TOPOLOGIES, Role, get_topology
 
@@ -171,6 +178,7 @@ def plan_export(
     body = bundle.requests.get(case.prompt)
     if body is None:
         raise BadInput(f"{bundle.path}: requests.json has no body for {case.prompt!r}")
+    body = inline_local_media(body)
     servers = instance_servers(bundle, label, get_topology(case.topology).roles)
     proxy: ExportedServer | None = None
     proxy_file: ProxyFile | None = None
@@ -323,6 +331,7 @@ def template_argv(argv: list[str], model: str, port: Var) -> tuple[Arg, ...]:
     storage as variables; everything else exactly as it ran."""
     if len(argv) < 3 or argv[1] != "serve":
         raise BadInput(f"not a 'vllm serve' command line: {argv[:3]}")
+    argv = without_local_media_path(argv)
     rendered: list[Arg] = [(Var("VLLM"),)]
     for previous, arg in zip(argv, argv[1:]):
         if previous == "--port":
@@ -338,6 +347,52 @@ def template_argv(argv: list[str], model: str, port: Var) -> tuple[Arg, ...]:
         else:
             rendered.append((arg,))
     return tuple(rendered)
+
+
+LOCAL_MEDIA_FLAG = "--allowed-local-media-path"
+
+
+def without_local_media_path(argv: list[str]) -> list[str]:
+    """The argv less `--allowed-local-media-path DIR`: a directory of the recording machine,
+    where vLLM refuses every request with media when DIR is missing. The export's request
+    carries its media inline (`inline_local_media`), so no server needs it."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == LOCAL_MEDIA_FLAG:
+            skip = True
+        elif not arg.startswith(LOCAL_MEDIA_FLAG + "="):
+            kept.append(arg)
+    return kept
+
+
+def inline_local_media(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` with every file:// media URL (a run with `--media-dir`) replaced by a data: URL
+    of the same bytes, so the export needs no file of the recording machine. vLLM reads both
+    into the same bytes; BadInput when a file is gone since the run."""
+    body = copy.deepcopy(body)
+    for message in body.get("messages", []):
+        content = message.get("content")
+        for part in content if isinstance(content, list) else []:
+            for key in ("image_url", "video_url"):
+                media = part.get(key)
+                url = media.get("url", "") if isinstance(media, dict) else ""
+                if url.startswith("file://"):
+                    media["url"] = data_url(Path(url[len("file://") :]))
+    return body
+
+
+def data_url(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise BadInput(
+            f"the case's request reads {path} (file:// media), which cannot be read now: {exc}"
+        ) from exc
+    mime = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
 
 
 def template_storage(config_json: str) -> Arg:
@@ -361,7 +416,7 @@ def template_env(env: dict[str, str], side_channel: Var | None) -> tuple[tuple[s
     for key, value in sorted(env.items()):
         if key == SIDE_CHANNEL_PORT_ENV and side_channel is not None:
             rendered.append((key, (side_channel,)))
-        elif key == SIDE_CHANNEL_HOST_ENV:
+        elif key in (SIDE_CHANNEL_HOST_ENV, EC_SIDE_CHANNEL_HOST_ENV):
             rendered.append((key, (Var("HOST"),)))
         elif value == REDACTED:
             rendered.append((key, (Var(key),)))  # a secret: the user's own environment
