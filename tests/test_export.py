@@ -413,6 +413,76 @@ def test_check_judges_match_mismatch_and_prompt_difference(tmp_path: Path, monke
     assert (verdict, code) == ("MISMATCH", 1) and "prompt token ids differ at position 2" in detail
 
 
+def events(*chunks: object, done: bool = True) -> str:
+    """A server-sent event stream of `chunks` (JSON objects, or raw strings as they are)."""
+    lines = [f"data: {c if isinstance(c, str) else json.dumps(c)}\n\n" for c in chunks]
+    return "".join(lines) + ("data: [DONE]\n\n" if done else "")
+
+
+def streamed(prompt: list[int], tokens: list[int], done: bool = True) -> str:
+    """vLLM's stream with return_token_ids: the role chunk carries the prompt ids, each later
+    chunk a generated id and its log-probs, the last one the usage."""
+    whole = response(prompt, tokens)["choices"][0]["logprobs"]["content"]
+    chunks: list[object] = [{"prompt_token_ids": prompt, "choices": [{"delta": {"role": "a"}}]}]
+    chunks += [
+        {"choices": [{"token_ids": [t], "logprobs": {"content": [whole[i]]}}]}
+        for i, t in enumerate(tokens)
+    ]
+    chunks.append({"choices": [], "usage": {"completion_tokens": len(tokens)}})
+    return events(*chunks, done=done)
+
+
+def test_check_reads_a_streamed_answer_from_its_events(tmp_path: Path, monkeypatch) -> None:
+    """A case the run streamed is sent streamed (found in review: it was sent unstreamed, and
+    check.py could not have read the answer)."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+
+    def judged(text: str) -> tuple[str, int, str]:
+        sent = check.Answer("http://x/v1/chat/completions", 200, text, 0.1)
+        return check.judge(EXPECTED, sent, [], tmp_path, streamed=True)
+
+    assert judged(streamed([1, 2, 3], [7, 8, 9, 10]))[:2] == ("MATCH", 0)
+    verdict, code, detail = judged(streamed([1, 2, 3], [7, 5, 9, 10]))
+    assert (verdict, code) == ("MISMATCH", 1) and "expected 8, got 5" in detail
+    assert "received top-k there: 99: -0.100" in detail
+    verdict, code, detail = judged(streamed([1, 2, 3], [7, 8, 9, 10], done=False))
+    assert (verdict, code, detail) == ("MISMATCH", 1, "the stream ended without [DONE]")
+    verdict, code, detail = judged(events({"error": {"message": "engine dead"}}))
+    assert (verdict, code) == ("ERROR", 2) and "engine dead" in detail
+    assert judged(events("not json"))[:2] == ("ERROR", 2)
+    assert judged(streamed([1, 2, 3], [7, 8, 9, 10]) + "data: {}\n\n")[:2] == ("ERROR", 2)
+
+
+@pytest.mark.parametrize(
+    "scenario, run_streams, streams, unlike",
+    [
+        ("epd-streamed", False, True, "after the scenario's earlier requests"),
+        ("ec-concurrent-requests", False, False, "in flight together with its other requests"),
+        ("ec-rerun-on-kept-storage", True, True, "again on the storage a first session left"),
+        ("epd-media-in-decode-tail", False, False, None),
+    ],
+)
+def test_a_case_is_exported_as_the_run_sent_it_and_says_what_it_does_not_redo(
+    tmp_path: Path, scenario: str, run_streams: bool, streams: bool, unlike: str | None
+) -> None:
+    """Streamed when the run or the scenario streamed (requests.json holds the body before
+    streaming); what one request alone cannot redo is said in ISSUE.md."""
+    from harness.run.scenarios import get_scenario
+
+    topology = get_scenario(scenario).topology
+    bundle_dir = write_bundle(tmp_path / "run", topology, "MISMATCH", scenario=scenario)
+    run = json.loads((bundle_dir / "run.json").read_text())
+    (bundle_dir / "run.json").write_text(json.dumps({**run, "stream": run_streams}))
+    plan = plan_for(bundle_dir)
+    assert plan.request.get("stream", False) is streams
+    assert (plan.request.get("stream_options") == {"include_usage": True}) is streams
+    issue = render_issue(plan)
+    if unlike is None:
+        assert plan.sent_unlike is None and "Not as the run sent it" not in issue
+    else:
+        assert f"Not as the run sent it: scenario {scenario} sent it {unlike}" in issue
+
+
 def test_check_calls_a_dead_instance_an_error_naming_it(tmp_path: Path, monkeypatch) -> None:
     log = tmp_path / "decode0.log"
     log.write_text("starting\nAssertionError: Expected number of multimodal embeddings\nbye\n")

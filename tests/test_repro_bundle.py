@@ -93,3 +93,70 @@ def test_repro_reruns_where_the_bundle_ran(tmp_path: Path) -> None:
     assert Bundle.load(root).launcher == LauncherChoice(
         "ray", ray_address="10.0.0.1:6379", placement="pack", instance_env=(("UCX_TLS", "tcp"),)
     )
+
+
+def rerun_settings(root: Path, monkeypatch: pytest.MonkeyPatch, served_version: str):
+    """The settings `reproduce` serves the bundle's failing case with (nothing started)."""
+    import harness.run.repro as repro
+    from harness.spec.settings import ServedVllm
+
+    seen = {}
+
+    class NoPool:
+        def __init__(self, settings, *args, **kwargs):
+            seen["settings"] = settings
+
+        def close(self) -> None:
+            pass
+
+    class NoSweep:
+        def __init__(self, spec, settings, bodies, pool):
+            pass
+
+        def judge(self, topology, prompt):
+            return []
+
+    monkeypatch.setattr(repro, "TopologyPool", NoPool)
+    monkeypatch.setattr(repro, "Sweep", NoSweep)
+    repro.reproduce(Bundle.load(root), root / "again", ServedVllm("vllm", served_version))
+    return seen["settings"]
+
+
+def rerun_bundle(root: Path, label: str, **run: object) -> Path:
+    root = write_bundle(root, [case(label, "image", "MISMATCH", False)])
+    recorded = json.loads((root / "run.json").read_text())
+    (root / "run.json").write_text(json.dumps({**recorded, **run, "fault": None}))
+    return root
+
+
+@pytest.mark.parametrize(
+    "label, run_streams, streams",
+    [
+        ("1E+1P+1D:epd-streamed", False, True),  # the scenario streams whatever the run says
+        ("1E+1PD:ec-concurrent-requests", False, False),
+        ("1E+1PD", True, True),  # the run's --stream
+    ],
+)
+def test_repro_streams_what_the_run_streamed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, label: str, run_streams: bool, streams: bool
+) -> None:
+    """requests.json holds a body before streaming was added; a streamed scenario's case was
+    rerun unstreamed (found in review)."""
+    root = rerun_bundle(tmp_path / "b", label, stream=run_streams)
+    assert rerun_settings(root, monkeypatch, "0.32.0+cpu").stream is streams
+
+
+def test_repro_speaks_the_protocol_the_run_spoke_on_the_same_vllm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run given `--protocol` is rerun speaking it (found in review: the served release's
+    own was taken, with other flags); another vLLM speaks its own, and says so."""
+    from harness.spec.generations import GENERATIONS_BY_NAME
+
+    spoke = GENERATIONS_BY_NAME["by-hash"].to_json()
+    root = rerun_bundle(
+        tmp_path / "b", "1E+1PD", protocol=spoke, served_vllm={"version": "0.32.0+cpu"}
+    )
+    assert rerun_settings(root, monkeypatch, "0.32.0+cpu").protocol.name == "by-hash"
+    assert rerun_settings(root, monkeypatch, "0.31.0+cpu").protocol.name == "by-hash-indexed"
+    assert "the bundle's run spoke protocol by-hash (vLLM 0.32.0+cpu)" in caplog.text

@@ -50,6 +50,7 @@ from harness.spec.platforms import (
     SIDE_CHANNEL_PORT_ENV,
     get_platform,
 )
+from harness.spec.prompts import streaming_request
 from harness.spec.settings import ATTACH_PROXY
 from harness.spec.topology import TOPOLOGIES, Role, get_topology
 
@@ -147,6 +148,8 @@ class ExportPlan:
     # The monolithic reference (`serve.sh baseline`), to check the expected ids on another
     # machine; None for a probe, which the baseline would refuse by design.
     baseline: ExportedServer | None = None
+    # What of the original sending the export does not do (`Bundle.how_sent`), or None.
+    sent_unlike: str | None = None
 
     @property
     def entry(self) -> ExportedServer:
@@ -179,6 +182,9 @@ def plan_export(
     if body is None:
         raise BadInput(f"{bundle.path}: requests.json has no body for {case.prompt!r}")
     body = inline_local_media(body)
+    sending = bundle.how_sent(label)
+    if sending.streamed:  # sent as the run sent it: requests.json holds it before streaming
+        body = streaming_request(body)
     servers = instance_servers(bundle, label, get_topology(case.topology).roles)
     proxy: ExportedServer | None = None
     proxy_file: ProxyFile | None = None
@@ -208,6 +214,7 @@ def plan_export(
         declared=declared_failure(bundle, label, case, record),
         run=bundle.run,
         baseline=None if probe else baseline_server(bundle),
+        sent_unlike=sending.unlike,
     )
 
 
@@ -235,7 +242,13 @@ def pick_case(bundle: Bundle, wanted: str | None) -> tuple[ReproCase, dict[str, 
         topology = record["topology"].split(":")[0]
         name = f"{topology}:{record['prompt']}"
         if name == wanted or (wanted is None and record["verdict"] != Verdict.MATCH.value):
-            case = ReproCase(topology, record["prompt"], record["verdict"], record["reference"])
+            case = ReproCase(
+                topology,
+                record["prompt"],
+                record["verdict"],
+                record["reference"],
+                record["topology"],
+            )
             return case, record
     if wanted:
         raise BadInput(f"{bundle.path}: no case {wanted!r}")

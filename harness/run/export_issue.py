@@ -369,6 +369,8 @@ def found_section(plan: ExportPlan, record: dict[str, Any]) -> list[str]:
             "That run used the harness's own re-implementation of the EPD proxy; this export "
             "runs vLLM's own proxy instead, so it shows whether vLLM alone fails the same way.",
         ]
+    if plan.sent_unlike:
+        lines += ["", f"Not as the run sent it: {plan.sent_unlike}."]
     declared = plan.declared or "not declared: the harness does not expect this failure"
     lines += ["", f"Declared by the harness: {declared}"]
     return lines

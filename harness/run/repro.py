@@ -22,10 +22,16 @@ from typing import Any
 
 from harness.judge.records import CaseRecord
 from harness.run.pool import TopologyPool
+from harness.run.scenarios import MATRIX, SendMode
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.attached import write_attach_file
 from harness.spec.attach import ATTACH_FILE_NAME
-from harness.spec.generations import NEWEST, generation_for
+from harness.spec.generations import (
+    GENERATIONS_BY_NAME,
+    NEWEST,
+    ProtocolGeneration,
+    generation_for,
+)
 from harness.spec.platforms import get_platform
 from harness.spec.settings import (
     HARNESS_PROXY,
@@ -49,11 +55,21 @@ class BundleError(ValueError):
 
 
 @dataclass(frozen=True)
+class Sending:
+    """How a case's one request is sent again (`Bundle.how_sent`)."""
+
+    streamed: bool
+    # What of the original sending is not done again (a scenario's concurrency, ...), or None.
+    unlike: str | None = None
+
+
+@dataclass(frozen=True)
 class ReproCase:
     topology: str  # the topology name proper ("1E+1PD:scenario" labels are cut at ':')
     prompt: str
     verdict: str  # what the bundle recorded
     reference: str
+    label: str = ""  # the case's label in the bundle ("1E+1PD:ec-video-mp4"), scenario and all
 
 
 @dataclass(frozen=True)
@@ -113,13 +129,42 @@ class Bundle:
         """How vLLM's proxy learned the instances in the bundle's run (before: static)."""
         return (self.run.get("proxy") or {}).get("registration") or STATIC_REGISTRATION
 
+    def how_sent(self, label: str) -> Sending:
+        """How the run sent the case labelled `label` (`TOPOLOGY[:SCENARIO]`): streamed when
+        the run streamed (`--stream`) or its matrix scenario does (requests.json holds the
+        body before streaming was added), and what of the scenario's sending one request alone
+        does not do again."""
+        _, _, name = label.partition(":")
+        scenario = next((s for s in MATRIX if s.name == name), None)
+        streamed = bool(self.run.get("stream")) or bool(scenario and scenario.stream)
+        if scenario is None:
+            return Sending(streamed)
+        ways = []
+        if scenario.mode is SendMode.CONCURRENT:
+            ways.append("in flight together with its other requests")
+        elif scenario.mode is SendMode.IDLE_GAPS:
+            ways.append("with idle gaps longer than the servers' keep-alive between requests")
+        if scenario.rerun_on_kept_storage:
+            ways.append("again on the storage a first session left")
+        if len(scenario.prompts) > 1 and not ways:
+            ways.append("after the scenario's earlier requests on the same servers")
+        unlike = (
+            f"scenario {scenario.name} sent it {'; '.join(ways)}; this sends it alone to "
+            "servers started for it"
+            if ways
+            else None
+        )
+        return Sending(streamed, unlike)
+
     def pick_case(self, wanted: str | None) -> ReproCase:
         """The named case (`TOPOLOGY:PROMPT`), else the first that failed its policy."""
         for case in self.cases:
             topology = case["topology"].split(":")[0]
             name = f"{topology}:{case['prompt']}"
             if (wanted is None and not case["policy_passed"]) or wanted == name:
-                return ReproCase(topology, case["prompt"], case["verdict"], case["reference"])
+                return ReproCase(
+                    topology, case["prompt"], case["verdict"], case["reference"], case["topology"]
+                )
         if wanted:
             raise BundleError(f"{self.path}: no case {wanted!r}")
         raise BundleError(f"{self.path}: every case passed; name one with --case TOPOLOGY:PROMPT")
@@ -136,6 +181,10 @@ def reproduce(
     case = bundle.pick_case(wanted)
     if case.prompt not in bundle.requests:
         raise BundleError(f"{bundle.path}: requests.json has no body for {case.prompt!r}")
+    sending = bundle.how_sent(case.label)
+    if sending.unlike:
+        log.warning("repro: %s", sending.unlike)
+    recorded = (bundle.run.get("served_vllm") or {}).get("version")
     settings = RunSettings(
         serving=bundle.serving(),
         run_dir=run_dir,
@@ -143,13 +192,11 @@ def reproduce(
         platform=get_platform(bundle.run.get("platform_profile", "cpu")),
         devices=tuple(bundle.run.get("devices") or (0, 1)),
         proxy=proxy or ProxyChoice(),
-        stream=bool(bundle.run.get("stream")),
-        # The protocol of the release serving now (the bundle's may have been another).
-        protocol=generation_for(served.version).generation if served.known else NEWEST,
+        stream=sending.streamed,
+        protocol=protocol_for(bundle, served),
         launcher=bundle.launcher,
     )
     topology = get_topology(case.topology)
-    recorded = (bundle.run.get("served_vllm") or {}).get("version")
     if recorded and recorded != served.version:
         log.warning(
             "repro: the bundle was served by vLLM %s, this run serves %s", recorded, served.version
@@ -165,6 +212,26 @@ def reproduce(
         pool.close()
         raise
     return case, records, sweep
+
+
+def protocol_for(bundle: Bundle, served: ServedVllm) -> ProtocolGeneration:
+    """The protocol generation the bundle's run spoke (`--protocol` may have chosen it) when
+    the same vLLM serves now; else the one the release serving now speaks, said aloud when it
+    is another."""
+    spoke = (bundle.run.get("protocol") or {}).get("name")
+    recorded = (bundle.run.get("served_vllm") or {}).get("version")
+    if spoke in GENERATIONS_BY_NAME and recorded == served.version:
+        return GENERATIONS_BY_NAME[spoke]
+    speaks = generation_for(served.version).generation if served.known else NEWEST
+    if spoke and spoke != speaks.name:
+        log.warning(
+            "repro: the bundle's run spoke protocol %s (vLLM %s); vLLM %s serving now speaks %s",
+            spoke,
+            recorded,
+            served.version,
+            speaks.name,
+        )
+    return speaks
 
 
 def keep_up(sweep: Sweep, topology_name: str) -> None:

@@ -7,7 +7,8 @@ harness, on the Python standard library alone, while `serve.sh` serves (`run.sh`
 
     python3 check.py [--state DIR]
 
-It reads `request.json` (the body exactly as the harness sent it, media inlined) and
+It reads `request.json` (the body exactly as the harness sent it, media inlined; a streamed
+one's answer is read from its events) and
 `expected.json` (the monolithic baseline's ids, or for a probe what the instance should do)
 beside it, and `DIR/endpoints.tsv`, which `serve.sh` writes once everything is healthy (the
 entry URL, every instance's URL, process id and log). Exit codes:
@@ -241,6 +242,46 @@ def compare_tokens(expected: dict[str, Any], response: dict[str, Any]) -> str | 
     return describe_difference("generated", expected["token_ids"], token_ids, index, tops)
 
 
+def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
+    """A streamed answer (`stream: true` in request.json, as the run sent it) read into the
+    shape of an unstreamed one: the first chunk's `prompt_token_ids`, every chunk's generated
+    `token_ids` and log-probs in order. (None, why) for a stream that reported an error (an
+    ERROR), (answer, why) for one that ended without `[DONE]` last (a MISMATCH: a client
+    would wait or fail), (answer, None) for a whole one."""
+    prompt_ids: list[int] | None = None
+    token_ids: list[int] = []
+    content: list[Any] = []
+    done = False
+    for line in text.splitlines():
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if done:
+            return None, f"an event after [DONE]: {data[:200]}"
+        if data == "[DONE]":
+            done = True
+            continue
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            return None, f"an event that is not JSON: {data[:200]}"
+        if not isinstance(chunk, dict):
+            return None, f"an event that is not a JSON object: {data[:200]}"
+        if "error" in chunk:
+            return None, f"the stream reported an error: {json.dumps(chunk['error'])[:600]}"
+        if chunk.get("prompt_token_ids") is not None:
+            prompt_ids = list(chunk["prompt_token_ids"])
+        for choice in chunk.get("choices") or []:
+            token_ids += choice.get("token_ids") or []
+            content += (choice.get("logprobs") or {}).get("content") or []
+    answer: dict[str, Any] = {
+        "choices": [{"token_ids": token_ids, "logprobs": {"content": content}}],
+    }
+    if prompt_ids is not None:
+        answer["prompt_token_ids"] = prompt_ids
+    return answer, None if done else "the stream ended without [DONE]"
+
+
 @dataclass(frozen=True)
 class Endpoints:
     mode: str  # "case", or "baseline": the monolithic reference serves the request
@@ -264,9 +305,14 @@ def read_endpoints(state_dir: Path) -> Endpoints:
 
 
 def judge(
-    expected: dict[str, Any], answer: Answer, instances: list[Instance], state_dir: Path
+    expected: dict[str, Any],
+    answer: Answer,
+    instances: list[Instance],
+    state_dir: Path,
+    streamed: bool = False,
 ) -> tuple[str, int, str]:
-    """(verdict, exit code, evidence) for one answer; the instances are checked afterwards."""
+    """(verdict, exit code, evidence) for one answer (`streamed`: server-sent events); the
+    instances are checked afterwards."""
     grace = DEATH_GRACE_S if answer.status != 200 else 0.0
     dead = dead_instances(instances, state_dir, grace)
     if dead:
@@ -290,11 +336,19 @@ def judge(
         return "ERROR", EXIT_ERROR, answer.headline()
     if answer.status != 200:
         return "ERROR", EXIT_ERROR, answer.headline()
-    try:
-        response = json.loads(answer.text)
-    except ValueError:
-        return "ERROR", EXIT_ERROR, f"the answer is not JSON: {answer.text[:300]}"
+    broken = None
+    if streamed:
+        response, broken = read_stream(answer.text)
+        if response is None:
+            return "ERROR", EXIT_ERROR, f"{broken}; {answer.headline()}"
+    else:
+        try:
+            response = json.loads(answer.text)
+        except ValueError:
+            return "ERROR", EXIT_ERROR, f"the answer is not JSON: {answer.text[:300]}"
     difference = compare_tokens(expected, response)
+    if broken is not None:
+        return "MISMATCH", EXIT_DIFFERENCE, "; ".join(filter(None, (broken, difference)))
     if difference is not None:
         return "MISMATCH", EXIT_DIFFERENCE, difference
     generated = len(expected["token_ids"])
@@ -334,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         print("check.py: sent to the monolithic reference: do the expected ids hold here?")
     print(f"check.py: POST {url}")
     answer = post_json(url, body, float(expected.get("timeout_s", 600)))
-    verdict, code, detail = judge(expected, answer, endpoints.instances, args.state)
+    streamed = bool(body.get("stream"))
+    verdict, code, detail = judge(expected, answer, endpoints.instances, args.state, streamed)
     print(f"{verdict}: {detail}")
     recorded = expected.get("recorded") or {}
     if endpoints.mode == "baseline":
