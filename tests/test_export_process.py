@@ -323,6 +323,25 @@ def test_the_shell_scripts_parse(tmp_path: Path) -> None:
         assert checked.returncode == 0, f"{script}: {checked.stderr}"
 
 
+@pytest.mark.parametrize(
+    "version, refused", [((3, 2), True), ((4, 3), True), ((4, 4), False), ((5, 2), False)]
+)
+def test_serve_sh_refuses_a_bash_older_than_4_4_in_one_line(
+    tmp_path: Path, version: tuple[int, int], refused: bool
+) -> None:
+    """macOS's bash 3.2 has no associative arrays, and bash before 4.4 calls an empty array
+    unbound under `set -u`: either would stop serve.sh half-way. BASH_VERSINFO is read-only,
+    so the guard runs with the version in another array."""
+    serve = (write(tmp_path) / "serve.sh").read_text()
+    start = serve.index("if ((BASH_VERSINFO")
+    guard = serve[start : serve.index("\nfi\n", start) + 3].replace("BASH_VERSINFO", "V")
+    script = f"V=({version[0]} {version[1]})\nBASH_VERSION={version[0]}.{version[1]}\n{guard}"
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert done.returncode == (2 if refused else 0), done.stderr
+    expected = f"serve.sh: needs bash 4.4 or newer; this is bash {version[0]}.{version[1]}\n"
+    assert done.stderr == (expected if refused else "")
+
+
 def test_a_small_model_is_copied_a_hub_snapshot_is_named(tmp_path: Path) -> None:
     out = write(tmp_path)
     assert (out / "model/model.safetensors").stat().st_size == 1024

@@ -189,9 +189,15 @@ SERVE_SH = r"""#!/usr/bin/env bash
 #
 # Every variable below can be set from the environment, e.g.
 #   VLLM=/path/to/venv/bin/vllm DECODE0_PORT=9000 bash serve.sh
-# Needs: bash 4+, setsid (util-linux), the vllm executable. Logs, connector storage and the
+# Needs: bash 4.4+, setsid (util-linux), the vllm executable. Logs, connector storage and the
 # endpoints check.py reads go to $WORK (wiped at every start).
 set -euo pipefail
+# Associative arrays (4.0), and empty arrays under `set -u` (4.4): older bash (macOS's 3.2)
+# would fail half-way with a cryptic message.
+if ((BASH_VERSINFO[0] < 4 || (BASH_VERSINFO[0] == 4 && BASH_VERSINFO[1] < 4))); then
+  echo "serve.sh: needs bash 4.4 or newer; this is bash $BASH_VERSION" >&2
+  exit 2
+fi
 HERE=$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)
 MODE=${{1:-case}}
 case $MODE in
