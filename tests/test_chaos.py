@@ -245,6 +245,33 @@ def test_sigint_during_startup_stops_everything(
     assert expected_files <= files_under(run_dir), files_under(run_dir)
 
 
+def test_a_ctrl_c_during_a_sessions_stop_still_stops_every_server(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C that lands while a stop waits out a server's grace (vLLM ignores SIGTERM while
+    its engine starts): Python's own SIGINT handler, as under pytest, or the first one while
+    a cleanup something else began runs. Found in review: the interrupt skipped every server
+    not yet stopped, and the session gave their ports back while they ran."""
+    monkeypatch.setenv(MODE_ENV, "decode:ignore-term")  # stopped first: the Ctrl-C lands there
+    session = TopologySession(TOPOLOGIES["1P+1D"], fake_run_settings(tmp_path, fake_vllm))
+    session.__enter__()
+    servers = session.servers
+    pids = [server.pid for server in servers]
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        with nothing_left_behind([], [], port_locks):
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                session.close()
+            running = [server.name for server in servers if server.is_alive()]
+            assert running == [], f"still running after the interrupted close: {running}"
+            assert survivors(pids) == []
+    finally:
+        timer.cancel()
+        for server in servers:
+            server.stop(grace_s=0.1)
+
+
 @pytest.mark.timeout(HUNG_TEST_TIMEOUT_S)
 def test_sigterm_while_a_request_hangs_ends_within_seconds(
     tmp_path: Path, fake_vllm: Path, port_locks: Path

@@ -515,21 +515,27 @@ class ServerGroup:
             raise
 
     def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
-        """Stop every server in reverse start order; a failing stop does not skip the others."""
-        failures: list[Exception] = []
+        """Stop every server in reverse start order; a failing stop does not skip the others,
+        nor does an interrupt: a Ctrl-C that lands in a stop (without the handlers of
+        `install_signal_handlers`, or the first one, during a cleanup something else began)
+        ends that server at once (SIGKILL, no more grace) and the others are still stopped;
+        the interrupt is raised at the end."""
+        failures: list[BaseException] = []
         for server in reversed(self.servers):
             was_started = server.pid is not None
             try:
-                server.stop(grace_s)
+                _stop_through_interrupts(server, grace_s, failures)
             except Exception as exc:
                 failures.append(exc)
                 continue
             if was_started:
                 self._emit(server, "stopped")
         if failures:
-            for other in failures[1:]:
-                failures[0].add_note(f"also failed to stop: {other}")
-            raise failures[0]
+            first = next((f for f in failures if not isinstance(f, Exception)), failures[0])
+            for other in failures:
+                if other is not first and isinstance(other, Exception):
+                    first.add_note(f"also failed to stop: {other}")
+            raise first
 
     def __enter__(self) -> ServerGroup:
         return self
@@ -553,19 +559,41 @@ class ServerGroup:
             self._on_event(server.name, state, time.monotonic() - self._started_at)
 
 
-def install_signal_handlers(
-    signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGHUP),
+STOP_RETRIES_AFTER_INTERRUPT = 3
+
+
+def _stop_through_interrupts(
+    server: ManagedServer, grace_s: float, interrupts: list[BaseException]
 ) -> None:
-    """Make SIGTERM / SIGHUP raise KeyboardInterrupt in the main thread, so cleanup runs.
+    """`server.stop(grace_s)`; an interrupt in it is recorded in `interrupts` and the stop
+    retried without grace (straight to SIGKILL), a few times: a user who presses Ctrl-C again
+    is in a hurry, not asking to leave servers behind."""
+    for attempt in range(STOP_RETRIES_AFTER_INTERRUPT + 1):
+        try:
+            server.stop(grace_s if attempt == 0 else 0.0)
+            return
+        except (KeyboardInterrupt, SystemExit) as exc:
+            interrupts.append(exc)
+            if attempt == STOP_RETRIES_AFTER_INTERRUPT:
+                return
+
+
+def install_signal_handlers(
+    signals: Sequence[signal.Signals] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP),
+) -> None:
+    """Make SIGINT / SIGTERM / SIGHUP raise KeyboardInterrupt in the main thread, so cleanup
+    runs, and only the first of them.
 
     By default SIGTERM ends Python at once: no `finally`, no `__exit__`, so servers get only the
     parent-death signal and their grandchildren may linger. KeyboardInterrupt rather than
     SystemExit because pytest treats it as "abort the session" (and still tears fixtures
     down), while SystemExit would only fail the current test and go on to start more servers.
     A repeated signal during cleanup is swallowed so the stop is not cut short (SIGKILL still
-    ends everything, and the parent-death signal then reaches the servers). The swallowing
-    handler is a Python function, not SIG_IGN, because an ignored disposition would be
-    inherited by servers spawned later. Must be called from the main thread.
+    ends everything, and the parent-death signal then reaches the servers): a second Ctrl-C,
+    pressed while a server that ignores SIGTERM is given its grace, would otherwise leave the
+    servers not yet stopped running. The swallowing handler is a Python function, not SIG_IGN,
+    because an ignored disposition would be inherited by servers spawned later. Must be called
+    from the main thread.
     """
 
     def swallow(signum: int, frame: FrameType | None) -> None:
@@ -574,6 +602,8 @@ def install_signal_handlers(
     def interrupt(signum: int, frame: FrameType | None) -> None:
         for sig in signals:
             signal.signal(sig, swallow)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt  # as Python's own Ctrl-C: nothing more to say
         raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
 
     for sig in signals:
