@@ -268,3 +268,74 @@ def test_a_fault_goes_into_the_topologies_under_test_never_their_references(
         ("1E+1P+1D", "baseline"),
         ("1E+1P+1D", "1P+1D"),
     }
+
+
+def test_a_session_that_fails_to_close_does_not_leave_the_pools_others_running(
+    tmp_path: Path,
+) -> None:
+    """Found in review: `release()` stopped session after session in a plain loop, so one
+    close that raised (a tap that did not stop in time) left every later session running."""
+    from harness.run.pool import SessionRequest
+    from harness.testing.processes import survivors
+
+    settings = settings_for(tmp_path)
+    pool = TopologyPool(settings)
+    opened = pool.open([SessionRequest(TOPOLOGIES[n], settings) for n in ("1P+1D", "1E+1PD")])
+    first, second = opened.values()
+    servers = [*first.servers, *second.servers]
+    real_stop = first.taps.stop
+
+    def stop_then_fail() -> None:
+        real_stop()
+        raise TimeoutError("the taps did not stop in time (planted)")
+
+    first.taps.stop = stop_then_fail
+    try:
+        with pytest.raises(TimeoutError, match="planted"):
+            pool.close()
+        running = [server.name for server in servers if server.is_alive()]
+        assert running == [], f"left running by pool.close(): {running}"
+    finally:
+        for session in (first, second):
+            session.close()
+        assert survivors([server.pid for server in servers]) == []
+
+
+def test_a_revival_that_does_not_come_up_in_time_restarts_the_topology(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: the fallback of a revival whose instance was still starting at the
+    deadline handed back the same session, its revived instance never ready."""
+    import dataclasses
+
+    from harness.testing.fake_vllm import MODE_ENV
+    from harness.testing.processes import survivors, wait_for
+
+    settings = dataclasses.replace(settings_for(tmp_path), startup_timeout_s=8.0)
+    pool = TopologyPool(settings)
+    topology = TOPOLOGIES["1P+1D"]
+    pids: list[int] = []
+    try:
+        session = pool.session(topology)
+        pids += [server.pid for server in session.servers]
+        victim = session.server(Role.DECODE)
+        os.killpg(victim.pgid, signal.SIGKILL)
+        wait_for(lambda: not victim.is_alive(), "decode to die", 10)
+        revive = session.revive_dead
+
+        def slow_revival():  # the revived D misses the deadline; a restart's would not
+            monkeypatch.setenv(MODE_ENV, "decode:slow-start=60")
+            try:
+                return revive()
+            finally:
+                monkeypatch.delenv(MODE_ENV)
+
+        monkeypatch.setattr(session, "revive_dead", slow_revival)
+        served = pool.revive(topology)
+        pids += [server.pid for server in served.servers]
+        not_ready = [server.name for server in served.servers if server.startup_seconds is None]
+    finally:
+        pool.close()
+        assert survivors([pid for pid in pids if pid]) == []
+    assert served is not session and not_ready == [], not_ready
+    assert [start.reason.split(":")[0] for start in pool.starts][-2:] == ["revive", "restart"]

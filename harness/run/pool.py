@@ -183,6 +183,11 @@ class TopologyPool:
         except Exception as exc:  # noqa: BLE001 - the restart below says what it costs
             log.warning("reviving %s failed (%s); restarting it", topology.name, exc)
             self.starts.append(StartRecord(key, f"revive: {cause}", None))
+            # Unusable (`revive_dead`), though a revived instance still starting is alive:
+            # left in place, `session()` would hand it back as serving. Nothing is served on
+            # it first (`before_stop`): it is stopped as it is.
+            self._live.pop(key, None)
+            live.session.close()
             return self.session(topology, settings, devices)
         names = ", ".join(s.name.rsplit("/", 1)[-1] for s in revived)
         seconds = round(time.monotonic() - started, 1)
@@ -306,14 +311,17 @@ class TopologyPool:
     def release(self, topology: str | None = None, launcher: LauncherChoice | None = None) -> None:
         """Stop the sessions of `topology` (every session when None), of those the ones
         `launcher` runs (any when None); a later request starts it again, counted as a
-        restart."""
-        for key in [
+        restart. Every one is stopped even when one fails to (the first failure is raised at
+        the end): one session's tap that does not stop must not leave the others running."""
+        keys = [
             k
             for k in self._live
             if (topology is None or k.topology == topology)
             and (launcher is None or k.launcher == launcher)
-        ]:
-            self._stop(key)
+        ]
+        with contextlib.ExitStack() as stops:  # run last registered first: register reversed
+            for key in reversed(keys):
+                stops.callback(self._stop, key)
 
     def close(self) -> None:
         self.release()
