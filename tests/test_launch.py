@@ -599,3 +599,48 @@ def test_only_the_first_interrupt_cuts_in_later_ones_let_the_cleanup_finish(
     assert done.stdout.splitlines()[0].startswith("interrupted: KeyboardInterrupt(")
     assert said in done.stdout.splitlines()[0]
     assert done.stdout.splitlines()[1:] == ["cleanup finished"]
+
+
+def test_a_ctrl_c_while_a_server_is_spawned_leaves_it_tracked(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Popen forks, then waits for the child's exec: found in review, a Ctrl-C in that wait
+    left a child nothing held (no pid, unknown to the watchdog), out of stop()'s reach. The
+    interrupt now comes once the server is recorded. The wait is stretched to be hit."""
+    import threading
+
+    from harness.serve import launch
+    from harness.serve.launch import log_path_for
+    from harness.testing.processes import survivors
+
+    in_child = launch._in_child
+
+    def slow_in_child(parent_pid: int, cpu_affinity: tuple[int, ...]):
+        inner = in_child(parent_pid, cpu_affinity)
+
+        def preexec() -> None:
+            time.sleep(1.0)  # a slow fork-to-exec: the parent waits in Popen meanwhile
+            if inner is not None:
+                inner()
+
+        return preexec
+
+    monkeypatch.setattr(launch, "_in_child", slow_in_child)
+    (lease,) = reserve_ports(1, lock_dir=port_locks)
+    command = ServerCommand(
+        name="spawned/server0",
+        argv=[str(fake_vllm), "serve", "m", "--port", str(lease.port)],
+        health_url=f"http://127.0.0.1:{lease.port}/health",
+        log_path=log_path_for(tmp_path, "spawned/server0"),
+    )
+    server = ManagedServer(command, port_lease=lease)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            server.start()
+        assert server.pid is not None, "the interrupted spawn's child is not held"
+    finally:
+        timer.cancel()
+        server.stop(grace_s=0.1)
+    assert survivors([server.pid]) == []

@@ -250,3 +250,31 @@ def test_arguments_are_checked(port_locks: Path) -> None:
         reserve_ports(0, lock_dir=port_locks)
     with pytest.raises(ValueError, match="start port 80 is outside ports 20000-29999"):
         reserve_ports(1, start=80, lock_dir=port_locks)
+
+
+@pytest.mark.parametrize(
+    "cut_in", [KeyboardInterrupt(), OSError(errno.EADDRNOTAVAIL, "cannot assign address")]
+)
+def test_a_reservation_cut_short_holds_no_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut_in: BaseException
+) -> None:
+    """A Ctrl-C between two ports, or a host the probe cannot bind (a wrong node address),
+    gives back what was taken so far, the port being probed too (found in review: only a
+    range without free ports did)."""
+    import harness.serve.ports as ports
+    from harness.testing.processes import lease_is_held
+
+    probe, probed = ports._bind_probe, []
+
+    def cut_at_the_second(port: int, host: str = "127.0.0.1"):
+        probed.append(port)
+        if len(probed) == 2:
+            raise cut_in
+        return probe(port, host)
+
+    monkeypatch.setattr(ports, "_bind_probe", cut_at_the_second)
+    with pytest.raises(type(cut_in)):
+        reserve_ports(3, lock_dir=tmp_path)
+    assert len(probed) == 2
+    held = [port for port in probed if lease_is_held(tmp_path / f"port-{port}.lock")]
+    assert held == [], f"still locked after the reservation was cut short: {held}"

@@ -244,3 +244,28 @@ def test_records_of_one_request_leave_out_requests_in_flight_beside_it() -> None
     # A proxy that sets its own ids (vLLM's toy P/D proxy): the window is all there is.
     theirs = [record(5, "3f1c"), record(6, None)]
     assert records_of(theirs, "req-a") == theirs
+
+
+def test_a_tap_set_whose_start_fails_stops_what_it_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The caller never gets a TapSet whose start raised, so it cannot stop it: found in
+    review, its event-loop thread and the sockets it had bound lived as long as the process.
+    The same holds for the harness's proxy server (`ProxyServer.start`)."""
+    from aiohttp import web
+
+    site_start, sites = web.SockSite.start, []
+
+    async def second_site_fails(self) -> None:
+        sites.append(self)
+        if len(sites) == 2:
+            raise OSError("the second tap's site did not start (planted)")
+        await site_start(self)
+
+    monkeypatch.setattr(web.SockSite, "start", second_site_fails)
+    targets = [TapTarget(name, "pd", "http://127.0.0.1:9") for name in ("a", "b", "c")]
+    taps = TapSet(targets)
+    with pytest.raises(OSError, match="planted"):
+        taps.start("127.0.0.1")
+    assert not taps.running
+    assert [sock for sock in taps._socks if sock.fileno() != -1] == []

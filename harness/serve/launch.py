@@ -26,6 +26,7 @@ blocks unless `install_signal_handlers()` was called; then it unwinds like Ctrl-
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import http.client
 import os
@@ -34,11 +35,12 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -255,22 +257,23 @@ class ManagedServer:
             if self._port_lease is not None:
                 self._port_lease.hand_over()
             watchdog.client().ensure_running()
-            try:
-                self._popen = subprocess.Popen(
-                    command.argv,
-                    env={**os.environ, **command.env},
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    preexec_fn=_in_child(os.getpid(), command.cpu_affinity),
-                )
-            except Exception as exc:
-                exc.add_note(f"while starting {command.name}: {shlex.join(command.argv)}")
-                raise
-        self._spawned_at = time.monotonic()
-        self._spawned_wall_s = time.time()
-        watchdog.client().started(self._popen.pid, command.name, command.log_path)
+            with _signals_deferred():
+                try:
+                    self._popen = subprocess.Popen(
+                        command.argv,
+                        env={**os.environ, **command.env},
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        preexec_fn=_in_child(os.getpid(), command.cpu_affinity),
+                    )
+                except Exception as exc:
+                    exc.add_note(f"while starting {command.name}: {shlex.join(command.argv)}")
+                    raise
+                self._spawned_at = time.monotonic()
+                self._spawned_wall_s = time.time()
+                watchdog.client().started(self._popen.pid, command.name, command.log_path)
 
     def probe_health(self) -> bool:
         """One GET of the health URL: True on a 2xx answer, False on any error or timeout."""
@@ -703,6 +706,39 @@ def read_log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     except FileNotFoundError:
         return ""
     return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-lines:])
+
+
+DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold Ctrl-C (and SIGTERM, SIGHUP) back from the spawn of a server until it is recorded.
+
+    `Popen` forks, then waits for the child's exec; an interrupt raised in that wait leaves a
+    child nothing holds (no `_popen`, unknown to the watchdog), which `stop()` cannot reach and
+    which ignores the parent-death SIGTERM if it is vLLM starting its engine. Python runs
+    signal handlers in the main thread only, so only there can one cut in; a signal that came
+    meanwhile is handled as it would have been once the server is recorded."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in DEFERRED_SIGNALS}
+    held = [sig for sig, handler in previous.items() if handler is not None]
+    came: list[int] = []
+    for sig in held:
+        signal.signal(sig, lambda signum, _frame: came.append(signum))
+    try:
+        yield
+    finally:
+        for sig in held:
+            signal.signal(sig, previous[sig])
+        if came:
+            handler = previous[signal.Signals(came[0])]
+            if callable(handler):
+                handler(came[0], None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), came[0])
 
 
 def _in_child(parent_pid: int, cpu_affinity: tuple[int, ...]) -> Callable[[], None] | None:

@@ -145,20 +145,29 @@ def reserve_ports(
     candidates = [*port_range[offset:], *port_range[:offset]]
     leases: list[PortLease] = []
     locked = busy = 0
-    for port in candidates:
-        lock_path = lock_dir / f"port-{port}.lock"
-        lock_fd = _lock_port(lock_path)
-        if lock_fd is None:
-            locked += 1
-            continue
-        probe = _bind_probe(port, host)
-        if probe is None:
-            os.close(lock_fd)
-            busy += 1
-            continue
-        leases.append(PortLease(port, lock_path, lock_fd, probe))
-        if len(leases) == count:
-            return leases
+    try:
+        for port in candidates:
+            lock_path = lock_dir / f"port-{port}.lock"
+            lock_fd = _lock_port(lock_path)
+            if lock_fd is None:
+                locked += 1
+                continue
+            try:
+                probe = _bind_probe(port, host)
+            except BaseException:
+                os.close(lock_fd)
+                raise
+            if probe is None:
+                os.close(lock_fd)
+                busy += 1
+                continue
+            leases.append(PortLease(port, lock_path, lock_fd, probe))
+            if len(leases) == count:
+                return leases
+    except BaseException:  # interrupted, or a host that cannot be bound: nothing stays held
+        for lease in leases:
+            lease.release()
+        raise
     for lease in leases:
         lease.release()
     raise NoFreePortError(

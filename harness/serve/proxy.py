@@ -350,8 +350,14 @@ class ProxyServer:
         self._runner: web.AppRunner | None = None
 
     def start(self) -> ProxyServer:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
+        """Serve; a start that fails (or is interrupted) stops what it started, since the
+        caller never got a running object to stop."""
+        try:
+            self._thread.start()
+            asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     async def _start(self) -> None:

@@ -150,16 +150,21 @@ class TapSet:
 
     def start(self, host: str) -> TapSet:
         """Bind one loopback socket per instance (the kernel picks the port: no window between
-        choice and bind) and serve them all."""
-        for target in self.targets:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-            self._socks.append(sock)
-            self._by_port[port] = target
-            self.urls[target.name] = f"http://{host}:{port}"
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
+        choice and bind) and serve them all. A start that fails (or is interrupted) stops
+        what it started: the caller never got the object to stop it with."""
+        try:
+            for target in self.targets:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                self._socks.append(sock)
+                sock.bind((host, 0))
+                port = sock.getsockname()[1]
+                self._by_port[port] = target
+                self.urls[target.name] = f"http://{host}:{port}"
+            self._thread.start()
+            asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     async def _start(self) -> None:
