@@ -200,3 +200,33 @@ def test_the_toy_proxys_json_stream_is_a_declared_failure_only_there(tmp_path) -
         declared=TOY_PROXY_JSON_STREAM,
     )
     assert fixed.verdict is Verdict.MATCH and not fixed.policy_passed  # a fix turns it red
+
+
+def test_the_toy_proxys_declaration_holds_the_content_type_alone_and_identical_ids() -> None:
+    """Found in review: with the content type alone as evidence, whatever else was broken
+    behind it (a chunk relayed twice, another request's ids, a transfer that did not happen)
+    passed as the declared failure."""
+    from harness.judge.guards import GuardResult
+    from harness.run.judging import TOY_PROXY_JSON_STREAM
+
+    def declared(events: list[bytes], guards=()) -> tuple[Verdict, bool]:
+        _, record = parse(events, content_type="application/json")
+        result, _ = parse(events)
+        candidate = Outcome("text", result=result, stream=record)
+        case = judged(
+            "1P+1D",
+            "baseline",
+            baseline_outcome(),
+            candidate,
+            guards,
+            declared=TOY_PROXY_JSON_STREAM,
+        )
+        return case.verdict, case.policy_passed
+
+    events = encode(vllm_chunks())
+    assert declared(events) == (Verdict.MISMATCH, True)  # the declared failure alone
+    assert declared([events[0], events[1], *events[1:]]) == (Verdict.MISMATCH, False)
+    other_ids = encode(vllm_chunks(tokens=[token + 7 for token in TOKENS]))
+    assert declared(other_ids) == (Verdict.MISMATCH, False)
+    no_kv = GuardResult("kv_transfer", False, "D cached_tokens=0, expected >= 160")
+    assert declared(events, [no_kv]) == (Verdict.MISMATCH, False)

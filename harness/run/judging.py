@@ -25,6 +25,7 @@ from harness.judge.verdicts import (
     not_applicable_case,
 )
 from harness.outcomes.outcome import Outcome, ServedTopology
+from harness.outcomes.stream import EVENT_STREAM
 from harness.run.baseline import BaselineAnswers
 from harness.spec.generations import known_failure, not_applicable
 from harness.spec.prompts import PromptSpec, streaming_request
@@ -66,9 +67,13 @@ def observe(session: ServingSession, prompt: str, body: dict[str, Any], stream: 
 # toy_proxy_server.py; `--proxy vllm` runs it for topologies without an encoder) answers every
 # request with StreamingResponse(media_type="application/json"), a stream too. Measured on
 # 0.32.0: the events, ids and usage are right; the content type is not an event stream's.
+# The evidence is the whole start of such a case's detail, the content type its only framing
+# problem and the ids identical after it: any other framing problem, other ids, or a failed
+# guard reads otherwise there and is not this failure (found in review: with the content
+# type alone as evidence, a duplicated chunk and another request's ids passed as declared).
 TOY_PROXY_JSON_STREAM = DeclaredFailure(
     "MISMATCH",
-    "stream framing broken: served as application/json",
+    f"stream framing broken: served as application/json, not {EVENT_STREAM}; identical: ",
     "vLLM's toy P/D proxy (toy_proxy_server.py in the release's sdist) streams with "
     "media_type='application/json', not text/event-stream, which event-stream clients refuse",
 )
