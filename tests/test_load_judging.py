@@ -5,7 +5,9 @@ statistics and bounds, and the load's handling of a death (a stand-in session: p
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -252,6 +254,16 @@ def test_soak_bounds_hold_or_name_what_grew() -> None:
     assert "d not running at at 180" in bound_problems(load_stats([], dead), dead, SoakBounds())
 
 
+def test_a_soak_within_its_first_round_measured_no_growth_and_says_so() -> None:
+    """Growth is held from the end of the first round (warm-up is not growth). Found in review:
+    with no sample after it, the warm-up itself was held to the growth bound."""
+    one_round = [sample(0, 900, 50, 10), sample(60, 1300, 60, 10)]  # warm-up: +400 MiB
+    assert bound_problems(load_stats([], one_round), one_round, SoakBounds()) == [
+        "growth after the first round was not measured: the soak ended within its first round "
+        "(give a --duration longer than one round)"
+    ]
+
+
 def test_a_calibration_says_which_answers_batching_changed() -> None:
     from harness.run.baseline import BatchedAnswer
 
@@ -429,3 +441,98 @@ def test_bad_load_options_are_one_line_exit_2(argv: list[str], cause: str, capsy
     assert main(["load", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and cause in err[0], err
+
+
+class DiesQuietly(StandIn):
+    """Answers every request, and its pd instance is gone once the round has been answered
+    (P crashing as it frees the KV it sent, say): no request ever failed."""
+
+    def dead_instance_report(self) -> str | None:
+        if self.calls >= 6:
+            return "instance 1E+1PD/pd0 exited with code -11; last lines of pd0.log:\n..."
+        return None
+
+
+def test_an_instance_that_died_after_answering_every_request_fails_the_load(
+    tmp_path: Path,
+) -> None:
+    """Found in review: deaths were noticed through failed requests only, so a plain load
+    whose instance died after the last answer passed (a soak's samples did fail it)."""
+    load, _ = stand_in_load(tmp_path, requests=6, session_type=DiesQuietly)
+    result_ = load.run()
+    assert all(record.policy_passed for record in result_.records)
+    assert not result_.passed
+    assert result_.ended_by == "instance 1E+1PD/pd0 exited with code -11; last lines of pd0.log:"
+    assert result_.problems == [f"round 1: every request was answered, then {result_.ended_by}"]
+
+
+class Unkillable(StandIn):
+    """A launched topology to the load (it may kill one of its instances), whose taps never
+    see a request reach pd0: the moment to kill never comes."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pd = SimpleNamespace(name="1E+1PD/pd0", pid=os.getpid())
+        self.servers = (self.pd,)
+        self.taps = SimpleNamespace(records=[])
+
+    def server(self, role: Any, index: int = 0) -> Any:
+        return self.pd
+
+
+def test_a_planted_kill_that_never_came_fails_the_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: the killer was waited for 5 s only, so a round that ended before the
+    kill found its moment passed, its death under load never tested."""
+    import harness.run.load as load_module
+
+    monkeypatch.setattr(load_module, "TopologySession", Unkillable)
+    load, _ = stand_in_load(tmp_path, requests=4, session_type=Unkillable)
+    load.spec = LoadSpec("1E+1PD", requests=4, concurrency=2, distinct_media=3, kill="pd")
+    result_ = load.run()
+    assert result_.killed is None and not result_.passed
+    assert result_.problems == [
+        "the planted kill never happened: it found no moment with 2 request(s) in flight and "
+        "one at 1E+1PD/pd0 before the round ended"
+    ]
+    assert json.loads((tmp_path / "load.json").read_text())["passed"] is False
+
+
+class EpdStandIn(StandIn):
+    def __init__(self, answers: dict[str, ChatResult], settings: RunSettings) -> None:
+        super().__init__(answers, settings)
+        self.topology = TOPOLOGIES["1E+1P+1D"]
+        self.served = ServedTopology(self.topology, None, 32, "ExampleConnector")
+
+
+def test_too_few_requests_for_the_ending_prompt_leave_it_out_and_say_so(tmp_path: Path) -> None:
+    """`load --topology 1E+1P+1D --requests 1` under ExampleConnector, whose mix holds a prompt
+    declared to end D: found in review, a ValueError's traceback after the baseline was
+    served. One request is one of the others; the ending prompt is left out, with a note."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"image_token_id": 999}))
+    settings = RunSettings(serving=ServingConfig(model=str(model)), run_dir=tmp_path)
+    mix = load_mix(3)
+    sweep = Sweep(SweepSpec((), (), baseline_only_prompts=mix), settings)
+    answers = {
+        p.name: result((10 + n, 20 + n), prompt=(1, n, *range(100, 138))) for n, p in enumerate(mix)
+    }
+    # Its image ends past the last whole block of 32: in the part D computes itself.
+    answers[TAIL_PROMPT] = result((7, 8), prompt=(1, *range(100, 133), 999, 999, 5, 6))
+    for name, answer in answers.items():
+        sweep.baseline.outcomes[name] = Outcome(name, result=answer)
+    from harness.judge.verdicts import Stability
+
+    sweep.baseline.stability = {name: Stability(True, "stable", 0.0) for name in answers}
+    session = EpdStandIn(answers, settings)
+    sweep.pool.session = lambda topology, settings=None, devices=None: session  # type: ignore[method-assign]
+    spec = LoadSpec("1E+1P+1D", requests=1, concurrency=1, distinct_media=3)
+    load = LoadRun(spec, sweep, on_progress=lambda _: None)
+    result_ = load.run()
+    assert [r.record.prompt for r in result_.results] != [TAIL_PROMPT]
+    assert len(result_.results) == 1  # judged (the stand-in moves no KV: VACUOUS)
+    assert any(
+        TAIL_PROMPT in note and "1 request(s) leave no room for it" in note for note in load.notes
+    ), load.notes

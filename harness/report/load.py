@@ -244,7 +244,16 @@ def bound_problems(
             problems.append(
                 f"{kind} storage reached {peak / MIB:.1f} MiB (bound {bounds.storage_bytes / MIB:.0f} MiB)"
             )
-    warm = samples[1:] if len(samples) > 2 else samples
+    # Growth is held from the end of the first round: start-up and warm-up are not growth.
+    # A soak that ended within its first round has nothing after it to hold, and would pass
+    # on a growth check that never ran (found in review: it held the warm-up instead).
+    warm = samples[1:]
+    if len(warm) < 2:
+        problems.append(
+            "growth after the first round was not measured: the soak ended within its first "
+            "round (give a --duration longer than one round)"
+        )
+        warm = []
     for name, figures in instance_growth(warm).items():
         rss, fds = figures["rss_bytes"], figures["open_fds"]
         if rss.change > bounds.rss_growth_bytes:

@@ -176,13 +176,20 @@ class LoadRun:
         ending = {p for p, d in declared.items() if d is not None and d.verdict == "ERROR"}
         prompts = list(self.prompts)
         left_out = self.spec.duration_s is not None or self.spec.kill is not None
-        if ending and (left_out or not self.spec.ending):
+        too_few = self.spec.requests < len(ending) + 1
+        if ending and (left_out or too_few or not self.spec.ending):
             # A soak measures resources over time and a planted death its own cause: a
-            # request that ends D by a declared failure would cut either short.
+            # request that ends D by a declared failure would cut either short. Too few
+            # requests to send it last as well as one of the others: the others come first.
             prompts = [p for p in prompts if p not in ending]
+            why = (
+                f"{self.spec.requests} request(s) leave no room for it"
+                if too_few and not left_out
+                else "a plain load sends it last"
+            )
             self.notes.append(
                 f"not in this load: {', '.join(sorted(ending))} (declared to end an instance "
-                f"on {self.topology.name}; a plain load sends it last)"
+                f"on {self.topology.name}; {why})"
             )
             ending = set()
         plan = plan_requests(prompts, self.spec.requests, frozenset(ending))
@@ -275,6 +282,8 @@ class LoadRun:
             self._judge_round(sent, declared)
             label = f"round {self.result.rounds}" if deadline is not None else "after"
             sample = self._sample(session, label)
+            if not (self.result.ended_by or self.result.killed):
+                self._notice_a_quiet_death(session)
             stop = self.result.ended_by or self.result.killed
             if stop or deadline is None or time.monotonic() >= deadline:
                 return
@@ -285,6 +294,19 @@ class LoadRun:
                 f"[load] round {self.result.rounds} done at "
                 f"{time.monotonic() - self._started:.0f}s of {self.spec.duration_s:.0f}s"
             )
+
+    def _notice_a_quiet_death(self, session: Session) -> None:
+        """An instance that died with every request of the round answered (P crashing as it
+        frees the KV it sent, say) ends the load as a death during a request does: deaths
+        are otherwise noticed through a request that failed."""
+        died = _dead_instance(session)
+        if died is None:
+            return
+        self.result.ended_by = died.splitlines()[0]
+        self.result.problems.append(
+            f"round {self.result.rounds}: every request was answered, then {self.result.ended_by}"
+        )
+        self.say(f"[load] {died}")
 
     def _round(self, session: Session, planned: list[PlannedRequest]) -> list[_Sent]:
         """Every planned request, at most `concurrency` in flight; after a death, nothing
@@ -310,10 +332,13 @@ class LoadRun:
             return _Sent(request, observed, started, ended)
 
         killer = None
+        round_over = threading.Event()
         if self.spec.kill is not None and self.result.rounds == 1:
             target = min(self.spec.concurrency, len(planned))
             killer = threading.Thread(
-                target=self._kill_when_in_flight, args=(session, flight, target), daemon=True
+                target=self._kill_or_say_why,
+                args=(session, flight, target, round_over),
+                daemon=True,
             )
             killer.start()
         self.say(
@@ -323,26 +348,45 @@ class LoadRun:
         with ThreadPoolExecutor(max_workers=self.spec.concurrency) as pool:
             sent = list(pool.map(one, planned))
         if killer is not None:
-            killer.join(timeout=5)
+            # Whole, so the kill either happened or was given up before the round is judged
+            # (a waiting killer gives up as soon as the round is over).
+            round_over.set()
+            killer.join()
         return sent
 
-    def _kill_when_in_flight(self, session: Session, flight: _InFlight, target: int) -> None:
+    def _kill_or_say_why(
+        self, session: Session, flight: _InFlight, target: int, round_over: threading.Event
+    ) -> None:
+        """The killer thread: what stops it from killing is a problem of the load, not a
+        traceback on stderr and a load that passes."""
+        try:
+            self._kill_when_in_flight(session, flight, target, round_over)
+        except Exception as exc:  # noqa: BLE001 - said as the load's problem
+            self.result.problems.append(f"the planted kill failed: {type(exc).__name__}: {exc}")
+
+    def _kill_when_in_flight(
+        self, session: Session, flight: _InFlight, target: int, round_over: threading.Event
+    ) -> None:
         """SIGKILL the instance of the spec's role once `target` requests are in flight and
-        one of them has reached it (its tap recorded a call)."""
+        one of them has reached it (its tap recorded a call). A kill that never came (the
+        round ended first, or the wait ran out) is a problem of the load: its death under load
+        was not tested, however well every answer held."""
         assert self.spec.kill is not None
         base = session.base if isinstance(session, ProxiedSession) else session
         assert isinstance(base, TopologySession), "a planted kill needs a launched topology"
         server = base.server(Role(self.spec.kill))
         deadline = time.monotonic() + KILL_WAIT_S
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not round_over.is_set():
             taps = base.taps.records if base.taps is not None else []
             reached = any(r.instance == server.name for r in list(taps))
             if flight.current >= target and reached:
                 break
             time.sleep(0.05)
         else:
+            when = "before the round ended" if round_over.is_set() else f"in {KILL_WAIT_S:g} s"
             self.result.problems.append(
-                f"the kill never found {target} request(s) in flight with one at {server.name}"
+                f"the planted kill never happened: it found no moment with {target} request(s) "
+                f"in flight and one at {server.name} {when}"
             )
             return
         self.result.killed_at_s = self._now()
