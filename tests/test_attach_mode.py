@@ -190,6 +190,54 @@ def test_kv_transfer_reads_the_answer_or_d_metrics_and_is_unchecked_without_them
     assert counted.ok and counted.checkable
 
 
+def test_ec_files_without_the_encoders_count_do_not_hold_the_encoder_guard() -> None:
+    """The evidence is the files and the encoders' own count of requests; found in review,
+    an unreadable /metrics let the files alone hold it (a count of 0 already failed it)."""
+    unread = AttachedEvidence(
+        media_items=1, ec_storage="/ec", ec_files_written=["a"], encoder_requests=None
+    )
+    guard = guards_of("1E+1PD", unread)["encoder_output"]
+    assert not guard.checkable and not guard.ok and not guard.failed
+    assert "/metrics could not be read" in guard.evidence
+
+
+def test_a_kv_guard_d_held_from_its_own_prefix_cache_is_not_checkable() -> None:
+    """A deployment judged again: D's own count says every prompt token it did not compute
+    came from its prefix cache, none through the connector. Found in review: cached_tokens
+    alone held the ExampleConnector rule with nothing moved (NIXL's rule said not checkable)."""
+    evidence = AttachedEvidence(media_items=0)
+    own_cache = {"local_cache_hit_tokens": 80.0, "external_kv_tokens": 0.0}
+    guard = guards_of("1P+1D", evidence, result=cached_answer(89, 80), counters=own_cache)[
+        "kv_transfer"
+    ]
+    assert not guard.checkable and not guard.ok and not guard.failed
+    assert "D took 80 prompt tokens from its own prefix cache" in guard.evidence
+    moved = {"local_cache_hit_tokens": 0.0, "external_kv_tokens": 80.0}
+    held = guards_of("1P+1D", evidence, result=cached_answer(89, 80), counters=moved)
+    assert held["kv_transfer"].ok
+
+
+@pytest.mark.parametrize(
+    "document, said",
+    [
+        ({"instances": [{"role": ["prefill"], "url": "http://h:2"}]}, "'role' must be one of"),
+        ({"instances": [{"role": {"x": 1}, "url": "http://h:2"}]}, "'role' must be one of"),
+        ({"kv_connector": ["nixl"]}, "unknown 'kv_connector' a list"),
+    ],
+)
+def test_a_role_or_connector_that_is_no_string_is_one_line(
+    tmp_path: Path, document: dict, said: str
+) -> None:
+    """A YAML `role: [prefill]` raised TypeError (unhashable) instead of naming the field
+    (found in review)."""
+    pair = [{"role": "prefill", "url": "http://h:2"}, {"role": "decode", "url": "http://h:3"}]
+    path = tmp_path / "attach.json"
+    path.write_text(json.dumps({"proxy": "http://h:1", "instances": pair, **document}))
+    with pytest.raises(BadInput, match=said) as refused:
+        load_attach_file(str(path), "example")
+    assert str(path) in str(refused.value) and "\n" not in str(refused.value)
+
+
 # -- verdicts and reports ----------------------------------------------------------------------
 
 

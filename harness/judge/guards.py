@@ -262,6 +262,16 @@ def check_kv_transfer(
             f"cached_tokens={cached} ({source})"
         )
         return GuardResult("kv_transfer", ok, text)
+    if counters is not None:  # D's own count by source (read where taps cannot stand)
+        external = counters.get("external_kv_tokens", 0.0)
+        local = counters.get("local_cache_hit_tokens", 0.0)
+        if external == 0 and local >= expected > 0:
+            return not_checkable(
+                "kv_transfer",
+                f"D took {local:g} prompt tokens from its own prefix cache and none through "
+                f"the connector (its /metrics): an earlier request's KV, so nothing had to "
+                f"move for this one (cached_tokens={cached}, {source})",
+            )
     ok = cached is not None and expected > 0 and cached >= expected
     return GuardResult(
         "kv_transfer",
@@ -370,6 +380,12 @@ def check_encoder_files(evidence: AttachedEvidence) -> GuardResult:
     )
     if served == 0 or (written < evidence.media_items and not evidence.ec_files_before):
         return GuardResult("encoder_output", False, text)
+    if served is None:  # files alone: another writer's would look the same
+        return not_checkable(
+            "encoder_output",
+            f"{text}; without the encoders' own count, the files do not show that these "
+            "encoders wrote them for this request",
+        )
     if written < evidence.media_items:
         return not_checkable(
             "encoder_output",

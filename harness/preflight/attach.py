@@ -98,6 +98,10 @@ def _instances(value: Any, where: str) -> list[tuple[Role, str]]:
         if unknown:
             raise BadInput(f"{at}: unknown field {unknown[0]!r} (fields: role, url)")
         role_name = entry.get("role")
+        if not isinstance(role_name, str | None):  # a list or mapping cannot name a role
+            raise BadInput(
+                f"{at}: 'role' must be one of {', '.join(ATTACH_ROLES)}, got {kind_of(role_name)}"
+            )
         if role_name not in ATTACH_ROLES:
             shown = "no role" if role_name is None else f"unknown role {role_name!r}"
             raise BadInput(f"{at}: {shown} (roles: {', '.join(ATTACH_ROLES)})")
@@ -152,8 +156,9 @@ def _kv_connector(value: Any, default: str, has_decode: bool, where: str) -> str
         raise BadInput(
             f"{where}: 'kv_connector' says how P's KV reaches D, and there is no decode instance"
         )
-    if value not in KV_CONNECTORS:
+    if not isinstance(value, str) or value not in KV_CONNECTORS:
+        shown = repr(value) if isinstance(value, str) else kind_of(value)
         raise BadInput(
-            f"{where}: unknown 'kv_connector' {value!r} (known: {', '.join(KV_CONNECTORS)})"
+            f"{where}: unknown 'kv_connector' {shown} (known: {', '.join(KV_CONNECTORS)})"
         )
     return value
