@@ -235,3 +235,61 @@ def test_the_one_host_ray_rehearsal_is_refused_on_a_gpu_platform() -> None:
     assert rehearsal.refusal_on(CPU) is None
     assert LauncherChoice(kind="ray", ray_address="10.0.0.1:6379").refusal_on(CUDA) is None
     assert LauncherChoice().refusal_on(CUDA) is None
+
+
+def test_a_sweep_on_ray_runs_one_topology_a_wave(tmp_path, monkeypatch) -> None:
+    """A wave's topologies start together, each instance taking a node's bundle: found in
+    review, with --devices 0-3 the CPU packing put 1E+1PD and 1P+1D (four instances) in one
+    wave of the three-node rehearsal, and Ray could not place the second."""
+    from harness.run import sweep as sweep_module
+    from harness.run.sweep import Sweep, SweepSpec
+    from harness.spec.topology import EPD_TOPOLOGY_NAMES
+
+    monkeypatch.setattr(sweep_module, "available_memory_bytes", lambda: 24 * 2**30)
+    topologies = tuple(TOPOLOGIES[name] for name in EPD_TOPOLOGY_NAMES)
+    for launcher, most in ((LauncherChoice("ray"), 1), (LauncherChoice(), 2)):
+        settings = RunSettings(
+            serving_for(CPU, "/models/m"),
+            tmp_path / launcher.kind,
+            platform=CPU,
+            devices=(0, 1, 2, 3),
+            launcher=launcher,
+        )
+        waves = Sweep(SweepSpec(topologies, prompts=()), settings).schedule().waves
+        assert max(len(wave.slots) for wave in waves) == most, (launcher, waves)
+
+
+class ListingAgent:
+    """A node's agent as the launcher's checks call it (`.remote` runs at once)."""
+
+    def __init__(self, listing) -> None:
+        self.directory_listing = dataclasses.make_dataclass("Call", ["remote"])(
+            lambda path: listing
+        )
+
+
+def test_a_media_dir_a_node_does_not_see_is_refused_before_a_start(tmp_path, monkeypatch) -> None:
+    """Each instance's vLLM reads file:// media on its own node: found in review, a
+    --media-dir the nodes did not see was not refused, and every media case ERRORed."""
+    from harness.serve import ray_launcher
+
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "cat.png").write_bytes(b"png")
+    serving = serving_for(CPU, "/models/m", allowed_local_media_path=str(media))
+    launcher = ray_launcher.RayLauncher(
+        RunSettings(serving, tmp_path / "run", platform=CPU, launcher=LauncherChoice("ray"))
+    )
+    monkeypatch.setattr(ray_launcher, "_get", lambda answers, doing: answers)
+    instances = [
+        dataclasses.make_dataclass("Spec", ["name", "host"])(name, host)
+        for name, host in (("1E+1PD/encoder0", "10.0.0.2"), ("1E+1PD/pd0", "10.0.0.3"))
+    ]
+    launcher._agents = [ListingAgent(["cat.png"]), ListingAgent(["cat.png"])]
+    launcher._check_media_dir(instances)  # both nodes see it
+    launcher._agents[1] = ListingAgent(f"cannot list {media}: No such file or directory")
+    with pytest.raises(LaunchRefused, match="1E\\+1PD/pd0's node 10.0.0.3 \\(cannot list"):
+        launcher._check_media_dir(instances)
+    launcher._agents[1] = ListingAgent([])
+    with pytest.raises(LaunchRefused, match="it lists other files there"):
+        launcher._check_media_dir(instances)

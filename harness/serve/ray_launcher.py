@@ -248,6 +248,13 @@ class InstanceAgent:
         found = shutil.which(executable)
         return None if found else f"{executable} is not an executable on this node"
 
+    def directory_listing(self, path: str) -> list[str] | str:
+        """The names in directory `path` on this node, or why it cannot be listed."""
+        try:
+            return sorted(os.listdir(path))
+        except OSError as exc:
+            return f"cannot list {path}: {exc.strerror or exc}"
+
     def storage_probe(self, reads: list[tuple[str, str]], write: tuple[str, str] | None) -> str:
         """Read each (path, expected content); then write `write`. Returns the first problem."""
         for path, expected in reads:
@@ -687,6 +694,7 @@ class RayLauncher:
             if problem:
                 raise LaunchRefused(f"{spec.name}: {problem} (node {node.address})")
         self._check_storage(instances)
+        self._check_media_dir(instances)
 
     def server(self, index: int, command: ServerCommand) -> RayServer:
         return RayServer(self._agents[index], command, self._nodes[index], self._agent_pids[index])
@@ -755,6 +763,27 @@ class RayLauncher:
                 pass
         if group is not None:
             remove_placement_group(group)
+
+    def _check_media_dir(self, instances: Sequence[InstanceSpec]) -> None:
+        """`--media-dir`: each instance's vLLM reads the file:// media under it on its own
+        node, so every node must see the directory the harness sees (the same names in it);
+        otherwise the topology is refused before a start, not ERROR request by request."""
+        media = self.settings.serving.allowed_local_media_path
+        if not media:
+            return
+        mine = sorted(os.listdir(media))
+        answers = _get(
+            [agent.directory_listing.remote(media) for agent in self._agents],
+            f"listing --media-dir {media} on the nodes",
+        )
+        for spec, theirs in zip(instances, answers):
+            if theirs != mine:
+                problem = theirs if isinstance(theirs, str) else "it lists other files there"
+                raise LaunchRefused(
+                    f"--media-dir {media} is not the same directory on {spec.name}'s node "
+                    f"{spec.host} ({problem}): each instance reads file:// media on its own "
+                    "node; put the media on a filesystem every node mounts at that path"
+                )
 
     def _check_storage(self, instances: Sequence[InstanceSpec]) -> None:
         """Every directory a connector shares between instances (ExampleConnector's) must be
