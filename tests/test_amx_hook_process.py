@@ -108,3 +108,17 @@ def test_doctor_fails_an_amx_cpu_whose_interpreter_did_not_get_amx() -> None:
         assert not check.ok and "harness.cli.cpu_env" in check.hint, check
     relaxed = doctor.check_amx_permission(cpu_has_amx=False)
     assert relaxed.ok and relaxed.detail.startswith("CPU has no AMX"), relaxed
+
+
+def test_doctor_needs_no_amx_grant_for_a_gpu_build_of_vllm() -> None:
+    """A GPU build never runs vLLM-CPU's AMX attention and its environment never gets the CPU
+    repairs: found in review, doctor failed on every GPU host whose CPU has AMX (most H100
+    servers'), and with it the GPU rehearsal and the Buildkite nightly before pytest."""
+    on_gpu = doctor.check_amx_permission(cpu_has_amx=True, device_type="cuda")
+    assert on_gpu.ok and on_gpu.detail.startswith("not needed: the served vLLM runs on cuda")
+    on_cpu = doctor.check_amx_permission(cpu_has_amx=True, device_type="cpu")
+    assert on_cpu.detail.startswith("CPU has AMX")
+    assert doctor.served_device_type(doctor.Check("vllm imports", True, "vllm 0.32.0 cuda")) == (
+        "cuda"
+    )
+    assert doctor.served_device_type(doctor.Check("vllm imports", False, "No module")) is None

@@ -98,10 +98,19 @@ def check_torchvision() -> Check:
     return Check("torchvision imports", True, f"torchvision {_last_line(proc.stdout)}")
 
 
-def check_amx_permission(cpu_has_amx: bool | None = None) -> Check:
+def check_amx_permission(cpu_has_amx: bool | None = None, device_type: str | None = None) -> Check:
     """What the AMX start-up hook did in a fresh interpreter of this environment. Only an AMX
-    CPU needs the grant (without it NIXL's D dies with SIGILL, docs/connectors.md); elsewhere
-    the check passes and says that nothing was needed."""
+    CPU serving vLLM-CPU needs the grant (without it NIXL's D dies with SIGILL in vLLM-CPU's
+    AMX attention, docs/connectors.md); elsewhere the check passes and says that nothing was
+    needed. `device_type`: the served vLLM's platform (`vllm imports`); a GPU build never runs
+    that kernel, and its environment never gets the CPU repairs (found in review: doctor
+    failed on every GPU host with a Sapphire Rapids CPU, and the GPU rehearsal with it)."""
+    if device_type not in (None, "cpu"):
+        return Check(
+            "AMX permission at start-up",
+            True,
+            f"not needed: the served vLLM runs on {device_type}; the AMX kernel is vLLM-CPU's",
+        )
     if cpu_has_amx is None:
         try:
             cpu_has_amx = amx.cpu_has_amx()
@@ -148,12 +157,19 @@ def check_model(model_dir: Path) -> Check:
     return Check("model loads", True, f"{model_dir}: {_last_line(proc.stdout)}")
 
 
+def served_device_type(imports: Check) -> str | None:
+    """The platform `check_vllm_import` read ("vllm 0.32.0+cpu cpu" -> "cpu"); None unknown."""
+    words = imports.detail.split()
+    return words[-1] if imports.ok and len(words) == 3 else None
+
+
 def run_checks(vllm_executable: str, model_dir: Path | None) -> list[Check]:
+    imports = check_vllm_import()
     checks = [
-        check_vllm_import(),
+        imports,
         check_vllm_cli(vllm_executable),
         check_torchvision(),
-        check_amx_permission(),
+        check_amx_permission(device_type=served_device_type(imports)),
     ]
     if model_dir is not None:
         checks.append(check_model(model_dir))
