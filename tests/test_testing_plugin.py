@@ -67,6 +67,10 @@ def pytest_addoption(parser):
 
 def collected(pytester: pytest.Pytester, *args: str) -> list[pytest.Item]:
     pytester.makeconftest(CONFTEST)
+    return collected_with_conftest(pytester, *args)
+
+
+def collected_with_conftest(pytester: pytest.Pytester, *args: str) -> list[pytest.Item]:
     pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
     pytester.makepyfile(test_a_e2e=MODULE, test_b_unit=UNIT)
     run = pytester.inline_run("--collect-only", "-p", "no:cacheprovider", *args)
@@ -95,16 +99,29 @@ def test_e2e_items_run_by_topology_with_session_enders_last(pytester: pytest.Pyt
         "test_through_vllm_proxy",  # the same instances through vLLM's proxy, right after
         "test_kills_the_encoder",  # ends its session: last of everything on 1E+1PD
         "test_sweep_case[1P+1D]",
+        "test_nixl",  # NIXL is cuda's own KV connector: the default 1P+1D instances
         "test_sweep_case[1E+1P+1D]",
-        "test_nixl",  # other instances (another KV connector) after every default one
     ], order
     groups = xdist_groups(items)
     assert groups["test_sweep_case[1E+1P+1D]"] == groups["test_sweep_case[1P+1D]"] == "1P+1D"
     assert groups["test_through_vllm_proxy"] == groups["test_kills_the_encoder"] == "1E+1PD"
-    assert groups["test_nixl"] == "nixl:1P+1D"
+    assert groups["test_nixl"] == "1P+1D"  # found in review: a group of its own started it twice
     assert "test_pure_logic" not in groups
     assert "test_noticed_within_a_second" not in groups  # devices: no cores shared with starts
     assert "test_rehearsal_cluster_registered_within_30s" not in groups
+
+
+def test_a_variant_of_another_kv_connector_runs_after_every_default_group(
+    pytester: pytest.Pytester,
+) -> None:
+    """cuda under ExampleConnector: the NIXL item needs other instances, started after every
+    default one, in a group of their own."""
+    pytester.makeconftest(CONFTEST + '    parser.addoption("--epd-kv-connector", default=None)\n')
+    items = collected_with_conftest(
+        pytester, "--epd-platform", "cuda", "--epd-kv-connector", "example"
+    )
+    assert [item.name for item in items][-1] == "test_nixl"
+    assert xdist_groups(items)["test_nixl"] == "nixl:1P+1D"
 
 
 def test_on_a_cpu_host_one_xdist_group_takes_every_e2e_item(pytester: pytest.Pytester) -> None:
