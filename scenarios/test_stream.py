@@ -27,6 +27,7 @@ from harness.run.faults import duplicate_stream_chunk, plant
 from harness.run.judging import TOY_PROXY_JSON_STREAM, observe
 from harness.spec.prompts import SKELETON_PROMPTS, TAIL_TEXT, ImagePart, PromptSpec, TextPart
 from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES
+from harness.testing.judging import passed_clean
 
 pytestmark = pytest.mark.e2e
 
@@ -104,7 +105,7 @@ def test_streamed_answers_match_and_are_framed(
             assert record.verdict is Verdict.MISMATCH, record.detail
             assert TOY_PROXY_JSON_STREAM.reason in record.detail
         else:
-            assert record.verdict is Verdict.MATCH and record.guards[STREAM_CHECK]["ok"], record
+            assert passed_clean(record) and record.guards[STREAM_CHECK]["ok"], record
 
 
 @pytest.mark.ci
@@ -134,8 +135,11 @@ def test_a_chunk_relayed_twice_by_the_proxy_is_a_mismatch(epd_live) -> None:
         f"usage counts {generated} completion tokens, the stream carried {generated + repeated} "
         "token ids" in record.detail
     ), record.detail
-    # what the client read: the first chunk's tokens twice, then the baseline's answer
-    assert read == (*baseline_ids[:repeated], *baseline_ids)
-    # the same request without the fault is a MATCH: the fault, not the stream, broke it
-    clean = live.judge(observe(live.session, STREAM_FAULT_PROMPT.name, body, stream=True))
-    assert clean.verdict is Verdict.MATCH, format_failure(clean)
+    # the same request without the fault passes: the fault, not the stream, broke it
+    unfaulted = observe(live.session, STREAM_FAULT_PROMPT.name, body, stream=True)
+    clean = live.judge(unfaulted)
+    assert passed_clean(clean), format_failure(clean)
+    # what the client read: the first chunk's tokens twice, then the topology's own answer (the
+    # baseline's on CPU; under the GPU policy it may DRIFT from it, never from itself)
+    own_ids = unfaulted.outcome.result.token_ids
+    assert read == (*own_ids[:repeated], *own_ids)

@@ -97,3 +97,21 @@ def test_baseline_control_compares_the_two_answers() -> None:
     assert unstable.noise_floor is None
     failed = baseline_stability(outcome((5,)), outcome((), error="timeout"))
     assert (failed.stable, failed.detail, failed.noise_floor) == (False, "timeout", None)
+
+
+def test_a_clean_case_passes_as_a_match_or_as_a_drift_its_policy_allows() -> None:
+    """What scenarios assert of a request without a fault: on GPUs a P->D topology may DRIFT
+    from the monolithic baseline within the measured noise (found in review: scenarios of the
+    GPU nightly asserted MATCH alone)."""
+    from harness.testing.judging import passed_clean
+
+    reference, candidate = outcome((5, 6), top=(8,)), outcome((5, 8), top=(6,))
+    drift_allowed = judged(
+        "1P+1D", "baseline", reference, candidate, [], reference_policy=PD_DRIFT, tolerance=0.2
+    )
+    drift_refused = judged("1P+1D", "baseline", reference, candidate, [], tolerance=0.2)
+    assert drift_allowed.verdict is drift_refused.verdict is Verdict.DRIFT
+    assert passed_clean(drift_allowed) and not passed_clean(drift_refused)
+    assert passed_clean(judged("1P+1D", "baseline", outcome((5, 6)), outcome((5, 6)), [HELD]))
+    vacuous = judged("1E+1PD", "baseline", outcome((5, 6)), outcome((5, 6)), [BROKEN])
+    assert not passed_clean(vacuous)

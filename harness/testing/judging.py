@@ -44,3 +44,14 @@ def judged(
         others=others,
     )
     return record
+
+
+def passed_clean(record: CaseRecord) -> bool:
+    """A case without a fault passed: MATCH, or a DRIFT its reference policy allows (a P->D
+    topology against the monolithic baseline under the GPU policy, where a near tie may fall
+    the other way); under the exact policy a DRIFT does not pass, so it fails here too. What a
+    scenario asserts of a clean answer, so the GPU night is not red for the harness's own
+    reasons (found in review: several asserted MATCH alone)."""
+    from harness.judge.records import Verdict
+
+    return record.policy_passed and record.verdict in (Verdict.MATCH, Verdict.DRIFT)
