@@ -42,6 +42,7 @@ from harness.spec.load import (
     media_placement,
     plan_requests,
 )
+from harness.spec.platforms import CUDA
 from harness.spec.prompts import TextPart
 from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, ServingConfig
@@ -536,3 +537,29 @@ def test_too_few_requests_for_the_ending_prompt_leave_it_out_and_say_so(tmp_path
     assert any(
         TAIL_PROMPT in note and "1 request(s) leave no room for it" in note for note in load.notes
     ), load.notes
+
+
+@pytest.mark.parametrize("share, released", [(False, []), (True, ["baseline"])])
+def test_a_kept_baseline_is_stopped_all_the_same_where_workers_share_devices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, share: bool, released: list[str]
+) -> None:
+    """Kept up after a load's calibration, the baseline holds its GPU for the worker's whole
+    session and every other worker's calibration waits for it (found in review)."""
+    import dataclasses
+
+    import harness.run.load as load_module
+
+    load, _ = stand_in_load(tmp_path, requests=4)
+    monkeypatch.setattr(load_module, "TopologySession", StandIn)
+    sweep = load.sweep
+    sweep.settings = dataclasses.replace(
+        sweep.settings, platform=CUDA if share else sweep.settings.platform, workers=2
+    )
+    stopped: list[str] = []
+    baseline_session = StandIn({}, sweep.settings)
+    monkeypatch.setattr(sweep.pool, "session", lambda *args, **kwargs: baseline_session)
+    monkeypatch.setattr(sweep.pool, "release", lambda name, *args: stopped.append(name))
+    monkeypatch.setattr(sweep.baseline, "calibrate_batched", lambda *args: None)
+    load.keep_baseline = True
+    load._calibrate([])
+    assert stopped == released

@@ -155,3 +155,41 @@ def test_bad_value():
     run.stderr.fnmatch_lines(
         ["*test_bad_value: wall_clock_bound takes only on_e2e_worker=True or False, not 'yes'*"]
     )
+
+
+@pytest.mark.parametrize(
+    "platform, workers, released",
+    [("cpu", 1, []), ("cuda", 1, []), ("cuda", 4, ["baseline"])],
+)
+def test_the_end_of_the_baseline_group_stops_it_where_workers_share_devices(
+    platform: str, workers: int, released: list[str]
+) -> None:
+    """Kept up, the baseline keeps its GPU from every other worker for this worker's whole
+    session (found in review); alone on a host, it is small and load or fuzzing may still use
+    it."""
+    from types import SimpleNamespace
+
+    from harness.spec.platforms import get_platform
+    from harness.testing import plugin
+
+    stopped: list[str] = []
+    pool = SimpleNamespace(
+        settings=SimpleNamespace(
+            workers_share_devices=get_platform(platform).exclusive_devices and workers > 1
+        ),
+        release=stopped.append,
+    )
+    options = {"--epd-platform": platform}
+    config = SimpleNamespace(
+        stash={plugin.POOL_KEY: pool}, getoption=lambda name, default=None: options.get(name)
+    )
+    e2e = pytest.mark.e2e.mark
+
+    def item(topology: str) -> SimpleNamespace:
+        marks = {"e2e": e2e, "epd_topology": pytest.mark.epd_topology(topology).mark}
+        return SimpleNamespace(config=config, get_closest_marker=marks.get)
+
+    plugin.pytest_runtest_teardown(item("baseline"), item("1E+1PD"))
+    assert stopped == released
+    plugin.pytest_runtest_teardown(item("1E+1PD"), item("1P+1D"))
+    assert stopped == [*released, "1E+1PD"]

@@ -152,7 +152,8 @@ class LoadRun:
         keep_baseline: bool = False,
     ):
         """`keep_baseline`: leave the baseline running after its calibration (a pytest
-        session's other scenarios use it); else it is stopped to make room."""
+        session's other scenarios use it); else it is stopped to make room. Never where
+        workers share devices: there it is stopped all the same (`workers_share_devices`)."""
         self.spec = spec
         self.sweep = sweep
         self.topology = TOPOLOGIES[spec.topology]
@@ -246,7 +247,10 @@ class LoadRun:
         self.result.calibration = self.sweep.baseline.calibrate_batched(
             baseline, [(r.name, r.prompt) for r in regular], self.spec.concurrency
         )
-        if not self.keep_baseline:
+        # Kept up, the baseline would hold its device for this worker's whole session, and
+        # every other worker's calibration would wait for it (found in review: the 8-GPU
+        # night's loads run one after another).
+        if not self.keep_baseline or self.sweep.settings.workers_share_devices:
             self.sweep.pool.release(BASELINE.name)
 
     def _open(self) -> Session:

@@ -162,7 +162,7 @@ class Sweep:
         if self._schedule is None:
             # An attached deployment is served by none of this run's waves.
             topologies = [] if self.attached else self._topologies_with_cases()
-            shared_devices = self.settings.platform.exclusive_devices and self.settings.workers > 1
+            shared_devices = self.settings.workers_share_devices
             if self._needs_baseline_run() or (shared_devices and not self.attached):
                 topologies.insert(0, BASELINE)
             self._schedule = pack_waves(

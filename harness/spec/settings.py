@@ -182,3 +182,9 @@ class RunSettings:
     @property
     def vllm_executable(self) -> str:
         return self.vllm.executable
+
+    @property
+    def workers_share_devices(self) -> bool:
+        """Instances own their devices and parallel workers lease them from one another: an
+        instance kept up in one worker keeps the others off its devices."""
+        return self.platform.exclusive_devices and self.workers > 1

@@ -354,8 +354,10 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     after = epd_group(nextitem)
     if after is not None and after.instances == here.instances:
         return
-    if here.topology == "baseline":
+    if here.topology == "baseline" and not pool.settings.workers_share_devices:
         return  # small; stopped when memory is needed, and fuzzing or load may still use it
+    # Where workers share devices, a baseline kept up would keep the others' calibrations off
+    # its device for this worker's whole session (found in review).
     pool.release(here.topology)
 
 
