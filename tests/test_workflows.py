@@ -282,6 +282,71 @@ def test_gpu_workflows_install_vllms_precompiled_kernels_where_the_release_has_t
     assert "::warning::vllm download-kernels failed" in out
 
 
+SOURCE_STEP = "vLLM's source tree"
+FAKE_GIT = """#!/bin/bash
+echo "git $*" >> "$CALLS"
+"""
+
+
+def run_source_step(workflow: str, tmp_path: Path, spec: str, version: str):
+    """The workflow's source-tree step, by bash, with a stand-in git and a venv whose vLLM has
+    `version`; (exit, the git calls, what it appended to $GITHUB_ENV)."""
+    (step,) = [s for s in all_steps(load(workflow)) if s.get("name", "").startswith(SOURCE_STEP)]
+    venv, bin_dir = tmp_path / "venv", tmp_path / "bin"
+    (venv / "bin").mkdir(parents=True)
+    bin_dir.mkdir()
+    python = venv / "bin" / "python"
+    python.write_text(f"#!/bin/bash\necho {version}\n")
+    git = bin_dir / "git"
+    git.write_text(FAKE_GIT)
+    for tool in (python, git):
+        tool.chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "VENV": str(venv),
+        "VLLM_SPEC": spec,
+        "DEFAULT_VLLM": "0.32.0",
+        "CALLS": str(tmp_path / "calls"),
+        "GITHUB_ENV": str(tmp_path / "github_env"),
+    }
+    done = subprocess.run(
+        ["bash", "-e", "-c", step["run"]],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
+    written = (tmp_path / "github_env").read_text() if (tmp_path / "github_env").exists() else ""
+    return done.returncode, calls, written
+
+
+@pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])
+@pytest.mark.parametrize(
+    "spec, version, checkout",
+    [
+        ("a" * 40, "0.33.0.dev12+gaaaaaaaa", "a" * 40),  # a commit's wheels
+        ("https://w/vllm-x.whl", "0.33.0rc1.dev901+g2f3f441f8", "2f3f441f8"),  # a dev wheel
+        ("https://w/vllm-0.32.0.whl", "0.32.0+cu129", None),  # a release's wheel: its sdist
+        ("0.32.0", "0.32.0", None),
+    ],
+)
+def test_a_development_build_gets_its_own_source_tree(
+    name: str, tmp_path: Path, spec: str, version: str, checkout: str | None
+) -> None:
+    """A development build has no sdist: its proxy and correctness script come from its own
+    tree (--epd-vllm-source). Found in review: a dev build given as a wheel URL got none, and
+    the nightly's vLLM-proxy scenarios and upstream parity failed for it."""
+    code, calls, written = run_source_step(name, tmp_path, spec, version)
+    assert code == 0, calls
+    if checkout is None:
+        assert (calls, written) == ([], "")
+    else:
+        assert calls[-1] == f"git -C vllm-src checkout --quiet {checkout}", calls
+        assert written == f"VLLM_SOURCE={tmp_path}/vllm-src\n"
+
+
 # --- cherry-pick.yml -------------------------------------------------------------------------
 
 
@@ -299,7 +364,7 @@ def test_cherry_pick_takes_a_vllm_and_a_release_ref() -> None:
 def test_cherry_pick_gives_a_commits_build_its_own_vllm_tree() -> None:
     workflow = load("cherry-pick.yml")
     assert '--epd-vllm-source "$VLLM_SOURCE"' in run_text(workflow)
-    assert 'git -C vllm-src checkout --quiet "$VLLM_SPEC"' in run_text(workflow)
+    # which builds get a tree: test_a_development_build_gets_its_own_source_tree
 
 
 def test_cherry_pick_runs_the_full_matrix() -> None:
