@@ -163,3 +163,49 @@ def test_a_scenario_is_sent_as_the_run_says_unless_it_streams_itself(run_streams
     assert [body.get("stream", False) for body in plain] == [run_streams]
     streamed = sent_by_matrix(Scenario("s", "1E+1PD", (spec,), stream=True), run_streams)
     assert [body.get("stream") for body in streamed] == [True]
+
+
+def test_a_round_robin_that_left_an_encoder_idle_fails_its_cases_in_every_artifact(
+    tmp_path,
+) -> None:
+    """The scenario's check is a guard of each of its cases, judged on the one path: found in
+    review, kept apart it failed the exit code while summary.json, verdicts.txt and the
+    report said every case passed."""
+    import json
+    from types import SimpleNamespace
+
+    from harness.report.run_outputs import write_run_outputs
+    from harness.run.judging import Observed
+    from harness.run.matrix import MatrixRun
+    from harness.spec.topology import Role
+    from harness.testing.builders import chat
+
+    scenario = get_scenario("ec-two-encoders-round-robin")
+    records: list = []
+
+    def add_records(label, seen, new_records):
+        records.extend(new_records)
+        write_run_outputs(tmp_path, records, {label: {o.prompt: o for o in seen}}, {}, {})
+
+    def judge(topology, seen, **_):
+        same = Outcome(seen.outcome.prompt, result=chat((5, 6)))
+        return [judged(f"2E+1PD:{scenario.name}", "baseline", same, seen.outcome, seen.guards)]
+
+    sweep = SimpleNamespace(
+        baseline=SimpleNamespace(outcomes={p.name: None for p in scenario.prompts}),
+        judging=SimpleNamespace(judge=judge),
+        add_records=add_records,
+    )
+    encoders = [SimpleNamespace(name=f"2E+1PD/encoder{i}", role=Role.ENCODER) for i in (0, 1)]
+    pd = SimpleNamespace(name="2E+1PD/pd0", role=Role.PREFILL_DECODE)
+    session = SimpleNamespace(topology=None, instances=[*encoders, pd])
+    only_encoder0 = SimpleNamespace(
+        instance="2E+1PD/encoder0", status=200, to_json=lambda: {"instance": "2E+1PD/encoder0"}
+    )
+    observed = [
+        Observed(Outcome(p.name, result=chat((5, 6)), taps=[only_encoder0]), ())
+        for p in scenario.prompts
+    ]
+    result = MatrixRun(sweep)._judge(scenario, session, observed)
+    assert {record.verdict for record in result.records} == {Verdict.VACUOUS}
+    assert json.loads((tmp_path / "summary.json").read_text())["passed"] is False
