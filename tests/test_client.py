@@ -135,6 +135,28 @@ def test_null_token_ids_mentions_return_token_ids() -> None:
         parse_chat_response(body)
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("token_ids", ["<img src=x onerror=alert(1)>"]),
+        ("token_ids", [1.5]),
+        ("token_ids", [True]),
+        ("prompt_token_ids", "1 2 3"),
+        ("prompt_token_ids", [{"id": 1}]),
+    ],
+)
+def test_ids_that_are_not_integers_are_a_broken_answer(field: str, value: object) -> None:
+    """Found in review: markup in an answer's ids reached report.html as markup (and a float
+    would have been truncated in a stream)."""
+    body = copy.deepcopy(RECORDED_BODY)
+    if field == "token_ids":
+        body["choices"][0]["token_ids"] = value
+    else:
+        body["prompt_token_ids"] = value
+    with pytest.raises(ValueError, match=f"the answer's {field} are not a list of integers"):
+        parse_chat_response(body)
+
+
 def test_no_choices_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="return_token_ids"):
         parse_chat_response(body_with(choices=[]))

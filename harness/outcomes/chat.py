@@ -89,6 +89,17 @@ def position_logprobs(entry: dict[str, Any]) -> PositionLogprobs:
     )
 
 
+def integer_ids(ids: Any, what: str) -> tuple[int, ...]:
+    """`ids` as token ids: a list of integers, or ValueError. Ids are compared, stored and
+    shown (report.html): anything else is a broken answer, never data to carry (found in
+    review: markup in an answer's ids reached the HTML report; a float would be truncated)."""
+    if not isinstance(ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in ids
+    ):
+        raise ValueError(f"the answer's {what} are not a list of integers: {str(ids)[:200]}")
+    return tuple(ids)
+
+
 def parse_chat_response(body: dict[str, Any]) -> ChatResult:
     """Reduce a vLLM chat completion JSON body to a ChatResult; fail on a missing field."""
     try:
@@ -101,13 +112,15 @@ def parse_chat_response(body: dict[str, Any]) -> ChatResult:
         ) from None
     if token_ids is None or prompt_token_ids is None:
         raise ValueError("response carries null token ids: was return_token_ids honoured?")
+    prompt_token_ids = integer_ids(prompt_token_ids, "prompt_token_ids")
+    token_ids = integer_ids(token_ids, "token_ids")
     positions = [
         position_logprobs(entry) for entry in (choice.get("logprobs") or {}).get("content") or []
     ]
     details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
     return ChatResult(
-        prompt_token_ids=tuple(prompt_token_ids),
-        token_ids=tuple(token_ids),
+        prompt_token_ids=prompt_token_ids,
+        token_ids=token_ids,
         text=(choice.get("message") or {}).get("content") or "",
         finish_reason=choice.get("finish_reason"),
         logprobs=tuple(positions),

@@ -21,7 +21,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harness.outcomes.chat import ChatResult, PositionLogprobs, position_logprobs
+from harness.outcomes.chat import ChatResult, PositionLogprobs, integer_ids, position_logprobs
 
 DONE = "[DONE]"
 EVENT_STREAM = "text/event-stream"
@@ -177,7 +177,9 @@ def _read_chunk(
         if reading.prompt_token_ids is not None:
             record.problems.append(f"chunk {record.chunks} carries prompt_token_ids again")
         else:
-            reading.prompt_token_ids = list(chunk["prompt_token_ids"])
+            reading.prompt_token_ids = list(
+                integer_ids(chunk["prompt_token_ids"], "prompt_token_ids")
+            )
     usage = chunk.get("usage")
     if isinstance(usage, dict) and not chunk.get("choices"):
         if reading.usage_seen:
@@ -211,7 +213,7 @@ def _read_chunk(
     if ids:
         record.token_chunks += 1
         record.first_token_s = seconds if record.first_token_s is None else record.first_token_s
-        reading.token_ids += [int(i) for i in ids]
+        reading.token_ids += integer_ids(ids, "token_ids")
         record.ids_counted += len(ids)
     entries = (choice.get("logprobs") or {}).get("content") or []
     reading.logprob_entries += len(entries)

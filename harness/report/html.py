@@ -197,13 +197,13 @@ def _token_ids(ids: Sequence[int], divergence: int | None, anchor: str) -> str:
         if divergence is not None and position == divergence:
             spans.append(
                 f'<span class="t diverge" id="{anchor}" title="position {position}: first '
-                f'divergence">{tid}</span>'
+                f'divergence">{escape(str(tid))}</span>'
             )
         else:
             after = divergence is not None and position > divergence
             spans.append(
                 f'<span class="t{" after" if after else ""}" title="position {position}">'
-                f"{tid}</span>"
+                f"{escape(str(tid))}</span>"
             )
     if divergence is not None and divergence >= len(ids):
         spans.append(
