@@ -27,15 +27,25 @@ def redact_env(env: Mapping[str, str]) -> dict[str, str]:
     return {name: REDACTED if is_secret_name(name) else value for name, value in env.items()}
 
 
+def _secret_assignment(arg: str) -> str | None:
+    """The value of a `NAME=VALUE` argument whose NAME is a secret's (`--ray-instance-env
+    HF_TOKEN=...`), else None."""
+    name, eq, value = arg.partition("=")
+    is_name = name.replace("_", "a").isalnum() and not name[:1].isdigit()
+    return value if eq and is_name and is_secret_name(name) else None
+
+
 def redact_argv(argv: Sequence[str]) -> list[str]:
-    """`--api-key X` and `--api-key=X` keep the flag and lose the value."""
+    """`--api-key X` and `--api-key=X` keep the flag and lose the value; so does a `NAME=VALUE`
+    argument whose NAME is a secret's (found in review: `--ray-instance-env HF_TOKEN=...`
+    reached run.json)."""
     redacted: list[str] = []
     hide_next = False
     for arg in argv:
         flag, eq, _ = arg.partition("=")
         if hide_next:
             redacted.append(REDACTED)
-        elif eq and flag in SECRET_FLAGS:
+        elif eq and (flag in SECRET_FLAGS or _secret_assignment(arg) is not None):
             redacted.append(f"{flag}={REDACTED}")
         else:
             redacted.append(arg)
@@ -48,4 +58,5 @@ def secret_values(env: Mapping[str, str], argv: Sequence[str]) -> set[str]:
     values = {value for name, value in env.items() if is_secret_name(name)}
     values |= {new for old, new in zip(argv, argv[1:]) if old in SECRET_FLAGS}
     values |= {arg.partition("=")[2] for arg in argv if arg.partition("=")[0] in SECRET_FLAGS}
+    values |= {value for arg in argv if (value := _secret_assignment(arg))}
     return values

@@ -249,6 +249,46 @@ def test_redact_argv_hides_credential_flags_only():
     ]
 
 
+def test_a_credential_handed_to_ray_instances_stays_out_of_every_file(tmp_path, monkeypatch):
+    """`--ray-instance-env HF_TOKEN=...`: found in review, its value reached run.json and
+    report.html (the argv and the launcher's record)."""
+    import sys
+
+    token = "hf_handed_to_the_nodes_4242"
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    argv = ["epd-harness", "run", "--launcher", "ray", "--ray-instance-env", f"HF_TOKEN={token}"]
+    monkeypatch.setattr(sys, "argv", argv)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    settings = RunSettings(
+        ServingConfig(model=str(tmp_path / "no-model")),
+        run_dir,
+        vllm=ServedVllm("/venv/bin/vllm", "0.32.0+cpu", "2.9.1+cpu"),
+        launcher=LauncherChoice("ray", instance_env=(("HF_TOKEN", token), ("UCX_TLS", "tcp"))),
+    )
+    info = write_run_info(settings, (TOPOLOGIES["1P+1D"],), SKELETON_PROMPTS[:1])
+    write_bundle(run_dir, [], {}, info)
+    leaked = [p.name for p in run_dir.rglob("*") if p.is_file() and token in p.read_text()]
+    assert leaked == []
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["launcher"]["instance_env"] == {"HF_TOKEN": REDACTED, "UCX_TLS": "tcp"}
+    assert run["harness_argv"][-1] == f"HF_TOKEN={REDACTED}"
+
+
+def test_a_rerun_takes_a_credential_run_json_did_not_keep_from_its_environment(
+    tmp_path, monkeypatch
+):
+    from harness.run.repro import Bundle, BundleError
+
+    run = {"launcher": {"kind": "ray", "instance_env": {"HF_TOKEN": REDACTED, "UCX_TLS": "tcp"}}}
+    bundle = Bundle(tmp_path, run, {}, [])
+    monkeypatch.setenv("HF_TOKEN", "hf_here_now")
+    assert bundle.launcher.instance_env == (("HF_TOKEN", "hf_here_now"), ("UCX_TLS", "tcp"))
+    monkeypatch.delenv("HF_TOKEN")
+    with pytest.raises(BundleError, match="set HF_TOKEN in this environment"):
+        bundle.launcher  # noqa: B018 - the property is what is read
+
+
 def test_junit_xml_has_one_testcase_per_record_and_a_failure_per_failed_policy(tmp_path):
     records, _ = sample_run()
     write_junit_xml(tmp_path, records)

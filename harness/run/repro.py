@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shlex
 import signal
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.judge.records import CaseRecord
+from harness.redact import REDACTED
 from harness.run.pool import TopologyPool
 from harness.run.scenarios import MATRIX, SendMode
 from harness.run.sweep import Sweep, SweepSpec
@@ -114,7 +116,10 @@ class Bundle:
             ray_address=recorded.get("ray_address"),
             placement=recorded.get("placement") or SPREAD_PLACEMENT,
             shared_dir=Path(shared) if shared else None,
-            instance_env=tuple((recorded.get("instance_env") or {}).items()),
+            instance_env=tuple(
+                (name, _unredacted(name, value))
+                for name, value in (recorded.get("instance_env") or {}).items()
+            ),
         )
 
     @property
@@ -168,6 +173,19 @@ class Bundle:
         if wanted:
             raise BundleError(f"{self.path}: no case {wanted!r}")
         raise BundleError(f"{self.path}: every case passed; name one with --case TOPOLOGY:PROMPT")
+
+
+def _unredacted(name: str, value: str) -> str:
+    """A recorded instance variable; a credential run.json kept out comes from this
+    environment, which must have it."""
+    if value != REDACTED:
+        return value
+    if name not in os.environ:
+        raise BundleError(
+            f"the bundle's run gave its Ray instances {name}, a credential run.json does not "
+            f"keep: set {name} in this environment to rerun it"
+        )
+    return os.environ[name]
 
 
 def reproduce(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.redact import redact_env
 from harness.spec.attach import AttachSpec
 from harness.spec.generations import NEWEST, ProtocolGeneration
 from harness.spec.platforms import CPU, DEFAULT_CPU_CORES, PlatformProfile
@@ -143,7 +144,8 @@ class LauncherChoice:
             "ray_address": self.ray_address,
             "placement": self.placement if self.kind == RAY_LAUNCHER else None,
             "shared_dir": str(self.shared_dir) if self.shared_dir else None,
-            "instance_env": dict(self.instance_env),
+            # A credential handed to the nodes stays out of the artifacts (found in review).
+            "instance_env": redact_env(dict(self.instance_env)),
         }
 
 
