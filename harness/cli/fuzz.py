@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,7 @@ def _refuse(args: argparse.Namespace) -> None:
     if args.topology == "baseline":
         raise BadInput("--topology baseline: the baseline is the reference; name an EPD topology")
     counts = (args.confirm_known, args.max_shrink_trials, args.max_restarts, args.max_run_restarts)
-    if min(counts) < 0 or args.budget_s <= 0:
+    if min(counts) < 0 or not (math.isfinite(args.budget_s) and args.budget_s > 0):
         raise BadInput(
             "--confirm-known, --max-shrink-trials, --max-restarts and --max-run-restarts must "
             "be >= 0, --budget-s > 0"

@@ -7,6 +7,7 @@ bounds; a planted kill ended every request in flight as it must), 1 otherwise, 2
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 from harness.cli.serving_options import (
@@ -39,7 +40,7 @@ def load_spec_from_args(args: argparse.Namespace, topology: str) -> LoadSpec:
     """The load asked for, its flags checked against each other (BadInput, one line)."""
     if args.requests < 1 or args.concurrency < 1:
         raise BadInput("--requests and --concurrency must be at least 1")
-    if args.duration is not None and args.duration <= 0:
+    if args.duration is not None and not (math.isfinite(args.duration) and args.duration > 0):
         raise BadInput("--duration is the soak's length in seconds: give a positive number")
     if args.media < MIN_DISTINCT_MEDIA:
         raise BadInput(f"--media: a load mix needs at least {MIN_DISTINCT_MEDIA} distinct media")

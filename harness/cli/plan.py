@@ -28,7 +28,7 @@ from pathlib import Path
 from harness.cli.serving_options import add_connector_options
 from harness.environment import DEFAULT_PORT_RANGE, cache_dir
 from harness.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
-from harness.preflight.config import NO_ENFORCE_EAGER_ON_CPU
+from harness.preflight.config import COLOCATE_ON_CPU, NO_ENFORCE_EAGER_ON_CPU
 from harness.preflight.connectors import ec_connector_for, kv_connector_for
 from harness.preflight.model import cached_snapshot, hf_hub_cache
 from harness.preflight.vllm import default_vllm_executable
@@ -364,6 +364,8 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
     platform = get_platform(args.platform)
     if args.no_enforce_eager and not platform.exclusive_devices:
         raise PlanInputError(NO_ENFORCE_EAGER_ON_CPU)
+    if args.colocate and not platform.exclusive_devices:  # `run` refuses it; so does its plan
+        raise PlanInputError(COLOCATE_ON_CPU)
     if args.devices is None:
         if platform.exclusive_devices:
             raise PlanInputError(

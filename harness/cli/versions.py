@@ -269,10 +269,29 @@ def explained(case: dict[str, Any]) -> bool:
     return bool(case.get("policy_passed")) or case["verdict"] == "NOT_APPLICABLE"
 
 
+def ran_through(run: ReleaseRun) -> bool:
+    """The release's run ended as a finished sweep does: exit 0, or exit 1 for cases that are
+    NOT_APPLICABLE on it (which `run` counts as failures). Any other exit (a run killed part
+    way, one that could not start and left an earlier attempt's summary.json) is not read
+    from its summary (found in review: such a release passed the matrix)."""
+    if run.exit_code == 0:
+        return True
+    not_passed = [c for c in run.cases if not c.get("policy_passed")]
+    return (
+        run.exit_code == 1
+        and bool(not_passed)
+        and all(c["verdict"] == "NOT_APPLICABLE" for c in not_passed)
+    )
+
+
 def matrix_passed(runs: list[ReleaseRun]) -> bool:
-    """Every release produced cases, and each is a pass or explained by the table (a release's
-    own exit code also fails on NOT_APPLICABLE, which the matrix counts as explained)."""
-    return all(r.cases and not r.failure and all(explained(c) for c in r.cases) for r in runs)
+    """Every release's run went through, produced cases, and each is a pass or explained by
+    the table (a release's own exit code also fails on NOT_APPLICABLE, which the matrix
+    counts as explained)."""
+    return all(
+        r.cases and not r.failure and ran_through(r) and all(explained(c) for c in r.cases)
+        for r in runs
+    )
 
 
 def command_versions(args: argparse.Namespace) -> int:
@@ -470,5 +489,18 @@ def add_goldens_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
 
 
 def refuse_conflicts(args: argparse.Namespace) -> None:
-    if args.install_only and (args.topology or args.prompt or args.golden):
-        raise BadInput("--install-only runs no sweep; drop --topology, --prompt and --golden")
+    if args.install_only and (
+        args.topology or args.prompt or args.golden or args.baseline_cache or args.lock_file
+    ):
+        raise BadInput(
+            "--install-only runs no sweep; drop --topology, --prompt, --golden, "
+            "--baseline-cache and --lock-file"
+        )
+
+    # Each release's run would refuse an unknown name only after its venv was built (minutes,
+    # GBs): refused here first (found in review).
+    def each(values: list[str] | None) -> list[str]:
+        return [name.strip() for value in values or () for name in value.split(",") if name.strip()]
+
+    names.check_topologies(each(args.topology))
+    names.check_prompts(each(args.prompt))

@@ -90,7 +90,13 @@ class Bundle:
             run, requests, summary = (json.loads((path / n).read_text()) for n in BUNDLE_FILES)
         except json.JSONDecodeError as exc:
             raise BundleError(f"{path}: a bundle file is not JSON: {exc}") from None
-        return cls(path=path, run=run, requests=requests, cases=summary.get("cases", []))
+        for name, document in zip(BUNDLE_FILES, (run, requests, summary)):
+            if not isinstance(document, dict):
+                raise BundleError(f"{path / name}: not a bundle's: a JSON object was expected")
+        cases = summary.get("cases", [])
+        if not isinstance(cases, list) or not all(isinstance(c, dict) for c in cases):
+            raise BundleError(f"{path / 'summary.json'}: 'cases' is not a list of records")
+        return cls(path=path, run=run, requests=requests, cases=cases)
 
     def serving(self) -> ServingConfig:
         fields = {f.name for f in dataclasses.fields(ServingConfig)}

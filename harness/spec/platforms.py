@@ -158,7 +158,7 @@ def parse_devices(text: str) -> tuple[int, ...]:
     for entry in entries:
         if not entry:
             raise DevicePlanError(f"empty entry in device list {text!r}")
-        if not entry.isdigit():
+        if not (entry.isascii() and entry.isdigit()):  # '²' is a digit to isdigit(), not int()
             raise DevicePlanError(
                 f"device {entry!r} in {text!r} is not a non-negative integer index"
             )
