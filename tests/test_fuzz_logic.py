@@ -650,3 +650,91 @@ def test_shrinking_keeps_a_request_long_enough_to_move_kv(tmp_path: Path) -> Non
     assert "25 prompt tokens, under the space's 34" in engine.too_short(short)
     long_enough = Evaluation(spec, {}, Outcome(prompt="p"), "judged", PromptLayout(34, (), 32))
     assert engine.too_short(long_enough) is None
+
+
+# -- found in review ---------------------------------------------------------------------------
+
+
+def review_mismatch() -> CaseRecord:
+    detail = "generated tokens differ at position 3 of 9/9"
+    return case_record(
+        "1E+1P+1D", "ex-0001", Verdict.MISMATCH, False, detail=detail, explanation=detail
+    )
+
+
+def test_a_releases_encoder_failure_does_not_hide_a_mismatch_of_a_topology_without_encoder():
+    """0.30's video declaration is of its encoder path; on 1P+1D the rule had no trigger, so
+    every generated-ids MISMATCH there, text-only included, was 'known'."""
+    text_only = PromptSpec("t", (TextPart(" one two three"),))
+    rules = rules_for(TOPOLOGIES["1P+1D"], "ExampleConnector", GENERATIONS_BY_NAME["by-hash"])
+    assert not recognise(rules, review_mismatch(), text_only, None).known
+
+
+def test_a_saved_scenario_is_known_for_its_own_request_shape_only(tmp_path: Path, monkeypatch):
+    """A found scenario's evidence is as broad as "generated tokens differ": by verdict and
+    evidence alone it called every later MISMATCH known (found in review)."""
+    import harness.run.fuzz.known as known_module
+    from harness.run.scenarios import MATRIX
+
+    saved = PromptSpec("ex-0007", (ImagePart(seed=1, size=(28, 28)), TextPart(" hi")))
+    record = review_mismatch()
+    evaluation = Evaluation(saved, {}, Outcome(prompt=saved.name), "judged", record=record)
+    evaluation.signature = signature_of(record)
+    evaluation.recognition = Recognition(None)
+    group = FailureGroup(evaluation.signature, evaluation.recognition, [evaluation], evaluation)
+    path = tmp_path / "found.json"
+    save_scenarios([group], "1E+1PD", {"seed": 0, "vllm": "0.32.0"}, "vLLM #1: x", path=path)
+    monkeypatch.setattr(known_module, "MATRIX", MATRIX + found_scenarios(path))
+    rules = rules_for(TOPOLOGIES["1E+1PD"], "ExampleConnector", NEWEST)
+    again = PromptSpec("ex-0099", (ImagePart(seed=5, size=(28, 28)), TextPart(" hi")))
+    assert recognise(rules, record, again, None).known  # the same shape, other pixels
+    other = PromptSpec("ex-0042", (ImagePart(seed=1, size=(448, 448)), TextPart(" what")))
+    recognition = recognise(rules, record, other, None)
+    assert not recognition.known and recognition.outside_trigger is not None
+
+
+def test_a_drift_the_runs_policy_accepts_is_no_failure() -> None:
+    """Under pd-drift a P->D near tie passes; the fuzzer grouped it as a new failure."""
+    from harness.run.fuzz.signature import is_failure
+
+    def drift(passed: bool) -> CaseRecord:
+        return case_record("1P+1D", "ex-0001", Verdict.DRIFT, passed, detail="drift")
+
+    assert not is_failure(drift(True)) and is_failure(drift(False))
+    assert is_failure(review_mismatch())
+
+
+@pytest.mark.parametrize("how", ["budget", "baseline-rejected"])
+def test_a_fuzz_run_that_judged_nothing_fails(tmp_path: Path, monkeypatch, how: str, capsys):
+    """A budget spent before the first example, or a baseline that answers nothing: found in
+    review, such a run that tested nothing exited 0."""
+    from types import SimpleNamespace
+
+    from harness.cli import fuzz as fuzz_cli
+    from harness.cli.main import Progress, build_parser
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    settings = RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "model")),
+        run_dir=tmp_path / "run",
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+    )
+    config = SimpleNamespace(settings=settings, topologies=(TOPOLOGIES["1E+1PD"],))
+    monkeypatch.setattr(fuzz_cli, "prepare_run", lambda request: config)
+    monkeypatch.setattr(FuzzEngine, "__enter__", lambda self: self)  # nothing is started
+    argv = ["fuzz", "--topology", "1E+1PD", "--examples", "3", "--seed", "0"]
+    if how == "budget":
+        argv += ["--budget-s", "1e-9"]
+    else:
+
+        def rejected(self, spec):
+            return Evaluation(spec, {}, Outcome(spec.name, error="HTTP 404"), "baseline-rejected")
+
+        monkeypatch.setattr(FuzzEngine, "ask_baseline", rejected)
+    args = build_parser().parse_args(argv)
+    args.progress = Progress()
+    assert fuzz_cli.command_fuzz(args) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    status = "not-sent" if how == "budget" else "baseline-rejected"
+    assert last == f"epd-harness fuzz: no example was judged (3 {status}): the run tested nothing"

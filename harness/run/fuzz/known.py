@@ -14,6 +14,7 @@ knows will kill D again (each kill costs a restart) once the prediction has been
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -123,8 +124,9 @@ def rules_for(
         if declared_for(TOPOLOGIES[s.topology], topology)
     ]
     rules = [r for r in rules if r is not None]
-    for failure in generation.known_failures:
-        rules.append(_generation_rule(generation, topology, failure))
+    if topology.encoders:  # a release's failures are of its encoder path (`known_failure`)
+        for failure in generation.known_failures:
+            rules.append(_generation_rule(generation, topology, failure))
     return rules
 
 
@@ -142,6 +144,15 @@ def _scenario_rule(scenario: Scenario) -> KnownRule | None:
     if Verdict.MATCH in scenario.expect:
         return None
     text, trigger = SCENARIO_TRIGGERS.get(scenario.name, ("", None))
+    if trigger is None:
+        # A scenario `fuzz --save` wrote: its evidence is as broad as "generated tokens
+        # differ", so by verdict and evidence alone it would call every later failure of its
+        # verdict known (found in review). It stands for its own request: the same parts, any
+        # media seeds.
+        text, trigger = (
+            "a request of its shape (the same parts, any media seeds)",
+            _same_shape(scenario),
+        )
     return KnownRule(
         name=f"scenario {scenario.name}",
         verdict=scenario.expect[0].value,
@@ -150,6 +161,21 @@ def _scenario_rule(scenario: Scenario) -> KnownRule | None:
         trigger_text=text,
         trigger=trigger,
     )
+
+
+def _shape(spec: PromptSpec) -> tuple:
+    return tuple(
+        dataclasses.replace(part, seed=0) if hasattr(part, "seed") else part for part in spec.parts
+    )
+
+
+def _same_shape(scenario: Scenario) -> Trigger:
+    shapes = {_shape(prompt) for prompt in scenario.prompts}
+
+    def trigger(spec: PromptSpec, layout: PromptLayout | None) -> bool:
+        return _shape(spec) in shapes
+
+    return trigger
 
 
 def _generation_rule(
@@ -164,7 +190,7 @@ def _generation_rule(
         evidence=failure.evidence,
         reason=failure.reason,
         trigger_text=f"{failure.media} through an encoder on {generation.version_range}",
-        trigger=trigger if topology.encoders else None,
+        trigger=trigger,
     )
 
 
