@@ -209,3 +209,39 @@ def test_a_round_robin_that_left_an_encoder_idle_fails_its_cases_in_every_artifa
     result = MatrixRun(sweep)._judge(scenario, session, observed)
     assert {record.verdict for record in result.records} == {Verdict.VACUOUS}
     assert json.loads((tmp_path / "summary.json").read_text())["passed"] is False
+
+
+def test_a_scenario_the_served_release_cannot_run_is_not_applicable_and_sends_nothing() -> None:
+    """On 0.27-0.30 a scenario with media was sent and ERRORed or MISMATCHed for reasons the
+    sweep declares (found in review). Its requests belong together: one request the release
+    cannot run makes the whole scenario NOT_APPLICABLE, none sent."""
+    from types import SimpleNamespace
+
+    from harness.judge.verdicts import not_applicable_case
+    from harness.run.matrix import MatrixRun
+
+    scenario = get_scenario("ec-same-image-across-requests")
+    added: list = []
+
+    def never(*args, **kwargs):
+        raise AssertionError("nothing may start or be sent")
+
+    judging = SimpleNamespace(
+        not_applicable=lambda topology, spec: "raw-media: no metadata" if spec.parts else None,
+        not_applicable_record=lambda label, prompt, why: not_applicable_case(
+            label, prompt, "baseline", why
+        ),
+    )
+    sweep = SimpleNamespace(
+        settings=SimpleNamespace(serving=SimpleNamespace(kv_connector="ExampleConnector")),
+        judging=judging,
+        serve_baseline=never,
+        pool=SimpleNamespace(session=never),
+        add_records=lambda label, outcomes, records: added.extend(records),
+    )
+    result = MatrixRun(sweep).run(scenario)
+    assert [r.verdict for r in result.records] == [Verdict.NOT_APPLICABLE] * len(scenario.prompts)
+    assert not any(r.policy_passed for r in result.records) and added == result.records
+    assert result.records[1].detail.endswith(
+        f"with {scenario.prompts[0].name}: raw-media: no metadata"
+    )
