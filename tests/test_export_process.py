@@ -195,11 +195,8 @@ def test_run_sh_baseline_checks_the_expected_ids_on_a_monolithic_server(
     assert_nothing_left(out, env)
 
 
-def test_serve_sh_stops_every_group_on_sigterm_even_a_server_that_ignores_it(
-    tmp_path: Path, leased_ports: TakePorts
-) -> None:
-    out = export_case(tmp_path)
-    env = environment(leased_ports, tmp_path, "encoder:fork-child;decode:ignore-term")
+def serving(out: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    """serve.sh in a session of its own, once everything it starts answers."""
     serve = subprocess.Popen(
         ["bash", str(out / "serve.sh")],
         cwd=out,
@@ -209,11 +206,23 @@ def test_serve_sh_stops_every_group_on_sigterm_even_a_server_that_ignores_it(
         text=True,
         start_new_session=True,
     )
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not (out / "work/state/ready").exists():
+        if serve.poll() is not None or time.monotonic() > deadline:
+            if serve.poll() is None:
+                os.killpg(serve.pid, signal.SIGKILL)
+            raise AssertionError(f"serve.sh did not get ready: {serve.communicate()[0]}")
+        time.sleep(0.2)
+    return serve
+
+
+def test_serve_sh_stops_every_group_on_sigterm_even_a_server_that_ignores_it(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    out = export_case(tmp_path)
+    env = environment(leased_ports, tmp_path, "encoder:fork-child;decode:ignore-term")
+    serve = serving(out, env)
     try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not (out / "work/state/ready").exists():
-            assert serve.poll() is None and time.monotonic() < deadline, serve.stdout.read()
-            time.sleep(0.2)
         log = (out / "work/logs/encoder0.log").read_text()
         child = int(log.split("CHILD ")[1].split()[0])
         assert pid_alive(child)
@@ -239,20 +248,8 @@ def test_a_second_ctrl_c_while_serve_sh_stops_still_kills_what_ignores_sigterm(
     SIGKILL, and D, in a session of its own, kept running."""
     out = export_case(tmp_path)
     env = environment(leased_ports, tmp_path, "decode:ignore-term")
-    serve = subprocess.Popen(
-        ["bash", str(out / "serve.sh")],
-        cwd=out,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # serve.sh's group stands for the terminal's foreground job
-    )
+    serve = serving(out, env)  # its group stands for the terminal's foreground job
     try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not (out / "work/state/ready").exists():
-            assert serve.poll() is None and time.monotonic() < deadline, serve.stdout.read()
-            time.sleep(0.2)
         os.killpg(serve.pid, signal.SIGINT)
         time.sleep(1)  # within STOP_TIMEOUT (3 s): serve.sh waits for D
         os.killpg(serve.pid, signal.SIGINT)
