@@ -937,4 +937,6 @@ def test_run_topology_baseline_is_refused(bad_run: BadRun) -> None:
 
 def test_run_devices_with_a_digit_int_cannot_read_is_refused(bad_run: BadRun) -> None:
     code, err = bad_run("--devices", "²")
-    assert_one_error_line(code, err, "--devices: device '²' in '²' is not a non-negative integer index")
+    assert_one_error_line(
+        code, err, "--devices: device '²' in '²' is not a non-negative integer index"
+    )

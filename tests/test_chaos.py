@@ -47,6 +47,7 @@ from harness.testing.processes import (
     held_ports,
     kill_all,
     nothing_left_behind,
+    pythons_own_ctrl_c,
     read,
     session_ports,
     survivors,
@@ -259,7 +260,7 @@ def test_a_ctrl_c_during_a_sessions_stop_still_stops_every_server(
     pids = [server.pid for server in servers]
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
     try:
-        with nothing_left_behind([], [], port_locks):
+        with nothing_left_behind([], [], port_locks), pythons_own_ctrl_c():
             timer.start()
             with pytest.raises(KeyboardInterrupt):
                 session.close()

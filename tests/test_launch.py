@@ -611,7 +611,7 @@ def test_a_ctrl_c_while_a_server_is_spawned_leaves_it_tracked(
 
     from harness.serve import launch
     from harness.serve.launch import log_path_for
-    from harness.testing.processes import survivors
+    from harness.testing.processes import pythons_own_ctrl_c, survivors
 
     in_child = launch._in_child
 
@@ -637,10 +637,21 @@ def test_a_ctrl_c_while_a_server_is_spawned_leaves_it_tracked(
     timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with pythons_own_ctrl_c(), pytest.raises(KeyboardInterrupt):
             server.start()
         assert server.pid is not None, "the interrupted spawn's child is not held"
     finally:
         timer.cancel()
         server.stop(grace_s=0.1)
     assert survivors([server.pid]) == []
+
+
+def test_a_cli_run_in_process_gives_back_the_signal_handlers_it_replaced() -> None:
+    """The harness swallows every Ctrl-C after the first while it cleans up; run inside another
+    program (a test's), it must not leave that program so once it returns."""
+    from harness.cli.main import main
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    assert main(["list"]) == 0
+    after = {sig: signal.getsignal(sig) for sig in before}
+    assert after == before

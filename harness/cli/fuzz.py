@@ -211,8 +211,7 @@ def command_fuzz(args: argparse.Namespace) -> int:
     judged = sum(1 for e in report.evaluations if e.status == "judged")
     if not judged:  # found in review: a run that tested nothing ended green
         print(
-            f"epd-harness fuzz: no example was judged ({_statuses(report)}): the run tested "
-            "nothing"
+            f"epd-harness fuzz: no example was judged ({_statuses(report)}): the run tested nothing"
         )
         return EXIT_FAILED
     return EXIT_FAILED if report.new_groups else EXIT_OK

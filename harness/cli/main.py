@@ -55,6 +55,7 @@ from harness.serve.launch import (
     ServerStopFailed,
     StartupTimeout,
     install_signal_handlers,
+    restore_signal_handlers,
 )
 from harness.serve.launcher import end_launchers
 from harness.serve.ports import NoFreePortError
@@ -371,13 +372,14 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         args.progress = progress  # `run` reports server states into it; read on interruption
         install_log_handler()
-        install_signal_handlers()
+        replaced = install_signal_handlers()
         try:
             return args.func(args)
         finally:
             # A Ray connection, and the rehearsal cluster a command started (run, repro, load,
             # fuzz with --launcher ray); a no-op when Ray was never used.
             end_launchers()
+            restore_signal_handlers(replaced)
     except NoFreePortError as exc:
         return fail(f"no free port: {exc}")
     except HarnessError as exc:

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Literal
+from typing import Any, Literal
 
 import psutil
 
@@ -583,7 +583,7 @@ def _stop_through_interrupts(
 
 def install_signal_handlers(
     signals: Sequence[signal.Signals] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP),
-) -> None:
+) -> dict[signal.Signals, Any]:
     """Make SIGINT / SIGTERM / SIGHUP raise KeyboardInterrupt in the main thread, so cleanup
     runs, and only the first of them.
 
@@ -609,8 +609,18 @@ def install_signal_handlers(
             raise KeyboardInterrupt  # as Python's own Ctrl-C: nothing more to say
         raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
 
+    previous = {sig: signal.getsignal(sig) for sig in signals}
     for sig in signals:
         signal.signal(sig, interrupt)
+    return previous
+
+
+def restore_signal_handlers(previous: Mapping[signal.Signals, Any]) -> None:
+    """Put back what `install_signal_handlers` replaced: a CLI run inside another program (a
+    test's, in-process) must not leave that process swallowing its Ctrl-C."""
+    for sig, handler in previous.items():
+        if handler is not None:
+            signal.signal(sig, handler)
 
 
 def await_ready(

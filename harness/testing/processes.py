@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -221,3 +222,14 @@ def session_ports(session) -> list[int]:
     if session.proxy is not None:
         ports.append(int(session.entry_url.rsplit(":", 1)[1]))
     return ports
+
+
+@contextlib.contextmanager
+def pythons_own_ctrl_c() -> Iterator[None]:
+    """Python's own SIGINT handler (KeyboardInterrupt at every Ctrl-C) for a test that sends
+    itself one: whatever an earlier in-process harness run, or the test runner, installed."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
