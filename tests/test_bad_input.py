@@ -332,6 +332,23 @@ MALFORMED_ATTACH_FILES = [
         "http://127.0.0.1:8001 is listed twice: every instance has its own URL",
     ),
     (
+        "twice-other-case.json",
+        {
+            **GOOD_ATTACH,
+            "proxy": "http://proxy.internal:8000",
+            "instances": [
+                {"role": "encoder", "url": "http://Enc.Internal:8001"},
+                {"role": "pd", "url": "http://enc.internal:8001"},
+            ],
+        },
+        "http://Enc.Internal:8001 is listed twice: every instance has its own URL",
+    ),
+    (
+        "port-zero.json",
+        {**GOOD_ATTACH, "proxy": "http://127.0.0.1:0"},
+        "'proxy' 'http://127.0.0.1:0' names no port",
+    ),
+    (
         "connector.json",
         {**GOOD_ATTACH, "kv_connector": "nixl"},
         "'kv_connector' says how P's KV reaches D, and there is no decode instance",

@@ -68,7 +68,9 @@ def load_attach_file(path: str, default_kv_connector: str) -> AttachSpec:
             f"but the instances are {describe_roles(roles)}, which make {topology.name}"
         )
     urls = [proxy_url, *(url for _, url in roles_and_urls)]
-    repeated = next((url for url in urls if urls.count(url) > 1), None)
+    # Host names are case-blind: http://H:2 is http://h:2 (found in review).
+    same = [url.lower() for url in urls]
+    repeated = next((url for url in urls if same.count(url.lower()) > 1), None)
     if repeated is not None:
         raise BadInput(f"{where}: {repeated} is listed twice: every instance has its own URL")
     return AttachSpec(
@@ -128,7 +130,7 @@ def _url(value: Any, at: str) -> str:
             f"{at} {value!r} has a path; give the server's root, e.g. "
             f"{parts.scheme}://{parts.netloc}"
         )
-    if port is None:
+    if not port:  # no port, or port 0, which no server listens on (found in review)
         raise BadInput(f"{at} {value!r} names no port")
     return url
 
