@@ -50,6 +50,7 @@ from harness.testing.processes import (
     pythons_own_ctrl_c,
     read,
     session_ports,
+    sigint_as_at_a_terminal,
     survivors,
     wait_for,
 )
@@ -161,18 +162,6 @@ def when_request_reaches(log: Path, action: Callable[[], None]) -> None:
 
 
 # -- the harness process interrupted ---------------------------------------------------------
-
-
-def sigint_as_at_a_terminal() -> None:
-    """In the child before exec: SIGINT back to its default disposition.
-
-    A process started in the background by a non-interactive shell (`cmd &` in a script, a
-    CI step that backgrounds its job) inherits SIGINT *ignored*, and Python then leaves it
-    ignored: the harness under test would not see the Ctrl-C these tests send (measured: a
-    run of the suite started that way failed both SIGINT tests). What is tested is a harness
-    whose SIGINT is a Ctrl-C, whatever started pytest.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def start_cli(tmp_path: Path, fake: Path, mode: str, *args: str) -> subprocess.Popen[str]:

@@ -27,6 +27,7 @@ from harness.run.export_files import write_export
 from harness.run.export_issue import render_issue
 from harness.run.repro import Bundle
 from harness.testing.fake_vllm import MODE_ENV, install_fake_vllm
+from harness.testing.processes import sigint_as_at_a_terminal
 
 pytestmark = pytest.mark.process
 TakePorts = Callable[[int], list[int]]  # the leased_ports fixture (harness/testing/plugin.py)
@@ -196,7 +197,8 @@ def test_run_sh_baseline_checks_the_expected_ids_on_a_monolithic_server(
 
 
 def serving(out: Path, env: dict[str, str]) -> subprocess.Popen[str]:
-    """serve.sh in a session of its own, once everything it starts answers."""
+    """serve.sh in a session of its own, as from a terminal, once everything it starts
+    answers."""
     serve = subprocess.Popen(
         ["bash", str(out / "serve.sh")],
         cwd=out,
@@ -205,6 +207,7 @@ def serving(out: Path, env: dict[str, str]) -> subprocess.Popen[str]:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        preexec_fn=sigint_as_at_a_terminal,
     )
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not (out / "work/state/ready").exists():

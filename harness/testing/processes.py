@@ -233,3 +233,16 @@ def pythons_own_ctrl_c() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def sigint_as_at_a_terminal() -> None:
+    """A child's preexec_fn: SIGINT back to its default disposition before exec.
+
+    A process started in the background by a non-interactive shell (`cmd &` in a script, a
+    CI step that backgrounds its job, `.ci/run` itself) inherits SIGINT *ignored*, and a shell
+    or Python then leaves it ignored: the program under test would not see the Ctrl-C a test
+    sends (measured: a run of the suite started that way failed the SIGINT tests; the export's
+    double Ctrl-C test once the harness stopped leaving its own handler behind). What is
+    tested is a program whose SIGINT is a Ctrl-C, whatever started pytest.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
