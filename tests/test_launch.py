@@ -655,3 +655,28 @@ def test_a_cli_run_in_process_gives_back_the_signal_handlers_it_replaced() -> No
     assert main(["list"]) == 0
     after = {sig: signal.getsignal(sig) for sig in before}
     assert after == before
+
+
+def test_a_signal_ignored_on_entry_stays_ignored() -> None:
+    """Under nohup SIGHUP is ignored, and a command a script starts in the background ignores
+    SIGINT: the harness keeps that (it takes only what the shell left it)."""
+    script = (
+        "import signal\n"
+        "from harness.serve.launch import install_signal_handlers\n"
+        "replaced = install_signal_handlers()\n"
+        "print(sorted(s.name for s in replaced), signal.getsignal(signal.SIGHUP) == signal.SIG_IGN)\n"
+    )
+
+    def nohup() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=child_env(),
+        preexec_fn=nohup,
+    )
+    assert done.stdout.strip() == "['SIGINT', 'SIGTERM'] True", done.stderr

@@ -603,14 +603,17 @@ def install_signal_handlers(
         """Ignore a repeated signal while the first one's cleanup runs."""
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
-        for sig in signals:
+        for sig in previous:
             signal.signal(sig, swallow)
         if signum == signal.SIGINT:
             raise KeyboardInterrupt  # as Python's own Ctrl-C: nothing more to say
         raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
 
+    # A signal ignored on entry stays ignored: SIGHUP under nohup, SIGINT for a command a
+    # script started in the background (the shell's convention: a Ctrl-C is the foreground's).
     previous = {sig: signal.getsignal(sig) for sig in signals}
-    for sig in signals:
+    previous = {sig: handler for sig, handler in previous.items() if handler != signal.SIG_IGN}
+    for sig in previous:
         signal.signal(sig, interrupt)
     return previous
 
