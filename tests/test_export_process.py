@@ -10,6 +10,7 @@ import contextlib
 import http.server
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -398,3 +399,29 @@ def test_the_shipped_repairs_import_nothing_of_the_harness(tmp_path: Path) -> No
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "epd-harness-amx.pth"
+
+
+def test_a_server_stopped_before_it_made_its_session_is_stopped_all_the_same(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """setsid runs in the child after the fork: a stop right after a start found no group to
+    signal, and serve.sh then waited for ever on that child (found by a fresh-clone CI run,
+    where D's refused port stopped everything a moment after P started). A slow setsid makes
+    the moment long enough to hit every time."""
+    slow = tmp_path / "slow-setsid"
+    slow.mkdir()
+    (slow / "setsid").write_text(f'#!/bin/bash\nsleep 2\nexec {shutil.which("setsid")} "$@"\n')
+    (slow / "setsid").chmod(0o755)
+    out = export_case(tmp_path, verdict="MATCH")
+    env = environment(leased_ports, tmp_path)
+    env["PATH"] = f"{slow}:{env['PATH']}"
+    with socket.socket() as taken:  # D's port: the start is refused at D, P just started
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", int(env["DECODE0_PORT"])))
+        taken.listen()
+        started = time.monotonic()
+        done = run_sh(out, env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert time.monotonic() - started < 30
+    assert "decode0: something already answers" in done.stdout + done.stderr
+    assert_nothing_left(out, env)

@@ -250,6 +250,10 @@ start() {{  # start NAME ROLE URL COMMAND...: its own session and process group,
   log "started $name (pid $!), log $WORK/logs/$name.log"
 }}
 
+signal_server() {{  # signal_server SIGNAL PID: its process group, else the process; 0 if it got it
+  kill "-$1" -- "-$2" 2>/dev/null || kill "-$1" "$2" 2>/dev/null
+}}
+
 stop_all() {{
   local status=$? name deadline
   # A second Ctrl-C (nothing seems to happen while a server ignores SIGTERM) or a TERM that
@@ -257,11 +261,14 @@ stop_all() {{
   # their own, no terminal signal reaches them.
   trap - EXIT
   trap '' INT TERM
-  for name in "${{!PID_OF[@]}}"; do kill -TERM -- "-${{PID_OF[$name]}}" 2>/dev/null || true; done
+  # Its group, and the process itself: a server started a moment ago may not have made its
+  # own session yet (setsid runs in the child after the fork), and then has no group to
+  # signal (found by a fresh-clone CI run: serve.sh waited for ever on such a child).
+  for name in "${{!PID_OF[@]}}"; do signal_server TERM "${{PID_OF[$name]}}" || true; done
   deadline=$((SECONDS + STOP_TIMEOUT))
   for name in "${{!PID_OF[@]}}"; do
-    while kill -0 -- "-${{PID_OF[$name]}}" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
-    if kill -KILL -- "-${{PID_OF[$name]}}" 2>/dev/null; then
+    while signal_server 0 "${{PID_OF[$name]}}" && ((SECONDS < deadline)); do sleep 0.2; done
+    if signal_server KILL "${{PID_OF[$name]}}"; then
       log "$name did not stop within ${{STOP_TIMEOUT}}s of SIGTERM: killed"
     fi
   done
