@@ -26,7 +26,7 @@ from harness.cli.serving_options import (
 )
 from harness.errors import EXIT_FAILED, EXIT_OK, BadInput
 from harness.preflight import RunRequest, prepare_run
-from harness.run.fuzz.engine import FuzzReport, RunBudget
+from harness.run.fuzz.engine import RunBudget
 
 log = logging.getLogger("harness")
 
@@ -208,17 +208,9 @@ def command_fuzz(args: argparse.Namespace) -> int:
         f"{len(examples)} examples, {timing['total_s']} s; artifacts in {settings.run_dir}"
         + (f"; first repro bundle: {group_dirs[0]}" if group_dirs else "")
     )
-    judged = sum(1 for e in report.evaluations if e.status == "judged")
-    if not judged:  # found in review: a run that tested nothing ended green
-        print(
-            f"epd-harness fuzz: no example was judged ({_statuses(report)}): the run tested nothing"
-        )
+    if not any(e.status == "judged" for e in report.evaluations):
+        # Found in review: a run that tested nothing ended green. No record: counted by status.
+        counts = ", ".join(f"{n} {status}" for status, n in sorted(report.counts().items()))
+        print(f"epd-harness fuzz: no example was judged ({counts}): the run tested nothing")
         return EXIT_FAILED
     return EXIT_FAILED if report.new_groups else EXIT_OK
-
-
-def _statuses(report: FuzzReport) -> str:
-    counts: dict[str, int] = {}
-    for evaluation in report.evaluations:
-        counts[evaluation.status] = counts.get(evaluation.status, 0) + 1
-    return ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "none sent"

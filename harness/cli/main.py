@@ -38,7 +38,7 @@ from harness.errors import (
     HarnessError,
 )
 from harness.judge.records import CaseRecord
-from harness.preflight import RunRequest, prepare_run
+from harness.preflight import RunRequest, names, prepare_run
 from harness.preflight.config import RunConfig
 from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_os_error
 from harness.preflight.model import resolve_model
@@ -104,19 +104,12 @@ class Progress:
         return "while " + ", ".join(busy) if busy else "before any server was running"
 
 
-def split_names(values: list[str] | None) -> tuple[str, ...]:
-    names: list[str] = []
-    for value in values or []:
-        names += [v.strip() for v in value.split(",") if v.strip()]
-    return tuple(names)
-
-
 def request_from_args(args: argparse.Namespace) -> RunRequest:
     return RunRequest(
-        topologies=split_names(args.topology),
-        prompts=split_names(args.prompt),
+        topologies=names.split_names(args.topology),
+        prompts=names.split_names(args.prompt),
         cases_file=args.cases_file,
-        scenarios=split_names(args.scenario),
+        scenarios=names.split_names(args.scenario),
         run_dir=args.run_dir,
         golden=args.golden,
         media_dir=args.media_dir,

@@ -499,8 +499,5 @@ def refuse_conflicts(args: argparse.Namespace) -> None:
 
     # Each release's run would refuse an unknown name only after its venv was built (minutes,
     # GBs): refused here first (found in review).
-    def each(values: list[str] | None) -> list[str]:
-        return [name.strip() for value in values or () for name in value.split(",") if name.strip()]
-
-    names.check_topologies(each(args.topology))
-    names.check_prompts(each(args.prompt))
+    names.check_topologies(names.split_names(args.topology))
+    names.check_prompts(names.split_names(args.prompt))

@@ -17,6 +17,15 @@ from harness.spec.prompts import SKELETON_PROMPTS, PromptSpec
 from harness.spec.topology import TOPOLOGIES, Topology
 
 
+def split_names(values: list[str] | None) -> tuple[str, ...]:
+    """Repeated, comma-separated options (`--topology 1E+1PD,1P+1D --topology 1E+1P+1D`) as
+    one tuple of names."""
+    found: list[str] = []
+    for value in values or []:
+        found += [v.strip() for v in value.split(",") if v.strip()]
+    return tuple(found)
+
+
 def check_topologies(names: Iterable[str]) -> tuple[Topology, ...]:
     """Look every name up; the first unknown one is the error, with the known names."""
     return tuple(lookup("topology", name, TOPOLOGIES) for name in names)
