@@ -128,6 +128,11 @@ def run_child(isa: str, mode: str, python: str = sys.executable) -> subprocess.C
 
 
 def main() -> int:
+    if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
+        print(__doc__)
+        return 0
+    if len(sys.argv) not in (1, 3):
+        raise SystemExit(f"usage: {sys.argv[0]} [ISA MODE]  (--help says more)")
     if len(sys.argv) == 3:  # a child: ISA, MODE
         if sys.argv[2] not in MODES:
             raise SystemExit(f"MODE must be one of {', '.join(MODES)}")

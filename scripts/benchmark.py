@@ -21,9 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness.cli.main import split_names
 from harness.outcomes.startup import PHASES, describe_startup_cpu
 from harness.preflight import RunRequest, prepare_run
+from harness.preflight.names import split_names
 from harness.run.sweep import Sweep, SweepResult, SweepSpec
 
 
