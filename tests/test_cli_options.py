@@ -33,3 +33,30 @@ def test_list_names_scenarios_and_faults(epd_cli) -> None:
     assert code == 0
     assert "epd-media-in-decode-tail" in out and "expects ERROR" in out
     assert "corrupt-ec, zero-kv, drop-kv, drop-metadata" in out
+
+
+def subcommand_helps() -> dict[str, str]:
+    import argparse
+
+    from harness.cli.main import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: sub.format_help() for name, sub in subparsers.choices.items()}
+
+
+def test_every_subcommand_shows_its_defaults_and_no_empty_ones() -> None:
+    """Found in review: `fuzz --help` hid that it draws 100 requests with seed 0 and stops at
+    780 s; `load` hid 64 requests at concurrency 16. A default is shown unless the help already
+    names it; a flag's False or an unset None is never shown."""
+    helps = subcommand_helps()
+    flat = {name: " ".join(text.split()) for name, text in helps.items()}
+    assert "requests to draw (default: 100)" in flat["fuzz"]
+    assert "(same seed, same list) (default: 0)" in flat["fuzz"]
+    assert "(default: 780.0)" in flat["fuzz"]
+    assert "per round (default: 64)" in flat["load"]
+    assert "(default: 4096)" in flat["run"]  # --max-model-len, which had no help at all
+    for name, text in flat.items():
+        assert "(default: None)" not in text, name
+        assert "(default: False)" not in text, name
+        assert "(default: [])" not in text, name

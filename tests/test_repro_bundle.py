@@ -160,3 +160,23 @@ def test_repro_speaks_the_protocol_the_run_spoke_on_the_same_vllm(
     assert rerun_settings(root, monkeypatch, "0.32.0+cpu").protocol.name == "by-hash"
     assert rerun_settings(root, monkeypatch, "0.31.0+cpu").protocol.name == "by-hash-indexed"
     assert "the bundle's run spoke protocol by-hash (vLLM 0.32.0+cpu)" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "served, names_versions",
+    [("0.32.0+cpu", False), ("0.31.0+cpu", True)],
+)
+def test_the_verdict_line_names_both_vllms_when_repro_serves_another(
+    tmp_path: Path, served: str, names_versions: bool
+) -> None:
+    """`repro --vllm OTHER` on a bundle: "reproduced" then claims something else than on the
+    bundle's own vLLM, which only a log warning used to say (found in review)."""
+    from harness.run.repro import repro_line
+    from harness.spec.settings import ServedVllm
+
+    root = rerun_bundle(tmp_path / "b", "1E+1PD", served_vllm={"version": "0.32.0+cpu"})
+    bundle = Bundle.load(root)
+    line = repro_line(bundle.pick_case(None), "MISMATCH", bundle, ServedVllm("/v", served))
+    assert line.startswith("1E+1PD / image vs baseline: MISMATCH now, MISMATCH in the bundle: ")
+    assert "reproduced" in line
+    assert ("the bundle served vLLM 0.32.0+cpu, this run 0.31.0+cpu" in line) is names_versions

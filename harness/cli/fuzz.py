@@ -26,6 +26,7 @@ from harness.cli.serving_options import (
 )
 from harness.errors import EXIT_FAILED, EXIT_OK, BadInput
 from harness.preflight import RunRequest, prepare_run
+from harness.run.faults import FAULT_NAMES, FAULT_SYNTAX
 from harness.run.fuzz.engine import RunBudget
 
 log = logging.getLogger("harness")
@@ -49,7 +50,12 @@ def add_fuzz_parser(sub: Any) -> None:
         "(harness/run/found_scenarios.json)",
     )
     fuzz.add_argument("--reason", help="with --save: the upstream cause to declare")
-    fuzz.add_argument("--plant-fault", metavar="FAULT", help="self-test: plant a fault")
+    fuzz.add_argument(
+        "--plant-fault",
+        metavar="FAULT",
+        help=f"self-test: plant a fault ({', '.join(FAULT_NAMES)}) or a graded one "
+        f"({FAULT_SYNTAX}) in the topology; the fuzz must find failures",
+    )
     fuzz.add_argument(
         "--confirm-known",
         type=int,

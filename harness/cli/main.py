@@ -13,7 +13,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from harness.cli import doctor
 from harness.cli.compare import add_compare_parser
@@ -47,7 +47,7 @@ from harness.preflight.vllm import default_vllm_executable, probe_served_vllm
 from harness.report.text import format_failure, format_verdict_table
 from harness.run.faults import FAULT_NAMES, FAULT_SYNTAX, GRADED_FAULTS
 from harness.run.matrix import MatrixRun
-from harness.run.repro import Bundle, BundleError, keep_up, reproduce
+from harness.run.repro import Bundle, BundleError, keep_up, repro_line, reproduce
 from harness.run.scenarios import MATRIX, Scenario
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.launch import (
@@ -67,8 +67,33 @@ from harness.spec.topology import TOPOLOGIES
 log = logging.getLogger("harness")
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already names it: a user
+    reading `fuzz --help` should not have to open the code to learn it draws 100 requests.
+    Flags (default False), unset options (None) and empty repeatables say nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default is None
+            or default is False  # a flag
+            or (isinstance(default, list | tuple) and not default)
+            or default is argparse.SUPPRESS
+            or not action.option_strings
+        ):
+            return action.help
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse, with its usage errors in the harness's one-line form (exit 2 either way)."""
+    """argparse, with its usage errors in the harness's one-line form (exit 2 either way), and
+    its options' defaults shown (`DefaultsShown`), in every subcommand."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsShown)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise BadInput(f"{message} (see '{self.prog} --help')")
@@ -227,9 +252,8 @@ def command_repro(args: argparse.Namespace) -> int:
         own = next((r for r in records if r.reference == case.reference), records[0])
         same = own.verdict.value == case.verdict
         print(
-            f"\nepd-harness: {case.topology} / {case.prompt} vs {case.reference}: "
-            f"{own.verdict.value} now, {case.verdict} in the bundle: "
-            f"{'reproduced' if same else 'NOT reproduced'}; artifacts in {run_dir}"
+            f"\nepd-harness: {repro_line(case, own.verdict.value, bundle, served)}; "
+            f"artifacts in {run_dir}"
         )
         if args.keep_up:
             keep_up(sweep, case.topology)
@@ -317,7 +341,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(func=command_run)
 
-    repro = sub.add_parser("repro", help="rerun a bundle's failing case with identical config")
+    repro = sub.add_parser(
+        "repro",
+        help="rerun a bundle's failing case with its recorded flags, body and protocol (on the "
+        "vLLM given by --vllm; a version other than the bundle's is named in the verdict line)",
+    )
     repro.add_argument("bundle", help="a run directory written by 'epd-harness run'")
     repro.add_argument("--case", help="TOPOLOGY:PROMPT (default: the first failing case)")
     repro.add_argument("--run-dir", help="artifact directory (default: <bundle>-repro)")
@@ -335,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("doctor", help="check that this environment can run vLLM EPD")
     check.add_argument("--model", help="model directory (default: the tiny model)")
-    check.add_argument("--vllm", help="vllm executable")
+    check.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
     check.set_defaults(func=command_doctor)
 
     add_plan_parser(sub)

@@ -404,7 +404,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     parser = subparsers.add_parser(
         "plan",
         help="show every instance's command, env, port and device, and the schedule; start nothing",
-        description=__doc__.splitlines()[0],
+        description=" ".join(__doc__.split("\n\n")[0].split()),
     )
     parser.add_argument("--platform", choices=sorted(PLATFORMS), default="cpu")
     parser.add_argument(

@@ -74,7 +74,12 @@ def add_serving_options(parser: argparse.ArgumentParser) -> None:
         help="EPD protocol generation to speak (default: by the served vLLM's version; see "
         "docs/versions.md)",
     )
-    group.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
+    group.add_argument(
+        "--max-model-len",
+        type=int,
+        default=DEFAULT_MAX_MODEL_LEN,
+        help="every instance's --max-model-len (the baseline's too)",
+    )
     group.add_argument("--platform", default="cpu", help="cpu (default), cuda or xpu")
     group.add_argument(
         "--devices",

@@ -461,7 +461,10 @@ def add_bisect_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     parser.add_argument("case", help="TOPOLOGY:PROMPT, e.g. 1E+1PD:image")
     parser.add_argument("--good", required=True, help="a release with the reference verdict")
     parser.add_argument("--bad", required=True, help="a release whose verdict differs")
-    parser.add_argument("--run-dir", help="one subdirectory per release tried (reused)")
+    parser.add_argument(
+        "--run-dir",
+        help="one subdirectory per release tried (reused; default: runs/bisect-<timestamp>)",
+    )
     parser.add_argument("--lock-file", help="as for 'versions'")
     parser.set_defaults(func=command_bisect)
     return parser

@@ -167,6 +167,11 @@ class Bundle:
         )
         return Sending(streamed, unlike)
 
+    @property
+    def served_version(self) -> str | None:
+        """The vLLM version the bundle's run served, as recorded."""
+        return (self.run.get("served_vllm") or {}).get("version")
+
     def pick_case(self, wanted: str | None) -> ReproCase:
         """The named case (`TOPOLOGY:PROMPT`), else the first that failed its policy."""
         for case in self.cases:
@@ -194,6 +199,22 @@ def _unredacted(name: str, value: str) -> str:
     return os.environ[name]
 
 
+def repro_line(case: ReproCase, verdict_now: str, bundle: Bundle, served: ServedVllm) -> str:
+    """`1E+1PD / image vs baseline: MISMATCH now, MISMATCH in the bundle: reproduced`. On a vLLM
+    other than the bundle's, reproduced (or not) is another claim, so the line names both."""
+    same = verdict_now == case.verdict
+    recorded = bundle.served_version
+    versions = (
+        f" (the bundle served vLLM {recorded}, this run {served.version})"
+        if recorded and recorded != served.version
+        else ""
+    )
+    return (
+        f"{case.topology} / {case.prompt} vs {case.reference}: {verdict_now} now, "
+        f"{case.verdict} in the bundle: {'reproduced' if same else 'NOT reproduced'}{versions}"
+    )
+
+
 def reproduce(
     bundle: Bundle,
     run_dir: Path,
@@ -208,7 +229,7 @@ def reproduce(
     sending = bundle.how_sent(case.label)
     if sending.unlike:
         log.warning("repro: %s", sending.unlike)
-    recorded = (bundle.run.get("served_vllm") or {}).get("version")
+    recorded = bundle.served_version
     settings = RunSettings(
         serving=bundle.serving(),
         run_dir=run_dir,
@@ -243,7 +264,7 @@ def protocol_for(bundle: Bundle, served: ServedVllm) -> ProtocolGeneration:
     the same vLLM serves now; else the one the release serving now speaks, said aloud when it
     is another."""
     spoke = (bundle.run.get("protocol") or {}).get("name")
-    recorded = (bundle.run.get("served_vllm") or {}).get("version")
+    recorded = bundle.served_version
     if spoke in GENERATIONS_BY_NAME and recorded == served.version:
         return GENERATIONS_BY_NAME[spoke]
     speaks = generation_for(served.version).generation if served.known else NEWEST
