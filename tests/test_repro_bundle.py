@@ -180,3 +180,34 @@ def test_the_verdict_line_names_both_vllms_when_repro_serves_another(
     assert line.startswith("1E+1PD / image vs baseline: MISMATCH now, MISMATCH in the bundle: ")
     assert "reproduced" in line
     assert ("the bundle served vLLM 0.32.0+cpu, this run 0.31.0+cpu" in line) is names_versions
+
+
+def test_repro_tells_the_cli_each_servers_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM to `repro --keep-up` with its topology serving said "interrupted before any
+    server was running" (real vLLM): repro's pool never reported the states `run`'s does."""
+    import harness.run.repro as repro
+    from harness.spec.settings import ServedVllm
+
+    seen = {}
+
+    class NoPool:
+        def __init__(self, settings, on_event=None):
+            seen["on_event"] = on_event
+
+    class NoSweep:
+        def __init__(self, spec, settings, bodies, pool):
+            pass
+
+        def judge(self, topology, prompt):
+            return []
+
+    def told(name: str, state: str, elapsed_s: float) -> None:
+        pass
+
+    monkeypatch.setattr(repro, "TopologyPool", NoPool)
+    monkeypatch.setattr(repro, "Sweep", NoSweep)
+    root = rerun_bundle(tmp_path / "b", "1E+1PD")
+    repro.reproduce(Bundle.load(root), root / "again", ServedVllm("v", "0.32.0"), on_event=told)
+    assert seen["on_event"] is told

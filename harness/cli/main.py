@@ -243,7 +243,10 @@ def command_repro(args: argparse.Namespace) -> int:
             cache_dir(),
             bundle.proxy_registration,
         )
-        case, records, sweep = reproduce(bundle, run_dir, served, args.case, proxy)
+        args.progress.run_dir = run_dir
+        case, records, sweep = reproduce(
+            bundle, run_dir, served, args.case, proxy, args.progress.on_event
+        )
     except BundleError as exc:
         raise BadInput(str(exc)) from None
     try:

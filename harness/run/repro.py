@@ -27,6 +27,7 @@ from harness.run.pool import TopologyPool
 from harness.run.scenarios import MATRIX, SendMode
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.attached import write_attach_file
+from harness.serve.launch import EventCallback
 from harness.spec.attach import ATTACH_FILE_NAME
 from harness.spec.generations import (
     GENERATIONS_BY_NAME,
@@ -221,8 +222,10 @@ def reproduce(
     served: ServedVllm,
     wanted: str | None = None,
     proxy: ProxyChoice | None = None,
+    on_event: EventCallback | None = None,
 ) -> tuple[ReproCase, list[CaseRecord], Sweep]:
-    """`proxy`: the proxy under test the bundle was run with (see `Bundle.proxy_kind`)."""
+    """`proxy`: the proxy under test the bundle was run with (see `Bundle.proxy_kind`);
+    `on_event`: told each server's state, as `run`'s are (what an interruption cut short)."""
     case = bundle.pick_case(wanted)
     if case.prompt not in bundle.requests:
         raise BundleError(f"{bundle.path}: requests.json has no body for {case.prompt!r}")
@@ -249,7 +252,7 @@ def reproduce(
     spec = SweepSpec(topologies=(topology,), prompts=(), fault=bundle.run.get("fault"))
     # A pool of its own, kept until the caller closes it: `keep_up` serves on the very
     # session the case was reproduced on.
-    pool = TopologyPool(settings)
+    pool = TopologyPool(settings, on_event)
     sweep = Sweep(spec, settings, bodies={case.prompt: bundle.requests[case.prompt]}, pool=pool)
     try:
         records = sweep.judge(topology.name, case.prompt)
