@@ -93,7 +93,7 @@ def test_a_hub_model_missing_from_the_cache_is_one_error_before_any_start(
         f"epd-harness: error: model {MODEL_NAME} is not in the Hugging Face "
         f"cache ({tmp_path / 'hub'})"
     ), err
-    assert "huggingface-cli download" in err and err.count("\n") == 1, err
+    assert "hf download" in err and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists(), "nothing may start (or be written) before the model"
 
 

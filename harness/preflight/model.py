@@ -39,7 +39,7 @@ def cached_snapshot(name: str, cache: Path) -> Path | None:
 def fetch_snapshot(name: str) -> Path:
     """Download `name` into the hub cache (GPU hosts); BadInput naming how to fix a failure."""
     how = (
-        f"download it first (huggingface-cli download {name}) or pass --model DIR with a "
+        f"download it first (hf download {name}) or pass --model DIR with a "
         "local checkpoint"
     )
     try:
@@ -67,7 +67,7 @@ def resolve_named_model(name: str, fetch: bool = True) -> Path:
             raise BadInput(
                 f"model {name} is not in the Hugging Face cache ({hf_hub_cache()}) "
                 f"and HF_HUB_OFFLINE=1 forbids fetching it: download it first "
-                f"(huggingface-cli download {name}) or pass --model DIR"
+                f"(hf download {name}) or pass --model DIR"
             )
         snapshot = fetch_snapshot(name)
     return check_model_dir(snapshot)

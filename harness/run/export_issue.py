@@ -251,7 +251,7 @@ def model_instructions(plan: ExportPlan) -> list[str]:
         "",
         f"The model is not shipped: `serve.sh` fetches `{model.hub_name}` at the recorded "
         f"revision into the Hugging Face cache before it starts anything (the instances run "
-        f"with `HF_HUB_OFFLINE=1`); offline, download it first (`huggingface-cli download "
+        f"with `HF_HUB_OFFLINE=1`); offline, download it first (`hf download "
         f"{model.hub_name}{revision}`) and run with `MODEL=<its snapshot directory>`.",
     ]
 
