@@ -193,3 +193,19 @@ def test_the_end_of_the_baseline_group_stops_it_where_workers_share_devices(
     assert stopped == released
     plugin.pytest_runtest_teardown(item("1E+1PD"), item("1P+1D"))
     assert stopped == [*released, "1E+1PD"]
+
+
+def test_an_unknown_name_in_epd_topology_is_refused(pytester: pytest.Pytester) -> None:
+    """Found in review: `--epd-topology 1P+1D,1E+1P+1d` (a typo) keeps only 1P+1D's items and
+    drops every other e2e item as deselected, never saying a name matched nothing: the
+    1E+1P+1D scenarios the user asked for silently do not run (with every name misspelt, no e2e
+    test runs at all). A name the harness does not know must be refused, as `epd-harness run
+    --topology` refuses it."""
+    pytester.makeconftest(CONFTEST + '    parser.addoption("--epd-topology", default=None)\n')
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    pytester.makepyfile(test_a_e2e=MODULE)
+    run = pytester.runpytest(
+        "--collect-only", "-p", "no:cacheprovider", "--epd-topology", "1P+1D,1E+1P+1d"
+    )
+    assert run.ret not in (0, 5), run.stdout.str()
+    assert "1E+1P+1d" in run.stdout.str() + run.stderr.str()

@@ -175,9 +175,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     keeps an item only for a session that runs one of those connectors (listed, never
     silently); then the wall-clock bounds, every other tier in collection order, and the e2e
     items by group."""
-    wanted = {
-        n.strip() for n in (config.getoption("--epd-topology", None) or "").split(",") if n.strip()
-    }
+    wanted = wanted_topologies(config)
     connector = session_kv_connector(config)
     dropped, other_connector = [], []
     not_here: dict[str, list[str]] = {}
@@ -217,6 +215,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for prompt in getattr(module, BASELINE_PROMPTS, ()):
             needed.setdefault(prompt.name, prompt)
     config.stash[PROMPTS_KEY] = tuple(needed.values())
+
+
+def wanted_topologies(config: pytest.Config) -> set[str]:
+    """The topologies `--epd-topology` names (empty: every one). A name the harness does not
+    know is refused here, as `epd-harness run --topology` refuses it: kept, it would match no
+    item, and the topologies the user meant would be dropped as deselected while the session
+    passes (found in review: `1P+1D,1E+1P+1d` ran only 1P+1D and exited 0)."""
+    from harness.errors import BadInput
+    from harness.preflight.names import check_topologies, split_names
+
+    names = split_names([config.getoption("--epd-topology", None) or ""])
+    try:
+        check_topologies(names)
+    except BadInput as exc:
+        raise pytest.UsageError(f"--epd-topology: {exc}") from None
+    return set(names)
 
 
 def session_kv_connector(config: pytest.Config) -> str | None:
