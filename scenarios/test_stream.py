@@ -26,6 +26,7 @@ from harness.report.text import format_failure
 from harness.run.faults import duplicate_stream_chunk, plant
 from harness.run.judging import TOY_PROXY_JSON_STREAM, observe
 from harness.spec.prompts import SKELETON_PROMPTS, TAIL_TEXT, ImagePart, PromptSpec, TextPart
+from harness.spec.settings import ProxyChoice
 from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES
 from harness.testing.judging import passed_clean
 
@@ -33,17 +34,22 @@ pytestmark = pytest.mark.e2e
 
 STREAM_FAULT_PROMPT = PromptSpec("st-fault", (ImagePart(seed=81), TextPart(TAIL_TEXT)))
 EPD_BASELINE_PROMPTS = (STREAM_FAULT_PROMPT,)
+HARNESS_PROXY_CHOICE = ProxyChoice()  # the harness's own proxy (`harness.serve.proxy`)
 STREAMED_TOPOLOGIES = tuple(n for n in EPD_TOPOLOGY_NAMES if n in ("1E+1PD", "1P+1D", "1E+1P+1D"))
 
 
-def streamed_sweep(epd_sweep, epd_events, proxy=None, label: str = "streamed"):
+def streamed_sweep(
+    epd_sweep, epd_events, proxy: ProxyChoice = HARNESS_PROXY_CHOICE, label: str = "streamed"
+):
+    """The sweep's cases streamed through `proxy`, on the session's pool and baseline. The
+    proxy is always set, never the session's: under `--epd-proxy vllm` the "harness" cases
+    kept vLLM's proxy and passed as the harness proxy's streaming (found in review), as
+    scenarios/test_vllm_proxy.py sets vLLM's whatever `--epd-proxy` says."""
     from harness.run.sweep import Sweep, SweepSpec
 
     settings = dataclasses.replace(
-        epd_sweep.settings, stream=True, run_dir=epd_sweep.settings.run_dir / label
+        epd_sweep.settings, stream=True, run_dir=epd_sweep.settings.run_dir / label, proxy=proxy
     )
-    if proxy is not None:
-        settings = dataclasses.replace(settings, proxy=proxy)
     spec = SweepSpec(
         topologies=tuple(TOPOLOGIES[n] for n in STREAMED_TOPOLOGIES), prompts=SKELETON_PROMPTS
     )

@@ -339,3 +339,24 @@ def test_a_revival_that_does_not_come_up_in_time_restarts_the_topology(
         assert survivors([pid for pid in pids if pid]) == []
     assert served is not session and not_ready == [], not_ready
     assert [start.reason.split(":")[0] for start in pool.starts][-2:] == ["revive", "restart"]
+
+
+# -- review findings (pool and plugin) ----------------------------------------------------------
+
+
+def test_the_streamed_harness_proxy_cases_go_through_the_harness_proxy_under_epd_proxy_vllm(
+    tmp_path: Path,
+) -> None:
+    """Found in review: scenarios/test_stream.py's `harness-*` items take the session's proxy
+    (`streamed_sweep(..., proxy=None)` keeps `epd_sweep.settings.proxy`). Under the documented
+    `pytest scenarios --epd-proxy vllm` they run through vLLM's proxy and pass as the harness
+    proxy's streaming (1E+1PD, 1E+1P+1D), or fail for the wrong reason on 1P+1D (the toy
+    proxy's declared JSON stream, asserted clean): the harness proxy's streams go unchecked."""
+    import scenarios.test_stream as stream_scenario
+
+    fake = install_fake_vllm(tmp_path / "bin")
+    vllm_proxy = ProxyChoice("vllm", tmp_path, "stand-in", (sys.executable,))
+    settings = fake_run_settings(tmp_path, fake, proxy=vllm_proxy)
+    session_sweep = Sweep(SweepSpec((TOPOLOGIES["1E+1PD"],), prompts=(TEXT,)), settings)
+    harness_cases = stream_scenario.streamed_sweep(session_sweep, None)
+    assert harness_cases.settings.proxy.kind == "harness", harness_cases.settings.proxy
