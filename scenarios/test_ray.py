@@ -129,6 +129,11 @@ def test_epd_on_three_nodes_matches_the_baseline(on_ray) -> None:
     assert all(guard["ok"] for guard in record.guards.values()), record.guards
 
 
+# Under `--epd-launcher ray` this module's items join the session's own 1E+1P+1D group (the
+# `ray` variant is the session's own instances there: harness.testing.plugin). These two take
+# the cluster's nodes from it (other instances on the same three nodes; a release of every
+# session on the cluster), so they run after everything else that group serves.
+@pytest.mark.epd_ends_session
 def test_epd_on_three_nodes_with_kv_over_nixl_matches(on_ray, epd_settings) -> None:
     """The same, the KV moving from P's node to D's over NIXL (the whole-prompt rule, read
     from D's /metrics across nodes)."""
@@ -144,6 +149,7 @@ def test_epd_on_three_nodes_with_kv_over_nixl_matches(on_ray, epd_settings) -> N
     assert "whole prompt rule" in evidence and record.guards["kv_transfer"]["ok"], evidence
 
 
+@pytest.mark.epd_ends_session
 def test_a_side_channel_left_at_localhost_is_an_error_naming_it(
     on_ray, epd_pool, epd_config, epd_settings
 ) -> None:

@@ -209,3 +209,36 @@ def test_an_unknown_name_in_epd_topology_is_refused(pytester: pytest.Pytester) -
     )
     assert run.ret not in (0, 5), run.stdout.str()
     assert "1E+1P+1d" in run.stdout.str() + run.stderr.str()
+
+
+def test_the_ray_variant_is_the_default_group_when_the_session_itself_runs_on_ray(
+    pytester: pytest.Pytester,
+) -> None:
+    """Found in review (the same defect as the NIXL variant's, fixed for KV connectors only):
+    under the documented `pytest scenarios -m e2e --epd-launcher ray`, scenarios/test_ray.py's
+    `ray-epd` item asks the pool for exactly the session's own 1E+1P+1D (`ray_settings` builds
+    `LauncherChoice("ray", address)`, what the preflight builds from the same options), yet its
+    `epd_variant("ray")` puts it in a group of its own, sorted after every default group: the
+    teardown between them stops 1E+1P+1D, and the Ray cluster starts it again."""
+    from harness.testing import plugin
+
+    pytester.makeconftest(CONFTEST + '    parser.addoption("--epd-launcher", default="local")\n')
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    pytester.makepyfile(
+        test_a_e2e=MODULE,
+        test_c_ray="""
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.epd_topology("1E+1P+1D"), pytest.mark.epd_variant("ray")]
+
+def test_epd_on_three_nodes():
+    pass
+""",
+    )
+    run = pytester.inline_run("--collect-only", "-p", "no:cacheprovider", "--epd-launcher", "ray")
+    [finished] = run.getcalls("pytest_collection_finish")
+    items = {item.name: item for item in finished.session.items}
+    on_ray, default = items["test_epd_on_three_nodes"], items["test_sweep_case[1E+1P+1D]"]
+    assert plugin.epd_group(on_ray).instances == plugin.epd_group(default).instances, [
+        item.name for item in finished.session.items
+    ]

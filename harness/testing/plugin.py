@@ -140,10 +140,11 @@ def epd_group(item: pytest.Item) -> EpdGroup | None:
         return None
     variant_marker = item.get_closest_marker("epd_variant")
     variant = variant_marker.args[0] if variant_marker else DEFAULT_VARIANT
-    if variant == session_kv_connector(item.config):
-        # A variant naming the session's own KV connector (NIXL on cuda) asks for the very
-        # instances the default group runs: in a group of its own they would start twice
-        # (found in review: the 3B P+D again every GPU night).
+    if variant in (session_kv_connector(item.config), session_launcher(item.config)):
+        # A variant naming the session's own KV connector (NIXL on cuda), or its own launcher
+        # (`ray` under `--epd-launcher ray`), asks for the very instances the default group
+        # runs: in a group of its own they would start twice (found in review: the 3B P+D
+        # again every GPU night; 1E+1P+1D again for scenarios/test_ray.py's first item).
         variant = DEFAULT_VARIANT
     proxy_marker = item.get_closest_marker("epd_proxy")
     proxy = proxy_marker.args[0] if proxy_marker else ""
@@ -251,6 +252,15 @@ def session_kv_connector(config: pytest.Config) -> str | None:
     except BadInput:
         return None
     return default.name if default is not None else None
+
+
+def session_launcher(config: pytest.Config) -> str | None:
+    """The launcher this session's instances run on when it is not this host's (`ray`), by the
+    name `epd_variant` gives it; None for the local launcher."""
+    from harness.spec.settings import LOCAL_LAUNCHER
+
+    name = config.getoption("--epd-launcher", None)
+    return name if name and name != LOCAL_LAUNCHER else None
 
 
 def platform_refusal(config: pytest.Config, item: pytest.Item) -> str | None:
