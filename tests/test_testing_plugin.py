@@ -178,6 +178,7 @@ def test_the_end_of_the_baseline_group_stops_it_where_workers_share_devices(
             workers_share_devices=get_platform(platform).exclusive_devices and workers > 1
         ),
         release=stopped.append,
+        running=list,  # nothing else running: only the ending group's topology is stopped
     )
     options = {"--epd-platform": platform}
     config = SimpleNamespace(
@@ -193,6 +194,38 @@ def test_the_end_of_the_baseline_group_stops_it_where_workers_share_devices(
     assert stopped == released
     plugin.pytest_runtest_teardown(item("1E+1PD"), item("1P+1D"))
     assert stopped == [*released, "1E+1PD"]
+
+
+def test_a_worker_without_the_baseline_group_stops_the_baseline_it_started() -> None:
+    """Found in review: on GPUs under xdist the first worker to judge anything computes the
+    baseline (`Sweep.serve_baseline`, under the cache's lock), whichever group it holds; the
+    teardown releases only the ending group's own topology, so a worker whose items are
+    1E+1PD's keeps the baseline's GPU until its session ends, and the baseline group's worker
+    (`epd_live("baseline")`) and every load's calibration on other workers wait on that device."""
+    from types import SimpleNamespace
+
+    from harness.testing import plugin
+
+    stopped: list[str] = []
+    pool = SimpleNamespace(
+        settings=SimpleNamespace(workers_share_devices=True),  # cuda, 4 workers
+        release=stopped.append,
+        running=lambda: [SimpleNamespace(topology="baseline"), SimpleNamespace(topology="1E+1PD")],
+    )
+    options = {"--epd-platform": "cuda"}
+    config = SimpleNamespace(
+        stash={plugin.POOL_KEY: pool}, getoption=lambda name, default=None: options.get(name)
+    )
+    e2e = pytest.mark.e2e.mark
+
+    def item(topology: str) -> SimpleNamespace:
+        marks = {"e2e": e2e, "epd_topology": pytest.mark.epd_topology(topology).mark}
+        return SimpleNamespace(config=config, get_closest_marker=marks.get)
+
+    # This worker's items: 1E+1PD's group, then 2E+1PD's; the baseline was started by the
+    # first 1E+1PD item's judging and nothing here needs it again.
+    plugin.pytest_runtest_teardown(item("1E+1PD"), item("2E+1PD"))
+    assert "baseline" in stopped, stopped
 
 
 def test_an_unknown_name_in_epd_topology_is_refused(pytester: pytest.Pytester) -> None:

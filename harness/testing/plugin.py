@@ -370,7 +370,8 @@ def on_e2e_worker(item: pytest.Item, bound: pytest.Mark) -> bool:
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """At the end of a group, stop its topology: nothing later in the session needs it running
     (a sweep that will need its answers as an exact reference is given them first, by the
-    pool's before-stop hook)."""
+    pool's before-stop hook). Where workers share devices, the baseline too, whichever group
+    started it."""
     pool = item.config.stash.get(POOL_KEY, None)
     here = epd_group(item)
     if pool is None or here is None or nextitem is None:
@@ -378,11 +379,18 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     after = epd_group(nextitem)
     if after is not None and after.instances == here.instances:
         return
-    if here.topology == "baseline" and not pool.settings.workers_share_devices:
+    share_devices = pool.settings.workers_share_devices
+    if here.topology == "baseline" and not share_devices:
         return  # small; stopped when memory is needed, and fuzzing or load may still use it
     # Where workers share devices, a baseline kept up would keep the others' calibrations off
     # its device for this worker's whole session (found in review).
     pool.release(here.topology)
+    if share_devices and not (after is not None and after.topology == "baseline"):
+        # Not only the baseline group's worker serves it: the first worker to judge anything
+        # computes it (`Sweep.serve_baseline`, under the cache's lock), whatever group it holds.
+        # Its group's end is where it is no longer needed here (found in review).
+        if any(key.topology == "baseline" for key in pool.running()):
+            pool.release("baseline")
 
 
 # -- fixtures ---------------------------------------------------------------------------------
