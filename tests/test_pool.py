@@ -344,6 +344,57 @@ def test_a_revival_that_does_not_come_up_in_time_restarts_the_topology(
 # -- review findings (pool and plugin) ----------------------------------------------------------
 
 
+def test_a_restart_keeps_the_log_of_the_instance_that_died(
+    tmp_path: Path, fake_vllm_start_log: Path
+) -> None:
+    """Found in review: a restart names the dead instance's log as its cause ("restart:
+    instance 1P+1D/decode0 exited with code -9; last lines of <log>:"), then deletes it: the
+    new session's `prepare_session_dir` empties the same directory before `keep_earlier_log`
+    can move the log to `<name>.1.log`. The cause of an unexpected death between two items (or
+    of a start that timed out, docs/testing.md) is gone from the run's artifacts."""
+    settings = settings_for(tmp_path)
+    pool = TopologyPool(settings)
+    try:
+        first = pool.session(TOPOLOGIES["1P+1D"])
+        victim = first.server(Role.DECODE)
+        dead_log = victim.command.log_path
+        os.killpg(victim.pgid, signal.SIGKILL)
+        wait_for(lambda: not victim.is_alive(), "the decode instance to die", 10)
+        pool.session(TOPOLOGIES["1P+1D"])
+        reason = pool.starts[-1].reason
+        assert reason.startswith("restart: instance 1P+1D/decode0 exited"), reason
+        assert str(dead_log) in reason, reason
+        kept = sorted(p.name for p in dead_log.parent.glob(f"{dead_log.stem}*.log"))
+        assert f"{dead_log.stem}.1.log" in kept, f"the dead D's log is gone: {kept}"
+    finally:
+        pool.close()
+
+
+def test_a_start_that_timed_out_keeps_its_log_when_the_pool_starts_it_again(
+    tmp_path: Path, fake_vllm_start_log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/testing.md: after a prefill that never answered its health probes, "a restarted
+    server now keeps the earlier log as `<name>.<n>.log`". Through the pool it does not: the
+    next start of the topology empties the session directory first."""
+    import dataclasses
+
+    from harness.testing.fake_vllm import MODE_ENV
+
+    settings = dataclasses.replace(settings_for(tmp_path), startup_timeout_s=3.0)
+    pool = TopologyPool(settings)
+    try:
+        monkeypatch.setenv(MODE_ENV, "prefill:slow-start=60")
+        with pytest.raises(Exception):  # noqa: B017 - whatever the start raises
+            pool.session(TOPOLOGIES["1P+1D"])
+        monkeypatch.delenv(MODE_ENV)
+        session = pool.session(TOPOLOGIES["1P+1D"])
+        log = session.server(Role.PREFILL).command.log_path
+        kept = sorted(p.name for p in log.parent.glob(f"{log.stem}*.log"))
+        assert f"{log.stem}.1.log" in kept, f"the timed-out start's log is gone: {kept}"
+    finally:
+        pool.close()
+
+
 def test_the_streamed_harness_proxy_cases_go_through_the_harness_proxy_under_epd_proxy_vllm(
     tmp_path: Path,
 ) -> None:

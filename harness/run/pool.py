@@ -31,7 +31,7 @@ from harness.outcomes.outcome import InstanceStats
 from harness.outcomes.startup import describe_instance_start
 from harness.serve.entry import proxy_key
 from harness.serve.launch import EventCallback
-from harness.serve.session import ProxiedSession, TopologySession, safe_name
+from harness.serve.session import DeadInstance, ProxiedSession, TopologySession, safe_name
 from harness.spec.placement import CPU_INSTANCE_BYTES, CPU_MEMORY_HEADROOM, available_memory_bytes
 from harness.spec.settings import LauncherChoice, RunSettings
 from harness.spec.topology import Role, ServingConfig, Topology
@@ -92,6 +92,38 @@ class StartRecord:
     key: SessionKey
     reason: str  # "first use", "restart: <cause>", "private: <why>"
     seconds: float | None  # until every instance was ready; None when it did not come up
+
+
+@dataclass(frozen=True)
+class StartCause:
+    """Why a topology is about to start, as known before its start: the start's reason is
+    written once the start has kept the earlier logs (`TopologySession.earlier_logs`), so that
+    it names where the evidence is now."""
+
+    started_before: bool
+    last_start_failed: bool  # the latest start of the same key did not come up
+    dead: DeadInstance | None = None  # a running instance of it exited
+
+    def reason(self, earlier_logs: Mapping[Path, Path]) -> str:
+        """The start's reason: first use, or the restart's cause, naming the kept log of what
+        it replaces. A dead instance's log is named by both its path (the one its report gave,
+        which the new start writes again) and the name it is kept under beside it."""
+        if self.dead is not None:
+            dead = self.dead
+            where = f"its log {dead.log_path}"
+            kept = earlier_logs.get(dead.log_path)
+            if kept is not None:
+                where += f" is kept as {kept.name}"
+            return f"restart: instance {dead.name} exited with code {dead.exit_code}; {where}"
+        if not self.started_before:
+            return "first use"
+        if self.last_start_failed:
+            # Found in review: labelled "stopped earlier", as if the pool had chosen to stop it.
+            kept = ", ".join(path.name for path in earlier_logs.values())
+            return "restart: the last start did not come up" + (
+                f" (its logs kept as {kept})" if kept else ""
+            )
+        return "restart: stopped earlier"
 
 
 @dataclass(frozen=True)
@@ -217,21 +249,20 @@ class TopologyPool:
         waited for together. A request that cannot start maps to its exception; an
         interruption stops whatever this call started and propagates."""
         found: dict[SessionKey, TopologySession | BaseException] = {}
-        starting: list[tuple[SessionKey, TopologySession, str]] = []
+        starting: list[tuple[SessionKey, TopologySession, StartCause]] = []
         for request in requests:
             key = request.key
             live = self._live.get(key)
-            reason = "first use" if not self._started_before(key) else "restart: stopped earlier"
+            dead = None
             if live is not None:
-                died = live.session.dead_instance_report()
-                if died is None:
+                dead = live.session.dead_instance()
+                if dead is None:
                     live.used = time.monotonic()
                     found[key] = live.session
                     continue
-                reason = f"restart: {died.splitlines()[0]}"
                 self._stop(key)
             session = self._new_session(request)
-            starting.append((key, session, reason))
+            starting.append((key, session, self._start_cause(key, dead)))
         self._make_room([(key, s.topology, s.devices) for key, s, _ in starting])
         with contextlib.ExitStack() as undo:
             for _, session, _ in starting:
@@ -242,7 +273,8 @@ class TopologyPool:
                     session.start_servers()
                 except Exception as exc:  # noqa: BLE001 - a topology that cannot start fails its cases
                     found[key] = exc
-            for key, session, reason in starting:
+            for key, session, cause in starting:
+                reason = cause.reason(session.earlier_logs)
                 if key in found:
                     self.starts.append(StartRecord(key, reason, None))
                     continue
@@ -374,8 +406,9 @@ class TopologyPool:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _started_before(self, key: SessionKey) -> bool:
-        return any(s.key == key for s in self.starts)
+    def _start_cause(self, key: SessionKey, dead: DeadInstance | None) -> StartCause:
+        earlier = [s for s in self.starts if s.key == key]
+        return StartCause(bool(earlier), bool(earlier) and earlier[-1].seconds is None, dead)
 
     def _placed(
         self, topology: Topology, devices: tuple[int, ...] | None

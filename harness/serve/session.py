@@ -26,7 +26,14 @@ from harness.outcomes.outcome import InstanceStats, Outcome, ServedTopology
 from harness.outcomes.startup import startup_timeline
 from harness.serve.entry import Entry, command_json, open_entry, proxy_key
 from harness.serve.kv_metrics import KvCounters, read_counters
-from harness.serve.launch import ManagedServer, ServerCommand, ServerDied, ServerGroup, log_path_for
+from harness.serve.launch import (
+    ManagedServer,
+    ServerCommand,
+    ServerDied,
+    ServerGroup,
+    keep_earlier_log,
+    log_path_for,
+)
 from harness.serve.launcher import LocalLauncher
 from harness.serve.ports import PortLease
 from harness.serve.proxy import EPDProxy, ProxyFaults
@@ -45,6 +52,25 @@ _RAISED = re.compile(r"\b[A-Za-z_][\w.]*(?:Error|Exception): ")
 # After a failed request: how long to give an instance whose engine is dying to exit.
 DEATH_GRACE_S = 3.0
 STORAGE_DIR_NAME = "storage"
+# A log an earlier start's `<name>.log` was kept as (`keep_earlier_log`): `<name>.<n>.log`.
+KEPT_LOG = re.compile(r"\.\d+\.log$")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeadInstance:
+    """An instance of a running session that exited: what a restart of its topology names as
+    its cause, and where its log is."""
+
+    name: str
+    exit_code: int | None
+    log_path: Path
+    log_tail: str
+
+    def report(self) -> str:
+        return (
+            f"instance {self.name} exited with code {self.exit_code}; last lines of "
+            f"{self.log_path}:\n{self.log_tail}"
+        )
 
 
 def launcher_for(settings: RunSettings) -> Any:
@@ -108,6 +134,9 @@ class TopologySession:
         self._entry: Entry | None = None
         self._entry_url: str | None = None
         self.revivals: dict[str, int] = {}  # instance name -> times started again in place
+        # Where the logs of an earlier start in the same directory went (`prepare_session_dir`):
+        # a restart's cause names them.
+        self.earlier_logs: dict[Path, Path] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -139,7 +168,7 @@ class TopologySession:
         Callers that start several topologies side by side (a wave) start them all first and
         then wait for each; on failure the caller must `close()`.
         """
-        prepare_session_dir(self.dir)
+        self.earlier_logs = prepare_session_dir(self.dir)
         settings = self.settings
         launcher = self._launcher
         placed = launcher.reserve(self.topology, self.devices)
@@ -408,12 +437,18 @@ class TopologySession:
 
     def dead_instance_report(self) -> str | None:
         """Name and log tail of the first instance that died, if any."""
+        dead = self.dead_instance()
+        return dead.report() if dead is not None else None
+
+    def dead_instance(self) -> DeadInstance | None:
+        """The first instance that died, if any."""
         for server in self._servers:
             if not server.is_alive():
-                return (
-                    f"instance {server.command.name} exited with code {server.exit_code}; "
-                    f"last lines of {server.command.log_path}:\n"
-                    f"{server.log_tail(LOG_TAIL_LINES)}"
+                return DeadInstance(
+                    server.command.name,
+                    server.exit_code,
+                    server.command.log_path,
+                    server.log_tail(LOG_TAIL_LINES),
                 )
         return None
 
@@ -535,8 +570,23 @@ def select_evidence(lines: list[str]) -> str:
     return "\n".join(picked + (["..."] if picked and tail else []) + tail)
 
 
-def prepare_session_dir(path: Path) -> None:
-    """An empty directory: storage must never carry over from an earlier run by accident."""
+def prepare_session_dir(path: Path) -> dict[Path, Path]:
+    """An empty directory but for the logs of earlier starts in it: storage must never carry
+    over from an earlier run by accident, but the log of the start this one replaces (an
+    instance that died, a start that timed out) holds the cause of the restart. Each earlier
+    `<name>.log` is kept as `<name>.<n>.log` (`keep_earlier_log`), those kept before stay;
+    returns where each earlier log went. (Found in review: the directory was deleted whole,
+    so the restart reason named a log that was gone.)"""
+    kept: dict[Path, Path] = {}
     if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
+        for entry in path.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            elif entry.suffix != ".log":
+                entry.unlink()
+        for log in sorted(path.glob("*.log")):
+            moved = None if KEPT_LOG.search(log.name) else keep_earlier_log(log)
+            if moved is not None:
+                kept[log] = moved
+    path.mkdir(parents=True, exist_ok=True)
+    return kept
