@@ -395,6 +395,17 @@ def test_a_start_that_timed_out_keeps_its_log_when_the_pool_starts_it_again(
         pool.close()
 
 
+def test_a_session_in_a_reused_run_dir_counts_only_its_own_starts(
+    tmp_path: Path, fake_vllm_start_log: Path
+) -> None:
+    """Found in review: the summary sums every `topology-starts.json` under the run root
+    (`**/`), so a session given the `--epd-run-dir` of an earlier one (a rerun, `--lf`) counts
+    the earlier session's starts too: here an earlier `-n 2` run left gw*/topology-starts.json
+    and this `-n 0` run prints "8 for 4" for its own 4 starts (and the earlier verdict tables)."""
+    xdist_sweep(tmp_path, 2)  # the earlier session
+    xdist_sweep(tmp_path, 0, "--epd-refresh-baseline")  # this one: 4 starts of its own
+
+
 def test_the_streamed_harness_proxy_cases_go_through_the_harness_proxy_under_epd_proxy_vllm(
     tmp_path: Path,
 ) -> None:

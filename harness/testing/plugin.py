@@ -128,6 +128,24 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[RUN_ROOT_KEY] = given or str(
             Path(config.rootpath) / "runs" / f"pytest-{time.strftime('%Y%m%d-%H%M%S')}"
         )
+        forget_earlier_accounts(Path(config.stash[RUN_ROOT_KEY]))
+
+
+def forget_earlier_accounts(root: Path) -> None:
+    """Remove what an earlier session in the same run root (a reused `--epd-run-dir`: a rerun,
+    `--lf`) left for the summary to sum: every pool's starts, every worker's verdict table. The
+    summary reads them by name under the root, so kept they would be counted as this session's
+    (found in review: an earlier `-n 2` run's two workers' starts added to a `-n 0` run's four).
+    Only the controller does this, in `pytest_configure`, before any xdist worker starts; the
+    earlier session's logs and run records stay."""
+    if not root.is_dir():
+        return
+    from harness.report.run_outputs import VERDICTS_FILE
+    from harness.run.pool import INSTANCE_STARTS_FILE, STARTS_FILE
+
+    for pattern in (f"**/{STARTS_FILE}", f"**/{INSTANCE_STARTS_FILE}", f"gw*/{VERDICTS_FILE}"):
+        for path in root.glob(pattern):
+            path.unlink(missing_ok=True)
 
 
 def pytest_configure_node(node) -> None:  # xdist: every worker writes under the same root
