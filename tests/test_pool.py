@@ -395,6 +395,71 @@ def test_a_start_that_timed_out_keeps_its_log_when_the_pool_starts_it_again(
         pool.close()
 
 
+LATE_SWEEP_SCENARIO = '''
+"""As scenarios/test_vllm_proxy.py: a session-scoped sweep of its own on the session's pool
+(another proxy), made at the module's first item, its 1E+1P+1D judged against 1P+1D."""
+import dataclasses
+
+import pytest
+
+from harness.run.sweep import Sweep, SweepSpec
+from harness.spec.prompts import SKELETON_PROMPTS
+from harness.spec.topology import TOPOLOGIES
+
+pytestmark = pytest.mark.e2e
+TEXT = next(p for p in SKELETON_PROMPTS if p.name == "text")
+
+
+@pytest.fixture(scope="session")
+def other_proxy_sweep(epd_sweep):
+    settings = dataclasses.replace(
+        epd_sweep.settings, run_dir=epd_sweep.settings.run_dir / "other-proxy"
+    )
+    spec = SweepSpec((TOPOLOGIES["1E+1P+1D"],), prompts=(TEXT,))
+    return Sweep(spec, settings, pool=epd_sweep.pool, baseline=epd_sweep.baseline)
+
+
+@pytest.mark.parametrize("topology", ["1P+1D", "1E+1P+1D"])
+def test_sweep_case(epd_sweep, topology):
+    assert all(r.policy_passed or r.verdict.value == "VACUOUS" for r in epd_sweep.judge(topology, "text"))
+
+
+@pytest.mark.epd_topology("1E+1P+1D")
+@pytest.mark.epd_proxy("other")
+def test_through_another_proxy(other_proxy_sweep):
+    assert other_proxy_sweep.judge("1E+1P+1D", "text")
+'''
+
+
+def test_a_reference_is_not_stopped_before_a_later_sweep_of_its_group_needs_it(
+    tmp_path: Path, fake_vllm_start_log: Path
+) -> None:
+    """Found in review: the plugin stops 1P+1D at the end of its items, and only sweeps that
+    exist by then answer their prompts on it (`before_stop`). scenarios/test_vllm_proxy.py makes
+    its sweeps at its first item; on the GPU nightly (-n 4, one xdist group per topology) the
+    worker of group "1P+1D" reaches that item only among the 1E+1P+1D items (the module's
+    1E+1PD items are another group, on another worker), so 1P+1D starts a second time there
+    ("restart: stopped earlier"). Also on CPU with `--epd-topology 1P+1D,1E+1P+1D`. Here the
+    same order in one process: baseline, 1P+1D, 1E+1P+1D, 1E+1P+1D through another proxy."""
+    fake = install_fake_vllm(tmp_path / "bin")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "conftest.py").write_text((ROOT / "conftest.py").read_text())
+    (project / "pytest.ini").write_text("[pytest]\n")
+    (project / "test_late_sweep.py").write_text(LATE_SWEEP_SCENARIO)
+    argv = [
+        sys.executable, "-m", "pytest", "test_late_sweep.py", "-m", "e2e",
+        "-p", "no:cacheprovider", "--epd-vllm", str(fake), "--epd-kv-connector", "example",
+        "--epd-model", str(tiny_model_dir()), "--epd-baseline-cache", str(tmp_path / "cache"),
+        "--epd-run-dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    run = subprocess.run(argv, cwd=project, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "topology starts: 3 for 3 distinct" in run.stdout, run.stdout[-3000:]
+
+
 def test_a_session_in_a_reused_run_dir_counts_only_its_own_starts(
     tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:

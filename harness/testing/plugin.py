@@ -51,6 +51,9 @@ OWN_INSTANCES_REFUSAL = (
 # A scenario module lists the prompts its tests send (besides the sweep's) under this name.
 BASELINE_PROMPTS = "EPD_BASELINE_PROMPTS"
 RUN_ROOT_KEY = pytest.StashKey[str]()
+E2E_QUEUE_KEY = pytest.StashKey["E2eQueue"]()
+# Instances (topology, variant) a group's end left running for a later item of its xdist group.
+KEPT_FOR_LATER_KEY = pytest.StashKey[set]()
 WORKER_RUN_ROOT = "epd_run_root"  # how xdist hands the controller's run root to workers
 
 
@@ -227,6 +230,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return (2, group.order(), ends_session(item), group.proxy, position[id(item)])
 
     items.sort(key=key)
+    config.stash[E2E_QUEUE_KEY] = E2eQueue.of(items)
     # The prompts the selected scenario modules need the baseline to answer: one baseline
     # start answers all of them.
     needed: dict[str, object] = {}
@@ -250,6 +254,45 @@ def wanted_topologies(config: pytest.Config) -> set[str]:
     except BadInput as exc:
         raise pytest.UsageError(f"--epd-topology: {exc}") from None
     return set(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class E2eQueue:
+    """The e2e items in the order they run, each with its xdist group and its group: what the
+    items after one still need running. An xdist group runs on one worker in this order, and an
+    exact reference is always in its topology's xdist group (`EpdGroup.xdist_name`), so the
+    later items of an item's xdist group are those that can still need what it ran."""
+
+    order: tuple[tuple[str, str, EpdGroup], ...]  # (node id, xdist group, group)
+
+    @classmethod
+    def of(cls, items: list[pytest.Item]) -> E2eQueue:
+        order = []
+        for item in items:
+            group = epd_group(item)
+            marker = item.get_closest_marker("xdist_group")
+            if group is not None:
+                order.append((item.nodeid, marker.args[0] if marker else "", group))
+        return cls(tuple(order))
+
+    def needed_after(self, nodeid: str) -> set[tuple[str, str]]:
+        """The instances (topology, variant) that the items after `nodeid` in its xdist group
+        need running: their own, and their topology's exact reference."""
+        from harness.spec.topology import TOPOLOGIES
+
+        position = next((n for n, (node, _, _) in enumerate(self.order) if node == nodeid), None)
+        if position is None:
+            return set()
+        xdist_group = self.order[position][1]
+        needed: set[tuple[str, str]] = set()
+        for _, later_xdist_group, group in self.order[position + 1 :]:
+            if later_xdist_group != xdist_group:
+                continue
+            needed.add(group.instances)
+            topology = TOPOLOGIES.get(group.topology)
+            if topology is not None and topology.exact_reference:
+                needed.add((topology.exact_reference, group.variant))
+        return needed
 
 
 def session_kv_connector(config: pytest.Config) -> str | None:
@@ -386,11 +429,12 @@ def on_e2e_worker(item: pytest.Item, bound: pytest.Mark) -> bool:
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """At the end of a group, stop its topology: nothing later in the session needs it running
-    (a sweep that will need its answers as an exact reference is given them first, by the
-    pool's before-stop hook). Where workers share devices, the baseline too, whichever group
-    started it."""
-    pool = item.config.stash.get(POOL_KEY, None)
+    """At the end of a group, stop its topology, unless a later item of its xdist group needs
+    it running (as its own, or as the exact reference of its topology): then it is stopped at
+    the end of the first group after which nothing does. Where workers share devices, the
+    baseline too, whichever group started it."""
+    config = item.config
+    pool = config.stash.get(POOL_KEY, None)
     here = epd_group(item)
     if pool is None or here is None or nextitem is None:
         return  # at the very end the pool's fixture stops everything
@@ -402,7 +446,19 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return  # small; stopped when memory is needed, and fuzzing or load may still use it
     # Where workers share devices, a baseline kept up would keep the others' calibrations off
     # its device for this worker's whole session (found in review).
-    pool.release(here.topology)
+    queue = config.stash.get(E2E_QUEUE_KEY, None)
+    needed = queue.needed_after(item.nodeid) if queue is not None else set()
+    kept = config.stash.setdefault(KEPT_FOR_LATER_KEY, set())
+    for instances in sorted({here.instances} | kept):
+        if instances in needed:
+            # A sweep made later (scenarios/test_vllm_proxy.py's, at its module's first item)
+            # judges its topology against this one: the pool's before-stop hook serves only
+            # the sweeps that exist, so stopped now it would start again there (found in
+            # review: 1P+1D twice on the GPU nightly).
+            kept.add(instances)
+            continue
+        kept.discard(instances)
+        pool.release(instances[0])
     if share_devices and not (after is not None and after.topology == "baseline"):
         # Not only the baseline group's worker serves it: the first worker to judge anything
         # computes it (`Sweep.serve_baseline`, under the cache's lock), whatever group it holds.
