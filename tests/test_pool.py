@@ -344,6 +344,33 @@ def test_a_revival_that_does_not_come_up_in_time_restarts_the_topology(
 # -- review findings (pool and plugin) ----------------------------------------------------------
 
 
+def test_refreshing_the_baseline_under_xdist_on_gpus_starts_it_once(
+    tmp_path: Path, fake_vllm_start_log: Path
+) -> None:
+    """Found in review: `--epd-refresh-baseline` makes every worker's cache ignore what the
+    first worker just stored under the lock, so each worker with e2e items starts a baseline
+    of its own (here 4 on 8 GPUs: 7 starts for 4 distinct). The same with
+    `--epd-baseline-cache off`, where the workers have no cache to share at all."""
+    xdist_sweep(
+        tmp_path, 4, "--epd-platform", "cuda", "--epd-devices", "0,1,2,3,4,5,6,7",
+        "--epd-refresh-baseline",
+    )  # fmt: skip
+
+
+def test_the_baseline_cache_off_under_xdist_on_gpus_starts_it_once(
+    tmp_path: Path, fake_vllm_start_log: Path
+) -> None:
+    """`--epd-baseline-cache off` where workers share devices: the baseline is shared through a
+    cache private to the session (in the run root's `session-shared`, emptied as the session
+    begins), so it starts once, and nothing is read from or kept in the user's cache."""
+    xdist_sweep(
+        tmp_path, 4, "--epd-platform", "cuda", "--epd-devices", "0,1,2,3,4,5,6,7",
+        "--epd-baseline-cache", "off",
+    )  # fmt: skip
+    assert not (tmp_path / "cache").exists()
+    assert list((tmp_path / "run" / "session-shared" / "baseline").glob("*.json"))
+
+
 def test_a_restart_keeps_the_log_of_the_instance_that_died(
     tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:

@@ -66,6 +66,10 @@ from harness.spec.settings import (
 from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Topology, serving_for
 
 DEFAULT_MAX_MODEL_LEN = 4096
+# Under RunRequest.session_dir: the entries a `--refresh-baseline` session has refreshed, and
+# the baseline cache of a `--baseline-cache off` session whose workers share devices.
+BASELINE_REFRESHED_DIR = "baseline-refreshed"
+SESSION_BASELINE_DIR = "baseline"
 # On cpu vLLM captures no graphs (it empties the capture sizes) and would only trade eager for
 # an inductor compile at every start; every CPU figure of this project is eager.
 NO_ENFORCE_EAGER_ON_CPU = (
@@ -103,6 +107,10 @@ class RunRequest:
     plant_fault: str | None = None
     workers: int = 1  # parallel pytest-xdist workers sharing the devices
     worker_id: str | None = None  # "gw0"...: run directories of workers stay apart
+    # A directory every process of this session (pytest's xdist workers) shares and no earlier
+    # session left anything in: where a baseline refresh is recorded once done, and where the
+    # baseline of `--baseline-cache off` is shared while workers share devices. None: one process.
+    session_dir: str | None = None
     count_tokens: bool = True  # check that every prompt fits (loads the processor once)
     kv_connector: str | None = None  # "example" or "nixl"; None: the platform's default
     ec_connector: str | None = None  # "example" (the only one that runs); None: example
@@ -218,7 +226,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
     media_dir = files.check_media_dir(request.media_dir) if request.media_dir else None
     run_dir = _run_dir(request)
     files.check_run_dir(run_dir)
-    baseline_cache = _baseline_cache(request.baseline_cache, request.refresh_baseline)
+    baseline_cache = _baseline_cache(request)
 
     served = check_vllm(request.vllm or default_vllm_executable(), request.allow_untested_vllm)
     if attach is not None:
@@ -278,6 +286,8 @@ def prepare_run(request: RunRequest) -> RunConfig:
         argv_check=argv_check.to_json(),
     )
     goldens, golden_release = _goldens(request, baseline_cache)
+    if baseline_cache is None and served.known and golden_release is None:
+        baseline_cache = _session_private_cache(request, platform)
     return RunConfig(
         goldens=goldens,
         golden_release=golden_release,
@@ -435,10 +445,29 @@ def _goldens(
     return GoldenStore(directory), release_of(request.golden)
 
 
-def _baseline_cache(value: str | None, refresh: bool) -> BaselineCache | None:
+def _baseline_cache(request: RunRequest) -> BaselineCache | None:
+    """The baseline cache the options name; with `refresh_baseline`, its refresh recorded in
+    the session's shared directory, so that a session refreshes each entry once, however many
+    workers need it."""
+    value = request.baseline_cache
     if value == "off":
         return None
     directory = Path(value).expanduser().resolve() if value else cache_dir() / "baseline"
     if directory.exists() and not directory.is_dir():
         raise BadInput(f"baseline cache {directory} is not a directory (pass a directory or 'off')")
-    return BaselineCache(directory, refresh=refresh)
+    ledger = Path(request.session_dir) / BASELINE_REFRESHED_DIR if request.session_dir else None
+    return BaselineCache(directory, refresh=request.refresh_baseline, refresh_ledger=ledger)
+
+
+def _session_private_cache(request: RunRequest, platform: PlatformProfile) -> BaselineCache | None:
+    """For `--baseline-cache off` where parallel workers share devices: a cache in the
+    session's shared directory, empty when the session begins. Off means no answer is read
+    from, or kept for, another session; without any cache each worker that judges anything
+    would start a baseline of its own (found in review). Shared within the session it starts
+    once, as with a cache. Chosen over refusing `off` under xdist: the option keeps its meaning
+    and costs one start, and nothing of it outlives the session's run directory."""
+    if request.baseline_cache != "off" or request.session_dir is None:
+        return None
+    if not (platform.exclusive_devices and request.workers > 1):
+        return None  # one process, or one worker for every e2e item (a CPU host): no sharing
+    return BaselineCache(Path(request.session_dir) / SESSION_BASELINE_DIR)

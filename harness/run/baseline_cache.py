@@ -75,11 +75,26 @@ class CachedBaseline:
 
 
 class BaselineCache:
-    """`refresh=True` ignores what is stored (and overwrites it): `--refresh-baseline`."""
+    """`refresh=True` ignores what was stored before this run (and overwrites it):
+    `--refresh-baseline`. What this run stored is read like any entry, so one run refreshes
+    each entry once: in this process by memory, across the processes of one pytest session (its
+    xdist workers) by `refresh_ledger`, a directory only this session writes in, holding one
+    file per entry refreshed, written under the cache's lock right after the entry. (Found in
+    review: every GPU worker ignored what the first had just stored under the lock, and started
+    a baseline of its own.)"""
 
-    def __init__(self, directory: Path, refresh: bool = False):
+    def __init__(self, directory: Path, refresh: bool = False, refresh_ledger: Path | None = None):
         self.directory = directory
         self.refresh = refresh
+        self.refresh_ledger = refresh_ledger
+        self._refreshed: set[str] = set()  # keys this process stored under `refresh`
+
+    def refreshed_in_this_run(self, key: str) -> bool:
+        """Whether this run (this process, or a worker of the same session) already stored a
+        fresh entry under `key`."""
+        if key in self._refreshed:
+            return True
+        return self.refresh_ledger is not None and (self.refresh_ledger / key).exists()
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -97,7 +112,7 @@ class BaselineCache:
 
     def load(self, key: str, prompt: str) -> CachedBaseline | None:
         path = self._path(key)
-        if self.refresh or not path.exists():
+        if (self.refresh and not self.refreshed_in_this_run(key)) or not path.exists():
             return None
         try:
             data = json.loads(path.read_text())
@@ -126,3 +141,8 @@ class BaselineCache:
             "batch_detail": batch_detail,
         }
         write_json_atomic(self._path(key), entry)
+        if self.refresh:
+            self._refreshed.add(key)
+            if self.refresh_ledger is not None:
+                self.refresh_ledger.mkdir(parents=True, exist_ok=True)
+                (self.refresh_ledger / key).touch()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -55,6 +56,10 @@ E2E_QUEUE_KEY = pytest.StashKey["E2eQueue"]()
 # Instances (topology, variant) a group's end left running for a later item of its xdist group.
 KEPT_FOR_LATER_KEY = pytest.StashKey[set]()
 WORKER_RUN_ROOT = "epd_run_root"  # how xdist hands the controller's run root to workers
+# Under the run root: what every process of one session shares (`RunRequest.session_dir`: the
+# baseline refresh's record, `--epd-baseline-cache off`'s shared baseline). The controller
+# empties it as the session begins, so nothing in it is an earlier session's.
+SESSION_SHARED_DIR = "session-shared"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,9 +145,12 @@ def forget_earlier_accounts(root: Path) -> None:
     summary reads them by name under the root, so kept they would be counted as this session's
     (found in review: an earlier `-n 2` run's two workers' starts added to a `-n 0` run's four).
     Only the controller does this, in `pytest_configure`, before any xdist worker starts; the
-    earlier session's logs and run records stay."""
+    earlier session's logs and run records stay. The directory the session's processes share
+    (SESSION_SHARED_DIR) is emptied too: a baseline refresh recorded there by an earlier session
+    would stand for this one's."""
     if not root.is_dir():
         return
+    shutil.rmtree(root / SESSION_SHARED_DIR, ignore_errors=True)
     from harness.report.run_outputs import VERDICTS_FILE
     from harness.run.pool import INSTANCE_STARTS_FILE, STARTS_FILE
 
@@ -497,6 +505,7 @@ def epd_config(pytestconfig: pytest.Config, epd_worker: tuple[str, int]):
         colocate=option("--epd-colocate"),
         worker_id=epd_worker[0],
         workers=epd_worker[1],
+        session_dir=str(Path(pytestconfig.stash[RUN_ROOT_KEY]) / SESSION_SHARED_DIR),
         kv_connector=option("--epd-kv-connector"),
         ec_connector=option("--epd-ec-connector"),
         proxy=option("--epd-proxy"),
