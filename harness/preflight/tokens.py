@@ -22,6 +22,12 @@ from harness.errors import BadInput
 from harness.preflight.files import one_line
 from harness.spec.prompts import PromptSpec
 
+# A video sent as its frames: `data:video/jpeg;base64,<frame>,<frame>,...` (VideoFramesPart).
+JPEG_FRAMES_MEDIA_TYPE = "video/jpeg"
+# In every count's cache key: a change to how media are read changes counts the cache holds.
+# 2: a JPEG frame list counts every frame (1 counted one), file:// media keyed by their bytes.
+COUNT_FORMAT = 2
+
 
 def check_model_limit(max_model_len: int, model_limit: int | None) -> None:
     """--max-model-len must be positive and within the model's own context (vLLM refuses more)."""
@@ -69,8 +75,8 @@ def estimate_prompt_tokens(
     so the estimate errs on the large side.
 
     Loading transformers takes seconds, so counts are cached in `cache_dir` under a digest of
-    the request, the model's processor files and the transformers version: a rerun of the
-    same prompts imports nothing.
+    the request, the bytes of every file:// media it names, the model's processor files and
+    the transformers version: a rerun of the same prompts imports nothing.
     """
     keys = {name: _token_count_key(model_dir, body) for name, body in bodies.items()}
     counts = {name: _cached_count(cache_dir, key) for name, key in keys.items()}
@@ -110,13 +116,33 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msg
 
 def _token_count_key(model_dir: Path, body: dict[str, Any]) -> str:
     digest = hashlib.sha256()
+    digest.update(f"count-format {COUNT_FORMAT}\0".encode())
     digest.update(importlib.metadata.version("transformers").encode())
     for path in sorted(model_dir.rglob("*")):
         if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
             digest.update(path.relative_to(model_dir).as_posix().encode() + b"\0")
             digest.update(path.read_bytes())
     digest.update(json.dumps(body, sort_keys=True).encode())
+    # A file:// URL names media, it is not the media: the file may be replaced in place (a
+    # --media-dir of the same names, another video), so its bytes enter the key, not its URL.
+    for url in sorted(_file_urls(body)):
+        digest.update(url.encode() + b"\0")
+        try:
+            digest.update(hashlib.sha256(Path(url[len("file://") :]).read_bytes()).digest())
+        except OSError:
+            digest.update(b"unreadable")  # counting it fails with its own clear line
     return digest.hexdigest()
+
+
+def _file_urls(value: Any) -> set[str]:
+    """Every file:// URL anywhere in a request body (media parts, at any depth)."""
+    if isinstance(value, str):
+        return {value} if value.startswith("file://") else set()
+    if isinstance(value, Mapping):
+        return {url for item in value.values() for url in _file_urls(item)}
+    if isinstance(value, list | tuple):
+        return {url for item in value for url in _file_urls(item)}
+    return set()
 
 
 def _cached_count(cache_dir: Path | None, key: str) -> int | None:
@@ -183,8 +209,16 @@ def _load_image(url: str) -> Any:
 
 
 def _load_video(url: str) -> Any:
-    import cv2
+    """The video's frames as vLLM decodes them: a `data:video/jpeg` URL is a list of JPEG
+    frames joined by ',' (vLLM splits it so, `VideoMediaIO.load_base64`), every other video
+    a container OpenCV reads frame by frame. Decoding a frame list as one blob read 1 frame of
+    8, and the count let through a request every server then rejected."""
     import numpy as np
+
+    if _media_type(url) == JPEG_FRAMES_MEDIA_TYPE:
+        frames = [_decode_jpeg_frame(frame) for frame in url.partition(",")[2].split(",")]
+        return np.stack(frames)
+    import cv2
 
     with tempfile.NamedTemporaryFile(suffix=".mp4") as file:
         file.write(_media_bytes(url))
@@ -200,3 +234,17 @@ def _load_video(url: str) -> Any:
     if not frames:
         raise ValueError("the video has no decodable frame")
     return np.stack(frames)
+
+
+def _media_type(url: str) -> str | None:
+    """'data:video/jpeg;base64,...' -> 'video/jpeg'; None for a URL that is not data:."""
+    if not url.startswith("data:"):
+        return None
+    return url[len("data:") :].partition(",")[0].partition(";")[0].strip().lower()
+
+
+def _decode_jpeg_frame(encoded: str) -> Any:
+    import numpy as np
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(encoded))).convert("RGB"))
