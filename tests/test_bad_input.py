@@ -901,6 +901,18 @@ def test_corrupt_baseline_cache_entry(
     assert {"run.json", "requests.json"} <= set(kept), f"artifacts written so far: {kept}"
 
 
+def test_golden_of_a_release_candidate(bad_run: BadRun) -> None:
+    """Goldens are filed for final releases only (harness.run.goldens): an rc would have read
+    the final release's golden under the rc's name."""
+    code, err = bad_run("--prompt", "text", "--topology", "1P+1D", "--golden", "0.33.0rc1")
+    assert_one_error_line(
+        code,
+        err,
+        "--golden 0.33.0rc1: goldens are kept for final releases only (a development build "
+        "or release candidate is not filed); name one, e.g. 0.32.0",
+    )
+
+
 def test_baseline_cache_that_is_a_file(bad_run: BadRun, tmp_path: Path) -> None:
     cache = tmp_path / "cache-file"
     cache.write_text("")

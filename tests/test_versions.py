@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,15 @@ import pytest
 from harness.cli.releases import parse_release_list, release_env
 from harness.cli.versions import ReleaseRun, case_label, format_matrix, matrix_passed
 from harness.errors import BadInput
-from harness.run.goldens import GoldenStore, agreement, first_difference, golden_key, release_of
+from harness.run.goldens import (
+    GoldenStore,
+    agreement,
+    first_difference,
+    golden_key,
+    golden_release_argument,
+    golden_release_of,
+    release_of,
+)
 from harness.spec.platforms import CPU
 from harness.spec.settings import ServedVllm
 from harness.spec.topology import serving_for
@@ -149,6 +158,106 @@ def test_goldens_are_per_release_and_agreement_finds_the_first_difference(tmp_pa
 def test_release_of_strips_the_local_build_suffix() -> None:
     assert release_of("0.31.0+cpu") == "0.31.0"
     assert first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([1], [1]) is None
+
+
+BODY = {"model": "epd-model", "messages": [{"role": "user", "content": "hi"}], "seed": 1}
+
+
+@pytest.mark.parametrize(
+    ("version", "release"),
+    [
+        ("0.31.0+cpu", "0.31.0"),
+        ("0.31", "0.31.0"),
+        ("0.8.5.post1+cu128", "0.8.5.post1"),
+        ("0.33.0.dev12+gabc1234", None),
+        ("0.33.0rc1", None),
+        ("0.33.0a1+cpu", None),
+    ],
+)
+def test_only_final_releases_are_golden_releases(version: str, release: str | None) -> None:
+    assert golden_release_of(version) == release
+
+
+def test_a_dev_build_baseline_is_not_filed_as_the_releases_golden(tmp_path: Path) -> None:
+    """release_of('0.33.0.dev12+gabc1234') == '0.33.0': a development build's (or an rc's)
+    answers were stored as, and overwrote, the golden of the release 0.33.0, and
+    `run --golden 0.33.0` / `epd-harness goldens` then presented them as that release's
+    (found in review)."""
+    store = GoldenStore(tmp_path / "goldens")
+    key = golden_key(serving_for(CPU, "/m"), "digest", BODY)
+    release = ServedVllm("vllm", "0.33.0+cpu", "2.13.0")
+    assert store.store(key, "image", release, outcome("image", (1, 2, 3)))
+    for build in ("0.33.0.dev12+gabc1234", "0.33.0rc1"):
+        dev = ServedVllm("vllm", build, "2.13.0")
+        assert not store.store(key, "image", dev, outcome("image", (9, 9, 9)))
+    got = store.outcome_for(key, "image", "0.33.0").result
+    assert got is not None and got.token_ids == (1, 2, 3), (
+        f"--golden 0.33.0 now answers with the dev build's ids {got and got.token_ids}"
+    )
+    assert [g.release for gs in store.all().values() for g in gs] == ["0.33.0"]
+    with pytest.raises(BadInput, match="final releases only"):
+        golden_release_argument("0.33.0rc1")
+    assert golden_release_argument("0.33.0+cpu") == "0.33.0"
+
+
+def test_goldens_of_one_release_under_two_torch_versions_do_not_overwrite_each_other(
+    tmp_path: Path,
+) -> None:
+    """The golden file was per release only; the torch it ran on was recorded inside but not
+    in the path, so the versions matrix (torch A in its release venv) and a user's venv (torch
+    B) overwrote each other's golden and `goldens` compared across torch silently (found in
+    review). Now each torch has its own file; `--golden` takes the served torch's, and
+    `goldens` names the torch wherever a request has more than one."""
+    store = GoldenStore(tmp_path / "goldens")
+    key = golden_key(serving_for(CPU, "/m"), "digest", BODY)
+    store.store(key, "image", ServedVllm("v", "0.32.0+cpu", "2.13.0"), outcome("image", (1,)))
+    store.store(key, "image", ServedVllm("v", "0.32.0+cpu", "2.14.0"), outcome("image", (2,)))
+    torches = sorted(g.torch_version for gs in store.all().values() for g in gs)
+    assert torches == ["2.13.0", "2.14.0"], f"one golden left: {torches}"
+    assert store.outcome_for(key, "image", "0.32.0", "2.14.0").result.token_ids == (2,)
+    assert store.outcome_for(key, "image", "0.32.0", "2.13.0").result.token_ids == (1,)
+    with pytest.raises(BadInput, match="torch 2.13.0, 2.14.0, none with the served torch 2.15"):
+        store.outcome_for(key, "image", "0.32.0", "2.15.0")
+    assert [r.describe() for r in agreement(store)] == [
+        "image: 0.32.0 (torch 2.13.0) -> 0.32.0 (torch 2.14.0): differ from token 0"
+    ]
+
+
+def test_a_golden_of_an_older_harness_is_read_as_its_torchs(tmp_path: Path) -> None:
+    """Goldens written before the torch was in the name (`<release>.json`) stay readable; a
+    new golden of the same release and torch supersedes it."""
+    store = GoldenStore(tmp_path / "goldens")
+    key = golden_key(serving_for(CPU, "/m"), "digest", BODY)
+    legacy = store.directory / key / "0.31.0.json"
+    legacy.parent.mkdir(parents=True)
+    legacy.write_text(
+        json.dumps(
+            {
+                "format": 1,
+                "prompt": "image",
+                "vllm": "0.31.0+cpu",
+                "torch": "2.13.0",
+                "result": outcome("image", (4,)).result.to_json(),
+            }
+        )
+    )
+    assert store.outcome_for(key, "image", "0.31.0", "2.99.0").result.token_ids == (4,)
+    store.store(key, "image", ServedVllm("v", "0.31.0+cpu", "2.13.0"), outcome("image", (5,)))
+    assert [g.token_ids for gs in store.all().values() for g in gs] == [[5]]
+    assert store.outcome_for(key, "image", "0.31.0").result.token_ids == (5,)
+
+
+@pytest.mark.parametrize("text", ["{", "[]", '{"prompt": "image"}'])
+def test_a_corrupt_golden_is_one_line_naming_the_file(tmp_path: Path, text: str) -> None:
+    """It was a traceback (json.JSONDecodeError, KeyError) out of `goldens` or `--golden`."""
+    store = GoldenStore(tmp_path / "goldens")
+    key = golden_key(serving_for(CPU, "/m"), "digest", BODY)
+    path = store.directory / key / "0.32.0+torch-2.13.0.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    for read in (lambda: store.outcome_for(key, "image", "0.32.0"), store.all):
+        with pytest.raises(BadInput, match=rf"corrupt golden {re.escape(str(path))}: .+; delete"):
+            read()
 
 
 @pytest.mark.parametrize(

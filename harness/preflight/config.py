@@ -39,7 +39,7 @@ from harness.preflight.vllm import (
 from harness.preflight.vllm_args import check_serve_argvs, serve_argvs
 from harness.run.baseline_cache import BaselineCache
 from harness.run.faults import KV_FAULTS, STREAM_FAULTS, fault_reaches, parse_fault
-from harness.run.goldens import GoldenStore, release_of
+from harness.run.goldens import GoldenStore, golden_release_argument
 from harness.run.scenarios import MATRIX, Scenario, get_scenario, matrix_prompts
 from harness.spec.attach import AttachSpec
 from harness.spec.connectors import get_kv_connector
@@ -442,7 +442,7 @@ def _goldens(
             "--golden starts no baseline, so there is nothing to refresh; drop "
             "--refresh-baseline (or --golden)"
         )
-    return GoldenStore(directory), release_of(request.golden)
+    return GoldenStore(directory), golden_release_argument(request.golden)
 
 
 def _baseline_cache(request: RunRequest) -> BaselineCache | None:

@@ -179,6 +179,7 @@ class BaselineAnswers:
                 golden_key(self.settings.serving, self.digest(), self.bodies[name]),
                 name,
                 self.golden_release,
+                self.settings.vllm.torch_version,
             )
             self.stability[name] = Stability(True, f"golden of vLLM {self.golden_release}", 0.0)
         log.info(

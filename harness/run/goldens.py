@@ -9,7 +9,19 @@ produced them, so that
 * `epd-harness run --golden VERSION` judges a candidate's EPD outputs against VERSION's
   baseline without starting a baseline at all (only when asked: never implicitly).
 
-Layout: `<cache>/goldens/<golden key>/<vllm version>.json`.
+Only final releases are filed (a post release, e.g. 0.8.5.post1, under its own name): a
+development build or a release candidate is not the release its version number leads to
+(0.33.0.dev12+gabc1234 is a commit before 0.33.0, and an editable install's version does not
+even name its code), so filing it as `0.33.0` would overwrite that release's golden and have
+`--golden 0.33.0` and `goldens` present the development build's answers as the release's.
+Kept under their full versions instead, they would crowd `goldens` (consecutive *releases*) with
+builds nobody can install again; so they are not kept, and `--golden` names a final release.
+
+One release may be served with more than one torch (the versions matrix pins one, a user's venv
+another): each (release, torch) pair has its own file, so neither overwrites the other.
+
+Layout: `<cache>/goldens/<golden key>/<release>+torch-<torch version>.json` (files of an older
+harness, `<release>.json`, are read as the golden of the torch recorded inside them).
 """
 
 from __future__ import annotations
@@ -17,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +45,11 @@ from harness.spec.settings import ServedVllm
 from harness.spec.topology import ServingConfig
 
 GOLDEN_FORMAT = 1
+TORCH_SEPARATOR = "+torch-"  # between the release and the torch version in a golden's name
+# A final release, as vLLM numbers them: X.Y[.Z][.postN], with an optional local build suffix
+# (+cpu, +cu128). Anything else (.devN, rcN, aN, bN) is a build on the way to a release.
+_FINAL_RELEASE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?(\.post\d+)?(?:\+[A-Za-z0-9.]+)?\s*$")
+log = logging.getLogger(__name__)
 
 
 def golden_key(serving: ServingConfig, model_digest: str, body: dict[str, Any]) -> str:
@@ -50,8 +69,30 @@ def golden_key(serving: ServingConfig, model_digest: str, body: dict[str, Any]) 
 
 
 def release_of(version: str) -> str:
-    """'0.31.0+cpu' -> '0.31.0': goldens are per release, whatever the local build suffix."""
+    """'0.31.0+cpu' -> '0.31.0': the release a version number leads to (bisect's ends)."""
     return ".".join(str(n) for n in parse_version(version))
+
+
+def golden_release_of(version: str) -> str | None:
+    """The final release a served version is, whatever its local build suffix ('0.31.0+cpu'
+    -> '0.31.0', '0.8.5.post1' -> '0.8.5.post1'); None for a development build or a release
+    candidate ('0.33.0.dev12+gabc1234', '0.33.0rc1'), whose answers are not the release's."""
+    match = _FINAL_RELEASE.match(version)
+    if match is None:
+        return None
+    return f"{match[1]}.{match[2]}.{match[3] or 0}{match[4] or ''}"
+
+
+def golden_release_argument(text: str) -> str:
+    """`--golden VERSION`: the final release it names, or one line saying only those are kept."""
+    release = golden_release_of(text)
+    if release is None:
+        parse_version(text)  # a typo gets its own line
+        raise BadInput(
+            f"--golden {text}: goldens are kept for final releases only (a development "
+            "build or release candidate is not filed); name one, e.g. 0.32.0"
+        )
+    return release
 
 
 @dataclass(frozen=True)
@@ -69,15 +110,29 @@ class Golden:
 class GoldenStore:
     def __init__(self, directory: Path):
         self.directory = directory
+        self._said_not_filed = False
 
-    def _path(self, key: str, release: str) -> Path:
-        return self.directory / key / f"{release}.json"
+    def _path(self, key: str, release: str, torch_version: str) -> Path:
+        return self.directory / key / f"{release}{TORCH_SEPARATOR}{torch_version}.json"
 
-    def store(self, key: str, prompt: str, served: ServedVllm, outcome: Outcome) -> None:
+    def store(self, key: str, prompt: str, served: ServedVllm, outcome: Outcome) -> bool:
+        """File `outcome` as the golden of the served release and torch; False when it is not
+        filed (a failed answer, an unknown version, or no final release: the module's
+        docstring says why)."""
         if outcome.result is None or not served.known:
-            return
+            return False
+        release = golden_release_of(served.version)
+        if release is None:
+            if not self._said_not_filed:
+                log.info(
+                    "[goldens] vLLM %s is not a final release: its answers are not filed as "
+                    "goldens",
+                    served.version,
+                )
+                self._said_not_filed = True
+            return False
         write_json_atomic(
-            self._path(key, release_of(served.version)),
+            self._path(key, release, served.torch_version),
             {
                 "format": GOLDEN_FORMAT,
                 "prompt": prompt,
@@ -86,22 +141,65 @@ class GoldenStore:
                 "result": outcome.result.to_json(),
             },
         )
+        return True
 
-    def load(self, key: str, release: str) -> Golden | None:
-        path = self._path(key, release)
-        if not path.exists():
+    def load_file(self, path: Path) -> Golden:
+        """One golden file; a damaged one is one clear line, not a traceback."""
+        release = path.stem.split(TORCH_SEPARATOR, 1)[0]
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                raise ValueError(f"expected a JSON object, found {type(data).__name__}")
+            return Golden(
+                str(data["prompt"]),
+                release,
+                str(data.get("torch", "unknown")),
+                ChatResult.from_json(data["result"]),
+            )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            cause = f"no field {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise BadInput(
+                f"corrupt golden {path}: {cause}; delete it (the release's next sweep "
+                "stores it again)"
+            ) from None
+
+    def goldens_of(self, key: str, release: str) -> list[Golden]:
+        """Every golden of `release` for this request, one per torch it was served with."""
+        found = {}
+        # An older harness's file (`<release>.json`) first: a newer file of its torch wins.
+        for path in (
+            self.directory / key / f"{release}.json",
+            *sorted((self.directory / key).glob(f"{release}{TORCH_SEPARATOR}*.json")),
+        ):
+            if path.exists():
+                golden = self.load_file(path)
+                found[golden.torch_version] = golden
+        return list(found.values())
+
+    def load(self, key: str, release: str, torch_version: str | None = None) -> Golden | None:
+        """`release`'s golden for this request: the one of `torch_version` if there is one,
+        else the only one; None if there is none. Several, none of `torch_version`, is
+        BadInput: which torch's answers stand in must not be a guess."""
+        goldens = self.goldens_of(key, release)
+        if not goldens:
             return None
-        data = json.loads(path.read_text())
-        return Golden(
-            data["prompt"],
-            release,
-            data.get("torch", "unknown"),
-            ChatResult.from_json(data["result"]),
+        same_torch = [g for g in goldens if g.torch_version == torch_version]
+        if same_torch:
+            return same_torch[0]
+        if len(goldens) == 1:
+            return goldens[0]
+        torches = ", ".join(sorted(g.torch_version for g in goldens))
+        raise BadInput(
+            f"goldens of vLLM {release} for prompt {goldens[0].prompt!r} were served with "
+            f"torch {torches}, none with the served torch {torch_version}; delete the ones "
+            f"not to use under {self.directory / key}"
         )
 
-    def outcome_for(self, key: str, prompt: str, release: str) -> Outcome:
+    def outcome_for(
+        self, key: str, prompt: str, release: str, torch_version: str | None = None
+    ) -> Outcome:
         """`--golden`: VERSION's baseline answer to this request, or one clear line."""
-        golden = self.load(key, release)
+        golden = self.load(key, release, torch_version)
         if golden is None:
             raise BadInput(
                 f"no golden of vLLM {release} for prompt {prompt!r} (same model, "
@@ -111,15 +209,21 @@ class GoldenStore:
         return Outcome(prompt=prompt, result=golden.result)
 
     def all(self) -> dict[str, list[Golden]]:
-        """key -> its goldens, oldest release first."""
-        found: dict[str, list[Golden]] = {}
+        """key -> its goldens, oldest release first (one per release and torch)."""
+        found: dict[str, dict[tuple[str, str], Golden]] = {}
         for path in sorted(self.directory.glob("*/*.json")):
-            golden = self.load(path.parent.name, path.stem)
-            if golden is not None:
-                found.setdefault(path.parent.name, []).append(golden)
-        for goldens in found.values():
-            goldens.sort(key=lambda g: parse_version(g.release))
-        return found
+            golden = self.load_file(path)
+            mine = found.setdefault(path.parent.name, {})
+            # An older harness's `<release>.json` sorts after `<release>+torch-...`: the
+            # newer file of the same torch is kept.
+            mine.setdefault((golden.release, golden.torch_version), golden)
+        return {
+            key: sorted(
+                goldens.values(),
+                key=lambda g: (parse_version(g.release), g.release, g.torch_version),
+            )
+            for key, goldens in found.items()
+        }
 
 
 @dataclass(frozen=True)
@@ -136,19 +240,30 @@ class Agreement:
 
 
 def agreement(store: GoldenStore) -> list[Agreement]:
-    """For every request with goldens of several releases: consecutive releases compared."""
+    """For every request with goldens of several releases: consecutive releases compared.
+    Where a request has goldens of more than one torch, each is named with its torch, so a
+    change of torch is never read as a change of release."""
     rows = []
     for goldens in store.all().values():
+        several_torches = len({g.torch_version for g in goldens}) > 1
+
+        def label(golden: Golden, several_torches: bool = several_torches) -> str:
+            return (
+                f"{golden.release} (torch {golden.torch_version})"
+                if several_torches
+                else golden.release
+            )
+
         for older, newer in zip(goldens, goldens[1:]):
             rows.append(
                 Agreement(
                     newer.prompt,
-                    older.release,
-                    newer.release,
+                    label(older),
+                    label(newer),
                     first_difference(older.token_ids, newer.token_ids),
                 )
             )
-    return sorted(rows, key=lambda a: (a.prompt, parse_version(a.older)))
+    return sorted(rows, key=lambda a: (a.prompt, parse_version(a.older), a.older))
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
