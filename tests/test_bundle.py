@@ -122,7 +122,11 @@ def model_dir(tmp_path: Path) -> Path:
 
 
 SERVED = ServedVllm(
-    "/other-venv/bin/vllm", "0.31.0+cpu", "2.9.1+cpu", amx_permission="not needed: no amx_tile"
+    "/other-venv/bin/vllm",
+    "0.31.0+cpu",
+    "2.9.1+cpu",
+    amx_permission="not needed: no amx_tile",
+    libraries=(("tokenizers", "0.22.1"), ("transformers", "4.57.1")),
 )
 
 
@@ -141,6 +145,10 @@ def test_run_json_records_versions_model_config_and_instances(run_dir, model_dir
         "version": "0.31.0+cpu",
         "torch_version": "2.9.1+cpu",
         "amx_permission": "not needed: no amx_tile",
+        "libraries": [["tokenizers", "0.22.1"], ["transformers", "4.57.1"]],
+        "source_tree": "",
+        "source_state": "",
+        "source_problem": "",
     }, "run.json records the served vLLM (and its AMX hook), not the harness interpreter's"
     harness = info["harness_packages"]["harness"]
     assert harness == {

@@ -223,6 +223,15 @@ def test_goldens_of_one_release_under_two_torch_versions_do_not_overwrite_each_o
     ]
 
 
+def test_an_editable_install_is_not_filed_even_with_a_final_version(tmp_path: Path) -> None:
+    """`pip install -e` of the v0.32.0 tag, then edited: still "0.32.0", not 0.32.0's code."""
+    store = GoldenStore(tmp_path / "goldens")
+    key = golden_key(serving_for(CPU, "/m"), "digest", BODY)
+    editable = ServedVllm("v", "0.32.0", "2.13.0", source_tree="/src/vllm", source_state="git a")
+    assert not store.store(key, "image", editable, outcome("image", (1,)))
+    assert store.all() == {}
+
+
 def test_a_golden_of_an_older_harness_is_read_as_its_torchs(tmp_path: Path) -> None:
     """Goldens written before the torch was in the name (`<release>.json`) stay readable; a
     new golden of the same release and torch supersedes it."""

@@ -8,6 +8,9 @@ its versions and its modules are read from its own interpreter, in a subprocess;
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,8 +18,10 @@ import pytest
 from harness.errors import BadInput
 from harness.preflight.connectors import check_kv_connector
 from harness.preflight.vllm import probe_served_vllm
+from harness.run.baseline_cache import baseline_key
 from harness.spec.connectors import NIXL
 from harness.spec.settings import ServedVllm
+from harness.spec.topology import ServingConfig
 from harness.testing.fake_vllm import install_fake_vllm
 
 pytestmark = pytest.mark.process
@@ -42,3 +47,102 @@ def test_nixl_refused_in_one_line_when_the_served_python_lacks_it(tmp_path: Path
     assert "--kv-connector nixl needs nixl" in message
     assert "No module named 'nixl'" in message
     assert "scripts/cpu setup --nixl" in message
+
+
+# --- what keys the baseline cache besides vLLM and torch ----------------------------------------
+
+DEV = "0.33.0.dev12+gabc1234"
+BODY = {"model": "epd-model", "messages": [{"role": "user", "content": "hi"}]}
+SERVING = ServingConfig(model="/models/tiny")
+
+
+def editable_vllm(tmp_path: Path, tree: Path) -> Path:
+    """A fake served vLLM installed with `pip install -e TREE` (its direct_url.json says so)."""
+    vllm = install_fake_vllm(tmp_path / "bin", vllm_version=DEV)
+    info = tmp_path / "bin" / "vllm-python" / "site" / f"vllm-{DEV}.dist-info"
+    (info / "direct_url.json").write_text(
+        json.dumps({"url": tree.as_uri(), "dir_info": {"editable": True}})
+    )
+    return vllm
+
+
+def git(tree: Path, *args: str) -> None:
+    identity = ("-c", "user.name=t", "-c", "user.email=t@example.invalid")
+    subprocess.run(["git", "-C", str(tree), *identity, *args], check=True, capture_output=True)
+
+
+def test_an_edited_editable_vllm_does_not_hit_the_baseline_of_its_code_before(
+    tmp_path: Path,
+) -> None:
+    """A vLLM developer's `pip install -e .` (VLLM_USE_PRECOMPILED=1: Python edits take effect
+    with no reinstall) reports the version written at install time, whatever the tree holds
+    now. The key was that version, so after an edit to, say, the Qwen2.5-VL model file, EPD
+    was served by the edited code and judged against the cached answer of the code before: a
+    MISMATCH that is no EPD bug, or a change the developer meant to test, hidden (found in
+    review). The key now holds the tree's git HEAD and a hash of its diff and untracked .py
+    files."""
+    tree = tmp_path / "vllm-src"
+    model_file = tree / "vllm" / "model_executor" / "models" / "qwen2_5_vl.py"
+    model_file.parent.mkdir(parents=True)
+    model_file.write_text("SCALE = 1.0\n")
+    git(tree, "init", "-q")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-q", "-m", "the tree as installed")
+    vllm = editable_vllm(tmp_path, tree)
+
+    def key() -> str:
+        served = probe_served_vllm(str(vllm))
+        assert served.source_tree == str(tree) and served.cache_refusal is None, served
+        return baseline_key(served, SERVING, "digest", BODY)
+
+    before = key()
+    assert key() == before, "the same code keys the same baseline"
+    model_file.write_text("SCALE = 2.0\n")  # the developer's edit
+    edited = key()
+    assert edited != before, f"vLLM {DEV} (editable, {tree}) keys one baseline before and after"
+    (model_file.parent / "new_model.py").write_text("A = 1\n")  # untracked, not ignored
+    assert key() != edited
+    git(tree, "add", "-A")
+    git(tree, "commit", "-q", "-m", "committed")
+    assert key() not in (before, edited), "a new HEAD is new code"
+
+
+def test_an_editable_vllm_whose_code_cannot_be_read_is_not_cached(tmp_path: Path) -> None:
+    """No git checkout (or no git): the code cannot be identified, so no baseline of it is
+    cached; the run says so in one line (`harness.preflight.config`) and computes it."""
+    tree = tmp_path / "vllm-src"
+    tree.mkdir()
+    served = probe_served_vllm(str(editable_vllm(tmp_path, tree)))
+    assert served.cache_refusal is not None
+    assert "\n" not in served.cache_refusal and str(tree) in served.cache_refusal
+    with pytest.raises(ValueError, match="editable install"):
+        baseline_key(served, SERVING, "digest", BODY)
+
+
+def test_the_served_transformers_version_is_in_the_key_and_recorded(tmp_path: Path) -> None:
+    """vLLM preprocesses images and videos with the *served* environment's transformers (the
+    HF image/video processors: resize, normalise; e.g. the slow/fast processor default that
+    changed between releases), so its pixel values, embeddings and tokens follow that version.
+    The probe read only vllm and torch: `pip install -U transformers` in the served venv kept
+    the key, and EPD (new preprocessing) was judged against a cached baseline of the old one
+    (found in review)."""
+    vllm = install_fake_vllm(tmp_path / "bin", vllm_version="0.32.0+cpu", torch_version="2.13.0")
+    site = tmp_path / "bin" / "vllm-python" / "site"
+
+    def served_with(transformers: str) -> ServedVllm:
+        for old in site.glob("transformers-*.dist-info"):
+            shutil.rmtree(old)
+        info = site / f"transformers-{transformers}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: transformers\nVersion: {transformers}\n"
+        )
+        return probe_served_vllm(str(vllm))
+
+    old, new = served_with("4.57.1"), served_with("5.19.0")
+    assert dict(new.libraries)["transformers"] == "5.19.0"
+    assert {"tokenizers", "pillow", "opencv"} <= dict(new.libraries).keys(), new.libraries
+    assert baseline_key(old, SERVING, "d", BODY) != baseline_key(new, SERVING, "d", BODY), (
+        "a baseline preprocessed by transformers 4.57.1 answers a run served with 5.19.0"
+    )
+    assert not new.source_tree and new.cache_refusal is None, "a wheel install is no tree"

@@ -286,6 +286,9 @@ def prepare_run(request: RunRequest) -> RunConfig:
         argv_check=argv_check.to_json(),
     )
     goldens, golden_release = _goldens(request, baseline_cache)
+    if baseline_cache is not None and served.cache_refusal is not None:
+        log.warning("epd-harness: %s", served.cache_refusal)
+        baseline_cache = None  # an editable build whose code cannot be told apart
     if baseline_cache is None and served.known and golden_release is None:
         baseline_cache = _session_private_cache(request, platform)
     return RunConfig(

