@@ -28,6 +28,7 @@ from harness.outcomes.chat import parse_chat_response
 from harness.outcomes.outcome import Outcome
 from harness.report.text import format_verdict_table
 from harness.run.baseline_cache import BaselineCache, baseline_key
+from harness.run.baseline_launch import BaselineLaunch
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.attached import AttachedSession
 from harness.serve.launch import ManagedServer, ServerCommand, log_path_for
@@ -204,7 +205,9 @@ def cached_baseline(tmp_path: Path, settings: RunSettings) -> BaselineCache:
     cache = BaselineCache(tmp_path / "baseline-cache")
     for prompt in PROMPTS:
         body = render_request(prompt, settings.serving.served_model_name)
-        key = baseline_key(settings.vllm, settings.serving, MODEL, body)
+        key = baseline_key(
+            settings.vllm, settings.serving, MODEL, body, launch=BaselineLaunch.of(settings)
+        )
         answer = {  # what the fake pd answers, token for token
             "prompt_token_ids": [1, 2, 3],
             "choices": [

@@ -21,17 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.tiny_model import model_digest
 from harness import environment
-from harness.environment import cache_dir
+from harness.cli.main import build_parser, request_from_args
 from harness.errors import BadInput
 from harness.preflight import files, names, resources, tokens
-from harness.preflight.model import resolve_model
-from harness.preflight.vllm import check_vllm, default_vllm_executable, probe_served_vllm
-from harness.run.baseline_cache import baseline_key
+from harness.preflight.config import prepare_run
+from harness.preflight.vllm import check_vllm
+from harness.run.baseline import BaselineAnswers
+from harness.run.baseline_cache import CACHE_FORMAT
 from harness.spec.connectors import get_ec_connector
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
-from harness.spec.topology import ServingConfig
 from harness.testing.cli import run_argv
 from harness.testing.fake_vllm import install_fake_vllm
 
@@ -863,12 +862,14 @@ def test_disk_full_at_the_write_probe(bad_run: BadRun, tmp_path: Path) -> None:
     assert_one_error_line(code, err, cause)
 
 
-def text_prompt_cache_entry(cache: Path) -> Path:
-    """Where the baseline cache keeps the entry a `--prompt text` run on the tiny model reads."""
-    model_dir = resolve_model(None, None, cache_dir())
-    body = render_request(SKELETON_PROMPTS[0], "epd-model")
-    served = probe_served_vllm(default_vllm_executable())
-    key = baseline_key(served, ServingConfig(model=str(model_dir)), model_digest(model_dir), body)
+def text_prompt_cache_entry(cache: Path, vllm: Path, run_args: list[str]) -> Path:
+    """Where the baseline cache keeps the entry the run of `run_args` on the tiny model reads:
+    its settings from the same preflight, since the key covers the baseline's rendered launch
+    (harness.run.baseline_launch)."""
+    args = build_parser().parse_args(run_argv(vllm, cache.parent / "key-run", *run_args))
+    config = prepare_run(request_from_args(args))
+    body = render_request(SKELETON_PROMPTS[0], config.settings.serving.served_model_name)
+    key = BaselineAnswers(config.settings).cache_key(body)
     cache.mkdir(exist_ok=True)
     return cache / f"{key}.json"
 
@@ -878,23 +879,18 @@ def text_prompt_cache_entry(cache: Path) -> Path:
     [
         ('{"format": 3, "result": ', "Expecting value: line 1 column 25 (char 24)"),
         ("[]", "expected a JSON object, found list"),
-        ('{"format": 0, "result": {}}', "format 0, expected 4"),
+        ('{"format": 0, "result": {}}', f"format 0, expected {CACHE_FORMAT}"),
     ],
 )
 def test_corrupt_baseline_cache_entry(
-    bad_run: BadRun, tmp_path: Path, text: str, cause: str
+    bad_run: BadRun, vllm: Path, tmp_path: Path, text: str, cause: str
 ) -> None:
     """The entry this very run would read is garbage: refused before any server starts."""
-    entry = text_prompt_cache_entry(tmp_path / "baseline-cache")
+    run_args = ["--prompt", "text", "--topology", "1P+1D"]
+    run_args += ["--baseline-cache", str(tmp_path / "baseline-cache")]
+    entry = text_prompt_cache_entry(tmp_path / "baseline-cache", vllm, run_args)
     entry.write_text(text)
-    code, err = bad_run(
-        "--prompt",
-        "text",
-        "--topology",
-        "1P+1D",
-        "--baseline-cache",
-        str(tmp_path / "baseline-cache"),
-    )
+    code, err = bad_run(*run_args)
     remedy = "delete it or pass --refresh-baseline"
     assert_one_error_line(code, err, f"corrupt baseline cache entry {entry}: {cause}; {remedy}")
     kept = sorted(p.name for p in (tmp_path / "run").iterdir())

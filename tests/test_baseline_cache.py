@@ -4,20 +4,27 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from harness.outcomes.chat import ChatResult, PositionLogprobs
 from harness.outcomes.outcome import Outcome
+from harness.run import baseline_launch
+from harness.run.baseline import BaselineAnswers
 from harness.run.baseline_cache import BaselineCache, BaselineCacheError, baseline_key
-from harness.spec.settings import ServedVllm
-from harness.spec.topology import ServingConfig
+from harness.run.baseline_launch import BaselineLaunch, numerics_env
+from harness.spec.generations import GENERATIONS_BY_NAME
+from harness.spec.platforms import CPU, CUDA
+from harness.spec.settings import RunSettings, ServedVllm
+from harness.spec.topology import ServingConfig, serving_for
 
 pytestmark = pytest.mark.unit
 
 SERVING = ServingConfig(model="/models/tiny")
 SERVED = ServedVllm("/venv/bin/vllm", "0.32.0+cpu", "2.13.0+cpu")
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.0}
+LAUNCH = BaselineLaunch.of(RunSettings(serving=SERVING, run_dir=Path("/run")), environ={})
 RESULT = ChatResult(
     prompt_token_ids=(1, 2, 3),
     token_ids=(7, 8),
@@ -28,40 +35,48 @@ RESULT = ChatResult(
 
 
 def test_key_is_stable_and_changes_with_what_changes_tokens() -> None:
-    key = baseline_key(SERVED, SERVING, "digest-a", BODY)
-    assert key == baseline_key(SERVED, SERVING, "digest-a", dict(BODY))
-    assert key != baseline_key(SERVED, SERVING, "digest-b", BODY), (
+    key = baseline_key(SERVED, SERVING, "digest-a", BODY, launch=LAUNCH)
+    assert key == baseline_key(SERVED, SERVING, "digest-a", dict(BODY), launch=LAUNCH)
+    assert key != baseline_key(SERVED, SERVING, "digest-b", BODY, launch=LAUNCH), (
         "model content must be in the key"
     )
     assert key != baseline_key(
-        SERVED, dataclasses.replace(SERVING, block_size=16), "digest-a", BODY
+        SERVED, dataclasses.replace(SERVING, block_size=16), "digest-a", BODY, launch=LAUNCH
     )
     assert key != baseline_key(
-        SERVED, dataclasses.replace(SERVING, cpu_threads_per_instance=2), "digest-a", BODY
+        SERVED,
+        dataclasses.replace(SERVING, cpu_threads_per_instance=2),
+        "digest-a",
+        BODY,
+        launch=LAUNCH,
     )
-    assert key != baseline_key(SERVED, SERVING, "digest-a", {**BODY, "seed": 7})
+    assert key != baseline_key(SERVED, SERVING, "digest-a", {**BODY, "seed": 7}, launch=LAUNCH)
 
 
 def test_key_is_the_served_vllm_and_torch_not_the_harness_interpreters() -> None:
     """Trap: the key once read the vLLM version of the harness's own interpreter, so a
     baseline of one vLLM was reused for another served through --vllm."""
-    key = baseline_key(SERVED, SERVING, "d", BODY)
+    key = baseline_key(SERVED, SERVING, "d", BODY, launch=LAUNCH)
     other_vllm = dataclasses.replace(SERVED, version="0.31.0+cpu")
     other_torch = dataclasses.replace(SERVED, torch_version="2.9.1+cpu")
-    assert key != baseline_key(other_vllm, SERVING, "d", BODY)
-    assert key != baseline_key(other_torch, SERVING, "d", BODY)
+    assert key != baseline_key(other_vllm, SERVING, "d", BODY, launch=LAUNCH)
+    assert key != baseline_key(other_torch, SERVING, "d", BODY, launch=LAUNCH)
     moved = dataclasses.replace(SERVED, executable="/elsewhere/bin/vllm")
-    assert key == baseline_key(moved, SERVING, "d", BODY), "the same version elsewhere is equal"
+    assert key == baseline_key(moved, SERVING, "d", BODY, launch=LAUNCH), (
+        "the same version elsewhere is equal"
+    )
 
 
 def test_unknown_served_version_is_never_cached() -> None:
     with pytest.raises(ValueError, match="unknown vLLM version"):
-        baseline_key(ServedVllm("/opt/vllm", "unknown"), SERVING, "d", BODY)
+        baseline_key(ServedVllm("/opt/vllm", "unknown"), SERVING, "d", BODY, launch=LAUNCH)
 
 
 def test_key_ignores_where_the_model_lives() -> None:
     moved = dataclasses.replace(SERVING, model="/elsewhere/tiny")
-    assert baseline_key(SERVED, SERVING, "d", BODY) == baseline_key(SERVED, moved, "d", BODY)
+    assert baseline_key(SERVED, SERVING, "d", BODY, launch=LAUNCH) == baseline_key(
+        SERVED, moved, "d", BODY, launch=LAUNCH
+    )
 
 
 def test_store_then_load_round_trips(tmp_path: Path) -> None:
@@ -84,3 +99,129 @@ def test_corrupt_entry_is_an_error_naming_the_file(tmp_path: Path) -> None:
     (tmp_path / "k.json").write_text("{not json")
     with pytest.raises(BaselineCacheError, match=r"corrupt baseline cache entry .*k\.json"):
         BaselineCache(tmp_path).load("k", "image")
+
+
+# -- the baseline's launch: argv, environment (rendered and inherited), device ----------------
+
+RUN_BODY = {"model": "epd-model", "messages": [{"role": "user", "content": "hi"}], "seed": 1}
+
+
+def run_settings(tmp_path: Path, **fields: Any) -> RunSettings:
+    serving = serving_for(CPU, "/not-a-dir-model", max_model_len=4096)
+    return RunSettings(serving=serving, run_dir=tmp_path / "run", vllm=SERVED, **fields)
+
+
+def test_a_numerics_env_var_the_baseline_inherits_changes_the_cache_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every instance, the baseline included, is launched with os.environ plus its additions
+    (harness/serve/launch.py: env={**os.environ, **command.env}). A variable that picks other
+    kernels (VLLM_ATTENTION_BACKEND, VLLM_CPU_*, ONEDNN_*, CUBLAS_WORKSPACE_CONFIG, ...)
+    changes the baseline's answer, so a baseline cached without it must not answer a run with
+    it: otherwise EPD (served with it) is judged against a baseline served without it (found
+    in review)."""
+    answers = BaselineAnswers(run_settings(tmp_path), BaselineCache(tmp_path / "cache"))
+    for name in ("VLLM_ATTENTION_BACKEND", "ONEDNN_DEFAULT_FPMATH_MODE", "CUBLAS_WORKSPACE_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    plain = answers.cache_key(RUN_BODY)
+    for name, value in (
+        ("VLLM_ATTENTION_BACKEND", "FLASHINFER"),
+        ("ONEDNN_DEFAULT_FPMATH_MODE", "BF16"),
+        ("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),
+    ):
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            assert answers.cache_key(RUN_BODY) != plain, (
+                f"the baseline served under {name}={value} hits the entry of one served without it"
+            )
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("VLLM_LOGGING_LEVEL", "DEBUG"),
+        ("VLLM_PORT", "23456"),
+        ("VLLM_HOST_IP", "10.0.0.7"),
+        ("VLLM_NIXL_SIDE_CHANNEL_PORT", "25001"),
+        ("VLLM_CACHE_ROOT", "/tmp/run-17/vllm-cache"),
+        ("VLLM_API_KEY", "secret"),
+        ("VLLM_NO_USAGE_STATS", "1"),
+        ("TORCHINDUCTOR_CACHE_DIR", "/tmp/inductor-4711"),
+        ("TORCH_CPP_LOG_LEVEL", "INFO"),
+        ("NCCL_DEBUG", "INFO"),
+        ("CUDA_VISIBLE_DEVICES", "3"),
+        ("TMPDIR", "/tmp/pytest-of-root/pytest-12"),
+        ("EPD_HARNESS_PORT_DIR", "/tmp/ports-9"),
+        ("HF_TOKEN", "hf_secret"),
+    ],
+)
+def test_what_differs_from_run_to_run_for_no_numeric_reason_keeps_the_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    """The other direction: ports, hosts, paths, caches, log levels, usage statistics and
+    credentials differ between runs and hosts without changing a token. Keyed, the cache would
+    never hit (harness.run.baseline_launch: the rule)."""
+    answers = BaselineAnswers(run_settings(tmp_path), BaselineCache(tmp_path / "cache"))
+    monkeypatch.delenv(name, raising=False)
+    plain = answers.cache_key(RUN_BODY)
+    monkeypatch.setenv(name, value)
+    assert answers.cache_key(RUN_BODY) == plain, f"{name}={value} changed the key"
+
+
+def test_the_numerics_env_rule() -> None:
+    environ = {
+        "VLLM_CPU_OMP_THREADS_BIND": "0-3",
+        "VLLM_ATTENTION_BACKEND": "TORCH_SDPA",
+        "OMP_NUM_THREADS": "4",
+        "KMP_AFFINITY": "granularity=fine",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "LD_PRELOAD": "/usr/lib/libtcmalloc.so",
+        "VLLM_MAX_TOKENS_PER_EXPERT_FP4_MOE": "163840",  # TOKENS is not the word TOKEN
+        "VLLM_LOGGING_CONFIG_PATH": "/etc/log.json",
+        "VLLM_RPC_BASE_PATH": "/tmp/rpc",
+        "PATH": "/usr/bin",
+        "HOME": "/root",
+    }
+    assert sorted(numerics_env(environ)) == [
+        "KMP_AFFINITY",
+        "LD_PRELOAD",
+        "MKL_ENABLE_INSTRUCTIONS",
+        "OMP_NUM_THREADS",
+        "VLLM_ATTENTION_BACKEND",
+        "VLLM_CPU_OMP_THREADS_BIND",
+        "VLLM_MAX_TOKENS_PER_EXPERT_FP4_MOE",
+    ]
+
+
+def test_the_rendered_launch_keys_protocol_platform_and_device_not_places(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--protocol decides whether the baseline is rendered with --trust-request-mm-kwargs;
+    a cache directory shared between hosts must not hand one CPU's (or GPU's) answers to
+    another; where the run and the model live is no part of the key."""
+    base = run_settings(tmp_path)
+    launch = BaselineLaunch.of(base, environ={})
+    assert "--trust-request-mm-kwargs" in launch.argv
+    older = BaselineLaunch.of(
+        dataclasses.replace(base, protocol=GENERATIONS_BY_NAME["by-hash"]), environ={}
+    )
+    assert "--trust-request-mm-kwargs" not in older.argv
+    key = baseline_key(SERVED, base.serving, "d", RUN_BODY, launch=launch)
+    assert key != baseline_key(SERVED, base.serving, "d", RUN_BODY, launch=older)
+    elsewhere = dataclasses.replace(launch, device="cpu: Intel Xeon 8480+ (avx2, amx_tile)")
+    assert key != baseline_key(SERVED, base.serving, "d", RUN_BODY, launch=elsewhere)
+    assert launch.device.startswith("cpu: ")
+
+    moved = dataclasses.replace(
+        base,
+        run_dir=tmp_path / "another-run",
+        serving=dataclasses.replace(
+            base.serving, model="/elsewhere/model", allowed_local_media_path="/media"
+        ),
+    )
+    assert BaselineLaunch.of(moved, environ={}) == launch
+    # A GPU host's model may come from nvidia-smi, a process: not in a unit test.
+    monkeypatch.setattr(baseline_launch, "device_model", lambda platform: "cuda: test")
+    cuda = dataclasses.replace(base, platform=CUDA, devices=(3,))
+    rendered = dict(BaselineLaunch.of(cuda, environ={}).env)
+    assert rendered["CUDA_VISIBLE_DEVICES"] == "DEVICE", "which GPU is no part of the key"

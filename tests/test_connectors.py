@@ -19,6 +19,7 @@ from harness.judge.guards import (
 )
 from harness.preflight.connectors import check_kv_connector, ec_connector_for
 from harness.run.baseline_cache import baseline_key
+from harness.run.baseline_launch import BaselineLaunch
 from harness.spec.connectors import (
     EC_CONNECTORS,
     EC_EXAMPLE,
@@ -31,7 +32,7 @@ from harness.spec.connectors import (
     kv_connector_for_class,
 )
 from harness.spec.instances import InstanceSpec
-from harness.spec.settings import ServedVllm
+from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import Role, ServingConfig, get_topology
 from harness.testing.builders import cached_answer
 
@@ -286,13 +287,22 @@ def test_baseline_is_rendered_without_a_connector_so_its_key_ignores_it() -> Non
     ]
     assert baselines[0].argv() == baselines[1].argv()
     assert baselines[0].env() == baselines[1].env()
-    assert baseline_key(SERVED, example, "d", BODY) == baseline_key(SERVED, nixl, "d", BODY)
+    launches = [launch_of(s) for s in (example, nixl)]
+    assert launches[0] == launches[1]
+    assert baseline_key(SERVED, example, "d", BODY, launch=launches[0]) == baseline_key(
+        SERVED, nixl, "d", BODY, launch=launches[1]
+    )
+
+
+def launch_of(serving: ServingConfig) -> BaselineLaunch:
+    return BaselineLaunch.of(RunSettings(serving=serving, run_dir=Path("/run")), environ={})
 
 
 def test_baseline_key_still_changes_with_the_ec_connector_and_block_size() -> None:
     serving = ServingConfig(model="m")
-    key = baseline_key(SERVED, serving, "d", BODY)
-    assert key != baseline_key(SERVED, dataclasses.replace(serving, block_size=16), "d", BODY)
+    key = baseline_key(SERVED, serving, "d", BODY, launch=launch_of(serving))
+    smaller = dataclasses.replace(serving, block_size=16)
+    assert key != baseline_key(SERVED, smaller, "d", BODY, launch=launch_of(smaller))
 
 
 # --- the preflight refusal (its probe: tests/test_vllm_probe.py) ---------------------------------

@@ -16,6 +16,7 @@ from harness.judge.records import Verdict
 from harness.outcomes.chat import parse_chat_response
 from harness.outcomes.outcome import Outcome
 from harness.run.baseline_cache import BaselineCache, baseline_key
+from harness.run.baseline_launch import BaselineLaunch
 from harness.run.load import LoadRun
 from harness.run.sweep import Sweep, SweepSpec
 from harness.spec.load import LoadSpec, load_mix
@@ -51,7 +52,9 @@ def load_on(tmp_path: Path, fake: Deployment, requests: int, concurrency: int, *
     cache = BaselineCache(tmp_path / "baseline-cache")
     for prompt in MIX:
         body = render_request(prompt, settings.serving.served_model_name)
-        key = baseline_key(settings.vllm, settings.serving, MODEL, body)
+        key = baseline_key(
+            settings.vllm, settings.serving, MODEL, body, launch=BaselineLaunch.of(settings)
+        )
         result = parse_chat_response(fake_answer(prompt.max_tokens))
         cache.store(key, Outcome(prompt.name, result=result))
     sweep = Sweep(SweepSpec((), (), baseline_only_prompts=MIX), settings, baseline_cache=cache)

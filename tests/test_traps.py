@@ -19,12 +19,14 @@ from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
 from harness.preflight.model import resolve_model, resolve_named_model
 from harness.run.baseline_cache import BaselineCache, baseline_key
+from harness.run.baseline_launch import BaselineLaunch
 from harness.spec.settings import ServedVllm
 from harness.spec.topology import ServingConfig
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
+LAUNCH = BaselineLaunch(("serve", "MODEL"), (), "cpu: test")
 MODEL_NAME = "Qwen/Qwen2.5-VL-3B-Instruct"
 
 
@@ -62,11 +64,14 @@ def test_a_baseline_of_another_served_vllm_is_not_reused(tmp_path: Path) -> None
     body = {"messages": [{"role": "user", "content": "hi"}]}
     cache = BaselineCache(tmp_path / "cache")
     stored = Outcome("text", ChatResult((1,), (2,), "x", "length", ()))
-    cache.store(baseline_key(ServedVllm("a", "0.32.0+cpu", "2.13.0"), serving, "d", body), stored)
+    cache.store(
+        baseline_key(ServedVllm("a", "0.32.0+cpu", "2.13.0"), serving, "d", body, launch=LAUNCH),
+        stored,
+    )
     other = ServedVllm("b", "0.28.0", "2.13.0")
-    assert cache.load(baseline_key(other, serving, "d", body), "text") is None
+    assert cache.load(baseline_key(other, serving, "d", body, launch=LAUNCH), "text") is None
     same = ServedVllm("c", "0.32.0+cpu", "2.13.0")
-    assert cache.load(baseline_key(same, serving, "d", body), "text") is not None
+    assert cache.load(baseline_key(same, serving, "d", body, launch=LAUNCH), "text") is not None
 
 
 # -- 4: a model given by name is on disk before any start-up timeout begins ------------------

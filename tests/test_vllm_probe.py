@@ -19,6 +19,7 @@ from harness.errors import BadInput
 from harness.preflight.connectors import check_kv_connector
 from harness.preflight.vllm import probe_served_vllm
 from harness.run.baseline_cache import baseline_key
+from harness.run.baseline_launch import BaselineLaunch
 from harness.spec.connectors import NIXL
 from harness.spec.settings import ServedVllm
 from harness.spec.topology import ServingConfig
@@ -54,6 +55,7 @@ def test_nixl_refused_in_one_line_when_the_served_python_lacks_it(tmp_path: Path
 DEV = "0.33.0.dev12+gabc1234"
 BODY = {"model": "epd-model", "messages": [{"role": "user", "content": "hi"}]}
 SERVING = ServingConfig(model="/models/tiny")
+LAUNCH = BaselineLaunch(("serve", "MODEL"), (), "cpu: test")
 
 
 def editable_vllm(tmp_path: Path, tree: Path) -> Path:
@@ -93,7 +95,7 @@ def test_an_edited_editable_vllm_does_not_hit_the_baseline_of_its_code_before(
     def key() -> str:
         served = probe_served_vllm(str(vllm))
         assert served.source_tree == str(tree) and served.cache_refusal is None, served
-        return baseline_key(served, SERVING, "digest", BODY)
+        return baseline_key(served, SERVING, "digest", BODY, launch=LAUNCH)
 
     before = key()
     assert key() == before, "the same code keys the same baseline"
@@ -116,7 +118,7 @@ def test_an_editable_vllm_whose_code_cannot_be_read_is_not_cached(tmp_path: Path
     assert served.cache_refusal is not None
     assert "\n" not in served.cache_refusal and str(tree) in served.cache_refusal
     with pytest.raises(ValueError, match="editable install"):
-        baseline_key(served, SERVING, "digest", BODY)
+        baseline_key(served, SERVING, "digest", BODY, launch=LAUNCH)
 
 
 def test_the_served_transformers_version_is_in_the_key_and_recorded(tmp_path: Path) -> None:
@@ -142,7 +144,7 @@ def test_the_served_transformers_version_is_in_the_key_and_recorded(tmp_path: Pa
     old, new = served_with("4.57.1"), served_with("5.19.0")
     assert dict(new.libraries)["transformers"] == "5.19.0"
     assert {"tokenizers", "pillow", "opencv"} <= dict(new.libraries).keys(), new.libraries
-    assert baseline_key(old, SERVING, "d", BODY) != baseline_key(new, SERVING, "d", BODY), (
-        "a baseline preprocessed by transformers 4.57.1 answers a run served with 5.19.0"
-    )
+    assert baseline_key(old, SERVING, "d", BODY, launch=LAUNCH) != baseline_key(
+        new, SERVING, "d", BODY, launch=LAUNCH
+    ), "a baseline preprocessed by transformers 4.57.1 answers a run served with 5.19.0"
     assert not new.source_tree and new.cache_refusal is None, "a wheel install is no tree"

@@ -34,15 +34,17 @@ from harness.errors import BadInput
 from harness.files import write_text_atomic
 from harness.preflight.files import one_line
 from harness.spec.generations import ProtocolGeneration
+from harness.spec.instances import (
+    PLACEHOLDER_MEDIA,
+    PLACEHOLDER_MODEL,
+    PLACEHOLDER_PORT,
+    PLACEHOLDER_RUN_DIR,
+)
 from harness.spec.placement import place_instances, schedule, side_channel_port_count
 from harness.spec.platforms import PlatformProfile
 from harness.spec.topology import TOPOLOGIES, ServingConfig, Topology
 
 PARSE_TIMEOUT_S = 600.0  # importing vLLM on a loaded 2-core machine took 40 s
-PLACEHOLDER_MODEL = "MODEL"
-PLACEHOLDER_MEDIA = "/MEDIA"
-PLACEHOLDER_RUN_DIR = Path("/RUN")
-PLACEHOLDER_PORT = 20000
 CACHE_FORMAT = 2
 
 # Runs in the served interpreter: argv of each instance (after `vllm`) on stdin as JSON,

@@ -31,6 +31,7 @@ from fixtures.tiny_model import model_digest
 from harness.judge.verdicts import Reference, Stability, baseline_stability, batch_shape_noise
 from harness.outcomes.outcome import Outcome
 from harness.run.baseline_cache import BaselineCache, baseline_key
+from harness.run.baseline_launch import BaselineLaunch
 from harness.run.goldens import GoldenStore, golden_key
 from harness.serve.session import TopologySession
 from harness.spec.settings import RunSettings
@@ -161,7 +162,7 @@ class BaselineAnswers:
             return
         hits = 0
         for name in self.missing():
-            cached = self.cache.load(self._cache_key(self.bodies[name]), name)
+            cached = self.cache.load(self.cache_key(self.bodies[name]), name)
             if cached is not None:
                 hits += 1
                 self.outcomes[name] = cached.outcome
@@ -227,7 +228,7 @@ class BaselineAnswers:
                 continue
             if self.cache is not None:
                 self.cache.store(
-                    self._cache_key(self.bodies[name]),
+                    self.cache_key(self.bodies[name]),
                     self.outcomes[name],
                     self.stability[name].noise_floor or 0.0,
                     detail,
@@ -289,8 +290,16 @@ class BaselineAnswers:
             self._digest = model_digest(model) if model.is_dir() else str(model)
         return self._digest
 
-    def _cache_key(self, body: dict[str, Any]) -> str:
-        return baseline_key(self.settings.vllm, self.settings.serving, self.digest(), body)
+    def cache_key(self, body: dict[str, Any]) -> str:
+        """Rendered at each use from the environment as it is then: the baseline is launched
+        with the harness's environment (harness.run.baseline_launch)."""
+        return baseline_key(
+            self.settings.vllm,
+            self.settings.serving,
+            self.digest(),
+            body,
+            launch=BaselineLaunch.of(self.settings),
+        )
 
     def _store_golden(self, name: str, outcome: Outcome) -> None:
         if self.goldens is not None and self.golden_release is None:

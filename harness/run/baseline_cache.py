@@ -2,8 +2,11 @@
 
 The monolithic baseline is the same for every EPD topology, so a warm rerun (or a second xdist
 worker) need not start it again. An entry is valid only for exactly what produced it: the key
-covers the served vLLM and torch versions, the model's content digest, every numerics-relevant serving flag and
-the rendered request body (which carries the sampling fields). Only outcomes whose baseline
+covers the served vLLM and torch versions and its preprocessing libraries (an editable install's
+code too), the model's content digest, every numerics-relevant serving flag, the baseline's
+rendered command line and environment with the numerics-relevant variables it inherits and the
+device model (`harness.run.baseline_launch`), and the rendered request body (which carries the
+sampling fields). Only outcomes whose baseline
 passed the determinism control are stored.
 """
 
@@ -22,20 +25,14 @@ from harness.errors import HarnessError
 from harness.files import write_json_atomic
 from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
+from harness.run.baseline_launch import NUMERICS_NEUTRAL_FIELDS, BaselineLaunch
 from harness.spec.settings import ServedVllm
 from harness.spec.topology import ServingConfig
 
-CACHE_FORMAT = 4  # 2: keyed by the served vLLM and torch; 3: with the noise floor; 4: the
-# floor includes the batched pass (harness.run.baseline)
+CACHE_FORMAT = 5  # 2: keyed by the served vLLM and torch; 3: with the noise floor; 4: the
+# floor includes the batched pass (harness.run.baseline); 5: the baseline's launch (argv, env,
+# device) and the served libraries in the key
 LOCK_FILE_NAME = ".lock"
-# Flags that cannot change a baseline's tokens (where files are, what is reported; and the KV
-# connector, which the monolithic baseline does not run: its argv and env are rendered without
-# one, so a baseline computed for an ExampleConnector run serves a NixlConnector run as well).
-NUMERICS_NEUTRAL_FIELDS = (
-    "allowed_local_media_path",
-    "enable_prompt_tokens_details",
-    "kv_connector",
-)
 
 
 class BaselineCacheError(HarnessError):
@@ -43,10 +40,17 @@ class BaselineCacheError(HarnessError):
 
 
 def baseline_key(
-    served: ServedVllm, serving: ServingConfig, model_digest: str, body: dict[str, Any]
+    served: ServedVllm,
+    serving: ServingConfig,
+    model_digest: str,
+    body: dict[str, Any],
+    *,
+    launch: BaselineLaunch,
 ) -> str:
     """The cache key: the *served* vLLM and torch versions (never the harness's own), the
-    model's content, every numerics-relevant flag and the request body."""
+    model's content, every numerics-relevant flag, how the baseline is launched (its argv,
+    the environment it gets and inherits, the device: `harness.run.baseline_launch`) and the
+    request body."""
     if not served.known:
         raise ValueError("a baseline of an unknown vLLM version cannot be cached")
     if served.cache_refusal is not None:
@@ -66,6 +70,7 @@ def baseline_key(
         "vllm_source": served.source_state,
         "model_digest": model_digest,
         "serving": flags,
+        "launch": launch.to_json(),
         "request": body,
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()

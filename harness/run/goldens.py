@@ -39,7 +39,7 @@ from harness.errors import BadInput
 from harness.files import write_json_atomic
 from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
-from harness.run.baseline_cache import NUMERICS_NEUTRAL_FIELDS
+from harness.run.baseline_launch import NUMERICS_NEUTRAL_FIELDS
 from harness.spec.generations import parse_version
 from harness.spec.settings import ServedVllm
 from harness.spec.topology import ServingConfig

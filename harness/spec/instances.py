@@ -35,6 +35,14 @@ ENCODER_ARGS = ("--no-enable-prefix-caching", "--max-num-batched-tokens", "11468
 # Upstream starts every disaggregated instance (not the baseline) with it: answers carry the
 # X-Request-Id they were sent, which ties a proxy's sub-requests together in the instances' logs.
 REQUEST_ID_HEADERS_FLAG = "--enable-request-id-headers"
+# What an instance renders where a value differs from run to run but not in what it computes:
+# for a command line judged once for every run (harness.preflight.vllm_args) and for the
+# baseline cache key (harness.run.baseline_launch).
+PLACEHOLDER_MODEL = "MODEL"
+PLACEHOLDER_MEDIA = "/MEDIA"
+PLACEHOLDER_RUN_DIR = Path("/RUN")
+PLACEHOLDER_PORT = 20000
+PLACEHOLDER_DEVICE = "DEVICE"
 
 
 @dataclass(frozen=True)
