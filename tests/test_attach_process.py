@@ -228,7 +228,7 @@ def cached_baseline(tmp_path: Path, settings: RunSettings) -> BaselineCache:
                 }
             ],
         }
-        cache.store(key, Outcome(prompt.name, result=parse_chat_response(answer)))
+        cache.store(key, Outcome(prompt.name, result=parse_chat_response(answer)), batched=True)
     return cache
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +12,7 @@ import pytest
 
 from harness.outcomes.chat import ChatResult, PositionLogprobs
 from harness.outcomes.outcome import Outcome
-from harness.run import baseline_launch
+from harness.run import baseline_cache, baseline_launch
 from harness.run.baseline import BaselineAnswers
 from harness.run.baseline_cache import BaselineCache, BaselineCacheError, baseline_key
 from harness.run.baseline_launch import BaselineLaunch, numerics_env
@@ -18,6 +20,7 @@ from harness.spec.generations import GENERATIONS_BY_NAME
 from harness.spec.platforms import CPU, CUDA
 from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import ServingConfig, serving_for
+from harness.testing.builders import chat, outcome
 
 pytestmark = pytest.mark.unit
 
@@ -225,3 +228,126 @@ def test_the_rendered_launch_keys_protocol_platform_and_device_not_places(
     cuda = dataclasses.replace(base, platform=CUDA, devices=(3,))
     rendered = dict(BaselineLaunch.of(cuda, environ={}).env)
     assert rendered["CUDA_VISIBLE_DEVICES"] == "DEVICE", "which GPU is no part of the key"
+
+
+# -- the batched pass and the provenance of an entry ------------------------------------------
+
+
+class NoisyWhenBatched:
+    """A baseline whose answers alone are identical, but whose log-probs move by 0.05 nats in
+    another batch shape (the batched pass is a request's third send)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, int] = {}
+
+    def send(self, name: str, body: dict[str, Any]) -> Outcome:
+        name = name.removesuffix("-partner")
+        self.sent[name] = self.sent.get(name, 0) + 1
+        shift = 0.05 if self.sent[name] >= 3 else 0.0
+        return Outcome(name, chat((5, 6), top=lambda i, t: [(t, -0.5 - shift), (t + 1, -3.0)]))
+
+
+def test_an_entry_stored_without_the_batched_pass_does_not_stand_in_for_a_batched_one(
+    tmp_path: Path,
+) -> None:
+    """The pytest session answers its scenarios' prompts as baseline-only (control only, no
+    batched pass: batch_probes = the sweep's prompts) and stores them; `epd-harness run
+    --scenario ...` batches every prompt (batch_probes None). Fed from that cache, the run's
+    noise floor (the drift tolerance) lacked the batched pass it would have measured fresh
+    (found in review). Such an entry is now a miss for a run that batches the prompt; the
+    answer computed then is stored batched, and serves the next run."""
+    cache = BaselineCache(tmp_path / "cache")
+    bodies = {"sweep": {**RUN_BODY, "seed": 1}, "scenario": {**RUN_BODY, "seed": 2}}
+
+    first = BaselineAnswers(run_settings(tmp_path), cache)
+    first.add(bodies)
+    first.batch_probes = {"sweep"}  # the pytest session: scenario prompts are baseline-only
+    first.answer_on(NoisyWhenBatched())  # type: ignore[arg-type]
+    assert (first.sources["sweep"]["batched"], first.sources["scenario"]["batched"]) == (
+        True,
+        False,
+    )
+
+    fresh = BaselineAnswers(run_settings(tmp_path), None)
+    fresh.add({"scenario": bodies["scenario"]})
+    fresh.answer_on(NoisyWhenBatched())  # type: ignore[arg-type]
+    assert fresh.noise_floor == pytest.approx(0.05)
+
+    control_only = BaselineAnswers(run_settings(tmp_path), cache)
+    control_only.add({"scenario": bodies["scenario"]})
+    control_only.batch_probes = {"sweep"}  # another session: wants no batched pass of it
+    control_only.load_stored()
+    assert not control_only.missing(), "an unbatched entry serves a run that batches nothing"
+
+    warm = BaselineAnswers(run_settings(tmp_path), cache)
+    warm.add({"scenario": bodies["scenario"]})  # `run --scenario`: every prompt a probe
+    warm.load_stored()
+    assert warm.missing() == ["scenario"], "a control-only entry stood in for a batched one"
+    warm.answer_on(NoisyWhenBatched())  # type: ignore[arg-type]
+    assert warm.noise_floor == pytest.approx(fresh.noise_floor)
+
+    again = BaselineAnswers(run_settings(tmp_path), cache)
+    again.add({"scenario": bodies["scenario"]})
+    again.load_stored()
+    assert not again.missing() and again.noise_floor == pytest.approx(fresh.noise_floor)
+
+
+def test_run_json_says_which_cache_entry_answered_for_the_baseline(tmp_path: Path) -> None:
+    """A warm run's artifacts named no cache directory, key or the entry's provenance (which
+    vLLM build, torch, host and when computed it: the entry stored none of these), and the
+    verdict table and report.html did not say the baseline was not served. A user chasing a
+    MISMATCH could not tell that its reference was weeks old (found in review)."""
+    from harness.run.sweep import Sweep, SweepSpec
+    from harness.spec.prompts import SKELETON_PROMPTS
+    from harness.spec.topology import TOPOLOGIES
+
+    cache = BaselineCache(tmp_path / "cache")
+    text = next(p for p in SKELETON_PROMPTS if p.name == "text")
+    run = run_settings(tmp_path)
+    sweep = Sweep(
+        SweepSpec(topologies=(TOPOLOGIES["1E+1PD"],), prompts=(text,)), run, baseline_cache=cache
+    )
+    key = sweep.baseline.cache_key(sweep.bodies["text"])
+    detail = "batched with another request: same ids"
+    cache.store(key, outcome("text", (4, 5)), 0.0, detail, batched=True, served=SERVED)
+    assert sweep.serve_baseline()["text"].result.token_ids == (4, 5)  # a hit: nothing started
+
+    entry = json.loads((cache.directory / f"{key}.json").read_text())
+    assert {"vllm", "torch", "host", "created", "format", "batched"} <= set(entry)
+    assert (entry["vllm"], entry["torch"]) == (SERVED.version, SERVED.torch_version)
+    recorded = json.loads((run.run_dir / "run.json").read_text())["baseline_sources"]["text"]
+    assert recorded["source"] == "baseline cache" and recorded["key"] == key
+    assert recorded["cache_dir"] == str(cache.directory)
+    assert recorded["entry"]["host"] == entry["host"] == socket.gethostname()
+    summary = json.loads((run.run_dir / "summary.json").read_text())["run"]
+    assert str(cache.path(key)) in summary["baseline_stability"]["text"][1]
+    assert summary["baseline_sources"]["text"]["key"] == key
+    for shown in ("verdicts.txt", "report.html"):
+        text_shown = (run.run_dir / shown).read_text()
+        assert "from the baseline cache" in text_shown and entry["created"] in text_shown, shown
+
+
+def test_an_entry_of_an_older_format_is_never_read(tmp_path: Path) -> None:
+    """Entries of format 5 hold no provenance and no batched flag: the format is in the key,
+    so they are misses (recomputed), never a crash."""
+    answers = BaselineAnswers(run_settings(tmp_path), BaselineCache(tmp_path / "cache"))
+    answers.add({"text": RUN_BODY})
+    material_format = baseline_cache.CACHE_FORMAT
+    key = answers.cache_key(RUN_BODY)
+    old = {"format": 5, "result": RESULT.to_json(), "noise_floor_nats": 0.0, "batch_detail": ""}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(baseline_cache, "CACHE_FORMAT", 5)
+        old_key = answers.cache_key(RUN_BODY)
+    assert old_key != key and baseline_cache.CACHE_FORMAT == material_format
+    answers.cache.directory.mkdir(parents=True)
+    (answers.cache.directory / f"{old_key}.json").write_text(json.dumps(old))
+    answers.load_stored()
+    assert answers.missing() == ["text"]
+
+
+def test_the_answer_parsers_code_is_in_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry holds the answer as harness.outcomes.chat / harness.serve.client parsed it;
+    once that code changes, a fresh baseline would hold something else."""
+    key = baseline_key(SERVED, SERVING, "d", BODY, launch=LAUNCH)
+    monkeypatch.setattr(baseline_cache, "answer_parser_digest", lambda: "another parser")
+    assert baseline_key(SERVED, SERVING, "d", BODY, launch=LAUNCH) != key

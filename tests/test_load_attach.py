@@ -56,7 +56,7 @@ def load_on(tmp_path: Path, fake: Deployment, requests: int, concurrency: int, *
             settings.vllm, settings.serving, MODEL, body, launch=BaselineLaunch.of(settings)
         )
         result = parse_chat_response(fake_answer(prompt.max_tokens))
-        cache.store(key, Outcome(prompt.name, result=result))
+        cache.store(key, Outcome(prompt.name, result=result), batched=True)
     sweep = Sweep(SweepSpec((), (), baseline_only_prompts=MIX), settings, baseline_cache=cache)
     spec = LoadSpec("1E+1PD", requests=requests, concurrency=concurrency, distinct_media=3)
     return LoadRun(spec, sweep, **kwargs)

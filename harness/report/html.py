@@ -19,7 +19,7 @@ from typing import Any
 
 from harness.files import write_text_atomic
 from harness.judge.records import CaseRecord, Verdict
-from harness.report.text import drift_summary
+from harness.report.text import describe_baseline_sources, drift_summary
 
 REPORT_HTML = "report.html"
 # Terminal escape sequences: vLLM colours its log lines, and error texts carry log tails.
@@ -365,6 +365,8 @@ def _run_section(run_info: Mapping[str, Any]) -> str:
         "served vLLM": (run_info.get("served_vllm") or {}).get("version"),
         "served torch": (run_info.get("served_vllm") or {}).get("torch_version"),
         "vllm executable": (run_info.get("served_vllm") or {}).get("executable"),
+        # A baseline this run did not serve (a cache entry, a golden): whose, and from when.
+        "baseline": describe_baseline_sources(run_info.get("baseline_sources") or {}),
         **{key: run_info.get(key) for key in ("python", "platform", "hostname", "created")},
         "command": " ".join(run_info.get("harness_argv") or []),
     }

@@ -16,7 +16,11 @@ from harness.files import write_json_atomic, write_text_atomic
 from harness.judge.records import CaseRecord
 from harness.outcomes.outcome import Outcome
 from harness.report.bundle import write_bundle
-from harness.report.text import format_verdict_table, write_summary_json
+from harness.report.text import (
+    describe_baseline_sources,
+    format_verdict_table,
+    write_summary_json,
+)
 
 VERDICTS_FILE = "verdicts.txt"  # the verdict table as the terminal shows it
 
@@ -36,5 +40,7 @@ def write_run_outputs(
     }
     write_json_atomic(run_dir / "responses.json", responses)
     write_summary_json(run_dir / "summary.json", records, summary)
-    write_text_atomic(run_dir / VERDICTS_FILE, format_verdict_table(records) + "\n")
+    table = format_verdict_table(records)
+    sources = describe_baseline_sources(run_info.get("baseline_sources") or {})
+    write_text_atomic(run_dir / VERDICTS_FILE, table + (f"\n{sources}" if sources else "") + "\n")
     write_bundle(run_dir, records, responses, run_info)

@@ -60,6 +60,33 @@ def format_verdict_table(records: Sequence[CaseRecord]) -> str:
     return "\n".join(lines)
 
 
+def describe_baseline_sources(sources: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """One line saying which baseline answers this run's baseline did not serve (read from
+    the baseline cache, or goldens) and who computed them when; None when it served them all.
+    A MISMATCH judged against a weeks-old entry from another host must say so where it is
+    read (verdicts.txt, report.html), not only in run.json."""
+    cached = {p: s for p, s in sources.items() if s.get("source") == "baseline cache"}
+    goldens = sorted(p for p, s in sources.items() if s.get("source") == "golden")
+    parts = []
+    if cached:
+        entries = [s.get("entry") or {} for s in cached.values()]
+        builds = sorted({f"vLLM {e.get('vllm')}, torch {e.get('torch')}" for e in entries})
+        hosts = sorted({str(e.get("host")) for e in entries})
+        dates = sorted(str(e.get("created")) for e in entries)
+        when = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
+        directories = sorted({str(s.get("cache_dir")) for s in cached.values()})
+        parts.append(
+            f"{len(cached)} of {len(sources)} answer(s) from the baseline cache "
+            f"{', '.join(directories)} ({', '.join(sorted(cached))}): computed by "
+            f"{'; '.join(builds)} on {', '.join(hosts)}, {when} (keys in run.json "
+            "baseline_sources)"
+        )
+    if goldens:
+        releases = sorted({str(sources[p].get("release")) for p in goldens})
+        parts.append(f"{len(goldens)} from the goldens of vLLM {', '.join(releases)}")
+    return "baseline: " + "; ".join(parts) if parts else None
+
+
 def write_summary_json(
     path: str | os.PathLike[str], records: Sequence[CaseRecord], run_info: dict[str, Any]
 ) -> None:

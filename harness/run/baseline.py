@@ -12,8 +12,9 @@ Every EPD answer is judged against these, so they are checked before they are tr
   over the run is the noise floor the drift rule may excuse (`harness.judge.compare`); whether
   the ids changed at all is recorded per request (batch numerics, measured, not assumed).
 
-An answer already in the baseline cache (same served vLLM, model, flags and request) is read
-from it, so a warm run starts no baseline at all; `--golden` stands another release's stored
+An answer already in the baseline cache (same served vLLM, model, flags, launch and request;
+and batched if this run batches it) is read from it, so a warm run starts no baseline at all,
+and records which entry answered (`sources`: directory, key, who computed it and when); `--golden` stands another release's stored
 answers in for the baseline instead (`harness.run.goldens`).
 """
 
@@ -108,6 +109,9 @@ class BaselineAnswers:
         # the run, so the sweep's own prompts measure it and the scenarios' many others only
         # get their determinism control.
         self.batch_probes: set[str] | None = None
+        # Where each answer came from (run.json's baseline_sources): this run's baseline, a
+        # cache entry (its directory, key and provenance) or a golden.
+        self.sources: dict[str, dict[str, Any]] = {}
         self._digest: str | None = None
 
     # -- what is known ---------------------------------------------------------------------
@@ -153,24 +157,57 @@ class BaselineAnswers:
         with self.cache.locked() if self.cache is not None else contextlib.nullcontext():
             yield
 
+    def wants_batched(self, name: str) -> bool:
+        """Whether this run measures its noise floor on `name` (the batched pass)."""
+        return self.batch_probes is None or name in self.batch_probes
+
     def load_stored(self) -> None:
-        """Every answer the goldens or the cache hold for the known requests."""
+        """Every answer the goldens or the cache hold for the known requests. An entry that
+        had no batched pass is a miss for a request this run batches: its floor would lack
+        what a fresh baseline measures (the pytest session stores its scenarios' prompts
+        control-only; `run --scenario` batches every prompt)."""
         if self.golden_release is not None:
             self._load_goldens()
             return
         if self.cache is None:
             return
-        hits = 0
+        hits, unbatched, oldest = 0, 0, None
         for name in self.missing():
-            cached = self.cache.load(self.cache_key(self.bodies[name]), name)
-            if cached is not None:
-                hits += 1
-                self.outcomes[name] = cached.outcome
-                self.stability[name] = Stability(
-                    True, f"from the baseline cache; {cached.batch_detail}", cached.noise_floor_nats
-                )
-                self._store_golden(name, cached.outcome)
-        log.info("[baseline] cache: %d hit(s), %d to compute", hits, len(self.missing()))
+            key = self.cache_key(self.bodies[name])
+            cached = self.cache.load(key, name)
+            if cached is None:
+                continue
+            if not cached.batched and self.wants_batched(name):
+                unbatched += 1
+                continue
+            hits += 1
+            provenance = cached.provenance
+            self.outcomes[name] = cached.outcome
+            self.stability[name] = Stability(
+                True,
+                f"from the baseline cache {cached.path} ({provenance.describe()}); "
+                f"{cached.batch_detail}",
+                cached.noise_floor_nats,
+            )
+            self.sources[name] = {
+                "source": "baseline cache",
+                "cache_dir": str(self.cache.directory),
+                "key": key,
+                "batched": cached.batched,
+                "entry": provenance.to_json(),
+            }
+            oldest = min(oldest or provenance.created, provenance.created)
+            self._store_golden(name, cached.outcome)
+        log.info(
+            "[baseline] cache %s: %d hit(s)%s, %d to compute%s",
+            self.cache.directory,
+            hits,
+            f" (the oldest computed {oldest})" if oldest else "",
+            len(self.missing()),
+            f" ({unbatched} stored without the batched pass this run measures)"
+            if unbatched
+            else "",
+        )
 
     def _load_goldens(self) -> None:
         """--golden: another release's stored answers; a missing one is BadInput."""
@@ -183,6 +220,11 @@ class BaselineAnswers:
                 self.settings.vllm.torch_version,
             )
             self.stability[name] = Stability(True, f"golden of vLLM {self.golden_release}", 0.0)
+            self.sources[name] = {
+                "source": "golden",
+                "release": self.golden_release,
+                "goldens_dir": str(self.goldens.directory),
+            }
         log.info(
             "[baseline] the goldens of vLLM %s (%d request(s)); no baseline started",
             self.golden_release,
@@ -206,7 +248,7 @@ class BaselineAnswers:
         for name in names:
             self.outcomes[name] = session.send(name, self.bodies[name])
         again = {name: session.send(name, self.bodies[name]) for name in names}
-        probes = [n for n in names if self.batch_probes is None or n in self.batch_probes]
+        probes = [n for n in names if self.wants_batched(n)]
         batched = self._batched_pass(session, probes)
         for name in names:
             control = baseline_stability(self.outcomes[name], again[name])
@@ -227,12 +269,21 @@ class BaselineAnswers:
                 log.warning("[baseline] UNSTABLE on %s: %s", name, control.detail)
                 continue
             if self.cache is not None:
+                key = self.cache_key(self.bodies[name])
                 self.cache.store(
-                    self.cache_key(self.bodies[name]),
+                    key,
                     self.outcomes[name],
                     self.stability[name].noise_floor or 0.0,
                     detail,
+                    batched=name in batched,
+                    served=self.settings.vllm,
                 )
+                self.sources[name] = {
+                    "source": "this run's baseline",
+                    "cache_dir": str(self.cache.directory),
+                    "key": key,
+                    "batched": name in batched,
+                }
             self._store_golden(name, self.outcomes[name])
 
     def _batched_pass(self, session: TopologySession, names: list[str]) -> dict[str, Outcome]:

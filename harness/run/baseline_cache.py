@@ -6,32 +6,45 @@ covers the served vLLM and torch versions and its preprocessing libraries (an ed
 code too), the model's content digest, every numerics-relevant serving flag, the baseline's
 rendered command line and environment with the numerics-relevant variables it inherits and the
 device model (`harness.run.baseline_launch`), and the rendered request body (which carries the
-sampling fields). Only outcomes whose baseline
-passed the determinism control are stored.
+sampling fields), and the answer parser's code. Only outcomes whose baseline
+passed the determinism control are stored. Each entry says whether the batched pass measured
+it (`harness.run.baseline` takes one without it as a miss where the run batches that prompt)
+and who computed it, where and when (`CacheProvenance`): a warm run records that per prompt.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import fcntl
+import functools
 import hashlib
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from harness.errors import HarnessError
 from harness.files import write_json_atomic
+from harness.outcomes import chat
 from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
 from harness.run.baseline_launch import NUMERICS_NEUTRAL_FIELDS, BaselineLaunch
+from harness.serve import client
 from harness.spec.settings import ServedVllm
 from harness.spec.topology import ServingConfig
 
-CACHE_FORMAT = 5  # 2: keyed by the served vLLM and torch; 3: with the noise floor; 4: the
+# The code that turns a baseline's HTTP answer into the stored form (ChatResult): a change to
+# how ids, log-probs or prompt ids are read changes what a fresh baseline would hold, so the
+# entries stored by the code before must not stand in (their hash is in every key).
+ANSWER_PARSERS = (chat, client)
+
+CACHE_FORMAT = 6  # 2: keyed by the served vLLM and torch; 3: with the noise floor; 4: the
 # floor includes the batched pass (harness.run.baseline); 5: the baseline's launch (argv, env,
-# device) and the served libraries in the key
+# device) and the served libraries in the key; 6: each entry says whether it had the batched
+# pass and who computed it when (its provenance), and the answer parser's code is in the key
 LOCK_FILE_NAME = ".lock"
 
 
@@ -71,18 +84,81 @@ def baseline_key(
         "model_digest": model_digest,
         "serving": flags,
         "launch": launch.to_json(),
+        "answer_parser": answer_parser_digest(),
         "request": body,
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 
+@functools.lru_cache(maxsize=1)
+def answer_parser_digest() -> str:
+    """sha256 of the source of `ANSWER_PARSERS`, the code that makes a cached answer."""
+    digest = hashlib.sha256()
+    for module in ANSWER_PARSERS:
+        digest.update(Path(str(module.__file__)).read_bytes())
+    return digest.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheProvenance:
+    """Who computed a cache entry, where and when: what a warm run records for the baseline
+    it did not serve, so a MISMATCH's reference can be traced (weeks old, another host)."""
+
+    vllm: str
+    torch: str
+    vllm_source: str  # an editable install's code state; "" for an installed release
+    host: str
+    created: str  # UTC, ISO 8601, seconds
+    cache_format: int = CACHE_FORMAT
+
+    @classmethod
+    def now(cls, served: ServedVllm) -> CacheProvenance:
+        return cls(
+            vllm=served.version,
+            torch=served.torch_version,
+            vllm_source=served.source_state,
+            host=socket.gethostname(),
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        )
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CacheProvenance:
+        return cls(
+            vllm=str(data["vllm"]),
+            torch=str(data["torch"]),
+            vllm_source=str(data.get("vllm_source", "")),
+            host=str(data["host"]),
+            created=str(data["created"]),
+            cache_format=int(data["format"]),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "vllm": self.vllm,
+            "torch": self.torch,
+            "vllm_source": self.vllm_source,
+            "host": self.host,
+            "created": self.created,
+            "format": self.cache_format,
+        }
+
+    def describe(self) -> str:
+        source = f" ({self.vllm_source})" if self.vllm_source else ""
+        return f"vLLM {self.vllm}{source}, torch {self.torch}, on {self.host} at {self.created}"
+
+
 @dataclasses.dataclass(frozen=True)
 class CachedBaseline:
-    """A stored baseline answer and the noise its controls showed."""
+    """A stored baseline answer, the noise its controls showed, and where it came from."""
 
     outcome: Outcome
     noise_floor_nats: float
     batch_detail: str  # what the batched pass saw (harness.judge.verdicts.batch_shape_noise)
+    # Whether the batched pass measured this answer: one that only had the control must not
+    # stand in where the run measures its noise floor on it (harness.run.baseline).
+    batched: bool
+    provenance: CacheProvenance
+    path: Path
 
 
 class BaselineCache:
@@ -118,11 +194,11 @@ class BaselineCache:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def _path(self, key: str) -> Path:
+    def path(self, key: str) -> Path:
         return self.directory / f"{key}.json"
 
     def load(self, key: str, prompt: str) -> CachedBaseline | None:
-        path = self._path(key)
+        path = self.path(key)
         if (self.refresh and not self.refreshed_in_this_run(key)) or not path.exists():
             return None
         try:
@@ -133,7 +209,12 @@ class BaselineCache:
                 raise ValueError(f"format {data.get('format')!r}, expected {CACHE_FORMAT}")
             outcome = Outcome(prompt=prompt, result=ChatResult.from_json(data["result"]))
             return CachedBaseline(
-                outcome, float(data["noise_floor_nats"]), str(data["batch_detail"])
+                outcome,
+                float(data["noise_floor_nats"]),
+                str(data["batch_detail"]),
+                bool(data["batched"]),
+                CacheProvenance.from_json(data),
+                path,
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise BaselineCacheError(
@@ -141,17 +222,29 @@ class BaselineCache:
             ) from None
 
     def store(
-        self, key: str, outcome: Outcome, noise_floor_nats: float = 0.0, batch_detail: str = ""
+        self,
+        key: str,
+        outcome: Outcome,
+        noise_floor_nats: float = 0.0,
+        batch_detail: str = "",
+        *,
+        batched: bool = False,
+        served: ServedVllm | None = None,
     ) -> None:
+        """Store a stable answer; `batched`: whether the batched pass measured it; `served`:
+        the vLLM that computed it (its versions are the entry's provenance)."""
         if outcome.result is None:
             return
+        provenance = CacheProvenance.now(served or ServedVllm("unknown", "unknown"))
         entry = {
+            **provenance.to_json(),
             "format": CACHE_FORMAT,
             "result": outcome.result.to_json(),
             "noise_floor_nats": noise_floor_nats,
             "batch_detail": batch_detail,
+            "batched": batched,
         }
-        write_json_atomic(self._path(key), entry)
+        write_json_atomic(self.path(key), entry)
         if self.refresh:
             self._refreshed.add(key)
             if self.refresh_ledger is not None:

@@ -461,6 +461,8 @@ class Sweep:
         """Everything so far, rewritten after each step: a failed run keeps what it had."""
         self.run_info["noise_floor_nats"] = self.noise_floor
         self.run_info["topology_starts"] = self.pool.summary()
+        # Which answers the baseline did not serve in this run, and where they came from.
+        self.run_info["baseline_sources"] = self.baseline.sources
         write_run_outputs(
             self.result.run_dir,
             self.result.records,
@@ -472,6 +474,7 @@ class Sweep:
                     p: [s.stable, s.detail, s.noise_floor]
                     for p, s in self.baseline.stability.items()
                 },
+                "baseline_sources": self.baseline.sources,
                 "noise_floor_nats": self.noise_floor,
                 "reference_policy": self.judging.reference_policy.name,
                 "instances": [stats.__dict__ for stats in self.pool.instances],
