@@ -353,9 +353,7 @@ def test_a_small_model_is_copied_a_hub_snapshot_is_named(tmp_path: Path) -> None
         "Qwen/Qwen2.5-VL-3B-Instruct",
         "0123abcd",
     )
-    assert "hf download Qwen/Qwen2.5-VL-3B-Instruct --revision 0123abcd" in (
-        render_issue(plan)
-    )
+    assert "hf download Qwen/Qwen2.5-VL-3B-Instruct --revision 0123abcd" in (render_issue(plan))
     hub_out = tmp_path / "hub-export"
     write_export(plan, hub_out, REPAIR)
     assert not (hub_out / "model").exists()

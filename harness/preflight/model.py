@@ -38,10 +38,7 @@ def cached_snapshot(name: str, cache: Path) -> Path | None:
 
 def fetch_snapshot(name: str) -> Path:
     """Download `name` into the hub cache (GPU hosts); BadInput naming how to fix a failure."""
-    how = (
-        f"download it first (hf download {name}) or pass --model DIR with a "
-        "local checkpoint"
-    )
+    how = f"download it first (hf download {name}) or pass --model DIR with a local checkpoint"
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
