@@ -31,7 +31,7 @@ import mimetypes
 import re
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from harness.spec.generations import generation_for
 from harness.spec.placement import place_instances
 from harness.spec.platforms import (
     EC_SIDE_CHANNEL_HOST_ENV,
+    PLATFORMS,
     SIDE_CHANNEL_HOST_ENV,
     SIDE_CHANNEL_PORT_ENV,
     get_platform,
@@ -70,6 +71,12 @@ BASELINE_PORT = 18199
 HF_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<rev>[0-9a-f]+)")
 TRANSFER_CONFIG_FLAGS = ("--ec-transfer-config", "--kv-transfer-config")
 REQUEST_TIMEOUT_S = 600
+# The variables that pin an instance to its device (CUDA_VISIBLE_DEVICES, ZE_AFFINITY_MASK).
+DEVICE_ENV_VARS = tuple(
+    dict.fromkeys(p.device_env_var for p in PLATFORMS.values() if p.device_env_var)
+)
+# serve.sh's list of the devices to run on, by position (`DEVICES=4,5,6`).
+DEVICES_VAR = "DEVICES"
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,23 @@ class Var:
 
 # One argument: literal text and variables, concatenated.
 Arg = tuple[str | Var, ...]
+
+
+def device_var(position: int) -> Var:
+    """The device at `position` of serve.sh's `DEVICES` list (`$DEVICE_0`, ...)."""
+    return Var(f"DEVICE_{position}")
+
+
+@dataclass(frozen=True)
+class RecordedDevice:
+    """One device an instance of the run was pinned to, as its device variable named it."""
+
+    device: str  # "4": the recording host's index (or whatever the variable held)
+    env_var: str  # CUDA_VISIBLE_DEVICES, ZE_AFFINITY_MASK
+
+    def describe(self) -> str:
+        kind = "GPU" if self.env_var == "CUDA_VISIBLE_DEVICES" else "device"
+        return f"{kind} {self.device}"
 
 
 @dataclass(frozen=True)
@@ -96,6 +120,9 @@ class ExportedServer:
     health_path: str = "/health"
     side_channel: Var | None = None  # NIXL's side-channel port variable
     default_side_channel: int | None = None
+    # Positions in serve.sh's DEVICES list this instance runs on (its device variable's value);
+    # () on CPU, and for vLLM's proxy.
+    devices: tuple[int, ...] = ()
 
     @property
     def url(self) -> Arg:
@@ -150,6 +177,10 @@ class ExportPlan:
     baseline: ExportedServer | None = None
     # What of the original sending the export does not do (`Bundle.how_sent`), or None.
     sent_unlike: str | None = None
+    # The recorded devices of the case's instances, by position in serve.sh's DEVICES (the
+    # distinct devices in first-use order); the baseline's own list (it runs alone).
+    devices: tuple[RecordedDevice, ...] = ()
+    baseline_devices: tuple[RecordedDevice, ...] = ()
 
     @property
     def entry(self) -> ExportedServer:
@@ -185,19 +216,20 @@ def plan_export(
     sending = bundle.how_sent(label)
     if sending.streamed:  # sent as the run sent it: requests.json holds it before streaming
         body = streaming_request(body)
-    servers = instance_servers(bundle, label, get_topology(case.topology).roles)
+    servers, devices = instance_servers(bundle, label, get_topology(case.topology).roles)
     proxy: ExportedServer | None = None
     proxy_file: ProxyFile | None = None
     if probe == UNKNOWN_UUID_PROBE:
         consumer = probed_consumer(servers, case)
         body = unknown_uuid_body(body, encoder_metadata(bundle, label, case.prompt), case)
-        servers = (consumer,)
+        servers, devices = compacted((consumer,), devices)
         expected = survival_expectation(consumer)
     else:
         if upstream is None:
             raise ValueError("an export through vLLM's proxy needs its files")
         proxy, proxy_file = proxy_server(servers, upstream())
         expected = tokens_expectation(bundle, case, body)
+    baseline, baseline_devices = (None, ()) if probe else baseline_server(bundle)
     return ExportPlan(
         name=export_name(bundle, case, probe),
         bundle=bundle.path,
@@ -213,8 +245,10 @@ def plan_export(
         probe=probe,
         declared=declared_failure(bundle, label, case, record),
         run=bundle.run,
-        baseline=None if probe else baseline_server(bundle),
+        baseline=baseline,
         sent_unlike=sending.unlike,
+        devices=devices,
+        baseline_devices=baseline_devices,
     )
 
 
@@ -268,8 +302,9 @@ def topology_dir(bundle: Bundle, label: str) -> Path:
 
 def instance_servers(
     bundle: Bundle, label: str, roles: tuple[Role, ...]
-) -> tuple[ExportedServer, ...]:
-    """Every instance of the case's topology, from its recorded `.cmd.json`, in role order."""
+) -> tuple[tuple[ExportedServer, ...], tuple[RecordedDevice, ...]]:
+    """Every instance of the case's topology, from its recorded `.cmd.json`, in role order,
+    with the devices they ran on (`device_positions`)."""
     directory = topology_dir(bundle, label)
     commands = []
     for path in sorted(directory.glob("*.cmd.json")):
@@ -285,6 +320,7 @@ def instance_servers(
             f"{directory}, found {len(commands)}"
         )
     model = bundle.serving().model
+    positions, devices = device_positions([command for _, command in commands])
     servers = []
     for index, (short, command) in enumerate(commands):
         prefix = re.sub(r"[^A-Za-z0-9]", "_", short).upper()
@@ -296,15 +332,54 @@ def instance_servers(
                 port=Var(f"{prefix}_PORT"),
                 default_port=FIRST_PORT + 1 + index,
                 argv=template_argv(command["argv"], model, Var(f"{prefix}_PORT")),
-                env=template_env(command["env"], side),
+                env=template_env(command["env"], side, positions[index]),
                 side_channel=side,
                 default_side_channel=FIRST_SIDE_CHANNEL_PORT + 1 + index if side else None,
+                devices=positions[index],
             )
         )
-    return tuple(servers)
+    return tuple(servers), devices
 
 
-def baseline_server(bundle: Bundle) -> ExportedServer:
+def device_positions(
+    commands: list[dict[str, Any]],
+) -> tuple[list[tuple[int, ...]], tuple[RecordedDevice, ...]]:
+    """Each command's devices as positions 0..n-1 (the distinct recorded devices in first-use
+    order), and the recorded device at each position. A run placed on GPUs 4,5,6 of its host
+    is exported as positions 0,1,2, which serve.sh maps onto `DEVICES` (default 0,1,2): the
+    recording host's indices name nothing on another host. Instances that shared a device
+    share a position, so the recorded memory shares still add up per device."""
+    order: dict[RecordedDevice, int] = {}
+    positions: list[tuple[int, ...]] = []
+    for command in commands:
+        env = command.get("env") or {}
+        env_var = next((name for name in DEVICE_ENV_VARS if env.get(name)), None)
+        own: list[int] = []
+        if env_var is not None:
+            for device in str(env[env_var]).split(","):
+                key = RecordedDevice(device.strip(), env_var)
+                own.append(order.setdefault(key, len(order)))
+        positions.append(tuple(own))
+    return positions, tuple(order)
+
+
+def compacted(
+    servers: tuple[ExportedServer, ...], devices: tuple[RecordedDevice, ...]
+) -> tuple[tuple[ExportedServer, ...], tuple[RecordedDevice, ...]]:
+    """`servers` (a subset of an export's) with their device positions renumbered 0..n-1 over
+    the devices they use alone: the probe starts only its consumer."""
+    used = list(dict.fromkeys(p for server in servers for p in server.devices))
+    renumber = {old: new for new, old in enumerate(used)}
+    kept = []
+    for server in servers:
+        mapped = {device_var(p): device_var(renumber[p]) for p in server.devices}
+        env = tuple((key, tuple(mapped.get(x, x) for x in value)) for key, value in server.env)
+        positions = tuple(renumber[p] for p in server.devices)
+        kept.append(replace(server, env=env, devices=positions))
+    return tuple(kept), tuple(devices[p] for p in used)
+
+
+def baseline_server(bundle: Bundle) -> tuple[ExportedServer, tuple[RecordedDevice, ...]]:
     """The monolithic reference: its recorded command, or when the run took its answers from
     the baseline cache (no baseline started), the command the harness's renderer gives it
     for the run's flags, platform and release."""
@@ -324,14 +399,17 @@ def baseline_server(bundle: Bundle) -> ExportedServer:
         )
         command = {"argv": spec.argv(), "env": spec.env()}
     port = Var("BASELINE0_PORT")
-    return ExportedServer(
+    [positions], devices = device_positions([command])
+    server = ExportedServer(
         name="baseline0",
         role=Role.BASELINE.value,
         port=port,
         default_port=BASELINE_PORT,
         argv=template_argv(command["argv"], bundle.serving().model, port),
-        env=template_env(command["env"], None),
+        env=template_env(command["env"], None, positions),
+        devices=positions,
     )
+    return server, devices
 
 
 def role_of(short_name: str) -> str:
@@ -424,10 +502,19 @@ def template_storage(config_json: str) -> Arg:
     return tuple(a for a in arg if a != "")
 
 
-def template_env(env: dict[str, str], side_channel: Var | None) -> tuple[tuple[str, Arg], ...]:
+def template_env(
+    env: dict[str, str], side_channel: Var | None, devices: tuple[int, ...] = ()
+) -> tuple[tuple[str, Arg], ...]:
+    """The recorded environment with the side-channel port, the host and the device (its
+    positions in serve.sh's DEVICES, `device_positions`) as variables."""
     rendered: list[tuple[str, Arg]] = []
     for key, value in sorted(env.items()):
-        if key == SIDE_CHANNEL_PORT_ENV and side_channel is not None:
+        if key in DEVICE_ENV_VARS and devices:
+            arg: list[str | Var] = []
+            for position in devices:
+                arg += [",", device_var(position)]
+            rendered.append((key, tuple(arg[1:])))
+        elif key == SIDE_CHANNEL_PORT_ENV and side_channel is not None:
             rendered.append((key, (side_channel,)))
         elif key in (SIDE_CHANNEL_HOST_ENV, EC_SIDE_CHANNEL_HOST_ENV):
             rendered.append((key, (Var("HOST"),)))

@@ -18,7 +18,13 @@ from pathlib import Path
 
 from harness.errors import BadInput
 from harness.files import write_text_atomic
-from harness.run.export import ExportedServer, ExportPlan, shell_command
+from harness.run.export import (
+    DEVICES_VAR,
+    ExportedServer,
+    ExportPlan,
+    RecordedDevice,
+    shell_command,
+)
 from harness.run.export_issue import render_issue
 
 CHECK_SOURCE = Path(__file__).with_name("standalone_check.py")
@@ -99,7 +105,7 @@ def render_serve_sh(plan: ExportPlan) -> str:
             "PY\n"
             "fi\n"
         )
-    case = [start_lines(s) for s in servers]
+    case = [*use_devices(plan.devices), *(start_lines(s) for s in servers)]
     case.append("wait_ready " + " ".join(f"{s.name} {url_word(s, s.health_path)}" for s in servers))
     if plan.proxy is not None:
         case += [
@@ -116,6 +122,7 @@ def render_serve_sh(plan: ExportPlan) -> str:
         baseline = [
             "# The monolithic reference with the same flags: `bash run.sh baseline` checks",
             "# that the expected ids (expected.json) hold on this machine.",
+            *use_devices(plan.baseline_devices),
             start_lines(base),
             f"wait_ready {base.name} {url_word(base, base.health_path)}",
             f"ENTRY={url_word(base)}",
@@ -134,8 +141,62 @@ def render_serve_sh(plan: ExportPlan) -> str:
         modes=modes,
         ports=ports + ("\n" + side_ports if side_ports else ""),
         proxy_check=proxy_check,
+        devices=devices_lines(plan),
         body=body,
     )
+
+
+def use_devices(devices: tuple[RecordedDevice, ...]) -> list[str]:
+    """The line that maps the instances' device positions onto DEVICES, before they start."""
+    if not devices:
+        return []
+    recorded = ", ".join(d.describe() for d in devices)
+    return [f"use_devices {len(devices)}  # recorded: {recorded}"]
+
+
+def devices_lines(plan: ExportPlan) -> str:
+    """serve.sh's DEVICES variable and `use_devices`, where instances are pinned to devices."""
+    devices = plan.devices or plan.baseline_devices
+    if not devices:
+        return ""
+    env_var = devices[0].env_var
+    recorded = ", ".join(d.describe() for d in plan.devices)
+    return DEVICES_SH.format(
+        var=DEVICES_VAR,
+        env_var=env_var,
+        count=len(plan.devices),
+        last=len(plan.devices) - 1,
+        recorded=recorded or "none",
+        default=",".join(str(i) for i in range(len(plan.devices))) or "0",
+    )
+
+
+DEVICES_SH = r"""# The devices, by position: the case's instances used {count} ({recorded} of the recording
+# host), here positions 0-{last} in order of first use. Each instance's {env_var} is set from
+# {var} (your own {env_var} is not read): {var}=4,5,6 puts position 0 on device 4, 1 on 5, ...
+# Default {default}. Instances that shared a device share a position (their memory shares add up).
+{var}=${{{var}:-}}
+use_devices() {{  # use_devices N: DEVICE_0..DEVICE_<N-1> from $DEVICES (default 0..N-1)
+  local needed=$1 list=() i
+  if [[ -z ${var} ]]; then
+    for ((i = 0; i < needed; i++)); do list+=("$i"); done
+  else
+    IFS=, read -ra list <<<"${var}"
+  fi
+  for ((i = 0; i < ${{#list[@]}}; i++)); do
+    if [[ -z ${{list[i]// /}} ]]; then
+      echo "serve.sh: {var}='${var}' has an empty entry; give comma-separated device ids" >&2
+      exit 2
+    fi
+  done
+  if ((${{#list[@]}} < needed)); then
+    echo "serve.sh: this needs $needed devices, {var}='${var}' names ${{#list[@]}};" \
+      "set {var} to $needed comma-separated device ids (default 0..$((needed - 1)))" >&2
+    exit 2
+  fi
+  for ((i = 0; i < needed; i++)); do printf -v "DEVICE_$i" '%s' "${{list[i]// /}}"; done
+}}
+"""
 
 
 def start_lines(server: ExportedServer) -> str:
@@ -221,7 +282,7 @@ PROXY_DIR=${{PROXY_DIR:-$HERE/vllm-proxy}}  # or a vLLM source checkout of the s
 STARTUP_TIMEOUT=${{STARTUP_TIMEOUT:-900}}
 STOP_TIMEOUT=${{STOP_TIMEOUT:-15}}
 {ports}
-
+{devices}
 log() {{ printf '[serve.sh %(%H:%M:%S)T] %s\n' -1 "$*"; }}
 declare -A PID_OF=() ROLE_OF=() URL_OF=()
 ORDER=()

