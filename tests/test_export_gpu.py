@@ -23,7 +23,9 @@ import pytest
 from export_bundle import PROMPT, PROMPT_IDS, REPAIR, plan_for, write_bundle
 from test_export_process import environment
 
+from harness.errors import BadInput
 from harness.run.export_files import render_serve_sh, write_export
+from harness.run.export_issue import render_issue
 from harness.serve.launch import log_path_for
 from harness.serve.session import safe_name
 from harness.spec.placement import place_instances
@@ -163,6 +165,29 @@ def test_serve_sh_refuses_fewer_devices_than_it_needs(
     assert done.returncode == 2, done.stdout + done.stderr
     assert "serve.sh: this needs 3 devices, DEVICES='4,5' names 2" in done.stderr
     assert "started" not in done.stdout
+
+
+def test_a_ray_run_is_not_exported_as_three_instances_on_one_gpu(tmp_path: Path) -> None:
+    """`--launcher ray` ran E, P and D on three nodes, each on its node's GPU 0. The export puts
+    all three on this host's GPU 0 with upstream's shares 0.01 + 0.7 + 0.7: the second of P/D
+    cannot start (vLLM refuses when less than its share is free). Refuse, or re-place them."""
+    try:
+        plan = plan_for(gpu_bundle(tmp_path, devices=(0, 1, 2), per_node=True))
+    except BadInput:
+        return
+    shares = shares_by_device(render_serve_sh(plan))
+    assert all(total <= 0.9 for total in shares.values()), f"shares per device: {shares}"
+
+
+def test_a_ray_export_says_it_runs_the_nodes_on_one_host_without_their_network_settings(
+    tmp_path: Path,
+) -> None:
+    plan = plan_for(gpu_bundle(tmp_path, devices=(0, 1, 2), per_node=True))
+    assert [d.device for d in plan.devices] == ["0", "0", "0"] and len(plan.nodes) == 3
+    assert "UCX_NET_DEVICES" not in render_serve_sh(plan)
+    issue = render_issue(plan)
+    assert "spread these instances over 3 nodes" in issue and "on one host" in issue
+    assert "`UCX_NET_DEVICES=mlx5_0:1`" in issue
 
 
 # -- which case, judged how ------------------------------------------------------------------------

@@ -77,6 +77,10 @@ DEVICE_ENV_VARS = tuple(
 )
 # serve.sh's list of the devices to run on, by position (`DEVICES=4,5,6`).
 DEVICES_VAR = "DEVICES"
+# Network settings of the recording hosts' interfaces (UCX_NET_DEVICES=mlx5_0:1, an IB HCA, a
+# socket interface): not carried into a one-host export, where they may name nothing. With
+# what a Ray run gave every instance (`--ray-instance-env`, run.json's launcher.instance_env).
+CLUSTER_ENV_PREFIXES = ("UCX_", "NCCL_SOCKET_", "NCCL_IB_", "GLOO_SOCKET_", "TP_SOCKET_")
 
 
 @dataclass(frozen=True)
@@ -101,10 +105,12 @@ class RecordedDevice:
 
     device: str  # "4": the recording host's index (or whatever the variable held)
     env_var: str  # CUDA_VISIBLE_DEVICES, ZE_AFFINITY_MASK
+    # The node it was on (`--launcher ray`: "10.0.0.12 (h1)"); None: the run's one host.
+    node: str | None = None
 
     def describe(self) -> str:
         kind = "GPU" if self.env_var == "CUDA_VISIBLE_DEVICES" else "device"
-        return f"{kind} {self.device}"
+        return f"{kind} {self.device}" + (f" of node {self.node}" if self.node else "")
 
 
 @dataclass(frozen=True)
@@ -181,6 +187,10 @@ class ExportPlan:
     # distinct devices in first-use order); the baseline's own list (it runs alone).
     devices: tuple[RecordedDevice, ...] = ()
     baseline_devices: tuple[RecordedDevice, ...] = ()
+    # The nodes a `--launcher ray` run spread the case's instances over (one host here), and
+    # the cluster's network settings the export leaves out (`CLUSTER_ENV_PREFIXES`).
+    nodes: tuple[str, ...] = ()
+    dropped_env: tuple[tuple[str, str], ...] = ()
 
     @property
     def entry(self) -> ExportedServer:
@@ -249,6 +259,8 @@ def plan_export(
         sent_unlike=sending.unlike,
         devices=devices,
         baseline_devices=baseline_devices,
+        nodes=tuple(dict.fromkeys(d.node for d in devices if d.node)),
+        dropped_env=dropped_env(bundle, label),
     )
 
 
@@ -320,6 +332,9 @@ def instance_servers(
             f"{directory}, found {len(commands)}"
         )
     model = bundle.serving().model
+    cluster = cluster_env_keys(bundle)
+    for _, command in commands:
+        command["env"] = {k: v for k, v in command["env"].items() if not is_cluster_env(k, cluster)}
     positions, devices = device_positions([command for _, command in commands])
     servers = []
     for index, (short, command) in enumerate(commands):
@@ -357,10 +372,40 @@ def device_positions(
         own: list[int] = []
         if env_var is not None:
             for device in str(env[env_var]).split(","):
-                key = RecordedDevice(device.strip(), env_var)
+                key = RecordedDevice(device.strip(), env_var, node_of(command))
                 own.append(order.setdefault(key, len(order)))
         positions.append(tuple(own))
     return positions, tuple(order)
+
+
+def node_of(command: dict[str, Any]) -> str | None:
+    """The node a `--launcher ray` instance ran on, as its command records it ("address
+    (hostname)"); None for the run's own host. Each node numbers its GPUs from 0, so a device
+    is a (node, index) pair: E, P and D on three nodes' GPU 0 are three devices."""
+    node = command.get("node")
+    if not isinstance(node, dict):
+        return None
+    address = node.get("address") or node.get("node_id") or "?"
+    return f"{address} ({node['hostname']})" if node.get("hostname") else str(address)
+
+
+def cluster_env_keys(bundle: Bundle) -> set[str]:
+    """What a Ray run gave every instance for its cluster (`--ray-instance-env`)."""
+    return set((bundle.run.get("launcher") or {}).get("instance_env") or {})
+
+
+def is_cluster_env(key: str, cluster: set[str]) -> bool:
+    return key in cluster or key.startswith(CLUSTER_ENV_PREFIXES)
+
+
+def dropped_env(bundle: Bundle, label: str) -> tuple[tuple[str, str], ...]:
+    """The cluster network settings the case's recorded environments held, left out."""
+    cluster = cluster_env_keys(bundle)
+    dropped: dict[str, str] = {}
+    for path in sorted(topology_dir(bundle, label).glob("*.cmd.json")):
+        env = json.loads(path.read_text(encoding="utf-8")).get("env") or {}
+        dropped.update({k: str(v) for k, v in env.items() if is_cluster_env(k, cluster)})
+    return tuple(sorted(dropped.items()))
 
 
 def compacted(
@@ -398,6 +443,8 @@ def baseline_server(bundle: Bundle) -> tuple[ExportedServer, tuple[RecordedDevic
             generation=generation_for(version).generation,
         )
         command = {"argv": spec.argv(), "env": spec.env()}
+    cluster = cluster_env_keys(bundle)
+    command["env"] = {k: v for k, v in command["env"].items() if not is_cluster_env(k, cluster)}
     port = Var("BASELINE0_PORT")
     [positions], devices = device_positions([command])
     server = ExportedServer(

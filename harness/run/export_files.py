@@ -166,13 +166,14 @@ def devices_lines(plan: ExportPlan) -> str:
         env_var=env_var,
         count=len(plan.devices),
         last=len(plan.devices) - 1,
+        where=" on one host here" if plan.nodes else " of the recording host",
         recorded=recorded or "none",
         default=",".join(str(i) for i in range(len(plan.devices))) or "0",
     )
 
 
-DEVICES_SH = r"""# The devices, by position: the case's instances used {count} ({recorded} of the recording
-# host), here positions 0-{last} in order of first use. Each instance's {env_var} is set from
+DEVICES_SH = r"""# The devices, by position: the case's instances used {count} ({recorded}{where}),
+# here positions 0-{last} in order of first use. Each instance's {env_var} is set from
 # {var} (your own {env_var} is not read): {var}=4,5,6 puts position 0 on device 4, 1 on 5, ...
 # Default {default}. Instances that shared a device share a position (their memory shares add up).
 {var}=${{{var}:-}}

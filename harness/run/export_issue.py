@@ -237,15 +237,33 @@ def model_line(plan: ExportPlan) -> str:
 
 
 def device_instructions(plan: ExportPlan) -> list[str]:
-    """Which devices the instances take here: positions, mapped through DEVICES."""
+    """Which devices the instances take here: positions, mapped through DEVICES; a Ray run's
+    nodes, which this one host stands in for, and the cluster settings left out."""
+    lines: list[str] = []
+    if len(plan.nodes) > 1:
+        lines += [
+            "",
+            f"The run spread these instances over {len(plan.nodes)} nodes (`--launcher ray`: "
+            f"{', '.join(plan.nodes)}); this export runs them all on one host, each node's "
+            "device a device of its own here.",
+        ]
+    if plan.dropped_env:
+        settings = " ".join(f"`{k}={v}`" for k, v in plan.dropped_env)
+        lines += [
+            "",
+            f"Left out, as settings of the recording cluster's network ({settings}): set them "
+            "in your environment if your host needs them (the servers inherit it).",
+        ]
     if not plan.devices:
-        return []
+        return lines
     count = len(plan.devices)
     recorded = ", ".join(d.describe() for d in plan.devices)
     return [
+        *lines,
         "",
         f"The instances run on {count} device{'s' if count > 1 else ''} by position "
-        f"(the run used {recorded} of its host): `DEVICES=4,5,6 bash run.sh` puts position 0 "
+        f"(the run used {recorded}{'' if plan.nodes else ' of its host'}): "
+        "`DEVICES=4,5,6 bash run.sh` puts position 0 "
         f"on device 4 and so on; the default is `{','.join(map(str, range(count)))}`. Each "
         f"instance's `{plan.devices[0].env_var}` is set from it, and `serve.sh` refuses, in "
         "one line, fewer devices than it needs. Instances that shared a device in the run "
