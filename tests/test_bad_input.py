@@ -949,6 +949,28 @@ def test_a_bundle_whose_files_are_not_a_bundles_is_one_line(epd_cli, tmp_path: P
         assert code == 2 and err.count("\n") == 1 and "summary.json" in err, (command, err)
 
 
+def test_export_of_a_case_failed_against_two_references_needs_one(epd_cli, tmp_path: Path) -> None:
+    """Under pd-drift a P->D case is judged against the baseline and its exact reference;
+    named without one when both failed, export (and repro) cannot tell which is meant."""
+    bundle = tmp_path / "b"
+    bundle.mkdir()
+    cases = [
+        {"topology": "1E+1P+1D", "prompt": "image", "reference": ref, "verdict": "MISMATCH"}
+        for ref in ("baseline", "1P+1D")
+    ]
+    for name, data in (("run.json", {}), ("requests.json", {}), ("summary.json", {"cases": cases})):
+        (bundle / name).write_text(json.dumps(data))
+    args = ("export", bundle, "--case", "1E+1P+1D:image")
+    code, _, err = epd_cli(*args)
+    LAST_ARGS.update(args=as_users_see(" ".join(map(str, args)), tmp_path), tmp=str(tmp_path))
+    assert_one_error_line(
+        code,
+        err,
+        f"{bundle}: case '1E+1P+1D:image' was judged against 2 references (MISMATCH vs "
+        "baseline, MISMATCH vs 1P+1D); name one: --case 1E+1P+1D:image@REFERENCE",
+    )
+
+
 def test_run_topology_baseline_is_refused(bad_run: BadRun) -> None:
     """It passed the preflight, started the baseline and judged nothing (found in review)."""
     code, err = bad_run("--topology", "baseline", "--prompt", "text")

@@ -220,6 +220,39 @@ def two_reference_bundle(tmp_path: Path) -> Path:
     return run
 
 
+def test_the_default_export_is_the_failing_case_not_a_drift_its_policy_passed(
+    tmp_path: Path,
+) -> None:
+    plan = plan_for(two_reference_bundle(tmp_path))
+    assert (plan.case.verdict, plan.case.reference) == ("MISMATCH", "1P+1D")
+
+
+def test_a_case_that_failed_against_1p1d_expects_1p1ds_ids(tmp_path: Path) -> None:
+    """Even named (`--case 1E+1P+1D:m-image` is the only handle), the record picked is the
+    first of that topology and prompt, and expected.json is always the baseline's ids: a GPU
+    export then "reproduces" the MISMATCH vs 1P+1D by the P->D drift the run itself passed."""
+    plan = plan_for(two_reference_bundle(tmp_path), f"1E+1P+1D:{PROMPT}")
+    assert plan.case.reference == "1P+1D"
+    assert plan.expected["reference"] == "1P+1D"
+
+
+def test_a_case_can_name_its_reference_and_ambiguity_is_refused(tmp_path: Path) -> None:
+    run = two_reference_bundle(tmp_path)
+    named = plan_for(run, f"1E+1P+1D:{PROMPT}@baseline")
+    assert (named.case.verdict, named.expected["reference"]) == ("DRIFT", "baseline")
+    assert named.expected["token_ids"] == [7, 8, 9, 10] and named.baseline is not None
+    exact = plan_for(run, f"1E+1P+1D:{PROMPT}@1P+1D")
+    assert exact.expected["token_ids"] == [7, 11, 12, 13]
+    assert exact.baseline is None  # `run.sh baseline` would check the monolithic ids instead
+    summary = json.loads((run / "summary.json").read_text())
+    summary["cases"][0]["policy_passed"] = False  # both references failed: which is meant?
+    (run / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(BadInput, match=r"name one: --case 1E\+1P\+1D:m-image@REFERENCE"):
+        plan_for(run, f"1E+1P+1D:{PROMPT}")
+    with pytest.raises(BadInput, match="no case"):
+        plan_for(run, f"1E+1P+1D:{PROMPT}@2E+1PD")
+
+
 class Answering:
     """A stand-in instance / entry point answering every chat request with one fixed body."""
 

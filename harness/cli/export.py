@@ -1,4 +1,4 @@
-"""`epd-harness export RUN_DIR [--case TOPOLOGY:PROMPT] [--out DIR]`: one case of a run as a
+"""`epd-harness export RUN_DIR [--case TOPOLOGY:PROMPT[@REFERENCE]] [--out DIR]`: one case of a run as a
 directory that reproduces it with vLLM alone (`harness.run.export`; docs/found-in-vllm.md).
 
 The command line resolves what the exporter is handed: vLLM's proxy files of the served
@@ -83,7 +83,9 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
     export.add_argument("run_dir", help="a run directory written by 'epd-harness run'")
     export.add_argument(
         "--case",
-        help="TOPOLOGY:PROMPT (default: the first case whose verdict is not MATCH)",
+        help="TOPOLOGY:PROMPT[@REFERENCE] (default: the first case that failed its policy, "
+        "else the first failure the harness declares; @REFERENCE picks one of a case's "
+        "references, e.g. @1P+1D, and is needed when more than one failed)",
     )
     export.add_argument("--out", help=f"export directory (default: RUN_DIR/{EXPORTS_DIR}/<name>)")
     export.add_argument(

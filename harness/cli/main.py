@@ -350,7 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
         "vLLM given by --vllm; a version other than the bundle's is named in the verdict line)",
     )
     repro.add_argument("bundle", help="a run directory written by 'epd-harness run'")
-    repro.add_argument("--case", help="TOPOLOGY:PROMPT (default: the first failing case)")
+    repro.add_argument(
+        "--case",
+        help="TOPOLOGY:PROMPT[@REFERENCE] (default: the first case that failed its policy; "
+        "@REFERENCE picks one of a case's references, e.g. @1P+1D)",
+    )
     repro.add_argument("--run-dir", help="artifact directory (default: <bundle>-repro)")
     repro.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
     repro.add_argument(

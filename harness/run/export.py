@@ -38,7 +38,7 @@ from typing import Any
 from harness.errors import BadInput
 from harness.judge.records import Verdict
 from harness.redact import REDACTED
-from harness.run.repro import Bundle, ReproCase
+from harness.run.repro import Bundle, BundleError, ReproCase, case_of
 from harness.run.scenarios import MATRIX
 from harness.serve.session import safe_name
 from harness.serve.vllm_proxy import EPD_PROXY_FILE, TOY_PROXY_FILE, vllm_proxy_launch
@@ -239,7 +239,10 @@ def plan_export(
             raise ValueError("an export through vLLM's proxy needs its files")
         proxy, proxy_file = proxy_server(servers, upstream())
         expected = tokens_expectation(bundle, case, body)
-    baseline, baseline_devices = (None, ()) if probe else baseline_server(bundle)
+    # `run.sh baseline` checks the expected ids on the monolithic reference: only when they
+    # are its ids (a case judged against 1P+1D expects 1P+1D's).
+    monolithic = probe is None and case.reference == BASELINE.name
+    baseline, baseline_devices = baseline_server(bundle) if monolithic else (None, ())
     return ExportPlan(
         name=export_name(bundle, case, probe),
         bundle=bundle.path,
@@ -281,24 +284,16 @@ def refuse_unexportable(bundle: Bundle) -> None:
 
 
 def pick_case(bundle: Bundle, wanted: str | None) -> tuple[ReproCase, dict[str, Any]]:
-    """The named case (`TOPOLOGY:PROMPT`), else the first whose verdict is not MATCH, declared
-    or not (a matrix scenario's expected failure passes its policy and is still a vLLM bug);
-    with its record from summary.json, whose topology label may name a scenario."""
-    for record in bundle.cases:
-        topology = record["topology"].split(":")[0]
-        name = f"{topology}:{record['prompt']}"
-        if name == wanted or (wanted is None and record["verdict"] != Verdict.MATCH.value):
-            case = ReproCase(
-                topology,
-                record["prompt"],
-                record["verdict"],
-                record["reference"],
-                record["topology"],
-            )
-            return case, record
-    if wanted:
-        raise BadInput(f"{bundle.path}: no case {wanted!r}")
-    raise BadInput(f"{bundle.path}: every case MATCHed; name one with --case TOPOLOGY:PROMPT")
+    """The named case (`TOPOLOGY:PROMPT[@REFERENCE]`), else the first that failed its policy,
+    else the first failure the harness declares (a matrix scenario's expected failure passes
+    its policy and is still a vLLM bug), as `Bundle.pick_record` decides (repro picks the same
+    way); never a DRIFT its policy passed, which under pd-drift can precede the real failure.
+    With its record from summary.json, whose topology label may name a scenario."""
+    try:
+        record = bundle.pick_record(wanted, declared_too=True)
+    except BundleError as exc:
+        raise BadInput(str(exc)) from None
+    return case_of(record), record
 
 
 def topology_dir(bundle: Bundle, label: str) -> Path:
@@ -635,12 +630,12 @@ def sha256_of(path: Path) -> str:
 
 
 def tokens_expectation(bundle: Bundle, case: ReproCase, body: dict[str, Any]) -> dict[str, Any]:
-    """expected.json of a case: the baseline's ids, and what the harness recorded."""
+    """expected.json of a case: its reference's ids, and what the harness recorded."""
     return {
         **expected_answer(bundle, case),
         "check": "tokens",
-        "what": f"{case.topology} / {case.prompt}: {describe_request(body)}; expecting the "
-        "monolithic baseline's token ids",
+        "what": f"{case.topology} / {case.prompt}: {describe_request(body)}; expecting "
+        f"{reference_words(case.reference)}'s token ids",
         "timeout_s": REQUEST_TIMEOUT_S,
         "recorded": {"verdict": case.verdict, "source": f"the harness (run {bundle.path.name})"},
     }
@@ -662,24 +657,33 @@ def survival_expectation(consumer: ExportedServer) -> dict[str, Any]:
     }
 
 
+def reference_words(reference: str) -> str:
+    """'the monolithic baseline', or the exact reference's name ('1P+1D')."""
+    return "the monolithic baseline" if reference == BASELINE.name else reference
+
+
 def expected_answer(bundle: Bundle, case: ReproCase) -> dict[str, Any]:
-    """The monolithic baseline's answer to the case's request, as the bundle recorded it."""
+    """The answer of the case's own reference (the monolithic baseline, or an exact reference
+    such as 1P+1D) to the case's request, as the bundle recorded it: the ids the harness
+    compared with, never another reference's."""
     responses_path = bundle.path / "responses.json"
     try:
         responses = json.loads(responses_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise BadInput(f"{responses_path} cannot be read: {exc}") from None
-    for reference in ("baseline", case.reference):
-        result = ((responses.get(reference) or {}).get(case.prompt) or {}).get("result")
-        if result:
-            return {
-                "reference": reference,
-                "prompt_token_ids": result["prompt_token_ids"],
-                "token_ids": result["token_ids"],
-                "text": result.get("text", ""),
-                "top_logprobs": [p.get("top") for p in result.get("logprobs") or []],
-            }
-    raise BadInput(f"{bundle.path}: responses.json has no baseline answer to {case.prompt!r}")
+    reference = case.reference
+    result = ((responses.get(reference) or {}).get(case.prompt) or {}).get("result")
+    if not result:
+        raise BadInput(
+            f"{bundle.path}: responses.json has no answer of {reference} to {case.prompt!r}"
+        )
+    return {
+        "reference": reference,
+        "prompt_token_ids": result["prompt_token_ids"],
+        "token_ids": result["token_ids"],
+        "text": result.get("text", ""),
+        "top_logprobs": [p.get("top") for p in result.get("logprobs") or []],
+    }
 
 
 def probed_consumer(servers: tuple[ExportedServer, ...], case: ReproCase) -> ExportedServer:

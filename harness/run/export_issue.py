@@ -307,9 +307,14 @@ def expected_section(plan: ExportPlan) -> list[str]:
         ]
     ids = expected["token_ids"]
     shown = " ".join(str(t) for t in ids[:16]) + (" ..." if len(ids) > 16 else "")
+    reference = expected["reference"]
+    who = (
+        f"a monolithic `vllm serve` with the same flags (the harness's {reference}"
+        if reference == "baseline"
+        else f"{reference}, the case's exact reference in the harness (not the monolithic baseline"
+    )
     return [
-        f"The answer of a monolithic `vllm serve` with the same flags (the harness's "
-        f"{expected['reference']}, same release, same machine): {len(expected['prompt_token_ids'])} "
+        f"The answer of {who}, same release, same machine): {len(expected['prompt_token_ids'])} "
         f"prompt tokens, {len(ids)} generated token ids (greedy, seed fixed): `{shown}`, text "
         f"{expected.get('text', '')[:120]!r}. `expected.json` holds them all, with the "
         "top-5 log-probs at each position; `request.json` is the request exactly as sent "

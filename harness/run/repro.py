@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.judge.records import CaseRecord
+from harness.judge.records import CaseRecord, Verdict
 from harness.redact import REDACTED
 from harness.run.pool import TopologyPool
 from harness.run.scenarios import MATRIX, SendMode
@@ -173,18 +173,74 @@ class Bundle:
         """The vLLM version the bundle's run served, as recorded."""
         return (self.run.get("served_vllm") or {}).get("version")
 
-    def pick_case(self, wanted: str | None) -> ReproCase:
-        """The named case (`TOPOLOGY:PROMPT`), else the first that failed its policy."""
-        for case in self.cases:
-            topology = case["topology"].split(":")[0]
-            name = f"{topology}:{case['prompt']}"
-            if (wanted is None and not case["policy_passed"]) or wanted == name:
-                return ReproCase(
-                    topology, case["prompt"], case["verdict"], case["reference"], case["topology"]
-                )
-        if wanted:
+    def pick_case(self, wanted: str | None, declared_too: bool = False) -> ReproCase:
+        """The case `pick_record` picks."""
+        return case_of(self.pick_record(wanted, declared_too))
+
+    def pick_record(self, wanted: str | None, declared_too: bool = False) -> dict[str, Any]:
+        """The record of the named case, `TOPOLOGY:PROMPT[@REFERENCE]`, else of the first that
+        failed its policy (never a DRIFT its policy passed); `declared_too`: else the first
+        failure the harness declares (a verdict no policy passes, passed only as declared).
+
+        A case judged against several references (under pd-drift a P->D topology against the
+        monolithic baseline and against its exact reference) named without one is the record
+        that failed its policy when only one reference failed; else naming it is refused as
+        ambiguous, listing the references."""
+        if wanted is None:
+            for record in self.cases:
+                if not passed_policy(record):
+                    return record
+            if declared_too:
+                for record in self.cases:
+                    if record["verdict"] not in (Verdict.MATCH.value, Verdict.DRIFT.value):
+                        return record
+            raise BundleError(
+                f"{self.path}: every case passed; name one with --case TOPOLOGY:PROMPT"
+            )
+        name, _, reference = wanted.partition(CASE_REFERENCE_SEPARATOR)
+        matches = [
+            record
+            for record in self.cases
+            if f"{record['topology'].split(':')[0]}:{record['prompt']}" == name
+            and reference in ("", record["reference"])
+        ]
+        if not matches:
             raise BundleError(f"{self.path}: no case {wanted!r}")
-        raise BundleError(f"{self.path}: every case passed; name one with --case TOPOLOGY:PROMPT")
+        by_reference: dict[str, dict[str, Any]] = {}
+        for record in matches:
+            by_reference.setdefault(record["reference"], record)
+        if len(by_reference) == 1:
+            return matches[0]
+        failing = [record for record in matches if not passed_policy(record)]
+        if len({record["reference"] for record in failing}) == 1:
+            return failing[0]
+        verdicts = ", ".join(f"{r['verdict']} vs {ref}" for ref, r in by_reference.items())
+        raise BundleError(
+            f"{self.path}: case {wanted!r} was judged against {len(by_reference)} references "
+            f"({verdicts}); name one: --case {wanted}{CASE_REFERENCE_SEPARATOR}REFERENCE"
+        )
+
+
+def case_of(record: dict[str, Any]) -> ReproCase:
+    """A summary.json record as the case it judged (a scenario's label cut at ':')."""
+    return ReproCase(
+        record["topology"].split(":")[0],
+        record["prompt"],
+        record["verdict"],
+        record["reference"],
+        record["topology"],
+    )
+
+
+# `--case TOPOLOGY:PROMPT@REFERENCE`: which of a case's comparisons (references) is meant.
+CASE_REFERENCE_SEPARATOR = "@"
+
+
+def passed_policy(record: dict[str, Any]) -> bool:
+    """Whether a summary.json record passed its policy (older records without the field:
+    whether it MATCHed)."""
+    passed = record.get("policy_passed")
+    return record.get("verdict") == Verdict.MATCH.value if passed is None else bool(passed)
 
 
 def _unredacted(name: str, value: str) -> str:
