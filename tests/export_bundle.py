@@ -110,6 +110,8 @@ def body() -> dict[str, Any]:
         ],
         "temperature": 0.0,
         "max_tokens": len(BASELINE_IDS),
+        "logprobs": True,
+        "top_logprobs": 5,
         "return_token_ids": True,
     }
 

@@ -349,4 +349,38 @@ FLIPPED = chat_answer(
 )
 
 
+def test_a_drift_export_can_be_reproduced(tmp_path: Path, answering) -> None:
+    """Recorded DRIFT (exported by name, or by default as the first non-MATCH); check.py knows
+    only MATCH / MISMATCH / ERROR, so it prints 'NOT reproduced' whatever vLLM does."""
+    out = near_tie_export(tmp_path, "DRIFT")
+    done = check_py(out, answering(FLIPPED))
+    assert "recorded DRIFT: reproduced" in done.stdout, done.stdout + done.stderr
+
+
+def test_gpu_noise_does_not_reproduce_a_mismatch(tmp_path: Path, answering) -> None:
+    """Recorded MISMATCH (a real corruption); on the developer's GPU the answer flips a 0.01-nat
+    near tie, inside the run's noise floor: check.py says 'reproduced' and exits 1. The
+    policy (pd-drift) and floor (0.05 nats) are in summary.json but never reach expected.json."""
+    out = near_tie_export(tmp_path, "MISMATCH")
+    expected = json.loads((out / "expected.json").read_text())
+    done = check_py(out, answering(FLIPPED))
+    assert "recorded MISMATCH: reproduced" not in done.stdout, (
+        f"expected.json keys: {sorted(expected)}\n{done.stdout}"
+    )
+
+
+def test_expected_json_carries_the_policy_floor_and_where_it_was_recorded(
+    tmp_path: Path,
+) -> None:
+    out = near_tie_export(tmp_path, "MISMATCH")
+    expected = json.loads((out / "expected.json").read_text())
+    assert (expected["policy"], expected["drift_passes"]) == ("pd-drift", True)
+    assert expected["noise_floor_nats"] == 0.05
+    assert expected["token_logprobs"] == [-0.5, -0.5, -0.5, -0.5]
+    assert "cuda devices 0,1,2,3,4,5,6,7; GPU model not recorded" in expected["recorded"]["where"]
+    request = json.loads((out / "request.json").read_text())
+    assert request["logprobs"] is True and request["top_logprobs"] >= 2
+    assert "recorded on the recording host" in (out / "ISSUE.md").read_text()
+
+
 # -- the vLLM it runs ------------------------------------------------------------------------------

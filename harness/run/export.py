@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import BadInput
+from harness.judge.policy import ReferencePolicy, default_reference_policy
 from harness.judge.records import Verdict
 from harness.redact import REDACTED
 from harness.run.repro import Bundle, BundleError, ReproCase, case_of
@@ -51,7 +52,7 @@ from harness.spec.platforms import (
     SIDE_CHANNEL_PORT_ENV,
     get_platform,
 )
-from harness.spec.prompts import streaming_request
+from harness.spec.prompts import DEFAULT_TOP_LOGPROBS, streaming_request
 from harness.spec.settings import ATTACH_PROXY
 from harness.spec.topology import TOPOLOGIES, Role, get_topology
 
@@ -226,6 +227,11 @@ def plan_export(
     sending = bundle.how_sent(label)
     if sending.streamed:  # sent as the run sent it: requests.json holds it before streaming
         body = streaming_request(body)
+    sent_unlike = sending.unlike
+    if probe is None and not asks_for_logprobs(body):
+        body = {**body, "logprobs": True, "top_logprobs": DEFAULT_TOP_LOGPROBS}
+        added = "it asks for the top-5 log-probs (check.py's drift rule needs them)"
+        sent_unlike = f"{sent_unlike}; {added}" if sent_unlike else added
     servers, devices = instance_servers(bundle, label, get_topology(case.topology).roles)
     proxy: ExportedServer | None = None
     proxy_file: ProxyFile | None = None
@@ -238,7 +244,7 @@ def plan_export(
         if upstream is None:
             raise ValueError("an export through vLLM's proxy needs its files")
         proxy, proxy_file = proxy_server(servers, upstream())
-        expected = tokens_expectation(bundle, case, body)
+        expected = tokens_expectation(bundle, case, record, body)
     # `run.sh baseline` checks the expected ids on the monolithic reference: only when they
     # are its ids (a case judged against 1P+1D expects 1P+1D's).
     monolithic = probe is None and case.reference == BASELINE.name
@@ -259,7 +265,7 @@ def plan_export(
         declared=declared_failure(bundle, label, case, record),
         run=bundle.run,
         baseline=baseline,
-        sent_unlike=sending.unlike,
+        sent_unlike=sent_unlike,
         devices=devices,
         baseline_devices=baseline_devices,
         nodes=tuple(dict.fromkeys(d.node for d in devices if d.node)),
@@ -286,8 +292,9 @@ def refuse_unexportable(bundle: Bundle) -> None:
 def pick_case(bundle: Bundle, wanted: str | None) -> tuple[ReproCase, dict[str, Any]]:
     """The named case (`TOPOLOGY:PROMPT[@REFERENCE]`), else the first that failed its policy,
     else the first failure the harness declares (a matrix scenario's expected failure passes
-    its policy and is still a vLLM bug), as `Bundle.pick_record` decides (repro picks the same
-    way); never a DRIFT its policy passed, which under pd-drift can precede the real failure.
+    its policy and is still a vLLM bug), else the first that is not a MATCH, as
+    `Bundle.pick_record` decides (repro picks the same way, without the last two): a DRIFT its
+    policy passed, which under pd-drift can precede the real failure, only when nothing failed.
     With its record from summary.json, whose topology label may name a scenario."""
     try:
         record = bundle.pick_record(wanted, declared_too=True)
@@ -629,16 +636,79 @@ def sha256_of(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def tokens_expectation(bundle: Bundle, case: ReproCase, body: dict[str, Any]) -> dict[str, Any]:
-    """expected.json of a case: its reference's ids, and what the harness recorded."""
+def tokens_expectation(
+    bundle: Bundle, case: ReproCase, record: dict[str, Any], body: dict[str, Any]
+) -> dict[str, Any]:
+    """expected.json of a case: its reference's ids and log-probs, how the harness judged it
+    (the case's policy, the run's noise floor), and what the harness recorded, where."""
+    policy = reference_policy(bundle)
+    topology = get_topology(case.topology)
+    drift_passes = policy.policy_for(topology, case.reference == BASELINE.name).passes(
+        Verdict.DRIFT
+    )
     return {
         **expected_answer(bundle, case),
         "check": "tokens",
         "what": f"{case.topology} / {case.prompt}: {describe_request(body)}; expecting "
         f"{reference_words(case.reference)}'s token ids",
         "timeout_s": REQUEST_TIMEOUT_S,
-        "recorded": {"verdict": case.verdict, "source": f"the harness (run {bundle.path.name})"},
+        "policy": policy.name,
+        "drift_passes": drift_passes,
+        "noise_floor_nats": noise_floor(bundle, record),
+        "recorded": {
+            "verdict": case.verdict,
+            "source": f"the harness (run {bundle.path.name})",
+            "where": recording_host(bundle.run),
+        },
     }
+
+
+def reference_policy(bundle: Bundle) -> ReferencePolicy:
+    """The run's reference policy (summary.json), else its platform's default."""
+    name = read_summary(bundle).get("reference_policy")
+    try:
+        return ReferencePolicy(str(name))
+    except ValueError:
+        return default_reference_policy(get_platform(bundle.run.get("platform_profile", "cpu")))
+
+
+def noise_floor(bundle: Bundle, record: dict[str, Any]) -> float:
+    """The tolerance the harness judged the case with (its divergence's), else the run's
+    measured noise floor (summary.json, run.json); 0 when none was recorded."""
+    for source in (record.get("divergence") or {}, read_summary(bundle), bundle.run):
+        value = source.get("tolerance", source.get("noise_floor_nats"))
+        if isinstance(value, int | float) and value >= 0:
+            return float(value)
+    return 0.0
+
+
+def read_summary(bundle: Bundle) -> dict[str, Any]:
+    try:
+        summary = json.loads((bundle.path / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
+def recording_host(run: dict[str, Any]) -> str:
+    """Where the expected ids were computed, as far as run.json knows: its host, its devices
+    (GPU platforms; the GPU model is not recorded), its CPU."""
+    hostname = run.get("hostname")
+    host = f"the recording host {hostname}" if hostname else "the recording host"
+    profile = run.get("platform_profile", "cpu")
+    if profile == "cpu":
+        cpu = (run.get("cpu") or {}).get("model") or "model not recorded"
+        return f"{host} (CPU {cpu})"
+    devices = ",".join(str(d) for d in run.get("devices") or []) or "?"
+    gpu = run.get("gpu_model") or "model not recorded"
+    return f"{host} ({profile} devices {devices}; GPU {gpu})"
+
+
+def asks_for_logprobs(body: dict[str, Any]) -> bool:
+    """Whether a chat request asks for the top-k log-probs (at least 2: the drift rule needs
+    the other token's)."""
+    top = body.get("top_logprobs")
+    return bool(body.get("logprobs")) and isinstance(top, int) and top >= 2
 
 
 def survival_expectation(consumer: ExportedServer) -> dict[str, Any]:
@@ -677,12 +747,14 @@ def expected_answer(bundle: Bundle, case: ReproCase) -> dict[str, Any]:
         raise BadInput(
             f"{bundle.path}: responses.json has no answer of {reference} to {case.prompt!r}"
         )
+    logprobs = result.get("logprobs") or []
     return {
         "reference": reference,
         "prompt_token_ids": result["prompt_token_ids"],
         "token_ids": result["token_ids"],
         "text": result.get("text", ""),
-        "top_logprobs": [p.get("top") for p in result.get("logprobs") or []],
+        "top_logprobs": [p.get("top") for p in logprobs],
+        "token_logprobs": [p.get("logprob") for p in logprobs],
     }
 
 

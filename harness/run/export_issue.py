@@ -319,6 +319,29 @@ def expected_section(plan: ExportPlan) -> list[str]:
         f"{expected.get('text', '')[:120]!r}. `expected.json` holds them all, with the "
         "top-5 log-probs at each position; `request.json` is the request exactly as sent "
         "(media inlined as data URLs).",
+        "",
+        *judging_lines(expected),
+    ]
+
+
+def judging_lines(expected: dict[str, Any]) -> list[str]:
+    """How check.py judges a difference (as the harness did), and where the ids were made."""
+    floor = float(expected.get("noise_floor_nats") or 0.0)
+    if floor > 0:
+        drift = (
+            f"a first difference that is a near-tie on both sides within the run's measured "
+            f"noise floor ({floor:g} nats), after a prefix whose log-probs agreed within it, is "
+            f"DRIFT, numeric noise, which the run's {expected.get('policy', '?')} policy "
+            f"{'passes' if expected.get('drift_passes') else 'does not pass'} for this case "
+            f"(check.py exits {0 if expected.get('drift_passes') else 1}); any other is a "
+            "MISMATCH"
+        )
+    else:
+        drift = "the run measured no noise (a floor of 0), so any difference is a MISMATCH"
+    where = (expected.get("recorded") or {}).get("where") or "the recording host"
+    return [
+        f"`check.py` judges as the harness did: {drift}. The expected ids were recorded on "
+        f"{where}: another GPU model, driver or CUDA version can give other ids by itself.",
     ]
 
 

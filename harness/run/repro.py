@@ -179,8 +179,9 @@ class Bundle:
 
     def pick_record(self, wanted: str | None, declared_too: bool = False) -> dict[str, Any]:
         """The record of the named case, `TOPOLOGY:PROMPT[@REFERENCE]`, else of the first that
-        failed its policy (never a DRIFT its policy passed); `declared_too`: else the first
-        failure the harness declares (a verdict no policy passes, passed only as declared).
+        failed its policy; `declared_too`: else the first failure the harness declares (a
+        verdict no policy passes, passed only as declared), else the first that is not a
+        MATCH (a DRIFT its policy passed: chosen only when nothing else is left).
 
         A case judged against several references (under pd-drift a P->D topology against the
         monolithic baseline and against its exact reference) named without one is the record
@@ -190,9 +191,9 @@ class Bundle:
             for record in self.cases:
                 if not passed_policy(record):
                     return record
-            if declared_too:
-                for record in self.cases:
-                    if record["verdict"] not in (Verdict.MATCH.value, Verdict.DRIFT.value):
+            for passed in (Verdict.MATCH.value, Verdict.DRIFT.value), (Verdict.MATCH.value,):
+                for record in self.cases if declared_too else ():
+                    if record["verdict"] not in passed:
                         return record
             raise BundleError(
                 f"{self.path}: every case passed; name one with --case TOPOLOGY:PROMPT"

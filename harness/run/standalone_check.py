@@ -9,13 +9,22 @@ harness, on the Python standard library alone, while `serve.sh` serves (`run.sh`
 
 It reads `request.json` (the body exactly as the harness sent it, media inlined; a streamed
 one's answer is read from its events) and
-`expected.json` (the monolithic baseline's ids, or for a probe what the instance should do)
+`expected.json` (the case's reference's ids, or for a probe what the instance should do)
 beside it, and `DIR/endpoints.tsv`, which `serve.sh` writes once everything is healthy (the
-entry URL, every instance's URL, process id and log). Exit codes:
+entry URL, every instance's URL, process id and log).
 
-- 0: the answer equals the expected one (a probe: the instance refused the request and kept
-  serving);
-- 1: a difference: other token ids (the first divergence is printed), or a probe answered;
+Token ids are judged as the harness judges them (its harness/judge/compare.py, restated here
+in a few lines): a first difference in the generated ids is DRIFT, numeric noise, when the
+run measured a noise floor above zero (`noise_floor_nats`), both sides' log-prob gaps between
+the two tokens at that position are within it, and every earlier position's log-prob agreed
+within it too; any other difference is a MISMATCH. Whether a DRIFT passes is the case's
+policy (`drift_passes`: under pd-drift, a P->D topology against the monolithic baseline).
+Exit codes:
+
+- 0: the answer equals the expected one, or drifts from it as the case's policy allows (a
+  probe: the instance refused the request and kept serving);
+- 1: a difference: other token ids (the first divergence is printed; a DRIFT the policy does
+  not pass included), or a probe answered;
 - 2: an error: an HTTP error, a timeout, an instance that died (named, with the error lines
   of its log and its last lines), or check.py could not run at all.
 """
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -222,24 +232,77 @@ def describe_difference(
     return "\n".join(lines)
 
 
-def compare_tokens(expected: dict[str, Any], response: dict[str, Any]) -> str | None:
-    """None when prompt and generated ids equal the expected ones, else the first divergence."""
+def compare_tokens(expected: dict[str, Any], response: dict[str, Any]) -> tuple[str, str | None]:
+    """("MATCH", None) when prompt and generated ids equal the expected ones, else the verdict
+    ("MISMATCH", or "DRIFT": `drift`) and the first divergence."""
     try:
         prompt_ids = list(response["prompt_token_ids"])
         token_ids = list(response["choices"][0]["token_ids"])
     except (KeyError, IndexError, TypeError):
-        return "the answer carries no token ids (was return_token_ids honoured?)"
+        return "MISMATCH", "the answer carries no token ids (was return_token_ids honoured?)"
     index = first_difference(expected["prompt_token_ids"], prompt_ids)
     if index is not None:
-        return describe_difference("prompt", expected["prompt_token_ids"], prompt_ids, index) + (
-            "\n  (the prompts differ: the media placeholders were sized differently)"
-        )
+        return "MISMATCH", describe_difference(
+            "prompt", expected["prompt_token_ids"], prompt_ids, index
+        ) + ("\n  (the prompts differ: the media placeholders were sized differently)")
     index = first_difference(expected["token_ids"], token_ids)
     if index is None:
-        return None
+        return "MATCH", None
     expected_top = (expected.get("top_logprobs") or [])[index : index + 1]
     tops = (expected_top[0] if expected_top else None, top_logprobs(response, index))
-    return describe_difference("generated", expected["token_ids"], token_ids, index, tops)
+    detail = describe_difference("generated", expected["token_ids"], token_ids, index, tops)
+    noise = drift(expected, response, token_ids, index, tops)
+    return ("DRIFT" if noise.startswith("yes") else "MISMATCH"), f"{detail}\n  drift: {noise}"
+
+
+def gap(top: list[Any] | None, own: int | None, other: int | None) -> float | None:
+    """log p(own) - log p(other) from one side's top-k; None if either is not in it."""
+    logprobs = {int(t): float(lp) for t, lp in top or []}
+    if own is None or other is None or own not in logprobs or other not in logprobs:
+        return None
+    return logprobs[own] - logprobs[other]
+
+
+def chosen_logprob(response: dict[str, Any], index: int) -> float | None:
+    try:
+        return float(response["choices"][0]["logprobs"]["content"][index]["logprob"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+def drift(
+    expected: dict[str, Any],
+    response: dict[str, Any],
+    got: list[int],
+    index: int,
+    tops: tuple[Any, Any],
+) -> str:
+    """'yes (...)' when the difference at `index` is numeric noise by the harness's rule (the
+    module docstring), else 'no (why)'."""
+    floor = float(expected.get("noise_floor_nats") or 0.0)
+    ids = expected["token_ids"]
+    want = ids[index] if index < len(ids) else None
+    have = got[index] if index < len(got) else None
+    gaps = (gap(tops[0], want, have), gap(tops[1], have, want))
+    recorded = expected.get("token_logprobs") or []
+    deltas = []
+    for position in range(index):
+        mine = chosen_logprob(response, position)
+        theirs = recorded[position] if position < len(recorded) else None
+        deltas.append(None if mine is None or theirs is None else abs(mine - float(theirs)))
+    prefix = None if None in deltas else max(deltas, default=0.0)
+    shown = ", ".join(
+        f"{side} gap {'n/a' if g is None else f'{g:.3f}'}"
+        for side, g in zip(("expected", "received"), gaps)
+    )
+    shown += f", prefix log-prob delta {'n/a' if prefix is None else f'{prefix:.3f}'}"
+    where = f"the run's noise floor {floor:g} nats"
+    if floor <= 0:
+        return f"no ({shown}; {where}: no room for drift)"
+    near = all(g is not None and math.isfinite(g) and abs(g) <= floor for g in gaps)
+    if near and prefix is not None and prefix <= floor:
+        return f"yes, a near-tie within {where} after an agreeing prefix ({shown})"
+    return f"no ({shown}; {where})"
 
 
 def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
@@ -346,9 +409,15 @@ def judge(
             response = json.loads(answer.text)
         except ValueError:
             return "ERROR", EXIT_ERROR, f"the answer is not JSON: {answer.text[:300]}"
-    difference = compare_tokens(expected, response)
+    verdict, difference = compare_tokens(expected, response)
     if broken is not None:
         return "MISMATCH", EXIT_DIFFERENCE, "; ".join(filter(None, (broken, difference)))
+    if verdict == "DRIFT":
+        passes = bool(expected.get("drift_passes"))
+        policy = expected.get("policy") or "the run's"
+        said = "passes" if passes else "does not pass"
+        code = EXIT_MATCH if passes else EXIT_DIFFERENCE
+        return "DRIFT", code, f"{difference}\n  (numeric noise; {policy} policy {said} it here)"
     if difference is not None:
         return "MISMATCH", EXIT_DIFFERENCE, difference
     generated = len(expected["token_ids"])
@@ -399,6 +468,14 @@ def main(argv: list[str] | None = None) -> int:
         same = "reproduced" if recorded["verdict"] == verdict else "NOT reproduced"
         source = recorded.get("source", "the harness")
         print(f"check.py: {source} recorded {recorded['verdict']}: {same}")
+    if recorded.get("where") and verdict != "ERROR":
+        here = " (`bash run.sh baseline` checks them here)" if endpoints.mode == "case" else ""
+        if expected.get("reference") != "baseline":
+            here = ""
+        print(
+            f"check.py: the expected ids were recorded on {recorded['where']}; another GPU "
+            f"model, driver or CUDA can give other ids{here}"
+        )
     return code
 
 
