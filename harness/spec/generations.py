@@ -248,6 +248,19 @@ def parse_version(text: str) -> Version:
     return int(match[1]), int(match[2]), int(match[3] or 0)
 
 
+def is_dev_build(version: str) -> bool:
+    """A build of an unreleased commit: a PEP 440 dev release, or a `+g<sha>` local part."""
+    release, _, local = version.partition("+")
+    return ".dev" in release or build_commit(version) is not None
+
+
+def build_commit(version: str) -> str | None:
+    """The commit a build names in its local version part ("+gabc1234" or "+gabc1234.cu129")."""
+    _, _, local = version.partition("+")
+    match = re.search(r"(?:^|\.)g([0-9a-f]{7,40})(?:\.|$)", local)
+    return match[1] if match else None
+
+
 @dataclass(frozen=True)
 class GenerationChoice:
     generation: ProtocolGeneration
