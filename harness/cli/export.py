@@ -1,10 +1,13 @@
-"""`epd-harness export RUN_DIR [--case TOPOLOGY:PROMPT[@REFERENCE]] [--out DIR]`: one case of a run as a
-directory that reproduces it with vLLM alone (`harness.run.export`; docs/found-in-vllm.md).
+"""`epd-harness export RUN_DIR [--case TOPOLOGY:PROMPT[@REFERENCE]] [--out DIR]
+[--vllm-source DIR]`: one case of a run as a directory that reproduces it with vLLM alone
+(`harness.run.export`; docs/found-in-vllm.md).
 
 The command line resolves what the exporter is handed: vLLM's proxy files of the served
-release (the run's own when it ran `--proxy vllm`, else the release's sdist through the package
-index, cached, as `--proxy vllm` fetches them) and the CPU repairs the export carries
-(`harness.cli.cpu_env`, with the AMX start-up hook it installs, `harness.amx`, beside it).
+release (`--vllm-source`'s checkout, checked as `run` checks it; else the run's own when it ran
+`--proxy vllm`; else the release's sdist through the package index, cached, as `--proxy vllm`
+fetches them; a development build has no sdist, so it needs `--vllm-source`) and the CPU
+repairs the export carries (`harness.cli.cpu_env`, with the AMX start-up hook it installs,
+`harness.amx`, beside it).
 """
 
 from __future__ import annotations
@@ -16,13 +19,13 @@ from harness import amx
 from harness.cli import cpu_env
 from harness.environment import cache_dir
 from harness.errors import EXIT_OK, BadInput
-from harness.preflight.upstream_proxy import PROXY_FILES, cached_or_fetched
+from harness.preflight.upstream_proxy import PROXY_FILES, cached_or_fetched, from_checkout
 from harness.preflight.vllm import interpreter_of
 from harness.run.export import PROBES, UpstreamProxy, plan_export
 from harness.run.export_files import write_export
 from harness.run.export_issue import title
 from harness.run.repro import Bundle, BundleError
-from harness.spec.settings import VLLM_PROXY
+from harness.spec.settings import VLLM_PROXY, ServedVllm
 
 EXPORTS_DIR = "exports"
 AMX_IMPORT = "from harness import amx\n"
@@ -43,8 +46,16 @@ def cpu_repair_files() -> dict[str, str]:
     }
 
 
-def upstream_proxy(bundle: Bundle) -> UpstreamProxy:
-    """The files of the proxy the run used when it was vLLM's, else the served release's."""
+def upstream_proxy(bundle: Bundle, source: str | None = None) -> UpstreamProxy:
+    """The files of `source` (`--vllm-source`: a vLLM checkout, checked as `run` checks it:
+    it holds the proxy files, and its commit is the served build's), else of the proxy the run
+    used when it was vLLM's, else the served release's (a development build has none: its
+    source tree is needed)."""
+    served = bundle.run.get("served_vllm") or {}
+    if source:
+        version = str(served.get("version") or "unknown")
+        files = from_checkout(source, ServedVllm(str(served.get("executable", "")), version))
+        return UpstreamProxy(files.directory, files.origin)
     recorded = bundle.run.get("proxy") or {}
     files_dir = recorded.get("files_dir")
     if (
@@ -53,7 +64,6 @@ def upstream_proxy(bundle: Bundle) -> UpstreamProxy:
         and all((Path(files_dir) / name).is_file() for name in PROXY_FILES)
     ):
         return UpstreamProxy(Path(files_dir), recorded.get("origin") or files_dir)
-    served = bundle.run.get("served_vllm") or {}
     interpreter = interpreter_of(served.get("executable", "")) if served.get("executable") else None
     files = cached_or_fetched(served.get("version", "unknown"), cache_dir(), interpreter)
     return UpstreamProxy(files.directory, files.origin)
@@ -64,7 +74,9 @@ def command_export(args: argparse.Namespace) -> int:
         bundle = Bundle.load(Path(args.run_dir).resolve())
     except BundleError as exc:
         raise BadInput(str(exc)) from None
-    plan = plan_export(bundle, args.case, lambda: upstream_proxy(bundle), args.probe)
+    plan = plan_export(
+        bundle, args.case, lambda: upstream_proxy(bundle, args.vllm_source), args.probe
+    )
     out = Path(args.out) if args.out else bundle.path / EXPORTS_DIR / plan.name
     written = write_export(plan, out.resolve(), cpu_repair_files())
     size = sum(path.stat().st_size for path in written)
@@ -88,6 +100,13 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
         "references, e.g. @1P+1D, and is needed when more than one failed)",
     )
     export.add_argument("--out", help=f"export directory (default: RUN_DIR/{EXPORTS_DIR}/<name>)")
+    export.add_argument(
+        "--vllm-source",
+        metavar="DIR",
+        help="take vLLM's proxy files from this checkout instead of the run's or the "
+        "release's sdist on the package index (as run's --vllm-source: a development build's "
+        "only source, the tree it was built from, its commit checked against the build's)",
+    )
     export.add_argument(
         "--probe",
         choices=PROBES,
