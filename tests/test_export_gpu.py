@@ -464,3 +464,16 @@ def test_export_checks_its_vllm_source_as_run_does(
     code = main(["export", str(run), "--vllm-source", str(tmp_path / "hub")])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "is not a vLLM checkout" in err, err
+
+
+def test_a_server_never_ready_is_shown_with_its_log(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """A GPU instance stuck in start-up (NCCL/UCX/compile hang) until STARTUP_TIMEOUT: serve.sh
+    names it but shows none of its log (a death while starting shows 40 lines)."""
+    out = export_case(tmp_path, verdict="MATCH")
+    env = {**environment(leased_ports, tmp_path, "decode:slow-start=60"), "STARTUP_TIMEOUT": "3"}
+    done = run_sh(out, env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "not ready after 3s: decode0" in done.stdout + done.stderr
+    assert "fake vllm pid" in done.stdout + done.stderr, done.stdout + done.stderr

@@ -403,6 +403,10 @@ wait_ready() {{  # wait_ready NAME URL [NAME URL]...: until each answers; a deat
     pending=("${{left[@]}}")
     if ((${{#pending[@]}})) && ((SECONDS >= deadline)); then
       log "not ready after ${{STARTUP_TIMEOUT}}s: ${{pending[*]}}"
+      for ((i = 0; i < ${{#pending[@]}}; i += 2)); do  # stuck where? (NCCL, UCX, compiling)
+        log "last lines of $WORK/logs/${{pending[i]}}.log:"
+        tail -n 40 "$WORK/logs/${{pending[i]}}.log" >&2
+      done
       exit 1
     fi
     if ((${{#pending[@]}})); then sleep 1 & wait $!; fi
