@@ -12,6 +12,7 @@ import http.server
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -466,6 +467,14 @@ def test_export_checks_its_vllm_source_as_run_does(
     assert code == 2 and err.count("\n") == 1 and "is not a vLLM checkout" in err, err
 
 
+def test_run_sh_works_from_a_path_with_spaces(tmp_path: Path, leased_ports: TakePorts) -> None:
+    spaced = tmp_path / "my exports"
+    out = export_case(spaced, verdict="MATCH")
+    env = environment(leased_ports, spaced)
+    done = run_sh(out, env)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_a_server_never_ready_is_shown_with_its_log(
     tmp_path: Path, leased_ports: TakePorts
 ) -> None:
@@ -477,3 +486,26 @@ def test_a_server_never_ready_is_shown_with_its_log(
     assert done.returncode == 2, done.stdout + done.stderr
     assert "not ready after 3s: decode0" in done.stdout + done.stderr
     assert "fake vllm pid" in done.stdout + done.stderr, done.stdout + done.stderr
+
+
+def test_serve_sh_refuses_a_nixl_side_channel_port_in_use(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """Only the HTTP ports were checked: a NIXL side channel that something else holds made the
+    instance fail later, in vLLM's handshake, far from the cause."""
+    run = write_bundle(tmp_path / "run", topology="1P+1D", kv_connector="NixlConnector")
+    out = tmp_path / "export"
+    write_export(plan_for(run, f"1P+1D:{PROMPT}"), out, REPAIR)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = str(held.getsockname()[1])
+        env = {**environment(leased_ports, tmp_path), "DECODE0_NIXL_PORT": port}
+        done = subprocess.run(
+            ["bash", str(out / "serve.sh")], env=env, capture_output=True, text=True, timeout=60
+        )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"decode0: something already answers on 127.0.0.1:{port} (its NIXL side channel)" in (
+        done.stdout
+    )
+    assert "started" not in done.stdout

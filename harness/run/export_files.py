@@ -105,7 +105,12 @@ def render_serve_sh(plan: ExportPlan) -> str:
             "PY\n"
             "fi\n"
         )
-    case = [*use_devices(plan.devices), *(start_lines(s) for s in servers)]
+    side_channels = [
+        f"side_channel_free {s.name} {s.side_channel.name}"
+        for s in servers
+        if s.side_channel is not None
+    ]
+    case = [*use_devices(plan.devices), *side_channels, *(start_lines(s) for s in servers)]
     case.append("wait_ready " + " ".join(f"{s.name} {url_word(s, s.health_path)}" for s in servers))
     if plan.proxy is not None:
         case += [
@@ -345,6 +350,13 @@ start() {{  # start NAME ROLE URL COMMAND...: its own session and process group,
   ORDER+=("$name")
   echo "$!" >"$WORK/state/$name.pid"
   log "started $name (pid $!), log $WORK/logs/$name.log"
+}}
+
+side_channel_free() {{  # side_channel_free NAME VAR: refuse a NIXL side-channel port in use
+  if taken "http://$HOST:${{!2}}"; then
+    log "$1: something already answers on $HOST:${{!2}} (its NIXL side channel); set $2 to a free port"
+    exit 2
+  fi
 }}
 
 signal_server() {{  # signal_server SIGNAL PID: its process group, else the process; 0 if it got it
