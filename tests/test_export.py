@@ -413,7 +413,6 @@ def test_check_judges_match_mismatch_and_prompt_difference(tmp_path: Path, monke
     assert (verdict, code) == ("MISMATCH", 1) and "prompt token ids differ at position 2" in detail
 
 
-
 def test_check_judges_drift_as_the_harness_does(tmp_path: Path, monkeypatch) -> None:
     """A near tie at position 1 flipped within the run's 0.05-nat floor after an agreeing
     prefix is DRIFT (passing or not by the case's policy); without a floor, or after a prefix
@@ -452,6 +451,7 @@ def test_check_judges_drift_as_the_harness_does(tmp_path: Path, monkeypatch) -> 
     no_floor = {**expected, "noise_floor_nats": 0.0}
     assert check.judge(no_floor, flipped(), [], tmp_path)[:2] == ("MISMATCH", 1)
     assert check.judge(expected, flipped(-0.6), [], tmp_path)[:2] == ("MISMATCH", 1)
+
 
 def events(*chunks: object, done: bool = True) -> str:
     """A server-sent event stream of `chunks` (JSON objects, or raw strings as they are)."""
