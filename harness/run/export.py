@@ -6,8 +6,11 @@ So the export holds only what vLLM itself runs: every instance's recorded `vllm 
 and environment (ports, host, model and connector storage turned into shell variables), the
 served release's own proxy (`disagg_epd_proxy.py`, or for 1P+1D the toy proxy of vLLM's NIXL
 tests) pointed straight at the instances, the request body exactly as the harness sent it, the
-baseline's token ids to expect, a `check.py` on the standard library alone, the model (the
-tiny model's files, or a hub model's name and revision) and an `ISSUE.md` drafting the report.
+case's reference's token ids to expect (with the policy and noise floor it was judged by), a
+`check.py` on the standard library alone, the model (the tiny model's files, or a hub model's
+name and revision) and an `ISSUE.md` drafting the report. Devices become positions that
+serve.sh maps onto `DEVICES` (a Ray run's nodes onto this one host), never the recording
+host's indices.
 `harness.run.export_files` writes it; this module decides what goes in.
 
 Upstream's proxy is shipped beside the scripts (unmodified, its Apache-2.0 header intact, its
