@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from export_bundle import PROMPT, PROMPT_IDS, REPAIR, plan_for, write_bundle
-from test_export_process import environment, export_case, run_sh
+from test_export_process import environment, export_case, run_script, run_sh
 
 from harness.cli.main import main
 from harness.errors import BadInput
@@ -164,9 +164,7 @@ def test_serve_sh_refuses_fewer_devices_than_it_needs(
     out = tmp_path / "export"
     write_export(plan_for(gpu_bundle(tmp_path)), out, REPAIR)
     env = {**environment(leased_ports, tmp_path), "MODEL": str(tmp_path), "DEVICES": "4,5"}
-    done = subprocess.run(
-        ["bash", str(out / "serve.sh")], env=env, capture_output=True, text=True, timeout=60
-    )
+    done = run_script(out, ["serve.sh"], env, timeout=60)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "serve.sh: this needs 3 devices, DEVICES='4,5' names 2" in done.stderr
     assert "started" not in done.stdout

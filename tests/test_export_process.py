@@ -73,15 +73,41 @@ def environment(leased_ports: TakePorts, tmp_path: Path, modes: str = "") -> dic
     }
 
 
-def run_sh(out: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["bash", str(out / "run.sh")],
+def run_script(
+    out: Path, argv: list[str], env: dict[str, str], timeout: float = RUN_TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
+    """`bash <export>/<argv...>` to its end. On a timeout (a regression: serve.sh serving when
+    it should have refused) its own group and every server it recorded are killed, so a red
+    test leaves nothing running (found when a red run of the DEVICES test left four fake
+    servers behind: subprocess.run's timeout kills bash alone, each server has a group of its
+    own)."""
+    script = subprocess.Popen(
+        ["bash", str(out / argv[0]), *argv[1:]],
         cwd=out,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=RUN_TIMEOUT_S,
+        start_new_session=True,
     )
+    try:
+        stdout, stderr = script.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        groups = [script.pid] + [
+            int(pid.read_text()) for pid in (out / "work/state").glob("*.pid") if pid.read_text()
+        ]
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)
+        stdout, stderr = script.communicate()
+        raise AssertionError(
+            f"{argv[0]} still ran after {timeout} s:\n{stdout}\n{stderr}"
+        ) from None
+    return subprocess.CompletedProcess(script.args, script.returncode, stdout, stderr)
+
+
+def run_sh(out: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return run_script(out, ["run.sh"], env)
 
 
 def assert_nothing_left(out: Path, env: dict[str, str]) -> None:
@@ -183,14 +209,7 @@ def test_run_sh_baseline_checks_the_expected_ids_on_a_monolithic_server(
         **environment(leased_ports, tmp_path, "decode:die-request"),
         "BASELINE0_PORT": str(leased_ports(1)[0]),
     }
-    done = subprocess.run(
-        ["bash", str(out / "run.sh"), "baseline"],
-        cwd=out,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-    )
+    done = run_script(out, ["run.sh", "baseline"], env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "the expected ids hold on this machine's monolithic vLLM" in done.stdout
     assert [p.name for p in (out / "work/state").glob("*.pid")] == ["baseline0.pid"]
