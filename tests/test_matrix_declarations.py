@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from harness.judge.compare import Verdict
@@ -10,8 +12,8 @@ from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
 from harness.report.text import CaseRecord
 from harness.run.matrix import Scenario, ScenarioResult
-from harness.run.scenarios import MATRIX, get_scenario, matrix_prompts
-from harness.spec.prompts import PromptSpec, TextPart
+from harness.run.scenarios import MATRIX, SendMode, get_scenario, matrix_prompts
+from harness.spec.prompts import ImagePart, PromptSpec, TextPart
 from harness.spec.topology import TOPOLOGIES
 from harness.testing.builders import case_record
 from harness.testing.judging import judged
@@ -31,6 +33,21 @@ def test_every_scenario_names_a_known_topology_and_has_prompts() -> None:
         assert scenario.prompts, scenario.name
         if scenario.expect != (Verdict.MATCH,):
             assert scenario.reason and scenario.expect_evidence, f"{scenario.name}: say why"
+
+
+def test_a_scenario_sends_one_image_under_two_kwarg_sets() -> None:
+    """The one test of the engine's key derivation (vLLM #56786) that holds through either
+    proxy: the proxy keys an item by its URL as upstream's does, so only the engine keeps one
+    image's kwarg sets apart. The same image, under no kwargs and two max_pixels caps, one
+    request after another on one 1E+1PD session, each judged against the baseline."""
+    scenario = get_scenario("ec-same-image-across-kwargs")
+    assert scenario.topology == "1E+1PD" and scenario.mode is SendMode.SEQUENTIAL
+    assert scenario.expect == (Verdict.MATCH,)
+    seeds = {p.seed for spec in scenario.prompts for p in spec.parts if isinstance(p, ImagePart)}
+    assert len(seeds) == 1
+    kwarg_sets = [dict(spec.extra).get("mm_processor_kwargs") for spec in scenario.prompts]
+    assert None in kwarg_sets
+    assert len({json.dumps(k, sort_keys=True) for k in kwarg_sets if k}) >= 2
 
 
 def test_matrix_prompts_are_distinct_by_name() -> None:

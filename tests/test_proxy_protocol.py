@@ -100,7 +100,7 @@ def test_collect_media_order_across_parts_and_messages() -> None:
         (3, 3, 2, "input_audio"),
     ]
     assert [r.is_video for r in refs] == [False, True, False, False]
-    assert refs[0].uuid == media_uuid(image(CAT), request)
+    assert refs[0].uuid == media_uuid(image(CAT))
 
 
 def test_collect_media_without_media() -> None:
@@ -113,25 +113,42 @@ def test_collect_media_without_media() -> None:
 
 
 def test_media_uuid_is_stable_for_identical_parts() -> None:
-    a = media_uuid(image(CAT), chat([image(CAT)]))
-    b = media_uuid(copy.deepcopy(image(CAT)), chat([text("other"), image(CAT)]))
+    a = media_uuid(image(CAT))
+    b = media_uuid(copy.deepcopy(image(CAT)))
     assert a == b
     assert a.startswith("epd-") and len(a) == len("epd-") + 32
-    assert a != media_uuid(image(DOG), chat([image(DOG)]))
+    assert a != media_uuid(image(DOG))
 
 
-def test_media_uuid_depends_on_processor_kwargs() -> None:
-    plain = media_uuid(image(CAT), chat([image(CAT)]))
-    small = media_uuid(image(CAT), chat([image(CAT)], mm_processor_kwargs={"max_pixels": 3136}))
-    large = media_uuid(image(CAT), chat([image(CAT)], mm_processor_kwargs={"max_pixels": 12544}))
-    io = media_uuid(image(CAT), chat([image(CAT)], media_io_kwargs={"video": {"num_frames": 4}}))
-    assert len({plain, small, large, io}) == 4
+def test_the_cache_key_leaves_per_request_kwargs_to_the_engine_as_upstreams_does() -> None:
+    """vLLM 0.28-0.32's `content_uuid` (disagg_epd_proxy.py, 0.32: lines 455-468) keys an item
+    by its URL only; the engine folds mm_processor_kwargs / media_io_kwargs into the key itself
+    (`get_mm_hashes`, `has_hash_factors`), and vLLM's proxy users depend on that (#56786). A
+    proxy key that mixed the kwargs in would give two kwarg sets two keys whether or not the
+    engine does, and an engine that stopped folding one in would still MATCH through it."""
+    keys = {
+        collect_media(chat([image(CAT)], **kwargs))[0].uuid
+        for kwargs in (
+            {},
+            {"mm_processor_kwargs": {"max_pixels": 3136}},
+            {"mm_processor_kwargs": {"max_pixels": 12544}},
+            {"media_io_kwargs": {"video": {"num_frames": 4}}},
+        )
+    }
+    assert keys == {media_uuid(image(CAT))}
+
+
+def test_media_uuid_hashes_the_whole_part_when_it_has_no_url() -> None:
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    other = {"type": "input_audio", "input_audio": {"data": "BBBB", "format": "wav"}}
+    assert media_uuid(audio) != media_uuid(other)
+    assert media_uuid(audio) == media_uuid({**audio, "uuid": ""})
 
 
 def test_media_uuid_honours_client_uuid() -> None:
-    assert media_uuid(image(CAT, uuid="client-cat-1"), chat()) == "client-cat-1"
+    assert media_uuid(image(CAT, uuid="client-cat-1")) == "client-cat-1"
     # an empty uuid is no uuid
-    assert media_uuid(image(CAT, uuid=""), chat()) == media_uuid(image(CAT), chat())
+    assert media_uuid(image(CAT, uuid="")) == media_uuid(image(CAT))
 
 
 def test_collect_media_uses_client_uuid() -> None:

@@ -264,7 +264,7 @@ def test_full_epd_round_trip(h: Harness) -> None:
         client.close()
 
     # the encoder got the image alone, with the uuid the proxy chose
-    expected_uuid = media_uuid(request["messages"][0]["content"][1], request)
+    expected_uuid = media_uuid(request["messages"][0]["content"][1])
     assert len(encoder.bodies) == 1
     assert encoder.bodies[0]["messages"] == [
         {
@@ -540,7 +540,7 @@ def test_fault_hooks_see_encoder_params_and_prefill_response(h: Harness) -> None
     request = image_request()
     status, _ = raw_post(server.url, request, "req-hooks")
     assert status == 200
-    uuid = media_uuid(request["messages"][0]["content"][1], request)
+    uuid = media_uuid(request["messages"][0]["content"][1])
     assert seen == [
         (
             "encode",

@@ -200,6 +200,25 @@ MATRIX: tuple[Scenario, ...] = (
             ),
         ),
     ),
+    # One image under three kwarg sets, one request after another on one session: the proxy's
+    # key is the item's URL (as upstream's), so only the engine's own derivation (uuid hashed
+    # with the kwargs) keeps the sets apart. An engine that left a kwarg out of the key (#56786)
+    # would hand the later requests the first one's embeddings (the 224x224 image is 64 image
+    # tokens plain, 16 under a cap of 28*28*16 pixels, 36 under 28*28*36): ERROR or MISMATCH
+    # here, through the harness's proxy and vLLM's alike.
+    Scenario(
+        "ec-same-image-across-kwargs",
+        "1E+1PD",
+        (
+            image_prompt("m-kwargs-image-plain", 27),
+            image_prompt(
+                "m-kwargs-image-16-tokens", 27, mm_processor_kwargs={"max_pixels": 28 * 28 * 16}
+            ),
+            image_prompt(
+                "m-kwargs-image-36-tokens", 27, mm_processor_kwargs={"max_pixels": 28 * 28 * 36}
+            ),
+        ),
+    ),
     Scenario(
         "ec-concurrent-requests",
         "1E+1PD",

@@ -32,6 +32,7 @@ from typing import Any
 from harness.spec.generations import NEWEST, EncoderAnswer, ProtocolGeneration, ec_item_entry
 
 MEDIA_PART_TYPES = ("image_url", "video_url", "audio_url", "input_audio")
+MEDIA_URL_PART_TYPES = ("image_url", "video_url", "audio_url")
 EMBEDS_PART_TYPE = {"image_url": "image_embeds", "video_url": "video_embeds"}
 # Request fields the encoder must see too: they change what the media turn into (#56786).
 ENCODER_PASSTHROUGH_FIELDS = ("mm_processor_kwargs", "media_io_kwargs")
@@ -85,21 +86,25 @@ class RewriteResult:
     metadata_only: list[bool] = field(default_factory=list)  # per media position
 
 
-def media_uuid(part: dict[str, Any], request: dict[str, Any]) -> str:
-    """A stable cache key for a media part: its own `uuid` if the client gave one, else a hash.
+def media_uuid(part: dict[str, Any]) -> str:
+    """A stable cache key for a media part: its own `uuid` if the client gave one, else a hash
+    of its URL (of the whole part when it has none, e.g. `input_audio`), as vLLM 0.28-0.32's
+    proxy keys an item (`content_uuid` in `disagg_epd_proxy.py`).
 
-    The hash covers the part and the request's processor / media-io kwargs, because the same
-    image processed with another `max_pixels` yields other embeddings. Like upstream's proxy it
-    hashes the URL, not the bytes behind a `file://` URL: a file changed in place keeps its key
-    (failure mode: stale embeddings), which is a thing the scenarios probe on purpose.
+    The request's mm_processor_kwargs / media_io_kwargs are left out on purpose, as upstream
+    leaves them: the engine folds them into the key itself (`get_mm_hashes`, from 0.30), and
+    that derivation is under test (vLLM #56786: a kwarg left out of the engine's key feeds one
+    kwarg set's embeddings to another). A key that mixed them in would hide such an engine
+    behind the proxy (scenario ec-same-image-across-kwargs sends one image under two sets).
+    Like upstream it hashes the URL, not the bytes behind a `file://` URL: a file changed in
+    place keeps its key (failure mode: stale embeddings), which the scenarios probe on purpose.
     """
     if part.get("uuid"):
         return str(part["uuid"])
-    keyed = {
-        "part": {k: v for k, v in part.items() if k != "uuid"},
-        **{name: request.get(name) for name in ENCODER_PASSTHROUGH_FIELDS},
-    }
-    digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()
+    source = part.get(part.get("type", "")) if part.get("type") in MEDIA_URL_PART_TYPES else None
+    url = source.get("url") if isinstance(source, dict) else None
+    keyed = url or json.dumps({k: v for k, v in part.items() if k != "uuid"}, sort_keys=True)
+    digest = hashlib.sha256(str(keyed).encode()).hexdigest()
     return f"epd-{digest[:32]}"
 
 
@@ -118,7 +123,7 @@ def collect_media(request: dict[str, Any]) -> list[MediaRef]:
                         message_index=message_index,
                         part_index=part_index,
                         part_type=part["type"],
-                        uuid=media_uuid(part, request),
+                        uuid=media_uuid(part),
                     )
                 )
     return refs
