@@ -32,7 +32,7 @@ from harness.spec.generations import (
 )
 from harness.spec.instances import InstanceSpec
 from harness.spec.platforms import CPU
-from harness.spec.prompts import SKELETON_PROMPTS
+from harness.spec.prompts import SKELETON_PROMPTS, ImagePart, PromptSpec, TextPart
 from harness.spec.topology import TOPOLOGIES, Role, serving_for
 from harness.testing.builders import outcome
 from harness.testing.judging import judged
@@ -144,6 +144,22 @@ def test_not_applicable_cases_per_generation() -> None:
     # ec-items (0.29) and newer: everything the sweep sends.
     for name in ("ec-items", "by-hash", "by-hash-indexed"):
         assert all(applies(name, t, p) for t in ("1E+1PD", "2E+1PD") for p in PROMPTS)
+
+
+def test_0_30_per_request_kwargs_reach_the_encoders_cache_key() -> None:
+    """Read in 0.30.0: `ProcessorInputs.get_mm_hashes` hashes the uuid with media_io_kwargs and
+    mm_processor_kwargs (`has_hash_factors`), the chat request accepts both with no trust flag
+    (that flag arrives in 0.31), and 0.30's own proxy forwards both to the encoder. So a
+    prompt with kwargs applies on 0.30 (scenarios ec-per-request-media-kwargs,
+    ec-video-jpeg-frames-at-2-fps, ec-same-image-across-kwargs), as on 0.31+."""
+    prompt = PromptSpec(
+        "kw",
+        (ImagePart(seed=24), TextPart("x")),
+        extra=(("mm_processor_kwargs", {"max_pixels": 12544}),),
+    )
+    for name in ("by-hash", "by-hash-indexed"):
+        assert not_applicable(GENERATIONS_BY_NAME[name], TOPOLOGIES["1E+1PD"], prompt) is None
+    assert not GENERATIONS_BY_NAME["by-hash"].has_trust_request_mm_kwargs_flag
 
 
 def test_not_applicable_never_passes_any_policy() -> None:

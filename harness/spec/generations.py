@@ -192,7 +192,10 @@ GENERATIONS: tuple[ProtocolGeneration, ...] = (
         first=(0, 30, 0),
         until=(0, 31, 0),
         why="ec_transfer_params = {mm_hash: {'metadata': {...}}} without item_indices (read in "
-        "0.30.0's collect_ec_item_metadata): one media item per encoder sub-request",
+        "0.30.0's collect_ec_item_metadata): one media item per encoder sub-request; "
+        "per-request media kwargs reach the key (read in 0.30.0: get_mm_hashes hashes the "
+        "uuid with media_io_kwargs and mm_processor_kwargs, the chat request accepts both "
+        "with no trust flag, and its own proxy forwards both to the encoder)",
         encoder_answer=EncoderAnswer.BY_HASH,
         encoder_publishes_metadata=True,
         consumer_takes_metadata_only=True,
@@ -200,7 +203,7 @@ GENERATIONS: tuple[ProtocolGeneration, ...] = (
         has_trust_request_mm_kwargs_flag=False,
         consumers_need_enable_mm_embeds=False,
         metadata_as_tensors=False,
-        per_request_media_kwargs=False,
+        per_request_media_kwargs=True,
         known_failures=(VIDEO_TIMING_BEFORE_0_31,),
     ),
     ProtocolGeneration(
