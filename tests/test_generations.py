@@ -275,6 +275,16 @@ def test_video_skips_the_encoder_where_the_generation_does_not_encode_it() -> No
     assert sorted(b.positions for b in batches) == [(0,), (1,)]
 
 
+def test_audio_gets_a_sub_request_of_its_own_as_upstreams() -> None:
+    """0.31 / 0.32's proxy groups only `image_url` items per encoder (`image_groups` in
+    disagg_epd_proxy.py); an audio item, like a video, gets a sub-request of its own."""
+    for kinds in (("image_url", "input_audio"), ("image_url", "audio_url", "image_url")):
+        batches, _ = plan_encoder_batches(refs(*kinds), 1, 0, NEWEST)
+        audio = [i for i, kind in enumerate(kinds) if kind != "image_url"]
+        images = tuple(i for i, kind in enumerate(kinds) if kind == "image_url")
+        assert sorted(b.positions for b in batches) == sorted([images, *((i,) for i in audio)])
+
+
 def test_index_ec_items_answer() -> None:
     params = {"ec_items": [{"mm_hash": "h1", "image_grid_thw": [1, 4, 4]}]}  # as 0.28 answers
     found = index_encoder_response(EncoderBatch(0, (3,)), params, GENERATIONS_BY_NAME["ec-items"])

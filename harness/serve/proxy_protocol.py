@@ -9,8 +9,8 @@ recorded encoder / prefill responses without a server. Per chat request the prox
 
 1. collects the media parts in order (`image_url`, `video_url`, `audio_url`, `input_audio`);
 2. fans them out to the encoders round-robin (cursor kept across requests); images that land
-   on the same encoder share one sub-request, each video gets its own; every item carries a
-   `uuid` so the encoder's cache key is stable and known;
+   on the same encoder share one sub-request, each video or audio item gets its own; every
+   item carries a `uuid` so the encoder's cache key is stable and known;
 3. reads each encoder's `ec_transfer_params = {mm_hash: {"item_indices": [...],
    "metadata": {...}}}`;
 4. rewrites every media part that has metadata into a metadata-only `image_embeds` /
@@ -138,9 +138,10 @@ def plan_encoder_batches(
     """Assign media to encoders round-robin from `cursor`; return batches and the next cursor.
 
     The cursor persists across requests: restarting it at encoder 0 for every request sent all
-    single-image traffic to one encoder (vLLM #52484). A generation whose answer does not say
-    which item of a sub-request an entry belongs to gets one item per sub-request; videos skip
-    the encoder where the generation does not encode them.
+    single-image traffic to one encoder (vLLM #52484). Only images share a sub-request, as in
+    vLLM 0.31 / 0.32's proxy (`image_groups`): a video or audio item gets one of its own. A
+    generation whose answer does not say which item of a sub-request an entry belongs to gets
+    one item per sub-request; videos skip the encoder where the generation does not encode them.
     """
     if encoder_count <= 0:
         raise ValueError("media need at least one encoder")
@@ -152,7 +153,7 @@ def plan_encoder_batches(
             continue
         encoder_index = cursor % encoder_count
         cursor += 1
-        if ref.is_video or one_per_batch:
+        if ref.part_type != "image_url" or one_per_batch:
             batches.append(EncoderBatch(encoder_index, (ref.position,)))
         else:
             images_by_encoder.setdefault(encoder_index, []).append(ref.position)
