@@ -14,6 +14,8 @@ from harness.serve.proxy_protocol import (
     EncoderAnswerError,
     EncoderBatch,
     MediaRef,
+    build_encoder_request,
+    collect_media,
     index_encoder_response,
     merge_encoder_params,
     plan_encoder_batches,
@@ -283,6 +285,27 @@ def test_audio_gets_a_sub_request_of_its_own_as_upstreams() -> None:
         audio = [i for i, kind in enumerate(kinds) if kind != "image_url"]
         images = tuple(i for i, kind in enumerate(kinds) if kind == "image_url")
         assert sorted(b.positions for b in batches) == sorted([images, *((i,) for i in audio)])
+
+
+def test_the_encoder_gets_max_tokens_only_where_the_releases_proxy_sends_it() -> None:
+    """0.27.1's proxy primes the encoder with max_tokens 1; from 0.28 vLLM's proxy sends none
+    (an encoder-only instance stops once the prompt is consumed: the scheduler's
+    is_encoder_only / is_mm_encoder_only branch, read in 0.28.0-0.32.0)."""
+    request = {
+        "model": "m",
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": "file:///media/cat.png"}}],
+            }
+        ],
+    }
+    media = collect_media(request)
+    for generation in GENERATIONS:
+        (batch,) = plan_encoder_batches(media, 1, 0, generation)[0]
+        body = build_encoder_request(request, media, batch, generation)
+        expected = 1 if generation.name == "raw-media" else None
+        assert body.get("max_tokens") == expected, generation.name
 
 
 def test_index_ec_items_answer() -> None:

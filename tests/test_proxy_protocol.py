@@ -232,7 +232,6 @@ def test_encoder_request_carries_only_the_batch_media_with_uuids() -> None:
                 ],
             }
         ],
-        "max_tokens": 1,
         "stream": False,
         "mm_processor_kwargs": {"max_pixels": 3136},
         "media_io_kwargs": {"video": {"num_frames": 4}},

@@ -182,7 +182,7 @@ class EPDProxy:
             call = EncoderCall(url=url, positions=batch.positions)
             trace.encoder_calls.append(call)
             started = time.monotonic()
-            body = protocol.build_encoder_request(request, media, batch)
+            body = protocol.build_encoder_request(request, media, batch, self.generation)
             response = await self._post("encoder", url, body, f"{request_id}:{n}:encode")
             call.seconds = time.monotonic() - started
             call.status = 200

@@ -168,9 +168,15 @@ def _part_at(request: dict[str, Any], ref: MediaRef) -> dict[str, Any]:
 
 
 def build_encoder_request(
-    request: dict[str, Any], media: list[MediaRef], batch: EncoderBatch
+    request: dict[str, Any],
+    media: list[MediaRef],
+    batch: EncoderBatch,
+    generation: ProtocolGeneration = NEWEST,
 ) -> dict[str, Any]:
-    """The encoder sub-request: only the batch's media parts, each with its `uuid`."""
+    """The encoder sub-request: only the batch's media parts, each with its `uuid`, and the
+    request's media kwargs; no `max_tokens`, as vLLM 0.28+'s proxy sends none (the encoder
+    finishes once the media are encoded), except where the release's proxy primes the
+    encoder with some (`generation.encoder_max_tokens`: 0.27.1's sends 1)."""
     parts = []
     for position in batch.positions:
         ref = media[position]
@@ -180,9 +186,10 @@ def build_encoder_request(
     body: dict[str, Any] = {
         "model": request.get("model"),
         "messages": [{"role": "user", "content": parts}],
-        "max_tokens": 1,
         "stream": False,
     }
+    if generation.encoder_max_tokens is not None:
+        body["max_tokens"] = generation.encoder_max_tokens
     for name in ENCODER_PASSTHROUGH_FIELDS:
         if name in request:
             body[name] = copy.deepcopy(request[name])

@@ -86,6 +86,10 @@ class ProtocolGeneration:
     per_request_media_kwargs: bool
     # Cases these releases fail by themselves (measured, with the cause read in their code).
     known_failures: tuple[KnownFailure, ...] = ()
+    # The encoder sub-request's max_tokens, as the release's own proxy sends it: 0.27.1's
+    # primes the encoder with 1 token; from 0.28 none is sent (the encoder finishes once the
+    # media are encoded).
+    encoder_max_tokens: int | None = None
 
     def covers(self, version: Version) -> bool:
         return self.first <= version and (self.until is None or version < self.until)
@@ -109,6 +113,7 @@ class ProtocolGeneration:
             "metadata_as_tensors": self.metadata_as_tensors,
             "per_request_media_kwargs": self.per_request_media_kwargs,
             "known_failures": [dict(f.__dict__) for f in self.known_failures],
+            "encoder_max_tokens": self.encoder_max_tokens,
         }
 
 
@@ -149,6 +154,7 @@ GENERATIONS: tuple[ProtocolGeneration, ...] = (
         consumers_need_enable_mm_embeds=False,
         metadata_as_tensors=False,
         per_request_media_kwargs=False,
+        encoder_max_tokens=1,
     ),
     ProtocolGeneration(
         name="ec-items-report-only",
