@@ -19,6 +19,7 @@ from harness.serve.proxy_protocol import (
     index_encoder_response,
     merge_encoder_params,
     plan_encoder_batches,
+    rewrite_for_consumer,
 )
 from harness.spec.generations import (
     FLOOR,
@@ -287,6 +288,37 @@ def test_audio_gets_a_sub_request_of_its_own_as_upstreams() -> None:
         assert sorted(b.positions for b in batches) == sorted([images, *((i,) for i in audio)])
 
 
+def test_raw_media_reads_the_answer_a_0_27_encoder_gives() -> None:
+    """0.27.1's ECExampleConnector has no request_finished: its encoder answers no
+    ec_transfer_params at all (None, or nothing). Nothing to index, and no error."""
+    raw = GENERATIONS_BY_NAME["raw-media"]
+    assert index_encoder_response(EncoderBatch(0, (0,)), None, raw) == {}
+    assert index_encoder_response(EncoderBatch(0, (2,)), {}, raw) == {}
+    assert merge_encoder_params([None, None], raw) == {}
+
+
+def test_raw_media_consumer_gets_the_key_the_encoder_used() -> None:
+    """0.27.1's flow (its proxy): the encoder is sent each item as the client sent it, with NO
+    uuid and max_tokens 1, the consumer the untouched request; the consumer's
+    ECExampleConnector finds the encoder's file under the key both derive from the same part
+    (`update_state_after_alloc` -> `has_cache_item(identifier)`). A uuid only the encoder got
+    would make the keys differ, and the consumer would encode the image itself."""
+    raw = GENERATIONS_BY_NAME["raw-media"]
+    cat = {"type": "image_url", "image_url": {"url": "file:///media/cat.png"}}
+    request = {"model": "m", "messages": [{"role": "user", "content": [cat, {"type": "text"}]}]}
+    media = collect_media(request)
+    (batch,) = plan_encoder_batches(media, 1, 0, raw)[0]
+    body = build_encoder_request(request, media, batch, raw)
+    consumer = rewrite_for_consumer(request, media, {}, {}, raw).body
+    assert body["messages"][0]["content"] == [cat]
+    assert consumer["messages"][0]["content"][0] == cat
+    # from 0.28 on the encoder gets the item's uuid (the consumer gets it too, in the
+    # metadata-only part), as those releases' proxies send it
+    for generation in GENERATIONS[1:]:
+        newer = build_encoder_request(request, media, batch, generation)
+        assert newer["messages"][0]["content"] == [{**cat, "uuid": media[0].uuid}]
+
+
 def test_the_encoder_gets_max_tokens_only_where_the_releases_proxy_sends_it() -> None:
     """0.27.1's proxy primes the encoder with max_tokens 1; from 0.28 vLLM's proxy sends none
     (an encoder-only instance stops once the prompt is consumed: the scheduler's
@@ -326,7 +358,10 @@ def test_an_answer_of_another_generation_is_an_error_with_the_answer() -> None:
     with pytest.raises(EncoderAnswerError, match="ec_items.*h1"):
         index_encoder_response(EncoderBatch(0, (0,)), params, NEWEST)
     video = not_applicable(GENERATIONS_BY_NAME["raw-media"], TOPOLOGIES["1E+1PD"], PROMPTS["video"])
-    assert video and "no metadata" in video
+    assert video and "video does not go through the encoder" in video
+    image = not_applicable(GENERATIONS_BY_NAME["raw-media"], TOPOLOGIES["1E+1PD"], PROMPTS["image"])
+    assert image and "no guard can tell the load from the consumer encoding" in image
+    assert "encodes it again" not in image  # the old, wrong reason: 0.27.1 loads the file
     with pytest.raises(EncoderAnswerError, match="expected"):
         index_encoder_response(EncoderBatch(0, (0,)), {"h": {}}, GENERATIONS_BY_NAME["ec-items"])
 

@@ -10,7 +10,9 @@ recorded encoder / prefill responses without a server. Per chat request the prox
 1. collects the media parts in order (`image_url`, `video_url`, `audio_url`, `input_audio`);
 2. fans them out to the encoders round-robin (cursor kept across requests); images that land
    on the same encoder share one sub-request, each video or audio item gets its own; every
-   item carries a `uuid` so the encoder's cache key is stable and known;
+   item carries a `uuid` so the encoder's cache key is stable and known (not in the
+   `raw-media` flow of 0.27, where the consumer gets the media untouched and both sides key
+   them by content);
 3. reads each encoder's `ec_transfer_params = {mm_hash: {"item_indices": [...],
    "metadata": {...}}}`;
 4. rewrites every media part that has metadata into a metadata-only `image_embeds` /
@@ -175,13 +177,19 @@ def build_encoder_request(
 ) -> dict[str, Any]:
     """The encoder sub-request: only the batch's media parts, each with its `uuid`, and the
     request's media kwargs; no `max_tokens`, as vLLM 0.28+'s proxy sends none (the encoder
-    finishes once the media are encoded), except where the release's proxy primes the
-    encoder with some (`generation.encoder_max_tokens`: 0.27.1's sends 1)."""
+    finishes once the media are encoded).
+
+    `raw-media` (0.27) as 0.27.1's proxy: the parts as the client sent them, no uuid added,
+    and `max_tokens: 1` (`generation.encoder_max_tokens`). Its consumer gets the untouched
+    request and finds the encoder's EC file under the key it derives from the same part; a
+    uuid only the encoder got would make the two keys differ."""
+    keyed = generation.encoder_answer is not EncoderAnswer.NONE
     parts = []
     for position in batch.positions:
         ref = media[position]
         part = copy.deepcopy(_part_at(request, ref))
-        part["uuid"] = ref.uuid
+        if keyed:
+            part["uuid"] = ref.uuid
         parts.append(part)
     body: dict[str, Any] = {
         "model": request.get("model"),
@@ -207,13 +215,17 @@ def index_encoder_response(
 ) -> dict[int, EncodedItem]:
     """Map the encoder's entries back to request media positions.
 
+    `raw-media` (0.27): the encoder answers no ec_transfer_params (its ECExampleConnector has
+    no request_finished), so nothing is indexed and the consumer gets the media raw.
     `by-hash-indexed`: each entry's `item_indices` (sub-request order) say where it belongs.
     Older answers carry no position; their sub-requests hold one item (`plan_encoder_batches`),
     so every entry belongs to it. An entry without metadata is left out: such media stay raw
     downstream. A shape other than the generation's raises EncoderAnswerError with the answer.
     """
-    params = ec_transfer_params or {}
     answer = generation.encoder_answer
+    if answer is EncoderAnswer.NONE:
+        return {}  # 0.27: nothing to read; the consumer finds the file by its own key
+    params = ec_transfer_params or {}
     if not isinstance(params, dict):
         raise EncoderAnswerError(
             f"encoder answered ec_transfer_params of type "
@@ -284,7 +296,7 @@ def merge_encoder_params(
     must reach the consumer and the trace alike."""
     merged: dict[str, Any] = {}
     for params in answers:
-        if not params:
+        if not params or generation.encoder_answer is EncoderAnswer.NONE:
             continue
         if generation.encoder_answer is EncoderAnswer.ITEM_LIST:
             merged.setdefault("ec_items", []).extend(params.get("ec_items") or [])

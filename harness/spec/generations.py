@@ -27,6 +27,8 @@ Version = tuple[int, int, int]
 class EncoderAnswer(str, enum.Enum):
     """The shape of `ec_transfer_params` in an encoder's chat answer."""
 
+    # no ec_transfer_params at all (0.27: ECExampleConnector has no request_finished)
+    NONE = "none"
     # {"ec_items": [{"mm_hash": ..., ...}, ...]}: one entry per item, no metadata for a consumer
     ITEM_LIST = "ec_items"
     # {mm_hash: {"metadata": {...}}}: metadata, but no position within the sub-request
@@ -144,9 +146,11 @@ GENERATIONS: tuple[ProtocolGeneration, ...] = (
         name="raw-media",
         first=(0, 27, 0),
         until=(0, 28, 0),
-        why="the oldest EC flow: the encoder is primed with max_tokens 1 and reports no "
-        "metadata; P and D get the raw media and look the embeddings up by hash",
-        encoder_answer=EncoderAnswer.ITEM_LIST,
+        why="the oldest EC flow (0.27.1's proxy): each image or audio item is sent to an "
+        "encoder as the client sent it (no uuid), primed with max_tokens 1; the encoder "
+        "reports nothing (its ECExampleConnector has no request_finished); P and D get the "
+        "untouched request and load the encoder's EC file by the content hash both derive",
+        encoder_answer=EncoderAnswer.NONE,
         encoder_publishes_metadata=False,
         consumer_takes_metadata_only=False,
         video_through_encoder=False,
@@ -320,10 +324,21 @@ def not_applicable(
     if topology.encoders == 0 or topology.is_baseline:
         return None
     has_media = any(isinstance(p, (ImagePart, VideoPart, VideoFramesPart)) for p in prompt.parts)
+    has_video = any(isinstance(p, (VideoPart, VideoFramesPart)) for p in prompt.parts)
     if has_media and not generation.encoder_publishes_metadata:
+        if has_video and not generation.video_through_encoder:
+            return _video_not_encoded(generation)
+        # Seen on 0.27.1 with the proxy speaking its flow (no uuid to the encoder, the request
+        # untouched): the consumer's ECExampleConnector finds and loads each of the encoder's
+        # files (its DEBUG log: "Success load encoder cache for hash h" for every hash the
+        # encoder saved) and the tokens equal the baseline's; but the guards' evidence is the
+        # encoder's answer and the consumer's metadata-only parts, and here there are neither.
         return (
             f"{generation.name} ({generation.version_range}): the encoder publishes no "
-            "metadata, so the consumer gets raw media and encodes it again"
+            "metadata, so the consumer gets the raw media and looks the encoder's EC file up "
+            "by the content hash both derive (0.27.1 loads it); nothing the encoder answers or "
+            "the consumer is sent names that hash, so no guard can tell the load from the "
+            "consumer encoding the media itself"
         )
     if has_media and not generation.consumer_takes_metadata_only:
         return (
@@ -331,18 +346,22 @@ def not_applicable(
             "metadata-only *_embeds part (measured on 0.28.0: images fail in its HF processor "
             "call on placeholder text, video has no video_embeds chat part)"
         )
-    has_video = any(isinstance(p, (VideoPart, VideoFramesPart)) for p in prompt.parts)
     if has_video and not generation.video_through_encoder:
-        return (
-            f"{generation.name} ({generation.version_range}): video does not go through "
-            "the encoder (it is sent raw to the consumer)"
-        )
+        return _video_not_encoded(generation)
     if prompt.extra and not generation.per_request_media_kwargs:
         return (
             f"{generation.name} ({generation.version_range}): per-request media kwargs "
             "do not reach the encoder's cache key"
         )
     return None
+
+
+def _video_not_encoded(generation: ProtocolGeneration) -> str:
+    return (
+        f"{generation.name} ({generation.version_range}): video does not go through the "
+        "encoder (the release's proxy sends encoders only image and audio items; the consumer "
+        "gets the video raw and encodes it itself)"
+    )
 
 
 def known_failure(
