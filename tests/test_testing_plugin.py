@@ -180,16 +180,7 @@ def test_the_end_of_the_baseline_group_stops_it_where_workers_share_devices(
         release=stopped.append,
         running=list,  # nothing else running: only the ending group's topology is stopped
     )
-    options = {"--epd-platform": platform}
-    config = SimpleNamespace(
-        stash={plugin.POOL_KEY: pool}, getoption=lambda name, default=None: options.get(name)
-    )
-    e2e = pytest.mark.e2e.mark
-
-    def item(topology: str) -> SimpleNamespace:
-        marks = {"e2e": e2e, "epd_topology": pytest.mark.epd_topology(topology).mark}
-        return SimpleNamespace(config=config, get_closest_marker=marks.get)
-
+    item = teardown_items(pool, platform)
     plugin.pytest_runtest_teardown(item("baseline"), item("1E+1PD"))
     assert stopped == released
     plugin.pytest_runtest_teardown(item("1E+1PD"), item("1P+1D"))
@@ -212,16 +203,7 @@ def test_a_worker_without_the_baseline_group_stops_the_baseline_it_started() -> 
         release=stopped.append,
         running=lambda: [SimpleNamespace(topology="baseline"), SimpleNamespace(topology="1E+1PD")],
     )
-    options = {"--epd-platform": "cuda"}
-    config = SimpleNamespace(
-        stash={plugin.POOL_KEY: pool}, getoption=lambda name, default=None: options.get(name)
-    )
-    e2e = pytest.mark.e2e.mark
-
-    def item(topology: str) -> SimpleNamespace:
-        marks = {"e2e": e2e, "epd_topology": pytest.mark.epd_topology(topology).mark}
-        return SimpleNamespace(config=config, get_closest_marker=marks.get)
-
+    item = teardown_items(pool, "cuda")
     # This worker's items: 1E+1PD's group, then 2E+1PD's; the baseline was started by the
     # first 1E+1PD item's judging and nothing here needs it again.
     plugin.pytest_runtest_teardown(item("1E+1PD"), item("2E+1PD"))
@@ -275,3 +257,23 @@ def test_epd_on_three_nodes():
     assert plugin.epd_group(on_ray).instances == plugin.epd_group(default).instances, [
         item.name for item in finished.session.items
     ]
+
+
+def teardown_items(pool: object, platform: str):
+    """item(topology) -> a stand-in e2e item of that topology's group, in a session on
+    `platform` whose pool is `pool`: what `pytest_runtest_teardown` reads of an item."""
+    from types import SimpleNamespace
+
+    from harness.testing import plugin
+
+    options = {"--epd-platform": platform}
+    config = SimpleNamespace(
+        stash={plugin.POOL_KEY: pool}, getoption=lambda name, default=None: options.get(name)
+    )
+    e2e = pytest.mark.e2e.mark
+
+    def item(topology: str) -> SimpleNamespace:
+        marks = {"e2e": e2e, "epd_topology": pytest.mark.epd_topology(topology).mark}
+        return SimpleNamespace(config=config, get_closest_marker=marks.get)
+
+    return item
