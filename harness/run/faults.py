@@ -42,6 +42,7 @@ explicit `--plant-fault` use them; a normal run never does.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -280,7 +281,10 @@ def duplicate_stream_chunk() -> PlantedFault:
 def ec_noise(ec_storage: Path, fraction: float, seed: int = 0) -> PlantedFault:
     """After the encoders answered, add Gaussian noise of `fraction` x each EC tensor's std.
 
-    Seeded per file (`seed` and the mm_hash), so a rerun plants the very same noise. Noise much
+    Seeded per tensor (`seed` and the embeddings' own bytes), so a rerun plants the very same
+    noise, and the same image gets the same noise whatever key the EPD protocol gives its file:
+    seeded by the mm_hash, the proxy's upstream cache key (the URL, not the URL and kwargs)
+    re-rolled every rung, and 1E+1PD's 5% rung then first differed at token 3. Noise much
     below the dtype's resolution (bf16: ~0.4% of a value) is partly rounded away: `effects`
     records the relative std really added, file by file.
     """
@@ -291,9 +295,7 @@ def ec_noise(ec_storage: Path, fraction: float, seed: int = 0) -> PlantedFault:
             fault.problems.append(f"{request_id}: the encoders reported no mm_hash")
         for mm_hash in ec_transfer_params:
             path = ec_storage / mm_hash / EC_CACHE_FILE
-            fault.rewrite(
-                request_id, path, noise_transform(fraction, file_seed(seed, mm_hash), fault)
-            )
+            fault.rewrite(request_id, path, content_seeded_noise(fraction, seed, fault))
 
     fault.after_encode = after_encode
     return fault
@@ -666,6 +668,19 @@ def noise_transform(
             f"{relative_change(tensor, noisy):.3g} planted ({tensor.dtype})"
         )
         return noisy
+
+    return transform
+
+
+def content_seeded_noise(
+    fraction: float, seed: int, fault: PlantedFault
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`noise_transform` seeded by (`seed`, a digest of the tensor's values): the same tensor
+    gets the same noise on every run, machine and protocol (`ec_noise`)."""
+
+    def transform(tensor: torch.Tensor) -> torch.Tensor:
+        digest = hashlib.sha256(tensor.detach().float().cpu().numpy().tobytes()).hexdigest()
+        return noise_transform(fraction, file_seed(seed, digest[:32]), fault)(tensor)
 
     return transform
 
