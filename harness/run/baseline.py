@@ -172,8 +172,9 @@ class BaselineAnswers:
         if self.cache is None:
             return
         hits, unbatched, oldest = 0, 0, None
+        launch = BaselineLaunch.of(self.settings)
         for name in self.missing():
-            key = self.cache_key(self.bodies[name])
+            key = self.cache_key(self.bodies[name], launch)
             cached = self.cache.load(key, name)
             if cached is None:
                 continue
@@ -250,6 +251,7 @@ class BaselineAnswers:
         again = {name: session.send(name, self.bodies[name]) for name in names}
         probes = [n for n in names if self.wants_batched(n)]
         batched = self._batched_pass(session, probes)
+        launch = BaselineLaunch.of(self.settings) if self.cache is not None else None
         for name in names:
             control = baseline_stability(self.outcomes[name], again[name])
             if name in batched:
@@ -269,7 +271,7 @@ class BaselineAnswers:
                 log.warning("[baseline] UNSTABLE on %s: %s", name, control.detail)
                 continue
             if self.cache is not None:
-                key = self.cache_key(self.bodies[name])
+                key = self.cache_key(self.bodies[name], launch)
                 self.cache.store(
                     key,
                     self.outcomes[name],
@@ -341,15 +343,16 @@ class BaselineAnswers:
             self._digest = model_digest(model) if model.is_dir() else str(model)
         return self._digest
 
-    def cache_key(self, body: dict[str, Any]) -> str:
-        """Rendered at each use from the environment as it is then: the baseline is launched
-        with the harness's environment (harness.run.baseline_launch)."""
+    def cache_key(self, body: dict[str, Any], launch: BaselineLaunch | None = None) -> str:
+        """`launch` is rendered, when not given, from the environment as it is then: the
+        baseline is launched with the harness's environment (harness.run.baseline_launch). A
+        loop over prompts renders it once and passes it."""
         return baseline_key(
             self.settings.vllm,
             self.settings.serving,
             self.digest(),
             body,
-            launch=BaselineLaunch.of(self.settings),
+            launch=launch or BaselineLaunch.of(self.settings),
         )
 
     def _store_golden(self, name: str, outcome: Outcome) -> None:

@@ -339,7 +339,7 @@ def instance_servers(
     model = bundle.serving().model
     cluster = cluster_env_keys(bundle)
     for _, command in commands:
-        command["env"] = {k: v for k, v in command["env"].items() if not is_cluster_env(k, cluster)}
+        command["env"] = without_cluster_env(command["env"], cluster)
     positions, devices = device_positions([command for _, command in commands])
     servers = []
     for index, (short, command) in enumerate(commands):
@@ -403,6 +403,11 @@ def is_cluster_env(key: str, cluster: set[str]) -> bool:
     return key in cluster or key.startswith(CLUSTER_ENV_PREFIXES)
 
 
+def without_cluster_env(env: dict[str, Any], cluster: set[str]) -> dict[str, Any]:
+    """`env` less the cluster's network settings (`is_cluster_env`)."""
+    return {k: v for k, v in env.items() if not is_cluster_env(k, cluster)}
+
+
 def dropped_env(bundle: Bundle, label: str) -> tuple[tuple[str, str], ...]:
     """The cluster network settings the case's recorded environments held, left out."""
     cluster = cluster_env_keys(bundle)
@@ -449,7 +454,7 @@ def baseline_server(bundle: Bundle) -> tuple[ExportedServer, tuple[RecordedDevic
         )
         command = {"argv": spec.argv(), "env": spec.env()}
     cluster = cluster_env_keys(bundle)
-    command["env"] = {k: v for k, v in command["env"].items() if not is_cluster_env(k, cluster)}
+    command["env"] = without_cluster_env(command["env"], cluster)
     port = Var("BASELINE0_PORT")
     [positions], devices = device_positions([command])
     server = ExportedServer(
@@ -668,7 +673,7 @@ def tokens_expectation(
 
 def reference_policy(bundle: Bundle) -> ReferencePolicy:
     """The run's reference policy (summary.json), else its platform's default."""
-    name = read_summary(bundle).get("reference_policy")
+    name = bundle.summary.get("reference_policy")
     try:
         return ReferencePolicy(str(name))
     except ValueError:
@@ -678,19 +683,11 @@ def reference_policy(bundle: Bundle) -> ReferencePolicy:
 def noise_floor(bundle: Bundle, record: dict[str, Any]) -> float:
     """The tolerance the harness judged the case with (its divergence's), else the run's
     measured noise floor (summary.json, run.json); 0 when none was recorded."""
-    for source in (record.get("divergence") or {}, read_summary(bundle), bundle.run):
+    for source in (record.get("divergence") or {}, bundle.summary, bundle.run):
         value = source.get("tolerance", source.get("noise_floor_nats"))
         if isinstance(value, int | float) and value >= 0:
             return float(value)
     return 0.0
-
-
-def read_summary(bundle: Bundle) -> dict[str, Any]:
-    try:
-        summary = json.loads((bundle.path / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return summary if isinstance(summary, dict) else {}
 
 
 def recording_host(run: dict[str, Any]) -> str:

@@ -81,6 +81,7 @@ class Bundle:
     run: dict[str, Any]
     requests: dict[str, dict[str, Any]]
     cases: list[dict[str, Any]]
+    summary: dict[str, Any] = dataclasses.field(default_factory=dict)  # summary.json, whole
 
     @classmethod
     def load(cls, path: Path) -> Bundle:
@@ -97,7 +98,7 @@ class Bundle:
         cases = summary.get("cases", [])
         if not isinstance(cases, list) or not all(isinstance(c, dict) for c in cases):
             raise BundleError(f"{path / 'summary.json'}: 'cases' is not a list of records")
-        return cls(path=path, run=run, requests=requests, cases=cases)
+        return cls(path=path, run=run, requests=requests, cases=cases, summary=summary)
 
     def serving(self) -> ServingConfig:
         fields = {f.name for f in dataclasses.fields(ServingConfig)}
