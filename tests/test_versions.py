@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.cli import releases
 from harness.cli.releases import parse_release_list, release_env
 from harness.cli.versions import ReleaseRun, case_label, format_matrix, matrix_passed
 from harness.errors import BadInput
@@ -48,6 +49,38 @@ def test_a_release_env_is_ready_only_with_its_marker(tmp_path: Path, monkeypatch
     assert not env.ready  # installed but not repaired: never used half-built
     (env.venv / ".epd-harness-ready").write_text("0.30.0\n")
     assert env.ready
+
+
+def test_a_release_venv_left_without_pip_gets_pip_before_the_install(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A venv whose creation stopped before pip (interrupted, or Debian's python3-venv missing)
+    has bin/python; seeing it, every later install ran `-m pip` and failed the same way."""
+    monkeypatch.setenv("EPD_HARNESS_CACHE", str(tmp_path))
+    env = release_env("0.30.0")
+    env.python.parent.mkdir(parents=True)
+    env.python.write_text("#!/bin/sh\n")
+    ran: list[list[str]] = []
+    monkeypatch.setattr(releases, "check_disk_for", lambda versions: None)
+    monkeypatch.setattr(releases, "_run", lambda argv, log_path, pythonpath=None: ran.append(argv))
+    releases.ensure_release("0.30.0")
+    modules = [argv[2] for argv in ran]
+    assert modules[:2] == ["ensurepip", "pip"], ran
+
+
+def test_a_release_venv_with_pip_is_not_given_it_again(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("EPD_HARNESS_CACHE", str(tmp_path))
+    env = release_env("0.30.0")
+    pip = env.venv / "lib" / "python3.11" / "site-packages" / "pip" / "__init__.py"
+    pip.parent.mkdir(parents=True)
+    pip.write_text("")
+    env.python.parent.mkdir(parents=True)
+    env.python.write_text("#!/bin/sh\n")
+    ran: list[list[str]] = []
+    monkeypatch.setattr(releases, "check_disk_for", lambda versions: None)
+    monkeypatch.setattr(releases, "_run", lambda argv, log_path, pythonpath=None: ran.append(argv))
+    releases.ensure_release("0.30.0")
+    assert [argv[2] for argv in ran] == ["pip", "harness.cli.cpu_env"], ran
 
 
 def case(topology: str, prompt: str, verdict: str, reference: str = "baseline", **extra) -> dict:

