@@ -237,3 +237,50 @@ def test_an_instance_missing_from_the_roster_is_an_error(admin_api: str) -> None
     wanted = registrations(["http://127.0.0.1:1"], [], ["http://127.0.0.1:3"])
     with pytest.raises(RuntimeError, match="not list as live: prefill_decode http://127.0.0.1:3"):
         register_instances(admin_api, FakeAdminApi.key, wanted)
+
+
+@pytest.mark.parametrize("left", ["", '{"origin": "x", "release": "9.8.7", "fi'])
+def test_an_origin_record_a_crash_left_unreadable_is_fetched_again(
+    index: FakeIndex, tmp_path: Path, left: str
+) -> None:
+    """The record is renamed into place without an fsync: after a power loss it can be empty.
+    Reading it raised a JSONDecodeError traceback on every later run."""
+    first = upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+    (first.directory / upstream_proxy.ORIGIN_FILE).write_text(left)
+    again = upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+    assert again == first and index.downloads == 2
+
+
+def test_two_runs_fetching_the_same_release_at_once_both_get_it(
+    index: FakeIndex, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two pytest workers (an index test and a --proxy vllm scenario) on a fresh cache: both
+    saw no directory, and the second copy into it failed with FileExistsError. The barrier
+    holds each copy until both are there (or 2 s pass, when only one fetches)."""
+    barrier = threading.Barrier(2)
+    real_copytree = upstream_proxy.shutil.copytree
+
+    def copytree_together(*args: Any, **kwargs: Any) -> Any:
+        try:
+            barrier.wait(timeout=2)
+        except threading.BrokenBarrierError:
+            pass
+        return real_copytree(*args, **kwargs)
+
+    monkeypatch.setattr(upstream_proxy.shutil, "copytree", copytree_together)
+    results: list[Any] = [None, None]
+
+    def fetch(slot: int) -> None:
+        try:
+            results[slot] = upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+        except Exception as exc:  # noqa: BLE001 - the assertion shows it
+            results[slot] = exc
+
+    threads = [threading.Thread(target=fetch, args=(slot,)) for slot in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert results[0] == results[1] and isinstance(results[0], upstream_proxy.ProxyFiles), results
+    assert (results[0].directory / EPD_PROXY_FILE).read_bytes() == STANDIN[EPD_PROXY_FILE]
+    assert index.downloads == 1

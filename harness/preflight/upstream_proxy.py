@@ -19,6 +19,7 @@ the tree it was built from. The tree's git commit is recorded, and checked again
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import html.parser
 import json
@@ -210,6 +211,19 @@ def cached_or_fetched(
     cached = _cached(directory)
     if cached is not None:
         return cached
+    # Two runs on a fresh cache (pytest workers: an index test and a --proxy vllm scenario)
+    # both found nothing, and the second copy into the directory failed: one fetches, the
+    # other waits for it and reads the cache.
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f".{release}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cached = _cached(directory)
+        if cached is not None:
+            return cached
+        return _fetch(release, directory, interpreter)
+
+
+def _fetch(release: str, directory: Path, interpreter: list[str] | None) -> ProxyFiles:
     indexes = pip_indexes(interpreter)
     problems: list[str] = []
     for index in indexes:
@@ -235,7 +249,12 @@ def _cached(directory: Path) -> ProxyFiles | None:
     origin_path = directory / ORIGIN_FILE
     if not origin_path.is_file():
         return None
-    record = json.loads(origin_path.read_text())
+    try:
+        record = json.loads(origin_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None  # renamed into place without an fsync: a power loss can leave it empty
+    if not isinstance(record, dict):
+        return None
     listed = record.get("files")
     if not isinstance(listed, list) or not set(PROXY_FILES) <= set(listed):
         return None
