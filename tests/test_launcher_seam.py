@@ -257,39 +257,3 @@ def test_a_sweep_on_ray_runs_one_topology_a_wave(tmp_path, monkeypatch) -> None:
         )
         waves = Sweep(SweepSpec(topologies, prompts=()), settings).schedule().waves
         assert max(len(wave.slots) for wave in waves) == most, (launcher, waves)
-
-
-class ListingAgent:
-    """A node's agent as the launcher's checks call it (`.remote` runs at once)."""
-
-    def __init__(self, listing) -> None:
-        self.directory_listing = dataclasses.make_dataclass("Call", ["remote"])(
-            lambda path: listing
-        )
-
-
-def test_a_media_dir_a_node_does_not_see_is_refused_before_a_start(tmp_path, monkeypatch) -> None:
-    """Each instance's vLLM reads file:// media on its own node: found in review, a
-    --media-dir the nodes did not see was not refused, and every media case ERRORed."""
-    from harness.serve import ray_launcher
-
-    media = tmp_path / "media"
-    media.mkdir()
-    (media / "cat.png").write_bytes(b"png")
-    serving = serving_for(CPU, "/models/m", allowed_local_media_path=str(media))
-    launcher = ray_launcher.RayLauncher(
-        RunSettings(serving, tmp_path / "run", platform=CPU, launcher=LauncherChoice("ray"))
-    )
-    monkeypatch.setattr(ray_launcher, "_get", lambda answers, doing: answers)
-    instances = [
-        dataclasses.make_dataclass("Spec", ["name", "host"])(name, host)
-        for name, host in (("1E+1PD/encoder0", "10.0.0.2"), ("1E+1PD/pd0", "10.0.0.3"))
-    ]
-    launcher._agents = [ListingAgent(["cat.png"]), ListingAgent(["cat.png"])]
-    launcher._check_media_dir(instances)  # both nodes see it
-    launcher._agents[1] = ListingAgent(f"cannot list {media}: No such file or directory")
-    with pytest.raises(LaunchRefused, match="1E\\+1PD/pd0's node 10.0.0.3 \\(cannot list"):
-        launcher._check_media_dir(instances)
-    launcher._agents[1] = ListingAgent([])
-    with pytest.raises(LaunchRefused, match="it lists other files there"):
-        launcher._check_media_dir(instances)

@@ -13,6 +13,7 @@ Needs Ray (`scripts/cpu setup --ray`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -23,15 +24,16 @@ from pathlib import Path
 import psutil
 import pytest
 
+from harness.serve import ray_launcher
 from harness.serve.launch import ServerDied
 from harness.serve.launcher import LaunchRefused
 from harness.serve.ray_cluster import LocalRayCluster
 from harness.serve.ray_launcher import close_runtime
 from harness.serve.session import TopologySession
-from harness.spec.platforms import NIXL_CONNECTOR
+from harness.spec.platforms import CPU, NIXL_CONNECTOR
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.spec.settings import RAY_LAUNCHER, LauncherChoice, RunSettings
-from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.spec.topology import TOPOLOGIES, ServingConfig, serving_for
 from harness.testing.fake_vllm import MODE_ENV, fake_run_settings
 from harness.testing.processes import describe, kill_all, seconds_until_gone
 from harness.testing.ray_driver import end_driver, raylet_of, start_driver, tree_of
@@ -230,3 +232,38 @@ def test_storage_the_nodes_do_not_share_is_refused(fake: Path, tmp_path: Path) -
     assert message.startswith(f"EC storage {private}/"), message
     assert "is not shared: 1E+1P" in message and "does not see what" in message, message
     assert "--ray-shared-dir" in message
+
+
+class ListingAgent:
+    """A node's agent as the launcher's checks call it (`.remote` runs at once)."""
+
+    def __init__(self, listing) -> None:
+        self.directory_listing = dataclasses.make_dataclass("Call", ["remote"])(
+            lambda path: listing
+        )
+
+
+def test_a_media_dir_a_node_does_not_see_is_refused_before_a_start(tmp_path, monkeypatch) -> None:
+    """Each instance's vLLM reads file:// media on its own node: found in review, a
+    --media-dir the nodes did not see was not refused, and every media case ERRORed. (Here, not
+    in the unit tier's tests/test_launcher_seam.py: it imports Ray, which `tox -e fast` lacks.)"""
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "cat.png").write_bytes(b"png")
+    serving = serving_for(CPU, "/models/m", allowed_local_media_path=str(media))
+    launcher = ray_launcher.RayLauncher(
+        RunSettings(serving, tmp_path / "run", platform=CPU, launcher=LauncherChoice("ray"))
+    )
+    monkeypatch.setattr(ray_launcher, "_get", lambda answers, doing: answers)
+    instances = [
+        dataclasses.make_dataclass("Spec", ["name", "host"])(name, host)
+        for name, host in (("1E+1PD/encoder0", "10.0.0.2"), ("1E+1PD/pd0", "10.0.0.3"))
+    ]
+    launcher._agents = [ListingAgent(["cat.png"]), ListingAgent(["cat.png"])]
+    launcher._check_media_dir(instances)  # both nodes see it
+    launcher._agents[1] = ListingAgent(f"cannot list {media}: No such file or directory")
+    with pytest.raises(LaunchRefused, match="1E\\+1PD/pd0's node 10.0.0.3 \\(cannot list"):
+        launcher._check_media_dir(instances)
+    launcher._agents[1] = ListingAgent([])
+    with pytest.raises(LaunchRefused, match="it lists other files there"):
+        launcher._check_media_dir(instances)

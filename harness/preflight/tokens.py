@@ -114,10 +114,19 @@ def _count_with_processor(model_dir: Path, bodies: Mapping[str, dict[str, Any]])
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 
 
+def _transformers_version() -> str:
+    """The counting library's version, for the key; without transformers the key is still
+    computed (a cached count cannot match it) and counting fails on its own."""
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def _token_count_key(model_dir: Path, body: dict[str, Any]) -> str:
     digest = hashlib.sha256()
     digest.update(f"count-format {COUNT_FORMAT}\0".encode())
-    digest.update(importlib.metadata.version("transformers").encode())
+    digest.update(_transformers_version().encode())
     for path in sorted(model_dir.rglob("*")):
         if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
             digest.update(path.relative_to(model_dir).as_posix().encode() + b"\0")
