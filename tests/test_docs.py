@@ -96,3 +96,30 @@ def test_every_script_the_project_names_exists() -> None:
     missing = {script: where for script, where in named.items() if not (ROOT / script).exists()}
     assert named, "the scan found no reference at all: it would pass vacuously"
     assert not missing, f"named but missing (script: where): {missing}"
+
+
+def test_every_module_the_project_tells_python_to_run_exists() -> None:
+    """The export's refusal for a model directory that is gone told users to rebuild the tiny
+    model with the module `harness.fixtures.tiny_model`, which never existed (fixtures/ is a
+    top-level package): following the advice ended on 'No module named harness.fixtures'."""
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    named: dict[str, str] = {}
+    for source in tracked:
+        if not (
+            source.endswith((".py", ".md", ".toml", ".ini", ".yml", ".yaml", ".sh"))
+            or source in (".ci/run", "scripts/cpu")
+        ):
+            continue
+        text = (ROOT / source).read_text(encoding="utf-8")
+        for match in re.finditer(r"\bpython3? -m ((?:harness|fixtures)(?:\.\w+)+)", text):
+            named.setdefault(match[1], source)
+    missing = {
+        module: where
+        for module, where in named.items()
+        if not (ROOT / f"{module.replace('.', '/')}.py").is_file()
+        and not (ROOT / module.replace(".", "/") / "__main__.py").is_file()
+    }
+    assert named, "the scan found no reference at all: it would pass vacuously"
+    assert not missing, f"named but missing (module: where): {missing}"

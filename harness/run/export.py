@@ -826,7 +826,7 @@ def model_source(bundle: Bundle) -> ModelSource:
     if not path.is_dir():
         raise BadInput(
             f"the bundle's model directory {model} is gone: rebuild it there (the tiny "
-            "model: python -m harness.fixtures.tiny_model DIR) or export on the machine "
+            "model: python -m fixtures.tiny_model DIR) or export on the machine "
             "that ran"
         )
     raise BadInput(
