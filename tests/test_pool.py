@@ -397,6 +397,39 @@ def test_a_restart_keeps_the_log_of_the_instance_that_died(
         pool.close()
 
 
+def test_a_restart_in_another_run_directory_names_where_the_dead_log_is_kept(
+    tmp_path: Path, fake_vllm_start_log: Path
+) -> None:
+    """A pool shared by sweeps of several run directories (a pytest session's) restarts a
+    topology whose instance died in the directory of the sweep asking now: the new start
+    keeps the earlier logs of *its* directory only, so the reason named the dead log under
+    its old name, with no "kept as"; a later start in the old directory then moved it, and
+    the reason named a log that was not there."""
+    import dataclasses
+
+    settings = settings_for(tmp_path)
+    pool = TopologyPool(settings)
+    try:
+        first = pool.session(TOPOLOGIES["1P+1D"])
+        victim = first.server(Role.DECODE)
+        dead_log = victim.command.log_path
+        os.killpg(victim.pgid, signal.SIGKILL)
+        wait_for(lambda: not victim.is_alive(), "the decode instance to die", 10)
+        elsewhere = dataclasses.replace(settings, run_dir=tmp_path / "another-run")
+        restarted = pool.session(TOPOLOGIES["1P+1D"], elsewhere)
+        assert restarted.dir.parent == elsewhere.run_dir
+        reason = pool.starts[-1].reason
+        kept = dead_log.with_name(f"{dead_log.stem}.1.log")
+        assert reason.endswith(f"its log {dead_log} is kept as {kept.name}"), reason
+        assert kept.is_file() and not dead_log.exists()
+        # A later start in the first directory keeps its own logs; the named one stays.
+        pool.release("1P+1D")
+        pool.session(TOPOLOGIES["1P+1D"])
+        assert kept.is_file(), "the log the reason names was moved again"
+    finally:
+        pool.close()
+
+
 def test_a_start_that_timed_out_keeps_its_log_when_the_pool_starts_it_again(
     tmp_path: Path, fake_vllm_start_log: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

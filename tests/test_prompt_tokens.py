@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.errors import BadInput
 from harness.preflight import tokens
-from harness.spec.prompts import VideoFramesPart, render_part
+from harness.spec.prompts import PromptSpec, TextPart, VideoFramesPart, render_part, render_request
 
 pytestmark = pytest.mark.unit
 
@@ -20,7 +21,7 @@ def test_a_jpeg_frame_list_video_is_counted_with_all_its_frames() -> None:
     tokens instead of 256 with the tiny model), so `check_prompts_fit` passed a request every
     server then rejected, and the cached count kept the wrong number."""
     url = render_part(VideoFramesPart(seed=22, num_frames=8))["video_url"]["url"]
-    frames = tokens._load_video(url)
+    frames, _ = tokens._load_video(url, {}, True)
     assert frames.shape[0] == 8
     assert frames.shape[-1] == 3, "RGB frames, as vLLM's image loader converts them"
 
@@ -61,3 +62,43 @@ def test_a_file_media_changed_in_place_is_counted_again(
     assert tokens.estimate_prompt_tokens(model, {"p": body}, cache) == {"p": 5010}, (
         "the count of the old file was reused"
     )
+
+
+def test_a_count_cached_before_the_kwargs_reached_the_processor_is_not_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counts of format 2 were taken without the request's mm_processor_kwargs, and cached
+    under a key of the whole body, kwargs included: the same request again read back the
+    wrong count (187 for the image capped to 139 tokens) until the format entered the key
+    anew."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    body = {"messages": [], "mm_processor_kwargs": {"max_pixels": 28 * 28 * 16}}
+    cache = tmp_path / "prompt-tokens"
+    with monkeypatch.context() as old:
+        old.setattr(tokens, "COUNT_FORMAT", 2)
+        tokens._store_count(cache, tokens._token_count_key(model, body), 187)
+    monkeypatch.setattr(
+        tokens, "_count_with_processor", lambda _m, bodies: dict.fromkeys(bodies, 139)
+    )
+    assert tokens.estimate_prompt_tokens(model, {"p": body}, cache) == {"p": 139}
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_prompt_whose_extra_fields_ask_for_more_tokens_is_held_to_them(field: str) -> None:
+    """`render_request` lets a prompt's extra fields override max_tokens (and vLLM reads
+    max_completion_tokens first); the fit check added the PromptSpec's own 32 instead, and let
+    through a request asking for 400 tokens of a 200-token context."""
+    prompt = PromptSpec("p", (TextPart("hi"),), extra=((field, 400),))
+    assert render_request(prompt, "m")[field] == 400
+    with pytest.raises(BadInput, match=r"'p': it has 150 prompt tokens .* \+ 400 to generate"):
+        tokens.check_prompts_fit(200, [prompt], {"p": 150})
+    tokens.check_prompts_fit(550, [prompt], {"p": 150})
+
+
+def test_a_prompt_that_leaves_room_for_its_answer_fits() -> None:
+    prompt = PromptSpec("p", (TextPart("hi"),), max_tokens=32)
+    tokens.check_prompts_fit(182, [prompt], {"p": 150})
+    with pytest.raises(BadInput, match=r"150 prompt tokens .* \+ 32 to generate = 182"):
+        tokens.check_prompts_fit(181, [prompt], {"p": 150})

@@ -20,13 +20,16 @@ from typing import Any
 
 from harness.errors import BadInput
 from harness.preflight.files import one_line
-from harness.spec.prompts import PromptSpec
+from harness.spec import video_sampling
+from harness.spec.prompts import PromptSpec, requested_tokens
 
 # A video sent as its frames: `data:video/jpeg;base64,<frame>,<frame>,...` (VideoFramesPart).
 JPEG_FRAMES_MEDIA_TYPE = "video/jpeg"
 # In every count's cache key: a change to how media are read changes counts the cache holds.
 # 2: a JPEG frame list counts every frame (1 counted one), file:// media keyed by their bytes.
-COUNT_FORMAT = 2
+# 3: the request's mm_processor_kwargs reach the processor (2 counted without them, and its
+# counts of such requests sit in caches under the same body), videos sampled as vLLM does.
+COUNT_FORMAT = 3
 
 
 def check_model_limit(max_model_len: int, model_limit: int | None) -> None:
@@ -43,15 +46,20 @@ def check_model_limit(max_model_len: int, model_limit: int | None) -> None:
 def check_prompts_fit(
     max_model_len: int, prompts: Iterable[PromptSpec], prompt_tokens: Mapping[str, int]
 ) -> None:
-    """Each request must fit: its prompt tokens plus max_tokens within --max-model-len.
+    """Each request must fit: its prompt tokens plus the tokens it asks for within
+    --max-model-len.
 
-    Otherwise every server rejects it with a 400, and the run reports an ERROR per topology
-    after minutes of start-up, for what is a one-number mistake.
+    vLLM 0.27-0.31 reject a request that does not with a 400 (prompt + max_tokens over the
+    context); 0.32 rejects a prompt of the whole context and otherwise cuts max_tokens down
+    to what is left, so every topology would answer shorter than asked and the comparison
+    cover fewer tokens than the run says. Either way it is a one-number mistake, refused here
+    rather than after minutes of start-up. What a request asks for is what its body says
+    (`requested_tokens`): a prompt's extra fields may set max_tokens or max_completion_tokens.
     """
     too_long = [
-        (p.name, prompt_tokens[p.name], p.max_tokens)
+        (p.name, prompt_tokens[p.name], generated)
         for p in prompts
-        if prompt_tokens[p.name] + p.max_tokens > max_model_len
+        if prompt_tokens[p.name] + (generated := requested_tokens(p)) > max_model_len
     ]
     if too_long:
         name, needed, generated = max(too_long, key=lambda item: item[1] + item[2])
@@ -70,13 +78,15 @@ def estimate_prompt_tokens(
     """Prompt tokens of each rendered request, counted with the model's own processor.
 
     The chat template and the image/video processors are what vLLM runs too, so for the tiny
-    model this is exact (image 187, video 379 tokens, as the servers report). For a video,
-    frames are decoded with OpenCV as vLLM does; vLLM may sample fewer frames of a long video,
-    so the estimate errs on the large side.
+    model this is exact (image 187, video 379 tokens, as the servers report). The request's
+    mm_processor_kwargs reach the processor call as vLLM passes them (an image capped with
+    max_pixels: 139 and 159, as vLLM 0.32 reported), and a video's frames are those vLLM's
+    loader keeps (harness/spec/video_sampling.py; media_io_kwargs' video fps / num_frames).
 
     Loading transformers takes seconds, so counts are cached in `cache_dir` under a digest of
-    the request, the bytes of every file:// media it names, the model's processor files and
-    the transformers version: a rerun of the same prompts imports nothing.
+    the request (its mm_processor_kwargs and media_io_kwargs with it), the bytes of every
+    file:// media it names, the model's processor files and the transformers version: a
+    rerun of the same prompts imports nothing.
     """
     keys = {name: _token_count_key(model_dir, body) for name, body in bodies.items()}
     counts = {name: _cached_count(cache_dir, key) for name, key in keys.items()}
@@ -99,7 +109,15 @@ def _count_with_processor(model_dir: Path, bodies: Mapping[str, dict[str, Any]])
         transformers_logging.set_verbosity_error()  # its warnings would break the one-line rule
         try:
             processor = AutoProcessor.from_pretrained(str(model_dir))
-            return {name: _count_tokens(processor, body) for name, body in bodies.items()}
+            counts = {}
+            for name, body in bodies.items():
+                try:
+                    counts[name] = _count_tokens(processor, body)
+                except BadInput as exc:  # the request's own mistake: name the prompt
+                    raise BadInput(f"prompt {name!r}: {exc}") from None
+            return counts
+        except BadInput:
+            raise
         except Exception as exc:  # noqa: BLE001 - any processor failure is the model's problem
             raise BadInput(
                 f"cannot count prompt tokens with the processor of {model_dir}: "
@@ -131,6 +149,7 @@ def _token_count_key(model_dir: Path, body: dict[str, Any]) -> str:
         if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
             digest.update(path.relative_to(model_dir).as_posix().encode() + b"\0")
             digest.update(path.read_bytes())
+    # The whole body: mm_processor_kwargs and media_io_kwargs change the count as the media do.
     digest.update(json.dumps(body, sort_keys=True).encode())
     # A file:// URL names media, it is not the media: the file may be replaced in place (a
     # --media-dir of the same names, another video), so its bytes enter the key, not its URL.
@@ -176,8 +195,15 @@ def _store_count(cache_dir: Path | None, key: str, count: int) -> None:
 
 
 def _count_tokens(processor: Any, body: dict[str, Any]) -> int:
+    """The request's prompt tokens as vLLM's renderer makes them: the chat template, then the
+    processor on the media as vLLM's loaders hand them over, with the request's
+    mm_processor_kwargs passed to the processor call (`InputProcessingContext.
+    call_hf_processor` passes them all; a cap of max_pixels halves an image's tokens)."""
+    kwargs = _processor_kwargs(processor, body)
+    video_io = _video_io_kwargs(body)
     images: list[Any] = []
     videos: list[Any] = []
+    metadata: list[Any] = []
     messages = []
     for message in body["messages"]:
         content = message["content"]
@@ -191,16 +217,112 @@ def _count_tokens(processor: Any, body: dict[str, Any]) -> int:
                 images.append(_load_image(part["image_url"]["url"]))
                 parts.append({"type": "image"})
             elif part["type"] == "video_url":
-                videos.append(_load_video(part["video_url"]["url"]))
+                frames, meta = _load_video(
+                    part["video_url"]["url"], video_io, _qwen2vl_loader(processor)
+                )
+                videos.append(frames)
+                metadata.append(meta)
                 parts.append({"type": "video"})
             else:
                 raise ValueError(f"cannot estimate tokens of a {part['type']!r} part")
         messages.append({"role": message["role"], "content": parts})
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    encoded = processor(
-        text=[text], images=images or None, videos=videos or None, return_tensors="np"
-    )
+    media: dict[str, Any] = {}
+    if images:
+        media["images"] = images
+    if videos:
+        from transformers.video_utils import VideoMetadata
+
+        media["videos"] = videos
+        media["video_metadata"] = [VideoMetadata(**meta) for meta in metadata]
+    encoded = processor(text=[text], **media, **kwargs, return_tensors="np")
     return int(encoded["input_ids"].shape[-1])
+
+
+# The nested scopes a processor call takes besides its flat keywords (transformers'
+# ProcessingKwargs), as vLLM routes mm_processor_kwargs.
+_KWARG_SCOPES = {
+    "text_kwargs": "tokenizer",
+    "images_kwargs": "image_processor",
+    "videos_kwargs": "video_processor",
+    "audio_kwargs": "feature_extractor",
+}
+
+
+def _processor_kwargs(processor: Any, body: dict[str, Any]) -> dict[str, Any]:
+    """The request's mm_processor_kwargs, each one a keyword the processor takes.
+
+    vLLM hands every one to the processor, which drops a keyword it does not know with a log
+    line (`... is not a valid argument for this processor and will be ignored`): the request
+    then runs without it, and the count would too. So such a kwarg is refused here, by name.
+    """
+    kwargs = body.get("mm_processor_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise BadInput(f"mm_processor_kwargs must be a JSON object, not {kwargs!r}")
+    accepted = _accepted_kwargs(processor)
+    every = set().union(*accepted.values())
+    for key, value in kwargs.items():
+        if key in _KWARG_SCOPES and key in accepted:
+            if not isinstance(value, Mapping):
+                raise BadInput(f"mm_processor_kwargs {key!r} must be a JSON object, not {value!r}")
+            unknown = sorted(set(value) - accepted[key])
+            if unknown:
+                raise _refused(processor, f"{key}.{unknown[0]}", accepted[key])
+        elif key not in every:
+            raise _refused(processor, key, every)
+    return dict(kwargs)
+
+
+def _refused(processor: Any, key: str, accepted: set[str]) -> BadInput:
+    return BadInput(
+        f"mm_processor_kwargs {key!r}: {type(processor).__name__} takes no such keyword "
+        f"(vLLM would drop it and serve the request without it); it takes: "
+        f"{', '.join(sorted(accepted))}"
+    )
+
+
+def _accepted_kwargs(processor: Any) -> dict[str, set[str]]:
+    """Per scope, the keywords the processor's call takes: its ProcessingKwargs' and its
+    sub-processors' `valid_kwargs`, as transformers' `ProcessorMixin._merge_kwargs` reads them."""
+    from typing import get_type_hints
+
+    scopes = get_type_hints(processor.valid_processor_kwargs)
+    accepted: dict[str, set[str]] = {}
+    for scope, attribute in _KWARG_SCOPES.items():
+        if scope not in scopes:
+            continue
+        keys = set(_annotations(scopes[scope]))
+        valid = getattr(getattr(processor, attribute, None), "valid_kwargs", None)
+        if valid is not None:
+            keys |= set(_annotations(valid))
+        accepted[scope] = keys
+    return accepted
+
+
+def _annotations(typed_dict: Any) -> dict[str, Any]:
+    names: dict[str, Any] = {}
+    for base in reversed(getattr(typed_dict, "__mro__", (typed_dict,))):
+        names.update(getattr(base, "__annotations__", {}))
+    return names
+
+
+def _video_io_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """media_io_kwargs.video: fps and num_frames change which frames vLLM's loader keeps."""
+    media_io = body.get("media_io_kwargs") or {}
+    video = media_io.get("video") if isinstance(media_io, Mapping) else None
+    if video is None:
+        return {}
+    if not isinstance(video, Mapping):
+        raise BadInput(f"media_io_kwargs 'video' must be a JSON object, not {video!r}")
+    return dict(video)
+
+
+def _qwen2vl_loader(processor: Any) -> bool:
+    """vLLM picks its video loader by the video processor's class name."""
+    video_processor = getattr(processor, "video_processor", None)
+    return type(video_processor).__name__ == video_sampling.QWEN2VL_VIDEO_PROCESSOR
 
 
 def _media_bytes(url: str) -> bytes:
@@ -217,22 +339,72 @@ def _load_image(url: str) -> Any:
     return Image.open(io.BytesIO(_media_bytes(url))).convert("RGB")
 
 
-def _load_video(url: str) -> Any:
-    """The video's frames as vLLM decodes them: a `data:video/jpeg` URL is a list of JPEG
-    frames joined by ',' (vLLM splits it so, `VideoMediaIO.load_base64`), every other video
-    a container OpenCV reads frame by frame. Decoding a frame list as one blob read 1 frame of
-    8, and the count let through a request every server then rejected."""
+def _load_video(url: str, video_io: Mapping[str, Any], qwen2vl: bool) -> tuple[Any, dict]:
+    """The frames vLLM's loader hands the processor, and the metadata it passes with them.
+
+    A `data:video/jpeg` URL is a list of JPEG frames joined by ',' (vLLM splits it so,
+    `VideoMediaIO.load_base64`), of which it reads the first `num_frames` (32); decoding it as
+    one blob read 1 frame of 8, and the count let through a request every server then
+    rejected. Every other video is a container OpenCV reads; vLLM samples it down before the
+    processor sees it (Qwen2VLVideoBackend: to 2 fps), and counting every frame refused a
+    16-frame 4 fps clip that takes as many tokens as an 8-frame 2 fps one.
+    """
     import numpy as np
 
+    num_frames = int(video_io.get("num_frames", video_sampling.DEFAULT_NUM_FRAMES))
     if _media_type(url) == JPEG_FRAMES_MEDIA_TYPE:
-        frames = [_decode_jpeg_frame(frame) for frame in url.partition(",")[2].split(",")]
-        return np.stack(frames)
+        encoded = url.partition(",")[2].split(",")
+        kept = video_sampling.jpeg_frames(len(encoded), num_frames)
+        frames = np.stack([_decode_jpeg_frame(frame) for frame in encoded[:kept]])
+        fps = float(video_io.get("fps", video_sampling.JPEG_FRAMES_FPS))
+        return frames, _video_metadata(frames, list(range(kept)), kept, fps, "jpeg_sequence")
+    all_frames, original_fps = _decode_container(_media_bytes(url))
+    total = len(all_frames)
+    if qwen2vl:
+        fps = float(video_io.get("fps", video_sampling.TARGET_FPS))
+        kept = video_sampling.qwen2vl_frames(total, original_fps, fps)
+    else:
+        kept = video_sampling.uniform_frames(
+            total, original_fps, num_frames, float(video_io.get("fps", -1))
+        )
+    indices = _spread(total, kept)
+    frames = np.stack([all_frames[i] for i in indices])
+    return frames, _video_metadata(frames, indices, total, original_fps, "opencv")
+
+
+def _spread(total: int, kept: int) -> list[int]:
+    """`kept` indices spread over `total` frames as vLLM's loaders pick them (float32 steps,
+    clamped: the same `torch.arange` as transformers' sampler)."""
+    if kept == total:
+        return list(range(total))
+    import torch
+
+    indices = torch.arange(0, total, total / kept).int()
+    return torch.clamp(indices, max=total - 1).tolist()[:kept]
+
+
+def _video_metadata(
+    frames: Any, indices: list[int], total: int, fps: float, backend: str
+) -> dict[str, Any]:
+    return {
+        "total_num_frames": total,
+        "fps": fps,
+        "duration": total / fps if fps > 0 else 0.0,
+        "video_backend": backend,
+        "frames_indices": indices,
+        "height": int(frames.shape[1]),
+        "width": int(frames.shape[2]),
+    }
+
+
+def _decode_container(data: bytes) -> tuple[list[Any], float]:
     import cv2
 
     with tempfile.NamedTemporaryFile(suffix=".mp4") as file:
-        file.write(_media_bytes(url))
+        file.write(data)
         file.flush()
         capture = cv2.VideoCapture(file.name)
+        fps = float(capture.get(cv2.CAP_PROP_FPS))
         frames = []
         while True:
             ok, frame = capture.read()
@@ -242,7 +414,7 @@ def _load_video(url: str) -> Any:
         capture.release()
     if not frames:
         raise ValueError("the video has no decodable frame")
-    return np.stack(frames)
+    return frames, fps
 
 
 def _media_type(url: str) -> str | None:

@@ -30,7 +30,7 @@ from harness.files import write_json_atomic, write_text_atomic
 from harness.outcomes.outcome import InstanceStats
 from harness.outcomes.startup import describe_instance_start
 from harness.serve.entry import proxy_key
-from harness.serve.launch import EventCallback
+from harness.serve.launch import EventCallback, keep_earlier_log
 from harness.serve.session import DeadInstance, ProxiedSession, TopologySession, safe_name
 from harness.spec.placement import CPU_INSTANCE_BYTES, CPU_MEMORY_HEADROOM, available_memory_bytes
 from harness.spec.settings import LauncherChoice, RunSettings
@@ -103,15 +103,19 @@ class StartCause:
     started_before: bool
     last_start_failed: bool  # the latest start of the same key did not come up
     dead: DeadInstance | None = None  # a running instance of it exited
+    # Where the dead instance's log was kept when the new start writes another directory (a
+    # sweep with another run directory): that start's own keeping never sees it.
+    dead_log_kept: Path | None = None
 
     def reason(self, earlier_logs: Mapping[Path, Path]) -> str:
         """The start's reason: first use, or the restart's cause, naming the kept log of what
         it replaces. A dead instance's log is named by both its path (the one its report gave,
-        which the new start writes again) and the name it is kept under beside it."""
+        which a start in the same directory writes again) and the name it is kept under beside
+        it."""
         if self.dead is not None:
             dead = self.dead
             where = f"its log {dead.log_path}"
-            kept = earlier_logs.get(dead.log_path)
+            kept = earlier_logs.get(dead.log_path) or self.dead_log_kept
             if kept is not None:
                 where += f" is kept as {kept.name}"
             return f"restart: instance {dead.name} exited with code {dead.exit_code}; {where}"
@@ -262,7 +266,7 @@ class TopologyPool:
                     continue
                 self._stop(key)
             session = self._new_session(request)
-            starting.append((key, session, self._start_cause(key, dead)))
+            starting.append((key, session, self._start_cause(key, dead, session.dir)))
         self._make_room([(key, s.topology, s.devices) for key, s, _ in starting])
         with contextlib.ExitStack() as undo:
             for _, session, _ in starting:
@@ -406,9 +410,18 @@ class TopologyPool:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _start_cause(self, key: SessionKey, dead: DeadInstance | None) -> StartCause:
+    def _start_cause(self, key: SessionKey, dead: DeadInstance | None, new_dir: Path) -> StartCause:
+        """Why `key` starts now. A dead instance's log outside the new start's directory (the
+        sweep asking runs in another run directory) is kept here, as the start keeps those in
+        its own (`prepare_session_dir`): left under its own name, a later start in that
+        directory would move it, and the reason would name a log that is not there."""
         earlier = [s for s in self.starts if s.key == key]
-        return StartCause(bool(earlier), bool(earlier) and earlier[-1].seconds is None, dead)
+        kept = None
+        if dead is not None and dead.log_path.parent != new_dir:
+            kept = keep_earlier_log(dead.log_path)
+        return StartCause(
+            bool(earlier), bool(earlier) and earlier[-1].seconds is None, dead, dead_log_kept=kept
+        )
 
     def _placed(
         self, topology: Topology, devices: tuple[int, ...] | None

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fixtures import media
+from harness.errors import BadInput
 
 DEFAULT_MAX_TOKENS = 32
 DEFAULT_TOP_LOGPROBS = 5
@@ -123,6 +124,23 @@ def render_request(prompt: PromptSpec, model: str, top_logprobs: int = 5) -> dic
     for key, value in prompt.extra:
         body[key] = json.loads(json.dumps(value))
     return body
+
+
+def requested_tokens(prompt: PromptSpec) -> int:
+    """The tokens the rendered request asks to generate, as vLLM reads its body:
+    max_completion_tokens before max_tokens, either of them set by the prompt's extra fields
+    (`render_request` lets them override the sampling fields)."""
+    extra = dict(prompt.extra)
+    for field_name in ("max_completion_tokens", "max_tokens"):
+        value = extra.get(field_name)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise BadInput(
+                    f"prompt {prompt.name!r}: {field_name} {value!r} is not a positive "
+                    f"number of tokens"
+                )
+            return value
+    return prompt.max_tokens
 
 
 def streaming_request(body: dict[str, Any]) -> dict[str, Any]:

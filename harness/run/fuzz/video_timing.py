@@ -7,8 +7,7 @@ grid from the encoder, not this field, and uses 1.0 (vLLM 0.32, `iter_mm_grid_th
 two disagree exactly when the sampled rate is not 2 fps *and* some step's position moves:
 JPEG frames read at their default 1 fps, an mp4 recorded below 2 fps (nothing to sample
 down), an odd frame count that sampling trims (a rate just under 2, which moves only late
-steps). The rules below are vLLM 0.32's video loaders', read from its source
-(`multimodal/media/video.py`, `Qwen2VLVideoBackend`).
+steps). Which frames are kept is vLLM 0.32's video loaders' rule (harness/spec/video_sampling.py).
 """
 
 from __future__ import annotations
@@ -17,11 +16,15 @@ import math
 import struct
 
 from harness.spec.prompts import PromptSpec, VideoFramesPart, VideoPart
+from harness.spec.video_sampling import (
+    DEFAULT_NUM_FRAMES,
+    JPEG_FRAMES_FPS,
+    TARGET_FPS,
+    TEMPORAL_PATCH,
+    jpeg_frames,
+    qwen2vl_frames,
+)
 
-TEMPORAL_PATCH = 2  # Qwen2-VL's temporal_patch_size: two frames per step
-TARGET_FPS = 2.0  # the loader's default sampling rate
-JPEG_FRAMES_FPS = 1.0  # the rate JPEG frames are read at unless media_io_kwargs says
-MIN_FRAMES, MAX_FRAMES, MAX_FPS = 4, 768, 30
 TOKENS_PER_SECOND = 2  # Qwen2.5-VL's vision_config.tokens_per_second (the tiny model's too)
 CONSUMER_SECONDS_PER_STEP = 1.0
 
@@ -30,13 +33,10 @@ def sampled(part: VideoPart | VideoFramesPart, spec: PromptSpec) -> tuple[int, f
     """(frames the processor keeps, the rate they stand for) for one video of `spec`."""
     io = (dict(spec.extra).get("media_io_kwargs") or {}).get("video") or {}
     if isinstance(part, VideoFramesPart):
-        return part.num_frames, float(io.get("fps", JPEG_FRAMES_FPS))
+        kept = jpeg_frames(part.num_frames, int(io.get("num_frames", DEFAULT_NUM_FRAMES)))
+        return kept, float(io.get("fps", JPEG_FRAMES_FPS))
     total, original = part.num_frames, part.fps
-    target = float(io.get("fps", TARGET_FPS))
-    most = math.floor(min(MAX_FRAMES, total) / TEMPORAL_PATCH) * TEMPORAL_PATCH
-    frames = total / original * min(target, MAX_FPS)
-    frames = min(max(frames, MIN_FRAMES), most, total)
-    kept = math.floor(frames / TEMPORAL_PATCH) * TEMPORAL_PATCH
+    kept = qwen2vl_frames(total, original, float(io.get("fps", TARGET_FPS)))
     return kept, kept / total * original
 
 

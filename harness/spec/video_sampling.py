@@ -1,0 +1,57 @@
+"""How many frames of a video vLLM hands the model's processor: its video loaders' rules (vLLM
+0.32, read in `vllm/multimodal/media/video.py` and `vllm/multimodal/video.py`), in one place
+for the two that need them, the preflight's token count and the fuzzer's video timing.
+
+A video's prompt tokens follow from the frames the processor receives, not from the frames
+sent: vLLM samples an mp4 down before its processor sees it, and reads at most 32 JPEG frames
+of a frame list. Counting the frames as sent refused prompts every server accepts.
+"""
+
+from __future__ import annotations
+
+import math
+
+TEMPORAL_PATCH = 2  # Qwen2-VL's temporal_patch_size: two frames per step
+TARGET_FPS = 2.0  # Qwen2VLVideoBackend's default sampling rate (media_io_kwargs video.fps)
+JPEG_FRAMES_FPS = 1.0  # the rate JPEG frames are read at unless media_io_kwargs says
+# VideoMediaIO's num_frames default: a JPEG frame list is cut to its first 32 frames, and the
+# generic loader samples a container down to 32.
+DEFAULT_NUM_FRAMES = 32
+MIN_FRAMES, MAX_FRAMES, MAX_FPS = 4, 768, 30  # Qwen2VLVideoBackend's clamps
+# The video processor whose loader vLLM picks by name (`get_video_loader_backend_for_processor`);
+# every other video processor gets the generic uniform loader.
+QWEN2VL_VIDEO_PROCESSOR = "Qwen2VLVideoProcessor"
+
+
+def qwen2vl_frames(total: int, original_fps: float, target_fps: float = TARGET_FPS) -> int:
+    """Frames Qwen2VLVideoBackend keeps of a container video of `total` frames recorded at
+    `original_fps`: `total / original_fps * fps`, clamped to [4, 768] and to the video, floored
+    to whole temporal steps. It ignores num_frames (fps-driven)."""
+    if original_fps <= 0:
+        raise ValueError("the video reports no frame rate (vLLM's Qwen2-VL loader needs one)")
+    most = math.floor(min(MAX_FRAMES, total) / TEMPORAL_PATCH) * TEMPORAL_PATCH
+    frames = total / original_fps * min(target_fps, MAX_FPS)
+    frames = min(max(frames, MIN_FRAMES), most, total)
+    kept = math.floor(frames / TEMPORAL_PATCH) * TEMPORAL_PATCH
+    if kept < 1:
+        raise ValueError(f"a video of {total} frame(s) has no whole temporal step to sample")
+    return kept
+
+
+def uniform_frames(total: int, original_fps: float, num_frames: int, fps: float) -> int:
+    """Frames the generic loader (`VideoBackend`) keeps: at most `num_frames`, at most one
+    every 1/fps seconds (each bound off when not positive), at least one."""
+    kept = total
+    if num_frames > 0:
+        kept = min(num_frames, total)
+    if fps > 0 and original_fps > 0:
+        kept = min(kept, math.floor(total / original_fps * fps))
+    return max(1, kept)
+
+
+def jpeg_frames(sent: int, num_frames: int = DEFAULT_NUM_FRAMES) -> int:
+    """Frames VideoMediaIO reads of a `data:video/jpeg` list of `sent` frames: the first
+    `num_frames` (-1: all of them)."""
+    if num_frames == 0:
+        raise ValueError("media_io_kwargs video.num_frames must be greater than 0 or -1")
+    return sent if num_frames < 0 else min(sent, num_frames)
