@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from harness.devices import describe_devices
 from harness.errors import BadInput
 from harness.judge.policy import ReferencePolicy, default_reference_policy
 from harness.judge.records import Verdict
@@ -691,17 +692,20 @@ def noise_floor(bundle: Bundle, record: dict[str, Any]) -> float:
 
 
 def recording_host(run: dict[str, Any]) -> str:
-    """Where the expected ids were computed, as far as run.json knows: its host, its devices
-    (GPU platforms; the GPU model is not recorded), its CPU."""
+    """Where the expected ids were computed, as far as run.json knows: its host and the
+    devices the run used (`devices_used`: model, count, driver, CUDA or AMX); for a bundle
+    written before that was recorded, its devices (GPU platforms) or its CPU."""
     hostname = run.get("hostname")
     host = f"the recording host {hostname}" if hostname else "the recording host"
+    used = describe_devices(run.get("devices_used"))
+    if used:
+        return f"{host} ({used})"
     profile = run.get("platform_profile", "cpu")
     if profile == "cpu":
         cpu = (run.get("cpu") or {}).get("model") or "model not recorded"
         return f"{host} (CPU {cpu})"
     devices = ",".join(str(d) for d in run.get("devices") or []) or "?"
-    gpu = run.get("gpu_model") or "model not recorded"
-    return f"{host} ({profile} devices {devices}; GPU {gpu})"
+    return f"{host} ({profile} devices {devices}; GPU model not recorded)"
 
 
 def asks_for_logprobs(body: dict[str, Any]) -> bool:

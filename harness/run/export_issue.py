@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from harness.devices import describe_devices
 from harness.judge.records import Verdict
 from harness.run.export import ExportPlan, describe_request, shell_command
 from harness.spec.generations import build_commit, is_dev_build
@@ -29,6 +30,7 @@ ISSUE_FIELDS = (
 ENVIRONMENT_KEYS = (
     "vLLM",
     "Platform",
+    "Devices",
     "Model",
     "Topology",
     "KV connector",
@@ -250,6 +252,7 @@ def environment(plan: ExportPlan) -> list[str]:
         f"{served.get('torch_version', 'unknown')}, transformers {transformers}",
         f"- Platform: {run.get('platform', 'unknown')}, Python {python}; "
         f"{profile} profile, {hardware}",
+        f"- Devices: {describe_devices(run.get('devices_used')) or 'not recorded by this run'}",
         f"- Model: {model_line(plan)}",
         f"- Topology: {plan.case.topology}: {chain}",
         f"- KV connector: {kv}" + ("" if uses_kv(plan) else " (not used by this case)"),
@@ -259,11 +262,11 @@ def environment(plan: ExportPlan) -> list[str]:
 
 
 def gpus(plan: ExportPlan) -> str:
-    """What run.json knows of the GPUs the case ran on: the devices (from the instances'
-    device variables) and the run's --devices; not their model, which it does not record."""
+    """The GPUs the case ran on (from the instances' device variables) and the run's
+    --devices; their model is on the Devices line (run.json's `devices_used`)."""
     used = ", ".join(d.describe() for d in plan.devices) or "none recorded"
     listed = ",".join(str(d) for d in plan.run.get("devices") or []) or "?"
-    return f"GPUs used: {used} (of the run's --devices {listed}; GPU model not recorded)"
+    return f"GPUs used: {used} (of the run's --devices {listed})"
 
 
 def model_line(plan: ExportPlan) -> str:
