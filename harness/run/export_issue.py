@@ -84,7 +84,7 @@ def render_issue(plan: ExportPlan) -> str:
         "`python3 check.py` in another. Ports, host, model and working directory are variables "
         "at the top of `serve.sh`; logs go to `work/logs/`.",
         *device_instructions(plan),
-        *baseline_instructions(plan),
+        *reference_instructions(plan),
         "",
         *install_instructions(plan, version),
         *model_instructions(plan),
@@ -96,11 +96,7 @@ def render_issue(plan: ExportPlan) -> str:
         "```bash",
         *(shell_command(server) + "\n" for server in plan.servers),
         *([shell_command(plan.proxy)] if plan.proxy else []),
-        *(
-            ["", "# the monolithic reference (run.sh baseline)", shell_command(plan.baseline)]
-            if plan.baseline
-            else []
-        ),
+        *reference_commands(plan),
         "```",
         "",
         "## Files",
@@ -316,15 +312,54 @@ def device_instructions(plan: ExportPlan) -> list[str]:
     ]
 
 
-def baseline_instructions(plan: ExportPlan) -> list[str]:
-    if plan.baseline is None:
+def reference_commands(plan: ExportPlan) -> list[str]:
+    """The reference's commands as `serve.sh reference` runs them, after the case's."""
+    reference = plan.reference
+    if reference is None:
         return []
+    if plan.baseline is not None:
+        return [
+            "",
+            "# the monolithic reference (run.sh baseline, run.sh reference)",
+            shell_command(plan.baseline),
+        ]
     return [
         "",
-        "The expected ids were computed on the machine the harness ran on. `bash run.sh "
-        "baseline` sends the same request to a monolithic `vllm serve` with the same flags "
-        "instead (its command is the last one below): exit 0 says they hold on yours too, so "
-        "a difference in the disaggregated run is the bug, not the machine.",
+        f"# the case's reference, {reference.name} (run.sh reference)",
+        *(shell_command(server) + "\n" for server in reference.servers),
+        *([shell_command(reference.proxy)] if reference.proxy else []),
+    ]
+
+
+def reference_instructions(plan: ExportPlan) -> list[str]:
+    reference = plan.reference
+    if reference is None:
+        return []
+    then = (
+        "`bash run.sh reference` serves that reference here first, sends it the same request "
+        "and keeps its answer (saying whether the recorded ids hold), stops it, then runs the "
+        "case and judges it against that answer, under the run's policy and noise floor, and "
+        "exits with that judgment's code (it prints the comparison with the recorded ids too): "
+        "a difference your GPU makes in both is then not taken for the bug."
+    )
+    if plan.baseline is not None:
+        return [
+            "",
+            "The expected ids were computed on the machine the harness ran on. `bash run.sh "
+            "baseline` sends the same request to a monolithic `vllm serve` with the same flags "
+            "instead (its command is the last one below): exit 0 says they hold on yours too, so "
+            "a difference in the disaggregated run is the bug, not the machine. " + then,
+        ]
+    how = (
+        "as the run recorded them"
+        if reference.source == "recorded"
+        else ("as the harness renders them for the run's flags (the run recorded none)")
+    )
+    return [
+        "",
+        f"The expected ids are {reference.name}'s, the case's exact reference, computed on the "
+        f"machine the harness ran on. {then} {reference.name}'s commands, {how}, are the last "
+        "ones below, with its own ports (`REF_*_PORT`).",
     ]
 
 
@@ -457,11 +492,11 @@ def files_section(plan: ExportPlan) -> list[str]:
     ]
     if plan.model.directory is not None:
         rows.append(("model/", "the tiny model's files"))
-    if plan.proxy_file is not None:
+    for proxy_file in plan.proxy_files:
         rows.append(
             (
-                f"vllm-proxy/{plan.proxy_file.relative}",
-                f"vLLM's own proxy, unmodified (sha256 {plan.proxy_file.sha256[:16]}..., "
+                f"vllm-proxy/{proxy_file.relative}",
+                f"vLLM's own proxy, unmodified (sha256 {proxy_file.sha256[:16]}..., "
                 "checked by serve.sh; `PROXY_DIR=<vLLM checkout>` uses yours)",
             )
         )
