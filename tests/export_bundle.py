@@ -35,8 +35,9 @@ DEATH = (
     "number of input items: 1, but got len(mm_embeddings)=0\n"
     "instance 1E+1P+1D/decode0 exited with code 0; last lines of /x/decode0.log:\nbye"
 )
-# A stand-in for vLLM's proxy with its command line: forwards a chat request to the first decode
-# URL (502 when that fails) and answers /health. Only for process tests of the export's scripts.
+# A stand-in for vLLM's proxies with their command lines (the EPD proxy's URLs, the toy
+# proxy's hosts and ports): forwards a chat request to the first decode (502 when that fails)
+# and answers /health and /healthcheck. Only for process tests of the export's scripts.
 FAKE_PROXY = r"""# SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: a stand-in for the tests, not vLLM's file
 import argparse, http.server, urllib.error, urllib.request
@@ -44,14 +45,18 @@ parser = argparse.ArgumentParser()
 for flag in ("--host", "--encode-servers-urls", "--prefill-servers-urls",
              "--decode-servers-urls"):
     parser.add_argument(flag, default="")
+for flag in ("--prefiller-hosts", "--prefiller-ports", "--decoder-hosts", "--decoder-ports"):
+    parser.add_argument(flag, nargs="*", default=[])
 parser.add_argument("--port", type=int)
 args = parser.parse_args()
 decode = args.decode_servers_urls.split(",")[0]
+if args.decoder_hosts:  # the toy proxy's command line (1P+1D)
+    decode = f"http://{args.decoder_hosts[0]}:{args.decoder_ports[0]}"
 opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        self.reply(200 if self.path == "/health" else 404, b"{}")
+        self.reply(200 if self.path in ("/health", "/healthcheck") else 404, b"{}")
 
     def do_POST(self):
         data = self.rfile.read(int(self.headers["Content-Length"]))
@@ -234,3 +239,52 @@ def write(tmp_path: Path, **bundle_args) -> Path:
     out = tmp_path / "export"
     write_export(plan, out, REPAIR)
     return out
+
+
+PD_IDS = [7, 11, 12, 13]  # what the run recorded of 1P+1D (the fake vLLM answers BASELINE_IDS)
+
+
+def write_exact_reference_bundle(
+    root: Path, kv_connector: str = "NixlConnector", record_reference: bool = True
+) -> Path:
+    """A bundle of a 1E+1P+1D case judged against its exact reference 1P+1D (a MISMATCH), the
+    run's 1P+1D answer `PD_IDS`; with 1P+1D's instance commands recorded in `1P+1D/` as the
+    run writes them (`record_reference`), else none (the export renders them)."""
+    run = write_bundle(root, verdict="MISMATCH", kv_connector=kv_connector)
+    summary = json.loads((run / "summary.json").read_text())
+    summary["cases"][0]["reference"] = "1P+1D"
+    summary["reference_policy"] = "exact"
+    (run / "summary.json").write_text(json.dumps(summary))
+    responses = json.loads((run / "responses.json").read_text())
+    responses["1P+1D"] = {
+        PROMPT: {
+            "result": {
+                "prompt_token_ids": PROMPT_IDS,
+                "token_ids": PD_IDS,
+                "text": "pd",
+                "logprobs": [{"token_id": t, "logprob": -0.5, "top": [[t, -0.5]]} for t in PD_IDS],
+            }
+        }
+    }
+    (run / "responses.json").write_text(json.dumps(responses))
+    if record_reference:
+        session_dir = run / safe_name("1P+1D")
+        session_dir.mkdir()
+        serving = ServingConfig(
+            model=json.loads((run / "run.json").read_text())["model"]["dir"],
+            kv_connector=kv_connector,
+        )
+        specs = place_instances(
+            TOPOLOGIES["1P+1D"],
+            serving,
+            CPU,
+            [41011, 41012],
+            session_dir / "storage",
+            (0, 1),
+            side_channel_ports=[42011, 42012] if kv_connector == "NixlConnector" else (),
+        )
+        for spec in specs:
+            command = {"name": spec.name, "argv": spec.argv(VLLM_EXECUTABLE), "env": spec.env()}
+            path = log_path_for(session_dir, spec.name).with_suffix(".cmd.json")
+            path.write_text(json.dumps(command))
+    return run

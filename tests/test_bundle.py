@@ -11,13 +11,15 @@ from pathlib import Path
 import pytest
 
 from fixtures.tiny_model import model_digest
+from harness import devices
+from harness.devices import DevicesUsed, cpu_description
 from harness.judge.compare import Verdict
 from harness.judge.guards import GuardResult
 from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
+from harness.report import bundle as bundle_module
 from harness.report.bundle import (
     REDACTED,
-    cpu_description,
     redact_argv,
     render_diff_md,
     write_bundle,
@@ -169,7 +171,7 @@ def test_run_json_records_versions_model_config_and_instances(run_dir, model_dir
 
 
 def test_run_json_records_eager_the_memory_shares_the_parser_check_and_the_vllm_tree(
-    run_dir, model_dir
+    run_dir, model_dir, monkeypatch
 ):
     from harness.spec.platforms import CPU, CUDA
     from harness.spec.settings import ProxyChoice
@@ -196,8 +198,16 @@ def test_run_json_records_eager_the_memory_shares_the_parser_check_and_the_vllm_
         proxy=proxy,
         argv_check=check,
     )
+    # A GPU host's devices may come from nvidia-smi, a process: not in a unit test
+    # (tests/test_devices.py reads a faked one).
+    monkeypatch.setattr(
+        bundle_module,
+        "run_devices",
+        lambda platform, pins, indices: DevicesUsed(platform, "GPU X", len(indices), indices, "t"),
+    )
     write_run_info(settings, (TOPOLOGIES["1E+1PD"],), SKELETON_PROMPTS[:1])
     info = json.loads((run_dir / "run.json").read_text())
+    assert info["devices_used"]["model"] == "GPU X" and info["devices_used"]["count"] == 4
     assert info["serving"]["enforce_eager"] is True
     assert info["gpu_memory_shares"] == {
         "shares": {"baseline": 0.9, "encoder": 0.01, "pd": 0.7, "prefill": 0.7, "decode": 0.7},
@@ -210,6 +220,29 @@ def test_run_json_records_eager_the_memory_shares_the_parser_check_and_the_vllm_
     cpu = dataclasses.replace(settings, platform=CPU, argv_check=None)
     write_run_info(cpu, (TOPOLOGIES["1E+1PD"],), SKELETON_PROMPTS[:1])
     assert json.loads((run_dir / "run.json").read_text())["gpu_memory_shares"] is None
+
+
+def test_run_json_verdicts_and_report_say_which_devices_computed_the_ids(run_dir, model_dir):
+    """run.json recorded the host's CPU features but not the devices a run used as one fact
+    (on GPUs no model at all), and neither verdicts.txt nor report.html said what computed
+    the ids: a red night read on another machine could not tell. On CPU, this host's own."""
+    from harness.report.run_outputs import DEVICES_LINE, VERDICTS_FILE, write_run_outputs
+
+    info = run_info(run_dir, model_dir)
+    recorded = json.loads((run_dir / "run.json").read_text())["devices_used"]
+    settings_devices = RunSettings(ServingConfig(model=str(model_dir)), run_dir).devices
+    assert recorded == devices.run_devices("cpu", False, settings_devices).to_json()
+    cpu = devices.host_cpu()
+    if cpu is not None:  # Linux: observable here
+        assert recorded["model"] == cpu["model"] and recorded["source"] == "/proc/cpuinfo"
+        assert recorded["amx"] is ("amx_tile" in cpu["features"])
+    assert recorded["count"] == len(settings_devices)
+    line = DevicesUsed.from_json(recorded).describe()
+    records, _ = sample_run()
+    write_run_outputs(run_dir, records, {}, {}, info)
+    assert (run_dir / VERDICTS_FILE).read_text().splitlines()[0] == f"{DEVICES_LINE}{line}"
+    header = (run_dir / "report.html").read_text().split("</header>")[0]
+    assert f"ran on {line}" in header
 
 
 def test_cpu_description_names_the_features_that_pick_vllm_cpu_kernels():

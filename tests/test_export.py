@@ -610,7 +610,7 @@ def test_the_baseline_is_rendered_with_the_runs_flags_when_it_came_from_the_cach
     assert words[words.index("--port") + 1] == '"${BASELINE0_PORT}"'
     assert not any("transfer-config" in word for word in words)
     serve = render_serve_sh(plan)
-    assert "  baseline) ;;" not in serve and "  case|baseline) ;;" in serve
+    assert "  baseline) ;;" not in serve and "  case|reference|baseline) ;;" in serve
     probe = plan_for(write_bundle(tmp_path / "probe"), probe=UNKNOWN_UUID_PROBE)
     assert probe.baseline is None and "  case) ;;" in render_serve_sh(probe)
 

@@ -27,6 +27,7 @@ from export_bundle import PROMPT, PROMPT_IDS, REPAIR, plan_for, write_bundle
 from test_export_process import environment, export_case, run_script, run_sh
 
 from harness.cli.main import main
+from harness.devices import DevicesUsed
 from harness.errors import BadInput
 from harness.run.export_files import render_serve_sh, version_check, write_export
 from harness.run.export_issue import render_issue
@@ -426,6 +427,26 @@ def test_run_sh_version_line_compares_releases_and_builds(
     )
     assert done.returncode == 0 and done.stdout == ""
     assert ("the installed vllm is" in done.stderr) is said, done.stderr
+
+
+def test_issue_and_expected_json_name_the_gpu_model_driver_and_cuda(tmp_path: Path) -> None:
+    """ISSUE.md said "GPU model not recorded" and expected.json's `where` the same: a
+    developer whose ids differ could not tell another GPU model, driver or CUDA from the bug.
+    run.json's `devices_used` (harness.devices, read from nvidia-smi on the recording host)
+    now reaches both."""
+    run = gpu_bundle(tmp_path)
+    info = json.loads((run / "run.json").read_text())
+    used = DevicesUsed(
+        "cuda", "NVIDIA H100 80GB HBM3", 8, tuple(range(8)), "nvidia-smi", "550.54.15", "12.4"
+    )
+    info["devices_used"] = used.to_json()
+    (run / "run.json").write_text(json.dumps(info))
+    plan = plan_for(run)
+    line = "cuda: 8 x NVIDIA H100 80GB HBM3 (GPUs 0,1,2,3,4,5,6,7; driver 550.54.15, CUDA 12.4)"
+    environment_section = render_issue(plan).split("## Environment")[1].split("## What")[0]
+    assert f"- Devices: {line}" in environment_section, environment_section
+    assert "not recorded" not in environment_section
+    assert line in plan.expected["recorded"]["where"]
 
 
 def test_issue_of_a_dev_build_says_which_commit_and_gpu(tmp_path: Path) -> None:

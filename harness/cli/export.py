@@ -83,6 +83,12 @@ def command_export(args: argparse.Namespace) -> int:
     print(f"epd-harness export: {title(plan)}")
     print(f"epd-harness export: {out} ({len(written)} files, {size / 1e6:.1f} MB)")
     print(f"epd-harness export: reproduce with: bash {out}/run.sh (report draft: ISSUE.md)")
+    if plan.reference is not None:
+        name = "the monolithic baseline" if plan.baseline else plan.reference.name
+        print(
+            f"epd-harness export: on another machine: bash {out}/run.sh reference (serves "
+            f"{name} there first and judges the case against its answer)"
+        )
     return EXIT_OK
 
 

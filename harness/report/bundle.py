@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fixtures.tiny_model import model_digest
+from harness.devices import host_cpu, run_devices
 from harness.files import write_text_atomic
 from harness.judge.records import CaseRecord
 from harness.redact import MIN_SCRUBBED_LEN, REDACTED, redact_argv, redact_env, secret_values
@@ -46,12 +47,6 @@ JUNIT_XML = "junit.xml"
 # Import names whose distribution and version run.json records. Read from package metadata:
 # importing vllm takes seconds and may initialise a device.
 VERSIONED_PACKAGES = ("vllm", "torch", "transformers", "harness")
-# CPU features that pick vLLM-CPU's kernels, so two runs on "the same kind" of machine can be
-# told apart: on AMX hosts the attention kernel takes its AMX path, whose first use in a process
-# dies with SIGILL unless something already asked the kernel for AMX tile permission
-# (docs/connectors.md, NIXL on an AMX host).
-CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
-CPUINFO = Path("/proc/cpuinfo")
 
 # XML 1.0 forbids most control characters (an error's log tail may hold any).
 _XML_INVALID = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
@@ -172,7 +167,7 @@ def collect_run_info(
         "harness_packages": package_versions(),
         "python": sys.version,
         "platform": platform.platform(),
-        "cpu": _host_cpu(),
+        "cpu": host_cpu(),
         "hostname": socket.gethostname(),
         "harness_argv": redact_argv(sys.argv),
         "model": {
@@ -185,6 +180,12 @@ def collect_run_info(
         "launcher": settings.launcher.to_json(),
         "stream": settings.stream,
         "devices": list(settings.devices),
+        # What those devices are: the model, how many, driver / CUDA, AMX (harness.devices).
+        "devices_used": run_devices(
+            settings.platform.name,
+            settings.platform.device_env_var is not None,
+            settings.devices,
+        ).to_json(),
         # Each role's --gpu-memory-utilization and the rule for shared devices (GPU platforms).
         "gpu_memory_shares": gpu_memory_policy(settings.platform),
         # Every vllm serve command line, judged by the served vLLM's own parser beforehand.
@@ -199,26 +200,6 @@ def collect_run_info(
         ],
         "prompts": [_prompt_json(p) for p in prompts],
     }
-
-
-def cpu_description(cpuinfo: str) -> dict[str, Any]:
-    """The first processor's model name and which of CPU_FEATURES it has, from /proc/cpuinfo."""
-    model, flags = None, set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and model is None:
-            model = value.strip()
-        elif key == "flags" and not flags:
-            flags = set(value.split())
-    return {"model": model, "features": [f for f in CPU_FEATURES if f in flags]}
-
-
-def _host_cpu() -> dict[str, Any] | None:
-    try:
-        return cpu_description(CPUINFO.read_text(encoding="utf-8", errors="replace"))
-    except OSError:
-        return None  # not Linux: nothing to read
 
 
 def instance_commands(run_dir: Path) -> dict[str, dict[str, Any]]:

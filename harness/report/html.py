@@ -17,6 +17,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from harness.devices import describe_devices
 from harness.files import write_text_atomic
 from harness.judge.records import CaseRecord, Verdict
 from harness.report.text import describe_baseline_sources, drift_summary
@@ -164,6 +165,9 @@ def _meta_line(run_info: Mapping[str, Any]) -> str:
             + (f" (sha256 <code>{escape(digest[:12])}</code>)" if digest else "")
         )
     meta += _served(run_info)
+    devices = describe_devices(run_info.get("devices_used"))
+    if devices:
+        meta.append(f"ran on {escape(devices)}")
     meta += [escape(str(run_info[key])) for key in ("hostname", "created") if run_info.get(key)]
     return f'<p class="meta">{" · ".join(meta)}</p>' if meta else ""
 

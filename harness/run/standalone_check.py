@@ -5,13 +5,21 @@ with the expected ones, and name any instance that died.
 `epd-harness export` copies this file into the export as `check.py`; there it runs without the
 harness, on the Python standard library alone, while `serve.sh` serves (`run.sh` does both):
 
-    python3 check.py [--state DIR]
+    python3 check.py [--state DIR] [--save-reference FILE | --reference FILE]
 
 It reads `request.json` (the body exactly as the harness sent it, media inlined; a streamed
 one's answer is read from its events) and
 `expected.json` (the case's reference's ids, or for a probe what the instance should do)
 beside it, and `DIR/endpoints.tsv`, which `serve.sh` writes once everything is healthy (the
 entry URL, every instance's URL, process id and log).
+
+`run.sh reference` runs it twice. While `serve.sh reference` serves the case's reference
+(the monolithic baseline, or an exact reference such as 1P+1D), `--save-reference FILE`
+keeps that answer's ids and log-probs in FILE (and says whether the recorded ids hold here).
+While `serve.sh` serves the case, `--reference FILE` judges the case against the answer in
+FILE, under the run's policy and noise floor from expected.json, and exits with that
+judgment's code; it also says how the case compares with the recorded ids. On another GPU
+model, driver or CUDA the recorded ids may not hold; the reference served here does.
 
 Token ids are judged as the harness judges them (its harness/judge/compare.py, restated here
 in a few lines): a first difference in the generated ids is DRIFT, numeric noise, when the
@@ -367,6 +375,18 @@ def read_endpoints(state_dir: Path) -> Endpoints:
     return Endpoints(mode, entry, instances)
 
 
+@dataclass(frozen=True)
+class Judgment:
+    """One answer judged: the verdict, check.py's exit code, the evidence, and the answer read
+    (None where it could not be: an error, a probe)."""
+
+    verdict: str
+    code: int
+    detail: str
+    response: dict[str, Any] | None = None
+    broken: str | None = None  # what was wrong with a streamed answer's framing
+
+
 def judge(
     expected: dict[str, Any],
     answer: Answer,
@@ -376,39 +396,60 @@ def judge(
 ) -> tuple[str, int, str]:
     """(verdict, exit code, evidence) for one answer (`streamed`: server-sent events); the
     instances are checked afterwards."""
+    judged = judgment(expected, answer, instances, state_dir, streamed)
+    return judged.verdict, judged.code, judged.detail
+
+
+def judgment(
+    expected: dict[str, Any],
+    answer: Answer,
+    instances: list[Instance],
+    state_dir: Path,
+    streamed: bool = False,
+) -> Judgment:
+    """`judge`, keeping the answer read, which `--save-reference` stores and `--reference`
+    compares a second time (with the recorded ids)."""
     grace = DEATH_GRACE_S if answer.status != 200 else 0.0
     dead = dead_instances(instances, state_dir, grace)
     if dead:
         cause = f"{answer.headline()}\n" + "\n".join(dead)
         names = ", ".join(r.split(" ", 1)[0] for r in dead)
-        return "ERROR", EXIT_ERROR, f"{names} died during the request\n{cause}"
+        return Judgment("ERROR", EXIT_ERROR, f"{names} died during the request\n{cause}")
     if expected["check"] == "refused-and-alive":
         target = expected["send_to"]
         if answer.status is not None and 400 <= answer.status < 500:
-            return (
+            return Judgment(
                 "MATCH",
                 EXIT_MATCH,
                 f"{target} refused the request and keeps serving: {answer.headline()}",
             )
         if answer.status == 200:
-            return (
+            return Judgment(
                 "MISMATCH",
                 EXIT_DIFFERENCE,
                 f"{target} answered a request it cannot serve: {answer.headline()}",
             )
-        return "ERROR", EXIT_ERROR, answer.headline()
+        return Judgment("ERROR", EXIT_ERROR, answer.headline())
     if answer.status != 200:
-        return "ERROR", EXIT_ERROR, answer.headline()
+        return Judgment("ERROR", EXIT_ERROR, answer.headline())
     broken = None
     if streamed:
         response, broken = read_stream(answer.text)
         if response is None:
-            return "ERROR", EXIT_ERROR, f"{broken}; {answer.headline()}"
+            return Judgment("ERROR", EXIT_ERROR, f"{broken}; {answer.headline()}")
     else:
         try:
             response = json.loads(answer.text)
         except ValueError:
-            return "ERROR", EXIT_ERROR, f"the answer is not JSON: {answer.text[:300]}"
+            return Judgment("ERROR", EXIT_ERROR, f"the answer is not JSON: {answer.text[:300]}")
+    return Judgment(*tokens_verdict(expected, response, broken), response, broken)
+
+
+def tokens_verdict(
+    expected: dict[str, Any], response: dict[str, Any], broken: str | None = None
+) -> tuple[str, int, str]:
+    """(verdict, exit code, evidence) of an answer's ids against `expected`'s, DRIFT passing
+    or not as its policy says; `broken`: a streamed answer's framing was wrong (a MISMATCH)."""
     verdict, difference = compare_tokens(expected, response)
     if broken is not None:
         return "MISMATCH", EXIT_DIFFERENCE, "; ".join(filter(None, (broken, difference)))
@@ -429,6 +470,48 @@ def judge(
     )
 
 
+REFERENCE_FIELDS = ("prompt_token_ids", "token_ids", "top_logprobs", "token_logprobs")
+
+
+def reference_answer(response: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """What `--save-reference` keeps of the reference's answer: its ids and log-probs in
+    expected.json's shape; None for an answer without ids."""
+    try:
+        prompt_ids = [int(t) for t in response["prompt_token_ids"]]
+        token_ids = [int(t) for t in response["choices"][0]["token_ids"]]
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+    return {
+        "reference": name,
+        "prompt_token_ids": prompt_ids,
+        "token_ids": token_ids,
+        "top_logprobs": [top_logprobs(response, i) for i in range(len(token_ids))],
+        "token_logprobs": [chosen_logprob(response, i) for i in range(len(token_ids))],
+    }
+
+
+def read_reference(path: Path, expected: dict[str, Any]) -> dict[str, Any]:
+    """expected.json with the ids and log-probs of the reference answer `path` holds (its
+    policy, noise floor and what it judges kept): what `--reference` judges the case by.
+    ValueError naming what is wrong."""
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(saved, dict) or any(
+        not isinstance(saved.get(key), list) for key in REFERENCE_FIELDS
+    ):
+        raise ValueError(f"{path} holds no reference answer ({', '.join(REFERENCE_FIELDS)})")
+    if saved.get("reference") != expected.get("reference"):
+        raise ValueError(
+            f"{path} is {saved.get('reference')!r}'s answer, the case's reference is "
+            f"{expected.get('reference')!r}"
+        )
+    return {**expected, **{key: saved[key] for key in REFERENCE_FIELDS}}
+
+
+def reference_name(expected: dict[str, Any]) -> str:
+    reference = expected.get("reference") or "the reference"
+    return "the monolithic baseline" if reference == "baseline" else str(reference)
+
+
 def main(argv: list[str] | None = None) -> int:
     here = Path(__file__).resolve().parent
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -436,11 +519,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--state", type=Path, default=work / "state", help="serve.sh's state directory"
     )
+    keep = parser.add_mutually_exclusive_group()
+    keep.add_argument(
+        "--save-reference",
+        type=Path,
+        metavar="FILE",
+        help="(serve.sh reference serving) keep the reference's answer in FILE",
+    )
+    keep.add_argument(
+        "--reference",
+        type=Path,
+        metavar="FILE",
+        help="(serve.sh serving the case) judge the case against the answer FILE holds",
+    )
     args = parser.parse_args(argv)
     try:
         body = json.loads((here / "request.json").read_text(encoding="utf-8"))
         expected = json.loads((here / "expected.json").read_text(encoding="utf-8"))
         endpoints = read_endpoints(args.state)
+        if (args.save_reference or args.reference) and expected.get("check") != "tokens":
+            raise ValueError("this export checks no token ids: it has no reference to keep")
+        serving_reference = endpoints.mode in ("reference", "baseline")
+        if args.save_reference and not serving_reference:
+            raise ValueError("--save-reference: serve.sh serves the case, not the reference")
+        if args.reference and serving_reference:
+            raise ValueError("--reference: serve.sh serves the reference, not the case")
+        fresh = read_reference(args.reference, expected) if args.reference else None
     except (OSError, ValueError, KeyError) as exc:
         print(f"check.py: error: cannot run: {exc} (is serve.sh serving?)", file=sys.stderr)
         return EXIT_ERROR
@@ -452,25 +556,40 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_ERROR
         target = named[0]
     url = f"{target}/v1/chat/completions"
+    reference = reference_name(expected)
     print(f"check.py: {expected['what']}")
-    if endpoints.mode == "baseline":
-        print("check.py: sent to the monolithic reference: do the expected ids hold here?")
+    if serving_reference:
+        print(f"check.py: sent to {reference}, served here: do the expected ids hold here?")
     print(f"check.py: POST {url}")
     answer = post_json(url, body, float(expected.get("timeout_s", 600)))
     streamed = bool(body.get("stream"))
-    verdict, code, detail = judge(expected, answer, endpoints.instances, args.state, streamed)
-    print(f"{verdict}: {detail}")
+    judged = judgment(fresh or expected, answer, endpoints.instances, args.state, streamed)
+    verdict, code = judged.verdict, judged.code
+    against = f"against {reference}'s answer produced here: " if fresh else ""
+    print(f"{against}{verdict}: {judged.detail}")
     recorded = expected.get("recorded") or {}
-    if endpoints.mode == "baseline":
+    if fresh is not None and judged.response is not None:
+        own, _, detail = tokens_verdict(expected, judged.response, judged.broken)
+        print(f"against the recorded ids of {reference}: {own}: {detail}")
+    if serving_reference:
         holds = "hold" if code == EXIT_MATCH else "do NOT hold"
-        print(f"check.py: the expected ids {holds} on this machine's monolithic vLLM")
+        where = "monolithic vLLM" if expected.get("reference") == "baseline" else reference
+        print(f"check.py: the expected ids {holds} on this machine's {where}")
+        if args.save_reference:
+            kept = judged.response and reference_answer(judged.response, expected["reference"])
+            if not kept:
+                print(f"check.py: {reference} gave no ids to keep", file=sys.stderr)
+                return EXIT_ERROR
+            args.save_reference.write_text(json.dumps(kept) + "\n", encoding="utf-8")
+            print(f"check.py: {reference}'s answer kept in {args.save_reference}")
     elif recorded.get("verdict"):
         same = "reproduced" if recorded["verdict"] == verdict else "NOT reproduced"
         source = recorded.get("source", "the harness")
-        print(f"check.py: {source} recorded {recorded['verdict']}: {same}")
-    if recorded.get("where") and verdict != "ERROR":
-        here = " (`bash run.sh baseline` checks them here)" if endpoints.mode == "case" else ""
-        if expected.get("reference") != "baseline":
+        vs = f" (against {reference} served here)" if fresh else ""
+        print(f"check.py: {source} recorded {recorded['verdict']}: {same}{vs}")
+    if recorded.get("where") and verdict != "ERROR" and fresh is None:
+        here = " (`bash run.sh reference` checks the case against it served here)"
+        if serving_reference:
             here = ""
         print(
             f"check.py: the expected ids were recorded on {recorded['where']}; another GPU "

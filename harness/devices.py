@@ -1,0 +1,274 @@
+"""What devices this host has, read once for everything that records or keys them.
+
+Two readers need the same facts and must not disagree: the baseline cache key
+(`harness.run.baseline_launch.device_model`: a cache directory shared between hosts must not
+hand one GPU model's answers to another) and run.json's `devices_used` (`run_devices`: a
+reader of a red night's bundle, or of an export's ISSUE.md, must see which GPU model, driver
+and CUDA computed the ids, since another GPU can give other ids by itself). Both read here.
+
+Where the facts come from: on CPU `/proc/cpuinfo` (the first processor's model name and the
+features vLLM-CPU's kernels are picked by, `amx_tile` among them: an AMX host takes another
+attention kernel); on cuda the driver's `/proc/driver/nvidia` files, else `nvidia-smi`; on xpu
+each display device's PCI ids in sysfs. What cannot be read is None, never guessed.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CPUINFO = Path("/proc/cpuinfo")
+# CPU features that pick vLLM-CPU's kernels, so two runs on "the same kind" of machine can be
+# told apart: on AMX hosts the attention kernel takes its AMX path, whose first use in a process
+# dies with SIGILL unless something already asked the kernel for AMX tile permission
+# (docs/connectors.md, NIXL on an AMX host).
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+AMX_FLAG = "amx_tile"
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
+NVIDIA_VERSION = Path("/proc/driver/nvidia/version")
+DRM_CARDS = Path("/sys/class/drm")
+DEVICE_PROBE_TIMEOUT_S = 10.0
+NVIDIA_SMI = "nvidia-smi"
+# `NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 ...`
+KERNEL_MODULE_VERSION = re.compile(r"Kernel Module\s+(?P<version>[0-9][0-9.]*)")
+# nvidia-smi's header: `| NVIDIA-SMI 550.54.15   Driver Version: 550.54.15   CUDA Version: 12.4 |`
+CUDA_VERSION = re.compile(r"CUDA Version:\s*(?P<version>[0-9][0-9.]*)")
+
+
+def cpu_description(cpuinfo: str) -> dict[str, Any]:
+    """The first processor's model name and which of CPU_FEATURES it has, from /proc/cpuinfo."""
+    model, flags = None, set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model is None:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    return {"model": model, "features": [f for f in CPU_FEATURES if f in flags]}
+
+
+def host_cpu() -> dict[str, Any] | None:
+    """`cpu_description` of this host; None where there is no /proc/cpuinfo (not Linux)."""
+    try:
+        return cpu_description(CPUINFO.read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One NVIDIA GPU as nvidia-smi lists it (index None: read from the driver's files, which
+    do not say which index it has)."""
+
+    index: int | None
+    model: str
+    driver: str | None = None
+
+
+def _run_nvidia_smi(*args: str) -> str | None:
+    """nvidia-smi's output, or None where it is absent, fails or hangs."""
+    if shutil.which(NVIDIA_SMI) is None:
+        return None
+    try:
+        done = subprocess.run(
+            [NVIDIA_SMI, *args],
+            capture_output=True,
+            text=True,
+            timeout=DEVICE_PROBE_TIMEOUT_S,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def proc_nvidia_models() -> list[str]:
+    """Every NVIDIA GPU's model as the driver's /proc files name them ([] without them)."""
+    models = []
+    for information in sorted(NVIDIA_GPUS.glob("*/information")):
+        for line in information.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "Model":
+                models.append(value.strip())
+    return models
+
+
+def smi_gpus() -> list[Gpu]:
+    """Every GPU nvidia-smi lists, with its index, model and driver version."""
+    listed = _run_nvidia_smi("--query-gpu=index,name,driver_version", "--format=csv,noheader")
+    gpus = []
+    for line in (listed or "").splitlines():
+        fields = [field.strip() for field in line.split(",")]
+        if len(fields) == 3 and fields[0].isdigit() and fields[1]:
+            gpus.append(Gpu(int(fields[0]), fields[1], fields[2] or None))
+    return gpus
+
+
+def nvidia_models() -> list[str]:
+    """Every NVIDIA GPU model on this host: the driver's /proc files, else nvidia-smi."""
+    models = proc_nvidia_models()
+    if models:
+        return sorted(set(models))
+    return sorted({gpu.model for gpu in smi_gpus()})
+
+
+def drm_devices() -> list[str]:
+    """Every display device's PCI vendor:device id (an XPU's model), from sysfs."""
+    found = set()
+    for card in DRM_CARDS.glob("card[0-9]*/device"):
+        try:
+            vendor = (card / "vendor").read_text().strip()
+            device = (card / "device").read_text().strip()
+        except OSError:
+            continue
+        found.add(f"{vendor}:{device}")
+    return sorted(found)
+
+
+def device_model(platform: str, pins_devices: bool) -> str:
+    """The platform and this host's device model, as the baseline cache key holds it:
+    "cpu: AMD EPYC 7B13 (avx2)", "cuda: NVIDIA H100 80GB HBM3"; "<platform>: unknown" where it
+    cannot be read. `pins_devices`: the platform pins instances to devices (not CPU)."""
+    if not pins_devices:
+        cpu = host_cpu()
+        if cpu is None:
+            return f"{platform}: unknown"
+        features = ", ".join(cpu["features"]) or "none of the kernel features"
+        return f"{platform}: {cpu['model'] or 'unknown'} ({features})"
+    models = nvidia_models() if platform == "cuda" else drm_devices()
+    return f"{platform}: {'; '.join(models) if models else 'unknown'}"
+
+
+@dataclass(frozen=True)
+class DevicesUsed:
+    """The devices a run used, as run.json records them (`devices_used`): the model (several
+    joined by '; ' when they differ), how many, which, and what the platform tells of its
+    driver and CUDA (GPUs) or of AMX (CPUs). None where the host does not say."""
+
+    platform: str
+    model: str | None
+    count: int
+    indices: tuple[int, ...]
+    source: str  # where it was read: "nvidia-smi", "/proc/driver/nvidia", "/proc/cpuinfo", ...
+    driver: str | None = None
+    cuda: str | None = None
+    amx: bool | None = None
+    features: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "platform": self.platform,
+            "model": self.model,
+            "count": self.count,
+            "indices": list(self.indices),
+            "source": self.source,
+            "driver": self.driver,
+            "cuda": self.cuda,
+            "amx": self.amx,
+            "features": list(self.features),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> DevicesUsed:
+        return cls(
+            platform=str(data.get("platform", "?")),
+            model=data.get("model"),
+            count=int(data.get("count") or 0),
+            indices=tuple(data.get("indices") or ()),
+            source=str(data.get("source", "?")),
+            driver=data.get("driver"),
+            cuda=data.get("cuda"),
+            amx=data.get("amx"),
+            features=tuple(data.get("features") or ()),
+        )
+
+    def describe(self) -> str:
+        """One line: "cuda: 2 x NVIDIA H100 80GB HBM3 (GPUs 4,5; driver 550.54.15, CUDA
+        12.4)", "cpu: AMD EPYC 7B13, 2 cores (0,1), no AMX"."""
+        which = ",".join(str(i) for i in self.indices) or "?"
+        if self.platform == "cpu":
+            amx = {True: "AMX", False: "no AMX", None: "AMX unknown"}[self.amx]
+            cores = "core" if self.count == 1 else "cores"
+            model = self.model or "CPU model unknown"
+            return f"cpu: {model}, {self.count} {cores} ({which}), {amx}"
+        kind = "GPU" if self.platform == "cuda" else "device"
+        model = self.model or f"{kind} model unknown"
+        versions = [f"driver {self.driver}"] if self.driver else []
+        versions += [f"CUDA {self.cuda}"] if self.cuda else []
+        detail = f"{kind}s {which}" + (f"; {', '.join(versions)}" if versions else "")
+        return f"{self.platform}: {self.count} x {model} ({detail})"
+
+
+def describe_devices(recorded: Mapping[str, Any] | None) -> str | None:
+    """`DevicesUsed.describe` of run.json's `devices_used`; None for a run that did not record
+    it (bundles written before it was)."""
+    if not isinstance(recorded, Mapping):
+        return None
+    return DevicesUsed.from_json(recorded).describe()
+
+
+def run_devices(platform: str, pins_devices: bool, indices: Sequence[int]) -> DevicesUsed:
+    """The devices a run on `platform` uses (`indices`: its --devices; CPU cores on CPU)."""
+    indices = tuple(indices)
+    if not pins_devices:
+        cpu = host_cpu()
+        if cpu is None:
+            return DevicesUsed(platform, None, len(indices), indices, f"none (no {CPUINFO})")
+        features = tuple(cpu["features"])
+        return DevicesUsed(
+            platform,
+            cpu["model"],
+            len(indices),
+            indices,
+            str(CPUINFO),
+            amx=AMX_FLAG in features,
+            features=features,
+        )
+    if platform == "cuda":
+        return _cuda_devices(indices)
+    models = drm_devices()
+    return DevicesUsed(
+        platform, "; ".join(models) or None, len(indices), indices, f"{DRM_CARDS} (PCI ids)"
+    )
+
+
+def _cuda_devices(indices: tuple[int, ...]) -> DevicesUsed:
+    """nvidia-smi's listing of the GPUs at `indices` (its index is what --devices names), and
+    its CUDA version; else the driver's /proc files, which name every GPU's model without
+    its index."""
+    listed = smi_gpus()
+    used = [gpu for gpu in listed if gpu.index in indices]
+    if used:
+        header = _run_nvidia_smi() or ""
+        cuda = CUDA_VERSION.search(header)
+        drivers = sorted({gpu.driver for gpu in used if gpu.driver})
+        return DevicesUsed(
+            "cuda",
+            "; ".join(sorted({gpu.model for gpu in used})),
+            len(indices),
+            indices,
+            NVIDIA_SMI,
+            driver="; ".join(drivers) or None,
+            cuda=cuda["version"] if cuda else None,
+        )
+    models = proc_nvidia_models()
+    driver = None
+    try:
+        found = KERNEL_MODULE_VERSION.search(NVIDIA_VERSION.read_text(errors="replace"))
+        driver = found["version"] if found else None
+    except OSError:
+        pass
+    source = str(NVIDIA_GPUS.parent) if models else "none (no nvidia-smi, no driver files)"
+    return DevicesUsed(
+        "cuda",
+        "; ".join(sorted(set(models))) or None,
+        len(indices),
+        indices,
+        source,
+        driver=driver,
+    )

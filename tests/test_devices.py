@@ -1,0 +1,114 @@
+"""The one reader of the host's devices (`harness.devices`): what run.json's `devices_used`
+records (model, count, driver, CUDA; on CPU the model and AMX) and the baseline cache key's
+device model, read the same way. A GPU is faked as the rest of the suite fakes one: an
+`nvidia-smi` on PATH that answers the queries the reader makes (a process: this module runs
+tools, so it is a `check` test)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness import devices
+from harness.run import baseline_launch
+from harness.spec.platforms import CUDA
+
+pytestmark = pytest.mark.check
+
+LISTING = "0, NVIDIA A100-SXM4-80GB, 550.54.15\n1, NVIDIA H100 80GB HBM3, 550.54.15\n"
+HEADER = (
+    "+-----------------------------------------------------------------------------+\n"
+    "| NVIDIA-SMI 550.54.15   Driver Version: 550.54.15   CUDA Version: 12.4      |\n"
+)
+
+
+@pytest.fixture
+def fake_gpu_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An nvidia-smi on PATH listing two GPUs of two models; no driver /proc files."""
+    tool = tmp_path / "bin" / "nvidia-smi"
+    tool.parent.mkdir()
+    calls = tmp_path / "calls"
+    tool.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {calls}\n'
+        'case "$1" in\n'
+        f"  --query-gpu=index,name,driver_version) printf '{LISTING}' ;;\n"
+        "  --query-gpu=name) printf 'NVIDIA A100-SXM4-80GB\\nNVIDIA H100 80GB HBM3\\n' ;;\n"
+        f"  '') printf '{HEADER}' ;;\n"
+        "  *) exit 6 ;;\n"
+        "esac\n"
+    )
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tool.parent}:/usr/bin:/bin")
+    monkeypatch.setattr(devices, "NVIDIA_GPUS", tmp_path / "no-driver-files")
+    monkeypatch.setattr(devices, "NVIDIA_VERSION", tmp_path / "no-driver-version")
+    return calls
+
+
+def test_a_cuda_run_records_the_model_count_driver_and_cuda_of_its_gpus(fake_gpu_host):
+    used = devices.run_devices("cuda", True, (1,))
+    assert used.to_json() == {
+        "platform": "cuda",
+        "model": "NVIDIA H100 80GB HBM3",  # GPU 1's, not GPU 0's
+        "count": 1,
+        "indices": [1],
+        "source": "nvidia-smi",
+        "driver": "550.54.15",
+        "cuda": "12.4",
+        "amx": None,
+        "features": [],
+    }
+    assert used.describe() == (
+        "cuda: 1 x NVIDIA H100 80GB HBM3 (GPUs 1; driver 550.54.15, CUDA 12.4)"
+    )
+    both = devices.run_devices("cuda", True, (0, 1))
+    assert (both.count, both.model) == (2, "NVIDIA A100-SXM4-80GB; NVIDIA H100 80GB HBM3")
+
+
+def test_the_cache_key_reads_the_same_gpus_through_the_same_reader(fake_gpu_host):
+    baseline_launch.device_model.cache_clear()
+    try:
+        key = baseline_launch.device_model(CUDA)
+    finally:
+        baseline_launch.device_model.cache_clear()
+    assert key == "cuda: NVIDIA A100-SXM4-80GB; NVIDIA H100 80GB HBM3"
+
+
+def test_without_nvidia_smi_the_driver_files_give_model_and_driver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    gpus = tmp_path / "nvidia" / "gpus"
+    (gpus / "0000:01:00.0").mkdir(parents=True)
+    (gpus / "0000:01:00.0" / "information").write_text("Model: \t\t NVIDIA L4\nIRQ: 1\n")
+    version = tmp_path / "nvidia" / "version"
+    version.write_text(
+        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.161.08  Sat Feb 17 2024\n"
+    )
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(devices, "NVIDIA_GPUS", gpus)
+    monkeypatch.setattr(devices, "NVIDIA_VERSION", version)
+    used = devices.run_devices("cuda", True, (0,))
+    assert (used.model, used.driver, used.cuda) == ("NVIDIA L4", "535.161.08", None)
+    assert used.describe() == "cuda: 1 x NVIDIA L4 (GPUs 0; driver 535.161.08)"
+    monkeypatch.setattr(devices, "NVIDIA_GPUS", tmp_path / "none")
+    monkeypatch.setattr(devices, "NVIDIA_VERSION", tmp_path / "none")
+    assert devices.run_devices("cuda", True, (0,)).describe() == (
+        "cuda: 1 x GPU model unknown (GPUs 0)"
+    )
+
+
+@pytest.mark.parametrize("flags, amx", [("avx2 avx512f amx_bf16 amx_tile", True), ("avx2", False)])
+def test_a_cpu_run_records_the_cpu_model_and_whether_it_has_amx(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: str, amx: bool
+):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: fpu {flags}\n")
+    monkeypatch.setattr(devices, "CPUINFO", cpuinfo)
+    used = devices.run_devices("cpu", False, (0, 1))
+    assert (used.model, used.count, used.amx) == ("Some Xeon", 2, amx)
+    assert used.describe() == f"cpu: Some Xeon, 2 cores (0,1), {'AMX' if amx else 'no AMX'}"
+    assert ("amx_tile" in used.features) is amx
+    again = devices.DevicesUsed.from_json(json.loads(json.dumps(used.to_json())))
+    assert again == used
