@@ -105,9 +105,9 @@ def test_a_command_the_marker_does_not_declare_is_refused() -> None:
     with pytest.raises(ValueError, match="'fuzz' is not among the commands"):
         own(commands=("run",)).args("fuzz")
     with pytest.raises(ValueError, match="not 'serve'"):
-        commands_of(("run", "serve"), "scenarios/test_x.py::test_y")
+        commands_of(("run", "serve"), "test_x.py::test_y")
     with pytest.raises(ValueError, match="not none"):
-        commands_of((), "scenarios/test_x.py::test_y")
+        commands_of((), "test_x.py::test_y")
 
 
 def test_a_session_option_a_command_would_ignore_refuses_the_item() -> None:
