@@ -1,10 +1,12 @@
 """The exports of the vLLM bugs the harness found (docs/found-in-vllm.md) reproduce them with
 vLLM alone.
 
-One harness run through vLLM's own proxy records three matrix scenarios: the media in D's
-recomputed tail (ERROR: D dies), JPEG-frame video at the default fps (MISMATCH) and the same
-frames at 2 fps (MATCH: the control, without which an export that always fails would look
-right). Each case is exported, copied to a scratch directory and run there by its own
+Harness runs through vLLM's own proxy record three matrix scenarios: the media in D's
+recomputed tail (ERROR: D dies; under ExampleConnector only, as NIXL hands D the whole prompt),
+JPEG-frame video at the default fps (MISMATCH) and the same frames at 2 fps (MATCH: the
+control, without which an export that always fails would look right). One run per topology's
+xdist group (1E+1P+1D, 1E+1PD), on the session's options and the devices its plan gives that
+group; on GPUs run.sh gets those devices as DEVICES, leased as the pool leases them. Each case is exported, copied to a scratch directory and run there by its own
 `run.sh`, with a `PYTHONPATH` whose `harness` raises on import (so no process of the export can
 use the harness) and check.py's exit code and evidence asserted; so is the unknown-uuid probe
 (one request to D kills it). Afterwards nothing the export started may be running.
@@ -25,16 +27,19 @@ import pytest
 
 from harness.cli.main import main
 
-# Its run and the exports start topologies of their own, with the CLI's (cpu) defaults.
-pytestmark = [pytest.mark.e2e, pytest.mark.own_instances]
+# Its runs and the exports start topologies of their own (epd_own_instances).
+pytestmark = [pytest.mark.e2e, pytest.mark.own_instances("run", "export")]
 
-SCENARIOS = (
-    "epd-media-in-decode-tail",
-    "ec-video-jpeg-frames-default-fps",
-    "ec-video-jpeg-frames-at-2-fps",
-)
+# The scenarios each recorded run holds, by the topology they run on.
+SCENARIOS = {
+    "1E+1P+1D": ("epd-media-in-decode-tail",),
+    "1E+1PD": ("ec-video-jpeg-frames-default-fps", "ec-video-jpeg-frames-at-2-fps"),
+}
 RUN_TIMEOUT_S = 1800
 MISSING_EMBEDDINGS = "Expected number of multimodal embeddings to match number of input items"
+# The decode-tail case is red under ExampleConnector only: NIXL hands D the whole prompt's KV
+# (its scenario's `expect_by_kv_connector`), so there is no failing case to export.
+EXAMPLE_ONLY = ("example",)
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,19 @@ class Repro:
     probe: str | None
     exit_code: int
     evidence: tuple[str, ...]
+    kv_connectors: tuple[str, ...] = ()  # those it applies to (empty: every one)
+
+    @property
+    def topology(self) -> str:
+        return self.case.split(":", 1)[0]
+
+    def param(self):
+        marks = [pytest.mark.epd_topology(self.topology)]
+        if self.kv_connectors:
+            marks.append(pytest.mark.kv_connector(*self.kv_connectors))
+        return pytest.param(
+            self, marks=marks, id=f"{self.case}{'-' + self.probe if self.probe else ''}"
+        )
 
 
 REPROS = (
@@ -55,12 +73,14 @@ REPROS = (
             MISSING_EMBEDDINGS,
             "recorded ERROR: reproduced",
         ),
+        EXAMPLE_ONLY,
     ),
     Repro(
         "1E+1P+1D:m-image-short-text",
         "unknown-uuid",
         2,
         ("ERROR: decode0 died during the request", MISSING_EMBEDDINGS, "HTTP 500"),
+        EXAMPLE_ONLY,
     ),
     Repro(
         "1E+1PD:m-video-jpeg-frames",
@@ -72,26 +92,30 @@ REPROS = (
 )
 
 
-@pytest.fixture(scope="module")
-def recorded_run(epd_run_dir: Path, epd_settings) -> Path:
-    """The harness's run of the three scenarios through vLLM's proxy, each as declared."""
-    bundle = epd_run_dir / "export-sources"
+RECORDED: dict[str, Path] = {}  # topology -> its recorded run, once per session
+
+
+def recorded_run(topology: str, epd_run_dir: Path, epd_settings, own) -> Path:
+    """The harness's run of `topology`'s scenarios through vLLM's proxy, each as declared."""
+    if topology in RECORDED:
+        return RECORDED[topology]
+    bundle = epd_run_dir / f"export-sources-{topology}"
     code = main(
         [
             "run",
             "--scenario",
-            ",".join(SCENARIOS),
-            "--proxy",
-            "vllm",
+            ",".join(SCENARIOS[topology]),
             "--vllm",
             epd_settings.vllm.executable,
             "--run-dir",
             str(bundle),
+            *own.args("run", proxy="vllm"),
         ]
     )
     summary = json.loads((bundle / "summary.json").read_text())
     verdicts = {f"{c['topology']}:{c['prompt']}": c["verdict"] for c in summary["cases"]}
     assert code == 0, f"the scenarios did not behave as declared: {verdicts}"
+    RECORDED[topology] = bundle
     return bundle
 
 
@@ -118,15 +142,20 @@ def processes_mentioning(text: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize(
-    "repro", REPROS, ids=lambda r: f"{r.case}{'-' + r.probe if r.probe else ''}"
-)
+@pytest.mark.parametrize("repro", [r.param() for r in REPROS])
 def test_the_export_reproduces_with_vllm_alone(
-    recorded_run: Path, epd_settings, tmp_path: Path, repro: Repro, leased_ports
+    epd_run_dir: Path,
+    epd_settings,
+    epd_own_instances,
+    tmp_path: Path,
+    repro: Repro,
+    leased_ports,
 ) -> None:
+    recorded = recorded_run(repro.topology, epd_run_dir, epd_settings, epd_own_instances)
     made = tmp_path / "made"
-    argv = ["export", str(recorded_run), "--case", repro.case, "--out", str(made)]
-    assert main([*argv, *(["--probe", repro.probe] if repro.probe else [])]) == 0
+    argv = ["export", str(recorded), "--case", repro.case, "--out", str(made)]
+    argv += ["--probe", repro.probe] if repro.probe else []
+    assert main([*argv, *epd_own_instances.args("export")]) == 0
     scratch = tmp_path / "scratch" / "export"
     shutil.copytree(made, scratch)
     shutil.rmtree(made)  # the scratch copy is all there is
@@ -140,14 +169,17 @@ def test_the_export_reproduces_with_vllm_alone(
         **dict(zip(variables, map(str, leased_ports(len(variables))))),
     }
     started = time.monotonic()
-    done = subprocess.run(
-        ["bash", "run.sh"],
-        cwd=scratch,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-    )
+    with epd_own_instances.held_devices() as devices:
+        if devices is not None:
+            env["DEVICES"] = devices  # serve.sh's devices, by position: this group's
+        done = subprocess.run(
+            ["bash", "run.sh"],
+            cwd=scratch,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+        )
     output = done.stdout + done.stderr
     print(
         f"\n[export] {repro.case} {repro.probe or ''}: exit {done.returncode} in "

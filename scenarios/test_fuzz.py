@@ -56,9 +56,9 @@ def test_a_seeded_fuzz_of_1e_1pd_finds_no_new_failure(epd_settings, epd_pool) ->
 
 
 @pytest.mark.epd_topology("1E+1PD")
-@pytest.mark.own_instances  # the CLI's fuzz, with topologies of its own
+@pytest.mark.own_instances("fuzz")  # the CLI's fuzz, with topologies of its own
 def test_fuzzing_finds_and_shrinks_a_planted_shape_dependent_fault(
-    epd_run_dir: Path, epd_cli
+    epd_run_dir: Path, epd_cli, epd_own_instances
 ) -> None:
     run_dir = epd_run_dir / "fuzz-planted"
     code, report = fuzz(
@@ -70,6 +70,7 @@ def test_fuzzing_finds_and_shrinks_a_planted_shape_dependent_fault(
         "40",
         "--plant-fault",
         "ec-swap-items",
+        *epd_own_instances.args("fuzz"),
     )
     assert code == EXIT_FAILED, report["counts"]
     # The declared video-timing failures are MISMATCHes too; the planted one is the new group.

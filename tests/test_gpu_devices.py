@@ -7,18 +7,31 @@ nothing here ran on a GPU.
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from fixtures.tiny_model import ensure_tiny_model
+from harness.environment import cache_dir
 from harness.run.fuzz.engine import FuzzEngine
 from harness.run.pool import TopologyPool
 from harness.spec.platforms import CUDA, DevicePlanError
 from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, ServingConfig
-from harness.testing.fake_vllm import fake_run_settings, logged_starts
+from harness.testing.fake_vllm import (
+    LIVE_DIR_ENV,
+    fake_run_settings,
+    install_fake_vllm,
+    logged_starts,
+)
 
 pytestmark = pytest.mark.process
 
@@ -176,3 +189,70 @@ def test_xdist_workers_place_every_topology_alike_whether_or_not_the_baseline_is
         "1P+1D": (3, 4),
         "1E+1P+1D": (5, 6, 7),
     }, placed
+
+
+SESSION_HANG_S = 300.0
+OWN_INSTANCES_SELECTION = (
+    "scenarios/test_epd_matches_baseline.py",
+    "scenarios/test_repro.py",
+    "scenarios/test_fuzz.py",
+    "scenarios/test_export_repro.py",
+)
+
+
+def test_scenarios_with_instances_of_their_own_share_eight_gpus_with_four_workers(
+    tmp_path: Path, fake_vllm_start_log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU night's shape (cuda, NIXL, four workers on eight devices) with the repro, the
+    planted fuzz and the exports beside the sweep: they were deselected on GPUs, because the
+    CLI they drive served the cpu profile on every device of its own choosing. Now each runs
+    on its xdist group's devices after that group's pool items: no device is held by two live
+    instances (each fake holds a lock per device while it lives, `LIVE_DIR_ENV`), every item
+    ends, each CLI command served cuda on its group's devices, and each topology of the pools
+    started once. The items' own verdicts are the fake's (its answers carry no evidence of a
+    transfer), so only that they ended is asserted."""
+    live = tmp_path / "live"
+    live.mkdir()
+    monkeypatch.setenv(LIVE_DIR_ENV, str(live))
+    fake = install_fake_vllm(tmp_path / "bin")
+    run_root = tmp_path / "run"
+    argv = [
+        sys.executable, "-m", "pytest", *OWN_INSTANCES_SELECTION,
+        "-m", "e2e", "-k", "text or repro or planted or export",
+        "-n", "4", "--dist", "loadgroup", "-p", "no:cacheprovider", "-p", "no:randomly",
+        "--epd-vllm", str(fake), "--epd-platform", "cuda", "--epd-devices", "0,1,2,3,4,5,6,7",
+        "--epd-model", str(ensure_tiny_model(cache_dir() / "models")),
+        "--epd-baseline-cache", str(tmp_path / "cache"), "--epd-run-dir", str(run_root),
+    ]  # fmt: skip
+    root = Path(__file__).resolve().parent.parent
+    session = subprocess.Popen(
+        argv, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        # About 30 s here; a pool left holding the devices its CLI leases hung for ever.
+        out, _ = session.communicate(timeout=SESSION_HANG_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(session.pid, signal.SIGKILL)
+        out, _ = session.communicate()
+        pytest.fail(f"the session did not end within {SESSION_HANG_S:.0f}s:\n{out[-4000:]}")
+    summary = out.strip().splitlines()[-1]
+    ended = sum(int(n) for n in re.findall(r"(\d+) (?:passed|failed|error)", summary))
+    assert ended == 7, out[-4000:]  # 3 sweep cases, repro, fuzz, 2 exports (NIXL)
+    starts = logged_starts(fake_vllm_start_log)
+    assert [s for s in starts if s["shared"]] == [], "a device held by two live instances"
+    # Each command an item ran served cuda on its group's devices: 1E+1PD's slot and the
+    # baseline's in the plan (baseline 0, 1E+1PD 1-2, 1P+1D 3-4, 1E+1P+1D 5-7).
+    bundles = {
+        path.parent.name: json.loads(path.read_text()) for path in run_root.glob("gw*/*/run.json")
+    }
+    assert {"planted-corrupt-ec", "fuzz-planted", "export-sources-1E+1PD"} <= set(bundles)
+    for bundle in bundles.values():
+        assert (bundle["platform_profile"], bundle["devices"]) == ("cuda", [0, 1, 2]), bundle
+    pool_starts = [
+        start["topology"]
+        for path in run_root.glob("gw*/topology-starts.json")
+        for start in json.loads(path.read_text())
+    ]
+    assert sorted(pool_starts) == sorted(set(pool_starts)), pool_starts
+    assert set(pool_starts) == {"baseline", "1E+1PD", "1P+1D", "1E+1P+1D"}, pool_starts

@@ -277,3 +277,99 @@ def teardown_items(pool: object, platform: str):
         return SimpleNamespace(config=config, get_closest_marker=marks.get)
 
     return item
+
+
+OWN = """
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+@pytest.fixture
+def epd_own_instances():
+    return None
+
+@pytest.mark.epd_topology("1E+1PD")
+@pytest.mark.own_instances("run", "repro")
+def test_own_repro(epd_own_instances):
+    pass
+
+@pytest.mark.epd_topology("1E+1PD")
+@pytest.mark.own_instances("fuzz")
+def test_own_fuzz(epd_own_instances):
+    pass
+
+@pytest.mark.epd_topology("1E+1PD")
+def test_pool_case():
+    pass
+
+@pytest.mark.epd_topology("1P+1D")
+def test_other_pool_case():
+    pass
+"""
+
+
+@pytest.mark.parametrize("platform", ["cuda", "cpu"])
+def test_items_with_instances_of_their_own_run_after_every_item_of_the_pool(
+    pytester: pytest.Pytester, platform: str
+) -> None:
+    """Before them their worker's pool is stopped (the CLI they drive leases the devices in
+    this very process): every item that uses the pool runs first, in its xdist group, and none
+    of the pool's topologies is kept up for them. They were deselected on GPUs."""
+    from harness.testing import plugin
+
+    pytester.makeconftest(CONFTEST + '    parser.addoption("--epd-stream", action="store_true")\n')
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    pytester.makepyfile(test_a_e2e=OWN)
+    run = pytester.inline_run(
+        "--collect-only", "-p", "no:cacheprovider", "--epd-platform", platform
+    )
+    [finished] = run.getcalls("pytest_collection_finish")
+    items = finished.session.items
+    order = [item.name for item in items]
+    assert order[-2:] == ["test_own_repro", "test_own_fuzz"], order
+    last_of_pool = next(i for i in items if i.name == "test_other_pool_case")
+    queue = items[0].config.stash[plugin.E2E_QUEUE_KEY]
+    assert queue.needed_after(last_of_pool.nodeid) == set(), "1E+1PD kept up for its own items"
+    if platform == "cuda":
+        groups = xdist_groups(items)
+        assert groups["test_own_repro"] == groups["test_pool_case"] == "1E+1PD"
+
+
+def test_an_item_whose_command_would_ignore_a_session_option_is_deselected_and_listed(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makeconftest(CONFTEST + '    parser.addoption("--epd-stream", action="store_true")\n')
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    pytester.makepyfile(test_a_e2e=OWN)
+    run = pytester.runpytest("--collect-only", "-p", "no:cacheprovider", "--epd-stream")
+    run.stdout.fnmatch_lines(
+        [
+            "*1 test(s) deselected: the session's --epd-stream cannot reach `epd-harness fuzz`*",
+            "*test_own_fuzz*",
+        ]
+    )
+    assert "test_own_repro" in run.stdout.str(), "run and repro take --stream or leave it aside"
+
+
+def test_an_item_with_instances_of_its_own_must_take_their_fixture(
+    pytester: pytest.Pytester,
+) -> None:
+    """Without `epd_own_instances` its pool is not stopped and its commands get the CLI's
+    defaults: refused at collection, naming the fix."""
+    pytester.makeconftest(CONFTEST)
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    pytester.makepyfile(
+        test_a_e2e="""
+import pytest
+
+@pytest.mark.e2e
+@pytest.mark.own_instances("run")
+def test_bare():
+    pass
+"""
+    )
+    run = pytester.runpytest("--collect-only", "-p", "no:cacheprovider")
+    assert run.ret != 0
+    run.stderr.fnmatch_lines(
+        ["*test_bare: marked own_instances, it must take the epd_own_instances*"]
+    )

@@ -11,7 +11,10 @@ the server's group, like vLLM's engine core) and die-request (the process exits 
 chat request, logging an assertion, as an engine core that dies takes its API server down).
 With `FAKE_VLLM_START_LOG=<file>` every start
 appends a JSON line (role, argv without the port, CUDA_*/VLLM_* env): what start-counting tests
-count.
+count. With `FAKE_VLLM_LIVE_DIR=<dir>` each fake holds a lock per device of its
+CUDA_VISIBLE_DEVICES for as long as it lives (the kernel drops it when the process dies, however
+it dies), and its start line lists as `shared` every device a live fake already held: two live
+instances on one device, which a run without colocation must never show.
 
 With `serves=False` it only exits, saying a test got as far as starting a server: what
 bad-input tests pass, so a check that wrongly lets a run through fails on that line instead of
@@ -39,6 +42,7 @@ from harness.spec.topology import ServingConfig
 
 MODE_ENV = "FAKE_VLLM_MODE"
 START_LOG_ENV = "FAKE_VLLM_START_LOG"
+LIVE_DIR_ENV = "FAKE_VLLM_LIVE_DIR"
 REFUSAL = "refusing-vllm: a test got as far as starting a server"
 
 REFUSING_SCRIPT = f"""
@@ -70,10 +74,22 @@ for item in filter(None, os.environ.get("FAKE_VLLM_MODE", "").split(";")):
         name, _, seconds = mode.partition("=")
         modes[name] = float(seconds or 0)
 print(f"fake vllm pid {os.getpid()} role {role} port {args.port} modes {modes}", flush=True)
+shared = []  # devices another live fake holds (FAKE_VLLM_LIVE_DIR)
+if os.environ.get("FAKE_VLLM_LIVE_DIR"):  # hold a lock per device for as long as this lives
+    import fcntl
+    held = []
+    for device in filter(None, os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")):
+        fd = os.open(os.path.join(os.environ["FAKE_VLLM_LIVE_DIR"], f"device-{device}"),
+                     os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            shared.append(device)
+        held.append(fd)
 if os.environ.get("FAKE_VLLM_START_LOG"):  # one line per start: what tests count
     with open(os.environ["FAKE_VLLM_START_LOG"], "a") as start_log:
         launch = [a for a in sys.argv[1:] if a != str(args.port)]
-        start_log.write(json.dumps({"role": role, "launch": launch, "env": {
+        start_log.write(json.dumps({"role": role, "launch": launch, "shared": shared, "env": {
             k: v for k, v in os.environ.items() if k.startswith(("CUDA_", "VLLM_"))}}) + "\n")
 if "ignore-term" in modes:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -44,11 +44,6 @@ SWEEP_KEY = pytest.StashKey[object]()
 PROMPTS_KEY = pytest.StashKey[tuple]()
 KV_CONNECTOR_DESELECTED = pytest.StashKey[list]()
 PLATFORM_DESELECTED = pytest.StashKey[dict]()  # why -> the node ids deselected for it
-# Why an item marked `own_instances` does not run where instances own their devices.
-OWN_INSTANCES_REFUSAL = (
-    "they start topologies of their own through the CLI, beside the session's pool and with "
-    "the CLI's defaults, which on {platform} would contend for the devices the pool holds"
-)
 # A scenario module lists the prompts its tests send (besides the sweep's) under this name.
 BASELINE_PROMPTS = "EPD_BASELINE_PROMPTS"
 RUN_ROOT_KEY = pytest.StashKey[str]()
@@ -125,8 +120,11 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
-        "own_instances: the item starts topologies of its own through the CLI (beside the "
-        "session's pool); deselected and listed on a platform whose instances own their devices",
+        "own_instances(*commands): the item runs these epd-harness commands (run, repro, fuzz, "
+        "export), which start topologies of their own: given the session's options and its "
+        "group's devices (fixture epd_own_instances), run after every other e2e item of its "
+        "xdist group with its worker's pool stopped; deselected and listed where a session "
+        "option cannot reach a command",
     )
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
@@ -192,6 +190,12 @@ def epd_group(item: pytest.Item) -> EpdGroup | None:
     return EpdGroup(name, variant, proxy)
 
 
+def owns_instances(item: pytest.Item) -> bool:
+    """Whether the item starts topologies of its own through the CLI (`own_instances`): it
+    needs nothing of the pool, and runs after every item that does."""
+    return item.get_closest_marker("own_instances") is not None
+
+
 def ends_session(item: pytest.Item) -> bool:
     scenario = getattr(getattr(item, "callspec", None), "params", {}).get("scenario")
     return item.get_closest_marker("epd_ends_session") is not None or bool(
@@ -211,6 +215,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     not_here: dict[str, list[str]] = {}
     for item in items:
         group = epd_group(item)
+        if owns_instances(item) and "epd_own_instances" not in item.fixturenames:
+            raise pytest.UsageError(
+                f"{item.nodeid}: marked own_instances, it must take the epd_own_instances "
+                "fixture (the session's options and devices for its commands; its worker's "
+                "pool stopped first)"
+            )
         needs = item.get_closest_marker("kv_connector")
         refusal = platform_refusal(config, item)
         if connector is not None and needs is not None and connector not in needs.args:
@@ -230,12 +240,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     def key(item: pytest.Item) -> tuple:
         """The wall-clock bounds, every other tier, then the e2e items (within one running
-        topology: every proxy's items, then those that end it)."""
+        topology: every proxy's items, then those that end it), those with instances of their
+        own after every other: before them their worker's pool is stopped, so nothing it
+        serves would be left for a later item."""
         group = epd_group(item)
         if group is None:
             tier = 0 if item.get_closest_marker(WALL_CLOCK_BOUND) else 1
-            return (tier, (), False, "", position[id(item)])
-        return (2, group.order(), ends_session(item), group.proxy, position[id(item)])
+            return (tier, False, (), False, "", position[id(item)])
+        own = owns_instances(item)
+        return (2, own, group.order(), ends_session(item), group.proxy, position[id(item)])
 
     items.sort(key=key)
     config.stash[E2E_QUEUE_KEY] = E2eQueue.of(items)
@@ -279,7 +292,7 @@ class E2eQueue:
         for item in items:
             group = epd_group(item)
             marker = item.get_closest_marker("xdist_group")
-            if group is not None:
+            if group is not None and not owns_instances(item):  # it needs nothing running
                 order.append((item.nodeid, marker.args[0] if marker else "", group))
         return cls(tuple(order))
 
@@ -333,9 +346,9 @@ def session_launcher(config: pytest.Config) -> str | None:
 
 
 def platform_refusal(config: pytest.Config, item: pytest.Item) -> str | None:
-    """Why an item cannot run on the session's platform, or None: one marked
-    `one_host_rehearsal` gets the Ray launcher's own refusal (`LauncherChoice.refusal_on`), one
-    marked `own_instances` OWN_INSTANCES_REFUSAL where instances own their devices."""
+    """Why an item cannot run in the session, or None: one marked `one_host_rehearsal` gets
+    the Ray launcher's own refusal (`LauncherChoice.refusal_on`), one marked `own_instances`
+    the first session option a command it runs would ignore (`own_instances.refusal`)."""
     rehearsal = item.get_closest_marker("one_host_rehearsal")
     own = item.get_closest_marker("own_instances")
     if rehearsal is None and own is None:
@@ -344,12 +357,14 @@ def platform_refusal(config: pytest.Config, item: pytest.Item) -> str | None:
     from harness.spec.platforms import get_platform
     from harness.spec.settings import RAY_LAUNCHER, LauncherChoice
 
+    if own is not None:
+        why = own_instances_refusal(config, item, own)
+        if why is not None:
+            return why
     try:
         platform = get_platform(config.getoption("--epd-platform", "cpu"))
     except BadInput:
         return None  # the preflight says what is wrong with the platform
-    if own is not None and platform.exclusive_devices:
-        return OWN_INSTANCES_REFUSAL.format(platform=platform.name)
     if rehearsal is None:
         return None
     address = config.getoption("--epd-ray-address", None)
@@ -358,9 +373,32 @@ def platform_refusal(config: pytest.Config, item: pytest.Item) -> str | None:
     return LauncherChoice(RAY_LAUNCHER, ray_address=address).refusal_on(platform)
 
 
+def session_option_values(config: pytest.Config) -> dict[str, object]:
+    """The session's options that say what is served and how, as given
+    (`own_instances.SESSION_OPTIONS`)."""
+    from harness.testing.own_instances import SESSION_OPTIONS
+
+    return {o.option: config.getoption(o.option, o.default) for o in SESSION_OPTIONS}
+
+
+def own_instances_refusal(
+    config: pytest.Config, item: pytest.Item, marker: pytest.Mark
+) -> str | None:
+    """Why the commands an `own_instances` item runs cannot take the session as it is set;
+    a marker naming no command, or one the harness does not have, is a usage error."""
+    from harness.testing.own_instances import commands_of, refusal
+
+    try:
+        commands = commands_of(marker.args, item.nodeid)
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    return refusal(session_option_values(config), commands)
+
+
 def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
     """Tests that do not apply to the session (another KV connector; on a GPU platform, the
-    one-host Ray rehearsal and topologies of a test's own) are deselected, never silently."""
+    one-host Ray rehearsal; a command a test runs that a session option cannot reach) are
+    deselected, never silently."""
     lines = []
     deselected = config.stash.get(KV_CONNECTOR_DESELECTED, [])
     if deselected:
@@ -618,6 +656,70 @@ def epd_live(epd_sweep, epd_pool, epd_settings):
         return LiveTopology(session, epd_sweep)
 
     return live
+
+
+@pytest.fixture
+def epd_own_instances(request: pytest.FixtureRequest, epd_config, epd_sweep, epd_pool):
+    """For an item marked `own_instances(*commands)`: what those commands must be given to
+    serve what the session serves, where its plan lets this item (`OwnInstances`: `args(cmd)`,
+    `devices`, `held_devices()`). Its worker's pool is stopped first: the CLI runs in this
+    process, and a device lease this process holds through the pool would be waited for by
+    the CLI's own for ever (flock). The item runs after every other e2e item of its xdist
+    group (`pytest_collection_modifyitems`), so nothing stopped here is needed again."""
+    from harness.testing.own_instances import OwnInstances, commands_of
+
+    item = request.node
+    marker = item.get_closest_marker("own_instances")
+    if marker is None:
+        pytest.fail(
+            f"{item.nodeid}: epd_own_instances is for items marked own_instances(...), which "
+            "run after every item that uses the pool",
+            pytrace=False,
+        )
+    settings = epd_config.settings
+    epd_pool.release()
+    given = bool(request.config.getoption("--epd-devices", None))
+    devices = own_devices(epd_sweep, epd_group(item), settings, given)
+    cache = None
+    if request.config.getoption("--epd-baseline-cache", None):
+        resolved = epd_config.baseline_cache
+        cache = str(resolved.directory) if resolved is not None else "off"
+    return OwnInstances(
+        values=session_option_values(request.config),
+        commands=commands_of(marker.args, item.nodeid),
+        platform=settings.platform.name,
+        exclusive_devices=settings.platform.exclusive_devices,
+        devices=devices,
+        baseline_cache=cache,
+    )
+
+
+def own_devices(
+    sweep, group: EpdGroup | None, settings, devices_given: bool
+) -> tuple[int, ...] | None:
+    """The devices an `own_instances` item's commands may use. On GPUs: the slots the session's
+    plan gives the topologies of its xdist group, and the baseline's, in the session's device
+    order; no other worker serves a topology there, and a worker that holds the baseline's
+    device waits for nothing of this group's (so no two workers wait on each other). On CPU:
+    the session's cores, as given (None: the CLI's default, the session's too)."""
+    if not settings.platform.exclusive_devices:
+        return tuple(settings.devices) if devices_given else None
+    assert group is not None, "own_instances items are e2e items"
+    slots = {s.topology.name: s.devices for w in sweep.schedule().waves for s in w.slots}
+    root = group.xdist_name()
+    mine = {
+        name
+        for name in slots
+        if name == "baseline" or EpdGroup(name, group.variant).xdist_name() == root
+    }
+    if mine <= {"baseline"}:
+        pytest.fail(
+            f"the session's plan places no topology of {root}'s group "
+            f"({', '.join(f'{n}: {d}' for n, d in slots.items())})",
+            pytrace=False,
+        )
+    used = {device for name in mine for device in slots[name]}
+    return tuple(device for device in settings.devices if device in used)
 
 
 # -- helpers of the harness's own tests ---------------------------------------------------------

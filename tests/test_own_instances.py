@@ -1,0 +1,147 @@
+"""A scenario that drives `epd-harness` with topologies of its own gets the session's options
+as the CLI's flags, its group's devices, and a refusal for what a command would ignore
+(harness/testing/own_instances.py). Before, those commands ran on the CLI's defaults: the cpu
+profile, whatever the session served."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from harness.cli.main import build_parser
+from harness.testing.own_instances import (
+    NOT_SERVING,
+    OPTION_BY_NAME,
+    OwnInstances,
+    commands_of,
+    refusal,
+)
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parent.parent
+NIGHT = {
+    "--epd-platform": "cuda",
+    "--epd-model": "/models/qwen",
+    "--epd-vllm": "/venv/bin/vllm",
+    "--epd-colocate": True,
+    "--epd-no-enforce-eager": True,
+    "--epd-kv-connector": "nixl",
+    "--epd-reference-policy": "pd-drift",
+    "--epd-proxy": "harness",
+    "--epd-proxy-registration": "static",
+    "--epd-vllm-source": "/src/vllm",
+    "--epd-launcher": "local",
+    "--epd-stream": False,
+}
+
+
+def own(values=NIGHT, devices=(0, 3, 4), commands=("run", "repro", "fuzz", "export"), **kw):
+    return OwnInstances(
+        values=values,
+        commands=commands,
+        platform="cuda",
+        exclusive_devices=True,
+        devices=devices,
+        **kw,
+    )
+
+
+def test_every_session_option_reaches_the_cli_or_chooses_only_tests() -> None:
+    """A new `--epd-*` option in conftest.py must say how it reaches the commands: without
+    this net it would be dropped on their way, the defect this module removes."""
+    declared = set(
+        re.findall(r'addoption\(\s*"(--epd-[a-z-]+)"', (ROOT / "conftest.py").read_text())
+    )
+    assert declared == set(OPTION_BY_NAME) | set(NOT_SERVING), declared ^ (
+        set(OPTION_BY_NAME) | set(NOT_SERVING)
+    )
+
+
+def test_run_and_fuzz_serve_the_sessions_platform_model_and_devices() -> None:
+    """Each flag is the CLI's own (parsed by its parser) and carries the session's value."""
+    given = own()
+    for command in ("run", "fuzz"):
+        required = ["--topology", "1E+1PD"] if command == "fuzz" else []
+        args = build_parser().parse_args([command, *required, *given.args(command)])
+        assert (args.platform, args.devices, args.model) == ("cuda", "0,3,4", "/models/qwen")
+        assert (args.vllm, args.colocate, args.no_enforce_eager) == ("/venv/bin/vllm", True, True)
+        assert (args.kv_connector, args.reference_policy) == ("nixl", "pd-drift")
+        assert args.vllm_source is None, "the harness's proxy takes no vLLM source"
+    assert "--proxy" not in given.args("run"), "the session's default proxy is the CLI's"
+
+
+def test_repro_and_export_take_what_their_bundle_recorded() -> None:
+    given = own()
+    assert given.args("repro") == ["--vllm", "/venv/bin/vllm"]
+    assert given.args("export") == ["--vllm-source", "/src/vllm"]
+
+
+def test_a_test_that_runs_vllms_proxy_gives_it_the_sessions_vllm_source() -> None:
+    args = build_parser().parse_args(["run", *own().args("run", proxy="vllm")])
+    assert (args.proxy, args.vllm_source) == ("vllm", "/src/vllm")
+
+
+def test_the_sessions_baseline_cache_as_resolved_goes_to_run_only() -> None:
+    given = own(baseline_cache="/run/session-shared/baseline")
+    args = build_parser().parse_args(["run", *given.args("run")])
+    assert args.baseline_cache == "/run/session-shared/baseline"
+    assert "--baseline-cache" not in given.args("fuzz")
+
+
+def test_on_cpu_the_defaults_pass_nothing() -> None:
+    """CPU CI's commands keep their argv: a session at its defaults adds no flag."""
+    cpu = OwnInstances(
+        values={}, commands=("run", "fuzz"), platform="cpu", exclusive_devices=False, devices=None
+    )
+    assert cpu.args("run") == cpu.args("fuzz") == []
+
+
+def test_a_command_the_marker_does_not_declare_is_refused() -> None:
+    with pytest.raises(ValueError, match="'fuzz' is not among the commands"):
+        own(commands=("run",)).args("fuzz")
+    with pytest.raises(ValueError, match="not 'serve'"):
+        commands_of(("run", "serve"), "test_x.py::test_y")
+    with pytest.raises(ValueError, match="not none"):
+        commands_of((), "test_x.py::test_y")
+
+
+def test_a_session_option_a_command_would_ignore_refuses_the_item() -> None:
+    streamed = {**NIGHT, "--epd-stream": True}
+    assert refusal(streamed, ("run", "repro")) is None
+    why = refusal(streamed, ("fuzz",))
+    assert why is not None and "--epd-stream cannot reach `epd-harness fuzz`" in why
+    on_ray = {**NIGHT, "--epd-launcher": "ray", "--epd-ray-address": "10.0.0.1:6379"}
+    for command in ("run", "repro", "fuzz", "export"):
+        why = refusal(on_ray, (command,))
+        assert why is not None and "Ray connection" in why, command
+    assert refusal(NIGHT, ("run", "repro", "fuzz", "export")) is None
+
+
+def test_held_devices_are_leased_as_the_pool_leases_them(tmp_path: Path) -> None:
+    """An export's run.sh starts vLLM outside the harness: while it runs the test holds the
+    group's devices under the pool's locks, so no worker's instance starts there."""
+    given = own(devices=(1, 2), lock_dir=tmp_path)
+    with given.held_devices() as devices:
+        assert devices == "1,2"
+        for device in (1, 2):
+            fd = os.open(tmp_path / f"cuda-device-{device}.lock", os.O_RDWR)
+            try:
+                with pytest.raises(BlockingIOError):
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            finally:
+                os.close(fd)
+    fd = os.open(tmp_path / "cuda-device-1.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released afterwards
+    finally:
+        os.close(fd)
+    cpu = OwnInstances(
+        values={}, commands=("export",), platform="cpu", exclusive_devices=False, devices=None
+    )
+    with cpu.held_devices() as devices:
+        assert devices is None
