@@ -28,22 +28,33 @@ from harness.testing.judging import judged
 pytestmark = pytest.mark.browser
 
 CHROMIUM = Path("/usr/bin/chromium")
+# Where a machine already has a Chromium-based browser under another name: GitHub's Ubuntu
+# runners carry Google Chrome and have no Debian `chromium` (and the job is not root for apt).
+INSTALLED_BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 APT_TIMEOUT_S = 1200.0
 BROWSER_TIMEOUT_S = 120.0
 DIVERGENCE = 9
 
 
 def ensure_chromium() -> Path:
-    """Debian's Chromium, installed with apt-get the first time a test needs it.
+    """Debian's Chromium, or a Chromium-based browser already on PATH; otherwise Debian's,
+    installed with apt-get the first time a test needs it.
 
     It fails rather than skips when Chromium cannot be had: a skipped browser check reads as
     green in CI, and a report nobody rendered is a report nobody checked.
     """
     if CHROMIUM.exists():
         return CHROMIUM
+    for name in INSTALLED_BROWSERS:
+        found = shutil.which(name)
+        if found:
+            return Path(found)
     apt = shutil.which("apt-get")
     if apt is None:
-        pytest.fail(f"{CHROMIUM} is missing and apt-get is not available to install it")
+        pytest.fail(
+            f"no Chromium ({', '.join(INSTALLED_BROWSERS)}) on PATH and apt-get is not "
+            "available to install it"
+        )
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     started = time.monotonic()
     for argv in ([apt, "update"], [apt, "install", "-y", "chromium"]):
