@@ -35,7 +35,7 @@ from test_export_gpu import FLIPPED, Answering, answering, chat_answer, near_tie
 from test_export_process import environment, pid_alive, run_script
 
 from harness.run.export_files import render_serve_sh, write_export
-from harness.run.export_issue import render_issue
+from harness.run.export_issue import render_issue, title
 
 pytestmark = pytest.mark.process
 TakePorts = Callable[[int], list[int]]
@@ -122,6 +122,8 @@ def test_an_export_judged_against_1p1d_can_serve_1p1d_itself(
         "toy_proxy_server.py",
     ]
     issue = render_issue(plan)
+    assert title(plan).endswith(("1P+1D serving (a control export)", ")")), title(plan)
+    assert "1P+1D serving" in title(plan) and "monolithic" not in title(plan), title(plan)
     assert "`bash run.sh reference` serves that reference here first" in issue
     assert "# the case's reference, 1P+1D (run.sh reference)" in issue
 

@@ -14,7 +14,8 @@ from typing import Any
 
 from harness.devices import describe_devices
 from harness.judge.records import Verdict
-from harness.run.export import ExportPlan, describe_request, shell_command
+from harness.run.export import BASELINE, ExportPlan, describe_request, shell_command
+from harness.run.repro import ReproCase
 from harness.spec.generations import build_commit, is_dev_build
 
 TITLE_PREFIX = "# [Bug]: "
@@ -198,10 +199,18 @@ def title(plan: ExportPlan) -> str:
         divergence = record.get("divergence") or {}
         at = divergence.get("index")
         where_ = f" (first difference at generated token {at})" if at is not None else ""
-        return f"{where}: output differs from monolithic serving for {request}{where_}"
+        return f"{where}: output differs from {served_as(case)} for {request}{where_}"
     if case.verdict == Verdict.MATCH.value:
-        return f"{where}: {request} matches monolithic serving (a control export)"
+        return f"{where}: {request} matches {served_as(case)} (a control export)"
     return f"{where}: {case.verdict} for {request}: {record.get('detail', '')}"
+
+
+def served_as(case: ReproCase) -> str:
+    """What the case was compared with, in a title: an exact reference such as 1P+1D is not
+    monolithic serving, and a title saying so would send the reader to the wrong comparison."""
+    if case.reference == BASELINE.name:
+        return "monolithic serving"
+    return f"{case.reference} serving"
 
 
 def error_headline(error: str) -> str:
