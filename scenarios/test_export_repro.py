@@ -9,7 +9,9 @@ xdist group (1E+1P+1D, 1E+1PD), on the session's options and the devices its pla
 group; on GPUs run.sh gets those devices as DEVICES, leased as the pool leases them. Each case is exported, copied to a scratch directory and run there by its own
 `run.sh`, with a `PYTHONPATH` whose `harness` raises on import (so no process of the export can
 use the harness) and check.py's exit code and evidence asserted; so is the unknown-uuid probe
-(one request to D kills it). Afterwards nothing the export started may be running.
+(one request to D kills it). A clean 1E+1P+1D case judged against 1P+1D is exported too, and
+its `run.sh reference` serves 1P+1D there first and judges the case against that answer.
+Afterwards nothing an export started may be running.
 """
 
 from __future__ import annotations
@@ -156,11 +158,67 @@ def test_the_export_reproduces_with_vllm_alone(
     argv = ["export", str(recorded), "--case", repro.case, "--out", str(made)]
     argv += ["--probe", repro.probe] if repro.probe else []
     assert main([*argv, *epd_own_instances.args("export")]) == 0
+    done = run_exported(made, (), tmp_path, epd_settings, epd_own_instances, leased_ports)
+    print(f"[export] {repro.case} {repro.probe or ''}: exit {done.returncode}")
+    output = done.stdout + done.stderr
+    assert done.returncode == repro.exit_code, output[-6000:]
+    for text in repro.evidence:
+        assert text in done.stdout, f"{text!r} missing:\n{output[-6000:]}"
+
+
+@pytest.mark.epd_topology("1E+1P+1D")
+def test_run_sh_reference_serves_1p1d_there_and_judges_the_case_against_its_answer(
+    epd_run_dir: Path,
+    epd_settings,
+    epd_own_instances,
+    tmp_path: Path,
+    leased_ports,
+) -> None:
+    """A case judged against 1P+1D (upstream's reference for 1E+1P+1D): `run.sh reference`
+    serves 1P+1D with vLLM alone, keeps its answer, then serves the case and judges it against
+    that answer and the recorded ids. A clean case, so every judgment here is a MATCH."""
+    bundle = epd_run_dir / "export-reference-source"
+    code = main(
+        [
+            "run",
+            "--topology",
+            "1P+1D,1E+1P+1D",
+            "--prompt",
+            "image",
+            "--vllm",
+            epd_settings.vllm.executable,
+            "--run-dir",
+            str(bundle),
+            *epd_own_instances.args("run"),
+        ]
+    )
+    assert code == 0, (bundle / "verdicts.txt").read_text()
+    made = tmp_path / "made"
+    argv = ["export", str(bundle), "--case", "1E+1P+1D:image@1P+1D", "--out", str(made)]
+    assert main([*argv, *epd_own_instances.args("export")]) == 0
+    done = run_exported(
+        made, ("reference",), tmp_path, epd_settings, epd_own_instances, leased_ports
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    for text in (
+        "the expected ids hold on this machine's 1P+1D",
+        "against 1P+1D's answer produced here: MATCH",
+        "against the recorded ids of 1P+1D: MATCH",
+    ):
+        assert text in done.stdout, f"{text!r} missing:\n{output[-6000:]}"
+
+
+def run_exported(
+    made: Path, mode: tuple[str, ...], tmp_path: Path, epd_settings, own, leased_ports
+) -> subprocess.CompletedProcess[str]:
+    """`run.sh` of the export in `made`, run from a scratch copy (the copy is all there is)
+    with vLLM alone (a PYTHONPATH whose harness raises on import), its ports leased; afterwards
+    nothing it started may run and every port is free again."""
     scratch = tmp_path / "scratch" / "export"
     shutil.copytree(made, scratch)
-    shutil.rmtree(made)  # the scratch copy is all there is
-    serve_sh = (scratch / "serve.sh").read_text()
-    variables = port_variables(serve_sh)
+    shutil.rmtree(made)
+    variables = port_variables((scratch / "serve.sh").read_text())
     env = {
         "PATH": os.environ["PATH"],
         "HOME": os.environ.get("HOME", str(tmp_path)),
@@ -169,26 +227,19 @@ def test_the_export_reproduces_with_vllm_alone(
         **dict(zip(variables, map(str, leased_ports(len(variables))))),
     }
     started = time.monotonic()
-    with epd_own_instances.held_devices() as devices:
+    with own.held_devices() as devices:
         if devices is not None:
             env["DEVICES"] = devices  # serve.sh's devices, by position: this group's
         done = subprocess.run(
-            ["bash", "run.sh"],
+            ["bash", "run.sh", *mode],
             cwd=scratch,
             env=env,
             capture_output=True,
             text=True,
             timeout=RUN_TIMEOUT_S,
         )
-    output = done.stdout + done.stderr
-    print(
-        f"\n[export] {repro.case} {repro.probe or ''}: exit {done.returncode} in "
-        f"{time.monotonic() - started:.0f}s\n{done.stdout[-4000:]}"
-    )
-    assert done.returncode == repro.exit_code, output[-6000:]
-    for text in repro.evidence:
-        assert text in done.stdout, f"{text!r} missing:\n{output[-6000:]}"
-    assert "imported the harness" not in output
+    print(f"\n[run.sh {' '.join(mode)}] {time.monotonic() - started:.0f}s\n{done.stdout[-4000:]}")
+    assert "imported the harness" not in done.stdout + done.stderr
     time.sleep(1)
     assert processes_mentioning(str(scratch)) == [], "the export left processes running"
     for variable in variables:
@@ -196,3 +247,4 @@ def test_the_export_reproduces_with_vllm_alone(
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(("127.0.0.1", int(env[variable])))
             sock.listen()
+    return done
