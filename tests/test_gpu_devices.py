@@ -238,17 +238,21 @@ def test_scenarios_with_instances_of_their_own_share_eight_gpus_with_four_worker
         pytest.fail(f"the session did not end within {SESSION_HANG_S:.0f}s:\n{out[-4000:]}")
     summary = out.strip().splitlines()[-1]
     ended = sum(int(n) for n in re.findall(r"(\d+) (?:passed|failed|error)", summary))
-    assert ended == 7, out[-4000:]  # 3 sweep cases, repro, fuzz, 2 exports (NIXL)
+    # 3 sweep cases, repro, fuzz, 2 exports and run.sh reference (NIXL)
+    assert ended == 8, out[-4000:]
     starts = logged_starts(fake_vllm_start_log)
     assert [s for s in starts if s["shared"]] == [], "a device held by two live instances"
-    # Each command an item ran served cuda on its group's devices: 1E+1PD's slot and the
-    # baseline's in the plan (baseline 0, 1E+1PD 1-2, 1P+1D 3-4, 1E+1P+1D 5-7).
+    # Each command an item ran served cuda on its group's devices: the baseline's slot and
+    # its group's in the plan (baseline 0, 1E+1PD 1-2, 1P+1D 3-4, 1E+1P+1D 5-7; 1E+1P+1D is
+    # in 1P+1D's group, its reference).
     bundles = {
         path.parent.name: json.loads(path.read_text()) for path in run_root.glob("gw*/*/run.json")
     }
-    assert {"planted-corrupt-ec", "fuzz-planted", "export-sources-1E+1PD"} <= set(bundles)
-    for bundle in bundles.values():
-        assert (bundle["platform_profile"], bundle["devices"]) == ("cuda", [0, 1, 2]), bundle
+    in_1e1pd = {"planted-corrupt-ec", "fuzz-planted", "export-sources-1E+1PD"}
+    assert in_1e1pd | {"export-reference-source"} <= set(bundles), sorted(bundles)
+    for name, bundle in bundles.items():
+        devices = [0, 1, 2] if name in in_1e1pd else [0, 3, 4, 5, 6, 7]
+        assert (bundle["platform_profile"], bundle["devices"]) == ("cuda", devices), bundle
     pool_starts = [
         start["topology"]
         for path in run_root.glob("gw*/topology-starts.json")

@@ -214,6 +214,8 @@ def test_the_nightly_selection_holds_the_scenarios_that_start_their_own_topologi
         "[1E+1PD:m-video-jpeg-frames]",
         "scenarios/test_export_repro.py::test_the_export_reproduces_with_vllm_alone"
         "[1E+1PD:m-video-jpeg-frames-2fps]",
+        "scenarios/test_export_repro.py::test_run_sh_reference_serves_1p1d_there_and_judges_the"
+        "_case_against_its_answer",
         "scenarios/test_fuzz.py::test_fuzzing_finds_and_shrinks_a_planted_shape_dependent_fault",
         "scenarios/test_repro.py::test_repro_of_a_planted_mismatch_reproduces_it",
     }, own
