@@ -579,6 +579,43 @@ def test_a_group_bundle_is_a_bundle_repro_takes_minimal_first(tmp_path: Path) ->
     assert bundle.serving().kv_connector == "ExampleConnector"
 
 
+def test_a_fuzz_bundle_says_which_devices_computed_the_ids(tmp_path: Path, monkeypatch) -> None:
+    """A matrix run's verdicts.txt starts with `ran on: ...` (run.json's devices_used); the
+    fuzz command's own bundle and each failure group's wrote the table alone. Now all three
+    write it through the same writer, and fuzz.md (which the command prints) says it too."""
+    import harness.report.bundle as report_bundle
+    from harness.devices import DevicesUsed
+    from harness.report.run_outputs import DEVICES_LINE, VERDICTS_FILE
+    from harness.run.fuzz.bundle import FUZZ_MD, write_fuzz_bundle
+    from harness.run.fuzz.engine import FuzzReport
+    from harness.run.fuzz.strategies import FuzzExample
+    from harness.spec.platforms import CPU
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    used = DevicesUsed("cpu", "CPU X", 2, (0, 1), "/proc/cpuinfo", amx=False)
+    monkeypatch.setattr(report_bundle, "run_devices", lambda platform, pins, indices: used)
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    start = _evaluation("ex-0007", image_prompt((448, 448), (56, 56)), crash, True)
+    minimal = _evaluation("ex-0007-s004", image_prompt((56, 56)), crash, True)
+    group = FailureGroup(start.signature, start.recognition, [start], minimal=minimal)
+    report = FuzzReport([FuzzExample(start.spec)], evaluations=[start], groups=[group])
+    settings = RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "no-model")),
+        run_dir=tmp_path,
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+        platform=CPU,
+    )
+    meta = {"topology": "1E+1P+1D", "seed": 3}
+    (group_dir,) = write_fuzz_bundle(settings, TOPOLOGIES["1E+1P+1D"], report, meta, None)
+    line = f"{DEVICES_LINE}cpu: CPU X, 2 cores (0,1), no AMX"
+    for directory in (tmp_path, group_dir):
+        recorded = json.loads((directory / "run.json").read_text())["devices_used"]
+        assert DEVICES_LINE + DevicesUsed.from_json(recorded).describe() == line
+        assert (directory / VERDICTS_FILE).read_text().splitlines()[0] == line, directory
+        assert "ran on cpu: CPU X" in (directory / "report.html").read_text()
+    assert line in (tmp_path / FUZZ_MD).read_text().splitlines()
+
+
 def test_save_writes_a_new_failure_as_a_declared_scenario(tmp_path: Path) -> None:
     crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
     new = _evaluation("ex-0003", image_prompt((56, 56), text=" hi"), crash, False)
