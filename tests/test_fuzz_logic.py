@@ -70,9 +70,7 @@ class FakeEstimator:
         return len(text.split())
 
     def media_tokens(self, part, spec) -> int:
-        if isinstance(part, ImagePart):
-            return self.grid.image_tokens(*part.size)
-        return self.grid.video_tokens(part.num_frames, *part.size)
+        return self.grid.media_tokens(part, spec)
 
     head_tokens = 14
     tail_tokens = 5
@@ -274,6 +272,35 @@ def test_vision_grid_matches_the_qwen2_vl_resize_rule() -> None:
     assert grid.image_tokens(448, 448) == 256
     assert grid.image_tokens(640, 360) <= 256  # scaled down under max_pixels
     assert grid.image_tokens(224, 224, max_pixels=28 * 28 * 16) == 16
+
+
+def video_tokens_estimated(grid: VisionGrid, part, **video_io) -> int:
+    extra = (("media_io_kwargs", {"video": video_io}),) if video_io else ()
+    return grid.media_tokens(part, PromptSpec("v", (part,), extra=extra))
+
+
+def test_the_layout_estimate_keeps_the_video_frames_vllm_keeps() -> None:
+    """The estimate rounded video frames its own way: a 40-frame JPEG list counted 20
+    temporal steps where vLLM reads its first 32 frames (16 steps), an mp4 of 7 frames at
+    2 fps 4 steps where vLLM's Qwen2-VL loader keeps 6 frames (3), and media_io_kwargs
+    (fps, num_frames) changed nothing. (tests/test_fuzz_layout_model.py: the same against
+    the tiny model's processor.)"""
+    grid = VisionGrid()
+    step = 2 * 2  # a 56 x 56 frame pair: 2 x 2 merged patches
+    jpeg_40 = VideoFramesPart(seed=0, num_frames=40, size=(56, 56))
+    assert video_tokens_estimated(grid, jpeg_40) == 16 * step
+    assert video_tokens_estimated(grid, jpeg_40, num_frames=6) == 3 * step
+    assert video_tokens_estimated(grid, jpeg_40, num_frames=-1) == 20 * step
+    odd = VideoFramesPart(seed=0, num_frames=7, size=(56, 56))
+    assert video_tokens_estimated(grid, odd) == 4 * step  # the processor pads the last step
+    mp4 = VideoPart(seed=0, num_frames=7, fps=2.0, size=(56, 56))
+    assert video_tokens_estimated(grid, mp4) == 3 * step
+    assert video_tokens_estimated(grid, VideoPart(0, 9, 4.0, (56, 56))) == 2 * step
+    assert video_tokens_estimated(grid, VideoPart(0, 16, 2.0, (56, 56)), fps=1.0) == 4 * step
+    # Another video processor gets vLLM's generic loader: at most num_frames (32) frames.
+    generic = VisionGrid(video_processor="SomeVideoProcessor")
+    assert video_tokens_estimated(generic, VideoPart(0, 40, 2.0, (56, 56))) == 16 * step
+    assert video_tokens_estimated(generic, mp4) == 4 * step
 
 
 # -- signatures and known failures --------------------------------------------------------------
@@ -550,6 +577,43 @@ def test_a_group_bundle_is_a_bundle_repro_takes_minimal_first(tmp_path: Path) ->
     assert (case.topology, case.prompt, case.verdict) == ("1E+1P+1D", "ex-0007-s004", "ERROR")
     assert set(bundle.requests) == {"ex-0007-s004", "ex-0007"}
     assert bundle.serving().kv_connector == "ExampleConnector"
+
+
+def test_a_fuzz_bundle_says_which_devices_computed_the_ids(tmp_path: Path, monkeypatch) -> None:
+    """A matrix run's verdicts.txt starts with `ran on: ...` (run.json's devices_used); the
+    fuzz command's own bundle and each failure group's wrote the table alone. Now all three
+    write it through the same writer, and fuzz.md (which the command prints) says it too."""
+    import harness.report.bundle as report_bundle
+    from harness.devices import DevicesUsed
+    from harness.report.run_outputs import DEVICES_LINE, VERDICTS_FILE
+    from harness.run.fuzz.bundle import FUZZ_MD, write_fuzz_bundle
+    from harness.run.fuzz.engine import FuzzReport
+    from harness.run.fuzz.strategies import FuzzExample
+    from harness.spec.platforms import CPU
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    used = DevicesUsed("cpu", "CPU X", 2, (0, 1), "/proc/cpuinfo", amx=False)
+    monkeypatch.setattr(report_bundle, "run_devices", lambda platform, pins, indices: used)
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    start = _evaluation("ex-0007", image_prompt((448, 448), (56, 56)), crash, True)
+    minimal = _evaluation("ex-0007-s004", image_prompt((56, 56)), crash, True)
+    group = FailureGroup(start.signature, start.recognition, [start], minimal=minimal)
+    report = FuzzReport([FuzzExample(start.spec)], evaluations=[start], groups=[group])
+    settings = RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "no-model")),
+        run_dir=tmp_path,
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+        platform=CPU,
+    )
+    meta = {"topology": "1E+1P+1D", "seed": 3}
+    (group_dir,) = write_fuzz_bundle(settings, TOPOLOGIES["1E+1P+1D"], report, meta, None)
+    line = f"{DEVICES_LINE}cpu: CPU X, 2 cores (0,1), no AMX"
+    for directory in (tmp_path, group_dir):
+        recorded = json.loads((directory / "run.json").read_text())["devices_used"]
+        assert DEVICES_LINE + DevicesUsed.from_json(recorded).describe() == line
+        assert (directory / VERDICTS_FILE).read_text().splitlines()[0] == line, directory
+        assert "ran on cpu: CPU X" in (directory / "report.html").read_text()
+    assert line in (tmp_path / FUZZ_MD).read_text().splitlines()
 
 
 def test_save_writes_a_new_failure_as_a_declared_scenario(tmp_path: Path) -> None:

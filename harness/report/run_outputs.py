@@ -43,10 +43,24 @@ def write_run_outputs(
     }
     write_json_atomic(run_dir / "responses.json", responses)
     write_summary_json(run_dir / "summary.json", records, summary)
+    write_verdicts(run_dir, records, run_info)
+    write_bundle(run_dir, records, responses, run_info)
+
+
+def write_verdicts(
+    run_dir: Path, records: Sequence[CaseRecord], run_info: Mapping[str, Any]
+) -> None:
+    """verdicts.txt: the devices that computed the ids (`ran on: ...`, from run.json's
+    `devices_used`), the verdict table, and where the baseline came from. Every bundle writes
+    it here: a matrix run's, a fuzz run's and each of its failure groups'."""
     table = format_verdict_table(records)
     sources = describe_baseline_sources(run_info.get("baseline_sources") or {})
-    devices = describe_devices(run_info.get("devices_used"))
-    head = f"{DEVICES_LINE}{devices}\n" if devices else ""
+    head = f"{line}\n" if (line := devices_line(run_info)) else ""
     tail = f"\n{sources}" if sources else ""
     write_text_atomic(run_dir / VERDICTS_FILE, head + table + tail + "\n")
-    write_bundle(run_dir, records, responses, run_info)
+
+
+def devices_line(run_info: Mapping[str, Any]) -> str | None:
+    """`ran on: <devices>` of a run's facts; None for a run that did not record them."""
+    devices = describe_devices(run_info.get("devices_used"))
+    return f"{DEVICES_LINE}{devices}" if devices else None

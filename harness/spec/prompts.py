@@ -82,6 +82,12 @@ class PromptSpec:
     def media_count(self) -> int:
         return sum(isinstance(p, MEDIA_PARTS) for p in self.parts)
 
+    @property
+    def video_io(self) -> dict[str, Any]:
+        """The media_io_kwargs `video` object its extra fields set (empty when none): its fps
+        and num_frames decide which frames of a video vLLM's loader keeps."""
+        return (dict(self.extra).get("media_io_kwargs") or {}).get("video") or {}
+
 
 def render_part(part: Part) -> dict[str, Any]:
     if isinstance(part, TextPart):

@@ -1,6 +1,7 @@
 """How many frames of a video vLLM hands the model's processor: its video loaders' rules (vLLM
 0.32, read in `vllm/multimodal/media/video.py` and `vllm/multimodal/video.py`), in one place
-for the two that need them, the preflight's token count and the fuzzer's video timing.
+for the three that need them: the preflight's token count, the fuzzer's video timing and its
+layout estimate (harness/run/fuzz/layout.py).
 
 A video's prompt tokens follow from the frames the processor receives, not from the frames
 sent: vLLM samples an mp4 down before its processor sees it, and reads at most 32 JPEG frames
@@ -10,6 +11,8 @@ of a frame list. Counting the frames as sent refused prompts every server accept
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 TEMPORAL_PATCH = 2  # Qwen2-VL's temporal_patch_size: two frames per step
 TARGET_FPS = 2.0  # Qwen2VLVideoBackend's default sampling rate (media_io_kwargs video.fps)
@@ -55,3 +58,22 @@ def jpeg_frames(sent: int, num_frames: int = DEFAULT_NUM_FRAMES) -> int:
     if num_frames == 0:
         raise ValueError("media_io_kwargs video.num_frames must be greater than 0 or -1")
     return sent if num_frames < 0 else min(sent, num_frames)
+
+
+def jpeg_sampling(sent: int, video_io: Mapping[str, Any]) -> tuple[int, float]:
+    """(frames read, the rate they stand for) of a JPEG frame list of `sent` frames, under a
+    request's media_io_kwargs `video` object (num_frames, fps)."""
+    kept = jpeg_frames(sent, int(video_io.get("num_frames", DEFAULT_NUM_FRAMES)))
+    return kept, float(video_io.get("fps", JPEG_FRAMES_FPS))
+
+
+def container_frames(
+    total: int, original_fps: float, video_io: Mapping[str, Any], qwen2vl: bool
+) -> int:
+    """Frames kept of a container video of `total` frames at `original_fps`, under a request's
+    media_io_kwargs `video` object: Qwen2VLVideoBackend's rule for a Qwen2-VL video processor
+    (`qwen2vl`), the generic loader's for every other."""
+    if qwen2vl:
+        return qwen2vl_frames(total, original_fps, float(video_io.get("fps", TARGET_FPS)))
+    num_frames = int(video_io.get("num_frames", DEFAULT_NUM_FRAMES))
+    return uniform_frames(total, original_fps, num_frames, float(video_io.get("fps", -1)))

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 from harness.files import write_json_atomic, write_text_atomic
 from harness.judge.records import CaseRecord
 from harness.report.bundle import write_bundle, write_run_info
-from harness.report.text import format_failure, format_verdict_table, write_summary_json
+from harness.report.run_outputs import devices_line, write_verdicts
+from harness.report.text import format_failure, write_summary_json
 from harness.run.fuzz.engine import BASELINE, Evaluation, FailureGroup, FuzzReport
 from harness.spec.prompt_codec import prompt_to_json
 from harness.spec.prompts import (
@@ -122,7 +123,7 @@ def write_group_bundle(
     write_summary_json(directory / "summary.json", records, {"fuzz_group": group_json(group)})
     responses = _responses(chosen, topology.name)
     write_json_atomic(directory / "responses.json", responses)
-    write_text_atomic(directory / "verdicts.txt", format_verdict_table(records) + "\n")
+    write_verdicts(directory, records, run_info)
     write_bundle(directory, records, responses, run_info)
 
 
@@ -220,7 +221,7 @@ def write_fuzz_bundle(
         [*key, *(e for e in judged if not any(e is k for k in key))], topology.name
     )
     write_json_atomic(run_dir / "responses.json", responses)
-    write_text_atomic(run_dir / "verdicts.txt", format_verdict_table(records) + "\n")
+    write_verdicts(run_dir, records, run_info)
     write_json_atomic(
         run_dir / FUZZ_JSON,
         {
@@ -229,7 +230,9 @@ def write_fuzz_bundle(
             "groups": [group_json(g) for g in report.groups],
         },
     )
-    write_text_atomic(run_dir / FUZZ_MD, render_fuzz_md(report, meta, group_dirs, run_dir))
+    write_text_atomic(
+        run_dir / FUZZ_MD, render_fuzz_md(report, meta, group_dirs, run_dir, devices_line(run_info))
+    )
     write_bundle(run_dir, records, responses, run_info)
     return group_dirs
 
@@ -251,8 +254,13 @@ def fuzz_summary(
 
 
 def render_fuzz_md(
-    report: FuzzReport, meta: dict[str, Any], group_dirs: list[Path], run_dir: Path
+    report: FuzzReport,
+    meta: dict[str, Any],
+    group_dirs: list[Path],
+    run_dir: Path,
+    ran_on: str | None = None,
 ) -> str:
+    """fuzz.md, which the command prints at its end; `ran_on`: verdicts.txt's devices line."""
     timing = report.timing()
     lines = [
         f"# Fuzz: {meta['topology']}, seed {meta['seed']}, {len(report.examples)} examples",
@@ -261,6 +269,8 @@ def render_fuzz_md(
         + (f", planted fault {meta['fault']}" if meta.get("fault") else ""),
         "",
     ]
+    if ran_on:
+        lines += [ran_on, ""]
     new = report.new_groups
     lines.append(
         f"**{len(new)} new failure(s), {len(report.groups) - len(new)} known**; "

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from harness.run.fuzz.consumer import looked_up_tokens, stored_tokens
 from harness.spec.prompts import ImagePart, PromptSpec, TextPart, VideoFramesPart, VideoPart
+from harness.spec.video_sampling import QWEN2VL_VIDEO_PROCESSOR, container_frames, jpeg_sampling
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,8 @@ def estimate_positions(spec: PromptSpec, estimator: LayoutEstimator) -> tuple[in
 
 @dataclass(frozen=True)
 class VisionGrid:
-    """A Qwen2-VL style processor's resize rule (preprocessor_config.json)."""
+    """A Qwen2-VL style processor's resize rule (preprocessor_config.json), and the video
+    processor's class, by whose name vLLM picks the loader that samples a video's frames."""
 
     patch: int = 14
     merge: int = 2
@@ -191,7 +193,7 @@ class VisionGrid:
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
     video_max_pixels: int = 28 * 28 * 768
-    video_fps: float = 2.0
+    video_processor: str = QWEN2VL_VIDEO_PROCESSOR
 
     @property
     def factor(self) -> int:
@@ -218,9 +220,29 @@ class VisionGrid:
         return (w // self.factor) * (h // self.factor)
 
     def video_tokens(self, frames: int, width: int, height: int) -> int:
+        """Tokens of `frames` frames as the processor receives them (it pads the last
+        temporal step with a copy of the last frame)."""
         w, h = self.resized(width, height, self.video_max_pixels)
         steps = max(1, math.ceil(frames / self.temporal))
         return steps * (w // self.factor) * (h // self.factor)
+
+    def kept_frames(self, part: VideoPart | VideoFramesPart, spec: PromptSpec) -> int:
+        """Frames of one video the processor receives: vLLM's loaders' rule, under the
+        request's media_io_kwargs (harness/spec/video_sampling.py, which the preflight's
+        count uses too). Rounding the sent frames here instead counted a 40-frame JPEG list
+        whole (vLLM reads 32) and an odd mp4's last frame as a temporal step."""
+        if isinstance(part, VideoFramesPart):
+            return jpeg_sampling(part.num_frames, spec.video_io)[0]
+        qwen2vl = self.video_processor == QWEN2VL_VIDEO_PROCESSOR
+        return container_frames(part.num_frames, part.fps, spec.video_io, qwen2vl)
+
+    def media_tokens(self, part: ImagePart | VideoPart | VideoFramesPart, spec: PromptSpec) -> int:
+        """Placeholder tokens of one media item of `spec`, its mm_processor_kwargs applied."""
+        width, height = part.size
+        if isinstance(part, ImagePart):
+            kwargs = dict(spec.extra).get("mm_processor_kwargs") or {}
+            return self.image_tokens(width, height, kwargs.get("max_pixels"))
+        return self.video_tokens(self.kept_frames(part, spec), width, height)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -250,14 +272,7 @@ class TokenizerEstimator:
         return self._cache[text]
 
     def media_tokens(self, part: ImagePart | VideoPart | VideoFramesPart, spec: PromptSpec) -> int:
-        width, height = part.size
-        if isinstance(part, ImagePart):
-            kwargs = dict(spec.extra).get("mm_processor_kwargs") or {}
-            return self.grid.image_tokens(width, height, kwargs.get("max_pixels"))
-        frames = part.num_frames
-        if isinstance(part, VideoPart) and part.fps > self.grid.video_fps:
-            frames = math.ceil(frames * self.grid.video_fps / part.fps)  # sampled down to 2 fps
-        return self.grid.video_tokens(frames, width, height)
+        return self.grid.media_tokens(part, spec)
 
     @property
     def head_tokens(self) -> int:
@@ -291,5 +306,5 @@ def _grid_from(model_dir: Path) -> VisionGrid:
         min_pixels=int(size.get("shortest_edge", image.get("min_pixels", defaults.min_pixels))),
         max_pixels=int(size.get("longest_edge", image.get("max_pixels", defaults.max_pixels))),
         video_max_pixels=int(video_size.get("longest_edge", defaults.video_max_pixels)),
-        video_fps=float(video.get("fps", defaults.video_fps)),
+        video_processor=str(video.get("video_processor_type", defaults.video_processor)),
     )

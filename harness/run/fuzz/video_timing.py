@@ -16,14 +16,7 @@ import math
 import struct
 
 from harness.spec.prompts import PromptSpec, VideoFramesPart, VideoPart
-from harness.spec.video_sampling import (
-    DEFAULT_NUM_FRAMES,
-    JPEG_FRAMES_FPS,
-    TARGET_FPS,
-    TEMPORAL_PATCH,
-    jpeg_frames,
-    qwen2vl_frames,
-)
+from harness.spec.video_sampling import TEMPORAL_PATCH, container_frames, jpeg_sampling
 
 TOKENS_PER_SECOND = 2  # Qwen2.5-VL's vision_config.tokens_per_second (the tiny model's too)
 CONSUMER_SECONDS_PER_STEP = 1.0
@@ -31,12 +24,11 @@ CONSUMER_SECONDS_PER_STEP = 1.0
 
 def sampled(part: VideoPart | VideoFramesPart, spec: PromptSpec) -> tuple[int, float]:
     """(frames the processor keeps, the rate they stand for) for one video of `spec`."""
-    io = (dict(spec.extra).get("media_io_kwargs") or {}).get("video") or {}
+    io = spec.video_io
     if isinstance(part, VideoFramesPart):
-        kept = jpeg_frames(part.num_frames, int(io.get("num_frames", DEFAULT_NUM_FRAMES)))
-        return kept, float(io.get("fps", JPEG_FRAMES_FPS))
+        return jpeg_sampling(part.num_frames, io)
     total, original = part.num_frames, part.fps
-    kept = qwen2vl_frames(total, original, float(io.get("fps", TARGET_FPS)))
+    kept = container_frames(total, original, io, qwen2vl=True)
     return kept, kept / total * original
 
 
