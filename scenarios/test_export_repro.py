@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli.main import main
+from harness.testing.processes import run_export_script
 
 # Its runs and the exports start topologies of their own (epd_own_instances).
 pytestmark = [pytest.mark.e2e, pytest.mark.own_instances("run", "export")]
@@ -172,14 +172,9 @@ def test_the_export_reproduces_with_vllm_alone(
     with epd_own_instances.held_devices() as devices:
         if devices is not None:
             env["DEVICES"] = devices  # serve.sh's devices, by position: this group's
-        done = subprocess.run(
-            ["bash", "run.sh"],
-            cwd=scratch,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=RUN_TIMEOUT_S,
-        )
+        # To its end; on a timeout or Ctrl-C every server it started is killed before the
+        # devices are let go (subprocess.run's timeout killed bash alone).
+        done = run_export_script(scratch, ["run.sh"], env, RUN_TIMEOUT_S)
     output = done.stdout + done.stderr
     print(
         f"\n[export] {repro.case} {repro.probe or ''}: exit {done.returncode} in "
