@@ -122,3 +122,18 @@ def test_a_jpeg_frame_list_counts_its_first_32_frames(model: Path) -> None:
     )
     counted = count(model, forty, thirty_two, every)
     assert counted["forty"] == counted["thirty-two"] < counted["every"], counted
+
+
+def test_an_mp4_whose_sampling_step_overshoots_counts_the_extra_frame_vllm_keeps(
+    model: Path,
+) -> None:
+    """A 75-frame 10 fps mp4: vLLM's Qwen2-VL loader keeps 15 frames (its float32 arange step
+    yields one index past 14, clamped onto the last frame), and the processor pads 15 to 16:
+    8 temporal steps, as a 16-frame 2 fps clip takes. The count kept 14 (7 steps, as a
+    14-frame clip) and let through requests one step longer than it said (found in review)."""
+    text = TextPart("Describe it.")
+    overshoot = PromptSpec("overshoot", (VideoPart(seed=23, num_frames=75, fps=10.0), text))
+    sixteen = PromptSpec("sixteen", (VideoPart(seed=23, num_frames=16, fps=2.0), text))
+    fourteen = PromptSpec("fourteen", (VideoPart(seed=23, num_frames=14, fps=2.0), text))
+    counted = count(model, overshoot, sixteen, fourteen)
+    assert counted["overshoot"] == counted["sixteen"] > counted["fourteen"], counted
