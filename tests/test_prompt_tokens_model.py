@@ -137,3 +137,21 @@ def test_an_mp4_whose_sampling_step_overshoots_counts_the_extra_frame_vllm_keeps
     fourteen = PromptSpec("fourteen", (VideoPart(seed=23, num_frames=14, fps=2.0), text))
     counted = count(model, overshoot, sixteen, fourteen)
     assert counted["overshoot"] == counted["sixteen"] > counted["fourteen"], counted
+
+
+def test_a_count_cached_under_the_earlier_sampling_rule_is_not_reused(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counts are cached under their count format: a count the earlier rule stored (472 for
+    the 75-frame clip, one step short) must not answer for the rule that counts 536."""
+    from harness.preflight import tokens
+
+    prompt = PromptSpec(
+        "overshoot", (VideoPart(seed=23, num_frames=75, fps=10.0), TextPart("Describe it."))
+    )
+    bodies = {prompt.name: render_request(prompt, "m")}
+    right = estimate_prompt_tokens(model, bodies)[prompt.name]
+    with monkeypatch.context() as earlier:
+        earlier.setattr(tokens, "COUNT_FORMAT", 3)  # the format that counted with the old rule
+        tokens._store_count(tmp_path, tokens._token_count_key(model, bodies[prompt.name]), 472)
+    assert estimate_prompt_tokens(model, bodies, tmp_path)[prompt.name] == right == 536

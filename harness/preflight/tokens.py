@@ -29,7 +29,9 @@ JPEG_FRAMES_MEDIA_TYPE = "video/jpeg"
 # 2: a JPEG frame list counts every frame (1 counted one), file:// media keyed by their bytes.
 # 3: the request's mm_processor_kwargs reach the processor (2 counted without them, and its
 # counts of such requests sit in caches under the same body), videos sampled as vLLM does.
-COUNT_FORMAT = 3
+# 4: an mp4 keeps the frame the Qwen2-VL loader's float step adds past n (3 counted one
+# temporal step short for such videos).
+COUNT_FORMAT = 4
 
 
 def check_model_limit(max_model_len: int, model_limit: int | None) -> None:
