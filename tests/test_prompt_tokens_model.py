@@ -155,3 +155,30 @@ def test_a_count_cached_under_the_earlier_sampling_rule_is_not_reused(
         earlier.setattr(tokens, "COUNT_FORMAT", 3)  # the format that counted with the old rule
         tokens._store_count(tmp_path, tokens._token_count_key(model, bodies[prompt.name]), 472)
     assert estimate_prompt_tokens(model, bodies, tmp_path)[prompt.name] == right == 536
+
+
+def test_media_io_kwargs_video_backend_picks_the_loader_the_count_follows(model: Path) -> None:
+    """media_io_kwargs' video.video_backend replaces the loader vLLM picks by the processor
+    (`MediaConnector.fetch_video`): "opencv" samples uniformly (at most 32 frames) where the
+    Qwen2-VL loader samples to 2 fps. The count ignored it and counted a 16-frame 4 fps clip
+    as 8 frames where vLLM hands the processor all 16 (found in review); a loader the count
+    does not know is refused by name, not counted as another."""
+    text = TextPart("Describe it.")
+    clip = (VideoPart(seed=23, num_frames=16, fps=4.0), text)
+    uniform = PromptSpec(
+        "uniform", clip, extra=(("media_io_kwargs", {"video": {"video_backend": "opencv"}}),)
+    )
+    qwen = PromptSpec(
+        "qwen", clip, extra=(("media_io_kwargs", {"video": {"video_backend": "qwen2_vl"}}),)
+    )
+    sampled = PromptSpec("sampled", clip)
+    every = PromptSpec("every", (VideoPart(seed=23, num_frames=16, fps=2.0), text))
+    counted = count(model, uniform, qwen, sampled, every)
+    assert counted["uniform"] == counted["every"] > counted["sampled"] == counted["qwen"], counted
+    odd = PromptSpec(
+        "odd", clip, extra=(("media_io_kwargs", {"video": {"video_backend": "decord"}}),)
+    )
+    with pytest.raises(BadInput) as caught:
+        count(model, odd)
+    message = str(caught.value)
+    assert "'odd'" in message and "'decord'" in message and "\n" not in message, message

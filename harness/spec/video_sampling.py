@@ -21,6 +21,11 @@ MIN_FRAMES, MAX_FRAMES, MAX_FPS = 4, 768, 30  # Qwen2VLVideoBackend's clamps
 # The video processor whose loader vLLM picks by name (`get_video_loader_backend_for_processor`);
 # every other video processor gets the generic uniform loader.
 QWEN2VL_VIDEO_PROCESSOR = "Qwen2VLVideoProcessor"
+# The loaders by the names media_io_kwargs' video.video_backend gives them: Qwen2VLVideoBackend
+# (`qwen2vl_frames`) and the generic uniform one (`uniform_frames`).
+QWEN2VL_LOADER = "qwen2_vl"
+UNIFORM_LOADER = "opencv"
+LOADERS = (QWEN2VL_LOADER, UNIFORM_LOADER)
 
 
 def qwen2vl_frames(total: int, original_fps: float, target_fps: float = TARGET_FPS) -> int:
