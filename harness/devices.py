@@ -191,6 +191,8 @@ class DevicesUsed:
         """One line: "cuda: 2 x NVIDIA H100 80GB HBM3 (GPUs 4,5; driver 550.54.15, CUDA
         12.4)", "cpu: AMD EPYC 7B13, 2 cores (0,1), no AMX"."""
         which = ",".join(str(i) for i in self.indices) or "?"
+        if self.source.startswith(NOT_READ):
+            return f"{self.platform}: {self.count} x ? ({which}; {self.source})"
         if self.platform == "cpu":
             amx = {True: "AMX", False: "no AMX", None: "AMX unknown"}[self.amx]
             cores = "core" if self.count == 1 else "cores"
@@ -212,9 +214,18 @@ def describe_devices(recorded: Mapping[str, Any] | None) -> str | None:
     return DevicesUsed.from_json(recorded).describe()
 
 
-def run_devices(platform: str, pins_devices: bool, indices: Sequence[int]) -> DevicesUsed:
-    """The devices a run on `platform` uses (`indices`: its --devices; CPU cores on CPU)."""
+NOT_READ = "not read here: "  # a `source` saying the devices are on another host
+
+
+def run_devices(
+    platform: str, pins_devices: bool, indices: Sequence[int], elsewhere: str | None = None
+) -> DevicesUsed:
+    """The devices a run on `platform` uses (`indices`: its --devices; CPU cores on CPU).
+    `elsewhere`: where the instances ran when not on this host (a Ray cluster's nodes); then
+    nothing is read, since this host's CPU or GPUs computed none of the ids."""
     indices = tuple(indices)
+    if elsewhere is not None:
+        return DevicesUsed(platform, None, len(indices), indices, f"{NOT_READ}{elsewhere}")
     if not pins_devices:
         cpu = host_cpu()
         if cpu is None:

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli.main import main
+from harness.testing.processes import run_export_script
 
 # Its runs and the exports start topologies of their own (epd_own_instances).
 pytestmark = [pytest.mark.e2e, pytest.mark.own_instances("run", "export")]
@@ -230,14 +231,9 @@ def run_exported(
     with own.held_devices() as devices:
         if devices is not None:
             env["DEVICES"] = devices  # serve.sh's devices, by position: this group's
-        done = subprocess.run(
-            ["bash", "run.sh", *mode],
-            cwd=scratch,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=RUN_TIMEOUT_S,
-        )
+        # To its end; on a timeout or Ctrl-C every server it started is killed before the
+        # devices are let go (subprocess.run's timeout killed bash alone).
+        done = run_export_script(scratch, ["run.sh", *mode], env, RUN_TIMEOUT_S)
     print(f"\n[run.sh {' '.join(mode)}] {time.monotonic() - started:.0f}s\n{done.stdout[-4000:]}")
     assert "imported the harness" not in done.stdout + done.stderr
     time.sleep(1)

@@ -203,7 +203,9 @@ def test_run_json_records_eager_the_memory_shares_the_parser_check_and_the_vllm_
     monkeypatch.setattr(
         bundle_module,
         "run_devices",
-        lambda platform, pins, indices: DevicesUsed(platform, "GPU X", len(indices), indices, "t"),
+        lambda platform, pins, indices, elsewhere=None: DevicesUsed(
+            platform, "GPU X", len(indices), indices, "t"
+        ),
     )
     write_run_info(settings, (TOPOLOGIES["1E+1PD"],), SKELETON_PROMPTS[:1])
     info = json.loads((run_dir / "run.json").read_text())
@@ -416,3 +418,26 @@ def test_run_json_and_the_report_name_each_instances_node(run_dir, model_dir):
     assert on_disk["launcher"]["ray_address"] == "10.0.0.1:6379"
     page = render_report_html([], {}, {**info, "instances": on_disk["instances"]})
     assert "# 1E+1P+1D/decode0 (on node 10.0.0.4, node-d)" in page
+
+
+def test_a_run_on_a_ray_cluster_does_not_record_this_hosts_devices_as_its_own(run_dir, model_dir):
+    """With --launcher ray --ray-address the instances run on the cluster's nodes: run.json's
+    `devices_used` described the harness's own host (its CPU model, its GPUs), and
+    verdicts.txt, report.html and ISSUE.md then named a machine that computed none of the
+    ids (found in review). It says it did not read them; a one-host rehearsal cluster runs
+    here, and reads this host as a local run does."""
+    from harness.spec.settings import RAY_LAUNCHER
+
+    remote = LauncherChoice(RAY_LAUNCHER, ray_address="10.0.0.1:6379")
+    settings = RunSettings(ServingConfig(model=str(model_dir)), run_dir, launcher=remote)
+    write_run_info(settings, (TOPOLOGIES["1E+1PD"],), SKELETON_PROMPTS[:1])
+    used = DevicesUsed.from_json(json.loads((run_dir / "run.json").read_text())["devices_used"])
+    assert used.model is None and used.amx is None, used
+    assert "the Ray cluster at 10.0.0.1:6379" in used.source
+    assert "not read here: the instances ran on the Ray cluster at 10.0.0.1:6379" in (
+        used.describe()
+    )
+    rehearsal = dataclasses.replace(settings, launcher=LauncherChoice(RAY_LAUNCHER))
+    write_run_info(rehearsal, (TOPOLOGIES["1E+1PD"],), SKELETON_PROMPTS[:1])
+    here = json.loads((run_dir / "run.json").read_text())["devices_used"]
+    assert here == devices.run_devices("cpu", False, settings.devices).to_json()

@@ -277,3 +277,25 @@ def test_a_venv_without_pip_and_no_way_to_get_one_names_the_package(tmp_path: Pa
     assert result.returncode == 2, result.stderr
     last = result.stderr.splitlines()[-1]
     assert "has no pip" in last and "python3.11-venv" in last, result.stderr
+
+
+def test_epd_python_for_an_existing_venv_of_another_python_is_refused_not_ignored(
+    tmp_path: Path,
+) -> None:
+    """EPD_PYTHON chooses the interpreter a new venv is made from; with a venv already there
+    it was ignored without a word, and the run went on under the old Python (found in
+    review). Another version is refused with the fix; the same version goes on."""
+    made = run_fresh(tmp_path, "setup", version="3.11")
+    assert made.returncode == 0, made.stderr
+    chosen = tmp_path / "python3.12"
+    chosen.write_text(FAKE_BASE_PYTHON.replace("VERSION=$FAKE_VERSION", "VERSION=3.12"))
+    chosen.chmod(0o755)
+    (tmp_path / "path").rename(tmp_path / "path-old")
+    result = run_fresh(tmp_path, "sweep", version="3.11", EPD_PYTHON=str(chosen))
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert f"EPD_PYTHON={chosen} is Python 3.12" in last, result.stderr
+    assert f"{tmp_path / 'venv'} has Python 3.11" in last and "rm -rf" in last, result.stderr
+    (tmp_path / "path").rename(tmp_path / "path-again")
+    same = run_fresh(tmp_path, "sweep", version="3.11", EPD_PYTHON="python3")
+    assert same.returncode == 0, same.stderr

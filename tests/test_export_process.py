@@ -28,7 +28,7 @@ from harness.run.export_files import write_export
 from harness.run.export_issue import render_issue
 from harness.run.repro import Bundle
 from harness.testing.fake_vllm import MODE_ENV, install_fake_vllm
-from harness.testing.processes import sigint_as_at_a_terminal
+from harness.testing.processes import run_export_script, sigint_as_at_a_terminal
 
 pytestmark = pytest.mark.process
 TakePorts = Callable[[int], list[int]]  # the leased_ports fixture (harness/testing/plugin.py)
@@ -76,34 +76,9 @@ def environment(leased_ports: TakePorts, tmp_path: Path, modes: str = "") -> dic
 def run_script(
     out: Path, argv: list[str], env: dict[str, str], timeout: float = RUN_TIMEOUT_S
 ) -> subprocess.CompletedProcess[str]:
-    """`bash <export>/<argv...>` to its end. On a timeout (a regression: serve.sh serving when
-    it should have refused) its own group and every server it recorded are killed, so a red
-    test leaves nothing running (found when a red run of the DEVICES test left four fake
-    servers behind: subprocess.run's timeout kills bash alone, each server has a group of its
-    own)."""
-    script = subprocess.Popen(
-        ["bash", str(out / argv[0]), *argv[1:]],
-        cwd=out,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = script.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        groups = [script.pid] + [
-            int(pid.read_text()) for pid in (out / "work/state").glob("*.pid") if pid.read_text()
-        ]
-        for group in groups:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(group, signal.SIGKILL)
-        stdout, stderr = script.communicate()
-        raise AssertionError(
-            f"{argv[0]} still ran after {timeout} s:\n{stdout}\n{stderr}"
-        ) from None
-    return subprocess.CompletedProcess(script.args, script.returncode, stdout, stderr)
+    """`bash <export>/<argv...>` to its end; on a timeout nothing it started is left
+    (`run_export_script`)."""
+    return run_export_script(out, argv, env, timeout)
 
 
 def run_sh(out: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -145,6 +120,27 @@ def test_a_matching_answer_exits_0(tmp_path: Path, leased_ports: TakePorts) -> N
     assert "the harness (run run) recorded MATCH: reproduced" in done.stdout
     assert "imported the harness" not in done.stdout + done.stderr
     assert_nothing_left(out, env)
+
+
+def test_run_sh_past_its_timeout_leaves_no_server_running(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """The e2e export scenario ran run.sh with subprocess.run(timeout=...), which kills bash
+    alone: serve.sh and every server (each in a session of its own) kept serving, and on GPUs
+    the test then let go of the devices they held (found in review). The shared runner kills
+    every group run.sh started before it fails the test."""
+    out = export_case(tmp_path)
+    env = environment(leased_ports, tmp_path, "decode:hang")  # the answer never comes
+    log = out / "work/logs/decode0.log"
+    with pytest.raises(AssertionError, match="run.sh still ran after 20 s"):
+        run_export_script(out, ["run.sh"], env, timeout=20)
+    assert "REQUEST" in log.read_text(), "the servers never served: the timeout proves nothing"
+    servers = [int(p.read_text()) for p in (out / "work/state").glob("*.pid")]
+    assert len(servers) == 4, servers
+    deadline = time.monotonic() + 5
+    while (alive := [p for p in servers if pid_alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert alive == [], f"left serving after run.sh's timeout: {alive}"
 
 
 def test_a_death_during_the_request_exits_2_naming_the_instance(

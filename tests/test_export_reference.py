@@ -36,6 +36,7 @@ from test_export_process import environment, pid_alive, run_script
 
 from harness.run.export_files import render_serve_sh, write_export
 from harness.run.export_issue import render_issue, title
+from harness.run.standalone_check import request_digest
 
 pytestmark = pytest.mark.process
 TakePorts = Callable[[int], list[int]]
@@ -281,11 +282,21 @@ def check_against(
     )
 
 
-def kept(name: str, answer: dict[str, Any]) -> dict[str, Any]:
-    """What --save-reference keeps of `answer` (the reference's)."""
+def kept(
+    name: str,
+    answer: dict[str, Any],
+    out: Path | None = None,
+    request: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What --save-reference keeps of `answer` (the reference's), to the request of export
+    `out` (or `request`)."""
+    if request is None:
+        assert out is not None, "the request the answer is to: an export's, or one given"
+        request = json.loads((out / "request.json").read_text())
     content = answer["choices"][0]["logprobs"]["content"]
     return {
         "reference": name,
+        "request_sha256": request_digest(request),
         "prompt_token_ids": answer["prompt_token_ids"],
         "token_ids": answer["choices"][0]["token_ids"],
         "top_logprobs": [
@@ -309,13 +320,13 @@ def test_the_case_is_judged_against_the_kept_answer_under_the_runs_policy_and_fl
     run's 0.05-nat floor passes). The reference served here has the near tie; the case flips
     it: DRIFT, passed, exit 0. Without a floor the same answer is a MISMATCH, exit 1."""
     out = near_tie_export(tmp_path, "MISMATCH")
-    done = check_against(out, answering(FLIPPED), kept("baseline", TIED))
+    done = check_against(out, answering(FLIPPED), kept("baseline", TIED, out))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "against the monolithic baseline's answer produced here: DRIFT" in done.stdout
     assert "pd-drift policy passes it here" in done.stdout
     path = out / "expected.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "noise_floor_nats": 0.0}))
-    done = check_against(out, answering(FLIPPED), kept("baseline", TIED))
+    done = check_against(out, answering(FLIPPED), kept("baseline", TIED, out))
     assert done.returncode == 1, done.stdout + done.stderr
     assert "produced here: MISMATCH" in done.stdout
 
@@ -328,12 +339,32 @@ def test_an_exact_reference_passes_no_drift_and_another_references_answer_is_ref
     assert (expected["reference"], expected["drift_passes"]) == ("1P+1D", False)
     path = out / "expected.json"
     path.write_text(json.dumps({**expected, "noise_floor_nats": 0.05}))
-    done = check_against(out, answering(FLIPPED), kept("1P+1D", TIED))
+    done = check_against(out, answering(FLIPPED), kept("1P+1D", TIED, out))
     assert done.returncode == 1, done.stdout + done.stderr
     assert "produced here: DRIFT" in done.stdout and "exact policy does not pass it" in done.stdout
-    done = check_against(out, answering(FLIPPED), kept("baseline", TIED))
+    done = check_against(out, answering(FLIPPED), kept("baseline", TIED, out))
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1
     assert "is 'baseline''s answer, the case's reference is '1P+1D'" in done.stderr
-    done = check_against(out, answering(FLIPPED), kept("1P+1D", TIED), mode="reference")
+    done = check_against(out, answering(FLIPPED), kept("1P+1D", TIED, out), mode="reference")
     assert done.returncode == 2 and "serve.sh serves the reference, not the case" in done.stderr
+
+
+def test_an_answer_kept_for_another_request_is_refused_not_judged(
+    tmp_path: Path, answering
+) -> None:
+    """`--reference FILE` from another export (another case's prompt, or the same case's
+    request with other sampling) names the same reference, so the name alone let it through:
+    the case was judged against an answer to another request and reported as a MISMATCH,
+    exit 1, the bug 'reproduced' (found in review). The kept answer says which request it
+    answers; another one is refused, exit 2, on one line naming the cause."""
+    out = exact_export(tmp_path)
+    other = {**json.loads((out / "request.json").read_text()), "max_tokens": 5}
+    done = check_against(out, answering(FLIPPED), kept("1P+1D", TIED, request=other))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "answers another request than this export's request.json" in done.stderr
+    assert "MISMATCH" not in done.stdout
+    done = check_against(out, answering(FLIPPED), kept("1P+1D", TIED, out=out))
+    assert done.returncode == 1, done.stdout + done.stderr  # judged, as before
+    assert "against 1P+1D's answer produced here: MISMATCH" in done.stdout

@@ -122,3 +122,63 @@ def test_a_jpeg_frame_list_counts_its_first_32_frames(model: Path) -> None:
     )
     counted = count(model, forty, thirty_two, every)
     assert counted["forty"] == counted["thirty-two"] < counted["every"], counted
+
+
+def test_an_mp4_whose_sampling_step_overshoots_counts_the_extra_frame_vllm_keeps(
+    model: Path,
+) -> None:
+    """A 75-frame 10 fps mp4: vLLM's Qwen2-VL loader keeps 15 frames (its float32 arange step
+    yields one index past 14, clamped onto the last frame), and the processor pads 15 to 16:
+    8 temporal steps, as a 16-frame 2 fps clip takes. The count kept 14 (7 steps, as a
+    14-frame clip) and let through requests one step longer than it said (found in review)."""
+    text = TextPart("Describe it.")
+    overshoot = PromptSpec("overshoot", (VideoPart(seed=23, num_frames=75, fps=10.0), text))
+    sixteen = PromptSpec("sixteen", (VideoPart(seed=23, num_frames=16, fps=2.0), text))
+    fourteen = PromptSpec("fourteen", (VideoPart(seed=23, num_frames=14, fps=2.0), text))
+    counted = count(model, overshoot, sixteen, fourteen)
+    assert counted["overshoot"] == counted["sixteen"] > counted["fourteen"], counted
+
+
+def test_a_count_cached_under_the_earlier_sampling_rule_is_not_reused(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counts are cached under their count format: a count the earlier rule stored (472 for
+    the 75-frame clip, one step short) must not answer for the rule that counts 536."""
+    from harness.preflight import tokens
+
+    prompt = PromptSpec(
+        "overshoot", (VideoPart(seed=23, num_frames=75, fps=10.0), TextPart("Describe it."))
+    )
+    bodies = {prompt.name: render_request(prompt, "m")}
+    right = estimate_prompt_tokens(model, bodies)[prompt.name]
+    with monkeypatch.context() as earlier:
+        earlier.setattr(tokens, "COUNT_FORMAT", 3)  # the format that counted with the old rule
+        tokens._store_count(tmp_path, tokens._token_count_key(model, bodies[prompt.name]), 472)
+    assert estimate_prompt_tokens(model, bodies, tmp_path)[prompt.name] == right == 536
+
+
+def test_media_io_kwargs_video_backend_picks_the_loader_the_count_follows(model: Path) -> None:
+    """media_io_kwargs' video.video_backend replaces the loader vLLM picks by the processor
+    (`MediaConnector.fetch_video`): "opencv" samples uniformly (at most 32 frames) where the
+    Qwen2-VL loader samples to 2 fps. The count ignored it and counted a 16-frame 4 fps clip
+    as 8 frames where vLLM hands the processor all 16 (found in review); a loader the count
+    does not know is refused by name, not counted as another."""
+    text = TextPart("Describe it.")
+    clip = (VideoPart(seed=23, num_frames=16, fps=4.0), text)
+    uniform = PromptSpec(
+        "uniform", clip, extra=(("media_io_kwargs", {"video": {"video_backend": "opencv"}}),)
+    )
+    qwen = PromptSpec(
+        "qwen", clip, extra=(("media_io_kwargs", {"video": {"video_backend": "qwen2_vl"}}),)
+    )
+    sampled = PromptSpec("sampled", clip)
+    every = PromptSpec("every", (VideoPart(seed=23, num_frames=16, fps=2.0), text))
+    counted = count(model, uniform, qwen, sampled, every)
+    assert counted["uniform"] == counted["every"] > counted["sampled"] == counted["qwen"], counted
+    odd = PromptSpec(
+        "odd", clip, extra=(("media_io_kwargs", {"video": {"video_backend": "decord"}}),)
+    )
+    with pytest.raises(BadInput) as caught:
+        count(model, odd)
+    message = str(caught.value)
+    assert "'odd'" in message and "'decord'" in message and "\n" not in message, message

@@ -29,7 +29,9 @@ JPEG_FRAMES_MEDIA_TYPE = "video/jpeg"
 # 2: a JPEG frame list counts every frame (1 counted one), file:// media keyed by their bytes.
 # 3: the request's mm_processor_kwargs reach the processor (2 counted without them, and its
 # counts of such requests sit in caches under the same body), videos sampled as vLLM does.
-COUNT_FORMAT = 3
+# 4: an mp4 keeps the frame the Qwen2-VL loader's float step adds past n (3 counted one
+# temporal step short for such videos).
+COUNT_FORMAT = 4
 
 
 def check_model_limit(max_model_len: int, model_limit: int | None) -> None:
@@ -218,7 +220,7 @@ def _count_tokens(processor: Any, body: dict[str, Any]) -> int:
                 parts.append({"type": "image"})
             elif part["type"] == "video_url":
                 frames, meta = _load_video(
-                    part["video_url"]["url"], video_io, _qwen2vl_loader(processor)
+                    part["video_url"]["url"], video_io, _qwen2vl_loader(processor, video_io)
                 )
                 videos.append(frames)
                 metadata.append(meta)
@@ -319,10 +321,21 @@ def _video_io_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     return dict(video)
 
 
-def _qwen2vl_loader(processor: Any) -> bool:
-    """vLLM picks its video loader by the video processor's class name."""
-    video_processor = getattr(processor, "video_processor", None)
-    return type(video_processor).__name__ == video_sampling.QWEN2VL_VIDEO_PROCESSOR
+def _qwen2vl_loader(processor: Any, video_io: Mapping[str, Any]) -> bool:
+    """Whether vLLM loads the request's videos with its Qwen2-VL loader: media_io_kwargs'
+    video.video_backend names the loader when given (`MediaConnector.fetch_video` picks one
+    by the video processor's class name only when it is not), and one the count does not
+    model is refused by name rather than counted as another."""
+    backend = video_io.get("video_backend")
+    if backend is None:
+        video_processor = getattr(processor, "video_processor", None)
+        return type(video_processor).__name__ == video_sampling.QWEN2VL_VIDEO_PROCESSOR
+    if backend not in video_sampling.LOADERS:
+        raise BadInput(
+            f"media_io_kwargs video.video_backend {backend!r}: the prompt-token count models "
+            f"vLLM's {' and '.join(map(repr, video_sampling.LOADERS))} video loaders only"
+        )
+    return backend == video_sampling.QWEN2VL_LOADER
 
 
 def _media_bytes(url: str) -> bytes:

@@ -37,7 +37,7 @@ from harness.report.html import strip_ansi, write_report_html
 from harness.report.text import drift_summary, format_failure
 from harness.spec.placement import gpu_memory_policy
 from harness.spec.prompts import PromptSpec
-from harness.spec.settings import RunSettings
+from harness.spec.settings import LauncherChoice, RunSettings
 from harness.spec.topology import Topology
 
 RUN_JSON = "run.json"
@@ -185,6 +185,7 @@ def collect_run_info(
             settings.platform.name,
             settings.platform.device_env_var is not None,
             settings.devices,
+            instances_elsewhere(settings.launcher),
         ).to_json(),
         # Each role's --gpu-memory-utilization and the rule for shared devices (GPU platforms).
         "gpu_memory_shares": gpu_memory_policy(settings.platform),
@@ -200,6 +201,14 @@ def collect_run_info(
         ],
         "prompts": [_prompt_json(p) for p in prompts],
     }
+
+
+def instances_elsewhere(launcher: LauncherChoice) -> str | None:
+    """Where the instances ran when not on this host (a Ray cluster's nodes), else None: a
+    one-host rehearsal cluster runs them here."""
+    if launcher.is_local or launcher.rehearses_on_this_host:
+        return None
+    return f"the instances ran on the Ray cluster at {launcher.ray_address}"
 
 
 def instance_commands(run_dir: Path) -> dict[str, dict[str, Any]]:

@@ -40,6 +40,7 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -473,9 +474,20 @@ def tokens_verdict(
 REFERENCE_FIELDS = ("prompt_token_ids", "token_ids", "top_logprobs", "token_logprobs")
 
 
-def reference_answer(response: dict[str, Any], name: str) -> dict[str, Any] | None:
-    """What `--save-reference` keeps of the reference's answer: its ids and log-probs in
-    expected.json's shape; None for an answer without ids."""
+def request_digest(body: dict[str, Any]) -> str:
+    """Which request an answer is to: the sha256 of request.json's body (keys sorted), so
+    the same body digests alike however its file is laid out."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def reference_answer(
+    response: dict[str, Any], name: str, body: dict[str, Any]
+) -> dict[str, Any] | None:
+    """What `--save-reference` keeps of the reference's answer to `body`: its ids and
+    log-probs in expected.json's shape, and which request it answers (`request_sha256`:
+    the reference's name alone would let another case's answer, or an answer to this case's
+    prompt with other sampling, be judged against); None for an answer without ids."""
     try:
         prompt_ids = [int(t) for t in response["prompt_token_ids"]]
         token_ids = [int(t) for t in response["choices"][0]["token_ids"]]
@@ -483,6 +495,7 @@ def reference_answer(response: dict[str, Any], name: str) -> dict[str, Any] | No
         return None
     return {
         "reference": name,
+        "request_sha256": request_digest(body),
         "prompt_token_ids": prompt_ids,
         "token_ids": token_ids,
         "top_logprobs": [top_logprobs(response, i) for i in range(len(token_ids))],
@@ -490,10 +503,11 @@ def reference_answer(response: dict[str, Any], name: str) -> dict[str, Any] | No
     }
 
 
-def read_reference(path: Path, expected: dict[str, Any]) -> dict[str, Any]:
+def read_reference(path: Path, expected: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
     """expected.json with the ids and log-probs of the reference answer `path` holds (its
     policy, noise floor and what it judges kept): what `--reference` judges the case by.
-    ValueError naming what is wrong."""
+    The answer must be the case's reference's, to this request (`body`). ValueError naming
+    what is wrong."""
     saved = json.loads(path.read_text(encoding="utf-8"))
     if not isinstance(saved, dict) or any(
         not isinstance(saved.get(key), list) for key in REFERENCE_FIELDS
@@ -503,6 +517,12 @@ def read_reference(path: Path, expected: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(
             f"{path} is {saved.get('reference')!r}'s answer, the case's reference is "
             f"{expected.get('reference')!r}"
+        )
+    if saved.get("request_sha256") != request_digest(body):
+        raise ValueError(
+            f"{path} answers another request than this export's request.json (another "
+            "case's or export's, or made before request.json changed); `bash run.sh "
+            "reference` serves this one's reference and keeps its answer"
         )
     return {**expected, **{key: saved[key] for key in REFERENCE_FIELDS}}
 
@@ -544,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--save-reference: serve.sh serves the case, not the reference")
         if args.reference and serving_reference:
             raise ValueError("--reference: serve.sh serves the reference, not the case")
-        fresh = read_reference(args.reference, expected) if args.reference else None
+        fresh = read_reference(args.reference, expected, body) if args.reference else None
     except (OSError, ValueError, KeyError) as exc:
         print(f"check.py: error: cannot run: {exc} (is serve.sh serving?)", file=sys.stderr)
         return EXIT_ERROR
@@ -576,7 +596,9 @@ def main(argv: list[str] | None = None) -> int:
         where = "monolithic vLLM" if expected.get("reference") == "baseline" else reference
         print(f"check.py: the expected ids {holds} on this machine's {where}")
         if args.save_reference:
-            kept = judged.response and reference_answer(judged.response, expected["reference"])
+            kept = judged.response and reference_answer(
+                judged.response, expected["reference"], body
+            )
             if not kept:
                 print(f"check.py: {reference} gave no ids to keep", file=sys.stderr)
                 return EXIT_ERROR

@@ -24,12 +24,22 @@ MIN_FRAMES, MAX_FRAMES, MAX_FPS = 4, 768, 30  # Qwen2VLVideoBackend's clamps
 # The video processor whose loader vLLM picks by name (`get_video_loader_backend_for_processor`);
 # every other video processor gets the generic uniform loader.
 QWEN2VL_VIDEO_PROCESSOR = "Qwen2VLVideoProcessor"
+# The loaders by the names media_io_kwargs' video.video_backend gives them: Qwen2VLVideoBackend
+# (`qwen2vl_frames`) and the generic uniform one (`uniform_frames`).
+QWEN2VL_LOADER = "qwen2_vl"
+UNIFORM_LOADER = "opencv"
+LOADERS = (QWEN2VL_LOADER, UNIFORM_LOADER)
 
 
 def qwen2vl_frames(total: int, original_fps: float, target_fps: float = TARGET_FPS) -> int:
     """Frames Qwen2VLVideoBackend keeps of a container video of `total` frames recorded at
-    `original_fps`: `total / original_fps * fps`, clamped to [4, 768] and to the video, floored
-    to whole temporal steps. It ignores num_frames (fps-driven)."""
+    `original_fps`: n = `total / original_fps * fps`, clamped to [4, 768] and to the video,
+    floored to whole temporal steps, then as many indices as `torch.arange(0, total,
+    total / n)` yields, which is n + 1 where the step's rounding leaves room for one more
+    (75 frames at 10 fps: 15, not 14; the extra index is clamped onto the last frame and kept,
+    and the processor pads the odd count to whole steps). That length is
+    `ceil(total / (total / n))` in double precision, as torch sizes an arange (checked
+    against torch for every clip up to 3000 frames). It ignores num_frames (fps-driven)."""
     if original_fps <= 0:
         raise ValueError("the video reports no frame rate (vLLM's Qwen2-VL loader needs one)")
     most = math.floor(min(MAX_FRAMES, total) / TEMPORAL_PATCH) * TEMPORAL_PATCH
@@ -38,7 +48,7 @@ def qwen2vl_frames(total: int, original_fps: float, target_fps: float = TARGET_F
     kept = math.floor(frames / TEMPORAL_PATCH) * TEMPORAL_PATCH
     if kept < 1:
         raise ValueError(f"a video of {total} frame(s) has no whole temporal step to sample")
-    return kept
+    return math.ceil(total / (total / kept))
 
 
 def uniform_frames(total: int, original_fps: float, num_frames: int, fps: float) -> int:

@@ -246,3 +246,47 @@ def sigint_as_at_a_terminal() -> None:
     tested is a program whose SIGINT is a Ctrl-C, whatever started pytest.
     """
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+EXPORT_SCRIPT_TIMEOUT_S = 240.0
+
+
+def run_export_script(
+    out: Path,
+    argv: list[str],
+    env: dict[str, str],
+    timeout: float = EXPORT_SCRIPT_TIMEOUT_S,
+) -> subprocess.CompletedProcess[str]:
+    """`bash <export>/<argv...>` to its end, its output captured. On a timeout or Ctrl-C
+    (any exception while it runs) its own group and every server it recorded
+    (`<export>/work/state/*.pid`, each a group of its own) are killed before this returns:
+    subprocess.run's timeout kills bash alone, and the servers serve.sh started outlived it,
+    on devices a test's lease then let go (found twice: a red run of the DEVICES test left
+    four fake servers; the e2e export scenario ran run.sh so on GPUs). A timeout fails the
+    test (AssertionError with the output); anything else is raised as it was."""
+    script = subprocess.Popen(
+        ["bash", str(out / argv[0]), *argv[1:]],
+        cwd=out,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its group is its own; a terminal's Ctrl-C reaches us only
+    )
+    try:
+        stdout, stderr = script.communicate(timeout=timeout)
+    except BaseException as exc:
+        groups = [script.pid]
+        for pid in (out / "work/state").glob("*.pid"):
+            with contextlib.suppress(OSError, ValueError):
+                groups.append(int(pid.read_text()))
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)
+        stdout, stderr = script.communicate()
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise AssertionError(
+                f"{argv[0]} still ran after {timeout} s:\n{stdout}\n{stderr}"
+            ) from None
+        raise
+    return subprocess.CompletedProcess(script.args, script.returncode, stdout, stderr)
