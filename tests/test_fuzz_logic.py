@@ -593,7 +593,9 @@ def test_a_fuzz_bundle_says_which_devices_computed_the_ids(tmp_path: Path, monke
     from harness.spec.settings import RunSettings, ServedVllm
 
     used = DevicesUsed("cpu", "CPU X", 2, (0, 1), "/proc/cpuinfo", amx=False)
-    monkeypatch.setattr(report_bundle, "run_devices", lambda platform, pins, indices: used)
+    monkeypatch.setattr(
+        report_bundle, "run_devices", lambda platform, pins, indices, elsewhere=None: used
+    )
     crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
     start = _evaluation("ex-0007", image_prompt((448, 448), (56, 56)), crash, True)
     minimal = _evaluation("ex-0007-s004", image_prompt((56, 56)), crash, True)
