@@ -24,11 +24,15 @@ SCRIPT = ROOT / "scripts" / "cpu"
 # Stands in for the venv's python: records its argv; `-` (the installed-version check, which
 # reads its program on stdin) answers "already installed" (unless FAKE_VLLM_CPU=missing), so no
 # vLLM is installed; `-c` (the Python version query) answers what `version` beside it says,
-# else 3.11; `-m pip config list` prints $FAKE_PIP_CONFIG.
+# else 3.11; `-m pip config list` prints $FAKE_PIP_CONFIG and then, a moment later, one more
+# line, dying as real pip does when its reader has gone (a reader that stops at its first match,
+# under pipefail, saw that as no configuration: this machine's pip got PyTorch's index added).
 RECORDING_PYTHON = """#!/usr/bin/env bash
 printf '%s\\n' "$*" >> "$CALLS"
 if [[ ${1:-} == - ]]; then cat > /dev/null; [[ ${FAKE_VLLM_CPU:-} != missing ]]; exit; fi
-if [[ "$*" == "-m pip config list" ]]; then printf '%s\\n' "${FAKE_PIP_CONFIG:-}"; fi
+if [[ "$*" == "-m pip config list" ]]; then
+  printf '%s\\n' "${FAKE_PIP_CONFIG:-}"; sleep 0.2; printf "global.timeout='60'\\n"
+fi
 if [[ ${1:-} == -c ]]; then cat "$(dirname "$0")/version" 2>/dev/null || echo 3.11; fi
 exit 0
 """

