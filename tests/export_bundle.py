@@ -17,16 +17,11 @@ from harness.serve.session import safe_name
 from harness.spec.placement import place_instances
 from harness.spec.platforms import CPU
 from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.testing import fake_vllm_server
 
 VLLM_EXECUTABLE = "/somewhere/venv/bin/vllm"
 PROMPT = "m-image"
-PROMPT_IDS = [1, 2, 3]
-BASELINE_IDS = [
-    7,
-    8,
-    9,
-    10,
-]  # what harness/testing/fake_vllm.py answers a max_tokens=4 request with
+MAX_TOKENS = 4
 GRID = {"image_grid_thw": [1, 16, 16]}
 DEATH = (
     "APIError: Internal Server Error\n--- 1E+1P+1D/decode0 logged during the request ---\n"
@@ -114,11 +109,16 @@ def body() -> dict[str, Any]:
             }
         ],
         "temperature": 0.0,
-        "max_tokens": len(BASELINE_IDS),
+        "max_tokens": MAX_TOKENS,
         "logprobs": True,
         "top_logprobs": 5,
         "return_token_ids": True,
     }
+
+
+# What the fake vLLM (harness/testing/fake_vllm.py) answers `body()` with, computing the image
+# itself as a monolithic instance does.
+PROMPT_IDS, BASELINE_IDS = fake_vllm_server.monolithic_answer(body())
 
 
 def write_bundle(
@@ -241,7 +241,9 @@ def write(tmp_path: Path, **bundle_args) -> Path:
     return out
 
 
-PD_IDS = [7, 11, 12, 13]  # what the run recorded of 1P+1D (the fake vLLM answers BASELINE_IDS)
+# What the run recorded of 1P+1D: the baseline's first id, then others (the fake vLLM answers
+# BASELINE_IDS).
+PD_IDS = [BASELINE_IDS[0], *(t + 1 for t in BASELINE_IDS[1:])]
 
 
 def write_exact_reference_bundle(

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from export_bundle import PROMPT, PROMPT_IDS, REPAIR, plan_for, write_bundle
+from export_bundle import BASELINE_IDS, PROMPT, PROMPT_IDS, REPAIR, plan_for, write_bundle
 from test_export_process import environment, export_case, run_script, run_sh
 
 from harness.cli.main import main
@@ -241,7 +241,7 @@ def test_a_case_can_name_its_reference_and_ambiguity_is_refused(tmp_path: Path) 
     run = two_reference_bundle(tmp_path)
     named = plan_for(run, f"1E+1P+1D:{PROMPT}@baseline")
     assert (named.case.verdict, named.expected["reference"]) == ("DRIFT", "baseline")
-    assert named.expected["token_ids"] == [7, 8, 9, 10] and named.baseline is not None
+    assert named.expected["token_ids"] == BASELINE_IDS and named.baseline is not None
     exact = plan_for(run, f"1E+1P+1D:{PROMPT}@1P+1D")
     assert exact.expected["token_ids"] == [7, 11, 12, 13]
     assert exact.baseline is None  # `run.sh baseline` would check the monolithic ids instead
@@ -331,6 +331,8 @@ def near_tie_export(tmp_path: Path, recorded: str) -> Path:
     run = gpu_bundle(tmp_path, verdict="MISMATCH")
     responses = json.loads((run / "responses.json").read_text())
     base = responses["baseline"][PROMPT]["result"]
+    base["token_ids"] = [7, 8, 9, 10]  # this made-up GPU run's baseline, not the fake's
+    base["logprobs"] = [{"token_id": t, "logprob": -0.5, "top": [[t, -0.5]]} for t in (7, 8, 9, 10)]
     base["logprobs"][1]["top"] = [[8, -0.690], [11, -0.700]]
     (run / "responses.json").write_text(json.dumps(responses))
     summary = json.loads((run / "summary.json").read_text())

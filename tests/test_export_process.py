@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from export_bundle import PROMPT, REPAIR, plan_for, write, write_bundle
+from export_bundle import BASELINE_IDS, PROMPT, PROMPT_IDS, REPAIR, plan_for, write, write_bundle
 
 from harness.run.export import UNKNOWN_UUID_PROBE, UpstreamProxy, plan_export
 from harness.run.export_files import write_export
@@ -116,7 +116,8 @@ def test_a_matching_answer_exits_0(tmp_path: Path, leased_ports: TakePorts) -> N
     env = environment(leased_ports, tmp_path)
     done = run_sh(out, env)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "MATCH: the 4 generated and 3 prompt token ids equal the expected ones" in done.stdout
+    matched = f"the 4 generated and {len(PROMPT_IDS)} prompt token ids equal the expected ones"
+    assert f"MATCH: {matched}" in done.stdout
     assert "the harness (run run) recorded MATCH: reproduced" in done.stdout
     assert "imported the harness" not in done.stdout + done.stderr
     assert_nothing_left(out, env)
@@ -163,13 +164,13 @@ def test_different_ids_exit_1_with_the_first_divergence(
     out = export_case(tmp_path, verdict="MISMATCH")
     path = out / "expected.json"
     expected = json.loads(path.read_text())
-    expected["token_ids"][1] = 80  # the fake answers 7 8 9 10
+    expected["token_ids"][1] = 80  # the fake answers BASELINE_IDS
     path.write_text(json.dumps(expected))
     env = environment(leased_ports, tmp_path)
     done = run_sh(out, env)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "MISMATCH: generated token ids differ at position 1" in done.stdout
-    assert "expected 80, got 8" in done.stdout
+    assert f"expected 80, got {BASELINE_IDS[1]}" in done.stdout
     assert_nothing_left(out, env)
 
 
@@ -188,9 +189,9 @@ def test_an_instance_that_dies_while_starting_fails_the_start(
 
 def test_the_probe_goes_to_the_consumer_alone(tmp_path: Path, leased_ports: TakePorts) -> None:
     out = export_case(tmp_path, probe=UNKNOWN_UUID_PROBE)
-    env = environment(leased_ports, tmp_path)
+    env = environment(leased_ports, tmp_path, "decode:serve-anything")
     done = run_sh(out, env)
-    # The fake answers anything with 200: a consumer that answers a request it cannot serve.
+    # Told to, the fake answers with 200 what it cannot serve (embeddings it never got).
     assert done.returncode == 1, done.stdout + done.stderr
     assert "MISMATCH: decode0 answered a request it cannot serve" in done.stdout
     assert [p.name for p in (out / "work/state").glob("*.pid")] == ["decode0.pid"]

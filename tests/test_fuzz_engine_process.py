@@ -46,7 +46,10 @@ def test_the_engine_judges_groups_shrinks_and_bundles(
     ]
     topology = TOPOLOGIES["1E+1PD"]
     write_examples(settings.run_dir, examples, {"seed": 0, "space": FuzzSpace().to_json()})
-    with FuzzEngine(settings, topology, budget=ShrinkBudget(max_trials=30)) as engine:
+    # The planted drop-metadata makes every request with media VACUOUS (its consumer gets the
+    # raw media): the failure to group and shrink.
+    budget = ShrinkBudget(max_trials=30)
+    with FuzzEngine(settings, topology, fault="drop-metadata", budget=budget) as engine:
         report = engine.run(examples)
     assert report.counts() == {"MATCH": 1, "VACUOUS": 2}
     (group,) = report.groups

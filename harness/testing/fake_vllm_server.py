@@ -1,0 +1,651 @@
+"""The fake vLLM's server: a `vllm serve` look-alike, standard library only.
+
+`harness.testing.fake_vllm` writes this file's source behind a `#!` line as an executable named
+`vllm`; it is never imported by the harness (only by unit tests of its pure functions). See that
+module for the flags it reads and the misbehaviours it plays on cue.
+
+Why it computes anything at all: the transfer guards (`harness.judge.guards`) must be able to
+hold or fail on a fake topology for the reasons they do on a real one, so the fake moves its
+evidence the way vLLM 0.32 does, and only when its peer really handed it over:
+
+- a prompt is tokenized into a realistic number of ids (a chat template, one id per word, a
+  run of placeholder ids per media item sized by its grid), more than a block;
+- each media item has an "embedding" (rows of float32 derived from the media source). The
+  encoder writes it where ECExampleConnector does (`<ec storage>/<mm_hash>/
+  encoder_cache.safetensors`, tensor `ec_cache`) and answers `ec_transfer_params`
+  `{mm_hash: {"item_indices": [...], "metadata": {grid}}}`; a consumer given a metadata-only
+  `*_embeds` part loads that file (none there: the request fails), and one given raw media
+  computes the embedding itself (vLLM's silent fallback);
+- each prompt position has a "KV" row chained from the previous row, its token and its
+  embedding row, and the generated ids are a digest of every row: a changed embedding or KV
+  row changes the answer, as it would a model's;
+- ExampleConnector: P writes the rows of the block-aligned prefix to `<kv storage>/<prompt
+  hash>/<layer>.safetensors` (tensor `kv_cache`); D loads them if that directory exists, and
+  reports them as `cached_tokens` and in its `/metrics` (`external_unspecified`);
+- NixlConnector: P keeps its rows in blocks in its memory and answers the
+  `kv_transfer_params` vLLM's NIXL P does (block ids, its side channel host and port); D,
+  handed those, reads the blocks from P's side channel (a small HTTP server on
+  `VLLM_NIXL_SIDE_CHANNEL_PORT`) and counts them as `p2p` in its `/metrics` with NIXL's
+  transfer counters, reporting `cached_tokens=0` as vLLM 0.32 does. Without them (a proxy that
+  skipped P, or withheld its answer) D computes the prompt itself and counts it as
+  `local_compute`.
+
+The metric names are vLLM 0.32's (`vllm/v1/metrics/loggers.py`, `.../nixl/stats.py`). There is
+no prefix cache: a fake D never holds a prompt from an earlier request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import http.server
+import json
+import os
+import signal
+import struct
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import zlib
+
+ROW_FLOATS = 4  # floats per embedding / KV row
+ROW_BYTES = 4 * ROW_FLOATS
+MERGE = 4  # Qwen2.5-VL merges 2x2 patches into one placeholder token
+GRIDS = {"image": [1, 8, 8], "video": [2, 8, 8]}  # what the fake's encoder reports
+GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
+AUDIO_TOKENS = 8
+PLACEHOLDER_IDS = {"image": 151655, "video": 151656, "audio": 151646}
+IM_START, IM_END = 151644, 151645
+ROLE_IDS = {"system": 8948, "user": 872, "assistant": 77091}
+EC_FILE = "encoder_cache.safetensors"
+KV_LAYER = "model.layers.0.self_attn.attn"
+DEFAULT_BLOCK_SIZE = 16  # vLLM's default
+
+
+class RequestFailed(Exception):
+    """What vLLM would answer with an HTTP error (its engine could not serve the request)."""
+
+
+# -- tensors as safetensors files, written and read without torch ---------------------------------
+
+
+def write_tensor(path: str, name: str, data: bytes) -> None:
+    """One float32 tensor of shape [rows, ROW_FLOATS] as a safetensors file."""
+    rows = len(data) // ROW_BYTES
+    header = {name: {"dtype": "F32", "shape": [rows, ROW_FLOATS], "data_offsets": [0, len(data)]}}
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(partial, "wb") as out:
+        out.write(struct.pack("<Q", len(encoded)) + encoded + data)
+    os.replace(partial, path)
+
+
+def read_tensor(path: str, name: str) -> bytes:
+    """The float32 bytes of tensor `name` of a safetensors file (as torch would save them)."""
+    with open(path, "rb") as source:
+        blob = source.read()
+    (size,) = struct.unpack("<Q", blob[:8])
+    entry = json.loads(blob[8 : 8 + size])[name]
+    if entry["dtype"] != "F32":
+        raise RequestFailed(f"{path}: {name} is {entry['dtype']}, not F32")
+    start, end = entry["data_offsets"]
+    return blob[8 + size + start : 8 + size + end]
+
+
+# -- prompts, embeddings, KV ---------------------------------------------------------------------
+
+
+def rows_from(seed: bytes, count: int) -> bytes:
+    """`count` rows of float32 derived from `seed`; exactly representable values in [-2, 2)."""
+    out = bytearray()
+    for index in range(count):
+        digest = hashlib.sha256(seed + index.to_bytes(4, "little")).digest()
+        out += struct.pack(f"<{ROW_FLOATS}f", *((b - 128) / 64.0 for b in digest[:ROW_FLOATS]))
+    return bytes(out)
+
+
+def media_kwargs(body: dict) -> str:
+    """The request fields that change what media turn into (and their cache key)."""
+    kwargs = {k: body[k] for k in ("mm_processor_kwargs", "media_io_kwargs") if body.get(k)}
+    return json.dumps(kwargs, sort_keys=True) if kwargs else ""
+
+
+def modality(part_type: str) -> str:
+    return part_type.split("_")[0] if not part_type.startswith("input_audio") else "audio"
+
+
+def source_of(part: dict) -> str:
+    """What a raw media part's content is known by (its URL, else the whole part)."""
+    value = part.get(part.get("type", ""))
+    url = value.get("url") if isinstance(value, dict) else None
+    return url or json.dumps({k: v for k, v in part.items() if k != "uuid"}, sort_keys=True)
+
+
+def mm_hash(part: dict, kwargs: str) -> str:
+    """vLLM 0.32's item identifier: the uuid itself, hashed with the media kwargs if any; an
+    item without uuid is keyed by its content."""
+    uuid = part.get("uuid")
+    if uuid and not kwargs:
+        return str(uuid)
+    keyed = f"{uuid or source_of(part)}|{kwargs}"
+    return hashlib.sha256(keyed.encode()).hexdigest()[:32]
+
+
+def placeholder_count(kind: str, grid: list | None) -> int:
+    if kind == "audio":
+        return AUDIO_TOKENS
+    size = 1
+    for value in grid or GRIDS[kind]:
+        size *= int(value)
+    return max(size // MERGE, 1)
+
+
+class MediaItem:
+    """One media part of a request as the engine sees it: raw (embedding computed here) or a
+    metadata-only `*_embeds` part (embedding loaded from the EC storage when needed)."""
+
+    def __init__(self, part: dict, kwargs: str):
+        self.part = part
+        self.kind = modality(str(part.get("type")))
+        self.embeds = str(part.get("type")).endswith("_embeds")
+        self.kwargs = kwargs
+        self.hash = mm_hash(part, kwargs)
+        metadata = part.get(part["type"]) if self.embeds else None
+        grid = metadata.get(GRID_KEYS.get(self.kind, "")) if isinstance(metadata, dict) else None
+        self.tokens = placeholder_count(self.kind, grid)
+        self._rows: bytes | None = None
+
+    def computed(self) -> bytes:
+        """The embedding a model computes from the raw media (an encoder, or a consumer that
+        got raw media)."""
+        return rows_from(f"{source_of(self.part)}|{self.kwargs}".encode(), self.tokens)
+
+    def rows(self, ec_storage: str | None, zeros_if_missing: bool = False) -> bytes:
+        if self._rows is None:
+            self._rows = (
+                self._load(ec_storage, zeros_if_missing) if self.embeds else self.computed()
+            )
+        return self._rows
+
+    def _load(self, ec_storage: str | None, zeros_if_missing: bool) -> bytes:
+        path = os.path.join(ec_storage or "", self.hash, EC_FILE)
+        if zeros_if_missing and not (ec_storage and os.path.isfile(path)):
+            return bytes(self.tokens * ROW_BYTES)
+        if not ec_storage:
+            raise RequestFailed(
+                f"no embeddings for {self.kind} item {self.hash}: a metadata-only part, and "
+                "this instance has no EC storage to load them from"
+            )
+        if not os.path.isfile(path):
+            raise RequestFailed(f"no EC cache for mm_hash {self.hash}: {path} does not exist")
+        data = read_tensor(path, "ec_cache")
+        if len(data) != self.tokens * ROW_BYTES:
+            raise RequestFailed(
+                f"EC cache {path} holds {len(data) // ROW_BYTES} rows for "
+                f"{self.tokens} placeholder tokens"
+            )
+        return data
+
+
+def word_id(word: str) -> int:
+    return 1000 + zlib.crc32(word.encode()) % 100000
+
+
+def tokenize(body: dict) -> tuple[list[int], list[tuple[int, MediaItem, int]], list[MediaItem]]:
+    """Prompt ids as a chat template makes them; (position, item, row) of every placeholder."""
+    kwargs = media_kwargs(body)
+    ids: list[int] = []
+    placeholders: list[tuple[int, MediaItem, int]] = []
+    items: list[MediaItem] = []
+    for message in body.get("messages") or []:
+        ids += [IM_START, ROLE_IDS.get(message.get("role"), 872)]
+        content = message.get("content")
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        for part in parts or []:
+            if part.get("type") == "text":
+                ids += [word_id(w) for w in str(part.get("text", "")).split()]
+                continue
+            item = MediaItem(part, kwargs)
+            items.append(item)
+            for row in range(item.tokens):
+                placeholders.append((len(ids), item, row))
+                ids.append(PLACEHOLDER_IDS[item.kind])
+        ids.append(IM_END)
+    ids += [IM_START, ROLE_IDS["assistant"]]
+    return ids, placeholders, items
+
+
+def kv_rows(
+    ids: list[int],
+    placeholders: list[tuple[int, MediaItem, int]],
+    loaded: bytes,
+    ec_storage: str | None,
+    zeros_if_missing: bool = False,
+) -> bytes:
+    """Every prompt position's KV row: the `loaded` ones as given, the rest computed, each from
+    the previous row, its token and (a placeholder) its embedding row."""
+    at = {position: (item, row) for position, item, row in placeholders}
+    rows = bytearray(loaded)
+    for position in range(len(loaded) // ROW_BYTES, len(ids)):
+        previous = bytes(rows[-ROW_BYTES:]) if rows else b""
+        mixed = previous + ids[position].to_bytes(4, "little")
+        if position in at:
+            item, row = at[position]
+            embedding = item.rows(ec_storage, zeros_if_missing)
+            mixed += embedding[row * ROW_BYTES : (row + 1) * ROW_BYTES]
+        rows += rows_from(mixed, 1)
+    return bytes(rows)
+
+
+def generated_ids(rows: bytes, count: int) -> list[int]:
+    """What a model answers from these KV rows: a digest of all of them."""
+    seed = hashlib.sha256(rows).digest()
+    return [
+        1000
+        + int.from_bytes(hashlib.sha256(seed + bytes([i % 256, i // 256])).digest()[:4]) % 50000
+        for i in range(count)
+    ]
+
+
+def monolithic_answer(body: dict) -> tuple[list[int], list[int]]:
+    """(prompt ids, generated ids) a fake baseline (or any instance computing everything
+    itself from raw media) answers `body` with: what a synthetic bundle records as a run's."""
+    ids, placeholders, _ = tokenize(body)
+    rows = kv_rows(ids, placeholders, b"", None)
+    return ids, generated_ids(rows, int(body.get("max_tokens") or 4))
+
+
+def aligned_prefix(prompt_tokens: int, block_size: int) -> int:
+    """ExampleConnector's whole blocks, leaving D at least one token to compute."""
+    return ((prompt_tokens - 1) // block_size) * block_size
+
+
+def kv_folder(kv_storage: str, ids: list[int], hashes: list[str]) -> str:
+    """ExampleConnector's layout: a directory named by a hash of the prefix ids and mm hashes."""
+    key = struct.pack(f"<{len(ids)}q", *ids) + "-".join(hashes).encode()
+    return os.path.join(kv_storage, hashlib.sha256(key).hexdigest()[:32])
+
+
+# -- the server ----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="vllm")
+    parser.add_argument("command", choices=["serve"])
+    parser.add_argument("model")
+    for flag in ("--host", "--served-model-name", "--ec-transfer-config", "--kv-transfer-config"):
+        parser.add_argument(flag, default="")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    args, unknown = parser.parse_known_args(argv)
+    rejected = [arg for arg in unknown if arg.startswith("--no-such-")]
+    if rejected:
+        parser.error(f"unrecognized arguments: {' '.join(rejected)}")
+    return args
+
+
+class Engine:
+    """What one fake instance knows and counts."""
+
+    def __init__(self, args: argparse.Namespace, modes: dict[str, float]):
+        ec = json.loads(args.ec_transfer_config or "{}")
+        kv = json.loads(args.kv_transfer_config or "{}")
+        ec_role, kv_role = ec.get("ec_role", ""), kv.get("kv_role", "")
+        self.role = (
+            "encoder"
+            if ec_role == "ec_producer"
+            else "prefill"
+            if kv_role == "kv_producer"
+            else "decode"
+            if kv_role == "kv_consumer"
+            else "pd"
+            if ec_role
+            else "baseline"
+        )
+        self.model = args.served_model_name or args.model
+        self.modes = modes
+        self.block_size = args.block_size
+        self.ec_storage = (ec.get("ec_connector_extra_config") or {}).get("shared_storage_path")
+        self.kv_storage = (kv.get("kv_connector_extra_config") or {}).get("shared_storage_path")
+        self.nixl = kv.get("kv_connector") == "NixlConnector"
+        self.side_host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+        self.side_port = int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or 0)
+        self.engine_id = f"fake-{os.getpid()}"
+        self.lock = threading.Lock()
+        self.blocks: dict[int, bytes] = {}  # NIXL P: block id -> its rows
+        self.sent: dict[str, list[int]] = {}  # NIXL P: request id -> its blocks
+        self.next_block = 1
+        self.counters = {
+            "cached:p2p": 0.0,
+            "cached:external_unspecified": 0.0,
+            "source:external_kv_transfer": 0.0,
+            "source:local_compute": 0.0,
+            "source:local_cache_hit": 0.0,
+            "nixl_transfers": 0.0,
+            "nixl_bytes": 0.0,
+            "nixl_failed": 0.0,
+            "success": 0.0,
+        }
+
+    def count(self, **increments: float) -> None:
+        with self.lock:
+            for name, value in increments.items():
+                key = name.replace("__", ":")
+                self.counters[key] = self.counters.get(key, 0.0) + value
+
+    # -- chat ------------------------------------------------------------------------------
+
+    def chat(self, body: dict, request_id: str) -> dict:
+        ids, placeholders, items = tokenize(body)
+        ec_params = self.encode(items) if self.role == "encoder" else None
+        loaded, cached = self.load_kv(body, ids, items)
+        rows = kv_rows(ids, placeholders, loaded, self.ec_storage, "serve-anything" in self.modes)
+        self.count(
+            source__local_compute=len(ids) - len(loaded) // ROW_BYTES,
+            source__external_kv_transfer=len(loaded) // ROW_BYTES,
+        )
+        kv_params = self.save_kv(ids, items, rows, request_id) if self.role == "prefill" else None
+        wanted = body.get("max_tokens") or body.get("max_completion_tokens") or 4
+        out = generated_ids(rows, int(wanted))
+        self.count(success=1)
+        top = [{"token": f"token_id:{t}", "logprob": -0.5, "bytes": None} for t in out]
+        usage = {
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(out),
+            "total_tokens": len(ids) + len(out),
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+        return {
+            "id": f"chatcmpl-{request_id}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body.get("model"),
+            "prompt_token_ids": ids,
+            "usage": usage,
+            "kv_transfer_params": kv_params,
+            "ec_transfer_params": ec_params,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "fake"},
+                    "finish_reason": "length",
+                    "token_ids": out,
+                    "logprobs": {"content": [{**t, "top_logprobs": [t]} for t in top]},
+                }
+            ],
+        }
+
+    def encode(self, items: list[MediaItem]) -> dict | None:
+        """ECExampleConnector's producer: one file per item, one entry per mm_hash."""
+        params: dict = {}
+        for index, item in enumerate(items):
+            if self.ec_storage:
+                path = os.path.join(self.ec_storage, item.hash, EC_FILE)
+                write_tensor(path, "ec_cache", item.computed())
+            entry = params.setdefault(item.hash, {"item_indices": []})
+            entry["item_indices"].append(index)
+            grid_key = GRID_KEYS.get(item.kind)
+            entry["metadata"] = (
+                {grid_key: GRIDS[item.kind]} if grid_key else {"audio_num_tokens": [item.tokens]}
+            )
+        return params or None
+
+    def load_kv(self, body: dict, ids: list[int], items: list[MediaItem]) -> tuple[bytes, int]:
+        """D's KV from P, as its connector finds it: (rows loaded, cached_tokens reported)."""
+        if self.role != "decode":
+            return b"", 0
+        if self.nixl:
+            return self.read_remote_blocks(body.get("kv_transfer_params") or {}, len(ids)), 0
+        if not self.kv_storage:
+            return b"", 0
+        prefix = aligned_prefix(len(ids), self.block_size)
+        folder = kv_folder(self.kv_storage, ids[:prefix], [i.hash for i in items])
+        path = os.path.join(folder, f"{KV_LAYER}.safetensors")
+        if prefix == 0 or not os.path.isfile(path):
+            return b"", 0
+        rows = read_tensor(path, "kv_cache")
+        if len(rows) != prefix * ROW_BYTES:
+            raise RequestFailed(f"{path} holds {len(rows) // ROW_BYTES} rows for {prefix} tokens")
+        self.count(cached__external_unspecified=prefix)
+        return rows, prefix
+
+    def read_remote_blocks(self, params: dict, prompt_tokens: int) -> bytes:
+        """NIXL's read: the blocks P named, from P's side channel; a failed read is counted and
+        the prompt computed here, as vLLM's D recomputes what it could not get."""
+        groups = params.get("remote_block_ids")
+        if not params.get("do_remote_prefill") or not groups:
+            return b""
+        blocks = groups[0] if isinstance(groups[0], list) else groups
+        url = (
+            f"http://{params.get('remote_host')}:{params.get('remote_port')}/read?"
+            f"request={params.get('remote_request_id')}&blocks={','.join(map(str, blocks))}"
+        )
+        try:
+            with urllib.request.urlopen(url, timeout=30) as reply:
+                data = reply.read()
+        except (OSError, urllib.error.URLError) as exc:
+            print(f"ERROR NIXL transfer failed: {exc}", flush=True)
+            self.count(nixl_failed=1)
+            return b""
+        rows = data[: prompt_tokens * ROW_BYTES]
+        received = len(rows) // ROW_BYTES
+        self.count(cached__p2p=received, nixl_transfers=1, nixl_bytes=len(data))
+        return rows[: received * ROW_BYTES]
+
+    def save_kv(self, ids: list[int], items: list[MediaItem], rows: bytes, request_id: str):
+        """P's side of the connector: files (ExampleConnector) or blocks kept for D's read."""
+        if self.nixl:
+            per_block = self.block_size * ROW_BYTES
+            with self.lock:
+                allocated = []
+                for start in range(0, len(rows), per_block):
+                    self.blocks[self.next_block] = rows[start : start + per_block]
+                    allocated.append(self.next_block)
+                    self.next_block += 1
+                self.sent[request_id] = allocated
+            return {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_block_ids": [allocated],
+                "remote_engine_id": self.engine_id,
+                "remote_request_id": request_id,
+                "remote_host": self.side_host,
+                "remote_port": self.side_port,
+                "tp_size": 1,
+                "remote_num_tokens": len(ids),
+            }
+        if self.kv_storage:
+            prefix = aligned_prefix(len(ids), self.block_size)
+            if prefix:
+                folder = kv_folder(self.kv_storage, ids[:prefix], [i.hash for i in items])
+                path = os.path.join(folder, f"{KV_LAYER}.safetensors")
+                write_tensor(path, "kv_cache", rows[: prefix * ROW_BYTES])
+        return None
+
+    def serve_blocks(self, request_id: str, blocks: list[int]) -> bytes | None:
+        """P's side channel: the rows of the blocks D reads (then freed, as D's notification
+        frees them); None when P holds no such request or block."""
+        with self.lock:
+            if request_id not in self.sent or any(b not in self.blocks for b in blocks):
+                return None
+            data = b"".join(self.blocks[b] for b in blocks)
+            for block in self.sent.pop(request_id):
+                self.blocks.pop(block, None)
+        return data
+
+    # -- metrics ---------------------------------------------------------------------------
+
+    def metrics(self) -> str:
+        with self.lock:
+            c = dict(self.counters)
+        labels = f'engine="0",model_name="{self.model}"'
+        lines = []
+        for source in ("device", "host", "disk", "p2p", "external_unspecified"):
+            value = c.get(f"cached:{source}", 0.0)
+            lines.append(
+                f'vllm:prompt_tokens_cached_by_source_total{{{labels},source="{source}"}} {value}'
+            )
+        for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
+            value = c.get(f"source:{source}", 0.0)
+            lines.append(
+                f'vllm:prompt_tokens_by_source_total{{{labels},source="{source}"}} {value}'
+            )
+        lines.append(
+            f'vllm:request_success_total{{{labels},finished_reason="length"}} {c["success"]}'
+        )
+        if self.nixl:
+            lines += [
+                f"vllm:nixl_xfer_time_seconds_count{{{labels}}} {c['nixl_transfers']}",
+                f"vllm:nixl_xfer_time_seconds_sum{{{labels}}} {c['nixl_transfers'] * 0.001}",
+                f"vllm:nixl_bytes_transferred_count{{{labels}}} {c['nixl_transfers']}",
+                f"vllm:nixl_bytes_transferred_sum{{{labels}}} {c['nixl_bytes']}",
+                f"vllm:nixl_num_failed_transfers_total{{{labels}}} {c['nixl_failed']}",
+            ]
+        return "\n".join(lines) + "\n"
+
+
+def make_handler(engine: Engine) -> type[http.server.BaseHTTPRequestHandler]:
+    modes = engine.modes
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            if self.path == "/metrics":
+                self.send(200, engine.metrics().encode(), "text/plain; version=0.0.4")
+                return
+            self.reply(200 if self.path in ("/health", "/v1/models") else 404, {})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            request_id = self.headers.get("x-request-id")
+            print(f"REQUEST {request_id}", flush=True)
+            if "die-request" in modes:
+                print(
+                    "ERROR AssertionError: fake engine core died on a request (chaos-9e2a)",
+                    flush=True,
+                )
+                os._exit(0)
+            time.sleep(3600 if "hang" in modes else modes.get("slow", 0))
+            try:
+                answer = engine.chat(body, request_id or f"fake-{time.monotonic_ns()}")
+            except RequestFailed as exc:
+                print(f"ERROR {exc}", flush=True)
+                self.reply(500, {"error": {"message": str(exc), "type": "InternalServerError"}})
+                return
+            self.reply(200, answer)
+
+        def reply(self, status, payload):
+            self.send(status, json.dumps(payload).encode(), "application/json")
+
+        def send(self, status, data, content_type):
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    return Handler
+
+
+def make_side_channel(engine: Engine) -> type[http.server.BaseHTTPRequestHandler]:
+    class SideChannel(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            from urllib.parse import parse_qs, urlparse
+
+            query = parse_qs(urlparse(self.path).query)
+            request = (query.get("request") or [""])[0]
+            blocks = [int(b) for b in (query.get("blocks") or [""])[0].split(",") if b]
+            data = engine.serve_blocks(request, blocks)
+            self.send_response(200 if data is not None else 404)
+            self.send_header("Content-Length", str(len(data or b"")))
+            self.end_headers()
+            self.wfile.write(data or b"")
+
+        def log_message(self, *args):
+            pass
+
+    return SideChannel
+
+
+def parse_modes(role: str, served_name: str) -> dict[str, float]:
+    modes = {}
+    for item in filter(None, os.environ.get("FAKE_VLLM_MODE", "").split(";")):
+        who, _, mode = item.partition(":")
+        if who in (role, served_name, "*"):
+            name, _, seconds = mode.partition("=")
+            modes[name] = float(seconds or 0)
+    return modes
+
+
+def hold_devices() -> tuple[list[str], list[int]]:
+    """FAKE_VLLM_LIVE_DIR: a lock per device for as long as this process lives; the devices
+    another live fake already held."""
+    import fcntl
+
+    shared, held = [], []
+    for device in filter(None, os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")):
+        path = os.path.join(os.environ["FAKE_VLLM_LIVE_DIR"], f"device-{device}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            shared.append(device)
+        held.append(fd)
+    return shared, held
+
+
+def main() -> None:
+    args = parse_args(sys.argv[1:])
+    engine = Engine(args, {})
+    engine.modes.update(parse_modes(engine.role, args.served_model_name))
+    modes = engine.modes
+    print(
+        f"fake vllm pid {os.getpid()} role {engine.role} port {args.port} modes {modes}", flush=True
+    )
+    shared: list[str] = []
+    if os.environ.get("FAKE_VLLM_LIVE_DIR"):
+        shared, _held = hold_devices()
+    if os.environ.get("FAKE_VLLM_START_LOG"):  # one line per start: what tests count
+        with open(os.environ["FAKE_VLLM_START_LOG"], "a") as start_log:
+            launch = [a for a in sys.argv[1:] if a != str(args.port)]
+            env = {k: v for k, v in os.environ.items() if k.startswith(("CUDA_", "VLLM_"))}
+            start_log.write(
+                json.dumps({"role": engine.role, "launch": launch, "shared": shared, "env": env})
+                + "\n"
+            )
+    if "ignore-term" in modes:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if "fork-child" in modes:  # like vLLM's engine core: a child in the server's process group
+        child = os.fork()
+        if child == 0:
+            time.sleep(3600)
+            os._exit(0)
+        print(f"CHILD {child}", flush=True)
+    time.sleep(modes.get("slow-start", 0))
+    if "die-start" in modes:
+        print("FATAL: fake engine core failed to start (chaos-7c1d)", flush=True)
+        sys.exit(3)
+    if engine.nixl and engine.role == "prefill" and engine.side_port:
+        side = http.server.ThreadingHTTPServer(
+            (engine.side_host, engine.side_port), make_side_channel(engine)
+        )
+        side.daemon_threads = True
+        threading.Thread(target=side.serve_forever, daemon=True).start()
+    server = http.server.ThreadingHTTPServer(
+        (args.host or "127.0.0.1", args.port), make_handler(engine)
+    )
+    server.daemon_threads = True
+    print(f"listening on {args.port}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

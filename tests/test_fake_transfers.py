@@ -1,0 +1,143 @@
+"""The fake vLLM (harness/testing/fake_vllm_server.py) leaves the evidence the transfer guards
+read only when its P or E really handed the transfer over, so a fake sweep's MATCH means what a
+real one's does: a clean case passes for the right reasons, and a planted fault between the
+instances (or a proxy that skips P) still turns it red, with the verdict it gets on real vLLM
+(`harness.run.faults`). Fakes only: nothing here runs a model.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from harness.judge.guards import check_kv_transfer
+from harness.outcomes.chat import parse_chat_response
+from harness.run.pool import TopologyPool
+from harness.run.sweep import Sweep, SweepSpec
+from harness.serve.kv_metrics import read_counters
+from harness.spec.connectors import KvRule
+from harness.spec.platforms import CUDA
+from harness.spec.prompts import SKELETON_PROMPTS, render_request
+from harness.spec.topology import TOPOLOGIES, Role, ServingConfig
+from harness.testing.fake_vllm import fake_run_settings
+
+pytestmark = pytest.mark.process
+
+PROMPTS = {p.name: p for p in SKELETON_PROMPTS}
+CONNECTORS = {"example": "ExampleConnector", "nixl": "NixlConnector"}
+
+
+def settings(tmp_path: Path, fake: Path, connector: str):
+    """CPU with ExampleConnector; the GPU night's cuda profile with NIXL (the fake's devices)."""
+    serving = ServingConfig(model=str(tmp_path / "model"), kv_connector=CONNECTORS[connector])
+    if connector == "nixl":
+        return fake_run_settings(tmp_path, fake, serving, platform=CUDA, devices=(0, 1, 2))
+    return fake_run_settings(tmp_path, fake, serving)
+
+
+def verdicts(tmp_path: Path, fake: Path, connector: str, topology: str, prompt: str, fault=None):
+    spec = SweepSpec((TOPOLOGIES[topology],), prompts=(PROMPTS[prompt],), fault=fault)
+    result = Sweep(spec, settings(tmp_path, fake, connector)).run_all()
+    return {(r.reference, r.verdict.value): r for r in result.records}
+
+
+@pytest.mark.parametrize(
+    "connector,topology,prompt",
+    [
+        ("example", "1P+1D", "text"),
+        ("example", "1E+1PD", "image"),
+        ("nixl", "1E+1P+1D", "two_images"),
+    ],
+)
+def test_a_clean_fake_case_matches_with_every_guard_held(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path, connector, topology, prompt
+) -> None:
+    records = verdicts(tmp_path, fake_vllm, connector, topology, prompt)
+    assert records and all(verdict == "MATCH" for _, verdict in records), records
+    for record in records.values():
+        assert record.guards and all(g["ok"] for g in record.guards.values()), record.guards
+
+
+@pytest.mark.parametrize(
+    "connector,topology,prompt,fault,expected,guard",
+    [
+        # D gets none of P's KV and computes the prompt itself: the ids still equal.
+        ("example", "1P+1D", "text", "drop-kv", "VACUOUS", "kv_transfer"),
+        ("nixl", "1P+1D", "text", "drop-kv", "VACUOUS", "kv_transfer"),
+        # D decodes from zeroed KV files / from P's first block in every position.
+        ("example", "1P+1D", "text", "zero-kv", "MISMATCH", None),
+        ("nixl", "1P+1D", "text", "zero-kv", "MISMATCH", None),
+        # The consumer gets raw media and encodes them itself / loads corrupted embeddings.
+        ("example", "1E+1PD", "image", "drop-metadata", "VACUOUS", "consumer_embeds"),
+        ("example", "1E+1PD", "image", "corrupt-ec", "MISMATCH", None),
+    ],
+)
+def test_a_planted_fault_turns_the_fake_case_red(
+    tmp_path: Path,
+    fake_vllm: Path,
+    port_locks: Path,
+    connector,
+    topology,
+    prompt,
+    fault,
+    expected,
+    guard,
+) -> None:
+    records = verdicts(tmp_path, fake_vllm, connector, topology, prompt, fault)
+    [(reference, verdict)] = [k for k in records if k[0] == "baseline"]
+    record = records[(reference, verdict)]
+    assert verdict == expected, record
+    if guard is not None:
+        assert not record.guards[guard]["ok"], record.guards
+
+
+@pytest.mark.parametrize("connector", ["example", "nixl"])
+def test_a_d_reached_without_p_shows_no_transfer(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path, connector: str
+) -> None:
+    """A proxy that skips P sends D the request alone: D computes the prompt itself, and
+    neither its cached_tokens nor its /metrics show KV from P, so the guard fails."""
+    run = settings(tmp_path, fake_vllm, connector)
+    pool = TopologyPool(run)
+    try:
+        session = pool.session(TOPOLOGIES["1P+1D"])
+        decode = next(i.url for i in session.instances if i.role is Role.DECODE)
+        body = render_request(PROMPTS["text"], "fake-model")
+        before = read_counters(decode)
+        assert before is not None, "the fake D serves /metrics"
+        request = urllib.request.Request(
+            f"{decode}/v1/chat/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            answer = json.loads(reply.read())
+        counters = read_counters(decode).minus(before)
+        result = parse_chat_response(answer)
+        rule = KvRule.WHOLE_PROMPT if connector == "nixl" else KvRule.BLOCK_ALIGNED_PREFIX
+        guard = check_kv_transfer(
+            result, run.serving.block_size, rule, counters if connector == "nixl" else None
+        )
+        assert not guard.ok, guard
+        assert counters["local_compute_tokens"] == len(result.prompt_token_ids), counters
+        assert len(result.prompt_token_ids) > run.serving.block_size, "more than one block"
+    finally:
+        pool.close()
+
+
+def test_the_fakes_files_are_safetensors_torch_reads(tmp_path: Path) -> None:
+    """The faults rewrite the EC and KV files with torch's safetensors: the fake writes them
+    without torch (it must start fast), so the format must be the real one."""
+    from safetensors.torch import load_file
+
+    from harness.testing.fake_vllm_server import ROW_FLOATS, read_tensor, rows_from, write_tensor
+
+    rows = rows_from(b"seed", 3)
+    path = tmp_path / "x" / "encoder_cache.safetensors"
+    write_tensor(str(path), "ec_cache", rows)
+    tensor = load_file(str(path))["ec_cache"]
+    assert tuple(tensor.shape) == (3, ROW_FLOATS) and tensor.numpy().tobytes() == rows
+    assert read_tensor(str(path), "ec_cache") == rows
