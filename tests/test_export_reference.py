@@ -37,6 +37,7 @@ from test_export_process import environment, pid_alive, run_script
 from harness.run.export_files import render_serve_sh, write_export
 from harness.run.export_issue import render_issue, title
 from harness.run.standalone_check import request_digest
+from harness.testing.processes import sigint_as_at_a_terminal
 
 pytestmark = pytest.mark.process
 TakePorts = Callable[[int], list[int]]
@@ -236,6 +237,7 @@ def test_ctrl_c_while_the_reference_answers_leaves_nothing_running(
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        preexec_fn=sigint_as_at_a_terminal,  # a suite started in the background ignores SIGINT
     )
     try:
         log = out / "work/logs/ref-decode0.log"
@@ -247,7 +249,7 @@ def test_ctrl_c_while_the_reference_answers_leaves_nothing_running(
         try:
             # serve.sh gives each server STOP_TIMEOUT (15 s) after SIGTERM: a bound past it.
             output = script.communicate(timeout=60)[0]
-        except subprocess.TimeoutExpired as exc:  # once in a fresh-clone CI run (30 s then)
+        except subprocess.TimeoutExpired as exc:
             pytest.fail(
                 f"run.sh reference still running 60 s after Ctrl-C:\n{still_there(out, exc)}"
             )
@@ -268,8 +270,8 @@ def still_there(out: Path, exc: subprocess.TimeoutExpired) -> str:
     """What a run.sh that outlived its Ctrl-C printed, what of it still runs, and its logs'
     tails: the evidence a hang that did not come back here would need."""
     printed = exc.output.decode() if isinstance(exc.output, bytes) else str(exc.output or "")
-    running = subprocess.run(
-        ["ps", "-eo", "pid,pgid,stat,etime,args"], capture_output=True, text=True
+    running = subprocess.run(  # -ww: a pipe's default width cut the paths this looks for
+        ["ps", "-ww", "-eo", "pid,pgid,stat,etime,args"], capture_output=True, text=True
     ).stdout.splitlines()
     mine = [line for line in running if str(out) in line]
     logs = [
