@@ -28,7 +28,13 @@ from harness.run.export_files import write_export
 from harness.run.export_issue import render_issue
 from harness.run.repro import Bundle
 from harness.testing.fake_vllm import MODE_ENV, install_fake_vllm
-from harness.testing.processes import run_export_script, sigint_as_at_a_terminal
+from harness.testing.processes import (
+    ctrl_c,
+    ignores_sigint,
+    run_export_script,
+    sigint_as_at_a_terminal,
+    sigint_ignored_as_in_a_backgrounded_run,
+)
 
 pytestmark = pytest.mark.process
 TakePorts = Callable[[int], list[int]]  # the leased_ports fixture (harness/testing/plugin.py)
@@ -216,16 +222,17 @@ def test_run_sh_baseline_checks_the_expected_ids_on_a_monolithic_server(
 def serving(out: Path, env: dict[str, str]) -> subprocess.Popen[str]:
     """serve.sh in a session of its own, as from a terminal, once everything it starts
     answers."""
-    serve = subprocess.Popen(
-        ["bash", str(out / "serve.sh")],
-        cwd=out,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        preexec_fn=sigint_as_at_a_terminal,
-    )
+    with sigint_ignored_as_in_a_backgrounded_run():  # shows the reset, however pytest started
+        serve = subprocess.Popen(
+            ["bash", str(out / "serve.sh")],
+            cwd=out,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            preexec_fn=sigint_as_at_a_terminal,
+        )
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not (out / "work/state/ready").exists():
         if serve.poll() is not None or time.monotonic() > deadline:
@@ -259,6 +266,33 @@ def test_serve_sh_stops_every_group_on_sigterm_even_a_server_that_ignores_it(
             os.killpg(serve.pid, signal.SIGKILL)
 
 
+def test_a_ctrl_c_reaches_only_a_script_started_as_at_a_terminal() -> None:
+    """Under a pytest started in the background (the fresh-clone CI run: `.ci/run` from a
+    script's `cmd &`) every child inherits SIGINT ignored, and bash cannot trap a signal
+    ignored on entry: `run.sh reference` served on after the Ctrl-C test's SIGINT, and the test
+    only timed out, twice, with no word why (it passed whenever pytest was a terminal's
+    foreground job). The Ctrl-C tests start their scripts inside that condition, reset by
+    sigint_as_at_a_terminal; a script that still ignores SIGINT is refused at once, by name."""
+    sleeper = ["sleep", "30"]
+    before = signal.getsignal(signal.SIGINT)
+    with sigint_ignored_as_in_a_backgrounded_run():
+        plain = subprocess.Popen(sleeper, start_new_session=True)
+        reset = subprocess.Popen(
+            sleeper, start_new_session=True, preexec_fn=sigint_as_at_a_terminal
+        )
+    try:
+        assert signal.getsignal(signal.SIGINT) == before  # put back
+        assert (ignores_sigint(plain.pid), ignores_sigint(reset.pid)) == (True, False)
+        with pytest.raises(AssertionError, match=f"process {plain.pid} ignores SIGINT"):
+            ctrl_c(plain.pid)
+        ctrl_c(reset.pid)
+        assert reset.wait(timeout=10) == -signal.SIGINT
+    finally:
+        for child in (plain, reset):
+            child.kill()
+            child.wait()
+
+
 def test_a_second_ctrl_c_while_serve_sh_stops_still_kills_what_ignores_sigterm(
     tmp_path: Path, leased_ports: TakePorts
 ) -> None:
@@ -270,7 +304,7 @@ def test_a_second_ctrl_c_while_serve_sh_stops_still_kills_what_ignores_sigterm(
     env = environment(leased_ports, tmp_path, "decode:ignore-term")
     serve = serving(out, env)  # its group stands for the terminal's foreground job
     try:
-        os.killpg(serve.pid, signal.SIGINT)
+        ctrl_c(serve.pid)
         time.sleep(1)  # within STOP_TIMEOUT (3 s): serve.sh waits for D
         os.killpg(serve.pid, signal.SIGINT)
         output = serve.communicate(timeout=30)[0]

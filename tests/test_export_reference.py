@@ -37,7 +37,11 @@ from test_export_process import environment, pid_alive, run_script
 from harness.run.export_files import render_serve_sh, write_export
 from harness.run.export_issue import render_issue, title
 from harness.run.standalone_check import request_digest
-from harness.testing.processes import sigint_as_at_a_terminal
+from harness.testing.processes import (
+    ctrl_c,
+    sigint_as_at_a_terminal,
+    sigint_ignored_as_in_a_backgrounded_run,
+)
 
 pytestmark = pytest.mark.process
 TakePorts = Callable[[int], list[int]]
@@ -226,28 +230,32 @@ def test_ctrl_c_while_the_reference_answers_leaves_nothing_running(
     tmp_path: Path, leased_ports: TakePorts
 ) -> None:
     """Ctrl-C at the terminal (the whole foreground group) while 1P+1D's D holds the request:
-    run.sh stops serve.sh, which stops every group; the case never starts."""
+    run.sh stops serve.sh, which stops every group; the case never starts. run.sh starts as a
+    terminal's job would, SIGINT at its default, even from a pytest that ignores it (found
+    by two fresh-clone CI runs: started without the reset, run.sh inherited SIGINT ignored,
+    could not trap it, and served on until the test's timeout)."""
     out = exact_export(tmp_path)
     env = reference_environment(leased_ports, tmp_path, "decode:hang")
-    script = subprocess.Popen(
-        ["bash", str(out / "run.sh"), "reference"],
-        cwd=out,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        preexec_fn=sigint_as_at_a_terminal,  # a suite started in the background ignores SIGINT
-    )
+    with sigint_ignored_as_in_a_backgrounded_run():
+        script = subprocess.Popen(
+            ["bash", str(out / "run.sh"), "reference"],
+            cwd=out,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its group stands for the terminal's foreground job
+            preexec_fn=sigint_as_at_a_terminal,
+        )
     try:
         log = out / "work/logs/ref-decode0.log"
         deadline = time.monotonic() + 60
         while not (log.is_file() and "REQUEST" in log.read_text()):
             assert script.poll() is None and time.monotonic() < deadline, script.communicate()
             time.sleep(0.2)
-        os.killpg(script.pid, signal.SIGINT)
+        ctrl_c(script.pid)
         try:
-            # serve.sh gives each server STOP_TIMEOUT (15 s) after SIGTERM: a bound past it.
+            # serve.sh gives its servers STOP_TIMEOUT (3 s here) after SIGTERM: far past it.
             output = script.communicate(timeout=60)[0]
         except subprocess.TimeoutExpired as exc:
             pytest.fail(
@@ -270,7 +278,7 @@ def still_there(out: Path, exc: subprocess.TimeoutExpired) -> str:
     """What a run.sh that outlived its Ctrl-C printed, what of it still runs, and its logs'
     tails: the evidence a hang that did not come back here would need."""
     printed = exc.output.decode() if isinstance(exc.output, bytes) else str(exc.output or "")
-    running = subprocess.run(  # -ww: a pipe's default width cut the paths this looks for
+    running = subprocess.run(
         ["ps", "-ww", "-eo", "pid,pgid,stat,etime,args"], capture_output=True, text=True
     ).stdout.splitlines()
     mine = [line for line in running if str(out) in line]

@@ -248,6 +248,45 @@ def sigint_as_at_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@contextlib.contextmanager
+def sigint_ignored_as_in_a_backgrounded_run() -> Iterator[None]:
+    """SIGINT ignored in this process meanwhile, as in a pytest a script started with `cmd &`
+    (the fresh-clone CI run): what a test starts inside inherits it ignored unless it is
+    started with `sigint_as_at_a_terminal`. A Ctrl-C test starts its program inside this, so
+    it shows the reset, however pytest itself was started (found by a fresh-clone CI run:
+    `run.sh reference` was started without the reset, ignored the Ctrl-C, and served on; it
+    passed whenever pytest was a terminal's foreground job). Main thread only."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+
+
+def ignores_sigint(pid: int) -> bool | None:
+    """Whether process `pid` ignores SIGINT (the kernel's SigIgn mask); None when unreadable."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    return None
+
+
+def ctrl_c(pid: int) -> None:
+    """A terminal's Ctrl-C to the foreground job `pid` leads (SIGINT to its process group).
+    A leader that ignores SIGINT would not see it and the test would only time out, with no
+    word why: that is refused at once, naming the cause."""
+    assert not ignores_sigint(pid), (
+        f"process {pid} ignores SIGINT, so a Ctrl-C cannot reach it: start it with "
+        "preexec_fn=sigint_as_at_a_terminal (a pytest started in the background passes "
+        "SIGINT on ignored)"
+    )
+    os.killpg(pid, signal.SIGINT)
+
+
 EXPORT_SCRIPT_TIMEOUT_S = 240.0
 
 
