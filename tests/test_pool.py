@@ -386,11 +386,7 @@ def test_a_restart_keeps_the_log_of_the_instance_that_died(
     settings = settings_for(tmp_path)
     pool = TopologyPool(settings)
     try:
-        first = pool.session(TOPOLOGIES["1P+1D"])
-        victim = first.server(Role.DECODE)
-        dead_log = victim.command.log_path
-        os.killpg(victim.pgid, signal.SIGKILL)
-        wait_for(lambda: not victim.is_alive(), "the decode instance to die", 10)
+        dead_log = kill_the_decode_instance(pool)
         pool.session(TOPOLOGIES["1P+1D"])
         reason = pool.starts[-1].reason
         assert reason.startswith("restart: instance 1P+1D/decode0 exited"), reason
@@ -399,6 +395,14 @@ def test_a_restart_keeps_the_log_of_the_instance_that_died(
         assert f"{dead_log.stem}.1.log" in kept, f"the dead D's log is gone: {kept}"
     finally:
         pool.close()
+
+
+def kill_the_decode_instance(pool: TopologyPool) -> Path:
+    """Start 1P+1D in `pool`, kill its D by group, and return D's log: a death between items."""
+    victim = pool.session(TOPOLOGIES["1P+1D"]).server(Role.DECODE)
+    os.killpg(victim.pgid, signal.SIGKILL)
+    wait_for(lambda: not victim.is_alive(), "the decode instance to die", 10)
+    return victim.command.log_path
 
 
 def test_a_restart_in_another_run_directory_names_where_the_dead_log_is_kept(
@@ -414,11 +418,7 @@ def test_a_restart_in_another_run_directory_names_where_the_dead_log_is_kept(
     settings = settings_for(tmp_path)
     pool = TopologyPool(settings)
     try:
-        first = pool.session(TOPOLOGIES["1P+1D"])
-        victim = first.server(Role.DECODE)
-        dead_log = victim.command.log_path
-        os.killpg(victim.pgid, signal.SIGKILL)
-        wait_for(lambda: not victim.is_alive(), "the decode instance to die", 10)
+        dead_log = kill_the_decode_instance(pool)
         elsewhere = dataclasses.replace(settings, run_dir=tmp_path / "another-run")
         restarted = pool.session(TOPOLOGIES["1P+1D"], elsewhere)
         assert restarted.dir.parent == elsewhere.run_dir
