@@ -394,20 +394,26 @@ EXPECTED = {
 }
 
 
+def judge(*args, **kwargs) -> tuple[str, int, str]:
+    """check.py's judgment of one answer, as (verdict, exit code, evidence)."""
+    judged = check.judgment(*args, **kwargs)
+    return judged.verdict, judged.code, judged.detail
+
+
 def test_check_judges_match_mismatch_and_prompt_difference(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(check, "dead_instances", lambda *args: [])
-    verdict, code, detail = check.judge(
+    verdict, code, detail = judge(
         EXPECTED, answer(200, response([1, 2, 3], [7, 8, 9, 10])), [], tmp_path
     )
     assert (verdict, code) == ("MATCH", 0)
-    verdict, code, detail = check.judge(
+    verdict, code, detail = judge(
         EXPECTED, answer(200, response([1, 2, 3], [7, 5, 9, 10])), [], tmp_path
     )
     assert (verdict, code) == ("MISMATCH", 1)
     assert "generated token ids differ at position 1" in detail and "expected 8, got 5" in detail
     assert "expected top-k there: 8: -0.500, 5: -2.000" in detail
     assert "received top-k there: 99: -0.100" in detail
-    verdict, code, detail = check.judge(
+    verdict, code, detail = judge(
         EXPECTED, answer(200, response([1, 2, 4], [7, 8, 9, 10])), [], tmp_path
     )
     assert (verdict, code) == ("MISMATCH", 1) and "prompt token ids differ at position 2" in detail
@@ -443,14 +449,14 @@ def test_check_judges_drift_as_the_harness_does(tmp_path: Path, monkeypatch) -> 
         }
         return answer(200, body)
 
-    verdict, code, detail = check.judge(expected, flipped(), [], tmp_path)
+    verdict, code, detail = judge(expected, flipped(), [], tmp_path)
     assert (verdict, code) == ("DRIFT", 0), detail
     assert "pd-drift policy passes it" in detail and "noise floor 0.05 nats" in detail
     exact = {**expected, "policy": "exact", "drift_passes": False}
-    assert check.judge(exact, flipped(), [], tmp_path)[:2] == ("DRIFT", 1)
+    assert judge(exact, flipped(), [], tmp_path)[:2] == ("DRIFT", 1)
     no_floor = {**expected, "noise_floor_nats": 0.0}
-    assert check.judge(no_floor, flipped(), [], tmp_path)[:2] == ("MISMATCH", 1)
-    assert check.judge(expected, flipped(-0.6), [], tmp_path)[:2] == ("MISMATCH", 1)
+    assert judge(no_floor, flipped(), [], tmp_path)[:2] == ("MISMATCH", 1)
+    assert judge(expected, flipped(-0.6), [], tmp_path)[:2] == ("MISMATCH", 1)
 
 
 def events(*chunks: object, done: bool = True) -> str:
@@ -479,7 +485,7 @@ def test_check_reads_a_streamed_answer_from_its_events(tmp_path: Path, monkeypat
 
     def judged(text: str) -> tuple[str, int, str]:
         sent = check.Answer("http://x/v1/chat/completions", 200, text, 0.1)
-        return check.judge(EXPECTED, sent, [], tmp_path, streamed=True)
+        return judge(EXPECTED, sent, [], tmp_path, streamed=True)
 
     assert judged(streamed([1, 2, 3], [7, 8, 9, 10]))[:2] == ("MATCH", 0)
     verdict, code, detail = judged(streamed([1, 2, 3], [7, 5, 9, 10]))
@@ -530,7 +536,7 @@ def test_check_calls_a_dead_instance_an_error_naming_it(tmp_path: Path, monkeypa
     dead = check.Instance("decode0", "decode", "http://127.0.0.1:1", None, str(log))
     alive = check.Instance("prefill0", "prefill", "http://127.0.0.1:2", None, str(log))
     monkeypatch.setattr(check, "healthy", lambda url: url.endswith(":2"))
-    verdict, code, detail = check.judge(
+    verdict, code, detail = judge(
         EXPECTED, answer(502, {"error": "bad gateway"}), [alive, dead], tmp_path
     )
     assert (verdict, code) == ("ERROR", 2)
@@ -543,9 +549,9 @@ def test_check_calls_a_dead_instance_an_error_naming_it(tmp_path: Path, monkeypa
 def test_check_judges_a_probe_by_refusal_and_survival(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(check, "dead_instances", lambda *args: [])
     probe = {"check": "refused-and-alive", "send_to": "decode0"}
-    assert check.judge(probe, answer(400, {}), [], tmp_path)[:2] == ("MATCH", 0)
-    assert check.judge(probe, answer(200, {}), [], tmp_path)[:2] == ("MISMATCH", 1)
-    assert check.judge(probe, answer(500, {}), [], tmp_path)[:2] == ("ERROR", 2)
+    assert judge(probe, answer(400, {}), [], tmp_path)[:2] == ("MATCH", 0)
+    assert judge(probe, answer(200, {}), [], tmp_path)[:2] == ("MISMATCH", 1)
+    assert judge(probe, answer(500, {}), [], tmp_path)[:2] == ("ERROR", 2)
 
 
 def test_an_errors_evidence_is_cut_to_exceptions_and_exits() -> None:

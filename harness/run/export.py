@@ -429,7 +429,7 @@ def instance_servers(
     servers = []
     for index, (short, command) in enumerate(commands):
         name = prefix + short
-        variable = re.sub(r"[^A-Za-z0-9]", "_", name).upper()
+        variable = shell_variable(name)
         side = Var(f"{variable}_NIXL_PORT") if SIDE_CHANNEL_PORT_ENV in command["env"] else None
         servers.append(
             ExportedServer(
@@ -514,6 +514,12 @@ def cluster_env_keys(bundle: Bundle) -> set[str]:
 
 def is_cluster_env(key: str, cluster: set[str]) -> bool:
     return key in cluster or key.startswith(CLUSTER_ENV_PREFIXES)
+
+
+def shell_variable(name: str) -> str:
+    """The stem of a server's serve.sh variables (`ref-decode0` -> REF_DECODE0: its _PORT,
+    _NIXL_PORT): one rule, so an instance's and a proxy's names can never collide apart."""
+    return re.sub(r"[^A-Za-z0-9]", "_", name).upper()
 
 
 def without_cluster_env(env: dict[str, Any], cluster: set[str]) -> dict[str, Any]:
@@ -718,7 +724,7 @@ def proxy_server(
         marker["host"]: Var("HOST"),
         **{f"\x00{s.port.name}\x00": s.port for s in servers},
     }
-    port = Var(re.sub(r"[^A-Za-z0-9]", "_", name).upper() + "_PORT")
+    port = Var(shell_variable(name) + "_PORT")
     argv: list[Arg] = []
     for previous, arg in zip(("",) + launch.argv, launch.argv):
         argv.append((port,) if previous == "--port" else split_markers(arg, variables))

@@ -388,19 +388,6 @@ class Judgment:
     broken: str | None = None  # what was wrong with a streamed answer's framing
 
 
-def judge(
-    expected: dict[str, Any],
-    answer: Answer,
-    instances: list[Instance],
-    state_dir: Path,
-    streamed: bool = False,
-) -> tuple[str, int, str]:
-    """(verdict, exit code, evidence) for one answer (`streamed`: server-sent events); the
-    instances are checked afterwards."""
-    judged = judgment(expected, answer, instances, state_dir, streamed)
-    return judged.verdict, judged.code, judged.detail
-
-
 def judgment(
     expected: dict[str, Any],
     answer: Answer,
@@ -408,8 +395,9 @@ def judgment(
     state_dir: Path,
     streamed: bool = False,
 ) -> Judgment:
-    """`judge`, keeping the answer read, which `--save-reference` stores and `--reference`
-    compares a second time (with the recorded ids)."""
+    """(verdict, exit code, evidence) for one answer (`streamed`: server-sent events), the
+    instances checked afterwards; with the answer read, which `--save-reference` stores and
+    `--reference` compares a second time (with the recorded ids)."""
     grace = DEATH_GRACE_S if answer.status != 200 else 0.0
     dead = dead_instances(instances, state_dir, grace)
     if dead:
