@@ -25,7 +25,7 @@ import pytest
 from harness.errors import BadInput
 from harness.judge.records import CaseRecord, Verdict
 from harness.preflight.connectors import check_kv_connector
-from harness.preflight.launcher import check_launcher
+from harness.preflight.launcher import check_launcher_here, launcher_choice
 from harness.report.text import format_failure
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.launcher import end_launchers
@@ -63,7 +63,8 @@ def ray_settings(
 ) -> RunSettings:
     """The session's settings on Ray: the same cluster as the session's, if it runs on one."""
     try:
-        check_launcher(RayRequest())  # Ray installed here, or one line saying how
+        # Ray installed here, or one line saying how
+        check_launcher_here(launcher_choice(RayRequest()))
     except BadInput as exc:
         pytest.fail(f"epd-harness: {exc}", pytrace=False)
     serving = base.serving

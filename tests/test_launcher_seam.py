@@ -150,7 +150,7 @@ class Request:
 
 def test_the_ray_flags_become_one_launcher_choice(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(launcher_flags.importlib.metadata, "version", lambda name: "2.60.0")
-    choice = launcher_flags.check_launcher(
+    choice = launcher_flags.launcher_choice(
         Request(
             ray_address="10.0.0.1:6379",
             ray_placement="pack",
@@ -165,7 +165,8 @@ def test_the_ray_flags_become_one_launcher_choice(tmp_path, monkeypatch) -> None
         shared_dir=tmp_path.resolve(),
         instance_env=(("UCX_TLS", "tcp"), ("A", "b=c")),
     )
-    assert launcher_flags.check_launcher(Request(launcher="local")) == LauncherChoice()
+    launcher_flags.check_launcher_here(choice)  # Ray "installed", the directory there
+    assert launcher_flags.launcher_choice(Request(launcher="local")) == LauncherChoice()
 
 
 def test_without_ray_installed_the_ray_launcher_is_one_line(monkeypatch) -> None:
@@ -174,7 +175,7 @@ def test_without_ray_installed_the_ray_launcher_is_one_line(monkeypatch) -> None
 
     monkeypatch.setattr(launcher_flags.importlib.metadata, "version", missing)
     with pytest.raises(BadInput, match=r"--launcher ray needs Ray .*scripts/cpu setup --ray"):
-        launcher_flags.check_launcher(Request())
+        launcher_flags.check_launcher_here(launcher_flags.launcher_choice(Request()))
 
 
 # -- the pool ------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from harness.cli.serving_options import (
 )
 from harness.errors import EXIT_FAILED, EXIT_OK, BadInput
 from harness.preflight import RunRequest, prepare_run
+from harness.preflight.config import check_arguments
 from harness.run.faults import FAULT_NAMES, FAULT_SYNTAX
 from harness.run.fuzz.engine import RunBudget
 
@@ -81,7 +82,7 @@ def add_fuzz_parser(sub: Any) -> None:
     )
     add_serving_options(fuzz)
     add_proxy_options(fuzz, attach_help="fuzz a running deployment (attach file)")
-    fuzz.set_defaults(func=command_fuzz)
+    fuzz.set_defaults(func=command_fuzz, check_arguments=check_fuzz_arguments)
 
 
 def _refuse(args: argparse.Namespace) -> None:
@@ -106,6 +107,25 @@ def _refuse(args: argparse.Namespace) -> None:
         )
 
 
+def fuzz_request(args: argparse.Namespace) -> RunRequest:
+    """The run a fuzz needs: its topology (or the attached deployment) and the baseline."""
+    run_dir = args.run_dir or str(Path("runs") / f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}")
+    return RunRequest(
+        topologies=() if args.attach else (args.topology,),
+        run_dir=run_dir,
+        baseline_cache="off",
+        plant_fault=args.plant_fault,
+        **serving_fields(args),
+        **proxy_fields(args),
+    )
+
+
+def check_fuzz_arguments(args: argparse.Namespace) -> None:
+    """`fuzz`'s arguments, checked as the command checks them first (its files named only)."""
+    _refuse(args)
+    check_arguments(fuzz_request(args), read_files=False)
+
+
 def command_fuzz(args: argparse.Namespace) -> int:
     _refuse(args)
     try:
@@ -122,17 +142,7 @@ def command_fuzz(args: argparse.Namespace) -> int:
     from harness.run.fuzz.space import space_for
     from harness.run.fuzz.strategies import draw_examples
 
-    run_dir = args.run_dir or str(Path("runs") / f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}")
-    config = prepare_run(
-        RunRequest(
-            topologies=() if args.attach else (args.topology,),
-            run_dir=run_dir,
-            baseline_cache="off",
-            plant_fault=args.plant_fault,
-            **serving_fields(args),
-            **proxy_fields(args),
-        )
-    )
+    config = prepare_run(fuzz_request(args))
     settings = config.settings
     args.progress.run_dir = settings.run_dir
     topology = config.topologies[0]

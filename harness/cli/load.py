@@ -18,6 +18,7 @@ from harness.cli.serving_options import (
 )
 from harness.errors import EXIT_FAILED, EXIT_OK, BadInput
 from harness.preflight import RunRequest, prepare_run
+from harness.preflight.config import check_arguments
 from harness.report.text import format_failure
 from harness.run.load import LoadRun
 from harness.run.pool import TopologyPool
@@ -66,7 +67,8 @@ def load_spec_from_args(args: argparse.Namespace, topology: str) -> LoadSpec:
     )
 
 
-def command_load(args: argparse.Namespace) -> int:
+def refuse_load_flags(args: argparse.Namespace) -> None:
+    """The load's own flags, checked before anything starts."""
     if not args.attach and not args.topology:
         raise BadInput("load needs --topology (or --attach FILE: the deployment is the topology)")
     if args.topology and args.topology not in TOPOLOGIES:
@@ -74,20 +76,32 @@ def command_load(args: argparse.Namespace) -> int:
     if args.topology and TOPOLOGIES[args.topology].is_baseline:
         raise BadInput("the baseline is what a load is judged against: pick an EPD topology")
     if args.topology:
-        load_spec_from_args(args, args.topology)  # flags checked before anything starts
-    mix = load_mix(max(args.media, MIN_DISTINCT_MEDIA))
-    config = prepare_run(
-        RunRequest(
-            topologies=(args.topology,) if args.topology else (),
-            prompt_specs=mix,
-            run_dir=args.run_dir,
-            baseline_cache=args.baseline_cache,
-            refresh_baseline=args.refresh_baseline,
-            stream=args.stream,
-            **serving_fields(args),
-            **proxy_fields(args),
-        )
+        load_spec_from_args(args, args.topology)
+
+
+def load_request(args: argparse.Namespace) -> RunRequest:
+    """The run a load needs: its topology and the baseline, over the load's mix of prompts."""
+    return RunRequest(
+        topologies=(args.topology,) if args.topology else (),
+        prompt_specs=load_mix(max(args.media, MIN_DISTINCT_MEDIA)),
+        run_dir=args.run_dir,
+        baseline_cache=args.baseline_cache,
+        refresh_baseline=args.refresh_baseline,
+        stream=args.stream,
+        **serving_fields(args),
+        **proxy_fields(args),
     )
+
+
+def check_load_arguments(args: argparse.Namespace) -> None:
+    """`load`'s arguments, checked as the command checks them first (its files named only)."""
+    refuse_load_flags(args)
+    check_arguments(load_request(args), read_files=False)
+
+
+def command_load(args: argparse.Namespace) -> int:
+    refuse_load_flags(args)
+    config = prepare_run(load_request(args))
     settings = config.settings
     spec = load_spec_from_args(args, config.topologies[0].name)
     args.progress.run_dir = settings.run_dir
@@ -168,4 +182,4 @@ def add_load_parser(sub: argparse._SubParsersAction) -> None:
     load.add_argument("--refresh-baseline", action="store_true")
     add_serving_options(load)
     add_proxy_options(load, attach_help="load a running deployment (attach file) instead")
-    load.set_defaults(func=command_load)
+    load.set_defaults(func=command_load, check_arguments=check_load_arguments)

@@ -39,7 +39,7 @@ from harness.errors import (
 )
 from harness.judge.records import CaseRecord
 from harness.preflight import RunRequest, names, prepare_run
-from harness.preflight.config import RunConfig
+from harness.preflight.config import RunConfig, check_arguments
 from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_os_error
 from harness.preflight.model import resolve_model
 from harness.preflight.upstream_proxy import proxy_choice
@@ -149,6 +149,11 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
 
 def command_run(args: argparse.Namespace) -> int:
     return run_config(args, prepare_run(request_from_args(args)))
+
+
+def check_run_arguments(args: argparse.Namespace) -> None:
+    """`run`'s arguments, checked as its preflight checks them first (its files named only)."""
+    check_arguments(request_from_args(args), read_files=False)
 
 
 def run_config(args: argparse.Namespace, config: RunConfig) -> int:
@@ -342,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
         "names its proxy URL and each instance's role and URL; implies --proxy attach "
         "(repro --keep-up writes one)",
     )
-    run.set_defaults(func=command_run)
+    run.set_defaults(func=command_run, check_arguments=check_run_arguments)
 
     repro = sub.add_parser(
         "repro",
@@ -392,6 +397,19 @@ def install_log_handler() -> None:
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
     root.propagate = False
+
+
+def check_command_line(argv: list[str]) -> argparse.Namespace:
+    """What a command makes of its arguments before it reads a file, runs a subprocess or
+    starts anything: argparse's usage checks, then the subcommand's own checks of names, values
+    and flags that contradict each other (its `check_arguments`, where it has more than
+    argparse's; BadInput, one line). Where a command line is only shown, as in the
+    documentation (tests/test_docs_commands.py), this is all that can be checked of it."""
+    args = build_parser().parse_args(argv)
+    check = getattr(args, "check_arguments", None)
+    if check is not None:
+        check(args)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

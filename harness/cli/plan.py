@@ -399,6 +399,11 @@ def command_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def check_plan_arguments(args: argparse.Namespace) -> None:
+    """`plan` starts nothing: computing the plan is all there is to check of its arguments."""
+    build_plan(request_from_args(args))
+
+
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `plan` on the CLI's subparsers; its `func` returns the exit code."""
     parser = subparsers.add_parser(
@@ -433,5 +438,5 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     parser.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
     parser.add_argument("--run-dir", help="artifact directory (default: a placeholder)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.set_defaults(func=command_plan)
+    parser.set_defaults(func=command_plan, check_arguments=check_plan_arguments)
     return parser

@@ -294,9 +294,14 @@ def matrix_passed(runs: list[ReleaseRun]) -> bool:
     )
 
 
-def command_versions(args: argparse.Namespace) -> int:
+def check_versions_arguments(args: argparse.Namespace) -> tuple[str, ...]:
+    """The releases asked for, and the flags checked, before any venv is built."""
     refuse_conflicts(args)
-    versions = list(parse_release_list(args.releases))
+    return parse_release_list(args.releases)
+
+
+def command_versions(args: argparse.Namespace) -> int:
+    versions = list(check_versions_arguments(args))
     run_args = _run_args(args)
     root = Path(args.run_dir or f"runs/versions-{time.strftime('%Y%m%d-%H%M%S')}")
     # Releases whose run is already finished here need no venv (a summary job that only
@@ -363,7 +368,7 @@ def add_versions_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
         action="store_true",
         help="only build the release venvs (no vLLM is started)",
     )
-    parser.set_defaults(func=command_versions)
+    parser.set_defaults(func=command_versions, check_arguments=check_versions_arguments)
     return parser
 
 
@@ -379,10 +384,8 @@ def case_verdict(run: ReleaseRun, topology: str, prompt: str) -> str:
     return "NO_RESULT"
 
 
-def command_bisect(args: argparse.Namespace) -> int:
-    """The first release, going from --good towards --bad, whose verdict on CASE differs from
-    --good's: both ends are measured, then releases between are bisected (each one sweep of
-    that single case, reused when its run directory already holds it)."""
+def check_bisect_arguments(args: argparse.Namespace) -> tuple[str, str, str, str]:
+    """CASE's topology and prompt, and the --good and --bad releases, checked."""
     topology, sep, prompt = args.case.partition(":")
     if not sep or not topology or not prompt:
         raise BadInput(f"case {args.case!r}: expected TOPOLOGY:PROMPT, e.g. 1E+1PD:image")
@@ -391,6 +394,14 @@ def command_bisect(args: argparse.Namespace) -> int:
     good, bad = release_of(args.good), release_of(args.bad)
     if good == bad:
         raise BadInput("--good and --bad name the same release")
+    return topology, prompt, good, bad
+
+
+def command_bisect(args: argparse.Namespace) -> int:
+    """The first release, going from --good towards --bad, whose verdict on CASE differs from
+    --good's: both ends are measured, then releases between are bisected (each one sweep of
+    that single case, reused when its run directory already holds it)."""
+    topology, prompt, good, bad = check_bisect_arguments(args)
     low, high = sorted((good, bad), key=parse_version)
     between = list(parse_release_list(f"{low}..{high}"))
     for end in (low, high):
@@ -466,7 +477,7 @@ def add_bisect_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         help="one subdirectory per release tried (reused; default: runs/bisect-<timestamp>)",
     )
     parser.add_argument("--lock-file", help="as for 'versions'")
-    parser.set_defaults(func=command_bisect)
+    parser.set_defaults(func=command_bisect, check_arguments=check_bisect_arguments)
     return parser
 
 

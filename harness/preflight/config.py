@@ -28,7 +28,11 @@ from harness.preflight.connectors import (
     kv_connector_for,
     platform_kv_connector,
 )
-from harness.preflight.launcher import check_launcher, refuse_ray_flags_without_ray
+from harness.preflight.launcher import (
+    check_launcher_here,
+    launcher_choice,
+    refuse_ray_flags_without_ray,
+)
 from harness.preflight.model import resolve_model
 from harness.preflight.vllm import (
     check_vllm,
@@ -42,7 +46,7 @@ from harness.run.faults import KV_FAULTS, STREAM_FAULTS, fault_reaches, parse_fa
 from harness.run.goldens import GoldenStore, golden_release_argument
 from harness.run.scenarios import MATRIX, Scenario, get_scenario, matrix_prompts
 from harness.spec.attach import AttachSpec
-from harness.spec.connectors import get_kv_connector
+from harness.spec.connectors import EcConnector, KvConnector, get_kv_connector
 from harness.spec.platforms import (
     DEFAULT_CPU_CORES,
     DevicePlanError,
@@ -60,6 +64,7 @@ from harness.spec.settings import (
     REGISTRATION_MODES,
     STATIC_REGISTRATION,
     VLLM_PROXY,
+    LauncherChoice,
     ProxyChoice,
     RunSettings,
 )
@@ -152,16 +157,38 @@ class RunConfig:
     golden_release: str | None = None
 
 
-def prepare_run(request: RunRequest) -> RunConfig:
+@dataclass(frozen=True)
+class CheckedArguments:
+    """A request's names, values and flag combinations, checked from the arguments alone."""
+
+    platform: PlatformProfile
+    launcher: LauncherChoice
+    attach: AttachSpec | None  # the --attach file as read; None where it was not read
+    matrix: tuple[Scenario, ...]
+    cases: tuple[names.RequestedCase, ...]  # the --cases-file's; () where it was not read
+    topologies: tuple[Topology, ...]
+    prompts: tuple[PromptSpec, ...]
+    kv_connector: KvConnector
+    ec_connector: EcConnector
+    devices: tuple[int, ...]  # as given (or the default); this machine's are checked later
+    golden_release: str | None
+
+
+def check_arguments(request: RunRequest, *, read_files: bool = True) -> CheckedArguments:
+    """The first checks of `prepare_run`: names, values and flags that contradict each other,
+    needing no subprocess and nothing of this machine. With `read_files=False` the --attach and
+    --cases-file files are named but not read, for a command line that is only shown, with
+    placeholders for its files (the documentation's, tests/test_docs_commands.py); the
+    topologies are then the ones the flags name."""
     _refuse_ignored_flags(request)
     platform = get_platform(request.platform)
-    launcher = check_launcher(request)
+    launcher = launcher_choice(request)
     refusal = launcher.refusal_on(platform)
     if refusal is not None:
         raise BadInput(refusal)
-    attach = _attach(request, platform)
+    attach = _attach(request, platform) if read_files else None
     matrix = _scenarios(request.scenarios)
-    cases = names.load_cases_file(request.cases_file) if request.cases_file else ()
+    cases = names.load_cases_file(request.cases_file) if request.cases_file and read_files else ()
     if attach is not None:
         topology_names = [attach.topology.name]
         prompt_names: list[str] = list(request.prompts)
@@ -196,7 +223,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         prompts = request.prompt_specs
     else:
         prompts = names.check_prompts(prompt_names) if prompt_names else SKELETON_PROMPTS
-    devices = _devices(request.devices, platform)
+    devices = _parse_devices(request.devices, platform)
     # An attached deployment's is its own, as its attach file says.
     kv_connector = get_kv_connector(attach.kv_connector) if attach is not None else requested_kv
     if request.plant_fault is not None:
@@ -219,6 +246,27 @@ def prepare_run(request: RunRequest) -> RunConfig:
                 f"{'has' if len(unreached) == 1 else 'have'} no {part} for it to act on; "
                 f"leave {'it' if len(unreached) == 1 else 'them'} out with --topology"
             )
+    return CheckedArguments(
+        platform=platform,
+        launcher=launcher,
+        attach=attach,
+        matrix=matrix,
+        cases=cases,
+        topologies=topologies,
+        prompts=prompts,
+        kv_connector=kv_connector,
+        ec_connector=ec_connector,
+        devices=devices,
+        golden_release=_golden_release(request),
+    )
+
+
+def prepare_run(request: RunRequest) -> RunConfig:
+    arguments = check_arguments(request)
+    platform, attach, topologies = arguments.platform, arguments.attach, arguments.topologies
+    kv_connector, ec_connector = arguments.kv_connector, arguments.ec_connector
+    check_launcher_here(arguments.launcher)
+    devices = _devices_here(arguments.devices, platform, given=request.devices is not None)
     ports = port_range()
 
     model_dir = resolve_model(request.model, platform.default_model, cache_dir())
@@ -256,6 +304,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         ec_connector=ec_connector.vllm_class,
         enforce_eager=platform.enforce_eager and not request.no_enforce_eager,
     )
+    prompts = arguments.prompts
     bodies = {p.name: render_request(p, serving.served_model_name) for p in prompts}
     files.check_media_references(bodies, media_dir)
     prompt_tokens: dict[str, int] = {}
@@ -280,12 +329,13 @@ def prepare_run(request: RunRequest) -> RunConfig:
         workers=request.workers,
         proxy=proxy,
         protocol=protocol.generation,
-        launcher=launcher,
+        launcher=arguments.launcher,
         reference_policy=request.reference_policy or "",
         stream=request.stream,
         argv_check=argv_check.to_json(),
     )
-    goldens, golden_release = _goldens(request, baseline_cache)
+    golden_release = arguments.golden_release
+    goldens = _goldens(golden_release, baseline_cache)
     if baseline_cache is not None and served.cache_refusal is not None:
         log.warning("epd-harness: %s", served.cache_refusal)
         baseline_cache = None  # an editable build whose code cannot be told apart
@@ -295,9 +345,9 @@ def prepare_run(request: RunRequest) -> RunConfig:
         goldens=goldens,
         golden_release=golden_release,
         topologies=topologies,
-        prompts=prompts,
-        cases=cases,
-        matrix=matrix,
+        prompts=arguments.prompts,
+        cases=arguments.cases,
+        matrix=arguments.matrix,
         settings=settings,
         baseline_cache=baseline_cache,
         fault=request.plant_fault,
@@ -408,19 +458,24 @@ def _scenarios(requested: tuple[str, ...]) -> tuple[Scenario, ...]:
     return tuple(get_scenario(name) for name in requested)
 
 
-def _devices(text: str | None, platform: PlatformProfile) -> tuple[int, ...]:
-    """CPU cores this process may use (the default cores are checked too), or the GPU / XPU
-    indices to spread instances over (required there)."""
+def _parse_devices(text: str | None, platform: PlatformProfile) -> tuple[int, ...]:
+    """The CPU cores, or the GPU / XPU indices to spread instances over (required there), as
+    written."""
     if platform.exclusive_devices and text is None:
         raise BadInput(f"--platform {platform.name} needs --devices (e.g. --devices 0,1,2,3)")
     try:
-        devices = parse_devices(text) if text is not None else DEFAULT_CPU_CORES
+        return parse_devices(text) if text is not None else DEFAULT_CPU_CORES
     except DevicePlanError as exc:
         raise BadInput(f"--devices: {exc}") from None
+
+
+def _devices_here(
+    devices: tuple[int, ...], platform: PlatformProfile, given: bool
+) -> tuple[int, ...]:
+    """On cpu, the cores this process may use (the default cores are checked too)."""
     if platform.exclusive_devices:
         return devices
-    available = resources.available_cpu_cores()
-    return resources.check_devices(devices, available, given=text is not None)
+    return resources.check_devices(devices, resources.available_cpu_cores(), given=given)
 
 
 def _run_dir(request: RunRequest) -> Path:
@@ -433,19 +488,26 @@ def _run_dir(request: RunRequest) -> Path:
     return path.resolve()
 
 
-def _goldens(
-    request: RunRequest, baseline_cache: BaselineCache | None
-) -> tuple[GoldenStore | None, str | None]:
-    """Goldens live beside the baseline cache; --golden reads them even when it is off."""
-    directory = (baseline_cache.directory.parent if baseline_cache else cache_dir()) / "goldens"
+def _golden_release(request: RunRequest) -> str | None:
+    """The release `--golden` names, whose stored baseline stands in for one."""
     if request.golden is None:
-        return (GoldenStore(directory) if baseline_cache else None), None
+        return None
     if request.refresh_baseline:
         raise BadInput(
             "--golden starts no baseline, so there is nothing to refresh; drop "
             "--refresh-baseline (or --golden)"
         )
-    return GoldenStore(directory), golden_release_argument(request.golden)
+    return golden_release_argument(request.golden)
+
+
+def _goldens(
+    golden_release: str | None, baseline_cache: BaselineCache | None
+) -> GoldenStore | None:
+    """Goldens live beside the baseline cache; --golden reads them even when it is off."""
+    directory = (baseline_cache.directory.parent if baseline_cache else cache_dir()) / "goldens"
+    if golden_release is None:
+        return GoldenStore(directory) if baseline_cache else None
+    return GoldenStore(directory)
 
 
 def _baseline_cache(request: RunRequest) -> BaselineCache | None:

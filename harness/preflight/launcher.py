@@ -64,14 +64,11 @@ def refuse_ray_flags_without_ray(request: LauncherRequest) -> None:
         )
 
 
-def check_launcher(request: LauncherRequest) -> LauncherChoice:
-    """The launcher choice, checked; for `ray`, that Ray is installed here."""
+def launcher_choice(request: LauncherRequest) -> LauncherChoice:
+    """The launcher the flags choose, their values checked from the flags alone (nothing of
+    this machine: `check_launcher_here` is that part)."""
     if request.launcher == LOCAL_LAUNCHER:
         return LauncherChoice()
-    try:
-        importlib.metadata.version(RAY_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        raise BadInput(f"--launcher ray needs Ray in this environment: {SETUP_HINT}") from None
     address = request.ray_address
     if address is not None and not _ADDRESS.fullmatch(address):
         raise BadInput(f"--ray-address {address!r}: expected HOST:PORT of the cluster's head")
@@ -81,8 +78,6 @@ def check_launcher(request: LauncherRequest) -> LauncherChoice:
     shared_dir = None
     if request.ray_shared_dir:
         shared_dir = Path(request.ray_shared_dir).expanduser().resolve()
-        if not shared_dir.is_dir():
-            raise BadInput(f"--ray-shared-dir {shared_dir}: not a directory")
     env: list[tuple[str, str]] = []
     for item in request.ray_instance_env:
         name, sep, value = item.partition("=")
@@ -96,3 +91,16 @@ def check_launcher(request: LauncherRequest) -> LauncherChoice:
         shared_dir=shared_dir,
         instance_env=tuple(env),
     )
+
+
+def check_launcher_here(choice: LauncherChoice) -> None:
+    """That this environment can use the chosen launcher: for `ray`, Ray installed here and
+    the shared directory there."""
+    if choice.kind != RAY_LAUNCHER:
+        return
+    try:
+        importlib.metadata.version(RAY_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise BadInput(f"--launcher ray needs Ray in this environment: {SETUP_HINT}") from None
+    if choice.shared_dir is not None and not choice.shared_dir.is_dir():
+        raise BadInput(f"--ray-shared-dir {choice.shared_dir}: not a directory")

@@ -34,8 +34,12 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from harness.preflight import RunRequest
 
 TOPOLOGY_ORDER = ("baseline", "1E+1PD", "2E+1PD", "1P+1D", "1E+1P+1D")
 DEFAULT_VARIANT = ""
@@ -266,10 +270,15 @@ def wanted_topologies(config: pytest.Config) -> set[str]:
     know is refused here, as `epd-harness run --topology` refuses it: kept, it would match no
     item, and the topologies the user meant would be dropped as deselected while the session
     passes (found in review: `1P+1D,1E+1P+1d` ran only 1P+1D and exited 0)."""
+    return topology_option(config.getoption("--epd-topology", None))
+
+
+def topology_option(value: str | None) -> set[str]:
+    """`--epd-topology`'s names, each one the harness knows (pytest.UsageError otherwise)."""
     from harness.errors import BadInput
     from harness.preflight.names import check_topologies, split_names
 
-    names = split_names([config.getoption("--epd-topology", None) or ""])
+    names = split_names([value or ""])
     try:
         check_topologies(names)
     except BadInput as exc:
@@ -513,6 +522,53 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
             pool.release("baseline")
 
 
+def session_request(
+    option: Callable[[str], Any], run_root: str, worker: tuple[str, int]
+) -> RunRequest:
+    """The run the session's `--epd-*` options ask for (`option` reads one, as
+    `pytest.Config.getoption` does): what `epd_config` prepares, and what
+    `check_session_options` checks."""
+    from harness.preflight import RunRequest
+
+    return RunRequest(
+        model=option("--epd-model"),
+        run_dir=run_root,
+        vllm=option("--epd-vllm"),
+        allow_untested_vllm=option("--epd-allow-untested-vllm"),
+        devices=option("--epd-devices"),
+        baseline_cache=option("--epd-baseline-cache"),
+        refresh_baseline=option("--epd-refresh-baseline"),
+        platform=option("--epd-platform"),
+        colocate=option("--epd-colocate"),
+        worker_id=worker[0],
+        workers=worker[1],
+        session_dir=str(Path(run_root) / SESSION_SHARED_DIR),
+        kv_connector=option("--epd-kv-connector"),
+        ec_connector=option("--epd-ec-connector"),
+        proxy=option("--epd-proxy"),
+        # The scenarios that run vLLM's own files read --epd-vllm-source themselves; the run's
+        # proxy takes it only when it is vLLM's.
+        vllm_source=option("--epd-vllm-source") if option("--epd-proxy") == "vllm" else None,
+        proxy_registration=option("--epd-proxy-registration"),
+        launcher=option("--epd-launcher"),
+        ray_address=option("--epd-ray-address"),
+        reference_policy=option("--epd-reference-policy"),
+        stream=option("--epd-stream"),
+        no_enforce_eager=option("--epd-no-enforce-eager"),
+    )
+
+
+def check_session_options(option: Callable[[str], Any]) -> None:
+    """The session's options checked as its first e2e item would check them, by the same
+    preflight as `epd-harness run` (names, values, flags that contradict each other), its
+    files named only: all that can be checked where a pytest command line is only shown
+    (tests/test_docs_commands.py). BadInput or pytest.UsageError, one line."""
+    from harness.preflight.config import check_arguments
+
+    topology_option(option("--epd-topology"))
+    check_arguments(session_request(option, "runs", ("main", 1)), read_files=False)
+
+
 # -- fixtures ---------------------------------------------------------------------------------
 
 
@@ -528,35 +584,9 @@ def epd_config(pytestconfig: pytest.Config, epd_worker: tuple[str, int]):
     """The run, checked and assembled exactly as `epd-harness run` does (the same preflight:
     names, model, served-vLLM version gate, ports, token counts)."""
     from harness.errors import BadInput
-    from harness.preflight import RunRequest, prepare_run
+    from harness.preflight import prepare_run
 
-    option = pytestconfig.getoption
-    request = RunRequest(
-        model=option("--epd-model"),
-        run_dir=pytestconfig.stash[RUN_ROOT_KEY],
-        vllm=option("--epd-vllm"),
-        allow_untested_vllm=option("--epd-allow-untested-vllm"),
-        devices=option("--epd-devices"),
-        baseline_cache=option("--epd-baseline-cache"),
-        refresh_baseline=option("--epd-refresh-baseline"),
-        platform=option("--epd-platform"),
-        colocate=option("--epd-colocate"),
-        worker_id=epd_worker[0],
-        workers=epd_worker[1],
-        session_dir=str(Path(pytestconfig.stash[RUN_ROOT_KEY]) / SESSION_SHARED_DIR),
-        kv_connector=option("--epd-kv-connector"),
-        ec_connector=option("--epd-ec-connector"),
-        proxy=option("--epd-proxy"),
-        # The scenarios that run vLLM's own files read --epd-vllm-source themselves; the run's
-        # proxy takes it only when it is vLLM's.
-        vllm_source=option("--epd-vllm-source") if option("--epd-proxy") == "vllm" else None,
-        proxy_registration=option("--epd-proxy-registration"),
-        launcher=option("--epd-launcher"),
-        ray_address=option("--epd-ray-address"),
-        reference_policy=option("--epd-reference-policy"),
-        stream=option("--epd-stream"),
-        no_enforce_eager=option("--epd-no-enforce-eager"),
-    )
+    request = session_request(pytestconfig.getoption, pytestconfig.stash[RUN_ROOT_KEY], epd_worker)
     try:
         return prepare_run(request)
     except BadInput as exc:
