@@ -15,7 +15,9 @@ import pytest
 
 from harness.judge.guards import check_kv_transfer
 from harness.outcomes.chat import parse_chat_response
+from harness.run.matrix import MatrixRun
 from harness.run.pool import TopologyPool
+from harness.run.scenarios import get_scenario
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.kv_metrics import read_counters
 from harness.spec.connectors import KvRule
@@ -126,6 +128,33 @@ def test_a_d_reached_without_p_shows_no_transfer(
         assert len(result.prompt_token_ids) > run.serving.block_size, "more than one block"
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("connector", ["example", "nixl"])
+def test_jpeg_frame_videos_through_an_encoder_reach_the_verdicts_vllm_does(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path, connector: str
+) -> None:
+    """The video-timing bug (docs/found-in-vllm.md), as the export tests meet it on the fake:
+    at JPEG frames' default 1 fps the baseline places the video's temporal steps 2 s apart, the
+    consumer, given only the grid, 1 s apart: a MISMATCH with the EC really moved; at 2 fps both
+    say 1 s: the control MATCHes. A fake that gave both a MATCH let the exports of this bug only
+    'end' on the fake GPU night."""
+    names = ("ec-video-jpeg-frames-default-fps", "ec-video-jpeg-frames-at-2-fps")
+    scenarios = [get_scenario(name) for name in names]
+    prompts = tuple(p for s in scenarios for p in s.prompts)
+    spec = SweepSpec((), prompts=(), baseline_only_prompts=prompts)
+    sweep = Sweep(spec, settings(tmp_path, fake_vllm, connector))
+    try:
+        matrix = MatrixRun(sweep)
+        results = {s.name: matrix.run(s) for s in scenarios}
+    finally:
+        sweep.pool.close()
+    verdict_of = {name: [r.verdict.value for r in res.records] for name, res in results.items()}
+    assert verdict_of == {names[0]: ["MISMATCH"], names[1]: ["MATCH"]}, verdict_of
+    for result in results.values():
+        assert result.problems() == [], result.problems()
+        [record] = result.records
+        assert record.guards and all(g["ok"] for g in record.guards.values()), record.guards
 
 
 def test_the_fakes_files_are_safetensors_torch_reads(tmp_path: Path) -> None:

@@ -29,12 +29,18 @@ versions are this environment's; `vllm_version` / `torch_version` make that inte
 distributions of those versions first, and `missing_modules` make importing those modules fail
 there as if they were not installed (the `--kv-connector nixl` probe).
 
+Beside the fake is a `python` that runs that interpreter, where a virtualenv's `bin` keeps
+vLLM's own Python: an export's scripts run vLLM's proxy with the Python beside `vllm` (its
+httpx, fastapi, uvicorn); without one they fell back to the system's `python3`, which has none,
+and `run.sh reference` under the fake died before its reference answered.
+
 Only for tests of process handling and pure logic: what an e2e scenario checks is real vLLM.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -101,6 +107,9 @@ def install_fake_vllm(
     script = Path(fake_vllm_server.__file__).read_text() if serves else REFUSING_SCRIPT
     path.write_text(f"#!{interpreter}\n{script}")
     path.chmod(0o755)
+    beside = directory / "python"
+    beside.write_text(f'#!/bin/sh\nexec {shlex.quote(interpreter)} "$@"\n')
+    beside.chmod(0o755)
     return path
 
 

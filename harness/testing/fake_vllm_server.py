@@ -17,8 +17,19 @@ evidence the way vLLM 0.32 does, and only when its peer really handed it over:
   `*_embeds` part loads that file (none there: the request fails), and one given raw media
   computes the embedding itself (vLLM's silent fallback);
 - each prompt position has a "KV" row chained from the previous row, its token and its
-  embedding row, and the generated ids are a digest of every row: a changed embedding or KV
-  row changes the answer, as it would a model's;
+  embedding row (a video's row also from its temporal position, below), and the generated ids
+  are a digest of every row: a changed embedding, position or KV row changes the answer, as it
+  would a model's;
+- a video's temporal steps sit where Qwen2.5-VL puts them (`iter_mm_grid_thw`): step t at
+  `int(t * second_per_grid_ts * tokens_per_second)`. Given the media, an instance derives
+  `second_per_grid_ts` as the processor does, `temporal_patch_size / fps` (JPEG frames: the
+  request's `media_io_kwargs` video fps, else 1; a container video: taken as sampled at the
+  loader's 2 fps, the fake reads no container); given a metadata-only `video_embeds` part it
+  has only the grid the encoder published and assumes 1.0, as vLLM 0.32's consumer does. So
+  JPEG frames at the default fps through an encoder mismatch, at 2 fps they match (the
+  video-timing bug of docs/found-in-vllm.md). JPEG frames' grid has one temporal step per two
+  frames read (at most `num_frames`, default 32, of those sent); any other video's grid is
+  the fixed one below;
 - ExampleConnector: P writes the rows of the block-aligned prefix to `<kv storage>/<prompt
   hash>/<layer>.safetensors` (tensor `kv_cache`); D loads them if that directory exists, and
   reports them as `cached_tokens` and in its `/metrics` (`external_unspecified`);
@@ -54,6 +65,12 @@ ROW_FLOATS = 4  # floats per embedding / KV row
 ROW_BYTES = 4 * ROW_FLOATS
 MERGE = 4  # Qwen2.5-VL merges 2x2 patches into one placeholder token
 GRIDS = {"image": [1, 8, 8], "video": [2, 8, 8]}  # what the fake's encoder reports
+TEMPORAL_PATCH = 2  # Qwen2.5-VL's temporal_patch_size: two frames per temporal step
+TOKENS_PER_SECOND = 2  # its vision_config.tokens_per_second (the tiny model's too)
+JPEG_FRAMES_FPS = 1.0  # VideoMediaIO's rate for a `data:video/jpeg` frame list
+JPEG_FRAMES_READ = 32  # VideoMediaIO's default num_frames
+CONTAINER_FPS = 2.0  # the Qwen2-VL loader's sampling rate, assumed reached by any container
+CONSUMER_SECONDS_PER_STEP = 1.0  # what a consumer without second_per_grid_ts assumes
 GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
 AUDIO_TOKENS = 8
 PLACEHOLDER_IDS = {"image": 151655, "video": 151656, "audio": 151646}
@@ -135,6 +152,23 @@ def mm_hash(part: dict, kwargs: str) -> str:
     return hashlib.sha256(keyed.encode()).hexdigest()[:32]
 
 
+def jpeg_frames(part: dict, video_io: dict) -> int | None:
+    """Frames VideoMediaIO reads of a `data:video/jpeg;base64,<f>,<f>,...` part (None: not one)."""
+    url = (part.get("video_url") or {}).get("url") if part.get("type") == "video_url" else None
+    if not isinstance(url, str) or not url.lower().startswith("data:video/jpeg;base64,"):
+        return None
+    sent = len(url.split(",")) - 1
+    wanted = int(video_io.get("num_frames", JPEG_FRAMES_READ))
+    if wanted == 0:
+        raise RequestFailed("num_frames must be greater than 0 or -1")
+    return sent if wanted < 0 else min(sent, wanted)
+
+
+def float32(value: float) -> float:
+    """`value` as the float32 tensor vLLM holds second_per_grid_ts in reads it back."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
 def placeholder_count(kind: str, grid: list | None) -> int:
     if kind == "audio":
         return AUDIO_TOKENS
@@ -148,7 +182,7 @@ class MediaItem:
     """One media part of a request as the engine sees it: raw (embedding computed here) or a
     metadata-only `*_embeds` part (embedding loaded from the EC storage when needed)."""
 
-    def __init__(self, part: dict, kwargs: str):
+    def __init__(self, part: dict, kwargs: str, video_io: dict):
         self.part = part
         self.kind = modality(str(part.get("type")))
         self.embeds = str(part.get("type")).endswith("_embeds")
@@ -156,8 +190,33 @@ class MediaItem:
         self.hash = mm_hash(part, kwargs)
         metadata = part.get(part["type"]) if self.embeds else None
         grid = metadata.get(GRID_KEYS.get(self.kind, "")) if isinstance(metadata, dict) else None
-        self.tokens = placeholder_count(self.kind, grid)
+        self.grid = grid or self.processed_grid(video_io)
+        self.tokens = placeholder_count(self.kind, self.grid)
+        self.seconds_per_step = self.processed_seconds_per_step(video_io)
         self._rows: bytes | None = None
+
+    def processed_grid(self, video_io: dict) -> list[int] | None:
+        """The grid the processor makes of raw media (None: audio, which has none)."""
+        if self.kind not in GRIDS:
+            return None
+        frames = jpeg_frames(self.part, video_io) if self.kind == "video" else None
+        if frames is None:
+            return list(GRIDS[self.kind])
+        return [-(-frames // TEMPORAL_PATCH), *GRIDS["video"][1:]]
+
+    def processed_seconds_per_step(self, video_io: dict) -> float:
+        """A video's second_per_grid_ts: the processor's from raw media, the consumer's
+        assumption for a metadata-only part (the encoder does not publish it)."""
+        if self.kind != "video" or self.embeds:
+            return CONSUMER_SECONDS_PER_STEP
+        is_jpeg = jpeg_frames(self.part, video_io) is not None
+        fps = float(video_io.get("fps", JPEG_FRAMES_FPS)) if is_jpeg else CONTAINER_FPS
+        return float32(TEMPORAL_PATCH / fps)
+
+    def temporal_position(self, row: int) -> int:
+        """Where the temporal step of placeholder `row` sits (iter_mm_grid_thw's t_factor)."""
+        per_step = max(self.tokens // int(self.grid[0]), 1) if self.grid else self.tokens
+        return int(row // per_step * self.seconds_per_step * TOKENS_PER_SECOND)
 
     def computed(self) -> bytes:
         """The embedding a model computes from the raw media (an encoder, or a consumer that
@@ -198,6 +257,7 @@ def word_id(word: str) -> int:
 def tokenize(body: dict) -> tuple[list[int], list[tuple[int, MediaItem, int]], list[MediaItem]]:
     """Prompt ids as a chat template makes them; (position, item, row) of every placeholder."""
     kwargs = media_kwargs(body)
+    video_io = (body.get("media_io_kwargs") or {}).get("video") or {}
     ids: list[int] = []
     placeholders: list[tuple[int, MediaItem, int]] = []
     items: list[MediaItem] = []
@@ -209,7 +269,7 @@ def tokenize(body: dict) -> tuple[list[int], list[tuple[int, MediaItem, int]], l
             if part.get("type") == "text":
                 ids += [word_id(w) for w in str(part.get("text", "")).split()]
                 continue
-            item = MediaItem(part, kwargs)
+            item = MediaItem(part, kwargs, video_io)
             items.append(item)
             for row in range(item.tokens):
                 placeholders.append((len(ids), item, row))
@@ -227,7 +287,8 @@ def kv_rows(
     zeros_if_missing: bool = False,
 ) -> bytes:
     """Every prompt position's KV row: the `loaded` ones as given, the rest computed, each from
-    the previous row, its token and (a placeholder) its embedding row."""
+    the previous row, its token and (a placeholder) its embedding row, and a video's its
+    temporal position."""
     at = {position: (item, row) for position, item, row in placeholders}
     rows = bytearray(loaded)
     for position in range(len(loaded) // ROW_BYTES, len(ids)):
@@ -237,6 +298,8 @@ def kv_rows(
             item, row = at[position]
             embedding = item.rows(ec_storage, zeros_if_missing)
             mixed += embedding[row * ROW_BYTES : (row + 1) * ROW_BYTES]
+            if item.kind == "video":
+                mixed += item.temporal_position(row).to_bytes(4, "little")
         rows += rows_from(mixed, 1)
     return bytes(rows)
 
@@ -390,7 +453,7 @@ class Engine:
             entry["item_indices"].append(index)
             grid_key = GRID_KEYS.get(item.kind)
             entry["metadata"] = (
-                {grid_key: GRIDS[item.kind]} if grid_key else {"audio_num_tokens": [item.tokens]}
+                {grid_key: item.grid} if grid_key else {"audio_num_tokens": [item.tokens]}
             )
         return params or None
 
