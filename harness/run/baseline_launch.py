@@ -12,7 +12,8 @@ has. So besides the served build and the serving flags, a baseline's answers fol
   so a line depends only on what changes numerics. Rendered for the baseline alone on its
   device: the GPU memory share of a colocated run sizes the KV pool, not a kernel;
 * the variables it inherits that pick kernels, threads or precision (`numerics_env`, the rule
-  below), e.g. VLLM_ATTENTION_BACKEND, VLLM_CPU_*, ONEDNN_*, CUBLAS_WORKSPACE_CONFIG;
+  below), e.g. VLLM_ATTENTION_BACKEND, VLLM_CPU_*, ONEDNN_*, CUBLAS_WORKSPACE_CONFIG,
+  ATEN_CPU_CAPABILITY;
 * the platform and the device model (the CPU's model and the features vLLM-CPU's kernels are
   picked by; the GPUs' model), for a cache directory shared between hosts.
 
@@ -84,7 +85,9 @@ NUMERICS_ENV_PREFIXES = (
     "HIPBLASLT_",
     "MIOPEN_",
 )
-NUMERICS_ENV_NAMES = ("LD_PRELOAD",)
+# ATEN_CPU_CAPABILITY: torch runs the kernels of the named ISA (default, avx2, avx512) instead of
+# the CPU's best, and they round differently; /proc/cpuinfo (the key's device) cannot show it.
+NUMERICS_ENV_NAMES = ("LD_PRELOAD", "ATEN_CPU_CAPABILITY")
 # A word of a name that says it is about places, peers, reporting or secrets, not computing.
 NEUTRAL_ENV_WORDS = frozenset(
     {

@@ -409,6 +409,7 @@ STOP_TIMEOUT=${{STOP_TIMEOUT:-15}}
 log() {{ printf '[serve.sh %(%H:%M:%S)T] %s\n' -1 "$*"; }}
 declare -A PID_OF=() ROLE_OF=() URL_OF=()
 ORDER=()
+TICK=  # the polling tick under way (a background `sleep 1`): a stop ends it, never waits it out
 
 taken() {{  # taken URL: something already accepts connections on URL's host and port
   local address=${{1#http://}}
@@ -446,23 +447,32 @@ signal_server() {{  # signal_server SIGNAL PID: its process group, else the proc
 }}
 
 stop_all() {{
-  local status=$? name deadline
+  local status=$? name pid deadline timer
   # A second Ctrl-C (nothing seems to happen while a server ignores SIGTERM) or a TERM that
   # reaches serve.sh twice must not end it before its SIGKILL: the servers are in sessions of
   # their own, no terminal signal reaches them.
   trap - EXIT
   trap '' INT TERM
+  if [[ -n $TICK ]]; then kill "$TICK" 2>/dev/null || true; fi
   # Its group, and the process itself: a server started a moment ago may not have made its
   # own session yet (setsid runs in the child after the fork), and then has no group to
   # signal (found by a fresh-clone CI run: serve.sh waited for ever on such a child).
   for name in "${{!PID_OF[@]}}"; do signal_server TERM "${{PID_OF[$name]}}" || true; done
   deadline=$((SECONDS + STOP_TIMEOUT))
+  # Prompt and bounded: `wait -n` returns as soon as a server (any child) ends, and the timer,
+  # a child too, ends at the deadline. A group whose leader is gone is no child: polled.
+  sleep "$STOP_TIMEOUT" &
+  timer=$!
   for name in "${{!PID_OF[@]}}"; do
-    while signal_server 0 "${{PID_OF[$name]}}" && ((SECONDS < deadline)); do sleep 0.2; done
-    if signal_server KILL "${{PID_OF[$name]}}"; then
+    pid=${{PID_OF[$name]}}
+    while signal_server 0 "$pid" && ((SECONDS < deadline)); do
+      if kill -0 "$pid" 2>/dev/null; then wait -n 2>/dev/null || true; else sleep 0.1; fi
+    done
+    if signal_server KILL "$pid"; then
       log "$name did not stop within ${{STOP_TIMEOUT}}s of SIGTERM: killed"
     fi
   done
+  kill -KILL "$timer" 2>/dev/null || true  # it ignores TERM: started under `trap '' TERM`
   wait 2>/dev/null || true
   rm -f "$WORK/state/ready"
   if ((${{#PID_OF[@]}})); then log "stopped everything"; fi
@@ -503,7 +513,12 @@ wait_ready() {{  # wait_ready NAME URL [NAME URL]...: until each answers; a deat
       done
       exit 1
     fi
-    if ((${{#pending[@]}})); then sleep 1 & wait $!; fi
+    if ((${{#pending[@]}})); then
+      sleep 1 &
+      TICK=$!
+      wait "$TICK"
+      TICK=
+    fi
   done
 }}
 
@@ -536,7 +551,9 @@ while true; do  # report each server that exits; keep the others serving
     fi
   done
   sleep 1 &
-  wait $! || true
+  TICK=$!
+  wait "$TICK" || true
+  TICK=
 done
 """
 
@@ -577,7 +594,9 @@ fi
 {version_check}
 SERVE=
 CHECK=
+TICK=  # the polling tick under way (a background `sleep 1`, so a signal is acted on at once)
 stop() {{  # stop check.py, then serve.sh, which stops its servers (by group) before it exits
+  if [[ -n $TICK ]]; then kill "$TICK" 2>/dev/null; fi
   if [[ -n $CHECK ]]; then kill "$CHECK" 2>/dev/null; fi
   if [[ -n $SERVE ]]; then
     kill -TERM "$SERVE" 2>/dev/null
@@ -606,7 +625,10 @@ serve_and_check() {{  # serve_and_check SERVE_MODE CHECK_ARGS...: serve, check o
         "$WORK/logs" >&2
       return 2
     fi
-    sleep 1
+    sleep 1 &
+    TICK=$!
+    wait "$TICK"
+    TICK=
   done
   "$PYTHON" "$HERE/check.py" --state "$WORK/state" "$@" &
   CHECK=$!
