@@ -17,7 +17,9 @@ a JSON line (role, argv without the port, CUDA_*/VLLM_* env): what start-countin
 With `FAKE_VLLM_LIVE_DIR=<dir>` each fake holds a lock per device of its
 CUDA_VISIBLE_DEVICES for as long as it lives (the kernel drops it when the process dies, however
 it dies), and its start line lists as `shared` every device a live fake already held: two live
-instances on one device, which a run without colocation must never show.
+instances on one device, which a run without colocation must never show. An environment a test
+builds from scratch (an export's run.sh, `harness.testing.processes.run_export_script`) gets
+both from `observers`, or the servers started there would go unseen.
 
 With `serves=False` it only exits, saying a test got as far as starting a server: what
 bad-input tests pass, so a check that wrongly lets a run through fails on that line instead of
@@ -42,7 +44,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,8 @@ from harness.testing import fake_vllm_server
 MODE_ENV = "FAKE_VLLM_MODE"
 START_LOG_ENV = "FAKE_VLLM_START_LOG"
 LIVE_DIR_ENV = "FAKE_VLLM_LIVE_DIR"
+# What a test observes fakes by: passed on into an environment a test builds from scratch.
+OBSERVER_ENV = (START_LOG_ENV, LIVE_DIR_ENV)
 REFUSAL = "refusing-vllm: a test got as far as starting a server"
 
 REFUSING_SCRIPT = f"""
@@ -67,6 +71,14 @@ def logged_starts(log: Path) -> list[dict[str, Any]]:
     if not log.exists():
         return []
     return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def observers(environ: Mapping[str, str]) -> dict[str, str]:
+    """The fakes' observation variables `environ` sets (`OBSERVER_ENV`): for an environment a
+    test builds from scratch (an export's run.sh), so the fake servers started there are logged
+    and hold their devices like every other; nothing when the session observes none, as under
+    real vLLM."""
+    return {name: environ[name] for name in OBSERVER_ENV if environ.get(name)}
 
 
 def fake_run_settings(
