@@ -34,7 +34,9 @@ there as if they were not installed (the `--kv-connector nixl` probe).
 Beside the fake is a `python` that runs that interpreter, where a virtualenv's `bin` keeps
 vLLM's own Python: an export's scripts run vLLM's proxy with the Python beside `vllm` (its
 httpx, fastapi, uvicorn); without one they fell back to the system's `python3`, which has none,
-and `run.sh reference` under the fake died before its reference answered.
+and `run.sh reference` under the fake died before its reference answered. Beside it too is a
+copy of `harness/spec/video_sampling.py`, by whose rules the server samples videos: where an
+export runs it, the harness itself may not be importable.
 
 Only for tests of process handling and pure logic: what an e2e scenario checks is real vLLM.
 """
@@ -43,11 +45,13 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from harness.spec import video_sampling
 from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import ServingConfig
 from harness.testing import fake_vllm_server
@@ -118,6 +122,9 @@ def install_fake_vllm(
     path = directory / name
     script = Path(fake_vllm_server.__file__).read_text() if serves else REFUSING_SCRIPT
     path.write_text(f"#!{interpreter}\n{script}")
+    # The server samples videos by the harness's own rules, which it imports from beside it:
+    # where it runs (an export's run.sh) the harness may not be importable.
+    shutil.copyfile(video_sampling.__file__, directory / "video_sampling.py")
     path.chmod(0o755)
     beside = directory / "python"
     beside.write_text(f'#!/bin/sh\nexec {shlex.quote(interpreter)} "$@"\n')
