@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli.main import main
-from harness.testing.processes import run_export_script
+from harness.testing.processes import export_port_variables, run_export_script
 
 # Its runs and the exports start topologies of their own (epd_own_instances).
 pytestmark = [pytest.mark.e2e, pytest.mark.own_instances("run", "export")]
@@ -129,10 +129,6 @@ def poisoned_pythonpath(root: Path) -> Path:
     return root
 
 
-def port_variables(serve_sh: str) -> list[str]:
-    return [line.split("=", 1)[0] for line in serve_sh.splitlines() if "_PORT=${" in line]
-
-
 def processes_mentioning(text: str) -> list[str]:
     found = []
     for proc in Path("/proc").iterdir():
@@ -219,7 +215,7 @@ def run_exported(
     scratch = tmp_path / "scratch" / "export"
     shutil.copytree(made, scratch)
     shutil.rmtree(made)
-    variables = port_variables((scratch / "serve.sh").read_text())
+    variables = export_port_variables((scratch / "serve.sh").read_text())
     env = {
         "PATH": os.environ["PATH"],
         "HOME": os.environ.get("HOME", str(tmp_path)),

@@ -157,6 +157,70 @@ def test_jpeg_frame_videos_through_an_encoder_reach_the_verdicts_vllm_does(
         assert record.guards and all(g["ok"] for g in record.guards.values()), record.guards
 
 
+@pytest.mark.parametrize("connector", ["example", "nixl"])
+def test_mp4_videos_through_an_encoder_reach_the_verdicts_vllm_does(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path, connector: str
+) -> None:
+    """The same bug with a container video (found by fuzzing, docs/fuzzing.md): an mp4
+    recorded at 1 fps cannot be sampled to 2 fps, so the baseline's steps sit 2 s apart and
+    the consumer's 1 s: a MISMATCH, as declared, on vLLM 0.32. Its controls MATCH: 8 frames at
+    2 fps, and 16 at 4 fps, which the loader samples down to 2 fps. The fake took every mp4 as
+    sampled at 2 fps (it read no container), so the first MATCHed on the fake alone."""
+    names = ("ec-video-mp4-not-at-2-fps", "ec-video-mp4", "ec-video-fps-4")
+    scenarios = [get_scenario(name) for name in names]
+    prompts = tuple(p for s in scenarios for p in s.prompts)
+    spec = SweepSpec((), prompts=(), baseline_only_prompts=prompts)
+    sweep = Sweep(spec, settings(tmp_path, fake_vllm, connector))
+    try:
+        matrix = MatrixRun(sweep)
+        results = {s.name: matrix.run(s) for s in scenarios}
+    finally:
+        sweep.pool.close()
+    verdict_of = {name: [r.verdict.value for r in res.records] for name, res in results.items()}
+    declared = {s.name: [v.value for v in s.expect] for s in scenarios}
+    assert verdict_of == declared, verdict_of
+    assert declared == {names[0]: ["MISMATCH"], names[1]: ["MATCH"], names[2]: ["MATCH"]}
+    for result in results.values():
+        assert result.problems() == [], result.problems()
+        [record] = result.records
+        assert record.guards and all(g["ok"] for g in record.guards.values()), record.guards
+
+
+@pytest.mark.parametrize(
+    ("frames", "fps"), [(8, 1.0), (8, 2.0), (16, 4.0), (4, 3.0), (75, 10.0), (30, 29.97)]
+)
+def test_the_fake_reads_an_mp4s_frames_and_rate_as_vllms_loader_does(
+    tmp_path: Path, frames: int, fps: float
+) -> None:
+    """vLLM's OpenCV loader samples by CAP_PROP_FRAME_COUNT and CAP_PROP_FPS
+    (vllm/multimodal/video_decoders/opencv.py); the fake reads the mp4's header without
+    OpenCV (it must start fast, standard library only) and must get the same two numbers."""
+    import cv2
+
+    from fixtures.media import make_video_mp4
+    from harness.testing.fake_vllm_server import mp4_timing
+
+    path = make_video_mp4(tmp_path / "clip.mp4", seed=26, num_frames=frames, fps=fps)
+    capture = cv2.VideoCapture(str(path))
+    try:
+        opencv = (int(capture.get(cv2.CAP_PROP_FRAME_COUNT)), capture.get(cv2.CAP_PROP_FPS))
+    finally:
+        capture.release()
+    assert opencv == (frames, pytest.approx(fps))
+    assert mp4_timing(path.read_bytes()) == (opencv[0], pytest.approx(opencv[1], rel=1e-9))
+
+
+def test_a_video_the_fake_cannot_read_fails_the_request_naming_why() -> None:
+    from harness.testing.fake_vllm_server import RequestFailed, video_sampling_of
+
+    for url, why in (
+        ("data:video/mp4;base64,AAAA", "no moov box"),
+        ("https://example.com/clip.mp4", "only base64 data: URLs"),
+    ):
+        with pytest.raises(RequestFailed, match=why):
+            video_sampling_of({"type": "video_url", "video_url": {"url": url}}, {})
+
+
 def test_the_fakes_files_are_safetensors_torch_reads(tmp_path: Path) -> None:
     """The faults rewrite the EC and KV files with torch's safetensors: the fake writes them
     without torch (it must start fast), so the format must be the real one."""

@@ -14,13 +14,17 @@ import signal
 import subprocess
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from export_bundle import REPAIR, plan_for
+from test_export_gpu import gpu_bundle
 
 from fixtures.tiny_model import ensure_tiny_model
 from harness.environment import cache_dir
+from harness.run.export_files import write_export
 from harness.run.fuzz.engine import FuzzEngine
 from harness.run.pool import TopologyPool
 from harness.spec.platforms import CUDA, DevicePlanError
@@ -32,6 +36,7 @@ from harness.testing.fake_vllm import (
     install_fake_vllm,
     logged_starts,
 )
+from harness.testing.processes import export_port_variables, run_export_script
 
 pytestmark = pytest.mark.process
 
@@ -192,6 +197,56 @@ def test_xdist_workers_place_every_topology_alike_whether_or_not_the_baseline_is
     }, placed
 
 
+EXPORT_TIMEOUT_S = 120.0
+
+
+@pytest.mark.parametrize(
+    ("devices", "shared"),
+    [("0,1,2", {"encoder": ["0"]}), ("1,2,3", {})],
+    ids=["on-the-baselines-device", "on-devices-of-its-own"],
+)
+def test_an_exports_servers_are_seen_by_the_check_that_no_device_is_held_twice(
+    tmp_path: Path,
+    fake_vllm: Path,
+    fake_vllm_start_log: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    leased_ports: Callable[[int], list[int]],
+    devices: str,
+    shared: dict[str, list[str]],
+) -> None:
+    """The GPU night's check "no device held by two live instances" reads the fakes' start
+    lines. An export's run.sh runs in an environment built from scratch (the e2e scenario's
+    `run_exported`), so its fake servers never saw FAKE_VLLM_START_LOG / FAKE_VLLM_LIVE_DIR:
+    an export on devices a live pool instance held went unseen. Planted: a cuda export given
+    the device the pool's live baseline holds (DEVICES=0,1,2: its encoder on device 0)."""
+    live = tmp_path / "live"
+    live.mkdir()
+    monkeypatch.setenv(LIVE_DIR_ENV, str(live))
+    out = tmp_path / "export"
+    write_export(plan_for(gpu_bundle(tmp_path / "recorded")), out, REPAIR)
+    variables = export_port_variables((out / "serve.sh").read_text())
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "VLLM": str(fake_vllm),
+        "MODEL": str(tmp_path / "model"),
+        "CPU_REPAIR": "no",
+        "STOP_TIMEOUT": "3",
+        "DEVICES": devices,
+        **dict(zip(variables, map(str, leased_ports(len(variables))))),
+    }  # built from scratch, as run_exported builds it
+    pool = TopologyPool(cuda_settings(tmp_path, fake_vllm, (0,)))
+    try:
+        pool.session(BASELINE, devices=(0,))
+        run_export_script(out, ["run.sh"], env, EXPORT_TIMEOUT_S)
+    finally:
+        pool.close()
+    starts = logged_starts(fake_vllm_start_log)
+    exported = sorted(s["role"] for s in starts if s["role"] != "baseline")
+    assert exported == ["decode", "encoder", "prefill"], "the export's servers went unlogged"
+    assert {s["role"]: s["shared"] for s in starts if s["shared"]} == shared, starts
+
+
 SESSION_HANG_S = 300.0
 # Every item must pass on the fake GPUs, each for its verdict: the sweep cases (MATCH with every
 # transfer guard held), the repro of a planted EC corruption (MISMATCH, reproduced), the fuzz
@@ -227,9 +282,10 @@ def test_scenarios_with_instances_of_their_own_share_eight_gpus_with_four_worker
     planted fuzz and the exports beside the sweep: they were deselected on GPUs, because the
     CLI they drive served the cpu profile on every device of its own choosing. Now each runs
     on its xdist group's devices after that group's pool items: no device is held by two live
-    instances (each fake holds a lock per device while it lives, `LIVE_DIR_ENV`), every item
-    ends, each CLI command served cuda on its group's devices, and each topology of the pools
-    started once. The fake moves EC and KV as vLLM's connectors do (NIXL here) and places a
+    instances (each fake holds a lock per device while it lives, `LIVE_DIR_ENV`), the exports'
+    servers included (`run_export_script` passes the fakes' observation variables into the
+    environment a test builds: before, this check never saw them), every item ends, each CLI
+    command served cuda on its group's devices, and each topology of the pools started once. The fake moves EC and KV as vLLM's connectors do (NIXL here) and places a
     video's steps as vLLM 0.32 does, so every item passes for the reasons it does on GPUs
     (every transfer guard held; the planted faults caught; the video export's MISMATCH
     reproduced and its control's MATCH). Found in review: the exports' items were only asked to
@@ -268,6 +324,12 @@ def test_scenarios_with_instances_of_their_own_share_eight_gpus_with_four_worker
     assert passed == GREEN_ON_FAKE_GPUS, out[-8000:]
     starts = logged_starts(fake_vllm_start_log)
     assert [s for s in starts if s["shared"]] == [], "a device held by two live instances"
+    # The check saw the exports' servers too (run_exported's scratch copy, `scratch/export`):
+    # the two video exports' E and PD, run.sh reference's 1P+1D then its 1E+1P+1D.
+    exported = Counter(
+        s["role"] for s in starts if any("/scratch/export/" in arg for arg in s["launch"])
+    )
+    assert exported == {"encoder": 3, "pd": 2, "prefill": 2, "decode": 2}, exported
     # Each command an item ran served cuda on its group's devices: the baseline's slot and
     # its group's in the plan (baseline 0, 1E+1PD 1-2, 1P+1D 3-4, 1E+1P+1D 5-7; 1E+1P+1D is
     # in 1P+1D's group, its reference).

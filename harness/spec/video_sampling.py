@@ -1,7 +1,9 @@
 """How many frames of a video vLLM hands the model's processor: its video loaders' rules (vLLM
 0.32, read in `vllm/multimodal/media/video.py` and `vllm/multimodal/video.py`), in one place
-for the three that need them: the preflight's token count, the fuzzer's video timing and its
-layout estimate (harness/run/fuzz/layout.py).
+for the four that need them: the preflight's token count, the fuzzer's video timing and its
+layout estimate (harness/run/fuzz/layout.py), and the fake vLLM's processor
+(harness/testing/fake_vllm_server.py, which runs where the harness cannot be imported: its
+installer writes this file beside it, so this module imports nothing of the harness).
 
 A video's prompt tokens follow from the frames the processor receives, not from the frames
 sent: vLLM samples an mp4 down before its processor sees it, and reads at most 32 JPEG frames
@@ -87,3 +89,12 @@ def container_frames(
         return qwen2vl_frames(total, original_fps, float(video_io.get("fps", TARGET_FPS)))
     num_frames = int(video_io.get("num_frames", DEFAULT_NUM_FRAMES))
     return uniform_frames(total, original_fps, num_frames, float(video_io.get("fps", -1)))
+
+
+def container_sampling(
+    total: int, original_fps: float, video_io: Mapping[str, Any], qwen2vl: bool
+) -> tuple[int, float]:
+    """(frames kept, the rate they stand for) of a container video (`container_frames`): the
+    kept frames span the whole clip, so they stand for `kept / total * original_fps`."""
+    kept = container_frames(total, original_fps, video_io, qwen2vl)
+    return kept, kept / total * original_fps

@@ -17,7 +17,9 @@ a JSON line (role, argv without the port, CUDA_*/VLLM_* env): what start-countin
 With `FAKE_VLLM_LIVE_DIR=<dir>` each fake holds a lock per device of its
 CUDA_VISIBLE_DEVICES for as long as it lives (the kernel drops it when the process dies, however
 it dies), and its start line lists as `shared` every device a live fake already held: two live
-instances on one device, which a run without colocation must never show.
+instances on one device, which a run without colocation must never show. An environment a test
+builds from scratch (an export's run.sh, `harness.testing.processes.run_export_script`) gets
+both from `observers`, or the servers started there would go unseen.
 
 With `serves=False` it only exits, saying a test got as far as starting a server: what
 bad-input tests pass, so a check that wrongly lets a run through fails on that line instead of
@@ -32,7 +34,9 @@ there as if they were not installed (the `--kv-connector nixl` probe).
 Beside the fake is a `python` that runs that interpreter, where a virtualenv's `bin` keeps
 vLLM's own Python: an export's scripts run vLLM's proxy with the Python beside `vllm` (its
 httpx, fastapi, uvicorn); without one they fell back to the system's `python3`, which has none,
-and `run.sh reference` under the fake died before its reference answered.
+and `run.sh reference` under the fake died before its reference answered. Beside it too is a
+copy of `harness/spec/video_sampling.py`, by whose rules the server samples videos: where an
+export runs it, the harness itself may not be importable.
 
 Only for tests of process handling and pure logic: what an e2e scenario checks is real vLLM.
 """
@@ -41,11 +45,13 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from harness.spec import video_sampling
 from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import ServingConfig
 from harness.testing import fake_vllm_server
@@ -53,6 +59,8 @@ from harness.testing import fake_vllm_server
 MODE_ENV = "FAKE_VLLM_MODE"
 START_LOG_ENV = "FAKE_VLLM_START_LOG"
 LIVE_DIR_ENV = "FAKE_VLLM_LIVE_DIR"
+# What a test observes fakes by: passed on into an environment a test builds from scratch.
+OBSERVER_ENV = (START_LOG_ENV, LIVE_DIR_ENV)
 REFUSAL = "refusing-vllm: a test got as far as starting a server"
 
 REFUSING_SCRIPT = f"""
@@ -67,6 +75,14 @@ def logged_starts(log: Path) -> list[dict[str, Any]]:
     if not log.exists():
         return []
     return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def observers(environ: Mapping[str, str]) -> dict[str, str]:
+    """The fakes' observation variables `environ` sets (`OBSERVER_ENV`): for an environment a
+    test builds from scratch (an export's run.sh), so the fake servers started there are logged
+    and hold their devices like every other; nothing when the session observes none, as under
+    real vLLM."""
+    return {name: environ[name] for name in OBSERVER_ENV if environ.get(name)}
 
 
 def fake_run_settings(
@@ -106,6 +122,9 @@ def install_fake_vllm(
     path = directory / name
     script = Path(fake_vllm_server.__file__).read_text() if serves else REFUSING_SCRIPT
     path.write_text(f"#!{interpreter}\n{script}")
+    # The server samples videos by the harness's own rules, which it imports from beside it:
+    # where it runs (an export's run.sh) the harness may not be importable.
+    shutil.copyfile(video_sampling.__file__, directory / "video_sampling.py")
     path.chmod(0o755)
     beside = directory / "python"
     beside.write_text(f'#!/bin/sh\nexec {shlex.quote(interpreter)} "$@"\n')

@@ -22,14 +22,17 @@ evidence the way vLLM 0.32 does, and only when its peer really handed it over:
   would a model's;
 - a video's temporal steps sit where Qwen2.5-VL puts them (`iter_mm_grid_thw`): step t at
   `int(t * second_per_grid_ts * tokens_per_second)`. Given the media, an instance derives
-  `second_per_grid_ts` as the processor does, `temporal_patch_size / fps` (JPEG frames: the
-  request's `media_io_kwargs` video fps, else 1; a container video: taken as sampled at the
-  loader's 2 fps, the fake reads no container); given a metadata-only `video_embeds` part it
-  has only the grid the encoder published and assumes 1.0, as vLLM 0.32's consumer does. So
-  JPEG frames at the default fps through an encoder mismatch, at 2 fps they match (the
-  video-timing bug of docs/found-in-vllm.md). JPEG frames' grid has one temporal step per two
-  frames read (at most `num_frames`, default 32, of those sent); any other video's grid is
-  the fixed one below;
+  `second_per_grid_ts` as the processor does, `temporal_patch_size / fps`, where fps is the
+  rate of the frames vLLM 0.32's loaders keep (harness/spec/video_sampling.py, which
+  `harness.testing.fake_vllm` writes beside the executable: the harness itself may not be
+  importable there). JPEG frames: the first `num_frames` (default 32) at the request's
+  `media_io_kwargs` video fps, else 1; an mp4: the frame count and rate its header gives
+  (what OpenCV reports to vLLM's loader), sampled as Qwen2VLVideoBackend samples them. Given
+  a metadata-only `video_embeds` part an instance has only the grid the encoder published and
+  assumes 1.0, as vLLM 0.32's consumer does. So JPEG frames at the default fps, or an mp4
+  recorded at 1 fps, through an encoder mismatch; at 2 fps (or an mp4 sampled down to it)
+  they match (the video-timing bug of docs/found-in-vllm.md). A video's grid has one
+  temporal step per two frames kept;
 - ExampleConnector: P writes the rows of the block-aligned prefix to `<kv storage>/<prompt
   hash>/<layer>.safetensors` (tensor `kv_cache`); D loads them if that directory exists, and
   reports them as `cached_tokens` and in its `/metrics` (`external_unspecified`);
@@ -48,6 +51,8 @@ no prefix cache: a fake D never holds a prompt from an earlier request.
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
 import hashlib
 import http.server
 import json
@@ -61,15 +66,16 @@ import urllib.error
 import urllib.request
 import zlib
 
+if __package__:  # imported, by the tests of its pure functions
+    from harness.spec import video_sampling
+else:  # the executable: harness.testing.fake_vllm wrote that module's file beside it
+    import video_sampling  # type: ignore[no-redef]
+
 ROW_FLOATS = 4  # floats per embedding / KV row
 ROW_BYTES = 4 * ROW_FLOATS
 MERGE = 4  # Qwen2.5-VL merges 2x2 patches into one placeholder token
 GRIDS = {"image": [1, 8, 8], "video": [2, 8, 8]}  # what the fake's encoder reports
-TEMPORAL_PATCH = 2  # Qwen2.5-VL's temporal_patch_size: two frames per temporal step
-TOKENS_PER_SECOND = 2  # its vision_config.tokens_per_second (the tiny model's too)
-JPEG_FRAMES_FPS = 1.0  # VideoMediaIO's rate for a `data:video/jpeg` frame list
-JPEG_FRAMES_READ = 32  # VideoMediaIO's default num_frames
-CONTAINER_FPS = 2.0  # the Qwen2-VL loader's sampling rate, assumed reached by any container
+TOKENS_PER_SECOND = 2  # Qwen2.5-VL's vision_config.tokens_per_second (the tiny model's too)
 CONSUMER_SECONDS_PER_STEP = 1.0  # what a consumer without second_per_grid_ts assumes
 GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
 AUDIO_TOKENS = 8
@@ -152,16 +158,86 @@ def mm_hash(part: dict, kwargs: str) -> str:
     return hashlib.sha256(keyed.encode()).hexdigest()[:32]
 
 
-def jpeg_frames(part: dict, video_io: dict) -> int | None:
-    """Frames VideoMediaIO reads of a `data:video/jpeg;base64,<f>,<f>,...` part (None: not one)."""
-    url = (part.get("video_url") or {}).get("url") if part.get("type") == "video_url" else None
-    if not isinstance(url, str) or not url.lower().startswith("data:video/jpeg;base64,"):
-        return None
-    sent = len(url.split(",")) - 1
-    wanted = int(video_io.get("num_frames", JPEG_FRAMES_READ))
-    if wanted == 0:
-        raise RequestFailed("num_frames must be greater than 0 or -1")
-    return sent if wanted < 0 else min(sent, wanted)
+JPEG_FRAMES_PREFIX = "data:video/jpeg;base64,"
+
+
+def video_sampling_of(part: dict, video_io: dict) -> tuple[int, float]:
+    """(frames the processor receives, the rate they stand for) of a raw video part, as vLLM
+    0.32's loaders sample it: a `data:video/jpeg;base64,<f>,<f>,...` frame list, or an mp4."""
+    url = (part.get("video_url") or {}).get("url")
+    if not isinstance(url, str):
+        raise RequestFailed("a video_url part without a url")
+    try:
+        if url.lower().startswith(JPEG_FRAMES_PREFIX):
+            return video_sampling.jpeg_sampling(len(url.split(",")) - 1, video_io)
+        total, fps = mp4_timing(data_url_bytes(url))
+        return video_sampling.container_sampling(total, fps, video_io, qwen2vl=True)
+    except (ValueError, IndexError, struct.error) as exc:  # a bad clip, or header
+        raise RequestFailed(f"cannot sample the video: {exc}") from None
+
+
+def data_url_bytes(url: str) -> bytes:
+    """The payload of a base64 `data:` URL (the fake fetches nothing)."""
+    head, _, payload = url.partition(",")
+    if not (head.startswith("data:") and head.endswith(";base64")):
+        raise ValueError(f"the fake reads only base64 data: URLs, not {url[:40]!r}")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"bad base64 in a data: URL ({exc})") from None
+
+
+def iso_boxes(data: bytes, start: int, end: int):
+    """(type, payload start, payload end) of each ISO BMFF box in data[start:end]."""
+    while start + 8 <= end:
+        size, kind = struct.unpack(">I4s", data[start : start + 8])
+        header = 8
+        if size == 1:  # a 64-bit size follows the type
+            (size,) = struct.unpack(">Q", data[start + 8 : start + 16])
+            header = 16
+        elif size == 0:  # to the end of the enclosing box
+            size = end - start
+        if size < header or start + size > end:
+            raise ValueError(f"a truncated {kind!r} box: not an mp4 the fake can read")
+        yield kind, start + header, start + size
+        start += size
+
+
+def child_box(data: bytes, start: int, end: int, kind: bytes) -> tuple[int, int]:
+    """(payload start, payload end) of the first `kind` box in data[start:end]."""
+    for found, body, stop in iso_boxes(data, start, end):
+        if found == kind:
+            return body, stop
+    raise ValueError(f"no {kind.decode()} box: not an mp4 the fake can read")
+
+
+def mp4_timing(data: bytes) -> tuple[int, float]:
+    """(frames, frames per second) of an mp4's first video track, from its header as OpenCV
+    reports them to vLLM's loader: the frame count its time-to-sample table holds, and the
+    average rate (those frames times the media timescale over their total duration)."""
+    moov = child_box(data, 0, len(data), b"moov")
+    for kind, trak, trak_end in iso_boxes(data, *moov):
+        if kind != b"trak":
+            continue
+        mdia = child_box(data, trak, trak_end, b"mdia")
+        hdlr, _ = child_box(data, *mdia, b"hdlr")
+        if data[hdlr + 8 : hdlr + 12] != b"vide":  # after version, flags and pre_defined
+            continue
+        mdhd, _ = child_box(data, *mdia, b"mdhd")
+        at = mdhd + (20 if data[mdhd] == 1 else 12)  # past version 1's 64-bit times, or 0's
+        (timescale,) = struct.unpack(">I", data[at : at + 4])
+        stbl = child_box(data, *child_box(data, *mdia, b"minf"), b"stbl")
+        stts, _ = child_box(data, *stbl, b"stts")
+        (entries,) = struct.unpack(">I", data[stts + 4 : stts + 8])
+        runs = [
+            struct.unpack(">II", data[stts + 8 + 8 * i : stts + 16 + 8 * i]) for i in range(entries)
+        ]
+        frames = sum(count for count, _ in runs)
+        duration = sum(count * delta for count, delta in runs)
+        if not (frames and duration and timescale):
+            raise ValueError("the mp4's video track has no frames or no duration")
+        return frames, frames * timescale / duration
+    raise ValueError("no video track in the mp4")
 
 
 def float32(value: float) -> float:
@@ -190,28 +266,30 @@ class MediaItem:
         self.hash = mm_hash(part, kwargs)
         metadata = part.get(part["type"]) if self.embeds else None
         grid = metadata.get(GRID_KEYS.get(self.kind, "")) if isinstance(metadata, dict) else None
-        self.grid = grid or self.processed_grid(video_io)
+        raw_video = self.kind == "video" and not self.embeds
+        self.sampling = video_sampling_of(part, video_io) if raw_video else None
+        self.grid = grid or self.processed_grid()
         self.tokens = placeholder_count(self.kind, self.grid)
-        self.seconds_per_step = self.processed_seconds_per_step(video_io)
+        self.seconds_per_step = self.processed_seconds_per_step()
         self._rows: bytes | None = None
 
-    def processed_grid(self, video_io: dict) -> list[int] | None:
-        """The grid the processor makes of raw media (None: audio, which has none)."""
+    def processed_grid(self) -> list[int] | None:
+        """The grid the processor makes of raw media (None: audio, which has none): a video's
+        has one temporal step per two frames kept (an odd count padded)."""
         if self.kind not in GRIDS:
             return None
-        frames = jpeg_frames(self.part, video_io) if self.kind == "video" else None
-        if frames is None:
+        if self.sampling is None:
             return list(GRIDS[self.kind])
-        return [-(-frames // TEMPORAL_PATCH), *GRIDS["video"][1:]]
+        frames, _ = self.sampling
+        return [-(-frames // video_sampling.TEMPORAL_PATCH), *GRIDS["video"][1:]]
 
-    def processed_seconds_per_step(self, video_io: dict) -> float:
+    def processed_seconds_per_step(self) -> float:
         """A video's second_per_grid_ts: the processor's from raw media, the consumer's
         assumption for a metadata-only part (the encoder does not publish it)."""
-        if self.kind != "video" or self.embeds:
+        if self.sampling is None:
             return CONSUMER_SECONDS_PER_STEP
-        is_jpeg = jpeg_frames(self.part, video_io) is not None
-        fps = float(video_io.get("fps", JPEG_FRAMES_FPS)) if is_jpeg else CONTAINER_FPS
-        return float32(TEMPORAL_PATCH / fps)
+        _, fps = self.sampling
+        return float32(video_sampling.TEMPORAL_PATCH / fps)
 
     def temporal_position(self, row: int) -> int:
         """Where the temporal step of placeholder `row` sits (iter_mm_grid_thw's t_factor)."""

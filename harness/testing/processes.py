@@ -18,6 +18,8 @@ from pathlib import Path
 
 import psutil
 
+from harness.testing.fake_vllm import observers
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GONE_TIMEOUT_S = 5.0
 POLL_S = 0.02
@@ -290,6 +292,12 @@ def ctrl_c(pid: int) -> None:
 EXPORT_SCRIPT_TIMEOUT_S = 240.0
 
 
+def export_port_variables(serve_sh: str) -> list[str]:
+    """The port variables at the top of an export's serve.sh (`DECODE0_PORT=${...}`): what a
+    test sets to ports it leased, so no two exports, nor an export and a pool, meet on one."""
+    return [line.split("=", 1)[0] for line in serve_sh.splitlines() if "_PORT=${" in line]
+
+
 def run_export_script(
     out: Path,
     argv: list[str],
@@ -302,11 +310,17 @@ def run_export_script(
     subprocess.run's timeout kills bash alone, and the servers serve.sh started outlived it,
     on devices a test's lease then let go (found twice: a red run of the DEVICES test left
     four fake servers; the e2e export scenario ran run.sh so on GPUs). A timeout fails the
-    test (AssertionError with the output); anything else is raised as it was."""
+    test (AssertionError with the output); anything else is raised as it was.
+
+    The fake vLLM's observation variables this process has (`observers`) are added to `env`,
+    which a test builds from scratch: without them the fake servers an export started were
+    neither logged nor held their devices, so the fake GPU night's check that no device is
+    held by two live instances could not see an export's servers. Test plumbing only: the
+    export's files are unchanged, and a session on real vLLM sets none of them."""
     script = subprocess.Popen(
         ["bash", str(out / argv[0]), *argv[1:]],
         cwd=out,
-        env=env,
+        env={**observers(os.environ), **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

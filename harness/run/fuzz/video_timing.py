@@ -16,7 +16,7 @@ import math
 import struct
 
 from harness.spec.prompts import PromptSpec, VideoFramesPart, VideoPart
-from harness.spec.video_sampling import TEMPORAL_PATCH, container_frames, jpeg_sampling
+from harness.spec.video_sampling import TEMPORAL_PATCH, container_sampling, jpeg_sampling
 
 TOKENS_PER_SECOND = 2  # Qwen2.5-VL's vision_config.tokens_per_second (the tiny model's too)
 CONSUMER_SECONDS_PER_STEP = 1.0
@@ -27,9 +27,7 @@ def sampled(part: VideoPart | VideoFramesPart, spec: PromptSpec) -> tuple[int, f
     io = spec.video_io
     if isinstance(part, VideoFramesPart):
         return jpeg_sampling(part.num_frames, io)
-    total, original = part.num_frames, part.fps
-    kept = container_frames(total, original, io, qwen2vl=True)
-    return kept, kept / total * original
+    return container_sampling(part.num_frames, part.fps, io, qwen2vl=True)
 
 
 def positions_differ(frames: int, fps: float) -> bool:
