@@ -650,3 +650,8 @@ def test_versions_refuses_unknown_names_and_ignored_flags_before_installing(
     for flag in ("--baseline-cache", "--lock-file"):
         code, _, err = epd_cli("versions", "0.32.0", "--install-only", flag, tmp_path / "x")
         assert code == 2 and flag in err and "would install" not in err, err
+    # --golden is forwarded to each release's run, which refused a release candidate, or a
+    # version that is none, only after that release's venv was built (found in review).
+    for golden, cause in (("0.33.0rc1", "final releases only"), ("latest", "latest")):
+        code, _, err = epd_cli("versions", "0.32.0", "--golden", golden, "--run-dir", run_dir)
+        assert code == 2 and cause in err and "would install" not in err, err
