@@ -158,6 +158,23 @@ def test_the_cpu_capability_torch_is_told_to_use_changes_the_cache_key(
     assert len(keys) == 4, "a baseline served under one ATEN_CPU_CAPABILITY answers another"
 
 
+def test_the_isa_fbgemm_is_told_to_use_changes_the_cache_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ATEN_CPU_CAPABILITY's sibling one library down: FBGEMM_ENABLE_INSTRUCTIONS makes torch's
+    FBGEMM (its int8 and fp16-weight GEMMs) run the kernels of the named ISA whatever the CPU
+    has, and before VNNI its u8 x i8 GEMM saturates pairs of products in int16 where VNNI's
+    accumulates in int32: other numbers for the same inputs. /proc/cpuinfo (the key's device)
+    cannot show it, and FBGEMM_ was no prefix of the rule (found in review of format 7)."""
+    answers = BaselineAnswers(run_settings(tmp_path), BaselineCache(tmp_path / "cache"))
+    monkeypatch.delenv("FBGEMM_ENABLE_INSTRUCTIONS", raising=False)
+    keys = {answers.cache_key(RUN_BODY)}
+    for isa in ("AVX2", "AVX512", "AVX512_E1"):
+        monkeypatch.setenv("FBGEMM_ENABLE_INSTRUCTIONS", isa)
+        keys.add(answers.cache_key(RUN_BODY))
+    assert len(keys) == 4, "a baseline served under one FBGEMM_ENABLE_INSTRUCTIONS answers another"
+
+
 def test_the_model_in_the_key_is_the_served_files_content_whoever_built_them(
     tmp_path: Path,
 ) -> None:

@@ -12,6 +12,7 @@ from harness.cli import releases
 from harness.cli.releases import parse_release_list, release_env
 from harness.cli.versions import ReleaseRun, case_label, format_matrix, matrix_passed
 from harness.errors import BadInput
+from harness.run.baseline_launch import BaselineLaunch
 from harness.run.goldens import (
     GoldenStore,
     agreement,
@@ -27,6 +28,8 @@ from harness.spec.topology import serving_for
 from harness.testing.builders import outcome
 
 pytestmark = pytest.mark.unit
+
+LAUNCH = BaselineLaunch(argv=(), env=(), device="cpu: a test CPU (avx2)")  # keys the goldens
 
 
 def test_release_range_expands_to_the_known_releases_within_it() -> None:
@@ -218,8 +221,8 @@ def test_goldens_are_per_release_and_agreement_finds_the_first_difference(tmp_pa
     store = GoldenStore(tmp_path)
     serving = serving_for(CPU, "/m", max_model_len=4096)
     body = {"messages": [{"role": "user", "content": "hi"}]}
-    key = golden_key(serving, "digest", body)
-    assert key != golden_key(serving, "other-model", body)
+    key = golden_key(serving, "digest", body, LAUNCH)
+    assert key != golden_key(serving, "other-model", body, LAUNCH)
     for version, ids in (
         ("0.30.0+cpu", [5, 6, 7]),
         ("0.31.0+cpu", [5, 6, 8]),
@@ -270,7 +273,7 @@ def test_a_dev_build_baseline_is_not_filed_as_the_releases_golden(tmp_path: Path
     `run --golden 0.33.0` / `epd-harness goldens` then presented them as that release's
     (found in review)."""
     store = GoldenStore(tmp_path / "goldens")
-    key = golden_key(serving_for(CPU, "/m"), "digest", BODY)
+    key = golden_key(serving_for(CPU, "/m"), "digest", BODY, LAUNCH)
     release = ServedVllm("vllm", "0.33.0+cpu", "2.13.0")
     assert store.store(key, "image", release, outcome("image", (1, 2, 3)))
     for build in ("0.33.0.dev12+gabc1234", "0.33.0rc1"):
@@ -295,7 +298,7 @@ def test_goldens_of_one_release_under_two_torch_versions_do_not_overwrite_each_o
     review). Now each torch has its own file; `--golden` takes the served torch's, and
     `goldens` names the torch wherever a request has more than one."""
     store = GoldenStore(tmp_path / "goldens")
-    key = golden_key(serving_for(CPU, "/m"), "digest", BODY)
+    key = golden_key(serving_for(CPU, "/m"), "digest", BODY, LAUNCH)
     store.store(key, "image", ServedVllm("v", "0.32.0+cpu", "2.13.0"), outcome("image", (1,)))
     store.store(key, "image", ServedVllm("v", "0.32.0+cpu", "2.14.0"), outcome("image", (2,)))
     torches = sorted(g.torch_version for gs in store.all().values() for g in gs)
@@ -312,7 +315,7 @@ def test_goldens_of_one_release_under_two_torch_versions_do_not_overwrite_each_o
 def test_an_editable_install_is_not_filed_even_with_a_final_version(tmp_path: Path) -> None:
     """`pip install -e` of the v0.32.0 tag, then edited: still "0.32.0", not 0.32.0's code."""
     store = GoldenStore(tmp_path / "goldens")
-    key = golden_key(serving_for(CPU, "/m"), "digest", BODY)
+    key = golden_key(serving_for(CPU, "/m"), "digest", BODY, LAUNCH)
     editable = ServedVllm("v", "0.32.0", "2.13.0", source_tree="/src/vllm", source_state="git a")
     assert not store.store(key, "image", editable, outcome("image", (1,)))
     assert store.all() == {}
@@ -322,7 +325,7 @@ def test_a_golden_of_an_older_harness_is_read_as_its_torchs(tmp_path: Path) -> N
     """Goldens written before the torch was in the name (`<release>.json`) stay readable; a
     new golden of the same release and torch supersedes it."""
     store = GoldenStore(tmp_path / "goldens")
-    key = golden_key(serving_for(CPU, "/m"), "digest", BODY)
+    key = golden_key(serving_for(CPU, "/m"), "digest", BODY, LAUNCH)
     legacy = store.directory / key / "0.31.0.json"
     legacy.parent.mkdir(parents=True)
     legacy.write_text(
@@ -346,7 +349,7 @@ def test_a_golden_of_an_older_harness_is_read_as_its_torchs(tmp_path: Path) -> N
 def test_a_corrupt_golden_is_one_line_naming_the_file(tmp_path: Path, text: str) -> None:
     """It was a traceback (json.JSONDecodeError, KeyError) out of `goldens` or `--golden`."""
     store = GoldenStore(tmp_path / "goldens")
-    key = golden_key(serving_for(CPU, "/m"), "digest", BODY)
+    key = golden_key(serving_for(CPU, "/m"), "digest", BODY, LAUNCH)
     path = store.directory / key / "0.32.0+torch-2.13.0.json"
     path.parent.mkdir(parents=True)
     path.write_text(text)
@@ -423,7 +426,7 @@ def test_golden_stands_in_for_the_baseline_without_starting_it(tmp_path: Path) -
         return Sweep(spec, settings, goldens=store, golden_release="0.31.0")
 
     probe = sweep((text,))
-    key = golden_key(serving, probe.baseline.digest(), probe.bodies["text"])
+    key = probe.baseline.golden_key("text")
     store.store(
         key, "text", ServedVllm("vllm", "0.31.0+cpu"), outcome("text", [9, 8], prompt_ids=(1, 2))
     )
@@ -433,6 +436,47 @@ def test_golden_stands_in_for_the_baseline_without_starting_it(tmp_path: Path) -
     assert not any(s.topology.is_baseline for w in probe.schedule().waves for s in w.slots)
     with pytest.raises(BadInput, match="no golden of vLLM 0.31.0 for prompt 'image'"):
         sweep((text, image)).serve_baseline()
+
+
+def test_a_golden_served_under_another_isa_or_on_another_device_never_stands_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The baseline cache keys the baseline's launch (harness.run.baseline_launch): the
+    variables it inherits that pick kernels (ATEN_CPU_CAPABILITY, format 7) and the device
+    model, so one ISA's or one host's answers never answer another's. A golden stands in for
+    the baseline as well (--golden), and its key had neither: one served under
+    ATEN_CPU_CAPABILITY=default, or on another CPU sharing the cache directory, judged a run
+    under AVX-512 (and each overwrote the other's file, which `goldens` then compared)."""
+    from harness.run import baseline_launch
+    from harness.run.baseline import BaselineAnswers
+    from harness.spec.settings import RunSettings
+
+    serving = serving_for(CPU, "/not-a-dir-model", max_model_len=4096)
+    body = {"model": "epd-model", "messages": [{"role": "user", "content": "hi"}], "seed": 1}
+    store = GoldenStore(tmp_path / "goldens")
+
+    def settings(version: str) -> RunSettings:
+        served = ServedVllm("vllm", version, "2.13.0")
+        return RunSettings(serving=serving, run_dir=tmp_path / "run", vllm=served)
+
+    def golden_answer() -> tuple[int, ...]:
+        reader = BaselineAnswers(settings("0.32.0+cpu"), goldens=store, golden_release="0.31.0")
+        reader.add({"text": body})
+        reader.load_stored()
+        return reader.outcomes["text"].result.token_ids
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    writer = BaselineAnswers(settings("0.31.0+cpu"), goldens=store)
+    writer.add({"text": body})
+    writer._store_golden("text", outcome("text", [9, 8], prompt_ids=(1, 2)))
+    assert golden_answer() == (9, 8), "the same launch: the golden stands in"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
+    with pytest.raises(BadInput, match="no golden of vLLM 0.31.0 for prompt 'text'"):
+        golden_answer()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    monkeypatch.setattr(baseline_launch, "device_model", lambda platform: "cpu: Another (avx2)")
+    with pytest.raises(BadInput, match="no golden of vLLM 0.31.0 for prompt 'text'"):
+        golden_answer()
 
 
 def finished(run_dir: Path, run_args: list[str]) -> None:
@@ -606,3 +650,8 @@ def test_versions_refuses_unknown_names_and_ignored_flags_before_installing(
     for flag in ("--baseline-cache", "--lock-file"):
         code, _, err = epd_cli("versions", "0.32.0", "--install-only", flag, tmp_path / "x")
         assert code == 2 and flag in err and "would install" not in err, err
+    # --golden is forwarded to each release's run, which refused a release candidate, or a
+    # version that is none, only after that release's venv was built (found in review).
+    for golden, cause in (("0.33.0rc1", "final releases only"), ("latest", "latest")):
+        code, _, err = epd_cli("versions", "0.32.0", "--golden", golden, "--run-dir", run_dir)
+        assert code == 2 and cause in err and "would install" not in err, err

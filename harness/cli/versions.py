@@ -34,7 +34,7 @@ from harness.environment import cache_dir
 from harness.errors import BadInput
 from harness.files import write_json_atomic, write_text_atomic
 from harness.preflight import names
-from harness.run.goldens import GoldenStore, agreement, release_of
+from harness.run.goldens import GoldenStore, agreement, golden_release_argument, release_of
 from harness.spec.generations import generation_for, parse_version
 
 log = logging.getLogger(__name__)
@@ -511,7 +511,9 @@ def refuse_conflicts(args: argparse.Namespace) -> None:
             "--baseline-cache and --lock-file"
         )
 
-    # Each release's run would refuse an unknown name only after its venv was built (minutes,
-    # GBs): refused here first (found in review).
+    # Each release's run would refuse an unknown name, or a --golden that names no final
+    # release, only after its venv was built (minutes, GBs): refused here first (found in review).
     names.check_topologies(names.split_names(args.topology))
     names.check_prompts(names.split_names(args.prompt))
+    if args.golden:
+        golden_release_argument(args.golden)

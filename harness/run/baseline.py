@@ -198,7 +198,7 @@ class BaselineAnswers:
                 "entry": provenance.to_json(),
             }
             oldest = min(oldest or provenance.created, provenance.created)
-            self._store_golden(name, cached.outcome)
+            self._store_golden(name, cached.outcome, launch)
         log.info(
             "[baseline] cache %s: %d hit(s)%s, %d to compute%s",
             self.cache.directory,
@@ -213,9 +213,10 @@ class BaselineAnswers:
     def _load_goldens(self) -> None:
         """--golden: another release's stored answers; a missing one is BadInput."""
         assert self.goldens is not None and self.golden_release is not None
+        launch = BaselineLaunch.of(self.settings)
         for name in self.missing():
             self.outcomes[name] = self.goldens.outcome_for(
-                golden_key(self.settings.serving, self.digest(), self.bodies[name]),
+                self.golden_key(name, launch),
                 name,
                 self.golden_release,
                 self.settings.vllm.torch_version,
@@ -251,7 +252,8 @@ class BaselineAnswers:
         again = {name: session.send(name, self.bodies[name]) for name in names}
         probes = [n for n in names if self.wants_batched(n)]
         batched = self._batched_pass(session, probes)
-        launch = BaselineLaunch.of(self.settings) if self.cache is not None else None
+        wanted = self.cache is not None or self.goldens is not None
+        launch = BaselineLaunch.of(self.settings) if wanted else None
         for name in names:
             control = baseline_stability(self.outcomes[name], again[name])
             if name in batched:
@@ -286,7 +288,7 @@ class BaselineAnswers:
                     "key": key,
                     "batched": name in batched,
                 }
-            self._store_golden(name, self.outcomes[name])
+            self._store_golden(name, self.outcomes[name], launch)
 
     def _batched_pass(self, session: TopologySession, names: list[str]) -> dict[str, Outcome]:
         """Each request in flight together with its neighbour in the list (itself when alone:
@@ -355,7 +357,17 @@ class BaselineAnswers:
             launch=launch or BaselineLaunch.of(self.settings),
         )
 
-    def _store_golden(self, name: str, outcome: Outcome) -> None:
+    def golden_key(self, name: str, launch: BaselineLaunch | None = None) -> str:
+        """The key of `name`'s goldens (`launch` as for `cache_key`)."""
+        return golden_key(
+            self.settings.serving,
+            self.digest(),
+            self.bodies[name],
+            launch or BaselineLaunch.of(self.settings),
+        )
+
+    def _store_golden(
+        self, name: str, outcome: Outcome, launch: BaselineLaunch | None = None
+    ) -> None:
         if self.goldens is not None and self.golden_release is None:
-            key = golden_key(self.settings.serving, self.digest(), self.bodies[name])
-            self.goldens.store(key, name, self.settings.vllm, outcome)
+            self.goldens.store(self.golden_key(name, launch), name, self.settings.vllm, outcome)

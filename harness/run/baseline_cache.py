@@ -41,11 +41,12 @@ from harness.spec.topology import ServingConfig
 # entries stored by the code before must not stand in (their hash is in every key).
 ANSWER_PARSERS = (chat, client)
 
-CACHE_FORMAT = 7  # 2: keyed by the served vLLM and torch; 3: with the noise floor; 4: the
+CACHE_FORMAT = 8  # 2: keyed by the served vLLM and torch; 3: with the noise floor; 4: the
 # floor includes the batched pass (harness.run.baseline); 5: the baseline's launch (argv, env,
 # device) and the served libraries in the key; 6: each entry says whether it had the batched
 # pass and who computed it when (its provenance), and the answer parser's code is in the key;
-# 7: ATEN_CPU_CAPABILITY in the launch's env (an entry before may have been served under it)
+# 7: ATEN_CPU_CAPABILITY in the launch's env (an entry before may have been served under it);
+# 8: FBGEMM_* in it too (likewise)
 LOCK_FILE_NAME = ".lock"
 
 

@@ -13,7 +13,7 @@ has. So besides the served build and the serving flags, a baseline's answers fol
   device: the GPU memory share of a colocated run sizes the KV pool, not a kernel;
 * the variables it inherits that pick kernels, threads or precision (`numerics_env`, the rule
   below), e.g. VLLM_ATTENTION_BACKEND, VLLM_CPU_*, ONEDNN_*, CUBLAS_WORKSPACE_CONFIG,
-  ATEN_CPU_CAPABILITY;
+  ATEN_CPU_CAPABILITY, FBGEMM_ENABLE_INSTRUCTIONS;
 * the platform and the device model (the CPU's model and the features vLLM-CPU's kernels are
   picked by; the GPUs' model), for a cache directory shared between hosts.
 
@@ -76,6 +76,7 @@ NUMERICS_ENV_PREFIXES = (
     "MKL_",
     "ONEDNN_",
     "DNNL_",
+    "FBGEMM_",  # FBGEMM_ENABLE_INSTRUCTIONS: torch's int8 / fp16-weight GEMMs of another ISA
     "OPENBLAS_",
     "ZE_",
     "SYCL_",

@@ -2,8 +2,10 @@
 
 The baseline cache (`harness.run.baseline_cache`) is keyed by the served vLLM version, so one
 release never reuses another's baseline. Goldens are the deliberate exception: stored under a
-key WITHOUT the version (model content, numerics flags, request), one file per release that
-produced them, so that
+key WITHOUT the version (model content, numerics flags, request, and the launch's environment
+and device: a golden stands in for a baseline, so what keeps one ISA's or one host's baseline
+from answering another's keeps its golden too), one file per release that produced them, so
+that
 
 * consecutive releases' baselines can be compared (`agreement`): do they give the same tokens?
 * `epd-harness run --golden VERSION` judges a candidate's EPD outputs against VERSION's
@@ -39,12 +41,12 @@ from harness.errors import BadInput
 from harness.files import write_json_atomic
 from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
-from harness.run.baseline_launch import NUMERICS_NEUTRAL_FIELDS
+from harness.run.baseline_launch import NUMERICS_NEUTRAL_FIELDS, BaselineLaunch
 from harness.spec.generations import parse_version
 from harness.spec.settings import ServedVllm
 from harness.spec.topology import ServingConfig
 
-GOLDEN_FORMAT = 1
+GOLDEN_FORMAT = 2  # 2: the launch's environment and device in the key
 TORCH_SEPARATOR = "+torch-"  # between the release and the torch version in a golden's name
 # A final release, as vLLM numbers them: X.Y[.Z][.postN], with an optional local build suffix
 # (+cpu, +cu128). Anything else (.devN, rcN, aN, bN) is a build on the way to a release.
@@ -52,8 +54,12 @@ _FINAL_RELEASE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?(\.post\d+)?(?:\+[A-
 log = logging.getLogger(__name__)
 
 
-def golden_key(serving: ServingConfig, model_digest: str, body: dict[str, Any]) -> str:
-    """Like the baseline cache key, minus the vLLM and torch versions."""
+def golden_key(
+    serving: ServingConfig, model_digest: str, body: dict[str, Any], launch: BaselineLaunch
+) -> str:
+    """Like the baseline cache key, minus the vLLM and torch versions and the launch's argv
+    (which follows the release's protocol generation); the launch's environment (inherited
+    numerics variables, e.g. ATEN_CPU_CAPABILITY) and device are in it."""
     flags = {
         name: value
         for name, value in dataclasses.asdict(serving).items()
@@ -64,6 +70,8 @@ def golden_key(serving: ServingConfig, model_digest: str, body: dict[str, Any]) 
         "model_digest": model_digest,
         "serving": flags,
         "request": body,
+        "env": dict(launch.env),
+        "device": launch.device,
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
@@ -205,8 +213,8 @@ class GoldenStore:
         if golden is None:
             raise BadInput(
                 f"no golden of vLLM {release} for prompt {prompt!r} (same model, "
-                f"flags and request) under {self.directory}; run that release's "
-                "sweep once to store it"
+                f"flags, request, environment and device) under {self.directory}; run that "
+                "release's sweep once (here) to store it"
             )
         return Outcome(prompt=prompt, result=golden.result)
 
