@@ -26,6 +26,7 @@ from harness.run.pool import TopologyPool
 from harness.spec.platforms import CUDA, DevicePlanError
 from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.testing.cli import run_argv
 from harness.testing.fake_vllm import (
     LIVE_DIR_ENV,
     fake_run_settings,
@@ -276,3 +277,37 @@ def test_scenarios_with_instances_of_their_own_share_eight_gpus_with_four_worker
     ]
     assert sorted(pool_starts) == sorted(set(pool_starts)), pool_starts
     assert set(pool_starts) == {"baseline", "1E+1PD", "1P+1D", "1E+1P+1D"}, pool_starts
+
+
+def test_repro_reruns_a_colocated_one_gpu_run_and_on_the_devices_it_is_given(
+    tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path, epd_cli
+) -> None:
+    """A developer reproducing a red case on one GPU. A run on `--devices 0 --colocate`
+    recorded no colocation, so its repro refused ("1P+1D needs 2 devices ...; use --colocate",
+    an option repro did not have); and a bundle of the 8-GPU night names devices (0, 3-7 for
+    1P+1D's group) that a one-GPU box lacks, where repro would start instances on GPUs that
+    are not there. Repro now shares devices as the run did, and `--devices` / `--colocate`
+    put the rerun on this host's."""
+    model = ensure_tiny_model(cache_dir() / "models")
+    red = tmp_path / "red"
+    one_gpu = ("--platform", "cuda", "--devices", "0", "--colocate")
+    case = ("--topology", "1P+1D", "--prompt", "text", "--plant-fault", "drop-kv")
+    code, out, _ = epd_cli(*run_argv(fake_vllm, red, *one_gpu, *case, "--model", str(model)))
+    assert code == 1 and "VACUOUS" in out, out[-2000:]
+    assert json.loads((red / "run.json").read_text())["colocate"] is True
+
+    code, out, err = epd_cli("repro", red, "--vllm", fake_vllm)
+    assert code == 0, err[-2000:]
+    assert "VACUOUS now, VACUOUS in the bundle: reproduced" in out
+
+    night = json.loads((red / "run.json").read_text())
+    (red / "run.json").write_text(
+        json.dumps({**night, "devices": [0, 3, 4, 5, 6, 7], "colocate": False})
+    )  # as the 8-GPU night recorded 1P+1D's group
+    again = tmp_path / "again"
+    rerun = ("--devices", "5", "--colocate", "--run-dir", again)
+    code, out, err = epd_cli("repro", red, "--vllm", fake_vllm, *rerun)
+    assert code == 0, err[-2000:]
+    last = [env for role, env in devices_by_role(fake_vllm_start_log)[-3:] if role != "baseline"]
+    assert last == ["5", "5"], devices_by_role(fake_vllm_start_log)
+    assert json.loads((again / "run.json").read_text())["devices"] == [5]
