@@ -112,6 +112,27 @@ def test_a_private_session_on_its_own_devices_leaves_the_others_running(
         pool.close()
 
 
+def test_a_private_session_of_a_running_topology_stops_it_instead_of_waiting_on_it(
+    tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path
+) -> None:
+    """The attach scenario keeps a private 1E+1PD up beside the pool's own 1E+1PD, which
+    judged the normal run: the same topology under the same flags, so the same devices. The
+    private session made room for every running session but its own key's, and waited for
+    ever on the devices the pool's 1E+1PD held in this very process: the GPU night, rehearsed
+    with the fake vLLM on eight devices, hung there."""
+    pool = TopologyPool(cuda_settings(tmp_path, fake_vllm, (0, 1, 2)))
+    try:
+
+        def shared_then_private() -> None:
+            pool.session(TOPOLOGIES["1E+1PD"], devices=(1, 2))
+            with pool.private(TOPOLOGIES["1E+1PD"], "a test", label="private", devices=(1, 2)):
+                assert pool.running() == [], "the shared 1E+1PD still holds the devices"
+
+        assert finishes(shared_then_private), "the private session waited on its own pool"
+    finally:
+        pool.close()
+
+
 def test_fuzzing_on_gpus_serves_the_baseline_and_the_topology_on_devices_of_their_own(
     tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path
 ) -> None:
