@@ -277,9 +277,11 @@ def rehearse(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from harness.errors import BadInput
+
     try:
         return rehearse(parse_args(argv))
-    except Refused as exc:
+    except (Refused, BadInput) as exc:  # BadInput: the plan's, e.g. too few devices
         print(f"gpu-rehearsal: {exc}", file=sys.stderr)
         return EXIT_REFUSED
 

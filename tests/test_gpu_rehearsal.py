@@ -222,3 +222,12 @@ def test_the_summary_counts_apart_the_cases_a_test_made_red_on_purpose(tmp_path:
     killed = next(line for line in lines if "[gw1/load/death]" in line)
     assert "red on purpose: killed 1P+1D/decode0" in killed, killed
     assert any(line.split()[-2:] == ["FAIL", "[gw1]"] for line in lines), lines
+
+
+def test_devices_that_cannot_hold_the_topologies_are_refused_in_one_line(capsys) -> None:
+    """`python scripts/gpu_rehearsal.py` on a one-GPU box (every GPU nvidia-smi lists) printed
+    the plan's DevicePlanError as a traceback, exit 1."""
+    assert load_rehearsal().main(["--dry-run", "--devices", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gpu-rehearsal: 1P+1D needs 2, 1E+1P+1D needs 2 devices"), err
+    assert "use --colocate" in err and err.count("\n") == 1, err
