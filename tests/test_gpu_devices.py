@@ -7,6 +7,7 @@ nothing here ran on a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -148,6 +149,25 @@ def test_fuzzing_on_gpus_serves_the_baseline_and_the_topology_on_devices_of_thei
     assert finishes(open_both), "the topology waited on the baseline's devices"
     started = dict(devices_by_role(fake_vllm_start_log))
     assert started == {"baseline": "0", "prefill": "1", "decode": "2"}, started
+
+
+def test_fuzzing_on_two_colocated_gpus_serves_the_topology_beside_the_baseline(
+    tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path
+) -> None:
+    """The 2-GPU nightly (`--epd-colocate`): the planted-fuzz scenario's `fuzz` was refused,
+    "baseline and 1E+1PD serve side by side: together they need 3 devices, but only 2 given
+    (0,1); ... let instances share with --colocate". Colocated, 1E+1PD shares the device the
+    baseline leaves."""
+    settings = dataclasses.replace(cuda_settings(tmp_path, fake_vllm, (0, 1)), colocate=True)
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"])
+
+    def open_both() -> None:
+        with engine:
+            assert engine.session is not None and engine.baseline is not None
+
+    assert finishes(open_both)
+    started = sorted(devices_by_role(fake_vllm_start_log))
+    assert started == [("baseline", "0"), ("encoder", "1"), ("pd", "1")], started
 
 
 def test_fuzzing_on_too_few_gpus_is_refused_before_anything_starts(
