@@ -150,20 +150,16 @@ def harness_command(*args: str) -> list[str]:
 
 
 def red_on_purpose(bundle: Path) -> str | None:
-    """Why a bundle's failing cases are what the test that wrote it wanted: a fault it planted
-    (run.json's `fault`: the self-test, the planted repro and fuzz) or an instance it killed
-    (load.json's `killed`: a death under load); None for any other run."""
+    """Why a bundle's failing cases are what the test that wrote it wanted, as its
+    verdicts.txt says it (`purpose_line`: a planted fault, an instance killed under load);
+    None for any other run."""
+    from harness.report.run_outputs import purpose_line
 
-    def read(name: str) -> dict:
-        try:
-            data = json.loads((bundle / name).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
-
-    fault = read("run.json").get("fault")
-    killed = read("load.json").get("killed")
-    return f"planted {fault}" if fault else f"killed {killed}" if killed else None
+    try:
+        run = json.loads((bundle / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return purpose_line(run) if isinstance(run, dict) else None
 
 
 def summarize(run_dir: Path, wall_s: float) -> list[str]:
@@ -187,7 +183,7 @@ def summarize(run_dir: Path, wall_s: float) -> list[str]:
         purpose = red_on_purpose(summary_path.parent)
         for case in summary.get("cases", []):
             passed = bool(case["policy_passed"])
-            mark = "pass" if passed else f"red on purpose: {purpose}" if purpose else "FAIL"
+            mark = "pass" if passed else purpose or "FAIL"
             verdicts.append(
                 (
                     case["topology"],
@@ -208,7 +204,7 @@ def summarize(run_dir: Path, wall_s: float) -> list[str]:
         )
     passed = sum(1 for v in verdicts if v[4] == "pass")
     failed = sum(1 for v in verdicts if v[4] == "FAIL")
-    on_purpose = len(verdicts) - passed - failed
+    on_purpose = len(verdicts) - passed - failed  # marked with their `purpose_line`
     lines.append(
         f"{passed} pass, {failed} fail"
         + (f", {on_purpose} red on purpose" if on_purpose else "")

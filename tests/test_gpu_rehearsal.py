@@ -193,7 +193,7 @@ def test_the_summary_shows_start_up_makespan_and_every_verdict(tmp_path: Path) -
 
 def test_the_summary_counts_apart_the_cases_a_test_made_red_on_purpose(tmp_path: Path) -> None:
     """A green night holds red bundles on purpose: a planted fault caught (the self-test, the
-    planted repro and fuzz: run.json's `fault`), a death under load (load.json's `killed`).
+    planted repro and fuzz: run.json's `fault`), a death under load (run.json's `killed`).
     Counted as failures, the fake night's summary said "159 pass, 111 fail" of a run whose
     every such test had passed."""
 
@@ -213,14 +213,14 @@ def test_the_summary_counts_apart_the_cases_a_test_made_red_on_purpose(tmp_path:
 
     bundle("gw0", "MATCH", True, run={"fault": None})
     bundle("gw0/planted-repro", "MISMATCH", False, run={"fault": "corrupt-ec"})
-    bundle("gw1/load/death", "ERROR", False, run={"fault": None}, load={"killed": "1P+1D/decode0"})
+    bundle("gw1/load/death", "ERROR", False, run={"fault": None, "killed": "1P+1D/decode0"})
     bundle("gw1", "MISMATCH", False, run={"fault": None})
     lines = load_rehearsal().summarize(tmp_path, 10.0)
     assert lines[-1] == "1 pass, 1 fail, 2 red on purpose (4 cases)"
     planted = next(line for line in lines if "[gw0/planted-repro]" in line)
-    assert "red on purpose: planted corrupt-ec" in planted, planted
+    assert "red on purpose: the run planted the fault corrupt-ec" in planted, planted
     killed = next(line for line in lines if "[gw1/load/death]" in line)
-    assert "red on purpose: killed 1P+1D/decode0" in killed, killed
+    assert "red on purpose: the load killed 1P+1D/decode0" in killed, killed
     assert any(line.split()[-2:] == ["FAIL", "[gw1]"] for line in lines), lines
 
 

@@ -403,6 +403,7 @@ class LoadRun:
             return
         self.result.killed_at_s = self._now()
         self.result.killed = server.name
+        self.sweep.run_info["killed"] = server.name  # run.json, verdicts.txt: red on purpose
         kill_instance(server)
         self.say(f"[load] killed {server.name} with {flight.current} request(s) in flight")
 
