@@ -51,7 +51,7 @@ def load_sweep(epd_sweep, epd_events):
     )
 
 
-def run_load(load_sweep, spec: LoadSpec, label: str):
+def run_load(load_sweep, spec: LoadSpec, label: str, on_session=None):
     from harness.run.load import LoadRun
     from harness.run.sweep import Sweep
 
@@ -59,7 +59,8 @@ def run_load(load_sweep, spec: LoadSpec, label: str):
         load_sweep.settings, run_dir=load_sweep.settings.run_dir / label, stream=spec.stream
     )
     sweep = Sweep(load_sweep.spec, settings, pool=load_sweep.pool, baseline=load_sweep.baseline)
-    result = LoadRun(spec, sweep, on_progress=print, keep_baseline=True).run()
+    load = LoadRun(spec, sweep, on_progress=print, keep_baseline=True, on_session=on_session)
+    result = load.run()
     print((settings.run_dir / "load.md").read_text())
     return result
 
@@ -112,20 +113,28 @@ def test_a_load_in_which_one_request_got_no_kv_fails_its_kv_account(load_sweep) 
     request; and on 1E+1P+1D a media prompt would end D instead: vLLM's
     `epd-media-in-decode-tail` failure, D has no embeddings to compute the media with.)"""
     from harness.run.faults import fault_for, first_request_only, plant
-    from harness.spec.topology import TOPOLOGIES
 
-    session = load_sweep.pool.session(TOPOLOGIES["1P+1D"])
     connector = load_sweep.settings.serving.kv_connector
-    fault = first_request_only(
-        fault_for("drop-kv", None, session.kv_storage, connector), id_contains=f"-{TEXT_PROMPT}-"
-    )
-    plant(session.faults, fault)
+    planted = []
+
+    def plant_in(session) -> None:
+        """In the session the load sends to: on 4 or 2 GPUs the calibration on the baseline's
+        device stops and restarts 1P+1D, so one opened before the load is not it."""
+        fault = fault_for("drop-kv", None, session.kv_storage, connector)
+        planted.append((session, first_request_only(fault, id_contains=f"-{TEXT_PROMPT}-")))
+        plant(session.faults, planted[0][1])
+
     try:
         result = run_load(
-            load_sweep, LoadSpec("1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY), "kv-dropped"
+            load_sweep,
+            LoadSpec("1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY),
+            "kv-dropped",
+            on_session=plant_in,
         )
     finally:
-        plant(session.faults)
+        for session, _ in planted:
+            plant(session.faults)
+    ((_, fault),) = planted
     assert len(fault.effects) == 1 and not fault.problems, (fault.effects, fault.problems)
     assert not result.passed, "a load with a request whose KV never moved passed"
     short = [a for a in result.kv_accounts if a.failed]

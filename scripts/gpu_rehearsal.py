@@ -12,7 +12,8 @@
    .github/workflows/nightly-gpu.yml, run by bash with these inputs and a stand-in for python
    that records its arguments, so the rehearsal can never drift from the workflow.
 5. Prints each instance's start-up, the makespan (pytest's wall time, and each wave's serving
-   time) and every verdict, from the run's summary.json files.
+   time) and every verdict, from the run's summary.json files (a bundle's failing cases that
+   its test made red on purpose counted apart).
 
 Workers default to the plan's widest wave (more would only queue on the same GPUs). `--dry-run`
 prints the three commands and exits, GPU or not (then --devices is required). Exit code: the
@@ -148,10 +149,25 @@ def harness_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "harness.cli.main", *args]
 
 
+def red_on_purpose(bundle: Path) -> str | None:
+    """Why a bundle's failing cases are what the test that wrote it wanted, as its
+    verdicts.txt says it (`purpose_line`: a planted fault, an instance killed under load);
+    None for any other run."""
+    from harness.report.run_outputs import purpose_line
+
+    try:
+        run = json.loads((bundle / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return purpose_line(run) if isinstance(run, dict) else None
+
+
 def summarize(run_dir: Path, wall_s: float) -> list[str]:
-    """Start-up per instance, makespan and verdicts from every summary.json under run_dir."""
+    """Start-up per instance, makespan and verdicts from every summary.json under run_dir; a
+    failing case of a bundle red on purpose (`red_on_purpose`) is counted apart, since a green
+    night holds them."""
     lines = ["", "start-up per instance (s):"]
-    verdicts: list[tuple[str, str, str, str, bool, str]] = []
+    verdicts: list[tuple[str, str, str, str, str, str]] = []
     waves: list[str] = []
     for summary_path in sorted(run_dir.rglob("summary.json")):
         where = summary_path.parent.relative_to(run_dir).as_posix()
@@ -163,15 +179,18 @@ def summarize(run_dir: Path, wall_s: float) -> list[str]:
             shown = f"{started:7.1f}" if started is not None else "    n/a"
             lines.append(f"  {shown}  {instance['name']}{where}")
         for wave, seconds in (run.get("seconds_by_wave") or {}).items():
-            waves.append(f"wave {wave}{where} {seconds:.0f} s")
+            waves.append(f"{wave}{where} {seconds:.0f} s")  # keyed "wave N" by the sweep
+        purpose = red_on_purpose(summary_path.parent)
         for case in summary.get("cases", []):
+            passed = bool(case["policy_passed"])
+            mark = "pass" if passed else purpose or "FAIL"
             verdicts.append(
                 (
                     case["topology"],
                     case["prompt"],
                     case["reference"],
                     case["verdict"],
-                    bool(case["policy_passed"]),
+                    mark,
                     where.strip(),
                 )
             )
@@ -179,13 +198,18 @@ def summarize(run_dir: Path, wall_s: float) -> list[str]:
         f"makespan: {wall_s:.0f} s of pytest" + (f" ({', '.join(waves)})" if waves else "")
     )
     lines.append("verdicts:")
-    for topology, prompt, reference, verdict, passed, where in verdicts:
-        mark = "pass" if passed else "FAIL"
+    for topology, prompt, reference, verdict, mark, where in verdicts:
         lines.append(
             f"  {topology:10s} {prompt:14s} vs {reference:9s} {verdict:18s} {mark} {where}"
         )
-    failed = sum(1 for v in verdicts if not v[4])
-    lines.append(f"{len(verdicts) - failed} pass, {failed} fail ({len(verdicts)} cases)")
+    passed = sum(1 for v in verdicts if v[4] == "pass")
+    failed = sum(1 for v in verdicts if v[4] == "FAIL")
+    on_purpose = len(verdicts) - passed - failed  # marked with their `purpose_line`
+    lines.append(
+        f"{passed} pass, {failed} fail"
+        + (f", {on_purpose} red on purpose" if on_purpose else "")
+        + f" ({len(verdicts)} cases)"
+    )
     return lines
 
 
@@ -249,9 +273,11 @@ def rehearse(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from harness.errors import BadInput
+
     try:
         return rehearse(parse_args(argv))
-    except Refused as exc:
+    except (Refused, BadInput) as exc:  # BadInput: the plan's, e.g. too few devices
         print(f"gpu-rehearsal: {exc}", file=sys.stderr)
         return EXIT_REFUSED
 

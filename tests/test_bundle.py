@@ -441,3 +441,31 @@ def test_a_run_on_a_ray_cluster_does_not_record_this_hosts_devices_as_its_own(ru
     write_run_info(rehearsal, (TOPOLOGIES["1E+1PD"],), SKELETON_PROMPTS[:1])
     here = json.loads((run_dir / "run.json").read_text())["devices_used"]
     assert here == devices.run_devices("cpu", False, settings.devices).to_json()
+
+
+@pytest.mark.parametrize(
+    ("facts", "line"),
+    [
+        ({"fault": "corrupt-ec"}, "red on purpose: the run planted the fault corrupt-ec"),
+        (
+            {"fault": None, "killed": "1E+1P+1D/decode0"},
+            "red on purpose: the load killed 1E+1P+1D/decode0 with its requests in flight",
+        ),
+        ({"fault": None}, None),
+    ],
+)
+def test_verdicts_say_when_a_run_is_red_on_purpose(
+    tmp_path: Path, facts: dict, line: str | None
+) -> None:
+    """A green GPU night leaves red bundles on purpose (a self-test's planted fault, a death
+    under load), and the cherry-pick workflow puts every verdicts.txt into its summary page:
+    their tables read as failures of the vLLM under test, with nothing to say otherwise."""
+    from harness.report.run_outputs import VERDICTS_FILE, write_verdicts
+
+    records, _ = sample_run()
+    write_verdicts(tmp_path, records, facts)
+    text = (tmp_path / VERDICTS_FILE).read_text()
+    if line is None:
+        assert "red on purpose" not in text, text
+    else:
+        assert text.splitlines()[0] == line, text

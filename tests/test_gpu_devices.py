@@ -7,6 +7,7 @@ nothing here ran on a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -30,6 +31,7 @@ from harness.run.pool import TopologyPool
 from harness.spec.platforms import CUDA, DevicePlanError
 from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.testing.cli import run_argv
 from harness.testing.fake_vllm import (
     LIVE_DIR_ENV,
     fake_run_settings,
@@ -116,6 +118,27 @@ def test_a_private_session_on_its_own_devices_leaves_the_others_running(
         pool.close()
 
 
+def test_a_private_session_of_a_running_topology_stops_it_instead_of_waiting_on_it(
+    tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path
+) -> None:
+    """The attach scenario keeps a private 1E+1PD up beside the pool's own 1E+1PD, which
+    judged the normal run: the same topology under the same flags, so the same devices. The
+    private session made room for every running session but its own key's, and waited for
+    ever on the devices the pool's 1E+1PD held in this very process: the GPU night, rehearsed
+    with the fake vLLM on eight devices, hung there."""
+    pool = TopologyPool(cuda_settings(tmp_path, fake_vllm, (0, 1, 2)))
+    try:
+
+        def shared_then_private() -> None:
+            pool.session(TOPOLOGIES["1E+1PD"], devices=(1, 2))
+            with pool.private(TOPOLOGIES["1E+1PD"], "a test", label="private", devices=(1, 2)):
+                assert pool.running() == [], "the shared 1E+1PD still holds the devices"
+
+        assert finishes(shared_then_private), "the private session waited on its own pool"
+    finally:
+        pool.close()
+
+
 def test_fuzzing_on_gpus_serves_the_baseline_and_the_topology_on_devices_of_their_own(
     tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path
 ) -> None:
@@ -131,6 +154,25 @@ def test_fuzzing_on_gpus_serves_the_baseline_and_the_topology_on_devices_of_thei
     assert finishes(open_both), "the topology waited on the baseline's devices"
     started = dict(devices_by_role(fake_vllm_start_log))
     assert started == {"baseline": "0", "prefill": "1", "decode": "2"}, started
+
+
+def test_fuzzing_on_two_colocated_gpus_serves_the_topology_beside_the_baseline(
+    tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path
+) -> None:
+    """The 2-GPU nightly (`--epd-colocate`): the planted-fuzz scenario's `fuzz` was refused,
+    "baseline and 1E+1PD serve side by side: together they need 3 devices, but only 2 given
+    (0,1); ... let instances share with --colocate". Colocated, 1E+1PD shares the device the
+    baseline leaves."""
+    settings = dataclasses.replace(cuda_settings(tmp_path, fake_vllm, (0, 1)), colocate=True)
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"])
+
+    def open_both() -> None:
+        with engine:
+            assert engine.session is not None and engine.baseline is not None
+
+    assert finishes(open_both)
+    started = sorted(devices_by_role(fake_vllm_start_log))
+    assert started == [("baseline", "0"), ("encoder", "1"), ("pd", "1")], started
 
 
 def test_fuzzing_on_too_few_gpus_is_refused_before_anything_starts(
@@ -348,3 +390,67 @@ def test_scenarios_with_instances_of_their_own_share_eight_gpus_with_four_worker
     ]
     assert sorted(pool_starts) == sorted(set(pool_starts)), pool_starts
     assert set(pool_starts) == {"baseline", "1E+1PD", "1P+1D", "1E+1P+1D"}, pool_starts
+
+
+def test_repro_reruns_a_colocated_one_gpu_run_and_on_the_devices_it_is_given(
+    tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path, epd_cli
+) -> None:
+    """A developer reproducing a red case on one GPU. A run on `--devices 0 --colocate`
+    recorded no colocation, so its repro refused ("1P+1D needs 2 devices ...; use --colocate",
+    an option repro did not have); and a bundle of the 8-GPU night names devices (0, 3-7 for
+    1P+1D's group) that a one-GPU box lacks, where repro would start instances on GPUs that
+    are not there. Repro now shares devices as the run did, and `--devices` / `--colocate`
+    put the rerun on this host's."""
+    model = ensure_tiny_model(cache_dir() / "models")
+    red = tmp_path / "red"
+    one_gpu = ("--platform", "cuda", "--devices", "0", "--colocate")
+    case = ("--topology", "1P+1D", "--prompt", "text", "--plant-fault", "drop-kv")
+    code, out, _ = epd_cli(*run_argv(fake_vllm, red, *one_gpu, *case, "--model", str(model)))
+    assert code == 1 and "VACUOUS" in out, out[-2000:]
+    assert json.loads((red / "run.json").read_text())["colocate"] is True
+
+    code, out, err = epd_cli("repro", red, "--vllm", fake_vllm)
+    assert code == 0, err[-2000:]
+    assert "VACUOUS now, VACUOUS in the bundle: reproduced" in out
+
+    night = json.loads((red / "run.json").read_text())
+    (red / "run.json").write_text(
+        json.dumps({**night, "devices": [0, 3, 4, 5, 6, 7], "colocate": False})
+    )  # as the 8-GPU night recorded 1P+1D's group
+    again = tmp_path / "again"
+    rerun = ("--devices", "5", "--colocate", "--run-dir", again)
+    code, out, err = epd_cli("repro", red, "--vllm", fake_vllm, *rerun)
+    assert code == 0, err[-2000:]
+    last = [env for role, env in devices_by_role(fake_vllm_start_log)[-3:] if role != "baseline"]
+    assert last == ["5", "5"], devices_by_role(fake_vllm_start_log)
+    assert json.loads((again / "run.json").read_text())["devices"] == [5]
+
+
+def test_a_fault_planted_for_a_load_survives_the_calibration_on_four_gpus(
+    tmp_path: Path, fake_vllm_start_log: Path
+) -> None:
+    """vLLM's Buildkite step serves on 4 GPUs (and the 2-GPU nightly on 2), where 1P+1D's
+    slot holds the baseline's device: the load's baseline calibration stops 1P+1D and starts
+    it again. The NIXL KV-account scenario planted its `drop-kv` in the 1P+1D it had opened
+    before the load, so the load ran on a fresh start without it, and the scenario failed
+    ("fault.effects == []"; seen with the fake vLLM on 4 devices, green on 8)."""
+    fake = install_fake_vllm(tmp_path / "bin")
+    argv = [
+        sys.executable, "-m", "pytest", "scenarios/test_load.py", "-m", "e2e",
+        "-k", "got_no_kv", "-p", "no:cacheprovider", "-p", "no:randomly", "-rA",
+        "--epd-vllm", str(fake), "--epd-platform", "cuda", "--epd-devices", "0,1,2,3",
+        "--epd-model", str(ensure_tiny_model(cache_dir() / "models")),
+        "--epd-baseline-cache", str(tmp_path / "cache"), "--epd-run-dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        argv, cwd=root, capture_output=True, text=True, timeout=SESSION_HANG_S,
+        start_new_session=True,
+    )  # fmt: skip
+    assert re.search(r"^PASSED \S+got_no_kv", done.stdout, re.M), done.stdout[-4000:]
+    # The baseline's device is 1P+1D's prefill's: the calibration and the load take turns.
+    started = devices_by_role(fake_vllm_start_log)  # P and D start together: either first
+    assert started[0] == ("baseline", "0") and sorted(started[1:]) == [
+        ("decode", "1"),
+        ("prefill", "0"),
+    ], started

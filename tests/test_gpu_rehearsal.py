@@ -168,7 +168,7 @@ def test_the_summary_shows_start_up_makespan_and_every_verdict(tmp_path: Path) -
         summary = {
             "run": {
                 "instances": [{"name": f"{topology}/encoder0", "startup_s": 41.25}],
-                "seconds_by_wave": {"1": 300.4},
+                "seconds_by_wave": {"wave 1": 300.4},  # as harness/run/sweep.py keys it
             },
             "cases": [
                 {
@@ -189,3 +189,45 @@ def test_the_summary_shows_start_up_makespan_and_every_verdict(tmp_path: Path) -
     )
     assert any("MISMATCH" in line and line.split()[5] == "FAIL" for line in lines)
     assert lines[-1] == "1 pass, 1 fail (2 cases)"
+
+
+def test_the_summary_counts_apart_the_cases_a_test_made_red_on_purpose(tmp_path: Path) -> None:
+    """A green night holds red bundles on purpose: a planted fault caught (the self-test, the
+    planted repro and fuzz: run.json's `fault`), a death under load (run.json's `killed`).
+    Counted as failures, the fake night's summary said "159 pass, 111 fail" of a run whose
+    every such test had passed."""
+
+    def bundle(name: str, verdict: str, passed: bool, **files: dict) -> None:
+        where = tmp_path / name
+        where.mkdir(parents=True, exist_ok=True)
+        case = {
+            "topology": "1E+1PD",
+            "prompt": "image",
+            "reference": "baseline",
+            "verdict": verdict,
+            "policy_passed": passed,
+        }
+        (where / "summary.json").write_text(json.dumps({"run": {}, "cases": [case]}))
+        for file_name, content in files.items():
+            (where / f"{file_name}.json").write_text(json.dumps(content))
+
+    bundle("gw0", "MATCH", True, run={"fault": None})
+    bundle("gw0/planted-repro", "MISMATCH", False, run={"fault": "corrupt-ec"})
+    bundle("gw1/load/death", "ERROR", False, run={"fault": None, "killed": "1P+1D/decode0"})
+    bundle("gw1", "MISMATCH", False, run={"fault": None})
+    lines = load_rehearsal().summarize(tmp_path, 10.0)
+    assert lines[-1] == "1 pass, 1 fail, 2 red on purpose (4 cases)"
+    planted = next(line for line in lines if "[gw0/planted-repro]" in line)
+    assert "red on purpose: the run planted the fault corrupt-ec" in planted, planted
+    killed = next(line for line in lines if "[gw1/load/death]" in line)
+    assert "red on purpose: the load killed 1P+1D/decode0" in killed, killed
+    assert any(line.split()[-2:] == ["FAIL", "[gw1]"] for line in lines), lines
+
+
+def test_devices_that_cannot_hold_the_topologies_are_refused_in_one_line(capsys) -> None:
+    """`python scripts/gpu_rehearsal.py` on a one-GPU box (every GPU nvidia-smi lists) printed
+    the plan's DevicePlanError as a traceback, exit 1."""
+    assert load_rehearsal().main(["--dry-run", "--devices", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gpu-rehearsal: 1P+1D needs 2, 1E+1P+1D needs 2 devices"), err
+    assert "use --colocate" in err and err.count("\n") == 1, err

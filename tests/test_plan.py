@@ -409,3 +409,25 @@ def test_cli_refuses_a_connector_the_plan_would_ignore_or_cannot_serve(
     code, out, err = epd_cli("plan", *argv, "--model", MODEL, "--vllm", VLLM)
     assert (code, out) == (2, "")
     assert err.startswith("epd-harness: error: ") and cause in err and err.count("\n") == 1, err
+
+
+def test_side_by_side_with_colocation_shares_the_devices_the_baseline_leaves() -> None:
+    """Fuzzing serves the baseline and its topology at once. On 2 GPUs with --colocate (the
+    2-GPU nightly's shape) the topology was refused ("together they need 3 devices, but only
+    2 given (0,1); ... let instances share with --colocate"), colocation given: it only
+    shrank a topology that could not fit at all, so the nightly's planted-fuzz scenario
+    failed there (seen with the fake vLLM)."""
+    from harness.spec.placement import side_by_side
+
+    baseline = get_topology("baseline")
+    for name in ("1E+1PD", "1P+1D", "1E+1P+1D"):
+        together = side_by_side((baseline, get_topology(name)), (0, 1), CUDA, colocate=True)
+        assert together == {"baseline": (0,), name: (1,)}, together
+    wide = side_by_side((baseline, get_topology("1E+1P+1D")), (0, 1, 2), CUDA, colocate=True)
+    assert wide == {"baseline": (0,), "1E+1P+1D": (1, 2)}, wide
+    roomy = side_by_side((baseline, get_topology("1E+1PD")), (0, 1, 2, 3), CUDA, colocate=True)
+    assert roomy == {"baseline": (0,), "1E+1PD": (1, 2)}, roomy  # shares only for want of room
+    with pytest.raises(DevicePlanError, match="only 2 given"):
+        side_by_side((baseline, get_topology("1E+1PD")), (0, 1), CUDA)
+    with pytest.raises(DevicePlanError, match="only 1 given"):
+        side_by_side((baseline, get_topology("1E+1PD")), (0,), CUDA, colocate=True)

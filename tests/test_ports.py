@@ -8,6 +8,8 @@ import json
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -278,3 +280,47 @@ def test_a_reservation_cut_short_holds_no_port(
     assert len(probed) == 2
     held = [port for port in probed if lease_is_held(tmp_path / f"port-{port}.lock")]
     assert held == [], f"still locked after the reservation was cut short: {held}"
+
+
+# --- device leases ---------------------------------------------------------------------------
+
+
+def test_a_device_lease_holds_none_of_its_devices_while_it_waits_for_another(
+    tmp_path: Path,
+) -> None:
+    """Found by the GPU night rehearsed with the fake vLLM on eight devices: it hung, every
+    worker waiting on a device lock. One worker's lease of every device held device 0 while it
+    waited for device 1; the worker holding device 1 (its 1E+1PD session) waited for device 0,
+    the baseline's. A lease waiting for a device must hold none of the others it asked for."""
+    from harness.serve.ports import lease_devices
+
+    elsewhere = lease_devices("cuda", (1,), tmp_path)  # a neighbour's session on device 1
+    leased: list[list[PortLease]] = []
+    waiting = threading.Thread(
+        target=lambda: leased.append(lease_devices("cuda", (0, 1), tmp_path)), daemon=True
+    )
+    waiting.start()
+    baseline: list[list[PortLease]] = []
+    neighbour = threading.Thread(
+        target=lambda: baseline.append(lease_devices("cuda", (0,), tmp_path)), daemon=True
+    )
+    try:
+        time.sleep(0.5)  # the wide lease is waiting for device 1 by now
+        assert waiting.is_alive() and not leased
+        neighbour.start()  # device 1's holder asks for the baseline's device
+        neighbour.join(timeout=5)
+        assert baseline, "device 0 stayed held by a lease that waits for device 1: a deadlock"
+        assert waiting.is_alive(), "the wide lease cannot have device 1 yet"
+    finally:
+        for lease in elsewhere:
+            lease.release()
+        for leases in baseline:
+            for lease in leases:
+                lease.release()
+        waiting.join(timeout=5)
+        neighbour.join(timeout=5)
+        for leases in (*leased, *baseline):
+            for lease in leases:
+                lease.release()
+    assert [lease.port for lease in leased[0]] == [0, 1], "it gets both once both are free"
+    assert not waiting.is_alive()

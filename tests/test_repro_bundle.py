@@ -211,3 +211,27 @@ def test_repro_tells_the_cli_each_servers_state(
     root = rerun_bundle(tmp_path / "b", "1E+1PD")
     repro.reproduce(Bundle.load(root), root / "again", ServedVllm("v", "0.32.0"), on_event=told)
     assert seen["on_event"] is told
+
+
+def test_repro_refuses_colocation_on_cpu_and_a_bad_device_list_in_one_line(
+    tmp_path: Path, epd_cli
+) -> None:
+    root = write_bundle(tmp_path / "b", [case("1P+1D", "text", "MISMATCH", False)])
+    for argv, named in (
+        (("--colocate",), "--colocate shares GPUs within a topology"),
+        (("--devices", "0,0"), "--devices: device 0 is listed twice"),
+    ):
+        code, _, err = epd_cli("repro", root, *argv)
+        assert code == 2 and err.count("\n") == 1 and named in err, (argv, err)
+
+
+def test_repro_rerun_settings_take_the_hosts_devices_and_the_runs_colocation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    colocated = rerun_bundle(
+        tmp_path / "one", "1P+1D", platform_profile="cuda", devices=[0], colocate=True
+    )
+    settings = rerun_settings(colocated, monkeypatch, "0.32.0")
+    assert (settings.devices, settings.colocate) == ((0,), True)
+    night = rerun_bundle(tmp_path / "night", "1P+1D", platform_profile="cuda", devices=[0, 3, 4])
+    assert rerun_settings(night, monkeypatch, "0.32.0").colocate is False

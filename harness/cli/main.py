@@ -39,7 +39,7 @@ from harness.errors import (
 )
 from harness.judge.records import CaseRecord
 from harness.preflight import RunRequest, names, prepare_run
-from harness.preflight.config import RunConfig, check_arguments
+from harness.preflight.config import COLOCATE_ON_CPU, RunConfig, check_arguments
 from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_os_error
 from harness.preflight.model import resolve_model
 from harness.preflight.upstream_proxy import proxy_choice
@@ -59,7 +59,7 @@ from harness.serve.launch import (
 )
 from harness.serve.launcher import end_launchers
 from harness.serve.ports import NoFreePortError
-from harness.spec.platforms import get_platform
+from harness.spec.platforms import DevicePlanError, get_platform, parse_devices
 from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.settings import ATTACH_PROXY
 from harness.spec.topology import TOPOLOGIES
@@ -238,6 +238,12 @@ def command_repro(args: argparse.Namespace) -> int:
                 f"{bundle.path} judged an attached deployment, which repro cannot start; "
                 "rerun 'epd-harness run --attach FILE' against it"
             )
+        if args.colocate and not get_platform(bundle.platform).exclusive_devices:
+            raise BadInput(COLOCATE_ON_CPU)
+        try:
+            devices = parse_devices(args.devices) if args.devices is not None else None
+        except DevicePlanError as exc:
+            raise BadInput(f"--devices: {exc}") from None
         run_dir = Path(args.run_dir or bundle.path.parent / f"{bundle.path.name}-repro").resolve()
         check_run_dir(run_dir)
         served = probe_served_vllm(args.vllm or default_vllm_executable())
@@ -250,7 +256,14 @@ def command_repro(args: argparse.Namespace) -> int:
         )
         args.progress.run_dir = run_dir
         case, records, sweep = reproduce(
-            bundle, run_dir, served, args.case, proxy, args.progress.on_event
+            bundle,
+            run_dir,
+            served,
+            args.case,
+            proxy,
+            args.progress.on_event,
+            devices=devices,
+            colocate=args.colocate,
         )
     except BundleError as exc:
         raise BadInput(str(exc)) from None
@@ -362,6 +375,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     repro.add_argument("--run-dir", help="artifact directory (default: <bundle>-repro)")
     repro.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
+    repro.add_argument(
+        "--devices",
+        help="this host's GPU / XPU indices (CPU cores on cpu) to rerun on, e.g. 0 on a "
+        "one-GPU box (default: the devices the bundle's run was given)",
+    )
+    repro.add_argument(
+        "--colocate",
+        action="store_true",
+        help="GPU: let the topology's instances share devices when there are too few "
+        "(default: as the bundle's run did)",
+    )
     repro.add_argument(
         "--keep-up",
         action="store_true",

@@ -180,6 +180,9 @@ def collect_run_info(
         "launcher": settings.launcher.to_json(),
         "stream": settings.stream,
         "devices": list(settings.devices),
+        # Whether a topology's instances could share devices (`--colocate`): a rerun on the
+        # same devices needs it again (`repro`).
+        "colocate": settings.colocate,
         # What those devices are: the model, how many, driver / CUDA, AMX (harness.devices).
         "devices_used": run_devices(
             settings.platform.name,

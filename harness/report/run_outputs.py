@@ -26,6 +26,10 @@ from harness.report.text import (
 VERDICTS_FILE = "verdicts.txt"  # the verdict table as the terminal shows it
 # verdicts.txt's first line: what computed the ids (another GPU model can change them).
 DEVICES_LINE = "ran on: "
+# Before it, for a run whose red cases are what its test wanted (a self-test's planted fault,
+# a death under load): a green night leaves such bundles, and the cherry-pick workflow's
+# summary shows every verdicts.txt, where they read as failures of the vLLM under test.
+PURPOSE_LINE = "red on purpose: "
 
 
 def write_run_outputs(
@@ -50,14 +54,25 @@ def write_run_outputs(
 def write_verdicts(
     run_dir: Path, records: Sequence[CaseRecord], run_info: Mapping[str, Any]
 ) -> None:
-    """verdicts.txt: the devices that computed the ids (`ran on: ...`, from run.json's
-    `devices_used`), the verdict table, and where the baseline came from. Every bundle writes
-    it here: a matrix run's, a fuzz run's and each of its failure groups'."""
+    """verdicts.txt: whether the run is red on purpose (`purpose_line`), the devices that
+    computed the ids (`ran on: ...`, from run.json's `devices_used`), the verdict table, and
+    where the baseline came from. Every bundle writes it here: a matrix run's, a fuzz run's
+    and each of its failure groups'."""
     table = format_verdict_table(records)
     sources = describe_baseline_sources(run_info.get("baseline_sources") or {})
-    head = f"{line}\n" if (line := devices_line(run_info)) else ""
+    head = "".join(f"{line}\n" for line in (purpose_line(run_info), devices_line(run_info)) if line)
     tail = f"\n{sources}" if sources else ""
     write_text_atomic(run_dir / VERDICTS_FILE, head + table + tail + "\n")
+
+
+def purpose_line(run_info: Mapping[str, Any]) -> str | None:
+    """`red on purpose: ...` for a run that planted a fault (run.json's `fault`) or killed an
+    instance under load (`killed`); None for any other."""
+    if run_info.get("fault"):
+        return f"{PURPOSE_LINE}the run planted the fault {run_info['fault']}"
+    if run_info.get("killed"):
+        return f"{PURPOSE_LINE}the load killed {run_info['killed']} with its requests in flight"
+    return None
 
 
 def devices_line(run_info: Mapping[str, Any]) -> str | None:

@@ -150,16 +150,22 @@ class LoadRun:
         bounds: SoakBounds | None = None,
         on_progress: Callable[[str], None] | None = None,
         keep_baseline: bool = False,
+        on_session: Callable[[Session], None] | None = None,
     ):
         """`keep_baseline`: leave the baseline running after its calibration (a pytest
         session's other scenarios use it); else it is stopped to make room. Never where
-        workers share devices: there it is stopped all the same (`workers_share_devices`)."""
+        workers share devices: there it is stopped all the same (`workers_share_devices`).
+        `on_session`: called with the topology's session the load's requests go to, before
+        the first (a test plants a fault there). A session opened before the load may not be
+        that one: where the baseline's device is one of the topology's (4 GPUs, 2 GPUs), the
+        calibration stops the topology, and the load starts it again."""
         self.spec = spec
         self.sweep = sweep
         self.topology = TOPOLOGIES[spec.topology]
         self.bounds = bounds or SoakBounds()
         self.say = on_progress or log.info
         self.keep_baseline = keep_baseline
+        self.on_session = on_session
         self.result = LoadResult(spec)
         self.prompts = [name for name in sweep.specs if name in sweep.baseline.bodies]
         self.notes: list[str] = []
@@ -204,6 +210,8 @@ class LoadRun:
             self._judge_round([_Sent(r, None, 0.0, 0.0) for r in plan], declared)
             self._finish()
             return self.result
+        if self.on_session is not None:
+            self.on_session(session)
         self._started = time.monotonic()
         self._sample(session, "before")
         try:
@@ -395,6 +403,7 @@ class LoadRun:
             return
         self.result.killed_at_s = self._now()
         self.result.killed = server.name
+        self.sweep.run_info["killed"] = server.name  # run.json, verdicts.txt: red on purpose
         kill_instance(server)
         self.say(f"[load] killed {server.name} with {flight.current} request(s) in flight")
 

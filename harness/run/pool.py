@@ -326,7 +326,10 @@ class TopologyPool:
             reuse_storage=reuse_storage,
             devices=self._placed(topology, devices),
         )
-        self._make_room([(key, topology, session.devices)])
+        # Nothing running is this session, not even a shared one of the same key: the attach
+        # scenario's deployment beside the pool's own 1E+1PD waited for ever on the devices
+        # that one held (seen with the fake vLLM on eight devices).
+        self._make_room([(key, topology, session.devices)], shared=False)
         started = time.monotonic()
         try:
             session.__enter__()
@@ -453,15 +456,22 @@ class TopologyPool:
         finally:
             live.session.close()
 
-    def _make_room(self, coming: Sequence[tuple[SessionKey, Topology, tuple[int, ...]]]) -> None:
+    def _make_room(
+        self,
+        coming: Sequence[tuple[SessionKey, Topology, tuple[int, ...]]],
+        shared: bool = True,
+    ) -> None:
         """Stop least recently used sessions until the coming ones fit: on GPUs no two
         sessions hold the same device; on CPU the instances fit in the memory available now
         (`CPU_INSTANCE_BYTES` each, `CPU_MEMORY_HEADROOM` of it). A session coming on a Ray
         cluster first stops the others on that cluster: its placement takes one node's bundle
         per instance (a rehearsal cluster has three nodes: one topology at a time), and a group
-        Ray cannot place would only wait and be refused."""
-        keep = {key for key, _, _ in coming}
-        clusters = {k.launcher.ray_address for k in keep if not k.launcher.is_local}
+        Ray cannot place would only wait and be refused. `shared`: the coming sessions are the
+        pool's own, so a running one of the same key is not in their way; a private one is
+        another start, beside whatever runs under its key."""
+        keys = {key for key, _, _ in coming}
+        keep = keys if shared else set()
+        clusters = {k.launcher.ray_address for k in keys if not k.launcher.is_local}
         for key in [k for k in self._live if k not in keep and not k.launcher.is_local]:
             if key.launcher.ray_address in clusters:
                 self._stop(key)

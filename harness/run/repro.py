@@ -170,6 +170,22 @@ class Bundle:
         return Sending(streamed, unlike)
 
     @property
+    def platform(self) -> str:
+        """The platform profile the bundle's run served (cpu, cuda, xpu)."""
+        return str(self.run.get("platform_profile") or "cpu")
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """The devices the bundle's run was given (CPU cores on cpu)."""
+        return tuple(self.run.get("devices") or (0, 1))
+
+    @property
+    def colocate(self) -> bool:
+        """Whether the bundle's run let a topology's instances share devices (bundles from
+        before it was recorded: no)."""
+        return bool(self.run.get("colocate"))
+
+    @property
     def served_version(self) -> str | None:
         """The vLLM version the bundle's run served, as recorded."""
         return (self.run.get("served_vllm") or {}).get("version")
@@ -281,9 +297,14 @@ def reproduce(
     wanted: str | None = None,
     proxy: ProxyChoice | None = None,
     on_event: EventCallback | None = None,
+    devices: tuple[int, ...] | None = None,
+    colocate: bool = False,
 ) -> tuple[ReproCase, list[CaseRecord], Sweep]:
     """`proxy`: the proxy under test the bundle was run with (see `Bundle.proxy_kind`);
-    `on_event`: told each server's state, as `run`'s are (what an interruption cut short)."""
+    `on_event`: told each server's state, as `run`'s are (what an interruption cut short).
+    `devices`: this host's, to rerun on (default: the bundle's; a developer's one-GPU box
+    has not the night's eight); `colocate`: share devices within the topology, as the
+    bundle's run may already have done."""
     case = bundle.pick_case(wanted)
     if case.prompt not in bundle.requests:
         raise BundleError(f"{bundle.path}: requests.json has no body for {case.prompt!r}")
@@ -295,8 +316,9 @@ def reproduce(
         serving=bundle.serving(),
         run_dir=run_dir,
         vllm=served,
-        platform=get_platform(bundle.run.get("platform_profile", "cpu")),
-        devices=tuple(bundle.run.get("devices") or (0, 1)),
+        platform=get_platform(bundle.platform),
+        devices=devices or bundle.devices,
+        colocate=colocate or bundle.colocate,
         proxy=proxy or ProxyChoice(),
         stream=sending.streamed,
         protocol=protocol_for(bundle, served),

@@ -219,22 +219,41 @@ def lease_devices(
 ) -> list[PortLease]:
     """Exclusive locks on GPU / XPU `devices` (`<lock_dir>/<kind>-device-<N>.lock`), waiting for
     a holder to let go: parallel workers that reach a later wave early queue for its devices
-    instead of sharing them. The leases have no socket; `release()` drops the lock."""
+    instead of sharing them. The leases have no socket; `release()` drops the lock.
+
+    All of them or none: while one device is busy the lease holds none of the others, and waits
+    for that one alone before it tries them all again. Taken one by one, a lease held device 0
+    while it waited for device 1, whose holder (a worker keeping its 1E+1PD session up) waited
+    for device 0, the baseline's: the GPU night, rehearsed with the fake vLLM on eight devices,
+    hung there with every worker waiting."""
     lock_dir = lock_dir if lock_dir is not None else port_lock_dir()
     lock_dir.mkdir(parents=True, exist_ok=True)
-    leases: list[PortLease] = []
-    try:
-        for device in sorted(devices):  # one order everywhere: no two workers deadlock
-            lock_path = lock_dir / f"{kind}-device-{device}.lock"
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except BaseException:
-                os.close(fd)
-                raise
-            leases.append(PortLease(device, lock_path, fd, None))
-    except BaseException:
+    paths = [(device, lock_dir / f"{kind}-device-{device}.lock") for device in sorted(devices)]
+    while True:
+        leases: list[PortLease] = []
+        busy: Path | None = None
+        try:
+            for device, lock_path in paths:
+                fd = _lock_port(lock_path)
+                if fd is None:
+                    busy = lock_path
+                    break
+                leases.append(PortLease(device, lock_path, fd, None))
+        except BaseException:
+            for lease in leases:
+                lease.release()
+            raise
+        if busy is None:
+            return leases
         for lease in leases:
             lease.release()
-        raise
-    return leases
+        _wait_until_free(busy)
+
+
+def _wait_until_free(lock_path: Path) -> None:
+    """Block until nobody holds `lock_path`'s lock (taking it, then letting it go at once)."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    finally:
+        os.close(fd)

@@ -292,21 +292,47 @@ def side_by_side(
     """Each topology's devices when all of them must serve at once (fuzzing sends every
     example to the baseline and to the topology, so both stay up). On GPUs they are one wave
     of disjoint devices: a session given no slot would lease every device of the run and
-    place its first instance on the first of them, beside the other session's. Raises
-    DevicePlanError naming the count when the devices cannot hold them together; on CPU they
-    share the cores, as every topology does."""
+    place its first instance on the first of them, beside the other session's. With
+    `colocate`, topologies that cannot each have a device per instance share the devices the
+    others leave (the baseline keeps one of its own): on 2 GPUs the baseline on one, the
+    topology's instances on the other. Raises DevicePlanError naming the count when the
+    devices cannot hold them together; on CPU they share the cores, as every topology does."""
     if not profile.exclusive_devices:
         return {t.name: tuple(devices) for t in topologies}
     waves = schedule(topologies, devices, profile, colocate).waves
-    if len(waves) > 1:
-        needed = sum(devices_needed(t, profile, len(devices), colocate) for t in topologies)
-        raise DevicePlanError(
-            f"{' and '.join(t.name for t in topologies)} serve side by side: together they "
-            f"need {needed} {profile.device_kind}s, but only {len(devices)} given "
-            f"({_join(devices)}); give more with --devices, or let instances share with "
-            "--colocate"
-        )
-    return {slot.topology.name: slot.devices for slot in waves[0].slots}
+    if len(waves) == 1:
+        return {slot.topology.name: slot.devices for slot in waves[0].slots}
+    if colocate and len(topologies) <= len(devices):
+        return _colocated_side_by_side(topologies, devices)
+    needed = (
+        len(topologies)
+        if colocate
+        else sum(devices_needed(t, profile, len(devices), colocate) for t in topologies)
+    )
+    share = "" if colocate else ", or let instances share with --colocate"
+    raise DevicePlanError(
+        f"{' and '.join(t.name for t in topologies)} serve side by side: together they "
+        f"need {needed} {profile.device_kind}s, but only {len(devices)} given "
+        f"({_join(devices)}); give more with --devices{share}"
+    )
+
+
+def _colocated_side_by_side(
+    topologies: Sequence[Topology], devices: Sequence[int]
+) -> dict[str, tuple[int, ...]]:
+    """A device for each topology, then the rest handed out in order, each topology taking
+    no more than one per instance; each its own run of `devices`."""
+    counts = [1] * len(topologies)
+    left = len(devices) - len(topologies)
+    for index, topology in enumerate(topologies):
+        more = min(left, len(topology.roles) - 1)
+        counts[index] += more
+        left -= more
+    slots, first = {}, 0
+    for topology, count in zip(topologies, counts, strict=True):
+        slots[topology.name] = tuple(devices[first : first + count])
+        first += count
+    return slots
 
 
 def _pack(topologies, size, capacity: int, take) -> Schedule:
