@@ -130,16 +130,10 @@ def test_a_d_reached_without_p_shows_no_transfer(
         pool.close()
 
 
-@pytest.mark.parametrize("connector", ["example", "nixl"])
-def test_jpeg_frame_videos_through_an_encoder_reach_the_verdicts_vllm_does(
-    tmp_path: Path, fake_vllm: Path, port_locks: Path, connector: str
-) -> None:
-    """The video-timing bug (docs/found-in-vllm.md), as the export tests meet it on the fake:
-    at JPEG frames' default 1 fps the baseline places the video's temporal steps 2 s apart, the
-    consumer, given only the grid, 1 s apart: a MISMATCH with the EC really moved; at 2 fps both
-    say 1 s: the control MATCHes. A fake that gave both a MATCH let the exports of this bug only
-    'end' on the fake GPU night."""
-    names = ("ec-video-jpeg-frames-default-fps", "ec-video-jpeg-frames-at-2-fps")
+def run_scenarios(
+    tmp_path: Path, fake_vllm: Path, connector: str, names: tuple[str, ...]
+) -> tuple[dict, dict[str, list[str]]]:
+    """Matrix scenarios on the fake, their topologies served once: results and verdicts by name."""
     scenarios = [get_scenario(name) for name in names]
     prompts = tuple(p for s in scenarios for p in s.prompts)
     spec = SweepSpec((), prompts=(), baseline_only_prompts=prompts)
@@ -150,6 +144,20 @@ def test_jpeg_frame_videos_through_an_encoder_reach_the_verdicts_vllm_does(
     finally:
         sweep.pool.close()
     verdict_of = {name: [r.verdict.value for r in res.records] for name, res in results.items()}
+    return results, verdict_of
+
+
+@pytest.mark.parametrize("connector", ["example", "nixl"])
+def test_jpeg_frame_videos_through_an_encoder_reach_the_verdicts_vllm_does(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path, connector: str
+) -> None:
+    """The video-timing bug (docs/found-in-vllm.md), as the export tests meet it on the fake:
+    at JPEG frames' default 1 fps the baseline places the video's temporal steps 2 s apart, the
+    consumer, given only the grid, 1 s apart: a MISMATCH with the EC really moved; at 2 fps both
+    say 1 s: the control MATCHes. A fake that gave both a MATCH let the exports of this bug only
+    'end' on the fake GPU night."""
+    names = ("ec-video-jpeg-frames-default-fps", "ec-video-jpeg-frames-at-2-fps")
+    results, verdict_of = run_scenarios(tmp_path, fake_vllm, connector, names)
     assert verdict_of == {names[0]: ["MISMATCH"], names[1]: ["MATCH"]}, verdict_of
     for result in results.values():
         assert result.problems() == [], result.problems()
@@ -167,16 +175,8 @@ def test_mp4_videos_through_an_encoder_reach_the_verdicts_vllm_does(
     2 fps, and 16 at 4 fps, which the loader samples down to 2 fps. The fake took every mp4 as
     sampled at 2 fps (it read no container), so the first MATCHed on the fake alone."""
     names = ("ec-video-mp4-not-at-2-fps", "ec-video-mp4", "ec-video-fps-4")
+    results, verdict_of = run_scenarios(tmp_path, fake_vllm, connector, names)
     scenarios = [get_scenario(name) for name in names]
-    prompts = tuple(p for s in scenarios for p in s.prompts)
-    spec = SweepSpec((), prompts=(), baseline_only_prompts=prompts)
-    sweep = Sweep(spec, settings(tmp_path, fake_vllm, connector))
-    try:
-        matrix = MatrixRun(sweep)
-        results = {s.name: matrix.run(s) for s in scenarios}
-    finally:
-        sweep.pool.close()
-    verdict_of = {name: [r.verdict.value for r in res.records] for name, res in results.items()}
     declared = {s.name: [v.value for v in s.expect] for s in scenarios}
     assert verdict_of == declared, verdict_of
     assert declared == {names[0]: ["MISMATCH"], names[1]: ["MATCH"], names[2]: ["MATCH"]}
