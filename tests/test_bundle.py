@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.tiny_model import model_digest
+from fixtures.checkpoint_digest import model_digest
 from harness import devices
 from harness.devices import DevicesUsed, cpu_description
 from harness.judge.compare import Verdict

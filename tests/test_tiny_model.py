@@ -14,8 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from digest_reference import whole_file_digest
 
 from fixtures import media, tiny_model
+from fixtures.checkpoint_digest import model_digest
 
 pytestmark = pytest.mark.model
 
@@ -46,14 +48,14 @@ def test_ensure_reuses_the_cached_checkpoint(
     assert tiny_model_dir.parent == model_cache
     assert tiny_model_dir.name == "tiny-qwen25vl-" + tiny_model.cache_key()[:12]
     assert (tiny_model_dir / ".complete").is_file()
-    digest_before = tiny_model.model_digest(tiny_model_dir)
+    digest_before = model_digest(tiny_model_dir)
 
     def fail_build(*args, **kwargs):
         raise AssertionError("ensure_tiny_model rebuilt a cached checkpoint")
 
     monkeypatch.setattr(tiny_model, "build_tiny_model", fail_build)
     assert tiny_model.ensure_tiny_model(model_cache) == tiny_model_dir
-    assert tiny_model.model_digest(tiny_model_dir) == digest_before
+    assert model_digest(tiny_model_dir) == digest_before
     assert not list(model_cache.glob(".building-*"))
 
 
@@ -94,7 +96,7 @@ def test_independent_builds_are_byte_identical(tiny_model_dir: Path, tmp_path: P
     np.random.seed(99)
     torch.manual_seed(99)
     rebuilt = tiny_model.build_tiny_model(tmp_path / "rebuilt")
-    assert tiny_model.model_digest(rebuilt) == tiny_model.model_digest(tiny_model_dir)
+    assert model_digest(rebuilt) == model_digest(tiny_model_dir)
 
 
 def test_model_digest_sees_names_and_bytes(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -103,10 +105,15 @@ def test_model_digest_sees_names_and_bytes(tiny_model_dir: Path, tmp_path: Path)
     for path in tiny_model_dir.iterdir():
         if path.name != ".complete":
             (copy / path.name).write_bytes(path.read_bytes())
-    assert tiny_model.model_digest(copy) == tiny_model.model_digest(tiny_model_dir)
+    assert model_digest(copy) == model_digest(tiny_model_dir)
 
     (copy / "config.json").rename(copy / "config2.json")
-    assert tiny_model.model_digest(copy) != tiny_model.model_digest(tiny_model_dir)
+    assert model_digest(copy) != model_digest(tiny_model_dir)
+
+
+def test_model_digest_keeps_the_value_the_caches_key_on(tiny_model_dir: Path) -> None:
+    """The baseline cache and the goldens key on the digest: hashing in chunks keeps its value."""
+    assert model_digest(tiny_model_dir) == whole_file_digest(tiny_model_dir)
 
 
 def test_config_is_tiny_qwen25vl(tiny_model_dir: Path) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fixtures.tiny_model import model_digest
+from fixtures.checkpoint_digest import model_digest
 from harness.devices import host_cpu, run_devices
 from harness.files import write_text_atomic
 from harness.judge.records import CaseRecord
@@ -154,7 +154,7 @@ def collect_run_info(
 ) -> dict[str, Any]:
     """What ran, where and on what: enough to reproduce the run or tell two runs apart.
 
-    The model digest is computed here, once per run: it reads every byte of the checkpoint.
+    A local checkpoint has a digest (fixtures.checkpoint_digest: hashed once per process).
     A model given by name (no local directory) has no digest.
     """
     model_dir = settings.serving.model

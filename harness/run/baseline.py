@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fixtures.tiny_model import model_digest
+from fixtures.checkpoint_digest import model_digest
 from harness.judge.verdicts import Reference, Stability, baseline_stability, batch_shape_noise
 from harness.outcomes.outcome import Outcome
 from harness.run.baseline_cache import BaselineCache, baseline_key
