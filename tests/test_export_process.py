@@ -523,6 +523,44 @@ def test_serve_sh_stops_when_its_servers_are_gone_not_at_its_next_tick(
             os.killpg(serve.pid, signal.SIGKILL)
 
 
+def test_serve_sh_stops_at_once_during_a_health_check_that_hangs(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """serve.sh ran each health check in the foreground, and bash runs a trap only once the
+    foreground command ends: a SIGTERM during a check of a server that accepts the connection
+    and never answers was acted on only at the check's 5 s timeout."""
+    out = export_case(tmp_path)
+    env = environment(leased_ports, tmp_path, "decode:hang-health")
+    serve = subprocess.Popen(
+        ["bash", str(out / "serve.sh")],
+        cwd=out,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        decode_log = out / "work/logs/decode0.log"
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not (decode_log.exists() and "HEALTH CHECK HANGS" in decode_log.read_text()):
+            assert serve.poll() is None and time.monotonic() < deadline, "no check reached D"
+            time.sleep(0.1)
+        started = time.monotonic()
+        serve.send_signal(signal.SIGTERM)
+        output = serve.communicate(timeout=RUN_TIMEOUT_S)[0]
+        took = time.monotonic() - started
+        assert serve.returncode == 143, output
+        assert "stopped everything" in output
+        assert took < PROMPT_STOP_S, f"serve.sh took {took:.1f} s to stop during a health check"
+        with pytest.raises(ProcessLookupError):  # the check itself ended too, none orphaned
+            os.killpg(serve.pid, 0)
+        assert_nothing_left(out, env)
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+
+
 def test_run_sh_stops_at_once_while_it_waits_for_the_start(
     tmp_path: Path, leased_ports: TakePorts
 ) -> None:

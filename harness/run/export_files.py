@@ -410,6 +410,7 @@ log() {{ printf '[serve.sh %(%H:%M:%S)T] %s\n' -1 "$*"; }}
 declare -A PID_OF=() ROLE_OF=() URL_OF=()
 ORDER=()
 TICK=  # the polling tick under way (a background `sleep 1`): a stop ends it, never waits it out
+CHECKING=  # the health check under way (in the background too: a stop ends it at once)
 
 taken() {{  # taken URL: something already accepts connections on URL's host and port
   local address=${{1#http://}}
@@ -454,6 +455,7 @@ stop_all() {{
   trap - EXIT
   trap '' INT TERM
   if [[ -n $TICK ]]; then kill "$TICK" 2>/dev/null || true; fi
+  if [[ -n $CHECKING ]]; then kill "$CHECKING" 2>/dev/null || true; fi
   # Its group, and the process itself: a server started a moment ago may not have made its
   # own session yet (setsid runs in the child after the fork), and then has no group to
   # signal (found by a fresh-clone CI run: serve.sh waited for ever on such a child).
@@ -482,9 +484,16 @@ trap stop_all EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-answers() {{  # answers URL: GET URL gives 200
+answers() {{  # answers URL: GET URL gives 200. Waited for, not run in the foreground: bash runs
+  # a trap only once a foreground command ends, and a server that accepts and never answers
+  # held a stop for the check's whole timeout.
+  local code=0
   "$PYTHON" -c 'import sys, urllib.request as u
-u.build_opener(u.ProxyHandler({{}})).open(sys.argv[1], timeout=5)' "$1" >/dev/null 2>&1
+u.build_opener(u.ProxyHandler({{}})).open(sys.argv[1], timeout=5)' "$1" >/dev/null 2>&1 &
+  CHECKING=$!
+  wait "$CHECKING" || code=$?
+  CHECKING=
+  return "$code"
 }}
 
 wait_ready() {{  # wait_ready NAME URL [NAME URL]...: until each answers; a death ends it all

@@ -8,7 +8,8 @@ its instances the way vLLM's connectors do, leaving the evidence the transfer gu
 when the transfer really happened (that module says how); and it misbehaves on cue. The cue is
 the environment variable `FAKE_VLLM_MODE="<who>:<mode>[=<seconds>];..."`, where <who> is a role
 (baseline, encoder, pd, prefill, decode), a served model name, or `*`; modes: slow-start,
-die-start, slow, hang, ignore-term (SIGTERM ignored, as vLLM does while its engine starts),
+die-start, slow, hang, hang-health (its `/health` never answers, as a stuck API server's),
+ignore-term (SIGTERM ignored, as vLLM does while its engine starts),
 fork-child (a child in the server's group, like vLLM's engine core), serve-anything (a request
 it cannot serve, for want of embeddings, is answered with 200 from zeros instead of an HTTP 500)
 and die-request (the process exits on its first chat request, logging an assertion, as an engine

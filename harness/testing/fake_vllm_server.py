@@ -656,6 +656,10 @@ def make_handler(engine: Engine) -> type[http.server.BaseHTTPRequestHandler]:
         protocol_version = "HTTP/1.1"
 
         def do_GET(self):
+            if self.path == "/health" and "hang-health" in modes:
+                print("HEALTH CHECK HANGS", flush=True)  # tests wait for it to be under way
+                time.sleep(3600)
+                return
             if self.path == "/metrics":
                 self.send(200, engine.metrics().encode(), "text/plain; version=0.0.4")
                 return
