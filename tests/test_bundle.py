@@ -129,6 +129,7 @@ SERVED = ServedVllm(
     "2.9.1+cpu",
     amx_permission="not needed: no amx_tile",
     libraries=(("tokenizers", "0.22.1"), ("transformers", "4.57.1")),
+    transfer_libraries=(("nixl", "1.5.0"), ("nixl-cu13", "1.5.0")),
 )
 
 
@@ -148,6 +149,7 @@ def test_run_json_records_versions_model_config_and_instances(run_dir, model_dir
         "torch_version": "2.9.1+cpu",
         "amx_permission": "not needed: no amx_tile",
         "libraries": [["tokenizers", "0.22.1"], ["transformers", "4.57.1"]],
+        "transfer_libraries": [["nixl", "1.5.0"], ["nixl-cu13", "1.5.0"]],
         "source_tree": "",
         "source_state": "",
         "source_problem": "",

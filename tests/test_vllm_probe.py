@@ -148,3 +148,26 @@ def test_the_served_transformers_version_is_in_the_key_and_recorded(tmp_path: Pa
         new, SERVING, "d", BODY, launch=LAUNCH
     ), "a baseline preprocessed by transformers 4.57.1 answers a run served with 5.19.0"
     assert not new.source_tree and new.cache_refusal is None, "a wheel install is no tree"
+
+
+def test_the_served_nixl_is_recorded_but_keys_no_baseline(tmp_path: Path) -> None:
+    """The GPU workflows pin NIXL to what the served release declares; run.json says which NIXL
+    (and which of its CUDA builds) served, so a night that changed it shows. The baseline, one
+    monolithic instance, moves nothing through NIXL: its key stays."""
+    vllm = install_fake_vllm(tmp_path / "bin", vllm_version="0.32.0", torch_version="2.13.0")
+    site = tmp_path / "bin" / "vllm-python" / "site"
+    without = probe_served_vllm(str(vllm))
+    for name in ("nixl", "nixl-cu12", "nixl-cu13"):
+        info = site / f"{name.replace('-', '_')}-1.5.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.5.0\n")
+    served = probe_served_vllm(str(vllm))
+    assert served.transfer_libraries == (
+        ("nixl", "1.5.0"),
+        ("nixl-cu12", "1.5.0"),
+        ("nixl-cu13", "1.5.0"),
+    )
+    assert "nixl" not in dict(served.libraries)
+    assert baseline_key(without, SERVING, "d", BODY, launch=LAUNCH) == baseline_key(
+        served, SERVING, "d", BODY, launch=LAUNCH
+    )

