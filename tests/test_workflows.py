@@ -10,6 +10,7 @@ these tests fail and say how to install them, instead of passing without having 
 from __future__ import annotations
 
 import configparser
+import re
 import shutil
 import subprocess
 import sys
@@ -280,6 +281,71 @@ def test_gpu_workflows_install_vllms_precompiled_kernels_where_the_release_has_t
     code, out, calls = run_kernels_step(name, tmp_path / "failed", "0.32.0", download_exit=1)
     assert (code, calls) == (0, ["download-kernels --help", "download-kernels"]), out
     assert "::warning::vllm download-kernels failed" in out
+
+
+INSTALL_STEP = "Install vLLM and the harness"
+# What each vLLM release's sdist declares for NIXL: requirements/kv_connectors.txt, and
+# requirements/kv_connectors_cu12.txt where torch's CUDA major is 12 (vLLM's own
+# CI script install-kv-connectors.sh chooses between them that way). Read from the
+# 0.32.0 sdist; a new DEFAULT_VLLM needs its row, and the pins in pyproject.toml to follow it.
+DECLARED_NIXL = {"0.32.0": {"nixl-cuda": "nixl==1.5.0", "nixl-cuda12": "nixl==1.4.1"}}
+FAKE_INSTALL_TOOLS = """#!/bin/bash
+# python3 (-m venv DIR), the venv's python (pip; the torch CUDA probe; vllm's version) and uv
+case "$(basename "$0")" in
+  python3) mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; cp "$0" "$3/bin/uv" ;;
+  uv) echo "uv $*" >> "$CALLS" ;;
+  python)
+    if [[ $* == *torch.version.cuda* ]]; then echo "$FAKE_CUDA_MAJOR"; fi
+    if [[ $* == *vllm.__version__* ]]; then echo "vllm 0.32.0"; fi ;;
+esac
+"""
+
+
+def pyproject_extras() -> dict[str, list[str]]:
+    """The optional dependencies of one requirement each (the NIXL pins), by extra."""
+    text = (ROOT / "pyproject.toml").read_text()
+    return {m[1]: [m[2]] for m in re.finditer(r'^([\w-]+) = \["([^"]+)"\]$', text, re.M)}
+
+
+def run_install_step(workflow: str, tmp_path: Path, cuda_major: str) -> tuple[int, str, list[str]]:
+    """The workflow's install step, by bash, with stand-ins for python3, the venv's python and
+    uv, torch built for `cuda_major`; (exit, output, the uv calls)."""
+    (step,) = [s for s in all_steps(load(workflow)) if s.get("name") == INSTALL_STEP]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python3").write_text(FAKE_INSTALL_TOOLS)
+    (bin_dir / "python3").chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "VENV": str(tmp_path / "venv"),
+        "VLLM_SPEC": "0.32.0",
+        "DEFAULT_VLLM": "0.32.0",
+        "FAKE_CUDA_MAJOR": cuda_major,
+        "CALLS": str(tmp_path / "calls"),
+    }
+    done = subprocess.run(
+        ["bash", "-e", "-c", step["run"]], env=env, capture_output=True, text=True, timeout=30
+    )
+    calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
+    return done.returncode, done.stdout + done.stderr, calls
+
+
+@pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])
+@pytest.mark.parametrize("cuda_major, extra", [("13", "nixl-cuda"), ("12", "nixl-cuda12")])
+def test_gpu_workflows_install_nixl_as_the_served_release_declares_it(
+    name: str, tmp_path: Path, cuda_major: str, extra: str
+) -> None:
+    """An unpinned `nixl` took whatever NIXL was newest on the night, not the one the served
+    vLLM was released (and tested) with: a NIXL release could fail the night, or pass it, with
+    no change to vLLM or the harness."""
+    code, out, calls = run_install_step(name, tmp_path, cuda_major)
+    assert code == 0, out
+    installs = [call.split() for call in calls if call.startswith("uv pip install")]
+    assert not [c for c in installs if "nixl" in c], f"an unpinned nixl: {installs}"
+    assert any(f".[test,{extra}]" in call for call in installs), installs
+    assert pyproject_extras()[extra] == [
+        DECLARED_NIXL[load("nightly-gpu.yml")["env"]["DEFAULT_VLLM"]][extra]
+    ]
 
 
 SOURCE_STEP = "vLLM's source tree"
