@@ -16,12 +16,12 @@ pytestmark = pytest.mark.process
 NIGHTLY = Path(__file__).resolve().parents[1] / "ci" / "buildkite" / "nightly.sh"
 
 
-@pytest.mark.parametrize(("parity", "rehearsal", "expected"), [(0, 0, 0), (1, 0, 1), (0, 2, 2)])
-def test_the_nightly_script_runs_parity_and_the_rehearsal_then_uploads_whatever_happened(
-    tmp_path: Path, parity: int, rehearsal: int, expected: int
-) -> None:
-    """nightly.sh in a copy of the repository layout, with stand-ins for uv, python3 and the
-    agent that record how they were called."""
+def run_nightly(
+    tmp_path: Path, parity: int = 0, rehearsal: int = 0, cuda_major: str = "13"
+) -> tuple[subprocess.CompletedProcess[str], list[str], Path]:
+    """nightly.sh in a copy of the repository layout, with stand-ins for uv, python3 (torch
+    built for `cuda_major`) and the agent that record how they were called; (the run, the
+    calls, the vLLM tree)."""
     tree = tmp_path / "harness"
     (tree / "ci" / "buildkite").mkdir(parents=True)
     (tree / "ci" / "buildkite" / "nightly.sh").write_text(NIGHTLY.read_text())
@@ -33,6 +33,7 @@ def test_the_nightly_script_runs_parity_and_the_rehearsal_then_uploads_whatever_
         ("buildkite-agent", 'echo "agent $*" >> "$CALLS"'),
         (
             "python3",
+            'case "$*" in *torch.version.cuda*) echo "$CUDA_MAJOR"; exit 0;; esac\n'
             'echo "python3 $*" >> "$CALLS"\n'
             'case "$*" in *test_upstream_parity*) exit "$PARITY";; esac\n'
             'case "$*" in *gpu_rehearsal*) exit "$REHEARSAL";; esac',
@@ -42,12 +43,14 @@ def test_the_nightly_script_runs_parity_and_the_rehearsal_then_uploads_whatever_
         (bin_dir / tool).chmod(0o755)
     vllm_tree = tmp_path / "vllm"
     (vllm_tree / "requirements").mkdir(parents=True)
-    (vllm_tree / "requirements" / "kv_connectors.txt").write_text("nixl\n")
+    (vllm_tree / "requirements" / "kv_connectors.txt").write_text("nixl == 1.5.0\n")
+    (vllm_tree / "requirements" / "kv_connectors_cu12.txt").write_text("nixl == 1.4.1\n")
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin",
         "CALLS": str(log),
         "PARITY": str(parity),
         "REHEARSAL": str(rehearsal),
+        "CUDA_MAJOR": cuda_major,
         "BUILDKITE_BUILD_NUMBER": "77",
         "EPD_DEVICES": "0,1",
         "EPD_MODEL": "Qwen/Qwen2.5-VL-3B-Instruct",
@@ -60,8 +63,16 @@ def test_the_nightly_script_runs_parity_and_the_rehearsal_then_uploads_whatever_
         text=True,
         timeout=60,
     )
+    return done, log.read_text().splitlines(), vllm_tree
+
+
+@pytest.mark.parametrize(("parity", "rehearsal", "expected"), [(0, 0, 0), (1, 0, 1), (0, 2, 2)])
+def test_the_nightly_script_runs_parity_and_the_rehearsal_then_uploads_whatever_happened(
+    tmp_path: Path, parity: int, rehearsal: int, expected: int
+) -> None:
+    done, calls, vllm_tree = run_nightly(tmp_path, parity, rehearsal)
+    tree = tmp_path / "harness"
     assert done.returncode == expected, done.stderr
-    calls = log.read_text().splitlines()
     assert calls[0] == f"uv pip install --system -r {vllm_tree}/requirements/kv_connectors.txt"
     assert calls[1] == "uv pip install --system -e .[test]"
     assert calls[2].startswith("python3 -m pytest tests/test_upstream_parity.py -m index -k served")
@@ -72,3 +83,13 @@ def test_the_nightly_script_runs_parity_and_the_rehearsal_then_uploads_whatever_
     )
     assert calls[4] == "agent artifact upload runs/**/*", "uploaded last, whatever happened"
     assert (tree / "runs" / "buildkite-77").is_dir()
+
+
+def test_on_cuda_12_the_nightly_installs_the_trees_cuda_12_connectors(tmp_path: Path) -> None:
+    """vLLM declares its KV connectors (NIXL among them) per CUDA major: kv_connectors.txt
+    (nixl == 1.5.0 in 0.32.0) and, for a torch built for CUDA 12, kv_connectors_cu12.txt
+    (nixl == 1.4.1), as its install-kv-connectors.sh chooses. The nightly installed the first
+    everywhere, over a CUDA 12 image's own."""
+    done, calls, vllm_tree = run_nightly(tmp_path, cuda_major="12")
+    assert done.returncode == 0, done.stderr
+    assert calls[0] == f"uv pip install --system -r {vllm_tree}/requirements/kv_connectors_cu12.txt"

@@ -21,8 +21,15 @@ upload() {
 }
 trap upload EXIT
 
-if [[ -f $vllm_tree/requirements/kv_connectors.txt ]]; then
-    uv pip install --system -r "$vllm_tree/requirements/kv_connectors.txt"
+# The KV connectors (NIXL among them) as the tree declares them for torch's CUDA major, chosen
+# as vLLM's own install-kv-connectors.sh does: kv_connectors_cu12.txt on CUDA 12.
+connectors=$vllm_tree/requirements/kv_connectors.txt
+cuda_major=$(python3 -c 'import torch; print((torch.version.cuda or "").split(".")[0])' || true)
+if [[ $cuda_major == 12 && -f $vllm_tree/requirements/kv_connectors_cu12.txt ]]; then
+    connectors=$vllm_tree/requirements/kv_connectors_cu12.txt
+fi
+if [[ -f $connectors ]]; then
+    uv pip install --system -r "$connectors"
 fi
 uv pip install --system -e ".[test]"
 mkdir -p "runs/$run_name"
