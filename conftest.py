@@ -15,7 +15,16 @@ import pytest
 pytest_plugins = ["harness.testing.plugin", "harness.testing.tiers", "pytester"]
 
 
+# The parser `pytest_addoption` receives is the session's own: pytest's options and every
+# plugin's go into it (the hook is historic, so a plugin registered later adds to it too).
+# tests/test_docs_commands.py parses the docs' pytest command lines with it; pytest.Config
+# holds it only as the private `_parser`.
+_session_parser: list[pytest.Parser] = []
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
+    if not _session_parser:  # the outer session's, not a pytester run's inside it
+        _session_parser.append(parser)
     group = parser.getgroup("epd-harness")
     group.addoption("--epd-model", help="model directory (default: the tiny model, built once)")
     group.addoption("--epd-run-dir", help="artifact directory (default: runs/pytest-<time>)")
@@ -99,3 +108,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="comma list: run only scenarios of these topologies (names contain '+', so -k "
         "cannot select them)",
     )
+
+
+@pytest.fixture(scope="session")
+def session_option_parser() -> pytest.Parser:
+    """What `pytest ARGS` parses ARGS with here: conftest.py's options, pytest's own and its
+    plugins' (`parse_known_and_unknown_args`, `getgroup`: pytest.Parser's public methods)."""
+    (parser,) = _session_parser
+    return parser

@@ -291,14 +291,14 @@ def script_problem(argv: list[str], venv: Path, parser: pytest.Parser) -> str | 
 
 
 @pytest.fixture
-def check_shown(pytestconfig: pytest.Config, tmp_path: Path):
+def check_shown(session_option_parser: pytest.Parser, tmp_path: Path):
     """A checker of shown commands: (command) -> its problems, one line each."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     for name in ("python", "epd-harness"):
         (venv / "bin" / name).write_text(STAND_IN)
         (venv / "bin" / name).chmod(0o755)
-    parser = pytestconfig._parser  # this session's: conftest.py's options and pytest's own
+    parser = session_option_parser  # conftest.py's options, pytest's and its plugins'
     checked: dict[tuple[str, ...], str | None] = {}  # many pages show the same command
 
     def problem_of(program: str, argv: list[str]) -> str | None:
@@ -343,10 +343,10 @@ def test_every_placeholder_is_still_used() -> None:
     assert used == set(PLACEHOLDERS), sorted(set(PLACEHOLDERS) - used)
 
 
-def test_every_pytest_option_the_docs_name_exists(pytestconfig: pytest.Config) -> None:
+def test_every_pytest_option_the_docs_name_exists(session_option_parser: pytest.Parser) -> None:
     """Prose names the `--epd-*` options on their own (docs/testing.md lists them all): a
     renamed one would leave its old name there."""
-    group = pytestconfig._parser.getgroup("epd-harness")  # conftest.py's options
+    group = session_option_parser.getgroup("epd-harness")  # conftest.py's options
     known = {name for option in group.options for name in option.names()}
     named = {
         (page.name, option)

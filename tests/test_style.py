@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,3 +40,19 @@ def test_test_module_names_are_unique_across_tests_and_scenarios() -> None:
             names.setdefault(path.name, []).append(folder)
     clashes = {name: folders for name, folders in names.items() if len(folders) > 1}
     assert not clashes, f"rename one of each: {clashes}"
+
+
+def test_no_test_reads_pytests_private_option_parser() -> None:
+    """pytest.Config's `_parser` is private: a pytest release may rename or drop it, and the
+    docs' check of their pytest command lines then breaks for no fault of the docs. The
+    session's parser is the one the public `pytest_addoption` hook receives (conftest.py)."""
+    private = re.compile(r"\._parser\b")
+    sources = [ROOT / "conftest.py", *(ROOT / "harness").rglob("*.py")]
+    for folder in ("tests", "scenarios"):
+        sources += (ROOT / folder).glob("*.py")
+    readers = [
+        str(path.relative_to(ROOT))
+        for path in sources
+        if path != Path(__file__).resolve() and private.search(path.read_text(encoding="utf-8"))
+    ]
+    assert not readers, f"read the option parser through conftest.py's fixture: {readers}"
