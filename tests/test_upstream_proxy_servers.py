@@ -284,3 +284,45 @@ def test_two_runs_fetching_the_same_release_at_once_both_get_it(
     assert results[0] == results[1] and isinstance(results[0], upstream_proxy.ProxyFiles), results
     assert (results[0].directory / EPD_PROXY_FILE).read_bytes() == STANDIN[EPD_PROXY_FILE]
     assert index.downloads == 1
+
+
+KV_CONNECTORS = "requirements/kv_connectors.txt"
+KV_CONNECTORS_CU12 = "requirements/kv_connectors_cu12.txt"
+
+
+def test_the_kv_connector_requirements_are_extracted_with_the_proxies(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """What NIXL the served release declares is in its requirements/ files; the GPU workflows
+    install it from there (harness.preflight.upstream_requirements), so they are extracted,
+    an included one as well, and nothing else of the sdist."""
+    declared = {
+        KV_CONNECTORS: b"nixl == 9.9.9\n",
+        KV_CONNECTORS_CU12: b"-r common/cu12.txt\n",
+        "requirements/common/cu12.txt": b"nixl == 9.9.8\n",
+    }
+    fake = FakeIndex(make_sdist(RELEASE, {**STANDIN, **declared}), "json")
+    monkeypatch.setattr(upstream_proxy, "pip_indexes", lambda _interpreter=None: [fake.url])
+    try:
+        files = upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+    finally:
+        fake.close()
+    for name, data in declared.items():
+        assert (files.directory / name).read_bytes() == data
+    assert not (files.directory / "vllm").exists()
+
+
+def test_a_cache_written_before_the_requirements_were_extracted_is_fetched_again_once(
+    index: FakeIndex, tmp_path: Path
+) -> None:
+    """The harness caches each release's files once; a cache from before requirements/ was
+    extracted lists the proxies only, and would answer every NIXL question "not declared"."""
+    first = upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+    origin = first.directory / upstream_proxy.ORIGIN_FILE
+    record = json.loads(origin.read_text())
+    record.pop("sought", None)
+    origin.write_text(json.dumps(record))  # as the harness wrote it before
+    upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+    assert index.downloads == 2
+    upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+    assert index.downloads == 2

@@ -4,8 +4,9 @@ the vLLM source tree it was built from (`--vllm-source`).
 
 Wheels ship no EPD proxy; every release's sdist does (`disagg_epd_proxy.py`, the toy proxy its
 NIXL tests use for 1P+1D, and `run_epd_correctness_test.sh`, which upstream parity reads:
-`harness.preflight.upstream_parity`). They change every release, so they must be the served
-release's own: the version comes from the served vLLM (a local suffix such as `+cpu` dropped).
+`harness.preflight.upstream_parity`), and its `requirements/` files, which declare the KV
+connectors' libraries (NIXL) the release was tested with (`harness.preflight.upstream_requirements`).
+They change every release, so they must be the served release's own: the version comes from the served vLLM (a local suffix such as `+cpu` dropped).
 The index is pip's (PIP_INDEX_URL, `pip config`, else pip's own default), read through the
 standard simple API (PEP 691 JSON, or PEP 503 HTML), and the sdist's sha256 as the index gives
 it is verified. Only the needed files are extracted, into the harness cache by version; the
@@ -52,6 +53,11 @@ PROXY_FILES = (EPD_PROXY_FILE, TOY_PROXY_FILE)
 UPSTREAM_SCRIPT_FILE = "tests/v1/ec_connector/integration/run_epd_correctness_test.sh"
 # Extracted when the sdist has them; the proxies are required, the script is read by parity.
 UPSTREAM_FILES = (*PROXY_FILES, UPSTREAM_SCRIPT_FILE)
+# Every requirements file under it is extracted too (small text; one may include another).
+REQUIREMENTS_DIR = "requirements"
+# What a fetch looks for, recorded in the cache: a cache written while less was sought (before
+# the requirements were) is fetched again once, rather than answer that a file is not there.
+SOUGHT = (*UPSTREAM_FILES, f"{REQUIREMENTS_DIR}/**/*.txt")
 ORIGIN_FILE = "origin.json"
 GIT_TIMEOUT_S = 30.0
 log = logging.getLogger(__name__)
@@ -234,7 +240,7 @@ def _fetch(release: str, directory: Path, interpreter: list[str] | None) -> Prox
             continue
         present = fetch_and_extract(url, sha256, directory)
         origin = f"{url.split('#', 1)[0]} sha256={sha256}"
-        record = {"origin": origin, "release": release, "files": present}
+        record = {"origin": origin, "release": release, "files": present, "sought": SOUGHT}
         write_text_atomic(directory / ORIGIN_FILE, json.dumps(record))
         return ProxyFiles(directory, origin)
     raise BadInput(
@@ -245,7 +251,8 @@ def _fetch(release: str, directory: Path, interpreter: list[str] | None) -> Prox
 
 def _cached(directory: Path) -> ProxyFiles | None:
     """A release's files as an earlier fetch left them; None when incomplete, or when written
-    before the cache listed which files the sdist had (then it is fetched again, once)."""
+    before the cache listed which files the sdist had or while it sought fewer (then it is
+    fetched again, once)."""
     origin_path = directory / ORIGIN_FILE
     if not origin_path.is_file():
         return None
@@ -253,7 +260,7 @@ def _cached(directory: Path) -> ProxyFiles | None:
         record = json.loads(origin_path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None  # renamed into place without an fsync: a power loss can leave it empty
-    if not isinstance(record, dict):
+    if not isinstance(record, dict) or record.get("sought") != list(SOUGHT):
         return None
     listed = record.get("files")
     if not isinstance(listed, list) or not set(PROXY_FILES) <= set(listed):
@@ -348,8 +355,8 @@ def find_sdist(index: str, release: str) -> tuple[str, str]:
 
 
 def fetch_and_extract(url: str, sha256: str, directory: Path) -> list[str]:
-    """Download the sdist to a temporary file, check its sha256, extract UPSTREAM_FILES only
-    (the proxies must be there); returns the files it had."""
+    """Download the sdist to a temporary file, check its sha256, extract UPSTREAM_FILES and the
+    requirements files only (the proxies must be there); returns the files it had."""
     with tempfile.TemporaryDirectory() as scratch:
         sdist = Path(scratch) / "sdist.tar.gz"
         digest = hashlib.sha256()
@@ -370,7 +377,7 @@ def fetch_and_extract(url: str, sha256: str, directory: Path) -> list[str]:
         with tarfile.open(sdist, "r:gz") as archive:
             for member in archive.getmembers():
                 inner = member.name.split("/", 1)[-1]
-                if inner in UPSTREAM_FILES and member.isfile():
+                if is_sought(inner) and member.isfile():
                     source = archive.extractfile(member)
                     assert source is not None
                     target = staging / inner
@@ -383,7 +390,19 @@ def fetch_and_extract(url: str, sha256: str, directory: Path) -> list[str]:
             shutil.rmtree(directory)
         directory.parent.mkdir(parents=True, exist_ok=True)
         shutil.copytree(staging, directory)
-        return [name for name in UPSTREAM_FILES if (staging / name).is_file()]
+        return sorted(
+            str(path.relative_to(staging)) for path in staging.rglob("*") if path.is_file()
+        )
+
+
+def is_sought(inner: str) -> bool:
+    """A path inside the sdist the harness extracts: UPSTREAM_FILES and requirements files."""
+    parts = inner.split("/")
+    if ".." in parts or inner.startswith("/"):
+        return False
+    return inner in UPSTREAM_FILES or (
+        parts[0] == REQUIREMENTS_DIR and len(parts) > 1 and inner.endswith(".txt")
+    )
 
 
 def _safe(url: str) -> str:
