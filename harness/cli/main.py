@@ -27,6 +27,7 @@ from harness.cli.serving_options import (
     proxy_fields,
     serving_fields,
 )
+from harness.cli.upstream_requirement import add_upstream_requirement_parser
 from harness.cli.versions import add_bisect_parser, add_goldens_parser, add_versions_parser
 from harness.environment import cache_dir
 from harness.errors import (
@@ -410,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_load_parser(sub)
     add_fuzz_parser(sub)
     add_export_parser(sub)
+    add_upstream_requirement_parser(sub)
     return parser
 
 
