@@ -10,10 +10,10 @@ these tests fail and say how to install them, instead of passing without having 
 from __future__ import annotations
 
 import configparser
-import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,6 +22,8 @@ import yaml
 from harness.cli.plan import DEFAULT_TOPOLOGY_NAMES, PlanRequest, build_plan
 from harness.spec.platforms import CUDA, parse_devices
 from harness.spec.topology import TOPOLOGIES, get_topology
+from harness.testing.fake_vllm import install_fake_vllm
+from tests.test_upstream_requirement_cli import cached_release, write_tree
 
 pytestmark = pytest.mark.check
 
@@ -284,68 +286,161 @@ def test_gpu_workflows_install_vllms_precompiled_kernels_where_the_release_has_t
 
 
 INSTALL_STEP = "Install vLLM and the harness"
-# What each vLLM release's sdist declares for NIXL: requirements/kv_connectors.txt, and
-# requirements/kv_connectors_cu12.txt where torch's CUDA major is 12 (vLLM's own
-# CI script install-kv-connectors.sh chooses between them that way). Read from the
-# 0.32.0 sdist; a new DEFAULT_VLLM needs its row, and the pins in pyproject.toml to follow it.
-DECLARED_NIXL = {"0.32.0": {"nixl-cuda": "nixl==1.5.0", "nixl-cuda12": "nixl==1.4.1"}}
+NIXL_STEP = "NIXL as the served vLLM declares it"
+SOURCE_TREE_STEP = "vLLM's source tree"
+# Stand-ins for python3 (-m venv DIR), the venv's python (pip; the torch CUDA probe; vllm's
+# version) and uv (records its calls; installing vLLM puts the stand-in vLLM in the venv,
+# installing the harness its real CLI), and git (a checkout copies the sparse directories of
+# $FAKE_TREE). The harness's own `epd-harness upstream-requirement` runs for real.
 FAKE_INSTALL_TOOLS = """#!/bin/bash
-# python3 (-m venv DIR), the venv's python (pip; the torch CUDA probe; vllm's version) and uv
 case "$(basename "$0")" in
   python3) mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; cp "$0" "$3/bin/uv" ;;
-  uv) echo "uv $*" >> "$CALLS" ;;
+  uv)
+    echo "uv $*" >> "$CALLS"
+    if [[ " $* " == *" -e "* ]]; then ln -sf "$HARNESS_CLI" "$VENV/bin/epd-harness"
+    elif [[ $* == *vllm* ]]; then ln -sf "$FAKE_VLLM" "$VENV/bin/vllm"; fi ;;
   python)
     if [[ $* == *torch.version.cuda* ]]; then echo "$FAKE_CUDA_MAJOR"; fi
-    if [[ $* == *vllm.__version__* ]]; then echo "vllm 0.32.0"; fi ;;
+    if [[ $* == *vllm.__version__* ]]; then echo "$FAKE_VLLM_VERSION"; fi ;;
 esac
 """
+FAKE_CHECKOUT_GIT = """#!/bin/bash
+echo "git $*" >> "$CALLS"
+case "$*" in
+  clone*) mkdir -p vllm-src ;;
+  *" sparse-checkout set "*) shift 4; printf '%s\\n' "$@" > vllm-src/.sparse ;;
+  *" checkout --quiet "*)
+    while read -r dir; do
+      if [[ -d $FAKE_TREE/$dir ]]; then mkdir -p "vllm-src/$dir"; cp -r "$FAKE_TREE/$dir/." "vllm-src/$dir/"; fi
+    done < vllm-src/.sparse ;;
+esac
+"""
+# What a made-up release's sdist and a made-up commit's tree declare: never a real NIXL, so
+# a pin copied from some release cannot pass for having been read.
+RELEASE_DECLARES = {
+    "requirements/kv_connectors.txt": "lmcache >= 0.3.9\nnixl == 9.9.9\n",
+    "requirements/kv_connectors_cu12.txt": "nixl == 9.9.8\n",
+}
+TREE_DECLARES = {"requirements/kv_connectors.txt": "nixl == 9.9.7\n"}
 
 
-def pyproject_extras() -> dict[str, list[str]]:
-    """The optional dependencies of one requirement each (the NIXL pins), by extra."""
-    text = (ROOT / "pyproject.toml").read_text()
-    return {m[1]: [m[2]] for m in re.finditer(r'^([\w-]+) = \["([^"]+)"\]$', text, re.M)}
+@dataclass(frozen=True)
+class Installed:
+    code: int
+    output: str
+    uv_installs: list[list[str]]  # the argv of every `uv pip install`
 
 
-def run_install_step(workflow: str, tmp_path: Path, cuda_major: str) -> tuple[int, str, list[str]]:
-    """The workflow's install step, by bash, with stand-ins for python3, the venv's python and
-    uv, torch built for `cuda_major`; (exit, output, the uv calls)."""
-    (step,) = [s for s in all_steps(load(workflow)) if s.get("name") == INSTALL_STEP]
+def run_gpu_install(
+    workflow: str,
+    tmp_path: Path,
+    cuda_major: str,
+    spec: str,
+    version: str,
+    release_declares: dict[str, str] = RELEASE_DECLARES,
+) -> Installed:
+    """The workflow's steps from the install to NIXL's (the kernels step left out), by bash, as
+    Actions runs them (in order, $GITHUB_ENV carried into later steps), with the stand-ins
+    above; the served vLLM reports `version`, its release's sdist is in the harness cache as
+    a fetch leaves it (RELEASE_DECLARES), a commit's tree declares TREE_DECLARES."""
+    steps = all_steps(load(workflow))
+    names = [step.get("name", "") for step in steps]
+    wanted = [INSTALL_STEP, SOURCE_TREE_STEP, NIXL_STEP]
+    order = [i for w in wanted for i, n in enumerate(names) if n.startswith(w)]
+    assert order == sorted(order), f"{workflow}: NIXL needs vLLM, the harness and the tree first"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(parents=True)
-    (bin_dir / "python3").write_text(FAKE_INSTALL_TOOLS)
-    (bin_dir / "python3").chmod(0o755)
+    for name, text in (("python3", FAKE_INSTALL_TOOLS), ("git", FAKE_CHECKOUT_GIT)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    harness_cli = bin_dir / "epd-harness"
+    harness_cli.write_text(
+        f'#!/bin/bash\nPYTHONPATH={ROOT} exec {sys.executable} -m harness.cli.main "$@"\n'
+    )
+    harness_cli.chmod(0o755)
+    served = install_fake_vllm(tmp_path / "served", serves=False, vllm_version=version)
+    cache = tmp_path / "cache"
+    cached_release(cache, version.split("+")[0], release_declares)
+    write_tree(tmp_path / "tree", TREE_DECLARES)
+    work = tmp_path / "work"
+    work.mkdir()
+    github_env = tmp_path / "github_env"
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
         "VENV": str(tmp_path / "venv"),
-        "VLLM_SPEC": "0.32.0",
+        "VLLM_SPEC": spec,
         "DEFAULT_VLLM": "0.32.0",
         "FAKE_CUDA_MAJOR": cuda_major,
+        "FAKE_VLLM": str(served),
+        "FAKE_VLLM_VERSION": version,
+        "FAKE_TREE": str(tmp_path / "tree"),
+        "HARNESS_CLI": str(harness_cli),
+        "EPD_HARNESS_CACHE": str(cache),
         "CALLS": str(tmp_path / "calls"),
+        "GITHUB_ENV": str(github_env),
     }
-    done = subprocess.run(
-        ["bash", "-e", "-c", step["run"]], env=env, capture_output=True, text=True, timeout=30
-    )
+    output, code = "", 0
+    for index in order:
+        if github_env.exists():
+            env.update(line.split("=", 1) for line in github_env.read_text().splitlines())
+        done = subprocess.run(
+            ["bash", "-e", "-c", steps[index]["run"]],
+            env=env,
+            cwd=work,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        output += done.stdout + done.stderr
+        code = done.returncode
+        if code != 0:
+            break
     calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
-    return done.returncode, done.stdout + done.stderr, calls
+    installs = [call.split()[3:] for call in calls if call.startswith("uv pip install")]
+    return Installed(code, output, installs)
+
+
+def nixl_installs(installed: Installed) -> list[list[str]]:
+    return [argv for argv in installed.uv_installs if any("nixl" in arg for arg in argv)]
 
 
 @pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])
-@pytest.mark.parametrize("cuda_major, extra", [("13", "nixl-cuda"), ("12", "nixl-cuda12")])
-def test_gpu_workflows_install_nixl_as_the_served_release_declares_it(
-    name: str, tmp_path: Path, cuda_major: str, extra: str
+@pytest.mark.parametrize(
+    "cuda_major, spec, version, expected",
+    [
+        ("13", "9.9.0", "9.9.0", "nixl==9.9.9"),
+        ("12", "9.9.0", "9.9.0", "nixl==9.9.8"),  # kv_connectors_cu12.txt
+        ("12", "https://w/vllm-9.9.0-cp38-abi3.whl", "9.9.0+cu129", "nixl==9.9.8"),
+        ("13", "a" * 40, "9.10.0.dev3+gaaaaaaaa", "nixl==9.9.7"),  # a commit: its tree
+        ("12", "https://w/vllm-x.whl", "9.10.0rc1.dev9+g2f3f441f8", "nixl==9.9.7"),  # dev wheel
+    ],
+)
+def test_gpu_workflows_install_the_nixl_the_served_vllm_declares(
+    name: str, tmp_path: Path, cuda_major: str, spec: str, version: str, expected: str
 ) -> None:
-    """An unpinned `nixl` took whatever NIXL was newest on the night, not the one the served
-    vLLM was released (and tested) with: a NIXL release could fail the night, or pass it, with
-    no change to vLLM or the harness."""
-    code, out, calls = run_install_step(name, tmp_path, cuda_major)
-    assert code == 0, out
-    installs = [call.split() for call in calls if call.startswith("uv pip install")]
-    assert not [c for c in installs if "nixl" in c], f"an unpinned nixl: {installs}"
-    assert any(f".[test,{extra}]" in call for call in installs), installs
-    assert pyproject_extras()[extra] == [
-        DECLARED_NIXL[load("nightly-gpu.yml")["env"]["DEFAULT_VLLM"]][extra]
-    ]
+    """The workflows installed vLLM 0.32.0's NIXL pins (pyproject extras) whatever vLLM they
+    served: a release or commit that declares another NIXL got one its NixlConnector was not
+    written for. Now the release's own sdist, or the commit's tree, says which."""
+    installed = run_gpu_install(name, tmp_path, cuda_major, spec, version)
+    assert installed.code == 0, installed.output
+    venv_python = str(tmp_path / "venv" / "bin" / "python")
+    assert nixl_installs(installed) == [
+        ["--python", venv_python, "--torch-backend=auto", expected]
+    ], installed.uv_installs
+    assert ["-e", ".[test]"] in [argv[-2:] for argv in installed.uv_installs]
+
+
+@pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])
+def test_a_release_that_declares_no_nixl_fails_the_install_naming_why(
+    name: str, tmp_path: Path
+) -> None:
+    """No fallback: another NIXL would test a pairing the release never shipped."""
+    declares = {"requirements/kv_connectors.txt": "lmcache >= 0.3.9\n"}
+    installed = run_gpu_install(name, tmp_path, "13", "9.9.0", "9.9.0", declares)
+    assert installed.code == 2 and nixl_installs(installed) == [], installed.output
+    assert "epd-harness: error: vLLM 9.9.0 (" in installed.output
+    assert "kv_connectors.txt (for CUDA 13) declares no nixl" in installed.output
 
 
 SOURCE_STEP = "vLLM's source tree"
