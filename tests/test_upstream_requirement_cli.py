@@ -5,7 +5,6 @@ alone, the errors one line."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,37 +13,14 @@ from pathlib import Path
 import pytest
 
 from harness.environment import CACHE_ENV
-from harness.preflight import upstream_proxy
 from harness.preflight.upstream_requirements import KV_CONNECTORS_CU12_FILE, KV_CONNECTORS_FILE
 from harness.testing.fake_vllm import install_fake_vllm
+from harness.testing.upstream_files import cached_release, write_tree
 
 pytestmark = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 60
-
-
-def write_tree(directory: Path, files: dict[str, str]) -> Path:
-    """The proxies a release's files always have (stand-ins), and `files`."""
-    stand_ins = {name: "# stand-in\n" for name in upstream_proxy.PROXY_FILES}
-    for name, text in {**stand_ins, **files}.items():
-        (directory / name).parent.mkdir(parents=True, exist_ok=True)
-        (directory / name).write_text(text)
-    return directory
-
-
-def cached_release(cache: Path, release: str, files: dict[str, str]) -> Path:
-    """A release's files in the harness cache as a fetch of its sdist leaves them."""
-    directory = write_tree(cache / "vllm-proxy" / release, files)
-    listed = [*upstream_proxy.PROXY_FILES, *files]
-    record = {
-        "origin": f"https://index.invalid/vllm-{release}.tar.gz sha256=0",
-        "release": release,
-        "files": listed,
-        "sought": list(upstream_proxy.SOUGHT),
-    }
-    (directory / upstream_proxy.ORIGIN_FILE).write_text(json.dumps(record))
-    return directory
 
 
 def upstream_requirement(cache: Path, vllm: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -23,7 +23,7 @@ from harness.cli.plan import DEFAULT_TOPOLOGY_NAMES, PlanRequest, build_plan
 from harness.spec.platforms import CUDA, parse_devices
 from harness.spec.topology import TOPOLOGIES, get_topology
 from harness.testing.fake_vllm import install_fake_vllm
-from tests.test_upstream_requirement_cli import cached_release, write_tree
+from harness.testing.upstream_files import cached_release, write_tree
 
 pytestmark = pytest.mark.check
 
