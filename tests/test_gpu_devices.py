@@ -139,6 +139,47 @@ def test_a_private_session_of_a_running_topology_stops_it_instead_of_waiting_on_
         pool.close()
 
 
+def test_a_pool_that_must_wait_for_devices_first_lets_go_of_what_it_holds(
+    tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path
+) -> None:
+    """Two xdist workers on four GPUs, the baseline on device 0 through every wave: one holds
+    the baseline and asks for 1P+1D's devices, which the other holds for 1E+1PD while it asks
+    for the baseline's device (a load's calibration). Each waited for the other for ever; a
+    pool about to wait now stops its other sessions first, so one of them goes on."""
+    first = TopologyPool(cuda_settings(tmp_path / "gw0", fake_vllm, (0, 1, 2, 3)))
+    second = TopologyPool(cuda_settings(tmp_path / "gw1", fake_vllm, (0, 1, 2, 3)))
+    holding = threading.Barrier(2, timeout=HANG_S)
+    try:
+
+        def worker(pool: TopologyPool, held: tuple, wanted: tuple) -> Callable[[], None]:
+            def work() -> None:
+                pool.session(TOPOLOGIES[held[0]], devices=held[1])
+                holding.wait()
+                pool.session(TOPOLOGIES[wanted[0]], devices=wanted[1])
+
+            return work
+
+        ends = [
+            threading.Thread(target=lambda w=w: results.append(finishes(w)), daemon=True)
+            for w in (
+                worker(first, ("baseline", (0,)), ("1P+1D", (1, 2))),
+                worker(second, ("1E+1PD", (1, 2)), ("baseline", (0,))),
+            )
+        ]
+        results: list[bool] = []
+        for thread in ends:
+            thread.start()
+        for thread in ends:
+            thread.join(HANG_S + 5)
+        assert results == [True, True], "two pools waited on each other's devices"
+        assert [k.topology for k in first.running()] == ["1P+1D"]
+        assert [k.topology for k in second.running()] == ["baseline"]
+        assert [s for s in logged_starts(fake_vllm_start_log) if s["shared"]] == []
+    finally:
+        first.close()
+        second.close()
+
+
 def test_fuzzing_on_gpus_serves_the_baseline_and_the_topology_on_devices_of_their_own(
     tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path
 ) -> None:
