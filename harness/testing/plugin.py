@@ -32,7 +32,7 @@ import dataclasses
 import json
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,12 +40,16 @@ import pytest
 
 if TYPE_CHECKING:
     from harness.preflight import RunRequest
+    from harness.run.sweep import SweepSpec
+    from harness.spec.prompts import PromptSpec
 
 TOPOLOGY_ORDER = ("baseline", "1E+1PD", "2E+1PD", "1P+1D", "1E+1P+1D")
 DEFAULT_VARIANT = ""
 POOL_KEY = pytest.StashKey[object]()
 SWEEP_KEY = pytest.StashKey[object]()
 PROMPTS_KEY = pytest.StashKey[tuple]()
+# The topologies the session's selected e2e items run (their groups'), in collection order.
+SESSION_TOPOLOGIES_KEY = pytest.StashKey[tuple]()
 KV_CONNECTOR_DESELECTED = pytest.StashKey[list]()
 PLATFORM_DESELECTED = pytest.StashKey[dict]()  # why -> the node ids deselected for it
 # A scenario module lists the prompts its tests send (besides the sweep's) under this name.
@@ -256,6 +260,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     items.sort(key=key)
     config.stash[E2E_QUEUE_KEY] = E2eQueue.of(items)
+    groups = (epd_group(item) for item in items)
+    config.stash[SESSION_TOPOLOGIES_KEY] = tuple(
+        dict.fromkeys(group.topology for group in groups if group is not None)
+    )
     # The prompts the selected scenario modules need the baseline to answer: one baseline
     # start answers all of them.
     needed: dict[str, object] = {}
@@ -633,17 +641,16 @@ def epd_pool(pytestconfig: pytest.Config, epd_settings, epd_events):
 def epd_sweep(pytestconfig: pytest.Config, epd_config, epd_pool, epd_events):
     """The shared sweep: its baseline answers the prompts of every selected scenario module
     (their `EPD_BASELINE_PROMPTS`: one baseline start for all), its cases are judged on
-    demand, each topology served once from the pool."""
-    from harness.run.sweep import Sweep, SweepSpec
-    from harness.spec.prompts import SKELETON_PROMPTS
-    from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES
+    demand, each topology served once from the pool. Its plan holds the topologies the
+    selected items run and the references they are judged against, no more (`--epd-topology`
+    shrinks it), and those the sweep does not judge (the matrix's 2E+1PD) have their place
+    too: with none, one leased every device."""
+    from harness.run.sweep import Sweep
+    from harness.spec.topology import EPD_TOPOLOGY_NAMES
 
-    sweep_names = {p.name for p in SKELETON_PROMPTS}
-    others = [p for p in pytestconfig.stash.get(PROMPTS_KEY, ()) if p.name not in sweep_names]
-    spec = SweepSpec(
-        topologies=tuple(TOPOLOGIES[name] for name in EPD_TOPOLOGY_NAMES),
-        prompts=SKELETON_PROMPTS,
-        baseline_only_prompts=tuple(others),
+    spec = session_sweep_spec(
+        pytestconfig.stash.get(SESSION_TOPOLOGIES_KEY, EPD_TOPOLOGY_NAMES),
+        pytestconfig.stash.get(PROMPTS_KEY, ()),
     )
     sweep = Sweep(
         spec,
@@ -657,6 +664,27 @@ def epd_sweep(pytestconfig: pytest.Config, epd_config, epd_pool, epd_events):
     # directly (a load's, a live one's) may come before any that the sweep serves.
     sweep.schedule()
     return sweep
+
+
+def session_sweep_spec(
+    selected: Sequence[str], baseline_prompts: Sequence[PromptSpec]
+) -> SweepSpec:
+    """The session sweep's spec: the sweep's topologies among those the selected items run
+    (`SESSION_TOPOLOGIES_KEY`), the others they run placed only (2E+1PD), the skeleton prompts
+    and, for the baseline alone, the modules' other prompts."""
+    from harness.run.sweep import SweepSpec
+    from harness.spec.prompts import SKELETON_PROMPTS
+    from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES
+
+    sweep_names = {p.name for p in SKELETON_PROMPTS}
+    others = [p for p in baseline_prompts if p.name not in sweep_names]
+    placed = [n for n in TOPOLOGIES if n in selected and n not in EPD_TOPOLOGY_NAMES]
+    return SweepSpec(
+        topologies=tuple(TOPOLOGIES[name] for name in EPD_TOPOLOGY_NAMES if name in selected),
+        prompts=SKELETON_PROMPTS,
+        baseline_only_prompts=tuple(others),
+        placed_only=tuple(TOPOLOGIES[name] for name in placed if name != "baseline"),
+    )
 
 
 @pytest.fixture(scope="session")
