@@ -467,19 +467,20 @@ def test_repro_reruns_a_colocated_one_gpu_run_and_on_the_devices_it_is_given(
     assert json.loads((again / "run.json").read_text())["devices"] == [5]
 
 
-def test_a_fault_planted_for_a_load_survives_the_calibration_on_four_gpus(
+def test_a_fault_planted_for_a_load_survives_the_calibration_on_two_gpus(
     tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:
-    """vLLM's Buildkite step serves on 4 GPUs (and the 2-GPU nightly on 2), where 1P+1D's
-    slot holds the baseline's device: the load's baseline calibration stops 1P+1D and starts
-    it again. The NIXL KV-account scenario planted its `drop-kv` in the 1P+1D it had opened
-    before the load, so the load ran on a fresh start without it, and the scenario failed
-    ("fault.effects == []"; seen with the fake vLLM on 4 devices, green on 8)."""
+    """The 2-GPU nightly serves where 1P+1D's slot holds the baseline's device (so did vLLM's
+    Buildkite step on 4 GPUs, before the baseline kept a device of its own there): the load's
+    baseline calibration stops 1P+1D and starts it again. The NIXL KV-account scenario planted
+    its `drop-kv` in the 1P+1D it had opened before the load, so the load ran on a fresh start
+    without it, and the scenario failed ("fault.effects == []"; seen with the fake vLLM on 4
+    devices, green on 8)."""
     fake = install_fake_vllm(tmp_path / "bin")
     argv = [
         sys.executable, "-m", "pytest", "scenarios/test_load.py", "-m", "e2e",
         "-k", "got_no_kv", "-p", "no:cacheprovider", "-p", "no:randomly", "-rA",
-        "--epd-vllm", str(fake), "--epd-platform", "cuda", "--epd-devices", "0,1,2,3",
+        "--epd-vllm", str(fake), "--epd-platform", "cuda", "--epd-devices", "0,1",
         "--epd-model", str(ensure_tiny_model(cache_dir() / "models")),
         "--epd-baseline-cache", str(tmp_path / "cache"), "--epd-run-dir", str(tmp_path / "run"),
     ]  # fmt: skip
