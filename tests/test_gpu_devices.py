@@ -433,6 +433,106 @@ def test_scenarios_with_instances_of_their_own_share_eight_gpus_with_four_worker
     assert set(pool_starts) == {"baseline", "1E+1PD", "1P+1D", "1E+1P+1D"}, pool_starts
 
 
+# The nightly's selection in small: each topology's text case, the load on 1E+1P+1D (its
+# calibration serves the baseline beside the topology) and the matrix's 2E+1PD round robin.
+START_COUNT_SELECTION = (
+    "scenarios/test_epd_matches_baseline.py",
+    "scenarios/test_load.py",
+    "scenarios/test_matrix.py",
+)
+START_COUNT_ITEMS = "matches_references and text or small_load_every or two-encoders-round-robin"
+
+
+@dataclasses.dataclass(frozen=True)
+class NightShape:
+    """One GPU night's shape (devices, workers, colocation) and the pool starts its plan
+    forces: each topology once, more where the devices make a topology stop for another."""
+
+    devices: str
+    workers: int
+    colocate: bool
+    starts: dict[str, int]
+    # The devices 2E+1PD's instances started on: its place in the plan.
+    two_encoders_on: set[str]
+
+
+NIGHT_SHAPES = {
+    # One wave; 2E+1PD in a second, on 1E+1PD's and 1P+1D's devices. The baseline's device
+    # is its own: its answers computed once (the other workers read them stored), the load's
+    # calibration in the 1P+1D group's worker, which may not be the one that computed them.
+    "8-gpus": NightShape("0,1,2,3,4,5,6,7", 4, False, {}, {"1", "2", "3"}),
+    # vLLM's Buildkite step (workers: the plan's widest wave). The baseline keeps device 0:
+    # the calibration stops nothing.
+    "4-gpus": NightShape("0,1,2,3", 2, False, {}, {"1", "2", "3"}),
+    # The GitHub nightly's small row: every slot holds the baseline's device, so the load's
+    # calibration stops 1E+1P+1D (and 1P+1D, the reference, stopped for it), starts the
+    # baseline again and then 1E+1P+1D again.
+    "2-gpus": NightShape("0,1", 1, True, {"baseline": 2, "1E+1P+1D": 2}, {"0", "1"}),
+    "1-gpu": NightShape("0", 1, True, {"baseline": 2, "1E+1P+1D": 2}, {"0"}),
+}
+
+
+@pytest.mark.parametrize("shape", list(NIGHT_SHAPES.values()), ids=list(NIGHT_SHAPES))
+def test_the_gpu_night_starts_each_topology_as_few_times_as_its_devices_force(
+    tmp_path: Path, fake_vllm_start_log: Path, monkeypatch: pytest.MonkeyPatch, shape: NightShape
+) -> None:
+    """The nightly's own pytest line (`--dist loadgroup`, the workflow's workers) on the fake
+    vLLM. Seen on the whole selection before: on 4 GPUs 29 topology starts for 7 distinct,
+    1E+1P+1D 7 times (each load's calibration on the baseline's device, inside its slot,
+    stopped it), and 2E+1PD, with no place in the plan, leased every device. Now each
+    topology starts once, but where its devices force more (`NightShape.starts`), and
+    2E+1PD on its place. Every item still passes, each for its verdict."""
+    live = tmp_path / "live"
+    live.mkdir()
+    monkeypatch.setenv(LIVE_DIR_ENV, str(live))
+    fake = install_fake_vllm(tmp_path / "bin")
+    run_root = tmp_path / "run"
+    argv = [
+        sys.executable, "-m", "pytest", *START_COUNT_SELECTION, "-m", "e2e",
+        "-k", START_COUNT_ITEMS, "-n", str(shape.workers), "--dist", "loadgroup",
+        "-p", "no:cacheprovider", "-p", "no:randomly",
+        "--epd-vllm", str(fake), "--epd-platform", "cuda", "--epd-devices", shape.devices,
+        "--epd-model", str(ensure_tiny_model(cache_dir() / "models")),
+        "--epd-baseline-cache", str(tmp_path / "cache"), "--epd-run-dir", str(run_root),
+        *(["--epd-colocate"] if shape.colocate else []),
+    ]  # fmt: skip
+    root = Path(__file__).resolve().parent.parent
+    session = subprocess.Popen(
+        argv, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = session.communicate(timeout=SESSION_HANG_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(session.pid, signal.SIGKILL)
+        out, _ = session.communicate()
+        pytest.fail(f"the session did not end within {SESSION_HANG_S:.0f}s:\n{out[-4000:]}")
+    # 3 text cases, the load, the round robin
+    assert re.search(r"^=+ 5 passed in ", out, re.M), out[-6000:]
+    starts = [
+        start
+        for path in run_root.glob("**/topology-starts.json")
+        for start in json.loads(path.read_text())
+    ]
+    counted = Counter(start["topology"] for start in starts)
+    every = {"baseline", "1E+1PD", "2E+1PD", "1P+1D", "1E+1P+1D"}
+    forced = {name: shape.starts.get(name, 1) for name in every}
+    if shape.workers > 1:
+        # A worker that did not compute the baseline's answers starts it for the calibration.
+        assert counted["baseline"] in (1, 2), starts
+        forced["baseline"] = counted["baseline"]
+    assert dict(counted) == forced, "\n".join(f"{s['topology']}: {s['reason']}" for s in starts)
+    fakes = logged_starts(fake_vllm_start_log)
+    two_encoders = {
+        s["env"].get("CUDA_VISIBLE_DEVICES", "0")
+        for s in fakes
+        if any("/2E-1PD/" in arg for arg in s["launch"])
+    }
+    assert two_encoders == shape.two_encoders_on, fakes
+    if not shape.colocate:
+        assert [s for s in fakes if s["shared"]] == [], "a device held by two live instances"
+
+
 def test_repro_reruns_a_colocated_one_gpu_run_and_on_the_devices_it_is_given(
     tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path, epd_cli
 ) -> None:

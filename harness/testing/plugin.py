@@ -5,7 +5,8 @@ topology from one pool per pytest process (`harness.run.pool`), and the e2e item
 so that each (topology, variant) group runs in one stretch: the baseline's first, then each
 topology in the plan's order (exact references before the topologies judged against them), then
 variants (another KV connector). Items reaching a topology through another proxy (vLLM's own)
-share its instances and run right after its group. When a group ends its topology is stopped
+share its instances and run right after its group (first in it, for a topology judged against
+an exact reference: `EpdGroup.judged_against_a_reference`). When a group ends its topology is stopped
 (memory, and NIXL's spinning progress threads), after every sweep that will need its answers as
 an exact reference has had them (`TopologyPool.before_stop`). Items that end their session (an expected
 instance death, a rerun on kept storage, a kill) run last in their group. Under xdist, one
@@ -83,6 +84,19 @@ class EpdGroup:
         """Default instances first, then variants; within them, the plan's topology order."""
         rank = TOPOLOGY_ORDER.index(self.topology) if self.topology in TOPOLOGY_ORDER else 99
         return (self.variant != DEFAULT_VARIANT, self.variant, rank, self.topology)
+
+    @property
+    def judged_against_a_reference(self) -> bool:
+        """Whether its topology has an exact reference (1E+1P+1D: 1P+1D). Its items through
+        another proxy run before its own proxy's: they make their sweeps at their first item
+        (scenarios/test_vllm_proxy.py), and a sweep answers its prompts on the reference
+        only if it exists when the reference stops (`TopologyPool.before_stop`). Where the
+        two cannot run side by side (GPUs, up to 5), the topology's first start stopped the
+        reference, and the later sweeps started it again, then the topology again."""
+        from harness.spec.topology import TOPOLOGIES
+
+        topology = TOPOLOGIES.get(self.topology)
+        return topology is not None and topology.exact_reference is not None
 
     def xdist_name(self) -> str:
         """A topology and the references its cases are judged against share a worker, through
@@ -256,7 +270,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             tier = 0 if item.get_closest_marker(WALL_CLOCK_BOUND) else 1
             return (tier, False, (), False, "", position[id(item)])
         own = owns_instances(item)
-        return (2, own, group.order(), ends_session(item), group.proxy, position[id(item)])
+        proxy_first = bool(group.proxy) and group.judged_against_a_reference
+        return (
+            2,
+            own,
+            group.order(),
+            ends_session(item),
+            not proxy_first,
+            group.proxy,
+            position[id(item)],
+        )
 
     items.sort(key=key)
     config.stash[E2E_QUEUE_KEY] = E2eQueue.of(items)
