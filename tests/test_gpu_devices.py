@@ -461,8 +461,9 @@ NIGHT_SHAPES = {
     # is its own: its answers computed once (the other workers read them stored), the load's
     # calibration in the 1P+1D group's worker, which may not be the one that computed them.
     "8-gpus": NightShape("0,1,2,3,4,5,6,7", 4, False, {}, {"1", "2", "3"}),
-    # vLLM's Buildkite step (workers: the plan's widest wave). The baseline keeps device 0:
-    # the calibration stops nothing.
+    # vLLM's Buildkite step, with two workers (its default before: the plan's widest wave),
+    # which share the baseline's device. The baseline keeps device 0: the calibration stops
+    # nothing.
     "4-gpus": NightShape("0,1,2,3", 2, False, {}, {"1", "2", "3"}),
     # The GitHub nightly's small row: every slot holds the baseline's device, so the load's
     # calibration stops 1E+1P+1D (and 1P+1D, the reference, stopped for it), starts the
