@@ -461,7 +461,8 @@ def test_a_start_that_timed_out_keeps_its_log_when_the_pool_starts_it_again(
 
 LATE_SWEEP_SCENARIO = '''
 """As scenarios/test_vllm_proxy.py: a session-scoped sweep of its own on the session's pool
-(another proxy), made at the module's first item, its 1E+1P+1D judged against 1P+1D."""
+(another proxy), made at the module's first item or when 1P+1D is about to stop
+(EPD_LATER_SWEEPS), its 1E+1P+1D judged against 1P+1D."""
 import dataclasses
 
 import pytest
@@ -474,13 +475,22 @@ pytestmark = pytest.mark.e2e
 TEXT = next(p for p in SKELETON_PROMPTS if p.name == "text")
 
 
-@pytest.fixture(scope="session")
-def other_proxy_sweep(epd_sweep):
+def make_other_proxy_sweep(pytestconfig, epd_sweep, epd_events):
     settings = dataclasses.replace(
         epd_sweep.settings, run_dir=epd_sweep.settings.run_dir / "other-proxy"
     )
     spec = SweepSpec((TOPOLOGIES["1E+1P+1D"],), prompts=(TEXT,))
     return Sweep(spec, settings, pool=epd_sweep.pool, baseline=epd_sweep.baseline)
+
+
+EPD_LATER_SWEEPS = make_other_proxy_sweep
+
+
+@pytest.fixture(scope="session")
+def other_proxy_sweep(pytestconfig, epd_sweep, epd_events):
+    from harness.testing.plugin import later_sweeps
+
+    return later_sweeps(pytestconfig, __name__, epd_sweep, epd_events)
 
 
 @pytest.mark.parametrize("topology", ["1P+1D", "1E+1P+1D"])
@@ -531,7 +541,7 @@ def test_on_two_gpus_a_later_sweep_gets_the_reference_before_the_topology_stops_
     1E+1P+1D cannot serve side by side: 1E+1P+1D's first start stopped 1P+1D before the
     sweep through another proxy existed, so that sweep started 1P+1D again for its reference,
     and then 1E+1P+1D again (seen with the fake vLLM on the nightly's selection: vLLM's proxy
-    module). Items through another proxy now run first among their topology's."""
+    module). A module's later sweeps (EPD_LATER_SWEEPS) are now made as 1P+1D stops."""
     fake = install_fake_vllm(tmp_path / "bin")
     project = tmp_path / "project"
     project.mkdir()

@@ -455,6 +455,8 @@ class TopologyPool:
             return
         try:
             if live.session.dead_instance_report() is None:
+                # By index: a callback may add callbacks (sweeps it makes now), and they run
+                # too, for this very stop.
                 for callback in self._before_stop:
                     callback(live.session)
         finally:

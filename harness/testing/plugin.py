@@ -5,8 +5,7 @@ topology from one pool per pytest process (`harness.run.pool`), and the e2e item
 so that each (topology, variant) group runs in one stretch: the baseline's first, then each
 topology in the plan's order (exact references before the topologies judged against them), then
 variants (another KV connector). Items reaching a topology through another proxy (vLLM's own)
-share its instances and run right after its group (first in it, for a topology judged against
-an exact reference: `EpdGroup.judged_against_a_reference`). When a group ends its topology is stopped
+share its instances and run right after its group. When a group ends its topology is stopped
 (memory, and NIXL's spinning progress threads), after every sweep that will need its answers as
 an exact reference has had them (`TopologyPool.before_stop`). Items that end their session (an expected
 instance death, a rerun on kept storage, a kill) run last in their group. Under xdist, one
@@ -55,6 +54,14 @@ KV_CONNECTOR_DESELECTED = pytest.StashKey[list]()
 PLATFORM_DESELECTED = pytest.StashKey[dict]()  # why -> the node ids deselected for it
 # A scenario module lists the prompts its tests send (besides the sweep's) under this name.
 BASELINE_PROMPTS = "EPD_BASELINE_PROMPTS"
+# A scenario module whose session-scoped sweeps judge a topology against its exact reference
+# names here the function that makes them, `(config, epd_sweep, epd_events) -> sweeps`: the
+# plugin makes them when the reference is about to stop, if nothing has yet (`later_sweeps`).
+LATER_SWEEPS = "EPD_LATER_SWEEPS"
+# module name -> (its LATER_SWEEPS function, the references its selected items are judged
+# against); module name -> what that function made (or raised), once per session.
+LATER_SWEEP_MAKERS_KEY = pytest.StashKey[dict]()
+LATER_SWEEPS_KEY = pytest.StashKey[dict]()
 RUN_ROOT_KEY = pytest.StashKey[str]()
 E2E_QUEUE_KEY = pytest.StashKey["E2eQueue"]()
 # Instances (topology, variant) a group's end left running for a later item of its xdist group.
@@ -84,19 +91,6 @@ class EpdGroup:
         """Default instances first, then variants; within them, the plan's topology order."""
         rank = TOPOLOGY_ORDER.index(self.topology) if self.topology in TOPOLOGY_ORDER else 99
         return (self.variant != DEFAULT_VARIANT, self.variant, rank, self.topology)
-
-    @property
-    def judged_against_a_reference(self) -> bool:
-        """Whether its topology has an exact reference (1E+1P+1D: 1P+1D). Its items through
-        another proxy run before its own proxy's: they make their sweeps at their first item
-        (scenarios/test_vllm_proxy.py), and a sweep answers its prompts on the reference
-        only if it exists when the reference stops (`TopologyPool.before_stop`). Where the
-        two cannot run side by side (GPUs, up to 5), the topology's first start stopped the
-        reference, and the later sweeps started it again, then the topology again."""
-        from harness.spec.topology import TOPOLOGIES
-
-        topology = TOPOLOGIES.get(self.topology)
-        return topology is not None and topology.exact_reference is not None
 
     def xdist_name(self) -> str:
         """A topology and the references its cases are judged against share a worker, through
@@ -270,16 +264,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             tier = 0 if item.get_closest_marker(WALL_CLOCK_BOUND) else 1
             return (tier, False, (), False, "", position[id(item)])
         own = owns_instances(item)
-        proxy_first = bool(group.proxy) and group.judged_against_a_reference
-        return (
-            2,
-            own,
-            group.order(),
-            ends_session(item),
-            not proxy_first,
-            group.proxy,
-            position[id(item)],
-        )
+        return (2, own, group.order(), ends_session(item), group.proxy, position[id(item)])
 
     items.sort(key=key)
     config.stash[E2E_QUEUE_KEY] = E2eQueue.of(items)
@@ -294,6 +279,60 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for prompt in getattr(module, BASELINE_PROMPTS, ()):
             needed.setdefault(prompt.name, prompt)
     config.stash[PROMPTS_KEY] = tuple(needed.values())
+    config.stash[LATER_SWEEP_MAKERS_KEY] = later_sweep_makers(items)
+
+
+def later_sweep_makers(items: list[pytest.Item]) -> dict[str, tuple[Callable, frozenset]]:
+    """Each selected module's `EPD_LATER_SWEEPS`, with the exact references its items'
+    topologies are judged against (those at whose stop its sweeps must exist)."""
+    from harness.spec.topology import TOPOLOGIES
+
+    references: dict[str, set[str]] = {}
+    makers: dict[str, Callable] = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        maker = getattr(module, LATER_SWEEPS, None)
+        group = epd_group(item)
+        if module is None or maker is None or group is None:
+            continue
+        makers[module.__name__] = maker
+        topology = TOPOLOGIES.get(group.topology)
+        if topology is not None and topology.exact_reference:
+            references.setdefault(module.__name__, set()).add(topology.exact_reference)
+    return {name: (maker, frozenset(references.get(name, ()))) for name, maker in makers.items()}
+
+
+def later_sweeps(config: pytest.Config, module_name: str, epd_sweep, epd_events) -> Any:
+    """What the module's `EPD_LATER_SWEEPS` made, made now if nothing has yet; what making
+    them raised is raised again, to the module's own items."""
+    made = config.stash.setdefault(LATER_SWEEPS_KEY, {})
+    if module_name not in made:
+        maker, _ = config.stash.get(LATER_SWEEP_MAKERS_KEY, {})[module_name]
+        made[module_name] = maker(config, epd_sweep, epd_events)
+    if isinstance(made[module_name], BaseException):
+        raise made[module_name]
+    return made[module_name]
+
+
+def make_later_sweeps_before(config: pytest.Config, epd_sweep, epd_events) -> Callable:
+    """The pool's before-stop callback that makes a module's later sweeps when a reference
+    they need is about to stop, so that they answer their prompts on it now. Made at their
+    module's first item, they came too late where the reference and its topology cannot serve
+    side by side (GPUs up to 5): 1E+1P+1D's first start had stopped 1P+1D, and vLLM's proxy
+    module started 1P+1D again, then 1E+1P+1D again (seen with the fake vLLM on 2 and 4
+    devices). What making them raises is kept for their own items (`later_sweeps`)."""
+
+    def before_stop(session) -> None:
+        made = config.stash.setdefault(LATER_SWEEPS_KEY, {})
+        for name, (maker, references) in config.stash.get(LATER_SWEEP_MAKERS_KEY, {}).items():
+            if name in made or session.topology.name not in references:
+                continue
+            try:
+                made[name] = maker(config, epd_sweep, epd_events)
+            except (Exception, pytest.fail.Exception) as exc:  # noqa: BLE001 - raised to its items
+                made[name] = exc
+
+    return before_stop
 
 
 def wanted_topologies(config: pytest.Config) -> set[str]:
@@ -683,6 +722,7 @@ def epd_sweep(pytestconfig: pytest.Config, epd_config, epd_pool, epd_events):
         pool=epd_pool,
     )
     pytestconfig.stash[SWEEP_KEY] = sweep
+    epd_pool.before_stop(make_later_sweeps_before(pytestconfig, sweep, epd_events))
     # The plan, placed in the pool now: a scenario that asks the pool for its topology
     # directly (a load's, a live one's) may come before any that the sweep serves.
     sweep.schedule()
