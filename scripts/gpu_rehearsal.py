@@ -125,9 +125,9 @@ def useful_workers(devices: str, args: argparse.Namespace) -> int:
     1P+1D) the plan serves side by side beside the baseline, at least one. Every group's
     worker needs the baseline now and then (a load's calibration), and where workers share
     devices none keeps it up, so each such use starts it again: on 4 GPUs, where no two
-    groups serve side by side, a second worker only waited for the first one's devices and
-    started the baseline 9 times (seen with the fake vLLM), where one worker starts it once.
-    On 8 GPUs, 1E+1PD's and 1P+1D's."""
+    groups serve side by side, a second worker only waited for the first one's devices, and
+    the baseline started 8 times where one worker starts it 3 (seen with the fake vLLM on the
+    nightly's selection). On 8 GPUs: 2, 1E+1PD's and 1P+1D's."""
     from harness.cli.plan import PlanRequest, build_plan, parse_topologies
     from harness.spec.platforms import CUDA, parse_devices
     from harness.spec.topology import TOPOLOGIES
