@@ -58,10 +58,10 @@ def streamed_sweep(
     )
 
 
-@pytest.fixture(scope="session")
-def streamed_sweeps(pytestconfig: pytest.Config, epd_sweep, epd_events):
-    """Both streamed sweeps, made together at the module's first test (each needs 1P+1D's
-    answers as 1E+1P+1D's exact reference before the session stops 1P+1D)."""
+def make_streamed_sweeps(pytestconfig: pytest.Config, epd_sweep, epd_events) -> dict:
+    """Both streamed sweeps, made together (each needs 1P+1D's answers as 1E+1P+1D's exact
+    reference before the session stops 1P+1D): at the module's first test, or earlier, when
+    1P+1D is about to stop (`EPD_LATER_SWEEPS`)."""
     from harness.environment import cache_dir
     from harness.errors import BadInput
     from harness.preflight.upstream_proxy import proxy_choice
@@ -80,6 +80,16 @@ def streamed_sweeps(pytestconfig: pytest.Config, epd_sweep, epd_events):
         "harness": streamed_sweep(epd_sweep, epd_events),
         "vllm": streamed_sweep(epd_sweep, epd_events, vllm, "streamed-vllm-proxy"),
     }
+
+
+EPD_LATER_SWEEPS = make_streamed_sweeps
+
+
+@pytest.fixture(scope="session")
+def streamed_sweeps(pytestconfig: pytest.Config, epd_sweep, epd_events):
+    from harness.testing.plugin import later_sweeps
+
+    return later_sweeps(pytestconfig, __name__, epd_sweep, epd_events)
 
 
 def case_params():

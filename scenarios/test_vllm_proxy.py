@@ -63,11 +63,11 @@ def vllm_proxy_sweep_for(
     )
 
 
-@pytest.fixture(scope="session")
-def vllm_proxy_sweeps(pytestconfig: pytest.Config, epd_sweep, epd_events):
-    """Both sweeps, made together at the module's first test: each needs 1P+1D's answers as
-    the exact reference of 1E+1P+1D, and gets them before the session stops 1P+1D (the pool's
-    before-stop hook serves only the sweeps that exist by then)."""
+def make_vllm_proxy_sweeps(pytestconfig: pytest.Config, epd_sweep, epd_events) -> tuple:
+    """Both sweeps, made together: each needs 1P+1D's answers as the exact reference of
+    1E+1P+1D, and gets them before the session stops 1P+1D (the pool's before-stop hook
+    serves only the sweeps that exist by then). Made when 1P+1D is about to stop
+    (`EPD_LATER_SWEEPS`), or at the module's first test if that comes first."""
     static = vllm_proxy_sweep_for(
         pytestconfig, epd_sweep, epd_events, TOPOLOGIES, PROMPTS, "static"
     )
@@ -75,6 +75,16 @@ def vllm_proxy_sweeps(pytestconfig: pytest.Config, epd_sweep, epd_events):
         pytestconfig, epd_sweep, epd_events, ("1E+1P+1D",), (DYNAMIC_IMAGE,), "dynamic"
     )
     return static, dynamic
+
+
+EPD_LATER_SWEEPS = make_vllm_proxy_sweeps
+
+
+@pytest.fixture(scope="session")
+def vllm_proxy_sweeps(pytestconfig: pytest.Config, epd_sweep, epd_events):
+    from harness.testing.plugin import later_sweeps
+
+    return later_sweeps(pytestconfig, __name__, epd_sweep, epd_events)
 
 
 @pytest.fixture

@@ -15,7 +15,8 @@
    time) and every verdict, from the run's summary.json files (a bundle's failing cases that
    its test made red on purpose counted apart).
 
-Workers default to the plan's widest wave (more would only queue on the same GPUs). `--dry-run`
+Workers default to how many xdist groups the plan serves side by side beside the baseline
+(`useful_workers`: more would only queue on the same GPUs). `--dry-run`
 prints the three commands and exits, GPU or not (then --devices is required). Exit code: the
 nightly pytest's, or 2 when the rehearsal refused or a step before it failed.
 """
@@ -119,10 +120,22 @@ def workflow_inputs(args: argparse.Namespace, devices: str, workers: int, model:
     }
 
 
-def widest_wave(devices: str, args: argparse.Namespace) -> int:
-    """How many topologies the plan runs at once at most: the useful number of workers."""
+def useful_workers(devices: str, args: argparse.Namespace) -> int:
+    """How many xdist groups (a topology and the references its cases use: 1E+1P+1D goes with
+    1P+1D) the plan serves side by side beside the baseline, at least one. Every group's
+    worker needs the baseline now and then (a load's calibration), and where workers share
+    devices none keeps it up, so each such use starts it again: on 4 GPUs, where no two
+    groups serve side by side, a second worker only waited for the first one's devices, and
+    the baseline started 8 times where one worker starts it 3 (seen with the fake vLLM on the
+    nightly's selection). On 8 GPUs: 2, 1E+1PD's and 1P+1D's."""
     from harness.cli.plan import PlanRequest, build_plan, parse_topologies
     from harness.spec.platforms import CUDA, parse_devices
+    from harness.spec.topology import TOPOLOGIES
+
+    def group(name: str) -> str:
+        while TOPOLOGIES[name].exact_reference:
+            name = TOPOLOGIES[name].exact_reference
+        return name
 
     plan = build_plan(
         PlanRequest(
@@ -133,7 +146,10 @@ def widest_wave(devices: str, args: argparse.Namespace) -> int:
             colocate=args.colocate,
         )
     )
-    return max(len(wave.topologies) for wave in plan.waves)
+    side_by_side = (
+        {group(t.name) for t in wave.topologies if t.name != "baseline"} for wave in plan.waves
+    )
+    return max(1, *(len(groups) for groups in side_by_side))
 
 
 def fetch_model(name: str) -> str:
@@ -216,7 +232,11 @@ def summarize(run_dir: Path, wall_s: float) -> list[str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", help="GPU indices (default: every GPU nvidia-smi lists)")
-    parser.add_argument("--workers", type=int, help="xdist workers (default: the widest wave)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        help="xdist workers (default: the xdist groups the plan serves side by side)",
+    )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model name or directory")
     parser.add_argument("--colocate", action="store_true", help="share GPUs within a topology")
     parser.add_argument("--topology", help="comma-separated topologies (default: all)")
@@ -241,7 +261,7 @@ def rehearse(args: argparse.Namespace) -> int:
         missing = [d for d in devices.split(",") if d.strip().isdigit() and int(d) not in present]
         if missing:
             raise Refused(f"--devices {devices}: nvidia-smi lists no GPU {', '.join(missing)}")
-    workers = args.workers or widest_wave(devices, args)
+    workers = args.workers or useful_workers(devices, args)
     model = args.model if args.dry_run else fetch_model(args.model)
     run_dir = ROOT / "runs" / args.run_name
     plan = ["plan", "--platform", "cuda", "--devices", devices, "--model", model]

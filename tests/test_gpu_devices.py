@@ -139,6 +139,47 @@ def test_a_private_session_of_a_running_topology_stops_it_instead_of_waiting_on_
         pool.close()
 
 
+def test_a_pool_that_must_wait_for_devices_first_lets_go_of_what_it_holds(
+    tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path
+) -> None:
+    """Two xdist workers on four GPUs, the baseline on device 0 through every wave: one holds
+    the baseline and asks for 1P+1D's devices, which the other holds for 1E+1PD while it asks
+    for the baseline's device (a load's calibration). Each waited for the other for ever; a
+    pool about to wait now stops its other sessions first, so one of them goes on."""
+    first = TopologyPool(cuda_settings(tmp_path / "gw0", fake_vllm, (0, 1, 2, 3)))
+    second = TopologyPool(cuda_settings(tmp_path / "gw1", fake_vllm, (0, 1, 2, 3)))
+    holding = threading.Barrier(2, timeout=HANG_S)
+    try:
+
+        def worker(pool: TopologyPool, held: tuple, wanted: tuple) -> Callable[[], None]:
+            def work() -> None:
+                pool.session(TOPOLOGIES[held[0]], devices=held[1])
+                holding.wait()
+                pool.session(TOPOLOGIES[wanted[0]], devices=wanted[1])
+
+            return work
+
+        ends = [
+            threading.Thread(target=lambda w=w: results.append(finishes(w)), daemon=True)
+            for w in (
+                worker(first, ("baseline", (0,)), ("1P+1D", (1, 2))),
+                worker(second, ("1E+1PD", (1, 2)), ("baseline", (0,))),
+            )
+        ]
+        results: list[bool] = []
+        for thread in ends:
+            thread.start()
+        for thread in ends:
+            thread.join(HANG_S + 5)
+        assert results == [True, True], "two pools waited on each other's devices"
+        assert [k.topology for k in first.running()] == ["1P+1D"]
+        assert [k.topology for k in second.running()] == ["baseline"]
+        assert [s for s in logged_starts(fake_vllm_start_log) if s["shared"]] == []
+    finally:
+        first.close()
+        second.close()
+
+
 def test_fuzzing_on_gpus_serves_the_baseline_and_the_topology_on_devices_of_their_own(
     tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path
 ) -> None:
@@ -392,6 +433,107 @@ def test_scenarios_with_instances_of_their_own_share_eight_gpus_with_four_worker
     assert set(pool_starts) == {"baseline", "1E+1PD", "1P+1D", "1E+1P+1D"}, pool_starts
 
 
+# The nightly's selection in small: each topology's text case, the load on 1E+1P+1D (its
+# calibration serves the baseline beside the topology) and the matrix's 2E+1PD round robin.
+START_COUNT_SELECTION = (
+    "scenarios/test_epd_matches_baseline.py",
+    "scenarios/test_load.py",
+    "scenarios/test_matrix.py",
+)
+START_COUNT_ITEMS = "matches_references and text or small_load_every or two-encoders-round-robin"
+
+
+@dataclasses.dataclass(frozen=True)
+class NightShape:
+    """One GPU night's shape (devices, workers, colocation) and the pool starts its plan
+    forces: each topology once, more where the devices make a topology stop for another."""
+
+    devices: str
+    workers: int
+    colocate: bool
+    starts: dict[str, int]
+    # The devices 2E+1PD's instances started on: its place in the plan.
+    two_encoders_on: set[str]
+
+
+NIGHT_SHAPES = {
+    # One wave; 2E+1PD in a second, on 1E+1PD's and 1P+1D's devices. The baseline's device
+    # is its own: its answers computed once (the other workers read them stored), the load's
+    # calibration in the 1P+1D group's worker, which may not be the one that computed them.
+    "8-gpus": NightShape("0,1,2,3,4,5,6,7", 4, False, {}, {"1", "2", "3"}),
+    # vLLM's Buildkite step, with two workers (its default before: the plan's widest wave),
+    # which share the baseline's device. The baseline keeps device 0: the calibration stops
+    # nothing.
+    "4-gpus": NightShape("0,1,2,3", 2, False, {}, {"1", "2", "3"}),
+    # The GitHub nightly's small row: every slot holds the baseline's device, so the load's
+    # calibration stops 1E+1P+1D (and 1P+1D, the reference, stopped for it), starts the
+    # baseline again and then 1E+1P+1D again.
+    "2-gpus": NightShape("0,1", 1, True, {"baseline": 2, "1E+1P+1D": 2}, {"0", "1"}),
+    "1-gpu": NightShape("0", 1, True, {"baseline": 2, "1E+1P+1D": 2}, {"0"}),
+}
+
+
+@pytest.mark.parametrize("shape", list(NIGHT_SHAPES.values()), ids=list(NIGHT_SHAPES))
+def test_the_gpu_night_starts_each_topology_as_few_times_as_its_devices_force(
+    tmp_path: Path, fake_vllm_start_log: Path, monkeypatch: pytest.MonkeyPatch, shape: NightShape
+) -> None:
+    """The nightly's own pytest line (`--dist loadgroup`, the workflow's workers) on the fake
+    vLLM. Seen on the whole selection before: on 4 GPUs 29 topology starts for 7 distinct,
+    1E+1P+1D 7 times (each load's calibration on the baseline's device, inside its slot,
+    stopped it), and 2E+1PD, with no place in the plan, leased every device. Now each
+    topology starts once, but where its devices force more (`NightShape.starts`), and
+    2E+1PD on its place. Every item still passes, each for its verdict."""
+    live = tmp_path / "live"
+    live.mkdir()
+    monkeypatch.setenv(LIVE_DIR_ENV, str(live))
+    fake = install_fake_vllm(tmp_path / "bin")
+    run_root = tmp_path / "run"
+    argv = [
+        sys.executable, "-m", "pytest", *START_COUNT_SELECTION, "-m", "e2e",
+        "-k", START_COUNT_ITEMS, "-n", str(shape.workers), "--dist", "loadgroup",
+        "-p", "no:cacheprovider", "-p", "no:randomly",
+        "--epd-vllm", str(fake), "--epd-platform", "cuda", "--epd-devices", shape.devices,
+        "--epd-model", str(ensure_tiny_model(cache_dir() / "models")),
+        "--epd-baseline-cache", str(tmp_path / "cache"), "--epd-run-dir", str(run_root),
+        *(["--epd-colocate"] if shape.colocate else []),
+    ]  # fmt: skip
+    root = Path(__file__).resolve().parent.parent
+    session = subprocess.Popen(
+        argv, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = session.communicate(timeout=SESSION_HANG_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(session.pid, signal.SIGKILL)
+        out, _ = session.communicate()
+        pytest.fail(f"the session did not end within {SESSION_HANG_S:.0f}s:\n{out[-4000:]}")
+    # 3 text cases, the load, the round robin
+    assert re.search(r"^=+ 5 passed in ", out, re.M), out[-6000:]
+    starts = [
+        start
+        for path in run_root.glob("**/topology-starts.json")
+        for start in json.loads(path.read_text())
+    ]
+    counted = Counter(start["topology"] for start in starts)
+    every = {"baseline", "1E+1PD", "2E+1PD", "1P+1D", "1E+1P+1D"}
+    forced = {name: shape.starts.get(name, 1) for name in every}
+    if shape.workers > 1:
+        # A worker that did not compute the baseline's answers starts it for the calibration.
+        assert counted["baseline"] in (1, 2), starts
+        forced["baseline"] = counted["baseline"]
+    assert dict(counted) == forced, "\n".join(f"{s['topology']}: {s['reason']}" for s in starts)
+    fakes = logged_starts(fake_vllm_start_log)
+    two_encoders = {
+        s["env"].get("CUDA_VISIBLE_DEVICES", "0")
+        for s in fakes
+        if any("/2E-1PD/" in arg for arg in s["launch"])
+    }
+    assert two_encoders == shape.two_encoders_on, fakes
+    if not shape.colocate:
+        assert [s for s in fakes if s["shared"]] == [], "a device held by two live instances"
+
+
 def test_repro_reruns_a_colocated_one_gpu_run_and_on_the_devices_it_is_given(
     tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path, epd_cli
 ) -> None:
@@ -426,19 +568,20 @@ def test_repro_reruns_a_colocated_one_gpu_run_and_on_the_devices_it_is_given(
     assert json.loads((again / "run.json").read_text())["devices"] == [5]
 
 
-def test_a_fault_planted_for_a_load_survives_the_calibration_on_four_gpus(
+def test_a_fault_planted_for_a_load_survives_the_calibration_on_two_gpus(
     tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:
-    """vLLM's Buildkite step serves on 4 GPUs (and the 2-GPU nightly on 2), where 1P+1D's
-    slot holds the baseline's device: the load's baseline calibration stops 1P+1D and starts
-    it again. The NIXL KV-account scenario planted its `drop-kv` in the 1P+1D it had opened
-    before the load, so the load ran on a fresh start without it, and the scenario failed
-    ("fault.effects == []"; seen with the fake vLLM on 4 devices, green on 8)."""
+    """The 2-GPU nightly serves where 1P+1D's slot holds the baseline's device (so did vLLM's
+    Buildkite step on 4 GPUs, before the baseline kept a device of its own there): the load's
+    baseline calibration stops 1P+1D and starts it again. The NIXL KV-account scenario planted
+    its `drop-kv` in the 1P+1D it had opened before the load, so the load ran on a fresh start
+    without it, and the scenario failed ("fault.effects == []"; seen with the fake vLLM on 4
+    devices, green on 8)."""
     fake = install_fake_vllm(tmp_path / "bin")
     argv = [
         sys.executable, "-m", "pytest", "scenarios/test_load.py", "-m", "e2e",
         "-k", "got_no_kv", "-p", "no:cacheprovider", "-p", "no:randomly", "-rA",
-        "--epd-vllm", str(fake), "--epd-platform", "cuda", "--epd-devices", "0,1,2,3",
+        "--epd-vllm", str(fake), "--epd-platform", "cuda", "--epd-devices", "0,1",
         "--epd-model", str(ensure_tiny_model(cache_dir() / "models")),
         "--epd-baseline-cache", str(tmp_path / "cache"), "--epd-run-dir", str(tmp_path / "run"),
     ]  # fmt: skip

@@ -1,5 +1,6 @@
 """scripts/gpu_rehearsal.py, as far as it can be tried without a GPU: it refuses clearly, its
-pytest line is the GitHub nightly's own, its workers fill the widest wave, and its summary says
+pytest line is the GitHub nightly's own, its workers are the xdist groups its plan serves side
+by side, and its summary says
 what the run's summary.json files hold."""
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def test_the_pytest_line_is_the_nightly_workflows_own(
     ours = shlex.split(pytest_line)
     assert ours[:3] == [sys.executable, "-m", "pytest"]
     given = rehearsal.parse_args([*argv, *extra])
-    workers = given.workers or rehearsal.widest_wave("0,1,2,3", given)
+    workers = given.workers or rehearsal.useful_workers("0,1,2,3", given)
     inputs = {
         "RUN_NAME": "r1",
         "DEVICES": "0,1,2,3",
@@ -147,13 +148,16 @@ def test_the_pytest_line_is_the_nightly_workflows_own(
     assert ("--no-enforce-eager" in plan) == given.no_enforce_eager
 
 
-def test_workers_default_to_the_plans_widest_wave() -> None:
+def test_workers_default_to_the_xdist_groups_the_plan_serves_side_by_side() -> None:
+    """The plan's widest wave gave 4 GPUs two workers (the baseline beside 1E+1PD), though no
+    two groups serve side by side there: the second only waited for the first one's devices,
+    and, the baseline's device shared, each load's calibration started the baseline again."""
     rehearsal = load_rehearsal()
     args = rehearsal.parse_args(["--dry-run"])
-    assert rehearsal.widest_wave("0,1,2,3,4,5,6,7", args) == 4
-    assert rehearsal.widest_wave("0,1,2,3", args) == 2
+    assert rehearsal.useful_workers("0,1,2,3,4,5,6,7", args) == 2  # 1E+1PD's, 1P+1D's
+    assert rehearsal.useful_workers("0,1,2,3", args) == 1
     colocated = rehearsal.parse_args(["--colocate"])
-    assert rehearsal.widest_wave("0,1", colocated) == 1
+    assert rehearsal.useful_workers("0,1", colocated) == 1
 
 
 # --- the summary -----------------------------------------------------------------------------

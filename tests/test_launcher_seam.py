@@ -51,7 +51,7 @@ class StubLauncher:
     def storage_root(self, session_dir: Path) -> Path:
         return session_dir
 
-    def reserve(self, topology, devices) -> Reservation:
+    def reserve(self, topology, devices, before_device_wait=None) -> Reservation:
         self.log.append("reserve")
         return Reservation(
             hosts=[n.address for n in NODES],

@@ -289,9 +289,29 @@ def test_cli_json_is_the_plan_as_data(epd_cli) -> None:
     data = json.loads(out)
     assert data["platform"] == "cuda"
     assert data["ports_are_placeholders"] is True
-    (instance, _decode) = data["waves"][0]["topologies"][0]["instances"]
+    (instance, _decode) = data["waves"][-1]["topologies"][0]["instances"]  # after the baseline
     assert instance["name"] == "1P+1D/prefill0"
     assert instance["argv"][:3] == [VLLM, "serve", MODEL]
+
+
+@pytest.mark.parametrize(
+    ("asked", "waves"),
+    [
+        ("1E+1P+1D", [["baseline", "1P+1D"], ["1E+1P+1D"]]),
+        ("1E+1PD", [["baseline", "1E+1PD"]]),
+        ("2E+1PD", [["baseline", "2E+1PD"]]),
+    ],
+)
+def test_cli_plan_of_some_topologies_adds_what_their_run_starts_besides(
+    epd_cli, asked: str, waves: list
+) -> None:
+    """`plan --topology 1E+1P+1D` printed 1E+1P+1D alone, on devices 0-2: the run serves the
+    baseline and 1P+1D (its exact reference) too, and puts 1E+1P+1D elsewhere."""
+    argv = ["--platform", "cuda", "--devices", "0,1,2,3", "--topology", asked]
+    code, out, err = epd_cli("plan", *argv, "--vllm", "vllm", "--json")
+    assert code == 0, err
+    planned = json.loads(out)["waves"]
+    assert [[t["name"] for t in w["topologies"]] for w in planned] == waves
 
 
 def test_cli_topologies_are_repeatable_and_comma_separated(epd_cli) -> None:
@@ -391,7 +411,7 @@ def test_cli_plans_the_kv_connector_run_would_serve(epd_cli) -> None:
     assert code == 0, err
     chosen = json.loads(out)
     assert chosen["kv_connector"] == "ExampleConnector"
-    argvs = [" ".join(i["argv"]) for i in chosen["waves"][0]["topologies"][0]["instances"]]
+    argvs = [" ".join(i["argv"]) for i in chosen["waves"][-1]["topologies"][0]["instances"]]
     assert all("ExampleConnector" in a and "NixlConnector" not in a for a in argvs), argvs
 
 

@@ -348,6 +348,29 @@ def test_eight_gpus_run_the_default_set_in_one_wave_on_disjoint_devices() -> Non
     }
 
 
+def test_on_four_gpus_the_baseline_keeps_its_device_through_every_wave() -> None:
+    """A load calibrates the baseline and fuzzing serves it beside the topology under test: on
+    a device of 1P+1D's or 1E+1P+1D's slot (they had 0,1 and 0,1,2), each such use stopped
+    that topology and started it again. The other three devices hold each of them whole."""
+    with_2e = (*DEFAULT_SET, get_topology("2E+1PD"))
+    waves = schedule(with_2e, (0, 1, 2, 3), CUDA).waves
+    assert [{s.topology.name: s.devices for s in w.slots} for w in waves] == [
+        {"baseline": (0,), "1E+1PD": (1, 2)},
+        {"1P+1D": (1, 2)},
+        {"1E+1P+1D": (1, 2, 3)},
+        {"2E+1PD": (1, 2, 3)},
+    ]
+
+
+@pytest.mark.parametrize("colocate", [False, True])
+def test_on_two_gpus_no_topology_is_squeezed_to_keep_the_baseline_apart(colocate: bool) -> None:
+    """Kept apart on 2 GPUs, the baseline would leave 1P+1D one device: its P and D would
+    share it at 0.45 each (or, without --colocate, not fit)."""
+    waves = schedule(DEFAULT_SET, (0, 1), CUDA, colocate=colocate).waves
+    slots = {s.topology.name: s.devices for w in waves for s in w.slots}
+    assert slots == {"baseline": (0,), "1E+1PD": (0, 1), "1P+1D": (0, 1), "1E+1P+1D": (0, 1)}
+
+
 def test_too_few_gpus_is_one_error_naming_every_topology_that_cannot_fit() -> None:
     with pytest.raises(DevicePlanError) as info:
         schedule(DEFAULT_SET, (0,), CUDA)

@@ -461,7 +461,8 @@ def test_a_start_that_timed_out_keeps_its_log_when_the_pool_starts_it_again(
 
 LATE_SWEEP_SCENARIO = '''
 """As scenarios/test_vllm_proxy.py: a session-scoped sweep of its own on the session's pool
-(another proxy), made at the module's first item, its 1E+1P+1D judged against 1P+1D."""
+(another proxy), made at the module's first item or when 1P+1D is about to stop
+(EPD_LATER_SWEEPS), its 1E+1P+1D judged against 1P+1D."""
 import dataclasses
 
 import pytest
@@ -474,13 +475,22 @@ pytestmark = pytest.mark.e2e
 TEXT = next(p for p in SKELETON_PROMPTS if p.name == "text")
 
 
-@pytest.fixture(scope="session")
-def other_proxy_sweep(epd_sweep):
+def make_other_proxy_sweep(pytestconfig, epd_sweep, epd_events):
     settings = dataclasses.replace(
         epd_sweep.settings, run_dir=epd_sweep.settings.run_dir / "other-proxy"
     )
     spec = SweepSpec((TOPOLOGIES["1E+1P+1D"],), prompts=(TEXT,))
     return Sweep(spec, settings, pool=epd_sweep.pool, baseline=epd_sweep.baseline)
+
+
+EPD_LATER_SWEEPS = make_other_proxy_sweep
+
+
+@pytest.fixture(scope="session")
+def other_proxy_sweep(pytestconfig, epd_sweep, epd_events):
+    from harness.testing.plugin import later_sweeps
+
+    return later_sweeps(pytestconfig, __name__, epd_sweep, epd_events)
 
 
 @pytest.mark.parametrize("topology", ["1P+1D", "1E+1P+1D"])
@@ -514,6 +524,34 @@ def test_a_reference_is_not_stopped_before_a_later_sweep_of_its_group_needs_it(
     argv = [
         sys.executable, "-m", "pytest", "test_late_sweep.py", "-m", "e2e",
         "-p", "no:cacheprovider", "--epd-vllm", str(fake), "--epd-kv-connector", "example",
+        "--epd-model", str(tiny_model_dir()), "--epd-baseline-cache", str(tmp_path / "cache"),
+        "--epd-run-dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    run = subprocess.run(argv, cwd=project, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0 and " 3 passed" in run.stdout, run.stdout[-3000:]
+    assert "topology starts: 3 for 3 distinct" in run.stdout, run.stdout[-3000:]
+
+
+def test_on_two_gpus_a_later_sweep_gets_the_reference_before_the_topology_stops_it(
+    tmp_path: Path, fake_vllm_start_log: Path
+) -> None:
+    """The same session on two GPUs (the 2-GPU nightly; 4 GPUs alike), where 1P+1D and
+    1E+1P+1D cannot serve side by side: 1E+1P+1D's first start stopped 1P+1D before the
+    sweep through another proxy existed, so that sweep started 1P+1D again for its reference,
+    and then 1E+1P+1D again (seen with the fake vLLM on the nightly's selection: vLLM's proxy
+    module). A module's later sweeps (EPD_LATER_SWEEPS) are now made as 1P+1D stops."""
+    fake = install_fake_vllm(tmp_path / "bin")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "conftest.py").write_text((ROOT / "conftest.py").read_text())
+    (project / "pytest.ini").write_text("[pytest]\n")
+    (project / "test_late_sweep.py").write_text(LATE_SWEEP_SCENARIO)
+    argv = [
+        sys.executable, "-m", "pytest", "test_late_sweep.py", "-m", "e2e",
+        "-p", "no:cacheprovider", "--epd-vllm", str(fake), "--epd-platform", "cuda",
+        "--epd-devices", "0,1", "--epd-colocate",
         "--epd-model", str(tiny_model_dir()), "--epd-baseline-cache", str(tmp_path / "cache"),
         "--epd-run-dir", str(tmp_path / "run"),
     ]  # fmt: skip

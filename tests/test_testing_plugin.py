@@ -373,3 +373,72 @@ def test_bare():
     run.stderr.fnmatch_lines(
         ["*test_bare: marked own_instances, it must take the epd_own_instances*"]
     )
+
+
+ROUND_ROBIN = """
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+@pytest.mark.parametrize("topology", ["1E+1PD", "1P+1D", "1E+1P+1D"])
+def test_sweep_case(topology):
+    pass
+
+@pytest.mark.epd_topology("2E+1PD")
+def test_two_encoders_round_robin():
+    pass
+"""
+
+
+def session_plan(pytester: pytest.Pytester, devices: tuple[int, ...], *args: str) -> list[dict]:
+    """The session sweep's waves on a cuda run of `devices`, for the items these options
+    select: {topology: devices} per wave."""
+    from harness.run.pool import TopologyPool
+    from harness.run.sweep import Sweep
+    from harness.spec.platforms import CUDA
+    from harness.spec.settings import RunSettings
+    from harness.spec.topology import serving_for
+    from harness.testing.plugin import SESSION_TOPOLOGIES_KEY, session_sweep_spec
+
+    pytester.makeconftest(CONFTEST + '    parser.addoption("--epd-topology", default=None)\n')
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    pytester.makepyfile(test_round_robin=ROUND_ROBIN)
+    run = pytester.inline_run("--collect-only", "-p", "no:cacheprovider", *args)
+    [finished] = run.getcalls("pytest_collection_finish")
+    selected = finished.session.config.stash[SESSION_TOPOLOGIES_KEY]
+    settings = RunSettings(
+        serving_for(CUDA, "model"), pytester.path / "run", platform=CUDA, devices=devices
+    )
+    sweep = Sweep(session_sweep_spec(selected, ()), settings, pool=TopologyPool(settings))
+    return [{s.topology.name: s.devices for s in w.slots} for w in sweep.schedule().waves]
+
+
+def test_the_session_plan_gives_every_topology_its_items_run_a_place(
+    pytester: pytest.Pytester,
+) -> None:
+    """2E+1PD (the matrix's round robin) had no place in the GPU session's plan: it leased
+    every device, stopping whatever else its worker served and waiting for every other
+    worker's devices. On 8 GPUs it is a second wave on devices of the first wave's topologies;
+    the baseline keeps its own."""
+    waves = session_plan(pytester, tuple(range(8)), "--epd-platform", "cuda")
+    assert waves == [
+        {"baseline": (0,), "1E+1PD": (1, 2), "1P+1D": (3, 4), "1E+1P+1D": (5, 6, 7)},
+        {"2E+1PD": (1, 2, 3)},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("wanted", "planned"),
+    [
+        ("1E+1PD", {"baseline": (0,), "1E+1PD": (1, 2)}),
+        ("1E+1P+1D", {"baseline": (0,), "1P+1D": (1, 2), "1E+1P+1D": (1, 2, 3)}),
+        ("2E+1PD", {"baseline": (0,), "2E+1PD": (1, 2, 3)}),
+    ],
+)
+def test_epd_topology_shrinks_the_session_plan_to_what_was_asked_and_its_references(
+    pytester: pytest.Pytester, wanted: str, planned: dict
+) -> None:
+    """The plan held every topology whatever `--epd-topology` asked for; now what the
+    selected items run, the baseline, and 1P+1D for 1E+1P+1D (its exact reference)."""
+    waves = session_plan(pytester, (0, 1, 2, 3), "--epd-platform", "cuda", "--epd-topology", wanted)
+    assert {name: devices for wave in waves for name, devices in wave.items()} == planned

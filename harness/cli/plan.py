@@ -53,6 +53,7 @@ from harness.spec.topology import (
     ServingConfig,
     Topology,
     get_topology,
+    ordered_topologies,
     serving_for,
 )
 
@@ -334,14 +335,18 @@ class PlanInputError(BadInput):
 
 
 def parse_topologies(values: Sequence[str] | None) -> tuple[Topology, ...]:
-    """Repeatable, comma-separated --topology values; the default is the baseline + EPD set."""
+    """Repeatable, comma-separated --topology values (default: the EPD set), with what a run of
+    them starts besides: the baseline and each one's exact reference (1P+1D for 1E+1P+1D),
+    references first. Printed without them, `plan --topology 1E+1P+1D` showed one topology on
+    devices 0-2 where the run serves three (baseline 0, then 1P+1D and 1E+1P+1D on 1-3)."""
     names = [n.strip() for v in values or () for n in v.split(",") if n.strip()]
     if not names:
         names = list(DEFAULT_TOPOLOGY_NAMES)
     for name in names:
         if names.count(name) > 1:
             raise PlanInputError(f"topology {name} is listed twice")
-    return tuple(get_topology(name) for name in names)
+    asked = tuple(get_topology(name) for name in names)
+    return (get_topology("baseline"), *ordered_topologies(asked))
 
 
 def planned_model(given: str | None, platform: PlatformProfile) -> str:

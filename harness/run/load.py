@@ -157,7 +157,7 @@ class LoadRun:
         workers share devices: there it is stopped all the same (`workers_share_devices`).
         `on_session`: called with the topology's session the load's requests go to, before
         the first (a test plants a fault there). A session opened before the load may not be
-        that one: where the baseline's device is one of the topology's (4 GPUs, 2 GPUs), the
+        that one: where the baseline's device is one of the topology's (2 GPUs, or 1), the
         calibration stops the topology, and the load starts it again."""
         self.spec = spec
         self.sweep = sweep

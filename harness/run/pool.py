@@ -267,6 +267,9 @@ class TopologyPool:
                 self._stop(key)
             session = self._new_session(request)
             starting.append((key, session, self._start_cause(key, dead, session.dir)))
+        asked = {request.key for request in requests}
+        for _, session, _ in starting:
+            session.before_device_wait = lambda: self._let_go(keep=asked)
         self._make_room([(key, s.topology, s.devices) for key, s, _ in starting])
         with contextlib.ExitStack() as undo:
             for _, session, _ in starting:
@@ -329,6 +332,7 @@ class TopologyPool:
         # Nothing running is this session, not even a shared one of the same key: the attach
         # scenario's deployment beside the pool's own 1E+1PD waited for ever on the devices
         # that one held (seen with the fake vLLM on eight devices).
+        session.before_device_wait = lambda: self._let_go(keep=set())
         self._make_room([(key, topology, session.devices)], shared=False)
         started = time.monotonic()
         try:
@@ -451,10 +455,21 @@ class TopologyPool:
             return
         try:
             if live.session.dead_instance_report() is None:
+                # By index: a callback may add callbacks (sweeps it makes now), and they run
+                # too, for this very stop.
                 for callback in self._before_stop:
                     callback(live.session)
         finally:
             live.session.close()
+
+    def _let_go(self, keep: set[SessionKey]) -> None:
+        """Stop every running session but those in `keep` (asked for with the one that is
+        about to wait): called before a start waits for a device another xdist worker holds.
+        Kept, one of them could hold what that worker waits for in turn: a worker holding the
+        baseline's device while it waited for 1P+1D's, whose holder waited for the baseline's
+        device to calibrate a load, would wait for ever."""
+        for key in [k for k in self._live if k not in keep]:
+            self._stop(key)
 
     def _make_room(
         self,

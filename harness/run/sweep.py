@@ -65,6 +65,10 @@ class SweepSpec:
     # A planted fault (harness.run.faults.FAULT_NAMES) for self-tests from the command line;
     # recorded in run.json so `repro` replays it. Never set in a normal run.
     fault: str | None = None
+    # Served from the sweep's pool by other scenarios, never judged by the sweep (the
+    # matrix's 2E+1PD): placed in its schedule all the same, for on GPUs a topology with no
+    # place leases every device, stopping everything else this process serves.
+    placed_only: tuple[Topology, ...] = ()
 
 
 @dataclass
@@ -155,15 +159,17 @@ class Sweep:
 
         xdist workers each pack the session's topologies, and must all put each on the same
         devices. Whether the baseline's answers are stored depends on whether a neighbour has
-        stored them yet, so where instances own devices and workers share them the baseline
-        keeps its slot either way (a wave skips a baseline it does not need). Seen with the
-        fake vLLM on an 8-device plan: a worker that found the answers stored started 1E+1PD
-        on devices 0,1, the baseline's device among them."""
+        stored them yet, so where instances own devices the baseline keeps its slot either way
+        (a wave skips a baseline it does not need). Seen with the fake vLLM on an 8-device
+        plan: a worker that found the answers stored started 1E+1PD on devices 0,1, the
+        baseline's device among them. One worker alone keeps it too: a load's calibration
+        and fuzzing serve the baseline live, stored answers or not."""
         if self._schedule is None:
             # An attached deployment is served by none of this run's waves.
             topologies = [] if self.attached else self._topologies_with_cases()
-            shared_devices = self.settings.workers_share_devices
-            if self._needs_baseline_run() or (shared_devices and not self.attached):
+            topologies += [t for t in self.spec.placed_only if t not in topologies]
+            owns_devices = self.settings.platform.exclusive_devices
+            if self._needs_baseline_run() or (owns_devices and not self.attached):
                 topologies.insert(0, BASELINE)
             self._schedule = pack_waves(
                 topologies,

@@ -22,6 +22,7 @@ Two launchers:
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,11 +83,19 @@ class LocalLauncher:
         """Where the topology's connector storage lives: its own artifact directory."""
         return session_dir
 
-    def reserve(self, topology: Topology, devices: tuple[int, ...]) -> Reservation:
-        """Hold the ports (and on GPUs the devices) the topology's instances will bind."""
+    def reserve(
+        self,
+        topology: Topology,
+        devices: tuple[int, ...],
+        before_device_wait: Callable[[], None] | None = None,
+    ) -> Reservation:
+        """Hold the ports (and on GPUs the devices) the topology's instances will bind;
+        `before_device_wait` is called before waiting for a device another process holds."""
         settings = self.settings
         if settings.platform.exclusive_devices:
-            self._device_leases = lease_devices(settings.platform.name, devices)
+            self._device_leases = lease_devices(
+                settings.platform.name, devices, before_wait=before_device_wait
+            )
         self._port_leases = reserve_ports(len(topology.roles))
         side_channels = side_channel_port_count(topology, settings.serving)
         self._side_channel_leases = reserve_ports(side_channels) if side_channels else []

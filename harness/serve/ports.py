@@ -33,6 +33,7 @@ import fcntl
 import os
 import random
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -215,7 +216,10 @@ def _bind_probe(port: int, host: str = LOOPBACK_HOST) -> socket.socket | None:
 
 
 def lease_devices(
-    kind: str, devices: tuple[int, ...], lock_dir: Path | None = None
+    kind: str,
+    devices: tuple[int, ...],
+    lock_dir: Path | None = None,
+    before_wait: Callable[[], None] | None = None,
 ) -> list[PortLease]:
     """Exclusive locks on GPU / XPU `devices` (`<lock_dir>/<kind>-device-<N>.lock`), waiting for
     a holder to let go: parallel workers that reach a later wave early queue for its devices
@@ -225,7 +229,11 @@ def lease_devices(
     for that one alone before it tries them all again. Taken one by one, a lease held device 0
     while it waited for device 1, whose holder (a worker keeping its 1E+1PD session up) waited
     for device 0, the baseline's: the GPU night, rehearsed with the fake vLLM on eight devices,
-    hung there with every worker waiting."""
+    hung there with every worker waiting.
+
+    `before_wait` is called once, holding none of these, before the first wait: the caller lets
+    go of what else it holds (a pool's other sessions), so nothing it keeps can be what the
+    holder it waits for waits for in turn."""
     lock_dir = lock_dir if lock_dir is not None else port_lock_dir()
     lock_dir.mkdir(parents=True, exist_ok=True)
     paths = [(device, lock_dir / f"{kind}-device-{device}.lock") for device in sorted(devices)]
@@ -247,6 +255,9 @@ def lease_devices(
             return leases
         for lease in leases:
             lease.release()
+        if before_wait is not None:
+            before_wait()
+            before_wait = None
         _wait_until_free(busy)
 
 

@@ -592,7 +592,14 @@ class RayLauncher:
             return session_dir
         return self.choice.shared_dir / f"epd-{self._storage_tag}" / session_dir.name
 
-    def reserve(self, topology: Topology, devices: tuple[int, ...]) -> Reservation:
+    def reserve(
+        self,
+        topology: Topology,
+        devices: tuple[int, ...],
+        before_device_wait: Callable[[], None] | None = None,
+    ) -> Reservation:
+        """The placement group's bundles (Ray places the instances; no device leases here, so
+        `before_device_wait` is never called)."""
         refusal = self.choice.refusal_on(self.settings.platform)
         if refusal is not None:  # prepare_run refuses it too; scenarios build settings directly
             raise LaunchRefused(f"{topology.name}: {refusal}")

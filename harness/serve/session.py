@@ -128,6 +128,9 @@ class TopologySession:
         self._group: ServerGroup | None = None
         self._taps: TapSet | None = None
         self.tap_urls: dict[str, str] = {}  # instance URL -> its tap's URL
+        # Called before waiting for a device another process holds (`lease_devices`): the
+        # pool that started this session lets go of its others there.
+        self.before_device_wait: Callable[[], None] | None = None
         # Ways in, by proxy_key(): the session's own proxy, and any other proxy asked for
         # through `via` (the same instances judged through another proxy).
         self._entries: dict[str, Entry] = {}
@@ -171,7 +174,7 @@ class TopologySession:
         self.earlier_logs = prepare_session_dir(self.dir)
         settings = self.settings
         launcher = self._launcher
-        placed = launcher.reserve(self.topology, self.devices)
+        placed = launcher.reserve(self.topology, self.devices, self.before_device_wait)
         self.instances = place_instances(
             self.topology,
             settings.serving,

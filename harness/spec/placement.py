@@ -10,7 +10,10 @@ free at start-up, so co-located start-ups fail or come up with caches of unpredi
 A topology that needs more devices than the host has is an error naming it, unless `colocate`
 is set: then its instances share the devices it is given (non-encoders spread first, encoders
 fill in, since an encoder holds no KV cache). Topologies never share a device with each other: a wave runs
-side by side only topologies whose device sets are disjoint. Parallel xdist workers hold a
+side by side only topologies whose device sets are disjoint. The baseline keeps the first
+device to itself through every wave where that takes no other topology a device (4 GPUs and
+more: `baseline_keeps_its_device`), since loads and fuzzing serve it beside the topology under
+test. Parallel xdist workers hold a
 lock per device while they serve (`harness.serve.ports.lease_devices`), so a worker that reaches
 a later wave early waits for the devices instead of sharing them.
 
@@ -274,13 +277,52 @@ def schedule(
             f"or leave {'it' if len(too_big) == 1 else 'them'} out with --topology"
         )
     need = {t.name: devices_needed(t, profile, available, colocate) for t in topologies}
+    if baseline_keeps_its_device(topologies, devices, profile, colocate):
+        baseline = next(t for t in topologies if t.is_baseline)
+        others = _pack_on_devices([t for t in topologies if t is not baseline], devices[1:], need)
+        first = (TopologySlot(baseline, tuple(devices[:1])), *(others[0].slots if others else ()))
+        return Schedule((Wave(1, first), *others[1:]))
+    return Schedule(_pack_on_devices(topologies, devices, need))
+
+
+def baseline_keeps_its_device(
+    topologies: Sequence[Topology],
+    devices: Sequence[int],
+    profile: PlatformProfile,
+    colocate: bool = False,
+) -> bool:
+    """Whether the baseline keeps the first device to itself in every wave: where every other
+    topology gets as many devices from the rest as from all of them (4 GPUs: 1E+1P+1D on
+    1-3). A load calibrates the baseline and fuzzing serves it beside the topology under test;
+    on a device of a later wave's topology, each such use stopped that topology and started
+    it again (seen with the fake vLLM on 4 devices: 1E+1P+1D started 7 times). Where the rest
+    would squeeze a topology (2 GPUs: 1P+1D onto one device) the topologies take the
+    baseline's device in their own waves, as before."""
+    if not profile.exclusive_devices or len(devices) < 2:
+        return False
+    if not any(t.is_baseline for t in topologies):
+        return False
+    rest = len(devices) - 1
+    for topology in topologies:
+        if topology.is_baseline:
+            continue
+        needed = devices_needed(topology, profile, rest, colocate)
+        if needed > rest or needed != devices_needed(topology, profile, len(devices), colocate):
+            return False
+    return True
+
+
+def _pack_on_devices(
+    topologies: Sequence[Topology], devices: Sequence[int], need: dict[str, int]
+) -> tuple[Wave, ...]:
+    """Waves of disjoint device sets out of `devices`, first fit in the given order."""
     order = {device: i for i, device in enumerate(devices)}
     return _pack(
         topologies,
         lambda t: need[t.name],
-        available,
+        len(devices),
         lambda t, used: tuple(sorted(set(devices) - set(used), key=order.get)[: need[t.name]]),
-    )
+    ).waves
 
 
 def side_by_side(

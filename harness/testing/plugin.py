@@ -32,7 +32,7 @@ import dataclasses
 import json
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,16 +40,28 @@ import pytest
 
 if TYPE_CHECKING:
     from harness.preflight import RunRequest
+    from harness.run.sweep import SweepSpec
+    from harness.spec.prompts import PromptSpec
 
 TOPOLOGY_ORDER = ("baseline", "1E+1PD", "2E+1PD", "1P+1D", "1E+1P+1D")
 DEFAULT_VARIANT = ""
 POOL_KEY = pytest.StashKey[object]()
 SWEEP_KEY = pytest.StashKey[object]()
 PROMPTS_KEY = pytest.StashKey[tuple]()
+# The topologies the session's selected e2e items run (their groups'), in collection order.
+SESSION_TOPOLOGIES_KEY = pytest.StashKey[tuple]()
 KV_CONNECTOR_DESELECTED = pytest.StashKey[list]()
 PLATFORM_DESELECTED = pytest.StashKey[dict]()  # why -> the node ids deselected for it
 # A scenario module lists the prompts its tests send (besides the sweep's) under this name.
 BASELINE_PROMPTS = "EPD_BASELINE_PROMPTS"
+# A scenario module whose session-scoped sweeps judge a topology against its exact reference
+# names here the function that makes them, `(config, epd_sweep, epd_events) -> sweeps`: the
+# plugin makes them when the reference is about to stop, if nothing has yet (`later_sweeps`).
+LATER_SWEEPS = "EPD_LATER_SWEEPS"
+# module name -> (its LATER_SWEEPS function, the references its selected items are judged
+# against); module name -> what that function made (or raised), once per session.
+LATER_SWEEP_MAKERS_KEY = pytest.StashKey[dict]()
+LATER_SWEEPS_KEY = pytest.StashKey[dict]()
 RUN_ROOT_KEY = pytest.StashKey[str]()
 E2E_QUEUE_KEY = pytest.StashKey["E2eQueue"]()
 # Instances (topology, variant) a group's end left running for a later item of its xdist group.
@@ -256,6 +268,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     items.sort(key=key)
     config.stash[E2E_QUEUE_KEY] = E2eQueue.of(items)
+    groups = (epd_group(item) for item in items)
+    config.stash[SESSION_TOPOLOGIES_KEY] = tuple(
+        dict.fromkeys(group.topology for group in groups if group is not None)
+    )
     # The prompts the selected scenario modules need the baseline to answer: one baseline
     # start answers all of them.
     needed: dict[str, object] = {}
@@ -263,6 +279,60 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for prompt in getattr(module, BASELINE_PROMPTS, ()):
             needed.setdefault(prompt.name, prompt)
     config.stash[PROMPTS_KEY] = tuple(needed.values())
+    config.stash[LATER_SWEEP_MAKERS_KEY] = later_sweep_makers(items)
+
+
+def later_sweep_makers(items: list[pytest.Item]) -> dict[str, tuple[Callable, frozenset]]:
+    """Each selected module's `EPD_LATER_SWEEPS`, with the exact references its items'
+    topologies are judged against (those at whose stop its sweeps must exist)."""
+    from harness.spec.topology import TOPOLOGIES
+
+    references: dict[str, set[str]] = {}
+    makers: dict[str, Callable] = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        maker = getattr(module, LATER_SWEEPS, None)
+        group = epd_group(item)
+        if module is None or maker is None or group is None:
+            continue
+        makers[module.__name__] = maker
+        topology = TOPOLOGIES.get(group.topology)
+        if topology is not None and topology.exact_reference:
+            references.setdefault(module.__name__, set()).add(topology.exact_reference)
+    return {name: (maker, frozenset(references.get(name, ()))) for name, maker in makers.items()}
+
+
+def later_sweeps(config: pytest.Config, module_name: str, epd_sweep, epd_events) -> Any:
+    """What the module's `EPD_LATER_SWEEPS` made, made now if nothing has yet; what making
+    them raised is raised again, to the module's own items."""
+    made = config.stash.setdefault(LATER_SWEEPS_KEY, {})
+    if module_name not in made:
+        maker, _ = config.stash.get(LATER_SWEEP_MAKERS_KEY, {})[module_name]
+        made[module_name] = maker(config, epd_sweep, epd_events)
+    if isinstance(made[module_name], BaseException):
+        raise made[module_name]
+    return made[module_name]
+
+
+def make_later_sweeps_before(config: pytest.Config, epd_sweep, epd_events) -> Callable:
+    """The pool's before-stop callback that makes a module's later sweeps when a reference
+    they need is about to stop, so that they answer their prompts on it now. Made at their
+    module's first item, they came too late where the reference and its topology cannot serve
+    side by side (GPUs up to 5): 1E+1P+1D's first start had stopped 1P+1D, and vLLM's proxy
+    module started 1P+1D again, then 1E+1P+1D again (seen with the fake vLLM on 2 and 4
+    devices). What making them raises is kept for their own items (`later_sweeps`)."""
+
+    def before_stop(session) -> None:
+        made = config.stash.setdefault(LATER_SWEEPS_KEY, {})
+        for name, (maker, references) in config.stash.get(LATER_SWEEP_MAKERS_KEY, {}).items():
+            if name in made or session.topology.name not in references:
+                continue
+            try:
+                made[name] = maker(config, epd_sweep, epd_events)
+            except (Exception, pytest.fail.Exception) as exc:  # noqa: BLE001 - raised to its items
+                made[name] = exc
+
+    return before_stop
 
 
 def wanted_topologies(config: pytest.Config) -> set[str]:
@@ -633,17 +703,16 @@ def epd_pool(pytestconfig: pytest.Config, epd_settings, epd_events):
 def epd_sweep(pytestconfig: pytest.Config, epd_config, epd_pool, epd_events):
     """The shared sweep: its baseline answers the prompts of every selected scenario module
     (their `EPD_BASELINE_PROMPTS`: one baseline start for all), its cases are judged on
-    demand, each topology served once from the pool."""
-    from harness.run.sweep import Sweep, SweepSpec
-    from harness.spec.prompts import SKELETON_PROMPTS
-    from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES
+    demand, each topology served once from the pool. Its plan holds the topologies the
+    selected items run and the references they are judged against, no more (`--epd-topology`
+    shrinks it), and those the sweep does not judge (the matrix's 2E+1PD) have their place
+    too: with none, one leased every device."""
+    from harness.run.sweep import Sweep
+    from harness.spec.topology import EPD_TOPOLOGY_NAMES
 
-    sweep_names = {p.name for p in SKELETON_PROMPTS}
-    others = [p for p in pytestconfig.stash.get(PROMPTS_KEY, ()) if p.name not in sweep_names]
-    spec = SweepSpec(
-        topologies=tuple(TOPOLOGIES[name] for name in EPD_TOPOLOGY_NAMES),
-        prompts=SKELETON_PROMPTS,
-        baseline_only_prompts=tuple(others),
+    spec = session_sweep_spec(
+        pytestconfig.stash.get(SESSION_TOPOLOGIES_KEY, EPD_TOPOLOGY_NAMES),
+        pytestconfig.stash.get(PROMPTS_KEY, ()),
     )
     sweep = Sweep(
         spec,
@@ -653,10 +722,32 @@ def epd_sweep(pytestconfig: pytest.Config, epd_config, epd_pool, epd_events):
         pool=epd_pool,
     )
     pytestconfig.stash[SWEEP_KEY] = sweep
+    epd_pool.before_stop(make_later_sweeps_before(pytestconfig, sweep, epd_events))
     # The plan, placed in the pool now: a scenario that asks the pool for its topology
     # directly (a load's, a live one's) may come before any that the sweep serves.
     sweep.schedule()
     return sweep
+
+
+def session_sweep_spec(
+    selected: Sequence[str], baseline_prompts: Sequence[PromptSpec]
+) -> SweepSpec:
+    """The session sweep's spec: the sweep's topologies among those the selected items run
+    (`SESSION_TOPOLOGIES_KEY`), the others they run placed only (2E+1PD), the skeleton prompts
+    and, for the baseline alone, the modules' other prompts."""
+    from harness.run.sweep import SweepSpec
+    from harness.spec.prompts import SKELETON_PROMPTS
+    from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES
+
+    sweep_names = {p.name for p in SKELETON_PROMPTS}
+    others = [p for p in baseline_prompts if p.name not in sweep_names]
+    placed = [n for n in TOPOLOGIES if n in selected and n not in EPD_TOPOLOGY_NAMES]
+    return SweepSpec(
+        topologies=tuple(TOPOLOGIES[name] for name in EPD_TOPOLOGY_NAMES if name in selected),
+        prompts=SKELETON_PROMPTS,
+        baseline_only_prompts=tuple(others),
+        placed_only=tuple(TOPOLOGIES[name] for name in placed if name != "baseline"),
+    )
 
 
 @pytest.fixture(scope="session")
