@@ -358,6 +358,22 @@ OWN_INSTANCES_SELECTION = (
 )
 
 
+def fake_night_output(argv: list[str]) -> str:
+    """A pytest session on the fake vLLM, run from the project's root in a process group of
+    its own: its output, or a failure naming the hang (its group killed) past SESSION_HANG_S."""
+    root = Path(__file__).resolve().parent.parent
+    session = subprocess.Popen(
+        argv, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        return session.communicate(timeout=SESSION_HANG_S)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(session.pid, signal.SIGKILL)
+        out, _ = session.communicate()
+        pytest.fail(f"the session did not end within {SESSION_HANG_S:.0f}s:\n{out[-4000:]}")
+
+
 def test_scenarios_with_instances_of_their_own_share_eight_gpus_with_four_workers(
     tmp_path: Path, fake_vllm_start_log: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -388,18 +404,8 @@ def test_scenarios_with_instances_of_their_own_share_eight_gpus_with_four_worker
         "--epd-model", str(ensure_tiny_model(cache_dir() / "models")),
         "--epd-baseline-cache", str(tmp_path / "cache"), "--epd-run-dir", str(run_root),
     ]  # fmt: skip
-    root = Path(__file__).resolve().parent.parent
-    session = subprocess.Popen(
-        argv, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        # About 30 s here; a pool left holding the devices its CLI leases hung for ever.
-        out, _ = session.communicate(timeout=SESSION_HANG_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(session.pid, signal.SIGKILL)
-        out, _ = session.communicate()
-        pytest.fail(f"the session did not end within {SESSION_HANG_S:.0f}s:\n{out[-4000:]}")
+    # About 30 s here; a pool left holding the devices its CLI leases hung for ever.
+    out = fake_night_output(argv)
     summary = out.strip().splitlines()[-1]
     # 3 sweep cases, repro, fuzz, 2 exports and run.sh reference (NIXL), each passed
     assert re.fullmatch(r"=+ 8 passed in .*", summary), out[-8000:]
@@ -497,17 +503,7 @@ def test_the_gpu_night_starts_each_topology_as_few_times_as_its_devices_force(
         "--epd-baseline-cache", str(tmp_path / "cache"), "--epd-run-dir", str(run_root),
         *(["--epd-colocate"] if shape.colocate else []),
     ]  # fmt: skip
-    root = Path(__file__).resolve().parent.parent
-    session = subprocess.Popen(
-        argv, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, _ = session.communicate(timeout=SESSION_HANG_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(session.pid, signal.SIGKILL)
-        out, _ = session.communicate()
-        pytest.fail(f"the session did not end within {SESSION_HANG_S:.0f}s:\n{out[-4000:]}")
+    out = fake_night_output(argv)
     # 3 text cases, the load, the round robin
     assert re.search(r"^=+ 5 passed in ", out, re.M), out[-6000:]
     starts = [

@@ -505,6 +505,26 @@ def test_through_another_proxy(other_proxy_sweep):
 '''
 
 
+def run_late_sweep_scenario(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
+    """LATE_SWEEP_SCENARIO as a project of its own (this repository's conftest.py) in one
+    pytest process on the fake vLLM, with these options."""
+    fake = install_fake_vllm(tmp_path / "bin")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "conftest.py").write_text((ROOT / "conftest.py").read_text())
+    (project / "pytest.ini").write_text("[pytest]\n")
+    (project / "test_late_sweep.py").write_text(LATE_SWEEP_SCENARIO)
+    argv = [
+        sys.executable, "-m", "pytest", "test_late_sweep.py", "-m", "e2e",
+        "-p", "no:cacheprovider", "--epd-vllm", str(fake), *options,
+        "--epd-model", str(tiny_model_dir()), "--epd-baseline-cache", str(tmp_path / "cache"),
+        "--epd-run-dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    return subprocess.run(argv, cwd=project, capture_output=True, text=True, timeout=600, env=env)
+
+
 def test_a_reference_is_not_stopped_before_a_later_sweep_of_its_group_needs_it(
     tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:
@@ -515,21 +535,7 @@ def test_a_reference_is_not_stopped_before_a_later_sweep_of_its_group_needs_it(
     1E+1PD items are another group, on another worker), so 1P+1D starts a second time there
     ("restart: stopped earlier"). Also on CPU with `--epd-topology 1P+1D,1E+1P+1D`. Here the
     same order in one process: baseline, 1P+1D, 1E+1P+1D, 1E+1P+1D through another proxy."""
-    fake = install_fake_vllm(tmp_path / "bin")
-    project = tmp_path / "project"
-    project.mkdir()
-    (project / "conftest.py").write_text((ROOT / "conftest.py").read_text())
-    (project / "pytest.ini").write_text("[pytest]\n")
-    (project / "test_late_sweep.py").write_text(LATE_SWEEP_SCENARIO)
-    argv = [
-        sys.executable, "-m", "pytest", "test_late_sweep.py", "-m", "e2e",
-        "-p", "no:cacheprovider", "--epd-vllm", str(fake), "--epd-kv-connector", "example",
-        "--epd-model", str(tiny_model_dir()), "--epd-baseline-cache", str(tmp_path / "cache"),
-        "--epd-run-dir", str(tmp_path / "run"),
-    ]  # fmt: skip
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path}
-    run = subprocess.run(argv, cwd=project, capture_output=True, text=True, timeout=600, env=env)
+    run = run_late_sweep_scenario(tmp_path, "--epd-kv-connector", "example")
     assert run.returncode == 0 and " 3 passed" in run.stdout, run.stdout[-3000:]
     assert "topology starts: 3 for 3 distinct" in run.stdout, run.stdout[-3000:]
 
@@ -542,22 +548,9 @@ def test_on_two_gpus_a_later_sweep_gets_the_reference_before_the_topology_stops_
     sweep through another proxy existed, so that sweep started 1P+1D again for its reference,
     and then 1E+1P+1D again (seen with the fake vLLM on the nightly's selection: vLLM's proxy
     module). A module's later sweeps (EPD_LATER_SWEEPS) are now made as 1P+1D stops."""
-    fake = install_fake_vllm(tmp_path / "bin")
-    project = tmp_path / "project"
-    project.mkdir()
-    (project / "conftest.py").write_text((ROOT / "conftest.py").read_text())
-    (project / "pytest.ini").write_text("[pytest]\n")
-    (project / "test_late_sweep.py").write_text(LATE_SWEEP_SCENARIO)
-    argv = [
-        sys.executable, "-m", "pytest", "test_late_sweep.py", "-m", "e2e",
-        "-p", "no:cacheprovider", "--epd-vllm", str(fake), "--epd-platform", "cuda",
-        "--epd-devices", "0,1", "--epd-colocate",
-        "--epd-model", str(tiny_model_dir()), "--epd-baseline-cache", str(tmp_path / "cache"),
-        "--epd-run-dir", str(tmp_path / "run"),
-    ]  # fmt: skip
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path}
-    run = subprocess.run(argv, cwd=project, capture_output=True, text=True, timeout=600, env=env)
+    run = run_late_sweep_scenario(
+        tmp_path, "--epd-platform", "cuda", "--epd-devices", "0,1", "--epd-colocate"
+    )
     assert run.returncode == 0 and " 3 passed" in run.stdout, run.stdout[-3000:]
     assert "topology starts: 3 for 3 distinct" in run.stdout, run.stdout[-3000:]
 
