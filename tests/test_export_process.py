@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from export_bundle import BASELINE_IDS, PROMPT, PROMPT_IDS, REPAIR, plan_for, write, write_bundle
@@ -219,20 +220,28 @@ def test_run_sh_baseline_checks_the_expected_ids_on_a_monolithic_server(
     assert_nothing_left(out, env)
 
 
+def start_script(
+    out: Path, script: str, env: dict[str, str], **popen: Any
+) -> subprocess.Popen[str]:
+    """The export's `script` (serve.sh, run.sh) under bash in a session of its own, its
+    output captured."""
+    return subprocess.Popen(
+        ["bash", str(out / script)],
+        cwd=out,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        **popen,
+    )
+
+
 def serving(out: Path, env: dict[str, str]) -> subprocess.Popen[str]:
     """serve.sh in a session of its own, as from a terminal, once everything it starts
     answers."""
     with sigint_ignored_as_in_a_backgrounded_run():  # shows the reset, however pytest started
-        serve = subprocess.Popen(
-            ["bash", str(out / "serve.sh")],
-            cwd=out,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            preexec_fn=sigint_as_at_a_terminal,
-        )
+        serve = start_script(out, "serve.sh", env, preexec_fn=sigint_as_at_a_terminal)
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not (out / "work/state/ready").exists():
         if serve.poll() is not None or time.monotonic() > deadline:
@@ -531,15 +540,7 @@ def test_serve_sh_stops_at_once_during_a_health_check_that_hangs(
     and never answers was acted on only at the check's 5 s timeout."""
     out = export_case(tmp_path)
     env = environment(leased_ports, tmp_path, "decode:hang-health")
-    serve = subprocess.Popen(
-        ["bash", str(out / "serve.sh")],
-        cwd=out,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    serve = start_script(out, "serve.sh", env)
     try:
         decode_log = out / "work/logs/decode0.log"
         deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -570,15 +571,7 @@ def test_run_sh_stops_at_once_while_it_waits_for_the_start(
     out = export_case(tmp_path)
     env = environment(leased_ports, tmp_path, "*:slow-start=60")
     env["PATH"] = slow_ticks(tmp_path / "slow-tick")
-    run = subprocess.Popen(
-        ["bash", str(out / "run.sh")],
-        cwd=out,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    run = start_script(out, "run.sh", env)
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while len(list((out / "work/state").glob("*.pid"))) < 4:
