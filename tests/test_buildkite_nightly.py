@@ -16,12 +16,21 @@ pytestmark = pytest.mark.process
 NIGHTLY = Path(__file__).resolve().parents[1] / "ci" / "buildkite" / "nightly.sh"
 
 
+# What the image's Python holds: a made-up torch build and its companions, so a held version
+# copied from anywhere else cannot pass for having been read from the image.
+IMAGE_FREEZE = "numpy==2.2.6\ntorch==2.99.1+cu130\ntorchvision==0.99.1+cu130\n"
+
+
 def run_nightly(
-    tmp_path: Path, parity: int = 0, rehearsal: int = 0, cuda_major: str = "13"
+    tmp_path: Path,
+    parity: int = 0,
+    rehearsal: int = 0,
+    cuda_major: str = "13",
+    freeze: str = IMAGE_FREEZE,
 ) -> tuple[subprocess.CompletedProcess[str], list[str], Path]:
-    """nightly.sh in a copy of the repository layout, with stand-ins for uv, python3 (torch
-    built for `cuda_major`) and the agent that record how they were called; (the run, the
-    calls, the vLLM tree)."""
+    """nightly.sh in a copy of the repository layout, with stand-ins for uv (`pip freeze`
+    prints `freeze`), python3 (torch built for `cuda_major`) and the agent that record how they
+    were called; (the run, the calls, the vLLM tree)."""
     tree = tmp_path / "harness"
     (tree / "ci" / "buildkite").mkdir(parents=True)
     (tree / "ci" / "buildkite" / "nightly.sh").write_text(NIGHTLY.read_text())
@@ -29,7 +38,11 @@ def run_nightly(
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for tool, body in (
-        ("uv", 'echo "uv $*" >> "$CALLS"'),
+        (
+            "uv",
+            'case "$*" in "pip freeze"*) printf "%s" "$FREEZE"; exit 0;; esac\n'
+            'echo "uv $*" >> "$CALLS"',
+        ),
         ("buildkite-agent", 'echo "agent $*" >> "$CALLS"'),
         (
             "python3",
@@ -51,6 +64,7 @@ def run_nightly(
         "PARITY": str(parity),
         "REHEARSAL": str(rehearsal),
         "CUDA_MAJOR": cuda_major,
+        "FREEZE": freeze,
         "BUILDKITE_BUILD_NUMBER": "77",
         "EPD_DEVICES": "0,1",
         "EPD_MODEL": "Qwen/Qwen2.5-VL-3B-Instruct",
@@ -73,8 +87,11 @@ def test_the_nightly_script_runs_parity_and_the_rehearsal_then_uploads_whatever_
     done, calls, vllm_tree = run_nightly(tmp_path, parity, rehearsal)
     tree = tmp_path / "harness"
     assert done.returncode == expected, done.stderr
-    assert calls[0] == f"uv pip install --system -r {vllm_tree}/requirements/kv_connectors.txt"
-    assert calls[1] == "uv pip install --system -e .[test]"
+    held = "--constraints runs/buildkite-77/torch-held.txt"
+    assert calls[0] == (
+        f"uv pip install --system {held} -r {vllm_tree}/requirements/kv_connectors.txt"
+    )
+    assert calls[1] == f"uv pip install --system {held} -e .[test]"
     assert calls[2].startswith("python3 -m pytest tests/test_upstream_parity.py -m index -k served")
     assert f"--epd-vllm-source {vllm_tree}" in calls[2]
     assert calls[3] == (
@@ -92,4 +109,43 @@ def test_on_cuda_12_the_nightly_installs_the_trees_cuda_12_connectors(tmp_path: 
     everywhere, over a CUDA 12 image's own."""
     done, calls, vllm_tree = run_nightly(tmp_path, cuda_major="12")
     assert done.returncode == 0, done.stderr
-    assert calls[0] == f"uv pip install --system -r {vllm_tree}/requirements/kv_connectors_cu12.txt"
+    assert calls[0] == (
+        "uv pip install --system --constraints runs/buildkite-77/torch-held.txt "
+        f"-r {vllm_tree}/requirements/kv_connectors_cu12.txt"
+    )
+
+
+def held_by(call: str, tree: Path) -> list[str] | None:
+    """The lines of the constraints file a recorded `uv pip install` passes (its path relative
+    to the harness tree, where the script runs), or None when it passes none."""
+    argv = call.split()
+    for flag in ("--constraint", "--constraints", "-c"):
+        if flag in argv:
+            held = tree / argv[argv.index(flag) + 1]
+            return sorted(line for line in held.read_text().splitlines() if line.strip())
+    return None
+
+
+def test_the_nightly_holds_the_images_torch_through_both_installs(tmp_path: Path) -> None:
+    """kv_connectors.txt (NIXL, lmcache) requires torch and the harness's own install resolves
+    again; nothing held the torch the image's vLLM was built with, so either could replace it
+    (another version, another CUDA build) and the night would test vLLM on a torch it was not
+    built for. Both installs now pass a constraints file naming the image's torch (and
+    torchvision, torchaudio where present), kept in the run's artifacts."""
+    done, calls, vllm_tree = run_nightly(tmp_path)
+    assert done.returncode == 0, done.stderr
+    connectors, harness = calls[0], calls[1]
+    assert connectors.endswith(f"-r {vllm_tree}/requirements/kv_connectors.txt"), connectors
+    assert harness.endswith("-e .[test]"), harness
+    for call in (connectors, harness):
+        assert held_by(call, tmp_path / "harness") == [
+            "torch==2.99.1+cu130",
+            "torchvision==0.99.1+cu130",
+        ], call
+
+
+def test_an_image_without_torch_stops_the_nightly_before_any_install(tmp_path: Path) -> None:
+    done, calls, _ = run_nightly(tmp_path, freeze="numpy==2.2.6\n")
+    assert done.returncode != 0
+    assert not [call for call in calls if call.startswith("uv pip install")], calls
+    assert "no torch in the image's Python" in done.stderr

@@ -289,13 +289,15 @@ INSTALL_STEP = "Install vLLM and the harness"
 NIXL_STEP = "NIXL as the served vLLM declares it"
 SOURCE_TREE_STEP = "vLLM's source tree"
 # Stand-ins for python3 (-m venv DIR), the venv's python (pip; the torch CUDA probe; vllm's
-# version) and uv (records its calls; installing vLLM puts the stand-in vLLM in the venv,
-# installing the harness its real CLI), and git (a checkout copies the sparse directories of
-# $FAKE_TREE). The harness's own `epd-harness upstream-requirement` runs for real.
+# version) and uv (`pip freeze` prints $FAKE_FREEZE, what the venv holds once vLLM is in;
+# otherwise records its calls; installing vLLM puts the stand-in vLLM in the venv, installing
+# the harness its real CLI), and git (a checkout copies the sparse directories of $FAKE_TREE).
+# The harness's own `epd-harness upstream-requirement` runs for real.
 FAKE_INSTALL_TOOLS = """#!/bin/bash
 case "$(basename "$0")" in
   python3) mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; cp "$0" "$3/bin/uv" ;;
   uv)
+    if [[ $1 == pip && $2 == freeze ]]; then printf '%s' "$FAKE_FREEZE"; exit 0; fi
     echo "uv $*" >> "$CALLS"
     if [[ " $* " == *" -e "* ]]; then ln -sf "$HARNESS_CLI" "$VENV/bin/epd-harness"
     elif [[ $* == *vllm* ]]; then ln -sf "$FAKE_VLLM" "$VENV/bin/vllm"; fi ;;
@@ -322,6 +324,12 @@ RELEASE_DECLARES = {
     "requirements/kv_connectors_cu12.txt": "nixl == 9.9.8\n",
 }
 TREE_DECLARES = {"requirements/kv_connectors.txt": "nixl == 9.9.7\n"}
+# What the venv holds once vLLM is installed: a made-up torch build (and its companions), so a
+# held version copied from anywhere else cannot pass for having been read from the venv.
+VENV_FREEZE = (
+    "numpy==2.2.6\ntorch==2.99.1+cu129\ntorchaudio==2.99.1+cu129\ntorchvision==0.99.1+cu129\n"
+)
+TORCH_HELD = ["torch==2.99.1+cu129", "torchaudio==2.99.1+cu129", "torchvision==0.99.1+cu129"]
 
 
 @dataclass(frozen=True)
@@ -338,6 +346,7 @@ def run_gpu_install(
     spec: str,
     version: str,
     release_declares: dict[str, str] = RELEASE_DECLARES,
+    venv_freeze: str = VENV_FREEZE,
 ) -> Installed:
     """The workflow's steps from the install to NIXL's (the kernels step left out), by bash, as
     Actions runs them (in order, $GITHUB_ENV carried into later steps), with the stand-ins
@@ -374,6 +383,7 @@ def run_gpu_install(
         "FAKE_CUDA_MAJOR": cuda_major,
         "FAKE_VLLM": str(served),
         "FAKE_VLLM_VERSION": version,
+        "FAKE_FREEZE": venv_freeze,
         "FAKE_TREE": str(tmp_path / "tree"),
         "HARNESS_CLI": str(harness_cli),
         "EPD_HARNESS_CACHE": str(cache),
@@ -405,6 +415,24 @@ def nixl_installs(installed: Installed) -> list[list[str]]:
     return [argv for argv in installed.uv_installs if any("nixl" in arg for arg in argv)]
 
 
+def held_by(argv: list[str]) -> list[str] | None:
+    """The requirement lines of the constraints file an install passes (uv's --constraint,
+    --constraints or -c), or None when it passes none."""
+    for flag in ("--constraint", "--constraints", "-c"):
+        if flag in argv:
+            lines = Path(argv[argv.index(flag) + 1]).read_text().splitlines()
+            return sorted(line.strip() for line in lines if line.strip())
+    return None
+
+
+def without_constraint(argv: list[str]) -> list[str]:
+    for flag in ("--constraint", "--constraints", "-c"):
+        if flag in argv:
+            at = argv.index(flag)
+            return argv[:at] + argv[at + 2 :]
+    return argv
+
+
 @pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])
 @pytest.mark.parametrize(
     "cuda_major, spec, version, expected",
@@ -425,10 +453,47 @@ def test_gpu_workflows_install_the_nixl_the_served_vllm_declares(
     installed = run_gpu_install(name, tmp_path, cuda_major, spec, version)
     assert installed.code == 0, installed.output
     venv_python = str(tmp_path / "venv" / "bin" / "python")
-    assert nixl_installs(installed) == [
+    assert [without_constraint(argv) for argv in nixl_installs(installed)] == [
         ["--python", venv_python, "--torch-backend=auto", expected]
     ], installed.uv_installs
     assert ["-e", ".[test]"] in [argv[-2:] for argv in installed.uv_installs]
+
+
+@pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])
+@pytest.mark.parametrize(
+    "venv_freeze, held",
+    [
+        (VENV_FREEZE, TORCH_HELD),
+        ("numpy==2.2.6\ntorch==2.98.0\n", ["torch==2.98.0"]),  # a PyPI build, no companions
+    ],
+    ids=["cuda-build-with-companions", "torch-alone"],
+)
+def test_gpu_workflows_hold_the_torch_vllm_was_installed_with(
+    name: str, tmp_path: Path, venv_freeze: str, held: list[str]
+) -> None:
+    """NIXL's packages (and lmcache beside them) require torch, and nothing held the torch the
+    served vLLM was installed with: a resolver could replace it, by another version or another
+    CUDA build, and the night would fail, or test a vLLM on a torch it was not built for. Every
+    install after vLLM's (the harness's and NIXL's) now passes a constraints file naming the
+    torch (and torchvision, torchaudio where present) the venv had, as vLLM's Dockerfile keeps
+    its torch_lib_versions.txt."""
+    installed = run_gpu_install(name, tmp_path, "12", "9.9.0", "9.9.0", venv_freeze=venv_freeze)
+    assert installed.code == 0, installed.output
+    vllm_install, *after = installed.uv_installs
+    assert "vllm==9.9.0" in vllm_install, installed.uv_installs
+    assert [argv[-1] for argv in after] == [".[test]", "nixl==9.9.8"], after
+    for argv in after:
+        assert held_by(argv) == held, argv
+
+
+@pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])
+def test_a_venv_without_torch_fails_the_install_naming_why(name: str, tmp_path: Path) -> None:
+    """Nothing to hold means vLLM's install did not bring torch: a night on it cannot serve."""
+    installed = run_gpu_install(
+        name, tmp_path, "12", "9.9.0", "9.9.0", venv_freeze="numpy==2.2.6\n"
+    )
+    assert installed.code != 0 and len(installed.uv_installs) == 1, installed.uv_installs
+    assert "no torch in the venv vLLM was installed into" in installed.output
 
 
 @pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])

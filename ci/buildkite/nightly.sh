@@ -21,6 +21,20 @@ upload() {
 }
 trap upload EXIT
 
+mkdir -p "runs/$run_name"
+
+# The image's torch (torchvision, torchaudio too where present), held through both installs
+# below, as vLLM's docker/Dockerfile keeps torch_lib_versions.txt: the KV connectors and the
+# harness's extras resolve again, and could swap it for another version or CUDA build than the
+# image's vLLM was built for. Kept with the run's artifacts.
+freeze=$(uv pip freeze --system)
+held=runs/$run_name/torch-held.txt
+grep -iE '^(torch|torchvision|torchaudio)==' <<< "$freeze" > "$held" || true
+if ! grep -qi '^torch==' "$held"; then
+    echo "nightly: no torch in the image's Python (uv pip freeze --system): nothing to hold" >&2
+    exit 1
+fi
+
 # The KV connectors (NIXL among them) as the tree declares them for torch's CUDA major, chosen
 # as vLLM's own install-kv-connectors.sh does: kv_connectors_cu12.txt on CUDA 12.
 connectors=$vllm_tree/requirements/kv_connectors.txt
@@ -29,10 +43,9 @@ if [[ $cuda_major == 12 && -f $vllm_tree/requirements/kv_connectors_cu12.txt ]];
     connectors=$vllm_tree/requirements/kv_connectors_cu12.txt
 fi
 if [[ -f $connectors ]]; then
-    uv pip install --system -r "$connectors"
+    uv pip install --system --constraints "$held" -r "$connectors"
 fi
-uv pip install --system -e ".[test]"
-mkdir -p "runs/$run_name"
+uv pip install --system --constraints "$held" -e ".[test]"
 
 parity=0
 python3 -m pytest tests/test_upstream_parity.py -m index -k served \
