@@ -648,3 +648,17 @@ def test_calibrations_computed_ahead_are_of_the_requests_each_load_then_sends(
     assert result_.calibration_source.startswith(
         "measured earlier in this session ahead of the loads to come"
     ), result_.calibration_source
+
+
+def test_a_calibration_the_baseline_did_not_answer_in_full_is_not_reused(tmp_path: Path) -> None:
+    """A baseline that failed a request of the calibration (it died, say) measured nothing
+    of batching for that request: the next load of the same measures its own."""
+    load, session = stand_in_load(tmp_path, requests=4, concurrency=2, dies_after=3)
+    sweep = load.sweep
+    requests = [("request 1", "ld-shared-a"), ("request 2", "ld-text")] * 2
+    failed = sweep.baseline.calibrate_batched(session, requests, 2)  # type: ignore[arg-type]
+    assert len(failed.changed) == 1  # the fourth found the stand-in dead
+    assert sweep.baseline.known_calibration(requests, 2) is None
+    session.dies_after = None
+    answered = sweep.baseline.calibrate_batched(session, requests, 2)  # type: ignore[arg-type]
+    assert sweep.baseline.known_calibration(requests, 2) is answered and not answered.changed

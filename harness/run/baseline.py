@@ -353,7 +353,10 @@ class BaselineAnswers:
             answers.append(BatchedAnswer(label, prompt, same, noise, detail))
         calibration = BatchCalibration(concurrency, tuple(answers), measured_for)
         self.calibrations.append(calibration)
-        self._calibrated[(tuple(requests), concurrency)] = calibration
+        if all(outcome.result is not None for _, _, outcome in outcomes):
+            # One the baseline failed to answer in full is this load's account only: the
+            # next load of the same requests measures its own.
+            self._calibrated[(tuple(requests), concurrency)] = calibration
         log.info("[baseline] %s", calibration.describe())
         return calibration
 
