@@ -33,6 +33,15 @@ EPD_BASELINE_PROMPTS = MIX
 SMALL_REQUESTS, SMALL_CONCURRENCY = 16, 8
 KILL_IN_FLIGHT = 32
 SOAK_S = 90.0
+# Each test's load, named on its `epd_load` mark too: the session measures every selected
+# load's batch calibration while its baseline serves (harness.testing.plugin), so no load
+# serves the baseline again for its own.
+SMALL_LOAD = LoadSpec("1E+1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY, ending=False)
+SMALL_STREAMED_LOAD = dataclasses.replace(SMALL_LOAD, stream=True)
+KV_DROPPED_LOAD = LoadSpec("1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY)
+TAIL_LOAD = LoadSpec("1E+1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY)
+DEATH_LOAD = LoadSpec("1E+1P+1D", KILL_IN_FLIGHT, KILL_IN_FLIGHT, kill="decode")
+SOAK_LOAD = LoadSpec("1E+1PD", SMALL_REQUESTS, SMALL_CONCURRENCY, duration_s=SOAK_S)
 
 
 @pytest.fixture(scope="session")
@@ -73,9 +82,9 @@ def assert_every_request_passed(result) -> None:
 
 @pytest.mark.ci
 @pytest.mark.epd_topology("1E+1P+1D")
+@pytest.mark.epd_load(SMALL_LOAD)
 def test_a_small_load_every_answer_its_own(load_sweep) -> None:
-    spec = LoadSpec("1E+1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY, ending=False)
-    result = run_load(load_sweep, spec, "small")
+    result = run_load(load_sweep, SMALL_LOAD, "small")
     assert len(result.results) == SMALL_REQUESTS
     assert_every_request_passed(result)
     assert result.stats is not None and result.stats.by_role.keys() >= {
@@ -88,9 +97,9 @@ def test_a_small_load_every_answer_its_own(load_sweep) -> None:
 
 @pytest.mark.ci
 @pytest.mark.epd_topology("1E+1P+1D")
+@pytest.mark.epd_load(SMALL_STREAMED_LOAD)
 def test_a_small_streamed_load_every_answer_its_own_and_framed(load_sweep) -> None:
-    spec = LoadSpec("1E+1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY, stream=True, ending=False)
-    result = run_load(load_sweep, spec, "small-streamed")
+    result = run_load(load_sweep, SMALL_STREAMED_LOAD, "small-streamed")
     assert len(result.results) == SMALL_REQUESTS
     assert_every_request_passed(result)
     assert all(r.outcome.stream is not None and r.outcome.stream.ok for r in result.results)
@@ -99,6 +108,7 @@ def test_a_small_streamed_load_every_answer_its_own_and_framed(load_sweep) -> No
 
 @pytest.mark.kv_connector("nixl")
 @pytest.mark.epd_topology("1P+1D")
+@pytest.mark.epd_load(KV_DROPPED_LOAD)
 def test_a_load_in_which_one_request_got_no_kv_fails_its_kv_account(load_sweep) -> None:
     """Under NIXL a request's KV evidence is D's p2p counter, one number for every request in
     flight: a request whose KV never moved can look covered by its neighbours' transfers. One
@@ -127,7 +137,7 @@ def test_a_load_in_which_one_request_got_no_kv_fails_its_kv_account(load_sweep) 
     try:
         result = run_load(
             load_sweep,
-            LoadSpec("1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY),
+            KV_DROPPED_LOAD,
             "kv-dropped",
             on_session=plant_in,
         )
@@ -154,12 +164,12 @@ def test_a_load_in_which_one_request_got_no_kv_fails_its_kv_account(load_sweep) 
 
 @pytest.mark.epd_ends_session
 @pytest.mark.epd_topology("1E+1P+1D")
+@pytest.mark.epd_load(TAIL_LOAD)
 def test_a_load_sends_the_decode_tail_prompt_as_its_connector_declares(load_sweep) -> None:
     """Media in D's recomputed tail kill D under ExampleConnector (declared): that request goes
     last, alone, ERROR as declared. Under NIXL, which moves the whole prompt, it is an ordinary
     request of the mix and MATCHes (the GPU nightly's case)."""
-    spec = LoadSpec("1E+1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY)
-    result = run_load(load_sweep, spec, "with-tail")
+    result = run_load(load_sweep, TAIL_LOAD, "with-tail")
     assert len(result.results) == SMALL_REQUESTS
     assert_every_request_passed(result)
     tail = [r for r in result.results if r.prompt == TAIL_PROMPT]
@@ -175,13 +185,13 @@ def test_a_load_sends_the_decode_tail_prompt_as_its_connector_declares(load_swee
 
 @pytest.mark.epd_ends_session
 @pytest.mark.epd_topology("1E+1P+1D")
+@pytest.mark.epd_load(DEATH_LOAD)
 def test_death_under_load_ends_every_request_naming_d(load_sweep) -> None:
     import psutil
 
     from harness.serve.launch import is_live_process
 
-    spec = LoadSpec("1E+1P+1D", KILL_IN_FLIGHT, KILL_IN_FLIGHT, kill="decode")
-    result = run_load(load_sweep, spec, "death")
+    result = run_load(load_sweep, DEATH_LOAD, "death")
     assert result.killed is not None and result.killed.endswith("decode0"), result.problems
     assert len(result.results) == KILL_IN_FLIGHT
     assert all(r.record.verdict is Verdict.ERROR for r in result.results)
@@ -199,8 +209,8 @@ def test_death_under_load_ends_every_request_naming_d(load_sweep) -> None:
 
 
 @pytest.mark.epd_topology("1E+1PD")
+@pytest.mark.epd_load(SOAK_LOAD)
 def test_a_short_soak_stays_within_its_bounds(load_sweep) -> None:
-    spec = LoadSpec("1E+1PD", SMALL_REQUESTS, SMALL_CONCURRENCY, duration_s=SOAK_S)
-    result = run_load(load_sweep, spec, "soak")
+    result = run_load(load_sweep, SOAK_LOAD, "soak")
     assert result.rounds >= 2
     assert_every_request_passed(result)

@@ -4,6 +4,7 @@ statistics and bounds, and the load's handling of a death (a stand-in session: p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -286,6 +287,8 @@ class StandIn:
     """What a load needs of a session, answering from a table: a prompt's baseline answer,
     another prompt's on cue, or nothing once `dies_after` requests were answered."""
 
+    servers: tuple = ()  # no process to sample, where a test lets it pass for a TopologySession
+
     def __init__(
         self, answers: dict[str, ChatResult], settings: RunSettings, swap=None, dies_after=None
     ):
@@ -339,7 +342,11 @@ class NixlStandIn(StandIn):
 
 
 def stand_in_load(
-    tmp_path: Path, requests: int, session_type: type[StandIn] = StandIn, **stand_in: Any
+    tmp_path: Path,
+    requests: int,
+    session_type: type[StandIn] = StandIn,
+    concurrency: int = 1,
+    **stand_in: Any,
 ) -> tuple[LoadRun, StandIn]:
     nixl = session_type is NixlStandIn
     serving = ServingConfig(
@@ -362,7 +369,7 @@ def stand_in_load(
     session = session_type(answers, settings, **stand_in)
     sweep.pool.session = lambda topology, settings=None, devices=None: session  # type: ignore[method-assign]
     topology = "1P+1D" if nixl else "1E+1PD"
-    spec = LoadSpec(topology, requests=requests, concurrency=1, distinct_media=3)
+    spec = LoadSpec(topology, requests=requests, concurrency=concurrency, distinct_media=3)
     return LoadRun(spec, sweep, on_progress=lambda _: None), session
 
 
@@ -563,3 +570,95 @@ def test_a_kept_baseline_is_stopped_all_the_same_where_workers_share_devices(
     load.keep_baseline = True
     load._calibrate([])
     assert stopped == released
+
+
+def baseline_asked(load: LoadRun, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The topologies the load asks its pool for, recorded (the stand-in answers as both)."""
+    import harness.run.load as load_module
+
+    monkeypatch.setattr(load_module, "TopologySession", StandIn)  # the baseline's type check
+    asked: list[str] = []
+    serve = load.sweep.pool.session
+
+    def session(topology, settings=None, devices=None):
+        asked.append(topology.name)
+        return serve(topology, settings, devices)
+
+    monkeypatch.setattr(load.sweep.pool, "session", session)
+    return asked
+
+
+def test_a_load_of_requests_calibrated_at_its_concurrency_serves_no_baseline_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A calibration is the baseline's behaviour under the load's requests at its
+    concurrency, whatever the topology: a second load of the same reads the first's (on 2
+    GPUs or 1 each load stopped its topology to serve the baseline again), and says so in
+    its account; another concurrency is measured for itself."""
+    first, _ = stand_in_load(tmp_path, requests=6, concurrency=3)
+    asked = baseline_asked(first, monkeypatch)
+    measured = first.run().calibration
+    assert asked == ["baseline", "1E+1PD"] and measured is not None
+    assert measured.concurrency == 3 and len(measured.answers) == 6
+    account = json.loads((tmp_path / "load.json").read_text())
+    assert account["calibration"]["source"] == "measured now, for this load"
+
+    again = LoadRun(first.spec, first.sweep, on_progress=lambda _: None)
+    asked.clear()
+    result_ = again.run()
+    assert asked == ["1E+1PD"], "the baseline was served again for the same calibration"
+    assert result_.calibration is measured and result_.passed
+    source = json.loads((tmp_path / "load.json").read_text())["calibration"]["source"]
+    assert source == (
+        "measured earlier in this session for a load on 1E+1PD (the same 6 requests at "
+        "concurrency 3), not again"
+    )
+    assert f"batch numerics: {measured.describe()}; {source}" in (tmp_path / "load.md").read_text()
+
+    other = dataclasses.replace(first.spec, concurrency=2)
+    asked.clear()
+    calibration = LoadRun(other, first.sweep, on_progress=lambda _: None).run().calibration
+    assert asked == ["baseline", "1E+1PD"] and calibration is not None
+    assert calibration.concurrency == 2
+
+
+def test_calibrations_computed_ahead_are_of_the_requests_each_load_then_sends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a pytest session does as its baseline stops (`calibrate_ahead`, for the loads to
+    come): each distinct (requests, concurrency) once, none for a load of one request at a
+    time; the load then finds its own among them and serves no baseline."""
+    from harness.run.load import calibrate_ahead
+
+    load, session = stand_in_load(tmp_path, requests=6, concurrency=3)
+    sweep = load.sweep
+    specs = [
+        load.spec,
+        dataclasses.replace(load.spec, topology="1E+1P+1D", stream=True),  # the same requests
+        dataclasses.replace(load.spec, requests=5),
+        dataclasses.replace(load.spec, concurrency=1),  # never calibrated
+    ]
+    measured = calibrate_ahead(specs, sweep.baseline, sweep.settings.serving, session)  # type: ignore[arg-type]
+    assert measured == 2 and session.calls == 6 + 5
+    assert calibrate_ahead(specs, sweep.baseline, sweep.settings.serving, session) == 0  # type: ignore[arg-type]
+    asked = baseline_asked(load, monkeypatch)
+    result_ = load.run()
+    assert asked == ["1E+1PD"], asked
+    assert result_.calibration is not None and result_.calibration_source is not None
+    assert result_.calibration_source.startswith(
+        "measured earlier in this session ahead of the loads to come"
+    ), result_.calibration_source
+
+
+def test_a_calibration_the_baseline_did_not_answer_in_full_is_not_reused(tmp_path: Path) -> None:
+    """A baseline that failed a request of the calibration (it died, say) measured nothing
+    of batching for that request: the next load of the same measures its own."""
+    load, session = stand_in_load(tmp_path, requests=4, concurrency=2, dies_after=3)
+    sweep = load.sweep
+    requests = [("request 1", "ld-shared-a"), ("request 2", "ld-text")] * 2
+    failed = sweep.baseline.calibrate_batched(session, requests, 2)  # type: ignore[arg-type]
+    assert len(failed.changed) == 1  # the fourth found the stand-in dead
+    assert sweep.baseline.known_calibration(requests, 2) is None
+    session.dies_after = None
+    answered = sweep.baseline.calibrate_batched(session, requests, 2)  # type: ignore[arg-type]
+    assert sweep.baseline.known_calibration(requests, 2) is answered and not answered.changed

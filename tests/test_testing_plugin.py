@@ -442,3 +442,76 @@ def test_epd_topology_shrinks_the_session_plan_to_what_was_asked_and_its_referen
     selected items run, the baseline, and 1P+1D for 1E+1P+1D (its exact reference)."""
     waves = session_plan(pytester, (0, 1, 2, 3), "--epd-platform", "cuda", "--epd-topology", wanted)
     assert {name: devices for wave in waves for name, devices in wave.items()} == planned
+
+
+LOADS = """
+import pytest
+
+from harness.spec.load import LoadSpec
+
+pytestmark = pytest.mark.e2e
+
+SOAK = LoadSpec("1E+1PD", 16, 8, duration_s=90.0)
+SMALL = LoadSpec("1E+1P+1D", 16, 8)
+DEATH = LoadSpec("1E+1P+1D", 32, 32, kill="decode")
+
+@pytest.mark.parametrize("topology", ["1E+1PD", "1P+1D"])
+def test_sweep_case(topology):
+    pass
+
+@pytest.mark.epd_topology("1E+1P+1D")
+@pytest.mark.epd_load(DEATH)
+@pytest.mark.epd_ends_session
+def test_death():
+    pass
+
+@pytest.mark.epd_topology("1E+1P+1D")
+@pytest.mark.epd_load(SMALL)
+def test_small():
+    pass
+
+@pytest.mark.epd_topology("1E+1PD")
+@pytest.mark.epd_load(SOAK)
+def test_soak():
+    pass
+"""
+
+
+def test_the_loads_to_come_are_known_from_any_item_on_in_the_order_they_run(
+    pytester: pytest.Pytester,
+) -> None:
+    """What the session's baseline measures before it stops (`calibrate_loads_before`): the
+    loads from the item running on; under several xdist workers only its xdist group's, whose
+    items this worker runs (another worker's loads are measured in their own process)."""
+    from harness.testing import plugin
+
+    pytester.makeconftest(CONFTEST)
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    pytester.makepyfile(test_loads=LOADS)
+    run = pytester.inline_run("--collect-only", "-p", "no:cacheprovider", "--epd-platform", "cuda")
+    [finished] = run.getcalls("pytest_collection_finish")
+    items = {item.name: item for item in finished.session.items}
+    config = items["test_soak"].config
+
+    def to_come(current: str, workers: int) -> list[tuple[str, int]]:
+        config.stash[plugin.CURRENT_ITEM_KEY] = items[current].nodeid
+        return [(s.topology, s.requests) for s in plugin.loads_to_come(config, workers)]
+
+    every = [("1E+1PD", 16), ("1E+1P+1D", 16), ("1E+1P+1D", 32)]  # death ends its session
+    assert to_come("test_sweep_case[1E+1PD]", 1) == every
+    assert to_come("test_soak", 1) == every
+    assert to_come("test_sweep_case[1P+1D]", 1) == every[1:]
+    assert to_come("test_death", 1) == every[2:]
+    assert to_come("test_sweep_case[1E+1PD]", 2) == every[:1]  # 1P+1D's group: another worker
+    assert to_come("test_sweep_case[1P+1D]", 2) == every[1:]
+
+
+def test_a_load_mark_on_an_item_of_another_topology_is_refused(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makeconftest(CONFTEST)
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    pytester.makepyfile(test_loads=LOADS.replace('@pytest.mark.epd_topology("1E+1PD")\n', ""))
+    run = pytester.runpytest("--collect-only", "-p", "no:cacheprovider")
+    assert run.ret == pytest.ExitCode.USAGE_ERROR
+    run.stderr.fnmatch_lines(["*test_soak: epd_load's load runs on 1E+1PD, the item on baseline*"])

@@ -52,6 +52,12 @@ class BatchedAnswer:
     detail: str
 
 
+# What a calibration measured: the requests ((label, prompt), in the order a load sends them)
+# and how many went at once. It depends on nothing else the load does (not the topology under
+# test, not whether the load streams): the baseline answers them, as `calibrate_batched` sends.
+CalibrationKey = tuple[tuple[tuple[str, str], ...], int]
+
+
 @dataclass(frozen=True)
 class BatchCalibration:
     """The baseline itself under a load's traffic: the same requests at the same concurrency,
@@ -60,6 +66,7 @@ class BatchCalibration:
 
     concurrency: int
     answers: tuple[BatchedAnswer, ...]
+    measured_for: str = ""  # why it was measured when it was ("the load on 1E+1P+1D", ...)
 
     @property
     def noise_floor(self) -> float:
@@ -105,6 +112,9 @@ class BaselineAnswers:
         self.outcomes: dict[str, Outcome] = {}
         self.stability: dict[str, Stability] = {}
         self.calibrations: list[BatchCalibration] = []
+        # Each calibration by what it measured: a second load of the same requests at the
+        # same concurrency reads it instead of serving the baseline again (`known_calibration`).
+        self._calibrated: dict[CalibrationKey, BatchCalibration] = {}
         # The requests the batched pass measures (None: all): the floor is one number for
         # the run, so the sweep's own prompts measure it and the scenarios' many others only
         # get their determinism control.
@@ -305,16 +315,25 @@ class BaselineAnswers:
                 other.result()
         return batched
 
+    def known_calibration(
+        self, requests: Sequence[tuple[str, str]], concurrency: int
+    ) -> BatchCalibration | None:
+        """The calibration of exactly these requests at this concurrency, if one was measured
+        on this baseline already (earlier in this run or pytest process), else None."""
+        return self._calibrated.get((tuple(requests), concurrency))
+
     def calibrate_batched(
         self,
         session: TopologySession,
         requests: Sequence[tuple[str, str]],
         concurrency: int,
+        measured_for: str = "",
     ) -> BatchCalibration:
         """`requests` ((label, prompt), each prompt answered already) sent to the running
         baseline `concurrency` at a time, as a load sends them; each answer compared with the
         prompt's answer alone (`batch_shape_noise`). Kept for the judging of batched answers
-        (`batched_noise_floor`)."""
+        (`batched_noise_floor`), and for a later load of the same requests at the same
+        concurrency (`known_calibration`); `measured_for` says what it was measured for."""
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
             sent = [
                 (label, prompt, pool.submit(session.send, prompt, self.bodies[prompt]))
@@ -332,8 +351,12 @@ class BaselineAnswers:
                 and outcome.result.prompt_token_ids == alone.result.prompt_token_ids
             )
             answers.append(BatchedAnswer(label, prompt, same, noise, detail))
-        calibration = BatchCalibration(concurrency, tuple(answers))
+        calibration = BatchCalibration(concurrency, tuple(answers), measured_for)
         self.calibrations.append(calibration)
+        if all(outcome.result is not None for _, _, outcome in outcomes):
+            # One the baseline failed to answer in full is this load's account only: the
+            # next load of the same requests measures its own.
+            self._calibrated[(tuple(requests), concurrency)] = calibration
         log.info("[baseline] %s", calibration.describe())
         return calibration
 

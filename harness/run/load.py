@@ -6,10 +6,14 @@ and then, when requests go out more than one at a time, the same requests once m
 load's concurrency: whether batching changes the baseline's own answers on this platform is
 measured there, and the log-prob noise it shows is the tolerance the drift rule gives batched
 answers (`harness.judge.policy`: a batched answer may DRIFT within that floor, so where it is
-0 every comparison stays exact). Then the topology serves the plan (`harness.spec.load`), at
-most `concurrency` requests in flight; each answer is observed (its transfer guards read at
-once) and judged on the run's one judging path, with the answers of the other prompts, so an
-answer that belongs to another request is named ("request 17 received request 4's answer").
+0 every comparison stays exact). A calibration depends on the requests and the concurrency
+only, not on the topology: measured once per baseline, it is every later load's of the same
+(`BaselineAnswers.known_calibration`), and a pytest session measures its loads' while its
+baseline serves (`calibrate_ahead`); the load's account says which. Then the topology serves
+the plan (`harness.spec.load`), at most `concurrency` requests in flight; each answer is
+observed (its transfer guards read at once) and judged on the run's one judging path, with
+the answers of the other prompts, so an answer that belongs to another request is named
+("request 17 received request 4's answer").
 
 What the load does when an instance dies: a prompt declared to end an instance on this
 topology (media in the part D recomputes, under ExampleConnector) is sent after all others,
@@ -36,7 +40,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +60,7 @@ from harness.report.load import (
     load_stats,
     stats_json,
 )
-from harness.run.baseline import BatchCalibration
+from harness.run.baseline import BaselineAnswers, BatchCalibration
 from harness.run.faults import kill_instance
 from harness.run.judging import Observed, observe
 from harness.run.scenarios import get_scenario
@@ -71,10 +75,11 @@ from harness.spec.load import (
     MediaPlacement,
     PlannedRequest,
     Region,
+    load_mix,
     media_placement,
     plan_requests,
 )
-from harness.spec.topology import TOPOLOGIES, Role, Topology
+from harness.spec.topology import TOPOLOGIES, Role, ServingConfig, Topology
 
 DECODE_TAIL_SCENARIO = "epd-media-in-decode-tail"
 KILL_WAIT_S = 300.0  # how long a planted kill waits for every request to be in flight
@@ -92,6 +97,7 @@ class LoadResult:
     samples: list[ResourceSample] = field(default_factory=list)
     placements: dict[str, MediaPlacement] = field(default_factory=dict)
     calibration: BatchCalibration | None = None
+    calibration_source: str | None = None  # measured now, or earlier in the session for what
     rounds: int = 0
     ended_by: str | None = None  # the death that ended the load early (its first line)
     killed: str | None = None  # the instance a planted kill ended
@@ -140,6 +146,109 @@ def decode_tail_failure(topology: Topology, kv_connector: str) -> DeclaredFailur
     return get_scenario(DECODE_TAIL_SCENARIO).for_kv_connector(kv_connector).declared
 
 
+@dataclass(frozen=True)
+class LoadPlan:
+    """What a load sends, decided from the baseline's answers before anything is sent: where
+    each prompt's media end, the failure each is declared to have on the topology, the
+    requests (those declared to end an instance last, alone) and why a prompt was left out."""
+
+    placements: dict[str, MediaPlacement]
+    declared: dict[str, DeclaredFailure | None]
+    requests: tuple[PlannedRequest, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def regular(self) -> list[PlannedRequest]:
+        """The requests of a round (what the baseline's calibration sends too)."""
+        return [r for r in self.requests if not r.alone]
+
+
+def plan_load(
+    spec: LoadSpec, prompts: Sequence[str], baseline: BaselineAnswers, serving: ServingConfig
+) -> LoadPlan:
+    """The plan of `spec` over `prompts` (each answered by `baseline`), under `serving`'s
+    model, block size and KV connector: the one place a load's requests are decided, so a
+    calibration computed ahead of a load (`calibrate_ahead`) is of the requests it sends."""
+    topology = TOPOLOGIES[spec.topology]
+    media_ids = media_token_ids(serving.model)
+    placements = {}
+    for prompt in prompts:
+        answer = baseline.outcomes[prompt].result
+        if answer is not None and media_ids:
+            placements[prompt] = media_placement(
+                answer.prompt_token_ids, media_ids, serving.block_size
+            )
+    declared = {
+        prompt: decode_tail_failure(topology, serving.kv_connector)
+        if prompt in placements and placements[prompt].region is Region.DECODE_TAIL
+        else None
+        for prompt in prompts
+    }
+    ending = {p for p, d in declared.items() if d is not None and d.verdict == "ERROR"}
+    sent = list(prompts)
+    notes = []
+    left_out = spec.duration_s is not None or spec.kill is not None
+    too_few = spec.requests < len(ending) + 1
+    if ending and (left_out or too_few or not spec.ending):
+        # A soak measures resources over time and a planted death its own cause: a request
+        # that ends D by a declared failure would cut either short. Too few requests to send
+        # it last as well as one of the others: the others come first.
+        sent = [p for p in sent if p not in ending]
+        why = (
+            f"{spec.requests} request(s) leave no room for it"
+            if too_few and not left_out
+            else "a plain load sends it last"
+        )
+        notes.append(
+            f"not in this load: {', '.join(sorted(ending))} (declared to end an instance "
+            f"on {topology.name}; {why})"
+        )
+        ending = set()
+    requests = plan_requests(sent, spec.requests, frozenset(ending))
+    return LoadPlan(placements, declared, tuple(requests), tuple(notes))
+
+
+def calibrate_ahead(
+    specs: Sequence[LoadSpec],
+    baseline: BaselineAnswers,
+    serving: ServingConfig,
+    session: TopologySession,
+    say: Callable[[str], None] = log.info,
+) -> int:
+    """The batch calibration each load of `specs` will need, measured now on the running
+    baseline `session` unless one of the same requests at the same concurrency is known
+    already; how many were measured. A calibration is the baseline's own behaviour under a
+    load's traffic, whatever topology the load then serves: a pytest session computes its
+    loads' calibrations while the baseline serves, before it stops. Where every device the
+    baseline could take is a topology's (2 GPUs, 1), each load served it again for its own,
+    stopping its topology and starting it again after. A load's prompts are its mix
+    (`load_mix(spec.distinct_media)`), as its sweep's; one whose prompts the baseline has not
+    answered is left to measure its own."""
+    measured = 0
+    for spec in specs:
+        if spec.concurrency <= 1:
+            continue
+        prompts = [p.name for p in load_mix(spec.distinct_media) if p.name in baseline.bodies]
+        if not prompts or any(p not in baseline.outcomes for p in prompts):
+            continue
+        regular = plan_load(spec, prompts, baseline, serving).regular
+        requests = [(r.name, r.prompt) for r in regular]
+        if baseline.known_calibration(requests, spec.concurrency) is not None:
+            continue
+        say(
+            f"[load] ahead of a load on {spec.topology}: the baseline answers its "
+            f"{len(requests)} requests at concurrency {spec.concurrency} before it stops"
+        )
+        baseline.calibrate_batched(
+            session,
+            requests,
+            spec.concurrency,
+            "ahead of the loads to come, while the baseline served before it stopped",
+        )
+        measured += 1
+    return measured
+
+
 class LoadRun:
     """One load on a sweep's baseline and pool (its judging path and its artifacts)."""
 
@@ -157,8 +266,9 @@ class LoadRun:
         workers share devices: there it is stopped all the same (`workers_share_devices`).
         `on_session`: called with the topology's session the load's requests go to, before
         the first (a test plants a fault there). A session opened before the load may not be
-        that one: where the baseline's device is one of the topology's (2 GPUs, or 1), the
-        calibration stops the topology, and the load starts it again."""
+        that one: where the baseline's device is one of the topology's (2 GPUs, or 1), a
+        calibration measured by the load itself (none was computed ahead of it) stops the
+        topology, and the load starts it again."""
         self.spec = spec
         self.sweep = sweep
         self.topology = TOPOLOGIES[spec.topology]
@@ -178,29 +288,14 @@ class LoadRun:
         """Baseline (and its batch calibration), then the topology's rounds, then the requests
         that must go alone; the account is rewritten as it grows."""
         self.sweep.serve_baseline()
-        self._place_media()
-        declared = {prompt: self._declared(prompt) for prompt in self.prompts}
-        ending = {p for p, d in declared.items() if d is not None and d.verdict == "ERROR"}
-        prompts = list(self.prompts)
-        left_out = self.spec.duration_s is not None or self.spec.kill is not None
-        too_few = self.spec.requests < len(ending) + 1
-        if ending and (left_out or too_few or not self.spec.ending):
-            # A soak measures resources over time and a planted death its own cause: a
-            # request that ends D by a declared failure would cut either short. Too few
-            # requests to send it last as well as one of the others: the others come first.
-            prompts = [p for p in prompts if p not in ending]
-            why = (
-                f"{self.spec.requests} request(s) leave no room for it"
-                if too_few and not left_out
-                else "a plain load sends it last"
-            )
-            self.notes.append(
-                f"not in this load: {', '.join(sorted(ending))} (declared to end an instance "
-                f"on {self.topology.name}; {why})"
-            )
-            ending = set()
-        plan = plan_requests(prompts, self.spec.requests, frozenset(ending))
-        regular = [r for r in plan if not r.alone]
+        planned = plan_load(
+            self.spec, self.prompts, self.sweep.baseline, self.sweep.settings.serving
+        )
+        self.result.placements = dict(planned.placements)
+        self.notes += planned.notes
+        declared = planned.declared
+        plan = list(planned.requests)
+        regular = planned.regular
         if self.spec.concurrency > 1:
             self._calibrate(regular)
         try:
@@ -223,38 +318,36 @@ class LoadRun:
             self._finish()
         return self.result
 
-    def _place_media(self) -> None:
-        """Where each prompt's media end, read from the baseline's prompt ids."""
-        media_ids = media_token_ids(self.sweep.settings.serving.model)
-        block = self.sweep.settings.serving.block_size
-        for prompt in self.prompts:
-            answer = self.sweep.baseline.outcomes[prompt].result
-            if answer is not None and media_ids:
-                self.result.placements[prompt] = media_placement(
-                    answer.prompt_token_ids, media_ids, block
-                )
-
     def _region(self, prompt: str) -> str:
         placement = self.result.placements.get(prompt)
         return placement.region.value if placement else "unknown"
 
-    def _declared(self, prompt: str) -> DeclaredFailure | None:
-        placement = self.result.placements.get(prompt)
-        if placement is None or placement.region is not Region.DECODE_TAIL:
-            return None
-        return decode_tail_failure(self.topology, self.sweep.settings.serving.kv_connector)
-
     def _calibrate(self, regular: list[PlannedRequest]) -> None:
-        """The baseline under the same traffic: batch numerics measured, not assumed."""
+        """The baseline under the same traffic: batch numerics measured, not assumed. Measured
+        once per (requests, concurrency) on a baseline: a calibration measured earlier (for
+        another load of the same requests, or ahead of this one while the baseline served:
+        `calibrate_ahead`) is this load's too, and the baseline is not served again for it."""
+        requests = [(r.name, r.prompt) for r in regular]
+        concurrency = self.spec.concurrency
+        known = self.sweep.baseline.known_calibration(requests, concurrency)
+        if known is not None:
+            self.result.calibration = known
+            self.result.calibration_source = (
+                f"measured earlier in this session {known.measured_for} (the same "
+                f"{len(requests)} requests at concurrency {concurrency}), not again"
+            )
+            self.say(f"[load] the baseline's batch numerics: {self.result.calibration_source}")
+            return
         baseline = self.sweep.pool.session(BASELINE)
         assert isinstance(baseline, TopologySession)
         self.say(
             f"[load] the baseline answers the {len(regular)} requests at concurrency "
-            f"{self.spec.concurrency}: does batching change its answers?"
+            f"{concurrency}: does batching change its answers?"
         )
         self.result.calibration = self.sweep.baseline.calibrate_batched(
-            baseline, [(r.name, r.prompt) for r in regular], self.spec.concurrency
+            baseline, requests, concurrency, f"for a load on {self.topology.name}"
         )
+        self.result.calibration_source = "measured now, for this load"
         # Kept up, the baseline would hold its device for this worker's whole session, and
         # every other worker's calibration would wait for it (found in review: the 8-GPU
         # night's loads run one after another).
@@ -583,7 +676,9 @@ class LoadRun:
         result = self.result
         notes = list(self.notes)
         if result.calibration is not None:
-            notes.append(f"batch numerics: {result.calibration.describe()}")
+            notes.append(
+                f"batch numerics: {result.calibration.describe()}; {result.calibration_source}"
+            )
         if result.killed is not None and result.killed_at_s is not None:
             ends = [r.ended_s - result.killed_at_s for r in result.results if not r.not_sent]
             held = "" if result.problems else "; every request ended ERROR naming it, as it must"
@@ -652,6 +747,7 @@ class LoadRun:
                 "noise_floor_nats": result.calibration.noise_floor,
                 "changed": [a.__dict__ for a in result.calibration.changed],
                 "describe": result.calibration.describe(),
+                "source": result.calibration_source,
             },
             "rounds": result.rounds,
             "ended_by": result.ended_by,

@@ -62,6 +62,10 @@ LATER_SWEEPS = "EPD_LATER_SWEEPS"
 # against); module name -> what that function made (or raised), once per session.
 LATER_SWEEP_MAKERS_KEY = pytest.StashKey[dict]()
 LATER_SWEEPS_KEY = pytest.StashKey[dict]()
+# Node id -> the LoadSpec of every selected item marked `epd_load(spec)`; the node id of the
+# item running now (what is still to come is read from the queue after it).
+LOAD_SPECS_KEY = pytest.StashKey[dict]()
+CURRENT_ITEM_KEY = pytest.StashKey[str]()
 RUN_ROOT_KEY = pytest.StashKey[str]()
 E2E_QUEUE_KEY = pytest.StashKey["E2eQueue"]()
 # Instances (topology, variant) a group's end left running for a later item of its xdist group.
@@ -115,6 +119,11 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers", "epd_ends_session: the item stops or breaks its session: run it last"
+    )
+    config.addinivalue_line(
+        "markers",
+        "epd_load(spec): the item runs this load (harness.spec.load.LoadSpec) on the session's "
+        "pool: its batch calibration is measured while the session's baseline serves",
     )
     config.addinivalue_line(
         "markers",
@@ -280,6 +289,78 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             needed.setdefault(prompt.name, prompt)
     config.stash[PROMPTS_KEY] = tuple(needed.values())
     config.stash[LATER_SWEEP_MAKERS_KEY] = later_sweep_makers(items)
+    config.stash[LOAD_SPECS_KEY] = load_specs(items)
+
+
+def load_specs(items: list[pytest.Item]) -> dict[str, Any]:
+    """The LoadSpec of each item marked `epd_load(spec)`, by node id; a mark without one, or
+    whose topology is not the item's, is a usage error (its calibration would be of another
+    load's requests, or of none)."""
+    from harness.spec.load import LoadSpec
+
+    specs = {}
+    for item in items:
+        marker = item.get_closest_marker("epd_load")
+        if marker is None:
+            continue
+        spec = marker.args[0] if len(marker.args) == 1 and not marker.kwargs else None
+        group = epd_group(item)
+        if not isinstance(spec, LoadSpec):
+            raise pytest.UsageError(f"{item.nodeid}: epd_load takes one LoadSpec")
+        if group is None or group.topology != spec.topology:
+            raise pytest.UsageError(
+                f"{item.nodeid}: epd_load's load runs on {spec.topology}, the item on "
+                f"{group.topology if group else 'no topology (not e2e)'}"
+            )
+        specs[item.nodeid] = spec
+    return specs
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The item running now, from its fixtures' setup on (one may stop the baseline)."""
+    item.config.stash[CURRENT_ITEM_KEY] = item.nodeid
+
+
+def loads_to_come(config: pytest.Config, workers: int) -> list[Any]:
+    """The LoadSpecs of the selected loads from the item running now on, in the order they
+    run. Under several xdist workers only its xdist group's: which groups a worker gets next
+    is not known here, and another worker's loads are measured in its own process."""
+    queue = config.stash.get(E2E_QUEUE_KEY, None)
+    specs = config.stash.get(LOAD_SPECS_KEY, {})
+    current = config.stash.get(CURRENT_ITEM_KEY, None)
+    if queue is None or current is None or not specs:
+        return []
+    return [specs[node] for node in queue.from_item(current, workers > 1) if node in specs]
+
+
+def calibrate_loads_before(config: pytest.Config, sweep) -> Callable:
+    """The pool's before-stop callback that, as the session's baseline is about to stop,
+    measures the batch calibrations of the loads still to come (`calibrate_ahead`), so that
+    none serves the baseline again for its own. Where every device the baseline could take is
+    a topology's (2 GPUs, 1), each load stopped its topology to serve the baseline, then
+    started the topology again: on the GitHub nightly's small rows 1E+1P+1D six times and the
+    baseline eight (seen with the fake vLLM). A calibration that fails here is left to its
+    load to measure (and fail there, where it is judged); the stop goes on."""
+
+    def before_stop(session) -> None:
+        if (
+            not session.topology.is_baseline
+            or session.settings.serving != sweep.settings.serving
+            or session.settings.launcher != sweep.settings.launcher
+        ):
+            return
+        specs = loads_to_come(config, sweep.settings.workers)
+        if not specs:
+            return
+        from harness.run.load import calibrate_ahead
+
+        try:
+            calibrate_ahead(specs, sweep.baseline, sweep.settings.serving, session, say=print)
+        except Exception as exc:  # noqa: BLE001 - each load measures its own instead
+            print(f"[load] calibrating ahead of the loads failed ({exc}); each measures its own")
+
+    return before_stop
 
 
 def later_sweep_makers(items: list[pytest.Item]) -> dict[str, tuple[Callable, frozenset]]:
@@ -374,6 +455,19 @@ class E2eQueue:
             if group is not None and not owns_instances(item):  # it needs nothing running
                 order.append((item.nodeid, marker.args[0] if marker else "", group))
         return cls(tuple(order))
+
+    def from_item(self, nodeid: str, same_xdist_group: bool) -> list[str]:
+        """The node ids from `nodeid` on, itself first, in the order they run (only its xdist
+        group's with `same_xdist_group`); none when `nodeid` is not an e2e item of the pool."""
+        position = next((n for n, (node, _, _) in enumerate(self.order) if node == nodeid), None)
+        if position is None:
+            return []
+        xdist_group = self.order[position][1]
+        return [
+            node
+            for node, later_xdist_group, _ in self.order[position:]
+            if not same_xdist_group or later_xdist_group == xdist_group
+        ]
 
     def needed_after(self, nodeid: str) -> set[tuple[str, str]]:
         """The instances (topology, variant) that the items after `nodeid` in its xdist group
@@ -723,6 +817,7 @@ def epd_sweep(pytestconfig: pytest.Config, epd_config, epd_pool, epd_events):
     )
     pytestconfig.stash[SWEEP_KEY] = sweep
     epd_pool.before_stop(make_later_sweeps_before(pytestconfig, sweep, epd_events))
+    epd_pool.before_stop(calibrate_loads_before(pytestconfig, sweep))
     # The plan, placed in the pool now: a scenario that asks the pool for its topology
     # directly (a load's, a live one's) may come before any that the sweep serves.
     sweep.schedule()
