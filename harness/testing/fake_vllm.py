@@ -3,7 +3,8 @@
 Serving (the default), it is a `vllm serve` look-alike on a real port
 (`harness.testing.fake_vllm_server`, written out as the executable): it reads the flags it
 needs, ignores the rest and rejects `--no-such-*` flags with vLLM's parser error; it serves
-`/health`, `/metrics` and chat completions with token ids, and moves embeddings and KV between
+`/health`, `/metrics` and chat completions with token ids (as server-sent events, the
+chunks vLLM 0.32 streams, for a `stream: true` body), and moves embeddings and KV between
 its instances the way vLLM's connectors do, leaving the evidence the transfer guards read only
 when the transfer really happened (that module says how); and it misbehaves on cue. The cue is
 the environment variable `FAKE_VLLM_MODE="<who>:<mode>[=<seconds>];..."`, where <who> is a role

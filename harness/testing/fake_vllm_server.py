@@ -400,6 +400,58 @@ def monolithic_answer(body: dict) -> tuple[list[int], list[int]]:
     return ids, generated_ids(rows, int(body.get("max_tokens") or 4))
 
 
+def stream_events(answer: dict, body: dict) -> list[bytes]:
+    """`answer` (what `Engine.chat` answers unstreamed) as the server-sent events vLLM 0.32
+    streams for a `stream: true` body (`chat_completion_stream_generator` in
+    vllm/entrypoints/openai/chat_completion/serving.py, each chunk dumped with
+    `exclude_unset`): a role chunk (with `prompt_token_ids` under `return_token_ids`), one
+    chunk per generated token (its `token_ids` and log-prob entry; the last with
+    `finish_reason` and `stop_reason`), under `stream_options.include_usage` a usage chunk
+    without choices (dumped `exclude_none` too), then `[DONE]`. The fake has no detokenizer:
+    its text, "fake", rides on the first token's chunk."""
+    [choice] = answer["choices"]
+    head = {
+        "id": answer["id"],
+        "object": "chat.completion.chunk",
+        "created": answer["created"],
+        "model": answer["model"],
+    }
+    return_ids = bool(body.get("return_token_ids"))
+    chunks: list[dict] = [
+        {
+            **head,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+            "prompt_token_ids": answer["prompt_token_ids"] if return_ids else None,
+            "prompt_text": None,
+        }
+    ]
+    ids = choice["token_ids"]
+    entries = choice["logprobs"]["content"]
+    for index, token in enumerate(ids):
+        last = index == len(ids) - 1
+        streamed: dict = {
+            "index": 0,
+            "delta": {"content": choice["message"]["content"] if index == 0 else ""},
+            "logprobs": {"content": [entries[index]]} if body.get("logprobs") else None,
+            "finish_reason": choice["finish_reason"] if last else None,
+        }
+        if last:
+            streamed["stop_reason"] = None
+        streamed["token_ids"] = [token] if return_ids else None
+        chunks.append({**head, "choices": [streamed]})
+    if (body.get("stream_options") or {}).get("include_usage"):
+        chunks.append({**head, "choices": [], "usage": answer["usage"]})
+    events = [f"data: {json.dumps(chunk)}\n\n".encode() for chunk in chunks]
+    return events + [b"data: [DONE]\n\n"]
+
+
 def aligned_prefix(prompt_tokens: int, block_size: int) -> int:
     """ExampleConnector's whole blocks, leaving D at least one token to compute."""
     return ((prompt_tokens - 1) // block_size) * block_size
@@ -682,7 +734,22 @@ def make_handler(engine: Engine) -> type[http.server.BaseHTTPRequestHandler]:
                 print(f"ERROR {exc}", flush=True)
                 self.reply(500, {"error": {"message": str(exc), "type": "InternalServerError"}})
                 return
+            if body.get("stream"):
+                self.stream(stream_events(answer, body))
+                return
             self.reply(200, answer)
+
+        def stream(self, events: list[bytes]) -> None:
+            """Server-sent events, chunked, as vLLM's StreamingResponse sends them
+            (`media_type="text/event-stream"`; Starlette adds the charset)."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for event in events:
+                self.wfile.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
 
         def reply(self, status, payload):
             self.send(status, json.dumps(payload).encode(), "application/json")
