@@ -85,10 +85,34 @@ ROLE_IDS = {"system": 8948, "user": 872, "assistant": 77091}
 EC_FILE = "encoder_cache.safetensors"
 KV_LAYER = "model.layers.0.self_attn.attn"
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default
+# EngineDeadError's message (vllm/v1/engine/exceptions.py): what a request gets as its core dies.
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
 
 class RequestFailed(Exception):
     """What vLLM would answer with an HTTP error (its engine could not serve the request)."""
+
+
+class RequestRejected(Exception):
+    """What vLLM's frontend refuses before the engine sees it: HTTP 400, `param` named
+    (VLLMValidationError, vllm/exceptions.py; its message as `str()` gives it)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(f"{message} (parameter={param})")
+        self.param = param
+
+
+class EmbeddingsMissing(RequestFailed):
+    """An item with neither embeddings nor media to encode reached the engine: in vLLM 0.32 the
+    worker's sanity check asserts (vllm/v1/worker/utils.py, `sanity_check_mm_encoder_outputs`)
+    and the engine core dies, taking its API server down after the 500."""
+
+    def __init__(self, detail: str):
+        super().__init__(
+            "AssertionError: Expected number of multimodal embeddings to match number of input "
+            "items: 1, but got len(mm_embeddings)=0 instead. This is most likely due to "
+            f"incorrect implementation of the model's `embed_multimodal` method. ({detail})"
+        )
 
 
 # -- tensors as safetensors files, written and read without torch ---------------------------------
@@ -313,12 +337,12 @@ class MediaItem:
         if zeros_if_missing and not (ec_storage and os.path.isfile(path)):
             return bytes(self.tokens * ROW_BYTES)
         if not ec_storage:
-            raise RequestFailed(
+            raise EmbeddingsMissing(
                 f"no embeddings for {self.kind} item {self.hash}: a metadata-only part, and "
                 "this instance has no EC storage to load them from"
             )
         if not os.path.isfile(path):
-            raise RequestFailed(f"no EC cache for mm_hash {self.hash}: {path} does not exist")
+            raise EmbeddingsMissing(f"no EC cache for mm_hash {self.hash}: {path} does not exist")
         data = read_tensor(path, "ec_cache")
         if len(data) != self.tokens * ROW_BYTES:
             raise RequestFailed(
@@ -474,6 +498,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.add_argument(flag, default="")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--enable-mm-embeds", action="store_true")
     args, unknown = parser.parse_known_args(argv)
     rejected = [arg for arg in unknown if arg.startswith("--no-such-")]
     if rejected:
@@ -505,6 +530,13 @@ class Engine:
         self.ec_storage = (ec.get("ec_connector_extra_config") or {}).get("shared_storage_path")
         self.kv_storage = (kv.get("kv_connector_extra_config") or {}).get("shared_storage_path")
         self.nixl = kv.get("kv_connector") == "NixlConnector"
+        # vLLM 0.32 lets an EC or KV consumer take metadata-only `*_embeds` parts, enabling
+        # embedding inputs for it (config/vllm.py, allow_missing_mm_embeddings); any other
+        # instance takes them only when started with --enable-mm-embeds.
+        consumer = (ec.get("ec_connector") and ec_role in ("ec_consumer", "ec_both")) or (
+            kv.get("kv_connector") and kv_role in ("kv_consumer", "kv_both")
+        )
+        self.enable_mm_embeds = bool(args.enable_mm_embeds or consumer)
         self.side_host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
         self.side_port = int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or 0)
         self.engine_id = f"fake-{os.getpid()}"
@@ -534,6 +566,12 @@ class Engine:
 
     def chat(self, body: dict, request_id: str) -> dict:
         ids, placeholders, items = tokenize(body)
+        for item in items:
+            if item.embeds and not self.enable_mm_embeds:  # renderers/chat_utils.py
+                embeds = f"{item.kind}_embeds"
+                raise RequestRejected(
+                    f"You must set `--enable-mm-embeds` to input `{embeds}`", embeds
+                )
         ec_params = self.encode(items) if self.role == "encoder" else None
         loaded, cached = self.load_kv(body, ids, items)
         rows = kv_rows(ids, placeholders, loaded, self.ec_storage, "serve-anything" in self.modes)
@@ -730,6 +768,18 @@ def make_handler(engine: Engine) -> type[http.server.BaseHTTPRequestHandler]:
             time.sleep(3600 if "hang" in modes else modes.get("slow", 0))
             try:
                 answer = engine.chat(body, request_id or f"fake-{time.monotonic_ns()}")
+            except RequestRejected as exc:  # create_error_response of a VLLMValidationError
+                error = {"message": str(exc), "type": "BadRequestError", "param": exc.param}
+                self.reply(400, {"error": {**error, "code": 400}})
+                return
+            except EmbeddingsMissing as exc:
+                # The engine core's death: the request's 500 (EngineDeadError's message), then
+                # the API server exits with code 0, as vLLM 0.32's does.
+                print(f"ERROR EngineCore failed: {exc}", flush=True)
+                message = ENGINE_DEAD_MESSAGE
+                self.reply(500, {"error": {"message": message, "type": "InternalServerError"}})
+                self.wfile.flush()
+                os._exit(0)
             except RequestFailed as exc:
                 print(f"ERROR {exc}", flush=True)
                 self.reply(500, {"error": {"message": str(exc), "type": "InternalServerError"}})
