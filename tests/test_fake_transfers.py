@@ -234,3 +234,40 @@ def test_the_fakes_files_are_safetensors_torch_reads(tmp_path: Path) -> None:
     tensor = load_file(str(path))["ec_cache"]
     assert tuple(tensor.shape) == (3, ROW_FLOATS) and tensor.numpy().tobytes() == rows
     assert read_tensor(str(path), "ec_cache") == rows
+
+
+def test_the_fakes_media_placeholders_are_the_served_models_own(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path
+) -> None:
+    """A prompt's media expand to the placeholder ids the served model's config names (the
+    tiny test model's are not Qwen2.5-VL's), where the harness looks for them
+    (`harness.run.load.media_token_ids`): the fake used Qwen2.5-VL's whatever it served, so on
+    the fake night a load saw every prompt as "no media" and fuzzing judged no media example."""
+    from harness.run.load import media_token_ids
+    from harness.spec.load import Region, media_placement
+
+    run = settings(tmp_path, fake_vllm, "example")
+    model = Path(run.serving.model)
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(
+        json.dumps({"image_token_id": 785, "text_config": {"video_token_id": 786}})
+    )
+    pool = TopologyPool(run)
+    try:
+        session = pool.session(TOPOLOGIES["baseline"])
+        url = next(i.url for i in session.instances if i.role is Role.BASELINE)
+        ids = {}
+        for name in ("image", "video"):
+            request = urllib.request.Request(
+                f"{url}/v1/chat/completions",
+                json.dumps(render_request(PROMPTS[name], "fake-model")).encode(),
+                {"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                ids[name] = parse_chat_response(json.loads(reply.read())).prompt_token_ids
+    finally:
+        pool.close()
+    assert media_token_ids(str(model)) == {785, 786}
+    assert 785 in ids["image"] and 786 in ids["video"], ids
+    placement = media_placement(ids["image"], media_token_ids(str(model)), 16)
+    assert placement.region is not Region.NO_MEDIA, placement.describe()

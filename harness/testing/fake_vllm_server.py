@@ -79,7 +79,9 @@ TOKENS_PER_SECOND = 2  # Qwen2.5-VL's vision_config.tokens_per_second (the tiny 
 CONSUMER_SECONDS_PER_STEP = 1.0  # what a consumer without second_per_grid_ts assumes
 GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
 AUDIO_TOKENS = 8
+# Qwen2.5-VL's own placeholder ids: what a model directory without them in its config gets.
 PLACEHOLDER_IDS = {"image": 151655, "video": 151656, "audio": 151646}
+PLACEHOLDER_CONFIG_KEYS = {"image": "image_token_id", "video": "video_token_id"}
 IM_START, IM_END = 151644, 151645
 ROLE_IDS = {"system": 8948, "user": 872, "assistant": 77091}
 EC_FILE = "encoder_cache.safetensors"
@@ -356,7 +358,27 @@ def word_id(word: str) -> int:
     return 1000 + zlib.crc32(word.encode()) % 100000
 
 
-def tokenize(body: dict) -> tuple[list[int], list[tuple[int, MediaItem, int]], list[MediaItem]]:
+def model_placeholder_ids(model: str) -> dict[str, int]:
+    """The placeholder ids the served model's media expand to: its config's `image_token_id`
+    and `video_token_id` (top level or `text_config`), the ids Qwen2.5-VL's processor inserts
+    (`_get_prompt_updates` in vLLM's model_executor/models/qwen2_vl.py looks them up in the
+    model's own tokenizer, whose ids the config names), else Qwen2.5-VL's."""
+    ids = dict(PLACEHOLDER_IDS)
+    try:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as source:
+            config = json.load(source)
+    except (OSError, ValueError):
+        return ids
+    for section in (config.get("text_config") or {}, config):
+        for kind, key in PLACEHOLDER_CONFIG_KEYS.items():
+            if isinstance(section.get(key), int):
+                ids[kind] = section[key]
+    return ids
+
+
+def tokenize(
+    body: dict, placeholder_ids: dict[str, int] = PLACEHOLDER_IDS
+) -> tuple[list[int], list[tuple[int, MediaItem, int]], list[MediaItem]]:
     """Prompt ids as a chat template makes them; (position, item, row) of every placeholder."""
     kwargs = media_kwargs(body)
     video_io = (body.get("media_io_kwargs") or {}).get("video") or {}
@@ -375,7 +397,7 @@ def tokenize(body: dict) -> tuple[list[int], list[tuple[int, MediaItem, int]], l
             items.append(item)
             for row in range(item.tokens):
                 placeholders.append((len(ids), item, row))
-                ids.append(PLACEHOLDER_IDS[item.kind])
+                ids.append(placeholder_ids[item.kind])
         ids.append(IM_END)
     ids += [IM_START, ROLE_IDS["assistant"]]
     return ids, placeholders, items
@@ -525,6 +547,7 @@ class Engine:
             else "baseline"
         )
         self.model = args.served_model_name or args.model
+        self.placeholder_ids = model_placeholder_ids(args.model)
         self.modes = modes
         self.block_size = args.block_size
         self.ec_storage = (ec.get("ec_connector_extra_config") or {}).get("shared_storage_path")
@@ -565,7 +588,7 @@ class Engine:
     # -- chat ------------------------------------------------------------------------------
 
     def chat(self, body: dict, request_id: str) -> dict:
-        ids, placeholders, items = tokenize(body)
+        ids, placeholders, items = tokenize(body, self.placeholder_ids)
         for item in items:
             if item.embeds and not self.enable_mm_embeds:  # renderers/chat_utils.py
                 embeds = f"{item.kind}_embeds"
