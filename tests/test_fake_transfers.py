@@ -271,3 +271,39 @@ def test_the_fakes_media_placeholders_are_the_served_models_own(
     assert 785 in ids["image"] and 786 in ids["video"], ids
     placement = media_placement(ids["image"], media_token_ids(str(model)), 16)
     assert placement.region is not Region.NO_MEDIA, placement.describe()
+
+
+def test_an_encoder_loads_an_item_the_ec_storage_holds_instead_of_encoding_it_again(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path
+) -> None:
+    """vLLM's scheduler asks ECExampleConnector whether an item's file exists before it
+    schedules the item's encoder: a stored item is not encoded, so its file is not written
+    again (what the attach scenario's second run checks: "not encoded again"). The fake
+    rewrote it on every request. Deleted, it is encoded and written again."""
+    from harness.serve.proxy_protocol import EncoderBatch, build_encoder_request, collect_media
+
+    pool = TopologyPool(settings(tmp_path, fake_vllm, "example"))
+    try:
+        session = pool.session(TOPOLOGIES["1E+1PD"])
+        encoder = next(i.url for i in session.instances if i.role is Role.ENCODER)
+        body = render_request(PROMPTS["image"], "fake-model")
+        request = build_encoder_request(body, collect_media(body), EncoderBatch(0, (0,)))
+
+        def encode() -> Path:
+            posted = urllib.request.Request(
+                f"{encoder}/v1/chat/completions", json.dumps(request).encode(),
+                {"Content-Type": "application/json"},
+            )  # fmt: skip
+            with urllib.request.urlopen(posted, timeout=30) as reply:
+                [mm_hash] = json.loads(reply.read())["ec_transfer_params"]
+            return session.ec_storage / mm_hash / "encoder_cache.safetensors"
+
+        stored = encode()
+        first = stored.stat()
+        assert encode() == stored
+        again = stored.stat()
+        assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)
+        stored.unlink()
+        assert encode() == stored and stored.is_file(), "a deleted item was not encoded again"
+    finally:
+        pool.close()

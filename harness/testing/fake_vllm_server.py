@@ -634,11 +634,15 @@ class Engine:
         }
 
     def encode(self, items: list[MediaItem]) -> dict | None:
-        """ECExampleConnector's producer: one file per item, one entry per mm_hash."""
+        """ECExampleConnector's producer: one file per item, one entry per mm_hash. An item
+        whose file the storage already holds is loaded, not encoded, so nothing is written:
+        vLLM 0.32's scheduler asks the connector's `has_cache_item` (the file exists) before
+        scheduling an item's encoder (v1/core/sched/scheduler.py), and only an encoded item
+        is saved."""
         params: dict = {}
         for index, item in enumerate(items):
-            if self.ec_storage:
-                path = os.path.join(self.ec_storage, item.hash, EC_FILE)
+            path = os.path.join(self.ec_storage or "", item.hash, EC_FILE)
+            if self.ec_storage and not os.path.isfile(path):
                 write_tensor(path, "ec_cache", item.computed())
             entry = params.setdefault(item.hash, {"item_indices": []})
             entry["item_indices"].append(index)
