@@ -105,6 +105,12 @@ def test_a_consumer_given_a_uuid_no_encoder_produced_answers_500_and_dies(
         url = next(i.url for i in session.instances if i.role is role)
         status, text = post(url, metadata_only_image("never-encoded"))
         assert status == 500, text
+        assert json.loads(text)["error"] == {
+            "message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }  # EngineDeadError's, as create_error_response gives it
         server = session.server(role)
         deadline = time.monotonic() + DEATH_WAIT_S
         while server.is_alive() and time.monotonic() < deadline:

@@ -803,8 +803,8 @@ def make_handler(engine: Engine) -> type[http.server.BaseHTTPRequestHandler]:
                 # The engine core's death: the request's 500 (EngineDeadError's message), then
                 # the API server exits with code 0, as vLLM 0.32's does.
                 print(f"ERROR EngineCore failed: {exc}", flush=True)
-                message = ENGINE_DEAD_MESSAGE
-                self.reply(500, {"error": {"message": message, "type": "InternalServerError"}})
+                error = {"message": ENGINE_DEAD_MESSAGE, "type": "InternalServerError"}
+                self.reply(500, {"error": {**error, "param": None, "code": 500}})
                 self.wfile.flush()
                 os._exit(0)
             except RequestFailed as exc:
