@@ -112,7 +112,7 @@ def recorded_run(topology: str, epd_run_dir: Path, epd_settings, own) -> Path:
             epd_settings.vllm.executable,
             "--run-dir",
             str(bundle),
-            *own.args("run", proxy="vllm"),
+            *own.args("run", proxy="vllm", topologies=(topology,)),
         ]
     )
     summary = json.loads((bundle / "summary.json").read_text())
@@ -186,7 +186,7 @@ def test_run_sh_reference_serves_1p1d_there_and_judges_the_case_against_its_answ
             epd_settings.vllm.executable,
             "--run-dir",
             str(bundle),
-            *epd_own_instances.args("run"),
+            *epd_own_instances.args("run", topologies=("1P+1D", "1E+1P+1D")),
         ]
     )
     assert code == 0, (bundle / "verdicts.txt").read_text()

@@ -70,7 +70,7 @@ def test_fuzzing_finds_and_shrinks_a_planted_shape_dependent_fault(
         "40",
         "--plant-fault",
         "ec-swap-items",
-        *epd_own_instances.args("fuzz"),
+        *epd_own_instances.args("fuzz", topologies=("1E+1PD",)),
     )
     assert code == EXIT_FAILED, report["counts"]
     # The declared video-timing failures are MISMATCHes too; the planted one is the new group.

@@ -29,7 +29,7 @@ def test_repro_of_a_planted_mismatch_reproduces_it(
     bundle = epd_run_dir / "planted-corrupt-ec"
     code, out, _ = epd_cli(
         "run", "--topology", "1E+1PD", "--prompt", "image", "--plant-fault", "corrupt-ec",
-        "--run-dir", bundle, *epd_own_instances.args("run"),
+        "--run-dir", bundle, *epd_own_instances.args("run", topologies=("1E+1PD",)),
     )  # fmt: skip
     assert code == EXIT_FAILED, f"a planted EC corruption must fail the run:\n{out[-3000:]}"
     summary = json.loads((bundle / "summary.json").read_text())

@@ -234,3 +234,76 @@ def test_the_fakes_files_are_safetensors_torch_reads(tmp_path: Path) -> None:
     tensor = load_file(str(path))["ec_cache"]
     assert tuple(tensor.shape) == (3, ROW_FLOATS) and tensor.numpy().tobytes() == rows
     assert read_tensor(str(path), "ec_cache") == rows
+
+
+def test_the_fakes_media_placeholders_are_the_served_models_own(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path
+) -> None:
+    """A prompt's media expand to the placeholder ids the served model's config names (the
+    tiny test model's are not Qwen2.5-VL's), where the harness looks for them
+    (`harness.run.load.media_token_ids`): the fake used Qwen2.5-VL's whatever it served, so on
+    the fake night a load saw every prompt as "no media" and fuzzing judged no media example."""
+    from harness.run.load import media_token_ids
+    from harness.spec.load import Region, media_placement
+
+    run = settings(tmp_path, fake_vllm, "example")
+    model = Path(run.serving.model)
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(
+        json.dumps({"image_token_id": 785, "text_config": {"video_token_id": 786}})
+    )
+    pool = TopologyPool(run)
+    try:
+        session = pool.session(TOPOLOGIES["baseline"])
+        url = next(i.url for i in session.instances if i.role is Role.BASELINE)
+        ids = {}
+        for name in ("image", "video"):
+            request = urllib.request.Request(
+                f"{url}/v1/chat/completions",
+                json.dumps(render_request(PROMPTS[name], "fake-model")).encode(),
+                {"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                ids[name] = parse_chat_response(json.loads(reply.read())).prompt_token_ids
+    finally:
+        pool.close()
+    assert media_token_ids(str(model)) == {785, 786}
+    assert 785 in ids["image"] and 786 in ids["video"], ids
+    placement = media_placement(ids["image"], media_token_ids(str(model)), 16)
+    assert placement.region is not Region.NO_MEDIA, placement.describe()
+
+
+def test_an_encoder_loads_an_item_the_ec_storage_holds_instead_of_encoding_it_again(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path
+) -> None:
+    """vLLM's scheduler asks ECExampleConnector whether an item's file exists before it
+    schedules the item's encoder: a stored item is not encoded, so its file is not written
+    again (what the attach scenario's second run checks: "not encoded again"). The fake
+    rewrote it on every request. Deleted, it is encoded and written again."""
+    from harness.serve.proxy_protocol import EncoderBatch, build_encoder_request, collect_media
+
+    pool = TopologyPool(settings(tmp_path, fake_vllm, "example"))
+    try:
+        session = pool.session(TOPOLOGIES["1E+1PD"])
+        encoder = next(i.url for i in session.instances if i.role is Role.ENCODER)
+        body = render_request(PROMPTS["image"], "fake-model")
+        request = build_encoder_request(body, collect_media(body), EncoderBatch(0, (0,)))
+
+        def encode() -> Path:
+            posted = urllib.request.Request(
+                f"{encoder}/v1/chat/completions", json.dumps(request).encode(),
+                {"Content-Type": "application/json"},
+            )  # fmt: skip
+            with urllib.request.urlopen(posted, timeout=30) as reply:
+                [mm_hash] = json.loads(reply.read())["ec_transfer_params"]
+            return session.ec_storage / mm_hash / "encoder_cache.safetensors"
+
+        stored = encode()
+        first = stored.stat()
+        assert encode() == stored
+        again = stored.stat()
+        assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)
+        stored.unlink()
+        assert encode() == stored and stored.is_file(), "a deleted item was not encoded again"
+    finally:
+        pool.close()

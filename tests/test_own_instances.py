@@ -145,3 +145,34 @@ def test_held_devices_are_leased_as_the_pool_leases_them(tmp_path: Path) -> None
     )
     with cpu.held_devices() as devices:
         assert devices is None
+
+
+@pytest.mark.parametrize(
+    "command,topologies,kept",
+    [
+        ("run", ("1E+1PD",), {"--ec-connector"}),
+        ("fuzz", ("1E+1PD",), {"--ec-connector"}),
+        ("run", ("1P+1D",), {"--kv-connector"}),
+        ("run", ("1P+1D", "1E+1P+1D"), {"--kv-connector", "--ec-connector"}),
+    ],
+)
+def test_a_connector_reaches_only_a_command_whose_topologies_move_it(
+    command: str, topologies: tuple[str, ...], kept: set[str]
+) -> None:
+    """The GPU night rehearsed on the fake vLLM with `--epd-kv-connector nixl` (as the CPU
+    night of the GPU judging runs it): the planted repro's and the planted fuzz's 1E+1PD, and
+    the video exports' recorded run, were refused by the CLI ("--kv-connector moves KV from P
+    to D, and none of 1E+1PD has a D"), four items red for the harness's own reason. Now the
+    test names its topologies and a connector none of them moves stays out; the CLI's own
+    preflight accepts what is left."""
+    from harness.preflight.connectors import ec_connector_for, kv_connector_for
+    from harness.spec.platforms import CUDA
+    from harness.spec.topology import TOPOLOGIES
+
+    given = own({**NIGHT, "--epd-ec-connector": "example"})
+    argv = given.args(command, topologies=topologies)
+    assert {"--kv-connector", "--ec-connector"} & set(argv) == kept, argv
+    args = build_parser().parse_args([command, "--topology", ",".join(topologies), *argv])
+    served = tuple(TOPOLOGIES[name] for name in topologies)
+    assert kv_connector_for(args.kv_connector, served, CUDA).name == "nixl"
+    ec_connector_for(args.ec_connector, served)

@@ -79,16 +79,42 @@ TOKENS_PER_SECOND = 2  # Qwen2.5-VL's vision_config.tokens_per_second (the tiny 
 CONSUMER_SECONDS_PER_STEP = 1.0  # what a consumer without second_per_grid_ts assumes
 GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
 AUDIO_TOKENS = 8
+# Qwen2.5-VL's own placeholder ids: what a model directory without them in its config gets.
 PLACEHOLDER_IDS = {"image": 151655, "video": 151656, "audio": 151646}
+PLACEHOLDER_CONFIG_KEYS = {"image": "image_token_id", "video": "video_token_id"}
 IM_START, IM_END = 151644, 151645
 ROLE_IDS = {"system": 8948, "user": 872, "assistant": 77091}
 EC_FILE = "encoder_cache.safetensors"
 KV_LAYER = "model.layers.0.self_attn.attn"
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default
+# EngineDeadError's message (vllm/v1/engine/exceptions.py): what a request gets as its core dies.
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
 
 class RequestFailed(Exception):
     """What vLLM would answer with an HTTP error (its engine could not serve the request)."""
+
+
+class RequestRejected(Exception):
+    """What vLLM's frontend refuses before the engine sees it: HTTP 400, `param` named
+    (VLLMValidationError, vllm/exceptions.py; its message as `str()` gives it)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(f"{message} (parameter={param})")
+        self.param = param
+
+
+class EmbeddingsMissing(RequestFailed):
+    """An item with neither embeddings nor media to encode reached the engine: in vLLM 0.32 the
+    worker's sanity check asserts (vllm/v1/worker/utils.py, `sanity_check_mm_encoder_outputs`)
+    and the engine core dies, taking its API server down after the 500."""
+
+    def __init__(self, detail: str):
+        super().__init__(
+            "AssertionError: Expected number of multimodal embeddings to match number of input "
+            "items: 1, but got len(mm_embeddings)=0 instead. This is most likely due to "
+            f"incorrect implementation of the model's `embed_multimodal` method. ({detail})"
+        )
 
 
 # -- tensors as safetensors files, written and read without torch ---------------------------------
@@ -313,12 +339,12 @@ class MediaItem:
         if zeros_if_missing and not (ec_storage and os.path.isfile(path)):
             return bytes(self.tokens * ROW_BYTES)
         if not ec_storage:
-            raise RequestFailed(
+            raise EmbeddingsMissing(
                 f"no embeddings for {self.kind} item {self.hash}: a metadata-only part, and "
                 "this instance has no EC storage to load them from"
             )
         if not os.path.isfile(path):
-            raise RequestFailed(f"no EC cache for mm_hash {self.hash}: {path} does not exist")
+            raise EmbeddingsMissing(f"no EC cache for mm_hash {self.hash}: {path} does not exist")
         data = read_tensor(path, "ec_cache")
         if len(data) != self.tokens * ROW_BYTES:
             raise RequestFailed(
@@ -332,7 +358,27 @@ def word_id(word: str) -> int:
     return 1000 + zlib.crc32(word.encode()) % 100000
 
 
-def tokenize(body: dict) -> tuple[list[int], list[tuple[int, MediaItem, int]], list[MediaItem]]:
+def model_placeholder_ids(model: str) -> dict[str, int]:
+    """The placeholder ids the served model's media expand to: its config's `image_token_id`
+    and `video_token_id` (top level or `text_config`), the ids Qwen2.5-VL's processor inserts
+    (`_get_prompt_updates` in vLLM's model_executor/models/qwen2_vl.py looks them up in the
+    model's own tokenizer, whose ids the config names), else Qwen2.5-VL's."""
+    ids = dict(PLACEHOLDER_IDS)
+    try:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as source:
+            config = json.load(source)
+    except (OSError, ValueError):
+        return ids
+    for section in (config.get("text_config") or {}, config):
+        for kind, key in PLACEHOLDER_CONFIG_KEYS.items():
+            if isinstance(section.get(key), int):
+                ids[kind] = section[key]
+    return ids
+
+
+def tokenize(
+    body: dict, placeholder_ids: dict[str, int] = PLACEHOLDER_IDS
+) -> tuple[list[int], list[tuple[int, MediaItem, int]], list[MediaItem]]:
     """Prompt ids as a chat template makes them; (position, item, row) of every placeholder."""
     kwargs = media_kwargs(body)
     video_io = (body.get("media_io_kwargs") or {}).get("video") or {}
@@ -351,7 +397,7 @@ def tokenize(body: dict) -> tuple[list[int], list[tuple[int, MediaItem, int]], l
             items.append(item)
             for row in range(item.tokens):
                 placeholders.append((len(ids), item, row))
-                ids.append(PLACEHOLDER_IDS[item.kind])
+                ids.append(placeholder_ids[item.kind])
         ids.append(IM_END)
     ids += [IM_START, ROLE_IDS["assistant"]]
     return ids, placeholders, items
@@ -400,6 +446,58 @@ def monolithic_answer(body: dict) -> tuple[list[int], list[int]]:
     return ids, generated_ids(rows, int(body.get("max_tokens") or 4))
 
 
+def stream_events(answer: dict, body: dict) -> list[bytes]:
+    """`answer` (what `Engine.chat` answers unstreamed) as the server-sent events vLLM 0.32
+    streams for a `stream: true` body (`chat_completion_stream_generator` in
+    vllm/entrypoints/openai/chat_completion/serving.py, each chunk dumped with
+    `exclude_unset`): a role chunk (with `prompt_token_ids` under `return_token_ids`), one
+    chunk per generated token (its `token_ids` and log-prob entry; the last with
+    `finish_reason` and `stop_reason`), under `stream_options.include_usage` a usage chunk
+    without choices (dumped `exclude_none` too), then `[DONE]`. The fake has no detokenizer:
+    its text, "fake", rides on the first token's chunk."""
+    [choice] = answer["choices"]
+    head = {
+        "id": answer["id"],
+        "object": "chat.completion.chunk",
+        "created": answer["created"],
+        "model": answer["model"],
+    }
+    return_ids = bool(body.get("return_token_ids"))
+    chunks: list[dict] = [
+        {
+            **head,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+            "prompt_token_ids": answer["prompt_token_ids"] if return_ids else None,
+            "prompt_text": None,
+        }
+    ]
+    ids = choice["token_ids"]
+    entries = choice["logprobs"]["content"]
+    for index, token in enumerate(ids):
+        last = index == len(ids) - 1
+        streamed: dict = {
+            "index": 0,
+            "delta": {"content": choice["message"]["content"] if index == 0 else ""},
+            "logprobs": {"content": [entries[index]]} if body.get("logprobs") else None,
+            "finish_reason": choice["finish_reason"] if last else None,
+        }
+        if last:
+            streamed["stop_reason"] = None
+        streamed["token_ids"] = [token] if return_ids else None
+        chunks.append({**head, "choices": [streamed]})
+    if (body.get("stream_options") or {}).get("include_usage"):
+        chunks.append({**head, "choices": [], "usage": answer["usage"]})
+    events = [f"data: {json.dumps(chunk)}\n\n".encode() for chunk in chunks]
+    return events + [b"data: [DONE]\n\n"]
+
+
 def aligned_prefix(prompt_tokens: int, block_size: int) -> int:
     """ExampleConnector's whole blocks, leaving D at least one token to compute."""
     return ((prompt_tokens - 1) // block_size) * block_size
@@ -422,6 +520,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.add_argument(flag, default="")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--enable-mm-embeds", action="store_true")
     args, unknown = parser.parse_known_args(argv)
     rejected = [arg for arg in unknown if arg.startswith("--no-such-")]
     if rejected:
@@ -448,11 +547,19 @@ class Engine:
             else "baseline"
         )
         self.model = args.served_model_name or args.model
+        self.placeholder_ids = model_placeholder_ids(args.model)
         self.modes = modes
         self.block_size = args.block_size
         self.ec_storage = (ec.get("ec_connector_extra_config") or {}).get("shared_storage_path")
         self.kv_storage = (kv.get("kv_connector_extra_config") or {}).get("shared_storage_path")
         self.nixl = kv.get("kv_connector") == "NixlConnector"
+        # vLLM 0.32 lets an EC or KV consumer take metadata-only `*_embeds` parts, enabling
+        # embedding inputs for it (config/vllm.py, allow_missing_mm_embeddings); any other
+        # instance takes them only when started with --enable-mm-embeds.
+        consumer = (ec.get("ec_connector") and ec_role in ("ec_consumer", "ec_both")) or (
+            kv.get("kv_connector") and kv_role in ("kv_consumer", "kv_both")
+        )
+        self.enable_mm_embeds = bool(args.enable_mm_embeds or consumer)
         self.side_host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
         self.side_port = int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or 0)
         self.engine_id = f"fake-{os.getpid()}"
@@ -481,7 +588,13 @@ class Engine:
     # -- chat ------------------------------------------------------------------------------
 
     def chat(self, body: dict, request_id: str) -> dict:
-        ids, placeholders, items = tokenize(body)
+        ids, placeholders, items = tokenize(body, self.placeholder_ids)
+        for item in items:
+            if item.embeds and not self.enable_mm_embeds:  # renderers/chat_utils.py
+                embeds = f"{item.kind}_embeds"
+                raise RequestRejected(
+                    f"You must set `--enable-mm-embeds` to input `{embeds}`", embeds
+                )
         ec_params = self.encode(items) if self.role == "encoder" else None
         loaded, cached = self.load_kv(body, ids, items)
         rows = kv_rows(ids, placeholders, loaded, self.ec_storage, "serve-anything" in self.modes)
@@ -521,11 +634,15 @@ class Engine:
         }
 
     def encode(self, items: list[MediaItem]) -> dict | None:
-        """ECExampleConnector's producer: one file per item, one entry per mm_hash."""
+        """ECExampleConnector's producer: one file per item, one entry per mm_hash. An item
+        whose file the storage already holds is loaded, not encoded, so nothing is written:
+        vLLM 0.32's scheduler asks the connector's `has_cache_item` (the file exists) before
+        scheduling an item's encoder (v1/core/sched/scheduler.py), and only an encoded item
+        is saved."""
         params: dict = {}
         for index, item in enumerate(items):
-            if self.ec_storage:
-                path = os.path.join(self.ec_storage, item.hash, EC_FILE)
+            path = os.path.join(self.ec_storage or "", item.hash, EC_FILE)
+            if self.ec_storage and not os.path.isfile(path):
                 write_tensor(path, "ec_cache", item.computed())
             entry = params.setdefault(item.hash, {"item_indices": []})
             entry["item_indices"].append(index)
@@ -678,11 +795,38 @@ def make_handler(engine: Engine) -> type[http.server.BaseHTTPRequestHandler]:
             time.sleep(3600 if "hang" in modes else modes.get("slow", 0))
             try:
                 answer = engine.chat(body, request_id or f"fake-{time.monotonic_ns()}")
+            except RequestRejected as exc:  # create_error_response of a VLLMValidationError
+                error = {"message": str(exc), "type": "BadRequestError", "param": exc.param}
+                self.reply(400, {"error": {**error, "code": 400}})
+                return
+            except EmbeddingsMissing as exc:
+                # The engine core's death: the request's 500 (EngineDeadError's message), then
+                # the API server exits with code 0, as vLLM 0.32's does.
+                print(f"ERROR EngineCore failed: {exc}", flush=True)
+                error = {"message": ENGINE_DEAD_MESSAGE, "type": "InternalServerError"}
+                self.reply(500, {"error": {**error, "param": None, "code": 500}})
+                self.wfile.flush()
+                os._exit(0)
             except RequestFailed as exc:
                 print(f"ERROR {exc}", flush=True)
                 self.reply(500, {"error": {"message": str(exc), "type": "InternalServerError"}})
                 return
+            if body.get("stream"):
+                self.stream(stream_events(answer, body))
+                return
             self.reply(200, answer)
+
+        def stream(self, events: list[bytes]) -> None:
+            """Server-sent events, chunked, as vLLM's StreamingResponse sends them
+            (`media_type="text/event-stream"`; Starlette adds the charset)."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for event in events:
+                self.wfile.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
 
         def reply(self, status, payload):
             self.send(status, json.dumps(payload).encode(), "application/json")

@@ -27,6 +27,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.spec.topology import TOPOLOGIES
+
 # The commands a scenario may run with topologies of its own (its `own_instances` marker's
 # arguments).
 COMMANDS = ("run", "repro", "fuzz", "export")
@@ -47,6 +49,10 @@ class SessionOption:
     # Commands the option means nothing to: repro and export take what the bundle recorded.
     moot: frozenset[str] = frozenset({"repro", "export"})
     why: str = ""  # why a command outside `takes` and `moot` cannot honour it
+    # The transfer the option configures ("kv": P to D, "ec": E to its consumer): left out of
+    # a command none of whose topologies has one, which the CLI refuses as a flag it would
+    # ignore (`harness.preflight.connectors`).
+    moves: str = ""
 
     def is_set(self, value: object) -> bool:
         return value not in (None, False, "", self.default)
@@ -63,8 +69,8 @@ SESSION_OPTIONS = (
     SessionOption("--epd-platform", "--platform", default="cpu"),
     SessionOption("--epd-colocate", "--colocate"),
     SessionOption("--epd-no-enforce-eager", "--no-enforce-eager"),
-    SessionOption("--epd-kv-connector", "--kv-connector"),
-    SessionOption("--epd-ec-connector", "--ec-connector"),
+    SessionOption("--epd-kv-connector", "--kv-connector", moves="kv"),
+    SessionOption("--epd-ec-connector", "--ec-connector", moves="ec"),
     SessionOption("--epd-reference-policy", "--reference-policy"),
     SessionOption("--epd-proxy", "--proxy", default="harness"),
     SessionOption("--epd-proxy-registration", "--proxy-registration", default="static"),
@@ -138,6 +144,16 @@ def refusal(values: Mapping[str, object], commands: Sequence[str]) -> str | None
     return None
 
 
+def moved_by(option: SessionOption, topologies: Sequence[str]) -> bool:
+    """Whether one of `topologies` (none named: any) has the transfer `option` configures."""
+    if not option.moves or not topologies:
+        return True
+    served = [TOPOLOGIES[name] for name in topologies]
+    if option.moves == "kv":
+        return any(t.has_kv_transfer for t in served)
+    return any(t.has_ec_transfer for t in served)
+
+
 @dataclass(frozen=True)
 class OwnInstances:
     """What an `own_instances` item gives the commands it runs: the session's options as their
@@ -155,10 +171,15 @@ class OwnInstances:
     baseline_cache: str | None = None
     lock_dir: Path | None = field(default=None, compare=False)  # default: the pool's
 
-    def args(self, command: str, proxy: str | None = None) -> list[str]:
+    def args(
+        self, command: str, proxy: str | None = None, topologies: Sequence[str] = ()
+    ) -> list[str]:
         """The flags that give `command` what the session serves and where. `proxy`: the
         proxy the test runs it through, when that is its own choice (the exports' vLLM
-        proxy); the session's vLLM source then goes with it."""
+        proxy); the session's vLLM source then goes with it. `topologies`: those the command
+        serves (names), when the test chooses them: a connector none of them uses is left
+        out (under `--epd-kv-connector nixl` a run of 1E+1PD alone was refused, "none of
+        1E+1PD has a D"); none named, every option set goes."""
         if command not in self.commands:
             raise ValueError(
                 f"{command!r} is not among the commands the item's own_instances marker "
@@ -186,7 +207,7 @@ class OwnInstances:
                 if self.baseline_cache is not None:
                     argv += [option.flag, self.baseline_cache]
                 continue
-            if not option.is_set(value):
+            if not option.is_set(value) or not moved_by(option, topologies):
                 continue
             argv += [option.flag] if value is True else [option.flag, str(value)]
         return argv

@@ -1,0 +1,158 @@
+"""The fake vLLM streams as vLLM 0.32 does (`stream_events` in
+harness/testing/fake_vllm_server.py): the streamed scenarios of the GPU night
+(scenarios/test_stream.py, the vLLM-proxy module's streamed cases) can pass on the fake for
+the reasons they do on vLLM, and their planted fault still turns a case red. Before, the fake
+answered a `stream: true` body with one JSON document, and every streamed case on the fake
+night was an ERROR. Fakes only: nothing here runs a model.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from harness.judge.verdicts import STREAM_CHECK
+from harness.outcomes.stream import parse_stream, split_events
+from harness.run.pool import TopologyPool
+from harness.run.sweep import Sweep, SweepSpec
+from harness.spec.platforms import CUDA
+from harness.spec.prompts import SKELETON_PROMPTS, render_request, streaming_request
+from harness.spec.topology import TOPOLOGIES, Role, ServingConfig
+from harness.testing.fake_vllm import fake_run_settings
+from harness.testing.fake_vllm_server import stream_events
+
+pytestmark = pytest.mark.process
+
+PROMPTS = {p.name: p for p in SKELETON_PROMPTS}
+
+
+def nixl_settings(tmp_path: Path, fake: Path, **fields):
+    """The GPU night's cuda profile with NIXL, on the fake's devices."""
+    serving = ServingConfig(model=str(tmp_path / "model"), kv_connector="NixlConnector")
+    return fake_run_settings(tmp_path, fake, serving, platform=CUDA, devices=(0, 1, 2), **fields)
+
+
+def test_a_streamed_answer_carries_the_unstreamed_ones_ids_with_vllms_framing() -> None:
+    """The events of one answer read back by the harness's stream reader: the same ids and
+    log-probs, no framing problem."""
+    body = streaming_request(render_request(PROMPTS["text"], "fake-model"))
+    ids = [11, 12, 13]
+    entries = [{"token": f"token_id:{t}", "logprob": -0.5, "bytes": None} for t in ids]
+    answer = {
+        "id": "chatcmpl-r1",
+        "created": 0,
+        "model": "fake-model",
+        "prompt_token_ids": [1, 2, 3, 4],
+        "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7},
+        "choices": [
+            {
+                "message": {"role": "assistant", "content": "fake"},
+                "finish_reason": "length",
+                "token_ids": ids,
+                "logprobs": {"content": [{**e, "top_logprobs": [e]} for e in entries]},
+            }
+        ],
+    }
+    events = stream_events(answer, body)
+    chunks, rest = split_events(b"".join(events))
+    assert rest == b""
+    result, record = parse_stream(
+        [(0.0, chunk) for chunk in chunks], "text/event-stream; charset=utf-8", True
+    )
+    assert record.ok, record.problems
+    assert (result.prompt_token_ids, result.token_ids) == ((1, 2, 3, 4), tuple(ids))
+    assert (record.role_chunks, record.token_chunks, record.done_last) == (1, 3, True)
+    assert len(result.logprobs) == 3 and result.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "topology,prompt", [("1E+1PD", "image"), ("1P+1D", "text"), ("1E+1P+1D", "two_images")]
+)
+def test_a_streamed_fake_case_matches_with_its_framing_held(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path, topology: str, prompt: str
+) -> None:
+    """scenarios/test_stream.py's cases, NIXL on the cuda profile: the harness's proxy relays
+    D's (or PD's) stream, and the case is a MATCH with its stream check held."""
+    spec = SweepSpec((TOPOLOGIES[topology],), prompts=(PROMPTS[prompt],))
+    result = Sweep(spec, nixl_settings(tmp_path, fake_vllm, stream=True)).run_all()
+    streamed = [r for r in result.records if r.topology == topology]
+    assert streamed and all(r.verdict.value == "MATCH" for r in streamed), streamed
+    for record in streamed:
+        assert record.guards[STREAM_CHECK]["ok"], record.guards[STREAM_CHECK]
+
+
+def test_a_relayed_chunk_sent_twice_turns_the_streamed_fake_case_red(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path
+) -> None:
+    """scenarios/test_stream.py's planted fault on the fake: a MISMATCH, its framing broken."""
+    spec = SweepSpec(
+        (TOPOLOGIES["1P+1D"],), prompts=(PROMPTS["text"],), fault="stream-duplicate-chunk"
+    )
+    result = Sweep(spec, nixl_settings(tmp_path, fake_vllm, stream=True)).run_all()
+    [record] = [r for r in result.records if r.topology == "1P+1D"]
+    assert record.verdict.value == "MISMATCH", record
+    assert not record.guards[STREAM_CHECK]["ok"], record.guards[STREAM_CHECK]
+
+
+def test_the_fake_streams_only_what_the_body_asks_for(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path
+) -> None:
+    """Without return_token_ids, logprobs or include_usage vLLM sends no ids, log-probs or
+    usage chunk; the fake neither."""
+    pool = TopologyPool(nixl_settings(tmp_path, fake_vllm))
+    try:
+        session = pool.session(TOPOLOGIES["baseline"])
+        url = next(i.url for i in session.instances if i.role is Role.BASELINE)
+        body = {
+            "model": "fake-model",
+            "messages": [{"role": "user", "content": "one two three"}],
+            "max_tokens": 2,
+            "stream": True,
+        }
+        request = urllib.request.Request(
+            f"{url}/v1/chat/completions", json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            content_type, raw = reply.headers["Content-Type"], reply.read()
+    finally:
+        pool.close()
+    assert content_type == "text/event-stream; charset=utf-8"
+    events, _ = split_events(raw)
+    assert events[-1] == b"data: [DONE]"
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+    assert len(chunks) == 3, chunks  # the role chunk, then one per token: no usage chunk
+    assert chunks[0]["prompt_token_ids"] is None
+    assert [c["choices"][0]["token_ids"] for c in chunks[1:]] == [None, None]
+    assert [c["choices"][0]["logprobs"] for c in chunks[1:]] == [None, None]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_fake_stream_chunk_has_the_fields_vllm_dumps(tmp_path: Path) -> None:
+    """The chunk's keys as vLLM 0.32's ChatCompletionStreamResponse dumps them
+    (`exclude_unset`): checked against vLLM's own model where it is installed."""
+    protocol = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
+    body = streaming_request(render_request(PROMPTS["text"], "fake-model"))
+    entry = {"token": "token_id:5", "logprob": -0.5, "bytes": None}
+    answer = {
+        "id": "chatcmpl-r1",
+        "created": 0,
+        "model": "fake-model",
+        "prompt_token_ids": [1, 2],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3},
+        "choices": [
+            {
+                "message": {"role": "assistant", "content": "fake"},
+                "finish_reason": "length",
+                "token_ids": [5],
+                "logprobs": {"content": [{**entry, "top_logprobs": [entry]}]},
+            }
+        ],
+    }
+    for event in stream_events(answer, body)[:-1]:
+        chunk = json.loads(event.removeprefix(b"data: "))
+        model = protocol.ChatCompletionStreamResponse.model_validate(chunk)
+        assert json.loads(model.model_dump_json(exclude_unset=True)) == chunk
