@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -145,35 +146,58 @@ def test_a_pool_that_must_wait_for_devices_first_lets_go_of_what_it_holds(
     """Two xdist workers on four GPUs, the baseline on device 0 through every wave: one holds
     the baseline and asks for 1P+1D's devices, which the other holds for 1E+1PD while it asks
     for the baseline's device (a load's calibration). Each waited for the other for ever; a
-    pool about to wait now stops its other sessions first, so one of them goes on."""
+    pool about to wait now stops its other sessions first, so one of them goes on at once, and
+    the other when that one's session lets go (its worker's end). Both going on at once is
+    the usual case but a race: when one pool has let go before the other asks, the other gets
+    its device without waiting and keeps what it holds (seen once on a loaded machine: the
+    test asked both to go on at once and went red)."""
     first = TopologyPool(cuda_settings(tmp_path / "gw0", fake_vllm, (0, 1, 2, 3)))
     second = TopologyPool(cuda_settings(tmp_path / "gw1", fake_vllm, (0, 1, 2, 3)))
+    pools = {"first": first, "second": second}
     holding = threading.Barrier(2, timeout=HANG_S)
+    ended: queue.Queue[tuple[str, BaseException | None]] = queue.Queue()
     try:
 
-        def worker(pool: TopologyPool, held: tuple, wanted: tuple) -> Callable[[], None]:
-            def work() -> None:
+        def worker(name: str, held: tuple, wanted: tuple) -> None:
+            failure = None
+            try:
+                pool = pools[name]
                 pool.session(TOPOLOGIES[held[0]], devices=held[1])
                 holding.wait()
                 pool.session(TOPOLOGIES[wanted[0]], devices=wanted[1])
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+                failure = exc
+            ended.put((name, failure))
 
-            return work
-
-        ends = [
-            threading.Thread(target=lambda w=w: results.append(finishes(w)), daemon=True)
-            for w in (
-                worker(first, ("baseline", (0,)), ("1P+1D", (1, 2))),
-                worker(second, ("1E+1PD", (1, 2)), ("baseline", (0,))),
-            )
-        ]
-        results: list[bool] = []
-        for thread in ends:
-            thread.start()
-        for thread in ends:
-            thread.join(HANG_S + 5)
-        assert results == [True, True], "two pools waited on each other's devices"
-        assert [k.topology for k in first.running()] == ["1P+1D"]
-        assert [k.topology for k in second.running()] == ["baseline"]
+        for name, held, wanted in (
+            ("first", ("baseline", (0,)), ("1P+1D", (1, 2))),
+            ("second", ("1E+1PD", (1, 2)), ("baseline", (0,))),
+        ):
+            threading.Thread(target=worker, args=(name, held, wanted), daemon=True).start()
+        try:
+            name, failure = ended.get(timeout=HANG_S)
+        except queue.Empty:
+            pytest.fail("two pools waited on each other's devices")
+        if failure is not None:
+            raise failure
+        try:
+            other, failure = ended.get(timeout=5.0)
+        except queue.Empty:
+            # The race: `name` got its device without waiting and kept the rest; its
+            # worker's end lets go of it, and then the other goes on.
+            pools[name].close()
+            try:
+                other, failure = ended.get(timeout=HANG_S)
+            except queue.Empty:
+                pytest.fail(f"{name}'s pool closed, yet the other pool still waited")
+        if failure is not None:
+            raise failure
+        assert {name, other} == {"first", "second"}
+        asked = {"first": ["1P+1D"], "second": ["baseline"]}
+        running = {n: [k.topology for k in pool.running()] for n, pool in pools.items()}
+        if running[name] == []:  # the race's way: `name` closed, the other runs what it asked
+            asked[name] = []
+        assert running == asked
         assert [s for s in logged_starts(fake_vllm_start_log) if s["shared"]] == []
     finally:
         first.close()
