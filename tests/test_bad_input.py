@@ -432,6 +432,18 @@ IGNORED_BY_ATTACH = [
         "--topology 1P+1D: the attach file describes 1E+1PD, the one topology it "
         "judges; drop --topology",
     ),
+    # Both were accepted and ignored: the harness launches only the baseline (one instance,
+    # no encoder) beside an attached deployment.
+    (
+        ("--ec-connector", "example"),
+        "--ec-connector sets the connector of topologies the harness launches; an attached "
+        "deployment moves embeddings with its own: drop --ec-connector",
+    ),
+    (
+        ("--colocate", "--platform", "cuda", "--devices", "0"),
+        "--colocate lets the instances of a topology the harness launches share devices; "
+        "with --attach it launches only the baseline, one instance: drop --colocate",
+    ),
 ]
 
 
@@ -968,6 +980,52 @@ def test_export_of_a_case_failed_against_two_references_needs_one(epd_cli, tmp_p
         err,
         f"{bundle}: case '1E+1P+1D:image' was judged against 2 references (MISMATCH vs "
         "baseline, MISMATCH vs 1P+1D); name one: --case 1E+1P+1D:image@REFERENCE",
+    )
+
+
+def minimal_bundle(path: Path, run: dict) -> Path:
+    """A run directory with one failed case and the given run.json, enough to be loaded."""
+    path.mkdir()
+    cases = [
+        {"topology": "1P+1D", "prompt": "text", "reference": "baseline", "verdict": "MISMATCH"}
+    ]
+    for name, data in (
+        ("run.json", run),
+        ("requests.json", {}),
+        ("summary.json", {"cases": cases}),
+    ):
+        (path / name).write_text(json.dumps(data))
+    return path
+
+
+def test_export_probe_with_a_vllm_source(epd_cli, tmp_path: Path) -> None:
+    """The probe is sent to one instance directly, so the proxy files --vllm-source names were
+    never read: accepted and ignored."""
+    bundle = minimal_bundle(tmp_path / "b", {})
+    args = ("export", bundle, "--probe", "unknown-uuid", "--vllm-source", tmp_path / "vllm")
+    code, _, err = epd_cli(*args)
+    LAST_ARGS.update(args=as_users_see(" ".join(map(str, args)), tmp_path), tmp=str(tmp_path))
+    assert_one_error_line(
+        code,
+        err,
+        "--vllm-source gives vLLM's proxy files, and --probe unknown-uuid sends its request to "
+        "one instance directly, without a proxy: drop --vllm-source",
+    )
+
+
+def test_repro_colocate_of_a_ray_run(epd_cli, tmp_path: Path) -> None:
+    """Ray gives each instance a GPU of its own, so --colocate could not share one: it was
+    accepted and ignored (as `run --launcher ray --colocate` was)."""
+    launcher = {"kind": "ray", "ray_address": "10.0.0.1:6379"}
+    bundle = minimal_bundle(tmp_path / "b", {"platform_profile": "cuda", "launcher": launcher})
+    args = ("repro", bundle, "--colocate", "--vllm", tmp_path / "no-vllm")
+    code, _, err = epd_cli(*args)
+    LAST_ARGS.update(args=as_users_see(" ".join(map(str, args)), tmp_path), tmp=str(tmp_path))
+    assert_one_error_line(
+        code,
+        err,
+        "--colocate lets a topology's instances share this host's GPUs; --launcher ray gives "
+        "each instance a GPU of its own on the node Ray places it on: drop --colocate",
     )
 
 

@@ -60,3 +60,59 @@ def test_every_subcommand_shows_its_defaults_and_no_empty_ones() -> None:
         assert "(default: None)" not in text, name
         assert "(default: False)" not in text, name
         assert "(default: [])" not in text, name
+
+
+RAY_CUDA = ["--launcher", "ray", "--ray-address", "10.0.0.1:6379", "--platform", "cuda"]
+
+
+@pytest.mark.parametrize(
+    "argv, cause",
+    [
+        # Ray gives each instance a GPU of its own: nothing shares a device there.
+        (["run", *RAY_CUDA, "--devices", "0,1,2", "--colocate"], "--colocate lets a topology's"),
+        (
+            ["load", "--topology", "1P+1D", *RAY_CUDA, "--devices", "0", "--colocate"],
+            "--launcher ray gives each instance a GPU of its own",
+        ),
+        # No topology writes connector files: the shared directory would hold nothing.
+        (
+            ["run", "--launcher", "ray", "--ray-shared-dir", "/tmp", "--kv-connector", "nixl"]
+            + ["--topology", "1P+1D"],
+            "--ray-shared-dir holds the connectors' files (ExampleConnector's), and none of "
+            "1P+1D writes any (no encoder; KV by nixl): drop --ray-shared-dir",
+        ),
+        (
+            ["fuzz", "--topology", "1P+1D", *RAY_CUDA, "--devices", "0,1,2"]
+            + ["--ray-shared-dir", "/tmp"],
+            "none of 1P+1D writes any (no encoder; KV by nixl)",
+        ),
+    ],
+)
+def test_flags_the_ray_launcher_would_ignore_are_refused_before_anything_starts(
+    argv: list[str], cause: str
+) -> None:
+    """Checked as the commands check their arguments first (no cluster is contacted); each
+    was accepted and ignored."""
+    from harness.cli.main import check_command_line
+    from harness.errors import BadInput
+
+    with pytest.raises(BadInput) as refused:
+        check_command_line(argv)
+    assert cause in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--launcher", "ray", "--ray-shared-dir", "/tmp", "--topology", "1P+1D"],
+        ["run", "--launcher", "ray", "--ray-shared-dir", "/tmp", "--kv-connector", "nixl"],
+        ["run", *RAY_CUDA, "--devices", "0,1,2", "--ray-shared-dir", "/tmp"],
+        ["run", *RAY_CUDA, "--devices", "0,1,2"],
+    ],
+)
+def test_the_ray_launchers_flags_where_they_are_used_pass(argv: list[str]) -> None:
+    """ExampleConnector's KV files (1P+1D on cpu), an encoder's embeddings (the default
+    topologies include 1E+1PD): the shared directory holds them."""
+    from harness.cli.main import check_command_line
+
+    check_command_line(argv)

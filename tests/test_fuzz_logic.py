@@ -649,12 +649,33 @@ def test_save_writes_a_new_failure_as_a_declared_scenario(tmp_path: Path) -> Non
         (["--reason", "x"], "--reason declares the cause of what --save writes"),
         (["--save", "--plant-fault", "corrupt-ec"], "a planted fault is the harness's own"),
         (["--examples", "0"], "--examples 0: must be at least 1"),
+        # An attached deployment is never restarted: both budgets were accepted and ignored.
+        (
+            ["--attach", "deployment.json", "--max-run-restarts", "2"],
+            "--max-run-restarts budgets restarts of the topology the harness launched; an "
+            "attached deployment is never restarted",
+        ),
+        (
+            ["--attach", "deployment.json", "--max-restarts", "0", "--max-run-restarts", "6"],
+            "--max-restarts and --max-run-restarts budget restarts of the topology the "
+            "harness launched",
+        ),
     ],
 )
 def test_fuzz_refuses_flags_it_would_ignore_in_one_line(args, cause, epd_cli) -> None:
     code, _, err = epd_cli("fuzz", "--topology", "1E+1PD", *args)
     assert code == 2
     assert cause in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_fuzz_restart_budgets_default_as_documented_and_pass_with_attach_when_not_given() -> None:
+    from harness.cli.fuzz import run_budget, shrink_budget
+    from harness.cli.main import check_command_line
+
+    args = check_command_line(["fuzz", "--topology", "1E+1PD", "--attach", "deployment.json"])
+    assert (shrink_budget(args).max_restarts, run_budget(args).max_restarts) == (6, 6)
+    given = check_command_line(["fuzz", "--topology", "1E+1PD", "--max-run-restarts", "0"])
+    assert run_budget(given).max_restarts == 0
 
 
 def test_fuzz_refuses_the_baseline_and_several_topologies(epd_cli) -> None:

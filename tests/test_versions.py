@@ -647,7 +647,9 @@ def test_versions_refuses_unknown_names_and_ignored_flags_before_installing(
     assert (code, err.splitlines()[0][:44]) == (2, "epd-harness: error: unknown topology '9E' (k")
     code, _, err = epd_cli("versions", "0.32.0", "--prompt", "txt", "--run-dir", run_dir)
     assert code == 2 and "unknown prompt 'txt'" in err, err
-    for flag in ("--baseline-cache", "--lock-file"):
+    # --run-dir too: the release venvs live in the cache, and no run is written (found in the
+    # audit of ignored flags).
+    for flag in ("--baseline-cache", "--lock-file", "--run-dir"):
         code, _, err = epd_cli("versions", "0.32.0", "--install-only", flag, tmp_path / "x")
         assert code == 2 and flag in err and "would install" not in err, err
     # --golden is forwarded to each release's run, which refused a release candidate, or a

@@ -70,6 +70,11 @@ def upstream_proxy(bundle: Bundle, source: str | None = None) -> UpstreamProxy:
 
 
 def command_export(args: argparse.Namespace) -> int:
+    if args.probe and args.vllm_source:
+        raise BadInput(
+            f"--vllm-source gives vLLM's proxy files, and --probe {args.probe} sends its "
+            "request to one instance directly, without a proxy: drop --vllm-source"
+        )
     try:
         bundle = Bundle.load(Path(args.run_dir).resolve())
     except BundleError as exc:

@@ -29,6 +29,7 @@ from harness.preflight import RunRequest, prepare_run
 from harness.preflight.config import check_arguments
 from harness.run.faults import FAULT_NAMES, FAULT_SYNTAX
 from harness.run.fuzz.engine import RunBudget
+from harness.run.fuzz.shrink import ShrinkBudget
 
 log = logging.getLogger("harness")
 
@@ -65,13 +66,18 @@ def add_fuzz_parser(sub: Any) -> None:
         "(later ones are counted, not sent: each would kill an instance)",
     )
     fuzz.add_argument("--max-shrink-trials", type=int, default=80, help="per failure group")
-    fuzz.add_argument("--max-restarts", type=int, default=6, help="per failure group's shrink")
+    # The two restart budgets default to None, so that one given with --attach (whose
+    # deployment the harness never restarts) is told from its default and refused.
+    fuzz.add_argument(
+        "--max-restarts",
+        type=int,
+        help=f"per failure group's shrink (default: {ShrinkBudget.max_restarts})",
+    )
     fuzz.add_argument(
         "--max-run-restarts",
         type=int,
-        default=RunBudget.max_restarts,
         help="restarts of the topology in the whole run; once spent, what needs one is "
-        "counted as not sent",
+        f"counted as not sent (default: {RunBudget.max_restarts})",
     )
     fuzz.add_argument(
         "--budget-s",
@@ -99,12 +105,43 @@ def _refuse(args: argparse.Namespace) -> None:
         raise BadInput(f"--topology {args.topology}: fuzz runs one topology at a time")
     if args.topology == "baseline":
         raise BadInput("--topology baseline: the baseline is the reference; name an EPD topology")
-    counts = (args.confirm_known, args.max_shrink_trials, args.max_restarts, args.max_run_restarts)
+    restart_budgets = [
+        flag
+        for flag, value in (
+            ("--max-restarts", args.max_restarts),
+            ("--max-run-restarts", args.max_run_restarts),
+        )
+        if value is not None
+    ]
+    if args.attach and restart_budgets:
+        given = " and ".join(restart_budgets)
+        raise BadInput(
+            f"{given} budget{'' if len(restart_budgets) > 1 else 's'} restarts of the topology "
+            "the harness launched; an attached deployment is never restarted (once it is "
+            f"down nothing more is sent to it): drop {given}"
+        )
+    budgets = shrink_budget(args), run_budget(args)
+    counts = (
+        args.confirm_known,
+        args.max_shrink_trials,
+        budgets[0].max_restarts,
+        budgets[1].max_restarts,
+    )
     if min(counts) < 0 or not (math.isfinite(args.budget_s) and args.budget_s > 0):
         raise BadInput(
             "--confirm-known, --max-shrink-trials, --max-restarts and --max-run-restarts must "
             "be >= 0, --budget-s > 0"
         )
+
+
+def shrink_budget(args: argparse.Namespace) -> ShrinkBudget:
+    restarts = ShrinkBudget.max_restarts if args.max_restarts is None else args.max_restarts
+    return ShrinkBudget(max_trials=args.max_shrink_trials, max_restarts=restarts)
+
+
+def run_budget(args: argparse.Namespace) -> RunBudget:
+    restarts = RunBudget.max_restarts if args.max_run_restarts is None else args.max_run_restarts
+    return RunBudget(max_restarts=restarts, max_seconds=args.budget_s)
 
 
 def fuzz_request(args: argparse.Namespace) -> RunRequest:
@@ -138,7 +175,6 @@ def command_fuzz(args: argparse.Namespace) -> int:
     from harness.run.fuzz.engine import FuzzEngine, FuzzReport
     from harness.run.fuzz.layout import TokenizerEstimator
     from harness.run.fuzz.save import save_scenarios
-    from harness.run.fuzz.shrink import ShrinkBudget
     from harness.run.fuzz.space import space_for
     from harness.run.fuzz.strategies import draw_examples
 
@@ -155,8 +191,8 @@ def command_fuzz(args: argparse.Namespace) -> int:
     space = space_for(settings.protocol, topology, settings.serving)
     for note in space.notes:
         log.warning("epd-harness fuzz: %s", note)
-    budget = ShrinkBudget(max_trials=args.max_shrink_trials, max_restarts=args.max_restarts)
-    run_budget = RunBudget(max_restarts=args.max_run_restarts, max_seconds=args.budget_s)
+    budget = shrink_budget(args)
+    whole_run_budget = run_budget(args)
     began = time.monotonic()
     examples = draw_examples(space, args.examples, args.seed, estimator)
     meta = {
@@ -180,7 +216,7 @@ def command_fuzz(args: argparse.Namespace) -> int:
         "space": space.to_json(),
         "layout_estimator": type(estimator).__name__ if estimator else None,
         "shrink_budget": budget.to_json(),
-        "run_budget": run_budget.to_json(),
+        "run_budget": whole_run_budget.to_json(),
         "confirm_known": args.confirm_known,
     }
     write_examples(settings.run_dir, examples, meta)
@@ -206,7 +242,7 @@ def command_fuzz(args: argparse.Namespace) -> int:
         on_event=args.progress.on_event,
         confirm_known=args.confirm_known,
         budget=budget,
-        run_budget=run_budget,
+        run_budget=whole_run_budget,
         min_prompt_tokens=space.min_prompt_tokens,
     ) as engine:
         report.startup_seconds = time.monotonic() - began

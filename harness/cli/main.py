@@ -40,7 +40,12 @@ from harness.errors import (
 )
 from harness.judge.records import CaseRecord
 from harness.preflight import RunRequest, names, prepare_run
-from harness.preflight.config import COLOCATE_ON_CPU, RunConfig, check_arguments
+from harness.preflight.config import (
+    COLOCATE_ON_CPU,
+    COLOCATE_ON_RAY,
+    RunConfig,
+    check_arguments,
+)
 from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_os_error
 from harness.preflight.model import resolve_model
 from harness.preflight.upstream_proxy import proxy_choice
@@ -62,7 +67,7 @@ from harness.serve.launcher import end_launchers
 from harness.serve.ports import NoFreePortError
 from harness.spec.platforms import DevicePlanError, get_platform, parse_devices
 from harness.spec.prompts import SKELETON_PROMPTS
-from harness.spec.settings import ATTACH_PROXY
+from harness.spec.settings import ATTACH_PROXY, RAY_LAUNCHER
 from harness.spec.topology import TOPOLOGIES
 
 log = logging.getLogger("harness")
@@ -241,6 +246,8 @@ def command_repro(args: argparse.Namespace) -> int:
             )
         if args.colocate and not get_platform(bundle.platform).exclusive_devices:
             raise BadInput(COLOCATE_ON_CPU)
+        if args.colocate and bundle.launcher.kind == RAY_LAUNCHER:
+            raise BadInput(COLOCATE_ON_RAY)
         try:
             devices = parse_devices(args.devices) if args.devices is not None else None
         except DevicePlanError as exc:

@@ -504,11 +504,16 @@ def add_goldens_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
 
 def refuse_conflicts(args: argparse.Namespace) -> None:
     if args.install_only and (
-        args.topology or args.prompt or args.golden or args.baseline_cache or args.lock_file
+        args.topology
+        or args.prompt
+        or args.golden
+        or args.baseline_cache
+        or args.lock_file
+        or args.run_dir
     ):
         raise BadInput(
             "--install-only runs no sweep; drop --topology, --prompt, --golden, "
-            "--baseline-cache and --lock-file"
+            "--baseline-cache, --lock-file and --run-dir"
         )
 
     # Each release's run would refuse an unknown name, or a --golden that names no final

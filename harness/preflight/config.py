@@ -61,6 +61,7 @@ from harness.spec.settings import (
     HARNESS_PROXY,
     LOCAL_LAUNCHER,
     PROXY_KINDS,
+    RAY_LAUNCHER,
     REGISTRATION_MODES,
     STATIC_REGISTRATION,
     VLLM_PROXY,
@@ -84,6 +85,12 @@ NO_ENFORCE_EAGER_ON_CPU = (
 COLOCATE_ON_CPU = (
     "--colocate shares GPUs within a topology; on cpu instances always share the cores: "
     "drop --colocate"
+)
+# Ray puts each instance in a placement-group bundle of one GPU of its own (on a node Ray
+# chooses), so nothing shares a device there, whatever the harness's device plan says.
+COLOCATE_ON_RAY = (
+    "--colocate lets a topology's instances share this host's GPUs; --launcher ray gives "
+    "each instance a GPU of its own on the node Ray places it on: drop --colocate"
 )
 log = logging.getLogger(__name__)
 
@@ -226,6 +233,15 @@ def check_arguments(request: RunRequest, *, read_files: bool = True) -> CheckedA
     devices = _parse_devices(request.devices, platform)
     # An attached deployment's is its own, as its attach file says.
     kv_connector = get_kv_connector(attach.kv_connector) if attach is not None else requested_kv
+    if launcher.shared_dir is not None and not any(
+        t.has_ec_transfer or (t.has_kv_transfer and kv_connector.uses_shared_storage)
+        for t in topologies
+    ):
+        raise BadInput(
+            f"--ray-shared-dir holds the connectors' files (ExampleConnector's), and none of "
+            f"{', '.join(t.name for t in topologies)} writes any (no encoder; KV by "
+            f"{kv_connector.name}): drop --ray-shared-dir"
+        )
     if request.plant_fault is not None:
         fault = parse_fault(request.plant_fault)  # a plain or graded fault: BadInput
         if fault.kind in STREAM_FAULTS and not request.stream:
@@ -410,6 +426,8 @@ def _refuse_ignored_flags(request: RunRequest) -> None:
     refuse_ray_flags_without_ray(request)
     if request.colocate and request.platform == "cpu":
         raise BadInput(COLOCATE_ON_CPU)
+    if request.colocate and request.launcher == RAY_LAUNCHER:
+        raise BadInput(COLOCATE_ON_RAY)
     if request.no_enforce_eager and request.platform == "cpu":
         raise BadInput(NO_ENFORCE_EAGER_ON_CPU)
 
@@ -428,6 +446,16 @@ def _refuse_flags_attach_ignores(request: RunRequest) -> None:
         raise BadInput(
             "--kv-connector sets the connector of topologies the harness launches; an "
             "attached deployment's is the attach file's kv_connector: drop --kv-connector"
+        )
+    if request.ec_connector:
+        raise BadInput(
+            "--ec-connector sets the connector of topologies the harness launches; an "
+            "attached deployment moves embeddings with its own: drop --ec-connector"
+        )
+    if request.colocate:
+        raise BadInput(
+            "--colocate lets the instances of a topology the harness launches share devices; "
+            "with --attach it launches only the baseline, one instance: drop --colocate"
         )
     if request.scenarios or request.cases_file:
         flag = "--scenario" if request.scenarios else "--cases-file"
