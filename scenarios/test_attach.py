@@ -107,13 +107,13 @@ def attach_run(
     """`epd-harness run --attach FILE` in-process: (exit code, stdout, summary.json, seconds)."""
     settings = config.settings
     # The baseline the attach run may start is the session's: same platform, devices and
-    # numerics flags, so its answers are the cached ones (a GPU session's too).
+    # numerics flags, so its answers are the cached ones (a GPU session's too). Not a
+    # colocated session's --colocate: the baseline is one instance, which it cannot change,
+    # and `run --attach` refuses it.
     baseline_flags = ["--platform", settings.platform.name]
     baseline_flags += ["--devices", ",".join(map(str, settings.devices))]
     if not settings.serving.enforce_eager:
         baseline_flags.append("--no-enforce-eager")
-    if settings.colocate:
-        baseline_flags.append("--colocate")
     started = time.monotonic()
     code, out, _ = epd_cli(
         "run", "--attach", attach_file, "--prompt", ",".join(PROMPTS),
