@@ -85,6 +85,30 @@ def test_the_test_job_installs_every_extra_its_tests_need(tmp_path: Path) -> Non
     assert calls[-1].startswith("-m pytest tests scenarios -m (not e2e or ci)")
 
 
+def test_browser_with_pytest_arguments_of_ones_own_is_refused_not_dropped(
+    tmp_path: Path,
+) -> None:
+    """--browser only changes the default selection, which pytest arguments replace: with
+    them it was dropped without a word, before anything was set up."""
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text(RECORDING_PYTHON)
+    (venv / "python").chmod(0o755)
+    calls = tmp_path / "calls.txt"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    result = subprocess.run(
+        [str(SCRIPT), "test", "--browser", "tests/test_report_html.py"],
+        env={**clean, "EPD_VENV": str(tmp_path / "venv"), "CALLS": str(calls), "FREEZE": FREEZE},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert "--browser" in last and "tests/test_report_html.py" in last, result.stderr
+    assert not calls.exists(), calls.read_text()
+
+
 def test_the_sweep_installs_only_the_test_extra_unless_asked(tmp_path: Path) -> None:
     assert installed_extras(run_script(tmp_path, "sweep")) == {"test"}
 
