@@ -97,7 +97,7 @@ def test_browser_with_pytest_arguments_of_ones_own_is_refused_not_dropped(
     calls = tmp_path / "calls.txt"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
     result = subprocess.run(
-        [str(SCRIPT), "test", "--browser", "tests/test_report_html.py"],
+        [str(SCRIPT), "test", "--browser", "tests/test_report_browser.py"],
         env={**clean, "EPD_VENV": str(tmp_path / "venv"), "CALLS": str(calls), "FREEZE": FREEZE},
         capture_output=True,
         text=True,
@@ -105,7 +105,7 @@ def test_browser_with_pytest_arguments_of_ones_own_is_refused_not_dropped(
     )
     assert result.returncode == 2, result.stderr
     last = result.stderr.splitlines()[-1]
-    assert "--browser" in last and "tests/test_report_html.py" in last, result.stderr
+    assert "--browser" in last and "tests/test_report_browser.py" in last, result.stderr
     assert not calls.exists(), calls.read_text()
 
 
