@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -202,6 +203,78 @@ def test_a_pool_that_must_wait_for_devices_first_lets_go_of_what_it_holds(
     finally:
         first.close()
         second.close()
+
+
+# Another xdist worker's pool, in a process of its own: it asks for the baseline on `device`,
+# says "asking" before and "serving" once its session serves, then ends.
+OTHER_WORKER = """
+import sys
+from pathlib import Path
+from harness.run.pool import TopologyPool
+from harness.spec.platforms import CUDA
+from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.testing.fake_vllm import fake_run_settings
+
+root, fake, device = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+serving = ServingConfig(model=str(root / "model"), kv_connector=CUDA.kv_connector)
+settings = fake_run_settings(root, fake, serving, platform=CUDA, devices=(device,))
+pool = TopologyPool(settings)
+try:
+    print("asking", flush=True)
+    pool.session(TOPOLOGIES["baseline"], devices=(device,))
+    print("serving", flush=True)
+finally:
+    pool.close()
+"""
+# How long the other worker is given to mark the device it waits for (the marks came with the
+# fix: on the old code this wait runs out, and the test goes on to fail on what it asserts).
+MARK_WAIT_S = 10.0
+
+
+def test_a_worker_waiting_for_a_device_another_pool_keeps_idle_gets_it_at_that_pools_next_step(
+    tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path, port_locks: Path
+) -> None:
+    """On a multi-worker GPU night a pool keeps a session up after its items until it needs
+    the room or its pytest session ends, while its worker serves other topologies on other
+    devices. Another worker waiting for that idle session's device sat idle all that time (a
+    stall, GPU hours on the 8-GPU night, not a hang): the pool let go at its session's end.
+    Now the waiter marks what it waits for, and the pool stops that session at its next step,
+    counted as such where the session starts again."""
+    pool = TopologyPool(cuda_settings(tmp_path / "gw0", fake_vllm, (0, 1, 2)))
+    root = Path(__file__).resolve().parent.parent
+    other = None
+    try:
+        pool.session(BASELINE, devices=(0,))  # its items done, the baseline stays up, idle
+        argv = [sys.executable, "-c", OTHER_WORKER, str(tmp_path / "gw1"), str(fake_vllm), "0"]
+        other = subprocess.Popen(
+            argv, cwd=root, stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
+        assert other.stdout is not None and other.stdout.readline() == "asking\n"
+        deadline = time.monotonic() + MARK_WAIT_S
+        while not list(port_locks.glob("cuda-device-0.wanted.*")):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+
+        pool.session(TOPOLOGIES["1P+1D"], devices=(1, 2))  # this pool's next step
+
+        try:
+            out, _ = other.communicate(timeout=HANG_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the other worker still waited for device 0 after this pool's next step")
+        assert (out, other.returncode) == ("serving\n", 0)
+        assert [key.topology for key in pool.running()] == ["1P+1D"]
+        pool.session(BASELINE, devices=(0,))
+        assert pool.starts[-1].reason == (
+            "restart: stopped for another process waiting for its devices "
+            f"(cuda device 0 wanted by pid {other.pid})"
+        ), pool.summary()
+        assert [s for s in logged_starts(fake_vllm_start_log) if s["shared"]] == []
+    finally:
+        if other is not None and other.poll() is None:
+            os.killpg(other.pid, signal.SIGKILL)
+            other.communicate()
+        pool.close()
 
 
 def test_fuzzing_on_gpus_serves_the_baseline_and_the_topology_on_devices_of_their_own(
