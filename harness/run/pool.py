@@ -26,9 +26,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.environment import port_lock_dir
 from harness.files import write_json_atomic, write_text_atomic
 from harness.outcomes.outcome import InstanceStats
 from harness.outcomes.startup import describe_instance_start
+from harness.serve.device_wants import wanted_devices
 from harness.serve.entry import proxy_key
 from harness.serve.launch import EventCallback, keep_earlier_log
 from harness.serve.session import DeadInstance, ProxiedSession, TopologySession, safe_name
@@ -106,6 +108,9 @@ class StartCause:
     # Where the dead instance's log was kept when the new start writes another directory (a
     # sweep with another run directory): that start's own keeping never sees it.
     dead_log_kept: Path | None = None
+    # Why the pool stopped its last session of the key, when it stopped it for another
+    # process waiting for its devices (`TopologyPool._let_go_of_wanted`).
+    stopped_for: str | None = None
 
     def reason(self, earlier_logs: Mapping[Path, Path]) -> str:
         """The start's reason: first use, or the restart's cause, naming the kept log of what
@@ -126,6 +131,10 @@ class StartCause:
             kept = ", ".join(path.name for path in earlier_logs.values())
             return "restart: the last start did not come up" + (
                 f" (its logs kept as {kept})" if kept else ""
+            )
+        if self.stopped_for is not None:
+            return (
+                f"restart: stopped for another process waiting for its devices ({self.stopped_for})"
             )
         return "restart: stopped earlier"
 
@@ -165,6 +174,9 @@ class TopologyPool:
         self._before_stop: list[Callable[[TopologySession], None]] = []
         # Each topology's devices in the run's schedule (`place`).
         self._slots: dict[str, tuple[int, ...]] = {}
+        # Sessions stopped for another process waiting for their devices, and for whom: the
+        # reason their next start gives.
+        self._stopped_for: dict[SessionKey, str] = {}
 
     # -- asking for sessions ------------------------------------------------------------------
 
@@ -268,6 +280,7 @@ class TopologyPool:
             session = self._new_session(request)
             starting.append((key, session, self._start_cause(key, dead, session.dir)))
         asked = {request.key for request in requests}
+        self._let_go_of_wanted(keep=asked)
         for _, session, _ in starting:
             session.before_device_wait = lambda: self._let_go(keep=asked)
         self._make_room([(key, s.topology, s.devices) for key, s, _ in starting])
@@ -333,6 +346,7 @@ class TopologyPool:
         # scenario's deployment beside the pool's own 1E+1PD waited for ever on the devices
         # that one held (seen with the fake vLLM on eight devices).
         session.before_device_wait = lambda: self._let_go(keep=set())
+        self._let_go_of_wanted(keep=set())
         self._make_room([(key, topology, session.devices)], shared=False)
         started = time.monotonic()
         try:
@@ -427,7 +441,11 @@ class TopologyPool:
         if dead is not None and dead.log_path.parent != new_dir:
             kept = keep_earlier_log(dead.log_path)
         return StartCause(
-            bool(earlier), bool(earlier) and earlier[-1].seconds is None, dead, dead_log_kept=kept
+            bool(earlier),
+            bool(earlier) and earlier[-1].seconds is None,
+            dead,
+            dead_log_kept=kept,
+            stopped_for=self._stopped_for.pop(key, None),
         )
 
     def _placed(
@@ -470,6 +488,25 @@ class TopologyPool:
         device to calibrate a load, would wait for ever."""
         for key in [k for k in self._live if k not in keep]:
             self._stop(key)
+
+    def _let_go_of_wanted(self, keep: set[SessionKey]) -> None:
+        """Stop the sessions but those in `keep` (asked for now) that hold a device another
+        process waits for (its marks, `device_wants`): called at each step of the pool. An
+        idle session is otherwise kept until this pool needs its room or ends, and on a
+        multi-worker GPU night the worker waiting for its device sat idle all that time while
+        this worker served other topologies on other devices."""
+        if not self.settings.platform.exclusive_devices:
+            return
+        wants = wanted_devices(port_lock_dir(), self.settings.platform.name)
+        if not wants:
+            return
+        for key, live in list(self._live.items()):
+            if key in keep or not key.launcher.is_local or key not in self._live:
+                continue  # a session of another cluster leases no device of this host's
+            in_its_way = [want for want in wants if want.device in live.devices]
+            if in_its_way:
+                self._stopped_for[key] = ", ".join(want.describe() for want in in_its_way)
+                self._stop(key)
 
     def _make_room(
         self,
