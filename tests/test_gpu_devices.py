@@ -277,6 +277,30 @@ def test_a_worker_waiting_for_a_device_another_pool_keeps_idle_gets_it_at_that_p
         pool.close()
 
 
+def test_a_pool_keeps_an_idle_session_a_gone_process_marked_and_stops_one_a_live_one_marks(
+    tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path, port_locks: Path
+) -> None:
+    """The marks a waiter killed by SIGKILL leaves are no reason to stop a session (it would
+    only start again); a live waiter's are, and only on the devices it marked."""
+    pool = TopologyPool(cuda_settings(tmp_path, fake_vllm, (0, 1, 2, 3, 4)))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    try:
+        pool.session(BASELINE, devices=(0,))
+        pool.session(TOPOLOGIES["1P+1D"], devices=(1, 2))
+        (port_locks / "cuda-device-0.wanted.1.1").write_text(gone.stdout)
+        pool.session(TOPOLOGIES["1E+1PD"], devices=(3, 4))
+        assert sorted(key.topology for key in pool.running()) == ["1E+1PD", "1P+1D", "baseline"]
+        (port_locks / "cuda-device-2.wanted.1.2").write_text(f"{os.getpid()}\n")
+        pool.session(BASELINE, devices=(0,))  # the next step: asked, so kept
+        assert sorted(key.topology for key in pool.running()) == ["1E+1PD", "baseline"]
+        (port_locks / "cuda-device-4.wanted.1.3").write_text(f"{os.getpid()}\n")
+        with pool.private(TOPOLOGIES["1P+1D"], "a test", label="private", devices=(1, 2)):
+            assert [key.topology for key in pool.running()] == ["baseline"]
+    finally:
+        pool.close()
+
+
 def test_fuzzing_on_gpus_serves_the_baseline_and_the_topology_on_devices_of_their_own(
     tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path
 ) -> None:

@@ -11,7 +11,8 @@ and a consumer could otherwise load what another topology's producer left (and a
 would hold for a transfer that did not happen).
 
 It stops a session only when told (`release`), when memory or devices are needed for another
-(least recently used first), or at the end. A session whose instance died (a case that kills D,
+(least recently used first), when another process waits for its devices (at the pool's next
+step: `_let_go_of_wanted`), or at the end. A session whose instance died (a case that kills D,
 the self-test's kill) is started again on its next use, and the restart is counted with its
 cause: `starts` is the account `epd-harness` and pytest print at the end.
 """
