@@ -301,6 +301,40 @@ def test_a_pool_keeps_an_idle_session_a_gone_process_marked_and_stops_one_a_live
         pool.close()
 
 
+def test_a_pool_lets_go_for_a_waiter_only_when_that_gives_it_every_device_it_waits_for(
+    tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path, port_locks: Path
+) -> None:
+    """A lease takes its devices all or none: on the fake 8-GPU night 2E+1PD waited for 1-3,
+    1E+1PD's (one worker) and 1P+1D's (another). Each worker let go of its session for it in
+    turn, started it again for its next item, and 2E+1PD still waited (21 starts for 19, and
+    its wait longer). A session kept for an item running now is not let go of either."""
+    from harness.serve.ports import lease_devices
+
+    pool = TopologyPool(cuda_settings(tmp_path, fake_vllm, (0, 1, 2, 3)))
+    elsewhere = lease_devices("cuda", (3,), port_locks)  # another worker's session on device 3
+    try:
+        pool.item_begins()
+        pool.session(TOPOLOGIES["1P+1D"], devices=(1, 2))
+        for device in (1, 2, 3):  # one waiter (pid, thread) for all three
+            (port_locks / f"cuda-device-{device}.wanted.7.7").write_text(f"{os.getpid()}\n")
+        pool.session(BASELINE, devices=(0,))
+        assert sorted(key.topology for key in pool.running()) == ["1P+1D", "baseline"]
+        for lease in elsewhere:
+            lease.release()
+        pool.session(BASELINE, devices=(0,))
+        assert sorted(key.topology for key in pool.running()) == ["1P+1D", "baseline"], (
+            "let go of a session the item running now asked for"
+        )
+        pool.item_begins()
+        pool.session(BASELINE, devices=(0,))
+        assert [key.topology for key in pool.running()] == ["baseline"]
+    finally:
+        for lease in elsewhere:
+            lease.release()
+        pool.close()
+    assert [start.reason for start in pool.starts] == ["first use", "first use"]
+
+
 def test_fuzzing_on_gpus_serves_the_baseline_and_the_topology_on_devices_of_their_own(
     tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path
 ) -> None:

@@ -34,6 +34,7 @@ from harness.outcomes.startup import describe_instance_start
 from harness.serve.device_wants import wanted_devices
 from harness.serve.entry import proxy_key
 from harness.serve.launch import EventCallback, keep_earlier_log
+from harness.serve.ports import devices_free
 from harness.serve.session import DeadInstance, ProxiedSession, TopologySession, safe_name
 from harness.spec.placement import CPU_INSTANCE_BYTES, CPU_MEMORY_HEADROOM, available_memory_bytes
 from harness.spec.settings import LauncherChoice, RunSettings
@@ -178,8 +179,19 @@ class TopologyPool:
         # Sessions stopped for another process waiting for their devices, and for whom: the
         # reason their next start gives.
         self._stopped_for: dict[SessionKey, str] = {}
+        # The sessions the item running now has asked for (`item_begins`): in use, never let
+        # go of for a waiter. None: no items (a CLI run), only those asked at a step are.
+        self._in_use: set[SessionKey] | None = None
 
     # -- asking for sessions ------------------------------------------------------------------
+
+    def item_begins(self) -> None:
+        """A pytest item begins: the sessions it asks for are in use until the next one
+        begins, and the pool lets go of none of them for another process waiting for their
+        devices. A load's calibration asks for the baseline while its topology waits for the
+        load: stopped then for a waiter, the topology started again at once (seen with the
+        fake vLLM on 4 devices, 2 workers)."""
+        self._in_use = set()
 
     def place(self, slots: Mapping[str, tuple[int, ...]]) -> None:
         """The devices each topology gets when a caller asks for it without any: the sweep
@@ -281,7 +293,9 @@ class TopologyPool:
             session = self._new_session(request)
             starting.append((key, session, self._start_cause(key, dead, session.dir)))
         asked = {request.key for request in requests}
-        self._let_go_of_wanted(keep=asked)
+        if self._in_use is not None:
+            self._in_use |= asked
+        self._let_go_of_wanted(keep=asked | (self._in_use or set()))
         for _, session, _ in starting:
             session.before_device_wait = lambda: self._let_go(keep=asked)
         self._make_room([(key, s.topology, s.devices) for key, s, _ in starting])
@@ -347,7 +361,7 @@ class TopologyPool:
         # scenario's deployment beside the pool's own 1E+1PD waited for ever on the devices
         # that one held (seen with the fake vLLM on eight devices).
         session.before_device_wait = lambda: self._let_go(keep=set())
-        self._let_go_of_wanted(keep=set())
+        self._let_go_of_wanted(keep=set(self._in_use or ()))
         self._make_room([(key, topology, session.devices)], shared=False)
         started = time.monotonic()
         try:
@@ -491,23 +505,38 @@ class TopologyPool:
             self._stop(key)
 
     def _let_go_of_wanted(self, keep: set[SessionKey]) -> None:
-        """Stop the sessions but those in `keep` (asked for now) that hold a device another
-        process waits for (its marks, `device_wants`): called at each step of the pool. An
-        idle session is otherwise kept until this pool needs its room or ends, and on a
-        multi-worker GPU night the worker waiting for its device sat idle all that time while
-        this worker served other topologies on other devices."""
+        """Stop the sessions but those in `keep` (asked for now, or in use) that stand between
+        another process and the devices it waits for (its marks, `device_wants`): called at
+        each step of the pool. An idle session is otherwise kept until this pool needs its
+        room or ends, and on a multi-worker GPU night the worker waiting for its device sat
+        idle all that time while this worker served other topologies on other devices.
+
+        Only where letting go gives the waiter every device it waits for: it leases them all
+        or none, so where another holder (or a session kept here) has one of them, a stop
+        now would only cost a restart later. On the fake 8-GPU night 2E+1PD waited for two
+        workers' devices (1-2 and 3), each let go in turn, and each restarted its session
+        while 2E+1PD still waited."""
         if not self.settings.platform.exclusive_devices:
             return
-        wants = wanted_devices(port_lock_dir(), self.settings.platform.name)
-        if not wants:
-            return
-        for key, live in list(self._live.items()):
-            if key in keep or not key.launcher.is_local or key not in self._live:
-                continue  # a session of another cluster leases no device of this host's
-            in_its_way = [want for want in wants if want.device in live.devices]
-            if in_its_way:
-                self._stopped_for[key] = ", ".join(want.describe() for want in in_its_way)
-                self._stop(key)
+        kind, lock_dir = self.settings.platform.name, port_lock_dir()
+        waiters: dict[tuple[int, str], set[int]] = {}
+        for want in wanted_devices(lock_dir, kind):
+            waiters.setdefault((want.pid, want.waiter), set()).add(want.device)
+        for (pid, _), devices in waiters.items():
+            # Read again for each waiter: a stop's callback (a sweep serving its references)
+            # may have opened or stopped sessions.
+            local = {k: v for k, v in self._live.items() if k.launcher.is_local}
+            held_here = {d for live in local.values() for d in live.devices}
+            kept = {d for k, live in local.items() if k in keep for d in live.devices}
+            idle = [k for k, live in local.items() if k not in keep and devices & set(live.devices)]
+            if not idle or devices & kept or not devices_free(kind, devices - held_here, lock_dir):
+                continue
+            plural = "s" if len(devices) > 1 else ""
+            wanted = f"{kind} device{plural} {', '.join(map(str, sorted(devices)))}"
+            for key in idle:
+                if key in self._live:
+                    self._stopped_for[key] = f"{wanted} wanted by pid {pid}"
+                    self._stop(key)
 
     def _make_room(
         self,

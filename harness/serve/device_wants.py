@@ -28,14 +28,13 @@ from harness.files import write_text_atomic
 
 @dataclass(frozen=True)
 class DeviceWant:
-    """A live process waiting for `device` of `kind` (cuda, xpu)."""
+    """A live process waiting for `device` of `kind` (cuda, xpu); `waiter` tells its waits
+    apart (one per thread), as a lease wants all its devices or none."""
 
     kind: str
     device: int
     pid: int
-
-    def describe(self) -> str:
-        return f"{self.kind} device {self.device} wanted by pid {self.pid}"
+    waiter: str
 
 
 def mark_path(lock_dir: Path, kind: str, device: int) -> Path:
@@ -63,13 +62,13 @@ def wanted_devices(lock_dir: Path, kind: str) -> list[DeviceWant]:
     A mark that cannot be read or names a dead process is ignored."""
     wants = []
     for path in sorted(lock_dir.glob(f"{kind}-device-*.wanted.*")):
-        device = path.name.removeprefix(f"{kind}-device-").split(".", 1)[0]
+        device, _, waiter = path.name.removeprefix(f"{kind}-device-").partition(".wanted.")
         try:
             pid = int(path.read_text().strip())
         except (OSError, ValueError):  # removed as it was read, or not a mark of ours
             continue
         if device.isdigit() and _alive(pid):
-            wants.append(DeviceWant(kind, int(device), pid))
+            wants.append(DeviceWant(kind, int(device), pid, waiter))
     return wants
 
 

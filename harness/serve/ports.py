@@ -271,6 +271,19 @@ def lease_devices(
             _wait_until_free(busy)
 
 
+def devices_free(kind: str, devices: set[int], lock_dir: Path | None = None) -> bool:
+    """Whether nobody holds any of `devices` now (each lock taken and let go at once): a
+    pool asks before it lets go of a session for a waiter, which gets its devices all or
+    none."""
+    lock_dir = lock_dir if lock_dir is not None else port_lock_dir()
+    for device in sorted(devices):
+        fd = _lock_port(lock_dir / f"{kind}-device-{device}.lock")
+        if fd is None:
+            return False
+        os.close(fd)
+    return True
+
+
 def _wait_until_free(lock_path: Path) -> None:
     """Block until nobody holds `lock_path`'s lock (taking it, then letting it go at once)."""
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)

@@ -318,8 +318,12 @@ def load_specs(items: list[pytest.Item]) -> dict[str, Any]:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """The item running now, from its fixtures' setup on (one may stop the baseline)."""
+    """The item running now, from its fixtures' setup on (one may stop the baseline); the
+    pool's sessions it asks for are in use until the next item (`TopologyPool.item_begins`)."""
     item.config.stash[CURRENT_ITEM_KEY] = item.nodeid
+    pool = item.config.stash.get(POOL_KEY, None)
+    if pool is not None:
+        pool.item_begins()
 
 
 def loads_to_come(config: pytest.Config, workers: int) -> list[Any]:
@@ -785,6 +789,7 @@ def epd_pool(pytestconfig: pytest.Config, epd_settings, epd_events):
     from harness.run.pool import TopologyPool
 
     pool = TopologyPool(epd_settings, epd_events)
+    pool.item_begins()  # made in the first item's setup, after `pytest_runtest_setup`
     pytestconfig.stash[POOL_KEY] = pool
     try:
         yield pool
