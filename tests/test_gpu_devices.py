@@ -307,7 +307,8 @@ def test_a_pool_lets_go_for_a_waiter_only_when_that_gives_it_every_device_it_wai
     """A lease takes its devices all or none: on the fake 8-GPU night 2E+1PD waited for 1-3,
     1E+1PD's (one worker) and 1P+1D's (another). Each worker let go of its session for it in
     turn, started it again for its next item, and 2E+1PD still waited (21 starts for 19, and
-    its wait longer). A session kept for an item running now is not let go of either."""
+    its wait longer). Nor is a session the item running now asked for, or one this worker's
+    later items need: let go of, it starts again for them."""
     from harness.serve.ports import lease_devices
 
     pool = TopologyPool(cuda_settings(tmp_path, fake_vllm, (0, 1, 2, 3)))
@@ -325,6 +326,9 @@ def test_a_pool_lets_go_for_a_waiter_only_when_that_gives_it_every_device_it_wai
         assert sorted(key.topology for key in pool.running()) == ["1P+1D", "baseline"], (
             "let go of a session the item running now asked for"
         )
+        pool.item_begins(needed_later={"1P+1D"})  # this worker's next items need it
+        pool.session(BASELINE, devices=(0,))
+        assert sorted(key.topology for key in pool.running()) == ["1P+1D", "baseline"]
         pool.item_begins()
         pool.session(BASELINE, devices=(0,))
         assert [key.topology for key in pool.running()] == ["baseline"]

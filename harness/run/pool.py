@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,16 +182,19 @@ class TopologyPool:
         # The sessions the item running now has asked for (`item_begins`): in use, never let
         # go of for a waiter. None: no items (a CLI run), only those asked at a step are.
         self._in_use: set[SessionKey] | None = None
+        self._needed_later: set[str] = set()  # topology names (`item_begins`)
 
     # -- asking for sessions ------------------------------------------------------------------
 
-    def item_begins(self) -> None:
+    def item_begins(self, needed_later: Collection[str] = ()) -> None:
         """A pytest item begins: the sessions it asks for are in use until the next one
-        begins, and the pool lets go of none of them for another process waiting for their
-        devices. A load's calibration asks for the baseline while its topology waits for the
-        load: stopped then for a waiter, the topology started again at once (seen with the
-        fake vLLM on 4 devices, 2 workers)."""
+        begins, and those of the topologies `needed_later` (by it and the items after it on
+        this worker) are its worker's to come back to: the pool lets go of none of them for
+        another process waiting for their devices. Let go of, each started again for its
+        next item (seen with the fake vLLM on 4 devices, 2 workers: the load's calibration
+        asked for the baseline before its 1E+1P+1D, which 2E+1PD waited for)."""
         self._in_use = set()
+        self._needed_later = set(needed_later)
 
     def place(self, slots: Mapping[str, tuple[int, ...]]) -> None:
         """The devices each topology gets when a caller asks for it without any: the sweep
@@ -527,8 +530,19 @@ class TopologyPool:
             # may have opened or stopped sessions.
             local = {k: v for k, v in self._live.items() if k.launcher.is_local}
             held_here = {d for live in local.values() for d in live.devices}
-            kept = {d for k, live in local.items() if k in keep for d in live.devices}
-            idle = [k for k, live in local.items() if k not in keep and devices & set(live.devices)]
+            kept = {
+                d
+                for k, live in local.items()
+                if k in keep or k.topology in self._needed_later
+                for d in live.devices
+            }
+            idle = [
+                k
+                for k, live in local.items()
+                if k not in keep
+                and k.topology not in self._needed_later
+                and devices & set(live.devices)
+            ]
             if not idle or devices & kept or not devices_free(kind, devices - held_here, lock_dir):
                 continue
             plural = "s" if len(devices) > 1 else ""
