@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -202,6 +203,140 @@ def test_a_pool_that_must_wait_for_devices_first_lets_go_of_what_it_holds(
     finally:
         first.close()
         second.close()
+
+
+# Another xdist worker's pool, in a process of its own: it asks for the baseline on `device`,
+# says "asking" before and "serving" once its session serves, then ends.
+OTHER_WORKER = """
+import sys
+from pathlib import Path
+from harness.run.pool import TopologyPool
+from harness.spec.platforms import CUDA
+from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.testing.fake_vllm import fake_run_settings
+
+root, fake, device = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+serving = ServingConfig(model=str(root / "model"), kv_connector=CUDA.kv_connector)
+settings = fake_run_settings(root, fake, serving, platform=CUDA, devices=(device,))
+pool = TopologyPool(settings)
+try:
+    print("asking", flush=True)
+    pool.session(TOPOLOGIES["baseline"], devices=(device,))
+    print("serving", flush=True)
+finally:
+    pool.close()
+"""
+# How long the other worker is given to mark the device it waits for (the marks came with the
+# fix: on the old code this wait runs out, and the test goes on to fail on what it asserts).
+MARK_WAIT_S = 10.0
+
+
+def test_a_worker_waiting_for_a_device_another_pool_keeps_idle_gets_it_at_that_pools_next_step(
+    tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path, port_locks: Path
+) -> None:
+    """On a multi-worker GPU night a pool keeps a session up after its items until it needs
+    the room or its pytest session ends, while its worker serves other topologies on other
+    devices. Another worker waiting for that idle session's device sat idle all that time (a
+    stall, GPU hours on the 8-GPU night, not a hang): the pool let go at its session's end.
+    Now the waiter marks what it waits for, and the pool stops that session at its next step,
+    counted as such where the session starts again."""
+    pool = TopologyPool(cuda_settings(tmp_path / "gw0", fake_vllm, (0, 1, 2)))
+    root = Path(__file__).resolve().parent.parent
+    other = None
+    try:
+        pool.session(BASELINE, devices=(0,))  # its items done, the baseline stays up, idle
+        argv = [sys.executable, "-c", OTHER_WORKER, str(tmp_path / "gw1"), str(fake_vllm), "0"]
+        other = subprocess.Popen(
+            argv, cwd=root, stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
+        assert other.stdout is not None and other.stdout.readline() == "asking\n"
+        deadline = time.monotonic() + MARK_WAIT_S
+        while not list(port_locks.glob("cuda-device-0.wanted.*")):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+
+        pool.session(TOPOLOGIES["1P+1D"], devices=(1, 2))  # this pool's next step
+
+        try:
+            out, _ = other.communicate(timeout=HANG_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the other worker still waited for device 0 after this pool's next step")
+        assert (out, other.returncode) == ("serving\n", 0)
+        assert [key.topology for key in pool.running()] == ["1P+1D"]
+        pool.session(BASELINE, devices=(0,))
+        assert pool.starts[-1].reason == (
+            "restart: stopped for another process waiting for its devices "
+            f"(cuda device 0 wanted by pid {other.pid})"
+        ), pool.summary()
+        assert [s for s in logged_starts(fake_vllm_start_log) if s["shared"]] == []
+    finally:
+        if other is not None and other.poll() is None:
+            os.killpg(other.pid, signal.SIGKILL)
+            other.communicate()
+        pool.close()
+
+
+def test_a_pool_keeps_an_idle_session_a_gone_process_marked_and_stops_one_a_live_one_marks(
+    tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path, port_locks: Path
+) -> None:
+    """The marks a waiter killed by SIGKILL leaves are no reason to stop a session (it would
+    only start again); a live waiter's are, and only on the devices it marked."""
+    pool = TopologyPool(cuda_settings(tmp_path, fake_vllm, (0, 1, 2, 3, 4)))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    try:
+        pool.session(BASELINE, devices=(0,))
+        pool.session(TOPOLOGIES["1P+1D"], devices=(1, 2))
+        (port_locks / "cuda-device-0.wanted.1.1").write_text(gone.stdout)
+        pool.session(TOPOLOGIES["1E+1PD"], devices=(3, 4))
+        assert sorted(key.topology for key in pool.running()) == ["1E+1PD", "1P+1D", "baseline"]
+        (port_locks / "cuda-device-2.wanted.1.2").write_text(f"{os.getpid()}\n")
+        pool.session(BASELINE, devices=(0,))  # the next step: asked, so kept
+        assert sorted(key.topology for key in pool.running()) == ["1E+1PD", "baseline"]
+        (port_locks / "cuda-device-4.wanted.1.3").write_text(f"{os.getpid()}\n")
+        with pool.private(TOPOLOGIES["1P+1D"], "a test", label="private", devices=(1, 2)):
+            assert [key.topology for key in pool.running()] == ["baseline"]
+    finally:
+        pool.close()
+
+
+def test_a_pool_lets_go_for_a_waiter_only_when_that_gives_it_every_device_it_waits_for(
+    tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path, port_locks: Path
+) -> None:
+    """A lease takes its devices all or none: on the fake 8-GPU night 2E+1PD waited for 1-3,
+    1E+1PD's (one worker) and 1P+1D's (another). Each worker let go of its session for it in
+    turn, started it again for its next item, and 2E+1PD still waited (21 starts for 19, and
+    its wait longer). Nor is a session the item running now asked for, or one this worker's
+    later items need: let go of, it starts again for them."""
+    from harness.serve.ports import lease_devices
+
+    pool = TopologyPool(cuda_settings(tmp_path, fake_vllm, (0, 1, 2, 3)))
+    elsewhere = lease_devices("cuda", (3,), port_locks)  # another worker's session on device 3
+    try:
+        pool.item_begins()
+        pool.session(TOPOLOGIES["1P+1D"], devices=(1, 2))
+        for device in (1, 2, 3):  # one waiter (pid, thread) for all three
+            (port_locks / f"cuda-device-{device}.wanted.7.7").write_text(f"{os.getpid()}\n")
+        pool.session(BASELINE, devices=(0,))
+        assert sorted(key.topology for key in pool.running()) == ["1P+1D", "baseline"]
+        for lease in elsewhere:
+            lease.release()
+        pool.session(BASELINE, devices=(0,))
+        assert sorted(key.topology for key in pool.running()) == ["1P+1D", "baseline"], (
+            "let go of a session the item running now asked for"
+        )
+        pool.item_begins(needed_later={"1P+1D"})  # this worker's next items need it
+        pool.session(BASELINE, devices=(0,))
+        assert sorted(key.topology for key in pool.running()) == ["1P+1D", "baseline"]
+        pool.item_begins()
+        pool.session(BASELINE, devices=(0,))
+        assert [key.topology for key in pool.running()] == ["baseline"]
+    finally:
+        for lease in elsewhere:
+            lease.release()
+        pool.close()
+    assert [start.reason for start in pool.starts] == ["first use", "first use"]
 
 
 def test_fuzzing_on_gpus_serves_the_baseline_and_the_topology_on_devices_of_their_own(

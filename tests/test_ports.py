@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -324,3 +325,93 @@ def test_a_device_lease_holds_none_of_its_devices_while_it_waits_for_another(
                 lease.release()
     assert [lease.port for lease in leased[0]] == [0, 1], "it gets both once both are free"
     assert not waiting.is_alive()
+
+
+# --- marks of the devices a lease waits for ---------------------------------------------------
+
+
+def test_a_waiting_device_lease_marks_every_device_it_asked_for_until_it_gets_them(
+    tmp_path: Path,
+) -> None:
+    """A pool of another worker reads the marks at its next step and stops an idle session on
+    a wanted device (`device_wants`): a lease that waits must leave them while it waits, after
+    its `before_wait` (the caller's own let-go sees none of its own), and none once it has its
+    devices."""
+    from harness.serve.device_wants import DeviceWant, wanted_devices
+    from harness.serve.ports import lease_devices
+
+    elsewhere = lease_devices("cuda", (1,), tmp_path)
+    seen_before_wait: list[list[DeviceWant]] = []
+    leased: list[list[PortLease]] = []
+    waiting = threading.Thread(
+        target=lambda: leased.append(
+            lease_devices(
+                "cuda",
+                (0, 1),
+                tmp_path,
+                before_wait=lambda: seen_before_wait.append(wanted_devices(tmp_path, "cuda")),
+            )
+        ),
+        daemon=True,
+    )
+    waiting.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(wanted_devices(tmp_path, "cuda")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        wants = wanted_devices(tmp_path, "cuda")
+        assert [(want.device, want.pid) for want in wants] == [(0, os.getpid()), (1, os.getpid())]
+        assert len({want.waiter for want in wants}) == 1, "one wait, all or none of its devices"
+        assert wanted_devices(tmp_path, "xpu") == []
+        assert seen_before_wait == [[]]
+    finally:
+        for lease in elsewhere:
+            lease.release()
+        waiting.join(timeout=10)
+    assert [lease.port for lease in leased[0]] == [0, 1]
+    assert list(tmp_path.glob("*.wanted*")) == [], "a mark outlived the wait"
+    for lease in leased[0]:
+        lease.release()
+
+
+def test_a_device_lease_interrupted_while_it_waits_leaves_no_mark(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C during the wait (or a pytest timeout): the mark goes with the lease, or a pool
+    would stop sessions for a waiter that gave up, as long as its process lives."""
+    from harness.serve import ports
+    from harness.serve.device_wants import wanted_devices
+
+    elsewhere = ports.lease_devices("cuda", (0,), tmp_path)
+    marked_while_waiting: list[int] = []
+
+    def interrupted(lock_path: Path) -> None:
+        marked_while_waiting.extend(want.device for want in wanted_devices(tmp_path, "cuda"))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ports, "_wait_until_free", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ports.lease_devices("cuda", (0, 2), tmp_path)
+    finally:
+        for lease in elsewhere:
+            lease.release()
+    assert marked_while_waiting == [0, 2]
+    assert list(tmp_path.glob("*.wanted*")) == []
+
+
+def test_a_mark_of_a_process_that_is_gone_is_ignored(tmp_path: Path) -> None:
+    """A waiter killed by SIGKILL leaves its mark behind: nobody waits for the device, and no
+    pool should stop a session for it. Marks that are not a pid are ignored too."""
+    from harness.serve.device_wants import marked_as_wanted, wanted_devices
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    (tmp_path / "cuda-device-3.wanted.1.1").write_text(gone.stdout)
+    (tmp_path / "cuda-device-4.wanted.1.1").write_text("not a pid\n")
+    assert wanted_devices(tmp_path, "cuda") == []
+    with marked_as_wanted(tmp_path, "cuda", (5,)):
+        assert [(want.device, want.pid) for want in wanted_devices(tmp_path, "cuda")] == [
+            (5, os.getpid())
+        ]
+    assert wanted_devices(tmp_path, "cuda") == []

@@ -330,6 +330,9 @@ def test_items_with_instances_of_their_own_run_after_every_item_of_the_pool(
     last_of_pool = next(i for i in items if i.name == "test_other_pool_case")
     queue = items[0].config.stash[plugin.E2E_QUEUE_KEY]
     assert queue.needed_after(last_of_pool.nodeid) == set(), "1E+1PD kept up for its own items"
+    # What the pool keeps for this worker from that item on, whoever waits for its devices:
+    # that item's own topology, nothing of the items with instances of their own.
+    assert {topology for topology, _ in queue.needed_from(last_of_pool.nodeid)} == {"1P+1D"}
     if platform == "cuda":
         groups = xdist_groups(items)
         assert groups["test_own_repro"] == groups["test_pool_case"] == "1E+1PD"

@@ -11,7 +11,8 @@ and a consumer could otherwise load what another topology's producer left (and a
 would hold for a transfer that did not happen).
 
 It stops a session only when told (`release`), when memory or devices are needed for another
-(least recently used first), or at the end. A session whose instance died (a case that kills D,
+(least recently used first), when another process waits for its devices (at the pool's next
+step: `_let_go_of_wanted`), or at the end. A session whose instance died (a case that kills D,
 the self-test's kill) is started again on its next use, and the restart is counted with its
 cause: `starts` is the account `epd-harness` and pytest print at the end.
 """
@@ -22,15 +23,18 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.environment import port_lock_dir
 from harness.files import write_json_atomic, write_text_atomic
 from harness.outcomes.outcome import InstanceStats
 from harness.outcomes.startup import describe_instance_start
+from harness.serve.device_wants import wanted_devices
 from harness.serve.entry import proxy_key
 from harness.serve.launch import EventCallback, keep_earlier_log
+from harness.serve.ports import devices_free
 from harness.serve.session import DeadInstance, ProxiedSession, TopologySession, safe_name
 from harness.spec.placement import CPU_INSTANCE_BYTES, CPU_MEMORY_HEADROOM, available_memory_bytes
 from harness.spec.settings import LauncherChoice, RunSettings
@@ -106,6 +110,9 @@ class StartCause:
     # Where the dead instance's log was kept when the new start writes another directory (a
     # sweep with another run directory): that start's own keeping never sees it.
     dead_log_kept: Path | None = None
+    # Why the pool stopped its last session of the key, when it stopped it for another
+    # process waiting for its devices (`TopologyPool._let_go_of_wanted`).
+    stopped_for: str | None = None
 
     def reason(self, earlier_logs: Mapping[Path, Path]) -> str:
         """The start's reason: first use, or the restart's cause, naming the kept log of what
@@ -126,6 +133,10 @@ class StartCause:
             kept = ", ".join(path.name for path in earlier_logs.values())
             return "restart: the last start did not come up" + (
                 f" (its logs kept as {kept})" if kept else ""
+            )
+        if self.stopped_for is not None:
+            return (
+                f"restart: stopped for another process waiting for its devices ({self.stopped_for})"
             )
         return "restart: stopped earlier"
 
@@ -165,8 +176,25 @@ class TopologyPool:
         self._before_stop: list[Callable[[TopologySession], None]] = []
         # Each topology's devices in the run's schedule (`place`).
         self._slots: dict[str, tuple[int, ...]] = {}
+        # Sessions stopped for another process waiting for their devices, and for whom: the
+        # reason their next start gives.
+        self._stopped_for: dict[SessionKey, str] = {}
+        # The sessions the item running now has asked for (`item_begins`): in use, never let
+        # go of for a waiter. None: no items (a CLI run), only those asked at a step are.
+        self._in_use: set[SessionKey] | None = None
+        self._needed_later: set[str] = set()  # topology names (`item_begins`)
 
     # -- asking for sessions ------------------------------------------------------------------
+
+    def item_begins(self, needed_later: Collection[str] = ()) -> None:
+        """A pytest item begins: the sessions it asks for are in use until the next one
+        begins, and those of the topologies `needed_later` (by it and the items after it on
+        this worker) are its worker's to come back to: the pool lets go of none of them for
+        another process waiting for their devices. Let go of, each started again for its
+        next item (seen with the fake vLLM on 4 devices, 2 workers: the load's calibration
+        asked for the baseline before its 1E+1P+1D, which 2E+1PD waited for)."""
+        self._in_use = set()
+        self._needed_later = set(needed_later)
 
     def place(self, slots: Mapping[str, tuple[int, ...]]) -> None:
         """The devices each topology gets when a caller asks for it without any: the sweep
@@ -268,6 +296,9 @@ class TopologyPool:
             session = self._new_session(request)
             starting.append((key, session, self._start_cause(key, dead, session.dir)))
         asked = {request.key for request in requests}
+        if self._in_use is not None:
+            self._in_use |= asked
+        self._let_go_of_wanted(keep=asked | (self._in_use or set()))
         for _, session, _ in starting:
             session.before_device_wait = lambda: self._let_go(keep=asked)
         self._make_room([(key, s.topology, s.devices) for key, s, _ in starting])
@@ -333,6 +364,7 @@ class TopologyPool:
         # scenario's deployment beside the pool's own 1E+1PD waited for ever on the devices
         # that one held (seen with the fake vLLM on eight devices).
         session.before_device_wait = lambda: self._let_go(keep=set())
+        self._let_go_of_wanted(keep=set(self._in_use or ()))
         self._make_room([(key, topology, session.devices)], shared=False)
         started = time.monotonic()
         try:
@@ -427,7 +459,11 @@ class TopologyPool:
         if dead is not None and dead.log_path.parent != new_dir:
             kept = keep_earlier_log(dead.log_path)
         return StartCause(
-            bool(earlier), bool(earlier) and earlier[-1].seconds is None, dead, dead_log_kept=kept
+            bool(earlier),
+            bool(earlier) and earlier[-1].seconds is None,
+            dead,
+            dead_log_kept=kept,
+            stopped_for=self._stopped_for.pop(key, None),
         )
 
     def _placed(
@@ -470,6 +506,51 @@ class TopologyPool:
         device to calibrate a load, would wait for ever."""
         for key in [k for k in self._live if k not in keep]:
             self._stop(key)
+
+    def _let_go_of_wanted(self, keep: set[SessionKey]) -> None:
+        """Stop the sessions but those in `keep` (asked for now, or in use) that stand between
+        another process and the devices it waits for (its marks, `device_wants`): called at
+        each step of the pool. An idle session is otherwise kept until this pool needs its
+        room or ends, and on a multi-worker GPU night the worker waiting for its device sat
+        idle all that time while this worker served other topologies on other devices.
+
+        Only where letting go gives the waiter every device it waits for: it leases them all
+        or none, so where another holder (or a session kept here) has one of them, a stop
+        now would only cost a restart later. On the fake 8-GPU night 2E+1PD waited for two
+        workers' devices (1-2 and 3), each let go in turn, and each restarted its session
+        while 2E+1PD still waited."""
+        if not self.settings.platform.exclusive_devices:
+            return
+        kind, lock_dir = self.settings.platform.name, port_lock_dir()
+        waiters: dict[tuple[int, str], set[int]] = {}
+        for want in wanted_devices(lock_dir, kind):
+            waiters.setdefault((want.pid, want.waiter), set()).add(want.device)
+        for (pid, _), devices in waiters.items():
+            # Read again for each waiter: a stop's callback (a sweep serving its references)
+            # may have opened or stopped sessions.
+            local = {k: v for k, v in self._live.items() if k.launcher.is_local}
+            held_here = {d for live in local.values() for d in live.devices}
+            kept = {
+                d
+                for k, live in local.items()
+                if k in keep or k.topology in self._needed_later
+                for d in live.devices
+            }
+            idle = [
+                k
+                for k, live in local.items()
+                if k not in keep
+                and k.topology not in self._needed_later
+                and devices & set(live.devices)
+            ]
+            if not idle or devices & kept or not devices_free(kind, devices - held_here, lock_dir):
+                continue
+            plural = "s" if len(devices) > 1 else ""
+            wanted = f"{kind} device{plural} {', '.join(map(str, sorted(devices)))}"
+            for key in idle:
+                if key in self._live:
+                    self._stopped_for[key] = f"{wanted} wanted by pid {pid}"
+                    self._stop(key)
 
     def _make_room(
         self,

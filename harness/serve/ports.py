@@ -28,6 +28,7 @@ share one should set `EPD_HARNESS_PORT_DIR` (then only the bind check keeps them
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -40,6 +41,7 @@ from types import TracebackType
 from harness.environment import LOOPBACK_HOST, port_lock_dir
 from harness.environment import port_range as configured_port_range
 from harness.errors import HarnessError
+from harness.serve.device_wants import marked_as_wanted
 
 
 class NoFreePortError(HarnessError):
@@ -233,32 +235,53 @@ def lease_devices(
 
     `before_wait` is called once, holding none of these, before the first wait: the caller lets
     go of what else it holds (a pool's other sessions), so nothing it keeps can be what the
-    holder it waits for waits for in turn."""
+    holder it waits for waits for in turn.
+
+    While it waits it marks every device it asked for as wanted (`device_wants`): a pool of
+    another worker that keeps an idle session on one of them stops it at its next step, instead
+    of at its session's end. The marks go when the lease returns or is given up."""
     lock_dir = lock_dir if lock_dir is not None else port_lock_dir()
     lock_dir.mkdir(parents=True, exist_ok=True)
     paths = [(device, lock_dir / f"{kind}-device-{device}.lock") for device in sorted(devices)]
-    while True:
-        leases: list[PortLease] = []
-        busy: Path | None = None
-        try:
-            for device, lock_path in paths:
-                fd = _lock_port(lock_path)
-                if fd is None:
-                    busy = lock_path
-                    break
-                leases.append(PortLease(device, lock_path, fd, None))
-        except BaseException:
+    waited = False
+    with contextlib.ExitStack() as marks:
+        while True:
+            leases: list[PortLease] = []
+            busy: Path | None = None
+            try:
+                for device, lock_path in paths:
+                    fd = _lock_port(lock_path)
+                    if fd is None:
+                        busy = lock_path
+                        break
+                    leases.append(PortLease(device, lock_path, fd, None))
+            except BaseException:
+                for lease in leases:
+                    lease.release()
+                raise
+            if busy is None:
+                return leases
             for lease in leases:
                 lease.release()
-            raise
-        if busy is None:
-            return leases
-        for lease in leases:
-            lease.release()
-        if before_wait is not None:
-            before_wait()
-            before_wait = None
-        _wait_until_free(busy)
+            if not waited:
+                if before_wait is not None:
+                    before_wait()
+                marks.enter_context(marked_as_wanted(lock_dir, kind, tuple(sorted(devices))))
+                waited = True
+            _wait_until_free(busy)
+
+
+def devices_free(kind: str, devices: set[int], lock_dir: Path | None = None) -> bool:
+    """Whether nobody holds any of `devices` now (each lock taken and let go at once): a
+    pool asks before it lets go of a session for a waiter, which gets its devices all or
+    none."""
+    lock_dir = lock_dir if lock_dir is not None else port_lock_dir()
+    for device in sorted(devices):
+        fd = _lock_port(lock_dir / f"{kind}-device-{device}.lock")
+        if fd is None:
+            return False
+        os.close(fd)
+    return True
 
 
 def _wait_until_free(lock_path: Path) -> None:

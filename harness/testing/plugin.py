@@ -318,8 +318,21 @@ def load_specs(items: list[pytest.Item]) -> dict[str, Any]:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """The item running now, from its fixtures' setup on (one may stop the baseline)."""
+    """The item running now, from its fixtures' setup on (one may stop the baseline); the
+    pool's sessions it asks for are in use until the next item (`TopologyPool.item_begins`)."""
     item.config.stash[CURRENT_ITEM_KEY] = item.nodeid
+    pool = item.config.stash.get(POOL_KEY, None)
+    if pool is not None:
+        begin_item(item.config, pool)
+
+
+def begin_item(config: pytest.Config, pool: Any) -> None:
+    """Tell the pool an item begins, and which topologies it and the later items of its
+    xdist group need: those it keeps for them, whoever waits for their devices."""
+    queue = config.stash.get(E2E_QUEUE_KEY, None)
+    current = config.stash.get(CURRENT_ITEM_KEY, None)
+    needed = queue.needed_from(current) if queue is not None and current is not None else set()
+    pool.item_begins({topology for topology, _ in needed})
 
 
 def loads_to_come(config: pytest.Config, workers: int) -> list[Any]:
@@ -472,6 +485,13 @@ class E2eQueue:
     def needed_after(self, nodeid: str) -> set[tuple[str, str]]:
         """The instances (topology, variant) that the items after `nodeid` in its xdist group
         need running: their own, and their topology's exact reference."""
+        return self._needed(nodeid, 1)
+
+    def needed_from(self, nodeid: str) -> set[tuple[str, str]]:
+        """`needed_after`, with what `nodeid` itself needs."""
+        return self._needed(nodeid, 0)
+
+    def _needed(self, nodeid: str, skip: int) -> set[tuple[str, str]]:
         from harness.spec.topology import TOPOLOGIES
 
         position = next((n for n, (node, _, _) in enumerate(self.order) if node == nodeid), None)
@@ -479,7 +499,7 @@ class E2eQueue:
             return set()
         xdist_group = self.order[position][1]
         needed: set[tuple[str, str]] = set()
-        for _, later_xdist_group, group in self.order[position + 1 :]:
+        for _, later_xdist_group, group in self.order[position + skip :]:
             if later_xdist_group != xdist_group:
                 continue
             needed.add(group.instances)
@@ -785,6 +805,7 @@ def epd_pool(pytestconfig: pytest.Config, epd_settings, epd_events):
     from harness.run.pool import TopologyPool
 
     pool = TopologyPool(epd_settings, epd_events)
+    begin_item(pytestconfig, pool)  # made in the first item's setup, after pytest_runtest_setup
     pytestconfig.stash[POOL_KEY] = pool
     try:
         yield pool
