@@ -107,7 +107,8 @@ class RequestRejected(Exception):
 class EmbeddingsMissing(RequestFailed):
     """An item with neither embeddings nor media to encode reached the engine: in vLLM 0.32 the
     worker's sanity check asserts (vllm/v1/worker/utils.py, `sanity_check_mm_encoder_outputs`)
-    and the engine core dies, taking its API server down after the 500."""
+    and the engine core dies, taking its API server down after the request's error (a 500,
+    or, streamed, an error event after the 200: `engine_dead_events`)."""
 
     def __init__(self, detail: str):
         super().__init__(
@@ -444,6 +445,17 @@ def monolithic_answer(body: dict) -> tuple[list[int], list[int]]:
     ids, placeholders, _ = tokenize(body)
     rows = kv_rows(ids, placeholders, b"", None)
     return ids, generated_ids(rows, int(body.get("max_tokens") or 4))
+
+
+def engine_dead_events(error: dict) -> list[bytes]:
+    """What a streamed request gets when the engine dies under it, as vLLM 0.32 sends it
+    (`chat_completion_stream_generator` in vllm/entrypoints/openai/chat_completion/serving.py):
+    the frontend answered 200 before the engine ran the request (`create_chat_completion`
+    returns the generator, which StreamingResponse starts sending), so the EngineDeadError the
+    generator meets is one event, `create_streaming_error_response`'s ErrorResponse (the JSON an
+    unstreamed request gets with its 500), then `[DONE]`. The engine died before its first
+    output, so no role chunk precedes it."""
+    return [f"data: {json.dumps(error)}\n\n".encode(), b"data: [DONE]\n\n"]
 
 
 def stream_events(answer: dict, body: dict) -> list[bytes]:
@@ -800,11 +812,15 @@ def make_handler(engine: Engine) -> type[http.server.BaseHTTPRequestHandler]:
                 self.reply(400, {"error": {**error, "code": 400}})
                 return
             except EmbeddingsMissing as exc:
-                # The engine core's death: the request's 500 (EngineDeadError's message), then
-                # the API server exits with code 0, as vLLM 0.32's does.
+                # The engine core's death: the request's error (EngineDeadError's), then the
+                # API server exits with code 0, as vLLM 0.32's does.
                 print(f"ERROR EngineCore failed: {exc}", flush=True)
                 error = {"message": ENGINE_DEAD_MESSAGE, "type": "InternalServerError"}
-                self.reply(500, {"error": {**error, "param": None, "code": 500}})
+                dead = {"error": {**error, "param": None, "code": 500}}
+                if body.get("stream"):
+                    self.stream(engine_dead_events(dead))
+                else:
+                    self.reply(500, dead)
                 self.wfile.flush()
                 os._exit(0)
             except RequestFailed as exc:
