@@ -87,6 +87,11 @@ ROLE_IDS = {"system": 8948, "user": 872, "assistant": 77091}
 EC_FILE = "encoder_cache.safetensors"
 KV_LAYER = "model.layers.0.self_attn.attn"
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default
+# The time one decode step takes (mode `decode-step=<seconds>` sets another): an answer of n
+# tokens is held n-1 steps after its first token, streamed one token a step, as vLLM's engine
+# generates it. An instance that answered at once was never found with a request in flight
+# (the death under load's D, which finished the first requests before its kill).
+DECODE_STEP_S = 0.01
 # EngineDeadError's message (vllm/v1/engine/exceptions.py): what a request gets as its core dies.
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
@@ -827,19 +832,26 @@ def make_handler(engine: Engine) -> type[http.server.BaseHTTPRequestHandler]:
                 print(f"ERROR {exc}", flush=True)
                 self.reply(500, {"error": {"message": str(exc), "type": "InternalServerError"}})
                 return
+            step_s = modes.get("decode-step", DECODE_STEP_S)
+            tokens = answer["usage"]["completion_tokens"]
             if body.get("stream"):
-                self.stream(stream_events(answer, body))
+                self.stream(stream_events(answer, body), step_s, tokens)
                 return
+            time.sleep(step_s * max(tokens - 1, 0))
             self.reply(200, answer)
 
-        def stream(self, events: list[bytes]) -> None:
+        def stream(self, events: list[bytes], step_s: float = 0.0, tokens: int = 0) -> None:
             """Server-sent events, chunked, as vLLM's StreamingResponse sends them
-            (`media_type="text/event-stream"`; Starlette adds the charset)."""
+            (`media_type="text/event-stream"`; Starlette adds the charset): the role chunk and
+            the first token's at once, each of the `tokens` token chunks after it a decode
+            step (`step_s`) later."""
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream; charset=utf-8")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            for event in events:
+            for index, event in enumerate(events):
+                if 2 <= index <= tokens:  # events[1..tokens] are the token chunks
+                    time.sleep(step_s)
                 self.wfile.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
                 self.wfile.flush()
             self.wfile.write(b"0\r\n\r\n")
