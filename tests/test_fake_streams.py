@@ -162,8 +162,8 @@ def test_a_fake_stream_chunk_has_the_fields_vllm_dumps(tmp_path: Path) -> None:
 def test_the_fake_holds_an_answer_for_its_decode_steps(
     tmp_path: Path, fake_vllm: Path, port_locks: Path
 ) -> None:
-    """An answer of n tokens comes n-1 decode steps after its first token, streamed one token a
-    step, as vLLM's engine generates it. The fake answered at once, so the death under load's
+    """D's answer of n tokens comes n-1 decode steps after its first token, streamed one token
+    a step, as vLLM's engine generates it. The fake answered at once, so the death under load's
     kill (scenarios/test_load.py), which waits for a request in flight at D, found D had
     answered the first requests on some runs: they passed, and the scenario failed."""
     from harness.testing.fake_vllm_server import DECODE_STEP_S
@@ -171,9 +171,9 @@ def test_the_fake_holds_an_answer_for_its_decode_steps(
     tokens = 32
     pool = TopologyPool(nixl_settings(tmp_path, fake_vllm))
     try:
-        session = pool.session(TOPOLOGIES["baseline"])
-        url = next(i.url for i in session.instances if i.role is Role.BASELINE)
-        body = {
+        session = pool.session(TOPOLOGIES["1P+1D"])
+        url = next(i.url for i in session.instances if i.role is Role.DECODE)
+        body = {  # no kv_transfer_params: D computes the prompt itself
             "model": "fake-model",
             "messages": [{"role": "user", "content": "one two three"}],
             "max_tokens": tokens,

@@ -87,10 +87,13 @@ ROLE_IDS = {"system": 8948, "user": 872, "assistant": 77091}
 EC_FILE = "encoder_cache.safetensors"
 KV_LAYER = "model.layers.0.self_attn.attn"
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default
-# The time one decode step takes (mode `decode-step=<seconds>` sets another): an answer of n
-# tokens is held n-1 steps after its first token, streamed one token a step, as vLLM's engine
-# generates it. An instance that answered at once was never found with a request in flight
-# (the death under load's D, which finished the first requests before its kill).
+# The time one of D's decode steps takes (mode `decode-step=<seconds>` sets another, for any
+# role): an answer of n tokens is held n-1 steps after its first token, streamed one token a
+# step, as vLLM's engine generates it. A D that answered at once was never found with a
+# request in flight (the death under load finished its first requests before the kill). Only
+# D's by default: every other role answering 32 tokens 0.31 s later made the harness's own
+# fake nights half as slow again (fuzzing's hundreds of PD answers), and only D is killed
+# under load.
 DECODE_STEP_S = 0.01
 # EngineDeadError's message (vllm/v1/engine/exceptions.py): what a request gets as its core dies.
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
@@ -832,7 +835,7 @@ def make_handler(engine: Engine) -> type[http.server.BaseHTTPRequestHandler]:
                 print(f"ERROR {exc}", flush=True)
                 self.reply(500, {"error": {"message": str(exc), "type": "InternalServerError"}})
                 return
-            step_s = modes.get("decode-step", DECODE_STEP_S)
+            step_s = modes.get("decode-step", DECODE_STEP_S if engine.role == "decode" else 0.0)
             tokens = answer["usage"]["completion_tokens"]
             if body.get("stream"):
                 self.stream(stream_events(answer, body), step_s, tokens)
