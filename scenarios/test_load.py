@@ -33,15 +33,10 @@ EPD_BASELINE_PROMPTS = MIX
 SMALL_REQUESTS, SMALL_CONCURRENCY = 16, 8
 KILL_IN_FLIGHT = 32
 SOAK_S = 90.0
-# Each test's load, named on its `epd_load` mark too: the session measures every selected
-# load's batch calibration while its baseline serves (harness.testing.plugin), so no load
-# serves the baseline again for its own.
-SMALL_LOAD = LoadSpec("1E+1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY, ending=False)
-SMALL_STREAMED_LOAD = dataclasses.replace(SMALL_LOAD, stream=True)
-KV_DROPPED_LOAD = LoadSpec("1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY)
-TAIL_LOAD = LoadSpec("1E+1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY)
-DEATH_LOAD = LoadSpec("1E+1P+1D", KILL_IN_FLIGHT, KILL_IN_FLIGHT, kill="decode")
-SOAK_LOAD = LoadSpec("1E+1PD", SMALL_REQUESTS, SMALL_CONCURRENCY, duration_s=SOAK_S)
+# Each test's load is named once, on its `epd_load` mark, and handed to the test by the
+# `epd_load_spec` fixture: the session reads the marks to measure every selected load's batch
+# calibration while its baseline serves (harness.testing.plugin), so no load serves the
+# baseline again for its own.
 
 
 @pytest.fixture(scope="session")
@@ -82,9 +77,9 @@ def assert_every_request_passed(result) -> None:
 
 @pytest.mark.ci
 @pytest.mark.epd_topology("1E+1P+1D")
-@pytest.mark.epd_load(SMALL_LOAD)
-def test_a_small_load_every_answer_its_own(load_sweep) -> None:
-    result = run_load(load_sweep, SMALL_LOAD, "small")
+@pytest.mark.epd_load(LoadSpec("1E+1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY, ending=False))
+def test_a_small_load_every_answer_its_own(load_sweep, epd_load_spec) -> None:
+    result = run_load(load_sweep, epd_load_spec, "small")
     assert len(result.results) == SMALL_REQUESTS
     assert_every_request_passed(result)
     assert result.stats is not None and result.stats.by_role.keys() >= {
@@ -97,9 +92,11 @@ def test_a_small_load_every_answer_its_own(load_sweep) -> None:
 
 @pytest.mark.ci
 @pytest.mark.epd_topology("1E+1P+1D")
-@pytest.mark.epd_load(SMALL_STREAMED_LOAD)
-def test_a_small_streamed_load_every_answer_its_own_and_framed(load_sweep) -> None:
-    result = run_load(load_sweep, SMALL_STREAMED_LOAD, "small-streamed")
+@pytest.mark.epd_load(
+    LoadSpec("1E+1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY, ending=False, stream=True)
+)
+def test_a_small_streamed_load_every_answer_its_own_and_framed(load_sweep, epd_load_spec) -> None:
+    result = run_load(load_sweep, epd_load_spec, "small-streamed")
     assert len(result.results) == SMALL_REQUESTS
     assert_every_request_passed(result)
     assert all(r.outcome.stream is not None and r.outcome.stream.ok for r in result.results)
@@ -108,8 +105,10 @@ def test_a_small_streamed_load_every_answer_its_own_and_framed(load_sweep) -> No
 
 @pytest.mark.kv_connector("nixl")
 @pytest.mark.epd_topology("1P+1D")
-@pytest.mark.epd_load(KV_DROPPED_LOAD)
-def test_a_load_in_which_one_request_got_no_kv_fails_its_kv_account(load_sweep) -> None:
+@pytest.mark.epd_load(LoadSpec("1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY))
+def test_a_load_in_which_one_request_got_no_kv_fails_its_kv_account(
+    load_sweep, epd_load_spec
+) -> None:
     """Under NIXL a request's KV evidence is D's p2p counter, one number for every request in
     flight: a request whose KV never moved can look covered by its neighbours' transfers. One
     request of a concurrent load reaches D without P's kv_transfer_params (the planted
@@ -137,7 +136,7 @@ def test_a_load_in_which_one_request_got_no_kv_fails_its_kv_account(load_sweep) 
     try:
         result = run_load(
             load_sweep,
-            KV_DROPPED_LOAD,
+            epd_load_spec,
             "kv-dropped",
             on_session=plant_in,
         )
@@ -164,12 +163,14 @@ def test_a_load_in_which_one_request_got_no_kv_fails_its_kv_account(load_sweep) 
 
 @pytest.mark.epd_ends_session
 @pytest.mark.epd_topology("1E+1P+1D")
-@pytest.mark.epd_load(TAIL_LOAD)
-def test_a_load_sends_the_decode_tail_prompt_as_its_connector_declares(load_sweep) -> None:
+@pytest.mark.epd_load(LoadSpec("1E+1P+1D", SMALL_REQUESTS, SMALL_CONCURRENCY))
+def test_a_load_sends_the_decode_tail_prompt_as_its_connector_declares(
+    load_sweep, epd_load_spec
+) -> None:
     """Media in D's recomputed tail kill D under ExampleConnector (declared): that request goes
     last, alone, ERROR as declared. Under NIXL, which moves the whole prompt, it is an ordinary
     request of the mix and MATCHes (the GPU nightly's case)."""
-    result = run_load(load_sweep, TAIL_LOAD, "with-tail")
+    result = run_load(load_sweep, epd_load_spec, "with-tail")
     assert len(result.results) == SMALL_REQUESTS
     assert_every_request_passed(result)
     tail = [r for r in result.results if r.prompt == TAIL_PROMPT]
@@ -185,13 +186,13 @@ def test_a_load_sends_the_decode_tail_prompt_as_its_connector_declares(load_swee
 
 @pytest.mark.epd_ends_session
 @pytest.mark.epd_topology("1E+1P+1D")
-@pytest.mark.epd_load(DEATH_LOAD)
-def test_death_under_load_ends_every_request_naming_d(load_sweep) -> None:
+@pytest.mark.epd_load(LoadSpec("1E+1P+1D", KILL_IN_FLIGHT, KILL_IN_FLIGHT, kill="decode"))
+def test_death_under_load_ends_every_request_naming_d(load_sweep, epd_load_spec) -> None:
     import psutil
 
     from harness.serve.launch import is_live_process
 
-    result = run_load(load_sweep, DEATH_LOAD, "death")
+    result = run_load(load_sweep, epd_load_spec, "death")
     assert result.killed is not None and result.killed.endswith("decode0"), result.problems
     assert len(result.results) == KILL_IN_FLIGHT
     assert all(r.record.verdict is Verdict.ERROR for r in result.results)
@@ -209,8 +210,8 @@ def test_death_under_load_ends_every_request_naming_d(load_sweep) -> None:
 
 
 @pytest.mark.epd_topology("1E+1PD")
-@pytest.mark.epd_load(SOAK_LOAD)
-def test_a_short_soak_stays_within_its_bounds(load_sweep) -> None:
-    result = run_load(load_sweep, SOAK_LOAD, "soak")
+@pytest.mark.epd_load(LoadSpec("1E+1PD", SMALL_REQUESTS, SMALL_CONCURRENCY, duration_s=SOAK_S))
+def test_a_short_soak_stays_within_its_bounds(load_sweep, epd_load_spec) -> None:
+    result = run_load(load_sweep, epd_load_spec, "soak")
     assert result.rounds >= 2
     assert_every_request_passed(result)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytestmark = pytest.mark.unit
@@ -36,13 +38,19 @@ def test_list_names_scenarios_and_faults(epd_cli) -> None:
 
 
 def subcommand_helps() -> dict[str, str]:
-    import argparse
+    from harness.cli.main import subcommand_parsers
 
-    from harness.cli.main import build_parser
+    return {name: sub.format_help() for name, sub in subcommand_parsers().items()}
 
-    parser = build_parser()
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {name: sub.format_help() for name, sub in subparsers.choices.items()}
+
+def test_the_subcommand_parsers_are_every_command_the_usage_lists() -> None:
+    """What the help test below reads is every command `epd-harness --help` offers."""
+    from harness.cli.main import build_parser, subcommand_parsers
+
+    usage = " ".join(build_parser().format_usage().split())
+    listed = re.search(r"\{([a-z,-]+)\}", usage)
+    assert listed, usage
+    assert list(subcommand_parsers()) == listed.group(1).split(","), usage
 
 
 def test_every_subcommand_shows_its_defaults_and_no_empty_ones() -> None:

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli.main import build_parser, check_command_line
+from harness.cli.main import check_command_line, subcommand_parsers
 from harness.errors import BadInput
 from harness.testing.plugin import check_session_options
 
@@ -213,8 +213,7 @@ def resolve(word: str) -> str:
 
 @functools.cache
 def subcommands() -> dict[str, argparse.ArgumentParser]:
-    (action,) = [a for a in build_parser()._actions if a.dest == "command"]
-    return action.choices
+    return subcommand_parsers()
 
 
 def harness_problem(argv: list[str]) -> str | None:

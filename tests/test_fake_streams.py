@@ -9,6 +9,7 @@ night was an ERROR. Fakes only: nothing here runs a model.
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from pathlib import Path
 
@@ -156,3 +157,47 @@ def test_a_fake_stream_chunk_has_the_fields_vllm_dumps(tmp_path: Path) -> None:
         chunk = json.loads(event.removeprefix(b"data: "))
         model = protocol.ChatCompletionStreamResponse.model_validate(chunk)
         assert json.loads(model.model_dump_json(exclude_unset=True)) == chunk
+
+
+def test_the_fake_holds_an_answer_for_its_decode_steps(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path
+) -> None:
+    """D's answer of n tokens comes n-1 decode steps after its first token, streamed one token
+    a step, as vLLM's engine generates it. The fake answered at once, so the death under load's
+    kill (scenarios/test_load.py), which waits for a request in flight at D, found D had
+    answered the first requests on some runs: they passed, and the scenario failed."""
+    from harness.testing.fake_vllm_server import DECODE_STEP_S
+
+    tokens = 32
+    pool = TopologyPool(nixl_settings(tmp_path, fake_vllm))
+    try:
+        session = pool.session(TOPOLOGIES["1P+1D"])
+        url = next(i.url for i in session.instances if i.role is Role.DECODE)
+        body = {  # no kv_transfer_params: D computes the prompt itself
+            "model": "fake-model",
+            "messages": [{"role": "user", "content": "one two three"}],
+            "max_tokens": tokens,
+        }
+
+        def post(body: dict) -> list[tuple[float, bytes]]:
+            """Each line of the answer with when it came, from the request's start."""
+            request = urllib.request.Request(
+                f"{url}/v1/chat/completions", json.dumps(body).encode(),
+                {"Content-Type": "application/json"},
+            )  # fmt: skip
+            started = time.monotonic()
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                return [(time.monotonic() - started, line) for line in iter(reply.readline, b"")]
+
+        [(answered_s, _)] = post(body)
+        token_events = [
+            at
+            for at, line in post({**body, "stream": True})
+            if line.startswith(b"data: {") and b'"delta": {"role"' not in line
+        ]
+    finally:
+        pool.close()
+    held_s = (tokens - 1) * DECODE_STEP_S
+    assert answered_s >= held_s, f"answered in {answered_s:.3f}s, not held {held_s:.2f}s"
+    assert len(token_events) == tokens
+    assert token_events[-1] - token_events[0] >= held_s, token_events

@@ -789,3 +789,28 @@ def test_the_streamed_and_negative_scenarios_pass_on_the_fake_gpu_night(
     # About 2 minutes here (126 s), the sweeps of both streamed modules made whatever -k says.
     assert re.fullmatch(rf"=+ {IMITATED_PASSED} passed in .*", summary), out[-8000:]
     assert [s for s in logged_starts(fake_vllm_start_log) if s["shared"]] == []
+
+
+def test_the_death_under_load_passes_on_the_fake_gpu_night(tmp_path: Path) -> None:
+    """scenarios/test_load.py's death under load on the fake night's shape (cuda, NIXL, four
+    devices): D SIGKILLed with all 32 requests in flight, each ERROR naming D, nothing left
+    running. It failed about one run in three ("request 1: MATCH, not ERROR"): the fake's D
+    answered at once, so some requests were done before the kill, and the killer counted any
+    call D's tap had ever seen as one in flight there. Now the fake decodes a step a token and
+    the killer waits for a call of its round still at D."""
+    fake = install_fake_vllm(tmp_path / "bin")
+    argv = [
+        sys.executable, "-m", "pytest", "scenarios/test_load.py", "-m", "e2e", "-k", "death",
+        "-p", "no:cacheprovider", "-p", "no:randomly", "-rA",
+        "--epd-vllm", str(fake), "--epd-platform", "cuda", "--epd-devices", "0,1,2,3",
+        "--epd-kv-connector", "nixl",
+        "--epd-model", str(ensure_tiny_model(cache_dir() / "models")),
+        "--epd-baseline-cache", str(tmp_path / "cache"), "--epd-run-dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    out = fake_night_output(argv)
+    assert re.search(r"^PASSED \S+test_death_under_load_ends_every_request_naming_d", out, re.M), (
+        out[-6000:]
+    )
+    assert re.search(
+        r"^\[load\] killed 1E\+1P\+1D/decode0 with 32 request\(s\) in flight", out, re.M
+    )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -474,6 +475,22 @@ def test_an_instance_that_died_after_answering_every_request_fails_the_load(
     assert result_.problems == [f"round 1: every request was answered, then {result_.ended_by}"]
 
 
+CHAT = "/v1/chat/completions"
+
+
+class StandInTaps:
+    """The records a session's taps hold, with TapSet's marks."""
+
+    def __init__(self, records: list[TapRecord]) -> None:
+        self.records = list(records)
+
+    def mark(self) -> int:
+        return len(self.records)
+
+    def since(self, mark: int) -> list[TapRecord]:
+        return self.records[mark:]
+
+
 class Unkillable(StandIn):
     """A launched topology to the load (it may kill one of its instances), whose taps never
     see a request reach pd0: the moment to kill never comes."""
@@ -482,7 +499,7 @@ class Unkillable(StandIn):
         super().__init__(*args, **kwargs)
         self.pd = SimpleNamespace(name="1E+1PD/pd0", pid=os.getpid())
         self.servers = (self.pd,)
-        self.taps = SimpleNamespace(records=[])
+        self.taps = StandInTaps([])
 
     def server(self, role: Any, index: int = 0) -> Any:
         return self.pd
@@ -505,6 +522,133 @@ def test_a_planted_kill_that_never_came_fails_the_load(
         "one at 1E+1PD/pd0 before the round ended"
     ]
     assert json.loads((tmp_path / "load.json").read_text())["passed"] is False
+
+
+class Killable(StandIn):
+    """A launched topology to the load whose requests stay in flight until pd0 is killed (or
+    a second passes): `reaches_pd` is whether a request of the round reaches pd0's tap, and
+    `answered_first` whether pd0 answers the first one at once, before the second is sent;
+    `earlier` are its taps' records from before the round (an earlier load on the same
+    session). The kill is recorded, not sent."""
+
+    def __init__(
+        self,
+        *args: Any,
+        reaches_pd: bool = True,
+        answered_first: bool = False,
+        earlier: tuple[TapRecord, ...] = (),
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.pd = SimpleNamespace(name="1E+1PD/pd0", pid=os.getpid())
+        self.servers = (self.pd,)
+        self.taps = StandInTaps(list(earlier))
+        self.reaches_pd, self.answered_first = reaches_pd, answered_first
+        self.killed = threading.Event()
+        self.second_sent = threading.Event()
+        self.lock = threading.Lock()
+
+    def server(self, role: Any, index: int = 0) -> Any:
+        return self.pd
+
+    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
+        with self.lock:
+            self.calls += 1
+            call = self.calls
+            if self.reaches_pd:
+                record = TapRecord(len(self.taps.records), self.pd.name, "pd", CHAT, str(call))
+                if call == 1 and self.answered_first:
+                    record.status, record.seconds = 200, 0.01
+                self.taps.records.append(record)
+        if call == 1 and self.answered_first:
+            self.second_sent.wait(5.0)  # answered at pd0; the proxy relays it with the second
+        else:
+            self.second_sent.set()
+        self.killed.wait(1.0)
+        if self.killed.is_set():
+            return Outcome(prompt, error=f"{self.dead_instance_report()}\nHTTP 502")
+        return Outcome(prompt, result=self.answers[prompt], seconds=0.01)
+
+    def dead_instance_report(self) -> str | None:
+        if self.killed.is_set():
+            return "instance 1E+1PD/pd0 exited with code -9; last lines of pd0.log:\n..."
+        return None
+
+
+class KillableBaseline(Killable):
+    """The baseline beside a Killable topology: it answers at once, through no tap."""
+
+    send = StandIn.send
+
+
+def killable_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **killable: Any
+) -> tuple[LoadRun, Killable, list[str]]:
+    """A load of 2 requests, 2 at a time, that plants the kill of pd0: (load, session, the
+    names of the instances killed)."""
+    import harness.run.load as load_module
+
+    monkeypatch.setattr(load_module, "TopologySession", Killable)
+    load, session = stand_in_load(
+        tmp_path, requests=2, concurrency=2, session_type=Killable, **killable
+    )
+    load.spec = LoadSpec("1E+1PD", requests=2, concurrency=2, distinct_media=3, kill="pd")
+    # The baseline's batch calibration is served by a stand-in of its own: every call pd0's
+    # taps see is the round's.
+    baseline = KillableBaseline(session.answers, session.settings)
+    load.sweep.pool.session = (  # type: ignore[method-assign]
+        lambda topology, settings=None, devices=None: baseline if topology.is_baseline else session
+    )
+    killed: list[str] = []
+
+    def kill(server: Any) -> None:
+        killed.append(server.name)
+        session.killed.set()
+
+    monkeypatch.setattr(load_module, "kill_instance", kill)
+    return load, session, killed
+
+
+def test_a_planted_kill_comes_with_every_request_in_flight_and_one_at_its_instance(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    load, _, killed = killable_load(tmp_path, monkeypatch)
+    result_ = load.run()
+    assert killed == ["1E+1PD/pd0"] and result_.killed == "1E+1PD/pd0", result_.problems
+    assert all(r.record.verdict is Verdict.ERROR for r in result_.results)
+    assert result_.passed, result_.problems
+
+
+def test_a_planted_kill_does_not_count_a_call_its_instance_had_before_the_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found with the fake vLLM: the killer took any call its instance's tap had ever
+    recorded as one in flight there, so after an earlier load on the same topology it killed
+    as soon as the client had every request out, none yet at D."""
+    earlier = TapRecord(0, "1E+1PD/pd0", "pd", CHAT, "earlier", status=200, seconds=0.2)
+    load, _, killed = killable_load(tmp_path, monkeypatch, reaches_pd=False, earlier=(earlier,))
+    result_ = load.run()
+    assert killed == [] and result_.killed is None
+    assert result_.problems == [
+        "the planted kill never happened: it found no moment with 2 request(s) in flight and "
+        "one at 1E+1PD/pd0 before the round ended"
+    ]
+
+
+def test_a_planted_kill_whose_instance_answered_a_request_first_names_that(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An instance that answered a request of the round before every request was in flight:
+    its kill can no longer have every request in flight. Before, the killer killed all the
+    same and that request passed, "request 1: MATCH, not ERROR" (the fake vLLM's D, which
+    answered at once, on some runs of the death under load)."""
+    load, _, killed = killable_load(tmp_path, monkeypatch, answered_first=True)
+    result_ = load.run()
+    assert killed == [] and result_.killed is None
+    assert result_.problems == [
+        "the planted kill never happened: 1E+1PD/pd0 answered a request of the round (id 1) "
+        "before 2 request(s) were in flight with one at it: its moment passed"
+    ]
 
 
 class EpdStandIn(StandIn):

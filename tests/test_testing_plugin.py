@@ -518,3 +518,40 @@ def test_a_load_mark_on_an_item_of_another_topology_is_refused(
     run = pytester.runpytest("--collect-only", "-p", "no:cacheprovider")
     assert run.ret == pytest.ExitCode.USAGE_ERROR
     run.stderr.fnmatch_lines(["*test_soak: epd_load's load runs on 1E+1PD, the item on baseline*"])
+
+
+def test_a_load_test_gets_its_spec_from_its_own_mark(pytester: pytest.Pytester) -> None:
+    """The mark is the one place a load scenario names its load (`epd_load_spec`): each test
+    gets its own mark's spec, the one the session calibrates ahead."""
+    pytester.makeconftest(CONFTEST)
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    checks = """
+@pytest.mark.epd_topology("1E+1P+1D")
+@pytest.mark.epd_load(LoadSpec("1E+1P+1D", 4, 2, stream=True))
+def test_marked_here(epd_load_spec):
+    assert epd_load_spec == LoadSpec("1E+1P+1D", 4, 2, stream=True)
+
+@pytest.mark.epd_topology("1E+1P+1D")
+@pytest.mark.epd_load(DEATH)
+def test_marked_by_name(epd_load_spec):
+    assert epd_load_spec is DEATH
+"""
+    pytester.makepyfile(test_loads=LOADS + checks)
+    run = pytester.runpytest("-p", "no:cacheprovider", "-k", "marked")
+    run.assert_outcomes(passed=2)
+
+
+def test_a_test_taking_the_load_spec_without_a_mark_is_refused(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(CONFTEST)
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    unmarked = """
+@pytest.mark.epd_topology("1E+1P+1D")
+def test_unmarked(epd_load_spec):
+    pass
+"""
+    pytester.makepyfile(test_loads=LOADS + unmarked)
+    run = pytester.runpytest("--collect-only", "-p", "no:cacheprovider")
+    assert run.ret == pytest.ExitCode.USAGE_ERROR
+    run.stderr.fnmatch_lines(
+        ["*test_unmarked: it takes epd_load_spec, so it must be marked epd_load(LoadSpec(...))*"]
+    )

@@ -100,6 +100,9 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", DefaultsShown)
         super().__init__(*args, **kwargs)
+        # Each subcommand's parser, by name (`build_parser` fills the top parser's): what
+        # tests read each command's help and flags from, without argparse's private parts.
+        self.subcommands: dict[str, argparse.ArgumentParser] = {}
 
     def error(self, message: str) -> NoReturn:
         raise BadInput(f"{message} (see '{self.prog} --help')")
@@ -317,7 +320,7 @@ def command_doctor(args: argparse.Namespace) -> int:
     return EXIT_OK if all(c.ok for c in checks) else EXIT_FAILED
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     parser = Parser(prog="epd-harness", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -419,7 +422,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_fuzz_parser(sub)
     add_export_parser(sub)
     add_upstream_requirement_parser(sub)
+    parser.subcommands = dict(sub.choices)
     return parser
+
+
+def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Each subcommand's parser, by name, as `epd-harness` builds them."""
+    return build_parser().subcommands
 
 
 def install_log_handler() -> None:

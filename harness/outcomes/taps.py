@@ -34,6 +34,12 @@ class TapRecord:
     rewritten_by_fault: bool = False
 
     @property
+    def ended(self) -> bool:
+        """Whether the instance is done with this call: the tap sets `seconds` once it has
+        relayed the answer whole (a stream to its end), `error` when the call failed."""
+        return self.seconds > 0 or self.error is not None
+
+    @property
     def cached_tokens(self) -> int | None:
         details = (self.usage or {}).get("prompt_tokens_details") or {}
         value = details.get("cached_tokens")

@@ -440,9 +440,13 @@ class LoadRun:
         round_over = threading.Event()
         if self.spec.kill is not None and self.result.rounds == 1:
             target = min(self.spec.concurrency, len(planned))
+            base = session.base if isinstance(session, ProxiedSession) else session
+            taps = getattr(base, "taps", None)
+            # Before any request goes out: what the taps recorded from here on is the round's.
+            mark = taps.mark() if taps is not None else 0
             killer = threading.Thread(
                 target=self._kill_or_say_why,
-                args=(session, flight, target, round_over),
+                args=(session, flight, target, round_over, mark),
                 daemon=True,
             )
             killer.start()
@@ -460,31 +464,54 @@ class LoadRun:
         return sent
 
     def _kill_or_say_why(
-        self, session: Session, flight: _InFlight, target: int, round_over: threading.Event
+        self,
+        session: Session,
+        flight: _InFlight,
+        target: int,
+        round_over: threading.Event,
+        mark: int,
     ) -> None:
         """The killer thread: what stops it from killing is a problem of the load, not a
         traceback on stderr and a load that passes."""
         try:
-            self._kill_when_in_flight(session, flight, target, round_over)
+            self._kill_when_in_flight(session, flight, target, round_over, mark)
         except Exception as exc:  # noqa: BLE001 - said as the load's problem
             self.result.problems.append(f"the planted kill failed: {type(exc).__name__}: {exc}")
 
     def _kill_when_in_flight(
-        self, session: Session, flight: _InFlight, target: int, round_over: threading.Event
+        self,
+        session: Session,
+        flight: _InFlight,
+        target: int,
+        round_over: threading.Event,
+        mark: int,
     ) -> None:
         """SIGKILL the instance of the spec's role once `target` requests are in flight and
-        one of them has reached it (its tap recorded a call). A kill that never came (the
-        round ended first, or the wait ran out) is a problem of the load: its death under load
-        was not tested, however well every answer held."""
+        one of them has reached it, before it has answered any: its tap recorded a call of
+        this round (after `mark`; a call of an earlier load on the same topology is no
+        request in flight) and has relayed no answer of the round whole. An instance that
+        answered a request first cannot be killed with every request in flight any more (the
+        fake vLLM's D, which answers at once, did so on some runs, and that request passed).
+        A kill that never came (that, the round ended first, or the wait ran out) is a
+        problem of the load: its death under load was not tested, however well every answer
+        held."""
         assert self.spec.kill is not None
         base = session.base if isinstance(session, ProxiedSession) else session
         assert isinstance(base, TopologySession), "a planted kill needs a launched topology"
         server = base.server(Role(self.spec.kill))
         deadline = time.monotonic() + KILL_WAIT_S
         while time.monotonic() < deadline and not round_over.is_set():
-            taps = base.taps.records if base.taps is not None else []
-            reached = any(r.instance == server.name for r in list(taps))
-            if flight.current >= target and reached:
+            calls = base.taps.since(mark) if base.taps is not None else []
+            at_server = [r for r in calls if r.instance == server.name]
+            answered = next((r for r in at_server if r.ended), None)
+            if answered is not None:
+                self.result.problems.append(
+                    f"the planted kill never happened: {server.name} answered a request of "
+                    f"the round (id {answered.request_id}) before {target} request(s) were in "
+                    "flight with one at it: its moment passed"
+                )
+                return
+            if flight.current >= target and at_server:
                 break
             time.sleep(0.05)
         else:

@@ -15,8 +15,11 @@ die-start, slow, hang, hang-health (its `/health` never answers, as a stuck API 
 ignore-term (SIGTERM ignored, as vLLM does while its engine starts),
 fork-child (a child in the server's group, like vLLM's engine core), serve-anything (a request
 it cannot serve, for want of embeddings, is answered with 200 from zeros instead of an HTTP 500)
-and die-request (the process exits on its first chat request, logging an assertion, as an engine
-core that dies takes its API server down). With `FAKE_VLLM_START_LOG=<file>` every start appends
+die-request (the process exits on its first chat request, logging an assertion, as an engine
+core that dies takes its API server down) and decode-step=<seconds> (how long one decode step
+takes, by default 0.01 s on a decode instance and none elsewhere: an answer of n tokens is held
+n-1 steps after its first, a stream sends a token a step, so a request stays in flight at D
+while it decodes, as in vLLM). With `FAKE_VLLM_START_LOG=<file>` every start appends
 a JSON line (role, argv without the port, CUDA_*/VLLM_* env): what start-counting tests count.
 With `FAKE_VLLM_LIVE_DIR=<dir>` each fake holds a lock per device of its
 CUDA_VISIBLE_DEVICES for as long as it lives (the kernel drops it when the process dies, however

@@ -87,6 +87,14 @@ ROLE_IDS = {"system": 8948, "user": 872, "assistant": 77091}
 EC_FILE = "encoder_cache.safetensors"
 KV_LAYER = "model.layers.0.self_attn.attn"
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default
+# The time one of D's decode steps takes (mode `decode-step=<seconds>` sets another, for any
+# role): an answer of n tokens is held n-1 steps after its first token, streamed one token a
+# step, as vLLM's engine generates it. A D that answered at once was never found with a
+# request in flight (the death under load finished its first requests before the kill). Only
+# D's by default: every other role answering 32 tokens 0.31 s later made the harness's own
+# fake nights half as slow again (fuzzing's hundreds of PD answers), and only D is killed
+# under load.
+DECODE_STEP_S = 0.01
 # EngineDeadError's message (vllm/v1/engine/exceptions.py): what a request gets as its core dies.
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
@@ -107,7 +115,8 @@ class RequestRejected(Exception):
 class EmbeddingsMissing(RequestFailed):
     """An item with neither embeddings nor media to encode reached the engine: in vLLM 0.32 the
     worker's sanity check asserts (vllm/v1/worker/utils.py, `sanity_check_mm_encoder_outputs`)
-    and the engine core dies, taking its API server down after the 500."""
+    and the engine core dies, taking its API server down after the request's error (a 500,
+    or, streamed, an error event after the 200: `engine_dead_events`)."""
 
     def __init__(self, detail: str):
         super().__init__(
@@ -444,6 +453,17 @@ def monolithic_answer(body: dict) -> tuple[list[int], list[int]]:
     ids, placeholders, _ = tokenize(body)
     rows = kv_rows(ids, placeholders, b"", None)
     return ids, generated_ids(rows, int(body.get("max_tokens") or 4))
+
+
+def engine_dead_events(error: dict) -> list[bytes]:
+    """What a streamed request gets when the engine dies under it, as vLLM 0.32 sends it
+    (`chat_completion_stream_generator` in vllm/entrypoints/openai/chat_completion/serving.py):
+    the frontend answered 200 before the engine ran the request (`create_chat_completion`
+    returns the generator, which StreamingResponse starts sending), so the EngineDeadError the
+    generator meets is one event, `create_streaming_error_response`'s ErrorResponse (the JSON an
+    unstreamed request gets with its 500), then `[DONE]`. The engine died before its first
+    output, so no role chunk precedes it."""
+    return [f"data: {json.dumps(error)}\n\n".encode(), b"data: [DONE]\n\n"]
 
 
 def stream_events(answer: dict, body: dict) -> list[bytes]:
@@ -800,30 +820,41 @@ def make_handler(engine: Engine) -> type[http.server.BaseHTTPRequestHandler]:
                 self.reply(400, {"error": {**error, "code": 400}})
                 return
             except EmbeddingsMissing as exc:
-                # The engine core's death: the request's 500 (EngineDeadError's message), then
-                # the API server exits with code 0, as vLLM 0.32's does.
+                # The engine core's death: the request's error (EngineDeadError's), then the
+                # API server exits with code 0, as vLLM 0.32's does.
                 print(f"ERROR EngineCore failed: {exc}", flush=True)
                 error = {"message": ENGINE_DEAD_MESSAGE, "type": "InternalServerError"}
-                self.reply(500, {"error": {**error, "param": None, "code": 500}})
+                dead = {"error": {**error, "param": None, "code": 500}}
+                if body.get("stream"):
+                    self.stream(engine_dead_events(dead))
+                else:
+                    self.reply(500, dead)
                 self.wfile.flush()
                 os._exit(0)
             except RequestFailed as exc:
                 print(f"ERROR {exc}", flush=True)
                 self.reply(500, {"error": {"message": str(exc), "type": "InternalServerError"}})
                 return
+            step_s = modes.get("decode-step", DECODE_STEP_S if engine.role == "decode" else 0.0)
+            tokens = answer["usage"]["completion_tokens"]
             if body.get("stream"):
-                self.stream(stream_events(answer, body))
+                self.stream(stream_events(answer, body), step_s, tokens)
                 return
+            time.sleep(step_s * max(tokens - 1, 0))
             self.reply(200, answer)
 
-        def stream(self, events: list[bytes]) -> None:
+        def stream(self, events: list[bytes], step_s: float = 0.0, tokens: int = 0) -> None:
             """Server-sent events, chunked, as vLLM's StreamingResponse sends them
-            (`media_type="text/event-stream"`; Starlette adds the charset)."""
+            (`media_type="text/event-stream"`; Starlette adds the charset): the role chunk and
+            the first token's at once, each of the `tokens` token chunks after it a decode
+            step (`step_s`) later."""
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream; charset=utf-8")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            for event in events:
+            for index, event in enumerate(events):
+                if 2 <= index <= tokens:  # events[1..tokens] are the token chunks
+                    time.sleep(step_s)
                 self.wfile.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
                 self.wfile.flush()
             self.wfile.write(b"0\r\n\r\n")

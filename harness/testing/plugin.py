@@ -23,7 +23,8 @@ module-scoped fixture again each time the module comes back.
 
 Markers: `epd_topology(name)` for items whose topology is not a `topology`/`scenario` parameter,
 `epd_variant(name)` for items that run under other settings, `epd_ends_session` for items that
-stop or break their session. Options are in the repository's conftest.py.
+stop or break their session, `epd_load(spec)` for items that run a load (the fixture
+`epd_load_spec` hands the test its mark's spec). Options are in the repository's conftest.py.
 """
 
 from __future__ import annotations
@@ -292,21 +293,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     config.stash[LOAD_SPECS_KEY] = load_specs(items)
 
 
+def marked_load(item: pytest.Item) -> Any:
+    """The LoadSpec of the item's `epd_load(spec)` mark, None without one; a mark without one
+    LoadSpec is a usage error."""
+    from harness.spec.load import LoadSpec
+
+    marker = item.get_closest_marker("epd_load")
+    if marker is None:
+        return None
+    spec = marker.args[0] if len(marker.args) == 1 and not marker.kwargs else None
+    if not isinstance(spec, LoadSpec):
+        raise pytest.UsageError(f"{item.nodeid}: epd_load takes one LoadSpec")
+    return spec
+
+
 def load_specs(items: list[pytest.Item]) -> dict[str, Any]:
     """The LoadSpec of each item marked `epd_load(spec)`, by node id; a mark without one, or
     whose topology is not the item's, is a usage error (its calibration would be of another
-    load's requests, or of none)."""
-    from harness.spec.load import LoadSpec
-
+    load's requests, or of none), and so is an item that takes `epd_load_spec` unmarked."""
     specs = {}
     for item in items:
-        marker = item.get_closest_marker("epd_load")
-        if marker is None:
+        spec = marked_load(item)
+        if spec is None:
+            if "epd_load_spec" in getattr(item, "fixturenames", ()):
+                raise pytest.UsageError(
+                    f"{item.nodeid}: it takes epd_load_spec, so it must be marked "
+                    "epd_load(LoadSpec(...)): the mark is where its load is named"
+                )
             continue
-        spec = marker.args[0] if len(marker.args) == 1 and not marker.kwargs else None
         group = epd_group(item)
-        if not isinstance(spec, LoadSpec):
-            raise pytest.UsageError(f"{item.nodeid}: epd_load takes one LoadSpec")
         if group is None or group.topology != spec.topology:
             raise pytest.UsageError(
                 f"{item.nodeid}: epd_load's load runs on {spec.topology}, the item on "
@@ -960,6 +975,20 @@ def own_devices(
 
 
 # -- helpers of the harness's own tests ---------------------------------------------------------
+
+
+@pytest.fixture
+def epd_load_spec(request: pytest.FixtureRequest):
+    """The LoadSpec of the test's own `epd_load(spec)` mark: the one place a load scenario
+    names its load, which the session also reads to calibrate the load ahead."""
+    spec = marked_load(request.node)
+    if spec is None:  # refused at collection too (`load_specs`)
+        pytest.fail(
+            f"{request.node.nodeid}: it takes epd_load_spec, so it must be marked "
+            "epd_load(LoadSpec(...))",
+            pytrace=False,
+        )
+    return spec
 
 
 @pytest.fixture
