@@ -517,6 +517,19 @@ OWN_INSTANCES_SELECTION = (
 )
 
 
+def fake_gpu_session(tmp_path: Path, devices: str, *args: str) -> list[str]:
+    """The argv of a pytest session on the fake vLLM under the cuda profile on `devices`:
+    `args` (what it selects, how it runs) with what every such session passes (its fake
+    installed under `tmp_path`, the tiny model, a baseline cache and run directory of its own)."""
+    fake = install_fake_vllm(tmp_path / "bin")
+    return [
+        sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider", "-p", "no:randomly",
+        "--epd-vllm", str(fake), "--epd-platform", "cuda", "--epd-devices", devices,
+        "--epd-model", str(ensure_tiny_model(cache_dir() / "models")),
+        "--epd-baseline-cache", str(tmp_path / "cache"), "--epd-run-dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+
+
 def fake_night_output(argv: list[str]) -> str:
     """A pytest session on the fake vLLM, run from the project's root in a process group of
     its own: its output, or a failure naming the hang (its group killed) past SESSION_HANG_S."""
@@ -553,16 +566,12 @@ def test_scenarios_with_instances_of_their_own_share_eight_gpus_with_four_worker
     live = tmp_path / "live"
     live.mkdir()
     monkeypatch.setenv(LIVE_DIR_ENV, str(live))
-    fake = install_fake_vllm(tmp_path / "bin")
     run_root = tmp_path / "run"
-    argv = [
-        sys.executable, "-m", "pytest", *OWN_INSTANCES_SELECTION,
+    argv = fake_gpu_session(
+        tmp_path, "0,1,2,3,4,5,6,7", *OWN_INSTANCES_SELECTION,
         "-m", "e2e", "-k", "text or repro or planted or export",
-        "-n", "4", "--dist", "loadgroup", "-p", "no:cacheprovider", "-p", "no:randomly", "-rA",
-        "--epd-vllm", str(fake), "--epd-platform", "cuda", "--epd-devices", "0,1,2,3,4,5,6,7",
-        "--epd-model", str(ensure_tiny_model(cache_dir() / "models")),
-        "--epd-baseline-cache", str(tmp_path / "cache"), "--epd-run-dir", str(run_root),
-    ]  # fmt: skip
+        "-n", "4", "--dist", "loadgroup", "-rA",
+    )  # fmt: skip
     # About 30 s here; a pool left holding the devices its CLI leases hung for ever.
     out = fake_night_output(argv)
     summary = out.strip().splitlines()[-1]
@@ -652,17 +661,12 @@ def test_the_gpu_night_starts_each_topology_as_few_times_as_its_devices_force(
     live = tmp_path / "live"
     live.mkdir()
     monkeypatch.setenv(LIVE_DIR_ENV, str(live))
-    fake = install_fake_vllm(tmp_path / "bin")
     run_root = tmp_path / "run"
-    argv = [
-        sys.executable, "-m", "pytest", *START_COUNT_SELECTION, "-m", "e2e",
+    argv = fake_gpu_session(
+        tmp_path, shape.devices, *START_COUNT_SELECTION, "-m", "e2e",
         "-k", START_COUNT_ITEMS, "-n", str(shape.workers), "--dist", "loadgroup",
-        "-p", "no:cacheprovider", "-p", "no:randomly",
-        "--epd-vllm", str(fake), "--epd-platform", "cuda", "--epd-devices", shape.devices,
-        "--epd-model", str(ensure_tiny_model(cache_dir() / "models")),
-        "--epd-baseline-cache", str(tmp_path / "cache"), "--epd-run-dir", str(run_root),
         *(["--epd-colocate"] if shape.colocate else []),
-    ]  # fmt: skip
+    )  # fmt: skip
     out = fake_night_output(argv)
     # 3 text cases, the load, the round robin
     assert re.search(r"^=+ 5 passed in ", out, re.M), out[-6000:]
@@ -733,14 +737,9 @@ def test_a_fault_planted_for_a_load_survives_the_calibration_on_two_gpus(
     its `drop-kv` in the 1P+1D it had opened before the load, so the load ran on a fresh start
     without it, and the scenario failed ("fault.effects == []"; seen with the fake vLLM on 4
     devices, green on 8)."""
-    fake = install_fake_vllm(tmp_path / "bin")
-    argv = [
-        sys.executable, "-m", "pytest", "scenarios/test_load.py", "-m", "e2e",
-        "-k", "got_no_kv", "-p", "no:cacheprovider", "-p", "no:randomly", "-rA",
-        "--epd-vllm", str(fake), "--epd-platform", "cuda", "--epd-devices", "0,1",
-        "--epd-model", str(ensure_tiny_model(cache_dir() / "models")),
-        "--epd-baseline-cache", str(tmp_path / "cache"), "--epd-run-dir", str(tmp_path / "run"),
-    ]  # fmt: skip
+    argv = fake_gpu_session(
+        tmp_path, "0,1", "scenarios/test_load.py", "-m", "e2e", "-k", "got_no_kv", "-rA"
+    )
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run(
         argv, cwd=root, capture_output=True, text=True, timeout=SESSION_HANG_S,
@@ -775,15 +774,10 @@ def test_the_streamed_and_negative_scenarios_pass_on_the_fake_gpu_night(
     live = tmp_path / "live"
     live.mkdir()
     monkeypatch.setenv(LIVE_DIR_ENV, str(live))
-    fake = install_fake_vllm(tmp_path / "bin")
-    argv = [
-        sys.executable, "-m", "pytest", *IMITATED_SELECTION, "-m", "e2e",
-        "-n", "1", "--dist", "loadgroup", "-p", "no:cacheprovider", "-p", "no:randomly", "-rA",
-        "--epd-vllm", str(fake), "--epd-platform", "cuda", "--epd-devices", "0,1,2,3",
-        "--epd-kv-connector", "nixl",
-        "--epd-model", str(ensure_tiny_model(cache_dir() / "models")),
-        "--epd-baseline-cache", str(tmp_path / "cache"), "--epd-run-dir", str(tmp_path / "run"),
-    ]  # fmt: skip
+    argv = fake_gpu_session(
+        tmp_path, "0,1,2,3", *IMITATED_SELECTION, "-m", "e2e",
+        "-n", "1", "--dist", "loadgroup", "-rA", "--epd-kv-connector", "nixl",
+    )  # fmt: skip
     out = fake_night_output(argv)
     summary = out.strip().splitlines()[-1]
     # About 2 minutes here (126 s), the sweeps of both streamed modules made whatever -k says.
@@ -805,15 +799,10 @@ def test_the_death_under_load_passes_on_the_fake_gpu_night(
     before the killer (polling every 50 ms on a loaded 2-core host) found a call at it, and a
     test that goes red one CI run in 18 for the host's sake would teach people to rerun red."""
     monkeypatch.setenv("FAKE_VLLM_MODE", "decode:decode-step=0.05")
-    fake = install_fake_vllm(tmp_path / "bin")
-    argv = [
-        sys.executable, "-m", "pytest", "scenarios/test_load.py", "-m", "e2e", "-k", "death",
-        "-p", "no:cacheprovider", "-p", "no:randomly", "-rA",
-        "--epd-vllm", str(fake), "--epd-platform", "cuda", "--epd-devices", "0,1,2,3",
-        "--epd-kv-connector", "nixl",
-        "--epd-model", str(ensure_tiny_model(cache_dir() / "models")),
-        "--epd-baseline-cache", str(tmp_path / "cache"), "--epd-run-dir", str(tmp_path / "run"),
-    ]  # fmt: skip
+    argv = fake_gpu_session(
+        tmp_path, "0,1,2,3", "scenarios/test_load.py", "-m", "e2e", "-k", "death",
+        "-rA", "--epd-kv-connector", "nixl",
+    )  # fmt: skip
     out = fake_night_output(argv)
     assert re.search(r"^PASSED \S+test_death_under_load_ends_every_request_naming_d", out, re.M), (
         out[-6000:]
