@@ -446,7 +446,9 @@ class LoadRun:
             mark = taps.mark() if taps is not None else 0
             killer = threading.Thread(
                 target=self._kill_or_say_why,
-                args=(session, flight, target, round_over, mark),
+                args=(
+                    lambda: self._kill_when_in_flight(session, flight, target, round_over, mark),
+                ),
                 daemon=True,
             )
             killer.start()
@@ -463,18 +465,11 @@ class LoadRun:
             killer.join()
         return sent
 
-    def _kill_or_say_why(
-        self,
-        session: Session,
-        flight: _InFlight,
-        target: int,
-        round_over: threading.Event,
-        mark: int,
-    ) -> None:
+    def _kill_or_say_why(self, kill: Callable[[], None]) -> None:
         """The killer thread: what stops it from killing is a problem of the load, not a
         traceback on stderr and a load that passes."""
         try:
-            self._kill_when_in_flight(session, flight, target, round_over, mark)
+            kill()
         except Exception as exc:  # noqa: BLE001 - said as the load's problem
             self.result.problems.append(f"the planted kill failed: {type(exc).__name__}: {exc}")
 
