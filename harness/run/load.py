@@ -441,14 +441,12 @@ class LoadRun:
         if self.spec.kill is not None and self.result.rounds == 1:
             target = min(self.spec.concurrency, len(planned))
             base = session.base if isinstance(session, ProxiedSession) else session
-            taps = getattr(base, "taps", None)
+            taps = base.taps if isinstance(base, TopologySession) else None
             # Before any request goes out: what the taps recorded from here on is the round's.
             mark = taps.mark() if taps is not None else 0
             killer = threading.Thread(
                 target=self._kill_or_say_why,
-                args=(
-                    lambda: self._kill_when_in_flight(session, flight, target, round_over, mark),
-                ),
+                args=(lambda: self._kill_when_in_flight(base, flight, target, round_over, mark),),
                 daemon=True,
             )
             killer.start()
@@ -475,7 +473,7 @@ class LoadRun:
 
     def _kill_when_in_flight(
         self,
-        session: Session,
+        base: Session,
         flight: _InFlight,
         target: int,
         round_over: threading.Event,
@@ -491,7 +489,6 @@ class LoadRun:
         problem of the load: its death under load was not tested, however well every answer
         held."""
         assert self.spec.kill is not None
-        base = session.base if isinstance(session, ProxiedSession) else session
         assert isinstance(base, TopologySession), "a planted kill needs a launched topology"
         server = base.server(Role(self.spec.kill))
         deadline = time.monotonic() + KILL_WAIT_S

@@ -455,6 +455,14 @@ def monolithic_answer(body: dict) -> tuple[list[int], list[int]]:
     return ids, generated_ids(rows, int(body.get("max_tokens") or 4))
 
 
+SSE_DONE = b"data: [DONE]\n\n"  # the end of every OpenAI-style stream
+
+
+def sse_event(payload: dict) -> bytes:
+    """One server-sent event carrying `payload` as JSON, as vLLM frames each chunk."""
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
 def engine_dead_events(error: dict) -> list[bytes]:
     """What a streamed request gets when the engine dies under it, as vLLM 0.32 sends it
     (`chat_completion_stream_generator` in vllm/entrypoints/openai/chat_completion/serving.py):
@@ -463,7 +471,7 @@ def engine_dead_events(error: dict) -> list[bytes]:
     generator meets is one event, `create_streaming_error_response`'s ErrorResponse (the JSON an
     unstreamed request gets with its 500), then `[DONE]`. The engine died before its first
     output, so no role chunk precedes it."""
-    return [f"data: {json.dumps(error)}\n\n".encode(), b"data: [DONE]\n\n"]
+    return [sse_event(error), SSE_DONE]
 
 
 def stream_events(answer: dict, body: dict) -> list[bytes]:
@@ -514,8 +522,7 @@ def stream_events(answer: dict, body: dict) -> list[bytes]:
         chunks.append({**head, "choices": [streamed]})
     if (body.get("stream_options") or {}).get("include_usage"):
         chunks.append({**head, "choices": [], "usage": answer["usage"]})
-    events = [f"data: {json.dumps(chunk)}\n\n".encode() for chunk in chunks]
-    return events + [b"data: [DONE]\n\n"]
+    return [sse_event(chunk) for chunk in chunks] + [SSE_DONE]
 
 
 def aligned_prefix(prompt_tokens: int, block_size: int) -> int:
