@@ -24,13 +24,14 @@ import pytest
 from harness import environment
 from harness.cli.main import build_parser, request_from_args
 from harness.errors import BadInput
-from harness.preflight import files, names, resources, tokens
+from harness.preflight import files, names, resources, tokens, vllm_args
 from harness.preflight.config import prepare_run
 from harness.preflight.vllm import check_vllm
 from harness.run.baseline import BaselineAnswers
 from harness.run.baseline_cache import CACHE_FORMAT
 from harness.spec.connectors import get_ec_connector
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
+from harness.testing import served_parser
 from harness.testing.cli import run_argv
 from harness.testing.fake_vllm import install_fake_vllm
 
@@ -638,17 +639,21 @@ def test_vllm_dev_build_without_its_source_tree(bad_run: BadRun, tmp_path: Path)
     assert_one_error_line(code, err, cause)
 
 
-def test_vllm_parser_refuses_a_rendered_flag(bad_run: BadRun, monkeypatch) -> None:
-    """The served vLLM's own parser judges every command line before any server starts."""
+@pytest.mark.xdist_group(served_parser.XDIST_GROUP)
+def test_vllm_parser_refuses_a_rendered_flag(
+    bad_run: BadRun, served_vllm_parser: served_parser.ServedParser, monkeypatch
+) -> None:
+    """The served vLLM's own parser judges every command line before any server starts (its
+    verdicts from the session's one probe of it, harness/testing/served_parser.py)."""
     from harness.spec import instances
 
-    monkeypatch.setattr(
-        instances, "ENCODER_ARGS", (*instances.ENCODER_ARGS, "--encoder-cache-turbo")
-    )
+    monkeypatch.setattr(vllm_args, "_run_probe", served_vllm_parser.probe)
+    flag = served_parser.ENCODER_FLAG
+    monkeypatch.setattr(instances, "ENCODER_ARGS", (*instances.ENCODER_ARGS, flag))
     code, err = bad_run("--topology", "1E+1PD", "--prompt", "text")
     cause = (
         "1E+1PD/encoder0: the served vLLM's own parser refuses its command line: "
-        "unrecognized arguments: --encoder-cache-turbo"
+        f"unrecognized arguments: {flag}"
     )
     assert_one_error_line(code, err, cause)
 

@@ -201,9 +201,26 @@ def test_d_alone_gets_the_plugin_and_the_harness_pythonpath_is_kept(tmp_path: Pa
     )
 
 
+def discovered_plugins(env: dict[str, str]) -> list[str]:
+    """The `vllm.general_plugins` entry points an interpreter with `env` discovers: the list
+    vLLM's loader (`vllm.plugins.load_plugins_by_group`) starts from, read with the same
+    `importlib.metadata` call and without importing vLLM (a fraction of a second)."""
+    code = (
+        "import json\nfrom importlib.metadata import entry_points\n"
+        f"found = entry_points(group={plugin.ENTRY_POINT_GROUP!r})\n"
+        "print(json.dumps(sorted(e.name for e in found)))\n"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    return json.loads(child.stdout)
+
+
 def test_vllms_own_plugin_loader_finds_and_applies_it(tmp_path: Path) -> None:
     """In a fresh interpreter of the served vLLM, with only PYTHONPATH and the control variable
-    set: `load_general_plugins()` (what every vLLM process calls) wraps the NIXL pull worker."""
+    set: `load_general_plugins()` (what every vLLM process calls) wraps the NIXL pull worker;
+    without them no interpreter even discovers the plugin (nothing is installed)."""
     site = install_nixl_kv_noise_plugin(tmp_path / "site")
     code = (
         "from vllm.plugins import load_general_plugins\n"
@@ -224,12 +241,6 @@ def test_vllms_own_plugin_loader_finds_and_applies_it(tmp_path: Path) -> None:
     (loaded,) = site.loaded()
     assert loaded["patched"].endswith(plugin.WORKER_CLASS), loaded
 
-    without = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env={k: v for k, v in os.environ.items() if k != plugin.CONTROL_ENV},
-        timeout=300,
-        check=False,
-    )
-    assert without.stdout.split()[-1:] == ["False"], "no plugin outside the self-test's D"
+    assert plugin.PACKAGE in discovered_plugins({**os.environ, **site.env()})
+    without = {k: v for k, v in os.environ.items() if k != plugin.CONTROL_ENV}
+    assert plugin.PACKAGE not in discovered_plugins(without), "no plugin outside the self-test's D"

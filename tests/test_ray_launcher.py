@@ -13,6 +13,7 @@ Needs Ray (`scripts/cpu setup --ray`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -36,7 +37,13 @@ from harness.spec.settings import RAY_LAUNCHER, LauncherChoice, RunSettings
 from harness.spec.topology import TOPOLOGIES, ServingConfig, serving_for
 from harness.testing.fake_vllm import MODE_ENV, fake_run_settings
 from harness.testing.processes import describe, kill_all, seconds_until_gone
-from harness.testing.ray_driver import end_driver, raylet_of, start_driver, tree_of
+from harness.testing.ray_driver import (
+    end_driver,
+    raylet_of,
+    reported_death,
+    start_driver,
+    tree_of,
+)
 
 # Under xdist on a CPU host the e2e items' worker runs these before its first topology, while
 # another worker runs the other wall-clock bounds (harness/testing/plugin.py).
@@ -50,19 +57,42 @@ RAY_NOTICES_NODE_DEATH_S = 90.0
 # SIGKILL of the whole group ends them.
 STUBBORN = "*:ignore-term;*:fork-child"
 IMAGE_BODY = render_request(SKELETON_PROMPTS[1], "epd-model")
+HEALTH_CHECK_PERIOD_ENV = "RAY_health_check_period_ms"  # read by Ray's GCS at its start
+HEALTH_CHECK_PERIOD_MS = 500
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayCluster]:
+def module_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayCluster]:
     """One rehearsal cluster for the module; the harness (this process) connects at first use.
     An e2e Ray scenario that ran earlier in this process keeps its own cluster's connection until
-    the session ends, and a harness has one cluster: that connection ends first."""
+    the session ends, and a harness has one cluster: that connection ends first.
+
+    Every node but the head sees a private tmpfs at `private_dir` (the storage test's; nothing
+    else uses the path). The GCS checks each node's health every HEALTH_CHECK_PERIOD_MS instead
+    of Ray's 3 s: a node whose raylet is SIGKILLed is declared dead after five failed checks, in
+    5 s, not 15 s (measured here). A raylet that answers is not declared dead by this (each
+    check still waits Ray's 10 s for its answer), and the harness is unchanged: it learns of the
+    death from Ray, whenever Ray declares it."""
     close_runtime()
-    with LocalRayCluster(tmp_path_factory.mktemp("ray") / "nodes") as nodes:
+    private = tmp_path_factory.mktemp("private")
+    with contextlib.ExitStack() as stack:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv(HEALTH_CHECK_PERIOD_ENV, str(HEALTH_CHECK_PERIOD_MS))
+            nodes = LocalRayCluster(tmp_path_factory.mktemp("ray") / "nodes", private_dir=private)
+            stack.enter_context(nodes)
         try:
             yield nodes
         finally:
             close_runtime()
+
+
+@pytest.fixture
+def cluster(module_cluster: LocalRayCluster) -> LocalRayCluster:
+    """The module's cluster, every node up: the raylet test, which takes a node down for good,
+    is the module's last user of it."""
+    down = [node.address for node in module_cluster.nodes if not node.server.is_alive()]
+    assert not down, f"Ray nodes {down} are down: a test before this one took them down"
+    return module_cluster
 
 
 @pytest.fixture
@@ -149,7 +179,10 @@ def test_a_side_channel_host_left_at_localhost_is_refused_before_any_start(
 def test_an_agent_sigkilled_takes_its_server_down_and_is_named(
     cluster: LocalRayCluster, fake: Path, tmp_path: Path
 ) -> None:
-    settings = settings_for(tmp_path, fake, cluster.address, instance_env=((MODE_ENV, STUBBORN),))
+    # Only the decode server, whose agent is killed, is stubborn: the prefill server is stopped
+    # at the session's end as any server is, not after STOP_GRACE_S of SIGTERM ignored.
+    stubborn = (MODE_ENV, "decode:ignore-term;decode:fork-child")
+    settings = settings_for(tmp_path, fake, cluster.address, instance_env=(stubborn,))
     with TopologySession(TOPOLOGIES["1P+1D"], settings) as session:
         decode = session.servers[1]
         procs = tree_of(decode.pid)
@@ -187,51 +220,53 @@ def test_a_sigkilled_harness_leaves_no_server_on_any_node(
         end_driver(driver)
 
 
-def test_a_sigkilled_raylet_takes_its_nodes_servers_down(fake: Path, tmp_path: Path) -> None:
-    """A cluster of its own: the node whose raylet dies is gone for good."""
-    close_runtime()  # the module's cluster connection, if any: one cluster per harness
-    with LocalRayCluster(tmp_path / "nodes") as own:
-        driver, started = start_driver(driver_args(tmp_path, fake, own.address))
-        try:
-            # Not the head's: the driver's own node, whose raylet's death ends the whole
-            # cluster (`ray start --block` then stops the GCS too), as it would on a cluster.
-            victim = next(s for s in started["servers"] if s["node"] != own.driver_address)
-            procs = [psutil.Process(pid) for pid in (victim["pid"], *victim["tree"])]
-            killed = time.monotonic()
-            raylet_of(own, victim["node"]).kill()
-            seconds = gone_after(procs)
-            assert seconds is not None, kill_survivors(procs)
-            # The harness notices once Ray declares the node dead (or a poll times out).
-            output, _ = driver.communicate(timeout=RAY_NOTICES_NODE_DEATH_S)
-            noticed = time.monotonic() - killed
-            print(
-                f"\nraylet SIGKILL: {victim['name']}'s processes gone in {seconds:.1f} s; "
-                f"the harness noticed after {noticed:.1f} s"
-            )
-            assert driver.returncode != 0 and victim["name"] in output, output[-3000:]
-        finally:
-            end_driver(driver)
-
-
-def test_storage_the_nodes_do_not_share_is_refused(fake: Path, tmp_path: Path) -> None:
+def test_storage_the_nodes_do_not_share_is_refused(
+    cluster: LocalRayCluster, fake: Path, tmp_path: Path
+) -> None:
     """Every node but the head sees its own empty tmpfs at `private`: same path, not shared."""
-    close_runtime()
-    private = tmp_path / "private"
-    private.mkdir()
-    with LocalRayCluster(tmp_path / "nodes", private_dir=private) as own:
-        settings = settings_for(tmp_path, fake, own.address, shared_dir=private)
-        session = TopologySession(TOPOLOGIES["1E+1PD"], settings)
-        try:
-            with pytest.raises(LaunchRefused) as refused:
-                session.start_servers()
-            assert session.servers == ()
-        finally:
-            session.close()
-            close_runtime()
+    private = cluster.private_dir
+    assert private is not None
+    settings = settings_for(tmp_path, fake, cluster.address, shared_dir=private)
+    session = TopologySession(TOPOLOGIES["1E+1PD"], settings)
+    try:
+        with pytest.raises(LaunchRefused) as refused:
+            session.start_servers()
+        assert session.servers == ()
+    finally:
+        session.close()
     message = str(refused.value)
     assert message.startswith(f"EC storage {private}/"), message
     assert "is not shared: 1E+1P" in message and "does not see what" in message, message
     assert "--ray-shared-dir" in message
+
+
+def test_a_sigkilled_raylet_takes_its_nodes_servers_down(
+    cluster: LocalRayCluster, fake: Path, tmp_path: Path
+) -> None:
+    """The node whose raylet dies is gone for good: the module's last test on its cluster."""
+    driver, started = start_driver(driver_args(tmp_path, fake, cluster.address))
+    try:
+        # Not the head's: the driver's own node, whose raylet's death ends the whole
+        # cluster (`ray start --block` then stops the GCS too), as it would on a cluster.
+        victim = next(s for s in started["servers"] if s["node"] != cluster.driver_address)
+        procs = [psutil.Process(pid) for pid in (victim["pid"], *victim["tree"])]
+        killed = time.monotonic()
+        raylet_of(cluster, victim["node"]).kill()
+        seconds = gone_after(procs)
+        assert seconds is not None, kill_survivors(procs)
+        # The harness notices once Ray declares the node dead (or a poll times out), and says
+        # so before its session's close, which would give the surviving server (it ignores
+        # SIGTERM) its whole stop grace: the driver is SIGKILLed then, and the other server
+        # goes as the harness-SIGKILL test shows.
+        died = reported_death(driver, RAY_NOTICES_NODE_DEATH_S)
+        noticed = time.monotonic() - killed
+        print(
+            f"\nraylet SIGKILL: {victim['name']}'s processes gone in {seconds:.1f} s; "
+            f"the harness noticed after {noticed:.1f} s"
+        )
+        assert died is not None and victim["name"] in died, died
+    finally:
+        end_driver(driver)
 
 
 class ListingAgent:

@@ -3,6 +3,6 @@ harness's scenarios from pytest: the pytest plugin (`plugin`: session-wide fixtu
 topology per (topology, connectors, proxy) for the whole session, and the helper fixtures), the
 repository's test tiers (`tiers`), and one of each test helper: the fake vLLM (`fake_vllm`), the
 CLI runner (`cli`), record builders (`builders`), an in-process fake instance
-(`fake_instance`), process watchers (`processes`), the live topology (`live`) and judging a
-hand-made outcome (`judging`).
+(`fake_instance`), process watchers (`processes`), the live topology (`live`), judging a
+hand-made outcome (`judging`) and the served vLLM's parser, probed once (`served_parser`).
 """

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -1007,6 +1008,16 @@ def fake_vllm(tmp_path: Path) -> Path:
     from harness.testing.fake_vllm import install_fake_vllm
 
     return install_fake_vllm(tmp_path / "bin")
+
+
+@pytest.fixture(scope="session")
+def served_vllm_parser():
+    """The served vLLM's own `vllm serve` parser (this Python's vLLM), its verdicts on every
+    line the parser tests read judged by one probe (harness.testing.served_parser); mark the
+    tests that share it `xdist_group(served_parser.XDIST_GROUP)`."""
+    from harness.testing.served_parser import served_parser
+
+    return served_parser([sys.executable])
 
 
 @pytest.fixture

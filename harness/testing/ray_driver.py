@@ -13,15 +13,17 @@ helpers below find what a kill test kills (a node's raylet) and watches (a proce
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import psutil
 
-from harness.serve.launch import install_signal_handlers
+from harness.serve.launch import ServerDied, install_signal_handlers
 from harness.serve.launcher import end_launchers
 from harness.serve.ray_cluster import LocalRayCluster
 from harness.serve.session import TopologySession
@@ -31,6 +33,7 @@ from harness.spec.topology import TOPOLOGIES, serving_for
 from harness.testing.processes import child_env
 
 IDLE_FLAG = "--idle"
+DIED_KEY = "died"  # the line a driver prints once it found an instance dead
 
 
 def start_driver(
@@ -53,6 +56,28 @@ def start_driver(
             return driver, json.loads(line)
     driver.wait()
     raise AssertionError(f"the driver ended early ({driver.returncode}):\n{''.join(lines[-60:])}")
+
+
+def reported_death(driver: subprocess.Popen[str], timeout_s: float) -> str | None:
+    """What the driver said when it found an instance dead (the harness's ServerDied), as soon
+    as it says it; None if it ended, or `timeout_s` passed, without saying so."""
+    said: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        try:
+            for line in driver.stdout or ():
+                if line.startswith(f'{{"{DIED_KEY}"'):
+                    said.put(json.loads(line)[DIED_KEY])
+                    return
+        except (OSError, ValueError):  # end_driver closed the pipe
+            pass
+        said.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        return said.get(timeout=timeout_s)
+    except queue.Empty:
+        return None
 
 
 def end_driver(driver: subprocess.Popen[str]) -> None:
@@ -110,7 +135,13 @@ def main() -> None:
                 time.sleep(1)
             while True:
                 for server in session.servers:
-                    server.check_alive()
+                    try:
+                        server.check_alive()
+                    except ServerDied as died:
+                        # Said at once: the session's close that follows gives a server that
+                        # ignores SIGTERM its whole stop grace before the driver ends.
+                        print(json.dumps({DIED_KEY: str(died)}), flush=True)
+                        raise
                 time.sleep(0.2)
     finally:
         end_launchers()
