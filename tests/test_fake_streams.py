@@ -204,7 +204,8 @@ def test_the_fake_holds_an_answer_for_its_decode_steps(
     assert token_events[-1] - token_events[0] >= held_s, token_events
 
 
-# Answers the nagle test asks for; at the delayed ACK's 40 ms each they took 2 s, at once 0.05 s.
+# Answers the test below asks for: at the delayed ACK's 40 ms each they took 2.2 s, at once
+# 0.02-0.03 s; it allows 30 ms each (a loaded host).
 QUICK_ANSWERS = 50
 
 
@@ -228,4 +229,4 @@ def test_the_fake_answers_without_waiting_for_the_clients_delayed_ack(
         connection.close()
     finally:
         pool.close()
-    assert elapsed_s < QUICK_ANSWERS * 0.02, f"{QUICK_ANSWERS} answers took {elapsed_s:.2f}s"
+    assert elapsed_s < QUICK_ANSWERS * 0.03, f"{QUICK_ANSWERS} answers took {elapsed_s:.2f}s"
