@@ -8,6 +8,8 @@ import dataclasses
 import json
 import os
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -582,15 +584,18 @@ class KillableBaseline(Killable):
 
 
 def killable_load(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **killable: Any
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    session_type: type[Killable] = Killable,
+    **killable: Any,
 ) -> tuple[LoadRun, Killable, list[str]]:
     """A load of 2 requests, 2 at a time, that plants the kill of pd0: (load, session, the
     names of the instances killed)."""
     import harness.run.load as load_module
 
-    monkeypatch.setattr(load_module, "TopologySession", Killable)
+    monkeypatch.setattr(load_module, "TopologySession", Killable)  # the baseline's too
     load, session = stand_in_load(
-        tmp_path, requests=2, concurrency=2, session_type=Killable, **killable
+        tmp_path, requests=2, concurrency=2, session_type=session_type, **killable
     )
     load.spec = LoadSpec("1E+1PD", requests=2, concurrency=2, distinct_media=3, kill="pd")
     # The baseline's batch calibration is served by a stand-in of its own: every call pd0's
@@ -649,6 +654,59 @@ def test_a_planted_kill_whose_instance_answered_a_request_first_names_that(
         "the planted kill never happened: 1E+1PD/pd0 answered a request of the round (id 1) "
         "before 2 request(s) were in flight with one at it: its moment passed"
     ]
+
+
+# A fast pd0 answers a request this long after it reached it; the slow client puts each of its
+# requests out this long after the one before (a loaded host starting the load's threads).
+PD_ANSWERS_IN_S = 0.2
+CLIENT_SEND_GAP_S = 0.5
+
+
+class AnswersInTime(Killable):
+    """pd0 answers each request PD_ANSWERS_IN_S after it reached it, unless killed first."""
+
+    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
+        with self.lock:
+            self.calls += 1
+            record = TapRecord(len(self.taps.records), self.pd.name, "pd", CHAT, str(self.calls))
+            self.taps.records.append(record)
+        if self.killed.wait(PD_ANSWERS_IN_S):
+            return Outcome(prompt, error=f"{self.dead_instance_report()}\nHTTP 502")
+        record.status, record.seconds = 200, PD_ANSWERS_IN_S
+        return Outcome(prompt, result=self.answers[prompt], seconds=PD_ANSWERS_IN_S)
+
+
+class SlowClient(ThreadPoolExecutor):
+    """The load's request threads, each submitted CLIENT_SEND_GAP_S after the one before."""
+
+    submitted = 0
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.submitted:
+            time.sleep(CLIENT_SEND_GAP_S)
+        self.submitted += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_a_planted_kill_comes_though_the_client_is_slower_to_send_than_the_instance_to_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The death under load on the fake night failed about one run in 18 at the fake's
+    0.01 s decode step ("1E+1P+1D/decode0 answered a request of the round before 32
+    request(s) were in flight"). Timed on that night: the load's 32 threads took 0.1-0.5 s
+    to all begin (started one after another in a process busy with the taps, the proxy and
+    the requests already out), while D answers in 0.31 s; the first request was sent as soon
+    as its thread began, so a run where it reached D early lost the kill's moment. On a GPU
+    a small model's D is that fast too. The kill round's requests now wait for each other
+    and go out together."""
+    import harness.run.load as load_module
+
+    monkeypatch.setattr(load_module, "ThreadPoolExecutor", SlowClient)
+    load, _, killed = killable_load(tmp_path, monkeypatch, session_type=AnswersInTime)
+    result_ = load.run()
+    assert killed == ["1E+1PD/pd0"] and result_.killed == "1E+1PD/pd0", result_.problems
+    assert all(r.record.verdict is Verdict.ERROR for r in result_.results)
+    assert result_.passed, result_.problems
 
 
 class EpdStandIn(StandIn):

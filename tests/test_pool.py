@@ -5,8 +5,10 @@ starts nothing, a dead or released topology is started again with its reason."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -176,8 +178,6 @@ def test_a_streamed_sweep_streams_on_a_topology_an_unstreamed_one_started(
     """Sharing a running topology must not share how it is sent to: the streamed sweep asks
     for streamed requests on the session the unstreamed sweep started (whose own settings say
     unstreamed). The fake vLLM does not stream, so what is checked is what each sweep asked."""
-    import dataclasses
-
     import harness.run.sweep as sweep_module
 
     asked: list[tuple[str, bool]] = []
@@ -203,9 +203,12 @@ def test_a_streamed_sweep_streams_on_a_topology_an_unstreamed_one_started(
         pool.close()
 
 
-def xdist_sweep(tmp_path: Path, workers: int, *options: str) -> subprocess.CompletedProcess:
+def xdist_sweep(
+    tmp_path: Path, workers: int, *options: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """The sweep's text cases under `-n workers --dist loadgroup`, the fake vLLM standing in
-    for each instance; it must count the four topologies it needs, each started once."""
+    for each instance; it must count the four topologies it needs, each started once. `env`:
+    the session's environment, where not this test's own."""
     fake = install_fake_vllm(tmp_path / "bin")
     argv = [
         sys.executable, "-m", "pytest", "scenarios/test_epd_matches_baseline.py",
@@ -215,7 +218,7 @@ def xdist_sweep(tmp_path: Path, workers: int, *options: str) -> subprocess.Compl
         "--epd-model", str(tiny_model_dir()), "--epd-baseline-cache", str(tmp_path / "cache"),
         "--epd-run-dir", str(tmp_path / "run"), *options,
     ]  # fmt: skip
-    run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert "topology starts: 4 for 4 distinct" in run.stdout, run.stdout[-3000:]
     # Every case passed, the transfer guards held (the fake moves EC and KV as vLLM does).
     assert run.returncode == 0 and " 3 passed" in run.stdout, run.stdout[-3000:]
@@ -235,15 +238,43 @@ def test_xdist_workers_on_eight_gpus_start_each_topology_once(
     assert sorted(devices) == [str(d) for d in range(8)], "one device each, as planned"
 
 
+@dataclasses.dataclass(frozen=True)
+class FakeNight:
+    """A pytest session on the fake vLLM that tests read after it ended: its directory (the
+    fake, baseline cache and run root, as `xdist_sweep` lays them out), output and start log."""
+
+    root: Path
+    run: subprocess.CompletedProcess
+    start_log: Path
+
+
+# The tests reading one night share an xdist group: the night runs once, on their worker.
+CPU_HOST_NIGHT = "test_pool-cpu-host-night"
+
+
+@pytest.fixture(scope="module")
+def cpu_host_night(tmp_path_factory: pytest.TempPathFactory) -> FakeNight:
+    """`xdist_sweep` with three workers on the CPU host, once for the tests that read it."""
+    from harness.environment import PORT_LOCK_DIR_ENV
+    from harness.testing.fake_vllm import START_LOG_ENV
+
+    root = tmp_path_factory.mktemp("cpu-host-night")
+    start_log = root / "starts.jsonl"
+    env = {**os.environ, START_LOG_ENV: str(start_log), PORT_LOCK_DIR_ENV: str(root / "ports")}
+    return FakeNight(root, xdist_sweep(root, 3, env=env), start_log)
+
+
+@pytest.mark.xdist_group(CPU_HOST_NIGHT)
 def test_xdist_workers_on_a_cpu_host_leave_every_topology_to_one_worker(
-    tmp_path: Path, fake_vllm_start_log: Path
+    cpu_host_night: FakeNight,
 ) -> None:
     """CI's shape (`scripts/cpu test`): on the CPU host one worker takes every e2e item, so
     each topology, the baseline too, starts once however many workers run the other tiers."""
-    run = xdist_sweep(tmp_path, 3)
-    roles = Counter(s["role"] for s in logged_starts(fake_vllm_start_log))
+    run = cpu_host_night.run
+    roles = Counter(s["role"] for s in logged_starts(cpu_host_night.start_log))
     assert roles == {"baseline": 1, "encoder": 2, "pd": 1, "prefill": 2, "decode": 2}, roles
-    workers = {log.parent.parent.name for log in (tmp_path / "run").glob("gw*/*/*.cmd.json")}
+    run_root = cpu_host_night.root / "run"
+    workers = {log.parent.parent.name for log in run_root.glob("gw*/*/*.cmd.json")}
     assert len(workers) == 1, workers
     # The worker's verdict table reaches the terminal of the run.
     [worker] = workers
@@ -310,8 +341,6 @@ def test_a_revival_that_does_not_come_up_in_time_restarts_the_topology(
 ) -> None:
     """Found in review: the fallback of a revival whose instance was still starting at the
     deadline handed back the same session, its revived instance never ready."""
-    import dataclasses
-
     from harness.testing.fake_vllm import MODE_ENV
     from harness.testing.processes import survivors, wait_for
 
@@ -413,8 +442,6 @@ def test_a_restart_in_another_run_directory_names_where_the_dead_log_is_kept(
     keeps the earlier logs of *its* directory only, so the reason named the dead log under
     its old name, with no "kept as"; a later start in the old directory then moved it, and
     the reason named a log that was not there."""
-    import dataclasses
-
     settings = settings_for(tmp_path)
     pool = TopologyPool(settings)
     try:
@@ -440,8 +467,6 @@ def test_a_start_that_timed_out_keeps_its_log_when_the_pool_starts_it_again(
     """docs/testing.md: after a prefill that never answered its health probes, "a restarted
     server now keeps the earlier log as `<name>.<n>.log`". Through the pool it does not: the
     next start of the topology empties the session directory first."""
-    import dataclasses
-
     from harness.testing.fake_vllm import MODE_ENV
 
     settings = dataclasses.replace(settings_for(tmp_path), startup_timeout_s=3.0)
@@ -555,14 +580,18 @@ def test_on_two_gpus_a_later_sweep_gets_the_reference_before_the_topology_stops_
     assert "topology starts: 3 for 3 distinct" in run.stdout, run.stdout[-3000:]
 
 
+@pytest.mark.xdist_group(CPU_HOST_NIGHT)
 def test_a_session_in_a_reused_run_dir_counts_only_its_own_starts(
-    tmp_path: Path, fake_vllm_start_log: Path
+    tmp_path: Path, fake_vllm_start_log: Path, cpu_host_night: FakeNight
 ) -> None:
     """Found in review: the summary sums every `topology-starts.json` under the run root
     (`**/`), so a session given the `--epd-run-dir` of an earlier one (a rerun, `--lf`) counts
-    the earlier session's starts too: here an earlier `-n 2` run left gw*/topology-starts.json
-    and this `-n 0` run prints "8 for 4" for its own 4 starts (and the earlier verdict tables)."""
-    xdist_sweep(tmp_path, 2)  # the earlier session
+    the earlier session's starts too: here an earlier xdist run (the CPU host's night, copied)
+    left gw*/topology-starts.json and this `-n 0` run printed "8 for 4" for its own 4 starts
+    (and the earlier verdict tables)."""
+    earlier = cpu_host_night.root / "run"
+    assert list(earlier.glob("gw*/topology-starts.json")), "the earlier session left no count"
+    shutil.copytree(earlier, tmp_path / "run")
     xdist_sweep(tmp_path, 0, "--epd-refresh-baseline")  # this one: 4 starts of its own
 
 

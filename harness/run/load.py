@@ -418,13 +418,18 @@ class LoadRun:
         more is sent."""
         stop = threading.Event()
         flight = _InFlight()
+        killing = self.spec.kill is not None and self.result.rounds == 1
+        target = min(self.spec.concurrency, len(planned))
+        together = _Together(target if killing else 0, KILL_WAIT_S)
 
         def one(request: PlannedRequest) -> _Sent:
             if stop.is_set():
                 return _Sent(request, None, 0.0, 0.0)
             body = self.sweep.bodies[request.prompt]
-            started = flight.begin(self._now())
+            flight.begin(self._now())
             try:
+                together.wait()
+                started = self._now()
                 observed = observe(session, request.prompt, body, stream=self.spec.stream)
             finally:
                 ended = flight.end(self._now())
@@ -438,8 +443,7 @@ class LoadRun:
 
         killer = None
         round_over = threading.Event()
-        if self.spec.kill is not None and self.result.rounds == 1:
-            target = min(self.spec.concurrency, len(planned))
+        if killing:
             base = session.base if isinstance(session, ProxiedSession) else session
             taps = base.taps if isinstance(base, TopologySession) else None
             # Before any request goes out: what the taps recorded from here on is the round's.
@@ -815,6 +819,33 @@ class _InFlight:
         with self._lock:
             self.current -= 1
         return now
+
+
+class _Together:
+    """The first `parties` requests of a round, which a planted kill waits to see all in
+    flight, go out together once each has begun. Sent as each thread began, the first reached
+    a fast instance (the fake's D, a small model's on a GPU) and was answered before the last
+    thread had begun on a busy host, and the kill's moment never came. A request that does
+    not come within `timeout_s` lets the others go (the killer then says it found no moment)."""
+
+    def __init__(self, parties: int, timeout_s: float) -> None:
+        self._parties = parties
+        self._timeout_s = timeout_s
+        self._barrier = threading.Barrier(parties) if parties > 1 else None
+        self._lock = threading.Lock()
+        self._arrived = 0
+
+    def wait(self) -> None:
+        if self._barrier is None:
+            return
+        with self._lock:
+            self._arrived += 1
+            if self._arrived > self._parties:  # a later request: it goes as it comes
+                return
+        try:
+            self._barrier.wait(self._timeout_s)
+        except threading.BrokenBarrierError:
+            pass
 
 
 def _carrier(sent: list[_Sent], item: _Sent, prompt: str) -> str:
