@@ -114,6 +114,8 @@ def assert_one_error_line(code: int, err: str, cause: str) -> None:
     expected = f"epd-harness: error: {cause}\n"
     assert (code, err) == (2, expected), f"exit code {code}, stderr:\n{err}"
     test_id = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0].split("::", 1)[-1]
+    # Under `--dist loadgroup` (CI's) a test in an xdist group is `name@group`: the row is `name`.
+    test_id = re.sub(r"@[\w.-]+$", "", test_id)
     tmp = LAST_ARGS.get("tmp", "")
     shown = err.replace(tmp, "$TMP").strip() if tmp else err.strip()
     shown = re.sub(r"(ports )\d+-\d+ \(scanned from \d+\)", r"\1N-N (scanned from N)", shown)
