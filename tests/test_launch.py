@@ -241,7 +241,8 @@ def test_never_ready_raises_startup_timeout_naming_the_server(make_server) -> No
         server.wait_until_ready(timeout_s=1.5)
     assert 1.5 <= time.monotonic() - start < 3.0
     message = str(timed_out.value)
-    assert "not ready after 1.5 s (timeout 1.5 s): 1P+1D/prefill0" in message
+    # The elapsed time is as measured: a loaded host's last probe may end past 1.5 s (seen: 1.6).
+    assert re.search(r"not ready after \d+\.\d s \(timeout 1\.5 s\): 1P\+1D/prefill0", message)
     assert "fake server pid" in message  # the log tail
     assert "/health, last probe: connection refused" in message  # nothing listened
     assert timed_out.value.names == ("1P+1D/prefill0",)

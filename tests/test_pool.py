@@ -180,11 +180,11 @@ def test_a_streamed_sweep_streams_on_a_topology_an_unstreamed_one_started(
     unstreamed). The fake vLLM does not stream, so what is checked is what each sweep asked."""
     import harness.run.sweep as sweep_module
 
-    asked: list[tuple[str, bool]] = []
+    asked: list[tuple[str, bool, bool]] = []
 
-    def observe_unstreamed(session, prompt, body, stream):
-        asked.append((session.topology.name, stream))
-        return real_observe(session, prompt, body, False)
+    def observe_unstreamed(session, prompt, body, stream, *, fresh_prefix):
+        asked.append((session.topology.name, stream, fresh_prefix))
+        return real_observe(session, prompt, body, False, fresh_prefix=fresh_prefix)
 
     real_observe = sweep_module.observe
     monkeypatch.setattr(sweep_module, "observe", observe_unstreamed)
@@ -197,7 +197,8 @@ def test_a_streamed_sweep_streams_on_a_topology_an_unstreamed_one_started(
         streamed_settings = dataclasses.replace(settings, stream=True)
         streamed = Sweep(spec, streamed_settings, pool=pool, baseline=plain.baseline)
         streamed.judge("1E+1PD", "text")
-        assert asked == [("1E+1PD", False), ("1E+1PD", True)]
+        # ... and each case under a salt of its own (D may hold the prompt from the other)
+        assert asked == [("1E+1PD", False, True), ("1E+1PD", True, True)]
         assert [s.key.topology for s in pool.starts] == ["baseline", "1E+1PD"]
     finally:
         pool.close()

@@ -28,7 +28,7 @@ from harness.outcomes.outcome import Outcome, ServedTopology
 from harness.outcomes.stream import EVENT_STREAM
 from harness.run.baseline import BaselineAnswers
 from harness.spec.generations import known_failure, not_applicable
-from harness.spec.prompts import PromptSpec, streaming_request
+from harness.spec.prompts import PromptSpec, fresh_prefix_request, streaming_request
 from harness.spec.settings import VLLM_PROXY, RunSettings
 from harness.spec.topology import Topology
 
@@ -50,13 +50,25 @@ class ServingSession:
     def send(self, prompt: str, body: dict[str, Any]) -> Outcome: ...
 
 
-def observe(session: ServingSession, prompt: str, body: dict[str, Any], stream: bool) -> Observed:
+def observe(
+    session: ServingSession,
+    prompt: str,
+    body: dict[str, Any],
+    stream: bool,
+    *,
+    fresh_prefix: bool,
+) -> Observed:
     """Send one body and read its guards at once, while the storage is as the request left it
     (the next request, or a planted fault, may change it). Streamed (`streaming_request`) when
     `stream` says so; the answer is judged against the baseline's unstreamed one all the same.
+    `fresh_prefix`: under a cache salt of its own (`fresh_prefix_request`), so the instances
+    compute it, and move it, as if they had never seen the prompt; a load leaves it off, since
+    real traffic repeats prompts into warm caches (its round is accounted as a whole).
 
-    `stream` has no default on purpose: the session may be one a shared pool started for
+    Neither has a default, on purpose: the session may be one a shared pool started for
     another scenario, so its own settings say how *that* scenario sends, not this one."""
+    if fresh_prefix:
+        body = fresh_prefix_request(body)
     if stream:
         body = streaming_request(body)
     outcome = session.send(prompt, body)

@@ -430,7 +430,9 @@ class LoadRun:
             try:
                 together.wait()
                 started = self._now()
-                observed = observe(session, request.prompt, body, stream=self.spec.stream)
+                observed = observe(
+                    session, request.prompt, body, stream=self.spec.stream, fresh_prefix=False
+                )
             finally:
                 ended = flight.end(self._now())
             if observed.outcome.error and not stop.is_set():
@@ -539,7 +541,9 @@ class LoadRun:
                     f"the part D recomputes ({self._region(request.prompt)})"
                 )
                 started = self._now()
-                observed = observe(session, request.prompt, body, stream=self.spec.stream)
+                observed = observe(
+                    session, request.prompt, body, stream=self.spec.stream, fresh_prefix=False
+                )
                 sent = _Sent(request, observed, started, self._now())
             self._judge_round([sent], declared, alone=True)
 

@@ -39,6 +39,14 @@ class ScenarioResult:
             if not record.policy_passed
         ]
         found += [f"check {c.name} failed: {c.evidence}" for c in self.checks if not c.ok]
+        # Every request went under a cache salt of its own (`observe`, fresh_prefix), so no
+        # instance of the topology held its prompt: a guard nothing could check is unproven.
+        found += [
+            f"{record.prompt}: guard {name} not checkable on a topology the harness served: "
+            f"{guard.get('evidence', '')}"
+            for record in self.records
+            for name, guard in record.unchecked_guards().items()
+        ]
         return found
 
 
@@ -119,12 +127,16 @@ class MatrixRun:
         stream = scenario.stream or self.sweep.settings.stream
         if scenario.mode is SendMode.CONCURRENT:
             with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
-                return list(pool.map(lambda item: observe(session, *item, stream), bodies))
+                return list(
+                    pool.map(
+                        lambda item: observe(session, *item, stream, fresh_prefix=True), bodies
+                    )
+                )
         observed = []
         for index, (name, body) in enumerate(bodies):
             if scenario.mode is SendMode.IDLE_GAPS and index:
                 time.sleep(IDLE_GAP_S)
-            observed.append(observe(session, name, body, stream))
+            observed.append(observe(session, name, body, stream, fresh_prefix=True))
         return observed
 
     def _judge(

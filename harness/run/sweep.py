@@ -373,7 +373,9 @@ class Sweep:
             for name in self.topology_prompts:
                 if self.not_applicable(topology.name, name):
                     continue  # judged NOT_APPLICABLE without a request
-                observed[name] = observe(session, name, self.bodies[name], self.settings.stream)
+                observed[name] = observe(
+                    session, name, self.bodies[name], self.settings.stream, fresh_prefix=True
+                )
                 outcome = observed[name].outcome
                 status = "failed" if outcome.error else "answered"
                 log.info("[sweep] %s %s: %s in %.2fs", topology.name, name, status, outcome.seconds)

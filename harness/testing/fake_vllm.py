@@ -19,7 +19,8 @@ die-request (the process exits on its first chat request, logging an assertion, 
 core that dies takes its API server down) and decode-step=<seconds> (how long one decode step
 takes, by default 0.01 s on a decode instance and none elsewhere: an answer of n tokens is held
 n-1 steps after its first, a stream sends a token a step, so a request stays in flight at D
-while it decodes, as in vLLM). With `FAKE_VLLM_START_LOG=<file>` every start appends
+while it decodes, as in vLLM) and prefix-cache (it keeps every prompt's full blocks under the
+request's `cache_salt` and serves a repeat from them, as vLLM's prefix cache does). With `FAKE_VLLM_START_LOG=<file>` every start appends
 a JSON line (role, argv without the port, CUDA_*/VLLM_* env): what start-counting tests count.
 With `FAKE_VLLM_LIVE_DIR=<dir>` each fake holds a lock per device of its
 CUDA_VISIBLE_DEVICES for as long as it lives (the kernel drops it when the process dies, however

@@ -45,7 +45,10 @@ evidence the way vLLM 0.32 does, and only when its peer really handed it over:
   `local_compute`.
 
 The metric names are vLLM 0.32's (`vllm/v1/metrics/loggers.py`, `.../nixl/stats.py`). There is
-no prefix cache: a fake D never holds a prompt from an earlier request.
+no prefix cache unless the mode `prefix-cache` asks for one: then an instance keeps the rows of
+every prompt's full blocks under the request's `cache_salt`, and a later request with the same
+blocks and salt takes them from there (`cached_tokens`, `local_cache_hit` in its `/metrics`)
+without asking its connector, as vLLM's D does with a prompt it has seen.
 """
 
 from __future__ import annotations
@@ -594,6 +597,7 @@ class Engine:
         self.blocks: dict[int, bytes] = {}  # NIXL P: block id -> its rows
         self.sent: dict[str, list[int]] = {}  # NIXL P: request id -> its blocks
         self.next_block = 1
+        self.prefix_cache: dict[str, bytes] = {}  # mode prefix-cache: key -> full blocks' rows
         self.counters = {
             "cached:p2p": 0.0,
             "cached:external_unspecified": 0.0,
@@ -623,12 +627,17 @@ class Engine:
                     f"You must set `--enable-mm-embeds` to input `{embeds}`", embeds
                 )
         ec_params = self.encode(items) if self.role == "encoder" else None
-        loaded, cached = self.load_kv(body, ids, items)
+        held = self.held_prefix(body, ids, items)
+        moved, cached = self.load_kv(body, ids, items, len(held) // ROW_BYTES)
+        loaded = held + moved
+        cached += len(held) // ROW_BYTES
         rows = kv_rows(ids, placeholders, loaded, self.ec_storage, "serve-anything" in self.modes)
         self.count(
             source__local_compute=len(ids) - len(loaded) // ROW_BYTES,
-            source__external_kv_transfer=len(loaded) // ROW_BYTES,
+            source__external_kv_transfer=len(moved) // ROW_BYTES,
+            source__local_cache_hit=len(held) // ROW_BYTES,
         )
+        self.keep_prefix(body, ids, items, rows)
         kv_params = self.save_kv(ids, items, rows, request_id) if self.role == "prefill" else None
         wanted = body.get("max_tokens") or body.get("max_completion_tokens") or 4
         out = generated_ids(rows, int(wanted))
@@ -660,6 +669,32 @@ class Engine:
             ],
         }
 
+    def prefix_key(self, body: dict, ids: list[int], items: list[MediaItem]) -> str | None:
+        """The prompt's full blocks with its media's hashes and its salt (vLLM's block hashes
+        carry both), where the mode keeps a prefix cache."""
+        prefix = aligned_prefix(len(ids), self.block_size)
+        if "prefix-cache" not in self.modes or prefix == 0:
+            return None
+        salt = str(body.get("cache_salt") or "")
+        return json.dumps([salt, ids[:prefix], [item.hash for item in items]])
+
+    def held_prefix(self, body: dict, ids: list[int], items: list[MediaItem]) -> bytes:
+        """The rows this instance holds for the prompt from an earlier request (b"": none)."""
+        key = self.prefix_key(body, ids, items)
+        with self.lock:
+            held = self.prefix_cache.get(key, b"") if key else b""
+        if held:
+            self.count(cached__device=len(held) // ROW_BYTES)
+        return held
+
+    def keep_prefix(self, body: dict, ids: list[int], items: list[MediaItem], rows: bytes):
+        key = self.prefix_key(body, ids, items)
+        if key:
+            with self.lock:
+                self.prefix_cache[key] = rows[
+                    : aligned_prefix(len(ids), self.block_size) * ROW_BYTES
+                ]
+
     def encode(self, items: list[MediaItem]) -> dict | None:
         """ECExampleConnector's producer: one file per item, one entry per mm_hash. An item
         whose file the storage already holds is loaded, not encoded, so nothing is written:
@@ -679,15 +714,19 @@ class Engine:
             )
         return params or None
 
-    def load_kv(self, body: dict, ids: list[int], items: list[MediaItem]) -> tuple[bytes, int]:
-        """D's KV from P, as its connector finds it: (rows loaded, cached_tokens reported)."""
+    def load_kv(
+        self, body: dict, ids: list[int], items: list[MediaItem], held: int = 0
+    ) -> tuple[bytes, int]:
+        """D's KV from P, as its connector finds it, past the `held` tokens D's own prefix
+        cache gave: (rows loaded, cached_tokens reported for them)."""
         if self.role != "decode":
             return b"", 0
-        if self.nixl:
-            return self.read_remote_blocks(body.get("kv_transfer_params") or {}, len(ids)), 0
-        if not self.kv_storage:
-            return b"", 0
+        if self.nixl:  # NIXL reads only the blocks D does not hold
+            params = body.get("kv_transfer_params") or {}
+            return self.read_remote_blocks(params, len(ids), held // self.block_size), 0
         prefix = aligned_prefix(len(ids), self.block_size)
+        if not self.kv_storage or held >= prefix:
+            return b"", 0
         folder = kv_folder(self.kv_storage, ids[:prefix], [i.hash for i in items])
         path = os.path.join(folder, f"{KV_LAYER}.safetensors")
         if prefix == 0 or not os.path.isfile(path):
@@ -698,13 +737,17 @@ class Engine:
         self.count(cached__external_unspecified=prefix)
         return rows, prefix
 
-    def read_remote_blocks(self, params: dict, prompt_tokens: int) -> bytes:
-        """NIXL's read: the blocks P named, from P's side channel; a failed read is counted and
-        the prompt computed here, as vLLM's D recomputes what it could not get."""
+    def read_remote_blocks(self, params: dict, prompt_tokens: int, skip: int = 0) -> bytes:
+        """NIXL's read: the blocks P named past the first `skip` (D holds those), from P's side
+        channel; a failed read is counted and the prompt computed here, as vLLM's D recomputes
+        what it could not get."""
         groups = params.get("remote_block_ids")
         if not params.get("do_remote_prefill") or not groups:
             return b""
-        blocks = groups[0] if isinstance(groups[0], list) else groups
+        blocks = (groups[0] if isinstance(groups[0], list) else groups)[skip:]
+        if not blocks:
+            return b""
+        prompt_tokens -= skip * self.block_size
         url = (
             f"http://{params.get('remote_host')}:{params.get('remote_port')}/read?"
             f"request={params.get('remote_request_id')}&blocks={','.join(map(str, blocks))}"

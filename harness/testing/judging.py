@@ -55,3 +55,12 @@ def passed_clean(record: CaseRecord) -> bool:
     from harness.judge.records import Verdict
 
     return record.policy_passed and record.verdict in (Verdict.MATCH, Verdict.DRIFT)
+
+
+def passed_proven(record: CaseRecord) -> bool:
+    """A clean case passed (`passed_clean`) with every guard decided. The scenarios send each
+    request under a cache salt of its own (`harness.spec.prompts.fresh_prefix_request`), so
+    on a topology the harness served, no instance can hold the prompt from an earlier case and
+    every guard has evidence; one that could not be checked there means the MATCH is unproven.
+    A load repeats prompts into warm caches, so its requests are held to `passed_clean`."""
+    return passed_clean(record) and not record.unchecked_guards()

@@ -37,7 +37,11 @@ class LiveTopology:
         """One request (the prompt's rendered body) and its guards, read at once."""
         started = time.monotonic()
         observed = observe(
-            self.session, prompt, self.sweep.bodies[prompt], self.sweep.settings.stream
+            self.session,
+            prompt,
+            self.sweep.bodies[prompt],
+            self.sweep.settings.stream,
+            fresh_prefix=True,
         )
         print(f"[{self.name}] {prompt}: {time.monotonic() - started:.1f}s")
         return observed
