@@ -154,6 +154,12 @@ def pytest_configure(config: pytest.Config) -> None:
         "xdist group with its worker's pool stopped; deselected and listed where a session "
         "option cannot reach a command",
     )
+    config.addinivalue_line(
+        "markers",
+        "reads_vllm_source: the item runs vLLM's own files whatever --epd-proxy says, from "
+        "--epd-vllm-source when given (harness.testing.vllm_source: a session given the flag "
+        "where no selected item reads it is refused)",
+    )
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         config.stash[RUN_ROOT_KEY] = workerinput.get(WORKER_RUN_ROOT)
@@ -315,6 +321,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     config.stash[PROMPTS_KEY] = tuple(needed.values())
     config.stash[LATER_SWEEP_MAKERS_KEY] = later_sweep_makers(items)
     config.stash[LOAD_SPECS_KEY] = load_specs(items)
+
+
+@pytest.hookimpl(tryfirst=True)  # before --collect-only lists what it refuses
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """`--epd-vllm-source` given where no selected item reads it is refused, once every
+    deselection (-k, -m, `--epd-topology`, the session's refusals) is done."""
+    from harness.testing.vllm_source import OPTION, refusal
+
+    config = session.config
+    why = refusal(
+        config.getoption(OPTION, None), config.getoption("--epd-proxy", None), session.items
+    )
+    if why:
+        raise pytest.UsageError(why)
 
 
 def marked_load(item: pytest.Item) -> Any:
