@@ -112,7 +112,7 @@ def test_a_module_that_reads_the_option_undeclared_is_found_and_refused(tmp_path
         '    assert pytestconfig.getoption("--epd-vllm-source")\n'
     )
     (tmp_path / "tests").mkdir()
-    assert reading_modules(tmp_path) == {"scenarios/test_new.py"}
+    assert reading_modules(tmp_path) == {f"scenarios/{scenario.name}"}
     (tmp_path / "conftest.py").write_text((ROOT / "conftest.py").read_text(encoding="utf-8"))
     (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --strict-markers\n")
     done = pytest_run(
