@@ -68,7 +68,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--epd-vllm-source",
         help="the vLLM source tree the served vLLM was built from: its own proxy, toy proxy and "
         "correctness script (scenarios/test_vllm_proxy.py, tests/test_upstream_parity.py); "
-        "required for a development build, else the release's sdist is fetched",
+        "required for a development build, else the release's sdist is fetched; refused where no "
+        "selected test reads it",
     )
     group.addoption(
         "--epd-no-enforce-eager",

@@ -108,6 +108,8 @@ def case_params():
                 )
 
 
+# Both proxies' cases take `streamed_sweeps`, which makes vLLM's proxy from --epd-vllm-source.
+@pytest.mark.reads_vllm_source
 @pytest.mark.parametrize("proxy,topology,prompt", list(case_params()))
 def test_streamed_answers_match_and_are_framed(
     streamed_sweeps, proxy: str, topology: str, prompt: str

@@ -19,7 +19,8 @@ import pytest
 from harness.report.text import format_failure
 from harness.spec.prompts import TAIL_TEXT, ImagePart, PromptSpec, TextPart, VideoPart
 
-pytestmark = pytest.mark.e2e
+# Every test runs vLLM's own files, from --epd-vllm-source when given.
+pytestmark = [pytest.mark.e2e, pytest.mark.reads_vllm_source]
 
 TOPOLOGIES = ("1E+1PD", "1E+1P+1D")
 IMAGE = PromptSpec("vp-image", (ImagePart(seed=71), TextPart(TAIL_TEXT)))

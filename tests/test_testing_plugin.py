@@ -555,3 +555,72 @@ def test_unmarked(epd_load_spec):
     run.stderr.fnmatch_lines(
         ["*test_unmarked: it takes epd_load_spec, so it must be marked epd_load(LoadSpec(...))*"]
     )
+
+
+SOURCE_READERS = """
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+@pytest.mark.epd_topology("1E+1PD")
+def test_sweep_case():
+    pass
+
+@pytest.mark.epd_topology("1E+1PD")
+@pytest.mark.reads_vllm_source
+def test_through_vllms_own_files():
+    pass
+
+@pytest.fixture
+def epd_own_instances():
+    return None
+
+@pytest.mark.epd_topology("1E+1PD")
+@pytest.mark.own_instances("run", "export")
+def test_own_export(epd_own_instances):
+    pass
+
+@pytest.mark.epd_topology("1E+1PD")
+@pytest.mark.own_instances("run", "repro")
+def test_own_repro(epd_own_instances):
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    ("selection", "accepted"),
+    [
+        (("-k", "sweep_case"), False),  # the harness's proxy: nothing selected reads it
+        (("-k", "sweep_case or own_repro"), False),  # a repro takes what its bundle recorded
+        (("-k", "sweep_case", "--epd-proxy", "vllm"), True),  # the session's proxy reads it
+        (("-k", "own_repro", "--epd-proxy", "vllm"), True),  # its run gets vLLM's proxy too
+        (("-k", "own_files"), True),  # marked reads_vllm_source
+        (("-k", "own_export"), True),  # an export takes it (OwnInstances.args)
+        ((), True),
+    ],
+)
+def test_a_vllm_source_that_no_selected_test_reads_is_refused(
+    pytester: pytest.Pytester, selection: tuple[str, ...], accepted: bool
+) -> None:
+    """`pytest scenarios/test_matrix.py --epd-vllm-source ~/vllm` ran green with the flag
+    changing nothing: only vLLM's proxy as the session's, and the tests that run vLLM's own
+    files, read it. A flag nothing selected reads is refused at collection, naming what would
+    read it."""
+    pytester.makeconftest(
+        CONFTEST
+        + '    parser.addoption("--epd-vllm-source", default=None)\n'
+        + '    parser.addoption("--epd-proxy", default="harness")\n'
+    )
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    pytester.makepyfile(test_a_e2e=SOURCE_READERS)
+    options = ("--collect-only", "-p", "no:cacheprovider", *selection)
+    run = pytester.runpytest(*options, "--epd-vllm-source", "/src/vllm")
+    if accepted:
+        assert run.ret == pytest.ExitCode.OK, run.stdout.str() + run.stderr.str()
+        return
+    assert run.ret == pytest.ExitCode.USAGE_ERROR, run.stdout.str()
+    run.stderr.fnmatch_lines(
+        ["ERROR: --epd-vllm-source: no selected test reads it*--epd-proxy vllm*"]
+    )
+    assert len(run.stderr.str().strip().splitlines()) == 1, run.stderr.str()
+    assert pytester.runpytest(*options).ret == pytest.ExitCode.OK, "without the flag: as before"

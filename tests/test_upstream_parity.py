@@ -88,6 +88,7 @@ def test_a_flag_planted_in_a_copy_of_the_0_32_0_script_turns_parity_red(tmp_path
     ]
 
 
+@pytest.mark.reads_vllm_source
 def test_the_served_vllms_own_script_differs_only_deliberately(pytestconfig) -> None:
     """The served vLLM's own script: its release's sdist, or for a development build the tree
     it was built from (--epd-vllm-source), compared on --epd-platform (cuda when cpu)."""

@@ -73,6 +73,7 @@ E2E_QUEUE_KEY = pytest.StashKey["E2eQueue"]()
 # Instances (topology, variant) a group's end left running for a later item of its xdist group.
 KEPT_FOR_LATER_KEY = pytest.StashKey[set]()
 WORKER_RUN_ROOT = "epd_run_root"  # how xdist hands the controller's run root to workers
+WORKER_USAGE_ERROR = "epd_usage_error"  # how a worker hands its collection's refusal back
 # Under the run root: what every process of one session shares (`RunRequest.session_dir`: the
 # baseline refresh's record, `--epd-baseline-cache off`'s shared baseline). The controller
 # empties it as the session begins, so nothing in it is an earlier session's.
@@ -153,6 +154,12 @@ def pytest_configure(config: pytest.Config) -> None:
         "xdist group with its worker's pool stopped; deselected and listed where a session "
         "option cannot reach a command",
     )
+    config.addinivalue_line(
+        "markers",
+        "reads_vllm_source: the item runs vLLM's own files whatever --epd-proxy says, from "
+        "--epd-vllm-source when given (harness.testing.vllm_source: a session given the flag "
+        "where no selected item reads it is refused)",
+    )
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         config.stash[RUN_ROOT_KEY] = workerinput.get(WORKER_RUN_ROOT)
@@ -186,6 +193,28 @@ def forget_earlier_accounts(root: Path) -> None:
 
 def pytest_configure_node(node) -> None:  # xdist: every worker writes under the same root
     node.workerinput[WORKER_RUN_ROOT] = node.config.stash[RUN_ROOT_KEY]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session: pytest.Session):
+    """Under xdist a worker's collection refused (pytest.UsageError) ended that worker, its
+    message on a stderr nobody reads, and the controller stopped on "Unexpectedly no active
+    workers available": the worker hands the message back (xdist's `workeroutput`), and the
+    controller raises it as its own (`pytest_testnodedown`)."""
+    try:
+        return (yield)
+    except pytest.UsageError as exc:
+        workeroutput = getattr(session.config, "workeroutput", None)
+        if workeroutput is not None:
+            workeroutput[WORKER_USAGE_ERROR] = str(exc)
+        raise
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # xdist, on the controller
+    message = (getattr(node, "workeroutput", None) or {}).get(WORKER_USAGE_ERROR)
+    if message:
+        raise pytest.UsageError(message)
 
 
 def epd_group(item: pytest.Item) -> EpdGroup | None:
@@ -292,6 +321,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     config.stash[PROMPTS_KEY] = tuple(needed.values())
     config.stash[LATER_SWEEP_MAKERS_KEY] = later_sweep_makers(items)
     config.stash[LOAD_SPECS_KEY] = load_specs(items)
+
+
+@pytest.hookimpl(tryfirst=True)  # before --collect-only lists what it refuses
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """`--epd-vllm-source` given where no selected item reads it is refused, once every
+    deselection (-k, -m, `--epd-topology`, the session's refusals) is done."""
+    from harness.testing.vllm_source import OPTION, refusal
+
+    config = session.config
+    why = refusal(
+        config.getoption(OPTION, None), config.getoption("--epd-proxy", None), session.items
+    )
+    if why:
+        raise pytest.UsageError(why)
 
 
 def marked_load(item: pytest.Item) -> Any:

@@ -290,6 +290,7 @@ def ctrl_c(pid: int) -> None:
 
 
 EXPORT_SCRIPT_TIMEOUT_S = 240.0
+CONDITION_POLL_S = 0.1  # how often `run_export_script` asks whether its timeout counts yet
 
 
 def export_port_variables(serve_sh: str) -> list[str]:
@@ -303,6 +304,7 @@ def run_export_script(
     argv: list[str],
     env: dict[str, str],
     timeout: float = EXPORT_SCRIPT_TIMEOUT_S,
+    counted_from: Callable[[], bool] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """`bash <export>/<argv...>` to its end, its output captured. On a timeout or Ctrl-C
     (any exception while it runs) its own group and every server it recorded
@@ -316,7 +318,12 @@ def run_export_script(
     which a test builds from scratch: without them the fake servers an export started were
     neither logged nor held their devices, so the fake GPU night's check that no device is
     held by two live instances could not see an export's servers. Test plumbing only: the
-    export's files are unchanged, and a session on real vLLM sets none of them."""
+    export's files are unchanged, and a session on real vLLM sets none of them.
+
+    `counted_from`: the timeout counts from when this first holds (polled; the default
+    timeout bounds the wait for it), so a test of the timeout waits past the point it proves
+    (the servers serving, say) and no longer: a timeout from the start had to cover a start
+    on a loaded host too, and spent all of it every time."""
     script = subprocess.Popen(
         ["bash", str(out / argv[0]), *argv[1:]],
         cwd=out,
@@ -326,7 +333,14 @@ def run_export_script(
         text=True,
         start_new_session=True,  # its group is its own; a terminal's Ctrl-C reaches us only
     )
+    waited = f"{timeout} s"
     try:
+        if counted_from is not None:
+            waited = f"{EXPORT_SCRIPT_TIMEOUT_S} s, before its timeout began (counted_from)"
+            ended = reached(script, counted_from, EXPORT_SCRIPT_TIMEOUT_S)
+            if ended is not None:
+                return ended
+            waited = f"{timeout} s"
         stdout, stderr = script.communicate(timeout=timeout)
     except BaseException as exc:
         groups = [script.pid]
@@ -339,7 +353,25 @@ def run_export_script(
         stdout, stderr = script.communicate()
         if isinstance(exc, subprocess.TimeoutExpired):
             raise AssertionError(
-                f"{argv[0]} still ran after {timeout} s:\n{stdout}\n{stderr}"
+                f"{argv[0]} still ran after {waited}:\n{stdout}\n{stderr}"
             ) from None
         raise
     return subprocess.CompletedProcess(script.args, script.returncode, stdout, stderr)
+
+
+def reached(
+    script: subprocess.Popen[str], condition: Callable[[], bool], timeout: float
+) -> subprocess.CompletedProcess[str] | None:
+    """Waits until `condition` holds (None) or `script` ends first (what it did); still
+    running after `timeout` s, subprocess.TimeoutExpired. Read through `communicate`, which
+    keeps what the script printed for a later call and keeps its pipes from filling."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        try:
+            stdout, stderr = script.communicate(timeout=CONDITION_POLL_S)
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline:
+                raise
+            continue
+        return subprocess.CompletedProcess(script.args, script.returncode, stdout, stderr)
+    return None

@@ -1,0 +1,40 @@
+"""The pytest plugin under xdist (harness/testing/plugin.py): a refusal made while a worker
+collects (pytest.UsageError) is the session's, shown as one line, as without xdist.
+
+Real xdist sessions over the repository's scenarios, collected only (nothing starts).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.process
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("workers", [(), ("-n", "2")])
+def test_a_refusal_made_while_workers_collect_is_the_sessions_usage_error(
+    workers: tuple[str, ...],
+) -> None:
+    """Found with `--epd-topology 9Z -n 2`: each worker's collection raised the refusal, each
+    worker ended, and the controller stopped on an INTERNALERROR ("Unexpectedly no active
+    workers available", or an assertion of its scheduler), the cause shown nowhere."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers]
+        + ["-m", "e2e", "scenarios/test_matrix.py", "--epd-topology", "9Z"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout[-3000:]
+    assert "INTERNALERROR" not in done.stdout + done.stderr, done.stdout[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("ERROR: --epd-topology: unknown topology '9Z'"), lines
