@@ -8,7 +8,11 @@ seconds on CPU.
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+from harness.testing.vllm_source import ENV as VLLM_SOURCE_ENV
 
 # The scenarios' fixtures and the test helpers; the repository's test tiers (every test module
 # declares one, checked); pytest's own pytester, for the tiers' tests.
@@ -66,10 +70,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--epd-vllm-source",
+        default=os.environ.get(VLLM_SOURCE_ENV) or None,
         help="the vLLM source tree the served vLLM was built from: its own proxy, toy proxy and "
         "correctness script (scenarios/test_vllm_proxy.py, tests/test_upstream_parity.py); "
         "required for a development build, else the release's sdist is fetched; refused where no "
-        "selected test reads it",
+        f"selected test reads it. Default ${VLLM_SOURCE_ENV}: a job's setting (the nightly's on "
+        "a commit), never refused",
     )
     group.addoption(
         "--epd-no-enforce-eager",

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.testing.vllm_source import OPTION, READER_MODULES
+from harness.testing.vllm_source import ENV, OPTION, READER_MODULES
 from tests.test_nightly_selection import NIGHTLY, nightly_pytest_options
 
 pytestmark = pytest.mark.process
@@ -139,18 +139,41 @@ def nightly_parity_options() -> list[str]:
 
 @pytest.mark.parametrize("step", ["scenarios", "parity"])
 def test_the_nightlys_command_lines_with_a_vllm_source_are_accepted(step: str) -> None:
-    """The nightly (and the Buildkite step, which runs the same lines) passes the flag on a
-    commit's build: to its whole e2e selection and to the served vLLM's parity."""
-    options = nightly_pytest_options() if step == "scenarios" else nightly_parity_options()
-    done = pytest_run(["--collect-only", "-q", *options, OPTION, SOURCE])
+    """The nightly (and the Buildkite step, which runs the same lines) gives a commit's build
+    its tree: the flag to the served vLLM's parity, the job's setting to its e2e selection."""
+    if step == "scenarios":
+        done = pytest_run(["--collect-only", "-q", *nightly_pytest_options()], env={ENV: SOURCE})
+    else:
+        done = pytest_run(["--collect-only", "-q", *nightly_parity_options(), OPTION, SOURCE])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-def test_a_selection_that_reads_nothing_is_refused_in_one_line() -> None:
-    """Before anything starts (under xdist too: tests/test_plugin_xdist.py), naming what
-    would read it."""
-    done = pytest_run(["-q", "-m", "e2e", "scenarios/test_matrix.py", OPTION, SOURCE])
-    assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout[-3000:]
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"ERROR: {OPTION}: no selected test"), lines
-    assert "--epd-proxy vllm" in lines[0] and "scenarios/test_vllm_proxy.py" in lines[0]
+def test_a_narrowed_nightly_is_not_refused_for_its_jobs_setting() -> None:
+    """A dispatch narrowed to cases that read nothing of the tree (-k, --epd-topology) on a
+    commit's build: the source is the job's setting ($EPD_VLLM_SOURCE), which the workflow
+    exports whatever the selection, so it is not refused; the same tree typed as the flag is.
+    Found in review: with the flag in the workflow, such a dispatch ended at collection, red for
+    the harness's own reasons."""
+    narrowed = ["--collect-only", "-q", "-m", "e2e", "scenarios/test_matrix.py"]
+    done = pytest_run(narrowed, env={ENV: SOURCE})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    typed = pytest_run([*narrowed, OPTION, SOURCE], env={ENV: SOURCE})
+    assert typed.returncode == pytest.ExitCode.USAGE_ERROR, typed.stdout[-3000:]
+
+
+def test_the_jobs_setting_is_the_options_value(tmp_path: Path) -> None:
+    """$EPD_VLLM_SOURCE reaches the tests that read the option, as the flag would."""
+    (tmp_path / "test_probe.py").write_text(
+        "import pytest\n\npytestmark = pytest.mark.unit\n\n\ndef test_reads(pytestconfig):\n"
+        f"    print('SOURCE=' + str(pytestconfig.getoption({OPTION!r})))\n"
+    )
+    seen = {}
+    for name, env in (("env", {ENV: SOURCE}), ("unset", {ENV: ""})):
+        done = pytest_run(
+            ["-p", "conftest", "-q", "-s", "test_probe.py"],
+            cwd=tmp_path,
+            env={**env, "PYTHONPATH": str(ROOT)},  # this checkout's conftest, as a plugin
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        seen[name] = re.search(r"SOURCE=(\S+)", done.stdout).group(1)
+    assert seen == {"env": SOURCE, "unset": "None"}, seen

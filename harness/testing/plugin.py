@@ -327,12 +327,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     """`--epd-vllm-source` given where no selected item reads it is refused, once every
     deselection (-k, -m, `--epd-topology`, the session's refusals) is done."""
-    from harness.testing.vllm_source import OPTION, refusal
+    from harness.testing.vllm_source import OPTION, given_on_the_command_line, refusal
 
     config = session.config
-    why = refusal(
-        config.getoption(OPTION, None), config.getoption("--epd-proxy", None), session.items
-    )
+    given = given_on_the_command_line(config.invocation_params.args)
+    source = config.getoption(OPTION, None) if given else None
+    why = refusal(source, config.getoption("--epd-proxy", None), session.items)
     if why:
         raise pytest.UsageError(why)
 

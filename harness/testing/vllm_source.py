@@ -25,6 +25,10 @@ from collections.abc import Sequence
 import pytest
 
 OPTION = "--epd-vllm-source"
+# The option's default: where a job (the nightly on a commit's build) says the served vLLM's
+# source tree is. A setting of the environment, not of this command line: a selection narrowed
+# by -k or --epd-topology that reads nothing of it is not refused for it.
+ENV = "EPD_VLLM_SOURCE"
 MARK = "reads_vllm_source"
 VLLM_PROXY = "vllm"
 # The commands of an `own_instances` item that take the source whatever the proxy
@@ -58,3 +62,8 @@ def refusal(source: str | None, session_proxy: str | None, items: Sequence[pytes
         f"--epd-proxy {VLLM_PROXY} and to the tests of {', '.join(READER_MODULES)} "
         f"(those marked {MARK} or exporting): select one or drop the flag"
     )
+
+
+def given_on_the_command_line(args: Sequence[str]) -> bool:
+    """Whether the session's arguments name the option (else its value, if any, is $ENV's)."""
+    return any(arg == OPTION or arg.startswith(f"{OPTION}=") for arg in args)
