@@ -23,6 +23,9 @@ PORT_LOCK_DIR_ENV = "EPD_HARNESS_PORT_DIR"  # lock files that keep harnesses off
 WATCHDOG_ENV = "EPD_HARNESS_WATCHDOG"  # "off" / "0" disables the orphan watchdog
 # "off" / "0" skips the multi-node network checks of --launcher ray (to show what they catch)
 NETWORK_CHECKS_ENV = "EPD_HARNESS_NETWORK_CHECKS"
+# The command lines the served vLLM's own parser accepted (harness.preflight.vllm_args); the
+# test suite points each of its sessions at a directory of their own.
+ARGV_CHECK_DIR_ENV = "EPD_HARNESS_ARGV_CHECK_DIR"
 
 DEFAULT_PORT_RANGE = range(20000, 30000)
 DEFAULT_PORT_LOCK_DIR = Path("/tmp/epd-harness-ports")
@@ -41,11 +44,20 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "on",
         "off (or 0) skips the network checks of --launcher ray (only for showing what they catch)",
     ),
+    ARGV_CHECK_DIR_ENV: (
+        "<cache>/argv-check",
+        "the vllm serve command lines the served vLLM's parser accepted (a session of the tests "
+        "sets its own)",
+    ),
 }
 
 
 def cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(environ.get(CACHE_ENV) or Path.home() / ".cache" / "epd-harness")
+
+
+def argv_check_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    return Path(environ.get(ARGV_CHECK_DIR_ENV) or cache_dir(environ) / "argv-check")
 
 
 def parse_port_range(text: str, source: str = PORT_RANGE_ENV) -> range:

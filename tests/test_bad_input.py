@@ -643,12 +643,14 @@ def test_vllm_dev_build_without_its_source_tree(bad_run: BadRun, tmp_path: Path)
 
 @pytest.mark.xdist_group(served_parser.XDIST_GROUP)
 def test_vllm_parser_refuses_a_rendered_flag(
-    bad_run: BadRun, served_vllm_parser: served_parser.ServedParser, monkeypatch
+    bad_run: BadRun, served_vllm_parser: served_parser.ServedParser, tmp_path: Path, monkeypatch
 ) -> None:
     """The served vLLM's own parser judges every command line before any server starts (its
-    verdicts from the session's one probe of it, harness/testing/served_parser.py)."""
+    verdicts from the session's one probe of it, harness/testing/served_parser.py), the lines
+    it accepts kept in a directory of this test's own."""
     from harness.spec import instances
 
+    monkeypatch.setenv(environment.ARGV_CHECK_DIR_ENV, str(tmp_path / "argv-check"))
     monkeypatch.setattr(vllm_args, "_run_probe", served_vllm_parser.probe)
     flag = served_parser.ENCODER_FLAG
     monkeypatch.setattr(instances, "ENCODER_ARGS", (*instances.ENCODER_ARGS, flag))

@@ -184,6 +184,7 @@ def signal_cli(harness: subprocess.Popen[str], sig: signal.Signals) -> tuple[str
     return err, time.monotonic() - sent
 
 
+@pytest.mark.usefixtures("served_vllm_parser")  # its runs (subprocesses) find their lines judged
 def test_sigint_during_startup_stops_everything(
     tmp_path: Path, fake_vllm: Path, port_locks: Path
 ) -> None:
@@ -262,6 +263,7 @@ def test_a_ctrl_c_during_a_sessions_stop_still_stops_every_server(
             server.stop(grace_s=0.1)
 
 
+@pytest.mark.usefixtures("served_vllm_parser")  # its runs (subprocesses) find their lines judged
 @pytest.mark.timeout(HUNG_TEST_TIMEOUT_S)
 def test_sigterm_while_a_request_hangs_ends_within_seconds(
     tmp_path: Path, fake_vllm: Path, port_locks: Path

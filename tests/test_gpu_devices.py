@@ -546,6 +546,7 @@ def fake_night_output(argv: list[str]) -> str:
         pytest.fail(f"the session did not end within {SESSION_HANG_S:.0f}s:\n{out[-4000:]}")
 
 
+@pytest.mark.usefixtures("served_vllm_parser")  # its runs (subprocesses) find their lines judged
 def test_scenarios_with_instances_of_their_own_share_eight_gpus_with_four_workers(
     tmp_path: Path, fake_vllm_start_log: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -648,6 +649,7 @@ NIGHT_SHAPES = {
 }
 
 
+@pytest.mark.usefixtures("served_vllm_parser")  # its runs (subprocesses) find their lines judged
 @pytest.mark.parametrize("shape", list(NIGHT_SHAPES.values()), ids=list(NIGHT_SHAPES))
 def test_the_gpu_night_starts_each_topology_as_few_times_as_its_devices_force(
     tmp_path: Path, fake_vllm_start_log: Path, monkeypatch: pytest.MonkeyPatch, shape: NightShape
@@ -728,6 +730,7 @@ def test_repro_reruns_a_colocated_one_gpu_run_and_on_the_devices_it_is_given(
     assert json.loads((again / "run.json").read_text())["devices"] == [5]
 
 
+@pytest.mark.usefixtures("served_vllm_parser")  # its runs (subprocesses) find their lines judged
 def test_a_fault_planted_for_a_load_survives_the_calibration_on_two_gpus(
     tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:
@@ -762,6 +765,7 @@ IMITATED_SELECTION = ("scenarios/test_stream.py", "scenarios/test_negative_check
 IMITATED_PASSED = 24 + 1 + 4  # streamed cases, the relayed chunk, the negative checks
 
 
+@pytest.mark.usefixtures("served_vllm_parser")  # its runs (subprocesses) find their lines judged
 def test_the_streamed_and_negative_scenarios_pass_on_the_fake_gpu_night(
     tmp_path: Path, fake_vllm_start_log: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -785,6 +789,7 @@ def test_the_streamed_and_negative_scenarios_pass_on_the_fake_gpu_night(
     assert [s for s in logged_starts(fake_vllm_start_log) if s["shared"]] == []
 
 
+@pytest.mark.usefixtures("served_vllm_parser")  # its runs (subprocesses) find their lines judged
 def test_the_death_under_load_passes_on_the_fake_gpu_night(tmp_path: Path) -> None:
     """scenarios/test_load.py's death under load on the fake night's shape (cuda, NIXL, four
     devices): D SIGKILLed with all 32 requests in flight, each ERROR naming D, nothing left

@@ -226,6 +226,7 @@ def xdist_sweep(
     return run
 
 
+@pytest.mark.usefixtures("served_vllm_parser")  # its runs (subprocesses) find their lines judged
 def test_xdist_workers_on_eight_gpus_start_each_topology_once(
     tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:
@@ -254,14 +255,18 @@ CPU_HOST_NIGHT = "test_pool-cpu-host-night"
 
 
 @pytest.fixture(scope="module")
-def cpu_host_night(tmp_path_factory: pytest.TempPathFactory) -> FakeNight:
-    """`xdist_sweep` with three workers on the CPU host, once for the tests that read it."""
-    from harness.environment import PORT_LOCK_DIR_ENV
+def cpu_host_night(
+    tmp_path_factory: pytest.TempPathFactory, served_vllm_parser, epd_argv_check_dir: Path
+) -> FakeNight:
+    """`xdist_sweep` with three workers on the CPU host, once for the tests that read it (its
+    runs keep their accepted lines where the session's do: set up before any test's own)."""
+    from harness.environment import ARGV_CHECK_DIR_ENV, PORT_LOCK_DIR_ENV
     from harness.testing.fake_vllm import START_LOG_ENV
 
     root = tmp_path_factory.mktemp("cpu-host-night")
     start_log = root / "starts.jsonl"
     env = {**os.environ, START_LOG_ENV: str(start_log), PORT_LOCK_DIR_ENV: str(root / "ports")}
+    env[ARGV_CHECK_DIR_ENV] = str(epd_argv_check_dir)
     return FakeNight(root, xdist_sweep(root, 3, env=env), start_log)
 
 
@@ -378,6 +383,7 @@ def test_a_revival_that_does_not_come_up_in_time_restarts_the_topology(
 # -- review findings (pool and plugin) ----------------------------------------------------------
 
 
+@pytest.mark.usefixtures("served_vllm_parser")  # its runs (subprocesses) find their lines judged
 def test_refreshing_the_baseline_under_xdist_on_gpus_starts_it_once(
     tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:
@@ -391,6 +397,7 @@ def test_refreshing_the_baseline_under_xdist_on_gpus_starts_it_once(
     )  # fmt: skip
 
 
+@pytest.mark.usefixtures("served_vllm_parser")  # its runs (subprocesses) find their lines judged
 def test_the_baseline_cache_off_under_xdist_on_gpus_starts_it_once(
     tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:
@@ -551,6 +558,7 @@ def run_late_sweep_scenario(tmp_path: Path, *options: str) -> subprocess.Complet
     return subprocess.run(argv, cwd=project, capture_output=True, text=True, timeout=600, env=env)
 
 
+@pytest.mark.usefixtures("served_vllm_parser")  # its runs (subprocesses) find their lines judged
 def test_a_reference_is_not_stopped_before_a_later_sweep_of_its_group_needs_it(
     tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:
@@ -566,6 +574,7 @@ def test_a_reference_is_not_stopped_before_a_later_sweep_of_its_group_needs_it(
     assert "topology starts: 3 for 3 distinct" in run.stdout, run.stdout[-3000:]
 
 
+@pytest.mark.usefixtures("served_vllm_parser")  # its runs (subprocesses) find their lines judged
 def test_on_two_gpus_a_later_sweep_gets_the_reference_before_the_topology_stops_it(
     tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:

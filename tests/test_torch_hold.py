@@ -114,3 +114,11 @@ def test_nothing_to_check_against_is_an_error_not_a_pass(
 ) -> None:
     with pytest.raises(CannotRead, match=message):
         torch_hold.check(found.get)
+
+
+def test_the_hold_is_each_installed_member_at_its_own_version() -> None:
+    """What scripts/cpu holds: the distributions' versions (a torch installed from a wheel file
+    has one; `pip freeze` shows it as `torch @ file:///...whl`), the absent ones left out."""
+    found = venv(torch=Installed("2.13.0+cpu", ()), torchvision=torchvision_for("2.13.0"))
+    assert torch_hold.hold_lines(found.get) == ("torch==2.13.0+cpu", "torchvision==0.28.0")
+    assert torch_hold.hold_lines(venv().get) == ()

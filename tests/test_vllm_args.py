@@ -86,7 +86,7 @@ def test_a_refusal_is_one_line_naming_the_instance(tmp_path: Path, monkeypatch) 
         vllm_args, "_run_probe", lambda interpreter, given: ({"1P+1D/decode0": refusal}, 1.0)
     )
     with pytest.raises(BadInput) as info:
-        check_serve_argvs({"1P+1D/decode0": ["serve"]}, PYTHON, "0.32.0", tmp_path)
+        check_serve_argvs({"1P+1D/decode0": ["serve"]}, PYTHON, "0.32.0", tmp_path / "argv-check")
     assert str(info.value) == (
         "1P+1D/decode0: the served vLLM's own parser refuses its command line: "
         "unrecognized arguments: --bogus"

