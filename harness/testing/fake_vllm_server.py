@@ -627,7 +627,8 @@ class Engine:
                     f"You must set `--enable-mm-embeds` to input `{embeds}`", embeds
                 )
         ec_params = self.encode(items) if self.role == "encoder" else None
-        held = self.held_prefix(body, ids, items)
+        key = self.prefix_key(body, ids, items)
+        held = self.held_prefix(key)
         moved, cached = self.load_kv(body, ids, items, len(held) // ROW_BYTES)
         loaded = held + moved
         cached += len(held) // ROW_BYTES
@@ -637,7 +638,7 @@ class Engine:
             source__external_kv_transfer=len(moved) // ROW_BYTES,
             source__local_cache_hit=len(held) // ROW_BYTES,
         )
-        self.keep_prefix(body, ids, items, rows)
+        self.keep_prefix(key, rows, len(ids))
         kv_params = self.save_kv(ids, items, rows, request_id) if self.role == "prefill" else None
         wanted = body.get("max_tokens") or body.get("max_completion_tokens") or 4
         out = generated_ids(rows, int(wanted))
@@ -678,22 +679,19 @@ class Engine:
         salt = str(body.get("cache_salt") or "")
         return json.dumps([salt, ids[:prefix], [item.hash for item in items]])
 
-    def held_prefix(self, body: dict, ids: list[int], items: list[MediaItem]) -> bytes:
+    def held_prefix(self, key: str | None) -> bytes:
         """The rows this instance holds for the prompt from an earlier request (b"": none)."""
-        key = self.prefix_key(body, ids, items)
         with self.lock:
             held = self.prefix_cache.get(key, b"") if key else b""
         if held:
             self.count(cached__device=len(held) // ROW_BYTES)
         return held
 
-    def keep_prefix(self, body: dict, ids: list[int], items: list[MediaItem], rows: bytes):
-        key = self.prefix_key(body, ids, items)
+    def keep_prefix(self, key: str | None, rows: bytes, prompt_tokens: int) -> None:
         if key:
             with self.lock:
-                self.prefix_cache[key] = rows[
-                    : aligned_prefix(len(ids), self.block_size) * ROW_BYTES
-                ]
+                full_blocks = aligned_prefix(prompt_tokens, self.block_size)
+                self.prefix_cache[key] = rows[: full_blocks * ROW_BYTES]
 
     def encode(self, items: list[MediaItem]) -> dict | None:
         """ECExampleConnector's producer: one file per item, one entry per mm_hash. An item
