@@ -36,10 +36,10 @@ def run_nightly(
     from_files: tuple[str, ...] = (),
 ) -> tuple[subprocess.CompletedProcess[str], list[str], Path]:
     """nightly.sh in a copy of the repository layout, with stand-ins for uv, python3 (torch
-    built for `cuda_major`; the hold, `-P .../torch_hold.py --hold`, is the real script run by
-    this test's Python on the image's installed distributions alone: `image_dists`, name:
-    version, those in `from_files` from a wheel file) and the agent that record how they were
-    called; (the run, the calls, the vLLM tree)."""
+    built for `cuda_major`; the hold, `PYTHONSAFEPATH=1 python3 .../torch_hold.py --hold`, is
+    the real script run by this test's Python on the image's installed distributions alone:
+    `image_dists`, name: version, those in `from_files` from a wheel file) and the agent that
+    record how they were called; (the run, the calls, the vLLM tree)."""
     tree = tmp_path / "harness"
     (tree / "ci" / "buildkite").mkdir(parents=True)
     (tree / "ci" / "buildkite" / "nightly.sh").write_text(NIGHTLY.read_text())
@@ -53,7 +53,7 @@ def run_nightly(
         ("buildkite-agent", 'echo "agent $*" >> "$CALLS"'),
         (
             "python3",
-            'case "$*" in "-P "*/torch_hold.py" --hold")\n'
+            'case "$PYTHONSAFEPATH $*" in "1 "*/torch_hold.py" --hold")\n'
             '  PYTHONPATH=$FAKE_SITE exec "$REAL_PYTHON" -S "$@";; esac\n'
             'case "$*" in *torch.version.cuda*) echo "$CUDA_MAJOR"; exit 0;; esac\n'
             'echo "python3 $*" >> "$CALLS"\n'

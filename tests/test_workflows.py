@@ -293,10 +293,11 @@ INSTALL_STEP = "Install vLLM and the harness"
 NIXL_STEP = "NIXL as the served vLLM declares it"
 SOURCE_TREE_STEP = "vLLM's source tree"
 # Stand-ins for python3 (-m venv DIR), the venv's python (pip; the torch CUDA probe; vllm's
-# version; the hold, `-P .../torch_hold.py --hold`, is the real script run by this test's Python
-# on the venv's installed distributions alone, $FAKE_SITE: `stand_in_site`) and uv (records its
-# calls; installing vLLM puts the stand-in vLLM in the venv, installing the harness its real
-# CLI), and git (a checkout copies the sparse directories of $FAKE_TREE). The harness's own
+# version; the hold, `PYTHONSAFEPATH=1 python .../torch_hold.py --hold`, is the real script
+# run by this test's Python on the venv's installed distributions alone, $FAKE_SITE:
+# `stand_in_site`) and uv (records its calls; installing vLLM puts the stand-in vLLM in the
+# venv, installing the harness its real CLI), and git (a checkout copies the sparse
+# directories of $FAKE_TREE). The harness's own
 # `epd-harness upstream-requirement` runs for real.
 FAKE_INSTALL_TOOLS = """#!/bin/bash
 case "$(basename "$0")" in
@@ -306,7 +307,7 @@ case "$(basename "$0")" in
     if [[ " $* " == *" -e "* ]]; then ln -sf "$HARNESS_CLI" "$VENV/bin/epd-harness"
     elif [[ $* == *vllm* ]]; then ln -sf "$FAKE_VLLM" "$VENV/bin/vllm"; fi ;;
   python)
-    if [[ "$*" == "-P "*/torch_hold.py" --hold" ]]; then
+    if [[ "$*" == */torch_hold.py" --hold" && $PYTHONSAFEPATH == 1 ]]; then
       PYTHONPATH=$FAKE_SITE exec "$REAL_PYTHON" -S "$@"
     fi
     if [[ $* == *torch.version.cuda* ]]; then echo "$FAKE_CUDA_MAJOR"; fi

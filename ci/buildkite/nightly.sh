@@ -31,7 +31,8 @@ mkdir -p "runs/$run_name"
 # torch), not by `pip freeze`'s lines: a torch installed from a wheel file or URL freezes as
 # `torch @ file:///...whl`, with no version, and the night would stop here with torch installed.
 held=runs/$run_name/torch-held.txt
-if ! python3 -P harness/cli/torch_hold.py --hold > "$held"; then
+# PYTHONSAFEPATH, not -P: an image's Python 3.10 (the harness's floor) knows no -P.
+if ! PYTHONSAFEPATH=1 python3 harness/cli/torch_hold.py --hold > "$held"; then
     echo "nightly: cannot read the image's torch (harness/cli/torch_hold.py --hold, above): nothing to hold" >&2
     exit 1
 fi
