@@ -16,8 +16,10 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-import packaging
 import pytest
+
+from harness.testing import venvs
+from harness.testing.venvs import dist_info
 
 pytestmark = pytest.mark.process
 
@@ -75,11 +77,7 @@ def stand_in_site(tmp_path: Path, installed: Mapping[str, str] = INSTALLED) -> d
     RECORDING_PYTHON runs `torch_hold.py --hold` with."""
     site = tmp_path / "site"
     shutil.rmtree(site, ignore_errors=True)  # a second run in the same test: made afresh
-    for name, version in installed.items():
-        dist_info(site, name, version)
-    site.mkdir(exist_ok=True)
-    (site / "packaging").symlink_to(Path(packaging.__file__).parent)
-    return {"FAKE_SITE": str(site), "REAL_PYTHON": sys.executable}
+    return venvs.stand_in_site(site, installed)
 
 
 def run_script(tmp_path: Path, *args: str, **env: str) -> list[str]:
@@ -253,14 +251,6 @@ def test_a_torch_that_cannot_be_made_vllm_cpus_is_refused_naming_it(tmp_path: Pa
     assert "rm -rf" in last, result.stderr
     calls = (tmp_path / "calls.txt").read_text()
     assert "--hold" not in calls and " -e " not in calls, calls
-
-
-def dist_info(site: Path, name: str, version: str, *requires: str) -> None:
-    folder = site / f"{name.replace('-', '_')}-{version}.dist-info"
-    folder.mkdir(parents=True)
-    lines = [f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}"]
-    lines += [f"Requires-Dist: {line}" for line in requires]
-    (folder / "METADATA").write_text("\n".join(lines) + "\n")
 
 
 def test_run_by_path_it_reads_installed_metadata_and_prints_what_the_script_reads(

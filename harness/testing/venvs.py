@@ -41,11 +41,7 @@ def stand_in_site(
     """
     site.mkdir(parents=True)
     for name, version in installed.items():
-        folder = site / f"{name}-{version}.dist-info"
-        folder.mkdir()
-        (folder / "METADATA").write_text(
-            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
-        )
+        folder = dist_info(site, name, version)
         if name in from_files:
             quoted = version.replace("+", "%2B")
             wheel = f"file:///wheels/{name}-{quoted}-cp312-cp312-linux_x86_64.whl"
@@ -53,3 +49,14 @@ def stand_in_site(
             (folder / "direct_url.json").write_text(json.dumps(direct_url))
     (site / "packaging").symlink_to(Path(packaging.__file__).parent)
     return {"FAKE_SITE": str(site), "REAL_PYTHON": sys.executable}
+
+
+def dist_info(site: Path, name: str, version: str, *requires: str) -> Path:
+    """An installed distribution as importlib.metadata reads it: its dist-info folder with a
+    METADATA naming it, its version and its Requires-Dist lines."""
+    folder = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    folder.mkdir(parents=True)
+    lines = [f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}"]
+    lines += [f"Requires-Dist: {line}" for line in requires]
+    (folder / "METADATA").write_text("\n".join(lines) + "\n")
+    return folder
