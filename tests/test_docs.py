@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,76 @@ def test_every_module_the_project_tells_python_to_run_exists() -> None:
     }
     assert named, "the scan found no reference at all: it would pass vacuously"
     assert not missing, f"named but missing (module: where): {missing}"
+
+
+# A dotted name in inline code (`harness.outcomes.taps.records_of`, `placement.side_by_side`,
+# `run.pool.TopologyPool`), not a file name (`run.json`, `engine.so`).
+DOTTED = re.compile(r"(?<![\w./-])([a-z_]\w*(?:\.[A-Za-z_]\w*)+)")
+FILE_SUFFIXES = {"py", "json", "jsonl", "md", "txt", "html", "sh", "so", "log", "yaml", "yml"}
+
+
+def top_level_names(module: Path) -> set[str]:
+    """What `module` defines at its top level, and what its `__all__` re-exports."""
+    names: set[str] = set()
+    for node in ast.parse(module.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+                names |= set(ast.literal_eval(node.value))
+    return names
+
+
+def test_every_module_member_the_docs_name_is_defined_there() -> None:
+    """proxies.md sent readers to `harness.serve.tap.records_of` and versions.md to
+    `proxy_protocol.ec_item_entry`: both functions had moved (to `harness.outcomes.taps` and
+    `harness.spec.generations`) and were only imported there. A full `harness.`/`fixtures.` name
+    must be defined in its module; a short one (`placement.side_by_side`, `run.pool.TopologyPool`)
+    must be defined in a module of that name, where the name is one a module of ours defines."""
+    modules: dict[str, Path] = {}  # dotted name -> file
+    for package in ("harness", "fixtures"):
+        for file in (ROOT / package).rglob("*.py"):
+            parts = file.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = file
+    places: dict[str, list[list[str]]] = defaultdict(list)  # a module's name -> its packages
+    for dotted in modules:
+        *package, name = dotted.split(".")
+        places[name].append(package)
+    names = {dotted: top_level_names(file) for dotted, file in modules.items()}
+    defined_somewhere = set().union(*names.values())
+
+    def defined(module: str, rest: list[str]) -> bool:
+        return not rest or rest[0] in names[module]
+
+    wrong, checked = [], 0
+    for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        text = page.read_text(encoding="utf-8")
+        for span in re.finditer(r"`([^`\n]+)`", text):
+            for reference in DOTTED.findall(span[1]):
+                parts = reference.split(".")
+                if parts[-1] in FILE_SUFFIXES:
+                    continue
+                full = parts[0] in ("harness", "fixtures")
+                # A short name is read under `harness.` and under every package holding a
+                # module of its first part's name (`judging` is both run's and testing's).
+                packages = [[]] if full else [["harness"], *places[parts[0]]]
+                readings = [
+                    (module, parts[length:])  # the module, and what the reference names in it
+                    for package in packages
+                    for length in range(len(parts), 0, -1)
+                    if (module := ".".join(package + parts[:length])) in modules
+                ]
+                if not readings:
+                    continue  # not one of our modules (`vllm.general_plugins`)
+                checked += 1
+                if any(defined(module, rest) for module, rest in readings):
+                    continue
+                # A short name whose member no module of ours defines is no reference to our
+                # code (`proxy.attach` is a key of run.json, `proxy` a module too).
+                if full or any(rest[0] in defined_somewhere for _, rest in readings):
+                    line = text.count("\n", 0, span.start()) + 1
+                    wrong.append(f"{page.relative_to(ROOT)}:{line}: {reference}")
+    assert checked > 10, f"only {checked} references checked: the scan broke"
+    assert not wrong, wrong
