@@ -4,8 +4,9 @@ fuzz report (minimal requests first).
 The run directory is a bundle like any run's (run.json, requests.json, summary.json,
 responses.json, verdicts.txt, diff.md, report.html), plus `examples.json` (the seed and every
 drawn example, written before anything is sent), `fuzz.json` and `fuzz.md`. Each failure group
-gets `failures/NN-<signature>/`, again a normal bundle whose first failing case is the minimal
-request: `epd-harness repro` (and anything that takes a run bundle) takes it as it is.
+gets `failures/NN-new-<signature>/` (`NN-known-...` for a declared upstream failure), again a
+normal bundle whose first failing case is the minimal request: `epd-harness repro` (and
+anything that takes a run bundle) takes it as it is.
 """
 
 from __future__ import annotations
