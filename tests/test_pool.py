@@ -621,3 +621,90 @@ def test_the_streamed_harness_proxy_cases_go_through_the_harness_proxy_under_epd
     session_sweep = Sweep(SweepSpec((TOPOLOGIES["1E+1PD"],), prompts=(TEXT,)), settings)
     harness_cases = stream_scenario.streamed_sweep(session_sweep, None)
     assert harness_cases.settings.proxy.kind == "harness", harness_cases.settings.proxy
+
+
+def test_a_variant_with_added_environment_is_stopped_alone_and_answers_no_reference(
+    tmp_path: Path, fake_vllm_start_log: Path
+) -> None:
+    """`release_variants` stops the sessions whose role runs with added environment (the
+    KV-noise plugin in D under NIXL) and only those; and a stopped variant of 1P+1D does not
+    answer a sweep's prompts as 1E+1P+1D's exact reference: its D is not the plain one."""
+    settings = settings_for(tmp_path)
+    pool = TopologyPool(settings)
+    try:
+        sweep = Sweep(SweepSpec((TOPOLOGIES["1E+1P+1D"],), prompts=(TEXT,)), settings, pool=pool)
+        sweep.serve_baseline()
+        variant = pool.session(TOPOLOGIES["1P+1D"], role_env={Role.DECODE: {"EPD_X": "1"}})
+        plain = pool.session(TOPOLOGIES["1E+1PD"])
+        assert variant is not plain
+        pool.release_variants()
+        running = [(k.topology, bool(k.role_env)) for k in pool.running()]
+        assert ("1P+1D", True) not in running and ("1E+1PD", False) in running, running
+        assert "1P+1D" not in sweep.observed, "the variant answered as the plain reference"
+        records = sweep.judge("1E+1P+1D", "text")
+        assert {r.reference for r in records} == {"baseline", "1P+1D"}
+        plain_starts = [s for s in pool.starts if s.key.topology == "1P+1D" and not s.key.role_env]
+        assert [s.reason for s in plain_starts] == ["first use"], pool.summary()
+    finally:
+        pool.close()
+
+
+VARIANT_SCENARIO = '''
+"""A class whose fixture starts 1P+1D with environment added to D (as the detection ladders'
+KV-noise plugin under NIXL), and a class after it on the plain 1P+1D."""
+import pytest
+
+from harness.spec.topology import Role
+
+pytestmark = pytest.mark.e2e
+NOISE = {Role.DECODE: {"EPD_HARNESS_TEST_VARIANT": "1"}}
+
+
+def variants(pool):
+    return [key for key in pool.running() if key.role_env]
+
+
+@pytest.mark.epd_topology("1P+1D")
+class TestWithVariant:
+    def test_first(self, epd_live):
+        assert epd_live("1P+1D", role_env=NOISE).session.role_env
+
+    def test_second_shares_it(self, epd_live, epd_pool):
+        epd_live("1P+1D", role_env=NOISE)
+        assert len(variants(epd_pool)) == 1
+
+
+@pytest.mark.epd_topology("1P+1D")
+class TestPlain:
+    def test_the_variant_stopped_when_its_class_ended(self, epd_live, epd_pool):
+        epd_live("1P+1D")
+        assert variants(epd_pool) == [], epd_pool.summary()
+'''
+
+
+@pytest.mark.usefixtures("served_vllm_parser")  # its runs (subprocesses) find their lines judged
+def test_a_variant_a_class_started_stops_where_the_class_ends(
+    tmp_path: Path, fake_vllm_start_log: Path
+) -> None:
+    """Seen on the NIXL night line (2026-12-04): the detection classes' 1P+1D and 1E+1P+1D
+    with the KV-noise plugin in D ran until their topology's group ended (1P+1D's, kept as
+    1E+1P+1D's reference, until the end), three NIXL topologies spinning on 2 cores. The
+    variant starts once for its class's items and is stopped where the class ends."""
+    fake = install_fake_vllm(tmp_path / "bin")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "conftest.py").write_text((ROOT / "conftest.py").read_text())
+    (project / "pytest.ini").write_text("[pytest]\n")
+    (project / "test_variant.py").write_text(VARIANT_SCENARIO)
+    argv = [
+        sys.executable, "-m", "pytest", "test_variant.py", "-m", "e2e",
+        "-p", "no:cacheprovider", "--epd-vllm", str(fake), "--epd-kv-connector", "example",
+        "--epd-model", str(tiny_model_dir()), "--epd-baseline-cache", str(tmp_path / "cache"),
+        "--epd-run-dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    run = subprocess.run(argv, cwd=project, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0 and " 3 passed" in run.stdout, run.stdout[-3000:]
+    assert "1P+1D decode+env(EPD_HARNESS_TEST_VARIANT): first use" in run.stdout, run.stdout
+    assert run.stdout.count("decode+env(EPD_HARNESS_TEST_VARIANT)") == 1, run.stdout[-3000:]

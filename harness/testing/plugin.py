@@ -730,12 +730,15 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     """At the end of a group, stop its topology, unless a later item of its xdist group needs
     it running (as its own, or as the exact reference of its topology): then it is stopped at
     the end of the first group after which nothing does. Where workers share devices, the
-    baseline too, whichever group started it."""
+    baseline too, whichever group started it. Where a class (or module) ends, the variants
+    its fixtures started with added environment, whatever their group."""
     config = item.config
     pool = config.stash.get(POOL_KEY, None)
     here = epd_group(item)
     if pool is None or here is None or nextitem is None:
         return  # at the very end the pool's fixture stops everything
+    if declaring_scope(nextitem) != declaring_scope(item):
+        pool.release_variants()  # a class's own instances (`TopologyPool.release_variants`)
     after = epd_group(nextitem)
     if after is not None and after.instances == here.instances:
         return
@@ -763,6 +766,13 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         # Its group's end is where it is no longer needed here (found in review).
         if any(key.topology == "baseline" for key in pool.running()):
             pool.release("baseline")
+
+
+def declaring_scope(item: pytest.Item) -> str:
+    """The node id of the class that declares `item`, else of its module: the items that can
+    share a variant of a topology that the class's own fixture starts."""
+    parent = item.getparent(pytest.Class) or item.getparent(pytest.Module)
+    return parent.nodeid if parent is not None else item.nodeid
 
 
 def session_request(
