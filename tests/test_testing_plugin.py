@@ -271,10 +271,13 @@ def teardown_items(pool: object, platform: str):
         stash={plugin.POOL_KEY: pool}, getoption=lambda name, default=None: options.get(name)
     )
     e2e = pytest.mark.e2e.mark
+    # Every stand-in declared in one module, no class: none ends a class's variants.
+    module = SimpleNamespace(nodeid="scenarios/test_stand_in.py")
+    parents = {pytest.Module: module, pytest.Class: None}
 
     def item(topology: str) -> SimpleNamespace:
         marks = {"e2e": e2e, "epd_topology": pytest.mark.epd_topology(topology).mark}
-        return SimpleNamespace(config=config, get_closest_marker=marks.get)
+        return SimpleNamespace(config=config, get_closest_marker=marks.get, getparent=parents.get)
 
     return item
 
