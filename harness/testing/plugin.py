@@ -7,10 +7,12 @@ topology in the plan's order (exact references before the topologies judged agai
 variants (another KV connector). Items reaching a topology through another proxy (vLLM's own)
 share its instances and run right after its group. When a group ends its topology is stopped
 (memory, and NIXL's spinning progress threads), after every sweep that will need its answers as
-an exact reference has had them (`TopologyPool.before_stop`). Items that end their session (an expected
-instance death, a rerun on kept storage, a kill) run last in their group. Under xdist, one
-worker takes a group and the groups its cases reference (`xdist_group`), so no two workers
-start the same topology; on a CPU host one worker takes every e2e item (`shares_one_host`).
+an exact reference has had them (`TopologyPool.before_stop`); where a class ends, the variants its
+fixtures started with environment added to a role (`TopologyPool.release_variants`). Items that
+end their session (an expected instance death, a rerun on kept storage, a kill) run last in their
+group. Under xdist, one worker takes a group and the groups its cases reference (`xdist_group`),
+so no two workers start the same topology; on a CPU host one worker takes every e2e item
+(`shares_one_host`).
 
 The harness's own tests get their helpers here too: `epd_cli` (the CLI in-process),
 `fake_vllm` (the fake `vllm` executable) and `port_locks` (port leases of one test); the
