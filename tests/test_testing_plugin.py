@@ -272,7 +272,7 @@ def teardown_items(pool: object, platform: str):
     )
     e2e = pytest.mark.e2e.mark
     # Every stand-in declared in one module, no class: none ends a class's variants.
-    module = SimpleNamespace(nodeid="scenarios/test_stand_in.py")
+    module = SimpleNamespace(nodeid="the stand-ins module")
     parents = {pytest.Module: module, pytest.Class: None}
 
     def item(topology: str) -> SimpleNamespace:
