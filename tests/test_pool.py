@@ -539,16 +539,22 @@ def test_through_another_proxy(other_proxy_sweep):
 
 
 def run_late_sweep_scenario(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
-    """LATE_SWEEP_SCENARIO as a project of its own (this repository's conftest.py) in one
-    pytest process on the fake vLLM, with these options."""
+    return run_scenario_project(tmp_path, LATE_SWEEP_SCENARIO, *options)
+
+
+def run_scenario_project(
+    tmp_path: Path, scenario: str, *options: str
+) -> subprocess.CompletedProcess:
+    """`scenario` as a project of its own (this repository's conftest.py) in one pytest
+    process on the fake vLLM, with these options."""
     fake = install_fake_vllm(tmp_path / "bin")
     project = tmp_path / "project"
     project.mkdir()
     (project / "conftest.py").write_text((ROOT / "conftest.py").read_text())
     (project / "pytest.ini").write_text("[pytest]\n")
-    (project / "test_late_sweep.py").write_text(LATE_SWEEP_SCENARIO)
+    (project / "test_scenario.py").write_text(scenario)
     argv = [
-        sys.executable, "-m", "pytest", "test_late_sweep.py", "-m", "e2e",
+        sys.executable, "-m", "pytest", "test_scenario.py", "-m", "e2e",
         "-p", "no:cacheprovider", "--epd-vllm", str(fake), *options,
         "--epd-model", str(tiny_model_dir()), "--epd-baseline-cache", str(tmp_path / "cache"),
         "--epd-run-dir", str(tmp_path / "run"),
@@ -690,21 +696,7 @@ def test_a_variant_a_class_started_stops_where_the_class_ends(
     with the KV-noise plugin in D ran until their topology's group ended (1P+1D's, kept as
     1E+1P+1D's reference, until the end), three NIXL topologies spinning on 2 cores. The
     variant starts once for its class's items and is stopped where the class ends."""
-    fake = install_fake_vllm(tmp_path / "bin")
-    project = tmp_path / "project"
-    project.mkdir()
-    (project / "conftest.py").write_text((ROOT / "conftest.py").read_text())
-    (project / "pytest.ini").write_text("[pytest]\n")
-    (project / "test_variant.py").write_text(VARIANT_SCENARIO)
-    argv = [
-        sys.executable, "-m", "pytest", "test_variant.py", "-m", "e2e",
-        "-p", "no:cacheprovider", "--epd-vllm", str(fake), "--epd-kv-connector", "example",
-        "--epd-model", str(tiny_model_dir()), "--epd-baseline-cache", str(tmp_path / "cache"),
-        "--epd-run-dir", str(tmp_path / "run"),
-    ]  # fmt: skip
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path}
-    run = subprocess.run(argv, cwd=project, capture_output=True, text=True, timeout=600, env=env)
+    run = run_scenario_project(tmp_path, VARIANT_SCENARIO, "--epd-kv-connector", "example")
     assert run.returncode == 0 and " 3 passed" in run.stdout, run.stdout[-3000:]
     assert "1P+1D decode+env(EPD_HARNESS_TEST_VARIANT): first use" in run.stdout, run.stdout
     assert run.stdout.count("decode+env(EPD_HARNESS_TEST_VARIANT)") == 1, run.stdout[-3000:]
