@@ -538,10 +538,6 @@ def test_through_another_proxy(other_proxy_sweep):
 '''
 
 
-def run_late_sweep_scenario(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
-    return run_scenario_project(tmp_path, LATE_SWEEP_SCENARIO, *options)
-
-
 def run_scenario_project(
     tmp_path: Path, scenario: str, *options: str
 ) -> subprocess.CompletedProcess:
@@ -575,7 +571,7 @@ def test_a_reference_is_not_stopped_before_a_later_sweep_of_its_group_needs_it(
     1E+1PD items are another group, on another worker), so 1P+1D starts a second time there
     ("restart: stopped earlier"). Also on CPU with `--epd-topology 1P+1D,1E+1P+1D`. Here the
     same order in one process: baseline, 1P+1D, 1E+1P+1D, 1E+1P+1D through another proxy."""
-    run = run_late_sweep_scenario(tmp_path, "--epd-kv-connector", "example")
+    run = run_scenario_project(tmp_path, LATE_SWEEP_SCENARIO, "--epd-kv-connector", "example")
     assert run.returncode == 0 and " 3 passed" in run.stdout, run.stdout[-3000:]
     assert "topology starts: 3 for 3 distinct" in run.stdout, run.stdout[-3000:]
 
@@ -589,8 +585,14 @@ def test_on_two_gpus_a_later_sweep_gets_the_reference_before_the_topology_stops_
     sweep through another proxy existed, so that sweep started 1P+1D again for its reference,
     and then 1E+1P+1D again (seen with the fake vLLM on the nightly's selection: vLLM's proxy
     module). A module's later sweeps (EPD_LATER_SWEEPS) are now made as 1P+1D stops."""
-    run = run_late_sweep_scenario(
-        tmp_path, "--epd-platform", "cuda", "--epd-devices", "0,1", "--epd-colocate"
+    run = run_scenario_project(
+        tmp_path,
+        LATE_SWEEP_SCENARIO,
+        "--epd-platform",
+        "cuda",
+        "--epd-devices",
+        "0,1",
+        "--epd-colocate",
     )
     assert run.returncode == 0 and " 3 passed" in run.stdout, run.stdout[-3000:]
     assert "topology starts: 3 for 3 distinct" in run.stdout, run.stdout[-3000:]

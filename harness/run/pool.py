@@ -394,9 +394,7 @@ class TopologyPool:
             if (topology is None or k.topology == topology)
             and (launcher is None or k.launcher == launcher)
         ]
-        with contextlib.ExitStack() as stops:  # run last registered first: register reversed
-            for key in reversed(keys):
-                stops.callback(self._stop, key)
+        self._stop_each(keys)
 
     def release_variants(self) -> None:
         """Stop every session whose instances run with environment added to a role (a
@@ -405,8 +403,13 @@ class TopologyPool:
         until its topology's group ended, each spun NIXL's progress threads beside the next
         variant and the plain topology (three NIXL topologies on 2 cores, D's reads of 0.2 MB
         taking minutes: the NIXL night line, 2026-12-04)."""
-        with contextlib.ExitStack() as stops:
-            for key in [k for k in self._live if k.role_env]:
+        self._stop_each([k for k in self._live if k.role_env])
+
+    def _stop_each(self, keys: Sequence[SessionKey]) -> None:
+        """Stop every one of `keys`, in order, even when one fails to (the first failure is
+        raised at the end)."""
+        with contextlib.ExitStack() as stops:  # run last registered first: register reversed
+            for key in reversed(keys):
                 stops.callback(self._stop, key)
 
     def close(self) -> None:
