@@ -129,6 +129,11 @@ def test_what_cannot_be_expanded_is_marked_never_guessed() -> None:
     [
         ("serve 'open", "line 1: unterminated single quote"),
         ('serve "open', "line 1: unterminated double quote"),
+        ("serve `open", "line 1: unterminated backquote"),
+        # Inside double quotes too, named where it opens (it once rewound to the script's
+        # start and failed, or not, by what lay before it).
+        ('serve \\\n  "a\n`open" x', "line 3: unterminated backquote"),
+        ('x "`a\nb`"\nserve "open', "line 3: unterminated double quote"),  # lines counted
         ("f() echo", "line 1: function f has no { body"),
     ],
 )

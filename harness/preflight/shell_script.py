@@ -216,8 +216,11 @@ def _double_quoted(text: str, i: int, line: int, parts: list[Part]) -> tuple[int
             continue
         if c == "`":
             end = text.find("`", i + 1)
+            if end < 0:
+                raise ScriptError(f"line {line}: unterminated backquote")
             flush()
             parts.append(Part("expand", "(" + text[i + 1 : end] + ")", True))
+            line += text.count("\n", i, end)
             i = end + 1
             continue
         if c == "\n":
