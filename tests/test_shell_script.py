@@ -134,6 +134,8 @@ def test_what_cannot_be_expanded_is_marked_never_guessed() -> None:
         # start and failed, or not, by what lay before it).
         ('serve \\\n  "a\n`open" x', "line 3: unterminated backquote"),
         ('x "`a\nb`"\nserve "open', "line 3: unterminated double quote"),  # lines counted
+        ('X=$(a\nb)\nserve "open', "line 3: unterminated double quote"),
+        ('X="${A:-a\nb}"\nserve "open', "line 3: unterminated double quote"),
         ("f() echo", "line 1: function f has no { body"),
     ],
 )

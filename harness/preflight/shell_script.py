@@ -161,7 +161,9 @@ def tokenize(text: str) -> list[Token]:
             i += 2
             continue
         if c == "$":
-            expansion, i = _dollar(text, i, line)
+            expansion, end = _dollar(text, i, line)
+            line += text.count("\n", i, end)
+            i = end
             if expansion is None:
                 literal.append("$")
             else:
@@ -207,7 +209,9 @@ def _double_quoted(text: str, i: int, line: int, parts: list[Part]) -> tuple[int
             i += 2
             continue
         if c == "$":
-            expansion, i = _dollar(text, i, line)
+            expansion, end = _dollar(text, i, line)
+            line += text.count("\n", i, end)
+            i = end
             if expansion is None:
                 literal.append("$")
             else:
