@@ -127,3 +127,18 @@ def test_every_encoder_used_is_read_at_the_encoders_taps() -> None:
     second = encoder(2, {"h": ENTRY})
     second.instance = "t/encoder1"
     assert check_every_encoder_used(session, [first, Outcome("image", taps=[second])]).ok
+
+
+def test_a_request_with_media_but_no_evidence_fails_the_ec_guards(tmp_path: Path) -> None:
+    """Neither taps nor a proxy trace (a session built without either): the EC guards cannot
+    be held, so they fail, naming why, rather than leaving a MATCH unguarded."""
+    from harness.judge.guards import transfer_guards
+    from harness.outcomes.outcome import Outcome, ServedTopology
+
+    served = ServedTopology(get_topology("1E+1PD"), tmp_path, 32, "ExampleConnector")
+    bare = Outcome("image", result=cached_answer(89, 64), media_count=1)
+    guards = {g.name: g for g in transfer_guards(served, bare)}
+    assert set(guards) == {"encoder_output", "consumer_embeds"}
+    assert all(g.failed and "no tap records" in g.evidence for g in guards.values())
+    text_only = Outcome("text", result=cached_answer(89, 64), media_count=0)
+    assert transfer_guards(served, text_only) == []

@@ -53,6 +53,7 @@ from harness.spec.generations import ec_item_entry
 from harness.spec.topology import Role, Topology
 
 CONSUMER_ROLES = (Role.PREFILL_DECODE.value, Role.PREFILL.value, Role.DECODE.value)
+EC_GUARDS = ("encoder_output", "consumer_embeds")
 
 
 @dataclass(frozen=True)
@@ -439,15 +440,22 @@ def transfer_guards(served: ServedTopology, outcome: Outcome) -> list[GuardResul
             kv_rule,
             outcome.kv_counters,
         )
-    return check_transfers(
+    evidence = outcome_evidence(outcome)
+    guards = check_transfers(
         served.topology,
-        outcome_evidence(outcome),
+        evidence,
         outcome.result,
         served.ec_storage,
         served.block_size,
         kv_rule,
         outcome.kv_counters,
     )
+    if evidence is None and served.topology.has_ec_transfer and outcome.media_count:
+        # Without evidence the EC guards would simply be missing, and a MATCH would stand
+        # unguarded: a pass must show the encoder's work, never merely not contradict it.
+        why = "no tap records or proxy trace for this request: nothing shows what moved"
+        guards[:0] = [GuardResult(name, False, why) for name in EC_GUARDS]
+    return guards
 
 
 def outcome_evidence(outcome: Outcome) -> TransferEvidence | None:
