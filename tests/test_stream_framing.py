@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import re
 
+import httpx
 import pytest
 from sse_stream import PROMPT_IDS, TOKENS, encode, timed, vllm_chunks
 
@@ -21,6 +22,7 @@ from harness.outcomes.stream import (
     split_events,
 )
 from harness.report.proxy_diff import STREAMS_ALIKE, diff_runs, format_diff
+from harness.serve.client import ChatClient
 from harness.serve.proxy import FirstTokenChunkTwice, carries_tokens
 from harness.spec.prompts import streaming_request
 from harness.testing.judging import judged
@@ -105,6 +107,48 @@ def test_events_split_across_reads_and_crlf() -> None:
     assert first == [b"data: a", b"data: b"] and rest == b"data: c"
     assert event_data(b": a comment\ndata: x\ndata: y") == "x\ny"
     assert event_data(b": only a comment") is None
+
+
+def read_by_client(stream: bytes, headers: dict[str, str] | None = None):
+    """The chat client's read of `stream` served in 5-byte pieces, over an in-memory
+    transport: what a stream from a socket goes through, without one."""
+
+    def answer(_request: httpx.Request) -> httpx.Response:
+        pieces = [stream[i : i + 5] for i in range(0, len(stream), 5)]
+        return httpx.Response(
+            200, headers={"content-type": EVENT_STREAM, **(headers or {})}, stream=_Pieces(pieces)
+        )
+
+    client = ChatClient("http://fake")
+    client._http = httpx.Client(transport=httpx.MockTransport(answer))
+    try:
+        return client.send(streaming_request({"model": "m", "messages": []}))
+    finally:
+        client.close()
+
+
+class _Pieces(httpx.SyncByteStream):
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+    def __iter__(self):
+        yield from self.pieces
+
+
+def test_a_last_event_without_its_blank_line_is_a_problem() -> None:
+    """Found in review: the bytes left at the end were read as one more event, so a stream
+    whose `[DONE]` lacked its blank line held its framing; an SSE client (the openai one
+    among them) drops such an event, never seeing that `[DONE]`."""
+    stream = b"".join(encode(vllm_chunks()))
+    assert read_by_client(stream).stream.ok
+    for cut in (stream[:-2], stream[:-1], stream.replace(b"\n", b"\r\n")[:-2]):
+        reply = read_by_client(cut)
+        assert reply.result.token_ids == tuple(TOKENS)
+        assert reply.stream.problems == [
+            "event 6 ends the stream without the blank line that ends an event "
+            "(an SSE client drops it)"
+        ]
+    assert read_by_client(stream + b": bye").stream.ok  # a comment left open carries nothing
 
 
 def test_the_planted_fault_relays_the_first_token_chunk_twice_and_nothing_else() -> None:

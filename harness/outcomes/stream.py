@@ -113,20 +113,31 @@ class _Reading:
 
 
 def parse_stream(
-    events: list[tuple[float, bytes]], content_type: str, complete: bool
+    events: list[tuple[float, bytes]],
+    content_type: str,
+    complete: bool,
+    unterminated: bool = False,
 ) -> tuple[ChatResult, StreamRecord]:
     """Read a stream's events ((seconds since the request was sent, event bytes), in arrival
     order) into the answer and its framing record. `complete`: the transport ended cleanly
-    (else the stream broke off). Raises StreamFailed when the stream carries no answer."""
+    (else the stream broke off). `unterminated`: the last of `events` is what the stream left
+    after its last blank line; it is read, but a complete stream's is a problem, since an SSE
+    client (the openai one among them) drops it. Raises StreamFailed when the stream carries no
+    answer."""
     record = StreamRecord(content_type=content_type)
     if EVENT_STREAM not in content_type:
         record.problems.append(f"served as {content_type or 'no content-type'}, not {EVENT_STREAM}")
     reading = _Reading()
-    for seconds, raw in events:
+    for index, (seconds, raw) in enumerate(events):
         data = event_data(raw)
         if data is None:
             continue  # an SSE comment: allowed, carries nothing
         record.events += 1
+        if unterminated and complete and index == len(events) - 1:
+            record.problems.append(
+                f"event {record.events} ends the stream without the blank line that ends an "
+                "event (an SSE client drops it)"
+            )
         record.first_event_s = seconds if record.first_event_s is None else record.first_event_s
         record.last_event_s = seconds
         if reading.after_done or data.strip() == DONE:

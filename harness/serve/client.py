@@ -107,10 +107,11 @@ class ChatClient:
             except httpx.HTTPError as exc:
                 complete = False
                 broke = f"{type(exc).__name__}: {exc}"
-            if buffer.strip():  # an event the stream never terminated
+            unterminated = bool(buffer.strip())
+            if unterminated:
                 events.append((time.monotonic() - started, buffer))
         try:
-            result, record = parse_stream(events, content_type, complete)
+            result, record = parse_stream(events, content_type, complete, unterminated)
         except StreamFailed as exc:
             if not complete:
                 raise StreamFailed(f"{exc} ({broke})", exc.record) from None
