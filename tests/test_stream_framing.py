@@ -5,6 +5,7 @@ of two proxies' streams."""
 from __future__ import annotations
 
 import copy
+import gzip
 import re
 
 import httpx
@@ -149,6 +150,15 @@ def test_a_last_event_without_its_blank_line_is_a_problem() -> None:
             "(an SSE client drops it)"
         ]
     assert read_by_client(stream + b": bye").stream.ok  # a comment left open carries nothing
+
+
+def test_a_compressed_stream_is_read_as_a_client_reads_it() -> None:
+    """Found in review: the client read the raw bytes, so a stream a proxy served gzipped
+    (`content-encoding: gzip`, which httpx asks for) was read as no events at all, an ERROR
+    blaming return_token_ids; every HTTP client decodes it first."""
+    stream = b"".join(encode(vllm_chunks()))
+    reply = read_by_client(gzip.compress(stream), {"content-encoding": "gzip"})
+    assert reply.result.token_ids == tuple(TOKENS) and reply.stream.ok, reply.stream.problems
 
 
 def test_the_planted_fault_relays_the_first_token_chunk_twice_and_nothing_else() -> None:

@@ -99,7 +99,7 @@ class ChatClient:
             buffer = b""
             complete = True
             try:
-                for data in response.iter_raw():
+                for data in response.iter_bytes():
                     buffer += data
                     done, buffer = split_events(buffer)
                     now = time.monotonic() - started
