@@ -6,7 +6,13 @@ import math
 
 import pytest
 
-from harness.judge.compare import Verdict, compare_results, noise_floor, token_verdict
+from harness.judge.compare import (
+    Verdict,
+    compare_results,
+    noise_floor,
+    prefix_noise_floor,
+    token_verdict,
+)
 from harness.judge.records import EXACT, LOGPROB_CLOSE, Policy
 from harness.outcomes.chat import ChatResult, PositionLogprobs
 from harness.testing.builders import chat
@@ -263,6 +269,18 @@ def test_noise_floor_is_the_largest_logprob_difference_of_equal_answers():
     )
     assert noise_floor(a, same_tokens) == pytest.approx(0.125)
     assert noise_floor(a, b) is None, "different tokens: no floor can be read"
+
+
+@pytest.mark.parametrize("other", [-math.inf, math.nan])
+def test_a_non_finite_log_prob_reads_no_noise_floor(other):
+    """A log-prob of -inf against a finite one is no measure of noise: read as a floor of inf
+    it became every comparison's tolerance, and any divergence whose tokens sat in each other's
+    top-k passed as DRIFT, however decisive (found in review: gaps of 20 nats were DRIFT). A
+    NaN, dropped by `max`, read as a floor measured over a position nothing was measured at."""
+    finite = chat((5, 6), top=lambda i, t: [(t, -0.5)])
+    odd = chat((5, 6), top=lambda i, t: [(t, other if i == 1 else -0.5)])
+    assert noise_floor(finite, odd) is None
+    assert prefix_noise_floor(odd, finite) is None
 
 
 def test_describe_names_index_both_tokens_and_tops():

@@ -314,7 +314,7 @@ def token_verdict(cmp: TokenComparison) -> Verdict:
 def noise_floor(first: ChatResult, second: ChatResult) -> float | None:
     """The largest |Δ log p| between two answers to the same request with the same tokens: the
     numeric noise of the platform, which the drift rule may excuse. None if the tokens differ
-    or logprobs are missing (no floor can be read then)."""
+    or logprobs are missing or not finite (no floor can be read then)."""
     if first.token_ids != second.token_ids or len(first.logprobs) != len(second.logprobs):
         return None
     return prefix_noise_floor(first, second)
@@ -324,7 +324,8 @@ def prefix_noise_floor(first: ChatResult, second: ChatResult) -> float | None:
     """The largest |Δ log p| over the positions before the two answers' ids part (the chosen
     token's and every top-k entry both sides list): the noise floor read from two answers that
     may differ, e.g. one request alone and the same request batched with another. None
-    without logprobs there."""
+    without logprobs there, or with one that is not finite: an infinite floor would excuse any
+    divergence as drift, and `max` would drop a NaN as if its position had agreed."""
     index = _first_difference(first.token_ids, second.token_ids)
     agreed = len(first.token_ids) if index is None else index
     if len(first.logprobs) < agreed or len(second.logprobs) < agreed:
@@ -334,6 +335,8 @@ def prefix_noise_floor(first: ChatResult, second: ChatResult) -> float | None:
         deltas.append(abs(a.logprob - b.logprob))
         other = dict(b.top)
         deltas += [abs(lp - other[tid]) for tid, lp in a.top if tid in other]
+    if not all(math.isfinite(delta) for delta in deltas):
+        return None
     return max(deltas)
 
 
