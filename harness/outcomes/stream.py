@@ -128,16 +128,11 @@ def parse_stream(
     if EVENT_STREAM not in content_type:
         record.problems.append(f"served as {content_type or 'no content-type'}, not {EVENT_STREAM}")
     reading = _Reading()
-    for index, (seconds, raw) in enumerate(events):
+    for seconds, raw in events:
         data = event_data(raw)
         if data is None:
             continue  # an SSE comment: allowed, carries nothing
         record.events += 1
-        if unterminated and complete and index == len(events) - 1:
-            record.problems.append(
-                f"event {record.events} ends the stream without the blank line that ends an "
-                "event (an SSE client drops it)"
-            )
         record.first_event_s = seconds if record.first_event_s is None else record.first_event_s
         record.last_event_s = seconds
         if reading.after_done or data.strip() == DONE:
@@ -156,6 +151,11 @@ def parse_stream(
         record.chunks += 1
         _read_chunk(chunk, record, reading, seconds)
     record.done_last = reading.after_done == 1
+    if unterminated and complete and event_data(events[-1][1]) is not None:
+        record.problems.append(
+            f"event {record.events} ends the stream without the blank line that ends an "
+            "event (an SSE client drops it)"
+        )
     _check_framing(record, reading, complete)
     if not complete:
         raise StreamFailed(

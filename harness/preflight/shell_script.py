@@ -171,9 +171,7 @@ def tokenize(text: str) -> list[Token]:
                 parts.append(Part("expand", expansion, False))
             continue
         if c == "`":
-            end = text.find("`", i + 1)
-            if end < 0:
-                raise ScriptError(f"line {line}: unterminated backquote")
+            end = _backquote_end(text, i, line)
             flush_literal()
             parts.append(Part("expand", "(" + text[i + 1 : end] + ")", False))
             line += text.count("\n", i, end)
@@ -219,9 +217,7 @@ def _double_quoted(text: str, i: int, line: int, parts: list[Part]) -> tuple[int
                 parts.append(Part("expand", expansion, True))
             continue
         if c == "`":
-            end = text.find("`", i + 1)
-            if end < 0:
-                raise ScriptError(f"line {line}: unterminated backquote")
+            end = _backquote_end(text, i, line)
             flush()
             parts.append(Part("expand", "(" + text[i + 1 : end] + ")", True))
             line += text.count("\n", i, end)
@@ -232,6 +228,14 @@ def _double_quoted(text: str, i: int, line: int, parts: list[Part]) -> tuple[int
         literal.append(c)
         i += 1
     raise ScriptError(f"line {start_line}: unterminated double quote")
+
+
+def _backquote_end(text: str, i: int, line: int) -> int:
+    """The index of the backquote that closes the one at text[i]."""
+    end = text.find("`", i + 1)
+    if end < 0:
+        raise ScriptError(f"line {line}: unterminated backquote")
+    return end
 
 
 def _dollar(text: str, i: int, line: int) -> tuple[str | None, int]:
