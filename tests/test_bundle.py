@@ -15,6 +15,7 @@ from harness import devices
 from harness.devices import DevicesUsed, cpu_description
 from harness.judge.compare import Verdict
 from harness.judge.guards import GuardResult
+from harness.judge.policy import PD_DRIFT
 from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
 from harness.report import bundle as bundle_module
@@ -89,6 +90,46 @@ def sample_run() -> tuple[list[CaseRecord], dict]:
         "1E+1P+1D": {name: o.to_json() for name, o in candidate.items()},
     }
     return records, responses
+
+
+def near_tie_case(candidate_prompt_ids: tuple[int, ...]) -> tuple[CaseRecord, dict]:
+    """1P+1D against the baseline under pd-drift with a 0.05-nat floor: both sides 0.01 nats
+    between their own token and the other's at DIVERGENCE, the prefix log-probs equal."""
+
+    def near_tie(tokens: list[int], other: int, prompt_ids: tuple[int, ...]) -> Outcome:
+        def top(i: int, t: int) -> list[tuple[int, float]]:
+            return [(t, -0.5), (other, -0.51)] if i == DIVERGENCE else [(t, -0.5)]
+
+        return Outcome("image", chat(tokens, prompt_ids=prompt_ids, top=top))
+
+    reference = near_tie(REFERENCE_IDS, 555, (1, 2, 3, 4))
+    candidate = near_tie(CANDIDATE_IDS, REFERENCE_IDS[DIVERGENCE], candidate_prompt_ids)
+    record = judged(
+        "1P+1D", "baseline", reference, candidate, reference_policy=PD_DRIFT, tolerance=0.05
+    )
+    responses = {
+        "baseline": {"image": reference.to_json()},
+        "1P+1D": {"image": candidate.to_json()},
+    }
+    return record, responses
+
+
+def test_every_report_says_drift_does_not_apply_when_the_prompt_ids_differ():
+    """A MISMATCH for other prompt ids read "drift: yes" in the failure block, diff.md and
+    report.html when the generated ids parted at a near-tie within the floor (found in
+    review); each now says why drift does not apply. The same answers to equal prompt ids
+    are the DRIFT they look like, so the case is one the drift rule would excuse."""
+    same_prompt, _ = near_tie_case((1, 2, 3, 4))
+    assert same_prompt.verdict is Verdict.DRIFT and "drift: yes" in format_failure(same_prompt)
+    record, responses = near_tie_case((1, 2, 3, 5))
+    assert record.verdict is Verdict.MISMATCH and record.divergence["drift"] is False
+    for name, text in (
+        ("failure block", format_failure(record)),
+        ("diff.md", render_diff_md([record])),
+        ("report.html", render_report_html([record], responses, {})),
+    ):
+        assert "drift: no (not applicable: the prompt ids differ" in text, name
+        assert "drift: yes" not in text, name
 
 
 @pytest.fixture

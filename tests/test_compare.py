@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -149,6 +150,30 @@ def test_a_near_tie_after_an_agreeing_prefix_within_the_tolerance_is_drift():
     assert d.near_tie and d.is_drift
     assert token_verdict(cmp) is Verdict.DRIFT
     assert "drift: yes" in cmp.describe()
+
+
+def test_a_near_tie_between_answers_to_other_prompt_ids_is_no_drift_and_says_why():
+    """Drift is noise between two answers to one prompt; answers to other prompt ids are
+    answers to another question, so a near-tie where they part excuses nothing. The verdict
+    was MISMATCH already, but the evidence read "drift: yes" beside it (found in review)."""
+    reference, candidate = near_tie(gap=0.02, prefix_lp=-0.51)
+    other_prompt = dataclasses.replace(candidate, prompt_token_ids=PROMPT[:-1] + (9,))
+    cmp = compare_results(reference, other_prompt, tolerance=0.05)
+    d = cmp.divergence
+    assert d.near_tie is True and d.prefix_delta <= d.tolerance
+    assert not d.is_drift and d.to_json()["drift"] is False
+    assert token_verdict(cmp) is Verdict.MISMATCH
+    text = cmp.describe()
+    assert "drift: no (not applicable: the prompt ids differ" in text
+    assert "drift: yes" not in text
+
+
+def test_a_side_that_ended_says_why_drift_does_not_apply():
+    cmp = compare_results(result(SEQ), result(SEQ[:5]), tolerance=10.0)
+    assert cmp.divergence.drift_not_applicable == (
+        "one side ended: a length difference is no near-tie"
+    )
+    assert "drift: no (one side ended" in cmp.describe()
 
 
 def test_a_zero_noise_floor_leaves_no_room_for_drift():

@@ -419,36 +419,41 @@ def test_check_judges_match_mismatch_and_prompt_difference(tmp_path: Path, monke
     assert (verdict, code) == ("MISMATCH", 1) and "prompt token ids differ at position 2" in detail
 
 
+# EXPECTED with a near tie at position 1, a 0.05-nat floor and a policy that passes DRIFT.
+NEAR_TIE_EXPECTED = {
+    **EXPECTED,
+    "top_logprobs": [[[7, -0.5]], [[8, -0.69], [5, -0.70]], [[9, -0.5]], [[10, -0.5]]],
+    "token_logprobs": [-0.5, -0.69, -0.5, -0.5],
+    "noise_floor_nats": 0.05,
+    "policy": "pd-drift",
+    "drift_passes": True,
+}
+
+
+def flipped(first_logprob: float = -0.5, prompt: tuple[int, ...] = (1, 2, 3)) -> check.Answer:
+    """NEAR_TIE_EXPECTED's answer with the tie at position 1 resolved the other way."""
+    tops = [[(7, first_logprob)], [(5, -0.692), (8, -0.698)], [(9, -0.5)], [(10, -0.5)]]
+    content = [
+        {
+            "token": f"token_id:{top[0][0]}",
+            "logprob": top[0][1],
+            "top_logprobs": [{"token": f"token_id:{t}", "logprob": lp} for t, lp in top],
+        }
+        for top in tops
+    ]
+    body = {
+        "prompt_token_ids": list(prompt),
+        "choices": [{"token_ids": [7, 5, 9, 10], "logprobs": {"content": content}}],
+    }
+    return answer(200, body)
+
+
 def test_check_judges_drift_as_the_harness_does(tmp_path: Path, monkeypatch) -> None:
     """A near tie at position 1 flipped within the run's 0.05-nat floor after an agreeing
     prefix is DRIFT (passing or not by the case's policy); without a floor, or after a prefix
     whose log-probs moved more than it, the same ids are a MISMATCH."""
     monkeypatch.setattr(check, "dead_instances", lambda *args: [])
-    expected = {
-        **EXPECTED,
-        "top_logprobs": [[[7, -0.5]], [[8, -0.69], [5, -0.70]], [[9, -0.5]], [[10, -0.5]]],
-        "token_logprobs": [-0.5, -0.69, -0.5, -0.5],
-        "noise_floor_nats": 0.05,
-        "policy": "pd-drift",
-        "drift_passes": True,
-    }
-
-    def flipped(first_logprob: float = -0.5) -> check.Answer:
-        tops = [[(7, first_logprob)], [(5, -0.692), (8, -0.698)], [(9, -0.5)], [(10, -0.5)]]
-        content = [
-            {
-                "token": f"token_id:{top[0][0]}",
-                "logprob": top[0][1],
-                "top_logprobs": [{"token": f"token_id:{t}", "logprob": lp} for t, lp in top],
-            }
-            for top in tops
-        ]
-        body = {
-            "prompt_token_ids": [1, 2, 3],
-            "choices": [{"token_ids": [7, 5, 9, 10], "logprobs": {"content": content}}],
-        }
-        return answer(200, body)
-
+    expected = NEAR_TIE_EXPECTED
     verdict, code, detail = judge(expected, flipped(), [], tmp_path)
     assert (verdict, code) == ("DRIFT", 0), detail
     assert "pd-drift policy passes it" in detail and "noise floor 0.05 nats" in detail
@@ -457,6 +462,19 @@ def test_check_judges_drift_as_the_harness_does(tmp_path: Path, monkeypatch) -> 
     no_floor = {**expected, "noise_floor_nats": 0.0}
     assert judge(no_floor, flipped(), [], tmp_path)[:2] == ("MISMATCH", 1)
     assert judge(expected, flipped(-0.6), [], tmp_path)[:2] == ("MISMATCH", 1)
+
+
+def test_check_never_calls_a_difference_after_other_prompt_ids_drift(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """As the harness's reports (harness.judge.compare.Divergence.drift_not_applicable): the
+    near tie that is DRIFT after equal prompt ids is a MISMATCH after other ones, and the
+    evidence says the prompts differ, with no drift line claiming otherwise."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    assert judge(NEAR_TIE_EXPECTED, flipped(), [], tmp_path)[0] == "DRIFT"
+    verdict, code, detail = judge(NEAR_TIE_EXPECTED, flipped(prompt=(1, 2, 4)), [], tmp_path)
+    assert (verdict, code) == ("MISMATCH", 1)
+    assert "prompt token ids differ at position 2" in detail and "drift: yes" not in detail
 
 
 def events(*chunks: object, done: bool = True) -> str:

@@ -9,7 +9,12 @@ import pytest
 
 from harness.judge.compare import Verdict, compare_results
 from harness.outcomes.chat import ChatResult
-from harness.report.text import format_failure, format_verdict_table, write_summary_json
+from harness.report.text import (
+    drift_summary,
+    format_failure,
+    format_verdict_table,
+    write_summary_json,
+)
 from harness.testing.builders import case_record
 
 pytestmark = pytest.mark.unit
@@ -108,3 +113,11 @@ def test_failure_block_carries_all_evidence():
 def test_failure_block_falls_back_to_detail():
     text = format_failure(case_record(verdict=Verdict.ERROR, passed=False, detail="timed out"))
     assert "timed out" in text and "ERROR" in text
+
+
+def test_drift_summary_of_a_side_that_ended_says_why_drift_does_not_apply():
+    """diff.md and report.html say it as the console does, not "no (gaps n/a / n/a ...)"."""
+    ref = ChatResult((1, 2), (10, 11, 12), "", "length")
+    ended = ChatResult((1, 2), (10, 11), "", "length")
+    d = compare_results(ref, ended, tolerance=1.0).divergence.to_json()
+    assert drift_summary(d) == "no (one side ended: a length difference is no near-tie)"

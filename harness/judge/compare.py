@@ -6,13 +6,14 @@ compared one by one. The prompt check matters on its own: D's prompt must equal 
 baseline's, which directly proves the multimodal placeholders were sized right.
 
 At the first differing generated position the logprobs decide whether the difference is
-numerical drift or a real mismatch. Drift is what numeric noise looks like: the two tokens were a
-near-tie on *both* sides (each side's log-prob gap between them within the tolerance), and the
-two runs agreed on the log-prob of every token before it (within the tolerance). Upstream's
-looser rule ("each token is in the other's top-k") excuses a corrupted embedding that merely
-happens to flip a token into second place. The tolerance is the noise floor the harness measured
-on this platform (the baseline against itself); on CPU with the numerics flags pinned it is zero,
-so any difference is a MISMATCH.
+numerical drift or a real mismatch; after other prompt ids it is a mismatch whatever they say.
+Drift is what numeric noise looks like: the two tokens were a near-tie on *both* sides (each
+side's log-prob gap between them within the tolerance), and the two runs agreed on the log-prob
+of every token before it (within the tolerance). Upstream's looser rule ("each token is in the
+other's top-k") excuses a corrupted embedding that merely happens to flip a token into second
+place. The tolerance is the noise floor the harness measured on this platform (the baseline
+against itself); on CPU with the numerics flags pinned it is zero, so any difference is a
+MISMATCH.
 """
 
 from __future__ import annotations
@@ -48,6 +49,21 @@ class Divergence:
     # without logprobs for the whole prefix.
     prefix_delta: float | None
     tolerance: float  # nats: the measured noise floor the drift rule allows
+    prompt_ids_equal: bool  # both sides answered the same prompt ids
+
+    @property
+    def drift_not_applicable(self) -> str | None:
+        """Why the drift rule cannot excuse this divergence whatever the log-probs say, or None
+        when it can. Drift is noise between two answers to one prompt at a position both
+        generated: the renderers print this reason, so no MISMATCH reads "drift: yes"."""
+        if not self.prompt_ids_equal:
+            return (
+                "not applicable: the prompt ids differ, and drift is noise between answers to "
+                "the same prompt"
+            )
+        if self.reference_token is None or self.candidate_token is None:
+            return "one side ended: a length difference is no near-tie"
+        return None
 
     @property
     def near_tie(self) -> bool | None:
@@ -66,7 +82,8 @@ class Divergence:
         """Numeric drift: a near-tie at the divergence after a prefix that agreed, within a
         tolerance above zero (a zero noise floor leaves no room for drift)."""
         return (
-            self.tolerance > 0
+            self.drift_not_applicable is None
+            and self.tolerance > 0
             and self.near_tie is True
             and self.prefix_delta is not None
             and self.prefix_delta <= self.tolerance
@@ -92,6 +109,7 @@ class Divergence:
             "prefix_delta": self.prefix_delta,
             "tolerance": self.tolerance,
             "drift": self.is_drift,
+            "drift_not_applicable": self.drift_not_applicable,
         }
 
 
@@ -178,8 +196,8 @@ def _render_top(index: int, token: int | None, top: tuple[tuple[int, float], ...
 
 
 def _render_drift(d: Divergence) -> str:
-    if d.reference_token is None or d.candidate_token is None:
-        return "no (one side ended: a length difference is no near-tie)"
+    if d.drift_not_applicable is not None:
+        return f"no ({d.drift_not_applicable})"
     gaps = []
     for side, gap in (("reference", d.reference_gap), ("candidate", d.candidate_gap)):
         gaps.append(
@@ -246,7 +264,12 @@ def _logprob_at(result: ChatResult, index: int) -> float | None:
 
 
 def _divergence(
-    reference: ChatResult, candidate: ChatResult, index: int, window: int, tolerance: float
+    reference: ChatResult,
+    candidate: ChatResult,
+    index: int,
+    window: int,
+    tolerance: float,
+    prompt_ids_equal: bool,
 ) -> Divergence:
     start = max(0, index - window)
     end = index + window + 1
@@ -267,6 +290,7 @@ def _divergence(
         candidate_gap=_gap(cand_top, cand_token, ref_token),
         prefix_delta=_prefix_delta(reference, candidate, index),
         tolerance=tolerance,
+        prompt_ids_equal=prompt_ids_equal,
     )
 
 
@@ -289,7 +313,9 @@ def compare_results(
         prompt_divergence_index=prompt_index,
         tokens_equal=index is None,
         divergence=(
-            None if index is None else _divergence(reference, candidate, index, window, tolerance)
+            None
+            if index is None
+            else _divergence(reference, candidate, index, window, tolerance, prompt_index is None)
         ),
         reference_len=len(reference.token_ids),
         candidate_len=len(candidate.token_ids),
