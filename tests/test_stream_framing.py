@@ -75,6 +75,97 @@ def test_each_framing_rule_broken_is_a_problem(mangle, problem: str) -> None:
     assert any(problem in p for p in record.problems), record.problems
 
 
+def first_token_chunk(**fields: object) -> list[dict]:
+    """vLLM's stream with `fields` of its first token chunk (event 2) replaced."""
+    chunks = copy.deepcopy(vllm_chunks())
+    chunks[1].update(fields)
+    return chunks
+
+
+def first_token_choice(**fields: object) -> list[dict]:
+    """vLLM's stream with `fields` of its first token chunk's (event 2's) choice replaced."""
+    chunks = copy.deepcopy(vllm_chunks())
+    chunks[1]["choices"][0].update(fields)
+    return chunks
+
+
+@pytest.mark.parametrize(
+    "chunks, problem",
+    [
+        (first_token_chunk(choices=[None]), "choices[0] is null, not an object"),
+        (first_token_chunk(choices={}), "choices is {}, not a list"),
+        (first_token_choice(delta="t40"), 'choices[0].delta is "t40", not an object'),
+        (first_token_choice(delta=["t40"]), 'choices[0].delta is ["t40"], not an object'),
+        (first_token_choice(delta={"content": 40}), "choices[0].delta.content is 40, not a"),
+        (first_token_choice(token_ids=40), "choices[0].token_ids is 40, not a list of integers"),
+        (first_token_choice(token_ids=["40"]), 'choices[0].token_ids is ["40"], not a list of'),
+        (first_token_choice(token_ids=[40.0]), "choices[0].token_ids is [40.0], not a list of"),
+        (first_token_choice(token_ids=[True]), "choices[0].token_ids is [true], not a list of"),
+        (first_token_choice(logprobs=[None]), "choices[0].logprobs is [null], not an object"),
+        (first_token_choice(logprobs={"content": 1}), "choices[0].logprobs.content is 1, not a"),
+        (first_token_choice(logprobs={"content": [None]}), "choices[0].logprobs.content[0] is"),
+        (first_token_choice(finish_reason=1), "choices[0].finish_reason is 1, not a string"),
+    ],
+    ids=[
+        "choice-null",
+        "choices-object",
+        "delta-string",
+        "delta-list",
+        "content-number",
+        "ids-number",
+        "ids-strings",
+        "ids-floats",
+        "ids-booleans",
+        "logprobs-list",
+        "logprob-entries-number",
+        "logprob-entry-null",
+        "finish-number",
+    ],
+)
+def test_a_malformed_choice_is_a_problem_of_its_event_not_a_crash(chunks, problem: str) -> None:
+    """A proxy that mangles a chunk made the reader raise (AttributeError, TypeError,
+    ValueError), an ERROR reading like the harness's own crash (found in review); it is a
+    stream problem naming the event, and the chunk's tokens are not read from it."""
+    result, record = parse(encode(chunks))
+    assert f"event 2: {problem}" in "\n".join(record.problems), record.problems
+    assert TOKENS[0] not in result.token_ids
+
+
+def test_a_malformed_chunk_among_whole_ones_is_a_mismatch_not_a_match() -> None:
+    """The ids the other chunks carried equal the baseline's; the stream is still broken."""
+    events = encode(vllm_chunks())
+    extra = encode(first_token_chunk(choices=[None]), done=False)[1]
+    candidate = streamed_outcome([events[0], extra, *events[1:]])
+    assert candidate.result == baseline_outcome().result
+    record = judged("1E+1PD", "baseline", baseline_outcome(), candidate)
+    assert record.verdict is Verdict.MISMATCH and not record.policy_passed
+    assert "event 2: choices[0] is null, not an object" in record.detail
+
+
+def test_unreadable_prompt_ids_fail_the_stream_saying_so() -> None:
+    chunks = copy.deepcopy(vllm_chunks())
+    chunks[0]["prompt_token_ids"] = ["1", "2"]
+    with pytest.raises(StreamFailed, match=re.escape('event 1: prompt_token_ids is ["1", "2"]')):
+        parse(encode(chunks))
+
+
+@pytest.mark.parametrize(
+    "details, problem",
+    [
+        (4, "usage.prompt_tokens_details is 4, not an object"),
+        ({"cached_tokens": "4"}, 'usage.prompt_tokens_details.cached_tokens is "4", not an'),
+    ],
+    ids=["details-number", "cached-string"],
+)
+def test_unreadable_usage_details_are_a_problem_not_a_crash(details, problem: str) -> None:
+    """The cached count is the kv_transfer guard's evidence: of another shape it is none."""
+    chunks = copy.deepcopy(vllm_chunks())
+    chunks[-1]["usage"]["prompt_tokens_details"] = details
+    result, record = parse(encode(chunks))
+    assert f"event 5: {problem}" in "\n".join(record.problems), record.problems
+    assert result.cached_tokens is None
+
+
 def test_two_completions_interleaved_are_a_problem() -> None:
     chunks = vllm_chunks()
     chunks[2] = copy.deepcopy(chunks[2])

@@ -2,7 +2,8 @@
 
 A stream reaches the client through a proxy that relays D's events (and, in P/D, after P has
 answered the prompt's first token itself), so a stream can carry the right ids and still be
-broken for a client: an event that does not parse, a second role chunk, a token relayed twice,
+broken for a client: an event that does not parse, a chunk of another shape than vLLM's (a
+null choice, token ids that are not integers), a second role chunk, a token relayed twice,
 `[DONE]` missing or not last, a final usage that counts other tokens than were streamed, two
 requests' events interleaved. The ids are read from the stream as vLLM 0.32 sends them with
 `return_token_ids` (the first chunk carries `prompt_token_ids`, each later chunk its
@@ -110,6 +111,7 @@ class _Reading:
     cached_tokens: int | None = None
     after_done: int = 0
     usage_seen: bool = False
+    unreadable_prompt: str | None = None  # the problem of prompt_token_ids of another shape
 
 
 def parse_stream(
@@ -163,6 +165,10 @@ def parse_stream(
             f"({record.ids_counted} token id(s) read)",
             record,
         )
+    if reading.unreadable_prompt is not None:
+        raise StreamFailed(
+            f"the stream's prompt_token_ids are unreadable: {reading.unreadable_prompt}", record
+        )
     if reading.prompt_token_ids is None:
         raise StreamFailed(
             "the stream carried no prompt_token_ids: was return_token_ids honoured?", record
@@ -178,6 +184,69 @@ def parse_stream(
     return result, record
 
 
+class _Unreadable(Exception):
+    """A field of a chunk has another shape than vLLM sends; the message says which and what."""
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """The fields read from one chunk's `choices[0]`, each of the shape vLLM sends."""
+
+    role: Any
+    content: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs]
+    finish_reason: str | None
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value)[:120]
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    """An optional object field: {} when absent (null)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _Unreadable(f"{where} is {_shown(value)}, not an object")
+    return value
+
+
+def _integers(value: Any, where: str) -> list[int]:
+    try:
+        return list(integer_ids(value, where))
+    except ValueError:
+        raise _Unreadable(f"{where} is {_shown(value)}, not a list of integers") from None
+
+
+def _read_choice(choice: Any) -> _Choice:
+    """`choices[0]` read, or _Unreadable naming its first field of another shape."""
+    if not isinstance(choice, dict):
+        raise _Unreadable(f"choices[0] is {_shown(choice)}, not an object")
+    delta = _object(choice.get("delta"), "choices[0].delta")
+    content = delta.get("content")
+    if content is not None and not isinstance(content, str):
+        raise _Unreadable(f"choices[0].delta.content is {_shown(content)}, not a string")
+    ids = choice.get("token_ids")
+    token_ids = [] if ids is None else _integers(ids, "choices[0].token_ids")
+    entries = _object(choice.get("logprobs"), "choices[0].logprobs").get("content")
+    if entries is not None and not isinstance(entries, list):
+        raise _Unreadable(f"choices[0].logprobs.content is {_shown(entries)}, not a list")
+    logprobs = []
+    for n, entry in enumerate(entries or []):
+        try:
+            logprobs.append(position_logprobs(entry))
+        except (AttributeError, KeyError, TypeError, ValueError):
+            raise _Unreadable(
+                f"choices[0].logprobs.content[{n}] is {_shown(entry)}, not a log-prob entry "
+                "of token_id:N tokens"
+            ) from None
+    finish = choice.get("finish_reason")
+    if finish is not None and not isinstance(finish, str):
+        raise _Unreadable(f"choices[0].finish_reason is {_shown(finish)}, not a string")
+    return _Choice(delta.get("role"), content or "", token_ids, logprobs, finish)
+
+
 def _read_chunk(
     chunk: dict[str, Any], record: StreamRecord, reading: _Reading, seconds: float
 ) -> None:
@@ -188,9 +257,11 @@ def _read_chunk(
         if reading.prompt_token_ids is not None:
             record.problems.append(f"chunk {record.chunks} carries prompt_token_ids again")
         else:
-            reading.prompt_token_ids = list(
-                integer_ids(chunk["prompt_token_ids"], "prompt_token_ids")
-            )
+            try:
+                reading.prompt_token_ids = _integers(chunk["prompt_token_ids"], "prompt_token_ids")
+            except _Unreadable as exc:
+                reading.unreadable_prompt = f"event {record.events}: {exc}"
+                record.problems.append(reading.unreadable_prompt)
     usage = chunk.get("usage")
     if isinstance(usage, dict) and not chunk.get("choices"):
         if reading.usage_seen:
@@ -198,44 +269,58 @@ def _read_chunk(
         reading.usage_seen = True
         record.usage_completion_tokens = usage.get("completion_tokens")
         record.usage_prompt_tokens = usage.get("prompt_tokens")
-        details = usage.get("prompt_tokens_details") or {}
-        reading.cached_tokens = details.get("cached_tokens")
+        try:
+            details = _object(usage.get("prompt_tokens_details"), "usage.prompt_tokens_details")
+            cached = details.get("cached_tokens")
+            if cached is not None and (not isinstance(cached, int) or isinstance(cached, bool)):
+                raise _Unreadable(
+                    f"usage.prompt_tokens_details.cached_tokens is {_shown(cached)}, not an integer"
+                )
+            reading.cached_tokens = cached
+        except _Unreadable as exc:
+            record.problems.append(f"event {record.events}: {exc}")
         return
     if reading.usage_seen:
         record.problems.append(f"chunk {record.chunks} comes after the usage chunk")
     choices = chunk.get("choices")
-    if not isinstance(choices, list) or len(choices) != 1:
+    if choices is not None and not isinstance(choices, list):
+        record.problems.append(f"event {record.events}: choices is {_shown(choices)}, not a list")
+        return
+    if choices is None or len(choices) != 1:
         record.problems.append(
-            f"chunk {record.chunks} has {len(choices) if isinstance(choices, list) else 'no'} "
+            f"chunk {record.chunks} has {'no' if choices is None else len(choices)} "
             "choices (one expected)"
         )
         return
-    choice = choices[0]
-    delta = choice.get("delta") or {}
-    if delta.get("role") is not None:
+    try:
+        choice = _read_choice(choices[0])
+    except _Unreadable as exc:
+        record.problems.append(f"event {record.events}: {exc} (its chunk is not read)")
+        return
+    if choice.role is not None:
         record.role_chunks += 1
         if record.chunks != 1:
             record.problems.append(f"role chunk at chunk {record.chunks}, not first")
     if reading.finish_reason is not None:
         record.problems.append(f"chunk {record.chunks} comes after finish_reason")
-    if delta.get("content"):
-        reading.text.append(delta["content"])
-    ids = choice.get("token_ids") or []
+    if choice.content:
+        reading.text.append(choice.content)
+    ids = choice.token_ids
     if ids:
         record.token_chunks += 1
         record.first_token_s = seconds if record.first_token_s is None else record.first_token_s
-        reading.token_ids += integer_ids(ids, "token_ids")
+        reading.token_ids += ids
         record.ids_counted += len(ids)
-    entries = (choice.get("logprobs") or {}).get("content") or []
+    entries = choice.logprobs
     reading.logprob_entries += len(entries)
     if len(entries) != len(ids):
         record.problems.append(
             f"chunk {record.chunks}: {len(ids)} token id(s) but {len(entries)} log-prob entries"
         )
-    reading.logprobs += [position_logprobs(entry) for entry in entries]
-    if choice.get("finish_reason") is not None:
+    reading.logprobs += entries
+    if choice.finish_reason is not None:
         record.finish_reasons += 1
-        reading.finish_reason = choice["finish_reason"]
+        reading.finish_reason = choice.finish_reason
 
 
 def _check_framing(record: StreamRecord, reading: _Reading, complete: bool) -> None:
