@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import socket
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,24 @@ def test_corrupt_entry_is_an_error_naming_the_file(tmp_path: Path) -> None:
     (tmp_path / "k.json").write_text("{not json")
     with pytest.raises(BaselineCacheError, match=r"corrupt baseline cache entry .*k\.json"):
         BaselineCache(tmp_path).load("k", "image")
+
+
+@pytest.mark.parametrize("floor", [math.inf, math.nan, -0.25, "0.25", True, None], ids=repr)
+def test_a_stored_noise_floor_that_is_no_measurement_is_a_corrupt_entry(
+    tmp_path: Path, floor: object
+) -> None:
+    """The floor is the tolerance every comparison with this answer is judged under: read as
+    stored, an inf (a hand-edited or damaged file) made every near-tie a DRIFT, and a NaN, a
+    negative floor, a string or a boolean stood in for a measured one. Such an entry is refused
+    as any corrupt entry is, naming the file and the field."""
+    cache = BaselineCache(tmp_path)
+    cache.store("k", Outcome(prompt="image", result=RESULT), noise_floor_nats=0.25)
+    entry = json.loads(cache.path("k").read_text())
+    cache.path("k").write_text(json.dumps({**entry, "noise_floor_nats": floor}))
+    with pytest.raises(
+        BaselineCacheError, match=r"corrupt baseline cache entry .*k\.json: noise_floor_nats"
+    ):
+        cache.load("k", "image")
 
 
 # -- the baseline's launch: argv, environment (rendered and inherited), device ----------------

@@ -21,6 +21,7 @@ import fcntl
 import functools
 import hashlib
 import json
+import math
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,6 +164,21 @@ class CachedBaseline:
     path: Path
 
 
+def _measured_floor(value: Any) -> float:
+    """A stored noise floor as the baseline measured it: a finite number of nats, 0 or more;
+    anything else is ValueError (a corrupt entry)."""
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(
+            f"noise_floor_nats is {value!r}, not a measured floor (a finite number >= 0)"
+        )
+    return float(value)
+
+
 class BaselineCache:
     """`refresh=True` ignores what was stored before this run (and overwrites it):
     `--refresh-baseline`. What this run stored is read like any entry, so one run refreshes
@@ -212,7 +228,7 @@ class BaselineCache:
             outcome = Outcome(prompt=prompt, result=ChatResult.from_json(data["result"]))
             return CachedBaseline(
                 outcome,
-                float(data["noise_floor_nats"]),
+                _measured_floor(data["noise_floor_nats"]),
                 str(data["batch_detail"]),
                 bool(data["batched"]),
                 CacheProvenance.from_json(data),
