@@ -205,6 +205,24 @@ def test_workers_default_to_the_xdist_groups_the_plan_serves_side_by_side() -> N
     assert rehearsal.useful_workers("0,1", colocated) == 1
 
 
+@pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])
+def test_each_gpu_workflow_leg_runs_the_workers_the_rehearsal_would(name: str) -> None:
+    """One rule for both: each leg of a GPU workflow's matrix runs as many xdist workers as
+    `useful_workers` gives its devices, colocation and topologies. The 8-GPU legs ran 4 where
+    the rehearsal (and its docs' "cannot drift") ran 2: two more workers only waited for the
+    first two's GPUs, and each kept a baseline of its own."""
+    rehearsal = load_rehearsal()
+    workflow = yaml.safe_load((WORKFLOW.parent / name).read_text())
+    topologies = workflow.get("env", {}).get("ALL_TOPOLOGIES")
+    legs = workflow["jobs"]["gpu"]["strategy"]["matrix"]["include"]
+    assert legs
+    for leg in legs:
+        argv = ["--colocate"] if leg["colocate"] else []
+        argv += ["--topology", topologies] if topologies else []
+        expected = rehearsal.useful_workers(leg["devices"], rehearsal.parse_args(argv))
+        assert leg["workers"] == expected, (name, leg["name"], leg["workers"], expected)
+
+
 # --- the summary -----------------------------------------------------------------------------
 
 
