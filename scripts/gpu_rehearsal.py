@@ -4,7 +4,8 @@
         [--colocate] [--topology T,...] [-k EXPR] [--no-enforce-eager] [--vllm-source DIR]
         [--run-name NAME] [--dry-run]
 
-1. Refuses, exit 2, without a GPU (`nvidia-smi` lists none), or with --devices it does not list.
+1. Refuses, exit 2, without a GPU (`nvidia-smi` lists none), or with --devices it does not list
+   or an inherited CUDA_VISIBLE_DEVICES did not give (by default: the GPUs it gave).
 2. A model given by name is fetched into the Hugging Face cache, as the nightly does.
 3. `epd-harness doctor --model DIR`, then `epd-harness plan --platform cuda ...` (kept as
    runs/NAME/plan.txt); either failing stops the rehearsal.
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -82,6 +84,25 @@ class NightlyPytest(NamedTuple):
 
     args: list[str]
     env: dict[str, str]
+
+
+def given_here(present: list[int], environ: Mapping[str, str]) -> list[int]:
+    """The GPUs nvidia-smi lists that this process was given: nvidia-smi ignores an inherited
+    CUDA_VISIBLE_DEVICES, and the harness sets each instance's own from --devices, so a job
+    restricted to some GPUs defaults to those (indices as nvidia-smi lists them)."""
+    from harness.spec.platforms import CUDA, inherited_devices
+
+    inherited = inherited_devices(CUDA, environ)
+    if inherited is None:
+        return present
+    named = {entry.strip() for entry in inherited.split(",")}
+    given = [index for index in present if str(index) in named]
+    if not given:
+        raise Refused(
+            f"CUDA_VISIBLE_DEVICES={inherited} names none of the GPUs nvidia-smi lists "
+            f"({','.join(map(str, present))}): pass --devices, or unset CUDA_VISIBLE_DEVICES"
+        )
+    return given
 
 
 def nightly_pytest(inputs: dict[str, str], workflow: Path = WORKFLOW) -> NightlyPytest:
@@ -289,16 +310,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def rehearse(args: argparse.Namespace) -> int:
+    from harness.spec.platforms import CUDA, check_inherited_devices, parse_devices
+
     if args.dry_run:
         if not args.devices:
             raise Refused("--dry-run needs --devices (it does not look for GPUs)")
         devices = args.devices
     else:
         present = gpus_here()
-        devices = args.devices or ",".join(map(str, present))
+        devices = args.devices or ",".join(map(str, given_here(present, os.environ)))
         missing = [d for d in devices.split(",") if d.strip().isdigit() and int(d) not in present]
         if missing:
             raise Refused(f"--devices {devices}: nvidia-smi lists no GPU {', '.join(missing)}")
+    check_inherited_devices(CUDA, parse_devices(devices), os.environ)  # BadInput: one line
     workers = args.workers or useful_workers(devices, args)
     model = args.model if args.dry_run else fetch_model(args.model)
     run_dir = ROOT / "runs" / args.run_name

@@ -105,6 +105,36 @@ def test_devices_the_host_lacks_are_refused(tmp_path: Path) -> None:
     )
 
 
+def test_devices_an_inherited_cuda_visible_devices_did_not_give_are_refused(
+    tmp_path: Path,
+) -> None:
+    """nvidia-smi ignores CUDA_VISIBLE_DEVICES, and the harness sets each instance's own from
+    --devices: an agent given GPUs 2,3 and run with --devices 0,1 (or, by default, every GPU
+    nvidia-smi lists) placed instances on GPUs it was not given."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "2,3"}
+    argv = ["--dry-run", "--devices", "0,1", "--colocate", "--model", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(
+        "gpu-rehearsal: --devices 0,1: CUDA_VISIBLE_DEVICES=2,3 gives this process no device 0,1"
+    ), done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+
+
+def test_by_default_the_rehearsal_takes_the_gpus_it_was_given() -> None:
+    rehearsal = load_rehearsal()
+    assert rehearsal.given_here([0, 1, 2, 3], {}) == [0, 1, 2, 3]
+    assert rehearsal.given_here([0, 1, 2, 3], {"CUDA_VISIBLE_DEVICES": "3,2"}) == [2, 3]
+    with pytest.raises(rehearsal.Refused, match="CUDA_VISIBLE_DEVICES=7 names none"):
+        rehearsal.given_here([0, 1], {"CUDA_VISIBLE_DEVICES": "7"})
+
+
 def test_a_dry_run_needs_the_devices_it_will_not_look_for(capsys) -> None:
     assert load_rehearsal().main(["--dry-run"]) == 2
     assert "--dry-run needs --devices" in capsys.readouterr().err
