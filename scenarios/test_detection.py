@@ -66,6 +66,7 @@ from harness.serve.session import safe_name
 from harness.spec.connectors import NIXL
 from harness.spec.prompts import PromptSpec
 from harness.spec.topology import TOPOLOGIES, Role
+from harness.testing.judging import passed_proven
 from harness.testing.live import LiveTopology
 
 pytestmark = pytest.mark.e2e
@@ -233,9 +234,11 @@ class Ladders:
     TOPOLOGY = ""
 
     def test_clean_request_matches(self, live: Live):
+        """MATCH, or the DRIFT the run's policy allows (pd-drift on GPUs: a P->D topology
+        against the monolithic baseline), every guard decided: as scenarios/test_self_test.py."""
         record, _ = live.judge(CLEAN_PROMPT, None)
-        assert record.verdict is Verdict.MATCH and record.policy_passed, (
-            "the clean request must MATCH before any fault means anything:\n"
+        assert passed_proven(record), (
+            "the clean request must pass before any fault means anything:\n"
             + format_failure(record)
         )
 

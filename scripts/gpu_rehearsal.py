@@ -4,13 +4,16 @@
         [--colocate] [--topology T,...] [-k EXPR] [--no-enforce-eager] [--vllm-source DIR]
         [--run-name NAME] [--dry-run]
 
-1. Refuses, exit 2, without a GPU (`nvidia-smi` lists none), or with --devices it does not list.
+1. Refuses, exit 2, without a GPU (`nvidia-smi` lists none), or with --devices it does not list
+   or an inherited CUDA_VISIBLE_DEVICES did not give (by default: the GPUs it gave).
 2. A model given by name is fetched into the Hugging Face cache, as the nightly does.
 3. `epd-harness doctor --model DIR`, then `epd-harness plan --platform cuda ...` (kept as
    runs/NAME/plan.txt); either failing stops the rehearsal.
 4. Runs the nightly's own pytest line: the "EPD scenarios" step of
    .github/workflows/nightly-gpu.yml, run by bash with these inputs and a stand-in for python
-   that records its arguments, so the rehearsal can never drift from the workflow.
+   that records its arguments and environment, so the rehearsal can never drift from the
+   workflow: pytest runs with those arguments and what the step exports for it
+   (EPD_VLLM_SOURCE, the --vllm-source tree).
 5. Prints each instance's start-up, the makespan (pytest's wall time, and each wave's serving
    time) and every verdict, from the run's summary.json files (a bundle's failing cases that
    its test made red on purpose counted apart).
@@ -32,7 +35,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -68,9 +73,42 @@ def gpus_here() -> list[int]:
     return indices
 
 
-def nightly_pytest_args(inputs: dict[str, str], workflow: Path = WORKFLOW) -> list[str]:
-    """The arguments the nightly's "EPD scenarios" step gives pytest, for these inputs (the
-    workflow's environment variables: DEVICES, WORKERS, COLOCATE, ...)."""
+# What bash and sh export of their own into every command they run: no setting of the step.
+SHELL_OWN_VARIABLES = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})
+
+
+class NightlyPytest(NamedTuple):
+    """How the nightly's "EPD scenarios" step runs pytest: its arguments, and the variables the
+    step exports for it beyond its inputs (EPD_VLLM_SOURCE: the tests that read vLLM's own
+    files take the tree from there, not from a flag)."""
+
+    args: list[str]
+    env: dict[str, str]
+
+
+def given_here(present: list[int], environ: Mapping[str, str]) -> list[int]:
+    """The GPUs nvidia-smi lists that this process was given: nvidia-smi ignores an inherited
+    CUDA_VISIBLE_DEVICES, and the harness sets each instance's own from --devices, so a job
+    restricted to some GPUs defaults to those (indices as nvidia-smi lists them)."""
+    from harness.spec.platforms import CUDA, inherited_devices
+
+    inherited = inherited_devices(CUDA, environ)
+    if inherited is None:
+        return present
+    named = {entry.strip() for entry in inherited.split(",")}
+    given = [index for index in present if str(index) in named]
+    if not given:
+        raise Refused(
+            f"CUDA_VISIBLE_DEVICES={inherited} names none of the GPUs nvidia-smi lists "
+            f"({','.join(map(str, present))}): pass --devices, or unset CUDA_VISIBLE_DEVICES"
+        )
+    return given
+
+
+def nightly_pytest(inputs: dict[str, str], workflow: Path = WORKFLOW) -> NightlyPytest:
+    """The nightly's "EPD scenarios" step, for these inputs (the workflow's environment
+    variables: DEVICES, WORKERS, COLOCATE, ...), run by bash with a stand-in python that records
+    its arguments and environment."""
     import yaml
 
     data = yaml.safe_load(workflow.read_text(encoding="utf-8"))
@@ -86,24 +124,39 @@ def nightly_pytest_args(inputs: dict[str, str], workflow: Path = WORKFLOW) -> li
         venv = Path(scratch) / "venv"
         (venv / "bin").mkdir(parents=True)
         stand_in = venv / "bin" / "python"
-        stand_in.write_text('#!/bin/sh\nprintf "%s\\0" "$@" > "$EPD_REHEARSAL_ARGV"\n')
+        stand_in.write_text(
+            '#!/bin/sh\nprintf "%s\\0" "$@" > "$EPD_REHEARSAL_ARGV"\n'
+            'env -0 > "$EPD_REHEARSAL_ENV"\n'
+        )
         stand_in.chmod(0o755)
         recorded = Path(scratch) / "argv"
+        recorded_env = Path(scratch) / "env"
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             **inputs,
             "VENV": str(venv),
             "EPD_REHEARSAL_ARGV": str(recorded),
+            "EPD_REHEARSAL_ENV": str(recorded_env),
         }
         done = subprocess.run(
             ["bash", "-e", "-c", steps[0]["run"]], env=env, cwd=scratch, capture_output=True
         )
-        if done.returncode != 0 or not recorded.is_file():
+        if done.returncode != 0 or not recorded.is_file() or not recorded_env.is_file():
             raise Refused(f"cannot read the nightly's pytest line: {done.stderr.decode()[-300:]}")
         argv = [a.decode() for a in recorded.read_bytes().split(b"\0")[:-1]]
+        seen = dict(
+            entry.decode().partition("=")[::2]
+            for entry in recorded_env.read_bytes().split(b"\0")
+            if entry
+        )
     if argv[:2] != ["-m", "pytest"]:
         raise Refused(f"the nightly's {PYTEST_STEP!r} step runs python {argv[:2]}, not pytest")
-    return argv[2:]
+    exported = {
+        name: value
+        for name, value in seen.items()
+        if env.get(name) != value and name not in SHELL_OWN_VARIABLES
+    }
+    return NightlyPytest(argv[2:], exported)
 
 
 def workflow_inputs(args: argparse.Namespace, devices: str, workers: int, model: str) -> dict:
@@ -159,6 +212,12 @@ def fetch_model(name: str) -> str:
 
     print(f"[rehearsal] fetching {name} into the Hugging Face cache", flush=True)
     return snapshot_download(name)
+
+
+def shown_with_env(command: list[str], env: dict[str, str]) -> str:
+    """`command` as a shell line, the variables it runs with first (NAME=value ...)."""
+    assignments = [f"{name}={shlex.quote(value)}" for name, value in sorted(env.items())]
+    return " ".join([*assignments, shlex.join(command)])
 
 
 def harness_command(*args: str) -> list[str]:
@@ -251,16 +310,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def rehearse(args: argparse.Namespace) -> int:
+    from harness.spec.platforms import CUDA, check_inherited_devices, parse_devices
+
     if args.dry_run:
         if not args.devices:
             raise Refused("--dry-run needs --devices (it does not look for GPUs)")
         devices = args.devices
     else:
         present = gpus_here()
-        devices = args.devices or ",".join(map(str, present))
+        devices = args.devices or ",".join(map(str, given_here(present, os.environ)))
         missing = [d for d in devices.split(",") if d.strip().isdigit() and int(d) not in present]
         if missing:
             raise Refused(f"--devices {devices}: nvidia-smi lists no GPU {', '.join(missing)}")
+    check_inherited_devices(CUDA, parse_devices(devices), os.environ)  # BadInput: one line
     workers = args.workers or useful_workers(devices, args)
     model = args.model if args.dry_run else fetch_model(args.model)
     run_dir = ROOT / "runs" / args.run_name
@@ -268,12 +330,13 @@ def rehearse(args: argparse.Namespace) -> int:
     plan += ["--colocate"] if args.colocate else []
     plan += ["--no-enforce-eager"] if args.no_enforce_eager else []
     plan += ["--topology", args.topology] if args.topology else []
-    pytest = [sys.executable, "-m", "pytest"]
-    pytest += nightly_pytest_args(workflow_inputs(args, devices, workers, model))
+    nightly = nightly_pytest(workflow_inputs(args, devices, workers, model))
+    pytest = [sys.executable, "-m", "pytest", *nightly.args]
     commands = [harness_command("doctor", "--model", model), harness_command(*plan), pytest]
     if args.dry_run:
-        for command in commands:
+        for command in commands[:2]:
             print(shlex.join(command))
+        print(shown_with_env(pytest, nightly.env))
         return 0
     run_dir.mkdir(parents=True, exist_ok=True)
     for command, keep in zip(commands[:2], ("doctor.txt", "plan.txt")):
@@ -284,9 +347,9 @@ def rehearse(args: argparse.Namespace) -> int:
         if done.returncode != 0:
             print(f"[rehearsal] stopped: {command[3]} exited {done.returncode}", file=sys.stderr)
             return EXIT_REFUSED
-    print(f"[rehearsal] {shlex.join(pytest)}", flush=True)
+    print(f"[rehearsal] {shown_with_env(pytest, nightly.env)}", flush=True)
     started = time.monotonic()
-    code = subprocess.run(pytest, cwd=ROOT).returncode
+    code = subprocess.run(pytest, cwd=ROOT, env={**os.environ, **nightly.env}).returncode
     print("\n".join(summarize(run_dir, time.monotonic() - started)))
     print(f"[rehearsal] pytest exited {code}; artifacts in {run_dir}")
     return code

@@ -1054,3 +1054,17 @@ def test_run_devices_with_a_digit_int_cannot_read_is_refused(bad_run: BadRun) ->
     assert_one_error_line(
         code, err, "--devices: device '²' in '²' is not a non-negative integer index"
     )
+
+
+def test_gpus_an_inherited_cuda_visible_devices_did_not_give(bad_run: BadRun, monkeypatch) -> None:
+    """An agent restricted to GPUs 2,3 by CUDA_VISIBLE_DEVICES: each instance's variable is
+    rendered from --devices and replaces it, so --devices 0,1 would run on GPUs not given."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    code, err = bad_run("--platform", "cuda", "--devices", "0,1", "--topology", "1P+1D")
+    cause = (
+        "--devices 0,1: CUDA_VISIBLE_DEVICES=2,3 gives this process no device 0,1, and the "
+        "harness sets each instance's CUDA_VISIBLE_DEVICES from --devices (indices as the host "
+        "lists them, replacing the inherited value, not indexing into it): pass --devices "
+        "within 2,3, or unset CUDA_VISIBLE_DEVICES"
+    )
+    assert_one_error_line(code, err, cause)

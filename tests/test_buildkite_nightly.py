@@ -1,6 +1,7 @@
 """ci/buildkite/nightly.sh run in a copy of the repository layout, with stand-ins for uv,
-python3 and the Buildkite agent: parity first, then the GPU rehearsal, and the artifacts
-uploaded whatever happened. The step file itself is checked in tests/test_buildkite.py.
+python3, vllm and the Buildkite agent: the installs the GitHub nightly makes (the harness, the
+NIXL the tree declares, FlashInfer's kernels), parity first, then the GPU rehearsal, and the
+artifacts uploaded whatever happened. The step file itself is checked in tests/test_buildkite.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ IMAGE_TORCH = {"numpy": "2.2.6", "torch": "2.99.1+cu130", "torchvision": "0.99.1
 IMAGE_HELD = ["torch==2.99.1+cu130", "torchvision==0.99.1+cu130"]
 
 
+# What `epd-harness upstream-requirement nixl` prints for the stand-in tree, per CUDA major.
+DECLARED_NIXL = {"12": "nixl==1.4.1", "13": "nixl==1.5.0"}
+
+
 def run_nightly(
     tmp_path: Path,
     parity: int = 0,
@@ -34,12 +39,15 @@ def run_nightly(
     cuda_major: str = "13",
     image_dists: Mapping[str, str] = IMAGE_TORCH,
     from_files: tuple[str, ...] = (),
+    download_kernels: str = "0",
 ) -> tuple[subprocess.CompletedProcess[str], list[str], Path]:
     """nightly.sh in a copy of the repository layout, with stand-ins for uv, python3 (torch
-    built for `cuda_major`; the hold, `PYTHONSAFEPATH=1 python3 .../torch_hold.py --hold`, is
+    built for `cuda_major`; `upstream-requirement nixl` printing DECLARED_NIXL's line for the
+    CUDA major it is given; the hold, `PYTHONSAFEPATH=1 python3 .../torch_hold.py --hold`, is
     the real script run by this test's Python on the image's installed distributions alone:
-    `image_dists`, name: version, those in `from_files` from a wheel file) and the agent that
-    record how they were called; (the run, the calls, the vLLM tree)."""
+    `image_dists`, name: version, those in `from_files` from a wheel file), vllm (its
+    `download-kernels` exits `download_kernels`, "absent": no such subcommand) and the agent
+    that record how they were called; (the run, the calls, the vLLM tree)."""
     tree = tmp_path / "harness"
     (tree / "ci" / "buildkite").mkdir(parents=True)
     (tree / "ci" / "buildkite" / "nightly.sh").write_text(NIGHTLY.read_text())
@@ -52,11 +60,20 @@ def run_nightly(
         ("uv", 'echo "uv $*" >> "$CALLS"'),
         ("buildkite-agent", 'echo "agent $*" >> "$CALLS"'),
         (
+            "vllm",
+            'case "$DOWNLOAD_KERNELS $*" in "absent download-kernels"*) exit 2;; esac\n'
+            'case "$*" in *--help*) exit 0;; esac\n'
+            'echo "vllm $*" >> "$CALLS"\n'
+            'exit "$DOWNLOAD_KERNELS"',
+        ),
+        (
             "python3",
             'case "$PYTHONSAFEPATH $*" in "1 "*/torch_hold.py" --hold")\n'
             '  PYTHONPATH=$FAKE_SITE exec "$REAL_PYTHON" -S "$@";; esac\n'
             'case "$*" in *torch.version.cuda*) echo "$CUDA_MAJOR"; exit 0;; esac\n'
             'echo "python3 $*" >> "$CALLS"\n'
+            'case "$*" in *"upstream-requirement nixl --cuda-major 12 "*) echo nixl==1.4.1;; esac\n'
+            'case "$*" in *"upstream-requirement nixl --cuda-major 13 "*) echo nixl==1.5.0;; esac\n'
             'case "$*" in *test_upstream_parity*) exit "$PARITY";; esac\n'
             'case "$*" in *gpu_rehearsal*) exit "$REHEARSAL";; esac',
         ),
@@ -73,6 +90,7 @@ def run_nightly(
         "PARITY": str(parity),
         "REHEARSAL": str(rehearsal),
         "CUDA_MAJOR": cuda_major,
+        "DOWNLOAD_KERNELS": download_kernels,
         "BUILDKITE_BUILD_NUMBER": "77",
         "EPD_DEVICES": "0,1",
         "EPD_MODEL": "Qwen/Qwen2.5-VL-3B-Instruct",
@@ -97,31 +115,60 @@ def test_the_nightly_script_runs_parity_and_the_rehearsal_then_uploads_whatever_
     tree = tmp_path / "harness"
     assert done.returncode == expected, done.stderr
     held = "--constraints runs/buildkite-77/torch-held.txt"
-    assert calls[0] == (
-        f"uv pip install --system {held} -r {vllm_tree}/requirements/kv_connectors.txt"
+    assert calls[0] == f"uv pip install --system {held} -e .[test]"
+    assert calls[1] == (
+        f"python3 -m harness.cli.main upstream-requirement nixl --cuda-major 13 "
+        f"--vllm-source {vllm_tree}"
     )
-    assert calls[1] == f"uv pip install --system {held} -e .[test]"
-    assert calls[2].startswith("python3 -m pytest tests/test_upstream_parity.py -m index -k served")
-    assert f"--epd-vllm-source {vllm_tree}" in calls[2]
-    assert calls[3] == (
+    assert calls[2] == f"uv pip install --system {held} {DECLARED_NIXL['13']}"
+    assert calls[3] == "vllm download-kernels"
+    assert calls[4].startswith("python3 -m pytest tests/test_upstream_parity.py -m index -k served")
+    assert f"--epd-vllm-source {vllm_tree}" in calls[4]
+    assert calls[5] == (
         f"python3 scripts/gpu_rehearsal.py --vllm-source {vllm_tree} --run-name buildkite-77 "
         "--devices 0,1 --model Qwen/Qwen2.5-VL-3B-Instruct"
     )
-    assert calls[4] == "agent artifact upload runs/**/*", "uploaded last, whatever happened"
+    assert calls[6] == "agent artifact upload runs/**/*", "uploaded last, whatever happened"
     assert (tree / "runs" / "buildkite-77").is_dir()
 
 
-def test_on_cuda_12_the_nightly_installs_the_trees_cuda_12_connectors(tmp_path: Path) -> None:
-    """vLLM declares its KV connectors (NIXL among them) per CUDA major: kv_connectors.txt
-    (nixl == 1.5.0 in 0.32.0) and, for a torch built for CUDA 12, kv_connectors_cu12.txt
-    (nixl == 1.4.1), as its install-kv-connectors.sh chooses. The nightly installed the first
-    everywhere, over a CUDA 12 image's own."""
-    done, calls, vllm_tree = run_nightly(tmp_path, cuda_major="12")
+@pytest.mark.parametrize("cuda_major", ["12", "13"])
+def test_the_nightly_installs_only_the_nixl_the_tree_declares_as_the_workflow_does(
+    tmp_path: Path, cuda_major: str
+) -> None:
+    """The nightly installed the tree's whole kv_connectors[_cu12].txt (NIXL, LMCache,
+    Mooncake, cupy) under `set -e`: a conflict among connectors no test here serves stopped
+    the night before anything ran. It now installs NIXL alone, as the GitHub nightly does:
+    what `epd-harness upstream-requirement nixl` reads for torch's CUDA major (12 picks
+    kv_connectors_cu12.txt where the tree has one, as vLLM's CI does)."""
+    done, calls, vllm_tree = run_nightly(tmp_path, cuda_major=cuda_major)
     assert done.returncode == 0, done.stderr
-    assert calls[0] == (
-        "uv pip install --system --constraints runs/buildkite-77/torch-held.txt "
-        f"-r {vllm_tree}/requirements/kv_connectors_cu12.txt"
-    )
+    installs = [call for call in calls if call.startswith("uv pip install")]
+    assert not [call for call in installs if "kv_connectors" in call], installs
+    asked = [call for call in calls if "upstream-requirement" in call]
+    assert asked == [
+        f"python3 -m harness.cli.main upstream-requirement nixl --cuda-major {cuda_major} "
+        f"--vllm-source {vllm_tree}"
+    ]
+    assert installs[-1].endswith(f" {DECLARED_NIXL[cuda_major]}"), installs
+
+
+@pytest.mark.parametrize(
+    ("download_kernels", "asked"), [("1", True), ("absent", False)], ids=["failing", "absent"]
+)
+def test_a_failed_or_absent_kernel_download_does_not_stop_the_night(
+    tmp_path: Path, download_kernels: str, asked: bool
+) -> None:
+    """The GitHub nightly runs `vllm download-kernels` where the served vLLM has it (0.32.0
+    asks for it after every install: without FlashInfer's precompiled kernels each instance
+    fetches or compiles them while it starts) and only warns when it fails; the Buildkite
+    night did not run it at all. Now it does, as the workflow: warned, never stopped."""
+    done, calls, _ = run_nightly(tmp_path, download_kernels=download_kernels)
+    assert done.returncode == 0, done.stderr
+    assert ("vllm download-kernels" in calls) == asked, calls
+    assert calls[-2].startswith("python3 scripts/gpu_rehearsal.py"), calls
+    if asked:
+        assert "vllm download-kernels failed" in done.stderr, done.stderr
 
 
 def held_by(call: str, tree: Path) -> list[str] | None:
@@ -141,20 +188,19 @@ def held_by(call: str, tree: Path) -> list[str] | None:
 def test_the_nightly_holds_the_images_torch_through_both_installs(
     tmp_path: Path, from_files: tuple[str, ...]
 ) -> None:
-    """kv_connectors.txt (NIXL, lmcache) requires torch and the harness's own install resolves
-    again; nothing held the torch the image's vLLM was built with, so either could replace it
+    """NIXL requires torch and the harness's own install resolves again; nothing held the torch the image's vLLM was built with, so either could replace it
     (another version, another CUDA build) and the night would test vLLM on a torch it was not
     built for. Both installs now pass a constraints file naming the image's torch (and
     torchvision, torchaudio where present), kept in the run's artifacts. Read from the installed
     distributions' metadata (harness/cli/torch_hold.py --hold, by the image's python3), not from
     `uv pip freeze`'s `^torch==` lines: an image whose torch was installed from a wheel file
     freezes as `torch @ file:///...whl`, and the night stopped "no torch" beside its torch."""
-    done, calls, vllm_tree = run_nightly(tmp_path, from_files=from_files)
+    done, calls, _ = run_nightly(tmp_path, from_files=from_files)
     assert done.returncode == 0, done.stderr
-    connectors, harness = calls[0], calls[1]
-    assert connectors.endswith(f"-r {vllm_tree}/requirements/kv_connectors.txt"), connectors
+    harness, nixl = [call for call in calls if call.startswith("uv pip install")]
     assert harness.endswith("-e .[test]"), harness
-    for call in (connectors, harness):
+    assert nixl.endswith(DECLARED_NIXL["13"]), nixl
+    for call in (harness, nixl):
         assert held_by(call, tmp_path / "harness") == IMAGE_HELD, call
 
 

@@ -45,22 +45,31 @@ def fake_nvidia_smi(directory: Path, body: str) -> str:
     return f"{directory}:/usr/bin:/bin"
 
 
-def workflow_pytest_args(inputs: dict[str, str], tmp_path: Path) -> list[str]:
-    """What the nightly's "EPD scenarios" step gives pytest: its bash run with a python that
-    records its arguments (independent of the rehearsal's own reading of the step)."""
+def workflow_pytest(inputs: dict[str, str], tmp_path: Path) -> tuple[list[str], dict[str, str]]:
+    """What the nightly's "EPD scenarios" step gives pytest, its arguments and the variables it
+    exports for it: its bash run with a python that records both (independent of the
+    rehearsal's own reading of the step)."""
     workflow = yaml.safe_load(WORKFLOW.read_text())
     (step,) = [s for s in workflow["jobs"]["gpu"]["steps"] if s.get("name") == "EPD scenarios"]
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     python = venv / "bin" / "python"
-    python.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done > "$OUT"\n')
+    python.write_text(
+        '#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done > "$OUT"\n'
+        'printf "%s\\n" "${EPD_VLLM_SOURCE-unset}" > "$OUT.source"\n'
+    )
     python.chmod(0o755)
     out = tmp_path / "args.txt"
     env = {"PATH": "/usr/bin:/bin", "VENV": str(venv), "OUT": str(out), **inputs}
     subprocess.run(["bash", "-e", "-c", step["run"]], env=env, check=True, cwd=tmp_path)
     args = out.read_text().splitlines()
     assert args[:2] == ["-m", "pytest"]
-    return args[2:]
+    source = Path(f"{out}.source").read_text().rstrip("\n")
+    return args[2:], ({} if source == "unset" else {"EPD_VLLM_SOURCE": source})
+
+
+def workflow_pytest_args(inputs: dict[str, str], tmp_path: Path) -> list[str]:
+    return workflow_pytest(inputs, tmp_path)[0]
 
 
 # --- refusals --------------------------------------------------------------------------------
@@ -96,6 +105,36 @@ def test_devices_the_host_lacks_are_refused(tmp_path: Path) -> None:
     )
 
 
+def test_devices_an_inherited_cuda_visible_devices_did_not_give_are_refused(
+    tmp_path: Path,
+) -> None:
+    """nvidia-smi ignores CUDA_VISIBLE_DEVICES, and the harness sets each instance's own from
+    --devices: an agent given GPUs 2,3 and run with --devices 0,1 (or, by default, every GPU
+    nvidia-smi lists) placed instances on GPUs it was not given."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "2,3"}
+    argv = ["--dry-run", "--devices", "0,1", "--colocate", "--model", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(
+        "gpu-rehearsal: --devices 0,1: CUDA_VISIBLE_DEVICES=2,3 gives this process no device 0,1"
+    ), done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+
+
+def test_by_default_the_rehearsal_takes_the_gpus_it_was_given() -> None:
+    rehearsal = load_rehearsal()
+    assert rehearsal.given_here([0, 1, 2, 3], {}) == [0, 1, 2, 3]
+    assert rehearsal.given_here([0, 1, 2, 3], {"CUDA_VISIBLE_DEVICES": "3,2"}) == [2, 3]
+    with pytest.raises(rehearsal.Refused, match="CUDA_VISIBLE_DEVICES=7 names none"):
+        rehearsal.given_here([0, 1], {"CUDA_VISIBLE_DEVICES": "7"})
+
+
 def test_a_dry_run_needs_the_devices_it_will_not_look_for(capsys) -> None:
     assert load_rehearsal().main(["--dry-run"]) == 2
     assert "--dry-run needs --devices" in capsys.readouterr().err
@@ -121,7 +160,6 @@ def test_the_pytest_line_is_the_nightly_workflows_own(
     assert rehearsal.main([*argv, *extra]) == 0
     doctor, plan, pytest_line = capsys.readouterr().out.splitlines()
     ours = shlex.split(pytest_line)
-    assert ours[:3] == [sys.executable, "-m", "pytest"]
     given = rehearsal.parse_args([*argv, *extra])
     workers = given.workers or rehearsal.useful_workers("0,1,2,3", given)
     inputs = {
@@ -135,7 +173,11 @@ def test_the_pytest_line_is_the_nightly_workflows_own(
         "EPD_MODEL_DIR": "/models/qwen",
         "VLLM_SOURCE": given.vllm_source or "",
     }
-    assert ours[3:] == workflow_pytest_args(inputs, tmp_path)
+    theirs, exported = workflow_pytest(inputs, tmp_path)
+    assignments = dict(word.split("=", 1) for word in ours[: ours.index(sys.executable)])
+    assert assignments == exported, "pytest runs with what the step exports for it"
+    ours = ours[len(assignments) :]
+    assert ours[3:] == theirs
     assert shlex.split(doctor)[-4:] == ["harness.cli.main", "doctor", "--model", "/models/qwen"]
     assert shlex.split(plan)[3:9] == [
         "plan",
@@ -148,6 +190,39 @@ def test_the_pytest_line_is_the_nightly_workflows_own(
     assert ("--no-enforce-eager" in plan) == given.no_enforce_eager
 
 
+def test_the_nightlys_pytest_gets_the_vllm_source_tree_the_rehearsal_was_given(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """ci/buildkite/nightly.sh runs the rehearsal with --vllm-source /vllm-workspace (the CI
+    image's development build has no sdist). The rehearsal handed it to the workflow's step,
+    which exports it for pytest as EPD_VLLM_SOURCE, but ran pytest with its own environment:
+    neither the flag nor the variable reached pytest, and every test reading vLLM's own files
+    failed ("development build ... pass --vllm-source"). The rehearsal's pytest now runs with
+    what the step exports, here as on the night, and its printed line says so."""
+    rehearsal = load_rehearsal()
+    model = tmp_path / "model"
+    model.mkdir()
+    real_run = subprocess.run
+    pytest_runs: list[tuple[list[str], dict]] = []
+
+    def run(command, *args, **kwargs):
+        if command[:1] == ["bash"]:  # the workflow's step, read by the rehearsal
+            return real_run(command, *args, **kwargs)
+        if command[1:3] == ["-m", "pytest"]:
+            pytest_runs.append((command, kwargs.get("env")))
+        return subprocess.CompletedProcess(command, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(rehearsal, "gpus_here", lambda: [0, 1, 2, 3])
+    monkeypatch.setattr(rehearsal, "ROOT", tmp_path)
+    monkeypatch.setattr(rehearsal.subprocess, "run", run)
+    monkeypatch.delenv("EPD_VLLM_SOURCE", raising=False)
+    argv = ["--devices", "0,1,2,3", "--model", str(model), "--run-name", "r1", "--workers", "1"]
+    assert rehearsal.main([*argv, "--vllm-source", "/vllm-workspace"]) == 0
+    [(command, env)] = pytest_runs
+    assert env is not None and env.get("EPD_VLLM_SOURCE") == "/vllm-workspace", env
+    assert "EPD_VLLM_SOURCE=/vllm-workspace " in capsys.readouterr().out
+
+
 def test_workers_default_to_the_xdist_groups_the_plan_serves_side_by_side() -> None:
     """The plan's widest wave gave 4 GPUs two workers (the baseline beside 1E+1PD), though no
     two groups serve side by side there: the second only waited for the first one's devices,
@@ -158,6 +233,24 @@ def test_workers_default_to_the_xdist_groups_the_plan_serves_side_by_side() -> N
     assert rehearsal.useful_workers("0,1,2,3", args) == 1
     colocated = rehearsal.parse_args(["--colocate"])
     assert rehearsal.useful_workers("0,1", colocated) == 1
+
+
+@pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])
+def test_each_gpu_workflow_leg_runs_the_workers_the_rehearsal_would(name: str) -> None:
+    """One rule for both: each leg of a GPU workflow's matrix runs as many xdist workers as
+    `useful_workers` gives its devices, colocation and topologies. The 8-GPU legs ran 4 where
+    the rehearsal (and its docs' "cannot drift") ran 2: two more workers only waited for the
+    first two's GPUs, and each kept a baseline of its own."""
+    rehearsal = load_rehearsal()
+    workflow = yaml.safe_load((WORKFLOW.parent / name).read_text())
+    topologies = workflow.get("env", {}).get("ALL_TOPOLOGIES")
+    legs = workflow["jobs"]["gpu"]["strategy"]["matrix"]["include"]
+    assert legs
+    for leg in legs:
+        argv = ["--colocate"] if leg["colocate"] else []
+        argv += ["--topology", topologies] if topologies else []
+        expected = rehearsal.useful_workers(leg["devices"], rehearsal.parse_args(argv))
+        assert leg["workers"] == expected, (name, leg["name"], leg["workers"], expected)
 
 
 # --- the summary -----------------------------------------------------------------------------

@@ -28,7 +28,9 @@ from harness.spec.platforms import (
     DEFAULT_GPU_MEMORY_FRACTION,
     XPU,
     DevicePlanError,
+    check_inherited_devices,
     get_platform,
+    inherited_devices,
     parse_devices,
 )
 from harness.spec.topology import (
@@ -411,3 +413,47 @@ def test_cpu_budget_is_one_instance_per_core_within_memory_and_shared_by_workers
 def test_schedule_rejects_a_repeated_device() -> None:
     with pytest.raises(DevicePlanError, match="repeats a device"):
         schedule(DEFAULT_SET, (0, 0), CUDA)
+
+
+# -- an inherited device variable -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("profile", "inherited", "devices"),
+    [
+        (CUDA, None, (0, 1)),  # nothing inherited: every index is the host's
+        (CUDA, "0,1,2,3", (0, 1, 2, 3)),  # the agent's whole host
+        (CUDA, "2,3", (2, 3)),  # the job's GPUs, named as the host lists them
+        (CUDA, "3, 2", (2,)),
+        (XPU, "1,2", (1,)),
+        (CPU, "2,3", (0, 1)),  # cores: no device variable is rendered
+    ],
+)
+def test_devices_an_inherited_device_variable_gives_pass(profile, inherited, devices) -> None:
+    environ = {} if inherited is None else {"CUDA_VISIBLE_DEVICES": inherited}
+    if profile is XPU:
+        environ = {"ZE_AFFINITY_MASK": inherited}
+    check_inherited_devices(profile, devices, environ)  # raises nothing
+    assert inherited_devices(profile, environ) == (None if profile is CPU else inherited)
+
+
+@pytest.mark.parametrize(
+    ("inherited", "devices", "says"),
+    [
+        ("2,3", (0, 1), "CUDA_VISIBLE_DEVICES=2,3 gives this process no device 0,1"),
+        ("2,3", (2, 3, 4), "gives this process no device 4"),
+        ("", (0,), "CUDA_VISIBLE_DEVICES= gives this process no device 0"),
+        ("GPU-5f2c1e-aa", (0,), "CUDA_VISIBLE_DEVICES=GPU-5f2c1e-aa names devices by"),
+    ],
+)
+def test_devices_an_inherited_cuda_visible_devices_did_not_give_are_refused(
+    inherited: str, devices: tuple[int, ...], says: str
+) -> None:
+    """Each instance's CUDA_VISIBLE_DEVICES is rendered from --devices and replaces the one
+    the harness inherited: an agent given GPUs 2,3 and run with --devices 0,1 put its
+    instances on GPUs 0 and 1, another job's. Refused, naming the variable."""
+    with pytest.raises(DevicePlanError) as refused:
+        check_inherited_devices(CUDA, devices, {"CUDA_VISIBLE_DEVICES": inherited})
+    message = str(refused.value)
+    assert says in message, message
+    assert "unset CUDA_VISIBLE_DEVICES" in message and "\n" not in message, message

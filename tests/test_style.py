@@ -56,3 +56,29 @@ def test_no_test_reads_pytests_private_option_parser() -> None:
         if path != Path(__file__).resolve() and private.search(path.read_text(encoding="utf-8"))
     ]
     assert not readers, f"read the option parser through conftest.py's fixture: {readers}"
+
+
+def test_no_scenario_asserts_a_verdict_is_match_alone() -> None:
+    """Under the GPU night's reference policy (pd-drift) a clean P->D topology judged against
+    the monolithic baseline may pass as DRIFT, and a scenario asserting `Verdict.MATCH` there
+    is red for the harness's own reasons (found in review: scenarios/test_detection.py's clean
+    request of 1P+1D and 1E+1P+1D). A scenario asserts a clean answer with
+    `harness.testing.judging.passed_proven` (or `passed_clean`), which hold what the policy
+    allows; an expected red verdict (MISMATCH, ERROR) is named as it is."""
+    import ast
+
+    strict: list[str] = []
+    for path in sorted((ROOT / "scenarios").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for statement in ast.walk(tree):
+            if not isinstance(statement, ast.Assert):
+                continue
+            for node in ast.walk(statement.test):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr == "MATCH"
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == "Verdict"
+                ):
+                    strict.append(f"{path.relative_to(ROOT)}:{statement.lineno}")
+    assert not strict, f"assert passed_proven(record) instead: {strict}"

