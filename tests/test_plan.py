@@ -451,3 +451,24 @@ def test_side_by_side_with_colocation_shares_the_devices_the_baseline_leaves() -
         side_by_side((baseline, get_topology("1E+1PD")), (0, 1), CUDA)
     with pytest.raises(DevicePlanError, match="only 1 given"):
         side_by_side((baseline, get_topology("1E+1PD")), (0,), CUDA, colocate=True)
+
+
+def test_the_plan_prints_which_instances_sharing_a_gpu_start_one_after_another() -> None:
+    """Instances on one GPU are spawned one after another (harness.spec.placement.start_after):
+    the plan says so, per topology and per instance; on CPU it says nothing of it."""
+    one = build_plan(request(CUDA, (0,), colocate=True))
+    text = format_plan(one)
+    assert "1E+1P+1D: prefill0 after encoder0, decode0 after prefill0" in text, text
+    assert "1E+1PD: pd0 after encoder0" in text and "1P+1D: decode0 after prefill0" in text
+    assert "spawned once 1E+1PD/encoder0 is healthy" in text
+    epd = {i.name: i for i in one.instances}
+    assert epd["1E+1P+1D/decode0"].start_after == ("1E+1P+1D/prefill0",)
+    assert one.to_json()["waves"][3]["topologies"][0]["instances"][2]["start_after"] == (
+        "1E+1P+1D/prefill0",
+    )
+    two = format_plan(build_plan(request(CUDA, (0, 1), colocate=True)))
+    assert "start order:" in two and "1E+1P+1D: prefill0 after encoder0" in two
+    assert "decode0 after" not in two, "decode0 has a GPU of its own: it starts at once"
+    eight = format_plan(build_plan(request(CUDA, tuple(range(8)))))
+    assert "no device is shared" in eight
+    assert "start order" not in format_plan(build_plan(request(CPU, (0, 1))))

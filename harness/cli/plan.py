@@ -40,6 +40,7 @@ from harness.spec.placement import (
     place_instances,
     schedule,
     side_channel_port_count,
+    start_after,
 )
 from harness.spec.platforms import (
     DEFAULT_CPU_CORES,
@@ -93,6 +94,9 @@ class PlannedInstance:
     env: tuple[tuple[str, str], ...]  # additions over the harness's environment, sorted
     gpu_memory_fraction: float | None  # --gpu-memory-utilization, None on CPU
     side_channel_port: int | None  # placeholder VLLM_NIXL_SIDE_CHANNEL_PORT, NIXL only
+    # The instances that must be healthy before it is spawned: those before it on a GPU it
+    # shares (`harness.spec.placement.start_after`); empty: it starts with its topology.
+    start_after: tuple[str, ...] = ()
 
     @property
     def command_line(self) -> str:
@@ -197,6 +201,7 @@ def plan_topology(
         colocate=request.colocate,
         side_channel_ports=side_ports,
     )
+    order = start_after(specs)
     instances = tuple(
         PlannedInstance(
             name=spec.name,
@@ -207,6 +212,7 @@ def plan_topology(
             env=tuple(sorted(spec.env().items())),
             gpu_memory_fraction=spec.gpu_memory_fraction,
             side_channel_port=spec.side_channel_port,
+            start_after=order.get(spec.name, ()),
         )
         for spec in specs
     )
@@ -241,6 +247,8 @@ def format_plan(plan: Plan) -> str:
         slots = ", ".join(f"{t.name} [{_join(t.devices)}]" for t in wave.topologies)
         lines.append(f"  wave {wave.index}: {slots}")
     lines.append(sharing_line(plan.instances))
+    if platform.gpu_memory_fraction is not None:
+        lines.append(start_order_line(plan))
     lines.append(
         "eager: every instance runs --enforce-eager, as upstream's correctness script does"
         if plan.enforce_eager
@@ -292,6 +300,33 @@ def sharing_line(instances: Sequence[PlannedInstance]) -> str:
     return text + "; ".join(" = ".join(names) for names in shared)
 
 
+def start_order_line(plan: Plan) -> str:
+    """Which instances start one after another because they share a GPU
+    (`harness.spec.placement.start_after`), topology by topology."""
+    staggered = []
+    for wave in plan.waves:
+        for topology in wave.topologies:
+            after = [
+                f"{_role_name(i.name)} after {' and '.join(map(_role_name, i.start_after))}"
+                for i in topology.instances
+                if i.start_after
+            ]
+            if after:
+                staggered.append(f"{topology.name}: {', '.join(after)}")
+    text = (
+        "start order: instances of a topology on one device start one after another, "
+        "encoders first, each once the one before it answers /health (vLLM's memory "
+        "profiling fails when another process on its device frees memory meanwhile), "
+        "the others at once; "
+    )
+    return text + ("; ".join(staggered) if staggered else "no device is shared")
+
+
+def _role_name(name: str) -> str:
+    """`1E+1P+1D/encoder0` -> `encoder0`: the topology is named once, before its instances."""
+    return name.rpartition("/")[2]
+
+
 def common_env(instances: Sequence[PlannedInstance]) -> tuple[tuple[str, str], ...]:
     """The environment entries every instance shares, printed once instead of per instance."""
     if not instances:
@@ -311,6 +346,8 @@ def _instance_lines(
         facts.append(f"gpu memory {instance.gpu_memory_fraction:g}")
     if instance.side_channel_port is not None:
         facts.append(f"nixl side channel {instance.side_channel_port}")
+    if instance.start_after:
+        facts.append(f"spawned once {' and '.join(instance.start_after)} is healthy")
     own_env = tuple(item for item in instance.env if item not in common)
     return [
         f"  {instance.name} ({instance.role}): " + ", ".join(facts),

@@ -73,6 +73,9 @@ class InstanceStats:
     # `EngineCore` and `Worker`): `ManagedServer.cpu_seconds`.
     startup_cpu_s: dict[str, float] = field(default_factory=dict)
     node: str | None = None  # the node's address when a launcher placed it on a cluster
+    # The instances that had to be healthy before it was spawned: those before it on a GPU it
+    # shares (`harness.spec.placement.start_after`); its startup_s counts from its own spawn.
+    started_after: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -99,8 +99,13 @@ def describe_instance_start(stats: InstanceStats) -> str:
     """One line per instance: when it was ready, where the time went, what its processes used
     and the most memory its tree held."""
     phases = {phase: at for phase, at in stats.timeline.items() if phase != "ready"}
+    # One that shared a GPU was spawned only once those before it were ready: its time counts
+    # from its own spawn, not from its topology's start.
+    after = stats.started_after
+    spawned = f" from its spawn once {' and '.join(after)} was ready" if after else ""
     return (
-        f"{stats.name}: ready in {stats.startup_s or 0:.1f}s ({describe_timeline(phases)}); "
+        f"{stats.name}: ready in {stats.startup_s or 0:.1f}s{spawned} "
+        f"({describe_timeline(phases)}); "
         f"{describe_startup_cpu(stats.startup_cpu_s)}; "
         f"peak RSS {stats.peak_rss_bytes / 2**30:.2f} GiB"
     )

@@ -227,6 +227,8 @@ def instance_commands(run_dir: Path) -> dict[str, dict[str, Any]]:
         }
         if command.get("node"):  # placed on a node of a cluster (--launcher ray)
             commands[command.get("name", path.stem)]["node"] = command["node"]
+        if command.get("start_after"):  # spawned once these were healthy: a GPU they share
+            commands[command.get("name", path.stem)]["start_after"] = command["start_after"]
     return commands
 
 

@@ -13,6 +13,7 @@ import contextlib
 import json
 import secrets
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,9 +184,12 @@ def bind_loopback_socket() -> socket.socket:
     return sock
 
 
-def command_json(command: ServerCommand, node: dict[str, Any] | None = None) -> str:
+def command_json(
+    command: ServerCommand, node: dict[str, Any] | None = None, start_after: Sequence[str] = ()
+) -> str:
     """The launch command as an artifact (and the node it ran on, when a launcher placed it on
-    a cluster); secret values never reach it."""
+    a cluster; the instances that had to be healthy before it was spawned, when it shares a
+    GPU with them); secret values never reach it."""
     document: dict[str, Any] = {
         "name": command.name,
         "argv": redact_argv(command.argv),
@@ -195,4 +199,6 @@ def command_json(command: ServerCommand, node: dict[str, Any] | None = None) -> 
         document["cpu_affinity"] = list(command.cpu_affinity)
     if node is not None:
         document["node"] = node
+    if start_after:
+        document["start_after"] = list(start_after)
     return json.dumps(document, indent=2)

@@ -473,58 +473,96 @@ class ServerGroup:
     """
 
     def __init__(
-        self, servers: Iterable[ManagedServer], *, on_event: EventCallback | None = None
+        self,
+        servers: Iterable[ManagedServer],
+        *,
+        on_event: EventCallback | None = None,
+        start_after: Mapping[str, Iterable[str]] | None = None,
     ) -> None:
+        """`start_after`: server name -> the names of the servers that must be healthy before
+        it is spawned (absent: spawned by `start_all`, with the others). Instances sharing a
+        GPU start one after another this way (`harness.spec.placement.start_after`)."""
         self.servers = tuple(servers)
         names = [server.name for server in self.servers]
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
             raise ValueError(f"server names must be unique; repeated: {duplicates}")
+        self.start_after = {
+            name: tuple(before) for name, before in (start_after or {}).items() if before
+        }
+        _check_start_order(names, self.start_after)
         self._on_event = on_event
         self._started_at = time.monotonic()
         self._reported_dead: set[str] = set()
+        # Servers this group has spawned, in spawn order (stop_all goes backwards through it).
+        self._spawned: list[ManagedServer] = []
 
     def start_all(self) -> None:
-        """Spawn every server without waiting, so they boot concurrently."""
+        """Spawn every server that waits for no other without waiting, so they boot
+        concurrently; one that must start after others (`start_after`) is spawned by
+        `wait_all_ready` as soon as they are healthy."""
         self._started_at = time.monotonic()
-        for server in self.servers:
-            self._emit(server, "starting")
-            server.start()
+        self._start_due()
 
     def wait_all_ready(self, timeout_s: float) -> None:
-        """Wait until all are healthy; the first death fails the group at once with its log tail."""
+        """Wait until all are healthy, spawning each waiting server once those it starts after
+        are; the first death fails the group at once with its log tail. `timeout_s` is for the
+        whole group, the waiting servers' starts included."""
+
+        def ready(server: ManagedServer) -> None:
+            self._emit(server, "ready")
+            self._start_due()
+
         try:
-            await_ready(self.servers, timeout_s, on_ready=lambda s: self._emit(s, "ready"))
+            self._start_due()
+            await_ready(self.servers, timeout_s, on_ready=ready, waits_for=self.waits_for)
         except ServerDied as exc:
             self._report_death(exc)
             raise
 
+    def waits_for(self, server: ManagedServer) -> tuple[str, ...]:
+        """The servers `server` still waits for before it can be spawned (none once spawned,
+        or when it starts after nothing, or after servers that are all healthy)."""
+        if self.is_spawned(server):
+            return ()
+        by_name = {s.name: s for s in self.servers}
+        before = self.start_after.get(server.name, ())
+        return tuple(name for name in before if by_name[name].startup_seconds is None)
+
+    def is_spawned(self, server: ManagedServer) -> bool:
+        return any(server is spawned for spawned in self._spawned)
+
     def revive(self, dead: ManagedServer, fresh: ManagedServer) -> None:
         """Put `fresh` in `dead`'s place and spawn it (a server that died is started again as
-        a new object, with a log of its own); `wait_all_ready` then waits for it."""
+        a new object, with a log of its own), unless it starts after a server that is not
+        healthy (one revived with it): then `wait_all_ready` spawns it, and waits for it."""
         index = self.servers.index(dead)
         self.servers = (*self.servers[:index], fresh, *self.servers[index + 1 :])
         self._reported_dead.discard(dead.name)
-        self._emit(fresh, "starting")
-        fresh.start()
+        self._start_due()
 
     def check_alive(self) -> None:
-        """Raise ServerDied for the first server that has exited (call it between requests)."""
+        """Raise ServerDied for the first server that has exited (call it between requests);
+        a server not spawned yet (`start_after`) has nothing to check."""
         try:
             for server in self.servers:
-                server.check_alive()
+                if self.is_spawned(server):
+                    server.check_alive()
         except ServerDied as exc:
             self._report_death(exc)
             raise
 
     def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
-        """Stop every server in reverse start order; a failing stop does not skip the others,
+        """Stop every server in reverse spawn order (one never spawned only gives its port
+        back); a failing stop does not skip the others,
         nor does an interrupt: a Ctrl-C that lands in a stop (without the handlers of
         `install_signal_handlers`, or the first one, during a cleanup something else began)
         ends that server at once (SIGKILL, no more grace) and the others are still stopped;
         the interrupt is raised at the end."""
         failures: list[BaseException] = []
-        for server in reversed(self.servers):
+        spawned = [s for s in reversed(self._spawned) if s in self.servers]
+        unspawned = [s for s in reversed(self.servers) if not self.is_spawned(s)]
+        for server in [*spawned, *unspawned]:
             was_started = server.pid is not None
             try:
                 _stop_through_interrupts(server, grace_s, failures)
@@ -556,6 +594,14 @@ class ServerGroup:
             self._reported_dead.add(exc.name)
             server = next(s for s in self.servers if s.name == exc.name)
             self._emit(server, "died")
+
+    def _start_due(self) -> None:
+        """Spawn every server not spawned yet whose `start_after` servers are all healthy."""
+        for server in self.servers:
+            if not self.is_spawned(server) and not self.waits_for(server):
+                self._spawned.append(server)
+                self._emit(server, "starting")
+                server.start()
 
     def _emit(self, server: ManagedServer, state: ServerState) -> None:
         if self._on_event is not None:
@@ -626,15 +672,38 @@ def restore_signal_handlers(previous: Mapping[signal.Signals, Any]) -> None:
             signal.signal(sig, handler)
 
 
+def _check_start_order(names: Sequence[str], start_after: Mapping[str, Sequence[str]]) -> None:
+    """Refuse a `start_after` that names a server not in the group, or that no order satisfies
+    (a server after itself, a cycle): its servers would never be spawned, and the group would
+    wait its whole startup timeout for them."""
+    known = set(names)
+    for name, before in start_after.items():
+        unknown = sorted({name, *before} - known)
+        if unknown:
+            raise ValueError(f"start_after names servers not in the group: {unknown}")
+    done: set[str] = set()
+    left = dict(start_after)
+    while left:
+        free = [name for name, before in left.items() if set(before) <= done | (known - set(left))]
+        if not free:
+            raise ValueError(f"start_after has no order: {sorted(left)} wait for each other")
+        for name in free:
+            done.add(name)
+            del left[name]
+
+
 def await_ready(
     servers: Sequence[ManagedServer],
     timeout_s: float,
     on_ready: Callable[[ManagedServer], None],
+    waits_for: Callable[[ManagedServer], Sequence[str]] = lambda server: (),
 ) -> None:
     """Poll until every server answers its health URL, checking all of them for death each poll.
 
     A death is noticed within one poll interval plus the probes of that round (milliseconds
     while servers refuse connections; at most HEALTH_REQUEST_TIMEOUT_S per hung server).
+    A server for which `waits_for` names servers is not spawned yet (`ServerGroup`'s
+    `start_after`): it is neither probed nor checked until `on_ready` of those spawned it.
     """
     started = time.monotonic()
     deadline = started + timeout_s
@@ -642,8 +711,11 @@ def await_ready(
     last_probe: dict[str, str] = {}  # what the last probe of a pending server met
     while True:
         for server in servers:
-            server.check_alive()
+            if not waits_for(server):
+                server.check_alive()
         for server in list(pending):
+            if waits_for(server):
+                continue
             failure = server.health_probe_failure()
             if failure is None and server.owns_health_port():
                 server._mark_ready()
@@ -657,15 +729,23 @@ def await_ready(
             return
         now = time.monotonic()
         if now >= deadline:
+            waiting = [server for server in pending if waits_for(server)]
+            names = tuple(server.name for server in pending if server not in waiting)
             evidence = "\n".join(
                 f"--- {server.command.health_url}, last probe: {last_probe.get(server.name)}\n"
                 + server._log_evidence()
                 for server in pending
+                if server not in waiting
             )
-            names = tuple(server.name for server in pending)
+            unspawned = "".join(
+                f"\n--- {server.name} was never started: it starts once "
+                f"{' and '.join(waits_for(server))} {'is' if len(waits_for(server)) == 1 else 'are'}"
+                " healthy"
+                for server in waiting
+            )
             raise StartupTimeout(
                 f"not ready after {now - started:.1f} s (timeout {timeout_s} s): "
-                f"{', '.join(names)}\n{evidence}",
+                f"{', '.join(names)}\n{evidence}{unspawned}",
                 names=names,
             )
         time.sleep(min(HEALTH_POLL_INTERVAL_S, deadline - now))

@@ -1,7 +1,8 @@
 """One topology, up and serving: ports held, instances launched, proxy in front, requests sent.
 
 `TopologySession` is the unit both the CLI sweep and the pytest scenarios use. Entering it
-starts every instance of the topology at once and waits until all are healthy (a dead instance
+starts every instance of the topology at once (on a GPU, instances sharing a device one after
+another, `harness.spec.placement.start_after`) and waits until all are healthy (a dead instance
 fails the start at once, with its log tail); `send()` drives one rendered request through the
 proxy and never raises for a failed request: an HTTP error, a timeout or a dead instance
 becomes an `Outcome` with the error and the log tail of the instance that died, so one broken
@@ -40,7 +41,7 @@ from harness.serve.proxy import EPDProxy, ProxyFaults
 from harness.serve.proxy_protocol import collect_media
 from harness.serve.tap import TapSet, TapTarget
 from harness.spec.instances import InstanceSpec
-from harness.spec.placement import place_instances
+from harness.spec.placement import place_instances, start_after
 from harness.spec.settings import VLLM_PROXY, ProxyChoice, RunSettings
 from harness.spec.topology import Role, Topology
 
@@ -165,8 +166,8 @@ class TopologySession:
             exc.add_note(f"closing {self.topology.name} failed too: {close_error!r}")
 
     def start_servers(self) -> None:
-        """Place the instances (ports held; on GPUs the devices), then start every one; returns
-        at once. Where they run is the launcher's business (`harness.serve.launcher`).
+        """Place the instances (ports held; on GPUs the devices), then start every one that waits
+        for no other (`start_after`; `wait_until_serving` spawns the rest); returns at once. Where they run is the launcher's business (`harness.serve.launcher`).
 
         Callers that start several topologies side by side (a wave) start them all first and
         then wait for each; on failure the caller must `close()`.
@@ -208,11 +209,12 @@ class TopologySession:
             )
             for spec in self.instances
         ]
+        # Instances sharing a GPU start one after another (`start_after`'s docstring says why).
+        order = start_after(self.instances)
         for command, node in zip(commands, nodes):
             node_json = node.to_json() if node is not None else None
-            write_text_atomic(
-                command.log_path.with_suffix(".cmd.json"), command_json(command, node_json)
-            )
+            document = command_json(command, node_json, order.get(command.name, ()))
+            write_text_atomic(command.log_path.with_suffix(".cmd.json"), document)
         launcher.check_before_start(self.topology, self.instances, commands)
         for index, (spec, command, node) in enumerate(zip(self.instances, commands, nodes)):
             self._servers.append(launcher.server(index, command))
@@ -222,8 +224,9 @@ class TopologySession:
                 spec.url,
                 str(command.log_path),
                 node=node.address if node is not None else None,
+                started_after=list(order.get(spec.name, ())),
             )
-        self._group = ServerGroup(self._servers, on_event=self.on_event)
+        self._group = ServerGroup(self._servers, on_event=self.on_event, start_after=order)
         self._group.start_all()
 
     def wait_until_serving(self) -> None:
@@ -264,11 +267,16 @@ class TopologySession:
             command = dataclasses.replace(
                 dead.command, log_path=log_path_for(self.dir, f"{spec.name}.revived-{count}")
             )
-            write_text_atomic(command.log_path.with_suffix(".cmd.json"), command_json(command))
+            waits = self._group.start_after.get(spec.name, ())
+            write_text_atomic(
+                command.log_path.with_suffix(".cmd.json"), command_json(command, None, waits)
+            )
             fresh = ManagedServer(command, port_lease=lease)
             self._servers[index] = fresh
             self._group.revive(dead, fresh)
-            stats = InstanceStats(spec.name, spec.role.value, spec.url, str(command.log_path))
+            stats = InstanceStats(
+                spec.name, spec.role.value, spec.url, str(command.log_path), started_after=[*waits]
+            )
             self.stats[spec.name] = stats
             revived.append(stats)
         self._group.wait_all_ready(self.settings.startup_timeout_s)

@@ -40,7 +40,9 @@ upstream's 0.7 (0.7 + 0.2 = 0.9, the layout of upstream's own disagg_1e1p1d_exam
 P on one GPU at 0.01 and 0.7); P beside D get 0.45 each; E, P and D on one device 0.35 each.
 vLLM sizes each KV cache from its own share minus what its own process holds, and refuses to
 start when less than its share is free, so these sums are what keeps co-located start-ups from
-failing. None of this was measured on a GPU here: `epd-harness plan` prints every share.
+failing; and instances on one device start one after another (`start_after`), so none
+profiles while another frees memory. None of this was measured on a GPU here: `epd-harness
+plan` prints every share and the start order.
 
 Nothing here starts a process or touches a device: these functions only compute.
 """
@@ -465,6 +467,36 @@ def place_instances(
             instance = replace(instance, side_channel_port=next(side_ports))
         placed.append(instance)
     return placed
+
+
+def start_after(instances: Sequence[InstanceSpec]) -> dict[str, tuple[str, ...]]:
+    """Which instances of one topology must be healthy before another is spawned: instance
+    name -> the instances it waits for (an instance not named starts with the topology).
+
+    Why: vLLM (0.32, `v1/worker/gpu_worker.py` `determine_available_memory`; XPU's worker
+    inherits it) asserts "Error in memory profiling" when another process on its device
+    frees memory while it profiles, and refuses to start when less than its share is free at
+    its first snapshot (`v1/worker/utils.py` `request_memory`). An encoder profiles with a
+    transient of its large `--max-num-batched-tokens` and frees it. So on a platform that
+    accounts device memory (`gpu_memory_fraction`: cuda, xpu) the instances on one device of
+    one host start one after another: encoders first (their transient is over, and its
+    memory back, before a KV holder takes its snapshot), the others in role order, each after
+    the one before it on every device it has. Instances on other devices start at once, and
+    on CPU every instance does: cores are shared, not accounted, and staggering would only
+    slow the start. Read in vLLM's source, not measured on a GPU.
+    """
+    if not instances or instances[0].platform.gpu_memory_fraction is None:
+        return {}
+    order = sorted(instances, key=lambda spec: spec.role is not Role.ENCODER)  # stable
+    last_on: dict[tuple[str, int], str] = {}
+    waits: dict[str, tuple[str, ...]] = {}
+    for spec in order:
+        before = [last_on[(spec.host, d)] for d in spec.devices if (spec.host, d) in last_on]
+        if before:
+            waits[spec.name] = tuple(dict.fromkeys(before))
+        for device in spec.devices:
+            last_on[(spec.host, device)] = spec.name
+    return waits
 
 
 def _join(devices: Sequence[int]) -> str:
