@@ -22,7 +22,12 @@ from harness.serve.launch import (
     StartupTimeout,
 )
 from harness.serve.session import TopologySession
-from harness.spec.placement import place_instances, side_channel_port_count, start_after
+from harness.spec.placement import (
+    place_instances,
+    side_channel_port_count,
+    start_after,
+    start_stages,
+)
 from harness.spec.platforms import CPU, CUDA
 from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, ServingConfig
@@ -79,6 +84,16 @@ def test_nothing_waits_on_cpu_on_devices_of_their_own_or_on_other_hosts() -> Non
     # Ray: accelerator ids are per node, so device 0 on two nodes is two devices.
     placed = specs("1E+1PD", CUDA, (0,), hosts=("10.0.0.1", "10.0.0.2"))
     assert start_after(placed) == {}
+
+
+def test_the_startup_timeout_counts_once_per_instance_of_the_longest_chain() -> None:
+    """A chain of three on one GPU is three starts end to end; a timeout sized for one start
+    must be given three times, and once where nothing waits."""
+    assert start_stages(start_after(specs("1E+1P+1D", CUDA, (0,)))) == 3
+    assert start_stages(start_after(specs("1E+1P+1D", CUDA, (0, 1)))) == 2
+    assert start_stages(start_after(specs("1E+1P+1D", CUDA, (0, 1, 2)))) == 1
+    assert start_stages(start_after(specs("1E+1P+1D", CPU, (0, 1), colocate=False))) == 1
+    assert start_stages({"c": ("a", "b"), "b": ("a",), "d": ("c",)}) == 4
 
 
 def test_a_start_order_no_server_could_follow_is_refused(tmp_path: Path) -> None:
@@ -183,7 +198,8 @@ def test_a_death_of_the_first_fails_the_start_at_once_naming_it_and_the_second_n
 def test_a_first_that_never_answers_times_out_naming_it_and_the_one_never_started(
     tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The startup timeout is the whole group's, the waiting instance's start included."""
+    """The startup timeout is the whole group's (once per stage), the waiting instance's
+    start included."""
     monkeypatch.setenv(MODE_ENV, "encoder:hang-health")
     settings = cuda_settings(tmp_path, fake_vllm, (0,))
     settings = dataclasses.replace(settings, startup_timeout_s=3.0)
@@ -195,6 +211,21 @@ def test_a_first_that_never_answers_times_out_naming_it_and_the_one_never_starte
         info.value
     )
     assert [s["role"] for s in logged_starts(fake_vllm_start_log)] == ["encoder"]
+
+
+def test_a_chain_whose_starts_each_fit_the_timeout_is_not_cut_short(
+    tmp_path: Path, fake_vllm: Path, fake_vllm_start_log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each start takes 4 s of a 6 s timeout; end to end they take more than 6 s, which a
+    timeout given once for the whole chain would cut."""
+    monkeypatch.setenv(MODE_ENV, "encoder:slow-start=4;pd:slow-start=4")
+    settings = cuda_settings(tmp_path, fake_vllm, (0,))
+    settings = dataclasses.replace(settings, startup_timeout_s=6.0)
+    with TopologySession(TOPOLOGIES["1E+1PD"], settings) as session:
+        encoder, pd = session.servers
+        end_to_end = pd.spawned_wall_s + pd.startup_seconds - encoder.spawned_wall_s
+        assert end_to_end > settings.startup_timeout_s, end_to_end
+    assert [s["role"] for s in logged_starts(fake_vllm_start_log)] == ["encoder", "pd"]
 
 
 def test_on_cpu_every_instance_still_starts_at_once(

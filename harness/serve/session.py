@@ -41,7 +41,7 @@ from harness.serve.proxy import EPDProxy, ProxyFaults
 from harness.serve.proxy_protocol import collect_media
 from harness.serve.tap import TapSet, TapTarget
 from harness.spec.instances import InstanceSpec
-from harness.spec.placement import place_instances, start_after
+from harness.spec.placement import place_instances, start_after, start_stages
 from harness.spec.settings import VLLM_PROXY, ProxyChoice, RunSettings
 from harness.spec.topology import Role, Topology
 
@@ -167,7 +167,8 @@ class TopologySession:
 
     def start_servers(self) -> None:
         """Place the instances (ports held; on GPUs the devices), then start every one that waits
-        for no other (`start_after`; `wait_until_serving` spawns the rest); returns at once. Where they run is the launcher's business (`harness.serve.launcher`).
+        for no other (`start_after`; `wait_until_serving` spawns the rest); returns at once.
+        Where they run is the launcher's business (`harness.serve.launcher`).
 
         Callers that start several topologies side by side (a wave) start them all first and
         then wait for each; on failure the caller must `close()`.
@@ -233,7 +234,7 @@ class TopologySession:
         """Wait until every instance is healthy (a death fails at once), then put the proxy in
         front and open the client."""
         assert self._group is not None, "start_servers() first"
-        self._group.wait_all_ready(self.settings.startup_timeout_s)
+        self._group.wait_all_ready(self._startup_timeout_s())
         self._launcher.check_serving(self.instances)
         for server, spec in zip(self._servers, self.instances):
             stats = self.stats[spec.name]
@@ -279,11 +280,17 @@ class TopologySession:
             )
             self.stats[spec.name] = stats
             revived.append(stats)
-        self._group.wait_all_ready(self.settings.startup_timeout_s)
+        self._group.wait_all_ready(self._startup_timeout_s())
         for stats, server in ((s, self._by_name(s.name)) for s in revived):
             stats.startup_s = server.startup_seconds
             stats.startup_cpu_s = server.cpu_seconds()
         return revived
+
+    def _startup_timeout_s(self) -> float:
+        """The run's startup timeout once per instance that starts after another on its GPU
+        (`start_stages`): a timeout sized for one start must not cut a chain of them short."""
+        assert self._group is not None
+        return self.settings.startup_timeout_s * start_stages(self._group.start_after)
 
     def _by_name(self, name: str) -> ManagedServer:
         return next(server for server in self._servers if server.name == name)

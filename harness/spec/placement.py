@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -497,6 +497,21 @@ def start_after(instances: Sequence[InstanceSpec]) -> dict[str, tuple[str, ...]]
         for device in spec.devices:
             last_on[(spec.host, device)] = spec.name
     return waits
+
+
+def start_stages(order: Mapping[str, Sequence[str]]) -> int:
+    """How many instances the longest `start_after` chain starts one after another (1 when
+    every instance starts at once). The startup timeout is given once per stage: it was sized
+    for one vLLM start (weights, profiling, a KV cache), and a chain of three on one GPU is
+    three starts end to end, which a timeout sized for one would cut short."""
+    depth: dict[str, int] = {}
+
+    def stage(name: str) -> int:
+        if name not in depth:
+            depth[name] = 1 + max((stage(before) for before in order.get(name, ())), default=0)
+        return depth[name]
+
+    return max((stage(name) for name in order), default=1)
 
 
 def _join(devices: Sequence[int]) -> str:
