@@ -173,6 +173,15 @@ def fresh_prefix_request(body: dict[str, Any]) -> dict[str, Any]:
     own salt (a replayed request) keeps it."""
     if body.get(CACHE_SALT):
         return body
+    return cold_request(body)
+
+
+def cold_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The same request under a new `cache_salt`, replacing any it carries: computed as if the
+    instance had never seen it, however often it was sent before. Each send of the baseline's
+    (`harness.run.baseline`, the fuzzer's) goes so: its control sends a request again, and a
+    cache hit there (or on the leading blocks another prompt shares) runs other kernel shapes
+    than the cold prefill each EPD case gets, which on a GPU can flip a near tie."""
     return {**body, CACHE_SALT: f"epd-{uuid.uuid4().hex}"}
 
 
