@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,10 @@ from harness.run import baseline_cache, baseline_launch
 from harness.run.baseline import BaselineAnswers
 from harness.run.baseline_cache import BaselineCache, BaselineCacheError, baseline_key
 from harness.run.baseline_launch import BaselineLaunch, numerics_env
+from harness.run.goldens import GoldenStore, golden_key
 from harness.spec.generations import GENERATIONS_BY_NAME
 from harness.spec.platforms import CPU, CUDA
+from harness.spec.prompts import CACHE_SALT
 from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import ServingConfig, serving_for
 from harness.testing.builders import chat, outcome
@@ -374,6 +377,59 @@ def test_an_entry_stored_without_the_batched_pass_does_not_stand_in_for_a_batche
     again.add({"scenario": bodies["scenario"]})
     again.load_stored()
     assert not again.missing() and again.noise_floor == pytest.approx(fresh.noise_floor)
+
+
+class RecordingBaseline:
+    """A baseline that answers every request alike and keeps every body it was sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def send(self, name: str, body: dict[str, Any]) -> Outcome:
+        with self._lock:
+            self.sent.append(body)
+        return Outcome(name.removesuffix("-partner"), chat((5, 6), top=lambda i, t: [(t, -0.5)]))
+
+    def salts(self) -> list[str | None]:
+        return [body.get(CACHE_SALT) for body in self.sent]
+
+
+def test_every_baseline_send_is_computed_cold_and_keyed_on_the_unsalted_body(
+    tmp_path: Path,
+) -> None:
+    """Every EPD case goes under a cache salt of its own, the baseline's sends went unsalted:
+    its control (the same request again) was served from its own prefix cache, and a prompt
+    sharing leading blocks with an earlier one was partly cached. On a GPU a cache hit runs
+    other kernel shapes than a cold prefill, so a near tie could flip into a spurious
+    UNSTABLE_BASELINE or MISMATCH (found in review). Each send now has a salt of its own; the
+    cache and the goldens stay keyed on the body as rendered, so a warm run still finds them."""
+    cache, goldens = BaselineCache(tmp_path / "cache"), GoldenStore(tmp_path / "goldens")
+    bodies = {"a": {**RUN_BODY, "seed": 1}, "b": {**RUN_BODY, "seed": 2}}
+    answers = BaselineAnswers(run_settings(tmp_path), cache, goldens)
+    answers.add(bodies)
+    baseline = RecordingBaseline()
+    answers.answer_on(baseline)  # type: ignore[arg-type]
+
+    # each alone, each alone again, each batched beside its partner: 2 x 4 sends
+    assert len(baseline.sent) == 8
+    assert all(baseline.salts()), "a baseline send went without a cache salt"
+    assert len(set(baseline.salts())) == len(baseline.sent), "two sends shared a salt"
+    unsalted = [{k: v for k, v in body.items() if k != CACHE_SALT} for body in baseline.sent]
+    assert all(body in bodies.values() for body in unsalted), "the salt changed the request"
+    assert answers.bodies == bodies, "the salt leaked into the recorded bodies"
+    launch = BaselineLaunch.of(answers.settings)
+    for name, body in bodies.items():
+        key = baseline_key(SERVED, answers.settings.serving, answers.digest(), body, launch=launch)
+        assert answers.sources[name]["key"] == key
+        assert (cache.directory / f"{key}.json").is_file()
+        golden = golden_key(answers.settings.serving, answers.digest(), body, launch)
+        assert (goldens.directory / golden).is_dir()
+
+    before = len(baseline.sent)
+    answers.calibrate_batched(baseline, [("request 1", "a"), ("request 2", "a")], 2)  # type: ignore[arg-type]
+    assert len(baseline.sent) == before + 2
+    assert all(baseline.salts()) and len(set(baseline.salts())) == len(baseline.sent)
 
 
 def test_run_json_says_which_cache_entry_answered_for_the_baseline(tmp_path: Path) -> None:

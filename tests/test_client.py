@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import copy
+import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -195,6 +198,9 @@ def test_sampling_fields_ask_for_token_ids() -> None:
     fields = sampling_fields(max_tokens=7, top_logprobs=3, seed=9)
     assert fields == {
         "temperature": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
         "seed": 9,
         "max_tokens": 7,
         "logprobs": True,
@@ -202,6 +208,69 @@ def test_sampling_fields_ask_for_token_ids() -> None:
         "return_token_ids": True,
         "return_tokens_as_token_ids": True,
     }
+
+
+GREEDY_TEST = "self.temperature < _SAMPLING_EPS"
+
+
+def _assigned_literal(tree: ast.AST, name: str) -> Any:
+    """The literal value assigned to `name` (`name = ...` or `name: T = ...`) in `tree`."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
+        ):
+            return ast.literal_eval(node.value)
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == name:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{name} not found")
+
+
+def _greedy_resets(sampling_params: ast.AST) -> set[str]:
+    """The SamplingParams fields `__post_init__` resets for a greedy request (the body of its
+    `if self.temperature < _SAMPLING_EPS:`)."""
+    for node in ast.walk(sampling_params):
+        greedy = isinstance(node, ast.If) and ast.unparse(node.test) == GREEDY_TEST
+        if greedy:
+            return {
+                target.attr
+                for statement in node.body
+                if isinstance(statement, ast.Assign)
+                for target in statement.targets
+                if isinstance(target, ast.Attribute)
+            }
+    raise AssertionError("no greedy branch in SamplingParams")
+
+
+def test_every_default_a_checkpoint_can_give_a_greedy_request_is_pinned() -> None:
+    """vLLM serves with `--generation-config auto`: a chat request's unset sampling fields take
+    the checkpoint's generation_config.json (`ModelConfig.get_diff_sampling_param`), and a
+    greedy request resets only top_p, top_k and min_p. Qwen2.5-VL's ships
+    `repetition_penalty: 1.05`, so on the real checkpoints the greedy choice was penalised
+    while the drift rule read vLLM's raw, unpenalised log-probs (found in review). Read in
+    the installed vLLM: every such field that reaches a greedy choice is pinned, to the chat
+    request's own neutral default."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        pytest.skip("vLLM is not installed in this interpreter")
+    root = Path(spec.origin).parent
+    chat_protocol = root / "entrypoints/openai/chat_completion/protocol.py"
+    if not chat_protocol.is_file():
+        pytest.skip(f"vLLM {root} keeps its chat protocol elsewhere (read for 0.32)")
+    checkpoint = set(
+        _assigned_literal(ast.parse((root / "config/model.py").read_text()), "available_params")
+    )
+    neutral = _assigned_literal(ast.parse(chat_protocol.read_text()), "_DEFAULT_SAMPLING_PARAMS")
+    greedy_resets = _greedy_resets(ast.parse((root / "sampling_params.py").read_text()))
+    assert {"top_p", "top_k", "min_p"} <= greedy_resets
+    reaching = {
+        name: value
+        for name, value in neutral.items()
+        if name in checkpoint and name not in greedy_resets and name != "temperature"
+    }
+    assert "repetition_penalty" in reaching
+    fields = sampling_fields(max_tokens=7)
+    assert {name: fields.get(name) for name in reaching} == reaching
+    assert fields["temperature"] == 0.0
 
 
 # --- guards: kv_transfer ---------------------------------------------------------------------

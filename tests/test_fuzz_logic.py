@@ -35,6 +35,7 @@ from harness.run.scenarios import found_scenarios
 from harness.spec.generations import GENERATIONS_BY_NAME, NEWEST
 from harness.spec.prompt_codec import prompt_from_json, prompt_to_json
 from harness.spec.prompts import (
+    CACHE_SALT,
     MEDIA_PARTS,
     ImagePart,
     PromptSpec,
@@ -43,7 +44,7 @@ from harness.spec.prompts import (
     VideoPart,
 )
 from harness.spec.topology import TOPOLOGIES, ServingConfig
-from harness.testing.builders import case_record
+from harness.testing.builders import case_record, outcome
 
 pytestmark = pytest.mark.unit
 
@@ -737,6 +738,56 @@ def test_shrinking_keeps_a_request_long_enough_to_move_kv(tmp_path: Path) -> Non
     assert "25 prompt tokens, under the space's 34" in engine.too_short(short)
     long_enough = Evaluation(spec, {}, Outcome(prompt="p"), "judged", PromptLayout(34, (), 32))
     assert engine.too_short(long_enough) is None
+
+
+class KeepsBodies:
+    """A served topology (the baseline, or the one under test) that keeps every body it was
+    sent and answers each with an error, or the same ids."""
+
+    served = None
+
+    def __init__(self, error: str | None = None) -> None:
+        self.sent: list[dict] = []
+        self.error = error
+
+    def send(self, name: str, body: dict) -> Outcome:
+        self.sent.append(body)
+        if self.error:
+            return Outcome(name, error=self.error)
+        return outcome(name, (5, 6))
+
+    def dead_instance_report(self) -> None:
+        return None
+
+
+def test_the_fuzzers_baseline_answers_cold_and_its_topology_as_the_traffic_left_it(
+    tmp_path: Path,
+) -> None:
+    """The fuzzer's baseline answer and its control (the same body again, after a failure)
+    went unsalted: the control came from the baseline's own prefix cache, and an example
+    sharing leading blocks with an earlier one (a shrink candidate) was partly cached, on a
+    GPU other kernels than a cold prefill (found in review). Each baseline send has a salt of
+    its own now; the topology's is sent as drawn, since the fuzzer follows what D holds."""
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    settings = RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "model")),
+        run_dir=tmp_path,
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+    )
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"])
+    engine.baseline = baseline = KeepsBodies()  # type: ignore[assignment]
+    engine.session = topology = KeepsBodies(error="HTTP 500")  # type: ignore[assignment]
+    engine.topology_dead = lambda: None  # type: ignore[method-assign]
+    evaluation = engine.send_topology(engine.ask_baseline(image_prompt((56, 56))))
+
+    assert evaluation.record is not None and evaluation.record.verdict is Verdict.ERROR
+    salts = [body.get(CACHE_SALT) for body in baseline.sent]
+    assert len(salts) == 2, "the answer and its control"
+    assert all(salts) and salts[0] != salts[1], f"the baseline's sends had salts {salts}"
+    assert [CACHE_SALT not in body for body in topology.sent] == [True]
+    assert CACHE_SALT not in evaluation.body, "the recorded body is the one drawn"
 
 
 # -- found in review ---------------------------------------------------------------------------

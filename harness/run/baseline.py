@@ -1,6 +1,8 @@
 """The monolithic baseline's answers to a run's requests, and what its controls measured.
 
-Every EPD answer is judged against these, so they are checked before they are trusted:
+Every EPD answer is judged against these, so they are checked before they are trusted (each
+send under a cache salt of its own, `send_cold`, so that every answer is computed cold, as
+each EPD case is):
 
 * the control: each request is sent twice, alone; a baseline that disagrees with itself would
   make EPD look broken when it is not, so its cases get UNSTABLE_BASELINE instead;
@@ -35,10 +37,17 @@ from harness.run.baseline_cache import BaselineCache, baseline_key
 from harness.run.baseline_launch import BaselineLaunch
 from harness.run.goldens import GoldenStore, golden_key
 from harness.serve.session import TopologySession
+from harness.spec.prompts import cold_request
 from harness.spec.settings import RunSettings
 
 BASELINE_NAME = "baseline"
 log = logging.getLogger(__name__)
+
+
+def send_cold(session: TopologySession, name: str, body: dict[str, Any]) -> Outcome:
+    """`body` sent under a cache salt of this send's own (`cold_request`); what is recorded
+    and keyed (`bodies`, the cache, the goldens) stays the body as rendered."""
+    return session.send(name, cold_request(body))
 
 
 @dataclass(frozen=True)
@@ -258,8 +267,8 @@ class BaselineAnswers:
             len(names),
         )
         for name in names:
-            self.outcomes[name] = session.send(name, self.bodies[name])
-        again = {name: session.send(name, self.bodies[name]) for name in names}
+            self.outcomes[name] = send_cold(session, name, self.bodies[name])
+        again = {name: send_cold(session, name, self.bodies[name]) for name in names}
         probes = [n for n in names if self.wants_batched(n)]
         batched = self._batched_pass(session, probes)
         wanted = self.cache is not None or self.goldens is not None
@@ -309,8 +318,8 @@ class BaselineAnswers:
         with ThreadPoolExecutor(max_workers=2) as pool:
             for index, name in enumerate(names):
                 partner = names[(index + 1) % len(names)]
-                mine = pool.submit(session.send, name, self.bodies[name])
-                other = pool.submit(session.send, f"{partner}-partner", self.bodies[partner])
+                mine = pool.submit(send_cold, session, name, self.bodies[name])
+                other = pool.submit(send_cold, session, f"{partner}-partner", self.bodies[partner])
                 batched[name] = mine.result()
                 other.result()
         return batched
@@ -336,7 +345,7 @@ class BaselineAnswers:
         concurrency (`known_calibration`); `measured_for` says what it was measured for."""
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
             sent = [
-                (label, prompt, pool.submit(session.send, prompt, self.bodies[prompt]))
+                (label, prompt, pool.submit(send_cold, session, prompt, self.bodies[prompt]))
                 for label, prompt in requests
             ]
             outcomes = [(label, prompt, future.result()) for label, prompt, future in sent]

@@ -1,8 +1,9 @@
 """The chat client: sends one rendered request and keeps what a token-level comparison needs.
 
-Requests go out greedy (`temperature 0`, fixed `seed`) with `logprobs`, `top_logprobs` and
-vLLM's `return_token_ids`; `return_tokens_as_token_ids` makes every logprob entry read
-`token_id:N`, so the top-k at a divergence is in ids, not in ambiguous decoded strings.
+Requests go out greedy (`temperature 0`, neutral penalties, fixed `seed`) with `logprobs`,
+`top_logprobs` and vLLM's `return_token_ids`; `return_tokens_as_token_ids` makes every logprob
+entry read `token_id:N`, so the top-k at a divergence is in ids, not in ambiguous decoded
+strings.
 
 A body with `stream: true` is read as raw server-sent events (httpx, not the `openai` client,
 whose stream reader skips what it does not understand): every event is kept with the seconds

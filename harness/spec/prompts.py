@@ -109,9 +109,20 @@ def render_part(part: Part) -> dict[str, Any]:
 def sampling_fields(
     max_tokens: int, top_logprobs: int = DEFAULT_TOP_LOGPROBS, seed: int = DEFAULT_SEED
 ) -> dict[str, Any]:
-    """The request fields that make a completion comparable token by token."""
+    """The request fields that make a completion comparable token by token.
+
+    The penalties are pinned to their neutral values because vLLM serves with
+    `--generation-config auto`: a chat request's unset sampling fields take the checkpoint's
+    generation_config.json (`ModelConfig.get_diff_sampling_param`), and a greedy request resets
+    only top_p, top_k and min_p (`SamplingParams.__post_init__`). Qwen2.5-VL's checkpoints ship
+    `repetition_penalty: 1.05`, which would penalise the greedy choice while the log-probs vLLM
+    returns (`logprobs_mode` raw) are unpenalised: the drift rule would weigh a near tie on
+    other numbers than the ones that picked the token."""
     return {
         "temperature": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
         "seed": seed,
         "max_tokens": max_tokens,
         "logprobs": True,
@@ -173,6 +184,15 @@ def fresh_prefix_request(body: dict[str, Any]) -> dict[str, Any]:
     own salt (a replayed request) keeps it."""
     if body.get(CACHE_SALT):
         return body
+    return cold_request(body)
+
+
+def cold_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The same request under a new `cache_salt`, replacing any it carries: computed as if the
+    instance had never seen it, however often it was sent before. Each send of the baseline's
+    (`harness.run.baseline`, the fuzzer's) goes so: its control sends a request again, and a
+    cache hit there (or on the leading blocks another prompt shares) runs other kernel shapes
+    than the cold prefill each EPD case gets, which on a GPU can flip a near tie."""
     return {**body, CACHE_SALT: f"epd-{uuid.uuid4().hex}"}
 
 

@@ -9,6 +9,8 @@ predicts are not sent: a request that kills D on a known bug can show nothing el
 release, and each kill costs a restart. Then the topology answers, the transfer guards are
 read, and the case is judged by the harness's own verdicts (one function, `judge_example`).
 A failure is checked against a second baseline answer (an unstable baseline blames nothing).
+Every baseline send goes under a cache salt of its own (`cold_request`), so neither answer is
+read from the baseline's prefix cache; the topology's go as drawn (what D holds is followed).
 
 An instance that died is noticed before the next request that needs it, and only then is it
 started again, in place (`TopologyPool.revive`: its siblings, storage and proxy keep running;
@@ -47,7 +49,13 @@ from harness.serve.attached import AttachedSession
 from harness.serve.launch import EventCallback
 from harness.serve.session import ProxiedSession, TopologySession
 from harness.spec.placement import side_by_side
-from harness.spec.prompts import MEDIA_PARTS, ImagePart, PromptSpec, render_request
+from harness.spec.prompts import (
+    MEDIA_PARTS,
+    ImagePart,
+    PromptSpec,
+    cold_request,
+    render_request,
+)
 from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, Topology
 
@@ -357,7 +365,7 @@ class FuzzEngine:
         restart = self._ensure_baseline()
         assert self.baseline is not None
         body = render_request(spec, self.settings.serving.served_model_name)
-        answer = self.baseline.send(spec.name, body)
+        answer = self.baseline.send(spec.name, cold_request(body))
         evaluation = Evaluation(spec, body, answer, status="judged", restart_seconds=restart)
         if answer.result is None:
             evaluation.status = "baseline-rejected"
@@ -389,7 +397,7 @@ class FuzzEngine:
         record = judge_example(self.judging, self.topology, evaluation.baseline, candidate, guards)
         if is_failure(record):  # the control: does the baseline agree with itself?
             assert self.baseline is not None
-            again = self.baseline.send(spec.name, evaluation.body)
+            again = self.baseline.send(spec.name, cold_request(evaluation.body))
             control = baseline_stability(evaluation.baseline, again)
             if not control.stable or control.noise_floor:
                 record = judge_example(
