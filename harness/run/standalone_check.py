@@ -34,7 +34,8 @@ Exit codes:
 - 1: a difference: other token ids (the first divergence is printed; a DRIFT the policy does
   not pass included), or a probe answered;
 - 2: an error: an HTTP error, a timeout, an instance that died (named, with the error lines
-  of its log and its last lines), or check.py could not run at all.
+  of its log and its last lines), or check.py could not run at all (an expected.json whose
+  `noise_floor_nats` is no measured floor among the causes, named in one line).
 """
 
 from __future__ import annotations
@@ -515,6 +516,29 @@ def read_reference(path: Path, expected: dict[str, Any], body: dict[str, Any]) -
     return {**expected, **{key: saved[key] for key in REFERENCE_FIELDS}}
 
 
+def read_expected(path: Path) -> dict[str, Any]:
+    """expected.json, its `noise_floor_nats` (absent: 0) a floor the run measured: a finite
+    number of nats, 0 or more. It is the drift rule's tolerance, so any other value (an
+    Infinity, which Python's json reads, made every near tie DRIFT) is ValueError naming the
+    field and the file, as the harness's baseline cache refuses such a floor."""
+    expected = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(expected, dict):
+        raise ValueError(f"{path} holds no JSON object")
+    if "noise_floor_nats" in expected:
+        floor = expected["noise_floor_nats"]
+        if (
+            not isinstance(floor, (int, float))
+            or isinstance(floor, bool)
+            or not math.isfinite(floor)
+            or floor < 0
+        ):
+            raise ValueError(
+                f"{path}: noise_floor_nats is {json.dumps(floor)}, not a measured noise floor "
+                "(a finite number of nats, 0 or more)"
+            )
+    return expected
+
+
 def reference_name(expected: dict[str, Any]) -> str:
     reference = expected.get("reference") or "the reference"
     return "the monolithic baseline" if reference == "baseline" else str(reference)
@@ -543,7 +567,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         body = json.loads((here / "request.json").read_text(encoding="utf-8"))
-        expected = json.loads((here / "expected.json").read_text(encoding="utf-8"))
+        expected = read_expected(here / "expected.json")
+    except (OSError, ValueError) as exc:
+        print(f"check.py: error: cannot run: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    try:
         endpoints = read_endpoints(args.state)
         if (args.save_reference or args.reference) and expected.get("check") != "tokens":
             raise ValueError("this export checks no token ids: it has no reference to keep")
