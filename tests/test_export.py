@@ -608,6 +608,32 @@ def test_check_calls_unreadable_streamed_prompt_ids_an_error_saying_so(
     assert 'event 1: prompt_token_ids is ["1", "2", "3"], not a list of integers' in detail
 
 
+def test_check_says_drift_does_not_apply_to_a_stream_whose_framing_is_broken(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """As the harness's reports (harness.judge.compare.Divergence.drift_not_applicable): the
+    near tie that is DRIFT streamed whole is a MISMATCH streamed without [DONE], and its
+    evidence read "drift: yes" beside the verdict (found in review)."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    body = json.loads(flipped().text)
+    choice = body["choices"][0]
+    chunks = [{"prompt_token_ids": body["prompt_token_ids"], "choices": [{"delta": {}}]}]
+    chunks += [
+        {"choices": [{"token_ids": [t], "logprobs": {"content": [entry]}}]}
+        for t, entry in zip(choice["token_ids"], choice["logprobs"]["content"])
+    ]
+
+    def judged(text: str) -> tuple[str, int, str]:
+        sent = check.Answer("http://x/v1/chat/completions", 200, text, 0.1)
+        return judge(NEAR_TIE_EXPECTED, sent, [], tmp_path, streamed=True)
+
+    assert judged(events(*chunks))[:2] == ("DRIFT", 0)
+    verdict, code, detail = judged(events(*chunks, done=False))
+    assert (verdict, code) == ("MISMATCH", 1)
+    assert "drift: no (not applicable: the stream framing is broken" in detail
+    assert "drift: yes" not in detail
+
+
 @pytest.mark.parametrize(
     "scenario, run_streams, streams, unlike",
     [

@@ -242,9 +242,19 @@ def describe_difference(
     return "\n".join(lines)
 
 
-def compare_tokens(expected: dict[str, Any], response: dict[str, Any]) -> tuple[str, str | None]:
+# Why a stream with broken framing is no drift, as harness/judge/compare.py says it.
+FRAMING_BROKEN = (
+    "no (not applicable: the stream framing is broken, so its ids are no answer a client "
+    "could read)"
+)
+
+
+def compare_tokens(
+    expected: dict[str, Any], response: dict[str, Any], broken: bool = False
+) -> tuple[str, str | None]:
     """("MATCH", None) when prompt and generated ids equal the expected ones, else the verdict
-    ("MISMATCH", or "DRIFT": `drift`) and the first divergence."""
+    ("MISMATCH", or "DRIFT": `drift`) and the first divergence; `broken`: the ids came in a
+    stream whose framing is broken, so no difference is drift."""
     try:
         prompt_ids = list(response["prompt_token_ids"])
         token_ids = list(response["choices"][0]["token_ids"])
@@ -261,7 +271,7 @@ def compare_tokens(expected: dict[str, Any], response: dict[str, Any]) -> tuple[
     expected_top = (expected.get("top_logprobs") or [])[index : index + 1]
     tops = (expected_top[0] if expected_top else None, top_logprobs(response, index))
     detail = describe_difference("generated", expected["token_ids"], token_ids, index, tops)
-    noise = drift(expected, response, token_ids, index, tops)
+    noise = FRAMING_BROKEN if broken else drift(expected, response, token_ids, index, tops)
     return ("DRIFT" if noise.startswith("yes") else "MISMATCH"), f"{detail}\n  drift: {noise}"
 
 
@@ -525,7 +535,7 @@ def tokens_verdict(
 ) -> tuple[str, int, str]:
     """(verdict, exit code, evidence) of an answer's ids against `expected`'s, DRIFT passing
     or not as its policy says; `broken`: a streamed answer's framing was wrong (a MISMATCH)."""
-    verdict, difference = compare_tokens(expected, response)
+    verdict, difference = compare_tokens(expected, response, broken is not None)
     if broken is not None:
         return "MISMATCH", EXIT_DIFFERENCE, "; ".join(filter(None, (broken, difference)))
     if verdict == "DRIFT":
