@@ -126,6 +126,23 @@ def test_a_stored_noise_floor_that_is_no_measurement_is_a_corrupt_entry(
         cache.load("k", "image")
 
 
+@pytest.mark.parametrize("batched", ["false", "true", 0, 1, None, [False]], ids=repr)
+def test_a_stored_batched_flag_that_is_no_boolean_is_a_corrupt_entry(
+    tmp_path: Path, batched: object
+) -> None:
+    """`batched` says whether the batched pass measured the answer (an answer that only had
+    the control must not pass for one that was batched); read with bool(), a stored "false"
+    read True. A non-boolean is refused as any corrupt entry is, naming the file and field."""
+    cache = BaselineCache(tmp_path)
+    cache.store("k", Outcome(prompt="image", result=RESULT), noise_floor_nats=0.25)
+    entry = json.loads(cache.path("k").read_text())
+    cache.path("k").write_text(json.dumps({**entry, "batched": batched}))
+    with pytest.raises(
+        BaselineCacheError, match=r"corrupt baseline cache entry .*k\.json: batched"
+    ):
+        cache.load("k", "image")
+
+
 # -- the baseline's launch: argv, environment (rendered and inherited), device ----------------
 
 RUN_BODY = {"model": "epd-model", "messages": [{"role": "user", "content": "hi"}], "seed": 1}

@@ -18,6 +18,7 @@ from harness.judge.guards import GuardResult
 from harness.judge.policy import PD_DRIFT
 from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
+from harness.outcomes.stream import StreamRecord
 from harness.report import bundle as bundle_module
 from harness.report.bundle import (
     REDACTED,
@@ -92,9 +93,12 @@ def sample_run() -> tuple[list[CaseRecord], dict]:
     return records, responses
 
 
-def near_tie_case(candidate_prompt_ids: tuple[int, ...]) -> tuple[CaseRecord, dict]:
+def near_tie_case(
+    candidate_prompt_ids: tuple[int, ...], stream: StreamRecord | None = None
+) -> tuple[CaseRecord, dict]:
     """1P+1D against the baseline under pd-drift with a 0.05-nat floor: both sides 0.01 nats
-    between their own token and the other's at DIVERGENCE, the prefix log-probs equal."""
+    between their own token and the other's at DIVERGENCE, the prefix log-probs equal;
+    `stream`: how the candidate's answer was streamed."""
 
     def near_tie(tokens: list[int], other: int, prompt_ids: tuple[int, ...]) -> Outcome:
         def top(i: int, t: int) -> list[tuple[int, float]]:
@@ -104,6 +108,7 @@ def near_tie_case(candidate_prompt_ids: tuple[int, ...]) -> tuple[CaseRecord, di
 
     reference = near_tie(REFERENCE_IDS, 555, (1, 2, 3, 4))
     candidate = near_tie(CANDIDATE_IDS, REFERENCE_IDS[DIVERGENCE], candidate_prompt_ids)
+    candidate = dataclasses.replace(candidate, stream=stream)
     record = judged(
         "1P+1D", "baseline", reference, candidate, reference_policy=PD_DRIFT, tolerance=0.05
     )
@@ -129,6 +134,26 @@ def test_every_report_says_drift_does_not_apply_when_the_prompt_ids_differ():
         ("report.html", render_report_html([record], responses, {})),
     ):
         assert "drift: no (not applicable: the prompt ids differ" in text, name
+        assert "drift: yes" not in text, name
+
+
+def test_every_report_says_drift_does_not_apply_when_the_stream_framing_is_broken():
+    """Broken framing makes the case a MISMATCH whatever the ids say, yet the evidence read
+    "drift: yes" beside it when the ids parted at a near-tie within the floor (found in
+    review); each report now says drift does not apply, and why. The same ids streamed
+    whole are the DRIFT they look like."""
+    whole = StreamRecord(content_type="text/event-stream", done_last=True)
+    clean, _ = near_tie_case((1, 2, 3, 4), stream=whole)
+    assert clean.verdict is Verdict.DRIFT and "drift: yes" in format_failure(clean)
+    broken = dataclasses.replace(whole, problems=["chunk 3 carries prompt_token_ids again"])
+    record, responses = near_tie_case((1, 2, 3, 4), stream=broken)
+    assert record.verdict is Verdict.MISMATCH and record.divergence["drift"] is False
+    for name, text in (
+        ("failure block", format_failure(record)),
+        ("diff.md", render_diff_md([record])),
+        ("report.html", render_report_html([record], responses, {})),
+    ):
+        assert "drift: no (not applicable: the stream framing is broken" in text, name
         assert "drift: yes" not in text, name
 
 

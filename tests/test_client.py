@@ -6,6 +6,7 @@ import ast
 import copy
 import importlib.util
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +159,39 @@ def test_ids_that_are_not_integers_are_a_broken_answer(field: str, value: object
         body["prompt_token_ids"] = value
     with pytest.raises(ValueError, match=f"the answer's {field} are not a list of integers"):
         parse_chat_response(body)
+
+
+@pytest.mark.parametrize(
+    "usage, problem",
+    [
+        (
+            {"prompt_tokens_details": {"cached_tokens": "64"}},
+            'usage.prompt_tokens_details.cached_tokens is "64", not an',
+        ),
+        (
+            {"prompt_tokens_details": {"cached_tokens": 64.0}},
+            "usage.prompt_tokens_details.cached_tokens is 64.0, not an",
+        ),
+        (
+            {"prompt_tokens_details": {"cached_tokens": True}},
+            "usage.prompt_tokens_details.cached_tokens is true, not an",
+        ),
+        (
+            {"prompt_tokens_details": {"cached_tokens": [64]}},
+            "usage.prompt_tokens_details.cached_tokens is [64], not an",
+        ),
+        ({"prompt_tokens_details": [64]}, "usage.prompt_tokens_details is [64], not an object"),
+        ("64 cached", 'usage is "64 cached", not an object'),
+    ],
+    ids=["string", "float", "boolean", "list", "details-list", "usage-string"],
+)
+def test_cached_tokens_of_another_shape_are_a_broken_answer(usage: object, problem: str) -> None:
+    """cached_tokens is the KV guard's evidence that KV reached D: a string "64" was carried
+    as it was (to a TypeError in the guard), a float or a boolean compared as a count (True
+    as 1), a list of details raised AttributeError, read like the harness's own crash. As
+    the stream reader (harness/outcomes/stream.py): a broken answer naming the field."""
+    with pytest.raises(ValueError, match=re.escape(f"the answer's {problem}")):
+        parse_chat_response(body_with(usage=usage))
 
 
 def test_no_choices_is_a_value_error() -> None:

@@ -483,17 +483,21 @@ def events(*chunks: object, done: bool = True) -> str:
     return "".join(lines) + ("data: [DONE]\n\n" if done else "")
 
 
-def streamed(prompt: list[int], tokens: list[int], done: bool = True) -> str:
-    """vLLM's stream with return_token_ids: the role chunk carries the prompt ids, each later
+def stream_chunks(prompt: list[int], tokens: list[int]) -> list[dict]:
+    """vLLM's chunks with return_token_ids: the role chunk carries the prompt ids, each later
     chunk a generated id and its log-probs, the last one the usage."""
     whole = response(prompt, tokens)["choices"][0]["logprobs"]["content"]
-    chunks: list[object] = [{"prompt_token_ids": prompt, "choices": [{"delta": {"role": "a"}}]}]
+    chunks: list[dict] = [{"prompt_token_ids": prompt, "choices": [{"delta": {"role": "a"}}]}]
     chunks += [
         {"choices": [{"token_ids": [t], "logprobs": {"content": [whole[i]]}}]}
         for i, t in enumerate(tokens)
     ]
     chunks.append({"choices": [], "usage": {"completion_tokens": len(tokens)}})
-    return events(*chunks, done=done)
+    return chunks
+
+
+def streamed(prompt: list[int], tokens: list[int], done: bool = True) -> str:
+    return events(*stream_chunks(prompt, tokens), done=done)
 
 
 def test_check_reads_a_streamed_answer_from_its_events(tmp_path: Path, monkeypatch) -> None:
@@ -515,6 +519,119 @@ def test_check_reads_a_streamed_answer_from_its_events(tmp_path: Path, monkeypat
     assert (verdict, code) == ("ERROR", 2) and "engine dead" in detail
     assert judged(events("not json"))[:2] == ("ERROR", 2)
     assert judged(streamed([1, 2, 3], [7, 8, 9, 10]) + "data: {}\n\n")[:2] == ("ERROR", 2)
+
+
+def first_token_choice(**fields: object) -> list[dict]:
+    """The stream of EXPECTED's answer with `fields` of its first token chunk's (event 2's)
+    choice replaced."""
+    chunks = stream_chunks([1, 2, 3], [7, 8, 9, 10])
+    chunks[1]["choices"][0].update(fields)
+    return chunks
+
+
+def first_token_chunk(**fields: object) -> list[dict]:
+    """The stream of EXPECTED's answer with `fields` of its first token chunk (event 2)
+    replaced."""
+    chunks = stream_chunks([1, 2, 3], [7, 8, 9, 10])
+    chunks[1].update(fields)
+    return chunks
+
+
+def judged_stream(text: str, tmp_path: Path) -> tuple[str, int, str]:
+    sent = check.Answer("http://x/v1/chat/completions", 200, text, 0.1)
+    return judge(EXPECTED, sent, [], tmp_path, streamed=True)
+
+
+@pytest.mark.parametrize(
+    "chunks, problem",
+    [
+        (first_token_chunk(choices=[None]), "choices[0] is null, not an object"),
+        (first_token_chunk(choices={}), "choices is {}, not a list"),
+        (first_token_choice(delta="t8"), 'choices[0].delta is "t8", not an object'),
+        (first_token_choice(delta={"content": 8}), "choices[0].delta.content is 8, not a"),
+        (first_token_choice(token_ids=5), "choices[0].token_ids is 5, not a list of integers"),
+        (first_token_choice(token_ids=["8"]), 'choices[0].token_ids is ["8"], not a list of'),
+        (first_token_choice(token_ids=[True]), "choices[0].token_ids is [true], not a list of"),
+        (first_token_choice(logprobs=[None]), "choices[0].logprobs is [null], not an object"),
+        (first_token_choice(logprobs={"content": 1}), "choices[0].logprobs.content is 1, not a"),
+        (first_token_choice(logprobs={"content": [None]}), "choices[0].logprobs.content[0] is"),
+        (first_token_choice(finish_reason=1), "choices[0].finish_reason is 1, not a string"),
+    ],
+    ids=[
+        "choice-null",
+        "choices-object",
+        "delta-string",
+        "content-number",
+        "ids-number",
+        "ids-strings",
+        "ids-booleans",
+        "logprobs-list",
+        "logprob-entries-number",
+        "logprob-entry-null",
+        "finish-number",
+    ],
+)
+def test_check_calls_a_malformed_stream_chunk_a_difference_naming_its_event(
+    tmp_path: Path, monkeypatch, chunks: list[dict], problem: str
+) -> None:
+    """As the harness's reader (harness/outcomes/stream.py): a chunk of another shape than
+    vLLM's made check.py raise (AttributeError, TypeError: a traceback, exit 1 from Python,
+    read as a reproduced MISMATCH) or read booleans as ids; it is a framing problem naming its
+    event, the chunk is not read, and the answer is a MISMATCH, exit 1."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    verdict, code, detail = judged_stream(events(*chunks), tmp_path)
+    assert (verdict, code) == ("MISMATCH", 1), detail
+    assert f"event 2: {problem}" in detail
+
+
+def test_check_calls_a_malformed_chunk_among_whole_ones_a_mismatch_not_a_match(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The ids the other chunks carried equal the expected ones; the stream is still broken."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    whole = stream_chunks([1, 2, 3], [7, 8, 9, 10])
+    text = events(whole[0], {"choices": [None]}, *whole[1:])
+    verdict, code, detail = judged_stream(text, tmp_path)
+    assert (verdict, code) == ("MISMATCH", 1)
+    assert "event 2: choices[0] is null, not an object" in detail
+
+
+def test_check_calls_unreadable_streamed_prompt_ids_an_error_saying_so(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The harness fails such a stream (StreamFailed: ERROR): no prompt ids, no answer."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    chunks = stream_chunks([1, 2, 3], [7, 8, 9, 10])
+    chunks[0]["prompt_token_ids"] = ["1", "2", "3"]
+    verdict, code, detail = judged_stream(events(*chunks), tmp_path)
+    assert (verdict, code) == ("ERROR", 2)
+    assert 'event 1: prompt_token_ids is ["1", "2", "3"], not a list of integers' in detail
+
+
+def test_check_says_drift_does_not_apply_to_a_stream_whose_framing_is_broken(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """As the harness's reports (harness.judge.compare.Divergence.drift_not_applicable): the
+    near tie that is DRIFT streamed whole is a MISMATCH streamed without [DONE], and its
+    evidence read "drift: yes" beside the verdict (found in review)."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    body = json.loads(flipped().text)
+    choice = body["choices"][0]
+    chunks = [{"prompt_token_ids": body["prompt_token_ids"], "choices": [{"delta": {}}]}]
+    chunks += [
+        {"choices": [{"token_ids": [t], "logprobs": {"content": [entry]}}]}
+        for t, entry in zip(choice["token_ids"], choice["logprobs"]["content"])
+    ]
+
+    def judged(text: str) -> tuple[str, int, str]:
+        sent = check.Answer("http://x/v1/chat/completions", 200, text, 0.1)
+        return judge(NEAR_TIE_EXPECTED, sent, [], tmp_path, streamed=True)
+
+    assert judged(events(*chunks))[:2] == ("DRIFT", 0)
+    verdict, code, detail = judged(events(*chunks, done=False))
+    assert (verdict, code) == ("MISMATCH", 1)
+    assert "drift: no (not applicable: the stream framing is broken" in detail
+    assert "drift: yes" not in detail
 
 
 @pytest.mark.parametrize(

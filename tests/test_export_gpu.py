@@ -386,6 +386,21 @@ def test_expected_json_carries_the_policy_floor_and_where_it_was_recorded(
     assert "recorded on the recording host" in (out / "ISSUE.md").read_text()
 
 
+@pytest.mark.parametrize("floor", [float("inf"), float("nan"), -0.25, "0.05", True])
+def test_a_recorded_noise_floor_that_is_no_measurement_is_refused_not_exported(
+    tmp_path: Path, floor: object
+) -> None:
+    """An inf floor in summary.json was written into expected.json as it was (`inf >= 0`),
+    an export whose check.py then refuses it or, before, called every near tie DRIFT; a
+    string or a boolean was skipped or read as 1. The export names the file and the field."""
+    run = gpu_bundle(tmp_path, verdict="MISMATCH")
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "noise_floor_nats": floor}))
+    with pytest.raises(BadInput, match=r"summary\.json: noise_floor_nats is .*not a measured"):
+        write_export(plan_for(run), tmp_path / "export", REPAIR)
+    assert not (tmp_path / "export" / "expected.json").exists()
+
+
 # -- the vLLM it runs ------------------------------------------------------------------------------
 
 

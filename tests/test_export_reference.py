@@ -399,3 +399,23 @@ def test_an_answer_kept_for_another_request_is_refused_not_judged(
     done = check_against(out, answering(FLIPPED), kept("1P+1D", TIED, out=out))
     assert done.returncode == 1, done.stdout + done.stderr  # judged, as before
     assert "against 1P+1D's answer produced here: MISMATCH" in done.stdout
+
+
+@pytest.mark.parametrize("floor", ["Infinity", "NaN", "-0.25", '"0.05"', "true", "null"])
+def test_an_expected_json_whose_noise_floor_is_no_measurement_is_refused_not_judged(
+    tmp_path: Path, answering, floor: str
+) -> None:
+    """The floor is the tolerance of the drift rule: an Infinity (Python's json writes and
+    reads it) made check.py call every near tie DRIFT, exit 0, a bug 'not reproduced'; a
+    string crashed it. As the harness's baseline cache refuses such a floor, check.py exits 2
+    on one line naming the field and the file, and judges nothing."""
+    out = near_tie_export(tmp_path, "MISMATCH")
+    path = out / "expected.json"
+    text = path.read_text()
+    assert '"noise_floor_nats": 0.05' in text
+    path.write_text(text.replace('"noise_floor_nats": 0.05', f'"noise_floor_nats": {floor}'))
+    done = check_against(out, answering(FLIPPED), None)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "noise_floor_nats" in done.stderr and str(path) in done.stderr
+    assert "DRIFT" not in done.stdout and "MISMATCH" not in done.stdout

@@ -264,6 +264,27 @@ def test_the_planted_fault_relays_the_first_token_chunk_twice_and_nothing_else()
     assert carries_tokens(events[1].rstrip()) and not carries_tokens(events[0].rstrip())
 
 
+@pytest.mark.parametrize(
+    "choices",
+    [{"0": {"token_ids": [40]}}, {"a": 1}, "t40", 40, [None], [[40]]],
+    ids=["object-keyed-0", "object", "string", "number", "null-choice", "list-choice"],
+)
+def test_the_planted_fault_relays_a_malformed_chunk_once_and_doubles_the_next_token_chunk(
+    choices: object,
+) -> None:
+    """A chunk whose `choices` is a non-empty object made carries_tokens raise KeyError
+    (`choices[0]`), breaking the proxy's relay mid-stream (found in review): such a chunk
+    carries no tokens a client reads, so it is relayed once and the fault doubles the first
+    chunk that does."""
+    events = encode(vllm_chunks())
+    odd = encode([{"choices": choices}], done=False)[0]
+    assert not carries_tokens(odd.rstrip())
+    stream = b"".join([events[0], odd, *events[1:]])
+    rewriter = FirstTokenChunkTwice()
+    out = rewriter.feed(stream) + rewriter.flush()
+    assert out == b"".join([events[0], odd, events[1], events[1], *events[2:]])
+
+
 def test_streaming_request_asks_for_usage() -> None:
     body = streaming_request({"model": "m", "messages": []})
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}

@@ -18,6 +18,7 @@ MISMATCH.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,12 +51,20 @@ class Divergence:
     prefix_delta: float | None
     tolerance: float  # nats: the measured noise floor the drift rule allows
     prompt_ids_equal: bool  # both sides answered the same prompt ids
+    # The candidate's stream broke its framing: its ids are not an answer a client could read
+    # (harness.judge.verdicts makes the case a MISMATCH whatever they say).
+    framing_broken: bool = False
 
     @property
     def drift_not_applicable(self) -> str | None:
         """Why the drift rule cannot excuse this divergence whatever the log-probs say, or None
         when it can. Drift is noise between two answers to one prompt at a position both
         generated: the renderers print this reason, so no MISMATCH reads "drift: yes"."""
+        if self.framing_broken:
+            return (
+                "not applicable: the stream framing is broken, so its ids are no answer a "
+                "client could read"
+            )
         if not self.prompt_ids_equal:
             return (
                 "not applicable: the prompt ids differ, and drift is noise between answers to "
@@ -129,6 +138,14 @@ class TokenComparison:
     @property
     def exact(self) -> bool:
         return self.prompt_ids_equal and self.tokens_equal
+
+    def with_broken_framing(self) -> TokenComparison:
+        """This comparison of ids a stream with broken framing carried: no drift applies."""
+        if self.divergence is None:
+            return self
+        return dataclasses.replace(
+            self, divergence=dataclasses.replace(self.divergence, framing_broken=True)
+        )
 
     def headline(self) -> str:
         """One line, fit for a table cell or a log line."""

@@ -164,6 +164,7 @@ def _against(
         framing = candidate.stream
         if framing is not None and not framing.ok:
             verdict = Verdict.MISMATCH
+            comparison = comparison.with_broken_framing()
             detail = f"stream framing broken: {'; '.join(framing.problems)}; {detail}"
     if candidate.stream is not None:
         checks[STREAM_CHECK] = {"ok": candidate.stream.ok, "evidence": candidate.stream.describe()}

@@ -117,13 +117,36 @@ def parse_chat_response(body: dict[str, Any]) -> ChatResult:
     positions = [
         position_logprobs(entry) for entry in (choice.get("logprobs") or {}).get("content") or []
     ]
-    details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
     return ChatResult(
         prompt_token_ids=prompt_token_ids,
         token_ids=token_ids,
         text=(choice.get("message") or {}).get("content") or "",
         finish_reason=choice.get("finish_reason"),
         logprobs=tuple(positions),
-        cached_tokens=details.get("cached_tokens"),
+        cached_tokens=cached_tokens(body.get("usage")),
         raw=body,
     )
+
+
+def cached_tokens(usage: Any) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens` (None: not reported), the KV guard's
+    evidence: of another shape than vLLM's it is a broken answer (ValueError naming the
+    field), as the stream reader (harness.outcomes.stream) makes it a problem, never a count
+    the guard compares (a string raised there; True counted as 1)."""
+    details = _optional_object(usage, "usage").get("prompt_tokens_details")
+    cached = _optional_object(details, "usage.prompt_tokens_details").get("cached_tokens")
+    if cached is not None and (not isinstance(cached, int) or isinstance(cached, bool)):
+        raise ValueError(
+            "the answer's usage.prompt_tokens_details.cached_tokens is "
+            f"{json.dumps(cached)[:120]}, not an integer"
+        )
+    return cached
+
+
+def _optional_object(value: Any, field: str) -> dict[str, Any]:
+    """An optional object of the answer: {} when absent (null)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"the answer's {field} is {json.dumps(value)[:120]}, not an object")
+    return value

@@ -179,6 +179,14 @@ def _measured_floor(value: Any) -> float:
     return float(value)
 
 
+def _stored_flag(value: Any) -> bool:
+    """The stored `batched`: a JSON boolean; anything else is ValueError (a corrupt entry:
+    bool() read a stored "false" as True, an answer that only had the control as batched)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"batched is {value!r}, not a boolean")
+    return value
+
+
 class BaselineCache:
     """`refresh=True` ignores what was stored before this run (and overwrites it):
     `--refresh-baseline`. What this run stored is read like any entry, so one run refreshes
@@ -230,7 +238,7 @@ class BaselineCache:
                 outcome,
                 _measured_floor(data["noise_floor_nats"]),
                 str(data["batch_detail"]),
-                bool(data["batched"]),
+                _stored_flag(data["batched"]),
                 CacheProvenance.from_json(data),
                 path,
             )

@@ -30,6 +30,7 @@ import base64
 import copy
 import hashlib
 import json
+import math
 import mimetypes
 import re
 import shlex
@@ -795,11 +796,30 @@ def reference_policy(bundle: Bundle) -> ReferencePolicy:
 
 def noise_floor(bundle: Bundle, record: dict[str, Any]) -> float:
     """The tolerance the harness judged the case with (its divergence's), else the run's
-    measured noise floor (summary.json, run.json); 0 when none was recorded."""
-    for source in (record.get("divergence") or {}, bundle.summary, bundle.run):
-        value = source.get("tolerance", source.get("noise_floor_nats"))
-        if isinstance(value, int | float) and value >= 0:
-            return float(value)
+    measured noise floor (summary.json, run.json); 0 when none was recorded. A recorded one
+    that is no measurement (inf, NaN, negative, not a number) is BadInput naming the file and
+    the field: it would be check.py's drift tolerance (an inf one passes every near tie)."""
+    sources = (
+        ("summary.json", record.get("divergence") or {}),
+        ("summary.json", bundle.summary),
+        ("run.json", bundle.run),
+    )
+    for file, source in sources:
+        field = "tolerance" if "tolerance" in source else "noise_floor_nats"
+        value = source.get(field)
+        if value is None:
+            continue
+        if (
+            not isinstance(value, int | float)
+            or isinstance(value, bool)
+            or not math.isfinite(value)
+            or value < 0
+        ):
+            raise BadInput(
+                f"{bundle.path / file}: {field} is {value!r}, not a measured noise floor "
+                "(a finite number of nats, 0 or more)"
+            )
+        return float(value)
     return 0.0
 
 

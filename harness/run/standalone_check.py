@@ -34,7 +34,8 @@ Exit codes:
 - 1: a difference: other token ids (the first divergence is printed; a DRIFT the policy does
   not pass included), or a probe answered;
 - 2: an error: an HTTP error, a timeout, an instance that died (named, with the error lines
-  of its log and its last lines), or check.py could not run at all.
+  of its log and its last lines), or check.py could not run at all (an expected.json whose
+  `noise_floor_nats` is no measured floor among the causes, named in one line).
 """
 
 from __future__ import annotations
@@ -241,9 +242,19 @@ def describe_difference(
     return "\n".join(lines)
 
 
-def compare_tokens(expected: dict[str, Any], response: dict[str, Any]) -> tuple[str, str | None]:
+# Why a stream with broken framing is no drift, as harness/judge/compare.py says it.
+FRAMING_BROKEN = (
+    "no (not applicable: the stream framing is broken, so its ids are no answer a client "
+    "could read)"
+)
+
+
+def compare_tokens(
+    expected: dict[str, Any], response: dict[str, Any], broken: bool = False
+) -> tuple[str, str | None]:
     """("MATCH", None) when prompt and generated ids equal the expected ones, else the verdict
-    ("MISMATCH", or "DRIFT": `drift`) and the first divergence."""
+    ("MISMATCH", or "DRIFT": `drift`) and the first divergence; `broken`: the ids came in a
+    stream whose framing is broken, so no difference is drift."""
     try:
         prompt_ids = list(response["prompt_token_ids"])
         token_ids = list(response["choices"][0]["token_ids"])
@@ -260,7 +271,7 @@ def compare_tokens(expected: dict[str, Any], response: dict[str, Any]) -> tuple[
     expected_top = (expected.get("top_logprobs") or [])[index : index + 1]
     tops = (expected_top[0] if expected_top else None, top_logprobs(response, index))
     detail = describe_difference("generated", expected["token_ids"], token_ids, index, tops)
-    noise = drift(expected, response, token_ids, index, tops)
+    noise = FRAMING_BROKEN if broken else drift(expected, response, token_ids, index, tops)
     return ("DRIFT" if noise.startswith("yes") else "MISMATCH"), f"{detail}\n  drift: {noise}"
 
 
@@ -314,19 +325,88 @@ def drift(
     return f"no ({shown}; {where})"
 
 
+class Unreadable(Exception):
+    """A field of a streamed chunk has another shape than vLLM sends; the message says which."""
+
+
+def shown(value: Any) -> str:
+    return json.dumps(value)[:120]
+
+
+def an_object(value: Any, where: str) -> dict[str, Any]:
+    """An optional object field: {} when absent (null)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise Unreadable(f"{where} is {shown(value)}, not an object")
+    return value
+
+
+def integers(value: Any, where: str) -> list[int]:
+    """Token ids: a list of integers (a boolean is none: True would equal id 1)."""
+    if not isinstance(value, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in value
+    ):
+        raise Unreadable(f"{where} is {shown(value)}, not a list of integers")
+    return value
+
+
+def readable_logprob(entry: Any) -> bool:
+    """A log-prob entry of `token_id:N` tokens, as top_logprobs and chosen_logprob read it."""
+    try:
+        for item in (entry, *(entry.get("top_logprobs") or [])):
+            prefix, _, number = str(item["token"]).partition(":")
+            if prefix != "token_id" or not number.lstrip("-").isdigit():
+                return False
+            float(item["logprob"])
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return False
+    return True
+
+
+def read_choice(choice: Any, where: str) -> tuple[list[int], list[Any]]:
+    """One streamed choice's generated ids and log-prob entries, or Unreadable naming its first
+    field of another shape (as the harness's harness/outcomes/stream.py reads a chunk)."""
+    if not isinstance(choice, dict):
+        raise Unreadable(f"{where} is {shown(choice)}, not an object")
+    content = an_object(choice.get("delta"), f"{where}.delta").get("content")
+    if content is not None and not isinstance(content, str):
+        raise Unreadable(f"{where}.delta.content is {shown(content)}, not a string")
+    ids = choice.get("token_ids")
+    token_ids = [] if ids is None else integers(ids, f"{where}.token_ids")
+    entries = an_object(choice.get("logprobs"), f"{where}.logprobs").get("content")
+    if entries is not None and not isinstance(entries, list):
+        raise Unreadable(f"{where}.logprobs.content is {shown(entries)}, not a list")
+    for n, entry in enumerate(entries or []):
+        if not readable_logprob(entry):
+            raise Unreadable(
+                f"{where}.logprobs.content[{n}] is {shown(entry)}, not a log-prob entry of "
+                "token_id:N tokens"
+            )
+    finish = choice.get("finish_reason")
+    if finish is not None and not isinstance(finish, str):
+        raise Unreadable(f"{where}.finish_reason is {shown(finish)}, not a string")
+    return token_ids, entries or []
+
+
 def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
     """A streamed answer (`stream: true` in request.json, as the run sent it) read into the
     shape of an unstreamed one: the first chunk's `prompt_token_ids`, every chunk's generated
-    `token_ids` and log-probs in order. (None, why) for a stream that reported an error (an
-    ERROR), (answer, why) for one that ended without `[DONE]` last (a MISMATCH: a client
-    would wait or fail), (answer, None) for a whole one."""
+    `token_ids` and log-probs in order. (None, why) for a stream that reported an error, or
+    whose prompt ids cannot be read (an ERROR); (answer, why) for one whose framing is broken
+    (a MISMATCH: a client would wait or fail): `[DONE]` not last, or a chunk of another shape
+    than vLLM sends (a null choice, ids that are not integers), which is named by its event
+    and not read, as the harness's reader does; (answer, None) for a whole one."""
     prompt_ids: list[int] | None = None
     token_ids: list[int] = []
     content: list[Any] = []
+    problems: list[str] = []
     done = False
+    event = 0
     for line in text.splitlines():
         if not line.startswith("data:"):
             continue
+        event += 1
         data = line[len("data:") :].strip()
         if done:
             return None, f"an event after [DONE]: {data[:200]}"
@@ -341,17 +421,33 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
             return None, f"an event that is not a JSON object: {data[:200]}"
         if "error" in chunk:
             return None, f"the stream reported an error: {json.dumps(chunk['error'])[:600]}"
-        if chunk.get("prompt_token_ids") is not None:
-            prompt_ids = list(chunk["prompt_token_ids"])
-        for choice in chunk.get("choices") or []:
-            token_ids += choice.get("token_ids") or []
-            content += (choice.get("logprobs") or {}).get("content") or []
+        try:
+            if chunk.get("prompt_token_ids") is not None:
+                try:
+                    prompt_ids = integers(chunk["prompt_token_ids"], "prompt_token_ids")
+                except Unreadable as exc:
+                    return (
+                        None,
+                        f"the stream's prompt_token_ids are unreadable: event {event}: {exc}",
+                    )
+            choices = chunk.get("choices")
+            if choices is not None and not isinstance(choices, list):
+                raise Unreadable(f"choices is {shown(choices)}, not a list")
+            read = [read_choice(c, f"choices[{n}]") for n, c in enumerate(choices or [])]
+        except Unreadable as exc:
+            problems.append(f"event {event}: {exc} (its chunk is not read)")
+            continue
+        for ids, entries in read:
+            token_ids += ids
+            content += entries
     answer: dict[str, Any] = {
         "choices": [{"token_ids": token_ids, "logprobs": {"content": content}}],
     }
     if prompt_ids is not None:
         answer["prompt_token_ids"] = prompt_ids
-    return answer, None if done else "the stream ended without [DONE]"
+    if not done:
+        problems.append("the stream ended without [DONE]")
+    return answer, "; ".join(problems) or None
 
 
 @dataclass(frozen=True)
@@ -439,7 +535,7 @@ def tokens_verdict(
 ) -> tuple[str, int, str]:
     """(verdict, exit code, evidence) of an answer's ids against `expected`'s, DRIFT passing
     or not as its policy says; `broken`: a streamed answer's framing was wrong (a MISMATCH)."""
-    verdict, difference = compare_tokens(expected, response)
+    verdict, difference = compare_tokens(expected, response, broken is not None)
     if broken is not None:
         return "MISMATCH", EXIT_DIFFERENCE, "; ".join(filter(None, (broken, difference)))
     if verdict == "DRIFT":
@@ -515,6 +611,29 @@ def read_reference(path: Path, expected: dict[str, Any], body: dict[str, Any]) -
     return {**expected, **{key: saved[key] for key in REFERENCE_FIELDS}}
 
 
+def read_expected(path: Path) -> dict[str, Any]:
+    """expected.json, its `noise_floor_nats` (absent: 0) a floor the run measured: a finite
+    number of nats, 0 or more. It is the drift rule's tolerance, so any other value (an
+    Infinity, which Python's json reads, made every near tie DRIFT) is ValueError naming the
+    field and the file, as the harness's baseline cache refuses such a floor."""
+    expected = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(expected, dict):
+        raise ValueError(f"{path} holds no JSON object")
+    if "noise_floor_nats" in expected:
+        floor = expected["noise_floor_nats"]
+        if (
+            not isinstance(floor, (int, float))
+            or isinstance(floor, bool)
+            or not math.isfinite(floor)
+            or floor < 0
+        ):
+            raise ValueError(
+                f"{path}: noise_floor_nats is {json.dumps(floor)}, not a measured noise floor "
+                "(a finite number of nats, 0 or more)"
+            )
+    return expected
+
+
 def reference_name(expected: dict[str, Any]) -> str:
     reference = expected.get("reference") or "the reference"
     return "the monolithic baseline" if reference == "baseline" else str(reference)
@@ -543,7 +662,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         body = json.loads((here / "request.json").read_text(encoding="utf-8"))
-        expected = json.loads((here / "expected.json").read_text(encoding="utf-8"))
+        expected = read_expected(here / "expected.json")
+    except (OSError, ValueError) as exc:
+        print(f"check.py: error: cannot run: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    try:
         endpoints = read_endpoints(args.state)
         if (args.save_reference or args.reference) and expected.get("check") != "tokens":
             raise ValueError("this export checks no token ids: it has no reference to keep")

@@ -110,7 +110,11 @@ def carries_tokens(event: bytes) -> bool:
     except json.JSONDecodeError:
         return False
     choices = chunk.get("choices") if isinstance(chunk, dict) else None
-    return bool(choices) and isinstance(choices[0], dict) and bool(choices[0].get("token_ids"))
+    # Choices of another shape than vLLM's list (an object, a number) carry no tokens a client
+    # reads; relayed as they are, never indexed (an object's [0] raised KeyError mid-relay).
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return False
+    return bool(choices[0].get("token_ids"))
 
 
 class UpstreamError(Exception):
