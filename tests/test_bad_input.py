@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -1053,4 +1054,30 @@ def test_run_devices_with_a_digit_int_cannot_read_is_refused(bad_run: BadRun) ->
     code, err = bad_run("--devices", "²")
     assert_one_error_line(
         code, err, "--devices: device '²' in '²' is not a non-negative integer index"
+    )
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--attach", ""),  # launched the sweep's topologies itself instead of judging FILE's
+        ("--scenario", ""),  # ran the whole default sweep instead of a scenario
+        ("--cases-file", ""),
+        ("--topology", ","),
+        ("--prompt", " "),
+        ("--model", ""),
+    ],
+)
+def test_an_empty_value_is_refused_not_taken_for_the_default(
+    bad_run: BadRun, flag: str, value: str
+) -> None:
+    """`--attach "$FILE"` with FILE unset read as no --attach at all (found in review): the
+    flag was dropped, and the run went on doing something else."""
+    code, err = bad_run(flag, value)
+    LAST_ARGS["args"] = f"{flag} {shlex.quote(value)}"
+    assert_one_error_line(
+        code,
+        err,
+        f"{flag} {value!r} is empty: give a value, or leave {flag} out (an empty one is not "
+        "taken for the default)",
     )
