@@ -1081,3 +1081,16 @@ def test_an_empty_value_is_refused_not_taken_for_the_default(
         f"{flag} {value!r} is empty: give a value, or leave {flag} out (an empty one is not "
         "taken for the default)",
     )
+
+
+def test_fuzz_of_a_stream_fault(epd_cli, tmp_path: Path) -> None:
+    """fuzz sends its requests unstreamed and has no --stream: it was told to 'add --stream'."""
+    args = ("fuzz", "--topology", "1P+1D", "--plant-fault", "stream-duplicate-chunk")
+    code, _, err = epd_cli(*args, "--model", tmp_path / "no-model", "--run-dir", tmp_path / "r")
+    LAST_ARGS.update(args=" ".join(args), tmp=str(tmp_path))
+    assert_one_error_line(
+        code,
+        err,
+        "--plant-fault stream-duplicate-chunk acts on streamed answers, and fuzz sends its "
+        "requests unstreamed: plant it with 'epd-harness run --stream'",
+    )
