@@ -1094,3 +1094,11 @@ def test_fuzz_of_a_stream_fault(epd_cli, tmp_path: Path) -> None:
         "--plant-fault stream-duplicate-chunk acts on streamed answers, and fuzz sends its "
         "requests unstreamed: plant it with 'epd-harness run --stream'",
     )
+
+
+def test_load_of_two_topologies(epd_cli, tmp_path: Path) -> None:
+    """Two known names were called one unknown topology '1P+1D,1E+1PD'."""
+    args = ("load", "--topology", "1P+1D,1E+1PD")
+    code, _, err = epd_cli(*args, "--model", tmp_path / "no-model", "--run-dir", tmp_path / "r")
+    LAST_ARGS.update(args=" ".join(args), tmp=str(tmp_path))
+    assert_one_error_line(code, err, "--topology 1P+1D,1E+1PD: load runs one topology at a time")
