@@ -1102,3 +1102,15 @@ def test_load_of_two_topologies(epd_cli, tmp_path: Path) -> None:
     code, _, err = epd_cli(*args, "--model", tmp_path / "no-model", "--run-dir", tmp_path / "r")
     LAST_ARGS.update(args=" ".join(args), tmp=str(tmp_path))
     assert_one_error_line(code, err, "--topology 1P+1D,1E+1PD: load runs one topology at a time")
+
+
+@pytest.mark.parametrize("scenarios", ["all,all", "all,ec-video-mp4"])
+def test_scenario_all_with_more(bad_run: BadRun, scenarios: str) -> None:
+    """'all' was called an unknown scenario when anything came with it."""
+    code, err = bad_run("--scenario", scenarios)
+    assert_one_error_line(
+        code,
+        err,
+        f"--scenario {scenarios}: 'all' names every scenario; give it alone, or name the "
+        "scenarios without it",
+    )
