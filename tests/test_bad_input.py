@@ -1114,3 +1114,50 @@ def test_scenario_all_with_more(bad_run: BadRun, scenarios: str) -> None:
         f"--scenario {scenarios}: 'all' names every scenario; give it alone, or name the "
         "scenarios without it",
     )
+
+
+def test_a_bundle_record_without_its_fields_is_one_line(epd_cli, tmp_path: Path) -> None:
+    """A summary.json record without 'topology' (hand-edited, or another tool's) was a KeyError
+    traceback, exit 1: the code of a failed comparison."""
+    bundle = tmp_path / "b"
+    bundle.mkdir()
+    cases = [{"topology": "1P+1D", "prompt": "text", "verdict": "MISMATCH"}]
+    for name, data in (("run.json", {}), ("requests.json", {}), ("summary.json", {"cases": cases})):
+        (bundle / name).write_text(json.dumps(data))
+    for command in ("export", "repro"):
+        args = (command, bundle)
+        code, _, err = epd_cli(*args, "--vllm", tmp_path / "no-vllm")
+        LAST_ARGS.update(args=as_users_see(" ".join(map(str, args)), tmp_path), tmp=str(tmp_path))
+        assert_one_error_line(
+            code, err, f"{bundle}/summary.json: case 1 has no 'reference' (a string)"
+        )
+
+
+def test_repro_of_a_bundle_without_its_serving_flags(epd_cli, tmp_path: Path, vllm: Path) -> None:
+    """run.json without 'serving' was a KeyError traceback, exit 1."""
+    bundle = minimal_bundle(tmp_path / "b", {})
+    (bundle / "requests.json").write_text(json.dumps({"text": {"model": "epd-model"}}))
+    args = ("repro", bundle, "--run-dir", tmp_path / "r")
+    code, _, err = epd_cli(*args, "--vllm", vllm)
+    LAST_ARGS.update(args=as_users_see(" ".join(map(str, args)), tmp_path), tmp=str(tmp_path))
+    assert_one_error_line(
+        code, err, f"{bundle}/run.json: no 'serving' (the flags every instance was served with)"
+    )
+
+
+def test_export_of_a_run_that_judged_nothing(epd_cli, tmp_path: Path) -> None:
+    """A run that ended before judging any case (its baseline died) was said to have every
+    case passed."""
+    bundle = tmp_path / "b"
+    bundle.mkdir()
+    for name, data in (("run.json", {}), ("requests.json", {}), ("summary.json", {"cases": []})):
+        (bundle / name).write_text(json.dumps(data))
+    args = ("export", bundle)
+    code, _, err = epd_cli(*args)
+    LAST_ARGS.update(args=as_users_see(" ".join(map(str, args)), tmp_path), tmp=str(tmp_path))
+    assert_one_error_line(
+        code,
+        err,
+        f"{bundle}: the run judged no case (it ended before its first verdict; its logs say "
+        "why): nothing to export or reproduce",
+    )
