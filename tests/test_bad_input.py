@@ -1161,3 +1161,17 @@ def test_export_of_a_run_that_judged_nothing(epd_cli, tmp_path: Path) -> None:
         f"{bundle}: the run judged no case (it ended before its first verdict; its logs say "
         "why): nothing to export or reproduce",
     )
+
+
+def test_a_directory_the_harness_writes_that_is_a_file(
+    bad_run: BadRun, tmp_path: Path, monkeypatch
+) -> None:
+    """mkdir of a path a file holds raised EEXIST, which no handler took: a FileExistsError
+    traceback, exit 1 (found in review with EPD_HARNESS_ARGV_CHECK_DIR naming a file)."""
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    monkeypatch.setenv(environment.ARGV_CHECK_DIR_ENV, str(in_the_way))
+    code, err = bad_run("--topology", "1P+1D", "--prompt", "text")
+    assert_one_error_line(
+        code, err, f"not a directory: {in_the_way}; artifacts written so far are kept"
+    )

@@ -9,6 +9,7 @@ interrupted (Ctrl-C, SIGTERM, SIGHUP) after every server was stopped.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
 import time
@@ -497,10 +498,17 @@ def main(argv: list[str] | None = None) -> int:
     except HarnessError as exc:
         return fail(str(exc), exc.exit_code)
     except OSError as exc:
-        if exc.errno not in ENVIRONMENT_ERRNOS:
+        # mkdir of a path a file holds (a directory option or variable naming a file).
+        in_the_way = (
+            exc.errno == errno.EEXIST
+            and exc.filename is not None
+            and Path(exc.filename).exists()
+            and not Path(exc.filename).is_dir()
+        )
+        if exc.errno not in ENVIRONMENT_ERRNOS and not in_the_way:
             raise
         where = f" while writing under {progress.run_dir}" if progress.run_dir else ""
-        described = describe_os_error(exc)
+        described = f"not a directory: {exc.filename}" if in_the_way else describe_os_error(exc)
         detail = described if exc.filename else f"{described}{where}"
         return fail(f"{detail}; artifacts written so far are kept")
     except (ServerDied, StartupTimeout, ServerStopFailed) as exc:
