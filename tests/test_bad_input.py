@@ -1175,3 +1175,13 @@ def test_a_directory_the_harness_writes_that_is_a_file(
     assert_one_error_line(
         code, err, f"not a directory: {in_the_way}; artifacts written so far are kept"
     )
+
+
+def test_plan_devices_malformed_names_the_flag(epd_cli, tmp_path: Path) -> None:
+    """`plan` said only "device 'a' in 'a' is ...", where `run` names --devices."""
+    args = ("plan", "--devices", "a")
+    code, _, err = epd_cli(*args)
+    LAST_ARGS.update(args=" ".join(args), tmp=str(tmp_path))
+    assert_one_error_line(
+        code, err, "--devices: device 'a' in 'a' is not a non-negative integer index"
+    )
