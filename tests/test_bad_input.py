@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -1068,3 +1069,133 @@ def test_gpus_an_inherited_cuda_visible_devices_did_not_give(bad_run: BadRun, mo
         "within 2,3, or unset CUDA_VISIBLE_DEVICES"
     )
     assert_one_error_line(code, err, cause)
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--attach", ""),  # launched the sweep's topologies itself instead of judging FILE's
+        ("--scenario", ""),  # ran the whole default sweep instead of a scenario
+        ("--cases-file", ""),
+        ("--topology", ","),
+        ("--prompt", " "),
+        ("--model", ""),
+    ],
+)
+def test_an_empty_value_is_refused_not_taken_for_the_default(
+    bad_run: BadRun, flag: str, value: str
+) -> None:
+    """`--attach "$FILE"` with FILE unset read as no --attach at all (found in review): the
+    flag was dropped, and the run went on doing something else."""
+    code, err = bad_run(flag, value)
+    LAST_ARGS["args"] = f"{flag} {shlex.quote(value)}"
+    assert_one_error_line(
+        code,
+        err,
+        f"{flag} {value!r} is empty: give a value, or leave {flag} out (an empty one is not "
+        "taken for the default)",
+    )
+
+
+def test_fuzz_of_a_stream_fault(epd_cli, tmp_path: Path) -> None:
+    """fuzz sends its requests unstreamed and has no --stream: it was told to 'add --stream'."""
+    args = ("fuzz", "--topology", "1P+1D", "--plant-fault", "stream-duplicate-chunk")
+    code, _, err = epd_cli(*args, "--model", tmp_path / "no-model", "--run-dir", tmp_path / "r")
+    LAST_ARGS.update(args=" ".join(args), tmp=str(tmp_path))
+    assert_one_error_line(
+        code,
+        err,
+        "--plant-fault stream-duplicate-chunk acts on streamed answers, and fuzz sends its "
+        "requests unstreamed: plant it with 'epd-harness run --stream'",
+    )
+
+
+def test_load_of_two_topologies(epd_cli, tmp_path: Path) -> None:
+    """Two known names were called one unknown topology '1P+1D,1E+1PD'."""
+    args = ("load", "--topology", "1P+1D,1E+1PD")
+    code, _, err = epd_cli(*args, "--model", tmp_path / "no-model", "--run-dir", tmp_path / "r")
+    LAST_ARGS.update(args=" ".join(args), tmp=str(tmp_path))
+    assert_one_error_line(code, err, "--topology 1P+1D,1E+1PD: load runs one topology at a time")
+
+
+@pytest.mark.parametrize("scenarios", ["all,all", "all,ec-video-mp4"])
+def test_scenario_all_with_more(bad_run: BadRun, scenarios: str) -> None:
+    """'all' was called an unknown scenario when anything came with it."""
+    code, err = bad_run("--scenario", scenarios)
+    assert_one_error_line(
+        code,
+        err,
+        f"--scenario {scenarios}: 'all' names every scenario; give it alone, or name the "
+        "scenarios without it",
+    )
+
+
+def test_a_bundle_record_without_its_fields_is_one_line(epd_cli, tmp_path: Path) -> None:
+    """A summary.json record without 'topology' (hand-edited, or another tool's) was a KeyError
+    traceback, exit 1: the code of a failed comparison."""
+    bundle = tmp_path / "b"
+    bundle.mkdir()
+    cases = [{"topology": "1P+1D", "prompt": "text", "verdict": "MISMATCH"}]
+    for name, data in (("run.json", {}), ("requests.json", {}), ("summary.json", {"cases": cases})):
+        (bundle / name).write_text(json.dumps(data))
+    for command in ("export", "repro"):
+        args = (command, bundle)
+        code, _, err = epd_cli(*args, "--vllm", tmp_path / "no-vllm")
+        LAST_ARGS.update(args=as_users_see(" ".join(map(str, args)), tmp_path), tmp=str(tmp_path))
+        assert_one_error_line(
+            code, err, f"{bundle}/summary.json: case 1 has no 'reference' (a string)"
+        )
+
+
+def test_repro_of_a_bundle_without_its_serving_flags(epd_cli, tmp_path: Path, vllm: Path) -> None:
+    """run.json without 'serving' was a KeyError traceback, exit 1."""
+    bundle = minimal_bundle(tmp_path / "b", {})
+    (bundle / "requests.json").write_text(json.dumps({"text": {"model": "epd-model"}}))
+    args = ("repro", bundle, "--run-dir", tmp_path / "r")
+    code, _, err = epd_cli(*args, "--vllm", vllm)
+    LAST_ARGS.update(args=as_users_see(" ".join(map(str, args)), tmp_path), tmp=str(tmp_path))
+    assert_one_error_line(
+        code, err, f"{bundle}/run.json: no 'serving' (the flags every instance was served with)"
+    )
+
+
+def test_export_of_a_run_that_judged_nothing(epd_cli, tmp_path: Path) -> None:
+    """A run that ended before judging any case (its baseline died) was said to have every
+    case passed."""
+    bundle = tmp_path / "b"
+    bundle.mkdir()
+    for name, data in (("run.json", {}), ("requests.json", {}), ("summary.json", {"cases": []})):
+        (bundle / name).write_text(json.dumps(data))
+    args = ("export", bundle)
+    code, _, err = epd_cli(*args)
+    LAST_ARGS.update(args=as_users_see(" ".join(map(str, args)), tmp_path), tmp=str(tmp_path))
+    assert_one_error_line(
+        code,
+        err,
+        f"{bundle}: the run judged no case (it ended before its first verdict; its logs say "
+        "why): nothing to export or reproduce",
+    )
+
+
+def test_a_directory_the_harness_writes_that_is_a_file(
+    bad_run: BadRun, tmp_path: Path, monkeypatch
+) -> None:
+    """mkdir of a path a file holds raised EEXIST, which no handler took: a FileExistsError
+    traceback, exit 1 (found in review with EPD_HARNESS_ARGV_CHECK_DIR naming a file)."""
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    monkeypatch.setenv(environment.ARGV_CHECK_DIR_ENV, str(in_the_way))
+    code, err = bad_run("--topology", "1P+1D", "--prompt", "text")
+    assert_one_error_line(
+        code, err, f"not a directory: {in_the_way}; artifacts written so far are kept"
+    )
+
+
+def test_plan_devices_malformed_names_the_flag(epd_cli, tmp_path: Path) -> None:
+    """`plan` said only "device 'a' in 'a' is ...", where `run` names --devices."""
+    args = ("plan", "--devices", "a")
+    code, _, err = epd_cli(*args)
+    LAST_ARGS.update(args=" ".join(args), tmp=str(tmp_path))
+    assert_one_error_line(
+        code, err, "--devices: device 'a' in 'a' is not a non-negative integer index"
+    )

@@ -226,6 +226,18 @@ def test_an_unknown_name_in_epd_topology_is_refused(pytester: pytest.Pytester) -
     assert "1E+1P+1d" in run.stdout.str() + run.stderr.str()
 
 
+@pytest.mark.parametrize("value", ["", ","])
+def test_an_empty_epd_topology_is_refused(pytester: pytest.Pytester, value: str) -> None:
+    """Found in review: `--epd-topology "$T"` with T unset (or `,`) kept every e2e item, as
+    if the option were not given: the session ran every topology, the user's choice dropped."""
+    pytester.makeconftest(CONFTEST + '    parser.addoption("--epd-topology", default=None)\n')
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    pytester.makepyfile(test_a_e2e=MODULE)
+    run = pytester.runpytest("--collect-only", "-p", "no:cacheprovider", f"--epd-topology={value}")
+    assert run.ret not in (0, 5), run.stdout.str()
+    assert f"--epd-topology {value!r} names no topology" in run.stdout.str() + run.stderr.str()
+
+
 def test_the_ray_variant_is_the_default_group_when_the_session_itself_runs_on_ray(
     pytester: pytest.Pytester,
 ) -> None:

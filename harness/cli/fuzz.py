@@ -27,7 +27,7 @@ from harness.cli.serving_options import (
 from harness.errors import EXIT_FAILED, EXIT_OK, BadInput
 from harness.preflight import RunRequest, prepare_run
 from harness.preflight.config import check_arguments
-from harness.run.faults import FAULT_NAMES, FAULT_SYNTAX
+from harness.run.faults import FAULT_NAMES, FAULT_SYNTAX, STREAM_FAULTS, parse_fault
 from harness.run.fuzz.engine import RunBudget
 from harness.run.fuzz.shrink import ShrinkBudget
 
@@ -100,6 +100,11 @@ def _refuse(args: argparse.Namespace) -> None:
         raise BadInput(
             "--save declares upstream failures; a planted fault is the harness's own, and "
             "the scenario would run without it: drop --save (or --plant-fault)"
+        )
+    if args.plant_fault and parse_fault(args.plant_fault).kind in STREAM_FAULTS:
+        raise BadInput(
+            f"--plant-fault {args.plant_fault} acts on streamed answers, and fuzz sends its "
+            "requests unstreamed: plant it with 'epd-harness run --stream'"
         )
     if "," in args.topology:
         raise BadInput(f"--topology {args.topology}: fuzz runs one topology at a time")

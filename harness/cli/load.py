@@ -71,6 +71,8 @@ def refuse_load_flags(args: argparse.Namespace) -> None:
     """The load's own flags, checked before anything starts."""
     if not args.attach and not args.topology:
         raise BadInput("load needs --topology (or --attach FILE: the deployment is the topology)")
+    if args.topology and "," in args.topology:
+        raise BadInput(f"--topology {args.topology}: load runs one topology at a time")
     if args.topology and args.topology not in TOPOLOGIES:
         raise BadInput(f"unknown topology {args.topology!r} (known: {', '.join(TOPOLOGIES)})")
     if args.topology and TOPOLOGIES[args.topology].is_baseline:

@@ -9,9 +9,11 @@ interrupted (Ctrl-C, SIGTERM, SIGHUP) after every server was stopped.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -106,6 +108,29 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise BadInput(f"{message} (see '{self.prog} --help')")
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        """argparse's, then an option given an empty value is refused: every option's unset
+        value means its default, so `--attach "$FILE"` with FILE unset (or `--topology ,`)
+        would drop the flag and run something else (found in review). Each subcommand's
+        parser checks its own options."""
+        parsed, extras = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            if not action.option_strings or action.dest == argparse.SUPPRESS:
+                continue
+            value = getattr(parsed, action.dest, None)
+            given = value if isinstance(value, list) else [value]
+            lists = action.__class__ is argparse._AppendAction  # comma-separated names
+            for text in given:
+                if isinstance(text, str) and not (text.replace(",", "") if lists else text).strip():
+                    flag = max(action.option_strings, key=len)
+                    raise BadInput(
+                        f"{flag} {text!r} is empty: give a value, or leave {flag} out (an "
+                        "empty one is not taken for the default)"
+                    )
+        return parsed, extras
 
 
 class Progress:
@@ -473,10 +498,17 @@ def main(argv: list[str] | None = None) -> int:
     except HarnessError as exc:
         return fail(str(exc), exc.exit_code)
     except OSError as exc:
-        if exc.errno not in ENVIRONMENT_ERRNOS:
+        # mkdir of a path a file holds (a directory option or variable naming a file).
+        in_the_way = (
+            exc.errno == errno.EEXIST
+            and exc.filename is not None
+            and Path(exc.filename).exists()
+            and not Path(exc.filename).is_dir()
+        )
+        if exc.errno not in ENVIRONMENT_ERRNOS and not in_the_way:
             raise
         where = f" while writing under {progress.run_dir}" if progress.run_dir else ""
-        described = describe_os_error(exc)
+        described = f"not a directory: {exc.filename}" if in_the_way else describe_os_error(exc)
         detail = described if exc.filename else f"{described}{where}"
         return fail(f"{detail}; artifacts written so far are kept")
     except (ServerDied, StartupTimeout, ServerStopFailed) as exc:

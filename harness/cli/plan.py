@@ -45,6 +45,7 @@ from harness.spec.placement import (
 from harness.spec.platforms import (
     DEFAULT_CPU_CORES,
     PLATFORMS,
+    DevicePlanError,
     PlatformProfile,
     get_platform,
     parse_devices,
@@ -415,7 +416,10 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
             )
         devices = DEFAULT_CPU_CORES
     else:
-        devices = parse_devices(args.devices)
+        try:
+            devices = parse_devices(args.devices)
+        except DevicePlanError as exc:  # named as `run` names it
+            raise PlanInputError(f"--devices: {exc}") from None
     return PlanRequest(
         platform=platform,
         devices=devices,

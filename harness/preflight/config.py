@@ -486,6 +486,11 @@ def _scenarios(requested: tuple[str, ...]) -> tuple[Scenario, ...]:
         return ()
     if list(requested) == ["all"]:
         return MATRIX
+    if "all" in requested:
+        raise BadInput(
+            f"--scenario {','.join(requested)}: 'all' names every scenario; give it alone, "
+            "or name the scenarios without it"
+        )
     return tuple(get_scenario(name) for name in requested)
 
 

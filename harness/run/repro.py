@@ -51,6 +51,8 @@ from harness.spec.topology import ServingConfig, get_topology
 log = logging.getLogger(__name__)
 
 BUNDLE_FILES = ("run.json", "requests.json", "summary.json")
+# What every summary.json record holds, read by picking and naming a case.
+RECORD_FIELDS = ("topology", "prompt", "reference", "verdict")
 
 
 class BundleError(ValueError):
@@ -98,13 +100,29 @@ class Bundle:
         cases = summary.get("cases", [])
         if not isinstance(cases, list) or not all(isinstance(c, dict) for c in cases):
             raise BundleError(f"{path / 'summary.json'}: 'cases' is not a list of records")
+        for number, record in enumerate(cases, start=1):
+            for name in RECORD_FIELDS:
+                if not isinstance(record.get(name), str):
+                    raise BundleError(
+                        f"{path / 'summary.json'}: case {number} has no {name!r} (a string)"
+                    )
         return cls(path=path, run=run, requests=requests, cases=cases, summary=summary)
 
     def serving(self) -> ServingConfig:
         fields = {f.name for f in dataclasses.fields(ServingConfig)}
-        given = {k: v for k, v in self.run["serving"].items() if k in fields}
+        recorded = self.run.get("serving")
+        if not isinstance(recorded, dict):
+            raise BundleError(
+                f"{self.path / 'run.json'}: no 'serving' (the flags every instance was served with)"
+            )
+        given = {k: v for k, v in recorded.items() if k in fields}
         given["extra_args"] = tuple(given.get("extra_args") or ())
-        return ServingConfig(**given)
+        try:
+            return ServingConfig(**given)
+        except TypeError as exc:  # a required field missing
+            raise BundleError(
+                f"{self.path / 'run.json'}: 'serving' is not a run's: {exc}"
+            ) from None
 
     @property
     def proxy_kind(self) -> str:
@@ -205,6 +223,11 @@ class Bundle:
         that failed its policy when only one reference failed; else naming it is refused as
         ambiguous, listing the references."""
         if wanted is None:
+            if not self.cases:  # it was said that every case passed
+                raise BundleError(
+                    f"{self.path}: the run judged no case (it ended before its first verdict; "
+                    "its logs say why): nothing to export or reproduce"
+                )
             for record in self.cases:
                 if not passed_policy(record):
                     return record

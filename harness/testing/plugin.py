@@ -504,6 +504,10 @@ def topology_option(value: str | None) -> set[str]:
     from harness.preflight.names import check_topologies, split_names
 
     names = split_names([value or ""])
+    if value is not None and not names:  # as if not given: every topology, the choice dropped
+        raise pytest.UsageError(
+            f"--epd-topology {value!r} names no topology: name one, or leave --epd-topology out"
+        )
     try:
         check_topologies(names)
     except BadInput as exc:
