@@ -354,6 +354,20 @@ def token_verdict(cmp: TokenComparison) -> Verdict:
     return Verdict.DRIFT if cmp.divergence.is_drift else Verdict.MISMATCH
 
 
+def is_measured_floor(value: Any) -> bool:
+    """Whether a stored value can be a noise floor the harness measured: a finite number of
+    nats, 0 or more. The floor is the drift rule's tolerance, so a value read back from a file
+    (a cache entry, a bundle) that is anything else (an Infinity, which Python's json reads,
+    made every near tie a DRIFT) must be refused, never used. check.py, which runs without the
+    harness, restates this test."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+
+
 def noise_floor(first: ChatResult, second: ChatResult) -> float | None:
     """The largest |Δ log p| between two answers to the same request with the same tokens: the
     numeric noise of the platform, which the drift rule may excuse. None if the tokens differ

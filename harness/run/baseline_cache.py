@@ -21,7 +21,6 @@ import fcntl
 import functools
 import hashlib
 import json
-import math
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any
 
 from harness.errors import HarnessError
 from harness.files import write_json_atomic
+from harness.judge.compare import is_measured_floor
 from harness.outcomes import chat
 from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
@@ -167,12 +167,7 @@ class CachedBaseline:
 def _measured_floor(value: Any) -> float:
     """A stored noise floor as the baseline measured it: a finite number of nats, 0 or more;
     anything else is ValueError (a corrupt entry)."""
-    if (
-        not isinstance(value, (int, float))
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or value < 0
-    ):
+    if not is_measured_floor(value):
         raise ValueError(
             f"noise_floor_nats is {value!r}, not a measured floor (a finite number >= 0)"
         )

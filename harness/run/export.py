@@ -30,7 +30,6 @@ import base64
 import copy
 import hashlib
 import json
-import math
 import mimetypes
 import re
 import shlex
@@ -41,6 +40,7 @@ from typing import Any
 
 from harness.devices import describe_devices
 from harness.errors import BadInput
+from harness.judge.compare import is_measured_floor
 from harness.judge.policy import ReferencePolicy, default_reference_policy
 from harness.judge.records import Verdict
 from harness.redact import REDACTED
@@ -809,12 +809,7 @@ def noise_floor(bundle: Bundle, record: dict[str, Any]) -> float:
         value = source.get(field)
         if value is None:
             continue
-        if (
-            not isinstance(value, int | float)
-            or isinstance(value, bool)
-            or not math.isfinite(value)
-            or value < 0
-        ):
+        if not is_measured_floor(value):
             raise BadInput(
                 f"{bundle.path / file}: {field} is {value!r}, not a measured noise floor "
                 "(a finite number of nats, 0 or more)"
