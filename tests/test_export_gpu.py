@@ -14,10 +14,12 @@ import http.server
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -544,3 +546,129 @@ def test_serve_sh_refuses_a_nixl_side_channel_port_in_use(
         done.stdout
     )
     assert "started" not in done.stdout
+
+
+# -- instances that share a device start one after another ---------------------------------------
+
+
+def test_serve_sh_starts_the_instances_of_a_gpu_in_turn_encoders_first(tmp_path: Path) -> None:
+    """The harness starts the instances that share a GPU one after another (`start_after` in
+    harness/spec/placement.py: vLLM's memory profiling asserts when another process on its
+    device frees memory meanwhile); serve.sh started every instance at once. Now each is
+    queued with the device values it runs on, read when serve.sh runs (DEVICES may put every
+    position on one GPU), and started once the one before it on that device answers."""
+    serve = render_serve_sh(plan_for(gpu_bundle(tmp_path, devices=(4, 5))))
+    case = serve.split("\nelse\n", 1)[1]
+    queued = re.findall(r"^ *in_turn (\w+) (\S+) (.*)$", case, re.MULTILINE)
+    assert [(name, devices) for name, _, devices in queued] == [
+        ("encoder0", '"${DEVICE_0}"'),
+        ("prefill0", '"${DEVICE_0}"'),
+        ("decode0", '"${DEVICE_1}"'),
+    ], case
+    assert all(health.endswith('/health"') for _, health, _ in queued), queued
+    assert case.index("start_in_turn\n") > case.index("in_turn decode0")
+    assert case.index("start_in_turn\n") < case.index("wait_ready encoder0")
+    for name in ("encoder0", "prefill0", "decode0"):
+        assert case.index(f"start_{name}() {{\n") < case.index(f"in_turn {name} ")
+
+
+def test_a_cpu_export_still_starts_every_instance_at_once(tmp_path: Path) -> None:
+    serve = render_serve_sh(plan_for(write_bundle(tmp_path / "run")))
+    assert "in_turn " not in serve and "start_in_turn" not in serve
+    assert re.search(r"^ *start encoder0 encoder ", serve, re.MULTILINE), serve
+
+
+def started_and_ready(output: str) -> list[str]:
+    """serve.sh's `started NAME` and `NAME is ready` lines, in order, as `+NAME` / `NAME!`."""
+    events = []
+    for line in output.splitlines():
+        if started := re.search(r"\] started (\w+) \(pid", line):
+            events.append(f"+{started[1]}")
+        elif ready := re.search(r"\] (\w+) is ready$", line):
+            events.append(f"{ready[1]}!")
+    return events
+
+
+def serve_gpu_export(
+    tmp_path: Path, leased_ports: TakePorts, devices: str, recorded: tuple[int, ...] = (4, 5, 6)
+) -> subprocess.CompletedProcess[str]:
+    """serve.sh of a GPU export on the fake vLLM with DEVICES=`devices` (the encoder slow to
+    answer /health), stopped once it is ready."""
+    out = tmp_path / "export"
+    write_export(plan_for(gpu_bundle(tmp_path, devices=recorded)), out, REPAIR)
+    env = {
+        **environment(leased_ports, tmp_path, "encoder:slow-start=2"),
+        "MODEL": str(tmp_path),
+        "DEVICES": devices,
+    }
+    serve = subprocess.Popen(
+        ["bash", str(out / "serve.sh"), "case"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "work/state/ready").exists() and serve.poll() is None:
+            assert time.monotonic() < deadline, "serve.sh never got ready"
+            time.sleep(0.2)
+        serve.terminate()
+        output = serve.communicate(timeout=30)[0]
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(serve.args, serve.returncode, output, "")
+
+
+def test_on_one_shared_gpu_each_instance_starts_once_the_one_before_it_answers(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """DEVICES=0,0,0 puts E, P and D on one GPU (decided when serve.sh runs, not recorded)."""
+    done = serve_gpu_export(tmp_path, leased_ports, "0,0,0")
+    events = started_and_ready(done.stdout)
+    assert events[:5] == ["+encoder0", "encoder0!", "+prefill0", "prefill0!", "+decode0"], (
+        done.stdout
+    )
+    assert "ready: requests go to" in done.stdout, done.stdout
+
+
+def test_on_distinct_gpus_every_instance_starts_at_once(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    done = serve_gpu_export(tmp_path, leased_ports, "0,1,2")
+    events = started_and_ready(done.stdout)
+    assert events[:3] == ["+encoder0", "+prefill0", "+decode0"], done.stdout
+    assert "ready: requests go to" in done.stdout, done.stdout
+
+
+def test_on_two_gpus_only_the_encoders_neighbour_waits(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """E and P on position 0 (recorded 4,5: P beside the encoder), D alone on 1: D starts at
+    once, P once the encoder answers."""
+    done = serve_gpu_export(tmp_path, leased_ports, "0,1", recorded=(4, 5))
+    events = started_and_ready(done.stdout)
+    assert events[:4] == ["+encoder0", "+decode0", "encoder0!", "+prefill0"], done.stdout
+    assert "ready: requests go to" in done.stdout, done.stdout
+
+
+def test_an_instance_that_dies_while_its_neighbour_waits_fails_the_start_at_once(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """DEVICES=0,1 (E and P on 0): P waits for the (slow) encoder; D, started at once on its own GPU, dies:
+    serve.sh says so with D's log while it still waits, not after the encoder answered."""
+    out = tmp_path / "export"
+    write_export(plan_for(gpu_bundle(tmp_path, devices=(4, 5))), out, REPAIR)
+    env = {
+        **environment(leased_ports, tmp_path, "encoder:slow-start=20;decode:die-start"),
+        "MODEL": str(tmp_path),
+        "DEVICES": "0,1",
+    }
+    started = time.monotonic()
+    done = run_script(out, ["serve.sh"], env, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "decode0 exited while starting" in done.stdout, done.stdout
+    assert "started prefill0" not in done.stdout, done.stdout
+    assert time.monotonic() - started < 15, done.stdout

@@ -23,6 +23,7 @@ from harness.run.export import (
     ExportedServer,
     ExportPlan,
     RecordedDevice,
+    device_var,
     shell_command,
 )
 from harness.run.export_issue import render_issue
@@ -100,7 +101,11 @@ def serving_lines(
             for s in servers
             if s.side_channel is not None
         ),
-        *(start_lines(s) for s in servers),
+        *(
+            in_turn_lines(servers)
+            if any(s.devices for s in servers)
+            else [start_lines(s) for s in servers]
+        ),
         "wait_ready " + " ".join(f"{s.name} {url_word(s, s.health_path)}" for s in servers),
     ]
     if proxy is not None:
@@ -261,7 +266,70 @@ use_devices() {{  # use_devices N: DEVICE_0..DEVICE_<N-1> from $DEVICES (default
   fi
   for ((i = 0; i < needed; i++)); do printf -v "DEVICE_$i" '%s' "${{list[i]// /}}"; done
 }}
+# Instances that share a device start one after another, as the harness starts them: vLLM
+# asserts in its memory profiling when another process on its device frees memory meanwhile
+# (an encoder frees a large transient). Sharing is read from the device values used here.
+declare -A LAST_ON=() AFTER_OF=() HEALTH_OF=()
+QUEUED=()
+in_turn() {{  # in_turn NAME HEALTH_URL DEVICE...: start_NAME once the last one queued on each
+  # of its devices answers HEALTH_URL (at once when it is the first there)
+  local name=$1 device before=()
+  HEALTH_OF[$name]=$2
+  shift 2
+  for device; do
+    if [[ -n ${{LAST_ON[$device]:-}} ]]; then before+=("${{LAST_ON[$device]}}"); fi
+    LAST_ON[$device]=$name
+  done
+  AFTER_OF[$name]="${{before[*]}}"
+  QUEUED+=("$name")
+}}
+start_in_turn() {{  # start each queued instance whose predecessors answer, until all started
+  local name before ok left waited=() seen
+  local WATCH=()  # wait_ready notices a death of any started instance meanwhile
+  while ((${{#QUEUED[@]}})); do
+    left=()
+    for name in "${{QUEUED[@]}}"; do
+      ok=1
+      for before in ${{AFTER_OF[$name]}}; do [[ -n ${{READY[$before]:-}} ]] || ok=; done
+      if [[ -n $ok ]]; then "start_$name"; else left+=("$name"); fi
+    done
+    QUEUED=("${{left[@]}}")
+    ((${{#QUEUED[@]}})) || break
+    waited=()
+    seen=" "
+    for name in "${{QUEUED[@]}}"; do
+      for before in ${{AFTER_OF[$name]}}; do
+        if [[ -n ${{PID_OF[$before]:-}} && -z ${{READY[$before]:-}} && $seen != *" $before "* ]]; then
+          waited+=("$before" "${{HEALTH_OF[$before]}}")
+          seen+="$before "
+        fi
+      done
+    done
+    WATCH=("${{ORDER[@]}}")
+    log "waiting for ${{waited[*]}} before starting ${{QUEUED[*]}} on the same device"
+    ANY=1 wait_ready "${{waited[@]}}"
+  done
+}}
 """
+
+
+def in_turn_lines(servers: tuple[ExportedServer, ...]) -> list[str]:
+    """Instances on devices, queued with the device values they get (`in_turn`) and started by
+    `start_in_turn`: those that share a device one after another, encoders first, the others
+    in role order (the harness's `start_after`, harness/spec/placement.py); sharing is decided
+    when serve.sh runs, from DEVICES."""
+    ordered = sorted(servers, key=lambda s: s.role != "encoder")  # stable: role order
+    lines = [
+        "# Instances that share a device start one after another, encoders first: vLLM's memory",
+        "# profiling asserts when another process on its device frees memory meanwhile.",
+    ]
+    for server in ordered:
+        devices = " ".join(f'"${{{device_var(p).name}}}"' for p in server.devices)
+        lines += [
+            f"start_{server.name}() {{\n" + indent(start_lines(server)) + "\n}",
+            f"in_turn {server.name} {url_word(server, server.health_path)} {devices}".rstrip(),
+        ]
+    return [*lines, "start_in_turn"]
 
 
 def start_lines(server: ExportedServer) -> str:
@@ -407,8 +475,9 @@ STOP_TIMEOUT=${{STOP_TIMEOUT:-15}}
 {ports}
 {devices}
 log() {{ printf '[serve.sh %(%H:%M:%S)T] %s\n' -1 "$*"; }}
-declare -A PID_OF=() ROLE_OF=() URL_OF=()
+declare -A PID_OF=() ROLE_OF=() URL_OF=() READY=()
 ORDER=()
+WATCH=()  # started servers wait_ready also checks for a death (besides those it waits for)
 TICK=  # the polling tick under way (a background `sleep 1`): a stop ends it, never waits it out
 CHECKING=  # the health check under way (in the background too: a stop ends it at once)
 
@@ -496,23 +565,31 @@ u.build_opener(u.ProxyHandler({{}})).open(sys.argv[1], timeout=5)' "$1" >/dev/nu
   return "$code"
 }}
 
-wait_ready() {{  # wait_ready NAME URL [NAME URL]...: until each answers; a death ends it all
+alive() {{  # alive NAME: or say it exited while starting, with its log's last lines, and exit
+  if ! kill -0 "${{PID_OF[$1]}}" 2>/dev/null; then
+    log "$1 exited while starting; last lines of $WORK/logs/$1.log:"
+    tail -n 40 "$WORK/logs/$1.log" >&2
+    exit 1
+  fi
+}}
+
+wait_ready() {{  # wait_ready NAME URL [NAME URL]...: until each answers (ANY=1: until one does);
+  # a death, of these or of the servers in WATCH, ends it all
   local deadline=$((SECONDS + STARTUP_TIMEOUT)) pending=("$@") left i name
   while ((${{#pending[@]}})); do
     left=()
+    for name in "${{WATCH[@]}}"; do alive "$name"; done
     for ((i = 0; i < ${{#pending[@]}}; i += 2)); do
       name=${{pending[i]}}
-      if ! kill -0 "${{PID_OF[$name]}}" 2>/dev/null; then
-        log "$name exited while starting; last lines of $WORK/logs/$name.log:"
-        tail -n 40 "$WORK/logs/$name.log" >&2
-        exit 1
-      fi
+      alive "$name"
       if answers "${{pending[i + 1]}}"; then
-        log "$name is ready"
+        [[ -n ${{READY[$name]:-}} ]] || log "$name is ready"
+        READY[$name]=1
       else
         left+=("$name" "${{pending[i + 1]}}")
       fi
     done
+    if [[ -n ${{ANY:-}} ]] && ((${{#left[@]}} < ${{#pending[@]}})); then return 0; fi
     pending=("${{left[@]}}")
     if ((${{#pending[@]}})) && ((SECONDS >= deadline)); then
       log "not ready after ${{STARTUP_TIMEOUT}}s: ${{pending[*]}}"
