@@ -307,7 +307,7 @@ start_in_turn() {{  # start each queued instance whose predecessors answer, unti
     done
     WATCH=("${{ORDER[@]}}")
     log "waiting for ${{waited[*]}} before starting ${{QUEUED[*]}} on the same device"
-    ANY=1 wait_ready "${{waited[@]}}"
+    wait_ready --any "${{waited[@]}}"
   done
 }}
 """
@@ -573,9 +573,11 @@ alive() {{  # alive NAME: or say it exited while starting, with its log's last l
   fi
 }}
 
-wait_ready() {{  # wait_ready NAME URL [NAME URL]...: until each answers (ANY=1: until one does);
-  # a death, of these or of the servers in WATCH, ends it all
-  local deadline=$((SECONDS + STARTUP_TIMEOUT)) pending=("$@") left i name
+wait_ready() {{  # wait_ready [--any] NAME URL [NAME URL]...: until each answers (--any: until one
+  # does); a death, of these or of the servers in WATCH, ends it all
+  local deadline=$((SECONDS + STARTUP_TIMEOUT)) any='' pending left i name
+  if [[ $1 == --any ]]; then any=1 && shift; fi
+  pending=("$@")
   while ((${{#pending[@]}})); do
     left=()
     for name in "${{WATCH[@]}}"; do alive "$name"; done
@@ -589,7 +591,7 @@ wait_ready() {{  # wait_ready NAME URL [NAME URL]...: until each answers (ANY=1:
         left+=("$name" "${{pending[i + 1]}}")
       fi
     done
-    if [[ -n ${{ANY:-}} ]] && ((${{#left[@]}} < ${{#pending[@]}})); then return 0; fi
+    if [[ -n $any ]] && ((${{#left[@]}} < ${{#pending[@]}})); then return 0; fi
     pending=("${{left[@]}}")
     if ((${{#pending[@]}})) && ((SECONDS >= deadline)); then
       log "not ready after ${{STARTUP_TIMEOUT}}s: ${{pending[*]}}"
