@@ -406,7 +406,7 @@ PLANTED = {
         "docs/proxies.md",
         "pytest scenarios --epd-proxy vllm --epd-proxy-registration dynamic",
         "pytest scenarios --epd-proxy vllm --epd-proxy-registration sometimes",
-        "--proxy-registration sometimes: choose one of",
+        "--epd-proxy-registration sometimes: choose one of",
     ),
     "a scripts/cpu flag that does not exist": (
         "docs/multi-node.md",
@@ -418,7 +418,7 @@ PLANTED = {
         "docs/testing.md",
         "--epd-reference-policy pd-drift",
         "--epd-reference-policy pd-drfit",
-        "--reference-policy pd-drfit: choose one of",
+        "--epd-reference-policy pd-drfit: choose one of",
     ),
     "a placeholder the allowance list does not know": (
         "README.md",

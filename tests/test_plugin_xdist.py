@@ -38,3 +38,32 @@ def test_a_refusal_made_while_workers_collect_is_the_sessions_usage_error(
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, lines
     assert lines[0].startswith("ERROR: --epd-topology: unknown topology '9Z'"), lines
+
+
+@pytest.mark.parametrize("workers", [(), ("-n", "2")])
+@pytest.mark.parametrize(
+    ("option", "value", "named"),
+    [
+        ("--epd-platform", "tpu", "unknown platform 'tpu'"),
+        ("--epd-reference-policy", "sideways", "--epd-reference-policy sideways"),
+        ("--epd-devices", "0,x", "--epd-devices"),
+    ],
+)
+def test_a_bad_session_option_is_one_usage_error_naming_it(
+    workers: tuple[str, ...], option: str, value: str, named: str
+) -> None:
+    """Found in review: a bad `--epd-*` value failed every e2e item, each with the same error,
+    which named the CLI's flag (`--platform`), not the pytest option the user gave."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only"]
+        + [*workers, "-m", "e2e", "scenarios/test_epd_matches_baseline.py", option, value],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"ERROR: epd-harness: {named}"), lines

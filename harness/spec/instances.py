@@ -197,6 +197,7 @@ class InstanceSpec:
             )
         else:
             env[self.platform.device_env_var] = ",".join(str(d) for d in self.devices)
+            env.update(self.platform.device_order_env)
         if self.uses_nixl:
             if self.side_channel_port is None:
                 raise ValueError(f"{self.name}: {NIXL_CONNECTOR} needs a {SIDE_CHANNEL_PORT_ENV}")

@@ -106,6 +106,12 @@ class PlatformProfile:
     # Whether instances own their devices (GPU) or take turns on shared cores (CPU). Decides
     # both the error for a topology that does not fit and whether topologies can run in waves.
     exclusive_devices: bool
+    # Set beside device_env_var so that its numbers mean what --devices means. CUDA numbers
+    # devices fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, and nvidia-smi (whose indices
+    # --devices takes, `parse_devices`) numbers them by PCI bus: on a host of mixed GPUs the two
+    # differ, and an instance would run on another GPU than the plan, run.json and a leftover
+    # check name.
+    device_order_env: tuple[tuple[str, str], ...] = ()
 
     @property
     def device_kind(self) -> str:
@@ -134,9 +140,17 @@ CUDA = PlatformProfile(
     worker_in_engine_core=False,
     gpu_memory_fraction=DEFAULT_GPU_MEMORY_FRACTION,
     exclusive_devices=True,
+    device_order_env=(("CUDA_DEVICE_ORDER", "PCI_BUS_ID"),),
 )
-# Same as CUDA but for how an instance is pinned to its device and where NIXL buffers live.
-XPU = replace(CUDA, name="xpu", device_env_var="ZE_AFFINITY_MASK", nixl_kv_buffer_device="xpu")
+# Same as CUDA but for how an instance is pinned to its device and where NIXL buffers live
+# (Level Zero's affinity mask has no other order to choose).
+XPU = replace(
+    CUDA,
+    name="xpu",
+    device_env_var="ZE_AFFINITY_MASK",
+    nixl_kv_buffer_device="xpu",
+    device_order_env=(),
+)
 PLATFORMS: dict[str, PlatformProfile] = {p.name: p for p in (CPU, CUDA, XPU)}
 
 

@@ -178,6 +178,14 @@ DIFFERENCES: tuple[Difference, ...] = (
         "baseline) to 1 and D to 2.",
     ),
     Difference(
+        "env CUDA_DEVICE_ORDER",
+        Kind.HARNESS_ONLY,
+        SERVE_ROLES,
+        "PCI_BUS_ID, so CUDA_VISIBLE_DEVICES numbers GPUs as nvidia-smi does, the numbers "
+        "--devices, the plan and run.json use; CUDA's default order (fastest first) differs "
+        "on a host of mixed GPUs.",
+    ),
+    Difference(
         "env ZE_AFFINITY_MASK",
         Kind.VALUE,
         SERVE_ROLES,

@@ -23,6 +23,7 @@ this group at all.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +117,15 @@ SESSION_OPTIONS = (
     SessionOption("--epd-devices", "--devices"),
 )
 OPTION_BY_NAME = {o.option: o for o in SESSION_OPTIONS}
+
+
+def in_session_terms(message: str) -> str:
+    """A preflight message with each CLI flag it names written as the session option that sets
+    it (`--platform bogus` -> `--epd-platform bogus`): the session's preflight is the CLI's, and
+    its messages name the CLI's flags, which a pytest command line does not have."""
+    for option in SESSION_OPTIONS:
+        message = re.sub(rf"(?<![\w-]){re.escape(option.flag)}(?![\w-])", option.option, message)
+    return message
 
 
 def commands_of(marker_args: Sequence[object], nodeid: str) -> tuple[str, ...]:

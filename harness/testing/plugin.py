@@ -327,11 +327,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(tryfirst=True)  # before --collect-only lists what it refuses
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """`--epd-vllm-source` given where no selected item reads it is refused, once every
+    """The session's options are checked once when a selected item serves them, and
+    `--epd-vllm-source` given where no selected item reads it is refused, once every
     deselection (-k, -m, `--epd-topology`, the session's refusals) is done."""
     from harness.testing.vllm_source import OPTION, given_on_the_command_line, refusal
 
     config = session.config
+    if any("epd_config" in getattr(item, "fixturenames", ()) for item in session.items):
+        # Once, before any item: a bad value failed every e2e item, each with the same error.
+        check_session_options(config.getoption)
     given = given_on_the_command_line(config.invocation_params.args)
     source = config.getoption(OPTION, None) if given else None
     why = refusal(source, config.getoption("--epd-proxy", None), session.items)
@@ -820,12 +824,18 @@ def session_request(
 def check_session_options(option: Callable[[str], Any]) -> None:
     """The session's options checked as its first e2e item would check them, by the same
     preflight as `epd-harness run` (names, values, flags that contradict each other), its
-    files named only: all that can be checked where a pytest command line is only shown
-    (tests/test_docs_commands.py). BadInput or pytest.UsageError, one line."""
+    files named only: all that can be checked before any item runs, or where a pytest command
+    line is only shown (tests/test_docs_commands.py). pytest.UsageError, one line, naming the
+    session's options (`--epd-platform`, not the CLI's `--platform`)."""
+    from harness.errors import BadInput
     from harness.preflight.config import check_arguments
+    from harness.testing.own_instances import in_session_terms
 
     topology_option(option("--epd-topology"))
-    check_arguments(session_request(option, "runs", ("main", 1)), read_files=False)
+    try:
+        check_arguments(session_request(option, "runs", ("main", 1)), read_files=False)
+    except BadInput as exc:
+        raise pytest.UsageError(f"epd-harness: {in_session_terms(str(exc))}") from None
 
 
 # -- fixtures ---------------------------------------------------------------------------------
@@ -844,12 +854,13 @@ def epd_config(pytestconfig: pytest.Config, epd_worker: tuple[str, int]):
     names, model, served-vLLM version gate, ports, token counts)."""
     from harness.errors import BadInput
     from harness.preflight import prepare_run
+    from harness.testing.own_instances import in_session_terms
 
     request = session_request(pytestconfig.getoption, pytestconfig.stash[RUN_ROOT_KEY], epd_worker)
     try:
         return prepare_run(request)
     except BadInput as exc:
-        pytest.fail(f"epd-harness: {exc}", pytrace=False)
+        pytest.fail(f"epd-harness: {in_session_terms(str(exc))}", pytrace=False)
 
 
 @pytest.fixture(scope="session")
