@@ -138,6 +138,8 @@ def test_cuda_instances_get_distinct_devices_and_side_channel_ports(tmp_path: Pa
     assert not http_ports & set(nixl.values()), "a side-channel port collides with an HTTP port"
     for name in nixl:
         assert envs[name]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    # nvidia-smi's numbering, which --devices and the plan use: CUDA's own differs on mixed GPUs.
+    assert {env["CUDA_DEVICE_ORDER"] for env in envs.values()} == {"PCI_BUS_ID"}
 
 
 def test_cuda_kv_config_is_nixl_with_a_cuda_buffer(tmp_path: Path) -> None:
@@ -224,7 +226,9 @@ def test_side_channel_ports_one_per_nixl_kv_instance() -> None:
 def test_xpu_uses_ze_affinity_mask_and_an_xpu_nixl_buffer(tmp_path: Path) -> None:
     specs = place_all(XPU, (2, 3, 4), tmp_path, topologies=(get_topology("1E+1P+1D"),))
     assert [s.env()["ZE_AFFINITY_MASK"] for s in specs] == ["2", "3", "4"]
-    assert all("CUDA_VISIBLE_DEVICES" not in s.env() for s in specs)
+    assert all(
+        "CUDA_VISIBLE_DEVICES" not in s.env() and "CUDA_DEVICE_ORDER" not in s.env() for s in specs
+    )
     decode = json.loads(flag_value(specs[2].argv(), "--kv-transfer-config"))
     assert decode["kv_buffer_device"] == "xpu"
 
