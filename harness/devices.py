@@ -109,6 +109,52 @@ def smi_gpus() -> list[Gpu]:
     return gpus
 
 
+@dataclass(frozen=True)
+class GpuProcess:
+    """A process holding GPU memory, as nvidia-smi's compute-apps list shows it."""
+
+    pid: int
+    name: str
+    gpu: int  # the index nvidia-smi lists, the numbering --devices uses
+    used_mib: int | None
+
+    def describe(self) -> str:
+        used = f", {self.used_mib} MiB" if self.used_mib is not None else ""
+        return f"pid {self.pid} ({self.name}) on GPU {self.gpu}{used}"
+
+
+def smi_compute_processes() -> list[GpuProcess] | None:
+    """Every process holding memory on a GPU nvidia-smi lists, by the GPU's index (the
+    compute-apps list names GPUs by UUID only); None where nvidia-smi cannot say, so that
+    "cannot tell" is never read as "none left"."""
+    gpus = _run_nvidia_smi("--query-gpu=index,uuid", "--format=csv,noheader")
+    apps = _run_nvidia_smi(
+        "--query-compute-apps=pid,process_name,gpu_uuid,used_memory", "--format=csv,noheader"
+    )
+    if gpus is None or apps is None:
+        return None
+    index_of = {}
+    for line in gpus.splitlines():
+        index, _, uuid = (field.strip() for field in line.partition(","))
+        if index.isdigit() and uuid:
+            index_of[uuid] = int(index)
+    processes = []
+    for line in apps.splitlines():
+        fields = [field.strip() for field in line.split(",")]
+        if len(fields) != 4 or not fields[0].isdigit() or fields[2] not in index_of:
+            continue
+        used = fields[3].removesuffix("MiB").strip()
+        processes.append(
+            GpuProcess(
+                pid=int(fields[0]),
+                name=fields[1],
+                gpu=index_of[fields[2]],
+                used_mib=int(used) if used.isdigit() else None,
+            )
+        )
+    return processes
+
+
 def nvidia_models() -> list[str]:
     """Every NVIDIA GPU model on this host: the driver's /proc files, else nvidia-smi."""
     models = proc_nvidia_models()

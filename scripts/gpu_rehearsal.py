@@ -17,11 +17,15 @@
 5. Prints each instance's start-up, the makespan (pytest's wall time, and each wave's serving
    time) and every verdict, from the run's summary.json files (a bundle's failing cases that
    its test made red on purpose counted apart).
+6. Keeps nvidia-smi's view before pytest (runs/NAME/nvidia-smi-before.txt) and, after it,
+   lists every process still holding one of its GPUs that was not there before: the harness
+   must leave nothing running, and a server it lost would hold the GPU into the next job.
 
 Workers default to how many xdist groups the plan serves side by side beside the baseline
 (`useful_workers`: more would only queue on the same GPUs). `--dry-run`
 prints the three commands and exits, GPU or not (then --devices is required). Exit code: the
-nightly pytest's, or 2 when the rehearsal refused or a step before it failed.
+nightly pytest's (1 when it passed and a process was left on a GPU), or 2 when the rehearsal
+refused or a step before it failed.
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ EXIT_REFUSED = 2
 
 class Refused(Exception):
     """A reason not to start: printed as one line, exit code 2."""
+
+
+class Unlisted(Exception):
+    """nvidia-smi did not list the GPUs' processes: what the night left running is unknown."""
 
 
 def gpus_here() -> list[int]:
@@ -347,12 +355,35 @@ def rehearse(args: argparse.Namespace) -> int:
         if done.returncode != 0:
             print(f"[rehearsal] stopped: {command[3]} exited {done.returncode}", file=sys.stderr)
             return EXIT_REFUSED
+    from harness.devices import smi_compute_processes
+
+    snapshot = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=60)
+    (run_dir / "nvidia-smi-before.txt").write_text(snapshot.stdout + snapshot.stderr)
+    before = smi_compute_processes()
     print(f"[rehearsal] {shown_with_env(pytest, nightly.env)}", flush=True)
     started = time.monotonic()
     code = subprocess.run(pytest, cwd=ROOT, env={**os.environ, **nightly.env}).returncode
     print("\n".join(summarize(run_dir, time.monotonic() - started)))
+    try:
+        left = left_on_gpus(before, smi_compute_processes(), parse_devices(devices))
+        lines = [f"left running: {p.describe()}" for p in left]
+    except Unlisted as exc:  # told, not failed: the run itself may be green
+        left, lines = [], [f"{exc}: that nothing was left running is unproven"]
+    (run_dir / "gpu-processes-after.txt").write_text("".join(f"{line}\n" for line in lines))
+    for line in lines:
+        print(f"[rehearsal] {line}", file=sys.stderr)
     print(f"[rehearsal] pytest exited {code}; artifacts in {run_dir}")
-    return code
+    return code or (1 if left else 0)
+
+
+def left_on_gpus(before: list | None, after: list | None, devices: tuple[int, ...]) -> list:
+    """The processes (harness.devices.GpuProcess) holding one of the rehearsal's GPUs after
+    pytest that did not before (those are another job's). Unlisted where nvidia-smi could not
+    list them, so that "cannot tell" is never read as "none"."""
+    if before is None or after is None:
+        raise Unlisted("nvidia-smi could not list the GPUs' processes")
+    earlier = {(p.pid, p.gpu) for p in before}
+    return [p for p in after if p.gpu in devices and (p.pid, p.gpu) not in earlier]
 
 
 def main(argv: list[str] | None = None) -> int:

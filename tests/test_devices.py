@@ -23,6 +23,10 @@ HEADER = (
     "| NVIDIA-SMI 550.54.15   Driver Version: 550.54.15   CUDA Version: 12.4      |\n"
 )
 
+UUIDS = "0, GPU-aaaa\n1, GPU-bbbb\n"
+# A vLLM engine core on GPU 1, and a line of another shape nvidia-smi might print.
+APPS = "4242, VLLM::EngineCore, GPU-bbbb, 70123 MiB\n[Not Supported]\n"
+
 
 @pytest.fixture
 def fake_gpu_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -37,6 +41,8 @@ def fake_gpu_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         f"  --query-gpu=index,name,driver_version) printf '{LISTING}' ;;\n"
         "  --query-gpu=name) printf 'NVIDIA A100-SXM4-80GB\\nNVIDIA H100 80GB HBM3\\n' ;;\n"
         f"  '') printf '{HEADER}' ;;\n"
+        f"  --query-gpu=index,uuid) printf '{UUIDS}' ;;\n"
+        f"  --query-compute-apps=pid,process_name,gpu_uuid,used_memory) printf '{APPS}' ;;\n"
         "  *) exit 6 ;;\n"
         "esac\n"
     )
@@ -112,3 +118,17 @@ def test_a_cpu_run_records_the_cpu_model_and_whether_it_has_amx(
     assert ("amx_tile" in used.features) is amx
     again = devices.DevicesUsed.from_json(json.loads(json.dumps(used.to_json())))
     assert again == used
+
+
+def test_gpu_processes_are_named_by_the_index_nvidia_smi_lists(fake_gpu_host):
+    """The compute-apps list names GPUs by UUID; --devices and the plan use indices."""
+    assert devices.smi_compute_processes() == [
+        devices.GpuProcess(pid=4242, name="VLLM::EngineCore", gpu=1, used_mib=70123)
+    ]
+
+
+def test_gpu_processes_nvidia_smi_cannot_list_are_unknown_not_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
+    assert devices.smi_compute_processes() is None

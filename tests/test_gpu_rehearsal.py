@@ -328,3 +328,17 @@ def test_devices_that_cannot_hold_the_topologies_are_refused_in_one_line(capsys)
     err = capsys.readouterr().err
     assert err.startswith("gpu-rehearsal: 1P+1D needs 2, 1E+1P+1D needs 2 devices"), err
     assert "use --colocate" in err and err.count("\n") == 1, err
+
+
+def test_what_holds_its_gpus_after_pytest_and_not_before_is_left_running() -> None:
+    from harness.devices import GpuProcess
+
+    rehearsal = load_rehearsal()
+    another_jobs = GpuProcess(pid=10, name="python", gpu=0, used_mib=500)
+    lost_server = GpuProcess(pid=20, name="VLLM::EngineCore", gpu=1, used_mib=70000)
+    elsewhere = GpuProcess(pid=30, name="python", gpu=5, used_mib=500)
+    after = [another_jobs, lost_server, elsewhere]
+    assert rehearsal.left_on_gpus([another_jobs], after, (0, 1)) == [lost_server]
+    assert rehearsal.left_on_gpus([another_jobs], [another_jobs], (0, 1)) == []
+    with pytest.raises(rehearsal.Unlisted):
+        rehearsal.left_on_gpus([another_jobs], None, (0, 1))
