@@ -67,3 +67,28 @@ def test_a_bad_session_option_is_one_usage_error_naming_it(
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"ERROR: epd-harness: {named}"), lines
+
+
+@pytest.mark.parametrize("workers", [(), ("-n", "2")])
+def test_a_session_its_preflight_refuses_stops_at_its_first_e2e_item(
+    workers: tuple[str, ...],
+) -> None:
+    """What needs files (here a model directory that does not exist) is found by the first
+    e2e item's preflight: it fails that item and stops the session (one per worker), rather
+    than failing every e2e item with the same error."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers]
+        + ["-m", "e2e", "scenarios/test_epd_matches_baseline.py"]
+        + ["--epd-model", "/nonexistent/epd-model"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out[-3000:]
+    failed = [line for line in done.stdout.splitlines() if line.startswith(("ERROR ", "FAILED "))]
+    one_per_worker = int(workers[1]) if workers else 1
+    assert 1 <= len(failed) <= one_per_worker, failed
+    assert "Interrupted: epd-harness: model directory /nonexistent/epd-model" in out, out[-3000:]

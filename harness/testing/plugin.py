@@ -849,18 +849,23 @@ def epd_worker(request: pytest.FixtureRequest) -> tuple[str, int]:
 
 
 @pytest.fixture(scope="session")
-def epd_config(pytestconfig: pytest.Config, epd_worker: tuple[str, int]):
+def epd_config(
+    request: pytest.FixtureRequest, pytestconfig: pytest.Config, epd_worker: tuple[str, int]
+):
     """The run, checked and assembled exactly as `epd-harness run` does (the same preflight:
-    names, model, served-vLLM version gate, ports, token counts)."""
+    names, model, served-vLLM version gate, ports, token counts). What it refuses fails the
+    item that asked first and stops the session: every e2e item would fail the same way."""
     from harness.errors import BadInput
     from harness.preflight import prepare_run
     from harness.testing.own_instances import in_session_terms
 
-    request = session_request(pytestconfig.getoption, pytestconfig.stash[RUN_ROOT_KEY], epd_worker)
+    run = session_request(pytestconfig.getoption, pytestconfig.stash[RUN_ROOT_KEY], epd_worker)
     try:
-        return prepare_run(request)
+        return prepare_run(run)
     except BadInput as exc:
-        pytest.fail(f"epd-harness: {in_session_terms(str(exc))}", pytrace=False)
+        message = f"epd-harness: {in_session_terms(str(exc))}"
+        request.session.shouldstop = message
+        pytest.fail(message, pytrace=False)
 
 
 @pytest.fixture(scope="session")
