@@ -357,8 +357,12 @@ def rehearse(args: argparse.Namespace) -> int:
             return EXIT_REFUSED
     from harness.devices import smi_compute_processes
 
-    snapshot = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=60)
-    (run_dir / "nvidia-smi-before.txt").write_text(snapshot.stdout + snapshot.stderr)
+    try:
+        shown = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=60)
+        snapshot = shown.stdout + shown.stderr
+    except (OSError, subprocess.SubprocessError) as exc:  # a hung driver: say so, go on
+        snapshot = f"nvidia-smi: {exc}\n"
+    (run_dir / "nvidia-smi-before.txt").write_text(snapshot)
     before = smi_compute_processes()
     print(f"[rehearsal] {shown_with_env(pytest, nightly.env)}", flush=True)
     started = time.monotonic()
