@@ -679,6 +679,28 @@ def test_fuzz_restart_budgets_default_as_documented_and_pass_with_attach_when_no
     assert run_budget(given).max_restarts == 0
 
 
+def test_fuzz_refuses_more_examples_than_a_run_draws_before_drawing_any(
+    epd_cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`fuzz --examples 99999999999` asked Hypothesis for 1.5 times as many and hung before
+    any server started: refused in one line, and the limit itself passes the checks."""
+    import harness.run.fuzz.strategies as strategies
+    from harness.cli.fuzz import MAX_EXAMPLES
+    from harness.cli.main import check_command_line
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("examples were drawn for a refused --examples")
+
+    monkeypatch.setattr(strategies, "draw_examples", never)
+    huge = 10**11
+    code, _, err = epd_cli("fuzz", "--topology", "1E+1PD", "--examples", huge)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--examples {huge}: at most {MAX_EXAMPLES} per run" in err
+    assert "request pair to real vLLM" in err and "--seed" in err
+    args = ["fuzz", "--topology", "1E+1PD", "--examples", str(MAX_EXAMPLES)]
+    assert check_command_line(args).examples == MAX_EXAMPLES
+
+
 def test_fuzz_refuses_the_baseline_and_several_topologies(epd_cli) -> None:
     baseline = epd_cli("fuzz", "--topology", "baseline")
     several = epd_cli("fuzz", "--topology", "1E+1PD,1P+1D")

@@ -37,6 +37,10 @@ from harness.run.load import LoadRun, decode_tail_failure, media_token_ids
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.kv_metrics import KvCounters
 from harness.spec.load import (
+    DEFAULT_DISTINCT_MEDIA,
+    MAX_CONCURRENCY,
+    MAX_REQUESTS,
+    MAX_SOAK_S,
     SHARED_MEDIA,
     TAIL_PROMPT,
     LoadSpec,
@@ -44,6 +48,8 @@ from harness.spec.load import (
     distinct_media_of,
     load_mix,
     media_placement,
+    mix_size,
+    most_distinct_media,
     plan_requests,
 )
 from harness.spec.platforms import CUDA
@@ -71,6 +77,23 @@ def test_the_mix_has_k_distinct_media_shared_and_unique(k: int) -> None:
     shared = [part for part, n in uses.items() if n > 1]
     assert len(shared) == SHARED_MEDIA and all(n == 1 for p, n in uses.items() if p not in shared)
     assert TAIL_PROMPT in {p.name for p in mix} and any(not p.media_count for p in mix)
+    assert len(mix) == mix_size(k), "what --media is checked against, counted without the mix"
+
+
+@pytest.mark.parametrize("requests", [12, 13, 64])
+@pytest.mark.parametrize("ending", [frozenset(), frozenset({TAIL_PROMPT})])
+def test_the_most_media_a_load_takes_are_every_one_sent_in_a_round(
+    requests: int, ending: frozenset[str]
+) -> None:
+    """`most_distinct_media` is the relation `load --media` is refused by: at the most, every
+    prompt of the mix goes out in each round (the tail prompt too, last and alone where it
+    is declared to end an instance); one medium more and a prompt never does."""
+    most = most_distinct_media(requests)
+    for media, all_sent in ((most, True), (most + 1, False)):
+        names = [p.name for p in load_mix(media)]
+        sent = {r.prompt for r in plan_requests(names, requests, ending)}
+        assert (sent == set(names)) is all_sent, (media, sorted(set(names) - sent))
+    assert most_distinct_media(1) == DEFAULT_DISTINCT_MEDIA, "the default mix goes with any load"
 
 
 def test_too_few_media_is_refused() -> None:
@@ -452,6 +475,71 @@ def test_bad_load_options_are_one_line_exit_2(argv: list[str], cause: str, capsy
     assert main(["load", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and cause in err[0], err
+
+
+HUGE = 10**11
+
+
+@pytest.mark.parametrize(
+    "argv, cause",
+    [
+        (["--requests", str(HUGE)], f"--requests {HUGE}: at most {MAX_REQUESTS} a round"),
+        (
+            ["--concurrency", str(HUGE)],
+            f"--concurrency {HUGE}: at most {MAX_CONCURRENCY} in flight",
+        ),
+        (["--duration", "600000"], f"--duration 600000: a soak is at most {MAX_SOAK_S} s"),
+        (
+            ["--media", str(HUGE)],
+            f"--media {HUGE}: a mix of {HUGE} distinct media has {HUGE + 4} prompts and "
+            "--requests 64 sends 64 a round, so some media would never be sent: at most 60 "
+            "with --requests 64",
+        ),
+        (["--requests", "20", "--media", "17"], "at most 16 with --requests 20"),
+    ],
+)
+@pytest.mark.parametrize("deployment", [["--topology", "1E+1PD"], ["--attach", "deploy.json"]])
+def test_counts_past_what_a_load_sends_are_refused_before_its_mix_is_built(
+    argv: list[str], cause: str, deployment: list[str], monkeypatch, capsys
+) -> None:
+    """`load --media 1000000` built (and would have rendered and counted) a prompt per medium
+    before anything started; with --attach its counts were not checked at all. Each count is
+    refused in one line, the mix never built."""
+    import harness.cli.load as load_cli
+    from harness.cli.main import main
+
+    def never(distinct_media: int) -> None:
+        raise AssertionError(f"a mix of {distinct_media} media was built")
+
+    monkeypatch.setattr(load_cli, "load_mix", never)
+    assert main(["load", *deployment, *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and cause in err[0], err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [
+            *("--requests", str(MAX_REQUESTS), "--concurrency", str(MAX_CONCURRENCY)),
+            *("--duration", str(MAX_SOAK_S)),
+        ],
+        ["--requests", "64", "--media", "60"],
+        ["--requests", "1"],  # the default mix of 8 media, as a load of one request always had
+    ],
+)
+def test_a_load_at_its_count_limits_passes_its_checks(argv: list[str]) -> None:
+    from harness.cli.main import check_command_line
+
+    check_command_line(["load", "--topology", "1E+1PD", *argv])
+
+
+def test_the_concurrency_limit_is_what_the_harness_client_holds_at_once() -> None:
+    """MAX_CONCURRENCY's reason: unstreamed requests go through one openai client (ChatClient),
+    whose connection pool holds this many; a smaller pool would hold requests within the limit
+    in the harness."""
+    constants = pytest.importorskip("openai._constants")
+    assert constants.DEFAULT_CONNECTION_LIMITS.max_connections >= MAX_CONCURRENCY
 
 
 class DiesQuietly(StandIn):

@@ -27,9 +27,14 @@ from harness.spec.load import (
     DEFAULT_CONCURRENCY,
     DEFAULT_DISTINCT_MEDIA,
     DEFAULT_REQUESTS,
+    MAX_CONCURRENCY,
+    MAX_REQUESTS,
+    MAX_SOAK_S,
     MIN_DISTINCT_MEDIA,
     LoadSpec,
     load_mix,
+    mix_size,
+    most_distinct_media,
 )
 from harness.spec.topology import TOPOLOGIES, Role
 
@@ -37,14 +42,45 @@ KILLABLE_ROLES = tuple(role.value for role in Role)
 FAILURES_SHOWN = 5
 
 
-def load_spec_from_args(args: argparse.Namespace, topology: str) -> LoadSpec:
-    """The load asked for, its flags checked against each other (BadInput, one line)."""
+def refuse_load_counts(args: argparse.Namespace) -> None:
+    """--requests, --concurrency, --duration and --media within what a load can send (BadInput,
+    one line): checked before the mix is built (a prompt per distinct medium, each rendered and
+    counted before anything starts), whether the topology is named or attached."""
     if args.requests < 1 or args.concurrency < 1:
         raise BadInput("--requests and --concurrency must be at least 1")
+    if args.requests > MAX_REQUESTS:
+        raise BadInput(
+            f"--requests {args.requests}: at most {MAX_REQUESTS} a round, each answer kept "
+            "until the load ends; longer traffic is a soak: rounds of --requests (--duration)"
+        )
+    if args.concurrency > MAX_CONCURRENCY:
+        raise BadInput(
+            f"--concurrency {args.concurrency}: at most {MAX_CONCURRENCY} in flight; the "
+            f"harness's client opens at most {MAX_CONCURRENCY} connections for unstreamed "
+            "requests, so more would wait in the harness, never at vLLM"
+        )
     if args.duration is not None and not (math.isfinite(args.duration) and args.duration > 0):
         raise BadInput("--duration is the soak's length in seconds: give a positive number")
+    if args.duration is not None and args.duration > MAX_SOAK_S:
+        raise BadInput(
+            f"--duration {args.duration:g}: a soak is at most {MAX_SOAK_S} s (a day; the "
+            "value is in seconds): it is judged when it ends and keeps every answer until then"
+        )
     if args.media < MIN_DISTINCT_MEDIA:
         raise BadInput(f"--media: a load mix needs at least {MIN_DISTINCT_MEDIA} distinct media")
+    most = most_distinct_media(args.requests)
+    if args.media > most:
+        raise BadInput(
+            f"--media {args.media}: a mix of {args.media} distinct media has "
+            f"{mix_size(args.media)} prompts and --requests {args.requests} sends "
+            f"{args.requests} a round, so some media would never be sent: at most {most} "
+            f"with --requests {args.requests}"
+        )
+
+
+def load_spec_from_args(args: argparse.Namespace, topology: str) -> LoadSpec:
+    """The load asked for, its flags checked against each other (BadInput, one line)."""
+    refuse_load_counts(args)
     if args.kill is not None:
         if args.attach:
             raise BadInput(
@@ -79,6 +115,8 @@ def refuse_load_flags(args: argparse.Namespace) -> None:
         raise BadInput("the baseline is what a load is judged against: pick an EPD topology")
     if args.topology:
         load_spec_from_args(args, args.topology)
+    else:  # attached: the topology is the attach file's, read later; the counts are not
+        refuse_load_counts(args)
 
 
 def load_request(args: argparse.Namespace) -> RunRequest:

@@ -25,6 +25,21 @@ DEFAULT_REQUESTS = 64
 DEFAULT_CONCURRENCY = 16
 DEFAULT_DISTINCT_MEDIA = 8
 MIN_DISTINCT_MEDIA = 3  # the shared items and at least the one whose media end in the tail
+# The most requests of a round. Each answer is kept until the load ends (about 0.1 MB with its
+# raw body and top-5 log-probs, measured on a 300-token prompt's 32-token answer; the baseline's
+# calibration keeps one per request as well) and load.md / load.json list every request:
+# 100,000 is about 20 GB, past the tens of thousands a GPU night's load sends. Longer traffic
+# is a soak: rounds of them (--duration).
+MAX_REQUESTS = 100_000
+# The most requests in flight. Unstreamed requests go out through one openai client per
+# session, whose connection pool holds 1,000 (its DEFAULT_CONNECTION_LIMITS): more would wait
+# for a connection in the harness, counted as in flight, never reaching vLLM (whose instances
+# batch `max_num_seqs` and queue the rest anyway). Each one is a thread of the harness too.
+MAX_CONCURRENCY = 1_000
+# The longest soak, in seconds. A soak is judged when it ends and keeps every answer until
+# then: a day is longer than any night's soak, and a --duration given in milliseconds (600000
+# for ten minutes) is refused rather than run for a week.
+MAX_SOAK_S = 86_400
 SHARED_MEDIA = 2
 MEDIA_SEED_BASE = 300
 IMAGE_SIZES = ((224, 224), (336, 224), (112, 112), (224, 336), (448, 280))
@@ -124,6 +139,20 @@ def _media(index: int) -> ImagePart | VideoPart:
     if index == 3:
         return VideoPart(seed=seed)
     return ImagePart(seed=seed, size=IMAGE_SIZES[index % len(IMAGE_SIZES)])
+
+
+def mix_size(distinct_media: int) -> int:
+    """How many prompts `load_mix(distinct_media)` holds, counted without building it: the
+    five prompts of the shared items, one per other item but the tail's, the text prompt and
+    the tail prompt."""
+    return 5 + (distinct_media - SHARED_MEDIA - 1) + 2
+
+
+def most_distinct_media(requests: int) -> int:
+    """The most distinct media a load of `requests` a round may ask for: as many as leave
+    every prompt of the mix sent in each round (the rest of a larger mix, and its media, would
+    never be). The default mix goes with any count, as a load of a few requests always has."""
+    return max(DEFAULT_DISTINCT_MEDIA, requests - mix_size(0))
 
 
 def load_mix(distinct_media: int = DEFAULT_DISTINCT_MEDIA) -> tuple[PromptSpec, ...]:
