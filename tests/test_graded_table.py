@@ -37,6 +37,7 @@ THRESHOLDS = Path(__file__).resolve().parents[1] / "scenarios" / "detection_thre
         ("ec-swap-items", FaultSpec("ec-swap-items")),
         ("ec-zero-frame", FaultSpec("ec-zero-frame")),
         ("ec-zero-frame:2", FaultSpec("ec-zero-frame", 2.0)),
+        ("ec-zero-frame:9999", FaultSpec("ec-zero-frame", 9999.0)),
         ("ec-video-grid", FaultSpec("ec-video-grid")),
     ],
 )
@@ -54,6 +55,11 @@ def test_fault_values_parse(text: str, spec: FaultSpec):
         ("ec-noise:inf", "in (0, 100]"),
         ("ec-noise:lots", "e.g. ec-noise:0.05"),
         ("ec-zero-frame:-1", "takes a temporal frame index"),
+        # Found in review: a ValueError and an OverflowError traceback, not one line.
+        ("ec-zero-frame:²", "takes a temporal frame index"),
+        ("ec-zero-frame:" + "9" * 400, "takes a temporal frame index"),
+        ("ec-zero-frame:" + "9" * 5000, "takes a temporal frame index"),
+        ("ec-zero-frame:10000", "(0, 1, ... 9999)"),
         ("ec-swap-items:2", "takes no strength"),
         ("corrupt-ec:0.5", "takes no strength"),
         ("ec-melt:0.5", "unknown fault 'ec-melt:0.5'"),

@@ -806,6 +806,9 @@ GRADED_FAULTS = {
     "positions, same size",
 }
 MAX_NOISE_FRACTION = 100.0
+# ec-zero-frame's index: a temporal frame (pair) of the request's video, which has a handful;
+# bounded so a long string of digits is refused as a typo, not carried into int() and float().
+MAX_FRAME_INDEX = 9999
 FAULT_SYNTAX = (
     "ec-noise:FRACTION, kv-noise:FRACTION, ec-swap-items, ec-zero-frame[:N], ec-video-grid"
 )
@@ -843,10 +846,13 @@ def parse_fault(text: str) -> FaultSpec:
             )
         return FaultSpec(kind, fraction)
     if kind == "ec-zero-frame" and sep:
-        if not value.isdigit():
+        # isascii: '²' is a digit to isdigit(), not to int(); the length before int(), which
+        # refuses over 4300 digits.
+        digits = value.isascii() and value.isdigit() and len(value) <= len(str(MAX_FRAME_INDEX))
+        if not (digits and int(value) <= MAX_FRAME_INDEX):
             raise BadInput(
                 f"fault {text!r}: ec-zero-frame takes a temporal frame index "
-                "(0, 1, ...), e.g. ec-zero-frame:1"
+                f"(0, 1, ... {MAX_FRAME_INDEX}), e.g. ec-zero-frame:1"
             )
         return FaultSpec(kind, float(int(value)))
     if sep:
