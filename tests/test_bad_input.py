@@ -1191,6 +1191,16 @@ def test_a_directory_the_harness_writes_that_is_a_file(
     )
 
 
+def test_goldens_dir_that_is_not_a_directory(epd_cli, tmp_path: Path) -> None:
+    """A mistyped --dir was read as an empty store: "no request has goldens", exit 1."""
+    args = ("goldens", "--dir", str(tmp_path / "goldens-typo"))
+    code, _, err = epd_cli(*args)
+    LAST_ARGS.update(args=as_users_see(" ".join(args), tmp_path), tmp=str(tmp_path))
+    assert_one_error_line(
+        code, err, f"--dir {tmp_path}/goldens-typo: not a directory (the goldens directory to read)"
+    )
+
+
 def test_plan_devices_malformed_names_the_flag(epd_cli, tmp_path: Path) -> None:
     """`plan` said only "device 'a' in 'a' is ...", where `run` names --devices."""
     args = ("plan", "--devices", "a")
