@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from export_bundle import write_bundle
 
 from harness import environment
 from harness.cli.main import build_parser, request_from_args
@@ -1188,6 +1189,27 @@ def test_a_directory_the_harness_writes_that_is_a_file(
     code, err = bad_run("--topology", "1P+1D", "--prompt", "text")
     assert_one_error_line(
         code, err, f"not a directory: {in_the_way}; artifacts written so far are kept"
+    )
+
+
+def test_export_out_that_cannot_be_made(epd_cli, tmp_path: Path) -> None:
+    """`export --out /proc/x` was a FileNotFoundError traceback, exit 1 (found in review)."""
+    bundle = write_bundle(tmp_path / "b", verdict="MISMATCH", topology="1P+1D")
+    code, _, err = epd_cli("export", str(bundle), "--out", "/proc/epd-harness-export")
+    assert (code, err) == (
+        2,
+        "epd-harness: error: export directory /proc/epd-harness-export cannot be made: no such "
+        "file or directory: /proc/epd-harness-export; choose another --out\n",
+    )
+    (tmp_path / "a-file").write_text("")
+    args = ("export", str(bundle), "--out", str(tmp_path / "a-file" / "export"))
+    code, _, err = epd_cli(*args)
+    LAST_ARGS.update(args=as_users_see(" ".join(args), tmp_path), tmp=str(tmp_path))
+    assert_one_error_line(
+        code,
+        err,
+        f"export directory {tmp_path}/a-file/export cannot be made: not a directory: "
+        f"{tmp_path}/a-file/export; choose another --out",
     )
 
 
