@@ -707,7 +707,7 @@ def test_host_flags_are_gone_not_ignored(bad_run: BadRun, flags: tuple[str, ...]
     that suggested otherwise could only ever fail, so it no longer exists."""
     code, err = bad_run(*flags)
     assert_one_error_line(
-        code, err, f"unrecognized arguments: {' '.join(flags)} (see 'epd-harness --help')"
+        code, err, f"unrecognized arguments: {' '.join(flags)} (see 'epd-harness run --help')"
     )
 
 
@@ -1210,6 +1210,17 @@ def test_export_out_that_cannot_be_made(epd_cli, tmp_path: Path) -> None:
         err,
         f"export directory {tmp_path}/a-file/export cannot be made: not a directory: "
         f"{tmp_path}/a-file/export; choose another --out",
+    )
+
+
+def test_a_flag_of_another_command_names_the_help_of_the_one_given(epd_cli, tmp_path: Path) -> None:
+    """Unrecognized flags are reported by the top parser, whose help lists no subcommand's
+    flags: `plan --launcher ray` said "(see 'epd-harness --help')" (found in review)."""
+    args = ("plan", "--launcher", "ray")
+    code, _, err = epd_cli(*args)
+    LAST_ARGS.update(args=" ".join(args), tmp=str(tmp_path))
+    assert_one_error_line(
+        code, err, "unrecognized arguments: --launcher ray (see 'epd-harness plan --help')"
     )
 
 

@@ -109,6 +109,20 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise BadInput(f"{message} (see '{self.prog} --help')")
 
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        """argparse's, but an unrecognized flag points at the help of the subcommand it was
+        given to: the top parser reports them, and `plan --launcher ray` said "(see
+        'epd-harness --help')", whose text lists no subcommand's flags (found in review)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            chosen = self.subcommands.get(getattr(parsed, "command", None) or "", self)
+            raise BadInput(
+                f"unrecognized arguments: {' '.join(extras)} (see '{chosen.prog} --help')"
+            )
+        return parsed
+
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
