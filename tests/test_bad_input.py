@@ -1040,6 +1040,19 @@ def test_repro_colocate_of_a_ray_run(epd_cli, tmp_path: Path) -> None:
     )
 
 
+def test_repro_on_a_core_this_process_may_not_use(epd_cli, tmp_path: Path, monkeypatch) -> None:
+    """`repro --devices 7` on a two-core host was a ValueError traceback from the baseline's
+    spawn, exit 1, where `run` refuses the core in one line (found in review)."""
+    monkeypatch.setattr(resources, "available_cpu_cores", lambda: (0, 1))
+    bundle = minimal_bundle(tmp_path / "b", {"platform_profile": "cpu"})
+    args = ("repro", bundle, "--devices", "0,7", "--vllm", tmp_path / "no-vllm")
+    code, _, err = epd_cli(*args)
+    LAST_ARGS.update(args=as_users_see(" ".join(map(str, args)), tmp_path), tmp=str(tmp_path))
+    assert_one_error_line(
+        code, err, "--devices 0,7: core 7 is not available to this process (available: 0-1)"
+    )
+
+
 def test_run_topology_baseline_is_refused(bad_run: BadRun) -> None:
     """It passed the preflight, started the baseline and judged nothing (found in review)."""
     code, err = bad_run("--topology", "baseline", "--prompt", "text")

@@ -47,6 +47,7 @@ from harness.preflight.config import (
     COLOCATE_ON_RAY,
     RunConfig,
     check_arguments,
+    devices_here,
 )
 from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_os_error
 from harness.preflight.model import resolve_model
@@ -294,6 +295,14 @@ def command_repro(args: argparse.Namespace) -> int:
             devices = parse_devices(args.devices) if args.devices is not None else None
         except DevicePlanError as exc:
             raise BadInput(f"--devices: {exc}") from None
+        # As `run` checks them: `repro --devices 7` on a two-core host was a ValueError
+        # traceback from the baseline's spawn, exit 1 (found in review).
+        devices_here(
+            devices or bundle.devices,
+            get_platform(bundle.platform),
+            given=devices is not None,
+            places_here=bundle.launcher.kind != RAY_LAUNCHER,
+        )
         run_dir = Path(args.run_dir or bundle.path.parent / f"{bundle.path.name}-repro").resolve()
         check_run_dir(run_dir)
         served = probe_served_vllm(args.vllm or default_vllm_executable())
