@@ -317,9 +317,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse, in one line, what the rehearsal would otherwise take for its default or hand on
+    broken (found in review): an empty --topology, -k or --devices meant every topology, every
+    scenario or every GPU (the harness refuses an empty value, never reads it as unset), an
+    empty --run-name wrote into runs/ itself and `../x` outside it, --workers 0 ran one worker
+    and --workers -3 reached pytest as `-n -3`."""
+    for flag in ("--devices", "--model", "--topology", "--run-name", "--vllm-source", "-k"):
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None and not value.replace(",", " ").strip():
+            raise Refused(
+                f"{flag} {value!r} is empty: give a value, or leave {flag} out (an empty one "
+                "is not taken for the default)"
+            )
+    if args.run_name in (".", "..") or "/" in args.run_name:
+        raise Refused(
+            f"--run-name {args.run_name!r}: a name, not a path (the rehearsal writes runs/NAME)"
+        )
+    if args.workers is not None and args.workers < 1:
+        raise Refused(
+            f"--workers {args.workers}: give 1 or more xdist workers, or leave --workers out "
+            "(the xdist groups the plan serves side by side)"
+        )
+
+
 def rehearse(args: argparse.Namespace) -> int:
     from harness.spec.platforms import CUDA, check_inherited_devices, parse_devices
 
+    check_arguments(args)
     if args.dry_run:
         if not args.devices:
             raise Refused("--dry-run needs --devices (it does not look for GPUs)")

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from export_bundle import write_bundle
 
 from harness import environment
 from harness.cli.main import build_parser, request_from_args
@@ -706,7 +707,7 @@ def test_host_flags_are_gone_not_ignored(bad_run: BadRun, flags: tuple[str, ...]
     that suggested otherwise could only ever fail, so it no longer exists."""
     code, err = bad_run(*flags)
     assert_one_error_line(
-        code, err, f"unrecognized arguments: {' '.join(flags)} (see 'epd-harness --help')"
+        code, err, f"unrecognized arguments: {' '.join(flags)} (see 'epd-harness run --help')"
     )
 
 
@@ -1039,6 +1040,19 @@ def test_repro_colocate_of_a_ray_run(epd_cli, tmp_path: Path) -> None:
     )
 
 
+def test_repro_on_a_core_this_process_may_not_use(epd_cli, tmp_path: Path, monkeypatch) -> None:
+    """`repro --devices 7` on a two-core host was a ValueError traceback from the baseline's
+    spawn, exit 1, where `run` refuses the core in one line (found in review)."""
+    monkeypatch.setattr(resources, "available_cpu_cores", lambda: (0, 1))
+    bundle = minimal_bundle(tmp_path / "b", {"platform_profile": "cpu"})
+    args = ("repro", bundle, "--devices", "0,7", "--vllm", tmp_path / "no-vllm")
+    code, _, err = epd_cli(*args)
+    LAST_ARGS.update(args=as_users_see(" ".join(map(str, args)), tmp_path), tmp=str(tmp_path))
+    assert_one_error_line(
+        code, err, "--devices 0,7: core 7 is not available to this process (available: 0-1)"
+    )
+
+
 def test_run_topology_baseline_is_refused(bad_run: BadRun) -> None:
     """It passed the preflight, started the baseline and judged nothing (found in review)."""
     code, err = bad_run("--topology", "baseline", "--prompt", "text")
@@ -1188,6 +1202,48 @@ def test_a_directory_the_harness_writes_that_is_a_file(
     code, err = bad_run("--topology", "1P+1D", "--prompt", "text")
     assert_one_error_line(
         code, err, f"not a directory: {in_the_way}; artifacts written so far are kept"
+    )
+
+
+def test_export_out_that_cannot_be_made(epd_cli, tmp_path: Path) -> None:
+    """`export --out /proc/x` was a FileNotFoundError traceback, exit 1 (found in review)."""
+    bundle = write_bundle(tmp_path / "b", verdict="MISMATCH", topology="1P+1D")
+    code, _, err = epd_cli("export", str(bundle), "--out", "/proc/epd-harness-export")
+    assert (code, err) == (
+        2,
+        "epd-harness: error: export directory /proc/epd-harness-export cannot be made: no such "
+        "file or directory: /proc/epd-harness-export; choose another --out\n",
+    )
+    (tmp_path / "a-file").write_text("")
+    args = ("export", str(bundle), "--out", str(tmp_path / "a-file" / "export"))
+    code, _, err = epd_cli(*args)
+    LAST_ARGS.update(args=as_users_see(" ".join(args), tmp_path), tmp=str(tmp_path))
+    assert_one_error_line(
+        code,
+        err,
+        f"export directory {tmp_path}/a-file/export cannot be made: not a directory: "
+        f"{tmp_path}/a-file/export; choose another --out",
+    )
+
+
+def test_a_flag_of_another_command_names_the_help_of_the_one_given(epd_cli, tmp_path: Path) -> None:
+    """Unrecognized flags are reported by the top parser, whose help lists no subcommand's
+    flags: `plan --launcher ray` said "(see 'epd-harness --help')" (found in review)."""
+    args = ("plan", "--launcher", "ray")
+    code, _, err = epd_cli(*args)
+    LAST_ARGS.update(args=" ".join(args), tmp=str(tmp_path))
+    assert_one_error_line(
+        code, err, "unrecognized arguments: --launcher ray (see 'epd-harness plan --help')"
+    )
+
+
+def test_goldens_dir_that_is_not_a_directory(epd_cli, tmp_path: Path) -> None:
+    """A mistyped --dir was read as an empty store: "no request has goldens", exit 1."""
+    args = ("goldens", "--dir", str(tmp_path / "goldens-typo"))
+    code, _, err = epd_cli(*args)
+    LAST_ARGS.update(args=as_users_see(" ".join(args), tmp_path), tmp=str(tmp_path))
+    assert_one_error_line(
+        code, err, f"--dir {tmp_path}/goldens-typo: not a directory (the goldens directory to read)"
     )
 
 

@@ -516,3 +516,21 @@ def test_epd_python_for_an_existing_venv_of_another_python_is_refused_not_ignore
     (tmp_path / "path").rename(tmp_path / "path-again")
     same = run_fresh(tmp_path, "sweep", version="3.11", EPD_PYTHON="python3")
     assert same.returncode == 0, same.stderr
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h", "help"])
+def test_help_prints_what_each_job_does_and_exits_0(flag: str, tmp_path: Path) -> None:
+    """`scripts/cpu --help` exited 2 with the one-line usage a typo gets (found in review): it
+    prints the file's opening comment, every job and the variables it reads, and sets nothing
+    up (EPD_VENV names a directory that must stay absent)."""
+    env = {**os.environ, "EPD_VENV": str(tmp_path / "venv")}
+    done = subprocess.run(
+        ["bash", str(SCRIPT), flag], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.startswith("The CPU entry point: sets up"), done.stdout
+    for line in ("scripts/cpu sweep [", "scripts/cpu test  [", "scripts/cpu setup [", "EPD_VENV"):
+        assert line in done.stdout, done.stdout
+    assert "set -euo" not in done.stdout and not (tmp_path / "venv").exists()
+    typo = subprocess.run(["bash", str(SCRIPT), "swep"], capture_output=True, text=True, env=env)
+    assert typo.returncode == 2 and "scripts/cpu --help" in typo.stderr, typo.stderr

@@ -3,6 +3,8 @@ is not a failure (a sweep needs neither NIXL nor Ray)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from harness.cli import doctor
@@ -26,3 +28,23 @@ def test_an_installed_optional_extra_shows_its_version() -> None:
     assert check.ok and not check.optional_missing
     assert check.detail == f"pytest {pytest.__version__}"
     assert doctor.format_checks([check]).startswith("[ok  ] pytest (optional, for the tests)")
+
+
+def test_the_environment_checked_is_the_one_vllm_runs_in(tmp_path: Path) -> None:
+    """`doctor --vllm OTHER` imported vLLM, torchvision and the extras in this Python and ran
+    only `OTHER --version` (found in review): every environment check now runs in the
+    interpreter on OTHER's `#!` line, and the first line names it."""
+    python = tmp_path / "other-venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\necho 'the other venv has no vllm' >&2\nexit 1\n")
+    python.chmod(0o755)
+    vllm = python.parent / "vllm"
+    vllm.write_text(f"#!{python}\n")
+    vllm.chmod(0o755)
+    checks = doctor.run_checks(str(vllm), None)
+    assert checks[0].detail == f"{python} (the interpreter of {vllm})", checks[0]
+    by_name = {check.name: check for check in checks}
+    imports = by_name["vllm imports"]
+    assert not imports.ok and imports.detail == "the other venv has no vllm", imports
+    assert not by_name["torchvision imports"].ok
+    assert by_name["nixl (optional, for --kv-connector nixl)"].optional_missing

@@ -720,6 +720,16 @@ def test_a_probe_names_only_the_connector_its_consumer_runs(tmp_path: Path) -> N
     assert "the request goes straight to decode0" in text
 
 
+def test_a_topology_without_an_encoder_names_no_ec_connector(tmp_path: Path) -> None:
+    """1P+1D's prefill runs no EC connector, yet was counted an EC consumer by its role:
+    the title read `EPD 1P+1D (ExampleConnector, ECExampleConnector)` (found in review)."""
+    plan = plan_for(write_bundle(tmp_path / "run", topology="1P+1D", verdict="MISMATCH"))
+    text = render_issue(plan)
+    assert "EPD 1P+1D (ExampleConnector): output differs" in text.splitlines()[0], text
+    assert "- EC connector: ECExampleConnector (not used by this case)" in text
+    assert "- KV connector: ExampleConnector\n" in text
+
+
 def test_check_cuts_a_log_to_exception_messages_and_its_tail() -> None:
     log = "\n".join(
         [

@@ -140,6 +140,26 @@ def test_a_dry_run_needs_the_devices_it_will_not_look_for(capsys) -> None:
     assert "--dry-run needs --devices" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "cause"),
+    [
+        (["--topology", ""], "--topology '' is empty: give a value, or leave --topology out"),
+        (["--topology", ","], "--topology ',' is empty"),
+        (["-k", " "], "-k ' ' is empty"),
+        (["--run-name", ""], "--run-name '' is empty"),
+        (["--run-name", "../x"], "--run-name '../x': a name, not a path"),
+        (["--workers", "0"], "--workers 0: give 1 or more xdist workers"),
+        (["--workers", "-3"], "--workers -3: give 1 or more xdist workers"),
+    ],
+)
+def test_a_value_it_would_drop_or_hand_on_broken_is_refused(argv, cause, capsys) -> None:
+    """An empty --topology or -k ran everything, an empty --run-name wrote into runs/ itself,
+    --workers 0 ran one worker and -3 reached pytest as `-n -3` (found in review)."""
+    assert load_rehearsal().main(["--dry-run", "--devices", "0,1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpu-rehearsal: {cause}") and err.count("\n") == 1, err
+
+
 # --- the nightly's pytest line ---------------------------------------------------------------
 
 

@@ -397,6 +397,11 @@ def test_the_plan_says_what_is_shared() -> None:
     assert same.endswith("1E+1PD/e0 = 1E+1P+1D/e0"), same
     plan = format_plan(build_plan(request(CUDA, tuple(range(8)))))
     assert "instances shared between topologies: none" in plan
+    # Two instances of one topology launched alike (2E+1PD's encoders) are two processes.
+    twins = sharing_line([instance("2E+1PD/e0", 1, "/s/ec"), instance("2E+1PD/e1", 2, "/s/ec")])
+    assert twins.endswith(
+        "instances shared between topologies: none (each topology's EC and KV storage is its own)"
+    ), twins
 
 
 def test_cli_plans_the_kv_connector_run_would_serve(epd_cli) -> None:

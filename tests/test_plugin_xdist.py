@@ -47,13 +47,15 @@ def test_a_refusal_made_while_workers_collect_is_the_sessions_usage_error(
         ("--epd-platform", "tpu", "unknown platform 'tpu'"),
         ("--epd-reference-policy", "sideways", "--epd-reference-policy sideways"),
         ("--epd-devices", "0,x", "--epd-devices"),
+        ("--epd-model", "", "--epd-model '' is empty: give a value, or leave --epd-model out"),
     ],
 )
 def test_a_bad_session_option_is_one_usage_error_naming_it(
     workers: tuple[str, ...], option: str, value: str, named: str
 ) -> None:
     """Found in review: a bad `--epd-*` value failed every e2e item, each with the same error,
-    which named the CLI's flag (`--platform`), not the pytest option the user gave."""
+    which named the CLI's flag (`--platform`), not the pytest option the user gave; and an
+    empty one was read as unset (`--epd-model ""` served the default model)."""
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only"]
         + [*workers, "-m", "e2e", "scenarios/test_epd_matches_baseline.py", option, value],

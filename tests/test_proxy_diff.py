@@ -92,3 +92,29 @@ def test_the_command_exits_1_on_a_difference_and_0_without(tmp_path: Path, epd_c
     missing = epd_cli("compare", a, tmp_path / "missing")
     assert missing.code == 2
     assert "not a run directory" in missing.err
+
+
+@pytest.mark.parametrize(
+    ("responses", "cause"),
+    [
+        ([], "expected a JSON object of {group: {prompt: outcome}}"),
+        ({"t": [1]}, "'t' is not a mapping of prompts to outcomes"),
+        ({"t": {"p": 5}}, "'t' / 'p' is not an outcome (a JSON object)"),
+    ],
+)
+def test_responses_of_another_shape_are_one_line(
+    responses: Any, cause: str, tmp_path: Path, epd_cli
+) -> None:
+    """A list compared as "no case in common" and an outcome that is not a mapping was a
+    traceback, exit 1, as was a run.json that is not a mapping (found in review)."""
+    a = write_run(tmp_path / "a", {"t": {"p": outcome([1], [ENCODE])}}, "harness")
+    b = write_run(tmp_path / "b", {}, "vllm")
+    (Path(b) / "responses.json").write_text(json.dumps(responses))
+    refused = epd_cli("compare", a, b)
+    assert (refused.code, refused.err) == (
+        2,
+        f"epd-harness: error: {b}/responses.json: {cause}\n",
+    )
+    (Path(a) / "run.json").write_text("[1]")
+    labelled = epd_cli("compare", a, a)
+    assert labelled.code == 0 and "calls only with a " in labelled.out, labelled.err

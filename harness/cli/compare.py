@@ -18,13 +18,25 @@ RESPONSES_FILE = "responses.json"
 
 
 def read_responses(run_dir: str) -> dict[str, Any]:
+    """A run's responses.json, {group: {prompt: outcome}}, its shape checked: a list there
+    compared as "no case in common", and an outcome that is not a mapping was a traceback
+    (found in review)."""
     path = Path(run_dir) / RESPONSES_FILE
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        responses = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise BadInput(f"{path} does not exist: not a run directory of 'epd-harness run'") from None
     except (OSError, ValueError) as exc:
         raise BadInput(f"{path} cannot be read: {exc}") from None
+    if not isinstance(responses, dict):
+        raise BadInput(f"{path}: expected a JSON object of {{group: {{prompt: outcome}}}}")
+    for group, cases in responses.items():
+        if not isinstance(cases, dict):
+            raise BadInput(f"{path}: {group!r} is not a mapping of prompts to outcomes")
+        for prompt, outcome in cases.items():
+            if not isinstance(outcome, dict):
+                raise BadInput(f"{path}: {group!r} / {prompt!r} is not an outcome (a JSON object)")
+    return responses
 
 
 def proxy_label(run_dir: str) -> str:
@@ -32,7 +44,7 @@ def proxy_label(run_dir: str) -> str:
     try:
         run = json.loads((Path(run_dir) / "run.json").read_text(encoding="utf-8"))
         kind = (run.get("proxy") or {}).get("kind")
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):  # AttributeError: not a run's mappings
         kind = None
     return f"{kind} ({Path(run_dir).name})" if kind else Path(run_dir).name
 

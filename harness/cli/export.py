@@ -19,6 +19,7 @@ from harness import amx
 from harness.cli import cpu_env
 from harness.environment import cache_dir
 from harness.errors import EXIT_OK, BadInput
+from harness.preflight.files import describe_os_error
 from harness.preflight.upstream_proxy import PROXY_FILES, cached_or_fetched, from_checkout
 from harness.preflight.vllm import interpreter_of
 from harness.run.export import PROBES, UpstreamProxy, plan_export
@@ -83,6 +84,14 @@ def command_export(args: argparse.Namespace) -> int:
         bundle, args.case, lambda: upstream_proxy(bundle, args.vllm_source), args.probe
     )
     out = Path(args.out) if args.out else bundle.path / EXPORTS_DIR / plan.name
+    try:
+        # Made here to name it: `--out /proc/x` was a FileNotFoundError traceback, exit 1,
+        # and a file in the way "not a directory" without saying of what (found in review).
+        out.resolve().mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BadInput(
+            f"export directory {out} cannot be made: {describe_os_error(exc)}; choose another --out"
+        ) from None
     written = write_export(plan, out.resolve(), cpu_repair_files())
     size = sum(path.stat().st_size for path in written)
     print(f"epd-harness export: {title(plan)}")

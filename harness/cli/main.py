@@ -47,6 +47,7 @@ from harness.preflight.config import (
     COLOCATE_ON_RAY,
     RunConfig,
     check_arguments,
+    devices_here,
 )
 from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_os_error
 from harness.preflight.model import resolve_model
@@ -108,6 +109,20 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise BadInput(f"{message} (see '{self.prog} --help')")
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        """argparse's, but an unrecognized flag points at the help of the subcommand it was
+        given to: the top parser reports them, and `plan --launcher ray` said "(see
+        'epd-harness --help')", whose text lists no subcommand's flags (found in review)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            chosen = self.subcommands.get(getattr(parsed, "command", None) or "", self)
+            raise BadInput(
+                f"unrecognized arguments: {' '.join(extras)} (see '{chosen.prog} --help')"
+            )
+        return parsed
 
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
@@ -280,6 +295,14 @@ def command_repro(args: argparse.Namespace) -> int:
             devices = parse_devices(args.devices) if args.devices is not None else None
         except DevicePlanError as exc:
             raise BadInput(f"--devices: {exc}") from None
+        # As `run` checks them: `repro --devices 7` on a two-core host was a ValueError
+        # traceback from the baseline's spawn, exit 1 (found in review).
+        devices_here(
+            devices or bundle.devices,
+            get_platform(bundle.platform),
+            given=devices is not None,
+            places_here=bundle.launcher.kind != RAY_LAUNCHER,
+        )
         run_dir = Path(args.run_dir or bundle.path.parent / f"{bundle.path.name}-repro").resolve()
         check_run_dir(run_dir)
         served = probe_served_vllm(args.vllm or default_vllm_executable())

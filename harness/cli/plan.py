@@ -286,12 +286,16 @@ def sharing_line(instances: Sequence[PlannedInstance]) -> str:
     through whichever proxy (harness.run.pool); an instance whose launch (argv but its port,
     env) another topology has too would be shared as well. None is, today: each topology's EC
     and KV storage is its own, because both example connectors key what they store by content
-    and a shared producer would let a guard hold for a transfer that did not happen."""
+    and a shared producer would let a guard hold for a transfer that did not happen.
+
+    Only launches of different topologies count: 2E+1PD's two encoders launch identically
+    (one topology, one storage) and are two processes, yet were printed as "shared between
+    topologies: 2E+1PD/encoder0 = 2E+1PD/encoder1" (found in review)."""
     launches: dict[tuple[str, tuple[tuple[str, str], ...]], list[str]] = {}
     for instance in instances:
         argv = instance.command_line.replace(f"--port {instance.port}", "--port PORT")
         launches.setdefault((argv, tuple(instance.env)), []).append(instance.name)
-    shared = [names for names in launches.values() if len(names) > 1]
+    shared = [names for names in launches.values() if len({_topology_name(n) for n in names}) > 1]
     text = (
         "sharing: each topology starts once per run and serves every scenario that judges "
         "it, through any proxy; instances shared between topologies: "
@@ -321,6 +325,11 @@ def start_order_line(plan: Plan) -> str:
         "the others at once; "
     )
     return text + ("; ".join(staggered) if staggered else "no device is shared")
+
+
+def _topology_name(name: str) -> str:
+    """`1E+1P+1D/encoder0` -> `1E+1P+1D`."""
+    return name.partition("/")[0]
 
 
 def _role_name(name: str) -> str:

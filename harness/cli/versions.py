@@ -482,7 +482,11 @@ def add_bisect_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
 
 
 def command_goldens(args: argparse.Namespace) -> int:
-    """Consecutive releases' baselines compared, request by request."""
+    """Consecutive releases' baselines compared, request by request. A `--dir` that is not
+    a directory is bad input (exit 2): a mistyped one was read as an empty store, "no request
+    has goldens", exit 1, as if releases had been compared (found in review)."""
+    if args.dir and not Path(args.dir).is_dir():
+        raise BadInput(f"--dir {args.dir}: not a directory (the goldens directory to read)")
     store = GoldenStore(Path(args.dir) if args.dir else cache_dir() / "goldens")
     rows = agreement(store)
     if not rows:

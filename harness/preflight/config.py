@@ -285,7 +285,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
     kv_connector, ec_connector = arguments.kv_connector, arguments.ec_connector
     check_launcher_here(arguments.launcher)
     places_here = attach is None and arguments.launcher.kind != RAY_LAUNCHER
-    devices = _devices_here(arguments.devices, platform, request.devices is not None, places_here)
+    devices = devices_here(arguments.devices, platform, request.devices is not None, places_here)
     ports = port_range()
 
     model_dir = resolve_model(request.model, platform.default_model, cache_dir())
@@ -505,12 +505,13 @@ def _parse_devices(text: str | None, platform: PlatformProfile) -> tuple[int, ..
         raise BadInput(f"--devices: {exc}") from None
 
 
-def _devices_here(
+def devices_here(
     devices: tuple[int, ...], platform: PlatformProfile, given: bool, places_here: bool
 ) -> tuple[int, ...]:
     """On cpu, the cores this process may use (the default cores are checked too); on GPUs,
     where this host's instances are placed (not by Ray, not an attached deployment), those an
-    inherited CUDA_VISIBLE_DEVICES gives it (`check_inherited_devices`)."""
+    inherited CUDA_VISIBLE_DEVICES gives it (`check_inherited_devices`). `repro` checks its
+    devices here too."""
     if platform.exclusive_devices:
         if places_here:
             try:

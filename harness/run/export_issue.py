@@ -154,16 +154,20 @@ def connectors(plan: ExportPlan) -> tuple[str, str]:
     return serving.get("kv_connector", "?"), serving.get("ec_connector", "?")
 
 
-def uses(plan: ExportPlan, role: str) -> bool:
-    return any(s.role == role for s in plan.servers)
-
-
 def uses_kv(plan: ExportPlan) -> bool:
-    return uses(plan, "decode") or uses(plan, "prefill")
+    return configures(plan, "--kv-transfer-config")
 
 
 def uses_ec(plan: ExportPlan) -> bool:
-    return uses(plan, "encoder") or uses(plan, "pd") or uses(plan, "prefill")
+    """Whether a server of the export is given an EC connector. Read from the commands, not
+    the roles: a prefill instance consumes embeddings in 1E+1P+1D only, and 1P+1D's exports
+    were titled `EPD 1P+1D (ExampleConnector, ECExampleConnector)` (found in review)."""
+    return configures(plan, "--ec-transfer-config")
+
+
+def configures(plan: ExportPlan, flag: str) -> bool:
+    """Whether a server's command line carries `flag` (each argument is a tuple of parts)."""
+    return any((flag,) in server.argv for server in plan.servers)
 
 
 def title(plan: ExportPlan) -> str:

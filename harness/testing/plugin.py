@@ -829,8 +829,18 @@ def check_session_options(option: Callable[[str], Any]) -> None:
     session's options (`--epd-platform`, not the CLI's `--platform`)."""
     from harness.errors import BadInput
     from harness.preflight.config import check_arguments
-    from harness.testing.own_instances import in_session_terms
+    from harness.testing.own_instances import SESSION_OPTIONS, in_session_terms
 
+    # An empty value is refused, as the CLI's parser refuses one: read as unset, `--epd-model
+    # ""` served the tiny model and `--epd-run-dir ""` wrote to runs/pytest-<time> (found in
+    # review). `--epd-topology` refuses its own, naming the topologies.
+    for name in (*(o.option for o in SESSION_OPTIONS), "--epd-run-dir"):
+        value = option(name)
+        if isinstance(value, str) and not value.strip():
+            raise pytest.UsageError(
+                f"epd-harness: {name} {value!r} is empty: give a value, or leave {name} out "
+                "(an empty one is not taken for the default)"
+            )
     topology_option(option("--epd-topology"))
     try:
         check_arguments(session_request(option, "runs", ("main", 1)), read_files=False)
