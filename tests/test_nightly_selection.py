@@ -73,13 +73,15 @@ def pytest_collection_finish(session):
 
 def nightly_pytest_options() -> list[str]:
     """The nightly's scenario selection: its pytest arguments that choose tests or the KV
-    connector (marker expression, platform, connector), as the workflow passes them."""
-    steps = [
-        step
+    connector (marker expression, platform, connector), as the workflow passes them, and the
+    devices of its first matrix leg (the session refuses cuda without devices at collection)."""
+    jobs = [
+        job
         for job in yaml.safe_load(NIGHTLY.read_text())["jobs"].values()
-        for step in job["steps"]
-        if step.get("name") == SCENARIO_STEP
+        if any(step.get("name") == SCENARIO_STEP for step in job["steps"])
     ]
+    assert len(jobs) == 1, f"one job with a step named {SCENARIO_STEP!r} in {NIGHTLY.name}"
+    steps = [step for step in jobs[0]["steps"] if step.get("name") == SCENARIO_STEP]
     assert len(steps) == 1, f"one step named {SCENARIO_STEP!r} in {NIGHTLY.name}"
     args_line = re.search(r"args=\((.*?)\)", steps[0]["run"], re.S)
     assert args_line, steps[0]["run"]
@@ -89,7 +91,9 @@ def nightly_pytest_options() -> list[str]:
         if flag in words:
             chosen += [flag, words[words.index(flag) + 1]]
     assert "-m" in chosen and "--epd-platform" in chosen, words
-    return chosen
+    assert words[words.index("--epd-devices") + 1] == "$DEVICES", words
+    first_leg = jobs[0]["strategy"]["matrix"]["include"][0]
+    return [*chosen, "--epd-devices", first_leg["devices"]]
 
 
 def collect(options: list[str], tmp_path: Path) -> tuple[list[dict], str]:
@@ -172,7 +176,11 @@ def test_the_nightly_selection_starts_no_one_host_ray_rehearsal(tmp_path: Path):
     items, output = collect(nightly_pytest_options(), tmp_path)
     assert not on_ray(items), on_ray(items)
     assert "runs on the cpu platform only" in output, output[-2000:]
-    with_cluster = [*nightly_pytest_options(), "--epd-ray-address", "10.0.0.1:6379"]
+    # The address configures the Ray launcher: alone, the session refuses it at collection.
+    with_cluster = [
+        *nightly_pytest_options(),
+        *("--epd-launcher", "ray", "--epd-ray-address", "10.0.0.1:6379"),
+    ]
     items, _ = collect(with_cluster, tmp_path)
     assert on_ray(items) and all(on_ray(items).values()), on_ray(items)
     assert all("test_ray.py" in node for node in on_ray(items)), on_ray(items)
