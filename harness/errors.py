@@ -34,3 +34,13 @@ def lookup(kind: str, name: str, known: Mapping[str, T]) -> T:
         return known[name]
     except KeyError:
         raise BadInput(f"unknown {kind} {name!r} (known: {', '.join(known)})") from None
+
+
+def empty_value(flag: str, text: str) -> str:
+    """The refusal of an option given an empty value, the CLI's and a pytest session's: every
+    option's unset value means its default, so `--attach "$FILE"` with FILE unset would drop
+    the flag and run something else."""
+    return (
+        f"{flag} {text!r} is empty: give a value, or leave {flag} out (an empty one is not "
+        "taken for the default)"
+    )

@@ -39,6 +39,7 @@ from harness.errors import (
     EXIT_OK,
     BadInput,
     HarnessError,
+    empty_value,
 )
 from harness.judge.records import CaseRecord
 from harness.preflight import RunRequest, names, prepare_run
@@ -127,10 +128,8 @@ class Parser(argparse.ArgumentParser):
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
-        """argparse's, then an option given an empty value is refused: every option's unset
-        value means its default, so `--attach "$FILE"` with FILE unset (or `--topology ,`)
-        would drop the flag and run something else (found in review). Each subcommand's
-        parser checks its own options."""
+        """argparse's, then an option given an empty value (`--topology ,` too) is refused
+        (`harness.errors.empty_value` says why). Each subcommand's parser checks its own."""
         parsed, extras = super().parse_known_args(args, namespace)
         for action in self._actions:
             if not action.option_strings or action.dest == argparse.SUPPRESS:
@@ -141,10 +140,7 @@ class Parser(argparse.ArgumentParser):
             for text in given:
                 if isinstance(text, str) and not (text.replace(",", "") if lists else text).strip():
                     flag = max(action.option_strings, key=len)
-                    raise BadInput(
-                        f"{flag} {text!r} is empty: give a value, or leave {flag} out (an "
-                        "empty one is not taken for the default)"
-                    )
+                    raise BadInput(empty_value(flag, text))
         return parsed, extras
 
 

@@ -827,7 +827,7 @@ def check_session_options(option: Callable[[str], Any]) -> None:
     files named only: all that can be checked before any item runs, or where a pytest command
     line is only shown (tests/test_docs_commands.py). pytest.UsageError, one line, naming the
     session's options (`--epd-platform`, not the CLI's `--platform`)."""
-    from harness.errors import BadInput
+    from harness.errors import BadInput, empty_value
     from harness.preflight.config import check_arguments
     from harness.testing.own_instances import SESSION_OPTIONS, in_session_terms
 
@@ -837,10 +837,7 @@ def check_session_options(option: Callable[[str], Any]) -> None:
     for name in (*(o.option for o in SESSION_OPTIONS), "--epd-run-dir"):
         value = option(name)
         if isinstance(value, str) and not value.strip():
-            raise pytest.UsageError(
-                f"epd-harness: {name} {value!r} is empty: give a value, or leave {name} out "
-                "(an empty one is not taken for the default)"
-            )
+            raise pytest.UsageError(f"epd-harness: {empty_value(name, value)}")
     topology_option(option("--epd-topology"))
     try:
         check_arguments(session_request(option, "runs", ("main", 1)), read_files=False)
