@@ -17,6 +17,18 @@ pytestmark = pytest.mark.process
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_in_repo(*args: str) -> subprocess.CompletedProcess[str]:
+    """`pytest -q ARGS` in the repository, as a user runs it (no cache written)."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
 @pytest.mark.parametrize("workers", [(), ("-n", "2")])
 def test_a_refusal_made_while_workers_collect_is_the_sessions_usage_error(
     workers: tuple[str, ...],
@@ -24,15 +36,7 @@ def test_a_refusal_made_while_workers_collect_is_the_sessions_usage_error(
     """Found with `--epd-topology 9Z -n 2`: each worker's collection raised the refusal, each
     worker ended, and the controller stopped on an INTERNALERROR ("Unexpectedly no active
     workers available", or an assertion of its scheduler), the cause shown nowhere."""
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers]
-        + ["-m", "e2e", "scenarios/test_matrix.py", "--epd-topology", "9Z"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = pytest_in_repo(*workers, "-m", "e2e", "scenarios/test_matrix.py", "--epd-topology", "9Z")
     assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout[-3000:]
     assert "INTERNALERROR" not in done.stdout + done.stderr, done.stdout[-3000:]
     lines = done.stderr.strip().splitlines()
@@ -56,14 +60,14 @@ def test_a_bad_session_option_is_one_usage_error_naming_it(
     """Found in review: a bad `--epd-*` value failed every e2e item, each with the same error,
     which named the CLI's flag (`--platform`), not the pytest option the user gave; and an
     empty one was read as unset (`--epd-model ""` served the default model)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only"]
-        + [*workers, "-m", "e2e", "scenarios/test_epd_matches_baseline.py", option, value],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    done = pytest_in_repo(
+        "--collect-only",
+        *workers,
+        "-m",
+        "e2e",
+        "scenarios/test_epd_matches_baseline.py",
+        option,
+        value,
     )
     assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout[-3000:]
     lines = done.stderr.strip().splitlines()
@@ -78,15 +82,10 @@ def test_a_session_its_preflight_refuses_stops_at_its_first_e2e_item(
     """What needs files (here a model directory that does not exist) is found by the first
     e2e item's preflight: it fails that item and stops the session (one per worker), rather
     than failing every e2e item with the same error."""
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers]
-        + ["-m", "e2e", "scenarios/test_epd_matches_baseline.py"]
-        + ["--epd-model", "/nonexistent/epd-model"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    done = pytest_in_repo(
+        *workers,
+        *("-m", "e2e", "scenarios/test_epd_matches_baseline.py"),
+        *("--epd-model", "/nonexistent/epd-model"),
     )
     out = done.stdout + done.stderr
     assert done.returncode != 0, out[-3000:]
