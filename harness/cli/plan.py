@@ -466,7 +466,12 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
         help="show every instance's command, env, port and device, and the schedule; start nothing",
         description=" ".join(__doc__.split("\n\n")[0].split()),
     )
-    parser.add_argument("--platform", choices=sorted(PLATFORMS), default="cpu")
+    parser.add_argument(
+        "--platform",
+        choices=sorted(PLATFORMS),
+        default="cpu",
+        help="the hardware to plan for, this host's or not (default cpu)",
+    )
     parser.add_argument(
         "--devices",
         help="comma-separated device indices (GPU/XPU; required there) or CPU cores "
