@@ -685,3 +685,44 @@ def test_the_gpu_night_on_cpu_judges_as_the_cuda_profile_does() -> None:
     assert line[line.index("--epd-kv-connector") + 1] == nixl.name
     policy = default_reference_policy(CUDA).name
     assert line[line.index("--epd-reference-policy") + 1] == policy
+
+
+LEFTOVER_STEP = "Leftover GPU processes (should be none)"
+
+
+def run_leftover_step(tmp_path: Path, before: str | None, listed: str) -> tuple[int, str]:
+    """The nightly's leftover step, run by bash with an nvidia-smi that lists `listed` as its
+    compute processes; `before` is what the plan step recorded (None: it never ran)."""
+    (step,) = [s for s in all_steps(load("nightly-gpu.yml")) if s.get("name") == LEFTOVER_STEP]
+    tools = tmp_path / "bin"
+    tools.mkdir(parents=True)
+    (tools / "nvidia-smi").write_text(f"#!/bin/sh\nprintf '{listed}'\n")
+    (tools / "nvidia-smi").chmod(0o755)
+    if before is not None:
+        (tmp_path / "runs" / "night").mkdir(parents=True)
+        (tmp_path / "runs" / "night" / "gpu-pids-before.txt").write_text(before)
+    env = {"PATH": f"{tools}:/usr/bin:/bin", "RUN_NAME": "night"}
+    done = subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", step["run"]],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_the_nightly_fails_on_a_process_it_left_on_the_gpus(tmp_path: Path) -> None:
+    """What held a GPU before the night is another job's; a process that appeared since, and is
+    still there after pytest, was the night's: it would hold the GPU into the next job."""
+    another_job = "100, python, 500 MiB\\n"
+    code, out = run_leftover_step(tmp_path / "clean", "100\n", another_job)
+    assert code == 0 and "no process left" in out, out
+    code, out = run_leftover_step(
+        tmp_path / "left", "100\n", another_job + "4242, VLLM::EngineCore, 70123 MiB\\n"
+    )
+    assert code == 1 and "4242, VLLM::EngineCore, 70123 MiB" in out, out
+    assert "100, python" not in out.split("::error::", 1)[1], out
+    code, out = run_leftover_step(tmp_path / "no-plan", None, another_job)
+    assert code == 1 and "100, python, 500 MiB" in out, out
