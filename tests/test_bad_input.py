@@ -110,6 +110,14 @@ def bad_run(tmp_path: Path, vllm: Path, epd_cli, port_locks: Path, monkeypatch) 
     return run
 
 
+def shown_cli(epd_cli, tmp_path: Path, *args: object, hidden: tuple = ()) -> tuple[int, str]:
+    """`epd-harness ARGS HIDDEN` (exit code, stderr), ARGS recorded for docs/bad-input.md's row
+    as a user sees them ($TMP for the test's directory); HIDDEN is run but not shown."""
+    code, _, err = epd_cli(*args, *hidden)
+    LAST_ARGS.update(args=as_users_see(" ".join(map(str, args)), tmp_path), tmp=str(tmp_path))
+    return code, err
+
+
 def assert_one_error_line(code: int, err: str, cause: str) -> None:
     assert "Traceback" not in err, err
     assert err.count("\n") == 1, f"expected exactly one line on stderr, got:\n{err}"
@@ -975,17 +983,12 @@ def test_a_bundle_whose_files_are_not_a_bundles_is_one_line(epd_cli, tmp_path: P
 def test_export_of_a_case_failed_against_two_references_needs_one(epd_cli, tmp_path: Path) -> None:
     """Under pd-drift a P->D case is judged against the baseline and its exact reference;
     named without one when both failed, export (and repro) cannot tell which is meant."""
-    bundle = tmp_path / "b"
-    bundle.mkdir()
     cases = [
         {"topology": "1E+1P+1D", "prompt": "image", "reference": ref, "verdict": "MISMATCH"}
         for ref in ("baseline", "1P+1D")
     ]
-    for name, data in (("run.json", {}), ("requests.json", {}), ("summary.json", {"cases": cases})):
-        (bundle / name).write_text(json.dumps(data))
-    args = ("export", bundle, "--case", "1E+1P+1D:image")
-    code, _, err = epd_cli(*args)
-    LAST_ARGS.update(args=as_users_see(" ".join(map(str, args)), tmp_path), tmp=str(tmp_path))
+    bundle = minimal_bundle(tmp_path / "b", {}, cases)
+    code, err = shown_cli(epd_cli, tmp_path, "export", bundle, "--case", "1E+1P+1D:image")
     assert_one_error_line(
         code,
         err,
@@ -994,12 +997,14 @@ def test_export_of_a_case_failed_against_two_references_needs_one(epd_cli, tmp_p
     )
 
 
-def minimal_bundle(path: Path, run: dict) -> Path:
-    """A run directory with one failed case and the given run.json, enough to be loaded."""
+def minimal_bundle(path: Path, run: dict, cases: list[dict] | None = None) -> Path:
+    """A run directory with the given run.json and cases (default: one failed case), enough to
+    be loaded."""
     path.mkdir()
-    cases = [
-        {"topology": "1P+1D", "prompt": "text", "reference": "baseline", "verdict": "MISMATCH"}
-    ]
+    if cases is None:
+        cases = [
+            {"topology": "1P+1D", "prompt": "text", "reference": "baseline", "verdict": "MISMATCH"}
+        ]
     for name, data in (
         ("run.json", run),
         ("requests.json", {}),
@@ -1013,9 +1018,16 @@ def test_export_probe_with_a_vllm_source(epd_cli, tmp_path: Path) -> None:
     """The probe is sent to one instance directly, so the proxy files --vllm-source names were
     never read: accepted and ignored."""
     bundle = minimal_bundle(tmp_path / "b", {})
-    args = ("export", bundle, "--probe", "unknown-uuid", "--vllm-source", tmp_path / "vllm")
-    code, _, err = epd_cli(*args)
-    LAST_ARGS.update(args=as_users_see(" ".join(map(str, args)), tmp_path), tmp=str(tmp_path))
+    code, err = shown_cli(
+        epd_cli,
+        tmp_path,
+        "export",
+        bundle,
+        "--probe",
+        "unknown-uuid",
+        "--vllm-source",
+        tmp_path / "vllm",
+    )
     assert_one_error_line(
         code,
         err,
@@ -1029,9 +1041,9 @@ def test_repro_colocate_of_a_ray_run(epd_cli, tmp_path: Path) -> None:
     accepted and ignored (as `run --launcher ray --colocate` was)."""
     launcher = {"kind": "ray", "ray_address": "10.0.0.1:6379"}
     bundle = minimal_bundle(tmp_path / "b", {"platform_profile": "cuda", "launcher": launcher})
-    args = ("repro", bundle, "--colocate", "--vllm", tmp_path / "no-vllm")
-    code, _, err = epd_cli(*args)
-    LAST_ARGS.update(args=as_users_see(" ".join(map(str, args)), tmp_path), tmp=str(tmp_path))
+    code, err = shown_cli(
+        epd_cli, tmp_path, "repro", bundle, "--colocate", "--vllm", tmp_path / "no-vllm"
+    )
     assert_one_error_line(
         code,
         err,
@@ -1045,9 +1057,9 @@ def test_repro_on_a_core_this_process_may_not_use(epd_cli, tmp_path: Path, monke
     spawn, exit 1, where `run` refuses the core in one line (found in review)."""
     monkeypatch.setattr(resources, "available_cpu_cores", lambda: (0, 1))
     bundle = minimal_bundle(tmp_path / "b", {"platform_profile": "cpu"})
-    args = ("repro", bundle, "--devices", "0,7", "--vllm", tmp_path / "no-vllm")
-    code, _, err = epd_cli(*args)
-    LAST_ARGS.update(args=as_users_see(" ".join(map(str, args)), tmp_path), tmp=str(tmp_path))
+    code, err = shown_cli(
+        epd_cli, tmp_path, "repro", bundle, "--devices", "0,7", "--vllm", tmp_path / "no-vllm"
+    )
     assert_one_error_line(
         code, err, "--devices 0,7: core 7 is not available to this process (available: 0-1)"
     )
@@ -1147,15 +1159,19 @@ def test_scenario_all_with_more(bad_run: BadRun, scenarios: str) -> None:
 def test_a_bundle_record_without_its_fields_is_one_line(epd_cli, tmp_path: Path) -> None:
     """A summary.json record without 'topology' (hand-edited, or another tool's) was a KeyError
     traceback, exit 1: the code of a failed comparison."""
-    bundle = tmp_path / "b"
-    bundle.mkdir()
     cases = [{"topology": "1P+1D", "prompt": "text", "verdict": "MISMATCH"}]
-    for name, data in (("run.json", {}), ("requests.json", {}), ("summary.json", {"cases": cases})):
-        (bundle / name).write_text(json.dumps(data))
+    bundle = minimal_bundle(tmp_path / "b", {}, cases)
     for command in ("export", "repro"):
-        args = (command, bundle)
-        code, _, err = epd_cli(*args, "--vllm", tmp_path / "no-vllm")
-        LAST_ARGS.update(args=as_users_see(" ".join(map(str, args)), tmp_path), tmp=str(tmp_path))
+        code, err = shown_cli(
+            epd_cli,
+            tmp_path,
+            command,
+            bundle,
+            hidden=(
+                "--vllm",
+                tmp_path / "no-vllm",
+            ),
+        )
         assert_one_error_line(
             code, err, f"{bundle}/summary.json: case 1 has no 'reference' (a string)"
         )
@@ -1165,9 +1181,18 @@ def test_repro_of_a_bundle_without_its_serving_flags(epd_cli, tmp_path: Path, vl
     """run.json without 'serving' was a KeyError traceback, exit 1."""
     bundle = minimal_bundle(tmp_path / "b", {})
     (bundle / "requests.json").write_text(json.dumps({"text": {"model": "epd-model"}}))
-    args = ("repro", bundle, "--run-dir", tmp_path / "r")
-    code, _, err = epd_cli(*args, "--vllm", vllm)
-    LAST_ARGS.update(args=as_users_see(" ".join(map(str, args)), tmp_path), tmp=str(tmp_path))
+    code, err = shown_cli(
+        epd_cli,
+        tmp_path,
+        "repro",
+        bundle,
+        "--run-dir",
+        tmp_path / "r",
+        hidden=(
+            "--vllm",
+            vllm,
+        ),
+    )
     assert_one_error_line(
         code, err, f"{bundle}/run.json: no 'serving' (the flags every instance was served with)"
     )
@@ -1176,13 +1201,8 @@ def test_repro_of_a_bundle_without_its_serving_flags(epd_cli, tmp_path: Path, vl
 def test_export_of_a_run_that_judged_nothing(epd_cli, tmp_path: Path) -> None:
     """A run that ended before judging any case (its baseline died) was said to have every
     case passed."""
-    bundle = tmp_path / "b"
-    bundle.mkdir()
-    for name, data in (("run.json", {}), ("requests.json", {}), ("summary.json", {"cases": []})):
-        (bundle / name).write_text(json.dumps(data))
-    args = ("export", bundle)
-    code, _, err = epd_cli(*args)
-    LAST_ARGS.update(args=as_users_see(" ".join(map(str, args)), tmp_path), tmp=str(tmp_path))
+    bundle = minimal_bundle(tmp_path / "b", {}, [])
+    code, err = shown_cli(epd_cli, tmp_path, "export", bundle)
     assert_one_error_line(
         code,
         err,
@@ -1215,9 +1235,9 @@ def test_export_out_that_cannot_be_made(epd_cli, tmp_path: Path) -> None:
         "file or directory: /proc/epd-harness-export; choose another --out\n",
     )
     (tmp_path / "a-file").write_text("")
-    args = ("export", str(bundle), "--out", str(tmp_path / "a-file" / "export"))
-    code, _, err = epd_cli(*args)
-    LAST_ARGS.update(args=as_users_see(" ".join(args), tmp_path), tmp=str(tmp_path))
+    code, err = shown_cli(
+        epd_cli, tmp_path, "export", str(bundle), "--out", str(tmp_path / "a-file" / "export")
+    )
     assert_one_error_line(
         code,
         err,
@@ -1239,9 +1259,7 @@ def test_a_flag_of_another_command_names_the_help_of_the_one_given(epd_cli, tmp_
 
 def test_goldens_dir_that_is_not_a_directory(epd_cli, tmp_path: Path) -> None:
     """A mistyped --dir was read as an empty store: "no request has goldens", exit 1."""
-    args = ("goldens", "--dir", str(tmp_path / "goldens-typo"))
-    code, _, err = epd_cli(*args)
-    LAST_ARGS.update(args=as_users_see(" ".join(args), tmp_path), tmp=str(tmp_path))
+    code, err = shown_cli(epd_cli, tmp_path, "goldens", "--dir", str(tmp_path / "goldens-typo"))
     assert_one_error_line(
         code, err, f"--dir {tmp_path}/goldens-typo: not a directory (the goldens directory to read)"
     )
