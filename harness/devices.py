@@ -71,7 +71,7 @@ class Gpu:
     driver: str | None = None
 
 
-def _run_nvidia_smi(*args: str) -> str | None:
+def run_nvidia_smi(*args: str) -> str | None:
     """nvidia-smi's output, or None where it is absent, fails or hangs."""
     if shutil.which(NVIDIA_SMI) is None:
         return None
@@ -100,7 +100,7 @@ def proc_nvidia_models() -> list[str]:
 
 def smi_gpus() -> list[Gpu]:
     """Every GPU nvidia-smi lists, with its index, model and driver version."""
-    listed = _run_nvidia_smi("--query-gpu=index,name,driver_version", "--format=csv,noheader")
+    listed = run_nvidia_smi("--query-gpu=index,name,driver_version", "--format=csv,noheader")
     gpus = []
     for line in (listed or "").splitlines():
         fields = [field.strip() for field in line.split(",")]
@@ -127,8 +127,8 @@ def smi_compute_processes() -> list[GpuProcess] | None:
     """Every process holding memory on a GPU nvidia-smi lists, by the GPU's index (the
     compute-apps list names GPUs by UUID only); None where nvidia-smi cannot say, so that
     "cannot tell" is never read as "none left"."""
-    gpus = _run_nvidia_smi("--query-gpu=index,uuid", "--format=csv,noheader")
-    apps = _run_nvidia_smi(
+    gpus = run_nvidia_smi("--query-gpu=index,uuid", "--format=csv,noheader")
+    apps = run_nvidia_smi(
         "--query-compute-apps=pid,process_name,gpu_uuid,used_memory", "--format=csv,noheader"
     )
     if gpus is None or apps is None:
@@ -301,7 +301,7 @@ def _cuda_devices(indices: tuple[int, ...]) -> DevicesUsed:
     listed = smi_gpus()
     used = [gpu for gpu in listed if gpu.index in indices]
     if used:
-        header = _run_nvidia_smi() or ""
+        header = run_nvidia_smi() or ""
         cuda = CUDA_VERSION.search(header)
         drivers = sorted({gpu.driver for gpu in used if gpu.driver})
         return DevicesUsed(

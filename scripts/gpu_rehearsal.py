@@ -323,13 +323,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     scenario or every GPU (the harness refuses an empty value, never reads it as unset), an
     empty --run-name wrote into runs/ itself and `../x` outside it, --workers 0 ran one worker
     and --workers -3 reached pytest as `-n -3`."""
+    from harness.errors import empty_value
+
     for flag in ("--devices", "--model", "--topology", "--run-name", "--vllm-source", "-k"):
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None and not value.replace(",", " ").strip():
-            raise Refused(
-                f"{flag} {value!r} is empty: give a value, or leave {flag} out (an empty one "
-                "is not taken for the default)"
-            )
+            raise Refused(empty_value(flag, value))
     if args.run_name in (".", "..") or "/" in args.run_name:
         raise Refused(
             f"--run-name {args.run_name!r}: a name, not a path (the rehearsal writes runs/NAME)"
@@ -380,13 +379,9 @@ def rehearse(args: argparse.Namespace) -> int:
         if done.returncode != 0:
             print(f"[rehearsal] stopped: {command[3]} exited {done.returncode}", file=sys.stderr)
             return EXIT_REFUSED
-    from harness.devices import smi_compute_processes
+    from harness.devices import run_nvidia_smi, smi_compute_processes
 
-    try:
-        shown = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=60)
-        snapshot = shown.stdout + shown.stderr
-    except (OSError, subprocess.SubprocessError) as exc:  # a hung driver: say so, go on
-        snapshot = f"nvidia-smi: {exc}\n"
+    snapshot = run_nvidia_smi() or "nvidia-smi failed, hung or printed nothing\n"
     (run_dir / "nvidia-smi-before.txt").write_text(snapshot)
     before = smi_compute_processes()
     print(f"[rehearsal] {shown_with_env(pytest, nightly.env)}", flush=True)
