@@ -31,3 +31,20 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 def write_json_atomic(path: Path, data: object) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def append_json_lines(path: Path, records: list[object]) -> None:
+    """Append one JSON line per record, in one write: a log that only grows (a soak's every
+    request) is appended to rather than rewritten whole, so each write costs what it adds. A
+    reader may find the last line of a write still under way cut short."""
+    if not records:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(record, sort_keys=True) + "\n" for record in records)
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = str(path)
+        raise

@@ -19,6 +19,7 @@ from harness.cli.serving_options import (
 from harness.errors import EXIT_FAILED, EXIT_OK, BadInput
 from harness.preflight import RunRequest, prepare_run
 from harness.preflight.config import check_arguments
+from harness.report.load import REQUESTS_FILE
 from harness.report.text import format_failure
 from harness.run.load import LoadRun
 from harness.run.pool import TopologyPool
@@ -181,7 +182,9 @@ def command_load(args: argparse.Namespace) -> int:
             print(f"\n... {len(failed) - FAILURES_SHOWN} more failing request(s) in load.md")
     print(f"\n{pool.summary()}")
     elapsed = time.monotonic() - args.progress.started
-    print(f"epd-harness: {elapsed:.0f}s; artifacts in {settings.run_dir} (load.md, load.json)")
+    print(
+        f"epd-harness: {elapsed:.0f}s; artifacts in {settings.run_dir} (load.md, load.json, {REQUESTS_FILE})"
+    )
     return EXIT_OK if result.passed else EXIT_FAILED
 
 

@@ -5,26 +5,37 @@ p50/p99 end to end and per role (read at the instances' taps: what each instance
 the request), time to the first token of streamed answers, EC and KV storage growth, each
 instance's RSS and open files before and after, and for a soak their growth rates and the
 bounds they were held to. `load.md` and `load.json` in the run directory carry all of it.
+
+A soak of hours judges hundreds of thousands of requests. Each answer (ids, top log-probs,
+text, and its record) held ~48 KB, measured on the fake vLLM's 32-token answers, and listing
+each one in load.json and load.md, rewritten every round, made a round cost what the soak had
+done so far. So every request judged is counted as it is (`LoadTally`: counts, token totals,
+and every latency, 8 bytes each, for exact percentiles) and reduced to its `RequestRow`, the
+compact line `load-requests.jsonl` appends; only the requests worth reading whole are kept and
+listed (which: `harness.run.load`).
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from harness.judge.records import CaseRecord
 from harness.outcomes.load import ResourceSample
 from harness.outcomes.outcome import Outcome
 
 MIB = 2**20
+REQUESTS_FILE = "load-requests.jsonl"  # every request judged, one line each, appended per round
 
 
 @dataclass
 class LoadRequestResult:
-    """One request of a load, sent and judged."""
+    """One request of a load, sent and judged, whole: its answer and its record."""
 
     number: int
     prompt: str
@@ -35,23 +46,75 @@ class LoadRequestResult:
     started_s: float  # since the load began
     ended_s: float
     not_sent: bool = False  # the load ended before it (an instance died): never sent
+    round_number: int = 1  # of a soak's rounds (the requests sent alone: the last round's)
+
+    def row(self) -> RequestRow:
+        """What the statistics and the account read of this request, without its answer."""
+        answer = self.outcome.result
+        stream = self.outcome.stream
+        return RequestRow(
+            number=self.number,
+            round_number=self.round_number,
+            prompt=self.prompt,
+            region=self.region,
+            verdict=self.record.verdict.value,
+            passed=self.record.policy_passed,
+            detail=self.record.detail,
+            batched=self.batched,
+            started_s=self.started_s,
+            ended_s=self.ended_s,
+            seconds=self.outcome.seconds,
+            answered=answer is not None,
+            generated_tokens=len(answer.token_ids) if answer is not None else 0,
+            first_token_s=stream.first_token_s if stream is not None else None,
+            role_seconds=role_seconds(self.outcome),
+            not_sent=self.not_sent,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return self.row().to_json()
+
+
+@dataclass(frozen=True)
+class RequestRow:
+    """One request judged, reduced to what the statistics and the account read: its verdict,
+    its times and its token count, not its answer (ids, log-probs, text) nor its record's
+    references. A soak's requests that passed after its first round are only this, counted
+    into the `LoadTally` and appended to load-requests.jsonl, then let go."""
+
+    number: int
+    round_number: int
+    prompt: str
+    region: str
+    verdict: str  # harness.judge.records.Verdict value
+    passed: bool  # by its policy
+    detail: str
+    batched: bool
+    started_s: float
+    ended_s: float
+    seconds: float  # end to end, as the client timed it
+    answered: bool  # an answer came back (not an error, not unsent)
+    generated_tokens: int
+    first_token_s: float | None  # streamed answers only
+    role_seconds: dict[str, float]  # the longest call per role, at the taps
+    not_sent: bool
 
     def to_json(self) -> dict[str, Any]:
         return {
             "number": self.number,
+            "round": self.round_number,
             "prompt": self.prompt,
             "region": self.region,
-            "verdict": self.record.verdict.value,
-            "passed": self.record.policy_passed,
-            "detail": self.record.detail,
+            "verdict": self.verdict,
+            "passed": self.passed,
+            "detail": self.detail,
             "batched": self.batched,
             "started_s": round(self.started_s, 3),
             "ended_s": round(self.ended_s, 3),
-            "seconds": round(self.outcome.seconds, 3),
-            "first_token_s": _round(self.outcome.stream.first_token_s)
-            if self.outcome.stream
-            else None,
-            "role_seconds": role_seconds(self.outcome),
+            "seconds": round(self.seconds, 3),
+            "generated_tokens": self.generated_tokens,
+            "first_token_s": _round(self.first_token_s),
+            "role_seconds": self.role_seconds,
             "not_sent": self.not_sent,
         }
 
@@ -76,10 +139,15 @@ class Percentiles:
 
     @classmethod
     def of(cls, values: Sequence[float]) -> Percentiles:
-        ordered = sorted(values)
-        if not ordered:
+        return cls.of_sorted(sorted(values))
+
+    @classmethod
+    def of_sorted(cls, ordered: Sequence[float] | np.ndarray) -> Percentiles:
+        if not len(ordered):
             return cls(0, None, None, None)
-        return cls(len(ordered), percentile(ordered, 50), percentile(ordered, 99), ordered[-1])
+        return cls(
+            len(ordered), percentile(ordered, 50), percentile(ordered, 99), float(ordered[-1])
+        )
 
     def describe(self) -> str:
         if not self.count:
@@ -87,13 +155,41 @@ class Percentiles:
         return f"p50 {self.p50:.3f}s, p99 {self.p99:.3f}s, max {self.max:.3f}s (n={self.count})"
 
 
-def percentile(ordered: Sequence[float], p: float) -> float:
+def percentile(ordered: Sequence[float] | np.ndarray, p: float) -> float:
     """The nearest-rank percentile of sorted values: the smallest value with at least p% of
     the values at or below it."""
-    if not ordered:
+    if not len(ordered):
         raise ValueError("no values")
     rank = max(1, math.ceil(p / 100 * len(ordered)))
-    return ordered[rank - 1]
+    return float(ordered[rank - 1])
+
+
+class LatencySeries:
+    """Every value of one latency over a load, held sorted for exact nearest-rank percentiles:
+    8 bytes a value, where a kept answer cost ~48 KB. Values added since the figures were last
+    read are merged in when they are read again (a sort of the new ones and one copy of the
+    rest), so a soak's account, rewritten every round, never sorts its whole past again."""
+
+    def __init__(self) -> None:
+        self._sorted = np.empty(0, dtype=np.float64)
+        self._pending: list[float] = []
+
+    def add(self, value: float) -> None:
+        self._pending.append(value)
+
+    def __len__(self) -> int:
+        return len(self._sorted) + len(self._pending)
+
+    def ordered(self) -> np.ndarray:
+        """Every value, ascending."""
+        if self._pending:
+            new = np.sort(np.asarray(self._pending, dtype=np.float64))
+            self._sorted = np.insert(self._sorted, np.searchsorted(self._sorted, new), new)
+            self._pending = []
+        return self._sorted
+
+    def percentiles(self) -> Percentiles:
+        return Percentiles.of_sorted(self.ordered())
 
 
 def role_seconds(outcome: Outcome) -> dict[str, float]:
@@ -167,40 +263,79 @@ class LoadStats:
     storage: dict[str, dict[str, Growth]] = field(default_factory=dict)  # kind -> files/bytes
 
 
-def load_stats(
-    results: Sequence[LoadRequestResult], samples: Sequence[ResourceSample]
-) -> LoadStats:
-    sent = [r for r in results if not r.not_sent]
-    answered = [r for r in sent if r.outcome.result is not None]
-    wall = max((r.ended_s for r in sent), default=0.0) - min(
-        (r.started_s for r in sent), default=0.0
-    )
-    tokens = sum(len(r.outcome.result.token_ids) for r in answered if r.outcome.result)
-    roles: dict[str, list[float]] = {}
-    for result in answered:
-        for role, seconds in role_seconds(result.outcome).items():
-            roles.setdefault(role, []).append(seconds)
-    regions: dict[str, Counter[str]] = {}
-    for result in results:
-        regions.setdefault(result.region, Counter())[result.record.verdict.value] += 1
-    first_tokens = [
-        r.outcome.stream.first_token_s
-        for r in answered
-        if r.outcome.stream is not None and r.outcome.stream.first_token_s is not None
-    ]
+@dataclass
+class LoadTally:
+    """Every request of a load, counted as it is judged: what `load_stats` reads, so the
+    figures are exact over every request however few of them a soak keeps whole. Its size
+    grows by the latencies alone (a few floats a request)."""
+
+    requests: int = 0
+    sent: int = 0
+    answered: int = 0
+    passed: int = 0
+    batched: int = 0  # sent and in flight with another
+    generated_tokens: int = 0  # over the answered
+    first_started_s: float | None = None  # of the sent
+    last_ended_s: float | None = None
+    verdicts: Counter[str] = field(default_factory=Counter)
+    by_region: dict[str, Counter[str]] = field(default_factory=dict)
+    end_to_end: LatencySeries = field(default_factory=LatencySeries)  # the answered
+    by_role: dict[str, LatencySeries] = field(default_factory=dict)
+    first_token: LatencySeries = field(default_factory=LatencySeries)  # streamed answers
+
+    @classmethod
+    def of(cls, rows: Iterable[RequestRow]) -> LoadTally:
+        tally = cls()
+        for row in rows:
+            tally.add(row)
+        return tally
+
+    def add(self, row: RequestRow) -> None:
+        self.requests += 1
+        self.passed += row.passed
+        self.verdicts[row.verdict] += 1
+        self.by_region.setdefault(row.region, Counter())[row.verdict] += 1
+        if row.not_sent:
+            return
+        self.sent += 1
+        self.batched += row.batched
+        if self.first_started_s is None or row.started_s < self.first_started_s:
+            self.first_started_s = row.started_s
+        if self.last_ended_s is None or row.ended_s > self.last_ended_s:
+            self.last_ended_s = row.ended_s
+        if not row.answered:
+            return
+        self.answered += 1
+        self.generated_tokens += row.generated_tokens
+        self.end_to_end.add(row.seconds)
+        for role, seconds in row.role_seconds.items():
+            self.by_role.setdefault(role, LatencySeries()).add(seconds)
+        if row.first_token_s is not None:
+            self.first_token.add(row.first_token_s)
+
+
+def tally_of(results: Iterable[LoadRequestResult]) -> LoadTally:
+    """The tally of whole results (a load that kept every request, or a test's)."""
+    return LoadTally.of(result.row() for result in results)
+
+
+def load_stats(tally: LoadTally, samples: Sequence[ResourceSample]) -> LoadStats:
+    wall = 0.0
+    if tally.first_started_s is not None and tally.last_ended_s is not None:
+        wall = tally.last_ended_s - tally.first_started_s
     return LoadStats(
-        requests=len(results),
-        sent=len(sent),
-        verdicts=dict(Counter(r.record.verdict.value for r in results)),
-        passed=sum(r.record.policy_passed for r in results),
+        requests=tally.requests,
+        sent=tally.sent,
+        verdicts=dict(tally.verdicts),
+        passed=tally.passed,
         wall_s=wall,
-        requests_per_s=len(answered) / wall if wall > 0 else 0.0,
-        tokens_per_s=tokens / wall if wall > 0 else 0.0,
-        end_to_end=Percentiles.of([r.outcome.seconds for r in answered]),
-        by_role={role: Percentiles.of(values) for role, values in sorted(roles.items())},
-        first_token=Percentiles.of(first_tokens),
-        by_region={region: dict(counts) for region, counts in regions.items()},
-        batched=sum(r.batched for r in sent),
+        requests_per_s=tally.answered / wall if wall > 0 else 0.0,
+        tokens_per_s=tally.generated_tokens / wall if wall > 0 else 0.0,
+        end_to_end=tally.end_to_end.percentiles(),
+        by_role={role: series.percentiles() for role, series in sorted(tally.by_role.items())},
+        first_token=tally.first_token.percentiles(),
+        by_region={region: dict(counts) for region, counts in tally.by_region.items()},
+        batched=tally.batched,
         instances=instance_growth(samples),
         storage=storage_growth(samples),
     )
@@ -289,11 +424,14 @@ def _round(value: float | None) -> float | None:
 def format_load(
     title: str,
     stats: LoadStats,
-    results: Sequence[LoadRequestResult],
+    rows: Sequence[RequestRow],
     samples: Sequence[ResourceSample],
     notes: Sequence[str] = (),
+    unlisted: int = 0,
 ) -> str:
-    """load.md: the figures, then the resources, then one row per request."""
+    """load.md: the figures, then the resources, then one row per request listed (`unlisted`:
+    how many more were judged, passed and are counted above; each is a line of
+    load-requests.jsonl)."""
     verdicts = ", ".join(f"{v} {n}" for v, n in sorted(stats.verdicts.items()))
     lines = [
         f"# {title}",
@@ -319,19 +457,23 @@ def format_load(
     for region, counts in sorted(stats.by_region.items()):
         lines.append(f"| {region} | {', '.join(f'{v} {n}' for v, n in sorted(counts.items()))} |")
     lines += resource_lines(stats, samples)
+    lines += ["", "## Requests", ""]
+    if unlisted:
+        lines += [
+            f"The first round's requests and every one that did not pass. The {unlisted} other "
+            "request(s) passed after the first round: counted in the figures above, each a "
+            f"line of {REQUESTS_FILE}.",
+            "",
+        ]
     lines += [
-        "",
-        "## Requests",
-        "",
         "| # | prompt | media end in | verdict | pass | s | detail |",
         "|---|---|---|---|---|---|---|",
     ]
-    for result in results:
-        record = result.record
-        detail = " ".join(record.detail.split())[:200].replace("|", "\\|")
+    for row in rows:
+        detail = " ".join(row.detail.split())[:200].replace("|", "\\|")
         lines.append(
-            f"| {result.number} | {result.prompt} | {result.region} | {record.verdict.value} | "
-            f"{'yes' if record.policy_passed else 'no'} | {result.outcome.seconds:.2f} | {detail} |"
+            f"| {row.number} | {row.prompt} | {row.region} | {row.verdict} | "
+            f"{'yes' if row.passed else 'no'} | {row.seconds:.2f} | {detail} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -46,14 +46,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.files import write_json_atomic, write_text_atomic
+from harness.files import append_json_lines, write_json_atomic, write_text_atomic
 from harness.judge.guards import GuardResult, check_kv_account, kv_rule_for
 from harness.judge.records import CaseRecord, DeclaredFailure, Verdict
 from harness.outcomes.load import ResourceSample
 from harness.outcomes.outcome import Outcome
 from harness.report.load import (
+    REQUESTS_FILE,
     LoadRequestResult,
     LoadStats,
+    LoadTally,
+    RequestRow,
     SoakBounds,
     bound_problems,
     format_load,
@@ -90,10 +93,14 @@ Session = TopologySession | ProxiedSession | AttachedSession
 
 @dataclass
 class LoadResult:
-    """Everything a load did, judged."""
+    """Everything a load did, judged. Every request judged is counted in `tally` (the
+    statistics are over all of them) and is a line of load-requests.jsonl; `results` holds whole
+    (answer, log-probs, record) only those worth reading whole (`keeps_whole`): a soak of hours
+    that kept every answer grew by ~48 KB a request."""
 
     spec: LoadSpec
-    results: list[LoadRequestResult] = field(default_factory=list)
+    results: list[LoadRequestResult] = field(default_factory=list)  # those kept whole, in order
+    tally: LoadTally = field(default_factory=LoadTally)  # every request judged
     samples: list[ResourceSample] = field(default_factory=list)
     placements: dict[str, MediaPlacement] = field(default_factory=dict)
     calibration: BatchCalibration | None = None
@@ -109,17 +116,40 @@ class LoadResult:
 
     @property
     def records(self) -> list[CaseRecord]:
+        """The records of the requests kept whole (every one that did not pass among them)."""
         return [r.record for r in self.results]
+
+    @property
+    def unlisted(self) -> int:
+        """Requests judged and counted but not kept whole: each passed after the first round."""
+        return self.tally.requests - len(self.results)
 
     @property
     def passed(self) -> bool:
         """Every request passed its policy (or, under a planted kill, ended ERROR naming the
         killed instance), nothing ended the load unplanned, every bound held."""
-        if self.problems or not self.results:
+        if self.problems or not self.tally.requests:
             return False
         if self.killed is not None:
             return True  # checked into `problems` by the load itself
-        return self.ended_by is None and all(r.record.policy_passed for r in self.results)
+        return self.ended_by is None and self.tally.passed == self.tally.requests
+
+    def keeps_whole(self, result: LoadRequestResult) -> bool:
+        """Whether a request is worth reading whole after the load: every request of a load's
+        first round (a plain load has only that one; a soak's shows what every later round
+        repeated) and every request that did not pass. The others are their row."""
+        return result.round_number <= 1 or not result.record.policy_passed
+
+    def add(self, results: list[LoadRequestResult]) -> list[RequestRow]:
+        """Count a round's judged requests and keep whole those worth it; every one's row."""
+        rows = []
+        for result in results:
+            row = result.row()
+            self.tally.add(row)
+            rows.append(row)
+            if self.keeps_whole(result):
+                self.results.append(result)
+        return rows
 
 
 def media_token_ids(model: str) -> frozenset[int]:
@@ -287,6 +317,7 @@ class LoadRun:
     def run(self) -> LoadResult:
         """Baseline (and its batch calibration), then the topology's rounds, then the requests
         that must go alone; the account is rewritten as it grows."""
+        self._requests_file.unlink(missing_ok=True)  # appended to as rounds are judged
         self.sweep.serve_baseline()
         planned = plan_load(
             self.spec, self.prompts, self.sweep.baseline, self.sweep.settings.serving
@@ -626,14 +657,16 @@ class LoadRun:
                     started_s=item.started_s,
                     ended_s=item.ended_s,
                     not_sent=item.observed is None,
+                    round_number=max(self.result.rounds, 1),
                 )
             )
-        self.result.results += results
+        rows = self.result.add(results)
+        append_json_lines(self._requests_file, [row.to_json() for row in rows])
         # The run's bundle (responses.json, report.html) holds every request of a load and a
         # soak's first round; after that only the requests that did not pass, or a long soak's
-        # bundle would be rewritten whole at tens of MB per round. load.md and load.json list
-        # every request, judged.
-        kept = [r for r in results if self.result.rounds <= 1 or not r.record.policy_passed]
+        # bundle would be rewritten whole at tens of MB per round. The load's own account keeps
+        # the same whole (`LoadResult.keeps_whole`) and counts every other.
+        kept = [r for r in results if self.result.keeps_whole(r)]
         for result in kept:
             label = f"load:{self.topology.name}:{result.number}"
             self.sweep.result.outcomes[label] = {result.prompt: result.outcome}
@@ -648,7 +681,7 @@ class LoadRun:
         base = session.base if isinstance(session, ProxiedSession) else session
         sample = ResourceSample(
             at_s=round(self._now(), 2),
-            requests_done=sum(not r.not_sent for r in self.result.results),
+            requests_done=self.result.tally.sent,
             label=label,
         )
         if isinstance(base, TopologySession):
@@ -670,7 +703,7 @@ class LoadRun:
         if result.killed is not None:
             result.problems += self._kill_problems()
         if self.spec.duration_s is not None:
-            stats = load_stats(result.results, result.samples)
+            stats = load_stats(result.tally, result.samples)
             result.problems += bound_problems(stats, result.samples, self.bounds)
         self._write_account()
         if self._attached is not None:
@@ -678,7 +711,8 @@ class LoadRun:
 
     def _kill_problems(self) -> list[str]:
         """Under a planted kill: every request in flight ended ERROR naming the killed
-        instance first, each within KILL_END_S of the kill."""
+        instance first, each within KILL_END_S of the kill. A kill is planted in a load's one
+        round (never in a soak), all of whose requests are kept whole."""
         assert self.result.killed is not None and self.result.killed_at_s is not None
         problems = []
         for result in self.result.results:
@@ -733,17 +767,27 @@ class LoadRun:
         notes += [f"problem: {p}" for p in result.problems]
         return notes
 
+    @property
+    def _requests_file(self) -> Path:
+        return self.sweep.settings.run_dir / REQUESTS_FILE
+
     def _write_account(self) -> None:
+        """load.md and load.json, rewritten whole: the figures over every request judged, and
+        the requests kept whole (a soak's first round, every one that did not pass). Every
+        request's row is in load-requests.jsonl, appended as each round is judged."""
         result = self.result
-        result.stats = load_stats(result.results, result.samples)
+        result.stats = load_stats(result.tally, result.samples)
         run_dir = self.sweep.settings.run_dir
         title = (
             f"Load on {self.topology.name}: {self.spec.requests} request(s) per round, "
             f"concurrency {self.spec.concurrency}{', streamed' if self.spec.stream else ''}"
         )
+        rows = [r.row() for r in result.results]
         write_text_atomic(
             run_dir / "load.md",
-            format_load(title, result.stats, result.results, result.samples, self.account_notes()),
+            format_load(
+                title, result.stats, rows, result.samples, self.account_notes(), result.unlisted
+            ),
         )
         write_json_atomic(run_dir / "load.json", self.account_json())
 
@@ -783,7 +827,12 @@ class LoadRun:
             "problems": result.problems,
             "kv_accounts": [a.to_json() for a in result.kv_accounts],
             "notes": self.account_notes(),
+            # The first round's and every one that did not pass: a soak's every request here
+            # made each round's rewrite cost the soak so far. Every request judged is a line
+            # of load-requests.jsonl, and counted in the stats.
             "requests": [r.to_json() for r in result.results],
+            "requests_unlisted": result.unlisted,
+            "requests_file": REQUESTS_FILE,
             "samples": [s.to_json() for s in result.samples],
         }
 

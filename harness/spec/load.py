@@ -25,20 +25,21 @@ DEFAULT_REQUESTS = 64
 DEFAULT_CONCURRENCY = 16
 DEFAULT_DISTINCT_MEDIA = 8
 MIN_DISTINCT_MEDIA = 3  # the shared items and at least the one whose media end in the tail
-# The most requests of a round. Each answer is kept until the load ends (about 0.1 MB with its
-# raw body and top-5 log-probs, measured on a 300-token prompt's 32-token answer; the baseline's
-# calibration keeps one per request as well) and load.md / load.json list every request:
-# 100,000 is about 20 GB, past the tens of thousands a GPU night's load sends. Longer traffic
-# is a soak: rounds of them (--duration).
+# The most requests of a round. Each answer of a load's first round is kept until the load ends
+# (about 0.1 MB with its raw body and top-5 log-probs, measured on a 300-token prompt's 32-token
+# answer; the baseline's calibration keeps one per request as well) and load.md / load.json list
+# each: 100,000 is about 20 GB, past the tens of thousands a GPU night's load sends. Longer
+# traffic is a soak: rounds of them (--duration), whose later rounds keep whole only the
+# requests that did not pass (`harness.run.load.LoadResult.keeps_whole`).
 MAX_REQUESTS = 100_000
 # The most requests in flight. Unstreamed requests go out through one openai client per
 # session, whose connection pool holds 1,000 (its DEFAULT_CONNECTION_LIMITS): more would wait
 # for a connection in the harness, counted as in flight, never reaching vLLM (whose instances
 # batch `max_num_seqs` and queue the rest anyway). Each one is a thread of the harness too.
 MAX_CONCURRENCY = 1_000
-# The longest soak, in seconds. A soak is judged when it ends and keeps every answer until
-# then: a day is longer than any night's soak, and a --duration given in milliseconds (600000
-# for ten minutes) is refused rather than run for a week.
+# The longest soak, in seconds. A soak's bounds are judged when it ends: a day is longer than
+# any night's soak, and a --duration given in milliseconds (600000 for ten minutes) is refused
+# rather than run for a week.
 MAX_SOAK_S = 86_400
 SHARED_MEDIA = 2
 MEDIA_SEED_BASE = 300
