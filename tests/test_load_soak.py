@@ -53,10 +53,9 @@ class TimedStandIn(StandIn):
     differs per call (so percentiles have something to order); it holds each answer only
     weakly, to see which answers the load let go."""
 
-    clock: SoakClock
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, clock: SoakClock, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.clock = clock
         self.answered: dict[int, weakref.ref[Outcome]] = {}
 
     def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
@@ -88,10 +87,13 @@ def test_a_soak_keeps_whole_its_first_round_and_what_failed_and_counts_every_req
 ) -> None:
     clock = SoakClock()
     monkeypatch.setattr(load_module, "time", SimpleNamespace(monotonic=clock.monotonic))
-    TimedStandIn.clock = clock
     (tmp_path / REQUESTS_FILE).write_text('{"an earlier load": "in this directory"}\n')
     load, session = stand_in_load(
-        tmp_path, requests=PER_ROUND, session_type=TimedStandIn, swap={FAILING_CALL: "ld-shared-a"}
+        tmp_path,
+        requests=PER_ROUND,
+        session_type=TimedStandIn,
+        swap={FAILING_CALL: "ld-shared-a"},
+        clock=clock,
     )
     load.spec = dataclasses.replace(load.spec, duration_s=SOAK_S)
     result = load.run()
