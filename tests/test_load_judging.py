@@ -577,9 +577,14 @@ class StandInTaps:
 
     def __init__(self, records: list[TapRecord]) -> None:
         self.records = list(records)
+        self.open_marks: list[int] = []
 
     def mark(self) -> int:
+        self.open_marks.append(len(self.records))
         return len(self.records)
+
+    def release(self, mark: int) -> None:
+        self.open_marks.remove(mark)
 
     def since(self, mark: int) -> list[TapRecord]:
         return self.records[mark:]
@@ -709,11 +714,12 @@ def killable_load(
 def test_a_planted_kill_comes_with_every_request_in_flight_and_one_at_its_instance(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    load, _, killed = killable_load(tmp_path, monkeypatch)
+    load, session, killed = killable_load(tmp_path, monkeypatch)
     result_ = load.run()
     assert killed == ["1E+1PD/pd0"] and result_.killed == "1E+1PD/pd0", result_.problems
     assert all(r.record.verdict is Verdict.ERROR for r in result_.results)
     assert result_.passed, result_.problems
+    assert session.taps.open_marks == []  # the killer's mark, released with the round
 
 
 def test_a_planted_kill_does_not_count_a_call_its_instance_had_before_the_round(

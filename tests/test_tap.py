@@ -159,6 +159,48 @@ def test_drop_metadata_planted_at_the_tap_gives_the_consumer_raw_media(
     assert not check_consumer_embeds(TransferEvidence.from_taps([consumer], 1)).ok
 
 
+
+def test_raw_media_are_kept_only_while_the_fault_that_needs_them_is_planted(
+    fakes: dict[str, Any],
+) -> None:
+    """Every distinct medium an encoder was sent (its base64 in a real run) was kept for the
+    tap's life, for a fault a soak never plants."""
+    faults = ProxyFaults()
+    with taps_for(fakes, faults) as taps:
+        post(taps.urls["x/encoder"], chat_bytes([IMAGE]))
+        assert taps.raw_parts == {}
+        faults.drop_encoder_metadata = True
+        post(taps.urls["x/encoder"], chat_bytes([IMAGE]))
+        assert taps.raw_parts == {"u1": IMAGE}
+        faults.drop_encoder_metadata = False
+        post(taps.urls["x/encoder"], chat_bytes([IMAGE]))
+        assert taps.raw_parts == {}
+
+
+def test_records_older_than_every_open_mark_are_dropped_when_a_mark_is_released(
+    fakes: dict[str, Any],
+) -> None:
+    """A soak sends requests for hours: records nobody can ask for any more must go."""
+    with taps_for(fakes) as taps:
+        first = taps.mark()
+        post(taps.urls["x/encoder"], chat_bytes([IMAGE]))
+        second = taps.mark()  # a request in flight beside the first
+        post(taps.urls["x/pd"], chat_bytes([EMBEDS]))
+        taps.release(first)
+        assert [r.instance for r in taps.since(second)] == ["x/pd"]
+        assert [r.instance for r in taps.records] == ["x/pd"]  # the first's record went
+        post(taps.urls["x/pd"], chat_bytes([EMBEDS]))
+        assert len(taps.since(second)) == 2  # an open mark keeps what came after it
+        taps.release(second)
+        assert taps.records == []
+        twice = taps.mark()
+        assert taps.mark() == twice  # two requests may hold the same position
+        post(taps.urls["x/encoder"], chat_bytes([IMAGE]))
+        taps.release(twice)
+        assert len(taps.since(twice)) == 1  # the other holder still reads it
+        taps.release(twice)
+        assert taps.records == []
+
 def test_after_encode_runs_before_the_answer_leaves_the_tap(fakes: dict[str, Any]) -> None:
     seen: list[dict[str, Any]] = []
     faults = ProxyFaults(after_encode=lambda _rid, params: seen.append(params))

@@ -475,6 +475,7 @@ class LoadRun:
             return _Sent(request, observed, started, ended)
 
         killer = None
+        taps, mark = None, 0  # the taps and their mark a planted kill watches the round by
         round_over = threading.Event()
         if killing:
             base = session.base if isinstance(session, ProxiedSession) else session
@@ -498,6 +499,8 @@ class LoadRun:
             # (a waiting killer gives up as soon as the round is over).
             round_over.set()
             killer.join()
+            if taps is not None:
+                taps.release(mark)
         return sent
 
     def _kill_or_say_why(self, kill: Callable[[], None]) -> None:

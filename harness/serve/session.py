@@ -398,6 +398,7 @@ class TopologySession:
         outcome.trace = entry.trace(request_id)
         if self._taps is not None:
             outcome.taps = self._taps.of_request(tap_mark, request_id)
+            self._taps.release(tap_mark)
         self._sample_memory()
         return outcome
 

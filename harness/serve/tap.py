@@ -11,7 +11,10 @@ what its instance was sent (the media part types, their uuids, `ec_transfer_para
 All taps of a topology run on one event-loop thread in the harness process, one listening
 socket each; the socket a request arrived on names the instance. Records carry a sequence
 number: a session sends one request at a time, so the records made while a request was in
-flight are that request's evidence, whatever request ids the proxy under test invents.
+flight are that request's evidence, whatever request ids the proxy under test invents. A mark
+holds the records from it on until it is released; records older than every open mark are
+dropped then (a soak of hours that kept every call grew by ~2.5 KB a call, and by every distinct
+medium an encoder was sent, base64 and all, where only one planted fault needs them).
 
 Planted faults (the self-test) can act here too, so a fault needs no cooperation from the
 proxy under test: `after_encode` runs when an encoder's answer passes (before the proxy sees
@@ -29,6 +32,7 @@ import json
 import socket
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,8 +137,10 @@ class TapSet:
     def __init__(self, targets: list[TapTarget], faults: ProxyFaults | None = None):
         self.targets = targets
         self.faults = faults or ProxyFaults()
-        self.records: list[TapRecord] = []
-        # The raw media part each uuid was sent to an encoder with (for drop_encoder_metadata).
+        self.records: list[TapRecord] = []  # from the oldest open mark on (all, if none taken)
+        self._open_marks: Counter[int] = Counter()
+        # The raw media part each uuid was sent to an encoder with, while drop_encoder_metadata
+        # is planted (the consumer's tap puts them back in its place).
         self.raw_parts: dict[str, dict[str, Any]] = {}
         self.urls: dict[str, str] = {}  # instance name -> tap URL
         self._by_port: dict[int, TapTarget] = {}
@@ -207,9 +213,22 @@ class TapSet:
     # -- records -----------------------------------------------------------------------------
 
     def mark(self) -> int:
-        """A position in the record stream: `since(mark)` gives what was recorded after it."""
+        """A position in the record stream: `since(mark)` gives what was recorded after it,
+        until `release(mark)`."""
         with self._lock:
+            self._open_marks[self._seq] += 1
             return self._seq
+
+    def release(self, mark: int) -> None:
+        """Done with `mark`: the records older than every mark still open are dropped (a call
+        still in flight keeps filling its record; nobody reads it from here any more)."""
+        with self._lock:
+            self._open_marks[mark] -= 1
+            if self._open_marks[mark] <= 0:
+                del self._open_marks[mark]
+            oldest = min(self._open_marks, default=self._seq)
+            if self.records and self.records[0].seq < oldest:
+                self.records = [r for r in self.records if r.seq >= oldest]
 
     def since(self, mark: int) -> list[TapRecord]:
         with self._lock:
@@ -318,7 +337,10 @@ class TapSet:
             return body
         describe_request(record, parsed)
         if target.role == "encoder":
-            self._remember_raw_parts(parsed)
+            if self.faults.drop_encoder_metadata:
+                self._remember_raw_parts(parsed)
+            else:
+                self.raw_parts.clear()
         elif self.faults.drop_encoder_metadata and any(record.metadata_only):
             return self._restore_raw_parts(record, parsed)
         return body
