@@ -159,7 +159,6 @@ def test_drop_metadata_planted_at_the_tap_gives_the_consumer_raw_media(
     assert not check_consumer_embeds(TransferEvidence.from_taps([consumer], 1)).ok
 
 
-
 def test_raw_media_are_kept_only_while_the_fault_that_needs_them_is_planted(
     fakes: dict[str, Any],
 ) -> None:
@@ -200,6 +199,7 @@ def test_records_older_than_every_open_mark_are_dropped_when_a_mark_is_released(
         assert len(taps.since(twice)) == 1  # the other holder still reads it
         taps.release(twice)
         assert taps.records == []
+
 
 def test_after_encode_runs_before_the_answer_leaves_the_tap(fakes: dict[str, Any]) -> None:
     seen: list[dict[str, Any]] = []
