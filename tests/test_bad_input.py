@@ -940,6 +940,21 @@ def test_golden_of_a_release_candidate(bad_run: BadRun) -> None:
     )
 
 
+def test_golden_with_the_baseline_cache_off(bad_run: BadRun) -> None:
+    """`--golden` starts no baseline and reads the goldens kept beside the baseline cache (a
+    `--baseline-cache DIR` moves them: DIR's parent), so `--baseline-cache off` changed
+    nothing: it was accepted and dropped. (bad_run passes `--baseline-cache off` itself.)"""
+    code, err = bad_run("--prompt", "text", "--topology", "1P+1D", "--golden", "0.31.0")
+    LAST_ARGS["args"] = "--golden 0.31.0 --baseline-cache off"
+    assert_one_error_line(
+        code,
+        err,
+        "--golden 0.31.0 starts no baseline and reads the goldens kept beside the baseline "
+        "cache, which --baseline-cache off does not change: drop --baseline-cache off (a "
+        "--baseline-cache DIR moves the goldens beside DIR)",
+    )
+
+
 def test_baseline_cache_that_is_a_file(bad_run: BadRun, tmp_path: Path) -> None:
     cache = tmp_path / "cache-file"
     cache.write_text("")

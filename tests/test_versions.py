@@ -657,3 +657,9 @@ def test_versions_refuses_unknown_names_and_ignored_flags_before_installing(
     for golden, cause in (("0.33.0rc1", "final releases only"), ("latest", "latest")):
         code, _, err = epd_cli("versions", "0.32.0", "--golden", golden, "--run-dir", run_dir)
         assert code == 2 and cause in err and "would install" not in err, err
+    # --baseline-cache off means nothing to a --golden run, which each release's run refuses:
+    # after its venv was built.
+    code, _, err = epd_cli(
+        "versions", "0.32.0", "--golden", "0.31.0", "--baseline-cache", "off", "--run-dir", run_dir
+    )
+    assert code == 2 and "--baseline-cache off" in err and "would install" not in err, err

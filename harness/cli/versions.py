@@ -34,7 +34,8 @@ from harness.environment import cache_dir
 from harness.errors import BadInput
 from harness.files import write_json_atomic, write_text_atomic
 from harness.preflight import names
-from harness.run.goldens import GoldenStore, agreement, golden_release_argument, release_of
+from harness.preflight.config import golden_release
+from harness.run.goldens import GoldenStore, agreement, release_of
 from harness.spec.generations import generation_for, parse_version
 
 log = logging.getLogger(__name__)
@@ -524,5 +525,5 @@ def refuse_conflicts(args: argparse.Namespace) -> None:
     # release, only after its venv was built (minutes, GBs): refused here first (found in review).
     names.check_topologies(names.split_names(args.topology))
     names.check_prompts(names.split_names(args.prompt))
-    if args.golden:
-        golden_release_argument(args.golden)
+    # A --golden run reads goldens, not a baseline cache: `off` with it is refused the same way.
+    golden_release(args.golden, args.baseline_cache, refresh_baseline=False)

@@ -275,7 +275,9 @@ def check_arguments(request: RunRequest, *, read_files: bool = True) -> CheckedA
         kv_connector=kv_connector,
         ec_connector=ec_connector,
         devices=devices,
-        golden_release=_golden_release(request),
+        golden_release=golden_release(
+            request.golden, request.baseline_cache, request.refresh_baseline
+        ),
     )
 
 
@@ -532,16 +534,29 @@ def _run_dir(request: RunRequest) -> Path:
     return path.resolve()
 
 
-def _golden_release(request: RunRequest) -> str | None:
-    """The release `--golden` names, whose stored baseline stands in for one."""
-    if request.golden is None:
+def golden_release(
+    golden: str | None, baseline_cache: str | None, refresh_baseline: bool
+) -> str | None:
+    """The release `--golden` names, whose stored baseline stands in for one. `--golden` starts
+    no baseline, so the baseline cache's options mean nothing to it but where the goldens are
+    (`_goldens`: beside a --baseline-cache DIR): a refresh or `off` would be dropped. Shared
+    with `versions`, which forwards both to each release's run: refused there before a venv
+    is built."""
+    if golden is None:
         return None
-    if request.refresh_baseline:
+    if refresh_baseline:
         raise BadInput(
             "--golden starts no baseline, so there is nothing to refresh; drop "
             "--refresh-baseline (or --golden)"
         )
-    return golden_release_argument(request.golden)
+    release = golden_release_argument(golden)
+    if baseline_cache == "off":
+        raise BadInput(
+            f"--golden {golden} starts no baseline and reads the goldens kept beside the "
+            "baseline cache, which --baseline-cache off does not change: drop "
+            "--baseline-cache off (a --baseline-cache DIR moves the goldens beside DIR)"
+        )
+    return release
 
 
 def _goldens(
