@@ -48,6 +48,7 @@ from harness.run.goldens import GoldenStore, golden_release_argument
 from harness.run.scenarios import MATRIX, Scenario, get_scenario, matrix_prompts
 from harness.spec.attach import AttachSpec
 from harness.spec.connectors import EcConnector, KvConnector, get_kv_connector
+from harness.spec.placement import TooFewDevices
 from harness.spec.platforms import (
     DEFAULT_CPU_CORES,
     DevicePlanError,
@@ -334,8 +335,14 @@ def prepare_run(request: RunRequest) -> RunConfig:
             model_dir, bodies, cache_dir() / "prompt-tokens"
         )
         tokens.check_prompts_fit(request.max_model_len, prompts, prompt_tokens)
+    try:
+        argvs = serve_argvs(
+            launched, serving, platform, devices, request.colocate, protocol.generation
+        )
+    except TooFewDevices as exc:
+        raise resources.too_few_devices(exc, launched) from None
     argv_check = check_serve_argvs(
-        serve_argvs(launched, serving, platform, devices, request.colocate, protocol.generation),
+        argvs,
         interpreter_of(served.executable),
         served.version,
         argv_check_dir(),
