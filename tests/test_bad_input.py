@@ -28,6 +28,7 @@ from harness.cli.main import build_parser, request_from_args
 from harness.errors import BadInput
 from harness.preflight import files, names, resources, tokens, vllm_args
 from harness.preflight.config import prepare_run
+from harness.preflight.model import resolve_model
 from harness.preflight.vllm import check_vllm
 from harness.run.baseline import BaselineAnswers
 from harness.run.baseline_cache import CACHE_FORMAT
@@ -940,6 +941,21 @@ def test_golden_of_a_release_candidate(bad_run: BadRun) -> None:
     )
 
 
+def test_golden_with_the_baseline_cache_off(bad_run: BadRun) -> None:
+    """`--golden` starts no baseline and reads the goldens kept beside the baseline cache (a
+    `--baseline-cache DIR` moves them: DIR's parent), so `--baseline-cache off` changed
+    nothing: it was accepted and dropped. (bad_run passes `--baseline-cache off` itself.)"""
+    code, err = bad_run("--prompt", "text", "--topology", "1P+1D", "--golden", "0.31.0")
+    LAST_ARGS["args"] = "--golden 0.31.0 --baseline-cache off"
+    assert_one_error_line(
+        code,
+        err,
+        "--golden 0.31.0 starts no baseline and reads the goldens kept beside the baseline "
+        "cache, which --baseline-cache off does not change: drop --baseline-cache off (a "
+        "--baseline-cache DIR moves the goldens beside DIR)",
+    )
+
+
 def test_baseline_cache_that_is_a_file(bad_run: BadRun, tmp_path: Path) -> None:
     cache = tmp_path / "cache-file"
     cache.write_text("")
@@ -1062,6 +1078,69 @@ def test_repro_on_a_core_this_process_may_not_use(epd_cli, tmp_path: Path, monke
     )
     assert_one_error_line(
         code, err, "--devices 0,7: core 7 is not available to this process (available: 0-1)"
+    )
+
+
+def test_repro_on_too_few_gpus_names_the_flags_repro_has(
+    epd_cli, tmp_path: Path, monkeypatch
+) -> None:
+    """The scheduler's refusal suggested "leave it out with --topology", a flag repro has not
+    (it reruns the bundle's one topology), and came only after the served vLLM was probed."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    bundle = minimal_bundle(tmp_path / "b", {"platform_profile": "cuda", "devices": [0, 1]})
+    code, err = shown_cli(
+        epd_cli,
+        tmp_path,
+        "repro",
+        bundle,
+        "--devices",
+        "0",
+        hidden=("--vllm", tmp_path / "no-vllm"),
+    )
+    assert_one_error_line(
+        code,
+        err,
+        "1P+1D needs 2 devices (one per instance besides encoders) but only 1 given (0); "
+        "rerun it on more with --devices, or let its instances share them with --colocate",
+    )
+
+
+@pytest.mark.parametrize(
+    "topologies,remedy",
+    [
+        # Leaving out the only topology named would have run the whole sweep instead.
+        ("1P+1D", "use --colocate to share devices within a topology"),
+        (
+            "1P+1D,1E+1PD",
+            "use --colocate to share devices within a topology, or leave it out with --topology",
+        ),
+    ],
+    ids=["one-topology", "two-topologies"],
+)
+def test_run_on_too_few_gpus_offers_leaving_out_only_what_leaves_a_topology(
+    bad_run: BadRun, monkeypatch, topologies: str, remedy: str
+) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    tiny_model = resolve_model(None, None, environment.cache_dir())
+    code, err = bad_run(
+        "--platform",
+        "cuda",
+        "--devices",
+        "0",
+        "--topology",
+        topologies,
+        "--prompt",
+        "text",
+        "--model",
+        str(tiny_model),
+        "--kv-connector",
+        "example",
+    )
+    LAST_ARGS["args"] = f"--platform cuda --devices 0 --topology {topologies}"
+    assert_one_error_line(
+        code,
+        err,
+        f"1P+1D needs 2 devices (one per instance besides encoders) but only 1 given (0); {remedy}",
     )
 
 

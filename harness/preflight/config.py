@@ -48,6 +48,7 @@ from harness.run.goldens import GoldenStore, golden_release_argument
 from harness.run.scenarios import MATRIX, Scenario, get_scenario, matrix_prompts
 from harness.spec.attach import AttachSpec
 from harness.spec.connectors import EcConnector, KvConnector, get_kv_connector
+from harness.spec.placement import TooFewDevices
 from harness.spec.platforms import (
     DEFAULT_CPU_CORES,
     DevicePlanError,
@@ -275,7 +276,9 @@ def check_arguments(request: RunRequest, *, read_files: bool = True) -> CheckedA
         kv_connector=kv_connector,
         ec_connector=ec_connector,
         devices=devices,
-        golden_release=_golden_release(request),
+        golden_release=golden_release(
+            request.golden, request.baseline_cache, request.refresh_baseline
+        ),
     )
 
 
@@ -332,8 +335,14 @@ def prepare_run(request: RunRequest) -> RunConfig:
             model_dir, bodies, cache_dir() / "prompt-tokens"
         )
         tokens.check_prompts_fit(request.max_model_len, prompts, prompt_tokens)
+    try:
+        argvs = serve_argvs(
+            launched, serving, platform, devices, request.colocate, protocol.generation
+        )
+    except TooFewDevices as exc:
+        raise resources.too_few_devices(exc, launched) from None
     argv_check = check_serve_argvs(
-        serve_argvs(launched, serving, platform, devices, request.colocate, protocol.generation),
+        argvs,
         interpreter_of(served.executable),
         served.version,
         argv_check_dir(),
@@ -532,16 +541,29 @@ def _run_dir(request: RunRequest) -> Path:
     return path.resolve()
 
 
-def _golden_release(request: RunRequest) -> str | None:
-    """The release `--golden` names, whose stored baseline stands in for one."""
-    if request.golden is None:
+def golden_release(
+    golden: str | None, baseline_cache: str | None, refresh_baseline: bool
+) -> str | None:
+    """The release `--golden` names, whose stored baseline stands in for one. `--golden` starts
+    no baseline, so the baseline cache's options mean nothing to it but where the goldens are
+    (`_goldens`: beside a --baseline-cache DIR): a refresh or `off` would be dropped. Shared
+    with `versions`, which forwards both to each release's run: refused there before a venv
+    is built."""
+    if golden is None:
         return None
-    if request.refresh_baseline:
+    if refresh_baseline:
         raise BadInput(
             "--golden starts no baseline, so there is nothing to refresh; drop "
             "--refresh-baseline (or --golden)"
         )
-    return golden_release_argument(request.golden)
+    release = golden_release_argument(golden)
+    if baseline_cache == "off":
+        raise BadInput(
+            f"--golden {golden} starts no baseline and reads the goldens kept beside the "
+            "baseline cache, which --baseline-cache off does not change: drop "
+            "--baseline-cache off (a --baseline-cache DIR moves the goldens beside DIR)"
+        )
+    return release
 
 
 def _goldens(

