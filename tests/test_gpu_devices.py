@@ -608,6 +608,26 @@ def test_scenarios_with_instances_of_their_own_share_eight_gpus_with_four_worker
     assert set(pool_starts) == {"baseline", "1E+1PD", "1P+1D", "1E+1P+1D"}, pool_starts
 
 
+@pytest.mark.usefixtures("served_vllm_parser")  # its runs (subprocesses) find their lines judged
+def test_a_session_on_one_gpu_plans_only_the_topologies_its_items_run(tmp_path: Path) -> None:
+    """A developer on one GPU box runs 1E+1PD's items (its encoder shares the GPU): the
+    session's preflight planned every EPD topology, so it refused the session because 1P+1D
+    needs two devices, and told it to leave 1P+1D out with --topology, which a pytest command
+    line does not have. The plan is now the selected items' (and their references'); a
+    selection that does need two names the session's own options."""
+    one_gpu = fake_gpu_session(
+        tmp_path, "0", "scenarios/test_epd_matches_baseline.py", "-m", "e2e", "-k", "text"
+    )
+    out = fake_night_output([*one_gpu, "--epd-topology", "1E+1PD"])
+    assert re.search(r"^=+ 1 passed, \d+ deselected in ", out, re.M), out[-6000:]
+
+    out = fake_night_output([*one_gpu, "--epd-topology", "1E+1P+1D"])
+    assert re.search(r"^=+ \d+ deselected, 1 error in ", out, re.M), out[-6000:]
+    # 1E+1P+1D is judged against 1P+1D, which the plan holds too; no --topology in pytest.
+    assert "1P+1D needs 2, 1E+1P+1D needs 2 devices" in out, out[-6000:]
+    assert "--epd-colocate" in out and not re.search(r"(?<![\w-])--(colocate|topology)\b", out)
+
+
 # The nightly's selection in small: each topology's text case, the load on 1E+1P+1D (its
 # calibration serves the baseline beside the topology) and the matrix's 2E+1PD round robin.
 START_COUNT_SELECTION = (

@@ -33,10 +33,14 @@ EIGHT = tuple(range(8))
 
 
 def test_the_baseline_and_every_instance_of_the_run_are_rendered_with_placeholders() -> None:
+    """1E+1P+1D's run starts 1P+1D too, its exact reference: its lines are the run's (they
+    were left out, and so was its place in the devices the preflight checks)."""
     serving = serving_for(CUDA, "/models/real", allowed_local_media_path="/data/media")
     argvs = serve_argvs((get_topology("1E+1P+1D"),), serving, CUDA, EIGHT, False, NEWEST)
     assert list(argvs) == [
         "baseline/baseline0",
+        "1P+1D/prefill0",
+        "1P+1D/decode0",
         "1E+1P+1D/encoder0",
         "1E+1P+1D/prefill0",
         "1E+1P+1D/decode0",

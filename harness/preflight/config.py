@@ -103,6 +103,10 @@ class RunRequest:
     """What a user asked for, as given (names and paths, unchecked)."""
 
     topologies: tuple[str, ...] = ()  # empty: every EPD topology
+    # A pytest session's: the topologies its selected items run (the baseline among them).
+    # Only the instances' plan (devices, argv) follows them; the flags are the session's and are
+    # checked against `topologies`. Empty: the plan is `topologies`'.
+    served_topologies: tuple[str, ...] = ()
     prompts: tuple[str, ...] = ()  # empty: the sweep's prompts
     cases_file: str | None = None
     scenarios: tuple[str, ...] = ()  # matrix scenarios, or ("all",)
@@ -313,6 +317,8 @@ def prepare_run(request: RunRequest) -> RunConfig:
     if attach is None:  # an attached deployment brings its own connector
         check_kv_connector(served, kv_connector)
     launched = () if attach is not None else topologies
+    if attach is None and request.served_topologies:
+        launched = names.check_topologies(request.served_topologies)
     resources.check_free_ports(
         max(len(t.roles) for t in (TOPOLOGIES["baseline"], *launched)), ports
     )

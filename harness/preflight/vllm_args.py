@@ -43,7 +43,7 @@ from harness.spec.instances import (
 )
 from harness.spec.placement import place_instances, schedule, side_channel_port_count
 from harness.spec.platforms import PlatformProfile
-from harness.spec.topology import TOPOLOGIES, ServingConfig, Topology
+from harness.spec.topology import TOPOLOGIES, ServingConfig, Topology, ordered_topologies
 
 PARSE_TIMEOUT_S = 600.0  # importing vLLM on a loaded 2-core machine took 40 s
 CACHE_FORMAT = 2
@@ -95,13 +95,14 @@ def serve_argvs(
     generation: ProtocolGeneration,
 ) -> dict[str, list[str]]:
     """Each instance's `vllm serve` arguments (after the executable), as a run of these
-    topologies (and the baseline) renders them, with placeholder ports, paths and model."""
+    topologies (and the baseline, and the exact references they are judged against: a run
+    starts those too) renders them, with placeholder ports, paths and model."""
     opaque = dataclasses.replace(
         serving,
         model=PLACEHOLDER_MODEL,
         allowed_local_media_path=PLACEHOLDER_MEDIA if serving.allowed_local_media_path else None,
     )
-    wanted = [TOPOLOGIES["baseline"], *(t for t in topologies if not t.is_baseline)]
+    wanted = [TOPOLOGIES["baseline"], *ordered_topologies(tuple(topologies))]
     argvs: dict[str, list[str]] = {}
     for wave in schedule(wanted, devices, platform, colocate, cpu_budget=len(devices)).waves:
         for slot in wave.slots:

@@ -123,8 +123,11 @@ def in_session_terms(message: str) -> str:
     """A preflight message with each CLI flag it names written as the session option that sets
     it (`--platform bogus` -> `--epd-platform bogus`): the session's preflight is the CLI's, and
     its messages name the CLI's flags, which a pytest command line does not have."""
-    for option in SESSION_OPTIONS:
-        message = re.sub(rf"(?<![\w-]){re.escape(option.flag)}(?![\w-])", option.option, message)
+    flags = {o.flag: o.option for o in SESSION_OPTIONS}
+    # The CLI's --topology is the session's --epd-topology: it shrinks the session's plan too.
+    flags.update({f"--{option.removeprefix('--epd-')}": option for option in NOT_SERVING})
+    for flag, option in flags.items():
+        message = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", option, message)
     return message
 
 

@@ -786,14 +786,20 @@ def declaring_scope(item: pytest.Item) -> str:
 
 
 def session_request(
-    option: Callable[[str], Any], run_root: str, worker: tuple[str, int]
+    option: Callable[[str], Any],
+    run_root: str,
+    worker: tuple[str, int],
+    served: Sequence[str] = (),
 ) -> RunRequest:
     """The run the session's `--epd-*` options ask for (`option` reads one, as
     `pytest.Config.getoption` does): what `epd_config` prepares, and what
-    `check_session_options` checks."""
+    `check_session_options` checks. `served`: the topologies the selected items run, which
+    the instances' plan is made for (one GPU serves a session of 1E+1PD's items; the plan of
+    every topology wanted two for 1P+1D and refused it)."""
     from harness.preflight import RunRequest
 
     return RunRequest(
+        served_topologies=tuple(served),
         model=option("--epd-model"),
         run_dir=run_root,
         vllm=option("--epd-vllm"),
@@ -866,13 +872,20 @@ def epd_config(
     from harness.preflight import prepare_run
     from harness.testing.own_instances import in_session_terms
 
-    run = session_request(pytestconfig.getoption, pytestconfig.stash[RUN_ROOT_KEY], epd_worker)
+    run = session_request(
+        pytestconfig.getoption,
+        pytestconfig.stash[RUN_ROOT_KEY],
+        epd_worker,
+        served=pytestconfig.stash.get(SESSION_TOPOLOGIES_KEY, ()),
+    )
     try:
         return prepare_run(run)
     except BadInput as exc:
         message = f"epd-harness: {in_session_terms(str(exc))}"
-        request.session.shouldstop = message
-        pytest.fail(message, pytrace=False)
+    # Outside the handler: pytest shows a failure raised inside it after the CLI's own message
+    # ("During handling of the above exception"), its flags not the session's.
+    request.session.shouldstop = message
+    pytest.fail(message, pytrace=False)
 
 
 @pytest.fixture(scope="session")
