@@ -1223,6 +1223,20 @@ def test_load_of_two_topologies(epd_cli, tmp_path: Path) -> None:
     assert_one_error_line(code, err, "--topology 1P+1D,1E+1PD: load runs one topology at a time")
 
 
+def test_load_kill_of_an_attached_deployment(epd_cli, tmp_path: Path, attach_file: Path) -> None:
+    """Refused only with --topology beside it; without (the attach file names the topology)
+    only after the whole preflight (the served vLLM probed, the prompts' tokens counted)."""
+    hidden = ("--model", tmp_path / "no-model", "--run-dir", tmp_path / "r")
+    args = ("load", "--attach", attach_file, "--kill", "pd")
+    code, err = shown_cli(epd_cli, tmp_path, *args, hidden=hidden)
+    assert_one_error_line(
+        code,
+        err,
+        "--kill SIGKILLs an instance the harness launched; an attached deployment's are not "
+        "the harness's to kill: drop --kill (or --attach)",
+    )
+
+
 @pytest.mark.parametrize("scenarios", ["all,all", "all,ec-video-mp4"])
 def test_scenario_all_with_more(bad_run: BadRun, scenarios: str) -> None:
     """'all' was called an unknown scenario when anything came with it."""

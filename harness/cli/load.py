@@ -83,11 +83,6 @@ def load_spec_from_args(args: argparse.Namespace, topology: str) -> LoadSpec:
     """The load asked for, its flags checked against each other (BadInput, one line)."""
     refuse_load_counts(args)
     if args.kill is not None:
-        if args.attach:
-            raise BadInput(
-                "--kill SIGKILLs an instance the harness launched; an attached deployment's "
-                "are not the harness's to kill: drop --kill (or --attach)"
-            )
         if args.duration is not None:
             raise BadInput("--kill ends the load at once, so there is no soak: drop --duration")
         roles = [role.value for role in TOPOLOGIES[topology].roles]
@@ -106,6 +101,11 @@ def load_spec_from_args(args: argparse.Namespace, topology: str) -> LoadSpec:
 
 def refuse_load_flags(args: argparse.Namespace) -> None:
     """The load's own flags, checked before anything starts."""
+    if args.attach and args.kill is not None:  # before the topology: the file names it
+        raise BadInput(
+            "--kill SIGKILLs an instance the harness launched; an attached deployment's "
+            "are not the harness's to kill: drop --kill (or --attach)"
+        )
     if not args.attach and not args.topology:
         raise BadInput("load needs --topology (or --attach FILE: the deployment is the topology)")
     if args.topology and "," in args.topology:
