@@ -258,3 +258,27 @@ def test_a_sweep_on_ray_runs_one_topology_a_wave(tmp_path, monkeypatch) -> None:
         )
         waves = Sweep(SweepSpec(topologies, prompts=()), settings).schedule().waves
         assert max(len(wave.slots) for wave in waves) == most, (launcher, waves)
+
+
+def test_a_sweep_on_a_gpu_cluster_runs_one_topology_a_wave_too(tmp_path) -> None:
+    """On GPUs the waves were packed by the devices listed here (8: every topology in the
+    first wave), and on a cluster the pool keeps one topology at a time: each start of the
+    wave stopped the one before, to be started again for its cases."""
+    from harness.run.sweep import Sweep, SweepSpec
+    from harness.spec.topology import EPD_TOPOLOGY_NAMES
+
+    topologies = tuple(TOPOLOGIES[name] for name in EPD_TOPOLOGY_NAMES)
+    for launcher, waves_of_one in (
+        (LauncherChoice("ray", ray_address="10.0.0.1:6379"), True),
+        (LauncherChoice(), False),
+    ):
+        settings = RunSettings(
+            serving_for(CUDA, "/models/m"),
+            tmp_path / launcher.kind,
+            platform=CUDA,
+            devices=tuple(range(8)),
+            launcher=launcher,
+        )
+        waves = Sweep(SweepSpec(topologies, prompts=()), settings).schedule().waves
+        assert [len(w.slots) == 1 for w in waves] == [waves_of_one] * len(waves), waves
+        assert len(waves) == (4 if waves_of_one else 1), waves  # the baseline and three

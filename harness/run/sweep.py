@@ -177,6 +177,12 @@ class Sweep:
                 self.settings.platform,
                 self.settings.colocate,
                 cpu_budget=self._cpu_budget(),
+                # A cluster's room is not this host's cores or devices: each instance takes a
+                # node's bundle, and a wave whose topologies Ray cannot place together would
+                # wait and be refused (the rehearsal has three nodes; found in review with
+                # --devices 0-3), or, on GPUs, each start would stop the wave's previous one
+                # (the pool keeps one topology on a cluster).
+                one_a_wave=not self.settings.launcher.is_local,
             )
             self.pool.place(
                 {s.topology.name: s.devices for w in self._schedule.waves for s in w.slots}
@@ -204,12 +210,6 @@ class Sweep:
     def _cpu_budget(self) -> int | None:
         if self.settings.platform.exclusive_devices:
             return None
-        if not self.settings.launcher.is_local:
-            # A Ray cluster's room is not this host's cores: each instance takes a node's
-            # bundle, and a wave whose topologies Ray cannot place together would wait and be
-            # refused (the rehearsal has three nodes; found in review with --devices 0-3).
-            # One topology a wave; the pool stops the cluster's previous one first.
-            return 1
         return cpu_instance_budget(
             len(self.settings.devices), available_memory_bytes(), self.settings.workers
         )

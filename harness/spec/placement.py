@@ -269,21 +269,27 @@ def schedule(
     profile: PlatformProfile,
     colocate: bool = False,
     cpu_budget: int | None = None,
+    one_a_wave: bool = False,
 ) -> Schedule:
     """Pack topologies into waves, first fit in the given order.
 
     The given order is kept where possible (baseline and exact references first), so a
     sequential plan runs references before the topologies compared with them. GPU: waves of
     disjoint device sets. CPU: waves within `cpu_budget` instances (default: this machine's
-    `cpu_instance_budget`). Raises DevicePlanError naming every topology that cannot fit.
+    `cpu_instance_budget`). `one_a_wave`: each topology a wave of its own, on either (Ray: each
+    instance takes a node's bundle, so the cluster's room, not the devices listed here, is what
+    a wave fills, and the pool stops the cluster's topology before the next). Raises
+    DevicePlanError naming every topology that cannot fit.
     """
     if not devices:
         raise DevicePlanError(f"no {profile.device_kind}s given")
     if len(set(devices)) != len(devices):
         raise DevicePlanError(f"device list {_join(devices)} repeats a device")
     if not profile.exclusive_devices:
-        budget = cpu_budget or cpu_instance_budget(len(devices), available_memory_bytes())
         cores = tuple(sorted(devices))
+        if one_a_wave:
+            return _pack(topologies, lambda t: 1, 1, lambda t, used: cores)
+        budget = cpu_budget or cpu_instance_budget(len(devices), available_memory_bytes())
         return _pack(topologies, lambda t: len(t.roles), budget, lambda t, used: cores)
     available = len(devices)
     too_big = [t for t in topologies if devices_needed(t, profile, available, colocate) > available]
@@ -292,6 +298,8 @@ def schedule(
             {t.name: max(1, len(t.roles) - t.encoders) for t in too_big}, tuple(devices)
         )
     need = {t.name: devices_needed(t, profile, available, colocate) for t in topologies}
+    if one_a_wave:
+        return _pack(topologies, lambda t: 1, 1, lambda t, used: tuple(devices[: need[t.name]]))
     if baseline_keeps_its_device(topologies, devices, profile, colocate):
         baseline = next(t for t in topologies if t.is_baseline)
         others = _pack_on_devices([t for t in topologies if t is not baseline], devices[1:], need)
