@@ -379,7 +379,7 @@ def test_a_soak_lists_a_few_samples_and_appends_every_one_and_its_bounds_are_eve
     assert "first with an instance down" in listed[29]
     gc.collect()
     read_back = {id(sample) for sample in samples}
-    held = [o for o in gc.get_objects() if isinstance(o, ResourceSample)]
+    held = [o for o in gc.get_objects() if type(o) is ResourceSample]
     held = [o for o in held if id(o) not in read_back]
     assert len(held) == len(listed), len(held)
     markdown = (tmp_path / "load.md").read_text()

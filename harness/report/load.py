@@ -417,15 +417,15 @@ def unlisted_lines(unlisted: int, failed: Mapping[tuple[str, str], int]) -> list
     """What the request list leaves out, and where it is."""
     failing = sum(failed.values())
     lines = [
-        "The first round's requests and every one that did not pass (the first "
-        f"{FAILURES_KEPT_WHOLE} of each prompt and verdict). The {unlisted - failing} other "
-        f"request(s) passed after the first round: counted in the figures above, each a line of "
-        f"{REQUESTS_FILE}."
+        f"The first round's requests, and the first {FAILURES_KEPT_WHOLE} of each prompt and "
+        f"verdict that did not pass. The {unlisted - failing} other request(s) passed after the "
+        f"first round: counted in the figures above, each a line of {REQUESTS_FILE}."
     ]
     if failing:
         each = ", ".join(
             f"{prompt} {verdict} {n}" for (prompt, verdict), n in sorted(failed.items())
         )
+        lines.append("")
         lines.append(
             f"{failing} more request(s) did not pass ({each}): counted in the figures above, "
             f"each a line of {REQUESTS_FILE}."
