@@ -75,8 +75,9 @@ def test_a_load_on_an_attached_deployment_judges_every_answer(
     assert result.passed and result.calibration is not None
     media = [r for r in result.results if r.outcome.media_count]
     assert media and all(r.record.guards["encoder_output"]["ok"] for r in media)
-    assert result.samples[-1].storage["ec"].files > 0  # the deployment's storage, sampled
-    assert not result.samples[-1].instances  # nothing of it was launched: no process to read
+    last = result.resources.last
+    assert last is not None and last.storage["ec"].files > 0  # the deployment's storage, sampled
+    assert not last.instances  # nothing of it was launched: no process to read
 
 
 def test_an_attached_instance_that_dies_ends_the_load_naming_it(

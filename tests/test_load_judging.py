@@ -25,15 +25,12 @@ from harness.outcomes.outcome import Outcome, ServedTopology
 from harness.outcomes.taps import TapRecord
 from harness.report.load import (
     LoadRequestResult,
-    LoadTally,
-    SoakBounds,
-    bound_problems,
-    growth,
     load_stats,
     percentile,
     role_seconds,
     tally_of,
 )
+from harness.report.resources import ResourceHistory, SoakBounds, bound_problems, growth
 from harness.run.baseline import BatchCalibration
 from harness.run.load import LoadRun, decode_tail_failure, media_token_ids
 from harness.run.sweep import Sweep, SweepSpec
@@ -251,7 +248,7 @@ def load_result(number: int, verdict: Verdict, seconds: float, region: str = "pr
 def test_load_stats_count_verdicts_latency_roles_and_regions() -> None:
     results = [load_result(n, Verdict.MATCH, 1.0 + n) for n in range(1, 5)]
     results.append(load_result(5, Verdict.ERROR, 0.5, region="decode tail"))
-    stats = load_stats(tally_of(results), [])
+    stats = load_stats(tally_of(results), ResourceHistory())
     assert stats.verdicts == {"MATCH": 4, "ERROR": 1} and stats.passed == 4
     assert (
         stats.end_to_end.count == 4 and stats.end_to_end.p50 == 3.0 and stats.end_to_end.max == 5.0
@@ -274,23 +271,21 @@ def sample(at: float, rss_mib: int, fds: int, kv_mib: int, alive: bool = True) -
 
 def test_soak_bounds_hold_or_name_what_grew() -> None:
     held = [sample(0, 900, 50, 10), sample(60, 1200, 80, 20), sample(120, 1210, 81, 20)]
-    assert bound_problems(load_stats(LoadTally(), held), held, SoakBounds()) == []
+    assert bound_problems(ResourceHistory.of(held), SoakBounds()) == []
     leaking = [*held, sample(180, 1600, 200, 600), sample(240, 2000, 300, 20)]
-    problems = bound_problems(load_stats(LoadTally(), leaking), leaking, SoakBounds())
+    problems = bound_problems(ResourceHistory.of(leaking), SoakBounds())
     assert any(p.startswith("kv storage reached 600.0 MiB") for p in problems), problems
     assert any(p.startswith("d: RSS grew 800.0 MiB after the first round") for p in problems)
     assert any(p.startswith("d: open files grew by 220") for p in problems)
     dead = [*held, sample(180, 0, 0, 0, alive=False)]
-    assert "d not running at at 180" in bound_problems(
-        load_stats(LoadTally(), dead), dead, SoakBounds()
-    )
+    assert "d not running at at 180" in bound_problems(ResourceHistory.of(dead), SoakBounds())
 
 
 def test_a_soak_within_its_first_round_measured_no_growth_and_says_so() -> None:
     """Growth is held from the end of the first round (warm-up is not growth). Found in review:
     with no sample after it, the warm-up itself was held to the growth bound."""
     one_round = [sample(0, 900, 50, 10), sample(60, 1300, 60, 10)]  # warm-up: +400 MiB
-    assert bound_problems(load_stats(LoadTally(), one_round), one_round, SoakBounds()) == [
+    assert bound_problems(ResourceHistory.of(one_round), SoakBounds()) == [
         "growth after the first round was not measured: the soak ended within its first round "
         "(give a --duration longer than one round)"
     ]
@@ -378,7 +373,7 @@ def stand_in_load(
     concurrency: int = 1,
     **stand_in: Any,
 ) -> tuple[LoadRun, StandIn]:
-    nixl = session_type is NixlStandIn
+    nixl = issubclass(session_type, NixlStandIn)
     serving = ServingConfig(
         model=str(tmp_path / "no-model"),
         kv_connector="NixlConnector" if nixl else "ExampleConnector",

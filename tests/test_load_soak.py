@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import json
 import random
 import threading
@@ -17,11 +18,30 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from test_load_judging import StandIn, stand_in_load
+from test_load_judging import NixlStandIn, StandIn, stand_in_load
 
 import harness.run.load as load_module
+from harness.outcomes.load import InstanceUsage, ResourceSample, StorageUsage
 from harness.outcomes.outcome import Outcome
-from harness.report.load import REQUESTS_FILE, LatencySeries, Percentiles
+from harness.report.load import (
+    KV_ACCOUNTS_FILE,
+    REQUESTS_FILE,
+    LatencySeries,
+    LoadTally,
+    Percentiles,
+    load_stats,
+)
+from harness.report.resources import (
+    MIB,
+    SAMPLES_FILE,
+    TREND_SAMPLES,
+    Growth,
+    ResourceHistory,
+    SoakBounds,
+    bound_problems,
+    growth,
+    rate,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -121,7 +141,7 @@ def test_a_soak_keeps_whole_its_first_round_and_what_failed_and_counts_every_req
     latencies = [0.01 * call for call in range(1, total + 1)]
     assert stats.end_to_end == Percentiles.of(latencies) and stats.end_to_end.count == total
     assert stats.wall_s == pytest.approx(float(total))  # one second a request
-    assert result.samples[-1].requests_done == total
+    assert result.resources.last is not None and result.resources.last.requests_done == total
 
     # load.json lists round 1 and the failure whole, and says how many more it counted where.
     account = json.loads((tmp_path / "load.json").read_text())
@@ -149,3 +169,325 @@ def test_a_soak_keeps_whole_its_first_round_and_what_failed_and_counts_every_req
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) == len(whole) + 1  # and the header
     assert f"| {FAILING_CALL} | " in table and "MISMATCH" in table
+
+
+# -- what a soak holds of its samples, KV accounts and failures ------------------------------
+
+
+def growth_over_every_sample(samples: list[ResourceSample]) -> dict[str, dict[str, Growth]]:
+    """The oracle: each instance's growth read from every sample whole, as the account read
+    them before a soak kept only its `ResourceHistory` (c3cb33f's `instance_growth`)."""
+    names = dict.fromkeys(name for s in samples for name in s.instances)
+    found = {}
+    for name in names:
+        alive = [(s.at_s, s.instances[name]) for s in samples if s.instances.get(name)]
+        alive = [(t, usage) for t, usage in alive if usage.alive]
+        found[name] = {
+            "rss_bytes": growth([(t, u.rss_bytes) for t, u in alive]),
+            "open_fds": growth([(t, u.open_fds) for t, u in alive]),
+        }
+    return found
+
+
+def storage_over_every_sample(samples: list[ResourceSample]) -> dict[str, dict[str, Growth]]:
+    """The oracle of each storage's growth (c3cb33f's `storage_growth`)."""
+    kinds = dict.fromkeys(kind for s in samples for kind in s.storage)
+    found = {}
+    for kind in kinds:
+        points = [(s.at_s, s.storage[kind]) for s in samples if kind in s.storage]
+        found[kind] = {
+            "files": growth([(t, u.files) for t, u in points]),
+            "bytes": growth([(t, u.bytes) for t, u in points]),
+        }
+    return found
+
+
+def bounds_over_every_sample(samples: list[ResourceSample], bounds: SoakBounds) -> list[str]:
+    """The oracle of the bounds: c3cb33f's `bound_problems`, reading every sample whole."""
+    problems = []
+    for kind in dict.fromkeys(k for s in samples for k in s.storage):
+        peak = max(s.storage[kind].bytes for s in samples if kind in s.storage)
+        if peak > bounds.storage_bytes:
+            problems.append(
+                f"{kind} storage reached {peak / MIB:.1f} MiB (bound {bounds.storage_bytes / MIB:.0f} MiB)"
+            )
+    warm = samples[1:]
+    if len(warm) < 2:
+        problems.append(
+            "growth after the first round was not measured: the soak ended within its first "
+            "round (give a --duration longer than one round)"
+        )
+        warm = []
+    for name, figures in growth_over_every_sample(warm).items():
+        rss, fds = figures["rss_bytes"], figures["open_fds"]
+        if rss.change > bounds.rss_growth_bytes:
+            problems.append(
+                f"{name}: RSS grew {rss.change / MIB:.1f} MiB after the first round "
+                f"(bound {bounds.rss_growth_bytes / MIB:.0f} MiB; {rate(rss.per_minute, MIB, 'MiB')}, "
+                f"last half {rate(rss.late_per_minute, MIB, 'MiB')})"
+            )
+        if fds.change > bounds.fd_growth:
+            problems.append(
+                f"{name}: open files grew by {fds.change:.0f} after the first round "
+                f"(bound {bounds.fd_growth}; {rate(fds.per_minute, 1, 'fds')})"
+            )
+    for sample in samples:
+        dead = [name for name, usage in sample.instances.items() if not usage.alive]
+        if dead:
+            problems.append(f"{', '.join(dead)} not running at {sample.label}")
+            break
+    return problems
+
+
+def random_samples(rng: random.Random, count: int) -> list[ResourceSample]:
+    """Samples as a soak takes them, and then some: instances that start late, die, come
+    back; storage that appears late and peaks anywhere; RSS and open files that level off or
+    leak; times with ties."""
+    samples, at = [], 0.0
+    rss = {"e0": 900 * MIB, "p0": 1200 * MIB, "d0": 1000 * MIB}
+    fds = dict.fromkeys(rss, 40)
+    leak = {name: rng.choice((0, 0, 2 * MIB, 9 * MIB)) for name in rss}
+    for number in range(count):
+        at = round(at + rng.choice((0.0, 0.5, 3.0, 7.25)), 2)
+        sample = ResourceSample(at_s=at, requests_done=number * 6, label=f"round {number}")
+        for name in rss:
+            if name == "p0" and number < 2 and rng.random() < 0.5:
+                continue  # not launched yet
+            rss[name] += leak[name] + rng.randrange(-3 * MIB, 3 * MIB)
+            fds[name] += rng.choice((-1, 0, 0, 1, 3))
+            alive = rng.random() > 0.03
+            sample.instances[name] = InstanceUsage(rss[name], fds[name], 3, alive)
+        for kind in ("ec", "kv"):
+            if kind == "kv" and number < 3:
+                continue
+            size = rng.randrange(0, 700 * MIB) if rng.random() < 0.1 else rng.randrange(MIB)
+            sample.storage[kind] = StorageUsage(rng.randrange(50), size)
+            if kind == "kv" and rng.random() < 0.5:
+                sample.cleaned[kind] = StorageUsage(3, size)
+        samples.append(sample)
+    return samples
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_bounds_read_from_what_a_soak_keeps_are_those_of_every_sample(seed: int) -> None:
+    """A soak keeps of its samples a `ResourceHistory` (and lists a few whole): the bounds'
+    verdicts and the figures read from it are exactly those read from every sample."""
+    rng = random.Random(seed)
+    samples = random_samples(rng, rng.choice((0, 1, 2, 3, 5, 40, 300)))
+    bounds = SoakBounds(rss_growth_bytes=rng.choice((256, 64)) * MIB)
+    history = ResourceHistory(trend_samples=8)
+    for sample in samples:
+        history.add(sample)
+    assert bound_problems(history, bounds) == bounds_over_every_sample(samples, bounds)
+    stats = load_stats(LoadTally(), history)
+    assert stats.instances == growth_over_every_sample(samples)
+    assert stats.storage == storage_over_every_sample(samples)
+    assert history.count == len(samples)
+    if not samples:
+        return
+    # Listed whole: the first, the end of the first round, the last, each storage's peak, the
+    # first sample with an instance down, and an evenly spaced trend of at most 8.
+    listed = {number: why for number, why, _ in history.listed()}
+    assert "first" in listed[0] and "last" in listed[len(samples) - 1]
+    if len(samples) > 1:
+        assert "end of the first round: growth is held from here" in listed[1]
+    for kind in ("ec", "kv"):
+        sizes = [s.storage[kind].bytes for s in samples if kind in s.storage]
+        if sizes:
+            peak = next(
+                n
+                for n, s in enumerate(samples)
+                if s.storage.get(kind) is not None and s.storage[kind].bytes == max(sizes)
+            )
+            assert f"peak {kind} storage" in listed[peak]
+    down = [n for n, s in enumerate(samples) if any(not u.alive for u in s.instances.values())]
+    if down:
+        assert "first with an instance down" in listed[down[0]]
+    trend = sorted(n for n, why in listed.items() if "trend" in why)
+    assert len(trend) <= 8 and len(listed) <= 8 + 6
+    if len(samples) > 8:
+        assert len(trend) >= 4 and len({b - a for a, b in itertools.pairwise(trend)}) == 1
+
+
+class Launched(TimedStandIn):
+    """A launched topology to the load: three instances whose RSS and open files it reads
+    (`usage`), and KV storage it cleans."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.servers = tuple(SimpleNamespace(name=f"1E+1PD/{n}", pid=n) for n in ("e0", "pd0"))
+
+
+def leaking_usage(rng: random.Random) -> Any:
+    """What `tree_usage` reads of an instance: pd0 leaks 6 MiB and 2 files a sample, and is
+    read as not running once; e0 wanders."""
+    reads = {"e0": 0, "pd0": 0}
+
+    def usage(pid: str) -> InstanceUsage:
+        reads[pid] += 1
+        if pid == "pd0":
+            return InstanceUsage(
+                900 * MIB + 6 * MIB * reads[pid], 40 + 2 * reads[pid], 3, reads[pid] != 30
+            )
+        return InstanceUsage(700 * MIB + rng.randrange(-MIB, MIB), 30 + rng.randrange(3), 2)
+
+    return usage
+
+
+def test_a_soak_lists_a_few_samples_and_appends_every_one_and_its_bounds_are_every_samples(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rounds = 60
+    clock = SoakClock()
+    monkeypatch.setattr(load_module, "time", SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(load_module, "TopologySession", Launched)
+    monkeypatch.setattr(load_module, "tree_usage", leaking_usage(random.Random(3)))
+    monkeypatch.setattr(load_module, "tree_pids", lambda pid: [])
+    load, session = stand_in_load(tmp_path, requests=3, session_type=Launched, clock=clock)
+    load.spec = dataclasses.replace(load.spec, duration_s=3.0 * rounds)
+    result = load.run()
+    assert result.rounds == rounds and session.calls == 3 * rounds
+
+    lines = [json.loads(line) for line in (tmp_path / SAMPLES_FILE).read_text().splitlines()]
+    assert [line.pop("number") for line in lines] == list(range(rounds + 1))
+    samples = [
+        ResourceSample(
+            at_s=line["at_s"],
+            requests_done=line["requests_done"],
+            label=line["label"],
+            instances={n: InstanceUsage(**u) for n, u in line["instances"].items()},
+            storage={k: StorageUsage(**u) for k, u in line["storage"].items()},
+            cleaned={k: StorageUsage(**u) for k, u in line["cleaned"].items()},
+        )
+        for line in lines
+    ]
+    assert [s.label for s in samples] == ["before", *(f"round {n}" for n in range(1, rounds + 1))]
+    # The verdicts are those of every sample: pd0's leak and its one read as not running.
+    expected = bounds_over_every_sample(samples, load.bounds)
+    assert result.problems == expected
+    assert any(p.startswith("1E+1PD/pd0: RSS grew 354.0 MiB") for p in expected), expected
+    assert "1E+1PD/pd0 not running at round 29" in expected
+    assert result.stats is not None
+    assert result.stats.instances == growth_over_every_sample(samples)
+
+    # load.json lists the samples a reader needs whole, not one a round; the load holds no more.
+    account = json.loads((tmp_path / "load.json").read_text())
+    assert account["samples_taken"] == rounds + 1 and account["samples_file"] == SAMPLES_FILE
+    listed = {row["number"]: row["kept_for"] for row in account["samples"]}
+    assert len(listed) <= TREND_SAMPLES + 6 < rounds + 1
+    assert {0, 1, 29, rounds} <= set(listed)
+    assert "first with an instance down" in listed[29]
+    gc.collect()
+    read_back = {id(sample) for sample in samples}
+    held = [o for o in gc.get_objects() if type(o) is ResourceSample]
+    held = [o for o in held if id(o) not in read_back]
+    assert len(held) == len(listed), len(held)
+    markdown = (tmp_path / "load.md").read_text()
+    assert f"Sampled {rounds + 1} time(s): before, round 1 ... round {rounds}." in markdown
+
+
+class WrongAnswers(TimedStandIn):
+    """A broken build: every request is answered with the next prompt's answer."""
+
+    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
+        names = sorted(self.answers)
+        self.swap[self.calls + 1] = names[(names.index(prompt) + 1) % len(names)]
+        return super().send(prompt, body)
+
+
+def test_a_soak_where_everything_fails_keeps_whole_the_first_of_each_prompt_and_verdict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rounds, per_round = 30, 6
+    clock = SoakClock()
+    monkeypatch.setattr(load_module, "time", SimpleNamespace(monotonic=clock.monotonic))
+    load, session = stand_in_load(
+        tmp_path, requests=per_round, session_type=WrongAnswers, clock=clock
+    )
+    load.spec = dataclasses.replace(load.spec, duration_s=float(rounds * per_round))
+    result = load.run()
+    assert isinstance(session, WrongAnswers)
+    total = rounds * per_round
+    assert result.rounds == rounds and result.tally.requests == total
+    assert result.tally.verdicts == {"MISMATCH": total} and not result.passed
+
+    # Kept whole: the first 20 of each prompt's MISMATCHes (the first round's among them): a
+    # round sends each prompt of the mix once.
+    prompts = sorted({r.prompt for r in result.results})
+    assert len(prompts) == per_round
+    kept = [r.number for r in result.results]
+    assert kept == list(range(1, 20 * per_round + 1))
+    assert result.failed_unlisted == {(p, "MISMATCH"): rounds - 20 for p in prompts}
+    gc.collect()
+    alive = {call for call, answer in session.answered.items() if answer() is not None}
+    assert alive == set(kept)
+    # The run's bundle holds the same requests whole.
+    bundled = sorted(
+        int(label.rsplit(":", 1)[1])
+        for label in load.sweep.result.outcomes
+        if label.startswith("load:")
+    )
+    assert bundled == kept and len(load.sweep.result.records) == len(kept)
+
+    # Every one counted, and a line of load-requests.jsonl; load.json and load.md say where.
+    lines = (tmp_path / REQUESTS_FILE).read_text().splitlines()
+    assert len(lines) == total
+    account = json.loads((tmp_path / "load.json").read_text())
+    assert [row["number"] for row in account["requests"]] == kept
+    assert account["requests_unlisted"] == total - len(kept)
+    assert account["requests_failed_unlisted"] == [
+        {"prompt": p, "verdict": "MISMATCH", "requests": rounds - 20} for p in prompts
+    ]
+    markdown = (tmp_path / "load.md").read_text()
+    assert f"{total - len(kept)} more request(s) did not pass (" in markdown
+    assert f"{prompts[0]} MISMATCH {rounds - 20}" in markdown
+
+
+class NothingReachesD(TimedStandIn, NixlStandIn):
+    """1P+1D under NIXL where no request's KV ever reaches D: every round's account fails."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.withheld = None
+
+    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
+        outcome = super().send(prompt, body)
+        assert outcome.result is not None
+        tokens = len(outcome.result.prompt_token_ids)
+        self.p2p -= tokens
+        self.computed += tokens
+        return outcome
+
+
+def test_a_soak_under_nixl_keeps_the_kv_accounts_that_failed_first_and_counts_every_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rounds, per_round = 30, 2
+    clock = SoakClock()
+    monkeypatch.setattr(load_module, "time", SimpleNamespace(monotonic=clock.monotonic))
+    load, _ = stand_in_load(tmp_path, requests=per_round, session_type=NothingReachesD, clock=clock)
+    load.spec = dataclasses.replace(load.spec, duration_s=float(rounds * per_round))
+    result = load.run()
+    assert result.rounds == rounds
+    assert result.kv.rounds == result.kv.failed == rounds and result.kv.held == 0
+    assert [n for n, _ in result.kv.kept] == list(range(1, 21))
+    assert len(result.kv_accounts) == 20 and all(a.failed for a in result.kv_accounts)
+    kv_problems = [p for p in result.problems if "KV account" in p]
+    assert len(kv_problems) == 21 and kv_problems[0].startswith("round 1, KV account:")
+    assert kv_problems[-1] == (
+        "KV account: 10 more round(s) failed than the 20 above, each a line of "
+        "load-kv-accounts.jsonl"
+    )
+    lines = [json.loads(line) for line in (tmp_path / KV_ACCOUNTS_FILE).read_text().splitlines()]
+    assert [line["round"] for line in lines] == list(range(1, rounds + 1))
+    assert not any(line["ok"] for line in lines)
+    account = json.loads((tmp_path / "load.json").read_text())
+    assert [a["round"] for a in account["kv_accounts"]] == list(range(1, 21))
+    assert account["kv_accounts_counted"] == {
+        "rounds": rounds,
+        "held": 0,
+        "failed": rounds,
+        "not_checkable": 0,
+        "file": KV_ACCOUNTS_FILE,
+    }
+    assert "0 of 30 round(s) held" in (tmp_path / "load.md").read_text()

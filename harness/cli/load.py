@@ -180,6 +180,12 @@ def command_load(args: argparse.Namespace) -> int:
             print(format_failure(record))
         if len(failed) > FAILURES_SHOWN:
             print(f"\n... {len(failed) - FAILURES_SHOWN} more failing request(s) in load.md")
+    not_kept = sum(result.failed_unlisted.values())
+    if not_kept:
+        print(
+            f"\n... and {not_kept} more that did not pass, beyond the first of their prompt and "
+            f"verdict: counted in load.md, each a line of {REQUESTS_FILE}"
+        )
     print(f"\n{pool.summary()}")
     elapsed = time.monotonic() - args.progress.started
     print(

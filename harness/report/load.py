@@ -12,25 +12,30 @@ each one in load.json and load.md, rewritten every round, made a round cost what
 done so far. So every request judged is counted as it is (`LoadTally`: counts, token totals,
 and every latency, 8 bytes each, for exact percentiles) and reduced to its `RequestRow`, the
 compact line `load-requests.jsonl` appends; only the requests worth reading whole are kept and
-listed (which: `harness.run.load`).
+listed (which: `harness.run.load`). A soak's resource samples and the bounds they are held to:
+`harness.report.resources`.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from harness.judge.guards import GuardResult
 from harness.judge.records import CaseRecord
-from harness.outcomes.load import ResourceSample
 from harness.outcomes.outcome import Outcome
+from harness.report.resources import MIB, SAMPLES_FILE, Growth, ResourceHistory, rate
 
-MIB = 2**20
 REQUESTS_FILE = "load-requests.jsonl"  # every request judged, one line each, appended per round
+KV_ACCOUNTS_FILE = "load-kv-accounts.jsonl"  # every round's KV account (NIXL), one line each
+# Of the requests (and KV accounts) that did not pass, how many a load keeps whole per prompt and
+# verdict (per load): a broken build soaked for hours fails every request, ~48 KB each whole.
+FAILURES_KEPT_WHOLE = 20
 
 
 @dataclass
@@ -120,17 +125,6 @@ class RequestRow:
 
 
 @dataclass(frozen=True)
-class SoakBounds:
-    """What a soak must stay under to pass. Storage is bounded because the harness cleans what
-    it can between rounds; RSS and open files are measured from the end of the first round
-    (start-up and warm-up allocations are no leak) to the end of the soak."""
-
-    storage_bytes: int = 512 * MIB  # per storage, at any sample
-    rss_growth_bytes: int = 256 * MIB  # per instance
-    fd_growth: int = 64  # per instance
-
-
-@dataclass(frozen=True)
 class Percentiles:
     count: int
     p50: float | None
@@ -201,46 +195,6 @@ def role_seconds(outcome: Outcome) -> dict[str, float]:
             continue  # never answered
         seconds[record.role] = round(max(seconds.get(record.role, 0.0), record.seconds), 4)
     return seconds
-
-
-@dataclass(frozen=True)
-class Growth:
-    """How one quantity moved over a load: first, last, and the rate fitted over the samples
-    after the first (start-up is not growth), and over the last half of them: a cache that
-    fills levels off, so its late rate falls; a leak keeps its rate."""
-
-    first: float
-    last: float
-    per_minute: float | None  # least squares; None with fewer than two samples after warm-up
-    late_per_minute: float | None = None  # the same over the last half of the samples
-
-    @property
-    def change(self) -> float:
-        return self.last - self.first
-
-
-def growth(points: Sequence[tuple[float, float]]) -> Growth:
-    """`points` (seconds, value), in time order; the rate is fitted from the second point on,
-    the late rate over the last half."""
-    if not points:
-        return Growth(0.0, 0.0, None)
-    fitted = list(points[1:])
-    late = fitted[len(fitted) // 2 :]
-    return Growth(
-        points[0][1], points[-1][1], _slope(fitted), _slope(late) if len(late) >= 3 else None
-    )
-
-
-def _slope(points: Sequence[tuple[float, float]]) -> float | None:
-    """Least-squares change per minute; None with fewer than two points or no time between."""
-    if len(points) < 2:
-        return None
-    mean_t = sum(t for t, _ in points) / len(points)
-    mean_v = sum(v for _, v in points) / len(points)
-    spread = sum((t - mean_t) ** 2 for t, _ in points)
-    if spread <= 0:
-        return None
-    return 60 * sum((t - mean_t) * (v - mean_v) for t, v in points) / spread
 
 
 @dataclass
@@ -314,12 +268,70 @@ class LoadTally:
             self.first_token.add(row.first_token_s)
 
 
+@dataclass
+class KvAccountLog:
+    """A load's KV accounts (under NIXL, one a round: D's counters over the whole round), each
+    counted and each a line of load-kv-accounts.jsonl. Kept whole are the first round's and
+    the first `FAILURES_KEPT_WHOLE` that failed: a broken build soaked for hours fails every
+    round's."""
+
+    rounds: int = 0
+    held: int = 0
+    failed: int = 0
+    not_checkable: int = 0  # D held every prompt itself: nothing had to move
+    kept: list[tuple[int, GuardResult]] = field(default_factory=list)  # (round, account)
+
+    def add(self, round_number: int, account: GuardResult) -> bool:
+        """Count a round's account; whether it is kept whole."""
+        self.rounds += 1
+        self.held += account.ok
+        self.failed += account.failed
+        self.not_checkable += not account.checkable
+        kept_failures = sum(a.failed for _, a in self.kept)
+        keep = not self.kept or (account.failed and kept_failures < FAILURES_KEPT_WHOLE)
+        if keep:
+            self.kept.append((round_number, account))
+        return keep
+
+    @property
+    def failed_unlisted(self) -> int:
+        return self.failed - sum(a.failed for _, a in self.kept)
+
+    def describe(self) -> str:
+        first_round, first = self.kept[0]
+        text = (
+            f"KV account (D's counters over each whole round): {self.held} of {self.rounds} "
+            f"round(s) held; round {first_round}: {first.evidence}"
+        )
+        if self.rounds > len(self.kept):
+            text += (
+                f"; {self.failed} failed, {self.not_checkable} not checkable; load.json lists "
+                f"the first round's and the first {FAILURES_KEPT_WHOLE} that failed, every "
+                f"round's is a line of {KV_ACCOUNTS_FILE}"
+            )
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rounds": self.rounds,
+            "held": self.held,
+            "failed": self.failed,
+            "not_checkable": self.not_checkable,
+            "file": KV_ACCOUNTS_FILE,
+        }
+
+
+def kv_account_line(round_number: int, account: GuardResult) -> dict[str, Any]:
+    """A round's line of load-kv-accounts.jsonl (and how load.json lists one kept whole)."""
+    return {"round": round_number, **account.to_json()}
+
+
 def tally_of(results: Iterable[LoadRequestResult]) -> LoadTally:
     """The tally of whole results (a load that kept every request, or a test's)."""
     return LoadTally.of(result.row() for result in results)
 
 
-def load_stats(tally: LoadTally, samples: Sequence[ResourceSample]) -> LoadStats:
+def load_stats(tally: LoadTally, resources: ResourceHistory) -> LoadStats:
     wall = 0.0
     if tally.first_started_s is not None and tally.last_ended_s is not None:
         wall = tally.last_ended_s - tally.first_started_s
@@ -336,82 +348,9 @@ def load_stats(tally: LoadTally, samples: Sequence[ResourceSample]) -> LoadStats
         first_token=tally.first_token.percentiles(),
         by_region={region: dict(counts) for region, counts in tally.by_region.items()},
         batched=tally.batched,
-        instances=instance_growth(samples),
-        storage=storage_growth(samples),
+        instances=resources.instance_growth(),
+        storage=resources.storage_growth(),
     )
-
-
-def instance_growth(samples: Sequence[ResourceSample]) -> dict[str, dict[str, Growth]]:
-    names = dict.fromkeys(name for s in samples for name in s.instances)
-    found: dict[str, dict[str, Growth]] = {}
-    for name in names:
-        alive = [(s.at_s, s.instances[name]) for s in samples if s.instances.get(name)]
-        alive = [(t, usage) for t, usage in alive if usage.alive]
-        found[name] = {
-            "rss_bytes": growth([(t, u.rss_bytes) for t, u in alive]),
-            "open_fds": growth([(t, u.open_fds) for t, u in alive]),
-        }
-    return found
-
-
-def storage_growth(samples: Sequence[ResourceSample]) -> dict[str, dict[str, Growth]]:
-    """Per storage kind: the files and bytes each sample saw (before any cleaning), and what
-    accumulated over the run: what was there at the end plus everything cleaned before."""
-    kinds = dict.fromkeys(kind for s in samples for kind in s.storage)
-    found: dict[str, dict[str, Growth]] = {}
-    for kind in kinds:
-        points = [(s.at_s, s.storage[kind]) for s in samples if kind in s.storage]
-        found[kind] = {
-            "files": growth([(t, u.files) for t, u in points]),
-            "bytes": growth([(t, u.bytes) for t, u in points]),
-        }
-    return found
-
-
-def bound_problems(
-    stats: LoadStats, samples: Sequence[ResourceSample], bounds: SoakBounds
-) -> list[str]:
-    """What a soak did not stay under (empty: every bound held)."""
-    problems = []
-    for kind in dict.fromkeys(k for s in samples for k in s.storage):
-        peak = max(s.storage[kind].bytes for s in samples if kind in s.storage)
-        if peak > bounds.storage_bytes:
-            problems.append(
-                f"{kind} storage reached {peak / MIB:.1f} MiB (bound {bounds.storage_bytes / MIB:.0f} MiB)"
-            )
-    # Growth is held from the end of the first round: start-up and warm-up are not growth.
-    # A soak that ended within its first round has nothing after it to hold, and would pass
-    # on a growth check that never ran (found in review: it held the warm-up instead).
-    warm = samples[1:]
-    if len(warm) < 2:
-        problems.append(
-            "growth after the first round was not measured: the soak ended within its first "
-            "round (give a --duration longer than one round)"
-        )
-        warm = []
-    for name, figures in instance_growth(warm).items():
-        rss, fds = figures["rss_bytes"], figures["open_fds"]
-        if rss.change > bounds.rss_growth_bytes:
-            problems.append(
-                f"{name}: RSS grew {rss.change / MIB:.1f} MiB after the first round "
-                f"(bound {bounds.rss_growth_bytes / MIB:.0f} MiB; {_rate(rss.per_minute, MIB, 'MiB')}, "
-                f"last half {_rate(rss.late_per_minute, MIB, 'MiB')})"
-            )
-        if fds.change > bounds.fd_growth:
-            problems.append(
-                f"{name}: open files grew by {fds.change:.0f} after the first round "
-                f"(bound {bounds.fd_growth}; {_rate(fds.per_minute, 1, 'fds')})"
-            )
-    for sample in samples:
-        dead = [name for name, usage in sample.instances.items() if not usage.alive]
-        if dead:
-            problems.append(f"{', '.join(dead)} not running at {sample.label}")
-            break
-    return problems
-
-
-def _rate(per_minute: float | None, unit: float, name: str) -> str:
-    return "rate n/a" if per_minute is None else f"{per_minute / unit:+.2f} {name}/min"
 
 
 def _round(value: float | None) -> float | None:
@@ -425,13 +364,14 @@ def format_load(
     title: str,
     stats: LoadStats,
     rows: Sequence[RequestRow],
-    samples: Sequence[ResourceSample],
+    resources: ResourceHistory,
     notes: Sequence[str] = (),
     unlisted: int = 0,
+    failed_unlisted: Mapping[tuple[str, str], int] | None = None,
 ) -> str:
     """load.md: the figures, then the resources, then one row per request listed (`unlisted`:
-    how many more were judged, passed and are counted above; each is a line of
-    load-requests.jsonl)."""
+    how many more were judged and are counted above, each a line of load-requests.jsonl;
+    `failed_unlisted`: of those, the ones that did not pass, by prompt and verdict)."""
     verdicts = ", ".join(f"{v} {n}" for v, n in sorted(stats.verdicts.items()))
     lines = [
         f"# {title}",
@@ -456,15 +396,10 @@ def format_load(
     ]
     for region, counts in sorted(stats.by_region.items()):
         lines.append(f"| {region} | {', '.join(f'{v} {n}' for v, n in sorted(counts.items()))} |")
-    lines += resource_lines(stats, samples)
+    lines += resource_lines(stats, resources)
     lines += ["", "## Requests", ""]
     if unlisted:
-        lines += [
-            f"The first round's requests and every one that did not pass. The {unlisted} other "
-            "request(s) passed after the first round: counted in the figures above, each a "
-            f"line of {REQUESTS_FILE}.",
-            "",
-        ]
+        lines += [*unlisted_lines(unlisted, failed_unlisted or {}), ""]
     lines += [
         "| # | prompt | media end in | verdict | pass | s | detail |",
         "|---|---|---|---|---|---|---|",
@@ -478,17 +413,41 @@ def format_load(
     return "\n".join(lines) + "\n"
 
 
-def resource_lines(stats: LoadStats, samples: Sequence[ResourceSample]) -> list[str]:
-    if not samples:
+def unlisted_lines(unlisted: int, failed: Mapping[tuple[str, str], int]) -> list[str]:
+    """What the request list leaves out, and where it is."""
+    failing = sum(failed.values())
+    lines = [
+        f"The first round's requests, and the first {FAILURES_KEPT_WHOLE} of each prompt and "
+        f"verdict that did not pass. The {unlisted - failing} other request(s) passed after the "
+        f"first round: counted in the figures above, each a line of {REQUESTS_FILE}."
+    ]
+    if failing:
+        each = ", ".join(
+            f"{prompt} {verdict} {n}" for (prompt, verdict), n in sorted(failed.items())
+        )
+        lines.append("")
+        lines.append(
+            f"{failing} more request(s) did not pass ({each}): counted in the figures above, "
+            f"each a line of {REQUESTS_FILE}."
+        )
+    return lines
+
+
+def resource_lines(stats: LoadStats, resources: ResourceHistory) -> list[str]:
+    if not resources.count:
         return []
-    labels = [s.label for s in samples]
-    shown = ", ".join(labels) if len(labels) <= 4 else f"{labels[0]}, {labels[1]} ... {labels[-1]}"
+    labels = resources.labels()
+    shown = (
+        ", ".join(labels) if resources.count <= 4 else f"{labels[0]}, {labels[1]} ... {labels[-1]}"
+    )
     lines = [
         "",
         "## Resources",
         "",
-        f"Sampled {len(samples)} time(s): {shown}. Rates are fitted from the second sample on, "
-        "and over the last half of the samples.",
+        f"Sampled {resources.count} time(s): {shown}. Rates are fitted from the second sample "
+        f"on, and over the last half of the samples. Every sample is a line of {SAMPLES_FILE}; "
+        "load.json lists the first, the end of the first round, the last, each storage's "
+        "peak, the first with an instance down, and an evenly spaced few.",
         "",
         "| instance | RSS first | RSS last | RSS rate | last half | open files first | last | "
         "rate |",
@@ -498,8 +457,8 @@ def resource_lines(stats: LoadStats, samples: Sequence[ResourceSample]) -> list[
         rss, fds = figures["rss_bytes"], figures["open_fds"]
         lines.append(
             f"| {name} | {rss.first / MIB:.0f} MiB | {rss.last / MIB:.0f} MiB | "
-            f"{_rate(rss.per_minute, MIB, 'MiB')} | {_rate(rss.late_per_minute, MIB, 'MiB')} | "
-            f"{fds.first:.0f} | {fds.last:.0f} | {_rate(fds.per_minute, 1, 'fds')} |"
+            f"{rate(rss.per_minute, MIB, 'MiB')} | {rate(rss.late_per_minute, MIB, 'MiB')} | "
+            f"{fds.first:.0f} | {fds.last:.0f} | {rate(fds.per_minute, 1, 'fds')} |"
         )
     lines += ["", "| storage | files first | files last | bytes first | bytes last | bytes rate |"]
     lines.append("|---|---|---|---|---|---|")
@@ -507,18 +466,15 @@ def resource_lines(stats: LoadStats, samples: Sequence[ResourceSample]) -> list[
         files, size = figures["files"], figures["bytes"]
         lines.append(
             f"| {kind} | {files.first:.0f} | {files.last:.0f} | {size.first / MIB:.1f} MiB | "
-            f"{size.last / MIB:.1f} MiB | {_rate(size.per_minute, MIB, 'MiB')} |"
+            f"{size.last / MIB:.1f} MiB | {rate(size.per_minute, MIB, 'MiB')} |"
         )
-    cleaned = [s for s in samples if s.cleaned]
-    if cleaned:
-        total = {
-            kind: sum(s.cleaned[kind].bytes for s in cleaned if kind in s.cleaned)
-            for kind in dict.fromkeys(k for s in cleaned for k in s.cleaned)
-        }
+    if resources.cleaned_samples:
         lines.append("")
         lines.append(
-            f"Cleaned by the harness after {len(cleaned)} sample(s): "
-            + ", ".join(f"{kind} {size / MIB:.1f} MiB" for kind, size in total.items())
+            f"Cleaned by the harness after {resources.cleaned_samples} sample(s): "
+            + ", ".join(
+                f"{kind} {size / MIB:.1f} MiB" for kind, size in resources.cleaned_bytes.items()
+            )
         )
     return lines
 

@@ -40,6 +40,7 @@ import json
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -52,16 +53,25 @@ from harness.judge.records import CaseRecord, DeclaredFailure, Verdict
 from harness.outcomes.load import ResourceSample
 from harness.outcomes.outcome import Outcome
 from harness.report.load import (
+    FAILURES_KEPT_WHOLE,
+    KV_ACCOUNTS_FILE,
     REQUESTS_FILE,
+    KvAccountLog,
     LoadRequestResult,
     LoadStats,
     LoadTally,
     RequestRow,
-    SoakBounds,
-    bound_problems,
     format_load,
+    kv_account_line,
     load_stats,
     stats_json,
+)
+from harness.report.resources import (
+    SAMPLES_FILE,
+    ResourceHistory,
+    SoakBounds,
+    bound_problems,
+    sample_line,
 )
 from harness.run.baseline import BaselineAnswers, BatchCalibration
 from harness.run.faults import kill_instance
@@ -95,13 +105,15 @@ Session = TopologySession | ProxiedSession | AttachedSession
 class LoadResult:
     """Everything a load did, judged. Every request judged is counted in `tally` (the
     statistics are over all of them) and is a line of load-requests.jsonl; `results` holds whole
-    (answer, log-probs, record) only those worth reading whole (`keeps_whole`): a soak of hours
-    that kept every answer grew by ~48 KB a request."""
+    (answer, log-probs, record) only those worth reading whole (`LoadResult.add`): a soak of
+    hours that kept every answer grew by ~48 KB a request. Likewise every resource sample is a
+    line of load-samples.jsonl and every KV account one of load-kv-accounts.jsonl, and
+    `resources` and `kv` hold what the figures and the bounds read of them."""
 
     spec: LoadSpec
     results: list[LoadRequestResult] = field(default_factory=list)  # those kept whole, in order
     tally: LoadTally = field(default_factory=LoadTally)  # every request judged
-    samples: list[ResourceSample] = field(default_factory=list)
+    resources: ResourceHistory = field(default_factory=ResourceHistory)  # every sample
     placements: dict[str, MediaPlacement] = field(default_factory=dict)
     calibration: BatchCalibration | None = None
     calibration_source: str | None = None  # measured now, or earlier in the session for what
@@ -110,18 +122,28 @@ class LoadResult:
     killed: str | None = None  # the instance a planted kill ended
     killed_at_s: float | None = None
     problems: list[str] = field(default_factory=list)  # bounds a soak broke, a kill not seen
-    kv_accounts: list[GuardResult] = field(default_factory=list)  # one per round (NIXL's rule)
+    kv: KvAccountLog = field(default_factory=KvAccountLog)  # one account a round (NIXL's rule)
     processes: list[int] = field(default_factory=list)  # every instance's process tree, at start
     stats: LoadStats | None = None
+    # Requests that did not pass and were not kept whole, by (prompt, verdict): beyond the
+    # first FAILURES_KEPT_WHOLE of each.
+    failed_unlisted: Counter[tuple[str, str]] = field(default_factory=Counter)
+    failed_kept: Counter[tuple[str, str]] = field(default_factory=Counter)  # kept whole
 
     @property
     def records(self) -> list[CaseRecord]:
-        """The records of the requests kept whole (every one that did not pass among them)."""
+        """The records of the requests kept whole."""
         return [r.record for r in self.results]
 
     @property
+    def kv_accounts(self) -> list[GuardResult]:
+        """The KV accounts kept whole: the first round's, and the first that failed."""
+        return [account for _, account in self.kv.kept]
+
+    @property
     def unlisted(self) -> int:
-        """Requests judged and counted but not kept whole: each passed after the first round."""
+        """Requests judged and counted but not kept whole: those that passed after the first
+        round, and the failures beyond the first of their prompt and verdict."""
         return self.tally.requests - len(self.results)
 
     @property
@@ -134,22 +156,32 @@ class LoadResult:
             return True  # checked into `problems` by the load itself
         return self.ended_by is None and self.tally.passed == self.tally.requests
 
-    def keeps_whole(self, result: LoadRequestResult) -> bool:
-        """Whether a request is worth reading whole after the load: every request of a load's
-        first round (a plain load has only that one; a soak's shows what every later round
-        repeated) and every request that did not pass. The others are their row."""
-        return result.round_number <= 1 or not result.record.policy_passed
-
-    def add(self, results: list[LoadRequestResult]) -> list[RequestRow]:
-        """Count a round's judged requests and keep whole those worth it; every one's row."""
-        rows = []
+    def add(
+        self, results: list[LoadRequestResult]
+    ) -> tuple[list[RequestRow], list[LoadRequestResult]]:
+        """Count a round's judged requests; every one's row, and those kept whole. Kept whole:
+        every request of a load's first round (a plain load has only that one, bounded by
+        --requests; a soak's shows what every later round repeated) and, after it, the first
+        FAILURES_KEPT_WHOLE requests of each prompt and verdict that did not pass (counted
+        over the whole load). The others are their row: a broken build soaked for hours fails
+        every request."""
+        rows, kept = [], []
         for result in results:
             row = result.row()
             self.tally.add(row)
             rows.append(row)
-            if self.keeps_whole(result):
+            failing = not result.record.policy_passed
+            key = (result.prompt, result.record.verdict.value)
+            whole = result.round_number <= 1 or (
+                failing and self.failed_kept[key] < FAILURES_KEPT_WHOLE
+            )
+            if whole:
                 self.results.append(result)
-        return rows
+                kept.append(result)
+                self.failed_kept[key] += failing
+            elif failing:
+                self.failed_unlisted[key] += 1
+        return rows, kept
 
 
 def media_token_ids(model: str) -> frozenset[int]:
@@ -317,7 +349,8 @@ class LoadRun:
     def run(self) -> LoadResult:
         """Baseline (and its batch calibration), then the topology's rounds, then the requests
         that must go alone; the account is rewritten as it grows."""
-        self._requests_file.unlink(missing_ok=True)  # appended to as rounds are judged
+        for appended in (REQUESTS_FILE, SAMPLES_FILE, KV_ACCOUNTS_FILE):
+            (self.sweep.settings.run_dir / appended).unlink(missing_ok=True)  # an earlier load's
         self.sweep.serve_baseline()
         planned = plan_load(
             self.spec, self.prompts, self.sweep.baseline, self.sweep.settings.serving
@@ -417,15 +450,13 @@ class LoadRun:
                 self._account_kv(sent, counters_before, session.decode_counters())
             self._judge_round(sent, declared)
             label = f"round {self.result.rounds}" if deadline is not None else "after"
-            sample = self._sample(session, label)
             if not (self.result.ended_by or self.result.killed):
                 self._notice_a_quiet_death(session)
             stop = self.result.ended_by or self.result.killed
-            if stop or deadline is None or time.monotonic() >= deadline:
+            last = bool(stop) or deadline is None or time.monotonic() >= deadline
+            self._sample(session, label, clean_kv=not last)
+            if last:
                 return
-            kv = _storage_of(session, "kv")
-            if kv is not None:
-                sample.cleaned["kv"] = clean_storage(kv)
             self.say(
                 f"[load] round {self.result.rounds} done at "
                 f"{time.monotonic() - self._started:.0f}s of {self.spec.duration_s:.0f}s"
@@ -609,8 +640,9 @@ class LoadRun:
         counters = None if before is None or after is None else after.minus(before)
         block = self.sweep.settings.serving.block_size
         account = check_kv_account(prompts, counters, KvRule.WHOLE_PROMPT, block)
-        self.result.kv_accounts.append(account)
-        if account.failed:
+        kept = self.result.kv.add(self.result.rounds, account)
+        append_json_lines(self._kv_accounts_file, [kv_account_line(self.result.rounds, account)])
+        if account.failed and kept:  # the others are counted (`_finish` says how many)
             self.result.problems.append(
                 f"round {self.result.rounds}, KV account: {account.evidence}"
             )
@@ -663,13 +695,11 @@ class LoadRun:
                     round_number=max(self.result.rounds, 1),
                 )
             )
-        rows = self.result.add(results)
+        rows, kept = self.result.add(results)
         append_json_lines(self._requests_file, [row.to_json() for row in rows])
-        # The run's bundle (responses.json, report.html) holds every request of a load and a
-        # soak's first round; after that only the requests that did not pass, or a long soak's
-        # bundle would be rewritten whole at tens of MB per round. The load's own account keeps
-        # the same whole (`LoadResult.keeps_whole`) and counts every other.
-        kept = [r for r in results if self.result.keeps_whole(r)]
+        # The run's bundle (responses.json, report.html) holds the requests the load keeps
+        # whole (`LoadResult.add`: a soak's first round, the first failures of each prompt and
+        # verdict), or a long soak's bundle would be rewritten whole at tens of MB per round.
         for result in kept:
             label = f"load:{self.topology.name}:{result.number}"
             self.sweep.result.outcomes[label] = {result.prompt: result.outcome}
@@ -680,7 +710,10 @@ class LoadRun:
 
     # -- resources ---------------------------------------------------------------------------
 
-    def _sample(self, session: Session, label: str) -> ResourceSample:
+    def _sample(self, session: Session, label: str, clean_kv: bool = False) -> None:
+        """Every instance's RSS and open files and the connectors' storage, then (`clean_kv`:
+        between a soak's rounds) the KV storage cleaned; counted into the load's resource
+        history and appended to load-samples.jsonl."""
         base = session.base if isinstance(session, ProxiedSession) else session
         sample = ResourceSample(
             at_s=round(self._now(), 2),
@@ -696,8 +729,11 @@ class LoadRun:
             storage = _storage_of(session, kind)
             if storage is not None:
                 sample.storage[kind] = storage_usage(storage)
-        self.result.samples.append(sample)
-        return sample
+        kv = _storage_of(session, "kv")
+        if clean_kv and kv is not None:
+            sample.cleaned["kv"] = clean_storage(kv)
+        number = self.result.resources.add(sample)
+        append_json_lines(self._samples_file, [sample_line(number, sample)])
 
     # -- the account ---------------------------------------------------------------------------
 
@@ -705,9 +741,13 @@ class LoadRun:
         result = self.result
         if result.killed is not None:
             result.problems += self._kill_problems()
+        if result.kv.failed_unlisted:
+            result.problems.append(
+                f"KV account: {result.kv.failed_unlisted} more round(s) failed than the "
+                f"{FAILURES_KEPT_WHOLE} above, each a line of {KV_ACCOUNTS_FILE}"
+            )
         if self.spec.duration_s is not None:
-            stats = load_stats(result.tally, result.samples)
-            result.problems += bound_problems(stats, result.samples, self.bounds)
+            result.problems += bound_problems(result.resources, self.bounds)
         self._write_account()
         if self._attached is not None:
             self._attached.close()
@@ -752,13 +792,8 @@ class LoadRun:
             )
         if result.ended_by is not None:
             notes.append(f"the load ended early: {result.ended_by}")
-        if result.kv_accounts:
-            held = sum(a.ok for a in result.kv_accounts)
-            first = result.kv_accounts[0]
-            notes.append(
-                f"KV account (D's counters over each whole round): {held} of "
-                f"{len(result.kv_accounts)} round(s) held; round 1: {first.evidence}"
-            )
+        if result.kv.rounds:
+            notes.append(result.kv.describe())
         if self.spec.duration_s is not None:
             b = self.bounds
             notes.append(
@@ -774,12 +809,20 @@ class LoadRun:
     def _requests_file(self) -> Path:
         return self.sweep.settings.run_dir / REQUESTS_FILE
 
+    @property
+    def _samples_file(self) -> Path:
+        return self.sweep.settings.run_dir / SAMPLES_FILE
+
+    @property
+    def _kv_accounts_file(self) -> Path:
+        return self.sweep.settings.run_dir / KV_ACCOUNTS_FILE
+
     def _write_account(self) -> None:
-        """load.md and load.json, rewritten whole: the figures over every request judged, and
-        the requests kept whole (a soak's first round, every one that did not pass). Every
-        request's row is in load-requests.jsonl, appended as each round is judged."""
+        """load.md and load.json, rewritten whole: the figures over every request judged and
+        every sample, and what is kept whole (`LoadResult`). Every request's row, sample and
+        KV account is a line of its .jsonl file, appended as it is taken."""
         result = self.result
-        result.stats = load_stats(result.tally, result.samples)
+        result.stats = load_stats(result.tally, result.resources)
         run_dir = self.sweep.settings.run_dir
         title = (
             f"Load on {self.topology.name}: {self.spec.requests} request(s) per round, "
@@ -789,7 +832,13 @@ class LoadRun:
         write_text_atomic(
             run_dir / "load.md",
             format_load(
-                title, result.stats, rows, result.samples, self.account_notes(), result.unlisted
+                title,
+                result.stats,
+                rows,
+                result.resources,
+                self.account_notes(),
+                result.unlisted,
+                result.failed_unlisted,
             ),
         )
         write_json_atomic(run_dir / "load.json", self.account_json())
@@ -828,15 +877,24 @@ class LoadRun:
             "killed": result.killed,
             "killed_at_s": result.killed_at_s,
             "problems": result.problems,
-            "kv_accounts": [a.to_json() for a in result.kv_accounts],
+            "kv_accounts": [kv_account_line(n, a) for n, a in result.kv.kept],
+            "kv_accounts_counted": result.kv.to_json(),
             "notes": self.account_notes(),
-            # The first round's and every one that did not pass: a soak's every request here
-            # made each round's rewrite cost the soak so far. Every request judged is a line
-            # of load-requests.jsonl, and counted in the stats.
+            # The first round's and the first failures of each prompt and verdict: a soak's
+            # every request here made each round's rewrite cost the soak so far. Every request
+            # judged is a line of load-requests.jsonl, and counted in the stats.
             "requests": [r.to_json() for r in result.results],
             "requests_unlisted": result.unlisted,
+            "requests_failed_unlisted": [
+                {"prompt": prompt, "verdict": verdict, "requests": n}
+                for (prompt, verdict), n in sorted(result.failed_unlisted.items())
+            ],
             "requests_file": REQUESTS_FILE,
-            "samples": [s.to_json() for s in result.samples],
+            # Likewise the samples: those a reader needs whole; every one is a line of
+            # load-samples.jsonl, and in the stats and the bounds.
+            "samples": result.resources.listed_json(),
+            "samples_taken": result.resources.count,
+            "samples_file": SAMPLES_FILE,
         }
 
     def _now(self) -> float:

@@ -29,8 +29,8 @@ MIN_DISTINCT_MEDIA = 3  # the shared items and at least the one whose media end 
 # (about 0.1 MB with its raw body and top-5 log-probs, measured on a 300-token prompt's 32-token
 # answer; the baseline's calibration keeps one per request as well) and load.md / load.json list
 # each: 100,000 is about 20 GB, past the tens of thousands a GPU night's load sends. Longer
-# traffic is a soak: rounds of them (--duration), whose later rounds keep whole only the
-# requests that did not pass (`harness.run.load.LoadResult.keeps_whole`).
+# traffic is a soak: rounds of them (--duration), whose later rounds keep whole only the first
+# requests of each prompt and verdict that did not pass (`harness.run.load.LoadResult.add`).
 MAX_REQUESTS = 100_000
 # The most requests in flight. Unstreamed requests go out through one openai client per
 # session, whose connection pool holds 1,000 (its DEFAULT_CONNECTION_LIMITS): more would wait
