@@ -280,6 +280,7 @@ class KvAccountLog:
     failed: int = 0
     not_checkable: int = 0  # D held every prompt itself: nothing had to move
     kept: list[tuple[int, GuardResult]] = field(default_factory=list)  # (round, account)
+    kept_failed: int = 0  # of `kept`, those that failed
 
     def add(self, round_number: int, account: GuardResult) -> bool:
         """Count a round's account; whether it is kept whole."""
@@ -287,15 +288,15 @@ class KvAccountLog:
         self.held += account.ok
         self.failed += account.failed
         self.not_checkable += not account.checkable
-        kept_failures = sum(a.failed for _, a in self.kept)
-        keep = not self.kept or (account.failed and kept_failures < FAILURES_KEPT_WHOLE)
+        keep = not self.kept or (account.failed and self.kept_failed < FAILURES_KEPT_WHOLE)
         if keep:
             self.kept.append((round_number, account))
+            self.kept_failed += account.failed
         return keep
 
     @property
     def failed_unlisted(self) -> int:
-        return self.failed - sum(a.failed for _, a in self.kept)
+        return self.failed - self.kept_failed
 
     def describe(self) -> str:
         first_round, first = self.kept[0]

@@ -136,8 +136,8 @@ class ResourceHistory:
         self._trend_limit = trend_samples
         self._stride = 1  # the trend keeps every sample whose number is a multiple of it
         self._trend: dict[int, ResourceSample] = {}
-        self._marked: dict[int, ResourceSample] = {}  # by number: what a reader needs whole
-        self._why: dict[int, list[str]] = {}
+        # By number: what a reader needs whole, and why each is kept.
+        self._marked: dict[int, tuple[ResourceSample, list[str]]] = {}
         self._last: ResourceSample | None = None
         self._labels: list[str] = []  # the first four's
         self._instances: dict[str, _InstanceTrack] = {}  # in order of first appearance
@@ -202,15 +202,13 @@ class ResourceHistory:
 
     def _mark(self, number: int, sample: ResourceSample, why: str) -> None:
         """Keep `sample` whole for the reason `why`."""
-        self._marked[number] = sample
-        self._why.setdefault(number, []).append(why)
+        self._marked.setdefault(number, (sample, []))[1].append(why)
 
     def _unmark(self, number: int, why: str) -> None:
-        reasons = self._why.get(number, [])
+        _, reasons = self._marked.get(number, (None, []))
         if why in reasons:
             reasons.remove(why)
         if not reasons:
-            self._why.pop(number, None)
             self._marked.pop(number, None)
 
     def _keep_for_trend(self, number: int, sample: ResourceSample) -> None:
@@ -252,8 +250,8 @@ class ResourceHistory:
 
     def listed(self) -> list[tuple[int, list[str], ResourceSample]]:
         """The samples kept whole, in order: (number, why each is kept, the sample)."""
-        kept: dict[int, list[str]] = {n: list(why) for n, why in self._why.items()}
-        samples = dict(self._marked)
+        kept: dict[int, list[str]] = {n: list(why) for n, (_, why) in self._marked.items()}
+        samples = {n: sample for n, (sample, _) in self._marked.items()}
         for number, sample in self._trend.items():
             kept.setdefault(number, []).append("trend")
             samples[number] = sample
