@@ -143,6 +143,37 @@ def test_stages_the_harness_cannot_match_are_problems_not_silence() -> None:
     ]
 
 
+def test_a_proxy_upstream_launches_from_elsewhere_is_named_not_dropped() -> None:
+    """A proxy line the harness does not know (a module run with -m, a moved file) is the
+    finding itself: the report names what upstream launches and what the harness launches,
+    never just "only the harness launches it" as if upstream had dropped its proxy."""
+    proxy = (
+        '    python "${GIT_ROOT}/examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py"'
+    )
+    assert proxy in SMALL
+    line = next(i for i, text in enumerate(SMALL.splitlines(), 1) if text.startswith(proxy))
+    ours = "examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py"
+    as_module = SMALL.replace(proxy, "    python -m vllm.distributed.ec_transfer.proxy.epd_proxy")
+    assert compare(as_module, NEWEST, CUDA).report() == [
+        f"1E+1PD/epd-proxy: upstream launches 'python -m vllm.distributed.ec_transfer.proxy."
+        f"epd_proxy' (line {line}), a proxy the harness does not know; the harness launches "
+        f"{ours}"
+    ]
+    moved = SMALL.replace("examples/disaggregated/", "examples/online_serving/")
+    assert compare(moved, NEWEST, CUDA).report() == [
+        "1E+1PD/epd-proxy: upstream launches 'python <vllm-source>/examples/online_serving/"
+        f"disaggregated_encoder/disagg_epd_proxy.py' (line {line}), a proxy the harness does "
+        f"not know; the harness launches {ours}"
+    ]
+    # The correctness client is a python line too, and no proxy: it takes no --port.
+    client = SMALL.replace(
+        "serve_baseline\n",
+        'serve_baseline\npython "${GIT_ROOT}/tests/v1/ec_connector/integration/'
+        'test_epd_correctness.py" --service_url http://localhost:10001\n',
+    )
+    assert compare(client, NEWEST, CUDA).report() == []
+
+
 def test_a_line_it_cannot_expand_is_an_error_never_a_guess() -> None:
     script = SMALL.replace("--port 19537", '--port "$(free_port)"')
     with pytest.raises(ScriptError, match=r"line 16: cannot expand --port"):

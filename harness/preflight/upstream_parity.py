@@ -15,6 +15,7 @@ per instance, upstream's layout. Every item that differs must be a deliberate di
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,9 @@ SOURCE_ROOT = "<vllm-source>"  # GIT_ROOT, as the script is read
 SERVED_PYTHON = "<served vLLM's python>"
 PROXY_ROLES = {EPD_PROXY_FILE: "epd-proxy", TOY_PROXY_FILE: "toy-proxy"}
 ABSENT = None  # an item a launch does not have; a flag without a value has ""
+PYTHON = re.compile(r"python[0-9.]*")
+# The role of a proxy line whose program the harness does not know (`_unknown_proxy`).
+UNKNOWN_PROXY = "unknown-proxy"
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,11 @@ def upstream_launches(script_text: str, platform: PlatformProfile) -> dict[str, 
     }
     by_stage: dict[str, list[Command]] = {}
     for command in read_commands(script_text, pinned):
-        if _is_vllm_serve(command.argv) or _proxy_file(command.argv):
+        if (
+            _is_vllm_serve(command.argv)
+            or _proxy_file(command.argv)
+            or _unknown_proxy(command.argv)
+        ):
             by_stage.setdefault(command.stage or "(top level)", []).append(command)
     launches: dict[str, list[Launch]] = {}
     for stage, commands in by_stage.items():
@@ -122,6 +130,12 @@ def upstream_launches(script_text: str, platform: PlatformProfile) -> dict[str, 
             if _is_vllm_serve(command.argv):
                 items = serve_items(command.argv, command.env)
                 role = _role_of(items).value
+            elif _unknown_proxy(command.argv):
+                # Compared with no item: the program is the finding (`compare`).
+                program = _unknown_proxy(command.argv) or ""
+                where = f"line {command.line}"
+                found.append(Launch(f"{name}/{UNKNOWN_PROXY}", {"program": program}, where))
+                continue
             else:
                 items = proxy_items(command.argv)
                 role = PROXY_ROLES[_proxy_file(command.argv)]
@@ -143,6 +157,20 @@ def _proxy_file(argv: Sequence[str]) -> str | None:
             if word.endswith(name):
                 return name
     return None
+
+
+def _unknown_proxy(argv: Sequence[str]) -> str | None:
+    """A proxy line whose program is none the harness knows, as it reads ("python -m
+    vllm.x.epd_proxy", "python <vllm-source>/examples/moved/disagg_epd_proxy.py"), else None.
+    A proxy is a Python program given --port (the correctness client takes --service_url); one
+    upstream moved or turned into a module would otherwise be dropped from the comparison,
+    and parity would say only that the harness launches a proxy."""
+    if not argv or not PYTHON.fullmatch(Path(argv[0]).name) or _proxy_file(argv):
+        return None
+    if not any(word == "--port" or word.startswith("--port=") for word in argv[1:]):
+        return None
+    program = argv[1:3] if len(argv) > 2 and argv[1] == "-m" else argv[1:2]
+    return " ".join(["python", *program])
 
 
 def _role_of(items: dict[str, str]) -> Role:
@@ -296,6 +324,25 @@ def compare(
             launch.instance: launch
             for launch in harness_launches(TOPOLOGIES[name], generation, platform)
         }
+        unknown = [launch for launch in launches if launch.instance.endswith(UNKNOWN_PROXY)]
+        launches = [launch for launch in launches if launch not in unknown]
+        for launch in unknown:
+            # Upstream's proxy is there, under a program the harness does not launch: say
+            # which, against the harness's own, instead of "only the harness launches it".
+            mine = next(
+                (
+                    ours.pop(instance)
+                    for instance in sorted(ours)
+                    if instance.rsplit("/", 1)[1] in PROXY_ROLES.values()
+                ),
+                None,
+            )
+            instance = mine.instance if mine else launch.instance
+            ours_there = f"launches {mine.items['program']}" if mine else "launches no proxy there"
+            parity.problems.append(
+                f"{instance}: upstream launches {launch.items['program']!r} ({launch.where}), "
+                f"a proxy the harness does not know; the harness {ours_there}"
+            )
         theirs: dict[str, Launch] = {}
         for launch in launches:
             if launch.instance in theirs:
