@@ -34,6 +34,41 @@ def test_a_checkout_must_hold_both_files(tmp_path: Path) -> None:
     assert upstream_proxy.from_checkout(str(tmp_path)).directory == tmp_path.resolve()
 
 
+def test_a_vllm_tree_whose_proxy_moved_says_where_it_went(tmp_path: Path) -> None:
+    """A vLLM tree (its correctness script there) without the proxy where the harness looks
+    is no "not a vLLM checkout": the refusal names what the tree has instead, its files of the
+    proxy's name and what its own correctness script launches, so a night on a main that moved
+    the proxy says what moved. The trees are stand-ins written here."""
+    moved = tmp_path / "moved"
+    old_home = "examples/online_serving/disaggregated_encoder/disagg_epd_proxy.py"
+    script = (
+        "#!/bin/bash\n"
+        "run_epd_1e_1pd() {\n"
+        "    vllm serve m --port 1 &\n"
+        "    python -m vllm.distributed.ec_transfer.proxy.epd_proxy --port 2 &\n"
+        "}\n"
+        "run_epd_1e_1pd\n"
+    )
+    for name, text in (
+        (old_home, "#"),
+        (TOY_PROXY_FILE, "#"),
+        (UPSTREAM_SCRIPT_FILE, script),
+        ("vllm/distributed/ec_transfer/proxy/epd_proxy.py", "#"),
+    ):
+        (moved / name).parent.mkdir(parents=True, exist_ok=True)
+        (moved / name).write_text(text)
+    with pytest.raises(BadInput) as refused:
+        upstream_proxy.from_checkout(str(moved))
+    message = str(refused.value)
+    assert "not a vLLM checkout" not in message, message
+    assert f"has no {EPD_PROXY_FILE}" in message, message
+    assert f"This tree has a disagg_epd_proxy.py at {old_home}." in message, message
+    assert (
+        f"Its {UPSTREAM_SCRIPT_FILE} launches 'python -m "
+        "vllm.distributed.ec_transfer.proxy.epd_proxy' (line 4)."
+    ) in message, message
+
+
 def vllm_tree(path: Path, commit: bool) -> str | None:
     """A stand-in vLLM source tree (the proxy files only); a git checkout with one commit."""
     for name in (EPD_PROXY_FILE, TOY_PROXY_FILE, UPSTREAM_SCRIPT_FILE):

@@ -147,6 +147,20 @@ def upstream_launches(script_text: str, platform: PlatformProfile) -> dict[str, 
     return launches
 
 
+def proxy_programs(script_text: str) -> list[tuple[int, str]]:
+    """(line, program) of every proxy line of a script, known to the harness or not, as
+    `_unknown_proxy` shows them: what a tree's script launches, for a refusal to name."""
+    pinned = {"DEVICE_PLATFORM": CUDA.name, "GIT_ROOT": SOURCE_ROOT}
+    pinned["DEVICE_AFFINITY_ENV"] = CUDA.device_env_var or ""
+    found = []
+    for command in read_commands(script_text, pinned):
+        known = _proxy_file(command.argv)
+        program = f"python {SOURCE_ROOT}/{known}" if known else _unknown_proxy(command.argv)
+        if program:
+            found.append((command.line, program))
+    return found
+
+
 def _is_vllm_serve(argv: Sequence[str]) -> bool:
     return len(argv) >= 2 and Path(argv[0]).name == "vllm" and argv[1] == "serve"
 

@@ -165,7 +165,7 @@ def from_checkout(source: str, served: ServedVllm | None = None) -> ProxyFiles:
     directory = Path(source).expanduser().resolve()
     missing = [name for name in PROXY_FILES if not (directory / name).is_file()]
     if missing:
-        raise BadInput(f"--vllm-source {directory} is not a vLLM checkout: no {missing[0]}")
+        raise BadInput(missing_proxy(directory, missing[0]))
     commit = git_commit(directory)
     built_from = build_commit(served.version) if served is not None else None
     if built_from is None:
@@ -187,6 +187,44 @@ def from_checkout(source: str, served: ServedVllm | None = None) -> ProxyFiles:
         )
     log.info("epd-harness: vLLM files from %s at %s: %s", directory, commit or "?", check)
     return ProxyFiles(directory, f"checkout {directory}", commit, check)
+
+
+def missing_proxy(directory: Path, missing: str) -> str:
+    """Why a --vllm-source without `missing` (a proxy file) is refused. A directory with no
+    vLLM tree's marks is "not a vLLM checkout"; a vLLM tree whose proxy is elsewhere (moved, or
+    turned into a module, as vLLM's main may do between releases) is told what it has instead:
+    its files of the proxy's name and what its own correctness script launches."""
+    script = directory / UPSTREAM_SCRIPT_FILE
+    if not script.is_file() and not (directory / "vllm").is_dir():
+        return f"--vllm-source {directory} is not a vLLM checkout: no {missing}"
+    name = Path(missing).name
+    same_name = sorted(
+        str(path.relative_to(directory))
+        for path in directory.rglob(name)
+        if path.is_file() and ".git" not in path.relative_to(directory).parts
+    )
+    told = [f"--vllm-source {directory} has no {missing}, the proxy the harness launches."]
+    if same_name:
+        told.append(f"This tree has a {name} at {', '.join(same_name[:3])}.")
+    if script.is_file():
+        from harness.preflight.shell_script import ScriptError
+        from harness.preflight.upstream_parity import proxy_programs
+
+        try:
+            launched = proxy_programs(script.read_text(encoding="utf-8", errors="replace"))
+        except ScriptError as exc:
+            told.append(f"Its {UPSTREAM_SCRIPT_FILE} could not be read: {exc}.")
+        else:
+            lines: dict[str, list[str]] = {}
+            for line, program in launched:
+                lines.setdefault(program, []).append(str(line))
+            shown = ", ".join(
+                f"{program!r} (line{'s' if len(at) > 1 else ''} {', '.join(at)})"
+                for program, at in lines.items()
+            )
+            told.append(f"Its {UPSTREAM_SCRIPT_FILE} launches {shown or 'no proxy'}.")
+    told.append("The harness does not know this tree's layout: see docs/upstream-parity.md")
+    return " ".join(told)
 
 
 def git_commit(directory: Path) -> str | None:
