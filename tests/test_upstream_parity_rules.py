@@ -165,6 +165,11 @@ def test_a_proxy_upstream_launches_from_elsewhere_is_named_not_dropped() -> None
         f"disaggregated_encoder/disagg_epd_proxy.py' (line {line}), a proxy the harness does "
         f"not know; the harness launches {ours}"
     ]
+    as_subcommand = SMALL.replace(proxy, "    vllm disagg-proxy")
+    assert compare(as_subcommand, NEWEST, CUDA).report() == [
+        f"1E+1PD/epd-proxy: upstream launches 'vllm disagg-proxy' (line {line}), a proxy the "
+        f"harness does not know; the harness launches {ours}"
+    ]
     # The correctness client is a python line too, and no proxy: it takes no --port.
     client = SMALL.replace(
         "serve_baseline\n",

@@ -175,13 +175,18 @@ def _proxy_file(argv: Sequence[str]) -> str | None:
 
 def _unknown_proxy(argv: Sequence[str]) -> str | None:
     """A proxy line whose program is none the harness knows, as it reads ("python -m
-    vllm.x.epd_proxy", "python <vllm-source>/examples/moved/disagg_epd_proxy.py"), else None.
+    vllm.x.epd_proxy", "python <vllm-source>/examples/moved/disagg_epd_proxy.py", "vllm
+    disagg-proxy"), else None.
     A proxy is a Python program given --port (the correctness client takes --service_url); one
     upstream moved or turned into a module would otherwise be dropped from the comparison,
     and parity would say only that the harness launches a proxy."""
-    if not argv or not PYTHON.fullmatch(Path(argv[0]).name) or _proxy_file(argv):
+    if not argv or _proxy_file(argv) or _is_vllm_serve(argv):
         return None
     if not any(word == "--port" or word.startswith("--port=") for word in argv[1:]):
+        return None
+    if Path(argv[0]).name == "vllm" and len(argv) > 1:  # a vLLM subcommand: `vllm X-proxy`
+        return f"vllm {argv[1]}"
+    if not PYTHON.fullmatch(Path(argv[0]).name):
         return None
     program = argv[1:3] if len(argv) > 2 and argv[1] == "-m" else argv[1:2]
     return " ".join(["python", *program])
