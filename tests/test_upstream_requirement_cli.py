@@ -73,3 +73,18 @@ def test_a_release_declaring_no_nixl_fails_in_one_line_and_prints_nothing(tmp_pa
     assert done.returncode == 2 and done.stdout == ""
     (line,) = done.stderr.splitlines()
     assert "vLLM 9.9.0" in line and "kv_connectors.txt (for CUDA 13) declares no nixl" in line
+
+
+def test_a_source_tree_whose_epd_proxy_moved_still_declares_its_nixl(tmp_path: Path) -> None:
+    """The requirement is read from the tree's requirements/ only: a tree without the EPD proxy
+    where the harness looks (a main that moved it) still gets its NIXL installed, so a night is
+    not stopped at the install, before upstream parity can name what moved."""
+    from harness.serve.vllm_proxy import EPD_PROXY_FILE
+
+    tree = write_tree(tmp_path / "vllm-src", {KV_CONNECTORS_FILE: "nixl == 9.9.7\n"})
+    (tree / EPD_PROXY_FILE).unlink()
+    vllm = install_fake_vllm(tmp_path / "bin", serves=False, vllm_version="9.10.0.dev3+gabc1234")
+    done = upstream_requirement(
+        tmp_path / "cache", vllm, "--cuda-major", "12", "--vllm-source", str(tree)
+    )
+    assert (done.returncode, done.stdout) == (0, "nixl==9.9.7\n"), done.stderr

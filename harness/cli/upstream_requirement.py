@@ -26,7 +26,10 @@ def command_upstream_requirement(args: argparse.Namespace) -> int:
         if isinstance(handler, logging.StreamHandler):
             handler.setStream(sys.stderr)  # stdout is the requirements, for the workflow
     served = probe_served_vllm(args.vllm or default_vllm_executable())
-    files = upstream_files(served, args.vllm_source, cache_dir(), interpreter_of(served.executable))
+    # Only requirements/ is read: a tree whose EPD proxy moved still declares its NIXL.
+    files = upstream_files(
+        served, args.vllm_source, cache_dir(), interpreter_of(served.executable), required=()
+    )
     where = f"vLLM {served.version} ({files.origin})"
     found = declared_requirement(files.directory, args.package, args.cuda_major, where)
     for requirement in found.requirements:

@@ -113,11 +113,14 @@ def upstream_files(
     source: str | None,
     cache: Path,
     interpreter: list[str] | None = None,
+    required: tuple[str, ...] = PROXY_FILES,
 ) -> ProxyFiles:
     """The served vLLM's own EPD files: from `source` (its tree) when given, which a
-    development build requires, else from its release's sdist (cached)."""
+    development build requires, else from its release's sdist (cached). `required`: the files
+    a source tree must have for the caller (a caller reading only requirements/ or the script
+    needs no proxy; a sdist always has them all)."""
     if source:
-        return from_checkout(source, served)
+        return from_checkout(source, served, required)
     if not served.known:
         raise BadInput(
             "vLLM's own EPD files need the served vLLM's version to fetch its sdist; "
@@ -159,11 +162,16 @@ def release_version(version: str) -> str:
     return release
 
 
-def from_checkout(source: str, served: ServedVllm | None = None) -> ProxyFiles:
+def from_checkout(
+    source: str, served: ServedVllm | None = None, required: tuple[str, ...] = PROXY_FILES
+) -> ProxyFiles:
     """The files of a vLLM source tree, its git commit, and that commit checked against the
-    served build's `+g<sha>` (a mismatch is refused: that tree's proxy is another version's)."""
+    served build's `+g<sha>` (a mismatch is refused: that tree's proxy is another version's).
+    The tree must have `required` (the proxies, unless the caller reads none of them)."""
     directory = Path(source).expanduser().resolve()
-    missing = [name for name in PROXY_FILES if not (directory / name).is_file()]
+    if not directory.is_dir():
+        raise BadInput(f"--vllm-source {directory} is not a vLLM checkout: no such directory")
+    missing = [name for name in required if not (directory / name).is_file()]
     if missing:
         raise BadInput(missing_proxy(directory, missing[0]))
     commit = git_commit(directory)
