@@ -96,8 +96,13 @@ def test_the_served_vllms_own_script_differs_only_deliberately(pytestconfig) -> 
     from harness.spec.platforms import get_platform
 
     served = probe_served_vllm(pytestconfig.getoption("--epd-vllm") or default_vllm_executable())
+    # Only the script is read: a tree whose proxy moved is compared (parity names the move),
+    # not refused for a file parity does not read.
     files = upstream_proxy.upstream_files(
-        served, pytestconfig.getoption("--epd-vllm-source"), cache_dir()
+        served,
+        pytestconfig.getoption("--epd-vllm-source"),
+        cache_dir(),
+        required=(upstream_proxy.UPSTREAM_SCRIPT_FILE,),
     )
     assert files.script is not None, f"{files.origin} has no {upstream_proxy.UPSTREAM_SCRIPT_FILE}"
     platform = get_platform(pytestconfig.getoption("--epd-platform"))

@@ -69,6 +69,17 @@ def test_a_vllm_tree_whose_proxy_moved_says_where_it_went(tmp_path: Path) -> Non
     ) in message, message
 
 
+def test_a_caller_reading_only_the_script_needs_no_proxy_in_the_tree(tmp_path: Path) -> None:
+    """Upstream parity reads the tree's correctness script only: a tree whose proxy moved is
+    still compared (and parity names what it launches instead), not refused."""
+    (tmp_path / UPSTREAM_SCRIPT_FILE).parent.mkdir(parents=True)
+    (tmp_path / UPSTREAM_SCRIPT_FILE).write_text("#!/bin/bash\n")
+    files = upstream_proxy.from_checkout(str(tmp_path), required=(UPSTREAM_SCRIPT_FILE,))
+    assert files.script == tmp_path.resolve() / UPSTREAM_SCRIPT_FILE
+    with pytest.raises(BadInput, match=f"has no {EPD_PROXY_FILE}"):
+        upstream_proxy.from_checkout(str(tmp_path))
+
+
 def vllm_tree(path: Path, commit: bool) -> str | None:
     """A stand-in vLLM source tree (the proxy files only); a git checkout with one commit."""
     for name in (EPD_PROXY_FILE, TOY_PROXY_FILE, UPSTREAM_SCRIPT_FILE):
