@@ -111,3 +111,79 @@ def test_the_served_vllms_own_script_differs_only_deliberately(pytestconfig) -> 
     parity = compare(files.script.read_text(encoding="utf-8"), generation, platform)
     where = f"vLLM {served.version}, {files.origin} ({files.commit_check or 'a release sdist'})"
     assert parity.report() == [], f"{where}:\n" + "\n".join(parity.report())
+
+
+def in_package_proxy_form(script: str) -> str:
+    """0.32.0's script rewritten into the form of a later version stored from vLLM's history
+    (vllm-project/vllm 06721c99): the EPD proxy is the module
+    vllm.distributed.ec_transfer.proxy.epd_proxy, started first with no URLs, and every EC
+    instance (and D) is given ec_connector_extra_config.proxy_url to register itself."""
+    proxy_file = "examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py"
+    lines = script.splitlines(keepends=True)
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        if proxy_file in lines[i] and lines[i].lstrip().startswith("python"):
+            while lines[i].rstrip().endswith("\\"):  # the proxy line, dropped
+                i += 1
+            i += 1
+            continue
+        out.append(lines[i])
+        i += 1
+    text = "".join(out)
+    start = (
+        '    python -m vllm.distributed.ec_transfer.proxy.epd_proxy --host "0.0.0.0" '
+        '--port "$PROXY_PORT" &\n'
+    )
+    for stage in ("run_epd_1e_1pd() {", "run_epd_1e_1p_1d() {"):
+        head, sep, tail = text.partition(stage)
+        tail = tail.replace("    # Start encoder instance\n", start, 1)
+        text = head + sep + tail
+    stored = '"shared_storage_path": "\'"$EC_SHARED_STORAGE_PATH"\'"\n'
+    registering = (
+        '"shared_storage_path": "\'"$EC_SHARED_STORAGE_PATH"\'",\n'
+        '                "proxy_url": "http://localhost:\'"$PROXY_PORT"\'"\n'
+    )
+    head, sep, tail = text.partition("run_epd_1e_1pd() {")
+    text = head + sep + tail.replace(stored, registering)
+    decode = '"kv_role": "kv_consumer"\n        }\' \\\n        > "$LOG_PATH"/1e1p1d_decode.log'
+    assert decode in text, "0.32.0's 1E+1P+1D decode line moved: rewrite this fixture"
+    return text.replace(
+        decode,
+        decode.replace(
+            "}' \\\n",
+            "}' \\\n        --ec-transfer-config '{\"ec_connector_extra_config\": "
+            '{"proxy_url": "http://localhost:\'"$PROXY_PORT"\'"}}\' \\\n',
+            1,
+        ),
+    )
+
+
+def test_an_in_package_proxy_in_the_0_32_0_script_is_named_with_its_registration() -> None:
+    """The form a later vLLM's script takes in a stored branch (built here from 0.32.0's
+    script, never copied): parity names the two proxies it does not launch, and the five
+    proxy_url keys, and nothing else."""
+    red = in_package_proxy_form(release_script("0.32.0"))
+    lines = red.splitlines()
+    module = "vllm.distributed.ec_transfer.proxy.epd_proxy"
+    starts = [i + 1 for i, text in enumerate(lines) if module in text]
+    assert len(starts) == 2, "the module is started in the two EPD stages"
+    ours = "examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py"
+    report = parity_of("0.32.0", red, CUDA).report()
+    assert report[:2] == [
+        f"{name}/epd-proxy: upstream launches 'python -m {module}' (line {line}), a proxy the "
+        f"harness does not know; the harness launches {ours}"
+        for name, line in zip(("1E+1PD", "1E+1P+1D"), starts)
+    ]
+    keyed = sorted(line.split(":", 1)[0] for line in report[2:])
+    assert keyed == [
+        "1E+1P+1D/decode",
+        "1E+1P+1D/encoder",
+        "1E+1P+1D/prefill",
+        "1E+1PD/encoder",
+        "1E+1PD/pd",
+    ]
+    assert all(
+        "ec_connector_extra_config.proxy_url is 'http://localhost:10001'" in line
+        for line in report[2:]
+    ), report
