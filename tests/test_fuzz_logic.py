@@ -505,6 +505,38 @@ def test_shrinking_reaches_one_image_and_short_text_in_few_restarts() -> None:
     assert minimal.name.startswith("ex-0042-s")
 
 
+class DivergingOracle:
+    """A MISMATCH whose first differing token moves as the request shrinks: at position 2
+    with an image over 56x56, at 4 with a smaller one; it reproduces only when the request
+    generates past it. Each trial reports where its answers diverged, as the engine's does."""
+
+    def restart_pending(self) -> bool:
+        return False
+
+    @staticmethod
+    def divergence(spec: PromptSpec) -> int | None:
+        images = [p for p in spec.parts if isinstance(p, ImagePart)]
+        if not images:
+            return None
+        return 2 if images[0].size[0] * images[0].size[1] > 56 * 56 else 4
+
+    def attempt(self, spec: PromptSpec) -> Trial:
+        at = self.divergence(spec)
+        reproduced = at is not None and spec.max_tokens > at
+        return Trial(spec, reproduced, "x", 0.1, divergence=at if reproduced else None)
+
+
+def test_fewer_tokens_follow_where_the_shrunk_request_diverges() -> None:
+    """Seen on real vLLM (seed 1, 1E+1PD): a video MISMATCH found at position 2 of 16 tokens
+    shrank to one that diverged at 4 and stopped at max_tokens 8, since only 1, half and the
+    first example's divergence + 1 (3) were tried; 5 was the minimum."""
+    start = image_prompt((448, 448), text=" a b c", name="ex-0008")
+    start = PromptSpec(start.name, start.parts, max_tokens=16)
+    result = shrink(start, DivergingOracle(), ShrinkBudget(max_trials=100), divergence=2)
+    assert result.stopped_by == "local minimum"
+    assert result.minimal.max_tokens == 5, result.minimal
+
+
 def test_the_restart_budget_stops_a_crash_shrink_and_says_so() -> None:
     start = image_prompt((448, 448), (224, 224), (112, 112), text=" a b c")
     oracle = FakeOracle(lambda spec: True)

@@ -681,14 +681,18 @@ class SendingOracle:
             and evaluation.signature.key == self.target.key
             and (recognition.rule if recognition else None) == self.rule
         )
+        divergence = None
         if reproduced:
             self.last_reproduced = evaluation
+            record = evaluation.record
+            divergence = (record.divergence or {}).get("index") if record else None
         return Trial(
             spec,
             reproduced,
             evaluation.summary(),
             evaluation.seconds,
             restarted=evaluation.restart_seconds > 0,
+            divergence=divergence,
         )
 
 
