@@ -930,3 +930,90 @@ def test_a_fuzz_run_that_judged_nothing_fails(tmp_path: Path, monkeypatch, how: 
     last = capsys.readouterr().out.strip().splitlines()[-1]
     status = "not-sent" if how == "budget" else "baseline-rejected"
     assert last == f"epd-harness fuzz: no example was judged (3 {status}): the run tested nothing"
+
+
+class SwapsLikeTheProxy(KeepsBodies):
+    """The topology under test, whose proxy runs the planted fault's after_encode hook with
+    one mm_hash per distinct image of the request, as the harness's proxy does."""
+
+    def __init__(self, faults) -> None:
+        super().__init__()
+        self.faults = faults
+
+    def send(self, name: str, body: dict) -> Outcome:
+        images = {
+            item["image_url"]["url"]
+            for message in body["messages"]
+            for item in message["content"]
+            if isinstance(item, dict) and item.get("type") == "image_url"
+        }
+        if images and self.faults.after_encode is not None:
+            self.faults.after_encode(name, {f"hash{n}": {} for n in range(len(images))})
+        return super().send(name, body)
+
+
+def swap_like_fault():
+    """ec-swap-items' bookkeeping without its files: acts on two or more items."""
+    from harness.run.faults import PlantedFault
+
+    fault = PlantedFault()
+
+    def after_encode(request_id: str, params: dict) -> None:
+        if len(params) < 2:
+            fault.problems.append(
+                f"{request_id}: {len(params)} distinct media item(s); swapping needs two or more"
+            )
+            return
+        fault.effects.append(f"rotated the EC files of {', '.join(params)} by one")
+
+    fault.after_encode = after_encode
+    return fault
+
+
+def test_a_planted_fuzz_says_how_many_examples_the_fault_acted_on(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Seen on real vLLM: `fuzz --topology 1E+1PD --examples 12 --seed 0 --plant-fault
+    ec-swap-items` exited 0 with "0 new failure(s)" and no word of the fault, which had acted
+    on none of the 12 examples (no request had two items of one shape): a self-test that
+    tested nothing read as one the harness failed. Each example now records whether the
+    fault acted, and the report counts it, with the fault's own reasons for the rest."""
+    import harness.run.fuzz.engine as engine_module
+    from harness.run.fuzz.bundle import fault_effect_line
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.strategies import FuzzExample
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    settings = RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "model")),
+        run_dir=tmp_path,
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+    )
+    monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"], fault="ec-swap-items")
+    engine.planted = fault = swap_like_fault()
+    engine.baseline = KeepsBodies()  # type: ignore[assignment]
+    engine.session = SwapsLikeTheProxy(fault)  # type: ignore[assignment]
+    engine.topology_dead = lambda: None  # type: ignore[method-assign]
+    text_only = PromptSpec("ex-0002", (TextPart(" hello there"),))
+    examples = [
+        FuzzExample(image_prompt((56, 56), name="ex-0000")),
+        FuzzExample(image_prompt((56, 56), (56, 56), name="ex-0001")),
+        FuzzExample(text_only),
+        FuzzExample(image_prompt((28, 28), name="ex-0003")),
+    ]
+    report = engine.run(examples)
+    assert [e.fault for e in report.evaluations] == [
+        "not acted: N distinct media item(s); swapping needs two or more",
+        "acted",
+        "not acted: its hook never ran (no encoder or prefill step)",
+        "not acted: N distinct media item(s); swapping needs two or more",
+    ]
+    line = fault_effect_line("ec-swap-items", report)
+    assert line.startswith("planted fault ec-swap-items acted on 1 of the 4 example(s) sent")
+    assert "2: N distinct media item(s); swapping needs two or more" in line
+    assert "tested nothing" not in line
+
+    report.evaluations = [e for e in report.evaluations if e.fault != "acted"]
+    assert "acted on 0 of the 3" in fault_effect_line("ec-swap-items", report)
+    assert "the self-test tested nothing" in fault_effect_line("ec-swap-items", report)

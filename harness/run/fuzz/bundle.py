@@ -159,6 +159,7 @@ def evaluation_json(evaluation: Evaluation) -> dict[str, Any]:
         else None,
         "layout": evaluation.layout.to_json() if evaluation.layout else None,
         "note": evaluation.note,
+        "fault": evaluation.fault,
         "seconds": round(evaluation.seconds, 3),
         "restart_seconds": round(evaluation.restart_seconds, 1),
     }
@@ -251,7 +252,27 @@ def fuzz_summary(
         "new_failures": len(report.new_groups),
         "known_failures": len(report.groups) - len(report.new_groups),
         "failure_bundles": [str(d) for d in group_dirs],
+        "fault_effect": report.fault_effect() if meta.get("fault") else None,
     }
+
+
+def fault_effect_line(fault: str, report: FuzzReport) -> str:
+    """One line: how many examples the planted fault acted on, and why not on the others. A
+    fault acts on some shapes only (ec-swap-items on items of one shape), so a self-test that
+    found nothing says whether the fault ever acted."""
+    effect = report.fault_effect()
+    sent = effect["acted"] + effect["not_acted"]
+    line = f"planted fault {fault} acted on {effect['acted']} of the {sent} example(s) sent"
+    if effect["reasons"]:
+        reasons = sorted(effect["reasons"].items(), key=lambda item: -item[1])
+        line += "; not on " + "; ".join(f"{n}: {reason}" for reason, n in reasons)
+    if sent and not effect["acted"]:
+        line += " (the self-test tested nothing: no example had a shape the fault acts on)"
+    return line
+
+
+def render_fault_effect(fault: str, report: FuzzReport) -> list[str]:
+    return ["## Planted fault", "", fault_effect_line(fault, report), ""]
 
 
 def render_fuzz_md(
@@ -278,6 +299,8 @@ def render_fuzz_md(
         f"examples by outcome: {json.dumps(report.counts(), sort_keys=True)}"
     )
     lines.append("")
+    if meta.get("fault"):
+        lines += render_fault_effect(meta["fault"], report)
     for number, (group, directory) in enumerate(zip(report.groups, group_dirs), 1):
         lines += render_group(number, group, directory, run_dir)
     lines += [

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -37,7 +38,7 @@ from harness.judge.records import CaseRecord
 from harness.judge.verdicts import Reference, baseline_stability
 from harness.outcomes.outcome import Outcome
 from harness.run.baseline import BaselineAnswers
-from harness.run.faults import fault_for, plant
+from harness.run.faults import PlantedFault, fault_for, plant
 from harness.run.fuzz.consumer import ConsumerState, media_identities
 from harness.run.fuzz.known import KnownRule, Recognition, recognise, rules_for
 from harness.run.fuzz.layout import PlaceholderIds, PromptLayout, layout_from_ids
@@ -63,6 +64,8 @@ if TYPE_CHECKING:  # the strategies need Hypothesis, which the engine itself doe
     from harness.run.fuzz.strategies import FuzzExample
 
 BASELINE = TOPOLOGIES["baseline"]
+FAULT_ACTED = "acted"
+FAULT_NOT_ACTED = "not acted"
 log = logging.getLogger(__name__)
 
 
@@ -120,6 +123,10 @@ class Evaluation:
     note: str = ""
     seconds: float = 0.0
     restart_seconds: float = 0.0
+    # With --plant-fault: "acted", or "not acted: <why>" (the fault's own words), or None (no
+    # fault, or one that records nothing). A planted fault acts on some shapes only, and a
+    # self-test that found nothing must say whether the fault ever acted at all.
+    fault: str | None = None
 
     @property
     def failed(self) -> bool:
@@ -175,6 +182,21 @@ class FuzzReport:
     @property
     def new_groups(self) -> list[FailureGroup]:
         return [g for g in self.groups if not g.known]
+
+    def fault_effect(self) -> dict[str, Any]:
+        """What a planted fault did to the examples sent to the topology: how many it acted
+        on, and how many it did not, by its reason (numbers blanked, so one reason counts
+        once whatever the item counts). Shrink trials are not counted."""
+        acted, reasons = 0, {}
+        for evaluation in self.evaluations:
+            if evaluation.fault is None:
+                continue
+            if evaluation.fault == FAULT_ACTED:
+                acted += 1
+                continue
+            reason = evaluation.fault.removeprefix(f"{FAULT_NOT_ACTED}: ")
+            reasons[reason] = reasons.get(reason, 0) + 1
+        return {"acted": acted, "not_acted": sum(reasons.values()), "reasons": reasons}
 
     def timing(self) -> dict[str, Any]:
         sent = [e.seconds - e.restart_seconds for e in self.evaluations if e.status == "judged"]
@@ -235,6 +257,7 @@ class FuzzEngine:
         self.placeholders = PlaceholderIds.from_model_dir(Path(settings.serving.model))
         self.consumer = ConsumerState(settings.serving.block_size)
         self.baseline: TopologySession | ProxiedSession | None = None
+        self.planted: PlantedFault | None = None  # the fault in the topology's proxy now
         self.session: TopologySession | ProxiedSession | AttachedSession | None = None
         self.report_restarts: list[dict[str, Any]] = []
         self._confirmed: dict[str, int] = {}
@@ -296,6 +319,7 @@ class FuzzEngine:
                 session.settings.serving.kv_connector,
             )
             plant(session.faults, planted)
+            self.planted = planted
 
     def topology_dead(self) -> str | None:
         """Why the topology cannot take a request now (an instance died), or None."""
@@ -391,7 +415,9 @@ class FuzzEngine:
             evaluation.status, evaluation.note = "not-sent", str(exc)
             return evaluation
         assert self.session is not None
+        mark = self._fault_mark()
         candidate = self.session.send(spec.name, evaluation.body)
+        evaluation.fault = self._fault_since(mark)
         self._served(evaluation)
         guards = transfer_guards(self.session.served, candidate)
         record = judge_example(self.judging, self.topology, evaluation.baseline, candidate, guards)
@@ -417,6 +443,32 @@ class FuzzEngine:
             self._down = self.session.first_down()
         evaluation.seconds += time.monotonic() - began
         return evaluation
+
+    def _fault_mark(self) -> tuple[int, int, int] | None:
+        """How much the planted fault has recorded so far (None: nothing planted, or a fault
+        without hooks, such as drop-metadata's flag, which records nothing)."""
+        fault = self.planted
+        if fault is None or (fault.after_encode is None and fault.after_prefill is None):
+            return None
+        return len(fault.touched), len(fault.effects), len(fault.problems)
+
+    def _fault_since(self, mark: tuple[int, int, int] | None) -> str | None:
+        """Whether the planted fault acted on the request just sent: it rewrote a file or
+        recorded an effect; otherwise its first problem (request id dropped, numbers
+        blanked), or that its hook never ran (nothing in the request for it to act on)."""
+        fault = self.planted
+        if mark is None or fault is None:
+            return None
+        touched, effects, problems = mark
+        if len(fault.touched) > touched or len(fault.effects) > effects:
+            return FAULT_ACTED
+        new = fault.problems[problems:]
+        if not new:
+            return f"{FAULT_NOT_ACTED}: its hook never ran (no encoder or prefill step)"
+        reason = new[0].split(": ", 1)[-1]
+        reason = re.split(r": [\[{]", reason, maxsplit=1)[0]  # not the tensors' layouts
+        reason = re.sub(r"\d+", "N", reason).splitlines()[0]
+        return f"{FAULT_NOT_ACTED}: {reason[:160]}"
 
     def _served(self, evaluation: Evaluation) -> None:
         """What the request left in the KV storage and in D's prefix cache."""
