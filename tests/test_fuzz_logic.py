@@ -1017,3 +1017,38 @@ def test_a_planted_fuzz_says_how_many_examples_the_fault_acted_on(
     report.evaluations = [e for e in report.evaluations if e.fault != "acted"]
     assert "acted on 0 of the 3" in fault_effect_line("ec-swap-items", report)
     assert "the self-test tested nothing" in fault_effect_line("ec-swap-items", report)
+
+
+def test_a_group_bundle_holds_the_instance_commands_export_needs(tmp_path: Path) -> None:
+    """Seen on real vLLM: `epd-harness export RUN/failures/01-known-mismatch-generated-ids`
+    (the bundle fuzz.md names for the group) exited 2 with "expected 2 instance commands of
+    1E+1PD in .../01-known-mismatch-generated-ids/1E-1PD, found 0": the commands stayed in the
+    run directory, so only the run's first group could be exported (from RUN). Each group's
+    bundle now carries the baseline's and the topology's recorded commands."""
+    from harness.run.export import baseline_server, recorded_commands
+    from harness.run.fuzz.bundle import write_group_bundle
+    from harness.run.repro import Bundle
+    from harness.spec.platforms import CPU
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    mismatch = record(Verdict.MISMATCH, "generated tokens differ at position 2 of 4/4")
+    start = _evaluation("ex-0003", image_prompt((56, 56), (56, 56)), mismatch, False)
+    group = FailureGroup(start.signature, start.recognition, [start], minimal=start)
+    settings = RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "no-model")),
+        run_dir=tmp_path,
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+        platform=CPU,
+    )
+    recorded = {"baseline": ["baseline0"], "1E-1PD": ["encoder0", "pd0"]}
+    for directory, names in recorded.items():
+        (tmp_path / directory).mkdir()
+        for name in names:
+            command = {"name": f"{directory}/{name}", "argv": ["vllm", "serve", name], "env": {}}
+            (tmp_path / directory / f"{directory}__{name}.cmd.json").write_text(json.dumps(command))
+    directory = tmp_path / "failures" / "01-new"
+    write_group_bundle(directory, settings, TOPOLOGIES["1E+1PD"], group, {"seed": 3}, None)
+    bundle = Bundle.load(directory)
+    assert [short for short, _ in recorded_commands(bundle, "1E+1PD")] == ["encoder0", "pd0"]
+    server, _ = baseline_server(bundle)
+    assert ("baseline0",) in server.argv, "the recorded command, not one rendered for the run"

@@ -22,6 +22,7 @@ from harness.report.bundle import write_bundle, write_run_info
 from harness.report.run_outputs import devices_line, write_verdicts
 from harness.report.text import format_failure, write_summary_json
 from harness.run.fuzz.engine import BASELINE, Evaluation, FailureGroup, FuzzReport
+from harness.serve.session import safe_name
 from harness.spec.prompt_codec import prompt_to_json
 from harness.spec.prompts import (
     ImagePart,
@@ -126,6 +127,21 @@ def write_group_bundle(
     write_json_atomic(directory / "responses.json", responses)
     write_verdicts(directory, records, run_info)
     write_bundle(directory, records, responses, run_info)
+    copy_instance_commands(settings.run_dir, directory, topology)
+
+
+def copy_instance_commands(run_dir: Path, directory: Path, topology: Topology) -> None:
+    """The baseline's and the topology's recorded commands (`<topology>/*.cmd.json`), copied
+    from the run directory into a group's bundle: `epd-harness export` reads them from the
+    bundle it is given, and without them a group's bundle could not be exported (only the run
+    directory, whose first case is the first group's). The logs and storage stay in the run
+    directory: an export needs the commands alone."""
+    for served in (BASELINE, topology):
+        source = run_dir / safe_name(served.name)
+        for command in sorted(source.glob("*.cmd.json")):
+            target = directory / safe_name(served.name) / command.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(target, command.read_text(encoding="utf-8"))
 
 
 def group_json(group: FailureGroup) -> dict[str, Any]:
