@@ -1052,3 +1052,72 @@ def test_a_group_bundle_holds_the_instance_commands_export_needs(tmp_path: Path)
     assert [short for short, _ in recorded_commands(bundle, "1E+1PD")] == ["encoder0", "pd0"]
     server, _ = baseline_server(bundle)
     assert ("baseline0",) in server.argv, "the recorded command, not one rendered for the run"
+
+
+class RemembersSwaps(SwapsLikeTheProxy):
+    """A consumer that keeps what the fault did: an image whose EC file was once swapped
+    answers wrongly in every later request (vLLM's encoder cache on the consumer keeps a
+    finished request's embeddings by mm_hash), whether the fault acts on that request or not."""
+
+    def __init__(self, faults) -> None:
+        super().__init__(faults)
+        self.swapped: set[str] = set()
+
+    def send(self, name: str, body: dict) -> Outcome:
+        images = {
+            item["image_url"]["url"]
+            for message in body["messages"]
+            for item in message["content"]
+            if isinstance(item, dict) and item.get("type") == "image_url"
+        }
+        acted = len(self.faults.effects)
+        super().send(name, body)
+        if len(self.faults.effects) > acted:
+            self.swapped |= images
+        return outcome(name, (5, 7) if images & self.swapped else (5, 6))
+
+
+def test_a_planted_fault_shrinks_from_and_to_requests_it_acted_on(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Seen on real vLLM (`fuzz --topology 1E+1PD --examples 40 --seed 0 --plant-fault
+    ec-swap-items`): the swap acted on 2 examples, yet 4 failed (the consumer's encoder cache
+    kept the swapped embeddings); the group shrank from the smallest member, one the fault
+    had not acted on, to one 28x28 image: a request the fault cannot act on, failing only
+    because of earlier requests, so its bundle cannot reproduce on fresh servers. With a
+    planted fault, a group starts from a member the fault acted on and a candidate
+    reproduces only if the fault acted on it too."""
+    import harness.run.fuzz.engine as engine_module
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.strategies import FuzzExample
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    settings = RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "model")),
+        run_dir=tmp_path,
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+    )
+    monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"], fault="ec-swap-items")
+    engine.planted = fault = swap_like_fault()
+    engine.baseline = KeepsBodies()  # type: ignore[assignment]
+    engine.session = RemembersSwaps(fault)  # type: ignore[assignment]
+    engine.topology_dead = lambda: None  # type: ignore[method-assign]
+    swapped = PromptSpec(
+        "ex-0000", (ImagePart(1, (112, 112)), ImagePart(2, (112, 112)), TextPart(" a b"))
+    )
+    leftover = PromptSpec("ex-0001", (ImagePart(1, (112, 112)), TextPart(" a")))
+    report = engine.run([FuzzExample(swapped), FuzzExample(leftover)])
+
+    assert [e.fault.split(":")[0] for e in report.evaluations] == ["acted", "not acted"]
+    (group,) = report.groups
+    assert [e.spec.name for e in group.members] == ["ex-0000", "ex-0001"]
+    assert group.start.spec.name == "ex-0000", "the member the fault acted on"
+    minimal = group.minimal
+    assert minimal is not None and minimal.fault == "acted"
+    images = [p for p in minimal.spec.parts if isinstance(p, ImagePart)]
+    assert len({p.seed for p in images}) == 2, minimal.spec
+    assert all(p.size == (28, 28) for p in images), minimal.spec
+    assert any("planted fault did not act" in t.outcome for t in group.shrink.trials), (
+        "a candidate failing on what an earlier swap left is not a reproduction"
+    )

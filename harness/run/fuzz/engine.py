@@ -158,7 +158,12 @@ class FailureGroup:
 
     @property
     def start(self) -> Evaluation:
-        return min(self.members, key=lambda e: size_key(e.spec))
+        """The smallest member, of those a planted fault acted on when it acted on any: a
+        member that failed without the fault acting failed on what an earlier request left
+        (the consumer's encoder cache keeps a swapped embedding by mm_hash), and shrinking
+        from it ends at a request the fault cannot act on, which fresh servers pass."""
+        acted = [e for e in self.members if e.fault == FAULT_ACTED]
+        return min(acted or self.members, key=lambda e: size_key(e.spec))
 
 
 @dataclass
@@ -711,6 +716,9 @@ class SendingOracle:
         self.engine = engine
         self.target = group.signature
         self.rule = group.recognition.rule
+        # A group the planted fault made (its start is one the fault acted on) reproduces only
+        # where the fault acts: the same failure without it is what earlier requests left.
+        self.needs_fault = group.start.fault == FAULT_ACTED
         self.last_reproduced: Evaluation | None = None
 
     def restart_pending(self) -> bool:
@@ -733,6 +741,11 @@ class SendingOracle:
             and evaluation.signature.key == self.target.key
             and (recognition.rule if recognition else None) == self.rule
         )
+        summary = evaluation.summary()
+        if reproduced and self.needs_fault and evaluation.fault != FAULT_ACTED:
+            reproduced = False
+            why = (evaluation.fault or "").removeprefix(f"{FAULT_NOT_ACTED}: ")
+            summary += f" (not reproduced: the planted fault did not act on it: {why})"
         divergence = None
         if reproduced:
             self.last_reproduced = evaluation
@@ -741,7 +754,7 @@ class SendingOracle:
         return Trial(
             spec,
             reproduced,
-            evaluation.summary(),
+            summary,
             evaluation.seconds,
             restarted=evaluation.restart_seconds > 0,
             divergence=divergence,
