@@ -49,7 +49,13 @@ def add_fuzz_parser(sub: Any) -> None:
     )
     fuzz.add_argument("--topology", required=True, help="one EPD topology, e.g. 1E+1P+1D")
     fuzz.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES, help="requests to draw")
-    fuzz.add_argument("--seed", type=int, default=0, help="the draw's seed (same seed, same list)")
+    fuzz.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the draw's seed (the same seed and --examples give the same list; another "
+        "--examples draws another list, not a prefix of it)",
+    )
     fuzz.add_argument("--run-dir", help="artifact directory (default: runs/fuzz-<timestamp>)")
     fuzz.add_argument(
         "--save",
