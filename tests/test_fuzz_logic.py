@@ -1121,3 +1121,57 @@ def test_a_planted_fault_shrinks_from_and_to_requests_it_acted_on(
     assert any("planted fault did not act" in t.outcome for t in group.shrink.trials), (
         "a candidate failing on what an earlier swap left is not a reproduction"
     )
+
+
+class KeepsNoisedKv(KeepsBodies):
+    """1P+1D under kv-noise: P writes a prompt's KV files once (keyed by the prompt), the
+    fault noises what P wrote new, and D answers wrongly whenever it loads noised KV; a
+    request whose prompt was sent before finds its (noised) files there, and P writes none."""
+
+    def __init__(self, faults) -> None:
+        super().__init__()
+        self.faults = faults
+        self.written: set[str] = set()
+
+    def send(self, name: str, body: dict) -> Outcome:
+        prompt = json.dumps(body["messages"], sort_keys=True)
+        if prompt in self.written:
+            self.faults.problems.append(f"{name}: P wrote no new *.safetensors")
+        else:
+            self.written.add(prompt)
+            self.faults.touched.append(Path(f"kv/{len(self.written)}"))
+        super().send(name, body)
+        return outcome(name, (5, 7))
+
+
+def test_a_candidate_whose_prompt_the_fault_acted_on_before_reproduces(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Seen on real vLLM (`fuzz --topology 1P+1D --examples 10 --seed 1 --plant-fault
+    kv-noise:0.05`): a candidate with fewer tokens has the prompt of a request already sent, so
+    P writes no new KV file and the fault does not act on it, though it would on fresh
+    servers: requiring the fault to act on the candidate itself stopped the shrink at 46
+    tokens for a failure at token 0. The fault acted on this request's content before, which
+    counts."""
+    import harness.run.fuzz.engine as engine_module
+    from harness.run.faults import PlantedFault
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.strategies import FuzzExample
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    settings = RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "model")),
+        run_dir=tmp_path,
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+    )
+    monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
+    engine = FuzzEngine(settings, TOPOLOGIES["1P+1D"], fault="kv-noise:0.05")
+    engine.planted = fault = PlantedFault(after_prefill=lambda request_id, response: None)
+    engine.baseline = KeepsBodies()  # type: ignore[assignment]
+    engine.session = KeepsNoisedKv(fault)  # type: ignore[assignment]
+    engine.topology_dead = lambda: None  # type: ignore[method-assign]
+    start = PromptSpec("ex-0000", (TextPart(" a b c d"),), max_tokens=46)
+    report = engine.run([FuzzExample(start)])
+
+    (group,) = report.groups
+    assert group.minimal is not None and group.minimal.spec.max_tokens == 1, group.minimal.spec

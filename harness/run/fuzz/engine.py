@@ -24,6 +24,7 @@ the remaining examples are not sent.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
 import statistics
@@ -65,7 +66,18 @@ if TYPE_CHECKING:  # the strategies need Hypothesis, which the engine itself doe
 
 BASELINE = TOPOLOGIES["baseline"]
 FAULT_ACTED = "acted"
+# The fault did not act on this send, but did on an earlier one of the same request (all but
+# max_tokens): kv-noise noises the KV files P writes, and P writes a prompt's files once, so a
+# shrink candidate with fewer tokens finds them noised already; on fresh servers it would act.
+FAULT_ACTED_BEFORE = "acted on an earlier send of this request"
 FAULT_NOT_ACTED = "not acted"
+
+
+def fault_reached(evaluation: Evaluation) -> bool:
+    """The planted fault acted on this request, now or on an earlier send of it."""
+    return evaluation.fault in (FAULT_ACTED, FAULT_ACTED_BEFORE)
+
+
 log = logging.getLogger(__name__)
 
 
@@ -162,7 +174,7 @@ class FailureGroup:
         member that failed without the fault acting failed on what an earlier request left
         (the consumer's encoder cache keeps a swapped embedding by mm_hash), and shrinking
         from it ends at a request the fault cannot act on, which fresh servers pass."""
-        acted = [e for e in self.members if e.fault == FAULT_ACTED]
+        acted = [e for e in self.members if fault_reached(e)]
         return min(acted or self.members, key=lambda e: size_key(e.spec))
 
 
@@ -196,7 +208,7 @@ class FuzzReport:
         for evaluation in self.evaluations:
             if evaluation.fault is None:
                 continue
-            if evaluation.fault == FAULT_ACTED:
+            if fault_reached(evaluation):
                 acted += 1
                 continue
             reason = evaluation.fault.removeprefix(f"{FAULT_NOT_ACTED}: ")
@@ -263,6 +275,7 @@ class FuzzEngine:
         self.consumer = ConsumerState(settings.serving.block_size)
         self.baseline: TopologySession | ProxiedSession | None = None
         self.planted: PlantedFault | None = None  # the fault in the topology's proxy now
+        self._fault_acted_on: set[str] = set()  # request_content() of sends it acted on
         self.session: TopologySession | ProxiedSession | AttachedSession | None = None
         self.report_restarts: list[dict[str, Any]] = []
         self._confirmed: dict[str, int] = {}
@@ -423,6 +436,11 @@ class FuzzEngine:
         mark = self._fault_mark()
         candidate = self.session.send(spec.name, evaluation.body)
         evaluation.fault = self._fault_since(mark)
+        content = request_content(evaluation.body)
+        if evaluation.fault == FAULT_ACTED:
+            self._fault_acted_on.add(content)
+        elif evaluation.fault is not None and content in self._fault_acted_on:
+            evaluation.fault = FAULT_ACTED_BEFORE
         self._served(evaluation)
         guards = transfer_guards(self.session.served, candidate)
         record = judge_example(self.judging, self.topology, evaluation.baseline, candidate, guards)
@@ -718,7 +736,7 @@ class SendingOracle:
         self.rule = group.recognition.rule
         # A group the planted fault made (its start is one the fault acted on) reproduces only
         # where the fault acts: the same failure without it is what earlier requests left.
-        self.needs_fault = group.start.fault == FAULT_ACTED
+        self.needs_fault = fault_reached(group.start)
         self.last_reproduced: Evaluation | None = None
 
     def restart_pending(self) -> bool:
@@ -742,7 +760,7 @@ class SendingOracle:
             and (recognition.rule if recognition else None) == self.rule
         )
         summary = evaluation.summary()
-        if reproduced and self.needs_fault and evaluation.fault != FAULT_ACTED:
+        if reproduced and self.needs_fault and not fault_reached(evaluation):
             reproduced = False
             why = (evaluation.fault or "").removeprefix(f"{FAULT_NOT_ACTED}: ")
             summary += f" (not reproduced: the planted fault did not act on it: {why})"
@@ -786,6 +804,12 @@ class PredictingOracle:
             f"{layout.get('last_media_end')}, D loads {layout.get('kv_prefix')}"
         )
         return Trial(spec, reproduced, outcome, evaluation.seconds)
+
+
+def request_content(body: dict[str, Any]) -> str:
+    """A request body less what only changes how much is generated (max_tokens): two sends
+    with the same content prefill the same prompt."""
+    return json.dumps({k: v for k, v in body.items() if k != "max_tokens"}, sort_keys=True)
 
 
 def _base(session: object) -> object:
