@@ -1175,3 +1175,32 @@ def test_a_candidate_whose_prompt_the_fault_acted_on_before_reproduces(
 
     (group,) = report.groups
     assert group.minimal is not None and group.minimal.spec.max_tokens == 1, group.minimal.spec
+
+
+def test_a_topology_without_d_is_not_described_by_ds_tail(tmp_path: Path) -> None:
+    """Seen on real vLLM: `fuzz --topology 1E+1PD` printed "ends +5 from a block, in D's tail"
+    for examples and "D loads 0 (block 32); media in D's tail: True" for a minimal request,
+    and counted "in D's tail" in its coverage, on a topology with no D. Only a topology that
+    moves KV to a D is described by it now."""
+    from harness.run.fuzz.bundle import coverage, render_group
+    from harness.run.fuzz.engine import FuzzReport, describe
+
+    spec = image_prompt((56, 56))
+    layout = _tail_layout(True)
+    assert layout.media_in_decode_tail
+    assert describe(spec, layout, kv=True).endswith(", in D's tail")
+    assert "D's tail" not in describe(spec, layout, kv=False)
+
+    mismatch = record(Verdict.MISMATCH, "generated tokens differ at position 2 of 4/4")
+    evaluation = _evaluation("ex-0001", spec, mismatch, True)
+    group = FailureGroup(
+        evaluation.signature, evaluation.recognition, [evaluation], minimal=evaluation
+    )
+    without_d = "\n".join(render_group(1, group, tmp_path, tmp_path, kv=False))
+    with_d = "\n".join(render_group(1, group, tmp_path, tmp_path, kv=True))
+    assert "D loads" not in without_d and "prompt tokens" in without_d
+    assert "D loads" in with_d and "media in D's tail: True" in with_d
+
+    report = FuzzReport(examples=[], evaluations=[evaluation])
+    assert "in D's tail" not in coverage(report, kv=False)
+    assert coverage(report, kv=True)["in D's tail"] == 1

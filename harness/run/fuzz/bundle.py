@@ -32,7 +32,7 @@ from harness.spec.prompts import (
     VideoPart,
 )
 from harness.spec.settings import RunSettings
-from harness.spec.topology import Topology
+from harness.spec.topology import TOPOLOGIES, Topology
 
 if TYPE_CHECKING:
     from harness.run.fuzz.strategies import FuzzExample
@@ -181,8 +181,9 @@ def evaluation_json(evaluation: Evaluation) -> dict[str, Any]:
     }
 
 
-def coverage(report: FuzzReport) -> dict[str, int]:
-    """What the examples really hit (exact layouts): boundary offsets and D's tail."""
+def coverage(report: FuzzReport, kv: bool = True) -> dict[str, int]:
+    """What the examples really hit (exact layouts): boundary offsets and, where `kv` (the
+    topology moves KV to a D), D's tail and the k*block+1 prompts D keys apart from P."""
     counts = {"with media": 0, "ends -1": 0, "ends on": 0, "ends +1": 0, "in D's tail": 0}
     counts |= {"text only": 0, "k*block+1 tokens": 0}
     for evaluation in report.evaluations:
@@ -199,6 +200,8 @@ def coverage(report: FuzzReport) -> dict[str, int]:
         counts["ends on"] += offset == 0
         counts["ends +1"] += offset == 1
         counts["in D's tail"] += layout.media_in_decode_tail
+    if not kv:
+        del counts["in D's tail"], counts["k*block+1 tokens"]
     return counts
 
 
@@ -261,7 +264,7 @@ def fuzz_summary(
     return {
         **meta,
         "counts": report.counts(),
-        "coverage": coverage(report),
+        "coverage": coverage(report, moves_kv(meta)),
         "timing": report.timing(),
         "restarts": report.restarts,
         "predictions": report.predictions,
@@ -318,7 +321,7 @@ def render_fuzz_md(
     if meta.get("fault"):
         lines += render_fault_effect(meta["fault"], report)
     for number, (group, directory) in enumerate(zip(report.groups, group_dirs), 1):
-        lines += render_group(number, group, directory, run_dir)
+        lines += render_group(number, group, directory, run_dir, moves_kv(meta))
     lines += [
         "## Cost",
         "",
@@ -332,7 +335,7 @@ def render_fuzz_md(
         "",
         "## What the examples hit (exact layouts from the baseline's prompt ids)",
         "",
-        json.dumps(coverage(report), sort_keys=True),
+        json.dumps(coverage(report, moves_kv(meta)), sort_keys=True),
         "",
     ]
     unsent = [e for e in report.evaluations if e.status in ("not-sent", "known-predicted")]
@@ -362,7 +365,16 @@ def restarts_by_kind(report: FuzzReport) -> list[str]:
     ]
 
 
-def render_group(number: int, group: FailureGroup, directory: Path, run_dir: Path) -> list[str]:
+def moves_kv(meta: dict[str, Any]) -> bool:
+    """The fuzzed topology has a D that loads KV (where "D loads" and "D's tail" mean
+    something); True for a name the harness does not know, which says more, not less."""
+    topology = TOPOLOGIES.get(meta.get("topology", ""))
+    return topology is None or topology.has_kv_transfer
+
+
+def render_group(
+    number: int, group: FailureGroup, directory: Path, run_dir: Path, kv: bool = True
+) -> list[str]:
     rule = group.recognition.rule
     status = f"known ({rule.name})" if rule else "NEW"
     minimal = group.minimal or group.start
@@ -371,11 +383,16 @@ def render_group(number: int, group: FailureGroup, directory: Path, run_dir: Pat
     lines += [f"- {line}" for line in describe_spec(minimal.spec)]
     if minimal.layout is not None:
         layout = minimal.layout
-        lines.append(
+        line = (
             f"- layout: {layout.prompt_tokens} prompt tokens; last media run ends at "
-            f"{layout.last_media_end}; D loads {layout.kv_prefix} "
-            f"(block {layout.block_size}); media in D's tail: {layout.media_in_decode_tail}"
+            f"{layout.last_media_end}"
         )
+        if kv:
+            line += (
+                f"; D loads {layout.kv_prefix} (block {layout.block_size}); media in D's "
+                f"tail: {layout.media_in_decode_tail}"
+            )
+        lines.append(line)
     lines.append("")
     if rule:
         lines += [f"Declared cause: {rule.reason}", ""]

@@ -602,7 +602,7 @@ class FuzzEngine:
                 index + 1,
                 len(examples),
                 example.name,
-                describe(example.spec, evaluation.layout),
+                describe(example.spec, evaluation.layout, self.topology.has_kv_transfer),
                 evaluation.summary(),
                 evaluation.seconds,
             )
@@ -844,8 +844,9 @@ def group_failures(evaluations: list[Evaluation]) -> list[FailureGroup]:
     return sorted(groups.values(), key=lambda g: (g.known, g.members[0].spec.name))
 
 
-def describe(spec: PromptSpec, layout: PromptLayout | None) -> str:
-    """'2 img 1 vid, 143 tok, ends -1 from a block, in D's tail'"""
+def describe(spec: PromptSpec, layout: PromptLayout | None, kv: bool = True) -> str:
+    """'2 img 1 vid, 143 tok, ends -1 from a block, in D's tail'; D's tail only where `kv`
+    (the topology moves KV to a D): on 1E+1PD no D recomputes a tail, and saying so misled."""
     images = sum(isinstance(p, ImagePart) for p in spec.parts)
     media = sum(isinstance(p, MEDIA_PARTS) for p in spec.parts)
     text = f"{images} img {media - images} vid"
@@ -853,5 +854,5 @@ def describe(spec: PromptSpec, layout: PromptLayout | None) -> str:
         text += f", {layout.prompt_tokens} tok"
         if layout.boundary_offset is not None:
             text += f", ends {layout.boundary_offset:+d} from a block"
-            text += ", in D's tail" if layout.media_in_decode_tail else ""
+            text += ", in D's tail" if kv and layout.media_in_decode_tail else ""
     return text
