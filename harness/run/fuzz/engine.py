@@ -204,7 +204,7 @@ class FuzzReport:
         """What a planted fault did to the examples sent to the topology: how many it acted
         on, and how many it did not, by its reason (numbers blanked, so one reason counts
         once whatever the item counts). Shrink trials are not counted."""
-        acted, reasons = 0, {}
+        acted, reasons = 0, dict[str, int]()
         for evaluation in self.evaluations:
             if evaluation.fault is None:
                 continue
