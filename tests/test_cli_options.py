@@ -60,7 +60,7 @@ def test_every_subcommand_shows_its_defaults_and_no_empty_ones() -> None:
     helps = subcommand_helps()
     flat = {name: " ".join(text.split()) for name, text in helps.items()}
     assert "requests to draw (default: 100)" in flat["fuzz"]
-    assert "(same seed, same list) (default: 0)" in flat["fuzz"]
+    assert "not a prefix of it) (default: 0)" in flat["fuzz"]
     assert "(default: 780.0)" in flat["fuzz"]
     assert "per round (default: 64)" in flat["load"]
     assert "(default: 4096)" in flat["run"]  # --max-model-len, which had no help at all

@@ -505,6 +505,38 @@ def test_shrinking_reaches_one_image_and_short_text_in_few_restarts() -> None:
     assert minimal.name.startswith("ex-0042-s")
 
 
+class DivergingOracle:
+    """A MISMATCH whose first differing token moves as the request shrinks: at position 2
+    with an image over 56x56, at 4 with a smaller one; it reproduces only when the request
+    generates past it. Each trial reports where its answers diverged, as the engine's does."""
+
+    def restart_pending(self) -> bool:
+        return False
+
+    @staticmethod
+    def divergence(spec: PromptSpec) -> int | None:
+        images = [p for p in spec.parts if isinstance(p, ImagePart)]
+        if not images:
+            return None
+        return 2 if images[0].size[0] * images[0].size[1] > 56 * 56 else 4
+
+    def attempt(self, spec: PromptSpec) -> Trial:
+        at = self.divergence(spec)
+        reproduced = at is not None and spec.max_tokens > at
+        return Trial(spec, reproduced, "x", 0.1, divergence=at if reproduced else None)
+
+
+def test_fewer_tokens_follow_where_the_shrunk_request_diverges() -> None:
+    """Seen on real vLLM (seed 1, 1E+1PD): a video MISMATCH found at position 2 of 16 tokens
+    shrank to one that diverged at 4 and stopped at max_tokens 8, since only 1, half and the
+    first example's divergence + 1 (3) were tried; 5 was the minimum."""
+    start = image_prompt((448, 448), text=" a b c", name="ex-0008")
+    start = PromptSpec(start.name, start.parts, max_tokens=16)
+    result = shrink(start, DivergingOracle(), ShrinkBudget(max_trials=100), divergence=2)
+    assert result.stopped_by == "local minimum"
+    assert result.minimal.max_tokens == 5, result.minimal
+
+
 def test_the_restart_budget_stops_a_crash_shrink_and_says_so() -> None:
     start = image_prompt((448, 448), (224, 224), (112, 112), text=" a b c")
     oracle = FakeOracle(lambda spec: True)
@@ -898,3 +930,277 @@ def test_a_fuzz_run_that_judged_nothing_fails(tmp_path: Path, monkeypatch, how: 
     last = capsys.readouterr().out.strip().splitlines()[-1]
     status = "not-sent" if how == "budget" else "baseline-rejected"
     assert last == f"epd-harness fuzz: no example was judged (3 {status}): the run tested nothing"
+
+
+class SwapsLikeTheProxy(KeepsBodies):
+    """The topology under test, whose proxy runs the planted fault's after_encode hook with
+    one mm_hash per distinct image of the request, as the harness's proxy does."""
+
+    def __init__(self, faults) -> None:
+        super().__init__()
+        self.faults = faults
+
+    def send(self, name: str, body: dict) -> Outcome:
+        images = {
+            item["image_url"]["url"]
+            for message in body["messages"]
+            for item in message["content"]
+            if isinstance(item, dict) and item.get("type") == "image_url"
+        }
+        if images and self.faults.after_encode is not None:
+            self.faults.after_encode(name, {f"hash{n}": {} for n in range(len(images))})
+        return super().send(name, body)
+
+
+def swap_like_fault():
+    """ec-swap-items' bookkeeping without its files: acts on two or more items."""
+    from harness.run.faults import PlantedFault
+
+    fault = PlantedFault()
+
+    def after_encode(request_id: str, params: dict) -> None:
+        if len(params) < 2:
+            fault.problems.append(
+                f"{request_id}: {len(params)} distinct media item(s); swapping needs two or more"
+            )
+            return
+        fault.effects.append(f"rotated the EC files of {', '.join(params)} by one")
+
+    fault.after_encode = after_encode
+    return fault
+
+
+def test_a_planted_fuzz_says_how_many_examples_the_fault_acted_on(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Seen on real vLLM: `fuzz --topology 1E+1PD --examples 12 --seed 0 --plant-fault
+    ec-swap-items` exited 0 with "0 new failure(s)" and no word of the fault, which had acted
+    on none of the 12 examples (no request had two items of one shape): a self-test that
+    tested nothing read as one the harness failed. Each example now records whether the
+    fault acted, and the report counts it, with the fault's own reasons for the rest."""
+    import harness.run.fuzz.engine as engine_module
+    from harness.run.fuzz.bundle import fault_effect_line
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.strategies import FuzzExample
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    settings = RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "model")),
+        run_dir=tmp_path,
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+    )
+    monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"], fault="ec-swap-items")
+    engine.planted = fault = swap_like_fault()
+    engine.baseline = KeepsBodies()  # type: ignore[assignment]
+    engine.session = SwapsLikeTheProxy(fault)  # type: ignore[assignment]
+    engine.topology_dead = lambda: None  # type: ignore[method-assign]
+    text_only = PromptSpec("ex-0002", (TextPart(" hello there"),))
+    examples = [
+        FuzzExample(image_prompt((56, 56), name="ex-0000")),
+        FuzzExample(image_prompt((56, 56), (56, 56), name="ex-0001")),
+        FuzzExample(text_only),
+        FuzzExample(image_prompt((28, 28), name="ex-0003")),
+    ]
+    report = engine.run(examples)
+    assert [e.fault for e in report.evaluations] == [
+        "not acted: N distinct media item(s); swapping needs two or more",
+        "acted",
+        "not acted: its hook never ran (no encoder or prefill step)",
+        "not acted: N distinct media item(s); swapping needs two or more",
+    ]
+    line = fault_effect_line("ec-swap-items", report)
+    assert line.startswith("planted fault ec-swap-items acted on 1 of the 4 example(s) sent")
+    assert "2: N distinct media item(s); swapping needs two or more" in line
+    assert "tested nothing" not in line
+
+    report.evaluations = [e for e in report.evaluations if e.fault != "acted"]
+    assert "acted on 0 of the 3" in fault_effect_line("ec-swap-items", report)
+    assert "the self-test tested nothing" in fault_effect_line("ec-swap-items", report)
+
+
+def test_a_group_bundle_holds_the_instance_commands_export_needs(tmp_path: Path) -> None:
+    """Seen on real vLLM: `epd-harness export RUN/failures/01-known-mismatch-generated-ids`
+    (the bundle fuzz.md names for the group) exited 2 with "expected 2 instance commands of
+    1E+1PD in .../01-known-mismatch-generated-ids/1E-1PD, found 0": the commands stayed in the
+    run directory, so only the run's first group could be exported (from RUN). Each group's
+    bundle now carries the baseline's and the topology's recorded commands."""
+    from harness.run.export import baseline_server, recorded_commands
+    from harness.run.fuzz.bundle import write_group_bundle
+    from harness.run.repro import Bundle
+    from harness.spec.platforms import CPU
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    mismatch = record(Verdict.MISMATCH, "generated tokens differ at position 2 of 4/4")
+    start = _evaluation("ex-0003", image_prompt((56, 56), (56, 56)), mismatch, False)
+    group = FailureGroup(start.signature, start.recognition, [start], minimal=start)
+    settings = RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "no-model")),
+        run_dir=tmp_path,
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+        platform=CPU,
+    )
+    recorded = {"baseline": ["baseline0"], "1E-1PD": ["encoder0", "pd0"]}
+    for directory, names in recorded.items():
+        (tmp_path / directory).mkdir()
+        for name in names:
+            command = {"name": f"{directory}/{name}", "argv": ["vllm", "serve", name], "env": {}}
+            (tmp_path / directory / f"{directory}__{name}.cmd.json").write_text(json.dumps(command))
+    directory = tmp_path / "failures" / "01-new"
+    write_group_bundle(directory, settings, TOPOLOGIES["1E+1PD"], group, {"seed": 3}, None)
+    bundle = Bundle.load(directory)
+    assert [short for short, _ in recorded_commands(bundle, "1E+1PD")] == ["encoder0", "pd0"]
+    server, _ = baseline_server(bundle)
+    assert ("baseline0",) in server.argv, "the recorded command, not one rendered for the run"
+
+
+class RemembersSwaps(SwapsLikeTheProxy):
+    """A consumer that keeps what the fault did: an image whose EC file was once swapped
+    answers wrongly in every later request (vLLM's encoder cache on the consumer keeps a
+    finished request's embeddings by mm_hash), whether the fault acts on that request or not."""
+
+    def __init__(self, faults) -> None:
+        super().__init__(faults)
+        self.swapped: set[str] = set()
+
+    def send(self, name: str, body: dict) -> Outcome:
+        images = {
+            item["image_url"]["url"]
+            for message in body["messages"]
+            for item in message["content"]
+            if isinstance(item, dict) and item.get("type") == "image_url"
+        }
+        acted = len(self.faults.effects)
+        super().send(name, body)
+        if len(self.faults.effects) > acted:
+            self.swapped |= images
+        return outcome(name, (5, 7) if images & self.swapped else (5, 6))
+
+
+def test_a_planted_fault_shrinks_from_and_to_requests_it_acted_on(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Seen on real vLLM (`fuzz --topology 1E+1PD --examples 40 --seed 0 --plant-fault
+    ec-swap-items`): the swap acted on 2 examples, yet 4 failed (the consumer's encoder cache
+    kept the swapped embeddings); the group shrank from the smallest member, one the fault
+    had not acted on, to one 28x28 image: a request the fault cannot act on, failing only
+    because of earlier requests, so its bundle cannot reproduce on fresh servers. With a
+    planted fault, a group starts from a member the fault acted on and a candidate
+    reproduces only if the fault acted on it too."""
+    import harness.run.fuzz.engine as engine_module
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.strategies import FuzzExample
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    settings = RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "model")),
+        run_dir=tmp_path,
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+    )
+    monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"], fault="ec-swap-items")
+    engine.planted = fault = swap_like_fault()
+    engine.baseline = KeepsBodies()  # type: ignore[assignment]
+    engine.session = RemembersSwaps(fault)  # type: ignore[assignment]
+    engine.topology_dead = lambda: None  # type: ignore[method-assign]
+    swapped = PromptSpec(
+        "ex-0000", (ImagePart(1, (112, 112)), ImagePart(2, (112, 112)), TextPart(" a b"))
+    )
+    leftover = PromptSpec("ex-0001", (ImagePart(1, (112, 112)), TextPart(" a")))
+    report = engine.run([FuzzExample(swapped), FuzzExample(leftover)])
+
+    assert [e.fault.split(":")[0] for e in report.evaluations] == ["acted", "not acted"]
+    (group,) = report.groups
+    assert [e.spec.name for e in group.members] == ["ex-0000", "ex-0001"]
+    assert group.start.spec.name == "ex-0000", "the member the fault acted on"
+    minimal = group.minimal
+    assert minimal is not None and minimal.fault == "acted"
+    images = [p for p in minimal.spec.parts if isinstance(p, ImagePart)]
+    assert len({p.seed for p in images}) == 2, minimal.spec
+    assert all(p.size == (28, 28) for p in images), minimal.spec
+    assert any("planted fault did not act" in t.outcome for t in group.shrink.trials), (
+        "a candidate failing on what an earlier swap left is not a reproduction"
+    )
+
+
+class KeepsNoisedKv(KeepsBodies):
+    """1P+1D under kv-noise: P writes a prompt's KV files once (keyed by the prompt), the
+    fault noises what P wrote new, and D answers wrongly whenever it loads noised KV; a
+    request whose prompt was sent before finds its (noised) files there, and P writes none."""
+
+    def __init__(self, faults) -> None:
+        super().__init__()
+        self.faults = faults
+        self.written: set[str] = set()
+
+    def send(self, name: str, body: dict) -> Outcome:
+        prompt = json.dumps(body["messages"], sort_keys=True)
+        if prompt in self.written:
+            self.faults.problems.append(f"{name}: P wrote no new *.safetensors")
+        else:
+            self.written.add(prompt)
+            self.faults.touched.append(Path(f"kv/{len(self.written)}"))
+        super().send(name, body)
+        return outcome(name, (5, 7))
+
+
+def test_a_candidate_whose_prompt_the_fault_acted_on_before_reproduces(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Seen on real vLLM (`fuzz --topology 1P+1D --examples 10 --seed 1 --plant-fault
+    kv-noise:0.05`): a candidate with fewer tokens has the prompt of a request already sent, so
+    P writes no new KV file and the fault does not act on it, though it would on fresh
+    servers: requiring the fault to act on the candidate itself stopped the shrink at 46
+    tokens for a failure at token 0. The fault acted on this request's content before, which
+    counts."""
+    import harness.run.fuzz.engine as engine_module
+    from harness.run.faults import PlantedFault
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.strategies import FuzzExample
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    settings = RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "model")),
+        run_dir=tmp_path,
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+    )
+    monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
+    engine = FuzzEngine(settings, TOPOLOGIES["1P+1D"], fault="kv-noise:0.05")
+    engine.planted = fault = PlantedFault(after_prefill=lambda request_id, response: None)
+    engine.baseline = KeepsBodies()  # type: ignore[assignment]
+    engine.session = KeepsNoisedKv(fault)  # type: ignore[assignment]
+    engine.topology_dead = lambda: None  # type: ignore[method-assign]
+    start = PromptSpec("ex-0000", (TextPart(" a b c d"),), max_tokens=46)
+    report = engine.run([FuzzExample(start)])
+
+    (group,) = report.groups
+    assert group.minimal is not None and group.minimal.spec.max_tokens == 1, group.minimal.spec
+
+
+def test_a_topology_without_d_is_not_described_by_ds_tail(tmp_path: Path) -> None:
+    """Seen on real vLLM: `fuzz --topology 1E+1PD` printed "ends +5 from a block, in D's tail"
+    for examples and "D loads 0 (block 32); media in D's tail: True" for a minimal request,
+    and counted "in D's tail" in its coverage, on a topology with no D. Only a topology that
+    moves KV to a D is described by it now."""
+    from harness.run.fuzz.bundle import coverage, render_group
+    from harness.run.fuzz.engine import FuzzReport, describe
+
+    spec = image_prompt((56, 56))
+    layout = _tail_layout(True)
+    assert layout.media_in_decode_tail
+    assert describe(spec, layout, kv=True).endswith(", in D's tail")
+    assert "D's tail" not in describe(spec, layout, kv=False)
+
+    mismatch = record(Verdict.MISMATCH, "generated tokens differ at position 2 of 4/4")
+    evaluation = _evaluation("ex-0001", spec, mismatch, True)
+    group = FailureGroup(
+        evaluation.signature, evaluation.recognition, [evaluation], minimal=evaluation
+    )
+    without_d = "\n".join(render_group(1, group, tmp_path, tmp_path, kv=False))
+    with_d = "\n".join(render_group(1, group, tmp_path, tmp_path, kv=True))
+    assert "D loads" not in without_d and "prompt tokens" in without_d
+    assert "D loads" in with_d and "media in D's tail: True" in with_d
+
+    report = FuzzReport(examples=[], evaluations=[evaluation])
+    assert "in D's tail" not in coverage(report, kv=False)
+    assert coverage(report, kv=True)["in D's tail"] == 1

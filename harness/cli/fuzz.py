@@ -49,7 +49,13 @@ def add_fuzz_parser(sub: Any) -> None:
     )
     fuzz.add_argument("--topology", required=True, help="one EPD topology, e.g. 1E+1P+1D")
     fuzz.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES, help="requests to draw")
-    fuzz.add_argument("--seed", type=int, default=0, help="the draw's seed (same seed, same list)")
+    fuzz.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the draw's seed (the same seed and --examples give the same list; another "
+        "--examples draws another list, not a prefix of it)",
+    )
     fuzz.add_argument("--run-dir", help="artifact directory (default: runs/fuzz-<timestamp>)")
     fuzz.add_argument(
         "--save",
@@ -188,7 +194,7 @@ def command_fuzz(args: argparse.Namespace) -> int:
         raise BadInput(
             "epd-harness fuzz needs Hypothesis: pip install 'epd-harness[fuzz]'"
         ) from None
-    from harness.run.fuzz.bundle import write_examples, write_fuzz_bundle
+    from harness.run.fuzz.bundle import fault_effect_line, write_examples, write_fuzz_bundle
     from harness.run.fuzz.engine import FuzzEngine, FuzzReport
     from harness.run.fuzz.layout import TokenizerEstimator
     from harness.run.fuzz.save import save_scenarios
@@ -277,6 +283,8 @@ def command_fuzz(args: argparse.Namespace) -> int:
         f"{len(examples)} examples, {timing['total_s']} s; artifacts in {settings.run_dir}"
         + (f"; first repro bundle: {group_dirs[0]}" if group_dirs else "")
     )
+    if args.plant_fault:
+        print(f"epd-harness fuzz: {fault_effect_line(args.plant_fault, report)}")
     if not any(e.status == "judged" for e in report.evaluations):
         # Found in review: a run that tested nothing ended green. No record: counted by status.
         counts = ", ".join(f"{n} {status}" for status, n in sorted(report.counts().items()))

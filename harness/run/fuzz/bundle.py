@@ -22,6 +22,7 @@ from harness.report.bundle import write_bundle, write_run_info
 from harness.report.run_outputs import devices_line, write_verdicts
 from harness.report.text import format_failure, write_summary_json
 from harness.run.fuzz.engine import BASELINE, Evaluation, FailureGroup, FuzzReport
+from harness.serve.session import safe_name
 from harness.spec.prompt_codec import prompt_to_json
 from harness.spec.prompts import (
     ImagePart,
@@ -31,7 +32,7 @@ from harness.spec.prompts import (
     VideoPart,
 )
 from harness.spec.settings import RunSettings
-from harness.spec.topology import Topology
+from harness.spec.topology import TOPOLOGIES, Topology
 
 if TYPE_CHECKING:
     from harness.run.fuzz.strategies import FuzzExample
@@ -126,6 +127,21 @@ def write_group_bundle(
     write_json_atomic(directory / "responses.json", responses)
     write_verdicts(directory, records, run_info)
     write_bundle(directory, records, responses, run_info)
+    copy_instance_commands(settings.run_dir, directory, topology)
+
+
+def copy_instance_commands(run_dir: Path, directory: Path, topology: Topology) -> None:
+    """The baseline's and the topology's recorded commands (`<topology>/*.cmd.json`), copied
+    from the run directory into a group's bundle: `epd-harness export` reads them from the
+    bundle it is given, and without them a group's bundle could not be exported (only the run
+    directory, whose first case is the first group's). The logs and storage stay in the run
+    directory: an export needs the commands alone."""
+    for served in (BASELINE, topology):
+        source = run_dir / safe_name(served.name)
+        for command in sorted(source.glob("*.cmd.json")):
+            target = directory / safe_name(served.name) / command.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(target, command.read_text(encoding="utf-8"))
 
 
 def group_json(group: FailureGroup) -> dict[str, Any]:
@@ -159,13 +175,15 @@ def evaluation_json(evaluation: Evaluation) -> dict[str, Any]:
         else None,
         "layout": evaluation.layout.to_json() if evaluation.layout else None,
         "note": evaluation.note,
+        "fault": evaluation.fault,
         "seconds": round(evaluation.seconds, 3),
         "restart_seconds": round(evaluation.restart_seconds, 1),
     }
 
 
-def coverage(report: FuzzReport) -> dict[str, int]:
-    """What the examples really hit (exact layouts): boundary offsets and D's tail."""
+def coverage(report: FuzzReport, kv: bool = True) -> dict[str, int]:
+    """What the examples really hit (exact layouts): boundary offsets and, where `kv` (the
+    topology moves KV to a D), D's tail and the k*block+1 prompts D keys apart from P."""
     counts = {"with media": 0, "ends -1": 0, "ends on": 0, "ends +1": 0, "in D's tail": 0}
     counts |= {"text only": 0, "k*block+1 tokens": 0}
     for evaluation in report.evaluations:
@@ -182,6 +200,8 @@ def coverage(report: FuzzReport) -> dict[str, int]:
         counts["ends on"] += offset == 0
         counts["ends +1"] += offset == 1
         counts["in D's tail"] += layout.media_in_decode_tail
+    if not kv:
+        del counts["in D's tail"], counts["k*block+1 tokens"]
     return counts
 
 
@@ -244,14 +264,34 @@ def fuzz_summary(
     return {
         **meta,
         "counts": report.counts(),
-        "coverage": coverage(report),
+        "coverage": coverage(report, moves_kv(meta)),
         "timing": report.timing(),
         "restarts": report.restarts,
         "predictions": report.predictions,
         "new_failures": len(report.new_groups),
         "known_failures": len(report.groups) - len(report.new_groups),
         "failure_bundles": [str(d) for d in group_dirs],
+        "fault_effect": report.fault_effect() if meta.get("fault") else None,
     }
+
+
+def fault_effect_line(fault: str, report: FuzzReport) -> str:
+    """One line: how many examples the planted fault acted on, and why not on the others. A
+    fault acts on some shapes only (ec-swap-items on items of one shape), so a self-test that
+    found nothing says whether the fault ever acted."""
+    effect = report.fault_effect()
+    sent = effect["acted"] + effect["not_acted"]
+    line = f"planted fault {fault} acted on {effect['acted']} of the {sent} example(s) sent"
+    if effect["reasons"]:
+        reasons = sorted(effect["reasons"].items(), key=lambda item: -item[1])
+        line += "; not on " + "; ".join(f"{n}: {reason}" for reason, n in reasons)
+    if sent and not effect["acted"]:
+        line += " (the self-test tested nothing: no example had a shape the fault acts on)"
+    return line
+
+
+def render_fault_effect(fault: str, report: FuzzReport) -> list[str]:
+    return ["## Planted fault", "", fault_effect_line(fault, report), ""]
 
 
 def render_fuzz_md(
@@ -278,8 +318,10 @@ def render_fuzz_md(
         f"examples by outcome: {json.dumps(report.counts(), sort_keys=True)}"
     )
     lines.append("")
+    if meta.get("fault"):
+        lines += render_fault_effect(meta["fault"], report)
     for number, (group, directory) in enumerate(zip(report.groups, group_dirs), 1):
-        lines += render_group(number, group, directory, run_dir)
+        lines += render_group(number, group, directory, run_dir, moves_kv(meta))
     lines += [
         "## Cost",
         "",
@@ -293,7 +335,7 @@ def render_fuzz_md(
         "",
         "## What the examples hit (exact layouts from the baseline's prompt ids)",
         "",
-        json.dumps(coverage(report), sort_keys=True),
+        json.dumps(coverage(report, moves_kv(meta)), sort_keys=True),
         "",
     ]
     unsent = [e for e in report.evaluations if e.status in ("not-sent", "known-predicted")]
@@ -323,7 +365,16 @@ def restarts_by_kind(report: FuzzReport) -> list[str]:
     ]
 
 
-def render_group(number: int, group: FailureGroup, directory: Path, run_dir: Path) -> list[str]:
+def moves_kv(meta: dict[str, Any]) -> bool:
+    """The fuzzed topology has a D that loads KV (where "D loads" and "D's tail" mean
+    something); True for a name the harness does not know, which says more, not less."""
+    topology = TOPOLOGIES.get(meta.get("topology", ""))
+    return topology is None or topology.has_kv_transfer
+
+
+def render_group(
+    number: int, group: FailureGroup, directory: Path, run_dir: Path, kv: bool = True
+) -> list[str]:
     rule = group.recognition.rule
     status = f"known ({rule.name})" if rule else "NEW"
     minimal = group.minimal or group.start
@@ -332,11 +383,16 @@ def render_group(number: int, group: FailureGroup, directory: Path, run_dir: Pat
     lines += [f"- {line}" for line in describe_spec(minimal.spec)]
     if minimal.layout is not None:
         layout = minimal.layout
-        lines.append(
+        line = (
             f"- layout: {layout.prompt_tokens} prompt tokens; last media run ends at "
-            f"{layout.last_media_end}; D loads {layout.kv_prefix} "
-            f"(block {layout.block_size}); media in D's tail: {layout.media_in_decode_tail}"
+            f"{layout.last_media_end}"
         )
+        if kv:
+            line += (
+                f"; D loads {layout.kv_prefix} (block {layout.block_size}); media in D's "
+                f"tail: {layout.media_in_decode_tail}"
+            )
+        lines.append(line)
     lines.append("")
     if rule:
         lines += [f"Declared cause: {rule.reason}", ""]

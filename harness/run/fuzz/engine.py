@@ -24,7 +24,9 @@ the remaining examples are not sent.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -37,7 +39,7 @@ from harness.judge.records import CaseRecord
 from harness.judge.verdicts import Reference, baseline_stability
 from harness.outcomes.outcome import Outcome
 from harness.run.baseline import BaselineAnswers
-from harness.run.faults import fault_for, plant
+from harness.run.faults import PlantedFault, fault_for, plant
 from harness.run.fuzz.consumer import ConsumerState, media_identities
 from harness.run.fuzz.known import KnownRule, Recognition, recognise, rules_for
 from harness.run.fuzz.layout import PlaceholderIds, PromptLayout, layout_from_ids
@@ -63,6 +65,19 @@ if TYPE_CHECKING:  # the strategies need Hypothesis, which the engine itself doe
     from harness.run.fuzz.strategies import FuzzExample
 
 BASELINE = TOPOLOGIES["baseline"]
+FAULT_ACTED = "acted"
+# The fault did not act on this send, but did on an earlier one of the same request (all but
+# max_tokens): kv-noise noises the KV files P writes, and P writes a prompt's files once, so a
+# shrink candidate with fewer tokens finds them noised already; on fresh servers it would act.
+FAULT_ACTED_BEFORE = "acted on an earlier send of this request"
+FAULT_NOT_ACTED = "not acted"
+
+
+def fault_reached(evaluation: Evaluation) -> bool:
+    """The planted fault acted on this request, now or on an earlier send of it."""
+    return evaluation.fault in (FAULT_ACTED, FAULT_ACTED_BEFORE)
+
+
 log = logging.getLogger(__name__)
 
 
@@ -120,6 +135,10 @@ class Evaluation:
     note: str = ""
     seconds: float = 0.0
     restart_seconds: float = 0.0
+    # With --plant-fault: "acted", or "not acted: <why>" (the fault's own words), or None (no
+    # fault, or one that records nothing). A planted fault acts on some shapes only, and a
+    # self-test that found nothing must say whether the fault ever acted at all.
+    fault: str | None = None
 
     @property
     def failed(self) -> bool:
@@ -151,7 +170,12 @@ class FailureGroup:
 
     @property
     def start(self) -> Evaluation:
-        return min(self.members, key=lambda e: size_key(e.spec))
+        """The smallest member, of those a planted fault acted on when it acted on any: a
+        member that failed without the fault acting failed on what an earlier request left
+        (the consumer's encoder cache keeps a swapped embedding by mm_hash), and shrinking
+        from it ends at a request the fault cannot act on, which fresh servers pass."""
+        acted = [e for e in self.members if fault_reached(e)]
+        return min(acted or self.members, key=lambda e: size_key(e.spec))
 
 
 @dataclass
@@ -175,6 +199,21 @@ class FuzzReport:
     @property
     def new_groups(self) -> list[FailureGroup]:
         return [g for g in self.groups if not g.known]
+
+    def fault_effect(self) -> dict[str, Any]:
+        """What a planted fault did to the examples sent to the topology: how many it acted
+        on, and how many it did not, by its reason (numbers blanked, so one reason counts
+        once whatever the item counts). Shrink trials are not counted."""
+        acted, reasons = 0, dict[str, int]()
+        for evaluation in self.evaluations:
+            if evaluation.fault is None:
+                continue
+            if fault_reached(evaluation):
+                acted += 1
+                continue
+            reason = evaluation.fault.removeprefix(f"{FAULT_NOT_ACTED}: ")
+            reasons[reason] = reasons.get(reason, 0) + 1
+        return {"acted": acted, "not_acted": sum(reasons.values()), "reasons": reasons}
 
     def timing(self) -> dict[str, Any]:
         sent = [e.seconds - e.restart_seconds for e in self.evaluations if e.status == "judged"]
@@ -235,6 +274,8 @@ class FuzzEngine:
         self.placeholders = PlaceholderIds.from_model_dir(Path(settings.serving.model))
         self.consumer = ConsumerState(settings.serving.block_size)
         self.baseline: TopologySession | ProxiedSession | None = None
+        self.planted: PlantedFault | None = None  # the fault in the topology's proxy now
+        self._fault_acted_on: set[str] = set()  # request_content() of sends it acted on
         self.session: TopologySession | ProxiedSession | AttachedSession | None = None
         self.report_restarts: list[dict[str, Any]] = []
         self._confirmed: dict[str, int] = {}
@@ -296,6 +337,7 @@ class FuzzEngine:
                 session.settings.serving.kv_connector,
             )
             plant(session.faults, planted)
+            self.planted = planted
 
     def topology_dead(self) -> str | None:
         """Why the topology cannot take a request now (an instance died), or None."""
@@ -391,7 +433,14 @@ class FuzzEngine:
             evaluation.status, evaluation.note = "not-sent", str(exc)
             return evaluation
         assert self.session is not None
+        mark = self._fault_mark()
         candidate = self.session.send(spec.name, evaluation.body)
+        evaluation.fault = self._fault_since(mark)
+        content = request_content(evaluation.body)
+        if evaluation.fault == FAULT_ACTED:
+            self._fault_acted_on.add(content)
+        elif evaluation.fault is not None and content in self._fault_acted_on:
+            evaluation.fault = FAULT_ACTED_BEFORE
         self._served(evaluation)
         guards = transfer_guards(self.session.served, candidate)
         record = judge_example(self.judging, self.topology, evaluation.baseline, candidate, guards)
@@ -417,6 +466,32 @@ class FuzzEngine:
             self._down = self.session.first_down()
         evaluation.seconds += time.monotonic() - began
         return evaluation
+
+    def _fault_mark(self) -> tuple[int, int, int] | None:
+        """How much the planted fault has recorded so far (None: nothing planted, or a fault
+        without hooks, such as drop-metadata's flag, which records nothing)."""
+        fault = self.planted
+        if fault is None or (fault.after_encode is None and fault.after_prefill is None):
+            return None
+        return len(fault.touched), len(fault.effects), len(fault.problems)
+
+    def _fault_since(self, mark: tuple[int, int, int] | None) -> str | None:
+        """Whether the planted fault acted on the request just sent: it rewrote a file or
+        recorded an effect; otherwise its first problem (request id dropped, numbers
+        blanked), or that its hook never ran (nothing in the request for it to act on)."""
+        fault = self.planted
+        if mark is None or fault is None:
+            return None
+        touched, effects, problems = mark
+        if len(fault.touched) > touched or len(fault.effects) > effects:
+            return FAULT_ACTED
+        new = fault.problems[problems:]
+        if not new:
+            return f"{FAULT_NOT_ACTED}: its hook never ran (no encoder or prefill step)"
+        reason = new[0].split(": ", 1)[-1]
+        reason = re.split(r": [\[{]", reason, maxsplit=1)[0]  # not the tensors' layouts
+        reason = re.sub(r"\d+", "N", reason).splitlines()[0]
+        return f"{FAULT_NOT_ACTED}: {reason[:160]}"
 
     def _served(self, evaluation: Evaluation) -> None:
         """What the request left in the KV storage and in D's prefix cache."""
@@ -527,7 +602,7 @@ class FuzzEngine:
                 index + 1,
                 len(examples),
                 example.name,
-                describe(example.spec, evaluation.layout),
+                describe(example.spec, evaluation.layout, self.topology.has_kv_transfer),
                 evaluation.summary(),
                 evaluation.seconds,
             )
@@ -659,6 +734,9 @@ class SendingOracle:
         self.engine = engine
         self.target = group.signature
         self.rule = group.recognition.rule
+        # A group the planted fault made (its start is one the fault acted on) reproduces only
+        # where the fault acts: the same failure without it is what earlier requests left.
+        self.needs_fault = fault_reached(group.start)
         self.last_reproduced: Evaluation | None = None
 
     def restart_pending(self) -> bool:
@@ -681,14 +759,23 @@ class SendingOracle:
             and evaluation.signature.key == self.target.key
             and (recognition.rule if recognition else None) == self.rule
         )
+        summary = evaluation.summary()
+        if reproduced and self.needs_fault and not fault_reached(evaluation):
+            reproduced = False
+            why = (evaluation.fault or "").removeprefix(f"{FAULT_NOT_ACTED}: ")
+            summary += f" (not reproduced: the planted fault did not act on it: {why})"
+        divergence = None
         if reproduced:
             self.last_reproduced = evaluation
+            record = evaluation.record
+            divergence = (record.divergence or {}).get("index") if record else None
         return Trial(
             spec,
             reproduced,
-            evaluation.summary(),
+            summary,
             evaluation.seconds,
             restarted=evaluation.restart_seconds > 0,
+            divergence=divergence,
         )
 
 
@@ -717,6 +804,12 @@ class PredictingOracle:
             f"{layout.get('last_media_end')}, D loads {layout.get('kv_prefix')}"
         )
         return Trial(spec, reproduced, outcome, evaluation.seconds)
+
+
+def request_content(body: dict[str, Any]) -> str:
+    """A request body less what only changes how much is generated (max_tokens): two sends
+    with the same content prefill the same prompt."""
+    return json.dumps({k: v for k, v in body.items() if k != "max_tokens"}, sort_keys=True)
 
 
 def _base(session: object) -> object:
@@ -751,8 +844,9 @@ def group_failures(evaluations: list[Evaluation]) -> list[FailureGroup]:
     return sorted(groups.values(), key=lambda g: (g.known, g.members[0].spec.name))
 
 
-def describe(spec: PromptSpec, layout: PromptLayout | None) -> str:
-    """'2 img 1 vid, 143 tok, ends -1 from a block, in D's tail'"""
+def describe(spec: PromptSpec, layout: PromptLayout | None, kv: bool = True) -> str:
+    """'2 img 1 vid, 143 tok, ends -1 from a block, in D's tail'; D's tail only where `kv`
+    (the topology moves KV to a D): on 1E+1PD no D recomputes a tail, and saying so misled."""
     images = sum(isinstance(p, ImagePart) for p in spec.parts)
     media = sum(isinstance(p, MEDIA_PARTS) for p in spec.parts)
     text = f"{images} img {media - images} vid"
@@ -760,5 +854,5 @@ def describe(spec: PromptSpec, layout: PromptLayout | None) -> str:
         text += f", {layout.prompt_tokens} tok"
         if layout.boundary_offset is not None:
             text += f", ends {layout.boundary_offset:+d} from a block"
-            text += ", in D's tail" if layout.media_in_decode_tail else ""
+            text += ", in D's tail" if kv and layout.media_in_decode_tail else ""
     return text

@@ -165,6 +165,10 @@ class Trial:
     outcome: str  # one line: the verdict and signature seen, or why it was not judged
     seconds: float
     restarted: bool = False  # the topology had to be restarted before it could be sent
+    # Where a reproducing candidate's answers first differed (None: no token divergence, e.g.
+    # a crash). A smaller request may diverge later than the one it came from, so the
+    # shrinker reads it from each accepted trial for its "fewer tokens" candidates.
+    divergence: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -174,6 +178,7 @@ class Trial:
             "outcome": self.outcome,
             "seconds": round(self.seconds, 3),
             "restarted": self.restarted,
+            "divergence": self.divergence,
         }
 
 
@@ -242,7 +247,10 @@ def shrink(
 ) -> ShrinkResult:
     """Greedy: from the current request, try its candidates smallest first; take the first
     that reproduces and start over from it; stop at a request none of whose candidates
-    reproduces, or when the budget is spent. Candidates are named START-sNNN."""
+    reproduces, or when the budget is spent. Candidates are named START-sNNN. `divergence`
+    is where the start's answers first differed; each accepted trial that reports its own
+    replaces it, so "fewer tokens" aims at the current request's divergence, not the
+    start's."""
     began = clock()
     result = ShrinkResult(start=start, minimal=start, mode=mode)
     restarts = 0
@@ -267,6 +275,8 @@ def shrink(
             if trial.reproduced:
                 result.minimal = named
                 result.accepted += 1
+                if trial.divergence is not None:  # where the smaller request diverges
+                    divergence = trial.divergence
                 progressed = True
                 break
         if not progressed:
