@@ -235,3 +235,23 @@ def test_repro_rerun_settings_take_the_hosts_devices_and_the_runs_colocation(
     assert (settings.devices, settings.colocate) == ((0,), True)
     night = rerun_bundle(tmp_path / "night", "1P+1D", platform_profile="cuda", devices=[0, 3, 4])
     assert rerun_settings(night, monkeypatch, "0.32.0").colocate is False
+
+
+@pytest.mark.parametrize("fault", ["ec-noise:0.05", None])
+def test_the_verdict_line_says_a_planted_fault_was_planted_again(
+    tmp_path: Path, fault: str | None
+) -> None:
+    """repro replants the bundle's `--plant-fault`, and its one line said only "MISMATCH now,
+    MISMATCH in the bundle: reproduced" (real vLLM, 1E+1PD ec-noise:0.05): a developer handed the
+    bundle reads a reproduced vLLM failure where the harness made it red on purpose."""
+    from harness.run.repro import repro_line
+    from harness.spec.settings import ServedVllm
+
+    root = rerun_bundle(tmp_path / "b", "1E+1PD")
+    recorded = json.loads((root / "run.json").read_text())
+    (root / "run.json").write_text(json.dumps({**recorded, "fault": fault}))
+    bundle = Bundle.load(root)
+    line = repro_line(bundle.pick_case(None), "MISMATCH", bundle, ServedVllm("/v", "0.32.0+cpu"))
+    planted = "red on purpose: the bundle's planted fault ec-noise:0.05 was planted again"
+    assert (planted in line) is (fault is not None), line
+    assert "reproduced" in line

@@ -299,7 +299,9 @@ def _unredacted(name: str, value: str) -> str:
 
 def repro_line(case: ReproCase, verdict_now: str, bundle: Bundle, served: ServedVllm) -> str:
     """`1E+1PD / image vs baseline: MISMATCH now, MISMATCH in the bundle: reproduced`. On a vLLM
-    other than the bundle's, reproduced (or not) is another claim, so the line names both."""
+    other than the bundle's, reproduced (or not) is another claim, so the line names both. A
+    bundle's planted fault is planted again (`reproduce`), and the line says so: "reproduced"
+    alone read as a vLLM failure to whoever was handed the bundle."""
     same = verdict_now == case.verdict
     recorded = bundle.served_version
     versions = (
@@ -307,9 +309,17 @@ def repro_line(case: ReproCase, verdict_now: str, bundle: Bundle, served: Served
         if recorded and recorded != served.version
         else ""
     )
+    fault = bundle.run.get("fault")
+    planted = (
+        f"; red on purpose: the bundle's planted fault {fault} was planted again, "
+        "not a failure of vLLM"
+        if fault
+        else ""
+    )
     return (
         f"{case.topology} / {case.prompt} vs {case.reference}: {verdict_now} now, "
-        f"{case.verdict} in the bundle: {'reproduced' if same else 'NOT reproduced'}{versions}"
+        f"{case.verdict} in the bundle: {'reproduced' if same else 'NOT reproduced'}"
+        f"{versions}{planted}"
     )
 
 
@@ -352,7 +362,10 @@ def reproduce(
         log.warning(
             "repro: the bundle was served by vLLM %s, this run serves %s", recorded, served.version
         )
-    spec = SweepSpec(topologies=(topology,), prompts=(), fault=bundle.run.get("fault"))
+    fault = bundle.run.get("fault")
+    if fault:  # said before the rerun's minutes, not only in its last line
+        log.warning("repro: the bundle's run planted the fault %s; it is planted again", fault)
+    spec = SweepSpec(topologies=(topology,), prompts=(), fault=fault)
     # A pool of its own, kept until the caller closes it: `keep_up` serves on the very
     # session the case was reproduced on.
     pool = TopologyPool(settings, on_event)
