@@ -255,3 +255,28 @@ def test_the_verdict_line_says_a_planted_fault_was_planted_again(
     planted = "red on purpose: the bundle's planted fault ec-noise:0.05 was planted again"
     assert (planted in line) is (fault is not None), line
     assert "reproduced" in line
+
+
+def test_a_case_the_bundle_lacks_is_refused_naming_those_it_has(tmp_path: Path) -> None:
+    """`export RUN --case 1E+1PD:ec-video-jpeg-frames-at-2-fps:m-video-jpeg-frames-2fps` (the
+    TOPOLOGY column of the verdict table, then the prompt) was refused as "no case ..." alone
+    (real run of two matrix scenarios): the spelling that works, the topology proper and the
+    prompt, was nowhere to be read."""
+    bundle = Bundle.load(
+        write_bundle(
+            tmp_path / "b",
+            [
+                case("1E+1PD:ec-video-jpeg-frames-default-fps", "m-video-jpeg-frames", "MISMATCH", True),
+                case("1E+1PD:ec-video-jpeg-frames-at-2-fps", "m-video-jpeg-frames-2fps", "MATCH", True),
+            ],
+        )
+    )
+    wanted = "1E+1PD:ec-video-jpeg-frames-at-2-fps:m-video-jpeg-frames-2fps"
+    with pytest.raises(BundleError) as refused:
+        bundle.pick_case(wanted)
+    assert str(refused.value) == (
+        f"{bundle.path}: no case {wanted!r}; its cases: 1E+1PD:m-video-jpeg-frames "
+        "(scenario ec-video-jpeg-frames-default-fps), 1E+1PD:m-video-jpeg-frames-2fps "
+        "(scenario ec-video-jpeg-frames-at-2-fps)"
+    )
+    assert bundle.pick_case("1E+1PD:m-video-jpeg-frames-2fps").verdict == "MATCH"

@@ -246,7 +246,12 @@ class Bundle:
             and reference in ("", record["reference"])
         ]
         if not matches:
-            raise BundleError(f"{self.path}: no case {wanted!r}")
+            # The verdict table's TOPOLOGY column names a scenario (`1E+1PD:SCENARIO`), which
+            # the case's name leaves out: say how each case is named.
+            names = dict.fromkeys(case_name(record) for record in self.cases)
+            raise BundleError(
+                f"{self.path}: no case {wanted!r}; its cases: {', '.join(names) or 'none'}"
+            )
         by_reference: dict[str, dict[str, Any]] = {}
         for record in matches:
             by_reference.setdefault(record["reference"], record)
@@ -260,6 +265,14 @@ class Bundle:
             f"{self.path}: case {wanted!r} was judged against {len(by_reference)} references "
             f"({verdicts}); name one: --case {wanted}{CASE_REFERENCE_SEPARATOR}REFERENCE"
         )
+
+
+def case_name(record: dict[str, Any]) -> str:
+    """How `--case` names a summary.json record: `TOPOLOGY:PROMPT`, and its scenario said
+    apart (`1E+1PD:m-video-jpeg-frames (scenario ec-video-jpeg-frames-default-fps)`)."""
+    topology, _, scenario = record["topology"].partition(":")
+    name = f"{topology}:{record['prompt']}"
+    return f"{name} (scenario {scenario})" if scenario else name
 
 
 def case_of(record: dict[str, Any]) -> ReproCase:
