@@ -266,8 +266,18 @@ def test_a_case_the_bundle_lacks_is_refused_naming_those_it_has(tmp_path: Path) 
         write_bundle(
             tmp_path / "b",
             [
-                case("1E+1PD:ec-video-jpeg-frames-default-fps", "m-video-jpeg-frames", "MISMATCH", True),
-                case("1E+1PD:ec-video-jpeg-frames-at-2-fps", "m-video-jpeg-frames-2fps", "MATCH", True),
+                case(
+                    "1E+1PD:ec-video-jpeg-frames-default-fps",
+                    "m-video-jpeg-frames",
+                    "MISMATCH",
+                    True,
+                ),
+                case(
+                    "1E+1PD:ec-video-jpeg-frames-at-2-fps",
+                    "m-video-jpeg-frames-2fps",
+                    "MATCH",
+                    True,
+                ),
             ],
         )
     )
