@@ -54,7 +54,7 @@ from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_
 from harness.preflight.model import resolve_model
 from harness.preflight.upstream_proxy import proxy_choice
 from harness.preflight.vllm import default_vllm_executable, probe_served_vllm
-from harness.report.text import format_failure, format_verdict_table
+from harness.report.text import format_failure, format_verdict_table, purpose_line
 from harness.run.faults import FAULT_NAMES, FAULT_SYNTAX, GRADED_FAULTS
 from harness.run.matrix import MatrixRun
 from harness.run.repro import Bundle, BundleError, keep_up, repro_line, reproduce
@@ -267,6 +267,9 @@ def finish_run(args: argparse.Namespace, problems: list[str], sweep: Sweep) -> i
         print(format_failure(record))
     for problem in problems:
         print(f"scenario problem: {problem}")
+    purpose = purpose_line(sweep.run_info)  # as verdicts.txt, diff.md and report.html say it
+    if purpose and failed:
+        print(f"\n{purpose}: not failures of vLLM")
     elapsed_s = time.monotonic() - args.progress.started
     print(f"\n{sweep.pool.summary()}")
     print(f"epd-harness: {elapsed_s:.0f}s; artifacts in {result.run_dir}")
