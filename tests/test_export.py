@@ -237,6 +237,22 @@ def test_a_planted_fault_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
     assert not (bundle / "exports").exists()
 
 
+def test_a_load_that_killed_an_instance_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
+    """`export` of a `load --kill decode` run (real vLLM, 1P+1D) wrote "[Bug]: EPD 1P+1D
+    (ExampleConnector): D dies on a request of ..." with D's exit code -9: an upstream report
+    of the SIGKILL the harness sent, whose run.sh vLLM alone never fails. Refused, as a planted
+    fault is; repro too, which would rerun the request without the kill."""
+    bundle = write_bundle(tmp_path / "run", topology="1P+1D", verdict="ERROR")
+    run = json.loads((bundle / "run.json").read_text())
+    (bundle / "run.json").write_text(json.dumps({**run, "killed": "1P+1D/decode0"}))
+    line = one_line_refusal(capsys, ["export", str(bundle)])
+    assert "the load killed 1P+1D/decode0 (--kill)" in line, line
+    assert not (bundle / "exports").exists()
+    line = one_line_refusal(capsys, ["repro", str(bundle)])
+    assert "the load killed 1P+1D/decode0 (--kill)" in line, line
+    assert not (tmp_path / "run-repro").exists()
+
+
 def test_an_attached_run_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
     bundle = write_bundle(tmp_path / "run", proxy_kind="attach")
     line = one_line_refusal(capsys, ["export", str(bundle)])

@@ -57,7 +57,14 @@ from harness.preflight.vllm import default_vllm_executable, probe_served_vllm
 from harness.report.text import format_failure, format_verdict_table, purpose_line
 from harness.run.faults import FAULT_NAMES, FAULT_SYNTAX, GRADED_FAULTS
 from harness.run.matrix import MatrixRun
-from harness.run.repro import Bundle, BundleError, keep_up, repro_line, reproduce
+from harness.run.repro import (
+    Bundle,
+    BundleError,
+    keep_up,
+    killed_by_the_load,
+    repro_line,
+    reproduce,
+)
 from harness.run.scenarios import MATRIX, Scenario
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.launch import (
@@ -287,6 +294,9 @@ def command_repro(args: argparse.Namespace) -> int:
                 f"{bundle.path} judged an attached deployment, which repro cannot start; "
                 "rerun 'epd-harness run --attach FILE' against it"
             )
+        killed = killed_by_the_load(bundle)
+        if killed:
+            raise BadInput(killed)
         if args.colocate and not get_platform(bundle.platform).exclusive_devices:
             raise BadInput(COLOCATE_ON_CPU)
         if args.colocate and bundle.launcher.kind == RAY_LAUNCHER:

@@ -391,6 +391,21 @@ def reproduce(
     return case, records, sweep
 
 
+def killed_by_the_load(bundle: Bundle) -> str | None:
+    """Why a bundle's failures cannot be redone by one request, when a `load --kill ROLE` made
+    them: the harness SIGKILLed that instance with every request in flight, so each ERROR
+    names a death vLLM did not cause (an export of it drafted "[Bug]: ... D dies", real vLLM
+    1P+1D). None for any other bundle."""
+    killed = bundle.run.get("killed")
+    if not killed:
+        return None
+    return (
+        f"{bundle.path}: its failures are red on purpose: the load killed {killed} (--kill) "
+        "with its requests in flight, which one request to vLLM alone does not redo; rerun "
+        "'epd-harness load ... --kill ROLE' to see it again"
+    )
+
+
 def protocol_for(bundle: Bundle, served: ServedVllm) -> ProtocolGeneration:
     """The protocol generation the bundle's run spoke (`--protocol` may have chosen it) when
     the same vLLM serves now; else the one the release serving now speaks, said aloud when it
