@@ -392,3 +392,31 @@ def test_keep_up_of_a_planted_fault_serves_a_topology_started_again_without_it(
     assert seen["altered_left"] is False, "the planted fault's file is still served"
     assert seen["fresh"] is True and seen["starts"] == 2, seen
     assert "started again without the planted fault ec-noise:0.05" in caplog.text, caplog.text
+
+
+def test_keep_up_stops_the_sessions_it_does_not_list(
+    tmp_path: Path, port_locks: Path, fake_vllm: Path, monkeypatch, caplog
+) -> None:
+    """`repro --keep-up` (real vLLM, 1E+1PD) kept the baseline repro had started serving beside
+    the topology it listed, unnamed, until Ctrl-C: a vLLM instance (2.4 GB RSS each for P and D
+    in a load run here) that nobody was told of. Only the kept topology stays up."""
+    from harness.run import repro
+
+    settings = fake_run_settings(
+        tmp_path, fake_vllm, ServingConfig(model=MODEL), run_dir=tmp_path / "repro"
+    )
+    sweep = Sweep(SweepSpec(topologies=(get_topology("1E+1PD"),), prompts=()), settings)
+    seen: dict[str, object] = {}
+    try:
+        sweep.pool.session(get_topology("baseline"))  # as the repro's baseline answered
+        sweep.pool.session(get_topology("1E+1PD"))
+
+        def while_kept_up() -> None:
+            seen["running"] = sorted(key.topology for key in sweep.pool.running())
+
+        monkeypatch.setattr(repro.signal, "pause", while_kept_up)
+        with caplog.at_level("INFO", logger="harness"):
+            repro.keep_up(sweep, "1E+1PD")
+    finally:
+        sweep.pool.close()
+    assert seen["running"] == ["1E+1PD"], seen

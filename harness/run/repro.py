@@ -445,6 +445,10 @@ def keep_up(sweep: Sweep, topology_name: str) -> None:
             fault,
         )
         sweep.pool.release(topology_name)
+    # The baseline (and any reference) the case was judged against would serve on, unlisted.
+    for key in sweep.pool.running():
+        if key.topology != topology_name:
+            sweep.pool.release(key.topology)
     session = sweep.pool.session(get_topology(topology_name))
     log.info("%s is up; entry point (proxy): %s", topology_name, session.entry_url)
     for spec in session.instances:
