@@ -56,8 +56,10 @@ def test_a_named_case_can_be_a_passing_one(tmp_path: Path) -> None:
 
 def test_all_passing_bundle_says_what_to_do(tmp_path: Path) -> None:
     bundle = Bundle.load(write_bundle(tmp_path / "b", [case("1P+1D", "text", "MATCH", True)]))
-    with pytest.raises(BundleError, match="every case passed; name one with --case"):
+    with pytest.raises(BundleError, match="every case passed; name one with --case") as refused:
         bundle.pick_case(None)
+    # `export` of a green run (real vLLM, 1E+1PD text) said to name one, not which there are
+    assert str(refused.value).endswith("(its cases: 1P+1D:text)"), refused.value
 
 
 def test_serving_config_is_rebuilt_ignoring_unknown_fields(tmp_path: Path) -> None:

@@ -235,8 +235,10 @@ class Bundle:
                 for record in self.cases if declared_too else ():
                     if record["verdict"] not in passed:
                         return record
+            names = dict.fromkeys(case_name(record) for record in self.cases)
             raise BundleError(
-                f"{self.path}: every case passed; name one with --case TOPOLOGY:PROMPT"
+                f"{self.path}: every case passed; name one with --case TOPOLOGY:PROMPT "
+                f"(its cases: {', '.join(names)})"
             )
         name, _, reference = wanted.partition(CASE_REFERENCE_SEPARATOR)
         matches = [
