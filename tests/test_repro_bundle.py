@@ -292,3 +292,43 @@ def test_a_case_the_bundle_lacks_is_refused_naming_those_it_has(tmp_path: Path) 
         "(scenario ec-video-jpeg-frames-at-2-fps)"
     )
     assert bundle.pick_case("1E+1PD:m-video-jpeg-frames-2fps").verdict == "MATCH"
+
+
+def test_repro_prints_the_first_divergence_of_the_case_it_reran(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`repro` of a kv-noise bundle (real vLLM, 1P+1D) printed the verdict table and
+    "MISMATCH now, MISMATCH in the bundle: reproduced", but not where the ids parted, nor the
+    top-k there, which `run` prints: whether the rerun parted where the bundle did could not be
+    read from it."""
+    import harness.cli.main as cli
+    from harness.outcomes.outcome import Outcome
+    from harness.spec.settings import ServedVllm
+    from harness.testing.builders import chat
+    from harness.testing.judging import judged
+
+    root = rerun_bundle(tmp_path / "b", "1P+1D")
+    record = judged(
+        "1P+1D",
+        "baseline",
+        Outcome("image", chat([5, 6, 7, 8])),
+        Outcome("image", chat([5, 6, 9, 8])),
+    )
+
+    class Closed:
+        class pool:  # noqa: N801 - stands in for the sweep's pool
+            @staticmethod
+            def close() -> None:
+                pass
+
+    def rerun(bundle, *args, **kwargs):
+        return bundle.pick_case(None), [record], Closed()
+
+    monkeypatch.setattr(cli, "probe_served_vllm", lambda vllm: ServedVllm(vllm, "0.32.0+cpu"))
+    monkeypatch.setattr(cli, "proxy_choice", lambda *args: None)
+    monkeypatch.setattr(cli, "reproduce", rerun)
+    assert cli.main(["repro", str(root), "--vllm", "/v"]) == 0
+    out = capsys.readouterr().out
+    assert "generated tokens differ at position 2" in out
+    assert "reference ⟶ 7        5 6 [7] 8" in out and "candidate ⟶ 9        5 6 [9] 8" in out, out
+    assert "reference top-k at 2" in out and "candidate top-k at 2" in out, out

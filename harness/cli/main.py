@@ -340,6 +340,10 @@ def command_repro(args: argparse.Namespace) -> int:
     try:
         print()
         print(format_verdict_table(records))
+        for record in records:  # where the rerun parted, as `run` prints it
+            if not record.policy_passed:
+                print()
+                print(format_failure(record))
         own = next((r for r in records if r.reference == case.reference), records[0])
         same = own.verdict.value == case.verdict
         print(
