@@ -400,12 +400,17 @@ def test_keep_up_stops_the_sessions_it_does_not_list(
     """`repro --keep-up` (real vLLM, 1E+1PD) kept the baseline repro had started serving beside
     the topology it listed, unnamed, until Ctrl-C: a vLLM instance (2.4 GB RSS each for P and D
     in a load run here) that nobody was told of. Only the kept topology stays up."""
+    from harness.cli.main import Progress
     from harness.run import repro
+    from harness.run.pool import TopologyPool
 
     settings = fake_run_settings(
         tmp_path, fake_vllm, ServingConfig(model=MODEL), run_dir=tmp_path / "repro"
     )
-    sweep = Sweep(SweepSpec(topologies=(get_topology("1E+1PD"),), prompts=()), settings)
+    progress = Progress()  # what an interruption of the kept-up topology will say
+    pool = TopologyPool(settings, progress.on_event)
+    spec = SweepSpec(topologies=(get_topology("1E+1PD"),), prompts=())
+    sweep = Sweep(spec, settings, pool=pool)
     seen: dict[str, object] = {}
     try:
         sweep.pool.session(get_topology("baseline"))  # as the repro's baseline answered
@@ -413,10 +418,14 @@ def test_keep_up_stops_the_sessions_it_does_not_list(
 
         def while_kept_up() -> None:
             seen["running"] = sorted(key.topology for key in sweep.pool.running())
+            seen["interrupted"] = progress.describe()
 
         monkeypatch.setattr(repro.signal, "pause", while_kept_up)
         with caplog.at_level("INFO", logger="harness"):
-            repro.keep_up(sweep, "1E+1PD")
+            repro.keep_up(sweep, "1E+1PD", settled=progress.settled)
     finally:
         sweep.pool.close()
     assert seen["running"] == ["1E+1PD"], seen
+    # The baseline's stop was keep-up's, not an interruption's (real vLLM: SIGTERM then said
+    # "interrupted ... while baseline/baseline0 was ready", stopped 60 s before).
+    assert seen["interrupted"] == "while 1E+1PD/encoder0 was ready, 1E+1PD/pd0 was ready"

@@ -171,6 +171,12 @@ class Progress:
         self.states[name] = state
         log.info("[%7.1fs] %s: %s (%.1fs)", time.monotonic() - self.started, name, state, elapsed_s)
 
+    def settled(self) -> None:
+        """The servers stopped so far were stopped on purpose (repro --keep-up stops the
+        baseline before it waits), not by an interruption's unwinding: forgotten, or the
+        interruption said it cut short a baseline stopped a minute before (real vLLM)."""
+        self.stopped_from = {}
+
     def describe(self) -> str:
         """'while baseline/baseline0 was starting': what the interruption cut short."""
         current = {**self.states, **self.stopped_from}
@@ -351,7 +357,7 @@ def command_repro(args: argparse.Namespace) -> int:
             f"artifacts in {run_dir}"
         )
         if args.keep_up:
-            keep_up(sweep, case.topology)
+            keep_up(sweep, case.topology, settled=args.progress.settled)
     finally:
         sweep.pool.close()
     return EXIT_OK if same else EXIT_FAILED

@@ -17,6 +17,7 @@ import logging
 import os
 import shlex
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -428,7 +429,7 @@ def protocol_for(bundle: Bundle, served: ServedVllm) -> ProtocolGeneration:
     return speaks
 
 
-def keep_up(sweep: Sweep, topology_name: str) -> None:
+def keep_up(sweep: Sweep, topology_name: str, settled: Callable[[], None] | None = None) -> None:
     """Serve the topology the case was reproduced on until Ctrl-C (or SIGTERM), showing how
     to reach and relaunch it (started again only if an instance died in the case).
 
@@ -460,5 +461,7 @@ def keep_up(sweep: Sweep, topology_name: str) -> None:
     attach_file = sweep.settings.run_dir / ATTACH_FILE_NAME
     write_attach_file(session, attach_file)
     log.info("attach file: %s (judge it: epd-harness run --attach %s)", attach_file, attach_file)
+    if settled is not None:  # what stopped before now was keep-up's doing, not Ctrl-C's
+        settled()
     log.info("Ctrl-C stops everything.")
     signal.pause()
