@@ -354,3 +354,78 @@ def test_keep_up_writes_an_attach_file_that_reaches_the_kept_up_topology(
     assert seen["versions"] == {"1E+1PD/encoder0": "unknown", "1E+1PD/pd0": "unknown"}
     attach_file = settings.run_dir / "attach.json"
     assert f"attach file: {attach_file} (judge it: epd-harness run --attach" in caplog.text
+
+
+def test_keep_up_of_a_planted_fault_serves_a_topology_started_again_without_it(
+    tmp_path: Path, port_locks: Path, fake_vllm: Path, monkeypatch, caplog
+) -> None:
+    """`repro --keep-up` of a `--plant-fault ec-noise:0.05` bundle kept serving the instances the
+    fault had been planted on; unplanted, it still answered MISMATCH at the same token to
+    `run --attach` (real vLLM 0.32.0): the noised EC file stayed in the storage, and with it
+    removed the encoder and the consumer still served the noised embeddings from their caches.
+    What stays up must be started again, on fresh storage, and say why."""
+    from harness.run import repro
+
+    settings = fake_run_settings(
+        tmp_path, fake_vllm, ServingConfig(model=MODEL), run_dir=tmp_path / "repro"
+    )
+    spec = SweepSpec(topologies=(get_topology("1E+1PD"),), prompts=(), fault="ec-noise:0.05")
+    sweep = Sweep(spec, settings)
+    seen: dict[str, object] = {}
+    try:
+        first = sweep.pool.session(get_topology("1E+1PD"))  # the session the case ran on
+        altered = first.ec_storage / "epd-noised" / "encoder_cache.safetensors"
+        altered.parent.mkdir(parents=True)
+        altered.write_bytes(b"noised by the planted fault")
+
+        def while_kept_up() -> None:
+            kept = sweep.pool.session(get_topology("1E+1PD"))
+            seen["fresh"] = getattr(kept, "base", kept) is not getattr(first, "base", first)
+            seen["starts"] = len(sweep.pool.starts)
+            seen["altered_left"] = altered.exists()
+
+        monkeypatch.setattr(repro.signal, "pause", while_kept_up)
+        with caplog.at_level("INFO", logger="harness"):
+            repro.keep_up(sweep, "1E+1PD")
+    finally:
+        sweep.pool.close()
+    assert seen["altered_left"] is False, "the planted fault's file is still served"
+    assert seen["fresh"] is True and seen["starts"] == 2, seen
+    assert "started again without the planted fault ec-noise:0.05" in caplog.text, caplog.text
+
+
+def test_keep_up_stops_the_sessions_it_does_not_list(
+    tmp_path: Path, port_locks: Path, fake_vllm: Path, monkeypatch, caplog
+) -> None:
+    """`repro --keep-up` (real vLLM, 1E+1PD) kept the baseline repro had started serving beside
+    the topology it listed, unnamed, until Ctrl-C: a vLLM instance (2.4 GB RSS each for P and D
+    in a load run here) that nobody was told of. Only the kept topology stays up."""
+    from harness.cli.main import Progress
+    from harness.run import repro
+    from harness.run.pool import TopologyPool
+
+    settings = fake_run_settings(
+        tmp_path, fake_vllm, ServingConfig(model=MODEL), run_dir=tmp_path / "repro"
+    )
+    progress = Progress()  # what an interruption of the kept-up topology will say
+    pool = TopologyPool(settings, progress.on_event)
+    spec = SweepSpec(topologies=(get_topology("1E+1PD"),), prompts=())
+    sweep = Sweep(spec, settings, pool=pool)
+    seen: dict[str, object] = {}
+    try:
+        sweep.pool.session(get_topology("baseline"))  # as the repro's baseline answered
+        sweep.pool.session(get_topology("1E+1PD"))
+
+        def while_kept_up() -> None:
+            seen["running"] = sorted(key.topology for key in sweep.pool.running())
+            seen["interrupted"] = progress.describe()
+
+        monkeypatch.setattr(repro.signal, "pause", while_kept_up)
+        with caplog.at_level("INFO", logger="harness"):
+            repro.keep_up(sweep, "1E+1PD", settled=progress.settled)
+    finally:
+        sweep.pool.close()
+    assert seen["running"] == ["1E+1PD"], seen
+    # The baseline's stop was keep-up's, not an interruption's (real vLLM: SIGTERM then said
+    # "interrupted ... while baseline/baseline0 was ready", stopped 60 s before).
+    assert seen["interrupted"] == "while 1E+1PD/encoder0 was ready, 1E+1PD/pd0 was ready"

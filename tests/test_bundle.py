@@ -537,3 +537,20 @@ def test_verdicts_say_when_a_run_is_red_on_purpose(
         assert "red on purpose" not in text, text
     else:
         assert text.splitlines()[0] == line, text
+
+
+@pytest.mark.parametrize("planted", [{"fault": "ec-noise:0.05"}, {}])
+def test_diff_md_and_report_html_say_a_run_is_red_on_purpose(
+    run_dir: Path, model_dir: Path, planted: dict
+) -> None:
+    """`run --plant-fault ec-noise:0.05` (real vLLM, 1E+1PD): only verdicts.txt said the run was
+    red on purpose; its diff.md ("1 of 1 case(s) failed") and report.html (FAIL) read as a
+    failure of vLLM to whoever opens the bundle's artifacts first, as CI shows them."""
+    records, responses = sample_run()
+    write_bundle(run_dir, records, responses, {**run_info(run_dir, model_dir), **planted})
+    said = "red on purpose: the run planted the fault ec-noise:0.05"
+    diff = (run_dir / "diff.md").read_text()
+    page = (run_dir / "report.html").read_text()
+    assert (said in diff) is bool(planted), diff[:300]
+    assert (said in page) is bool(planted)
+    assert diff.startswith("# EPD diff: 3 of 4 case(s) failed")

@@ -36,7 +36,7 @@ from harness.run.export import (
     shell_word,
     template_storage,
 )
-from harness.run.export_files import render_serve_sh
+from harness.run.export_files import render_serve_sh, write_export
 from harness.run.export_issue import (
     ENVIRONMENT_KEYS,
     ISSUE_FIELDS,
@@ -235,6 +235,22 @@ def test_a_planted_fault_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
     line = one_line_refusal(capsys, ["export", str(bundle)])
     assert "planted by the harness's self-test (corrupt-ec)" in line
     assert not (bundle / "exports").exists()
+
+
+def test_a_load_that_killed_an_instance_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
+    """`export` of a `load --kill decode` run (real vLLM, 1P+1D) wrote "[Bug]: EPD 1P+1D
+    (ExampleConnector): D dies on a request of ..." with D's exit code -9: an upstream report
+    of the SIGKILL the harness sent, whose run.sh vLLM alone never fails. Refused, as a planted
+    fault is; repro too, which would rerun the request without the kill."""
+    bundle = write_bundle(tmp_path / "run", topology="1P+1D", verdict="ERROR")
+    run = json.loads((bundle / "run.json").read_text())
+    (bundle / "run.json").write_text(json.dumps({**run, "killed": "1P+1D/decode0"}))
+    line = one_line_refusal(capsys, ["export", str(bundle)])
+    assert "the load killed 1P+1D/decode0 (--kill)" in line, line
+    assert not (bundle / "exports").exists()
+    line = one_line_refusal(capsys, ["repro", str(bundle)])
+    assert "the load killed 1P+1D/decode0 (--kill)" in line, line
+    assert not (tmp_path / "run-repro").exists()
 
 
 def test_an_attached_run_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
@@ -776,3 +792,24 @@ def test_a_matrix_case_is_exported_from_either_session_layout(
     serve = (out / "serve.sh").read_text()
     for instance in ("ENCODER0", "PREFILL0", "DECODE0"):
         assert f'"http://${{HOST}}:${{{instance}_PORT}}"' in serve
+
+
+def test_issue_md_names_no_path_of_the_recording_host(tmp_path: Path) -> None:
+    """ISSUE.md of a real export carried the recording host's run directory twice: the
+    harness's `--run-dir /work/redcase-runs/jpeg` under "How it was found", and a dead
+    instance's log `/work/redcase-runs/kill/1P-1D/1P-1D__decode0.log` under "What happened".
+    Paths nobody upstream can open; the run's own name says the same."""
+    bundle = write_bundle(tmp_path / "run", verdict="ERROR", scenario="epd-media-in-decode-tail")
+    run = json.loads((bundle / "run.json").read_text())
+    run["harness_argv"] = ["epd-harness", "run", "--run-dir", str(bundle)]
+    (bundle / "run.json").write_text(json.dumps(run))
+    log = bundle / "1E-1P-1D" / "1E-1P-1D__decode0.log"
+    for name in ("summary.json", "responses.json"):
+        text = (bundle / name).read_text().replace("/x/decode0.log", str(log))
+        (bundle / name).write_text(text)
+    out = tmp_path / "export"
+    write_export(plan_for(bundle, f"1E+1P+1D:{PROMPT}"), out, {"cpu_repair.py": "#\n"})
+    issue = (out / "ISSUE.md").read_text()
+    assert str(tmp_path) not in issue
+    assert "--run-dir run`" in issue
+    assert "last lines of run/1E-1P-1D/1E-1P-1D__decode0.log" in issue

@@ -56,8 +56,10 @@ def test_a_named_case_can_be_a_passing_one(tmp_path: Path) -> None:
 
 def test_all_passing_bundle_says_what_to_do(tmp_path: Path) -> None:
     bundle = Bundle.load(write_bundle(tmp_path / "b", [case("1P+1D", "text", "MATCH", True)]))
-    with pytest.raises(BundleError, match="every case passed; name one with --case"):
+    with pytest.raises(BundleError, match="every case passed; name one with --case") as refused:
         bundle.pick_case(None)
+    # `export` of a green run (real vLLM, 1E+1PD text) said to name one, not which there are
+    assert str(refused.value).endswith("(its cases: 1P+1D:text)"), refused.value
 
 
 def test_serving_config_is_rebuilt_ignoring_unknown_fields(tmp_path: Path) -> None:
@@ -235,3 +237,98 @@ def test_repro_rerun_settings_take_the_hosts_devices_and_the_runs_colocation(
     assert (settings.devices, settings.colocate) == ((0,), True)
     night = rerun_bundle(tmp_path / "night", "1P+1D", platform_profile="cuda", devices=[0, 3, 4])
     assert rerun_settings(night, monkeypatch, "0.32.0").colocate is False
+
+
+@pytest.mark.parametrize("fault", ["ec-noise:0.05", None])
+def test_the_verdict_line_says_a_planted_fault_was_planted_again(
+    tmp_path: Path, fault: str | None
+) -> None:
+    """repro replants the bundle's `--plant-fault`, and its one line said only "MISMATCH now,
+    MISMATCH in the bundle: reproduced" (real vLLM, 1E+1PD ec-noise:0.05): a developer handed the
+    bundle reads a reproduced vLLM failure where the harness made it red on purpose."""
+    from harness.run.repro import repro_line
+    from harness.spec.settings import ServedVllm
+
+    root = rerun_bundle(tmp_path / "b", "1E+1PD")
+    recorded = json.loads((root / "run.json").read_text())
+    (root / "run.json").write_text(json.dumps({**recorded, "fault": fault}))
+    bundle = Bundle.load(root)
+    line = repro_line(bundle.pick_case(None), "MISMATCH", bundle, ServedVllm("/v", "0.32.0+cpu"))
+    planted = "red on purpose: the bundle's planted fault ec-noise:0.05 was planted again"
+    assert (planted in line) is (fault is not None), line
+    assert "reproduced" in line
+
+
+def test_a_case_the_bundle_lacks_is_refused_naming_those_it_has(tmp_path: Path) -> None:
+    """`export RUN --case 1E+1PD:ec-video-jpeg-frames-at-2-fps:m-video-jpeg-frames-2fps` (the
+    TOPOLOGY column of the verdict table, then the prompt) was refused as "no case ..." alone
+    (real run of two matrix scenarios): the spelling that works, the topology proper and the
+    prompt, was nowhere to be read."""
+    bundle = Bundle.load(
+        write_bundle(
+            tmp_path / "b",
+            [
+                case(
+                    "1E+1PD:ec-video-jpeg-frames-default-fps",
+                    "m-video-jpeg-frames",
+                    "MISMATCH",
+                    True,
+                ),
+                case(
+                    "1E+1PD:ec-video-jpeg-frames-at-2-fps",
+                    "m-video-jpeg-frames-2fps",
+                    "MATCH",
+                    True,
+                ),
+            ],
+        )
+    )
+    wanted = "1E+1PD:ec-video-jpeg-frames-at-2-fps:m-video-jpeg-frames-2fps"
+    with pytest.raises(BundleError) as refused:
+        bundle.pick_case(wanted)
+    assert str(refused.value) == (
+        f"{bundle.path}: no case {wanted!r}; its cases: 1E+1PD:m-video-jpeg-frames "
+        "(scenario ec-video-jpeg-frames-default-fps), 1E+1PD:m-video-jpeg-frames-2fps "
+        "(scenario ec-video-jpeg-frames-at-2-fps)"
+    )
+    assert bundle.pick_case("1E+1PD:m-video-jpeg-frames-2fps").verdict == "MATCH"
+
+
+def test_repro_prints_the_first_divergence_of_the_case_it_reran(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`repro` of a kv-noise bundle (real vLLM, 1P+1D) printed the verdict table and
+    "MISMATCH now, MISMATCH in the bundle: reproduced", but not where the ids parted, nor the
+    top-k there, which `run` prints: whether the rerun parted where the bundle did could not be
+    read from it."""
+    import harness.cli.main as cli
+    from harness.outcomes.outcome import Outcome
+    from harness.spec.settings import ServedVllm
+    from harness.testing.builders import chat
+    from harness.testing.judging import judged
+
+    root = rerun_bundle(tmp_path / "b", "1P+1D")
+    record = judged(
+        "1P+1D",
+        "baseline",
+        Outcome("image", chat([5, 6, 7, 8])),
+        Outcome("image", chat([5, 6, 9, 8])),
+    )
+
+    class Closed:
+        class pool:  # noqa: N801 - stands in for the sweep's pool
+            @staticmethod
+            def close() -> None:
+                pass
+
+    def rerun(bundle, *args, **kwargs):
+        return bundle.pick_case(None), [record], Closed()
+
+    monkeypatch.setattr(cli, "probe_served_vllm", lambda vllm: ServedVllm(vllm, "0.32.0+cpu"))
+    monkeypatch.setattr(cli, "proxy_choice", lambda *args: None)
+    monkeypatch.setattr(cli, "reproduce", rerun)
+    assert cli.main(["repro", str(root), "--vllm", "/v"]) == 0
+    out = capsys.readouterr().out
+    assert "generated tokens differ at position 2" in out
+    assert "reference ⟶ 7        5 6 [7] 8" in out and "candidate ⟶ 9        5 6 [9] 8" in out, out
+    assert "reference top-k at 2" in out and "candidate top-k at 2" in out, out

@@ -54,10 +54,17 @@ from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_
 from harness.preflight.model import resolve_model
 from harness.preflight.upstream_proxy import proxy_choice
 from harness.preflight.vllm import default_vllm_executable, probe_served_vllm
-from harness.report.text import format_failure, format_verdict_table
+from harness.report.text import format_failure, format_verdict_table, purpose_line
 from harness.run.faults import FAULT_NAMES, FAULT_SYNTAX, GRADED_FAULTS
 from harness.run.matrix import MatrixRun
-from harness.run.repro import Bundle, BundleError, keep_up, repro_line, reproduce
+from harness.run.repro import (
+    Bundle,
+    BundleError,
+    keep_up,
+    killed_by_the_load,
+    repro_line,
+    reproduce,
+)
 from harness.run.scenarios import MATRIX, Scenario
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.launch import (
@@ -164,6 +171,12 @@ class Progress:
         self.states[name] = state
         log.info("[%7.1fs] %s: %s (%.1fs)", time.monotonic() - self.started, name, state, elapsed_s)
 
+    def settled(self) -> None:
+        """The servers stopped so far were stopped on purpose (repro --keep-up stops the
+        baseline before it waits), not by an interruption's unwinding: forgotten, or the
+        interruption said it cut short a baseline stopped a minute before (real vLLM)."""
+        self.stopped_from = {}
+
     def describe(self) -> str:
         """'while baseline/baseline0 was starting': what the interruption cut short."""
         current = {**self.states, **self.stopped_from}
@@ -267,6 +280,9 @@ def finish_run(args: argparse.Namespace, problems: list[str], sweep: Sweep) -> i
         print(format_failure(record))
     for problem in problems:
         print(f"scenario problem: {problem}")
+    purpose = purpose_line(sweep.run_info)  # as verdicts.txt, diff.md and report.html say it
+    if purpose and failed:
+        print(f"\n{purpose}: not failures of vLLM")
     elapsed_s = time.monotonic() - args.progress.started
     print(f"\n{sweep.pool.summary()}")
     print(f"epd-harness: {elapsed_s:.0f}s; artifacts in {result.run_dir}")
@@ -284,6 +300,9 @@ def command_repro(args: argparse.Namespace) -> int:
                 f"{bundle.path} judged an attached deployment, which repro cannot start; "
                 "rerun 'epd-harness run --attach FILE' against it"
             )
+        killed = killed_by_the_load(bundle)
+        if killed:
+            raise BadInput(killed)
         if args.colocate and not get_platform(bundle.platform).exclusive_devices:
             raise BadInput(COLOCATE_ON_CPU)
         if args.colocate and bundle.launcher.kind == RAY_LAUNCHER:
@@ -327,6 +346,10 @@ def command_repro(args: argparse.Namespace) -> int:
     try:
         print()
         print(format_verdict_table(records))
+        for record in records:  # where the rerun parted, as `run` prints it
+            if not record.policy_passed:
+                print()
+                print(format_failure(record))
         own = next((r for r in records if r.reference == case.reference), records[0])
         same = own.verdict.value == case.verdict
         print(
@@ -334,7 +357,7 @@ def command_repro(args: argparse.Namespace) -> int:
             f"artifacts in {run_dir}"
         )
         if args.keep_up:
-            keep_up(sweep, case.topology)
+            keep_up(sweep, case.topology, settled=args.progress.settled)
     finally:
         sweep.pool.close()
     return EXIT_OK if same else EXIT_FAILED

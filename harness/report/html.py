@@ -20,7 +20,7 @@ from typing import Any
 from harness.devices import describe_devices
 from harness.files import write_text_atomic
 from harness.judge.records import CaseRecord, Verdict
-from harness.report.text import describe_baseline_sources, drift_summary
+from harness.report.text import describe_baseline_sources, drift_summary, purpose_line
 
 REPORT_HTML = "report.html"
 # Terminal escape sequences: vLLM colours its log lines, and error texts carry log tails.
@@ -145,11 +145,18 @@ def _header(records: Sequence[CaseRecord], run_info: Mapping[str, Any]) -> str:
         line = f"{failed} of {len(records)} case(s) failed their policy"
     else:
         line = f"all {len(records)} case(s) passed their policy"
+    purpose = purpose_line(run_info)  # a self-test's planted fault, a death under load
+    said = (
+        f"<p class=purpose><strong>{escape(purpose)}</strong>: not failures of vLLM</p>\n"
+        if purpose
+        else ""
+    )
     return (
         "<header>\n<h1>EPD correctness report</h1>\n"
         f'<p class="summary-line"><span class="status {"pass" if passed else "fail"}">'
         f"{'PASS' if passed else 'FAIL'}</span>{escape(line)}"
         f"{f' <span class=muted>({escape(counts)})</span>' if counts else ''}</p>\n"
+        f"{said}"
         f"{_meta_line(run_info)}\n</header>"
     )
 

@@ -17,19 +17,19 @@ from harness.files import write_json_atomic, write_text_atomic
 from harness.judge.records import CaseRecord
 from harness.outcomes.outcome import Outcome
 from harness.report.bundle import write_bundle
-from harness.report.text import (
+from harness.report.text import (  # PURPOSE_LINE, purpose_line: read from here too
+    PURPOSE_LINE,
     describe_baseline_sources,
     format_verdict_table,
+    purpose_line,
     write_summary_json,
 )
+
+__all__ = ["PURPOSE_LINE", "purpose_line", "write_run_outputs", "write_verdicts"]
 
 VERDICTS_FILE = "verdicts.txt"  # the verdict table as the terminal shows it
 # verdicts.txt's first line: what computed the ids (another GPU model can change them).
 DEVICES_LINE = "ran on: "
-# Before it, for a run whose red cases are what its test wanted (a self-test's planted fault,
-# a death under load): a green night leaves such bundles, and the cherry-pick workflow's
-# summary shows every verdicts.txt, where they read as failures of the vLLM under test.
-PURPOSE_LINE = "red on purpose: "
 
 
 def write_run_outputs(
@@ -63,16 +63,6 @@ def write_verdicts(
     head = "".join(f"{line}\n" for line in (purpose_line(run_info), devices_line(run_info)) if line)
     tail = f"\n{sources}" if sources else ""
     write_text_atomic(run_dir / VERDICTS_FILE, head + table + tail + "\n")
-
-
-def purpose_line(run_info: Mapping[str, Any]) -> str | None:
-    """`red on purpose: ...` for a run that planted a fault (run.json's `fault`) or killed an
-    instance under load (`killed`); None for any other."""
-    if run_info.get("fault"):
-        return f"{PURPOSE_LINE}the run planted the fault {run_info['fault']}"
-    if run_info.get("killed"):
-        return f"{PURPOSE_LINE}the load killed {run_info['killed']} with its requests in flight"
-    return None
 
 
 def devices_line(run_info: Mapping[str, Any]) -> str | None:

@@ -13,7 +13,22 @@ from harness.files import write_text_atomic
 from harness.judge.records import CaseRecord, Verdict
 
 DETAIL_WIDTH = 70
+# Before a bundle's verdicts, for a run whose red cases are what its test wanted (a self-test's
+# planted fault, a death under load): a green night leaves such bundles, and the cherry-pick
+# workflow's summary shows every verdicts.txt, where they read as failures of the vLLM under
+# test; diff.md, report.html and the console say it too, read before verdicts.txt.
+PURPOSE_LINE = "red on purpose: "
 COLUMNS = ("TOPOLOGY", "PROMPT", "REFERENCE", "VERDICT", "PASS", "DETAIL")
+
+
+def purpose_line(run_info: Mapping[str, Any]) -> str | None:
+    """`red on purpose: ...` for a run that planted a fault (run.json's `fault`) or killed an
+    instance under load (`killed`); None for any other."""
+    if run_info.get("fault"):
+        return f"{PURPOSE_LINE}the run planted the fault {run_info['fault']}"
+    if run_info.get("killed"):
+        return f"{PURPOSE_LINE}the load killed {run_info['killed']} with its requests in flight"
+    return None
 
 
 def _one_line(text: str, width: int) -> str:

@@ -44,7 +44,7 @@ from harness.judge.compare import is_measured_floor
 from harness.judge.policy import ReferencePolicy, default_reference_policy
 from harness.judge.records import Verdict
 from harness.redact import REDACTED
-from harness.run.repro import Bundle, BundleError, ReproCase, case_of
+from harness.run.repro import Bundle, BundleError, ReproCase, case_of, killed_by_the_load
 from harness.run.scenarios import MATRIX
 from harness.serve.session import safe_name
 from harness.serve.vllm_proxy import EPD_PROXY_FILE, TOY_PROXY_FILE, vllm_proxy_launch
@@ -327,6 +327,9 @@ def refuse_unexportable(bundle: Bundle) -> None:
             "there are no commands to export; rerun the case with 'epd-harness repro' (or "
             "'run --proxy vllm') and export that run"
         )
+    killed = killed_by_the_load(bundle)
+    if killed:
+        raise BadInput(killed)
     fault = bundle.run.get("fault")
     if fault or (bundle.path / "detection.json").is_file():
         raise BadInput(

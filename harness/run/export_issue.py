@@ -109,7 +109,9 @@ def render_issue(plan: ExportPlan) -> str:
         *found_section(plan, record),
         "",
     ]
-    return "\n".join(lines)
+    # The recording host's run directory (the harness's --run-dir, a dead instance's log in
+    # it) means nothing upstream: named as the run it is, `jpeg/1P-1D/...`.
+    return "\n".join(lines).replace(str(plan.bundle), plan.bundle.name)
 
 
 def install_instructions(plan: ExportPlan, version: str) -> list[str]:

@@ -17,6 +17,7 @@ import logging
 import os
 import shlex
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -235,8 +236,10 @@ class Bundle:
                 for record in self.cases if declared_too else ():
                     if record["verdict"] not in passed:
                         return record
+            names = dict.fromkeys(case_name(record) for record in self.cases)
             raise BundleError(
-                f"{self.path}: every case passed; name one with --case TOPOLOGY:PROMPT"
+                f"{self.path}: every case passed; name one with --case TOPOLOGY:PROMPT "
+                f"(its cases: {', '.join(names)})"
             )
         name, _, reference = wanted.partition(CASE_REFERENCE_SEPARATOR)
         matches = [
@@ -246,7 +249,12 @@ class Bundle:
             and reference in ("", record["reference"])
         ]
         if not matches:
-            raise BundleError(f"{self.path}: no case {wanted!r}")
+            # The verdict table's TOPOLOGY column names a scenario (`1E+1PD:SCENARIO`), which
+            # the case's name leaves out: say how each case is named.
+            names = dict.fromkeys(case_name(record) for record in self.cases)
+            raise BundleError(
+                f"{self.path}: no case {wanted!r}; its cases: {', '.join(names) or 'none'}"
+            )
         by_reference: dict[str, dict[str, Any]] = {}
         for record in matches:
             by_reference.setdefault(record["reference"], record)
@@ -260,6 +268,14 @@ class Bundle:
             f"{self.path}: case {wanted!r} was judged against {len(by_reference)} references "
             f"({verdicts}); name one: --case {wanted}{CASE_REFERENCE_SEPARATOR}REFERENCE"
         )
+
+
+def case_name(record: dict[str, Any]) -> str:
+    """How `--case` names a summary.json record: `TOPOLOGY:PROMPT`, and its scenario said
+    apart (`1E+1PD:m-video-jpeg-frames (scenario ec-video-jpeg-frames-default-fps)`)."""
+    topology, _, scenario = record["topology"].partition(":")
+    name = f"{topology}:{record['prompt']}"
+    return f"{name} (scenario {scenario})" if scenario else name
 
 
 def case_of(record: dict[str, Any]) -> ReproCase:
@@ -299,7 +315,9 @@ def _unredacted(name: str, value: str) -> str:
 
 def repro_line(case: ReproCase, verdict_now: str, bundle: Bundle, served: ServedVllm) -> str:
     """`1E+1PD / image vs baseline: MISMATCH now, MISMATCH in the bundle: reproduced`. On a vLLM
-    other than the bundle's, reproduced (or not) is another claim, so the line names both."""
+    other than the bundle's, reproduced (or not) is another claim, so the line names both. A
+    bundle's planted fault is planted again (`reproduce`), and the line says so: "reproduced"
+    alone read as a vLLM failure to whoever was handed the bundle."""
     same = verdict_now == case.verdict
     recorded = bundle.served_version
     versions = (
@@ -307,9 +325,17 @@ def repro_line(case: ReproCase, verdict_now: str, bundle: Bundle, served: Served
         if recorded and recorded != served.version
         else ""
     )
+    fault = bundle.run.get("fault")
+    planted = (
+        f"; red on purpose: the bundle's planted fault {fault} was planted again, "
+        "not a failure of vLLM"
+        if fault
+        else ""
+    )
     return (
         f"{case.topology} / {case.prompt} vs {case.reference}: {verdict_now} now, "
-        f"{case.verdict} in the bundle: {'reproduced' if same else 'NOT reproduced'}{versions}"
+        f"{case.verdict} in the bundle: {'reproduced' if same else 'NOT reproduced'}"
+        f"{versions}{planted}"
     )
 
 
@@ -352,7 +378,10 @@ def reproduce(
         log.warning(
             "repro: the bundle was served by vLLM %s, this run serves %s", recorded, served.version
         )
-    spec = SweepSpec(topologies=(topology,), prompts=(), fault=bundle.run.get("fault"))
+    fault = bundle.run.get("fault")
+    if fault:  # said before the rerun's minutes, not only in its last line
+        log.warning("repro: the bundle's run planted the fault %s; it is planted again", fault)
+    spec = SweepSpec(topologies=(topology,), prompts=(), fault=fault)
     # A pool of its own, kept until the caller closes it: `keep_up` serves on the very
     # session the case was reproduced on.
     pool = TopologyPool(settings, on_event)
@@ -363,6 +392,21 @@ def reproduce(
         pool.close()
         raise
     return case, records, sweep
+
+
+def killed_by_the_load(bundle: Bundle) -> str | None:
+    """Why a bundle's failures cannot be redone by one request, when a `load --kill ROLE` made
+    them: the harness SIGKILLed that instance with every request in flight, so each ERROR
+    names a death vLLM did not cause (an export of it drafted "[Bug]: ... D dies", real vLLM
+    1P+1D). None for any other bundle."""
+    killed = bundle.run.get("killed")
+    if not killed:
+        return None
+    return (
+        f"{bundle.path}: its failures are red on purpose: the load killed {killed} (--kill) "
+        "with its requests in flight, which one request to vLLM alone does not redo; rerun "
+        "'epd-harness load ... --kill ROLE' to see it again"
+    )
 
 
 def protocol_for(bundle: Bundle, served: ServedVllm) -> ProtocolGeneration:
@@ -385,9 +429,29 @@ def protocol_for(bundle: Bundle, served: ServedVllm) -> ProtocolGeneration:
     return speaks
 
 
-def keep_up(sweep: Sweep, topology_name: str) -> None:
+def keep_up(sweep: Sweep, topology_name: str, settled: Callable[[], None] | None = None) -> None:
     """Serve the topology the case was reproduced on until Ctrl-C (or SIGTERM), showing how
-    to reach and relaunch it (started again only if an instance died in the case)."""
+    to reach and relaunch it (started again only if an instance died in the case).
+
+    A planted fault (the bundle's, planted again for the case) is no longer planted, but
+    what it altered stays: real vLLM 0.32.0 kept answering `run --attach` with the noised
+    embeddings after 1E+1PD ec-noise:0.05, from the EC file and, that file removed, from the
+    encoder's and the consumer's caches. Neither vLLM's answers nor the fault's, so the
+    topology is started again, on fresh storage, and what stays up is vLLM's alone."""
+    fault = sweep.spec.fault
+    if fault:
+        log.warning(
+            "repro: %s is started again without the planted fault %s: its storage and its "
+            "instances' caches hold what the fault altered; what stays up serves as vLLM does, "
+            "so the case is not red there",
+            topology_name,
+            fault,
+        )
+        sweep.pool.release(topology_name)
+    # The baseline (and any reference) the case was judged against would serve on, unlisted.
+    for key in sweep.pool.running():
+        if key.topology != topology_name:
+            sweep.pool.release(key.topology)
     session = sweep.pool.session(get_topology(topology_name))
     log.info("%s is up; entry point (proxy): %s", topology_name, session.entry_url)
     for spec in session.instances:
@@ -397,5 +461,7 @@ def keep_up(sweep: Sweep, topology_name: str) -> None:
     attach_file = sweep.settings.run_dir / ATTACH_FILE_NAME
     write_attach_file(session, attach_file)
     log.info("attach file: %s (judge it: epd-harness run --attach %s)", attach_file, attach_file)
+    if settled is not None:  # what stopped before now was keep-up's doing, not Ctrl-C's
+        settled()
     log.info("Ctrl-C stops everything.")
     signal.pause()
