@@ -970,18 +970,12 @@ def swap_like_fault():
     return fault
 
 
-def test_a_planted_fuzz_says_how_many_examples_the_fault_acted_on(
-    tmp_path: Path, monkeypatch
-) -> None:
-    """Seen on real vLLM: `fuzz --topology 1E+1PD --examples 12 --seed 0 --plant-fault
-    ec-swap-items` exited 0 with "0 new failure(s)" and no word of the fault, which had acted
-    on none of the 12 examples (no request had two items of one shape): a self-test that
-    tested nothing read as one the harness failed. Each example now records whether the
-    fault acted, and the report counts it, with the fault's own reasons for the rest."""
+def planted_engine(tmp_path: Path, monkeypatch, topology: str, fault: str, planted, session):
+    """A FuzzEngine with `planted` as its fault's bookkeeping, the baseline and `session`
+    (built on `planted`) standing in for the servers, no guards read: what the planted-fault
+    tests judge is the engine's reading of the fault, not a topology."""
     import harness.run.fuzz.engine as engine_module
-    from harness.run.fuzz.bundle import fault_effect_line
     from harness.run.fuzz.engine import FuzzEngine
-    from harness.run.fuzz.strategies import FuzzExample
     from harness.spec.settings import RunSettings, ServedVllm
 
     settings = RunSettings(
@@ -990,11 +984,28 @@ def test_a_planted_fuzz_says_how_many_examples_the_fault_acted_on(
         vllm=ServedVllm("vllm", "0.32.0+cpu"),
     )
     monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
-    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"], fault="ec-swap-items")
-    engine.planted = fault = swap_like_fault()
+    engine = FuzzEngine(settings, TOPOLOGIES[topology], fault=fault)
+    engine.planted = planted
     engine.baseline = KeepsBodies()  # type: ignore[assignment]
-    engine.session = SwapsLikeTheProxy(fault)  # type: ignore[assignment]
+    engine.session = session(planted)  # type: ignore[assignment]
     engine.topology_dead = lambda: None  # type: ignore[method-assign]
+    return engine
+
+
+def test_a_planted_fuzz_says_how_many_examples_the_fault_acted_on(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Seen on real vLLM: `fuzz --topology 1E+1PD --examples 12 --seed 0 --plant-fault
+    ec-swap-items` exited 0 with "0 new failure(s)" and no word of the fault, which had acted
+    on none of the 12 examples (no request had two items of one shape): a self-test that
+    tested nothing read as one the harness failed. Each example now records whether the
+    fault acted, and the report counts it, with the fault's own reasons for the rest."""
+    from harness.run.fuzz.bundle import fault_effect_line
+    from harness.run.fuzz.strategies import FuzzExample
+
+    engine = planted_engine(
+        tmp_path, monkeypatch, "1E+1PD", "ec-swap-items", swap_like_fault(), SwapsLikeTheProxy
+    )
     text_only = PromptSpec("ex-0002", (TextPart(" hello there"),))
     examples = [
         FuzzExample(image_prompt((56, 56), name="ex-0000")),
@@ -1087,22 +1098,11 @@ def test_a_planted_fault_shrinks_from_and_to_requests_it_acted_on(
     because of earlier requests, so its bundle cannot reproduce on fresh servers. With a
     planted fault, a group starts from a member the fault acted on and a candidate
     reproduces only if the fault acted on it too."""
-    import harness.run.fuzz.engine as engine_module
-    from harness.run.fuzz.engine import FuzzEngine
     from harness.run.fuzz.strategies import FuzzExample
-    from harness.spec.settings import RunSettings, ServedVllm
 
-    settings = RunSettings(
-        serving=ServingConfig(model=str(tmp_path / "model")),
-        run_dir=tmp_path,
-        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+    engine = planted_engine(
+        tmp_path, monkeypatch, "1E+1PD", "ec-swap-items", swap_like_fault(), RemembersSwaps
     )
-    monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
-    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"], fault="ec-swap-items")
-    engine.planted = fault = swap_like_fault()
-    engine.baseline = KeepsBodies()  # type: ignore[assignment]
-    engine.session = RemembersSwaps(fault)  # type: ignore[assignment]
-    engine.topology_dead = lambda: None  # type: ignore[method-assign]
     swapped = PromptSpec(
         "ex-0000", (ImagePart(1, (112, 112)), ImagePart(2, (112, 112)), TextPart(" a b"))
     )
@@ -1153,23 +1153,11 @@ def test_a_candidate_whose_prompt_the_fault_acted_on_before_reproduces(
     servers: requiring the fault to act on the candidate itself stopped the shrink at 46
     tokens for a failure at token 0. The fault acted on this request's content before, which
     counts."""
-    import harness.run.fuzz.engine as engine_module
     from harness.run.faults import PlantedFault
-    from harness.run.fuzz.engine import FuzzEngine
     from harness.run.fuzz.strategies import FuzzExample
-    from harness.spec.settings import RunSettings, ServedVllm
 
-    settings = RunSettings(
-        serving=ServingConfig(model=str(tmp_path / "model")),
-        run_dir=tmp_path,
-        vllm=ServedVllm("vllm", "0.32.0+cpu"),
-    )
-    monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
-    engine = FuzzEngine(settings, TOPOLOGIES["1P+1D"], fault="kv-noise:0.05")
-    engine.planted = fault = PlantedFault(after_prefill=lambda request_id, response: None)
-    engine.baseline = KeepsBodies()  # type: ignore[assignment]
-    engine.session = KeepsNoisedKv(fault)  # type: ignore[assignment]
-    engine.topology_dead = lambda: None  # type: ignore[method-assign]
+    fault = PlantedFault(after_prefill=lambda request_id, response: None)
+    engine = planted_engine(tmp_path, monkeypatch, "1P+1D", "kv-noise:0.05", fault, KeepsNoisedKv)
     start = PromptSpec("ex-0000", (TextPart(" a b c d"),), max_tokens=46)
     report = engine.run([FuzzExample(start)])
 
