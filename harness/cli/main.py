@@ -353,7 +353,8 @@ def command_repro(args: argparse.Namespace) -> int:
         own = next((r for r in records if r.reference == case.reference), records[0])
         same = own.verdict.value == case.verdict
         print(
-            f"\nepd-harness: {repro_line(case, own.verdict.value, bundle, served)}; "
+            f"\nepd-harness: "
+            f"{repro_line(case, own.verdict.value, bundle, served, own.policy_passed)}; "
             f"artifacts in {run_dir}"
         )
         if args.keep_up:

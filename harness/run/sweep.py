@@ -25,6 +25,7 @@ from pathlib import Path
 from harness.files import write_json_atomic
 from harness.judge.guards import GuardResult
 from harness.judge.records import CaseRecord
+from harness.judge.verdicts import Declaration
 from harness.outcomes.outcome import InstanceStats, Outcome
 from harness.report.bundle import write_run_info
 from harness.report.run_outputs import write_run_outputs
@@ -405,10 +406,13 @@ class Sweep:
         """Why the served release cannot run this case meaningfully (None: it can)."""
         return self.judging.not_applicable(TOPOLOGIES[topology_name], self.specs.get(prompt))
 
-    def judge(self, topology_name: str, prompt: str) -> list[CaseRecord]:
+    def judge(
+        self, topology_name: str, prompt: str, declared: Declaration | None = None
+    ) -> list[CaseRecord]:
         """Records for one case: against the baseline, and its exact reference if it has one.
         A case the served release cannot run is NOT_APPLICABLE, with the table's reason; one
-        it is declared to fail passes only when it failed exactly so."""
+        it is declared to fail (by its release, or `declared`: a matrix scenario's failure
+        that `repro` reruns) passes only when it failed exactly so."""
         key = (topology_name, prompt)
         if key in self._judged:
             return self._judged[key]
@@ -425,7 +429,11 @@ class Sweep:
                 reference = self.serve_topology(topology.exact_reference)[prompt]
                 exact = (topology.exact_reference, reference.outcome)
             records = self.judging.judge(
-                topology, observed, spec=self.specs.get(prompt), exact_reference=exact
+                topology,
+                observed,
+                spec=self.specs.get(prompt),
+                exact_reference=exact,
+                declared=declared,
             )
             for record in records:
                 log.info(
