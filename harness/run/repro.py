@@ -410,7 +410,8 @@ def reproduce(
         log.warning("repro: the bundle's run planted the fault %s; it is planted again", fault)
     declared = bundle.declared(case.label)
     if declared is not None:
-        log.info("repro: judged as matrix scenario %s declares it: %s", *declared)
+        name, failure = declared
+        log.info("repro: judged as matrix scenario %s declares it (%s)", name, failure.verdict)
     spec = SweepSpec(topologies=(topology,), prompts=(), fault=fault)
     # A pool of its own, kept until the caller closes it: `keep_up` serves on the very
     # session the case was reproduced on.
