@@ -412,3 +412,23 @@ def test_the_verdict_line_names_the_declaration(tmp_path: Path, held: bool, says
     assert "declare" not in repro_line(
         bundle.pick_case(None), "MISMATCH", bundle, ServedVllm("/v", "0.32.0+cpu"), held
     )
+
+
+def test_a_green_bundle_with_a_declared_failure_names_it(tmp_path: Path) -> None:
+    """`repro` of a green run of ec-video-jpeg-frames-default-fps said "every case passed"
+    and nothing of the declared MISMATCH it holds (real vLLM 0.32.0): it names that case."""
+    bundle = Bundle.load(
+        write_bundle(
+            tmp_path / "b",
+            [
+                case("1E+1PD", "text", "MATCH", True),
+                case(DECLARED_LABEL, "m-video-jpeg-frames", "MISMATCH", True),
+            ],
+        )
+    )
+    with pytest.raises(BundleError, match="every case passed") as refused:
+        bundle.pick_case(None)
+    assert str(refused.value).endswith(
+        "; 1E+1PD:m-video-jpeg-frames (scenario ec-video-jpeg-frames-default-fps) failed as "
+        "declared, a known vLLM failure: --case 1E+1PD:m-video-jpeg-frames reruns it"
+    ), refused.value
