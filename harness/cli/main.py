@@ -233,7 +233,12 @@ def run_config(args: argparse.Namespace, config: RunConfig) -> int:
     if config.matrix:
         spec = SweepSpec(topologies=(), prompts=(), baseline_only_prompts=config.prompts)
     else:
-        spec = SweepSpec(topologies=config.topologies, prompts=config.prompts, fault=config.fault)
+        spec = SweepSpec(
+            topologies=config.topologies,
+            prompts=config.prompts,
+            fault=config.fault,
+            declared=config.declared,
+        )
     sweep = Sweep(
         spec,
         settings,

@@ -70,6 +70,9 @@ class SweepSpec:
     # matrix's 2E+1PD): placed in its schedule all the same, for on GPUs a topology with no
     # place leases every device, stopping everything else this process serves.
     placed_only: tuple[Topology, ...] = ()
+    # Prompt -> the failure a matrix scenario declares it has on the sweep's one topology (an
+    # attached deployment sent a scenario's prompt: `harness.run.scenarios.attached_prompt`).
+    declared: tuple[tuple[str, Declaration], ...] = ()
 
 
 @dataclass
@@ -411,8 +414,9 @@ class Sweep:
     ) -> list[CaseRecord]:
         """Records for one case: against the baseline, and its exact reference if it has one.
         A case the served release cannot run is NOT_APPLICABLE, with the table's reason; one
-        it is declared to fail (by its release, or `declared`: a matrix scenario's failure
-        that `repro` reruns) passes only when it failed exactly so."""
+        it is declared to fail (by its release, or `declared`, else the spec's: a matrix
+        scenario's failure, rerun by `repro` or sent to an attached deployment) passes only
+        when it failed exactly so."""
         key = (topology_name, prompt)
         if key in self._judged:
             return self._judged[key]
@@ -433,7 +437,7 @@ class Sweep:
                 observed,
                 spec=self.specs.get(prompt),
                 exact_reference=exact,
-                declared=declared,
+                declared=declared or dict(self.spec.declared).get(prompt),
             )
             for record in records:
                 log.info(
