@@ -377,3 +377,17 @@ def test_attach_refusing_a_scenario_names_its_prompts(tmp_path: Path) -> None:
     assert str(refused.value).endswith(
         "drop --scenario and choose its prompts with --prompt m-video-jpeg-frames"
     ), refused.value
+
+
+def test_an_unknown_prompt_with_attach_says_a_scenarios_prompt_is_known_too(
+    tmp_path: Path,
+) -> None:
+    from harness.preflight.config import RunRequest, check_arguments
+
+    request = RunRequest(proxy=ATTACH_PROXY, attach=str(attach_1e1pd(tmp_path)), prompts=("nope",))
+    with pytest.raises(BadInput) as refused:
+        check_arguments(request)
+    assert str(refused.value) == (
+        "unknown prompt 'nope' (known: text, image, two_images, video), or a matrix "
+        "scenario's, such as m-one-image"
+    )

@@ -317,7 +317,10 @@ def _attached_prompts(
             else attached_prompt(name, attach.topology.name, kv_connector.vllm_class, stream)
         )
         if found is None:
-            prompts.extend(names.check_prompts([name]))
+            try:
+                prompts.extend(names.check_prompts([name]))
+            except BadInput as exc:  # said that only the skeleton's are known
+                raise BadInput(f"{exc}, or a matrix scenario's, such as m-one-image") from None
             continue
         prompts.append(found[0])
         if found[1] is not None:
