@@ -298,3 +298,96 @@ def test_repro_refuses_a_bundle_of_an_attached_deployment(tmp_path: Path, epd_cl
         f"epd-harness: error: {bundle} judged an attached deployment, which repro cannot "
         "start; rerun 'epd-harness run --attach FILE' against it\n"
     )
+
+
+def attach_1e1pd(tmp_path: Path) -> Path:
+    """The attach file `repro --keep-up` writes for a 1E+1PD case (URLs made up)."""
+    return write(
+        tmp_path,
+        {
+            "proxy": "http://127.0.0.1:8000",
+            "instances": [
+                {"role": "encoder", "url": "http://127.0.0.1:8001"},
+                {"role": "pd", "url": "http://127.0.0.1:8002"},
+            ],
+        },
+    )
+
+
+def test_attach_sends_a_scenarios_prompt_judged_as_the_scenario_declares(
+    tmp_path: Path,
+) -> None:
+    """After `repro --keep-up` of ec-video-jpeg-frames-default-fps, `run --attach FILE
+    --prompt m-video-jpeg-frames` answered "unknown prompt" (an audit on real vLLM): only the
+    skeleton prompts were looked up. A scenario's prompt is sent, under the failure the
+    scenario declares where one request to the attached topology is the scenario."""
+    from harness.preflight.config import RunRequest, check_arguments
+
+    path = attach_1e1pd(tmp_path)
+    request = RunRequest(
+        proxy=ATTACH_PROXY, attach=str(path), prompts=("image", "m-video-jpeg-frames")
+    )
+    checked = check_arguments(request)
+    assert [p.name for p in checked.prompts] == ["image", "m-video-jpeg-frames"]
+    [(prompt, failure)] = checked.declared
+    assert (prompt, failure.verdict, failure.evidence) == (
+        "m-video-jpeg-frames",
+        "MISMATCH",
+        "generated tokens differ",
+    )
+    # A scenario expected to MATCH is a prompt like any other: no declaration.
+    plain = check_arguments(
+        RunRequest(proxy=ATTACH_PROXY, attach=str(path), prompts=("m-video-jpeg-frames-2fps",))
+    )
+    assert [p.name for p in plain.prompts] == ["m-video-jpeg-frames-2fps"]
+    assert plain.declared == ()
+
+
+def test_attach_refuses_a_declared_prompt_one_request_cannot_judge_as_declared(
+    tmp_path: Path,
+) -> None:
+    """A declared failure on another topology than the attached one would read as a new
+    failure, not the known one: refused, naming the scenario to run instead."""
+    from harness.preflight.config import RunRequest, check_arguments
+    from harness.run.scenarios import MATRIX
+
+    elsewhere = next(
+        s
+        for s in MATRIX
+        if s.declared is not None and s.topology != "1E+1PD" and len(s.prompts) == 1
+    )
+    name = elsewhere.prompts[0].name
+    request = RunRequest(proxy=ATTACH_PROXY, attach=str(attach_1e1pd(tmp_path)), prompts=(name,))
+    with pytest.raises(BadInput) as refused:
+        check_arguments(request)
+    assert str(refused.value).startswith(f"--prompt {name}: matrix scenario {elsewhere.name} ")
+    assert str(refused.value).endswith(f"run 'epd-harness run --scenario {elsewhere.name}' instead")
+
+
+def test_attach_refusing_a_scenario_names_its_prompts(tmp_path: Path) -> None:
+    from harness.preflight.config import RunRequest, check_arguments
+
+    request = RunRequest(
+        proxy=ATTACH_PROXY,
+        attach=str(attach_1e1pd(tmp_path)),
+        scenarios=("ec-video-jpeg-frames-default-fps",),
+    )
+    with pytest.raises(BadInput) as refused:
+        check_arguments(request)
+    assert str(refused.value).endswith(
+        "drop --scenario and choose its prompts with --prompt m-video-jpeg-frames"
+    ), refused.value
+
+
+def test_an_unknown_prompt_with_attach_says_a_scenarios_prompt_is_known_too(
+    tmp_path: Path,
+) -> None:
+    from harness.preflight.config import RunRequest, check_arguments
+
+    request = RunRequest(proxy=ATTACH_PROXY, attach=str(attach_1e1pd(tmp_path)), prompts=("nope",))
+    with pytest.raises(BadInput) as refused:
+        check_arguments(request)
+    assert str(refused.value) == (
+        "unknown prompt 'nope' (known: text, image, two_images, video), or a matrix "
+        "scenario's, such as m-one-image"
+    )

@@ -268,6 +268,32 @@ def test_a_sweep_judges_the_attached_deployment_and_launches_nothing(
     }
 
 
+def test_a_scenarios_prompt_sent_to_an_attached_deployment_is_judged_as_declared(
+    tmp_path: Path, deployment: Deployment
+) -> None:
+    """`run --attach FILE --prompt m-video-jpeg-frames` carries the failure its scenario
+    declares (`SweepSpec.declared`) into the judging: here the fake deployment answers as the
+    baseline does, so the declared MISMATCH does not hold, and the case fails saying so, as
+    the scenario's own run would."""
+    from harness.judge.records import DeclaredFailure
+
+    settings = attach_settings(tmp_path, deployment.spec, "attach-declared")
+    declared = DeclaredFailure("MISMATCH", "generated tokens differ", "the upstream cause")
+    sweep = Sweep(
+        SweepSpec(
+            topologies=(deployment.spec.topology,),
+            prompts=PROMPTS,
+            declared=(("image", declared),),
+        ),
+        settings,
+        baseline_cache=cached_baseline(tmp_path, settings),
+    )
+    text, image = sweep.run_all().records
+    assert (text.verdict, text.policy_passed) == (Verdict.MATCH, True), text.detail
+    assert (image.verdict, image.policy_passed) == (Verdict.MATCH, False), image.detail
+    assert "NOT the declared MISMATCH" in image.detail, image.detail
+
+
 def test_an_instance_down_before_the_run_is_an_error_naming_it(
     tmp_path: Path, deployment: Deployment
 ) -> None:

@@ -672,3 +672,34 @@ def test_an_instance_that_dies_while_its_neighbour_waits_fails_the_start_at_once
     assert "decode0 exited while starting" in done.stdout, done.stdout
     assert "started prefill0" not in done.stdout, done.stdout
     assert time.monotonic() - started < 15, done.stdout
+
+
+@pytest.mark.parametrize(
+    "platform, says",
+    [
+        (
+            "cpu",
+            "another CPU model (its vector instructions, AMX), torch or vLLM build, "
+            "or thread count can give other ids",
+        ),
+        ("cuda", "another GPU model, driver or CUDA version can give other ids"),
+    ],
+)
+def test_check_py_and_issue_md_say_what_else_gives_other_ids_on_the_recording_platform(
+    tmp_path: Path, answering, platform: str, says: str
+) -> None:
+    """An export recorded on CPU said in check.py and ISSUE.md that "another GPU model,
+    driver or CUDA can give other ids" (real vLLM 0.32.0 on CPU): the wording follows the
+    platform the case was recorded on."""
+    if platform == "cpu":
+        run = write_bundle(tmp_path / "run", topology="1E+1PD", verdict="MISMATCH")
+    else:
+        run = gpu_bundle(tmp_path, verdict="MISMATCH")
+    plan = plan_for(run)
+    out = tmp_path / "export"
+    write_export(plan, out, REPAIR)
+    assert f": {says} by itself." in render_issue(plan)
+    done = check_py(out, answering(FLIPPED))
+    said = done.stdout.split("were recorded on", 1)[-1]
+    assert f"; {says} (`bash run.sh reference`" in said, done.stdout + done.stderr
+    assert ("GPU" in said) is (platform == "cuda"), said

@@ -115,7 +115,7 @@ def rerun_settings(root: Path, monkeypatch: pytest.MonkeyPatch, served_version: 
         def __init__(self, spec, settings, bodies, pool):
             pass
 
-        def judge(self, topology, prompt):
+        def judge(self, topology, prompt, declared=None):
             return []
 
     monkeypatch.setattr(repro, "TopologyPool", NoPool)
@@ -202,7 +202,7 @@ def test_repro_tells_the_cli_each_servers_state(
         def __init__(self, spec, settings, bodies, pool):
             pass
 
-        def judge(self, topology, prompt):
+        def judge(self, topology, prompt, declared=None):
             return []
 
     def told(name: str, state: str, elapsed_s: float) -> None:
@@ -332,3 +332,103 @@ def test_repro_prints_the_first_divergence_of_the_case_it_reran(
     assert "generated tokens differ at position 2" in out
     assert "reference ⟶ 7        5 6 [7] 8" in out and "candidate ⟶ 9        5 6 [9] 8" in out, out
     assert "reference top-k at 2" in out and "candidate top-k at 2" in out, out
+
+
+DECLARED_LABEL = "1E+1PD:ec-video-jpeg-frames-default-fps"
+
+
+def test_repro_judges_a_declared_failure_as_the_bundle_did(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`repro --case` of a matrix scenario's declared MISMATCH printed "policy FAILED": the
+    scenario's declaration was not carried into the rerun, while the bundle had passed it
+    (real vLLM 0.32.0). The rerun is judged under the scenario's declaration; a case no
+    scenario declares, under none."""
+    import harness.run.repro as repro
+    from harness.spec.settings import ServedVllm
+
+    judged = {}
+
+    class NoPool:
+        def __init__(self, settings, *args, **kwargs):
+            pass
+
+        def close(self) -> None:
+            pass
+
+    class NoSweep:
+        def __init__(self, spec, settings, bodies, pool):
+            pass
+
+        def judge(self, topology, prompt, declared=None):
+            judged[prompt] = declared
+            return []
+
+    monkeypatch.setattr(repro, "TopologyPool", NoPool)
+    monkeypatch.setattr(repro, "Sweep", NoSweep)
+    root = write_bundle(
+        tmp_path / "b",
+        [case(DECLARED_LABEL, "image", "MISMATCH", True), case("1E+1PD", "text", "MATCH", True)],
+    )
+    run = json.loads((root / "run.json").read_text())
+    (root / "run.json").write_text(json.dumps({**run, "fault": None}))
+    (root / "requests.json").write_text(json.dumps({"image": {}, "text": {}}))
+    bundle = Bundle.load(root)
+    repro.reproduce(bundle, root / "again", ServedVllm("vllm", "0.32.0+cpu"), "1E+1PD:image")
+    repro.reproduce(bundle, root / "again2", ServedVllm("vllm", "0.32.0+cpu"), "1E+1PD:text")
+    declared = judged["image"]
+    assert declared is not None, "the scenario's declaration was not carried into the rerun"
+    assert (declared.verdict, declared.evidence) == ("MISMATCH", "generated tokens differ")
+    assert judged["text"] is None
+
+
+@pytest.mark.parametrize(
+    "held, says",
+    [
+        (
+            True,
+            "; a known vLLM failure, declared by matrix scenario "
+            "ec-video-jpeg-frames-default-fps (expects MISMATCH)",
+        ),
+        (
+            False,
+            "; NOT as matrix scenario ec-video-jpeg-frames-default-fps declares (expects MISMATCH)",
+        ),
+    ],
+)
+def test_the_verdict_line_names_the_declaration(tmp_path: Path, held: bool, says: str) -> None:
+    """A reproduced declared failure reads as the known failure it is, naming the scenario
+    that declares it; one that no longer fails as declared says so."""
+    from harness.run.repro import repro_line
+    from harness.spec.settings import ServedVllm
+
+    root = rerun_bundle(tmp_path / "b", DECLARED_LABEL, served_vllm={"version": "0.32.0+cpu"})
+    bundle = Bundle.load(root)
+    case_ = bundle.pick_case(None)
+    line = repro_line(case_, "MISMATCH", bundle, ServedVllm("/v", "0.32.0+cpu"), held)
+    assert line.endswith(f"in the bundle: reproduced{says}"), line
+    plain = rerun_bundle(tmp_path / "p", "1E+1PD", served_vllm={"version": "0.32.0+cpu"})
+    bundle = Bundle.load(plain)
+    assert "declare" not in repro_line(
+        bundle.pick_case(None), "MISMATCH", bundle, ServedVllm("/v", "0.32.0+cpu"), held
+    )
+
+
+def test_a_green_bundle_with_a_declared_failure_names_it(tmp_path: Path) -> None:
+    """`repro` of a green run of ec-video-jpeg-frames-default-fps said "every case passed"
+    and nothing of the declared MISMATCH it holds (real vLLM 0.32.0): it names that case."""
+    bundle = Bundle.load(
+        write_bundle(
+            tmp_path / "b",
+            [
+                case("1E+1PD", "text", "MATCH", True),
+                case(DECLARED_LABEL, "m-video-jpeg-frames", "MISMATCH", True),
+            ],
+        )
+    )
+    with pytest.raises(BundleError, match="every case passed") as refused:
+        bundle.pick_case(None)
+    assert str(refused.value).endswith(
+        "; 1E+1PD:m-video-jpeg-frames (scenario ec-video-jpeg-frames-default-fps) failed as "
+        "declared, a known vLLM failure: --case 1E+1PD:m-video-jpeg-frames reruns it"
+    ), refused.value

@@ -233,7 +233,12 @@ def run_config(args: argparse.Namespace, config: RunConfig) -> int:
     if config.matrix:
         spec = SweepSpec(topologies=(), prompts=(), baseline_only_prompts=config.prompts)
     else:
-        spec = SweepSpec(topologies=config.topologies, prompts=config.prompts, fault=config.fault)
+        spec = SweepSpec(
+            topologies=config.topologies,
+            prompts=config.prompts,
+            fault=config.fault,
+            declared=config.declared,
+        )
     sweep = Sweep(
         spec,
         settings,
@@ -353,7 +358,8 @@ def command_repro(args: argparse.Namespace) -> int:
         own = next((r for r in records if r.reference == case.reference), records[0])
         same = own.verdict.value == case.verdict
         print(
-            f"\nepd-harness: {repro_line(case, own.verdict.value, bundle, served)}; "
+            f"\nepd-harness: "
+            f"{repro_line(case, own.verdict.value, bundle, served, own.policy_passed)}; "
             f"artifacts in {run_dir}"
         )
         if args.keep_up:

@@ -21,6 +21,7 @@ from pathlib import Path
 from harness.environment import argv_check_dir, cache_dir, port_range
 from harness.errors import BadInput
 from harness.judge.policy import REFERENCE_POLICIES
+from harness.judge.records import DeclaredFailure
 from harness.preflight import files, names, resources, tokens, upstream_proxy
 from harness.preflight.attach import load_attach_file
 from harness.preflight.connectors import (
@@ -45,7 +46,13 @@ from harness.preflight.vllm_args import check_serve_argvs, serve_argvs
 from harness.run.baseline_cache import BaselineCache
 from harness.run.faults import KV_FAULTS, STREAM_FAULTS, fault_reaches, parse_fault
 from harness.run.goldens import GoldenStore, golden_release_argument
-from harness.run.scenarios import MATRIX, Scenario, get_scenario, matrix_prompts
+from harness.run.scenarios import (
+    MATRIX,
+    Scenario,
+    attached_prompt,
+    get_scenario,
+    matrix_prompts,
+)
 from harness.spec.attach import AttachSpec
 from harness.spec.connectors import EcConnector, KvConnector, get_kv_connector
 from harness.spec.placement import TooFewDevices
@@ -165,6 +172,9 @@ class RunConfig:
     baseline_cache: BaselineCache | None
     fault: str | None
     prompt_tokens: dict[str, int] = field(default_factory=dict)
+    # With --attach: the failures matrix scenarios declare for the prompts named (prompt ->
+    # failure), judged as declared on the attached topology (`attached_prompt`).
+    declared: tuple[tuple[str, DeclaredFailure], ...] = ()
     # Where every baseline answer is kept per release (None with --baseline-cache off), and
     # the release whose goldens replace the baseline (--golden).
     goldens: GoldenStore | None = None
@@ -186,6 +196,7 @@ class CheckedArguments:
     ec_connector: EcConnector
     devices: tuple[int, ...]  # as given (or the default); this machine's are checked later
     golden_release: str | None
+    declared: tuple[tuple[str, DeclaredFailure], ...] = ()  # RunConfig.declared
 
 
 def check_arguments(request: RunRequest, *, read_files: bool = True) -> CheckedArguments:
@@ -231,15 +242,18 @@ def check_arguments(request: RunRequest, *, read_files: bool = True) -> CheckedA
         )
     requested_kv = kv_connector_for(request.kv_connector, topologies, platform)
     ec_connector = ec_connector_for(request.ec_connector, topologies)
+    # An attached deployment's is its own, as its attach file says.
+    kv_connector = get_kv_connector(attach.kv_connector) if attach is not None else requested_kv
+    declared: list[tuple[str, DeclaredFailure]] = []
     if matrix:
         prompts = matrix_prompts(matrix)
     elif request.prompt_specs:
         prompts = request.prompt_specs
+    elif attach is not None and prompt_names:
+        prompts, declared = _attached_prompts(prompt_names, attach, kv_connector, request.stream)
     else:
         prompts = names.check_prompts(prompt_names) if prompt_names else SKELETON_PROMPTS
     devices = _parse_devices(request.devices, platform)
-    # An attached deployment's is its own, as its attach file says.
-    kv_connector = get_kv_connector(attach.kv_connector) if attach is not None else requested_kv
     if launcher.shared_dir is not None and not any(
         t.has_ec_transfer or (t.has_kv_transfer and kv_connector.uses_shared_storage)
         for t in topologies
@@ -283,7 +297,35 @@ def check_arguments(request: RunRequest, *, read_files: bool = True) -> CheckedA
         golden_release=golden_release(
             request.golden, request.baseline_cache, request.refresh_baseline
         ),
+        declared=tuple(declared),
     )
+
+
+def _attached_prompts(
+    prompt_names: list[str], attach: AttachSpec, kv_connector: KvConnector, stream: bool
+) -> tuple[tuple[PromptSpec, ...], list[tuple[str, DeclaredFailure]]]:
+    """--prompt on an attached deployment: a skeleton prompt, or a matrix scenario's (the
+    deployment `repro --keep-up` leaves serves a scenario's case, whose prompt --scenario,
+    which launches its topology, cannot send there), with the failure it is declared to have."""
+    skeleton = {p.name for p in SKELETON_PROMPTS}
+    prompts: list[PromptSpec] = []
+    declared: list[tuple[str, DeclaredFailure]] = []
+    for name in prompt_names:
+        found = (
+            None
+            if name in skeleton
+            else attached_prompt(name, attach.topology.name, kv_connector.vllm_class, stream)
+        )
+        if found is None:
+            try:
+                prompts.extend(names.check_prompts([name]))
+            except BadInput as exc:  # said that only the skeleton's are known
+                raise BadInput(f"{exc}, or a matrix scenario's, such as m-one-image") from None
+            continue
+        prompts.append(found[0])
+        if found[1] is not None:
+            declared.append((name, found[1]))
+    return tuple(prompts), declared
 
 
 def prepare_run(request: RunRequest) -> RunConfig:
@@ -382,6 +424,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         prompts=arguments.prompts,
         cases=arguments.cases,
         matrix=arguments.matrix,
+        declared=arguments.declared,
         settings=settings,
         baseline_cache=baseline_cache,
         fault=request.plant_fault,
@@ -477,9 +520,14 @@ def _refuse_flags_attach_ignores(request: RunRequest) -> None:
         )
     if request.scenarios or request.cases_file:
         flag = "--scenario" if request.scenarios else "--cases-file"
+        # A scenario's own prompts are sent with --prompt, judged as it declares them (the
+        # deployment `repro --keep-up` leaves serves one): say which (found by an audit).
+        named = [n for n in request.scenarios if n in {s.name for s in MATRIX}]
+        its = ",".join(p.name for n in named for p in get_scenario(n).prompts)
+        instead = f"its prompts with --prompt {its}" if its else "prompts with --prompt"
         raise BadInput(
             f"{flag} names topologies to launch; with --attach the deployment is the "
-            f"topology: drop {flag} and choose prompts with --prompt"
+            f"topology: drop {flag} and choose {instead}"
         )
 
 

@@ -784,6 +784,7 @@ def tokens_expectation(
             "verdict": case.verdict,
             "source": f"the harness (run {bundle.path.name})",
             "where": recording_host(bundle.run),
+            "ids_vary_with": ids_vary_with(bundle.run),
         },
     }
 
@@ -836,6 +837,17 @@ def recording_host(run: dict[str, Any]) -> str:
         return f"{host} (CPU {cpu})"
     devices = ",".join(str(d) for d in run.get("devices") or []) or "?"
     return f"{host} ({profile} devices {devices}; GPU model not recorded)"
+
+
+def ids_vary_with(run: dict[str, Any]) -> str:
+    """What else, beside a bug, can give other ids than the recording host's, for the platform
+    the case was recorded on: a CPU export said "another GPU model, driver or CUDA", which a
+    developer on another CPU could not act on (found by a real-vLLM audit on CPU)."""
+    if run.get("platform_profile", "cpu") == "cpu":
+        return (
+            "another CPU model (its vector instructions, AMX), torch or vLLM build, or thread count"
+        )
+    return "another GPU model, driver or CUDA version"
 
 
 def asks_for_logprobs(body: dict[str, Any]) -> bool:

@@ -433,10 +433,12 @@ def judging_lines(expected: dict[str, Any]) -> list[str]:
         )
     else:
         drift = "the run measured no noise (a floor of 0), so any difference is a MISMATCH"
-    where = (expected.get("recorded") or {}).get("where") or "the recording host"
+    recorded = expected.get("recorded") or {}
+    where = recorded.get("where") or "the recording host"
+    vary = recorded.get("ids_vary_with") or "another machine"
     return [
         f"`check.py` judges as the harness did: {drift}. The expected ids were recorded on "
-        f"{where}: another GPU model, driver or CUDA version can give other ids by itself.",
+        f"{where}: {vary} can give other ids by itself.",
     ]
 
 

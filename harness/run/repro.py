@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.judge.records import CaseRecord, Verdict
+from harness.judge.records import CaseRecord, DeclaredFailure, Verdict
 from harness.redact import REDACTED
 from harness.run.pool import TopologyPool
 from harness.run.scenarios import MATRIX, SendMode
@@ -188,6 +188,19 @@ class Bundle:
         )
         return Sending(streamed, unlike)
 
+    def declared(self, label: str) -> tuple[str, DeclaredFailure] | None:
+        """The failure the case labelled `label` was judged to have as declared: its matrix
+        scenario's (as under the bundle's KV connector), with the scenario's name; None for a
+        case no scenario declares a failure of. The rerun is judged under it, as the bundle's
+        run was: judged without it, a declared MISMATCH "reproduced" as policy FAILED while
+        the bundle had passed it (real vLLM 0.32.0, ec-video-jpeg-frames-default-fps)."""
+        _, _, name = label.partition(":")
+        scenario = next((s for s in MATRIX if s.name == name), None)
+        if scenario is None:
+            return None
+        failure = scenario.for_kv_connector(self.serving().kv_connector).declared
+        return (scenario.name, failure) if failure is not None else None
+
     @property
     def platform(self) -> str:
         """The platform profile the bundle's run served (cpu, cuda, xpu)."""
@@ -237,9 +250,22 @@ class Bundle:
                     if record["verdict"] not in passed:
                         return record
             names = dict.fromkeys(case_name(record) for record in self.cases)
+            # A green run of a scenario declared to fail holds that failure: say which case
+            # it is, since rerunning it is what a developer handed the bundle came for.
+            declared = [
+                record
+                for record in self.cases
+                if record["verdict"] not in (Verdict.MATCH.value, Verdict.DRIFT.value)
+            ]
+            known = (
+                f"; {case_name(declared[0])} failed as declared, a known vLLM failure: "
+                f"--case {case_name(declared[0]).split(' ')[0]} reruns it"
+                if declared
+                else ""
+            )
             raise BundleError(
                 f"{self.path}: every case passed; name one with --case TOPOLOGY:PROMPT "
-                f"(its cases: {', '.join(names)})"
+                f"(its cases: {', '.join(names)}){known}"
             )
         name, _, reference = wanted.partition(CASE_REFERENCE_SEPARATOR)
         matches = [
@@ -313,11 +339,15 @@ def _unredacted(name: str, value: str) -> str:
     return os.environ[name]
 
 
-def repro_line(case: ReproCase, verdict_now: str, bundle: Bundle, served: ServedVllm) -> str:
+def repro_line(
+    case: ReproCase, verdict_now: str, bundle: Bundle, served: ServedVllm, held: bool = True
+) -> str:
     """`1E+1PD / image vs baseline: MISMATCH now, MISMATCH in the bundle: reproduced`. On a vLLM
     other than the bundle's, reproduced (or not) is another claim, so the line names both. A
     bundle's planted fault is planted again (`reproduce`), and the line says so: "reproduced"
-    alone read as a vLLM failure to whoever was handed the bundle."""
+    alone read as a vLLM failure to whoever was handed the bundle. A failure a matrix scenario
+    declares is named as such (`held`: whether the rerun failed as declared), so a known
+    failure does not read as a new one."""
     same = verdict_now == case.verdict
     recorded = bundle.served_version
     versions = (
@@ -332,10 +362,20 @@ def repro_line(case: ReproCase, verdict_now: str, bundle: Bundle, served: Served
         if fault
         else ""
     )
+    declared = bundle.declared(case.label)
+    known = ""
+    if declared is not None:
+        scenario, failure = declared
+        known = (
+            f"; a known vLLM failure, declared by matrix scenario {scenario} "
+            f"(expects {failure.verdict})"
+            if held
+            else f"; NOT as matrix scenario {scenario} declares (expects {failure.verdict})"
+        )
     return (
         f"{case.topology} / {case.prompt} vs {case.reference}: {verdict_now} now, "
         f"{case.verdict} in the bundle: {'reproduced' if same else 'NOT reproduced'}"
-        f"{versions}{planted}"
+        f"{versions}{planted}{known}"
     )
 
 
@@ -381,13 +421,19 @@ def reproduce(
     fault = bundle.run.get("fault")
     if fault:  # said before the rerun's minutes, not only in its last line
         log.warning("repro: the bundle's run planted the fault %s; it is planted again", fault)
+    declared = bundle.declared(case.label)
+    if declared is not None:
+        name, failure = declared
+        log.info("repro: judged as matrix scenario %s declares it (%s)", name, failure.verdict)
     spec = SweepSpec(topologies=(topology,), prompts=(), fault=fault)
     # A pool of its own, kept until the caller closes it: `keep_up` serves on the very
     # session the case was reproduced on.
     pool = TopologyPool(settings, on_event)
     sweep = Sweep(spec, settings, bodies={case.prompt: bundle.requests[case.prompt]}, pool=pool)
     try:
-        records = sweep.judge(topology.name, case.prompt)
+        records = sweep.judge(
+            topology.name, case.prompt, declared=declared[1] if declared else None
+        )
     except BaseException:
         pool.close()
         raise

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.errors import lookup
+from harness.errors import BadInput, lookup
 from harness.judge.records import DeclaredFailure, Verdict
 from harness.spec.prompt_codec import prompt_from_json
 from harness.spec.prompts import (
@@ -359,6 +359,43 @@ def matrix_prompts(scenarios: tuple[Scenario, ...] = MATRIX) -> tuple[PromptSpec
             if by_name.setdefault(prompt.name, prompt) != prompt:
                 raise ValueError(f"prompt name {prompt.name!r} is used for two different prompts")
     return tuple(by_name.values())
+
+
+def attached_prompt(
+    name: str, topology: str, kv_connector: str, stream: bool
+) -> tuple[PromptSpec, DeclaredFailure | None] | None:
+    """A matrix scenario's prompt named with `--prompt` on an attached deployment of
+    `topology` (`run --attach FILE`, as `repro --keep-up` leaves one): its spec, and the failure
+    its scenario declares (under `kv_connector`, a vLLM class name), which the case is judged
+    under as the scenario's run judged it. None: no scenario's prompt.
+
+    Only where one request alone is the scenario (on its topology, sent alone, streamed as it
+    streams) is the declaration the same claim; elsewhere a declared failure judged without it
+    reads as a new one, and is refused in favour of running the scenario itself."""
+    owners = [s for s in MATRIX if any(p.name == name for p in s.prompts)]
+    if not owners:
+        return None
+    spec = next(p for p in owners[0].prompts if p.name == name)
+    for scenario in (s.for_kv_connector(kv_connector) for s in owners):
+        declared = scenario.declared
+        if declared is None:
+            continue
+        alone = (
+            len(scenario.prompts) == 1
+            and scenario.mode is SendMode.SEQUENTIAL
+            and not scenario.rerun_on_kept_storage
+            and not scenario.require_every_encoder
+            and (stream or not scenario.stream)
+        )
+        if alone and scenario.topology == topology:
+            return spec, declared
+        raise BadInput(
+            f"--prompt {name}: matrix scenario {scenario.name} declares it fails "
+            f"({declared.verdict}) on {scenario.topology} as the scenario sends it, which one "
+            f"request to this {topology} is not: run 'epd-harness run --scenario "
+            f"{scenario.name}' instead"
+        )
+    return spec, None
 
 
 def get_scenario(name: str) -> Scenario:

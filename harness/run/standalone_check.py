@@ -18,8 +18,9 @@ entry URL, every instance's URL, process id and log).
 keeps that answer's ids and log-probs in FILE (and says whether the recorded ids hold here).
 While `serve.sh` serves the case, `--reference FILE` judges the case against the answer in
 FILE, under the run's policy and noise floor from expected.json, and exits with that
-judgment's code; it also says how the case compares with the recorded ids. On another GPU
-model, driver or CUDA the recorded ids may not hold; the reference served here does.
+judgment's code; it also says how the case compares with the recorded ids. On another machine
+(GPU model, driver or CUDA; CPU model, build or thread count) the recorded ids may not hold;
+the reference served here does.
 
 Token ids are judged as the harness judges them (its harness/judge/compare.py, restated here
 in a few lines): a first difference in the generated ids is DRIFT, numeric noise, when the
@@ -725,8 +726,8 @@ def main(argv: list[str] | None = None) -> int:
         if serving_reference:
             here = ""
         print(
-            f"check.py: the expected ids were recorded on {recorded['where']}; another GPU "
-            f"model, driver or CUDA can give other ids{here}"
+            f"check.py: the expected ids were recorded on {recorded['where']}; "
+            f"{recorded.get('ids_vary_with', 'another machine')} can give other ids{here}"
         )
     return code
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from harness.files import write_json_atomic
 from harness.judge.guards import GuardResult
 from harness.judge.records import CaseRecord
+from harness.judge.verdicts import Declaration
 from harness.outcomes.outcome import InstanceStats, Outcome
 from harness.report.bundle import write_run_info
 from harness.report.run_outputs import write_run_outputs
@@ -69,6 +70,9 @@ class SweepSpec:
     # matrix's 2E+1PD): placed in its schedule all the same, for on GPUs a topology with no
     # place leases every device, stopping everything else this process serves.
     placed_only: tuple[Topology, ...] = ()
+    # Prompt -> the failure a matrix scenario declares it has on the sweep's one topology (an
+    # attached deployment sent a scenario's prompt: `harness.run.scenarios.attached_prompt`).
+    declared: tuple[tuple[str, Declaration], ...] = ()
 
 
 @dataclass
@@ -405,10 +409,14 @@ class Sweep:
         """Why the served release cannot run this case meaningfully (None: it can)."""
         return self.judging.not_applicable(TOPOLOGIES[topology_name], self.specs.get(prompt))
 
-    def judge(self, topology_name: str, prompt: str) -> list[CaseRecord]:
+    def judge(
+        self, topology_name: str, prompt: str, declared: Declaration | None = None
+    ) -> list[CaseRecord]:
         """Records for one case: against the baseline, and its exact reference if it has one.
         A case the served release cannot run is NOT_APPLICABLE, with the table's reason; one
-        it is declared to fail passes only when it failed exactly so."""
+        it is declared to fail (by its release, or `declared`, else the spec's: a matrix
+        scenario's failure, rerun by `repro` or sent to an attached deployment) passes only
+        when it failed exactly so."""
         key = (topology_name, prompt)
         if key in self._judged:
             return self._judged[key]
@@ -425,7 +433,11 @@ class Sweep:
                 reference = self.serve_topology(topology.exact_reference)[prompt]
                 exact = (topology.exact_reference, reference.outcome)
             records = self.judging.judge(
-                topology, observed, spec=self.specs.get(prompt), exact_reference=exact
+                topology,
+                observed,
+                spec=self.specs.get(prompt),
+                exact_reference=exact,
+                declared=declared or dict(self.spec.declared).get(prompt),
             )
             for record in records:
                 log.info(
