@@ -703,3 +703,14 @@ def test_check_py_and_issue_md_say_what_else_gives_other_ids_on_the_recording_pl
     said = done.stdout.split("were recorded on", 1)[-1]
     assert f"; {says} (`bash run.sh reference`" in said, done.stdout + done.stderr
     assert ("GPU" in said) is (platform == "cuda"), said
+
+
+def test_an_xpu_export_names_oneapi_not_cuda() -> None:
+    """An XPU case was told "CUDA" as what else gives other ids: the wording names the
+    platform's own runtime."""
+    from harness.run.export import ids_vary_with
+
+    assert ids_vary_with({"platform_profile": "xpu"}) == (
+        "another GPU model, driver or oneAPI version"
+    )
+    assert "CUDA" in ids_vary_with({"platform_profile": "cuda"})

@@ -843,10 +843,13 @@ def ids_vary_with(run: dict[str, Any]) -> str:
     """What else, beside a bug, can give other ids than the recording host's, for the platform
     the case was recorded on: a CPU export said "another GPU model, driver or CUDA", which a
     developer on another CPU could not act on (found by a real-vLLM audit on CPU)."""
-    if run.get("platform_profile", "cpu") == "cpu":
+    platform = run.get("platform_profile", "cpu")
+    if platform == "cpu":
         return (
             "another CPU model (its vector instructions, AMX), torch or vLLM build, or thread count"
         )
+    if platform == "xpu":
+        return "another GPU model, driver or oneAPI version"
     return "another GPU model, driver or CUDA version"
 
 
