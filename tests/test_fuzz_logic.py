@@ -1165,6 +1165,77 @@ def test_a_candidate_whose_prompt_the_fault_acted_on_before_reproduces(
     assert group.minimal is not None and group.minimal.spec.max_tokens == 1, group.minimal.spec
 
 
+class StoresKvByPrefix(KeepsBodies):
+    """1P+1D with ExampleConnector's keying, in words: P stores a prompt's KV once, in a folder
+    named by its first block (BLOCK words; a prompt of no more than BLOCK words moves no KV), and
+    the planted fault (the real kv-noise, on real safetensors files) noises what P wrote new.
+    D answers wrongly exactly when the file it loads is noised: two prompts sharing their first
+    block share the file, the second finding it noised by the first's fault."""
+
+    BLOCK = 4
+
+    def __init__(self, faults) -> None:
+        super().__init__()
+        self.faults = faults
+        self.storage = Path(faults.storage)
+        self.clean = {"k": torch_arange()}
+
+    def send(self, name: str, body: dict) -> Outcome:
+        import hashlib
+
+        from safetensors.torch import load_file, save_file
+
+        texts = [p["text"] for m in body["messages"] for p in m["content"] if p["type"] == "text"]
+        words = " ".join(texts).split()
+        super().send(name, body)
+        if len(words) <= self.BLOCK:
+            return outcome(name, (5, 6))  # D computes the prompt itself
+        key = hashlib.sha256(" ".join(words[: self.BLOCK]).encode()).hexdigest()[:16]
+        path = self.storage / key / "layer0.safetensors"
+        if not path.exists():
+            path.parent.mkdir(parents=True)
+            save_file(self.clean, str(path))
+        self.faults.after_prefill(name, {})
+        noised = not load_file(str(path))["k"].equal(self.clean["k"])
+        return outcome(name, (5, 7) if noised else (5, 6))
+
+
+def torch_arange():
+    import torch
+
+    return torch.arange(16, dtype=torch.float32)
+
+
+def test_a_candidate_reading_kv_the_fault_noised_for_another_request_reproduces(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Seen on real vLLM (`fuzz --topology 1P+1D --examples 10 --seed 1 --plant-fault
+    kv-noise:0.05`): a shrink candidate that drops a text keeps its first blocks, whose KV files
+    an earlier request (of other content) had P write and the fault noise; P writes none for
+    it, so the fault "did not act" and the candidate, failing as fresh servers would make it
+    fail, was rejected: the minimal kept a text it could drop. Such a miss is leftover state,
+    which kv-noise says so, and a candidate the fault reached that way reproduces; a miss of
+    the request's shape still does not (the two-word candidate here moves no KV, and passes)."""
+    from harness.run.faults import kv_noise
+    from harness.run.fuzz.strategies import FuzzExample
+
+    fault = kv_noise(tmp_path / "kv", 0.05)
+    fault.storage = tmp_path / "kv"  # type: ignore[attr-defined]  # where the fake P writes
+    engine = planted_engine(
+        tmp_path, monkeypatch, "1P+1D", "kv-noise:0.05", fault, StoresKvByPrefix
+    )
+    start = PromptSpec("ex-0000", (TextPart(" a b c d e"), TextPart(" f")), max_tokens=1)
+    report = engine.run([FuzzExample(start)])
+
+    (group,) = report.groups
+    assert group.minimal is not None
+    assert group.minimal.spec.parts == (TextPart(" a b c d e"),), group.minimal.spec
+    assert (group.minimal.fault or "").startswith(
+        "acted before, on what earlier requests left: P wrote no new *.safetensors"
+    ), "the report says why the fault did not act anew"
+    assert report.fault_effect()["acted"] == 1, "the example itself: the fault acted on it"
+
+
 def test_a_topology_without_d_is_not_described_by_ds_tail(tmp_path: Path) -> None:
     """Seen on real vLLM: `fuzz --topology 1E+1PD` printed "ends +5 from a block, in D's tail"
     for examples and "D loads 0 (block 32); media in D's tail: True" for a minimal request,

@@ -135,6 +135,27 @@ def test_kv_noise_touches_only_files_written_for_this_request(tmp_path: Path):
     assert "wrote no new" in fault.problems[0], fault.problems
 
 
+def test_kv_noise_calls_a_miss_leftover_only_on_storage_it_noised_all_of(tmp_path: Path):
+    """The fuzzer's shrink accepts a candidate kv-noise missed for leftover state (P found its
+    prompt's KV stored), since D then read a file the fault noised as it would for this request
+    on fresh servers. That holds only where the fault noised every stored file: with a file
+    from before the fault, which it never touched, D may have read clean KV."""
+    own = tmp_path / "own"
+    fault = kv_noise(own, 0.05)
+    write_kv(own, "prompt-a", seed=1)
+    fault.after_prefill("req-1", {})
+    fault.after_prefill("req-2", {})  # the same prefix: nothing new
+    assert len(fault.problems) == 1 and fault.leftover == fault.problems, fault
+
+    found = tmp_path / "found"
+    write_kv(found, "prompt-old", seed=1)
+    fault = kv_noise(found, 0.05)  # the storage was filled before the fault
+    write_kv(found, "prompt-a", seed=2)
+    fault.after_prefill("req-1", {})
+    fault.after_prefill("req-2", {})
+    assert len(fault.problems) == 1 and not fault.leftover, fault
+
+
 def test_swap_items_really_swaps(tmp_path: Path):
     a = random_tensor(64, HIDDEN, seed=1, dtype=torch.bfloat16)
     b = random_tensor(64, HIDDEN, seed=2, dtype=torch.bfloat16)

@@ -65,6 +65,16 @@ if TYPE_CHECKING:
     import torch
 
 KV_FILE_SUFFIX = ".safetensors"  # ExampleConnector: <kv_storage>/<prompt hash>/<layer>.safetensors
+# Why a planted fault did not act on a request, as the fuzzer's shrink must tell: the request's
+# SHAPE (nothing in it for the fault: one media item for ec-swap-items, no video for
+# ec-zero-frame), which fresh servers share, so a failure there is not the fault's; or LEFTOVER
+# state, what earlier requests left in a storage or cache (kv-noise: P found this prompt's KV
+# files stored and wrote none), which fresh servers would not have. A fault records a leftover
+# miss only where its earlier action on that state stands: what the request read is what the
+# fault would have made for it on fresh servers (`PlantedFault.leftover`); any other miss counts
+# as the request's shape. Making the fault act again instead would take a fresh
+# ExampleConnector key, which hashes the prompt's tokens and media only (no cache_salt): the
+# request itself would have to change.
 
 
 @dataclass
@@ -82,6 +92,11 @@ class PlantedFault(ProxyFaults):
     # What the fault measurably did, one line per file or item (e.g. the relative std of the
     # noise really added, after rounding to the file's dtype): evidence for the report.
     effects: list[str] = field(default_factory=list)
+    # The problems that are no miss of the request's shape but of what earlier requests left,
+    # on which the fault already acted as it would on this request on fresh servers (each is in
+    # `problems` too). Every other problem counts as the request's shape (e.g. ec-swap-items on
+    # one item): fresh servers would not see the fault act either. See above, at KV_FILE_SUFFIX.
+    leftover: list[str] = field(default_factory=list)
 
     def rewrite(
         self, request_id: str, path: Path, transform: Callable[[torch.Tensor], torch.Tensor]
@@ -308,18 +323,31 @@ def kv_noise(kv_storage: Path, fraction: float, seed: int = 0) -> PlantedFault:
     Unlike `zero_kv_files`, only files new or rewritten since the fault was made (or since its
     previous request) are touched: noise must not pile up on earlier prompts' files, and a
     request whose KV files already existed (nothing new written) is reported as a problem, not
-    silently passed.
+    silently passed. It is marked as a leftover miss (`PlantedFault.leftover`) while every KV
+    file in the storage is one P wrote after the fault was made, so one it noised (as it would
+    noise it for this request): with files from before (a storage the fault found filled) it
+    cannot tell which file D read, and the miss stays one of shape.
     """
     fault = PlantedFault()
     written = KvFilesSince(kv_storage)
+    older = set(kv_file_stamps(kv_storage))  # files the fault found, and never noised
 
     def after_prefill(request_id: str, prefill_response: dict[str, Any]) -> None:
         fresh = written.fresh()
         if not fresh:
-            fault.problems.append(
+            # LEFTOVER, not the request's shape: P writes nothing only when it finds the
+            # folder its prompt's block-aligned prefix (and media hashes) key already stored,
+            # i.e. an earlier request with that prefix wrote it, and this fault noised it then
+            # (it noises every file P writes). Causal attention makes that KV a function of
+            # the prefix alone, and the noise is seeded by the file's key, so D reads the very
+            # file fresh servers would write and noise for this request.
+            problem = (
                 f"{request_id}: P wrote no new *{KV_FILE_SUFFIX} under {kv_storage} "
                 f"({len(kv_file_stamps(kv_storage))} older file(s) left alone)"
             )
+            fault.problems.append(problem)
+            if not older & set(kv_file_stamps(kv_storage)):
+                fault.leftover.append(problem)
         for path in fresh:
             key = str(path.relative_to(kv_storage))
             fault.rewrite(request_id, path, noise_transform(fraction, file_seed(seed, key), fault))

@@ -70,12 +70,20 @@ FAULT_ACTED = "acted"
 # max_tokens): kv-noise noises the KV files P writes, and P writes a prompt's files once, so a
 # shrink candidate with fewer tokens finds them noised already; on fresh servers it would act.
 FAULT_ACTED_BEFORE = "acted on an earlier send of this request"
+# The fault did not act on this send for leftover state, not the request's shape: what it acts
+# on was already there, left by an earlier request of other content, and the fault had acted on
+# it as it would for this request on fresh servers (`PlantedFault.leftover`: kv-noise finds the
+# KV files of this prompt's leading blocks written and noised for another prompt). Followed by
+# ": " and the fault's reason.
+FAULT_ON_LEFTOVER = "acted before, on what earlier requests left"
 FAULT_NOT_ACTED = "not acted"
 
 
 def fault_reached(evaluation: Evaluation) -> bool:
-    """The planted fault acted on this request, now or on an earlier send of it."""
-    return evaluation.fault in (FAULT_ACTED, FAULT_ACTED_BEFORE)
+    """The planted fault acted on this request, now, on an earlier send of it, or on the
+    leftover state it read; not when the request's shape gave it nothing to act on."""
+    fault = evaluation.fault or ""
+    return fault in (FAULT_ACTED, FAULT_ACTED_BEFORE) or fault.startswith(FAULT_ON_LEFTOVER)
 
 
 log = logging.getLogger(__name__)
@@ -467,22 +475,24 @@ class FuzzEngine:
         evaluation.seconds += time.monotonic() - began
         return evaluation
 
-    def _fault_mark(self) -> tuple[int, int, int] | None:
+    def _fault_mark(self) -> tuple[int, int, int, int] | None:
         """How much the planted fault has recorded so far (None: nothing planted, or a fault
         without hooks, such as drop-metadata's flag, which records nothing)."""
         fault = self.planted
         if fault is None or (fault.after_encode is None and fault.after_prefill is None):
             return None
-        return len(fault.touched), len(fault.effects), len(fault.problems)
+        return len(fault.touched), len(fault.effects), len(fault.problems), len(fault.leftover)
 
-    def _fault_since(self, mark: tuple[int, int, int] | None) -> str | None:
+    def _fault_since(self, mark: tuple[int, int, int, int] | None) -> str | None:
         """Whether the planted fault acted on the request just sent: it rewrote a file or
         recorded an effect; otherwise its first problem (request id dropped, numbers
-        blanked), or that its hook never ran (nothing in the request for it to act on)."""
+        blanked), or that its hook never ran (nothing in the request for it to act on). A
+        first problem the fault marked as leftover state is `FAULT_ON_LEFTOVER`, every other
+        one the request's shape (`FAULT_NOT_ACTED`)."""
         fault = self.planted
         if mark is None or fault is None:
             return None
-        touched, effects, problems = mark
+        touched, effects, problems, leftover = mark
         if len(fault.touched) > touched or len(fault.effects) > effects:
             return FAULT_ACTED
         new = fault.problems[problems:]
@@ -491,7 +501,8 @@ class FuzzEngine:
         reason = new[0].split(": ", 1)[-1]
         reason = re.split(r": [\[{]", reason, maxsplit=1)[0]  # not the tensors' layouts
         reason = re.sub(r"\d+", "N", reason).splitlines()[0]
-        return f"{FAULT_NOT_ACTED}: {reason[:160]}"
+        status = FAULT_ON_LEFTOVER if new[0] in fault.leftover[leftover:] else FAULT_NOT_ACTED
+        return f"{status}: {reason[:160]}"
 
     def _served(self, evaluation: Evaluation) -> None:
         """What the request left in the KV storage and in D's prefix cache."""
