@@ -555,3 +555,35 @@ def test_a_bundle_prompt_that_is_no_spec_is_refused_naming_it(tmp_path: Path) ->
     (root / "run.json").write_text(json.dumps(run))
     with pytest.raises(BundleError, match=r"run.json: prompt 'video' is not a prompt's spec: no "):
         Bundle.load(root).prompt_spec("video")
+
+
+def test_a_scenario_expected_to_match_has_its_releases_declaration_in_the_rerun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The matrix judges ec-video-mp4 (expected to MATCH) under the served release's declared
+    failures too (0.30's video timing), from the scenario's own prompt spec, which run.json
+    does not keep: its rerun on 0.30.0 is judged under 0.30's declaration as well."""
+    from harness.spec.generations import VIDEO_TIMING_BEFORE_0_31
+
+    root = release_bundle(tmp_path / "b", "0.30.0+cpu", "by-hash")
+    summary = {"cases": [case("1E+1PD:ec-video-mp4", "m-video-mp4", "MISMATCH", True)]}
+    (root / "summary.json").write_text(json.dumps(summary))
+    (root / "requests.json").write_text(json.dumps({"m-video-mp4": {"model": "epd-model"}}))
+    import harness.run.repro as repro
+    from harness.spec.settings import ServedVllm
+
+    judged = {}
+
+    class NoSweep:
+        def __init__(self, spec, settings, bodies, pool):
+            pass
+
+        def judge(self, topology, prompt, declared=None):
+            judged[prompt] = declared
+            return []
+
+    monkeypatch.setattr(repro, "TopologyPool", lambda *a, **k: None)
+    monkeypatch.setattr(repro, "Sweep", NoSweep)
+    bundle = Bundle.load(root)
+    repro.reproduce(bundle, root / "again", ServedVllm("vllm", "0.30.0+cpu"), "1E+1PD:m-video-mp4")
+    assert judged["m-video-mp4"] == VIDEO_TIMING_BEFORE_0_31

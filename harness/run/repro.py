@@ -204,7 +204,8 @@ class Bundle:
     def declared(self, case: ReproCase, protocol: ProtocolGeneration | None) -> Declared | None:
         """The failure `case` is judged to have as declared: its matrix scenario's (as under
         the bundle's KV connector), else the one `protocol` (a release's generation) declares
-        for the case's prompt as run.json keeps its spec; None for a case neither declares.
+        for the case's prompt (the scenario's spec, else the one run.json keeps); None for a
+        case neither declares.
 
         The rerun is judged under it, as the bundle's run was: judged without it, a declared
         MISMATCH "reproduced" as policy FAILED while the bundle had passed it (real vLLM
@@ -214,8 +215,13 @@ class Bundle:
         scenario = next((s for s in MATRIX if s.name == name), None)
         if scenario is not None:
             failure = scenario.for_kv_connector(self.serving().kv_connector).declared
-            return Declared(f"matrix scenario {scenario.name}", failure) if failure else None
-        spec = self.prompt_spec(case.prompt)
+            if failure is not None:
+                return Declared(f"matrix scenario {scenario.name}", failure)
+            # The matrix judges a scenario expected to MATCH under the release's declared
+            # failures too, from the scenario's own spec (run.json keeps only the sweep's).
+            spec = next((p for p in scenario.prompts if p.name == case.prompt), None)
+        else:
+            spec = self.prompt_spec(case.prompt)
         if protocol is None or spec is None:
             return None
         failure = known_failure(protocol, get_topology(case.topology), spec)
