@@ -102,7 +102,18 @@ def rerun_settings(root: Path, monkeypatch: pytest.MonkeyPatch, served_version: 
     import harness.run.repro as repro
     from harness.spec.settings import ServedVllm
 
-    seen = {}
+    seen = stub_the_rerun(monkeypatch)
+    repro.reproduce(Bundle.load(root), root / "again", ServedVllm("vllm", served_version))
+    return seen["settings"]
+
+
+def stub_the_rerun(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """What `reproduce` hands its rerun, with the pool and the sweep standing in for servers
+    (nothing starts): "settings", the settings it serves with, and per prompt the declaration
+    the rerun is judged under."""
+    import harness.run.repro as repro
+
+    seen: dict = {}
 
     class NoPool:
         def __init__(self, settings, *args, **kwargs):
@@ -116,12 +127,12 @@ def rerun_settings(root: Path, monkeypatch: pytest.MonkeyPatch, served_version: 
             pass
 
         def judge(self, topology, prompt, declared=None):
+            seen[prompt] = declared
             return []
 
     monkeypatch.setattr(repro, "TopologyPool", NoPool)
     monkeypatch.setattr(repro, "Sweep", NoSweep)
-    repro.reproduce(Bundle.load(root), root / "again", ServedVllm("vllm", served_version))
-    return seen["settings"]
+    return seen
 
 
 def rerun_bundle(root: Path, label: str, **run: object) -> Path:
@@ -347,25 +358,7 @@ def test_repro_judges_a_declared_failure_as_the_bundle_did(
     import harness.run.repro as repro
     from harness.spec.settings import ServedVllm
 
-    judged = {}
-
-    class NoPool:
-        def __init__(self, settings, *args, **kwargs):
-            pass
-
-        def close(self) -> None:
-            pass
-
-    class NoSweep:
-        def __init__(self, spec, settings, bodies, pool):
-            pass
-
-        def judge(self, topology, prompt, declared=None):
-            judged[prompt] = declared
-            return []
-
-    monkeypatch.setattr(repro, "TopologyPool", NoPool)
-    monkeypatch.setattr(repro, "Sweep", NoSweep)
+    judged = stub_the_rerun(monkeypatch)
     root = write_bundle(
         tmp_path / "b",
         [case(DECLARED_LABEL, "image", "MISMATCH", True), case("1E+1PD", "text", "MATCH", True)],
@@ -465,25 +458,7 @@ def judged_under(root: Path, served: str, monkeypatch: pytest.MonkeyPatch):
     import harness.run.repro as repro
     from harness.spec.settings import ServedVllm
 
-    judged = {}
-
-    class NoPool:
-        def __init__(self, settings, *args, **kwargs):
-            pass
-
-        def close(self) -> None:
-            pass
-
-    class NoSweep:
-        def __init__(self, spec, settings, bodies, pool):
-            pass
-
-        def judge(self, topology, prompt, declared=None):
-            judged[prompt] = declared
-            return []
-
-    monkeypatch.setattr(repro, "TopologyPool", NoPool)
-    monkeypatch.setattr(repro, "Sweep", NoSweep)
+    judged = stub_the_rerun(monkeypatch)
     repro.reproduce(Bundle.load(root), root / "again", ServedVllm("vllm", served), "1E+1PD:video")
     return judged["video"]
 
