@@ -932,6 +932,16 @@ def test_a_fuzz_run_that_judged_nothing_fails(tmp_path: Path, monkeypatch, how: 
     assert last == f"epd-harness fuzz: no example was judged (3 {status}): the run tested nothing"
 
 
+def image_urls(body: dict) -> set[str]:
+    """The distinct images a chat request names: what the encoder gives one mm_hash each."""
+    return {
+        item["image_url"]["url"]
+        for message in body["messages"]
+        for item in message["content"]
+        if isinstance(item, dict) and item.get("type") == "image_url"
+    }
+
+
 class SwapsLikeTheProxy(KeepsBodies):
     """The topology under test, whose proxy runs the planted fault's after_encode hook with
     one mm_hash per distinct image of the request, as the harness's proxy does."""
@@ -941,12 +951,7 @@ class SwapsLikeTheProxy(KeepsBodies):
         self.faults = faults
 
     def send(self, name: str, body: dict) -> Outcome:
-        images = {
-            item["image_url"]["url"]
-            for message in body["messages"]
-            for item in message["content"]
-            if isinstance(item, dict) and item.get("type") == "image_url"
-        }
+        images = image_urls(body)
         if images and self.faults.after_encode is not None:
             self.faults.after_encode(name, {f"hash{n}": {} for n in range(len(images))})
         return super().send(name, body)
@@ -1075,12 +1080,7 @@ class RemembersSwaps(SwapsLikeTheProxy):
         self.swapped: set[str] = set()
 
     def send(self, name: str, body: dict) -> Outcome:
-        images = {
-            item["image_url"]["url"]
-            for message in body["messages"]
-            for item in message["content"]
-            if isinstance(item, dict) and item.get("type") == "image_url"
-        }
+        images = image_urls(body)
         acted = len(self.faults.effects)
         super().send(name, body)
         if len(self.faults.effects) > acted:

@@ -102,7 +102,18 @@ def rerun_settings(root: Path, monkeypatch: pytest.MonkeyPatch, served_version: 
     import harness.run.repro as repro
     from harness.spec.settings import ServedVllm
 
-    seen = {}
+    seen = stub_the_rerun(monkeypatch)
+    repro.reproduce(Bundle.load(root), root / "again", ServedVllm("vllm", served_version))
+    return seen["settings"]
+
+
+def stub_the_rerun(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """What `reproduce` hands its rerun, with the pool and the sweep standing in for servers
+    (nothing starts): "settings", the settings it serves with, and per prompt the declaration
+    the rerun is judged under."""
+    import harness.run.repro as repro
+
+    seen: dict = {}
 
     class NoPool:
         def __init__(self, settings, *args, **kwargs):
@@ -116,12 +127,12 @@ def rerun_settings(root: Path, monkeypatch: pytest.MonkeyPatch, served_version: 
             pass
 
         def judge(self, topology, prompt, declared=None):
+            seen[prompt] = declared
             return []
 
     monkeypatch.setattr(repro, "TopologyPool", NoPool)
     monkeypatch.setattr(repro, "Sweep", NoSweep)
-    repro.reproduce(Bundle.load(root), root / "again", ServedVllm("vllm", served_version))
-    return seen["settings"]
+    return seen
 
 
 def rerun_bundle(root: Path, label: str, **run: object) -> Path:
@@ -347,25 +358,7 @@ def test_repro_judges_a_declared_failure_as_the_bundle_did(
     import harness.run.repro as repro
     from harness.spec.settings import ServedVllm
 
-    judged = {}
-
-    class NoPool:
-        def __init__(self, settings, *args, **kwargs):
-            pass
-
-        def close(self) -> None:
-            pass
-
-    class NoSweep:
-        def __init__(self, spec, settings, bodies, pool):
-            pass
-
-        def judge(self, topology, prompt, declared=None):
-            judged[prompt] = declared
-            return []
-
-    monkeypatch.setattr(repro, "TopologyPool", NoPool)
-    monkeypatch.setattr(repro, "Sweep", NoSweep)
+    judged = stub_the_rerun(monkeypatch)
     root = write_bundle(
         tmp_path / "b",
         [case(DECLARED_LABEL, "image", "MISMATCH", True), case("1E+1PD", "text", "MATCH", True)],
@@ -432,3 +425,140 @@ def test_a_green_bundle_with_a_declared_failure_names_it(tmp_path: Path) -> None
         "; 1E+1PD:m-video-jpeg-frames (scenario ec-video-jpeg-frames-default-fps) failed as "
         "declared, a known vLLM failure: --case 1E+1PD:m-video-jpeg-frames reruns it"
     ), refused.value
+
+
+def release_bundle(root: Path, served: str, protocol: str, verdict: str = "MISMATCH") -> Path:
+    """A bundle of `run` on vLLM `served` (speaking `protocol`) whose 1E+1PD video case was
+    judged `verdict`: run.json keeps the prompt's spec, requests.json its body."""
+    from harness.report.bundle import _prompt_json
+    from harness.spec.generations import GENERATIONS_BY_NAME
+    from harness.spec.prompts import SKELETON_PROMPTS
+
+    video = next(p for p in SKELETON_PROMPTS if p.name == "video")
+    root = write_bundle(root, [case("1E+1PD", "video", verdict, True)])
+    run = json.loads((root / "run.json").read_text())
+    (root / "run.json").write_text(
+        json.dumps(
+            {
+                **run,
+                "fault": None,
+                "served_vllm": {"version": served},
+                "protocol": GENERATIONS_BY_NAME[protocol].to_json(),
+                "prompts": [_prompt_json(video)],
+            }
+        )
+    )
+    (root / "requests.json").write_text(json.dumps({"video": {"model": "epd-model"}}))
+    return root
+
+
+def judged_under(root: Path, served: str, monkeypatch: pytest.MonkeyPatch):
+    """The declaration `reproduce` has the rerun of the bundle's video case judged under, on
+    vLLM `served` (nothing started)."""
+    import harness.run.repro as repro
+    from harness.spec.settings import ServedVllm
+
+    judged = stub_the_rerun(monkeypatch)
+    repro.reproduce(Bundle.load(root), root / "again", ServedVllm("vllm", served), "1E+1PD:video")
+    return judged["video"]
+
+
+def test_repro_judges_a_releases_declared_failure_as_the_bundle_did(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 0.30.0 run passes 1E+1PD video's MISMATCH as the release's declared failure (video
+    timing before 0.31); its rerun replays the recorded body with no prompt spec, where the
+    release's declaration is looked up, so it was judged under none: "policy FAILED" while
+    the bundle had passed it. Rerun on 0.30.0 it is judged under 0.30's declaration; on 0.32.0,
+    which declares none, under none (a MATCH there is the fix upstream)."""
+    from harness.spec.generations import VIDEO_TIMING_BEFORE_0_31
+
+    root = release_bundle(tmp_path / "b", "0.30.0+cpu", "by-hash")
+    assert judged_under(root, "0.30.0+cpu", monkeypatch) == VIDEO_TIMING_BEFORE_0_31
+    assert judged_under(root, "0.32.0+cpu", monkeypatch) is None
+
+
+@pytest.mark.parametrize(
+    "served, now, held, says",
+    [
+        (
+            "0.30.0+cpu",
+            "MISMATCH",
+            True,
+            "MISMATCH in the bundle: reproduced; a known vLLM failure, declared by protocol "
+            "generation by-hash (vLLM >= 0.30.0 < 0.31.0) (expects MISMATCH)",
+        ),
+        (
+            "0.32.0+cpu",
+            "MATCH",
+            True,
+            "MISMATCH in the bundle: NOT reproduced (the bundle served vLLM 0.30.0+cpu, this "
+            "run 0.32.0+cpu); declared by protocol generation by-hash (vLLM >= 0.30.0 < 0.31.0) "
+            "for the bundle's vLLM 0.30.0+cpu, not for vLLM 0.32.0+cpu: it passes now, fixed "
+            "upstream",
+        ),
+        (
+            "0.32.0+cpu",
+            "MISMATCH",
+            False,
+            "for the bundle's vLLM 0.30.0+cpu, not for vLLM 0.32.0+cpu: it still fails, "
+            "judged undeclared",
+        ),
+    ],
+)
+def test_the_verdict_line_names_a_releases_declaration(
+    tmp_path: Path, served: str, now: str, held: bool, says: str
+) -> None:
+    """A 0.30.0 bundle's video case rerun on 0.30.0 reads as the release's known failure; on
+    0.32.0, which declares none, a pass is said plainly to be the fix upstream, not a failure
+    to reproduce a bug."""
+    from harness.run.repro import repro_line
+    from harness.spec.settings import ServedVllm
+
+    bundle = Bundle.load(release_bundle(tmp_path / "b", "0.30.0+cpu", "by-hash"))
+    case_ = bundle.pick_case("1E+1PD:video")
+    line = repro_line(case_, now, bundle, ServedVllm("/v", served), held)
+    assert line.endswith(says), line
+
+
+def test_a_bundle_prompt_that_is_no_spec_is_refused_naming_it(tmp_path: Path) -> None:
+    """run.json's prompt entry is where a release's declaration is read from; a broken one is
+    one error naming the file and the prompt, not a KeyError from deep in the rerun."""
+    root = release_bundle(tmp_path / "b", "0.30.0+cpu", "by-hash")
+    run = json.loads((root / "run.json").read_text())
+    del run["prompts"][0]["parts"]
+    (root / "run.json").write_text(json.dumps(run))
+    with pytest.raises(BundleError, match=r"run.json: prompt 'video' is not a prompt's spec: no "):
+        Bundle.load(root).prompt_spec("video")
+
+
+def test_a_scenario_expected_to_match_has_its_releases_declaration_in_the_rerun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The matrix judges ec-video-mp4 (expected to MATCH) under the served release's declared
+    failures too (0.30's video timing), from the scenario's own prompt spec, which run.json
+    does not keep: its rerun on 0.30.0 is judged under 0.30's declaration as well."""
+    from harness.spec.generations import VIDEO_TIMING_BEFORE_0_31
+
+    root = release_bundle(tmp_path / "b", "0.30.0+cpu", "by-hash")
+    summary = {"cases": [case("1E+1PD:ec-video-mp4", "m-video-mp4", "MISMATCH", True)]}
+    (root / "summary.json").write_text(json.dumps(summary))
+    (root / "requests.json").write_text(json.dumps({"m-video-mp4": {"model": "epd-model"}}))
+    import harness.run.repro as repro
+    from harness.spec.settings import ServedVllm
+
+    judged = {}
+
+    class NoSweep:
+        def __init__(self, spec, settings, bodies, pool):
+            pass
+
+        def judge(self, topology, prompt, declared=None):
+            judged[prompt] = declared
+            return []
+
+    monkeypatch.setattr(repro, "TopologyPool", lambda *a, **k: None)
+    monkeypatch.setattr(repro, "Sweep", NoSweep)
+    bundle = Bundle.load(root)
+    repro.reproduce(bundle, root / "again", ServedVllm("vllm", "0.30.0+cpu"), "1E+1PD:m-video-mp4")
+    assert judged["m-video-mp4"] == VIDEO_TIMING_BEFORE_0_31

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.judge.records import CaseRecord, DeclaredFailure, Verdict
+from harness.judge.records import CaseRecord, Verdict
+from harness.judge.verdicts import Declaration
 from harness.redact import REDACTED
 from harness.run.pool import TopologyPool
 from harness.run.scenarios import MATRIX, SendMode
@@ -35,8 +36,11 @@ from harness.spec.generations import (
     NEWEST,
     ProtocolGeneration,
     generation_for,
+    known_failure,
 )
 from harness.spec.platforms import get_platform
+from harness.spec.prompt_codec import prompt_from_json
+from harness.spec.prompts import PromptSpec
 from harness.spec.settings import (
     HARNESS_PROXY,
     RAY_LAUNCHER,
@@ -76,6 +80,15 @@ class ReproCase:
     verdict: str  # what the bundle recorded
     reference: str
     label: str = ""  # the case's label in the bundle ("1E+1PD:ec-video-mp4"), scenario and all
+
+
+@dataclass(frozen=True)
+class Declared:
+    """A failure a case is judged to have as declared, and who declares it: the verdict line
+    names it, so a known failure does not read as a new one."""
+
+    by: str  # "matrix scenario NAME", "protocol generation NAME (vLLM RANGE)"
+    failure: Declaration
 
 
 @dataclass(frozen=True)
@@ -188,18 +201,56 @@ class Bundle:
         )
         return Sending(streamed, unlike)
 
-    def declared(self, label: str) -> tuple[str, DeclaredFailure] | None:
-        """The failure the case labelled `label` was judged to have as declared: its matrix
-        scenario's (as under the bundle's KV connector), with the scenario's name; None for a
-        case no scenario declares a failure of. The rerun is judged under it, as the bundle's
-        run was: judged without it, a declared MISMATCH "reproduced" as policy FAILED while
-        the bundle had passed it (real vLLM 0.32.0, ec-video-jpeg-frames-default-fps)."""
-        _, _, name = label.partition(":")
+    def declared(self, case: ReproCase, protocol: ProtocolGeneration | None) -> Declared | None:
+        """The failure `case` is judged to have as declared: its matrix scenario's (as under
+        the bundle's KV connector), else the one `protocol` (a release's generation) declares
+        for the case's prompt (the scenario's spec, else the one run.json keeps); None for a
+        case neither declares.
+
+        The rerun is judged under it, as the bundle's run was: judged without it, a declared
+        MISMATCH "reproduced" as policy FAILED while the bundle had passed it (real vLLM
+        0.32.0, ec-video-jpeg-frames-default-fps; and a 0.30.0 run's video through an
+        encoder, whose replayed body carries no spec the release's declaration is found by)."""
+        _, _, name = case.label.partition(":")
         scenario = next((s for s in MATRIX if s.name == name), None)
-        if scenario is None:
+        if scenario is not None:
+            failure = scenario.for_kv_connector(self.serving().kv_connector).declared
+            if failure is not None:
+                return Declared(f"matrix scenario {scenario.name}", failure)
+            # The matrix judges a scenario expected to MATCH under the release's declared
+            # failures too, from the scenario's own spec (run.json keeps only the sweep's).
+            spec = next((p for p in scenario.prompts if p.name == case.prompt), None)
+        else:
+            spec = self.prompt_spec(case.prompt)
+        if protocol is None or spec is None:
             return None
-        failure = scenario.for_kv_connector(self.serving().kv_connector).declared
-        return (scenario.name, failure) if failure is not None else None
+        failure = known_failure(protocol, get_topology(case.topology), spec)
+        if failure is None:
+            return None
+        return Declared(
+            f"protocol generation {protocol.name} (vLLM {protocol.version_range})", failure
+        )
+
+    @property
+    def protocol(self) -> ProtocolGeneration | None:
+        """The protocol generation the bundle's run spoke, as run.json records it (None: not
+        recorded, or one this harness no longer knows)."""
+        return GENERATIONS_BY_NAME.get((self.run.get("protocol") or {}).get("name") or "")
+
+    def prompt_spec(self, name: str) -> PromptSpec | None:
+        """The spec run.json keeps of the prompt `name`; None when it keeps none (a matrix
+        scenario's prompt, a bundle from before prompts were recorded): what a release declares
+        a failure of is read from it, since the replayed body alone does not name its media."""
+        for entry in self.run.get("prompts") or ():
+            if isinstance(entry, dict) and entry.get("name") == name:
+                try:
+                    return prompt_from_json(entry)
+                except (KeyError, TypeError, ValueError) as exc:
+                    why = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+                    raise BundleError(
+                        f"{self.path / 'run.json'}: prompt {name!r} is not a prompt's spec: {why}"
+                    ) from None
+        return None
 
     @property
     def platform(self) -> str:
@@ -346,8 +397,10 @@ def repro_line(
     other than the bundle's, reproduced (or not) is another claim, so the line names both. A
     bundle's planted fault is planted again (`reproduce`), and the line says so: "reproduced"
     alone read as a vLLM failure to whoever was handed the bundle. A failure a matrix scenario
-    declares is named as such (`held`: whether the rerun failed as declared), so a known
-    failure does not read as a new one."""
+    or the release serving now declares is named as such (`held`: whether the rerun passed
+    its policy, as declared where declared), so a known failure does not read as a new one;
+    one only the bundle's release declared (0.30.0's video timing rerun on 0.32.0) says that
+    the release now serving does not, and whether the rerun passes there: fixed upstream."""
     same = verdict_now == case.verdict
     recorded = bundle.served_version
     versions = (
@@ -362,15 +415,22 @@ def repro_line(
         if fault
         else ""
     )
-    declared = bundle.declared(case.label)
+    declared = bundle.declared(case, serving_protocol(bundle, served))
+    then = bundle.declared(case, bundle.protocol)
     known = ""
     if declared is not None:
-        scenario, failure = declared
+        expects = f"(expects {declared.failure.verdict})"
         known = (
-            f"; a known vLLM failure, declared by matrix scenario {scenario} "
-            f"(expects {failure.verdict})"
+            f"; a known vLLM failure, declared by {declared.by} {expects}"
             if held
-            else f"; NOT as matrix scenario {scenario} declares (expects {failure.verdict})"
+            else f"; NOT as {declared.by} declares {expects}"
+        )
+    elif then is not None:
+        # The bundle's release declared it; the one serving now does not.
+        known = (
+            f"; declared by {then.by} for the bundle's vLLM {recorded}, not for vLLM "
+            f"{served.version}: "
+            + ("it passes now, fixed upstream" if held else "it still fails, judged undeclared")
         )
     return (
         f"{case.topology} / {case.prompt} vs {case.reference}: {verdict_now} now, "
@@ -421,10 +481,18 @@ def reproduce(
     fault = bundle.run.get("fault")
     if fault:  # said before the rerun's minutes, not only in its last line
         log.warning("repro: the bundle's run planted the fault %s; it is planted again", fault)
-    declared = bundle.declared(case.label)
+    declared = bundle.declared(case, settings.protocol)
     if declared is not None:
-        name, failure = declared
-        log.info("repro: judged as matrix scenario %s declares it (%s)", name, failure.verdict)
+        log.info("repro: judged as %s declares it (%s)", declared.by, declared.failure.verdict)
+    elif (then := bundle.declared(case, bundle.protocol)) is not None:
+        log.warning(
+            "repro: the bundle's vLLM %s passed this case as %s declares it (%s); vLLM %s "
+            "serving now declares no such failure, so it is judged as any case is",
+            recorded,
+            then.by,
+            then.failure.verdict,
+            served.version,
+        )
     spec = SweepSpec(topologies=(topology,), prompts=(), fault=fault)
     # A pool of its own, kept until the caller closes it: `keep_up` serves on the very
     # session the case was reproduced on.
@@ -432,7 +500,7 @@ def reproduce(
     sweep = Sweep(spec, settings, bodies={case.prompt: bundle.requests[case.prompt]}, pool=pool)
     try:
         records = sweep.judge(
-            topology.name, case.prompt, declared=declared[1] if declared else None
+            topology.name, case.prompt, declared=declared.failure if declared else None
         )
     except BaseException:
         pool.close()
@@ -459,20 +527,25 @@ def protocol_for(bundle: Bundle, served: ServedVllm) -> ProtocolGeneration:
     """The protocol generation the bundle's run spoke (`--protocol` may have chosen it) when
     the same vLLM serves now; else the one the release serving now speaks, said aloud when it
     is another."""
+    speaks = serving_protocol(bundle, served)
     spoke = (bundle.run.get("protocol") or {}).get("name")
-    recorded = bundle.served_version
-    if spoke in GENERATIONS_BY_NAME and recorded == served.version:
-        return GENERATIONS_BY_NAME[spoke]
-    speaks = generation_for(served.version).generation if served.known else NEWEST
     if spoke and spoke != speaks.name:
         log.warning(
             "repro: the bundle's run spoke protocol %s (vLLM %s); vLLM %s serving now speaks %s",
             spoke,
-            recorded,
+            bundle.served_version,
             served.version,
             speaks.name,
         )
     return speaks
+
+
+def serving_protocol(bundle: Bundle, served: ServedVllm) -> ProtocolGeneration:
+    """`protocol_for`, unsaid: what the verdict line reads the rerun's declaration from."""
+    spoke = (bundle.run.get("protocol") or {}).get("name")
+    if spoke in GENERATIONS_BY_NAME and bundle.served_version == served.version:
+        return GENERATIONS_BY_NAME[spoke]
+    return generation_for(served.version).generation if served.known else NEWEST
 
 
 def keep_up(sweep: Sweep, topology_name: str, settled: Callable[[], None] | None = None) -> None:
