@@ -481,6 +481,52 @@ def test_a_text_can_shrink_by_whole_blocks_of_words() -> None:
     assert 8 not in {len(c.parts[1].text.split()) for c in candidates(spec) if len(c.parts) == 2}
 
 
+class PromptLengthOracle:
+    """1P+1D under kv-noise, in words: a prompt is the chat template's 20 tokens and one token
+    a word; under 34 (a block of 32 and two) it moves no KV and the engine does not send it
+    (`FuzzEngine.too_short`: a baseline request, a trial, no topology); at 34 or more D loads
+    noised KV and diverges at token 7, so it reproduces when it generates 8 tokens or more."""
+
+    MIN = 34
+
+    def __init__(self) -> None:
+        self.short_sent: list[int] = []
+
+    def restart_pending(self) -> bool:
+        return False
+
+    @staticmethod
+    def tokens(spec: PromptSpec) -> int:
+        return 20 + sum(len(p.text.split()) for p in spec.parts if isinstance(p, TextPart))
+
+    def attempt(self, spec: PromptSpec) -> Trial:
+        tokens = self.tokens(spec)
+        if tokens < self.MIN:
+            self.short_sent.append(tokens)
+            return Trial(spec, False, f"not sent: {tokens} prompt tokens", 0.1, too_short=True)
+        reproduced = spec.max_tokens > 7
+        return Trial(spec, reproduced, "x", 0.1, divergence=7 if reproduced else None)
+
+
+def test_a_text_shrinks_in_smaller_steps_down_to_the_shortest_prompt_that_moves_kv() -> None:
+    """Seen on real vLLM (`fuzz --topology 1P+1D --examples 10 --seed 1 --plant-fault
+    kv-noise:0.05`): the shrink ended at one text of 23 words, 43 prompt tokens, since half
+    the text (31 tokens) was too short and a block's worth of words (32) more than the text
+    had: nothing between. A quarter, an eighth and one word less reach the 34 tokens the
+    topology needs (14 words), and a candidate the shrinker can tell is too short (its text a
+    prefix of one that was) is not sent again."""
+    start = PromptSpec("ex-0001", (TextPart(" w" * 23),), max_tokens=8)
+    oracle = PromptLengthOracle()
+    result = shrink(start, oracle, ShrinkBudget(max_trials=80), divergence=7, step_words=32)
+    assert result.stopped_by == "local minimum"
+    assert oracle.tokens(result.minimal) == 34, result.minimal
+    assert result.minimal.max_tokens == 8
+    assert len(oracle.short_sent) == len(set(oracle.short_sent)), (
+        "a prompt no longer than one found too short is not tried again"
+    )
+    assert result.skipped > 0 and len(result.trials) <= 20
+
+
 def test_shrinking_reaches_one_image_and_short_text_in_few_restarts() -> None:
     start = PromptSpec(
         "ex-0042",

@@ -758,7 +758,7 @@ class SendingOracle:
         if evaluation.status == "judged":
             short = self.engine.too_short(evaluation)
             if short is not None:
-                return Trial(spec, False, short, evaluation.seconds)
+                return Trial(spec, False, short, evaluation.seconds, too_short=True)
             predicted = self.engine.predicted_crash(evaluation)
             if predicted is not None and predicted != self.rule:
                 note = f"not sent: {predicted.name} predicted ({predicted.trigger_text})"
@@ -806,7 +806,8 @@ class PredictingOracle:
             return Trial(spec, False, evaluation.summary(), evaluation.seconds)
         short = self.engine.too_short(evaluation)
         if short is not None:
-            return Trial(spec, False, short.replace("not sent", "not tried"), evaluation.seconds)
+            note = short.replace("not sent", "not tried")
+            return Trial(spec, False, note, evaluation.seconds, too_short=True)
         reproduced = self.rule.predicts(spec, evaluation.layout)
         layout = evaluation.layout.to_json() if evaluation.layout else {}
         outcome = (

@@ -6,9 +6,17 @@ topology restarted: tens of seconds on CPU. So:
 
 * the search is greedy and takes the biggest step first: every candidate is one
   simplification of the current request (one media item kept alone, one dropped, an image
-  made small, a text dropped or halved, a kwarg dropped, fewer tokens), and candidates are
-  tried smallest first, so the first one that reproduces is the largest reduction on offer and
-  the number of accepted steps (the expensive ones) stays small;
+  made small, a text dropped, halved or cut shorter, a kwarg dropped, fewer tokens), and
+  candidates are tried smallest first, so the first one that reproduces is the largest
+  reduction on offer and the number of accepted steps (the expensive ones) stays small;
+* a text is cut in ever smaller steps (half, a block's worth of words, a quarter, an eighth,
+  one word), so a shrink that a minimum prompt length stops at "half is too short" still gets
+  near that minimum; the small steps are tried last (smallest first), so they cost trials
+  only where the big ones did not reproduce;
+* a candidate that was too short to judge (the oracle says so: `Trial.too_short`) tells the
+  shrinker that any candidate contained in it (its parts a subsequence of that one's, each the
+  same or a text cut to fewer words from its end) is too short too: those are skipped, not
+  tried, and cost neither a request nor a trial of the budget;
 * the topology is restarted only after a death, lazily, before the next request that needs it;
 * a budget caps trials, restarts and seconds, and the result says what it cost and whether
   the budget, not a local minimum, ended it;
@@ -77,6 +85,50 @@ def _words_halves(text: str) -> list[str]:
     return [" ".join(words[:half]), " ".join(words[half:])]
 
 
+def _shorter_texts(text: str, step_words: int | None) -> list[str]:
+    """`text` with words dropped: either half, and its start without a block's worth of words
+    (`step_words`), a quarter, an eighth or the last word. Halving alone jumps from a text
+    whose prompt is long enough to one under the minimum the topology needs (seen on real
+    vLLM: 43 prompt tokens, half 31, minimum 34); the smaller cuts fill that gap, and being
+    bigger than half they are tried after it. Cutting from the end keeps the prompt's start,
+    and with it the KV blocks a failure may hang on."""
+    words = text.split(" ")
+    out = _words_halves(text)
+    for drop in (step_words or 0, len(words) // 4, len(words) // 8, 1):
+        if 1 <= drop < len(words):
+            shorter = " ".join(words[: len(words) - drop])
+            if shorter.strip():
+                out.append(shorter)
+    return out
+
+
+def contained(spec: PromptSpec, longer: PromptSpec) -> bool:
+    """`spec`'s prompt is no longer than `longer`'s: the same kwargs, and its parts a
+    subsequence of `longer`'s, each the same part or a text cut to fewer words from its end.
+    Dropping parts or a text's last words never lengthens a prompt (a tokenizer splits on
+    words first), near enough: a candidate wrongly skipped is a step left untried, never a
+    wrong minimal."""
+    if spec.extra != longer.extra:
+        return False
+    theirs = iter(longer.parts)
+    for part in spec.parts:
+        for other in theirs:
+            if part == other or (
+                isinstance(part, TextPart)
+                and isinstance(other, TextPart)
+                and _word_prefix(part.text, other.text)
+            ):
+                break
+        else:
+            return False
+    return True
+
+
+def _word_prefix(text: str, longer: str) -> bool:
+    words, theirs = text.split(" "), longer.split(" ")
+    return len(words) <= len(theirs) and theirs[: len(words)] == words
+
+
 def candidates(
     spec: PromptSpec, divergence: int | None = None, step_words: int | None = None
 ) -> list[PromptSpec]:
@@ -84,7 +136,8 @@ def candidates(
     (duplicates removed; a request always keeps at least one part). `step_words` (the KV
     block size) adds texts shortened by that many words: with one-token words a prompt
     shorter by whole blocks, which keeps a failure that depends on the prompt's length
-    modulo the block (the KV lookup miss) while the text shrinks."""
+    modulo the block (the KV lookup miss) while the text shrinks. Smaller cuts of a text
+    (`_shorter_texts`) come after the bigger ones, by the sort."""
     parts = list(spec.parts)
     media_at = [i for i, p in enumerate(parts) if isinstance(p, MEDIA_PARTS)]
     text_at = [i for i, p in enumerate(parts) if isinstance(p, TextPart)]
@@ -103,11 +156,7 @@ def candidates(
     for drop in text_at:
         add([p for i, p in enumerate(parts) if i != drop])
         text = parts[drop].text  # type: ignore[union-attr]
-        for half in _words_halves(text):
-            add([TextPart(half) if i == drop else p for i, p in enumerate(parts)])
-        words = text.split(" ")
-        if step_words and len(words) > step_words:
-            shorter = " ".join(words[: len(words) - step_words])
+        for shorter in _shorter_texts(text, step_words):
             add([TextPart(shorter) if i == drop else p for i, p in enumerate(parts)])
     for index in media_at:
         for smaller in _smaller_media(parts[index]):
@@ -169,6 +218,9 @@ class Trial:
     # a crash). A smaller request may diverge later than the one it came from, so the
     # shrinker reads it from each accepted trial for its "fewer tokens" candidates.
     divergence: int | None = None
+    # Not judged: its prompt is under the minimum the topology needs (no KV moved). The
+    # shrinker skips every later candidate `contained` in it.
+    too_short: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -179,6 +231,7 @@ class Trial:
             "seconds": round(self.seconds, 3),
             "restarted": self.restarted,
             "divergence": self.divergence,
+            "too_short": self.too_short,
         }
 
 
@@ -216,6 +269,7 @@ class ShrinkResult:
     seconds: float = 0.0
     stopped_by: str = "local minimum"  # or which budget ended it
     confirmed: bool | None = None  # predicted mode: the minimal request sent and reproduced
+    skipped: int = 0  # candidates not tried: contained in one found too short
 
     @property
     def restarts(self) -> int:
@@ -232,6 +286,7 @@ class ShrinkResult:
             "seconds": round(self.seconds, 1),
             "stopped_by": self.stopped_by,
             "confirmed": self.confirmed,
+            "skipped_too_short": self.skipped,
             "steps": [t.to_json() for t in self.trials],
         }
 
@@ -250,13 +305,18 @@ def shrink(
     reproduces, or when the budget is spent. Candidates are named START-sNNN. `divergence`
     is where the start's answers first differed; each accepted trial that reports its own
     replaces it, so "fewer tokens" aims at the current request's divergence, not the
-    start's."""
+    start's. A candidate `contained` in one found too short is skipped: it would be too
+    short as well, and trying it would spend a request and a trial of the budget."""
     began = clock()
     result = ShrinkResult(start=start, minimal=start, mode=mode)
     restarts = 0
+    too_short: list[PromptSpec] = []
     while True:
         progressed = False
         for candidate in candidates(result.minimal, divergence, step_words):
+            if any(contained(candidate, short) for short in too_short):
+                result.skipped += 1
+                continue
             stop = _over_budget(result, budget, restarts, oracle, clock() - began)
             if stop:
                 result.stopped_by = stop
@@ -272,6 +332,8 @@ def shrink(
             trial = oracle.attempt(named)
             result.trials.append(trial)
             restarts += trial.restarted
+            if trial.too_short:
+                too_short.append(named)
             if trial.reproduced:
                 result.minimal = named
                 result.accepted += 1
