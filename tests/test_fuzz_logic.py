@@ -26,7 +26,14 @@ from harness.run.fuzz.layout import (
     layout_from_ids,
 )
 from harness.run.fuzz.save import evidence_of, save_scenarios
-from harness.run.fuzz.shrink import ShrinkBudget, Trial, candidates, shrink, size_key
+from harness.run.fuzz.shrink import (
+    ShrinkBudget,
+    Trial,
+    candidates,
+    contained,
+    shrink,
+    size_key,
+)
 from harness.run.fuzz.signature import Signature, cause_line, died_role, signature_of
 from harness.run.fuzz.space import FuzzSpace, space_for
 from harness.run.fuzz.strategies import FILLER, draw_examples
@@ -525,6 +532,18 @@ def test_a_text_shrinks_in_smaller_steps_down_to_the_shortest_prompt_that_moves_
         "a prompt no longer than one found too short is not tried again"
     )
     assert result.skipped > 0 and len(result.trials) <= 20
+
+
+def test_a_prompt_contained_in_another_is_fewer_parts_or_a_texts_first_words() -> None:
+    image = ImagePart(0, (56, 56))
+    longer = PromptSpec("l", (TextPart(" a b c d"), image, TextPart(" e f")))
+    assert contained(PromptSpec("c", (TextPart(" a b"), image)), longer)
+    assert contained(PromptSpec("c", (TextPart(" e"),), max_tokens=1), longer)
+    assert not contained(PromptSpec("c", (TextPart(" b c"), image)), longer), "not its start"
+    assert not contained(PromptSpec("c", (image, TextPart(" a"))), longer), "not in order"
+    assert not contained(PromptSpec("c", (ImagePart(0, (112, 112)),)), longer)
+    kwargs = (("mm_processor_kwargs", {"max_pixels": 12544}),)
+    assert not contained(PromptSpec("c", (image,), extra=kwargs), longer)
 
 
 def test_shrinking_reaches_one_image_and_short_text_in_few_restarts() -> None:

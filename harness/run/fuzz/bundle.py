@@ -410,6 +410,7 @@ def render_group(
             f"{shrink.accepted} step(s), {len(shrink.trials)} trial(s), {shrink.restarts} "
             f"restart(s), {shrink.seconds:.0f} s; mode {shrink.mode}"
             + (f", confirmed: {shrink.confirmed}" if shrink.confirmed is not None else "")
+            + (f"; {shrink.skipped} candidate(s) skipped as too short" if shrink.skipped else "")
             + f"; ended by {shrink.stopped_by}."
         )
     if group.note:
