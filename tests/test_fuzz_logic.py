@@ -1328,3 +1328,44 @@ def test_a_topology_without_d_is_not_described_by_ds_tail(tmp_path: Path) -> Non
     report = FuzzReport(examples=[], evaluations=[evaluation])
     assert "in D's tail" not in coverage(report, kv=False)
     assert coverage(report, kv=True)["in D's tail"] == 1
+
+
+def test_both_oracles_mark_a_candidate_under_the_minimum_too_short_and_send_nothing(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The shrinker skips every candidate contained in one an oracle marked too short
+    (`Trial.too_short`); an oracle that judged a short prompt without marking it would leave
+    the skipping dead (seen only in a real run until now), and one that sent it would spend a
+    topology request on a prompt that moves no KV."""
+    from harness.run.fuzz.engine import FuzzEngine, PredictingOracle, SendingOracle
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    settings = RunSettings(
+        serving=ServingConfig(model=str(tmp_path / "model")),
+        run_dir=tmp_path,
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+    )
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1P+1D"], min_prompt_tokens=34)
+    tokens = {"short": 25, "long": 34}
+
+    def ask_baseline(spec: PromptSpec) -> Evaluation:
+        layout = PromptLayout(tokens[spec.name], (), 32)
+        return Evaluation(spec, {}, Outcome(prompt=spec.name), "judged", layout)
+
+    sent: list[str] = []
+    monkeypatch.setattr(engine, "ask_baseline", ask_baseline)
+    monkeypatch.setattr(
+        engine, "send_topology", lambda evaluation: sent.append(evaluation.spec.name)
+    )
+    mismatch = record(Verdict.MISMATCH, "generated tokens differ at position 2 of 4/4")
+    start = _evaluation("ex-0001", image_prompt((56, 56)), mismatch, False)
+    group = FailureGroup(start.signature, start.recognition, [start], minimal=start)
+    rule = next(r for r in rules_for(TOPOLOGIES["1E+1P+1D"], "ExampleConnector", NEWEST) if r.crash)
+
+    for oracle in (SendingOracle(engine, group), PredictingOracle(engine, rule)):
+        short = oracle.attempt(PromptSpec("short", (TextPart(" a b"),)))
+        assert short.too_short and not short.reproduced, short
+        assert "25 prompt tokens" in short.outcome, short.outcome
+        long_enough = oracle.attempt(PromptSpec("long", (TextPart(" a b c"),)))
+        assert not long_enough.too_short, long_enough
+    assert sent == ["long"], "only the prompt long enough to move KV goes to the topology"
