@@ -1186,6 +1186,11 @@ def test_a_planted_fault_shrinks_from_and_to_requests_it_acted_on(
     assert any("planted fault did not act" in t.outcome for t in group.shrink.trials), (
         "a candidate failing on what an earlier swap left is not a reproduction"
     )
+    # Each trial says whether the fault acted on it, in fuzz.json as each example does.
+    trials = [t.to_json() for t in group.shrink.trials]
+    assert {t["fault"].split(":")[0] for t in trials} == {"acted", "not acted"}, trials
+    accepted = [t for t in trials if t["reproduced"]]
+    assert accepted and all(t["fault"] == "acted" for t in accepted), accepted
 
 
 class KeepsNoisedKv(KeepsBodies):

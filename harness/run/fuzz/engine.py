@@ -787,6 +787,7 @@ class SendingOracle:
             evaluation.seconds,
             restarted=evaluation.restart_seconds > 0,
             divergence=divergence,
+            fault=evaluation.fault,
         )
 
 

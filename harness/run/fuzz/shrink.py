@@ -221,6 +221,10 @@ class Trial:
     # Not judged: its prompt is under the minimum the topology needs (no KV moved). The
     # shrinker skips every later candidate `contained` in it.
     too_short: bool = False
+    # With --plant-fault, whether the fault acted on this candidate (as `Evaluation.fault`
+    # says it): a trial the fault missed is why a shrink stopped where it did, and fuzz.json
+    # shows it per trial as it does per example.
+    fault: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -232,6 +236,7 @@ class Trial:
             "restarted": self.restarted,
             "divergence": self.divergence,
             "too_short": self.too_short,
+            "fault": self.fault,
         }
 
 
