@@ -50,6 +50,7 @@ from harness.spec.prompts import (
     VideoFramesPart,
     VideoPart,
 )
+from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import TOPOLOGIES, ServingConfig
 from harness.testing.builders import case_record, outcome
 
@@ -105,6 +106,15 @@ def image_prompt(*sizes: tuple[int, int], text: str = " describe", name: str = "
 
 
 # -- strategies ---------------------------------------------------------------------------------
+
+
+def served_settings(model: Path, run_dir: Path) -> RunSettings:
+    """One CPU run of vllm 0.32.0 serving `model` into `run_dir`; nothing here is started."""
+    return RunSettings(
+        serving=ServingConfig(model=str(model)),
+        run_dir=run_dir,
+        vllm=ServedVllm("vllm", "0.32.0+cpu"),
+    )
 
 
 def test_a_seed_draws_the_same_examples_and_another_seed_others() -> None:
@@ -655,19 +665,12 @@ def test_failures_group_by_signature_and_declaration() -> None:
 def test_a_group_bundle_is_a_bundle_repro_takes_minimal_first(tmp_path: Path) -> None:
     from harness.run.fuzz.bundle import write_group_bundle
     from harness.run.repro import Bundle
-    from harness.spec.platforms import CPU
-    from harness.spec.settings import RunSettings, ServedVllm
 
     crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
     start = _evaluation("ex-0007", image_prompt((448, 448), (56, 56)), crash, True)
     minimal = _evaluation("ex-0007-s004", image_prompt((56, 56)), crash, True)
     group = FailureGroup(start.signature, start.recognition, [start], minimal=minimal)
-    settings = RunSettings(
-        serving=ServingConfig(model=str(tmp_path / "no-model")),
-        run_dir=tmp_path,
-        vllm=ServedVllm("vllm", "0.32.0+cpu"),
-        platform=CPU,
-    )
+    settings = served_settings(tmp_path / "no-model", tmp_path)
     directory = tmp_path / "failures" / "01-known"
     write_group_bundle(directory, settings, TOPOLOGIES["1E+1P+1D"], group, {"seed": 3}, None)
     bundle = Bundle.load(directory)
@@ -687,8 +690,6 @@ def test_a_fuzz_bundle_says_which_devices_computed_the_ids(tmp_path: Path, monke
     from harness.run.fuzz.bundle import FUZZ_MD, write_fuzz_bundle
     from harness.run.fuzz.engine import FuzzReport
     from harness.run.fuzz.strategies import FuzzExample
-    from harness.spec.platforms import CPU
-    from harness.spec.settings import RunSettings, ServedVllm
 
     used = DevicesUsed("cpu", "CPU X", 2, (0, 1), "/proc/cpuinfo", amx=False)
     monkeypatch.setattr(
@@ -699,12 +700,7 @@ def test_a_fuzz_bundle_says_which_devices_computed_the_ids(tmp_path: Path, monke
     minimal = _evaluation("ex-0007-s004", image_prompt((56, 56)), crash, True)
     group = FailureGroup(start.signature, start.recognition, [start], minimal=minimal)
     report = FuzzReport([FuzzExample(start.spec)], evaluations=[start], groups=[group])
-    settings = RunSettings(
-        serving=ServingConfig(model=str(tmp_path / "no-model")),
-        run_dir=tmp_path,
-        vllm=ServedVllm("vllm", "0.32.0+cpu"),
-        platform=CPU,
-    )
+    settings = served_settings(tmp_path / "no-model", tmp_path)
     meta = {"topology": "1E+1P+1D", "seed": 3}
     (group_dir,) = write_fuzz_bundle(settings, TOPOLOGIES["1E+1P+1D"], report, meta, None)
     line = f"{DEVICES_LINE}cpu: CPU X, 2 cores (0,1), no AMX"
@@ -826,13 +822,8 @@ def test_an_ec_path_declaration_covers_every_encoder_topology() -> None:
 def test_a_spent_run_budget_sends_nothing_more_and_says_so(tmp_path: Path) -> None:
     from harness.run.fuzz.engine import FuzzEngine, RunBudget
     from harness.run.fuzz.strategies import FuzzExample
-    from harness.spec.settings import RunSettings, ServedVllm
 
-    settings = RunSettings(
-        serving=ServingConfig(model=str(tmp_path / "model")),
-        run_dir=tmp_path,
-        vllm=ServedVllm("vllm", "0.32.0+cpu"),
-    )
+    settings = served_settings(tmp_path / "model", tmp_path)
     engine = FuzzEngine(
         settings, TOPOLOGIES["1E+1PD"], run_budget=RunBudget(max_restarts=0, max_seconds=0.0)
     )
@@ -844,13 +835,8 @@ def test_a_spent_run_budget_sends_nothing_more_and_says_so(tmp_path: Path) -> No
 
 def test_shrinking_keeps_a_request_long_enough_to_move_kv(tmp_path: Path) -> None:
     from harness.run.fuzz.engine import FuzzEngine
-    from harness.spec.settings import RunSettings, ServedVllm
 
-    settings = RunSettings(
-        serving=ServingConfig(model=str(tmp_path / "model")),
-        run_dir=tmp_path,
-        vllm=ServedVllm("vllm", "0.32.0+cpu"),
-    )
+    settings = served_settings(tmp_path / "model", tmp_path)
     engine = FuzzEngine(settings, TOPOLOGIES["1E+1P+1D"], min_prompt_tokens=34)
     spec = image_prompt((56, 56))
     short = Evaluation(spec, {}, Outcome(prompt="p"), "judged", PromptLayout(25, (), 32))
@@ -888,13 +874,8 @@ def test_the_fuzzers_baseline_answers_cold_and_its_topology_as_the_traffic_left_
     GPU other kernels than a cold prefill (found in review). Each baseline send has a salt of
     its own now; the topology's is sent as drawn, since the fuzzer follows what D holds."""
     from harness.run.fuzz.engine import FuzzEngine
-    from harness.spec.settings import RunSettings, ServedVllm
 
-    settings = RunSettings(
-        serving=ServingConfig(model=str(tmp_path / "model")),
-        run_dir=tmp_path,
-        vllm=ServedVllm("vllm", "0.32.0+cpu"),
-    )
+    settings = served_settings(tmp_path / "model", tmp_path)
     engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"])
     engine.baseline = baseline = KeepsBodies()  # type: ignore[assignment]
     engine.session = topology = KeepsBodies(error="HTTP 500")  # type: ignore[assignment]
@@ -970,13 +951,8 @@ def test_a_fuzz_run_that_judged_nothing_fails(tmp_path: Path, monkeypatch, how: 
     from harness.cli import fuzz as fuzz_cli
     from harness.cli.main import Progress, build_parser
     from harness.run.fuzz.engine import FuzzEngine
-    from harness.spec.settings import RunSettings, ServedVllm
 
-    settings = RunSettings(
-        serving=ServingConfig(model=str(tmp_path / "model")),
-        run_dir=tmp_path / "run",
-        vllm=ServedVllm("vllm", "0.32.0+cpu"),
-    )
+    settings = served_settings(tmp_path / "model", tmp_path / "run")
     config = SimpleNamespace(settings=settings, topologies=(TOPOLOGIES["1E+1PD"],))
     monkeypatch.setattr(fuzz_cli, "prepare_run", lambda request: config)
     monkeypatch.setattr(FuzzEngine, "__enter__", lambda self: self)  # nothing is started
@@ -1046,13 +1022,8 @@ def planted_engine(tmp_path: Path, monkeypatch, topology: str, fault: str, plant
     tests judge is the engine's reading of the fault, not a topology."""
     import harness.run.fuzz.engine as engine_module
     from harness.run.fuzz.engine import FuzzEngine
-    from harness.spec.settings import RunSettings, ServedVllm
 
-    settings = RunSettings(
-        serving=ServingConfig(model=str(tmp_path / "model")),
-        run_dir=tmp_path,
-        vllm=ServedVllm("vllm", "0.32.0+cpu"),
-    )
+    settings = served_settings(tmp_path / "model", tmp_path)
     monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
     engine = FuzzEngine(settings, TOPOLOGIES[topology], fault=fault)
     engine.planted = planted
@@ -1109,18 +1080,11 @@ def test_a_group_bundle_holds_the_instance_commands_export_needs(tmp_path: Path)
     from harness.run.export import baseline_server, recorded_commands
     from harness.run.fuzz.bundle import write_group_bundle
     from harness.run.repro import Bundle
-    from harness.spec.platforms import CPU
-    from harness.spec.settings import RunSettings, ServedVllm
 
     mismatch = record(Verdict.MISMATCH, "generated tokens differ at position 2 of 4/4")
     start = _evaluation("ex-0003", image_prompt((56, 56), (56, 56)), mismatch, False)
     group = FailureGroup(start.signature, start.recognition, [start], minimal=start)
-    settings = RunSettings(
-        serving=ServingConfig(model=str(tmp_path / "no-model")),
-        run_dir=tmp_path,
-        vllm=ServedVllm("vllm", "0.32.0+cpu"),
-        platform=CPU,
-    )
+    settings = served_settings(tmp_path / "no-model", tmp_path)
     recorded = {"baseline": ["baseline0"], "1E-1PD": ["encoder0", "pd0"]}
     for directory, names in recorded.items():
         (tmp_path / directory).mkdir()
@@ -1343,13 +1307,8 @@ def test_both_oracles_mark_a_candidate_under_the_minimum_too_short_and_send_noth
     the skipping dead (seen only in a real run until now), and one that sent it would spend a
     topology request on a prompt that moves no KV."""
     from harness.run.fuzz.engine import FuzzEngine, PredictingOracle, SendingOracle
-    from harness.spec.settings import RunSettings, ServedVllm
 
-    settings = RunSettings(
-        serving=ServingConfig(model=str(tmp_path / "model")),
-        run_dir=tmp_path,
-        vllm=ServedVllm("vllm", "0.32.0+cpu"),
-    )
+    settings = served_settings(tmp_path / "model", tmp_path)
     engine = FuzzEngine(settings, TOPOLOGIES["1E+1P+1D"], min_prompt_tokens=34)
     tokens = {"short": 25, "long": 34}
 

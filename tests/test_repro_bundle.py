@@ -109,15 +109,16 @@ def rerun_settings(root: Path, monkeypatch: pytest.MonkeyPatch, served_version: 
 
 def stub_the_rerun(monkeypatch: pytest.MonkeyPatch) -> dict:
     """What `reproduce` hands its rerun, with the pool and the sweep standing in for servers
-    (nothing starts): "settings", the settings it serves with, and per prompt the declaration
-    the rerun is judged under."""
+    (nothing starts): "settings", the settings it serves with, "on_event", whom the pool tells
+    each server's state, and per prompt the declaration the rerun is judged under."""
     import harness.run.repro as repro
 
     seen: dict = {}
 
     class NoPool:
-        def __init__(self, settings, *args, **kwargs):
+        def __init__(self, settings, on_event=None):
             seen["settings"] = settings
+            seen["on_event"] = on_event
 
         def close(self) -> None:
             pass
@@ -203,24 +204,10 @@ def test_repro_tells_the_cli_each_servers_state(
     import harness.run.repro as repro
     from harness.spec.settings import ServedVllm
 
-    seen = {}
-
-    class NoPool:
-        def __init__(self, settings, on_event=None):
-            seen["on_event"] = on_event
-
-    class NoSweep:
-        def __init__(self, spec, settings, bodies, pool):
-            pass
-
-        def judge(self, topology, prompt, declared=None):
-            return []
-
     def told(name: str, state: str, elapsed_s: float) -> None:
         pass
 
-    monkeypatch.setattr(repro, "TopologyPool", NoPool)
-    monkeypatch.setattr(repro, "Sweep", NoSweep)
+    seen = stub_the_rerun(monkeypatch)
     root = rerun_bundle(tmp_path / "b", "1E+1PD")
     repro.reproduce(Bundle.load(root), root / "again", ServedVllm("v", "0.32.0"), on_event=told)
     assert seen["on_event"] is told
@@ -547,18 +534,7 @@ def test_a_scenario_expected_to_match_has_its_releases_declaration_in_the_rerun(
     import harness.run.repro as repro
     from harness.spec.settings import ServedVllm
 
-    judged = {}
-
-    class NoSweep:
-        def __init__(self, spec, settings, bodies, pool):
-            pass
-
-        def judge(self, topology, prompt, declared=None):
-            judged[prompt] = declared
-            return []
-
-    monkeypatch.setattr(repro, "TopologyPool", lambda *a, **k: None)
-    monkeypatch.setattr(repro, "Sweep", NoSweep)
+    judged = stub_the_rerun(monkeypatch)
     bundle = Bundle.load(root)
     repro.reproduce(bundle, root / "again", ServedVllm("vllm", "0.30.0+cpu"), "1E+1PD:m-video-mp4")
     assert judged["m-video-mp4"] == VIDEO_TIMING_BEFORE_0_31
