@@ -14,7 +14,7 @@ module's prompts (harness.run.graded.DETECTION_PROMPTS) with every other scenari
 
 The KV ladder follows the session's KV connector (`--epd-kv-connector`, or the platform's
 default): noise on ExampleConnector's files, or under NIXL noise planted inside D by a vLLM
-plugin that only this module's D is started with (harness.run.nixl_kv_noise_plugin). Each is
+plugin that only this module's D is started with (harness.run.faults.nixl_kv_noise_plugin). Each is
 marked `kv_connector(...)` and deselected, with a line saying so, under the other connector.
 Thresholds gate only on the platform and model they were measured on; elsewhere the table is
 reported.
@@ -31,18 +31,16 @@ import pytest
 
 from harness.judge.records import CaseRecord, Verdict
 from harness.report.text import format_failure
-from harness.run.faults import (
+from harness.run.faults.ec_files import ec_noise, ec_swap_items, ec_zero_frame
+from harness.run.faults.kv_files import kv_noise
+from harness.run.faults.nixl import (
     NixlKvNoise,
     NixlKvNoiseSite,
-    PlantedFault,
-    ec_noise,
-    ec_swap_items,
-    ec_video_grid,
-    ec_zero_frame,
     install_nixl_kv_noise_plugin,
-    kv_noise,
     nixl_kv_noise,
 )
+from harness.run.faults.planted import PlantedFault
+from harness.run.faults.relayed import ec_video_grid
 from harness.run.graded import (
     CLEAN_PROMPT,
     DETECTION_PROMPTS,

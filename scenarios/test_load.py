@@ -121,7 +121,8 @@ def test_a_load_in_which_one_request_got_no_kv_fails_its_kv_account(
     would leave it too little to compute for any account to tell from the rule's one token a
     request; and on 1E+1P+1D a media prompt would end D instead: vLLM's
     `epd-media-in-decode-tail` failure, D has no embeddings to compute the media with.)"""
-    from harness.run.faults import fault_for, first_request_only, plant
+    from harness.run.faults.by_name import fault_for
+    from harness.run.faults.planted import first_request_only, plant
 
     connector = load_sweep.settings.serving.kv_connector
     planted = []

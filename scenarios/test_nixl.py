@@ -18,7 +18,7 @@ from harness.errors import BadInput
 from harness.judge.records import CaseRecord, Verdict
 from harness.preflight.connectors import check_kv_connector
 from harness.report.text import format_failure
-from harness.run.faults import fault_for
+from harness.run.faults.by_name import fault_for
 from harness.spec.connectors import NIXL
 from harness.testing.judging import passed_proven
 from harness.testing.live import LiveTopology

@@ -24,13 +24,11 @@ import pytest
 from harness.judge.guards import outcome_evidence
 from harness.judge.records import CaseRecord, Verdict
 from harness.report.text import format_failure
-from harness.run.faults import (
-    PlantedFault,
-    corrupt_ec_files,
-    drop_encoder_metadata,
-    fault_for,
-    kill_instance,
-)
+from harness.run.faults.by_name import fault_for
+from harness.run.faults.ec_files import corrupt_ec_files
+from harness.run.faults.instance import kill_instance
+from harness.run.faults.planted import PlantedFault
+from harness.run.faults.relayed import drop_encoder_metadata
 from harness.run.judging import Observed
 from harness.run.self_test import (
     AFTER_KILL_PROMPT,
@@ -191,7 +189,7 @@ class TestKvFaults:
         send_clean(kv_topology)
 
     def test_zeroed_kv_is_a_mismatch(self, kv_topology: LiveTopology):
-        # ExampleConnector: its files zeroed; NixlConnector: its block ids misrouted (faults.py)
+        # ExampleConnector: its files zeroed; NixlConnector: its block ids misrouted (faults/by_name.py)
         fault, record = send_kv_fault(kv_topology, "zero-kv", ZERO_KV_PROMPT.name)
         assert record.verdict is Verdict.MISMATCH, (
             f"zeroed KV must be a MISMATCH, got {record.verdict.value} "

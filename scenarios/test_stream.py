@@ -23,7 +23,8 @@ import pytest
 from harness.judge.records import Verdict
 from harness.judge.verdicts import STREAM_CHECK
 from harness.report.text import format_failure
-from harness.run.faults import duplicate_stream_chunk, plant
+from harness.run.faults.planted import plant
+from harness.run.faults.relayed import duplicate_stream_chunk
 from harness.run.judging import TOY_PROXY_JSON_STREAM, observe
 from harness.spec.prompts import SKELETON_PROMPTS, TAIL_TEXT, ImagePart, PromptSpec, TextPart
 from harness.spec.settings import ProxyChoice

@@ -317,7 +317,7 @@ def test_example_connector_needs_no_probe(tmp_path: Path) -> None:
 
 
 def test_zero_kv_under_nixl_misroutes_the_block_ids_p_hands_to_d(tmp_path: Path) -> None:
-    from harness.run.faults import fault_for
+    from harness.run.faults.by_name import fault_for
 
     fault = fault_for("zero-kv", None, tmp_path, "NixlConnector")
     response = {"kv_transfer_params": {"remote_block_ids": [[4, 5, 6]], "remote_port": 1}}
@@ -328,7 +328,7 @@ def test_zero_kv_under_nixl_misroutes_the_block_ids_p_hands_to_d(tmp_path: Path)
 
 
 def test_nixl_fault_handles_a_flat_block_list(tmp_path: Path) -> None:
-    from harness.run.faults import fault_for
+    from harness.run.faults.by_name import fault_for
 
     fault = fault_for("zero-kv", None, tmp_path, "NixlConnector")
     response = {"kv_transfer_params": {"remote_block_ids": [9, 10]}}
@@ -341,7 +341,7 @@ def test_nixl_fault_handles_a_flat_block_list(tmp_path: Path) -> None:
     [({}, "no remote_block_ids"), ({"remote_block_ids": [[7]]}, "nothing to misroute")],
 )
 def test_nixl_fault_that_cannot_act_says_so(params: dict, problem: str, tmp_path: Path) -> None:
-    from harness.run.faults import fault_for
+    from harness.run.faults.by_name import fault_for
 
     fault = fault_for("zero-kv", None, tmp_path, "NixlConnector")
     fault.after_prefill("r1", {"kv_transfer_params": params})
@@ -349,7 +349,7 @@ def test_nixl_fault_that_cannot_act_says_so(params: dict, problem: str, tmp_path
 
 
 def test_kv_noise_has_no_nixl_form(tmp_path: Path) -> None:
-    from harness.run.faults import fault_for
+    from harness.run.faults.by_name import fault_for
 
     with pytest.raises(BadInput, match="KV never leaves P's memory"):
         fault_for("kv-noise:0.1", None, tmp_path, "NixlConnector")

@@ -17,16 +17,11 @@ import psutil
 import pytest
 
 from harness.judge.guards import EC_CACHE_FILE
-from harness.run.faults import (
-    PlantedFault,
-    corrupt_ec_files,
-    drop_encoder_metadata,
-    drop_kv,
-    first_request_only,
-    kill_instance,
-    plant,
-    zero_kv_files,
-)
+from harness.run.faults.ec_files import corrupt_ec_files
+from harness.run.faults.instance import kill_instance
+from harness.run.faults.kv_files import drop_kv, zero_kv_files
+from harness.run.faults.planted import PlantedFault, first_request_only, plant
+from harness.run.faults.relayed import drop_encoder_metadata
 from harness.serve.launch import ManagedServer, ServerCommand
 from harness.serve.proxy import ProxyFaults
 

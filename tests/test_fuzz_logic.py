@@ -1000,7 +1000,7 @@ class SwapsLikeTheProxy(KeepsBodies):
 
 def swap_like_fault():
     """ec-swap-items' bookkeeping without its files: acts on two or more items."""
-    from harness.run.faults import PlantedFault
+    from harness.run.faults.planted import PlantedFault
 
     fault = PlantedFault()
 
@@ -1187,7 +1187,7 @@ def test_a_candidate_whose_prompt_the_fault_acted_on_before_reproduces(
     servers: requiring the fault to act on the candidate itself stopped the shrink at 46
     tokens for a failure at token 0. The fault acted on this request's content before, which
     counts."""
-    from harness.run.faults import PlantedFault
+    from harness.run.faults.planted import PlantedFault
     from harness.run.fuzz.strategies import FuzzExample
 
     fault = PlantedFault(after_prefill=lambda request_id, response: None)
@@ -1250,7 +1250,7 @@ def test_a_candidate_reading_kv_the_fault_noised_for_another_request_reproduces(
     fail, was rejected: the minimal kept a text it could drop. Such a miss is leftover state,
     which kv-noise says so, and a candidate the fault reached that way reproduces; a miss of
     the request's shape still does not (the two-word candidate here moves no KV, and passes)."""
-    from harness.run.faults import kv_noise
+    from harness.run.faults.kv_files import kv_noise
     from harness.run.fuzz.strategies import FuzzExample
 
     fault = kv_noise(tmp_path / "kv", 0.05)

@@ -14,17 +14,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness.judge.guards import EC_CACHE_FILE
-from harness.run.faults import (
-    add_relative_noise,
-    ec_noise,
-    ec_swap_items,
-    ec_video_grid,
-    ec_zero_frame,
-    fault_for,
-    kv_noise,
-    relative_change,
-    zero_frame_rows,
-)
+from harness.run.faults.by_name import fault_for
+from harness.run.faults.ec_files import ec_noise, ec_swap_items, ec_zero_frame
+from harness.run.faults.kv_files import kv_noise
+from harness.run.faults.relayed import ec_video_grid
+from harness.run.faults.tensors import add_relative_noise, relative_change, zero_frame_rows
 from harness.serve import proxy_protocol as protocol
 
 pytestmark = pytest.mark.model

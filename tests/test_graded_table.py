@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness.errors import BadInput
-from harness.run.faults import FaultSpec, parse_fault
+from harness.run.faults.spec import FaultSpec, parse_fault
 from harness.run.graded import (
     DETECTION_PROMPTS,
     NOISE_LADDER,

@@ -1,6 +1,6 @@
 """The NIXL form of the graded KV fault: a vLLM plugin in D's environment only
-(harness/run/nixl_kv_noise_plugin.py) and the harness side that orders and reads it back
-(`harness.run.faults.nixl_kv_noise`).
+(harness/run/faults/nixl_kv_noise_plugin.py) and the harness side that orders and reads it back
+(`harness.run.faults.nixl.nixl_kv_noise`).
 
 The e2e ladder (scenarios/test_detection.py under `--epd-kv-connector nixl`) shows the fault
 turns real NIXL runs red; here: the noise lands on the ordered request's blocks and nowhere
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.run import nixl_kv_noise_plugin as plugin
-from harness.run.faults import install_nixl_kv_noise_plugin, nixl_kv_noise
+from harness.run.faults import nixl_kv_noise_plugin as plugin
+from harness.run.faults.nixl import install_nixl_kv_noise_plugin, nixl_kv_noise
 
 pytestmark = pytest.mark.model
 

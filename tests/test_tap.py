@@ -222,7 +222,7 @@ def test_what_ps_answer_hook_leaves_is_what_the_proxy_receives(withhold: bool) -
     """Under vLLM's proxy a KV fault acts in P's tap: under NIXL it changes P's
     `kv_transfer_params`, so the proxy must get the answer as the hook left it (and the
     upstream bytes themselves when the hook changed nothing)."""
-    from harness.run.faults import drop_kv
+    from harness.run.faults.kv_files import drop_kv
 
     loop = LoopThread()
     prefill = FakeInstance(answering(PREFILL_ANSWER))

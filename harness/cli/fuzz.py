@@ -27,7 +27,7 @@ from harness.cli.serving_options import (
 from harness.errors import EXIT_FAILED, EXIT_OK, BadInput
 from harness.preflight import RunRequest, prepare_run
 from harness.preflight.config import check_arguments
-from harness.run.faults import FAULT_NAMES, FAULT_SYNTAX, STREAM_FAULTS, parse_fault
+from harness.run.faults.spec import FAULT_NAMES, FAULT_SYNTAX, STREAM_FAULTS, parse_fault
 from harness.run.fuzz.engine import RunBudget
 from harness.run.fuzz.shrink import ShrinkBudget
 

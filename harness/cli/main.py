@@ -55,7 +55,7 @@ from harness.preflight.model import resolve_model
 from harness.preflight.upstream_proxy import proxy_choice
 from harness.preflight.vllm import default_vllm_executable, probe_served_vllm
 from harness.report.text import format_failure, format_verdict_table, purpose_line
-from harness.run.faults import FAULT_NAMES, FAULT_SYNTAX, GRADED_FAULTS
+from harness.run.faults.spec import FAULT_NAMES, FAULT_SYNTAX, GRADED_FAULTS
 from harness.run.matrix import MatrixRun
 from harness.run.repro import (
     Bundle,

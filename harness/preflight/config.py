@@ -44,7 +44,7 @@ from harness.preflight.vllm import (
 )
 from harness.preflight.vllm_args import check_serve_argvs, serve_argvs
 from harness.run.baseline_cache import BaselineCache
-from harness.run.faults import KV_FAULTS, STREAM_FAULTS, fault_reaches, parse_fault
+from harness.run.faults.spec import KV_FAULTS, STREAM_FAULTS, fault_reaches, parse_fault
 from harness.run.goldens import GoldenStore, golden_release_argument
 from harness.run.scenarios import (
     MATRIX,

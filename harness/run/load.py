@@ -74,7 +74,7 @@ from harness.report.resources import (
     sample_line,
 )
 from harness.run.baseline import BaselineAnswers, BatchCalibration
-from harness.run.faults import kill_instance
+from harness.run.faults.instance import kill_instance
 from harness.run.judging import Observed, observe
 from harness.run.scenarios import get_scenario
 from harness.run.sweep import BASELINE, Sweep

@@ -31,7 +31,8 @@ from harness.report.bundle import write_run_info
 from harness.report.run_outputs import write_run_outputs
 from harness.run.baseline import BaselineAnswers
 from harness.run.baseline_cache import BaselineCache
-from harness.run.faults import fault_for, plant
+from harness.run.faults.by_name import fault_for
+from harness.run.faults.planted import plant
 from harness.run.goldens import GoldenStore
 from harness.run.judging import CaseJudge, Observed, observe
 from harness.run.pool import SessionRequest, TopologyPool
@@ -63,7 +64,7 @@ class SweepSpec:
     # Answered by the baseline only, for callers that send them elsewhere (the matrix, the
     # self-test and detection scenarios): one baseline start answers them all.
     baseline_only_prompts: tuple[PromptSpec, ...] = ()
-    # A planted fault (harness.run.faults.FAULT_NAMES) for self-tests from the command line;
+    # A planted fault (harness.run.faults.spec.FAULT_NAMES) for self-tests from the command line;
     # recorded in run.json so `repro` replays it. Never set in a normal run.
     fault: str | None = None
     # Served from the sweep's pool by other scenarios, never judged by the sweep (the

@@ -114,7 +114,7 @@ class TopologySession:
         self.devices = devices or settings.devices
         self.role_env = role_env or {}
         # One object for the session's life: the harness proxy or the taps hold it, and
-        # `harness.run.faults.plant` swaps its hooks.
+        # `harness.run.faults.planted.plant` swaps its hooks.
         self.faults = faults if faults is not None else ProxyFaults()
         self.on_event = on_event
         self.dir = settings.run_dir / safe_name(label or topology.name)

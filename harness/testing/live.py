@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 from harness.judge.records import CaseRecord, DeclaredFailure
-from harness.run.faults import PlantedFault, plant
+from harness.run.faults.planted import PlantedFault, plant
 from harness.run.judging import Observed, observe
 from harness.run.sweep import Sweep
 from harness.serve.launch import ManagedServer

@@ -39,7 +39,8 @@ from harness.judge.records import CaseRecord
 from harness.judge.verdicts import Reference, baseline_stability
 from harness.outcomes.outcome import Outcome
 from harness.run.baseline import BaselineAnswers
-from harness.run.faults import PlantedFault, fault_for, plant
+from harness.run.faults.by_name import fault_for
+from harness.run.faults.planted import PlantedFault, plant
 from harness.run.fuzz.consumer import ConsumerState, media_identities
 from harness.run.fuzz.known import KnownRule, Recognition, recognise, rules_for
 from harness.run.fuzz.layout import PlaceholderIds, PromptLayout, layout_from_ids

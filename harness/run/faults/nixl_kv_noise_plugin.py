@@ -9,7 +9,7 @@ adds noise of a given fraction of each layer's std to the blocks just received, 
 first step reads them. vLLM's files are not changed, and nothing is installed: the harness
 writes this file as a package into a directory of its own and puts that directory (which also
 holds the package's `*.dist-info/entry_points.txt`) on D's PYTHONPATH, for the self-test's D
-only (`harness.run.faults.install_nixl_kv_noise_plugin`).
+only (`harness.run.faults.nixl.install_nixl_kv_noise_plugin`).
 
 The conversation with the harness goes through the directory named by EPD_HARNESS_NIXL_KV_NOISE:
 

@@ -1,0 +1,95 @@
+"""The faults a run can be started with, by name: `--plant-fault` parsed, and which topology a
+fault has anything to act on in.
+
+Apart from the faults themselves (`harness.run.faults.by_name` builds one from its name), so the
+CLI and pre-flight can check a name without loading torch or the serving code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from harness.errors import BadInput
+from harness.spec.topology import Topology
+
+# Faults a whole run can be started with (`epd-harness run --plant-fault NAME`), so that a
+# bundle from a planted failure can be replayed by `epd-harness repro` with the same fault.
+FAULT_NAMES = ("corrupt-ec", "zero-kv", "drop-kv", "drop-metadata", "stream-duplicate-chunk")
+# Faults that act on the P->D hop (a topology without one has nothing for them to break).
+KV_FAULTS = ("zero-kv", "drop-kv", "kv-noise")
+# Faults that act on streamed answers only (`--stream`).
+STREAM_FAULTS = ("stream-duplicate-chunk",)
+# Graded faults, NAME or NAME:STRENGTH (see `parse_fault`).
+GRADED_FAULTS = {
+    "ec-noise": "ec-noise:FRACTION  Gaussian noise, FRACTION x std, on each EC tensor (e.g. 0.05)",
+    "kv-noise": "kv-noise:FRACTION  the same on the KV files P wrote for D",
+    "ec-swap-items": "ec-swap-items      a request's media items get each other's EC embedding",
+    "ec-zero-frame": "ec-zero-frame[:N]  temporal frame (pair) N (default 0) of a video's EC "
+    "embedding zeroed",
+    "ec-video-grid": "ec-video-grid      the consumer is told video grid [2t, h/2, w]: wrong "
+    "positions, same size",
+}
+MAX_NOISE_FRACTION = 100.0
+# ec-zero-frame's index: a temporal frame (pair) of the request's video, which has a handful;
+# bounded so a long string of digits is refused as a typo, not carried into int() and float().
+MAX_FRAME_INDEX = 9999
+FAULT_SYNTAX = (
+    "ec-noise:FRACTION, kv-noise:FRACTION, ec-swap-items, ec-zero-frame[:N], ec-video-grid"
+)
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """A parsed `--plant-fault` value: the kind and, for graded faults, its strength."""
+
+    kind: str
+    strength: float | None = None  # noise: fraction of std; ec-zero-frame: the frame index
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.strength is None else f"{self.kind}:{self.strength:g}"
+
+
+def parse_fault(text: str) -> FaultSpec:
+    """`corrupt-ec`, `ec-noise:0.05`, `ec-zero-frame:1`, ...; BadInput (one line) otherwise."""
+    kind, sep, value = text.strip().partition(":")
+    if kind not in (*FAULT_NAMES, *GRADED_FAULTS):
+        raise BadInput(
+            f"unknown fault {text!r} (known: {', '.join(FAULT_NAMES)}) and no graded "
+            f"fault either ({FAULT_SYNTAX})"
+        )
+    if kind in ("ec-noise", "kv-noise"):
+        try:
+            fraction = float(value) if sep else math.nan
+        except ValueError:
+            fraction = math.nan
+        if not (0 < fraction <= MAX_NOISE_FRACTION):
+            raise BadInput(
+                f"fault {text!r}: {kind} needs a strength, a fraction of each "
+                f"tensor's std in (0, {MAX_NOISE_FRACTION:g}], e.g. {kind}:0.05"
+            )
+        return FaultSpec(kind, fraction)
+    if kind == "ec-zero-frame" and sep:
+        # isascii: '²' is a digit to isdigit(), not to int(); the length before int(), which
+        # refuses over 4300 digits.
+        digits = value.isascii() and value.isdigit() and len(value) <= len(str(MAX_FRAME_INDEX))
+        if not (digits and int(value) <= MAX_FRAME_INDEX):
+            raise BadInput(
+                f"fault {text!r}: ec-zero-frame takes a temporal frame index "
+                f"(0, 1, ... {MAX_FRAME_INDEX}), e.g. ec-zero-frame:1"
+            )
+        return FaultSpec(kind, float(int(value)))
+    if sep:
+        raise BadInput(f"fault {text!r}: {kind} takes no strength; drop ':{value}'")
+    return FaultSpec(kind)
+
+
+def fault_reaches(kind: str, topology: Topology) -> bool:
+    """Whether a fault of `kind` has anything to act on in `topology`: KV faults need a P->D
+    hop, stream faults a stream from D (or PD) through a proxy, the others an encoder."""
+    if kind in KV_FAULTS:
+        return topology.has_kv_transfer
+    if kind in STREAM_FAULTS:
+        return not topology.is_baseline
+    return topology.has_ec_transfer
