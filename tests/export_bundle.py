@@ -9,8 +9,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from harness.run.export import UpstreamProxy, plan_export
-from harness.run.export_files import write_export
+from harness.run.export.files import write_export
+from harness.run.export.plan import plan_export
+from harness.run.export.proxy import UpstreamProxy
 from harness.run.repro import Bundle
 from harness.serve.launch import log_path_for
 from harness.serve.session import safe_name

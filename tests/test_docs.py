@@ -24,7 +24,7 @@ def variables_read_by_the_code() -> set[str]:
         names |= set(re.findall(r"""environ(?:\.get)?[(\[]\s*["']([A-Z][A-Z0-9_]+)["']""", text))
         names |= set(re.findall(r"""^[A-Z_]+_ENV = ["']([A-Z][A-Z0-9_]+)["']""", text, re.M))
         # `${NAME:-default}` in a script, `${{NAME:-...}}` in the f-strings that write the
-        # export's scripts (harness/run/export_files.py): both read by what the user runs.
+        # export's scripts (harness/run/export/files.py): both read by what the user runs.
         names |= set(re.findall(r"\$\{\{?([A-Z][A-Z0-9_]+):-", text))
     return names
 

@@ -27,17 +27,9 @@ from export_bundle import (
 
 from harness.cli.main import main
 from harness.errors import BadInput
-from harness.run import standalone_check as check
-from harness.run.export import (
-    NEVER_ENCODED_UUID,
-    UNKNOWN_UUID_PROBE,
-    Var,
-    describe_request,
-    shell_word,
-    template_storage,
-)
-from harness.run.export_files import render_serve_sh, write_export
-from harness.run.export_issue import (
+from harness.run.export import standalone_check as check
+from harness.run.export.files import render_serve_sh, write_export
+from harness.run.export.issue import (
     ENVIRONMENT_KEYS,
     ISSUE_FIELDS,
     TITLE_PREFIX,
@@ -45,6 +37,10 @@ from harness.run.export_issue import (
     error_headline,
     render_issue,
 )
+from harness.run.export.probe import NEVER_ENCODED_UUID, UNKNOWN_UUID_PROBE
+from harness.run.export.request import describe_request
+from harness.run.export.servers import template_storage
+from harness.run.export.shell import Var, shell_word
 
 pytestmark = pytest.mark.unit
 

@@ -31,8 +31,8 @@ from test_export_process import environment, export_case, run_script, run_sh
 from harness.cli.main import main
 from harness.devices import DevicesUsed
 from harness.errors import BadInput
-from harness.run.export_files import render_serve_sh, version_check, write_export
-from harness.run.export_issue import render_issue
+from harness.run.export.files import render_serve_sh, version_check, write_export
+from harness.run.export.issue import render_issue
 from harness.serve.launch import log_path_for
 from harness.serve.session import safe_name
 from harness.spec.placement import place_instances
@@ -708,7 +708,7 @@ def test_check_py_and_issue_md_say_what_else_gives_other_ids_on_the_recording_pl
 def test_an_xpu_export_names_oneapi_not_cuda() -> None:
     """An XPU case was told "CUDA" as what else gives other ids: the wording names the
     platform's own runtime."""
-    from harness.run.export import ids_vary_with
+    from harness.run.export.expectation import ids_vary_with
 
     assert ids_vary_with({"platform_profile": "xpu"}) == (
         "another GPU model, driver or oneAPI version"

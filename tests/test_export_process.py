@@ -24,9 +24,11 @@ from typing import Any
 import pytest
 from export_bundle import BASELINE_IDS, PROMPT, PROMPT_IDS, REPAIR, plan_for, write, write_bundle
 
-from harness.run.export import UNKNOWN_UUID_PROBE, UpstreamProxy, plan_export
-from harness.run.export_files import write_export
-from harness.run.export_issue import render_issue
+from harness.run.export.files import write_export
+from harness.run.export.issue import render_issue
+from harness.run.export.plan import plan_export
+from harness.run.export.probe import UNKNOWN_UUID_PROBE
+from harness.run.export.proxy import UpstreamProxy
 from harness.run.repro import Bundle
 from harness.testing.fake_vllm import MODE_ENV, install_fake_vllm
 from harness.testing.processes import (

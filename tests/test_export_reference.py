@@ -34,9 +34,9 @@ from export_bundle import (
 from test_export_gpu import FLIPPED, Answering, answering, chat_answer, near_tie_export
 from test_export_process import environment, pid_alive, run_script
 
-from harness.run.export_files import render_serve_sh, write_export
-from harness.run.export_issue import render_issue, title
-from harness.run.standalone_check import request_digest
+from harness.run.export.files import render_serve_sh, write_export
+from harness.run.export.issue import render_issue, title
+from harness.run.export.standalone_check import request_digest
 from harness.testing.processes import (
     ctrl_c,
     sigint_as_at_a_terminal,

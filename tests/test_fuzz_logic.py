@@ -1077,7 +1077,8 @@ def test_a_group_bundle_holds_the_instance_commands_export_needs(tmp_path: Path)
     1E+1PD in .../01-known-mismatch-generated-ids/1E-1PD, found 0": the commands stayed in the
     run directory, so only the run's first group could be exported (from RUN). Each group's
     bundle now carries the baseline's and the topology's recorded commands."""
-    from harness.run.export import baseline_server, recorded_commands
+    from harness.run.export.reference import baseline_server
+    from harness.run.export.servers import recorded_commands
     from harness.run.fuzz.bundle import write_group_bundle
     from harness.run.repro import Bundle
 

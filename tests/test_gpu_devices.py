@@ -27,7 +27,7 @@ from test_export_gpu import gpu_bundle
 
 from fixtures.tiny_model import ensure_tiny_model
 from harness.environment import cache_dir
-from harness.run.export_files import write_export
+from harness.run.export.files import write_export
 from harness.run.fuzz.engine import FuzzEngine
 from harness.run.pool import TopologyPool
 from harness.spec.platforms import CUDA, DevicePlanError

@@ -1,6 +1,6 @@
 """`epd-harness export RUN_DIR [--case TOPOLOGY:PROMPT[@REFERENCE]] [--out DIR]
 [--vllm-source DIR]`: one case of a run as a directory that reproduces it with vLLM alone
-(`harness.run.export`; docs/found-in-vllm.md).
+(`harness.run.export.plan`; docs/found-in-vllm.md).
 
 The command line resolves what the exporter is handed: vLLM's proxy files of the served
 release (`--vllm-source`'s checkout, checked as `run` checks it; else the run's own when it ran
@@ -22,9 +22,11 @@ from harness.errors import EXIT_OK, BadInput
 from harness.preflight.files import describe_os_error
 from harness.preflight.upstream_proxy import PROXY_FILES, cached_or_fetched, from_checkout
 from harness.preflight.vllm import interpreter_of
-from harness.run.export import PROBES, UpstreamProxy, plan_export
-from harness.run.export_files import write_export
-from harness.run.export_issue import title
+from harness.run.export.files import write_export
+from harness.run.export.issue import title
+from harness.run.export.plan import plan_export
+from harness.run.export.probe import PROBES
+from harness.run.export.proxy import UpstreamProxy
 from harness.run.repro import Bundle, BundleError
 from harness.spec.settings import VLLM_PROXY, ServedVllm
 

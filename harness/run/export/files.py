@@ -1,4 +1,4 @@
-"""The files of an export (`harness.run.export` decides what goes in): serve.sh, run.sh,
+"""The files of an export (`harness.run.export.plan` decides what goes in): serve.sh, run.sh,
 check.py, request.json, expected.json, the model, vLLM's proxy file, cpu_repair.py, ISSUE.md.
 
 The shell scripts are plain bash a vLLM developer can read in one sitting: every port, the host,
@@ -18,15 +18,10 @@ from pathlib import Path
 
 from harness.errors import BadInput
 from harness.files import write_text_atomic
-from harness.run.export import (
-    DEVICES_VAR,
-    ExportedServer,
-    ExportPlan,
-    RecordedDevice,
-    device_var,
-    shell_command,
-)
-from harness.run.export_issue import render_issue
+from harness.run.export.devices import DEVICES_VAR, RecordedDevice, device_var
+from harness.run.export.issue import render_issue
+from harness.run.export.plan import ExportPlan
+from harness.run.export.servers import ExportedServer, shell_command
 
 CHECK_SOURCE = Path(__file__).with_name("standalone_check.py")
 PROXY_DIR = "vllm-proxy"

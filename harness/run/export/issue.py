@@ -14,7 +14,10 @@ from typing import Any
 
 from harness.devices import describe_devices
 from harness.judge.records import Verdict
-from harness.run.export import BASELINE, ExportPlan, describe_request, shell_command
+from harness.run.export.plan import ExportPlan
+from harness.run.export.reference import BASELINE
+from harness.run.export.request import describe_request
+from harness.run.export.servers import shell_command
 from harness.run.repro import ReproCase
 from harness.spec.generations import build_commit, is_dev_build
 

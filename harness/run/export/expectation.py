@@ -1,0 +1,143 @@
+"""expected.json of a case (`tokens_expectation`): what check.py compares the answer with, and
+how."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from harness.devices import describe_devices
+from harness.errors import BadInput
+from harness.judge.compare import is_measured_floor
+from harness.judge.policy import ReferencePolicy, default_reference_policy
+from harness.judge.records import Verdict
+from harness.run.export.reference import BASELINE
+from harness.run.export.request import describe_request
+from harness.run.repro import Bundle, ReproCase
+from harness.spec.platforms import get_platform
+from harness.spec.topology import get_topology
+
+REQUEST_TIMEOUT_S = 600
+
+
+def tokens_expectation(
+    bundle: Bundle, case: ReproCase, record: dict[str, Any], body: dict[str, Any]
+) -> dict[str, Any]:
+    """expected.json of a case: its reference's ids and log-probs, how the harness judged it
+    (the case's policy, the run's noise floor), and what the harness recorded, where."""
+    policy = reference_policy(bundle)
+    topology = get_topology(case.topology)
+    drift_passes = policy.policy_for(topology, case.reference == BASELINE.name).passes(
+        Verdict.DRIFT
+    )
+    return {
+        **expected_answer(bundle, case),
+        "check": "tokens",
+        "what": f"{case.topology} / {case.prompt}: {describe_request(body)}; expecting "
+        f"{reference_words(case.reference)}'s token ids",
+        "timeout_s": REQUEST_TIMEOUT_S,
+        "policy": policy.name,
+        "drift_passes": drift_passes,
+        "noise_floor_nats": noise_floor(bundle, record),
+        "recorded": {
+            "verdict": case.verdict,
+            "source": f"the harness (run {bundle.path.name})",
+            "where": recording_host(bundle.run),
+            "ids_vary_with": ids_vary_with(bundle.run),
+        },
+    }
+
+
+def reference_policy(bundle: Bundle) -> ReferencePolicy:
+    """The run's reference policy (summary.json), else its platform's default."""
+    name = bundle.summary.get("reference_policy")
+    try:
+        return ReferencePolicy(str(name))
+    except ValueError:
+        return default_reference_policy(get_platform(bundle.run.get("platform_profile", "cpu")))
+
+
+def noise_floor(bundle: Bundle, record: dict[str, Any]) -> float:
+    """The tolerance the harness judged the case with (its divergence's), else the run's
+    measured noise floor (summary.json, run.json); 0 when none was recorded. A recorded one
+    that is no measurement (inf, NaN, negative, not a number) is BadInput naming the file and
+    the field: it would be check.py's drift tolerance (an inf one passes every near tie)."""
+    sources = (
+        ("summary.json", record.get("divergence") or {}),
+        ("summary.json", bundle.summary),
+        ("run.json", bundle.run),
+    )
+    for file, source in sources:
+        field = "tolerance" if "tolerance" in source else "noise_floor_nats"
+        value = source.get(field)
+        if value is None:
+            continue
+        if not is_measured_floor(value):
+            raise BadInput(
+                f"{bundle.path / file}: {field} is {value!r}, not a measured noise floor "
+                "(a finite number of nats, 0 or more)"
+            )
+        return float(value)
+    return 0.0
+
+
+def recording_host(run: dict[str, Any]) -> str:
+    """Where the expected ids were computed, as far as run.json knows: its host and the
+    devices the run used (`devices_used`: model, count, driver, CUDA or AMX); for a bundle
+    written before that was recorded, its devices (GPU platforms) or its CPU."""
+    hostname = run.get("hostname")
+    host = f"the recording host {hostname}" if hostname else "the recording host"
+    used = describe_devices(run.get("devices_used"))
+    if used:
+        return f"{host} ({used})"
+    profile = run.get("platform_profile", "cpu")
+    if profile == "cpu":
+        cpu = (run.get("cpu") or {}).get("model") or "model not recorded"
+        return f"{host} (CPU {cpu})"
+    devices = ",".join(str(d) for d in run.get("devices") or []) or "?"
+    return f"{host} ({profile} devices {devices}; GPU model not recorded)"
+
+
+def ids_vary_with(run: dict[str, Any]) -> str:
+    """What else, beside a bug, can give other ids than the recording host's, for the platform
+    the case was recorded on: a CPU export said "another GPU model, driver or CUDA", which a
+    developer on another CPU could not act on (found by a real-vLLM audit on CPU)."""
+    platform = run.get("platform_profile", "cpu")
+    if platform == "cpu":
+        return (
+            "another CPU model (its vector instructions, AMX), torch or vLLM build, or thread count"
+        )
+    if platform == "xpu":
+        return "another GPU model, driver or oneAPI version"
+    return "another GPU model, driver or CUDA version"
+
+
+def reference_words(reference: str) -> str:
+    """'the monolithic baseline', or the exact reference's name ('1P+1D')."""
+    return "the monolithic baseline" if reference == BASELINE.name else reference
+
+
+def expected_answer(bundle: Bundle, case: ReproCase) -> dict[str, Any]:
+    """The answer of the case's own reference (the monolithic baseline, or an exact reference
+    such as 1P+1D) to the case's request, as the bundle recorded it: the ids the harness
+    compared with, never another reference's."""
+    responses_path = bundle.path / "responses.json"
+    try:
+        responses = json.loads(responses_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"{responses_path} cannot be read: {exc}") from None
+    reference = case.reference
+    result = ((responses.get(reference) or {}).get(case.prompt) or {}).get("result")
+    if not result:
+        raise BadInput(
+            f"{bundle.path}: responses.json has no answer of {reference} to {case.prompt!r}"
+        )
+    logprobs = result.get("logprobs") or []
+    return {
+        "reference": reference,
+        "prompt_token_ids": result["prompt_token_ids"],
+        "token_ids": result["token_ids"],
+        "text": result.get("text", ""),
+        "top_logprobs": [p.get("top") for p in logprobs],
+        "token_logprobs": [p.get("logprob") for p in logprobs],
+    }

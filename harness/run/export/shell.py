@@ -1,0 +1,40 @@
+"""The words of an export's bash scripts: literal text and shell variables (`$DECODE0_PORT`,
+`$HOST`, `$WORK`), so what differs on another machine is set once at the top of serve.sh."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Var:
+    """A shell variable in a rendered command line, e.g. `$DECODE0_PORT`."""
+
+    name: str
+
+
+# One argument: literal text and variables, concatenated.
+Arg = tuple[str | Var, ...]
+
+
+def shell_variable(name: str) -> str:
+    """The stem of a server's serve.sh variables (`ref-decode0` -> REF_DECODE0: its _PORT,
+    _NIXL_PORT): one rule, so an instance's and a proxy's names can never collide apart."""
+    return re.sub(r"[^A-Za-z0-9]", "_", name).upper()
+
+
+def shell_word(arg: Arg) -> str:
+    """One argument as a shell word: `"http://${HOST}:${PORT}"` when its literal text needs
+    no escaping inside double quotes, else literal pieces single-quoted and variables
+    double-quoted (a JSON config: `'{"path": "'"${WORK}"'/storage/kv"}'`)."""
+    if all(isinstance(piece, str) for piece in arg):
+        return shlex.quote("".join(str(piece) for piece in arg))
+    literal = "".join(piece for piece in arg if isinstance(piece, str))
+    if not re.search(r'["$`\\!]', literal):
+        inner = "".join(f"${{{p.name}}}" if isinstance(p, Var) else p for p in arg)
+        return f'"{inner}"'
+    return "".join(
+        f'"${{{piece.name}}}"' if isinstance(piece, Var) else shlex.quote(piece) for piece in arg
+    )
