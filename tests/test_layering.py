@@ -60,6 +60,31 @@ def test_judging_that_reaches_for_a_socket_breaks_its_contract(tmp_path: Path) -
     assert "harness.judge is not allowed to import socket" in result.stdout, result.stdout
 
 
+def folders_without_init(root: Path) -> list[str]:
+    """Folders of the package holding modules but no `__init__.py`: import-linter does not
+    read a namespace folder, so its modules would escape every contract unseen (the fuzz
+    folder did, until the export split found it)."""
+    return sorted(
+        str(folder.relative_to(root))
+        for package in ("harness", "fixtures")
+        for folder in [root / package, *(root / package).rglob("*")]
+        if folder.is_dir()
+        and folder.name != "__pycache__"
+        and any(folder.glob("*.py"))
+        and not (folder / "__init__.py").exists()
+    )
+
+
+def test_every_folder_of_modules_is_a_package_the_contracts_read() -> None:
+    assert folders_without_init(ROOT) == []
+
+
+def test_a_folder_of_modules_without_init_is_found(tmp_path: Path) -> None:
+    copy_tree(tmp_path)
+    (tmp_path / "harness" / "run" / "fuzz" / "__init__.py").unlink()
+    assert folders_without_init(tmp_path) == ["harness/run/fuzz"]
+
+
 def test_no_import_cycle_in_the_package() -> None:
     """Every module-level import between the package's modules (TYPE_CHECKING ones included:
     a cycle hidden from the interpreter is still a cycle to a reader)."""
