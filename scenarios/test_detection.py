@@ -8,7 +8,7 @@ caught (MISMATCH, or VACUOUS) goes into the run directory (detection.json, detec
 must be no worse than scenarios/detection_thresholds.json; EC and KV noise at 5% of std must be
 a MISMATCH within the first three generated tokens on every topology that carries them.
 
-Each topology is the session's running one (harness.testing.plugin: started once for every
+Each topology is the session's running one (harness.testing.collection: started once for every
 scenario that needs it) and serves a clean request first. The shared baseline answers this
 module's prompts (harness.run.graded.DETECTION_PROMPTS) with every other scenario's.
 

@@ -35,7 +35,7 @@ KILL_IN_FLIGHT = 32
 SOAK_S = 90.0
 # Each test's load is named once, on its `epd_load` mark, and handed to the test by the
 # `epd_load_spec` fixture: the session reads the marks to measure every selected load's batch
-# calibration while its baseline serves (harness.testing.plugin), so no load serves the
+# calibration while its baseline serves (harness.testing.before_stop), so no load serves the
 # baseline again for its own.
 
 

@@ -17,7 +17,7 @@ harness blind to embeddings that never arrived. So, with plain HTTP straight to 
   exits (with code 0). One bad request takes a PD or a D down. Pinned, so that a change in
   vLLM shows up here; the same assertion as failure mode 14 (media in D's recomputed tail).
 
-Every class runs on the session's running topology (harness.testing.plugin); the checks that
+Every class runs on the session's running topology (harness.testing.collection); the checks that
 kill an instance run last in their topology's group. None of this is marked `ci`.
 """
 

@@ -131,7 +131,7 @@ def test_epd_on_three_nodes_matches_the_baseline(on_ray) -> None:
 
 
 # Under `--epd-launcher ray` this module's items join the session's own 1E+1P+1D group (the
-# `ray` variant is the session's own instances there: harness.testing.plugin). These two take
+# `ray` variant is the session's own instances there: harness.testing.groups). These two take
 # the cluster's nodes from it (other instances on the same three nodes; a release of every
 # session on the cluster), so they run after everything else that group serves.
 @pytest.mark.epd_ends_session

@@ -6,7 +6,7 @@ judge must name the break: corrupted EC files and zeroed KV files are MISMATCH, 
 bypassed the encoder and a prompt D computed itself (no KV from P) are VACUOUS (tokens equal, a
 transfer guard failed), a killed instance is ERROR within seconds and leaves no process behind.
 
-Each topology is the session's running one (harness.testing.plugin: started once for every
+Each topology is the session's running one (harness.testing.collection: started once for every
 scenario that needs it) and serves a clean request first, then one fault after another on the
 self-test's own prompts (harness.run.self_test: media of their own, so distinct mm hashes, EC
 and KV files), so one fault cannot bleed into the next case, nor into another scenario's. Every

@@ -88,7 +88,7 @@ EPD_LATER_SWEEPS = make_streamed_sweeps
 
 @pytest.fixture(scope="session")
 def streamed_sweeps(pytestconfig: pytest.Config, epd_sweep, epd_events):
-    from harness.testing.plugin import later_sweeps
+    from harness.testing.before_stop import later_sweeps
 
     return later_sweeps(pytestconfig, __name__, epd_sweep, epd_events)
 

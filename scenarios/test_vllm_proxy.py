@@ -83,7 +83,7 @@ EPD_LATER_SWEEPS = make_vllm_proxy_sweeps
 
 @pytest.fixture(scope="session")
 def vllm_proxy_sweeps(pytestconfig: pytest.Config, epd_sweep, epd_events):
-    from harness.testing.plugin import later_sweeps
+    from harness.testing.before_stop import later_sweeps
 
     return later_sweeps(pytestconfig, __name__, epd_sweep, epd_events)
 

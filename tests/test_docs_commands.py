@@ -13,7 +13,8 @@ starts anything, and nothing is started:
 - `scripts/cpu`: the real script, run against a stand-in virtualenv that records what the
   script hands on (`epd-harness ...` or `pytest ...`), which is then checked as such;
 - pytest: this session's own option parser (conftest.py's options, pytest's and its plugins'),
-  then `harness.testing.plugin.check_session_options`, the same preflight as `epd-harness run`.
+  then `harness.testing.session_options.check_session_options`, the same preflight as
+  `epd-harness run`.
 
 Synopses use a notation, resolved before the check (`shown_argvs`), each rule for a reason:
 
@@ -45,7 +46,7 @@ import pytest
 
 from harness.cli.main import check_command_line, subcommand_parsers
 from harness.errors import BadInput
-from harness.testing.plugin import check_session_options
+from harness.testing.session_options import check_session_options
 
 pytestmark = pytest.mark.check
 

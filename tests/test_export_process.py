@@ -40,7 +40,7 @@ from harness.testing.processes import (
 )
 
 pytestmark = pytest.mark.process
-TakePorts = Callable[[int], list[int]]  # the leased_ports fixture (harness/testing/plugin.py)
+TakePorts = Callable[[int], list[int]]  # the leased_ports fixture (harness_test_fixtures.py)
 RUN_TIMEOUT_S = 120
 
 

@@ -1,4 +1,4 @@
-"""The pytest plugin under xdist (harness/testing/plugin.py): a refusal made while a worker
+"""The pytest plugin under xdist (harness/testing/collection.py): a refusal made while a worker
 collects (pytest.UsageError) is the session's, shown as one line, as without xdist.
 
 Real xdist sessions over the repository's scenarios, collected only (nothing starts).

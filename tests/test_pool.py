@@ -521,7 +521,7 @@ EPD_LATER_SWEEPS = make_other_proxy_sweep
 
 @pytest.fixture(scope="session")
 def other_proxy_sweep(pytestconfig, epd_sweep, epd_events):
-    from harness.testing.plugin import later_sweeps
+    from harness.testing.before_stop import later_sweeps
 
     return later_sweeps(pytestconfig, __name__, epd_sweep, epd_events)
 

@@ -46,7 +46,7 @@ from harness.testing.ray_driver import (
 )
 
 # Under xdist on a CPU host the e2e items' worker runs these before its first topology, while
-# another worker runs the other wall-clock bounds (harness/testing/plugin.py).
+# another worker runs the other wall-clock bounds (harness/testing/collection.py).
 pytestmark = [pytest.mark.process, pytest.mark.wall_clock_bound(on_e2e_worker=True)]
 
 GONE_WITHIN_S = 30.0  # the issue's bound for every process of a run after a SIGKILL

@@ -1,7 +1,7 @@
-"""The pytest plugin's ordering (harness/testing/plugin.py): every e2e item of one running
-topology in one stretch, in the plan's order, items that end their session last, and one
-xdist group per topology and the references its cases use on devices, one for every e2e item
-on a CPU host."""
+"""The pytest plugin's ordering (harness/testing/collection.py, harness/testing/pool_hooks.py):
+every e2e item of one running topology in one stretch, in the plan's order, items that end
+their session last, and one xdist group per topology and the references its cases use on
+devices, one for every e2e item on a CPU host."""
 
 from __future__ import annotations
 
@@ -170,7 +170,7 @@ def test_the_end_of_the_baseline_group_stops_it_where_workers_share_devices(
     from types import SimpleNamespace
 
     from harness.spec.platforms import get_platform
-    from harness.testing import plugin
+    from harness.testing import pool_hooks
 
     stopped: list[str] = []
     pool = SimpleNamespace(
@@ -181,9 +181,9 @@ def test_the_end_of_the_baseline_group_stops_it_where_workers_share_devices(
         running=list,  # nothing else running: only the ending group's topology is stopped
     )
     item = teardown_items(pool, platform)
-    plugin.pytest_runtest_teardown(item("baseline"), item("1E+1PD"))
+    pool_hooks.pytest_runtest_teardown(item("baseline"), item("1E+1PD"))
     assert stopped == released
-    plugin.pytest_runtest_teardown(item("1E+1PD"), item("1P+1D"))
+    pool_hooks.pytest_runtest_teardown(item("1E+1PD"), item("1P+1D"))
     assert stopped == [*released, "1E+1PD"]
 
 
@@ -195,7 +195,7 @@ def test_a_worker_without_the_baseline_group_stops_the_baseline_it_started() -> 
     (`epd_live("baseline")`) and every load's calibration on other workers wait on that device."""
     from types import SimpleNamespace
 
-    from harness.testing import plugin
+    from harness.testing import pool_hooks
 
     stopped: list[str] = []
     pool = SimpleNamespace(
@@ -206,7 +206,7 @@ def test_a_worker_without_the_baseline_group_stops_the_baseline_it_started() -> 
     item = teardown_items(pool, "cuda")
     # This worker's items: 1E+1PD's group, then 2E+1PD's; the baseline was started by the
     # first 1E+1PD item's judging and nothing here needs it again.
-    plugin.pytest_runtest_teardown(item("1E+1PD"), item("2E+1PD"))
+    pool_hooks.pytest_runtest_teardown(item("1E+1PD"), item("2E+1PD"))
     assert "baseline" in stopped, stopped
 
 
@@ -247,7 +247,7 @@ def test_the_ray_variant_is_the_default_group_when_the_session_itself_runs_on_ra
     `LauncherChoice("ray", address)`, what the preflight builds from the same options), yet its
     `epd_variant("ray")` puts it in a group of its own, sorted after every default group: the
     teardown between them stops 1E+1P+1D, and the Ray cluster starts it again."""
-    from harness.testing import plugin
+    from harness.testing import groups
 
     pytester.makeconftest(CONFTEST + '    parser.addoption("--epd-launcher", default="local")\n')
     pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
@@ -266,7 +266,7 @@ def test_epd_on_three_nodes():
     [finished] = run.getcalls("pytest_collection_finish")
     items = {item.name: item for item in finished.session.items}
     on_ray, default = items["test_epd_on_three_nodes"], items["test_sweep_case[1E+1P+1D]"]
-    assert plugin.epd_group(on_ray).instances == plugin.epd_group(default).instances, [
+    assert groups.epd_group(on_ray).instances == groups.epd_group(default).instances, [
         item.name for item in finished.session.items
     ]
 
@@ -276,11 +276,11 @@ def teardown_items(pool: object, platform: str):
     `platform` whose pool is `pool`: what `pytest_runtest_teardown` reads of an item."""
     from types import SimpleNamespace
 
-    from harness.testing import plugin
+    from harness.testing import pool_hooks
 
     options = {"--epd-platform": platform}
     config = SimpleNamespace(
-        stash={plugin.POOL_KEY: pool}, getoption=lambda name, default=None: options.get(name)
+        stash={pool_hooks.POOL_KEY: pool}, getoption=lambda name, default=None: options.get(name)
     )
     e2e = pytest.mark.e2e.mark
     # Every stand-in declared in one module, no class: none ends a class's variants.
@@ -330,7 +330,7 @@ def test_items_with_instances_of_their_own_run_after_every_item_of_the_pool(
     """Before them their worker's pool is stopped (the CLI they drive leases the devices in
     this very process): every item that uses the pool runs first, in its xdist group, and none
     of the pool's topologies is kept up for them. They were deselected on GPUs."""
-    from harness.testing import plugin
+    from harness.testing import groups
 
     pytester.makeconftest(CONFTEST + '    parser.addoption("--epd-stream", action="store_true")\n')
     pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
@@ -343,7 +343,7 @@ def test_items_with_instances_of_their_own_run_after_every_item_of_the_pool(
     order = [item.name for item in items]
     assert order[-2:] == ["test_own_repro", "test_own_fuzz"], order
     last_of_pool = next(i for i in items if i.name == "test_other_pool_case")
-    queue = items[0].config.stash[plugin.E2E_QUEUE_KEY]
+    queue = items[0].config.stash[groups.E2E_QUEUE_KEY]
     assert queue.needed_after(last_of_pool.nodeid) == set(), "1E+1PD kept up for its own items"
     # What the pool keeps for this worker from that item on, whoever waits for its devices:
     # that item's own topology, nothing of the items with instances of their own.
@@ -416,7 +416,8 @@ def session_plan(pytester: pytest.Pytester, devices: tuple[int, ...], *args: str
     from harness.spec.platforms import CUDA
     from harness.spec.settings import RunSettings
     from harness.spec.topology import serving_for
-    from harness.testing.plugin import SESSION_TOPOLOGIES_KEY, session_sweep_spec
+    from harness.testing.collection import SESSION_TOPOLOGIES_KEY
+    from harness.testing.e2e_fixtures import session_sweep_spec
 
     pytester.makeconftest(CONFTEST + '    parser.addoption("--epd-topology", default=None)\n')
     pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
@@ -501,7 +502,7 @@ def test_the_loads_to_come_are_known_from_any_item_on_in_the_order_they_run(
     """What the session's baseline measures before it stops (`calibrate_loads_before`): the
     loads from the item running on; under several xdist workers only its xdist group's, whose
     items this worker runs (another worker's loads are measured in their own process)."""
-    from harness.testing import plugin
+    from harness.testing import before_stop, groups
 
     pytester.makeconftest(CONFTEST)
     pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
@@ -512,8 +513,8 @@ def test_the_loads_to_come_are_known_from_any_item_on_in_the_order_they_run(
     config = items["test_soak"].config
 
     def to_come(current: str, workers: int) -> list[tuple[str, int]]:
-        config.stash[plugin.CURRENT_ITEM_KEY] = items[current].nodeid
-        return [(s.topology, s.requests) for s in plugin.loads_to_come(config, workers)]
+        config.stash[groups.CURRENT_ITEM_KEY] = items[current].nodeid
+        return [(s.topology, s.requests) for s in before_stop.loads_to_come(config, workers)]
 
     every = [("1E+1PD", 16), ("1E+1P+1D", 16), ("1E+1P+1D", 32)]  # death ends its session
     assert to_come("test_sweep_case[1E+1PD]", 1) == every

@@ -3,7 +3,7 @@
 A start is the whole cost of a run on CPU (tens of seconds per topology; requests take well under
 a second), so a topology is started the first time something asks for it and then kept: the
 sweep's cases, the matrix, the self-test and detection scenarios and fuzzing all ask the pool,
-and a pytest session orders its e2e tests by topology (`harness.testing.plugin`) so each one
+and a pytest session orders its e2e tests by topology (`harness.testing.collection`) so each one
 starts once per session. A session is keyed by what makes its instances what they are: the
 topology, the serving flags (connectors included) and the proxy under test; its storage is its
 own, never another topology's, because both example connectors key what they store by content

@@ -5,7 +5,7 @@ before anything starts (exit 2, one line), and a subprocess per case would cost 
 imports each; tests of signals and of a SIGKILLed harness start `python -m harness.cli.main`
 themselves (tests/test_chaos.py).
 
-In a test, take the `epd_cli` fixture (harness.testing.plugin)::
+In a test, take the `epd_cli` fixture (harness.testing.harness_test_fixtures)::
 
     def test_unknown_topology(epd_cli) -> None:
         result = epd_cli("run", "--topology", "9Z")

@@ -1,0 +1,103 @@
+"""The session's run directory and its account: one run root for the controller and every
+xdist worker (`--epd-run-dir`, else runs/pytest-<time>), cleared of what an earlier session
+left there for the summary, and at the end the summary itself (the verdict table, every
+instance and topology start, where the artifacts are)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+RUN_ROOT_KEY = pytest.StashKey[str]()
+SWEEP_KEY = pytest.StashKey[object]()  # the session's sweep (epd_sweep): its verdicts, summed
+WORKER_RUN_ROOT = "epd_run_root"  # how xdist hands the controller's run root to workers
+# Under the run root: what every process of one session shares (`RunRequest.session_dir`: the
+# baseline refresh's record, `--epd-baseline-cache off`'s shared baseline). The controller
+# empties it as the session begins, so nothing in it is an earlier session's.
+SESSION_SHARED_DIR = "session-shared"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The run root: a worker's is the controller's (`pytest_configure_node`)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        config.stash[RUN_ROOT_KEY] = workerinput.get(WORKER_RUN_ROOT)
+    else:
+        given = config.getoption("--epd-run-dir", None)
+        config.stash[RUN_ROOT_KEY] = given or str(
+            Path(config.rootpath) / "runs" / f"pytest-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
+        forget_earlier_accounts(Path(config.stash[RUN_ROOT_KEY]))
+
+
+def forget_earlier_accounts(root: Path) -> None:
+    """Remove what an earlier session in the same run root (a reused `--epd-run-dir`: a rerun,
+    `--lf`) left for the summary to sum: every pool's starts, every worker's verdict table. The
+    summary reads them by name under the root, so kept they would be counted as this session's
+    (found in review: an earlier `-n 2` run's two workers' starts added to a `-n 0` run's four).
+    Only the controller does this, in `pytest_configure`, before any xdist worker starts; the
+    earlier session's logs and run records stay. The directory the session's processes share
+    (SESSION_SHARED_DIR) is emptied too: a baseline refresh recorded there by an earlier session
+    would stand for this one's."""
+    if not root.is_dir():
+        return
+    shutil.rmtree(root / SESSION_SHARED_DIR, ignore_errors=True)
+    from harness.report.run_outputs import VERDICTS_FILE
+    from harness.run.pool import INSTANCE_STARTS_FILE, STARTS_FILE
+
+    for pattern in (f"**/{STARTS_FILE}", f"**/{INSTANCE_STARTS_FILE}", f"gw*/{VERDICTS_FILE}"):
+        for path in root.glob(pattern):
+            path.unlink(missing_ok=True)
+
+
+def pytest_configure_node(node) -> None:  # xdist: every worker writes under the same root
+    node.workerinput[WORKER_RUN_ROOT] = node.config.stash[RUN_ROOT_KEY]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """End what a launcher holds beyond its topologies (with --epd-launcher ray: the Ray
+    connection and the rehearsal cluster the session started), after the pool closed them."""
+    from harness.serve.launcher import end_launchers
+
+    end_launchers()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """The verdict table of whatever the scenarios judged (under xdist, each worker's, as it
+    wrote it), every instance and topology start of the session (all workers), and where the
+    artifacts are."""
+    root = Path(config.stash.get(RUN_ROOT_KEY, ""))
+    sweep = config.stash.get(SWEEP_KEY, None)
+    if sweep is not None:
+        from harness.report.text import format_verdict_table
+
+        terminalreporter.section("EPD verdicts")
+        terminalreporter.write_line(format_verdict_table(sweep.result.records))
+    elif root.is_dir():
+        from harness.report.run_outputs import VERDICTS_FILE
+
+        for table in sorted(root.glob(f"gw*/{VERDICTS_FILE}")):
+            terminalreporter.section(f"EPD verdicts ({table.parent.name})")
+            terminalreporter.write_line(table.read_text().rstrip())
+    from harness.run.pool import INSTANCE_STARTS_FILE, STARTS_FILE
+
+    files = sorted(root.glob(f"**/{STARTS_FILE}")) if root.is_dir() else []
+    if not files:
+        return
+    terminalreporter.section("EPD instance starts")
+    for lines in sorted(root.glob(f"**/{INSTANCE_STARTS_FILE}")):
+        terminalreporter.write_line(lines.read_text().rstrip())
+    starts = [start for path in files for start in json.loads(path.read_text())]
+    distinct = {start["topology"] for start in starts}
+    terminalreporter.section("EPD topology starts")
+    terminalreporter.write_line(
+        f"topology starts: {len(starts)} for {len(distinct)} distinct (topology, connectors)"
+    )
+    for start in starts:
+        took = "did not come up" if start["seconds"] is None else f"{start['seconds']:.1f}s"
+        terminalreporter.write_line(f"  {start['topology']}: {start['reason']} ({took})")
+    terminalreporter.write_line(f"artifacts: {root}")
