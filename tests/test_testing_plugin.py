@@ -640,3 +640,32 @@ def test_a_vllm_source_that_no_selected_test_reads_is_refused(
     )
     assert len(run.stderr.str().strip().splitlines()) == 1, run.stderr.str()
     assert pytester.runpytest(*options).ret == pytest.ExitCode.OK, "without the flag: as before"
+
+
+def listed_after_what_they_import(modules: list[str]) -> list[str]:
+    """The plugin modules of `modules` (a `pytest_plugins` list) that import a module listed
+    after them: pytest would find that one imported already and could not rewrite its asserts
+    (it warns "Module already imported so cannot be rewritten")."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    wrong = []
+    for position, name in enumerate(modules):
+        source = Path(importlib.util.find_spec(name).origin).read_text()
+        imported = {
+            node.module
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ImportFrom) and node.module
+        }
+        wrong += [
+            f"{name} imports {later}" for later in modules[position + 1 :] if later in imported
+        ]
+    return wrong
+
+
+def test_each_plugin_module_is_listed_after_those_it_imports() -> None:
+    from harness.testing import plugin
+
+    assert listed_after_what_they_import(plugin.pytest_plugins) == []
+    assert listed_after_what_they_import(plugin.pytest_plugins[::-1]) != []  # can go red
