@@ -56,7 +56,7 @@ def load_sweep(epd_sweep, epd_events):
 
 
 def run_load(load_sweep, spec: LoadSpec, label: str, on_session=None):
-    from harness.run.load import LoadRun
+    from harness.run.load.run import LoadRun
     from harness.run.sweep import Sweep
 
     settings = dataclasses.replace(

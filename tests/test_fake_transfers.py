@@ -243,9 +243,10 @@ def test_the_fakes_media_placeholders_are_the_served_models_own(
 ) -> None:
     """A prompt's media expand to the placeholder ids the served model's config names (the
     tiny test model's are not Qwen2.5-VL's), where the harness looks for them
-    (`harness.run.load.media_token_ids`): the fake used Qwen2.5-VL's whatever it served, so on
-    the fake night a load saw every prompt as "no media" and fuzzing judged no media example."""
-    from harness.run.load import media_token_ids
+    (`harness.run.load.plan.media_token_ids`): the fake used Qwen2.5-VL's whatever it served,
+    so on the fake night a load saw every prompt as "no media" and fuzzing judged no media
+    example."""
+    from harness.run.load.plan import media_token_ids
     from harness.spec.load import Region, media_placement
 
     run = settings(tmp_path, fake_vllm, "example")

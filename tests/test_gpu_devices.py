@@ -821,7 +821,7 @@ def test_the_death_under_load_passes_on_the_fake_gpu_night(tmp_path: Path) -> No
     At the fake's 0.01 s step it still failed one run in 18 (so D's step was 0.05 s here): the
     load sent each request as its thread began, the 32 threads took up to 0.5 s to begin on a
     busy host, and D answered the first in 0.31 s. The kill round's requests now go out
-    together (harness/run/load.py `_Together`), and the fake's own step is kept."""
+    together (harness/run/load/sending.py `Together`), and the fake's own step is kept."""
     argv = fake_gpu_session(
         tmp_path, "0,1,2,3", "scenarios/test_load.py", "-m", "e2e", "-k", "death",
         "-rA", "--epd-kv-connector", "nixl",

@@ -17,7 +17,7 @@ from harness.outcomes.chat import parse_chat_response
 from harness.outcomes.outcome import Outcome
 from harness.run.baseline_cache import BaselineCache, baseline_key
 from harness.run.baseline_launch import BaselineLaunch
-from harness.run.load import LoadRun
+from harness.run.load.run import LoadRun
 from harness.run.sweep import Sweep, SweepSpec
 from harness.spec.load import LoadSpec, load_mix
 from harness.spec.prompts import render_request

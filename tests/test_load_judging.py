@@ -32,7 +32,8 @@ from harness.report.load import (
 )
 from harness.report.resources import ResourceHistory, SoakBounds, bound_problems, growth
 from harness.run.baseline import BatchCalibration
-from harness.run.load import LoadRun, decode_tail_failure, media_token_ids
+from harness.run.load.plan import decode_tail_failure, media_token_ids
+from harness.run.load.run import LoadRun
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.kv_metrics import KvCounters
 from harness.spec.load import (
@@ -604,9 +605,9 @@ def test_a_planted_kill_that_never_came_fails_the_load(
 ) -> None:
     """Found in review: the killer was waited for 5 s only, so a round that ended before the
     kill found its moment passed, its death under load never tested."""
-    import harness.run.load as load_module
+    import harness.run.load.sessions as sessions_module
 
-    monkeypatch.setattr(load_module, "TopologySession", Unkillable)
+    monkeypatch.setattr(sessions_module, "TopologySession", Unkillable)
     load, _ = stand_in_load(tmp_path, requests=4, session_type=Unkillable)
     load.spec = LoadSpec("1E+1PD", requests=4, concurrency=2, distinct_media=3, kill="pd")
     result_ = load.run()
@@ -683,9 +684,10 @@ def killable_load(
 ) -> tuple[LoadRun, Killable, list[str]]:
     """A load of 2 requests, 2 at a time, that plants the kill of pd0: (load, session, the
     names of the instances killed)."""
-    import harness.run.load as load_module
+    import harness.run.load.death as death_module
+    import harness.run.load.sessions as sessions_module
 
-    monkeypatch.setattr(load_module, "TopologySession", Killable)  # the baseline's too
+    monkeypatch.setattr(sessions_module, "TopologySession", Killable)  # the baseline's too
     load, session = stand_in_load(
         tmp_path, requests=2, concurrency=2, session_type=session_type, **killable
     )
@@ -702,7 +704,7 @@ def killable_load(
         killed.append(server.name)
         session.killed.set()
 
-    monkeypatch.setattr(load_module, "kill_instance", kill)
+    monkeypatch.setattr(death_module, "kill_instance", kill)
     return load, session, killed
 
 
@@ -792,9 +794,9 @@ def test_a_planted_kill_comes_though_the_client_is_slower_to_send_than_the_insta
     as its thread began, so a run where it reached D early lost the kill's moment. On a GPU
     a small model's D is that fast too. The kill round's requests now wait for each other
     and go out together."""
-    import harness.run.load as load_module
+    import harness.run.load.sending as sending_module
 
-    monkeypatch.setattr(load_module, "ThreadPoolExecutor", SlowClient)
+    monkeypatch.setattr(sending_module, "ThreadPoolExecutor", SlowClient)
     load, _, killed = killable_load(tmp_path, monkeypatch, session_type=AnswersInTime)
     result_ = load.run()
     assert killed == ["1E+1PD/pd0"] and result_.killed == "1E+1PD/pd0", result_.problems
@@ -849,10 +851,10 @@ def test_a_kept_baseline_is_stopped_all_the_same_where_workers_share_devices(
     session and every other worker's calibration waits for it (found in review)."""
     import dataclasses
 
-    import harness.run.load as load_module
+    import harness.run.load.sessions as sessions_module
 
     load, _ = stand_in_load(tmp_path, requests=4)
-    monkeypatch.setattr(load_module, "TopologySession", StandIn)
+    monkeypatch.setattr(sessions_module, "TopologySession", StandIn)
     sweep = load.sweep
     sweep.settings = dataclasses.replace(
         sweep.settings, platform=CUDA if share else sweep.settings.platform, workers=2
@@ -869,9 +871,9 @@ def test_a_kept_baseline_is_stopped_all_the_same_where_workers_share_devices(
 
 def baseline_asked(load: LoadRun, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The topologies the load asks its pool for, recorded (the stand-in answers as both)."""
-    import harness.run.load as load_module
+    import harness.run.load.sessions as sessions_module
 
-    monkeypatch.setattr(load_module, "TopologySession", StandIn)  # the baseline's type check
+    monkeypatch.setattr(sessions_module, "TopologySession", StandIn)  # the baseline's type check
     asked: list[str] = []
     serve = load.sweep.pool.session
 
@@ -923,7 +925,7 @@ def test_calibrations_computed_ahead_are_of_the_requests_each_load_then_sends(
     """What a pytest session does as its baseline stops (`calibrate_ahead`, for the loads to
     come): each distinct (requests, concurrency) once, none for a load of one request at a
     time; the load then finds its own among them and serves no baseline."""
-    from harness.run.load import calibrate_ahead
+    from harness.run.load.calibration import calibrate_ahead
 
     load, session = stand_in_load(tmp_path, requests=6, concurrency=3)
     sweep = load.sweep

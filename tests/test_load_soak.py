@@ -20,7 +20,9 @@ from typing import Any
 import pytest
 from test_load_judging import NixlStandIn, StandIn, stand_in_load
 
-import harness.run.load as load_module
+import harness.run.load.run as run_module
+import harness.run.load.samples as samples_module
+import harness.run.load.sessions as sessions_module
 from harness.outcomes.load import InstanceUsage, ResourceSample, StorageUsage
 from harness.outcomes.outcome import Outcome
 from harness.report.load import (
@@ -106,7 +108,7 @@ def test_a_soak_keeps_whole_its_first_round_and_what_failed_and_counts_every_req
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = SoakClock()
-    monkeypatch.setattr(load_module, "time", SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(run_module, "time", SimpleNamespace(monotonic=clock.monotonic))
     (tmp_path / REQUESTS_FILE).write_text('{"an earlier load": "in this directory"}\n')
     load, session = stand_in_load(
         tmp_path,
@@ -339,10 +341,10 @@ def test_a_soak_lists_a_few_samples_and_appends_every_one_and_its_bounds_are_eve
 ) -> None:
     rounds = 60
     clock = SoakClock()
-    monkeypatch.setattr(load_module, "time", SimpleNamespace(monotonic=clock.monotonic))
-    monkeypatch.setattr(load_module, "TopologySession", Launched)
-    monkeypatch.setattr(load_module, "tree_usage", leaking_usage(random.Random(3)))
-    monkeypatch.setattr(load_module, "tree_pids", lambda pid: [])
+    monkeypatch.setattr(run_module, "time", SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(sessions_module, "TopologySession", Launched)
+    monkeypatch.setattr(samples_module, "tree_usage", leaking_usage(random.Random(3)))
+    monkeypatch.setattr(samples_module, "tree_pids", lambda pid: [])
     load, session = stand_in_load(tmp_path, requests=3, session_type=Launched, clock=clock)
     load.spec = dataclasses.replace(load.spec, duration_s=3.0 * rounds)
     result = load.run()
@@ -400,7 +402,7 @@ def test_a_soak_where_everything_fails_keeps_whole_the_first_of_each_prompt_and_
 ) -> None:
     rounds, per_round = 30, 6
     clock = SoakClock()
-    monkeypatch.setattr(load_module, "time", SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(run_module, "time", SimpleNamespace(monotonic=clock.monotonic))
     load, session = stand_in_load(
         tmp_path, requests=per_round, session_type=WrongAnswers, clock=clock
     )
@@ -464,7 +466,7 @@ def test_a_soak_under_nixl_keeps_the_kv_accounts_that_failed_first_and_counts_ev
 ) -> None:
     rounds, per_round = 30, 2
     clock = SoakClock()
-    monkeypatch.setattr(load_module, "time", SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(run_module, "time", SimpleNamespace(monotonic=clock.monotonic))
     load, _ = stand_in_load(tmp_path, requests=per_round, session_type=NothingReachesD, clock=clock)
     load.spec = dataclasses.replace(load.spec, duration_s=float(rounds * per_round))
     result = load.run()

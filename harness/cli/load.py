@@ -21,7 +21,7 @@ from harness.preflight import RunRequest, prepare_run
 from harness.preflight.config import check_arguments
 from harness.report.load import REQUESTS_FILE
 from harness.report.text import format_failure
-from harness.run.load import LoadRun
+from harness.run.load.run import LoadRun
 from harness.run.pool import TopologyPool
 from harness.run.sweep import Sweep, SweepSpec
 from harness.spec.load import (

@@ -30,7 +30,8 @@ MIN_DISTINCT_MEDIA = 3  # the shared items and at least the one whose media end 
 # answer; the baseline's calibration keeps one per request as well) and load.md / load.json list
 # each: 100,000 is about 20 GB, past the tens of thousands a GPU night's load sends. Longer
 # traffic is a soak: rounds of them (--duration), whose later rounds keep whole only the first
-# requests of each prompt and verdict that did not pass (`harness.run.load.LoadResult.add`).
+# requests of each prompt and verdict that did not pass
+# (`harness.run.load.result.LoadResult.add`).
 MAX_REQUESTS = 100_000
 # The most requests in flight. Unstreamed requests go out through one openai client per
 # session, whose connection pool holds 1,000 (its DEFAULT_CONNECTION_LIMITS): more would wait

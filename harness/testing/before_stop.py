@@ -93,7 +93,7 @@ def calibrate_loads_before(config: pytest.Config, sweep) -> Callable:
         specs = loads_to_come(config, sweep.settings.workers)
         if not specs:
             return
-        from harness.run.load import calibrate_ahead
+        from harness.run.load.calibration import calibrate_ahead
 
         try:
             calibrate_ahead(specs, sweep.baseline, sweep.settings.serving, session, say=print)
