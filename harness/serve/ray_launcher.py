@@ -61,24 +61,26 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from harness.environment import NETWORK_CHECKS_ENV, network_checks_enabled
 from harness.serve.launch import (
     KILL_WAIT_S,
-    LOG_TAIL_LINES,
     STARTUP_STOP_GRACE_S,
     STOP_GRACE_S,
     ManagedServer,
-    ServerCommand,
     ServerDied,
     await_ready,
-    describe_exit,
     health_probe_failure,
+)
+from harness.serve.launcher import LaunchRefused, NodeInfo, Reservation
+from harness.serve.ports import PortLease, reserve_ports
+from harness.serve.process_groups import describe_exit
+from harness.serve.ray_cluster import USAGE_STATS_ENV, LocalRayCluster
+from harness.serve.server_command import ServerCommand
+from harness.serve.server_log import (
+    LOG_TAIL_LINES,
     keep_earlier_log,
     log_header,
     log_size,
     read_log_from,
     read_log_tail,
 )
-from harness.serve.launcher import LaunchRefused, NodeInfo, Reservation
-from harness.serve.ports import PortLease, reserve_ports
-from harness.serve.ray_cluster import USAGE_STATS_ENV, LocalRayCluster
 from harness.spec.instances import InstanceSpec
 from harness.spec.network import side_channels, violations
 from harness.spec.placement import needs_side_channel
