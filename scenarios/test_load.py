@@ -191,7 +191,7 @@ def test_a_load_sends_the_decode_tail_prompt_as_its_connector_declares(
 def test_death_under_load_ends_every_request_naming_d(load_sweep, epd_load_spec) -> None:
     import psutil
 
-    from harness.serve.launch import is_live_process
+    from harness.serve.process_groups import is_live_process
 
     result = run_load(load_sweep, epd_load_spec, "death")
     assert result.killed is not None and result.killed.endswith("decode0"), result.problems

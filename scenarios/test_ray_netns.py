@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 
 from harness.environment import NETWORK_CHECKS_ENV
-from harness.serve.launch import ManagedServer, ServerCommand
+from harness.serve.launch import ManagedServer
+from harness.serve.server_command import ServerCommand
 
 # It builds its own rehearsal cluster, in namespaces of this host: the cpu platform's.
 pytestmark = [pytest.mark.e2e, pytest.mark.one_host_rehearsal]

@@ -39,7 +39,8 @@ from harness.run.self_test import (
     SELF_TEST_PROMPTS,
     ZERO_KV_PROMPT,
 )
-from harness.serve.launch import ManagedServer, describe_process, is_live_process
+from harness.serve.launch import ManagedServer
+from harness.serve.process_groups import describe_process, is_live_process
 from harness.serve.session import TopologySession
 from harness.spec.topology import Role
 from harness.testing.judging import passed_proven

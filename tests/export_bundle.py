@@ -13,7 +13,7 @@ from harness.run.export.files import write_export
 from harness.run.export.plan import plan_export
 from harness.run.export.proxy import UpstreamProxy
 from harness.run.repro import Bundle
-from harness.serve.launch import log_path_for
+from harness.serve.server_log import log_path_for
 from harness.serve.session import safe_name
 from harness.spec.placement import place_instances
 from harness.spec.platforms import CPU

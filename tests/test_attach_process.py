@@ -31,8 +31,10 @@ from harness.run.baseline_cache import BaselineCache, baseline_key
 from harness.run.baseline_launch import BaselineLaunch
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.attached import AttachedSession
-from harness.serve.launch import ManagedServer, ServerCommand, log_path_for
+from harness.serve.launch import ManagedServer
 from harness.serve.ports import reserve_ports
+from harness.serve.server_command import ServerCommand
+from harness.serve.server_log import log_path_for
 from harness.spec.attach import AttachSpec, attached_instances
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.spec.settings import ATTACH_PROXY, ProxyChoice, RunSettings, ServedVllm

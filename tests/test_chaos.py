@@ -77,8 +77,11 @@ HUNG_TEST_TIMEOUT_S = 15
 DRIVER = r"""
 import json, sys, time
 from pathlib import Path
-from harness.serve.launch import (ManagedServer, ServerCommand, ServerDied, ServerGroup,
-                            StartupTimeout, install_signal_handlers, log_path_for)
+from harness.serve.launch import ManagedServer, ServerDied, StartupTimeout
+from harness.serve.server_command import ServerCommand
+from harness.serve.server_group import ServerGroup
+from harness.serve.server_log import log_path_for
+from harness.serve.signal_handlers import install_signal_handlers
 from harness.serve.ports import reserve_ports
 from harness.serve.watchdog import client as watchdog
 fake, log_dir, timeout_s = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])

@@ -23,14 +23,9 @@ import pytest
 from harness.environment import cache_dir
 from harness.preflight.model import resolve_model
 from harness.preflight.vllm import default_vllm_executable
-from harness.serve.launch import (
-    KILL_WAIT_S,
-    STARTUP_STOP_GRACE_S,
-    ManagedServer,
-    ServerCommand,
-    ServerDied,
-    log_path_for,
-)
+from harness.serve.launch import KILL_WAIT_S, STARTUP_STOP_GRACE_S, ManagedServer, ServerDied
+from harness.serve.server_command import ServerCommand
+from harness.serve.server_log import log_path_for
 from harness.serve.session import TopologySession, safe_name
 from harness.serve.watchdog import client as watchdog_client
 from harness.spec.prompts import SKELETON_PROMPTS, render_request

@@ -33,7 +33,7 @@ from harness.devices import DevicesUsed
 from harness.errors import BadInput
 from harness.run.export.files import render_serve_sh, version_check, write_export
 from harness.run.export.issue import render_issue
-from harness.serve.launch import log_path_for
+from harness.serve.server_log import log_path_for
 from harness.serve.session import safe_name
 from harness.spec.placement import place_instances
 from harness.spec.platforms import CUDA

@@ -22,8 +22,9 @@ from harness.run.faults.instance import kill_instance
 from harness.run.faults.kv_files import drop_kv, zero_kv_files
 from harness.run.faults.planted import PlantedFault, first_request_only, plant
 from harness.run.faults.relayed import drop_encoder_metadata
-from harness.serve.launch import ManagedServer, ServerCommand
+from harness.serve.launch import ManagedServer
 from harness.serve.proxy import ProxyFaults
+from harness.serve.server_command import ServerCommand
 
 if TYPE_CHECKING:
     import torch

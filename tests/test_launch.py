@@ -19,14 +19,13 @@ from harness.serve.launch import (
     HEALTH_REQUEST_TIMEOUT_S,
     STARTUP_STOP_GRACE_S,
     ManagedServer,
-    ServerCommand,
     ServerDied,
-    ServerGroup,
     StartupTimeout,
-    keep_earlier_log,
-    log_path_for,
 )
 from harness.serve.ports import reserve_ports
+from harness.serve.server_command import ServerCommand
+from harness.serve.server_group import ServerGroup
+from harness.serve.server_log import keep_earlier_log, log_path_for
 from harness.testing.processes import (
     child_env,
     is_live,
@@ -90,8 +89,11 @@ http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 HARNESS = r"""
 import sys, time
 from pathlib import Path
-from harness.serve.launch import (ManagedServer, ServerCommand, ServerGroup, install_signal_handlers,
-                            log_path_for)
+from harness.serve.launch import ManagedServer
+from harness.serve.server_command import ServerCommand
+from harness.serve.server_group import ServerGroup
+from harness.serve.server_log import log_path_for
+from harness.serve.signal_handlers import install_signal_handlers
 from harness.serve.ports import reserve_ports
 from harness.testing.processes import (
     child_env,
@@ -567,7 +569,7 @@ def test_log_header_redacts_credentials_but_the_server_gets_them(tmp_path: Path)
 
 SIGNALLED_TWICE = r"""
 import os, signal, sys
-from harness.serve.launch import install_signal_handlers
+from harness.serve.signal_handlers import install_signal_handlers
 install_signal_handlers()
 try:
     os.kill(os.getpid(), getattr(signal, sys.argv[1]))
@@ -614,10 +616,10 @@ def test_a_ctrl_c_while_a_server_is_spawned_leaves_it_tracked(
     import threading
 
     from harness.serve import launch
-    from harness.serve.launch import log_path_for
+    from harness.serve.server_log import log_path_for
     from harness.testing.processes import pythons_own_ctrl_c, survivors
 
-    in_child = launch._in_child
+    in_child = launch.in_child  # launch.py calls the name it imported: patched there
 
     def slow_in_child(parent_pid: int, cpu_affinity: tuple[int, ...]):
         inner = in_child(parent_pid, cpu_affinity)
@@ -629,7 +631,7 @@ def test_a_ctrl_c_while_a_server_is_spawned_leaves_it_tracked(
 
         return preexec
 
-    monkeypatch.setattr(launch, "_in_child", slow_in_child)
+    monkeypatch.setattr(launch, "in_child", slow_in_child)
     (lease,) = reserve_ports(1, lock_dir=port_locks)
     command = ServerCommand(
         name="spawned/server0",
@@ -666,7 +668,7 @@ def test_a_signal_ignored_on_entry_stays_ignored() -> None:
     SIGINT: the harness keeps that (it takes only what the shell left it)."""
     script = (
         "import signal\n"
-        "from harness.serve.launch import install_signal_handlers\n"
+        "from harness.serve.signal_handlers import install_signal_handlers\n"
         "replaced = install_signal_handlers()\n"
         "print(sorted(s.name for s in replaced), signal.getsignal(signal.SIGHUP) == signal.SIG_IGN)\n"
     )

@@ -14,13 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.serve.launch import (
-    ManagedServer,
-    ServerCommand,
-    ServerDied,
-    ServerGroup,
-    StartupTimeout,
-)
+from harness.serve.launch import ManagedServer, ServerDied, StartupTimeout
+from harness.serve.server_command import ServerCommand
+from harness.serve.server_group import ServerGroup
 from harness.serve.session import TopologySession
 from harness.spec.placement import (
     place_instances,

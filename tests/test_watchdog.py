@@ -50,7 +50,8 @@ time.sleep(600)
 NORMAL_HARNESS = r"""
 import sys
 from pathlib import Path
-from harness.serve.launch import ManagedServer, ServerCommand
+from harness.serve.launch import ManagedServer
+from harness.serve.server_command import ServerCommand
 from harness.serve.watchdog import client
 command = ServerCommand(name="normal/server0", argv=[sys.executable, "-c", sys.argv[2], "plain"],
                         health_url="http://127.0.0.1:9/health", log_path=Path(sys.argv[1]))

@@ -67,15 +67,10 @@ from harness.run.repro import (
 )
 from harness.run.scenarios import MATRIX, Scenario
 from harness.run.sweep import Sweep, SweepSpec
-from harness.serve.launch import (
-    ServerDied,
-    ServerStopFailed,
-    StartupTimeout,
-    install_signal_handlers,
-    restore_signal_handlers,
-)
+from harness.serve.launch import ServerDied, ServerStopFailed, StartupTimeout
 from harness.serve.launcher import end_launchers
 from harness.serve.ports import NoFreePortError
+from harness.serve.signal_handlers import install_signal_handlers, restore_signal_handlers
 from harness.spec.placement import TooFewDevices, schedule
 from harness.spec.platforms import DevicePlanError, get_platform, parse_devices
 from harness.spec.prompts import SKELETON_PROMPTS

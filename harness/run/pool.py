@@ -33,8 +33,9 @@ from harness.outcomes.outcome import InstanceStats
 from harness.outcomes.startup import describe_instance_start
 from harness.serve.device_wants import wanted_devices
 from harness.serve.entry import proxy_key
-from harness.serve.launch import EventCallback, keep_earlier_log
 from harness.serve.ports import devices_free
+from harness.serve.server_group import EventCallback
+from harness.serve.server_log import keep_earlier_log
 from harness.serve.session import DeadInstance, ProxiedSession, TopologySession, safe_name
 from harness.spec.placement import CPU_INSTANCE_BYTES, CPU_MEMORY_HEADROOM, available_memory_bytes
 from harness.spec.settings import LauncherChoice, RunSettings

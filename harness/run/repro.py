@@ -29,7 +29,7 @@ from harness.run.pool import TopologyPool
 from harness.run.scenarios import MATRIX, SendMode
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.attached import write_attach_file
-from harness.serve.launch import EventCallback
+from harness.serve.server_group import EventCallback
 from harness.spec.attach import ATTACH_FILE_NAME
 from harness.spec.generations import (
     GENERATIONS_BY_NAME,

@@ -37,7 +37,7 @@ from harness.run.goldens import GoldenStore
 from harness.run.judging import CaseJudge, Observed, observe
 from harness.run.pool import SessionRequest, TopologyPool
 from harness.serve.attached import AttachedDown, AttachedSession
-from harness.serve.launch import EventCallback
+from harness.serve.server_group import EventCallback
 from harness.serve.session import ProxiedSession, TopologySession
 from harness.spec.placement import (
     Schedule,

@@ -23,9 +23,11 @@ from harness.files import write_text_atomic
 from harness.outcomes.trace import RequestTrace
 from harness.redact import redact_argv, redact_env
 from harness.serve.client import ChatClient
-from harness.serve.launch import ManagedServer, ServerCommand, log_path_for
+from harness.serve.launch import ManagedServer
 from harness.serve.ports import PortLease, reserve_ports
 from harness.serve.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer
+from harness.serve.server_command import ServerCommand
+from harness.serve.server_log import log_path_for
 from harness.serve.vllm_proxy import register_instances, registrations, vllm_proxy_launch
 from harness.spec.instances import InstanceSpec
 from harness.spec.settings import (

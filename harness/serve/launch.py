@@ -20,37 +20,49 @@ crashed in its first second wastes the CI budget. So:
   then hit;
 * nothing is ever killed by name, only by the pid, group and psutil handles recorded here.
 
-SIGTERM to the harness itself (CI cancelling, `timeout`) ends it without unwinding `with`
-blocks unless `install_signal_handlers()` was called; then it unwinds like Ctrl-C.
+Here: one server's lifecycle (`ManagedServer`) and readiness (`await_ready`). What it runs is
+`server_command`, its log `server_log`, its processes and their group `process_groups`, the
+harness's own signals `signal_handlers`; several servers together are `server_group`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import http.client
 import os
-import re
 import shlex
 import signal
 import subprocess
-import sys
-import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from types import FrameType, TracebackType
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
 
 import psutil
 
-from harness.redact import redact_env
 from harness.serve import watchdog
 from harness.serve.ports import PortLease
+from harness.serve.process_groups import (
+    describe_exit,
+    describe_process,
+    in_child,
+    is_live_process,
+    live_group_members,
+    pgid_of,
+    process_kind,
+    signal_group,
+    signal_process,
+)
+from harness.serve.server_command import ServerCommand
+from harness.serve.server_log import (
+    LOG_TAIL_LINES,
+    keep_earlier_log,
+    log_header,
+    log_size,
+    read_log_from,
+    read_log_tail,
+)
+from harness.serve.signal_handlers import signals_deferred
 
 HEALTH_POLL_INTERVAL_S = 0.5
 # A health request that hangs delays death detection by this much; vLLM's /health answers in
@@ -64,20 +76,9 @@ STOP_GRACE_S = 15.0
 STARTUP_STOP_GRACE_S = 3.0
 KILL_WAIT_S = 5.0
 STOP_POLL_INTERVAL_S = 0.05
-LOG_TAIL_LINES = 40
-LOG_TAIL_MAX_BYTES = 256 * 1024
-
-PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-ServerState = Literal["starting", "ready", "died", "stopped"]
-# on_event(server name, state, seconds since the group's start_all)
-EventCallback = Callable[[str, ServerState, float], None]
 
 # Health checks go to 127.0.0.1 directly: a CI runner's HTTP(S)_PROXY must not relay them.
 _DIRECT_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-# Resolved once, in the parent: the child must not dlopen/dlsym between fork and exec, where a
-# loader lock held by another parent thread at fork time would deadlock it.
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 
 
 class ServerDied(RuntimeError):
@@ -99,66 +100,6 @@ class StartupTimeout(RuntimeError):
 
 class ServerStopFailed(RuntimeError):
     """Processes of a server outlived SIGKILL (e.g. stuck in uninterruptible sleep)."""
-
-
-@dataclass(frozen=True)
-class ServerCommand:
-    """How to run one server: what `ManagedServer` spawns and where it writes its log."""
-
-    name: str  # unique within a run, e.g. "1E+1P+1D/encoder0"
-    argv: tuple[str, ...]  # a list is accepted and stored as a tuple; never a shell string
-    health_url: str  # answers 2xx once the server can take requests
-    log_path: Path  # stdout and stderr together; truncated at start
-    env: Mapping[str, str] = field(default_factory=dict)  # merged over os.environ
-    # The CPUs the server and everything it starts may run on (inherited by its children);
-    # empty: wherever the harness itself may run.
-    cpu_affinity: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        argv = tuple(self.argv)
-        if not argv or not all(isinstance(arg, str) for arg in argv):
-            raise ValueError(f"{self.name}: argv must be a non-empty list of str, got {argv!r}")
-        object.__setattr__(self, "argv", argv)
-        object.__setattr__(self, "env", dict(self.env))
-        object.__setattr__(self, "cpu_affinity", tuple(self.cpu_affinity))
-
-
-def log_path_for(log_dir: Path, name: str) -> Path:
-    """A log file for server `name` in `log_dir`: "1E+1P+1D/encoder0" -> 1E-1P-1D__encoder0.log.
-
-    '/' would make a subdirectory and '+' is awkward in shells; other unsafe characters become
-    '_'. The two meaningful separators get distinct replacements so names stay distinguishable.
-    """
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name.replace("/", "__").replace("+", "-"))
-    return log_dir / f"{safe}.log"
-
-
-def log_header(command: ServerCommand) -> str:
-    """The lines a server's log starts with: its command line, its environment additions (a
-    credential redacted: the log is an artifact) and its CPU affinity, whoever spawns it."""
-    lines = [f"# epd-harness: {command.name}: {shlex.join(command.argv)}"]
-    if command.env:
-        redacted = redact_env(command.env)
-        additions = " ".join(f"{k}={v}" for k, v in sorted(redacted.items()))
-        lines.append(f"# epd-harness: environment additions: {additions}")
-    if command.cpu_affinity:
-        lines.append(f"# epd-harness: CPU affinity: {','.join(map(str, command.cpu_affinity))}")
-    return "".join(f"{line}\n" for line in lines)
-
-
-def keep_earlier_log(path: Path) -> Path | None:
-    """Move the log of an earlier start of the same server out of the way, to <name>.<n>.log
-    (n counting up from 1), and return where it went (None: there was none).
-
-    A pool starts a topology again under the same names after an instance died or a start
-    timed out; the new start must not overwrite the log that shows why it was needed."""
-    if not path.exists():
-        return None
-    n = 1
-    while (kept := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
-        n += 1
-    path.rename(kept)
-    return kept
 
 
 class ManagedServer:
@@ -257,7 +198,7 @@ class ManagedServer:
             if self._port_lease is not None:
                 self._port_lease.hand_over()
             watchdog.client().ensure_running()
-            with _signals_deferred():
+            with signals_deferred():
                 try:
                     self._popen = subprocess.Popen(
                         command.argv,
@@ -266,7 +207,7 @@ class ManagedServer:
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
-                        preexec_fn=_in_child(os.getpid(), command.cpu_affinity),
+                        preexec_fn=in_child(os.getpid(), command.cpu_affinity),
                     )
                 except Exception as exc:
                     exc.add_note(f"while starting {command.name}: {shlex.join(command.argv)}")
@@ -388,18 +329,18 @@ class ManagedServer:
             self._sample_tree()
             pgid = self._popen.pid
             tracked = list(self._seen_descendants.values())
-            _signal_group(pgid, signal.SIGTERM)
+            signal_group(pgid, signal.SIGTERM)
             for proc in tracked:
-                if _pgid_of(proc) not in (None, pgid):
-                    _signal_process(proc, signal.SIGTERM)
+                if pgid_of(proc) not in (None, pgid):
+                    signal_process(proc, signal.SIGTERM)
             if self._startup_seconds is None:
                 grace_s = min(grace_s, STARTUP_STOP_GRACE_S)
             if not self._wait_gone(tracked, grace_s):
-                _signal_group(pgid, signal.SIGKILL)
+                signal_group(pgid, signal.SIGKILL)
                 for proc in tracked:
-                    _signal_process(proc, signal.SIGKILL)
+                    signal_process(proc, signal.SIGKILL)
                 if not self._wait_gone(tracked, KILL_WAIT_S):
-                    survivors = _live_group_members(pgid) + [
+                    survivors = live_group_members(pgid) + [
                         p for p in tracked if is_live_process(p)
                     ]
                     raise ServerStopFailed(
@@ -451,245 +392,13 @@ class ManagedServer:
         while True:
             if (
                 self.exit_code is not None
-                and not _live_group_members(self._popen.pid)
+                and not live_group_members(self._popen.pid)
                 and not any(is_live_process(p) for p in tracked)
             ):
                 return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(STOP_POLL_INTERVAL_S)
-
-
-class ServerGroup:
-    """Several servers that live and die together, e.g. the instances of one topology.
-
-        with ServerGroup(servers, on_event=print) as group:
-            group.start_all()
-            group.wait_all_ready(timeout_s=600)
-            ...  # send requests, calling group.check_alive() between them
-
-    Leaving the block stops every server, last started first, whatever ended it (an exception,
-    Ctrl-C, or SIGTERM once `install_signal_handlers()` is in place).
-    """
-
-    def __init__(
-        self,
-        servers: Iterable[ManagedServer],
-        *,
-        on_event: EventCallback | None = None,
-        start_after: Mapping[str, Iterable[str]] | None = None,
-    ) -> None:
-        """`start_after`: server name -> the names of the servers that must be healthy before
-        it is spawned (absent: spawned by `start_all`, with the others). Instances sharing a
-        GPU start one after another this way (`harness.spec.placement.start_after`)."""
-        self.servers = tuple(servers)
-        names = [server.name for server in self.servers]
-        duplicates = sorted({name for name in names if names.count(name) > 1})
-        if duplicates:
-            raise ValueError(f"server names must be unique; repeated: {duplicates}")
-        self.start_after = {
-            name: tuple(before) for name, before in (start_after or {}).items() if before
-        }
-        _check_start_order(names, self.start_after)
-        self._on_event = on_event
-        self._started_at = time.monotonic()
-        self._reported_dead: set[str] = set()
-        # Servers this group has spawned, in spawn order (stop_all goes backwards through it).
-        self._spawned: list[ManagedServer] = []
-
-    def start_all(self) -> None:
-        """Spawn every server that waits for no other without waiting, so they boot
-        concurrently; one that must start after others (`start_after`) is spawned by
-        `wait_all_ready` as soon as they are healthy."""
-        self._started_at = time.monotonic()
-        self._start_due()
-
-    def wait_all_ready(self, timeout_s: float) -> None:
-        """Wait until all are healthy, spawning each waiting server once those it starts after
-        are; the first death fails the group at once with its log tail. `timeout_s` is for the
-        whole group, the waiting servers' starts included."""
-
-        def ready(server: ManagedServer) -> None:
-            self._emit(server, "ready")
-            self._start_due()
-
-        try:
-            self._start_due()
-            await_ready(self.servers, timeout_s, on_ready=ready, waits_for=self.waits_for)
-        except ServerDied as exc:
-            self._report_death(exc)
-            raise
-
-    def waits_for(self, server: ManagedServer) -> tuple[str, ...]:
-        """The servers `server` still waits for before it can be spawned (none once spawned,
-        or when it starts after nothing, or after servers that are all healthy)."""
-        if self.is_spawned(server):
-            return ()
-        by_name = {s.name: s for s in self.servers}
-        before = self.start_after.get(server.name, ())
-        return tuple(name for name in before if by_name[name].startup_seconds is None)
-
-    def is_spawned(self, server: ManagedServer) -> bool:
-        return any(server is spawned for spawned in self._spawned)
-
-    def revive(self, dead: ManagedServer, fresh: ManagedServer) -> None:
-        """Put `fresh` in `dead`'s place and spawn it (a server that died is started again as
-        a new object, with a log of its own), unless it starts after a server that is not
-        healthy (one revived with it): then `wait_all_ready` spawns it, and waits for it."""
-        index = self.servers.index(dead)
-        self.servers = (*self.servers[:index], fresh, *self.servers[index + 1 :])
-        self._reported_dead.discard(dead.name)
-        self._start_due()
-
-    def check_alive(self) -> None:
-        """Raise ServerDied for the first server that has exited (call it between requests);
-        a server not spawned yet (`start_after`) has nothing to check."""
-        try:
-            for server in self.servers:
-                if self.is_spawned(server):
-                    server.check_alive()
-        except ServerDied as exc:
-            self._report_death(exc)
-            raise
-
-    def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
-        """Stop every server in reverse spawn order (one never spawned only gives its port
-        back); a failing stop does not skip the others,
-        nor does an interrupt: a Ctrl-C that lands in a stop (without the handlers of
-        `install_signal_handlers`, or the first one, during a cleanup something else began)
-        ends that server at once (SIGKILL, no more grace) and the others are still stopped;
-        the interrupt is raised at the end."""
-        failures: list[BaseException] = []
-        spawned = [s for s in reversed(self._spawned) if s in self.servers]
-        unspawned = [s for s in reversed(self.servers) if not self.is_spawned(s)]
-        for server in [*spawned, *unspawned]:
-            was_started = server.pid is not None
-            try:
-                _stop_through_interrupts(server, grace_s, failures)
-            except Exception as exc:
-                failures.append(exc)
-                continue
-            if was_started:
-                self._emit(server, "stopped")
-        if failures:
-            first = next((f for f in failures if not isinstance(f, Exception)), failures[0])
-            for other in failures:
-                if other is not first and isinstance(other, Exception):
-                    first.add_note(f"also failed to stop: {other}")
-            raise first
-
-    def __enter__(self) -> ServerGroup:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop_all()
-
-    def _report_death(self, exc: ServerDied) -> None:
-        if exc.name not in self._reported_dead:
-            self._reported_dead.add(exc.name)
-            server = next(s for s in self.servers if s.name == exc.name)
-            self._emit(server, "died")
-
-    def _start_due(self) -> None:
-        """Spawn every server not spawned yet whose `start_after` servers are all healthy."""
-        for server in self.servers:
-            if not self.is_spawned(server) and not self.waits_for(server):
-                self._spawned.append(server)
-                self._emit(server, "starting")
-                server.start()
-
-    def _emit(self, server: ManagedServer, state: ServerState) -> None:
-        if self._on_event is not None:
-            self._on_event(server.name, state, time.monotonic() - self._started_at)
-
-
-STOP_RETRIES_AFTER_INTERRUPT = 3
-
-
-def _stop_through_interrupts(
-    server: ManagedServer, grace_s: float, interrupts: list[BaseException]
-) -> None:
-    """`server.stop(grace_s)`; an interrupt in it is recorded in `interrupts` and the stop
-    retried without grace (straight to SIGKILL), a few times: a user who presses Ctrl-C again
-    is in a hurry, not asking to leave servers behind."""
-    for attempt in range(STOP_RETRIES_AFTER_INTERRUPT + 1):
-        try:
-            server.stop(grace_s if attempt == 0 else 0.0)
-            return
-        except (KeyboardInterrupt, SystemExit) as exc:
-            interrupts.append(exc)
-            if attempt == STOP_RETRIES_AFTER_INTERRUPT:
-                return
-
-
-def install_signal_handlers(
-    signals: Sequence[signal.Signals] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP),
-) -> dict[signal.Signals, Any]:
-    """Make SIGINT / SIGTERM / SIGHUP raise KeyboardInterrupt in the main thread, so cleanup
-    runs, and only the first of them.
-
-    By default SIGTERM ends Python at once: no `finally`, no `__exit__`, so servers get only the
-    parent-death signal and their grandchildren may linger. KeyboardInterrupt rather than
-    SystemExit because pytest treats it as "abort the session" (and still tears fixtures
-    down), while SystemExit would only fail the current test and go on to start more servers.
-    A repeated signal during cleanup is swallowed so the stop is not cut short (SIGKILL still
-    ends everything, and the parent-death signal then reaches the servers): a second Ctrl-C,
-    pressed while a server that ignores SIGTERM is given its grace, would otherwise leave the
-    servers not yet stopped running. The swallowing handler is a Python function, not SIG_IGN,
-    because an ignored disposition would be inherited by servers spawned later. Must be called
-    from the main thread.
-    """
-
-    def swallow(signum: int, frame: FrameType | None) -> None:
-        """Ignore a repeated signal while the first one's cleanup runs."""
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        for sig in previous:
-            signal.signal(sig, swallow)
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt  # as Python's own Ctrl-C: nothing more to say
-        raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
-
-    # A signal ignored on entry stays ignored: SIGHUP under nohup, SIGINT for a command a
-    # script started in the background (the shell's convention: a Ctrl-C is the foreground's).
-    previous = {sig: signal.getsignal(sig) for sig in signals}
-    previous = {sig: handler for sig, handler in previous.items() if handler != signal.SIG_IGN}
-    for sig in previous:
-        signal.signal(sig, interrupt)
-    return previous
-
-
-def restore_signal_handlers(previous: Mapping[signal.Signals, Any]) -> None:
-    """Put back what `install_signal_handlers` replaced: a CLI run inside another program (a
-    test's, in-process) must not leave that process swallowing its Ctrl-C."""
-    for sig, handler in previous.items():
-        if handler is not None:
-            signal.signal(sig, handler)
-
-
-def _check_start_order(names: Sequence[str], start_after: Mapping[str, Sequence[str]]) -> None:
-    """Refuse a `start_after` that names a server not in the group, or that no order satisfies
-    (a server after itself, a cycle): its servers would never be spawned, and the group would
-    wait its whole startup timeout for them."""
-    known = set(names)
-    for name, before in start_after.items():
-        unknown = sorted({name, *before} - known)
-        if unknown:
-            raise ValueError(f"start_after names servers not in the group: {unknown}")
-    done: set[str] = set()
-    left = dict(start_after)
-    while left:
-        free = [name for name, before in left.items() if set(before) <= done | (known - set(left))]
-        if not free:
-            raise ValueError(f"start_after has no order: {sorted(left)} wait for each other")
-        for name in free:
-            done.add(name)
-            del left[name]
 
 
 def await_ready(
@@ -768,160 +477,3 @@ def health_probe_failure(url: str) -> str | None:
         if isinstance(cause, ConnectionRefusedError):
             return "connection refused"
         return f"{type(cause).__name__}: {cause}"
-
-
-def log_size(path: Path) -> int:
-    """Bytes in the log at `path` (0 before there is one)."""
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
-
-
-def read_log_from(path: Path, offset: int) -> str:
-    """What the log at `path` holds after byte `offset` ("" before there is one)."""
-    try:
-        with open(path, "rb") as log:
-            log.seek(offset)
-            return log.read().decode("utf-8", errors="replace")
-    except FileNotFoundError:
-        return ""
-
-
-def read_log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    """The last `lines` lines of the log at `path` ("" if there is none), reading at most its
-    last LOG_TAIL_MAX_BYTES."""
-    try:
-        with open(path, "rb") as log:
-            size = log.seek(0, os.SEEK_END)
-            log.seek(max(0, size - LOG_TAIL_MAX_BYTES))
-            data = log.read()
-    except FileNotFoundError:
-        return ""
-    return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-lines:])
-
-
-DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Hold Ctrl-C (and SIGTERM, SIGHUP) back from the spawn of a server until it is recorded.
-
-    `Popen` forks, then waits for the child's exec; an interrupt raised in that wait leaves a
-    child nothing holds (no `_popen`, unknown to the watchdog), which `stop()` cannot reach and
-    which ignores the parent-death SIGTERM if it is vLLM starting its engine. Python runs
-    signal handlers in the main thread only, so only there can one cut in; a signal that came
-    meanwhile is handled as it would have been once the server is recorded."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.getsignal(sig) for sig in DEFERRED_SIGNALS}
-    held = [sig for sig, handler in previous.items() if handler is not None]
-    came: list[int] = []
-    for sig in held:
-        signal.signal(sig, lambda signum, _frame: came.append(signum))
-    try:
-        yield
-    finally:
-        for sig in held:
-            signal.signal(sig, previous[sig])
-        if came:
-            handler = previous[signal.Signals(came[0])]
-            if callable(handler):
-                handler(came[0], None)
-            elif handler == signal.SIG_DFL:
-                os.kill(os.getpid(), came[0])
-
-
-def _in_child(parent_pid: int, cpu_affinity: tuple[int, ...]) -> Callable[[], None] | None:
-    """A preexec_fn: the child's CPU affinity, and a SIGTERM from the kernel when the harness
-    dies (None when there is nothing to do).
-
-    The kernel sends that signal when the *thread* that forked the child exits, so servers must
-    be started from a thread that lives as long as they should (the main thread, normally). If
-    the harness died before prctl ran, the child would never get the signal: it exits instead.
-    The affinity is set before exec, so every process the server starts inherits it.
-    """
-    if not _PRCTL and not cpu_affinity:
-        return None
-
-    def preexec() -> None:
-        if cpu_affinity:
-            os.sched_setaffinity(0, cpu_affinity)
-        if not _PRCTL:
-            return
-        if _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
-            errno_ = ctypes.get_errno()
-            raise OSError(errno_, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(errno_)}")
-        if os.getppid() != parent_pid:
-            os._exit(128 + signal.SIGTERM)
-
-    return preexec
-
-
-def process_kind(name: str) -> str:
-    """What a server's descendant is, by its process name: vLLM names its engine core and
-    workers `VLLM::EngineCore` and `VLLM::Worker` (the kernel keeps 15 bytes of a name, so
-    `VLLM::EngineCor` too)."""
-    kind = name.removeprefix("VLLM::")
-    return "EngineCore" if kind.startswith("EngineCor") else kind
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _signal_process(proc: psutil.Process, sig: signal.Signals) -> None:
-    """Signal a recorded process; psutil refuses if its pid now belongs to another process."""
-    try:
-        proc.send_signal(sig)
-    except psutil.NoSuchProcess:
-        pass
-
-
-def _pgid_of(proc: psutil.Process) -> int | None:
-    try:
-        return os.getpgid(proc.pid)
-    except ProcessLookupError:
-        return None
-
-
-def is_live_process(proc: psutil.Process) -> bool:
-    """Running and not a zombie (a zombie has exited; only its parent's wait() is missing)."""
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _live_group_members(pgid: int) -> list[psutil.Process]:
-    """Non-zombie processes of group `pgid`; killpg(pgid, 0) alone counts zombies as members."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return []
-    members = []
-    for proc in psutil.process_iter():
-        if _pgid_of(proc) == pgid and is_live_process(proc):
-            members.append(proc)
-    return members
-
-
-def describe_process(proc: psutil.Process) -> str:
-    try:
-        return f"pid {proc.pid} ({proc.name()}, {proc.status()})"
-    except psutil.NoSuchProcess:
-        return f"pid {proc.pid} (gone)"

@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import HarnessError
-from harness.serve.launch import ManagedServer, ServerCommand
+from harness.serve.launch import ManagedServer
 from harness.serve.ports import PortLease, lease_devices, reserve_ports
+from harness.serve.server_command import ServerCommand
 from harness.spec.instances import InstanceSpec
 from harness.spec.placement import side_channel_port_count
 from harness.spec.settings import RunSettings

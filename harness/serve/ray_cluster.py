@@ -45,8 +45,10 @@ import psutil
 
 from harness.environment import LOOPBACK_HOST
 from harness.errors import HarnessError
-from harness.serve.launch import ManagedServer, ServerCommand, install_signal_handlers
+from harness.serve.launch import ManagedServer
 from harness.serve.ports import PortLease, reserve_ports
+from harness.serve.server_command import ServerCommand
+from harness.serve.signal_handlers import install_signal_handlers
 
 REHEARSAL_ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 NODE_START_TIMEOUT_S = 90.0

@@ -59,26 +59,21 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from harness.environment import NETWORK_CHECKS_ENV, network_checks_enabled
+from harness.serve import server_log
 from harness.serve.launch import (
     KILL_WAIT_S,
-    LOG_TAIL_LINES,
     STARTUP_STOP_GRACE_S,
     STOP_GRACE_S,
     ManagedServer,
-    ServerCommand,
     ServerDied,
     await_ready,
-    describe_exit,
     health_probe_failure,
-    keep_earlier_log,
-    log_header,
-    log_size,
-    read_log_from,
-    read_log_tail,
 )
 from harness.serve.launcher import LaunchRefused, NodeInfo, Reservation
 from harness.serve.ports import PortLease, reserve_ports
+from harness.serve.process_groups import describe_exit
 from harness.serve.ray_cluster import USAGE_STATS_ENV, LocalRayCluster
+from harness.serve.server_command import ServerCommand
 from harness.spec.instances import InstanceSpec
 from harness.spec.network import side_channels, violations
 from harness.spec.placement import needs_side_channel
@@ -415,10 +410,10 @@ class RayServer:
         command = self.command
         command.log_path.parent.mkdir(parents=True, exist_ok=True)
         node = self.node
-        keep_earlier_log(command.log_path)
+        server_log.keep_earlier_log(command.log_path)
         with open(command.log_path, "wb") as mirror:
             mirror.write(
-                f"{log_header(command)}"
+                f"{server_log.log_header(command)}"
                 f"# epd-harness: on Ray node {node.address} (node id {node.node_id}, host "
                 f"{node.hostname}); the lines below are its log, fetched through its agent\n".encode()
             )
@@ -477,17 +472,17 @@ class RayServer:
                 exit_code=self._exit,
             )
 
-    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+    def log_tail(self, lines: int = server_log.LOG_TAIL_LINES) -> str:
         self._poll()
-        return read_log_tail(self.command.log_path, lines)
+        return server_log.read_log_tail(self.command.log_path, lines)
 
     def log_size(self) -> int:
         self._poll()
-        return log_size(self.command.log_path)
+        return server_log.log_size(self.command.log_path)
 
     def read_log_from(self, offset: int) -> str:
         self._poll()
-        return read_log_from(self.command.log_path, offset)
+        return server_log.read_log_from(self.command.log_path, offset)
 
     def peak_rss_bytes(self) -> int:
         self._poll()
@@ -525,9 +520,9 @@ class RayServer:
         return 0.0 if self._spawned_at is None else time.monotonic() - self._spawned_at
 
     def _log_evidence(self) -> str:
-        tail = read_log_tail(self.command.log_path, LOG_TAIL_LINES)
+        tail = server_log.read_log_tail(self.command.log_path, server_log.LOG_TAIL_LINES)
         return (
-            f"--- last {LOG_TAIL_LINES} lines of {self.command.log_path} (from node "
+            f"--- last {server_log.LOG_TAIL_LINES} lines of {self.command.log_path} (from node "
             f"{self.node.address}) ---\n{tail}"
         )
 

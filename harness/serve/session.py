@@ -27,18 +27,14 @@ from harness.outcomes.outcome import InstanceStats, Outcome, ServedTopology
 from harness.outcomes.startup import startup_timeline
 from harness.serve.entry import Entry, command_json, open_entry, proxy_key
 from harness.serve.kv_metrics import KvCounters, read_counters
-from harness.serve.launch import (
-    ManagedServer,
-    ServerCommand,
-    ServerDied,
-    ServerGroup,
-    keep_earlier_log,
-    log_path_for,
-)
+from harness.serve.launch import ManagedServer, ServerDied
 from harness.serve.launcher import LocalLauncher
 from harness.serve.ports import PortLease
 from harness.serve.proxy import EPDProxy, ProxyFaults
 from harness.serve.proxy_protocol import collect_media
+from harness.serve.server_command import ServerCommand
+from harness.serve.server_group import ServerGroup
+from harness.serve.server_log import keep_earlier_log, log_path_for
 from harness.serve.tap import TapSet, TapTarget
 from harness.spec.instances import InstanceSpec
 from harness.spec.placement import place_instances, start_after, start_stages

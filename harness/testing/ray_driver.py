@@ -23,10 +23,11 @@ from pathlib import Path
 
 import psutil
 
-from harness.serve.launch import ServerDied, install_signal_handlers
+from harness.serve.launch import ServerDied
 from harness.serve.launcher import end_launchers
 from harness.serve.ray_cluster import LocalRayCluster
 from harness.serve.session import TopologySession
+from harness.serve.signal_handlers import install_signal_handlers
 from harness.spec.platforms import CPU
 from harness.spec.settings import RAY_LAUNCHER, LauncherChoice, RunSettings, ServedVllm
 from harness.spec.topology import TOPOLOGIES, serving_for

@@ -49,7 +49,7 @@ from harness.run.fuzz.signature import Signature, is_failure, signature_of
 from harness.run.judging import CaseJudge, Observed
 from harness.run.pool import SessionRequest, TopologyPool
 from harness.serve.attached import AttachedSession
-from harness.serve.launch import EventCallback
+from harness.serve.server_group import EventCallback
 from harness.serve.session import ProxiedSession, TopologySession
 from harness.spec.placement import side_by_side
 from harness.spec.prompts import (
