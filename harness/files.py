@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 ARTIFACT_MODE = 0o644  # mkstemp creates 0600; artifacts are for everyone who reads the run
@@ -48,3 +50,28 @@ def append_json_lines(path: Path, records: list[object]) -> None:
         if exc.filename is None:
             exc.filename = str(path)
         raise
+
+
+def fresh_run_dir(parent: Path, prefix: str = "") -> Path:
+    """A new directory `parent/<prefix><time to the second>` that no other run holds: made here,
+    with `-2`, `-3`, ... added when another run took the name first.
+
+    Default run directories are named by the second a run begins, and two runs begun in the
+    same second (two pytest sessions started together, a script's runs in a row) wrote into one
+    directory, each summing the other's starts and one clearing the other's account (seen on
+    this project's machine). Where the directory cannot be made, the plain name is returned
+    unmade: the caller's write check names the cause.
+    """
+    stem = prefix + time.strftime("%Y%m%d-%H%M%S")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        for n in itertools.count(1):
+            path = parent / (stem if n == 1 else f"{stem}-{n}")
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                continue
+    except OSError:
+        pass
+    return parent / stem

@@ -25,6 +25,7 @@ from harness.cli.serving_options import (
     serving_fields,
 )
 from harness.errors import EXIT_FAILED, EXIT_OK, BadInput
+from harness.files import fresh_run_dir
 from harness.preflight import RunRequest, prepare_run
 from harness.preflight.config import check_arguments
 from harness.run.faults.spec import FAULT_NAMES, FAULT_SYNTAX, STREAM_FAULTS, parse_fault
@@ -167,9 +168,11 @@ def run_budget(args: argparse.Namespace) -> RunBudget:
     return RunBudget(max_restarts=restarts, max_seconds=args.budget_s)
 
 
-def fuzz_request(args: argparse.Namespace) -> RunRequest:
-    """The run a fuzz needs: its topology (or the attached deployment) and the baseline."""
-    run_dir = args.run_dir or str(Path("runs") / f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}")
+def fuzz_request(args: argparse.Namespace, run_dir: str | None = None) -> RunRequest:
+    """The run a fuzz needs: its topology (or the attached deployment) and the baseline; its
+    run directory `--run-dir`, else `run_dir` (the command's fresh one), else a name only (the
+    checks before the command make nothing)."""
+    run_dir = args.run_dir or run_dir or str(Path("runs") / "fuzz")
     return RunRequest(
         topologies=() if args.attach else (args.topology,),
         run_dir=run_dir,
@@ -201,7 +204,8 @@ def command_fuzz(args: argparse.Namespace) -> int:
     from harness.run.fuzz.space import space_for
     from harness.run.fuzz.strategies import draw_examples
 
-    config = prepare_run(fuzz_request(args))
+    fresh = None if args.run_dir else str(fresh_run_dir(Path("runs"), "fuzz-"))
+    config = prepare_run(fuzz_request(args, fresh))
     settings = config.settings
     args.progress.run_dir = settings.run_dir
     topology = config.topologies[0]

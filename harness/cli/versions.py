@@ -38,7 +38,7 @@ from harness.cli.releases import (
 )
 from harness.environment import cache_dir
 from harness.errors import BadInput
-from harness.files import write_json_atomic, write_text_atomic
+from harness.files import fresh_run_dir, write_json_atomic, write_text_atomic
 from harness.preflight import names
 from harness.preflight.config import golden_release
 from harness.run.goldens import GoldenStore, agreement, release_of
@@ -310,7 +310,7 @@ def check_versions_arguments(args: argparse.Namespace) -> tuple[str, ...]:
 def command_versions(args: argparse.Namespace) -> int:
     versions = list(check_versions_arguments(args))
     run_args = _run_args(args)
-    root = Path(args.run_dir or f"runs/versions-{time.strftime('%Y%m%d-%H%M%S')}")
+    root = Path(args.run_dir) if args.run_dir else fresh_run_dir(Path("runs"), "versions-")
     # Releases whose run is already finished here need no venv (a summary job that only
     # gathers other jobs' runs installs nothing).
     to_install = [v for v in versions if finished_run(root / v) is None]
@@ -419,7 +419,7 @@ def command_bisect(args: argparse.Namespace) -> int:
     path = between if good == low else list(reversed(between))  # from good towards bad
     check_on_index(path)  # its ends may be any version; those between are known releases
     check_disk_for([path[0], path[-1]])
-    root = Path(args.run_dir or f"runs/bisect-{time.strftime('%Y%m%d-%H%M%S')}")
+    root = Path(args.run_dir) if args.run_dir else fresh_run_dir(Path("runs"), "bisect-")
     run_args = ["--topology", topology, "--prompt", prompt]
     verdicts: dict[str, str] = {}
     bundles: dict[str, Path] = {}  # release -> the run directory (bundle) its verdict came from

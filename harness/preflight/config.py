@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.environment import argv_check_dir, cache_dir, port_range
 from harness.errors import BadInput
+from harness.files import fresh_run_dir
 from harness.judge.policy import REFERENCE_POLICIES
 from harness.judge.records import DeclaredFailure
 from harness.preflight import files, names, resources, tokens, upstream_proxy
@@ -589,7 +589,7 @@ def _run_dir(request: RunRequest) -> Path:
     if request.run_dir:
         path = Path(request.run_dir)
     else:
-        path = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+        path = fresh_run_dir(Path("runs"))
     if request.worker_id and request.workers > 1:
         path = path / request.worker_id  # workers never write into each other's artifacts
     return path.resolve()

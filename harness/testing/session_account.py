@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
+
+from harness.files import fresh_run_dir
 
 RUN_ROOT_KEY = pytest.StashKey[str]()
 SWEEP_KEY = pytest.StashKey[object]()  # the session's sweep (epd_sweep): its verdicts, summed
@@ -29,7 +30,7 @@ def pytest_configure(config: pytest.Config) -> None:
     else:
         given = config.getoption("--epd-run-dir", None)
         config.stash[RUN_ROOT_KEY] = given or str(
-            Path(config.rootpath) / "runs" / f"pytest-{time.strftime('%Y%m%d-%H%M%S')}"
+            fresh_run_dir(Path(config.rootpath) / "runs", "pytest-")
         )
         forget_earlier_accounts(Path(config.stash[RUN_ROOT_KEY]))
 
