@@ -126,13 +126,21 @@ def test_corrupt_ec_files_touches_only_the_reported_hashes(tmp_path: Path):
     assert torch.equal(load_file(other_path)["ec_cache"], other), "an unreported hash was touched"
 
 
-def test_zero_kv_files_zeroes_every_layer_of_every_prompt(tmp_path: Path):
+def test_zero_kv_files_zeroes_every_layer_p_wrote_for_the_request_and_no_earlier_prompt(
+    tmp_path: Path,
+):
+    """Zeroing every file under the storage zeroed earlier prompts' too: on real vLLM the
+    streamed sweep after the self-test read the sweep prompts' zeroed KV and went red for a
+    fault no longer planted (1P+1D and 1E+1P+1D, every prompt)."""
+    import torch
     from safetensors.torch import load_file
 
-    paths = write_kv_files(tmp_path, "prompt-a") + write_kv_files(tmp_path, "prompt-b")
-    originals = {path: load_file(path)["kv_cache"] for path in paths}
+    earlier = write_kv_files(tmp_path, "prompt-earlier")
+    kept = {path: load_file(path)["kv_cache"] for path in earlier}
     fault = zero_kv_files(tmp_path)
     assert fault.after_prefill is not None, f"zero_kv_files planted no after_prefill: {fault}"
+    paths = write_kv_files(tmp_path, "prompt-a")  # what P writes for the faulted request
+    originals = {path: load_file(path)["kv_cache"] for path in paths}
 
     fault.after_prefill("req-5", {"kv_transfer_params": None})
 
@@ -146,6 +154,8 @@ def test_zero_kv_files_zeroes_every_layer_of_every_prompt(tmp_path: Path):
         tensor = zeroed["kv_cache"]
         assert (tensor.shape, tensor.dtype) == (original.shape, original.dtype), path
         assert int(tensor.count_nonzero()) == 0, f"{path}: {int(tensor.count_nonzero())} nonzero"
+    for path, original in kept.items():
+        assert torch.equal(load_file(path)["kv_cache"], original), f"{path}: an earlier prompt's"
 
 
 def test_zero_kv_files_reports_an_empty_storage(tmp_path: Path):

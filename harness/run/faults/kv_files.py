@@ -5,31 +5,28 @@ is asked; `drop_kv` also has a NixlConnector form, as the same fault in both."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.run.faults.planted import PlantedFault
 from harness.run.faults.storage_files import KV_FILE_SUFFIX, KvFilesSince, kv_file_stamps
 from harness.run.faults.tensors import file_seed, noise_transform, zeros
 
+if TYPE_CHECKING:
+    import torch
+
 
 def zero_kv_files(kv_storage: Path) -> PlantedFault:
-    """After P answered, zero every KV file under `kv_storage` (shapes and dtypes kept).
+    """After P answered, zero the KV files P wrote for this request (shapes and dtypes kept).
 
-    ExampleConnector writes one `<layer>.safetensors` per layer into a directory named after a
-    hash of the prompt, so "every file" includes those of earlier requests: send a faulted
-    request with a prompt of its own, and do not expect earlier prompts to survive it.
+    Only files new or rewritten since the fault was made (or since its previous request), as
+    `kv_noise` and `drop_kv` do: zeroing every file under the storage zeroed earlier prompts'
+    too, and the next request of such a prompt (a streamed sweep after the self-test, on real
+    vLLM) read zeroed KV and failed for a fault no longer planted.
     """
     fault = PlantedFault()
-
-    def after_prefill(request_id: str, prefill_response: dict[str, Any]) -> None:
-        paths = sorted(kv_storage.rglob(f"*{KV_FILE_SUFFIX}"))
-        if not paths:
-            fault.problems.append(f"{request_id}: no *{KV_FILE_SUFFIX} under {kv_storage}")
-        for path in paths:
-            fault.rewrite(request_id, path, zeros)
-
-    fault.after_prefill = after_prefill
+    fault.after_prefill = rewrite_fresh_kv_files(kv_storage, fault, lambda key: zeros)
     return fault
 
 
@@ -83,29 +80,41 @@ def drop_kv(kv_storage: Path, kv_connector: str = "ExampleConnector") -> Planted
 
 def kv_noise(kv_storage: Path, fraction: float, seed: int = 0) -> PlantedFault:
     """After P answered, add Gaussian noise of `fraction` x each tensor's std to the KV files
-    P wrote for this request.
-
-    Unlike `zero_kv_files`, only files new or rewritten since the fault was made (or since its
-    previous request) are touched: noise must not pile up on earlier prompts' files, and a
-    request whose KV files already existed (nothing new written) is reported as a problem, not
-    silently passed. It is marked as a leftover miss (`PlantedFault.leftover`) while every KV
-    file in the storage is one P wrote after the fault was made, so one it noised (as it would
-    noise it for this request): with files from before (a storage the fault found filled) it
-    cannot tell which file D read, and the miss stays one of shape.
-    """
+    P wrote for this request (seeded by the file's key: the same file gets the same noise)."""
     fault = PlantedFault()
+    fault.after_prefill = rewrite_fresh_kv_files(
+        kv_storage, fault, lambda key: noise_transform(fraction, file_seed(seed, key), fault)
+    )
+    return fault
+
+
+def rewrite_fresh_kv_files(
+    kv_storage: Path,
+    fault: PlantedFault,
+    transform_for: Callable[[str], Callable[[torch.Tensor], torch.Tensor]],
+) -> Callable[[str, dict[str, Any]], None]:
+    """An `after_prefill` that rewrites, each with `transform_for(its key under the storage)`,
+    the KV files P wrote since the fault was made (or since its previous request).
+
+    Only those: a fault must not pile up on earlier prompts' files, and a request whose KV
+    files already existed (nothing new written) is reported as a problem, not silently passed.
+    It is marked as a leftover miss (`PlantedFault.leftover`) while every KV file in the
+    storage is one P wrote after the fault was made, so one it rewrote (as it would rewrite it
+    for this request): with files from before (a storage the fault found filled) it cannot
+    tell which file D read, and the miss stays one of shape.
+    """
     written = KvFilesSince(kv_storage)
-    older = set(kv_file_stamps(kv_storage))  # files the fault found, and never noised
+    older = set(kv_file_stamps(kv_storage))  # files the fault found, and never rewrote
 
     def after_prefill(request_id: str, prefill_response: dict[str, Any]) -> None:
         fresh = written.fresh()
         if not fresh:
             # LEFTOVER, not the request's shape: P writes nothing only when it finds the
             # folder its prompt's block-aligned prefix (and media hashes) key already stored,
-            # i.e. an earlier request with that prefix wrote it, and this fault noised it then
-            # (it noises every file P writes). Causal attention makes that KV a function of
-            # the prefix alone, and the noise is seeded by the file's key, so D reads the very
-            # file fresh servers would write and noise for this request.
+            # i.e. an earlier request with that prefix wrote it, and this fault rewrote it then
+            # (it rewrites every file P writes). Causal attention makes that KV a function of
+            # the prefix alone, and the rewrite depends on the file's key alone, so D reads the
+            # very file fresh servers would write and rewrite for this request.
             problem = (
                 f"{request_id}: P wrote no new *{KV_FILE_SUFFIX} under {kv_storage} "
                 f"({len(kv_file_stamps(kv_storage))} older file(s) left alone)"
@@ -114,9 +123,7 @@ def kv_noise(kv_storage: Path, fraction: float, seed: int = 0) -> PlantedFault:
             if not older & set(kv_file_stamps(kv_storage)):
                 fault.leftover.append(problem)
         for path in fresh:
-            key = str(path.relative_to(kv_storage))
-            fault.rewrite(request_id, path, noise_transform(fraction, file_seed(seed, key), fault))
+            fault.rewrite(request_id, path, transform_for(str(path.relative_to(kv_storage))))
         written.settle()
 
-    fault.after_prefill = after_prefill
-    return fault
+    return after_prefill
