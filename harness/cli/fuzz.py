@@ -170,12 +170,11 @@ def run_budget(args: argparse.Namespace) -> RunBudget:
 
 def fuzz_request(args: argparse.Namespace, run_dir: str | None = None) -> RunRequest:
     """The run a fuzz needs: its topology (or the attached deployment) and the baseline; its
-    run directory `--run-dir`, else `run_dir` (the command's fresh one), else a name only (the
-    checks before the command make nothing)."""
-    run_dir = args.run_dir or run_dir or str(Path("runs") / "fuzz")
+    run directory `--run-dir`, else `run_dir` (the command's fresh one; the checks before the
+    command read none)."""
     return RunRequest(
         topologies=() if args.attach else (args.topology,),
-        run_dir=run_dir,
+        run_dir=args.run_dir or run_dir,
         baseline_cache="off",
         plant_fault=args.plant_fault,
         **serving_fields(args),

@@ -53,6 +53,7 @@ from typing import TextIO
 import psutil
 
 from harness.environment import watchdog_enabled
+from harness.serve.process_groups import is_live_process
 
 LOG_NAME = "watchdog.log"
 SAMPLE_INTERVAL_S = 0.5
@@ -214,13 +215,6 @@ def pgid_of(pid: int) -> int | None:
         return None
 
 
-def is_live(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def sample(groups: dict[int, Group]) -> None:
     """Record the members of each group and its leader's descendants (harness still alive: the
     unreaped leader pins the group id, so everything in group `pgid` is the harness's)."""
@@ -264,11 +258,11 @@ def live_processes(group: Group) -> list[psutil.Process]:
     found: list[psutil.Process] = []
     if group_is_ours(group):
         for proc in psutil.process_iter():
-            if pgid_of(proc.pid) == group.pgid and is_live(proc):
+            if pgid_of(proc.pid) == group.pgid and is_live_process(proc):
                 found.append(proc)
     for pid, create_time in group.members.items():
         proc = same_process(pid, create_time)
-        if proc is not None and is_live(proc) and all(p.pid != pid for p in found):
+        if proc is not None and is_live_process(proc) and all(p.pid != pid for p in found):
             found.append(proc)
     return found
 
