@@ -268,6 +268,45 @@ def test_what_d_holds_follows_the_storage_and_its_prefix_cache() -> None:
     assert state.holds(text, (), ()) == 0, "a revived D holds nothing of its own"
 
 
+def test_p_dies_where_its_lookup_finds_a_folder_and_the_one_it_loads_was_never_written() -> None:
+    """P runs D's lookup too (align(n - 1)) and loads the folder of align(n) tokens: an
+    earlier, shorter prompt of the same prefix is such a hit (measured on real vLLM 0.32: the
+    sweep's 121-token text, then the matrix's 129-token one)."""
+    state = ConsumerState(block=32)
+    text = list(range(100, 165))  # 65 tokens: P stores 64, both look up 32
+    assert not state.prefill_loads_missing(text, ()), "nothing stored: P stores, no load"
+    state.served(text[:40], (), (), consumer_alive=True)  # stores 32 under text's lookup key
+    assert state.prefill_loads_missing(text, ())
+    assert not state.prefill_loads_missing(text, ("image-a",)), "the media are in the key"
+    state.served(text, (), (), consumer_alive=False)  # P died: its load left the 64 hollow
+    assert state.hollow == {(tuple(text[:64]), ())}
+    assert state.prefill_loads_missing(text, ()), "a hollow folder holds no KV either"
+    assert state.prefill_loads_missing(text[:64] + [9, 9], ()), "its own lookup finds it"
+    state.storage_reset()
+    assert not state.prefill_loads_missing(text, ()) and not state.hollow
+    state.served(text, (), (), consumer_alive=True)  # stored first: 64 under its own key
+    state.served(text[:40], (), (), consumer_alive=True)
+    assert not state.prefill_loads_missing(text, ()), "the folder it loads was written"
+
+
+def test_a_prefill_death_is_no_consumer_crash_and_is_known_by_its_own_trigger() -> None:
+    rules = rules_for(TOPOLOGIES["1E+1P+1D"], "ExampleConnector", NEWEST)
+    died = record(
+        Verdict.ERROR,
+        "request failed: instance 1E+1P+1D/prefill0 exited",
+        "FileNotFoundError: No such file or directory: /s/kv/ab/layer.safetensors",
+    )
+    text = PromptSpec("t", (TextPart(" x"),))
+    loads_missing = PromptLayout(65, (), 32, prefill_loads_missing=True)
+    assert not loads_missing.kv_short_of_transfer, "P dies before D is asked"
+    media = PromptLayout(65, (("image", 20, 24),), 32, prefill_loads_missing=True)
+    assert not media.media_past_kv_miss and not media.media_in_decode_tail
+    known = recognise(rules, died, text, loads_missing)
+    assert known.rule.name == "scenario epd-kv-lookup-miss-kills-prefill"
+    untriggered = recognise(rules, died, text, PromptLayout(65, (), 32))
+    assert not untriggered.known and untriggered.outside_trigger is not None
+
+
 def test_a_prefix_hit_stops_where_another_media_item_sits() -> None:
     state = ConsumerState(block=32)
     ids = [1] * 10 + [785] * 40 + [2] * 30  # one image at 10..50, 80 tokens

@@ -262,3 +262,51 @@ def test_a_scenario_the_served_release_cannot_run_is_not_applicable_and_sends_no
     assert result.records[1].detail.endswith(
         f"with {scenario.prompts[0].name}: raw-media: no metadata"
     )
+
+
+def test_a_prompt_that_sets_the_stage_is_judged_without_the_declaration() -> None:
+    """`declared_for`: the earlier request of a two-request scenario must MATCH; only the one
+    the failure is of is judged as declared."""
+    scenario = get_scenario("epd-kv-lookup-miss-kills-prefill")
+    stage, failing = (p.name for p in scenario.prompts)
+    assert scenario.declared_of(stage) is None
+    assert scenario.declared_of(failing) == scenario.declared is not None
+    calls = {call["prompt"]: call["declared"] for call in judged_by_matrix(scenario)}
+    assert calls == {stage: None, failing: scenario.declared}
+    plain = get_scenario("epd-kv-lookup-miss-text")
+    assert plain.declared_of(plain.prompts[0].name) == plain.declared is not None
+
+
+def test_a_scenario_declared_on_empty_kv_storage_gets_it_emptied_first(tmp_path) -> None:
+    """ExampleConnector keys KV by the prompt's token prefix alone: a folder an earlier request
+    left under the same prefix changes what P and D find (real vLLM: after the sweep's text,
+    P died on epd-kv-lookup-miss-text's prompt). The matrix empties the KV storage, and only
+    for the scenarios that say so."""
+    from types import SimpleNamespace
+
+    from harness.run.matrix import MatrixRun
+
+    kv = tmp_path / "kv"
+    (kv / "leftover").mkdir(parents=True)
+    (kv / "leftover" / "layer.safetensors").write_bytes(b"x")
+    seen_before_send: list[list[str]] = []
+
+    def send(session, scenario):
+        seen_before_send.append(sorted(p.name for p in kv.rglob("*")))
+        return []
+
+    session = SimpleNamespace(kv_storage=kv)
+    sweep = SimpleNamespace(
+        serve_baseline=lambda: None,
+        pool=SimpleNamespace(session=lambda topology: session),
+        settings=SimpleNamespace(serving=SimpleNamespace(kv_connector="ExampleConnector")),
+        judging=SimpleNamespace(not_applicable=lambda topology, prompt: None),
+        add_records=lambda *args: None,
+    )
+    run = MatrixRun(sweep)
+    run._send = send
+    run._judge = lambda scenario, session, observed: ScenarioResult(scenario)
+    run.run(get_scenario("epd-kv-lookup-miss-media"))  # declared on any storage: left alone
+    run.run(get_scenario("epd-kv-lookup-miss-text"))
+    assert seen_before_send == [["layer.safetensors", "leftover"], []]
+    assert kv.is_dir(), "the storage directory itself stays"

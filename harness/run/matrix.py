@@ -20,6 +20,7 @@ from harness.run.judging import Observed, observe
 from harness.run.scenarios import IDLE_GAP_S, Scenario, SendMode
 from harness.run.sweep import Sweep
 from harness.serve.session import TopologySession
+from harness.serve.usage import clean_storage
 from harness.spec.topology import TOPOLOGIES
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class MatrixRun:
             return missing
         self.sweep.serve_baseline()
         session = self.sweep.pool.session(topology)
+        if scenario.empty_kv_storage:
+            empty_kv_storage(session, scenario)
         result = self._judge(scenario, session, self._send(session, scenario))
         if scenario.rerun_on_kept_storage:
             kept = session.storage_dir
@@ -167,7 +170,7 @@ class MatrixRun:
                 # A scenario expected to MATCH still has the served release's declared
                 # failures (0.29/0.30's video timing): the sweep's own judging of the spec.
                 spec=specs.get(mine),
-                declared=scenario.declared,
+                declared=scenario.declared_of(mine),
                 batched=batched,
                 others=others if batched else [],
             )
@@ -175,6 +178,20 @@ class MatrixRun:
             f"matrix:{scenario.name}", [o.outcome for o in observed], result.records
         )
         return result
+
+
+def empty_kv_storage(session: TopologySession, scenario: Scenario) -> None:
+    """Empty the shared session's KV storage for a scenario declared on an empty one. Safe
+    here: no request is in flight between scenarios, since every item of a topology runs on
+    one worker, one after another (`harness.testing.groups`), and P has written its files by
+    the time it answers."""
+    removed = clean_storage(session.kv_storage)
+    if removed.files:
+        log.info(
+            "[matrix] %s: emptied the KV storage first (%d files earlier requests left)",
+            scenario.name,
+            removed.files,
+        )
 
 
 def check_every_encoder_used(session: TopologySession, outcomes: list) -> GuardResult:

@@ -214,7 +214,9 @@ class Bundle:
         _, _, name = case.label.partition(":")
         scenario = next((s for s in MATRIX if s.name == name), None)
         if scenario is not None:
-            failure = scenario.for_kv_connector(self.serving().kv_connector).declared
+            failure = scenario.for_kv_connector(self.serving().kv_connector).declared_of(
+                case.prompt
+            )
             if failure is not None:
                 return Declared(f"matrix scenario {scenario.name}", failure)
             # The matrix judges a scenario expected to MATCH under the release's declared

@@ -37,6 +37,13 @@ KV_LOOKUP_MISS = (
     "of P's KV (no 'External Cache Hit!' in D's log)"
 )
 
+KV_PREFILL_LOAD_MISS = (
+    "vLLM 0.32 ExampleConnector: P runs the lookup D runs, under align_to_block_size(n - 1), "
+    "and on a hit loads the folder of align_to_block_size(n) tokens; at n = k*block + 1 a "
+    "folder an earlier request of the same prefix stored under the shorter key is a hit, the "
+    "longer one was never written, and P's engine dies in start_load_kv"
+)
+
 
 class SendMode(str, enum.Enum):
     SEQUENTIAL = "sequential"  # one request after another
@@ -65,6 +72,16 @@ class Scenario:
     # Streamed requests (stream: true, with usage; harness.outcomes.stream), whatever the run's
     # --stream says: the ids read from the stream, and its framing, are judged.
     stream: bool = False
+    # The prompts the declared failure is of (empty: every prompt). The others set the stage
+    # (an earlier request whose stored KV the failing one finds) and must MATCH.
+    declared_for: tuple[str, ...] = ()
+    # The declaration holds on a KV storage with nothing in it, as a topology starts with: the
+    # matrix empties the shared session's KV storage before sending. ExampleConnector finds KV
+    # by the prompt's token prefix alone (a cache salt does not change the key), so what an
+    # earlier scenario, the sweep or a load stored under the same prefix changes what P and D
+    # find (found on real vLLM: after the sweep's text prompt, a prompt one block longer
+    # killed P instead of being answered with no KV moved).
+    empty_kv_storage: bool = False
 
     def for_kv_connector(self, kv_connector: str) -> Scenario:
         """This scenario as judged under `kv_connector` (the run's ServingConfig.kv_connector):
@@ -89,6 +106,13 @@ class Scenario:
         if len(self.expect) != 1:
             raise ValueError(f"{self.name}: a declared failure names one verdict: {self.expect}")
         return DeclaredFailure(self.expect[0].value, self.expect_evidence, self.reason)
+
+    def declared_of(self, prompt: str) -> DeclaredFailure | None:
+        """The declared failure of one of the scenario's prompts: None for a prompt that only
+        sets the stage (`declared_for`), which must pass as any other."""
+        if self.declared_for and prompt not in self.declared_for:
+            return None
+        return self.declared
 
     @property
     def ends_its_session(self) -> bool:
@@ -321,6 +345,25 @@ MATRIX: tuple[Scenario, ...] = (
         + "; D computes the text itself and answers right, but no KV reached it: D's "
         "cached_tokens stays below the block-aligned prefix",
         expect_by_kv_connector=(("NixlConnector", (Verdict.MATCH,)),),
+        empty_kv_storage=True,
+    ),
+    # The same prompt after one that stored the shorter key (the sweep's text prompt, 121
+    # tokens: P stores its first 96): P runs D's lookup too, finds that folder, and loads the
+    # folder of the longer key, which nobody wrote. Found on real vLLM, when the sweep had run
+    # on the matrix's 1E+1P+1D before epd-kv-lookup-miss-text.
+    Scenario(
+        "epd-kv-lookup-miss-kills-prefill",
+        "1E+1P+1D",
+        (
+            PromptSpec("m-text-stores-the-lookup-key", (TextPart(TAIL_TEXT),)),
+            PromptSpec("m-text-at-block-plus-one", (TextPart(TAIL_TEXT + " Please be brief."),)),
+        ),
+        expect=(Verdict.ERROR,),
+        declared_for=("m-text-at-block-plus-one",),
+        expect_evidence="FileNotFoundError: No such file or directory",
+        reason=KV_PREFILL_LOAD_MISS,
+        expect_by_kv_connector=(("NixlConnector", (Verdict.MATCH,)),),
+        empty_kv_storage=True,
     ),
 )
 
@@ -377,7 +420,7 @@ def attached_prompt(
         return None
     spec = next(p for p in owners[0].prompts if p.name == name)
     for scenario in (s.for_kv_connector(kv_connector) for s in owners):
-        declared = scenario.declared
+        declared = scenario.declared_of(name)
         if declared is None:
             continue
         alone = (

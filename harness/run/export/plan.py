@@ -263,7 +263,8 @@ def declared_failure(
     if scenario_name in scenarios:
         connector = bundle.serving().kv_connector
         scenario = scenarios[scenario_name].for_kv_connector(connector)
-        if case.verdict in {v.value for v in scenario.expect} and scenario.reason:
+        declared = scenario.declared_of(case.prompt)
+        if declared is not None and case.verdict == declared.verdict:
             return f"matrix scenario {scenario.name} expects {case.verdict}: {scenario.reason}"
     detail = str(record.get("detail", ""))
     if "declared for this release:" in detail:

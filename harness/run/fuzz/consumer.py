@@ -15,7 +15,12 @@ key), and computes the prompt itself from whatever its own prefix cache holds. M
 need embeddings D never received, so its engine dies on the same assertion as the decode-tail
 bug; a text-only prompt is answered right, with no KV moved (the kv_transfer guard's VACUOUS).
 
-Whether such a request kills D therefore depends on what came before it: the storage's
+P runs D's lookup too, and on a hit loads rather than stores, from the folder of `align(n)`
+tokens (`make_meta` aligns the whole prompt): at n = k * block + 1 an earlier request that
+stored the shorter key makes P open a folder nobody wrote (it creates it, empty, on the way)
+and P's engine dies in start_load_kv. `prefill_loads_missing` predicts that.
+
+Whether such a request kills D, or P, therefore depends on what came before it: the storage's
 folders and D's prefix cache. `ConsumerState` follows both from the requests the topology was
 sent, so the fuzzer's prediction of that crash stays exact across examples (and a repeated
 prefix is not mistaken for a wrong trigger). It is a model of vLLM's code read at 0.32, and
@@ -74,7 +79,28 @@ class ConsumerState:
 
     block: int
     stored: set[tuple[tuple[int, ...], tuple[str, ...]]] = field(default_factory=set)
+    # Folders a failed load created with no file in them (`prefill_loads_missing`): found by a
+    # lookup all the same.
+    hollow: set[tuple[tuple[int, ...], tuple[str, ...]]] = field(default_factory=set)
     cached: list[Served] = field(default_factory=list)
+
+    def prefill_loads_missing(
+        self, ids: list[int] | tuple[int, ...], media: tuple[str, ...]
+    ) -> bool:
+        """Whether P's lookup finds a folder while the one it then loads holds no KV: P's
+        engine dies (FileNotFoundError) before D is asked anything."""
+        lookup, load = self._keys(ids, media)
+        return (lookup in self.stored or lookup in self.hollow) and load not in self.stored
+
+    def _keys(
+        self, ids: list[int] | tuple[int, ...], media: tuple[str, ...]
+    ) -> tuple[tuple, tuple]:
+        """The lookup key (both instances) and the key P stores under and loads from."""
+        n = len(ids)
+        return (
+            (tuple(ids[: looked_up_tokens(n, self.block)]), media),
+            (tuple(ids[: stored_tokens(n, self.block)]), media),
+        )
 
     def holds(
         self, ids: list[int] | tuple[int, ...], media: tuple[str, ...], run_starts: tuple[int, ...]
@@ -104,12 +130,15 @@ class ConsumerState:
         run_starts: tuple[int, ...],
         consumer_alive: bool,
     ) -> None:
-        """A request the topology was sent: P stored its KV (unless the lookup key existed
-        already), and D, if it survived, cached its full blocks."""
-        n = len(ids)
-        lookup = (tuple(ids[: looked_up_tokens(n, self.block)]), media)
-        if lookup not in self.stored:
-            self.stored.add((tuple(ids[: stored_tokens(n, self.block)]), media))
+        """A request the topology was sent: P stored its KV unless its lookup found a
+        folder (then it loaded instead, and a load from a folder with no KV left that folder
+        behind, empty), and D, if it survived, cached its full blocks."""
+        lookup, load = self._keys(ids, media)
+        if lookup in self.stored or lookup in self.hollow:
+            if load not in self.stored:
+                self.hollow.add(load)
+        else:
+            self.stored.add(load)
         if consumer_alive:
             self.cached.append(Served(tuple(ids), media, run_starts))
 
@@ -118,6 +147,7 @@ class ConsumerState:
 
     def storage_reset(self) -> None:
         self.stored.clear()
+        self.hollow.clear()
         self.cached.clear()
 
 

@@ -424,8 +424,12 @@ class FuzzEngine:
         elif self.placeholders is not None:
             ids = answer.result.prompt_token_ids
             layout = layout_from_ids(ids, self.placeholders, self.settings.serving.block_size)
-            holds = self.consumer.holds(ids, media_identities(spec), layout.run_starts)
-            evaluation.layout = dataclasses.replace(layout, consumer_holds=holds)
+            media = media_identities(spec)
+            evaluation.layout = dataclasses.replace(
+                layout,
+                consumer_holds=self.consumer.holds(ids, media, layout.run_starts),
+                prefill_loads_missing=self.consumer.prefill_loads_missing(ids, media),
+            )
         evaluation.seconds = time.monotonic() - began
         return evaluation
 

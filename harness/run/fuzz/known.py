@@ -44,6 +44,12 @@ def kv_short_without_media(spec: PromptSpec, layout: PromptLayout | None) -> boo
     return layout is not None and layout.kv_short_of_transfer and not layout.media_past_kv_miss
 
 
+def prefill_loads_missing_kv(spec: PromptSpec, layout: PromptLayout | None) -> bool:
+    """P's lookup finds a folder an earlier request stored, and the folder it then loads was
+    never written (the requests sent to the topology before decide it)."""
+    return layout is not None and layout.prefill_loads_missing
+
+
 def frames_timing_differs(spec: PromptSpec, layout: PromptLayout | None) -> bool:
     """A video given as JPEG frames whose temporal positions a consumer gets wrong (read at
     another rate than 2 fps: by default 1)."""
@@ -72,6 +78,11 @@ SCENARIO_TRIGGERS: dict[str, tuple[str, Trigger]] = {
     "epd-kv-lookup-miss-text": (
         "n = k*block+1 prompt tokens and no placeholder past what D holds",
         kv_short_without_media,
+    ),
+    "epd-kv-lookup-miss-kills-prefill": (
+        "P's lookup (align(n-1)) finds a folder an earlier request stored and the folder of "
+        "align(n) tokens it loads was never written",
+        prefill_loads_missing_kv,
     ),
     "ec-video-jpeg-frames-default-fps": (
         "a video as JPEG frames whose temporal positions move at its rate (not 2 fps)",

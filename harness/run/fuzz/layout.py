@@ -55,6 +55,9 @@ class PromptLayout:
     # Tokens D already holds before this request's transfer (its prefix cache, or an earlier
     # request's KV files under D's lookup key): `ConsumerState.holds`, set by the engine.
     consumer_holds: int = 0
+    # P's own lookup finds a folder whose longer key it then loads holds no KV, and P dies
+    # before D is asked (`ConsumerState.prefill_loads_missing`), set by the engine.
+    prefill_loads_missing: bool = False
 
     @property
     def kv_prefix(self) -> int:
@@ -79,19 +82,31 @@ class PromptLayout:
     @property
     def media_in_decode_tail(self) -> bool:
         """A placeholder lies in the partial block D recomputes after loading P's KV."""
-        return self.kv_keys_agree and any(end > self.kv_prefix for _, _, end in self.runs)
+        return (
+            self.kv_keys_agree
+            and not self.prefill_loads_missing
+            and any(end > self.kv_prefix for _, _, end in self.runs)
+        )
 
     @property
     def media_past_kv_miss(self) -> bool:
         """D finds none of P's KV (the keys differ) and a placeholder lies past what it
         holds: it computes media it has no embeddings for."""
-        return not self.kv_keys_agree and any(end > self.consumer_holds for _, _, end in self.runs)
+        return (
+            not self.kv_keys_agree
+            and not self.prefill_loads_missing
+            and any(end > self.consumer_holds for _, _, end in self.runs)
+        )
 
     @property
     def kv_short_of_transfer(self) -> bool:
         """D ends up holding less than a block-aligned transfer would give it (the keys
         differ and nothing it held already covers the gap)."""
-        return not self.kv_keys_agree and self.consumer_holds < self.kv_prefix
+        return (
+            not self.kv_keys_agree
+            and not self.prefill_loads_missing
+            and self.consumer_holds < self.kv_prefix
+        )
 
     @property
     def run_starts(self) -> tuple[int, ...]:
@@ -120,6 +135,7 @@ class PromptLayout:
             "boundary_offset": self.boundary_offset,
             "media_in_decode_tail": self.media_in_decode_tail,
             "media_past_kv_miss": self.media_past_kv_miss,
+            "prefill_loads_missing": self.prefill_loads_missing,
         }
 
 
