@@ -583,16 +583,155 @@ def test_a_text_shrinks_in_smaller_steps_down_to_the_shortest_prompt_that_moves_
     assert result.skipped > 0 and len(result.trials) <= 20
 
 
-def test_a_prompt_contained_in_another_is_fewer_parts_or_a_texts_first_words() -> None:
+def test_a_prompt_contained_in_another_is_fewer_parts_or_a_texts_words_in_order() -> None:
+    """What a prompt found too short lets the shrinker skip: fewer of its parts, and of a
+    text any of its words in order, each with its space (what a cut from the end, the middle
+    or the start leaves), under the same kwargs; nothing that may tokenize longer."""
     image = ImagePart(0, (56, 56))
     longer = PromptSpec("l", (TextPart(" a b c d"), image, TextPart(" e f")))
-    assert contained(PromptSpec("c", (TextPart(" a b"), image)), longer)
+    assert contained(PromptSpec("c", (TextPart(" a b"), image)), longer), "cut from the end"
+    assert contained(PromptSpec("c", (TextPart(" a d"), image)), longer), "from the middle"
+    assert contained(PromptSpec("c", (TextPart(" c d"), image)), longer), "from the start"
     assert contained(PromptSpec("c", (TextPart(" e"),), max_tokens=1), longer)
-    assert not contained(PromptSpec("c", (TextPart(" b c"), image)), longer), "not its start"
+    assert not contained(PromptSpec("c", (TextPart("c d"), image)), longer), "c lost its space"
+    assert not contained(PromptSpec("c", (TextPart(" b a"), image)), longer), "no cut reorders"
+    assert not contained(PromptSpec("c", (TextPart(" a b c d a"), image)), longer), "a word more"
+    assert not contained(PromptSpec("c", (TextPart(" ab"), image)), longer), "another word"
+    one_word = PromptSpec("w", (TextPart(" understanding"),))
+    assert not contained(PromptSpec("c", (TextPart(" understand"),)), one_word), "part of one"
     assert not contained(PromptSpec("c", (image, TextPart(" a"))), longer), "not in order"
     assert not contained(PromptSpec("c", (ImagePart(0, (112, 112)),)), longer)
     kwargs = (("mm_processor_kwargs", {"max_pixels": 12544}),)
     assert not contained(PromptSpec("c", (image,), extra=kwargs), longer)
+
+
+def numbered_text(count: int) -> str:
+    """` w000 w001 ...`: words a test tells apart, all as long, so a cut's size is its count."""
+    return "".join(f" w{index:03d}" for index in range(count))
+
+
+def text_words(spec: PromptSpec) -> list[str]:
+    return [word for p in spec.parts if isinstance(p, TextPart) for word in p.text.split()]
+
+
+def is_subsequence(words: list[str], longer: list[str]) -> bool:
+    rest = iter(longer)
+    return all(word in rest for word in words)
+
+
+def test_a_text_is_cut_from_its_end_its_middle_and_its_start() -> None:
+    """Each cut size (half, a block, a quarter, an eighth, one word) from the end, the middle
+    and the start: 15 candidates for a 200-word text, where cutting from the end made 6, and
+    of a size the one keeping more of the prompt's start first. Every kept word keeps its
+    space, and the same request gets the same candidates. Words all alike (the fuzzer's
+    filler) make one candidate a size: cut anywhere, the text is the same."""
+    spec = PromptSpec("s", (TextPart(numbered_text(200)),), max_tokens=1)
+    found = candidates(spec, step_words=32)
+    assert found == candidates(spec, step_words=32)
+    dropped = []
+    for candidate in found:
+        text = candidate.parts[0].text  # type: ignore[union-attr]
+        assert text == "".join(f" {word}" for word in text.split()), "each word keeps its space"
+        kept = [int(word[1:]) for word in text.split()]
+        gone = [index for index in range(200) if index not in kept]
+        assert kept == sorted(kept) and gone == list(range(gone[0], gone[-1] + 1)), text
+        dropped.append((len(gone), gone[0]))
+    ends_middles_starts = [
+        (drop, at) for drop in (100, 50, 32, 25, 1) for at in (200 - drop, (200 - drop) // 2, 0)
+    ]
+    assert dropped == ends_middles_starts
+    filler = PromptSpec("f", (TextPart(FILLER * 200),), max_tokens=1)
+    assert len(candidates(filler, step_words=32)) == 5
+
+
+class NeedsWordsOracle(PromptLengthOracle):
+    """`PromptLengthOracle`'s minimum (14 words), and a mismatch where every word of
+    `needed` is in the prompt, wherever it sits. Keeps the words of each prompt found too
+    short, in the order they were sent."""
+
+    def __init__(self, *needed: str) -> None:
+        super().__init__()
+        self.needed = set(needed)
+        self.too_short_words: list[list[str]] = []
+
+    def attempt(self, spec: PromptSpec) -> Trial:
+        trial = super().attempt(spec)
+        if trial.too_short:
+            self.too_short_words.append(text_words(spec))
+            return trial
+        return Trial(spec, self.needed <= set(text_words(spec)), "x", 0.1)
+
+
+@pytest.mark.parametrize("needed", [("w003",), ("w190",), ("w010", "w190")])
+def test_the_words_a_failure_needs_are_kept_with_no_more_than_the_prompt_needs(needed) -> None:
+    """A 200-word text fails while it holds the words `needed`, given the 14 words a prompt
+    needs to move KV. Cut from its end alone, a text kept every word before them: 17 words
+    for one near the end, 191 for two far apart. Cut from its start and middle too, it
+    shrinks to 14 words wherever they sit, within the default trial budget."""
+    start = PromptSpec("ex-0003", (TextPart(numbered_text(200)),), max_tokens=1)
+    result = shrink(start, NeedsWordsOracle(*needed), ShrinkBudget(), step_words=32)
+    assert result.stopped_by == "local minimum"
+    words = text_words(result.minimal)
+    assert set(needed) <= set(words) and len(words) == 14, words
+
+
+@pytest.mark.parametrize("needed", [("w003",), ("w010", "w190")])
+def test_with_no_minimum_a_text_shrinks_to_the_words_the_failure_needs(needed) -> None:
+    start = PromptSpec("ex-0004", (TextPart(numbered_text(200)),), max_tokens=1)
+    oracle = FakeOracle(lambda spec: set(needed) <= set(text_words(spec)), crash=False)
+    result = shrink(start, oracle, ShrinkBudget(), step_words=32)
+    assert result.stopped_by == "local minimum"
+    assert result.minimal.parts == (TextPart("".join(f" {word}" for word in needed)),)
+
+
+class KvLookupMissOracle(PromptLengthOracle):
+    """The KV lookup miss, a matter of length alone: at k*32+1 prompt tokens P and D key the
+    KV differently and D dies (the next request restarts it); no word matters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dead = False
+
+    def restart_pending(self) -> bool:
+        return self.dead
+
+    def attempt(self, spec: PromptSpec) -> Trial:
+        trial = super().attempt(spec)
+        if trial.too_short:
+            return trial
+        restarted, self.dead = self.dead, self.tokens(spec) % 32 == 1
+        return Trial(spec, self.dead, "x", 0.1, restarted=restarted)
+
+
+@pytest.mark.parametrize("text", [numbered_text(173), FILLER * 173], ids=["numbered", "filler"])
+def test_a_failure_of_the_prompts_length_alone_still_shrinks_a_block_a_step(text: str) -> None:
+    """193 prompt tokens (6 blocks and 1) shrink to 65 (2 blocks and 1: the least over the
+    34 a prompt needs), one block's worth of words an accepted step, within the default
+    trial and restart budgets: the cuts from the middle and the start cost trials that do
+    not reproduce, never an accepted step."""
+    start = PromptSpec("ex-0005", (TextPart(text),), max_tokens=1)
+    oracle = KvLookupMissOracle()
+    result = shrink(start, oracle, ShrinkBudget(), step_words=32)
+    assert result.stopped_by == "local minimum"
+    assert oracle.tokens(result.minimal) == 65 and result.accepted == 4, result.minimal
+
+
+def test_a_text_found_too_short_skips_the_cuts_of_its_words_and_nothing_else() -> None:
+    """Words told apart: no prompt is sent whose words are some of those of one already found
+    too short, wherever they were cut from; one with other words, as many or fewer, still
+    is, since other words may be longer."""
+    start = PromptSpec("ex-0006", (TextPart(numbered_text(40)),), max_tokens=1)
+    oracle = NeedsWordsOracle("w039")
+    result = shrink(start, oracle, ShrinkBudget(), step_words=32)
+    short = oracle.too_short_words
+    assert result.skipped > 0 and len(short) >= 2
+    for at, words in enumerate(short):
+        assert not any(is_subsequence(words, earlier) for earlier in short[:at]), words
+    assert any(
+        len(words) <= max(len(earlier) for earlier in short[:at])
+        for at, words in enumerate(short)
+        if at
+    ), "a prompt as short as one found too short, with other words, is still tried"
 
 
 def test_shrinking_reaches_one_image_and_short_text_in_few_restarts() -> None:

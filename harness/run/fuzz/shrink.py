@@ -12,11 +12,12 @@ topology restarted: tens of seconds on CPU. So:
 * a text is cut in ever smaller steps (half, a block's worth of words, a quarter, an eighth,
   one word), so a shrink that a minimum prompt length stops at "half is too short" still gets
   near that minimum; the small steps are tried last (smallest first), so they cost trials
-  only where the big ones did not reproduce;
+  only where the big ones did not reproduce. Each step is cut from the text's end, its middle
+  and its start, so the words a failure needs are kept wherever they sit and the rest go;
 * a candidate that was too short to judge (the oracle says so: `Trial.too_short`) tells the
   shrinker that any candidate contained in it (its parts a subsequence of that one's, each the
-  same or a text cut to fewer words from its end) is too short too: those are skipped, not
-  tried, and cost neither a request nor a trial of the budget;
+  same or a text keeping some of its words, in order: `contained`) is too short too: those
+  are skipped, not tried, and cost neither a request nor a trial of the budget;
 * the topology is restarted only after a death, lazily, before the next request that needs it;
 * a budget caps trials, restarts and seconds, and the result says what it cost and whether
   the budget, not a local minimum, ended it;
@@ -77,37 +78,58 @@ def _with(spec: PromptSpec, parts: list[Part] | None = None, **changes: Any) -> 
     )
 
 
-def _words_halves(text: str) -> list[str]:
+def _spaced_words(text: str) -> list[str]:
+    """`text` as its words, each with the space before it (the first as the text starts):
+    joined they are the text again. A tokenizer splits a text before each space and a word's
+    first token holds that space, so a cut that keeps whole pieces keeps how every word it
+    keeps is tokenized; a cut from the start keeps the next word's space."""
     words = text.split(" ")
-    if len(words) <= 2:
-        return []
-    half = len(words) // 2
-    return [" ".join(words[:half]), " ".join(words[half:])]
+    pieces = [words[0]] + [" " + word for word in words[1:]]
+    return pieces if pieces[0] else pieces[1:]
 
 
 def _shorter_texts(text: str, step_words: int | None) -> list[str]:
-    """`text` with words dropped: either half, and its start without a block's worth of words
-    (`step_words`), a quarter, an eighth or the last word. Halving alone jumps from a text
-    whose prompt is long enough to one under the minimum the topology needs (seen on real
-    vLLM: 43 prompt tokens, half 31, minimum 34); the smaller cuts fill that gap, and being
-    bigger than half they are tried after it. Cutting from the end keeps the prompt's start,
-    and with it the KV blocks a failure may hang on."""
-    words = text.split(" ")
-    out = _words_halves(text)
-    for drop in (step_words or 0, len(words) // 4, len(words) // 8, 1):
-        if 1 <= drop < len(words):
-            shorter = " ".join(words[: len(words) - drop])
-            if shorter.strip():
-                out.append(shorter)
-    return out
+    """`text` with words dropped: half of them, a block's worth (`step_words`), a quarter, an
+    eighth or one word, each cut from its end, from its middle and from its start.
+
+    Halving alone jumps from a text whose prompt is long enough to one under the minimum the
+    topology needs (seen on real vLLM: 43 prompt tokens, half 31, minimum 34); the smaller
+    cuts fill that gap, and being bigger than half they are tried after it. Cutting from the
+    end alone keeps the words a failure needs only when they sit at the start: a word near
+    the end, or two far apart, stayed with every word before it. Of cuts the same size, the
+    one keeping more of the prompt's start (and the KV blocks a failure may hang on) comes
+    first: the end, then the middle (a span centred in the text, words kept on both sides),
+    then the start. A block's worth from anywhere keeps the prompt's length, and where a
+    later media item lands, modulo the block. Words all alike (the fuzzer's filler) make the
+    three cuts of a size one text, which `candidates` keeps once."""
+    words = _spaced_words(text)
+    count = len(words)
+    found: list[list[str]] = []
+    for drop in (count // 2, step_words or 0, count // 4, count // 8, 1):
+        if 1 <= drop < count:
+            found.append(words[: count - drop])
+            if drop <= count - 2:  # a word kept on each side, else it is the start cut
+                middle = (count - drop) // 2
+                found.append(words[:middle] + words[middle + drop :])
+            found.append(words[drop:])
+    cuts = ["".join(kept) for kept in found]
+    return [cut for cut in cuts if cut.strip()]
 
 
 def contained(spec: PromptSpec, longer: PromptSpec) -> bool:
     """`spec`'s prompt is no longer than `longer`'s: the same kwargs, and its parts a
-    subsequence of `longer`'s, each the same part or a text cut to fewer words from its end.
-    Dropping parts or a text's last words never lengthens a prompt (a tokenizer splits on
-    words first), near enough: a candidate wrongly skipped is a step left untried, never a
-    wrong minimal."""
+    subsequence of `longer`'s, each the same part or a text whose words are a subsequence of
+    that text's (`_kept_words`), as any cut leaves it, from the end, the middle or the start.
+
+    A subsequence, not only a prefix: the shrinker asks this of a prompt found too short,
+    which is a matter of length alone, and dropping whole words wherever they sit never
+    lengthens a prompt (a tokenizer splits before each space), so a prefix alone would send
+    the middle and start cuts of a text already known too short. Nothing looser: each word is
+    compared with the space before it, so a text whose first word lost its space ("b c" from
+    " a b c") is not contained, nor is part of a word (" understand" from " understanding"):
+    either may tokenize longer. Nor are fewer words that are not the same words, which may
+    be longer ones. The order is kept as the cuts keep it. Near enough even so: a candidate
+    wrongly skipped is a step left untried, never a wrong minimal."""
     if spec.extra != longer.extra:
         return False
     theirs = iter(longer.parts)
@@ -116,7 +138,7 @@ def contained(spec: PromptSpec, longer: PromptSpec) -> bool:
             if part == other or (
                 isinstance(part, TextPart)
                 and isinstance(other, TextPart)
-                and _word_prefix(part.text, other.text)
+                and _kept_words(part.text, other.text)
             ):
                 break
         else:
@@ -124,9 +146,10 @@ def contained(spec: PromptSpec, longer: PromptSpec) -> bool:
     return True
 
 
-def _word_prefix(text: str, longer: str) -> bool:
-    words, theirs = text.split(" "), longer.split(" ")
-    return len(words) <= len(theirs) and theirs[: len(words)] == words
+def _kept_words(text: str, longer: str) -> bool:
+    """Every word of `text`, with its space, is one of `longer`'s, in the same order."""
+    theirs = iter(_spaced_words(longer))
+    return all(word in theirs for word in _spaced_words(text))  # `in` consumes `theirs`
 
 
 def candidates(
@@ -137,7 +160,8 @@ def candidates(
     block size) adds texts shortened by that many words: with one-token words a prompt
     shorter by whole blocks, which keeps a failure that depends on the prompt's length
     modulo the block (the KV lookup miss) while the text shrinks. Smaller cuts of a text
-    (`_shorter_texts`) come after the bigger ones, by the sort."""
+    (`_shorter_texts`) come after the bigger ones, by the sort, which is stable: candidates
+    the same size keep the order they were made in, the same for the same request."""
     parts = list(spec.parts)
     media_at = [i for i, p in enumerate(parts) if isinstance(p, MEDIA_PARTS)]
     text_at = [i for i, p in enumerate(parts) if isinstance(p, TextPart)]
