@@ -16,7 +16,6 @@ from harness.run.fuzz.consumer import (
     media_identities,
     stored_tokens,
 )
-from harness.run.fuzz.engine import Evaluation, FailureGroup, group_failures
 from harness.run.fuzz.known import Recognition, recognise, rules_for
 from harness.run.fuzz.layout import (
     PlaceholderIds,
@@ -25,6 +24,7 @@ from harness.run.fuzz.layout import (
     estimate_positions,
     layout_from_ids,
 )
+from harness.run.fuzz.records import Evaluation, FailureGroup, group_failures
 from harness.run.fuzz.save import evidence_of, save_scenarios
 from harness.run.fuzz.shrink import (
     ShrinkBudget,
@@ -866,7 +866,7 @@ def test_a_fuzz_bundle_says_which_devices_computed_the_ids(tmp_path: Path, monke
     from harness.devices import DevicesUsed
     from harness.report.run_outputs import DEVICES_LINE, VERDICTS_FILE
     from harness.run.fuzz.bundle import FUZZ_MD, write_fuzz_bundle
-    from harness.run.fuzz.engine import FuzzReport
+    from harness.run.fuzz.records import FuzzReport
     from harness.run.fuzz.strategies import FuzzExample
 
     used = DevicesUsed("cpu", "CPU X", 2, (0, 1), "/proc/cpuinfo", amx=False)
@@ -998,7 +998,8 @@ def test_an_ec_path_declaration_covers_every_encoder_topology() -> None:
 
 
 def test_a_spent_run_budget_sends_nothing_more_and_says_so(tmp_path: Path) -> None:
-    from harness.run.fuzz.engine import FuzzEngine, RunBudget
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.run_budget import RunBudget
     from harness.run.fuzz.strategies import FuzzExample
 
     settings = served_settings(tmp_path / "model", tmp_path)
@@ -1455,7 +1456,8 @@ def test_a_topology_without_d_is_not_described_by_ds_tail(tmp_path: Path) -> Non
     and counted "in D's tail" in its coverage, on a topology with no D. Only a topology that
     moves KV to a D is described by it now."""
     from harness.run.fuzz.bundle import coverage, render_group
-    from harness.run.fuzz.engine import FuzzReport, describe
+    from harness.run.fuzz.engine import describe
+    from harness.run.fuzz.records import FuzzReport
 
     spec = image_prompt((56, 56))
     layout = _tail_layout(True)
@@ -1485,7 +1487,8 @@ def test_both_oracles_mark_a_candidate_under_the_minimum_too_short_and_send_noth
     (`Trial.too_short`); an oracle that judged a short prompt without marking it would leave
     the skipping dead (seen only in a real run until now), and one that sent it would spend a
     topology request on a prompt that moves no KV."""
-    from harness.run.fuzz.engine import FuzzEngine, PredictingOracle, SendingOracle
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.oracles import PredictingOracle, SendingOracle
 
     settings = served_settings(tmp_path / "model", tmp_path)
     engine = FuzzEngine(settings, TOPOLOGIES["1E+1P+1D"], min_prompt_tokens=34)

@@ -24,7 +24,7 @@ from harness.environment import cache_dir
 from harness.preflight.model import resolve_model
 from harness.preflight.vllm import default_vllm_executable
 from harness.serve.ray_cluster import LocalRayCluster
-from harness.serve.ray_launcher import close_runtime
+from harness.serve.ray_runtime import close_runtime
 from harness.spec.platforms import NIXL_CONNECTOR
 from harness.testing.processes import child_env, describe, kill_all, seconds_until_gone
 from harness.testing.ray_driver import end_driver, raylet_of, start_driver, tree_of

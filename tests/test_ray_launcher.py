@@ -29,7 +29,7 @@ from harness.serve import ray_launcher
 from harness.serve.launch import ServerDied
 from harness.serve.launcher import LaunchRefused
 from harness.serve.ray_cluster import LocalRayCluster
-from harness.serve.ray_launcher import close_runtime
+from harness.serve.ray_runtime import close_runtime
 from harness.serve.session import TopologySession
 from harness.spec.platforms import CPU, NIXL_CONNECTOR
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
@@ -289,7 +289,7 @@ def test_a_media_dir_a_node_does_not_see_is_refused_before_a_start(tmp_path, mon
     launcher = ray_launcher.RayLauncher(
         RunSettings(serving, tmp_path / "run", platform=CPU, launcher=LauncherChoice("ray"))
     )
-    monkeypatch.setattr(ray_launcher, "_get", lambda answers, doing: answers)
+    monkeypatch.setattr(ray_launcher, "get_or_refuse", lambda answers, doing: answers)
     instances = [
         dataclasses.make_dataclass("Spec", ["name", "host"])(name, host)
         for name, host in (("1E+1PD/encoder0", "10.0.0.2"), ("1E+1PD/pd0", "10.0.0.3"))

@@ -29,7 +29,7 @@ from harness.files import fresh_run_dir
 from harness.preflight import RunRequest, prepare_run
 from harness.preflight.config import check_arguments
 from harness.run.faults.spec import FAULT_NAMES, FAULT_SYNTAX, STREAM_FAULTS, parse_fault
-from harness.run.fuzz.engine import RunBudget
+from harness.run.fuzz.run_budget import RunBudget
 from harness.run.fuzz.shrink import ShrinkBudget
 
 log = logging.getLogger("harness")
@@ -197,8 +197,9 @@ def command_fuzz(args: argparse.Namespace) -> int:
             "epd-harness fuzz needs Hypothesis: pip install 'epd-harness[fuzz]'"
         ) from None
     from harness.run.fuzz.bundle import fault_effect_line, write_examples, write_fuzz_bundle
-    from harness.run.fuzz.engine import FuzzEngine, FuzzReport
+    from harness.run.fuzz.engine import FuzzEngine
     from harness.run.fuzz.layout import TokenizerEstimator
+    from harness.run.fuzz.records import FuzzReport
     from harness.run.fuzz.save import save_scenarios
     from harness.run.fuzz.space import space_for
     from harness.run.fuzz.strategies import draw_examples

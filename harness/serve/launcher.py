@@ -138,6 +138,6 @@ class LocalLauncher:
 def end_launchers() -> None:
     """Close what a launcher holds beyond one topology: the Ray connection and the rehearsal
     cluster this harness started (a no-op when Ray was never used)."""
-    ray_launcher = sys.modules.get("harness.serve.ray_launcher")
-    if ray_launcher is not None:
-        ray_launcher.close_runtime()
+    ray_runtime = sys.modules.get("harness.serve.ray_runtime")
+    if ray_runtime is not None:
+        ray_runtime.close_runtime()

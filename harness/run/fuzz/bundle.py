@@ -21,7 +21,8 @@ from harness.judge.records import CaseRecord
 from harness.report.bundle import write_bundle, write_run_info
 from harness.report.run_outputs import devices_line, write_verdicts
 from harness.report.text import format_failure, write_summary_json
-from harness.run.fuzz.engine import BASELINE, Evaluation, FailureGroup, FuzzReport
+from harness.run.fuzz.engine import BASELINE
+from harness.run.fuzz.records import Evaluation, FailureGroup, FuzzReport
 from harness.serve.session import safe_name
 from harness.spec.prompt_codec import prompt_to_json
 from harness.spec.prompts import (

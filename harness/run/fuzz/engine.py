@@ -3,14 +3,13 @@ judged, failures grouped by signature and shrunk.
 
 Each example goes to the baseline first. A request the baseline rejects is skipped and
 counted, never judged. Otherwise the baseline's prompt ids give the example's exact layout
-(`harness.run.fuzz.layout`), which says whether a declared crash's trigger holds; once such a
-prediction has been confirmed on real vLLM (`confirm_known` times), later examples it
-predicts are not sent: a request that kills D on a known bug can show nothing else on this
-release, and each kill costs a restart. Then the topology answers, the transfer guards are
-read, and the case is judged by the harness's own verdicts (one function, `judge_example`).
-A failure is checked against a second baseline answer (an unstable baseline blames nothing).
-Every baseline send goes under a cache salt of its own (`cold_request`), so neither answer is
-read from the baseline's prefix cache; the topology's go as drawn (what D holds is followed).
+(`harness.run.fuzz.layout`), which says whether a declared crash's trigger holds; an example
+whose crash the run trusts its prediction of is not sent (`harness.run.fuzz.predictions`).
+Then the topology answers, the transfer guards are read, and the case is judged by the
+harness's own verdicts (one function, `judge_example`). A failure is checked against a second
+baseline answer (an unstable baseline blames nothing). Every baseline send goes under a cache
+salt of its own (`cold_request`), so neither answer is read from the baseline's prefix cache;
+the topology's go as drawn (what D holds is followed).
 
 An instance that died is noticed before the next request that needs it, and only then is it
 started again, in place (`TopologyPool.revive`: its siblings, storage and proxy keep running;
@@ -24,13 +23,9 @@ the remaining examples are not sent.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import re
-import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,10 +37,21 @@ from harness.run.baseline import BaselineAnswers
 from harness.run.faults.by_name import fault_for
 from harness.run.faults.planted import PlantedFault, plant
 from harness.run.fuzz.consumer import ConsumerState, media_identities
-from harness.run.fuzz.known import KnownRule, Recognition, recognise, rules_for
+from harness.run.fuzz.fault_effect import (
+    FAULT_ACTED,
+    FAULT_ACTED_BEFORE,
+    fault_mark,
+    fault_since,
+    request_content,
+)
+from harness.run.fuzz.known import KnownRule, recognise, rules_for
 from harness.run.fuzz.layout import PlaceholderIds, PromptLayout, layout_from_ids
-from harness.run.fuzz.shrink import ShrinkBudget, ShrinkResult, Trial, shrink, size_key
-from harness.run.fuzz.signature import Signature, is_failure, signature_of
+from harness.run.fuzz.oracles import PredictingOracle, SendingOracle
+from harness.run.fuzz.predictions import CrashPredictions
+from harness.run.fuzz.records import Evaluation, FailureGroup, FuzzReport, group_failures
+from harness.run.fuzz.run_budget import BudgetSpent, RunBudget
+from harness.run.fuzz.shrink import ShrinkBudget, Trial, shrink
+from harness.run.fuzz.signature import is_failure, signature_of
 from harness.run.judging import CaseJudge, Observed
 from harness.run.pool import SessionRequest, TopologyPool
 from harness.serve.attached import AttachedSession
@@ -66,46 +72,7 @@ if TYPE_CHECKING:  # the strategies need Hypothesis, which the engine itself doe
     from harness.run.fuzz.strategies import FuzzExample
 
 BASELINE = TOPOLOGIES["baseline"]
-FAULT_ACTED = "acted"
-# The fault did not act on this send, but did on an earlier one of the same request (all but
-# max_tokens): kv-noise noises the KV files P writes, and P writes a prompt's files once, so a
-# shrink candidate with fewer tokens finds them noised already; on fresh servers it would act.
-FAULT_ACTED_BEFORE = "acted on an earlier send of this request"
-# The fault did not act on this send for leftover state, not the request's shape: what it acts
-# on was already there, left by an earlier request of other content, and the fault had acted on
-# it as it would for this request on fresh servers (`PlantedFault.leftover`: kv-noise finds the
-# KV files of this prompt's leading blocks written and noised for another prompt). Followed by
-# ": " and the fault's reason.
-FAULT_ON_LEFTOVER = "acted before, on what earlier requests left"
-FAULT_NOT_ACTED = "not acted"
-
-
-def fault_reached(evaluation: Evaluation) -> bool:
-    """The planted fault acted on this request, now, on an earlier send of it, or on the
-    leftover state it read; not when the request's shape gave it nothing to act on."""
-    fault = evaluation.fault or ""
-    return fault in (FAULT_ACTED, FAULT_ACTED_BEFORE) or fault.startswith(FAULT_ON_LEFTOVER)
-
-
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RunBudget:
-    """Caps on one whole fuzz run, so it holds the shared machine for a bounded time: topology
-    restarts (each one after a death costs tens of seconds to minutes on CPU) and wall time
-    from the start of the servers. What a spent budget left unsent or unshrunk is counted and
-    reported, never dropped silently."""
-
-    max_restarts: int = 6
-    max_seconds: float = 780.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {"max_restarts": self.max_restarts, "max_seconds": self.max_seconds}
-
-
-class BudgetSpent(Exception):
-    """The run's restart budget is spent and the topology is down."""
 
 
 def judge_example(
@@ -126,116 +93,6 @@ def judge_example(
         noise_floor=drift_tolerance,
     )
     return record
-
-
-@dataclass
-class Evaluation:
-    """One request through the baseline and (unless skipped) the topology, judged."""
-
-    spec: PromptSpec
-    body: dict[str, Any]
-    baseline: Outcome
-    status: str  # judged | baseline-rejected | known-predicted | not-sent
-    layout: PromptLayout | None = None
-    candidate: Outcome | None = None
-    record: CaseRecord | None = None
-    signature: Signature | None = None
-    recognition: Recognition | None = None
-    note: str = ""
-    seconds: float = 0.0
-    restart_seconds: float = 0.0
-    # With --plant-fault: "acted", or "not acted: <why>" (the fault's own words), or None (no
-    # fault, or one that records nothing). A planted fault acts on some shapes only, and a
-    # self-test that found nothing must say whether the fault ever acted at all.
-    fault: str | None = None
-
-    @property
-    def failed(self) -> bool:
-        return self.record is not None and is_failure(self.record)
-
-    def summary(self) -> str:
-        if self.record is None:
-            return f"{self.status}: {self.note}" if self.note else self.status
-        text = self.record.verdict.value
-        if self.signature is not None:
-            text = self.signature.key
-        if self.recognition is not None and self.recognition.known:
-            text += f" (known: {self.recognition.rule.name})"  # type: ignore[union-attr]
-        return text
-
-
-@dataclass
-class FailureGroup:
-    signature: Signature
-    recognition: Recognition
-    members: list[Evaluation] = field(default_factory=list)
-    shrink: ShrinkResult | None = None
-    minimal: Evaluation | None = None  # the minimal request's own evaluation
-    note: str = ""
-
-    @property
-    def known(self) -> bool:
-        return self.recognition.known
-
-    @property
-    def start(self) -> Evaluation:
-        """The smallest member, of those a planted fault acted on when it acted on any: a
-        member that failed without the fault acting failed on what an earlier request left
-        (the consumer's encoder cache keeps a swapped embedding by mm_hash), and shrinking
-        from it ends at a request the fault cannot act on, which fresh servers pass."""
-        acted = [e for e in self.members if fault_reached(e)]
-        return min(acted or self.members, key=lambda e: size_key(e.spec))
-
-
-@dataclass
-class FuzzReport:
-    examples: list[FuzzExample]
-    evaluations: list[Evaluation] = field(default_factory=list)
-    groups: list[FailureGroup] = field(default_factory=list)
-    restarts: list[dict[str, Any]] = field(default_factory=list)  # what, why, seconds
-    startup_seconds: float = 0.0
-    examples_seconds: float = 0.0
-    shrink_seconds: float = 0.0
-    predictions: dict[str, Any] = field(default_factory=dict)  # crash triggers: trusted or not
-
-    def counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for ev in self.evaluations:
-            key = ev.status if ev.record is None else ev.record.verdict.value
-            counts[key] = counts.get(key, 0) + 1
-        return counts
-
-    @property
-    def new_groups(self) -> list[FailureGroup]:
-        return [g for g in self.groups if not g.known]
-
-    def fault_effect(self) -> dict[str, Any]:
-        """What a planted fault did to the examples sent to the topology: how many it acted
-        on, and how many it did not, by its reason (numbers blanked, so one reason counts
-        once whatever the item counts). Shrink trials are not counted."""
-        acted, reasons = 0, dict[str, int]()
-        for evaluation in self.evaluations:
-            if evaluation.fault is None:
-                continue
-            if fault_reached(evaluation):
-                acted += 1
-                continue
-            reason = evaluation.fault.removeprefix(f"{FAULT_NOT_ACTED}: ")
-            reasons[reason] = reasons.get(reason, 0) + 1
-        return {"acted": acted, "not_acted": sum(reasons.values()), "reasons": reasons}
-
-    def timing(self) -> dict[str, Any]:
-        sent = [e.seconds - e.restart_seconds for e in self.evaluations if e.status == "judged"]
-        return {
-            "startup_s": round(self.startup_seconds, 1),
-            "examples_s": round(self.examples_seconds, 1),
-            "shrink_s": round(self.shrink_seconds, 1),
-            "total_s": round(self.startup_seconds + self.examples_seconds + self.shrink_seconds, 1),
-            "per_judged_example_mean_s": round(statistics.mean(sent), 3) if sent else None,
-            "per_judged_example_median_s": round(statistics.median(sent), 3) if sent else None,
-            "restarts": len(self.restarts),
-            "restart_s": round(sum(r["seconds"] for r in self.restarts), 1),
-        }
 
 
 class FuzzEngine:
@@ -272,7 +129,6 @@ class FuzzEngine:
         self.fault = fault
         self.attached = attached
         self.on_event = on_event
-        self.confirm_known = confirm_known
         self.budget = budget
         self.run_budget = run_budget
         self.min_prompt_tokens = min_prompt_tokens
@@ -280,6 +136,7 @@ class FuzzEngine:
         self.rules: list[KnownRule] = rules_for(
             topology, settings.serving.kv_connector, settings.protocol
         )
+        self.predictions = CrashPredictions(self.rules, confirm_known)
         self.placeholders = PlaceholderIds.from_model_dir(Path(settings.serving.model))
         self.consumer = ConsumerState(settings.serving.block_size)
         self.baseline: TopologySession | ProxiedSession | None = None
@@ -287,9 +144,6 @@ class FuzzEngine:
         self._fault_acted_on: set[str] = set()  # request_content() of sends it acted on
         self.session: TopologySession | ProxiedSession | AttachedSession | None = None
         self.report_restarts: list[dict[str, Any]] = []
-        self._confirmed: dict[str, int] = {}
-        self._mispredicted: dict[str, str] = {}  # rule name -> the example that disagreed
-        self._outside_trigger: dict[str, list[str]] = {}  # rule name -> crashes without it
         self._down: str | None = None  # an attached deployment that died
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -446,9 +300,9 @@ class FuzzEngine:
             evaluation.status, evaluation.note = "not-sent", str(exc)
             return evaluation
         assert self.session is not None
-        mark = self._fault_mark()
+        mark = fault_mark(self.planted)
         candidate = self.session.send(spec.name, evaluation.body)
-        evaluation.fault = self._fault_since(mark)
+        evaluation.fault = fault_since(self.planted, mark)
         content = request_content(evaluation.body)
         if evaluation.fault == FAULT_ACTED:
             self._fault_acted_on.add(content)
@@ -480,35 +334,6 @@ class FuzzEngine:
         evaluation.seconds += time.monotonic() - began
         return evaluation
 
-    def _fault_mark(self) -> tuple[int, int, int, int] | None:
-        """How much the planted fault has recorded so far (None: nothing planted, or a fault
-        without hooks, such as drop-metadata's flag, which records nothing)."""
-        fault = self.planted
-        if fault is None or (fault.after_encode is None and fault.after_prefill is None):
-            return None
-        return len(fault.touched), len(fault.effects), len(fault.problems), len(fault.leftover)
-
-    def _fault_since(self, mark: tuple[int, int, int, int] | None) -> str | None:
-        """Whether the planted fault acted on the request just sent: it rewrote a file or
-        recorded an effect; otherwise its first problem (request id dropped, numbers
-        blanked), or that its hook never ran (nothing in the request for it to act on). A
-        first problem the fault marked as leftover state is `FAULT_ON_LEFTOVER`, every other
-        one the request's shape (`FAULT_NOT_ACTED`)."""
-        fault = self.planted
-        if mark is None or fault is None:
-            return None
-        touched, effects, problems, leftover = mark
-        if len(fault.touched) > touched or len(fault.effects) > effects:
-            return FAULT_ACTED
-        new = fault.problems[problems:]
-        if not new:
-            return f"{FAULT_NOT_ACTED}: its hook never ran (no encoder or prefill step)"
-        reason = new[0].split(": ", 1)[-1]
-        reason = re.split(r": [\[{]", reason, maxsplit=1)[0]  # not the tensors' layouts
-        reason = re.sub(r"\d+", "N", reason).splitlines()[0]
-        status = FAULT_ON_LEFTOVER if new[0] in fault.leftover[leftover:] else FAULT_NOT_ACTED
-        return f"{status}: {reason[:160]}"
-
     def _served(self, evaluation: Evaluation) -> None:
         """What the request left in the KV storage and in D's prefix cache."""
         result = evaluation.baseline.result
@@ -539,49 +364,6 @@ class FuzzEngine:
 
     # -- the run -------------------------------------------------------------------------------
 
-    def predicted_crash(self, evaluation: Evaluation) -> KnownRule | None:
-        """The known crash this example triggers, if its prediction is trusted by now."""
-        for rule in self.rules:
-            if rule.crash and rule.predicts(evaluation.spec, evaluation.layout):
-                trusted = self._confirmed.get(rule.name, 0) >= self.confirm_known
-                if trusted and rule.name not in self._mispredicted:
-                    return rule
-        return None
-
-    def _check_prediction(self, evaluation: Evaluation) -> None:
-        """Count confirmations of each crash trigger. A trigger that held without the crash
-        is not trusted again in this run (skipping on it could hide an answer). A crash that
-        no trigger predicted says a trigger is too narrow, not wrong where it holds: the
-        example is judged and grouped as new (`recognise`), and skipping goes on. Two
-        declarations may share a crash's signature (the decode-tail bug and the KV lookup
-        miss kill D alike): the one whose trigger held is the one it confirms."""
-        record = evaluation.record
-        crash_rules = [r for r in self.rules if r.crash and r.trigger is not None]
-        predicted = [r for r in crash_rules if r.predicts(evaluation.spec, evaluation.layout)]
-        for rule in predicted:
-            if record is not None and rule.signature_matches(record):
-                self._confirmed[rule.name] = self._confirmed.get(rule.name, 0) + 1
-            elif rule.name not in self._mispredicted:
-                self._mispredicted[rule.name] = evaluation.spec.name
-                log.warning(
-                    "[fuzz] %s: the trigger of %s held but %s; its predictions are no "
-                    "longer trusted",
-                    evaluation.spec.name,
-                    rule.name,
-                    evaluation.summary(),
-                )
-        if predicted or record is None:
-            return
-        for rule in crash_rules:
-            if rule.signature_matches(record):
-                self._outside_trigger.setdefault(rule.name, []).append(evaluation.spec.name)
-                log.warning(
-                    "[fuzz] %s: %s's crash without its trigger (%s): reported as new",
-                    evaluation.spec.name,
-                    rule.name,
-                    rule.trigger_text,
-                )
-
     def run(
         self,
         examples: list[FuzzExample],
@@ -603,13 +385,13 @@ class FuzzEngine:
                 continue
             evaluation = self.ask_baseline(example.spec)
             if evaluation.status == "judged":
-                rule = self.predicted_crash(evaluation)
+                rule = self.predictions.predicted_crash(evaluation)
                 if rule is not None:
                     evaluation.status = "known-predicted"
                     evaluation.note = f"{rule.name}: {rule.trigger_text} (not sent)"
                 else:
                     self.send_topology(evaluation)
-                    self._check_prediction(evaluation)
+                    self.predictions.check(evaluation)
             if not evaluation.failed:
                 evaluation.body = {}  # only failing bodies are kept for the bundle
             report.evaluations.append(evaluation)
@@ -648,20 +430,12 @@ class FuzzEngine:
         self, report: FuzzReport, on_progress: Callable[[FuzzReport], None] | None
     ) -> None:
         report.restarts = list(self.report_restarts)
-        report.predictions = self.prediction_summary()
+        report.predictions = self.predictions.summary()
         if on_progress is not None:
             on_progress(report)
 
     def time_left(self) -> float:
         return self.run_budget.max_seconds - (time.monotonic() - self.began)
-
-    def prediction_summary(self) -> dict[str, Any]:
-        return {
-            "confirm_known": self.confirm_known,
-            "confirmed": dict(self._confirmed),
-            "mispredicted": dict(self._mispredicted),
-            "crashed_outside_trigger": dict(self._outside_trigger),
-        }
 
     # -- shrinking -----------------------------------------------------------------------------
 
@@ -740,96 +514,6 @@ class FuzzEngine:
         group.minimal = oracle.last_reproduced if group.shrink.accepted else group.start
 
 
-class SendingOracle:
-    """Candidates sent to the topology: reproduced when one fails with the group's signature
-    and is the same kind of failure (the same declaration, or new). A candidate a trusted
-    known crash's trigger predicts is not sent: it would kill D on the known bug (a restart)
-    and cannot be the group's failure unless the group is that crash."""
-
-    def __init__(self, engine: FuzzEngine, group: FailureGroup):
-        self.engine = engine
-        self.target = group.signature
-        self.rule = group.recognition.rule
-        # A group the planted fault made (its start is one the fault acted on) reproduces only
-        # where the fault acts: the same failure without it is what earlier requests left.
-        self.needs_fault = fault_reached(group.start)
-        self.last_reproduced: Evaluation | None = None
-
-    def restart_pending(self) -> bool:
-        return self.engine.topology_dead() is not None
-
-    def attempt(self, spec: PromptSpec) -> Trial:
-        evaluation = self.engine.ask_baseline(spec)
-        if evaluation.status == "judged":
-            short = self.engine.too_short(evaluation)
-            if short is not None:
-                return Trial(spec, False, short, evaluation.seconds, too_short=True)
-            predicted = self.engine.predicted_crash(evaluation)
-            if predicted is not None and predicted != self.rule:
-                note = f"not sent: {predicted.name} predicted ({predicted.trigger_text})"
-                return Trial(spec, False, note, evaluation.seconds)
-            self.engine.send_topology(evaluation)
-        recognition = evaluation.recognition
-        reproduced = (
-            evaluation.signature is not None
-            and evaluation.signature.key == self.target.key
-            and (recognition.rule if recognition else None) == self.rule
-        )
-        summary = evaluation.summary()
-        if reproduced and self.needs_fault and not fault_reached(evaluation):
-            reproduced = False
-            why = (evaluation.fault or "").removeprefix(f"{FAULT_NOT_ACTED}: ")
-            summary += f" (not reproduced: the planted fault did not act on it: {why})"
-        divergence = None
-        if reproduced:
-            self.last_reproduced = evaluation
-            record = evaluation.record
-            divergence = (record.divergence or {}).get("index") if record else None
-        return Trial(
-            spec,
-            reproduced,
-            summary,
-            evaluation.seconds,
-            restarted=evaluation.restart_seconds > 0,
-            divergence=divergence,
-            fault=evaluation.fault,
-        )
-
-
-class PredictingOracle:
-    """Baseline requests only: reproduced when the known crash's trigger holds."""
-
-    def __init__(self, engine: FuzzEngine, rule: KnownRule):
-        self.engine = engine
-        self.rule = rule
-
-    def restart_pending(self) -> bool:
-        return False
-
-    def attempt(self, spec: PromptSpec) -> Trial:
-        evaluation = self.engine.ask_baseline(spec)
-        if evaluation.status != "judged":
-            return Trial(spec, False, evaluation.summary(), evaluation.seconds)
-        short = self.engine.too_short(evaluation)
-        if short is not None:
-            note = short.replace("not sent", "not tried")
-            return Trial(spec, False, note, evaluation.seconds, too_short=True)
-        reproduced = self.rule.predicts(spec, evaluation.layout)
-        layout = evaluation.layout.to_json() if evaluation.layout else {}
-        outcome = (
-            f"trigger {'holds' if reproduced else 'does not hold'} (predicted, not sent): "
-            f"prompt {layout.get('prompt_tokens')} tokens, last media ends at "
-            f"{layout.get('last_media_end')}, D loads {layout.get('kv_prefix')}"
-        )
-        return Trial(spec, reproduced, outcome, evaluation.seconds)
-
-
-def request_content(body: dict[str, Any]) -> str:
-    """A request body less what only changes how much is generated (max_tokens): two sends
-    with the same content prefill the same prompt."""
-    return json.dumps({k: v for k, v in body.items() if k != "max_tokens"}, sort_keys=True)
-
-
 def _base(session: object) -> object:
     """The running topology behind a session (a proxied view shares its base's instances)."""
     return session.base if isinstance(session, ProxiedSession) else session
@@ -846,20 +530,6 @@ def shrink_order(group: FailureGroup) -> int:
     if not crash:
         return 0 if rule is None else 2
     return 3
-
-
-def group_failures(evaluations: list[Evaluation]) -> list[FailureGroup]:
-    """Failing examples by signature and by what they are (a declaration, or new)."""
-    groups: dict[tuple[str, str], FailureGroup] = {}
-    for evaluation in evaluations:
-        if not evaluation.failed or evaluation.signature is None:
-            continue
-        recognition = evaluation.recognition or Recognition(None)
-        known = recognition.rule.name if recognition.rule else "new"
-        key = (evaluation.signature.key, known)
-        group = groups.setdefault(key, FailureGroup(evaluation.signature, recognition))
-        group.members.append(evaluation)
-    return sorted(groups.values(), key=lambda g: (g.known, g.members[0].spec.name))
 
 
 def describe(spec: PromptSpec, layout: PromptLayout | None, kv: bool = True) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.files import write_text_atomic
-from harness.run.fuzz.engine import FailureGroup
+from harness.run.fuzz.records import FailureGroup
 from harness.run.scenarios import FOUND_SCENARIOS_FILE
 from harness.spec.prompt_codec import prompt_to_json
 from harness.spec.prompts import PromptSpec

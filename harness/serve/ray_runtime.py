@@ -1,0 +1,138 @@
+"""The Ray connection a run holds across its topologies, in a module of its own: each Ray
+topology's launcher connects through it, and `harness.serve.launcher.end_launchers` closes it
+when the run ends, finding it by this module's name (a run that never chose Ray imports no
+Ray). Also the cluster's live nodes, as a refusal names them."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from harness.serve.launcher import LaunchRefused
+from harness.serve.ray_cluster import USAGE_STATS_ENV, LocalRayCluster
+from harness.spec.settings import LauncherChoice
+
+log = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 60.0
+REHEARSAL_DIR = "ray-cluster"
+
+
+class RayRuntime:
+    """The harness's one connection to its cluster: opened at the first Ray topology, closed
+    when the run ends (`close_runtime`, also at exit). Without `--ray-address` it first starts
+    the one-host rehearsal cluster (`harness.serve.ray_cluster`) and stops it at close."""
+
+    def __init__(self) -> None:
+        self.cluster: LocalRayCluster | None = None
+        self.address: str | None = None
+        self._at_exit = False
+
+    def connect(self, choice: LauncherChoice, run_dir: Path) -> None:
+        if ray.is_initialized():
+            wanted = choice.ray_address
+            if wanted is not None and self.address is not None and wanted != self.address:
+                raise LaunchRefused(
+                    f"--ray-address {wanted}: this harness is connected to {self.address}; "
+                    "one run, one cluster"
+                )
+            return
+        os.environ[USAGE_STATS_ENV] = "0"
+        if not self._at_exit:
+            atexit.register(close_runtime)
+            self._at_exit = True
+        node_ip = None
+        expected_nodes = 1
+        if choice.ray_address is None:
+            cluster = LocalRayCluster(run_dir / REHEARSAL_DIR)
+            log.info("[ray] starting a one-host cluster: nodes %s", ", ".join(cluster.addresses))
+            try:
+                cluster.start()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    cluster.stop()
+                raise
+            self.cluster = cluster
+            self.address, node_ip = cluster.address, cluster.driver_address
+            expected_nodes = len(cluster.addresses)
+        else:
+            self.address = choice.ray_address
+            host = self.address.rsplit(":", 1)[0]
+            # Ray takes a driver's loopback address for the host's routable one: say which.
+            node_ip = host if host.startswith("127.") else None
+        try:
+            ray.init(
+                address=self.address,
+                _node_ip_address=node_ip,
+                log_to_driver=False,
+                namespace=f"epd-harness-{os.getpid()}",
+            )
+        except Exception as exc:
+            self.close()
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise LaunchRefused(
+                f"cannot connect to the Ray cluster at {self.address}: {type(exc).__name__}: "
+                f"{first}"
+            ) from None
+        except BaseException:
+            self.close()
+            raise
+        deadline = time.monotonic() + PLACEMENT_TIMEOUT_S
+        while len(alive_nodes()) < expected_nodes and time.monotonic() < deadline:
+            time.sleep(0.2)
+        log.info("[ray] connected to %s: nodes %s", self.address, describe_nodes())
+
+    def log_memory(self) -> None:
+        """The rehearsal cluster's RSS per node (its workers and the agents' servers
+        included), for the record: on a small machine the cluster is part of the budget."""
+        if self.cluster is not None:
+            rss = self.cluster.memory_bytes()
+            log.info(
+                "[ray] RSS per node (Ray's processes, agents and their vLLM servers): %s; "
+                "total %.1f GB",
+                ", ".join(f"{node} {size / 1e9:.1f} GB" for node, size in rss.items()),
+                sum(rss.values()) / 1e9,
+            )
+
+    def close(self) -> None:
+        """Disconnect, then stop the rehearsal cluster if this harness started it."""
+        cluster, self.cluster = self.cluster, None
+        self.address = None
+        if ray.is_initialized():
+            ray.shutdown()
+        if cluster is not None:
+            cluster.stop()
+
+
+_RUNTIME = RayRuntime()
+
+
+def runtime() -> RayRuntime:
+    return _RUNTIME
+
+
+def close_runtime() -> None:
+    """End the run's Ray connection (and its rehearsal cluster); harmless when there is none."""
+    _RUNTIME.close()
+
+
+def alive_nodes() -> list[dict[str, Any]]:
+    return [node for node in ray.nodes() if node.get("Alive")]
+
+
+def describe_nodes() -> str:
+    nodes = alive_nodes()
+    parts = [
+        f"{n['NodeManagerAddress']} (CPU {n['Resources'].get('CPU', 0):g}"
+        + (f", GPU {n['Resources']['GPU']:g}" if n["Resources"].get("GPU") else "")
+        + ")"
+        for n in nodes
+    ]
+    return f"{len(nodes)} alive: " + ", ".join(parts)
