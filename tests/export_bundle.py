@@ -133,10 +133,13 @@ def write_bundle(
     model: Path | str | None = None,
     kv_connector: str = "ExampleConnector",
     pre_pool_layout: bool = False,
+    prompt: str = PROMPT,
+    bodies: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
     """A bundle of one case of `topology` with `verdict`, baseline answer and encoder taps; a
     matrix scenario's commands in the shared `<topology>/` (or, `pre_pool_layout`, in the
-    `matrix-<topology>/` of bundles written before the pool)."""
+    `matrix-<topology>/` of bundles written before the pool). The case is of `prompt`, whose
+    body is `body()`; requests.json holds `bodies` besides (a scenario's other prompts')."""
     root.mkdir(parents=True)
     if model is None:
         model = write_model(root.parent / f"{root.name}-model")
@@ -162,7 +165,7 @@ def write_bundle(
     proxy_cmd.write_text(json.dumps({"name": f"{topology}/vllm-proxy", "argv": ["py"], "env": {}}))
     record = {
         "topology": label,
-        "prompt": PROMPT,
+        "prompt": prompt,
         "reference": "baseline",
         "verdict": verdict,
         "policy_passed": verdict == "MATCH",
@@ -189,8 +192,8 @@ def write_bundle(
     ]
     responses_key = f"matrix:{scenario}" if scenario else topology
     responses = {
-        "baseline": {PROMPT: {"result": baseline}},
-        responses_key: {PROMPT: {"result": None, "taps": taps, "error": record["error"]}},
+        "baseline": {prompt: {"result": baseline}},
+        responses_key: {prompt: {"result": None, "taps": taps, "error": record["error"]}},
     }
     files_dir = (
         write_upstream(root.parent / f"{root.name}-upstream") if upstream is None else upstream
@@ -219,13 +222,41 @@ def write_bundle(
         "fault": fault,
     }
     (root / "run.json").write_text(json.dumps(run))
-    (root / "requests.json").write_text(json.dumps({PROMPT: body()}))
+    (root / "requests.json").write_text(json.dumps({**(bodies or {}), prompt: body()}))
     (root / "responses.json").write_text(json.dumps(responses))
     (root / "summary.json").write_text(json.dumps({"cases": [record]}))
     return root
 
 
 REPAIR = {"cpu_repair.py": "# the repairs\n"}
+
+
+def earlier_body(prompt: str) -> dict[str, Any]:
+    """A body of its own for a scenario's other prompt `prompt` (text only; the fake serves
+    it), its keys in another order than `body()`'s and a character JSON escapes: what the
+    export carries of it must be requests.json's, not a body made again."""
+    return {
+        "max_tokens": MAX_TOKENS,
+        "model": "epd-model",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": f"{prompt}: é"}]}],
+        "temperature": 0.0,
+        "return_token_ids": True,
+    }
+
+
+def write_scenario_bundle(
+    root: Path, scenario: str, prompt: str, verdict: str = "ERROR", **bundle_args: Any
+) -> Path:
+    """A bundle of matrix scenario `scenario`'s case of `prompt` (its body `body()`), whose
+    requests.json holds a body of each of the scenario's other prompts (`earlier_body`), as
+    a matrix run records them."""
+    from harness.run.scenarios import get_scenario
+
+    spec = get_scenario(scenario)
+    others = {p.name: earlier_body(p.name) for p in spec.prompts if p.name != prompt}
+    return write_bundle(
+        root, spec.topology, verdict, scenario=scenario, prompt=prompt, bodies=others, **bundle_args
+    )
 
 
 def plan_for(bundle_dir: Path, wanted: str | None = None, probe: str | None = None):

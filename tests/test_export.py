@@ -19,9 +19,11 @@ from export_bundle import (
     GRID,
     PROMPT,
     PROMPT_IDS,
+    REPAIR,
     plan_for,
     write,
     write_bundle,
+    write_scenario_bundle,
     write_upstream,
 )
 
@@ -809,3 +811,156 @@ def test_issue_md_names_no_path_of_the_recording_host(tmp_path: Path) -> None:
     assert str(tmp_path) not in issue
     assert "--run-dir run`" in issue
     assert "last lines of run/1E-1P-1D/1E-1P-1D__decode0.log" in issue
+
+
+# -- a scenario's earlier requests, sent first -------------------------------------------------
+
+KILLS_PREFILL = "epd-kv-lookup-miss-kills-prefill"
+
+
+@pytest.mark.parametrize(
+    "scenario, prompt, earlier, run_streams",
+    [
+        (KILLS_PREFILL, "m-text-at-block-plus-one", ("m-text-stores-the-lookup-key",), False),
+        (
+            "ec-same-image-across-kwargs",
+            "m-kwargs-image-36-tokens",
+            ("m-kwargs-image-plain", "m-kwargs-image-16-tokens"),
+            False,
+        ),
+        ("epd-streamed", "m-text-only", ("m-one-image", "m-video-mp4"), False),  # it streams
+        ("ec-same-image-across-requests", "m-repeat-b", ("m-repeat-a",), True),  # --stream
+    ],
+)
+def test_a_later_case_carries_its_scenarios_earlier_requests_as_the_run_sent_them(
+    tmp_path: Path, scenario: str, prompt: str, earlier: tuple[str, ...], run_streams: bool
+) -> None:
+    """An export of epd-kv-lookup-miss-kills-prefill's second case sent its request alone to
+    fresh servers, where P has no folder of the shorter key to find and lives: vLLM alone
+    could not show the ERROR, and ISSUE.md said only "Not as the run sent it". The earlier
+    requests travel as `before/NN-<prompt>.json`, in the scenario's order: requests.json's
+    bodies as they are (keys in their order), streamed as the run streamed the case, each
+    and the case's under a cache salt of its own, as the run sent each; ISSUE.md says which."""
+    from harness.run.export.request import CASE_SALT
+    from harness.run.scenarios import get_scenario
+    from harness.spec.prompts import CACHE_SALT, streaming_request
+
+    root = write_scenario_bundle(tmp_path / "run", scenario, prompt)
+    run = json.loads((root / "run.json").read_text())
+    (root / "run.json").write_text(json.dumps({**run, "stream": run_streams}))
+    recorded = json.loads((root / "requests.json").read_text())
+    plan = plan_for(root)
+    files = [f"before/{n:02d}-{name}.json" for n, name in enumerate(earlier, start=1)]
+    assert [(e.prompt, e.file) for e in plan.before] == list(zip(earlier, files))
+    streams = run_streams or get_scenario(scenario).stream
+    out = tmp_path / "export"
+    write_export(plan, out, REPAIR)
+    salts = []
+    for name, file in zip(earlier, files):
+        text = (out / file).read_text()
+        sent = json.loads(text)
+        salts.append(sent.pop(CACHE_SALT))
+        as_run = streaming_request(recorded[name]) if streams else recorded[name]
+        assert json.dumps(sent) == json.dumps(as_run), file  # its keys in their order too
+        assert text == json.dumps({**as_run, CACHE_SALT: salts[-1]}, indent=1) + "\n"
+    case = json.loads((out / "request.json").read_text())
+    assert case[CACHE_SALT] == CASE_SALT and len({*salts, CASE_SALT}) == len(earlier) + 1
+    assert sorted(p.name for p in (out / "before").iterdir()) == [f[7:] for f in files]
+    assert plan.sent_unlike is None
+    issue = (out / "ISSUE.md").read_text()
+    said = "request" if len(earlier) == 1 else "requests"
+    assert (
+        f"Sent as the run sent it: after scenario {scenario}'s earlier {said} "
+        f"{', '.join(earlier)} on the same servers, which `check.py` sends first (`before/`)"
+    ) in issue
+    assert "Not as the run sent it" not in issue
+    assert all(f"| `{file}` |" in issue for file in files)
+    assert f"So `check.py` first sends `{files[0]}` ({earlier[0]}: " in issue
+    assert "check.py first sends the" in (out / "run.sh").read_text()
+
+
+def test_the_first_prompt_of_a_scenario_carries_no_earlier_request(tmp_path: Path) -> None:
+    """The run sent it first: the export sends it alone, as today, and claims nothing."""
+    plan = plan_for(
+        write_scenario_bundle(tmp_path / "run", KILLS_PREFILL, "m-text-stores-the-lookup-key")
+    )
+    assert (plan.before, plan.sent_after, plan.sent_unlike) == ((), None, None)
+    assert "cache_salt" not in plan.request
+    out = tmp_path / "export"
+    write_export(plan, out, REPAIR)
+    assert not (out / "before").exists()
+    issue = (out / "ISSUE.md").read_text()
+    assert "Sent as the run sent it" not in issue and "Not as the run sent it" not in issue
+    assert "check.py first sends" not in (out / "run.sh").read_text()
+
+
+@pytest.mark.parametrize(
+    "scenario, prompt, unlike",
+    [
+        ("ec-concurrent-requests", "m-concurrent-b", "in flight together with its other requests"),
+        ("ec-idle-over-keepalive", "m-idle-b", "with idle gaps longer than the servers'"),
+    ],
+)
+def test_a_concurrent_or_idle_gap_case_carries_no_earlier_request_and_says_so(
+    tmp_path: Path, scenario: str, prompt: str, unlike: str
+) -> None:
+    plan = plan_for(write_scenario_bundle(tmp_path / "run", scenario, prompt))
+    assert plan.before == () and plan.sent_after is None
+    out = tmp_path / "export"
+    write_export(plan, out, REPAIR)
+    assert not (out / "before").exists()
+    issue = (out / "ISSUE.md").read_text()
+    assert f"Not as the run sent it: scenario {scenario} sent it {unlike}" in issue
+    assert "this sends it alone to servers started for it" in issue
+    assert "Sent as the run sent it" not in issue
+
+
+def test_a_probe_carries_no_earlier_request(tmp_path: Path) -> None:
+    """A probe sends one crafted request to one instance: no scenario's stage is its question."""
+    root = write_scenario_bundle(tmp_path / "run", KILLS_PREFILL, "m-text-at-block-plus-one")
+    plan = plan_for(root, probe=UNKNOWN_UUID_PROBE)
+    assert plan.before == () and "cache_salt" not in plan.request
+
+
+def test_an_earlier_body_the_run_lacks_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
+    root = write_scenario_bundle(tmp_path / "run", KILLS_PREFILL, "m-text-at-block-plus-one")
+    requests = json.loads((root / "requests.json").read_text())
+    del requests["m-text-stores-the-lookup-key"]
+    (root / "requests.json").write_text(json.dumps(requests))
+    line = one_line_refusal(capsys, ["export", str(root)])
+    assert line.endswith(
+        "requests.json has no body for 'm-text-stores-the-lookup-key', which scenario "
+        f"{KILLS_PREFILL} sent before the case on the same servers: the stage the case was "
+        "sent on cannot be set again"
+    ), line
+    assert not (root / "exports").exists()
+
+
+def test_check_reads_the_earlier_requests_in_name_order(tmp_path: Path) -> None:
+    """`before/NN-<prompt>.json`, 01 first; a file that holds no request body is an error
+    naming it; none there, nothing first."""
+    assert check.read_before(tmp_path) == []
+    (tmp_path / "before").mkdir()
+    (tmp_path / "before/02-b.json").write_text('{"n": 2}')
+    (tmp_path / "before/01-a.json").write_text('{"n": 1}')
+    assert check.read_before(tmp_path) == [
+        ("before/01-a.json", {"n": 1}),
+        ("before/02-b.json", {"n": 2}),
+    ]
+    (tmp_path / "before/03-c.json").write_text("[]")
+    with pytest.raises(ValueError, match="03-c.json holds no JSON object"):
+        check.read_before(tmp_path)
+
+
+def test_check_calls_an_earlier_answer_none_only_when_a_client_could_read_none() -> None:
+    """What an earlier request is answered is not judged; an HTTP error, no answer, or a
+    stream that reports an error is no answer."""
+    assert check.unanswered(answer(200, {"choices": []}), streamed=False) is None
+    assert "HTTP 500" in str(check.unanswered(answer(500, {"error": "x"}), streamed=False))
+    assert "no answer" in str(check.unanswered(answer(None, "refused"), streamed=False))
+    whole = events(*stream_chunks([1, 2], [7, 8]))
+    assert check.unanswered(check.Answer("u", 200, whole, 0.1), streamed=True) is None
+    failed = events({"error": {"message": "engine dead"}})
+    assert "the stream reported an error" in str(
+        check.unanswered(check.Answer("u", 200, failed, 0.1), streamed=True)
+    )

@@ -257,21 +257,30 @@ def test_a_case_can_name_its_reference_and_ambiguity_is_refused(tmp_path: Path) 
 
 
 class Answering:
-    """A stand-in instance / entry point answering every chat request with one fixed body."""
+    """A stand-in instance / entry point answering every chat request with one fixed body;
+    `received` keeps each request's body, in order. `fails_from`: from that request on (0:
+    the first) it answers 500, and its /health too, as a server whose engine died."""
 
-    def __init__(self, answer: dict[str, Any]) -> None:
+    def __init__(self, answer: dict[str, Any], fails_from: int | None = None) -> None:
         data = json.dumps(answer).encode()
+        self.received: list[bytes] = []
+        received = self.received
+
+        def failed() -> bool:
+            return fails_from is not None and len(received) > fails_from
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                self.reply(b"{}")
+                self.reply(b"{}", 500 if failed() else 200)
 
             def do_POST(self) -> None:
-                self.rfile.read(int(self.headers["Content-Length"]))
-                self.reply(data)
+                received.append(self.rfile.read(int(self.headers["Content-Length"])))
+                self.reply(
+                    b'{"error": "engine dead"}' if failed() else data, 500 if failed() else 200
+                )
 
-            def reply(self, body: bytes) -> None:
-                self.send_response(200)
+            def reply(self, body: bytes, status: int = 200) -> None:
+                self.send_response(status)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -285,11 +294,11 @@ class Answering:
 
 
 @pytest.fixture
-def answering() -> Iterator[Callable[[dict[str, Any]], Answering]]:
+def answering() -> Iterator[Callable[..., Answering]]:
     servers: list[Answering] = []
 
-    def start(answer: dict[str, Any]) -> Answering:
-        servers.append(Answering(answer))
+    def start(answer: dict[str, Any], fails_from: int | None = None) -> Answering:
+        servers.append(Answering(answer, fails_from))
         return servers[-1]
 
     yield start

@@ -110,7 +110,8 @@ def rerun_settings(root: Path, monkeypatch: pytest.MonkeyPatch, served_version: 
 def stub_the_rerun(monkeypatch: pytest.MonkeyPatch) -> dict:
     """What `reproduce` hands its rerun, with the pool and the sweep standing in for servers
     (nothing starts): "settings", the settings it serves with, "on_event", whom the pool tells
-    each server's state, and per prompt the declaration the rerun is judged under."""
+    each server's state, "bodies" and "stage", what the sweep is to send, and per prompt the
+    declaration the rerun is judged under."""
     import harness.run.repro as repro
 
     seen: dict = {}
@@ -124,8 +125,9 @@ def stub_the_rerun(monkeypatch: pytest.MonkeyPatch) -> dict:
             pass
 
     class NoSweep:
-        def __init__(self, spec, settings, bodies, pool):
-            pass
+        def __init__(self, spec, settings, bodies, pool, stage=None):
+            seen["bodies"] = bodies
+            seen["stage"] = stage
 
         def judge(self, topology, prompt, declared=None):
             seen[prompt] = declared
@@ -314,6 +316,8 @@ def test_repro_prints_the_first_divergence_of_the_case_it_reran(
     )
 
     class Closed:
+        stage_unset = None
+
         class pool:  # noqa: N801 - stands in for the sweep's pool
             @staticmethod
             def close() -> None:
@@ -538,3 +542,260 @@ def test_a_scenario_expected_to_match_has_its_releases_declaration_in_the_rerun(
     bundle = Bundle.load(root)
     repro.reproduce(bundle, root / "again", ServedVllm("vllm", "0.30.0+cpu"), "1E+1PD:m-video-mp4")
     assert judged["m-video-mp4"] == VIDEO_TIMING_BEFORE_0_31
+
+
+# -- a scenario's earlier requests, replayed first -----------------------------------------------
+
+KILLS_PREFILL = "1E+1P+1D:epd-kv-lookup-miss-kills-prefill"
+ACROSS_KWARGS = "1E+1PD:ec-same-image-across-kwargs"
+
+
+def scenario_bundle(root: Path, label: str, prompt: str, verdict: str = "ERROR") -> Path:
+    """A bundle of one case of a matrix scenario (`label`: TOPOLOGY:SCENARIO) whose
+    requests.json holds a body of each of the scenario's prompts, each told apart (its
+    own text, keys in an order of their own), as a matrix run records them."""
+    from harness.run.scenarios import get_scenario
+
+    root = write_bundle(root, [case(label, prompt, verdict, False)])
+    run = json.loads((root / "run.json").read_text())
+    (root / "run.json").write_text(json.dumps({**run, "fault": None}))
+    scenario = get_scenario(label.partition(":")[2])
+    bodies = {
+        p.name: {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": f"{p.name} é"}]}],
+            "model": "epd-model",
+            "max_tokens": 8 + n,
+        }
+        for n, p in enumerate(scenario.prompts)
+    }
+    (root / "requests.json").write_text(json.dumps(bodies))
+    return root
+
+
+@pytest.mark.parametrize(
+    "label, prompt, earlier",
+    [
+        (KILLS_PREFILL, "m-text-at-block-plus-one", ("m-text-stores-the-lookup-key",)),
+        (
+            ACROSS_KWARGS,
+            "m-kwargs-image-36-tokens",
+            ("m-kwargs-image-plain", "m-kwargs-image-16-tokens"),
+        ),
+        (ACROSS_KWARGS, "m-kwargs-image-16-tokens", ("m-kwargs-image-plain",)),
+        ("1E+1PD:ec-same-image-across-requests", "m-repeat-b", ("m-repeat-a",)),
+    ],
+)
+def test_a_later_case_of_a_sequential_scenario_is_sent_after_its_earlier_requests(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    label: str,
+    prompt: str,
+    earlier: tuple[str, ...],
+) -> None:
+    """`repro` of epd-kv-lookup-miss-kills-prefill's second case sent it alone, to servers
+    with nothing stored, where P finds no folder of the shorter key and lives: the recorded
+    ERROR could not reproduce, and the warning said only that it was sent alone. The
+    scenario's earlier requests go first, to the same topology, in the scenario's order, with
+    the bodies requests.json holds (not re-rendered: the very objects, keys in their order);
+    the case's own body alone is judged (and answered by the baseline)."""
+    import harness.run.repro as repro
+    from harness.run.sweep import Stage
+    from harness.spec.settings import ServedVllm
+
+    seen = stub_the_rerun(monkeypatch)
+    root = scenario_bundle(tmp_path / "b", label, prompt)
+    recorded = json.loads((root / "requests.json").read_text())
+    bundle = Bundle.load(root)
+    sending = bundle.how_sent(label, prompt)
+    assert (sending.earlier, sending.unlike) == (earlier, None)
+    repro.reproduce(bundle, root / "again", ServedVllm("vllm", "0.32.0+cpu"))
+    topology = label.split(":")[0]
+    assert seen["stage"] == Stage(topology, tuple((name, recorded[name]) for name in earlier))
+    for (name, body), again in zip(seen["stage"].requests, earlier):
+        assert name == again and json.dumps(body) == json.dumps(recorded[name])
+    assert seen["bodies"] == {prompt: recorded[prompt]}
+    said = [r.getMessage() for r in caplog.records if r.name == "harness.run.repro"]
+    scenario = label.split(":")[1]
+    assert any(
+        f"sent after scenario {scenario}'s earlier request" in m and ", ".join(earlier) in m
+        for m in said
+    ), said
+    assert not any("sends it alone" in m for m in said), said
+
+
+def test_the_first_prompt_of_a_scenario_replays_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The scenario sent its first prompt first: alone, as the rerun sends it, and nothing is
+    said to be unlike (it used to be "after the scenario's earlier requests")."""
+    import harness.run.repro as repro
+    from harness.spec.settings import ServedVllm
+
+    seen = stub_the_rerun(monkeypatch)
+    root = scenario_bundle(tmp_path / "b", KILLS_PREFILL, "m-text-stores-the-lookup-key")
+    bundle = Bundle.load(root)
+    sending = bundle.how_sent(KILLS_PREFILL, "m-text-stores-the-lookup-key")
+    assert (sending.earlier, sending.unlike, sending.replayed) == ((), None, None)
+    repro.reproduce(bundle, root / "again", ServedVllm("vllm", "0.32.0+cpu"))
+    assert seen["stage"] is None
+    assert "earlier" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "label, prompt, unlike",
+    [
+        (
+            "1E+1PD:ec-concurrent-requests",
+            "m-concurrent-b",
+            "scenario ec-concurrent-requests sent it in flight together with its other "
+            "requests; this sends it alone to servers started for it",
+        ),
+        (
+            "1E+1PD:ec-idle-over-keepalive",
+            "m-idle-b",
+            "scenario ec-idle-over-keepalive sent it with idle gaps longer than the servers' "
+            "keep-alive between requests; this sends it alone to servers started for it",
+        ),
+    ],
+)
+def test_a_concurrent_or_idle_gap_scenario_replays_nothing_and_says_what_is_unlike(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    label: str,
+    prompt: str,
+    unlike: str,
+) -> None:
+    """Requests in flight together, or apart by more than the keep-alive, are not redone by
+    sending the others first: the case goes alone, as before, and the warning says so."""
+    import harness.run.repro as repro
+    from harness.spec.settings import ServedVllm
+
+    seen = stub_the_rerun(monkeypatch)
+    root = scenario_bundle(tmp_path / "b", label, prompt)
+    bundle = Bundle.load(root)
+    sending = bundle.how_sent(label, prompt)
+    assert (sending.earlier, sending.unlike) == ((), unlike)
+    repro.reproduce(bundle, root / "again", ServedVllm("vllm", "0.32.0+cpu"))
+    assert seen["stage"] is None
+    assert f"repro: {unlike}" in caplog.text
+
+
+def test_an_earlier_body_the_bundle_lacks_is_refused_naming_it(tmp_path: Path) -> None:
+    """Without the earlier request's body the stage cannot be set: refused in one line, not
+    rerun alone as if it had been."""
+    root = scenario_bundle(tmp_path / "b", KILLS_PREFILL, "m-text-at-block-plus-one")
+    requests = json.loads((root / "requests.json").read_text())
+    del requests["m-text-stores-the-lookup-key"]
+    (root / "requests.json").write_text(json.dumps(requests))
+    bundle = Bundle.load(root)
+    with pytest.raises(BundleError) as refused:
+        bundle.earlier_bodies(bundle.how_sent(KILLS_PREFILL, "m-text-at-block-plus-one"))
+    assert str(refused.value) == (
+        f"{root}: requests.json has no body for 'm-text-stores-the-lookup-key', which "
+        "scenario epd-kv-lookup-miss-kills-prefill sent before the case on the same servers: "
+        "the stage the case was sent on cannot be set again"
+    )
+
+
+def stage_unset():
+    """The first earlier request of epd-kv-lookup-miss-kills-prefill got no answer."""
+    from harness.run.sweep import StageUnset
+
+    return StageUnset("m-text-stores-the-lookup-key", "APIError: Internal Server Error")
+
+
+UNSET = (
+    "the earlier request m-text-stores-the-lookup-key, sent before it on the same servers, "
+    "got no answer (APIError: Internal Server Error)"
+)
+
+
+def test_the_verdict_line_of_a_stage_not_set_says_nothing_was_reproduced(tmp_path: Path) -> None:
+    """An earlier request that got no answer left the case unsent (an ERROR of its own):
+    against the bundle's recorded ERROR that read "reproduced, a known vLLM failure". The
+    line says the stage was not set, and claims no declaration."""
+    from harness.run.repro import repro_line
+    from harness.spec.settings import ServedVllm
+
+    root = scenario_bundle(tmp_path / "b", KILLS_PREFILL, "m-text-at-block-plus-one")
+    run = json.loads((root / "run.json").read_text())
+    (root / "run.json").write_text(json.dumps({**run, "served_vllm": {"version": "0.32.0+cpu"}}))
+    bundle = Bundle.load(root)
+    case_ = bundle.pick_case(None)
+    served = ServedVllm("/v", "0.32.0+cpu")
+    assert str(stage_unset()) == UNSET
+    line = repro_line(case_, "ERROR", bundle, served, False, stage_unset())
+    assert line == (
+        "1E+1P+1D / m-text-at-block-plus-one vs baseline: ERROR now, ERROR in the bundle: NOT "
+        f"reproduced: the stage was not set: {UNSET}, so the case's own request was not sent"
+    )
+    set_ = repro_line(case_, "ERROR", bundle, served, True)
+    assert set_.endswith(
+        "ERROR in the bundle: reproduced; a known vLLM failure, declared by matrix scenario "
+        "epd-kv-lookup-miss-kills-prefill (expects ERROR)"
+    ), set_
+
+
+def test_a_stage_the_run_could_not_set_either_names_its_first_failure(tmp_path: Path) -> None:
+    """When the bundle recorded the earlier request failing too, the run's stage was as
+    broken, and the case's ERROR a consequence: the line names the earlier case to rerun."""
+    from harness.run.repro import repro_line
+    from harness.spec.settings import ServedVllm
+
+    root = scenario_bundle(tmp_path / "b", KILLS_PREFILL, "m-text-at-block-plus-one")
+    summary = json.loads((root / "summary.json").read_text())
+    earlier = case(KILLS_PREFILL, "m-text-stores-the-lookup-key", "ERROR", False)
+    summary["cases"].append(earlier)
+    (root / "summary.json").write_text(json.dumps(summary))
+    bundle = Bundle.load(root)
+    case_ = bundle.pick_case("1E+1P+1D:m-text-at-block-plus-one")
+    line = repro_line(case_, "ERROR", bundle, ServedVllm("/v", "unknown"), False, stage_unset())
+    assert line.endswith(
+        "so the case's own request was not sent; the bundle recorded "
+        "m-text-stores-the-lookup-key ERROR too: --case 1E+1P+1D:m-text-stores-the-lookup-key "
+        "reruns that earlier failure"
+    ), line
+
+
+@pytest.mark.parametrize("unset, code", [(False, 0), (True, 1)])
+def test_repro_exits_1_when_the_stage_was_not_set(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    unset: bool,
+    code: int,
+) -> None:
+    """The same verdict as the bundle's is no reproduction when the case was never sent."""
+    import harness.cli.main as cli
+    from harness.outcomes.outcome import Outcome
+    from harness.spec.settings import ServedVllm
+    from harness.testing.judging import judged
+
+    root = scenario_bundle(tmp_path / "b", KILLS_PREFILL, "m-text-at-block-plus-one")
+    record = judged(
+        "1E+1P+1D",
+        "baseline",
+        Outcome("m-text-at-block-plus-one", error="not sent: the stage was not set"),
+        Outcome("m-text-at-block-plus-one", error="not sent: the stage was not set"),
+    )
+
+    class Rerun:
+        stage_unset = stage_unset() if unset else None
+
+        class pool:  # noqa: N801 - stands in for the sweep's pool
+            @staticmethod
+            def close() -> None:
+                pass
+
+    def rerun(bundle, *args, **kwargs):
+        return bundle.pick_case(None), [record], Rerun()
+
+    monkeypatch.setattr(cli, "probe_served_vllm", lambda vllm: ServedVllm(vllm, "0.32.0+cpu"))
+    monkeypatch.setattr(cli, "proxy_choice", lambda *args: None)
+    monkeypatch.setattr(cli, "reproduce", rerun)
+    assert record.verdict.value == "ERROR"
+    assert cli.main(["repro", str(root), "--vllm", "/v"]) == code
+    out = capsys.readouterr().out
+    assert ("NOT reproduced: the stage was not set" in out) is unset, out

@@ -351,12 +351,12 @@ def command_repro(args: argparse.Namespace) -> int:
                 print()
                 print(format_failure(record))
         own = next((r for r in records if r.reference == case.reference), records[0])
-        same = own.verdict.value == case.verdict
-        print(
-            f"\nepd-harness: "
-            f"{repro_line(case, own.verdict.value, bundle, served, own.policy_passed)}; "
-            f"artifacts in {run_dir}"
-        )
+        # A scenario's earlier request that got no answer left the case unsent: nothing of
+        # the run's stage, so nothing reproduced (`repro_line`).
+        unset = sweep.stage_unset
+        same = own.verdict.value == case.verdict and unset is None
+        line = repro_line(case, own.verdict.value, bundle, served, own.policy_passed, unset)
+        print(f"\nepd-harness: {line}; artifacts in {run_dir}")
         if args.keep_up:
             keep_up(sweep, case.topology, settled=args.progress.settled)
     finally:

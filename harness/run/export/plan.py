@@ -5,7 +5,9 @@ The harness is what found the failure; it must not be what a vLLM developer need
 So the export holds only what vLLM itself runs: every instance's recorded `vllm serve` command
 and environment (ports, host, model and connector storage turned into shell variables), the
 served release's own proxy (`disagg_epd_proxy.py`, or for 1P+1D the toy proxy of vLLM's NIXL
-tests) pointed straight at the instances, the request body exactly as the harness sent it, the
+tests) pointed straight at the instances, the request body exactly as the harness sent it (and,
+for a later case of a sequential matrix scenario, the scenario's earlier requests, which
+check.py sends first to the same servers: the case's failure may need what they left), the
 case's reference's token ids to expect (with the policy and noise floor it was judged by), a
 `check.py` on the standard library alone, the model (the tiny model's files, or a hub model's
 name and revision) and an `ISSUE.md` drafting the report. Devices become positions that
@@ -42,9 +44,23 @@ from harness.run.export.probe import (
 )
 from harness.run.export.proxy import ProxyFile, UpstreamProxy, proxy_server
 from harness.run.export.reference import BASELINE, ReferenceServing, reference_serving
-from harness.run.export.request import asks_for_logprobs, inline_local_media
+from harness.run.export.request import (
+    CASE_SALT,
+    EarlierRequest,
+    asks_for_logprobs,
+    earlier_request,
+    inline_local_media,
+    own_salt,
+)
 from harness.run.export.servers import ExportedServer, compacted, dropped_env, instance_servers
-from harness.run.repro import Bundle, BundleError, ReproCase, case_of, killed_by_the_load
+from harness.run.repro import (
+    Bundle,
+    BundleError,
+    ReproCase,
+    Sending,
+    case_of,
+    killed_by_the_load,
+)
 from harness.run.scenarios import MATRIX
 from harness.serve.session import safe_name
 from harness.spec.prompts import DEFAULT_TOP_LOGPROBS, streaming_request
@@ -89,6 +105,11 @@ class ExportPlan:
     reference: ReferenceServing | None = None
     # What of the original sending the export does not do (`Bundle.how_sent`), or None.
     sent_unlike: str | None = None
+    # A sequential scenario's earlier requests, which check.py sends first (`before/`), and
+    # what the run sent before the case, said (`Sending.after`); none for a case its scenario
+    # sent first or alone, or a probe.
+    before: tuple[EarlierRequest, ...] = ()
+    sent_after: str | None = None
     # The recorded devices of the case's instances, by position in serve.sh's DEVICES (the
     # distinct devices in first-use order).
     devices: tuple[RecordedDevice, ...] = ()
@@ -144,10 +165,14 @@ def plan_export(
     if body is None:
         raise BadInput(f"{bundle.path}: requests.json has no body for {case.prompt!r}")
     body = inline_local_media(body)
-    sending = bundle.how_sent(label)
+    sending = bundle.how_sent(label, case.prompt)
     if sending.streamed:  # sent as the run sent it: requests.json holds it before streaming
         body = streaming_request(body)
     sent_unlike = sending.unlike
+    # A probe sends one crafted request to one instance: no scenario's stage is its question.
+    before = earlier_requests(bundle, sending) if probe is None else ()
+    if before:
+        body = own_salt(body, CASE_SALT)
     if probe is None and not asks_for_logprobs(body):
         body = {**body, "logprobs": True, "top_logprobs": DEFAULT_TOP_LOGPROBS}
         added = "it asks for the top-5 log-probs (check.py's drift rule needs them)"
@@ -185,10 +210,30 @@ def plan_export(
         run=bundle.run,
         reference=reference,
         sent_unlike=sent_unlike,
+        before=before,
+        sent_after=sending.after if before else None,
         devices=devices,
         nodes=tuple(dict.fromkeys(d.node for d in devices if d.node)),
         dropped_env=dropped_env(bundle, label),
     )
+
+
+def earlier_requests(bundle: Bundle, sending: Sending) -> tuple[EarlierRequest, ...]:
+    """The scenario's earlier requests as the run sent them before the case's: requests.json's
+    bodies in the scenario's order, media inlined, streamed when the case is (the run streamed
+    the scenario's every request alike), each under a cache salt of its own (`own_salt`).
+    BadInput naming a body requests.json lacks."""
+    try:
+        bodies = bundle.earlier_bodies(sending)
+    except BundleError as exc:
+        raise BadInput(str(exc)) from None
+    requests = []
+    for number, (prompt, recorded) in enumerate(bodies, start=1):
+        body = inline_local_media(recorded)
+        if sending.streamed:
+            body = streaming_request(body)
+        requests.append(earlier_request(number, prompt, body))
+    return tuple(requests)
 
 
 def refuse_unexportable(bundle: Bundle) -> None:

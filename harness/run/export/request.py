@@ -1,15 +1,58 @@
-"""The case's request body as the export sends it: its local media inlined, what it asks for,
-and a reader's one-line picture of it."""
+"""The case's request body as the export sends it (and the scenario's earlier requests, sent
+before it): its local media inlined, what it asks for, the cache salt each goes under, and a
+reader's one-line picture of it."""
 
 from __future__ import annotations
 
 import base64
 import copy
 import mimetypes
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from harness.errors import BadInput
+from harness.run.export.standalone_check import BEFORE_DIR
+from harness.serve.session import safe_name
+from harness.spec.prompts import CACHE_SALT
+
+# The salts of an export with earlier requests: fixed, since serve.sh starts fresh instances
+# every time, and written into each file, so what a reader sees is what is sent.
+CASE_SALT = "epd-export-case"
+BEFORE_SALT = "epd-export-before-{number:02d}"
+
+
+@dataclass(frozen=True)
+class EarlierRequest:
+    """A matrix scenario's request the run sent before the case's, on the same servers:
+    check.py sends its file first (`file`, relative to the export), and does not judge it."""
+
+    prompt: str
+    body: dict[str, Any]
+    file: str
+
+
+def earlier_request(number: int, prompt: str, body: dict[str, Any]) -> EarlierRequest:
+    """The `number`th (from 1) earlier request: `before/NN-<prompt>.json`, its body under a
+    cache salt of its own (`own_salt`)."""
+    return EarlierRequest(
+        prompt,
+        own_salt(body, BEFORE_SALT.format(number=number)),
+        f"{BEFORE_DIR}/{number:02d}-{safe_name(prompt)}.json",
+    )
+
+
+def own_salt(body: dict[str, Any], salt: str) -> dict[str, Any]:
+    """`body` under the `cache_salt` `salt`, unless it carries its own (kept, as
+    `harness.spec.prompts.fresh_prefix_request` keeps it).
+
+    The run sent each request under a salt of its own, so no instance took a request's
+    leading blocks from its prefix cache because an earlier one had computed them. On fresh
+    instances a lone request needs none; after earlier requests sharing its prefix it does:
+    ExampleConnector counts a hit beyond the tokens the prefix cache holds, so with P's cache
+    holding the earlier prompt's blocks, epd-kv-lookup-miss-kills-prefill's P would find
+    nothing more to load, and live."""
+    return body if body.get(CACHE_SALT) else {**body, CACHE_SALT: salt}
 
 
 def inline_local_media(body: dict[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,16 @@ one's answer is read from its events) and
 beside it, and `DIR/endpoints.tsv`, which `serve.sh` writes once everything is healthy (the
 entry URL, every instance's URL, process id and log).
 
+A later case of a sequential matrix scenario was sent after the scenario's earlier requests,
+on the same servers, and its failure may need what they left (the KV an earlier prompt
+stored under the key the case's request looks up). Their bodies are `before/NN-<prompt>.json`
+beside it: while `serve.sh` serves the case, check.py sends each first, in name order, to the
+same entry point, and prints one line each; they are not judged. One that gets no answer (an
+HTTP error, no answer at all, a stream that reports an error) leaves the stage unset:
+check.py then sends no more, names any instance that died, and exits 2 without sending the
+case's request (an ERROR there would read as the recorded one), NOT reproduced. The reference answers
+request.json alone, as the run's baseline did. Without `before/` the case is sent alone.
+
 `run.sh reference` runs it twice. While `serve.sh reference` serves the case's reference
 (the monolithic baseline, or an exact reference such as 1P+1D), `--save-reference FILE`
 keeps that answer's ids and log-probs in FILE (and says whether the recorded ids hold here).
@@ -35,7 +45,8 @@ Exit codes:
 - 1: a difference: other token ids (the first divergence is printed; a DRIFT the policy does
   not pass included), or a probe answered;
 - 2: an error: an HTTP error, a timeout, an instance that died (named, with the error lines
-  of its log and its last lines), or check.py could not run at all (an expected.json whose
+  of its log and its last lines), an earlier request (`before/`) that got no answer, the
+  case's request then not sent, or check.py could not run at all (an expected.json whose
   `noise_floor_nats` is no measured floor among the causes, named in one line).
 """
 
@@ -66,6 +77,8 @@ WINDOW = 5  # ids shown on each side of a divergence
 LOG_ERROR_LINES = 30
 LOG_TAIL_LINES = 12
 ENDPOINTS_FILE = "endpoints.tsv"
+# The scenario's earlier requests, sent first in name order (01-..., 02-...): `read_before`.
+BEFORE_DIR = "before"
 EXCEPTION_LINE = re.compile(r"\b\w*(?:Error|Exception): (?P<message>.+)$")
 SERVER_ERROR_LINE = re.compile(r'HTTP/1\.1" 5\d\d')
 # Straight to 127.0.0.1: an HTTP(S)_PROXY in the environment must not relay these requests.
@@ -556,6 +569,66 @@ def tokens_verdict(
     )
 
 
+def read_before(here: Path) -> list[tuple[str, dict[str, Any]]]:
+    """The earlier requests `before/*.json` beside check.py, in name order: (the file, relative
+    to the export, its body). None there: []. ValueError naming a file that holds no JSON
+    object."""
+    directory = here / BEFORE_DIR
+    if not directory.is_dir():
+        return []
+    bodies = []
+    for path in sorted(directory.glob("*.json")):
+        body = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(body, dict):
+            raise ValueError(f"{path} holds no JSON object (a request body)")
+        bodies.append((f"{BEFORE_DIR}/{path.name}", body))
+    return bodies
+
+
+def unanswered(answer: Answer, streamed: bool) -> str | None:
+    """Why an earlier request got no answer a client could read (None: it got one): an HTTP
+    error, no answer at all, an unstreamed answer that is not JSON, a stream that reported an
+    error or whose prompt ids are unreadable. What the answer says is not judged."""
+    if answer.status != 200:
+        return answer.headline()
+    if streamed:
+        response, problem = read_stream(answer.text)
+        return None if response is not None else f"{problem}; {answer.headline()}"
+    try:
+        json.loads(answer.text)
+    except ValueError:
+        return f"the answer is not JSON: {answer.headline()}"
+    return None
+
+
+def send_before(
+    before: list[tuple[str, dict[str, Any]]],
+    url: str,
+    timeout_s: float,
+    instances: list[Instance],
+    state_dir: Path,
+) -> str | None:
+    """Send the earlier requests to `url` in order, printing one line each; None when every
+    one was answered, else why the stage is not set (the instances that died named, with
+    their logs' evidence), after which nothing more is sent."""
+    for number, (name, body) in enumerate(before, start=1):
+        answer = post_json(url, body, timeout_s)
+        why = unanswered(answer, bool(body.get("stream")))
+        said = f"check.py: before {number}/{len(before)}: {name}"
+        if why is None:
+            print(f"{said}: HTTP 200 after {answer.seconds:.1f}s, answered (sets the stage)")
+            continue
+        print(f"{said}: no answer: {why}")
+        dead = dead_instances(instances, state_dir, DEATH_GRACE_S)
+        return "\n".join(
+            [
+                f"the stage was not set: {name} got no answer, so request.json was not sent",
+                *dead,
+            ]
+        )
+    return None
+
+
 REFERENCE_FIELDS = ("prompt_token_ids", "token_ids", "top_logprobs", "token_logprobs")
 
 
@@ -664,6 +737,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         body = json.loads((here / "request.json").read_text(encoding="utf-8"))
         expected = read_expected(here / "expected.json")
+        before = read_before(here)
     except (OSError, ValueError) as exc:
         print(f"check.py: error: cannot run: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -689,17 +763,35 @@ def main(argv: list[str] | None = None) -> int:
         target = named[0]
     url = f"{target}/v1/chat/completions"
     reference = reference_name(expected)
+    timeout_s = float(expected.get("timeout_s", 600))
+    recorded = expected.get("recorded") or {}
     print(f"check.py: {expected['what']}")
     if serving_reference:
         print(f"check.py: sent to {reference}, served here: do the expected ids hold here?")
+        if before:  # the run's baseline answered the request cold, alone
+            print(
+                f"check.py: request.json alone, as the run's baseline answered it (the "
+                f"requests in {BEFORE_DIR}/ set the case's stage only)"
+            )
+    elif before:
+        print(f"check.py: first what the run sent these servers before the case ({BEFORE_DIR}/)")
+        unset = send_before(before, url, timeout_s, endpoints.instances, args.state)
+        if unset is not None:
+            print(f"ERROR: {unset}")
+            if recorded.get("verdict"):
+                source = recorded.get("source", "the harness")
+                print(
+                    f"check.py: {source} recorded {recorded['verdict']}: NOT reproduced (the "
+                    "stage was not set, the case's request not sent)"
+                )
+            return EXIT_ERROR
     print(f"check.py: POST {url}")
-    answer = post_json(url, body, float(expected.get("timeout_s", 600)))
+    answer = post_json(url, body, timeout_s)
     streamed = bool(body.get("stream"))
     judged = judgment(fresh or expected, answer, endpoints.instances, args.state, streamed)
     verdict, code = judged.verdict, judged.code
     against = f"against {reference}'s answer produced here: " if fresh else ""
     print(f"{against}{verdict}: {judged.detail}")
-    recorded = expected.get("recorded") or {}
     if fresh is not None and judged.response is not None:
         own, _, detail = tokens_verdict(expected, judged.response, judged.broken)
         print(f"against the recorded ids of {reference}: {own}: {detail}")
