@@ -128,7 +128,6 @@ class FuzzEngine:
         self.devices = side_by_side(served, settings.devices, settings.platform, settings.colocate)
         self.fault = fault
         self.attached = attached
-        self.on_event = on_event
         self.budget = budget
         self.run_budget = run_budget
         self.min_prompt_tokens = min_prompt_tokens
