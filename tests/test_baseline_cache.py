@@ -96,6 +96,30 @@ def test_store_then_load_round_trips(tmp_path: Path) -> None:
     assert loaded.outcome.prompt == "image" and loaded.noise_floor_nats == 0.25
 
 
+def test_an_unbatched_answer_never_replaces_a_batched_one_of_the_same_body(
+    tmp_path: Path,
+) -> None:
+    """The sweep's `text` (batched) and a matrix scenario's stage-setting request (not) are one
+    body under two names: whichever was stored last won, and a worker that then wanted the
+    batched one missed and started the baseline again (the fake GPU night's third start)."""
+    cache = BaselineCache(tmp_path)
+    with cache.locked():
+        cache.store("k", Outcome("text", result=RESULT), 0.25, "batched", batched=True)
+        cache.store("k", Outcome("stage", result=RESULT), 0.0, "control only", batched=False)
+    kept = cache.load("k", "text")
+    assert kept is not None and kept.batched and kept.noise_floor_nats == 0.25
+    with cache.locked():
+        cache.store("u", Outcome("stage", result=RESULT), 0.0, "control only", batched=False)
+        cache.store("u", Outcome("text", result=RESULT), 0.25, "batched", batched=True)
+    upgraded = cache.load("u", "text")
+    assert upgraded is not None and upgraded.batched, "a batched answer replaces an unbatched one"
+    refreshing = BaselineCache(tmp_path, refresh=True)
+    with refreshing.locked():
+        refreshing.store("k", Outcome("stage", result=RESULT), 0.0, "control only", batched=False)
+    renewed = refreshing.load("k", "stage")
+    assert renewed is not None and not renewed.batched, "--refresh-baseline replaces the old"
+
+
 def test_failed_outcomes_are_not_stored(tmp_path: Path) -> None:
     cache = BaselineCache(tmp_path)
     cache.store("k", Outcome(prompt="image", error="boom"))

@@ -215,6 +215,24 @@ class BaselineCache:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
+    def _holds_batched(self, key: str) -> bool:
+        """Whether `key`'s entry is a batched answer this run may read, which an unbatched
+        one must not replace: two prompt names can share a body (the sweep's `text` and a
+        matrix scenario's stage-setting request), one batched and one not, and the last stored
+        won, so the next worker found the batched one a miss and started the baseline again
+        (seen on the fake GPU night: 3 baseline starts for 2)."""
+        if self.refresh and not self.refreshed_in_this_run(key):
+            return False
+        try:
+            data = json.loads(self.path(key).read_text())
+        except (OSError, ValueError):
+            return False
+        return (
+            isinstance(data, dict)
+            and data.get("format") == CACHE_FORMAT
+            and data.get("batched") is True
+        )
+
     def path(self, key: str) -> Path:
         return self.directory / f"{key}.json"
 
@@ -255,6 +273,8 @@ class BaselineCache:
         """Store a stable answer; `batched`: whether the batched pass measured it; `served`:
         the vLLM that computed it (its versions are the entry's provenance)."""
         if outcome.result is None:
+            return
+        if not batched and self._holds_batched(key):
             return
         provenance = CacheProvenance.now(served or ServedVllm("unknown", "unknown"))
         entry = {
