@@ -310,3 +310,13 @@ def test_a_scenario_declared_on_empty_kv_storage_gets_it_emptied_first(tmp_path)
     run.run(get_scenario("epd-kv-lookup-miss-text"))
     assert seen_before_send == [["layer.safetensors", "leftover"], []]
     assert kv.is_dir(), "the storage directory itself stays"
+
+
+def test_a_declaration_is_of_the_scenarios_own_prompts_and_not_of_all_when_it_names_some() -> None:
+    for scenario in MATRIX:
+        names = {p.name for p in scenario.prompts}
+        assert set(scenario.declared_for) <= names, scenario.name
+        assert not scenario.declared_for or scenario.declared is not None, scenario.name
+        assert len(scenario.declared_for) < len(names) or not scenario.declared_for, (
+            f"{scenario.name}: a declaration of every prompt names none"
+        )
