@@ -64,7 +64,9 @@ def export_case(tmp_path: Path, verdict: str = "ERROR", probe: str | None = None
 
 def environment(leased_ports: TakePorts, tmp_path: Path, modes: str = "") -> dict[str, str]:
     fake = install_fake_vllm(tmp_path / "bin")
-    ports = leased_ports(4)
+    # The NIXL side channels too: left at the export's defaults, two workers' GPU exports
+    # clashed on 18202 ("something already answers on 127.0.0.1:18202").
+    ports = leased_ports(6)
     return {
         "PATH": os.environ["PATH"],
         "HOME": str(tmp_path),
@@ -78,6 +80,8 @@ def environment(leased_ports: TakePorts, tmp_path: Path, modes: str = "") -> dic
         "ENCODER0_PORT": str(ports[1]),
         "PREFILL0_PORT": str(ports[2]),
         "DECODE0_PORT": str(ports[3]),
+        "PREFILL0_NIXL_PORT": str(ports[4]),
+        "DECODE0_NIXL_PORT": str(ports[5]),
         MODE_ENV: modes,
     }
 

@@ -47,12 +47,7 @@ pytestmark = pytest.mark.process
 TakePorts = Callable[[int], list[int]]
 __all__ = ["answering"]  # the fixture, imported for this module's tests
 REFERENCE_PORTS = ("REF_PROXY_PORT", "REF_PREFILL0_PORT", "REF_DECODE0_PORT")
-SIDE_CHANNELS = (
-    "PREFILL0_NIXL_PORT",
-    "DECODE0_NIXL_PORT",
-    "REF_PREFILL0_NIXL_PORT",
-    "REF_DECODE0_NIXL_PORT",
-)
+SIDE_CHANNELS = ("REF_PREFILL0_NIXL_PORT", "REF_DECODE0_NIXL_PORT")  # the case's: environment
 
 
 def exact_export(tmp_path: Path, record_reference: bool = True) -> Path:
@@ -66,8 +61,8 @@ def exact_export(tmp_path: Path, record_reference: bool = True) -> Path:
 
 
 def reference_environment(leased_ports: TakePorts, tmp_path: Path, modes: str = "") -> dict:
-    """The case's ports (test_export_process.environment), the reference's and every NIXL
-    side channel, each leased."""
+    """The case's ports and side channels (test_export_process.environment), the reference's
+    and its side channels, each leased."""
     env = environment(leased_ports, tmp_path, modes)
     names = REFERENCE_PORTS + SIDE_CHANNELS
     return {**env, **dict(zip(names, map(str, leased_ports(len(names)))))}

@@ -456,12 +456,11 @@ class Sweep:
             for number, (name, body) in enumerate(stage.requests, start=1):
                 if not self._stage_request(session, number, name, body):
                     break
-        failed = next((o.outcome for o in self.staged if not answered(o.outcome)), None)
-        if failed is None:
+        if self.stage_unset is None:
             return None
         return (
-            f"not sent: the stage was not set: the earlier request {failed.prompt} got no "
-            f"answer (its error is under {STAGE_LABEL}{stage.topology} in responses.json)"
+            f"not sent: the stage was not set: the earlier request {self.stage_unset.prompt} "
+            f"got no answer (its error is under {STAGE_LABEL}{stage.topology} in responses.json)"
         )
 
     def _stage_request(

@@ -108,8 +108,8 @@ class ConsumerState:
         """Tokens of this prompt D has before P's transfer: its prefix-cache hit, or an
         earlier request's folder under its lookup key, whichever is longer."""
         n = len(ids)
-        lookup = looked_up_tokens(n, self.block)
-        from_storage = lookup if (tuple(ids[:lookup]), media) in self.stored else 0
+        lookup, _ = self._keys(ids, media)
+        from_storage = len(lookup[0]) if lookup in self.stored else 0
         best = 0
         for earlier in self.cached:
             common = _common_prefix(ids, earlier.ids)
