@@ -77,3 +77,38 @@ def test_the_command_line_imports_without_hypothesis() -> None:
         "from harness.cli.main import build_parser; build_parser()"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    ("dies", "p_holds", "d_holds"), [("prefill", 0, 0), ("decode", 2, 0)], ids=["P", "D"]
+)
+def test_an_instance_that_died_is_revived_and_only_its_prefix_cache_forgotten(
+    tmp_path: Path,
+    fake_vllm: Path,
+    port_locks: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    dies: str,
+    p_holds: int,
+    d_holds: int,
+) -> None:
+    """Whether a later request kills P or D depends on what each one's prefix cache holds
+    (harness/run/fuzz/consumer.py): the engine forgets only the revived instance's. The fake's
+    `die-request` exits on an instance's first request, so the dying role dies on both
+    examples and is revived between them; a D is never asked what a dead P was."""
+    from harness.testing.fake_vllm import MODE_ENV
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"image_token_id": 151655, "video_token_id": 151656}')
+    monkeypatch.setenv(MODE_ENV, f"{dies}:die-request")
+    settings = fake_run_settings(tmp_path, fake_vllm, request_timeout_s=30.0)
+    words = " ".join(f"w{i}" for i in range(40))
+    examples = [FuzzExample(PromptSpec(f"ex-000{i}", (TextPart(f" {i} {words}"),))) for i in (0, 1)]
+    with FuzzEngine(settings, TOPOLOGIES["1P+1D"]) as engine:
+        verdicts = [engine.evaluate(example.spec).record.verdict for example in examples]
+    assert verdicts == [Verdict.ERROR, Verdict.ERROR]
+    assert [r["how"] for r in engine.report_restarts] == ["revived"]
+    assert dies in engine.report_restarts[0]["why"]
+    assert len(engine.consumer.prefill_cached) == p_holds
+    assert len(engine.consumer.cached) == d_holds
+    assert len(engine.consumer.stored) == 2, "P reached both"

@@ -137,7 +137,7 @@ def test_examples_stay_inside_the_space() -> None:
         media = [p for p in spec.parts if isinstance(p, MEDIA_PARTS)]
         assert sum(isinstance(p, ImagePart) for p in media) <= space.max_images
         assert not any(isinstance(p, (VideoPart, VideoFramesPart)) for p in media)
-        assert spec.extra == ()
+        assert set(dict(spec.extra)) <= {"cache_salt"}, "no media kwargs"
         assert space.min_max_tokens <= spec.max_tokens <= space.max_max_tokens
         _, total = estimate_positions(spec, FakeEstimator())
         assert total + spec.max_tokens <= space.max_model_len
@@ -189,6 +189,88 @@ def test_tail_aims_put_the_last_run_inside_or_past_the_recomputed_tail() -> None
         if tail == "past-tail":
             past += not in_tail
     assert inside and past
+
+
+def fake_ids(spec: PromptSpec, estimator: FakeEstimator) -> tuple[list[int], tuple[int, ...]]:
+    """Prompt ids as FakeEstimator counts them (one per word, a placeholder run per item,
+    the chat frame), and where each media run starts: what the baseline would answer."""
+    ids = list(range(1, estimator.head_tokens + 1))
+    starts = []
+    for part in spec.parts:
+        if isinstance(part, TextPart):
+            ids += [1000 + WORD_IDS.setdefault(w, len(WORD_IDS)) for w in part.text.split()]
+        else:
+            ids.append(90)
+            starts.append(len(ids))
+            ids += [99] * estimator.media_tokens(part, spec)
+            ids.append(91)
+    return ids + [80, 81, 82, 83, 84][: estimator.tail_tokens], tuple(starts)
+
+
+WORD_IDS: dict[str, int] = {}
+
+
+def test_a_follow_up_extends_the_request_before_it() -> None:
+    examples = draw_examples(
+        FuzzSpace(min_prompt_tokens=34), 120, seed=4, estimator=FakeEstimator()
+    )
+    by_name = {e.name: e for e in examples}
+    follow_ups = [e for e in examples if e.aim.get("follows")]
+    assert {e.aim["follow_up"] for e in follow_ups} == {"block-plus-one", "free"}
+    for later in follow_ups:
+        earlier = by_name[later.aim["follows"]].spec
+        salt = dict(later.spec.extra).get("cache_salt")
+        assert (salt is None) is (later.aim["cache_salt"] == "shared")
+        assert tuple(kv for kv in later.spec.extra if kv[0] != "cache_salt") == earlier.extra
+        assert media_identities(later.spec) == media_identities(earlier)
+        last = earlier.parts[-1]
+        if isinstance(last, TextPart):
+            assert later.spec.parts[:-1] == earlier.parts[:-1]
+            assert later.spec.parts[-1].text.startswith(last.text)
+            assert len(later.spec.parts[-1].text) > len(last.text)
+        else:
+            assert later.spec.parts[:-1] == earlier.parts
+            assert isinstance(later.spec.parts[-1], TextPart)
+
+
+def test_a_block_plus_one_follow_up_makes_prefill_load_a_folder_never_written() -> None:
+    """The follow-up's aim, checked with the storage model the engine predicts by: after the
+    earlier request, P's lookup of the follow-up finds the earlier request's folder, and the
+    longer one it loads is missing when the follow-up's own cache salt keeps P's prefix cache
+    from covering the lookup; under the earlier request's salt both instances hold that
+    prefix and nothing is loaded. Every aimed pair does one or the other, so the strategy
+    reaches the trigger on purpose, not by luck."""
+    estimator = FakeEstimator()
+    aimed = {"own": 0, "shared": 0}
+    # Seeds whose draws include earlier requests that needed padding (their stored prefix
+    # reached into the chat frame's tail, which a follow-up does not share).
+    for seed in (0, 6):
+        examples = draw_examples(FuzzSpace(min_prompt_tokens=34), 80, seed, estimator)
+        by_name = {e.name: e for e in examples}
+        for later in examples:
+            if later.aim.get("follow_up") != "block-plus-one":
+                continue
+            aimed[later.aim["cache_salt"]] += 1
+            earlier = by_name[later.aim["follows"]].spec
+            ids, starts = fake_ids(later.spec, estimator)
+            sent = (
+                ids,
+                media_identities(later.spec),
+                starts,
+                dict(later.spec.extra).get("cache_salt"),
+            )
+            assert len(ids) % 32 == 1, later.spec
+            state = ConsumerState(32)
+            assert not state.prefill_loads_missing(*sent)
+            earlier_ids, earlier_starts = fake_ids(earlier, estimator)
+            state.served(
+                earlier_ids, media_identities(earlier), earlier_starts, consumer_alive=True
+            )
+            own = later.aim["cache_salt"] == "own"
+            assert state.prefill_loads_missing(*sent) is own, later.spec
+            assert not state.decode_loads_missing(*sent)
+            assert state.holds(*sent) == len(ids) - 33, "D's lookup: the earlier request's folder"
+    assert min(aimed.values()) >= 5, aimed
 
 
 def test_the_space_follows_the_release_and_the_flags() -> None:
@@ -264,29 +346,50 @@ def test_what_d_holds_follows_the_storage_and_its_prefix_cache() -> None:
     assert state.holds(text, (), ()) == 0
     state.served(text[:64] + [7, 8], (), (), consumer_alive=True)  # D caches 2 full blocks
     assert state.holds(text, (), ()) == 64, "a prefix-cache hit, capped at n - 1"
-    state.consumer_restarted()
+    state.restarted(consumer=True)
     assert state.holds(text, (), ()) == 0, "a revived D holds nothing of its own"
 
 
 def test_p_dies_where_its_lookup_finds_a_folder_and_the_one_it_loads_was_never_written() -> None:
     """P runs D's lookup too (align(n - 1)) and loads the folder of align(n) tokens: an
     earlier, shorter prompt of the same prefix is such a hit (measured on real vLLM 0.32: the
-    sweep's 121-token text, then the matrix's 129-token one)."""
+    sweep's 121-token text, then the matrix's 129-token one, each under a cache salt of its
+    own), unless P's own prefix cache already covers the lookup (measured too: a fuzz
+    follow-up under the earlier request's salt moved no KV and killed nothing)."""
     state = ConsumerState(block=32)
     text = list(range(100, 165))  # 65 tokens: P stores 64, both look up 32
-    assert not state.prefill_loads_missing(text, ()), "nothing stored: P stores, no load"
-    state.served(text[:40], (), (), consumer_alive=True)  # stores 32 under text's lookup key
-    assert state.prefill_loads_missing(text, ())
-    assert not state.prefill_loads_missing(text, ("image-a",)), "the media are in the key"
-    state.served(text, (), (), consumer_alive=False)  # P died: its load left the 64 hollow
-    assert state.hollow == {(tuple(text[:64]), ())}
-    assert state.prefill_loads_missing(text, ()), "a hollow folder holds no KV either"
-    assert state.prefill_loads_missing(text[:64] + [9, 9], ()), "its own lookup finds it"
+    assert not state.prefill_loads_missing(text, (), (), "b"), "nothing stored: P stores"
+    state.served(text[:40], (), (), consumer_alive=True, salt="a")  # 32 under the lookup key
+    assert state.prefill_loads_missing(text, (), (), "b")
+    assert not state.prefill_loads_missing(text, (), (), "a"), "P's prefix cache covers it"
+    assert not state.prefill_loads_missing(text, ("image-a",), (), "b"), "media are in the key"
+    state.served(text, (), (), consumer_alive=True, prefill_alive=False, salt="b")
+    assert state.hollow == {(tuple(text[:64]), ())}, "P died: its load left the 64 hollow"
+    assert state.prefill_loads_missing(text, (), (), "c"), "a hollow folder holds no KV either"
+    assert state.prefill_loads_missing(text[:64] + [9, 9], (), (), "c"), "its own lookup"
     state.storage_reset()
-    assert not state.prefill_loads_missing(text, ()) and not state.hollow
-    state.served(text, (), (), consumer_alive=True)  # stored first: 64 under its own key
+    assert not state.prefill_loads_missing(text, (), (), "b") and not state.hollow
+    state.served(text, (), (), consumer_alive=True, salt="a")  # stored first: 64, own key
+    state.served(text[:40], (), (), consumer_alive=True, salt="b")
+    assert not state.prefill_loads_missing(text, (), (), "c"), "the folder it loads was written"
+
+
+def test_d_dies_where_p_had_the_prefix_cached_and_d_did_not() -> None:
+    """P's cache covered the lookup, so it neither loaded nor stored; D, revived since the
+    earlier request, loads the folder of align(n) tokens nobody wrote."""
+    state = ConsumerState(block=32)
+    text = list(range(100, 165))  # 65 tokens
     state.served(text[:40], (), (), consumer_alive=True)
-    assert not state.prefill_loads_missing(text, ()), "the folder it loads was written"
+    assert not state.decode_loads_missing(text, ()), "D's cache covers it as well"
+    state.restarted(consumer=True)
+    assert not state.prefill_loads_missing(text, ()) and state.decode_loads_missing(text, ())
+    state.served(text, (), (), consumer_alive=False)
+    assert state.hollow == {(tuple(text[:64]), ())}, "D's failed load left the 64 hollow"
+    state.restarted(prefill=True)
+    assert state.prefill_loads_missing(text, ()) and not state.decode_loads_missing(text, ())
+    layout = PromptLayout(65, (("image", 40, 50),), 32, decode_loads_missing=True)
+    assert layout.loads_missing and not layout.media_past_kv_miss
+    assert not layout.kv_short_of_transfer, "D dies before it answers"
 
 
 def test_a_prefill_death_is_no_consumer_crash_and_is_known_by_its_own_trigger() -> None:

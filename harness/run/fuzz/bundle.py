@@ -183,15 +183,20 @@ def evaluation_json(evaluation: Evaluation) -> dict[str, Any]:
 
 
 def coverage(report: FuzzReport, kv: bool = True) -> dict[str, int]:
-    """What the examples really hit (exact layouts): boundary offsets and, where `kv` (the
-    topology moves KV to a D), D's tail and the k*block+1 prompts D keys apart from P."""
+    """What the examples really hit (exact layouts): boundary offsets, requests drawn to
+    extend the one before, and, where `kv` (the topology moves KV to a D), D's tail, the
+    k*block+1 prompts D keys apart from P, and those whose lookup found an earlier
+    request's shorter folder (P loads one never written)."""
     counts = {"with media": 0, "ends -1": 0, "ends on": 0, "ends +1": 0, "in D's tail": 0}
-    counts |= {"text only": 0, "k*block+1 tokens": 0}
+    counts |= {"text only": 0, "k*block+1 tokens": 0, "P loads a folder never written": 0}
+    follow_ups = {e.name for e in report.examples if e.aim.get("follows")}
+    counts["follow-ups"] = sum(ev.spec.name in follow_ups for ev in report.evaluations)
     for evaluation in report.evaluations:
         layout = evaluation.layout
         if layout is None:
             continue
         counts["k*block+1 tokens"] += not layout.kv_keys_agree
+        counts["P loads a folder never written"] += layout.prefill_loads_missing
         if layout.last_media_end is None:
             counts["text only"] += 1
             continue
@@ -203,6 +208,7 @@ def coverage(report: FuzzReport, kv: bool = True) -> dict[str, int]:
         counts["in D's tail"] += layout.media_in_decode_tail
     if not kv:
         del counts["in D's tail"], counts["k*block+1 tokens"]
+        del counts["P loads a folder never written"]
     return counts
 
 

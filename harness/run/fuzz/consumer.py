@@ -1,30 +1,38 @@
 """What a block-aligned KV consumer (D under ExampleConnector) already holds when a request
-arrives: the part of the prompt it does not compute itself whatever P sends.
+arrives, and whether P's or D's connector then loads KV nobody wrote.
 
 vLLM 0.32's ExampleConnector keys the KV it stores by a hash of prompt token ids plus the
 request's multimodal identifiers, with two different lengths:
 
 * P stores the first `align(n) = (n - 1) // block * block` tokens of an n-token prompt
   (`ReqMeta.make_meta`), unless a folder under the lookup key below already exists;
-* D looks up the first `align(n - 1) = (n - 2) // block * block` tokens
-  (`get_num_new_matched_tokens`, `_found_match_for_prompt`).
+* both instances look up the first `align(n - 1) = (n - 2) // block * block` tokens
+  (`get_num_new_matched_tokens`, `_found_match_for_prompt`), and on a hit load the folder of
+  `align(n)` tokens (`make_meta` aligns the whole prompt) for what their own prefix cache
+  lacks: `get_num_new_matched_tokens` returns the lookup's tokens minus the instance's local
+  prefix-cache hit, and at zero the instance neither loads nor stores.
 
-The two agree unless n = k * block + 1. Then P stores k blocks and D looks for k - 1: D finds
-nothing of P's (only a folder an *earlier* request of the same storage left under that shorter
-key), and computes the prompt itself from whatever its own prefix cache holds. Media there
-need embeddings D never received, so its engine dies on the same assertion as the decode-tail
-bug; a text-only prompt is answered right, with no KV moved (the kv_transfer guard's VACUOUS).
+The two lengths agree unless n = k * block + 1. Then P stores k blocks and D looks for k - 1:
+D finds nothing of P's (only a folder an *earlier* request of the same storage left under that
+shorter key), and computes the prompt itself from whatever its own prefix cache holds. Media
+there need embeddings D never received, so its engine dies on the same assertion as the
+decode-tail bug; a text-only prompt is answered right, with no KV moved (the kv_transfer
+guard's VACUOUS).
 
-P runs D's lookup too, and on a hit loads rather than stores, from the folder of `align(n)`
-tokens (`make_meta` aligns the whole prompt): at n = k * block + 1 an earlier request that
-stored the shorter key makes P open a folder nobody wrote (it creates it, empty, on the way)
-and P's engine dies in start_load_kv. `prefill_loads_missing` predicts that.
+When an earlier request did store that shorter key, the instance whose prefix cache does not
+cover it loads the k-block folder: P, unless its cache holds the earlier request (then P
+neither loads nor stores, and the k-block folder stays unwritten), else D. The folder was
+never written (the loader creates it, empty, on the way), and that instance's engine dies in
+start_load_kv (`prefill_loads_missing`, `decode_loads_missing`). A request that extends an
+earlier one under another `cache_salt` (another tenant's turn) misses P's prefix cache and
+kills P; the same turn under the same salt is a cache hit on both and moves no KV.
 
 Whether such a request kills D, or P, therefore depends on what came before it: the storage's
-folders and D's prefix cache. `ConsumerState` follows both from the requests the topology was
-sent, so the fuzzer's prediction of that crash stays exact across examples (and a repeated
-prefix is not mistaken for a wrong trigger). It is a model of vLLM's code read at 0.32, and
-the engine still checks every prediction it sends against what happened.
+folders and both instances' prefix caches (a salt's blocks only serve requests of that salt).
+`ConsumerState` follows them from the requests the topology was sent, so the fuzzer's
+prediction of those crashes stays exact across examples (and a repeated prefix is not mistaken
+for a wrong trigger). It is a model of vLLM's code read at 0.32 (its cache never evicts here),
+and the engine still checks every prediction it sends against what happened.
 """
 
 from __future__ import annotations
@@ -64,37 +72,138 @@ def media_identities(spec: PromptSpec) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Served:
-    """One prompt the consumer computed or loaded (its full blocks are in its prefix cache)."""
+    """One prompt an instance computed or loaded (its full blocks are in its prefix cache,
+    under the request's cache salt)."""
 
     ids: tuple[int, ...]
     media: tuple[str, ...]
     run_starts: tuple[int, ...]  # where each media item's placeholders start
+    salt: str | None = None
+
+
+Key = tuple[tuple[int, ...], tuple[str, ...]]
 
 
 @dataclass
 class ConsumerState:
-    """The ExampleConnector storage's keys and D's prefix cache, as far as the requests sent
-    to one topology determine them. `storage_reset` when the topology starts afresh (a new
-    session directory), `consumer_restarted` when only D starts again (same storage)."""
+    """The ExampleConnector storage's keys and P's and D's prefix caches, as far as the
+    requests sent to one topology determine them. `storage_reset` when the topology starts
+    afresh (a new session directory), `restarted` when instances start again in place (same
+    storage, empty caches)."""
 
     block: int
-    stored: set[tuple[tuple[int, ...], tuple[str, ...]]] = field(default_factory=set)
-    # Folders a failed load created with no file in them (`prefill_loads_missing`): found by a
-    # lookup all the same.
-    hollow: set[tuple[tuple[int, ...], tuple[str, ...]]] = field(default_factory=set)
-    cached: list[Served] = field(default_factory=list)
+    stored: set[Key] = field(default_factory=set)
+    # Folders a failed load created with no file in them (`prefill_loads_missing`,
+    # `decode_loads_missing`): found by a lookup all the same.
+    hollow: set[Key] = field(default_factory=set)
+    cached: list[Served] = field(default_factory=list)  # D's prefix cache
+    prefill_cached: list[Served] = field(default_factory=list)  # P's prefix cache
 
     def prefill_loads_missing(
-        self, ids: list[int] | tuple[int, ...], media: tuple[str, ...]
+        self,
+        ids: list[int] | tuple[int, ...],
+        media: tuple[str, ...],
+        run_starts: tuple[int, ...] = (),
+        salt: str | None = None,
     ) -> bool:
-        """Whether P's lookup finds a folder while the one it then loads holds no KV: P's
-        engine dies (FileNotFoundError) before D is asked anything."""
-        lookup, load = self._keys(ids, media)
-        return (lookup in self.stored or lookup in self.hollow) and load not in self.stored
+        """Whether P's lookup finds a folder, its prefix cache holds less than that, and the
+        folder it then loads holds no KV: P's engine dies (FileNotFoundError) before D is
+        asked anything."""
+        _, load = self._keys(ids, media)
+        return self._prefill_loads(ids, media, run_starts, salt) and load not in self.stored
 
-    def _keys(
-        self, ids: list[int] | tuple[int, ...], media: tuple[str, ...]
-    ) -> tuple[tuple, tuple]:
+    def decode_loads_missing(
+        self,
+        ids: list[int] | tuple[int, ...],
+        media: tuple[str, ...],
+        run_starts: tuple[int, ...] = (),
+        salt: str | None = None,
+    ) -> bool:
+        """Whether P, its own cache covering the lookup, left the folder unwritten that D,
+        its cache covering less, then loads: D's engine dies as P's would."""
+        lookup, load = self._keys(ids, media)
+        if not self._found(lookup) or load in self.stored:
+            return False
+        if self._prefill_loads(ids, media, run_starts, salt):
+            return False  # P loads (and dies) first
+        return self._hit(self.cached, ids, media, run_starts, salt) < len(lookup[0])
+
+    def holds(
+        self,
+        ids: list[int] | tuple[int, ...],
+        media: tuple[str, ...],
+        run_starts: tuple[int, ...],
+        salt: str | None = None,
+    ) -> int:
+        """Tokens of this prompt D has before P's transfer: its prefix-cache hit, or an
+        earlier request's folder under its lookup key, whichever is longer."""
+        lookup, _ = self._keys(ids, media)
+        from_storage = len(lookup[0]) if lookup in self.stored else 0
+        return max(from_storage, self._hit(self.cached, ids, media, run_starts, salt))
+
+    def served(
+        self,
+        ids: list[int] | tuple[int, ...],
+        media: tuple[str, ...],
+        run_starts: tuple[int, ...],
+        *,
+        reached_prefill: bool = True,
+        prefill_alive: bool = True,
+        consumer_alive: bool = True,
+        salt: str | None = None,
+    ) -> None:
+        """A request the topology was sent. Unless it ended before P (the encoder died on
+        it): P stored its KV unless its lookup found a folder (then it loaded what its cache
+        lacked, or nothing), a load from a folder with no KV left that folder behind, empty;
+        P, if it survived, cached the prompt's full blocks, and D, if it was asked (P
+        survived) and survived, did too."""
+        if not reached_prefill:
+            return
+        lookup, load = self._keys(ids, media)
+        if not self._found(lookup):
+            self.stored.add(load)
+        elif load not in self.stored and (
+            self._prefill_loads(ids, media, run_starts, salt)
+            or self.decode_loads_missing(ids, media, run_starts, salt)
+        ):
+            self.hollow.add(load)
+        if not prefill_alive:
+            return
+        served = Served(tuple(ids), media, run_starts, salt)
+        self.prefill_cached.append(served)
+        if consumer_alive:
+            self.cached.append(served)
+
+    def restarted(self, *, prefill: bool = False, consumer: bool = False) -> None:
+        """Instances started again in place: their prefix caches are empty."""
+        if prefill:
+            self.prefill_cached.clear()
+        if consumer:
+            self.cached.clear()
+
+    def storage_reset(self) -> None:
+        self.stored.clear()
+        self.hollow.clear()
+        self.cached.clear()
+        self.prefill_cached.clear()
+
+    def _found(self, key: Key) -> bool:
+        return key in self.stored or key in self.hollow
+
+    def _prefill_loads(
+        self,
+        ids: list[int] | tuple[int, ...],
+        media: tuple[str, ...],
+        run_starts: tuple[int, ...],
+        salt: str | None,
+    ) -> bool:
+        """P's connector loads: its lookup finds a folder and P's prefix cache covers less."""
+        lookup, _ = self._keys(ids, media)
+        if not self._found(lookup):
+            return False
+        return self._hit(self.prefill_cached, ids, media, run_starts, salt) < len(lookup[0])
+
+    def _keys(self, ids: list[int] | tuple[int, ...], media: tuple[str, ...]) -> tuple[Key, Key]:
         """The lookup key (both instances) and the key P stores under and loads from."""
         n = len(ids)
         return (
@@ -102,16 +211,21 @@ class ConsumerState:
             (tuple(ids[: stored_tokens(n, self.block)]), media),
         )
 
-    def holds(
-        self, ids: list[int] | tuple[int, ...], media: tuple[str, ...], run_starts: tuple[int, ...]
+    def _hit(
+        self,
+        cache: list[Served],
+        ids: list[int] | tuple[int, ...],
+        media: tuple[str, ...],
+        run_starts: tuple[int, ...],
+        salt: str | None,
     ) -> int:
-        """Tokens of this prompt D has before P's transfer: its prefix-cache hit, or an
-        earlier request's folder under its lookup key, whichever is longer."""
+        """An instance's prefix-cache hit for this prompt: whole blocks shared with an
+        earlier prompt of the same salt, up to the first media item that differs."""
         n = len(ids)
-        lookup, _ = self._keys(ids, media)
-        from_storage = len(lookup[0]) if lookup in self.stored else 0
         best = 0
-        for earlier in self.cached:
+        for earlier in cache:
+            if earlier.salt != salt:
+                continue
             common = _common_prefix(ids, earlier.ids)
             for start, here, there in zip(run_starts, media, earlier.media):
                 if start < common and here != there:  # same placeholders, another item
@@ -120,35 +234,7 @@ class ConsumerState:
             full_blocks = len(earlier.ids) // self.block
             best = max(best, min(common // self.block, full_blocks) * self.block)
         # vLLM leaves at least one prompt token to compute (max_cache_hit_length = n - 1).
-        from_cache = min(best, (n - 1) // self.block * self.block)
-        return max(from_storage, from_cache)
-
-    def served(
-        self,
-        ids: list[int] | tuple[int, ...],
-        media: tuple[str, ...],
-        run_starts: tuple[int, ...],
-        consumer_alive: bool,
-    ) -> None:
-        """A request the topology was sent: P stored its KV unless its lookup found a
-        folder (then it loaded instead, and a load from a folder with no KV left that folder
-        behind, empty), and D, if it survived, cached its full blocks."""
-        lookup, load = self._keys(ids, media)
-        if lookup in self.stored or lookup in self.hollow:
-            if load not in self.stored:
-                self.hollow.add(load)
-        else:
-            self.stored.add(load)
-        if consumer_alive:
-            self.cached.append(Served(tuple(ids), media, run_starts))
-
-    def consumer_restarted(self) -> None:
-        self.cached.clear()
-
-    def storage_reset(self) -> None:
-        self.stored.clear()
-        self.hollow.clear()
-        self.cached.clear()
+        return min(best, (n - 1) // self.block * self.block)
 
 
 def _common_prefix(a: list[int] | tuple[int, ...], b: tuple[int, ...]) -> int:

@@ -59,6 +59,7 @@ from harness.serve.server_group import EventCallback
 from harness.serve.session import ProxiedSession, TopologySession
 from harness.spec.placement import side_by_side
 from harness.spec.prompts import (
+    CACHE_SALT,
     MEDIA_PARTS,
     ImagePart,
     PromptSpec,
@@ -66,7 +67,7 @@ from harness.spec.prompts import (
     render_request,
 )
 from harness.spec.settings import RunSettings
-from harness.spec.topology import TOPOLOGIES, Topology
+from harness.spec.topology import TOPOLOGIES, Role, Topology
 
 if TYPE_CHECKING:  # the strategies need Hypothesis, which the engine itself does not
     from harness.run.fuzz.strategies import FuzzExample
@@ -225,12 +226,13 @@ class FuzzEngine:
         began = time.monotonic()
         log.info("[fuzz] %s: reviving (%s)", self.topology.name, dead.splitlines()[0])
         before = _base(self.session)
+        roles = dead_roles(self.session)
         # The dead instance starts again in place (its log stays as evidence); a topology the
         # pool could not revive starts afresh, in a new session directory with new storage.
         self.session = self.pool.revive(self.topology, devices=self.devices[self.topology.name])
         how = "revived"
         if _base(self.session) is before:
-            self.consumer.consumer_restarted()
+            self.consumer.restarted(prefill=Role.PREFILL in roles, consumer=Role.DECODE in roles)
         else:
             how = "restarted"
             self.consumer.storage_reset()
@@ -277,11 +279,12 @@ class FuzzEngine:
         elif self.placeholders is not None:
             ids = answer.result.prompt_token_ids
             layout = layout_from_ids(ids, self.placeholders, self.settings.serving.block_size)
-            media = media_identities(spec)
+            sent = (ids, media_identities(spec), layout.run_starts, body.get(CACHE_SALT))
             evaluation.layout = dataclasses.replace(
                 layout,
-                consumer_holds=self.consumer.holds(ids, media, layout.run_starts),
-                prefill_loads_missing=self.consumer.prefill_loads_missing(ids, media),
+                consumer_holds=self.consumer.holds(*sent),
+                prefill_loads_missing=self.consumer.prefill_loads_missing(*sent),
+                decode_loads_missing=self.consumer.decode_loads_missing(*sent),
             )
         evaluation.seconds = time.monotonic() - began
         return evaluation
@@ -334,15 +337,21 @@ class FuzzEngine:
         return evaluation
 
     def _served(self, evaluation: Evaluation) -> None:
-        """What the request left in the KV storage and in D's prefix cache."""
+        """What the request left in the KV storage and in P's and D's prefix caches."""
         result = evaluation.baseline.result
         if result is None or evaluation.layout is None:
             return
+        # Every instance was up when the request was sent: one down now died on it, and the
+        # proxy asked nothing of the roles after it (encoder, then P, then D).
+        dead = dead_roles(self.session)
         self.consumer.served(
             result.prompt_token_ids,
             media_identities(evaluation.spec),
             evaluation.layout.run_starts,
-            consumer_alive=self.topology_dead() is None,
+            reached_prefill=Role.ENCODER not in dead,
+            prefill_alive=Role.PREFILL not in dead,
+            consumer_alive=Role.DECODE not in dead,
+            salt=evaluation.body.get(CACHE_SALT),
         )
 
     def too_short(self, evaluation: Evaluation) -> str | None:
@@ -516,6 +525,17 @@ class FuzzEngine:
 def _base(session: object) -> object:
     """The running topology behind a session (a proxied view shares its base's instances)."""
     return session.base if isinstance(session, ProxiedSession) else session
+
+
+def dead_roles(session: object) -> set[Role]:
+    """The roles of a started topology's instances that are not running (an attached
+    deployment's are unknown: none)."""
+    base = _base(session)
+    if not isinstance(base, TopologySession):
+        return set()
+    return {
+        spec.role for spec, server in zip(base.instances, base.servers) if not server.is_alive()
+    }
 
 
 def shrink_order(group: FailureGroup) -> int:

@@ -58,6 +58,15 @@ class PromptLayout:
     # P's own lookup finds a folder whose longer key it then loads holds no KV, and P dies
     # before D is asked (`ConsumerState.prefill_loads_missing`), set by the engine.
     prefill_loads_missing: bool = False
+    # P's prefix cache covered the lookup, so it wrote nothing, and D, its own cache covering
+    # less, loads that unwritten folder and dies (`ConsumerState.decode_loads_missing`).
+    decode_loads_missing: bool = False
+
+    @property
+    def loads_missing(self) -> bool:
+        """An instance's connector loads a folder nobody wrote: that instance dies, whatever
+        the media or the tail would have done."""
+        return self.prefill_loads_missing or self.decode_loads_missing
 
     @property
     def kv_prefix(self) -> int:
@@ -84,7 +93,7 @@ class PromptLayout:
         """A placeholder lies in the partial block D recomputes after loading P's KV."""
         return (
             self.kv_keys_agree
-            and not self.prefill_loads_missing
+            and not self.loads_missing
             and any(end > self.kv_prefix for _, _, end in self.runs)
         )
 
@@ -94,7 +103,7 @@ class PromptLayout:
         holds: it computes media it has no embeddings for."""
         return (
             not self.kv_keys_agree
-            and not self.prefill_loads_missing
+            and not self.loads_missing
             and any(end > self.consumer_holds for _, _, end in self.runs)
         )
 
@@ -104,7 +113,7 @@ class PromptLayout:
         differ and nothing it held already covers the gap)."""
         return (
             not self.kv_keys_agree
-            and not self.prefill_loads_missing
+            and not self.loads_missing
             and self.consumer_holds < self.kv_prefix
         )
 
@@ -136,6 +145,7 @@ class PromptLayout:
             "media_in_decode_tail": self.media_in_decode_tail,
             "media_past_kv_miss": self.media_past_kv_miss,
             "prefill_loads_missing": self.prefill_loads_missing,
+            "decode_loads_missing": self.decode_loads_missing,
         }
 
 

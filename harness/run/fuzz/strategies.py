@@ -6,6 +6,14 @@ repeated items, video frames and fps, per-request media kwargs. The strategy dra
 those, then (with a layout estimate) aims some requests on purpose: the last placeholder run
 ending just before, on or just after a block boundary, and inside or past D's recomputed tail.
 
+Some requests are followed by one that extends them (the same media and kwargs, more text at
+the end), as a chat's next turn extends the last. What such a request meets depends on the one
+before it: D's prefix cache, the encoder's cache, and under ExampleConnector the KV folder the
+earlier request stored. Aimed at `block-plus-one`, the follow-up has k * block + 1 tokens where
+the earlier request stored k - 1 blocks of the same prefix: P's lookup finds that folder and
+loads one of k blocks nobody wrote (harness/run/fuzz/consumer.py), which independent draws of
+one request each almost never reach.
+
 The examples are drawn up front, as plain `PromptSpec`s, by Hypothesis's generator alone
 (`draw_examples`): a seed gives the same list every time, whatever the servers answer, and the
 list is written to the bundle before anything is sent. Shrinking is the fuzzer's own
@@ -22,10 +30,12 @@ from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
+from harness.run.fuzz.consumer import stored_tokens
 from harness.run.fuzz.layout import LayoutEstimator, estimate_positions
 from harness.run.fuzz.space import MAX_PIXELS_CHOICES, VIDEO_FPS_CHOICES, FuzzSpace
 from harness.spec.prompt_codec import prompt_to_json
 from harness.spec.prompts import (
+    CACHE_SALT,
     MEDIA_PARTS,
     ImagePart,
     Part,
@@ -47,6 +57,9 @@ COMMON_SIZES = ((224, 224), (448, 448), (56, 56), (28, 28), (336, 224), (224, 44
 VIDEO_SIZES = ((56, 56), (112, 112), (224, 224), (112, 56))
 BOUNDARY_AIMS = {"before": -1, "on": 0, "after": 1}
 TAIL_AIMS = ("in-tail", "past-tail")
+# How a follow-up extends the request before it: to k * block + 1 tokens over the k - 1
+# blocks the earlier one stored, or by a few drawn words.
+FOLLOW_UPS = ("block-plus-one", "free")
 
 
 @dataclass(frozen=True)
@@ -126,28 +139,95 @@ def media_kwargs(draw: st.DrawFn, space: FuzzSpace, media: list[Part]) -> dict[s
 @st.composite
 def fuzz_examples(
     draw: st.DrawFn, space: FuzzSpace, estimator: LayoutEstimator | None = None
-) -> FuzzExample:
+) -> tuple[FuzzExample, ...]:
     """One request: media, text before / between / after them, kwargs, max_tokens, and an
-    aim at a block boundary and at D's tail when there is media and an estimator."""
+    aim at a block boundary and at D's tail when there is media and an estimator; with an
+    estimator, sometimes a second request that follows it (`follow_up`)."""
     media = draw(media_lists(space))
     slots = [draw(st.lists(st.sampled_from(WORDS), max_size=space.max_words)) for _ in media]
     slots.append(draw(st.lists(st.sampled_from(WORDS), min_size=0, max_size=space.max_words)))
     extra = draw(media_kwargs(space, media))
     max_tokens = draw(st.integers(space.min_max_tokens, space.max_max_tokens))
+    follow = draw(st.sampled_from((None, None, *FOLLOW_UPS))) if estimator is not None else None
     boundary = draw(st.sampled_from(("free", *BOUNDARY_AIMS))) if media else "free"
+    # An aimed follow-up sets the length of the request it follows (below), so that
+    # request's tail is not aimed as well.
     tail = draw(st.sampled_from(("free", *TAIL_AIMS))) if media else "free"
+    if follow == "block-plus-one":
+        tail = "free"
     aim: dict[str, Any] = {"boundary": boundary, "tail": tail}
     texts = [_text(words) for words in slots]
     if media and estimator is not None:
         texts = aim_texts(media, texts, extra, max_tokens, space, estimator, boundary, tail, draw)
+    if follow == "block-plus-one" and estimator is not None:
+        texts = room_for_follow_up(media, texts, extra, max_tokens, space, estimator)
+    if media and estimator is not None:
         spec = assemble(media, texts, extra, max_tokens)
         end, total = estimate_positions(spec, estimator)
         aim.update(estimated_last_media_end=end, estimated_prompt_tokens=total)
     spec = assemble(media, texts, extra, max_tokens)
-    if estimator is not None:
-        _, total = estimate_positions(spec, estimator)
-        assume(space.min_prompt_tokens <= total <= space.max_model_len - max_tokens)
-    return FuzzExample(spec, aim)
+    if estimator is None:
+        return (FuzzExample(spec, aim),)
+    _, total = estimate_positions(spec, estimator)
+    assume(space.min_prompt_tokens <= total <= space.max_model_len - max_tokens)
+    first = FuzzExample(spec, aim)
+    if follow is None:
+        return (first,)
+    second = draw(follow_up(media, texts, extra, space, estimator, follow))
+    return (first,) if second is None else (first, second)
+
+
+def room_for_follow_up(
+    media: list[Part],
+    texts: list[str],
+    extra: dict[str, Any],
+    max_tokens: int,
+    space: FuzzSpace,
+    estimator: LayoutEstimator,
+) -> list[str]:
+    """Pad the end of the text so the block-aligned prefix P stores of this request lies
+    inside what a request extending its text shares with it: everything but the chat frame's
+    tail (end of turn, assistant header)."""
+    _, total = estimate_positions(assemble(media, texts, extra, max_tokens), estimator)
+    past_block = (total - 1) % space.block_size
+    pad = max(0, estimator.tail_tokens - 1 - past_block)
+    texts = list(texts)
+    texts[-1] += FILLER * pad
+    return texts
+
+
+@st.composite
+def follow_up(
+    draw: st.DrawFn,
+    media: list[Part],
+    texts: list[str],
+    extra: dict[str, Any],
+    space: FuzzSpace,
+    estimator: LayoutEstimator,
+    how: str,
+) -> FuzzExample | None:
+    """The request extending the one of `media` and `texts`: the same media and kwargs, its
+    last text longer; None when it would not fit the model's context. Named and told which
+    request it follows by `draw_examples`."""
+    max_tokens = draw(st.integers(space.min_max_tokens, space.max_max_tokens))
+    earlier = assemble(media, texts, extra, max_tokens)
+    _, before = estimate_positions(earlier, estimator)
+    texts = list(texts)
+    if how == "block-plus-one":
+        target = stored_tokens(before, space.block_size) + space.block_size + 1
+        texts[-1] += FILLER * max(1, target - before)
+    else:
+        texts[-1] += _text(draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=12)))
+    # The same tenant's next turn shares the earlier request's prefix-cache blocks; another
+    # tenant's (a cache salt of its own) shares only the connector's storage, which ignores
+    # the salt.
+    salt = draw(st.sampled_from((None, f"tenant-{draw(st.integers(0, 2**31))}")))
+    spec = assemble(media, texts, {**extra, CACHE_SALT: salt} if salt else extra, max_tokens)
+    _, total = estimate_positions(spec, estimator)
+    if total > space.max_model_len - max_tokens:
+        return None
+    aim = {"follow_up": how, "cache_salt": "own" if salt else "shared"}
+    return FuzzExample(spec, {**aim, "estimated_prompt_tokens": total})
 
 
 def assemble(
@@ -213,8 +293,9 @@ def draw_examples(
 ) -> list[FuzzExample]:
     """`count` examples (fewer if Hypothesis runs out of distinct ones), the same list for the
     same seed, space, estimator and Hypothesis version; named ex-0000... in draw order, with
-    duplicates dropped."""
-    drawn: list[FuzzExample] = []
+    duplicates dropped. A follow-up comes right after the request it extends, and its aim
+    names that request (`follows`: the earlier equal one, when it was a duplicate)."""
+    drawn: list[tuple[FuzzExample, ...]] = []
 
     @settings(
         # Hypothesis repeats itself now and then (most of all among its first, simplest
@@ -228,19 +309,24 @@ def draw_examples(
     )
     @hypothesis_seed(seed)
     @given(fuzz_examples(space, estimator))
-    def collect(example: FuzzExample) -> None:
-        drawn.append(example)
+    def collect(examples: tuple[FuzzExample, ...]) -> None:
+        drawn.append(examples)
 
     collect()
-    seen: set[str] = set()
+    names: dict[str, str] = {}  # a request's content -> the name it was kept under
     unique: list[FuzzExample] = []
-    for example in drawn:
-        key = json.dumps(prompt_to_json(example.spec), sort_keys=True)
-        if key in seen:
-            continue
-        seen.add(key)
-        name = f"ex-{len(unique):04d}"
-        unique.append(FuzzExample(rename(example.spec, name), example.aim))
+    for group in drawn:
+        previous: str | None = None
+        for example in group:
+            key = json.dumps(prompt_to_json(example.spec), sort_keys=True)
+            if key not in names and len(unique) < count:
+                name = f"ex-{len(unique):04d}"
+                names[key] = name
+                aim = example.aim if previous is None else {**example.aim, "follows": previous}
+                unique.append(FuzzExample(rename(example.spec, name), aim))
+            previous = names.get(key)
+            if previous is None:  # a request not kept: nothing after it follows it
+                break
         if len(unique) == count:
             break
     return unique
