@@ -41,6 +41,9 @@ from harness.spec.settings import LauncherChoice, RunSettings
 from harness.spec.topology import Topology
 
 RUN_JSON = "run.json"
+# run.json's map of a request to the earlier requests of the run whose leftovers its outcome
+# needs (a fuzz example whose P loads the folder an earlier one stored): replayed first.
+SENT_AFTER = "sent_after"
 DIFF_MD = "diff.md"
 JUNIT_XML = "junit.xml"
 

@@ -29,6 +29,7 @@ from typing import Any
 from harness.judge.records import CaseRecord, Verdict
 from harness.judge.verdicts import Declaration
 from harness.redact import REDACTED
+from harness.report.bundle import SENT_AFTER
 from harness.run.pool import TopologyPool
 from harness.run.scenarios import MATRIX, SendMode
 from harness.run.sweep import Stage, StageUnset, Sweep, SweepSpec
@@ -75,8 +76,9 @@ class Sending:
     streamed: bool
     # What of the original sending is not done again (a scenario's concurrency, ...), or None.
     unlike: str | None = None
-    # The matrix scenario whose earlier requests are sent first, and their prompts, in the
-    # scenario's order (empty: the case's request is sent alone, as it was first or alone).
+    # The requests sent first, in order (empty: the case's request is sent alone, as it was
+    # first or alone): a matrix scenario's earlier ones (`scenario` names it), or the run's
+    # that left what the case needs (a fuzz run's run.json `sent_after`).
     scenario: str | None = None
     earlier: tuple[str, ...] = ()
 
@@ -86,10 +88,8 @@ class Sending:
         if not self.earlier:
             return None
         requests = "request" if len(self.earlier) == 1 else "requests"
-        return (
-            f"after scenario {self.scenario}'s earlier {requests} {', '.join(self.earlier)} "
-            "on the same servers"
-        )
+        whose = f"scenario {self.scenario}'s" if self.scenario else "the run's"
+        return f"after {whose} earlier {requests} {', '.join(self.earlier)} on the same servers"
 
     @property
     def replayed(self) -> str | None:
@@ -219,7 +219,7 @@ class Bundle:
         scenario = next((s for s in MATRIX if s.name == name), None)
         streamed = bool(self.run.get("stream")) or bool(scenario and scenario.stream)
         if scenario is None:
-            return Sending(streamed)
+            return Sending(streamed, earlier=tuple(self.run.get(SENT_AFTER, {}).get(prompt, ())))
         ways = []
         if scenario.mode is SendMode.CONCURRENT:
             ways.append("in flight together with its other requests")
@@ -261,9 +261,10 @@ class Bundle:
         for name in sending.earlier:
             if not isinstance(self.requests.get(name), dict):
                 raise BundleError(
-                    f"{self.path}: requests.json has no body for {name!r}, which scenario "
-                    f"{sending.scenario} sent before the case on the same servers: the stage "
-                    "the case was sent on cannot be set again"
+                    f"{self.path}: requests.json has no body for {name!r}, which "
+                    f"{f'scenario {sending.scenario}' if sending.scenario else 'the run'} sent "
+                    "before the case on the same servers: the stage the case was sent on "
+                    "cannot be set again"
                 )
         return tuple((name, self.requests[name]) for name in sending.earlier)
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.files import write_json_atomic, write_text_atomic
 from harness.judge.records import CaseRecord
-from harness.report.bundle import write_bundle, write_run_info
+from harness.report.bundle import SENT_AFTER, write_bundle, write_run_info
 from harness.report.run_outputs import devices_line, write_verdicts
 from harness.report.text import format_failure, write_summary_json
 from harness.run.fuzz.engine import BASELINE
@@ -97,6 +97,21 @@ def _key_evaluations(group: FailureGroup) -> list[Evaluation]:
     return chosen
 
 
+def staged(
+    evaluations: list[Evaluation],
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, list[str]]]]:
+    """The bodies of the earlier requests these requests' outcomes need, and run.json's
+    `sent_after` (request -> what `repro` and `export` send before it, in order; left out when
+    nothing is): `harness.run.repro.Bundle.how_sent` reads it."""
+    bodies: dict[str, dict[str, Any]] = {}
+    after: dict[str, list[str]] = {}
+    for evaluation in evaluations:
+        if evaluation.stage:
+            after[evaluation.spec.name] = [name for name, _ in evaluation.stage]
+            bodies.update(evaluation.stage)
+    return bodies, ({SENT_AFTER: after} if after else {})
+
+
 def _records(evaluations: list[Evaluation]) -> list[CaseRecord]:
     return [e.record for e in evaluations if e.record is not None]
 
@@ -112,6 +127,7 @@ def write_group_bundle(
     """A normal run bundle of one failure group; its first failing case is the minimal one."""
     directory.mkdir(parents=True, exist_ok=True)
     chosen = _key_evaluations(group)
+    stage_bodies, sent_after = staged(chosen)
     group_settings = dataclasses.replace(settings, run_dir=directory)
     run_info = write_run_info(
         group_settings,
@@ -120,8 +136,10 @@ def write_group_bundle(
         fault=fault,
         protocol=settings.protocol.to_json(),
         fuzz={**meta, "group": group_json(group)},
+        **sent_after,
     )
-    write_json_atomic(directory / "requests.json", {e.spec.name: e.body for e in chosen})
+    bodies = {**stage_bodies, **{e.spec.name: e.body for e in chosen}}
+    write_json_atomic(directory / "requests.json", bodies)
     records = _records(chosen)
     write_summary_json(directory / "summary.json", records, {"fuzz_group": group_json(group)})
     responses = _responses(chosen, topology.name)
@@ -233,7 +251,8 @@ def write_fuzz_bundle(
     judged = [e for e in report.evaluations if e.record is not None]
     ordered = minimal + [e for e in judged if not any(e is m for m in minimal)]
     records = _records(ordered)
-    bodies = {e.spec.name: e.body for e in key}
+    stage_bodies, sent_after = staged(key)
+    bodies = {**stage_bodies, **{e.spec.name: e.body for e in key}}
     run_info = write_run_info(
         settings,
         (BASELINE, topology),
@@ -241,6 +260,7 @@ def write_fuzz_bundle(
         fault=fault,
         protocol=settings.protocol.to_json(),
         fuzz=meta,
+        **sent_after,
     )
     write_json_atomic(run_dir / "requests.json", bodies)
     summary = fuzz_summary(report, meta, group_dirs)

@@ -98,6 +98,17 @@ class ConsumerState:
     hollow: set[Key] = field(default_factory=set)
     cached: list[Served] = field(default_factory=list)  # D's prefix cache
     prefill_cached: list[Served] = field(default_factory=list)  # P's prefix cache
+    # Each folder's making: the requests that, sent in this order to fresh servers, leave
+    # it as it is (the one that stored it; for a hollow one, what its failed load found,
+    # then that load's request). What `repro` and `export` replay before a request whose
+    # failure needs the folder (`stage_of`).
+    made_by: dict[Key, tuple[str, ...]] = field(default_factory=dict)
+
+    def stage_of(self, ids: list[int] | tuple[int, ...], media: tuple[str, ...]) -> tuple[str, ...]:
+        """The requests that made the folder this prompt's lookup finds (none: it finds
+        none, or the folder's making is unknown)."""
+        lookup, _ = self._keys(ids, media)
+        return self.made_by.get(lookup, ()) if self._found(lookup) else ()
 
     def prefill_loads_missing(
         self,
@@ -151,6 +162,7 @@ class ConsumerState:
         prefill_alive: bool = True,
         consumer_alive: bool = True,
         salt: str | None = None,
+        name: str = "",
     ) -> None:
         """A request the topology was sent. Unless it ended before P (the encoder died on
         it): P stored its KV unless its lookup found a folder (then it loaded what its cache
@@ -162,11 +174,13 @@ class ConsumerState:
         lookup, load = self._keys(ids, media)
         if not self._found(lookup):
             self.stored.add(load)
+            self.made_by[load] = (name,)
         elif load not in self.stored and (
             self._prefill_loads(ids, media, run_starts, salt)
             or self.decode_loads_missing(ids, media, run_starts, salt)
         ):
             self.hollow.add(load)
+            self.made_by.setdefault(load, (*self.made_by.get(lookup, ()), name))
         if not prefill_alive:
             return
         served = Served(tuple(ids), media, run_starts, salt)
@@ -184,6 +198,7 @@ class ConsumerState:
     def storage_reset(self) -> None:
         self.stored.clear()
         self.hollow.clear()
+        self.made_by.clear()
         self.cached.clear()
         self.prefill_cached.clear()
 

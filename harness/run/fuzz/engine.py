@@ -139,6 +139,7 @@ class FuzzEngine:
         self.predictions = CrashPredictions(self.rules, confirm_known)
         self.placeholders = PlaceholderIds.from_model_dir(Path(settings.serving.model))
         self.consumer = ConsumerState(settings.serving.block_size)
+        self.sent: dict[str, dict[str, Any]] = {}  # every body the topology got, by name
         self.baseline: TopologySession | ProxiedSession | None = None
         self.planted: PlantedFault | None = None  # the fault in the topology's proxy now
         self._fault_acted_on: set[str] = set()  # request_content() of sends it acted on
@@ -286,6 +287,9 @@ class FuzzEngine:
                 prefill_loads_missing=self.consumer.prefill_loads_missing(*sent),
                 decode_loads_missing=self.consumer.decode_loads_missing(*sent),
             )
+            if evaluation.layout.loads_missing:
+                names = self.consumer.stage_of(ids, sent[1])
+                evaluation.stage = tuple((n, self.sent[n]) for n in names if n in self.sent)
         evaluation.seconds = time.monotonic() - began
         return evaluation
 
@@ -344,6 +348,7 @@ class FuzzEngine:
         # Every instance was up when the request was sent: one down now died on it, and the
         # proxy asked nothing of the roles after it (encoder, then P, then D).
         dead = dead_roles(self.session)
+        self.sent[evaluation.spec.name] = evaluation.body
         self.consumer.served(
             result.prompt_token_ids,
             media_identities(evaluation.spec),
@@ -352,6 +357,7 @@ class FuzzEngine:
             prefill_alive=Role.PREFILL not in dead,
             consumer_alive=Role.DECODE not in dead,
             salt=evaluation.body.get(CACHE_SALT),
+            name=evaluation.spec.name,
         )
 
     def too_short(self, evaluation: Evaluation) -> str | None:

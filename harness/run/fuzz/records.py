@@ -54,6 +54,10 @@ class Evaluation:
     # fault, or one that records nothing). A planted fault acts on some shapes only, and a
     # self-test that found nothing must say whether the fault ever acted at all.
     fault: str | None = None
+    # The earlier requests (name, body as the topology got it) whose leftovers this one's
+    # outcome needs: a KV folder its lookup finds (`ConsumerState.stage_of`), recorded where
+    # an instance loads one nobody wrote. Bundles replay them first (run.json `sent_after`).
+    stage: tuple[tuple[str, dict[str, Any]], ...] = ()
 
     @property
     def failed(self) -> bool:
