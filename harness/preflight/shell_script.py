@@ -90,13 +90,8 @@ def tokenize(text: str) -> list[Token]:
     literal: list[str] = []
     word_line = 1
 
-    def flush_literal(quoted: bool = False) -> None:
-        if literal:
-            parts.append(Part("lit", "".join(literal), quoted))
-            literal.clear()
-
     def end_word() -> None:
-        flush_literal()
+        _flush(literal, parts, quoted=False)
         if parts:
             tokens.append(Word(tuple(parts), word_line))
             parts.clear()
@@ -147,35 +142,21 @@ def tokenize(text: str) -> list[Token]:
             end = text.find("'", i + 1)
             if end < 0:
                 raise ScriptError(f"line {line}: unterminated single quote")
-            flush_literal()
+            _flush(literal, parts, quoted=False)
             parts.append(Part("lit", text[i + 1 : end], True))
             line += text.count("\n", i, end)
             i = end + 1
             continue
         if c == '"':
-            flush_literal()
+            _flush(literal, parts, quoted=False)
             i, line = _double_quoted(text, i + 1, line, parts)
             continue
         if c == "\\" and i + 1 < n:
             literal.append(text[i + 1])
             i += 2
             continue
-        if c == "$":
-            expansion, end = _dollar(text, i, line)
-            line += text.count("\n", i, end)
-            i = end
-            if expansion is None:
-                literal.append("$")
-            else:
-                flush_literal()
-                parts.append(Part("expand", expansion, False))
-            continue
-        if c == "`":
-            end = _backquote_end(text, i, line)
-            flush_literal()
-            parts.append(Part("expand", "(" + text[i + 1 : end] + ")", False))
-            line += text.count("\n", i, end)
-            i = end + 1
+        if c in "$`":
+            i, line = _expansion(text, i, line, literal, parts, quoted=False)
             continue
         literal.append(c)
         i += 1
@@ -185,17 +166,11 @@ def tokenize(text: str) -> list[Token]:
 
 def _double_quoted(text: str, i: int, line: int, parts: list[Part]) -> tuple[int, int]:
     literal: list[str] = []
-
-    def flush() -> None:
-        if literal:
-            parts.append(Part("lit", "".join(literal), True))
-            literal.clear()
-
     start_line = line
     while i < len(text):
         c = text[i]
         if c == '"':
-            flush()
+            _flush(literal, parts, quoted=True)
             if not parts or parts[-1].quoted is False:
                 parts.append(Part("lit", "", True))  # "" is a word of its own
             return i + 1, line
@@ -206,28 +181,45 @@ def _double_quoted(text: str, i: int, line: int, parts: list[Part]) -> tuple[int
                 literal.append(text[i + 1])
             i += 2
             continue
-        if c == "$":
-            expansion, end = _dollar(text, i, line)
-            line += text.count("\n", i, end)
-            i = end
-            if expansion is None:
-                literal.append("$")
-            else:
-                flush()
-                parts.append(Part("expand", expansion, True))
-            continue
-        if c == "`":
-            end = _backquote_end(text, i, line)
-            flush()
-            parts.append(Part("expand", "(" + text[i + 1 : end] + ")", True))
-            line += text.count("\n", i, end)
-            i = end + 1
+        if c in "$`":
+            i, line = _expansion(text, i, line, literal, parts, quoted=True)
             continue
         if c == "\n":
             line += 1
         literal.append(c)
         i += 1
     raise ScriptError(f"line {start_line}: unterminated double quote")
+
+
+def _flush(literal: list[str], parts: list[Part], quoted: bool) -> None:
+    """End the literal text read so far as a part of its own (an expansion or a quote follows
+    it, or the word ends); `literal` is left empty for what comes next."""
+    if literal:
+        parts.append(Part("lit", "".join(literal), quoted))
+        literal.clear()
+
+
+def _expansion(
+    text: str, i: int, line: int, literal: list[str], parts: list[Part], quoted: bool
+) -> tuple[int, int]:
+    """Read the `$...` or backquoted expansion at text[i] into `parts` (a part of its own, after
+    the literal text before it), alike inside double quotes and out but for `quoted`.
+
+    A `$` that starts no expansion is literal text. Returns the index after the expansion and
+    the line it ends on (a `$(...)` or backquote may span lines)."""
+    if text[i] == "`":
+        end = _backquote_end(text, i, line)
+        expansion: str | None = "(" + text[i + 1 : end] + ")"
+        after = end + 1
+    else:
+        expansion, after = _dollar(text, i, line)
+    line += text.count("\n", i, after)
+    if expansion is None:
+        literal.append("$")
+    else:
+        _flush(literal, parts, quoted)
+        parts.append(Part("expand", expansion, quoted))
+    return after, line
 
 
 def _backquote_end(text: str, i: int, line: int) -> int:

@@ -50,9 +50,8 @@ from harness.spec.placement import (
 from harness.spec.placement import schedule as pack_waves
 from harness.spec.prompts import PromptSpec, render_request
 from harness.spec.settings import RunSettings
-from harness.spec.topology import TOPOLOGIES, Topology, ordered_topologies
+from harness.spec.topology import BASELINE, TOPOLOGIES, Topology, ordered_topologies
 
-BASELINE = TOPOLOGIES["baseline"]
 # responses.json's label of a stage's answers: `stage:<topology>`.
 STAGE_LABEL = "stage:"
 log = logging.getLogger(__name__)

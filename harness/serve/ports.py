@@ -36,7 +36,6 @@ import random
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 
 from harness.environment import LOOPBACK_HOST, port_lock_dir
 from harness.environment import port_range as configured_port_range
@@ -100,12 +99,7 @@ class PortLease:
     def __enter__(self) -> PortLease:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.release()
 
     def __repr__(self) -> str:

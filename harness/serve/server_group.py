@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from types import TracebackType
 from typing import Literal
 
 from harness.serve.launch import STOP_GRACE_S, ManagedServer, ServerDied, await_ready
@@ -135,12 +134,7 @@ class ServerGroup:
     def __enter__(self) -> ServerGroup:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop_all()
 
     def _report_death(self, exc: ServerDied) -> None:

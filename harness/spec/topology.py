@@ -84,6 +84,8 @@ TOPOLOGIES: dict[str, Topology] = {
     )
 }
 EPD_TOPOLOGY_NAMES = ("1E+1PD", "1P+1D", "1E+1P+1D")
+# The monolithic reference every run serves beside what it checks (sweep, fuzz, export).
+BASELINE = TOPOLOGIES["baseline"]
 
 
 def get_topology(name: str) -> Topology:

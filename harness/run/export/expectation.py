@@ -11,11 +11,10 @@ from harness.errors import BadInput
 from harness.judge.compare import is_measured_floor
 from harness.judge.policy import ReferencePolicy, default_reference_policy
 from harness.judge.records import Verdict
-from harness.run.export.reference import BASELINE
 from harness.run.export.request import describe_request
 from harness.run.repro import Bundle, ReproCase
 from harness.spec.platforms import get_platform
-from harness.spec.topology import get_topology
+from harness.spec.topology import BASELINE, get_topology
 
 REQUEST_TIMEOUT_S = 600
 

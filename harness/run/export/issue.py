@@ -15,11 +15,11 @@ from typing import Any
 from harness.devices import describe_devices
 from harness.judge.records import Verdict
 from harness.run.export.plan import ExportPlan
-from harness.run.export.reference import BASELINE
 from harness.run.export.request import describe_request
 from harness.run.export.servers import shell_command
 from harness.run.repro import ReproCase
 from harness.spec.generations import build_commit, is_dev_build
+from harness.spec.topology import BASELINE
 
 TITLE_PREFIX = "# [Bug]: "
 ISSUE_FIELDS = (

@@ -43,7 +43,7 @@ from harness.run.export.probe import (
     unknown_uuid_body,
 )
 from harness.run.export.proxy import ProxyFile, UpstreamProxy, proxy_server
-from harness.run.export.reference import BASELINE, ReferenceServing, reference_serving
+from harness.run.export.reference import ReferenceServing, reference_serving
 from harness.run.export.request import (
     CASE_SALT,
     EarlierRequest,
@@ -65,7 +65,7 @@ from harness.run.scenarios import MATRIX
 from harness.serve.session import safe_name
 from harness.spec.prompts import DEFAULT_TOP_LOGPROBS, streaming_request
 from harness.spec.settings import ATTACH_PROXY
-from harness.spec.topology import get_topology
+from harness.spec.topology import BASELINE, get_topology
 
 # A model directory at most this large is copied into the export (the tiny model is ~3 MB).
 MAX_COPIED_MODEL_BYTES = 64 * 1024 * 1024

@@ -25,9 +25,8 @@ from harness.serve.session import safe_name
 from harness.spec.generations import generation_for
 from harness.spec.placement import place_instances, side_channel_port_count
 from harness.spec.platforms import get_platform
-from harness.spec.topology import TOPOLOGIES, Role, get_topology
+from harness.spec.topology import BASELINE, Role, get_topology
 
-BASELINE = TOPOLOGIES["baseline"]
 BASELINE_PORT = 18199
 
 # The case's exact reference (1P+1D for 1E+1P+1D), as `serve.sh reference` starts it: its

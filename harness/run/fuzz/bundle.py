@@ -21,7 +21,6 @@ from harness.judge.records import CaseRecord
 from harness.report.bundle import SENT_AFTER, write_bundle, write_run_info
 from harness.report.run_outputs import devices_line, write_verdicts
 from harness.report.text import format_failure, write_summary_json
-from harness.run.fuzz.engine import BASELINE
 from harness.run.fuzz.records import Evaluation, FailureGroup, FuzzReport
 from harness.serve.session import safe_name
 from harness.spec.prompt_codec import prompt_to_json
@@ -33,7 +32,7 @@ from harness.spec.prompts import (
     VideoPart,
 )
 from harness.spec.settings import RunSettings
-from harness.spec.topology import TOPOLOGIES, Topology
+from harness.spec.topology import BASELINE, TOPOLOGIES, Topology
 
 if TYPE_CHECKING:
     from harness.run.fuzz.strategies import FuzzExample

@@ -44,13 +44,13 @@ from harness.run.fuzz.fault_effect import (
     fault_since,
     request_content,
 )
+from harness.run.fuzz.group_shrink import confirm_predicted, shrink_group, shrink_order
 from harness.run.fuzz.known import KnownRule, recognise, rules_for
 from harness.run.fuzz.layout import PlaceholderIds, PromptLayout, layout_from_ids
-from harness.run.fuzz.oracles import PredictingOracle, SendingOracle
 from harness.run.fuzz.predictions import CrashPredictions
 from harness.run.fuzz.records import Evaluation, FailureGroup, FuzzReport, group_failures
 from harness.run.fuzz.run_budget import BudgetSpent, RunBudget
-from harness.run.fuzz.shrink import ShrinkBudget, Trial, shrink
+from harness.run.fuzz.shrink import ShrinkBudget
 from harness.run.fuzz.signature import is_failure, signature_of
 from harness.run.judging import CaseJudge, Observed
 from harness.run.pool import SessionRequest, TopologyPool
@@ -67,12 +67,11 @@ from harness.spec.prompts import (
     render_request,
 )
 from harness.spec.settings import RunSettings
-from harness.spec.topology import TOPOLOGIES, Role, Topology
+from harness.spec.topology import BASELINE, Role, Topology
 
 if TYPE_CHECKING:  # the strategies need Hypothesis, which the engine itself does not
     from harness.run.fuzz.strategies import FuzzExample
 
-BASELINE = TOPOLOGIES["baseline"]
 log = logging.getLogger(__name__)
 
 
@@ -427,7 +426,7 @@ class FuzzEngine:
             if self.time_left() <= 0:
                 group.note = "not shrunk: the run's time budget is spent"
                 continue
-            if not self.shrink_group(group):
+            if not shrink_group(self, group):
                 unconfirmed.append(group)
             report.shrink_seconds = time.monotonic() - began
             self._progress(report, on_progress)
@@ -435,7 +434,7 @@ class FuzzEngine:
             if self.time_left() <= 0:
                 group.note = "minimal request predicted, not sent: the run's time budget is spent"
                 continue
-            self.confirm_predicted(group)
+            confirm_predicted(self, group)
             report.shrink_seconds = time.monotonic() - began
             self._progress(report, on_progress)
         return report
@@ -450,82 +449,6 @@ class FuzzEngine:
 
     def time_left(self) -> float:
         return self.run_budget.max_seconds - (time.monotonic() - self.began)
-
-    # -- shrinking -----------------------------------------------------------------------------
-
-    def shrink_group(self, group: FailureGroup) -> bool:
-        """Shrink one group. A known crash with a trigger is shrunk against its prediction
-        (baseline requests only) and left for `confirm_predicted` (returns False); any
-        other group is shrunk by sending (returns True)."""
-        start = group.start
-        rule = group.recognition.rule
-        divergence = (start.record.divergence or {}).get("index") if start.record else None
-        log.info("[fuzz] shrinking %s from %s", group.signature.key, start.spec.name)
-        budget = dataclasses.replace(
-            self.budget, max_seconds=min(self.budget.max_seconds, self.time_left())
-        )
-        if self.attached and start.record is not None and start.record.verdict.value == "ERROR":
-            group.note = "not shrunk: an attached deployment cannot be restarted after a crash"
-            return True
-        if rule is not None and rule.crash and rule.trigger is not None:
-            group.shrink = shrink(
-                start.spec,
-                PredictingOracle(self, rule),
-                budget,
-                "predicted",
-                divergence,
-                step_words=self.settings.serving.block_size,
-            )
-            return False
-        self._shrink_by_sending(group, budget, divergence)
-        return True
-
-    def confirm_predicted(self, group: FailureGroup) -> None:
-        """Send the minimal request a known crash was shrunk to against its trigger; if it
-        does not fail as the group did, shrink the group by sending instead."""
-        predicted = group.shrink
-        assert predicted is not None
-        confirm = self.evaluate(predicted.minimal)
-        if confirm.status == "not-sent":
-            group.note = f"minimal request not confirmed: {confirm.note}"
-            return
-        predicted.confirmed = (
-            confirm.signature is not None and confirm.signature.key == group.signature.key
-        )
-        predicted.trials.append(
-            Trial(
-                predicted.minimal,
-                bool(predicted.confirmed),
-                f"confirmation on {self.topology.name}: {confirm.summary()}",
-                confirm.seconds,
-                restarted=confirm.restart_seconds > 0,
-            )
-        )
-        if predicted.confirmed:
-            group.minimal = confirm
-            return
-        log.warning("[fuzz] the predicted minimal request did not reproduce; shrinking by sending")
-        start = group.start
-        divergence = (start.record.divergence or {}).get("index") if start.record else None
-        budget = dataclasses.replace(
-            self.budget, max_seconds=min(self.budget.max_seconds, self.time_left())
-        )
-        self._shrink_by_sending(group, budget, divergence)
-
-    def _shrink_by_sending(
-        self, group: FailureGroup, budget: ShrinkBudget, divergence: int | None
-    ) -> None:
-        oracle = SendingOracle(self, group)
-        group.shrink = shrink(
-            group.start.spec,
-            oracle,
-            budget,
-            "sent",
-            divergence,
-            step_words=self.settings.serving.block_size,
-        )
-        # Every reproducing trial is accepted at once, so the last one is the minimal request.
-        group.minimal = oracle.last_reproduced if group.shrink.accepted else group.start
 
 
 def _base(session: object) -> object:
@@ -542,19 +465,6 @@ def dead_roles(session: object) -> set[Role]:
     return {
         spec.role for spec, server in zip(base.instances, base.servers) if not server.is_alive()
     }
-
-
-def shrink_order(group: FailureGroup) -> int:
-    """0: a new failure that kills nothing (each trial one request); 1: a known crash, shrunk
-    against its trigger (baseline requests only); 2: a known failure that kills nothing;
-    3: a new crash (every accepted step costs a revival)."""
-    rule = group.recognition.rule
-    crash = group.signature.verdict == "ERROR"
-    if rule is not None and rule.crash and rule.trigger is not None:
-        return 1
-    if not crash:
-        return 0 if rule is None else 2
-    return 3
 
 
 def describe(spec: PromptSpec, layout: PromptLayout | None, kv: bool = True) -> str:

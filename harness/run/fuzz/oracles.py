@@ -1,7 +1,8 @@
 """How the shrinker's candidates are tried (`harness.run.fuzz.shrink.Oracle`): sent to the
 topology and judged (`SendingOracle`), or, for a known crash with a trigger, asked of the
 baseline alone and reproduced when the trigger holds (`PredictingOracle`), so shrinking such a
-crash costs no revival per step. The engine shrinks each failure group through one of them."""
+crash costs no revival per step. `harness.run.fuzz.group_shrink` shrinks each failure group
+through one of them."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from harness.spec.prompts import PromptSpec
 
 class Engine(Protocol):
     """What an oracle asks of the fuzz engine (`harness.run.fuzz.engine.FuzzEngine`, which
-    imports the oracles)."""
+    imports the oracles through `harness.run.fuzz.group_shrink`)."""
 
     predictions: CrashPredictions
 

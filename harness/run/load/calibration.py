@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 from harness.run.baseline import BaselineAnswers, BatchCalibration
 from harness.run.load.plan import plan_load
 from harness.run.load.sessions import is_launched
-from harness.run.sweep import BASELINE, Sweep
+from harness.run.sweep import Sweep
 from harness.serve.session import TopologySession
 from harness.spec.load import LoadSpec, PlannedRequest, load_mix
-from harness.spec.topology import ServingConfig
+from harness.spec.topology import BASELINE, ServingConfig
 
 log = logging.getLogger(__name__)
 
