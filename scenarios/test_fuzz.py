@@ -70,6 +70,10 @@ def test_fuzzing_finds_and_shrinks_a_planted_shape_dependent_fault(
         "40",
         "--plant-fault",
         "ec-swap-items",
+        # A seed whose first request the fault acts on is not minimal yet (seed 0's draw,
+        # changed by follow-ups, found two 16x16 images at once: nothing left to shrink).
+        "--seed",
+        "2",
         *epd_own_instances.args("fuzz", topologies=("1E+1PD",)),
     )
     assert code == EXIT_FAILED, report["counts"]
