@@ -18,7 +18,7 @@ from harness.serve.session import safe_name
 from harness.spec.placement import place_instances
 from harness.spec.platforms import CPU
 from harness.spec.topology import TOPOLOGIES, ServingConfig
-from harness.testing import fake_vllm_server
+from harness.testing.fake_vllm_server.model import monolithic_answer
 
 VLLM_EXECUTABLE = "/somewhere/venv/bin/vllm"
 PROMPT = "m-image"
@@ -119,7 +119,7 @@ def body() -> dict[str, Any]:
 
 # What the fake vLLM (harness/testing/fake_vllm.py) answers `body()` with, computing the image
 # itself as a monolithic instance does.
-PROMPT_IDS, BASELINE_IDS = fake_vllm_server.monolithic_answer(body())
+PROMPT_IDS, BASELINE_IDS = monolithic_answer(body())
 
 
 def write_bundle(

@@ -1,5 +1,5 @@
 """The fake vLLM streams as vLLM 0.32 does (`stream_events` in
-harness/testing/fake_vllm_server.py): the streamed scenarios of the GPU night
+harness/testing/fake_vllm_server/sse.py): the streamed scenarios of the GPU night
 (scenarios/test_stream.py, the vLLM-proxy module's streamed cases) can pass on the fake for
 the reasons they do on vLLM, and their planted fault still turns a case red. Before, the fake
 answered a `stream: true` body with one JSON document, and every streamed case on the fake
@@ -27,13 +27,10 @@ from harness.spec.platforms import CUDA
 from harness.spec.prompts import SKELETON_PROMPTS, render_request, streaming_request
 from harness.spec.topology import TOPOLOGIES, Role, ServingConfig
 from harness.testing.fake_vllm import fake_run_settings
-from harness.testing.fake_vllm_server import (
-    Engine,
-    make_handler,
-    make_side_channel,
-    parse_args,
-    stream_events,
-)
+from harness.testing.fake_vllm_server.engine import Engine
+from harness.testing.fake_vllm_server.handlers import make_handler, make_side_channel
+from harness.testing.fake_vllm_server.serve import parse_args
+from harness.testing.fake_vllm_server.sse import stream_events
 
 pytestmark = pytest.mark.process
 
@@ -176,7 +173,7 @@ def test_the_fake_holds_an_answer_for_its_decode_steps(
     a step, as vLLM's engine generates it. The fake answered at once, so the death under load's
     kill (scenarios/test_load.py), which waits for a request in flight at D, found D had
     answered the first requests on some runs: they passed, and the scenario failed."""
-    from harness.testing.fake_vllm_server import DECODE_STEP_S
+    from harness.testing.fake_vllm_server.handlers import DECODE_STEP_S
 
     tokens = 32
     pool = TopologyPool(nixl_settings(tmp_path, fake_vllm))

@@ -1,4 +1,4 @@
-"""The fake vLLM (harness/testing/fake_vllm_server.py) leaves the evidence the transfer guards
+"""The fake vLLM (harness/testing/fake_vllm_server/) leaves the evidence the transfer guards
 read only when its P or E really handed the transfer over, so a fake sweep's MATCH means what a
 real one's does: a clean case passes for the right reasons, and a planted fault between the
 instances (or a proxy that skips P) still turns it red, with the verdict it gets on real vLLM
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -200,7 +202,7 @@ def test_the_fake_reads_an_mp4s_frames_and_rate_as_vllms_loader_does(
     import cv2
 
     from fixtures.media import make_video_mp4
-    from harness.testing.fake_vllm_server import mp4_timing
+    from harness.testing.fake_vllm_server.video_timing import mp4_timing
 
     path = make_video_mp4(tmp_path / "clip.mp4", seed=26, num_frames=frames, fps=fps)
     capture = cv2.VideoCapture(str(path))
@@ -213,7 +215,8 @@ def test_the_fake_reads_an_mp4s_frames_and_rate_as_vllms_loader_does(
 
 
 def test_a_video_the_fake_cannot_read_fails_the_request_naming_why() -> None:
-    from harness.testing.fake_vllm_server import RequestFailed, video_sampling_of
+    from harness.testing.fake_vllm_server.failures import RequestFailed
+    from harness.testing.fake_vllm_server.video_timing import video_sampling_of
 
     for url, why in (
         ("data:video/mp4;base64,AAAA", "no moov box"),
@@ -228,7 +231,12 @@ def test_the_fakes_files_are_safetensors_torch_reads(tmp_path: Path) -> None:
     without torch (it must start fast), so the format must be the real one."""
     from safetensors.torch import load_file
 
-    from harness.testing.fake_vllm_server import ROW_FLOATS, read_tensor, rows_from, write_tensor
+    from harness.testing.fake_vllm_server.tensors import (
+        ROW_FLOATS,
+        read_tensor,
+        rows_from,
+        write_tensor,
+    )
 
     rows = rows_from(b"seed", 3)
     path = tmp_path / "x" / "encoder_cache.safetensors"
@@ -236,6 +244,24 @@ def test_the_fakes_files_are_safetensors_torch_reads(tmp_path: Path) -> None:
     tensor = load_file(str(path))["ec_cache"]
     assert tuple(tensor.shape) == (3, ROW_FLOATS) and tensor.numpy().tobytes() == rows
     assert read_tensor(str(path), "ec_cache") == rows
+
+
+def test_the_fake_executable_runs_on_the_standard_library_alone(fake_vllm: Path) -> None:
+    """Where the fake serves an export's run.sh the harness may not be importable, so the
+    executable imports the server's other modules from beside it, standard library only. Every
+    other test's fake finds the harness importable and would not see a module left unwritten
+    or one that imports the harness: here, with neither site-packages nor PYTHONPATH (`-S -E
+    -s`), it still gets as far as its flags, refusing a bad one with vLLM's parser error."""
+    argv = ["serve", "m", "--port", "1", "--no-such-flag"]
+    result = subprocess.run(
+        [sys.executable, "-S", "-E", "-s", str(fake_vllm), *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=fake_vllm.parent.parent,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "vllm: error: unrecognized arguments: --no-such-flag" in result.stderr, result.stderr
 
 
 def test_the_fakes_media_placeholders_are_the_served_models_own(

@@ -2,7 +2,7 @@
 0.32, read in `vllm/multimodal/media/video.py` and `vllm/multimodal/video.py`), in one place
 for the four that need them: the preflight's token count, the fuzzer's video timing and its
 layout estimate (harness/run/fuzz/layout.py), and the fake vLLM's processor
-(harness/testing/fake_vllm_server.py, which runs where the harness cannot be imported: its
+(harness/testing/fake_vllm_server/, which runs where the harness cannot be imported: its
 installer writes this file beside it, so this module imports nothing of the harness).
 
 A video's prompt tokens follow from the frames the processor receives, not from the frames

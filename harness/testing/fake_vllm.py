@@ -1,14 +1,15 @@
 """The one fake vLLM of the harness's tests: a `vllm` executable that serves like one, or refuses.
 
-Serving (the default), it is a `vllm serve` look-alike on a real port
-(`harness.testing.fake_vllm_server`, written out as the executable): it reads the flags it
-needs, ignores the rest and rejects `--no-such-*` flags with vLLM's parser error; it serves
-`/health`, `/metrics` and chat completions with token ids (as server-sent events, the
-chunks vLLM 0.32 streams, for a `stream: true` body), and moves embeddings and KV between
-its instances the way vLLM's connectors do, leaving the evidence the transfer guards read only
-when the transfer really happened (that module says how); it refuses a `*_embeds` part where
-vLLM 0.32 does (400, on an instance that is no EC or KV consumer) and dies where it does (a
-consumer finding neither embeddings nor media); and it misbehaves on cue. The cue is
+Serving (the default), it is a `vllm serve` look-alike on a real port (the package
+`harness.testing.fake_vllm_server`, its entry module written out as the executable and its other
+modules beside it): it reads the flags it needs, ignores the rest and rejects `--no-such-*`
+flags with vLLM's parser error; it serves `/health`, `/metrics` and chat completions with token
+ids (as server-sent events, the chunks vLLM 0.32 streams, for a `stream: true` body), and moves
+embeddings and KV between its instances the way vLLM's connectors do, leaving the evidence the
+transfer guards read only when the transfer really happened (that package says how); it
+refuses a `*_embeds` part where vLLM 0.32 does (400, on an instance that is no EC or KV
+consumer) and dies where it does (a consumer finding neither embeddings nor media); and it
+misbehaves on cue. The cue is
 the environment variable `FAKE_VLLM_MODE="<who>:<mode>[=<seconds>];..."`, where <who> is a role
 (baseline, encoder, pd, prefill, decode), a served model name, or `*`; modes: slow-start,
 die-start, slow, hang, hang-health (its `/health` never answers, as a stuck API server's),
@@ -42,9 +43,10 @@ there as if they were not installed (the `--kv-connector nixl` probe).
 Beside the fake is a `python` that runs that interpreter, where a virtualenv's `bin` keeps
 vLLM's own Python: an export's scripts run vLLM's proxy with the Python beside `vllm` (its
 httpx, fastapi, uvicorn); without one they fell back to the system's `python3`, which has none,
-and `run.sh reference` under the fake died before its reference answered. Beside it too is a
-copy of `harness/spec/video_sampling.py`, by whose rules the server samples videos: where an
-export runs it, the harness itself may not be importable.
+and `run.sh reference` under the fake died before its reference answered. Beside it too are
+the server's modules and a copy of `harness/spec/video_sampling.py`, by whose rules the server
+samples videos: where an export runs it, the harness itself may not be importable, so the
+executable imports them as plain modules from its own directory (`SERVER_MODULES`).
 
 Only for tests of process handling and pure logic: what an e2e scenario checks is real vLLM.
 """
@@ -62,7 +64,17 @@ from typing import Any
 from harness.spec import video_sampling
 from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import ServingConfig
-from harness.testing import fake_vllm_server
+from harness.testing.fake_vllm_server import (
+    engine,
+    failures,
+    handlers,
+    media,
+    model,
+    serve,
+    sse,
+    tensors,
+    video_timing,
+)
 
 MODE_ENV = "FAKE_VLLM_MODE"
 START_LOG_ENV = "FAKE_VLLM_START_LOG"
@@ -70,6 +82,20 @@ LIVE_DIR_ENV = "FAKE_VLLM_LIVE_DIR"
 # What a test observes fakes by: passed on into an environment a test builds from scratch.
 OBSERVER_ENV = (START_LOG_ENV, LIVE_DIR_ENV)
 REFUSAL = "refusing-vllm: a test got as far as starting a server"
+# What the serving executable (`serve`'s source) imports from its own directory, standard
+# library only: every other module of the server, and the video sampling rules it shares with
+# the harness.
+SERVER_MODULES = (
+    video_sampling,
+    failures,
+    tensors,
+    video_timing,
+    media,
+    model,
+    sse,
+    engine,
+    handlers,
+)
 
 REFUSING_SCRIPT = f"""
 import sys
@@ -128,11 +154,13 @@ def install_fake_vllm(
         root = directory / f"{name}-python"
         interpreter = str(_interpreter(root, vllm_version, torch_version, missing_modules))
     path = directory / name
-    script = Path(fake_vllm_server.__file__).read_text() if serves else REFUSING_SCRIPT
+    script = Path(serve.__file__).read_text() if serves else REFUSING_SCRIPT
     path.write_text(f"#!{interpreter}\n{script}")
-    # The server samples videos by the harness's own rules, which it imports from beside it:
+    # The server imports its modules (and the harness's video sampling rules) from beside it:
     # where it runs (an export's run.sh) the harness may not be importable.
-    shutil.copyfile(video_sampling.__file__, directory / "video_sampling.py")
+    for module in SERVER_MODULES:
+        source = Path(str(module.__file__))
+        shutil.copyfile(source, directory / source.name)
     path.chmod(0o755)
     beside = directory / "python"
     beside.write_text(f'#!/bin/sh\nexec {shlex.quote(interpreter)} "$@"\n')
