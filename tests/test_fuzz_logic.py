@@ -12,6 +12,7 @@ from harness.judge.records import CaseRecord, Verdict
 from harness.outcomes.outcome import Outcome
 from harness.run.fuzz.consumer import (
     ConsumerState,
+    SentPrompt,
     looked_up_tokens,
     media_identities,
     stored_tokens,
@@ -224,6 +225,10 @@ def fake_ids(spec: PromptSpec, estimator: FakeEstimator) -> tuple[list[int], tup
 WORD_IDS: dict[str, int] = {}
 
 
+def sent(ids, media=(), run_starts=(), salt=None) -> SentPrompt:
+    return SentPrompt(tuple(ids), tuple(media), tuple(run_starts), salt)
+
+
 def test_a_follow_up_extends_the_request_before_it() -> None:
     examples = draw_examples(
         FuzzSpace(min_prompt_tokens=34), 120, seed=4, estimator=FakeEstimator()
@@ -267,23 +272,19 @@ def test_a_block_plus_one_follow_up_makes_prefill_load_a_folder_never_written() 
             aimed[later.aim["cache_salt"]] += 1
             earlier = by_name[later.aim["follows"]].spec
             ids, starts = fake_ids(later.spec, estimator)
-            sent = (
-                ids,
-                media_identities(later.spec),
-                starts,
-                dict(later.spec.extra).get("cache_salt"),
-            )
+            salt = dict(later.spec.extra).get("cache_salt")
+            prompt = SentPrompt(tuple(ids), media_identities(later.spec), starts, salt)
             assert len(ids) % 32 == 1, later.spec
             state = ConsumerState(32)
-            assert not state.prefill_loads_missing(*sent)
+            assert not state.prefill_loads_missing(prompt)
             earlier_ids, earlier_starts = fake_ids(earlier, estimator)
             state.served(
-                earlier_ids, media_identities(earlier), earlier_starts, consumer_alive=True
+                sent(earlier_ids, media_identities(earlier), earlier_starts), consumer_alive=True
             )
             own = later.aim["cache_salt"] == "own"
-            assert state.prefill_loads_missing(*sent) is own, later.spec
-            assert not state.decode_loads_missing(*sent)
-            assert state.holds(*sent) == len(ids) - 33, "D's lookup: the earlier request's folder"
+            assert state.prefill_loads_missing(prompt) is own, later.spec
+            assert not state.decode_loads_missing(prompt)
+            assert state.holds(prompt) == len(ids) - 33, "D's lookup: the earlier request's folder"
     assert aimed["own"] and aimed["shared"] and sum(aimed.values()) >= 10, aimed
 
 
@@ -350,18 +351,18 @@ def test_examples_connector_keys_differ_one_token_past_a_block(
 def test_what_d_holds_follows_the_storage_and_its_prefix_cache() -> None:
     state = ConsumerState(block=32)
     text = list(range(100, 165))  # 65 tokens: P stores 64, D looks for 32
-    assert state.holds(text, (), ()) == 0
-    state.served(text, (), (), consumer_alive=False)  # D died on it: nothing cached
-    assert state.holds(text, (), ()) == 0, "P stored 64 tokens where D looks for 32"
+    assert state.holds(sent(text)) == 0
+    state.served(sent(text), consumer_alive=False)  # D died on it: nothing cached
+    assert state.holds(sent(text)) == 0, "P stored 64 tokens where D looks for 32"
     shorter = text[:40]  # 40 tokens: P stores 32 under D's lookup key for `text`
-    state.served(shorter, (), (), consumer_alive=False)
-    assert state.holds(text, (), ()) == 32
+    state.served(sent(shorter), consumer_alive=False)
+    assert state.holds(sent(text)) == 32
     state.storage_reset()
-    assert state.holds(text, (), ()) == 0
-    state.served(text[:64] + [7, 8], (), (), consumer_alive=True)  # D caches 2 full blocks
-    assert state.holds(text, (), ()) == 64, "a prefix-cache hit, capped at n - 1"
+    assert state.holds(sent(text)) == 0
+    state.served(sent(text[:64] + [7, 8]), consumer_alive=True)  # D caches 2 full blocks
+    assert state.holds(sent(text)) == 64, "a prefix-cache hit, capped at n - 1"
     state.restarted(consumer=True)
-    assert state.holds(text, (), ()) == 0, "a revived D holds nothing of its own"
+    assert state.holds(sent(text)) == 0, "a revived D holds nothing of its own"
 
 
 def test_p_dies_where_its_lookup_finds_a_folder_and_the_one_it_loads_was_never_written() -> None:
@@ -372,20 +373,22 @@ def test_p_dies_where_its_lookup_finds_a_folder_and_the_one_it_loads_was_never_w
     follow-up under the earlier request's salt moved no KV and killed nothing)."""
     state = ConsumerState(block=32)
     text = list(range(100, 165))  # 65 tokens: P stores 64, both look up 32
-    assert not state.prefill_loads_missing(text, (), (), "b"), "nothing stored: P stores"
-    state.served(text[:40], (), (), consumer_alive=True, salt="a")  # 32 under the lookup key
-    assert state.prefill_loads_missing(text, (), (), "b")
-    assert not state.prefill_loads_missing(text, (), (), "a"), "P's prefix cache covers it"
-    assert not state.prefill_loads_missing(text, ("image-a",), (), "b"), "media are in the key"
-    state.served(text, (), (), consumer_alive=True, prefill_alive=False, salt="b")
+    assert not state.prefill_loads_missing(sent(text, salt="b")), "nothing stored: P stores"
+    state.served(sent(text[:40], salt="a"), consumer_alive=True)  # 32 under the lookup key
+    assert state.prefill_loads_missing(sent(text, salt="b"))
+    assert not state.prefill_loads_missing(sent(text, salt="a")), "P's prefix cache covers it"
+    assert not state.prefill_loads_missing(sent(text, ("image-a",), (), "b")), (
+        "media are in the key"
+    )
+    state.served(sent(text, salt="b"), consumer_alive=True, prefill_alive=False)
     assert state.hollow == {(tuple(text[:64]), ())}, "P died: its load left the 64 hollow"
-    assert state.prefill_loads_missing(text, (), (), "c"), "a hollow folder holds no KV either"
-    assert state.prefill_loads_missing(text[:64] + [9, 9], (), (), "c"), "its own lookup"
+    assert state.prefill_loads_missing(sent(text, salt="c")), "a hollow folder holds no KV either"
+    assert state.prefill_loads_missing(sent(text[:64] + [9, 9], salt="c")), "its own lookup"
     state.storage_reset()
-    assert not state.prefill_loads_missing(text, (), (), "b") and not state.hollow
-    state.served(text, (), (), consumer_alive=True, salt="a")  # stored first: 64, own key
-    state.served(text[:40], (), (), consumer_alive=True, salt="b")
-    assert not state.prefill_loads_missing(text, (), (), "c"), "the folder it loads was written"
+    assert not state.prefill_loads_missing(sent(text, salt="b")) and not state.hollow
+    state.served(sent(text, salt="a"), consumer_alive=True)  # stored first: 64, own key
+    state.served(sent(text[:40], salt="b"), consumer_alive=True)
+    assert not state.prefill_loads_missing(sent(text, salt="c")), "the folder it loads was written"
 
 
 def test_d_dies_where_p_had_the_prefix_cached_and_d_did_not() -> None:
@@ -393,14 +396,14 @@ def test_d_dies_where_p_had_the_prefix_cached_and_d_did_not() -> None:
     earlier request, loads the folder of align(n) tokens nobody wrote."""
     state = ConsumerState(block=32)
     text = list(range(100, 165))  # 65 tokens
-    state.served(text[:40], (), (), consumer_alive=True)
-    assert not state.decode_loads_missing(text, ()), "D's cache covers it as well"
+    state.served(sent(text[:40]), consumer_alive=True)
+    assert not state.decode_loads_missing(sent(text)), "D's cache covers it as well"
     state.restarted(consumer=True)
-    assert not state.prefill_loads_missing(text, ()) and state.decode_loads_missing(text, ())
-    state.served(text, (), (), consumer_alive=False)
+    assert not state.prefill_loads_missing(sent(text)) and state.decode_loads_missing(sent(text))
+    state.served(sent(text), consumer_alive=False)
     assert state.hollow == {(tuple(text[:64]), ())}, "D's failed load left the 64 hollow"
     state.restarted(prefill=True)
-    assert state.prefill_loads_missing(text, ()) and not state.decode_loads_missing(text, ())
+    assert state.prefill_loads_missing(sent(text)) and not state.decode_loads_missing(sent(text))
     layout = PromptLayout(65, (("image", 40, 50),), 32, decode_loads_missing=True)
     assert layout.loads_missing and not layout.media_past_kv_miss
     assert not layout.kv_short_of_transfer, "D dies before it answers"
@@ -427,9 +430,9 @@ def test_a_prefill_death_is_no_consumer_crash_and_is_known_by_its_own_trigger() 
 def test_a_prefix_hit_stops_where_another_media_item_sits() -> None:
     state = ConsumerState(block=32)
     ids = [1] * 10 + [785] * 40 + [2] * 30  # one image at 10..50, 80 tokens
-    state.served(ids, ("image-a",), (10,), consumer_alive=True)
-    assert state.holds(ids, ("image-a",), (10,)) == 64
-    assert state.holds(ids, ("image-b",), (10,)) == 0, "same placeholders, another image"
+    state.served(sent(ids, ("image-a",), (10,)), consumer_alive=True)
+    assert state.holds(sent(ids, ("image-a",), (10,))) == 64
+    assert state.holds(sent(ids, ("image-b",), (10,))) == 0, "same placeholders, another image"
 
 
 def test_media_identities_follow_the_part_and_its_kwargs() -> None:
@@ -1013,14 +1016,14 @@ def test_a_failure_that_needs_an_earlier_request_is_bundled_with_it_first(tmp_pa
 def test_a_folder_remembers_the_requests_that_made_it() -> None:
     state = ConsumerState(block=32)
     text = list(range(100, 165))  # 65 tokens: P stores 64, both look up 32
-    assert state.stage_of(text, ()) == ()
-    state.served(text[:40], (), (), salt="a", name="ex-0001")  # stores 32: text's lookup key
-    assert state.stage_of(text, ()) == ("ex-0001",)
-    assert state.stage_of(text, ("image-a",)) == (), "the media are in the key"
-    state.served(text, (), (), prefill_alive=False, salt="b", name="ex-0002")  # hollow 64
-    assert state.stage_of(text[:64] + [9, 9], ()) == ("ex-0001", "ex-0002")
+    assert state.stage_of(sent(text)) == ()
+    state.served(sent(text[:40], salt="a"), name="ex-0001")  # stores 32: text's lookup key
+    assert state.stage_of(sent(text)) == ("ex-0001",)
+    assert state.stage_of(sent(text, ("image-a",))) == (), "the media are in the key"
+    state.served(sent(text, salt="b"), prefill_alive=False, name="ex-0002")  # hollow 64
+    assert state.stage_of(sent(text[:64] + [9, 9])) == ("ex-0001", "ex-0002")
     state.storage_reset()
-    assert state.stage_of(text, ()) == () and not state.made_by
+    assert state.stage_of(sent(text)) == () and not state.made_by
 
 
 def test_a_fuzz_bundle_says_which_devices_computed_the_ids(tmp_path: Path, monkeypatch) -> None:

@@ -71,13 +71,14 @@ def media_identities(spec: PromptSpec) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class Served:
-    """One prompt an instance computed or loaded (its full blocks are in its prefix cache,
-    under the request's cache salt)."""
+class SentPrompt:
+    """One prompt as the storage model sees it: its ids, its media items' identities and
+    where each one's placeholders start, and the request's cache salt (an instance's prefix
+    cache serves only requests of the same salt; ExampleConnector's keys ignore it)."""
 
     ids: tuple[int, ...]
-    media: tuple[str, ...]
-    run_starts: tuple[int, ...]  # where each media item's placeholders start
+    media: tuple[str, ...] = ()
+    run_starts: tuple[int, ...] = ()
     salt: str | None = None
 
 
@@ -96,72 +97,51 @@ class ConsumerState:
     # Folders a failed load created with no file in them (`prefill_loads_missing`,
     # `decode_loads_missing`): found by a lookup all the same.
     hollow: set[Key] = field(default_factory=set)
-    cached: list[Served] = field(default_factory=list)  # D's prefix cache
-    prefill_cached: list[Served] = field(default_factory=list)  # P's prefix cache
+    cached: list[SentPrompt] = field(default_factory=list)  # D's prefix cache
+    prefill_cached: list[SentPrompt] = field(default_factory=list)  # P's prefix cache
     # Each folder's making: the requests that, sent in this order to fresh servers, leave
     # it as it is (the one that stored it; for a hollow one, what its failed load found,
     # then that load's request). What `repro` and `export` replay before a request whose
     # failure needs the folder (`stage_of`).
     made_by: dict[Key, tuple[str, ...]] = field(default_factory=dict)
 
-    def stage_of(self, ids: list[int] | tuple[int, ...], media: tuple[str, ...]) -> tuple[str, ...]:
+    def stage_of(self, prompt: SentPrompt) -> tuple[str, ...]:
         """The requests that made the folder this prompt's lookup finds (none: it finds
         none, or the folder's making is unknown)."""
-        lookup, _ = self._keys(ids, media)
+        lookup, _ = self.keys_of(prompt)
         return self.made_by.get(lookup, ()) if self._found(lookup) else ()
 
-    def prefill_loads_missing(
-        self,
-        ids: list[int] | tuple[int, ...],
-        media: tuple[str, ...],
-        run_starts: tuple[int, ...] = (),
-        salt: str | None = None,
-    ) -> bool:
+    def prefill_loads_missing(self, prompt: SentPrompt) -> bool:
         """Whether P's lookup finds a folder, its prefix cache holds less than that, and the
         folder it then loads holds no KV: P's engine dies (FileNotFoundError) before D is
         asked anything."""
-        _, load = self._keys(ids, media)
-        return self._prefill_loads(ids, media, run_starts, salt) and load not in self.stored
+        _, load = self.keys_of(prompt)
+        return self._prefill_loads(prompt) and load not in self.stored
 
-    def decode_loads_missing(
-        self,
-        ids: list[int] | tuple[int, ...],
-        media: tuple[str, ...],
-        run_starts: tuple[int, ...] = (),
-        salt: str | None = None,
-    ) -> bool:
+    def decode_loads_missing(self, prompt: SentPrompt) -> bool:
         """Whether P, its own cache covering the lookup, left the folder unwritten that D,
         its cache covering less, then loads: D's engine dies as P's would."""
-        lookup, load = self._keys(ids, media)
+        lookup, load = self.keys_of(prompt)
         if not self._found(lookup) or load in self.stored:
             return False
-        if self._prefill_loads(ids, media, run_starts, salt):
+        if self._prefill_loads(prompt):
             return False  # P loads (and dies) first
-        return self._hit(self.cached, ids, media, run_starts, salt) < len(lookup[0])
+        return self._hit(self.cached, prompt) < len(lookup[0])
 
-    def holds(
-        self,
-        ids: list[int] | tuple[int, ...],
-        media: tuple[str, ...],
-        run_starts: tuple[int, ...],
-        salt: str | None = None,
-    ) -> int:
+    def holds(self, prompt: SentPrompt) -> int:
         """Tokens of this prompt D has before P's transfer: its prefix-cache hit, or an
         earlier request's folder under its lookup key, whichever is longer."""
-        lookup, _ = self._keys(ids, media)
+        lookup, _ = self.keys_of(prompt)
         from_storage = len(lookup[0]) if lookup in self.stored else 0
-        return max(from_storage, self._hit(self.cached, ids, media, run_starts, salt))
+        return max(from_storage, self._hit(self.cached, prompt))
 
     def served(
         self,
-        ids: list[int] | tuple[int, ...],
-        media: tuple[str, ...],
-        run_starts: tuple[int, ...],
+        prompt: SentPrompt,
         *,
         reached_prefill: bool = True,
         prefill_alive: bool = True,
         consumer_alive: bool = True,
-        salt: str | None = None,
         name: str = "",
     ) -> None:
         """A request the topology was sent. Unless it ended before P (the encoder died on
@@ -171,22 +151,20 @@ class ConsumerState:
         survived) and survived, did too."""
         if not reached_prefill:
             return
-        lookup, load = self._keys(ids, media)
+        lookup, load = self.keys_of(prompt)
         if not self._found(lookup):
             self.stored.add(load)
             self.made_by[load] = (name,)
         elif load not in self.stored and (
-            self._prefill_loads(ids, media, run_starts, salt)
-            or self.decode_loads_missing(ids, media, run_starts, salt)
+            self._prefill_loads(prompt) or self.decode_loads_missing(prompt)
         ):
             self.hollow.add(load)
             self.made_by.setdefault(load, (*self.made_by.get(lookup, ()), name))
         if not prefill_alive:
             return
-        served = Served(tuple(ids), media, run_starts, salt)
-        self.prefill_cached.append(served)
+        self.prefill_cached.append(prompt)
         if consumer_alive:
-            self.cached.append(served)
+            self.cached.append(prompt)
 
     def restarted(self, *, prefill: bool = False, consumer: bool = False) -> None:
         """Instances started again in place: their prefix caches are empty."""
@@ -202,57 +180,41 @@ class ConsumerState:
         self.cached.clear()
         self.prefill_cached.clear()
 
+    def keys_of(self, prompt: SentPrompt) -> tuple[Key, Key]:
+        """The lookup key (both instances) and the key P stores under and loads from."""
+        n = len(prompt.ids)
+        return (
+            (prompt.ids[: looked_up_tokens(n, self.block)], prompt.media),
+            (prompt.ids[: stored_tokens(n, self.block)], prompt.media),
+        )
+
     def _found(self, key: Key) -> bool:
         return key in self.stored or key in self.hollow
 
-    def _prefill_loads(
-        self,
-        ids: list[int] | tuple[int, ...],
-        media: tuple[str, ...],
-        run_starts: tuple[int, ...],
-        salt: str | None,
-    ) -> bool:
+    def _prefill_loads(self, prompt: SentPrompt) -> bool:
         """P's connector loads: its lookup finds a folder and P's prefix cache covers less."""
-        lookup, _ = self._keys(ids, media)
-        if not self._found(lookup):
-            return False
-        return self._hit(self.prefill_cached, ids, media, run_starts, salt) < len(lookup[0])
+        lookup, _ = self.keys_of(prompt)
+        return self._found(lookup) and self._hit(self.prefill_cached, prompt) < len(lookup[0])
 
-    def _keys(self, ids: list[int] | tuple[int, ...], media: tuple[str, ...]) -> tuple[Key, Key]:
-        """The lookup key (both instances) and the key P stores under and loads from."""
-        n = len(ids)
-        return (
-            (tuple(ids[: looked_up_tokens(n, self.block)]), media),
-            (tuple(ids[: stored_tokens(n, self.block)]), media),
-        )
-
-    def _hit(
-        self,
-        cache: list[Served],
-        ids: list[int] | tuple[int, ...],
-        media: tuple[str, ...],
-        run_starts: tuple[int, ...],
-        salt: str | None,
-    ) -> int:
+    def _hit(self, cache: list[SentPrompt], prompt: SentPrompt) -> int:
         """An instance's prefix-cache hit for this prompt: whole blocks shared with an
         earlier prompt of the same salt, up to the first media item that differs."""
-        n = len(ids)
         best = 0
         for earlier in cache:
-            if earlier.salt != salt:
+            if earlier.salt != prompt.salt:
                 continue
-            common = _common_prefix(ids, earlier.ids)
-            for start, here, there in zip(run_starts, media, earlier.media):
+            common = _common_prefix(prompt.ids, earlier.ids)
+            for start, here, there in zip(prompt.run_starts, prompt.media, earlier.media):
                 if start < common and here != there:  # same placeholders, another item
                     common = start
                     break
             full_blocks = len(earlier.ids) // self.block
             best = max(best, min(common // self.block, full_blocks) * self.block)
         # vLLM leaves at least one prompt token to compute (max_cache_hit_length = n - 1).
-        return min(best, (n - 1) // self.block * self.block)
+        return min(best, (len(prompt.ids) - 1) // self.block * self.block)
 
 
-def _common_prefix(a: list[int] | tuple[int, ...], b: tuple[int, ...]) -> int:
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     for index, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return index

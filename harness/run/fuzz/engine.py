@@ -36,7 +36,7 @@ from harness.outcomes.outcome import Outcome
 from harness.run.baseline import BaselineAnswers
 from harness.run.faults.by_name import fault_for
 from harness.run.faults.planted import PlantedFault, plant
-from harness.run.fuzz.consumer import ConsumerState, media_identities
+from harness.run.fuzz.consumer import ConsumerState, SentPrompt, media_identities
 from harness.run.fuzz.fault_effect import (
     FAULT_ACTED,
     FAULT_ACTED_BEFORE,
@@ -279,15 +279,15 @@ class FuzzEngine:
         elif self.placeholders is not None:
             ids = answer.result.prompt_token_ids
             layout = layout_from_ids(ids, self.placeholders, self.settings.serving.block_size)
-            sent = (ids, media_identities(spec), layout.run_starts, body.get(CACHE_SALT))
+            sent = sent_prompt(evaluation, layout)
             evaluation.layout = dataclasses.replace(
                 layout,
-                consumer_holds=self.consumer.holds(*sent),
-                prefill_loads_missing=self.consumer.prefill_loads_missing(*sent),
-                decode_loads_missing=self.consumer.decode_loads_missing(*sent),
+                consumer_holds=self.consumer.holds(sent),
+                prefill_loads_missing=self.consumer.prefill_loads_missing(sent),
+                decode_loads_missing=self.consumer.decode_loads_missing(sent),
             )
             if evaluation.layout.loads_missing:
-                names = self.consumer.stage_of(ids, sent[1])
+                names = self.consumer.stage_of(sent)
                 evaluation.stage = tuple((n, self.sent[n]) for n in names if n in self.sent)
         evaluation.seconds = time.monotonic() - began
         return evaluation
@@ -341,21 +341,17 @@ class FuzzEngine:
 
     def _served(self, evaluation: Evaluation) -> None:
         """What the request left in the KV storage and in P's and D's prefix caches."""
-        result = evaluation.baseline.result
-        if result is None or evaluation.layout is None:
+        if evaluation.baseline.result is None or evaluation.layout is None:
             return
         # Every instance was up when the request was sent: one down now died on it, and the
         # proxy asked nothing of the roles after it (encoder, then P, then D).
         dead = dead_roles(self.session)
         self.sent[evaluation.spec.name] = evaluation.body
         self.consumer.served(
-            result.prompt_token_ids,
-            media_identities(evaluation.spec),
-            evaluation.layout.run_starts,
+            sent_prompt(evaluation, evaluation.layout),
             reached_prefill=Role.ENCODER not in dead,
             prefill_alive=Role.PREFILL not in dead,
             consumer_alive=Role.DECODE not in dead,
-            salt=evaluation.body.get(CACHE_SALT),
             name=evaluation.spec.name,
         )
 
@@ -454,6 +450,18 @@ class FuzzEngine:
 def _base(session: object) -> object:
     """The running topology behind a session (a proxied view shares its base's instances)."""
     return session.base if isinstance(session, ProxiedSession) else session
+
+
+def sent_prompt(evaluation: Evaluation, layout: PromptLayout) -> SentPrompt:
+    """The request as the storage model follows it: the baseline's prompt ids (the
+    topology's are the same), its media, and the salt the topology gets it under."""
+    assert evaluation.baseline.result is not None
+    return SentPrompt(
+        tuple(evaluation.baseline.result.prompt_token_ids),
+        media_identities(evaluation.spec),
+        layout.run_starts,
+        evaluation.body.get(CACHE_SALT),
+    )
 
 
 def dead_roles(session: object) -> set[Role]:
