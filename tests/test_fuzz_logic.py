@@ -1463,7 +1463,9 @@ def test_a_group_bundle_holds_the_instance_commands_export_needs(tmp_path: Path)
     (the bundle fuzz.md names for the group) exited 2 with "expected 2 instance commands of
     1E+1PD in .../01-known-mismatch-generated-ids/1E-1PD, found 0": the commands stayed in the
     run directory, so only the run's first group could be exported (from RUN). Each group's
-    bundle now carries the baseline's and the topology's recorded commands."""
+    bundle now carries the baseline's and the topology's recorded commands. Seen on real vLLM
+    too: a group of a run whose instances were revived had "expected 3 instance commands of
+    1E+1P+1D ..., found 11" (each revival's own `.revived-N.cmd.json`): one per instance now."""
     from harness.run.export.reference import baseline_server
     from harness.run.export.servers import recorded_commands
     from harness.run.fuzz.bundle import write_group_bundle
@@ -1479,10 +1481,14 @@ def test_a_group_bundle_holds_the_instance_commands_export_needs(tmp_path: Path)
         for name in names:
             command = {"name": f"{directory}/{name}", "argv": ["vllm", "serve", name], "env": {}}
             (tmp_path / directory / f"{directory}__{name}.cmd.json").write_text(json.dumps(command))
+    revived = {"name": "1E-1PD/pd0", "argv": ["vllm", "serve", "pd0-revived"], "env": {}}
+    (tmp_path / "1E-1PD" / "1E-1PD__pd0.revived-1.cmd.json").write_text(json.dumps(revived))
     directory = tmp_path / "failures" / "01-new"
     write_group_bundle(directory, settings, TOPOLOGIES["1E+1PD"], group, {"seed": 3}, None)
     bundle = Bundle.load(directory)
-    assert [short for short, _ in recorded_commands(bundle, "1E+1PD")] == ["encoder0", "pd0"]
+    commands = recorded_commands(bundle, "1E+1PD")
+    assert [short for short, _ in commands] == ["encoder0", "pd0"]
+    assert commands[1][1]["argv"] == ["vllm", "serve", "pd0"], "the first start's command"
     server, _ = baseline_server(bundle)
     assert ("baseline0",) in server.argv, "the recorded command, not one rendered for the run"
 

@@ -67,14 +67,16 @@ def topology_dir(bundle: Bundle, label: str) -> Path:
 
 def recorded_commands(bundle: Bundle, label: str) -> list[tuple[str, dict[str, Any]]]:
     """The `.cmd.json` of every instance that served `label` (vLLM's proxy left out), as
-    (short name, command)."""
-    commands = []
+    (short name, command): one per instance. An instance revived in place (a fuzz run's, after
+    a crash) left a `<name>.revived-N.cmd.json` beside its first, with the same flags; the
+    first is the one kept (it sorts first)."""
+    commands: dict[str, dict[str, Any]] = {}
     for path in sorted(topology_dir(bundle, label).glob("*.cmd.json")):
         command = json.loads(path.read_text(encoding="utf-8"))
         short = command.get("name", "").rsplit("/", 1)[-1]
         if short and not short.startswith("vllm-proxy"):
-            commands.append((short, command))
-    return commands
+            commands.setdefault(short, command)
+    return list(commands.items())
 
 
 def instance_servers(
