@@ -531,7 +531,8 @@ def test_the_decode_tail_crash_is_known_only_with_its_trigger_and_connector() ->
     assert not untriggered.known and untriggered.outside_trigger is not None
     nixl = rules_for(TOPOLOGIES["1E+1P+1D"], "NixlConnector", NEWEST)
     assert not recognise(nixl, crash, spec, _tail_layout(True)).known
-    assert not rules_for(TOPOLOGIES["1P+1D"], "ExampleConnector", NEWEST)
+    pd = rules_for(TOPOLOGIES["1P+1D"], "ExampleConnector", NEWEST)
+    assert not recognise(pd, crash, spec, _tail_layout(True)).known, "no encoder on 1P+1D"
 
 
 def test_the_video_timing_mismatch_is_known_for_frames_not_at_two_fps() -> None:
@@ -1162,7 +1163,27 @@ def test_an_ec_path_declaration_covers_every_encoder_topology() -> None:
     assert "scenario ec-video-jpeg-frames-default-fps" in epd
     assert "scenario epd-media-in-decode-tail" in epd
     pd = {r.name for r in rules_for(TOPOLOGIES["1P+1D"], "ExampleConnector", NEWEST)}
-    assert not pd
+    assert not {name for name in pd if "ec-" in name or "media" in name}, pd
+
+
+def test_a_text_only_kv_declaration_covers_every_topology_that_moves_kv() -> None:
+    """Seen on real vLLM: `fuzz --topology 1P+1D --examples 40 --seed 1` met the text-only
+    VACUOUS at k*block+1 tokens that epd-kv-lookup-miss-text declares on 1E+1P+1D, and called
+    it new (exit 1). Its requests are text: no encoder takes part, only P's and D's KV
+    connector, which 1P+1D runs alike. A declaration with media stays on its topology."""
+    pd = {r.name for r in rules_for(TOPOLOGIES["1P+1D"], "ExampleConnector", NEWEST)}
+    assert {
+        "scenario epd-kv-lookup-miss-text",
+        "scenario epd-kv-lookup-miss-kills-prefill",
+    } <= pd
+    assert "scenario epd-kv-lookup-miss-media" not in pd
+    ec = rules_for(TOPOLOGIES["1E+1PD"], "ExampleConnector", NEWEST)
+    assert all("kv-lookup" not in r.name for r in ec), "no KV on 1E+1PD"
+    vacuous = record(Verdict.VACUOUS, "tokens equal but guard failed: kv_transfer")
+    text = PromptSpec("t", (TextPart(" x"),))
+    layout = PromptLayout(65, (), 32, consumer_holds=32)
+    rules = rules_for(TOPOLOGIES["1P+1D"], "ExampleConnector", NEWEST)
+    assert recognise(rules, vacuous, text, layout).rule.name == "scenario epd-kv-lookup-miss-text"
 
 
 def test_a_spent_run_budget_sends_nothing_more_and_says_so(tmp_path: Path) -> None:

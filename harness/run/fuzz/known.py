@@ -23,7 +23,7 @@ from harness.run.fuzz.layout import PromptLayout
 from harness.run.fuzz.video_timing import video_positions_differ
 from harness.run.scenarios import MATRIX, Scenario
 from harness.spec.generations import KnownFailure, ProtocolGeneration, known_failure
-from harness.spec.prompts import PromptSpec, VideoFramesPart, VideoPart
+from harness.spec.prompts import MEDIA_PARTS, PromptSpec, VideoFramesPart, VideoPart
 from harness.spec.topology import TOPOLOGIES, Topology
 
 Trigger = Callable[[PromptSpec, PromptLayout | None], bool]
@@ -132,7 +132,9 @@ def rules_for(
     rules = [
         _scenario_rule(s.for_kv_connector(kv_connector))
         for s in MATRIX
-        if declared_for(TOPOLOGIES[s.topology], topology)
+        if declared_for(
+            TOPOLOGIES[s.topology], topology, text_only=not any(map(has_media, s.prompts))
+        )
     ]
     rules = [r for r in rules if r is not None]
     if topology.encoders:  # a release's failures are of its encoder path (`known_failure`)
@@ -141,14 +143,23 @@ def rules_for(
     return rules
 
 
-def declared_for(declared: Topology, fuzzed: Topology) -> bool:
+def declared_for(declared: Topology, fuzzed: Topology, text_only: bool = False) -> bool:
     """A scenario's failure applies to its own topology; one declared on an encoder topology
     without KV transfer (the EC path alone: 1E+1PD) applies to every encoder topology, since
-    the same encoder and consumer code serve them (1E+1P+1D's P is that consumer)."""
+    the same encoder and consumer code serve them (1E+1P+1D's P is that consumer); and one
+    whose requests are all text, declared on a topology that moves KV, applies to every
+    topology that moves KV: no encoder takes part in them, only P's and D's KV connector (a
+    1P+1D fuzz met epd-kv-lookup-miss-text's VACUOUS and called it new)."""
     if declared.name == fuzzed.name:
         return True
     ec_only = declared.has_ec_transfer and not declared.has_kv_transfer
-    return ec_only and fuzzed.has_ec_transfer
+    if ec_only and fuzzed.has_ec_transfer:
+        return True
+    return text_only and declared.has_kv_transfer and fuzzed.has_kv_transfer
+
+
+def has_media(spec: PromptSpec) -> bool:
+    return any(isinstance(part, MEDIA_PARTS) for part in spec.parts)
 
 
 def _scenario_rule(scenario: Scenario) -> KnownRule | None:
