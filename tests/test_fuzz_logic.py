@@ -3,6 +3,7 @@ shrinking and its budget, the bundle repro takes, and --save's scenario."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -1184,6 +1185,13 @@ def test_a_text_only_kv_declaration_covers_every_topology_that_moves_kv() -> Non
     layout = PromptLayout(65, (), 32, consumer_holds=32)
     rules = rules_for(TOPOLOGIES["1P+1D"], "ExampleConnector", NEWEST)
     assert recognise(rules, vacuous, text, layout).rule.name == "scenario epd-kv-lookup-miss-text"
+    # The same with an image past what D holds (real vLLM, 1P+1D: called new): D has the
+    # image itself there, no encoder took it away, so it computes the rest and answers right.
+    image = image_prompt((28, 28))
+    past = PromptLayout(65, (("image", 40, 44),), 32, consumer_holds=32)
+    assert not recognise(rules, vacuous, image, past).known, "an EC consumer's D would die"
+    raw = dataclasses.replace(past, decode_has_media=True)
+    assert recognise(rules, vacuous, image, raw).rule.name == "scenario epd-kv-lookup-miss-text"
 
 
 def test_a_spent_run_budget_sends_nothing_more_and_says_so(tmp_path: Path) -> None:

@@ -282,6 +282,7 @@ class FuzzEngine:
             sent = sent_prompt(evaluation, layout)
             evaluation.layout = dataclasses.replace(
                 layout,
+                decode_has_media=not self.topology.has_ec_transfer,
                 consumer_holds=self.consumer.holds(sent),
                 prefill_loads_missing=self.consumer.prefill_loads_missing(sent),
                 decode_loads_missing=self.consumer.decode_loads_missing(sent),

@@ -40,8 +40,13 @@ def media_past_kv_miss(spec: PromptSpec, layout: PromptLayout | None) -> bool:
 
 
 def kv_short_without_media(spec: PromptSpec, layout: PromptLayout | None) -> bool:
-    """n = k * block + 1 tokens, D holds less than the transfer, no placeholder past it."""
-    return layout is not None and layout.kv_short_of_transfer and not layout.media_past_kv_miss
+    """n = k * block + 1 tokens, D holds less than the transfer, and computes the rest: no
+    placeholder past what it holds, or the media itself at hand (1P+1D's D gets them raw)."""
+    return (
+        layout is not None
+        and layout.kv_short_of_transfer
+        and (layout.decode_has_media or not layout.media_past_kv_miss)
+    )
 
 
 def prefill_loads_missing_kv(spec: PromptSpec, layout: PromptLayout | None) -> bool:
@@ -76,7 +81,7 @@ SCENARIO_TRIGGERS: dict[str, tuple[str, Trigger]] = {
         media_past_kv_miss,
     ),
     "epd-kv-lookup-miss-text": (
-        "n = k*block+1 prompt tokens and no placeholder past what D holds",
+        "n = k*block+1 prompt tokens and no placeholder past what D holds (or D has the media)",
         kv_short_without_media,
     ),
     "epd-kv-lookup-miss-kills-prefill": (

@@ -61,6 +61,9 @@ class PromptLayout:
     # P's prefix cache covered the lookup, so it wrote nothing, and D, its own cache covering
     # less, loads that unwritten folder and dies (`ConsumerState.decode_loads_missing`).
     decode_loads_missing: bool = False
+    # D gets the request's media itself (no encoder: the proxy hands it the raw parts), so a
+    # placeholder D computes needs no embedding it lacks; set by the engine from the topology.
+    decode_has_media: bool = False
 
     @property
     def loads_missing(self) -> bool:
@@ -146,6 +149,7 @@ class PromptLayout:
             "media_past_kv_miss": self.media_past_kv_miss,
             "prefill_loads_missing": self.prefill_loads_missing,
             "decode_loads_missing": self.decode_loads_missing,
+            "decode_has_media": self.decode_has_media,
         }
 
 
