@@ -82,9 +82,14 @@ def test_the_estimate_counts_videos_as_the_processor_does(model: Path) -> None:
 def test_the_estimate_counts_drawn_video_prompts_as_the_processor_does(model: Path) -> None:
     estimator = TokenizerEstimator(model)
     space = FuzzSpace(max_images=1, max_videos=1)
-    examples = draw_examples(space, 25, seed=5, estimator=estimator)
-    videos = [p for e in examples for p in e.spec.parts if isinstance(p, VideoPart)]
-    frames = [p for e in examples for p in e.spec.parts if isinstance(p, VideoFramesPart)]
-    assert videos and frames
+    # The first draw with both kinds of video: which seed has them changes with the
+    # strategies (seed 5 lost its mp4 when follow-ups and text-only requests were added).
+    for seed in range(5, 30):
+        examples = draw_examples(space, 25, seed=seed, estimator=estimator)
+        videos = [p for e in examples for p in e.spec.parts if isinstance(p, VideoPart)]
+        frames = [p for e in examples for p in e.spec.parts if isinstance(p, VideoFramesPart)]
+        if videos and frames:
+            break
+    assert videos and frames, "no draw of seeds 5-29 had an mp4 and JPEG frames"
     estimated, counted = estimated_and_counted(model, [e.spec for e in examples])
     assert estimated == counted
