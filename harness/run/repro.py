@@ -88,8 +88,12 @@ class Sending:
         if not self.earlier:
             return None
         requests = "request" if len(self.earlier) == 1 else "requests"
-        whose = f"scenario {self.scenario}'s" if self.scenario else "the run's"
-        return f"after {whose} earlier {requests} {', '.join(self.earlier)} on the same servers"
+        return f"after {self.sender}'s earlier {requests} {', '.join(self.earlier)} on the same servers"
+
+    @property
+    def sender(self) -> str:
+        """Who sent the earlier requests: the matrix scenario, or the run itself."""
+        return f"scenario {self.scenario}" if self.scenario else "the run"
 
     @property
     def replayed(self) -> str | None:
@@ -262,9 +266,8 @@ class Bundle:
             if not isinstance(self.requests.get(name), dict):
                 raise BundleError(
                     f"{self.path}: requests.json has no body for {name!r}, which "
-                    f"{f'scenario {sending.scenario}' if sending.scenario else 'the run'} sent "
-                    "before the case on the same servers: the stage the case was sent on "
-                    "cannot be set again"
+                    f"{sending.sender} sent before the case on the same servers: the stage "
+                    "the case was sent on cannot be set again"
                 )
         return tuple((name, self.requests[name]) for name in sending.earlier)
 

@@ -467,6 +467,14 @@ class TopologySession:
                 )
         return None
 
+    def dead_roles(self) -> set[Role]:
+        """The roles of the instances that are not running."""
+        return {
+            spec.role
+            for spec, server in zip(self.instances, self._servers)
+            if not server.is_alive()
+        }
+
     def server(self, role: Role, index: int = 0) -> ManagedServer:
         """The running server of the index-th instance with `role` (fault injection, checks)."""
         matching = [srv for spec, srv in zip(self.instances, self._servers) if spec.role is role]

@@ -469,11 +469,7 @@ def dead_roles(session: object) -> set[Role]:
     """The roles of a started topology's instances that are not running (an attached
     deployment's are unknown: none)."""
     base = _base(session)
-    if not isinstance(base, TopologySession):
-        return set()
-    return {
-        spec.role for spec, server in zip(base.instances, base.servers) if not server.is_alive()
-    }
+    return base.dead_roles() if isinstance(base, TopologySession) else set()
 
 
 def describe(spec: PromptSpec, layout: PromptLayout | None, kv: bool = True) -> str:

@@ -23,7 +23,7 @@ from harness.run.fuzz.layout import PromptLayout
 from harness.run.fuzz.video_timing import video_positions_differ
 from harness.run.scenarios import MATRIX, Scenario
 from harness.spec.generations import KnownFailure, ProtocolGeneration, known_failure
-from harness.spec.prompts import MEDIA_PARTS, PromptSpec, VideoFramesPart, VideoPart
+from harness.spec.prompts import PromptSpec, VideoFramesPart, VideoPart
 from harness.spec.topology import TOPOLOGIES, Topology
 
 Trigger = Callable[[PromptSpec, PromptLayout | None], bool]
@@ -138,7 +138,7 @@ def rules_for(
         _scenario_rule(s.for_kv_connector(kv_connector))
         for s in MATRIX
         if declared_for(
-            TOPOLOGIES[s.topology], topology, text_only=not any(map(has_media, s.prompts))
+            TOPOLOGIES[s.topology], topology, text_only=not any(p.media_count for p in s.prompts)
         )
     ]
     rules = [r for r in rules if r is not None]
@@ -161,10 +161,6 @@ def declared_for(declared: Topology, fuzzed: Topology, text_only: bool = False) 
     if ec_only and fuzzed.has_ec_transfer:
         return True
     return text_only and declared.has_kv_transfer and fuzzed.has_kv_transfer
-
-
-def has_media(spec: PromptSpec) -> bool:
-    return any(isinstance(part, MEDIA_PARTS) for part in spec.parts)
 
 
 def _scenario_rule(scenario: Scenario) -> KnownRule | None:

@@ -169,14 +169,12 @@ def fuzz_examples(
         texts[-1] += FILLER * max(0, space.min_prompt_tokens - total)
     if follow == "block-plus-one" and estimator is not None:
         texts = room_for_follow_up(media, texts, extra, max_tokens, space, estimator)
-    if media and estimator is not None:
-        spec = assemble(media, texts, extra, max_tokens)
-        end, total = estimate_positions(spec, estimator)
-        aim.update(estimated_last_media_end=end, estimated_prompt_tokens=total)
     spec = assemble(media, texts, extra, max_tokens)
     if estimator is None:
         return (FuzzExample(spec, aim),)
-    _, total = estimate_positions(spec, estimator)
+    end, total = estimate_positions(spec, estimator)
+    if media:
+        aim.update(estimated_last_media_end=end, estimated_prompt_tokens=total)
     assume(space.min_prompt_tokens <= total <= space.max_model_len - max_tokens)
     first = FuzzExample(spec, aim)
     if follow is None:
