@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -28,7 +27,11 @@ from pathlib import Path
 import pytest
 
 from harness.cli.main import main
-from harness.testing.processes import export_port_variables, run_export_script
+from harness.testing.processes import (
+    export_port_variables,
+    export_ports_left,
+    run_export_script,
+)
 
 # Its runs and the exports start topologies of their own (epd_own_instances).
 pytestmark = [pytest.mark.e2e, pytest.mark.own_instances("run", "export")]
@@ -234,9 +237,6 @@ def run_exported(
     assert "imported the harness" not in done.stdout + done.stderr
     time.sleep(1)
     assert processes_mentioning(str(scratch)) == [], "the export left processes running"
-    for variable in variables:
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("127.0.0.1", int(env[variable])))
-            sock.listen()
+    ports = [int(env[variable]) for variable in variables]
+    assert export_ports_left(scratch, ports) == [], "the export left ports held"
     return done

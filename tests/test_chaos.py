@@ -43,6 +43,7 @@ from harness.testing.processes import (
     alive_or_fail,
     child_env,
     describe,
+    export_ports_left,
     files_under,
     held_ports,
     kill_all,
@@ -703,6 +704,33 @@ def test_a_port_taken_by_a_process_born_outside_the_trial_is_not_a_leftover(
         assert held_ports([port], tmp_path, born_after=born + 2.5, always=[listener.pid]) == [
             f"{port} (LISTEN pid {listener.pid})"
         ]
+    finally:
+        listener.kill()
+        listener.wait(timeout=10)
+        listener.stdout.close()
+
+
+def test_an_exports_port_counts_as_left_only_when_a_process_of_its_run_holds_it(
+    tmp_path: Path,
+) -> None:
+    """An export's run begins with its first server's pid file: a listener born since is the
+    run's leftover; one born seconds before is another test's, on a port the export gave back
+    (a fresh-clone CI run failed on such a port with `Address already in use`)."""
+    state = tmp_path / "work/state"
+    state.mkdir(parents=True)
+    (state / "pd0.pid").write_text("1\n")
+    listener = subprocess.Popen(
+        [sys.executable, "-c", LISTENER],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        port = int(listener.stdout.readline())
+        born = psutil.Process(listener.pid).create_time()
+        os.utime(state / "pd0.pid", (born - 1.0, born - 1.0))
+        assert export_ports_left(tmp_path, [port]) == [f"{port} (LISTEN pid {listener.pid})"]
+        os.utime(state / "pd0.pid", (born + 5.0, born + 5.0))
+        assert export_ports_left(tmp_path, [port]) == []
     finally:
         listener.kill()
         listener.wait(timeout=10)

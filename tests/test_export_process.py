@@ -33,6 +33,7 @@ from harness.run.repro import Bundle
 from harness.testing.fake_vllm import MODE_ENV, install_fake_vllm
 from harness.testing.processes import (
     ctrl_c,
+    export_ports_left,
     ignores_sigint,
     run_export_script,
     sigint_as_at_a_terminal,
@@ -108,11 +109,8 @@ def assert_nothing_left(out: Path, env: dict[str, str]) -> None:
         alive = [pid for pid in pids if pid_alive(pid)]
         time.sleep(0.1)
     assert alive == [], f"left running: {alive}"
-    for name in ("PROXY_PORT", "ENCODER0_PORT", "PREFILL0_PORT", "DECODE0_PORT"):
-        with socket.socket() as sock:  # TIME_WAIT allowed; a listener still there raises
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("127.0.0.1", int(env[name])))
-            sock.listen()
+    names = ("PROXY_PORT", "ENCODER0_PORT", "PREFILL0_PORT", "DECODE0_PORT")
+    assert export_ports_left(out, [int(env[name]) for name in names]) == []
 
 
 def pid_alive(pid: int) -> bool:

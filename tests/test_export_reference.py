@@ -39,6 +39,7 @@ from harness.run.export.issue import render_issue, title
 from harness.run.export.standalone_check import request_digest
 from harness.testing.processes import (
     ctrl_c,
+    export_ports_left,
     sigint_as_at_a_terminal,
     sigint_ignored_as_in_a_backgrounded_run,
 )
@@ -73,7 +74,7 @@ def pids_in(output: str) -> dict[str, int]:
     return {m[1]: int(m[2]) for m in re.finditer(r"started (\S+) \(pid (\d+)\)", output)}
 
 
-def assert_all_stopped(pids: dict[str, int], env: dict[str, str]) -> None:
+def assert_all_stopped(out: Path, pids: dict[str, int], env: dict[str, str]) -> None:
     assert pids, "serve.sh started nothing"
     deadline = time.monotonic() + 5
     alive = dict(pids)
@@ -81,12 +82,8 @@ def assert_all_stopped(pids: dict[str, int], env: dict[str, str]) -> None:
         alive = {name: pid for name, pid in pids.items() if pid_alive(pid)}
         time.sleep(0.1)
     assert alive == {}, f"left running: {alive}"
-    for name, value in env.items():
-        if name.endswith("_PORT"):
-            with socket.socket() as sock:  # a listener still there raises
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind(("127.0.0.1", int(value)))
-                sock.listen()
+    ports = [int(value) for name, value in env.items() if name.endswith("_PORT")]
+    assert export_ports_left(out, ports) == []
 
 
 # -- what the export holds -------------------------------------------------------------------------
@@ -167,7 +164,7 @@ def test_run_sh_reference_serves_1p1d_and_judges_the_case_against_its_answer_her
     ref_stopped = output.index("stopped everything")
     assert ref_stopped < output.index("started encoder0"), "the case started beside 1P+1D"
     assert "imported the harness" not in output
-    assert_all_stopped(pids, env)
+    assert_all_stopped(out, pids, env)
 
 
 def test_run_sh_reference_with_the_monolithic_reference_too(
@@ -187,7 +184,7 @@ def test_run_sh_reference_with_the_monolithic_reference_too(
     assert "the expected ids hold on this machine's monolithic vLLM" in output
     assert "against the monolithic baseline's answer produced here: MATCH" in output
     assert list(pids_in(done.stdout))[0] == "baseline0"
-    assert_all_stopped(pids_in(done.stdout), env)
+    assert_all_stopped(out, pids_in(done.stdout), env)
 
 
 def test_a_reference_that_cannot_start_ends_run_sh_reference_before_the_case(
@@ -202,7 +199,7 @@ def test_a_reference_that_cannot_start_ends_run_sh_reference_before_the_case(
     assert "serve.sh could not start everything (reference, exit 1)" in output
     assert "the reference gave no answer to judge the case against" in output
     assert "started encoder0" not in output
-    assert_all_stopped(pids_in(done.stdout), env)
+    assert_all_stopped(out, pids_in(done.stdout), env)
 
 
 def test_a_reference_side_channel_in_use_is_refused(
@@ -266,7 +263,7 @@ def test_ctrl_c_while_the_reference_answers_leaves_nothing_running(
                 pass
     assert script.returncode == 130, output
     assert "started encoder0" not in output
-    assert_all_stopped(pids_in(output), env)
+    assert_all_stopped(out, pids_in(output), env)
 
 
 def still_there(out: Path, exc: subprocess.TimeoutExpired) -> str:

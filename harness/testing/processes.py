@@ -128,7 +128,7 @@ CREATE_TIME_SLACK_S = 1.0
 
 def held_ports(
     ports: Iterable[int],
-    lock_dir: Path,
+    lock_dir: Path | None,
     born_before: float | None = None,
     born_after: float | None = None,
     always: Iterable[int] = (),
@@ -143,7 +143,8 @@ def held_ports(
     (another test under xdist, leasing from another lock directory: a new process, or an old
     one such as the other worker's pytest opening a tap), it was not left by the run. A pid in
     `always` counts whatever its age: the test's own process, born long before the run, runs
-    the harness in-process and could be what leaked the socket.
+    the harness in-process and could be what leaked the socket. Without `lock_dir`, leases are
+    not looked at (a test holding them still, an export's ports, asks about sockets alone).
     """
     ports = list(ports)
     always = set(always)
@@ -163,7 +164,7 @@ def held_ports(
     for port in ports:
         if port in sockets:
             held.append(f"{port} ({sockets[port]})")
-        elif lease_is_held(lock_dir / f"port-{port}.lock"):
+        elif lock_dir is not None and lease_is_held(lock_dir / f"port-{port}.lock"):
             held.append(f"{port} (lease still locked)")
     return held
 
@@ -291,6 +292,17 @@ def ctrl_c(pid: int) -> None:
 
 EXPORT_SCRIPT_TIMEOUT_S = 240.0
 CONDITION_POLL_S = 0.1  # how often `run_export_script` asks whether its timeout counts yet
+
+
+def export_ports_left(out: Path, ports: Iterable[int]) -> list[str]:
+    """The ports of an export's servers (`<export>/work/state/*.pid`) that a process of that
+    run still holds. A socket of a process born before the first server or after this call
+    is another's: under xdist, a test leasing from a lock directory of its own may bind a port
+    the export gave back, in the moment before the check (a fresh-clone CI run failed so,
+    `Address already in use`, on a bind check that could not tell whose the listener was)."""
+    pid_files = list((out / "work/state").glob("*.pid"))
+    began = min((path.stat().st_mtime for path in pid_files), default=0.0)
+    return held_ports(ports, None, born_after=began, born_before=time.time())
 
 
 def export_port_variables(serve_sh: str) -> list[str]:
