@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -681,33 +681,15 @@ def test_a_port_taken_by_a_process_born_outside_the_trial_is_not_a_leftover(
 ) -> None:
     """Under xdist another test may bind a port a trial gave back, from a process born after
     the trial or long before it: that is not the trial's."""
-    listener = subprocess.Popen(
-        [sys.executable, "-c", LISTENER],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        port = int(listener.stdout.readline())
-        born = psutil.Process(listener.pid).create_time()
-        assert held_ports([port], tmp_path, born_before=born + 1.0) == [
-            f"{port} (LISTEN pid {listener.pid})"
-        ]
+    with listening_process() as (pid, port, born):
+        held = [f"{port} (LISTEN pid {pid})"]
+        assert held_ports([port], tmp_path, born_before=born + 1.0) == held
         assert held_ports([port], tmp_path, born_before=born - 1.0) == []
-        assert held_ports([port], tmp_path, born_after=born - 1.0) == [
-            f"{port} (LISTEN pid {listener.pid})"
-        ]
+        assert held_ports([port], tmp_path, born_after=born - 1.0) == held
         assert held_ports([port], tmp_path, born_after=born + 2.5) == []
         # Dated up to a second early by psutil: a process born just after the run began counts.
-        assert held_ports([port], tmp_path, born_after=born + 0.5) == [
-            f"{port} (LISTEN pid {listener.pid})"
-        ]
-        assert held_ports([port], tmp_path, born_after=born + 2.5, always=[listener.pid]) == [
-            f"{port} (LISTEN pid {listener.pid})"
-        ]
-    finally:
-        listener.kill()
-        listener.wait(timeout=10)
-        listener.stdout.close()
+        assert held_ports([port], tmp_path, born_after=born + 0.5) == held
+        assert held_ports([port], tmp_path, born_after=born + 2.5, always=[pid]) == held
 
 
 def test_an_exports_port_counts_as_left_only_when_a_process_of_its_run_holds_it(
@@ -716,9 +698,19 @@ def test_an_exports_port_counts_as_left_only_when_a_process_of_its_run_holds_it(
     """An export's run begins with its first server's pid file: a listener born since is the
     run's leftover; one born seconds before is another test's, on a port the export gave back
     (a fresh-clone CI run failed on such a port with `Address already in use`)."""
-    state = tmp_path / "work/state"
-    state.mkdir(parents=True)
-    (state / "pd0.pid").write_text("1\n")
+    pid_file = tmp_path / "work/state/pd0.pid"
+    pid_file.parent.mkdir(parents=True)
+    pid_file.write_text("1\n")
+    with listening_process() as (pid, port, born):
+        os.utime(pid_file, (born - 1.0, born - 1.0))
+        assert export_ports_left(tmp_path, [port]) == [f"{port} (LISTEN pid {pid})"]
+        os.utime(pid_file, (born + 5.0, born + 5.0))
+        assert export_ports_left(tmp_path, [port]) == []
+
+
+@contextlib.contextmanager
+def listening_process() -> Iterator[tuple[int, int, float]]:
+    """A process listening on a free port: (its pid, the port, when it was born)."""
     listener = subprocess.Popen(
         [sys.executable, "-c", LISTENER],
         stdout=subprocess.PIPE,
@@ -726,11 +718,7 @@ def test_an_exports_port_counts_as_left_only_when_a_process_of_its_run_holds_it(
     )
     try:
         port = int(listener.stdout.readline())
-        born = psutil.Process(listener.pid).create_time()
-        os.utime(state / "pd0.pid", (born - 1.0, born - 1.0))
-        assert export_ports_left(tmp_path, [port]) == [f"{port} (LISTEN pid {listener.pid})"]
-        os.utime(state / "pd0.pid", (born + 5.0, born + 5.0))
-        assert export_ports_left(tmp_path, [port]) == []
+        yield listener.pid, port, psutil.Process(listener.pid).create_time()
     finally:
         listener.kill()
         listener.wait(timeout=10)
