@@ -40,8 +40,8 @@ def swap_shrinkable_seed(settings) -> int:
     as small as shrinking makes one (two images, nothing else, one token), and no other
     request with one of their images. The planted group starts from its smallest member, and
     a minimal one leaves the shrinker nothing to show; and the swapped EC files stay swapped,
-    so a later request with one of those images fails while the fault does not act on it, and
-    shrinks to that one image (fresh servers would pass it: docs/fuzzing.md). Chosen here,
+    so a later request with one of those images fails while the fault does not act on it: a
+    group of the fault's own beside the planted one, not shrunk (docs/fuzzing.md). Chosen here,
     from the draw alone, since every change of the strategies changes the draws (real vLLM:
     seed 2 had no request the swap acts on; seed 5's only failure was a later request of four
     copies of one swapped image)."""

@@ -1580,6 +1580,93 @@ def test_a_planted_fault_shrinks_from_and_to_requests_it_acted_on(
     assert accepted and all(t["fault"] == "acted" for t in accepted), accepted
 
 
+class EncodesToFiles(KeepsBodies):
+    """1E+1PD under the real ec-swap-items: the encoder writes one EC file per distinct image
+    (its URL's hash), the fault runs on them, and the consumer keeps every embedding it read by
+    that hash (vLLM's encoder cache), answering wrongly while it holds a swapped one."""
+
+    def __init__(self, faults, storage: Path) -> None:
+        super().__init__()
+        self.faults, self.storage = faults, storage
+        self.kept: dict[str, bytes] = {}  # the consumer's encoder cache
+
+    def send(self, name: str, body: dict) -> Outcome:
+        import hashlib
+
+        import torch
+        from safetensors.torch import save_file
+
+        from harness.judge.guards import EC_CACHE_FILE
+
+        hashes = sorted({hashlib.sha256(url.encode()).hexdigest()[:12] for url in image_urls(body)})
+        for mm_hash in hashes:
+            path = self.storage / mm_hash / EC_CACHE_FILE
+            if not path.exists():
+                path.parent.mkdir(parents=True)
+                seed = int(mm_hash, 16) % 1000
+                embedding = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
+                save_file({"ec_cache": embedding}, str(path))
+        if hashes:
+            self.faults.after_encode(name, {mm_hash: {} for mm_hash in hashes})
+        for mm_hash in hashes:
+            path = self.storage / mm_hash / EC_CACHE_FILE
+            self.kept.setdefault(mm_hash, path.read_bytes())
+        super().send(name, body)
+        wrong = any(self.kept[h] != self.original(h) for h in hashes)
+        return outcome(name, (5, 7) if wrong else (5, 6))
+
+    def original(self, mm_hash: str) -> bytes:
+        """The file the encoder writes for `mm_hash` (what fresh servers read)."""
+        import torch
+        from safetensors.torch import save
+
+        seed = int(mm_hash, 16) % 1000
+        return save({"ec_cache": torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))})
+
+
+def test_a_failure_only_what_the_fault_did_earlier_reached_is_not_shrunk(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Seen on real vLLM (the planted scenario's seed 5): the only failure was a later request
+    of four copies of one image the swap had acted on before. The fault did not act on it (one
+    distinct item), the consumer's encoder cache kept the swapped embedding, and the group
+    shrank to that one image, which fresh servers pass, reported as a new failure. Now the
+    fault says so (`FAULT_OUTLIVED`), and such a group is the fault's: not shrunk."""
+    from harness.run.faults.ec_files import ec_swap_items
+    from harness.run.fuzz.fault_effect import FAULT_OUTLIVED
+    from harness.run.fuzz.strategies import FuzzExample
+
+    planted = ec_swap_items(tmp_path / "ec")
+    engine = planted_engine(
+        tmp_path,
+        monkeypatch,
+        "1E+1PD",
+        "ec-swap-items",
+        planted,
+        lambda faults: EncodesToFiles(faults, tmp_path / "ec"),
+    )
+    pair = PromptSpec(
+        "ex-0000", (ImagePart(1, (112, 112)), ImagePart(2, (112, 112)), TextPart(" a b"))
+    )
+    copies = PromptSpec("ex-0001", (ImagePart(1, (112, 112)), ImagePart(1, (112, 112))))
+    other = PromptSpec("ex-0002", (ImagePart(3, (112, 112)), TextPart(" a")))
+    report = engine.run([FuzzExample(pair), FuzzExample(copies), FuzzExample(other)])
+
+    faults = [e.fault for e in report.evaluations]
+    assert faults[0] == "acted" and faults[2].startswith("not acted: "), faults
+    assert faults[1].startswith(f"{FAULT_OUTLIVED}: "), faults
+    assert [e.failed for e in report.evaluations] == [True, True, False]
+    # The pair and the copies fail alike: one group, shrunk from the pair.
+    (group,) = report.groups
+    assert not group.outlived_only and group.start.spec.name == "ex-0000"
+    assert group.shrink is not None
+
+    report = engine.run([FuzzExample(dataclasses.replace(copies, name="ex-0003"))])
+    (group,) = report.groups
+    assert group.outlived_only, [e.fault for e in group.members]
+    assert group.shrink is None and "fresh servers would pass them" in group.note, group.note
+
+
 class KeepsNoisedKv(KeepsBodies):
     """1P+1D under kv-noise: P writes a prompt's KV files once (keyed by the prompt), the
     fault noises what P wrote new, and D answers wrongly whenever it loads noised KV; a

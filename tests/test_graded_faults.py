@@ -170,6 +170,8 @@ def test_a_swap_is_undone_before_a_later_request_reads_one_of_its_items(tmp_path
     fault.after_encode("req-1", {HASH_A: {}, HASH_B: {}})
     fault.after_encode("req-2", {HASH_A: {}})  # image A alone: nothing to swap it with
     assert torch.equal(load_file(path_a)["ec_cache"], a), "A alone read B's swapped-in embedding"
+    # Not acted on, yet the consumer's encoder cache may keep A's swapped embedding: outlived.
+    assert fault.outlived == fault.problems and len(fault.problems) == 1, fault
     assert torch.equal(load_file(path_b)["ec_cache"], a), "B, not in req-2, was touched"
     fault.after_encode("req-3", {HASH_A: {}, HASH_B: {}})  # the pair again: swapped once, not back
     assert torch.equal(load_file(path_a)["ec_cache"], b) and torch.equal(
@@ -187,6 +189,7 @@ def test_swap_items_refuses_unequal_shapes_and_single_items(tmp_path: Path):
     fault.after_encode("req-2", {HASH_A: {}})
     assert not fault.touched and len(fault.problems) == 2, fault
     assert "differ in shape" in fault.problems[0] and "swapping needs two" in fault.problems[1]
+    assert not fault.outlived, "A was never swapped: nothing of the fault's can reach req-2"
     assert torch.equal(load_file(path_a)["ec_cache"], a), "a refused swap changed a file"
 
 

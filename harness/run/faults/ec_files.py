@@ -71,10 +71,12 @@ def ec_swap_items(ec_storage: Path) -> PlantedFault:
     embedding. So each item's original file is kept, and put back when a later request reports
     that item, before anything else. What this cannot undo: the consumer's own encoder cache
     (vLLM keeps a finished request's embeddings and reuses them by mm_hash), so a later request
-    with one of the images may still get the swapped embedding from memory.
+    with one of the images may still get the swapped embedding from memory. Such a request,
+    which the fault does not act on (one distinct item), is recorded as `outlived`.
     """
     fault = PlantedFault()
     originals: dict[Path, bytes] = {}  # a swapped file's content before its first swap
+    swapped: set[str] = set()  # the mm_hashes of every item swapped so far
 
     def after_encode(request_id: str, ec_transfer_params: dict[str, Any]) -> None:
         hashes = list(ec_transfer_params)
@@ -82,9 +84,16 @@ def ec_swap_items(ec_storage: Path) -> PlantedFault:
             if path in originals:
                 write_bytes_atomic(path, originals.pop(path))
         if len(hashes) < 2:
-            fault.problems.append(
+            problem = (
                 f"{request_id}: {len(hashes)} distinct media item(s); swapping needs two or more"
             )
+            if swapped & set(hashes):
+                problem += (
+                    "; swapped for an earlier request (the consumer's encoder cache may keep"
+                    " that embedding)"
+                )
+                fault.outlived.append(problem)
+            fault.problems.append(problem)
             return
         paths = [ec_storage / h / EC_CACHE_FILE for h in hashes]
         try:
@@ -96,6 +105,7 @@ def ec_swap_items(ec_storage: Path) -> PlantedFault:
             )
             return
         originals.update(before)
+        swapped.update(hashes)
         fault.touched += paths
         fault.effects.append(f"rotated the EC files of {', '.join(hashes)} by one")
 

@@ -24,7 +24,11 @@ if TYPE_CHECKING:
 # fault would have made for it on fresh servers (`PlantedFault.leftover`); any other miss counts
 # as the request's shape. Making the fault act again instead would take a fresh
 # ExampleConnector key, which hashes the prompt's tokens and media only (no cache_salt): the
-# request itself would have to change.
+# request itself would have to change. A third kind is no miss of the fault's at all: it did
+# not act on the request (its shape), yet what it did to an EARLIER request reaches this one,
+# which fresh servers would pass (`PlantedFault.outlived`: ec-swap-items put a swapped file
+# back, but the consumer's encoder cache keeps the swapped embedding by mm_hash). A failure
+# there is the fault's, and no request shape's to shrink.
 
 
 @dataclass
@@ -47,6 +51,9 @@ class PlantedFault(ProxyFaults):
     # `problems` too). Every other problem counts as the request's shape (e.g. ec-swap-items on
     # one item): fresh servers would not see the fault act either. See above, before this class.
     leftover: list[str] = field(default_factory=list)
+    # The problems (each in `problems` too) of requests the fault did not act on but whose
+    # items it changed for an earlier request, which may still reach them (see above).
+    outlived: list[str] = field(default_factory=list)
 
     def rewrite(
         self, request_id: str, path: Path, transform: Callable[[torch.Tensor], torch.Tensor]

@@ -23,6 +23,11 @@ FAULT_ACTED_BEFORE = "acted on an earlier send of this request"
 # KV files of this prompt's leading blocks written and noised for another prompt). Followed by
 # ": " and the fault's reason.
 FAULT_ON_LEFTOVER = "acted before, on what earlier requests left"
+# The fault did not act on this send (its shape), but what it did to an earlier request of
+# other content may reach it (`PlantedFault.outlived`: ec-swap-items' swapped embedding kept in
+# the consumer's encoder cache): fresh servers would pass it, so it is neither the fault's to
+# shrink nor a failure of vLLM's. Followed by ": " and the fault's reason.
+FAULT_OUTLIVED = "not acted, but reached by what it did to an earlier request"
 FAULT_NOT_ACTED = "not acted"
 
 
@@ -32,23 +37,28 @@ def request_content(body: dict[str, Any]) -> str:
     return json.dumps({k: v for k, v in body.items() if k != "max_tokens"}, sort_keys=True)
 
 
-def fault_mark(fault: PlantedFault | None) -> tuple[int, int, int, int] | None:
+Mark = tuple[int, int, int, int, int]
+
+
+def fault_mark(fault: PlantedFault | None) -> Mark | None:
     """How much the planted fault has recorded so far (None: nothing planted, or a fault
     without hooks, such as drop-metadata's flag, which records nothing)."""
     if fault is None or (fault.after_encode is None and fault.after_prefill is None):
         return None
-    return len(fault.touched), len(fault.effects), len(fault.problems), len(fault.leftover)
+    lists = (fault.touched, fault.effects, fault.problems, fault.leftover, fault.outlived)
+    return tuple(map(len, lists))  # type: ignore[return-value]
 
 
-def fault_since(fault: PlantedFault | None, mark: tuple[int, int, int, int] | None) -> str | None:
+def fault_since(fault: PlantedFault | None, mark: Mark | None) -> str | None:
     """Whether the planted fault acted on the request just sent: it rewrote a file or
     recorded an effect; otherwise its first problem (request id dropped, numbers
     blanked), or that its hook never ran (nothing in the request for it to act on). A
-    first problem the fault marked as leftover state is `FAULT_ON_LEFTOVER`, every other
-    one the request's shape (`FAULT_NOT_ACTED`)."""
+    first problem the fault marked as leftover state is `FAULT_ON_LEFTOVER`, one it marked
+    as reached by its earlier action `FAULT_OUTLIVED`, every other one the request's shape
+    (`FAULT_NOT_ACTED`)."""
     if mark is None or fault is None:
         return None
-    touched, effects, problems, leftover = mark
+    touched, effects, problems, leftover, outlived = mark
     if len(fault.touched) > touched or len(fault.effects) > effects:
         return FAULT_ACTED
     new = fault.problems[problems:]
@@ -57,5 +67,10 @@ def fault_since(fault: PlantedFault | None, mark: tuple[int, int, int, int] | No
     reason = new[0].split(": ", 1)[-1]
     reason = re.split(r": [\[{]", reason, maxsplit=1)[0]  # not the tensors' layouts
     reason = re.sub(r"\d+", "N", reason).splitlines()[0]
-    status = FAULT_ON_LEFTOVER if new[0] in fault.leftover[leftover:] else FAULT_NOT_ACTED
+    if new[0] in fault.leftover[leftover:]:
+        status = FAULT_ON_LEFTOVER
+    elif new[0] in fault.outlived[outlived:]:
+        status = FAULT_OUTLIVED
+    else:
+        status = FAULT_NOT_ACTED
     return f"{status}: {reason[:160]}"

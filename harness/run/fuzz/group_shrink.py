@@ -61,6 +61,12 @@ def shrink_group(engine: ShrinkingEngine, group: FailureGroup) -> bool:
     if engine.attached and start.record is not None and start.record.verdict.value == "ERROR":
         group.note = "not shrunk: an attached deployment cannot be restarted after a crash"
         return True
+    if group.outlived_only:
+        group.note = (
+            "not shrunk: the planted fault did not act on these requests, but what it did to an"
+            " earlier one reached them (fresh servers would pass them)"
+        )
+        return True
     if rule is not None and rule.crash and rule.trigger is not None:
         group.shrink = shrink(
             start.spec,

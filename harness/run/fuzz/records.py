@@ -16,6 +16,7 @@ from harness.run.fuzz.fault_effect import (
     FAULT_ACTED_BEFORE,
     FAULT_NOT_ACTED,
     FAULT_ON_LEFTOVER,
+    FAULT_OUTLIVED,
 )
 from harness.run.fuzz.known import Recognition
 from harness.run.fuzz.layout import PromptLayout
@@ -95,6 +96,13 @@ class FailureGroup:
         from it ends at a request the fault cannot act on, which fresh servers pass."""
         acted = [e for e in self.members if fault_reached(e)]
         return min(acted or self.members, key=lambda e: size_key(e.spec))
+
+    @property
+    def outlived_only(self) -> bool:
+        """Every member failed where the planted fault did not act, but what it did to an
+        earlier request reached it (`FAULT_OUTLIVED`): the fault's failure, which fresh
+        servers would pass, so no request shape to shrink nor a failure of vLLM's."""
+        return all((e.fault or "").startswith(FAULT_OUTLIVED) for e in self.members)
 
 
 @dataclass
