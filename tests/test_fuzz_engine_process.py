@@ -80,7 +80,7 @@ def test_the_command_line_imports_without_hypothesis() -> None:
 
 
 @pytest.mark.parametrize(
-    ("dies", "p_holds", "d_holds"), [("prefill", 0, 0), ("decode", 2, 0)], ids=["P", "D"]
+    ("dies", "p_holds", "d_holds"), [("prefill", 0, 1), ("decode", 3, 0)], ids=["P", "D"]
 )
 def test_an_instance_that_died_is_revived_and_only_its_prefix_cache_forgotten(
     tmp_path: Path,
@@ -94,7 +94,11 @@ def test_an_instance_that_died_is_revived_and_only_its_prefix_cache_forgotten(
     """Whether a later request kills P or D depends on what each one's prefix cache holds
     (harness/run/fuzz/consumer.py): the engine forgets only the revived instance's. The fake's
     `die-request` exits on an instance's first request, so the dying role dies on both
-    examples and is revived between them; a D is never asked what a dead P was."""
+    examples and is revived between them; a D is never asked what a dead P was. Both caches
+    hold an earlier prompt before the first example, so a revival that forgot nothing, or the
+    wrong instance's cache, fails (found in review: a dying role had cached nothing, so the
+    check held with the forgetting removed)."""
+    from harness.run.fuzz.consumer import SentPrompt
     from harness.testing.fake_vllm import MODE_ENV
 
     model = tmp_path / "model"
@@ -105,6 +109,9 @@ def test_an_instance_that_died_is_revived_and_only_its_prefix_cache_forgotten(
     words = " ".join(f"w{i}" for i in range(40))
     examples = [FuzzExample(PromptSpec(f"ex-000{i}", (TextPart(f" {i} {words}"),))) for i in (0, 1)]
     with FuzzEngine(settings, TOPOLOGIES["1P+1D"]) as engine:
+        earlier = SentPrompt(tuple(range(100, 164)))
+        engine.consumer.prefill_cached.append(earlier)
+        engine.consumer.cached.append(earlier)
         verdicts = [engine.evaluate(example.spec).record.verdict for example in examples]
     assert verdicts == [Verdict.ERROR, Verdict.ERROR]
     assert [r["how"] for r in engine.report_restarts] == ["revived"]

@@ -985,7 +985,7 @@ def test_a_failure_that_needs_an_earlier_request_is_bundled_with_it_first(tmp_pa
     sent alone, to fresh servers, it would MATCH and `repro` would say NOT reproduced. The
     bundles carry that earlier request, and repro and export replay it first
     (`Bundle.how_sent`), as they replay a matrix scenario's earlier requests."""
-    from harness.run.fuzz.bundle import write_fuzz_bundle
+    from harness.run.fuzz.bundle import UNSALTED_IN_THE_RUN, write_fuzz_bundle
     from harness.run.fuzz.records import FuzzReport
     from harness.run.fuzz.strategies import FuzzExample
     from harness.run.repro import Bundle
@@ -1010,9 +1010,31 @@ def test_a_failure_that_needs_an_earlier_request_is_bundled_with_it_first(tmp_pa
         sending = bundle.how_sent(case.label, case.prompt)
         assert sending.earlier == ("ex-0001",) and sending.scenario is None
         assert sending.after == "after the run's earlier request ex-0001 on the same servers"
-        assert bundle.earlier_bodies(sending) == (("ex-0001", earlier),)
+        # Both went unsalted (one namespace): replayed under one salt, as a chat's turns.
+        shared = {**earlier, CACHE_SALT: UNSALTED_IN_THE_RUN}
+        assert bundle.earlier_bodies(sending) == (("ex-0001", shared),)
+        assert bundle.requests["ex-0002"][CACHE_SALT] == UNSALTED_IN_THE_RUN
     alone = Bundle.load(tmp_path)
     assert alone.how_sent("1E+1P+1D", "ex-0003").earlier == (), "only the case it names"
+
+
+def test_a_stage_is_bundled_under_the_salts_the_run_sent_it_with() -> None:
+    """Found in review: the replays gave each unsalted request a salt of its own, so a
+    follow-up no longer found its earlier turn in a prefix cache, and a death on D came back
+    as one on P. An unsalted stage and its follow-up now share one salt; a salt of a
+    request's own (another tenant) is kept."""
+    from harness.run.fuzz.bundle import UNSALTED_IN_THE_RUN, staged
+
+    died = record(Verdict.ERROR, "request failed: instance 1E+1P+1D/decode0 exited", "x")
+    tenant = {"messages": [], CACHE_SALT: "tenant-1"}
+    follow_up = _evaluation("ex-0002", image_prompt((56, 56), text=" a a"), died, False)
+    follow_up.body = {"messages": ["turn 2"]}
+    follow_up.stage = (("ex-0001", {"messages": ["turn 1"]}), ("ex-0000", tenant))
+    bodies, after = staged([follow_up])
+    assert after == {"sent_after": {"ex-0002": ["ex-0001", "ex-0000"]}}
+    assert bodies["ex-0001"][CACHE_SALT] == bodies["ex-0002"][CACHE_SALT] == UNSALTED_IN_THE_RUN
+    assert bodies["ex-0000"] == tenant
+    assert follow_up.body == {"messages": ["turn 2"]}, "the run's record is left as sent"
 
 
 def test_a_folder_remembers_the_requests_that_made_it() -> None:

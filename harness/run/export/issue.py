@@ -19,6 +19,7 @@ from harness.run.export.request import describe_request
 from harness.run.export.servers import shell_command
 from harness.run.repro import ReproCase
 from harness.spec.generations import build_commit, is_dev_build
+from harness.spec.prompts import CACHE_SALT
 from harness.spec.topology import BASELINE
 
 TITLE_PREFIX = "# [Bug]: "
@@ -312,14 +313,29 @@ def before_instructions(plan: ExportPlan) -> list[str]:
         f"the case's request looks up, an encoder cache they filled). So `check.py` first "
         f"sends {sent}, in that order, "
         "to the same entry point, one line each, not judged, and then `request.json`, which "
-        "alone is judged. Each file carries a `cache_salt` of its own, as the run sent every "
-        "request under its own: without one, a request would take the leading blocks it "
-        "shares with an earlier one from an instance's prefix cache, which the run's did not. "
+        f"alone is judged. {salts_said(plan)} "
         "An earlier request that gets no answer leaves the stage unset: `check.py` then "
         "sends nothing more, names any instance that died and exits 2 (NOT reproduced). "
         "`run.sh reference` sends the reference `request.json` alone, as the run's baseline "
         "answered it. Remove `before/` to send the case's request alone.",
     ]
+
+
+def salts_said(plan: ExportPlan) -> str:
+    """How the files' `cache_salt`s stand to each other, as the run sent the requests."""
+    salts = [earlier.body.get(CACHE_SALT) for earlier in plan.before]
+    shared = plan.request.get(CACHE_SALT)
+    if shared is not None and shared in salts:
+        return (
+            f"The files under the `cache_salt` {shared!r} share it, as the run sent those "
+            "requests under one salt (a chat's next turn): what an instance's prefix cache "
+            "kept of one counts for the next, and that may be the failure's cause."
+        )
+    return (
+        "Each file carries a `cache_salt` of its own, as the run sent every request under "
+        "its own: without one, a request would take the leading blocks it shares with an "
+        "earlier one from an instance's prefix cache, which the run's did not."
+    )
 
 
 def device_instructions(plan: ExportPlan) -> list[str]:

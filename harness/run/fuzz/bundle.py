@@ -25,6 +25,7 @@ from harness.run.fuzz.records import Evaluation, FailureGroup, FuzzReport
 from harness.serve.session import safe_name
 from harness.spec.prompt_codec import prompt_to_json
 from harness.spec.prompts import (
+    CACHE_SALT,
     ImagePart,
     PromptSpec,
     TextPart,
@@ -99,16 +100,35 @@ def _key_evaluations(group: FailureGroup) -> list[Evaluation]:
 def staged(
     evaluations: list[Evaluation],
 ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, list[str]]]]:
-    """The bodies of the earlier requests these requests' outcomes need, and run.json's
-    `sent_after` (request -> what `repro` and `export` send before it, in order; left out when
-    nothing is): `harness.run.repro.Bundle.how_sent` reads it."""
+    """The bodies of the earlier requests these requests' outcomes need, with those of the
+    requests that need them, and run.json's `sent_after` (request -> what `repro` and `export`
+    send before it, in order; left out when nothing is): `harness.run.repro.Bundle.how_sent`
+    reads it.
+
+    The run sent a chat's next turn under its earlier request's salt or none (`FOLLOW_UPS`),
+    and whether P's or D's prefix cache covered a lookup, which decides the instance that
+    dies, rests on that. A replay gives each unsalted request a salt of its own
+    (`fresh_prefix_request`, export's `own_salt`): the turns would no longer share a prefix
+    cache, and a death on D would come back as one on P (found in review). So the unsalted
+    bodies of a stage and of the request after it carry one salt in common here,
+    `UNSALTED_IN_THE_RUN`, which the replays keep."""
     bodies: dict[str, dict[str, Any]] = {}
     after: dict[str, list[str]] = {}
     for evaluation in evaluations:
         if evaluation.stage:
             after[evaluation.spec.name] = [name for name, _ in evaluation.stage]
-            bodies.update(evaluation.stage)
+            sent = [*evaluation.stage, (evaluation.spec.name, evaluation.body)]
+            bodies.update((name, salted_as_sent(body)) for name, body in sent)
     return bodies, ({SENT_AFTER: after} if after else {})
+
+
+# The salt of requests the run sent under none (one namespace: each other's prefix caches).
+UNSALTED_IN_THE_RUN = "epd-fuzz-unsalted"
+
+
+def salted_as_sent(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` with the salt it was sent under made explicit (`staged`)."""
+    return body if body.get(CACHE_SALT) else {**body, CACHE_SALT: UNSALTED_IN_THE_RUN}
 
 
 def _records(evaluations: list[Evaluation]) -> list[CaseRecord]:
@@ -137,7 +157,7 @@ def write_group_bundle(
         fuzz={**meta, "group": group_json(group)},
         **sent_after,
     )
-    bodies = {**stage_bodies, **{e.spec.name: e.body for e in chosen}}
+    bodies = {**{e.spec.name: e.body for e in chosen}, **stage_bodies}
     write_json_atomic(directory / "requests.json", bodies)
     records = _records(chosen)
     write_summary_json(directory / "summary.json", records, {"fuzz_group": group_json(group)})
@@ -251,7 +271,7 @@ def write_fuzz_bundle(
     ordered = minimal + [e for e in judged if not any(e is m for m in minimal)]
     records = _records(ordered)
     stage_bodies, sent_after = staged(key)
-    bodies = {**stage_bodies, **{e.spec.name: e.body for e in key}}
+    bodies = {**{e.spec.name: e.body for e in key}, **stage_bodies}
     run_info = write_run_info(
         settings,
         (BASELINE, topology),
