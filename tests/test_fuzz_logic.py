@@ -1050,6 +1050,48 @@ def test_a_folder_remembers_the_requests_that_made_it() -> None:
     assert state.stage_of(sent(text)) == () and not state.made_by
 
 
+def test_what_d_holds_names_the_requests_that_left_it() -> None:
+    """What D holds of a prompt before P's transfer decides a short transfer's verdict
+    (VACUOUS, or D's death with media past it): a request the run sent after one of its
+    prefix was judged on D holding that prefix, and sent alone it finds D holding nothing.
+    The request that left the folder D loads, or the prompt D's cache serves, is its stage."""
+    state = ConsumerState(block=32)
+    text = list(range(100, 200))
+    state.served(sent(text[:40], ("image-a",), (10,)), name="ex-0001")  # stores 32
+    assert state.holds(sent(text[:65], ("image-a",), (10,))) == 32  # its lookup: 32, stored
+    assert state.holds_stage(sent(text[:65], ("image-a",), (10,))) == ("ex-0001",)
+    # A longer prompt looks up 96, stored by nobody: D's prefix cache gives the 32.
+    assert state.holds(sent(text, ("image-a",), (10,))) == 32
+    assert state.holds_stage(sent(text, ("image-a",), (10,))) == ("ex-0001",)
+    assert state.holds_stage(sent(text, ("image-b",), (10,))) == (), "another image"
+    assert state.holds_stage(sent(text, ("image-a",), (10,), salt="t")) == (), "another salt"
+    state.restarted(consumer=True)
+    assert state.holds_stage(sent(text, ("image-a",), (10,))) == (), "D forgot it"
+
+
+def test_an_outcome_that_rests_on_what_d_holds_is_bundled_with_its_stage(tmp_path: Path) -> None:
+    """Found in review: F (65 tokens, an image at 10-20) after E (its first 40 tokens, same
+    image, same salt) on 1E+1P+1D: D holds 32 from E, so the image is not past what D holds
+    (the declared VACUOUS); sent alone, D holds 0 and the image is past it, so D dies. The
+    stage was kept only where an instance loads a folder nobody wrote."""
+    from harness.run.fuzz.engine import FuzzEngine
+
+    engine = FuzzEngine(served_settings(tmp_path / "model", tmp_path), TOPOLOGIES["1E+1P+1D"])
+    engine.placeholders = PlaceholderIds(151655, 151656)
+    ids = list(range(100, 110)) + [151655] * 10 + list(range(200, 245))  # 65 tokens
+    engine.baseline = AnswersIds({" first": ids[:40], " then": ids})
+    engine.session = KeepsBodies()
+    engine.topology_dead = lambda: None
+    image = ImagePart(1, (56, 56))
+    first = engine.ask_baseline(PromptSpec("ex-0001", (TextPart(" first"), image)))
+    engine._served(first)
+    then = engine.ask_baseline(PromptSpec("ex-0002", (TextPart(" then"), image)))
+    assert then.layout.consumer_holds == 32 and not then.layout.media_past_kv_miss
+    alone = dataclasses.replace(then.layout, consumer_holds=0)
+    assert alone.media_past_kv_miss, "sent alone, D would die"
+    assert [name for name, _ in then.stage] == ["ex-0001"]
+
+
 def test_a_fuzz_bundle_says_which_devices_computed_the_ids(tmp_path: Path, monkeypatch) -> None:
     """A matrix run's verdicts.txt starts with `ran on: ...` (run.json's devices_used); the
     fuzz command's own bundle and each failure group's wrote the table alone. Now all three

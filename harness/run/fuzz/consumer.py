@@ -37,6 +37,7 @@ and the engine still checks every prediction it sends against what happened.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
@@ -80,6 +81,8 @@ class SentPrompt:
     media: tuple[str, ...] = ()
     run_starts: tuple[int, ...] = ()
     salt: str | None = None
+    # The request that sent it, in an instance's cache (`served`): who left a prefix there.
+    name: str = field(default="", compare=False)
 
 
 Key = tuple[tuple[int, ...], tuple[str, ...]]
@@ -135,6 +138,18 @@ class ConsumerState:
         from_storage = len(lookup[0]) if lookup in self.stored else 0
         return max(from_storage, self._hit(self.cached, prompt))
 
+    def holds_stage(self, prompt: SentPrompt) -> tuple[str, ...]:
+        """The earlier requests whose leftovers give D what it `holds` of this prompt: the
+        folder's making, or the request whose prompt D's prefix cache serves it from. What
+        D holds decides whether a transfer is short and media lie past it (VACUOUS, or D's
+        death): sent alone, the request finds D holding nothing (found in review)."""
+        lookup, _ = self.keys_of(prompt)
+        from_storage = len(lookup[0]) if lookup in self.stored else 0
+        hit, source = self._best_hit(self.cached, prompt)
+        if from_storage and from_storage >= hit:
+            return self.made_by.get(lookup, ())
+        return (source.name,) if hit and source is not None and source.name else ()
+
     def served(
         self,
         prompt: SentPrompt,
@@ -162,6 +177,7 @@ class ConsumerState:
             self.made_by.setdefault(load, (*self.made_by.get(lookup, ()), name))
         if not prefill_alive:
             return
+        prompt = dataclasses.replace(prompt, name=name) if name else prompt
         self.prefill_cached.append(prompt)
         if consumer_alive:
             self.cached.append(prompt)
@@ -197,9 +213,15 @@ class ConsumerState:
         return self._found(lookup) and self._hit(self.prefill_cached, prompt) < len(lookup[0])
 
     def _hit(self, cache: list[SentPrompt], prompt: SentPrompt) -> int:
+        return self._best_hit(cache, prompt)[0]
+
+    def _best_hit(
+        self, cache: list[SentPrompt], prompt: SentPrompt
+    ) -> tuple[int, SentPrompt | None]:
         """An instance's prefix-cache hit for this prompt: whole blocks shared with an
-        earlier prompt of the same salt, up to the first media item that differs."""
-        best = 0
+        earlier prompt of the same salt, up to the first media item that differs; and the
+        first earlier prompt that gives it."""
+        best, source = 0, None
         for earlier in cache:
             if earlier.salt != prompt.salt:
                 continue
@@ -209,9 +231,11 @@ class ConsumerState:
                     common = start
                     break
             full_blocks = len(earlier.ids) // self.block
-            best = max(best, min(common // self.block, full_blocks) * self.block)
+            hit = min(common // self.block, full_blocks) * self.block
+            if hit > best:
+                best, source = hit, earlier
         # vLLM leaves at least one prompt token to compute (max_cache_hit_length = n - 1).
-        return min(best, (len(prompt.ids) - 1) // self.block * self.block)
+        return min(best, (len(prompt.ids) - 1) // self.block * self.block), source
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:

@@ -289,7 +289,9 @@ class FuzzEngine:
             )
             if evaluation.layout.loads_missing:
                 names = self.consumer.stage_of(sent)
-                evaluation.stage = tuple((n, self.sent[n]) for n in names if n in self.sent)
+            else:
+                names = self.consumer.holds_stage(sent)
+            evaluation.stage = tuple((n, self.sent[n]) for n in names if n in self.sent)
         evaluation.seconds = time.monotonic() - began
         return evaluation
 

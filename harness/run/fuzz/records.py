@@ -56,8 +56,9 @@ class Evaluation:
     # self-test that found nothing must say whether the fault ever acted at all.
     fault: str | None = None
     # The earlier requests (name, body as the topology got it) whose leftovers this one's
-    # outcome needs: a KV folder its lookup finds (`ConsumerState.stage_of`), recorded where
-    # an instance loads one nobody wrote. Bundles replay them first (run.json `sent_after`).
+    # outcome needs: a KV folder its lookup finds where an instance loads one nobody wrote
+    # (`ConsumerState.stage_of`), else what gives D the prefix it holds (`holds_stage`).
+    # Bundles replay them first (run.json `sent_after`).
     stage: tuple[tuple[str, dict[str, Any]], ...] = ()
 
     @property
