@@ -985,7 +985,7 @@ def test_a_failure_that_needs_an_earlier_request_is_bundled_with_it_first(tmp_pa
     sent alone, to fresh servers, it would MATCH and `repro` would say NOT reproduced. The
     bundles carry that earlier request, and repro and export replay it first
     (`Bundle.how_sent`), as they replay a matrix scenario's earlier requests."""
-    from harness.run.fuzz.bundle import UNSALTED_IN_THE_RUN, write_fuzz_bundle
+    from harness.run.fuzz.bundle import write_fuzz_bundle
     from harness.run.fuzz.records import FuzzReport
     from harness.run.fuzz.strategies import FuzzExample
     from harness.run.repro import Bundle
@@ -1010,19 +1010,21 @@ def test_a_failure_that_needs_an_earlier_request_is_bundled_with_it_first(tmp_pa
         sending = bundle.how_sent(case.label, case.prompt)
         assert sending.earlier == ("ex-0001",) and sending.scenario is None
         assert sending.after == "after the run's earlier request ex-0001 on the same servers"
-        # Both went unsalted (one namespace): replayed under one salt, as a chat's turns.
-        shared = {**earlier, CACHE_SALT: UNSALTED_IN_THE_RUN}
-        assert bundle.earlier_bodies(sending) == (("ex-0001", shared),)
-        assert bundle.requests["ex-0002"][CACHE_SALT] == UNSALTED_IN_THE_RUN
+        # P's cache did not hold the earlier turn (it would not have loaded): the replays
+        # give each a salt of its own, as they do to unsalted bodies.
+        assert bundle.earlier_bodies(sending) == (("ex-0001", earlier),)
+        assert CACHE_SALT not in bundle.requests["ex-0002"]
     alone = Bundle.load(tmp_path)
     assert alone.how_sent("1E+1P+1D", "ex-0003").earlier == (), "only the case it names"
 
 
-def test_a_stage_is_bundled_under_the_salts_the_run_sent_it_with() -> None:
-    """Found in review: the replays gave each unsalted request a salt of its own, so a
-    follow-up no longer found its earlier turn in a prefix cache, and a death on D came back
-    as one on P. An unsalted stage and its follow-up now share one salt; a salt of a
-    request's own (another tenant) is kept."""
+def test_a_stage_is_bundled_under_the_salts_that_put_p_where_the_run_had_it() -> None:
+    """A replay sends the stage and the case to fresh servers, where the salts alone decide
+    whether P's prefix cache holds the case's leading blocks (P then loads nothing, and
+    lives). Where the run's P held them, unsalted turns share one salt; where it did not (a
+    P revived since), the case goes under a salt apart from its stage's. Found in review, a
+    replay giving each its own salt moved a D death to P; seen on real vLLM, giving them one
+    salt lost a P death whose P had been revived (repro: NOT reproduced)."""
     from harness.run.fuzz.bundle import UNSALTED_IN_THE_RUN, staged
 
     died = record(Verdict.ERROR, "request failed: instance 1E+1P+1D/decode0 exited", "x")
@@ -1030,11 +1032,20 @@ def test_a_stage_is_bundled_under_the_salts_the_run_sent_it_with() -> None:
     follow_up = _evaluation("ex-0002", image_prompt((56, 56), text=" a a"), died, False)
     follow_up.body = {"messages": ["turn 2"]}
     follow_up.stage = (("ex-0001", {"messages": ["turn 1"]}), ("ex-0000", tenant))
+    follow_up.stage_in_prefill_cache = True
     bodies, after = staged([follow_up])
     assert after == {"sent_after": {"ex-0002": ["ex-0001", "ex-0000"]}}
     assert bodies["ex-0001"][CACHE_SALT] == bodies["ex-0002"][CACHE_SALT] == UNSALTED_IN_THE_RUN
     assert bodies["ex-0000"] == tenant
     assert follow_up.body == {"messages": ["turn 2"]}, "the run's record is left as sent"
+
+    follow_up.stage_in_prefill_cache = False  # P revived between the turns
+    bodies, _ = staged([follow_up])
+    assert bodies["ex-0001"] == {"messages": ["turn 1"]}, "a salt of its own on replay"
+    assert bodies["ex-0002"] == {"messages": ["turn 2"]}
+    follow_up.body = {"messages": ["turn 2"], CACHE_SALT: "tenant-1"}  # the tenant's next turn
+    bodies, _ = staged([follow_up])
+    assert bodies["ex-0002"][CACHE_SALT] not in {None, "tenant-1"}, bodies["ex-0002"]
 
 
 def test_a_folder_remembers_the_requests_that_made_it() -> None:
@@ -1090,6 +1101,10 @@ def test_an_outcome_that_rests_on_what_d_holds_is_bundled_with_its_stage(tmp_pat
     alone = dataclasses.replace(then.layout, consumer_holds=0)
     assert alone.media_past_kv_miss, "sent alone, D would die"
     assert [name for name, _ in then.stage] == ["ex-0001"]
+    assert then.stage_in_prefill_cache, "P cached ex-0001 under the same (no) salt"
+    engine.consumer.restarted(prefill=True)  # P revived: the replay keeps the case apart
+    again = engine.ask_baseline(PromptSpec("ex-0003", (TextPart(" then"), image)))
+    assert again.stage and not again.stage_in_prefill_cache
 
 
 def test_a_fuzz_bundle_says_which_devices_computed_the_ids(tmp_path: Path, monkeypatch) -> None:

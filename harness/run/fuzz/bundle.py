@@ -105,20 +105,33 @@ def staged(
     send before it, in order; left out when nothing is): `harness.run.repro.Bundle.how_sent`
     reads it.
 
-    The run sent a chat's next turn under its earlier request's salt or none (`FOLLOW_UPS`),
-    and whether P's or D's prefix cache covered a lookup, which decides the instance that
-    dies, rests on that. A replay gives each unsalted request a salt of its own
-    (`fresh_prefix_request`, export's `own_salt`): the turns would no longer share a prefix
-    cache, and a death on D would come back as one on P (found in review). So the unsalted
-    bodies of a stage and of the request after it carry one salt in common here,
-    `UNSALTED_IN_THE_RUN`, which the replays keep."""
+    A replay sends them to fresh servers, where whether P's prefix cache holds the case's
+    leading blocks (so P loads nothing, and lives) rests on the salts alone: a shared salt
+    puts the stage's prompt there, salts of their own keep it out. The run's P held them or
+    not (`Evaluation.stage_in_prefill_cache`: a P revived since the stage held nothing, under
+    any salt), and the salts are written so that the replay's P does the same: the unsalted
+    bodies share one salt (`UNSALTED_IN_THE_RUN`, which the replays keep) where the run's P
+    held the blocks, and the case is kept off its stage's salt where it did not. Giving
+    every unsalted body a salt of its own turned a D death into a P death (found in review,
+    read); giving them one salt always lost a P death whose P had been revived (seen on real
+    vLLM: repro and the export's run.sh said NOT reproduced)."""
     bodies: dict[str, dict[str, Any]] = {}
     after: dict[str, list[str]] = {}
     for evaluation in evaluations:
-        if evaluation.stage:
-            after[evaluation.spec.name] = [name for name, _ in evaluation.stage]
-            sent = [*evaluation.stage, (evaluation.spec.name, evaluation.body)]
-            bodies.update((name, salted_as_sent(body)) for name, body in sent)
+        if not evaluation.stage:
+            continue
+        after[evaluation.spec.name] = [name for name, _ in evaluation.stage]
+        # The first request to need an earlier one decides its salt: the minimal request,
+        # which `repro` picks, comes first.
+        if evaluation.stage_in_prefill_cache:
+            for name, body in evaluation.stage:
+                bodies.setdefault(name, salted_as_sent(body))
+            bodies[evaluation.spec.name] = salted_as_sent(evaluation.body)
+        else:
+            for name, body in evaluation.stage:
+                bodies.setdefault(name, body)
+            stage_salts = {bodies[name].get(CACHE_SALT) for name, _ in evaluation.stage}
+            bodies[evaluation.spec.name] = salt_apart(evaluation.body, stage_salts)
     return bodies, ({SENT_AFTER: after} if after else {})
 
 
@@ -129,6 +142,15 @@ UNSALTED_IN_THE_RUN = "epd-fuzz-unsalted"
 def salted_as_sent(body: dict[str, Any]) -> dict[str, Any]:
     """`body` with the salt it was sent under made explicit (`staged`)."""
     return body if body.get(CACHE_SALT) else {**body, CACHE_SALT: UNSALTED_IN_THE_RUN}
+
+
+def salt_apart(body: dict[str, Any], taken: set[str | None]) -> dict[str, Any]:
+    """`body` under a salt none of `taken` is: as it is when unsalted (a replay gives it a
+    salt of its own) or salted apart already (`staged`)."""
+    salt = body.get(CACHE_SALT)
+    if not salt or salt not in taken:
+        return body
+    return {**body, CACHE_SALT: f"{salt}-after-a-restart"}
 
 
 def _records(evaluations: list[Evaluation]) -> list[CaseRecord]:

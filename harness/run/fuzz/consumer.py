@@ -131,6 +131,10 @@ class ConsumerState:
             return False  # P loads (and dies) first
         return self._hit(self.cached, prompt) < len(lookup[0])
 
+    def prefill_hit(self, prompt: SentPrompt) -> int:
+        """Tokens of this prompt P's prefix cache holds (under its salt)."""
+        return self._hit(self.prefill_cached, prompt)
+
     def holds(self, prompt: SentPrompt) -> int:
         """Tokens of this prompt D has before P's transfer: its prefix-cache hit, or an
         earlier request's folder under its lookup key, whichever is longer."""

@@ -292,6 +292,7 @@ class FuzzEngine:
             else:
                 names = self.consumer.holds_stage(sent)
             evaluation.stage = tuple((n, self.sent[n]) for n in names if n in self.sent)
+            evaluation.stage_in_prefill_cache = self.consumer.prefill_hit(sent) > 0
         evaluation.seconds = time.monotonic() - began
         return evaluation
 

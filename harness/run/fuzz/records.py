@@ -60,6 +60,9 @@ class Evaluation:
     # (`ConsumerState.stage_of`), else what gives D the prefix it holds (`holds_stage`).
     # Bundles replay them first (run.json `sent_after`).
     stage: tuple[tuple[str, dict[str, Any]], ...] = ()
+    # Whether P's prefix cache held this prompt's leading blocks under its salt when it was
+    # sent: the replay sends it under its stage's salt only then (`bundle.staged`).
+    stage_in_prefill_cache: bool = False
 
     @property
     def failed(self) -> bool:
