@@ -877,7 +877,8 @@ def test_a_later_case_carries_its_scenarios_earlier_requests_as_the_run_sent_the
     assert all(f"| `{file}` |" in issue for file in files)
     assert f"So `check.py` first sends `{files[0]}` ({earlier[0]}: " in issue
     assert "check.py first sends the" in (out / "run.sh").read_text()
-    assert "Each file carries a `cache_salt` of its own, as the run sent" in issue
+    assert "Each file carries a `cache_salt` of its own: without one" in issue
+    assert "each under a cache salt of its own, as the run's found nothing" in issue
     # A fuzz follow-up went under its earlier turn's salt (its bundle says so): ISSUE.md too.
     import dataclasses
 
@@ -894,6 +895,8 @@ def test_a_later_case_carries_its_scenarios_earlier_requests_as_the_run_sent_the
     assert salts_said(turns).startswith(
         "The files under the `cache_salt` 'epd-fuzz-unsalted' share it, as the run sent"
     )
+    issue = render_issue(turns)
+    assert "under the cache salt 'epd-fuzz-unsalted' they shared in the run." in issue
 
 
 def test_the_first_prompt_of_a_scenario_carries_no_earlier_request(tmp_path: Path) -> None:

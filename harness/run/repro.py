@@ -102,7 +102,8 @@ class Sending:
             return None
         return (
             f"{self.after}, replayed first in that order, each as the run sent it (its "
-            "recorded body, streamed if the run streamed, under a cache salt of its own)"
+            "recorded body, streamed if the run streamed, under its recorded cache salt or "
+            "else one of its own)"
         )
 
 

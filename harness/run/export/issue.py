@@ -321,20 +321,29 @@ def before_instructions(plan: ExportPlan) -> list[str]:
     ]
 
 
+def shared_salt(plan: ExportPlan) -> str | None:
+    """The `cache_salt` the case's request shares with an earlier one (None: each has its own)."""
+    salt = plan.request.get(CACHE_SALT)
+    return (
+        salt
+        if salt is not None and any(earlier.body.get(CACHE_SALT) == salt for earlier in plan.before)
+        else None
+    )
+
+
 def salts_said(plan: ExportPlan) -> str:
     """How the files' `cache_salt`s stand to each other, as the run sent the requests."""
-    salts = [earlier.body.get(CACHE_SALT) for earlier in plan.before]
-    shared = plan.request.get(CACHE_SALT)
-    if shared is not None and shared in salts:
+    shared = shared_salt(plan)
+    if shared is not None:
         return (
             f"The files under the `cache_salt` {shared!r} share it, as the run sent those "
             "requests under one salt (a chat's next turn): what an instance's prefix cache "
             "kept of one counts for the next, and that may be the failure's cause."
         )
     return (
-        "Each file carries a `cache_salt` of its own, as the run sent every request under "
-        "its own: without one, a request would take the leading blocks it shares with an "
-        "earlier one from an instance's prefix cache, which the run's did not."
+        "Each file carries a `cache_salt` of its own: without one, a request would take the "
+        "leading blocks it shares with an earlier one from an instance's prefix cache, which "
+        "the run's did not."
     )
 
 
@@ -597,7 +606,13 @@ def found_section(plan: ExportPlan, record: dict[str, Any]) -> list[str]:
         lines += [
             "",
             f"Sent as the run sent it: {plan.sent_after}, which `check.py` sends first "
-            "(`before/`), each under a cache salt of its own as the run's were.",
+            "(`before/`), "
+            + (
+                "each under a cache salt of its own, as the run's found nothing of each "
+                "other in a prefix cache."
+                if shared_salt(plan) is None
+                else f"under the cache salt {shared_salt(plan)!r} they shared in the run."
+            ),
         ]
     if plan.sent_unlike:
         lines += ["", f"Not as the run sent it: {plan.sent_unlike}."]
