@@ -324,11 +324,9 @@ def before_instructions(plan: ExportPlan) -> list[str]:
 def shared_salt(plan: ExportPlan) -> str | None:
     """The `cache_salt` the case's request shares with an earlier one (None: each has its own)."""
     salt = plan.request.get(CACHE_SALT)
-    return (
-        salt
-        if salt is not None and any(earlier.body.get(CACHE_SALT) == salt for earlier in plan.before)
-        else None
-    )
+    if salt is None or all(earlier.body.get(CACHE_SALT) != salt for earlier in plan.before):
+        return None
+    return salt
 
 
 def salts_said(plan: ExportPlan) -> str:

@@ -45,8 +45,13 @@ def fault_mark(fault: PlantedFault | None) -> Mark | None:
     without hooks, such as drop-metadata's flag, which records nothing)."""
     if fault is None or (fault.after_encode is None and fault.after_prefill is None):
         return None
-    lists = (fault.touched, fault.effects, fault.problems, fault.leftover, fault.outlived)
-    return tuple(map(len, lists))  # type: ignore[return-value]
+    return (
+        len(fault.touched),
+        len(fault.effects),
+        len(fault.problems),
+        len(fault.leftover),
+        len(fault.outlived),
+    )
 
 
 def fault_since(fault: PlantedFault | None, mark: Mark | None) -> str | None:
