@@ -927,6 +927,21 @@ def test_a_mismatch_shrink_restarts_nothing_and_the_trial_budget_holds() -> None
     assert result.stopped_by == "trial budget (3)"
 
 
+def test_a_predicted_shrinks_candidates_are_named_apart_from_a_sent_ones() -> None:
+    """Found in review: a known crash is shrunk against its prediction, its minimal request
+    is sent to confirm it, and when that does not reproduce, the shrink by sending numbers
+    its candidates from 0 again: START-s005 could name two bodies the topology got, and a
+    stage names requests by name."""
+    start = image_prompt((448, 448), (224, 224), text=" a b c")
+    predicted = shrink(
+        start, FakeOracle(lambda spec: True), ShrinkBudget(max_trials=4), "predicted"
+    )
+    sent = shrink(start, FakeOracle(lambda spec: True), ShrinkBudget(max_trials=4), "sent")
+    predicted_names = [t.spec.name for t in predicted.trials]
+    assert predicted_names[0] == f"{start.name}-p000", predicted_names
+    assert not set(predicted_names) & {t.spec.name for t in sent.trials}
+
+
 # -- grouping, the bundle repro takes, --save -----------------------------------------------------
 
 

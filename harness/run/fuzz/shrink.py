@@ -331,7 +331,10 @@ def shrink(
 ) -> ShrinkResult:
     """Greedy: from the current request, try its candidates smallest first; take the first
     that reproduces and start over from it; stop at a request none of whose candidates
-    reproduces, or when the budget is spent. Candidates are named START-sNNN. `divergence`
+    reproduces, or when the budget is spent. Candidates are named START-sNNN (START-pNNN
+    in predicted mode: when its minimal request, sent to confirm it, does not reproduce, the
+    shrink by sending that follows numbers from 0 again, and a name must not stand for two
+    bodies the topology got, which a stage may name). `divergence`
     is where the start's answers first differed; each accepted trial that reports its own
     replaces it, so "fewer tokens" aims at the current request's divergence, not the
     start's. A candidate `contained` in one found too short is skipped: it would be too
@@ -353,7 +356,7 @@ def shrink(
                 return result
             named = _with(candidate)
             named = PromptSpec(
-                f"{start.name}-s{len(result.trials):03d}",
+                f"{start.name}-{'p' if mode == 'predicted' else 's'}{len(result.trials):03d}",
                 named.parts,
                 named.max_tokens,
                 named.extra,
