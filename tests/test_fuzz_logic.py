@@ -1687,9 +1687,6 @@ class EncodesToFiles(KeepsBodies):
     def send(self, name: str, body: dict) -> Outcome:
         import hashlib
 
-        import torch
-        from safetensors.torch import save_file
-
         from harness.judge.guards import EC_CACHE_FILE
 
         hashes = sorted({hashlib.sha256(url.encode()).hexdigest()[:12] for url in image_urls(body)})
@@ -1697,9 +1694,7 @@ class EncodesToFiles(KeepsBodies):
             path = self.storage / mm_hash / EC_CACHE_FILE
             if not path.exists():
                 path.parent.mkdir(parents=True)
-                seed = int(mm_hash, 16) % 1000
-                embedding = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
-                save_file({"ec_cache": embedding}, str(path))
+                path.write_bytes(self.original(mm_hash))
         if hashes:
             self.faults.after_encode(name, {mm_hash: {} for mm_hash in hashes})
         for mm_hash in hashes:

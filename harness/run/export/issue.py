@@ -601,16 +601,17 @@ def found_section(plan: ExportPlan, record: dict[str, Any]) -> list[str]:
             "runs vLLM's own proxy instead, so it shows whether vLLM alone fails the same way.",
         ]
     if plan.sent_after:
+        shared = shared_salt(plan)
+        salts = (
+            f"under the cache salt {shared!r} they shared in the run."
+            if shared is not None
+            else "each under a cache salt of its own, as the run's found nothing of each "
+            "other in a prefix cache."
+        )
         lines += [
             "",
             f"Sent as the run sent it: {plan.sent_after}, which `check.py` sends first "
-            "(`before/`), "
-            + (
-                "each under a cache salt of its own, as the run's found nothing of each "
-                "other in a prefix cache."
-                if shared_salt(plan) is None
-                else f"under the cache salt {shared_salt(plan)!r} they shared in the run."
-            ),
+            f"(`before/`), {salts}",
         ]
     if plan.sent_unlike:
         lines += ["", f"Not as the run sent it: {plan.sent_unlike}."]

@@ -138,21 +138,25 @@ class ConsumerState:
     def holds(self, prompt: SentPrompt) -> int:
         """Tokens of this prompt D has before P's transfer: its prefix-cache hit, or an
         earlier request's folder under its lookup key, whichever is longer."""
-        lookup, _ = self.keys_of(prompt)
-        from_storage = len(lookup[0]) if lookup in self.stored else 0
-        return max(from_storage, self._hit(self.cached, prompt))
+        from_storage, hit, _ = self._decode_sources(prompt)
+        return max(from_storage, hit)
 
     def holds_stage(self, prompt: SentPrompt) -> tuple[str, ...]:
         """The earlier requests whose leftovers give D what it `holds` of this prompt: the
         folder's making, or the request whose prompt D's prefix cache serves it from. What
         D holds decides whether a transfer is short and media lie past it (VACUOUS, or D's
         death): sent alone, the request finds D holding nothing (found in review)."""
+        from_storage, hit, source = self._decode_sources(prompt)
+        if from_storage and from_storage >= hit:
+            return self.made_by.get(self.keys_of(prompt)[0], ())
+        return (source.name,) if hit and source is not None and source.name else ()
+
+    def _decode_sources(self, prompt: SentPrompt) -> tuple[int, int, SentPrompt | None]:
+        """What D could take of this prompt: the tokens of an earlier request's folder under
+        its lookup key, its prefix-cache hit, and the earlier prompt that gives the hit."""
         lookup, _ = self.keys_of(prompt)
         from_storage = len(lookup[0]) if lookup in self.stored else 0
-        hit, source = self._best_hit(self.cached, prompt)
-        if from_storage and from_storage >= hit:
-            return self.made_by.get(lookup, ())
-        return (source.name,) if hit and source is not None and source.name else ()
+        return (from_storage, *self._best_hit(self.cached, prompt))
 
     def served(
         self,
