@@ -118,4 +118,5 @@ def test_an_instance_that_died_is_revived_and_only_its_prefix_cache_forgotten(
     assert dies in engine.report_restarts[0]["why"]
     assert len(engine.consumer.prefill_cached) == p_holds
     assert len(engine.consumer.cached) == d_holds
-    assert len(engine.consumer.stored) == 2, "P reached both"
+    # A P that died on a request stored nothing (it stores as its forward pass runs).
+    assert len(engine.consumer.stored) == (0 if dies == "prefill" else 2)

@@ -1063,6 +1063,21 @@ def test_a_stage_is_bundled_under_the_salts_that_put_p_where_the_run_had_it() ->
     assert bodies["ex-0002"][CACHE_SALT] not in {None, "tenant-1"}, bodies["ex-0002"]
 
 
+def test_a_p_that_died_on_a_request_it_did_not_load_for_stored_nothing() -> None:
+    """A P death the model did not foresee (its lookup found no folder) leaves no folder a
+    later request could find: counted as stored, the model would predict a load where P
+    stores afresh."""
+    state = ConsumerState(block=32)
+    text = list(range(100, 165))  # 65 tokens: P stores 64, both look up 32
+    state.served(sent(text[:40], salt="a"), prefill_alive=False, name="ex-0001")
+    assert not state.stored and not state.made_by
+    assert not state.prefill_loads_missing(sent(text, salt="b")), "no folder to find"
+    assert state.stage_of(sent(text, salt="b")) == ()
+    state.served(sent(text[:40], salt="a"), name="ex-0002")  # the same, P alive: stored
+    assert state.prefill_loads_missing(sent(text, salt="b"))
+    assert state.stage_of(sent(text, salt="b")) == ("ex-0002",)
+
+
 def test_a_folder_remembers_the_requests_that_made_it() -> None:
     state = ConsumerState(block=32)
     text = list(range(100, 165))  # 65 tokens: P stores 64, both look up 32

@@ -169,15 +169,18 @@ class ConsumerState:
     ) -> None:
         """A request the topology was sent. Unless it ended before P (the encoder died on
         it): P stored its KV unless its lookup found a folder (then it loaded what its cache
-        lacked, or nothing), a load from a folder with no KV left that folder behind, empty;
-        P, if it survived, cached the prompt's full blocks, and D, if it was asked (P
-        survived) and survived, did too."""
+        lacked, or nothing) or it died on the request (a death the model did not foresee:
+        it stores as its forward pass runs, and a death before that, such as one loading
+        the encoder's output, writes nothing); a load from a folder with no KV left that
+        folder behind, empty; P, if it survived, cached the prompt's full blocks, and D, if
+        it was asked (P survived) and survived, did too."""
         if not reached_prefill:
             return
         lookup, load = self.keys_of(prompt)
         if not self._found(lookup):
-            self.stored.add(load)
-            self.made_by[load] = (name,)
+            if prefill_alive:
+                self.stored.add(load)
+                self.made_by[load] = (name,)
         elif load not in self.stored and (
             self._prefill_loads(prompt) or self.decode_loads_missing(prompt)
         ):
