@@ -405,9 +405,32 @@ def test_d_dies_where_p_had_the_prefix_cached_and_d_did_not() -> None:
     assert state.hollow == {(tuple(text[:64]), ())}, "D's failed load left the 64 hollow"
     state.restarted(prefill=True)
     assert state.prefill_loads_missing(sent(text)) and not state.decode_loads_missing(sent(text))
-    layout = PromptLayout(65, (("image", 40, 50),), 32, decode_loads_missing=True)
-    assert layout.loads_missing and not layout.media_past_kv_miss
+    layout = PromptLayout(65, (("image", 2, 6),), 32, 32, decode_loads_missing=True)
+    assert layout.loads_missing and not layout.decode_dies_of_media
     assert not layout.kv_short_of_transfer, "D dies before it answers"
+
+
+def test_d_dies_of_its_media_before_it_loads_an_unwritten_folder() -> None:
+    """D gathers a placeholder's embeddings before its connector loads (vLLM 0.32's model
+    runner: _preprocess, then the forward context's start_load_kv). Seen on real vLLM: a
+    revived D, sent a 385-token follow-up whose 352-token lookup P's cache covered, died of
+    the missing embeddings of an image at 356-360, not of the folder of 384 nobody wrote. Its
+    verdict is epd-kv-lookup-miss-media's, sent alone too (D then holds nothing), so no stage;
+    and D never reached the load, so the folder stays unmade."""
+    state = ConsumerState(block=32)
+    text = list(range(100, 165))  # 65 tokens: looks up 32, loads 64
+    state.served(sent(text[:40]), name="ex-0001")  # stores 32, both caches hold it
+    state.restarted(consumer=True)
+    assert state.decode_loads_missing(sent(text))
+    past = PromptLayout(65, (("image", 36, 40),), 32, 32, decode_loads_missing=True)
+    assert past.media_past_kv_miss and past.decode_dies_of_media
+    assert not past.kv_short_of_transfer, "D dies before it answers"
+    state.served(sent(text), consumer_alive=False, decode_reaches_load=False, name="ex-0002")
+    assert not state.hollow, "D died before its load made the folder"
+    had_media = dataclasses.replace(past, decode_has_media=True)  # 1P+1D: D has the image
+    assert not had_media.decode_dies_of_media
+    first = PromptLayout(65, (("image", 36, 40),), 32, 32, prefill_loads_missing=True)
+    assert not first.media_past_kv_miss and not first.decode_dies_of_media, "P dies first"
 
 
 def test_a_prefill_death_is_no_consumer_crash_and_is_known_by_its_own_trigger() -> None:
@@ -1135,6 +1158,31 @@ def test_an_outcome_that_rests_on_what_d_holds_is_bundled_with_its_stage(tmp_pat
     engine.consumer.restarted(prefill=True)  # P revived: the replay keeps the case apart
     again = engine.ask_baseline(PromptSpec("ex-0003", (TextPart(" then"), image)))
     assert again.stage and not again.stage_in_prefill_cache
+
+
+def test_a_revived_d_that_dies_of_its_media_is_known_and_bundled_alone(tmp_path: Path) -> None:
+    """Seen on real vLLM 0.32 (`fuzz --topology 1E+1P+1D --examples 60 --seed 12`): D died
+    on ex-0006 and was revived; ex-0007, its follow-up at 12 * 32 + 1 tokens, found its lookup
+    in P's cache, so P wrote nothing, and D died of the image past what it held, not of the
+    unwritten folder. The model predicted D's load and kept the declaration's trigger off, so
+    the known failure was reported as new, with ex-0006 (which kills D) as its stage."""
+    from harness.run.fuzz.engine import FuzzEngine
+
+    engine = FuzzEngine(served_settings(tmp_path / "model", tmp_path), TOPOLOGIES["1E+1P+1D"])
+    engine.placeholders = PlaceholderIds(151655, 151656)
+    ids = list(range(100, 133)) + [151655] * 5 + list(range(200, 227))  # 65, image at 33-38
+    engine.baseline = AnswersIds({" first": ids[:40], " then": ids})
+    engine.session = KeepsBodies()
+    engine.topology_dead = lambda: None
+    image = ImagePart(1, (56, 56))
+    first = engine.ask_baseline(PromptSpec("ex-0006", (TextPart(" first"), image)))
+    engine._served(first)
+    engine.consumer.restarted(consumer=True)  # D died on it and was revived
+    then = engine.ask_baseline(PromptSpec("ex-0007", (TextPart(" then"), image)))
+    assert then.layout.decode_loads_missing and then.layout.decode_dies_of_media
+    (rule,) = [r for r in engine.rules if r.name == "scenario epd-kv-lookup-miss-media"]
+    assert rule.predicts(then.spec, then.layout)
+    assert then.stage == (), "sent alone, D holds nothing and dies of the image all the same"
 
 
 def test_a_fuzz_bundle_says_which_devices_computed_the_ids(tmp_path: Path, monkeypatch) -> None:

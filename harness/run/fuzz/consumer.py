@@ -165,6 +165,7 @@ class ConsumerState:
         reached_prefill: bool = True,
         prefill_alive: bool = True,
         consumer_alive: bool = True,
+        decode_reaches_load: bool = True,
         name: str = "",
     ) -> None:
         """A request the topology was sent. Unless it ended before P (the encoder died on
@@ -172,8 +173,9 @@ class ConsumerState:
         lacked, or nothing) or it died on the request (a death the model did not foresee:
         it stores as its forward pass runs, and a death before that, such as one loading
         the encoder's output, writes nothing); a load from a folder with no KV left that
-        folder behind, empty; P, if it survived, cached the prompt's full blocks, and D, if
-        it was asked (P survived) and survived, did too."""
+        folder behind, empty (D's only if it got that far: `decode_reaches_load`, false when
+        its media killed it first); P, if it survived, cached the prompt's full blocks, and
+        D, if it was asked (P survived) and survived, did too."""
         if not reached_prefill:
             return
         lookup, load = self.keys_of(prompt)
@@ -182,7 +184,8 @@ class ConsumerState:
                 self.stored.add(load)
                 self.made_by[load] = (name,)
         elif load not in self.stored and (
-            self._prefill_loads(prompt) or self.decode_loads_missing(prompt)
+            self._prefill_loads(prompt)
+            or (decode_reaches_load and self.decode_loads_missing(prompt))
         ):
             self.hollow.add(load)
             self.made_by.setdefault(load, (*self.made_by.get(lookup, ()), name))

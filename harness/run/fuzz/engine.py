@@ -287,7 +287,11 @@ class FuzzEngine:
                 prefill_loads_missing=self.consumer.prefill_loads_missing(sent),
                 decode_loads_missing=self.consumer.decode_loads_missing(sent),
             )
-            if evaluation.layout.loads_missing:
+            if evaluation.layout.decode_dies_of_media:
+                # Sent alone, D holds less and computes more of the prompt: it dies so too,
+                # and a stage that killed D itself could not be replayed.
+                names = ()
+            elif evaluation.layout.loads_missing:
                 names = self.consumer.stage_of(sent)
             else:
                 names = self.consumer.holds_stage(sent)
@@ -356,6 +360,7 @@ class FuzzEngine:
             reached_prefill=Role.ENCODER not in dead,
             prefill_alive=Role.PREFILL not in dead,
             consumer_alive=Role.DECODE not in dead,
+            decode_reaches_load=not evaluation.layout.decode_dies_of_media,
             name=evaluation.spec.name,
         )
 

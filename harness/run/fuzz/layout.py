@@ -67,9 +67,19 @@ class PromptLayout:
 
     @property
     def loads_missing(self) -> bool:
-        """An instance's connector loads a folder nobody wrote: that instance dies, whatever
-        the media or the tail would have done."""
+        """An instance's connector loads a folder nobody wrote: that instance dies, unless D
+        dies of its media first (`decode_dies_of_media`)."""
         return self.prefill_loads_missing or self.decode_loads_missing
+
+    @property
+    def decode_dies_of_media(self) -> bool:
+        """D computes a placeholder it has no embedding for (in its recomputed tail, or past
+        what it holds): its engine dies gathering the embeddings, before its connector loads
+        anything, so a folder it would load unwritten does not matter (real vLLM 0.32: a
+        revived D, sent a follow-up whose lookup P's cache covered, died so)."""
+        return not self.decode_has_media and (
+            self.media_in_decode_tail or self.media_past_kv_miss
+        )
 
     @property
     def kv_prefix(self) -> int:
@@ -96,7 +106,7 @@ class PromptLayout:
         """A placeholder lies in the partial block D recomputes after loading P's KV."""
         return (
             self.kv_keys_agree
-            and not self.loads_missing
+            and not self.prefill_loads_missing  # P dies first: D is asked nothing
             and any(end > self.kv_prefix for _, _, end in self.runs)
         )
 
@@ -106,7 +116,7 @@ class PromptLayout:
         holds: it computes media it has no embeddings for."""
         return (
             not self.kv_keys_agree
-            and not self.loads_missing
+            and not self.prefill_loads_missing
             and any(end > self.consumer_holds for _, _, end in self.runs)
         )
 
