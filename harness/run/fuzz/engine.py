@@ -287,7 +287,7 @@ class FuzzEngine:
                 prefill_loads_missing=self.consumer.prefill_loads_missing(sent),
                 decode_loads_missing=self.consumer.decode_loads_missing(sent),
             )
-            if evaluation.layout.decode_dies_of_media:
+            if self.topology.has_kv_transfer and evaluation.layout.decode_dies_of_media:
                 # Sent alone, D holds less and computes more of the prompt: it dies so too,
                 # and a stage that killed D itself could not be replayed.
                 names = ()
