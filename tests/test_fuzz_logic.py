@@ -1133,19 +1133,27 @@ def test_what_d_holds_names_the_requests_that_left_it() -> None:
     assert state.holds_stage(sent(text, ("image-a",), (10,))) == (), "D forgot it"
 
 
+def follow_up_engine(tmp_path: Path, ids: list[int]):
+    """A 1E+1P+1D engine whose baseline answers " first" with the first 40 of `ids` and
+    " then" with all of them (a request and its follow-up), and whose topology keeps what it
+    is sent."""
+    from harness.run.fuzz.engine import FuzzEngine
+
+    engine = FuzzEngine(served_settings(tmp_path / "model", tmp_path), TOPOLOGIES["1E+1P+1D"])
+    engine.placeholders = PlaceholderIds(151655, 151656)
+    engine.baseline = AnswersIds({" first": ids[:40], " then": ids})
+    engine.session = KeepsBodies()
+    engine.topology_dead = lambda: None
+    return engine
+
+
 def test_an_outcome_that_rests_on_what_d_holds_is_bundled_with_its_stage(tmp_path: Path) -> None:
     """Found in review: F (65 tokens, an image at 10-20) after E (its first 40 tokens, same
     image, same salt) on 1E+1P+1D: D holds 32 from E, so the image is not past what D holds
     (the declared VACUOUS); sent alone, D holds 0 and the image is past it, so D dies. The
     stage was kept only where an instance loads a folder nobody wrote."""
-    from harness.run.fuzz.engine import FuzzEngine
-
-    engine = FuzzEngine(served_settings(tmp_path / "model", tmp_path), TOPOLOGIES["1E+1P+1D"])
-    engine.placeholders = PlaceholderIds(151655, 151656)
     ids = list(range(100, 110)) + [151655] * 10 + list(range(200, 245))  # 65 tokens
-    engine.baseline = AnswersIds({" first": ids[:40], " then": ids})
-    engine.session = KeepsBodies()
-    engine.topology_dead = lambda: None
+    engine = follow_up_engine(tmp_path, ids)
     image = ImagePart(1, (56, 56))
     first = engine.ask_baseline(PromptSpec("ex-0001", (TextPart(" first"), image)))
     engine._served(first)
@@ -1166,14 +1174,8 @@ def test_a_revived_d_that_dies_of_its_media_is_known_and_bundled_alone(tmp_path:
     in P's cache, so P wrote nothing, and D died of the image past what it held, not of the
     unwritten folder. The model predicted D's load and kept the declaration's trigger off, so
     the known failure was reported as new, with ex-0006 (which kills D) as its stage."""
-    from harness.run.fuzz.engine import FuzzEngine
-
-    engine = FuzzEngine(served_settings(tmp_path / "model", tmp_path), TOPOLOGIES["1E+1P+1D"])
-    engine.placeholders = PlaceholderIds(151655, 151656)
     ids = list(range(100, 133)) + [151655] * 5 + list(range(200, 227))  # 65, image at 33-38
-    engine.baseline = AnswersIds({" first": ids[:40], " then": ids})
-    engine.session = KeepsBodies()
-    engine.topology_dead = lambda: None
+    engine = follow_up_engine(tmp_path, ids)
     image = ImagePart(1, (56, 56))
     first = engine.ask_baseline(PromptSpec("ex-0006", (TextPart(" first"), image)))
     engine._served(first)
