@@ -493,7 +493,8 @@ def expected_section(plan: ExportPlan) -> list[str]:
     )
     return [
         f"The answer of {who}, same release, same machine): {len(expected['prompt_token_ids'])} "
-        f"prompt tokens, {len(ids)} generated token ids (greedy, seed fixed): `{shown}`, text "
+        f"prompt tokens, {len(ids)} generated token id{'' if len(ids) == 1 else 's'} (greedy, "
+        f"seed fixed): `{shown}`, text "
         f"{expected.get('text', '')[:120]!r}. `expected.json` holds them all, with the "
         "top-5 log-probs at each position; `request.json` is the request exactly as sent "
         "(media inlined as data URLs).",
