@@ -340,6 +340,29 @@ def test_issue_md_of_a_mismatch_names_the_first_divergence(tmp_path: Path) -> No
     assert "generated tokens differ at position 1" in issue_fields(text)["## What happened"]
 
 
+def test_issue_md_of_a_stream_framed_wrong_with_equal_tokens_says_so(tmp_path: Path) -> None:
+    """vLLM's toy P/D proxy streams as application/json with the right ids: a MISMATCH whose
+    title said "output differs from monolithic serving", a difference there is none of (found
+    in review, on a real `run --stream --proxy vllm --topology 1P+1D`)."""
+    run = write_bundle(tmp_path / "run", topology="1P+1D", verdict="MISMATCH")
+    summary = json.loads((run / "summary.json").read_text())
+    case = summary["cases"][0]
+    case["divergence"] = None
+    case["explanation"] = "identical: generated tokens equal (4/4)"
+    case["detail"] = (
+        "stream framing broken: served as application/json, not text/event-stream; "
+        "identical: generated tokens equal (4/4); declared upstream failure: the toy proxy"
+    )
+    case["guards"] = {"stream_framing": {"ok": False, "evidence": "stream framing broken: ..."}}
+    (run / "summary.json").write_text(json.dumps(summary))
+    out = tmp_path / "export"
+    write_export(plan_for(run, f"1P+1D:{PROMPT}"), out, REPAIR)
+    title = (out / "ISSUE.md").read_text().splitlines()[0]
+    assert "output differs" not in title, title
+    assert "is framed wrong (served as application/json, not text/event-stream)" in title
+    assert title.endswith("its tokens equal monolithic serving's"), title
+
+
 def test_the_error_headline_skips_generic_engine_errors() -> None:
     error = (
         "APIError: Internal Server Error\n"
@@ -620,6 +643,28 @@ def test_check_calls_unreadable_streamed_prompt_ids_an_error_saying_so(
     verdict, code, detail = judged_stream(events(*chunks), tmp_path)
     assert (verdict, code) == ("ERROR", 2)
     assert 'event 1: prompt_token_ids is ["1", "2", "3"], not a list of integers' in detail
+
+
+def test_check_calls_a_stream_served_as_json_a_difference_as_the_harness_does(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The harness fails a streamed answer whose content type is not text/event-stream
+    (harness/outcomes/stream.py: vLLM's toy P/D proxy serves application/json); check.py read
+    only the events, so the export of that case said MATCH, exit 0 (found in review)."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    text = streamed([1, 2, 3], [7, 8, 9, 10])
+
+    def judged(content_type: str | None) -> tuple[str, int, str]:
+        sent = check.Answer("http://x/v1/chat/completions", 200, text, 0.1, content_type)
+        return judge(EXPECTED, sent, [], tmp_path, streamed=True)
+
+    assert judged("text/event-stream; charset=utf-8")[:2] == ("MATCH", 0)
+    assert judged(None)[:2] == ("MATCH", 0)  # not known: judged on the events alone
+    verdict, code, detail = judged("application/json")
+    assert (verdict, code) == ("MISMATCH", 1)
+    assert detail.startswith("served as application/json, not text/event-stream"), detail
+    verdict, code, detail = judged("")
+    assert (verdict, code) == ("MISMATCH", 1) and "served as no content-type" in detail
 
 
 def test_check_says_drift_does_not_apply_to_a_stream_whose_framing_is_broken(

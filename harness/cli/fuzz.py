@@ -146,16 +146,18 @@ def _refuse(args: argparse.Namespace) -> None:
         )
     budgets = shrink_budget(args), run_budget(args)
     counts = (
-        args.confirm_known,
-        args.max_shrink_trials,
-        budgets[0].max_restarts,
-        budgets[1].max_restarts,
+        ("--confirm-known", args.confirm_known),
+        ("--max-shrink-trials", args.max_shrink_trials),
+        ("--max-restarts", budgets[0].max_restarts),
+        ("--max-run-restarts", budgets[1].max_restarts),
     )
-    if min(counts) < 0 or not (math.isfinite(args.budget_s) and args.budget_s > 0):
-        raise BadInput(
-            "--confirm-known, --max-shrink-trials, --max-restarts and --max-run-restarts must "
-            "be >= 0, --budget-s > 0"
-        )
+    # The flag and the value given, as every other refusal names them (found walking the CLI:
+    # `--budget-s 0` got a line listing all five budgets).
+    for flag, count in counts:
+        if count < 0:
+            raise BadInput(f"{flag} {count}: must be at least 0")
+    if not (math.isfinite(args.budget_s) and args.budget_s > 0):
+        raise BadInput(f"--budget-s {args.budget_s:g}: must be a positive number of seconds")
 
 
 def shrink_budget(args: argparse.Namespace) -> ShrinkBudget:

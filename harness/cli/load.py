@@ -47,8 +47,9 @@ def refuse_load_counts(args: argparse.Namespace) -> None:
     """--requests, --concurrency, --duration and --media within what a load can send (BadInput,
     one line): checked before the mix is built (a prompt per distinct medium, each rendered and
     counted before anything starts), whether the topology is named or attached."""
-    if args.requests < 1 or args.concurrency < 1:
-        raise BadInput("--requests and --concurrency must be at least 1")
+    for flag, count in (("--requests", args.requests), ("--concurrency", args.concurrency)):
+        if count < 1:
+            raise BadInput(f"{flag} {count}: must be at least 1")
     if args.requests > MAX_REQUESTS:
         raise BadInput(
             f"--requests {args.requests}: at most {MAX_REQUESTS} a round, each answer kept "

