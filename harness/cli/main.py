@@ -469,6 +469,10 @@ def build_parser() -> Parser:
         "repro",
         help="rerun a bundle's failing case with its recorded flags, body and protocol (on the "
         "vLLM given by --vllm; a version other than the bundle's is named in the verdict line)",
+        # Its exit code answers "did it reproduce?", not "did it pass?": a reproduced failure
+        # exits 0 (a new user expected run's 1 there; found walking the CLI).
+        epilog="exit codes: 0 the case reproduced (the bundle's verdict again), 1 it did not, "
+        "2 bad input or an environment that cannot run, 130 interrupted",
     )
     repro.add_argument("bundle", help="a run directory written by 'epd-harness run'")
     repro.add_argument(
