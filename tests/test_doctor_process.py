@@ -48,3 +48,12 @@ def test_the_environment_checked_is_the_one_vllm_runs_in(tmp_path: Path) -> None
     assert not imports.ok and imports.detail == "the other venv has no vllm", imports
     assert not by_name["torchvision imports"].ok
     assert by_name["nixl (optional, for --kv-connector nixl)"].optional_missing
+
+
+def test_a_vllm_that_does_not_exist_fails_the_first_check(tmp_path: Path) -> None:
+    """`doctor --vllm /nonexistent` said `[ok  ] environment checked: ... this Python` and
+    went on to pass this Python's vLLM (found walking the CLI)."""
+    missing = tmp_path / "no-such" / "vllm"
+    first = doctor.run_checks(str(missing), None)[0]
+    assert not first.ok and first.detail.startswith(f"{missing} not found"), first
+    assert doctor.format_checks([first]).startswith("[FAIL] environment checked: ")

@@ -7,6 +7,7 @@ Each check runs in a subprocess of the environment's own interpreter, so a crash
 from __future__ import annotations
 
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -197,14 +198,26 @@ def run_checks(vllm_executable: str, model_dir: Path | None) -> list[Check]:
     interpreter can be read, this Python's, and the first line says which was checked."""
     served = interpreter_of(vllm_executable)
     python = tuple(served) if served else THIS_PYTHON
-    where = (
-        f"{shlex.join(python)} (the interpreter of {vllm_executable})"
-        if served
-        else f"{sys.executable} (this Python: no #! line read from {vllm_executable})"
-    )
+    # A --vllm that does not exist was reported "[ok] environment checked: this Python"
+    # (found walking the CLI): the checks then describe an environment nobody named.
+    exists = shutil.which(vllm_executable) is not None
+    if served:
+        where = f"{shlex.join(python)} (the interpreter of {vllm_executable})"
+    elif exists:
+        where = f"{sys.executable} (this Python: no #! line read from {vllm_executable})"
+    else:
+        where = (
+            f"{vllm_executable} not found, so the checks below ran in this Python "
+            f"({sys.executable}), not in the vLLM it names"
+        )
     imports = check_vllm_import(python)
     checks = [
-        Check("environment checked", True, where),
+        Check(
+            "environment checked",
+            exists,
+            where,
+            hint="" if exists else "give --vllm a vllm executable (a path, or a name on PATH)",
+        ),
         imports,
         check_vllm_cli(vllm_executable),
         check_torchvision(python),

@@ -77,9 +77,7 @@ class PromptLayout:
         what it holds): its engine dies gathering the embeddings, before its connector loads
         anything, so a folder it would load unwritten does not matter (real vLLM 0.32: a
         revived D, sent a follow-up whose lookup P's cache covered, died so)."""
-        return not self.decode_has_media and (
-            self.media_in_decode_tail or self.media_past_kv_miss
-        )
+        return not self.decode_has_media and (self.media_in_decode_tail or self.media_past_kv_miss)
 
     @property
     def kv_prefix(self) -> int:
