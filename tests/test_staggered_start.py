@@ -34,8 +34,22 @@ pytestmark = pytest.mark.process
 # How long the fake encoder takes to answer /health: long enough that an instance spawned
 # beside it, not after it, shows as spawned well before it was ready.
 ENCODER_START_S = 1.5
-# Spawns closer than this count as "at once" (a spawn takes milliseconds; polling adds 0.5 s).
-AT_ONCE_S = 0.8
+
+
+def spawned_before_ready(server: ManagedServer, first: ManagedServer) -> str | None:
+    """Why `server` was not spawned beside `first` (None if it was): spawned before `first`
+    answered /health, its spawn not waiting for it. Not a fixed gap between the two spawns:
+    each spawn forks the test's large process and runs Python in the child before exec, and
+    on a loaded host 0.806 s separated them where 0.8 s was allowed (the unit suite, -n 2,
+    beside other jobs); `first`'s own start, at least ENCODER_START_S, grows with the load
+    too. Staggered, `server` spawns only once `first` is healthy, which this tells apart."""
+    ready_wall = first.spawned_wall_s + first.startup_seconds
+    if server.spawned_wall_s < ready_wall:
+        return None
+    return (
+        f"{server.name} spawned {server.spawned_wall_s - ready_wall:.2f} s after {first.name} "
+        f"was healthy ({server.spawned_wall_s - first.spawned_wall_s:.2f} s after its spawn)"
+    )
 
 
 def specs(name: str, platform, devices: tuple[int, ...], colocate: bool = True, hosts=()):
@@ -167,8 +181,9 @@ def test_instances_on_other_gpus_start_at_once(
         }
         assert session.instances[0].devices == session.instances[1].devices == (0,)
         spawned = {role: server.spawned_wall_s for role, server in by_role.items()}
-        assert abs(spawned["decode"] - spawned["encoder"]) < AT_ONCE_S, spawned
         encoder = by_role["encoder"]
+        late = spawned_before_ready(by_role["decode"], encoder)
+        assert late is None, late
         assert spawned["prefill"] >= encoder.spawned_wall_s + encoder.startup_seconds, spawned
         assert events.at("decode0", "starting") < events.at("encoder0", "ready"), events.seen
 
@@ -233,7 +248,8 @@ def test_on_cpu_every_instance_still_starts_at_once(
         TOPOLOGIES["1E+1PD"], cpu_settings(tmp_path, fake_vllm), on_event=events
     ) as session:
         encoder, pd = session.servers
-        assert abs(pd.spawned_wall_s - encoder.spawned_wall_s) < AT_ONCE_S
+        late = spawned_before_ready(pd, encoder)
+        assert late is None, late
         assert events.at("pd0", "starting") < events.at("encoder0", "ready"), events.seen
         assert session.stats["1E+1PD/pd0"].started_after == []
         recorded = json.loads(pd.command.log_path.with_suffix(".cmd.json").read_text())
