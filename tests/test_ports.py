@@ -15,7 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.environment import DEFAULT_PORT_RANGE, PORT_LOCK_DIR_ENV, port_lock_dir
+from harness.environment import (
+    DEFAULT_PORT_RANGE,
+    PORT_LOCK_DIR_ENV,
+    PORT_RANGE_ENV,
+    port_lock_dir,
+)
 from harness.serve.ports import NoFreePortError, PortLease, reserve_ports
 from harness.testing.processes import child_env
 
@@ -248,7 +253,8 @@ def test_lock_dir_defaults_to_the_environment(
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
-def test_arguments_are_checked(port_locks: Path) -> None:
+def test_arguments_are_checked(port_locks: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PORT_RANGE_ENV, raising=False)  # an xdist worker's slice: the default
     with pytest.raises(ValueError, match="count must be at least 1, got 0"):
         reserve_ports(0, lock_dir=port_locks)
     with pytest.raises(ValueError, match="start port 80 is outside ports 20000-29999"):

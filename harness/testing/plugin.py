@@ -2,6 +2,7 @@
 topology, and the harness's own tests' helpers. The repository's conftest.py registers it; it
 registers its modules, one concern each:
 
+- worker_ports: each xdist worker's own slice of the port range;
 - session_account: the session's run directory, shared by its xdist workers, and the summary;
 - collection: which items run, in which order, on which xdist worker; the markers;
 - pool_hooks: the pool told which item begins, a group's topology stopped as the group ends;
@@ -17,6 +18,7 @@ rewriting, and warns of one that another listed module imported first.
 """
 
 pytest_plugins = [
+    "harness.testing.worker_ports",
     "harness.testing.session_account",
     "harness.testing.collection",
     "harness.testing.pool_hooks",

@@ -1,0 +1,42 @@
+"""Each xdist worker picks ports from a slice of the job's range of its own.
+
+A test that leases ports from a lock directory of its own (`port_locks`) hands a port to a
+server it starts, and between the release and the server's bind (an interpreter's start, a
+second under load) no other process can see the lease: another worker's harness could pick the
+same port, and the server failed with EADDRINUSE (seen twice: once in CI, once hunting flakes).
+Within one worker the tests run one at a time, so disjoint slices per worker leave no such
+window between workers. Subprocesses inherit the slice through EPD_HARNESS_PORT_RANGE.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from harness.environment import PORT_RANGE_ENV, port_range
+
+WORKER_ENV = "PYTEST_XDIST_WORKER"  # "gw0", "gw1", ... set by xdist before pytest configures
+WORKER_COUNT_ENV = "PYTEST_XDIST_WORKER_COUNT"
+
+
+def worker_slice(ports: range, worker: int, workers: int) -> range:
+    """The `worker`th of `workers` equal, disjoint slices of `ports` (the last takes the rest)."""
+    size = len(ports) // workers
+    if size < 1:
+        raise pytest.UsageError(
+            f"{PORT_RANGE_ENV} holds {len(ports)} port(s), fewer than the {workers} xdist workers"
+        )
+    start = ports.start + worker * size
+    stop = ports.stop if worker == workers - 1 else start + size
+    return range(start, stop)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    worker = os.environ.get(WORKER_ENV, "")
+    if not worker.startswith("gw"):
+        return  # not an xdist worker: the whole range, as a harness run has it
+    ports = worker_slice(
+        port_range(), int(worker.removeprefix("gw")), int(os.environ.get(WORKER_COUNT_ENV, "1"))
+    )
+    os.environ[PORT_RANGE_ENV] = f"{ports.start}-{ports.stop - 1}"

@@ -1,0 +1,34 @@
+"""Each xdist worker's own slice of the port range (harness/testing/worker_ports.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from harness.environment import DEFAULT_PORT_RANGE, PORT_RANGE_ENV, port_range
+from harness.testing.worker_ports import WORKER_ENV, worker_slice
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_slices_are_disjoint_and_cover_the_range() -> None:
+    slices = [worker_slice(DEFAULT_PORT_RANGE, worker, 3) for worker in range(3)]
+    assert slices[0] == range(20000, 23333) and slices[2].stop == DEFAULT_PORT_RANGE.stop
+    assert sorted(p for s in slices for p in s) == list(DEFAULT_PORT_RANGE)
+
+
+def test_a_range_smaller_than_the_workers_is_refused() -> None:
+    with pytest.raises(pytest.UsageError, match="holds 2 port"):
+        worker_slice(range(24000, 24002), 0, 4)
+
+
+def test_a_worker_picks_from_its_own_slice_only() -> None:
+    """Under xdist (as CI runs the tests) the slice is this worker's; alone, the whole range."""
+    worker = os.environ.get(WORKER_ENV, "")
+    if not worker.startswith("gw"):
+        assert port_range() == DEFAULT_PORT_RANGE or PORT_RANGE_ENV in os.environ
+        return
+    count = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    assert count == 1 or len(port_range()) < len(DEFAULT_PORT_RANGE)
+    assert port_range() == worker_slice(DEFAULT_PORT_RANGE, int(worker[2:]), count)
