@@ -32,3 +32,22 @@ def test_a_worker_picks_from_its_own_slice_only() -> None:
     count = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     assert count == 1 or len(port_range()) < len(DEFAULT_PORT_RANGE)
     assert port_range() == worker_slice(DEFAULT_PORT_RANGE, int(worker[2:]), count)
+
+
+def test_a_pytest_inside_a_worker_leaves_the_range_alone(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test that sets a one-port range and runs pytest inside the worker (pytester): the
+    inner run's configure sliced it again ("holds 1 port(s), fewer than the 2 xdist workers")
+    and narrowed the worker's environment for every later test (seen in the unit suite)."""
+    from harness.testing import worker_ports
+
+    monkeypatch.setenv(WORKER_ENV, "gw1")
+    monkeypatch.setenv(worker_ports.WORKER_COUNT_ENV, "2")
+    monkeypatch.setenv(PORT_RANGE_ENV, "20000-29999")
+    monkeypatch.delenv(worker_ports.SLICED_FOR_ENV, raising=False)
+    worker_ports.pytest_configure(pytester.parseconfig())  # the worker's own configure
+    assert os.environ[PORT_RANGE_ENV] == "25000-29999"
+    monkeypatch.setenv(PORT_RANGE_ENV, "24000-24000")  # a test's own range
+    worker_ports.pytest_configure(pytester.parseconfig())  # a pytest inside that test
+    assert os.environ[PORT_RANGE_ENV] == "24000-24000"

@@ -18,6 +18,11 @@ from harness.environment import PORT_RANGE_ENV, port_range
 
 WORKER_ENV = "PYTEST_XDIST_WORKER"  # "gw0", "gw1", ... set by xdist before pytest configures
 WORKER_COUNT_ENV = "PYTEST_XDIST_WORKER_COUNT"
+# The worker whose slice EPD_HARNESS_PORT_RANGE holds: a pytest a test runs inside the worker
+# (pytester, in its process or a child) configures again and must neither slice the slice nor
+# a range the test set for itself (a one-port range refused, the worker's environment narrowed
+# for every later test: seen in the unit suite).
+SLICED_FOR_ENV = "EPD_HARNESS_PORT_SLICE_OF"
 
 
 def worker_slice(ports: range, worker: int, workers: int) -> range:
@@ -36,7 +41,10 @@ def pytest_configure(config: pytest.Config) -> None:
     worker = os.environ.get(WORKER_ENV, "")
     if not worker.startswith("gw"):
         return  # not an xdist worker: the whole range, as a harness run has it
+    if os.environ.get(SLICED_FOR_ENV) == worker:
+        return  # a pytest inside this worker's test: the range is the test's to set
     ports = worker_slice(
         port_range(), int(worker.removeprefix("gw")), int(os.environ.get(WORKER_COUNT_ENV, "1"))
     )
     os.environ[PORT_RANGE_ENV] = f"{ports.start}-{ports.stop - 1}"
+    os.environ[SLICED_FOR_ENV] = worker
