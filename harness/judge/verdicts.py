@@ -39,6 +39,8 @@ from harness.spec.topology import Topology
 
 # The record's entry for a streamed answer's framing (beside the transfer guards).
 STREAM_CHECK = "stream_framing"
+# How a case's detail begins when its streamed answer's framing broke (an export's title reads it).
+STREAM_BROKEN = "stream framing broken: "
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,7 @@ def _against(
         if framing is not None and not framing.ok:
             verdict = Verdict.MISMATCH
             comparison = comparison.with_broken_framing()
-            detail = f"stream framing broken: {'; '.join(framing.problems)}; {detail}"
+            detail = f"{STREAM_BROKEN}{'; '.join(framing.problems)}; {detail}"
     if candidate.stream is not None:
         checks[STREAM_CHECK] = {"ok": candidate.stream.ok, "evidence": candidate.stream.describe()}
     return CaseRecord(

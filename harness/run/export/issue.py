@@ -14,7 +14,7 @@ from typing import Any
 
 from harness.devices import describe_devices
 from harness.judge.records import Verdict
-from harness.judge.verdicts import STREAM_CHECK
+from harness.judge.verdicts import STREAM_BROKEN, STREAM_CHECK
 from harness.run.export.plan import ExportPlan
 from harness.run.export.request import describe_request
 from harness.run.export.servers import shell_command
@@ -22,9 +22,6 @@ from harness.run.repro import ReproCase
 from harness.spec.generations import build_commit, is_dev_build
 from harness.spec.prompts import CACHE_SALT
 from harness.spec.topology import BASELINE
-
-# How a case's detail begins when its streamed answer's framing broke (harness/judge/verdicts.py).
-STREAM_BROKEN = "stream framing broken: "
 
 TITLE_PREFIX = "# [Bug]: "
 ISSUE_FIELDS = (
