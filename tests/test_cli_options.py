@@ -124,3 +124,19 @@ def test_the_ray_launchers_flags_where_they_are_used_pass(argv: list[str]) -> No
     from harness.cli.main import check_command_line
 
     check_command_line(argv)
+
+
+def test_list_names_what_each_prompt_asks_to_generate_not_its_prompt_tokens(epd_cli) -> None:
+    """Found walking the CLI: `list` printed "32 tokens" per prompt where `run` prints each
+    prompt's prompt tokens (187 for the image): a user compared the two and was confused. The
+    column is the max new tokens of the rendered request; prompt tokens are `run`'s to count."""
+    from harness.spec.prompts import SKELETON_PROMPTS, requested_tokens
+
+    code, out, _ = epd_cli("list")
+    assert code == 0
+    prompts = out.split("prompts", 1)[1].split("scenarios", 1)[0]
+    assert "prompt tokens depend on the model: 'run' counts and prints them" in prompts
+    for prompt in SKELETON_PROMPTS:
+        line = next(x for x in prompts.splitlines() if x.split()[:1] == [prompt.name])
+        assert line.endswith(f"max new tokens {requested_tokens(prompt)}"), line
+

@@ -73,7 +73,7 @@ from harness.serve.ports import NoFreePortError
 from harness.serve.signal_handlers import install_signal_handlers, restore_signal_handlers
 from harness.spec.placement import TooFewDevices, schedule
 from harness.spec.platforms import DevicePlanError, get_platform, parse_devices
-from harness.spec.prompts import SKELETON_PROMPTS
+from harness.spec.prompts import SKELETON_PROMPTS, requested_tokens
 from harness.spec.settings import ATTACH_PROXY, RAY_LAUNCHER
 from harness.spec.topology import TOPOLOGIES, get_topology
 
@@ -391,9 +391,15 @@ def command_list(_args: argparse.Namespace) -> int:
     for topology in TOPOLOGIES.values():
         roles = " -> ".join(r.value for r in topology.roles)
         print(f"  {topology.name:10s} {roles}")
-    print("prompts:")
+    # The tokens a prompt asks vLLM to generate, not its prompt tokens: those depend on the
+    # model's processor, and `run` prints them as it starts (a user read this column as the
+    # same quantity and found the numbers differ; found walking the CLI).
+    print("prompts (prompt tokens depend on the model: 'run' counts and prints them):")
     for prompt in SKELETON_PROMPTS:
-        print(f"  {prompt.name:10s} {prompt.media_count} media item(s), {prompt.max_tokens} tokens")
+        print(
+            f"  {prompt.name:10s} {prompt.media_count} media item(s), "
+            f"max new tokens {requested_tokens(prompt)}"
+        )
     print("scenarios (run --scenario NAME|all):")
     for scenario in MATRIX:
         expect = "/".join(v.value for v in scenario.expect)
