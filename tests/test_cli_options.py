@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -140,3 +142,62 @@ def test_list_names_what_each_prompt_asks_to_generate_not_its_prompt_tokens(epd_
         line = next(x for x in prompts.splitlines() if x.split()[:1] == [prompt.name])
         assert line.endswith(f"max new tokens {requested_tokens(prompt)}"), line
 
+
+def test_version_prints_the_running_harness_version(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`epd-harness --version` was absent (found walking the CLI)."""
+    from harness.cli.main import main
+    from harness.cli.version import SOURCE_ROOT, _declared_version
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"epd-harness {_declared_version(SOURCE_ROOT / 'pyproject.toml')}"), out
+    assert len(out.splitlines()) == 1, out
+
+
+class FakeDistribution:
+    """An installed `epd-harness` as importlib.metadata shows it (its version, its
+    direct_url.json, where its files are)."""
+
+    def __init__(self, version: str, site: Path, direct_url: dict | None = None) -> None:
+        self.version = version
+        self.site = site
+        self.direct_url = direct_url
+
+    def read_text(self, name: str) -> str | None:
+        return (
+            json.dumps(self.direct_url) if name == "direct_url.json" and self.direct_url else None
+        )
+
+    def locate_file(self, path: str) -> Path:
+        return self.site / path
+
+
+def test_the_version_is_the_installed_one_only_when_it_is_the_code_running(
+    tmp_path: Path,
+) -> None:
+    from harness.cli.version import harness_version
+
+    tree = tmp_path / "checkout"
+    (tree / "harness").mkdir(parents=True)
+    (tree / "harness" / "__init__.py").write_text("")
+    (tree / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["x"]\n\n[project]\nname = "epd-harness"\n'
+        'version = "0.2.0"\ndependencies = [\n    "a",\n]\n\n[tool.x]\nversion = "9"\n'
+    )
+    editable = {"url": tree.as_uri(), "dir_info": {"editable": True}}
+    assert harness_version(tree, FakeDistribution("0.2.0", tmp_path / "site", editable)) == "0.2.0"
+    # A wheel install whose `harness` is the one running (site-packages/harness).
+    assert harness_version(tree, FakeDistribution("0.2.0", tmp_path / "checkout")) == "0.2.0"
+    # Another checkout installed (editable), this one run through PYTHONPATH: its version.
+    other = {"url": (tmp_path / "main").as_uri(), "dir_info": {"editable": True}}
+    assert harness_version(tree, FakeDistribution("0.1.0", tmp_path / "site", other)) == (
+        f"0.2.0 (source tree {tree}, not the installed distribution)"
+    )
+    (tree / "pyproject.toml").unlink()
+    assert harness_version(tree, FakeDistribution("0.1.0", tmp_path / "site", other)).startswith(
+        "unknown"
+    )

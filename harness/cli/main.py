@@ -30,6 +30,7 @@ from harness.cli.serving_options import (
     serving_fields,
 )
 from harness.cli.upstream_requirement import add_upstream_requirement_parser
+from harness.cli.version import VersionAction
 from harness.cli.versions import add_bisect_parser, add_goldens_parser, add_versions_parser
 from harness.environment import cache_dir
 from harness.errors import (
@@ -420,6 +421,7 @@ def command_doctor(args: argparse.Namespace) -> int:
 
 def build_parser() -> Parser:
     parser = Parser(prog="epd-harness", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="start real vLLM topologies and compare with the baseline")
