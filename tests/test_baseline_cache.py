@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import math
 import socket
 import threading
@@ -532,3 +534,73 @@ def test_the_answer_parsers_code_is_in_the_key(monkeypatch: pytest.MonkeyPatch) 
     key = baseline_key(SERVED, SERVING, "d", BODY, launch=LAUNCH)
     monkeypatch.setattr(baseline_cache, "answer_parser_digest", lambda: "another parser")
     assert baseline_key(SERVED, SERVING, "d", BODY, launch=LAUNCH) != key
+
+
+class CacheLines(logging.Handler):
+    """The baseline's "[baseline] cache ..." lines, as the CLI prints them."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("[baseline] cache "):
+            self.lines.append(message)
+
+
+@pytest.mark.parametrize("stored_meanwhile", [False, True])
+def test_a_baseline_started_for_a_miss_prints_one_cache_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stored_meanwhile: bool
+) -> None:
+    """Found walking the CLI: `load` printed "[baseline] cache DIR: 0 hit(s), N to compute"
+    twice: the cache was read to decide whether the baseline must start, and read again
+    under its lock before starting it (a parallel worker may have stored the answers), each
+    read saying so. The second read speaks only when it found what a parallel run stored."""
+    from harness.run.sweep import Sweep, SweepSpec
+    from harness.spec.prompts import SKELETON_PROMPTS
+
+    cache = BaselineCache(tmp_path / "cache")
+    text = next(p for p in SKELETON_PROMPTS if p.name == "text")
+    sweep = Sweep(
+        SweepSpec((), (), baseline_only_prompts=(text,)),
+        run_settings(tmp_path),
+        baseline_cache=cache,
+    )
+    started: list[str] = []
+
+    def start_and_serve(wave, slots) -> None:  # the baseline, answering without a process
+        started.extend(s.topology.name for s in slots)
+        for name in sweep.baseline.missing():
+            sweep.baseline.outcomes[name] = outcome(name, (4, 5))
+
+    monkeypatch.setattr(sweep, "_start_and_serve", start_and_serve)
+    if stored_meanwhile:  # a parallel worker stores the answer while this one waits for the lock
+        locked = sweep.baseline.locked
+
+        @contextlib.contextmanager
+        def store_then_lock():
+            key = sweep.baseline.cache_key(sweep.bodies["text"])
+            cache.store(key, outcome("text", (4, 5)), 0.0, "d", batched=True, served=SERVED)
+            with locked():
+                yield
+
+        monkeypatch.setattr(sweep.baseline, "locked", store_then_lock)
+    lines = CacheLines()
+    logger = logging.getLogger("harness.run.baseline")
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        assert sweep.serve_baseline()["text"].result.token_ids == (4, 5)
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    assert started == ([] if stored_meanwhile else ["baseline"])
+    first = f"[baseline] cache {cache.directory}: 0 hit(s), 1 to compute"
+    meanwhile = f"[baseline] cache {cache.directory}: 1 hit(s) stored meanwhile by a parallel run"
+    assert lines.lines[0] == first, lines.lines
+    if stored_meanwhile:
+        assert len(lines.lines) == 2 and lines.lines[1].startswith(meanwhile), lines.lines
+    else:
+        assert len(lines.lines) == 1, lines.lines

@@ -180,11 +180,16 @@ class BaselineAnswers:
         """Whether this run measures its noise floor on `name` (the batched pass)."""
         return self.batch_probes is None or name in self.batch_probes
 
-    def load_stored(self) -> None:
+    def load_stored(self, again: bool = False) -> None:
         """Every answer the goldens or the cache hold for the known requests. An entry that
         had no batched pass is a miss for a request this run batches: its floor would lack
         what a fresh baseline measures (the pytest session stores its scenarios' prompts
-        control-only; `run --scenario` batches every prompt)."""
+        control-only; `run --scenario` batches every prompt).
+
+        `again`: the cache read once more under its lock, before the baseline is started for
+        what was missing: it says something only if a parallel run stored some meanwhile. Each
+        read printed its line, so every command that started a baseline printed two of them
+        (found walking the CLI: `load`)."""
         if self.golden_release is not None:
             self._load_goldens()
             return
@@ -218,10 +223,13 @@ class BaselineAnswers:
             }
             oldest = min(oldest or provenance.created, provenance.created)
             self._store_golden(name, cached.outcome, launch)
+        if again and not hits:
+            return
         log.info(
-            "[baseline] cache %s: %d hit(s)%s, %d to compute%s",
+            "[baseline] cache %s: %d hit(s)%s%s, %d to compute%s",
             self.cache.directory,
             hits,
+            " stored meanwhile by a parallel run" if again else "",
             f" (the oldest computed {oldest})" if oldest else "",
             len(self.missing()),
             f" ({unbatched} stored without the batched pass this run measures)"

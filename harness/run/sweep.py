@@ -312,7 +312,7 @@ class Sweep:
             ]
             if any(s.topology.is_baseline for s in slots) and self._needs_baseline_run():
                 lock.enter_context(self.baseline.locked())
-                self.baseline.load_stored()  # a parallel worker may have stored them
+                self.baseline.load_stored(again=True)  # a parallel worker may have stored them
             if not self.baseline.missing():
                 slots = [s for s in slots if not s.topology.is_baseline]
             if not slots:
