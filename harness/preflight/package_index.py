@@ -15,6 +15,7 @@ import subprocess
 import urllib.error
 import urllib.parse
 import urllib.request
+from pathlib import Path
 
 # pip's configuration scopes, strongest first (`pip config list` prefixes keys with them).
 CONFIG_SCOPES = (":env:", "site", "user", "global", "install")
@@ -48,13 +49,17 @@ def pip_find_links(interpreter: list[str] | None = None) -> list[str]:
 
 def project_files(index: str, project: str) -> list[IndexFile]:
     """Every file `index` lists for `project`. LookupError (the index named, without
-    credentials) when it cannot be read; ProjectNotListed when it has no such project."""
+    credentials) when it cannot be read; ProjectNotListed when it has no such project.
+
+    A file:// index is a directory tree as pip reads one: a project's page is the index.html
+    in its directory, and a project without a directory is not listed (urllib read such a
+    page as an error: "Is a directory", so the index could never answer)."""
     page_url = index.rstrip("/") + f"/{project}/"
+    local = _local_path(page_url)
+    if local is not None and not local.exists():
+        raise ProjectNotListed(f"{safe_url(index)}: no project {project}")
     try:
-        request = urllib.request.Request(page_url, headers={"Accept": PEP691_ACCEPT})
-        with urllib.request.urlopen(request, timeout=INDEX_TIMEOUT_S) as response:
-            content_type = response.headers.get("Content-Type", "")
-            payload = response.read()
+        content_type, payload = _read_page(page_url)
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
             raise ProjectNotListed(f"{safe_url(index)}: no project {project}") from None
@@ -70,6 +75,45 @@ def project_files(index: str, project: str) -> list[IndexFile]:
             )
             for entry in json.loads(payload).get("files", [])
         ]
+    return _linked_files(page_url, payload)
+
+
+def find_links_files(location: str) -> list[IndexFile]:
+    """Every file a pip find-links location offers, of any project: a local directory's files,
+    or the links of an HTML page (a local file or a URL), as pip reads them. LookupError (the
+    location named, without credentials) when it cannot be read."""
+    local = _local_path(location)
+    try:
+        if local is not None and local.is_dir():
+            return [(p.name, p.as_uri(), None) for p in sorted(local.iterdir()) if p.is_file()]
+        page_url = local.resolve().as_uri() if local is not None else location
+        _, payload = _read_page(page_url)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise LookupError(f"{safe_url(location)}: {exc}") from None
+    return _linked_files(page_url, payload)
+
+
+def _local_path(location: str) -> Path | None:
+    """The local path a file:// URL or a plain path names (pip takes both); None for a URL of
+    another scheme."""
+    parts = urllib.parse.urlsplit(location)
+    if parts.scheme == "file":
+        return Path(urllib.request.url2pathname(parts.path))
+    return Path(location) if not parts.scheme else None
+
+
+def _read_page(url: str) -> tuple[str, bytes]:
+    """(Content-Type, body) of an index page; a local directory's page is its index.html."""
+    local = _local_path(url)
+    if local is not None and local.is_dir():
+        return "text/html", (local / "index.html").read_bytes()
+    request = urllib.request.Request(url, headers={"Accept": PEP691_ACCEPT})
+    with urllib.request.urlopen(request, timeout=INDEX_TIMEOUT_S) as response:
+        return response.headers.get("Content-Type", ""), response.read()
+
+
+def _linked_files(page_url: str, payload: bytes) -> list[IndexFile]:
+    """The files a PEP 503 HTML page links, with the sha256 its URL fragments give."""
     anchors = _Anchors()
     anchors.feed(payload.decode("utf-8", errors="replace"))
     listed: list[IndexFile] = []
