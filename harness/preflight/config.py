@@ -357,7 +357,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
     if baseline_cache is not None and not served.known:
         baseline_cache = None  # an unknown version must never match another's baseline
     if attach is None:  # an attached deployment brings its own connector
-        check_kv_connector(served, kv_connector)
+        check_kv_connector(served, kv_connector, platform)
     launched = () if attach is not None else topologies
     if attach is None and request.served_topologies:
         launched = names.check_topologies(request.served_topologies)

