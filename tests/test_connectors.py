@@ -450,14 +450,3 @@ def test_nixl_missing_on_a_gpu_names_the_nixl_the_served_vllm_declares(monkeypat
     on_cpu = refusal_on(CPU, monkeypatch)
     assert "install it with scripts/cpu setup --nixl" in on_cpu
     assert "upstream-requirement" not in on_cpu
-
-
-def test_doctor_on_a_cuda_vllm_hints_nixl_as_the_gpu_workflows_install_it() -> None:
-    from harness.cli import doctor
-
-    on_cuda = {extra[0]: extra for extra in doctor.optional_extras("cuda")}
-    assert "the cuda default" in on_cuda["nixl"][2]
-    assert "upstream-requirement nixl" in on_cuda["nixl"][3]
-    assert "scripts/cpu setup" not in on_cuda["ray"][3]
-    assert doctor.optional_extras("cpu") == doctor.OPTIONAL_EXTRAS
-    assert doctor.optional_extras(None) == doctor.OPTIONAL_EXTRAS

@@ -184,7 +184,10 @@ def check_optional_extra(
     return Check(name, True, f"{distribution} {_last_line(proc.stdout)}")
 
 
-def check_model(model_dir: Path, python: Sequence[str] = THIS_PYTHON) -> Check:
+def check_model(model_dir: Path, python: Sequence[str] = THIS_PYTHON, tiny: bool = True) -> Check:
+    """Whether the served environment's transformers loads the model's config and processor.
+    `tiny`: the model is the tiny one doctor builds when --model is not given; a failure on any
+    other (the GPU rehearsal's Qwen2.5-VL) was told to rebuild the tiny model."""
     if not (model_dir / "config.json").is_file():
         return Check(
             "model loads", False, f"{model_dir} has no config.json", "is this a model directory?"
@@ -198,7 +201,13 @@ def check_model(model_dir: Path, python: Sequence[str] = THIS_PYTHON) -> Check:
         python,
     )
     if proc.returncode != 0:
-        return Check("model loads", False, _last_line(proc.stderr), "rebuild the tiny model")
+        hint = (
+            "rebuild the tiny model"
+            if tiny
+            else "the served environment's transformers cannot load this checkpoint's config "
+            "or processor: a model newer than that transformers, or an incomplete download"
+        )
+        return Check("model loads", False, _last_line(proc.stderr), hint)
     return Check("model loads", True, f"{model_dir}: {_last_line(proc.stdout)}")
 
 
@@ -208,7 +217,7 @@ def served_device_type(imports: Check) -> str | None:
     return words[-1] if imports.ok and len(words) == 3 else None
 
 
-def run_checks(vllm_executable: str, model_dir: Path | None) -> list[Check]:
+def run_checks(vllm_executable: str, model_dir: Path | None, tiny: bool = True) -> list[Check]:
     """Every check, the environment's in the interpreter `vllm_executable` runs with (its `#!`
     line): the served vLLM's own environment. They ran in this Python whatever `--vllm` said,
     so `doctor --vllm OTHER` passed on this environment's vLLM, torchvision, AMX hook, model
@@ -242,7 +251,7 @@ def run_checks(vllm_executable: str, model_dir: Path | None) -> list[Check]:
         check_amx_permission(device_type=served_device_type(imports), python=python),
     ]
     if model_dir is not None:
-        checks.append(check_model(model_dir, python))
+        checks.append(check_model(model_dir, python, tiny))
     extras = optional_extras(served_device_type(imports))
     checks += [check_optional_extra(*extra, python=python) for extra in extras]
     return checks

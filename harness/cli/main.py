@@ -414,7 +414,9 @@ def command_list(_args: argparse.Namespace) -> int:
 
 def command_doctor(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model, get_platform("cpu").default_model, cache_dir())
-    checks = doctor.run_checks(args.vllm or default_vllm_executable(), model_dir)
+    checks = doctor.run_checks(
+        args.vllm or default_vllm_executable(), model_dir, tiny=args.model is None
+    )
     print(doctor.format_checks(checks))
     return EXIT_OK if all(c.ok for c in checks) else EXIT_FAILED
 
