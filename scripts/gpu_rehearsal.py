@@ -6,6 +6,8 @@
 
 1. Refuses, exit 2, without a GPU (`nvidia-smi` lists none), or with --devices it does not list
    or an inherited CUDA_VISIBLE_DEVICES did not give (by default: the GPUs it gave).
+   Refuses too, before anything is fetched, where this Python lacks the harness's test extra
+   (pytest-xdist, hypothesis: what the nightly's pytest line needs).
 2. A model given by name is fetched into the Hugging Face cache, as the nightly does.
 3. `epd-harness doctor --model DIR`, then `epd-harness plan --platform cuda ...` (kept as
    runs/NAME/plan.txt); either failing stops the rehearsal.
@@ -31,6 +33,7 @@ refused or a step before it failed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -39,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -58,6 +61,31 @@ class Refused(Exception):
 
 class Unlisted(Exception):
     """nvidia-smi did not list the GPUs' processes: what the night left running is unknown."""
+
+
+# What the nightly's pytest line needs in this Python beyond the harness's own dependencies:
+# the `test` extra's pytest, xdist (`-n`), hypothesis (the fuzz scenario) and PyYAML (the
+# workflow's step, read here). Module: distribution.
+TEST_EXTRA_MODULES = {
+    "pytest": "pytest",
+    "xdist": "pytest-xdist",
+    "hypothesis": "hypothesis",
+    "yaml": "pyyaml",
+}
+
+
+def check_test_extra(find: Callable[[str], object] = importlib.util.find_spec) -> None:
+    """Refused, before the model is fetched, where this Python lacks what the nightly's pytest
+    line needs: a vLLM developer's own environment had vLLM and not the harness's test extra,
+    and the rehearsal fetched the model and ran doctor and plan before pytest stopped at `-n`
+    (found walking the first GPU run)."""
+    missing = [dist for module, dist in TEST_EXTRA_MODULES.items() if find(module) is None]
+    if missing:
+        raise Refused(
+            f"this Python ({sys.executable}) lacks {', '.join(missing)}, which the nightly's "
+            "pytest line needs: install the harness with its test extra beside the served vLLM "
+            "(pip install -e '.[test]' with this Python; docs/running.md)"
+        )
 
 
 def gpus_here() -> list[int]:
@@ -350,6 +378,7 @@ def rehearse(args: argparse.Namespace) -> int:
         devices = args.devices
     else:
         present = gpus_here()
+        check_test_extra()
         devices = args.devices or ",".join(map(str, given_here(present, os.environ)))
         missing = [d for d in devices.split(",") if d.strip().isdigit() and int(d) not in present]
         if missing:

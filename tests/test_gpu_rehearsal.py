@@ -96,6 +96,30 @@ def test_an_nvidia_smi_that_lists_no_gpu_is_refused_naming_what_it_said(tmp_path
     assert done.stderr.count("\n") == 1
 
 
+def test_a_python_without_the_test_extra_is_refused_before_the_model_is_fetched() -> None:
+    """A vLLM developer's own environment had vLLM but not the harness's test extra: the
+    rehearsal fetched the model, ran doctor and plan, and only then pytest stopped at `-n`."""
+    rehearsal = load_rehearsal()
+    lacking = {"xdist", "hypothesis"}
+    with pytest.raises(rehearsal.Refused) as caught:
+        rehearsal.check_test_extra(lambda module: None if module in lacking else object())
+    message = str(caught.value)
+    assert "lacks pytest-xdist, hypothesis" in message and "'.[test]'" in message, message
+    rehearsal.check_test_extra()  # this environment has the extra
+
+
+def test_the_extra_is_checked_before_anything_is_fetched(tmp_path: Path, monkeypatch) -> None:
+    rehearsal = load_rehearsal()
+    calls: list[str] = []
+    monkeypatch.setattr(rehearsal, "gpus_here", lambda: [0, 1])
+    monkeypatch.setattr(rehearsal, "check_test_extra", lambda: calls.append("extra"))
+    monkeypatch.setattr(rehearsal, "fetch_model", lambda name: calls.append("fetch") or 1 / 0)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(ZeroDivisionError):
+        rehearsal.main(["--devices", "0,1", "--run-name", "x"])
+    assert calls == ["extra", "fetch"]
+
+
 def test_devices_the_host_lacks_are_refused(tmp_path: Path) -> None:
     path = fake_nvidia_smi(tmp_path / "bin", "printf '0\\n1\\n'")
     done = run_script("--devices", "0,1,2,3", path=path)
