@@ -65,3 +65,24 @@ def test_two_cli_runs_begun_together_have_two_run_directories(
     monkeypatch.chdir(tmp_path)
     first, second = _run_dir(RunRequest()), _run_dir(RunRequest())
     assert first != second and first.is_dir() and second.is_dir(), (first, second)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_xdist_workers_bundle_is_apart_from_the_root_pytests_junit_goes_to(
+    tmp_path: Path, workers: int
+) -> None:
+    """The nightly's line gives pytest `--epd-run-dir ROOT --junitxml ROOT/junit.xml`. A lone
+    worker (`-n 1`: the 2-GPU leg, the rehearsal on 4 GPUs, the Buildkite step) wrote its
+    bundle into ROOT itself: pytest's junit.xml replaced the bundle's at the session's end, and
+    the session's summary, reading gw*/verdicts.txt, showed no verdicts. Without xdist the
+    bundle is the root's, as before."""
+    from harness.preflight.config import _run_dir
+    from harness.testing.session_options import session_request
+
+    def option(name: str):
+        return None
+
+    root = tmp_path / "root"
+    worker = _run_dir(session_request(option, str(root), ("gw0", workers)))
+    assert worker == (root / "gw0").resolve()
+    assert _run_dir(session_request(option, str(root), ("main", 1))) == root.resolve()

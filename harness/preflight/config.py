@@ -132,7 +132,7 @@ class RunRequest:
     colocate: bool = False
     plant_fault: str | None = None
     workers: int = 1  # parallel pytest-xdist workers sharing the devices
-    worker_id: str | None = None  # "gw0"...: run directories of workers stay apart
+    worker_id: str | None = None  # an xdist worker's ("gw0"...): its run directory's own
     # A directory every process of this session (pytest's xdist workers) shares and no earlier
     # session left anything in: where a baseline refresh is recorded once done, and where the
     # baseline of `--baseline-cache off` is shared while workers share devices. None: one process.
@@ -590,8 +590,12 @@ def _run_dir(request: RunRequest) -> Path:
         path = Path(request.run_dir)
     else:
         path = fresh_run_dir(Path("runs"))
-    if request.worker_id and request.workers > 1:
-        path = path / request.worker_id  # workers never write into each other's artifacts
+    if request.worker_id:
+        # Workers never write into each other's artifacts, and a lone xdist worker (`-n 1`, the
+        # nightly's 2-GPU leg, the rehearsal on 4 GPUs) keeps its bundle apart from the root
+        # too: there its junit.xml was the one pytest's --junitxml RUN_ROOT/junit.xml
+        # overwrote, and the session's summary (gw*/verdicts.txt) showed no verdicts.
+        path = path / request.worker_id
     return path.resolve()
 
 

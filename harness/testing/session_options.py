@@ -145,7 +145,7 @@ def session_request(
         refresh_baseline=option("--epd-refresh-baseline"),
         platform=option("--epd-platform"),
         colocate=option("--epd-colocate"),
-        worker_id=worker[0],
+        worker_id=None if worker[0] == "main" else worker[0],  # ("main", 1): no xdist
         workers=worker[1],
         session_dir=str(Path(run_root) / SESSION_SHARED_DIR),
         kv_connector=option("--epd-kv-connector"),
