@@ -603,3 +603,22 @@ def test_run_sh_stops_at_once_while_it_waits_for_the_start(
         for pid_file in (out / "work/state").glob("*.pid"):
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_an_export_script_run_by_a_test_reaches_the_hub_as_the_session_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test runs an export's scripts in an environment built from scratch; their serve.sh
+    fetches a hub model by name. The session's Hugging Face cache and token reach them: without
+    them the GPU night's exports fetched the model again into ~/.cache where HF_HOME put the
+    night's copy elsewhere, and a gated model failed there alone."""
+    from harness.testing.processes import run_export_script
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "run.sh").write_text('echo "home=${HF_HOME-unset} token=${HF_TOKEN-unset}"\n')
+    done = run_export_script(out, ["run.sh"], {"PATH": os.environ["PATH"]}, 30)
+    assert done.stdout == f"home={tmp_path / 'hf'} token=hf_test_token\n", done

@@ -311,6 +311,20 @@ def export_port_variables(serve_sh: str) -> list[str]:
     return [line.split("=", 1)[0] for line in serve_sh.splitlines() if "_PORT=${" in line]
 
 
+# The Hugging Face Hub's cache and credentials: an export's serve.sh fetches a hub model by name
+# (`harness.run.export.files.model_line`), as a user reproducing it would, and a test builds
+# the script's environment from scratch. Without them the GPU night's exports fetched the model
+# again into ~/.cache on a runner whose HF_HOME put the nightly's copy elsewhere, and a gated
+# model (the workflow's `model` input; the workflows pass HF_TOKEN to every step) failed there
+# only, for the harness's own reasons (found walking the GPU night).
+HUB_ACCESS_VARIABLES = ("HF_HOME", "HF_HUB_CACHE", "HF_TOKEN", "HF_ENDPOINT")
+
+
+def hub_access(environ: dict[str, str] | os._Environ) -> dict[str, str]:
+    """The variables of HUB_ACCESS_VARIABLES that `environ` sets."""
+    return {name: environ[name] for name in HUB_ACCESS_VARIABLES if environ.get(name)}
+
+
 def run_export_script(
     out: Path,
     argv: list[str],
@@ -326,7 +340,9 @@ def run_export_script(
     four fake servers; the e2e export scenario ran run.sh so on GPUs). A timeout fails the
     test (AssertionError with the output); anything else is raised as it was.
 
-    The fake vLLM's observation variables this process has (`observers`) are added to `env`,
+    The Hugging Face Hub's cache and token this process has (`hub_access`) are added to `env`,
+    where an export's serve.sh fetches a model by name. The fake vLLM's observation variables
+    this process has (`observers`) are added to `env`,
     which a test builds from scratch: without them the fake servers an export started were
     neither logged nor held their devices, so the fake GPU night's check that no device is
     held by two live instances could not see an export's servers. Test plumbing only: the
@@ -339,7 +355,7 @@ def run_export_script(
     script = subprocess.Popen(
         ["bash", str(out / argv[0]), *argv[1:]],
         cwd=out,
-        env={**observers(os.environ), **env},
+        env={**observers(os.environ), **hub_access(os.environ), **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
