@@ -525,6 +525,31 @@ def test_cause_line_skips_wrappers_and_falls_back_to_the_first_line() -> None:
     assert died_role("no death here") is None
 
 
+def test_a_cause_naming_a_path_or_a_digest_is_one_signature_whatever_they_are() -> None:
+    """P's FileNotFoundError on two KV folders of one real run (seed 32, 1P+1D) and of another
+    run directory: one cause, one group."""
+    folder = "No such file or directory: {}/storage/kv/{}/language_model.model.layers.0.self_attn.attn.safetensors"
+    died = "request failed: instance 1P+1D/prefill0 exited with code 0\nFileNotFoundError: "
+    causes = {
+        signature_of(record(Verdict.ERROR, "", died + folder.format(run, key)))
+        for run, key in (
+            ("/tmp/lead/md-s52e/fuzz-32/1P-1D", "75d552ef3b7a50008b13cab699447559"),
+            ("/tmp/lead/md-s52e/fuzz-32/1P-1D", "7faaac472292e8c2d948668b545e9719"),
+            ("/home/dev/runs/fuzz-20261205/1P-1D", "0123456789abcdef0123456789abcdef"),
+        )
+    }
+    assert len(causes) == 1, causes
+    (cause,) = causes
+    assert cause.cause == (
+        "FileNotFoundError: No such file or directory: "
+        ".../language_model.model.layers.N.self_attn.attn.safetensors"
+    )
+    assert cause_line("KeyError: request cmpl-9f1c2e3d4b5a6978 not found") == (
+        "KeyError: request cmpl-H not found"
+    )
+    assert cause_line("ValueError: bad grid deadbeef") == "ValueError: bad grid deadbeef"
+
+
 def test_mismatch_and_vacuous_signatures_ignore_positions() -> None:
     late = signature_of(record(Verdict.MISMATCH, "generated tokens differ at position 7 of 9/9"))
     early = signature_of(record(Verdict.MISMATCH, "generated tokens differ at position 0 of 3/3"))
