@@ -835,3 +835,109 @@ def test_the_version_table_names_a_release_whose_job_never_finished_and_installs
     assert code == 1, out
     assert "- 0.30.0: no cases: no finished run in runs/versions/0.30.0" in summary, summary
     assert "installing" not in out and not (tmp_path / "cache").exists(), out
+
+
+# --- the GPU workflows' command lines: every flag is one the CLI / the pytest session has ---
+
+# The job's own steps' stand-ins: `$VENV/bin/epd-harness` and `$VENV/bin/python` record their
+# arguments (one per line), nvidia-smi answers anything.
+RECORDING_TOOL = (
+    '#!/bin/bash\nfor a in "$@"; do printf "%s\\n" "$a"; done > "$OUT.$(basename "$0")"\n'
+)
+CLI_STEPS = ("Plan", "EPD scenarios")
+
+
+def gpu_step_arguments(workflow: dict, tmp_path: Path, env: dict[str, str]) -> dict[str, list]:
+    """The arguments the Plan step gives `epd-harness` and the scenarios step gives pytest,
+    their bash run with the job's env (`env`): {"epd-harness": argv, "python": argv}."""
+    tools, venv = tmp_path / "tools", tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    tools.mkdir()
+    for path in (venv / "bin" / "epd-harness", venv / "bin" / "python", tools / "nvidia-smi"):
+        path.write_text(RECORDING_TOOL)
+        path.chmod(0o755)
+    out = tmp_path / "args"
+    for step in all_steps(workflow):
+        if not step.get("name", "").startswith(CLI_STEPS):
+            continue
+        done = subprocess.run(
+            ["bash", "-e", "-o", "pipefail", "-c", step["run"]],
+            cwd=tmp_path,
+            env={**env, "PATH": f"{tools}:/usr/bin:/bin", "VENV": str(venv), "OUT": str(out)},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert done.returncode == 0, (step["name"], done.stdout + done.stderr)
+    return {
+        tool: Path(f"{out}.{tool}").read_text().splitlines() for tool in ("epd-harness", "python")
+    }
+
+
+def unknown_flags(argvs: dict[str, list], pytestconfig: pytest.Config) -> list[str]:
+    """The flags of the recorded command lines that their parser does not have."""
+    from harness.cli.main import build_parser
+    from harness.errors import BadInput
+
+    unknown = []
+    try:
+        build_parser().parse_args(argvs["epd-harness"])
+    except (SystemExit, BadInput) as refused:
+        unknown.append(f"epd-harness {' '.join(argvs['epd-harness'])}: {refused}")
+    assert argvs["python"][:2] == ["-m", "pytest"], argvs["python"]
+    for arg in argvs["python"][2:]:
+        if arg.startswith("--"):
+            try:
+                pytestconfig.getoption(arg.split("=", 1)[0])
+            except ValueError:
+                unknown.append(f"pytest {arg}")
+    return unknown
+
+
+def gpu_job_envs(workflow: dict, tmp_path: Path) -> list[dict[str, str]]:
+    """Every leg of the matrix, with and without each dispatch input that adds a flag."""
+    envs = []
+    for leg in only_job(workflow)["strategy"]["matrix"]["include"]:
+        for optional in ("", "set"):
+            envs.append(
+                {
+                    **{k: str(v) for k, v in workflow.get("env", {}).items()},
+                    "RUN_NAME": "night",
+                    "DEVICES": leg["devices"],
+                    "WORKERS": str(leg["workers"]),
+                    "COLOCATE": str(leg["colocate"]).lower(),
+                    "EPD_MODEL_DIR": str(tmp_path / "model"),
+                    "GRAPHS": "true" if optional else "false",
+                    "TOPOLOGIES": "1E+1PD,1P+1D" if optional else "",
+                    "SCENARIOS": "image" if optional else "",
+                    "VLLM_SOURCE": str(tmp_path / "vllm-src") if optional else "",
+                }
+            )
+    return envs
+
+
+@pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])
+def test_gpu_workflows_call_the_cli_and_pytest_with_flags_they_have(
+    name: str, tmp_path: Path, pytestconfig: pytest.Config
+) -> None:
+    """actionlint reads shell, not the harness's flags: a renamed `plan` or `--epd-*` option
+    would have failed only on a GPU runner. Each leg's Plan and scenarios steps are run by
+    bash (stand-ins record the command lines) and parsed by the real parsers."""
+    workflow = load(name)
+    for index, env in enumerate(gpu_job_envs(workflow, tmp_path)):
+        argvs = gpu_step_arguments(workflow, tmp_path / str(index), env)
+        assert argvs["epd-harness"][0] == "plan", argvs
+        assert not unknown_flags(argvs, pytestconfig), (name, env["DEVICES"], argvs)
+
+
+def test_a_flag_no_parser_has_is_found(tmp_path: Path, pytestconfig: pytest.Config) -> None:
+    """The check above can fail: a misspelt plan flag and a misspelt session option."""
+    workflow = load("cherry-pick.yml")
+    for step in all_steps(workflow):
+        if step.get("name", "").startswith(CLI_STEPS):
+            step["run"] = step["run"].replace("--colocate", "--colocated")
+            step["run"] = step["run"].replace("--epd-devices", "--epd-device")
+    env = gpu_job_envs(workflow, tmp_path)[-1]  # the 2-GPU leg: colocated
+    found = unknown_flags(gpu_step_arguments(workflow, tmp_path, env), pytestconfig)
+    assert len(found) == 2 and found[0].startswith("epd-harness plan"), found
+    assert found[1] == "pytest --epd-device", found
