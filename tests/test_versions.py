@@ -358,6 +358,18 @@ def test_a_corrupt_golden_is_one_line_naming_the_file(tmp_path: Path, text: str)
             read()
 
 
+def test_goldens_read_only_files_named_as_goldens_are(tmp_path: Path) -> None:
+    """Found walking the CLI: `goldens --dir` given a directory of runs called a run's
+    versions.json a "corrupt golden" and said to delete it."""
+    (tmp_path / "versions").mkdir()
+    (tmp_path / "versions" / "versions.json").write_text('{"releases": []}')
+    (tmp_path / "versions" / "0.32.0.console.json").write_text("{")
+    assert GoldenStore(tmp_path).all() == {}
+    (tmp_path / "versions" / "0.32.0+torch-2.13.0.json").write_text("{")  # a golden's name
+    with pytest.raises(BadInput, match="corrupt golden"):
+        GoldenStore(tmp_path).all()
+
+
 @pytest.mark.parametrize(
     ("good", "bad", "first_changed"),
     [

@@ -222,6 +222,11 @@ class GoldenStore:
         """key -> its goldens, oldest release first (one per release and torch)."""
         found: dict[str, dict[tuple[str, str], Golden]] = {}
         for path in sorted(self.directory.glob("*/*.json")):
+            if golden_release_of(path.stem.split(TORCH_SEPARATOR, 1)[0]) is None:
+                # Named as no golden is (`goldens --dir` given a run directory: its
+                # `versions/versions.json` was a "corrupt golden" to delete; found walking
+                # the CLI).
+                continue
             golden = self.load_file(path)
             mine = found.setdefault(path.parent.name, {})
             # An older harness's `<release>.json` sorts after `<release>+torch-...`: the
