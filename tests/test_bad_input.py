@@ -1081,6 +1081,21 @@ def test_repro_colocate_of_a_ray_run(epd_cli, tmp_path: Path) -> None:
     )
 
 
+def test_repro_into_the_bundle_itself(epd_cli, tmp_path: Path) -> None:
+    """`repro B --run-dir B` started the rerun in B: its instance logs and storage went into
+    the bundle's own topology directories, over the evidence it reproduces."""
+    bundle = minimal_bundle(tmp_path / "b", {"platform_profile": "cpu"})
+    code, err = shown_cli(
+        epd_cli, tmp_path, "repro", bundle, "--run-dir", bundle, "--vllm", tmp_path / "no-vllm"
+    )
+    assert_one_error_line(
+        code,
+        err,
+        f"--run-dir {bundle} is the bundle itself: the rerun's logs and storage would overwrite "
+        "what it reproduces; give another directory (default: <bundle>-repro)",
+    )
+
+
 def test_repro_on_a_core_this_process_may_not_use(epd_cli, tmp_path: Path, monkeypatch) -> None:
     """`repro --devices 7` on a two-core host was a ValueError traceback from the baseline's
     spawn, exit 1, where `run` refuses the core in one line (found in review)."""

@@ -322,6 +322,14 @@ def command_repro(args: argparse.Namespace) -> int:
         )
         refuse_too_few_devices(bundle, args.case, devices, args.colocate)
         run_dir = Path(args.run_dir or bundle.path.parent / f"{bundle.path.name}-repro").resolve()
+        if run_dir == bundle.path.resolve():
+            # The rerun's instance logs and EC / KV storage went into the bundle's own
+            # <topology>/ directories, over the evidence it reproduces (found walking the CLI).
+            raise BadInput(
+                f"--run-dir {args.run_dir} is the bundle itself: the rerun's logs and storage "
+                "would overwrite what it reproduces; give another directory (default: "
+                "<bundle>-repro)"
+            )
         check_run_dir(run_dir)
         served = probe_served_vllm(args.vllm or default_vllm_executable())
         proxy = proxy_choice(
