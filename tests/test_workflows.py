@@ -690,10 +690,12 @@ def test_the_gpu_night_on_cpu_judges_as_the_cuda_profile_does() -> None:
 LEFTOVER_STEP = "Leftover GPU processes (should be none)"
 
 
-def run_leftover_step(tmp_path: Path, before: str | None, listed: str) -> tuple[int, str]:
-    """The nightly's leftover step, run by bash with an nvidia-smi that lists `listed` as its
-    compute processes; `before` is what the plan step recorded (None: it never ran)."""
-    (step,) = [s for s in all_steps(load("nightly-gpu.yml")) if s.get("name") == LEFTOVER_STEP]
+def run_leftover_step(
+    tmp_path: Path, before: str | None, listed: str, workflow: str = "nightly-gpu.yml"
+) -> tuple[int, str]:
+    """A GPU workflow's leftover step, run by bash with an nvidia-smi that lists `listed` as
+    its compute processes; `before` is what the plan step recorded (None: it never ran)."""
+    (step,) = [s for s in all_steps(load(workflow)) if s.get("name") == LEFTOVER_STEP]
     tools = tmp_path / "bin"
     tools.mkdir(parents=True)
     (tools / "nvidia-smi").write_text(f"#!/bin/sh\nprintf '{listed}'\n")
@@ -713,19 +715,25 @@ def run_leftover_step(tmp_path: Path, before: str | None, listed: str) -> tuple[
     return done.returncode, done.stdout + done.stderr
 
 
-def test_the_nightly_fails_on_a_process_it_left_on_the_gpus(tmp_path: Path) -> None:
-    """What held a GPU before the night is another job's; a process that appeared since, and is
-    still there after pytest, was the night's: it would hold the GPU into the next job."""
+@pytest.mark.parametrize("workflow", ["nightly-gpu.yml", "cherry-pick.yml"])
+def test_a_gpu_workflow_fails_on_a_process_it_left_on_the_gpus(
+    tmp_path: Path, workflow: str
+) -> None:
+    """What held a GPU before the run is another job's; a process that appeared since, and is
+    still there after pytest, was the run's: it would hold the GPU into the next job. The
+    cherry-pick kept nvidia-smi's view before and never looked after (found walking it)."""
     another_job = "100, python, 500 MiB\\n"
-    code, out = run_leftover_step(tmp_path / "clean", "100\n", another_job)
+    code, out = run_leftover_step(tmp_path / "clean", "100\n", another_job, workflow)
     assert code == 0 and "no process left" in out, out
     code, out = run_leftover_step(
-        tmp_path / "left", "100\n", another_job + "4242, VLLM::EngineCore, 70123 MiB\\n"
+        tmp_path / "left", "100\n", another_job + "4242, VLLM::EngineCore, 70123 MiB\\n", workflow
     )
     assert code == 1 and "4242, VLLM::EngineCore, 70123 MiB" in out, out
     assert "100, python" not in out.split("::error::", 1)[1], out
-    code, out = run_leftover_step(tmp_path / "no-plan", None, another_job)
+    code, out = run_leftover_step(tmp_path / "no-plan", None, another_job, workflow)
     assert code == 1 and "100, python, 500 MiB" in out, out
+    plan = next(s["run"] for s in all_steps(load(workflow)) if s.get("name", "").startswith("Plan"))
+    assert '> "runs/$RUN_NAME/gpu-pids-before.txt"' in plan, "the plan step records the pids"
 
 
 # --- versions-cpu.yml: the release jobs' runs, gathered by the table job ---------------------
