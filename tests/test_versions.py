@@ -244,6 +244,30 @@ def test_goldens_are_per_release_and_agreement_finds_the_first_difference(tmp_pa
         store.outcome_for(key, "video", "0.29.0")
 
 
+def test_goldens_name_the_request_when_two_share_a_prompt(tmp_path: Path) -> None:
+    """Found walking the CLI: goldens of one prompt under two models gave rows that read
+    alike ("image: 0.31.0 -> 0.32.0: ..." twice, one identical, one not), naming neither."""
+    store = GoldenStore(tmp_path)
+    serving = serving_for(CPU, "/m")
+    keys = [golden_key(serving, digest, BODY, LAUNCH) for digest in ("tiny", "real")]
+    for key, newer in zip(keys, ([1, 2], [1, 3])):
+        for version, ids in (("0.31.0", [1, 2]), ("0.32.0", newer)):
+            store.store(key, "image", ServedVllm("v", version, "2.13.0"), outcome("image", ids))
+    store.store(
+        golden_key(serving, "tiny", {**BODY, "seed": 2}, LAUNCH),
+        "text",
+        ServedVllm("v", "0.31.0", "2.13.0"),
+        outcome("text", (1,)),
+    )
+    rows = sorted(r.describe() for r in agreement(store))
+    assert rows == sorted(
+        [
+            f"image (request {keys[0][:12]}): 0.31.0 -> 0.32.0: identical",
+            f"image (request {keys[1][:12]}): 0.31.0 -> 0.32.0: differ from token 1",
+        ]
+    ), rows
+
+
 def test_release_of_strips_the_local_build_suffix() -> None:
     assert release_of("0.31.0+cpu") == "0.31.0"
     assert first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([1], [1]) is None

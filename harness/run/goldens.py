@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,8 @@ from harness.spec.settings import ServedVllm
 from harness.spec.topology import ServingConfig
 
 GOLDEN_FORMAT = 2  # 2: the launch's environment and device in the key
-TORCH_SEPARATOR = "+torch-"  # between the release and the torch version in a golden's name
+TORCH_SEPARATOR = "+torch-"
+REQUEST_LABEL_LENGTH = 12  # of a request's key, naming it in `goldens` beside its prompt  # between the release and the torch version in a golden's name
 # A final release, as vLLM numbers them: X.Y[.Z][.postN], with an optional local build suffix
 # (+cpu, +cu128). Anything else (.devN, rcN, aN, bN) is a build on the way to a release.
 _FINAL_RELEASE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?(\.post\d+)?(?:\+[A-Za-z0-9.]+)?\s*$")
@@ -247,11 +249,15 @@ class Agreement:
     older: str
     newer: str
     first_difference: int | None  # token index; None: identical token ids
+    # The request's key, shown when another request has the same prompt name (another model,
+    # flags, environment or device): their rows read alike (found walking the CLI).
+    request: str = ""
 
     def describe(self) -> str:
+        what = f"{self.prompt} (request {self.request})" if self.request else self.prompt
         if self.first_difference is None:
-            return f"{self.prompt}: {self.older} -> {self.newer}: identical"
-        return f"{self.prompt}: {self.older} -> {self.newer}: differ from token {self.first_difference}"
+            return f"{what}: {self.older} -> {self.newer}: identical"
+        return f"{what}: {self.older} -> {self.newer}: differ from token {self.first_difference}"
 
 
 def agreement(store: GoldenStore) -> list[Agreement]:
@@ -259,7 +265,10 @@ def agreement(store: GoldenStore) -> list[Agreement]:
     Where a request has goldens of more than one torch, each is named with its torch, so a
     change of torch is never read as a change of release."""
     rows = []
-    for goldens in store.all().values():
+    every = store.all()
+    prompts = Counter(goldens[0].prompt for goldens in every.values() if len(goldens) > 1)
+    for key, goldens in every.items():
+        request = key[:REQUEST_LABEL_LENGTH] if prompts[goldens[0].prompt] > 1 else ""
         several_torches = len({g.torch_version for g in goldens}) > 1
 
         def label(golden: Golden, several_torches: bool = several_torches) -> str:
@@ -276,9 +285,10 @@ def agreement(store: GoldenStore) -> list[Agreement]:
                     label(older),
                     label(newer),
                     first_difference(older.token_ids, newer.token_ids),
+                    request,
                 )
             )
-    return sorted(rows, key=lambda a: (a.prompt, parse_version(a.older), a.older))
+    return sorted(rows, key=lambda a: (a.prompt, a.request, parse_version(a.older), a.older))
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
