@@ -949,3 +949,46 @@ def test_a_flag_no_parser_has_is_found(tmp_path: Path, pytestconfig: pytest.Conf
     found = unknown_flags(gpu_step_arguments(workflow, tmp_path, env), pytestconfig)
     assert len(found) == 2 and found[0].startswith("epd-harness plan"), found
     assert found[1] == "pytest --epd-device", found
+
+
+@pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])
+def test_a_vllm_input_of_no_known_form_is_refused_before_any_install(
+    name: str, tmp_path: Path
+) -> None:
+    """Found walking the cherry-pick: the `vllm` input's last branch installed any text as
+    `vllm==TEXT`, so a short commit SHA (wheels.vllm.ai serves full ones) or a typo failed in
+    uv's words once a venv was made, never saying which forms the input takes."""
+    install = next(s["run"] for s in all_steps(load(name)) if s.get("name") == INSTALL_STEP)
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    # python3 -m venv is the step's first command after the check: it stops the step there.
+    (tools / "python3").write_text('#!/bin/bash\necho "python3 $*" >> "$CALLS"; exit 42\n')
+    (tools / "python3").chmod(0o755)
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    accepted = ["0.32.1", "v0.32.1", "0.33.0rc1", "0.33.0.dev12+g1a2b3c4d", sha, "https://w/v.whl"]
+    refused = ["1a2b3c4", sha.upper(), "latest", "0.32.1 ; echo hi", "main"]
+    # Empty: the nightly's default release; the cherry-pick has none (its input is required).
+    (accepted if name == "nightly-gpu.yml" else refused).append("")
+    for spec in accepted + refused:
+        calls = tmp_path / f"calls-{len(spec)}-{abs(hash(spec))}"
+        done = subprocess.run(
+            ["bash", "-e", "-c", install],
+            env={
+                "PATH": f"{tools}:/usr/bin:/bin",
+                "VENV": str(tmp_path / "venv"),
+                "VLLM_SPEC": spec,
+                "DEFAULT_VLLM": "0.32.0",
+                "CALLS": str(calls),
+            },
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if spec in accepted:
+            assert done.returncode == 42 and calls.exists(), (spec, done.stdout + done.stderr)
+        else:
+            assert done.returncode == 1 and not calls.exists(), (spec, done.stdout)
+            assert done.stdout == (
+                f"::error::vllm input '{spec}': expected a version (0.32.1), a full 40-character "
+                "commit SHA (wheels.vllm.ai serves no short one) or a wheel URL\n"
+            )
