@@ -958,3 +958,16 @@ def test_gather_only_installs_nothing_and_refuses_what_it_would_drop(
         assert code == 2 and "--gather-only reads the finished runs" in err, err
     code, _, err = epd_cli("versions", "0.30.0", "--gather-only")
     assert code == 2 and "give --run-dir" in err, err
+
+
+@pytest.mark.usefixtures("no_install")
+def test_install_only_leaves_no_run_directory_behind(
+    epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found walking the CLI: `versions V --install-only` (which takes no --run-dir) made an
+    empty runs/versions-<time> in the working directory, as did a release refused before
+    its sweep."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = epd_cli("versions", "0.30.0", "--install-only")
+    assert code == 2 and "would install" in err, err
+    assert not (tmp_path / "runs").exists()

@@ -310,12 +310,11 @@ def check_versions_arguments(args: argparse.Namespace) -> tuple[str, ...]:
 def command_versions(args: argparse.Namespace) -> int:
     versions = list(check_versions_arguments(args))
     run_args = _run_args(args)
-    root = Path(args.run_dir) if args.run_dir else fresh_run_dir(Path("runs"), "versions-")
-    if args.gather_only:
-        return write_matrix(root, [gathered_run(v, root / v, run_args) for v in versions])
-    # Releases whose run is already finished here need no venv (a summary job that only
-    # gathers other jobs' runs installs nothing).
-    to_install = [v for v in versions if finished_run(root / v) is None]
+    given = Path(args.run_dir) if args.run_dir else None
+    if given is not None and args.gather_only:
+        return write_matrix(given, [gathered_run(v, given / v, run_args) for v in versions])
+    # Releases whose run is already finished here need no venv.
+    to_install = [v for v in versions if given is None or finished_run(given / v) is None]
     check_on_index(to_install)
     check_disk_for(to_install)
     if args.install_only:
@@ -326,6 +325,9 @@ def command_versions(args: argparse.Namespace) -> int:
                 f"{f', installed in {seconds:.0f}s' if seconds else ', cached'})"
             )
         return 0
+    # Made only now: --install-only, or a release refused above, left an empty
+    # runs/versions-<time> behind (found walking the CLI).
+    root = given or fresh_run_dir(Path("runs"), "versions-")
     runs = [run_release(v, root / v, run_args, args.lock_file) for v in versions]
     return write_matrix(root, runs)
 
