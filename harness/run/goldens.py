@@ -48,8 +48,8 @@ from harness.spec.settings import ServedVllm
 from harness.spec.topology import ServingConfig
 
 GOLDEN_FORMAT = 2  # 2: the launch's environment and device in the key
-TORCH_SEPARATOR = "+torch-"
-REQUEST_LABEL_LENGTH = 12  # of a request's key, naming it in `goldens` beside its prompt  # between the release and the torch version in a golden's name
+TORCH_SEPARATOR = "+torch-"  # between the release and the torch version in a golden's name
+REQUEST_LABEL_LENGTH = 12  # of a request's key, naming it in `goldens` beside its prompt
 # A final release, as vLLM numbers them: X.Y[.Z][.postN], with an optional local build suffix
 # (+cpu, +cu128). Anything else (.devN, rcN, aN, bN) is a build on the way to a release.
 _FINAL_RELEASE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?(\.post\d+)?(?:\+[A-Za-z0-9.]+)?\s*$")
