@@ -7,9 +7,13 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ARTIFACT_MODE = 0o644  # mkstemp creates 0600; artifacts are for everyone who reads the run
+# Every directory `fresh_run_dir` made in this process, in order (`empty_run_dirs_removed`).
+_MADE_RUN_DIRS: list[Path] = []
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -69,9 +73,34 @@ def fresh_run_dir(parent: Path, prefix: str = "") -> Path:
             path = parent / (stem if n == 1 else f"{stem}-{n}")
             try:
                 path.mkdir()
+                _MADE_RUN_DIRS.append(path)
                 return path
             except FileExistsError:
                 continue
     except OSError:
         pass
     return parent / stem
+
+
+@contextmanager
+def empty_run_dirs_removed() -> Iterator[None]:
+    """Remove, when the block ends, each run directory `fresh_run_dir` made inside it that is
+    still empty: nothing was written there (an input refused after the directory was made, a
+    command that ended before its first artifact). Such directories piled up under runs/ (`fuzz
+    --topology` with a bad flag, every unit-test session: found walking the CLI). A directory
+    with anything in it stays, as artifacts written so far always do."""
+    first = len(_MADE_RUN_DIRS)
+    try:
+        yield
+    finally:
+        made, _MADE_RUN_DIRS[first:] = _MADE_RUN_DIRS[first:], []
+        for path in made:
+            remove_if_empty(path)
+
+
+def remove_if_empty(path: Path) -> None:
+    """rmdir: removes the directory only when it holds nothing."""
+    try:
+        path.rmdir()
+    except OSError:
+        pass

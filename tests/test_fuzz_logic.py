@@ -1562,6 +1562,7 @@ def test_a_fuzz_run_that_judged_nothing_fails(tmp_path: Path, monkeypatch, how: 
     monkeypatch.setattr(fuzz_cli, "prepare_run", lambda request: config)
     monkeypatch.setattr(FuzzEngine, "__enter__", lambda self: self)  # nothing is started
     argv = ["fuzz", "--topology", "1E+1PD", "--examples", "3", "--seed", "0"]
+    argv += ["--run-dir", str(tmp_path / "run")]  # not a runs/fuzz-<time> in the checkout
     if how == "budget":
         argv += ["--budget-s", "1e-9"]
     else:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.files import fresh_run_dir
+from harness.files import empty_run_dirs_removed, fresh_run_dir
 
 pytestmark = pytest.mark.unit
 
@@ -65,6 +65,49 @@ def test_two_cli_runs_begun_together_have_two_run_directories(
     monkeypatch.chdir(tmp_path)
     first, second = _run_dir(RunRequest()), _run_dir(RunRequest())
     assert first != second and first.is_dir() and second.is_dir(), (first, second)
+
+
+def test_a_run_directory_left_empty_is_removed_and_one_written_to_stays(
+    tmp_path: Path, one_second: str
+) -> None:
+    """Found walking the CLI: a refused `fuzz` and every unit-test session left an empty
+    runs/<prefix><time> behind."""
+    before = fresh_run_dir(tmp_path / "runs", "run-")  # made outside the block: not its own
+    with pytest.raises(RuntimeError), empty_run_dirs_removed():
+        empty = fresh_run_dir(tmp_path / "runs", "fuzz-")
+        written = fresh_run_dir(tmp_path / "runs", "fuzz-")
+        (written / "run.json").write_text("{}")
+        raise RuntimeError("refused after the directory was made")
+    assert not empty.exists() and (written / "run.json").is_file() and before.is_dir()
+
+
+def test_a_pytest_session_that_wrote_nothing_leaves_no_run_root(
+    tmp_path: Path, one_second: str
+) -> None:
+    from types import SimpleNamespace
+
+    from harness.testing.session_account import (
+        RUN_ROOT_KEY,
+        pytest_configure,
+        pytest_unconfigure,
+    )
+
+    roots = []
+    for writes in (False, True):
+        config = SimpleNamespace(rootpath=tmp_path, stash=pytest.Stash(), getoption=lambda *a: None)
+        pytest_configure(config)  # type: ignore[arg-type]
+        root = Path(config.stash[RUN_ROOT_KEY])
+        if writes:
+            (root / "gw0").mkdir()
+        pytest_unconfigure(config)  # type: ignore[arg-type]
+        roots.append(root.exists())
+    assert roots == [False, True]
+    given = tmp_path / "given"
+    given.mkdir()
+    config = SimpleNamespace(rootpath=tmp_path, stash=pytest.Stash(), getoption=lambda *a: given)
+    pytest_configure(config)  # type: ignore[arg-type]
+    pytest_unconfigure(config)  # type: ignore[arg-type]
+    assert given.is_dir()  # --epd-run-dir is the user's: never removed
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -42,6 +42,7 @@ from harness.errors import (
     HarnessError,
     empty_value,
 )
+from harness.files import empty_run_dirs_removed
 from harness.judge.records import CaseRecord
 from harness.preflight import RunRequest, names, prepare_run
 from harness.preflight.config import (
@@ -576,7 +577,8 @@ def main(argv: list[str] | None = None) -> int:
         install_log_handler()
         replaced = install_signal_handlers()
         try:
-            return args.func(args)
+            with empty_run_dirs_removed():
+                return args.func(args)
         finally:
             # A Ray connection, and the rehearsal cluster a command started (run, repro, load,
             # fuzz with --launcher ray); a no-op when Ray was never used.
@@ -606,7 +608,9 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(exc))
     except KeyboardInterrupt as exc:
         cause = f" ({exc})" if str(exc) else ""
-        artifacts = f"; artifacts in {progress.run_dir}" if progress.run_dir else ""
+        # An empty run directory was removed on the way out (empty_run_dirs_removed).
+        kept = progress.run_dir and Path(progress.run_dir).is_dir()
+        artifacts = f"; artifacts in {progress.run_dir}" if kept else ""
         print(
             f"epd-harness: interrupted{cause} {progress.describe()}; every server was stopped"
             f"{artifacts}",

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.files import fresh_run_dir
+from harness.files import fresh_run_dir, remove_if_empty
 
 RUN_ROOT_KEY = pytest.StashKey[str]()
+MADE_RUN_ROOT_KEY = pytest.StashKey[bool]()  # the controller made runs/pytest-<time> itself
 SWEEP_KEY = pytest.StashKey[object]()  # the session's sweep (epd_sweep): its verdicts, summed
 WORKER_RUN_ROOT = "epd_run_root"  # how xdist hands the controller's run root to workers
 # Under the run root: what every process of one session shares (`RunRequest.session_dir`: the
@@ -32,6 +33,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[RUN_ROOT_KEY] = given or str(
             fresh_run_dir(Path(config.rootpath) / "runs", "pytest-")
         )
+        config.stash[MADE_RUN_ROOT_KEY] = not given
         forget_earlier_accounts(Path(config.stash[RUN_ROOT_KEY]))
 
 
@@ -53,6 +55,13 @@ def forget_earlier_accounts(root: Path) -> None:
     for pattern in (f"**/{STARTS_FILE}", f"**/{INSTANCE_STARTS_FILE}", f"gw*/{VERDICTS_FILE}"):
         for path in root.glob(pattern):
             path.unlink(missing_ok=True)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A run root this session made and left empty (it ran no scenario: every unit-test run)
+    is removed, rather than piling up under runs/; one with anything in it stays."""
+    if config.stash.get(MADE_RUN_ROOT_KEY, False):
+        remove_if_empty(Path(config.stash[RUN_ROOT_KEY]))
 
 
 def pytest_configure_node(node) -> None:  # xdist: every worker writes under the same root
