@@ -429,6 +429,40 @@ def test_bisect_finds_the_first_release_whose_verdict_differs(
     assert len(tried) <= 5 and len(set(tried)) == len(tried)  # bisected, each release once
 
 
+def test_bisect_says_which_verdicts_are_failures_the_release_is_declared_to_have(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Asked by a release manager: a verdict line shows, as the version table does, that a
+    release's MISMATCH is the failure the matrix declares for it; what bisect compares (and
+    records) stays the raw verdict."""
+    import argparse
+
+    from harness.cli import versions
+
+    def fake_run(version: str, run_dir: Path, run_args: list[str], lock_file: str | None):
+        if version == "0.32.0":
+            verdict = case("1E+1PD", "video", "MATCH")
+        elif version == "0.31.0":  # a MISMATCH nothing declares
+            verdict = case("1E+1PD", "video", "MISMATCH", policy_passed=False)
+        else:
+            verdict = case("1E+1PD", "video", "MISMATCH", policy_passed=True)
+        return ReleaseRun(version, "x", 0, 1.0, 0.0, 0, [verdict])
+
+    monkeypatch.setattr(versions, "run_release", fake_run)
+    monkeypatch.setattr(versions, "check_disk_for", lambda _versions: None)
+    args = argparse.Namespace(
+        case="1E+1PD:video", good="0.32.0", bad="0.30.0", run_dir=str(tmp_path), lock_file=None
+    )
+    assert versions.command_bisect(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "bisect: 1E+1PD:video on 0.32.0: MATCH" in lines
+    assert "bisect: 1E+1PD:video on 0.30.0: MISMATCH (declared)" in lines
+    assert "bisect: 1E+1PD:video on 0.31.0: MISMATCH" in lines
+    record = json.loads((tmp_path / "bisect-1E-1PD-video.json").read_text())
+    assert record["first_changed"] == "0.31.0"
+    assert record["verdicts"]["0.30.0"] == "MISMATCH"
+
+
 def test_bisect_refuses_a_malformed_case() -> None:
     import argparse
 

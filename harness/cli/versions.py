@@ -419,16 +419,22 @@ def add_versions_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     return parser
 
 
-def case_verdict(run: ReleaseRun, topology: str, prompt: str) -> str:
-    """The case's verdict against its own baseline on this release ('NO_RESULT' without one)."""
+def bisect_case(run: ReleaseRun, topology: str, prompt: str) -> dict[str, Any] | None:
+    """The case's record against its own baseline on this release (None without one)."""
     for case in run.cases:
         if (
             case["topology"] == topology
             and case["prompt"] == prompt
             and case_label(case) == (f"{topology} / {prompt}")
         ):
-            return case["verdict"]
-    return "NO_RESULT"
+            return case
+    return None
+
+
+def case_verdict(run: ReleaseRun, topology: str, prompt: str) -> str:
+    """The case's verdict against its own baseline on this release ('NO_RESULT' without one)."""
+    case = bisect_case(run, topology, prompt)
+    return "NO_RESULT" if case is None else case["verdict"]
 
 
 def check_bisect_arguments(args: argparse.Namespace) -> tuple[str, str, str, str]:
@@ -503,7 +509,10 @@ def command_bisect(args: argparse.Namespace) -> int:
                     f"{args.case} ({run.failure or 'no such case in its summary'}); its "
                     f"bundle: {bundles[version]}"
                 )
-            print(f"bisect: {topology}:{prompt} on {version}: {verdicts[version]}", flush=True)
+            # The raw verdict is what bisect compares; the line also says, as the version
+            # table does (`cell`), when it is a failure the release is declared to have.
+            shown = cell(bisect_case(run, topology, prompt))
+            print(f"bisect: {topology}:{prompt} on {version}: {shown}", flush=True)
         return verdicts[version]
 
     reference = verdict(path[0])
