@@ -74,10 +74,13 @@ def test_cases_only_one_run_holds_are_named() -> None:
     ]
 
 
-def write_run(path: Path, responses: dict, proxy: str) -> str:
+def write_run(path: Path, responses: dict, proxy: str, vllm: str | None = None) -> str:
     path.mkdir()
     (path / "responses.json").write_text(json.dumps(responses))
-    (path / "run.json").write_text(json.dumps({"proxy": {"kind": proxy}}))
+    run: dict[str, Any] = {"proxy": {"kind": proxy}}
+    if vllm is not None:
+        run["served_vllm"] = {"version": vllm}
+    (path / "run.json").write_text(json.dumps(run))
     return str(path)
 
 
@@ -118,3 +121,25 @@ def test_responses_of_another_shape_are_one_line(
     (Path(a) / "run.json").write_text("[1]")
     labelled = epd_cli("compare", a, a)
     assert labelled.code == 0 and "calls only with a " in labelled.out, labelled.err
+
+
+def test_runs_of_two_vllm_versions_name_each_version_in_the_headers(
+    tmp_path: Path, epd_cli
+) -> None:
+    """Asked by a release manager (comparing releases is what compare is used for): the
+    columns named only the proxy and the directory, not the vLLM each run served."""
+    responses = {"t": {"p": outcome([1], [ENCODE])}}
+    old = write_run(tmp_path / "old", responses, "vllm", vllm="0.30.0")
+    new = write_run(tmp_path / "new", responses, "vllm", vllm="0.31.0")
+    same = write_run(tmp_path / "same", responses, "harness", vllm="0.31.0")
+    unrecorded = write_run(tmp_path / "unrecorded", responses, "vllm")
+    across = epd_cli("compare", old, new)
+    assert across.code == 0, across.err
+    header = across.out.splitlines()[0]
+    assert "calls only with vllm (old, vLLM 0.30.0)" in header, header
+    assert "calls only with vllm (new, vLLM 0.31.0)" in header, header
+    within = epd_cli("compare", new, same)
+    assert "calls only with vllm (new) | calls only with harness (same) |" in within.out
+    assert "vLLM 0.31.0" not in within.out
+    older = epd_cli("compare", unrecorded, new)
+    assert "vllm (unrecorded, vLLM not recorded)" in older.out.splitlines()[0], older.out

@@ -39,14 +39,32 @@ def read_responses(run_dir: str) -> dict[str, Any]:
     return responses
 
 
-def proxy_label(run_dir: str) -> str:
-    """The run's proxy under test (run.json), to head the columns; the directory otherwise."""
+def read_run_json(run_dir: str) -> dict[str, Any]:
+    """The run's run.json, or {} when it is missing or not a mapping (the labels fall back on
+    the directory's name)."""
     try:
         run = json.loads((Path(run_dir) / "run.json").read_text(encoding="utf-8"))
-        kind = (run.get("proxy") or {}).get("kind")
-    except (OSError, ValueError, AttributeError):  # AttributeError: not a run's mappings
-        kind = None
-    return f"{kind} ({Path(run_dir).name})" if kind else Path(run_dir).name
+    except (OSError, ValueError):
+        return {}
+    return run if isinstance(run, dict) else {}
+
+
+def served_version(run: dict[str, Any]) -> str | None:
+    """The vLLM version the run served, as run.json records it."""
+    served = run.get("served_vllm")
+    version = served.get("version") if isinstance(served, dict) else None
+    return str(version) if version else None
+
+
+def proxy_label(run_dir: str, version: str | None = None, with_version: bool = False) -> str:
+    """The run's proxy under test (run.json), to head the columns; the directory otherwise.
+    `with_version`: the served vLLM's version too (the two runs served different ones)."""
+    proxy = read_run_json(run_dir).get("proxy")
+    kind = proxy.get("kind") if isinstance(proxy, dict) else None
+    name = Path(run_dir).name
+    if with_version:
+        name = f"{name}, vLLM {version or 'not recorded'}"
+    return f"{kind} ({name})" if kind else name
 
 
 def command_compare(args: argparse.Namespace) -> int:
@@ -54,7 +72,14 @@ def command_compare(args: argparse.Namespace) -> int:
     diffs = diff_runs(first, second)
     if not diffs:
         raise BadInput(f"{args.first} and {args.second} hold no case in common")
-    print(format_diff(diffs, proxy_label(args.first), proxy_label(args.second)))
+    # Comparing releases: each column names the vLLM its run served, when they differ.
+    served = [served_version(read_run_json(d)) for d in (args.first, args.second)]
+    differ = served[0] != served[1]
+    labels = [
+        proxy_label(d, v, with_version=differ)
+        for d, v in zip((args.first, args.second), served, strict=True)
+    ]
+    print(format_diff(diffs, *labels))
     for line in unpaired_cases(first, second):
         print(f"not compared: {line}")
     return EXIT_OK if all(diff.same for diff in diffs) else EXIT_FAILED
