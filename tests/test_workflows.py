@@ -687,6 +687,52 @@ def test_the_gpu_night_on_cpu_judges_as_the_cuda_profile_does() -> None:
     assert line[line.index("--epd-reference-policy") + 1] == policy
 
 
+SUMMARY_STEP = "Verdict tables to the run summary"
+
+
+def run_summary_step(tmp_path: Path, version: str | None) -> tuple[int, str]:
+    """cherry-pick's summary step, by bash, with a venv whose vLLM reports `version` (None: no
+    venv, the install failed) and one verdicts.txt: (exit, the step summary written)."""
+    (step,) = [s for s in all_steps(load("cherry-pick.yml")) if s.get("name") == SUMMARY_STEP]
+    venv = tmp_path / "venv"
+    if version is not None:
+        (venv / "bin").mkdir(parents=True)
+        (venv / "bin" / "python").write_text(f"#!/bin/bash\necho {version}\n")
+        (venv / "bin" / "python").chmod(0o755)
+    (tmp_path / "runs" / "night").mkdir(parents=True)
+    (tmp_path / "runs" / "night" / "verdicts.txt").write_text("1E+1PD / image: MATCH\n")
+    summary = tmp_path / "summary.md"
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "VENV": str(venv),
+        "RUN_NAME": "night",
+        "VLLM_SPEC": "a" * 40,
+        "HARNESS_REF": "main",
+        "GITHUB_STEP_SUMMARY": str(summary),
+    }
+    done = subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", step["run"]],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return done.returncode, summary.read_text() if summary.exists() else done.stderr
+
+
+def test_cherry_pick_summary_names_the_vllm_version_installed(tmp_path: Path) -> None:
+    """Asked by a release manager: the summary showed the `vllm` input as typed (a commit, a
+    wheel URL), not the version that input installed; an install that failed names none."""
+    code, summary = run_summary_step(tmp_path / "installed", "0.33.0.dev12+gaaaaaaaa")
+    assert code == 0, summary
+    assert f"vLLM `{'a' * 40}` (installed: `0.33.0.dev12+gaaaaaaaa`)" in summary, summary
+    assert "1E+1PD / image: MATCH" in summary
+    code, summary = run_summary_step(tmp_path / "failed", None)
+    assert code == 0, summary
+    assert "(installed: `none: vllm does not import in the venv" in summary, summary
+
+
 LEFTOVER_STEP = "Leftover GPU processes (should be none)"
 
 
