@@ -1995,6 +1995,24 @@ def test_a_topology_without_d_is_not_described_by_ds_tail(tmp_path: Path) -> Non
     assert coverage(report, kv=True)["in D's tail"] == 1
 
 
+def test_d_tail_words_follow_the_kv_connector_not_only_the_topology() -> None:
+    """Real vLLM under NIXL (1E+1P+1D, seed 42) MATCHed three requests whose media ended in
+    what would be ExampleConnector's tail (D gets the whole prompt's KV there), while the run
+    still counted and printed them "in D's tail" and "P loads a folder never written"."""
+    from harness.run.fuzz.bundle import moves_kv
+    from harness.run.fuzz.consumer import block_aligned_kv
+    from harness.spec.connectors import EXAMPLE, NIXL
+
+    epd = TOPOLOGIES["1E+1P+1D"]
+    assert block_aligned_kv(epd, EXAMPLE.vllm_class)
+    assert not block_aligned_kv(epd, NIXL.vllm_class)
+    assert not block_aligned_kv(TOPOLOGIES["1E+1PD"], EXAMPLE.vllm_class)
+    assert block_aligned_kv(epd, "SomeOtherConnector")  # held to the weaker rule
+    assert moves_kv({"topology": "1P+1D", "kv_connector": EXAMPLE.vllm_class})
+    assert not moves_kv({"topology": "1P+1D", "kv_connector": NIXL.vllm_class})
+    assert moves_kv({"topology": "9E+9PD", "kv_connector": NIXL.vllm_class})  # unknown: says more
+
+
 def test_both_oracles_mark_a_candidate_under_the_minimum_too_short_and_send_nothing(
     tmp_path: Path, monkeypatch
 ) -> None:

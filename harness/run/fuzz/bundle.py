@@ -21,6 +21,7 @@ from harness.judge.records import CaseRecord
 from harness.report.bundle import SENT_AFTER, write_bundle, write_run_info
 from harness.report.run_outputs import devices_line, write_verdicts
 from harness.report.text import format_failure, write_summary_json
+from harness.run.fuzz.consumer import block_aligned_kv
 from harness.run.fuzz.records import Evaluation, FailureGroup, FuzzReport
 from harness.serve.session import safe_name
 from harness.spec.prompt_codec import prompt_to_json
@@ -243,7 +244,7 @@ def evaluation_json(evaluation: Evaluation) -> dict[str, Any]:
 
 def coverage(report: FuzzReport, kv: bool = True) -> dict[str, int]:
     """What the examples really hit (exact layouts): boundary offsets, requests drawn to
-    extend the one before, and, where `kv` (the topology moves KV to a D), D's tail, the
+    extend the one before, and, where `kv` (`moves_kv`: D loads block-aligned KV), D's tail, the
     k*block+1 prompts D keys apart from P, and those whose lookup found an earlier
     request's shorter folder (P loads one never written)."""
     counts = {"with media": 0, "ends -1": 0, "ends on": 0, "ends +1": 0, "in D's tail": 0}
@@ -434,10 +435,11 @@ def restarts_by_kind(report: FuzzReport) -> list[str]:
 
 
 def moves_kv(meta: dict[str, Any]) -> bool:
-    """The fuzzed topology has a D that loads KV (where "D loads" and "D's tail" mean
-    something); True for a name the harness does not know, which says more, not less."""
+    """The fuzzed topology has a D that loads block-aligned KV (where "D loads" and "D's tail"
+    mean something: `block_aligned_kv`, by the run's KV connector); True for a topology the
+    harness does not know, which says more, not less."""
     topology = TOPOLOGIES.get(meta.get("topology", ""))
-    return topology is None or topology.has_kv_transfer
+    return topology is None or block_aligned_kv(topology, meta.get("kv_connector", ""))
 
 
 def render_group(

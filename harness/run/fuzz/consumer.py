@@ -41,8 +41,11 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from harness.judge.guards import kv_rule_for
+from harness.spec.connectors import KvRule
 from harness.spec.prompt_codec import part_to_json
 from harness.spec.prompts import MEDIA_PARTS, PromptSpec
+from harness.spec.topology import Topology
 
 # The request fields that change what a media item is (the harness proxy's uuid covers them
 # too: harness.serve.proxy_protocol.media_uuid).
@@ -86,6 +89,16 @@ class SentPrompt:
 
 
 Key = tuple[tuple[int, ...], tuple[str, ...]]
+
+
+def block_aligned_kv(topology: Topology, kv_connector: str) -> bool:
+    """Whether this model, and the layout words built on it (D's recomputed tail, the k*block+1
+    keys D looks up apart from P, a folder P loads unwritten), say what D gets on `topology`
+    under `kv_connector`: a topology that moves KV under a block-aligned connector
+    (ExampleConnector; an unknown class is held to that rule too). Under NIXL D gets the whole
+    prompt's KV: real vLLM 0.32 (fuzz --kv-connector nixl, 1E+1P+1D, seed 42) MATCHed every
+    request whose media ended in what would be ExampleConnector's tail, which there kills D."""
+    return topology.has_kv_transfer and kv_rule_for(kv_connector) is KvRule.BLOCK_ALIGNED_PREFIX
 
 
 @dataclass

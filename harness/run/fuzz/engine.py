@@ -36,7 +36,12 @@ from harness.outcomes.outcome import Outcome
 from harness.run.baseline import BaselineAnswers
 from harness.run.faults.by_name import fault_for
 from harness.run.faults.planted import PlantedFault, plant
-from harness.run.fuzz.consumer import ConsumerState, SentPrompt, media_identities
+from harness.run.fuzz.consumer import (
+    ConsumerState,
+    SentPrompt,
+    block_aligned_kv,
+    media_identities,
+)
 from harness.run.fuzz.fault_effect import (
     FAULT_ACTED,
     FAULT_ACTED_BEFORE,
@@ -138,6 +143,7 @@ class FuzzEngine:
         self.predictions = CrashPredictions(self.rules, confirm_known)
         self.placeholders = PlaceholderIds.from_model_dir(Path(settings.serving.model))
         self.consumer = ConsumerState(settings.serving.block_size)
+        self.block_aligned_kv = block_aligned_kv(topology, settings.serving.kv_connector)
         self.sent: dict[str, dict[str, Any]] = {}  # every body the topology got, by name
         self.baseline: TopologySession | ProxiedSession | None = None
         self.planted: PlantedFault | None = None  # the fault in the topology's proxy now
@@ -287,7 +293,7 @@ class FuzzEngine:
                 prefill_loads_missing=self.consumer.prefill_loads_missing(sent),
                 decode_loads_missing=self.consumer.decode_loads_missing(sent),
             )
-            if self.topology.has_kv_transfer and evaluation.layout.decode_dies_of_media:
+            if self.block_aligned_kv and evaluation.layout.decode_dies_of_media:
                 # Sent alone, D holds less and computes more of the prompt: it dies so too,
                 # and a stage that killed D itself could not be replayed.
                 names = ()
@@ -418,7 +424,7 @@ class FuzzEngine:
                 index + 1,
                 len(examples),
                 example.name,
-                describe(example.spec, evaluation.layout, self.topology.has_kv_transfer),
+                describe(example.spec, evaluation.layout, self.block_aligned_kv),
                 evaluation.summary(),
                 evaluation.seconds,
             )
@@ -482,7 +488,8 @@ def dead_roles(session: object) -> set[Role]:
 
 def describe(spec: PromptSpec, layout: PromptLayout | None, kv: bool = True) -> str:
     """'2 img 1 vid, 143 tok, ends -1 from a block, in D's tail'; D's tail only where `kv`
-    (the topology moves KV to a D): on 1E+1PD no D recomputes a tail, and saying so misled."""
+    (`block_aligned_kv`): on 1E+1PD no D recomputes a tail, and under NIXL D gets the whole
+    prompt's KV; saying so misled."""
     images = sum(isinstance(p, ImagePart) for p in spec.parts)
     media = sum(isinstance(p, MEDIA_PARTS) for p in spec.parts)
     text = f"{images} img {media - images} vid"
