@@ -82,6 +82,20 @@ def triggers(workflow: dict) -> dict:
     return on
 
 
+def run_step_script(script: str, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
+    """A step's `run:` script under bash with -e and pipefail, as GitHub runs it: (exit code,
+    what it printed, stdout then stderr)."""
+    done = subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", script],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
 def all_steps(workflow: dict) -> list[dict]:
     return [step for job in workflow["jobs"].values() for step in job.get("steps", [])]
 
@@ -710,15 +724,8 @@ def run_summary_step(tmp_path: Path, version: str | None) -> tuple[int, str]:
         "HARNESS_REF": "main",
         "GITHUB_STEP_SUMMARY": str(summary),
     }
-    done = subprocess.run(
-        ["bash", "-e", "-o", "pipefail", "-c", step["run"]],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    return done.returncode, summary.read_text() if summary.exists() else done.stderr
+    code, printed = run_step_script(step["run"], tmp_path, env)
+    return code, summary.read_text() if summary.exists() else printed
 
 
 def test_cherry_pick_summary_names_the_vllm_version_installed(tmp_path: Path) -> None:
@@ -750,15 +757,7 @@ def run_leftover_step(
         (tmp_path / "runs" / "night").mkdir(parents=True)
         (tmp_path / "runs" / "night" / "gpu-pids-before.txt").write_text(before)
     env = {"PATH": f"{tools}:/usr/bin:/bin", "RUN_NAME": "night"}
-    done = subprocess.run(
-        ["bash", "-e", "-o", "pipefail", "-c", step["run"]],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    return done.returncode, done.stdout + done.stderr
+    return run_step_script(step["run"], tmp_path, env)
 
 
 @pytest.mark.parametrize("workflow", ["nightly-gpu.yml", "cherry-pick.yml"])
