@@ -49,6 +49,8 @@ DUMP_PLUGIN = """
 import inspect, json, os
 from pathlib import Path
 
+from harness.testing.groups import epd_group
+
 def pytest_collection_finish(session):
     items = []
     for item in session.items:
@@ -66,7 +68,8 @@ def pytest_collection_finish(session):
         items.append({"id": item.nodeid, "kv_connector": list(marker.args) if marker else None,
                       "source": source, "module_source": module_source,
                       "rehearsal": item.get_closest_marker("one_host_rehearsal") is not None,
-                      "own": item.get_closest_marker("own_instances") is not None})
+                      "own": item.get_closest_marker("own_instances") is not None,
+                      "topology": group.topology if (group := epd_group(item)) else None})
     Path(os.environ["EPD_SELECTION_DUMP"]).write_text(json.dumps(items))
 """
 
@@ -246,3 +249,22 @@ def test_every_scenario_that_starts_its_own_topologies_is_marked(tmp_path: Path)
         "scenarios/test_fuzz.py",
     }, found
     assert all(found.values()), [n for n, marked in found.items() if not marked]
+
+
+def test_the_nightly_plan_shows_every_topology_its_scenarios_serve(tmp_path: Path):
+    """plan.txt is the night's record of what ran where, and its fit check fails the job fast:
+    with no dispatch input the Plan step plans `plan`'s default (the sweep's topologies), while
+    the scenarios also serve 2E+1PD (the matrix's round robin). Each matrix leg's Plan step,
+    run with the dispatch inputs empty, plans exactly the topologies the collected scenarios
+    serve."""
+    from tests.test_workflows import gpu_job_envs, plan_step_request
+
+    items, _ = collect(nightly_pytest_options(), tmp_path)
+    served = {item["topology"] for item in items if item["topology"] is not None}
+    assert "2E+1PD" in served, sorted(served)
+    workflow = yaml.safe_load(NIGHTLY.read_text())
+    legs = [env for env in gpu_job_envs(workflow, tmp_path) if not env["TOPOLOGIES"]]
+    assert legs
+    for index, env in enumerate(legs):
+        request = plan_step_request(workflow, tmp_path / f"leg{index}", env)
+        assert {t.name for t in request.topologies} == served, env["DEVICES"]

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.cli.plan import DEFAULT_TOPOLOGY_NAMES, PlanRequest, build_plan
-from harness.spec.platforms import CUDA, parse_devices
-from harness.spec.topology import TOPOLOGIES, get_topology
+from harness.cli.plan import PlanRequest, build_plan, request_from_args
+from harness.spec.platforms import CUDA
+from harness.spec.topology import TOPOLOGIES
 from harness.testing.fake_vllm import install_fake_vllm
 from harness.testing.upstream_files import cached_release, write_tree
 from harness.testing.venvs import stand_in_site
@@ -209,25 +209,20 @@ def test_gpu_workflows_run_pytest_with_xdist_on_cuda(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ("nightly-gpu.yml", "cherry-pick.yml"))
-def test_gpu_matrix_entries_have_valid_plans(name: str) -> None:
-    """Each matrix entry's devices hold the workflow's topologies (else the job is doomed)."""
+def test_gpu_matrix_entries_have_valid_plans(name: str, tmp_path: Path) -> None:
+    """Each matrix entry's devices hold what its Plan step plans when the dispatch narrows
+    nothing (else the job is doomed): every topology the harness knows, 2E+1PD too, which the
+    nightly's scenarios serve (tests/test_nightly_selection.py) but its plan.txt left out."""
     workflow = load(name)
-    listed = workflow.get("env", {}).get("ALL_TOPOLOGIES")
-    names = tuple(listed.split(",")) if listed else DEFAULT_TOPOLOGY_NAMES
-    for entry in only_job(workflow)["strategy"]["matrix"]["include"]:
-        devices = parse_devices(entry["devices"])
-        plan = build_plan(
-            PlanRequest(
-                platform=CUDA,
-                devices=devices,
-                topologies=tuple(get_topology(n) for n in names),
-                model="m",
-                colocate=bool(entry["colocate"]),
-            )
-        )
+    for index, env in enumerate(gpu_job_envs(workflow, tmp_path)):
+        if env["TOPOLOGIES"]:
+            continue  # a dispatch's narrower choice: planned by the same step
+        request = plan_step_request(workflow, tmp_path / str(index), env)
+        assert {t.name for t in request.topologies} == set(TOPOLOGIES), (name, env["DEVICES"])
+        plan = build_plan(request)
         widest = max(len(wave.topologies) for wave in plan.waves)
         # More workers than topologies that can run at once would contend for the same GPUs.
-        assert 1 <= entry["workers"] <= widest, (name, entry, widest)
+        assert 1 <= int(env["WORKERS"]) <= widest, (name, env["DEVICES"], widest)
 
 
 def test_nightly_passes_the_eager_choice_and_a_commits_own_vllm_tree() -> None:
@@ -902,7 +897,8 @@ CLI_STEPS = ("Plan", "EPD scenarios")
 
 def gpu_step_arguments(workflow: dict, tmp_path: Path, env: dict[str, str]) -> dict[str, list]:
     """The arguments the Plan step gives `epd-harness` and the scenarios step gives pytest,
-    their bash run with the job's env (`env`): {"epd-harness": argv, "python": argv}."""
+    their bash run with the job's env (`env`) and the step's own: {"epd-harness": argv,
+    "python": argv}."""
     tools, venv = tmp_path / "tools", tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     tools.mkdir()
@@ -916,7 +912,13 @@ def gpu_step_arguments(workflow: dict, tmp_path: Path, env: dict[str, str]) -> d
         done = subprocess.run(
             ["bash", "-e", "-o", "pipefail", "-c", step["run"]],
             cwd=tmp_path,
-            env={**env, "PATH": f"{tools}:/usr/bin:/bin", "VENV": str(venv), "OUT": str(out)},
+            env={
+                **env,
+                **{k: str(v) for k, v in step.get("env", {}).items()},
+                "PATH": f"{tools}:/usr/bin:/bin",
+                "VENV": str(venv),
+                "OUT": str(out),
+            },
             capture_output=True,
             text=True,
             timeout=30,
@@ -925,6 +927,14 @@ def gpu_step_arguments(workflow: dict, tmp_path: Path, env: dict[str, str]) -> d
     return {
         tool: Path(f"{out}.{tool}").read_text().splitlines() for tool in ("epd-harness", "python")
     }
+
+
+def plan_step_request(workflow: dict, tmp_path: Path, env: dict[str, str]) -> PlanRequest:
+    """What the Plan step asks `epd-harness plan` for, read by plan's own parser."""
+    from harness.cli.main import build_parser
+
+    argv = gpu_step_arguments(workflow, tmp_path, env)["epd-harness"]
+    return request_from_args(build_parser().parse_args(argv))
 
 
 def unknown_flags(argvs: dict[str, list], pytestconfig: pytest.Config) -> list[str]:
