@@ -280,7 +280,9 @@ def test_a_scenarios_prompt_sent_to_an_attached_deployment_is_judged_as_declared
     from harness.judge.records import DeclaredFailure
 
     settings = attach_settings(tmp_path, deployment.spec, "attach-declared")
-    declared = DeclaredFailure("MISMATCH", "generated tokens differ", "the upstream cause")
+    declared = DeclaredFailure(
+        "MISMATCH", "generated tokens differ", "the upstream cause", "a-scenario"
+    )
     sweep = Sweep(
         SweepSpec(
             topologies=(deployment.spec.topology,),

@@ -253,8 +253,11 @@ def test_the_sweep_judges_a_declared_case_by_its_declaration(tmp_path: Path) -> 
     (no_encoder,) = sweep.judge("1P+1D", "video")
     assert encoder.verdict is Verdict.MISMATCH and encoder.policy_passed
     assert "declared upstream failure" in encoder.detail
+    # The record names the failure it was judged against, for the version table and bisect.
+    assert encoder.to_json()["declared_failure"] == "video-timing-before-0.31"
     assert no_encoder.verdict is Verdict.MISMATCH and not no_encoder.policy_passed
     assert "declared" not in no_encoder.detail
+    assert no_encoder.to_json()["declared_failure"] == ""
 
 
 # -- the proxy speaking older generations ----------------------------------------------------

@@ -149,6 +149,8 @@ def case(topology: str, prompt: str, verdict: str, reference: str = "baseline", 
         "error": extra.get("error"),
         "guards": extra.get("guards", {}),
         "policy_passed": extra.get("policy_passed", verdict == "MATCH"),
+        # Records from before it was kept have no declared_failure.
+        **({"declared_failure": extra["declared_failure"]} if "declared_failure" in extra else {}),
     }
 
 
@@ -197,12 +199,17 @@ def test_a_declared_release_failure_is_marked_and_explained_an_undeclared_one_is
         "MISMATCH",
         detail="generated tokens differ at position 1 of 32/32; declared for this release: x",
         policy_passed=True,
+        declared_failure="video-timing-before-0.31",
     )
     run = ReleaseRun(
         "0.30.0", "by-hash", 0, 1.0, 0.0, 0, [declared, case("1P+1D", "video", "MATCH")]
     )
     table = format_matrix([run])
-    assert "| 1E+1PD / video | MISMATCH (declared) |" in table
+    assert "| 1E+1PD / video | MISMATCH (declared: video-timing-before-0.31) |" in table
+    unnamed = {k: v for k, v in declared.items() if k != "declared_failure"}  # an older record
+    assert "| 1E+1PD / video | MISMATCH (declared) |" in format_matrix(
+        [ReleaseRun("0.30.0", "by-hash", 0, 1.0, 0.0, 0, [unnamed])]
+    )
     assert "| 1P+1D / video | MATCH |" in table
     assert "0.30.0 1E+1PD / video: MISMATCH: generated tokens differ" in table
     assert matrix_passed([run])
@@ -445,7 +452,13 @@ def test_bisect_says_which_verdicts_are_failures_the_release_is_declared_to_have
         elif version == "0.31.0":  # a MISMATCH nothing declares
             verdict = case("1E+1PD", "video", "MISMATCH", policy_passed=False)
         else:
-            verdict = case("1E+1PD", "video", "MISMATCH", policy_passed=True)
+            verdict = case(
+                "1E+1PD",
+                "video",
+                "MISMATCH",
+                policy_passed=True,
+                declared_failure="video-timing-before-0.31",
+            )
         return ReleaseRun(version, "x", 0, 1.0, 0.0, 0, [verdict])
 
     monkeypatch.setattr(versions, "run_release", fake_run)
@@ -456,7 +469,7 @@ def test_bisect_says_which_verdicts_are_failures_the_release_is_declared_to_have
     assert versions.command_bisect(args) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "bisect: 1E+1PD:video on 0.32.0: MATCH" in lines
-    assert "bisect: 1E+1PD:video on 0.30.0: MISMATCH (declared)" in lines
+    assert "bisect: 1E+1PD:video on 0.30.0: MISMATCH (declared: video-timing-before-0.31)" in lines
     assert "bisect: 1E+1PD:video on 0.31.0: MISMATCH" in lines
     record = json.loads((tmp_path / "bisect-1E-1PD-video.json").read_text())
     assert record["first_changed"] == "0.31.0"

@@ -264,11 +264,14 @@ def format_matrix(runs: list[ReleaseRun]) -> str:
 
 def cell(case: dict[str, Any] | None) -> str:
     """A case's verdict for the table; a failure the release is declared to have (its
-    generation's known_failures, passed as declared) is marked so."""
+    generation's known_failures, passed as declared) is marked so, with the failure's name
+    where the record keeps it (records from before it did say only "declared")."""
     if case is None:
         return "-"
-    declared = case["verdict"] != "MATCH" and case.get("policy_passed")
-    return f"{case['verdict']} (declared)" if declared else case["verdict"]
+    if case["verdict"] == "MATCH" or not case.get("policy_passed"):
+        return case["verdict"]
+    name = case.get("declared_failure")
+    return f"{case['verdict']} (declared: {name})" if name else f"{case['verdict']} (declared)"
 
 
 def explained(case: dict[str, Any]) -> bool:

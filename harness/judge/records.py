@@ -64,6 +64,10 @@ class CaseRecord:
     timings: dict[str, float]
     error: str | None
     explanation: str = ""  # TokenComparison.describe(): the multi-line evidence
+    # The name of the upstream failure the case was judged against as declared ("": none): the
+    # version table and bisect say which one a passing MISMATCH is, where the detail only
+    # gives its cause.
+    declared_failure: str = ""
 
     def failed_guards(self) -> dict[str, dict[str, Any]]:
         return {
@@ -89,3 +93,4 @@ class DeclaredFailure:
     verdict: str  # a Verdict's value
     evidence: str
     reason: str
+    name: str  # who declares it: a matrix scenario's name, the proxy's failure

@@ -87,6 +87,9 @@ class Declaration(Protocol):
     @property
     def reason(self) -> str: ...
 
+    @property
+    def name(self) -> str: ...
+
 
 def judge_case(
     label: str,
@@ -203,7 +206,9 @@ def _as_declared(record: CaseRecord, failure: Declaration) -> CaseRecord:
             f"{record.detail}; NOT the declared {failure.verdict} "
             f"({failure.evidence.strip()!r}...): {failure.reason}"
         )
-    return dataclasses.replace(record, policy_passed=held, detail=detail)
+    return dataclasses.replace(
+        record, policy_passed=held, detail=detail, declared_failure=failure.name
+    )
 
 
 def not_applicable_case(label: str, prompt: str, reference_name: str, reason: str) -> CaseRecord:

@@ -88,6 +88,7 @@ TOY_PROXY_JSON_STREAM = DeclaredFailure(
     f"stream framing broken: served as application/json, not {EVENT_STREAM}; identical: ",
     "vLLM's toy P/D proxy (toy_proxy_server.py in the release's sdist) streams with "
     "media_type='application/json', not text/event-stream, which event-stream clients refuse",
+    "toy-proxy-json-stream",
 )
 
 

@@ -105,7 +105,7 @@ class Scenario:
             return None
         if len(self.expect) != 1:
             raise ValueError(f"{self.name}: a declared failure names one verdict: {self.expect}")
-        return DeclaredFailure(self.expect[0].value, self.expect_evidence, self.reason)
+        return DeclaredFailure(self.expect[0].value, self.expect_evidence, self.reason, self.name)
 
     def declared_of(self, prompt: str) -> DeclaredFailure | None:
         """The declared failure of one of the scenario's prompts: None for a prompt that only

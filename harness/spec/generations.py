@@ -47,6 +47,7 @@ class KnownFailure:
     declaration. Applies to encoder topologies sent a prompt with `media`.
     """
 
+    name: str  # what the version table and bisect call it, e.g. "video-timing-before-0.31"
     media: str  # "image" or "video"
     verdict: str  # the expected Verdict's value (spec sits below judge), e.g. "MISMATCH"
     evidence: str  # the beginning of the case's detail line the failure must show
@@ -131,6 +132,7 @@ class ProtocolGeneration:
 # ec-video-jpeg-frames-default-fps). The evidence is the headline of equal prompt ids: the
 # position of the first difference depends on the model, not on the cause.
 VIDEO_TIMING_BEFORE_0_31 = KnownFailure(
+    name="video-timing-before-0.31",
     media="video",
     verdict="MISMATCH",
     evidence="generated tokens differ at position ",
