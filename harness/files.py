@@ -12,7 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ARTIFACT_MODE = 0o644  # mkstemp creates 0600; artifacts are for everyone who reads the run
-# Every directory `fresh_run_dir` made in this process, in order (`empty_run_dirs_removed`).
+# Every directory `fresh_run_dir` made in this process, in the order made: each run directory
+# and, before it, the parents it made for it (`empty_run_dirs_removed`).
 _MADE_RUN_DIRS: list[Path] = []
 
 
@@ -67,8 +68,10 @@ def fresh_run_dir(parent: Path, prefix: str = "") -> Path:
     unmade: the caller's write check names the cause.
     """
     stem = prefix + time.strftime("%Y%m%d-%H%M%S")
+    missing = [p for p in (parent, *parent.parents) if not p.exists()]
     try:
         parent.mkdir(parents=True, exist_ok=True)
+        _MADE_RUN_DIRS.extend(reversed(missing))
         for n in itertools.count(1):
             path = parent / (stem if n == 1 else f"{stem}-{n}")
             try:
@@ -87,14 +90,17 @@ def empty_run_dirs_removed() -> Iterator[None]:
     """Remove, when the block ends, each run directory `fresh_run_dir` made inside it that is
     still empty: nothing was written there (an input refused after the directory was made, a
     command that ended before its first artifact). Such directories piled up under runs/ (`fuzz
-    --topology` with a bad flag, every unit-test session: found walking the CLI). A directory
-    with anything in it stays, as artifacts written so far always do."""
+    --topology` with a bad flag, every unit-test session: found walking the CLI). The parents
+    it made for them (runs/ itself, in a directory that had none) go too once empty, else a
+    refused command in a fresh directory left an empty runs/ there. A directory with anything
+    in it stays, as artifacts written so far always do, and so does one that was there before.
+    Removed newest first: a run directory before the runs/ made for it."""
     first = len(_MADE_RUN_DIRS)
     try:
         yield
     finally:
         made, _MADE_RUN_DIRS[first:] = _MADE_RUN_DIRS[first:], []
-        for path in made:
+        for path in reversed(made):
             remove_if_empty(path)
 
 

@@ -129,3 +129,41 @@ def test_an_xdist_workers_bundle_is_apart_from_the_root_pytests_junit_goes_to(
     worker = _run_dir(session_request(option, str(root), ("gw0", workers)))
     assert worker == (root / "gw0").resolve()
     assert _run_dir(session_request(option, str(root), ("main", 1))) == root.resolve()
+
+
+def test_the_runs_directory_a_refused_command_made_goes_with_its_empty_run_directory(
+    tmp_path: Path, one_second: str
+) -> None:
+    """Found walking the CLI: `fuzz --topology nope` in a directory without runs/ removed its
+    empty runs/fuzz-<time> but left the runs/ it had made for it. The runs/ goes too when this
+    invocation made it and it is empty (with any parent made for it); one that was there
+    before, or that holds a run's files, stays."""
+    made = tmp_path / "made" / "runs"
+    with pytest.raises(RuntimeError), empty_run_dirs_removed():
+        fresh_run_dir(made, "fuzz-")
+        fresh_run_dir(made, "fuzz-")  # a second run directory under the runs/ just made
+        raise RuntimeError("refused after the directories were made")
+    assert list(tmp_path.iterdir()) == [], "runs/ and the directory made for it are gone"
+    there = tmp_path / "there" / "runs"
+    there.mkdir(parents=True)
+    with empty_run_dirs_removed():
+        fresh_run_dir(there, "fuzz-")
+    assert there.is_dir() and not any(there.iterdir())
+    kept = tmp_path / "kept" / "runs"
+    with empty_run_dirs_removed():
+        (fresh_run_dir(kept, "fuzz-") / "run.json").write_text("{}")
+    assert (kept / f"fuzz-{one_second}" / "run.json").is_file()
+
+
+def test_a_fuzz_refused_in_a_fresh_directory_leaves_nothing_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CLI end to end, in process: a bad topology is refused after fuzz made its run
+    directory; the working directory is left as it was."""
+    from harness.cli.main import main
+    from harness.errors import EXIT_BAD_INPUT
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["fuzz", "--topology", "nope"]) == EXIT_BAD_INPUT
+    assert "unknown topology 'nope'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
