@@ -425,6 +425,41 @@ def test_fault_that_reaches_nothing_in_a_named_topology(bad_run: BadRun) -> None
     assert_one_error_line(code, err, cause)
 
 
+FAULTS_NO_PROMPT_REACHES = [
+    (
+        ("--plant-fault", "corrupt-ec", "--topology", "1E+1PD", "--prompt", "text"),
+        "--plant-fault corrupt-ec needs a media item (an image or a video), which none of the "
+        "run's prompts (text) has: it would act on nothing and the run could not turn red; add "
+        "such a prompt (e.g. image)",
+    ),
+    (
+        ("--plant-fault", "ec-video-grid", "--topology", "1E+1PD", "--prompt", "image"),
+        "--plant-fault ec-video-grid needs a video, which none of the run's prompts (image) "
+        "has: it would act on nothing and the run could not turn red; add such a prompt (e.g. "
+        "video)",
+    ),
+    (
+        ("--plant-fault", "ec-swap-items", "--topology", "1E+1PD", "--prompt", "image,video"),
+        "--plant-fault ec-swap-items needs two distinct media items in one request, which none "
+        "of the run's prompts (image, video) has: it would act on nothing and the run could not "
+        "turn red; add such a prompt (e.g. two_images)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "flags,cause", FAULTS_NO_PROMPT_REACHES, ids=[c[0][1] for c in FAULTS_NO_PROMPT_REACHES]
+)
+def test_fault_that_no_prompt_of_the_run_gives_anything_to_act_on(
+    bad_run: BadRun, flags: tuple[str, ...], cause: str
+) -> None:
+    """Found in the audit of ignored flags: `--plant-fault corrupt-ec --prompt text` planted the
+    fault, which found no encoder output to corrupt; every case MATCHed and the self-test
+    exited 0."""
+    code, err = bad_run(*flags)
+    assert_one_error_line(code, err, cause)
+
+
 IGNORED_BY_ATTACH = [
     (
         ("--plant-fault", "corrupt-ec"),

@@ -45,7 +45,13 @@ from harness.preflight.vllm import (
 )
 from harness.preflight.vllm_args import check_serve_argvs, serve_argvs
 from harness.run.baseline_cache import BaselineCache
-from harness.run.faults.spec import KV_FAULTS, STREAM_FAULTS, fault_reaches, parse_fault
+from harness.run.faults.spec import (
+    KV_FAULTS,
+    STREAM_FAULTS,
+    fault_reaches,
+    parse_fault,
+    refuse_unreached_prompts,
+)
 from harness.run.goldens import GoldenStore, golden_release_argument
 from harness.run.scenarios import (
     MATRIX,
@@ -284,6 +290,7 @@ def check_arguments(request: RunRequest, *, read_files: bool = True) -> CheckedA
                 f"{'has' if len(unreached) == 1 else 'have'} no {part} for it to act on; "
                 f"leave {'it' if len(unreached) == 1 else 'them'} out with --topology"
             )
+        refuse_unreached_prompts(request.plant_fault, prompts)
     return CheckedArguments(
         platform=platform,
         launcher=launcher,

@@ -8,9 +8,17 @@ CLI and pre-flight can check a name without loading torch or the serving code.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from harness.errors import BadInput
+from harness.spec.prompts import (
+    MEDIA_PARTS,
+    SKELETON_PROMPTS,
+    PromptSpec,
+    VideoFramesPart,
+    VideoPart,
+)
 from harness.spec.topology import Topology
 
 # Faults a whole run can be started with (`epd-harness run --plant-fault NAME`), so that a
@@ -20,6 +28,8 @@ FAULT_NAMES = ("corrupt-ec", "zero-kv", "drop-kv", "drop-metadata", "stream-dupl
 KV_FAULTS = ("zero-kv", "drop-kv", "kv-noise")
 # Faults that act on streamed answers only (`--stream`).
 STREAM_FAULTS = ("stream-duplicate-chunk",)
+# Faults that act on a request's video only (its grid, its frames).
+VIDEO_FAULTS = ("ec-zero-frame", "ec-video-grid")
 # Graded faults, NAME or NAME:STRENGTH (see `parse_fault`).
 GRADED_FAULTS = {
     "ec-noise": "ec-noise:FRACTION  Gaussian noise, FRACTION x std, on each EC tensor (e.g. 0.05)",
@@ -93,3 +103,41 @@ def fault_reaches(kind: str, topology: Topology) -> bool:
     if kind in STREAM_FAULTS:
         return not topology.is_baseline
     return topology.has_ec_transfer
+
+
+def fault_reaches_prompt(kind: str, prompt: PromptSpec) -> bool:
+    """Whether a fault of `kind` has anything to act on in a request of `prompt`, on a topology
+    it reaches (`fault_reaches`): KV and stream faults act on any request; the others on what
+    the encoders return, which a request without media never asks them for; ec-swap-items needs
+    two distinct items of one request, the video faults a video."""
+    if kind in KV_FAULTS or kind in STREAM_FAULTS:
+        return True
+    media = {part for part in prompt.parts if isinstance(part, MEDIA_PARTS)}
+    if kind == "ec-swap-items":
+        return len(media) >= 2
+    if kind in VIDEO_FAULTS:
+        return any(isinstance(part, VideoPart | VideoFramesPart) for part in media)
+    return bool(media)
+
+
+def refuse_unreached_prompts(given: str, prompts: Sequence[PromptSpec]) -> None:
+    """A fault none of the run's prompts gives anything to act on is planted and never acts:
+    every case MATCHes and the self-test exits 0 (found in the audit of ignored flags:
+    `--plant-fault corrupt-ec --prompt text`, `--plant-fault ec-video-grid --prompt image`).
+    BadInput, naming what the fault needs and a prompt that has it."""
+    kind = parse_fault(given).kind
+    if any(fault_reaches_prompt(kind, prompt) for prompt in prompts):
+        return
+    if kind == "ec-swap-items":
+        needs = "two distinct media items in one request"
+    elif kind in VIDEO_FAULTS:
+        needs = "a video"
+    else:
+        needs = "a media item (an image or a video)"
+    names = ", ".join(prompt.name for prompt in prompts)
+    offer = next(p.name for p in SKELETON_PROMPTS if fault_reaches_prompt(kind, p))
+    raise BadInput(
+        f"--plant-fault {given} needs {needs}, which none of the run's prompts ({names}) "
+        f"has: it would act on nothing and the run could not turn red; add such a prompt "
+        f"(e.g. {offer})"
+    )
