@@ -154,6 +154,29 @@ def test_unknown_topology(bad_run: BadRun) -> None:
     assert_one_error_line(code, err, f"unknown topology '9E' (known: {KNOWN_TOPOLOGIES})")
 
 
+@pytest.mark.parametrize(
+    "flags,cause",
+    [
+        (
+            ("--topology", "1P+1D", "--topology", "1P+1D"),
+            "--topology 1P+1D,1P+1D: 1P+1D is named twice, and each case is judged once: name "
+            "it once",
+        ),
+        (
+            ("--prompt", "text,image,text"),
+            "--prompt text,image,text: text is named twice, and each case is judged once: name it "
+            "once",
+        ),
+    ],
+    ids=["topology", "prompt"],
+)
+def test_a_name_given_twice(bad_run: BadRun, flags: tuple[str, ...], cause: str) -> None:
+    """Found in the audit of ignored flags: `--prompt text,text` sent the case twice and judged
+    it once, the repeat's verdict dropped (a cases file's repeated entry was refused already)."""
+    code, err = bad_run(*flags)
+    assert_one_error_line(code, err, cause)
+
+
 def test_unknown_prompt(bad_run: BadRun) -> None:
     code, err = bad_run("--prompt", "image,nope")
     cause = "unknown prompt 'nope' (known: text, image, two_images, video)"

@@ -444,6 +444,8 @@ def prepare_run(request: RunRequest) -> RunConfig:
 def _refuse_ignored_flags(request: RunRequest) -> None:
     """A flag the chosen path would ignore is refused, never dropped: a self-test whose fault
     was silently not planted comes out green."""
+    names.refuse_repeats("--topology", request.topologies)
+    names.refuse_repeats("--prompt", request.prompts)
     if request.cases_file and (request.topologies or request.prompts):
         raise BadInput("--cases-file names the cases itself; drop --topology and --prompt")
     if request.scenarios and (request.topologies or request.prompts or request.cases_file):

@@ -27,13 +27,31 @@ def split_names(values: list[str] | None) -> tuple[str, ...]:
 
 
 def check_topologies(names: Iterable[str]) -> tuple[Topology, ...]:
-    """Look every name up; the first unknown one is the error, with the known names."""
-    return tuple(lookup("topology", name, TOPOLOGIES) for name in names)
+    """Look every name up; the first unknown one is the error, with the known names, and a
+    name given twice is one too (`refuse_repeats`)."""
+    given = tuple(names)
+    refuse_repeats("topology", given)
+    return tuple(lookup("topology", name, TOPOLOGIES) for name in given)
+
+
+def refuse_repeats(flag: str, names: tuple[str, ...]) -> None:
+    """A name given twice (`--prompt text,text`) is refused, as a cases file's repeated entry
+    is: the sweep sent the case twice and judged it once, the repeat's verdict dropped (found
+    in the audit of ignored flags). `flag`: the option's, or the kind of name where the caller
+    does not know the option (`versions` forwards its --topology to each release's run)."""
+    for index, name in enumerate(names):
+        if name in names[:index]:
+            raise BadInput(
+                f"{flag} {','.join(names)}: {name} is named twice, and each case is judged "
+                "once: name it once"
+            )
 
 
 def check_prompts(names: Iterable[str]) -> tuple[PromptSpec, ...]:
+    given = tuple(names)
+    refuse_repeats("prompt", given)
     by_name = {p.name: p for p in SKELETON_PROMPTS}
-    return tuple(lookup("prompt", name, by_name) for name in names)
+    return tuple(lookup("prompt", name, by_name) for name in given)
 
 
 @dataclass(frozen=True)
