@@ -437,6 +437,17 @@ def test_attach_with_another_proxy(bad_run: BadRun, attach_file: Path) -> None:
     assert_one_error_line(code, err, cause)
 
 
+def test_proxy_registration_without_vllms_proxy(bad_run: BadRun) -> None:
+    """Found in the audit of ignored flags: only `dynamic` was refused without `--proxy vllm`;
+    `--proxy-registration static` ran the harness's own proxy, and nothing of vLLM's was judged."""
+    code, err = bad_run("--proxy-registration", "static")
+    cause = (
+        "--proxy-registration static gives vLLM's proxy the instances' URLs on its command "
+        "line, which only --proxy vllm runs; add --proxy vllm (or drop --proxy-registration)"
+    )
+    assert_one_error_line(code, err, cause)
+
+
 def test_fault_that_reaches_nothing_in_a_named_topology(bad_run: BadRun) -> None:
     """An EC fault on 1P+1D (no encoder) would plant nothing there: refused, naming it, before
     anything starts (it once crashed the sweep with a traceback)."""

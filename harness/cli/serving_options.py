@@ -176,7 +176,6 @@ def add_proxy_options(parser: argparse.ArgumentParser, attach_help: str) -> None
     )
     group.add_argument(
         "--proxy-registration",
-        default="static",
         choices=("static", "dynamic"),
         help="with --proxy vllm: give vLLM's EPD proxy the instances' URLs on its command line "
         "(static, default) or start it empty and register each through its admin API "

@@ -149,7 +149,8 @@ class RunRequest:
     ec_connector: str | None = None  # "example" (the only one that runs); None: example
     proxy: str = HARNESS_PROXY  # the EPD proxy under test: "harness", "vllm" or "attach"
     vllm_source: str | None = None  # a vLLM checkout holding its proxy files (--proxy vllm)
-    proxy_registration: str = STATIC_REGISTRATION  # how vLLM's proxy learns the instances
+    # How vLLM's proxy learns the instances; None: not given (static, with --proxy vllm).
+    proxy_registration: str | None = None
     attach: str | None = None  # the attach file of a running deployment (--proxy attach)
     launcher: str = LOCAL_LAUNCHER  # where instances run: "local" (this host) or "ray"
     ray_address: str | None = None  # a Ray cluster's GCS; None: a one-host rehearsal cluster
@@ -357,7 +358,11 @@ def prepare_run(request: RunRequest) -> RunConfig:
         proxy = ProxyChoice(ATTACH_PROXY, origin=str(attach.source), attach=attach)
     else:
         proxy = upstream_proxy.proxy_choice(
-            request.proxy, request.vllm_source, served, cache_dir(), request.proxy_registration
+            request.proxy,
+            request.vllm_source,
+            served,
+            cache_dir(),
+            request.proxy_registration or STATIC_REGISTRATION,
         )
     protocol = served_generation(served, request.protocol)
     if protocol.warning:
@@ -473,16 +478,8 @@ def _refuse_ignored_flags(request: RunRequest) -> None:
         )
     if request.proxy not in PROXY_KINDS:
         raise BadInput(f"--proxy {request.proxy}: choose one of {', '.join(PROXY_KINDS)}")
-    if request.proxy_registration not in REGISTRATION_MODES:
-        raise BadInput(
-            f"--proxy-registration {request.proxy_registration}: choose one of "
-            f"{', '.join(REGISTRATION_MODES)}"
-        )
-    if request.proxy_registration == DYNAMIC_REGISTRATION and request.proxy != VLLM_PROXY:
-        raise BadInput(
-            "--proxy-registration dynamic registers the instances with vLLM's proxy, which "
-            "only --proxy vllm runs; add --proxy vllm (or drop --proxy-registration)"
-        )
+    if request.proxy_registration is not None:
+        refuse_registration_without_vllm_proxy(request.proxy_registration, request.proxy)
     if request.vllm_source and request.proxy != VLLM_PROXY:
         raise BadInput(
             "--vllm-source gives vLLM's proxy files, which only --proxy vllm runs; "
@@ -502,6 +499,27 @@ def _refuse_ignored_flags(request: RunRequest) -> None:
         raise BadInput(COLOCATE_ON_RAY)
     if request.no_enforce_eager and request.platform == "cpu":
         raise BadInput(NO_ENFORCE_EAGER_ON_CPU)
+
+
+def refuse_registration_without_vllm_proxy(registration: str, proxy: str) -> None:
+    """`--proxy-registration` says how vLLM's EPD proxy learns the instances: given with any
+    other proxy it is refused, `static` too (found in the audit of ignored flags: `run
+    --proxy-registration static` ran the harness's proxy, judging no proxy of vLLM's)."""
+    if registration not in REGISTRATION_MODES:
+        raise BadInput(
+            f"--proxy-registration {registration}: choose one of {', '.join(REGISTRATION_MODES)}"
+        )
+    if proxy == VLLM_PROXY:
+        return
+    how = (
+        "registers the instances with vLLM's proxy"
+        if registration == DYNAMIC_REGISTRATION
+        else "gives vLLM's proxy the instances' URLs on its command line"
+    )
+    raise BadInput(
+        f"--proxy-registration {registration} {how}, which only --proxy vllm runs; add "
+        "--proxy vllm (or drop --proxy-registration)"
+    )
 
 
 def _refuse_flags_attach_ignores(request: RunRequest) -> None:
