@@ -1018,3 +1018,29 @@ def test_install_only_leaves_no_run_directory_behind(
     code, _, err = epd_cli("versions", "0.30.0", "--install-only")
     assert code == 2 and "would install" in err, err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_full_sweep_reused_for_a_selection_answers_only_the_selected_cases(
+    tmp_path: Path,
+) -> None:
+    """`versions --gather-only --topology 1P+1D` over full sweeps printed every topology's
+    cases and failed on a 1E+1PD MISMATCH nobody asked for: the reused sweep is narrowed to
+    the selection, and its exit code recomputed over what is left."""
+    from harness.cli.versions import RELEASE_RUN_FILE, run_release
+
+    mismatch = case("1E+1PD", "image", "MISMATCH")
+    cases = [mismatch, case("1P+1D", "image", "MATCH"), case("1P+1D", "text", "MATCH")]
+    run = ReleaseRun("0.30.0", "by-hash", 1, 1.0, 0.0, 0, cases)
+    (tmp_path / "0.30.0").mkdir()
+    (tmp_path / "0.30.0" / RELEASE_RUN_FILE).write_text(json.dumps(run.to_json()))
+    selected = ["--topology", "1P+1D"]
+    narrowed = run_release("0.30.0", tmp_path / "0.30.0", selected, None)
+    assert [(c["topology"], c["prompt"]) for c in narrowed.cases] == [
+        ("1P+1D", "image"),
+        ("1P+1D", "text"),
+    ]
+    assert narrowed.exit_code == 0 and narrowed.run_args == selected
+    one = run_release("0.30.0", tmp_path / "0.30.0", ["--prompt", "image"], None)
+    assert [c["topology"] for c in one.cases] == ["1E+1PD", "1P+1D"] and one.exit_code == 1
+    whole = run_release("0.30.0", tmp_path / "0.30.0", [], None)
+    assert whole.cases == cases and whole.exit_code == 1

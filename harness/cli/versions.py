@@ -25,7 +25,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from harness.cli.releases import (
     parse_release_list,
 )
 from harness.environment import cache_dir
-from harness.errors import EXIT_BAD_INPUT, BadInput, HarnessError
+from harness.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, HarnessError
 from harness.files import fresh_run_dir, write_json_atomic, write_text_atomic
 from harness.preflight import names
 from harness.preflight.config import golden_release
@@ -76,6 +76,27 @@ class ReleaseRun:
             return True
         mine = _without_selection(self.run_args)
         return mine == self.run_args and mine == _without_selection(run_args)
+
+    def narrowed_to(self, run_args: list[str]) -> ReleaseRun:
+        """This run as a run with `run_args` would have ended: a full sweep reused for a
+        narrower selection keeps only the selected cases (a topology's cases include its
+        judgement against its exact reference), its exit code recomputed over them. Reused
+        whole, a case nobody asked for failed `versions --gather-only --topology 1P+1D`
+        (found in an audit of ignored flags). A run that ended before judging (bad input,
+        interrupted) keeps its exit code."""
+        topologies, prompts = _selection(run_args)
+        if self.run_args == run_args or not (topologies or prompts):
+            return self
+        cases = [
+            c
+            for c in self.cases
+            if (not topologies or c["topology"] in topologies)
+            and (not prompts or c["prompt"] in prompts)
+        ]
+        exit_code = self.exit_code
+        if exit_code in (EXIT_OK, EXIT_FAILED):  # judged every case: exit 1 is a verdict's
+            exit_code = EXIT_OK if all(c.get("policy_passed") for c in cases) else EXIT_FAILED
+        return replace(self, cases=cases, exit_code=exit_code, run_args=list(run_args))
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -117,6 +138,15 @@ def evidence(case: dict[str, Any]) -> str:
 
 
 SELECTION_FLAGS = ("--topology", "--prompt")
+
+
+def _selection(run_args: list[str]) -> tuple[list[str], list[str]]:
+    """The topologies and prompts `run_args` select (empty: every one)."""
+    chosen: dict[str, list[str]] = {flag: [] for flag in SELECTION_FLAGS}
+    for flag, value in zip(run_args, run_args[1:]):
+        if flag in chosen:
+            chosen[flag].extend(v for v in value.split(",") if v)
+    return chosen["--topology"], chosen["--prompt"]
 
 
 def _without_selection(run_args: list[str]) -> list[str]:
@@ -168,7 +198,7 @@ def run_release(
                 f"{' '.join(run_args) or 'the full sweep'}): use another --run-dir"
             )
         log.info("[versions] %s: reusing the finished run in %s", version, run_dir)
-        return finished
+        return finished.narrowed_to(run_args)
     env, install_seconds = ensure_release(version)
     argv = [
         sys.executable,
