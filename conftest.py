@@ -108,7 +108,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--epd-stream",
         action="store_true",
         help="send the EPD topologies streamed requests (stream: true, with usage; ids read "
-        "from the stream, framing checked); the baseline answers unstreamed",
+        "from the stream, framing checked), the load scenarios' loads too; the baseline "
+        "answers unstreamed",
     )
     group.addoption(
         "--epd-topology",

@@ -557,6 +557,22 @@ def test_marked_by_name(epd_load_spec):
     run.assert_outcomes(passed=2)
 
 
+def test_under_epd_stream_every_load_streams(pytester: pytest.Pytester) -> None:
+    """`--epd-stream` reaches the loads too: an unstreamed load's mark ran it unstreamed
+    under the option, which was silently dropped for it."""
+    pytester.makeconftest(CONFTEST + '    parser.addoption("--epd-stream", action="store_true")\n')
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    checks = """
+@pytest.mark.epd_topology("1E+1P+1D")
+@pytest.mark.epd_load(LoadSpec("1E+1P+1D", 4, 2))
+def test_marked_unstreamed(epd_load_spec):
+    assert epd_load_spec == LoadSpec("1E+1P+1D", 4, 2, stream=True)
+"""
+    pytester.makepyfile(test_loads=LOADS + checks)
+    run = pytester.runpytest("-p", "no:cacheprovider", "-k", "unstreamed", "--epd-stream")
+    run.assert_outcomes(passed=1)
+
+
 def test_a_test_taking_the_load_spec_without_a_mark_is_refused(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(CONFTEST)
     pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")

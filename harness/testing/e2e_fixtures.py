@@ -253,7 +253,9 @@ def own_devices(
 @pytest.fixture
 def epd_load_spec(request: pytest.FixtureRequest):
     """The LoadSpec of the test's own `epd_load(spec)` mark: the one place a load scenario
-    names its load, which the session also reads to calibrate the load ahead."""
+    names its load, which the session also reads to calibrate the load ahead. Under
+    `--epd-stream` every load streams: the unstreamed loads ran unstreamed, the option
+    silently dropped for them (found in an audit of ignored flags)."""
     spec = marked_load(request.node)
     if spec is None:  # refused at collection too (`load_specs`)
         pytest.fail(
@@ -261,4 +263,6 @@ def epd_load_spec(request: pytest.FixtureRequest):
             "epd_load(LoadSpec(...))",
             pytrace=False,
         )
+    if request.config.getoption("--epd-stream", default=False):
+        return dataclasses.replace(spec, stream=True)
     return spec
