@@ -1280,6 +1280,12 @@ def test_save_writes_a_new_failure_as_a_declared_scenario(tmp_path: Path) -> Non
         (["--budget-s", "nan"], "--budget-s nan: must be a positive number of seconds"),
         (["--max-restarts", "-1"], "--max-restarts -1: must be at least 0"),
         (["--confirm-known", "-2"], "--confirm-known -2: must be at least 0"),
+        # Nothing is shrunk, so the shrink's restart budget would act on nothing.
+        (
+            ["--max-shrink-trials", "0", "--max-restarts", "3"],
+            "--max-restarts 3 budgets restarts while a failure group is shrunk, and "
+            "--max-shrink-trials 0 shrinks nothing",
+        ),
         # An attached deployment is never restarted: both budgets were accepted and ignored.
         (
             ["--attach", "deployment.json", "--max-run-restarts", "2"],

@@ -144,6 +144,11 @@ def _refuse(args: argparse.Namespace) -> None:
             "the harness launched; an attached deployment is never restarted (once it is "
             f"down nothing more is sent to it): drop {given}"
         )
+    if args.max_shrink_trials == 0 and args.max_restarts is not None:
+        raise BadInput(
+            f"--max-restarts {args.max_restarts} budgets restarts while a failure group is "
+            "shrunk, and --max-shrink-trials 0 shrinks nothing: drop one of them"
+        )
     budgets = shrink_budget(args), run_budget(args)
     counts = (
         ("--confirm-known", args.confirm_known),
