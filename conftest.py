@@ -83,6 +83,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="GPU: let vLLM compile and capture graphs (default: --enforce-eager, as upstream)",
     )
     group.addoption(
+        "--epd-dtype",
+        default="bfloat16",
+        help="every instance's --dtype: bfloat16 (default), float16 (a GPU below compute "
+        "capability 8.0: T4, V100) or float32",
+    )
+    group.addoption(
         "--epd-proxy-registration",
         default="static",
         help="with --epd-proxy vllm: static (URLs on its command line) or dynamic (registered "

@@ -25,7 +25,7 @@ from harness.spec.generations import GENERATIONS_BY_NAME
 from harness.spec.platforms import CPU, CUDA
 from harness.spec.prompts import CACHE_SALT
 from harness.spec.settings import RunSettings, ServedVllm
-from harness.spec.topology import ServingConfig, serving_for
+from harness.spec.topology import DTYPES, ServingConfig, serving_for
 from harness.testing.builders import chat, outcome
 
 pytestmark = pytest.mark.unit
@@ -604,3 +604,17 @@ def test_a_baseline_started_for_a_miss_prints_one_cache_line(
         assert len(lines.lines) == 2 and lines.lines[1].startswith(meanwhile), lines.lines
     else:
         assert len(lines.lines) == 1, lines.lines
+
+
+def test_two_dtypes_never_share_a_baseline() -> None:
+    """A float16 baseline (a T4's) must not answer for a bfloat16 run, nor the reverse: the
+    dtype is in the key through the serving flags and through the baseline's own argv."""
+    launched, flagged = set(), set()
+    for dtype in DTYPES:
+        serving = serving_for(CPU, "/models/tiny", dtype=dtype)
+        launch = BaselineLaunch.of(RunSettings(serving=serving, run_dir=Path("/run")), environ={})
+        assert launch.argv[launch.argv.index("--dtype") + 1] == dtype
+        launched.add(baseline_key(SERVED, serving, "d", BODY, launch=launch))
+        # The serving flags alone tell them apart, whatever the launch says.
+        flagged.add(baseline_key(SERVED, serving, "d", BODY, launch=LAUNCH))
+    assert len(launched) == len(flagged) == len(DTYPES)

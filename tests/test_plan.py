@@ -275,6 +275,26 @@ def test_cli_four_gpu_plan_shows_enforce_eager_and_upstreams_memory_shares(epd_c
     )
 
 
+def test_cli_plan_of_a_t4_box_shows_float16_on_every_instance(epd_cli) -> None:
+    """`plan` shares run's --dtype: what a T4 / V100 box serves is what its plan shows."""
+    argv = ("plan", "--platform", "cuda", "--devices", "0,1,2,3", "--vllm", "vllm")
+    code, out, err = epd_cli(*argv, "--dtype", "float16")
+    assert code == 0, err
+    assert "dtype: every instance runs --dtype float16" in out
+    code, out, err = epd_cli(*argv, "--dtype", "float16", "--json")
+    data = json.loads(out)
+    assert data["dtype"] == "float16"
+    dtypes = {
+        i["argv"][i["argv"].index("--dtype") + 1]
+        for w in data["waves"]
+        for t in w["topologies"]
+        for i in t["instances"]
+    }
+    assert dtypes == {"float16"}
+    code, out, err = epd_cli(*argv)
+    assert "dtype: every instance runs --dtype bfloat16" in out
+
+
 def test_cli_refuses_no_enforce_eager_on_cpu(epd_cli) -> None:
     code, out, err = epd_cli("plan", "--no-enforce-eager", "--model", MODEL, "--vllm", "vllm")
     assert (code, out) == (2, "")

@@ -52,6 +52,8 @@ def test_a_refusal_made_while_workers_collect_is_the_sessions_usage_error(
         ("--epd-reference-policy", "sideways", "--epd-reference-policy sideways"),
         ("--epd-devices", "0,x", "--epd-devices"),
         ("--epd-model", "", "--epd-model '' is empty: give a value, or leave --epd-model out"),
+        # vLLM's own "auto" picks per platform: refused, as `run --dtype` has no such choice.
+        ("--epd-dtype", "auto", "--epd-dtype auto lets vLLM choose each instance's dtype"),
     ],
 )
 def test_a_bad_session_option_is_one_usage_error_naming_it(

@@ -15,6 +15,7 @@ from harness.cli.serving_options import (
     PROXY_FIELDS,
     SERVING_FIELDS,
     add_connector_options,
+    add_dtype_option,
     add_proxy_options,
     add_serving_options,
 )
@@ -29,7 +30,8 @@ REQUIRED = {"run": [], "load": ["--topology", "1P+1D"], "fuzz": ["--topology", "
 GIVEN = [
     "--model", "/models/m", "--vllm", "/bin/vllm", "--allow-untested-vllm",
     "--protocol", "ec-items", "--max-model-len", "1234", "--platform", "cuda",
-    "--devices", "4,5,6", "--colocate", "--no-enforce-eager", "--kv-connector", "example",
+    "--devices", "4,5,6", "--colocate", "--no-enforce-eager", "--dtype", "float16",
+    "--kv-connector", "example",
     "--ec-connector", "example", "--reference-policy", "exact", "--launcher", "ray",
     "--ray-address", "127.0.0.2:6379", "--ray-placement", "pack", "--ray-shared-dir", "/shared",
     "--ray-instance-env", "A=1", "--ray-instance-env", "B=2",
@@ -45,6 +47,7 @@ EXPECTED = {
     "devices": "4,5,6",
     "colocate": True,
     "no_enforce_eager": True,
+    "dtype": "float16",
     "kv_connector": "example",
     "ec_connector": "example",
     "reference_policy": "exact",
@@ -105,10 +108,12 @@ def test_every_shared_option_reaches_the_preflight(
     assert given == EXPECTED
 
 
-def test_plan_takes_the_connector_options_run_takes() -> None:
-    """They change every P, D and encoder line, so `plan` must be able to show them."""
+def test_plan_takes_the_connector_and_dtype_options_run_takes() -> None:
+    """They change every P, D and encoder line (the dtype every line), so `plan` must be able
+    to show them."""
     connectors = argparse.ArgumentParser()
     add_connector_options(connectors)
+    add_dtype_option(connectors)
     subparsers = next(
         a for a in main.build_parser()._actions if isinstance(a, argparse._SubParsersAction)
     )

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from harness.cli.serving_options import add_connector_options
+from harness.cli.serving_options import add_connector_options, add_dtype_option
 from harness.environment import DEFAULT_PORT_RANGE, cache_dir
 from harness.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
 from harness.preflight.config import COLOCATE_ON_CPU, NO_ENFORCE_EAGER_ON_CPU
@@ -53,6 +53,7 @@ from harness.spec.platforms import (
     parse_devices,
 )
 from harness.spec.topology import (
+    DEFAULT_DTYPE,
     EPD_TOPOLOGY_NAMES,
     ServingConfig,
     Topology,
@@ -81,6 +82,7 @@ class PlanRequest:
     workers: int = 1  # parallel pytest-xdist workers (CPU waves shrink with them)
     cpu_budget: int | None = None  # instances per CPU wave; None: this machine's
     no_enforce_eager: bool = False  # GPU: let vLLM compile and capture graphs (run's flag)
+    dtype: str = DEFAULT_DTYPE  # every instance's --dtype (run's flag)
     kv_connector: str | None = None  # --kv-connector's name; None: the platform's
     ec_connector: str | None = None  # --ec-connector's name; None: example
 
@@ -129,6 +131,7 @@ class Plan:
     waves: tuple[PlannedWave, ...]
     ports_are_placeholders: bool = True  # see the module docstring
     enforce_eager: bool = True  # every instance runs --enforce-eager
+    dtype: str = DEFAULT_DTYPE  # every instance's --dtype
     kv_connector: str = ""  # the vLLM class P and D move KV with
     ec_connector: str = ""  # the vLLM class encoders and their consumers move embeddings with
     # Each role's --gpu-memory-utilization and the shared-device rule; None on CPU.
@@ -162,6 +165,7 @@ def build_plan(request: PlanRequest) -> Plan:
         request.platform,
         request.model,
         enforce_eager=request.platform.enforce_eager and not request.no_enforce_eager,
+        dtype=request.dtype,
         kv_connector=kv_connector_for(
             request.kv_connector, request.topologies, request.platform
         ).vllm_class,
@@ -182,6 +186,7 @@ def build_plan(request: PlanRequest) -> Plan:
         colocate=request.colocate,
         waves=tuple(planned_waves),
         enforce_eager=serving.enforce_eager,
+        dtype=serving.dtype,
         kv_connector=serving.kv_connector,
         ec_connector=serving.ec_connector,
         gpu_memory_shares=gpu_memory_policy(request.platform),
@@ -260,6 +265,7 @@ def format_plan(plan: Plan) -> str:
         if plan.enforce_eager
         else "eager: off (--no-enforce-eager): vLLM compiles and captures graphs at each start"
     )
+    lines.append(f"dtype: every instance runs --dtype {plan.dtype}")
     lines.append(f"connectors: KV {plan.kv_connector}, EC {plan.ec_connector}")
     if platform.worker_in_engine_core:
         lines.append(
@@ -443,6 +449,7 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         vllm_executable=args.vllm or default_vllm_executable(),
         run_dir=Path(args.run_dir).resolve() if args.run_dir else PLACEHOLDER_RUN_DIR,
         no_enforce_eager=args.no_enforce_eager,
+        dtype=args.dtype,
         kv_connector=args.kv_connector,
         ec_connector=args.ec_connector,
     )
@@ -499,6 +506,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
         action="store_true",
         help="GPU: plan instances without --enforce-eager (vLLM compiles and captures graphs)",
     )
+    add_dtype_option(parser)
     add_connector_options(parser)
     parser.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
     parser.add_argument("--run-dir", help="artifact directory (default: a placeholder)")

@@ -27,6 +27,7 @@ from harness.spec.settings import (
     PLACEMENTS,
     PROXY_KINDS,
 )
+from harness.spec.topology import DEFAULT_DTYPE, DTYPES
 
 # The RunRequest fields `add_serving_options` fills (argparse dest == field name).
 SERVING_FIELDS = (
@@ -39,6 +40,7 @@ SERVING_FIELDS = (
     "devices",
     "colocate",
     "no_enforce_eager",
+    "dtype",
     "kv_connector",
     "ec_connector",
     "reference_policy",
@@ -97,6 +99,7 @@ def add_serving_options(parser: argparse.ArgumentParser) -> None:
         help="GPU: let vLLM compile and capture graphs (the default, like upstream's "
         "correctness script, is --enforce-eager); refused on cpu",
     )
+    add_dtype_option(group)
     add_connector_options(group)
     group.add_argument(
         "--reference-policy",
@@ -136,6 +139,19 @@ def add_serving_options(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=VALUE",
         help="with --launcher ray: environment for every instance (e.g. a cluster's UCX "
         "settings); repeatable; the network invariants still apply to it",
+    )
+
+
+def add_dtype_option(group: argparse._ActionsContainer, what: str | None = None) -> None:
+    """The dtype every instance computes in (`plan` takes it too: it is on every line; so
+    does `doctor`, which checks this host's GPUs for it)."""
+    what = what or "every instance's --dtype, the baseline's too"
+    group.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=DEFAULT_DTYPE,
+        help=f"{what} (default: %(default)s; a GPU below compute capability 8.0, such as a "
+        "T4 or V100, needs float16)",
     )
 
 

@@ -22,7 +22,7 @@ from harness.errors import BadInput
 from harness.files import fresh_run_dir
 from harness.judge.policy import REFERENCE_POLICIES
 from harness.judge.records import DeclaredFailure
-from harness.preflight import files, names, resources, tokens, upstream_proxy
+from harness.preflight import dtype, files, names, resources, tokens, upstream_proxy
 from harness.preflight.attach import load_attach_file
 from harness.preflight.connectors import (
     check_kv_connector,
@@ -86,7 +86,13 @@ from harness.spec.settings import (
     ProxyChoice,
     RunSettings,
 )
-from harness.spec.topology import EPD_TOPOLOGY_NAMES, TOPOLOGIES, Topology, serving_for
+from harness.spec.topology import (
+    DEFAULT_DTYPE,
+    EPD_TOPOLOGY_NAMES,
+    TOPOLOGIES,
+    Topology,
+    serving_for,
+)
 
 DEFAULT_MAX_MODEL_LEN = 4096
 # Under RunRequest.session_dir: the entries a `--refresh-baseline` session has refreshed, and
@@ -166,6 +172,8 @@ class RunRequest:
     # GPU platforms: drop --enforce-eager, so vLLM compiles and captures graphs (upstream's
     # correctness script, and the harness by default, serve eager).
     no_enforce_eager: bool = False
+    # The dtype every instance computes in (harness.preflight.dtype says what is refused).
+    dtype: str = DEFAULT_DTYPE
 
 
 @dataclass(frozen=True)
@@ -214,6 +222,7 @@ def check_arguments(request: RunRequest, *, read_files: bool = True) -> CheckedA
     placeholders for its files (the documentation's, tests/test_docs_commands.py); the
     topologies are then the ones the flags name."""
     _refuse_ignored_flags(request)
+    dtype.check_dtype_name(request.dtype)
     platform = get_platform(request.platform)
     launcher = launcher_choice(request)
     refusal = launcher.refusal_on(platform)
@@ -387,6 +396,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         kv_connector=kv_connector.vllm_class,
         ec_connector=ec_connector.vllm_class,
         enforce_eager=platform.enforce_eager and not request.no_enforce_eager,
+        dtype=request.dtype,
     )
     prompts = arguments.prompts
     bodies = {p.name: render_request(p, serving.served_model_name) for p in prompts}

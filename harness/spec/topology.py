@@ -93,6 +93,14 @@ def get_topology(name: str) -> Topology:
     return lookup("topology", name, TOPOLOGIES)
 
 
+# The dtypes `--dtype` may name, the first the default. vLLM's own "auto" is left out on purpose:
+# it picks per platform, falling back with only a warning (`harness.preflight.dtype`), and every
+# instance of a comparison must compute in the one dtype run.json records. bfloat16 needs a GPU
+# of compute capability 8.0 or more (T4 and V100 take float16).
+DTYPES = ("bfloat16", "float16", "float32")
+DEFAULT_DTYPE = DTYPES[0]
+
+
 @dataclass(frozen=True)
 class ServingConfig:
     """Flags every instance of one comparison shares (the numerics-relevant ones above all)."""
@@ -105,7 +113,7 @@ class ServingConfig:
     block_size: int = 32
     enforce_eager: bool = True
     max_num_seqs: int = 8
-    dtype: str = "bfloat16"
+    dtype: str = DEFAULT_DTYPE  # one of DTYPES; --dtype
     max_logprobs: int = 20
     # Media referenced as file:// must live under this directory.
     allowed_local_media_path: str | None = None

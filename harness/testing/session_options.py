@@ -163,6 +163,7 @@ def session_request(
         reference_policy=option("--epd-reference-policy"),
         stream=option("--epd-stream"),
         no_enforce_eager=option("--epd-no-enforce-eager"),
+        dtype=option("--epd-dtype"),
     )
 
 
