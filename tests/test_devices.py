@@ -14,6 +14,7 @@ import pytest
 from harness import devices
 from harness.run import baseline_launch
 from harness.spec.platforms import CUDA
+from harness.testing.fake_nvidia_smi import A100, T4, V100, install_fake_nvidia_smi
 
 pytestmark = pytest.mark.check
 
@@ -132,3 +133,23 @@ def test_gpu_processes_nvidia_smi_cannot_list_are_unknown_not_none(
 ) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
     assert devices.smi_compute_processes() is None
+
+
+def test_compute_capabilities_are_read_by_the_index_devices_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bfloat16 needs 8.0: the preflight and doctor read each GPU's capability here."""
+    tools = install_fake_nvidia_smi(tmp_path / "bin", [A100, T4, V100])
+    monkeypatch.setenv("PATH", f"{tools}:/usr/bin:/bin")
+    listed = devices.smi_compute_capabilities()
+    assert listed == [
+        devices.GpuCapability(0, "NVIDIA A100-SXM4-80GB", (8, 0)),
+        devices.GpuCapability(1, "Tesla T4", (7, 5)),
+        devices.GpuCapability(2, "Tesla V100-SXM2-16GB", (7, 0)),
+    ]
+    assert [gpu.dotted for gpu in listed] == ["8.0", "7.5", "7.0"]
+    # A driver without the field prints "[N/A]": that GPU is not described, never guessed.
+    install_fake_nvidia_smi(tools, [T4, ("Tesla K80", "[N/A]")])
+    assert devices.smi_compute_capabilities() == [devices.GpuCapability(0, "Tesla T4", (7, 5))]
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert devices.smi_compute_capabilities() is None

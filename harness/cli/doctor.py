@@ -15,8 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness import amx
+from harness.devices import GpuCapability, smi_compute_capabilities
+from harness.preflight.dtype import bf16_refusal
 from harness.preflight.vllm import interpreter_of
 from harness.spec.connectors import NIXL
+from harness.spec.topology import DEFAULT_DTYPE
 
 CHECK_TIMEOUT_S = 180.0
 
@@ -235,13 +238,38 @@ def check_model(model_dir: Path, python: Sequence[str] = THIS_PYTHON, tiny: bool
     return Check("model loads", True, f"{model_dir}: {_last_line(proc.stdout)}")
 
 
+def check_dtype_on_gpus(
+    dtype: str, device_type: str | None, listed: Sequence[GpuCapability] | None
+) -> Check:
+    """Whether this host's GPUs compute in `dtype` (bfloat16 needs compute capability 8.0: a
+    T4 or V100 box runs with --dtype float16). `listed`: every GPU nvidia-smi lists with its
+    capability, None where it cannot say; a CPU build of vLLM needs no GPU."""
+    name = f"--dtype {dtype} on this host's GPUs"
+    if device_type != "cuda":
+        return Check(name, True, f"not needed: the served vLLM runs on {device_type or '?'}")
+    if listed is None:
+        return Check(name, True, "not checked: nvidia-smi did not list compute capabilities")
+    refusal = bf16_refusal(
+        dtype, listed, remedy="run with --dtype float16 (pytest --epd-dtype float16)"
+    )
+    shown = ", ".join(f"GPU {gpu.index} {gpu.dotted}" for gpu in listed) or "none listed"
+    if refusal is None:
+        return Check(name, True, f"compute capability: {shown}")
+    return Check(name, False, refusal)
+
+
 def served_device_type(imports: Check) -> str | None:
     """The platform `check_vllm_import` read ("vllm 0.32.0+cpu cpu" -> "cpu"); None unknown."""
     words = imports.detail.split()
     return words[-1] if imports.ok and len(words) == 3 else None
 
 
-def run_checks(vllm_executable: str, model_dir: Path | None, tiny: bool = True) -> list[Check]:
+def run_checks(
+    vllm_executable: str,
+    model_dir: Path | None,
+    tiny: bool = True,
+    dtype: str = DEFAULT_DTYPE,
+) -> list[Check]:
     """Every check, the environment's in the interpreter `vllm_executable` runs with (its `#!`
     line): the served vLLM's own environment. They ran in this Python whatever `--vllm` said,
     so `doctor --vllm OTHER` passed on this environment's vLLM, torchvision, AMX hook, model
@@ -273,6 +301,11 @@ def run_checks(vllm_executable: str, model_dir: Path | None, tiny: bool = True) 
         check_vllm_cli(vllm_executable),
         check_torchvision(python),
         check_amx_permission(device_type=served_device_type(imports), python=python),
+        check_dtype_on_gpus(
+            dtype,
+            served_device_type(imports),
+            smi_compute_capabilities() if served_device_type(imports) == "cuda" else None,
+        ),
     ]
     if model_dir is not None:
         checks.append(check_model(model_dir, python, tiny))

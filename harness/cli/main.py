@@ -24,6 +24,7 @@ from harness.cli.fuzz import add_fuzz_parser
 from harness.cli.load import add_load_parser
 from harness.cli.plan import add_plan_parser
 from harness.cli.serving_options import (
+    add_dtype_option,
     add_proxy_options,
     add_serving_options,
     proxy_fields,
@@ -32,6 +33,7 @@ from harness.cli.serving_options import (
 from harness.cli.upstream_requirement import add_upstream_requirement_parser
 from harness.cli.version import VersionAction
 from harness.cli.versions import add_bisect_parser, add_goldens_parser, add_versions_parser
+from harness.devices import smi_compute_capabilities
 from harness.environment import cache_dir
 from harness.errors import (
     EXIT_BAD_INPUT,
@@ -52,6 +54,7 @@ from harness.preflight.config import (
     check_arguments,
     devices_here,
 )
+from harness.preflight.dtype import REPRO_ASKED_BF16, REPRO_BF16_REMEDY, check_bf16_devices
 from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_os_error
 from harness.preflight.model import resolve_model
 from harness.preflight.upstream_proxy import proxy_choice
@@ -322,6 +325,14 @@ def command_repro(args: argparse.Namespace) -> int:
             places_here=bundle.launcher.kind != RAY_LAUNCHER,
         )
         refuse_too_few_devices(bundle, args.case, devices, args.colocate)
+        if bundle.platform == "cuda" and bundle.launcher.kind != RAY_LAUNCHER:
+            check_bf16_devices(
+                bundle.serving().dtype,
+                devices or bundle.devices,
+                smi_compute_capabilities(),
+                remedy=REPRO_BF16_REMEDY,
+                asked=REPRO_ASKED_BF16,
+            )
         run_dir = Path(args.run_dir or bundle.path.parent / f"{bundle.path.name}-repro").resolve()
         if run_dir == bundle.path.resolve():
             # The rerun's instance logs and EC / KV storage went into the bundle's own
@@ -424,7 +435,7 @@ def command_list(_args: argparse.Namespace) -> int:
 def command_doctor(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model, get_platform("cpu").default_model, cache_dir())
     checks = doctor.run_checks(
-        args.vllm or default_vllm_executable(), model_dir, tiny=args.model is None
+        args.vllm or default_vllm_executable(), model_dir, tiny=args.model is None, dtype=args.dtype
     )
     print(doctor.format_checks(checks))
     return EXIT_OK if all(c.ok for c in checks) else EXIT_FAILED
@@ -526,6 +537,7 @@ def build_parser() -> Parser:
     check = sub.add_parser("doctor", help="check that this environment can run vLLM EPD")
     check.add_argument("--model", help="model directory (default: the tiny model)")
     check.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
+    add_dtype_option(check, "the dtype the runs will serve, checked against this host's GPUs")
     check.set_defaults(func=command_doctor)
 
     add_plan_parser(sub)

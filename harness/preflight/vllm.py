@@ -39,7 +39,8 @@ GIT_TIMEOUT_S = 60.0
 # so they key the baseline cache and are recorded in run.json: label -> the distributions that
 # provide it (the first installed one counts). The HF processors resize and normalise media
 # (transformers, with Pillow, OpenCV, torchvision for the fast processors, PyAV or decord to
-# decode video), tokenizers makes the prompt ids; triton and flashinfer hold GPU kernels.
+# decode video), tokenizers makes the prompt ids; triton and flashinfer hold GPU kernels;
+# zentorch holds AMD CPUs' GEMMs (vLLM serves on its ZenCpuPlatform when it imports).
 LIBRARIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("transformers", ("transformers",)),
     ("tokenizers", ("tokenizers",)),
@@ -58,6 +59,7 @@ LIBRARIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("torchvision", ("torchvision",)),
     ("triton", ("triton",)),
     ("flashinfer", ("flashinfer-python", "flashinfer")),
+    ("zentorch", ("zentorch",)),
 )
 # What moves embeddings and KV between instances: recorded in run.json, keys no baseline.
 TRANSFER_LIBRARIES: tuple[tuple[str, tuple[str, ...]], ...] = (
