@@ -6,6 +6,9 @@ tests/test_bad_input.py shows the refusals as the CLI prints them."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
 from harness.cli import doctor
@@ -19,8 +22,10 @@ from harness.preflight.dtype import (
     check_cpu_dtype,
     check_dtype_name,
 )
+from harness.run.export.reference import rendered_commands
+from harness.run.repro import Bundle
 from harness.spec.instances import InstanceSpec
-from harness.spec.platforms import CPU
+from harness.spec.platforms import CPU, CUDA
 from harness.spec.topology import DEFAULT_DTYPE, DTYPES, Role, serving_for
 from harness.testing.session_options import session_request
 
@@ -104,3 +109,20 @@ def test_doctor_names_the_gpu_bfloat16_cannot_run_on() -> None:
     assert (fine.ok, fine.detail) == (True, "compute capability: GPU 0 8.0")
     assert doctor.check_dtype_on_gpus("bfloat16", "cuda", None).ok
     assert doctor.check_dtype_on_gpus("bfloat16", "cpu", None).detail.startswith("not needed")
+
+
+def test_a_bundle_replays_and_exports_the_dtype_it_recorded(tmp_path) -> None:
+    """run.json's `serving` is the ServingConfig as data (harness/report/bundle.py); repro
+    serves `Bundle.serving()` again, and an export renders from it the baseline the run took
+    from its cache (no recorded command): a T4's float16 run must stay float16 there."""
+    serving = serving_for(CUDA, "/models/qwen", dtype="float16")
+    run = {
+        "serving": json.loads(json.dumps(dataclasses.asdict(serving))),
+        "platform_profile": "cuda",
+        "devices": [0, 1],
+        "served_vllm": {"version": "0.32.0"},
+    }
+    bundle = Bundle(path=tmp_path, run=run, requests={}, cases=[])
+    assert bundle.serving() == serving
+    [(_, command)] = rendered_commands(bundle, "baseline")
+    assert command["argv"][command["argv"].index("--dtype") + 1] == "float16"
