@@ -2,7 +2,7 @@
 
     python scripts/gpu_rehearsal.py [--devices 0,1,2,3] [--workers N] [--model NAME|DIR]
         [--colocate] [--topology T,...] [-k EXPR] [--no-enforce-eager] [--vllm-source DIR]
-        [--run-name NAME] [--dry-run]
+        [--dtype bfloat16|float16|float32] [--run-name NAME] [--dry-run]
 
 1. Refuses, exit 2, without a GPU (`nvidia-smi` lists none), or with --devices it does not list
    or an inherited CUDA_VISIBLE_DEVICES did not give (by default: the GPUs it gave).
@@ -204,6 +204,7 @@ def workflow_inputs(args: argparse.Namespace, devices: str, workers: int, model:
         "TOPOLOGIES": args.topology or "",
         "SCENARIOS": args.k or "",
         "GRAPHS": "true" if args.no_enforce_eager else "false",
+        "DTYPE": args.dtype,
         "EPD_MODEL_DIR": model,
         "VLLM_SOURCE": args.vllm_source or "",
     }
@@ -340,6 +341,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--no-enforce-eager", action="store_true", help="compile and capture graphs"
     )
     parser.add_argument("--vllm-source", help="the vLLM tree a development build was built from")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16", "float32"),
+        help="every instance's dtype, the nightly's dtype input (float16 on a T4 or V100)",
+    )
     parser.add_argument("--run-name", default=f"rehearsal-{time.strftime('%Y%m%d-%H%M%S')}")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     return parser.parse_args(argv)
@@ -390,10 +397,12 @@ def rehearse(args: argparse.Namespace) -> int:
     plan = ["plan", "--platform", "cuda", "--devices", devices, "--model", model]
     plan += ["--colocate"] if args.colocate else []
     plan += ["--no-enforce-eager"] if args.no_enforce_eager else []
+    plan += ["--dtype", args.dtype]
     plan += ["--topology", args.topology] if args.topology else []
     nightly = nightly_pytest(workflow_inputs(args, devices, workers, model))
     pytest = [sys.executable, "-m", "pytest", *nightly.args]
-    commands = [harness_command("doctor", "--model", model), harness_command(*plan), pytest]
+    doctor = harness_command("doctor", "--model", model, "--dtype", args.dtype)
+    commands = [doctor, harness_command(*plan), pytest]
     if args.dry_run:
         for command in commands[:2]:
             print(shlex.join(command))

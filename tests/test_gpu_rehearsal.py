@@ -193,8 +193,9 @@ def test_a_value_it_would_drop_or_hand_on_broken_is_refused(argv, cause, capsys)
         [],
         ["--colocate", "--topology", "1P+1D,1E+1P+1D", "-k", "image or video"],
         ["--no-enforce-eager", "--vllm-source", "/src/vllm", "--workers", "1"],
+        ["--dtype", "float16"],  # a T4 / V100 box
     ],
-    ids=["defaults", "colocate-topologies-k", "graphs-source"],
+    ids=["defaults", "colocate-topologies-k", "graphs-source", "float16"],
 )
 def test_the_pytest_line_is_the_nightly_workflows_own(
     extra: list[str], tmp_path: Path, capsys
@@ -214,6 +215,7 @@ def test_the_pytest_line_is_the_nightly_workflows_own(
         "TOPOLOGIES": given.topology or "",
         "SCENARIOS": given.k or "",
         "GRAPHS": "true" if given.no_enforce_eager else "false",
+        "DTYPE": given.dtype,
         "EPD_MODEL_DIR": "/models/qwen",
         "VLLM_SOURCE": given.vllm_source or "",
     }
@@ -222,7 +224,10 @@ def test_the_pytest_line_is_the_nightly_workflows_own(
     assert assignments == exported, "pytest runs with what the step exports for it"
     ours = ours[len(assignments) :]
     assert ours[3:] == theirs
-    assert shlex.split(doctor)[-4:] == ["harness.cli.main", "doctor", "--model", "/models/qwen"]
+    assert shlex.split(doctor)[-6:] == [
+        *("harness.cli.main", "doctor", "--model", "/models/qwen"),
+        *("--dtype", given.dtype),
+    ]
     assert shlex.split(plan)[3:9] == [
         "plan",
         "--platform",
@@ -232,6 +237,8 @@ def test_the_pytest_line_is_the_nightly_workflows_own(
         "--model",
     ]
     assert ("--no-enforce-eager" in plan) == given.no_enforce_eager
+    assert f"--dtype {given.dtype}" in plan
+    assert ["--epd-dtype", given.dtype] in [theirs[i : i + 2] for i in range(len(theirs))]
 
 
 def test_the_nightlys_pytest_gets_the_vllm_source_tree_the_rehearsal_was_given(

@@ -22,7 +22,7 @@ import yaml
 
 from harness.cli.plan import PlanRequest, build_plan, request_from_args
 from harness.spec.platforms import CUDA
-from harness.spec.topology import TOPOLOGIES
+from harness.spec.topology import DEFAULT_DTYPE, DTYPES, TOPOLOGIES
 from harness.testing.fake_vllm import install_fake_vllm
 from harness.testing.upstream_files import cached_release, write_tree
 from harness.testing.venvs import stand_in_site
@@ -971,6 +971,7 @@ def gpu_job_envs(workflow: dict, tmp_path: Path) -> list[dict[str, str]]:
                     "COLOCATE": str(leg["colocate"]).lower(),
                     "EPD_MODEL_DIR": str(tmp_path / "model"),
                     "GRAPHS": "true" if optional else "false",
+                    "DTYPE": "float16" if optional else "bfloat16",
                     "TOPOLOGIES": "1E+1PD,1P+1D" if optional else "",
                     "SCENARIOS": "image" if optional else "",
                     "VLLM_SOURCE": str(tmp_path / "vllm-src") if optional else "",
@@ -991,6 +992,25 @@ def test_gpu_workflows_call_the_cli_and_pytest_with_flags_they_have(
         argvs = gpu_step_arguments(workflow, tmp_path / str(index), env)
         assert argvs["epd-harness"][0] == "plan", argvs
         assert not unknown_flags(argvs, pytestconfig), (name, env["DEVICES"], argvs)
+        # The dtype input reaches both: the plan shows what the scenarios serve.
+        assert ["--dtype", env["DTYPE"]] in pairs(argvs["epd-harness"]), argvs
+        assert ["--epd-dtype", env["DTYPE"]] in pairs(argvs["python"]), argvs
+
+
+def pairs(argv: list[str]) -> list[list[str]]:
+    return [argv[i : i + 2] for i in range(len(argv) - 1)]
+
+
+@pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])
+def test_gpu_workflows_take_a_dtype_input_for_gpus_without_bfloat16(name: str) -> None:
+    """A T4 / V100 runner (compute capability < 8.0) runs the night with float16; the choice
+    offers exactly what --dtype takes, and a scheduled night (no inputs) serves bfloat16."""
+    workflow = load(name)
+    dtype = triggers(workflow)["workflow_dispatch"]["inputs"]["dtype"]
+    assert (dtype["type"], dtype["default"]) == ("choice", DEFAULT_DTYPE)
+    assert tuple(dtype["options"]) == DTYPES
+    expected = "${{ inputs.dtype || 'bfloat16' }}" if "schedule" in triggers(workflow) else None
+    assert only_job(workflow)["env"]["DTYPE"] == (expected or "${{ inputs.dtype }}")
 
 
 def test_a_flag_no_parser_has_is_found(tmp_path: Path, pytestconfig: pytest.Config) -> None:
