@@ -95,8 +95,11 @@ DIFFERENCES: tuple[Difference, ...] = (
         "--dtype",
         Kind.HARNESS_ONLY,
         SERVE_ROLES,
-        "bfloat16 on every instance and platform, explicit so no instance falls back to "
-        "another; it is Qwen2.5-VL-3B's own dtype, which upstream's instances load by default.",
+        "A run option (--dtype, default bfloat16), the same on every instance of a comparison "
+        "and named, never auto: bfloat16 is Qwen2.5-VL-3B's own dtype, which upstream's "
+        "instances load by default, but on a GPU below compute capability 8.0 (T4, V100) "
+        "vLLM's auto falls back to float16 with only a warning. There the harness refuses "
+        "bfloat16 and the user names --dtype float16: a deliberate choice, run.json says it.",
     ),
     Difference(
         "--block-size",
