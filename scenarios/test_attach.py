@@ -114,6 +114,7 @@ def attach_run(
     baseline_flags += ["--devices", ",".join(map(str, settings.devices))]
     if not settings.serving.enforce_eager:
         baseline_flags.append("--no-enforce-eager")
+    baseline_flags += ["--dtype", settings.serving.dtype]  # a T4 session's float16
     started = time.monotonic()
     code, out, _ = epd_cli(
         "run", "--attach", attach_file, "--prompt", ",".join(PROMPTS),
