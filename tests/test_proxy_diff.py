@@ -74,12 +74,16 @@ def test_cases_only_one_run_holds_are_named() -> None:
     ]
 
 
-def write_run(path: Path, responses: dict, proxy: str, vllm: str | None = None) -> str:
+def write_run(
+    path: Path, responses: dict, proxy: str, vllm: str | None = None, serving: dict | None = None
+) -> str:
     path.mkdir()
     (path / "responses.json").write_text(json.dumps(responses))
     run: dict[str, Any] = {"proxy": {"kind": proxy}}
     if vllm is not None:
         run["served_vllm"] = {"version": vllm}
+    if serving is not None:
+        run["serving"] = serving
     (path / "run.json").write_text(json.dumps(run))
     return str(path)
 
@@ -143,3 +147,27 @@ def test_runs_of_two_vllm_versions_name_each_version_in_the_headers(
     assert "vLLM 0.31.0" not in within.out
     older = epd_cli("compare", unrecorded, new)
     assert "vllm (unrecorded, vLLM not recorded)" in older.out.splitlines()[0], older.out
+
+
+def test_runs_served_with_other_flags_name_each_flag_that_differs(tmp_path: Path, epd_cli) -> None:
+    """A float32 run's tokens differed from a bfloat16 run's and compare said only where, as if
+    one were wrong (found checking --dtype on real vLLM): each serving flag that differs is
+    named, a run's own media directory is not."""
+    serving = {"dtype": "bfloat16", "block_size": 32, "allowed_local_media_path": "/a"}
+    bf16 = write_run(
+        tmp_path / "bf16", {"t": {"p": outcome([1], [ENCODE])}}, "harness", serving=serving
+    )
+    fp32 = write_run(
+        tmp_path / "fp32",
+        {"t": {"p": outcome([2], [ENCODE])}},
+        "harness",
+        serving={**serving, "dtype": "float32", "allowed_local_media_path": "/b"},
+    )
+    across = epd_cli("compare", bf16, fp32)
+    assert across.code == 1
+    noted = [line for line in across.out.splitlines() if line.startswith("served differently")]
+    assert noted == [
+        "served differently (tokens may differ for this alone): dtype: 'bfloat16' vs 'float32'"
+    ], across.out
+    alike = epd_cli("compare", bf16, bf16)
+    assert "served differently" not in alike.out

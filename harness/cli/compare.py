@@ -56,6 +56,26 @@ def served_version(run: dict[str, Any]) -> str | None:
     return str(version) if version else None
 
 
+# Serving fields that name a run's own files, not how it computes.
+RUN_LOCAL_SERVING_FIELDS = ("allowed_local_media_path",)
+
+
+def serving_differences(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
+    """Each serving flag (run.json's `serving`: dtype, max model length, block size,
+    connectors, ...) the two runs were served with differently, as `name: A vs B`. Tokens of a
+    float32 run differed from a bfloat16 run's and compare said only where, as if one of them
+    were wrong (found checking --dtype on real vLLM)."""
+    served = [run.get("serving") for run in (first, second)]
+    if not all(isinstance(s, dict) for s in served):
+        return []
+    a, b = served
+    return [
+        f"{name}: {a.get(name)!r} vs {b.get(name)!r}"
+        for name in sorted(set(a) | set(b))
+        if name not in RUN_LOCAL_SERVING_FIELDS and a.get(name) != b.get(name)
+    ]
+
+
 def proxy_label(run_dir: str, version: str | None = None, with_version: bool = False) -> str:
     """The run's proxy under test (run.json), to head the columns; the directory otherwise.
     `with_version`: the served vLLM's version too (the two runs served different ones)."""
@@ -73,13 +93,16 @@ def command_compare(args: argparse.Namespace) -> int:
     if not diffs:
         raise BadInput(f"{args.first} and {args.second} hold no case in common")
     # Comparing releases: each column names the vLLM its run served, when they differ.
-    served = [served_version(read_run_json(d)) for d in (args.first, args.second)]
+    runs = [read_run_json(d) for d in (args.first, args.second)]
+    served = [served_version(run) for run in runs]
     differ = served[0] != served[1]
     labels = [
         proxy_label(d, v, with_version=differ)
         for d, v in zip((args.first, args.second), served, strict=True)
     ]
     print(format_diff(diffs, *labels))
+    for line in serving_differences(*runs):
+        print(f"served differently (tokens may differ for this alone): {line}")
     for line in unpaired_cases(first, second):
         print(f"not compared: {line}")
     return EXIT_OK if all(diff.same for diff in diffs) else EXIT_FAILED
