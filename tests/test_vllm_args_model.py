@@ -42,6 +42,8 @@ def test_every_rendered_argv_parses_with_the_served_vllms_own_parser(parser: Ser
     names = {name.split("/", 1)[0] for name in argvs}
     assert names == {"cpu", "cuda", "xpu"}
     assert len(argvs) >= 3 * 2 * len(GENERATIONS) * 9
+    dtypes = {(n.split("/", 1)[0], a[a.index("--dtype") + 1]) for n, a in argvs.items()}
+    assert dtypes == {(p, d) for p in names for d in ("bfloat16", "float16", "float32")}
     check = check_serve_argvs(argvs, PYTHON, "0.32.0+cpu", directory=None)
     assert check.judged == len({json.dumps(a) for a in argvs.values()})
     assert set(check.instances) == set(argvs)

@@ -37,7 +37,7 @@ from harness.preflight.vllm_args import check_serve_argvs, serve_argvs
 from harness.spec import instances
 from harness.spec.generations import GENERATIONS
 from harness.spec.platforms import CPU, PLATFORMS
-from harness.spec.topology import TOPOLOGIES, serving_for
+from harness.spec.topology import DEFAULT_DTYPE, DTYPES, TOPOLOGIES, serving_for
 
 XDIST_GROUP = (
     "served-vllm-parser"  # the parser tests, on one worker (every worker shares the batch)
@@ -54,7 +54,7 @@ Verdicts = dict[str, "str | None"]  # name -> vLLM's complaint, None for a line 
 def every_rendered_argv(
     media: str | None = "/media", colocated: bool = False
 ) -> dict[str, list[str]]:
-    """Every platform, KV connector, protocol generation and eager mode, every topology;
+    """Every platform, KV connector, protocol generation, eager mode and dtype, every topology;
     `colocated`: GPU instances sharing one device (CPU instances never share)."""
     argvs: dict[str, list[str]] = {}
     for platform in PLATFORMS.values():
@@ -82,6 +82,24 @@ def every_rendered_argv(
                     tag = f"{platform.name}/{kv}/{generation.name}/eager={eager}"
                     tag += "/colocated" if colocated else ""
                     argvs.update({f"{tag}/{name}": argv for name, argv in rendered.items()})
+        # Every other `--dtype`, once per platform (its own connector, the newest generation):
+        # the value changes no other flag, so the whole grid again would only cost probe time.
+        for dtype in DTYPES:
+            if dtype == DEFAULT_DTYPE:
+                continue
+            serving = serving_for(
+                platform, "/models/m", allowed_local_media_path=media, dtype=dtype
+            )
+            rendered = serve_argvs(
+                tuple(TOPOLOGIES.values()),
+                serving,
+                platform,
+                devices,
+                colocated,
+                GENERATIONS[-1],
+            )
+            tag = f"{platform.name}/dtype={dtype}" + ("/colocated" if colocated else "")
+            argvs.update({f"{tag}/{name}": argv for name, argv in rendered.items()})
     return argvs
 
 
