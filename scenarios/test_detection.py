@@ -161,14 +161,15 @@ def live(request, epd_live, epd_settings, detection_baseline) -> Live:
 
 
 def committed_thresholds(live: Live) -> dict[str, dict[str, float]] | None:
-    """The thresholds measured on this session's platform and model; None: nothing was
+    """The thresholds measured on this session's platform, model and dtype; None: nothing was
     measured there, so the table is reported and not gated (said so once per ladder)."""
     settings = live.session.settings
     platform, model = settings.platform.name, model_key(settings.serving.model)
-    committed = load_thresholds(THRESHOLDS, platform, model)
+    dtype = settings.serving.dtype
+    committed = load_thresholds(THRESHOLDS, platform, model, dtype)
     if committed is None:
         print(
-            f"[detection] not gated: no thresholds measured on {platform} / {model} "
+            f"[detection] not gated: no thresholds measured on {platform} / {model} / {dtype} "
             f"(measured: {', '.join(measured_on(THRESHOLDS))}); see detection.md"
         )
     return committed

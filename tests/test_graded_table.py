@@ -164,12 +164,16 @@ def test_detection_prompts_have_media_of_their_own():
     assert not shared, f"detection media also used by the sweep or matrix: {shared}"
 
 
-def test_thresholds_gate_only_the_platform_and_model_they_were_measured_on(tmp_path: Path):
+def test_thresholds_gate_only_the_platform_model_and_dtype_they_were_measured_on(tmp_path: Path):
     committed = load_thresholds(THRESHOLDS, "cpu", TINY_MODEL)
     assert committed is not None and committed["kv-noise"]["1P+1D"] == 0.05
     assert load_thresholds(THRESHOLDS, "cuda", TINY_MODEL) is None, "measured on CPU only"
     assert load_thresholds(THRESHOLDS, "cpu", "Qwen/Qwen2.5-VL-3B-Instruct") is None
-    assert "cpu / tiny-qwen25vl" in measured_on(THRESHOLDS)
+    assert load_thresholds(THRESHOLDS, "cpu", TINY_MODEL, "bfloat16") == committed
+    # Measured in bfloat16: a float16 or float32 run (--dtype) is reported, not gated.
+    assert load_thresholds(THRESHOLDS, "cpu", TINY_MODEL, "float16") is None
+    assert load_thresholds(THRESHOLDS, "cpu", TINY_MODEL, "float32") is None
+    assert "cpu / tiny-qwen25vl / bfloat16" in measured_on(THRESHOLDS)
 
 
 def test_model_key_names_a_model_the_same_however_it_was_given(tmp_path: Path):

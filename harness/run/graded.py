@@ -9,8 +9,8 @@ differed, and the verdict. "Caught" means MISMATCH, or VACUOUS (tokens equal but
 guard failed); anything else at a rung ends the ladder.
 
 The table goes into the run directory (`detection.json`, `detection.md`), and is compared with
-the thresholds committed in `scenarios/detection_thresholds.json` for the platform and model
-they were measured on: a larger smallest-caught strength, or a fault kind no longer caught at
+the thresholds committed in `scenarios/detection_thresholds.json` for the platform, model and
+dtype they were measured on: a larger smallest-caught strength, or a fault kind no longer caught at
 all, is a regression (docs/self-test.md). Elsewhere the table is reported, not gated.
 """
 
@@ -25,6 +25,7 @@ from typing import Any
 from harness.files import write_json_atomic, write_text_atomic
 from harness.judge.records import CaseRecord, Verdict
 from harness.spec.prompts import TAIL_TEXT, ImagePart, PromptSpec, TextPart, VideoPart
+from harness.spec.topology import DEFAULT_DTYPE
 
 CAUGHT = (Verdict.MISMATCH, Verdict.VACUOUS)
 DETECTION_JSON = "detection.json"
@@ -220,14 +221,15 @@ def model_key(model: str) -> str:
 
 
 def load_thresholds(
-    path: Path, platform: str = "cpu", model: str = TINY_MODEL
+    path: Path, platform: str = "cpu", model: str = TINY_MODEL, dtype: str = DEFAULT_DTYPE
 ) -> dict[str, dict[str, float]] | None:
     """fault -> topology -> the committed smallest strength caught, as measured on `platform`
-    with `model`; None where nothing was measured for that pair (report, do not gate: the tiny
-    CPU model's thresholds say nothing about a 3B model on a GPU)."""
+    with `model` computing in `dtype`; None where nothing was measured there (report, do not
+    gate: the tiny CPU model's thresholds say nothing about a 3B model on a GPU, and
+    bfloat16's say nothing about a float16 run, whose rounding keeps other noise)."""
     data = json.loads(path.read_text())
     for section in data["measured"]:
-        if section["platform"] == platform and section["model"] == model:
+        if (section["platform"], section["model"], section["dtype"]) == (platform, model, dtype):
             return {
                 fault: {topology: float(value) for topology, value in by_topology.items()}
                 for fault, by_topology in section["thresholds"].items()
@@ -236,8 +238,11 @@ def load_thresholds(
 
 
 def measured_on(path: Path) -> list[str]:
-    """Each platform/model pair the thresholds were measured on, for a "not gated" line."""
-    return [f"{s['platform']} / {s['model']}" for s in json.loads(path.read_text())["measured"]]
+    """Each platform / model / dtype the thresholds were measured on, for a "not gated" line."""
+    return [
+        f"{s['platform']} / {s['model']} / {s['dtype']}"
+        for s in json.loads(path.read_text())["measured"]
+    ]
 
 
 def regressions(
