@@ -7,7 +7,9 @@
 1. Refuses, exit 2, without a GPU (`nvidia-smi` lists none), or with --devices it does not list
    or an inherited CUDA_VISIBLE_DEVICES did not give (by default: the GPUs it gave).
    Refuses too, before anything is fetched, where this Python lacks the harness's test extra
-   (pytest-xdist, hypothesis: what the nightly's pytest line needs).
+   (pytest-xdist, hypothesis: what the nightly's pytest line needs), or where one of its GPUs
+   lacks the --dtype (bfloat16, the default, below compute capability 8.0: a T4 or V100 needs
+   --dtype float16).
 2. A model given by name is fetched into the Hugging Face cache, as the nightly does.
 3. `epd-harness doctor --model DIR`, then `epd-harness plan --platform cuda ...` (kept as
    runs/NAME/plan.txt); either failing stops the rehearsal.
@@ -107,6 +109,17 @@ def gpus_here() -> list[int]:
         detail = (listed.stderr.strip().splitlines() or ["it lists none"])[-1]
         raise Refused(f"no GPU here (nvidia-smi: {detail}); on CPU run scripts/cpu sweep")
     return indices
+
+
+def check_dtype_here(dtype: str, devices: tuple[int, ...]) -> None:
+    """Refused, before the model is fetched, where a GPU of `devices` lacks `dtype` (bfloat16
+    below compute capability 8.0: a T4, a V100), as `epd-harness run` refuses it: the
+    rehearsal fetched the model (7.5 GB by default) and only then stopped at doctor, whose
+    output named the cause among its other checks (found walking a T4 box on fakes)."""
+    from harness.devices import smi_compute_capabilities
+    from harness.preflight.dtype import check_bf16_devices
+
+    check_bf16_devices(dtype, devices, smi_compute_capabilities())  # BadInput: one line
 
 
 # What bash and sh export of their own into every command they run: no setting of the step.
@@ -391,6 +404,8 @@ def rehearse(args: argparse.Namespace) -> int:
         if missing:
             raise Refused(f"--devices {devices}: nvidia-smi lists no GPU {', '.join(missing)}")
     check_inherited_devices(CUDA, parse_devices(devices), os.environ)  # BadInput: one line
+    if not args.dry_run:
+        check_dtype_here(args.dtype, parse_devices(devices))
     workers = args.workers or useful_workers(devices, args)
     model = args.model if args.dry_run else fetch_model(args.model)
     run_dir = ROOT / "runs" / args.run_name

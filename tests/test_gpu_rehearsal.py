@@ -120,6 +120,29 @@ def test_the_extra_is_checked_before_anything_is_fetched(tmp_path: Path, monkeyp
     assert calls == ["extra", "fetch"]
 
 
+def test_bfloat16_on_a_t4_is_refused_in_one_line_before_the_model_is_fetched(
+    tmp_path: Path,
+) -> None:
+    """A T4 box rehearsed with the default dtype fetched the model (7.5 GB) and only then
+    stopped at doctor, the cause one check among its others; `run` refuses it in one line
+    naming the GPU and `--dtype float16`, and so does the rehearsal now, before any fetch.
+    Its nvidia-smi answers both the rehearsal's index query and the capability query."""
+    listing = "0, Tesla T4, 7.5\\n1, Tesla T4, 7.5\\n"
+    path = fake_nvidia_smi(
+        tmp_path / "bin",
+        f"case \"$1\" in --query-gpu=index) printf '0\\n1\\n' ;; "
+        f"--query-gpu=index,name,compute_cap) printf '{listing}' ;; *) exit 6 ;; esac",
+    )
+    # A model name would be fetched from the Hub: the refusal must come first.
+    done = run_script("--model", "no-such-org/never-fetched", path=path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == "", done.stdout
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("gpu-rehearsal: --dtype bfloat16 (the default) needs"), done
+    assert "GPU 0 (Tesla T4, compute capability 7.5)" in done.stderr
+    assert done.stderr.endswith(": pass --dtype float16\n")
+
+
 def test_devices_the_host_lacks_are_refused(tmp_path: Path) -> None:
     path = fake_nvidia_smi(tmp_path / "bin", "printf '0\\n1\\n'")
     done = run_script("--devices", "0,1,2,3", path=path)
