@@ -17,7 +17,7 @@ from harness.serve.server_log import log_path_for
 from harness.serve.session import safe_name
 from harness.spec.placement import place_instances
 from harness.spec.platforms import CPU
-from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.spec.topology import DEFAULT_DTYPE, TOPOLOGIES, ServingConfig
 from harness.testing.fake_vllm_server.model import monolithic_answer
 
 VLLM_EXECUTABLE = "/somewhere/venv/bin/vllm"
@@ -135,6 +135,7 @@ def write_bundle(
     pre_pool_layout: bool = False,
     prompt: str = PROMPT,
     bodies: dict[str, dict[str, Any]] | None = None,
+    dtype: str = DEFAULT_DTYPE,
 ) -> Path:
     """A bundle of one case of `topology` with `verdict`, baseline answer and encoder taps; a
     matrix scenario's commands in the shared `<topology>/` (or, `pre_pool_layout`, in the
@@ -143,7 +144,7 @@ def write_bundle(
     root.mkdir(parents=True)
     if model is None:
         model = write_model(root.parent / f"{root.name}-model")
-    serving = ServingConfig(model=str(model), kv_connector=kv_connector)
+    serving = ServingConfig(model=str(model), kv_connector=kv_connector, dtype=dtype)
     label = f"{topology}:{scenario}" if scenario else topology
     own_dir = scenario and pre_pool_layout
     session_dir = root / safe_name(f"matrix-{topology}" if own_dir else topology)

@@ -320,6 +320,18 @@ def test_issue_md_has_every_field_of_an_upstream_report(tmp_path: Path, verdict:
     assert "--kv-transfer-config" in sections["## The commands"]
 
 
+def test_issue_md_environment_says_the_dtype_every_instance_computed_in(tmp_path: Path) -> None:
+    """A T4's `run --dtype float16` exported: ISSUE.md's Environment (vLLM, devices, model,
+    connectors) did not say the dtype, which changes the ids as much as the GPU model does;
+    only the long command lines further down named `--dtype float16`."""
+    out = write(tmp_path, dtype="float16")
+    sections = issue_fields((out / "ISSUE.md").read_text())
+    environment = dict(line[2:].split(": ", 1) for line in sections["## Environment"].splitlines())
+    assert environment["Dtype"] == "float16 (every instance's --dtype, the baseline's too)"
+    assert "--dtype float16" in sections["## The commands"]
+    assert "--dtype float16" in (out / "serve.sh").read_text()
+
+
 def test_issue_md_of_an_error_names_the_dead_instance_and_its_assertion(tmp_path: Path) -> None:
     out = write(tmp_path, verdict="ERROR", scenario="epd-media-in-decode-tail")
     text = (out / "ISSUE.md").read_text()

@@ -21,7 +21,7 @@ from harness.run.export.servers import shell_command
 from harness.run.repro import ReproCase
 from harness.spec.generations import build_commit, is_dev_build
 from harness.spec.prompts import CACHE_SALT
-from harness.spec.topology import BASELINE
+from harness.spec.topology import BASELINE, DEFAULT_DTYPE
 
 TITLE_PREFIX = "# [Bug]: "
 ISSUE_FIELDS = (
@@ -38,6 +38,7 @@ ENVIRONMENT_KEYS = (
     "Platform",
     "Devices",
     "Model",
+    "Dtype",
     "Topology",
     "KV connector",
     "EC connector",
@@ -297,6 +298,10 @@ def environment(plan: ExportPlan) -> list[str]:
         f"{profile} profile, {hardware}",
         f"- Devices: {describe_devices(run.get('devices_used')) or 'not recorded by this run'}",
         f"- Model: {model_line(plan)}",
+        # What every instance computed in: a T4's or V100's float16 run must say so (the
+        # commands below name it, the summary did not; found walking a T4 box on fakes).
+        f"- Dtype: {(run.get('serving') or {}).get('dtype') or DEFAULT_DTYPE} (every "
+        "instance's --dtype, the baseline's too)",
         f"- Topology: {plan.case.topology}: {chain}",
         f"- KV connector: {kv}" + ("" if uses_kv(plan) else " (not used by this case)"),
         f"- EC connector: {ec}" + ("" if uses_ec(plan) else " (not used by this case)"),
