@@ -121,3 +121,17 @@ def test_drift_summary_of_a_side_that_ended_says_why_drift_does_not_apply():
     ended = ChatResult((1, 2), (10, 11), "", "length")
     d = compare_results(ref, ended, tolerance=1.0).divergence.to_json()
     assert drift_summary(d) == "no (one side ended: a length difference is no near-tie)"
+
+
+def test_the_report_header_names_the_dtype_beside_vllm_and_torch():
+    """A T4's float16 run was told from a bfloat16 one only in the serving table far below."""
+    from harness.report.html import render_report_html
+
+    run_info = {
+        "served_vllm": {"version": "0.32.0", "torch_version": "2.13.0"},
+        "serving": {"dtype": "float16"},
+    }
+    page = render_report_html([case_record()], {}, run_info)
+    meta = page.split('<p class="meta">', 1)[1].split("</p>", 1)[0]
+    assert meta == "vLLM 0.32.0 · torch 2.13.0 · dtype float16", meta
+    assert "dtype" not in render_report_html([case_record()], {}, {})

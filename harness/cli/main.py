@@ -221,12 +221,13 @@ def run_config(args: argparse.Namespace, config: RunConfig) -> int:
     counts = ", ".join(f"{name} {n}" for name, n in config.prompt_tokens.items())
     log.info("epd-harness: model %s", settings.serving.model)
     log.info(
-        "epd-harness: vLLM %s, torch %s (%s); %s %s",
+        "epd-harness: vLLM %s, torch %s (%s); %s %s; dtype %s",
         settings.vllm.version,
         settings.vllm.torch_version,
         settings.vllm.executable,
         settings.platform.device_kind,
         ",".join(map(str, settings.devices)),
+        settings.serving.dtype,
     )
     log.info("epd-harness: prompt tokens: %s (max model len %d)", counts, args.max_model_len)
     log.info("epd-harness: artifacts in %s", settings.run_dir)

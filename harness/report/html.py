@@ -123,13 +123,21 @@ def _badge(verdict: Verdict) -> str:
 
 
 def _served(run_info: Mapping[str, Any]) -> list[str]:
-    """The served vLLM and its torch: what the numbers depend on (not the harness's own)."""
+    """The served vLLM, its torch and the dtype every instance computed in: what the numbers
+    depend on (not the harness's own). The dtype was only in the serving table further down,
+    where a T4's float16 run was not told from a bfloat16 one at a glance."""
     served = run_info.get("served_vllm") or {}
-    if not served:
-        return []
+    dtype = (run_info.get("serving") or {}).get("dtype")
     return [
-        f"vLLM {escape(str(served.get('version')))}",
-        f"torch {escape(str(served.get('torch_version')))}",
+        *(
+            [
+                f"vLLM {escape(str(served.get('version')))}",
+                f"torch {escape(str(served.get('torch_version')))}",
+            ]
+            if served
+            else []
+        ),
+        *([f"dtype {escape(str(dtype))}"] if dtype else []),
     ]
 
 
