@@ -57,49 +57,33 @@ def every_rendered_argv(
     """Every platform, KV connector, protocol generation, eager mode and dtype, every topology;
     `colocated`: GPU instances sharing one device (CPU instances never share)."""
     argvs: dict[str, list[str]] = {}
+    shared = "/colocated" if colocated else ""
     for platform in PLATFORMS.values():
         if colocated and not platform.exclusive_devices:
             continue
         devices = ((0,) if colocated else EIGHT) if platform.exclusive_devices else (0, 1)
-        for kv in ("ExampleConnector", "NixlConnector"):
-            for generation in GENERATIONS:
-                for eager in {platform.enforce_eager, False} if platform is not CPU else {True}:
-                    serving = serving_for(
-                        platform,
-                        "/models/m",
-                        kv_connector=kv,
-                        allowed_local_media_path=media,
-                        enforce_eager=eager,
-                    )
-                    rendered = serve_argvs(
-                        tuple(TOPOLOGIES.values()),
-                        serving,
-                        platform,
-                        devices,
-                        colocated,
-                        generation,
-                    )
-                    tag = f"{platform.name}/{kv}/{generation.name}/eager={eager}"
-                    tag += "/colocated" if colocated else ""
-                    argvs.update({f"{tag}/{name}": argv for name, argv in rendered.items()})
+        grid = [
+            (f"{platform.name}/{kv}/{generation.name}/eager={eager}", generation, overrides)
+            for kv in ("ExampleConnector", "NixlConnector")
+            for generation in GENERATIONS
+            for eager in ({platform.enforce_eager, False} if platform is not CPU else {True})
+            for overrides in [{"kv_connector": kv, "enforce_eager": eager}]
+        ]
         # Every other `--dtype`, once per platform (its own connector, the newest generation):
         # the value changes no other flag, so the whole grid again would only cost probe time.
-        for dtype in DTYPES:
-            if dtype == DEFAULT_DTYPE:
-                continue
+        grid += [
+            (f"{platform.name}/dtype={dtype}", GENERATIONS[-1], {"dtype": dtype})
+            for dtype in DTYPES
+            if dtype != DEFAULT_DTYPE
+        ]
+        for tag, generation, overrides in grid:
             serving = serving_for(
-                platform, "/models/m", allowed_local_media_path=media, dtype=dtype
+                platform, "/models/m", allowed_local_media_path=media, **overrides
             )
             rendered = serve_argvs(
-                tuple(TOPOLOGIES.values()),
-                serving,
-                platform,
-                devices,
-                colocated,
-                GENERATIONS[-1],
+                tuple(TOPOLOGIES.values()), serving, platform, devices, colocated, generation
             )
-            tag = f"{platform.name}/dtype={dtype}" + ("/colocated" if colocated else "")
-            argvs.update({f"{tag}/{name}": argv for name, argv in rendered.items()})
+            argvs.update({f"{tag}{shared}/{name}": argv for name, argv in rendered.items()})
     return argvs
 
 
