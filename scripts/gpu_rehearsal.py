@@ -339,6 +339,8 @@ def summarize(run_dir: Path, wall_s: float) -> list[str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from harness.spec.topology import DEFAULT_DTYPE, DTYPES
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", help="GPU indices (default: every GPU nvidia-smi lists)")
     parser.add_argument(
@@ -356,8 +358,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vllm-source", help="the vLLM tree a development build was built from")
     parser.add_argument(
         "--dtype",
-        default="bfloat16",
-        choices=("bfloat16", "float16", "float32"),
+        default=DEFAULT_DTYPE,
+        choices=DTYPES,
         help="every instance's dtype, the nightly's dtype input (float16 on a T4 or V100)",
     )
     parser.add_argument("--run-name", default=f"rehearsal-{time.strftime('%Y%m%d-%H%M%S')}")
