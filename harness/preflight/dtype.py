@@ -23,11 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from harness.devices import GpuCapability
+from harness.devices import ASKED_BF16, PASS_FLOAT16, GpuCapability, bf16_refusal
 from harness.errors import BadInput, lookup
 from harness.spec.topology import DTYPES
 
-BF16_MIN_CAPABILITY = (8, 0)
 # vLLM's platform for an AMD CPU with AVX-512 when zentorch imports (`_is_amd_zen_cpu`).
 ZEN_VENDOR = "AuthenticAMD"
 ZEN_FEATURE = "avx512"
@@ -45,37 +44,11 @@ def check_dtype_name(dtype: str) -> str:
     return lookup("dtype", dtype, {name: name for name in DTYPES})
 
 
-PASS_FLOAT16 = "pass --dtype float16"
-ASKED_BF16 = "--dtype bfloat16 (the default)"
 # `repro` replays the dtype its bundle recorded, and has no --dtype.
 REPRO_ASKED_BF16 = "the bundle's dtype, bfloat16, which repro serves again,"
 REPRO_BF16_REMEDY = (
     "give repro --devices of GPUs with 8.0 or more, or run the case again with run --dtype float16"
 )
-
-
-def bf16_refusal(
-    dtype: str,
-    used: Sequence[GpuCapability],
-    remedy: str = PASS_FLOAT16,
-    asked: str = ASKED_BF16,
-) -> str | None:
-    """Why `dtype` cannot run on the GPUs `used` (bfloat16 below compute capability 8.0), or
-    None. GPUs nvidia-smi could not describe are not judged: vLLM still refuses them."""
-    if dtype != "bfloat16":
-        return None
-    short = [gpu for gpu in used if gpu.capability < BF16_MIN_CAPABILITY]
-    if not short:
-        return None
-    named = ", ".join(
-        f"GPU {gpu.index} ({gpu.model}, compute capability {gpu.dotted})" for gpu in short
-    )
-    return (
-        f"{asked} needs compute capability "
-        f"{BF16_MIN_CAPABILITY[0]}.{BF16_MIN_CAPABILITY[1]} or more, which vLLM checks only "
-        f"once an instance has started, and {named} {'has' if len(short) == 1 else 'have'} "
-        f"less: {remedy}"
-    )
 
 
 def check_bf16_devices(
