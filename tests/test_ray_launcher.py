@@ -6,7 +6,9 @@ and logged exactly as local ones; a planted misconfiguration (a side-channel hos
 naming the instance and the cause; and nothing outlives a SIGKILL of the harness, of an
 instance's agent or of its node's raylet. Real vLLM does the same in `scenarios/test_ray.py`
 and `tests/test_ray_chaos_vllm.py`; what only the fake shows here is not known to hold with
-vLLM.
+vLLM. Checks that need no running node are shown with fake agents and no cluster (here, not in
+the unit tier, because they import Ray): a --media-dir a node does not see, and bfloat16 on a
+node's GPU below compute capability 8.0, for `run` and for `repro` of a Ray bundle.
 
 Needs Ray (`scripts/cpu setup --ray`).
 """
@@ -19,22 +21,26 @@ import json
 import os
 import signal
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
+from harness.devices import GpuCapability
 from harness.serve import ray_launcher
 from harness.serve.launch import ServerDied
-from harness.serve.launcher import LaunchRefused
+from harness.serve.launcher import LaunchRefused, NodeInfo
+from harness.serve.ray_agent import InstanceAgent
 from harness.serve.ray_cluster import LocalRayCluster
 from harness.serve.ray_runtime import close_runtime
 from harness.serve.session import TopologySession
-from harness.spec.platforms import CPU, NIXL_CONNECTOR
+from harness.spec.platforms import CPU, CUDA, NIXL_CONNECTOR
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.spec.settings import RAY_LAUNCHER, LauncherChoice, RunSettings
 from harness.spec.topology import TOPOLOGIES, ServingConfig, serving_for
+from harness.testing import fake_nvidia_smi
 from harness.testing.fake_vllm import MODE_ENV, fake_run_settings
 from harness.testing.processes import describe, kill_all, seconds_until_gone
 from harness.testing.ray_driver import (
@@ -44,6 +50,7 @@ from harness.testing.ray_driver import (
     start_driver,
     tree_of,
 )
+from tests.test_repro_bundle import rerun_bundle, rerun_settings
 
 # Under xdist on a CPU host the e2e items' worker runs these before its first topology, while
 # another worker runs the other wall-clock bounds (harness/testing/collection.py).
@@ -302,3 +309,122 @@ def test_a_media_dir_a_node_does_not_see_is_refused_before_a_start(tmp_path, mon
     launcher._agents[1] = ListingAgent([])
     with pytest.raises(LaunchRefused, match="it lists other files there"):
         launcher._check_media_dir(instances)
+
+
+class NodeAgent:
+    """A node's agent as the launcher's checks call it: each method named in `answers` answers
+    its `.remote` at once; any other is absent (AttributeError: the launcher asked it)."""
+
+    def __init__(self, **answers) -> None:
+        for method, answer in answers.items():
+            setattr(self, method, types.SimpleNamespace(remote=lambda *_, answer=answer: answer))
+
+
+# What a node's nvidia-smi lists: GPU 0 computes in bfloat16, GPU 1 does not.
+NODE_GPUS = [
+    GpuCapability(0, "NVIDIA A100-SXM4-80GB", (8, 0)),
+    GpuCapability(1, "Tesla T4", (7, 5)),
+]
+ON_THE_T4 = (
+    "1P+1D/decode0 on node 10.0.0.3: --dtype bfloat16 needs compute capability 8.0 or more, "
+    "which vLLM checks only once an instance has started, and GPU 1 (Tesla T4, compute "
+    "capability 7.5) has less: pass --dtype float16 (repro: run the case again with run "
+    "--dtype float16), or serve on Ray nodes whose GPUs have 8.0 or more"
+)
+
+
+def test_an_agent_reads_its_own_nodes_gpus(tmp_path: Path, monkeypatch) -> None:
+    """The GPUs a Ray instance computes on are its node's: its agent reads them there."""
+    tools = fake_nvidia_smi.install_fake_nvidia_smi(
+        tmp_path / "bin", [fake_nvidia_smi.A100, fake_nvidia_smi.T4]
+    )
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    assert InstanceAgent().compute_capabilities() == NODE_GPUS
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no nvidia-smi on the node
+    assert InstanceAgent().compute_capabilities() is None
+
+
+def placed_launcher(settings: RunSettings, monkeypatch, *agents: NodeAgent):
+    """A Ray launcher whose topology is placed, one agent a node (no cluster)."""
+    launcher = ray_launcher.RayLauncher(settings)
+    monkeypatch.setattr(ray_launcher, "get_or_refuse", lambda answers, doing: answers)
+    monkeypatch.setattr(ray_launcher, "violations", lambda *_: [])
+    launcher._agents = list(agents)
+    launcher._nodes = [NodeInfo(f"10.0.0.{2 + i}") for i in range(len(agents))]
+    return launcher
+
+
+def gpu_nodes(settings: RunSettings, monkeypatch, *listings) -> ray_launcher.RayLauncher:
+    """`placed_launcher` on nodes with the served vLLM whose nvidia-smi lists `listings`."""
+    agents = [NodeAgent(check_executable=None, compute_capabilities=gpus) for gpus in listings]
+    return placed_launcher(settings, monkeypatch, *agents)
+
+
+@dataclasses.dataclass
+class PlacedSpec:
+    """An instance as the launcher's checks read it: its name, node and accelerator ids."""
+
+    name: str
+    host: str
+    devices: tuple[int, ...]
+
+    def shared_storage(self) -> dict:
+        return {}  # no connector storage to probe
+
+
+def placed(*devices: tuple[int, ...]) -> list[PlacedSpec]:
+    """1P+1D's instances on nodes 10.0.0.2 and .3, with the accelerator ids Ray gave each."""
+    names = ("1P+1D/prefill0", "1P+1D/decode0")
+    return [
+        PlacedSpec(name, f"10.0.0.{2 + i}", ids)
+        for i, (name, ids) in enumerate(zip(names, devices))
+    ]
+
+
+def check_before_start(launcher: ray_launcher.RayLauncher, instances: list) -> None:
+    commands = [types.SimpleNamespace(argv=["vllm"], env={}) for _ in instances]
+    launcher.check_before_start(TOPOLOGIES["1P+1D"], instances, commands)
+
+
+def test_bfloat16_on_a_nodes_gpu_below_8_is_refused_before_a_start(tmp_path, monkeypatch) -> None:
+    """The preflight reads this host's GPUs, and with --launcher ray those are not the
+    instances': vLLM refused bfloat16 on a node's T4 only once its instance had started."""
+    ray = LauncherChoice("ray", ray_address="10.0.0.1:6379")
+    settings = RunSettings(serving_for(CUDA, "/m"), tmp_path, platform=CUDA, launcher=ray)
+    launcher = gpu_nodes(settings, monkeypatch, NODE_GPUS, NODE_GPUS)
+    with pytest.raises(LaunchRefused) as refused:
+        check_before_start(launcher, placed((0,), (1,)))
+    assert str(refused.value) == ON_THE_T4
+    check_before_start(launcher, placed((0,), (0,)))  # the T4 is nobody's: nothing refused
+    # A node whose nvidia-smi cannot say is not judged: vLLM still refuses there.
+    check_before_start(gpu_nodes(settings, monkeypatch, NODE_GPUS, None), placed((0,), (1,)))
+    float16 = dataclasses.replace(settings, serving=serving_for(CUDA, "/m", dtype="float16"))
+    check_before_start(gpu_nodes(float16, monkeypatch, NODE_GPUS, NODE_GPUS), placed((1,), (1,)))
+
+
+def test_a_cpu_topology_asks_no_node_for_gpus(tmp_path, monkeypatch) -> None:
+    """Agents without `compute_capabilities`: asked, they would raise AttributeError."""
+    cpu = RunSettings(
+        serving_for(CPU, "/m"), tmp_path, platform=CPU, launcher=LauncherChoice("ray")
+    )
+    agents = [NodeAgent(check_executable=None) for _ in range(2)]
+    check_before_start(placed_launcher(cpu, monkeypatch, *agents), placed((), ()))
+
+
+def test_repro_of_a_ray_bundle_is_refused_on_its_nodes_gpus(tmp_path, monkeypatch) -> None:
+    """`repro` checks the bundle's dtype against this host's GPUs only where it places the
+    instances itself; a Ray bundle's rerun serves the bundle's dtype on the nodes, and the
+    launcher refuses it there as for `run`."""
+    root = rerun_bundle(
+        tmp_path / "b",
+        "1P+1D",
+        platform_profile="cuda",
+        devices=[0, 1],
+        serving={"model": "/models/qwen", "dtype": "bfloat16"},
+        launcher={"kind": "ray", "ray_address": "10.0.0.1:6379"},
+    )
+    settings = rerun_settings(root, monkeypatch, "0.32.0")
+    launcher = gpu_nodes(settings, monkeypatch, NODE_GPUS, NODE_GPUS)
+    with pytest.raises(LaunchRefused) as refused:
+        check_before_start(launcher, placed((0,), (1,)))
+    assert str(refused.value) == ON_THE_T4

@@ -326,6 +326,7 @@ def command_repro(args: argparse.Namespace) -> int:
             places_here=bundle.launcher.kind != RAY_LAUNCHER,
         )
         refuse_too_few_devices(bundle, args.case, devices, args.colocate)
+        # A Ray bundle's GPUs are its nodes': the launcher refuses there, as for `run`.
         if bundle.platform == "cuda" and bundle.launcher.kind != RAY_LAUNCHER:
             check_bf16_devices(
                 bundle.serving().dtype,

@@ -30,6 +30,7 @@ from typing import Any
 import psutil
 import ray
 
+from harness.devices import GpuCapability, smi_compute_capabilities
 from harness.serve.launch import ManagedServer
 from harness.serve.ports import PortLease, reserve_ports
 from harness.serve.ray_cluster import USAGE_STATS_ENV
@@ -72,6 +73,13 @@ class InstanceAgent:
         """None if `executable` can be run here, else why not."""
         found = shutil.which(executable)
         return None if found else f"{executable} is not an executable on this node"
+
+    def compute_capabilities(self) -> list[GpuCapability] | None:
+        """Every GPU of this node with its compute capability (None where nvidia-smi cannot
+        say), by nvidia-smi's index: how the instance's CUDA_VISIBLE_DEVICES, the accelerator
+        ids `where` reports, numbers them (CUDA_DEVICE_ORDER=PCI_BUS_ID). The harness's host
+        cannot read a node's GPUs."""
+        return smi_compute_capabilities()
 
     def directory_listing(self, path: str) -> list[str] | str:
         """The names in directory `path` on this node, or why it cannot be listed."""

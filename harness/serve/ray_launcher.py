@@ -10,11 +10,13 @@ ids Ray gave its agent.
 
 Before any server starts, `check_before_start` refuses, in one line naming the instance and
 the variable, a rendered command that breaks a network invariant (`harness.spec.network`), a
-node that lacks the served vLLM executable, and connector storage that is not one directory
-shared by every node of the topology and the harness (a file written on each is read on every
-other). Once every server answers `/health`, `check_serving` checks from the nodes what the
-rendered command cannot show: each instance listens at its node's address (HTTP and NIXL side
-channel), and every NIXL side channel can be reached from every peer's node.
+node that lacks the served vLLM executable, bfloat16 on a node's GPU below compute capability
+8.0 (vLLM refuses it only once the instance has started, and the preflight reads only this
+host's GPUs), and connector storage that is not one directory shared by every node of the
+topology and the harness (a file written on each is read on every other). Once every server
+answers `/health`, `check_serving` checks from the nodes what the rendered command cannot show:
+each instance listens at its node's address (HTTP and NIXL side channel), and every NIXL side
+channel can be reached from every peer's node.
 
 The rest of `--launcher ray` has modules of its own: the run's connection to the cluster
 (`harness.serve.ray_runtime`), the agent on each node (`harness.serve.ray_agent`), a call to an
@@ -37,6 +39,7 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from harness.devices import bf16_refusal
 from harness.environment import NETWORK_CHECKS_ENV, network_checks_enabled
 from harness.serve.launcher import LaunchRefused, NodeInfo, Reservation
 from harness.serve.ray_agent import AGENT_ENV, KILL_CHILDREN_ENV, RemoteAgent
@@ -53,6 +56,13 @@ from harness.spec.topology import Topology
 log = logging.getLogger(__name__)
 
 SIDE_CHANNEL_WAIT_S = 20.0  # NIXL's listener starts with the engine; /health may come first
+# bfloat16 refused on a node's GPU, in words true of every command that launches on Ray: the
+# launcher cannot tell whether --dtype was given, nor whether `repro` replays a bundle's.
+RAY_ASKED_BF16 = "--dtype bfloat16"
+RAY_BF16_REMEDY = (
+    "pass --dtype float16 (repro: run the case again with run --dtype float16), or serve on "
+    "Ray nodes whose GPUs have 8.0 or more"
+)
 
 
 class RayLauncher:
@@ -184,6 +194,7 @@ class RayLauncher:
         for spec, node, problem in zip(instances, self._nodes, missing):
             if problem:
                 raise LaunchRefused(f"{spec.name}: {problem} (node {node.address})")
+        self._check_dtype(instances)
         self._check_storage(instances)
         self._check_media_dir(instances)
 
@@ -256,6 +267,24 @@ class RayLauncher:
                 pass
         if group is not None:
             remove_placement_group(group)
+
+    def _check_dtype(self, instances: Sequence[InstanceSpec]) -> None:
+        """On cuda, each instance's GPUs (its accelerator ids) as its node's nvidia-smi lists
+        them, judged by `bf16_refusal`; a node whose nvidia-smi cannot say is not judged
+        (vLLM still refuses there)."""
+        if self.settings.platform.name != "cuda":
+            return
+        listings = get_or_refuse(
+            [agent.compute_capabilities.remote() for agent in self._agents],
+            "reading the GPUs' compute capabilities on the nodes",
+        )
+        for spec, listed in zip(instances, listings):
+            used = [gpu for gpu in listed or () if gpu.index in spec.devices]
+            refusal = bf16_refusal(
+                self.settings.serving.dtype, used, remedy=RAY_BF16_REMEDY, asked=RAY_ASKED_BF16
+            )
+            if refusal is not None:
+                raise LaunchRefused(f"{spec.name} on node {spec.host}: {refusal}")
 
     def _check_media_dir(self, instances: Sequence[InstanceSpec]) -> None:
         """`--media-dir`: each instance's vLLM reads the file:// media under it on its own
