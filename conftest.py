@@ -84,7 +84,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--epd-dtype",
-        default="bfloat16",
         help="every instance's --dtype: bfloat16 (default), float16 (a GPU below compute "
         "capability 8.0: T4, V100) or float32",
     )

@@ -157,18 +157,17 @@ def smi_compute_capabilities() -> list[GpuCapability] | None:
 
 BF16_MIN_CAPABILITY = (8, 0)
 # `run`'s words for what was asked and what to do; repro and the Ray launcher pass their own.
+# Named as asked, true whether or not --dtype was given: "(the default)" is said only by a
+# caller that knows none was (`harness.preflight.dtype.asked_bf16`).
 PASS_FLOAT16 = "pass --dtype float16"
-ASKED_BF16 = "--dtype bfloat16 (the default)"
+ASKED_BF16 = "--dtype bfloat16"
 
 
-def bf16_refusal(
-    dtype: str,
-    used: Sequence[GpuCapability],
-    remedy: str = PASS_FLOAT16,
-    asked: str = ASKED_BF16,
+def bf16_shortfall(
+    dtype: str, used: Sequence[GpuCapability], asked: str = ASKED_BF16
 ) -> str | None:
-    """Why `dtype` cannot run on the GPUs `used` (bfloat16 below compute capability 8.0), or
-    None. GPUs nvidia-smi could not describe are not judged: vLLM still refuses them."""
+    """What `bf16_refusal` says but its remedy (doctor gives the remedy a line of its own,
+    its hint), or None."""
     if dtype != "bfloat16":
         return None
     short = [gpu for gpu in used if gpu.capability < BF16_MIN_CAPABILITY]
@@ -181,8 +180,20 @@ def bf16_refusal(
         f"{asked} needs compute capability "
         f"{BF16_MIN_CAPABILITY[0]}.{BF16_MIN_CAPABILITY[1]} or more, which vLLM checks only "
         f"once an instance has started, and {named} {'has' if len(short) == 1 else 'have'} "
-        f"less: {remedy}"
+        "less"
     )
+
+
+def bf16_refusal(
+    dtype: str,
+    used: Sequence[GpuCapability],
+    remedy: str = PASS_FLOAT16,
+    asked: str = ASKED_BF16,
+) -> str | None:
+    """Why `dtype` cannot run on the GPUs `used` (bfloat16 below compute capability 8.0), or
+    None. GPUs nvidia-smi could not describe are not judged: vLLM still refuses them."""
+    shortfall = bf16_shortfall(dtype, used, asked)
+    return None if shortfall is None else f"{shortfall}: {remedy}"
 
 
 @dataclass(frozen=True)

@@ -111,17 +111,6 @@ def gpus_here() -> list[int]:
     return indices
 
 
-def check_dtype_here(dtype: str, devices: tuple[int, ...]) -> None:
-    """Refused, before the model is fetched, where a GPU of `devices` lacks `dtype` (bfloat16
-    below compute capability 8.0: a T4, a V100), as `epd-harness run` refuses it: the
-    rehearsal fetched the model (7.5 GB by default) and only then stopped at doctor, whose
-    output named the cause among its other checks (found walking a T4 box on fakes)."""
-    from harness.devices import smi_compute_capabilities
-    from harness.preflight.dtype import check_bf16_devices
-
-    check_bf16_devices(dtype, devices, smi_compute_capabilities())  # BadInput: one line
-
-
 # What bash and sh export of their own into every command they run: no setting of the step.
 SHELL_OWN_VARIABLES = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})
 
@@ -209,6 +198,8 @@ def nightly_pytest(inputs: dict[str, str], workflow: Path = WORKFLOW) -> Nightly
 
 
 def workflow_inputs(args: argparse.Namespace, devices: str, workers: int, model: str) -> dict:
+    from harness.preflight.dtype import dtype_or_default
+
     return {
         "RUN_NAME": args.run_name,
         "DEVICES": devices,
@@ -217,7 +208,7 @@ def workflow_inputs(args: argparse.Namespace, devices: str, workers: int, model:
         "TOPOLOGIES": args.topology or "",
         "SCENARIOS": args.k or "",
         "GRAPHS": "true" if args.no_enforce_eager else "false",
-        "DTYPE": args.dtype,
+        "DTYPE": dtype_or_default(args.dtype),
         "EPD_MODEL_DIR": model,
         "VLLM_SOURCE": args.vllm_source or "",
     }
@@ -358,9 +349,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vllm-source", help="the vLLM tree a development build was built from")
     parser.add_argument(
         "--dtype",
-        default=DEFAULT_DTYPE,
         choices=DTYPES,
-        help="every instance's dtype, the nightly's dtype input (float16 on a T4 or V100)",
+        help=f"every instance's dtype, the nightly's dtype input (default {DEFAULT_DTYPE}; "
+        "float16 on a T4 or V100)",
     )
     parser.add_argument("--run-name", default=f"rehearsal-{time.strftime('%Y%m%d-%H%M%S')}")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
@@ -391,6 +382,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def rehearse(args: argparse.Namespace) -> int:
+    from harness.preflight.dtype import check_bf16_here, dtype_or_default
     from harness.spec.platforms import CUDA, check_inherited_devices, parse_devices
 
     check_arguments(args)
@@ -407,18 +399,22 @@ def rehearse(args: argparse.Namespace) -> int:
             raise Refused(f"--devices {devices}: nvidia-smi lists no GPU {', '.join(missing)}")
     check_inherited_devices(CUDA, parse_devices(devices), os.environ)  # BadInput: one line
     if not args.dry_run:
-        check_dtype_here(args.dtype, parse_devices(devices))
+        # Before the model is fetched, as `run` refuses it: the rehearsal fetched the model
+        # (7.5 GB by default) and only then stopped at doctor, whose output named the cause
+        # among its other checks (found walking a T4 box on fakes).
+        check_bf16_here(args.dtype, parse_devices(devices))  # BadInput: one line
+    dtype = dtype_or_default(args.dtype)
     workers = args.workers or useful_workers(devices, args)
     model = args.model if args.dry_run else fetch_model(args.model)
     run_dir = ROOT / "runs" / args.run_name
     plan = ["plan", "--platform", "cuda", "--devices", devices, "--model", model]
     plan += ["--colocate"] if args.colocate else []
     plan += ["--no-enforce-eager"] if args.no_enforce_eager else []
-    plan += ["--dtype", args.dtype]
+    plan += ["--dtype", dtype]
     plan += ["--topology", args.topology] if args.topology else []
     nightly = nightly_pytest(workflow_inputs(args, devices, workers, model))
     pytest = [sys.executable, "-m", "pytest", *nightly.args]
-    doctor = harness_command("doctor", "--model", model, "--dtype", args.dtype)
+    doctor = harness_command("doctor", "--model", model, "--dtype", dtype)
     commands = [doctor, harness_command(*plan), pytest]
     if args.dry_run:
         for command in commands[:2]:

@@ -771,6 +771,46 @@ def test_bfloat16_on_gpus_below_compute_capability_8(bad_run: BadRun, tmp_path: 
     assert_one_error_line(code, err, cause)
 
 
+def test_bfloat16_named_on_gpus_below_compute_capability_8(
+    bad_run: BadRun, tmp_path: Path, monkeypatch
+) -> None:
+    """`--dtype bfloat16` typed: the refusal said "(the default)" all the same (found walking
+    a T4 box); it says so only when no --dtype was given."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    tools = install_fake_nvidia_smi(tmp_path / "gpus", [T4, V100])
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    code, err = bad_run(
+        "--platform", "cuda", "--devices", "0,1", "--topology", "1P+1D", "--dtype", "bfloat16"
+    )
+    cause = (
+        "--dtype bfloat16 needs compute capability 8.0 or more, which vLLM checks only once an "
+        "instance has started, and GPU 0 (Tesla T4, compute capability 7.5), GPU 1 (Tesla "
+        "V100-SXM2-16GB, compute capability 7.0) have less: pass --dtype float16"
+    )
+    assert_one_error_line(code, err, cause)
+
+
+def test_plan_of_bfloat16_on_this_hosts_gpus_below_compute_capability_8(
+    epd_cli, tmp_path: Path, monkeypatch
+) -> None:
+    """`plan --platform cuda` on a T4 box printed a bfloat16 plan `run` then refused (found
+    walking a T4 box on fakes): where nvidia-smi lists the planned GPUs, plan refuses as run
+    does, in run's words."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    tools = install_fake_nvidia_smi(tmp_path / "gpus", [T4, V100])
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    code, err = shown_cli(
+        epd_cli, tmp_path, "plan", "--platform", "cuda", "--devices", "0,1", "--topology", "1P+1D"
+    )
+    cause = (
+        "--dtype bfloat16 (the default) needs compute capability 8.0 or more, which vLLM "
+        "checks only once an instance has started, and GPU 0 (Tesla T4, compute capability "
+        "7.5), GPU 1 (Tesla V100-SXM2-16GB, compute capability 7.0) have less: pass --dtype "
+        "float16"
+    )
+    assert_one_error_line(code, err, cause)
+
+
 def test_float16_on_an_amd_cpu_where_vllm_serves_zen_cpu_platform(
     bad_run: BadRun, tmp_path: Path, monkeypatch
 ) -> None:

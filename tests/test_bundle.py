@@ -310,9 +310,33 @@ def test_run_json_verdicts_and_report_say_which_devices_computed_the_ids(run_dir
     line = DevicesUsed.from_json(recorded).describe()
     records, _ = sample_run()
     write_run_outputs(run_dir, records, {}, {}, info)
-    assert (run_dir / VERDICTS_FILE).read_text().splitlines()[0] == f"{DEVICES_LINE}{line}"
+    first = (run_dir / VERDICTS_FILE).read_text().splitlines()[0]
+    assert first == f"{DEVICES_LINE}{line}; dtype bfloat16"
     header = (run_dir / "report.html").read_text().split("</header>")[0]
     assert f"ran on {line}" in header
+
+
+def test_verdicts_say_the_dtype_the_ids_were_computed_in(run_dir, model_dir):
+    """The console's header and report.html named the dtype, verdicts.txt's `ran on:` line
+    did not (found walking a T4 box): a float16 night read beside a bfloat16 one could not be
+    told apart. A run.json written before `--dtype` existed has no dtype: the line is as it
+    was then."""
+    from harness.report.run_outputs import DEVICES_LINE, devices_line, write_verdicts
+
+    info = run_info(run_dir, model_dir)
+    described = DevicesUsed.from_json(info["devices_used"]).describe()
+    float16 = {**info, "serving": {**info["serving"], "dtype": "float16"}}
+    assert devices_line(float16) == f"{DEVICES_LINE}{described}; dtype float16"
+    records, _ = sample_run()
+    write_verdicts(run_dir, records, float16)
+    first = (run_dir / "verdicts.txt").read_text().splitlines()[0]
+    assert first == f"{DEVICES_LINE}{described}; dtype float16"
+    older = {**info, "serving": {k: v for k, v in info["serving"].items() if k != "dtype"}}
+    assert devices_line(older) == f"{DEVICES_LINE}{described}"
+    assert devices_line({k: v for k, v in info.items() if k != "serving"}) == (
+        f"{DEVICES_LINE}{described}"
+    )
+    assert devices_line({"serving": {"dtype": "float16"}}) is None  # no devices recorded
 
 
 def test_cpu_description_names_the_features_that_pick_vllm_cpu_kernels():

@@ -11,16 +11,20 @@ import json
 
 import pytest
 
+from harness import devices
 from harness.cli import doctor
-from harness.devices import GpuCapability
+from harness.cli.main import build_parser, request_from_args
+from harness.devices import GpuCapability, bf16_refusal
 from harness.errors import BadInput
 from harness.preflight import RunRequest
 from harness.preflight.config import check_arguments
 from harness.preflight.dtype import (
-    bf16_refusal,
+    asked_bf16,
     check_bf16_devices,
+    check_bf16_here,
     check_cpu_dtype,
     check_dtype_name,
+    dtype_or_default,
 )
 from harness.run.export.reference import rendered_commands
 from harness.run.repro import Bundle
@@ -39,7 +43,9 @@ XEON = "vendor_id\t: GenuineIntel\nflags\t\t: fpu avx2 avx512f amx_tile\n"
 
 
 def test_every_instance_serves_the_dtype_asked_and_bfloat16_by_default() -> None:
-    assert DEFAULT_DTYPE == "bfloat16" == RunRequest().dtype
+    assert RunRequest().dtype is None  # not given: served as the default
+    assert DEFAULT_DTYPE == "bfloat16" == dtype_or_default(None)
+    assert [dtype_or_default(d) for d in DTYPES] == list(DTYPES)
     for dtype in DTYPES:
         argv = InstanceSpec("b", Role.BASELINE, 20000, serving_for(CPU, "/m", dtype=dtype)).argv()
         assert argv[argv.index("--dtype") + 1] == dtype
@@ -62,8 +68,27 @@ def test_the_sessions_epd_dtype_is_the_runs_dtype() -> None:
     assert request.dtype == "float16"
 
 
+@pytest.mark.parametrize("given", [[], ["--dtype", "bfloat16"], ["--dtype", "float16"]])
+@pytest.mark.parametrize("command", ["run", "load", "fuzz"])
+def test_a_dtype_not_given_reaches_the_preflight_as_not_given(
+    command: str, given: list[str]
+) -> None:
+    """`--dtype bfloat16` typed and `--dtype` left out were one request (argparse's default
+    was bfloat16), so the refusal called a typed bfloat16 "the default" (found walking a T4
+    box). Left out, the request's dtype is None (served as DEFAULT_DTYPE); a session's
+    --epd-dtype likewise (tests/test_plugin_xdist.py holds a real session to it)."""
+    from harness.cli import fuzz, load
+
+    topology = [] if command == "run" else ["--topology", "1P+1D"]
+    args = build_parser().parse_args([command, *topology, *given])
+    to_request = {"run": request_from_args, "load": load.load_request, "fuzz": fuzz.fuzz_request}
+    assert to_request[command](args).dtype == (given[1] if given else None)
+    options = {"--epd-platform": "cpu", **({"--epd-dtype": given[1]} if given else {})}
+    assert session_request(options.get, "runs", ("main", 1)).dtype == (given[1] if given else None)
+
+
 def test_bfloat16_is_refused_on_a_gpu_below_8_naming_it_and_float16() -> None:
-    refusal = bf16_refusal("bfloat16", [A100, T4, V100])
+    refusal = bf16_refusal("bfloat16", [A100, T4, V100], asked=asked_bf16(None))
     assert refusal == (
         "--dtype bfloat16 (the default) needs compute capability 8.0 or more, which vLLM "
         "checks only once an instance has started, and GPU 1 (Tesla T4, compute capability "
@@ -73,6 +98,48 @@ def test_bfloat16_is_refused_on_a_gpu_below_8_naming_it_and_float16() -> None:
     assert bf16_refusal("float16", [T4]) is None
     assert bf16_refusal("float32", [V100]) is None
     assert bf16_refusal("bfloat16", [A100]) is None
+
+
+def test_a_bfloat16_given_is_not_called_the_default() -> None:
+    """`--dtype bfloat16` typed was refused as "--dtype bfloat16 (the default)" (found walking
+    a T4 box): "the default" only where no dtype was given (None, `asked_bf16`); a caller
+    that cannot tell (the Ray launcher, `harness.devices.bf16_refusal`'s own words) names it
+    as asked, and one naming it its own way (repro: the bundle's) still does."""
+    assert bf16_refusal("bfloat16", [T4]) == (
+        "--dtype bfloat16 needs compute capability 8.0 or more, which vLLM checks only once "
+        "an instance has started, and GPU 1 (Tesla T4, compute capability 7.5) has less: "
+        "pass --dtype float16"
+    )
+    with pytest.raises(BadInput, match=r"^--dtype bfloat16 needs compute capability 8\.0"):
+        check_bf16_devices("bfloat16", (1,), [T4])
+    with pytest.raises(BadInput, match=r"^--dtype bfloat16 \(the default\) needs"):
+        check_bf16_devices(None, (1,), [T4])
+    assert str(bf16_refusal("bfloat16", [T4], "fix it", "it")).startswith("it needs ")
+    assert str(bf16_refusal("bfloat16", [T4], "fix it", "it")).endswith(": fix it")
+
+
+def test_this_hosts_gpus_are_read_by_one_helper_only_for_bfloat16(monkeypatch) -> None:
+    """run, repro, plan and the GPU rehearsal read nvidia-smi through `check_bf16_here`; a
+    dtype other than bfloat16 needs no GPU read, and an unreadable nvidia-smi refuses
+    nothing (vLLM still checks)."""
+    asked: list[tuple[str, ...]] = []
+
+    def smi(*args: str) -> str | None:
+        asked.append(args)
+        return "0, NVIDIA A100-SXM4-80GB, 8.0\n1, Tesla T4, 7.5\n"
+
+    monkeypatch.setattr(devices, "run_nvidia_smi", smi)
+    check_bf16_here(None, (0,))
+    with pytest.raises(BadInput, match=r"^--dtype bfloat16 \(the default\) needs .* GPU 1 "):
+        check_bf16_here(None, (0, 1))
+    with pytest.raises(BadInput, match=r"^repro's needs .*: another remedy$"):
+        check_bf16_here("bfloat16", (1,), remedy="another remedy", asked="repro's")
+    assert len(asked) == 3
+    check_bf16_here("float16", (0, 1))
+    check_bf16_here("float32", (0, 1))
+    assert len(asked) == 3, "nvidia-smi is read only where bfloat16 is asked"
+    monkeypatch.setattr(devices, "run_nvidia_smi", lambda *args: None)
+    check_bf16_here("bfloat16", (0, 1))
 
 
 def test_only_the_gpus_devices_names_are_judged_and_unread_ones_are_not() -> None:
@@ -103,7 +170,11 @@ def test_doctor_names_the_gpu_bfloat16_cannot_run_on() -> None:
     failed = doctor.check_dtype_on_gpus("bfloat16", "cuda", [A100, T4])
     assert not failed.ok
     assert "GPU 1 (Tesla T4, compute capability 7.5)" in failed.detail
-    assert failed.detail.endswith("run with --dtype float16 (pytest --epd-dtype float16)")
+    assert failed.name == "--dtype bfloat16 on this host's GPUs"
+    assert failed.detail.startswith("--dtype bfloat16 needs compute capability 8.0")
+    defaulted = doctor.check_dtype_on_gpus(None, "cuda", [A100, T4])
+    assert defaulted.name == "--dtype bfloat16 on this host's GPUs"
+    assert defaulted.detail.startswith("--dtype bfloat16 (the default) needs")
     assert doctor.check_dtype_on_gpus("float16", "cuda", [A100, T4]).ok
     fine = doctor.check_dtype_on_gpus("bfloat16", "cuda", [A100])
     assert (fine.ok, fine.detail) == (True, "compute capability: GPU 0 8.0")
@@ -126,3 +197,20 @@ def test_a_bundle_replays_and_exports_the_dtype_it_recorded(tmp_path) -> None:
     assert bundle.serving() == serving
     [(_, command)] = rendered_commands(bundle, "baseline")
     assert command["argv"][command["argv"].index("--dtype") + 1] == "float16"
+
+
+def test_doctors_dtype_fix_is_on_its_hint_line_as_every_other_checks() -> None:
+    """The remedy was the end of the check's detail, where every other check puts its fix on
+    the `-> ` line below (`Check.hint`, found walking a T4 box)."""
+    failed = doctor.check_dtype_on_gpus(None, "cuda", [A100, T4])
+    assert failed.hint == "run with --dtype float16 (pytest --epd-dtype float16)"
+    assert failed.detail == (
+        "--dtype bfloat16 (the default) needs compute capability 8.0 or more, which vLLM "
+        "checks only once an instance has started, and GPU 1 (Tesla T4, compute capability "
+        "7.5) has less"
+    )
+    assert doctor.format_checks([failed]).splitlines() == [
+        f"[FAIL] --dtype bfloat16 on this host's GPUs: {failed.detail}",
+        "       -> run with --dtype float16 (pytest --epd-dtype float16)",
+    ]
+    assert doctor.check_dtype_on_gpus("bfloat16", "cuda", [A100]).hint == ""

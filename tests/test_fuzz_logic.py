@@ -1235,10 +1235,11 @@ def test_a_fuzz_bundle_says_which_devices_computed_the_ids(tmp_path: Path, monke
     settings = served_settings(tmp_path / "no-model", tmp_path)
     meta = {"topology": "1E+1P+1D", "seed": 3}
     (group_dir,) = write_fuzz_bundle(settings, TOPOLOGIES["1E+1P+1D"], report, meta, None)
-    line = f"{DEVICES_LINE}cpu: CPU X, 2 cores (0,1), no AMX"
+    line = f"{DEVICES_LINE}cpu: CPU X, 2 cores (0,1), no AMX; dtype bfloat16"
     for directory in (tmp_path, group_dir):
         recorded = json.loads((directory / "run.json").read_text())["devices_used"]
-        assert DEVICES_LINE + DevicesUsed.from_json(recorded).describe() == line
+        described = DevicesUsed.from_json(recorded).describe()
+        assert f"{DEVICES_LINE}{described}; dtype bfloat16" == line
         assert (directory / VERDICTS_FILE).read_text().splitlines()[0] == line, directory
         assert "ran on cpu: CPU X" in (directory / "report.html").read_text()
     assert line in (tmp_path / FUZZ_MD).read_text().splitlines()

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from harness.spec.topology import DEFAULT_DTYPE
+
 pytestmark = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,6 +143,10 @@ def test_bfloat16_on_a_t4_is_refused_in_one_line_before_the_model_is_fetched(
     assert done.stderr.startswith("gpu-rehearsal: --dtype bfloat16 (the default) needs"), done
     assert "GPU 0 (Tesla T4, compute capability 7.5)" in done.stderr
     assert done.stderr.endswith(": pass --dtype float16\n")
+    # Named, it is not "the default" (found walking a T4 box).
+    done = run_script("--model", "no-such-org/never-fetched", "--dtype", "bfloat16", path=path)
+    assert (done.returncode, done.stdout) == (2, ""), done.stdout + done.stderr
+    assert done.stderr.startswith("gpu-rehearsal: --dtype bfloat16 needs compute"), done
 
 
 def test_devices_the_host_lacks_are_refused(tmp_path: Path) -> None:
@@ -238,7 +244,7 @@ def test_the_pytest_line_is_the_nightly_workflows_own(
         "TOPOLOGIES": given.topology or "",
         "SCENARIOS": given.k or "",
         "GRAPHS": "true" if given.no_enforce_eager else "false",
-        "DTYPE": given.dtype,
+        "DTYPE": given.dtype or DEFAULT_DTYPE,  # the nightly's: every night names its dtype
         "EPD_MODEL_DIR": "/models/qwen",
         "VLLM_SOURCE": given.vllm_source or "",
     }
@@ -249,7 +255,7 @@ def test_the_pytest_line_is_the_nightly_workflows_own(
     assert ours[3:] == theirs
     assert shlex.split(doctor)[-6:] == [
         *("harness.cli.main", "doctor", "--model", "/models/qwen"),
-        *("--dtype", given.dtype),
+        *("--dtype", given.dtype or DEFAULT_DTYPE),
     ]
     assert shlex.split(plan)[3:9] == [
         "plan",
@@ -260,8 +266,10 @@ def test_the_pytest_line_is_the_nightly_workflows_own(
         "--model",
     ]
     assert ("--no-enforce-eager" in plan) == given.no_enforce_eager
-    assert f"--dtype {given.dtype}" in plan
-    assert ["--epd-dtype", given.dtype] in [theirs[i : i + 2] for i in range(len(theirs))]
+    assert f"--dtype {given.dtype or DEFAULT_DTYPE}" in plan
+    assert ["--epd-dtype", given.dtype or DEFAULT_DTYPE] in [
+        theirs[i : i + 2] for i in range(len(theirs))
+    ]
 
 
 def test_the_nightlys_pytest_gets_the_vllm_source_tree_the_rehearsal_was_given(

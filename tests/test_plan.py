@@ -27,6 +27,19 @@ pytestmark = pytest.mark.unit
 
 MODEL = "/models/qwen"
 VLLM = "/opt/venv/bin/vllm"
+T4_BOX = "0, Tesla T4, 7.5\n1, Tesla T4, 7.5\n"  # nvidia-smi's compute-capability listing
+
+
+@pytest.fixture(autouse=True)
+def gpus_here(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
+    """This host's nvidia-smi, as `plan --platform cuda` reads it (`check_planned_gpus`):
+    unreadable, as on a CPU host, unless a test lists GPUs (`gpus_here[0] = T4_BOX`). A unit
+    test starts no process, and gives the same plans on a T4 box as anywhere."""
+    from harness import devices
+
+    listed: list[str | None] = [None]
+    monkeypatch.setattr(devices, "run_nvidia_smi", lambda *args: listed[0])
+    return listed
 
 
 def request(
@@ -293,6 +306,49 @@ def test_cli_plan_of_a_t4_box_shows_float16_on_every_instance(epd_cli) -> None:
     assert dtypes == {"float16"}
     code, out, err = epd_cli(*argv)
     assert "dtype: every instance runs --dtype bfloat16" in out
+
+
+def test_cli_plan_of_bfloat16_on_this_hosts_t4s_is_refused_as_run_refuses_it(
+    epd_cli, gpus_here: list[str | None]
+) -> None:
+    """`plan --platform cuda` on a T4 box printed a bfloat16 plan that `run` then refused
+    (found walking a T4 box on fakes): where nvidia-smi lists the planned GPUs, the plan
+    refuses in run's words (tests/test_bad_input.py shows both on a fake nvidia-smi)."""
+    gpus_here[0] = T4_BOX
+    argv = ("plan", "--platform", "cuda", "--devices", "0,1", "--vllm", "vllm")
+    refusal = (
+        "needs compute capability 8.0 or more, which vLLM checks only once an instance has "
+        "started, and GPU 0 (Tesla T4, compute capability 7.5), GPU 1 (Tesla T4, compute "
+        "capability 7.5) have less: pass --dtype float16"
+    )
+    code, out, err = epd_cli(*argv)
+    assert (code, out) == (2, "")
+    assert err == f"epd-harness: error: --dtype bfloat16 (the default) {refusal}\n"
+    code, out, err = epd_cli(*argv, "--dtype", "bfloat16", "--json")
+    assert (code, out, err) == (2, "", f"epd-harness: error: --dtype bfloat16 {refusal}\n")
+    code, out, err = epd_cli(*argv, "--dtype", "float16")
+    assert code == 0, err
+    assert "dtype: every instance runs --dtype float16" in out
+
+
+def test_cli_plan_for_gpus_this_host_does_not_list_plans_as_before(
+    epd_cli, gpus_here: list[str | None]
+) -> None:
+    """A plan for another machine: nvidia-smi unreadable (a CPU host), or listing none of
+    the planned GPUs, refuses nothing; a CPU plan reads no GPU. `check_plan_arguments` (a
+    command line only shown, tests/test_docs_commands.py) never reads this host's GPUs."""
+    from harness.cli.main import check_command_line
+
+    argv = ("plan", "--platform", "cuda", "--devices", "2,3", "--vllm", "vllm")
+    for listing in (None, T4_BOX):
+        gpus_here[0] = listing
+        code, out, err = epd_cli(*argv)
+        assert code == 0, err
+        assert "dtype: every instance runs --dtype bfloat16" in out
+    gpus_here[0] = T4_BOX
+    check_command_line(["plan", "--platform", "cuda", "--devices", "0,1"])
+    code, out, err = epd_cli("plan", "--devices", "0,1", "--vllm", "vllm")
+    assert code == 0, err
 
 
 def test_cli_refuses_no_enforce_eager_on_cpu(epd_cli) -> None:

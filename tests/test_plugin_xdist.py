@@ -6,18 +6,23 @@ Real xdist sessions over the repository's scenarios, collected only (nothing sta
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from harness.testing.fake_nvidia_smi import T4, install_fake_nvidia_smi
+
 pytestmark = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def pytest_in_repo(*args: str) -> subprocess.CompletedProcess[str]:
+def pytest_in_repo(
+    *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """`pytest -q ARGS` in the repository, as a user runs it (no cache written)."""
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
@@ -26,6 +31,7 @@ def pytest_in_repo(*args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=300,
         check=False,
+        env=env,
     )
 
 
@@ -95,3 +101,32 @@ def test_a_session_its_preflight_refuses_stops_at_its_first_e2e_item(
     one_per_worker = int(workers[1]) if workers else 1
     assert 1 <= len(failed) <= one_per_worker, failed
     assert "Interrupted: epd-harness: model directory /nonexistent/epd-model" in out, out[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("given", "asked"),
+    [
+        ((), "--epd-dtype bfloat16 (the default)"),
+        (("--epd-dtype", "bfloat16"), "--epd-dtype bfloat16"),
+    ],
+    ids=["not-given", "given"],
+)
+def test_a_session_on_t4s_names_its_dtype_as_given(
+    given: tuple[str, ...], asked: str, tmp_path: Path
+) -> None:
+    """A cuda session on a T4 box (a fake nvidia-smi) is refused by its first e2e item's
+    preflight, which called a typed `--epd-dtype bfloat16` "the default" (found walking a T4
+    box): --epd-dtype's default is now no dtype, served as bfloat16, as run's --dtype."""
+    tools = install_fake_nvidia_smi(tmp_path / "gpus", [T4, T4])
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env["PATH"] = f"{tools}{os.pathsep}{env['PATH']}"
+    done = pytest_in_repo(
+        *("-m", "e2e", "scenarios/test_epd_matches_baseline.py", "--epd-platform", "cuda"),
+        *("--epd-devices", "0,1", "--epd-topology", "1P+1D", *given),
+        env=env,
+    )
+    assert done.returncode != 0, done.stdout[-3000:]
+    assert (
+        f"Interrupted: epd-harness: {asked} needs compute capability 8.0 or more" in done.stdout
+    ), done.stdout[-3000:]
+    assert "pass --epd-dtype float16" in done.stdout

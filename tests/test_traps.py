@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import devices
 from harness.errors import BadInput
 from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
@@ -140,6 +141,7 @@ def test_plan_shows_the_snapshot_a_run_will_serve(tmp_path: Path, monkeypatch, e
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("rev1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(devices, "run_nvidia_smi", lambda *args: None)  # no GPU read here
     code, out, _ = epd_cli("plan", "--platform", "cuda", "--devices", "0,1", "--colocate")
     assert code == 0
     assert f"serve {repo / 'snapshots' / 'rev1'} " in out, out[:2000]

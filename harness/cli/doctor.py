@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness import amx
-from harness.devices import GpuCapability, smi_compute_capabilities
-from harness.preflight.dtype import bf16_refusal
+from harness.devices import GpuCapability, bf16_shortfall, smi_compute_capabilities
+from harness.preflight.dtype import asked_bf16, dtype_or_default
 from harness.preflight.vllm import interpreter_of
 from harness.spec.connectors import NIXL
-from harness.spec.topology import DEFAULT_DTYPE
 
 CHECK_TIMEOUT_S = 180.0
+# The dtype check's fix, on its `-> ` line: the runs doctor checks for are run's and pytest's.
+DOCTOR_BF16_REMEDY = "run with --dtype float16 (pytest --epd-dtype float16)"
 
 
 @dataclass(frozen=True)
@@ -239,23 +240,22 @@ def check_model(model_dir: Path, python: Sequence[str] = THIS_PYTHON, tiny: bool
 
 
 def check_dtype_on_gpus(
-    dtype: str, device_type: str | None, listed: Sequence[GpuCapability] | None
+    dtype: str | None, device_type: str | None, listed: Sequence[GpuCapability] | None
 ) -> Check:
-    """Whether this host's GPUs compute in `dtype` (bfloat16 needs compute capability 8.0: a
-    T4 or V100 box runs with --dtype float16). `listed`: every GPU nvidia-smi lists with its
-    capability, None where it cannot say; a CPU build of vLLM needs no GPU."""
-    name = f"--dtype {dtype} on this host's GPUs"
+    """Whether this host's GPUs compute in `dtype` (None: not given, the default; bfloat16
+    needs compute capability 8.0: a T4 or V100 box runs with --dtype float16). `listed`:
+    every GPU nvidia-smi lists with its capability, None where it cannot say; a CPU build of
+    vLLM needs no GPU. The fix is the hint line, as every other check's."""
+    name = f"--dtype {dtype_or_default(dtype)} on this host's GPUs"
     if device_type != "cuda":
         return Check(name, True, f"not needed: the served vLLM runs on {device_type or '?'}")
     if listed is None:
         return Check(name, True, "not checked: nvidia-smi did not list compute capabilities")
-    refusal = bf16_refusal(
-        dtype, listed, remedy="run with --dtype float16 (pytest --epd-dtype float16)"
-    )
+    shortfall = bf16_shortfall(dtype_or_default(dtype), listed, asked_bf16(dtype))
     shown = ", ".join(f"GPU {gpu.index} {gpu.dotted}" for gpu in listed) or "none listed"
-    if refusal is None:
+    if shortfall is None:
         return Check(name, True, f"compute capability: {shown}")
-    return Check(name, False, refusal)
+    return Check(name, False, shortfall, hint=DOCTOR_BF16_REMEDY)
 
 
 def served_device_type(imports: Check) -> str | None:
@@ -268,7 +268,7 @@ def run_checks(
     vllm_executable: str,
     model_dir: Path | None,
     tiny: bool = True,
-    dtype: str = DEFAULT_DTYPE,
+    dtype: str | None = None,
 ) -> list[Check]:
     """Every check, the environment's in the interpreter `vllm_executable` runs with (its `#!`
     line): the served vLLM's own environment. They ran in this Python whatever `--vllm` said,

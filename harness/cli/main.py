@@ -33,7 +33,6 @@ from harness.cli.serving_options import (
 from harness.cli.upstream_requirement import add_upstream_requirement_parser
 from harness.cli.version import VersionAction
 from harness.cli.versions import add_bisect_parser, add_goldens_parser, add_versions_parser
-from harness.devices import smi_compute_capabilities
 from harness.environment import cache_dir
 from harness.errors import (
     EXIT_BAD_INPUT,
@@ -54,7 +53,7 @@ from harness.preflight.config import (
     check_arguments,
     devices_here,
 )
-from harness.preflight.dtype import REPRO_ASKED_BF16, REPRO_BF16_REMEDY, check_bf16_devices
+from harness.preflight.dtype import REPRO_ASKED_BF16, REPRO_BF16_REMEDY, check_bf16_here
 from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_os_error
 from harness.preflight.model import resolve_model
 from harness.preflight.upstream_proxy import proxy_choice
@@ -328,10 +327,9 @@ def command_repro(args: argparse.Namespace) -> int:
         refuse_too_few_devices(bundle, args.case, devices, args.colocate)
         # A Ray bundle's GPUs are its nodes': the launcher refuses there, as for `run`.
         if bundle.platform == "cuda" and bundle.launcher.kind != RAY_LAUNCHER:
-            check_bf16_devices(
+            check_bf16_here(
                 bundle.serving().dtype,
                 devices or bundle.devices,
-                smi_compute_capabilities(),
                 remedy=REPRO_BF16_REMEDY,
                 asked=REPRO_ASKED_BF16,
             )

@@ -30,6 +30,7 @@ from harness.environment import DEFAULT_PORT_RANGE, cache_dir
 from harness.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
 from harness.preflight.config import COLOCATE_ON_CPU, NO_ENFORCE_EAGER_ON_CPU
 from harness.preflight.connectors import ec_connector_for, kv_connector_for
+from harness.preflight.dtype import check_bf16_here, dtype_or_default
 from harness.preflight.model import cached_snapshot, hf_hub_cache
 from harness.preflight.resources import too_few_devices
 from harness.preflight.vllm import default_vllm_executable
@@ -449,7 +450,7 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         vllm_executable=args.vllm or default_vllm_executable(),
         run_dir=Path(args.run_dir).resolve() if args.run_dir else PLACEHOLDER_RUN_DIR,
         no_enforce_eager=args.no_enforce_eager,
-        dtype=args.dtype,
+        dtype=dtype_or_default(args.dtype),
         kv_connector=args.kv_connector,
         ec_connector=args.ec_connector,
     )
@@ -458,7 +459,9 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
 def command_plan(args: argparse.Namespace) -> int:
     """Print the plan (text, or JSON with --json); exit 2 with one line naming a bad input."""
     try:
-        plan = build_plan(request_from_args(args))
+        request = request_from_args(args)
+        check_planned_gpus(request, args.dtype)
+        plan = build_plan(request)
     except BadInput as exc:  # PlanInputError, DevicePlanError, unknown names
         print(f"epd-harness: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -466,8 +469,21 @@ def command_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def check_planned_gpus(request: PlanRequest, dtype: str | None) -> None:
+    """Refuse, as `run` refuses it, a dtype the planned GPUs lack (bfloat16 below compute
+    capability 8.0) when they are this host's: a plan's instances start where `run` starts
+    them, on this host (a plan has no Ray launcher). Where nvidia-smi cannot be read, or lists
+    none of the planned GPUs, the plan is for another machine and nothing is refused. `dtype`:
+    `--dtype` as given (None: the default). `plan --platform cuda` on a T4 box printed a
+    bfloat16 plan that `run` then refused (found walking a T4 box on fakes)."""
+    if request.platform.name == "cuda":
+        check_bf16_here(dtype, request.devices)
+
+
 def check_plan_arguments(args: argparse.Namespace) -> None:
-    """`plan` starts nothing: computing the plan is all there is to check of its arguments."""
+    """`plan` starts nothing: computing the plan is all there is to check of its arguments
+    (this host's GPUs are read by `command_plan` only: a command line shown may be for
+    another machine)."""
     build_plan(request_from_args(args))
 
 

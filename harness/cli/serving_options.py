@@ -144,14 +144,15 @@ def add_serving_options(parser: argparse.ArgumentParser) -> None:
 
 def add_dtype_option(group: argparse._ActionsContainer, what: str | None = None) -> None:
     """The dtype every instance computes in (`plan` takes it too: it is on every line; so
-    does `doctor`, which checks this host's GPUs for it)."""
+    does `doctor`, which checks this host's GPUs for it). Not given, it is None, served as
+    DEFAULT_DTYPE (`harness.preflight.dtype.dtype_or_default`): a refusal calls bfloat16 the
+    default only when it was not named."""
     what = what or "every instance's --dtype, the baseline's too"
     group.add_argument(
         "--dtype",
         choices=DTYPES,
-        default=DEFAULT_DTYPE,
-        help=f"{what} (default: %(default)s; a GPU below compute capability 8.0, such as a "
-        "T4 or V100, needs float16)",
+        help=f"{what} (default: {DEFAULT_DTYPE}; a GPU below compute capability 8.0, such as "
+        "a T4 or V100, needs float16)",
     )
 
 

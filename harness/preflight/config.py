@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.devices import host_cpuinfo, smi_compute_capabilities
+from harness.devices import host_cpuinfo
 from harness.environment import argv_check_dir, cache_dir, port_range
 from harness.errors import BadInput
 from harness.files import fresh_run_dir
@@ -88,7 +88,6 @@ from harness.spec.settings import (
     RunSettings,
 )
 from harness.spec.topology import (
-    DEFAULT_DTYPE,
     EPD_TOPOLOGY_NAMES,
     TOPOLOGIES,
     Topology,
@@ -173,8 +172,10 @@ class RunRequest:
     # GPU platforms: drop --enforce-eager, so vLLM compiles and captures graphs (upstream's
     # correctness script, and the harness by default, serve eager).
     no_enforce_eager: bool = False
-    # The dtype every instance computes in (harness.preflight.dtype says what is refused).
-    dtype: str = DEFAULT_DTYPE
+    # The dtype every instance computes in (harness.preflight.dtype says what is refused);
+    # None: not given, DEFAULT_DTYPE (`dtype.dtype_or_default`), which a refusal calls the
+    # default, and only then.
+    dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,7 @@ def check_arguments(request: RunRequest, *, read_files: bool = True) -> CheckedA
     placeholders for its files (the documentation's, tests/test_docs_commands.py); the
     topologies are then the ones the flags name."""
     _refuse_ignored_flags(request)
-    dtype.check_dtype_name(request.dtype)
+    dtype.check_dtype_name(dtype.dtype_or_default(request.dtype))
     platform = get_platform(request.platform)
     launcher = launcher_choice(request)
     refusal = launcher.refusal_on(platform)
@@ -353,10 +354,11 @@ def prepare_run(request: RunRequest) -> RunConfig:
     kv_connector, ec_connector = arguments.kv_connector, arguments.ec_connector
     check_launcher_here(arguments.launcher)
     places_here = attach is None and arguments.launcher.kind != RAY_LAUNCHER
+    served_dtype = dtype.dtype_or_default(request.dtype)
     devices = devices_here(arguments.devices, platform, request.devices is not None, places_here)
     if platform.name == "cuda" and arguments.launcher.kind != RAY_LAUNCHER:
         # Here run the instances (or, attached, the baseline): their GPUs can be read.
-        dtype.check_bf16_devices(request.dtype, devices, smi_compute_capabilities())
+        dtype.check_bf16_here(request.dtype, devices)
     ports = port_range()
 
     model_dir = resolve_model(request.model, platform.default_model, cache_dir())
@@ -386,7 +388,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         check_cpu_build(served, platform.name)
         check_kv_connector(served, kv_connector, platform)
     if platform.name == "cpu" and arguments.launcher.kind != RAY_LAUNCHER:
-        dtype.check_cpu_dtype(request.dtype, dict(served.libraries), host_cpuinfo())
+        dtype.check_cpu_dtype(served_dtype, dict(served.libraries), host_cpuinfo())
     launched = () if attach is not None else topologies
     if attach is None and request.served_topologies:
         launched = names.check_topologies(request.served_topologies)
@@ -402,7 +404,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         kv_connector=kv_connector.vllm_class,
         ec_connector=ec_connector.vllm_class,
         enforce_eager=platform.enforce_eager and not request.no_enforce_eager,
-        dtype=request.dtype,
+        dtype=served_dtype,
     )
     prompts = arguments.prompts
     bodies = {p.name: render_request(p, serving.served_model_name) for p in prompts}

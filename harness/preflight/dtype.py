@@ -23,9 +23,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from harness.devices import ASKED_BF16, PASS_FLOAT16, GpuCapability, bf16_refusal
+from harness.devices import (
+    ASKED_BF16,
+    PASS_FLOAT16,
+    GpuCapability,
+    bf16_refusal,
+    smi_compute_capabilities,
+)
 from harness.errors import BadInput, lookup
-from harness.spec.topology import DTYPES
+from harness.spec.topology import DEFAULT_DTYPE, DTYPES
 
 # vLLM's platform for an AMD CPU with AVX-512 when zentorch imports (`_is_amd_zen_cpu`).
 ZEN_VENDOR = "AuthenticAMD"
@@ -44,6 +50,9 @@ def check_dtype_name(dtype: str) -> str:
     return lookup("dtype", dtype, {name: name for name in DTYPES})
 
 
+# bfloat16 not asked for at all: the only time a refusal calls it the default (`asked_bf16`);
+# named, it is `harness.devices.ASKED_BF16`.
+DEFAULT_BF16 = "--dtype bfloat16 (the default)"
 # `repro` replays the dtype its bundle recorded, and has no --dtype.
 REPRO_ASKED_BF16 = "the bundle's dtype, bfloat16, which repro serves again,"
 REPRO_BF16_REMEDY = (
@@ -51,19 +60,50 @@ REPRO_BF16_REMEDY = (
 )
 
 
+def dtype_or_default(dtype: str | None) -> str:
+    """The dtype served for `dtype` as given: the one named, DEFAULT_DTYPE where none was
+    (None: `--dtype` and `--epd-dtype` default to None so that a refusal can tell the two)."""
+    return DEFAULT_DTYPE if dtype is None else dtype
+
+
+def asked_bf16(dtype: str | None) -> str:
+    """How a refusal names bfloat16 asked for as `dtype` (None: not given). "(the default)"
+    only when it was not given: a user who typed `--dtype bfloat16` was told it was the
+    default (found walking a T4 box)."""
+    return DEFAULT_BF16 if dtype is None else ASKED_BF16
+
+
 def check_bf16_devices(
-    dtype: str,
+    dtype: str | None,
     devices: Sequence[int],
     listed: Sequence[GpuCapability] | None,
     remedy: str = PASS_FLOAT16,
-    asked: str = ASKED_BF16,
+    asked: str | None = None,
 ) -> None:
-    """Refuse bfloat16 on the GPUs `devices` names when one of them is below 8.0. `listed`:
-    `harness.devices.smi_compute_capabilities()`, None where it could not be read."""
+    """Refuse bfloat16 on the GPUs `devices` names when one of them is below 8.0. `dtype` as
+    given, None where none was (the default); `asked`: how the refusal names it, by default
+    as given (`asked_bf16`). `listed`: `harness.devices.smi_compute_capabilities()`, None
+    where it could not be read."""
     used = [gpu for gpu in listed or () if gpu.index in devices]
-    refusal = bf16_refusal(dtype, used, remedy, asked)
+    refusal = bf16_refusal(dtype_or_default(dtype), used, remedy, asked or asked_bf16(dtype))
     if refusal is not None:
         raise BadInput(refusal)
+
+
+def check_bf16_here(
+    dtype: str | None,
+    devices: Sequence[int],
+    remedy: str = PASS_FLOAT16,
+    asked: str | None = None,
+) -> None:
+    """`check_bf16_devices` on this host's GPUs as nvidia-smi lists them, for instances that
+    run here (`run`, `repro`, `plan` on cuda with the local launcher, the GPU rehearsal; on
+    Ray the launcher reads each node's). nvidia-smi is read only where bfloat16 is asked;
+    where it cannot be read nothing is refused (a plan for another machine, a driver without
+    `compute_cap`): vLLM still refuses, once started."""
+    if dtype_or_default(dtype) != "bfloat16":
+        return
+    check_bf16_devices(dtype, devices, smi_compute_capabilities(), remedy, asked)
 
 
 def zen_cpu(cpuinfo: str) -> bool:

@@ -30,6 +30,7 @@ __all__ = ["PURPOSE_LINE", "purpose_line", "write_run_outputs", "write_verdicts"
 VERDICTS_FILE = "verdicts.txt"  # the verdict table as the terminal shows it
 # verdicts.txt's first line: what computed the ids (another GPU model can change them).
 DEVICES_LINE = "ran on: "
+DTYPE_PART = "; dtype "  # after the devices: the dtype every instance computed in
 
 
 def write_run_outputs(
@@ -55,9 +56,9 @@ def write_verdicts(
     run_dir: Path, records: Sequence[CaseRecord], run_info: Mapping[str, Any]
 ) -> None:
     """verdicts.txt: whether the run is red on purpose (`purpose_line`), the devices that
-    computed the ids (`ran on: ...`, from run.json's `devices_used`), the verdict table, and
-    where the baseline came from. Every bundle writes it here: a matrix run's, a fuzz run's
-    and each of its failure groups'."""
+    computed the ids and the dtype they computed in (`ran on: ...; dtype ...`, from run.json's
+    `devices_used` and `serving`), the verdict table, and where the baseline came from. Every
+    bundle writes it here: a matrix run's, a fuzz run's and each of its failure groups'."""
     table = format_verdict_table(records)
     sources = describe_baseline_sources(run_info.get("baseline_sources") or {})
     head = "".join(f"{line}\n" for line in (purpose_line(run_info), devices_line(run_info)) if line)
@@ -66,6 +67,11 @@ def write_verdicts(
 
 
 def devices_line(run_info: Mapping[str, Any]) -> str | None:
-    """`ran on: <devices>` of a run's facts; None for a run that did not record them."""
+    """`ran on: <devices>; dtype <dtype>` of a run's facts: what computed the ids, and in
+    which dtype (run.json's `serving`; left out for a run that did not record it), as the
+    console's header and report.html say it; None for a run that recorded no devices."""
     devices = describe_devices(run_info.get("devices_used"))
-    return f"{DEVICES_LINE}{devices}" if devices else None
+    if not devices:
+        return None
+    dtype = (run_info.get("serving") or {}).get("dtype")
+    return f"{DEVICES_LINE}{devices}" + (f"{DTYPE_PART}{dtype}" if dtype else "")

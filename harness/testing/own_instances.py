@@ -70,7 +70,7 @@ SESSION_OPTIONS = (
     SessionOption("--epd-platform", "--platform", default="cpu"),
     SessionOption("--epd-colocate", "--colocate"),
     SessionOption("--epd-no-enforce-eager", "--no-enforce-eager"),
-    SessionOption("--epd-dtype", "--dtype", default="bfloat16"),
+    SessionOption("--epd-dtype", "--dtype"),
     SessionOption("--epd-kv-connector", "--kv-connector", moves="kv"),
     SessionOption("--epd-ec-connector", "--ec-connector", moves="ec"),
     SessionOption("--epd-reference-policy", "--reference-policy"),
