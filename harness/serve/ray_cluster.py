@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import logging
 import os
 import secrets
 import shutil
@@ -45,7 +46,7 @@ import psutil
 
 from harness.environment import LOOPBACK_HOST
 from harness.errors import HarnessError
-from harness.serve.launch import ManagedServer
+from harness.serve.launch import ManagedServer, ServerDied
 from harness.serve.ports import PortLease, reserve_ports
 from harness.serve.server_command import ServerCommand
 from harness.serve.signal_handlers import install_signal_handlers
@@ -54,6 +55,12 @@ REHEARSAL_ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 NODE_START_TIMEOUT_S = 90.0
 NODE_STOP_GRACE_S = 5.0  # `ray start --block` takes its time on SIGTERM; then SIGKILL
 STARTED_MARK = "Ray runtime started"
+# Ray's own words when a worker's raylet did not register with the GCS within the 30 s
+# `ray._private.node.Node` waits (hard-coded in Ray 2.60): seen when three workers of the netns
+# rehearsal registered at once on a loaded 2-core host (load average 8), one of them started.
+# Such a node is started once more, alone: the GCS has then only it to register.
+RAY_REGISTRATION_TIMEOUT = "The current node timed out during startup"
+WORKER_START_ATTEMPTS = 2
 USAGE_STATS_ENV = "RAY_USAGE_STATS_ENABLED"
 # Ports of one node: node manager, object manager, runtime-env agent, dashboard agent (gRPC and
 # HTTP) and metrics export; the head adds the GCS, the Ray client server and the dashboard.
@@ -62,6 +69,7 @@ HEAD_PORTS = 3
 IP, NSENTER, UNSHARE = "ip", "nsenter", "unshare"
 CLONE_NEWNS = 0x00020000
 MS_REC, MS_PRIVATE = 0x4000, 1 << 18
+log = logging.getLogger(__name__)
 
 
 class ClusterError(HarnessError):
@@ -232,27 +240,54 @@ class LocalRayCluster:
 
     def start(self, timeout_s: float = NODE_START_TIMEOUT_S) -> None:
         """Start the head; once it runs, every other node at once; return once each has said
-        it runs (a node that dies fails the start at once, with its log tail)."""
+        it runs. A node that dies fails the start at once, with its log tail, except a worker
+        Ray itself gave up on while it registered (`RAY_REGISTRATION_TIMEOUT`), which is
+        started again, alone, once; its first log is kept beside the second."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
         if self.netns is not None:
             self.netns.create()
         deadline = time.monotonic() + timeout_s
         self.nodes.append(self._start_node(0, self.addresses[0]))
-        self._wait_started(self.nodes[:1], deadline)
+        self._wait_started(self.nodes[0], deadline)
         for index, address in enumerate(self.addresses[1:], start=1):
             self.nodes.append(self._start_node(index, address))
-        self._wait_started(self.nodes[1:], deadline)
+        for index in range(1, len(self.nodes)):
+            for attempt in range(1, WORKER_START_ATTEMPTS + 1):
+                try:
+                    self._wait_started(self.nodes[index], deadline)
+                    break
+                except ServerDied as died:
+                    if attempt == WORKER_START_ATTEMPTS or RAY_REGISTRATION_TIMEOUT not in str(
+                        died
+                    ):
+                        raise
+                    self._restart_worker(index, attempt)
 
-    def _wait_started(self, nodes: list[Node], deadline: float) -> None:
-        for node in nodes:
-            while STARTED_MARK not in node.server.log_tail(200):
-                node.server.check_alive()
-                if time.monotonic() > deadline:
-                    raise ClusterError(
-                        f"Ray node {node.address} has not started in time; last lines of "
-                        f"{node.server.command.log_path}:\n{node.server.log_tail(20)}"
-                    )
-                time.sleep(0.3)
+    def _restart_worker(self, index: int, attempt: int) -> None:
+        node = self.nodes[index]
+        log_path = node.server.command.log_path
+        kept = log_path.with_name(f"{log_path.stem}.attempt{attempt}{log_path.suffix}")
+        log.warning(
+            "Ray node %s did not register with the head in Ray's 30 s (a loaded host): "
+            "starting it again alone; its first log: %s",
+            node.address,
+            kept,
+        )
+        node.server.stop(NODE_STOP_GRACE_S)  # what the dead `ray start` left in its group
+        for lease in node.leases:
+            lease.release()
+        log_path.replace(kept)
+        self.nodes[index] = self._start_node(index, node.address)
+
+    def _wait_started(self, node: Node, deadline: float) -> None:
+        while STARTED_MARK not in node.server.log_tail(200):
+            node.server.check_alive()
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"Ray node {node.address} has not started in time; last lines of "
+                    f"{node.server.command.log_path}:\n{node.server.log_tail(20)}"
+                )
+            time.sleep(0.3)
 
     def sample(self) -> None:
         """Record every node's descendants now (Ray's workers leave the node's process group):

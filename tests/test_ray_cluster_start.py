@@ -1,0 +1,112 @@
+"""How the one-host rehearsal cluster starts its nodes, with a fake `ray start` (a script given
+as the cluster's interpreter), so no Ray is needed: which deaths during start-up are retried
+and which fail the start, and that nothing is left running either way.
+
+Why: on a loaded 2-core host the netns rehearsal's three workers registered with the head at
+once, and Ray gave up on two of them after its hard-coded 30 s (`RAY_REGISTRATION_TIMEOUT`);
+the whole Ray scenario errored for the host's load. Real Ray's start is exercised by
+`scenarios/test_ray.py`; the fake shows only the harness's side.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness.serve.launch import ServerDied
+from harness.serve.ray_cluster import (
+    RAY_REGISTRATION_TIMEOUT,
+    STARTED_MARK,
+    LocalRayCluster,
+)
+
+pytestmark = pytest.mark.process
+
+# argv: -m ray.scripts.scripts start --block [--head ...] --node-ip-address ADDR ...
+FAKE_RAY = f"""#!{sys.executable}
+import os, sys, time
+from pathlib import Path
+argv = sys.argv
+address = argv[argv.index("--node-ip-address") + 1]
+state = Path(os.environ["FAKE_RAY_STATE"])
+attempts = state / address
+attempts.write_text(str(int(attempts.read_text()) + 1 if attempts.exists() else 1))
+failing = dict(
+    item.split("=") for item in os.environ.get("FAKE_RAY_FAIL", "").split(",") if item
+)
+if "--head" not in argv and address in failing:
+    how, times = failing[address].split(":")
+    if int(attempts.read_text()) <= int(times):
+        print("Failed to get node info b'RPC error: Deadline Exceeded'", flush=True)
+        print({RAY_REGISTRATION_TIMEOUT!r} if how == "timeout" else "Segmentation fault",
+              flush=True)
+        sys.exit(1)
+print({STARTED_MARK!r} + ".", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def fake_ray(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    python = tmp_path / "fake-ray-python"
+    python.write_text(FAKE_RAY)
+    python.chmod(0o755)
+    state = tmp_path / "attempts"
+    state.mkdir()
+    monkeypatch.setenv("FAKE_RAY_STATE", str(state))
+    return python, state
+
+
+def attempts(state: Path, address: str) -> int:
+    return int((state / address).read_text())
+
+
+def node_pids(cluster: LocalRayCluster) -> list[int]:
+    return [node.server.pid for node in cluster.nodes]
+
+
+def test_a_worker_ray_gave_up_on_while_it_registered_is_started_again_and_its_log_kept(
+    fake_ray: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    python, state = fake_ray
+    monkeypatch.setenv("FAKE_RAY_FAIL", "127.0.0.3=timeout:1")
+    work = tmp_path / "nodes"
+    with LocalRayCluster(work, python=str(python)) as cluster:
+        assert [attempts(state, a) for a in cluster.addresses] == [1, 2, 1]
+        assert all(node.server.is_alive() for node in cluster.nodes)
+        pids = node_pids(cluster)
+    first = work / "ray-node-127.0.0.3.attempt1.log"
+    assert RAY_REGISTRATION_TIMEOUT in first.read_text()
+    assert STARTED_MARK in (work / "ray-node-127.0.0.3.log").read_text()
+    assert not [pid for pid in pids if psutil.pid_exists(pid)]
+
+
+def test_a_worker_ray_gives_up_on_twice_fails_the_start_naming_it_and_nothing_stays(
+    fake_ray: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    python, state = fake_ray
+    monkeypatch.setenv("FAKE_RAY_FAIL", "127.0.0.4=timeout:2")
+    cluster = LocalRayCluster(tmp_path / "nodes", python=str(python))
+    with pytest.raises(ServerDied, match=r"ray-node-127\.0\.0\.4 .*died during startup"):
+        with cluster:
+            pass
+    assert attempts(state, "127.0.0.4") == 2
+    assert cluster.nodes == []
+    assert not [
+        p for p in psutil.process_iter(["cmdline"]) if str(python) in (p.info["cmdline"] or [])
+    ]
+
+
+def test_a_worker_that_dies_another_way_fails_the_start_at_once(
+    fake_ray: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    python, state = fake_ray
+    monkeypatch.setenv("FAKE_RAY_FAIL", "127.0.0.3=crash:1")
+    with pytest.raises(ServerDied, match="Segmentation fault"):
+        with LocalRayCluster(tmp_path / "nodes", python=str(python)):
+            pass
+    assert attempts(state, "127.0.0.3") == 1
+    assert not (tmp_path / "nodes" / "ray-node-127.0.0.3.attempt1.log").exists()
