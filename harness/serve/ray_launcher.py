@@ -56,9 +56,9 @@ from harness.spec.topology import Topology
 log = logging.getLogger(__name__)
 
 SIDE_CHANNEL_WAIT_S = 20.0  # NIXL's listener starts with the engine; /health may come first
-# bfloat16 refused on a node's GPU, in words true of every command that launches on Ray: the
-# launcher cannot tell whether --dtype was given, nor whether `repro` replays a bundle's.
-RAY_ASKED_BF16 = "--dtype bfloat16"
+# bfloat16 refused on a node's GPU, in words true of every command that launches on Ray (the
+# default wording of what was asked is too): the launcher cannot tell whether --dtype was
+# given, nor whether `repro` replays a bundle's.
 RAY_BF16_REMEDY = (
     "pass --dtype float16 (repro: run the case again with run --dtype float16), or serve on "
     "Ray nodes whose GPUs have 8.0 or more"
@@ -280,9 +280,7 @@ class RayLauncher:
         )
         for spec, listed in zip(instances, listings):
             used = [gpu for gpu in listed or () if gpu.index in spec.devices]
-            refusal = bf16_refusal(
-                self.settings.serving.dtype, used, remedy=RAY_BF16_REMEDY, asked=RAY_ASKED_BF16
-            )
+            refusal = bf16_refusal(self.settings.serving.dtype, used, remedy=RAY_BF16_REMEDY)
             if refusal is not None:
                 raise LaunchRefused(f"{spec.name} on node {spec.host}: {refusal}")
 
