@@ -13,7 +13,7 @@ from pathlib import Path
 
 ARTIFACT_MODE = 0o644  # mkstemp creates 0600; artifacts are for everyone who reads the run
 # Every directory `fresh_run_dir` made in this process, in the order made: each run directory
-# and, before it, the parents it made for it (`empty_run_dirs_removed`).
+# and, before it, the parents it made for it (`run_dirs_made`, `empty_run_dirs_removed`).
 _MADE_RUN_DIRS: list[Path] = []
 
 
@@ -95,13 +95,34 @@ def empty_run_dirs_removed() -> Iterator[None]:
     refused command in a fresh directory left an empty runs/ there. A directory with anything
     in it stays, as artifacts written so far always do, and so does one that was there before.
     Removed newest first: a run directory before the runs/ made for it."""
-    first = len(_MADE_RUN_DIRS)
+    made: list[Path] = []
     try:
-        yield
+        with run_dirs_made() as made:
+            yield
     finally:
-        made, _MADE_RUN_DIRS[first:] = _MADE_RUN_DIRS[first:], []
-        for path in reversed(made):
-            remove_if_empty(path)
+        remove_empty_run_dirs(made)
+
+
+@contextmanager
+def run_dirs_made() -> Iterator[list[Path]]:
+    """The directories `fresh_run_dir` made inside the block (each run directory after the
+    parents made for it), in a list filled as the block ends and left to the caller to remove
+    (`remove_empty_run_dirs`) when it will: a pytest session makes its run root as it is
+    configured and removes it, if still empty, as it is unconfigured
+    (`harness.testing.session_account`). An enclosing block no longer counts them."""
+    first = len(_MADE_RUN_DIRS)
+    made: list[Path] = []
+    try:
+        yield made
+    finally:
+        made[:], _MADE_RUN_DIRS[first:] = _MADE_RUN_DIRS[first:], []
+
+
+def remove_empty_run_dirs(made: list[Path]) -> None:
+    """`run_dirs_made`'s directories, newest first, each removed only when empty (a run
+    directory before the runs/ made for it)."""
+    for path in reversed(made):
+        remove_if_empty(path)
 
 
 def remove_if_empty(path: Path) -> None:

@@ -167,3 +167,82 @@ def test_a_fuzz_refused_in_a_fresh_directory_leaves_nothing_there(
     assert main(["fuzz", "--topology", "nope"]) == EXIT_BAD_INPUT
     assert "unknown topology 'nope'" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+SESSION_CONFTEST = """
+import pytest
+
+pytest_plugins = ["harness.testing.plugin"]
+
+def pytest_addoption(parser):
+    parser.addoption("--epd-platform", default="cpu")
+    parser.addoption("--epd-topology", default=None)
+    parser.addoption("--refuse-at-configure", action="store_true")
+
+def pytest_configure(config):
+    # After the plugin's own (registered later, called first): the run root exists by now.
+    if config.getoption("--refuse-at-configure"):
+        raise pytest.UsageError("refused at configure")
+"""
+SESSION_MODULE = """
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+def test_sweep_case():
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "refused"),
+    [
+        (("--collect-only",), False),
+        (("--refuse-at-configure",), True),
+        (("--collect-only", "--epd-topology", "9E"), True),  # refused once collected
+    ],
+)
+def test_a_pytest_session_that_wrote_nothing_leaves_no_runs_directory(
+    pytester: pytest.Pytester, args: tuple[str, ...], refused: bool
+) -> None:
+    """Found walking the sessions: a session that wrote nothing under its run root (collected
+    only, refused at configure or once collected) removed its empty runs/pytest-<time> but
+    left the runs/ it had made for it at the session root, as the `run` CLI did before it
+    removed the runs/ it made (`empty_run_dirs_removed`)."""
+    pytester.makeconftest(SESSION_CONFTEST)
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    pytester.makepyfile(test_a_e2e=SESSION_MODULE)
+    run = pytester.runpytest("-p", "no:cacheprovider", *args)
+    assert (run.ret not in (0, 5)) is refused, run.stdout.str()
+    assert not (pytester.path / "runs").exists(), sorted(pytester.path.iterdir())
+
+
+def test_a_runs_directory_there_before_the_session_or_written_to_stays(
+    tmp_path: Path, one_second: str
+) -> None:
+    from types import SimpleNamespace
+
+    from harness.testing.session_account import (
+        RUN_ROOT_KEY,
+        pytest_configure,
+        pytest_unconfigure,
+    )
+
+    def session(rootpath: Path, writes: bool) -> Path:
+        config = SimpleNamespace(rootpath=rootpath, stash=pytest.Stash(), getoption=lambda *a: None)
+        pytest_configure(config)  # type: ignore[arg-type]
+        root = Path(config.stash[RUN_ROOT_KEY])
+        if writes:
+            (root / "gw0").mkdir()
+        pytest_unconfigure(config)  # type: ignore[arg-type]
+        return root
+
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    session(fresh, writes=False)
+    assert list(fresh.iterdir()) == []  # runs/ made for the session went with its root
+    (tmp_path / "before" / "runs").mkdir(parents=True)
+    session(tmp_path / "before", writes=False)
+    assert (tmp_path / "before" / "runs").is_dir()  # there before: the user's
+    written = session(tmp_path / "written", writes=True)
+    assert (written / "gw0").is_dir()

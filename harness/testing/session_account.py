@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.files import fresh_run_dir, remove_if_empty
+from harness.files import fresh_run_dir, remove_empty_run_dirs, run_dirs_made
 
 RUN_ROOT_KEY = pytest.StashKey[str]()
-MADE_RUN_ROOT_KEY = pytest.StashKey[bool]()  # the controller made runs/pytest-<time> itself
+# What the controller made for its run root: runs/pytest-<time>, and runs/ when there was none.
+MADE_RUN_DIRS_KEY = pytest.StashKey[list[Path]]()
 SWEEP_KEY = pytest.StashKey[object]()  # the session's sweep (epd_sweep): its verdicts, summed
 WORKER_RUN_ROOT = "epd_run_root"  # how xdist hands the controller's run root to workers
 # Under the run root: what every process of one session shares (`RunRequest.session_dir`: the
@@ -30,10 +31,10 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[RUN_ROOT_KEY] = workerinput.get(WORKER_RUN_ROOT)
     else:
         given = config.getoption("--epd-run-dir", None)
-        config.stash[RUN_ROOT_KEY] = given or str(
-            fresh_run_dir(Path(config.rootpath) / "runs", "pytest-")
-        )
-        config.stash[MADE_RUN_ROOT_KEY] = not given
+        with run_dirs_made() as made:
+            root = given or str(fresh_run_dir(Path(config.rootpath) / "runs", "pytest-"))
+        config.stash[RUN_ROOT_KEY] = root
+        config.stash[MADE_RUN_DIRS_KEY] = made
         forget_earlier_accounts(Path(config.stash[RUN_ROOT_KEY]))
 
 
@@ -58,10 +59,12 @@ def forget_earlier_accounts(root: Path) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """A run root this session made and left empty (it ran no scenario: every unit-test run)
-    is removed, rather than piling up under runs/; one with anything in it stays."""
-    if config.stash.get(MADE_RUN_ROOT_KEY, False):
-        remove_if_empty(Path(config.stash[RUN_ROOT_KEY]))
+    """A run root this session made and left empty (it ran no scenario: every unit-test run,
+    a session refused or only collected) is removed, rather than piling up under runs/, and
+    so is the runs/ it made for it when that is left empty too (a fresh clone's first session
+    left an empty runs/ at the session root); one with anything in it stays, as do
+    `--epd-run-dir` and a runs/ that was there before."""
+    remove_empty_run_dirs(config.stash.get(MADE_RUN_DIRS_KEY, []))
 
 
 def pytest_configure_node(node) -> None:  # xdist: every worker writes under the same root
