@@ -425,7 +425,12 @@ def test_bisect_finds_the_first_release_whose_verdict_differs(
     monkeypatch.setattr(versions, "run_release", fake_run)
     monkeypatch.setattr(versions, "check_disk_for", lambda _versions: None)
     args = argparse.Namespace(
-        case="1E+1PD:image", good=good, bad=bad, run_dir=str(tmp_path), lock_file=None
+        case="1E+1PD:image",
+        good=good,
+        bad=bad,
+        run_dir=str(tmp_path),
+        lock_file=None,
+        dtype="bfloat16",
     )
     assert versions.command_bisect(args) == 0
     out = capsys.readouterr().out
@@ -464,7 +469,12 @@ def test_bisect_says_which_verdicts_are_failures_the_release_is_declared_to_have
     monkeypatch.setattr(versions, "run_release", fake_run)
     monkeypatch.setattr(versions, "check_disk_for", lambda _versions: None)
     args = argparse.Namespace(
-        case="1E+1PD:video", good="0.32.0", bad="0.30.0", run_dir=str(tmp_path), lock_file=None
+        case="1E+1PD:video",
+        good="0.32.0",
+        bad="0.30.0",
+        run_dir=str(tmp_path),
+        lock_file=None,
+        dtype="bfloat16",
     )
     assert versions.command_bisect(args) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -482,7 +492,7 @@ def test_bisect_refuses_a_malformed_case() -> None:
     from harness.cli import versions
 
     args = argparse.Namespace(
-        case="1E+1PD", good="0.28.0", bad="0.32.0", run_dir=None, lock_file=None
+        case="1E+1PD", good="0.28.0", bad="0.32.0", run_dir=None, lock_file=None, dtype="bfloat16"
     )
     with pytest.raises(BadInput, match="TOPOLOGY:PROMPT"):
         versions.command_bisect(args)
@@ -1044,3 +1054,226 @@ def test_a_full_sweep_reused_for_a_selection_answers_only_the_selected_cases(
     assert [c["topology"] for c in one.cases] == ["1E+1PD", "1P+1D"] and one.exit_code == 1
     whole = run_release("0.30.0", tmp_path / "0.30.0", [], None)
     assert whole.cases == cases and whole.exit_code == 1
+
+
+def dtype_action(command: str):
+    from harness.cli.main import subcommand_parsers
+
+    return subcommand_parsers()[command]._option_string_actions["--dtype"]
+
+
+@pytest.mark.usefixtures("no_install")
+def test_versions_and_bisect_take_runs_dtype_and_refuse_auto_before_installing(
+    epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each release's sweep is a child `run`: `versions` and `bisect` take its --dtype, with
+    the same choices and default, and refuse vLLM's `auto` as it does, before any venv."""
+    from harness.cli import versions as versions_module
+
+    monkeypatch.setattr(versions_module, "check_on_index", lambda _versions: None)
+    run = dtype_action("run")
+    for command in ("versions", "bisect"):
+        action = dtype_action(command)
+        assert (action.choices, action.default) == (run.choices, run.default), command
+    for argv in (
+        ("versions", "0.32.0", "--run-dir", tmp_path / "v"),
+        ("bisect", "1E+1PD:image", "--good", "0.31.0", "--bad", "0.32.0"),
+    ):
+        code, _, err = epd_cli(*argv, "--dtype", "auto")
+        assert code == 2 and "--dtype: invalid choice: 'auto'" in err, err
+        assert "would install" not in err, err
+    code, _, err = epd_cli("versions", "0.32.0", "--install-only", "--dtype", "float16")
+    assert code == 2 and "--dtype" in err and "would install" not in err, err
+
+
+class FakeReleaseRuns:
+    """Each release's child `epd-harness run` as run_release starts it, faked: its argv is
+    recorded and its summary.json written with one MATCH (no venv is built, nothing starts)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        from harness.cli import versions as versions_module
+        from harness.cli.releases import ReleaseEnv
+
+        self.argvs: list[list[str]] = []
+        real_run = versions_module.subprocess.run
+
+        def child_run(argv, **kwargs):
+            if argv[1:4] != ["-m", "harness.cli.main", "run"]:
+                return real_run(argv, **kwargs)
+            self.argvs.append(list(argv))
+            run_dir = Path(argv[argv.index("--run-dir") + 1])
+            run_dir.mkdir(parents=True, exist_ok=True)
+            summary = {"cases": [case("1P+1D", "text", "MATCH")]}
+            (run_dir / "summary.json").write_text(json.dumps(summary))
+            return versions_module.subprocess.CompletedProcess(argv, 0)
+
+        monkeypatch.setattr(
+            versions_module,
+            "ensure_release",
+            lambda version: (ReleaseEnv(version, tmp_path / "venvs" / version), 0.0),
+        )
+        monkeypatch.setattr(versions_module, "directory_bytes", lambda _path: 0)
+        monkeypatch.setattr(versions_module, "check_disk_for", lambda _versions: None)
+        monkeypatch.setattr(versions_module, "check_on_index", lambda _versions: None)
+        monkeypatch.setattr(versions_module.subprocess, "run", child_run)
+
+    def dtypes(self) -> list[str]:
+        return [argv[argv.index("--dtype") + 1] for argv in self.argvs]
+
+
+def test_each_releases_sweep_serves_the_dtype_asked_and_the_table_says_it(
+    epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs = FakeReleaseRuns(monkeypatch, tmp_path)
+    run_dir = tmp_path / "v"
+    asked = ("versions", "0.31.0,0.32.0", "--topology", "1P+1D", "--run-dir", run_dir)
+    code, out, err = epd_cli(*asked, "--dtype", "float16")
+    assert code == 0, out + err
+    assert runs.dtypes() == ["float16", "float16"], runs.argvs
+    assert "| dtype | float16 | float16 |" in (run_dir / "versions.md").read_text()
+    recorded = json.loads((run_dir / "0.31.0" / "release-run.json").read_text())
+    assert recorded["run_args"][-2:] == ["--dtype", "float16"]
+    # The same dtype again: both releases' runs are reused, nothing runs.
+    code, out, err = epd_cli(*asked, "--dtype", "float16")
+    assert code == 0 and len(runs.argvs) == 2, out + err
+    # Another dtype (the default too) is never answered by them, and is refused before any
+    # release runs.
+    for other in (("--dtype", "float32"), ()):
+        code, out, err = epd_cli(*asked, *other)
+        dtype = other[1] if other else "bfloat16"
+        assert code == 2 and len(runs.argvs) == 2, out + err
+        assert (
+            f"{run_dir / '0.31.0'} holds a finished run of vLLM 0.31.0 in float16, not {dtype}"
+        ) in err, err
+    # Refused before an earlier release without a finished run here is installed and run.
+    code, out, err = epd_cli(
+        "versions", "0.30.0,0.31.0", "--topology", "1P+1D", "--run-dir", run_dir
+    )
+    assert code == 2 and "vLLM 0.31.0 in float16, not bfloat16" in err, out + err
+    assert len(runs.argvs) == 2 and not (run_dir / "0.30.0").exists()
+    # Without --dtype the sweep is bfloat16, the default, and says so.
+    code, out, err = epd_cli(*asked[:-1], tmp_path / "w")
+    assert code == 0 and runs.dtypes()[2:] == ["bfloat16", "bfloat16"], out + err
+    assert "| dtype | bfloat16 | bfloat16 |" in out
+
+
+def test_a_release_run_recorded_before_dtype_was_taken_is_a_bfloat16_run(tmp_path: Path) -> None:
+    """release-run.json files from before `versions --dtype` (every one a bfloat16 sweep, the
+    default) have no --dtype in their run_args: they answer a bfloat16 run, never another."""
+    from harness.cli.versions import run_release
+
+    old = ReleaseRun("0.30.0", "by-hash", 0, 1.0, 0.0, 0)  # a full sweep, no --dtype
+    assert old.dtype == "bfloat16"
+    assert old.covers(["--dtype", "bfloat16"])
+    assert old.covers(["--topology", "1E+1PD", "--prompt", "video", "--dtype", "bfloat16"])
+    assert not old.covers(["--dtype", "float16"])
+    assert not old.covers(["--topology", "1E+1PD", "--prompt", "video", "--dtype", "float32"])
+    float32 = ReleaseRun("0.30.0", "by-hash", 0, 1.0, 0.0, 0, run_args=["--dtype", "float32"])
+    assert float32.dtype == "float32" and not float32.covers([])
+    assert not float32.covers(["--dtype", "bfloat16"]) and float32.covers(["--dtype", "float32"])
+    finished(tmp_path / "0.30.0", [])
+    with pytest.raises(BadInput, match=r"in bfloat16, not float16 \(a run in one dtype never"):
+        run_release("0.30.0", tmp_path / "0.30.0", ["--dtype", "float16"], None)
+    reused = run_release("0.30.0", tmp_path / "0.30.0", ["--dtype", "bfloat16"], None)
+    assert reused.dtype == "bfloat16" and reused.cases
+
+
+def test_bisect_runs_each_release_in_the_dtype_asked_apart_from_other_dtypes_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """A float16 bisect compares float16 verdicts: each release's run serves float16 (its
+    baseline too: the child run's), a matrix's bfloat16 sweep in --run-dir is not taken for
+    one, and its own runs and record are kept apart from a bfloat16 bisect of the same case."""
+    import argparse
+
+    from harness.cli import versions
+
+    finished(tmp_path / "0.30.0", [])  # a bfloat16 matrix sweep (recorded before --dtype)
+    tried: dict[str, tuple[Path, list[str]]] = {}
+
+    def fake_run(version: str, run_dir: Path, run_args: list[str], lock_file: str | None):
+        tried[version] = (run_dir, run_args)
+        verdict = "MISMATCH" if version == "0.30.0" else "MATCH"
+        return ReleaseRun(version, "x", 0, 1.0, 0.0, 0, [case("1E+1PD", "video", verdict)])
+
+    monkeypatch.setattr(versions, "run_release", fake_run)
+    monkeypatch.setattr(versions, "check_disk_for", lambda _versions: None)
+    args = argparse.Namespace(
+        case="1E+1PD:video",
+        good="0.32.0",
+        bad="0.30.0",
+        run_dir=str(tmp_path),
+        lock_file=None,
+        dtype="float16",
+    )
+    assert versions.command_bisect(args) == 0
+    own = tmp_path / "bisect-1E-1PD-video-float16"
+    assert tried == {
+        v: (own / v, ["--topology", "1E+1PD", "--prompt", "video", "--dtype", "float16"])
+        for v in ("0.32.0", "0.30.0", "0.31.0")
+    }
+    out = capsys.readouterr().out
+    assert "bisect: 1E+1PD:video in float16 changed from MATCH on 0.31.0 to MISMATCH" in out
+    record = json.loads((tmp_path / "bisect-1E-1PD-video-float16.json").read_text())
+    assert record["dtype"] == "float16" and record["first_changed"] == "0.30.0"
+    # In bfloat16, the matrix's sweep answers for 0.30.0, and its own runs keep their place.
+    tried.clear()
+    assert versions.command_bisect(argparse.Namespace(**{**vars(args), "dtype": "bfloat16"})) == 0
+    assert tried["0.30.0"][0] == tmp_path / "0.30.0"
+    assert tried["0.32.0"][0] == tmp_path / "bisect-1E-1PD-video" / "0.32.0"
+    assert "bisect: 1E+1PD:video in bfloat16 changed from MATCH" in capsys.readouterr().out
+    assert json.loads((tmp_path / "bisect-1E-1PD-video.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_the_ends_agreeing_says_in_which_dtype(tmp_path: Path, monkeypatch, capsys) -> None:
+    import argparse
+
+    from harness.cli import versions
+
+    def fake_run(version: str, run_dir: Path, run_args: list[str], lock_file: str | None):
+        return ReleaseRun(version, "x", 0, 1.0, 0.0, 0, [case("1P+1D", "text", "MATCH")])
+
+    monkeypatch.setattr(versions, "run_release", fake_run)
+    monkeypatch.setattr(versions, "check_disk_for", lambda _versions: None)
+    args = argparse.Namespace(
+        case="1P+1D:text",
+        good="0.32.0",
+        bad="0.30.0",
+        run_dir=str(tmp_path),
+        lock_file=None,
+        dtype="float32",
+    )
+    assert versions.command_bisect(args) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "bisect: 1P+1D:text in float32: 0.32.0 and 0.30.0 agree (MATCH): no change to find"
+    )
+
+
+def test_a_golden_of_another_dtype_never_stands_in(tmp_path: Path) -> None:
+    """`versions --golden V --dtype float16` judges each release against V's float16 baseline:
+    the golden key holds the serving flags, the dtype among them, so V's bfloat16 golden of
+    the same request is not found (and `goldens` compares each dtype's releases apart)."""
+    from harness.run.sweep import Sweep, SweepSpec
+    from harness.spec.prompts import SKELETON_PROMPTS
+    from harness.spec.settings import RunSettings
+    from harness.spec.topology import DTYPES, TOPOLOGIES
+
+    text = next(p for p in SKELETON_PROMPTS if p.name == "text")
+    store = GoldenStore(tmp_path / "goldens")
+
+    def sweep(dtype: str) -> Sweep:
+        serving = serving_for(CPU, "/not-a-dir-model", max_model_len=4096, dtype=dtype)
+        vllm = ServedVllm("vllm", "0.32.0+cpu", "2.13.0")
+        settings = RunSettings(serving=serving, run_dir=tmp_path / "run", vllm=vllm)
+        spec = SweepSpec(topologies=(TOPOLOGIES["1E+1PD"],), prompts=(text,))
+        return Sweep(spec, settings, goldens=store, golden_release="0.31.0")
+
+    keys = {dtype: sweep(dtype).baseline.golden_key("text") for dtype in DTYPES}
+    assert len(set(keys.values())) == len(DTYPES), keys
+    served = ServedVllm("vllm", "0.31.0+cpu")
+    store.store(keys["bfloat16"], "text", served, outcome("text", [9, 8], prompt_ids=(1, 2)))
+    assert sweep("bfloat16").serve_baseline()["text"].result.token_ids == (9, 8)
+    with pytest.raises(BadInput, match="no golden of vLLM 0.31.0 for prompt 'text'"):
+        sweep("float16").serve_baseline()
+    store.store(keys["float16"], "text", served, outcome("text", [7, 6], prompt_ids=(1, 2)))
+    assert sweep("float16").serve_baseline()["text"].result.token_ids == (7, 6)

@@ -9,7 +9,8 @@ every verdict other than MATCH carries its evidence (the case's detail, error or
 A release whose run directory already holds a finished run (`release-run.json`) of the same
 cases is not run again: a matrix interrupted after three releases resumes at the fourth, and
 `bisect` reuses a matrix's full sweeps. A finished run of other cases is never taken for the
-one asked (a one-case bisect run is no release's sweep).
+one asked (a one-case bisect run is no release's sweep), nor one in another dtype (`--dtype`,
+passed to each release's run: its baseline, its goldens and its verdicts are that dtype's).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from harness.cli.releases import (
     is_final_release,
     parse_release_list,
 )
+from harness.cli.serving_options import add_dtype_option
 from harness.environment import cache_dir
 from harness.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, HarnessError
 from harness.files import fresh_run_dir, write_json_atomic, write_text_atomic
@@ -44,6 +46,7 @@ from harness.preflight import names
 from harness.preflight.config import golden_release
 from harness.run.goldens import GoldenStore, agreement, release_of
 from harness.spec.generations import generation_for, parse_version
+from harness.spec.topology import DEFAULT_DTYPE
 
 log = logging.getLogger(__name__)
 
@@ -65,17 +68,25 @@ class ReleaseRun:
     failure: str | None = None  # the run's own error line when it produced no cases
     # How long it waited for --lock-file before starting (not part of `seconds`).
     lock_wait_seconds: float = 0.0
-    # The `run` arguments it was made with (case selection, golden, baseline cache); a run
-    # from before they were recorded was a full sweep.
+    # The `run` arguments it was made with (case selection, golden, baseline cache, dtype); a
+    # run from before they were recorded was a full sweep, and one from before --dtype was
+    # passed served bfloat16, the default (`dtype_of`).
     run_args: list[str] = field(default_factory=list)
+
+    @property
+    def dtype(self) -> str:
+        """The dtype every instance of this run served, its baseline's too."""
+        return dtype_of(self.run_args)
 
     def covers(self, run_args: list[str]) -> bool:
         """Whether this finished run answers a run with `run_args`: the same arguments, or a
-        full sweep (no --topology / --prompt) made with the same other arguments."""
-        if self.run_args == run_args:
+        full sweep (no --topology / --prompt) made with the same other arguments. The dtype
+        is always among them: a run in one dtype never answers for another."""
+        mine, asked = _with_dtype(self.run_args), _with_dtype(run_args)
+        if mine == asked:
             return True
-        mine = _without_selection(self.run_args)
-        return mine == self.run_args and mine == _without_selection(run_args)
+        unselected = _without(mine, SELECTION_FLAGS)
+        return unselected == mine and unselected == _without(asked, SELECTION_FLAGS)
 
     def narrowed_to(self, run_args: list[str]) -> ReleaseRun:
         """This run as a run with `run_args` would have ended: a full sweep reused for a
@@ -85,7 +96,7 @@ class ReleaseRun:
         (found in an audit of ignored flags). A run that ended before judging (bad input,
         interrupted) keeps its exit code."""
         topologies, prompts = _selection(run_args)
-        if self.run_args == run_args or not (topologies or prompts):
+        if _with_dtype(self.run_args) == _with_dtype(run_args) or not (topologies or prompts):
             return self
         cases = [
             c
@@ -138,6 +149,7 @@ def evidence(case: dict[str, Any]) -> str:
 
 
 SELECTION_FLAGS = ("--topology", "--prompt")
+DTYPE_FLAG = "--dtype"
 
 
 def _selection(run_args: list[str]) -> tuple[list[str], list[str]]:
@@ -149,17 +161,32 @@ def _selection(run_args: list[str]) -> tuple[list[str], list[str]]:
     return chosen["--topology"], chosen["--prompt"]
 
 
-def _without_selection(run_args: list[str]) -> list[str]:
+def _without(run_args: list[str], flags: tuple[str, ...]) -> list[str]:
+    """`run_args` without `flags` and their values."""
     kept: list[str] = []
     skip = False
     for arg in run_args:
         if skip:
             skip = False
-        elif arg in SELECTION_FLAGS:
+        elif arg in flags:
             skip = True
         else:
             kept.append(arg)
     return kept
+
+
+def dtype_of(run_args: list[str]) -> str:
+    """The dtype a run with `run_args` serves: its --dtype, else bfloat16, the default (every
+    release-run.json recorded before `versions` and `bisect` passed --dtype is a bfloat16
+    run's)."""
+    given = [value for flag, value in zip(run_args, run_args[1:]) if flag == DTYPE_FLAG]
+    return given[-1] if given else DEFAULT_DTYPE
+
+
+def _with_dtype(run_args: list[str]) -> list[str]:
+    """`run_args` with their dtype named, last: how two runs' arguments are compared, so that
+    a run recorded without --dtype is the bfloat16 run it was."""
+    return [*_without(run_args, (DTYPE_FLAG,)), DTYPE_FLAG, dtype_of(run_args)]
 
 
 def wait_for_lock(lock_file: str, on_wait: Callable[[], None] = lambda: None) -> tuple[int, float]:
@@ -191,12 +218,7 @@ def run_release(
 ) -> ReleaseRun:
     finished = finished_run(run_dir)
     if finished is not None:
-        if not finished.covers(run_args):
-            raise BadInput(
-                f"{run_dir} holds a finished run of vLLM {version} with other cases "
-                f"({' '.join(finished.run_args) or 'the full sweep'}, not "
-                f"{' '.join(run_args) or 'the full sweep'}): use another --run-dir"
-            )
+        refuse_uncovered(version, run_dir, finished, run_args)
         log.info("[versions] %s: reusing the finished run in %s", version, run_dir)
         return finished.narrowed_to(run_args)
     env, install_seconds = ensure_release(version)
@@ -264,6 +286,29 @@ def run_release(
     return result
 
 
+def refuse_uncovered(
+    version: str, run_dir: Path, finished: ReleaseRun, run_args: list[str]
+) -> None:
+    """BadInput, naming what differs, when the finished run in `run_dir` does not answer a run
+    with `run_args` (`ReleaseRun.covers`): it would be neither reused nor run over."""
+    if finished.covers(run_args):
+        return
+    if finished.dtype != dtype_of(run_args):
+        raise BadInput(
+            f"{run_dir} holds a finished run of vLLM {version} in {finished.dtype}, not "
+            f"{dtype_of(run_args)} (a run in one dtype never answers for another): use "
+            "another --run-dir"
+        )
+    mine, asked = (
+        " ".join(_without(args, (DTYPE_FLAG,))) or "the full sweep"
+        for args in (finished.run_args, run_args)
+    )
+    raise BadInput(
+        f"{run_dir} holds a finished run of vLLM {version} with other cases ({mine}, not "
+        f"{asked}): use another --run-dir"
+    )
+
+
 def format_matrix(runs: list[ReleaseRun]) -> str:
     """A markdown table: one row per case, one column per release; then the evidence."""
     labels: list[str] = []
@@ -278,6 +323,7 @@ def format_matrix(runs: list[ReleaseRun]) -> str:
     for label in labels:
         cells = [cell(run.verdicts().get(label)) for run in runs]
         lines.append("| " + " | ".join([label, *cells]) + " |")
+    lines.append("| dtype | " + " | ".join(r.dtype for r in runs) + " |")
     lines.append("| sweep time (s) | " + " | ".join(f"{r.seconds:.0f}" for r in runs) + " |")
     lines.append(
         "| venv size (GB) | " + " | ".join(f"{r.venv_bytes / 1024**3:.1f}" for r in runs) + " |"
@@ -345,6 +391,12 @@ def command_versions(args: argparse.Namespace) -> int:
     versions = list(check_versions_arguments(args))
     run_args = _run_args(args)
     given = Path(args.run_dir) if args.run_dir else None
+    for version in versions if given is not None else ():
+        # Refused before any release is installed or run: a finished run in another dtype
+        # (or of other cases) here stopped the matrix only when its turn came.
+        finished = finished_run(given / version)
+        if finished is not None:
+            refuse_uncovered(version, given / version, finished, run_args)
     if given is not None and args.gather_only:
         return write_matrix(given, [gathered_run(v, given / v, run_args) for v in versions])
     # Releases whose run is already finished here need no venv.
@@ -404,7 +456,8 @@ def _run_args(args: argparse.Namespace) -> list[str]:
         forwarded += ["--golden", args.golden]
     if args.baseline_cache:
         forwarded += ["--baseline-cache", args.baseline_cache]
-    return forwarded
+    # Always, and last (`_with_dtype`'s order): what each release's run serves is recorded.
+    return [*forwarded, DTYPE_FLAG, args.dtype]
 
 
 def add_versions_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -433,6 +486,7 @@ def add_versions_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
         metavar="VERSION",
         help="compare each release with VERSION's stored baseline (see 'run')",
     )
+    add_dtype_option(parser, "every instance's --dtype in each release's sweep, its baseline's too")
     parser.add_argument(
         "--lock-file",
         help="hold this flock around each release's sweep "
@@ -515,7 +569,8 @@ class BisectCannotAnswer(HarnessError):
 def command_bisect(args: argparse.Namespace) -> int:
     """The first release, going from --good towards --bad, whose verdict on CASE differs from
     --good's: both ends are measured, then releases between are bisected (each one sweep of
-    that single case, reused when its run directory already holds it)."""
+    that single case, reused when its run directory already holds it). Every run serves
+    --dtype, its baseline too: a verdict is always judged against a baseline of its dtype."""
     topology, prompt, good, bad = check_bisect_arguments(args)
     low, high = sorted((good, bad), key=parse_version)
     between = list(parse_release_list(f"{low}..{high}"))
@@ -526,7 +581,8 @@ def command_bisect(args: argparse.Namespace) -> int:
     check_on_index(path)  # its ends may be any version; those between are known releases
     check_disk_for([path[0], path[-1]])
     root = Path(args.run_dir) if args.run_dir else fresh_run_dir(Path("runs"), "bisect-")
-    run_args = ["--topology", topology, "--prompt", prompt]
+    run_args = ["--topology", topology, "--prompt", prompt, DTYPE_FLAG, args.dtype]
+    what = f"{topology}:{prompt} in {args.dtype}"  # the case as the answer names it
     verdicts: dict[str, str] = {}
     bundles: dict[str, Path] = {}  # release -> the run directory (bundle) its verdict came from
 
@@ -551,7 +607,7 @@ def command_bisect(args: argparse.Namespace) -> int:
 
     reference = verdict(path[0])
     if verdict(path[-1]) == reference:
-        print(f"bisect: {path[0]} and {path[-1]} agree ({reference}): no change to find")
+        print(f"bisect: {what}: {path[0]} and {path[-1]} agree ({reference}): no change to find")
         return 1
     lo, hi = 0, len(path) - 1  # path[lo] has the good verdict, path[hi] another
     while hi - lo > 1:
@@ -561,15 +617,15 @@ def command_bisect(args: argparse.Namespace) -> int:
         else:
             hi = mid
     print(
-        f"bisect: {topology}:{prompt} changed from {reference} on {path[lo]} to "
+        f"bisect: {what} changed from {reference} on {path[lo]} to "
         f"{verdicts[path[hi]]} on {path[hi]} (first release that differs: {path[hi]})\n"
         f"bisect: bundles: {path[lo]} in {bundles[path[lo]]}, {path[hi]} in {bundles[path[hi]]}"
     )
-    slug = re.sub(r"[^A-Za-z0-9._-]", "-", args.case)
     write_json_atomic(
-        root / f"bisect-{slug}.json",
+        root / f"{bisect_name(args.case, args.dtype)}.json",
         {
             "case": args.case,
+            "dtype": args.dtype,
             "good": good,
             "bad": bad,
             "verdicts": verdicts,
@@ -588,8 +644,15 @@ def bisect_run_dir(root: Path, version: str, case: str, run_args: list[str]) -> 
     matrix_run = finished_run(root / version)
     if matrix_run is not None and matrix_run.covers(run_args):
         return root / version
+    return root / bisect_name(case, dtype_of(run_args)) / version
+
+
+def bisect_name(case: str, dtype: str) -> str:
+    """The name of a bisect's own runs and record under --run-dir: `bisect-<case>`, with its
+    dtype when not the default, so bisects of one case in two dtypes keep apart (the
+    default's keeps the name it had before --dtype)."""
     slug = re.sub(r"[^A-Za-z0-9._-]", "-", case)
-    return root / f"bisect-{slug}" / version
+    return f"bisect-{slug}" if dtype == DEFAULT_DTYPE else f"bisect-{slug}-{dtype}"
 
 
 def add_bisect_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -608,6 +671,7 @@ def add_bisect_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         help="one subdirectory per release tried (reused; default: runs/bisect-<timestamp>)",
     )
     parser.add_argument("--lock-file", help="as for 'versions'")
+    add_dtype_option(parser, "every instance's --dtype in each release's run, its baseline's too")
     parser.set_defaults(func=command_bisect, check_arguments=check_bisect_arguments)
     return parser
 
@@ -672,10 +736,12 @@ def refuse_conflicts(args: argparse.Namespace) -> None:
         or args.baseline_cache
         or args.lock_file
         or args.run_dir
+        # A venv has no dtype; an explicit --dtype bfloat16 is the default, which changes nothing.
+        or args.dtype != DEFAULT_DTYPE
     ):
         raise BadInput(
             "--install-only runs no sweep; drop --topology, --prompt, --golden, "
-            "--baseline-cache, --lock-file and --run-dir"
+            "--baseline-cache, --dtype, --lock-file and --run-dir"
         )
 
     check_lock_file(args.lock_file)

@@ -1,0 +1,86 @@
+"""`versions` and `bisect` through their real child runs: each release's `epd-harness run` is
+started as the commands start it, on the fake vLLM standing in for a release venv's (no venv
+is built, no real vLLM starts). tests/test_versions.py fakes the child run itself."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.process
+
+
+@pytest.fixture
+def fake_releases(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every release's venv is one holding the fake vLLM (this environment's version, so the
+    releases share a baseline cache key). The harness cache is the test's own (bisect passes
+    no --baseline-cache: the fake's answers would go into the user's baseline cache and
+    goldens), with the user's tiny model in it."""
+    from harness.cli import versions
+    from harness.cli.releases import ReleaseEnv
+    from harness.environment import CACHE_ENV, cache_dir
+    from harness.testing.fake_vllm import install_fake_vllm
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "models").symlink_to(cache_dir() / "models")
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+
+    def release(version: str) -> tuple[ReleaseEnv, float]:
+        env = ReleaseEnv(version, tmp_path / "venvs" / version)
+        if not env.vllm.exists():
+            install_fake_vllm(env.vllm.parent)
+        return env, 0.0
+
+    monkeypatch.setattr(versions, "ensure_release", release)
+    monkeypatch.setattr(versions, "check_disk_for", lambda _versions: None)
+
+
+@pytest.mark.usefixtures("served_vllm_parser", "fake_releases")  # the child runs' lines judged
+def test_each_releases_run_serves_the_dtype_asked_its_baseline_too(
+    epd_cli, tmp_path: Path, fake_vllm_start_log: Path
+) -> None:
+    from harness.testing.fake_vllm import logged_starts
+
+    def started() -> list[tuple[str, str]]:
+        """(role, dtype) of every instance started so far."""
+        return [
+            (start["role"], start["launch"][start["launch"].index("--dtype") + 1])
+            for start in logged_starts(fake_vllm_start_log)
+        ]
+
+    run_dir = tmp_path / "v"
+    case = ("--topology", "1P+1D", "--prompt", "text")
+    code, out, err = epd_cli(
+        "versions", "0.32.0", *case, "--dtype", "float32", "--run-dir", run_dir
+    )
+    assert code == 0, out + err
+    assert sorted(started()) == [
+        ("baseline", "float32"),
+        ("decode", "float32"),
+        ("prefill", "float32"),
+    ]
+    run = json.loads((run_dir / "0.32.0" / "run.json").read_text())
+    assert run["serving"]["dtype"] == "float32"
+    assert "| 1P+1D / text | MATCH |" in out and "| dtype | float32 |" in out, out
+    # A float16 bisect of that case in the same --run-dir: the float32 sweep answers neither
+    # end, nor does the float32 baseline in the cache; each end runs in float16 apart from it.
+    code, out, err = epd_cli(
+        "bisect", "1P+1D:text", "--good", "0.32.0", "--bad", "0.31.0", "--dtype", "float16",
+        "--run-dir", run_dir,
+    )  # fmt: skip
+    assert code == 1, out + err  # both ends MATCH
+    assert "bisect: 1P+1D:text in float16: 0.32.0 and 0.31.0 agree (MATCH)" in out, out
+    for version in ("0.32.0", "0.31.0"):
+        own = run_dir / "bisect-1P-1D-text-float16" / version / "run.json"
+        assert json.loads(own.read_text())["serving"]["dtype"] == "float16"
+    # One float16 baseline: the second end (the same fake version) takes it from the cache.
+    assert sorted(started()[3:]) == [
+        ("baseline", "float16"),
+        ("decode", "float16"),
+        ("decode", "float16"),
+        ("prefill", "float16"),
+        ("prefill", "float16"),
+    ]
