@@ -44,6 +44,7 @@ from harness.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, Harne
 from harness.files import fresh_run_dir, write_json_atomic, write_text_atomic
 from harness.preflight import names
 from harness.preflight.config import golden_release
+from harness.preflight.dtype import dtype_or_default
 from harness.run.goldens import GoldenStore, agreement, release_of
 from harness.spec.generations import generation_for, parse_version
 from harness.spec.topology import DEFAULT_DTYPE
@@ -457,7 +458,7 @@ def _run_args(args: argparse.Namespace) -> list[str]:
     if args.baseline_cache:
         forwarded += ["--baseline-cache", args.baseline_cache]
     # Always, and last (`_with_dtype`'s order): what each release's run serves is recorded.
-    return [*forwarded, DTYPE_FLAG, args.dtype]
+    return [*forwarded, DTYPE_FLAG, dtype_or_default(args.dtype)]
 
 
 def add_versions_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -581,8 +582,9 @@ def command_bisect(args: argparse.Namespace) -> int:
     check_on_index(path)  # its ends may be any version; those between are known releases
     check_disk_for([path[0], path[-1]])
     root = Path(args.run_dir) if args.run_dir else fresh_run_dir(Path("runs"), "bisect-")
-    run_args = ["--topology", topology, "--prompt", prompt, DTYPE_FLAG, args.dtype]
-    what = f"{topology}:{prompt} in {args.dtype}"  # the case as the answer names it
+    dtype = dtype_or_default(args.dtype)
+    run_args = ["--topology", topology, "--prompt", prompt, DTYPE_FLAG, dtype]
+    what = f"{topology}:{prompt} in {dtype}"  # the case as the answer names it
     verdicts: dict[str, str] = {}
     bundles: dict[str, Path] = {}  # release -> the run directory (bundle) its verdict came from
 
@@ -622,10 +624,10 @@ def command_bisect(args: argparse.Namespace) -> int:
         f"bisect: bundles: {path[lo]} in {bundles[path[lo]]}, {path[hi]} in {bundles[path[hi]]}"
     )
     write_json_atomic(
-        root / f"{bisect_name(args.case, args.dtype)}.json",
+        root / f"{bisect_name(args.case, dtype)}.json",
         {
             "case": args.case,
-            "dtype": args.dtype,
+            "dtype": dtype,
             "good": good,
             "bad": bad,
             "verdicts": verdicts,
@@ -736,8 +738,7 @@ def refuse_conflicts(args: argparse.Namespace) -> None:
         or args.baseline_cache
         or args.lock_file
         or args.run_dir
-        # A venv has no dtype; an explicit --dtype bfloat16 is the default, which changes nothing.
-        or args.dtype != DEFAULT_DTYPE
+        or args.dtype is not None  # a venv has no dtype
     ):
         raise BadInput(
             "--install-only runs no sweep; drop --topology, --prompt, --golden, "
