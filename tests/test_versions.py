@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from pathlib import Path
@@ -28,6 +29,21 @@ from harness.spec.topology import serving_for
 from harness.testing.builders import outcome
 
 pytestmark = pytest.mark.unit
+
+
+def bisect_args(
+    case: str, good: str, bad: str, run_dir: Path | None, dtype: str | None
+) -> argparse.Namespace:
+    """`bisect`'s parsed arguments (no --lock-file)."""
+    return argparse.Namespace(
+        case=case,
+        good=good,
+        bad=bad,
+        run_dir=None if run_dir is None else str(run_dir),
+        lock_file=None,
+        dtype=dtype,
+    )
+
 
 LAUNCH = BaselineLaunch(argv=(), env=(), device="cpu: a test CPU (avx2)")  # keys the goldens
 
@@ -411,8 +427,6 @@ def test_goldens_read_only_files_named_as_goldens_are(tmp_path: Path) -> None:
 def test_bisect_finds_the_first_release_whose_verdict_differs(
     tmp_path: Path, monkeypatch, capsys, good: str, bad: str, first_changed: str
 ) -> None:
-    import argparse
-
     from harness.cli import versions
 
     tried: list[str] = []
@@ -424,14 +438,7 @@ def test_bisect_finds_the_first_release_whose_verdict_differs(
 
     monkeypatch.setattr(versions, "run_release", fake_run)
     monkeypatch.setattr(versions, "check_disk_for", lambda _versions: None)
-    args = argparse.Namespace(
-        case="1E+1PD:image",
-        good=good,
-        bad=bad,
-        run_dir=str(tmp_path),
-        lock_file=None,
-        dtype="bfloat16",
-    )
+    args = bisect_args("1E+1PD:image", good, bad, tmp_path, "bfloat16")
     assert versions.command_bisect(args) == 0
     out = capsys.readouterr().out
     assert f"first release that differs: {first_changed}" in out
@@ -447,8 +454,6 @@ def test_bisect_says_which_verdicts_are_failures_the_release_is_declared_to_have
     """Asked by a release manager: a verdict line shows, as the version table does, that a
     release's MISMATCH is the failure the matrix declares for it; what bisect compares (and
     records) stays the raw verdict."""
-    import argparse
-
     from harness.cli import versions
 
     def fake_run(version: str, run_dir: Path, run_args: list[str], lock_file: str | None):
@@ -468,14 +473,7 @@ def test_bisect_says_which_verdicts_are_failures_the_release_is_declared_to_have
 
     monkeypatch.setattr(versions, "run_release", fake_run)
     monkeypatch.setattr(versions, "check_disk_for", lambda _versions: None)
-    args = argparse.Namespace(
-        case="1E+1PD:video",
-        good="0.32.0",
-        bad="0.30.0",
-        run_dir=str(tmp_path),
-        lock_file=None,
-        dtype="bfloat16",
-    )
+    args = bisect_args("1E+1PD:video", "0.32.0", "0.30.0", tmp_path, "bfloat16")
     assert versions.command_bisect(args) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "bisect: 1E+1PD:video on 0.32.0: MATCH" in lines
@@ -487,13 +485,9 @@ def test_bisect_says_which_verdicts_are_failures_the_release_is_declared_to_have
 
 
 def test_bisect_refuses_a_malformed_case() -> None:
-    import argparse
-
     from harness.cli import versions
 
-    args = argparse.Namespace(
-        case="1E+1PD", good="0.28.0", bad="0.32.0", run_dir=None, lock_file=None, dtype="bfloat16"
-    )
+    args = bisect_args("1E+1PD", "0.28.0", "0.32.0", None, "bfloat16")
     with pytest.raises(BadInput, match="TOPOLOGY:PROMPT"):
         versions.command_bisect(args)
 
@@ -1186,8 +1180,6 @@ def test_bisect_runs_each_release_in_the_dtype_asked_apart_from_other_dtypes_run
     """A float16 bisect compares float16 verdicts: each release's run serves float16 (its
     baseline too: the child run's), a matrix's bfloat16 sweep in --run-dir is not taken for
     one, and its own runs and record are kept apart from a bfloat16 bisect of the same case."""
-    import argparse
-
     from harness.cli import versions
 
     finished(tmp_path / "0.30.0", [])  # a bfloat16 matrix sweep (recorded before --dtype)
@@ -1200,14 +1192,7 @@ def test_bisect_runs_each_release_in_the_dtype_asked_apart_from_other_dtypes_run
 
     monkeypatch.setattr(versions, "run_release", fake_run)
     monkeypatch.setattr(versions, "check_disk_for", lambda _versions: None)
-    args = argparse.Namespace(
-        case="1E+1PD:video",
-        good="0.32.0",
-        bad="0.30.0",
-        run_dir=str(tmp_path),
-        lock_file=None,
-        dtype="float16",
-    )
+    args = bisect_args("1E+1PD:video", "0.32.0", "0.30.0", tmp_path, "float16")
     assert versions.command_bisect(args) == 0
     own = tmp_path / "bisect-1E-1PD-video-float16"
     assert tried == {
@@ -1228,8 +1213,6 @@ def test_bisect_runs_each_release_in_the_dtype_asked_apart_from_other_dtypes_run
 
 
 def test_the_ends_agreeing_says_in_which_dtype(tmp_path: Path, monkeypatch, capsys) -> None:
-    import argparse
-
     from harness.cli import versions
 
     def fake_run(version: str, run_dir: Path, run_args: list[str], lock_file: str | None):
@@ -1237,14 +1220,7 @@ def test_the_ends_agreeing_says_in_which_dtype(tmp_path: Path, monkeypatch, caps
 
     monkeypatch.setattr(versions, "run_release", fake_run)
     monkeypatch.setattr(versions, "check_disk_for", lambda _versions: None)
-    args = argparse.Namespace(
-        case="1P+1D:text",
-        good="0.32.0",
-        bad="0.30.0",
-        run_dir=str(tmp_path),
-        lock_file=None,
-        dtype="float32",
-    )
+    args = bisect_args("1P+1D:text", "0.32.0", "0.30.0", tmp_path, "float32")
     assert versions.command_bisect(args) == 1
     assert capsys.readouterr().out.splitlines()[-1] == (
         "bisect: 1P+1D:text in float32: 0.32.0 and 0.30.0 agree (MATCH): no change to find"
