@@ -81,9 +81,10 @@ def test_a_run_directory_left_empty_is_removed_and_one_written_to_stays(
     assert not empty.exists() and (written / "run.json").is_file() and before.is_dir()
 
 
-def test_a_pytest_session_that_wrote_nothing_leaves_no_run_root(
-    tmp_path: Path, one_second: str
-) -> None:
+def plugin_session(rootpath: Path, writes: bool, run_dir: Path | None = None) -> Path:
+    """The session plugin's configure and unconfigure on a stand-in config at `rootpath`
+    (`--epd-run-dir` `run_dir`), writing into its run root in between if `writes`; returns
+    the run root."""
     from types import SimpleNamespace
 
     from harness.testing.session_account import (
@@ -92,21 +93,23 @@ def test_a_pytest_session_that_wrote_nothing_leaves_no_run_root(
         pytest_unconfigure,
     )
 
-    roots = []
-    for writes in (False, True):
-        config = SimpleNamespace(rootpath=tmp_path, stash=pytest.Stash(), getoption=lambda *a: None)
-        pytest_configure(config)  # type: ignore[arg-type]
-        root = Path(config.stash[RUN_ROOT_KEY])
-        if writes:
-            (root / "gw0").mkdir()
-        pytest_unconfigure(config)  # type: ignore[arg-type]
-        roots.append(root.exists())
+    config = SimpleNamespace(rootpath=rootpath, stash=pytest.Stash(), getoption=lambda *a: run_dir)
+    pytest_configure(config)  # type: ignore[arg-type]
+    root = Path(config.stash[RUN_ROOT_KEY])
+    if writes:
+        (root / "gw0").mkdir()
+    pytest_unconfigure(config)  # type: ignore[arg-type]
+    return root
+
+
+def test_a_pytest_session_that_wrote_nothing_leaves_no_run_root(
+    tmp_path: Path, one_second: str
+) -> None:
+    roots = [plugin_session(tmp_path, writes).exists() for writes in (False, True)]
     assert roots == [False, True]
     given = tmp_path / "given"
     given.mkdir()
-    config = SimpleNamespace(rootpath=tmp_path, stash=pytest.Stash(), getoption=lambda *a: given)
-    pytest_configure(config)  # type: ignore[arg-type]
-    pytest_unconfigure(config)  # type: ignore[arg-type]
+    plugin_session(tmp_path, writes=False, run_dir=given)
     assert given.is_dir()  # --epd-run-dir is the user's: never removed
 
 
@@ -220,29 +223,12 @@ def test_a_pytest_session_that_wrote_nothing_leaves_no_runs_directory(
 def test_a_runs_directory_there_before_the_session_or_written_to_stays(
     tmp_path: Path, one_second: str
 ) -> None:
-    from types import SimpleNamespace
-
-    from harness.testing.session_account import (
-        RUN_ROOT_KEY,
-        pytest_configure,
-        pytest_unconfigure,
-    )
-
-    def session(rootpath: Path, writes: bool) -> Path:
-        config = SimpleNamespace(rootpath=rootpath, stash=pytest.Stash(), getoption=lambda *a: None)
-        pytest_configure(config)  # type: ignore[arg-type]
-        root = Path(config.stash[RUN_ROOT_KEY])
-        if writes:
-            (root / "gw0").mkdir()
-        pytest_unconfigure(config)  # type: ignore[arg-type]
-        return root
-
     fresh = tmp_path / "fresh"
     fresh.mkdir()
-    session(fresh, writes=False)
+    plugin_session(fresh, writes=False)
     assert list(fresh.iterdir()) == []  # runs/ made for the session went with its root
     (tmp_path / "before" / "runs").mkdir(parents=True)
-    session(tmp_path / "before", writes=False)
+    plugin_session(tmp_path / "before", writes=False)
     assert (tmp_path / "before" / "runs").is_dir()  # there before: the user's
-    written = session(tmp_path / "written", writes=True)
+    written = plugin_session(tmp_path / "written", writes=True)
     assert (written / "gw0").is_dir()
