@@ -291,6 +291,91 @@ def test_goldens_name_the_request_when_two_share_a_prompt(tmp_path: Path) -> Non
     ), rows
 
 
+def test_goldens_name_the_dtype_when_a_prompt_has_goldens_of_several(tmp_path: Path) -> None:
+    """After `versions --dtype float32` and a bfloat16 run, the rows of one prompt differed
+    only by their request hash. The dtype is named where a prompt has goldens of more than one,
+    the hash only where the dtype does not tell its rows apart."""
+    store = GoldenStore(tmp_path)
+    bf16 = golden_key(serving_for(CPU, "/m"), "tiny", BODY, LAUNCH)
+    fp32 = [
+        golden_key(serving_for(CPU, "/m", dtype="float32"), digest, BODY, LAUNCH)
+        for digest in ("tiny", "real")
+    ]
+    text = golden_key(serving_for(CPU, "/m", dtype="float32"), "tiny", {**BODY, "seed": 2}, LAUNCH)
+    for key, prompt, dtype, newer in (
+        (bf16, "image", "bfloat16", [1, 2]),
+        (fp32[0], "image", "float32", [1, 3]),
+        (fp32[1], "image", "float32", [1, 2]),
+        (text, "text", "float32", [1, 2]),
+    ):
+        for version, ids in (("0.31.0", [1, 2]), ("0.32.0", newer)):
+            served = ServedVllm("v", version, "2.13.0")
+            store.store(key, prompt, served, outcome(prompt, ids), dtype=dtype)
+    assert json.loads((tmp_path / bf16 / "0.31.0+torch-2.13.0.json").read_text())["dtype"] == (
+        "bfloat16"
+    )
+    rows = sorted(r.describe() for r in agreement(store))
+    assert rows == sorted(
+        [
+            "image (bfloat16): 0.31.0 -> 0.32.0: identical",
+            f"image (float32, request {fp32[0][:12]}): 0.31.0 -> 0.32.0: differ from token 1",
+            f"image (float32, request {fp32[1][:12]}): 0.31.0 -> 0.32.0: identical",
+            "text: 0.31.0 -> 0.32.0: identical",  # one dtype: named as before, not float32
+        ]
+    ), rows
+
+
+def test_a_golden_written_before_the_dtype_was_recorded_reads_as_bfloat16(tmp_path: Path) -> None:
+    """Before --dtype every run served bfloat16, so a golden file without the field is one."""
+    store = GoldenStore(tmp_path)
+    old = golden_key(serving_for(CPU, "/m"), "digest", BODY, LAUNCH)
+    new = golden_key(serving_for(CPU, "/m", dtype="float32"), "digest", BODY, LAUNCH)
+    for version in ("0.31.0", "0.32.0"):
+        path = tmp_path / old / f"{version}+torch-2.13.0.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(
+            json.dumps(
+                {
+                    "format": 2,
+                    "prompt": "image",
+                    "vllm": version,
+                    "torch": "2.13.0",
+                    "result": outcome("image", (4,)).result.to_json(),
+                }
+            )
+        )
+        store.store(
+            new, "image", ServedVllm("v", version, "2.13.0"), outcome("image", (4,)), "float32"
+        )
+    # A float32 golden filed after --dtype but before the field reads as bfloat16 too; its
+    # key's newest golden names the row's dtype.
+    unrecorded = tmp_path / new / "0.31.0+torch-2.13.0.json"
+    data = json.loads(unrecorded.read_text())
+    del data["dtype"]
+    unrecorded.write_text(json.dumps(data))
+    assert [g.dtype for g in store.all()[old]] == ["bfloat16", "bfloat16"]
+    assert [g.dtype for g in store.all()[new]] == ["bfloat16", "float32"]
+    assert sorted(r.describe() for r in agreement(store)) == [
+        "image (bfloat16): 0.31.0 -> 0.32.0: identical",
+        "image (float32): 0.31.0 -> 0.32.0: identical",
+    ]
+
+
+def test_a_baseline_files_its_golden_under_the_dtype_it_served(tmp_path: Path) -> None:
+    from harness.run.baseline import BaselineAnswers
+    from harness.spec.settings import RunSettings
+
+    serving = serving_for(CPU, "/not-a-dir-model", dtype="float32")
+    store = GoldenStore(tmp_path / "goldens")
+    settings = RunSettings(
+        serving=serving, run_dir=tmp_path / "run", vllm=ServedVllm("vllm", "0.31.0+cpu", "2.13.0")
+    )
+    writer = BaselineAnswers(settings, goldens=store)
+    writer.add({"text": BODY})
+    writer._store_golden("text", outcome("text", [9, 8]))
+    assert [g.dtype for gs in store.all().values() for g in gs] == ["float32"]
+
+
 def test_release_of_strips_the_local_build_suffix() -> None:
     assert release_of("0.31.0+cpu") == "0.31.0"
     assert first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([1], [1]) is None

@@ -410,4 +410,10 @@ class BaselineAnswers:
         self, name: str, outcome: Outcome, launch: BaselineLaunch | None = None
     ) -> None:
         if self.goldens is not None and self.golden_release is None:
-            self.goldens.store(self.golden_key(name, launch), name, self.settings.vllm, outcome)
+            self.goldens.store(
+                self.golden_key(name, launch),
+                name,
+                self.settings.vllm,
+                outcome,
+                self.settings.serving.dtype,
+            )

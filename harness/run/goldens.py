@@ -24,6 +24,9 @@ another): each (release, torch) pair has its own file, so neither overwrites the
 
 Layout: `<cache>/goldens/<golden key>/<release>+torch-<torch version>.json` (files of an older
 harness, `<release>.json`, are read as the golden of the torch recorded inside them).
+
+The dtype is among the key's flags, so each dtype's goldens are requests of their own; it is
+recorded in the file too, for `goldens` to name it (the key is a hash).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from harness.outcomes.outcome import Outcome
 from harness.run.baseline_launch import NUMERICS_NEUTRAL_FIELDS, BaselineLaunch
 from harness.spec.generations import parse_version
 from harness.spec.settings import ServedVllm
-from harness.spec.topology import ServingConfig
+from harness.spec.topology import DEFAULT_DTYPE, ServingConfig
 
 GOLDEN_FORMAT = 2  # 2: the launch's environment and device in the key
 TORCH_SEPARATOR = "+torch-"  # between the release and the torch version in a golden's name
@@ -110,6 +113,7 @@ class Golden:
     prompt: str
     release: str
     torch_version: str
+    dtype: str
     result: ChatResult
 
     @property
@@ -125,10 +129,18 @@ class GoldenStore:
     def _path(self, key: str, release: str, torch_version: str) -> Path:
         return self.directory / key / f"{release}{TORCH_SEPARATOR}{torch_version}.json"
 
-    def store(self, key: str, prompt: str, served: ServedVllm, outcome: Outcome) -> bool:
-        """File `outcome` as the golden of the served release and torch; False when it is not
-        filed (a failed answer, an unknown version, a build that is no final release's, such
-        as a dev build or an editable install: the module's docstring says why)."""
+    def store(
+        self,
+        key: str,
+        prompt: str,
+        served: ServedVllm,
+        outcome: Outcome,
+        dtype: str = DEFAULT_DTYPE,
+    ) -> bool:
+        """File `outcome`, served in `dtype`, as the golden of the served release and torch;
+        False when it is not filed (a failed answer, an unknown version, a build that is no
+        final release's, such as a dev build or an editable install: the module's docstring
+        says why)."""
         if outcome.result is None or not served.known:
             return False
         # An editable install runs its tree's code, whatever version it was installed as.
@@ -150,6 +162,7 @@ class GoldenStore:
                 "prompt": prompt,
                 "vllm": served.version,
                 "torch": served.torch_version,
+                "dtype": dtype,
                 "result": outcome.result.to_json(),
             },
         )
@@ -166,6 +179,8 @@ class GoldenStore:
                 str(data["prompt"]),
                 release,
                 str(data.get("torch", "unknown")),
+                # A file from before the field: every run before --dtype served bfloat16.
+                str(data.get("dtype", DEFAULT_DTYPE)),
                 ChatResult.from_json(data["result"]),
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -249,12 +264,16 @@ class Agreement:
     older: str
     newer: str
     first_difference: int | None  # token index; None: identical token ids
-    # The request's key, shown when another request has the same prompt name (another model,
-    # flags, environment or device): their rows read alike (found walking the CLI).
+    # The request's key, shown when another request has the same prompt name and dtype (another
+    # model, flags, environment or device): their rows read alike (found walking the CLI).
     request: str = ""
+    # The dtype, shown when the prompt has goldens of several: a hash alone did not say which.
+    dtype: str = ""
 
     def describe(self) -> str:
-        what = f"{self.prompt} (request {self.request})" if self.request else self.prompt
+        named = [self.dtype] if self.dtype else []
+        named += [f"request {self.request}"] if self.request else []
+        what = f"{self.prompt} ({', '.join(named)})" if named else self.prompt
         if self.first_difference is None:
             return f"{what}: {self.older} -> {self.newer}: identical"
         return f"{what}: {self.older} -> {self.newer}: differ from token {self.first_difference}"
@@ -265,10 +284,16 @@ def agreement(store: GoldenStore) -> list[Agreement]:
     Where a request has goldens of more than one torch, each is named with its torch, so a
     change of torch is never read as a change of release."""
     rows = []
-    every = store.all()
-    prompts = Counter(goldens[0].prompt for goldens in every.values() if len(goldens) > 1)
+    # A key's goldens share its dtype (one of its flags); the newest release's file is the
+    # likeliest to have recorded it.
+    every = {key: goldens for key, goldens in store.all().items() if len(goldens) > 1}
+    dtypes = {key: goldens[-1].dtype for key, goldens in every.items()}
+    prompts = Counter((goldens[0].prompt, dtypes[key]) for key, goldens in every.items())
+    prompt_dtypes = Counter(prompt for prompt, _ in prompts)
     for key, goldens in every.items():
-        request = key[:REQUEST_LABEL_LENGTH] if prompts[goldens[0].prompt] > 1 else ""
+        prompt = goldens[0].prompt
+        request = key[:REQUEST_LABEL_LENGTH] if prompts[prompt, dtypes[key]] > 1 else ""
+        dtype = dtypes[key] if prompt_dtypes[prompt] > 1 else ""
         several_torches = len({g.torch_version for g in goldens}) > 1
 
         def label(golden: Golden, several_torches: bool = several_torches) -> str:
@@ -286,9 +311,12 @@ def agreement(store: GoldenStore) -> list[Agreement]:
                     label(newer),
                     first_difference(older.token_ids, newer.token_ids),
                     request,
+                    dtype,
                 )
             )
-    return sorted(rows, key=lambda a: (a.prompt, a.request, parse_version(a.older), a.older))
+    return sorted(
+        rows, key=lambda a: (a.prompt, a.dtype, a.request, parse_version(a.older), a.older)
+    )
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
