@@ -256,6 +256,7 @@ def test_goldens_are_per_release_and_agreement_finds_the_first_difference(tmp_pa
             "video",
             ServedVllm("vllm", version, "2.13.0"),
             outcome("video", ids, prompt_ids=(1, 2)),
+            dtype="bfloat16",
         )
     rows = [r.describe() for r in agreement(store)]
     assert rows == [
@@ -275,12 +276,19 @@ def test_goldens_name_the_request_when_two_share_a_prompt(tmp_path: Path) -> Non
     keys = [golden_key(serving, digest, BODY, LAUNCH) for digest in ("tiny", "real")]
     for key, newer in zip(keys, ([1, 2], [1, 3])):
         for version, ids in (("0.31.0", [1, 2]), ("0.32.0", newer)):
-            store.store(key, "image", ServedVllm("v", version, "2.13.0"), outcome("image", ids))
+            store.store(
+                key,
+                "image",
+                ServedVllm("v", version, "2.13.0"),
+                outcome("image", ids),
+                dtype="bfloat16",
+            )
     store.store(
         golden_key(serving, "tiny", {**BODY, "seed": 2}, LAUNCH),
         "text",
         ServedVllm("v", "0.31.0", "2.13.0"),
         outcome("text", (1,)),
+        dtype="bfloat16",
     )
     rows = sorted(r.describe() for r in agreement(store))
     assert rows == sorted(
@@ -345,7 +353,11 @@ def test_a_golden_written_before_the_dtype_was_recorded_reads_as_bfloat16(tmp_pa
             )
         )
         store.store(
-            new, "image", ServedVllm("v", version, "2.13.0"), outcome("image", (4,)), "float32"
+            new,
+            "image",
+            ServedVllm("v", version, "2.13.0"),
+            outcome("image", (4,)),
+            dtype="float32",
         )
     # A float32 golden filed after --dtype but before the field reads as bfloat16 too; its
     # key's newest golden names the row's dtype.
@@ -407,10 +419,10 @@ def test_a_dev_build_baseline_is_not_filed_as_the_releases_golden(tmp_path: Path
     store = GoldenStore(tmp_path / "goldens")
     key = golden_key(serving_for(CPU, "/m"), "digest", BODY, LAUNCH)
     release = ServedVllm("vllm", "0.33.0+cpu", "2.13.0")
-    assert store.store(key, "image", release, outcome("image", (1, 2, 3)))
+    assert store.store(key, "image", release, outcome("image", (1, 2, 3)), dtype="bfloat16")
     for build in ("0.33.0.dev12+gabc1234", "0.33.0rc1"):
         dev = ServedVllm("vllm", build, "2.13.0")
-        assert not store.store(key, "image", dev, outcome("image", (9, 9, 9)))
+        assert not store.store(key, "image", dev, outcome("image", (9, 9, 9)), dtype="bfloat16")
     got = store.outcome_for(key, "image", "0.33.0").result
     assert got is not None and got.token_ids == (1, 2, 3), (
         f"--golden 0.33.0 now answers with the dev build's ids {got and got.token_ids}"
@@ -431,8 +443,20 @@ def test_goldens_of_one_release_under_two_torch_versions_do_not_overwrite_each_o
     `goldens` names the torch wherever a request has more than one."""
     store = GoldenStore(tmp_path / "goldens")
     key = golden_key(serving_for(CPU, "/m"), "digest", BODY, LAUNCH)
-    store.store(key, "image", ServedVllm("v", "0.32.0+cpu", "2.13.0"), outcome("image", (1,)))
-    store.store(key, "image", ServedVllm("v", "0.32.0+cpu", "2.14.0"), outcome("image", (2,)))
+    store.store(
+        key,
+        "image",
+        ServedVllm("v", "0.32.0+cpu", "2.13.0"),
+        outcome("image", (1,)),
+        dtype="bfloat16",
+    )
+    store.store(
+        key,
+        "image",
+        ServedVllm("v", "0.32.0+cpu", "2.14.0"),
+        outcome("image", (2,)),
+        dtype="bfloat16",
+    )
     torches = sorted(g.torch_version for gs in store.all().values() for g in gs)
     assert torches == ["2.13.0", "2.14.0"], f"one golden left: {torches}"
     assert store.outcome_for(key, "image", "0.32.0", "2.14.0").result.token_ids == (2,)
@@ -449,7 +473,7 @@ def test_an_editable_install_is_not_filed_even_with_a_final_version(tmp_path: Pa
     store = GoldenStore(tmp_path / "goldens")
     key = golden_key(serving_for(CPU, "/m"), "digest", BODY, LAUNCH)
     editable = ServedVllm("v", "0.32.0", "2.13.0", source_tree="/src/vllm", source_state="git a")
-    assert not store.store(key, "image", editable, outcome("image", (1,)))
+    assert not store.store(key, "image", editable, outcome("image", (1,)), dtype="bfloat16")
     assert store.all() == {}
 
 
@@ -472,7 +496,13 @@ def test_a_golden_of_an_older_harness_is_read_as_its_torchs(tmp_path: Path) -> N
         )
     )
     assert store.outcome_for(key, "image", "0.31.0", "2.99.0").result.token_ids == (4,)
-    store.store(key, "image", ServedVllm("v", "0.31.0+cpu", "2.13.0"), outcome("image", (5,)))
+    store.store(
+        key,
+        "image",
+        ServedVllm("v", "0.31.0+cpu", "2.13.0"),
+        outcome("image", (5,)),
+        dtype="bfloat16",
+    )
     assert [g.token_ids for gs in store.all().values() for g in gs] == [[5]]
     assert store.outcome_for(key, "image", "0.31.0").result.token_ids == (5,)
 
@@ -657,7 +687,11 @@ def test_golden_stands_in_for_the_baseline_without_starting_it(tmp_path: Path) -
     probe = sweep((text,))
     key = probe.baseline.golden_key("text")
     store.store(
-        key, "text", ServedVllm("vllm", "0.31.0+cpu"), outcome("text", [9, 8], prompt_ids=(1, 2))
+        key,
+        "text",
+        ServedVllm("vllm", "0.31.0+cpu"),
+        outcome("text", [9, 8], prompt_ids=(1, 2)),
+        dtype="bfloat16",
     )
     outcomes = probe.serve_baseline()
     assert outcomes["text"].result.token_ids == (9, 8)
@@ -1334,9 +1368,21 @@ def test_a_golden_of_another_dtype_never_stands_in(tmp_path: Path) -> None:
     keys = {dtype: sweep(dtype).baseline.golden_key("text") for dtype in DTYPES}
     assert len(set(keys.values())) == len(DTYPES), keys
     served = ServedVllm("vllm", "0.31.0+cpu")
-    store.store(keys["bfloat16"], "text", served, outcome("text", [9, 8], prompt_ids=(1, 2)))
+    store.store(
+        keys["bfloat16"],
+        "text",
+        served,
+        outcome("text", [9, 8], prompt_ids=(1, 2)),
+        dtype="bfloat16",
+    )
     assert sweep("bfloat16").serve_baseline()["text"].result.token_ids == (9, 8)
     with pytest.raises(BadInput, match="no golden of vLLM 0.31.0 for prompt 'text'"):
         sweep("float16").serve_baseline()
-    store.store(keys["float16"], "text", served, outcome("text", [7, 6], prompt_ids=(1, 2)))
+    store.store(
+        keys["float16"],
+        "text",
+        served,
+        outcome("text", [7, 6], prompt_ids=(1, 2)),
+        dtype="float16",
+    )
     assert sweep("float16").serve_baseline()["text"].result.token_ids == (7, 6)

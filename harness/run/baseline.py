@@ -415,5 +415,5 @@ class BaselineAnswers:
                 name,
                 self.settings.vllm,
                 outcome,
-                self.settings.serving.dtype,
+                dtype=self.settings.serving.dtype,
             )

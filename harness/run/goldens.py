@@ -135,7 +135,8 @@ class GoldenStore:
         prompt: str,
         served: ServedVllm,
         outcome: Outcome,
-        dtype: str = DEFAULT_DTYPE,
+        *,
+        dtype: str,
     ) -> bool:
         """File `outcome`, served in `dtype`, as the golden of the served release and torch;
         False when it is not filed (a failed answer, an unknown version, a build that is no
