@@ -443,20 +443,9 @@ def test_goldens_of_one_release_under_two_torch_versions_do_not_overwrite_each_o
     `goldens` names the torch wherever a request has more than one."""
     store = GoldenStore(tmp_path / "goldens")
     key = golden_key(serving_for(CPU, "/m"), "digest", BODY, LAUNCH)
-    store.store(
-        key,
-        "image",
-        ServedVllm("v", "0.32.0+cpu", "2.13.0"),
-        outcome("image", (1,)),
-        dtype="bfloat16",
-    )
-    store.store(
-        key,
-        "image",
-        ServedVllm("v", "0.32.0+cpu", "2.14.0"),
-        outcome("image", (2,)),
-        dtype="bfloat16",
-    )
+    for torch, ids in (("2.13.0", (1,)), ("2.14.0", (2,))):
+        served = ServedVllm("v", "0.32.0+cpu", torch)
+        store.store(key, "image", served, outcome("image", ids), dtype="bfloat16")
     torches = sorted(g.torch_version for gs in store.all().values() for g in gs)
     assert torches == ["2.13.0", "2.14.0"], f"one golden left: {torches}"
     assert store.outcome_for(key, "image", "0.32.0", "2.14.0").result.token_ids == (2,)
