@@ -33,6 +33,7 @@ import pytest
 from harness.environment import WATCHDOG_ENV
 from harness.serve.launch import ServerDied
 from harness.serve.session import TopologySession
+from harness.serve.watchdog import client as watchdog_client
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, ServingConfig
@@ -748,7 +749,9 @@ def test_disk_full_mid_run_keeps_what_was_written(
     tmp_path: Path, fake_vllm: Path, port_locks: Path, epd_cli, monkeypatch
 ) -> None:
     """The disk fills after the baseline: summary.json cannot be written (a write() that fails
-    carries no file name, as on a real full disk)."""
+    carries no file name, as on a real full disk). The harness process's watchdog lives as long
+    as it does, by design: found failing when this test ran alone, the first to start one in
+    its process (under xdist an earlier test had, so it was among those already running)."""
     import harness.report.run_outputs
 
     def full_disk(*_args: object, **_kwargs: object) -> None:
@@ -772,7 +775,9 @@ def test_disk_full_mid_run_keeps_what_was_written(
         "baseline/baseline__baseline0.log",
     }
     assert expected_files <= files_under(run_dir), files_under(run_dir)
-    left = survivors([p for p in psutil.Process().children(recursive=True) if p not in before])
+    own_watchdog = watchdog_client().pid
+    started = [p for p in psutil.Process().children(recursive=True) if p not in before]
+    left = survivors([p for p in started if p.pid != own_watchdog])
     assert not left, f"left behind: {describe(left)}"
 
 
