@@ -507,13 +507,24 @@ def test_the_layout_estimate_keeps_the_video_frames_vllm_keeps() -> None:
 # -- signatures and known failures --------------------------------------------------------------
 
 
-def test_a_crash_signature_is_the_dead_role_and_the_worker_assertion() -> None:
-    crash = record(Verdict.ERROR, "request failed: InternalServerError", DECODE_TAIL_ERROR)
+@pytest.mark.parametrize(
+    "client_line",
+    [
+        "InternalServerError: Error code: 500 - {'error': 'EngineCore encountered an issue'}",
+        'ServerFailedError: Error code: 500 - {"error": "EngineCore encountered an issue"}',
+    ],
+    ids=["openai-client", "harness-client"],
+)
+def test_a_crash_signature_is_the_dead_role_and_the_worker_assertion(client_line: str) -> None:
+    """The client's line wraps the cause (the worker's assertion), whichever client saw the
+    500: the openai one's, in runs before the harness's own replaced it."""
+    error = DECODE_TAIL_ERROR.replace(DECODE_TAIL_ERROR.splitlines()[0], client_line)
+    crash = record(Verdict.ERROR, "request failed", error)
     signature = signature_of(crash)
     assert signature.where == "decode died"
     assert signature.cause.startswith("AssertionError: Expected number of multimodal embeddings")
     assert "N, but got len(mm_embeddings)=N" in signature.cause
-    other_pid = DECODE_TAIL_ERROR.replace("4242", "99").replace("items: 1", "items: 2")
+    other_pid = error.replace("4242", "99").replace("items: 1", "items: 2")
     assert signature_of(record(Verdict.ERROR, "", other_pid)) == signature
 
 

@@ -539,11 +539,12 @@ def test_a_load_at_its_count_limits_passes_its_checks(argv: list[str]) -> None:
 
 
 def test_the_concurrency_limit_is_what_the_harness_client_holds_at_once() -> None:
-    """MAX_CONCURRENCY's reason: unstreamed requests go through one openai client (ChatClient),
-    whose connection pool holds this many; a smaller pool would hold requests within the limit
-    in the harness."""
-    constants = pytest.importorskip("openai._constants")
-    assert constants.DEFAULT_CONNECTION_LIMITS.max_connections >= MAX_CONCURRENCY
+    """MAX_CONCURRENCY's reason: a load's requests share the session's one ChatClient, whose
+    connection pool must hold this many; a smaller pool would hold requests within the limit in
+    the harness."""
+    from harness.serve.client import MAX_CONNECTIONS
+
+    assert MAX_CONNECTIONS is None or MAX_CONNECTIONS >= MAX_CONCURRENCY
 
 
 class DiesQuietly(StandIn):

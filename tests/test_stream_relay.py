@@ -16,7 +16,7 @@ import pytest
 from sse_stream import PROMPT_IDS, TOKENS, encode, vllm_chunks
 
 from harness.outcomes.stream import StreamFailed
-from harness.serve.client import ChatClient, StreamHTTPError
+from harness.serve.client import ChatClient, ServerFailedError
 from harness.serve.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer
 from harness.serve.tap import TapSet, TapTarget
 from harness.spec.prompts import sampling_fields, streaming_request
@@ -136,5 +136,5 @@ def test_an_error_in_the_stream_is_no_answer(d: StreamingD) -> None:
 
 def test_a_refused_stream_raises_with_its_status(d: StreamingD) -> None:
     d.status = 500
-    with pytest.raises(StreamHTTPError, match="Error code: 500"):
+    with pytest.raises(ServerFailedError, match="Error code: 500"):
         send(d.url)

@@ -5,15 +5,18 @@ Requests go out greedy (`temperature 0`, neutral penalties, fixed `seed`) with `
 entry read `token_id:N`, so the top-k at a divergence is in ids, not in ambiguous decoded
 strings.
 
-A body with `stream: true` is read as raw server-sent events (httpx, not the `openai` client,
-whose stream reader skips what it does not understand): every event is kept with the seconds
-since the request left, so its framing can be checked (`harness.outcomes.stream`) and the time
-to the first token measured.
+Requests go out through httpx as rendered, and answers are kept as the server sent them. The
+`openai` client stood here for unstreamed requests: its models filled every field an answer left
+out with null, its import cost 1.6 CPU-s in every process that opened a client (measured on a
+2-core host: each xdist worker, each CLI run), and its connections were kept alive past the 3 s
+that vLLM #41567 needs. A body with `stream: true` is read as raw server-sent events (an SSE
+reader, the openai one among them, skips what it does not understand): every event is kept with
+the seconds since the request left, so its framing can be checked (`harness.outcomes.stream`)
+and the time to the first token measured.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import ssl
 import time
@@ -25,6 +28,10 @@ from harness.outcomes.stream import StreamFailed, StreamRecord, parse_stream, sp
 
 REQUEST_TIMEOUT_S = 300.0
 KEEPALIVE_S = 3.0
+# No cap on connections: a load's threads (harness.spec.load.MAX_CONCURRENCY) share one client,
+# and a cap below theirs would hold requests in the harness, counted as in flight.
+MAX_CONNECTIONS: int | None = None
+MAX_ERROR_BODY_CHARS = 2000
 
 
 @functools.cache
@@ -47,26 +54,20 @@ class ChatReply:
 
 
 class ChatClient:
-    """Thin wrapper over the `openai` client pointed at one server (a proxy or an instance)."""
+    """One server's chat endpoint (a proxy or an instance), over one httpx client that the
+    threads of a load share (httpx clients are thread-safe)."""
 
     def __init__(self, base_url: str, timeout_s: float = REQUEST_TIMEOUT_S):
-        import httpx  # imported late: the fast tests of pure logic do not need them
-        import openai
+        import httpx  # imported late: the fast tests of pure logic do not need it
 
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
-        self._client = openai.OpenAI(
-            base_url=f"{self.base_url}/v1",
-            api_key="EMPTY",
-            timeout=timeout_s,
-            max_retries=0,
-            http_client=openai.DefaultHttpxClient(verify=_tls_context()),
-        )
-        # Streams; shared by the threads of a load (httpx clients are thread-safe). Idle
-        # connections are dropped before a vLLM or uvicorn server's 5 s keep-alive closes them
-        # (reusing one it is closing breaks the next request, vLLM #41567).
+        # Idle connections are dropped before a vLLM or uvicorn server's 5 s keep-alive closes
+        # them (reusing one it is closing breaks the next request, vLLM #41567).
         limits = httpx.Limits(
-            max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S
+            max_connections=MAX_CONNECTIONS,
+            max_keepalive_connections=64,
+            keepalive_expiry=KEEPALIVE_S,
         )
         self._http = httpx.Client(timeout=timeout_s, limits=limits, verify=_tls_context())
 
@@ -74,45 +75,33 @@ class ChatClient:
         return self.send(body, request_id).result
 
     def send(self, body: dict[str, Any], request_id: str | None = None) -> ChatReply:
-        """Send a rendered chat body as-is (streamed when it says `stream: true`)."""
+        """Send a rendered chat body as-is (streamed when it says `stream: true`). An answer of
+        another status than 200 raises `ChatHTTPError`; one that is not JSON, ValueError."""
         if body.get("stream"):
             return self._send_streamed(body, request_id)
-        body = copy.deepcopy(body)
-        standard = {
-            key: body.pop(key)
-            for key in (
-                "model",
-                "messages",
-                "temperature",
-                "seed",
-                "max_tokens",
-                "logprobs",
-                "top_logprobs",
-                "stream",
-            )
-            if key in body
-        }
-        headers = {"x-request-id": request_id} if request_id else None
-        response = self._client.chat.completions.create(
-            **standard, extra_body=body or None, extra_headers=headers
-        )
-        return ChatReply(parse_chat_response(response.model_dump()))
+        response = self._http.post(self._url, json=body, headers=_headers(request_id))
+        if response.status_code != 200:
+            raise http_error(response.status_code, response.text)
+        return ChatReply(parse_chat_response(response.json()))
+
+    @property
+    def _url(self) -> str:
+        return f"{self.base_url}/v1/chat/completions"
 
     def _send_streamed(self, body: dict[str, Any], request_id: str | None) -> ChatReply:
-        """POST the body and read its events as they arrive. A non-200 answer raises like the
-        openai client's errors do (its status and body in the message); a stream that reports
-        an error or breaks off raises StreamFailed with what was read."""
+        """POST the body and read its events as they arrive. A non-200 answer raises as an
+        unstreamed one does; a stream that reports an error or breaks off raises StreamFailed
+        with what was read."""
         import httpx
 
-        headers = {"x-request-id": request_id} if request_id else {}
         started = time.monotonic()
         events: list[tuple[float, bytes]] = []
         with self._http.stream(
-            "POST", f"{self.base_url}/v1/chat/completions", json=body, headers=headers
+            "POST", self._url, json=body, headers=_headers(request_id)
         ) as response:
             if response.status_code != 200:
                 text = response.read().decode("utf-8", errors="replace")
-                raise StreamHTTPError(f"Error code: {response.status_code} - {text[:2000]}")
+                raise http_error(response.status_code, text)
             content_type = response.headers.get("content-type", "")
             buffer = b""
             complete = True
@@ -137,9 +126,30 @@ class ChatClient:
         return ChatReply(result, record)
 
     def close(self) -> None:
-        self._client.close()
         self._http.close()
 
 
-class StreamHTTPError(Exception):
-    """A streamed request answered with another status than 200."""
+def _headers(request_id: str | None) -> dict[str, str]:
+    return {"x-request-id": request_id} if request_id else {}
+
+
+class ChatHTTPError(Exception):
+    """An answer with another status than 200, its message `Error code: <status> - <body>`
+    (what the fuzzer's signatures read the status from)."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"Error code: {status} - {body[:MAX_ERROR_BODY_CHARS]}")
+        self.status = status
+
+
+class RequestRefusedError(ChatHTTPError):
+    """A 4xx: the server refused the request, and its body says why (the cause)."""
+
+
+class ServerFailedError(ChatHTTPError):
+    """Any other status (a 5xx): the request failed in the server, whose body or log holds the
+    cause; the fuzzer's signatures and an export's headline look past this line for it."""
+
+
+def http_error(status: int, body: str) -> ChatHTTPError:
+    return (RequestRefusedError if 400 <= status < 500 else ServerFailedError)(status, body)

@@ -33,10 +33,10 @@ MIN_DISTINCT_MEDIA = 3  # the shared items and at least the one whose media end 
 # requests of each prompt and verdict that did not pass
 # (`harness.run.load.result.LoadResult.add`).
 MAX_REQUESTS = 100_000
-# The most requests in flight. Unstreamed requests go out through one openai client per
-# session, whose connection pool holds 1,000 (its DEFAULT_CONNECTION_LIMITS): more would wait
-# for a connection in the harness, counted as in flight, never reaching vLLM (whose instances
-# batch `max_num_seqs` and queue the rest anyway). Each one is a thread of the harness too.
+# The most requests in flight, each a thread of the harness sharing the session's one chat
+# client (harness.serve.client, whose pool must hold them all, or the rest would wait for a
+# connection in the harness, counted as in flight, never reaching vLLM). vLLM's instances
+# batch `max_num_seqs` and queue the rest anyway.
 MAX_CONCURRENCY = 1_000
 # The longest soak, in seconds. A soak's bounds are judged when it ends: a day is longer than
 # any night's soak, and a --duration given in milliseconds (600000 for ten minutes) is refused

@@ -47,8 +47,15 @@ ENVIRONMENT_KEYS = (
 ROLE_NAMES = {"encoder": "E", "prefill": "P", "decode": "D", "pd": "PD", "baseline": "monolithic"}
 MAX_EVIDENCE_LINES = 60
 HEADLINE_CHARS = 160
-# Exceptions that say an engine died, not why: never the headline.
-GENERIC_ERRORS = ("EngineDeadError", "EngineCore encountered", "APIError", "InternalServerError")
+# Exceptions that say an engine died, not why: never the headline. The last two are the openai
+# client's, in runs before the harness's client (ServerFailedError) replaced it.
+GENERIC_ERRORS = (
+    "EngineDeadError",
+    "EngineCore encountered",
+    "ServerFailedError",
+    "APIError",
+    "InternalServerError",
+)
 ERROR_LINE = re.compile(r"\b(\w*(?:Error|Exception)): (?P<message>.+)$")
 DEAD_INSTANCE = re.compile(r"instance (?P<name>\S+) exited with code (?P<code>-?\d+)")
 

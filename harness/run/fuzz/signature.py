@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 from harness.judge.records import CaseRecord, Verdict
 
-# Exception lines that only wrap the cause: an engine that died, a client that saw a 500.
+# Exception lines that only wrap the cause: an engine that died, a client that saw a 500 (the
+# harness's client's ServerFailedError; the openai client's names, in runs before it went).
 WRAPPERS = (
     "EngineDeadError",
     "EngineGenerateError",
+    "ServerFailedError",
     "APIConnectionError",
     "APITimeoutError",
     "InternalServerError",
