@@ -26,6 +26,9 @@ NETWORK_CHECKS_ENV = "EPD_HARNESS_NETWORK_CHECKS"
 # The command lines the served vLLM's own parser accepted (harness.preflight.vllm_args); the
 # test suite points each of its sessions at a directory of their own.
 ARGV_CHECK_DIR_ENV = "EPD_HARNESS_ARGV_CHECK_DIR"
+# The served interpreter's imports that succeeded (harness.preflight.connectors); unset, every
+# run probes. The test suite points each of its sessions at a directory of their own.
+IMPORT_CHECK_DIR_ENV = "EPD_HARNESS_IMPORT_CHECK_DIR"
 
 DEFAULT_PORT_RANGE = range(20000, 30000)
 DEFAULT_PORT_LOCK_DIR = Path("/tmp/epd-harness-ports")
@@ -49,6 +52,11 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "the vllm serve command lines the served vLLM's parser accepted (a session of the tests "
         "sets its own)",
     ),
+    IMPORT_CHECK_DIR_ENV: (
+        "unset",
+        "where the served interpreter's imports that succeeded are kept (unset: every run probes; "
+        "a session of the tests sets its own)",
+    ),
 }
 
 
@@ -58,6 +66,11 @@ def cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
 
 def argv_check_dir(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(environ.get(ARGV_CHECK_DIR_ENV) or cache_dir(environ) / "argv-check")
+
+
+def import_check_dir(environ: Mapping[str, str] = os.environ) -> Path | None:
+    text = environ.get(IMPORT_CHECK_DIR_ENV)
+    return Path(text) if text else None
 
 
 def parse_port_range(text: str, source: str = PORT_RANGE_ENV) -> range:

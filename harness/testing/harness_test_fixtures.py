@@ -61,6 +61,21 @@ def served_vllm_parser(epd_session_root: Path, epd_argv_check_dir: Path):
 
 
 @pytest.fixture(autouse=True)
+def epd_own_import_checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test's runs, in this process and in those it starts (a fake GPU night's pytest
+    session, a CLI), keep the served interpreter's imports that succeeded in the session's
+    directory (harness.preflight.connectors): each probe of `nixl` costs 3.5 CPU-s, and the
+    session's runs probe one interpreter dozens of times. The e2e items are runs of the harness
+    like the user's, and probe every time."""
+    if request.node.get_closest_marker("e2e") is not None:
+        return
+    from harness.environment import IMPORT_CHECK_DIR_ENV
+
+    root = request.getfixturevalue("epd_session_root")
+    monkeypatch.setenv(IMPORT_CHECK_DIR_ENV, str(root / "import-check"))
+
+
+@pytest.fixture(autouse=True)
 def epd_own_argv_checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test's runs, in this process and in those it starts, keep their accepted command
     lines in the session's directory, never in the user's cache: a line marked accepted there
