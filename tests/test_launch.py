@@ -18,6 +18,7 @@ import pytest
 from harness.serve.launch import (
     HEALTH_REQUEST_TIMEOUT_S,
     STARTUP_STOP_GRACE_S,
+    TREE_SAMPLE_INTERVAL_S,
     ManagedServer,
     ServerDied,
     StartupTimeout,
@@ -339,6 +340,34 @@ def test_cpu_seconds_are_summed_per_kind_of_process(make_server) -> None:
     assert cpu["EngineCore"] >= 0.25, cpu  # half the burn: the kernel's ticks are coarse
     assert 0 < cpu["server"] < cpu["EngineCore"], cpu  # it only imported and slept
     server.stop(grace_s=5)
+
+
+def test_a_burst_of_checks_scans_the_process_table_once_and_stop_scans_again(
+    make_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found profiling the fake GPU night: every request checked each server alive and read its
+    peak RSS, and each read listed the server's descendants, which reads every process's
+    /proc/<pid>/stat (26 CPU-s of 251 s there). Reads within TREE_SAMPLE_INTERVAL_S of a
+    sample reuse it; stop() and cpu_seconds() sample afresh."""
+    server = make_server("burst", mode="children")
+    server.start()
+    server.wait_until_ready(timeout_s=20)
+    scans = []
+    listed = psutil.Process.children
+    monkeypatch.setattr(
+        psutil.Process, "children", lambda *a, **k: scans.append(1) or listed(*a, **k)
+    )
+    started, reads = time.monotonic(), 0
+    while time.monotonic() - started < TREE_SAMPLE_INTERVAL_S / 2 or reads < 10:
+        server.check_alive()
+        server.peak_rss_bytes()
+        reads += 1
+    burst = len(scans)
+    assert burst <= 1, f"{burst} scans for {reads} reads"
+    server.cpu_seconds()
+    assert len(scans) == burst + 1
+    server.stop(grace_s=5)
+    assert len(scans) == burst + 2
 
 
 def test_sigterm_ignoring_server_is_sigkilled_after_the_grace(make_server) -> None:

@@ -76,6 +76,12 @@ STOP_GRACE_S = 15.0
 STARTUP_STOP_GRACE_S = 3.0
 KILL_WAIT_S = 5.0
 STOP_POLL_INTERVAL_S = 0.05
+# How old a sample of a server's process tree may be when a check or a peak read wants one.
+# Listing a process's descendants reads every process's /proc/<pid>/stat on the host, and a
+# session checked each server alive and read its peak RSS around every request: 26 CPU-s of
+# a 251 s fake GPU night went there. Half the readiness poll, so every poll still samples;
+# stop() and cpu_seconds() always sample afresh.
+TREE_SAMPLE_INTERVAL_S = 0.25
 
 # Health checks go to 127.0.0.1 directly: a CI runner's HTTP(S)_PROXY must not relay them.
 _DIRECT_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -122,6 +128,7 @@ class ManagedServer:
         # Every descendant ever sampled, so that stop() also finds those that left the group
         # (setsid, daemonizing helpers), even after the server itself died and they were orphaned.
         self._seen_descendants: dict[int, psutil.Process] = {}
+        self._sampled_at: float | None = None  # monotonic time of the latest sample of the tree
         self._stopped = False
 
     @property
@@ -289,8 +296,9 @@ class ManagedServer:
     def peak_rss_bytes(self) -> int:
         """Largest summed RSS of the server's process tree seen so far, for reports.
 
-        Sampled at every readiness poll, every `check_alive()`, at `stop()` and here, so a peak
-        between samples is missed. Pages shared between forked processes count once per process:
+        Sampled at every readiness poll, at `check_alive()` and here (each reusing a sample
+        younger than TREE_SAMPLE_INTERVAL_S), and at `stop()`, so a peak between samples is
+        missed. Pages shared between forked processes count once per process:
         read it as an upper bound. 0 if the server was never sampled while alive.
         """
         self._sample_tree()
@@ -302,7 +310,8 @@ class ManagedServer:
         name without vLLM's `VLLM::` prefix (`EngineCore`, `Worker`). On CPU a vLLM start is
         interpreters importing torch and vLLM one after another; this says what each cost.
         Sampled with the peak RSS (a process that ended between samples keeps its last sample);
-        empty if the server was never sampled while alive."""
+        empty if the server was never sampled while alive. Sampled afresh."""
+        self._sample_tree(max_age_s=0.0)
         return self.sampled_usage()[1]
 
     def sampled_usage(self) -> tuple[int, dict[str, float]]:
@@ -326,7 +335,7 @@ class ManagedServer:
         if self._stopped:
             return
         if self._popen is not None:
-            self._sample_tree()
+            self._sample_tree(max_age_s=0.0)
             pgid = self._popen.pid
             tracked = list(self._seen_descendants.values())
             signal_group(pgid, signal.SIGTERM)
@@ -362,10 +371,15 @@ class ManagedServer:
     def _log_evidence(self) -> str:
         return f"--- last {LOG_TAIL_LINES} lines of {self.command.log_path} ---\n{self.log_tail()}"
 
-    def _sample_tree(self) -> None:
-        """Record the current descendants and update the peak RSS of the whole tree."""
+    def _sample_tree(self, max_age_s: float = TREE_SAMPLE_INTERVAL_S) -> None:
+        """Record the current descendants and update the peak RSS of the whole tree, unless
+        the latest sample is younger than `max_age_s`."""
+        now = time.monotonic()
+        if self._sampled_at is not None and now - self._sampled_at < max_age_s:
+            return
         if not self.is_alive():
             return
+        self._sampled_at = now
         try:
             root = psutil.Process(self._popen.pid)
             descendants = root.children(recursive=True)
