@@ -108,3 +108,34 @@ def test_jpeg_frames_are_deterministic_and_match_the_video(tmp_path: Path) -> No
 
 
 # --- tiny model ------------------------------------------------------------------------------
+
+
+# -- rendered into a request: each medium made once per process ---------------------------------
+
+
+def test_a_medium_is_made_once_per_process_and_every_body_is_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found profiling the fake GPU night: each sweep rendered its prompts anew, and making and
+    encoding the images took 12 CPU-s of its 251 s. The same part renders the same URL, so it is
+    made once; each body is still a dict of its own (a case adds its salt to it)."""
+    from harness.spec import prompts
+
+    made = []
+    make_image = media.make_image
+    monkeypatch.setattr(media, "make_image", lambda *a: made.append(a) or make_image(*a))
+    spec = prompts.PromptSpec("p", (prompts.ImagePart(seed=987654), prompts.TextPart("hi")))
+    first = prompts.render_request(spec, "m")
+    second = prompts.render_request(spec, "m")
+    assert first == second and first is not second
+    assert len(made) == 1
+    first["messages"][0]["content"][0]["image_url"]["url"] = "changed"
+    assert prompts.render_request(spec, "m") == second
+
+
+def test_a_part_that_cannot_be_hashed_is_still_rendered() -> None:
+    """A size read back from JSON is a list: rendered as it is, without the cache."""
+    from harness.spec import prompts
+
+    listed = prompts.render_part(prompts.ImagePart(seed=5, size=[64, 48]))  # type: ignore[arg-type]
+    assert listed == prompts.render_part(prompts.ImagePart(seed=5, size=(64, 48)))

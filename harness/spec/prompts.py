@@ -12,6 +12,7 @@ tail are a scenario of their own.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -93,17 +94,37 @@ class PromptSpec:
 def render_part(part: Part) -> dict[str, Any]:
     if isinstance(part, TextPart):
         return {"type": "text", "text": part.text}
+    if not isinstance(part, MEDIA_PARTS):
+        raise TypeError(f"unknown prompt part {part!r}")
+    try:
+        kind, url = _cached_media_url(part)
+    except TypeError:  # unhashable: a size read back from JSON is a list
+        kind, url = _media_url(part)
+    return {"type": kind, kind: {"url": url}}
+
+
+# Media made and encoded once per process: a test session's sweeps render the same prompts
+# again and again (12 CPU-s of a 251 s fake GPU night made images), and a part's fields are
+# all that decide its bytes. Bounded: a fuzz draws many parts, each rendered a few times.
+MEDIA_CACHE_SIZE = 64
+
+
+@functools.lru_cache(maxsize=MEDIA_CACHE_SIZE)
+def _cached_media_url(part: ImagePart | VideoPart | VideoFramesPart) -> tuple[str, str]:
+    return _media_url(part)
+
+
+def _media_url(part: ImagePart | VideoPart | VideoFramesPart) -> tuple[str, str]:
+    """The part's content type and its `data:` URL."""
     if isinstance(part, ImagePart):
         png = media.image_png_bytes(media.make_image(part.seed, part.size))
-        return {"type": "image_url", "image_url": {"url": media.data_url("image/png", png)}}
+        return "image_url", media.data_url("image/png", png)
     if isinstance(part, VideoPart):
         mp4 = media.video_mp4_bytes(part.seed, part.num_frames, part.fps, part.size)
-        return {"type": "video_url", "video_url": {"url": media.data_url("video/mp4", mp4)}}
-    if isinstance(part, VideoFramesPart):
-        frames = media.make_video_frames_jpeg(part.seed, part.num_frames, part.size)
-        joined = ",".join(base64.b64encode(frame).decode("ascii") for frame in frames)
-        return {"type": "video_url", "video_url": {"url": f"data:video/jpeg;base64,{joined}"}}
-    raise TypeError(f"unknown prompt part {part!r}")
+        return "video_url", media.data_url("video/mp4", mp4)
+    frames = media.make_video_frames_jpeg(part.seed, part.num_frames, part.size)
+    joined = ",".join(base64.b64encode(frame).decode("ascii") for frame in frames)
+    return "video_url", f"data:video/jpeg;base64,{joined}"
 
 
 def sampling_fields(
