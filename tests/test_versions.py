@@ -1357,21 +1357,14 @@ def test_a_golden_of_another_dtype_never_stands_in(tmp_path: Path) -> None:
     keys = {dtype: sweep(dtype).baseline.golden_key("text") for dtype in DTYPES}
     assert len(set(keys.values())) == len(DTYPES), keys
     served = ServedVllm("vllm", "0.31.0+cpu")
-    store.store(
-        keys["bfloat16"],
-        "text",
-        served,
-        outcome("text", [9, 8], prompt_ids=(1, 2)),
-        dtype="bfloat16",
-    )
+
+    def keep(dtype: str, ids: list[int]) -> None:
+        answer = outcome("text", ids, prompt_ids=(1, 2))
+        store.store(keys[dtype], "text", served, answer, dtype=dtype)
+
+    keep("bfloat16", [9, 8])
     assert sweep("bfloat16").serve_baseline()["text"].result.token_ids == (9, 8)
     with pytest.raises(BadInput, match="no golden of vLLM 0.31.0 for prompt 'text'"):
         sweep("float16").serve_baseline()
-    store.store(
-        keys["float16"],
-        "text",
-        served,
-        outcome("text", [7, 6], prompt_ids=(1, 2)),
-        dtype="float16",
-    )
+    keep("float16", [7, 6])
     assert sweep("float16").serve_baseline()["text"].result.token_ids == (7, 6)

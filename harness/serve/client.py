@@ -37,9 +37,9 @@ MAX_ERROR_BODY_CHARS = 2000
 @functools.cache
 def _tls_context() -> ssl.SSLContext:
     """httpx's default verification (its CA bundle, SSL_CERT_FILE / SSL_CERT_DIR), built once
-    per process: each client built its own, two per ChatClient, 0.11 CPU-s on a 2-core host,
-    and a run opens a client per entry it serves (hundreds in a test session), most of them
-    plain HTTP on loopback."""
+    per process: built per client, TLS contexts cost 0.11 CPU-s a client on a 2-core host, and
+    a run opens a client per entry it serves (hundreds in a test session), most of them plain
+    HTTP on loopback."""
     import httpx
 
     return httpx.create_ssl_context()

@@ -97,9 +97,11 @@ def render_part(part: Part) -> dict[str, Any]:
     if not isinstance(part, MEDIA_PARTS):
         raise TypeError(f"unknown prompt part {part!r}")
     try:
-        kind, url = _cached_media_url(part)
+        hash(part)
+        render = _cached_media_url
     except TypeError:  # unhashable: a size read back from JSON is a list
-        kind, url = _media_url(part)
+        render = _media_url
+    kind, url = render(part)
     return {"type": kind, kind: {"url": url}}
 
 
