@@ -3,6 +3,9 @@ is not a failure (a sweep needs neither NIXL nor Ray)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -52,10 +55,23 @@ def test_the_environment_checked_is_the_one_vllm_runs_in(tmp_path: Path) -> None
     assert by_name["nixl (optional, for --kv-connector nixl)"].optional_missing
 
 
-def test_a_vllm_that_does_not_exist_fails_the_first_check(tmp_path: Path) -> None:
+def test_a_vllm_that_does_not_exist_fails_the_first_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`doctor --vllm /nonexistent` said `[ok  ] environment checked: ... this Python` and
-    went on to pass this Python's vLLM (found walking the CLI)."""
+    went on to pass this Python's vLLM (found walking the CLI). The checks below it run in
+    this Python, as the line says; each is answered here without running it (importing this
+    Python's vLLM for real cost 18-38 s of a CI worker, for a line it never read)."""
+    ran_in: list[tuple[str, ...]] = []
+
+    def not_run(code: str, python: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        ran_in.append(tuple(python))
+        return subprocess.CompletedProcess([*python, "-c", code], 1, "", "not run here")
+
+    monkeypatch.setattr(doctor, "_run_python", not_run)
     missing = tmp_path / "no-such" / "vllm"
     first = doctor.run_checks(str(missing), None)[0]
     assert not first.ok and first.detail.startswith(f"{missing} not found"), first
+    assert f"ran in this Python ({sys.executable})" in first.detail, first
     assert doctor.format_checks([first]).startswith("[FAIL] environment checked: ")
+    assert ran_in and set(ran_in) == {doctor.THIS_PYTHON}, ran_in
