@@ -22,6 +22,7 @@ from harness.outcomes.stream import StreamRecord
 from harness.report import bundle as bundle_module
 from harness.report.bundle import (
     REDACTED,
+    package_providers,
     redact_argv,
     render_diff_md,
     write_bundle,
@@ -578,3 +579,56 @@ def test_diff_md_and_report_html_say_a_run_is_red_on_purpose(
     assert (said in diff) is bool(planted), diff[:300]
     assert (said in page) is bool(planted)
     assert diff.startswith("# EPD diff: 3 of 4 case(s) failed")
+
+
+def test_the_providers_of_every_installed_package_are_the_standard_librarys() -> None:
+    """`package_providers` narrows `packages_distributions()` (0.4 CPU-s a process) to the
+    packages a bundle names: for every top-level package of this environment, the same
+    distributions in the same order."""
+    everything = importlib.metadata.packages_distributions()
+    assert "harness" in everything and "pytest" in everything, sorted(everything)[:20]
+    assert package_providers(sorted(everything)) == everything
+    assert package_providers(["no_such_package_of_epd"]) == {}
+
+
+class _Dist(importlib.metadata.Distribution):
+    """A distribution read from a dict of its metadata files."""
+
+    def __init__(self, files: dict[str, str]) -> None:
+        self._files = files
+
+    def read_text(self, filename: str) -> str | None:
+        return self._files.get(filename)
+
+    def locate_file(self, path):  # pragma: no cover - never asked here
+        raise NotImplementedError
+
+
+def test_providers_follow_top_level_txt_else_the_py_files(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A declared top_level.txt wins over the files; without one, a RECORD's .py files name
+    the packages (a package's modules, or a top-level module), never its data files; a
+    distribution with neither RECORD nor top_level.txt provides nothing; each package lists
+    its providers in the order the distributions are found."""
+    dists = [
+        _Dist({"METADATA": "Name: declares\n", "top_level.txt": "vllm\n",
+               "RECORD": "torch/__init__.py,,\n"}),
+        _Dist({"METADATA": "Name: infers\n",
+               "RECORD": "torch/__init__.py,,\nvllm_data/x.json,,\ntransformers.py,,\n"}),
+        _Dist({"METADATA": "Name: data-only\n", "RECORD": "vllm/kernels.so,,\nharness.txt,,\n"}),
+        _Dist({"METADATA": "Name: no-files\n"}),
+        _Dist({"METADATA": "Name: second-vllm\n", "RECORD": "vllm/__init__.py,,\n"}),
+    ]  # fmt: skip
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: iter(dists))
+    providers = package_providers(["vllm", "torch", "transformers", "harness", "vllm_data"])
+    assert providers == {
+        "vllm": ["declares", "second-vllm"],
+        "torch": ["infers"],
+        "transformers": ["infers"],
+    }
+    assert providers == {
+        package: names
+        for package, names in importlib.metadata.packages_distributions().items()
+        if package in providers or package in {"harness", "vllm_data"}
+    }
