@@ -129,3 +129,14 @@ def session_option_parser() -> pytest.Parser:
     plugins' (`parse_known_and_unknown_args`, `getgroup`: pytest.Parser's public methods)."""
     (parser,) = _session_parser
     return parser
+
+
+@pytest.fixture
+def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    """pytest's own pytester, its sessions without the two plugins pyproject.toml's addopts
+    leave out (their ini is their own, so they loaded them). Pytester puts sys.modules back
+    after each in-process run, so Hypothesis's plugin was imported afresh in the next one and
+    warned (HypothesisSideeffectWarning, one per CI worker in the summary) about the strategies
+    this process's fuzz tests had drawn since."""
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:hypothesispytest -p no:anyio")
+    return pytester
