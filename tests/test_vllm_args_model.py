@@ -71,6 +71,19 @@ def test_a_planted_bad_flag_or_malformed_config_is_refused_by_vllms_parser(
     )
 
 
+def test_the_batch_judged_with_one_parser_as_vllms_main_judges_each_line(
+    parser: ServedParser,
+) -> None:
+    """The session's batch was judged by main() for its first line and by the parser and serve
+    command main() left behind for the others (`vllm_args.PROBE`). main() itself, a line at a
+    time in the same interpreter, judged alike the planted refusals and a decode line of each
+    platform and connector (446 lines compared both ways, on 0.31.0 and 0.32.0:
+    docs/running.md)."""
+    assert len(parser.by_main) >= 4 + 3 * 2, parser.by_main
+    assert parser.by_main == {line: parser.by_line[line] for line in parser.by_main}
+    assert sum(verdict is not None for verdict in parser.by_main.values()) == 4  # the planted
+
+
 def test_prepare_run_refuses_a_planted_flag_before_anything_starts(
     parser: ServedParser, tmp_path: Path, monkeypatch
 ) -> None:

@@ -6,8 +6,9 @@ up as an instance that dies at start-up, tens of seconds and often a baseline la
 night, after a model load. So the run's command lines are rendered the way `epd-harness plan`
 renders them and handed, all at once, to ONE subprocess in the served interpreter that runs
 vLLM's own CLI entry point (`vllm.entrypoints.cli.main.main`, which builds the `serve` parser,
-parses, and runs `ServeSubcommand.validate`) with the serve command itself replaced by a no-op:
-vLLM's parser and validation, no server, no model load.
+parses, and runs `ServeSubcommand.validate`; from the second line on, the parser and command it
+built, `PROBE`) with the serve command itself replaced by a no-op: vLLM's parser and validation,
+no server, no model load.
 
 The parser treats ports, paths and the model name as opaque values, so they are rendered as
 placeholders (one port for all): a line depends only on the serving flags and the instance's
@@ -50,24 +51,56 @@ CACHE_FORMAT = 2
 
 # Runs in the served interpreter: argv of each instance (after `vllm`) on stdin as JSON,
 # {name: problem or null} into the file OUT (set above it). Logs and usage go nowhere.
+#
+# vLLM's main() builds the parser of every subcommand again for each line, most of a line's
+# cost (docs/running.md). So the first line goes through main(), which leaves behind the parser
+# it parsed with (the one with subcommands) and the serve command it validated with; each later
+# line repeats main()'s last steps with that pair: parse, validate, dispatch. The pair takes
+# over only once it has judged the first line as main() did, so a release whose main() parses
+# or validates some other way keeps main() for every line, as ONE_PARSER = False (set above
+# it) does.
 PROBE = r"""
-import contextlib, io, json, sys
+import argparse, contextlib, io, json, sys
 import vllm.entrypoints.cli.main as cli_main
 import vllm.entrypoints.cli.serve as cli_serve
 accepted = []
 cli_serve.ServeSubcommand.cmd = staticmethod(lambda args: accepted.append(args))
-results = {}
-for name, argv in json.load(sys.stdin).items():
+kept = {}
+parse_args, validate = argparse.ArgumentParser.parse_args, cli_serve.ServeSubcommand.validate
+def keep_parser(self, *args, **kwargs):
+    if getattr(self, "_subparsers", None) is not None:
+        kept.setdefault("parser", self)
+    return parse_args(self, *args, **kwargs)
+def keep_serve(self, args):
+    kept.setdefault("serve", self)
+    return validate(self, args)
+argparse.ArgumentParser.parse_args = keep_parser
+cli_serve.ServeSubcommand.validate = keep_serve
+def with_main():
+    cli_main.main()
+def with_kept():
+    args = kept["parser"].parse_args(sys.argv[1:])
+    if getattr(args, "subparser", None) == "serve":
+        kept["serve"].validate(args)
+        args.dispatch_function(args)
+def judge(argv, run):
     sys.argv = ["vllm", *argv]
     before, err = len(accepted), io.StringIO()
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-            cli_main.main()
-        results[name] = None if len(accepted) > before else "parsed, but not as vllm serve"
+            run()
+        return None if len(accepted) > before else "parsed, but not as vllm serve"
     except SystemExit as exc:
-        results[name] = err.getvalue() or f"exit {exc.code}"
+        return err.getvalue() or f"exit {exc.code}"
     except Exception as exc:
-        results[name] = f"{type(exc).__name__}: {exc}"
+        return f"{type(exc).__name__}: {exc}"
+one_parser = globals().get("ONE_PARSER", True)
+run, results, lines = with_main, {}, json.load(sys.stdin)
+for name, argv in lines.items():
+    results[name] = judge(argv, run)
+    if run is with_main and one_parser and {"parser", "serve"} <= kept.keys():
+        one_parser = judge(argv, with_kept) == results[name]
+        run = with_kept if one_parser else with_main
 with open(OUT, "w") as out:
     json.dump(results, out)
 """

@@ -49,6 +49,15 @@ ENCODER_FLAG = "--encoder-cache-turbo"
 # The line the planted refusals are made from.
 PLANTED_FROM = "cuda/NixlConnector/by-hash-indexed/eager=True/1P+1D/decode0"
 Verdicts = dict[str, "str | None"]  # name -> vLLM's complaint, None for a line it accepts
+# Appended to the batch's probe program: once the batch is judged (from its second line on by
+# the parser and serve command vLLM's main() left behind, `vllm_args.PROBE`), main() itself
+# judges a sample of its lines again in the same interpreter, under names of their own.
+BY_MAIN_PREFIX = "by-main/"
+BY_MAIN = r"""
+results.update({f"by-main/{n}": judge(lines[n], with_main) for n in BY_MAIN_NAMES})
+with open(OUT, "w") as out:
+    json.dump(results, out)
+"""
 
 
 def every_rendered_argv(
@@ -126,6 +135,8 @@ class ServedParser:
     rendered: dict[str, list[str]]  # every_rendered_argv()
     planted: dict[str, list[str]]  # planted_refusals()
     by_line: dict[str, str | None] = field(default_factory=dict)  # argv as JSON -> verdict
+    # argv as JSON -> main()'s own verdict, for the batch's sample (`by_main_sample`)
+    by_main: dict[str, str | None] = field(default_factory=dict)
     probes: int = 0  # this process's: the batch's (unless another's was read), then one per
     # call with lines it lacked
 
@@ -136,7 +147,14 @@ class ServedParser:
         for name, argv in batch_lines.items():
             first_name.setdefault(json.dumps(argv), name)
         batch = {name: json.loads(line) for line, name in first_name.items()}
-        self._remember(batch, *self._real_probe(self.interpreter, batch))
+        sample = by_main_sample(batch)
+        with pytest.MonkeyPatch.context() as patch:
+            program = f"{vllm_args.PROBE}\nBY_MAIN_NAMES = {sample!r}\n{BY_MAIN}"
+            patch.setattr(vllm_args, "PROBE", program)
+            results, seconds = self._real_probe(self.interpreter, batch)
+        for name in sample:
+            self.by_main[json.dumps(batch[name])] = results.get(BY_MAIN_PREFIX + name, "no verdict")
+        self._remember(batch, results, seconds)
 
     def verdicts(self, argvs: dict[str, list[str]]) -> Verdicts:
         results, _seconds = self.probe(self.interpreter, argvs)
@@ -183,6 +201,17 @@ class ServedParser:
 REAL_PROBE = vllm_args._run_probe  # before any test replaces it with `ServedParser.probe`
 
 
+def by_main_sample(batch: dict[str, list[str]]) -> list[str]:
+    """The batch's lines main() judges again: the planted refusals but the one good line, and
+    each platform's and connector's eager 1E+1P+1D decode line."""
+    planted = {
+        name for name in planted_refusals(["--kv-transfer-config", "{}"]) if "ok/" not in name
+    }
+    return [
+        name for name in batch if name in planted or name.endswith("eager=True/1E+1P+1D/decode0")
+    ]
+
+
 def served_parser(interpreter: Sequence[str], shared: Path) -> ServedParser:
     """The parser of the served vLLM at `interpreter`, its batch judged once for every process
     that shares the directory `shared`: the first probes and leaves the verdicts there."""
@@ -196,9 +225,14 @@ def served_parser(interpreter: Sequence[str], shared: Path) -> ServedParser:
             judged = json.loads(verdicts.read_text())
             if judged["interpreter"] == list(interpreter):
                 parser.by_line.update(judged["by_line"])
+                parser.by_main.update(judged["by_main"])
                 return parser
         parser.judge()
-        record = {"interpreter": list(interpreter), "by_line": parser.by_line}
+        record = {
+            "interpreter": list(interpreter),
+            "by_line": parser.by_line,
+            "by_main": parser.by_main,
+        }
         write_text_atomic(verdicts, json.dumps(record))
     return parser
 
