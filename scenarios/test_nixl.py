@@ -4,10 +4,9 @@ from P to D) turns it into a MISMATCH.
 
 This is the connector GPU users deploy; on CPU it needs the `nixl` extra (`scripts/cpu setup
 --nixl`; `scripts/cpu test`, the README's test command and CI's, installs it). Without it these
-tests fail with that one line, never skip. CI runs the clean 1P+1D image case (`ci`): passed in
-each of its runs under the shared lock on the project's loaded 2-core machine, 81-125 s per run
-(NIXL start and the first request's handshake; docs/connectors.md). The misrouted-blocks fault
-stays `e2e`.
+tests fail with that one line, never skip. CI's NIXL case is 1E+1P+1D on Ray's nodes
+(`scenarios/test_ray.py`), which moves KV from P to D as this module's clean case does; these
+stay `e2e`.
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ def judged(live: LiveTopology, observed) -> CaseRecord:
     return record
 
 
-@pytest.mark.ci
 def test_nixl_1p1d_matches_with_the_whole_prompt_transferred(nixl_topology) -> None:
     record = judged(nixl_topology, nixl_topology.send(CLEAN_PROMPT))
     assert passed_proven(record), format_failure(record)

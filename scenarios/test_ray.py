@@ -119,7 +119,6 @@ def assert_on_distinct_nodes(session: TopologySession) -> None:
         assert session.stats[spec.name].node == spec.host
 
 
-@pytest.mark.ci
 def test_epd_on_three_nodes_matches_the_baseline(on_ray) -> None:
     """1E+1P+1D, E, P and D each on a node of its own (the run's KV connector), an image."""
     live = on_ray("ray-epd")
@@ -134,10 +133,14 @@ def test_epd_on_three_nodes_matches_the_baseline(on_ray) -> None:
 # `ray` variant is the session's own instances there: harness.testing.groups). These two take
 # the cluster's nodes from it (other instances on the same three nodes; a release of every
 # session on the cluster), so they run after everything else that group serves.
+@pytest.mark.ci
 @pytest.mark.epd_ends_session
 def test_epd_on_three_nodes_with_kv_over_nixl_matches(on_ray, epd_settings) -> None:
     """The same, the KV moving from P's node to D's over NIXL (the whole-prompt rule, read
-    from D's /metrics across nodes)."""
+    from D's /metrics across nodes). CI's one NIXL case and its one Ray case at once: across
+    nodes KV moves over NIXL (ExampleConnector needs storage every node shares), and on 2 cores
+    each topology under NIXL costs about two cores while it is up (its progress threads spin,
+    docs/connectors.md), so one start covers both."""
     try:
         check_kv_connector(epd_settings.vllm, NIXL)
     except BadInput as exc:
