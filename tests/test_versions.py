@@ -1354,6 +1354,14 @@ def test_the_ends_agreeing_says_in_which_dtype(tmp_path: Path, monkeypatch, caps
     assert capsys.readouterr().out.splitlines()[-1] == (
         "bisect: 1P+1D:text in float32: 0.32.0 and 0.30.0 agree (MATCH): no change to find"
     )
+    # The record keeps the answer too (found running it on real releases: only a change
+    # found was written, so a cherry-pick check that found none had only its console).
+    record = json.loads((tmp_path / "bisect-1P-1D-text-float32.json").read_text())
+    assert record["verdicts"] == {"0.32.0": "MATCH", "0.30.0": "MATCH"}
+    assert (record["first_changed"], record["last_like_good"]) == (None, "0.30.0")
+    assert record["bundles"] == {
+        v: str(tmp_path / "bisect-1P-1D-text-float32" / v) for v in ("0.32.0", "0.30.0")
+    }
 
 
 def test_a_golden_of_another_dtype_never_stands_in(tmp_path: Path) -> None:

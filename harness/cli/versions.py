@@ -607,9 +607,28 @@ def command_bisect(args: argparse.Namespace) -> int:
             print(f"bisect: {topology}:{prompt} on {version}: {shown}", flush=True)
         return verdicts[version]
 
+    def record(last_like_good: str, first_changed: str | None) -> None:
+        """`bisect-<case>[-<dtype>].json`: every verdict and the answer, with the bundles of
+        the two releases it names (both ends, when they agree)."""
+        named = (last_like_good, first_changed) if first_changed else (path[0], path[-1])
+        write_json_atomic(
+            root / f"{bisect_name(args.case, dtype)}.json",
+            {
+                "case": args.case,
+                "dtype": dtype,
+                "good": good,
+                "bad": bad,
+                "verdicts": verdicts,
+                "last_like_good": last_like_good,
+                "first_changed": first_changed,  # None: the two ends agree
+                "bundles": {version: str(bundles[version]) for version in named},
+            },
+        )
+
     reference = verdict(path[0])
     if verdict(path[-1]) == reference:
         print(f"bisect: {what}: {path[0]} and {path[-1]} agree ({reference}): no change to find")
+        record(path[-1], None)
         return 1
     lo, hi = 0, len(path) - 1  # path[lo] has the good verdict, path[hi] another
     while hi - lo > 1:
@@ -623,19 +642,7 @@ def command_bisect(args: argparse.Namespace) -> int:
         f"{verdicts[path[hi]]} on {path[hi]} (first release that differs: {path[hi]})\n"
         f"bisect: bundles: {path[lo]} in {bundles[path[lo]]}, {path[hi]} in {bundles[path[hi]]}"
     )
-    write_json_atomic(
-        root / f"{bisect_name(args.case, dtype)}.json",
-        {
-            "case": args.case,
-            "dtype": dtype,
-            "good": good,
-            "bad": bad,
-            "verdicts": verdicts,
-            "last_like_good": path[lo],
-            "first_changed": path[hi],
-            "bundles": {path[lo]: str(bundles[path[lo]]), path[hi]: str(bundles[path[hi]])},
-        },
-    )
+    record(path[lo], path[hi])
     return 0
 
 
