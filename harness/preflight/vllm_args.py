@@ -56,9 +56,9 @@ CACHE_FORMAT = 2
 # cost (docs/running.md). So the first line goes through main(), which leaves behind the parser
 # it parsed with (the one with subcommands) and the serve command it validated with; each later
 # line repeats main()'s last steps with that pair: parse, validate, dispatch. The pair takes
-# over only once it has judged the first line as main() did, so a release whose main() parses
-# or validates some other way keeps main() for every line, as ONE_PARSER = False (set above
-# it) does.
+# over only once it has judged the first line main() validated as main() did: a release whose
+# main() judges that line some other way keeps main() for every line, as ONE_PARSER = False
+# (set above it) does.
 PROBE = r"""
 import argparse, contextlib, io, json, sys
 import vllm.entrypoints.cli.main as cli_main

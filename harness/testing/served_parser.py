@@ -2,11 +2,12 @@
 
 A probe of the parser (`harness.preflight.vllm_args._run_probe`) is one interpreter of the
 served vLLM that imports vLLM's CLI, about 10 s on this 2-core host, and then parses each line
-in a fraction of a second. So one probe, the harness's own and unchanged, judges at once every
-line the parser tests read: each line the harness renders for any platform, KV connector,
-protocol generation and eager mode (`every_rendered_argv`), the planted refusals
-(`planted_refusals`), and the lines a run renders with a flag planted in the encoder's arguments
-(`ENCODER_FLAG`), and the lines the tests' runs of the fake vLLM render (`run_lines`). The tests
+in a fraction of a second. So one probe, the harness's own (with main() judging a sample of
+its lines again at the end, `BY_MAIN`), judges at once every line the parser tests read: each
+line the harness renders for any platform, KV connector, protocol generation and eager mode
+(`every_rendered_argv`), the planted refusals (`planted_refusals`), and the lines a run
+renders with a flag planted in the encoder's arguments (`ENCODER_FLAG`), and the lines the
+tests' runs of the fake vLLM render (`run_lines`). The tests
 that go through `prepare_run` or the CLI get those verdicts in place of a probe of their own
 (`ServedParser.probe`); a line or an interpreter the batch did not judge still gets a probe of
 its own, so nothing is judged by anything but vLLM's parser.
@@ -135,7 +136,7 @@ class ServedParser:
     rendered: dict[str, list[str]]  # every_rendered_argv()
     planted: dict[str, list[str]]  # planted_refusals()
     by_line: dict[str, str | None] = field(default_factory=dict)  # argv as JSON -> verdict
-    # argv as JSON -> main()'s own verdict, for the batch's sample (`by_main_sample`)
+    # argv as JSON -> main()'s own verdict, for a sample of the batch (`judge`)
     by_main: dict[str, str | None] = field(default_factory=dict)
     probes: int = 0  # this process's: the batch's (unless another's was read), then one per
     # call with lines it lacked
@@ -147,7 +148,11 @@ class ServedParser:
         for name, argv in batch_lines.items():
             first_name.setdefault(json.dumps(argv), name)
         batch = {name: json.loads(line) for line, name in first_name.items()}
-        sample = by_main_sample(batch)
+        # main() judges again the planted refusals (their good line is a rendered one, named
+        # as such in the batch) and each platform's and connector's eager 1E+1P+1D decode line.
+        sample = [
+            n for n in batch if n in self.planted or n.endswith("eager=True/1E+1P+1D/decode0")
+        ]
         with pytest.MonkeyPatch.context() as patch:
             program = f"{vllm_args.PROBE}\nBY_MAIN_NAMES = {sample!r}\n{BY_MAIN}"
             patch.setattr(vllm_args, "PROBE", program)
@@ -199,17 +204,6 @@ class ServedParser:
 
 
 REAL_PROBE = vllm_args._run_probe  # before any test replaces it with `ServedParser.probe`
-
-
-def by_main_sample(batch: dict[str, list[str]]) -> list[str]:
-    """The batch's lines main() judges again: the planted refusals but the one good line, and
-    each platform's and connector's eager 1E+1P+1D decode line."""
-    planted = {
-        name for name in planted_refusals(["--kv-transfer-config", "{}"]) if "ok/" not in name
-    }
-    return [
-        name for name in batch if name in planted or name.endswith("eager=True/1E+1P+1D/decode0")
-    ]
 
 
 def served_parser(interpreter: Sequence[str], shared: Path) -> ServedParser:
