@@ -7,10 +7,10 @@ its lines again at the end, `BY_MAIN`), judges at once every line the parser tes
 line the harness renders for any platform, KV connector, protocol generation and eager mode
 (`every_rendered_argv`), the planted refusals (`planted_refusals`), and the lines a run
 renders with a flag planted in the encoder's arguments (`ENCODER_FLAG`), and the lines the
-tests' runs of the fake vLLM render (`run_lines`). The tests
-that go through `prepare_run` or the CLI get those verdicts in place of a probe of their own
-(`ServedParser.probe`); a line or an interpreter the batch did not judge still gets a probe of
-its own, so nothing is judged by anything but vLLM's parser.
+tests' runs of the fake vLLM render (`run_lines`). The tests that go through `prepare_run` or
+the CLI get those verdicts in place of a probe of their own (`ServedParser.probe`); a line or
+an interpreter the batch did not judge still gets a probe of its own, so nothing is judged by
+anything but vLLM's parser.
 
 A session's runs keep the lines they had accepted in a directory of the session's own (the
 plugin's `epd_argv_check_dir`), never in the user's cache, where a line once marked accepted
@@ -55,7 +55,7 @@ Verdicts = dict[str, "str | None"]  # name -> vLLM's complaint, None for a line 
 # judges a sample of its lines again in the same interpreter, under names of their own.
 BY_MAIN_PREFIX = "by-main/"
 BY_MAIN = r"""
-results.update({f"by-main/{n}": judge(lines[n], with_main) for n in BY_MAIN_NAMES})
+results.update({BY_MAIN_PREFIX + n: judge(lines[n], with_main) for n in BY_MAIN_NAMES})
 with open(OUT, "w") as out:
     json.dump(results, out)
 """
@@ -154,7 +154,8 @@ class ServedParser:
             n for n in batch if n in self.planted or n.endswith("eager=True/1E+1P+1D/decode0")
         ]
         with pytest.MonkeyPatch.context() as patch:
-            program = f"{vllm_args.PROBE}\nBY_MAIN_NAMES = {sample!r}\n{BY_MAIN}"
+            names = f"BY_MAIN_NAMES = {sample!r}\nBY_MAIN_PREFIX = {BY_MAIN_PREFIX!r}"
+            program = f"{vllm_args.PROBE}\n{names}\n{BY_MAIN}"
             patch.setattr(vllm_args, "PROBE", program)
             results, seconds = self._real_probe(self.interpreter, batch)
         for name in sample:
