@@ -77,7 +77,7 @@ def test_the_batch_judged_with_one_parser_as_vllms_main_judges_each_line(
     """The session's batch was judged by main() for its first line and by the parser and serve
     command main() left behind for the others (`vllm_args.PROBE`). main() itself, a line at a
     time in the same interpreter, judged alike the planted refusals and a decode line of each
-    platform and connector (446 lines compared both ways, on 0.27.1, 0.31.0 and 0.32.0:
+    platform and connector (446 lines compared both ways, on every release 0.27.1-0.32.0:
     docs/running.md)."""
     assert len(parser.by_main) >= 4 + 3 * 2, parser.by_main
     assert parser.by_main == {line: parser.by_line[line] for line in parser.by_main}
