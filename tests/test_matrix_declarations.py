@@ -8,6 +8,7 @@ import pytest
 
 from harness.judge.compare import Verdict
 from harness.judge.guards import GuardResult
+from harness.judge.records import DeclaredFailure
 from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
 from harness.report.text import CaseRecord
@@ -100,6 +101,18 @@ def test_expected_error_needs_its_evidence() -> None:
     fixed_upstream = judged_as_declared(reference)
     assert fixed_upstream.verdict is Verdict.MATCH and not fixed_upstream.policy_passed
     assert ScenarioResult(scenario, [other_error]).problems() == [f"p: ERROR: {other_error.detail}"]
+
+
+def test_a_declared_error_is_not_held_by_the_references_error() -> None:
+    """The evidence of a declared ERROR is what the case's own topology logged: a baseline
+    that died with that text, while the topology answered (the failure fixed upstream), is no
+    declared failure held (it passed: the reference's error was read as the case's)."""
+    failure = DeclaredFailure("ERROR", "Expected number of multimodal", "r", "s")
+    baseline_died = Outcome("p", error="baseline died: Expected number of multimodal embeddings")
+    answered = Outcome("p", ChatResult((1, 2), (5, 6), "", "length"))
+    record = judged("1E+1P+1D:s", "baseline", baseline_died, answered, declared=failure)
+    assert record.verdict is Verdict.ERROR and not record.policy_passed, record.detail
+    assert "NOT the declared ERROR" in record.detail
 
 
 class RecordingJudge:

@@ -116,7 +116,7 @@ def judge_case(
         tolerance = rules.tolerance(batched)
         record = _against(label, reference, outcome, guards, policy, tolerance, answers)
         if declared is not None:
-            record = _as_declared(record, declared)
+            record = _as_declared(record, declared, outcome.error)
         records.append(record)
     return records
 
@@ -190,14 +190,19 @@ def _against(
     )
 
 
-def _as_declared(record: CaseRecord, failure: Declaration) -> CaseRecord:
+def _as_declared(
+    record: CaseRecord, failure: Declaration, candidate_error: str | None
+) -> CaseRecord:
     """`record` judged against a failure it is declared to have.
 
     It passes only when it failed exactly as declared: the verdict, and the evidence text
-    starting its detail line (a comparison's headline) or inside its error (what an instance
-    logged); any other outcome, a MATCH included, fails and says what was declared, so a
-    declaration that no longer describes vLLM cannot hide a change."""
-    shows = record.detail.startswith(failure.evidence) or failure.evidence in (record.error or "")
+    starting its detail line (a comparison's headline) or inside the case's own error (what
+    an instance of its topology logged: `candidate_error`, never the reference's, whose
+    failure is no failure of the case); any other outcome, a MATCH included, fails and says
+    what was declared, so a declaration that no longer describes vLLM cannot hide a change."""
+    shows = record.detail.startswith(failure.evidence) or failure.evidence in (
+        candidate_error or ""
+    )
     held = record.verdict.value == failure.verdict and shows
     if held:
         detail = f"{record.detail}; declared upstream failure: {failure.reason}"
