@@ -308,6 +308,20 @@ def test_a_non_finite_log_prob_reads_no_noise_floor(other):
     assert prefix_noise_floor(odd, finite) is None
 
 
+def test_log_probs_of_other_tokens_read_no_noise_floor():
+    """The floor is the drift rule's tolerance: log-prob entries of other tokens than the ids
+    generated (a batched answer handed another request's log-probs) measure no noise of these
+    tokens, as they are no evidence of closeness at a divergence (`_top_at`). Compared as if
+    they were, they made a floor of 3.5 nats here, and every near tie within it a DRIFT."""
+    alone = chat((5, 6, 7), top=lambda i, t: [(t, -0.5)])
+    others = tuple(PositionLogprobs(t + 100, -4.0, ((t + 100, -4.0),)) for t in (5, 6, 7))
+    batched = dataclasses.replace(alone, logprobs=others)
+    assert prefix_noise_floor(alone, batched) is None
+    assert prefix_noise_floor(batched, alone) is None
+    assert noise_floor(alone, batched) is None
+    assert noise_floor(alone, alone) == 0.0
+
+
 def test_describe_names_index_both_tokens_and_tops():
     cand = SEQ[:7] + (455,) + SEQ[8:]
     ref_r = result(SEQ, tops={7: (107, 455)})

@@ -382,13 +382,18 @@ def prefix_noise_floor(first: ChatResult, second: ChatResult) -> float | None:
     token's and every top-k entry both sides list): the noise floor read from two answers that
     may differ, e.g. one request alone and the same request batched with another. None
     without logprobs there, or with one that is not finite: an infinite floor would excuse any
-    divergence as drift, and `max` would drop a NaN as if its position had agreed."""
+    divergence as drift, and `max` would drop a NaN as if its position had agreed. None too
+    when an entry is another token's than the id generated there: log-probs misaligned with
+    the ids measure no noise of these tokens (as they are no evidence at a divergence,
+    `_top_at`), and compared as if they did they made a floor of any size."""
     index = _first_difference(first.token_ids, second.token_ids)
     agreed = len(first.token_ids) if index is None else index
     if len(first.logprobs) < agreed or len(second.logprobs) < agreed:
         return None
     deltas = [0.0]
-    for a, b in zip(first.logprobs[:agreed], second.logprobs[:agreed]):
+    for position, (a, b) in enumerate(zip(first.logprobs[:agreed], second.logprobs[:agreed])):
+        if a.token_id != first.token_ids[position] or b.token_id != second.token_ids[position]:
+            return None
         deltas.append(abs(a.logprob - b.logprob))
         other = dict(b.top)
         deltas += [abs(lp - other[tid]) for tid, lp in a.top if tid in other]
