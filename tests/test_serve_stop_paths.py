@@ -40,3 +40,63 @@ def test_a_failing_stopped_event_does_not_leave_the_other_servers_running(raised
     with pytest.raises(raised):
         group.stop_all()
     assert log == ["start a", "start b", "stop b", "stop a"]
+
+
+class ReapedPopen:
+    """A server's Popen whose leader has exited: `wait()` reaps it (returncode set)."""
+
+    pid = 999_999_1  # no such process: nothing real is ever signalled
+
+    def __init__(self) -> None:
+        self.returncode: int | None = None
+
+    def wait(self) -> int:
+        self.returncode = 0
+        return 0
+
+
+class InterruptedLease:
+    """A port lease whose first release is cut short by a Ctrl-C."""
+
+    def __init__(self) -> None:
+        self.releases = 0
+
+    def release(self) -> None:
+        self.releases += 1
+        if self.releases == 1:
+            raise KeyboardInterrupt
+
+
+class NoWatchdog:
+    def done(self, pgid: int) -> None:
+        pass
+
+
+def test_a_stop_retried_after_the_leader_was_reaped_signals_no_group(tmp_path, monkeypatch):
+    """A Ctrl-C that lands after stop() reaped the leader (in the lease's release) makes
+    ServerGroup retry the stop: the leader's pid, and so the group id, may belong to another
+    process by then, so the retry must not signal that group; it only gives the port back."""
+    from harness.serve import launch
+    from harness.serve.server_command import ServerCommand
+
+    signalled: list[tuple[int, int]] = []
+    monkeypatch.setattr(launch, "signal_group", lambda pgid, sig: signalled.append((pgid, sig)))
+    monkeypatch.setattr(launch, "live_group_members", lambda pgid: [])
+    monkeypatch.setattr(launch.watchdog, "client", NoWatchdog)
+
+    class Exited:
+        si_code, si_status = launch.os.CLD_EXITED, 0
+
+    monkeypatch.setattr(launch.os, "waitid", lambda *args: Exited())
+    command = ServerCommand("1P+1D/decode0", ["vllm"], "http://x/health", tmp_path / "d.log")
+    lease = InterruptedLease()
+    server = launch.ManagedServer(command, port_lease=lease)  # type: ignore[arg-type]
+    server._popen = ReapedPopen()  # type: ignore[assignment]
+    with pytest.raises(KeyboardInterrupt):
+        server.stop()
+    assert len(signalled) == 1
+    server.stop(0.0)  # what _stop_through_interrupts does next
+    assert len(signalled) == 1, f"the reaped leader's group was signalled again: {signalled}"
+    assert lease.releases == 2
+    server.stop()
+    assert lease.releases == 2

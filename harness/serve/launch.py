@@ -334,7 +334,9 @@ class ManagedServer:
         """
         if self._stopped:
             return
-        if self._popen is not None:
+        # Reaped (a stop cut short after its wait(), then retried): the group was emptied, and
+        # its id may belong to another process now, so nothing is signalled again.
+        if self._popen is not None and self._popen.returncode is None:
             self._sample_tree(max_age_s=0.0)
             pgid = self._popen.pid
             tracked = list(self._seen_descendants.values())
