@@ -100,3 +100,39 @@ def test_a_stop_retried_after_the_leader_was_reaped_signals_no_group(tmp_path, m
     assert lease.releases == 2
     server.stop()
     assert lease.releases == 2
+
+
+class DyingDuringItsProbe:
+    """A server that exits while its last health probe before the timeout is under way."""
+
+    name = "1E+1PD/encoder0"
+    startup_seconds = None
+
+    class command:  # noqa: N801 - what a timeout's evidence reads
+        health_url = "http://127.0.0.1:1/health"
+
+    def _log_evidence(self) -> str:
+        return "--- last lines of its log ---"
+
+    def __init__(self) -> None:
+        self.dead = False
+
+    def check_alive(self) -> None:
+        from harness.serve.launch import ServerDied
+
+        if self.dead:
+            raise ServerDied(f"{self.name} (pid 1) died during startup: exit code 1", self.name, 1)
+
+    def health_probe_failure(self) -> str | None:
+        self.dead = True
+        return "connection refused"
+
+
+def test_a_death_during_the_last_probe_before_the_timeout_is_reported_as_a_death() -> None:
+    """At the readiness timeout a server that died since the round's check is reported as
+    died (exit code, ServerDied), not as a server that was alive but not healthy."""
+    from harness.serve.launch import ServerDied, await_ready
+
+    server = DyingDuringItsProbe()
+    with pytest.raises(ServerDied, match="died during startup"):
+        await_ready([server], 0.0, on_ready=lambda s: None)  # type: ignore[list-item]

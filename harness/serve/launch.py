@@ -454,6 +454,10 @@ def await_ready(
             return
         now = time.monotonic()
         if now >= deadline:
+            # A server that exited during this round's probes died; it did not time out.
+            for server in servers:
+                if not waits_for(server):
+                    server.check_alive()
             waiting = [server for server in pending if waits_for(server)]
             names = tuple(server.name for server in pending if server not in waiting)
             evidence = "\n".join(
