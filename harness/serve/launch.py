@@ -334,7 +334,9 @@ class ManagedServer:
         """
         if self._stopped:
             return
-        if self._popen is not None:
+        # Reaped (a stop cut short after its wait(), then retried): the group was emptied, and
+        # its id may belong to another process now, so nothing is signalled again.
+        if self._popen is not None and self._popen.returncode is None:
             self._sample_tree(max_age_s=0.0)
             pgid = self._popen.pid
             tracked = list(self._seen_descendants.values())
@@ -452,6 +454,10 @@ def await_ready(
             return
         now = time.monotonic()
         if now >= deadline:
+            # A server that exited during this round's probes died; it did not time out.
+            for server in servers:
+                if not waits_for(server):
+                    server.check_alive()
             waiting = [server for server in pending if waits_for(server)]
             names = tuple(server.name for server in pending if server not in waiting)
             evidence = "\n".join(

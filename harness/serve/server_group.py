@@ -123,7 +123,10 @@ class ServerGroup:
                 failures.append(exc)
                 continue
             if was_started:
-                self._emit(server, "stopped")
+                try:  # the callback failing (or a Ctrl-C in it) must not skip the others
+                    self._emit(server, "stopped")
+                except BaseException as exc:
+                    failures.append(exc)
         if failures:
             first = next((f for f in failures if not isinstance(f, Exception)), failures[0])
             for other in failures:

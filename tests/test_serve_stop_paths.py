@@ -1,0 +1,138 @@
+"""Stop paths of the process handling, with stub servers and a stub process (nothing is
+started): what a stop must still do when something around it fails or is interrupted."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.serve.server_group import ServerGroup
+
+pytestmark = pytest.mark.unit
+
+
+class StubServer:
+    """What ServerGroup asks of a server; records its starts and stops."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.pid, self.startup_seconds, self._log = name, None, None, log
+
+    def start(self) -> None:
+        self.pid = 4242
+        self._log.append(f"start {self.name}")
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        self._log.append(f"stop {self.name}")
+
+
+@pytest.mark.parametrize("raised", [BrokenPipeError, KeyboardInterrupt])
+def test_a_failing_stopped_event_does_not_leave_the_other_servers_running(raised) -> None:
+    """The event callback (the pytest fixture prints; a closed stdout raises, a Ctrl-C can
+    land in it) fails for the first server stopped: the others are still stopped, and what
+    the callback raised is raised at the end."""
+    log: list[str] = []
+
+    def on_event(name: str, state: str, elapsed_s: float) -> None:
+        if state == "stopped" and name == "b":
+            raise raised()
+
+    group = ServerGroup([StubServer("a", log), StubServer("b", log)], on_event=on_event)
+    group.start_all()
+    with pytest.raises(raised):
+        group.stop_all()
+    assert log == ["start a", "start b", "stop b", "stop a"]
+
+
+class ReapedPopen:
+    """A server's Popen whose leader has exited: `wait()` reaps it (returncode set)."""
+
+    pid = 999_999_1  # no such process: nothing real is ever signalled
+
+    def __init__(self) -> None:
+        self.returncode: int | None = None
+
+    def wait(self) -> int:
+        self.returncode = 0
+        return 0
+
+
+class InterruptedLease:
+    """A port lease whose first release is cut short by a Ctrl-C."""
+
+    def __init__(self) -> None:
+        self.releases = 0
+
+    def release(self) -> None:
+        self.releases += 1
+        if self.releases == 1:
+            raise KeyboardInterrupt
+
+
+class NoWatchdog:
+    def done(self, pgid: int) -> None:
+        pass
+
+
+def test_a_stop_retried_after_the_leader_was_reaped_signals_no_group(tmp_path, monkeypatch):
+    """A Ctrl-C that lands after stop() reaped the leader (in the lease's release) makes
+    ServerGroup retry the stop: the leader's pid, and so the group id, may belong to another
+    process by then, so the retry must not signal that group; it only gives the port back."""
+    from harness.serve import launch
+    from harness.serve.server_command import ServerCommand
+
+    signalled: list[tuple[int, int]] = []
+    monkeypatch.setattr(launch, "signal_group", lambda pgid, sig: signalled.append((pgid, sig)))
+    monkeypatch.setattr(launch, "live_group_members", lambda pgid: [])
+    monkeypatch.setattr(launch.watchdog, "client", NoWatchdog)
+
+    class Exited:
+        si_code, si_status = launch.os.CLD_EXITED, 0
+
+    monkeypatch.setattr(launch.os, "waitid", lambda *args: Exited())
+    command = ServerCommand("1P+1D/decode0", ["vllm"], "http://x/health", tmp_path / "d.log")
+    lease = InterruptedLease()
+    server = launch.ManagedServer(command, port_lease=lease)  # type: ignore[arg-type]
+    server._popen = ReapedPopen()  # type: ignore[assignment]
+    with pytest.raises(KeyboardInterrupt):
+        server.stop()
+    assert len(signalled) == 1
+    server.stop(0.0)  # what _stop_through_interrupts does next
+    assert len(signalled) == 1, f"the reaped leader's group was signalled again: {signalled}"
+    assert lease.releases == 2
+    server.stop()
+    assert lease.releases == 2
+
+
+class DyingDuringItsProbe:
+    """A server that exits while its last health probe before the timeout is under way."""
+
+    name = "1E+1PD/encoder0"
+    startup_seconds = None
+
+    class command:  # noqa: N801 - what a timeout's evidence reads
+        health_url = "http://127.0.0.1:1/health"
+
+    def _log_evidence(self) -> str:
+        return "--- last lines of its log ---"
+
+    def __init__(self) -> None:
+        self.dead = False
+
+    def check_alive(self) -> None:
+        from harness.serve.launch import ServerDied
+
+        if self.dead:
+            raise ServerDied(f"{self.name} (pid 1) died during startup: exit code 1", self.name, 1)
+
+    def health_probe_failure(self) -> str | None:
+        self.dead = True
+        return "connection refused"
+
+
+def test_a_death_during_the_last_probe_before_the_timeout_is_reported_as_a_death() -> None:
+    """At the readiness timeout a server that died since the round's check is reported as
+    died (exit code, ServerDied), not as a server that was alive but not healthy."""
+    from harness.serve.launch import ServerDied, await_ready
+
+    server = DyingDuringItsProbe()
+    with pytest.raises(ServerDied, match="died during startup"):
+        await_ready([server], 0.0, on_ready=lambda s: None)  # type: ignore[list-item]
