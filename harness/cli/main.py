@@ -44,7 +44,7 @@ from harness.errors import (
     empty_value,
 )
 from harness.files import empty_run_dirs_removed
-from harness.judge.records import CaseRecord
+from harness.judge.records import CaseRecord, unproven_passes
 from harness.preflight import RunRequest, names, prepare_run
 from harness.preflight.config import (
     COLOCATE_ON_CPU,
@@ -253,11 +253,19 @@ def run_config(args: argparse.Namespace, config: RunConfig) -> int:
         if config.cases:
             for case in config.cases:
                 sweep.judge(case.topology, case.prompt)
-            return finish_run(args, [], sweep)
-        sweep.run_all()
-        return finish_run(args, [], sweep)
+        else:
+            sweep.run_all()
+        return finish_run(args, served_unproven(sweep), sweep)
     finally:
         sweep.pool.close()
+
+
+def served_unproven(sweep: Sweep) -> list[str]:
+    """The passes whose guard nothing could check, when this run served its topologies: a
+    problem, as in the matrix and the pytest sweep. An attached deployment may have seen the
+    prompt, and some of its guards have no evidence outside it: the verdict table says which,
+    and they fail nothing."""
+    return [] if sweep.attached is not None else unproven_passes(sweep.result.records)
 
 
 def run_matrix(sweep: Sweep, scenarios: tuple[Scenario, ...]) -> list[str]:
@@ -268,7 +276,7 @@ def run_matrix(sweep: Sweep, scenarios: tuple[Scenario, ...]) -> list[str]:
     ordered = sorted(scenarios, key=lambda s: (first_seen[s.topology], s.ends_its_session))
     problems: list[str] = []
     for index, scenario in enumerate(ordered):
-        problems += [f"{scenario.name}: {p}" for p in matrix.run(scenario).problems()]
+        problems += [f"scenario {scenario.name}: {p}" for p in matrix.run(scenario).problems()]
         following = ordered[index + 1] if index + 1 < len(ordered) else None
         if following is None or following.topology != scenario.topology:
             sweep.pool.release(scenario.topology)
@@ -284,7 +292,7 @@ def finish_run(args: argparse.Namespace, problems: list[str], sweep: Sweep) -> i
         print()
         print(format_failure(record))
     for problem in problems:
-        print(f"scenario problem: {problem}")
+        print(f"problem: {problem}")
     purpose = purpose_line(sweep.run_info)  # as verdicts.txt, diff.md and report.html say it
     if purpose and failed:
         print(f"\n{purpose}: not failures of vLLM")

@@ -15,6 +15,7 @@ The verdicts, in the order they are decided:
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -83,6 +84,21 @@ class CaseRecord:
         data = asdict(self)
         data["verdict"] = self.verdict.value
         return data
+
+
+def unproven_passes(records: Iterable[CaseRecord]) -> list[str]:
+    """Each guard of a passing case that nothing could check, as a problem of a run whose
+    topologies the harness served. Every request there goes under a cache salt of its own
+    (`harness.spec.prompts.fresh_prefix_request`), so no instance held its prompt from an
+    earlier case: a guard without evidence leaves the pass proving nothing of that transfer.
+    A case that failed says so already."""
+    return [
+        f"{record.topology}:{record.prompt} (against {record.reference}): guard {name} not "
+        f"checkable on a topology the harness served: {guard.get('evidence', '')}"
+        for record in records
+        if record.policy_passed
+        for name, guard in record.unchecked_guards().items()
+    ]
 
 
 @dataclass(frozen=True)

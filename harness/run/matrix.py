@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from harness.judge.guards import GuardResult
-from harness.judge.records import CaseRecord
+from harness.judge.records import CaseRecord, unproven_passes
 from harness.run.judging import Observed, observe
 from harness.run.scenarios import IDLE_GAP_S, Scenario, SendMode
 from harness.run.sweep import Sweep
@@ -40,15 +40,7 @@ class ScenarioResult:
             if not record.policy_passed
         ]
         found += [f"check {c.name} failed: {c.evidence}" for c in self.checks if not c.ok]
-        # Every request went under a cache salt of its own (`observe`, fresh_prefix), so no
-        # instance of the topology held its prompt: a guard nothing could check is unproven.
-        found += [
-            f"{record.prompt}: guard {name} not checkable on a topology the harness served: "
-            f"{guard.get('evidence', '')}"
-            for record in self.records
-            for name, guard in record.unchecked_guards().items()
-        ]
-        return found
+        return found + unproven_passes(self.records)  # each request under a salt of its own
 
 
 class MatrixRun:

@@ -1,0 +1,57 @@
+"""A pass whose transfer guard nothing could check, on a topology the harness served, fails
+the run as it fails the matrix and the pytest sweep (no vLLM, no process)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from harness.cli.main import served_unproven
+from harness.judge.compare import Verdict
+from harness.judge.records import unproven_passes
+from harness.testing.builders import case_record
+
+pytestmark = pytest.mark.unit
+
+HELD = {"kv_transfer": {"ok": True, "evidence": "cached_tokens=96 of 120"}}
+UNCHECKED = {
+    "kv_transfer": {
+        "ok": False,
+        "evidence": "not checkable: D took 96 prompt tokens from its own prefix cache",
+        "not_checkable": True,
+    }
+}
+
+
+def sweep_of(records, attached=None) -> SimpleNamespace:
+    return SimpleNamespace(attached=attached, result=SimpleNamespace(records=records))
+
+
+def test_an_unchecked_guard_of_a_pass_is_named_with_its_case_and_evidence() -> None:
+    records = [
+        case_record("1P+1D", "image", guards=HELD),
+        case_record("1E+1P+1D", "video", guards=UNCHECKED),
+        # Failed already: its failure is said, not its guard again.
+        case_record("1E+1P+1D", "text", Verdict.MISMATCH, False, guards=UNCHECKED),
+    ]
+    assert unproven_passes(records) == [
+        "1E+1P+1D:video (against baseline): guard kv_transfer not checkable on a topology "
+        "the harness served: not checkable: D took 96 prompt tokens from its own prefix cache"
+    ]
+
+
+def test_a_run_that_served_its_topologies_fails_an_unproven_pass() -> None:
+    """Every request of a run goes under a cache salt of its own, so no instance it started
+    held the prompt: `run` exited 0 on such a MATCH (only a line said the guard was not
+    checked), while the pytest sweep and the matrix failed it."""
+    records = [case_record("1E+1P+1D", "video", guards=UNCHECKED)]
+    assert len(served_unproven(sweep_of(records))) == 1
+    assert served_unproven(sweep_of([case_record(guards=HELD)])) == []
+
+
+def test_an_attached_deployment_reports_its_unchecked_guards_without_failing() -> None:
+    """A deployment somebody else started may have seen the prompt, and some guards have no
+    evidence outside it (what the consumers were sent): said, not failed (docs/proxies.md)."""
+    records = [case_record("1E+1P+1D", "video", guards=UNCHECKED)]
+    assert served_unproven(sweep_of(records, attached=object())) == []
