@@ -257,6 +257,30 @@ def test_a_declared_release_failure_is_marked_and_explained_an_undeclared_one_is
     )
 
 
+def test_a_match_whose_guard_was_not_checkable_is_marked_and_unexplained() -> None:
+    """A release's `run` exits 1 on a pass whose guard nothing could check (its topologies
+    are the run's own: every request under a salt of its own). The table said MATCH with no
+    evidence line, and the matrix failed on the exit code alone."""
+    guards = {
+        "kv_transfer": {
+            "ok": False,
+            "evidence": "not checkable: D took 96 prompt tokens from its own prefix cache",
+            "not_checkable": True,
+        }
+    }
+    unproven = case(
+        "1P+1D", "text", "MATCH", detail="identical; not checkable: kv_transfer", guards=guards
+    )
+    run = ReleaseRun("0.32.0", "by-hash-indexed", 1, 1.0, 0.0, 0, [unproven])
+    table = format_matrix([run])
+    assert "| 1P+1D / text | MATCH (unproven: kv_transfer) |" in table
+    assert "0.32.0 1P+1D / text: MATCH: identical; not checkable: kv_transfer" in table
+    assert not matrix_passed([run])
+    assert matrix_passed(
+        [ReleaseRun("0.32.0", "by-hash-indexed", 0, 1.0, 0.0, 0, [case("1P+1D", "text", "MATCH")])]
+    )
+
+
 def test_golden_references_label_like_the_baseline() -> None:
     assert case_label(case("1E+1PD", "text", "MATCH", reference="golden-0.31.0")) == "1E+1PD / text"
 

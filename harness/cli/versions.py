@@ -334,7 +334,7 @@ def format_matrix(runs: list[ReleaseRun]) -> str:
         if run.failure:
             lines.append(f"- {run.version}: no cases: {run.failure}")
         for label, case in run.verdicts().items():
-            if case["verdict"] != "MATCH":
+            if case["verdict"] != "MATCH" or unchecked(case):
                 lines.append(f"- {run.version} {label}: {case['verdict']}: {evidence(case)}")
     return "\n".join(lines)
 
@@ -345,6 +345,8 @@ def cell(case: dict[str, Any] | None) -> str:
     where the record keeps it (records from before it did say only "declared")."""
     if case is None:
         return "-"
+    if case["verdict"] == "MATCH" and unchecked(case):
+        return f"MATCH (unproven: {', '.join(unchecked(case))})"
     if case["verdict"] == "MATCH" or not case.get("policy_passed"):
         return case["verdict"]
     name = case.get("declared_failure")
@@ -352,9 +354,16 @@ def cell(case: dict[str, Any] | None) -> str:
 
 
 def explained(case: dict[str, Any]) -> bool:
-    """Passed, passed as a declared release failure, or not applicable on this release by the
-    generations table: what the matrix accepts. Anything else is unexplained."""
-    return bool(case.get("policy_passed")) or case["verdict"] == "NOT_APPLICABLE"
+    """Passed with every guard decided, passed as a declared release failure, or not
+    applicable on this release by the generations table: what the matrix accepts. Anything
+    else is unexplained (a pass whose guard nothing could check fails the release's `run`)."""
+    passed = bool(case.get("policy_passed")) and not unchecked(case)
+    return passed or case["verdict"] == "NOT_APPLICABLE"
+
+
+def unchecked(case: dict[str, Any]) -> list[str]:
+    """The guards of `case` nothing could check (`CaseRecord.unchecked_guards`, as kept)."""
+    return [name for name, g in (case.get("guards") or {}).items() if g.get("not_checkable")]
 
 
 def ran_through(run: ReleaseRun) -> bool:
