@@ -142,3 +142,39 @@ def test_a_request_with_media_but_no_evidence_fails_the_ec_guards(tmp_path: Path
     assert all(g.failed and "no tap records" in g.evidence for g in guards.values())
     text_only = Outcome("text", result=cached_answer(89, 64), media_count=0)
     assert transfer_guards(served, text_only) == []
+
+
+def test_an_item_the_consumer_got_that_no_encoder_was_asked_for_fails_the_encoder_guard(
+    tmp_path: Path,
+) -> None:
+    """Two images; a proxy sends the first to both encoders and the second to none, then
+    hands the consumer both as metadata-only parts. Counted per call the encoders covered two
+    items, and the second's file was already in the storage from an earlier case: the guard
+    held for an encode that never happened. The consumer's items (their uuids, as vLLM's
+    proxy and the harness's send them both ways) must each have gone to an encoder that
+    answered in this request."""
+    storage = with_file(tmp_path, "h0")
+    with_file(tmp_path, "h1")
+
+    def encode(seq: int, uuid: str) -> TapRecord:
+        record = encoder(seq, {uuid: ENTRY})
+        record.uuids = [uuid]
+        return record
+
+    def consume(uuids: list[str]) -> TapRecord:
+        record = consumer(9, "pd")
+        record.part_types = ["image_embeds"] * len(uuids)
+        record.metadata_only = [True] * len(uuids)
+        record.uuids = list(uuids)
+        return record
+
+    twice = [encode(0, "h0"), encode(1, "h0"), consume(["h0", "h1"])]
+    guard = check_encoder_output(TransferEvidence.from_taps(twice, media_count=2), storage)
+    assert guard.ok is False and "h1" in guard.evidence, guard.evidence
+    each = [encode(0, "h0"), encode(1, "h1"), consume(["h0", "h1"])]
+    assert check_encoder_output(TransferEvidence.from_taps(each, media_count=2), storage).ok
+    # One image twice in a request: one uuid, two items, one encoder call for both.
+    same = encoder(0, {"h0": {**ENTRY, "item_indices": [0, 1]}})
+    same.uuids = ["h0", "h0"]
+    duplicated = [same, consume(["h0", "h0"])]
+    assert check_encoder_output(TransferEvidence.from_taps(duplicated, 2), storage).ok

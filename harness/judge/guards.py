@@ -92,6 +92,7 @@ class ConsumerCall:
     instance: str
     part_types: tuple[str, ...]
     metadata_only: tuple[bool, ...]
+    uuids: tuple[str | None, ...] = ()  # per part; the key vLLM derives the item's hash from
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class TransferEvidence:
 
     media_count: int
     encoder_answers: tuple[dict[str, Any], ...] = ()  # ec_transfer_params, one per call
+    encoder_uuids: tuple[tuple[str | None, ...], ...] = ()  # the parts' uuids, one per call
     consumer_calls: tuple[ConsumerCall, ...] = ()
     decode_cached_tokens: int | None = None
     decode_answered: bool = False
@@ -118,8 +120,11 @@ class TransferEvidence:
         return cls(
             media_count=media_count,
             encoder_answers=tuple(r.ec_transfer_params or {} for r in encoders),
+            encoder_uuids=tuple(tuple(r.uuids) for r in encoders),
             consumer_calls=tuple(
-                ConsumerCall(r.instance, tuple(r.part_types), tuple(r.metadata_only))
+                ConsumerCall(
+                    r.instance, tuple(r.part_types), tuple(r.metadata_only), tuple(r.uuids)
+                )
                 for r in consumers
             ),
             decode_cached_tokens=decodes[-1].cached_tokens if decodes else None,
@@ -185,7 +190,8 @@ def check_encoder_output(
     missing_files = [
         h for h in hashes if ec_storage is None or not (ec_storage / h / EC_CACHE_FILE).is_file()
     ]
-    ok = covered == evidence.media_count and not missing_files
+    unencoded = consumer_items_not_encoded(evidence)
+    ok = covered == evidence.media_count and not missing_files and not unencoded
     text = (
         f"{evidence.media_count} media item(s); encoders reported {covered} with metadata "
         f"in {len(evidence.encoder_answers)} call(s)"
@@ -194,7 +200,37 @@ def check_encoder_output(
         text += f" (seen at the {evidence.source})"
     if missing_files:
         text += f"; no {EC_CACHE_FILE} for {', '.join(missing_files)} under {ec_storage}"
+    if unencoded:
+        text += (
+            f"; the consumer got {', '.join(unencoded)} as metadata, which no encoder that "
+            "answered with metadata was sent in this request"
+        )
     return GuardResult("encoder_output", ok, text)
+
+
+def consumer_items_not_encoded(evidence: TransferEvidence) -> list[str]:
+    """The uuids of the consumers' metadata-only parts that went to no encoder call answering
+    with metadata. Counted per call, an item sent to two encoders and another sent to none
+    add up to the media count, and the other's file may be in the storage from an earlier
+    request: the count alone held for an encode that never happened. Told only when every
+    part an encoder was sent carries its uuid (both proxies send one: the consumer's part
+    names the encoder's cache entry by it); otherwise nothing is claimed either way."""
+    sent = evidence.encoder_uuids
+    if not sent or not all(uuid for uuids in sent for uuid in uuids):
+        return []
+    encoded = {
+        uuid
+        for uuids, answer in zip(sent, evidence.encoder_answers)
+        if any(entry.get("metadata") for _, entry in encoder_entries(answer))
+        for uuid in uuids
+    }
+    asked = {
+        uuid
+        for call in evidence.consumer_calls
+        for uuid, metadata_only in zip(call.uuids, call.metadata_only)
+        if metadata_only and uuid
+    }
+    return sorted(str(uuid) for uuid in asked - encoded)
 
 
 def check_consumer_embeds(source: TransferEvidence | RequestTrace) -> GuardResult:
