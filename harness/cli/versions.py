@@ -345,8 +345,8 @@ def cell(case: dict[str, Any] | None) -> str:
     where the record keeps it (records from before it did say only "declared")."""
     if case is None:
         return "-"
-    if case["verdict"] == "MATCH" and unchecked(case):
-        return f"MATCH (unproven: {', '.join(unchecked(case))})"
+    if case["verdict"] == "MATCH" and (names := unchecked(case)):
+        return f"MATCH (unproven: {', '.join(names)})"
     if case["verdict"] == "MATCH" or not case.get("policy_passed"):
         return case["verdict"]
     name = case.get("declared_failure")

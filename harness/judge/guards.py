@@ -170,16 +170,19 @@ def encoder_entries(answer: object) -> list[tuple[str, dict[str, Any]]]:
     return [(str(h), e) for h, e in answer.items() if isinstance(e, dict)]
 
 
+def metadata_entries(answer: object) -> list[tuple[str, dict[str, Any]]]:
+    """The entries of one encoder answer that carry the item's metadata (what a consumer's
+    metadata-only part needs)."""
+    return [(mm_hash, entry) for mm_hash, entry in encoder_entries(answer) if entry.get("metadata")]
+
+
 def check_encoder_output(
     source: TransferEvidence | RequestTrace, ec_storage: Path | None
 ) -> GuardResult:
     evidence = as_evidence(source)
     # Counted per call: the same image sent to two encoders has one hash but two items.
     with_metadata = [
-        (mm_hash, entry)
-        for answer in evidence.encoder_answers
-        for mm_hash, entry in encoder_entries(answer)
-        if entry.get("metadata")
+        pair for answer in evidence.encoder_answers for pair in metadata_entries(answer)
     ]
     # An entry without item_indices (0.28-0.30: one media item per encoder request) is one item.
     covered = sum(
@@ -221,7 +224,7 @@ def consumer_items_not_encoded(evidence: TransferEvidence) -> list[str]:
     encoded = {
         uuid
         for uuids, answer in zip(sent, evidence.encoder_answers)
-        if any(entry.get("metadata") for _, entry in encoder_entries(answer))
+        if metadata_entries(answer)
         for uuid in uuids
     }
     asked = {

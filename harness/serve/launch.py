@@ -434,10 +434,14 @@ def await_ready(
     deadline = started + timeout_s
     pending = [server for server in servers if server.startup_seconds is None]
     last_probe: dict[str, str] = {}  # what the last probe of a pending server met
-    while True:
+
+    def check_spawned_alive() -> None:
         for server in servers:
             if not waits_for(server):
                 server.check_alive()
+
+    while True:
+        check_spawned_alive()
         for server in list(pending):
             if waits_for(server):
                 continue
@@ -454,10 +458,7 @@ def await_ready(
             return
         now = time.monotonic()
         if now >= deadline:
-            # A server that exited during this round's probes died; it did not time out.
-            for server in servers:
-                if not waits_for(server):
-                    server.check_alive()
+            check_spawned_alive()  # one that exited during this round's probes died
             waiting = [server for server in pending if waits_for(server)]
             names = tuple(server.name for server in pending if server not in waiting)
             evidence = "\n".join(
