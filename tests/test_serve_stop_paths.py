@@ -136,3 +136,30 @@ def test_a_death_during_the_last_probe_before_the_timeout_is_reported_as_a_death
     server = DyingDuringItsProbe()
     with pytest.raises(ServerDied, match="died during startup"):
         await_ready([server], 0.0, on_ready=lambda s: None)  # type: ignore[list-item]
+
+
+class UnstoppableServer(StubServer):
+    """A server whose every stop is cut short by a Ctrl-C (a user holding the key down)."""
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        self._log.append(f"stop {self.name}")
+        raise KeyboardInterrupt
+
+
+def test_a_server_whose_every_stop_was_interrupted_is_not_reported_stopped() -> None:
+    """After the last retry is interrupted too, the server may still run: no "stopped" event
+    is emitted for it, the others are stopped and reported, and what is raised at the end
+    names the server that may be left."""
+    log: list[str] = []
+    events: list[tuple[str, str]] = []
+    group = ServerGroup(
+        [StubServer("a", log), UnstoppableServer("b", log)],
+        on_event=lambda name, state, elapsed_s: events.append((name, state)),
+    )
+    group.start_all()
+    with pytest.raises(KeyboardInterrupt) as raised:
+        group.stop_all()
+    assert ("b", "stopped") not in events
+    assert ("a", "stopped") in events
+    assert log[-1] == "stop a"
+    assert any("b" in note and "may still run" in note for note in raised.value.__notes__)

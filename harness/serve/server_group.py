@@ -6,7 +6,13 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal
 
-from harness.serve.launch import STOP_GRACE_S, ManagedServer, ServerDied, await_ready
+from harness.serve.launch import (
+    STOP_GRACE_S,
+    ManagedServer,
+    ServerDied,
+    ServerStopFailed,
+    await_ready,
+)
 
 ServerState = Literal["starting", "ready", "died", "stopped"]
 # on_event(server name, state, seconds since the group's start_all)
@@ -118,11 +124,18 @@ class ServerGroup:
         for server in [*spawned, *unspawned]:
             was_started = server.pid is not None
             try:
-                _stop_through_interrupts(server, grace_s, failures)
+                stopped = _stop_through_interrupts(server, grace_s, failures)
             except Exception as exc:
                 failures.append(exc)
                 continue
-            if was_started:
+            if not stopped:
+                failures.append(
+                    ServerStopFailed(
+                        f"server {server.name} (pid {server.pid}) may still run: each of its "
+                        f"{STOP_RETRIES_AFTER_INTERRUPT + 1} stops was interrupted"
+                    )
+                )
+            elif was_started:
                 try:  # the callback failing (or a Ctrl-C in it) must not skip the others
                     self._emit(server, "stopped")
                 except BaseException as exc:
@@ -164,18 +177,18 @@ STOP_RETRIES_AFTER_INTERRUPT = 3
 
 def _stop_through_interrupts(
     server: ManagedServer, grace_s: float, interrupts: list[BaseException]
-) -> None:
+) -> bool:
     """`server.stop(grace_s)`; an interrupt in it is recorded in `interrupts` and the stop
     retried without grace (straight to SIGKILL), a few times: a user who presses Ctrl-C again
-    is in a hurry, not asking to leave servers behind."""
+    is in a hurry, not asking to leave servers behind. False when every try was interrupted:
+    the server may still run, and must not be reported stopped."""
     for attempt in range(STOP_RETRIES_AFTER_INTERRUPT + 1):
         try:
             server.stop(grace_s if attempt == 0 else 0.0)
-            return
+            return True
         except (KeyboardInterrupt, SystemExit) as exc:
             interrupts.append(exc)
-            if attempt == STOP_RETRIES_AFTER_INTERRUPT:
-                return
+    return False
 
 
 def _check_start_order(names: Sequence[str], start_after: Mapping[str, Sequence[str]]) -> None:
