@@ -163,3 +163,24 @@ def test_a_server_whose_every_stop_was_interrupted_is_not_reported_stopped() -> 
     assert ("a", "stopped") in events
     assert log[-1] == "stop a"
     assert any("b" in note and "may still run" in note for note in raised.value.__notes__)
+
+
+def test_servers_revived_together_start_in_their_order_whatever_the_list_order() -> None:
+    """Two instances that died on one GPU (the second starts after the first) are revived
+    together: the one that waits is not spawned beside the other's fresh start because the
+    list named it first (its `start_after` server's dead object had been healthy once)."""
+    log: list[str] = []
+    waiting, first = StubServer("pd", log), StubServer("e", log)
+    group = ServerGroup([waiting, first], start_after={"pd": ("e",)})
+    group.start_all()
+    first.startup_seconds = 1.0
+    group._start_due()
+    assert log == ["start e", "start pd"]
+    fresh_waiting, fresh_first = StubServer("pd", log), StubServer("e", log)
+    group.replace(waiting, fresh_waiting)
+    group.replace(first, fresh_first)
+    group._start_due()  # as wait_all_ready does first
+    assert log[2:] == ["start e"]
+    fresh_first.startup_seconds = 1.0
+    group._start_due()
+    assert log[2:] == ["start e", "start pd"]

@@ -91,14 +91,14 @@ class ServerGroup:
     def is_spawned(self, server: ManagedServer) -> bool:
         return any(server is spawned for spawned in self._spawned)
 
-    def revive(self, dead: ManagedServer, fresh: ManagedServer) -> None:
-        """Put `fresh` in `dead`'s place and spawn it (a server that died is started again as
-        a new object, with a log of its own), unless it starts after a server that is not
-        healthy (one revived with it): then `wait_all_ready` spawns it, and waits for it."""
+    def replace(self, dead: ManagedServer, fresh: ManagedServer) -> None:
+        """Put `fresh` in `dead`'s place (a server that died is started again as a new object,
+        with a log of its own); the next `wait_all_ready` spawns it once the servers it starts
+        after are healthy. Not spawned here: with two replaced, the first could start after the
+        second's dead object, healthy once, and so beside the second's revival."""
         index = self.servers.index(dead)
         self.servers = (*self.servers[:index], fresh, *self.servers[index + 1 :])
         self._reported_dead.discard(dead.name)
-        self._start_due()
 
     def check_alive(self) -> None:
         """Raise ServerDied for the first server that has exited (call it between requests);

@@ -270,7 +270,7 @@ class TopologySession:
             )
             fresh = ManagedServer(command, port_lease=lease)
             self._servers[index] = fresh
-            self._group.revive(dead, fresh)
+            self._group.replace(dead, fresh)
             stats = InstanceStats(
                 spec.name, spec.role.value, spec.url, str(command.log_path), started_after=[*waits]
             )
