@@ -428,3 +428,37 @@ def test_repro_of_a_ray_bundle_is_refused_on_its_nodes_gpus(tmp_path, monkeypatc
     with pytest.raises(LaunchRefused) as refused:
         check_before_start(launcher, placed((0,), (1,)))
     assert str(refused.value) == ON_THE_T4
+
+
+class ExitingServer:
+    """A server as its agent polls it, that writes its last lines and exits the moment its
+    exit status is first asked for: the moment a dying vLLM writes its traceback and ends."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.command = types.SimpleNamespace(log_path=log_path)
+        self.exited = False
+
+    def sampled_usage(self) -> tuple[int, dict]:
+        return 0, {}
+
+    @property
+    def exit_code(self) -> int | None:
+        if not self.exited:
+            with open(self.command.log_path, "a", encoding="utf-8") as log:
+                log.write("RuntimeError: the engine's last words\n")
+            self.exited = True
+        return 1
+
+
+def test_a_poll_that_reports_an_exit_carries_the_log_written_before_it(tmp_path) -> None:
+    """The harness names a dead server with the log its agent brought back in the poll that
+    reported the exit (`RayServer.check_alive`), as a local server's is read after its exit is
+    seen. Found in review: the agent read the log before the exit status, so a server that wrote
+    its traceback and exited between the two was reported dead without its last lines."""
+    log_path = tmp_path / "server.log"
+    log_path.write_text("starting\n", encoding="utf-8")
+    agent = InstanceAgent()
+    agent.server = ExitingServer(log_path)
+    state = agent.poll(0)
+    assert state["exit"] == 1
+    assert b"the engine's last words" in state["data"]
