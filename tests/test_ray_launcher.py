@@ -462,3 +462,35 @@ def test_a_poll_that_reports_an_exit_carries_the_log_written_before_it(tmp_path)
     state = agent.poll(0)
     assert state["exit"] == 1
     assert b"the engine's last words" in state["data"]
+
+
+def test_an_instance_whose_agent_is_lost_is_reported_lost_not_exited(tmp_path, monkeypatch) -> None:
+    """A request that failed, a load that ended and the pool's restart name a dead instance by
+    `dead_instance()`. Found in review: an instance whose node (its agent) was lost has no exit
+    code, and was reported as "exited with code None", its cause (the agent gone) left out."""
+    from ray.exceptions import GetTimeoutError
+
+    from harness.run.pool import StartCause
+    from harness.serve import ray_server
+    from harness.serve.server_command import ServerCommand
+
+    def no_answer(*_args, **_kwargs):
+        raise GetTimeoutError("no answer")
+
+    command = ServerCommand(
+        "1P+1D/decode0", ["vllm"], "http://10.0.0.3:8000/health", tmp_path / "d.log"
+    )
+    command.log_path.write_text("serving\n", encoding="utf-8")
+    agent = types.SimpleNamespace(poll=types.SimpleNamespace(remote=lambda offset: None))
+    server = ray_server.RayServer(agent, command, NodeInfo("10.0.0.3"))
+    server._pid = 4242
+    monkeypatch.setattr(ray_server.ray, "get", no_answer)
+    session = TopologySession.__new__(TopologySession)
+    session._servers = [server]
+    report = session.dead_instance_report()
+    assert report is not None
+    first = report.splitlines()[0]
+    assert "exited with code None" not in first, first
+    assert first.startswith("instance 1P+1D/decode0 ") and "no answer from it in 60 s" in first
+    restart = StartCause(True, False, session.dead_instance()).reason({})
+    assert "exited with code None" not in restart and "no answer from it" in restart, restart

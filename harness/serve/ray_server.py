@@ -86,6 +86,15 @@ class RayServer:
     def exit_code(self) -> int | None:
         return self._exit
 
+    @property
+    def lost(self) -> str | None:
+        """Why its agent is gone (then no exit code can be read), once it is."""
+        return (
+            None
+            if self._lost is None
+            else f"its agent on Ray node {self.node.address} is gone ({self._lost})"
+        )
+
     def start(self) -> None:
         command = self.command
         command.log_path.parent.mkdir(parents=True, exist_ok=True)
