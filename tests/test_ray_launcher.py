@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import signal
+import threading
 import time
 import types
 from collections.abc import Iterator
@@ -494,3 +495,38 @@ def test_an_instance_whose_agent_is_lost_is_reported_lost_not_exited(tmp_path, m
     assert first.startswith("instance 1P+1D/decode0 ") and "no answer from it in 60 s" in first
     restart = StartCause(True, False, session.dead_instance()).reason({})
     assert "exited with code None" not in restart and "no answer from it" in restart, restart
+
+
+def test_polls_from_several_threads_mirror_the_nodes_log_once(tmp_path, monkeypatch) -> None:
+    """A load's threads each check the instances alive and read their log sizes around every
+    request, so a Ray server is polled from several threads at once. Found in review: two polls
+    from the same offset each appended what they brought and each advanced the offset, so the
+    mirrored log held lines twice and then skipped as many of the node's (a death's evidence
+    among them)."""
+    from harness.serve import ray_server
+    from harness.serve.server_command import ServerCommand
+
+    node_log = bytearray(b"first line\n")
+    both_in = threading.Barrier(2)
+
+    def get(offset, timeout=None):
+        with contextlib.suppress(threading.BrokenBarrierError):
+            both_in.wait(0.5)  # two polls in flight together, unless one waits for the other
+        return {"exit": None, "data": bytes(node_log[offset:]), "rss": 0, "cpu": {}}
+
+    command = ServerCommand(
+        "1P+1D/decode0", ["vllm"], "http://10.0.0.3:8000/health", tmp_path / "d.log"
+    )
+    agent = types.SimpleNamespace(poll=types.SimpleNamespace(remote=lambda offset: offset))
+    monkeypatch.setattr(ray_server.ray, "get", get)
+    server = ray_server.RayServer(agent, command, NodeInfo("10.0.0.3"))
+    server._pid = 4242
+    command.log_path.write_bytes(b"")  # the mirror's header left out
+    threads = [threading.Thread(target=server.log_size) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    node_log += b"second line\n"
+    server.log_size()
+    assert command.log_path.read_bytes() == bytes(node_log)
