@@ -426,6 +426,18 @@ def test_a_death_ends_the_load_and_every_later_request_says_why(tmp_path: Path) 
     assert not result_.passed
 
 
+def test_a_swapped_answer_is_never_named_after_a_request_that_was_not_sent(tmp_path: Path) -> None:
+    """Requests 1 and 8 carry ld-shared-a; request 5 is answered with its answer, then the
+    instance dies and request 8 is never sent. Found in review: the nearest carrier by number
+    was named whether it was sent or not ("received request 8's answer")."""
+    load, _ = stand_in_load(tmp_path, requests=10, dies_after=5, swap={5: "ld-shared-a"})
+    result_ = load.run()
+    assert result_.results[7].prompt == "ld-shared-a" and result_.results[7].not_sent
+    fifth = result_.results[4]
+    assert fifth.record.verdict is Verdict.MISMATCH
+    assert fifth.record.detail.startswith("received request 1's answer"), fifth.record.detail
+
+
 def test_a_round_under_nixl_is_accounted_against_ds_counters_as_a_whole(tmp_path: Path) -> None:
     load, _ = stand_in_load(tmp_path, requests=6, session_type=NixlStandIn)
     result_ = load.run()

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import signal
+import threading
 import time
 import types
 from collections.abc import Iterator
@@ -428,3 +429,104 @@ def test_repro_of_a_ray_bundle_is_refused_on_its_nodes_gpus(tmp_path, monkeypatc
     with pytest.raises(LaunchRefused) as refused:
         check_before_start(launcher, placed((0,), (1,)))
     assert str(refused.value) == ON_THE_T4
+
+
+class ExitingServer:
+    """A server as its agent polls it, that writes its last lines and exits the moment its
+    exit status is first asked for: the moment a dying vLLM writes its traceback and ends."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.command = types.SimpleNamespace(log_path=log_path)
+        self.exited = False
+
+    def sampled_usage(self) -> tuple[int, dict]:
+        return 0, {}
+
+    @property
+    def exit_code(self) -> int | None:
+        if not self.exited:
+            with open(self.command.log_path, "a", encoding="utf-8") as log:
+                log.write("RuntimeError: the engine's last words\n")
+            self.exited = True
+        return 1
+
+
+def test_a_poll_that_reports_an_exit_carries_the_log_written_before_it(tmp_path) -> None:
+    """The harness names a dead server with the log its agent brought back in the poll that
+    reported the exit (`RayServer.check_alive`), as a local server's is read after its exit is
+    seen. Found in review: the agent read the log before the exit status, so a server that wrote
+    its traceback and exited between the two was reported dead without its last lines."""
+    log_path = tmp_path / "server.log"
+    log_path.write_text("starting\n", encoding="utf-8")
+    agent = InstanceAgent()
+    agent.server = ExitingServer(log_path)
+    state = agent.poll(0)
+    assert state["exit"] == 1
+    assert b"the engine's last words" in state["data"]
+
+
+def test_an_instance_whose_agent_is_lost_is_reported_lost_not_exited(tmp_path, monkeypatch) -> None:
+    """A request that failed, a load that ended and the pool's restart name a dead instance by
+    `dead_instance()`. Found in review: an instance whose node (its agent) was lost has no exit
+    code, and was reported as "exited with code None", its cause (the agent gone) left out."""
+    from ray.exceptions import GetTimeoutError
+
+    from harness.run.pool import StartCause
+    from harness.serve import ray_server
+    from harness.serve.server_command import ServerCommand
+
+    def no_answer(*_args, **_kwargs):
+        raise GetTimeoutError("no answer")
+
+    command = ServerCommand(
+        "1P+1D/decode0", ["vllm"], "http://10.0.0.3:8000/health", tmp_path / "d.log"
+    )
+    command.log_path.write_text("serving\n", encoding="utf-8")
+    agent = types.SimpleNamespace(poll=types.SimpleNamespace(remote=lambda offset: None))
+    server = ray_server.RayServer(agent, command, NodeInfo("10.0.0.3"))
+    server._pid = 4242
+    monkeypatch.setattr(ray_server.ray, "get", no_answer)
+    session = TopologySession.__new__(TopologySession)
+    session._servers = [server]
+    report = session.dead_instance_report()
+    assert report is not None
+    first = report.splitlines()[0]
+    assert "exited with code None" not in first, first
+    assert first.startswith("instance 1P+1D/decode0 ") and "no answer from it in 60 s" in first
+    restart = StartCause(True, False, session.dead_instance()).reason({})
+    assert "exited with code None" not in restart and "no answer from it" in restart, restart
+
+
+def test_polls_from_several_threads_mirror_the_nodes_log_once(tmp_path, monkeypatch) -> None:
+    """A load's threads each check the instances alive and read their log sizes around every
+    request, so a Ray server is polled from several threads at once. Found in review: two polls
+    from the same offset each appended what they brought and each advanced the offset, so the
+    mirrored log held lines twice and then skipped as many of the node's (a death's evidence
+    among them)."""
+    from harness.serve import ray_server
+    from harness.serve.server_command import ServerCommand
+
+    node_log = bytearray(b"first line\n")
+    both_in = threading.Barrier(2)
+
+    def get(offset, timeout=None):
+        with contextlib.suppress(threading.BrokenBarrierError):
+            both_in.wait(0.5)  # two polls in flight together, unless one waits for the other
+        return {"exit": None, "data": bytes(node_log[offset:]), "rss": 0, "cpu": {}}
+
+    command = ServerCommand(
+        "1P+1D/decode0", ["vllm"], "http://10.0.0.3:8000/health", tmp_path / "d.log"
+    )
+    agent = types.SimpleNamespace(poll=types.SimpleNamespace(remote=lambda offset: offset))
+    monkeypatch.setattr(ray_server.ray, "get", get)
+    server = ray_server.RayServer(agent, command, NodeInfo("10.0.0.3"))
+    server._pid = 4242
+    command.log_path.write_bytes(b"")  # the mirror's header left out
+    threads = [threading.Thread(target=server.log_size) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    node_log += b"second line\n"
+    server.log_size()
+    assert command.log_path.read_bytes() == bytes(node_log)

@@ -126,7 +126,7 @@ class StartCause:
             kept = earlier_logs.get(dead.log_path) or self.dead_log_kept
             if kept is not None:
                 where += f" is kept as {kept.name}"
-            return f"restart: instance {dead.name} exited with code {dead.exit_code}; {where}"
+            return f"restart: instance {dead.name} {dead.ended()}; {where}"
         if not self.started_before:
             return "first use"
         if self.last_start_failed:

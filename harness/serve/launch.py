@@ -177,6 +177,12 @@ class ManagedServer:
             return None
         return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
+    @property
+    def lost(self) -> str | None:
+        """Why the server is gone without an exit status to show (a Ray instance's agent
+        lost with its node); a local server's exit is always seen."""
+        return None
+
     def is_alive(self) -> bool:
         return self._popen is not None and self.exit_code is None
 

@@ -136,13 +136,16 @@ class InstanceAgent:
         if server is None:
             return {"exit": None, "data": b"", "rss": 0, "cpu": {}}
         rss, cpu = server.sampled_usage()  # the sample also lets stop() reach what left the group
+        # The exit status before the log, as a local server's check reads them: an exit seen
+        # after the log was read may come with its last lines (its traceback) left unread.
+        exit_code = server.exit_code
         try:
             with open(server.command.log_path, "rb") as log_file:
                 log_file.seek(offset)
                 data = log_file.read(LOG_CHUNK_BYTES)
         except FileNotFoundError:
             data = b""
-        return {"exit": server.exit_code, "data": data, "rss": rss, "cpu": cpu}
+        return {"exit": exit_code, "data": data, "rss": rss, "cpu": cpu}
 
     def listening(self) -> list[tuple[str, int]]:
         """Every (address, port) the server's process tree listens on."""

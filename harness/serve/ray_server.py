@@ -11,6 +11,7 @@ can attribute lines to the wrong actor.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -54,6 +55,9 @@ class RayServer:
         self._spawned_wall_s: float | None = None
         self._startup_seconds: float | None = None
         self._stopped = False
+        # A load's threads poll at once (each request checks the instances alive and reads
+        # their log sizes): one poll at a time, or two from the same offset mirror it twice.
+        self._polling = threading.Lock()
 
     @property
     def name(self) -> str:
@@ -85,6 +89,15 @@ class RayServer:
     @property
     def exit_code(self) -> int | None:
         return self._exit
+
+    @property
+    def lost(self) -> str | None:
+        """Why its agent is gone (then no exit code can be read), once it is."""
+        return (
+            None
+            if self._lost is None
+            else f"its agent on Ray node {self.node.address} is gone ({self._lost})"
+        )
 
     def start(self) -> None:
         command = self.command
@@ -208,6 +221,10 @@ class RayServer:
 
     def _poll(self) -> None:
         """Bring the server's state and newest log lines over from its agent."""
+        with self._polling:
+            self._poll_unlocked()
+
+    def _poll_unlocked(self) -> None:
         if self._pid is None or self._lost is not None or self._stopped:
             return
         while True:

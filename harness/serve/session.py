@@ -62,11 +62,15 @@ class DeadInstance:
     exit_code: int | None
     log_path: Path
     log_tail: str
+    lost: str | None = None  # gone without an exit code: why (`ManagedServer.lost`)
+
+    def ended(self) -> str:
+        """How it ended: its exit code, or why there is none to read."""
+        return f"exited with code {self.exit_code}" if self.lost is None else f"lost: {self.lost}"
 
     def report(self) -> str:
         return (
-            f"instance {self.name} exited with code {self.exit_code}; last lines of "
-            f"{self.log_path}:\n{self.log_tail}"
+            f"instance {self.name} {self.ended()}; last lines of {self.log_path}:\n{self.log_tail}"
         )
 
 
@@ -464,6 +468,7 @@ class TopologySession:
                     server.exit_code,
                     server.command.log_path,
                     server.log_tail(LOG_TAIL_LINES),
+                    server.lost,
                 )
         return None
 

@@ -113,11 +113,12 @@ def send_round(
 
 def carrier(sent: list[Sent], item: Sent, prompt: str) -> str:
     """The name of a request that carried `prompt`: one in flight with `item` if any, else the
-    nearest by number, else the prompt itself (a request of the mix that this round lacks)."""
-    carriers = [s for s in sent if s.request.prompt == prompt]
+    nearest by number, else the prompt itself (a request of the mix that this round lacks, or
+    did not send: a request never sent had no answer to give)."""
+    carriers = [s for s in sent if s.request.prompt == prompt and s.observed is not None]
     if not carriers:
         return f"prompt {prompt}"
-    overlapping = [s for s in carriers if s.observed is not None and item.overlaps(s)]
+    overlapping = [s for s in carriers if item.overlaps(s)]
     pool = overlapping or carriers
     best = min(pool, key=lambda s: abs(s.request.number - item.request.number))
     return best.request.name
