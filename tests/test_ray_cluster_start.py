@@ -110,3 +110,29 @@ def test_a_worker_that_dies_another_way_fails_the_start_at_once(
             pass
     assert attempts(state, "127.0.0.3") == 1
     assert not (tmp_path / "nodes" / "ray-node-127.0.0.3.attempt1.log").exists()
+
+
+def test_a_node_that_cannot_be_spawned_gives_its_ports_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node's interpreter cannot be run (spawning it raises): the start fails with that
+    error, and the ports reserved for the node are given back, not held until the process
+    ends (the node was never recorded, so the cluster's stop could not release them)."""
+    from harness.serve import ray_cluster
+
+    reserved = []
+
+    def recording(*args, **kwargs):
+        leases = reserve_ports(*args, **kwargs)
+        reserved.extend(leases)
+        return leases
+
+    reserve_ports = ray_cluster.reserve_ports
+    monkeypatch.setattr(ray_cluster, "reserve_ports", recording)
+    not_runnable = tmp_path / "python-not-executable"
+    not_runnable.write_text("")
+    cluster = LocalRayCluster(tmp_path / "nodes", python=str(not_runnable))
+    with pytest.raises(PermissionError):
+        with cluster:
+            pass
+    assert reserved and not [lease.port for lease in reserved if lease.held]

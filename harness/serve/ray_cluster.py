@@ -389,10 +389,19 @@ class LocalRayCluster:
             log_path=self.work_dir / f"{name}.log",
             env={USAGE_STATS_ENV: "0"},
         )
-        for lease in leases:
-            lease.hand_over()
         server = ManagedServer(command)
-        server.start()
+        try:
+            for lease in leases:
+                lease.hand_over()
+            server.start()
+        except BaseException:  # not a node yet: the cluster's stop would not see it
+            try:
+                if server.pid is not None:  # spawned, then failed (a Ctrl-C, the watchdog)
+                    server.stop(0.0)
+            finally:
+                for lease in leases:
+                    lease.release()
+            raise
         return Node(address, head, server, leases)
 
 
