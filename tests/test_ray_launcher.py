@@ -530,3 +530,37 @@ def test_polls_from_several_threads_mirror_the_nodes_log_once(tmp_path, monkeypa
     node_log += b"second line\n"
     server.log_size()
     assert command.log_path.read_bytes() == bytes(node_log)
+
+
+def test_a_stop_the_agent_never_confirms_fails_naming_the_instance(tmp_path, monkeypatch) -> None:
+    """The agent's answer to stop() does not come in time (its node overloaded, or cut off):
+    the stop fails as a stop of that instance (ServerStopFailed naming it and its node, which
+    the group and the CLI report), not as Ray's bare GetTimeoutError naming nothing, and the
+    agent is killed, so the agent's watchdog ends the server (found in review)."""
+    from ray.exceptions import GetTimeoutError
+
+    from harness.serve import ray_server
+    from harness.serve.launch import ServerStopFailed
+    from harness.serve.server_command import ServerCommand
+
+    def get(call, timeout=None):
+        if call == "stop":
+            raise GetTimeoutError("no answer")
+        return {"exit": None, "data": b"", "rss": 0, "cpu": {}}
+
+    killed = []
+    command = ServerCommand(
+        "1P+1D/decode0", ["vllm"], "http://10.0.0.3:8000/health", tmp_path / "d.log"
+    )
+    command.log_path.write_bytes(b"")
+    agent = types.SimpleNamespace(
+        poll=types.SimpleNamespace(remote=lambda offset: "poll"),
+        stop=types.SimpleNamespace(remote=lambda grace, ready: "stop"),
+    )
+    monkeypatch.setattr(ray_server.ray, "get", get)
+    monkeypatch.setattr(ray_server.ray, "kill", killed.append)
+    server = ray_server.RayServer(agent, command, NodeInfo("10.0.0.3"))
+    server._pid = 4242
+    with pytest.raises(ServerStopFailed, match=r"1P\+1D/decode0: .*Ray node 10\.0\.0\.3"):
+        server.stop(1.0)
+    assert killed == [agent]

@@ -24,6 +24,7 @@ from harness.serve.launch import (
     STARTUP_STOP_GRACE_S,
     STOP_GRACE_S,
     ServerDied,
+    ServerStopFailed,
     await_ready,
     health_probe_failure,
 )
@@ -194,8 +195,15 @@ class RayServer:
             ready = self._startup_seconds is not None
             grace = grace_s if ready else min(grace_s, STARTUP_STOP_GRACE_S)
             self._poll()
+            wait_s = grace + KILL_WAIT_S + 30
             try:
-                ray.get(self._agent.stop.remote(grace, ready), timeout=grace + KILL_WAIT_S + 30)
+                ray.get(self._agent.stop.remote(grace, ready), timeout=wait_s)
+            except GetTimeoutError:
+                ray.kill(self._agent)  # its watchdog ends the server with the agent
+                raise ServerStopFailed(
+                    f"{self.name}: its agent on Ray node {self.node.address} did not confirm "
+                    f"the stop in {wait_s:g} s; the agent was killed, which ends the server"
+                ) from None
             except RayActorError as exc:
                 self._lost = lost_reason(exc)  # the agent's end stopped its server (its watchdog)
             except RayTaskError as exc:
