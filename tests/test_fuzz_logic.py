@@ -2066,3 +2066,34 @@ def test_both_oracles_mark_a_candidate_under_the_minimum_too_short_and_send_noth
         long_enough = oracle.attempt(PromptSpec("long", (TextPart(" a b c"),)))
         assert not long_enough.too_short, long_enough
     assert sent == ["long"], "only the prompt long enough to move KV goes to the topology"
+
+
+def test_a_shrink_the_runs_restart_budget_cut_off_says_so_not_local_minimum(
+    tmp_path: Path,
+) -> None:
+    """A new crash shrinks last, with the run's restarts spent by then (each crash in the
+    examples cost one): every candidate came back not sent, each counted as one that did not
+    reproduce, and the shrink ran through them all and said it ended at a local minimum: a
+    start request reported as minimal that was never shrunk (found in review)."""
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.group_shrink import shrink_group
+    from harness.run.fuzz.run_budget import RunBudget
+
+    settings = served_settings(tmp_path / "model", tmp_path)
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1P+1D"], run_budget=RunBudget(max_restarts=0))
+    engine.baseline = KeepsBodies()  # type: ignore[assignment]
+    engine.session = topology = KeepsBodies()  # type: ignore[assignment]
+    engine.topology_dead = lambda: "1E+1P+1D/decode0 exited with code 1"  # type: ignore[method-assign]
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    start = _evaluation(
+        "ex-0003", image_prompt((448, 448), (224, 224), text=" a b c"), crash, False
+    )
+    group = FailureGroup(start.signature, Recognition(None), [start])
+
+    shrink_group(engine, group)
+
+    assert group.shrink is not None and topology.sent == []
+    assert group.shrink.stopped_by != "local minimum", "nothing was tried on the topology"
+    assert "restart budget (0)" in group.shrink.stopped_by, group.shrink.stopped_by
+    assert len(group.shrink.trials) == 1, "one candidate shows it; the rest are not asked"
+    assert group.minimal is start
