@@ -2097,3 +2097,44 @@ def test_a_shrink_the_runs_restart_budget_cut_off_says_so_not_local_minimum(
     assert "restart budget (0)" in group.shrink.stopped_by, group.shrink.stopped_by
     assert len(group.shrink.trials) == 1, "one candidate shows it; the rest are not asked"
     assert group.minimal is start
+
+
+@pytest.mark.parametrize("seen_as", ["another declaration", "new, outside the trigger"])
+def test_a_predicted_minimal_confirms_its_own_declaration_only(
+    tmp_path: Path, monkeypatch, seen_as: str
+) -> None:
+    """The decode-tail crash and the KV lookup miss kill D with one signature. A known crash
+    shrunk against its trigger was confirmed by the signature alone: a minimal request that
+    died as the other declaration, or as a new failure (its trigger no longer held when it
+    was sent, D's holdings having moved), was taken as the group's minimal, and a crash the
+    docs report as new stayed inside a known group (found in review). The sending oracle
+    already asks for the same declaration; the confirmation does too."""
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.group_shrink import confirm_predicted
+    from harness.run.fuzz.shrink import ShrinkResult
+
+    settings = served_settings(tmp_path / "model", tmp_path)
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1P+1D"])
+    rules = {r.name: r for r in rules_for(TOPOLOGIES["1E+1P+1D"], "ExampleConnector", NEWEST)}
+    lookup_miss = rules["scenario epd-kv-lookup-miss-media"]
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    start = _evaluation("ex-0005", image_prompt((448, 448), text=" a b c"), crash, False)
+    group = FailureGroup(start.signature, Recognition(lookup_miss), [start])
+    minimal = PromptSpec("ex-0005-p003", (ImagePart(0, (56, 56)),), max_tokens=1)
+    group.shrink = ShrinkResult(start.spec, minimal, "predicted", accepted=3)
+    confirm = _evaluation("ex-0005-p003", minimal, crash, True)
+    confirm.recognition = (
+        Recognition(rules["scenario epd-media-in-decode-tail"])
+        if seen_as == "another declaration"
+        else Recognition(None, lookup_miss)
+    )
+    assert confirm.signature == group.signature
+    monkeypatch.setattr(engine, "evaluate", lambda spec: confirm)
+    rejected = Evaluation(minimal, {}, Outcome(prompt="x", error="no"), "baseline-rejected")
+    monkeypatch.setattr(engine, "ask_baseline", lambda spec: rejected)  # the shrink that follows
+
+    confirm_predicted(engine, group)
+
+    assert group.minimal is not confirm, "the minimal request failed as something else"
+    assert group.shrink.mode == "sent", "not confirmed: the group is shrunk by sending"
+    assert group.minimal is start

@@ -90,8 +90,13 @@ def confirm_predicted(engine: ShrinkingEngine, group: FailureGroup) -> None:
     if confirm.status == "not-sent":
         group.note = f"minimal request not confirmed: {confirm.note}"
         return
+    # The same signature and the same declaration, as `SendingOracle` asks: the decode-tail
+    # crash and the KV lookup miss kill D alike, and a crash outside its trigger is new.
+    recognised = confirm.recognition.rule if confirm.recognition else None
     predicted.confirmed = (
-        confirm.signature is not None and confirm.signature.key == group.signature.key
+        confirm.signature is not None
+        and confirm.signature.key == group.signature.key
+        and recognised == group.recognition.rule
     )
     predicted.trials.append(
         Trial(
