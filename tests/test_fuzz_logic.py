@@ -2138,3 +2138,25 @@ def test_a_predicted_minimal_confirms_its_own_declaration_only(
     assert group.minimal is not confirm, "the minimal request failed as something else"
     assert group.shrink.mode == "sent", "not confirmed: the group is shrunk by sending"
     assert group.minimal is start
+
+
+def test_an_example_never_sent_neither_confirms_nor_distrusts_a_crash_trigger() -> None:
+    """Once the run's restart budget is spent (or an attached deployment is down) examples
+    come back not sent. One a crash's trigger predicted was counted as the trigger holding
+    without the crash: fuzz.json listed it as mispredicted and the trigger was distrusted, of
+    an example no instance ever saw (found in review)."""
+    from harness.run.fuzz.predictions import CrashPredictions
+
+    rules = rules_for(TOPOLOGIES["1E+1P+1D"], "ExampleConnector", NEWEST)
+    predictions = CrashPredictions(rules, confirm_known=1)
+    spec = image_prompt((56, 56), name="ex-0009")
+    unsent = Evaluation(spec, {}, Outcome(prompt="ex-0009"), "not-sent", _tail_layout(True))
+    unsent.note = "the run's restart budget (0) is spent and 1E+1P+1D is down"
+    predictions.check(unsent)
+    assert predictions.summary()["mispredicted"] == {}
+    assert predictions.summary()["confirmed"] == {}
+
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    died = _evaluation("ex-0010", spec, crash, True)
+    predictions.check(died)
+    assert predictions.predicted_crash(died) is not None, "one confirmation trusts it"
