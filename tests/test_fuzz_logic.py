@@ -2160,3 +2160,30 @@ def test_an_example_never_sent_neither_confirms_nor_distrusts_a_crash_trigger() 
     died = _evaluation("ex-0010", spec, crash, True)
     predictions.check(died)
     assert predictions.predicted_crash(died) is not None, "one confirmation trusts it"
+
+
+def test_save_does_not_write_a_scenario_that_fails_only_after_earlier_requests(
+    tmp_path: Path,
+) -> None:
+    """A minimal request whose failure needs what earlier requests left (`Evaluation.stage`:
+    the folder P's lookup finds, the prefix D holds) fails only after them; its bundle
+    replays them first, but --save wrote the request alone, which the matrix sends cold, to
+    a topology that holds nothing of them: a declared failure that cannot reproduce (found
+    in review). Such a group is not saved, and says why; one needing nothing still is."""
+    from harness.run.fuzz.save import unsaved_reason
+
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    alone = _evaluation("ex-0003", image_prompt((56, 56), text=" hi"), crash, False)
+    after = _evaluation("ex-0007", image_prompt((28, 28), text=" then"), crash, False)
+    after.stage = (("ex-0006", {"messages": []}),)
+    groups = [
+        FailureGroup(alone.signature, alone.recognition, [alone], minimal=alone),
+        FailureGroup(after.signature, Recognition(None), [after], minimal=after),
+    ]
+    path = tmp_path / "found.json"
+    written = save_scenarios(groups, "1E+1P+1D", {"seed": 3, "vllm": "0.32.0+cpu"}, path=path)
+    assert len(written) == 1
+    assert [s.prompts[0].parts for s in found_scenarios(path)] == [alone.spec.parts]
+    assert unsaved_reason(groups[0]) is None
+    why = unsaved_reason(groups[1])
+    assert why is not None and "ex-0006" in why and "ex-0007" in why, why
