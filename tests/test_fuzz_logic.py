@@ -2187,3 +2187,38 @@ def test_save_does_not_write_a_scenario_that_fails_only_after_earlier_requests(
     assert unsaved_reason(groups[0]) is None
     why = unsaved_reason(groups[1])
     assert why is not None and "ex-0006" in why and "ex-0007" in why, why
+
+
+def test_a_predicted_minimal_that_did_not_crash_is_kept_as_evidence(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A known crash shrunk against its trigger, its minimal request sent and answered right:
+    the trigger held without the crash. The group was then shrunk by sending, which replaced
+    the predicted shrink and its confirmation trial, and the run's predictions still said
+    nothing was mispredicted (fuzz.json), the one place a too-broad trigger shows (found in
+    review)."""
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.group_shrink import confirm_predicted
+    from harness.run.fuzz.shrink import ShrinkResult
+
+    settings = served_settings(tmp_path / "model", tmp_path)
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1P+1D"])
+    rules = {r.name: r for r in rules_for(TOPOLOGIES["1E+1P+1D"], "ExampleConnector", NEWEST)}
+    decode_tail = rules["scenario epd-media-in-decode-tail"]
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    start = _evaluation("ex-0005", image_prompt((448, 448), text=" a b c"), crash, True)
+    group = FailureGroup(start.signature, Recognition(decode_tail), [start])
+    minimal = PromptSpec("ex-0005-p003", (ImagePart(0, (56, 56)),), max_tokens=1)
+    group.shrink = ShrinkResult(start.spec, minimal, "predicted", accepted=3)
+    answered = _evaluation("ex-0005-p003", minimal, record(Verdict.MATCH), True)
+    answered.signature, answered.recognition = None, None
+    assert decode_tail.predicts(minimal, answered.layout)
+    monkeypatch.setattr(engine, "evaluate", lambda spec: answered)
+    rejected = Evaluation(minimal, {}, Outcome(prompt="x", error="no"), "baseline-rejected")
+    monkeypatch.setattr(engine, "ask_baseline", lambda spec: rejected)  # the shrink that follows
+
+    confirm_predicted(engine, group)
+
+    assert group.shrink.mode == "sent"
+    assert engine.predictions.summary()["mispredicted"] == {decode_tail.name: "ex-0005-p003"}
+    assert "ex-0005-p003" in group.note and "MATCH" in group.note, group.note

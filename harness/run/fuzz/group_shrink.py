@@ -107,10 +107,19 @@ def confirm_predicted(engine: ShrinkingEngine, group: FailureGroup) -> None:
             restarted=confirm.restart_seconds > 0,
         )
     )
+    # What the trigger's prediction came to, on real vLLM: a confirmation, or a trigger that
+    # held without its crash (the run's predictions say so, as for an example).
+    engine.predictions.check(confirm)
     if predicted.confirmed:
         group.minimal = confirm
         return
     log.warning("[fuzz] the predicted minimal request did not reproduce; shrinking by sending")
+    # The shrink by sending replaces the predicted one: its end and what it came to stay here.
+    group.note = (
+        f"predicted minimal request {predicted.minimal.name} ({predicted.accepted} step(s), "
+        f"{len(predicted.trials)} trial(s)) did not reproduce: {confirm.summary()}; "
+        "shrunk by sending"
+    )
     _shrink_by_sending(engine, group, _budget(engine), _divergence(group))
 
 
