@@ -2222,3 +2222,33 @@ def test_a_predicted_minimal_that_did_not_crash_is_kept_as_evidence(
     assert group.shrink.mode == "sent"
     assert engine.predictions.summary()["mispredicted"] == {decode_tail.name: "ex-0005-p003"}
     assert "ex-0005-p003" in group.note and "MATCH" in group.note, group.note
+
+
+def test_a_run_interrupted_among_its_examples_keeps_what_it_had(tmp_path: Path) -> None:
+    """The bundle was written only after the last example: Ctrl-C, or a topology that could
+    not be started again, in the middle of a long examples phase left examples.json alone,
+    and the failures already found were lost (found in review). What was judged is handed
+    to `on_progress` before the interruption goes on."""
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.strategies import FuzzExample
+
+    settings = served_settings(tmp_path / "model", tmp_path)
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"])
+    engine.baseline = KeepsBodies()  # type: ignore[assignment]
+    engine.session = topology = KeepsBodies(error="HTTP 500")  # type: ignore[assignment]
+    engine.topology_dead = lambda: None  # type: ignore[method-assign]
+    sends = topology.send
+
+    def send(name: str, body: dict) -> Outcome:
+        if name == "ex-0001":
+            raise KeyboardInterrupt
+        return sends(name, body)
+
+    topology.send = send  # type: ignore[method-assign]
+    examples = [FuzzExample(image_prompt((56, 56), name=f"ex-{i:04d}")) for i in range(3)]
+    seen: list[list[str]] = []
+    with pytest.raises(KeyboardInterrupt):
+        engine.run(
+            examples, on_progress=lambda r: seen.append([g.start.spec.name for g in r.groups])
+        )
+    assert seen == [["ex-0000"]], "the failure found before the interruption is written"
