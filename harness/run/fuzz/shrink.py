@@ -249,10 +249,10 @@ class Trial:
     # says it): a trial the fault missed is why a shrink stopped where it did, and fuzz.json
     # shows it per trial as it does per example.
     fault: str | None = None
-    # Not sent, nor will any later candidate be: the run's restart or time budget is spent,
-    # or an attached deployment is down. The shrink ends here and says why (`outcome`):
-    # counted as a candidate that did not reproduce, it ran through every other one and
-    # called the request it had not shrunk a local minimum.
+    # Not sent, nor will any later candidate be: the run's restart budget is spent and the
+    # topology down, or an attached deployment is down. The shrink ends here and says why
+    # (`outcome`): counted as a candidate that did not reproduce, it ran through every other
+    # one and called the request it had not shrunk a local minimum.
     unsendable: bool = False
 
     def to_json(self) -> dict[str, Any]:
