@@ -207,7 +207,7 @@ def command_fuzz(args: argparse.Namespace) -> int:
     from harness.run.fuzz.engine import FuzzEngine
     from harness.run.fuzz.layout import TokenizerEstimator
     from harness.run.fuzz.records import FuzzReport
-    from harness.run.fuzz.save import save_scenarios
+    from harness.run.fuzz.save import save_scenarios, unsaved_reason
     from harness.run.fuzz.space import space_for
     from harness.run.fuzz.strategies import draw_examples
 
@@ -286,7 +286,11 @@ def command_fuzz(args: argparse.Namespace) -> int:
     print((settings.run_dir / "fuzz.md").read_text())
     if args.save:
         written = save_scenarios(report.groups, topology.name, meta, args.reason)
-        print(f"saved scenario(s): {', '.join(written) or 'none (no new failure)'}")
+        nothing = "none" if report.new_groups else "none (no new failure)"
+        print(f"saved scenario(s): {', '.join(written) or nothing}")
+        for group in report.new_groups:
+            if (why := unsaved_reason(group)) is not None:
+                print(f"not saved: {group.signature.key}: {why}")
     timing = report.timing()
     print(
         f"epd-harness fuzz: {len(report.new_groups)} new, "

@@ -401,6 +401,40 @@ class FuzzEngine:
         last: each kills D, and the last one costs no revival."""
         report = report if report is not None else FuzzReport(examples=list(examples))
         began = time.monotonic()
+        try:
+            self._send_examples(examples, report)
+        except BaseException:
+            # Interrupted (Ctrl-C, a topology that could not be started again): what was
+            # judged so far is written before the interruption goes on.
+            report.examples_seconds = time.monotonic() - began
+            report.groups = group_failures(report.evaluations)
+            self._progress(report, on_progress)
+            raise
+        report.examples_seconds = time.monotonic() - began
+        report.groups = group_failures(report.evaluations)
+        self._progress(report, on_progress)
+        began = time.monotonic()
+        unconfirmed: list[FailureGroup] = []
+        for group in sorted(report.groups, key=shrink_order):
+            if self.time_left() <= 0:
+                group.note = "not shrunk: the run's time budget is spent"
+                continue
+            if not shrink_group(self, group):
+                unconfirmed.append(group)
+            report.shrink_seconds = time.monotonic() - began
+            self._progress(report, on_progress)
+        for group in unconfirmed:
+            if self.time_left() <= 0:
+                group.note = "minimal request predicted, not sent: the run's time budget is spent"
+                continue
+            confirm_predicted(self, group)
+            report.shrink_seconds = time.monotonic() - began
+            self._progress(report, on_progress)
+        return report
+
+    def _send_examples(self, examples: list[FuzzExample], report: FuzzReport) -> None:
+        """Each example to the baseline, then (unless predicted or out of budget) to the
+        topology, judged; its evaluation appended to `report` at once."""
         for index, example in enumerate(examples):
             if self.time_left() <= 0:
                 evaluation = Evaluation(example.spec, {}, Outcome(prompt=example.name), "not-sent")
@@ -428,27 +462,6 @@ class FuzzEngine:
                 evaluation.summary(),
                 evaluation.seconds,
             )
-        report.examples_seconds = time.monotonic() - began
-        report.groups = group_failures(report.evaluations)
-        self._progress(report, on_progress)
-        began = time.monotonic()
-        unconfirmed: list[FailureGroup] = []
-        for group in sorted(report.groups, key=shrink_order):
-            if self.time_left() <= 0:
-                group.note = "not shrunk: the run's time budget is spent"
-                continue
-            if not shrink_group(self, group):
-                unconfirmed.append(group)
-            report.shrink_seconds = time.monotonic() - began
-            self._progress(report, on_progress)
-        for group in unconfirmed:
-            if self.time_left() <= 0:
-                group.note = "minimal request predicted, not sent: the run's time budget is spent"
-                continue
-            confirm_predicted(self, group)
-            report.shrink_seconds = time.monotonic() - began
-            self._progress(report, on_progress)
-        return report
 
     def _progress(
         self, report: FuzzReport, on_progress: Callable[[FuzzReport], None] | None

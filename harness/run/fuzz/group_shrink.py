@@ -90,8 +90,13 @@ def confirm_predicted(engine: ShrinkingEngine, group: FailureGroup) -> None:
     if confirm.status == "not-sent":
         group.note = f"minimal request not confirmed: {confirm.note}"
         return
+    # The same signature and the same declaration, as `SendingOracle` asks: the decode-tail
+    # crash and the KV lookup miss kill D alike, and a crash outside its trigger is new.
+    recognised = confirm.recognition.rule if confirm.recognition else None
     predicted.confirmed = (
-        confirm.signature is not None and confirm.signature.key == group.signature.key
+        confirm.signature is not None
+        and confirm.signature.key == group.signature.key
+        and recognised == group.recognition.rule
     )
     predicted.trials.append(
         Trial(
@@ -102,10 +107,19 @@ def confirm_predicted(engine: ShrinkingEngine, group: FailureGroup) -> None:
             restarted=confirm.restart_seconds > 0,
         )
     )
+    # What the trigger's prediction came to, on real vLLM: a confirmation, or a trigger that
+    # held without its crash (the run's predictions say so, as for an example).
+    engine.predictions.check(confirm)
     if predicted.confirmed:
         group.minimal = confirm
         return
     log.warning("[fuzz] the predicted minimal request did not reproduce; shrinking by sending")
+    # The shrink by sending replaces the predicted one: its end and what it came to stay here.
+    group.note = (
+        f"predicted minimal request {predicted.minimal.name} ({predicted.accepted} step(s), "
+        f"{len(predicted.trials)} trial(s)) did not reproduce: {confirm.summary()}; "
+        "shrunk by sending"
+    )
     _shrink_by_sending(engine, group, _budget(engine), _divergence(group))
 
 

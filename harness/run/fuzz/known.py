@@ -117,8 +117,12 @@ class KnownRule:
         return self.trigger is not None and self.trigger(spec, layout)
 
     def signature_matches(self, record: CaseRecord) -> bool:
-        evidence = f"{record.error or ''}\n{record.explanation}\n{record.detail}"
-        return record.verdict.value == self.verdict and self.evidence in evidence
+        """The declared verdict, and the evidence where the matrix reads it (`_as_declared`):
+        the start of the case's detail, or inside the topology's own error. Anywhere in the
+        detail, a prompt-ids MISMATCH ('prompt ids differ ...; generated tokens differ ...')
+        was the video-timing declaration, whose prompt ids match (found in review)."""
+        shows = record.detail.startswith(self.evidence) or self.evidence in (record.error or "")
+        return record.verdict.value == self.verdict and shows
 
     def to_json(self) -> dict[str, str]:
         return {

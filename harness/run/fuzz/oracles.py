@@ -60,6 +60,8 @@ class SendingOracle:
                 note = f"not sent: {predicted.name} predicted ({predicted.trigger_text})"
                 return Trial(spec, False, note, evaluation.seconds)
             self.engine.send_topology(evaluation)
+            if evaluation.status == "not-sent":
+                return Trial(spec, False, evaluation.note, evaluation.seconds, unsendable=True)
         recognition = evaluation.recognition
         reproduced = (
             evaluation.signature is not None

@@ -42,10 +42,12 @@ class CrashPredictions:
         declarations may share a crash's signature (the decode-tail bug and the KV lookup
         miss kill D alike): the one whose trigger held is the one it confirms."""
         record = evaluation.record
+        if record is None:  # not sent (a spent budget, a deployment down): it showed nothing
+            return
         crash_rules = [r for r in self.rules if r.crash and r.trigger is not None]
         predicted = [r for r in crash_rules if r.predicts(evaluation.spec, evaluation.layout)]
         for rule in predicted:
-            if record is not None and rule.signature_matches(record):
+            if rule.signature_matches(record):
                 self._confirmed[rule.name] = self._confirmed.get(rule.name, 0) + 1
             elif rule.name not in self._mispredicted:
                 self._mispredicted[rule.name] = evaluation.spec.name
@@ -56,7 +58,7 @@ class CrashPredictions:
                     rule.name,
                     evaluation.summary(),
                 )
-        if predicted or record is None:
+        if predicted:
             return
         for rule in crash_rules:
             if rule.signature_matches(record):

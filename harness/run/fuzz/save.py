@@ -35,6 +35,21 @@ def evidence_of(group: FailureGroup) -> str:
     return "generated tokens differ"
 
 
+def unsaved_reason(group: FailureGroup) -> str | None:
+    """Why --save does not write this group (None: it does). A minimal request whose failure
+    needs what earlier requests left (`Evaluation.stage`: the folder P's lookup finds, the
+    prefix D holds) fails only after them: its bundle replays them first, but a saved
+    scenario is the request alone, sent cold, and would be declared a failure it cannot show."""
+    minimal = group.minimal or group.start
+    if not minimal.stage:
+        return None
+    earlier = ", ".join(name for name, _ in minimal.stage)
+    return (
+        f"{minimal.spec.name} fails only after {earlier}, which a matrix scenario does not "
+        "send: replay its bundle (epd-harness repro)"
+    )
+
+
 def scenario_entry(
     group: FailureGroup, topology: str, meta: dict[str, Any], reason: str | None
 ) -> dict[str, Any]:
@@ -63,15 +78,16 @@ def save_scenarios(
     reason: str | None = None,
     path: Path = FOUND_SCENARIOS_FILE,
 ) -> list[str]:
-    """Append one scenario per new failure group (replacing one of the same name); returns
-    the names written."""
+    """Append one scenario per new failure group (replacing one of the same name), but for
+    one that fails only after earlier requests (`unsaved_reason`); returns the names
+    written."""
     try:
         entries = json.loads(path.read_text()) if path.exists() else []
     except ValueError as exc:
         raise ValueError(f"{path} is not JSON: {exc}") from None
     written = []
     for group in groups:
-        if group.known:
+        if group.known or unsaved_reason(group) is not None:
             continue
         entry = scenario_entry(group, topology, meta, reason)
         entries = [e for e in entries if e.get("name") != entry["name"]] + [entry]

@@ -249,6 +249,11 @@ class Trial:
     # says it): a trial the fault missed is why a shrink stopped where it did, and fuzz.json
     # shows it per trial as it does per example.
     fault: str | None = None
+    # Not sent, nor will any later candidate be: the run's restart budget is spent and the
+    # topology down, or an attached deployment is down. The shrink ends here and says why
+    # (`outcome`): counted as a candidate that did not reproduce, it ran through every other
+    # one and called the request it had not shrunk a local minimum.
+    unsendable: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -261,6 +266,7 @@ class Trial:
             "divergence": self.divergence,
             "too_short": self.too_short,
             "fault": self.fault,
+            "unsendable": self.unsendable,
         }
 
 
@@ -364,6 +370,10 @@ def shrink(
             trial = oracle.attempt(named)
             result.trials.append(trial)
             restarts += trial.restarted
+            if trial.unsendable:
+                result.stopped_by = f"nothing more can be sent: {trial.outcome}"
+                result.seconds = clock() - began
+                return result
             if trial.too_short:
                 too_short.append(named)
             if trial.reproduced:
