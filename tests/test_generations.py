@@ -168,6 +168,22 @@ def test_0_30_per_request_kwargs_reach_the_encoders_cache_key() -> None:
     assert not GENERATIONS_BY_NAME["by-hash"].has_trust_request_mm_kwargs_flag
 
 
+def test_extra_fields_that_are_not_media_kwargs_apply_on_every_generation() -> None:
+    """Only mm_processor_kwargs / media_io_kwargs depend on `per_request_media_kwargs`: a
+    prompt whose extra fields are a cache salt or a token count (a fuzz-saved scenario, a
+    salted follow-up) applies on 0.29 as one without them, while one with media kwargs does
+    not (found in review)."""
+    image = (ImagePart(seed=24), TextPart("x"))
+    plain = PromptSpec("plain", image, extra=(("cache_salt", "s"), ("max_tokens", 4)))
+    kwargs = PromptSpec("kw", image, extra=(("media_io_kwargs", {"image": {}}),))
+    generation = GENERATIONS_BY_NAME["ec-items"]
+    assert not generation.per_request_media_kwargs
+    assert not_applicable(generation, TOPOLOGIES["1E+1PD"], plain) is None
+    assert "per-request media kwargs" in (
+        not_applicable(generation, TOPOLOGIES["1E+1PD"], kwargs) or ""
+    )
+
+
 def test_not_applicable_never_passes_any_policy() -> None:
     record = not_applicable_case("1E+1PD", "video", "baseline", "video is not encoded")
     assert record.verdict is Verdict.NOT_APPLICABLE and not record.policy_passed

@@ -350,7 +350,8 @@ def not_applicable(
         )
     if has_video and not generation.video_through_encoder:
         return _video_not_encoded(generation)
-    if prompt.extra and not generation.per_request_media_kwargs:
+    media_kwargs = {"mm_processor_kwargs", "media_io_kwargs"} & {key for key, _ in prompt.extra}
+    if media_kwargs and not generation.per_request_media_kwargs:
         return (
             f"{generation.name} ({generation.version_range}): per-request media kwargs "
             "do not reach the encoder's cache key"
