@@ -132,6 +132,23 @@ def test_request_and_expected_answer_are_the_recorded_ones(tmp_path: Path) -> No
     assert expected["recorded"]["verdict"] == "ERROR"
 
 
+def test_expected_json_keeps_no_log_probs_of_other_tokens(tmp_path: Path) -> None:
+    """check.py judges drift with expected.json's log-probs as those of its ids: the reference's
+    recorded entry of another token than the id it generated there (a batched answer's, which
+    the harness's judge does not read, `_logprob_at`) is written as none (null), never as the
+    id's."""
+    run = write_bundle(tmp_path / "run")
+    responses = json.loads((run / "responses.json").read_text())
+    entries = responses["baseline"][PROMPT]["result"]["logprobs"]
+    entries[0] = {"token_id": BASELINE_IDS[0] + 1, "logprob": -3.0, "top": [[1, -3.0]]}
+    (run / "responses.json").write_text(json.dumps(responses))
+    out = tmp_path / "export"
+    write_export(plan_for(run, f"1E+1P+1D:{PROMPT}"), out, REPAIR)
+    expected = json.loads((out / "expected.json").read_text())
+    assert expected["token_logprobs"][:2] == [None, -0.5]
+    assert expected["top_logprobs"][:2] == [None, [[BASELINE_IDS[1], -0.5]]]
+
+
 def test_a_gone_model_directory_is_refused(tmp_path: Path) -> None:
     with pytest.raises(BadInput, match="model directory /gone/model is gone"):
         plan_for(write_bundle(tmp_path / "run", model="/gone/model"))
@@ -518,6 +535,45 @@ def test_check_judges_drift_as_the_harness_does(tmp_path: Path, monkeypatch) -> 
     no_floor = {**expected, "noise_floor_nats": 0.0}
     assert judge(no_floor, flipped(), [], tmp_path)[:2] == ("MISMATCH", 1)
     assert judge(expected, flipped(-0.6), [], tmp_path)[:2] == ("MISMATCH", 1)
+
+
+def relabelled(answer: check.Answer, positions: tuple[int, ...]) -> check.Answer:
+    """`answer` with the log-prob entries at `positions` made another token's (its id + 100),
+    their log-probs and top-k kept: a batched answer handed another request's log-probs."""
+    body = json.loads(answer.text)
+    content = body["choices"][0]["logprobs"]["content"]
+    for position in positions:
+        token = int(content[position]["token"].split(":")[1])
+        content[position]["token"] = f"token_id:{token + 100}"
+    return check.Answer(answer.url, answer.status, json.dumps(body), answer.seconds)
+
+
+@pytest.mark.parametrize("positions", [(0,), (1,), (0, 1, 2, 3)])
+def test_check_reads_no_drift_from_log_probs_of_other_tokens(
+    tmp_path: Path, monkeypatch, positions: tuple[int, ...]
+) -> None:
+    """As the harness's judge (harness.judge.compare `_logprob_at`, `_top_at`): a log-prob
+    entry whose token is not the id generated there is no evidence of closeness, in the
+    agreeing prefix (0) or at the divergence (1). Read as if it were, the same numbers made
+    the flipped near tie a DRIFT that the pd-drift policy passes (exit 0)."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    assert judge(NEAR_TIE_EXPECTED, flipped(), [], tmp_path)[:2] == ("DRIFT", 0)
+    verdict, code, detail = judge(NEAR_TIE_EXPECTED, relabelled(flipped(), positions), [], tmp_path)
+    assert (verdict, code) == ("MISMATCH", 1), detail
+    assert "n/a" in detail
+
+
+def test_a_saved_reference_keeps_no_log_probs_of_other_tokens() -> None:
+    """`--save-reference` keeps the reference's log-probs as `--reference` judges drift with
+    them: an entry of another token than the id generated there is kept as none (null)."""
+    body = json.loads(relabelled(flipped(), (0,)).text)
+    kept = check.reference_answer(body, "baseline", {"messages": []})
+    assert kept is not None
+    assert kept["token_logprobs"][0] is None and kept["top_logprobs"][0] is None
+    assert kept["token_logprobs"][1] == -0.692 and kept["top_logprobs"][1] == [
+        (5, -0.692),
+        (8, -0.698),
+    ]
 
 
 def test_check_never_calls_a_difference_after_other_prompt_ids_drift(

@@ -228,10 +228,23 @@ def window(ids: list[int], index: int) -> str:
     return f"{'... ' if start else ''}{' '.join(shown)}"
 
 
+def logprob_entry(response: dict[str, Any], index: int) -> dict[str, Any]:
+    """The answer's log-prob entry at generated position `index`, only if it is the entry of
+    the id generated there (as the harness's `_logprob_at` and `_top_at`): log-probs
+    misaligned with the ids (a batched answer handed another request's) are no evidence of
+    closeness, and read as if they were they made any flipped near tie DRIFT. KeyError when
+    it is another token's, as when there is none."""
+    choice = response["choices"][0]
+    entry = choice["logprobs"]["content"][index]
+    if str(entry["token"]) != f"token_id:{int(choice['token_ids'][index])}":
+        raise KeyError(f"the log-prob entry at {index} is another token's")
+    return entry
+
+
 def top_logprobs(response: dict[str, Any], index: int) -> list[tuple[int, float]] | None:
-    """The answer's top-k (token id, log-prob) at generated position `index`."""
+    """The answer's top-k (token id, log-prob) at generated position `index` (`logprob_entry`)."""
     try:
-        entry = response["choices"][0]["logprobs"]["content"][index]
+        entry = logprob_entry(response, index)
         return [
             (int(str(t["token"]).split(":", 1)[1]), float(t["logprob"]))
             for t in entry["top_logprobs"]
@@ -305,8 +318,9 @@ def gap(top: list[Any] | None, own: int | None, other: int | None) -> float | No
 
 
 def chosen_logprob(response: dict[str, Any], index: int) -> float | None:
+    """The generated id's log-prob at position `index` (`logprob_entry`), None without one."""
     try:
-        return float(response["choices"][0]["logprobs"]["content"][index]["logprob"])
+        return float(logprob_entry(response, index)["logprob"])
     except (KeyError, IndexError, TypeError, ValueError):
         return None
 
