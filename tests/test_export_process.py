@@ -448,6 +448,52 @@ def test_check_without_serve_state_is_an_error_in_one_line(tmp_path: Path, capsy
     assert done.stderr.count("\n") == 1 and "is serve.sh serving?" in done.stderr
 
 
+def test_an_answer_cut_off_mid_body_is_an_error_naming_the_death_not_a_difference(
+    tmp_path: Path,
+) -> None:
+    """A server that dies while it sends its answer (headers out, the body cut short) made
+    urllib raise http.client.IncompleteRead, no OSError: check.py ended in a traceback with
+    exit 1, which run.sh reads as "a difference", and the death went unnamed (found in
+    review). It is no answer: exit 2, the instance that died named."""
+    out = write(tmp_path)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    def answer_half_and_die() -> None:
+        connection, _ = listener.accept()
+        connection.recv(1 << 20)
+        connection.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 500\r\n\r\n{"prompt_token_ids": ['
+        )
+        connection.close()
+        listener.close()  # its /health no longer answers
+
+    server = threading.Thread(target=answer_half_and_die, daemon=True)
+    server.start()
+    state = tmp_path / "state"
+    state.mkdir()
+    log = tmp_path / "decode0.log"
+    log.write_text("AssertionError: the engine core died mid-answer\n")
+    (state / "endpoints.tsv").write_text(
+        f"mode\tcase\nentry\t{url}\ninstance\tdecode0\tdecode\t{url}\t\t{log}\n"
+    )
+    (state / "decode0.exit").write_text("1\n")  # as serve.sh notes an exit
+    done = subprocess.run(
+        [sys.executable, "-I", str(out / "check.py"), "--state", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    server.join(timeout=5)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "ERROR: decode0 died during the request" in done.stdout
+    assert "IncompleteRead" in done.stdout and "the engine core died mid-answer" in done.stdout
+
+
 def test_the_shipped_repairs_import_nothing_of_the_harness(tmp_path: Path) -> None:
     """cpu_repair.py (harness/cli/cpu_env.py) imports the AMX hook: the export ships it beside
     it, so it imports where the harness is not installed (here: where importing it raises)."""

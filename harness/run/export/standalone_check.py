@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import http.client
 import json
 import math
 import os
@@ -123,8 +124,13 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float) -> Answer:
             status, text = response.status, response.read().decode("utf-8", errors="replace")
             content_type = response.headers.get("Content-Type", "")
     except urllib.error.HTTPError as exc:
-        status, text = exc.code, exc.read().decode("utf-8", errors="replace")
-    except OSError as exc:  # refused, reset, timed out
+        try:
+            status, text = exc.code, exc.read().decode("utf-8", errors="replace")
+        except (OSError, http.client.HTTPException) as cut:
+            status, text = None, f"HTTP {exc.code}, then {type(cut).__name__}: {cut}"
+    # Refused, reset, timed out; or cut off mid-body by a server that died while it answered
+    # (IncompleteRead, no OSError: it ended check.py in a traceback, exit 1, "a difference").
+    except (OSError, http.client.HTTPException) as exc:
         status, text = None, f"{type(exc).__name__}: {exc}"
     return Answer(url, status, text, time.monotonic() - started, content_type)
 
