@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -561,6 +562,43 @@ def test_check_reads_no_drift_from_log_probs_of_other_tokens(
     verdict, code, detail = judge(NEAR_TIE_EXPECTED, relabelled(flipped(), positions), [], tmp_path)
     assert (verdict, code) == ("MISMATCH", 1), detail
     assert "n/a" in detail
+
+
+@pytest.mark.parametrize("received", [math.nan, -math.inf])
+def test_check_reads_no_drift_past_a_prefix_log_prob_that_is_not_finite(
+    tmp_path: Path, monkeypatch, received: float
+) -> None:
+    """As the harness's judge (`_prefix_delta`): a prefix position whose log-prob delta is not
+    finite (a NaN, or -inf on both sides) agreed by no measure. `max` dropped a NaN that came
+    after a finite delta, as if its position had agreed, and the near tie after it passed as
+    DRIFT (exit 0)."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    expected = {
+        **NEAR_TIE_EXPECTED,
+        "token_ids": [7, 9, 8, 10],
+        "top_logprobs": [[[7, -0.5]], [[9, -math.inf]], [[8, -0.69], [5, -0.70]], [[10, -0.5]]],
+        "token_logprobs": [-0.5, -math.inf, -0.69, -0.5],
+    }
+    tops = [[(7, -0.5)], [(9, received)], [(5, -0.692), (8, -0.698)], [(10, -0.5)]]
+    content = [
+        {
+            "token": f"token_id:{top[0][0]}",
+            "logprob": top[0][1],
+            "top_logprobs": [{"token": f"token_id:{t}", "logprob": lp} for t, lp in top],
+        }
+        for top in tops
+    ]
+    body = {
+        "prompt_token_ids": [1, 2, 3],
+        "choices": [{"token_ids": [7, 9, 5, 10], "logprobs": {"content": content}}],
+    }
+    finite = json.loads(json.dumps(body))
+    finite["choices"][0]["logprobs"]["content"][1]["logprob"] = -0.5
+    agreeing = {**expected, "token_logprobs": [-0.5, -0.5, -0.69, -0.5]}
+    assert judge(agreeing, answer(200, finite), [], tmp_path)[:2] == ("DRIFT", 0)
+    verdict, code, detail = judge(expected, answer(200, body), [], tmp_path)
+    assert (verdict, code) == ("MISMATCH", 1), detail
+    assert "prefix log-prob delta n/a" in detail
 
 
 def test_a_saved_reference_keeps_no_log_probs_of_other_tokens() -> None:

@@ -350,7 +350,10 @@ def drift(
     for position in range(index):
         mine = chosen_logprob(response, position)
         theirs = recorded[position] if position < len(recorded) else None
-        deltas.append(None if mine is None or theirs is None else abs(mine - float(theirs)))
+        delta = None if mine is None or theirs is None else abs(mine - float(theirs))
+        # Not finite (a NaN, -inf on both sides): no agreement, which `max` would take a NaN
+        # after a finite delta for (as the harness's `_prefix_delta`).
+        deltas.append(delta if delta is not None and math.isfinite(delta) else None)
     prefix = None if None in deltas else max(deltas, default=0.0)
     shown = ", ".join(
         f"{side} gap {'n/a' if g is None else f'{g:.3f}'}"
