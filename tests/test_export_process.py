@@ -285,6 +285,36 @@ def test_serve_sh_stops_every_group_on_sigterm_even_a_server_that_ignores_it(
             os.killpg(serve.pid, signal.SIGKILL)
 
 
+def test_check_after_serve_sh_stopped_says_nothing_serves_not_that_the_case_reproduced(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """`bash serve.sh` in one terminal, `python3 check.py` in another (ISSUE.md): once serve.sh
+    was stopped, its endpoints.tsv named servers it had stopped itself. check.py sent the
+    request to them, waited for each to exit, called every instance "died during the request"
+    and a recorded ERROR "reproduced" (found in review). It says nothing serves, at once."""
+    out = export_case(tmp_path)  # recorded ERROR
+    env = environment(leased_ports, tmp_path)
+    serve = serving(out, env)
+    try:
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=30) == 143
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-I", str(out / "check.py"), "--state", str(out / "work/state")],
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+        )
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "reproduced" not in done.stdout and "died" not in done.stdout, done.stdout
+        assert "is serve.sh serving?" in done.stderr
+        assert time.monotonic() - started < 5
+        assert_nothing_left(out, env)
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+
+
 def test_a_ctrl_c_reaches_only_a_script_started_as_at_a_terminal() -> None:
     """Under a pytest started in the background (the fresh-clone CI run: `.ci/run` from a
     script's `cmd &`) every child inherits SIGINT ignored, and bash cannot trap a signal

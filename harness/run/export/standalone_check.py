@@ -11,7 +11,7 @@ It reads `request.json` (the body exactly as the harness sent it, media inlined;
 one's answer is read from its events) and
 `expected.json` (the case's reference's ids, or for a probe what the instance should do)
 beside it, and `DIR/endpoints.tsv`, which `serve.sh` writes once everything is healthy (the
-entry URL, every instance's URL, process id and log).
+entry URL, every instance's URL, process id and log) and removes when it stops.
 
 A later case of a sequential matrix scenario was sent after the scenario's earlier requests,
 on the same servers, and its failure may need what they left (the KV an earlier prompt
