@@ -758,6 +758,20 @@ def test_check_calls_unreadable_streamed_prompt_ids_an_error_saying_so(
     assert 'event 1: prompt_token_ids is ["1", "2", "3"], not a list of integers' in detail
 
 
+def test_check_calls_a_stream_without_prompt_ids_an_error_as_the_harness_does(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The harness fails a stream that carried no prompt_token_ids at all (StreamFailed:
+    ERROR, "was return_token_ids honoured?"), as one whose prompt ids it cannot read; check.py
+    called it a MISMATCH, exit 1, and a recorded ERROR NOT reproduced."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    chunks = stream_chunks([1, 2, 3], [7, 8, 9, 10])
+    del chunks[0]["prompt_token_ids"]
+    verdict, code, detail = judged_stream(events(*chunks), tmp_path)
+    assert (verdict, code) == ("ERROR", 2), detail
+    assert "the stream carried no prompt_token_ids" in detail
+
+
 def test_check_calls_a_stream_served_as_json_a_difference_as_the_harness_does(
     tmp_path: Path, monkeypatch
 ) -> None:

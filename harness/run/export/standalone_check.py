@@ -437,10 +437,11 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
     """A streamed answer (`stream: true` in request.json, as the run sent it) read into the
     shape of an unstreamed one: the first chunk's `prompt_token_ids`, every chunk's generated
     `token_ids` and log-probs in order. (None, why) for a stream that reported an error, or
-    whose prompt ids cannot be read (an ERROR); (answer, why) for one whose framing is broken
-    (a MISMATCH: a client would wait or fail): `[DONE]` not last, or a chunk of another shape
-    than vLLM sends (a null choice, ids that are not integers), which is named by its event
-    and not read, as the harness's reader does; (answer, None) for a whole one."""
+    whose prompt ids cannot be read or are not there (an ERROR); (answer, why) for one whose
+    framing is broken (a MISMATCH: a client would wait or fail): `[DONE]` not last, or a
+    chunk of another shape than vLLM sends (a null choice, ids that are not integers), which
+    is named by its event and not read, as the harness's reader does; (answer, None) for a
+    whole one."""
     prompt_ids: list[int] | None = None
     token_ids: list[int] = []
     content: list[Any] = []
@@ -484,11 +485,12 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
         for ids, entries in read:
             token_ids += ids
             content += entries
+    if prompt_ids is None:  # as the harness's StreamFailed: no prompt ids, no answer
+        return None, "the stream carried no prompt_token_ids: was return_token_ids honoured?"
     answer: dict[str, Any] = {
+        "prompt_token_ids": prompt_ids,
         "choices": [{"token_ids": token_ids, "logprobs": {"content": content}}],
     }
-    if prompt_ids is not None:
-        answer["prompt_token_ids"] = prompt_ids
     if not done:
         problems.append("the stream ended without [DONE]")
     return answer, "; ".join(problems) or None
