@@ -667,8 +667,43 @@ def test_check_reads_a_streamed_answer_from_its_events(tmp_path: Path, monkeypat
     assert (verdict, code, detail) == ("MISMATCH", 1, "the stream ended without [DONE]")
     verdict, code, detail = judged(events({"error": {"message": "engine dead"}}))
     assert (verdict, code) == ("ERROR", 2) and "engine dead" in detail
-    assert judged(events("not json"))[:2] == ("ERROR", 2)
-    assert judged(streamed([1, 2, 3], [7, 8, 9, 10]) + "data: {}\n\n")[:2] == ("ERROR", 2)
+    assert judged(events("not json"))[:2] == ("ERROR", 2)  # no prompt ids: no answer
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        (streamed([1, 2, 3], [7, 8, 9, 10]) + "data: {}\n\n", "an event after [DONE]"),
+        (
+            events(
+                *stream_chunks([1, 2, 3], [7, 8, 9, 10])[:2],
+                "not json",
+                *stream_chunks([1, 2, 3], [7, 8, 9, 10])[2:],
+            ),
+            "event 3 is not JSON",
+        ),
+        (
+            events(
+                *stream_chunks([1, 2, 3], [7, 8, 9, 10])[:2],
+                "[8]",
+                *stream_chunks([1, 2, 3], [7, 8, 9, 10])[2:],
+            ),
+            "event 3 is not a JSON object",
+        ),
+    ],
+    ids=["after-done", "not-json", "not-an-object"],
+)
+def test_check_calls_a_stream_with_a_stray_event_a_difference_as_the_harness_does(
+    tmp_path: Path, monkeypatch, text: str, problem: str
+) -> None:
+    """The harness keeps an event after [DONE], or one that does not parse as a JSON object,
+    as a framing problem of a stream that carried its answer (harness/outcomes/stream.py):
+    a MISMATCH, as check.py's own reader says of `[DONE]` not last. check.py called it an
+    ERROR, exit 2, and a recorded MISMATCH NOT reproduced."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    verdict, code, detail = judged_stream(text, tmp_path)
+    assert (verdict, code) == ("MISMATCH", 1), detail
+    assert problem in detail
 
 
 def first_token_choice(**fields: object) -> list[dict]:
