@@ -493,6 +493,27 @@ def test_check_judges_match_mismatch_and_prompt_difference(tmp_path: Path, monke
     assert (verdict, code) == ("MISMATCH", 1) and "prompt token ids differ at position 2" in detail
 
 
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"choices": [{"message": {"content": "hi"}}]},
+        {"prompt_token_ids": [1, 2, 3], "choices": [{"token_ids": None}]},
+    ],
+    ids=["no-ids", "null-ids"],
+)
+def test_check_calls_an_answer_without_token_ids_an_error_as_the_harness_does(
+    tmp_path: Path, monkeypatch, payload: dict
+) -> None:
+    """A vLLM that ignores return_token_ids (another release than the recorded one: run.sh
+    says so and goes on) answers without ids. The harness fails that answer as no answer
+    (parse_chat_response: ERROR); check.py called it a MISMATCH, exit 1 "a difference", and a
+    recorded MISMATCH "reproduced"."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    verdict, code, detail = judge(EXPECTED, answer(200, payload), [], tmp_path)
+    assert (verdict, code) == ("ERROR", 2), detail
+    assert "was return_token_ids honoured?" in detail
+
+
 # EXPECTED with a near tie at position 1, a 0.05-nat floor and a policy that passes DRIFT.
 NEAR_TIE_EXPECTED = {
     **EXPECTED,

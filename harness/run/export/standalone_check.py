@@ -44,8 +44,8 @@ Exit codes:
   probe: the instance refused the request and kept serving);
 - 1: a difference: other token ids (the first divergence is printed; a DRIFT the policy does
   not pass included), or a probe answered;
-- 2: an error: an HTTP error, a timeout, an instance that died (named, with the error lines
-  of its log and its last lines), an earlier request (`before/`) that got no answer, the
+- 2: an error: an HTTP error, a timeout, an answer without token ids, an instance that died
+  (named, with the error lines of its log and its last lines), an earlier request (`before/`) that got no answer, the
   case's request then not sent, or check.py could not run at all (an expected.json whose
   `noise_floor_nats` is no measured floor among the causes, named in one line).
 """
@@ -294,12 +294,13 @@ def compare_tokens(
 ) -> tuple[str, str | None]:
     """("MATCH", None) when prompt and generated ids equal the expected ones, else the verdict
     ("MISMATCH", or "DRIFT": `drift`) and the first divergence; `broken`: the ids came in a
-    stream whose framing is broken, so no difference is drift."""
+    stream whose framing is broken, so no difference is drift. An answer without ids is no
+    answer to compare ("ERROR"), as the harness's parse_chat_response fails it."""
     try:
         prompt_ids = list(response["prompt_token_ids"])
         token_ids = list(response["choices"][0]["token_ids"])
     except (KeyError, IndexError, TypeError):
-        return "MISMATCH", "the answer carries no token ids (was return_token_ids honoured?)"
+        return "ERROR", "the answer carries no token ids (was return_token_ids honoured?)"
     index = first_difference(expected["prompt_token_ids"], prompt_ids)
     if index is not None:
         return "MISMATCH", describe_difference(
@@ -593,6 +594,8 @@ def tokens_verdict(
     """(verdict, exit code, evidence) of an answer's ids against `expected`'s, DRIFT passing
     or not as its policy says; `broken`: a streamed answer's framing was wrong (a MISMATCH)."""
     verdict, difference = compare_tokens(expected, response, broken is not None)
+    if verdict == "ERROR":
+        return "ERROR", EXIT_ERROR, "; ".join(filter(None, (difference, broken)))
     if broken is not None:
         return "MISMATCH", EXIT_DIFFERENCE, "; ".join(filter(None, (broken, difference)))
     if verdict == "DRIFT":
