@@ -524,6 +524,32 @@ def test_an_answer_cut_off_mid_body_is_an_error_naming_the_death_not_a_differenc
     assert "IncompleteRead" in done.stdout and "the engine core died mid-answer" in done.stdout
 
 
+def test_a_port_that_answers_no_http_is_no_health(tmp_path: Path) -> None:
+    """An instance's port, once it died, answered by something that speaks no HTTP (another
+    process's socket): urllib raised http.client.BadStatusLine, no OSError, out of check.py's
+    health check while it named the dead, a traceback and exit 1 read as "a difference"
+    (found in review). It is no health."""
+    from harness.run.export import standalone_check as check
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def answer_garbage() -> None:
+        connection, _ = listener.accept()
+        connection.recv(1 << 16)
+        connection.sendall(b"\x00\x01ZMTP\r\n\r\n")
+        connection.close()
+
+    server = threading.Thread(target=answer_garbage, daemon=True)
+    server.start()
+    try:
+        assert check.healthy(f"http://127.0.0.1:{listener.getsockname()[1]}") is False
+    finally:
+        server.join(timeout=5)
+        listener.close()
+
+
 def test_the_shipped_repairs_import_nothing_of_the_harness(tmp_path: Path) -> None:
     """cpu_repair.py (harness/cli/cpu_env.py) imports the AMX hook: the export ships it beside
     it, so it imports where the harness is not installed (here: where importing it raises)."""

@@ -139,7 +139,8 @@ def healthy(url: str) -> bool:
     try:
         with DIRECT.open(f"{url}/health", timeout=HEALTH_TIMEOUT_S) as response:
             return response.status == 200
-    except (OSError, ValueError):
+    # HTTPException: a port answered by something that speaks no HTTP (BadStatusLine)
+    except (OSError, ValueError, http.client.HTTPException):
         return False
 
 
