@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -130,6 +131,23 @@ def test_request_and_expected_answer_are_the_recorded_ones(tmp_path: Path) -> No
     assert expected["check"] == "tokens"
     assert (expected["prompt_token_ids"], expected["token_ids"]) == (PROMPT_IDS, BASELINE_IDS)
     assert expected["recorded"]["verdict"] == "ERROR"
+
+
+def test_expected_json_keeps_no_log_probs_of_other_tokens(tmp_path: Path) -> None:
+    """check.py judges drift with expected.json's log-probs as those of its ids: the reference's
+    recorded entry of another token than the id it generated there (a batched answer's, which
+    the harness's judge does not read, `_logprob_at`) is written as none (null), never as the
+    id's."""
+    run = write_bundle(tmp_path / "run")
+    responses = json.loads((run / "responses.json").read_text())
+    entries = responses["baseline"][PROMPT]["result"]["logprobs"]
+    entries[0] = {"token_id": BASELINE_IDS[0] + 1, "logprob": -3.0, "top": [[1, -3.0]]}
+    (run / "responses.json").write_text(json.dumps(responses))
+    out = tmp_path / "export"
+    write_export(plan_for(run, f"1E+1P+1D:{PROMPT}"), out, REPAIR)
+    expected = json.loads((out / "expected.json").read_text())
+    assert expected["token_logprobs"][:2] == [None, -0.5]
+    assert expected["top_logprobs"][:2] == [None, [[BASELINE_IDS[1], -0.5]]]
 
 
 def test_a_gone_model_directory_is_refused(tmp_path: Path) -> None:
@@ -475,6 +493,27 @@ def test_check_judges_match_mismatch_and_prompt_difference(tmp_path: Path, monke
     assert (verdict, code) == ("MISMATCH", 1) and "prompt token ids differ at position 2" in detail
 
 
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"choices": [{"message": {"content": "hi"}}]},
+        {"prompt_token_ids": [1, 2, 3], "choices": [{"token_ids": None}]},
+    ],
+    ids=["no-ids", "null-ids"],
+)
+def test_check_calls_an_answer_without_token_ids_an_error_as_the_harness_does(
+    tmp_path: Path, monkeypatch, payload: dict
+) -> None:
+    """A vLLM that ignores return_token_ids (another release than the recorded one: run.sh
+    says so and goes on) answers without ids. The harness fails that answer as no answer
+    (parse_chat_response: ERROR); check.py called it a MISMATCH, exit 1 "a difference", and a
+    recorded MISMATCH "reproduced"."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    verdict, code, detail = judge(EXPECTED, answer(200, payload), [], tmp_path)
+    assert (verdict, code) == ("ERROR", 2), detail
+    assert "was return_token_ids honoured?" in detail
+
+
 # EXPECTED with a near tie at position 1, a 0.05-nat floor and a policy that passes DRIFT.
 NEAR_TIE_EXPECTED = {
     **EXPECTED,
@@ -518,6 +557,82 @@ def test_check_judges_drift_as_the_harness_does(tmp_path: Path, monkeypatch) -> 
     no_floor = {**expected, "noise_floor_nats": 0.0}
     assert judge(no_floor, flipped(), [], tmp_path)[:2] == ("MISMATCH", 1)
     assert judge(expected, flipped(-0.6), [], tmp_path)[:2] == ("MISMATCH", 1)
+
+
+def relabelled(answer: check.Answer, positions: tuple[int, ...]) -> check.Answer:
+    """`answer` with the log-prob entries at `positions` made another token's (its id + 100),
+    their log-probs and top-k kept: a batched answer handed another request's log-probs."""
+    body = json.loads(answer.text)
+    content = body["choices"][0]["logprobs"]["content"]
+    for position in positions:
+        token = int(content[position]["token"].split(":")[1])
+        content[position]["token"] = f"token_id:{token + 100}"
+    return check.Answer(answer.url, answer.status, json.dumps(body), answer.seconds)
+
+
+@pytest.mark.parametrize("positions", [(0,), (1,), (0, 1, 2, 3)])
+def test_check_reads_no_drift_from_log_probs_of_other_tokens(
+    tmp_path: Path, monkeypatch, positions: tuple[int, ...]
+) -> None:
+    """As the harness's judge (harness.judge.compare `_logprob_at`, `_top_at`): a log-prob
+    entry whose token is not the id generated there is no evidence of closeness, in the
+    agreeing prefix (0) or at the divergence (1). Read as if it were, the same numbers made
+    the flipped near tie a DRIFT that the pd-drift policy passes (exit 0)."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    assert judge(NEAR_TIE_EXPECTED, flipped(), [], tmp_path)[:2] == ("DRIFT", 0)
+    verdict, code, detail = judge(NEAR_TIE_EXPECTED, relabelled(flipped(), positions), [], tmp_path)
+    assert (verdict, code) == ("MISMATCH", 1), detail
+    assert "n/a" in detail
+
+
+@pytest.mark.parametrize("received", [math.nan, -math.inf])
+def test_check_reads_no_drift_past_a_prefix_log_prob_that_is_not_finite(
+    tmp_path: Path, monkeypatch, received: float
+) -> None:
+    """As the harness's judge (`_prefix_delta`): a prefix position whose log-prob delta is not
+    finite (a NaN, or -inf on both sides) agreed by no measure. `max` dropped a NaN that came
+    after a finite delta, as if its position had agreed, and the near tie after it passed as
+    DRIFT (exit 0)."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    expected = {
+        **NEAR_TIE_EXPECTED,
+        "token_ids": [7, 9, 8, 10],
+        "top_logprobs": [[[7, -0.5]], [[9, -math.inf]], [[8, -0.69], [5, -0.70]], [[10, -0.5]]],
+        "token_logprobs": [-0.5, -math.inf, -0.69, -0.5],
+    }
+    tops = [[(7, -0.5)], [(9, received)], [(5, -0.692), (8, -0.698)], [(10, -0.5)]]
+    content = [
+        {
+            "token": f"token_id:{top[0][0]}",
+            "logprob": top[0][1],
+            "top_logprobs": [{"token": f"token_id:{t}", "logprob": lp} for t, lp in top],
+        }
+        for top in tops
+    ]
+    body = {
+        "prompt_token_ids": [1, 2, 3],
+        "choices": [{"token_ids": [7, 9, 5, 10], "logprobs": {"content": content}}],
+    }
+    finite = json.loads(json.dumps(body))
+    finite["choices"][0]["logprobs"]["content"][1]["logprob"] = -0.5
+    agreeing = {**expected, "token_logprobs": [-0.5, -0.5, -0.69, -0.5]}
+    assert judge(agreeing, answer(200, finite), [], tmp_path)[:2] == ("DRIFT", 0)
+    verdict, code, detail = judge(expected, answer(200, body), [], tmp_path)
+    assert (verdict, code) == ("MISMATCH", 1), detail
+    assert "prefix log-prob delta n/a" in detail
+
+
+def test_a_saved_reference_keeps_no_log_probs_of_other_tokens() -> None:
+    """`--save-reference` keeps the reference's log-probs as `--reference` judges drift with
+    them: an entry of another token than the id generated there is kept as none (null)."""
+    body = json.loads(relabelled(flipped(), (0,)).text)
+    kept = check.reference_answer(body, "baseline", {"messages": []})
+    assert kept is not None
+    assert kept["token_logprobs"][0] is None and kept["top_logprobs"][0] is None
+    assert kept["token_logprobs"][1] == -0.692 and kept["top_logprobs"][1] == [
+        (5, -0.692),
+        (8, -0.698),
+    ]
 
 
 def test_check_never_calls_a_difference_after_other_prompt_ids_drift(
@@ -573,8 +688,43 @@ def test_check_reads_a_streamed_answer_from_its_events(tmp_path: Path, monkeypat
     assert (verdict, code, detail) == ("MISMATCH", 1, "the stream ended without [DONE]")
     verdict, code, detail = judged(events({"error": {"message": "engine dead"}}))
     assert (verdict, code) == ("ERROR", 2) and "engine dead" in detail
-    assert judged(events("not json"))[:2] == ("ERROR", 2)
-    assert judged(streamed([1, 2, 3], [7, 8, 9, 10]) + "data: {}\n\n")[:2] == ("ERROR", 2)
+    assert judged(events("not json"))[:2] == ("ERROR", 2)  # no prompt ids: no answer
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        (streamed([1, 2, 3], [7, 8, 9, 10]) + "data: {}\n\n", "an event after [DONE]"),
+        (
+            events(
+                *stream_chunks([1, 2, 3], [7, 8, 9, 10])[:2],
+                "not json",
+                *stream_chunks([1, 2, 3], [7, 8, 9, 10])[2:],
+            ),
+            "event 3 is not JSON",
+        ),
+        (
+            events(
+                *stream_chunks([1, 2, 3], [7, 8, 9, 10])[:2],
+                "[8]",
+                *stream_chunks([1, 2, 3], [7, 8, 9, 10])[2:],
+            ),
+            "event 3 is not a JSON object",
+        ),
+    ],
+    ids=["after-done", "not-json", "not-an-object"],
+)
+def test_check_calls_a_stream_with_a_stray_event_a_difference_as_the_harness_does(
+    tmp_path: Path, monkeypatch, text: str, problem: str
+) -> None:
+    """The harness keeps an event after [DONE], or one that does not parse as a JSON object,
+    as a framing problem of a stream that carried its answer (harness/outcomes/stream.py):
+    a MISMATCH, as check.py's own reader says of `[DONE]` not last. check.py called it an
+    ERROR, exit 2, and a recorded MISMATCH NOT reproduced."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    verdict, code, detail = judged_stream(text, tmp_path)
+    assert (verdict, code) == ("MISMATCH", 1), detail
+    assert problem in detail
 
 
 def first_token_choice(**fields: object) -> list[dict]:
@@ -662,6 +812,20 @@ def test_check_calls_unreadable_streamed_prompt_ids_an_error_saying_so(
     verdict, code, detail = judged_stream(events(*chunks), tmp_path)
     assert (verdict, code) == ("ERROR", 2)
     assert 'event 1: prompt_token_ids is ["1", "2", "3"], not a list of integers' in detail
+
+
+def test_check_calls_a_stream_without_prompt_ids_an_error_as_the_harness_does(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The harness fails a stream that carried no prompt_token_ids at all (StreamFailed:
+    ERROR, "was return_token_ids honoured?"), as one whose prompt ids it cannot read; check.py
+    called it a MISMATCH, exit 1, and a recorded ERROR NOT reproduced."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    chunks = stream_chunks([1, 2, 3], [7, 8, 9, 10])
+    del chunks[0]["prompt_token_ids"]
+    verdict, code, detail = judged_stream(events(*chunks), tmp_path)
+    assert (verdict, code) == ("ERROR", 2), detail
+    assert "the stream carried no prompt_token_ids" in detail
 
 
 def test_check_calls_a_stream_served_as_json_a_difference_as_the_harness_does(

@@ -285,6 +285,36 @@ def test_serve_sh_stops_every_group_on_sigterm_even_a_server_that_ignores_it(
             os.killpg(serve.pid, signal.SIGKILL)
 
 
+def test_check_after_serve_sh_stopped_says_nothing_serves_not_that_the_case_reproduced(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """`bash serve.sh` in one terminal, `python3 check.py` in another (ISSUE.md): once serve.sh
+    was stopped, its endpoints.tsv named servers it had stopped itself. check.py sent the
+    request to them, waited for each to exit, called every instance "died during the request"
+    and a recorded ERROR "reproduced" (found in review). It says nothing serves, at once."""
+    out = export_case(tmp_path)  # recorded ERROR
+    env = environment(leased_ports, tmp_path)
+    serve = serving(out, env)
+    try:
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=30) == 143
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-I", str(out / "check.py"), "--state", str(out / "work/state")],
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+        )
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "reproduced" not in done.stdout and "died" not in done.stdout, done.stdout
+        assert "is serve.sh serving?" in done.stderr
+        assert time.monotonic() - started < 5
+        assert_nothing_left(out, env)
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+
+
 def test_a_ctrl_c_reaches_only_a_script_started_as_at_a_terminal() -> None:
     """Under a pytest started in the background (the fresh-clone CI run: `.ci/run` from a
     script's `cmd &`) every child inherits SIGINT ignored, and bash cannot trap a signal
@@ -446,6 +476,78 @@ def test_check_without_serve_state_is_an_error_in_one_line(tmp_path: Path, capsy
     )
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "is serve.sh serving?" in done.stderr
+
+
+def test_an_answer_cut_off_mid_body_is_an_error_naming_the_death_not_a_difference(
+    tmp_path: Path,
+) -> None:
+    """A server that dies while it sends its answer (headers out, the body cut short) made
+    urllib raise http.client.IncompleteRead, no OSError: check.py ended in a traceback with
+    exit 1, which run.sh reads as "a difference", and the death went unnamed (found in
+    review). It is no answer: exit 2, the instance that died named."""
+    out = write(tmp_path)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    def answer_half_and_die() -> None:
+        connection, _ = listener.accept()
+        connection.recv(1 << 20)
+        connection.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 500\r\n\r\n{"prompt_token_ids": ['
+        )
+        connection.close()
+        listener.close()  # its /health no longer answers
+
+    server = threading.Thread(target=answer_half_and_die, daemon=True)
+    server.start()
+    state = tmp_path / "state"
+    state.mkdir()
+    log = tmp_path / "decode0.log"
+    log.write_text("AssertionError: the engine core died mid-answer\n")
+    (state / "endpoints.tsv").write_text(
+        f"mode\tcase\nentry\t{url}\ninstance\tdecode0\tdecode\t{url}\t\t{log}\n"
+    )
+    (state / "decode0.exit").write_text("1\n")  # as serve.sh notes an exit
+    done = subprocess.run(
+        [sys.executable, "-I", str(out / "check.py"), "--state", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    server.join(timeout=5)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "ERROR: decode0 died during the request" in done.stdout
+    assert "IncompleteRead" in done.stdout and "the engine core died mid-answer" in done.stdout
+
+
+def test_a_port_that_answers_no_http_is_no_health(tmp_path: Path) -> None:
+    """An instance's port, once it died, answered by something that speaks no HTTP (another
+    process's socket): urllib raised http.client.BadStatusLine, no OSError, out of check.py's
+    health check while it named the dead, a traceback and exit 1 read as "a difference"
+    (found in review). It is no health."""
+    from harness.run.export import standalone_check as check
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def answer_garbage() -> None:
+        connection, _ = listener.accept()
+        connection.recv(1 << 16)
+        connection.sendall(b"\x00\x01ZMTP\r\n\r\n")
+        connection.close()
+
+    server = threading.Thread(target=answer_garbage, daemon=True)
+    server.start()
+    try:
+        assert check.healthy(f"http://127.0.0.1:{listener.getsockname()[1]}") is False
+    finally:
+        server.join(timeout=5)
+        listener.close()
 
 
 def test_the_shipped_repairs_import_nothing_of_the_harness(tmp_path: Path) -> None:

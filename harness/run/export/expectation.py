@@ -131,7 +131,12 @@ def expected_answer(bundle: Bundle, case: ReproCase) -> dict[str, Any]:
         raise BadInput(
             f"{bundle.path}: responses.json has no answer of {reference} to {case.prompt!r}"
         )
-    logprobs = result.get("logprobs") or []
+    # An entry of another token than the id generated there (log-probs misaligned with the
+    # ids) is none: check.py reads these as its ids', as the harness's judge never does.
+    logprobs = [
+        p if i < len(result["token_ids"]) and p.get("token_id") == result["token_ids"][i] else {}
+        for i, p in enumerate(result.get("logprobs") or [])
+    ]
     return {
         "reference": reference,
         "prompt_token_ids": result["prompt_token_ids"],

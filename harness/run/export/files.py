@@ -556,7 +556,9 @@ stop_all() {{
   done
   kill -KILL "$timer" 2>/dev/null || true  # it ignores TERM: started under `trap '' TERM`
   wait 2>/dev/null || true
-  rm -f "$WORK/state/ready"
+  # Nothing serves what endpoints.tsv names now: a check.py run by hand afterwards called
+  # every stopped instance "died during the request", and a recorded ERROR reproduced.
+  rm -f "$WORK/state/ready" "$WORK/state/endpoints.tsv"
   if ((${{#PID_OF[@]}})); then log "stopped everything"; fi
   exit "$status"
 }}

@@ -11,7 +11,7 @@ It reads `request.json` (the body exactly as the harness sent it, media inlined;
 one's answer is read from its events) and
 `expected.json` (the case's reference's ids, or for a probe what the instance should do)
 beside it, and `DIR/endpoints.tsv`, which `serve.sh` writes once everything is healthy (the
-entry URL, every instance's URL, process id and log).
+entry URL, every instance's URL, process id and log) and removes when it stops.
 
 A later case of a sequential matrix scenario was sent after the scenario's earlier requests,
 on the same servers, and its failure may need what they left (the KV an earlier prompt
@@ -44,8 +44,8 @@ Exit codes:
   probe: the instance refused the request and kept serving);
 - 1: a difference: other token ids (the first divergence is printed; a DRIFT the policy does
   not pass included), or a probe answered;
-- 2: an error: an HTTP error, a timeout, an instance that died (named, with the error lines
-  of its log and its last lines), an earlier request (`before/`) that got no answer, the
+- 2: an error: an HTTP error, a timeout, an answer without token ids, an instance that died
+  (named, with the error lines of its log and its last lines), an earlier request (`before/`) that got no answer, the
   case's request then not sent, or check.py could not run at all (an expected.json whose
   `noise_floor_nats` is no measured floor among the causes, named in one line).
 """
@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import http.client
 import json
 import math
 import os
@@ -123,8 +124,13 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float) -> Answer:
             status, text = response.status, response.read().decode("utf-8", errors="replace")
             content_type = response.headers.get("Content-Type", "")
     except urllib.error.HTTPError as exc:
-        status, text = exc.code, exc.read().decode("utf-8", errors="replace")
-    except OSError as exc:  # refused, reset, timed out
+        try:
+            status, text = exc.code, exc.read().decode("utf-8", errors="replace")
+        except (OSError, http.client.HTTPException) as cut:
+            status, text = None, f"HTTP {exc.code}, then {type(cut).__name__}: {cut}"
+    # Refused, reset, timed out; or cut off mid-body by a server that died while it answered
+    # (IncompleteRead, no OSError: it ended check.py in a traceback, exit 1, "a difference").
+    except (OSError, http.client.HTTPException) as exc:
         status, text = None, f"{type(exc).__name__}: {exc}"
     return Answer(url, status, text, time.monotonic() - started, content_type)
 
@@ -133,7 +139,8 @@ def healthy(url: str) -> bool:
     try:
         with DIRECT.open(f"{url}/health", timeout=HEALTH_TIMEOUT_S) as response:
             return response.status == 200
-    except (OSError, ValueError):
+    # HTTPException: a port answered by something that speaks no HTTP (BadStatusLine)
+    except (OSError, ValueError, http.client.HTTPException):
         return False
 
 
@@ -228,10 +235,23 @@ def window(ids: list[int], index: int) -> str:
     return f"{'... ' if start else ''}{' '.join(shown)}"
 
 
+def logprob_entry(response: dict[str, Any], index: int) -> dict[str, Any]:
+    """The answer's log-prob entry at generated position `index`, only if it is the entry of
+    the id generated there (as the harness's `_logprob_at` and `_top_at`): log-probs
+    misaligned with the ids (a batched answer handed another request's) are no evidence of
+    closeness, and read as if they were they made any flipped near tie DRIFT. KeyError when
+    it is another token's, as when there is none."""
+    choice = response["choices"][0]
+    entry = choice["logprobs"]["content"][index]
+    if str(entry["token"]) != f"token_id:{int(choice['token_ids'][index])}":
+        raise KeyError(f"the log-prob entry at {index} is another token's")
+    return entry
+
+
 def top_logprobs(response: dict[str, Any], index: int) -> list[tuple[int, float]] | None:
-    """The answer's top-k (token id, log-prob) at generated position `index`."""
+    """The answer's top-k (token id, log-prob) at generated position `index` (`logprob_entry`)."""
     try:
-        entry = response["choices"][0]["logprobs"]["content"][index]
+        entry = logprob_entry(response, index)
         return [
             (int(str(t["token"]).split(":", 1)[1]), float(t["logprob"]))
             for t in entry["top_logprobs"]
@@ -275,12 +295,13 @@ def compare_tokens(
 ) -> tuple[str, str | None]:
     """("MATCH", None) when prompt and generated ids equal the expected ones, else the verdict
     ("MISMATCH", or "DRIFT": `drift`) and the first divergence; `broken`: the ids came in a
-    stream whose framing is broken, so no difference is drift."""
+    stream whose framing is broken, so no difference is drift. An answer without ids is no
+    answer to compare ("ERROR"), as the harness's parse_chat_response fails it."""
     try:
         prompt_ids = list(response["prompt_token_ids"])
         token_ids = list(response["choices"][0]["token_ids"])
     except (KeyError, IndexError, TypeError):
-        return "MISMATCH", "the answer carries no token ids (was return_token_ids honoured?)"
+        return "ERROR", "the answer carries no token ids (was return_token_ids honoured?)"
     index = first_difference(expected["prompt_token_ids"], prompt_ids)
     if index is not None:
         return "MISMATCH", describe_difference(
@@ -305,8 +326,9 @@ def gap(top: list[Any] | None, own: int | None, other: int | None) -> float | No
 
 
 def chosen_logprob(response: dict[str, Any], index: int) -> float | None:
+    """The generated id's log-prob at position `index` (`logprob_entry`), None without one."""
     try:
-        return float(response["choices"][0]["logprobs"]["content"][index]["logprob"])
+        return float(logprob_entry(response, index)["logprob"])
     except (KeyError, IndexError, TypeError, ValueError):
         return None
 
@@ -330,7 +352,10 @@ def drift(
     for position in range(index):
         mine = chosen_logprob(response, position)
         theirs = recorded[position] if position < len(recorded) else None
-        deltas.append(None if mine is None or theirs is None else abs(mine - float(theirs)))
+        delta = None if mine is None or theirs is None else abs(mine - float(theirs))
+        # Not finite (a NaN, -inf on both sides): no agreement, which `max` would take a NaN
+        # after a finite delta for (as the harness's `_prefix_delta`).
+        deltas.append(delta if delta is not None and math.isfinite(delta) else None)
     prefix = None if None in deltas else max(deltas, default=0.0)
     shown = ", ".join(
         f"{side} gap {'n/a' if g is None else f'{g:.3f}'}"
@@ -414,10 +439,11 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
     """A streamed answer (`stream: true` in request.json, as the run sent it) read into the
     shape of an unstreamed one: the first chunk's `prompt_token_ids`, every chunk's generated
     `token_ids` and log-probs in order. (None, why) for a stream that reported an error, or
-    whose prompt ids cannot be read (an ERROR); (answer, why) for one whose framing is broken
-    (a MISMATCH: a client would wait or fail): `[DONE]` not last, or a chunk of another shape
-    than vLLM sends (a null choice, ids that are not integers), which is named by its event
-    and not read, as the harness's reader does; (answer, None) for a whole one."""
+    whose prompt ids cannot be read or are not there (an ERROR); (answer, why) for one whose
+    framing is broken (a MISMATCH: a client would wait or fail): `[DONE]` not last, or a
+    chunk of another shape than vLLM sends (a null choice, ids that are not integers), which
+    is named by its event and not read, as the harness's reader does; (answer, None) for a
+    whole one."""
     prompt_ids: list[int] | None = None
     token_ids: list[int] = []
     content: list[Any] = []
@@ -429,17 +455,22 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
             continue
         event += 1
         data = line[len("data:") :].strip()
+        # Framing problems of a stream that carried its answer, as the harness keeps them
+        # (harness/outcomes/stream.py): a MISMATCH, not the ERROR of a stream without one.
         if done:
-            return None, f"an event after [DONE]: {data[:200]}"
+            problems.append(f"an event after [DONE]: {data[:200]}")
+            continue
         if data == "[DONE]":
             done = True
             continue
         try:
             chunk = json.loads(data)
         except ValueError:
-            return None, f"an event that is not JSON: {data[:200]}"
+            problems.append(f"event {event} is not JSON: {data[:200]}")
+            continue
         if not isinstance(chunk, dict):
-            return None, f"an event that is not a JSON object: {data[:200]}"
+            problems.append(f"event {event} is not a JSON object: {data[:200]}")
+            continue
         if "error" in chunk:
             return None, f"the stream reported an error: {json.dumps(chunk['error'])[:600]}"
         try:
@@ -461,11 +492,12 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
         for ids, entries in read:
             token_ids += ids
             content += entries
+    if prompt_ids is None:  # as the harness's StreamFailed: no prompt ids, no answer
+        return None, "the stream carried no prompt_token_ids: was return_token_ids honoured?"
     answer: dict[str, Any] = {
+        "prompt_token_ids": prompt_ids,
         "choices": [{"token_ids": token_ids, "logprobs": {"content": content}}],
     }
-    if prompt_ids is not None:
-        answer["prompt_token_ids"] = prompt_ids
     if not done:
         problems.append("the stream ended without [DONE]")
     return answer, "; ".join(problems) or None
@@ -563,6 +595,8 @@ def tokens_verdict(
     """(verdict, exit code, evidence) of an answer's ids against `expected`'s, DRIFT passing
     or not as its policy says; `broken`: a streamed answer's framing was wrong (a MISMATCH)."""
     verdict, difference = compare_tokens(expected, response, broken is not None)
+    if verdict == "ERROR":
+        return "ERROR", EXIT_ERROR, "; ".join(filter(None, (difference, broken)))
     if broken is not None:
         return "MISMATCH", EXIT_DIFFERENCE, "; ".join(filter(None, (broken, difference)))
     if verdict == "DRIFT":
