@@ -45,9 +45,10 @@ Exit codes:
 - 1: a difference: other token ids (the first divergence is printed; a DRIFT the policy does
   not pass included), or a probe answered;
 - 2: an error: an HTTP error, a timeout, an answer without token ids, an instance that died
-  (named, with the error lines of its log and its last lines), an earlier request (`before/`) that got no answer, the
-  case's request then not sent, or check.py could not run at all (an expected.json whose
-  `noise_floor_nats` is no measured floor among the causes, named in one line).
+  (named, with the error lines of its log and its last lines), an earlier request
+  (`before/`) that got no answer, the case's request then not sent, or check.py could not
+  run at all (an expected.json whose `noise_floor_nats` is no measured floor among the
+  causes, named in one line).
 """
 
 from __future__ import annotations
