@@ -9,6 +9,7 @@ what real vLLM streams is checked by the streamed e2e scenarios (scenarios/test_
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -138,3 +139,28 @@ def test_a_refused_stream_raises_with_its_status(d: StreamingD) -> None:
     d.status = 500
     with pytest.raises(ServerFailedError, match="Error code: 500"):
         send(d.url)
+
+
+def test_a_stream_that_breaks_off_behind_a_tap_fails_at_once_through_the_proxy(
+    d: StreamingD,
+) -> None:
+    """The chain a run serves: proxy -> D's tap -> D. A relay whose upstream broke off after
+    its answer began must break its own stream off too: a second response written into the
+    open stream left the proxy waiting on the tap until the client's request timed out."""
+    d.break_after = 2
+    taps = TapSet([TapTarget("t/decode0", "decode", d.url)]).start("127.0.0.1")
+    proxy, server = proxy_in_front(taps.urls["t/decode0"])
+    started = time.monotonic()
+    try:
+        with pytest.raises(StreamFailed, match="broke off") as failure:
+            send(server.url)
+        elapsed = time.monotonic() - started
+        [record] = taps.records
+    finally:
+        server.stop()
+        taps.stop()
+    assert elapsed < 5, f"the client waited {elapsed:.1f} s for a stream D broke off"
+    assert "502" not in str(failure.value)  # no second response inside the first
+    assert record.error and "ClientPayloadError" in record.error
+    error = proxy.traces["req-1"].error
+    assert error and error.startswith("decode ") and "broke off" in error, error
