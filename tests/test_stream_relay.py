@@ -42,6 +42,7 @@ class StreamingD:
         self.events = encode(vllm_chunks())
         self.break_after: int | None = None
         self.status = 200
+        self.delay_s = 0.005
         self.instance = FakeInstance(self.answer, name="decode")
 
     @property
@@ -51,7 +52,7 @@ class StreamingD:
     def answer(self, _body: dict[str, Any]) -> Reply:
         if self.status != 200:
             return Reply({"message": "D exploded"}, status=self.status)
-        return Reply(list(self.events), chunk_delay_s=0.005, break_after=self.break_after)
+        return Reply(list(self.events), chunk_delay_s=self.delay_s, break_after=self.break_after)
 
 
 @pytest.fixture
@@ -164,3 +165,32 @@ def test_a_stream_that_breaks_off_behind_a_tap_fails_at_once_through_the_proxy(
     assert record.error and "ClientPayloadError" in record.error
     error = proxy.traces["req-1"].error
     assert error and error.startswith("decode ") and "broke off" in error, error
+
+
+def test_a_client_that_goes_away_mid_stream_is_not_recorded_as_ds_failure(d: StreamingD) -> None:
+    """The proxy stops relaying (and lets go of D) once its client is gone, and its trace says
+    so: a write to the gone client was recorded as D's failure."""
+    import httpx
+
+    d.events = encode(vllm_chunks(tokens=list(range(40, 80))))
+    d.delay_s = 0.05
+    proxy, server = proxy_in_front(d.url)
+    try:
+        with (
+            httpx.Client() as client,
+            client.stream(
+                "POST",
+                f"{server.url}/v1/chat/completions",
+                json=BODY,
+                headers={"x-request-id": "r"},
+            ) as response,
+        ):
+            next(response.iter_bytes())
+        trace = proxy.traces["r"]
+        deadline = time.monotonic() + 5
+        while trace.error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        server.stop()
+    assert trace.error and trace.error.startswith("the client went away"), trace.error
+    assert d.url not in trace.error

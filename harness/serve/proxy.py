@@ -308,7 +308,13 @@ class EPDProxy:
                 return response
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             if response is not None and response.prepared:
-                trace.error = f"decode {url} broke off mid-stream: {type(exc).__name__}: {exc}"
+                client = http_request.transport
+                who = (
+                    "the client went away"
+                    if client is None or client.is_closing()
+                    else f"decode {url} broke off"
+                )
+                trace.error = f"{who} mid-stream: {type(exc).__name__}: {exc}"
                 return break_off(http_request, response)
             raise UpstreamError("decode", url, None, f"{type(exc).__name__}: {exc}") from exc
 
