@@ -318,9 +318,10 @@ class TapSet:
             if fault is not None:
                 await response.write(fault.flush())
                 record.rewritten_by_fault = fault.duplicated is not None
-            await response.write_eof()
+            # Before the stream ends downstream: the session reads the record once it has.
             describe_answer(record, bytes(kept), content_type)
             record.seconds = time.monotonic() - started
+            await response.write_eof()
             return response
         payload = await upstream.read()
         answer = describe_answer(record, payload, content_type)
