@@ -8,6 +8,7 @@ what real vLLM streams is checked by the streamed e2e scenarios (scenarios/test_
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from collections.abc import Iterator
@@ -194,3 +195,27 @@ def test_a_client_that_goes_away_mid_stream_is_not_recorded_as_ds_failure(d: Str
         server.stop()
     assert trace.error and trace.error.startswith("the client went away"), trace.error
     assert d.url not in trace.error
+
+
+def test_the_trace_of_a_relayed_stream_is_whole_before_the_stream_ends(
+    d: StreamingD, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed request's report reads the trace as soon as the client gave up on the answer;
+    a stream D had ended must not read as one D was still sending (its seconds were set after
+    the end left, so a proxy thread that ran late named D as the instance still working)."""
+    from aiohttp import web
+
+    write_eof = web.StreamResponse.write_eof
+
+    async def late_write_eof(self: web.StreamResponse, data: bytes = b"") -> None:
+        await write_eof(self, data)
+        await asyncio.sleep(0.3)  # the proxy's thread is descheduled once the end has left
+
+    monkeypatch.setattr(web.StreamResponse, "write_eof", late_write_eof)
+    proxy, server = proxy_in_front(d.url)
+    try:
+        send(server.url)
+        seconds = proxy.traces["req-1"].decode_seconds
+    finally:
+        server.stop()
+    assert seconds > 0

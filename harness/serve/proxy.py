@@ -303,8 +303,9 @@ class EPDProxy:
                 if fault is not None:
                     await response.write(fault.flush())
                     trace.fault_effects.append(f"relayed twice: {fault.duplicated}")
-                await response.write_eof()
+                # Before the stream ends downstream: a failed request's report reads it then.
                 trace.decode_seconds = time.monotonic() - started
+                await response.write_eof()
                 return response
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             if response is not None and response.prepared:
