@@ -391,7 +391,7 @@ class TopologySession:
             counters_after = self.decode_counters()
             if counters_after is not None:
                 outcome.kv_counters = counters_after.minus(counters_before)
-        outcome.trace = entry.trace(request_id)
+        outcome.trace = entry.take_trace(request_id)
         if self._taps is not None:
             outcome.taps = self._taps.of_request(tap_mark, request_id)
             self._taps.release(tap_mark)
