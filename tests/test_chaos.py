@@ -31,10 +31,12 @@ import psutil
 import pytest
 
 from harness.environment import WATCHDOG_ENV
+from harness.serve.client import ChatClient
+from harness.serve.entry import Entry
 from harness.serve.launch import ServerDied
 from harness.serve.session import TopologySession
 from harness.serve.watchdog import client as watchdog_client
-from harness.spec.prompts import SKELETON_PROMPTS, render_request
+from harness.spec.prompts import SKELETON_PROMPTS, render_request, streaming_request
 from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, ServingConfig
 from harness.testing.cli import run_argv
@@ -362,6 +364,35 @@ def test_request_timeout_names_the_hung_instance_and_ends_within_seconds(
     assert "fake vllm pid" in outcome.error, outcome.error  # its log tail
     assert 1.5 <= outcome.seconds < 1.5 + END_WITHIN_S, f"{outcome.seconds:.1f} s"
     assert closed_s < END_WITHIN_S, f"closing the session took {closed_s:.1f} s"
+
+
+@pytest.mark.timeout(HUNG_TEST_TIMEOUT_S, func_only=True)
+def test_request_timeout_mid_stream_names_the_instance_still_streaming(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path, monkeypatch
+) -> None:
+    """decode0 starts its stream and then stalls (a decode step of 60 s); the client gives up
+    after 1.5 s. D had answered its headers, and that was read as D being done with it: the
+    error said no instance was still working on the request."""
+    monkeypatch.setenv(MODE_ENV, "decode:decode-step=60")
+    procs: list[psutil.Process] = []
+    ports: list[int] = []
+    with nothing_left_behind(procs, ports, port_locks):
+        settings = fake_settings(tmp_path, fake_vllm, request_timeout_s=1.5)
+        with TopologySession(TOPOLOGIES["1P+1D"], settings) as session:
+            procs += fake_processes(os.getpid(), fake_vllm)
+            ports += session_ports(session)
+            outcome = session.send("text", streaming_request(TEXT_BODY))
+            # The same through a proxy whose trace the harness cannot read (vLLM's): the taps.
+            url = session.entry_url
+            theirs = Entry("other", url, ChatClient(url, timeout_s=1.5))
+            try:
+                through_taps = session.send("text", streaming_request(TEXT_BODY), theirs)
+            finally:
+                theirs.close()
+    for failed in (outcome, through_taps):
+        assert failed.error and "timed out" in failed.error.lower(), failed.error
+        assert "waiting on 1P+1D/decode0" in failed.error, failed.error
+        assert "fake vllm pid" in failed.error, failed.error  # its log tail
 
 
 def test_proxy_stopped_mid_run_fails_the_request_and_leaves_nothing(

@@ -14,7 +14,7 @@ from harness.judge.guards import (
     check_kv_transfer,
     check_transfers,
 )
-from harness.outcomes.taps import TapRecord
+from harness.outcomes.taps import TapRecord, records_of
 from harness.spec.topology import get_topology
 from harness.testing.builders import cached_answer
 
@@ -178,3 +178,34 @@ def test_an_item_the_consumer_got_that_no_encoder_was_asked_for_fails_the_encode
     same.uuids = ["h0", "h0"]
     duplicated = [same, consume(["h0", "h0"])]
     assert check_encoder_output(TransferEvidence.from_taps(duplicated, 2), storage).ok
+
+
+def test_d_calls_of_several_requests_in_one_window_are_no_ones_kv_evidence() -> None:
+    """vLLM's toy P/D proxy sends its own id (one uuid per client request) to P and D, so a
+    request's records are its window's; under load the window also holds the calls of the
+    requests in flight beside it. D's last answer there was another request's: reading it
+    passed a request whose KV never reached D on its neighbour's cached tokens."""
+
+    def call(seq: int, role: str, request_id: str, cached: int) -> TapRecord:
+        record = consumer(seq, role, cached=cached)
+        record.request_id = request_id
+        return record
+
+    window = [
+        call(0, "prefill", "uuid-a", 0),
+        call(1, "prefill", "uuid-b", 0),
+        call(2, "decode", "uuid-a", 0),  # this request's: its KV never arrived
+        call(3, "decode", "uuid-b", 64),  # the neighbour's, answered later
+    ]
+    mine = records_of(window, "load-req-a")
+    assert mine == window  # nothing carries the client's id: the window is all there is
+    evidence = TransferEvidence.from_taps(mine, 0)
+    guard = check_kv_transfer(cached_answer(89, 64), block_size=32, evidence=evidence)
+    assert not guard.ok and not guard.checkable, guard
+    assert "2 requests" in guard.evidence, guard.evidence
+    # One request's calls alone (sent one at a time), or a retry of one request at D: its own.
+    alone = TransferEvidence.from_taps([call(0, "prefill", "u", 0), call(1, "decode", "u", 64)], 0)
+    assert check_kv_transfer(cached_answer(89, None), block_size=32, evidence=alone).ok
+    retried = [call(1, "decode", "req-a", 0), call(2, "decode", "req-a", 64)]
+    evidence = TransferEvidence.from_taps(records_of(retried, "req-a"), 0)
+    assert check_kv_transfer(cached_answer(89, None), block_size=32, evidence=evidence).ok

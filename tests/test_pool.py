@@ -139,6 +139,20 @@ def test_another_proxy_in_front_starts_no_instance(
         pool.close()
 
 
+def test_the_proxy_keeps_no_trace_a_session_has_taken(tmp_path: Path) -> None:
+    """Each request's trace goes into its outcome; the proxy holding every one as well grew by
+    every request of a soak of hours, as the taps' records did before their marks."""
+    pool = TopologyPool(settings_for(tmp_path))
+    try:
+        own = pool.session(TOPOLOGIES["1E+1PD"])
+        body = {"model": "epd-model", "messages": [{"role": "user", "content": "hi"}]}
+        outcomes = [own.send("text", body) for _ in range(3)]
+        assert all(o.result is not None and o.trace is not None for o in outcomes), outcomes
+        assert own.proxy is not None and own.proxy.traces == {}
+    finally:
+        pool.close()
+
+
 def test_a_private_session_is_counted_with_its_reason(
     tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:

@@ -8,7 +8,9 @@ what real vLLM streams is checked by the streamed e2e scenarios (scenarios/test_
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +43,7 @@ class StreamingD:
         self.events = encode(vllm_chunks())
         self.break_after: int | None = None
         self.status = 200
+        self.delay_s = 0.005
         self.instance = FakeInstance(self.answer, name="decode")
 
     @property
@@ -50,7 +53,7 @@ class StreamingD:
     def answer(self, _body: dict[str, Any]) -> Reply:
         if self.status != 200:
             return Reply({"message": "D exploded"}, status=self.status)
-        return Reply(list(self.events), chunk_delay_s=0.005, break_after=self.break_after)
+        return Reply(list(self.events), chunk_delay_s=self.delay_s, break_after=self.break_after)
 
 
 @pytest.fixture
@@ -138,3 +141,81 @@ def test_a_refused_stream_raises_with_its_status(d: StreamingD) -> None:
     d.status = 500
     with pytest.raises(ServerFailedError, match="Error code: 500"):
         send(d.url)
+
+
+def test_a_stream_that_breaks_off_behind_a_tap_fails_at_once_through_the_proxy(
+    d: StreamingD,
+) -> None:
+    """The chain a run serves: proxy -> D's tap -> D. A relay whose upstream broke off after
+    its answer began must break its own stream off too: a second response written into the
+    open stream left the proxy waiting on the tap until the client's request timed out."""
+    d.break_after = 2
+    taps = TapSet([TapTarget("t/decode0", "decode", d.url)]).start("127.0.0.1")
+    proxy, server = proxy_in_front(taps.urls["t/decode0"])
+    started = time.monotonic()
+    try:
+        with pytest.raises(StreamFailed, match="broke off") as failure:
+            send(server.url)
+        elapsed = time.monotonic() - started
+        [record] = taps.records
+    finally:
+        server.stop()
+        taps.stop()
+    assert elapsed < 5, f"the client waited {elapsed:.1f} s for a stream D broke off"
+    assert "502" not in str(failure.value)  # no second response inside the first
+    assert record.error and "ClientPayloadError" in record.error
+    error = proxy.traces["req-1"].error
+    assert error and error.startswith("decode ") and "broke off" in error, error
+
+
+def test_a_client_that_goes_away_mid_stream_is_not_recorded_as_ds_failure(d: StreamingD) -> None:
+    """The proxy stops relaying (and lets go of D) once its client is gone, and its trace says
+    so: a write to the gone client was recorded as D's failure."""
+    import httpx
+
+    d.events = encode(vllm_chunks(tokens=list(range(40, 80))))
+    d.delay_s = 0.05
+    proxy, server = proxy_in_front(d.url)
+    try:
+        with (
+            httpx.Client() as client,
+            client.stream(
+                "POST",
+                f"{server.url}/v1/chat/completions",
+                json=BODY,
+                headers={"x-request-id": "r"},
+            ) as response,
+        ):
+            next(response.iter_bytes())
+        trace = proxy.traces["r"]
+        deadline = time.monotonic() + 5
+        while trace.error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        server.stop()
+    assert trace.error and trace.error.startswith("the client went away"), trace.error
+    assert d.url not in trace.error
+
+
+def test_the_trace_of_a_relayed_stream_is_whole_before_the_stream_ends(
+    d: StreamingD, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed request's report reads the trace as soon as the client gave up on the answer;
+    a stream D had ended must not read as one D was still sending (its seconds were set after
+    the end left, so a proxy thread that ran late named D as the instance still working)."""
+    from aiohttp import web
+
+    write_eof = web.StreamResponse.write_eof
+
+    async def late_write_eof(self: web.StreamResponse, data: bytes = b"") -> None:
+        await write_eof(self, data)
+        await asyncio.sleep(0.3)  # the proxy's thread is descheduled once the end has left
+
+    monkeypatch.setattr(web.StreamResponse, "write_eof", late_write_eof)
+    proxy, server = proxy_in_front(d.url)
+    try:
+        send(server.url)
+        seconds = proxy.traces["req-1"].decode_seconds
+    finally:
+        server.stop()
+    assert seconds > 0

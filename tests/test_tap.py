@@ -9,6 +9,7 @@ that act at taps.
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,6 +104,30 @@ def test_a_streamed_answer_passes_byte_for_byte_and_is_recorded(fakes: dict[str,
     assert fakes["instances"]["pd"].received == [sent]
     assert answered == b"".join(STREAM_CHUNKS)
     assert record.streamed and record.cached_tokens == 8
+
+
+def test_a_streamed_record_is_whole_before_the_stream_ends_downstream(
+    fakes: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The session reads a request's records as soon as its answer is whole, so the tap must
+    have read D's stream into the record before it ends the stream: it did so after, and a
+    slow read (a loaded host) left the guards D's record without its usage (cached_tokens
+    None: a kv_transfer failed that held)."""
+    from harness.serve import tap as tap_module
+
+    described = tap_module.describe_answer
+
+    def slow_describe(*args: Any) -> Any:
+        time.sleep(0.3)
+        return described(*args)
+
+    monkeypatch.setattr(tap_module, "describe_answer", slow_describe)
+    sent = chat_bytes([EMBEDS], stream=True)
+    with taps_for(fakes) as taps:
+        post(taps.urls["x/pd"], sent)
+        [record] = taps.records
+        seen = (record.ended, record.streamed, record.cached_tokens)
+    assert seen == (True, True, 8)
 
 
 def test_the_record_holds_what_the_instance_was_sent_and_answered(fakes: dict[str, Any]) -> None:

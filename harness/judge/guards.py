@@ -53,6 +53,7 @@ from harness.spec.generations import ec_item_entry
 from harness.spec.topology import Role, Topology
 
 CONSUMER_ROLES = (Role.PREFILL_DECODE.value, Role.PREFILL.value, Role.DECODE.value)
+DECODE_ROLES = (Role.DECODE.value, Role.PREFILL_DECODE.value)
 EC_GUARDS = ("encoder_output", "consumer_embeds")
 
 
@@ -107,6 +108,8 @@ class TransferEvidence:
     decode_cached_tokens: int | None = None
     decode_answered: bool = False
     source: str = "taps"
+    # Why D's answers here are not one request's (then D's cached_tokens is no one's evidence).
+    decode_unattributed: str | None = None
 
     @classmethod
     def from_taps(cls, records: list[TapRecord], media_count: int) -> TransferEvidence:
@@ -117,6 +120,18 @@ class TransferEvidence:
             for r in records
             if r.role in (Role.DECODE.value, Role.PREFILL_DECODE.value) and r.status == 200
         ]
+        # Calls at D of more than one request: a proxy that sends ids of its own (vLLM's toy
+        # P/D proxy) leaves the request's window as its records, and under load the window
+        # holds its neighbours' calls too (`records_of`). A retry of one request keeps its id.
+        callers = {r.request_id for r in records if r.role in DECODE_ROLES}
+        calls = sum(r.role in DECODE_ROLES for r in records)
+        unattributed = None
+        if calls > 1 and (len(callers) > 1 or None in callers):
+            unattributed = (
+                f"D answered {calls} calls of {len(callers)} requests in this request's window "
+                f"(ids {sorted(map(str, callers))[:4]}), none with its id: which is its own "
+                "is unknown"
+            )
         return cls(
             media_count=media_count,
             encoder_answers=tuple(r.ec_transfer_params or {} for r in encoders),
@@ -130,6 +145,7 @@ class TransferEvidence:
             decode_cached_tokens=decodes[-1].cached_tokens if decodes else None,
             decode_answered=bool(decodes),
             source="taps",
+            decode_unattributed=unattributed,
         )
 
     @classmethod
@@ -302,6 +318,8 @@ def check_kv_transfer(
             f"cached_tokens={cached} ({source})"
         )
         return GuardResult("kv_transfer", ok, text)
+    if evidence is not None and evidence.decode_unattributed:
+        return not_checkable("kv_transfer", evidence.decode_unattributed)
     if counters is not None:  # D's own count by source (read where taps cannot stand)
         external = counters.get("external_kv_tokens", 0.0)
         local = counters.get("local_cache_hit_tokens", 0.0)

@@ -56,7 +56,8 @@ def records_of(records: list[TapRecord], request_id: str) -> list[TapRecord]:
     window alone would hand each request the others' encoder calls. Both EPD proxies pass the
     client's `x-request-id` on: as is to P, D and PD, as `<id>:<item>:<suffix>` to encoders.
     A proxy that sets ids of its own (vLLM's toy P/D proxy) leaves nothing to match; then the
-    window is all there is, which is exact for requests sent one at a time.
+    window is all there is, which is exact for requests sent one at a time (under load it holds
+    its neighbours' calls too, and the kv guard says it cannot tell D's answers apart).
     """
     mine = [
         r

@@ -71,6 +71,11 @@ class Entry:
     def trace(self, request_id: str) -> RequestTrace | None:
         return self.proxy.traces.get(request_id) if self.proxy is not None else None
 
+    def take_trace(self, request_id: str) -> RequestTrace | None:
+        """The request's trace, which the proxy then lets go of: the outcome holds it, and a
+        soak's every request's would otherwise stay in the proxy for the run."""
+        return self.proxy.traces.pop(request_id, None) if self.proxy is not None else None
+
     def down_report(self) -> str | None:
         """Why the proxy itself cannot have answered (None: it is running)."""
         if self.proxy_server is not None and not self.proxy_server.running:

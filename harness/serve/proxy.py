@@ -280,6 +280,7 @@ class EPDProxy:
     ) -> web.StreamResponse:
         assert self._session is not None
         started = time.monotonic()
+        response: web.StreamResponse | None = None
         try:
             async with self._session.post(
                 f"{url}/v1/chat/completions", json=body, headers={"x-request-id": request_id}
@@ -302,10 +303,20 @@ class EPDProxy:
                 if fault is not None:
                     await response.write(fault.flush())
                     trace.fault_effects.append(f"relayed twice: {fault.duplicated}")
-                await response.write_eof()
+                # Before the stream ends downstream: a failed request's report reads it then.
                 trace.decode_seconds = time.monotonic() - started
+                await response.write_eof()
                 return response
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            if response is not None and response.prepared:
+                client = http_request.transport
+                who = (
+                    "the client went away"
+                    if client is None or client.is_closing()
+                    else f"decode {url} broke off"
+                )
+                trace.error = f"{who} mid-stream: {type(exc).__name__}: {exc}"
+                return break_off(http_request, response)
             raise UpstreamError("decode", url, None, f"{type(exc).__name__}: {exc}") from exc
 
     async def handle_health(self, _request: web.Request) -> web.Response:
@@ -335,6 +346,16 @@ class EPDProxy:
                 )
         except aiohttp.ClientError as exc:
             return web.json_response({"error": f"decode {url}: {exc}"}, status=502)
+
+
+def break_off(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+    """End a relayed answer whose upstream failed after it began: its connection is dropped, so
+    the client sees the stream break off as the upstream's did. An error response in its place
+    would be written into the open stream, where the next hop (the proxy behind a tap) waits for
+    the rest of it until its request times out."""
+    if request.transport is not None:
+        request.transport.close()
+    return response
 
 
 class ProxyServer:

@@ -395,7 +395,7 @@ class TopologySession:
             counters_after = self.decode_counters()
             if counters_after is not None:
                 outcome.kv_counters = counters_after.minus(counters_before)
-        outcome.trace = entry.trace(request_id)
+        outcome.trace = entry.take_trace(request_id)
         if self._taps is not None:
             outcome.taps = self._taps.of_request(tap_mark, request_id)
             self._taps.release(tap_mark)
@@ -435,14 +435,15 @@ class TopologySession:
             pending = [call.url for call in trace.encoder_calls if call.status is None]
             if trace.prefill_url and trace.prefill_status is None:
                 pending.append(trace.prefill_url)
-            if trace.decode_url and trace.decode_status is None:
+            # D's status comes with its headers; a stream is D's until it has ended.
+            if trace.decode_url and not trace.decode_seconds:
                 pending.append(trace.decode_url)
             url = pending[0] if pending else ""
         by_url = {spec.url: server for spec, server in zip(self.instances, self._servers)}
         tap_urls = self.tap_urls
         by_url.update({tap_urls[u]: server for u, server in list(by_url.items()) if u in tap_urls})
         if self._taps is not None and trace is None:  # vLLM's proxy: the taps know
-            pending = [r for r in self._taps.records if r.status is None and r.error is None]
+            pending = [r for r in self._taps.records if not r.ended]
             names = {spec.name: server for spec, server in zip(self.instances, self._servers)}
             url = pending[-1].instance if pending else ""
             by_url.update(names)

@@ -40,7 +40,7 @@ import aiohttp
 from aiohttp import web
 
 from harness.outcomes.taps import TapRecord, records_of
-from harness.serve.proxy import FirstTokenChunkTwice, ProxyFaults, stop_loop_thread
+from harness.serve.proxy import FirstTokenChunkTwice, ProxyFaults, break_off, stop_loop_thread
 from harness.serve.proxy_protocol import MEDIA_PART_TYPES
 
 RECORDED_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -261,6 +261,7 @@ class TapSet:
             body = self._inspect_request(target, record, body)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         started = time.monotonic()
+        response: web.StreamResponse | None = None
         try:
             async with self._session.request(
                 request.method,
@@ -286,6 +287,8 @@ class TapSet:
             if record is not None:
                 record.error = f"{type(exc).__name__}: {exc}"
                 record.seconds = time.monotonic() - started
+            if response is not None and response.prepared:
+                return break_off(request, response)
             return web.json_response(
                 {"error": f"tap for {target.name}: {target.url} unreachable: {exc}"}, status=502
             )
@@ -315,9 +318,10 @@ class TapSet:
             if fault is not None:
                 await response.write(fault.flush())
                 record.rewritten_by_fault = fault.duplicated is not None
-            await response.write_eof()
+            # Before the stream ends downstream: the session reads the record once it has.
             describe_answer(record, bytes(kept), content_type)
             record.seconds = time.monotonic() - started
+            await response.write_eof()
             return response
         payload = await upstream.read()
         answer = describe_answer(record, payload, content_type)
