@@ -219,3 +219,18 @@ def test_the_trace_of_a_relayed_stream_is_whole_before_the_stream_ends(
     finally:
         server.stop()
     assert seconds > 0
+
+
+def test_a_stream_d_refuses_through_the_proxy_is_recorded_in_the_trace(d: StreamingD) -> None:
+    """D answers a streamed request with an error status: the client gets it relayed, and the
+    proxy's trace keeps it as it does for an unstreamed one (a failed request's report and
+    the bundle read the trace; it held no error; found in review)."""
+    d.status = 500
+    proxy, server = proxy_in_front(d.url)
+    try:
+        with pytest.raises(ServerFailedError, match="500"):
+            send(server.url)
+    finally:
+        server.stop()
+    error = proxy.traces["req-1"].error
+    assert error and error.startswith(f"decode {d.url} answered 500") and "D exploded" in error

@@ -286,7 +286,8 @@ class EPDProxy:
                 f"{url}/v1/chat/completions", json=body, headers={"x-request-id": request_id}
             ) as upstream:
                 trace.decode_status = upstream.status
-                if not body.get("stream"):
+                # A refusal of a streamed request is one error body, kept as an unstreamed one's.
+                if not body.get("stream") or upstream.status != 200:
                     payload = await upstream.read()
                     trace.decode_seconds = time.monotonic() - started
                     if upstream.status != 200:
