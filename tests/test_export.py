@@ -13,6 +13,7 @@ import math
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from export_bundle import (
@@ -528,6 +529,11 @@ NEAR_TIE_EXPECTED = {
 def flipped(first_logprob: float = -0.5, prompt: tuple[int, ...] = (1, 2, 3)) -> check.Answer:
     """NEAR_TIE_EXPECTED's answer with the tie at position 1 resolved the other way."""
     tops = [[(7, first_logprob)], [(5, -0.692), (8, -0.698)], [(9, -0.5)], [(10, -0.5)]]
+    return answer(200, answer_body(tops, list(prompt)))
+
+
+def answer_body(tops: list[list[tuple[int, float]]], prompt: list[int]) -> dict[str, Any]:
+    """An unstreamed answer generating each position's first top id, with those top-k."""
     content = [
         {
             "token": f"token_id:{top[0][0]}",
@@ -536,11 +542,11 @@ def flipped(first_logprob: float = -0.5, prompt: tuple[int, ...] = (1, 2, 3)) ->
         }
         for top in tops
     ]
-    body = {
-        "prompt_token_ids": list(prompt),
-        "choices": [{"token_ids": [7, 5, 9, 10], "logprobs": {"content": content}}],
+    ids = [top[0][0] for top in tops]
+    return {
+        "prompt_token_ids": prompt,
+        "choices": [{"token_ids": ids, "logprobs": {"content": content}}],
     }
-    return answer(200, body)
 
 
 def test_check_judges_drift_as_the_harness_does(tmp_path: Path, monkeypatch) -> None:
@@ -601,18 +607,7 @@ def test_check_reads_no_drift_past_a_prefix_log_prob_that_is_not_finite(
         "token_logprobs": [-0.5, -math.inf, -0.69, -0.5],
     }
     tops = [[(7, -0.5)], [(9, received)], [(5, -0.692), (8, -0.698)], [(10, -0.5)]]
-    content = [
-        {
-            "token": f"token_id:{top[0][0]}",
-            "logprob": top[0][1],
-            "top_logprobs": [{"token": f"token_id:{t}", "logprob": lp} for t, lp in top],
-        }
-        for top in tops
-    ]
-    body = {
-        "prompt_token_ids": [1, 2, 3],
-        "choices": [{"token_ids": [7, 9, 5, 10], "logprobs": {"content": content}}],
-    }
+    body = answer_body(tops, [1, 2, 3])
     finite = json.loads(json.dumps(body))
     finite["choices"][0]["logprobs"]["content"][1]["logprob"] = -0.5
     agreeing = {**expected, "token_logprobs": [-0.5, -0.5, -0.69, -0.5]}
