@@ -618,3 +618,30 @@ def test_two_dtypes_never_share_a_baseline() -> None:
         # The serving flags alone tell them apart, whatever the launch says.
         flagged.add(baseline_key(SERVED, serving, "d", BODY, launch=LAUNCH))
     assert len(launched) == len(flagged) == len(DTYPES)
+
+
+def test_a_baseline_served_on_a_ray_clusters_node_is_not_keyed_by_this_hosts_device(
+    tmp_path: Path,
+) -> None:
+    """With --launcher ray --ray-address the baseline runs on a node of the cluster, whose CPU
+    (or GPU) this host's /proc/cpuinfo (or nvidia-smi) does not show: keyed by this host's
+    device, an entry a local run stored answered the cluster's run (and the other way round),
+    one device's answers judged as another's (found in review). The one-host rehearsal's nodes
+    are this host: its device is this host's."""
+    from harness.spec.settings import RAY_LAUNCHER, LauncherChoice
+
+    local = BaselineLaunch.of(run_settings(tmp_path), environ={})
+    cluster = BaselineLaunch.of(
+        run_settings(tmp_path, launcher=LauncherChoice(RAY_LAUNCHER, "head:6379")), environ={}
+    )
+    other = BaselineLaunch.of(
+        run_settings(tmp_path, launcher=LauncherChoice(RAY_LAUNCHER, "other:6379")), environ={}
+    )
+    rehearsal = BaselineLaunch.of(
+        run_settings(tmp_path, launcher=LauncherChoice(RAY_LAUNCHER)), environ={}
+    )
+    key = baseline_key(SERVED, SERVING, "d", BODY, launch=local)
+    assert key != baseline_key(SERVED, SERVING, "d", BODY, launch=cluster)
+    assert "head:6379" in cluster.device and cluster.device != other.device
+    assert rehearsal.device == local.device
+    assert golden_key(SERVING, "d", BODY, local) != golden_key(SERVING, "d", BODY, cluster)
