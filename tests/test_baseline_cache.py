@@ -618,3 +618,64 @@ def test_two_dtypes_never_share_a_baseline() -> None:
         # The serving flags alone tell them apart, whatever the launch says.
         flagged.add(baseline_key(SERVED, serving, "d", BODY, launch=LAUNCH))
     assert len(launched) == len(flagged) == len(DTYPES)
+
+
+def test_a_baseline_served_on_a_ray_clusters_node_is_not_keyed_by_this_hosts_device(
+    tmp_path: Path,
+) -> None:
+    """With --launcher ray --ray-address the baseline runs on a node of the cluster, whose CPU
+    (or GPU) this host's /proc/cpuinfo (or nvidia-smi) does not show: keyed by this host's
+    device, an entry a local run stored answered the cluster's run (and the other way round),
+    one device's answers judged as another's (found in review). The one-host rehearsal's nodes
+    are this host: its device is this host's."""
+    from harness.spec.settings import RAY_LAUNCHER, LauncherChoice
+
+    local = BaselineLaunch.of(run_settings(tmp_path), environ={})
+    cluster = BaselineLaunch.of(
+        run_settings(tmp_path, launcher=LauncherChoice(RAY_LAUNCHER, "head:6379")), environ={}
+    )
+    other = BaselineLaunch.of(
+        run_settings(tmp_path, launcher=LauncherChoice(RAY_LAUNCHER, "other:6379")), environ={}
+    )
+    rehearsal = BaselineLaunch.of(
+        run_settings(tmp_path, launcher=LauncherChoice(RAY_LAUNCHER)), environ={}
+    )
+    key = baseline_key(SERVED, SERVING, "d", BODY, launch=local)
+    assert key != baseline_key(SERVED, SERVING, "d", BODY, launch=cluster)
+    assert "head:6379" in cluster.device and cluster.device != other.device
+    assert rehearsal.device == local.device
+    assert golden_key(SERVING, "d", BODY, local) != golden_key(SERVING, "d", BODY, cluster)
+
+
+class FailsWhenBatched(NoisyWhenBatched):
+    """Answers alone, twice alike; no answer in the batched pass (a timeout under the pair)."""
+
+    def send(self, name: str, body: dict[str, Any]) -> Outcome:
+        answer = super().send(name, body)
+        if self.sent[name.removesuffix("-partner")] >= 3:
+            return Outcome(answer.prompt, error="timed out after 120 s")
+        return answer
+
+
+def test_an_answer_whose_batched_pass_got_no_answer_is_not_stored_as_batched(
+    tmp_path: Path,
+) -> None:
+    """The batched pass measured nothing when it got no answer: stored as batched, the entry
+    stood in for one that had it, and every later run that batches the prompt took a noise
+    floor without the batched pass a fresh baseline measures (found in review)."""
+    cache = BaselineCache(tmp_path / "cache")
+    bodies = {"sweep": {**RUN_BODY, "seed": 1}}
+    first = BaselineAnswers(run_settings(tmp_path), cache)
+    first.add(bodies)
+    first.answer_on(FailsWhenBatched())  # type: ignore[arg-type]
+    assert first.stability["sweep"].stable and "no answer in the batched pass" in (
+        first.stability["sweep"].detail
+    )
+    assert first.sources["sweep"]["batched"] is False
+
+    warm = BaselineAnswers(run_settings(tmp_path), cache)
+    warm.add(bodies)
+    warm.load_stored()
+    assert warm.missing() == ["sweep"], "an entry the batched pass never measured stood in"
+    warm.answer_on(NoisyWhenBatched())  # type: ignore[arg-type]
+    assert warm.noise_floor == pytest.approx(0.05)

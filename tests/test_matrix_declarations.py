@@ -16,7 +16,7 @@ from harness.run.matrix import Scenario, ScenarioResult
 from harness.run.scenarios import MATRIX, SendMode, get_scenario, matrix_prompts
 from harness.spec.prompts import ImagePart, PromptSpec, TextPart
 from harness.spec.topology import TOPOLOGIES
-from harness.testing.builders import case_record
+from harness.testing.builders import case_record, chat
 from harness.testing.judging import judged
 
 pytestmark = pytest.mark.unit
@@ -333,3 +333,45 @@ def test_a_declaration_is_of_the_scenarios_own_prompts_and_not_of_all_when_it_na
         assert len(scenario.declared_for) < len(names) or not scenario.declared_for, (
             f"{scenario.name}: a declaration of every prompt names none"
         )
+
+
+def test_a_scenario_whose_topology_cannot_start_fails_its_cases_and_the_matrix_goes_on() -> None:
+    """As the sweep fails the cases of a topology that cannot start: found in review, the
+    start's exception left `run --scenario` mid-matrix, exit 2 ("error:", as a baseline that
+    cannot start), with no verdict table and none of the later scenarios run."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from harness.judge.verdicts import Reference
+    from harness.run.judging import CaseJudge
+    from harness.run.matrix import MatrixRun
+    from harness.spec.settings import RunSettings
+    from harness.spec.topology import ServingConfig
+
+    scenario = get_scenario("ec-images-1-2-3")
+    added: list = []
+
+    def cannot_start(topology):
+        raise RuntimeError(f"{topology.name}/encoder0 exited with code 1 during start-up")
+
+    answers = {p.name: Outcome(p.name, result=chat((5, 6))) for p in scenario.prompts}
+    baseline = SimpleNamespace(
+        outcomes=answers,
+        label="baseline",
+        noise_floor=0.0,
+        batched_noise_floor=None,
+        reference=lambda prompt: Reference("baseline", answers[prompt], True, stable=True),
+    )
+    settings = RunSettings(serving=ServingConfig(model="/m"), run_dir=Path("/nonexistent"))
+    sweep = SimpleNamespace(
+        settings=settings,
+        judging=CaseJudge(settings, baseline),
+        serve_baseline=lambda: None,
+        pool=SimpleNamespace(session=cannot_start),
+        add_records=lambda label, outcomes, records: added.extend(records),
+    )
+    result = MatrixRun(sweep).run(scenario)
+    assert [r.verdict for r in result.records] == [Verdict.ERROR] * len(scenario.prompts)
+    assert all("1E+1PD could not start" in (r.error or "") for r in result.records)
+    assert "encoder0 exited" in (result.records[0].error or "")
+    assert added == result.records and result.problems()

@@ -301,19 +301,22 @@ class BaselineAnswers:
                 continue
             if self.cache is not None:
                 key = self.cache_key(self.bodies[name], launch)
+                # Measured only where the batched pass got an answer: one stored as batched
+                # without it stood in for one that had it (found in review).
+                measured = name in batched and batched[name].result is not None
                 self.cache.store(
                     key,
                     self.outcomes[name],
                     self.stability[name].noise_floor or 0.0,
                     detail,
-                    batched=name in batched,
+                    batched=measured,
                     served=self.settings.vllm,
                 )
                 self.sources[name] = {
                     "source": "this run's baseline",
                     "cache_dir": str(self.cache.directory),
                     "key": key,
-                    "batched": name in batched,
+                    "batched": measured,
                 }
             self._store_golden(name, self.outcomes[name], launch)
 

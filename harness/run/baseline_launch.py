@@ -15,7 +15,9 @@ has. So besides the served build and the serving flags, a baseline's answers fol
   below), e.g. VLLM_ATTENTION_BACKEND, VLLM_CPU_*, ONEDNN_*, CUBLAS_WORKSPACE_CONFIG,
   ATEN_CPU_CAPABILITY, FBGEMM_ENABLE_INSTRUCTIONS;
 * the platform and the device model (the CPU's model and the features vLLM-CPU's kernels are
-  picked by; the GPUs' model), for a cache directory shared between hosts.
+  picked by; the GPUs' model), for a cache directory shared between hosts. On a Ray cluster
+  (`--ray-address`) the baseline runs on one of its nodes, whose device this host cannot read:
+  the cluster's address stands in for it (the one-host rehearsal's nodes are this host).
 
 The inherited rule: a variable counts when its name starts with one of
 `NUMERICS_ENV_PREFIXES` (or is one of `NUMERICS_ENV_NAMES`), unless one of the words of its
@@ -183,10 +185,16 @@ class BaselineLaunch:
             **numerics_env(dict(settings.launcher.instance_env)),
         }
         env = {**inherited, **rendered}
+        launcher = settings.launcher
+        on_a_cluster = not launcher.is_local and not launcher.rehearses_on_this_host
         return cls(
             argv=tuple(spec.argv("vllm")[1:]),
             env=tuple(sorted(env.items())),
-            device=device_model(settings.platform),
+            device=(
+                f"{settings.platform.name}: a node of the Ray cluster at {launcher.ray_address}"
+                if on_a_cluster
+                else device_model(settings.platform)
+            ),
         )
 
     def to_json(self) -> dict[str, object]:

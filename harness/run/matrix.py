@@ -2,7 +2,8 @@
 
 Scenarios of one topology share the run's running session of it (`harness.run.pool`); a
 scenario after one that killed an instance gets it started again, so one crash does not fail
-the rest of the run. Every answer is judged on the run's one judging path, with the
+the rest of the run; a topology that cannot start fails its scenario's cases (ERROR), as the
+sweep's. Every answer is judged on the run's one judging path, with the
 scenario's declared upstream failure, if it has one.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from harness.judge.guards import GuardResult
 from harness.judge.records import CaseRecord, unproven_passes
+from harness.outcomes.outcome import Outcome
 from harness.run.judging import Observed, observe
 from harness.run.scenarios import IDLE_GAP_S, Scenario, SendMode
 from harness.run.sweep import Sweep
@@ -66,7 +68,10 @@ class MatrixRun:
         if missing is not None:
             return missing
         self.sweep.serve_baseline()
-        session = self.sweep.pool.session(topology)
+        try:
+            session = self.sweep.pool.session(topology)
+        except Exception as exc:  # noqa: BLE001 - a topology that cannot start fails its cases
+            return self._not_started(scenario, exc)
         if scenario.empty_kv_storage:
             empty_kv_storage(session, scenario)
         result = self._judge(scenario, session, self._send(session, scenario))
@@ -88,6 +93,26 @@ class MatrixRun:
                 f"[matrix] {scenario.name} {record.prompt}: {record.verdict.value} "
                 f"({record.detail})"
             )
+        return result
+
+    def _not_started(self, scenario: Scenario, exc: Exception) -> ScenarioResult:
+        """Every case of a scenario whose topology could not start is an ERROR naming why, as
+        the sweep's are; the matrix goes on with the next scenario (the pool tries the start
+        again for the next one of the topology)."""
+        topology = TOPOLOGIES[scenario.topology]
+        error = f"{topology.name} could not start: {type(exc).__name__}: {exc}"
+        log.error("[matrix] %s: %s", scenario.name, error)
+        result = ScenarioResult(scenario)
+        outcomes = [Outcome(prompt=p.name, error=error) for p in scenario.prompts]
+        for prompt, outcome in zip(scenario.prompts, outcomes, strict=True):
+            result.records += self.sweep.judging.judge(
+                topology,
+                Observed(outcome, ()),
+                label=f"{scenario.topology}:{scenario.name}",
+                spec=prompt,
+                declared=scenario.declared_of(prompt.name),
+            )
+        self.sweep.add_records(f"matrix:{scenario.name}", outcomes, result.records)
         return result
 
     def _not_applicable(self, scenario: Scenario) -> ScenarioResult | None:

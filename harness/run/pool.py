@@ -279,8 +279,8 @@ class TopologyPool:
         self, requests: Sequence[SessionRequest]
     ) -> dict[SessionKey, TopologySession | BaseException]:
         """Sessions for every request; those not running start together (a wave) and are
-        waited for together. A request that cannot start maps to its exception; an
-        interruption stops whatever this call started and propagates."""
+        waited for together, in the order of `requests`. A request that cannot start maps to
+        its exception; an interruption stops whatever this call started and propagates."""
         found: dict[SessionKey, TopologySession | BaseException] = {}
         starting: list[tuple[SessionKey, TopologySession, StartCause]] = []
         for request in requests:
@@ -333,7 +333,9 @@ class TopologyPool:
         for key, session, _ in starting:
             if isinstance(found[key], BaseException):
                 session.close()
-        return found
+        # In the order asked, which callers read by position (a wave's slots, the fuzzer's
+        # `baseline, topology`): those running were found first (found in review).
+        return {request.key: found[request.key] for request in requests}
 
     @contextlib.contextmanager
     def private(

@@ -1,0 +1,70 @@
+"""What the pool's `open` hands back, in the order asked (harness/run/pool.py), without any
+server: sessions stand in for a topology's instances."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.run.pool import SessionRequest, TopologyPool
+from harness.spec.settings import RunSettings
+from harness.spec.topology import BASELINE, TOPOLOGIES, ServingConfig
+
+pytestmark = pytest.mark.unit
+
+
+class StandIn:
+    """A session that starts at once (or fails to, with `fails`) and never dies."""
+
+    def __init__(self, request: SessionRequest, fails: bool) -> None:
+        self.topology = request.topology
+        self.settings = request.settings
+        self.devices = ()
+        self.dir = request.settings.run_dir / request.topology.name
+        self.earlier_logs: dict[Path, Path] = {}
+        self.stats: dict = {}
+        self.fails = fails
+
+    def start_servers(self) -> None:
+        if self.fails:
+            raise RuntimeError(f"{self.topology.name} did not start")
+
+    def wait_until_serving(self) -> None: ...
+
+    def dead_instance(self) -> None:
+        return None
+
+    def dead_instance_report(self) -> None:
+        return None
+
+    def close(self) -> None: ...
+
+
+def test_open_hands_back_each_session_in_the_order_asked_whichever_were_running(
+    tmp_path: Path,
+) -> None:
+    """Its callers read the answer by position: the sweep pairs it with a wave's slots (zip),
+    the fuzzer unpacks `baseline, topology`. A topology already running (the pytest pool's,
+    started by an earlier scenario) was put first, ahead of those started now (found in
+    review): the fuzzer took 1E+1PD for its baseline and fuzzed the baseline against it, and
+    a sweep's 1E+1P+1D, running, was failed as "1E+1P+1D could not start" with the error of its
+    reference 1P+1D, which was then served again."""
+    settings = RunSettings(serving=ServingConfig(model="/models/tiny"), run_dir=tmp_path)
+    pool = TopologyPool(settings)
+    failing = {"1P+1D"}
+    pool._new_session = lambda request: StandIn(request, request.topology.name in failing)
+    running = pool.session(TOPOLOGIES["1E+1PD"])
+
+    opened = pool.open(
+        [SessionRequest(BASELINE, settings), SessionRequest(running.topology, settings)]
+    )
+    assert [s.topology.name for s in opened.values()] == ["baseline", "1E+1PD"]
+    assert list(opened.values())[1] is running
+
+    pool.session(TOPOLOGIES["1E+1P+1D"])
+    wave = [SessionRequest(TOPOLOGIES[n], settings) for n in ("1P+1D", "1E+1P+1D")]
+    opened = pool.open(wave)
+    assert [key.topology for key in opened] == ["1P+1D", "1E+1P+1D"]
+    first, second = opened.values()
+    assert isinstance(first, RuntimeError) and second.topology.name == "1E+1P+1D"
