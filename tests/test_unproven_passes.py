@@ -55,3 +55,29 @@ def test_an_attached_deployment_reports_its_unchecked_guards_without_failing() -
     evidence outside it (what the consumers were sent): said, not failed (docs/proxies.md)."""
     records = [case_record("1E+1P+1D", "video", guards=UNCHECKED)]
     assert served_unproven(sweep_of(records, attached=object())) == []
+
+
+def test_summary_json_says_a_run_failed_by_its_problems_did_not_pass(tmp_path, capsys) -> None:
+    """`run` exits 1 on an unproven pass (a problem); summary.json, which a CI job reads
+    instead of the exit code, said `passed: true` for the same run (found in review). It says
+    false now, with the problems."""
+    import json
+    import time
+
+    from harness.cli.main import EXIT_FAILED, finish_run
+    from harness.report.text import write_summary_json
+
+    records = [case_record("1E+1P+1D", "video", guards=UNCHECKED)]
+    write_summary_json(tmp_path / "summary.json", records, {})
+    assert json.loads((tmp_path / "summary.json").read_text())["passed"] is True
+    sweep = SimpleNamespace(
+        attached=None,
+        result=SimpleNamespace(records=records, run_dir=tmp_path),
+        run_info={},
+        pool=SimpleNamespace(summary=lambda: "pool: 1 start"),
+    )
+    args = SimpleNamespace(progress=SimpleNamespace(started=time.monotonic()))
+    assert finish_run(args, served_unproven(sweep), sweep) == EXIT_FAILED
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["passed"] is False
+    assert summary["problems"] == served_unproven(sweep)

@@ -119,6 +119,19 @@ def write_summary_json(
     write_text_atomic(target, json.dumps(document, sort_keys=True, indent=2) + "\n")
 
 
+def add_problems_to_summary(path: str | os.PathLike[str], problems: Sequence[str]) -> None:
+    """Record in summary.json the problems that failed a run beyond its cases' verdicts (a
+    pass whose guard nothing could check, a matrix scenario not as declared): `passed` is then
+    false, as the exit code says, for a CI job that reads the file instead."""
+    target = Path(path)
+    if not problems or not target.exists():
+        return
+    document = json.loads(target.read_text())
+    document["problems"] = list(problems)
+    document["passed"] = False
+    write_text_atomic(target, json.dumps(document, sort_keys=True, indent=2) + "\n")
+
+
 def format_failure(record: CaseRecord) -> str:
     """A multi-line block for the console or a pytest assertion message."""
     outcome = "passed" if record.policy_passed else "FAILED"
