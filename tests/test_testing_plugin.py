@@ -685,3 +685,28 @@ def test_each_plugin_module_is_listed_after_those_it_imports() -> None:
 
     assert listed_after_what_they_import(plugin.pytest_plugins) == []
     assert listed_after_what_they_import(plugin.pytest_plugins[::-1]) != []  # can go red
+
+
+def test_one_prompt_name_given_to_two_different_prompts_is_refused() -> None:
+    """The modules' BASELINE_PROMPTS are answered by one baseline, one answer per name: a name
+    given to two different prompts kept the first module's silently, and the other module's
+    cases were judged against an answer to another request (found in review). The same
+    prompt named in two modules is asked once."""
+    from types import SimpleNamespace
+
+    from harness.spec.prompts import SKELETON_PROMPTS, PromptSpec, TextPart
+    from harness.testing.collection import baseline_prompts_of
+
+    one = PromptSpec("m-shared", (TextPart("one"),))
+    other = PromptSpec("m-shared", (TextPart("other"),))
+    first = SimpleNamespace(__name__="scenarios.test_a", EPD_BASELINE_PROMPTS=(one,))
+    again = SimpleNamespace(__name__="scenarios.test_b", EPD_BASELINE_PROMPTS=(one,))
+    clash = SimpleNamespace(__name__="scenarios.test_c", EPD_BASELINE_PROMPTS=(other,))
+    assert baseline_prompts_of([first, again]) == (one,)
+    with pytest.raises(pytest.UsageError, match=r"'m-shared'.*test_a and in scenarios\.test_c"):
+        baseline_prompts_of([first, clash])
+    skeleton = SKELETON_PROMPTS[0]
+    renamed = PromptSpec(skeleton.name, (TextPart("not the sweep's"),))
+    clash_with_sweep = SimpleNamespace(__name__="scenarios.test_d", EPD_BASELINE_PROMPTS=(renamed,))
+    with pytest.raises(pytest.UsageError, match="the sweep's own prompts"):
+        baseline_prompts_of([clash_with_sweep])

@@ -232,11 +232,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     )
     # The prompts the selected scenario modules need the baseline to answer: one baseline
     # start answers all of them.
-    needed: dict[str, object] = {}
-    for module in dict.fromkeys(getattr(item, "module", None) for item in items):
-        for prompt in getattr(module, BASELINE_PROMPTS, ()):
-            needed.setdefault(prompt.name, prompt)
-    config.stash[PROMPTS_KEY] = tuple(needed.values())
+    modules = dict.fromkeys(getattr(item, "module", None) for item in items)
+    config.stash[PROMPTS_KEY] = baseline_prompts_of(modules)
     config.stash[LATER_SWEEP_MAKERS_KEY] = later_sweep_makers(items)
     config.stash[LOAD_SPECS_KEY] = load_specs(items)
 
@@ -277,3 +274,25 @@ def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
             *(f"  {node}" for node in nodes),
         ]
     return lines
+
+
+def baseline_prompts_of(modules) -> tuple:
+    """The prompts the modules' `BASELINE_PROMPTS` ask the one baseline to answer, each name
+    once. A name given to two different prompts (two modules', or a module's and one of the
+    sweep's own) is refused: one baseline answer stands for a name, so one of them would be
+    judged against the other's answer, or silently not sent."""
+    from harness.spec.prompts import SKELETON_PROMPTS
+
+    owner = {prompt.name: (prompt, "the sweep's own prompts") for prompt in SKELETON_PROMPTS}
+    needed: dict[str, object] = {}
+    for module in modules:
+        for prompt in getattr(module, BASELINE_PROMPTS, ()):
+            where = getattr(module, "__name__", str(module))
+            seen, first = owner.setdefault(prompt.name, (prompt, where))
+            if seen != prompt:
+                raise pytest.UsageError(
+                    f"prompt name {prompt.name!r} names two different prompts: in {first} "
+                    f"and in {where} ({BASELINE_PROMPTS}); give one of them another name"
+                )
+            needed.setdefault(prompt.name, prompt)
+    return tuple(needed.values())
