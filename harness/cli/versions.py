@@ -248,13 +248,13 @@ def run_release(
         with open(console, "w") as output:
             # The run holds the lock's descriptor too: were this process to die, the run
             # would still hold the lock until it ends (as under flock(1)).
-            done = subprocess.run(
+            child = subprocess.Popen(
                 argv,
                 stdout=output,
                 stderr=subprocess.STDOUT,
-                check=False,
                 pass_fds=() if lock_fd is None else (lock_fd,),
             )
+            returncode = wait_for_release_run(child)
         seconds = time.monotonic() - started
     finally:
         if lock_fd is not None:
@@ -273,7 +273,7 @@ def run_release(
     result = ReleaseRun(
         version=version,
         protocol=generation_for(version).generation.name,
-        exit_code=done.returncode,
+        exit_code=returncode,
         seconds=round(seconds, 1),
         install_seconds=round(install_seconds, 1),
         venv_bytes=directory_bytes(env.venv),
@@ -285,6 +285,20 @@ def run_release(
     write_json_atomic(run_dir / RELEASE_RUN_FILE, result.to_json())
     log.info("[versions] %s: %s", version, result.outcome_line())
     return result
+
+
+def wait_for_release_run(child: subprocess.Popen[bytes]) -> int:
+    """The release's run's exit code. Interrupted (Ctrl-C, SIGTERM, SIGHUP), the run is told
+    (SIGTERM, which it unwinds like Ctrl-C) and waited for while it stops its servers, then the
+    interrupt goes on: subprocess.run SIGKILLed it a quarter of a second after the interrupt,
+    before it stopped any (found in review). The CLI swallows a repeated signal meanwhile."""
+    try:
+        return child.wait()
+    except KeyboardInterrupt:
+        if child.poll() is None:
+            child.terminate()
+        child.wait()
+        raise
 
 
 def refuse_uncovered(
