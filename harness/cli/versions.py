@@ -42,8 +42,8 @@ from harness.cli.serving_options import add_dtype_option
 from harness.environment import cache_dir
 from harness.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, HarnessError
 from harness.files import fresh_run_dir, write_json_atomic, write_text_atomic
-from harness.preflight import names
-from harness.preflight.config import golden_release
+from harness.preflight import RunRequest, names
+from harness.preflight.config import check_arguments, golden_release
 from harness.preflight.dtype import dtype_or_default
 from harness.run.goldens import GoldenStore, agreement, release_of
 from harness.spec.generations import generation_for, parse_version
@@ -248,13 +248,13 @@ def run_release(
         with open(console, "w") as output:
             # The run holds the lock's descriptor too: were this process to die, the run
             # would still hold the lock until it ends (as under flock(1)).
-            done = subprocess.run(
+            child = subprocess.Popen(
                 argv,
                 stdout=output,
                 stderr=subprocess.STDOUT,
-                check=False,
                 pass_fds=() if lock_fd is None else (lock_fd,),
             )
+            returncode = wait_for_release_run(child)
         seconds = time.monotonic() - started
     finally:
         if lock_fd is not None:
@@ -273,7 +273,7 @@ def run_release(
     result = ReleaseRun(
         version=version,
         protocol=generation_for(version).generation.name,
-        exit_code=done.returncode,
+        exit_code=returncode,
         seconds=round(seconds, 1),
         install_seconds=round(install_seconds, 1),
         venv_bytes=directory_bytes(env.venv),
@@ -285,6 +285,20 @@ def run_release(
     write_json_atomic(run_dir / RELEASE_RUN_FILE, result.to_json())
     log.info("[versions] %s: %s", version, result.outcome_line())
     return result
+
+
+def wait_for_release_run(child: subprocess.Popen[bytes]) -> int:
+    """The release's run's exit code. Interrupted (Ctrl-C, SIGTERM, SIGHUP), the run is told
+    (SIGTERM, which it unwinds like Ctrl-C) and waited for while it stops its servers, then the
+    interrupt goes on: subprocess.run SIGKILLed it a quarter of a second after the interrupt,
+    before it stopped any (found in review). The CLI swallows a repeated signal meanwhile."""
+    try:
+        return child.wait()
+    except KeyboardInterrupt:
+        if child.poll() is None:
+            child.terminate()
+        child.wait()
+        raise
 
 
 def refuse_uncovered(
@@ -768,3 +782,15 @@ def refuse_conflicts(args: argparse.Namespace) -> None:
     names.check_prompts(names.split_names(args.prompt))
     # A --golden run reads goldens, not a baseline cache: `off` with it is refused the same way.
     golden_release(args.golden, args.baseline_cache, refresh_baseline=False)
+    # The rest of what the run checks first: `--topology baseline` was refused by each
+    # release's run only after its venv was built (found in review).
+    check_arguments(
+        RunRequest(
+            topologies=names.split_names(args.topology),
+            prompts=names.split_names(args.prompt),
+            golden=args.golden,
+            baseline_cache=args.baseline_cache,
+            dtype=args.dtype,
+        ),
+        read_files=False,
+    )

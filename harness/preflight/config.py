@@ -259,6 +259,14 @@ def check_arguments(request: RunRequest, *, read_files: bool = True) -> CheckedA
             f"none of {', '.join(t.name for t in topologies)} has an encoder (1P+1D runs the "
             f"toy P/D proxy, which takes only static URLs); add 1E+1PD or 1E+1P+1D"
         )
+    if request.reference_policy and not any(t.has_kv_transfer for t in topologies):
+        # `ReferencePolicy.policy_for`: the policies part only there (found in review).
+        raise BadInput(
+            f"--reference-policy {request.reference_policy} chooses how a topology with a P->D "
+            "hop is judged against the monolithic baseline (every other comparison is judged "
+            f"alike under either), and none of {', '.join(t.name for t in topologies)} has "
+            "one; drop it or add a P->D topology (1P+1D, 1E+1P+1D)"
+        )
     requested_kv = kv_connector_for(request.kv_connector, topologies, platform)
     ec_connector = ec_connector_for(request.ec_connector, topologies)
     # An attached deployment's is its own, as its attach file says.

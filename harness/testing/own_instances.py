@@ -52,7 +52,7 @@ class SessionOption:
     why: str = ""  # why a command outside `takes` and `moot` cannot honour it
     # The transfer the option configures ("kv": P to D, "ec": E to its consumer): left out of
     # a command none of whose topologies has one, which the CLI refuses as a flag it would
-    # ignore (`harness.preflight.connectors`).
+    # ignore (`harness.preflight.connectors`, the reference policy's in `check_arguments`).
     moves: str = ""
 
     def is_set(self, value: object) -> bool:
@@ -73,7 +73,8 @@ SESSION_OPTIONS = (
     SessionOption("--epd-dtype", "--dtype"),
     SessionOption("--epd-kv-connector", "--kv-connector", moves="kv"),
     SessionOption("--epd-ec-connector", "--ec-connector", moves="ec"),
-    SessionOption("--epd-reference-policy", "--reference-policy"),
+    # The policies part only on a P->D hop (`harness.judge.policy`): "kv", as the CLI refuses it.
+    SessionOption("--epd-reference-policy", "--reference-policy", moves="kv"),
     SessionOption("--epd-proxy", "--proxy", default="harness"),
     SessionOption("--epd-proxy-registration", "--proxy-registration", default="static"),
     # Given to run and fuzz with vLLM's proxy only (`OwnInstances.args`), as to the session's.
