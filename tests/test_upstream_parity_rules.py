@@ -108,6 +108,19 @@ def test_a_changed_value_or_environment_fails_naming_the_item() -> None:
     ]
 
 
+def test_a_proxy_lines_environment_is_compared_as_a_servers_is() -> None:
+    """An environment variable upstream gives its proxy is an item like a server's; the proxy
+    lines were read as interpreter and flags only, and parity stayed green."""
+    proxy = (
+        '    python "${GIT_ROOT}/examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py"'
+    )
+    line = next(i for i, text in enumerate(SMALL.splitlines(), 1) if text.startswith(proxy))
+    script = SMALL.replace(proxy, "    UCX_TLS=all " + proxy.lstrip())
+    assert compare(script, NEWEST, CUDA).report() == [
+        f"1E+1PD/epd-proxy: env UCX_TLS is 'all' upstream (line {line}), absent in the harness"
+    ]
+
+
 def test_an_allowed_difference_is_allowed_only_where_and_when_the_table_says() -> None:
     # Upstream-only --enable-mm-embeds is allowed on PD from 0.30 (vLLM turns it on itself);
     # for 0.29 the harness renders it too, so nothing differs there.

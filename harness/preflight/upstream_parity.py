@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,7 +137,7 @@ def upstream_launches(script_text: str, platform: PlatformProfile) -> dict[str, 
                 found.append(Launch(f"{name}/{UNKNOWN_PROXY}", {"program": program}, where))
                 continue
             else:
-                items = proxy_items(command.argv)
+                items = proxy_items(command.argv, command.env)
                 role = PROXY_ROLES[_proxy_file(command.argv)]
             unknown = [k for k, v in items.items() if UNKNOWN in v]
             if unknown:
@@ -225,12 +225,14 @@ def serve_items(argv: Sequence[str], env: dict[str, str]) -> dict[str, str]:
     return items
 
 
-def proxy_items(argv: Sequence[str]) -> dict[str, str]:
-    """A proxy line as items: "interpreter", "program" (its path in the vLLM tree), flags."""
+def proxy_items(argv: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
+    """A proxy line as items: "interpreter", "program" (its path in the vLLM tree), flags,
+    "env NAME"."""
     program = _proxy_file(argv)
     index = next(i for i, word in enumerate(argv) if program and word.endswith(program))
     items = {"interpreter": " ".join(argv[:index]), "program": program or ""}
     items.update(_flag_items(argv[index + 1 :]))
+    items.update({f"env {name}": value for name, value in env.items()})
     return items
 
 
@@ -317,7 +319,7 @@ def harness_launches(
             taps[Role.DECODE] + taps[Role.PREFILL_DECODE],
         )
         role = PROXY_ROLES[_proxy_file(proxy.argv) or ""]
-        launches.append(Launch(f"{topology.name}/{role}", proxy_items(proxy.argv), ""))
+        launches.append(Launch(f"{topology.name}/{role}", proxy_items(proxy.argv, proxy.env), ""))
     return launches
 
 
