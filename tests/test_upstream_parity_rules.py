@@ -121,6 +121,23 @@ def test_a_proxy_lines_environment_is_compared_as_a_servers_is() -> None:
     ]
 
 
+def test_an_exported_variable_is_every_later_lines_environment() -> None:
+    """An `export` upstream adds (a backend, a UCX setting) reaches every server it starts,
+    as an `env` prefix does; read as a mere assignment, parity stayed green without it."""
+    script = SMALL.replace(
+        'STORE="${STORE:-/tmp/ec}"\n', 'STORE="${STORE:-/tmp/ec}"\nexport UCX_TLS=all\n'
+    )
+    assert compare(script, NEWEST, CUDA).report() == [
+        f"{instance}: env UCX_TLS is 'all' upstream (line {line}), absent in the harness"
+        for instance, line in (
+            ("baseline/baseline", 8),
+            ("1E+1PD/encoder", 12),
+            ("1E+1PD/epd-proxy", 22),
+            ("1E+1PD/pd", 17),
+        )
+    ]
+
+
 def test_an_allowed_difference_is_allowed_only_where_and_when_the_table_says() -> None:
     # Upstream-only --enable-mm-embeds is allowed on PD from 0.30 (vLLM turns it on itself);
     # for 0.29 the harness renders it too, so nothing differs there.
