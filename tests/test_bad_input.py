@@ -575,6 +575,30 @@ def test_ray_instance_env_malformed(bad_run: BadRun) -> None:
     assert_one_error_line(code, err, "--ray-instance-env 'no-equals-sign': expected NAME=VALUE")
 
 
+PLACED_ENV = [
+    ("CUDA_VISIBLE_DEVICES=0", "CUDA_VISIBLE_DEVICES", "its devices, from the placement"),
+    ("ZE_AFFINITY_MASK=0", "ZE_AFFINITY_MASK", "its devices, from the placement"),
+    ("CUDA_DEVICE_ORDER=FASTEST_FIRST", "CUDA_DEVICE_ORDER", "how its devices are numbered"),
+    ("VLLM_NIXL_SIDE_CHANNEL_PORT=5559", "VLLM_NIXL_SIDE_CHANNEL_PORT", "a port reserved for it"),
+]
+
+
+@pytest.mark.parametrize("given,name,what", PLACED_ENV, ids=[c[1] for c in PLACED_ENV])
+def test_ray_instance_env_overriding_the_placement(
+    bad_run: BadRun, given: str, name: str, what: str
+) -> None:
+    """Found in review: a variable the harness renders per instance, given to every instance,
+    replaced it (every instance on device 0, the memory shares computed for devices of their
+    own; one side-channel port for all)."""
+    code, err = bad_run("--launcher", "ray", "--ray-instance-env", given)
+    assert_one_error_line(
+        code,
+        err,
+        f"--ray-instance-env {given}: the harness sets {name} for each instance itself "
+        f"({what}), and one value for every instance would replace it; drop it",
+    )
+
+
 def test_ray_address_malformed(bad_run: BadRun) -> None:
     code, err = bad_run("--launcher", "ray", "--ray-address", "head-node")
     assert_one_error_line(

@@ -113,6 +113,35 @@ def test_env_prefixes_and_assignment_prefixes_are_the_commands_environment() -> 
     ]
 
 
+def test_exported_variables_are_every_later_commands_environment() -> None:
+    """What a script exports reaches every command it runs after, as bash passes it: at the
+    top, inside a function (export is global there; local -x is not), and an assignment
+    before a function call for the commands of that call."""
+    script = """
+        export UCX_TLS=all
+        setup() {
+            export VLLM_X=1
+            declare -gx VLLM_Y=2
+            local -x GONE=3
+            serve inside
+        }
+        start() {
+            serve "$SHARE"
+        }
+        setup
+        before serve
+        SHARE=0.5 start
+        serve after "$SHARE"
+    """
+    exported = {"UCX_TLS": "all", "VLLM_X": "1", "VLLM_Y": "2"}
+    assert commands(script) == [
+        ("setup", {**exported, "GONE": "3"}, ("serve", "inside")),
+        ("", exported, ("before", "serve")),
+        ("start", {**exported, "SHARE": "0.5"}, ("serve", "0.5")),
+        ("", exported, ("serve", "after", "")),
+    ]
+
+
 def test_what_cannot_be_expanded_is_marked_never_guessed() -> None:
     script = """
         ROOT="$(cd "$(dirname "$0")" && pwd)"

@@ -108,6 +108,75 @@ def test_a_changed_value_or_environment_fails_naming_the_item() -> None:
     ]
 
 
+def test_a_proxy_lines_environment_is_compared_as_a_servers_is() -> None:
+    """An environment variable upstream gives its proxy is an item like a server's; the proxy
+    lines were read as interpreter and flags only, and parity stayed green."""
+    proxy = (
+        '    python "${GIT_ROOT}/examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py"'
+    )
+    line = next(i for i, text in enumerate(SMALL.splitlines(), 1) if text.startswith(proxy))
+    script = SMALL.replace(proxy, "    UCX_TLS=all " + proxy.lstrip())
+    assert compare(script, NEWEST, CUDA).report() == [
+        f"1E+1PD/epd-proxy: env UCX_TLS is 'all' upstream (line {line}), absent in the harness"
+    ]
+
+
+def test_an_exported_variable_is_every_later_lines_environment() -> None:
+    """An `export` upstream adds (a backend, a UCX setting) reaches every server it starts,
+    as an `env` prefix does; read as a mere assignment, parity stayed green without it."""
+    script = SMALL.replace(
+        'STORE="${STORE:-/tmp/ec}"\n', 'STORE="${STORE:-/tmp/ec}"\nexport UCX_TLS=all\n'
+    )
+    assert compare(script, NEWEST, CUDA).report() == [
+        f"{instance}: env UCX_TLS is 'all' upstream (line {line}), absent in the harness"
+        for instance, line in (
+            ("baseline/baseline", 8),
+            ("1E+1PD/encoder", 12),
+            ("1E+1PD/epd-proxy", 22),
+            ("1E+1PD/pd", 17),
+        )
+    ]
+
+
+TOY_STAGE = """
+serve_p_d() {
+    env "$DEVICE_AFFINITY_ENV=1" VLLM_NIXL_SIDE_CHANNEL_PORT=5559 vllm serve "$MODEL" \\
+        --port 19535 --max-model-len 10240 --enforce-eager --gpu-memory-utilization 0.7 \\
+        --enable-request-id-headers --max-num-seqs 128 \\
+        --kv-transfer-config '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}' &
+    env "$DEVICE_AFFINITY_ENV=2" VLLM_NIXL_SIDE_CHANNEL_PORT=6000 vllm serve "$MODEL" \\
+        --port 19536 --max-model-len 10240 --enforce-eager --gpu-memory-utilization 0.7 \\
+        --enable-request-id-headers --max-num-seqs 128 \\
+        --kv-transfer-config '{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}' &
+    python "${GIT_ROOT}/tests/v1/kv_connector/nixl_integration/toy_proxy_server.py" \\
+        --host 0.0.0.0 --port 10001 --prefiller-ports 19535 --decoder-ports 19536 &
+}
+serve_p_d
+"""
+
+
+def test_a_proxy_given_another_roles_instance_fails_naming_the_flag() -> None:
+    """The proxy's URLs (ports) differ by design (the taps'), so each is also compared as the
+    role of the instance it reaches: upstream's proxy handed the encoder's URL as the decode
+    server, and the PD's as the encoder, left parity green."""
+    with_toy = SMALL + TOY_STAGE
+    assert compare(with_toy, NEWEST, CUDA).report() == []
+    line = next(i for i, text in enumerate(SMALL.splitlines(), 1) if "disagg_epd_proxy" in text)
+    swapped = with_toy.replace('"http://localhost:19534"', '"http://localhost:X"')
+    swapped = swapped.replace('"http://localhost:19537"', '"http://localhost:19534"')
+    swapped = swapped.replace('"http://localhost:X"', '"http://localhost:19537"')
+    swapped = swapped.replace("--decoder-ports 19536", "--decoder-ports 19535")
+    toy_line = len(SMALL.splitlines()) + 11
+    assert compare(swapped, NEWEST, CUDA).report() == [
+        f"1E+1PD/epd-proxy: --decode-servers-urls role is 'encoder' upstream (line {line}), "
+        "'pd' in the harness",
+        f"1E+1PD/epd-proxy: --encode-servers-urls role is 'pd' upstream (line {line}), "
+        "'encoder' in the harness",
+        f"1P+1D/toy-proxy: --decoder-ports role is 'prefill' upstream (line {toy_line}), "
+        "'decode' in the harness",
+    ]
+
+
 def test_an_allowed_difference_is_allowed_only_where_and_when_the_table_says() -> None:
     # Upstream-only --enable-mm-embeds is allowed on PD from 0.30 (vLLM turns it on itself);
     # for 0.29 the harness renders it too, so nothing differs there.

@@ -152,7 +152,7 @@ def test_a_line_marked_accepted_in_the_users_cache_cannot_let_a_refused_one_thro
     monkeypatch.setattr(instances, "ENCODER_ARGS", (*instances.ENCODER_ARGS, ENCODER_FLAG))
     rendered: list[tuple] = []
 
-    def record(argvs, interpreter, version, directory):
+    def record(argvs, interpreter, version, directory, code=""):
         rendered.append((argvs, interpreter, version))
         raise BadInput("recorded")
 
@@ -173,3 +173,39 @@ def test_a_line_marked_accepted_in_the_users_cache_cannot_let_a_refused_one_thro
         f"unrecognized arguments: {ENCODER_FLAG}"
     )
     assert sorted((users / "argv-check").iterdir()) == marked
+
+
+def test_an_editable_vllm_whose_code_changed_is_judged_again(tmp_path: Path, monkeypatch) -> None:
+    """An editable install keeps its version while its tree's code changes: a verdict kept by
+    version alone let a flag the tree no longer has through to the start (found in review).
+    A tree whose state cannot be read keeps no verdict."""
+    from harness.preflight import config
+
+    monkeypatch.setenv(ARGV_CHECK_DIR_ENV, str(tmp_path / "argv-check"))
+    _users, request = users_cache_stand_in(tmp_path, monkeypatch)
+    probed: list[int] = []
+
+    def probe(_interpreter, given):
+        probed.append(len(given))
+        return dict.fromkeys(given), 0.0
+
+    monkeypatch.setattr(vllm_args, "_run_probe", probe)
+    state = {"source_state": "git 1111 + diff aaaa", "source_problem": ""}
+    check_vllm = config.check_vllm
+    monkeypatch.setattr(
+        config,
+        "check_vllm",
+        lambda *args: dataclasses.replace(check_vllm(*args), source_tree="/src/vllm", **state),
+    )
+
+    def judged() -> int:
+        check = prepare_run(request).settings.argv_check
+        assert check is not None
+        return check["judged"]
+
+    assert judged() > 0
+    assert judged() == 0, "the same code: its verdicts kept"
+    state["source_state"] = "git 1111 + diff bbbb"
+    assert judged() > 0, "the tree's code changed under the same version"
+    state.update(source_state="", source_problem="git not found")
+    assert judged() > 0 and judged() > 0, "code that cannot be identified keeps nothing"

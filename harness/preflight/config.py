@@ -433,7 +433,9 @@ def prepare_run(request: RunRequest) -> RunConfig:
         argvs,
         interpreter_of(served.executable),
         served.version,
-        argv_check_dir(),
+        # An editable install whose code cannot be identified: its verdicts are not kept.
+        None if served.cache_refusal else argv_check_dir(),
+        code=served.source_state,
     )
     settings = RunSettings(
         serving=serving,

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from harness.errors import BadInput
+from harness.spec.platforms import PLATFORMS, SIDE_CHANNEL_PORT_ENV
 from harness.spec.settings import (
     ATTACH_PROXY,
     LAUNCHER_KINDS,
@@ -27,6 +28,22 @@ RAY_DISTRIBUTION = "ray"
 SETUP_HINT = "scripts/cpu setup --ray, or pip install 'epd-harness[ray]'"
 _ADDRESS = re.compile(r"[A-Za-z0-9_.:\[\]-]+:\d{1,5}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# What the harness renders for each instance from its placement (harness.spec.instances); one
+# value given to every instance would replace it: all of them on one device, whose memory
+# shares were computed for devices of their own, or one side-channel port for all.
+PLACED_ENV = {
+    **{
+        p.device_env_var: "its devices, from the placement"
+        for p in PLATFORMS.values()
+        if p.device_env_var
+    },
+    **{
+        name: "how its devices are numbered"
+        for p in PLATFORMS.values()
+        for name, _value in p.device_order_env
+    },
+    SIDE_CHANNEL_PORT_ENV: "a port reserved for it",
+}
 
 
 class LauncherRequest(Protocol):
@@ -83,6 +100,12 @@ def launcher_choice(request: LauncherRequest) -> LauncherChoice:
         name, sep, value = item.partition("=")
         if not sep or not _ENV_NAME.fullmatch(name):
             raise BadInput(f"--ray-instance-env {item!r}: expected NAME=VALUE")
+        if name in PLACED_ENV:
+            raise BadInput(
+                f"--ray-instance-env {item}: the harness sets {name} for each instance itself "
+                f"({PLACED_ENV[name]}), and one value for every instance would replace it; "
+                "drop it"
+            )
         env.append((name, value))
     return LauncherChoice(
         kind=RAY_LAUNCHER,

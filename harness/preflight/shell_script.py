@@ -10,6 +10,7 @@ arithmetic yield `UNKNOWN`, which a caller refuses to compare rather than guess.
 Semantics kept from bash: quoting (single, double, backslash, line continuation), parameter
 expansion with `:-`, `-`, `:=`, `,,`, `^^` and `#`, field splitting of unquoted expansions,
 assignment words, function definitions and calls (`$1`... set, `local` scoped to the call),
+exports (`export`, `declare -x`, `X=1 stage`) in the environment of every command they reach,
 redirections dropped. Deliberately not evaluated: conditions and loops. Both branches of an
 `if` run in order, so a caller pins the variables a condition would decide (`pinned`: values
 the script never overwrites, as if given in its environment).
@@ -25,6 +26,8 @@ UNKNOWN = "\x00?"  # what an expansion this reader cannot perform turns into
 KEYWORDS = {"if", "then", "else", "elif", "fi", "do", "done", "while", "until", "!", "{", "}"}
 SKIPPED = {"for", "case", "esac", "function", "select"}
 DECLARATIONS = {"local", "declare", "export", "readonly", "typeset"}
+# Local in a function (declare and typeset unless -g); export and readonly set a global.
+LOCAL_DECLARATIONS = {"local", "declare", "typeset"}
 NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 ASSIGNMENT = re.compile(rf"({NAME})(\+?)=(.*)", re.S)
 OPERATORS = ("&&", "||", ";;", ";", "&", "|", "(", ")")
@@ -78,6 +81,9 @@ class _Frame:
     variables: dict[str, str]
     positional: list[str] = field(default_factory=list)
     locals: set[str] = field(default_factory=set)  # declared `local` in this call
+    # Names every command's environment carries: the script's exports (one set for the whole
+    # script, as bash's export is global) and a call's assignment prefix (`X=1 stage`).
+    exported: set[str] = field(default_factory=set)
 
 
 # --- lexing ------------------------------------------------------------------------------------
@@ -372,8 +378,13 @@ def _run(
             continue
         head = words[0].literal
         if head in DECLARATIONS:
-            for word in words[1:]:
-                _assign(_expand_one(word, frame), frame, pinned, line)
+            texts = [_expand_one(word, frame) for word in words[1:]]
+            flags = "".join(text[1:] for text in texts if text.startswith("-"))
+            for text in texts:
+                local = head in LOCAL_DECLARATIONS and "g" not in flags
+                name = _assign(text, frame, pinned, local=local)
+                if name and (head == "export" or "x" in flags):
+                    frame.exported.add(name)
             continue
         prefix: dict[str, str] = {}
         while words and ASSIGNMENT.fullmatch(_raw(words[0])):
@@ -388,13 +399,21 @@ def _run(
             continue
         argv = [field_ for word in words for field_ in _expand(word, frame)]
         if argv and argv[0] in functions:
-            called = _Frame(dict(frame.variables), argv[1:])
+            # An assignment before a call is the call's variable and environment, then undone.
+            values = {**frame.variables, **{k: v for k, v in prefix.items() if k not in pinned}}
+            called = _Frame(values, argv[1:], exported=frame.exported | set(prefix))
             _run(functions[argv[0]], called, functions, pinned, commands, (*stack, argv[0]))
+            frame.exported |= called.exported - set(prefix) - called.locals
             for name, value in called.variables.items():  # what it set, but its locals
-                if name not in called.locals:
+                if name not in called.locals and name not in prefix:
                     frame.variables[name] = value
             continue
-        env = dict(prefix)
+        env = {
+            name: frame.variables[name]
+            for name in sorted(frame.exported)
+            if name in frame.variables
+        }
+        env.update(prefix)
         if argv and argv[0] == "env":
             argv = argv[1:]
             while argv and ASSIGNMENT.fullmatch(argv[0]):
@@ -410,14 +429,17 @@ def _raw(word: Word) -> str:
     return first.text if first is not None and first.kind == "lit" and not first.quoted else ""
 
 
-def _assign(text: str, frame: _Frame, pinned: dict[str, str], line: int) -> None:
+def _assign(text: str, frame: _Frame, pinned: dict[str, str], local: bool) -> str | None:
+    """One word of a declaration (`local X=1`, `export X`); returns the name it declares."""
     if text.startswith("-"):
-        return  # declare -a and the like
+        return None  # declare -a and the like
     match = ASSIGNMENT.fullmatch(text)
     name = match.group(1) if match else text
-    frame.locals.add(name)
+    if local:
+        frame.locals.add(name)
     if match and name not in pinned:
         frame.variables[name] = match.group(3)
+    return name
 
 
 def _expand_one(word: Word, frame: _Frame) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +34,9 @@ SERVED_PYTHON = "<served vLLM's python>"
 PROXY_ROLES = {EPD_PROXY_FILE: "epd-proxy", TOY_PROXY_FILE: "toy-proxy"}
 ABSENT = None  # an item a launch does not have; a flag without a value has ""
 PYTHON = re.compile(r"python[0-9.]*")
+# The proxy flags that name instances: by URL (the EPD proxy), by port (the toy proxy).
+PROXY_URL_FLAGS = ("--encode-servers-urls", "--prefill-servers-urls", "--decode-servers-urls")
+PROXY_PORT_FLAGS = ("--prefiller-ports", "--decoder-ports")
 # The role of a proxy line whose program the harness does not know (`_unknown_proxy`).
 UNKNOWN_PROXY = "unknown-proxy"
 
@@ -123,6 +126,10 @@ def upstream_launches(script_text: str, platform: PlatformProfile) -> dict[str, 
     for stage, commands in by_stage.items():
         serves = [c for c in commands if _is_vllm_serve(c.argv)]
         roles = tuple(_role_of(serve_items(c.argv, c.env)) for c in serves)
+        roles_by_port = {
+            serve_items(c.argv, c.env).get("--port", ""): role.value
+            for c, role in zip(serves, roles, strict=True)
+        }
         topology = _topology_of(roles)
         name = topology.name if topology else f"?{stage}"
         found = []
@@ -137,7 +144,7 @@ def upstream_launches(script_text: str, platform: PlatformProfile) -> dict[str, 
                 found.append(Launch(f"{name}/{UNKNOWN_PROXY}", {"program": program}, where))
                 continue
             else:
-                items = proxy_items(command.argv)
+                items = _with_roles(proxy_items(command.argv, command.env), roles_by_port)
                 role = PROXY_ROLES[_proxy_file(command.argv)]
             unknown = [k for k, v in items.items() if UNKNOWN in v]
             if unknown:
@@ -225,13 +232,34 @@ def serve_items(argv: Sequence[str], env: dict[str, str]) -> dict[str, str]:
     return items
 
 
-def proxy_items(argv: Sequence[str]) -> dict[str, str]:
-    """A proxy line as items: "interpreter", "program" (its path in the vLLM tree), flags."""
+def proxy_items(argv: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
+    """A proxy line as items: "interpreter", "program" (its path in the vLLM tree), flags,
+    "env NAME"."""
     program = _proxy_file(argv)
     index = next(i for i, word in enumerate(argv) if program and word.endswith(program))
     items = {"interpreter": " ".join(argv[:index]), "program": program or ""}
     items.update(_flag_items(argv[index + 1 :]))
+    items.update({f"env {name}": value for name, value in env.items()})
     return items
+
+
+def _with_roles(items: dict[str, str], roles_by_port: Mapping[str, str]) -> dict[str, str]:
+    """`items` and, for each proxy flag naming instances, the roles of those it names
+    ("--decode-servers-urls role": "decode"): their URLs and ports differ by design (the
+    taps', a deliberate difference), which instance each reaches must not."""
+    found = dict(items)
+    for flag in (*PROXY_URL_FLAGS, *PROXY_PORT_FLAGS):
+        if flag not in items:
+            continue
+        named = []
+        for target in items[flag].replace(",", " ").split():
+            if flag in PROXY_URL_FLAGS and "://" not in target:
+                named.append(target)  # "disable": no instance
+                continue
+            port = target.rstrip("/").rsplit(":", 1)[-1]
+            named.append(roles_by_port.get(port, f"no instance at {target}"))
+        found[f"{flag} role"] = " ".join(named)
+    return found
 
 
 def _flag_items(words: Sequence[str]) -> dict[str, str]:
@@ -305,8 +333,11 @@ def harness_launches(
     ]
     if len(specs) > 1:
         taps = {role: [] for role in Role}
+        roles_by_port = {}
         for spec in specs:
-            taps[spec.role].append(f"http://{LOOPBACK_HOST}:{next(ports)}")
+            port = str(next(ports))
+            taps[spec.role].append(f"http://{LOOPBACK_HOST}:{port}")
+            roles_by_port[port] = spec.role.value
         proxy = vllm_proxy_launch(
             (SERVED_PYTHON,),
             Path(SOURCE_ROOT),
@@ -317,7 +348,8 @@ def harness_launches(
             taps[Role.DECODE] + taps[Role.PREFILL_DECODE],
         )
         role = PROXY_ROLES[_proxy_file(proxy.argv) or ""]
-        launches.append(Launch(f"{topology.name}/{role}", proxy_items(proxy.argv), ""))
+        items = _with_roles(proxy_items(proxy.argv, proxy.env), roles_by_port)
+        launches.append(Launch(f"{topology.name}/{role}", items, ""))
     return launches
 
 

@@ -13,9 +13,9 @@ no server, no model load.
 The parser treats ports, paths and the model name as opaque values, so they are rendered as
 placeholders (one port for all): a line depends only on the serving flags and the instance's
 role, so it is the same in every run that serves it. Each accepted line is cached by the served
-interpreter, its vLLM version and the line (`<cache>/argv-check/`, or $EPD_HARNESS_ARGV_CHECK_DIR:
-a session of the tests judges into a directory of its own, never the user's), and only lines not
-seen before go to the subprocess. Importing vLLM's CLI costs seconds (measured: docs/running.md); a
+interpreter, its vLLM version (an editable install's code state too) and the line
+(`<cache>/argv-check/`, or $EPD_HARNESS_ARGV_CHECK_DIR: a session of the tests judges into a
+directory of its own, never the user's), and only lines not seen before go to the subprocess. Importing vLLM's CLI costs seconds (measured: docs/running.md); a
 run whose lines were all judged before costs nothing.
 """
 
@@ -160,10 +160,12 @@ def check_serve_argvs(
     interpreter: Sequence[str] | None,
     version: str,
     directory: Path | None,
+    code: str = "",
 ) -> ArgvCheck:
     """Parse every argv with the served vLLM's own parser; the first refused one is a
     BadInput naming the instance and vLLM's complaint (which names the flag). `directory`
-    keeps the accepted lines (None: nothing is kept)."""
+    keeps the accepted lines (None: nothing is kept); `code`: an editable install's state
+    (`ServedVllm.source_state`), whose parser changes while its version stays."""
     if interpreter is None:
         raise BadInput(
             f"cannot check the vllm serve command lines: the served vLLM ({version}) names "
@@ -174,7 +176,9 @@ def check_serve_argvs(
     for name, argv in argvs.items():
         first_name.setdefault(json.dumps(argv), name)
     marker = {
-        line: directory / f"{_cache_key(interpreter, version, line)}.json" if directory else None
+        line: directory / f"{_cache_key(interpreter, version, line, code)}.json"
+        if directory
+        else None
         for line in first_name
     }
     unseen = {line for line, path in marker.items() if path is None or not path.is_file()}
@@ -213,9 +217,11 @@ def describe_refusal(text: str) -> str:
     return one_line(joined)[:400]
 
 
-def _cache_key(interpreter: Sequence[str], version: str, line: str) -> str:
+def _cache_key(interpreter: Sequence[str], version: str, line: str, code: str = "") -> str:
     material = {"format": CACHE_FORMAT, "interpreter": list(interpreter), "vllm": version}
     material["argv"] = line
+    if code:
+        material["code"] = code
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 
