@@ -15,8 +15,9 @@ placeholders (one port for all): a line depends only on the serving flags and th
 role, so it is the same in every run that serves it. Each accepted line is cached by the served
 interpreter, its vLLM version (an editable install's code state too) and the line
 (`<cache>/argv-check/`, or $EPD_HARNESS_ARGV_CHECK_DIR: a session of the tests judges into a
-directory of its own, never the user's), and only lines not seen before go to the subprocess. Importing vLLM's CLI costs seconds (measured: docs/running.md); a
-run whose lines were all judged before costs nothing.
+directory of its own, never the user's), and only lines not seen before go to the
+subprocess. Importing vLLM's CLI costs seconds (measured: docs/running.md); a run whose lines
+were all judged before costs nothing.
 """
 
 from __future__ import annotations
