@@ -343,12 +343,10 @@ def test_instance_sigkilled_mid_request_is_named_with_its_log_tail(
     assert expected_files <= files_under(tmp_path / "run")
 
 
-@pytest.mark.timeout(HUNG_TEST_TIMEOUT_S, func_only=True)
-def test_request_timeout_names_the_hung_instance_and_ends_within_seconds(
-    tmp_path: Path, fake_vllm: Path, port_locks: Path, monkeypatch
-) -> None:
-    """decode0 accepts the request and never answers; the client gives up after 1.5 s."""
-    monkeypatch.setenv(MODE_ENV, "decode:hang")
+@contextlib.contextmanager
+def timing_out_1p1d(tmp_path: Path, fake_vllm: Path, port_locks: Path) -> Iterator[TopologySession]:
+    """A fake 1P+1D whose client gives up after 1.5 s; on leaving, nothing of it may be left
+    (processes, ports)."""
     procs: list[psutil.Process] = []
     ports: list[int] = []
     with nothing_left_behind(procs, ports, port_locks):
@@ -356,9 +354,19 @@ def test_request_timeout_names_the_hung_instance_and_ends_within_seconds(
         with TopologySession(TOPOLOGIES["1P+1D"], settings) as session:
             procs += fake_processes(os.getpid(), fake_vllm)
             ports += session_ports(session)
-            outcome = session.send("text", TEXT_BODY)
-            closing = time.monotonic()
-        closed_s = time.monotonic() - closing
+            yield session
+
+
+@pytest.mark.timeout(HUNG_TEST_TIMEOUT_S, func_only=True)
+def test_request_timeout_names_the_hung_instance_and_ends_within_seconds(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path, monkeypatch
+) -> None:
+    """decode0 accepts the request and never answers; the client gives up after 1.5 s."""
+    monkeypatch.setenv(MODE_ENV, "decode:hang")
+    with timing_out_1p1d(tmp_path, fake_vllm, port_locks) as session:
+        outcome = session.send("text", TEXT_BODY)
+        closing = time.monotonic()
+    closed_s = time.monotonic() - closing
     assert outcome.error and "timed out" in outcome.error.lower(), outcome.error
     assert "waiting on 1P+1D/decode0" in outcome.error, outcome.error
     assert "fake vllm pid" in outcome.error, outcome.error  # its log tail
@@ -374,21 +382,15 @@ def test_request_timeout_mid_stream_names_the_instance_still_streaming(
     after 1.5 s. D had answered its headers, and that was read as D being done with it: the
     error said no instance was still working on the request."""
     monkeypatch.setenv(MODE_ENV, "decode:decode-step=60")
-    procs: list[psutil.Process] = []
-    ports: list[int] = []
-    with nothing_left_behind(procs, ports, port_locks):
-        settings = fake_settings(tmp_path, fake_vllm, request_timeout_s=1.5)
-        with TopologySession(TOPOLOGIES["1P+1D"], settings) as session:
-            procs += fake_processes(os.getpid(), fake_vllm)
-            ports += session_ports(session)
-            outcome = session.send("text", streaming_request(TEXT_BODY))
-            # The same through a proxy whose trace the harness cannot read (vLLM's): the taps.
-            url = session.entry_url
-            theirs = Entry("other", url, ChatClient(url, timeout_s=1.5))
-            try:
-                through_taps = session.send("text", streaming_request(TEXT_BODY), theirs)
-            finally:
-                theirs.close()
+    with timing_out_1p1d(tmp_path, fake_vllm, port_locks) as session:
+        outcome = session.send("text", streaming_request(TEXT_BODY))
+        # The same through a proxy whose trace the harness cannot read (vLLM's): the taps.
+        url = session.entry_url
+        theirs = Entry("other", url, ChatClient(url, timeout_s=1.5))
+        try:
+            through_taps = session.send("text", streaming_request(TEXT_BODY), theirs)
+        finally:
+            theirs.close()
     for failed in (outcome, through_taps):
         assert failed.error and "timed out" in failed.error.lower(), failed.error
         assert "waiting on 1P+1D/decode0" in failed.error, failed.error
