@@ -479,6 +479,14 @@ FAULTS_NO_PROMPT_REACHES = [
         "of the run's prompts (image, video) has: it would act on nothing and the run could not "
         "turn red; add such a prompt (e.g. two_images)",
     ),
+    (
+        # Found in review: an 8-frame video has temporal frame pairs 0-3; frame 4 found
+        # nothing to zero, every case MATCHed and the run exited 0.
+        ("--plant-fault", "ec-zero-frame:4", "--topology", "1E+1PD", "--prompt", "video"),
+        "--plant-fault ec-zero-frame:4 needs a video of more than 8 frames (temporal frame "
+        "pair 4), which none of the run's prompts (video) has: it would act on nothing and the "
+        "run could not turn red; add such a prompt or give a smaller frame index",
+    ),
 ]
 
 

@@ -44,6 +44,9 @@ MAX_NOISE_FRACTION = 100.0
 # ec-zero-frame's index: a temporal frame (pair) of the request's video, which has a handful;
 # bounded so a long string of digits is refused as a typo, not carried into int() and float().
 MAX_FRAME_INDEX = 9999
+# Input frames per temporal frame (pair) of a video's EC embedding (Qwen2-VL family; see
+# `ec_zero_frame`): an 8-frame video has frame pairs 0-3.
+TEMPORAL_PATCH = 2
 FAULT_SYNTAX = (
     "ec-noise:FRACTION, kv-noise:FRACTION, ec-swap-items, ec-zero-frame[:N], ec-video-grid"
 )
@@ -105,18 +108,22 @@ def fault_reaches(kind: str, topology: Topology) -> bool:
     return topology.has_ec_transfer
 
 
-def fault_reaches_prompt(kind: str, prompt: PromptSpec) -> bool:
+def fault_reaches_prompt(kind: str, prompt: PromptSpec, frame: int = 0) -> bool:
     """Whether a fault of `kind` has anything to act on in a request of `prompt`, on a topology
     it reaches (`fault_reaches`): KV and stream faults act on any request; the others on what
     the encoders return, which a request without media never asks them for; ec-swap-items needs
-    two distinct items of one request, the video faults a video."""
+    two distinct items of one request, the video faults a video (ec-zero-frame one with temporal
+    frame pair `frame`)."""
     if kind in KV_FAULTS or kind in STREAM_FAULTS:
         return True
     media = {part for part in prompt.parts if isinstance(part, MEDIA_PARTS)}
     if kind == "ec-swap-items":
         return len(media) >= 2
     if kind in VIDEO_FAULTS:
-        return any(isinstance(part, VideoPart | VideoFramesPart) for part in media)
+        videos = [p for p in media if isinstance(p, VideoPart | VideoFramesPart)]
+        if kind == "ec-zero-frame":
+            return any(frame < -(-p.num_frames // TEMPORAL_PATCH) for p in videos)
+        return bool(videos)
     return bool(media)
 
 
@@ -125,19 +132,25 @@ def refuse_unreached_prompts(given: str, prompts: Sequence[PromptSpec]) -> None:
     every case MATCHes and the self-test exits 0 (found in the audit of ignored flags:
     `--plant-fault corrupt-ec --prompt text`, `--plant-fault ec-video-grid --prompt image`).
     BadInput, naming what the fault needs and a prompt that has it."""
-    kind = parse_fault(given).kind
-    if any(fault_reaches_prompt(kind, prompt) for prompt in prompts):
+    spec = parse_fault(given)
+    kind = spec.kind
+    frame = int(spec.strength or 0) if kind == "ec-zero-frame" else 0
+    if any(fault_reaches_prompt(kind, prompt, frame) for prompt in prompts):
         return
     if kind == "ec-swap-items":
         needs = "two distinct media items in one request"
+    elif frame:
+        needs = (
+            f"a video of more than {frame * TEMPORAL_PATCH} frames (temporal frame pair {frame})"
+        )
     elif kind in VIDEO_FAULTS:
         needs = "a video"
     else:
         needs = "a media item (an image or a video)"
     names = ", ".join(prompt.name for prompt in prompts)
-    offer = next(p.name for p in SKELETON_PROMPTS if fault_reaches_prompt(kind, p))
+    offers = [p.name for p in SKELETON_PROMPTS if fault_reaches_prompt(kind, p, frame)]
+    offer = f" (e.g. {offers[0]})" if offers else " or give a smaller frame index"
     raise BadInput(
         f"--plant-fault {given} needs {needs}, which none of the run's prompts ({names}) "
-        f"has: it would act on nothing and the run could not turn red; add such a prompt "
-        f"(e.g. {offer})"
+        f"has: it would act on nothing and the run could not turn red; add such a prompt{offer}"
     )
