@@ -503,6 +503,22 @@ def test_fault_that_no_prompt_of_the_run_gives_anything_to_act_on(
     assert_one_error_line(code, err, cause)
 
 
+def test_swap_items_through_vllms_proxy_on_two_encoders(bad_run: BadRun) -> None:
+    """Found in review: vLLM's proxy sends each encoder its own items (round-robin), so each
+    encoder's tap saw one item of two_images and ec-swap-items had nothing to swap; every
+    case MATCHed and the run exited 0."""
+    code, err = bad_run(
+        "--proxy", "vllm", "--topology", "2E+1PD", "--prompt", "two_images",
+        "--plant-fault", "ec-swap-items",
+    )  # fmt: skip
+    cause = (
+        "--plant-fault ec-swap-items: vLLM's proxy sends each of 2E+1PD's encoders its own "
+        "items, and each encoder's answer (where the fault acts) holds one of a request's two: "
+        "nothing to swap; leave 2E+1PD out with --topology (or use --proxy harness)"
+    )
+    assert_one_error_line(code, err, cause)
+
+
 IGNORED_BY_ATTACH = [
     (
         ("--plant-fault", "corrupt-ec"),

@@ -310,6 +310,17 @@ def check_arguments(request: RunRequest, *, read_files: bool = True) -> CheckedA
                 f"{'has' if len(unreached) == 1 else 'have'} no {part} for it to act on; "
                 f"leave {'it' if len(unreached) == 1 else 'them'} out with --topology"
             )
+        # The taps run `after_encode` per encoder answer, and vLLM's proxy sends each encoder
+        # its own items (round-robin): two items of a request never reach one hook together.
+        split = [t.name for t in topologies if t.encoders > 1]
+        if fault.kind == "ec-swap-items" and request.proxy == VLLM_PROXY and split:
+            where = ", ".join(split)
+            raise BadInput(
+                f"--plant-fault ec-swap-items: vLLM's proxy sends each of {where}'s encoders "
+                "its own items, and each encoder's answer (where the fault acts) holds one of a "
+                f"request's two: nothing to swap; leave {where} out with --topology (or use "
+                "--proxy harness)"
+            )
         refuse_unreached_prompts(request.plant_fault, prompts)
     return CheckedArguments(
         platform=platform,
