@@ -120,3 +120,23 @@ def test_an_instance_that_died_is_revived_and_only_its_prefix_cache_forgotten(
     assert len(engine.consumer.cached) == d_holds
     # A P that died on a request stored nothing (it stores as its forward pass runs).
     assert len(engine.consumer.stored) == (0 if dies == "prefill" else 2)
+
+
+def test_an_engine_on_a_shared_pool_leaves_no_fault_planted_when_it_closes(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path
+) -> None:
+    """Found in review: a fuzz with a planted fault on the run's pool (a pytest session's) left
+    the fault in the topology's proxy when it closed, so every later request to that running
+    topology, another scenario's, was served broken."""
+    from harness.run.pool import TopologyPool
+    from harness.serve.proxy import ProxyFaults
+
+    settings = fake_run_settings(tmp_path, fake_vllm, request_timeout_s=30.0)
+    topology = TOPOLOGIES["1E+1PD"]
+    pool = TopologyPool(settings)
+    try:
+        with FuzzEngine(settings, topology, fault="drop-metadata", pool=pool) as engine:
+            assert engine.session is not None and engine.session.faults.drop_encoder_metadata
+        assert pool.session(topology).faults == ProxyFaults()
+    finally:
+        pool.close()

@@ -188,11 +188,15 @@ class FuzzEngine:
 
     def close(self) -> None:
         """Close an attached session; the pool's sessions are the pool's (stopped here only
-        when the engine has a pool of its own)."""
+        when the engine has a pool of its own), handed back without the planted fault, which
+        would break every later request of a shared pool's running topology."""
         session, self.session, self.baseline = self.session, None, None
+        planted, self.planted = self.planted, None
         try:
             if isinstance(session, AttachedSession):
                 session.close()
+            elif session is not None and planted is not None:
+                plant(session.faults)
         finally:
             if self.owns_pool:
                 self.pool.close()
