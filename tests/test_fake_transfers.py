@@ -410,3 +410,20 @@ def test_every_case_of_a_sweep_and_a_scenario_is_moved_though_d_has_seen_its_pro
         assert record.verdict.value == "MATCH" and guard["ok"], (record.prompt, record.guards)
         assert "own prefix cache" not in guard["evidence"], "moved whole: " + guard["evidence"]
     assert scenario.problems() == [], scenario.problems()
+
+
+def test_a_planted_fault_that_acted_on_nothing_is_a_problem_of_the_run(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path
+) -> None:
+    """A fault planted in a topology whose requests gave it nothing to act on (here a video
+    fault and an image; the CLI refuses that pairing, not every dynamic miss) left every case
+    MATCH and `run --plant-fault` exited 0, as if the harness had missed the fault; what the
+    fault said (its problems) was never read (found in review). The sweep now names it, and
+    `run` counts it among its problems."""
+    spec = SweepSpec((TOPOLOGIES["1E+1PD"],), prompts=(PROMPTS["image"],), fault="ec-zero-frame")
+    sweep = Sweep(spec, settings(tmp_path, fake_vllm, "example"))
+    records = sweep.run_all().records
+    assert records and all(r.verdict.value == "MATCH" for r in records), records
+    [miss] = sweep.fault_misses
+    assert miss.startswith("1E+1PD: the planted fault ec-zero-frame acted on nothing"), miss
+    assert "no video among the encoded items" in miss, miss

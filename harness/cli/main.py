@@ -260,7 +260,7 @@ def run_config(args: argparse.Namespace, config: RunConfig) -> int:
                 sweep.judge(case.topology, case.prompt)
         else:
             sweep.run_all()
-        return finish_run(args, served_unproven(sweep), sweep)
+        return finish_run(args, served_unproven(sweep) + sweep.fault_misses, sweep)
     finally:
         sweep.pool.close()
 

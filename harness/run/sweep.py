@@ -33,7 +33,7 @@ from harness.report.run_outputs import write_run_outputs
 from harness.run.baseline import BaselineAnswers
 from harness.run.baseline_cache import BaselineCache
 from harness.run.faults.by_name import fault_for
-from harness.run.faults.planted import plant
+from harness.run.faults.planted import PlantedFault, plant
 from harness.run.goldens import GoldenStore
 from harness.run.judging import CaseJudge, Observed, observe
 from harness.run.pool import SessionRequest, TopologyPool
@@ -183,6 +183,9 @@ class Sweep:
         self.stage = stage
         self.staged: list[Observed] = []  # the stage's requests as answered, in order
         self.stage_unset: StageUnset | None = None  # why the stage was not set, if it was not
+        # Per topology a planted fault acted on nothing in, what it said: a run then proves
+        # nothing about the fault, and its MATCHes must not read as the harness missing it.
+        self.fault_misses: list[str] = []
         settings.run_dir.mkdir(parents=True, exist_ok=True)
         # Every body this run sends: the stage's too, before the ones it judges.
         sent = {**dict(stage.requests), **self.bodies} if stage else self.bodies
@@ -440,7 +443,24 @@ class Sweep:
         finally:
             if planted:
                 plant(session.faults, None)
+                self._account_fault(topology.name, fault)
         self._keep(topology, observed)
+
+    def _account_fault(self, topology: str, fault: PlantedFault) -> None:
+        """Record in run.json what the planted fault did on `topology`; one that acted on
+        nothing and said why (its problems: no video among the items, a file missing) is a
+        miss. A fault that records nothing either way (a proxy flag: drop-metadata) is none."""
+        self.run_info.setdefault("fault_effects", {})[topology] = {
+            "touched": len(fault.touched),
+            "effects": fault.effects[:20],
+            "problems": fault.problems[:20],
+        }
+        if fault.problems and not fault.touched and not fault.effects:
+            said = "; ".join(fault.problems[:3])
+            self.fault_misses.append(
+                f"{topology}: the planted fault {self.spec.fault} acted on nothing ({said}): "
+                "its cases prove nothing about it"
+            )
 
     def _set_stage(self, session: TopologySession | ProxiedSession | AttachedSession) -> str | None:
         """Send the stage's requests, in order, when `session` is its topology (once); None
