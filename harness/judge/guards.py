@@ -438,6 +438,12 @@ def check_encoder_files(evidence: AttachedEvidence) -> GuardResult:
     )
     if served == 0 or (written < evidence.media_items and not evidence.ec_files_before):
         return GuardResult("encoder_output", False, text)
+    if evidence.shared:  # found in review: a load's other request held this one's guard
+        return not_checkable(
+            "encoder_output",
+            f"{text}; other requests were in flight during this one, and which of these "
+            "files and encoder requests are this one's cannot be told from here",
+        )
     if served is None:  # files alone: another writer's would look the same
         return not_checkable(
             "encoder_output",
