@@ -6,23 +6,30 @@ them. Malformed attach files and refused flags are in tests/test_bad_input.py (t
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 
 from harness.errors import BadInput
-from harness.judge.guards import GuardResult, attached_guards, not_checkable
+from harness.judge.guards import GuardResult, attached_guards, not_checkable, transfer_guards
 from harness.judge.records import Verdict
 from harness.outcomes.attached import AttachedEvidence
 from harness.outcomes.outcome import Outcome
 from harness.preflight.attach import load_attach_file
 from harness.report.html import _guards
 from harness.report.text import format_failure, format_verdict_table
+from harness.serve import attached
+from harness.serve.attached import AttachedSession
+from harness.serve.client import ChatReply
+from harness.serve.kv_metrics import KvCounters
 from harness.spec.attach import AttachSpec, attached_instances
-from harness.spec.connectors import KvRule
+from harness.spec.connectors import EC_CACHE_FILE, KvRule
+from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.spec.settings import ATTACH_PROXY, ProxyChoice
-from harness.spec.topology import Role, get_topology
+from harness.spec.topology import Role, ServingConfig, get_topology
 from harness.testing.builders import cached_answer
+from harness.testing.fake_vllm import fake_run_settings
 from harness.testing.judging import judged
 
 pytestmark = pytest.mark.unit
@@ -391,3 +398,119 @@ def test_an_unknown_prompt_with_attach_says_a_scenarios_prompt_is_known_too(
         "unknown prompt 'nope' (known: text, image, two_images, video), or a matrix "
         "scenario's, such as m-one-image"
     )
+
+
+def test_a_request_in_flight_with_another_holds_no_guard_on_the_others_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load sends to an attached deployment concurrently. The EC files written and the
+    encoders' requests finished during one request's window are then partly another's: the
+    first request here left nothing, the second (sent while the first was in flight) one file,
+    and the first must not hold `encoder_output` on it."""
+    storage = tmp_path / "ec"
+    storage.mkdir()
+    topology = get_topology("1E+1PD")
+    spec = AttachSpec(
+        tmp_path / "attach.json",
+        topology,
+        "http://127.0.0.1:1",
+        attached_instances(
+            topology,
+            [(Role.ENCODER, "http://127.0.0.1:2"), (Role.PREFILL_DECODE, "http://127.0.0.1:3")],
+        ),
+        ec_storage=storage,
+    )
+    finished = {"requests": 0.0}
+    monkeypatch.setattr(attached, "health_problem", lambda url, timeout_s=0.0: None)
+    monkeypatch.setattr(
+        attached,
+        "read_counters",
+        lambda url: KvCounters({"finished_requests": finished["requests"]}),
+    )
+    first_in_flight, second_done = threading.Event(), threading.Event()
+
+    class Client:
+        def send(self, body: dict, request_id: str) -> ChatReply:
+            if "-first-" in request_id:  # its media reach no encoder; it waits on the second
+                first_in_flight.set()
+                assert second_done.wait(10)
+            else:
+                (storage / "second-item").mkdir(exist_ok=True)
+                (storage / "second-item" / EC_CACHE_FILE).write_bytes(b"ec")
+                finished["requests"] += 1
+            return ChatReply(cached_answer(89, None))
+
+        def close(self) -> None:
+            pass
+
+    session = AttachedSession(spec, fake_run_settings(tmp_path, tmp_path / "vllm"))
+    session._client = Client()  # type: ignore[assignment]
+    image = render_request(next(p for p in SKELETON_PROMPTS if p.name == "image"), "m")
+    outcomes: dict[str, Outcome] = {}
+    first = threading.Thread(target=lambda: outcomes.update(first=session.send("first", image)))
+    first.start()
+    assert first_in_flight.wait(10)
+    outcomes["second"] = session.send("second", image)
+    second_done.set()
+    first.join(10)
+    guard = {g.name: g for g in transfer_guards(session.served, outcomes["first"])}
+    assert not guard["encoder_output"].ok, guard["encoder_output"]
+    assert not guard["encoder_output"].checkable  # nor failed: the files may well be its too
+    assert "other requests were in flight" in guard["encoder_output"].evidence
+    alone = session.send("alone", image)  # nothing else in flight: its own evidence again
+    assert alone.attached is not None and not alone.attached.shared
+
+
+def test_a_nixl_request_in_flight_with_another_holds_no_kv_guard_on_its_p2p_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NIXL's KV evidence is D's p2p counter, shared by every request in flight: the first
+    request here moved nothing to D, the second (sent while the first was in flight) its
+    whole prompt, and the first must not hold `kv_transfer` on the second's tokens (a load's
+    round account, `harness.run.load.kv_account`, judges the round's counter as a whole)."""
+    topology = get_topology("1P+1D")
+    spec = AttachSpec(
+        tmp_path / "attach.json",
+        topology,
+        "http://127.0.0.1:1",
+        attached_instances(
+            topology, [(Role.PREFILL, "http://127.0.0.1:2"), (Role.DECODE, "http://127.0.0.1:3")]
+        ),
+        kv_connector="nixl",
+    )
+    p2p = {"tokens": 0.0}
+    monkeypatch.setattr(attached, "health_problem", lambda url, timeout_s=0.0: None)
+    monkeypatch.setattr(
+        attached, "read_counters", lambda url: KvCounters({"p2p_cached_tokens": p2p["tokens"]})
+    )
+    first_in_flight, second_done = threading.Event(), threading.Event()
+
+    class Client:
+        def send(self, body: dict, request_id: str) -> ChatReply:
+            if "-first-" in request_id:  # its KV never reaches D; it waits on the second
+                first_in_flight.set()
+                assert second_done.wait(10)
+            else:
+                p2p["tokens"] += 96
+            return ChatReply(cached_answer(89, 0))
+
+        def close(self) -> None:
+            pass
+
+    serving = ServingConfig(model="m", kv_connector="NixlConnector")
+    session = AttachedSession(spec, fake_run_settings(tmp_path, tmp_path / "vllm", serving))
+    session._client = Client()  # type: ignore[assignment]
+    text = render_request(next(p for p in SKELETON_PROMPTS if p.name == "text"), "m")
+    outcomes: dict[str, Outcome] = {}
+    first = threading.Thread(target=lambda: outcomes.update(first=session.send("first", text)))
+    first.start()
+    assert first_in_flight.wait(10)
+    outcomes["second"] = session.send("second", text)
+    second_done.set()
+    first.join(10)
+    guard = {g.name: g for g in transfer_guards(session.served, outcomes["first"])}
+    assert not guard["kv_transfer"].ok, guard["kv_transfer"]
+    assert not guard["kv_transfer"].checkable
+    assert "other requests were in flight" in guard["kv_transfer"].evidence
+    alone = {g.name: g for g in transfer_guards(session.served, session.send("alone", text))}
+    assert alone["kv_transfer"].ok  # alone, the counter's growth is its own

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -31,6 +32,7 @@ from harness.run.baseline_cache import BaselineCache, baseline_key
 from harness.run.baseline_launch import BaselineLaunch
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.attached import AttachedSession
+from harness.serve.client import ChatReply
 from harness.serve.launch import ManagedServer
 from harness.serve.ports import reserve_ports
 from harness.serve.server_command import ServerCommand
@@ -39,6 +41,7 @@ from harness.spec.attach import AttachSpec, attached_instances
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.spec.settings import ATTACH_PROXY, ProxyChoice, RunSettings, ServedVllm
 from harness.spec.topology import Role, ServingConfig, get_topology
+from harness.testing.builders import cached_answer
 from harness.testing.fake_vllm import fake_run_settings
 
 pytestmark = [pytest.mark.process, pytest.mark.wall_clock_bound]
@@ -459,3 +462,51 @@ def test_keep_up_stops_the_sessions_it_does_not_list(
     # The baseline's stop was keep-up's, not an interruption's (real vLLM: SIGTERM then said
     # "interrupted ... while baseline/baseline0 was ready", stopped 60 s before).
     assert seen["interrupted"] == "while 1E+1PD/encoder0 was ready, 1E+1PD/pd0 was ready"
+
+
+def test_a_metrics_page_cut_off_mid_answer_is_no_crash(tmp_path: Path) -> None:
+    """A D dying while it writes /metrics cuts the page short (http.client.IncompleteRead, no
+    OSError): the request's outcome says what happened; the run goes on (found in review: the
+    exception left AttachedSession.send and ended the whole run)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                request = conn.recv(65536)
+                if request.startswith(b"GET /metrics"):  # promises 1000 bytes, sends 3
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\nvll")
+                else:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+
+    threading.Thread(target=serve, daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    topology = get_topology("1P+1D")
+    spec = AttachSpec(
+        tmp_path / "attach.json",
+        topology,
+        url,
+        attached_instances(topology, [(Role.PREFILL, url), (Role.DECODE, url)]),
+    )
+
+    class Client:
+        def send(self, body: dict, request_id: str) -> ChatReply:
+            return ChatReply(cached_answer(89, 64))
+
+        def close(self) -> None:
+            pass
+
+    session = AttachedSession(spec, attach_settings(tmp_path, spec, "cut"))
+    session._client = Client()  # type: ignore[assignment]
+    try:
+        outcome = session.send("text", {"messages": [{"role": "user", "content": "hi"}]})
+    finally:
+        listener.close()
+    assert outcome.result is not None and outcome.kv_counters is None  # D's counters unread

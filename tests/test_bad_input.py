@@ -309,6 +309,17 @@ MALFORMED_ATTACH_FILES = [
         "'proxy' 'http://127.0.0.1:8000/v1' has a path; give the server's root, e.g. "
         "http://127.0.0.1:8000",
     ),
+    (  # the harness's paths would land in the query: GET http://h:8000?/health (found in review)
+        "proxy-query-mark.json",
+        {**GOOD_ATTACH, "proxy": "http://127.0.0.1:8000?"},
+        "'proxy' 'http://127.0.0.1:8000?' has a path; give the server's root, e.g. "
+        "http://127.0.0.1:8000",
+    ),
+    (  # urllib strips it, httpx takes the URL for a path: /health held, every request failed
+        "url-space.json",
+        {**GOOD_ATTACH, "instances": [ENCODER, {**PD, "url": " http://127.0.0.1:8002"}]},
+        "instance 2: 'url' ' http://127.0.0.1:8002' has spaces around it",
+    ),
     (
         "proxy-host.json",
         {**GOOD_ATTACH, "proxy": "127.0.0.1:8000"},

@@ -74,7 +74,11 @@ def test_a_load_on_an_attached_deployment_judges_every_answer(
     assert [r.record.verdict for r in result.results] == [Verdict.MATCH] * 9
     assert result.passed and result.calibration is not None
     media = [r for r in result.results if r.outcome.media_count]
-    assert media and all(r.record.guards["encoder_output"]["ok"] for r in media)
+    # Sent 3 at a time, a request's EC files and encoder count are partly the others': the
+    # guard is then not checkable, never held on them (and never failed).
+    guards = [r.record.guards["encoder_output"] for r in media]
+    assert media and all(g["ok"] or g.get("not_checkable") for g in guards), guards
+    assert any(g.get("not_checkable") for g in guards), guards
     last = result.resources.last
     assert last is not None and last.storage["ec"].files > 0  # the deployment's storage, sampled
     assert not last.instances  # nothing of it was launched: no process to read

@@ -438,6 +438,12 @@ def check_encoder_files(evidence: AttachedEvidence) -> GuardResult:
     )
     if served == 0 or (written < evidence.media_items and not evidence.ec_files_before):
         return GuardResult("encoder_output", False, text)
+    if evidence.shared:  # found in review: a load's other request held this one's guard
+        return not_checkable(
+            "encoder_output",
+            f"{text}; other requests were in flight during this one, and which of these "
+            "files and encoder requests are this one's cannot be told from here",
+        )
     if served is None:  # files alone: another writer's would look the same
         return not_checkable(
             "encoder_output",
@@ -476,6 +482,14 @@ def attached_guards(
     if topology.has_kv_transfer:
         if kv_rule is KvRule.WHOLE_PROMPT and kv_counters is None:
             guards.append(not_checkable("kv_transfer", "D's /metrics could not be read from here"))
+        elif kv_rule is KvRule.WHOLE_PROMPT and evidence.shared:  # found in review
+            guards.append(
+                not_checkable(
+                    "kv_transfer",
+                    "other requests were in flight during this one, and D's p2p counter is "
+                    "theirs too (a load accounts each round's counter as a whole)",
+                )
+            )
         else:
             guards.append(check_kv_transfer(result, block_size, kv_rule, kv_counters))
     return guards

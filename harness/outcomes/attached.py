@@ -19,6 +19,9 @@ class AttachedEvidence:
     ec_files_before: int = 0  # EC files in the storage when the request started
     ec_files_written: list[str] = field(default_factory=list)  # <mm_hash>es new or rewritten
     encoder_requests: float | None = None  # finished on the encoders (None: /metrics unread)
+    # Another request was in flight during this one (a load): the files and the count above
+    # are then partly its, and show nothing of this request's own.
+    shared: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

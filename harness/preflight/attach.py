@@ -117,6 +117,8 @@ def _url(value: Any, at: str) -> str:
     """An http(s) URL with a host and port, and nothing after them (paths are the harness's)."""
     if not isinstance(value, str):
         raise BadInput(f"{at} must be a URL (a string), got {kind_of(value)}")
+    if value != value.strip():  # urllib would strip them and httpx not (found in review)
+        raise BadInput(f"{at} {value!r} has spaces around it")
     url = value.rstrip("/")
     try:
         parts = urlsplit(url)
@@ -125,7 +127,8 @@ def _url(value: Any, at: str) -> str:
         raise BadInput(f"{at} {value!r} is not a URL: {exc}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise BadInput(f"{at} {value!r} is not an http(s) URL such as http://10.0.0.5:8000")
-    if parts.path or parts.query or parts.fragment:
+    # A bare '?' or '#' (an empty query) still takes the paths the harness appends.
+    if parts.path or "?" in url or "#" in url:
         raise BadInput(
             f"{at} {value!r} has a path; give the server's root, e.g. "
             f"{parts.scheme}://{parts.netloc}"

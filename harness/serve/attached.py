@@ -39,7 +39,7 @@ from harness.outcomes.outcome import Outcome, ServedTopology
 from harness.serve.client import ChatClient, ChatReply
 from harness.serve.kv_metrics import KvCounters, read_counters
 from harness.serve.proxy import ProxyFaults
-from harness.serve.proxy_protocol import collect_media
+from harness.serve.proxy_protocol import MediaRef, collect_media
 from harness.serve.session import DEATH_GRACE_S, TopologySession, safe_name, served_topology
 from harness.spec.attach import AttachSpec, attached_instances
 from harness.spec.connectors import EC_CACHE_FILE, kv_connector_for_class
@@ -119,6 +119,10 @@ class AttachedSession:
         self.entry_url = spec.proxy_url
         self.versions: dict[str, str] = {}  # instance name -> its /version
         self._client: ChatClient | None = None
+        # Requests in flight (a load sends concurrently) -> whether another was in flight with
+        # it: their windows' EC files and encoder counts are then not one request's alone.
+        self._flight_lock = threading.Lock()
+        self._in_flight: dict[str, bool] = {}
 
     @property
     def ec_storage(self) -> Path | None:
@@ -182,11 +186,42 @@ class AttachedSession:
             outcome.error = down
             outcome.seconds = time.monotonic() - started
             return outcome
+        request_id = f"{safe_name(self.topology.name)}-{prompt}-{uuid.uuid4().hex[:8]}"
+        self._begin(request_id)
+        try:
+            self._send_counted(outcome, media, body, request_id, started)
+        finally:
+            shared = self._end(request_id)
+        if outcome.attached is not None:
+            outcome.attached.shared = shared
+        return outcome
+
+    def _begin(self, request_id: str) -> None:
+        """A request's evidence window opens: it and every request in flight share it."""
+        with self._flight_lock:
+            others = bool(self._in_flight)
+            for other in self._in_flight:
+                self._in_flight[other] = True
+            self._in_flight[request_id] = others
+
+    def _end(self, request_id: str) -> bool:
+        """Whether another request was in flight at any moment of this one's window."""
+        with self._flight_lock:
+            return self._in_flight.pop(request_id)
+
+    def _send_counted(
+        self,
+        outcome: Outcome,
+        media: list[MediaRef],
+        body: dict[str, Any],
+        request_id: str,
+        started: float,
+    ) -> None:
+        """The request, and what it left outside the deployment (`outcome.attached`)."""
         counters_before = self.decode_counters()
         encoders_before = self._encoder_requests()
         storage = self.spec.ec_storage
         files_before = ec_files(storage) if storage is not None else {}
-        request_id = f"{safe_name(self.topology.name)}-{prompt}-{uuid.uuid4().hex[:8]}"
         try:
             reply = self._chat_watched(body, request_id)
             outcome.result, outcome.stream = reply.result, reply.stream
@@ -199,7 +234,7 @@ class AttachedSession:
             outcome.error = f"{cause}\n{outcome.error}" if cause else outcome.error
         outcome.seconds = time.monotonic() - started
         if outcome.result is None:
-            return outcome
+            return
         if counters_before is not None:
             counters_after = self.decode_counters()
             if counters_after is not None:
@@ -217,7 +252,6 @@ class AttachedSession:
             if encoders_before is None or encoders_after is None
             else encoders_after - encoders_before,
         )
-        return outcome
 
     def decode_counters(self) -> KvCounters | None:
         """D's KV counters now (None: the deployment has no D, or its /metrics is unreadable)."""

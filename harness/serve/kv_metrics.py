@@ -19,6 +19,7 @@ served during a request, since nobody records its answers there.
 
 from __future__ import annotations
 
+import http.client
 import re
 import urllib.request
 from dataclasses import dataclass
@@ -85,5 +86,5 @@ def read_counters(base_url: str) -> KvCounters | None:
     try:
         with _DIRECT_OPENER.open(f"{base_url}/metrics", timeout=METRICS_TIMEOUT_S) as reply:
             return parse_counters(reply.read().decode("utf-8", errors="replace"))
-    except OSError:
+    except (OSError, http.client.HTTPException):  # a page cut short is no OSError (found in review)
         return None
