@@ -20,7 +20,12 @@ from typing import Any
 from harness.devices import describe_devices
 from harness.files import write_text_atomic
 from harness.judge.records import CaseRecord, Verdict
-from harness.report.text import describe_baseline_sources, drift_summary, purpose_line
+from harness.report.text import (
+    describe_baseline_sources,
+    drift_summary,
+    purpose_line,
+    run_problems,
+)
 
 REPORT_HTML = "report.html"
 # Terminal escape sequences: vLLM colours its log lines, and error texts carry log tails.
@@ -143,7 +148,8 @@ def _served(run_info: Mapping[str, Any]) -> list[str]:
 
 def _header(records: Sequence[CaseRecord], run_info: Mapping[str, Any]) -> str:
     failed = sum(not r.policy_passed for r in records)
-    passed = bool(records) and not failed
+    problems = run_problems(run_info)
+    passed = bool(records) and not failed and not problems
     counts = " · ".join(
         f"{v.value} {n}" for v in Verdict if (n := sum(r.verdict is v for r in records))
     )
@@ -153,6 +159,8 @@ def _header(records: Sequence[CaseRecord], run_info: Mapping[str, Any]) -> str:
         line = f"{failed} of {len(records)} case(s) failed their policy"
     else:
         line = f"all {len(records)} case(s) passed their policy"
+    if problems:
+        line += f"; the run failed by {len(problems)} problem(s)"
     purpose = purpose_line(run_info)  # a self-test's planted fault, a death under load
     said = (
         f"<p class=purpose><strong>{escape(purpose)}</strong>: not failures of vLLM</p>\n"
@@ -165,7 +173,8 @@ def _header(records: Sequence[CaseRecord], run_info: Mapping[str, Any]) -> str:
         f"{'PASS' if passed else 'FAIL'}</span>{escape(line)}"
         f"{f' <span class=muted>({escape(counts)})</span>' if counts else ''}</p>\n"
         f"{said}"
-        f"{_meta_line(run_info)}\n</header>"
+        + "".join(f"<p class=problem><strong>{escape(p)}</strong></p>\n" for p in problems)
+        + f"{_meta_line(run_info)}\n</header>"
     )
 
 
@@ -424,7 +433,8 @@ def render_report_html(
 ) -> str:
     """The whole page. `responses` is responses.json's content: {topology: {prompt: outcome}}."""
     failed = sum(not r.policy_passed for r in records)
-    title = f"EPD report: {'PASS' if records and not failed else 'FAIL'}"
+    passed = records and not failed and not run_problems(run_info)
+    title = f"EPD report: {'PASS' if passed else 'FAIL'}"
     # Failing cases first: they are what the reader came for. Anchors keep the table's order.
     numbered = sorted(enumerate(records), key=lambda item: item[1].policy_passed)
     cases = "\n".join(_case(i, r, responses) for i, r in numbered)
