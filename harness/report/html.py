@@ -339,11 +339,26 @@ def _guards(guards: Mapping[str, Mapping[str, Any]]) -> str:
     return f'<h4>{title}</h4>\n<ul class="guards">' + "".join(items) + "</ul>"
 
 
+def _answer_of(
+    responses: Mapping[str, Mapping[str, Any]], label: str, prompt: str
+) -> Mapping[str, Any] | None:
+    """The responses.json entry of a case labelled `label`: under the label itself, or where
+    the matrix (`TOPOLOGY:SCENARIO` under `matrix:SCENARIO`) and a load (`TOPOLOGY:load#N`
+    under `load:TOPOLOGY:N`) keep their answers."""
+    topology, _, rest = label.partition(":")
+    keys = [label]
+    if rest.startswith("load#"):
+        keys.append(f"load:{topology}:{rest.removeprefix('load#')}")
+    elif rest:
+        keys.append(f"matrix:{rest}")
+    return next((responses[k][prompt] for k in keys if prompt in responses.get(k, {})), None)
+
+
 def _case(i: int, record: CaseRecord, responses: Mapping[str, Mapping[str, Any]]) -> str:
     anchor = f"case-{i}"
     d = record.divergence
     reference = responses.get(record.reference, {}).get(record.prompt)
-    candidate = responses.get(record.topology, {}).get(record.prompt)
+    candidate = _answer_of(responses, record.topology, record.prompt)
     if reference is None and candidate is None and d:
         columns = _windows_only(d, anchor)
     else:
