@@ -288,7 +288,7 @@ def write_exact_reference_bundle(
     run = write_bundle(root, verdict="MISMATCH", kv_connector=kv_connector)
     summary = json.loads((run / "summary.json").read_text())
     summary["cases"][0]["reference"] = "1P+1D"
-    summary["reference_policy"] = "exact"
+    summary["run"] = {"reference_policy": "exact"}  # where write_summary_json puts it
     (run / "summary.json").write_text(json.dumps(summary))
     responses = json.loads((run / "responses.json").read_text())
     responses["1P+1D"] = {

@@ -632,3 +632,22 @@ def test_providers_follow_top_level_txt_else_the_py_files(
         for package, names in importlib.metadata.packages_distributions().items()
         if package in providers or package in {"harness", "vllm_data"}
     }
+
+
+@pytest.mark.parametrize(
+    "label, key",
+    [("1E+1PD:ec-video-mp4", "matrix:ec-video-mp4"), ("1E+1PD:load#3", "load:1E+1PD:3")],
+)
+def test_html_shows_a_matrix_or_load_cases_answer_from_where_responses_json_keeps_it(
+    label: str, key: str
+) -> None:
+    """Found in review: a matrix scenario's case is labelled `TOPOLOGY:SCENARIO` and a load's
+    `TOPOLOGY:load#N`, while responses.json keeps their answers under `matrix:SCENARIO` and
+    `load:TOPOLOGY:N`: report.html looked under the label and showed every such candidate as
+    "no response recorded", its ids and the divergence in them left out."""
+    records, responses = sample_run()
+    record = dataclasses.replace(records[1], topology=label)
+    responses = {"baseline": responses["baseline"], key: responses["1E+1P+1D"]}
+    page = render_report_html([record], responses, {})
+    assert "no response recorded" not in page
+    assert 'id="case-0-can-div" title="position 7: first divergence">555</span>' in page

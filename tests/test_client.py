@@ -194,6 +194,29 @@ def test_cached_tokens_of_another_shape_are_a_broken_answer(usage: object, probl
         parse_chat_response(body_with(usage=usage))
 
 
+@pytest.mark.parametrize(
+    "field, value, problem",
+    [
+        ("content", 5, "choices[0].message.content is 5, not a string"),
+        ("content", ["A red"], 'choices[0].message.content is ["A red"], not a string'),
+        ("message", "A red", 'choices[0].message is "A red", not an object'),
+        ("finish_reason", 1, "choices[0].finish_reason is 1, not a string"),
+    ],
+)
+def test_text_of_another_shape_is_a_broken_answer(field: str, value: object, problem: str) -> None:
+    """Found in review: a non-streamed answer's message.content was carried as it came (the
+    stream reader refuses it), and a number there crashed report.html's writer (html.escape)
+    after every case, the run's outputs with it; a message that was a string raised
+    AttributeError, read like the harness's own crash."""
+    body = copy.deepcopy(RECORDED_BODY)
+    if field == "content":
+        body["choices"][0]["message"]["content"] = value
+    else:
+        body["choices"][0][field] = value
+    with pytest.raises(ValueError, match=re.escape(f"the answer's {problem}")):
+        parse_chat_response(body)
+
+
 def test_no_choices_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="return_token_ids"):
         parse_chat_response(body_with(choices=[]))

@@ -1207,3 +1207,32 @@ def test_check_calls_an_earlier_answer_none_only_when_a_client_could_read_none()
     assert "the stream reported an error" in str(
         check.unanswered(check.Answer("u", 200, failed, 0.1), streamed=True)
     )
+
+
+def test_the_policy_and_floor_are_read_where_the_run_writes_them(tmp_path: Path) -> None:
+    """Found in review: the export read `reference_policy` and `noise_floor_nats` at the top of
+    summary.json, where only hand-made bundles had them; a run writes them under its `run`
+    (`write_summary_json`, as `Sweep.write_outputs` passes them), so a CPU run under
+    --reference-policy pd-drift exported a check.py that fails the DRIFT the harness passed."""
+    from harness.judge.policy import PD_DRIFT
+    from harness.report.text import write_summary_json
+    from harness.run.export.expectation import noise_floor, reference_policy
+    from harness.run.repro import Bundle
+
+    run = write_bundle(tmp_path / "run")
+    cases = json.loads((run / "summary.json").read_text())["cases"]
+    (run / "run.json").write_text(json.dumps({"platform_profile": "cpu"}))
+    summary = {"reference_policy": PD_DRIFT, "noise_floor_nats": 0.05}
+    write_summary_json(run / "summary.json", [], summary)
+    document = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**document, "cases": cases}))
+    bundle = Bundle.load(run)
+    assert reference_policy(bundle).name == PD_DRIFT
+    assert noise_floor(bundle, {}) == 0.05
+    # A fuzz run's: in run.json's `fuzz` (its settings), a bundle of each failure group too.
+    write_summary_json(run / "summary.json", [], {"fuzz_group": {}})
+    document = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**document, "cases": cases}))
+    fuzz = {"platform_profile": "cpu", "fuzz": {"reference_policy": PD_DRIFT}}
+    (run / "run.json").write_text(json.dumps(fuzz))
+    assert reference_policy(Bundle.load(run)).name == PD_DRIFT

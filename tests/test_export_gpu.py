@@ -209,7 +209,9 @@ def two_reference_bundle(tmp_path: Path) -> Path:
         "detail": "near-tie at position 1 within the noise floor",
     }
     exact = {**record, "reference": "1P+1D", "verdict": "MISMATCH", "policy_passed": False}
-    summary.update(cases=[drift, exact], reference_policy="pd-drift", noise_floor_nats=0.05)
+    summary.update(
+        cases=[drift, exact], run={"reference_policy": "pd-drift", "noise_floor_nats": 0.05}
+    )
     (run / "summary.json").write_text(json.dumps(summary))
     responses = json.loads((run / "responses.json").read_text())
     pd = {
@@ -348,7 +350,7 @@ def near_tie_export(tmp_path: Path, recorded: str) -> Path:
     (run / "responses.json").write_text(json.dumps(responses))
     summary = json.loads((run / "summary.json").read_text())
     summary["cases"][0].update(verdict=recorded, policy_passed=recorded == "DRIFT")
-    summary.update(reference_policy="pd-drift", noise_floor_nats=0.05)
+    summary["run"] = {"reference_policy": "pd-drift", "noise_floor_nats": 0.05}
     (run / "summary.json").write_text(json.dumps(summary))
     plan = plan_for(run)
     out = tmp_path / "export"
@@ -406,7 +408,8 @@ def test_a_recorded_noise_floor_that_is_no_measurement_is_refused_not_exported(
     string or a boolean was skipped or read as 1. The export names the file and the field."""
     run = gpu_bundle(tmp_path, verdict="MISMATCH")
     summary = json.loads((run / "summary.json").read_text())
-    (run / "summary.json").write_text(json.dumps({**summary, "noise_floor_nats": floor}))
+    summary["run"] = {"noise_floor_nats": floor}  # where write_summary_json puts it
+    (run / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(BadInput, match=r"summary\.json: noise_floor_nats is .*not a measured"):
         write_export(plan_for(run), tmp_path / "export", REPAIR)
     assert not (tmp_path / "export" / "expected.json").exists()

@@ -65,6 +65,16 @@ def test_tokens_that_differ_say_where() -> None:
     assert "0/1 cases" in table
 
 
+def test_prompt_ids_that_differ_are_a_difference_whatever_was_generated() -> None:
+    """Found in review: only the generated ids were compared, so a proxy that sent another
+    prompt (as many tokens, so the taps' counts agree) compared "equal", exit 0, where the
+    judge calls the same answers a MISMATCH."""
+    first = {"t": {"p": {"result": {"token_ids": [1, 2, 3], "prompt_token_ids": [7, 8, 9]}}}}
+    second = {"t": {"p": {"result": {"token_ids": [1, 2, 3], "prompt_token_ids": [7, 5, 9]}}}}
+    (diff,) = diff_runs(first, second)
+    assert diff.tokens == "prompt ids differ at 1" and not diff.same
+
+
 def test_cases_only_one_run_holds_are_named() -> None:
     first = {"t": {"p": outcome([1], []), "q": outcome([1], [])}}
     second = {"t": {"p": outcome([1], [])}, "u": {"r": outcome([1], [])}}

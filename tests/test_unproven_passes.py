@@ -75,9 +75,42 @@ def test_summary_json_says_a_run_failed_by_its_problems_did_not_pass(tmp_path, c
         result=SimpleNamespace(records=records, run_dir=tmp_path),
         run_info={},
         pool=SimpleNamespace(summary=lambda: "pool: 1 start"),
+        write_outputs=lambda: None,
     )
     args = SimpleNamespace(progress=SimpleNamespace(started=time.monotonic()))
     assert finish_run(args, served_unproven(sweep), sweep) == EXIT_FAILED
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["passed"] is False
     assert summary["problems"] == served_unproven(sweep)
+
+
+def test_the_reports_of_a_run_failed_by_its_problems_say_so(tmp_path, capsys) -> None:
+    """Found in review: a run failed by its problems alone (a matrix scenario's check, an
+    unproven pass) exited 1 and summary.json said so, while report.html led with PASS, "all 1
+    case(s) passed their policy", verdicts.txt (what the cherry-pick workflow shows) with
+    "1 pass, 0 fail", and diff.md "All 1 case(s) passed", none naming the problem."""
+    import time
+
+    from harness.cli.main import EXIT_FAILED, finish_run
+    from harness.report.run_outputs import write_run_outputs
+
+    records = [case_record("1E+1PD", "video", guards=HELD)]
+    problem = "scenario ec-x: check <encoder_calls> failed: the encoder was called twice"
+    sweep = SimpleNamespace(
+        attached=None,
+        result=SimpleNamespace(records=records, run_dir=tmp_path),
+        run_info={},
+        pool=SimpleNamespace(summary=lambda: "pool: 1 start"),
+    )
+    sweep.write_outputs = lambda: write_run_outputs(tmp_path, records, {}, {}, sweep.run_info)
+    sweep.write_outputs()
+    args = SimpleNamespace(progress=SimpleNamespace(started=time.monotonic()))
+    assert finish_run(args, [problem], sweep) == EXIT_FAILED
+    page = (tmp_path / "report.html").read_text()
+    assert '<span class="status fail">FAIL</span>' in page
+    assert "scenario ec-x: check &lt;encoder_calls&gt; failed" in page
+    verdicts = (tmp_path / "verdicts.txt").read_text()
+    assert f"problem: {problem}" in verdicts
+    diff = (tmp_path / "diff.md").read_text()
+    assert diff.startswith("# EPD diff\n\n## The run failed by 1 problem(s)\n\n- problem: ")
+    assert "check &lt;encoder_calls&gt; failed" in diff

@@ -298,6 +298,9 @@ def finish_run(args: argparse.Namespace, problems: list[str], sweep: Sweep) -> i
         print(format_failure(record))
     for problem in problems:
         print(f"problem: {problem}")
+    if problems:  # verdicts.txt, diff.md and report.html say them too (and run.json keeps them)
+        sweep.run_info["problems"] = problems
+        sweep.write_outputs()
     add_problems_to_summary(result.run_dir / "summary.json", problems)
     purpose = purpose_line(sweep.run_info)  # as verdicts.txt, diff.md and report.html say it
     if purpose and failed:

@@ -117,11 +117,18 @@ def parse_chat_response(body: dict[str, Any]) -> ChatResult:
     positions = [
         position_logprobs(entry) for entry in (choice.get("logprobs") or {}).get("content") or []
     ]
+    text = _optional_object(choice.get("message"), "choices[0].message").get("content")
+    finish_reason = choice.get("finish_reason")
+    for name, value in (("message.content", text), ("finish_reason", finish_reason)):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(
+                f"the answer's choices[0].{name} is {json.dumps(value)[:120]}, not a string"
+            )
     return ChatResult(
         prompt_token_ids=prompt_token_ids,
         token_ids=token_ids,
-        text=(choice.get("message") or {}).get("content") or "",
-        finish_reason=choice.get("finish_reason"),
+        text=text or "",
+        finish_reason=finish_reason,
         logprobs=tuple(positions),
         cached_tokens=cached_tokens(body.get("usage")),
         raw=body,

@@ -35,7 +35,7 @@ from harness.files import write_text_atomic
 from harness.judge.records import CaseRecord
 from harness.redact import MIN_SCRUBBED_LEN, REDACTED, redact_argv, redact_env, secret_values
 from harness.report.html import strip_ansi, write_report_html
-from harness.report.text import drift_summary, format_failure, purpose_line
+from harness.report.text import drift_summary, format_failure, purpose_line, run_problems
 from harness.spec.placement import gpu_memory_policy
 from harness.spec.prompts import PromptSpec
 from harness.spec.settings import LauncherChoice, RunSettings
@@ -380,15 +380,21 @@ def _case_md(record: CaseRecord) -> list[str]:
     return lines
 
 
-def render_diff_md(records: Sequence[CaseRecord], purpose: str | None = None) -> str:
+def render_diff_md(
+    records: Sequence[CaseRecord], purpose: str | None = None, problems: Sequence[str] = ()
+) -> str:
     """`purpose`: the run's `red on purpose: ...` line (`purpose_line`), said under the title
-    of a diff whose failures the run wanted."""
+    of a diff whose failures the run wanted; `problems`: what failed the run beyond its
+    cases' verdicts (`run_problems`), said first."""
     failing = [r for r in records if not r.policy_passed]
+    said = "".join(f"- {_cell(problem)}\n" for problem in problems)
+    said = f"## The run failed by {len(problems)} problem(s)\n\n{said}\n" if problems else ""
     if not records:
-        return "# EPD diff\n\nNo cases were judged: this run proves nothing.\n"
+        return f"# EPD diff\n\n{said}No cases were judged: this run proves nothing.\n"
     if not failing:
-        return f"# EPD diff\n\nAll {len(records)} case(s) passed their policy.\n"
+        return f"# EPD diff\n\n{said}All {len(records)} case(s) passed their policy.\n"
     lines = [f"# EPD diff: {len(failing)} of {len(records)} case(s) failed", ""]
+    lines += [said] if said else []
     if purpose:
         lines += [f"**{purpose}**: not failures of vLLM.", ""]
     for record in failing:
@@ -397,9 +403,12 @@ def render_diff_md(records: Sequence[CaseRecord], purpose: str | None = None) ->
 
 
 def write_diff_md(
-    run_dir: str | os.PathLike[str], records: Sequence[CaseRecord], purpose: str | None = None
+    run_dir: str | os.PathLike[str],
+    records: Sequence[CaseRecord],
+    purpose: str | None = None,
+    problems: Sequence[str] = (),
 ) -> None:
-    write_text_atomic(Path(run_dir) / DIFF_MD, render_diff_md(records, purpose))
+    write_text_atomic(Path(run_dir) / DIFF_MD, render_diff_md(records, purpose, problems))
 
 
 # -- junit.xml ---------------------------------------------------------------------------------
@@ -472,6 +481,7 @@ def write_bundle(
     _write_run_json(run_dir, run_info, redactor)
     clean_records = [redactor.record(r) for r in records]
     clean_info = redactor.data({**run_info, "instances": instance_commands(run_dir)})
-    write_diff_md(run_dir, clean_records, purpose_line(run_info))
+    problems = redactor.data(run_problems(run_info))
+    write_diff_md(run_dir, clean_records, purpose_line(run_info), problems)
     write_junit_xml(run_dir, clean_records)
     write_report_html(run_dir, clean_records, redactor.data(outcomes_json), clean_info)

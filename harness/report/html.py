@@ -20,7 +20,12 @@ from typing import Any
 from harness.devices import describe_devices
 from harness.files import write_text_atomic
 from harness.judge.records import CaseRecord, Verdict
-from harness.report.text import describe_baseline_sources, drift_summary, purpose_line
+from harness.report.text import (
+    describe_baseline_sources,
+    drift_summary,
+    purpose_line,
+    run_problems,
+)
 
 REPORT_HTML = "report.html"
 # Terminal escape sequences: vLLM colours its log lines, and error texts carry log tails.
@@ -143,7 +148,8 @@ def _served(run_info: Mapping[str, Any]) -> list[str]:
 
 def _header(records: Sequence[CaseRecord], run_info: Mapping[str, Any]) -> str:
     failed = sum(not r.policy_passed for r in records)
-    passed = bool(records) and not failed
+    problems = run_problems(run_info)
+    passed = bool(records) and not failed and not problems
     counts = " · ".join(
         f"{v.value} {n}" for v in Verdict if (n := sum(r.verdict is v for r in records))
     )
@@ -153,6 +159,8 @@ def _header(records: Sequence[CaseRecord], run_info: Mapping[str, Any]) -> str:
         line = f"{failed} of {len(records)} case(s) failed their policy"
     else:
         line = f"all {len(records)} case(s) passed their policy"
+    if problems:
+        line += f"; the run failed by {len(problems)} problem(s)"
     purpose = purpose_line(run_info)  # a self-test's planted fault, a death under load
     said = (
         f"<p class=purpose><strong>{escape(purpose)}</strong>: not failures of vLLM</p>\n"
@@ -165,7 +173,8 @@ def _header(records: Sequence[CaseRecord], run_info: Mapping[str, Any]) -> str:
         f"{'PASS' if passed else 'FAIL'}</span>{escape(line)}"
         f"{f' <span class=muted>({escape(counts)})</span>' if counts else ''}</p>\n"
         f"{said}"
-        f"{_meta_line(run_info)}\n</header>"
+        + "".join(f"<p class=problem><strong>{escape(p)}</strong></p>\n" for p in problems)
+        + f"{_meta_line(run_info)}\n</header>"
     )
 
 
@@ -330,11 +339,26 @@ def _guards(guards: Mapping[str, Mapping[str, Any]]) -> str:
     return f'<h4>{title}</h4>\n<ul class="guards">' + "".join(items) + "</ul>"
 
 
+def _answer_of(
+    responses: Mapping[str, Mapping[str, Any]], label: str, prompt: str
+) -> Mapping[str, Any] | None:
+    """The responses.json entry of a case labelled `label`: under the label itself, or where
+    the matrix (`TOPOLOGY:SCENARIO` under `matrix:SCENARIO`) and a load (`TOPOLOGY:load#N`
+    under `load:TOPOLOGY:N`) keep their answers."""
+    topology, _, rest = label.partition(":")
+    keys = [label]
+    if rest.startswith("load#"):
+        keys.append(f"load:{topology}:{rest.removeprefix('load#')}")
+    elif rest:
+        keys.append(f"matrix:{rest}")
+    return next((responses[k][prompt] for k in keys if prompt in responses.get(k, {})), None)
+
+
 def _case(i: int, record: CaseRecord, responses: Mapping[str, Mapping[str, Any]]) -> str:
     anchor = f"case-{i}"
     d = record.divergence
     reference = responses.get(record.reference, {}).get(record.prompt)
-    candidate = responses.get(record.topology, {}).get(record.prompt)
+    candidate = _answer_of(responses, record.topology, record.prompt)
     if reference is None and candidate is None and d:
         columns = _windows_only(d, anchor)
     else:
@@ -424,7 +448,8 @@ def render_report_html(
 ) -> str:
     """The whole page. `responses` is responses.json's content: {topology: {prompt: outcome}}."""
     failed = sum(not r.policy_passed for r in records)
-    title = f"EPD report: {'PASS' if records and not failed else 'FAIL'}"
+    passed = records and not failed and not run_problems(run_info)
+    title = f"EPD report: {'PASS' if passed else 'FAIL'}"
     # Failing cases first: they are what the reader came for. Anchors keep the table's order.
     numbered = sorted(enumerate(records), key=lambda item: item[1].policy_passed)
     cases = "\n".join(_case(i, r, responses) for i, r in numbered)

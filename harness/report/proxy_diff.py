@@ -83,15 +83,24 @@ def calls_of(outcome: dict[str, Any]) -> Counter[InstanceCall]:
 
 
 def compare_tokens(first: dict[str, Any], second: dict[str, Any]) -> str:
+    """The prompt ids, then the generated ids: another prompt is a difference, as the judge
+    makes it a MISMATCH, whatever was generated from it."""
     a = (first.get("result") or {}).get("token_ids")
     b = (second.get("result") or {}).get("token_ids")
     if a is None or b is None:
         sides = [name for name, ids in (("first", a), ("second", b)) if ids is None]
         return f"no tokens on the {' and '.join(sides)} run"
+    prompt_a = (first.get("result") or {}).get("prompt_token_ids")
+    prompt_b = (second.get("result") or {}).get("prompt_token_ids")
+    if isinstance(prompt_a, list) and isinstance(prompt_b, list) and prompt_a != prompt_b:
+        return f"prompt ids differ at {_first_difference(prompt_a, prompt_b)}"
     if a == b:
         return "equal"
-    index = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return f"differ at {index}"
+    return f"differ at {_first_difference(a, b)}"
+
+
+def _first_difference(a: list[Any], b: list[Any]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 NOT_STREAMED = "not streamed"

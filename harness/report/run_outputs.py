@@ -22,6 +22,7 @@ from harness.report.text import (  # PURPOSE_LINE, purpose_line: read from here 
     describe_baseline_sources,
     format_verdict_table,
     purpose_line,
+    run_problems,
     write_summary_json,
 )
 
@@ -59,7 +60,7 @@ def write_verdicts(
     computed the ids and the dtype they computed in (`ran on: ...; dtype ...`, from run.json's
     `devices_used` and `serving`), the verdict table, and where the baseline came from. Every
     bundle writes it here: a matrix run's, a fuzz run's and each of its failure groups'."""
-    table = format_verdict_table(records)
+    table = "\n".join([format_verdict_table(records), *run_problems(run_info)])
     sources = describe_baseline_sources(run_info.get("baseline_sources") or {})
     head = "".join(f"{line}\n" for line in (purpose_line(run_info), devices_line(run_info)) if line)
     tail = f"\n{sources}" if sources else ""

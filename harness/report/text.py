@@ -31,6 +31,13 @@ def purpose_line(run_info: Mapping[str, Any]) -> str | None:
     return None
 
 
+def run_problems(run_info: Mapping[str, Any]) -> list[str]:
+    """What failed the run beyond its cases' verdicts (run.json's `problems`: a matrix
+    scenario's check, a pass whose guard nothing could check), each as the console says it:
+    a run every case of which passed is red by them, and every report must say so."""
+    return [f"problem: {problem}" for problem in run_info.get("problems") or ()]
+
+
 def _one_line(text: str, width: int) -> str:
     """Collapse whitespace and cut to `width` so a table row stays one readable line."""
     flat = " ".join(text.split())

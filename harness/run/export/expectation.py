@@ -48,8 +48,11 @@ def tokens_expectation(
 
 
 def reference_policy(bundle: Bundle) -> ReferencePolicy:
-    """The run's reference policy (summary.json), else its platform's default."""
-    name = bundle.summary.get("reference_policy")
+    """The run's reference policy (summary.json's `run`; a fuzz run's settings in run.json),
+    else its platform's default."""
+    name = _summary_run(bundle).get("reference_policy") or (bundle.run.get("fuzz") or {}).get(
+        "reference_policy"
+    )
     try:
         return ReferencePolicy(str(name))
     except ValueError:
@@ -63,7 +66,7 @@ def noise_floor(bundle: Bundle, record: dict[str, Any]) -> float:
     the field: it would be check.py's drift tolerance (an inf one passes every near tie)."""
     sources = (
         ("summary.json", record.get("divergence") or {}),
-        ("summary.json", bundle.summary),
+        ("summary.json", _summary_run(bundle)),
         ("run.json", bundle.run),
     )
     for file, source in sources:
@@ -78,6 +81,13 @@ def noise_floor(bundle: Bundle, record: dict[str, Any]) -> float:
             )
         return float(value)
     return 0.0
+
+
+def _summary_run(bundle: Bundle) -> dict[str, Any]:
+    """summary.json's `run`: where a run writes its reference policy and noise floor
+    (`harness.report.text.write_summary_json`), not at the file's top."""
+    run = bundle.summary.get("run")
+    return run if isinstance(run, dict) else {}
 
 
 def recording_host(run: dict[str, Any]) -> str:
