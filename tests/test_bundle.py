@@ -651,3 +651,20 @@ def test_html_shows_a_matrix_or_load_cases_answer_from_where_responses_json_keep
     page = render_report_html([record], responses, {})
     assert "no response recorded" not in page
     assert 'id="case-0-can-div" title="position 7: first divergence">555</span>' in page
+
+
+def test_junit_xml_of_a_run_failed_by_its_problems_has_a_failing_case(tmp_path):
+    """A run whose every case passed but which its problems failed (an unproven pass, a fault
+    that acted on nothing) exits 1; its junit.xml, which CI annotates from, showed 0 failures
+    (found in review). The problems are one failing testcase of their own."""
+    records, _ = sample_run()
+    passing = [r for r in records if r.policy_passed]
+    problems = ["problem: 1E+1P+1D:video (against baseline): guard kv_transfer not checkable"]
+    write_junit_xml(tmp_path, passing, problems)
+    root = ET.parse(tmp_path / "junit.xml").getroot()
+    cases = root.findall("./testsuite/testcase")
+    assert len(cases) == len(passing) + 1
+    assert root.get("failures") == root.find("testsuite").get("failures") == "1"
+    failure = cases[-1].find("failure")
+    assert cases[-1].get("name") == "run problems"
+    assert failure is not None and problems[0] in failure.text

@@ -419,14 +419,17 @@ def _xml_text(text: str) -> str:
     return _XML_INVALID.sub(lambda m: m.group().encode("unicode_escape").decode(), strip_ansi(text))
 
 
-def render_junit_xml(records: Sequence[CaseRecord]) -> str:
-    """One testsuite, one testcase per record; a failed policy is a <failure>.
+def render_junit_xml(records: Sequence[CaseRecord], problems: Sequence[str] = ()) -> str:
+    """One testsuite, one testcase per record; a failed policy is a <failure>. `problems`
+    (`run_problems`: what failed the run beyond its verdicts) are one failing testcase more,
+    "run problems": a CI view of a run that exited 1 must not show every test passed.
 
     classname is the topology so CI views group cases by topology.
     """
-    failures = sum(not r.policy_passed for r in records)
+    failures = sum(not r.policy_passed for r in records) + bool(problems)
     total_s = sum(r.timings.get("request_s", 0.0) for r in records)
-    counts = {"tests": str(len(records)), "failures": str(failures), "errors": "0"}
+    tests = len(records) + bool(problems)
+    counts = {"tests": str(tests), "failures": str(failures), "errors": "0"}
     root = ET.Element("testsuites", {"name": "epd-harness", **counts, "time": f"{total_s:.3f}"})
     suite = ET.SubElement(
         root,
@@ -453,12 +456,22 @@ def render_junit_xml(records: Sequence[CaseRecord]) -> str:
                 },
             )
             failure.text = _xml_text(format_failure(record))
+    if problems:
+        case = ET.SubElement(
+            suite, "testcase", {"classname": "epd-harness", "name": "run problems", "time": "0"}
+        )
+        failure = ET.SubElement(
+            case, "failure", {"type": "problem", "message": _xml_text(problems[0])}
+        )
+        failure.text = _xml_text("\n".join(problems))
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 
 
-def write_junit_xml(run_dir: str | os.PathLike[str], records: Sequence[CaseRecord]) -> None:
-    write_text_atomic(Path(run_dir) / JUNIT_XML, render_junit_xml(records))
+def write_junit_xml(
+    run_dir: str | os.PathLike[str], records: Sequence[CaseRecord], problems: Sequence[str] = ()
+) -> None:
+    write_text_atomic(Path(run_dir) / JUNIT_XML, render_junit_xml(records, problems))
 
 
 # -- the bundle --------------------------------------------------------------------------------
@@ -483,5 +496,5 @@ def write_bundle(
     clean_info = redactor.data({**run_info, "instances": instance_commands(run_dir)})
     problems = redactor.data(run_problems(run_info))
     write_diff_md(run_dir, clean_records, purpose_line(run_info), problems)
-    write_junit_xml(run_dir, clean_records)
+    write_junit_xml(run_dir, clean_records, problems)
     write_report_html(run_dir, clean_records, redactor.data(outcomes_json), clean_info)
