@@ -976,3 +976,49 @@ def test_a_calibration_the_baseline_did_not_answer_in_full_is_not_reused(tmp_pat
     session.dies_after = None
     answered = sweep.baseline.calibrate_batched(session, requests, 2)  # type: ignore[arg-type]
     assert sweep.baseline.known_calibration(requests, 2) is answered and not answered.changed
+
+
+class SlowStandIn(StandIn):
+    """A stand-in whose every answer takes a while, so requests sent together overlap."""
+
+    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
+        time.sleep(0.2)
+        return super().send(prompt, body)
+
+
+def test_a_batched_answer_is_held_to_its_own_loads_floor_not_another_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load's batched answers may drift within the noise the baseline showed under that
+    load's requests at its concurrency. Found in review: the tolerance was the largest floor
+    of every calibration the baseline had measured (every load's of a pytest session, measured
+    ahead), so a load whose own calibration moved nothing passed a drift another load's
+    traffic had shown."""
+    from harness.run.baseline import BatchedAnswer
+
+    load, session = stand_in_load(tmp_path, requests=2, session_type=SlowStandIn, concurrency=2)
+    reference = session.answers["ld-shared-a"]
+    last = reference.logprobs[-1]
+    session.answers["near-tie"] = dataclasses.replace(
+        reference,
+        token_ids=(*reference.token_ids[:-1], last.token_id + 1),
+        logprobs=(
+            *reference.logprobs[:-1],
+            PositionLogprobs(
+                last.token_id + 1, -1.0, ((last.token_id + 1, -1.0), (last.token_id, -1.005))
+            ),
+        ),
+    )
+    session.swap = {3: "near-tie"}  # calls 1-2: the calibration; 3: request 1, ld-shared-a
+    load.sweep.settings = dataclasses.replace(load.sweep.settings, platform=CUDA)
+    load.sweep.judging.settings = load.sweep.settings
+    load.sweep.judging.reference_policy = ReferencePolicy(EXACT_EVERYWHERE)
+    wider = BatchCalibration(16, (BatchedAnswer("request 1", "ld-text", True, 0.5, ""),), "x")
+    load.sweep.baseline.calibrations.append(wider)  # another load's, measured ahead
+    baseline_asked(load, monkeypatch)
+    result_ = load.run()
+    assert result_.calibration is not None and result_.calibration.noise_floor == 0.0
+    first = result_.results[0]
+    assert first.prompt == "ld-shared-a" and first.batched
+    assert first.record.verdict is Verdict.MISMATCH, first.record.detail
+    assert not result_.passed

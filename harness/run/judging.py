@@ -147,6 +147,7 @@ class CaseJudge:
         others: Sequence[tuple[str, Outcome]] = (),
         baseline: Reference | None = None,
         noise_floor: float | None = None,
+        batched_noise_floor: float | None = None,
     ) -> list[CaseRecord]:
         """Records against the baseline's answer to the same request (and `exact_reference`:
         a topology's name and its answer). A failure the served release is declared to have
@@ -155,7 +156,8 @@ class CaseJudge:
         the answers those requests should have had (name, baseline outcome), so an answer
         that is another request's is named as such. `baseline` and `noise_floor` stand in
         for the run's baseline answers where the caller asks the baseline itself, request by
-        request (fuzzing)."""
+        request (fuzzing); `batched_noise_floor` for the run's largest batched noise, where the
+        answer's own traffic was measured (a load's calibration)."""
         prompt = observed.outcome.prompt
         references = [baseline or self.baseline.reference(prompt)]
         if exact_reference is not None:
@@ -168,6 +170,8 @@ class CaseJudge:
         rules = self.rules
         if noise_floor is not None:
             rules = dataclasses.replace(rules, noise_floor_nats=noise_floor)
+        if batched_noise_floor is not None:
+            rules = dataclasses.replace(rules, batched_noise_floor_nats=batched_noise_floor)
         return judge_case(
             label or topology.name,
             topology,
