@@ -971,7 +971,7 @@ def test_a_calibration_the_baseline_did_not_answer_in_full_is_not_reused(tmp_pat
     sweep = load.sweep
     requests = [("request 1", "ld-shared-a"), ("request 2", "ld-text")] * 2
     failed = sweep.baseline.calibrate_batched(session, requests, 2)  # type: ignore[arg-type]
-    assert len(failed.changed) == 1  # the fourth found the stand-in dead
+    assert len(failed.unanswered) == 1  # the fourth found the stand-in dead
     assert sweep.baseline.known_calibration(requests, 2) is None
     session.dies_after = None
     answered = sweep.baseline.calibrate_batched(session, requests, 2)  # type: ignore[arg-type]
@@ -1022,3 +1022,18 @@ def test_a_batched_answer_is_held_to_its_own_loads_floor_not_another_loads(
     assert first.prompt == "ld-shared-a" and first.batched
     assert first.record.verdict is Verdict.MISMATCH, first.record.detail
     assert not result_.passed
+
+
+def test_a_calibration_request_the_baseline_did_not_answer_is_not_said_changed_by_batching(
+    tmp_path: Path,
+) -> None:
+    """A calibration request the baseline failed (it died, say) measured nothing of batching.
+    Found in review: it was counted as an answer whose ids batching changed, and the account
+    said so ("batching changed the ids of 1 answer(s)") of a baseline that never answered."""
+    load, session = stand_in_load(tmp_path, requests=4, concurrency=2, dies_after=3)
+    requests = [("request 1", "ld-shared-a"), ("request 2", "ld-text")] * 2
+    failed = load.sweep.baseline.calibrate_batched(session, requests, 2)  # type: ignore[arg-type]
+    assert not failed.changed and [a.label for a in failed.unanswered] == ["request 2"]
+    text = failed.describe()
+    assert "batching changed" not in text and "every answer's ids equal" not in text, text
+    assert "the baseline did not answer 1 of them (ld-text): nothing measured there" in text

@@ -59,6 +59,8 @@ class BatchedAnswer:
     same_ids: bool
     noise_nats: float | None  # the largest log-prob move over the ids both answers agree on
     detail: str
+    # The baseline answered it batched (and alone): else nothing of batching was measured.
+    answered: bool = True
 
 
 # What a calibration measured: the requests ((label, prompt), in the order a load sends them)
@@ -83,7 +85,11 @@ class BatchCalibration:
 
     @property
     def changed(self) -> list[BatchedAnswer]:
-        return [a for a in self.answers if not a.same_ids]
+        return [a for a in self.answers if a.answered and not a.same_ids]
+
+    @property
+    def unanswered(self) -> list[BatchedAnswer]:
+        return [a for a in self.answers if not a.answered]
 
     def describe(self) -> str:
         changed = sorted({a.prompt for a in self.changed})
@@ -91,7 +97,15 @@ class BatchCalibration:
             f"batching changed the ids of {len(self.changed)} answer(s) ({', '.join(changed)})"
             if changed
             else "every answer's ids equal its answer alone"
+            if not self.unanswered
+            else "every answered one's ids equal its answer alone"
         )
+        if self.unanswered:
+            missing = sorted({a.prompt for a in self.unanswered})
+            ids += (
+                f"; the baseline did not answer {len(self.unanswered)} of them "
+                f"({', '.join(missing)}): nothing measured there"
+            )
         return (
             f"the baseline at concurrency {self.concurrency}, {len(self.answers)} request(s): "
             f"{ids}; log-prob noise up to {self.noise_floor:.3g} nats"
@@ -370,7 +384,8 @@ class BaselineAnswers:
                 and outcome.result.token_ids == alone.result.token_ids
                 and outcome.result.prompt_token_ids == alone.result.prompt_token_ids
             )
-            answers.append(BatchedAnswer(label, prompt, same, noise, detail))
+            answered = outcome.result is not None and alone.result is not None
+            answers.append(BatchedAnswer(label, prompt, same, noise, detail, answered))
         calibration = BatchCalibration(concurrency, tuple(answers), measured_for)
         self.calibrations.append(calibration)
         if all(outcome.result is not None for _, _, outcome in outcomes):

@@ -95,6 +95,7 @@ def account_json(spec: LoadSpec, result: LoadResult, notes: list[str]) -> dict[s
             "concurrency": result.calibration.concurrency,
             "noise_floor_nats": result.calibration.noise_floor,
             "changed": [a.__dict__ for a in result.calibration.changed],
+            "unanswered": [a.__dict__ for a in result.calibration.unanswered],
             "describe": result.calibration.describe(),
             "source": result.calibration_source,
         },
