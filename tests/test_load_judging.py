@@ -101,6 +101,25 @@ def test_too_few_media_is_refused() -> None:
         load_mix(2)
 
 
+@pytest.mark.parametrize(
+    "fields, cause",
+    [
+        ({"requests": 4, "distinct_media": 20}, "some media would never be sent"),
+        ({"requests": MAX_REQUESTS + 1}, "at most 100000 requests a round"),
+        ({"concurrency": MAX_CONCURRENCY + 1}, "at most 1000 in flight"),
+        ({"duration_s": float("nan")}, "positive number of seconds"),
+        ({"duration_s": 0.0}, "positive number of seconds"),
+        ({"duration_s": MAX_SOAK_S + 1.0}, "at most 86400 s"),
+    ],
+)
+def test_a_load_spec_refuses_what_a_load_cannot_honour(fields: dict[str, Any], cause: str) -> None:
+    """A load scenario's `epd_load(LoadSpec(...))` mark never passes the CLI's checks. Found in
+    review: such a spec's media past what its requests send were silently never sent, and a
+    NaN duration soaked for ever (no clock reading is past it)."""
+    with pytest.raises(ValueError, match=cause):
+        LoadSpec("1E+1PD", **fields)
+
+
 def test_a_plan_sends_prompts_round_robin_and_each_ending_one_last_alone() -> None:
     plan = plan_requests(["a", "b", "tail"], 8, frozenset({"tail"}))
     assert [r.prompt for r in plan] == ["a", "b", "a", "b", "a", "b", "a", "tail"]

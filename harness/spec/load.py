@@ -16,6 +16,7 @@ the first `SHARED_MEDIA` items recur across prompts, every other item is in one 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -133,6 +134,23 @@ class LoadSpec:
             raise ValueError("a load needs at least one request and a concurrency of one")
         if self.distinct_media < MIN_DISTINCT_MEDIA:
             raise ValueError(f"a load mix needs at least {MIN_DISTINCT_MEDIA} distinct media")
+        # The CLI's checks (`harness.cli.load.refuse_load_counts`), for a spec a load
+        # scenario's mark names: its media past what its requests send were never sent, and a
+        # NaN duration soaked for ever (found in review).
+        if self.distinct_media > most_distinct_media(self.requests):
+            raise ValueError(
+                f"{self.distinct_media} distinct media with {self.requests} request(s) a round: "
+                "some media would never be sent"
+            )
+        if self.requests > MAX_REQUESTS:
+            raise ValueError(f"{self.requests} requests: at most {MAX_REQUESTS} requests a round")
+        if self.concurrency > MAX_CONCURRENCY:
+            raise ValueError(f"concurrency {self.concurrency}: at most {MAX_CONCURRENCY} in flight")
+        if self.duration_s is not None:
+            if not (math.isfinite(self.duration_s) and self.duration_s > 0):
+                raise ValueError("a soak's duration is a positive number of seconds")
+            if self.duration_s > MAX_SOAK_S:
+                raise ValueError(f"a soak of {self.duration_s:g} s: at most {MAX_SOAK_S} s")
 
 
 def _media(index: int) -> ImagePart | VideoPart:
