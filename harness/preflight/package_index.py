@@ -17,8 +17,10 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-# pip's configuration scopes, strongest first (`pip config list` prefixes keys with them).
-CONFIG_SCOPES = (":env:", "site", "user", "global", "install")
+# The sections `pip install` reads, strongest first (`pip config list` prefixes keys with the
+# config file's section, or `:env:` for PIP_*): another command's section, [download] say, is
+# not read by it, and [install] wins over [global], as in pip's own option parser.
+CONFIG_SCOPES = (":env:", "install", "global")
 INDEX_TIMEOUT_S = 60.0
 PEP691_ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
 # The `pip config list` keys read here; find-links names wheel directories no index lists.
@@ -160,12 +162,13 @@ def _pip_config(interpreter: list[str] | None) -> dict[str, str]:
     for line in listed.splitlines():
         key, _, value = line.partition("=")
         scope, _, name = key.rpartition(".")
-        if name not in CONFIG_KEYS:
-            continue
-        rank = CONFIG_SCOPES.index(scope) if scope in CONFIG_SCOPES else len(CONFIG_SCOPES)
-        if rank < ranked.get(name, len(CONFIG_SCOPES) + 1):
+        value = value.strip().strip("'\"")
+        if name not in CONFIG_KEYS or scope not in CONFIG_SCOPES or not value:
+            continue  # pip too skips an empty value (a CI workflow's unset variable)
+        rank = CONFIG_SCOPES.index(scope)
+        if rank < ranked.get(name, len(CONFIG_SCOPES)):
             ranked[name] = rank
-            values[name] = value.strip().strip("'\"")
+            values[name] = value
     return values
 
 

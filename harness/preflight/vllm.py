@@ -277,10 +277,16 @@ def served_generation(served: ServedVllm, override: str | None) -> GenerationCho
 def _shebang(path: Path) -> list[str] | None:
     try:
         with open(path, "rb") as script:
-            first = script.readline(512)
+            first, second = script.readline(512), script.readline(4096)
     except OSError:
         return None
     if not first.startswith(b"#!"):
         return None
     argv = shlex.split(first[2:].decode("utf-8", errors="replace").strip())
+    if argv == ["/bin/sh"] and second.startswith(b"'''exec' "):
+        # pip's launcher where the interpreter's path has a space or passes Linux's 127-byte
+        # shebang: `#!/bin/sh`, then `'''exec' "/the venv/bin/python" "$0" "$@"`.
+        line = shlex.split(second.decode("utf-8", errors="replace"))
+        if len(line) > 3 and line[-2:] == ["$0", "$@"]:
+            return line[1:-2]
     return argv or None

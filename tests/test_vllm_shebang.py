@@ -1,0 +1,37 @@
+"""The interpreter a vLLM executable runs with, read from the launcher pip wrote for it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.preflight.vllm import interpreter_of
+
+pytestmark = pytest.mark.unit
+
+
+def launcher(path: Path, first_lines: str) -> Path:
+    path.parent.mkdir(parents=True)
+    path.write_text(f"{first_lines}\nimport sys\nfrom vllm.entrypoints.cli.main import main\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_a_plain_shebang_names_the_interpreter(tmp_path: Path) -> None:
+    python = tmp_path / "venv" / "bin" / "python"
+    vllm = launcher(tmp_path / "venv" / "bin" / "vllm", f"#!{python}")
+    assert interpreter_of(str(vllm)) == [str(python)]
+
+
+@pytest.mark.parametrize("venv", ["my venv", "v" * 130])
+def test_pips_sh_launcher_names_the_interpreter_not_sh(tmp_path: Path, venv: str) -> None:
+    """pip (distlib) writes `#!/bin/sh` and an `exec` line when the interpreter's path has a
+    space or the shebang would pass Linux's 127 bytes (EPD_VENV or EPD_HARNESS_CACHE there):
+    the probe ran `/bin/sh -c <python>` and said it cannot read the vLLM version."""
+    python = tmp_path / venv / "bin" / "python"
+    vllm = launcher(
+        tmp_path / venv / "bin" / "vllm",
+        f"#!/bin/sh\n'''exec' \"{python}\" \"$0\" \"$@\"\n' '''",
+    )
+    assert interpreter_of(str(vllm)) == [str(python)]
