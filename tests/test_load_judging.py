@@ -1052,7 +1052,10 @@ def test_a_calibration_request_the_baseline_did_not_answer_is_not_said_changed_b
     load, session = stand_in_load(tmp_path, requests=4, concurrency=2, dies_after=3)
     requests = [("request 1", "ld-shared-a"), ("request 2", "ld-text")] * 2
     failed = load.sweep.baseline.calibrate_batched(session, requests, 2)  # type: ignore[arg-type]
-    assert not failed.changed and [a.label for a in failed.unanswered] == ["request 2"]
+    # Which request meets the death depends on the two threads' order: either may.
+    [unanswered] = failed.unanswered
+    assert not failed.changed, failed
     text = failed.describe()
     assert "batching changed" not in text and "every answer's ids equal" not in text, text
-    assert "the baseline did not answer 1 of them (ld-text): nothing measured there" in text
+    said = f"the baseline did not answer 1 of them ({unanswered.prompt}): nothing measured there"
+    assert said in text, text
