@@ -1005,6 +1005,23 @@ class SlowStandIn(StandIn):
         return super().send(prompt, body)
 
 
+class NearTieAfterCalibration(SlowStandIn):
+    """Answers ld-shared-a with "near-tie" once the calibration's two calls are done, whichever
+    of the load's overlapping requests comes first (a swap by call number raced)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.counting = threading.Lock()
+
+    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
+        time.sleep(0.2)
+        with self.counting:
+            self.calls += 1
+            call = self.calls
+        given = "near-tie" if call > 2 and prompt == "ld-shared-a" else prompt
+        return Outcome(prompt, result=self.answers[given], seconds=0.01)
+
+
 def test_a_batched_answer_is_held_to_its_own_loads_floor_not_another_loads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1015,7 +1032,9 @@ def test_a_batched_answer_is_held_to_its_own_loads_floor_not_another_loads(
     traffic had shown."""
     from harness.run.baseline import BatchedAnswer
 
-    load, session = stand_in_load(tmp_path, requests=2, session_type=SlowStandIn, concurrency=2)
+    load, session = stand_in_load(
+        tmp_path, requests=2, session_type=NearTieAfterCalibration, concurrency=2
+    )
     reference = session.answers["ld-shared-a"]
     last = reference.logprobs[-1]
     session.answers["near-tie"] = dataclasses.replace(
@@ -1028,7 +1047,6 @@ def test_a_batched_answer_is_held_to_its_own_loads_floor_not_another_loads(
             ),
         ),
     )
-    session.swap = {3: "near-tie"}  # calls 1-2: the calibration; 3: request 1, ld-shared-a
     load.sweep.settings = dataclasses.replace(load.sweep.settings, platform=CUDA)
     load.sweep.judging.settings = load.sweep.settings
     load.sweep.judging.reference_policy = ReferencePolicy(EXACT_EVERYWHERE)
