@@ -65,6 +65,7 @@ def test_summary_json_says_a_run_failed_by_its_problems_did_not_pass(tmp_path, c
     import time
 
     from harness.cli.main import EXIT_FAILED, finish_run
+    from harness.report.run_outputs import write_run_outputs
     from harness.report.text import write_summary_json
 
     records = [case_record("1E+1P+1D", "video", guards=UNCHECKED)]
@@ -75,8 +76,9 @@ def test_summary_json_says_a_run_failed_by_its_problems_did_not_pass(tmp_path, c
         result=SimpleNamespace(records=records, run_dir=tmp_path),
         run_info={},
         pool=SimpleNamespace(summary=lambda: "pool: 1 start"),
-        write_outputs=lambda: None,
     )
+    # What Sweep.write_outputs does with the run's records and run.json's fields.
+    sweep.write_outputs = lambda: write_run_outputs(tmp_path, records, {}, {}, sweep.run_info)
     args = SimpleNamespace(progress=SimpleNamespace(started=time.monotonic()))
     assert finish_run(args, served_unproven(sweep), sweep) == EXIT_FAILED
     summary = json.loads((tmp_path / "summary.json").read_text())

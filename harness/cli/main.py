@@ -58,12 +58,7 @@ from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_
 from harness.preflight.model import resolve_model
 from harness.preflight.upstream_proxy import proxy_choice
 from harness.preflight.vllm import default_vllm_executable, probe_served_vllm
-from harness.report.text import (
-    add_problems_to_summary,
-    format_failure,
-    format_verdict_table,
-    purpose_line,
-)
+from harness.report.text import format_failure, format_verdict_table, purpose_line
 from harness.run.faults.spec import FAULT_NAMES, FAULT_SYNTAX, GRADED_FAULTS
 from harness.run.matrix import MatrixRun
 from harness.run.repro import (
@@ -298,10 +293,9 @@ def finish_run(args: argparse.Namespace, problems: list[str], sweep: Sweep) -> i
         print(format_failure(record))
     for problem in problems:
         print(f"problem: {problem}")
-    if problems:  # verdicts.txt, diff.md and report.html say them too (and run.json keeps them)
+    if problems:  # summary.json, verdicts.txt, diff.md and report.html say them too (run.json too)
         sweep.run_info["problems"] = problems
         sweep.write_outputs()
-    add_problems_to_summary(result.run_dir / "summary.json", problems)
     purpose = purpose_line(sweep.run_info)  # as verdicts.txt, diff.md and report.html say it
     if purpose and failed:
         print(f"\n{purpose}: not failures of vLLM")

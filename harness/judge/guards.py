@@ -115,11 +115,7 @@ class TransferEvidence:
     def from_taps(cls, records: list[TapRecord], media_count: int) -> TransferEvidence:
         encoders = [r for r in records if r.role == Role.ENCODER.value]
         consumers = [r for r in records if r.role in CONSUMER_ROLES]
-        decodes = [
-            r
-            for r in records
-            if r.role in (Role.DECODE.value, Role.PREFILL_DECODE.value) and r.status == 200
-        ]
+        decodes = [r for r in records if r.role in DECODE_ROLES and r.status == 200]
         # Calls at D of more than one request: a proxy that sends ids of its own (vLLM's toy
         # P/D proxy) leaves the request's window as its records, and under load the window
         # holds its neighbours' calls too (`records_of`). A retry of one request keeps its id.

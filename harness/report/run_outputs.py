@@ -48,7 +48,7 @@ def write_run_outputs(
         for topology, by_prompt in outcomes.items()
     }
     write_json_atomic(run_dir / "responses.json", responses)
-    write_summary_json(run_dir / "summary.json", records, summary)
+    write_summary_json(run_dir / "summary.json", records, summary, run_info.get("problems") or ())
     write_verdicts(run_dir, records, run_info)
     write_bundle(run_dir, records, responses, run_info)
 

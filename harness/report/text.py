@@ -110,32 +110,27 @@ def describe_baseline_sources(sources: Mapping[str, Mapping[str, Any]]) -> str |
 
 
 def write_summary_json(
-    path: str | os.PathLike[str], records: Sequence[CaseRecord], run_info: dict[str, Any]
+    path: str | os.PathLike[str],
+    records: Sequence[CaseRecord],
+    run_info: dict[str, Any],
+    problems: Sequence[str] = (),
 ) -> None:
     """Write summary.json atomically, so a reader never sees half a file.
 
-    `passed` is False for a run without cases: a run that compared nothing proved nothing.
+    `passed` is False for a run without cases: a run that compared nothing proved nothing; and
+    for one its `problems` failed beyond the cases' verdicts (a pass whose guard nothing could
+    check, a matrix scenario not as declared), as the exit code says, for a CI job that reads
+    the file instead.
     """
     target = Path(path)
     document = {
         "run": run_info,
         "cases": [r.to_json() for r in records],
         "totals": _totals(records),
-        "passed": bool(records) and all(r.policy_passed for r in records),
+        "passed": bool(records) and all(r.policy_passed for r in records) and not problems,
     }
-    write_text_atomic(target, json.dumps(document, sort_keys=True, indent=2) + "\n")
-
-
-def add_problems_to_summary(path: str | os.PathLike[str], problems: Sequence[str]) -> None:
-    """Record in summary.json the problems that failed a run beyond its cases' verdicts (a
-    pass whose guard nothing could check, a matrix scenario not as declared): `passed` is then
-    false, as the exit code says, for a CI job that reads the file instead."""
-    target = Path(path)
-    if not problems or not target.exists():
-        return
-    document = json.loads(target.read_text())
-    document["problems"] = list(problems)
-    document["passed"] = False
+    if problems:
+        document["problems"] = list(problems)
     write_text_atomic(target, json.dumps(document, sort_keys=True, indent=2) + "\n")
 
 
