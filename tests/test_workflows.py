@@ -82,6 +82,22 @@ def triggers(workflow: dict) -> dict:
     return on
 
 
+def github_shell(workflow: dict, job: dict, step: dict) -> list[str]:
+    """How GitHub's runner starts this `run:` step on Linux (workflow syntax, `shell`): with no
+    shell named by the step, its job's or the workflow's `defaults.run`, `bash -e {0}`, without
+    pipefail; `shell: bash` is `bash --noprofile --norc -eo pipefail {0}`."""
+    named = [
+        step.get("shell"),
+        job.get("defaults", {}).get("run", {}).get("shell"),
+        workflow.get("defaults", {}).get("run", {}).get("shell"),
+    ]
+    shell = next((s for s in named if s is not None), None)
+    if shell is None:
+        return ["bash", "-e"]
+    assert shell == "bash", f"a shell these tests do not model: {shell!r}"
+    return ["bash", "--noprofile", "--norc", "-e", "-o", "pipefail"]
+
+
 def run_step_script(script: str, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
     """A step's `run:` script under bash with -e and pipefail, as GitHub runs it: (exit code,
     what it printed, stdout then stderr)."""
@@ -171,6 +187,57 @@ def test_every_workflow_uploads_the_runs_bundle_always(name: str) -> None:
     for step in uploads:
         assert step.get("if") == "always()", f"{name}: upload must run after failures too"
         assert step["with"]["path"].rstrip("/") == "runs"
+
+
+@pytest.mark.parametrize("name", WORKFLOW_NAMES)
+def test_every_run_step_gets_pipefail_as_these_tests_run_it(name: str) -> None:
+    """These tests run the steps with -e and pipefail (`run_step_script`); GitHub gives a step
+    pipefail only where `shell: bash` is named, and none was (found in review)."""
+    workflow = load(name)
+    for job in workflow["jobs"].values():
+        for step in job.get("steps", []):
+            if "run" in step:
+                assert "pipefail" in github_shell(workflow, job, step), (name, step.get("name"))
+
+
+@pytest.mark.parametrize("name", ("nightly-gpu.yml", "cherry-pick.yml"))
+def test_a_plan_that_cannot_fit_fails_the_plan_step(name: str, tmp_path: Path) -> None:
+    """The Plan step "fails fast on a plan that cannot fit": its `epd-harness plan | tee`,
+    run as GitHub runs it, exited with tee's 0, and the scenarios started on a refused plan
+    (found in review)."""
+    workflow = load(name)
+    job = only_job(workflow)
+    (step,) = [s for s in job["steps"] if s.get("name", "").startswith("Plan")]
+    venv, tools = tmp_path / "venv", tmp_path / "tools"
+    (venv / "bin").mkdir(parents=True)
+    tools.mkdir()
+    refusing = venv / "bin" / "epd-harness"
+    refusing.write_text('#!/bin/sh\necho "plan: 1E+1P+1D needs 3 devices" >&2\nexit 2\n')
+    (tools / "nvidia-smi").write_text("#!/bin/sh\n")
+    for tool in (refusing, tools / "nvidia-smi"):
+        tool.chmod(0o755)
+    env = {
+        **{k: str(v) for k, v in workflow.get("env", {}).items()},
+        **{k: str(v) for k, v in step.get("env", {}).items()},
+        "PATH": f"{tools}:/usr/bin:/bin",
+        "VENV": str(venv),
+        "RUN_NAME": "night",
+        "DEVICES": "0",
+        "COLOCATE": "false",
+        "GRAPHS": "false",
+        "DTYPE": "bfloat16",
+        "TOPOLOGIES": "",
+        "EPD_MODEL_DIR": str(tmp_path / "model"),
+    }
+    done = subprocess.run(
+        [*github_shell(workflow, job, step), "-c", step["run"]],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2, (done.returncode, done.stdout + done.stderr)
 
 
 # --- nightly-gpu.yml -------------------------------------------------------------------------
