@@ -19,10 +19,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def variables_read_by_the_code() -> set[str]:
     names: set[str] = set()
-    for source in [*(ROOT / "harness").rglob("*.py"), ROOT / "scripts" / "cpu"]:
+    # conftest.py's options default to variables (EPD_VLLM_SOURCE, the nightly's), and the
+    # Buildkite nightly reads its step's settings: both went undocumented (found in review).
+    sources = [
+        *(ROOT / "harness").rglob("*.py"),
+        *(ROOT / "scripts").glob("*.py"),
+        ROOT / "scripts" / "cpu",
+        ROOT / "conftest.py",
+        ROOT / "ci" / "buildkite" / "nightly.sh",
+    ]
+    for source in sources:
         text = source.read_text(encoding="utf-8")
         names |= set(re.findall(r"""environ(?:\.get)?[(\[]\s*["']([A-Z][A-Z0-9_]+)["']""", text))
-        names |= set(re.findall(r"""^[A-Z_]+_ENV = ["']([A-Z][A-Z0-9_]+)["']""", text, re.M))
+        # `CACHE_ENV = "..."`, and a module's own `ENV = "..."` (harness/testing/vllm_source.py)
+        names |= set(re.findall(r"""^(?:[A-Z_]+_)?ENV = ["']([A-Z][A-Z0-9_]+)["']""", text, re.M))
         # `${NAME:-default}` in a script, `${{NAME:-...}}` in the f-strings that write the
         # export's scripts (harness/run/export/files.py): both read by what the user runs.
         names |= set(re.findall(r"\$\{\{?([A-Z][A-Z0-9_]+):-", text))
