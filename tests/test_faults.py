@@ -19,7 +19,7 @@ import pytest
 from harness.judge.guards import EC_CACHE_FILE
 from harness.run.faults.ec_files import corrupt_ec_files
 from harness.run.faults.instance import kill_instance
-from harness.run.faults.kv_files import drop_kv, zero_kv_files
+from harness.run.faults.kv_files import drop_kv, kv_noise, zero_kv_files
 from harness.run.faults.planted import PlantedFault, first_request_only, plant
 from harness.run.faults.relayed import drop_encoder_metadata
 from harness.serve.launch import ManagedServer
@@ -212,6 +212,33 @@ def test_first_request_only_can_pick_the_request_by_a_part_of_its_id(tmp_path: P
     for request_id, response in zip(ids, responses):
         fault.after_prefill(request_id, response)
     assert ["kv_transfer_params" in r for r in responses] == [True, False, True], responses
+
+
+@pytest.mark.parametrize(
+    "make_fault",
+    [zero_kv_files, lambda storage: kv_noise(storage, 0.5), drop_kv],
+    ids=["zero-kv", "kv-noise", "drop-kv"],
+)
+def test_first_request_only_never_acts_on_another_in_flight_requests_kv_files(
+    tmp_path: Path, make_fault
+):
+    """Under a load, P writes the KV files of every request in flight, and the first one's
+    `after_prefill` may run after a neighbour's P answered too. The ExampleConnector KV faults
+    take every file P wrote since their previous request, so narrowed to the first request
+    they broke its neighbours as well: the fault must either stay on the first request's files
+    or be refused, saying why."""
+    try:
+        fault = first_request_only(make_fault(tmp_path))
+    except ValueError as refused:
+        assert "in flight" in str(refused), refused
+        return
+    write_kv_files(tmp_path, "prompt-of-the-first-request")
+    neighbour = write_kv_files(tmp_path, "prompt-of-a-request-in-flight")
+    before = {path: path.read_bytes() for path in neighbour}
+    fault.after_prefill("req-first", {})
+    fault.after_prefill("req-neighbour", {})
+    changed = [p.name for p in neighbour if not p.is_file() or p.read_bytes() != before[p]]
+    assert not changed, f"the neighbour's KV files were changed: {changed}; {fault.effects}"
 
 
 def test_drop_encoder_metadata_sets_only_the_drop_flag():

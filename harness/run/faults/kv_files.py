@@ -16,6 +16,15 @@ from harness.run.faults.tensors import file_seed, noise_transform, zeros
 if TYPE_CHECKING:
     import torch
 
+# Why the ExampleConnector KV faults cannot act on one request alone (`first_request_only`).
+KV_FILES_OF_ANY_REQUEST = (
+    "the ExampleConnector KV faults act on every KV file P wrote since their previous request "
+    "(a prompt's directory is a hash of its tokens and media, which the proxy does not see), "
+    "so with other requests in flight they would act on those requests' files too; plant "
+    "them with one request at a time, or under NixlConnector, whose KV faults act on the "
+    "request's own kv_transfer_params"
+)
+
 
 def zero_kv_files(kv_storage: Path) -> PlantedFault:
     """After P answered, zero the KV files P wrote for this request (shapes and dtypes kept).
@@ -25,7 +34,7 @@ def zero_kv_files(kv_storage: Path) -> PlantedFault:
     too, and the next request of such a prompt (a streamed sweep after the self-test, on real
     vLLM) read zeroed KV and failed for a fault no longer planted.
     """
-    fault = PlantedFault()
+    fault = PlantedFault(not_one_request=KV_FILES_OF_ANY_REQUEST)
     fault.after_prefill = rewrite_fresh_kv_files(kv_storage, fault, lambda key: zeros)
     return fault
 
@@ -55,6 +64,7 @@ def drop_kv(kv_storage: Path, kv_connector: str = "ExampleConnector") -> Planted
 
         fault.after_prefill = drop_params
         return fault
+    fault.not_one_request = KV_FILES_OF_ANY_REQUEST
     written = KvFilesSince(kv_storage)
 
     def remove_directories(request_id: str, prefill_response: dict[str, Any]) -> None:
@@ -81,7 +91,7 @@ def drop_kv(kv_storage: Path, kv_connector: str = "ExampleConnector") -> Planted
 def kv_noise(kv_storage: Path, fraction: float, seed: int = 0) -> PlantedFault:
     """After P answered, add Gaussian noise of `fraction` x each tensor's std to the KV files
     P wrote for this request (seeded by the file's key: the same file gets the same noise)."""
-    fault = PlantedFault()
+    fault = PlantedFault(not_one_request=KV_FILES_OF_ANY_REQUEST)
     fault.after_prefill = rewrite_fresh_kv_files(
         kv_storage, fault, lambda key: noise_transform(fraction, file_seed(seed, key), fault)
     )

@@ -54,6 +54,9 @@ class PlantedFault(ProxyFaults):
     # The problems (each in `problems` too) of requests the fault did not act on but whose
     # items it changed for an earlier request, which may still reach them (see above).
     outlived: list[str] = field(default_factory=list)
+    # Why the fault cannot be narrowed to one request among several in flight ("" if it can):
+    # `first_request_only` refuses it rather than let it act on the neighbours too.
+    not_one_request: str = ""
 
     def rewrite(
         self, request_id: str, path: Path, transform: Callable[[torch.Tensor], torch.Tensor]
@@ -86,7 +89,14 @@ def plant(live: ProxyFaults, fault: ProxyFaults | None = None) -> None:
 def first_request_only(fault: PlantedFault, id_contains: str = "") -> PlantedFault:
     """`fault`, acting on the first request whose hook runs (of those whose id holds
     `id_contains`; the harness's sessions put the prompt's name in it) and on no other: one
-    broken request among many in flight (a load), the rest left as they were."""
+    broken request among many in flight (a load), the rest left as they were.
+
+    ValueError for a fault that picks what it acts on by something other than the request
+    (`PlantedFault.not_one_request`): narrowed to the first request's hook, it would still act
+    on the other requests in flight.
+    """
+    if fault.not_one_request:
+        raise ValueError(f"first_request_only: {fault.not_one_request}")
     chosen: list[str] = []
 
     def once(hook: Callable[[str, dict[str, Any]], None] | None):
