@@ -21,7 +21,7 @@ from harness.run.faults.ec_files import corrupt_ec_files
 from harness.run.faults.instance import kill_instance
 from harness.run.faults.kv_files import drop_kv, kv_noise, zero_kv_files
 from harness.run.faults.planted import PlantedFault, first_request_only, plant
-from harness.run.faults.relayed import drop_encoder_metadata
+from harness.run.faults.relayed import drop_encoder_metadata, duplicate_stream_chunk
 from harness.serve.launch import ManagedServer
 from harness.serve.proxy import ProxyFaults
 from harness.serve.server_command import ServerCommand
@@ -239,6 +239,19 @@ def test_first_request_only_never_acts_on_another_in_flight_requests_kv_files(
     fault.after_prefill("req-neighbour", {})
     changed = [p.name for p in neighbour if not p.is_file() or p.read_bytes() != before[p]]
     assert not changed, f"the neighbour's KV files were changed: {changed}; {fault.effects}"
+
+
+@pytest.mark.parametrize("make_fault", [drop_encoder_metadata, duplicate_stream_chunk])
+def test_first_request_only_never_leaves_a_proxy_flag_on_for_every_request(make_fault):
+    """The flag faults have no hook to narrow: the proxy reads the flag on every request, so
+    `first_request_only` must refuse them, not hand them back acting on all."""
+    try:
+        fault = first_request_only(make_fault())
+    except ValueError as refused:
+        assert "every request" in str(refused), refused
+        return
+    flags = {"drop": fault.drop_encoder_metadata, "dup": fault.duplicate_first_token_chunk}
+    assert not any(flags.values()), f"a flag stays on for every request: {flags}"
 
 
 def test_drop_encoder_metadata_sets_only_the_drop_flag():

@@ -10,6 +10,12 @@ from typing import Any
 from harness.run.faults.planted import PlantedFault
 from harness.run.faults.video_grid import grid_like, video_grid
 
+# Why a flag fault cannot act on one request alone (`first_request_only`).
+FLAG_OF_EVERY_REQUEST = (
+    "a proxy flag fault has no hook to narrow: the proxy reads the flag on every request, so "
+    "it would act on every request in flight"
+)
+
 
 def drop_encoder_metadata() -> PlantedFault:
     """The proxy ignores what the encoders returned, so the consumer gets raw media.
@@ -17,14 +23,14 @@ def drop_encoder_metadata() -> PlantedFault:
     This is the silent raw-media fallback (failure mode 8): the consumer encodes locally and
     the tokens still match; only the transfer guards can turn it red.
     """
-    return PlantedFault(drop_encoder_metadata=True)
+    return PlantedFault(drop_encoder_metadata=True, not_one_request=FLAG_OF_EVERY_REQUEST)
 
 
 def duplicate_stream_chunk() -> PlantedFault:
     """The proxy relays the first chunk of D's stream that carries generated tokens twice, as a
     proxy that relays P's first token and then D's whole stream does: the client reads one
     token twice, and the final usage counts one fewer than the stream carried."""
-    return PlantedFault(duplicate_first_token_chunk=True)
+    return PlantedFault(duplicate_first_token_chunk=True, not_one_request=FLAG_OF_EVERY_REQUEST)
 
 
 def ec_video_grid(ec_storage: Path | None = None) -> PlantedFault:
