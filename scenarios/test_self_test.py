@@ -9,7 +9,9 @@ transfer guard failed), a killed instance is ERROR within seconds and leaves no 
 Each topology is the session's running one (harness.testing.collection: started once for every
 scenario that needs it) and serves a clean request first, then one fault after another on the
 self-test's own prompts (harness.run.self_test: media of their own, so distinct mm hashes, EC
-and KV files), so one fault cannot bleed into the next case, nor into another scenario's. Every
+and KV files), so one fault cannot bleed into the next case, nor into another scenario's. The
+corrupted EC files' prompt is first sent clean, its control, and the fault then goes to the
+topology started afresh (its consumer would serve the control's embeddings from memory). Every
 verdict is judged on the run's one judging path against the shared baseline. The kill runs
 last in its topology's group (`epd_ends_session`).
 """
@@ -102,8 +104,21 @@ class TestEncoderFaults:
     def test_clean_request_matches(self, encoder_topology: LiveTopology):
         send_clean(encoder_topology)
 
-    def test_corrupted_ec_files_are_a_mismatch(self, encoder_topology: LiveTopology):
-        live = encoder_topology
+    def test_corrupted_ec_files_are_a_mismatch(
+        self, encoder_topology: LiveTopology, epd_pool, epd_live
+    ):
+        """A MISMATCH under the fault shows it caught only if this very prompt MATCHes without
+        it (else the two-image prompt itself may differ), so the prompt goes clean first. Its
+        consumer then keeps the clean embeddings by mm_hash (vLLM's encoder cache,
+        docs/load.md) and would read them instead of the corrupted files: the faulted request
+        goes to the topology started afresh, one start more."""
+        control = judged(encoder_topology, encoder_topology.send(CORRUPT_EC_PROMPT.name))
+        assert passed_proven(control), (
+            "the prompt must MATCH without the fault, or its MISMATCH with the fault proves "
+            "nothing about the fault:\n" + format_failure(control)
+        )
+        epd_pool.release(encoder_topology.name)  # its next use starts it again
+        live = epd_live(encoder_topology.name)
         fault = corrupt_ec_files(live.session.ec_storage)
         observed = live.send_with_fault(fault, CORRUPT_EC_PROMPT.name)
         assert_fault_fired(fault)
