@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from harness.preflight.shell_script import ScriptError
-from harness.preflight.upstream_parity import compare
+from harness.preflight.upstream_parity import compare, harness_launches
 from harness.spec.generations import NEWEST, generation_for
 from harness.spec.platforms import CUDA
-from harness.spec.topology import TOPOLOGIES
+from harness.spec.topology import TOPOLOGIES, Role, Topology
 from harness.spec.upstream_differences import DIFFERENCES, PROXY_ROLES, SERVE_ROLES, Kind
 from harness.spec.upstream_differences import render_markdown as render_table
 
@@ -175,6 +175,19 @@ def test_a_proxy_given_another_roles_instance_fails_naming_the_flag() -> None:
         f"1P+1D/toy-proxy: --decoder-ports role is 'prefill' upstream (line {toy_line}), "
         "'decode' in the harness",
     ]
+
+
+def test_the_compared_proxy_line_is_the_one_the_session_starts() -> None:
+    """Parity's own proxy line must come from the session's wiring (`routes_for`), which sends
+    decode work to the decode instances and to PD ones only when there are none; it built its
+    own, handing the proxy every decode and PD instance: a line the harness never runs."""
+    roles = (Role.ENCODER, Role.PREFILL, Role.DECODE, Role.PREFILL_DECODE)
+    topology = Topology("1E+1P+1D+1PD", roles)
+    launches = {launch.instance: launch for launch in harness_launches(topology, NEWEST)}
+    proxy = launches["1E+1P+1D+1PD/epd-proxy"].items
+    assert proxy["--decode-servers-urls role"] == "decode"
+    assert proxy["--encode-servers-urls role"] == "encoder"
+    assert proxy["--prefill-servers-urls role"] == "prefill"
 
 
 def test_an_allowed_difference_is_allowed_only_where_and_when_the_table_says() -> None:

@@ -7,8 +7,9 @@ is read without running it (`harness.preflight.shell_script`), as run with
 the roles its `vllm serve` lines take (their EC and KV transfer configs), plus its proxy line.
 Each `vllm serve` line and proxy line becomes items (flags, keys of JSON-valued flags, the
 model, environment variables, the interpreter), and so does the harness's own rendering of the
-same topology (`harness.spec.placement.place_instances`, `harness.serve.vllm_proxy`), one device
-per instance, upstream's layout. Every item that differs must be a deliberate difference of
+same topology by the builders a session uses (`harness.spec.placement.place_instances`,
+`harness.serve.entry.routes_for` and `vllm_proxy_for`), one device per instance, upstream's
+layout. Every item that differs must be a deliberate difference of
 `harness.spec.upstream_differences`; anything else is a finding naming the instance and the item.
 """
 
@@ -22,7 +23,8 @@ from pathlib import Path
 
 from harness.environment import LOOPBACK_HOST
 from harness.preflight.shell_script import UNKNOWN, Command, ScriptError, read_commands
-from harness.serve.vllm_proxy import EPD_PROXY_FILE, TOY_PROXY_FILE, vllm_proxy_launch
+from harness.serve.entry import routes_for, vllm_proxy_for
+from harness.serve.vllm_proxy import EPD_PROXY_FILE, TOY_PROXY_FILE
 from harness.spec.generations import ProtocolGeneration
 from harness.spec.placement import place_instances, side_channel_port_count
 from harness.spec.platforms import CUDA, PlatformProfile
@@ -332,21 +334,12 @@ def harness_launches(
         for spec in specs
     ]
     if len(specs) > 1:
-        taps = {role: [] for role in Role}
-        roles_by_port = {}
-        for spec in specs:
-            port = str(next(ports))
-            taps[spec.role].append(f"http://{LOOPBACK_HOST}:{port}")
-            roles_by_port[port] = spec.role.value
-        proxy = vllm_proxy_launch(
-            (SERVED_PYTHON,),
-            Path(SOURCE_ROOT),
-            LOOPBACK_HOST,
-            next(ports),
-            taps[Role.ENCODER],
-            taps[Role.PREFILL],
-            taps[Role.DECODE] + taps[Role.PREFILL_DECODE],
-        )
+        # A tap in front of every instance, wired as the session wires them (`routes_for`).
+        tap_ports = {spec.url: str(next(ports)) for spec in specs}
+        roles_by_port = {tap_ports[spec.url]: spec.role.value for spec in specs}
+        tap_urls = {url: f"http://{LOOPBACK_HOST}:{port}" for url, port in tap_ports.items()}
+        routes = routes_for(specs, tap_urls)
+        proxy = vllm_proxy_for((SERVED_PYTHON,), Path(SOURCE_ROOT), next(ports), routes)
         role = PROXY_ROLES[_proxy_file(proxy.argv) or ""]
         items = _with_roles(proxy_items(proxy.argv, proxy.env), roles_by_port)
         launches.append(Launch(f"{topology.name}/{role}", items, ""))

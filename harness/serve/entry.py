@@ -28,7 +28,12 @@ from harness.serve.ports import PortLease, reserve_ports
 from harness.serve.proxy import EPDProxy, ProxyFaults, ProxyRoutes, ProxyServer
 from harness.serve.server_command import ServerCommand
 from harness.serve.server_log import log_path_for
-from harness.serve.vllm_proxy import register_instances, registrations, vllm_proxy_launch
+from harness.serve.vllm_proxy import (
+    VllmProxyLaunch,
+    register_instances,
+    registrations,
+    vllm_proxy_launch,
+)
 from harness.spec.instances import InstanceSpec
 from harness.spec.settings import (
     DYNAMIC_REGISTRATION,
@@ -144,9 +149,7 @@ def start_vllm_proxy(
     # The toy P/D proxy (no encoders) has only static URLs: 1P+1D keeps them.
     dynamic = choice.registration == DYNAMIC_REGISTRATION and bool(routes.encoder_urls)
     admin_key = secrets.token_hex(16) if dynamic else None
-    launch = vllm_proxy_launch(
-        choice.interpreter, choice.files_dir, LOOPBACK_HOST, lease.port, *urls, admin_key
-    )
+    launch = vllm_proxy_for(choice.interpreter, choice.files_dir, lease.port, routes, admin_key)
     url = f"http://{LOOPBACK_HOST}:{lease.port}"
     name = f"{topology.name}/vllm-proxy" + ("-dynamic" if dynamic else "")
     command = ServerCommand(
@@ -170,6 +173,19 @@ def start_vllm_proxy(
         server.stop()
         raise
     return server, url
+
+
+def vllm_proxy_for(
+    interpreter: tuple[str, ...],
+    files_dir: Path,
+    port: int,
+    routes: ProxyRoutes,
+    admin_key: str | None = None,
+) -> VllmProxyLaunch:
+    """The served release's proxy command for `routes` (`routes_for`: the taps' URLs), bound
+    to loopback: what a session starts, and what upstream parity compares with upstream's."""
+    urls = (list(routes.encoder_urls), list(routes.prefill_urls), list(routes.decode_urls))
+    return vllm_proxy_launch(interpreter, files_dir, LOOPBACK_HOST, port, *urls, admin_key)
 
 
 def routes_for(instances: list[InstanceSpec], via: dict[str, str] | None = None) -> ProxyRoutes:
