@@ -177,6 +177,34 @@ def test_a_proxy_given_another_roles_instance_fails_naming_the_flag() -> None:
     ]
 
 
+def test_a_repeated_json_flag_is_read_as_vllm_takes_it_the_last_one() -> None:
+    """vLLM's argparse keeps the last of two --ec-transfer-config: the keys of the first are
+    gone. Merged key by key, the PD line still read as an EC consumer and parity stayed green
+    for an instance vLLM starts with no EC role at all."""
+    # The PD's config split in two: its role in the first, its storage in the second.
+    assert SMALL.count('"ec_role": "ec_consumer",') == 1
+    script = SMALL.replace(
+        '"ec_role": "ec_consumer",',
+        '"ec_role": "ec_consumer"}\' \\\n'
+        '        --ec-transfer-config \'{"ec_connector": "ECExampleConnector",',
+    )
+    assert compare(script, NEWEST, CUDA).report() == [
+        "stage serve_e_pd launches encoder, baseline, epd-proxy: no harness topology has these "
+        "roles"
+    ]
+
+
+def test_a_repeated_flag_is_a_finding_of_its_own() -> None:
+    """A flag given twice on one line is compared as such: for an append option (vLLM's
+    --middleware) vLLM keeps every value, so the last one alone is not what it runs."""
+    script = planted(
+        SMALL, "--enable-request-id-headers --max-num-seqs 128 \\", "--max-num-seqs 128"
+    )
+    assert compare(script, NEWEST, CUDA).report() == [
+        "1E+1PD/pd: --max-num-seqs repeated is '2 times' upstream (line 16), absent in the harness"
+    ]
+
+
 def test_the_compared_proxy_line_is_the_one_the_session_starts() -> None:
     """Parity's own proxy line must come from the session's wiring (`routes_for`), which sends
     decode work to the decode instances and to PD ones only when there are none; it built its

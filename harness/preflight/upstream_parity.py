@@ -265,7 +265,11 @@ def _with_roles(items: dict[str, str], roles_by_port: Mapping[str, str]) -> dict
 
 
 def _flag_items(words: Sequence[str]) -> dict[str, str]:
+    """Flags as vLLM's argparse takes them: a flag given again replaces what it gave before
+    (a JSON config whole, never merged key by key), and the repetition is an item of its own,
+    "--flag repeated": "2 times", as an append option (--middleware) keeps every value."""
     items: dict[str, str] = {}
+    given: dict[str, int] = {}
     i = 0
     while i < len(words):
         word = words[i]
@@ -281,11 +285,17 @@ def _flag_items(words: Sequence[str]) -> dict[str, str]:
             values.append(words[i])
             i += 1
         value = " ".join(values)
+        given[name] = given.get(name, 0) + 1
+        for key in [k for k in items if k == name or k.startswith(f"{name} ")]:
+            del items[key]
         parsed = _json_object(value)
         if parsed is None:
             items[name] = value
         else:
             items.update({f"{name} {key}": leaf for key, leaf in _leaves(parsed)})
+    items.update(
+        {f"{name} repeated": f"{count} times" for name, count in given.items() if count > 1}
+    )
     return items
 
 
