@@ -205,6 +205,28 @@ def test_a_repeated_flag_is_a_finding_of_its_own() -> None:
     ]
 
 
+def test_a_proxy_flag_is_compared_as_spelled_unlike_a_vllm_serve_flag() -> None:
+    """`vllm serve` takes --max_num_seqs for --max-num-seqs (vLLM's parser), a proxy's plain
+    argparse does not: upstream's proxy taking --encode_servers_urls would refuse the harness's
+    --encode-servers-urls, yet both read as one flag and parity stayed green."""
+    serve = SMALL.replace(
+        "--max-num-seqs 128 \\\n        --ec-transfer-config",
+        "--max_num_seqs 128 \\\n        --ec-transfer-config",
+    )
+    assert serve != SMALL
+    assert compare(serve, NEWEST, CUDA).report() == []
+    line = next(i for i, text in enumerate(SMALL.splitlines(), 1) if "disagg_epd_proxy" in text)
+    proxy = SMALL.replace("--encode-servers-urls", "--encode_servers_urls")
+    assert compare(proxy, NEWEST, CUDA).report() == [
+        f"1E+1PD/epd-proxy: --encode-servers-urls is absent upstream (line {line}), "
+        "'http://127.0.0.1:30002' in the harness",
+        f"1E+1PD/epd-proxy: --encode-servers-urls role is absent upstream (line {line}), "
+        "'encoder' in the harness",
+        f"1E+1PD/epd-proxy: --encode_servers_urls is 'http://localhost:19534' upstream "
+        f"(line {line}), absent in the harness",
+    ]
+
+
 def test_the_compared_proxy_line_is_the_one_the_session_starts() -> None:
     """Parity's own proxy line must come from the session's wiring (`routes_for`), which sends
     decode work to the decode instances and to PD ones only when there are none; it built its

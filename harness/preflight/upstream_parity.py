@@ -229,7 +229,7 @@ def serve_items(argv: Sequence[str], env: dict[str, str]) -> dict[str, str]:
     if start < len(argv) and not argv[start].startswith("--"):
         items["model"] = argv[start]
         start += 1
-    items.update(_flag_items(argv[start:]))
+    items.update(_flag_items(argv[start:], vllm_spelling=True))
     items.update({f"env {name}": value for name, value in env.items()})
     return items
 
@@ -240,7 +240,7 @@ def proxy_items(argv: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
     program = _proxy_file(argv)
     index = next(i for i, word in enumerate(argv) if program and word.endswith(program))
     items = {"interpreter": " ".join(argv[:index]), "program": program or ""}
-    items.update(_flag_items(argv[index + 1 :]))
+    items.update(_flag_items(argv[index + 1 :], vllm_spelling=False))
     items.update({f"env {name}": value for name, value in env.items()})
     return items
 
@@ -264,10 +264,12 @@ def _with_roles(items: dict[str, str], roles_by_port: Mapping[str, str]) -> dict
     return found
 
 
-def _flag_items(words: Sequence[str]) -> dict[str, str]:
+def _flag_items(words: Sequence[str], vllm_spelling: bool) -> dict[str, str]:
     """Flags as vLLM's argparse takes them: a flag given again replaces what it gave before
     (a JSON config whole, never merged key by key), and the repetition is an item of its own,
-    "--flag repeated": "2 times", as an append option (--middleware) keeps every value."""
+    "--flag repeated": "2 times", as an append option (--middleware) keeps every value.
+    `vllm_spelling`: "--max_num_seqs" is "--max-num-seqs", as vLLM's parser reads it; a
+    proxy's plain argparse takes only the spelling it declares."""
     items: dict[str, str] = {}
     given: dict[str, int] = {}
     i = 0
@@ -278,7 +280,8 @@ def _flag_items(words: Sequence[str]) -> dict[str, str]:
             i += 1
             continue
         name, equals, inline = word.partition("=")
-        name = name.replace("_", "-")
+        if vllm_spelling:
+            name = name.replace("_", "-")
         values = [inline] if equals else []
         i += 1
         while not equals and i < len(words) and not words[i].startswith("--"):
