@@ -317,6 +317,18 @@ def test_a_line_it_cannot_expand_is_an_error_never_a_guess() -> None:
         compare(script, NEWEST, CUDA)
 
 
+def test_an_argument_it_cannot_expand_is_an_error_too_not_an_item() -> None:
+    """An array of common flags ("${COMMON[@]}", a form upstream's script already uses for its
+    client) right after the model is no flag's value: it became an item named by the reader's
+    placeholder ("positional \\x00?"), compared as if upstream had set it."""
+    script = SMALL.replace(
+        'vllm serve "$MODEL" --port 19537', 'vllm serve "$MODEL" "${COMMON[@]}" --port 19537'
+    )
+    assert script != SMALL
+    with pytest.raises(ScriptError, match=r"line 16: cannot expand an argument"):
+        compare(script, NEWEST, CUDA)
+
+
 def test_unused_entries_are_reported_as_stale() -> None:
     parity = compare(SMALL, NEWEST, CUDA)
     stale = {(entry.item, entry.kind) for entry in parity.unused()}

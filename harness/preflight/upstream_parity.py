@@ -148,7 +148,10 @@ def upstream_launches(script_text: str, platform: PlatformProfile) -> dict[str, 
             else:
                 items = _with_roles(proxy_items(command.argv, command.env), roles_by_port)
                 role = PROXY_ROLES[_proxy_file(command.argv)]
-            unknown = [k for k, v in items.items() if UNKNOWN in v]
+            # An unexpanded word that is no flag's value names its own item: never compare it.
+            unknown = [
+                "an argument" if UNKNOWN in k else k for k, v in items.items() if UNKNOWN in k + v
+            ]
             if unknown:
                 raise ScriptError(f"line {command.line}: cannot expand {unknown[0]}")
             found.append(Launch(f"{name}/{role}", items, f"line {command.line}"))
