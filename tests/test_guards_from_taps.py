@@ -15,6 +15,7 @@ from harness.judge.guards import (
     check_transfers,
 )
 from harness.outcomes.taps import TapRecord, records_of
+from harness.spec.connectors import KvRule
 from harness.spec.topology import get_topology
 from harness.testing.builders import cached_answer
 
@@ -209,3 +210,20 @@ def test_d_calls_of_several_requests_in_one_window_are_no_ones_kv_evidence() -> 
     retried = [call(1, "decode", "req-a", 0), call(2, "decode", "req-a", 64)]
     evidence = TransferEvidence.from_taps(records_of(retried, "req-a"), 0)
     assert check_kv_transfer(cached_answer(89, None), block_size=32, evidence=evidence).ok
+
+
+def test_under_nixl_d_calls_of_several_requests_in_one_window_hold_no_kv_guard_either() -> None:
+    """The toy proxy's window under load, as above, with NixlConnector: D's p2p counter over
+    the window grew by both requests' prompts, the neighbour's among them. Found in review:
+    the whole-prompt rule read that growth as this request's transfer and held."""
+    window = [consumer(0, "prefill"), consumer(1, "prefill"), consumer(2, "decode", cached=0)]
+    window += [consumer(3, "decode", cached=0)]
+    for record, request_id in zip(window, ("uuid-a", "uuid-b", "uuid-a", "uuid-b")):
+        record.request_id = request_id
+    evidence = TransferEvidence.from_taps(records_of(window, "load-req-a"), 0)
+    counters = {"p2p_cached_tokens": 89.0, "nixl_transfers": 1.0, "nixl_failed_transfers": 0.0}
+    guard = check_kv_transfer(
+        cached_answer(89, 0), 32, KvRule.WHOLE_PROMPT, counters, evidence=evidence
+    )
+    assert not guard.ok and not guard.checkable, guard
+    assert "2 requests" in guard.evidence, guard.evidence

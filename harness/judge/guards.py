@@ -277,11 +277,16 @@ def check_kv_transfer(
     rule: KvRule = KvRule.BLOCK_ALIGNED_PREFIX,
     counters: dict[str, float] | None = None,
     evidence: TransferEvidence | None = None,
+    others_in_flight: bool = False,
 ) -> GuardResult:
     """Did D receive what the connector moves? ExampleConnector: D's own `cached_tokens` (at its
     tap; without tap evidence, the answer the client got, which a proxy could rewrite). NIXL:
     D's `p2p` cached-token counter for the request (harness.serve.kv_metrics) with D's local
-    prefix hit (`cached_tokens` under NIXL), and no failed NIXL transfer."""
+    prefix hit (`cached_tokens` under NIXL), and no failed NIXL transfer. That counter is D's,
+    not a request's: with other requests in flight in the request's window
+    (`others_in_flight`, or D's calls of several requests at its tap) their transfers are in
+    it too, and the guard is not checkable (a load accounts each round's counter as a whole:
+    `check_kv_account`)."""
     prompt = len(result.prompt_token_ids)
     expected = expected_kv_tokens(rule, prompt, block_size)
     cached = result.cached_tokens if evidence is None else evidence.decode_cached_tokens
@@ -295,6 +300,14 @@ def check_kv_transfer(
                 f"nothing shows that the {rule.value} ({expected} of {prompt} "
                 f"tokens) reached D (cached_tokens={cached})",
             )
+        if others_in_flight:  # found in review: a neighbour's transfer held this one's guard
+            return not_checkable(
+                "kv_transfer",
+                "other requests were in flight during this one, and D's p2p counter is "
+                "theirs too (a load accounts each round's counter as a whole)",
+            )
+        if evidence is not None and evidence.decode_unattributed:
+            return not_checkable("kv_transfer", evidence.decode_unattributed)
         received = counters.get("p2p_cached_tokens", 0.0)
         failed = counters.get("nixl_failed_transfers", 0.0)
         local = cached or 0  # D's own prefix-cache hit: NIXL moves only the rest
@@ -392,8 +405,10 @@ def check_transfers(
     block_size: int,
     kv_rule: KvRule = KvRule.BLOCK_ALIGNED_PREFIX,
     kv_counters: dict[str, float] | None = None,
+    others_in_flight: bool = False,
 ) -> list[GuardResult]:
-    """Every guard that applies to this topology and request."""
+    """Every guard that applies to this topology and request (`others_in_flight`: another
+    request was in flight at the session during this one's window)."""
     evidence = as_evidence(source, result) if source is not None else None
     guards: list[GuardResult] = []
     if topology.has_ec_transfer and evidence is not None and evidence.media_count:
@@ -401,7 +416,7 @@ def check_transfers(
         guards.append(check_consumer_embeds(evidence))
     if topology.has_kv_transfer:
         guards.append(
-            check_kv_transfer(result, block_size, kv_rule, kv_counters, evidence=evidence)
+            check_kv_transfer(result, block_size, kv_rule, kv_counters, evidence, others_in_flight)
         )
     return guards
 
@@ -516,6 +531,7 @@ def transfer_guards(served: ServedTopology, outcome: Outcome) -> list[GuardResul
         served.block_size,
         kv_rule,
         outcome.kv_counters,
+        outcome.others_in_flight,
     )
     if evidence is None and served.topology.has_ec_transfer and outcome.media_count:
         # Without evidence the EC guards would simply be missing, and a MATCH would stand

@@ -33,6 +33,9 @@ class Outcome:
     # D's KV counters, after minus before the request (harness.serve.kv_metrics); None without
     # a D, or when its /metrics could not be read.
     kv_counters: dict[str, float] | None = None
+    # Another request was in flight at the session during this one's window (a load): the
+    # counters above hold its transfers too, and show nothing of this request's own.
+    others_in_flight: bool = False
     # An attached deployment's (--proxy attach): what could be seen from outside it.
     attached: AttachedEvidence | None = None
     # A streamed answer's framing, as the client received it (None: not streamed).
@@ -50,6 +53,7 @@ class Outcome:
             "media_count": self.media_count,
             "seconds": round(self.seconds, 3),
             "kv_counters": self.kv_counters,
+            "others_in_flight": self.others_in_flight,
             "attached": self.attached.to_json() if self.attached else None,
             "stream": self.stream.to_json() if self.stream else None,
             "sent_at": round(self.sent_at, 3),

@@ -37,6 +37,7 @@ from harness.files import write_json_atomic
 from harness.outcomes.attached import AttachedEvidence
 from harness.outcomes.outcome import Outcome, ServedTopology
 from harness.serve.client import ChatClient, ChatReply
+from harness.serve.in_flight import InFlightWindows
 from harness.serve.kv_metrics import KvCounters, read_counters
 from harness.serve.proxy import ProxyFaults
 from harness.serve.proxy_protocol import MediaRef, collect_media
@@ -119,10 +120,9 @@ class AttachedSession:
         self.entry_url = spec.proxy_url
         self.versions: dict[str, str] = {}  # instance name -> its /version
         self._client: ChatClient | None = None
-        # Requests in flight (a load sends concurrently) -> whether another was in flight with
-        # it: their windows' EC files and encoder counts are then not one request's alone.
-        self._flight_lock = threading.Lock()
-        self._in_flight: dict[str, bool] = {}
+        # A load sends concurrently: a window another request shared holds EC files and
+        # encoder counts that are not one request's alone.
+        self._in_flight = InFlightWindows()
 
     @property
     def ec_storage(self) -> Path | None:
@@ -187,27 +187,15 @@ class AttachedSession:
             outcome.seconds = time.monotonic() - started
             return outcome
         request_id = f"{safe_name(self.topology.name)}-{prompt}-{uuid.uuid4().hex[:8]}"
-        self._begin(request_id)
+        self._in_flight.begin(request_id)
         try:
             self._send_counted(outcome, media, body, request_id, started)
         finally:
-            shared = self._end(request_id)
+            shared = self._in_flight.end(request_id)
+        outcome.others_in_flight = shared
         if outcome.attached is not None:
             outcome.attached.shared = shared
         return outcome
-
-    def _begin(self, request_id: str) -> None:
-        """A request's evidence window opens: it and every request in flight share it."""
-        with self._flight_lock:
-            others = bool(self._in_flight)
-            for other in self._in_flight:
-                self._in_flight[other] = True
-            self._in_flight[request_id] = others
-
-    def _end(self, request_id: str) -> bool:
-        """Whether another request was in flight at any moment of this one's window."""
-        with self._flight_lock:
-            return self._in_flight.pop(request_id)
 
     def _send_counted(
         self,

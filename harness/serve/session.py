@@ -26,6 +26,7 @@ from harness.files import write_text_atomic
 from harness.outcomes.outcome import InstanceStats, Outcome, ServedTopology
 from harness.outcomes.startup import startup_timeline
 from harness.serve.entry import Entry, command_json, open_entry, proxy_key
+from harness.serve.in_flight import InFlightWindows
 from harness.serve.kv_metrics import KvCounters, read_counters
 from harness.serve.launch import ManagedServer, ServerDied
 from harness.serve.launcher import LocalLauncher
@@ -141,6 +142,9 @@ class TopologySession:
         # Where the logs of an earlier start in the same directory went (`prepare_session_dir`):
         # a restart's cause names them.
         self.earlier_logs: dict[Path, Path] = {}
+        # A load sends concurrently: a window another request shared holds D's counters of
+        # its transfers too (NIXL's p2p counter is D's, not a request's).
+        self._in_flight = InFlightWindows()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -369,6 +373,26 @@ class TopologySession:
         outcome = Outcome(prompt=prompt, media_count=len(collect_media(body)), sent_at=time.time())
         started = time.monotonic()
         log_offsets = {server.name: server.log_size() for server in self._servers}
+        self._in_flight.begin(request_id)  # until D's counters are read again
+        try:
+            self._send_counted(outcome, entry, body, request_id, started, log_offsets)
+        finally:
+            outcome.others_in_flight = self._in_flight.end(request_id)
+        outcome.trace = entry.take_trace(request_id)
+        self._sample_memory()
+        return outcome
+
+    def _send_counted(
+        self,
+        outcome: Outcome,
+        entry: Entry,
+        body: dict[str, Any],
+        request_id: str,
+        started: float,
+        log_offsets: dict[str, int],
+    ) -> None:
+        """The request, with D's counters read around it and its taps' records."""
+        assert self._group is not None, "session not started"
         counters_before = self.decode_counters()
         tap_mark = self._taps.mark() if self._taps is not None else 0
         try:
@@ -395,12 +419,9 @@ class TopologySession:
             counters_after = self.decode_counters()
             if counters_after is not None:
                 outcome.kv_counters = counters_after.minus(counters_before)
-        outcome.trace = entry.take_trace(request_id)
         if self._taps is not None:
             outcome.taps = self._taps.of_request(tap_mark, request_id)
             self._taps.release(tap_mark)
-        self._sample_memory()
-        return outcome
 
     def decode_counters(self) -> KvCounters | None:
         """D's KV counters now (None: the topology has no D, or its /metrics is unreadable)."""
