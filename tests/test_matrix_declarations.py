@@ -375,3 +375,54 @@ def test_a_scenario_whose_topology_cannot_start_fails_its_cases_and_the_matrix_g
     assert all("1E+1PD could not start" in (r.error or "") for r in result.records)
     assert "encoder0 exited" in (result.records[0].error or "")
     assert added == result.records and result.problems()
+
+
+def test_a_concurrent_scenario_is_not_held_to_a_loads_calibrated_floor() -> None:
+    """A scenario's concurrent requests may drift within the noise the baseline's batched
+    pass showed (`noise_floor`). Found in review: they were held to the largest floor of every
+    load's calibration the session had measured (a pytest session calibrates its loads ahead),
+    so a near tie the baseline never showed passed, or not, by which loads the session ran."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from harness.judge.verdicts import Reference
+    from harness.outcomes.chat import PositionLogprobs
+    from harness.run.judging import CaseJudge, Observed
+    from harness.run.matrix import MatrixRun
+    from harness.spec.settings import RunSettings
+    from harness.spec.topology import ServingConfig
+
+    scenario = get_scenario("ec-concurrent-requests")
+    assert scenario.mode is SendMode.CONCURRENT
+
+    def answer(last: int, rival: int) -> ChatResult:
+        logprobs = (
+            PositionLogprobs(5, -1.0, ((5, -1.0), (6, -1.01))),
+            PositionLogprobs(last, -1.0, ((last, -1.0), (rival, -1.005))),
+        )
+        return ChatResult((1, 2, 3), (5, last), "", "length", logprobs)
+
+    answers = {p.name: Outcome(p.name, result=answer(7, 8)) for p in scenario.prompts}
+    baseline = SimpleNamespace(
+        outcomes=answers,
+        label="baseline",
+        noise_floor=0.0,  # the batched pass moved nothing
+        batched_noise_floor=0.5,  # a load's calibration, at its own concurrency
+        reference=lambda prompt: Reference("baseline", answers[prompt], True, stable=True),
+    )
+    settings = RunSettings(serving=ServingConfig(model="/m"), run_dir=Path("/nonexistent"))
+    sweep = SimpleNamespace(
+        settings=settings,
+        baseline=baseline,
+        judging=CaseJudge(settings, baseline),
+        add_records=lambda label, outcomes, records: None,
+    )
+    near_tie = scenario.prompts[0].name
+    observed = [
+        Observed(Outcome(p.name, result=answer(8, 7) if p.name == near_tie else answer(7, 8)), ())
+        for p in scenario.prompts
+    ]
+    session = SimpleNamespace(topology=TOPOLOGIES[scenario.topology])
+    result = MatrixRun(sweep)._judge(scenario, session, observed)  # type: ignore[arg-type]
+    [record] = [r for r in result.records if r.prompt == near_tie]
+    assert record.verdict is Verdict.MISMATCH, record.detail

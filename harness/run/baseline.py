@@ -174,14 +174,6 @@ class BaselineAnswers:
         floors = [s.noise_floor for s in self.stability.values() if s.stable and s.noise_floor]
         return max(floors, default=0.0)
 
-    @property
-    def batched_noise_floor(self) -> float | None:
-        """The largest log-prob noise the baseline showed under a load's traffic (nats); None
-        when no load calibrated it (the batched pass's is in `noise_floor`)."""
-        if not self.calibrations:
-            return None
-        return max(c.noise_floor for c in self.calibrations)
-
     # -- from the cache or the goldens ----------------------------------------------------
 
     @contextlib.contextmanager
@@ -365,9 +357,10 @@ class BaselineAnswers:
     ) -> BatchCalibration:
         """`requests` ((label, prompt), each prompt answered already) sent to the running
         baseline `concurrency` at a time, as a load sends them; each answer compared with the
-        prompt's answer alone (`batch_shape_noise`). Kept for the judging of batched answers
-        (`batched_noise_floor`), and for a later load of the same requests at the same
-        concurrency (`known_calibration`); `measured_for` says what it was measured for."""
+        prompt's answer alone (`batch_shape_noise`). The tolerance of the batched answers of a
+        load of these requests at this concurrency (that load's own: `harness.run.load.run`),
+        and kept for a later one of the same (`known_calibration`); `measured_for` says what it
+        was measured for."""
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
             sent = [
                 (label, prompt, pool.submit(send_cold, session, prompt, self.bodies[prompt]))

@@ -120,9 +120,12 @@ class CaseJudge:
 
     @property
     def rules(self) -> JudgingRules:
-        return JudgingRules(
-            self.reference_policy, self.baseline.noise_floor, self.baseline.batched_noise_floor
-        )
+        """The run's rules. A batched answer is held to the run's floor, which the baseline's
+        batched pass measured, unless the caller measured its traffic's own (a load's
+        calibration: `judge`'s `batched_noise_floor`). Found in review: the largest floor of
+        every load's calibration stood in for all, so a matrix scenario's concurrent requests
+        passed a drift another load's traffic had shown, by which loads the session ran."""
+        return JudgingRules(self.reference_policy, self.baseline.noise_floor)
 
     def not_applicable(self, topology: Topology, spec: PromptSpec | None) -> str | None:
         """Why the served release cannot run this case meaningfully (None: it can, or the
@@ -156,8 +159,8 @@ class CaseJudge:
         the answers those requests should have had (name, baseline outcome), so an answer
         that is another request's is named as such. `baseline` and `noise_floor` stand in
         for the run's baseline answers where the caller asks the baseline itself, request by
-        request (fuzzing); `batched_noise_floor` for the run's largest batched noise, where the
-        answer's own traffic was measured (a load's calibration)."""
+        request (fuzzing); `batched_noise_floor`: the noise the baseline showed under the
+        answer's own traffic, where that was measured (a load's calibration)."""
         prompt = observed.outcome.prompt
         references = [baseline or self.baseline.reference(prompt)]
         if exact_reference is not None:

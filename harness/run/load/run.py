@@ -252,8 +252,8 @@ class LoadRun:
         """Each request against the baseline's answer to its own prompt, with the answers of
         the other prompts named by a request that carried them."""
         baseline = self.sweep.baseline
-        # This load's own calibration: the largest of every load's (the run's
-        # `batched_noise_floor`) let a drift another load's traffic showed pass here.
+        # This load's own calibration: the largest of every load's let a drift another
+        # load's traffic showed pass here.
         calibration = self.result.calibration
         floor = None if calibration is None else calibration.noise_floor
         results: list[LoadRequestResult] = []
