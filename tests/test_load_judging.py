@@ -487,6 +487,45 @@ def test_a_request_whose_kv_never_moved_fails_the_round_though_its_own_reading_h
     assert json.loads((tmp_path / "load.json").read_text())["passed"] is False
 
 
+class NixlErrors(NixlStandIn):
+    """A request (call `errs`) whose transfer failed: D computed its prompt itself and it
+    ended in an HTTP error, every instance alive (no death ends the load)."""
+
+    def __init__(self, answers: dict[str, ChatResult], settings: RunSettings, errs=None, **kw):
+        super().__init__(answers, settings, **kw)
+        self.errs = errs
+
+    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
+        if self.calls + 1 != self.errs:
+            return super().send(prompt, body)
+        self.calls += 1
+        self.computed += len(self.answers[prompt].prompt_token_ids)
+        return Outcome(prompt, error="HTTPError: 500 Internal Server Error")
+
+
+def test_a_request_that_errored_is_in_ds_counters_and_the_account_counts_it(
+    tmp_path: Path,
+) -> None:
+    """D's counters over a round hold what they did for a request that errored too, while
+    the account counted only the answered ones. Found in review: D computing the errored
+    request's prompt failed the account as "the KV of at least one request never reached D",
+    of requests whose KV all did (the errored one fails the load as an ERROR of its own). What
+    D computed beyond what the errored requests' whole prompts explain still fails it."""
+    load, _ = stand_in_load(tmp_path, requests=6, session_type=NixlErrors, errs=4)
+    result_ = load.run()
+    assert result_.ended_by is None
+    assert [r.record.verdict for r in result_.results].count(Verdict.ERROR) == 1
+    [account] = result_.kv_accounts
+    assert not account.failed, account.evidence
+    assert not account.checkable and "request 4 errored" in account.evidence, account.evidence
+    assert not result_.passed and not result_.problems  # the ERROR fails it, not the account
+    both = tmp_path / "both"
+    both.mkdir()
+    load, _ = stand_in_load(both, requests=6, session_type=NixlErrors, errs=4, withheld=2)
+    [account] = load.run().kv_accounts
+    assert account.failed and "D computed 35 prompt tokens more" in account.evidence, account
+
+
 @pytest.mark.parametrize(
     "argv, cause",
     [

@@ -34,6 +34,7 @@ would make every attached MATCH VACUOUS for a reason that is not the deployment'
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -349,7 +350,11 @@ def check_kv_transfer(
 
 
 def check_kv_account(
-    prompts: dict[str, int], counters: dict[str, float] | None, rule: KvRule, block_size: int
+    prompts: dict[str, int],
+    counters: dict[str, float] | None,
+    rule: KvRule,
+    block_size: int,
+    errored: Mapping[str, float] | None = None,
 ) -> GuardResult:
     """Requests sent together to one D: did D, over the whole span in which they ran, get their
     prompts from P or its own prefix cache, and compute next to nothing of them itself?
@@ -367,8 +372,17 @@ def check_kv_account(
     prompt tokens, for the round's answered requests. The answers' `cached_tokens` are not
     used here: under concurrency D reported 160 for a request whose own window shows no local
     cache hit at all (blocks a neighbour's transfer had brought meanwhile, it seems).
+
+    `errored`: request name -> prompt tokens (the baseline's answer to its prompt; inf when
+    unknown) for the round's requests that were sent and ended in an error. D's counters
+    hold whatever of them reached D, which nothing tells apart: at most their whole prompts
+    computed by D. So what D computed beyond the answered requests' allowance fails the
+    account only past that, and within it (or with a failed NIXL transfer, likely theirs) the
+    account is not checkable, never failed for requests whose KV did arrive (found in review).
     """
     name = "kv_account"
+    errored = errored or {}
+    unanswered = sum(errored.values())
     total = sum(prompts.values())
     allowed = sum(t - expected_kv_tokens(rule, t, block_size) for t in prompts.values())
     if counters is None:
@@ -386,13 +400,27 @@ def check_kv_account(
     counted = received + held + computed
     if counted != total:
         text += f"; D counted {counted:g} prompt tokens for the round's {total}"
+    if errored:
+        text += (
+            f"; {', '.join(errored)} errored, and D's counters hold whatever of "
+            f"{'its' if len(errored) == 1 else 'their'} {unanswered:g} prompt tokens reached D"
+        )
     if received == 0 and computed <= allowed and failed == 0 and held >= total - allowed:
         return not_checkable(name, f"{text}: D held every prompt itself, nothing had to move")
     ok = received > 0 and computed <= allowed and failed == 0 and counted >= total
-    if computed > allowed:
+    beyond = computed - allowed - unanswered
+    if beyond > 0:
         text += (
-            f"; D computed {computed - allowed:g} prompt tokens more than the rule leaves it: "
-            "the KV of at least one request never reached D"
+            f"; D computed {beyond:g} prompt tokens more than the rule leaves it"
+            + (" and the errored requests' whole prompts" if errored else "")
+            + ": the KV of at least one request never reached D"
+        )
+    elif errored and not ok and received > 0 and counted >= total:  # theirs, or not
+        return not_checkable(
+            name,
+            f"{text}: D computed {max(computed - allowed, 0):g} prompt tokens more than the "
+            f"rule leaves the answered requests, and failed {failed:g} transfer(s): the "
+            "errored requests' or theirs, which D's counters do not tell",
         )
     return GuardResult(name, ok, text)
 

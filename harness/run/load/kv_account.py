@@ -5,6 +5,8 @@ read at D's tap and judged with the request."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from pathlib import Path
 
 from harness.files import append_json_lines
@@ -30,10 +32,13 @@ def account_kv(
     after: KvCounters | None,
     block_size: int,
     run_dir: Path,
+    prompt_tokens: Mapping[str, int],
 ) -> None:
     """The round's requests against D's counters over the whole round
     (`harness.judge.guards.check_kv_account`); a shortfall fails the load. A round a death
-    ended is not accounted: its requests' transfers stopped part way."""
+    ended is not accounted: its requests' transfers stopped part way. A request that was sent
+    and errored is in D's counters as far as it got: it is accounted as such, at most its
+    whole prompt (`prompt_tokens`: the baseline's, by prompt; its own answer has none)."""
     if result.ended_by or result.killed:
         return
     prompts = {
@@ -43,8 +48,13 @@ def account_kv(
     }
     if not prompts:
         return
+    errored = {
+        item.request.name: prompt_tokens.get(item.request.prompt, math.inf)
+        for item in sent
+        if item.observed is not None and item.observed.outcome.result is None
+    }
     counters = None if before is None or after is None else after.minus(before)
-    account = check_kv_account(prompts, counters, KvRule.WHOLE_PROMPT, block_size)
+    account = check_kv_account(prompts, counters, KvRule.WHOLE_PROMPT, block_size, errored)
     kept = result.kv.add(result.rounds, account)
     append_json_lines(run_dir / KV_ACCOUNTS_FILE, [kv_account_line(result.rounds, account)])
     if account.failed and kept:  # the others are counted (the load's end says how many)

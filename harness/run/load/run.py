@@ -109,6 +109,14 @@ class LoadRun:
             self._finish()
         return self.result
 
+    def _prompt_tokens(self) -> dict[str, int]:
+        """Each prompt's tokens, as the baseline's answer to it counts them."""
+        return {
+            prompt: len(outcome.result.prompt_token_ids)
+            for prompt, outcome in self.sweep.baseline.outcomes.items()
+            if outcome.result is not None
+        }
+
     def _region(self, prompt: str) -> str:
         placement = self.result.placements.get(prompt)
         return placement.region.value if placement else "unknown"
@@ -160,6 +168,7 @@ class LoadRun:
                     session.decode_counters(),
                     self.sweep.settings.serving.block_size,
                     self.sweep.settings.run_dir,
+                    self._prompt_tokens(),
                 )
             self._judge_round(sent, declared)
             label = f"round {self.result.rounds}" if deadline is not None else "after"
