@@ -285,6 +285,69 @@ def test_serve_sh_stops_every_group_on_sigterm_even_a_server_that_ignores_it(
             os.killpg(serve.pid, signal.SIGKILL)
 
 
+def test_serve_sh_stop_signals_no_server_it_already_saw_exit(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """A server that exited while serving was reaped and reported (its `.exit`), yet the stop
+    sent SIGTERM and SIGKILL to its pid and group all the same: by then the kernel may have
+    given that pid to an unrelated process (found in review). Every `kill` serve.sh runs is
+    logged (a `kill` function read from BASH_ENV); a probe (`kill -0`) signals nothing."""
+    kills = tmp_path / "kills.log"
+    wrapper = tmp_path / "log-kills.sh"
+    wrapper.write_text(
+        'kill() { [[ " $* " == *" -0 "* ]] || printf \'%s\\n\' "$*" >>"$KILL_LOG"; '
+        'builtin kill "$@"; }\n'
+    )
+    out = export_case(tmp_path)
+    env = {**environment(leased_ports, tmp_path), "BASH_ENV": str(wrapper), "KILL_LOG": str(kills)}
+    serve = serving(out, env)
+    try:
+        decode = int((out / "work/state/decode0.pid").read_text())
+        os.killpg(decode, signal.SIGKILL)  # D dies while serving: serve.sh reports its exit
+        deadline = time.monotonic() + 30
+        while not (out / "work/state/decode0.exit").exists():
+            assert serve.poll() is None and time.monotonic() < deadline, "D's exit unreported"
+            time.sleep(0.1)
+        serve.send_signal(signal.SIGTERM)
+        output = serve.communicate(timeout=30)[0]
+        assert serve.returncode == 143, output
+        targets = {str(decode), f"-{decode}"}
+        signalled = [line for line in kills.read_text().splitlines() if targets & {*line.split()}]
+        assert signalled == [], f"the stop signalled D's reaped pid {decode}: {signalled}"
+        assert_nothing_left(out, env)
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+
+
+def test_what_is_left_of_a_server_that_exited_is_killed_when_its_exit_is_seen(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """The stop no longer signals a server seen exit (its pid may be another's by then), so
+    what its group left (vLLM's engine core, on a GPU) is killed when the exit is seen."""
+    out = export_case(tmp_path)
+    env = environment(leased_ports, tmp_path, "encoder:fork-child")
+    serve = serving(out, env)
+    try:
+        child = int((out / "work/logs/encoder0.log").read_text().split("CHILD ")[1].split()[0])
+        os.kill(int((out / "work/state/encoder0.pid").read_text()), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not (out / "work/state/encoder0.exit").exists():
+            assert serve.poll() is None and time.monotonic() < deadline, "E's exit unreported"
+            time.sleep(0.1)
+        deadline = time.monotonic() + 5  # SIGKILL was sent; its delivery takes a moment
+        while pid_alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pid_alive(child), "the engine-core stand-in outlived its server's exit"
+        serve.send_signal(signal.SIGTERM)
+        output = serve.communicate(timeout=30)[0]
+        assert "killed what was left of encoder0's process group" in output
+        assert_nothing_left(out, env)
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+
+
 def test_check_after_serve_sh_stopped_says_nothing_serves_not_that_the_case_reproduced(
     tmp_path: Path, leased_ports: TakePorts
 ) -> None:

@@ -487,6 +487,7 @@ STOP_TIMEOUT=${{STOP_TIMEOUT:-15}}
 {devices}
 log() {{ printf '[serve.sh %(%H:%M:%S)T] %s\n' -1 "$*"; }}
 declare -A PID_OF=() ROLE_OF=() URL_OF=() READY=()
+declare -A EXITED=()  # servers seen exit while serving: their pids are no longer ours to signal
 ORDER=()
 WATCH=()  # started servers wait_ready also checks for a death (besides those it waits for)
 TICK=  # the polling tick under way (a background `sleep 1`): a stop ends it, never waits it out
@@ -524,7 +525,20 @@ side_channel_free() {{  # side_channel_free NAME VAR: refuse a NIXL side-channel
 }}
 
 signal_server() {{  # signal_server SIGNAL PID: its process group, else the process; 0 if it got it
-  kill "-$1" -- "-$2" 2>/dev/null || kill "-$1" "$2" 2>/dev/null
+  # Only what is still this server's: a pid bash has reaped (its server exited) is free for the
+  # kernel to give to an unrelated process, which a stop then killed.
+  local running
+  running=$(jobs -pr)
+  if [[ $'\n'$running$'\n' == *$'\n'$2$'\n'* ]]; then  # not reaped: the pid is still ours
+    kill "-$1" -- "-$2" 2>/dev/null || kill "-$1" "$2" 2>/dev/null
+  elif ! kill -0 "$2" 2>/dev/null; then
+    # Its leader reaped a moment ago (during this stop or start), what is left of its group
+    # (vLLM's engine core) keeps the group's number from reuse; a live process of that pid
+    # would be another's, never signalled.
+    kill "-$1" -- "-$2" 2>/dev/null
+  else
+    return 1
+  fi
 }}
 
 stop_all() {{
@@ -539,6 +553,7 @@ stop_all() {{
   # Its group, and the process itself: a server started a moment ago may not have made its
   # own session yet (setsid runs in the child after the fork), and then has no group to
   # signal (found by a fresh-clone CI run: serve.sh waited for ever on such a child).
+  for name in "${{!EXITED[@]}}"; do unset "PID_OF[$name]"; done
   for name in "${{!PID_OF[@]}}"; do signal_server TERM "${{PID_OF[$name]}}" || true; done
   deadline=$((SECONDS + STOP_TIMEOUT))
   # Prompt and bounded: `wait -n` returns as soon as a server (any child) ends, and the timer,
@@ -646,6 +661,13 @@ while true; do  # report each server that exits; keep the others serving
     if [[ ! -e $WORK/state/$name.exit ]] && ! kill -0 "${{PID_OF[$name]}}" 2>/dev/null; then
       code=0
       wait "${{PID_OF[$name]}}" || code=$?
+      # What is left of its group (an engine core) is stopped now, while the group's number is
+      # still its own: once the group is empty the kernel may reuse it, so the stop skips it.
+      if kill -0 -- "-${{PID_OF[$name]}}" 2>/dev/null; then
+        kill -KILL -- "-${{PID_OF[$name]}}" 2>/dev/null || true
+        log "killed what was left of $name's process group"
+      fi
+      EXITED[$name]=1
       echo "$code" >"$WORK/state/$name.exit"
       log "$name exited with code $code; last lines of $WORK/logs/$name.log:"
       tail -n 20 "$WORK/logs/$name.log" >&2
