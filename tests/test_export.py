@@ -515,6 +515,31 @@ def test_check_calls_an_answer_without_token_ids_an_error_as_the_harness_does(
     assert "was return_token_ids honoured?" in detail
 
 
+@pytest.mark.parametrize(
+    "prompt, tokens, field",
+    [
+        ([1, 2, 3], [7.0, 8, 9, 10], "token_ids"),
+        ([1.0, 2, 3], [7, 8, 9, 10], "prompt_token_ids"),
+        ([1, 2, 3], [7, 8, 9, True], "token_ids"),
+        ([1, 2, 3], [7, "8", 9, 10], "token_ids"),
+    ],
+    ids=["float-generated", "float-prompt", "bool", "string"],
+)
+def test_check_calls_unstreamed_ids_that_are_not_integers_an_error_as_the_harness_does(
+    tmp_path: Path, monkeypatch, prompt: list, tokens: list, field: str
+) -> None:
+    """The harness fails an answer whose ids are not integers (parse_chat_response's
+    integer_ids: ERROR), as check.py's stream reader does; its unstreamed judgment compared
+    them loosely, so a JSON answer with 7.0 for 7 (or true for 1) MATCHed, exit 0, and
+    `--save-reference` kept such ids truncated to integers."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    verdict, code, detail = judge(EXPECTED, answer(200, response(prompt, tokens)), [], tmp_path)
+    assert (verdict, code) == ("ERROR", 2), detail
+    assert f"{field} is" in detail and "not a list of integers" in detail
+    # nor is it kept as a reference answer (int() made 7.9 the id 7)
+    assert check.reference_answer(response(prompt, tokens), "baseline", {}) is None
+
+
 # EXPECTED with a near tie at position 1, a 0.05-nat floor and a policy that passes DRIFT.
 NEAR_TIE_EXPECTED = {
     **EXPECTED,

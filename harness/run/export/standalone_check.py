@@ -299,10 +299,17 @@ def compare_tokens(
     stream whose framing is broken, so no difference is drift. An answer without ids is no
     answer to compare ("ERROR"), as the harness's parse_chat_response fails it."""
     try:
-        prompt_ids = list(response["prompt_token_ids"])
-        token_ids = list(response["choices"][0]["token_ids"])
+        prompt_ids = response["prompt_token_ids"]
+        token_ids = response["choices"][0]["token_ids"]
     except (KeyError, IndexError, TypeError):
+        prompt_ids = token_ids = None
+    if prompt_ids is None or token_ids is None:
         return "ERROR", "the answer carries no token ids (was return_token_ids honoured?)"
+    try:  # as the harness's integer_ids: 7.0 (or true) would equal id 7 (or 1)
+        prompt_ids = integers(prompt_ids, "prompt_token_ids")
+        token_ids = integers(token_ids, "choices[0].token_ids")
+    except Unreadable as exc:
+        return "ERROR", f"the answer's {exc}"
     index = first_difference(expected["prompt_token_ids"], prompt_ids)
     if index is not None:
         return "MISMATCH", describe_difference(
@@ -694,10 +701,10 @@ def reference_answer(
     log-probs in expected.json's shape, and which request it answers (`request_sha256`:
     the reference's name alone would let another case's answer, or an answer to this case's
     prompt with other sampling, be judged against); None for an answer without ids."""
-    try:
-        prompt_ids = [int(t) for t in response["prompt_token_ids"]]
-        token_ids = [int(t) for t in response["choices"][0]["token_ids"]]
-    except (KeyError, IndexError, TypeError, ValueError):
+    try:  # integers as compare_tokens reads them: int() made a float id 7.9 the id 7
+        prompt_ids = integers(response["prompt_token_ids"], "prompt_token_ids")
+        token_ids = integers(response["choices"][0]["token_ids"], "choices[0].token_ids")
+    except (KeyError, IndexError, TypeError, Unreadable):
         return None
     return {
         "reference": name,
