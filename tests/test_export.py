@@ -31,6 +31,7 @@ from export_bundle import (
 
 from harness.cli.main import main
 from harness.errors import BadInput
+from harness.run.export import files as files_module
 from harness.run.export import standalone_check as check
 from harness.run.export.files import render_serve_sh, write_export
 from harness.run.export.issue import (
@@ -286,6 +287,34 @@ def test_an_all_match_run_needs_a_case_and_an_existing_out_is_kept(tmp_path: Pat
         capsys, ["export", str(bundle), "--case", f"1E+1P+1D:{PROMPT}", "--out", str(out)]
     )
     assert "is not empty" in line and (out / "mine").read_text() == "keep"
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_an_export_that_failed_midway_leaves_nothing_and_can_be_written_again(
+    tmp_path: Path, monkeypatch, failure: BaseException
+) -> None:
+    """An export that failed (a full disk) or was interrupted (Ctrl-C) while it wrote its
+    files left them half-written, and the next export there was refused as "not empty": the
+    user had to delete it by hand (found in review). An export directory is complete or not
+    there; a complete one is still never overwritten."""
+    run = write_bundle(tmp_path / "run")
+    plan = plan_for(run, f"1E+1P+1D:{PROMPT}")
+    out = tmp_path / "exports" / "case"
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise failure
+
+    with monkeypatch.context() as patched:
+        patched.setattr(files_module.shutil, "copyfile", fail)  # the model, after the scripts
+        with pytest.raises(type(failure)):
+            write_export(plan, out, REPAIR)
+    assert not out.exists() or not any(out.iterdir()), sorted(out.iterdir())
+    assert sorted(p.name for p in out.parent.iterdir()) in ([], ["case"])
+    write_export(plan, out, REPAIR)
+    assert (out / "run.sh").is_file() and (out / "vllm-proxy").is_dir()
+    assert [p.name for p in out.parent.iterdir()] == ["case"]
+    with pytest.raises(BadInput, match="is not empty"):
+        write_export(plan, out, REPAIR)
 
 
 def test_the_cli_writes_the_export_beside_the_run(tmp_path: Path, capsys) -> None:

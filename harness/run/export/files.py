@@ -11,9 +11,12 @@ can lose a SIGTERM that arrives while its engine starts, docs/found-in-vllm.md).
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shlex
 import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -32,10 +35,35 @@ EXECUTABLE = 0o755
 
 def write_export(plan: ExportPlan, out_dir: Path, cpu_repair: Mapping[str, str]) -> list[Path]:
     """Write the export into `out_dir` (new, or empty); returns the files written. `cpu_repair`:
-    `cpu_repair.py`'s source and any module it imports, by file name."""
+    `cpu_repair.py`'s source and any module it imports, by file name.
+
+    Written into a hidden sibling renamed to `out_dir` at the end, so an export directory is
+    complete or not there: one that failed or was interrupted midway (a full disk, Ctrl-C)
+    left half its files, and the next export there was refused as not empty (found in
+    review). A complete one is never overwritten."""
     if out_dir.exists() and any(out_dir.iterdir()):
         raise BadInput(f"{out_dir} exists and is not empty: choose another --out")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(
+        tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".partial")
+    )
+    try:
+        staging.chmod(EXECUTABLE)  # mkdtemp's is 0700: the export is for others to read
+        written = write_files(plan, staging, cpu_repair)
+        try:
+            os.replace(staging, out_dir)  # over the empty directory the command line made
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            raise BadInput(f"{out_dir} exists and is not empty: choose another --out") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return [out_dir / path.relative_to(staging) for path in written]
+
+
+def write_files(plan: ExportPlan, out_dir: Path, cpu_repair: Mapping[str, str]) -> list[Path]:
+    """The export's files, written into `out_dir`."""
     texts = {
         "serve.sh": render_serve_sh(plan),
         "run.sh": render_run_sh(plan),
