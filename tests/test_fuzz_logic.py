@@ -36,7 +36,7 @@ from harness.run.fuzz.shrink import (
     shrink,
     size_key,
 )
-from harness.run.fuzz.signature import Signature, cause_line, died_role, signature_of
+from harness.run.fuzz.signature import cause_line, died_role, signature_of
 from harness.run.fuzz.space import FuzzSpace, space_for
 from harness.run.fuzz.strategies import FILLER, draw_examples
 from harness.run.fuzz.video_timing import video_positions_differ
@@ -563,10 +563,20 @@ def test_a_cause_naming_a_path_or_a_digest_is_one_signature_whatever_they_are() 
 
 def test_mismatch_and_vacuous_signatures_ignore_positions() -> None:
     late = signature_of(record(Verdict.MISMATCH, "generated tokens differ at position 7 of 9/9"))
-    early = signature_of(record(Verdict.MISMATCH, "generated tokens differ at position 0 of 3/3"))
-    assert late == early == Signature("MISMATCH", "generated ids")
-    prompt = signature_of(record(Verdict.MISMATCH, "prompt ids differ at position 30 (...)"))
-    assert prompt.where == "prompt ids"
+    later = signature_of(record(Verdict.MISMATCH, "generated tokens differ at position 2 of 3/3"))
+    assert late == later and late.verdict == "MISMATCH" and late.where.startswith("generated")
+    prompt = signature_of(
+        record(
+            Verdict.MISMATCH,
+            "prompt ids differ at position 30 (reference 90 ids, candidate 80 ids)",
+        )
+    )
+    other = signature_of(
+        record(
+            Verdict.MISMATCH, "prompt ids differ at position 4 (reference 40 ids, candidate 36 ids)"
+        )
+    )
+    assert prompt == other and prompt.where.startswith("prompt ids")
     vacuous = record(
         Verdict.VACUOUS, "tokens equal", guards={"consumer_embeds": {"ok": False, "evidence": ""}}
     )
@@ -574,6 +584,36 @@ def test_mismatch_and_vacuous_signatures_ignore_positions() -> None:
     assert signature_of(
         record(Verdict.ERROR, "", "BadRequestError: Error code: 400 - x")
     ).where == ("HTTP 400")
+
+
+def test_mismatches_of_another_kind_have_signatures_apart() -> None:
+    """Every generated-ids MISMATCH had one signature, so failures of different kinds made one
+    group, and only its first was shrunk and bundled (found in review): a wrong first token
+    (the candidate's context, its embeddings or KV, was another), a divergence after a first
+    token that agreed, an answer that stopped early or ran on; prompt ids of another count
+    (placeholders sized otherwise) or of the same count. Positions within a kind are noise."""
+
+    def where(detail: str) -> str:
+        return signature_of(record(Verdict.MISMATCH, detail)).where
+
+    kinds = {
+        where("generated tokens differ at position 0 of 8/8"),
+        where("generated tokens differ at position 5 of 8/8"),
+        where("generated tokens differ at position 3 of 8/3"),  # the candidate stopped
+        where("generated tokens differ at position 3 of 3/8"),  # the candidate ran on
+        where("prompt ids differ at position 40 (reference 120 ids, candidate 96 ids); x"),
+        where("prompt ids differ at position 40 (reference 120 ids, candidate 120 ids); x"),
+    }
+    assert len(kinds) == 6, kinds
+    assert where("generated tokens differ at position 0 of 1/1") == where(
+        "generated tokens differ at position 0 of 8/8"
+    )
+    assert where("generated tokens differ at position 1 of 2/1") == where(
+        "generated tokens differ at position 6 of 9/6"
+    )
+    assert signature_of(record(Verdict.DRIFT, "generated tokens differ at position 0 of 8/8")) != (
+        signature_of(record(Verdict.DRIFT, "generated tokens differ at position 4 of 8/8"))
+    )
 
 
 def _tail_layout(in_tail: bool) -> PromptLayout:
@@ -2268,7 +2308,7 @@ def test_a_prompt_ids_mismatch_is_not_a_declared_generated_tokens_mismatch() -> 
     )
     prompt_ids = record(Verdict.MISMATCH, detail)
     frames = PromptSpec("f", (VideoFramesPart(1), TextPart("x")))
-    assert signature_of(prompt_ids).where == "prompt ids"
+    assert signature_of(prompt_ids).where.startswith("prompt ids")
     assert not recognise(rules, prompt_ids, frames, None).known
     old = rules_for(TOPOLOGIES["1E+1PD"], "ExampleConnector", GENERATIONS_BY_NAME["by-hash"])
     video = PromptSpec("v", (VideoPart(1), TextPart("x")))

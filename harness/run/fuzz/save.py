@@ -30,7 +30,7 @@ def evidence_of(group: FailureGroup) -> str:
         return re.split(r"\bN\b", signature.cause, maxsplit=1)[0].rstrip(" :,=(") or signature.where
     if signature.verdict == "VACUOUS":
         return "tokens equal but guard failed: " + signature.where.removeprefix("guard ")
-    if signature.where == "prompt ids":
+    if signature.where.startswith("prompt ids"):
         return "prompt ids differ"
     return "generated tokens differ"
 

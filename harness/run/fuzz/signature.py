@@ -2,8 +2,8 @@
 
 The verdict alone is too coarse (every crash is an ERROR) and the full evidence too fine (a
 divergence index or a pid changes with the request), so a signature is the verdict, where it
-showed (the instance role that died, an HTTP status, the prompt or the generated ids, the
-guard that failed) and the first distinguishing line of the evidence with its numbers
+showed (the instance role that died, an HTTP status, which ids differ and how, the guard
+that failed) and the first distinguishing line of the evidence with its numbers
 blanked. Failures are grouped by it, shrinking keeps it, and known failures are recognised
 by it.
 """
@@ -115,9 +115,38 @@ def signature_of(record: CaseRecord) -> Signature:
         failed = sorted(record.failed_guards())
         return Signature(verdict, f"guard {failed[0]}" if failed else "guard")
     if record.verdict in (Verdict.MISMATCH, Verdict.DRIFT):
-        where = "prompt ids" if record.detail.startswith("prompt ids differ") else "generated ids"
-        return Signature(verdict, where)
+        return Signature(verdict, ids_kind(record.detail))
     return Signature(verdict, "")
+
+
+_PROMPT_IDS = re.compile(
+    r"^prompt ids differ at position \d+ \(reference (\d+) ids, candidate (\d+) ids\)"
+)
+_GENERATED_IDS = re.compile(r"generated tokens differ at position (\d+) of (\d+)/(\d+)")
+
+
+def ids_kind(detail: str) -> str:
+    """Which ids a comparison's headline (`TokenComparison.headline`) says differ, by kind, not
+    position (which moves with the request, and with noise): prompt ids of another count (the
+    placeholders sized otherwise) or of the same; a wrong first generated token (the context
+    the candidate computed from, its embeddings or KV, was another), a divergence after a
+    first token that agreed, or an answer that stopped early or ran on. Every MISMATCH of
+    generated ids had one signature: failures of different kinds made one group, and only its
+    first was shrunk (found in review)."""
+    prompt = _PROMPT_IDS.match(detail)
+    if prompt is not None:
+        return "prompt ids, " + ("same count" if prompt[1] == prompt[2] else "another count")
+    if detail.startswith("prompt ids differ"):
+        return "prompt ids"
+    generated = _GENERATED_IDS.search(detail)
+    if generated is None:
+        return "generated ids"
+    index, reference, candidate = (int(n) for n in generated.groups())
+    if index == candidate < reference:
+        return "generated ids, ended early"
+    if index == reference < candidate:
+        return "generated ids, ran on"
+    return "generated ids, " + ("first token" if index == 0 else "after the first token")
 
 
 def is_failure(record: CaseRecord) -> bool:
