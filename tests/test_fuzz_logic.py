@@ -51,6 +51,8 @@ from harness.spec.prompts import (
     TextPart,
     VideoFramesPart,
     VideoPart,
+    fresh_prefix_request,
+    render_request,
 )
 from harness.spec.settings import RunSettings, ServedVllm
 from harness.spec.topology import TOPOLOGIES, ServingConfig
@@ -1316,6 +1318,26 @@ def test_save_writes_a_new_failure_as_a_declared_scenario(tmp_path: Path) -> Non
     assert scenario.expect_evidence in DECODE_TAIL_ERROR
     assert scenario.prompts[0].parts == new.spec.parts
     assert Recognition(None).known is False
+
+
+def test_a_saved_scenario_is_sent_cold_not_under_the_salt_its_example_drew(tmp_path: Path) -> None:
+    """A follow-up example draws a tenant's `cache_salt`; --save kept it in the scenario's
+    request, and the matrix keeps a body's own salt (`fresh_prefix_request`, for a replayed
+    one), so the scenario went under one salt at every send: a topology that served it once
+    held its prompt in its prefix caches and the next send moved no KV (found in review). A
+    saved scenario is its request alone, sent cold as every matrix case is."""
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    salted = image_prompt((56, 56), text=" hi")
+    salted = PromptSpec(salted.name, salted.parts, 8, (("cache_salt", "tenant-77"), ("seed", 3)))
+    new = _evaluation("ex-0003", salted, crash, False)
+    group = FailureGroup(new.signature, new.recognition, [new], minimal=new)
+    path = tmp_path / "found.json"
+    save_scenarios([group], "1E+1P+1D", {"seed": 3, "vllm": "0.32.0+cpu"}, "a cause", path=path)
+    (scenario,) = found_scenarios(path)
+    assert dict(scenario.prompts[0].extra) == {"seed": 3}, "its other fields are kept"
+    body = render_request(scenario.prompts[0], "m")
+    sent = [fresh_prefix_request(body)[CACHE_SALT] for _ in range(2)]
+    assert sent[0] != sent[1], f"sent under one salt every time: {sent}"
 
 
 # -- the command line's refusals ----------------------------------------------------------------
