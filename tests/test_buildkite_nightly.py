@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from harness.testing.venvs import stand_in_site
+from harness.testing.venvs import FAKE_UV_NIXL, stand_in_site
 
 pytestmark = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parents[1]
 NIGHTLY = ROOT / "ci" / "buildkite" / "nightly.sh"
-TORCH_HOLD = ROOT / "harness" / "cli" / "torch_hold.py"
+# The scripts nightly.sh runs by path with the image's Python (they need no harness installed).
+SCRIPTS_BY_PATH = ("torch_hold.py", "nixl_variant.py")
 
 
 # What the image's Python holds: a made-up torch build and its companions, so a held version
@@ -40,24 +41,30 @@ def run_nightly(
     image_dists: Mapping[str, str] = IMAGE_TORCH,
     from_files: tuple[str, ...] = (),
     download_kernels: str = "0",
+    nixl_brings: str = "",
 ) -> tuple[subprocess.CompletedProcess[str], list[str], Path]:
     """nightly.sh in a copy of the repository layout, with stand-ins for uv, python3 (torch
     built for `cuda_major`; `upstream-requirement nixl` printing DECLARED_NIXL's line for the
     CUDA major it is given; the hold, `PYTHONSAFEPATH=1 python3 .../torch_hold.py --hold`, is
     the real script run by this test's Python on the image's installed distributions alone:
-    `image_dists`, name: version, those in `from_files` from a wheel file), vllm (its
+    `image_dists`, name: version, those in `from_files` from a wheel file; so is
+    `nixl_variant.py`, as the image's python3; uv changes them as FAKE_UV_NIXL says, installing
+    `nixl` bringing a `nixl-cuN` for each N of `nixl_brings`), vllm (its
     `download-kernels` exits `download_kernels`, "absent": no such subcommand) and the agent
     that record how they were called; (the run, the calls, the vLLM tree)."""
     tree = tmp_path / "harness"
     (tree / "ci" / "buildkite").mkdir(parents=True)
     (tree / "ci" / "buildkite" / "nightly.sh").write_text(NIGHTLY.read_text())
     (tree / "harness" / "cli").mkdir(parents=True)
-    (tree / "harness" / "cli" / "torch_hold.py").write_text(TORCH_HOLD.read_text())
+    for script in SCRIPTS_BY_PATH:
+        (tree / "harness" / "cli" / script).write_text(
+            (ROOT / "harness" / "cli" / script).read_text()
+        )
     log = tmp_path / "calls.log"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for tool, body in (
-        ("uv", 'echo "uv $*" >> "$CALLS"'),
+        ("uv", FAKE_UV_NIXL + 'echo "uv $*" >> "$CALLS"\nfake_uv_nixl "$@"'),
         ("buildkite-agent", 'echo "agent $*" >> "$CALLS"'),
         (
             "vllm",
@@ -70,6 +77,8 @@ def run_nightly(
             "python3",
             'case "$PYTHONSAFEPATH $*" in "1 "*/torch_hold.py" --hold")\n'
             '  PYTHONPATH=$FAKE_SITE exec "$REAL_PYTHON" -S "$@";; esac\n'
+            'case "$PYTHONSAFEPATH $1" in "1 "*/nixl_variant.py)\n'
+            '  PYTHONPATH=$FAKE_SITE exec -a "$0" "$REAL_PYTHON" -S "$@";; esac\n'
             'case "$*" in *torch.version.cuda*) echo "$CUDA_MAJOR"; exit 0;; esac\n'
             'echo "python3 $*" >> "$CALLS"\n'
             'case "$*" in *"upstream-requirement nixl --cuda-major 12 "*) echo nixl==1.4.1;; esac\n'
@@ -78,7 +87,7 @@ def run_nightly(
             'case "$*" in *gpu_rehearsal*) exit "$REHEARSAL";; esac',
         ),
     ):
-        (bin_dir / tool).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / tool).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / tool).chmod(0o755)
     vllm_tree = tmp_path / "vllm"
     (vllm_tree / "requirements").mkdir(parents=True)
@@ -92,6 +101,8 @@ def run_nightly(
         "CUDA_MAJOR": cuda_major,
         "DOWNLOAD_KERNELS": download_kernels,
         "BUILDKITE_BUILD_NUMBER": "77",
+        "FAKE_NIXL_BRINGS": nixl_brings,
+        "FAKE_NIXL_PUBLISHED": "12 13",
         "EPD_DEVICES": "0,1",
         "EPD_MODEL": "Qwen/Qwen2.5-VL-3B-Instruct",
         "HOME": os.environ.get("HOME", str(tmp_path)),
@@ -151,6 +162,30 @@ def test_the_nightly_installs_only_the_nixl_the_tree_declares_as_the_workflow_do
         f"--vllm-source {vllm_tree}"
     ]
     assert installs[-1].endswith(f" {DECLARED_NIXL[cuda_major]}"), installs
+
+
+@pytest.mark.parametrize("cuda_major", ["12", "13"])
+def test_the_nightly_keeps_only_the_nixl_variant_of_the_images_cuda(
+    tmp_path: Path, cuda_major: str
+) -> None:
+    """nixl>=1.1 installs nixl-cu12 and nixl-cu13 beside it; the night stopped there, as the
+    GitHub workflows did, where vLLM's CI keeps only the variant of torch's CUDA major. Now it
+    runs harness/cli/nixl_variant.py by the image's Python, right after NIXL's install, as the
+    workflows do (tests/test_workflows.py has the rest of its behaviour)."""
+    done, calls, _ = run_nightly(tmp_path, cuda_major=cuda_major, nixl_brings="12 13")
+    assert done.returncode == 0, done.stderr
+    python3 = tmp_path / "bin" / "python3"
+    version = DECLARED_NIXL[cuda_major].split("==")[1]
+    nixl_calls = [call for call in calls if "nixl" in call and call.startswith("uv pip")]
+    assert nixl_calls[1:] == [
+        f"uv pip uninstall --python {python3} nixl-cu12 nixl-cu13",
+        f"uv pip install --python {python3} --no-deps nixl-cu{cuda_major}=={version}",
+    ], calls
+    installed = {major: "(not installed)" for major in ("12", "13")} | {cuda_major: version}
+    assert (
+        f"NIXL installed now: nixl {version}, nixl-cu12 {installed['12']}, "
+        f"nixl-cu13 {installed['13']}" in done.stdout
+    ), done.stdout
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from harness.spec.platforms import CUDA
 from harness.spec.topology import DEFAULT_DTYPE, DTYPES, TOPOLOGIES
 from harness.testing.fake_vllm import install_fake_vllm
 from harness.testing.upstream_files import cached_release, write_tree
-from harness.testing.venvs import stand_in_site
+from harness.testing.venvs import FAKE_UV_NIXL, stand_in_site
 
 pytestmark = pytest.mark.check
 
@@ -369,27 +369,37 @@ INSTALL_STEP = "Install vLLM and the harness"
 NIXL_STEP = "NIXL as the served vLLM declares it"
 SOURCE_TREE_STEP = "vLLM's source tree"
 # Stand-ins for python3 (-m venv DIR), the venv's python (pip; the torch CUDA probe; vllm's
-# version; the hold, `PYTHONSAFEPATH=1 python .../torch_hold.py --hold`, is the real script
-# run by this test's Python on the venv's installed distributions alone, $FAKE_SITE:
-# `stand_in_site`) and uv (records its calls; installing vLLM puts the stand-in vLLM in the
-# venv, installing the harness its real CLI), and git (a checkout copies the sparse
-# directories of $FAKE_TREE). The harness's own `epd-harness upstream-requirement` runs for
-# real.
-FAKE_INSTALL_TOOLS = """#!/bin/bash
+# version; the hold, `PYTHONSAFEPATH=1 python .../torch_hold.py --hold`, and the NIXL variant
+# kept, `PYTHONSAFEPATH=1 python .../nixl_variant.py ...`, are the real scripts run by this
+# test's Python, as the venv's python (`exec -a`: its sys.executable), on the venv's installed
+# distributions alone, $FAKE_SITE: `stand_in_site`) and uv (records its calls; installing vLLM
+# puts the stand-in vLLM in the venv, installing the harness its real CLI; installing
+# or uninstalling NIXL changes $FAKE_SITE as FAKE_UV_NIXL says), and git (a checkout
+# copies the sparse directories of $FAKE_TREE). The harness's own `epd-harness
+# upstream-requirement` runs for real.
+FAKE_INSTALL_TOOLS = (
+    "#!/bin/bash\n"
+    + FAKE_UV_NIXL
+    + """
 case "$(basename "$0")" in
   python3) mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; cp "$0" "$3/bin/uv" ;;
   uv)
     echo "uv $*" >> "$CALLS"
+    fake_uv_nixl "$@" || exit 1
     if [[ " $* " == *" -e "* ]]; then ln -sf "$HARNESS_CLI" "$VENV/bin/epd-harness"
     elif [[ $* == *vllm* ]]; then ln -sf "$FAKE_VLLM" "$VENV/bin/vllm"; fi ;;
   python)
     if [[ "$*" == */torch_hold.py" --hold" && $PYTHONSAFEPATH == 1 ]]; then
       PYTHONPATH=$FAKE_SITE exec "$REAL_PYTHON" -S "$@"
     fi
+    if [[ $1 == */nixl_variant.py && $PYTHONSAFEPATH == 1 ]]; then
+      PYTHONPATH=$FAKE_SITE exec -a "$0" "$REAL_PYTHON" -S "$@"
+    fi
     if [[ $* == *torch.version.cuda* ]]; then echo "$FAKE_CUDA_MAJOR"; fi
     if [[ $* == *vllm.__version__* ]]; then echo "$FAKE_VLLM_VERSION"; fi ;;
 esac
 """
+)
 FAKE_CHECKOUT_GIT = """#!/bin/bash
 echo "git $*" >> "$CALLS"
 case "$*" in
@@ -424,6 +434,7 @@ class Installed:
     code: int
     output: str
     uv_installs: list[list[str]]  # the argv of every `uv pip install`
+    uv_uninstalls: list[list[str]]  # the argv of every `uv pip uninstall`
 
 
 def run_gpu_install(
@@ -436,13 +447,17 @@ def run_gpu_install(
     venv_dists: Mapping[str, str] = VENV_TORCH,
     from_files: tuple[str, ...] = (),
     checked_out: Path = ROOT / "harness",
+    nixl_brings: str = "",
+    nixl_published: str = "12 13",
 ) -> Installed:
     """The workflow's steps from the install to NIXL's (the kernels step left out), by bash, as
     Actions runs them (in order, $GITHUB_ENV carried into later steps, in a checkout whose
     harness/ is `checked_out`), with the stand-ins above; the served vLLM reports `version`, its
     release's sdist is in the harness cache as a fetch leaves it (RELEASE_DECLARES), a commit's
     tree declares TREE_DECLARES; the venv has `venv_dists` installed (name: version), those in
-    `from_files` from a wheel file."""
+    `from_files` from a wheel file; installing `nixl` brings its `nixl-cuN` for each N of
+    `nixl_brings` (none: an older nixl, its libraries in the one wheel), and `nixl-cuN` is
+    published for each N of `nixl_published` (FAKE_INSTALL_TOOLS)."""
     steps = all_steps(load(workflow))
     names = [step.get("name", "") for step in steps]
     wanted = [INSTALL_STEP, SOURCE_TREE_STEP, NIXL_STEP]
@@ -480,6 +495,8 @@ def run_gpu_install(
         "EPD_HARNESS_CACHE": str(cache),
         "CALLS": str(tmp_path / "calls"),
         "GITHUB_ENV": str(github_env),
+        "FAKE_NIXL_BRINGS": nixl_brings,
+        "FAKE_NIXL_PUBLISHED": nixl_published,
         **stand_in_site(tmp_path / "site", venv_dists, from_files),
     }
     output, code = "", 0
@@ -500,11 +517,13 @@ def run_gpu_install(
             break
     calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
     installs = [call.split()[3:] for call in calls if call.startswith("uv pip install")]
-    return Installed(code, output, installs)
+    uninstalls = [call.split()[3:] for call in calls if call.startswith("uv pip uninstall")]
+    return Installed(code, output, installs, uninstalls)
 
 
 def nixl_installs(installed: Installed) -> list[list[str]]:
-    return [argv for argv in installed.uv_installs if any("nixl" in arg for arg in argv)]
+    """The installs of a NIXL distribution (not those whose paths name a test about NIXL)."""
+    return [argv for argv in installed.uv_installs if any(a.startswith("nixl") for a in argv)]
 
 
 def held_by(argv: list[str]) -> list[str] | None:
@@ -622,6 +641,60 @@ def test_a_release_that_declares_no_nixl_fails_the_install_naming_why(
     assert installed.code == 2 and nixl_installs(installed) == [], installed.output
     assert "epd-harness: error: vLLM 9.9.0 (" in installed.output
     assert "kv_connectors.txt (for CUDA 13) declares no nixl" in installed.output
+
+
+@pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])
+@pytest.mark.parametrize(
+    "cuda_major, declared, other", [("13", "9.9.9", "12"), ("12", "9.9.8", "13")]
+)
+def test_gpu_workflows_keep_only_the_nixl_variant_of_torchs_cuda(
+    name: str, tmp_path: Path, cuda_major: str, declared: str, other: str
+) -> None:
+    """nixl>=1.1 installs a wheel per CUDA major beside it (nixl-cu12 and nixl-cu13, which
+    install some files to the same paths), and the workflows stopped there: a night served
+    with both, an undefined winner of the one import, and a nixl_ep_cpp that may link against
+    a libcudart the runner lacks. vLLM's CI (install-kv-connectors.sh) then keeps only the
+    variant of torch's CUDA major: every variant uninstalled, `--no-deps nixl-cuN==<nixl's
+    version>` installed. The workflows now do the same (harness/cli/nixl_variant.py, by the
+    venv's python, through the venv's uv) and log what is installed after."""
+    installed = run_gpu_install(name, tmp_path, cuda_major, "9.9.0", "9.9.0", nixl_brings="12 13")
+    assert installed.code == 0, installed.output
+    venv_python = str(tmp_path / "venv" / "bin" / "python")
+    assert installed.uv_uninstalls == [["--python", venv_python, "nixl-cu12", "nixl-cu13"]]
+    assert [without_constraint(argv) for argv in nixl_installs(installed)][1:] == [
+        ["--python", venv_python, "--no-deps", f"nixl-cu{cuda_major}=={declared}"]
+    ], installed.uv_installs
+    kept = f"nixl {declared}, nixl-cu12 {declared}, nixl-cu13 {declared}".replace(
+        f"nixl-cu{other} {declared}", f"nixl-cu{other} (not installed)"
+    )
+    assert f"NIXL installed now: {kept}" in installed.output, installed.output
+
+
+@pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])
+def test_a_nixl_without_cuda_variants_is_left_as_installed_and_said_so(
+    name: str, tmp_path: Path
+) -> None:
+    """An older nixl bundles its libraries in its one wheel: no variant to keep."""
+    installed = run_gpu_install(name, tmp_path, "12", "9.9.0", "9.9.0")
+    assert installed.code == 0, installed.output
+    assert installed.uv_uninstalls == [] and len(nixl_installs(installed)) == 1
+    assert "nixl 9.9.8 brought no nixl-cuN variant" in installed.output, installed.output
+    none = "nixl-cu12 (not installed), nixl-cu13 (not installed)"
+    assert f"NIXL installed now: nixl 9.9.8, {none}" in installed.output, installed.output
+
+
+@pytest.mark.parametrize("name", ["nightly-gpu.yml", "cherry-pick.yml"])
+def test_a_cuda_major_no_nixl_variant_is_published_for_fails_the_step_in_one_line(
+    name: str, tmp_path: Path
+) -> None:
+    installed = run_gpu_install(
+        name, tmp_path, "14", "9.9.0", "9.9.0", nixl_brings="12 13", nixl_published="12 13"
+    )
+    assert installed.code != 0, installed.output
+    assert (
+        "nixl_variant: nixl-cu14==9.9.9 cannot be installed (uv exited 1, above): "
+        "nixl 9.9.9 has no build for torch's CUDA 14 on this index" in installed.output
+    ), installed.output
 
 
 SOURCE_STEP = "vLLM's source tree"

@@ -53,6 +53,9 @@ declared=$(python3 -m harness.cli.main upstream-requirement nixl \
     --cuda-major "$cuda_major" --vllm-source "$vllm_tree")
 mapfile -t nixl <<< "$declared"
 uv pip install --system --constraints "$held" "${nixl[@]}"
+# nixl>=1.1 installs nixl-cu12 and nixl-cu13 beside it: keep only torch's CUDA major's, as
+# vLLM's CI does, and log what is installed (harness/cli/nixl_variant.py, by the image's Python).
+PYTHONSAFEPATH=1 python3 harness/cli/nixl_variant.py --cuda-major "$cuda_major" --uv uv
 
 # FlashInfer's precompiled kernels, as the GitHub nightly fetches them (vLLM 0.32.0 asks for
 # this after every install); without them each instance fetches or compiles them while it

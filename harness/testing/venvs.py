@@ -60,3 +60,38 @@ def dist_info(site: Path, name: str, version: str, *requires: str) -> Path:
     lines += [f"Requires-Dist: {line}" for line in requires]
     (folder / "METADATA").write_text("\n".join(lines) + "\n")
     return folder
+
+
+# A bash function for the stand-in uv of the GPU jobs' tests: what `uv pip install` and
+# `uv pip uninstall` (its arguments, `pip` first) do to NIXL's distributions in $FAKE_SITE (a
+# `stand_in_site`). Installing `nixl==V` writes nixl's dist-info and a `nixl-cuN` one for each N
+# of $FAKE_NIXL_BRINGS, as nixl>=1.1 brings its CUDA variants (none: an older nixl, its
+# libraries in its one wheel); `nixl-cuN==V` is installed for an N of $FAKE_NIXL_PUBLISHED and
+# fails, as uv does, for any other; uninstalling `nixl-cuN` removes its dist-info. Anything else
+# is left alone.
+FAKE_UV_NIXL = r"""
+fake_site_installed() {
+  rm -rf "$FAKE_SITE/${1//-/_}"-*.dist-info
+  mkdir -p "$FAKE_SITE/${1//-/_}-$2.dist-info"
+  printf 'Metadata-Version: 2.1\nName: %s\nVersion: %s\n' "$1" "$2" \
+    > "$FAKE_SITE/${1//-/_}-$2.dist-info/METADATA"
+}
+fake_uv_nixl() {
+  local arg name
+  for arg in "$@"; do
+    case "$2 $arg" in
+      "uninstall nixl-cu"*) rm -rf "$FAKE_SITE/${arg//-/_}"-*.dist-info ;;
+      "install nixl-cu"*==*)
+        name=${arg%%==*}
+        if [[ " $FAKE_NIXL_PUBLISHED " != *" ${name#nixl-cu} "* ]]; then
+          echo "error: no version of $name satisfies $arg" >&2
+          return 1
+        fi
+        fake_site_installed "$name" "${arg#*==}" ;;
+      "install nixl=="*)
+        fake_site_installed nixl "${arg#*==}"
+        for major in $FAKE_NIXL_BRINGS; do fake_site_installed "nixl-cu$major" "${arg#*==}"; done ;;
+    esac
+  done
+}
+"""
