@@ -209,3 +209,40 @@ def test_disabled_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     client.ensure_running()
     client.started(os.getpid(), "x", None)
     assert client.pid is None
+
+
+def test_the_watchdog_imports_the_harness_it_watches_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watchdog is `python -m harness.serve.watchdog` with the harness's own tree first on
+    its PYTHONPATH: whatever else the interpreter finds (an installed copy of another version,
+    or nothing at all from a harness put on sys.path by a script) must not be what stops the
+    servers. The tree is the directory that holds the `harness` package, not the package
+    itself: that would make `run`, `spec`, `errors`... top-level names ahead of the stdlib."""
+    import harness
+
+    tree = Path(harness.__file__).resolve().parents[1]
+    spawned: list[dict[str, str]] = []
+
+    class CapturingPopen:
+        def __init__(self, argv: list[str], *, env: dict[str, str], **kwargs: object) -> None:
+            spawned.append(env)
+            self.pid, self.stdin = 0, None
+
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.setattr(watchdog.subprocess, "Popen", CapturingPopen)
+    monkeypatch.setattr(watchdog.atexit, "register", lambda function: None)
+    watchdog.WatchdogClient()._spawn()
+    monkeypatch.undo()
+    (env,) = spawned
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(tree)
+    imported = subprocess.run(
+        [sys.executable, "-c", "import harness; print(harness.__file__)"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
+    assert Path(imported).resolve() == Path(harness.__file__).resolve()

@@ -149,7 +149,8 @@ class WatchdogClient:
         self._spawn()
 
     def _spawn(self) -> None:
-        package_root = str(Path(__file__).resolve().parents[1])
+        # The directory holding the `harness` package (this file is harness/serve/watchdog.py).
+        package_root = str(Path(__file__).resolve().parents[2])
         pythonpath = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
         self._popen = subprocess.Popen(
             [sys.executable, "-m", "harness.serve.watchdog"],
