@@ -89,7 +89,7 @@ def tell(dog: subprocess.Popen[bytes], **fields: object) -> None:
 
 def start_line(pgid: int, log: Path, create_time: float | None = None) -> dict:
     if create_time is None:
-        create_time = psutil.Process(pgid).create_time()
+        create_time = watchdog.boot_seconds(pgid)
     return {
         "event": "start",
         "pgid": pgid,
@@ -155,7 +155,7 @@ def test_a_process_that_is_not_the_recorded_one_is_spared(tmp_path: Path) -> Non
     stranger, pid = spawn_sleeper("plain")
     dog = start_watchdog()
     try:
-        wrong_time = psutil.Process(pid).create_time() - 100
+        wrong_time = watchdog.boot_seconds(pid) - 100
         tell(dog, **start_line(pid, tmp_path / "server.log", create_time=wrong_time))
         time.sleep(2 * watchdog.SAMPLE_INTERVAL_S)
         dog.stdin.close()
@@ -164,6 +164,41 @@ def test_a_process_that_is_not_the_recorded_one_is_spared(tmp_path: Path) -> Non
         assert "nothing of this group left running" in (tmp_path / watchdog.LOG_NAME).read_text()
     finally:
         cleanup(stranger, dog)
+
+
+# A sitecustomize for the watchdog: the wall clock stepped 2 s forward after the
+# harness recorded its groups (an NTP step, a VM resumed), as psutil's epoch times see it.
+CLOCK_STEPPED = """
+import psutil._pslinux as linux
+_boot_time = linux.boot_time
+linux.boot_time = lambda: _boot_time() + 2.0
+"""
+
+
+def test_a_wall_clock_step_does_not_make_the_groups_strangers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process's identity is its pid and the moment it was created; an epoch creation time
+    is the boot time (which moves with the wall clock) plus the ticks since boot. Recorded by
+    the harness before a clock step and compared by the watchdog after it, every group looked
+    like a reused pid: the watchdog spared the servers it exists to stop."""
+    stepped = tmp_path / "clock-stepped"
+    stepped.mkdir()
+    (stepped / "sitecustomize.py").write_text(CLOCK_STEPPED)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(stepped), child_env()["PYTHONPATH"]]))
+    sleeper, pid = spawn_sleeper("plain")
+    client = watchdog.WatchdogClient()
+    try:
+        client.ensure_running()
+        client.started(pid, "t/clock", tmp_path / "server.log")
+        time.sleep(2 * watchdog.SAMPLE_INTERVAL_S)
+        dog = psutil.Process(client.pid)
+        client.close()  # the harness is gone
+        gone_s = seconds_until_gone([pid], BOUND_S)
+        assert gone_s is not None, (tmp_path / watchdog.LOG_NAME).read_text()
+        dog.wait(timeout=10)
+    finally:
+        cleanup(sleeper)
 
 
 def test_groups_the_harness_stopped_are_forgotten_and_the_watchdog_exits_at_once(

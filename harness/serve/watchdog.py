@@ -18,11 +18,14 @@ ignored. Protocol: one JSON object per line on the watchdog's stdin:
      "log": "/run/1P-1D/1P-1D__decode0.log"}      a server's group exists (pgid = leader pid)
     {"event": "done", "pgid": 1234}               the harness emptied that group itself
 
+(create_time: when the leader was created, in seconds after boot.)
+
 End of file on stdin means the harness is gone, however it ended (the kernel closes the pipe of
 a SIGKILLed process too). With no group left, the watchdog exits at once; otherwise it acts and
 appends one line per action to `watchdog.log` beside the server's log (stderr if no log given).
 
-Pid reuse: while the harness lives, each leader is its unreaped child, so its pid (the group id)
+Pid reuse: a process is its pid and its creation time in seconds after boot (`boot_seconds`;
+not an epoch time, which a step of the wall clock would change). While the harness lives, each leader is its unreaped child, so its pid (the group id)
 cannot be reused, and the watchdog samples the group's members and the leader's descendants
 (pid + create time) every SAMPLE_INTERVAL_S. After the harness died the leaders are reparented
 and may be reaped; then group G is signalled only while a recorded process (same pid and create
@@ -100,7 +103,7 @@ class WatchdogClient:
         if not self.enabled():
             return
         try:
-            create_time = psutil.Process(pgid).create_time()
+            create_time = boot_seconds(pgid)
         except psutil.NoSuchProcess:  # cannot happen for an unreaped child; be safe anyway
             return
         line = _encode(
@@ -194,15 +197,28 @@ class Group:
     create_time: float
     name: str
     log: str
-    # pid -> create time of every process seen in the group or under its leader
+    # pid -> creation (seconds after boot) of every process seen in the group or under its leader
     members: dict[int, float] = field(default_factory=dict)
 
 
+def boot_seconds(pid: int) -> float:
+    """When process `pid` was created, in seconds after boot: with the pid, its identity.
+
+    Not psutil's create_time() alone: that is the boot time plus this, and the boot time moves
+    with the wall clock (an NTP step, a VM resumed), so the harness recording a group and the
+    watchdog checking it a clock step later disagreed, and every group looked like a reused
+    pid. The boot time is read first and the process afresh: older psutil reuse the boot time
+    read last, and a psutil.Process caches its create_time()."""
+    boot_time = psutil.boot_time()
+    return psutil.Process(pid).create_time() - boot_time
+
+
 def same_process(pid: int, create_time: float) -> psutil.Process | None:
-    """The process `pid` if it is still the one created at `create_time` (zombies included)."""
+    """The process `pid` if it is still the one created at `create_time` (seconds after boot,
+    `boot_seconds`; zombies included)."""
     try:
         proc = psutil.Process(pid)
-        if abs(proc.create_time() - create_time) <= CREATE_TIME_TOLERANCE_S:
+        if abs(boot_seconds(pid) - create_time) <= CREATE_TIME_TOLERANCE_S:
             return proc
     except psutil.NoSuchProcess:
         pass
@@ -240,7 +256,7 @@ def sample(groups: dict[int, Group]) -> None:
 
 def _record(group: Group, proc: psutil.Process) -> None:
     try:
-        group.members.setdefault(proc.pid, proc.create_time())
+        group.members.setdefault(proc.pid, boot_seconds(proc.pid))
     except psutil.NoSuchProcess:
         pass
 
