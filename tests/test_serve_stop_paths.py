@@ -184,3 +184,27 @@ def test_servers_revived_together_start_in_their_order_whatever_the_list_order()
     fresh_first.startup_seconds = 1.0
     group._start_due()
     assert log[2:] == ["start e", "start pd"]
+
+
+def test_a_start_whose_cleanup_fails_too_raises_the_start_failure(tmp_path, monkeypatch) -> None:
+    """A session that cannot start is closed on the way out; a close that fails as well (a
+    process that outlived SIGKILL) is a note on the start's failure, as on leaving the block:
+    the death and its log tail stay what the run reports, not "could not stop"."""
+    from harness.serve.launch import ServerDied, ServerStopFailed
+    from harness.serve.session import TopologySession
+    from harness.spec.topology import TOPOLOGIES
+    from harness.testing.fake_vllm import fake_run_settings
+
+    session = TopologySession(TOPOLOGIES["1P+1D"], fake_run_settings(tmp_path, tmp_path / "x"))
+
+    def die() -> None:
+        raise ServerDied("1P+1D/decode0 (pid 7) died during startup: exit code 1", "1P+1D/decode0")
+
+    def fail_to_stop() -> None:
+        raise ServerStopFailed("1P+1D/prefill0: processes survived SIGKILL for 5.0 s: pid 8")
+
+    monkeypatch.setattr(session, "start_servers", die)
+    monkeypatch.setattr(session, "close", fail_to_stop)
+    with pytest.raises(ServerDied, match="died during startup") as raised:
+        session.__enter__()
+    assert any("survived SIGKILL" in note for note in raised.value.__notes__)

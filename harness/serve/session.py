@@ -149,11 +149,16 @@ class TopologySession:
     # -- lifecycle -------------------------------------------------------------------------
 
     def __enter__(self) -> TopologySession:
+        """Start and wait until serving; on failure close, and a close that fails too is a note
+        on the start's failure (as in `__exit__`): the death and its log tail stay the cause."""
         try:
             self.start_servers()
             self.wait_until_serving()
-        except BaseException:
-            self.close()
+        except BaseException as exc:
+            try:
+                self.close()
+            except Exception as close_error:
+                exc.add_note(f"closing {self.topology.name} failed too: {close_error!r}")
             raise
         return self
 
