@@ -208,3 +208,43 @@ def test_a_start_whose_cleanup_fails_too_raises_the_start_failure(tmp_path, monk
     with pytest.raises(ServerDied, match="died during startup") as raised:
         session.__enter__()
     assert any("survived SIGKILL" in note for note in raised.value.__notes__)
+
+
+def test_a_vllm_proxy_start_whose_stop_fails_too_raises_the_start_failure(
+    tmp_path, monkeypatch
+) -> None:
+    """vLLM's proxy that dies during its start is stopped on the way out; a stop that fails as
+    well is a note on the death (its exit code and log tail), not what is raised instead."""
+    from types import SimpleNamespace
+
+    from harness.serve import entry
+    from harness.serve.launch import ServerDied, ServerStopFailed
+    from harness.serve.proxy import ProxyRoutes
+    from harness.spec.settings import ProxyChoice
+    from harness.spec.topology import TOPOLOGIES
+
+    class DyingProxy:
+        def __init__(self, command, *, port_lease) -> None:
+            self.name = command.name
+
+        def start(self) -> None:
+            pass
+
+        def wait_until_ready(self, timeout_s: float) -> None:
+            raise ServerDied(f"{self.name} (pid 7) died during startup: exit code 1", self.name)
+
+        def stop(self) -> None:
+            raise ServerStopFailed(f"{self.name}: processes survived SIGKILL for 5.0 s: pid 7")
+
+    monkeypatch.setattr(entry, "ManagedServer", DyingProxy)
+    monkeypatch.setattr(entry, "reserve_ports", lambda count: [SimpleNamespace(port=20001)])
+    monkeypatch.setattr(
+        entry,
+        "vllm_proxy_launch",
+        lambda *args: SimpleNamespace(argv=["proxy"], health_path="/health", env={}),
+    )
+    choice = ProxyChoice("vllm", files_dir=tmp_path, interpreter=("python",))
+    routes = ProxyRoutes(encoder_urls=(), prefill_urls=("http://p",), decode_urls=("http://d",))
+    with pytest.raises(ServerDied, match="died during startup") as raised:
+        entry.start_vllm_proxy(TOPOLOGIES["1P+1D"], choice, routes, tmp_path, [])
+    assert any("survived SIGKILL" in note for note in raised.value.__notes__)

@@ -169,8 +169,11 @@ def start_vllm_proxy(
             write_text_atomic(
                 command.log_path.with_suffix(".instances.json"), json.dumps(roster, indent=2)
             )
-    except BaseException:
-        server.stop()
+    except BaseException as exc:
+        try:  # a stop that fails too must not replace the cause (the death, its log tail)
+            server.stop()
+        except Exception as stop_error:
+            exc.add_note(f"stopping {name} failed too: {stop_error!r}")
         raise
     return server, url
 
