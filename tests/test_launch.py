@@ -715,3 +715,30 @@ def test_a_signal_ignored_on_entry_stays_ignored() -> None:
         preexec_fn=nohup,
     )
     assert done.stdout.strip() == "['SIGINT', 'SIGTERM'] True", done.stderr
+
+
+def test_a_signal_held_back_from_a_spawn_is_not_lost_behind_an_ignored_one() -> None:
+    """Under nohup SIGHUP is ignored: one that comes during a server's spawn, before the
+    SIGTERM that ends the run, must not take the SIGTERM's place when the held-back signals
+    are handled (found in review: only the first was, and an ignored one did nothing)."""
+    script = (
+        "import os, signal\n"
+        "from harness.serve.signal_handlers import install_signal_handlers, signals_deferred\n"
+        "install_signal_handlers()\n"
+        "try:\n"
+        "    with signals_deferred():\n"
+        "        os.kill(os.getpid(), signal.SIGHUP)\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    print('not interrupted')\n"
+        "except KeyboardInterrupt as exc:\n"
+        "    print(f'interrupted: {exc}')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=child_env(),
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # nohup
+    )
+    assert done.stdout.strip() == "interrupted: received SIGTERM", done.stderr

@@ -87,9 +87,12 @@ def signals_deferred() -> Iterator[None]:
     finally:
         for sig in held:
             signal.signal(sig, previous[sig])
-        if came:
-            handler = previous[signal.Signals(came[0])]
+        # The first that does something: one ignored (SIGHUP under nohup) does not stand in
+        # for a SIGTERM that came after it.
+        signum = next((s for s in came if previous[signal.Signals(s)] != signal.SIG_IGN), None)
+        if signum is not None:
+            handler = previous[signal.Signals(signum)]
             if callable(handler):
-                handler(came[0], None)
+                handler(signum, None)
             elif handler == signal.SIG_DFL:
-                os.kill(os.getpid(), came[0])
+                os.kill(os.getpid(), signum)
