@@ -68,3 +68,36 @@ def test_open_hands_back_each_session_in_the_order_asked_whichever_were_running(
     assert [key.topology for key in opened] == ["1P+1D", "1E+1P+1D"]
     first, second = opened.values()
     assert isinstance(first, RuntimeError) and second.topology.name == "1E+1P+1D"
+
+
+class DiesThenWillNotStop(StandIn):
+    """Starts, dies while coming up, and then cannot be stopped either (processes survived
+    SIGKILL): a close that raises."""
+
+    def wait_until_serving(self) -> None:
+        raise RuntimeError(f"{self.topology.name}/prefill0 died while starting")
+
+    def close(self) -> None:
+        raise RuntimeError(f"{self.topology.name}/prefill0: processes survived SIGKILL")
+
+
+def test_a_topology_that_dies_and_will_not_stop_fails_alone_with_its_death(
+    tmp_path: Path,
+) -> None:
+    """A close that fails after a start failed raised out of `open`, in place of the death (and
+    its log tail), and failed the whole wave: the sibling that came up was closed with it
+    (found in review, the class of the session's own start). The close's failure is a note on
+    the death, which stays the topology's error; the sibling serves."""
+    settings = RunSettings(serving=ServingConfig(model="/models/tiny"), run_dir=tmp_path)
+    pool = TopologyPool(settings)
+    pool._new_session = lambda request: (
+        DiesThenWillNotStop(request, False)
+        if request.topology.name == "1P+1D"
+        else StandIn(request, False)
+    )
+    wave = [SessionRequest(TOPOLOGIES[n], settings) for n in ("1P+1D", "1E+1PD")]
+    opened = pool.open(wave)
+    dead, serving = opened.values()
+    assert isinstance(dead, RuntimeError) and "died while starting" in str(dead), dead
+    assert any("survived SIGKILL" in note for note in getattr(dead, "__notes__", [])), dead
+    assert serving.topology.name == "1E+1PD"

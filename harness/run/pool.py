@@ -320,7 +320,7 @@ class TopologyPool:
                 try:
                     session.wait_until_serving()
                 except Exception as exc:  # noqa: BLE001
-                    session.close()  # a dead sibling must not hold memory while others serve
+                    _close_noting(session, exc)  # a dead sibling must not hold memory
                     found[key] = exc
                     self.starts.append(StartRecord(key, reason, None))
                     continue
@@ -332,7 +332,7 @@ class TopologyPool:
             undo.pop_all()
         for key, session, _ in starting:
             if isinstance(found[key], BaseException):
-                session.close()
+                _close_noting(session, found[key])
         # In the order asked, which callers read by position (a wave's slots, the fuzzer's
         # `baseline, topology`): those running were found first (found in review).
         return {request.key: found[request.key] for request in requests}
@@ -608,3 +608,13 @@ class TopologyPool:
 def cpu_instances_that_fit() -> int:
     """How many more CPU instances the memory available now holds."""
     return int(available_memory_bytes() * CPU_MEMORY_HEADROOM) // CPU_INSTANCE_BYTES
+
+
+def _close_noting(session: TopologySession, cause: BaseException) -> None:
+    """Close a session that failed to start; a close that fails too (processes that survived
+    SIGKILL) is a note on `cause`, which stays its topology's error: raised, it replaced the
+    death and its log tail and failed the whole wave (found in review)."""
+    try:
+        session.close()
+    except Exception as close_error:  # noqa: BLE001 - reported on the cause
+        cause.add_note(f"closing {session.topology.name} failed too: {close_error!r}")

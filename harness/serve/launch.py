@@ -10,8 +10,8 @@ crashed in its first second wastes the CI budget. So:
   SIGKILLed harness does not leave the server itself running (the server is expected to take its
   own children down on SIGTERM, as vLLM does);
 * that needs the server's cooperation, which vLLM does not give while its engine starts, so a
-  watchdog process (`harness.watchdog`) that outlives the harness stops every group the harness
-  had not finished stopping when it dies, SIGKILL included;
+  watchdog process (`harness.serve.watchdog`) that outlives the harness stops every group the
+  harness had not finished stopping when it dies, SIGKILL included;
 * readiness polling checks on every poll that the process is still alive, and a death is
   reported with the exit code and the tail of the server's log: the evidence, not "timed out";
 * the server's exit is observed without reaping it (waitid WNOWAIT) until `stop()` has emptied
