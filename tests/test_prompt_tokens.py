@@ -85,6 +85,31 @@ def test_a_count_cached_before_the_kwargs_reached_the_processor_is_not_reused(
     assert tokens.estimate_prompt_tokens(model, {"p": body}, cache) == {"p": 139}
 
 
+@pytest.mark.parametrize(
+    "distribution", ["transformers", "tokenizers", "torch", "opencv-python-headless"]
+)
+def test_a_count_is_not_reused_under_another_version_of_what_counted_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, distribution: str
+) -> None:
+    """The key held the transformers version alone: the text is tokenized by tokenizers, a
+    container's frames and fps read by OpenCV, its kept frames picked with torch, and a count
+    taken under other versions of those was read back as this one's."""
+    import importlib.metadata
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    real = importlib.metadata.version
+
+    def version(name: str) -> str:
+        return real(name) if name != distribution else "0.0.1-another"
+
+    key = tokens._token_count_key(model, body)
+    monkeypatch.setattr(tokens.importlib.metadata, "version", version)
+    assert tokens._token_count_key(model, body) != key
+
+
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
 def test_a_prompt_whose_extra_fields_ask_for_more_tokens_is_held_to_them(field: str) -> None:
     """`render_request` lets a prompt's extra fields override max_tokens (and vLLM reads

@@ -87,7 +87,7 @@ def estimate_prompt_tokens(
 
     Loading transformers takes seconds, so counts are cached in `cache_dir` under a digest of
     the request (its mm_processor_kwargs and media_io_kwargs with it), the bytes of every
-    file:// media it names, the model's processor files and the transformers version: a
+    file:// media it names, the model's processor files and the counting libraries' versions: a
     rerun of the same prompts imports nothing.
     """
     keys = {name: _token_count_key(model_dir, body) for name, body in bodies.items()}
@@ -134,19 +134,40 @@ def _count_with_processor(model_dir: Path, bodies: Mapping[str, dict[str, Any]])
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 
 
-def _transformers_version() -> str:
-    """The counting library's version, for the key; without transformers the key is still
-    computed (a cached count cannot match it) and counting fails on its own."""
-    try:
-        return importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
+# The distributions whose code the count runs: the processor (transformers; torchvision, by
+# which it picks its fast image and video processors), the tokenizer (tokenizers), the media
+# decoders (Pillow; OpenCV, which reads a container's frames and fps, as whichever of its
+# distributions provides cv2) and torch (the kept frames' indices). Keyed by the transformers
+# version alone, a count taken under other versions of the rest was read back (found in review).
+COUNTING_DISTRIBUTIONS = (
+    "transformers",
+    "tokenizers",
+    "torch",
+    "torchvision",
+    "pillow",
+    "opencv-python",
+    "opencv-python-headless",
+    "opencv-contrib-python",
+    "opencv-contrib-python-headless",
+)
+
+
+def _counting_versions() -> str:
+    """The counting libraries' versions, for the key; without one the key is still computed
+    (a cached count cannot match it) and counting fails on its own."""
+    versions = []
+    for name in COUNTING_DISTRIBUTIONS:
+        try:
+            versions.append(f"{name}=={importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{name} not installed")
+    return "\0".join(versions)
 
 
 def _token_count_key(model_dir: Path, body: dict[str, Any]) -> str:
     digest = hashlib.sha256()
     digest.update(f"count-format {COUNT_FORMAT}\0".encode())
-    digest.update(_transformers_version().encode())
+    digest.update(_counting_versions().encode())
     for path in sorted(model_dir.rglob("*")):
         if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
             digest.update(path.relative_to(model_dir).as_posix().encode() + b"\0")
