@@ -33,7 +33,7 @@ from harness.preflight.vllm import check_vllm
 from harness.run.baseline import BaselineAnswers
 from harness.run.baseline_cache import CACHE_FORMAT
 from harness.spec.connectors import get_ec_connector
-from harness.spec.prompts import SKELETON_PROMPTS, render_request
+from harness.spec.prompts import SKELETON_PROMPTS, ImagePart, render_part, render_request
 from harness.testing import served_parser
 from harness.testing.cli import run_argv
 from harness.testing.fake_nvidia_smi import T4, V100, install_fake_nvidia_smi
@@ -1088,6 +1088,23 @@ def test_media_file_referenced_but_missing(tmp_path: Path) -> None:
         files.check_media_references({"cat": body}, tmp_path / "elsewhere")
     expected = f"prompt 'cat' references {missing}, outside --media-dir {tmp_path / 'elsewhere'}"
     assert str(outside.value) == expected
+
+
+def test_media_dir_no_prompt_reads(bad_run: BadRun, tmp_path: Path) -> None:
+    """`--media-dir` only added `--allowed-local-media-path` to every instance: no prompt of a
+    run names a file:// medium, so no request read it, and the run went on as if the user's
+    media had been sent (a flag a code path ignores is refused, never dropped)."""
+    (tmp_path / "media").mkdir()
+    inline = {"messages": [{"role": "user", "content": [render_part(ImagePart(seed=1))]}]}
+    with pytest.raises(BadInput, match="no prompt of this run names a file:// medium"):
+        files.check_media_references({"image": inline}, tmp_path / "media")
+    code, err = bad_run("--media-dir", str(tmp_path / "media"), "--prompt", "image")
+    cause = (
+        f"--media-dir {tmp_path / 'media'}: no prompt of this run names a file:// medium "
+        "(the harness's prompts carry their media inline, as data: URLs), so no server "
+        "would read it: drop --media-dir"
+    )
+    assert_one_error_line(code, err, cause)
 
 
 def test_run_dir_under_a_regular_file(bad_run: BadRun, tmp_path: Path) -> None:

@@ -474,7 +474,11 @@ def build_parser() -> Parser:
         help="judge against VERSION's stored baseline (its goldens) instead of "
         "starting one; see docs/versions.md",
     )
-    run.add_argument("--media-dir", help="directory file:// media may come from")
+    run.add_argument(
+        "--media-dir",
+        help="directory file:// media may come from (refused when no prompt names one: the "
+        "built-in prompts carry their media inline)",
+    )
     run.add_argument(
         "--baseline-cache",
         help=f"baseline cache directory, or 'off' (default: {cache_dir() / 'baseline'})",

@@ -101,12 +101,16 @@ def check_media_references(bodies: Mapping[str, dict[str, Any]], media_dir: Path
     """Every file:// URL a request carries must exist and lie under the media directory.
 
     vLLM refuses files outside --allowed-local-media-path with an HTTP 400 per request, which a
-    run would record as an ERROR verdict on every topology: a user error, reported as one.
+    run would record as an ERROR verdict on every topology: a user error, reported as one. A
+    media directory no request reads is refused too: it only added that flag to every instance,
+    and the run went on as if the user's media had been sent (found in review).
     """
+    named_files = False
     for prompt, body in bodies.items():
         for url in _media_urls(body):
             if not url.startswith("file://"):
                 continue
+            named_files = True
             path = Path(url[len("file://") :])
             if media_dir is None:
                 raise BadInput(f"prompt {prompt!r} references {url} but no --media-dir was given")
@@ -116,6 +120,12 @@ def check_media_references(bodies: Mapping[str, dict[str, Any]], media_dir: Path
                 )
             if not path.is_file():
                 raise BadInput(f"prompt {prompt!r}: media file {path} does not exist")
+    if media_dir is not None and not named_files:
+        raise BadInput(
+            f"--media-dir {media_dir}: no prompt of this run names a file:// medium (the "
+            "harness's prompts carry their media inline, as data: URLs), so no server would "
+            "read it: drop --media-dir"
+        )
 
 
 def _media_urls(body: dict[str, Any]) -> Iterable[str]:
