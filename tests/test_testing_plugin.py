@@ -658,6 +658,59 @@ def test_a_vllm_source_that_no_selected_test_reads_is_refused(
     assert pytester.runpytest(*options).ret == pytest.ExitCode.OK, "without the flag: as before"
 
 
+UNREAD_OPTIONS = """
+import pytest
+
+def test_pure_logic():
+    pass
+
+@pytest.mark.e2e
+@pytest.mark.epd_topology("1E+1PD")
+def test_sweep_case():
+    pass
+
+@pytest.mark.reads_vllm_source
+def test_served_vllms_own_script():
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    ("selection", "refused"),
+    [
+        (("-k", "pure_logic", "--epd-dtype", "float16"), "--epd-dtype"),
+        (("-k", "pure_logic", "--epd-topology=1P+1D"), "--epd-topology"),
+        (("-k", "pure_logic", "--epd-platform", "cuda"), "--epd-platform"),
+        (("-k", "pure_logic or sweep_case", "--epd-dtype", "float16"), None),  # e2e: read
+        (("-k", "served_vllms_own", "--epd-platform", "cuda"), None),  # parity reads it
+        (("-k", "served_vllms_own", "--epd-dtype", "float16"), "--epd-dtype"),
+        (("-k", "pure_logic", "--epd-run-dir", "elsewhere"), None),  # every session's
+    ],
+)
+def test_a_session_option_that_no_selected_test_reads_is_refused(
+    pytester: pytest.Pytester, selection: tuple[str, ...], refused: str | None
+) -> None:
+    """`pytest tests -m unit --epd-dtype float16` ran green, the flag changing nothing: the
+    `--epd-*` options configure what the e2e tests serve, and none was selected. A flag nothing
+    selected reads is refused at collection, naming it (a flag a code path ignores is refused,
+    never dropped)."""
+    pytester.makeconftest(
+        CONFTEST
+        + '    parser.addoption("--epd-dtype", default=None)\n'
+        + '    parser.addoption("--epd-topology", default=None)\n'
+        + '    parser.addoption("--epd-run-dir", default=None)\n'
+    )
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    pytester.makepyfile(test_options=UNREAD_OPTIONS)
+    run = pytester.runpytest("--collect-only", "-p", "no:cacheprovider", *selection)
+    if refused is None:
+        assert run.ret == pytest.ExitCode.OK, run.stdout.str() + run.stderr.str()
+        return
+    assert run.ret == pytest.ExitCode.USAGE_ERROR, run.stdout.str()
+    run.stderr.fnmatch_lines([f"ERROR: {refused}: no selected test reads it*"])
+    assert len(run.stderr.str().strip().splitlines()) == 1, run.stderr.str()
+
+
 def listed_after_what_they_import(modules: list[str]) -> list[str]:
     """The plugin modules of `modules` (a `pytest_plugins` list) that import a module listed
     after them: pytest would find that one imported already and could not rewrite its asserts

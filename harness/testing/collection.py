@@ -33,6 +33,7 @@ from harness.testing.session_options import (
     check_session_options,
     platform_refusal,
     session_kv_connector,
+    unread_option_refusal,
     wanted_topologies,
 )
 
@@ -241,8 +242,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(tryfirst=True)  # before --collect-only lists what it refuses
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The session's options are checked once when a selected item serves them, and
-    `--epd-vllm-source` given where no selected item reads it is refused, once every
-    deselection (-k, -m, `--epd-topology`, the session's refusals) is done."""
+    `--epd-vllm-source`, or another `--epd-*` option, given where no selected item reads it is
+    refused, once every deselection (-k, -m, `--epd-topology`, the session's refusals) is
+    done."""
     from harness.testing.vllm_source import OPTION, given_on_the_command_line, refusal
 
     config = session.config
@@ -252,6 +254,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     given = given_on_the_command_line(config.invocation_params.args)
     source = config.getoption(OPTION, None) if given else None
     why = refusal(source, config.getoption("--epd-proxy", None), session.items)
+    why = why or unread_option_refusal(config.invocation_params.args, session.items)
     if why:
         raise pytest.UsageError(why)
 

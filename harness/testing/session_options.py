@@ -1,7 +1,8 @@
 """The session's `--epd-*` options (conftest.py), read as `epd-harness run` reads its own: the
 KV connector and launcher the session runs, the topologies it selects, the run they ask for
-(`session_request`), checked once before any item runs (`check_session_options`), and why an
-item cannot run under them (`platform_refusal`)."""
+(`session_request`), checked once before any item runs (`check_session_options`), why an
+item cannot run under them (`platform_refusal`), and the refusal of one no selected item reads
+(`unread_option_refusal`)."""
 
 from __future__ import annotations
 
@@ -189,3 +190,33 @@ def check_session_options(option: Callable[[str], Any]) -> None:
         check_arguments(session_request(option, "runs", ("main", 1)), read_files=False)
     except BadInput as exc:
         raise pytest.UsageError(f"epd-harness: {in_session_terms(str(exc))}") from None
+
+
+# Read by every session, whatever it selects: its run root (harness.testing.session_account).
+READ_BY_EVERY_SESSION = frozenset({"--epd-run-dir"})
+# Read by a test marked reads_vllm_source besides the source (which has its own refusal,
+# harness.testing.vllm_source): tests/test_upstream_parity.py probes the served vLLM and
+# compares on the session's platform.
+READ_WITH_VLLM_SOURCE = frozenset({"--epd-vllm", "--epd-platform"})
+
+
+def unread_option_refusal(args: Sequence[str], items: Sequence[pytest.Item]) -> str:
+    """Why a `--epd-*` option on the command line (`args`) is refused, or "": the options
+    configure what the e2e tests serve and which of them run, so given where no e2e test is
+    selected (`pytest tests -m unit --epd-dtype float16`) one changed nothing and the session
+    was green all the same (found in review). Those a selected test reads otherwise are kept."""
+    from harness.testing.vllm_source import MARK, OPTION
+
+    if any(item.get_closest_marker("e2e") is not None for item in items):
+        return ""
+    read = READ_BY_EVERY_SESSION | {OPTION}  # the source: refused by its own rule
+    if any(item.get_closest_marker(MARK) is not None for item in items):
+        read |= READ_WITH_VLLM_SOURCE
+    for arg in args:
+        name = arg.partition("=")[0]
+        if name.startswith("--epd-") and name not in read:
+            return (
+                f"{name}: no selected test reads it; the --epd-* options configure what the "
+                "e2e tests serve, and none is selected: select one (-m e2e) or drop the flag"
+            )
+    return ""
