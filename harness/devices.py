@@ -122,6 +122,16 @@ def smi_gpus() -> list[Gpu]:
     return gpus
 
 
+def smi_gpu_indices() -> tuple[int, ...] | None:
+    """The index of every GPU nvidia-smi lists (the numbering --devices uses; nvidia-smi
+    ignores CUDA_VISIBLE_DEVICES); None where nvidia-smi cannot say, so that "cannot tell" is
+    never read as "no GPU"."""
+    listed = run_nvidia_smi("--query-gpu=index", "--format=csv,noheader")
+    if listed is None:
+        return None
+    return tuple(int(line.strip()) for line in listed.splitlines() if line.strip().isdigit())
+
+
 @dataclass(frozen=True)
 class GpuCapability:
     """One NVIDIA GPU's CUDA compute capability, as nvidia-smi lists it: what decides whether

@@ -36,7 +36,7 @@ from harness.spec.connectors import get_ec_connector
 from harness.spec.prompts import SKELETON_PROMPTS, ImagePart, render_part, render_request
 from harness.testing import served_parser
 from harness.testing.cli import run_argv
-from harness.testing.fake_nvidia_smi import T4, V100, install_fake_nvidia_smi
+from harness.testing.fake_nvidia_smi import A100, T4, V100, install_fake_nvidia_smi
 from harness.testing.fake_vllm import install_fake_vllm
 
 pytestmark = pytest.mark.model
@@ -957,6 +957,19 @@ def test_device_this_process_may_not_use(bad_run: BadRun) -> None:
         f"--devices {available[0]},{missing}: core {missing} is not available to this process "
         f"(available: {resources._ranges(available)})"
     )
+    assert_one_error_line(code, err, cause)
+
+
+def test_gpus_this_host_lacks(bad_run: BadRun, tmp_path: Path, monkeypatch) -> None:
+    """A 2-GPU box run with --devices 0,1,2: the instance pinned to GPU 2 (its own
+    CUDA_VISIBLE_DEVICES=2, a GPU nvidia-smi does not list) died at start-up with no CUDA
+    device, once its topology's other instances had started (found in review); refused
+    first, naming the GPU and what nvidia-smi lists, as the GPU rehearsal refuses it."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    tools = install_fake_nvidia_smi(tmp_path / "gpus", [A100, A100])
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    code, err = bad_run("--platform", "cuda", "--devices", "0,1,2", "--topology", "1P+1D")
+    cause = "--devices 0,1,2: this host has no GPU 2 (nvidia-smi lists GPUs 0,1)"
     assert_one_error_line(code, err, cause)
 
 

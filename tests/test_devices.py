@@ -153,3 +153,15 @@ def test_compute_capabilities_are_read_by_the_index_devices_names(
     assert devices.smi_compute_capabilities() == [devices.GpuCapability(0, "Tesla T4", (7, 5))]
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert devices.smi_compute_capabilities() is None
+
+
+def test_gpu_indices_are_what_nvidia_smi_lists_and_none_where_it_cannot_say(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `--devices` may name on cuda: the indices nvidia-smi lists (it ignores
+    CUDA_VISIBLE_DEVICES); None where it cannot be read, so nothing is refused on a guess."""
+    tools = install_fake_nvidia_smi(tmp_path / "bin", [A100, T4, V100])
+    monkeypatch.setenv("PATH", f"{tools}:/usr/bin:/bin")
+    assert devices.smi_gpu_indices() == (0, 1, 2)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert devices.smi_gpu_indices() is None

@@ -28,6 +28,7 @@ from harness.spec.platforms import (
     DEFAULT_GPU_MEMORY_FRACTION,
     XPU,
     DevicePlanError,
+    check_host_devices,
     check_inherited_devices,
     get_platform,
     inherited_devices,
@@ -464,3 +465,29 @@ def test_devices_an_inherited_cuda_visible_devices_did_not_give_are_refused(
     message = str(refused.value)
     assert says in message, message
     assert "unset CUDA_VISIBLE_DEVICES" in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize(
+    ("devices", "listed", "says"),
+    [
+        ((0, 1, 2), (0, 1), "--devices 0,1,2: this host has no GPU 2 (nvidia-smi lists GPUs 0,1)"),
+        (
+            (4, 7),
+            (0, 1, 2, 3),
+            "--devices 4,7: this host has no GPU 4,7 (nvidia-smi lists GPUs 0,1,2,3)",
+        ),
+        ((1,), (), "--devices 1: this host has no GPU 1 (nvidia-smi lists none)"),
+    ],
+)
+def test_gpus_the_host_does_not_list_are_refused_naming_them(devices, listed, says) -> None:
+    """An instance's CUDA_VISIBLE_DEVICES naming a GPU the host lacks starts, and dies with no
+    CUDA device once its topology's others started: refused first, in one line."""
+    with pytest.raises(DevicePlanError) as refused:
+        check_host_devices(CUDA, devices, listed)
+    assert str(refused.value) == says
+
+
+def test_gpus_the_host_lists_or_cannot_say_pass() -> None:
+    check_host_devices(CUDA, (0, 1), (0, 1, 2, 3))  # raises nothing
+    check_host_devices(CUDA, (5,), None)  # nvidia-smi could not say: never refused on a guess
+    check_host_devices(CPU, (7,), (0,))  # cores are checked against the affinity instead

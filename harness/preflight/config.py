@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.devices import host_cpuinfo
+from harness.devices import host_cpuinfo, smi_gpu_indices
 from harness.environment import argv_check_dir, cache_dir, port_range
 from harness.errors import BadInput
 from harness.files import fresh_run_dir
@@ -68,6 +68,7 @@ from harness.spec.platforms import (
     DEFAULT_CPU_CORES,
     DevicePlanError,
     PlatformProfile,
+    check_host_devices,
     check_inherited_devices,
     get_platform,
     parse_devices,
@@ -641,12 +642,14 @@ def devices_here(
 ) -> tuple[int, ...]:
     """On cpu, the cores this process may use (the default cores are checked too); on GPUs,
     where this host's instances are placed (not by Ray, not an attached deployment), those an
-    inherited CUDA_VISIBLE_DEVICES gives it (`check_inherited_devices`). `repro` checks its
-    devices here too."""
+    inherited CUDA_VISIBLE_DEVICES gives it (`check_inherited_devices`) and, on cuda, that
+    nvidia-smi lists (`check_host_devices`). `repro` checks its devices here too."""
     if platform.exclusive_devices:
         if places_here:
             try:
                 check_inherited_devices(platform, devices, os.environ)
+                if platform.name == "cuda":
+                    check_host_devices(platform, devices, smi_gpu_indices())
             except DevicePlanError as exc:
                 raise BadInput(str(exc)) from None
         return devices

@@ -223,3 +223,22 @@ def check_inherited_devices(
             f"indexing into it): "
             + (f"pass --devices within {inherited}, or unset {var}" if allowed else f"unset {var}")
         )
+
+
+def check_host_devices(
+    platform: PlatformProfile, devices: tuple[int, ...], listed: tuple[int, ...] | None
+) -> None:
+    """Refuse GPUs this host does not have: `listed` are the indices nvidia-smi lists
+    (`harness.devices.smi_gpu_indices`), None where it could not say (nothing is refused on a
+    guess). An instance whose CUDA_VISIBLE_DEVICES names a GPU the host lacks starts all the
+    same, and dies with no CUDA device once its topology's other instances started. cuda only:
+    cores are checked against this process's affinity, XPUs are not listed here."""
+    if platform.name != CUDA.name or listed is None:
+        return
+    missing = [device for device in devices if device not in listed]
+    if missing:
+        raise DevicePlanError(
+            f"--devices {','.join(map(str, devices))}: this host has no GPU "
+            f"{','.join(map(str, missing))} (nvidia-smi lists "
+            + (f"GPUs {','.join(map(str, listed))})" if listed else "none)")
+        )
