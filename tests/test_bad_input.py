@@ -1389,6 +1389,34 @@ def test_repro_on_a_core_this_process_may_not_use(epd_cli, tmp_path: Path, monke
     )
 
 
+def test_repro_on_the_bundles_cores_this_process_may_not_use(
+    epd_cli, tmp_path: Path, monkeypatch
+) -> None:
+    """`repro` without --devices reruns on the bundle's devices: the refusal called them "the
+    default devices", which a reader looks for in the harness's defaults (found in review)."""
+    monkeypatch.setattr(resources, "available_cpu_cores", lambda: (0, 1))
+    bundle = minimal_bundle(tmp_path / "b", {"platform_profile": "cpu", "devices": [0, 7]})
+    code, err = shown_cli(epd_cli, tmp_path, "repro", bundle, "--vllm", tmp_path / "no-vllm")
+    assert_one_error_line(
+        code,
+        err,
+        "the bundle's devices 0,7: core 7 is not available to this process (available: 0-1)",
+    )
+
+
+def test_repro_on_the_bundles_gpus_this_host_lacks(epd_cli, tmp_path: Path, monkeypatch) -> None:
+    """A bundle of a 4-GPU run rerun without --devices on a 2-GPU box: refused naming the
+    bundle's devices, not a --devices that was not given."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    tools = install_fake_nvidia_smi(tmp_path / "gpus", [A100, A100])
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    bundle = minimal_bundle(tmp_path / "b", {"platform_profile": "cuda", "devices": [0, 1, 2]})
+    code, err = shown_cli(epd_cli, tmp_path, "repro", bundle, "--vllm", tmp_path / "no-vllm")
+    assert_one_error_line(
+        code, err, "the bundle's devices 0,1,2: this host has no GPU 2 (nvidia-smi lists GPUs 0,1)"
+    )
+
+
 def test_repro_on_too_few_gpus_names_the_flags_repro_has(
     epd_cli, tmp_path: Path, monkeypatch
 ) -> None:

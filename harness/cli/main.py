@@ -332,7 +332,7 @@ def command_repro(args: argparse.Namespace) -> int:
         devices_here(
             devices or bundle.devices,
             get_platform(bundle.platform),
-            given=devices is not None,
+            "--devices" if devices is not None else "the bundle's devices",
             places_here=bundle.launcher.kind != RAY_LAUNCHER,
         )
         refuse_too_few_devices(bundle, args.case, devices, args.colocate)

@@ -375,7 +375,8 @@ def prepare_run(request: RunRequest) -> RunConfig:
     check_launcher_here(arguments.launcher)
     places_here = attach is None and arguments.launcher.kind != RAY_LAUNCHER
     served_dtype = dtype.dtype_or_default(request.dtype)
-    devices = devices_here(arguments.devices, platform, request.devices is not None, places_here)
+    source = "--devices" if request.devices is not None else "the default devices"
+    devices = devices_here(arguments.devices, platform, source, places_here)
     if platform.name == "cuda" and arguments.launcher.kind != RAY_LAUNCHER:
         # Here run the instances (or, attached, the baseline): their GPUs can be read.
         dtype.check_bf16_here(request.dtype, devices)
@@ -638,22 +639,24 @@ def _parse_devices(text: str | None, platform: PlatformProfile) -> tuple[int, ..
 
 
 def devices_here(
-    devices: tuple[int, ...], platform: PlatformProfile, given: bool, places_here: bool
+    devices: tuple[int, ...], platform: PlatformProfile, source: str, places_here: bool
 ) -> tuple[int, ...]:
     """On cpu, the cores this process may use (the default cores are checked too); on GPUs,
     where this host's instances are placed (not by Ray, not an attached deployment), those an
     inherited CUDA_VISIBLE_DEVICES gives it (`check_inherited_devices`) and, on cuda, that
-    nvidia-smi lists (`check_host_devices`). `repro` checks its devices here too."""
+    nvidia-smi lists (`check_host_devices`). `repro` checks its devices here too. `source`:
+    what named the devices, as a refusal names them ("--devices", "the default devices",
+    repro's "the bundle's devices")."""
     if platform.exclusive_devices:
         if places_here:
             try:
-                check_inherited_devices(platform, devices, os.environ)
+                check_inherited_devices(platform, devices, os.environ, source)
                 if platform.name == "cuda":
-                    check_host_devices(platform, devices, smi_gpu_indices())
+                    check_host_devices(platform, devices, smi_gpu_indices(), source)
             except DevicePlanError as exc:
                 raise BadInput(str(exc)) from None
         return devices
-    return resources.check_devices(devices, resources.available_cpu_cores(), given=given)
+    return resources.check_devices(devices, resources.available_cpu_cores(), source)
 
 
 def _run_dir(request: RunRequest) -> Path:

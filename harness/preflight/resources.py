@@ -18,16 +18,17 @@ def available_cpu_cores() -> tuple[int, ...]:
 
 
 def check_devices(
-    devices: tuple[int, ...], available: tuple[int, ...], given: bool
+    devices: tuple[int, ...], available: tuple[int, ...], source: str
 ) -> tuple[int, ...]:
     """On CPU a device is a core this process may run on (taskset and cgroups narrow the set).
 
     Syntax (numbers, each once) is `harness.platforms.parse_devices`'s job; this checks that
     the cores exist for us: OMP threads bound to a core we may not use fail at vLLM start-up.
+    `source`: what named them, for the refusal ("--devices", "the default devices", "the
+    bundle's devices").
     """
     missing = [d for d in devices if d not in available]
     if missing:
-        source = "--devices" if given else "the default devices"
         raise BadInput(
             f"{source} {','.join(map(str, devices))}: core {missing[0]} is not "
             f"available to this process (available: {_ranges(available)})"

@@ -193,7 +193,10 @@ def inherited_devices(platform: PlatformProfile, environ: Mapping[str, str]) -> 
 
 
 def check_inherited_devices(
-    platform: PlatformProfile, devices: tuple[int, ...], environ: Mapping[str, str]
+    platform: PlatformProfile,
+    devices: tuple[int, ...],
+    environ: Mapping[str, str],
+    source: str = "--devices",
 ) -> None:
     """Refuse devices an inherited CUDA_VISIBLE_DEVICES (ZE_AFFINITY_MASK on xpu) did not give
     this process. Each instance's variable is rendered from --devices, physical indices as the
@@ -217,7 +220,7 @@ def check_inherited_devices(
     outside = [d for d in devices if d not in allowed]
     if outside:
         raise DevicePlanError(
-            f"--devices {given}: {var}={inherited} gives this process no device "
+            f"{source} {given}: {var}={inherited} gives this process no device "
             f"{','.join(map(str, outside))}, and the harness sets each instance's {var} from "
             f"--devices (indices as the host lists them, replacing the inherited value, not "
             f"indexing into it): "
@@ -226,19 +229,23 @@ def check_inherited_devices(
 
 
 def check_host_devices(
-    platform: PlatformProfile, devices: tuple[int, ...], listed: tuple[int, ...] | None
+    platform: PlatformProfile,
+    devices: tuple[int, ...],
+    listed: tuple[int, ...] | None,
+    source: str = "--devices",
 ) -> None:
     """Refuse GPUs this host does not have: `listed` are the indices nvidia-smi lists
     (`harness.devices.smi_gpu_indices`), None where it could not say (nothing is refused on a
     guess). An instance whose CUDA_VISIBLE_DEVICES names a GPU the host lacks starts all the
     same, and dies with no CUDA device once its topology's other instances started. cuda only:
-    cores are checked against this process's affinity, XPUs are not listed here."""
+    cores are checked against this process's affinity, XPUs are not listed here. `source`:
+    what named the devices, as for `check_inherited_devices`."""
     if platform.name != CUDA.name or listed is None:
         return
     missing = [device for device in devices if device not in listed]
     if missing:
         raise DevicePlanError(
-            f"--devices {','.join(map(str, devices))}: this host has no GPU "
+            f"{source} {','.join(map(str, devices))}: this host has no GPU "
             f"{','.join(map(str, missing))} (nvidia-smi lists "
             + (f"GPUs {','.join(map(str, listed))})" if listed else "none)")
         )
