@@ -1512,6 +1512,23 @@ def test_gpus_an_inherited_cuda_visible_devices_did_not_give(bad_run: BadRun, mo
     assert_one_error_line(code, err, cause)
 
 
+def test_attached_runs_baseline_on_gpus_an_inherited_cuda_visible_devices_did_not_give(
+    bad_run: BadRun, attach_file: Path, monkeypatch
+) -> None:
+    """--attach launches the baseline on this host, on the first of --devices: an agent given
+    GPUs 2,3 put it on GPU 0, another job's (perhaps the attached deployment's own), since
+    the check of the inherited variable was skipped for attached runs (found in review)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    code, err = bad_run("--attach", str(attach_file), "--platform", "cuda", "--devices", "0")
+    cause = (
+        "--devices 0: CUDA_VISIBLE_DEVICES=2,3 gives this process no device 0, and the "
+        "harness sets each instance's CUDA_VISIBLE_DEVICES from --devices (indices as the host "
+        "lists them, replacing the inherited value, not indexing into it): pass --devices "
+        "within 2,3, or unset CUDA_VISIBLE_DEVICES"
+    )
+    assert_one_error_line(code, err, cause)
+
+
 @pytest.mark.parametrize(
     "flag,value",
     [

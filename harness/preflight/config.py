@@ -373,7 +373,8 @@ def prepare_run(request: RunRequest) -> RunConfig:
     platform, attach, topologies = arguments.platform, arguments.attach, arguments.topologies
     kv_connector, ec_connector = arguments.kv_connector, arguments.ec_connector
     check_launcher_here(arguments.launcher)
-    places_here = attach is None and arguments.launcher.kind != RAY_LAUNCHER
+    # Attached, the harness still launches the baseline here, on the first of --devices.
+    places_here = arguments.launcher.kind != RAY_LAUNCHER
     served_dtype = dtype.dtype_or_default(request.dtype)
     source = "--devices" if request.devices is not None else "the default devices"
     devices = devices_here(arguments.devices, platform, source, places_here)
@@ -642,7 +643,7 @@ def devices_here(
     devices: tuple[int, ...], platform: PlatformProfile, source: str, places_here: bool
 ) -> tuple[int, ...]:
     """On cpu, the cores this process may use (the default cores are checked too); on GPUs,
-    where this host's instances are placed (not by Ray, not an attached deployment), those an
+    where this host's instances are placed (not by Ray; attached, the baseline), those an
     inherited CUDA_VISIBLE_DEVICES gives it (`check_inherited_devices`) and, on cuda, that
     nvidia-smi lists (`check_host_devices`). `repro` checks its devices here too. `source`:
     what named the devices, as a refusal names them ("--devices", "the default devices",
