@@ -55,7 +55,8 @@ def timeline_by_role(result: SweepResult) -> dict[str, dict[str, float]]:
 
 
 def latencies_by_role(result: SweepResult) -> dict[str, list[float]]:
-    """Seconds each role spent per request, from the proxy's traces."""
+    """Seconds each role spent per answered request, from the proxy's traces. A request that
+    got no answer is left out: it often failed at once, and timed it would read as fast."""
     by_role: dict[str, list[float]] = {
         "encoder": [],
         "prefill": [],
@@ -64,6 +65,8 @@ def latencies_by_role(result: SweepResult) -> dict[str, list[float]]:
     }
     for topology, outcomes in result.outcomes.items():
         for outcome in outcomes.values():
+            if outcome.result is None:
+                continue
             if topology != "baseline":
                 by_role["end-to-end"].append(outcome.seconds)
             trace = outcome.trace
