@@ -19,25 +19,42 @@ import resource
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from harness.outcomes.startup import PHASES, describe_startup_cpu
 from harness.preflight import RunRequest, prepare_run
 from harness.preflight.names import split_names
+from harness.run.pool import StartRecord
 from harness.run.sweep import Sweep, SweepResult, SweepSpec
+from harness.spec.placement import Wave
 
 
 def run_once(request: RunRequest) -> tuple[float, SweepResult, int, float]:
     """One sweep as `epd-harness run` would do it; returns its wall time, result, waves and
-    the seconds its topologies spent starting (every start, until all its instances served)."""
+    the wall seconds it waited for its topologies to start (`seconds_starting`)."""
     config = prepare_run(request)
     spec = SweepSpec(topologies=config.topologies, prompts=config.prompts)
     started = time.monotonic()
     sweep = Sweep(spec, config.settings, baseline_cache=config.baseline_cache)
-    waves = len(sweep.schedule().waves)
+    waves = sweep.schedule().waves
     result = sweep.run_all()
-    starting_s = sum(start.seconds or 0.0 for start in sweep.pool.starts)
-    return time.monotonic() - started, result, waves, starting_s
+    starting_s = seconds_starting(waves, sweep.pool.starts)
+    return time.monotonic() - started, result, len(waves), starting_s
+
+
+def seconds_starting(waves: Sequence[Wave], starts: Sequence[StartRecord]) -> float:
+    """Wall seconds a sweep waited for its topologies to serve: per wave, its slowest start.
+    A wave's topologies start side by side and each start counts from the wave's start, so
+    their sum would count the same seconds once per topology (and could exceed the sweep's
+    wall time). A start that never came up has no seconds and counts none."""
+    wave_of = {slot.topology.name: wave.index for wave in waves for slot in wave.slots}
+    slowest: dict[int | None, float] = {}
+    for start in starts:
+        if start.seconds is not None:
+            index = wave_of.get(start.key.topology)
+            slowest[index] = max(slowest.get(index, 0.0), start.seconds)
+    return sum(slowest.values())
 
 
 def timeline_by_role(result: SweepResult) -> dict[str, dict[str, float]]:

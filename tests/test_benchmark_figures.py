@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
 from harness.outcomes.trace import EncoderCall, RequestTrace
+from harness.run.pool import StartRecord
 from harness.run.sweep import SweepResult
+from harness.spec.placement import Schedule, TopologySlot, Wave
+from harness.spec.topology import get_topology
 
 pytestmark = pytest.mark.unit
 
@@ -63,3 +67,38 @@ def test_a_request_that_got_no_answer_is_not_timed() -> None:
         "decode/pd": [1.0],
         "end-to-end": [2.0],
     }
+
+
+def test_topologies_started_together_count_once_in_the_time_spent_starting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A wave's topologies start side by side and each start counts from the wave's start: the
+    sweep waited for the slowest of them, not for their sum (which made the "share of the sweep
+    spent starting" exceed the sweep's wall time on a host that fits two topologies a wave)."""
+    benchmark = load_benchmark()
+    baseline, epd, pd = (get_topology(name) for name in ("baseline", "1E+1P+1D", "1P+1D"))
+    waves = (
+        Wave(1, (TopologySlot(baseline, (0,)), TopologySlot(epd, (0,)))),
+        Wave(2, (TopologySlot(pd, (0,)),)),
+    )
+
+    def start(topology, seconds):
+        return StartRecord(SimpleNamespace(topology=topology.name), "first use", seconds)
+
+    class FakeSweep:
+        def __init__(self, spec, settings, baseline_cache=None) -> None:
+            self.pool = SimpleNamespace(starts=[])
+
+        def schedule(self) -> Schedule:
+            return Schedule(waves)
+
+        def run_all(self) -> SweepResult:
+            self.pool.starts += [start(baseline, 50.0), start(epd, 60.0), start(pd, 40.0)]
+            return SweepResult(run_dir=Path("unused"))
+
+    config = SimpleNamespace(topologies=(epd, pd), prompts=(), settings=None, baseline_cache=None)
+    monkeypatch.setattr(benchmark, "prepare_run", lambda request: config)
+    monkeypatch.setattr(benchmark, "Sweep", FakeSweep)
+    _, _, wave_count, starting_s = benchmark.run_once(request=None)
+    assert wave_count == 2
+    assert starting_s == 60.0 + 40.0
