@@ -35,7 +35,9 @@ from harness.spec.topology import get_topology
 
 
 def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process and all its descendants so far."""
+    """User + system CPU seconds of a process and all its descendants so far, with those of
+    the descendants that ended and were reaped (each process's `children_*` times): a helper
+    that ends between two samples must not take the CPU it used out of the later one."""
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
@@ -45,7 +47,7 @@ def tree_cpu_seconds(pid: int) -> float:
     for proc in procs:
         try:
             times = proc.cpu_times()
-            total += times.user + times.system
+            total += times.user + times.system + times.children_user + times.children_system
         except psutil.NoSuchProcess:
             pass
     return total
