@@ -141,8 +141,8 @@ def measure(
         latencies, cached, errors = [], [], []
         for _ in range(requests):
             outcome = session.send("image", body)
-            latencies.append(round(outcome.seconds, 3))
-            if outcome.result is not None:
+            if outcome.result is not None:  # a failed request is an error, not a latency
+                latencies.append(round(outcome.seconds, 3))
                 cached.append(outcome.result.cached_tokens)
             else:
                 errors.append((outcome.error or "")[:300])

@@ -6,8 +6,12 @@ import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+
+from harness.outcomes.chat import ChatResult
+from harness.outcomes.outcome import Outcome
 
 pytestmark = pytest.mark.process
 
@@ -54,3 +58,34 @@ def test_a_child_that_ends_between_two_samples_keeps_the_cpu_it_used() -> None:
     finally:
         parent.kill()
         parent.wait(timeout=30)
+
+
+def test_a_request_that_got_no_answer_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that failed (at once, say) is an error, not a latency: timed, it would show a
+    broken connector as a fast one."""
+    costs = load_connector_costs()
+    answered = Outcome(prompt="image", result=ChatResult((1,), (2,), "x", "length"), seconds=1.5)
+    failed = Outcome(prompt="image", error="decode answered 500", seconds=0.004)
+    sent = iter([answered, failed])
+
+    class FakeSession:
+        def __init__(self, topology, settings) -> None:
+            self.stats, self.instances, self.servers = {}, [], []
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+        def send(self, prompt, body):
+            return next(sent)
+
+    serving = SimpleNamespace(served_model_name="m")
+    config = SimpleNamespace(settings=SimpleNamespace(serving=serving))
+    monkeypatch.setattr(costs, "prepare_run", lambda request: config)
+    monkeypatch.setattr(costs, "TopologySession", FakeSession)
+    monkeypatch.setattr(costs.time, "sleep", lambda seconds: None)
+    figures = costs.measure("example", "1P+1D", 2, 0.0, Path("unused"))
+    assert figures["request_s"] == [1.5]
+    assert figures["errors"] == ["decode answered 500"]
