@@ -281,7 +281,8 @@ def red_on_purpose(bundle: Path) -> str | None:
 def summarize(run_dir: Path, wall_s: float) -> list[str]:
     """Start-up per instance, makespan and verdicts from every summary.json under run_dir; a
     failing case of a bundle red on purpose (`red_on_purpose`) is counted apart, since a green
-    night holds them."""
+    night holds them. A fuzz failure group's bundle (harness/run/fuzz/bundle.py) is skipped:
+    its cases are its fuzz run's, already counted from that run's summary."""
     lines = ["", "start-up per instance (s):"]
     verdicts: list[tuple[str, str, str, str, str, str]] = []
     waves: list[str] = []
@@ -290,6 +291,8 @@ def summarize(run_dir: Path, wall_s: float) -> list[str]:
         where = "" if where == "." else f" [{where}]"
         summary = json.loads(summary_path.read_text(encoding="utf-8"))
         run = summary.get("run", {})
+        if "fuzz_group" in run:  # a fuzz failure group's bundle: its fuzz run lists its cases
+            continue
         for instance in run.get("instances", []):
             started = instance.get("startup_s")
             shown = f"{started:7.1f}" if started is not None else "    n/a"

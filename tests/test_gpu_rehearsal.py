@@ -424,3 +424,29 @@ def test_what_holds_its_gpus_after_pytest_and_not_before_is_left_running() -> No
     assert rehearsal.left_on_gpus([another_jobs], [another_jobs], (0, 1)) == []
     with pytest.raises(rehearsal.Unlisted):
         rehearsal.left_on_gpus([another_jobs], None, (0, 1))
+
+
+def test_a_fuzz_runs_failure_bundles_do_not_count_its_cases_again(tmp_path: Path) -> None:
+    """A fuzz run writes its summary.json with every case it judged, and a bundle per failure
+    group under failures/ holding that group's key cases again (run `fuzz_group`): counted from
+    both, a night's one fuzz failure read as two."""
+    fuzz_run = tmp_path / "gw0" / "fuzz"
+    group = fuzz_run / "failures" / "01-new-mismatch"
+    group.mkdir(parents=True)
+
+    def case(prompt: str, verdict: str, passed: bool) -> dict:
+        return {
+            "topology": "1E+1PD",
+            "prompt": prompt,
+            "reference": "baseline",
+            "verdict": verdict,
+            "policy_passed": passed,
+        }
+
+    failing, passing = case("fz-3", "MISMATCH", False), case("fz-1", "MATCH", True)
+    run_summary = {"run": {"fuzz": {"groups": 1}}, "cases": [failing, passing]}
+    group_summary = {"run": {"fuzz_group": {"signature": "mismatch"}}, "cases": [failing]}
+    (fuzz_run / "summary.json").write_text(json.dumps(run_summary))
+    (group / "summary.json").write_text(json.dumps(group_summary))
+    lines = load_rehearsal().summarize(tmp_path, 10.0)
+    assert lines[-1] == "1 pass, 1 fail (2 cases)", lines
