@@ -18,11 +18,16 @@ from harness.preflight.files import check_model_dir, one_line
 
 
 def hf_hub_cache(environ: Mapping[str, str] = os.environ) -> Path:
-    """Where huggingface_hub keeps models: $HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub."""
-    if environ.get("HF_HUB_CACHE"):
-        return Path(environ["HF_HUB_CACHE"])
-    home = environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface"
-    return Path(home) / "hub"
+    """Where huggingface_hub keeps models, as its constants.py reads it: $HF_HUB_CACHE, the
+    legacy $HUGGINGFACE_HUB_CACHE, else $HF_HOME/hub, $XDG_CACHE_HOME/huggingface/hub or
+    ~/.cache/huggingface/hub; a leading ~ expanded. Read otherwise, an offline run refused a
+    model the hub had put in its cache."""
+    given = environ.get("HF_HUB_CACHE") or environ.get("HUGGINGFACE_HUB_CACHE")
+    if given:
+        return Path(given).expanduser()
+    cache_home = environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    home = environ.get("HF_HOME") or Path(cache_home) / "huggingface"
+    return Path(home).expanduser() / "hub"
 
 
 def cached_snapshot(name: str, cache: Path) -> Path | None:
