@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from harness.outcomes.startup import PHASES, describe_startup_cpu
 from harness.preflight import RunRequest, prepare_run
@@ -28,19 +29,37 @@ from harness.preflight.names import split_names
 from harness.run.pool import StartRecord
 from harness.run.sweep import Sweep, SweepResult, SweepSpec
 from harness.spec.placement import Wave
+from harness.spec.topology import BASELINE
 
 
-def run_once(request: RunRequest) -> tuple[float, SweepResult, int, float]:
-    """One sweep as `epd-harness run` would do it; returns its wall time, result, waves and
-    the wall seconds it waited for its topologies to start (`seconds_starting`)."""
+class SweepRun(NamedTuple):
+    """One timed sweep."""
+
+    wall_s: float
+    result: SweepResult
+    waves: int
+    starting_s: float  # `seconds_starting`
+    baseline_started: bool  # False: every baseline answer came from the cache
+
+
+def run_once(request: RunRequest) -> SweepRun:
+    """One sweep as `epd-harness run` would do it: its wall time, result, waves, the wall
+    seconds it waited for its topologies to start, and whether it started the baseline (a warm
+    sweep does again when an answer was not stored: unstable, or none)."""
     config = prepare_run(request)
     spec = SweepSpec(topologies=config.topologies, prompts=config.prompts)
     started = time.monotonic()
     sweep = Sweep(spec, config.settings, baseline_cache=config.baseline_cache)
     waves = sweep.schedule().waves
     result = sweep.run_all()
-    starting_s = seconds_starting(waves, sweep.pool.starts)
-    return time.monotonic() - started, result, len(waves), starting_s
+    starts = sweep.pool.starts
+    return SweepRun(
+        wall_s=time.monotonic() - started,
+        result=result,
+        waves=len(waves),
+        starting_s=seconds_starting(waves, starts),
+        baseline_started=any(start.key.topology == BASELINE.name for start in starts),
+    )
 
 
 def seconds_starting(waves: Sequence[Wave], starts: Sequence[StartRecord]) -> float:
@@ -114,12 +133,19 @@ def main() -> int:
             baseline_cache=str(work / "baseline-cache"),
         )
 
-    cold_s, cold, cold_waves, cold_starting_s = run_once(request("cold"))
-    warm_s, warm, warm_waves, warm_starting_s = run_once(request("warm"))
+    cold_run, warm_run = run_once(request("cold")), run_once(request("warm"))
+    cold_s, cold, cold_waves, cold_starting_s = cold_run[:4]
+    warm_s, warm, warm_waves, warm_starting_s = warm_run[:4]
+    # Not warm at all when the cold sweep stored no answer to reuse: say so beside its time.
+    warm_baseline = (
+        "baseline started again: answers not cached"
+        if warm_run.baseline_started
+        else "baseline cached"
+    )
 
     rows = [
         (f"sweep wall time, cold (baseline computed; {cold_waves} waves)", f"{cold_s:.1f} s"),
-        (f"sweep wall time, warm (baseline cached; {warm_waves} waves)", f"{warm_s:.1f} s"),
+        (f"sweep wall time, warm ({warm_baseline}; {warm_waves} waves)", f"{warm_s:.1f} s"),
         (
             "verdicts cold / warm",
             f"{'all pass' if cold.passed else 'FAIL'} / {'all pass' if warm.passed else 'FAIL'}",

@@ -4,6 +4,7 @@ what each statistic is taken over."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -99,6 +100,37 @@ def test_topologies_started_together_count_once_in_the_time_spent_starting(
     config = SimpleNamespace(topologies=(epd, pd), prompts=(), settings=None, baseline_cache=None)
     monkeypatch.setattr(benchmark, "prepare_run", lambda request: config)
     monkeypatch.setattr(benchmark, "Sweep", FakeSweep)
-    _, _, wave_count, starting_s = benchmark.run_once(request=None)
-    assert wave_count == 2
-    assert starting_s == 60.0 + 40.0
+    run = benchmark.run_once(request=None)
+    assert run.waves == 2
+    assert run.starting_s == 60.0 + 40.0
+
+
+def test_a_warm_sweep_that_started_the_baseline_again_is_not_called_cached(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """An answer the baseline gave unstably (or not at all) is not stored: the warm sweep then
+    starts the baseline again, and its wall time is no warm figure."""
+    benchmark = load_benchmark()
+    baseline, epd = get_topology("baseline"), get_topology("1E+1P+1D")
+
+    class FakeSweep:
+        def __init__(self, spec, settings, baseline_cache=None) -> None:
+            self.pool = SimpleNamespace(starts=[])
+
+        def schedule(self) -> Schedule:
+            return Schedule((Wave(1, (TopologySlot(baseline, (0,)),)),))
+
+        def run_all(self) -> SweepResult:
+            for topology in (baseline, epd):  # every time: nothing was cached
+                key = SimpleNamespace(topology=topology.name)
+                self.pool.starts.append(StartRecord(key, "first use", 10.0))
+            return SweepResult(run_dir=Path("unused"))
+
+    config = SimpleNamespace(topologies=(epd,), prompts=(), settings=None, baseline_cache=None)
+    monkeypatch.setattr(benchmark, "prepare_run", lambda request: config)
+    monkeypatch.setattr(benchmark, "Sweep", FakeSweep)
+    monkeypatch.setattr(benchmark.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["benchmark.py"])
+    benchmark.main()
+    warm_row = next(line for line in capsys.readouterr().out.splitlines() if "warm (" in line)
+    assert "baseline cached" not in warm_row, warm_row
