@@ -261,19 +261,27 @@ def test_missing_logprobs_cannot_prove_drift(missing):
 
 
 def test_misaligned_logprobs_are_not_evidence():
-    """A logprob entry for another token than the one generated cannot vouch for drift."""
+    """A logprob entry for another token than the one generated cannot vouch for drift. The
+    entry at the divergence lists both tokens as a near tie: labelled with the token generated
+    there it is a DRIFT, labelled with another token's id (the reference's, as a batched
+    answer's entry may be) it is no evidence. (Found in review: the off-by-one shift this test
+    made left an entry that named neither token, so its gap was None whatever `_top_at` did.)"""
     cand = SEQ[:5] + (555,) + SEQ[6:]
     ref_r = result(SEQ, tops={5: (105, 555)})
-    shifted = result(cand, tops={5: (555, 105)})
-    misaligned = ChatResult(
-        prompt_token_ids=shifted.prompt_token_ids,
-        token_ids=shifted.token_ids,
-        text="",
-        finish_reason="length",
-        logprobs=shifted.logprobs[1:],  # off by one
-    )
-    d = compare_results(ref_r, misaligned, tolerance=10.0).divergence
-    assert d.candidate_gap is None and not d.is_drift
+    aligned = result(cand, tops={5: (555, 105)})
+    assert compare_results(ref_r, aligned, tolerance=10.0).divergence.is_drift
+    entry = aligned.logprobs[5]
+    logprobs = list(aligned.logprobs)
+    logprobs[5] = dataclasses.replace(entry, token_id=105)
+    misaligned = dataclasses.replace(aligned, logprobs=tuple(logprobs))
+    cmp = compare_results(ref_r, misaligned, tolerance=10.0)
+    d = cmp.divergence
+    assert d.candidate_top is None and d.candidate_gap is None, d
+    assert d.prefix_delta == 0.0 and not d.is_drift
+    assert token_verdict(cmp) is Verdict.MISMATCH
+    shifted = dataclasses.replace(aligned, logprobs=aligned.logprobs[1:])  # off by one
+    d = compare_results(ref_r, shifted, tolerance=10.0).divergence
+    assert d.candidate_gap is None and d.prefix_delta is None and not d.is_drift
 
 
 def test_negative_tolerance_is_refused():
@@ -294,6 +302,12 @@ def test_noise_floor_is_the_largest_logprob_difference_of_equal_answers():
     )
     assert noise_floor(a, same_tokens) == pytest.approx(0.125)
     assert noise_floor(a, b) is None, "different tokens: no floor can be read"
+    # Every top-k entry both sides list counts too, not the chosen token's alone (found in
+    # review: with the top-k left out of the floor, every unit test still passed).
+    entries = list(a.logprobs)
+    entries[5] = dataclasses.replace(entries[5], top=((105, -0.5), (555, -1.25)))
+    runner_up_moved = dataclasses.replace(a, logprobs=tuple(entries))
+    assert noise_floor(a, runner_up_moved) == pytest.approx(0.25)
 
 
 @pytest.mark.parametrize("other", [-math.inf, math.nan])
