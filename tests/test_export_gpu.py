@@ -376,13 +376,18 @@ def test_a_drift_export_can_be_reproduced(tmp_path: Path, answering) -> None:
 def test_gpu_noise_does_not_reproduce_a_mismatch(tmp_path: Path, answering) -> None:
     """Recorded MISMATCH (a real corruption); on the developer's GPU the answer flips a 0.01-nat
     near tie, inside the run's noise floor: check.py says 'reproduced' and exits 1. The
-    policy (pd-drift) and floor (0.05 nats) are in summary.json but never reach expected.json."""
+    policy (pd-drift) and floor (0.05 nats) are in summary.json but never reach expected.json.
+    Now the flip is a DRIFT and says so: the absence of "reproduced" alone also held for a
+    check.py that crashed, or said nothing of the recorded verdict (found in review)."""
     out = near_tie_export(tmp_path, "MISMATCH")
     expected = json.loads((out / "expected.json").read_text())
     done = check_py(out, answering(FLIPPED))
     assert "recorded MISMATCH: reproduced" not in done.stdout, (
         f"expected.json keys: {sorted(expected)}\n{done.stdout}"
     )
+    assert "DRIFT: generated token ids differ at position 1 " in done.stdout, done.stdout
+    assert "recorded MISMATCH: NOT reproduced" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0, "a DRIFT the run's policy passes: " + done.stderr
 
 
 def test_expected_json_carries_the_policy_floor_and_where_it_was_recorded(
