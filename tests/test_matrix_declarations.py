@@ -159,7 +159,11 @@ def test_concurrent_requests_are_judged_as_batched_with_each_others_answers_at_h
 
 
 def test_sequential_requests_are_judged_alone() -> None:
-    for call in judged_by_matrix(get_scenario("ec-images-1-2-3")):
+    scenario = get_scenario("ec-images-1-2-3")
+    calls = judged_by_matrix(scenario)
+    # Every request judged: over no calls at all the loop below asserted nothing.
+    assert [c["prompt"] for c in calls] == [p.name for p in scenario.prompts], calls
+    for call in calls:
         assert call["batched"] is False and not call["others"]
 
 
