@@ -134,8 +134,12 @@ def test_a_seed_draws_the_same_examples_and_another_seed_others() -> None:
 
 
 def test_examples_stay_inside_the_space() -> None:
-    space = FuzzSpace(max_model_len=900, videos=False, media_kwargs=False, max_videos=0)
+    """A context the drawn requests would overrun (at 900 tokens none came within 270 of it,
+    and the bound below held with the space's limit taken out of the strategy: found in
+    review)."""
+    space = FuzzSpace(max_model_len=500, videos=False, media_kwargs=False, max_videos=0)
     examples = draw_examples(space, 60, seed=3, estimator=FakeEstimator())
+    assert examples
     for example in examples:
         spec = example.spec
         media = [p for p in spec.parts if isinstance(p, MEDIA_PARTS)]
