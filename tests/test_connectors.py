@@ -135,6 +135,10 @@ def test_nixl_rule_is_not_checkable_when_d_held_the_whole_prompt() -> None:
     assert "D held 38 of the 39 prompt tokens in its own prefix cache" in guard.evidence
     partial = check_kv_transfer(cached_answer(39, 32), 32, KvRule.WHOLE_PROMPT, nixl_counters(0))
     assert (partial.ok, partial.checkable) == (False, True), "D recomputed what it lacked"
+    # Found in review: nothing here failed a transfer, so the guard's "nor failed" went
+    # untested (the same prompt held with a failed NIXL transfer read as not checkable).
+    broken = check_kv_transfer(cached_answer(39, 38), 32, KvRule.WHOLE_PROMPT, nixl_counters(0, 1))
+    assert broken.failed and "failed +1" in broken.evidence, broken.evidence
 
 
 def test_nixl_rule_fails_on_a_failed_transfer() -> None:
@@ -220,6 +224,10 @@ def test_the_account_of_prompts_d_held_whole_is_not_checkable() -> None:
     account = check_kv_account(prompts, round_counters(0, 76, 2), KvRule.WHOLE_PROMPT, 32)
     assert (account.ok, account.checkable) == (False, False), account.evidence
     assert "nothing had to move" in account.evidence
+    # A failed NIXL transfer is never "nothing had to move" (untested before review).
+    failed = round_counters(0, 76, 2, failed=1)
+    broken = check_kv_account(prompts, failed, KvRule.WHOLE_PROMPT, 32)
+    assert broken.failed and "failed +1" in broken.evidence, broken.evidence
 
 
 def test_rule_follows_the_serving_config_connector() -> None:
