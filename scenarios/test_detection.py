@@ -198,8 +198,15 @@ def noise_ladder(
 
 
 def assert_acceptance(kind: str, live: Live, rungs: list[Rung]) -> None:
-    """5% of std: a MISMATCH within the first three generated tokens (where measured)."""
+    """5% of std: a MISMATCH within the first three generated tokens (where measured). Where
+    nothing was measured, the strongest noise (half the std) must still be caught, on any
+    model: ungated, a harness that judged MATCH under it passed (found in review)."""
     if committed_thresholds(live) is None:
+        strongest = max(NOISE_LADDER)
+        assert rungs and rungs[0].strength == strongest and rungs[0].caught, (
+            f"{kind} on {live.name}: the strongest noise ({strongest:g} of std) must be caught "
+            f"on any model, thresholds or not: {rungs[:1]}"
+        )
         return
     at = [r for r in rungs if r.strength == ACCEPTANCE_STRENGTH]
     assert at, f"{kind} on {live.name}: the ladder stopped before {ACCEPTANCE_STRENGTH}: {rungs}"
