@@ -799,3 +799,97 @@ def test_repro_exits_1_when_the_stage_was_not_set(
     assert cli.main(["repro", str(root), "--vllm", "/v"]) == code
     out = capsys.readouterr().out
     assert ("NOT reproduced: the stage was not set" in out) is unset, out
+
+
+def rerun_against(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    then: tuple[str, object],
+    now: tuple[str, object],
+):
+    """`repro` of a 1P+1D bundle whose case was judged `then` (the candidate's ids, or its
+    error), rerun to `now`: its exit code."""
+    import harness.cli.main as cli
+    from harness.outcomes.outcome import Outcome
+    from harness.spec.settings import ServedVllm
+    from harness.testing.builders import chat
+    from harness.testing.judging import judged
+
+    def record(kind: str, value: object):
+        candidate = (
+            Outcome("image", chat(value)) if kind == "ids" else Outcome("image", error=value)
+        )
+        return judged("1P+1D", "baseline", Outcome("image", chat([5, 6, 7, 8])), candidate)
+
+    recorded = record(*then)
+    root = rerun_bundle(tmp_path / "b", "1P+1D")
+    (root / "summary.json").write_text(json.dumps({"cases": [recorded.to_json()]}))
+
+    class Closed:
+        stage_unset = None
+
+        class pool:  # noqa: N801 - stands in for the sweep's pool
+            @staticmethod
+            def close() -> None:
+                pass
+
+    def rerun(bundle, *args, **kwargs):
+        return bundle.pick_case(None), [record(*now)], Closed()
+
+    monkeypatch.setattr(cli, "probe_served_vllm", lambda vllm: ServedVllm(vllm, "0.32.0+cpu"))
+    monkeypatch.setattr(cli, "proxy_choice", lambda *args: None)
+    monkeypatch.setattr(cli, "reproduce", rerun)
+    code = cli.main(["repro", str(root), "--vllm", "/v"])
+    return code
+
+
+PREFILL_DIED = "1P+1D/prefill0 (pid 11) died while serving: killed by SIGKILL, noticed 3.0 s"
+DECODE_DIED = "1P+1D/decode0 (pid 12) died while serving: killed by SIGKILL, noticed 3.0 s"
+
+
+@pytest.mark.parametrize(
+    "then, now, says",
+    [
+        # The ids parted elsewhere: another corruption than the one recorded.
+        (("ids", [5, 6, 9, 8]), ("ids", [5, 6, 7, 1]), "the ids part at position 3 now"),
+        # Another instance died.
+        (("error", PREFILL_DIED), ("error", DECODE_DIED), "decode died now"),
+    ],
+)
+def test_repro_of_another_failure_of_the_same_verdict_is_not_reproduced(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    then: tuple[str, object],
+    now: tuple[str, object],
+    says: str,
+) -> None:
+    """The rerun's verdict alone was compared: a MISMATCH parting at another token, or the
+    ERROR of another instance's death, read "reproduced" (exit 0) for a failure the bundle
+    did not record."""
+    code = rerun_against(tmp_path, monkeypatch, then, now)
+    out = capsys.readouterr().out
+    assert "NOT reproduced" in out and says in out, out
+    assert code == 1
+
+
+@pytest.mark.parametrize(
+    "then",
+    [("ids", [5, 6, 9, 8]), ("error", PREFILL_DIED)],
+)
+def test_repro_of_the_same_failure_is_reproduced(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    then: tuple[str, object],
+) -> None:
+    """The same failure again (another pid, another time) is reproduced."""
+    kind, value = then
+    now = (
+        (kind, value.replace("pid 11", "pid 97").replace("3.0 s", "4.2 s"))
+        if kind == "error"
+        else then
+    )
+    code = rerun_against(tmp_path, monkeypatch, then, now)
+    out = capsys.readouterr().out
+    assert ": reproduced" in out and code == 0, out

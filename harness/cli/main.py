@@ -64,6 +64,7 @@ from harness.run.matrix import MatrixRun
 from harness.run.repro import (
     Bundle,
     BundleError,
+    another_failure,
     keep_up,
     killed_by_the_load,
     repro_line,
@@ -386,8 +387,11 @@ def command_repro(args: argparse.Namespace) -> int:
         # A scenario's earlier request that got no answer left the case unsent: nothing of
         # the run's stage, so nothing reproduced (`repro_line`).
         unset = sweep.stage_unset
-        same = own.verdict.value == case.verdict and unset is None
-        line = repro_line(case, own.verdict.value, bundle, served, own.policy_passed, unset)
+        another = another_failure(bundle.recorded(case.label, case.prompt, case.reference), own)
+        same = own.verdict.value == case.verdict and unset is None and another is None
+        line = repro_line(
+            case, own.verdict.value, bundle, served, own.policy_passed, unset, another
+        )
         print(f"\nepd-harness: {line}; artifacts in {run_dir}")
         if args.keep_up:
             keep_up(sweep, case.topology, settled=args.progress.settled)

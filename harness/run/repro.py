@@ -30,6 +30,7 @@ from harness.judge.records import CaseRecord, Verdict
 from harness.judge.verdicts import Declaration
 from harness.redact import REDACTED
 from harness.report.bundle import SENT_AFTER
+from harness.run.fuzz.signature import died_instance, signature_of
 from harness.run.pool import TopologyPool
 from harness.run.scenarios import MATRIX, SendMode
 from harness.run.sweep import Stage, StageUnset, Sweep, SweepSpec
@@ -450,6 +451,47 @@ def passed_policy(record: dict[str, Any]) -> bool:
     return record.get("verdict") == Verdict.MATCH.value if passed is None else bool(passed)
 
 
+def another_failure(recorded: dict[str, Any] | None, now: CaseRecord) -> str | None:
+    """How the rerun's failure differs from the bundle's record of it, though of the same
+    verdict: where it showed (the instance that died, an HTTP status, the guard that failed,
+    which ids differ: `harness.run.fuzz.signature`) or the position where the ids part; None
+    when it does not, or when the record says too little to tell (another verdict is said by
+    the verdicts). The verdict alone read "reproduced" for a MISMATCH parting at another
+    token, and for the ERROR of another instance's death (found in review)."""
+    if recorded is None or recorded["verdict"] != now.verdict.value or "detail" not in recorded:
+        return None
+    then = CaseRecord(
+        topology=recorded["topology"],
+        prompt=recorded["prompt"],
+        reference=recorded["reference"],
+        verdict=now.verdict,
+        policy_passed=passed_policy(recorded),
+        detail=str(recorded["detail"]),
+        divergence=_object(recorded.get("divergence")),
+        guards=_object(recorded.get("guards")) or {},
+        timings={},
+        error=recorded.get("error"),
+    )
+    where_then, where_now = signature_of(then).where, signature_of(now).where
+    if where_then != where_now:
+        return f"{where_now} now, {where_then} in the bundle"
+    if now.verdict is Verdict.ERROR:
+        died_then = died_instance(then.error or then.detail)
+        died_now = died_instance(now.error or now.detail)
+        if died_then != died_now:
+            return f"{died_now} died now, {died_then} in the bundle"
+    index_then = (then.divergence or {}).get("index")
+    index_now = (now.divergence or {}).get("index")
+    if index_then is not None and index_now is not None and index_then != index_now:
+        return f"the ids part at position {index_now} now, at position {index_then} in the bundle"
+    return None
+
+
+def _object(value: Any) -> dict[str, Any] | None:
+    """A record's field that must be a JSON object, else None (a damaged or older record)."""
+    return value if isinstance(value, dict) else None
+
+
 def _unredacted(name: str, value: str) -> str:
     """A recorded instance variable; a credential run.json kept out comes from this
     environment, which must have it."""
@@ -470,6 +512,7 @@ def repro_line(
     served: ServedVllm,
     held: bool = True,
     stage_unset: StageUnset | None = None,
+    another: str | None = None,
 ) -> str:
     """`1E+1PD / image vs baseline: MISMATCH now, MISMATCH in the bundle: reproduced`. On a vLLM
     other than the bundle's, reproduced (or not) is another claim, so the line names both. A
@@ -485,8 +528,11 @@ def repro_line(
     nothing is reproduced, whatever the verdicts say (an unsent ERROR against a recorded
     ERROR), and no declaration is judged. Where the bundle recorded that earlier request as
     failing too, it was the run's stage all the same, and its first failure is the case to
-    rerun: the line names it."""
-    same = verdict_now == case.verdict and stage_unset is None
+    rerun: the line names it.
+
+    `another`: how the rerun's failure of the same verdict is another than the bundle's
+    (`another_failure`): nothing is reproduced then either."""
+    same = verdict_now == case.verdict and stage_unset is None and another is None
     recorded = bundle.served_version
     versions = (
         f" (the bundle served vLLM {recorded}, this run {served.version})"
@@ -511,6 +557,8 @@ def repro_line(
                 f"; the bundle recorded {stage_unset.prompt} {earlier['verdict']} too: "
                 f"--case {case.topology}:{stage_unset.prompt} reruns that earlier failure"
             )
+    elif another is not None:
+        known = f": another failure than the bundle's: {another}"
     elif declared is not None:
         expects = f"(expects {declared.failure.verdict})"
         known = (

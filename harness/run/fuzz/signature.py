@@ -89,13 +89,16 @@ def cause_line(error: str) -> str:
     return fallback or normalize(first)
 
 
+def died_instance(error: str) -> str | None:
+    """The instance that died ('1E+1P+1D/decode0'), if one did."""
+    match = _DIED.search(error)
+    return None if match is None else match.group(1) or match.group(3)
+
+
 def died_role(error: str) -> str | None:
     """The role of the instance that died ('1E+1P+1D/decode0' -> 'decode'), if one did."""
-    match = _DIED.search(error)
-    if match is None:
-        return None
-    name = match.group(1) or match.group(3)
-    return re.sub(r"\d+$", "", name.rsplit("/", 1)[-1])
+    name = died_instance(error)
+    return None if name is None else re.sub(r"\d+$", "", name.rsplit("/", 1)[-1])
 
 
 def http_status(error: str) -> str | None:
