@@ -125,9 +125,10 @@ def stub_the_rerun(monkeypatch: pytest.MonkeyPatch) -> dict:
             pass
 
     class NoSweep:
-        def __init__(self, spec, settings, bodies, pool, stage=None):
+        def __init__(self, spec, settings, bodies, pool, stage=None, **reference):
             seen["bodies"] = bodies
             seen["stage"] = stage
+            seen["reference"] = reference
 
         def judge(self, topology, prompt, declared=None):
             seen[prompt] = declared
@@ -893,3 +894,29 @@ def test_repro_of_the_same_failure_is_reproduced(
     code = rerun_against(tmp_path, monkeypatch, then, now)
     out = capsys.readouterr().out
     assert ": reproduced" in out and code == 0, out
+
+
+def test_a_case_judged_against_a_golden_is_rerun_against_that_golden(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `run --golden 0.31.0` bundle's case (`vs golden-0.31.0`) was rerun against a fresh
+    baseline of the vLLM serving now, and its verdict there compared with the one against
+    the golden: "reproduced" (or not) of another comparison than the bundle's."""
+    import harness.run.repro as repro
+    from harness.spec.settings import ServedVllm
+
+    root = write_bundle(tmp_path / "b", [])
+    goldens = tmp_path / "cache" / "goldens"
+    record = {**case("1P+1D", "image", "MISMATCH", False), "reference": "golden-0.31.0"}
+    (root / "summary.json").write_text(json.dumps({"cases": [record]}))
+    run = json.loads((root / "run.json").read_text())
+    run["golden_release"] = "0.31.0"
+    run["baseline_sources"] = {
+        "image": {"source": "golden", "release": "0.31.0", "goldens_dir": str(goldens)}
+    }
+    (root / "run.json").write_text(json.dumps({**run, "fault": None}))
+    seen = stub_the_rerun(monkeypatch)
+    repro.reproduce(Bundle.load(root), tmp_path / "again", ServedVllm("vllm", "0.32.0+cpu"))
+    reference = seen["reference"]
+    assert reference.get("golden_release") == "0.31.0", reference
+    assert reference["goldens"].directory == goldens

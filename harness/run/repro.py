@@ -26,11 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.environment import cache_dir
 from harness.judge.records import CaseRecord, Verdict
 from harness.judge.verdicts import Declaration
 from harness.redact import REDACTED
 from harness.report.bundle import SENT_AFTER
 from harness.run.fuzz.signature import died_instance, signature_of
+from harness.run.goldens import GoldenStore
 from harness.run.pool import TopologyPool
 from harness.run.scenarios import MATRIX, SendMode
 from harness.run.sweep import Stage, StageUnset, Sweep, SweepSpec
@@ -342,6 +344,19 @@ class Bundle:
         before it was recorded: no)."""
         return bool(self.run.get("colocate"))
 
+    def goldens(self, prompt: str) -> tuple[GoldenStore, str] | None:
+        """The goldens the bundle's run judged `prompt` against instead of a baseline (`run
+        --golden RELEASE`), where it read them, and the release; None: it served a baseline.
+        The rerun is judged against the same: a fresh baseline of the vLLM serving now is
+        another reference, whose verdict said "reproduced" of another comparison (found in
+        review)."""
+        release = self.run.get("golden_release")
+        if not release:
+            return None
+        source = (self.run.get("baseline_sources") or {}).get(prompt) or {}
+        directory = source.get("goldens_dir") if isinstance(source, dict) else None
+        return GoldenStore(Path(directory) if directory else cache_dir() / "goldens"), str(release)
+
     @property
     def served_version(self) -> str | None:
         """The vLLM version the bundle's run served, as recorded."""
@@ -646,8 +661,17 @@ def reproduce(
     # A pool of its own, kept until the caller closes it: `keep_up` serves on the very
     # session the case was reproduced on.
     pool = TopologyPool(settings, on_event)
+    goldens, golden_release = bundle.goldens(case.prompt) or (None, None)
+    if golden_release is not None:
+        log.info("repro: judged against the goldens of vLLM %s, as the bundle was", golden_release)
     sweep = Sweep(
-        spec, settings, bodies={case.prompt: bundle.requests[case.prompt]}, pool=pool, stage=stage
+        spec,
+        settings,
+        bodies={case.prompt: bundle.requests[case.prompt]},
+        pool=pool,
+        stage=stage,
+        goldens=goldens,
+        golden_release=golden_release,
     )
     try:
         records = sweep.judge(
