@@ -920,3 +920,18 @@ def test_a_case_judged_against_a_golden_is_rerun_against_that_golden(
     reference = seen["reference"]
     assert reference.get("golden_release") == "0.31.0", reference
     assert reference["goldens"].directory == goldens
+
+
+def test_repro_judges_under_the_runs_reference_policy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CPU run under `--reference-policy pd-drift` passed a 1P+1D DRIFT; its repro judged
+    under the platform's default (exact) and printed that DRIFT as a failed policy."""
+    root = rerun_bundle(tmp_path / "b", "1P+1D")
+    summary = json.loads((root / "summary.json").read_text())
+    (root / "summary.json").write_text(
+        json.dumps({**summary, "run": {"reference_policy": "pd-drift"}})
+    )
+    assert rerun_settings(root, monkeypatch, "0.32.0+cpu").reference_policy == "pd-drift"
+    plain = rerun_bundle(tmp_path / "plain", "1P+1D")
+    assert rerun_settings(plain, monkeypatch, "0.32.0+cpu").reference_policy == ""

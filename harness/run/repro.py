@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.environment import cache_dir
+from harness.judge.policy import REFERENCE_POLICIES
 from harness.judge.records import CaseRecord, Verdict
 from harness.judge.verdicts import Declaration
 from harness.redact import REDACTED
@@ -358,6 +359,17 @@ class Bundle:
         return GoldenStore(Path(directory) if directory else cache_dir() / "goldens"), str(release)
 
     @property
+    def reference_policy(self) -> str:
+        """The reference policy the bundle's run judged with (summary.json's `run`; a fuzz
+        run's settings in run.json); "": not recorded, the platform's default. Judged under
+        the default instead, a CPU run's pd-drift DRIFT was rerun as a failed policy."""
+        run = self.summary.get("run")
+        name = (run if isinstance(run, dict) else {}).get("reference_policy") or (
+            self.run.get("fuzz") or {}
+        ).get("reference_policy")
+        return name if name in REFERENCE_POLICIES else ""
+
+    @property
     def served_version(self) -> str | None:
         """The vLLM version the bundle's run served, as recorded."""
         return (self.run.get("served_vllm") or {}).get("version")
@@ -635,6 +647,7 @@ def reproduce(
         proxy=proxy or ProxyChoice(),
         stream=sending.streamed,
         protocol=protocol_for(bundle, served),
+        reference_policy=bundle.reference_policy,
         launcher=bundle.launcher,
     )
     topology = get_topology(case.topology)
