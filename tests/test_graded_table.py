@@ -173,7 +173,7 @@ def test_thresholds_gate_only_the_platform_model_and_dtype_they_were_measured_on
     # Measured in bfloat16: a float16 or float32 run (--dtype) is reported, not gated.
     assert load_thresholds(THRESHOLDS, "cpu", TINY_MODEL, "float16") is None
     assert load_thresholds(THRESHOLDS, "cpu", TINY_MODEL, "float32") is None
-    assert "cpu / tiny-qwen25vl / bfloat16" in measured_on(THRESHOLDS)
+    assert "cpu / tiny-qwen25vl generator 3 / bfloat16" in measured_on(THRESHOLDS)
 
 
 def test_model_key_names_a_model_the_same_however_it_was_given(tmp_path: Path):
@@ -182,3 +182,21 @@ def test_model_key_names_a_model_the_same_however_it_was_given(tmp_path: Path):
     assert model_key(snapshot) == "Qwen/Qwen2.5-VL-3B-Instruct"
     assert model_key("Qwen/Qwen2.5-VL-3B-Instruct") == "Qwen/Qwen2.5-VL-3B-Instruct"
     assert model_key(str(tmp_path / "my-model")) == "my-model"
+
+
+def test_thresholds_of_another_tiny_model_generator_do_not_gate(tmp_path: Path):
+    """The tiny model's generator shapes what a fault flips (generator 3's KV ballast made 5%
+    KV noise flip a token at once): thresholds measured on one generator's checkpoint gated
+    the next one's, whose detection nobody measured."""
+    from fixtures.tiny_model import GENERATOR_VERSION
+
+    data = json.loads(THRESHOLDS.read_text())
+    [section] = [s for s in data["measured"] if s["model"] == TINY_MODEL]
+    older = tmp_path / "thresholds.json"
+    older.write_text(json.dumps({"measured": [{**section, "generator": "2"}]}))
+    assert load_thresholds(older, "cpu", TINY_MODEL) is None
+    assert "cpu / tiny-qwen25vl generator 2 / bfloat16" in measured_on(older)
+    unsaid = {key: value for key, value in section.items() if key != "generator"}
+    older.write_text(json.dumps({"measured": [unsaid]}))
+    assert load_thresholds(older, "cpu", TINY_MODEL) is None
+    assert section["generator"] == GENERATOR_VERSION, "the committed ones: the current generator"
