@@ -430,3 +430,47 @@ def test_a_concurrent_scenario_is_not_held_to_a_loads_calibrated_floor() -> None
     result = MatrixRun(sweep)._judge(scenario, session, observed)  # type: ignore[arg-type]
     [record] = [r for r in result.records if r.prompt == near_tie]
     assert record.verdict is Verdict.MISMATCH, record.detail
+
+
+def found_entry(topology: str, kv_connector: str | None) -> dict:
+    """A found_scenarios.json entry as `fuzz --save` writes it (harness.run.fuzz.save)."""
+    from harness.spec.prompt_codec import prompt_to_json
+
+    meta = {"seed": 3, "vllm": "0.32.0+cpu"}
+    if kv_connector is not None:
+        meta["kv_connector"] = kv_connector
+    prompt = PromptSpec("fuzz-x-request", (ImagePart(seed=9), TextPart("hi")))
+    return {
+        "name": f"fuzz-x-{topology}",
+        "topology": topology,
+        "prompts": [prompt_to_json(prompt)],
+        "expect": ["ERROR"],
+        "expect_evidence": "Expected number of multimodal embeddings to match",
+        "reason": "found by fuzz",
+        "found_by": meta,
+    }
+
+
+def test_a_found_failure_is_declared_under_the_kv_connector_it_was_found_under(tmp_path) -> None:
+    """`fuzz --save` records the KV connector a failure was found under (found_by), and the
+    matrix declared it under every one: a KV failure of ExampleConnector's, expected of a
+    NixlConnector run too, failed that run's matrix as 'NOT as declared' (the built-in ones
+    say so with expect_by_kv_connector). A topology without a P->D hop is declared whatever
+    the connector."""
+    from harness.run.scenarios import found_scenarios
+
+    path = tmp_path / "found.json"
+    path.write_text(
+        json.dumps(
+            [
+                found_entry("1E+1P+1D", "ExampleConnector"),
+                found_entry("1E+1PD", "ExampleConnector"),
+                found_entry("1P+1D", None),  # saved before the connector was recorded
+            ]
+        )
+    )
+    kv, ec_only, unsaid = found_scenarios(path)
+    assert kv.for_kv_connector("ExampleConnector").declared is not None
+    assert kv.for_kv_connector("NixlConnector").declared is None
+    assert ec_only.for_kv_connector("NixlConnector").declared is not None
+    assert unsaid.for_kv_connector("NixlConnector").declared is not None

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from harness.errors import BadInput, lookup
 from harness.judge.records import DeclaredFailure, Verdict
+from harness.spec.connectors import KV_CONNECTORS
 from harness.spec.prompt_codec import prompt_from_json
 from harness.spec.prompts import (
     SHORT_TEXT,
@@ -27,6 +28,7 @@ from harness.spec.prompts import (
     VideoFramesPart,
     VideoPart,
 )
+from harness.spec.topology import TOPOLOGIES
 
 # vLLM closes idle keep-alive connections after 5 s (#41567): wait longer than that.
 IDLE_GAP_S = 6.0
@@ -386,8 +388,27 @@ def found_scenarios(path: Path = FOUND_SCENARIOS_FILE) -> tuple[Scenario, ...]:
             expect=tuple(Verdict(v) for v in entry["expect"]),
             expect_evidence=entry.get("expect_evidence", ""),
             reason=entry.get("reason", ""),
+            expect_by_kv_connector=elsewhere_expected(entry),
         )
         for entry in entries
+    )
+
+
+def elsewhere_expected(entry: dict) -> tuple[tuple[str, tuple[Verdict, ...]], ...]:
+    """A saved failure of a topology with a P->D hop is declared under the KV connector it
+    was found under (`found_by`, as `fuzz --save` records it), and expected to MATCH under
+    the others, as the built-in scenarios say with `expect_by_kv_connector`: declared under
+    every connector, an ExampleConnector failure failed a NixlConnector run's matrix as
+    'NOT as declared' (found in review). An entry that does not say, or a topology without
+    a P->D hop, keeps its declaration under every connector."""
+    found_under = (entry.get("found_by") or {}).get("kv_connector")
+    topology = TOPOLOGIES.get(entry["topology"])
+    if not found_under or topology is None or not topology.has_kv_transfer:
+        return ()
+    return tuple(
+        (connector.vllm_class, (Verdict.MATCH,))
+        for connector in KV_CONNECTORS.values()
+        if connector.vllm_class != found_under
     )
 
 
