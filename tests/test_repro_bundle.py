@@ -146,6 +146,18 @@ def rerun_bundle(root: Path, label: str, **run: object) -> Path:
     return root
 
 
+def with_model_here(root: Path) -> Path:
+    """The bundle at `root`, its model a checkpoint directory on this host (repro checks it
+    before anything starts)."""
+    model = root.parent / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    run = json.loads((root / "run.json").read_text())
+    run["serving"] = {**run["serving"], "model": str(model)}
+    (root / "run.json").write_text(json.dumps(run))
+    return root
+
+
 @pytest.mark.parametrize(
     "label, run_streams, streams",
     [
@@ -308,7 +320,7 @@ def test_repro_prints_the_first_divergence_of_the_case_it_reran(
     from harness.testing.builders import chat
     from harness.testing.judging import judged
 
-    root = rerun_bundle(tmp_path / "b", "1P+1D")
+    root = with_model_here(rerun_bundle(tmp_path / "b", "1P+1D"))
     record = judged(
         "1P+1D",
         "baseline",
@@ -774,7 +786,9 @@ def test_repro_exits_1_when_the_stage_was_not_set(
     from harness.spec.settings import ServedVllm
     from harness.testing.judging import judged
 
-    root = scenario_bundle(tmp_path / "b", KILLS_PREFILL, "m-text-at-block-plus-one")
+    root = with_model_here(
+        scenario_bundle(tmp_path / "b", KILLS_PREFILL, "m-text-at-block-plus-one")
+    )
     record = judged(
         "1E+1P+1D",
         "baseline",
@@ -823,7 +837,7 @@ def rerun_against(
         return judged("1P+1D", "baseline", Outcome("image", chat([5, 6, 7, 8])), candidate)
 
     recorded = record(*then)
-    root = rerun_bundle(tmp_path / "b", "1P+1D")
+    root = with_model_here(rerun_bundle(tmp_path / "b", "1P+1D"))
     (root / "summary.json").write_text(json.dumps({"cases": [recorded.to_json()]}))
 
     class Closed:
@@ -935,3 +949,19 @@ def test_repro_judges_under_the_runs_reference_policy(
     assert rerun_settings(root, monkeypatch, "0.32.0+cpu").reference_policy == "pd-drift"
     plain = rerun_bundle(tmp_path / "plain", "1P+1D")
     assert rerun_settings(plain, monkeypatch, "0.32.0+cpu").reference_policy == ""
+
+
+def test_repro_of_a_bundle_whose_model_is_not_here_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, epd_cli
+) -> None:
+    """The bundle's model directory (another host's, a tiny model built elsewhere) was not
+    checked: the rerun probed vLLM and started the baseline, which died during start-up
+    with the reason in its log. `run` checks its model first; repro says it in one line."""
+    import harness.cli.main as cli
+
+    root = rerun_bundle(tmp_path / "b", "1P+1D")  # serving.model /m: not on this host
+    monkeypatch.setattr(cli, "probe_served_vllm", lambda vllm: pytest.fail("vLLM probed"))
+    code, _, stderr = epd_cli("repro", root, "--vllm", tmp_path / "no-vllm")
+    err = stderr.strip().splitlines()
+    assert code == 2 and len(err) == 1, stderr
+    assert "the bundle's model: model directory /m does not exist" in err[0], err

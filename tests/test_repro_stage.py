@@ -36,6 +36,8 @@ def scenario_bundle(root: Path, verdict: str, stream: bool = False) -> Path:
     flags, every prompt's body (rendered once, as the run renders them) and the case of its
     last prompt."""
     root.mkdir(parents=True)
+    (root.parent / "model").mkdir(exist_ok=True)  # a checkpoint here, as repro checks
+    (root.parent / "model" / "config.json").write_text("{}")
     serving = ServingConfig(model=str(root.parent / "model"))
     run = {
         "serving": dataclasses.asdict(serving),

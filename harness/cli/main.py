@@ -54,7 +54,12 @@ from harness.preflight.config import (
     devices_here,
 )
 from harness.preflight.dtype import REPRO_ASKED_BF16, REPRO_BF16_REMEDY, check_bf16_here
-from harness.preflight.files import ENVIRONMENT_ERRNOS, check_run_dir, describe_os_error
+from harness.preflight.files import (
+    ENVIRONMENT_ERRNOS,
+    check_model_dir,
+    check_run_dir,
+    describe_os_error,
+)
 from harness.preflight.model import resolve_model
 from harness.preflight.upstream_proxy import proxy_choice
 from harness.preflight.vllm import default_vllm_executable, probe_served_vllm
@@ -355,6 +360,10 @@ def command_repro(args: argparse.Namespace) -> int:
                 "<bundle>-repro)"
             )
         check_run_dir(run_dir)
+        try:  # as `run` checks its own, before vLLM is probed or a baseline started
+            check_model_dir(bundle.serving().model)
+        except BadInput as exc:
+            raise BadInput(f"the bundle's model: {exc}") from None
         served = probe_served_vllm(args.vllm or default_vllm_executable())
         proxy = proxy_choice(
             bundle.proxy_kind,
