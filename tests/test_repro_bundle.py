@@ -965,3 +965,24 @@ def test_repro_of_a_bundle_whose_model_is_not_here_is_one_line(
     err = stderr.strip().splitlines()
     assert code == 2 and len(err) == 1, stderr
     assert "the bundle's model: model directory /m does not exist" in err[0], err
+
+
+def test_the_verdict_line_names_another_checkpoint_than_the_bundles(tmp_path: Path) -> None:
+    """run.json records the digest of the model files the run served (a tiny model built on
+    another CPU differs in a few bfloat16 steps under the same directory name): a rerun on
+    other files said "NOT reproduced" (or "reproduced") as if it had served the same."""
+    from fixtures.checkpoint_digest import model_digest
+    from harness.run.repro import repro_line
+    from harness.spec.settings import ServedVllm
+
+    root = with_model_here(rerun_bundle(tmp_path / "b", "1P+1D"))
+    run = json.loads((root / "run.json").read_text())
+    here = model_digest(Path(run["serving"]["model"]))
+    served = ServedVllm("/v", "0.32.0+cpu")
+    for digest, named in ((here, False), ("0" * 64, True)):
+        run["model"] = {"dir": run["serving"]["model"], "digest": digest}
+        (root / "run.json").write_text(json.dumps(run))
+        bundle = Bundle.load(root)
+        line = repro_line(bundle.pick_case(None), "MISMATCH", bundle, served)
+        said = f"the bundle served model files of digest {'0' * 12}, this run {here[:12]}"
+        assert (said in line) is named, line

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fixtures.checkpoint_digest import model_digest
 from harness.environment import cache_dir
 from harness.judge.policy import REFERENCE_POLICIES
 from harness.judge.records import CaseRecord, Verdict
@@ -67,6 +68,7 @@ log = logging.getLogger(__name__)
 BUNDLE_FILES = ("run.json", "requests.json", "summary.json")
 # What every summary.json record holds, read by picking and naming a case.
 RECORD_FIELDS = ("topology", "prompt", "reference", "verdict")
+DIGEST_SHOWN = 12  # hex digits of a model digest a line names
 
 
 class BundleError(ValueError):
@@ -369,6 +371,23 @@ class Bundle:
         ).get("reference_policy")
         return name if name in REFERENCE_POLICIES else ""
 
+    def other_model_files(self) -> str | None:
+        """How the model files at the bundle's model directory differ from the ones its run
+        served, by the digest run.json recorded (a tiny model built on another CPU differs in
+        a few bfloat16 steps under the same name); None: the same, or nothing recorded."""
+        model = self.run.get("model")
+        recorded = model.get("digest") if isinstance(model, dict) else None
+        path = Path(self.serving().model)
+        if not recorded or not path.is_dir():
+            return None
+        here = model_digest(path)
+        if here == recorded:
+            return None
+        return (
+            f"the bundle served model files of digest {recorded[:DIGEST_SHOWN]}, "
+            f"this run {here[:DIGEST_SHOWN]}"
+        )
+
     @property
     def served_version(self) -> str | None:
         """The vLLM version the bundle's run served, as recorded."""
@@ -566,6 +585,9 @@ def repro_line(
         if recorded and recorded != served.version
         else ""
     )
+    other_files = bundle.other_model_files()
+    if other_files:
+        versions += f" ({other_files})"
     fault = bundle.run.get("fault")
     planted = (
         f"; red on purpose: the bundle's planted fault {fault} was planted again, "
@@ -655,6 +677,9 @@ def reproduce(
         log.warning(
             "repro: the bundle was served by vLLM %s, this run serves %s", recorded, served.version
         )
+    other_files = bundle.other_model_files()
+    if other_files:
+        log.warning("repro: %s: its verdict may differ for that alone", other_files)
     fault = bundle.run.get("fault")
     if fault:  # said before the rerun's minutes, not only in its last line
         log.warning("repro: the bundle's run planted the fault %s; it is planted again", fault)
