@@ -986,3 +986,21 @@ def test_the_verdict_line_names_another_checkpoint_than_the_bundles(tmp_path: Pa
         line = repro_line(bundle.pick_case(None), "MISMATCH", bundle, served)
         said = f"the bundle served model files of digest {'0' * 12}, this run {here[:12]}"
         assert (said in line) is named, line
+
+
+def test_a_load_case_is_said_to_be_sent_alone(tmp_path: Path) -> None:
+    """A `load` case (`1E+1PD:load#3`) was sent in flight with the load's other requests,
+    and judged as batched against the load's calibrated floor; repro sent it alone and
+    said nothing of it: a failure only concurrency makes (another request's answer) read
+    "NOT reproduced" as if the same had been sent."""
+    root = write_bundle(tmp_path / "b", [case("1E+1PD:load#3", "image", "MISMATCH", False)])
+    (root / "load.json").write_text(json.dumps({"spec": {"concurrency": 16}}))
+    sending = Bundle.load(root).how_sent("1E+1PD:load#3", "image")
+    assert sending.unlike == (
+        "the load sent it among its other requests, 16 at a time (or alone after them, one "
+        "declared to end an instance); this sends it alone to servers started for it"
+    ), sending
+    (root / "load.json").unlink()  # a bundle without its account: the concurrency unsaid
+    assert "among its other requests (or alone after them" in str(
+        Bundle.load(root).how_sent("1E+1PD:load#3", "image").unlike
+    )

@@ -68,6 +68,9 @@ log = logging.getLogger(__name__)
 BUNDLE_FILES = ("run.json", "requests.json", "summary.json")
 # What every summary.json record holds, read by picking and naming a case.
 RECORD_FIELDS = ("topology", "prompt", "reference", "verdict")
+# A load's case is labelled TOPOLOGY:load#N (harness.run.load.run); its account is load.json.
+LOAD_LABEL = "load#"
+LOAD_ACCOUNT = "load.json"
 DIGEST_SHOWN = 12  # hex digits of a model digest a line names
 
 
@@ -229,6 +232,8 @@ class Bundle:
         _, _, name = label.partition(":")
         scenario = next((s for s in MATRIX if s.name == name), None)
         streamed = bool(self.run.get("stream")) or bool(scenario and scenario.stream)
+        if name.startswith(LOAD_LABEL):
+            return Sending(streamed, self._load_unlike())
         if scenario is None:
             return Sending(streamed, earlier=tuple(self.run.get(SENT_AFTER, {}).get(prompt, ())))
         ways = []
@@ -253,6 +258,20 @@ class Bundle:
             else None
         )
         return Sending(streamed, unlike)
+
+    def _load_unlike(self) -> str:
+        """What a `load` case's rerun does not redo: the load's concurrency (its load.json
+        says how much), the other requests in flight, and the batched judging they got."""
+        try:
+            spec = json.loads((self.path / LOAD_ACCOUNT).read_text()).get("spec") or {}
+        except (OSError, ValueError, AttributeError):
+            spec = {}
+        concurrency = spec.get("concurrency") if isinstance(spec, dict) else None
+        at = f", {concurrency} at a time" if isinstance(concurrency, int) else ""
+        return (
+            f"the load sent it among its other requests{at} (or alone after them, one declared "
+            "to end an instance); this sends it alone to servers started for it"
+        )
 
     def recorded(self, label: str, prompt: str, reference: str) -> dict[str, Any] | None:
         """The summary.json record of `prompt` under `label` against `reference`, if any."""
