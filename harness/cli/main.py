@@ -72,6 +72,7 @@ from harness.run.repro import (
     another_failure,
     keep_up,
     killed_by_the_load,
+    parted_elsewhere,
     repro_line,
     reproduce,
 )
@@ -401,6 +402,9 @@ def command_repro(args: argparse.Namespace) -> int:
         line = repro_line(
             case, own.verdict.value, bundle, served, own.policy_passed, unset, another
         )
+        elsewhere = parted_elsewhere(bundle.recorded(case.label, case.prompt, case.reference), own)
+        if same and elsewhere is not None:
+            line += f" ({elsewhere})"
         print(f"\nepd-harness: {line}; artifacts in {run_dir}")
         if args.keep_up:
             keep_up(sweep, case.topology, settled=args.progress.settled)

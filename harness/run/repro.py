@@ -519,10 +519,10 @@ def passed_policy(record: dict[str, Any]) -> bool:
 def another_failure(recorded: dict[str, Any] | None, now: CaseRecord) -> str | None:
     """How the rerun's failure differs from the bundle's record of it, though of the same
     verdict: where it showed (the instance that died, an HTTP status, the guard that failed,
-    which ids differ: `harness.run.fuzz.signature`) or the position where the ids part; None
-    when it does not, or when the record says too little to tell (another verdict is said by
-    the verdicts). The verdict alone read "reproduced" for a MISMATCH parting at another
-    token, and for the ERROR of another instance's death (found in review)."""
+    which ids differ: `harness.run.fuzz.signature`); None when it does not, or when the record
+    says too little to tell (another verdict is said by the verdicts). The verdict alone read
+    "reproduced" for prompt ids parting where generated ids had, and for the ERROR of another
+    instance's death (found in review). Where the ids part is `parted_elsewhere`'s."""
     if recorded is None or recorded["verdict"] != now.verdict.value or "detail" not in recorded:
         return None
     then = CaseRecord(
@@ -545,11 +545,21 @@ def another_failure(recorded: dict[str, Any] | None, now: CaseRecord) -> str | N
         died_now = died_instance(now.error or now.detail)
         if died_then != died_now:
             return f"{died_now} died now, {died_then} in the bundle"
-    index_then = (then.divergence or {}).get("index")
-    index_now = (now.divergence or {}).get("index")
-    if index_then is not None and index_now is not None and index_then != index_now:
-        return f"the ids part at position {index_now} now, at position {index_then} in the bundle"
     return None
+
+
+def parted_elsewhere(recorded: dict[str, Any] | None, now: CaseRecord) -> str | None:
+    """Where the rerun's ids part, when the bundle recorded them parting elsewhere: said beside
+    "reproduced", never instead of it. The same fault can part another token (a GPU's noise,
+    a scheduler's other batch), and "NOT reproduced" (exit 1) would read as fixed to a
+    cherry-pick's check of a failure that is still there."""
+    if recorded is None or recorded.get("verdict") != now.verdict.value:
+        return None
+    index_then = (_object(recorded.get("divergence")) or {}).get("index")
+    index_now = (now.divergence or {}).get("index")
+    if index_then is None or index_now is None or index_then == index_now:
+        return None
+    return f"the ids part at position {index_now} now, at position {index_then} in the bundle"
 
 
 def _object(value: Any) -> dict[str, Any] | None:
