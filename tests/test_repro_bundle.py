@@ -139,6 +139,18 @@ def stub_the_rerun(monkeypatch: pytest.MonkeyPatch) -> dict:
     return seen
 
 
+class ClosedSweep:
+    """The sweep `reproduce` hands back, as `repro` reads it after judging: a stage that was
+    set, and a pool to close."""
+
+    stage_unset = None
+
+    class pool:  # noqa: N801 - stands in for the sweep's pool
+        @staticmethod
+        def close() -> None:
+            pass
+
+
 def rerun_bundle(root: Path, label: str, **run: object) -> Path:
     root = write_bundle(root, [case(label, "image", "MISMATCH", False)])
     recorded = json.loads((root / "run.json").read_text())
@@ -328,16 +340,8 @@ def test_repro_prints_the_first_divergence_of_the_case_it_reran(
         Outcome("image", chat([5, 6, 9, 8])),
     )
 
-    class Closed:
-        stage_unset = None
-
-        class pool:  # noqa: N801 - stands in for the sweep's pool
-            @staticmethod
-            def close() -> None:
-                pass
-
     def rerun(bundle, *args, **kwargs):
-        return bundle.pick_case(None), [record], Closed()
+        return bundle.pick_case(None), [record], ClosedSweep()
 
     monkeypatch.setattr(cli, "probe_served_vllm", lambda vllm: ServedVllm(vllm, "0.32.0+cpu"))
     monkeypatch.setattr(cli, "proxy_choice", lambda *args: None)
@@ -840,16 +844,8 @@ def rerun_against(
     root = with_model_here(rerun_bundle(tmp_path / "b", "1P+1D"))
     (root / "summary.json").write_text(json.dumps({"cases": [recorded.to_json()]}))
 
-    class Closed:
-        stage_unset = None
-
-        class pool:  # noqa: N801 - stands in for the sweep's pool
-            @staticmethod
-            def close() -> None:
-                pass
-
     def rerun(bundle, *args, **kwargs):
-        return bundle.pick_case(None), [record(*now)], Closed()
+        return bundle.pick_case(None), [record(*now)], ClosedSweep()
 
     monkeypatch.setattr(cli, "probe_served_vllm", lambda vllm: ServedVllm(vllm, "0.32.0+cpu"))
     monkeypatch.setattr(cli, "proxy_choice", lambda *args: None)
