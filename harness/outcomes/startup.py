@@ -90,7 +90,8 @@ def describe_startup_cpu(cpu_s: dict[str, float]) -> str:
     if not cpu_s:
         return "CPU not sampled"
     # Helpers that came and went (multiprocessing's resource tracker, a `uname`) count in the
-    # sum but are not named.
+    # sum: under their own name when a sample saw them (shown from 0.05 s), else under the
+    # process that waited for them (harness.serve.cpu_account).
     parts = ", ".join(f"{kind} {seconds:.1f}" for kind, seconds in cpu_s.items() if seconds >= 0.05)
     return f"CPU {sum(cpu_s.values()):.1f} s ({parts})"
 

@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 import psutil
 
 from harness.serve import watchdog
+from harness.serve.cpu_account import ProcessCpu, TreeCpuAccount
 from harness.serve.ports import PortLease
 from harness.serve.process_groups import (
     describe_exit,
@@ -123,8 +124,8 @@ class ManagedServer:
         self._spawned_wall_s: float | None = None
         self._startup_seconds: float | None = None
         self._peak_rss_bytes = 0
-        # CPU seconds (user + system) of each process of the tree, the latest sample of each pid.
-        self._cpu_by_pid: dict[int, tuple[str, float]] = {}
+        # CPU seconds of every process of the tree ever sampled (harness.serve.cpu_account).
+        self._cpu = TreeCpuAccount()
         # Every descendant ever sampled, so that stop() also finds those that left the group
         # (setsid, daemonizing helpers), even after the server itself died and they were orphaned.
         self._seen_descendants: dict[int, psutil.Process] = {}
@@ -315,8 +316,9 @@ class ManagedServer:
         of process: `server` for the process it started (vLLM's API server), every other by its
         name without vLLM's `VLLM::` prefix (`EngineCore`, `Worker`). On CPU a vLLM start is
         interpreters importing torch and vLLM one after another; this says what each cost.
-        Sampled with the peak RSS (a process that ended between samples keeps its last sample);
-        empty if the server was never sampled while alive. Sampled afresh."""
+        Sampled with the peak RSS (a process that ended between samples keeps its last sample,
+        one no sample saw counts under the parent that waited for it); empty if the server was
+        never sampled while alive. Sampled afresh."""
         self._sample_tree(max_age_s=0.0)
         return self.sampled_usage()[1]
 
@@ -324,10 +326,7 @@ class ManagedServer:
         """`peak_rss_bytes()` and `cpu_seconds()` from one sample of the tree (a Ray agent's
         poll wants both)."""
         self._sample_tree()
-        totals: dict[str, float] = {}
-        for kind, seconds in self._cpu_by_pid.values():
-            totals[kind] = round(totals.get(kind, 0.0) + seconds, 2)
-        return self._peak_rss_bytes, totals
+        return self._peak_rss_bytes, self._cpu.by_kind()
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM the group, wait up to `grace_s`, then SIGKILL; return once nothing is left.
@@ -395,14 +394,28 @@ class ManagedServer:
             return
         self._seen_descendants.update((proc.pid, proc) for proc in descendants)
         total = 0
+        # pid -> (ppid, create_time, kind, own CPU, reaped children's CPU), this sample's
+        listed: dict[int, tuple[int, float, str, float, float]] = {}
         for proc in [root, *descendants]:
             try:
-                total += proc.memory_info().rss
-                times = proc.cpu_times()
-                kind = "server" if proc is root else process_kind(proc.name())
+                with proc.oneshot():
+                    total += proc.memory_info().rss
+                    times = proc.cpu_times()
+                    kind = "server" if proc is root else process_kind(proc.name())
+                    listed[proc.pid] = (
+                        proc.ppid(),
+                        proc.create_time(),
+                        kind,
+                        times.user + times.system,
+                        times.children_user + times.children_system,
+                    )
             except psutil.NoSuchProcess:
                 continue
-            self._cpu_by_pid[proc.pid] = (kind, times.user + times.system)
+        sample = []
+        for pid, (ppid, started, kind, own_s, reaped_s) in listed.items():
+            parent = (ppid, listed[ppid][1]) if pid != root.pid and ppid in listed else None
+            sample.append(ProcessCpu((pid, started), parent, kind, own_s, reaped_s))
+        self._cpu.record(sample)
         self._peak_rss_bytes = max(self._peak_rss_bytes, total)
 
     def _wait_gone(self, tracked: list[psutil.Process], timeout_s: float) -> bool:
