@@ -222,6 +222,15 @@ def test_no_choices_is_a_value_error() -> None:
         parse_chat_response(body_with(choices=[]))
 
 
+def test_an_answer_of_several_choices_is_refused() -> None:
+    """Found in review: only choices[0] was read, so an answer of n>1 choices was judged by its
+    first alone; vLLM answers the harness's requests with one choice."""
+    body = copy.deepcopy(RECORDED_BODY)
+    body["choices"].append(copy.deepcopy(body["choices"][0]) | {"index": 1})
+    with pytest.raises(ValueError, match="2 choices"):
+        parse_chat_response(body)
+
+
 @pytest.mark.parametrize("label", ["A", "token_id:", "token_id:abc", "tok:12"])
 def test_logprob_token_must_be_a_token_id(label: str) -> None:
     body = copy.deepcopy(RECORDED_BODY)

@@ -110,6 +110,11 @@ def parse_chat_response(body: dict[str, Any]) -> ChatResult:
         raise ValueError(
             f"response lacks {exc}: was return_token_ids honoured? body: {json.dumps(body)[:500]}"
         ) from None
+    if len(body["choices"]) != 1:
+        raise ValueError(
+            f"the answer has {len(body['choices'])} choices (one expected): each would need "
+            "judging, and the harness asks for one"
+        )
     if token_ids is None or prompt_token_ids is None:
         raise ValueError("response carries null token ids: was return_token_ids honoured?")
     prompt_token_ids = integer_ids(prompt_token_ids, "prompt_token_ids")
