@@ -231,6 +231,26 @@ def test_an_answer_of_several_choices_is_refused() -> None:
         parse_chat_response(body)
 
 
+@pytest.mark.parametrize(
+    "entries, problem",
+    [
+        (lambda c: c[:1], "log-probs are not of its ids: 2 token ids, 1 log-prob entries"),
+        (
+            lambda c: c[::-1],
+            "log-probs are not of its ids: entry 0 is of token 2518, its position's id is 32",
+        ),
+    ],
+)
+def test_logprobs_that_are_not_of_the_ids_are_a_broken_answer(entries, problem: str) -> None:
+    """Found in review: log-probs were kept whatever ids they were of, and the drift rule reads
+    them at the divergence's position: another position's near-tie could excuse it."""
+    body = copy.deepcopy(RECORDED_BODY)
+    logprobs = body["choices"][0]["logprobs"]
+    logprobs["content"] = entries(logprobs["content"])
+    with pytest.raises(ValueError, match=re.escape(f"the answer's {problem}")):
+        parse_chat_response(body)
+
+
 @pytest.mark.parametrize("label", ["A", "token_id:", "token_id:abc", "tok:12"])
 def test_logprob_token_must_be_a_token_id(label: str) -> None:
     body = copy.deepcopy(RECORDED_BODY)

@@ -10,7 +10,7 @@ import re
 
 import httpx
 import pytest
-from sse_stream import PROMPT_IDS, TOKENS, encode, timed, vllm_chunks
+from sse_stream import PROMPT_IDS, TOKENS, encode, logprob_entry, timed, vllm_chunks
 
 from harness.judge.records import Verdict
 from harness.judge.verdicts import STREAM_CHECK
@@ -129,6 +129,15 @@ def test_a_malformed_choice_is_a_problem_of_its_event_not_a_crash(chunks, proble
     result, record = parse(encode(chunks))
     assert f"event 2: {problem}" in "\n".join(record.problems), record.problems
     assert TOKENS[0] not in result.token_ids
+
+
+def test_log_probs_of_another_token_than_their_chunks_id_are_a_problem() -> None:
+    """Found in review: only their count was checked, and the drift rule reads a position's
+    log-probs at a divergence: another token's near-tie must not excuse it."""
+    chunks = first_token_choice(logprobs={"content": [logprob_entry(TOKENS[1], -0.1)]})
+    _, record = parse(encode(chunks))
+    expected = f"chunk 2: log-prob entry 0 is of token {TOKENS[1]}, its id is {TOKENS[0]}"
+    assert expected in record.problems, record.problems
 
 
 def test_a_malformed_chunk_among_whole_ones_is_a_mismatch_not_a_match() -> None:

@@ -122,6 +122,7 @@ def parse_chat_response(body: dict[str, Any]) -> ChatResult:
     positions = [
         position_logprobs(entry) for entry in (choice.get("logprobs") or {}).get("content") or []
     ]
+    _check_logprobs_are_of(positions, token_ids)
     text = _optional_object(choice.get("message"), "choices[0].message").get("content")
     finish_reason = choice.get("finish_reason")
     for name, value in (("message.content", text), ("finish_reason", finish_reason)):
@@ -138,6 +139,25 @@ def parse_chat_response(body: dict[str, Any]) -> ChatResult:
         cached_tokens=cached_tokens(body.get("usage")),
         raw=body,
     )
+
+
+def _check_logprobs_are_of(positions: list[PositionLogprobs], token_ids: tuple[int, ...]) -> None:
+    """Log-probs, when asked for, must be one entry per generated id, each of that id: the drift
+    rule reads them at a divergence's position, and another position's near-tie must never
+    excuse it (ValueError naming the first that is not)."""
+    if not positions:
+        return  # not asked for
+    if len(positions) != len(token_ids):
+        raise ValueError(
+            f"the answer's log-probs are not of its ids: {len(token_ids)} token ids, "
+            f"{len(positions)} log-prob entries"
+        )
+    for index, (position, token_id) in enumerate(zip(positions, token_ids)):
+        if position.token_id != token_id:
+            raise ValueError(
+                f"the answer's log-probs are not of its ids: entry {index} is of token "
+                f"{position.token_id}, its position's id is {token_id}"
+            )
 
 
 def cached_tokens(usage: Any) -> int | None:

@@ -317,6 +317,13 @@ def _read_chunk(
         record.problems.append(
             f"chunk {record.chunks}: {len(ids)} token id(s) but {len(entries)} log-prob entries"
         )
+    for index, (entry, token_id) in enumerate(zip(entries, ids)):
+        if entry.token_id != token_id:
+            record.problems.append(
+                f"chunk {record.chunks}: log-prob entry {index} is of token {entry.token_id}, "
+                f"its id is {token_id}"
+            )
+            break
     reading.logprobs += entries
     if choice.finish_reason is not None:
         record.finish_reasons += 1
