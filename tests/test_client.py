@@ -251,6 +251,17 @@ def test_logprobs_that_are_not_of_the_ids_are_a_broken_answer(entries, problem: 
         parse_chat_response(body)
 
 
+@pytest.mark.parametrize("finish", [None, "abort", "error"])
+def test_an_unfinished_answer_is_refused(finish: str | None) -> None:
+    """Found in review: an answer that did not finish (aborted, failed in the engine, or with
+    no finish_reason) was compared as if complete: a short answer, a MISMATCH or a MATCH of a
+    prefix, where it is an ERROR naming why it ended."""
+    body = copy.deepcopy(RECORDED_BODY)
+    body["choices"][0]["finish_reason"] = finish
+    with pytest.raises(ValueError, match=f"finish_reason {json.dumps(finish)}"):
+        parse_chat_response(body)
+
+
 @pytest.mark.parametrize("label", ["A", "token_id:", "token_id:abc", "tok:12"])
 def test_logprob_token_must_be_a_token_id(label: str) -> None:
     body = copy.deepcopy(RECORDED_BODY)

@@ -203,6 +203,17 @@ def test_a_stream_without_an_answer_fails(events, complete: bool, cause: str) ->
     assert failure.value.record.events >= 1
 
 
+@pytest.mark.parametrize("finish", ["abort", "error"])
+def test_a_stream_that_did_not_finish_fails_saying_why(finish: str) -> None:
+    """Found in review: a stream ended by an abort or an engine error was read as an answer,
+    its ids as short as the abort made them: a MISMATCH (or a MATCH of a prefix) where it is
+    an ERROR naming why it ended."""
+    chunks = copy.deepcopy(vllm_chunks())
+    chunks[-2]["choices"][0]["finish_reason"] = finish
+    with pytest.raises(StreamFailed, match=f'finish_reason "{finish}"'):
+        parse(encode(chunks))
+
+
 def test_events_split_across_reads_and_crlf() -> None:
     first, rest = split_events(b"data: a\r\n\r\ndata: b\n\ndata: c")
     assert first == [b"data: a", b"data: b"] and rest == b"data: c"

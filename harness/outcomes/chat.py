@@ -11,6 +11,22 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+# finish_reasons of an answer that did not finish (vLLM's FinishReason: `abort`, the request was
+# aborted; `error`, it failed in the engine, e.g. its KV did not load; none, vLLM never ends an
+# answer so): its ids are as short as the end made them, no answer to compare.
+UNFINISHED = {
+    None: "no finish_reason",
+    "abort": "the request was aborted",
+    "error": "the request failed in the engine",
+}
+
+
+def unfinished(finish_reason: str | None) -> str | None:
+    """Why an answer with this finish_reason did not finish, or None when it did."""
+    if finish_reason not in UNFINISHED:
+        return None
+    return f"finish_reason {json.dumps(finish_reason)}: {UNFINISHED[finish_reason]}"
+
 
 @dataclass(frozen=True)
 class PositionLogprobs:
@@ -130,6 +146,9 @@ def parse_chat_response(body: dict[str, Any]) -> ChatResult:
             raise ValueError(
                 f"the answer's choices[0].{name} is {json.dumps(value)[:120]}, not a string"
             )
+    why = unfinished(finish_reason)
+    if why is not None:
+        raise ValueError(f"the answer did not finish: {why}")
     return ChatResult(
         prompt_token_ids=prompt_token_ids,
         token_ids=token_ids,

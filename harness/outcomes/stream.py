@@ -22,7 +22,13 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harness.outcomes.chat import ChatResult, PositionLogprobs, integer_ids, position_logprobs
+from harness.outcomes.chat import (
+    ChatResult,
+    PositionLogprobs,
+    integer_ids,
+    position_logprobs,
+    unfinished,
+)
 
 DONE = "[DONE]"
 EVENT_STREAM = "text/event-stream"
@@ -173,6 +179,9 @@ def parse_stream(
         raise StreamFailed(
             "the stream carried no prompt_token_ids: was return_token_ids honoured?", record
         )
+    why = unfinished(reading.finish_reason) if record.finish_reasons else None
+    if why is not None:  # none at all is a framing problem: the ids may be whole
+        raise StreamFailed(f"the stream's answer did not finish: {why}", record)
     result = ChatResult(
         prompt_token_ids=tuple(reading.prompt_token_ids),
         token_ids=tuple(reading.token_ids),
