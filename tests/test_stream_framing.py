@@ -263,6 +263,15 @@ def test_a_last_event_without_its_blank_line_is_a_problem() -> None:
     assert read_by_client(stream + b": bye").stream.ok  # a comment left open carries nothing
 
 
+def test_a_json_error_answered_to_a_stream_fails_showing_it() -> None:
+    """Found in review: an HTTP 200 whose body is an error object, not events, failed blaming
+    return_token_ids (no prompt_token_ids), the server's own message dropped."""
+    body = b'{"error": {"message": "KV load failed for chatcmpl-1", "code": 500}}'
+    with pytest.raises(StreamFailed, match="KV load failed for chatcmpl-1") as failure:
+        read_by_client(body, {"content-type": "application/json"})
+    assert "return_token_ids" not in str(failure.value)
+
+
 def test_a_compressed_stream_is_read_as_a_client_reads_it() -> None:
     """Found in review: the client read the raw bytes, so a stream a proxy served gzipped
     (`content-encoding: gzip`, which httpx asks for) was read as no events at all, an ERROR

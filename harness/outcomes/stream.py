@@ -12,8 +12,9 @@ with no choices carries `usage`), so they are compared with the baseline's like 
 and every framing rule broken is kept as a problem: evidence that fails the case
 (`harness.judge.verdicts`), never a note that passes silently.
 
-A stream that reports an error (vLLM's `data: {"error": ...}` event) or whose transport broke
-is no answer: `StreamFailed`, which the session turns into an ERROR.
+A stream that reports an error (vLLM's `data: {"error": ...}` event), carries no event at all
+(an error object answered with 200: its body is the message), or whose transport broke is no
+answer: `StreamFailed`, which the session turns into an ERROR.
 """
 
 from __future__ import annotations
@@ -170,6 +171,11 @@ def parse_stream(
             f"the stream broke off after {record.events} event(s) "
             f"({record.ids_counted} token id(s) read)",
             record,
+        )
+    if record.events == 0:
+        held = b"".join(raw for _, raw in events).decode("utf-8", errors="replace").strip()
+        raise StreamFailed(
+            f"the answer carried no event: {held[:1000] if held else 'an empty body'}", record
         )
     if reading.unreadable_prompt is not None:
         raise StreamFailed(
