@@ -839,6 +839,27 @@ def test_check_calls_a_malformed_stream_chunk_a_difference_naming_its_event(
     assert f"event 2: {problem}" in detail
 
 
+@pytest.mark.parametrize("finish", ["abort", "error"])
+@pytest.mark.parametrize("streamed", [False, True], ids=["unstreamed", "streamed"])
+def test_check_calls_an_answer_that_did_not_finish_an_error_as_the_harness_does(
+    tmp_path: Path, monkeypatch, finish: str, streamed: bool
+) -> None:
+    """The harness fails an answer ended by an abort or an engine error as no answer
+    (harness/outcomes/chat.py's `unfinished`: ERROR); check.py compared its ids, as short as
+    the end made them: here equal ones, a MATCH, exit 0."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    if streamed:
+        chunks = stream_chunks([1, 2, 3], [7, 8, 9, 10])
+        chunks[-2]["choices"][0]["finish_reason"] = finish
+        verdict, code, detail = judged_stream(events(*chunks), tmp_path)
+    else:
+        body = response([1, 2, 3], [7, 8, 9, 10])
+        body["choices"][0]["finish_reason"] = finish
+        verdict, code, detail = judge(EXPECTED, answer(200, body), [], tmp_path)
+    assert (verdict, code) == ("ERROR", 2), detail
+    assert f'finish_reason "{finish}"' in detail
+
+
 def test_check_calls_a_malformed_chunk_among_whole_ones_a_mismatch_not_a_match(
     tmp_path: Path, monkeypatch
 ) -> None:

@@ -87,6 +87,9 @@ SERVER_ERROR_LINE = re.compile(r'HTTP/1\.1" 5\d\d')
 DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 # What a streamed answer must be served as (harness/outcomes/stream.py's EVENT_STREAM).
 EVENT_STREAM = "text/event-stream"
+# finish_reasons of an answer that did not finish, as the harness's harness/outcomes/chat.py
+# `UNFINISHED` (vLLM: the request was aborted, or failed in the engine): an ERROR.
+UNFINISHED = ("abort", "error")
 
 
 @dataclass(frozen=True)
@@ -310,6 +313,9 @@ def compare_tokens(
         token_ids = integers(token_ids, "choices[0].token_ids")
     except Unreadable as exc:
         return "ERROR", f"the answer's {exc}"
+    finish = response["choices"][0].get("finish_reason")
+    if finish in UNFINISHED:  # its ids are as short as the abort or the error made them
+        return "ERROR", f"the answer did not finish: finish_reason {json.dumps(finish)}"
     index = first_difference(expected["prompt_token_ids"], prompt_ids)
     if index is not None:
         return "MISMATCH", describe_difference(
@@ -418,8 +424,9 @@ def readable_logprob(entry: Any) -> bool:
     return True
 
 
-def read_choice(choice: Any, where: str) -> tuple[list[int], list[Any]]:
-    """One streamed choice's generated ids and log-prob entries, or Unreadable naming its first
+def read_choice(choice: Any, where: str) -> tuple[list[int], list[Any], str | None]:
+    """One streamed choice's generated ids, log-prob entries and finish_reason, or Unreadable
+    naming its first
     field of another shape (as the harness's harness/outcomes/stream.py reads a chunk)."""
     if not isinstance(choice, dict):
         raise Unreadable(f"{where} is {shown(choice)}, not an object")
@@ -440,7 +447,7 @@ def read_choice(choice: Any, where: str) -> tuple[list[int], list[Any]]:
     finish = choice.get("finish_reason")
     if finish is not None and not isinstance(finish, str):
         raise Unreadable(f"{where}.finish_reason is {shown(finish)}, not a string")
-    return token_ids, entries or []
+    return token_ids, entries or [], finish
 
 
 def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
@@ -455,6 +462,7 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
     prompt_ids: list[int] | None = None
     token_ids: list[int] = []
     content: list[Any] = []
+    finish_reason: str | None = None
     problems: list[str] = []
     done = False
     event = 0
@@ -497,14 +505,21 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
         except Unreadable as exc:
             problems.append(f"event {event}: {exc} (its chunk is not read)")
             continue
-        for ids, entries in read:
+        for ids, entries, finish in read:
             token_ids += ids
             content += entries
+            finish_reason = finish or finish_reason
     if prompt_ids is None:  # as the harness's StreamFailed: no prompt ids, no answer
         return None, "the stream carried no prompt_token_ids: was return_token_ids honoured?"
     answer: dict[str, Any] = {
         "prompt_token_ids": prompt_ids,
-        "choices": [{"token_ids": token_ids, "logprobs": {"content": content}}],
+        "choices": [
+            {
+                "token_ids": token_ids,
+                "logprobs": {"content": content},
+                "finish_reason": finish_reason,
+            }
+        ],
     }
     if not done:
         problems.append("the stream ended without [DONE]")
