@@ -181,6 +181,38 @@ def test_an_item_the_consumer_got_that_no_encoder_was_asked_for_fails_the_encode
     assert check_encoder_output(TransferEvidence.from_taps(duplicated, 2), storage).ok
 
 
+def test_an_encoder_part_without_a_uuid_leaves_the_consumers_items_unjudged(
+    tmp_path: Path,
+) -> None:
+    """A proxy that sends the encoder no uuid (the part's hash is then vLLM's own) names its
+    item in no way the consumer's uuid can be matched with: nothing is claimed either way,
+    else every such proxy's consumer items read as never encoded."""
+    storage = with_file(tmp_path, "h0")
+    anonymous = encoder(0, {"h0": ENTRY})
+    anonymous.uuids = [None]
+    consumed = consumer(1, "pd")
+    consumed.uuids = ["h0"]
+    evidence = TransferEvidence.from_taps([anonymous, consumed], media_count=1)
+    guard = check_encoder_output(evidence, storage)
+    assert guard.ok, guard.evidence
+
+
+def test_only_the_consumers_metadata_only_parts_must_have_been_encoded(tmp_path: Path) -> None:
+    """A raw media part the consumer got (it encodes that item itself; `consumer_embeds` is
+    the guard that judges it) is no claim that an encoder produced it: its uuid going to no
+    encoder is not the encoder guard's failure."""
+    storage = with_file(tmp_path, "h0")
+    encoded = encoder(0, {"h0": ENTRY})
+    encoded.uuids = ["h0"]
+    consumed = consumer(1, "pd")
+    consumed.part_types = ["image_embeds", "image_url"]
+    consumed.metadata_only = [True, False]
+    consumed.uuids = ["h0", "h1"]
+    evidence = TransferEvidence.from_taps([encoded, consumed], media_count=1)
+    guard = check_encoder_output(evidence, storage)
+    assert guard.ok, guard.evidence
+
+
 def test_d_calls_of_several_requests_in_one_window_are_no_ones_kv_evidence() -> None:
     """vLLM's toy P/D proxy sends its own id (one uuid per client request) to P and D, so a
     request's records are its window's; under load the window also holds the calls of the
