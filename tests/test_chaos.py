@@ -264,9 +264,12 @@ def test_a_ctrl_c_during_a_sessions_stop_still_stops_every_server(
     session.__enter__()
     servers = session.servers
     pids = [server.pid for server in servers]
+    # Taken while they run: what the block must find gone (servers) and free (their ports).
+    procs = [psutil.Process(pid) for pid in pids]
+    ports = session_ports(session)
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
     try:
-        with nothing_left_behind([], [], port_locks), pythons_own_ctrl_c():
+        with nothing_left_behind(procs, ports, port_locks), pythons_own_ctrl_c():
             timer.start()
             with pytest.raises(KeyboardInterrupt):
                 session.close()
@@ -448,12 +451,18 @@ def test_instance_with_a_bad_flag_fails_the_start_at_once(
     tmp_path: Path, fake_vllm: Path, port_locks: Path
 ) -> None:
     settings = fake_settings(tmp_path, fake_vllm, extra_args=("--no-such-flag",))
-    procs: list[psutil.Process] = []
+    session = TopologySession(TOPOLOGIES["1E+1PD"], settings)
+    procs: list[int] = []
+    ports: list[int] = []
     start = time.monotonic()
-    with nothing_left_behind(procs, [], port_locks):
+    with nothing_left_behind(procs, ports, port_locks):
         with pytest.raises(ServerDied) as died:
-            with TopologySession(TOPOLOGIES["1E+1PD"], settings):
+            with session:
                 pass
+        # Known once the start failed (the servers die before a handle could be taken): what
+        # it started, to be gone, and the ports it leased, to be free.
+        procs += [server.pid for server in session.servers]
+        ports += session_ports(session)
     elapsed_s = time.monotonic() - start
     message = str(died.value)
     assert message.startswith(("1E+1PD/encoder0 (pid ", "1E+1PD/pd0 (pid ")), message
