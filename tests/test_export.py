@@ -133,6 +133,16 @@ def test_request_and_expected_answer_are_the_recorded_ones(tmp_path: Path) -> No
     assert expected["check"] == "tokens"
     assert (expected["prompt_token_ids"], expected["token_ids"]) == (PROMPT_IDS, BASELINE_IDS)
     assert expected["recorded"]["verdict"] == "ERROR"
+    # where it showed, for check.py's "reproduced": the instance that died, by its export name
+    assert expected["recorded"]["died"] == "decode0"
+
+
+def test_expected_json_records_which_ids_parted_and_where(tmp_path: Path) -> None:
+    recorded = json.loads((write(tmp_path, verdict="MISMATCH") / "expected.json").read_text())
+    assert {k: recorded["recorded"][k] for k in ("ids", "position")} == {
+        "ids": "generated ids",
+        "position": 1,
+    }
 
 
 def test_expected_json_keeps_no_log_probs_of_other_tokens(tmp_path: Path) -> None:
@@ -521,6 +531,36 @@ def test_check_judges_match_mismatch_and_prompt_difference(tmp_path: Path, monke
         EXPECTED, answer(200, response([1, 2, 4], [7, 8, 9, 10])), [], tmp_path
     )
     assert (verdict, code) == ("MISMATCH", 1) and "prompt token ids differ at position 2" in detail
+
+
+def test_check_reproduces_a_failure_where_it_was_recorded_as_repro_does() -> None:
+    """`epd-harness repro`'s `another_failure` and `parted_elsewhere`, restated in check.py:
+    the same verdict showing elsewhere is another failure; ids parting at another position
+    are the same one, the position said; an export that recorded no where is judged on the
+    verdict, as before."""
+    generated = {"verdict": "MISMATCH", "ids": "generated ids", "position": 1}
+    parted = check.parting(EXPECTED, response([1, 2, 3], [7, 5, 9, 10]))
+    assert parted == ("generated ids", 1)
+    assert check.reproduction(generated, "MISMATCH", (), parted) == "reproduced"
+    later = check.parting(EXPECTED, response([1, 2, 3], [7, 8, 9, 11]))
+    assert check.reproduction(generated, "MISMATCH", (), later) == (
+        "reproduced (the ids part at position 3 now, at position 1 in the recording)"
+    )
+    prompt = check.parting(EXPECTED, response([1, 2, 4], [7, 8, 9, 10]))
+    assert check.reproduction(generated, "MISMATCH", (), prompt) == (
+        "NOT reproduced (prompt ids, same count now, generated ids in the recording)"
+    )
+    assert check.reproduction({"verdict": "MISMATCH"}, "MISMATCH", (), prompt) == "reproduced"
+    died = {"verdict": "ERROR", "died": "decode0"}
+    assert check.reproduction(died, "ERROR", ("decode0",), None) == "reproduced"
+    assert check.reproduction(died, "ERROR", (), None) == (
+        "NOT reproduced (no instance died now, decode0 in the recording)"
+    )
+    assert check.reproduction({"verdict": "ERROR", "died": None}, "ERROR", ("pd0",), None) == (
+        "NOT reproduced (pd0 died now, no instance in the recording)"
+    )
+    assert check.reproduction({"verdict": "ERROR"}, "ERROR", ("pd0",), None) == "reproduced"
+    assert check.reproduction(died, "MATCH", (), None) == "NOT reproduced"
 
 
 @pytest.mark.parametrize(

@@ -191,6 +191,54 @@ def test_different_ids_exit_1_with_the_first_divergence(
     assert_nothing_left(out, env)
 
 
+def test_another_instance_dying_is_not_the_recorded_error_reproduced(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """The bundle recorded prefill0's death; here decode0 dies. `epd-harness repro` calls that
+    another failure (`another_failure`); check.py said "recorded ERROR: reproduced" on the
+    verdict alone (found in review). Its exit code still says what happened here: an error."""
+    bundle_dir = write_bundle(tmp_path / "run")
+    for name in ("summary.json", "responses.json"):
+        path = bundle_dir / name
+        path.write_text(path.read_text().replace("1E+1P+1D/decode0", "1E+1P+1D/prefill0"))
+    bundle = Bundle.load(bundle_dir)
+    upstream = UpstreamProxy(Path(bundle.run["proxy"]["files_dir"]), "a stand-in proxy")
+    plan = plan_export(bundle, f"1E+1P+1D:{PROMPT}", lambda: upstream)
+    out = tmp_path / "scratch" / plan.name
+    write_export(plan, out, {"cpu_repair.py": "print('no repairs needed here')\n"})
+    env = environment(leased_ports, tmp_path, "decode:die-request")
+    done = run_sh(out, env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "ERROR: decode0 died during the request" in done.stdout
+    assert (
+        "recorded ERROR: NOT reproduced (decode0 died now, prefill0 in the recording)"
+        in done.stdout
+    ), done.stdout
+    assert_nothing_left(out, env)
+
+
+def test_prompt_ids_parting_where_generated_ids_did_is_not_reproduced(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """The bundle recorded generated ids parting; here the prompt ids do (a processor that
+    sizes the placeholders otherwise): another failure, as `epd-harness repro` says, where
+    check.py said "recorded MISMATCH: reproduced" (found in review)."""
+    out = export_case(tmp_path, verdict="MISMATCH")
+    path = out / "expected.json"
+    expected = json.loads(path.read_text())
+    expected["prompt_token_ids"] = [*expected["prompt_token_ids"], 5]
+    path.write_text(json.dumps(expected))
+    env = environment(leased_ports, tmp_path)
+    done = run_sh(out, env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "MISMATCH: prompt token ids differ" in done.stdout
+    assert (
+        "recorded MISMATCH: NOT reproduced (prompt ids, another count now, generated ids "
+        "in the recording)" in done.stdout
+    ), done.stdout
+    assert_nothing_left(out, env)
+
+
 def test_an_instance_that_dies_while_starting_fails_the_start(
     tmp_path: Path, leased_ports: TakePorts
 ) -> None:

@@ -12,6 +12,7 @@ from harness.judge.compare import is_measured_floor
 from harness.judge.policy import ReferencePolicy, default_reference_policy
 from harness.judge.records import Verdict
 from harness.run.export.request import describe_request
+from harness.run.fuzz.signature import died_instance, ids_kind
 from harness.run.repro import Bundle, ReproCase
 from harness.spec.platforms import get_platform
 from harness.spec.topology import BASELINE, get_topology
@@ -43,8 +44,29 @@ def tokens_expectation(
             "source": f"the harness (run {bundle.path.name})",
             "where": recording_host(bundle.run),
             "ids_vary_with": ids_vary_with(bundle.run),
+            **where_it_failed(case.verdict, record),
         },
     }
+
+
+def where_it_failed(verdict: str, record: dict[str, Any]) -> dict[str, Any]:
+    """Where the recorded failure showed, for check.py's "reproduced" (its `reproduction`):
+    for an ERROR the instance that died (`died`, its name in the export; None: none did), for
+    ids that differ which ones (`ids`, the harness's signature kind) and the first `position`.
+    The verdict alone made another instance's death, or prompt ids parting where generated
+    ids had, "reproduced" (found in review). Nothing when the record has no detail to tell
+    by, as `epd-harness repro`'s `another_failure`."""
+    if "detail" not in record:
+        return {}
+    if verdict == Verdict.ERROR.value:
+        died = died_instance(str(record.get("error") or record["detail"]))
+        return {"died": died.rsplit("/", 1)[-1] if died else None}
+    if verdict in (Verdict.MISMATCH.value, Verdict.DRIFT.value):
+        divergence = record.get("divergence")
+        index = divergence.get("index") if isinstance(divergence, dict) else None
+        position = index if isinstance(index, int) and not isinstance(index, bool) else None
+        return {"ids": ids_kind(str(record["detail"])), "position": position}
+    return {}
 
 
 def reference_policy(bundle: Bundle) -> ReferencePolicy:

@@ -38,6 +38,12 @@ run measured a noise floor above zero (`noise_floor_nats`), both sides' log-prob
 the two tokens at that position are within it, and every earlier position's log-prob agreed
 within it too; any other difference is a MISMATCH. Whether a DRIFT passes is the case's
 policy (`drift_passes`: under pd-drift, a P->D topology against the monolithic baseline).
+
+It says whether the case's recorded failure is reproduced as `epd-harness repro` does: the
+same verdict, shown where it was recorded (the same instance died; the same ids parted, at
+whatever position); the verdict showing elsewhere is NOT reproduced, the difference named.
+The exit code says what happened here, reproduced or not.
+
 Exit codes:
 
 - 0: the answer equals the expected one, or drifts from it as the case's policy allows (a
@@ -558,6 +564,7 @@ class Judgment:
     detail: str
     response: dict[str, Any] | None = None
     broken: str | None = None  # what was wrong with a streamed answer's framing
+    died: tuple[str, ...] = ()  # the instances that died during the request, by name
 
 
 def judgment(
@@ -574,8 +581,9 @@ def judgment(
     dead = dead_instances(instances, state_dir, grace)
     if dead:
         cause = f"{answer.headline()}\n" + "\n".join(dead)
-        names = ", ".join(r.split(" ", 1)[0] for r in dead)
-        return Judgment("ERROR", EXIT_ERROR, f"{names} died during the request\n{cause}")
+        died = tuple(r.split(" ", 1)[0] for r in dead)
+        detail = f"{', '.join(died)} died during the request\n{cause}"
+        return Judgment("ERROR", EXIT_ERROR, detail, died=died)
     if expected["check"] == "refused-and-alive":
         target = expected["send_to"]
         if answer.status is not None and 400 <= answer.status < 500:
@@ -637,6 +645,56 @@ def tokens_verdict(
         EXIT_MATCH,
         f"the {generated} generated and {prompt} prompt token ids equal the expected ones",
     )
+
+
+def parting(expected: dict[str, Any], response: dict[str, Any]) -> tuple[str, int] | None:
+    """Which ids of the answer part from `expected`'s, named as the harness names them (its
+    failure signature's `ids_kind`: "prompt ids, same count", "prompt ids, another count",
+    "generated ids"), and the first position where; None when none part or none are readable."""
+    try:
+        prompt_ids = integers(response["prompt_token_ids"], "prompt_token_ids")
+        token_ids = integers(response["choices"][0]["token_ids"], "choices[0].token_ids")
+    except (KeyError, IndexError, TypeError, Unreadable):
+        return None
+    index = first_difference(expected["prompt_token_ids"], prompt_ids)
+    if index is not None:
+        same = len(prompt_ids) == len(expected["prompt_token_ids"])
+        return f"prompt ids, {'same count' if same else 'another count'}", index
+    index = first_difference(expected["token_ids"], token_ids)
+    return None if index is None else ("generated ids", index)
+
+
+def reproduction(
+    recorded: dict[str, Any], verdict: str, died: tuple[str, ...], parted: tuple[str, int] | None
+) -> str:
+    """Whether the answer here reproduces the recorded failure, as `epd-harness repro` says it
+    (its `another_failure` and `parted_elsewhere`): the same verdict showing elsewhere is
+    another failure, NOT reproduced (another instance died; prompt ids parted where
+    generated ids had); ids parting at another position are still the failure, reproduced,
+    with the position said. The verdict alone said "reproduced" of both (found in review).
+    What the recording holds of where (`died`, `ids`, `position`) is the exporter's; an
+    export without it is judged on the verdict."""
+    if recorded["verdict"] != verdict:
+        return "NOT reproduced"
+    if verdict == "ERROR" and "died" in recorded:
+        then = recorded["died"]
+        if (then is None and died) or (then is not None and then not in died):
+            now = ", ".join(died) or "no instance"
+            return f"NOT reproduced ({now} died now, {then or 'no instance'} in the recording)"
+    if verdict in ("MISMATCH", "DRIFT") and recorded.get("ids"):
+        # A stream's broken framing with equal ids is a MISMATCH of no ids: the harness's
+        # signature counts it among the generated ones.
+        kind, index = parted or ("generated ids", None)
+        then = str(recorded["ids"])
+        if kind != then and not (then == "prompt ids" and kind.startswith(then)):
+            return f"NOT reproduced ({kind} now, {then} in the recording)"
+        position = recorded.get("position")
+        if index is not None and isinstance(position, int) and index != position:
+            return (
+                f"reproduced (the ids part at position {index} now, at position {position} "
+                "in the recording)"
+            )
+    return "reproduced"
 
 
 def read_before(here: Path) -> list[tuple[str, dict[str, Any]]]:
@@ -879,7 +937,8 @@ def main(argv: list[str] | None = None) -> int:
             args.save_reference.write_text(json.dumps(kept) + "\n", encoding="utf-8")
             print(f"check.py: {reference}'s answer kept in {args.save_reference}")
     elif recorded.get("verdict"):
-        same = "reproduced" if recorded["verdict"] == verdict else "NOT reproduced"
+        parted = parting(fresh or expected, judged.response) if judged.response else None
+        same = reproduction(recorded, verdict, judged.died, parted)
         source = recorded.get("source", "the harness")
         vs = f" (against {reference} served here)" if fresh else ""
         print(f"check.py: {source} recorded {recorded['verdict']}: {same}{vs}")
