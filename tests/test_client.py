@@ -251,6 +251,26 @@ def test_logprobs_that_are_not_of_the_ids_are_a_broken_answer(entries, problem: 
         parse_chat_response(body)
 
 
+@pytest.mark.parametrize(
+    "completion_tokens, problem",
+    [
+        (3, "usage counts 3 completion tokens, its token_ids 2"),
+        (1, "usage counts 1 completion tokens, its token_ids 2"),
+        ("2", 'usage.completion_tokens is "2", not an integer'),
+    ],
+)
+def test_usage_that_counts_other_ids_is_a_broken_answer(
+    completion_tokens: object, problem: str
+) -> None:
+    """Found in review: a stream's usage was checked against the ids it carried, an unstreamed
+    answer's was not; vLLM counts every generated id (EOS included) in usage.completion_tokens,
+    so another count means ids lost or added on the way."""
+    body = copy.deepcopy(RECORDED_BODY)
+    body["usage"]["completion_tokens"] = completion_tokens
+    with pytest.raises(ValueError, match=re.escape(f"the answer's {problem}")):
+        parse_chat_response(body)
+
+
 @pytest.mark.parametrize("finish", [None, "abort", "error"])
 def test_an_unfinished_answer_is_refused(finish: str | None) -> None:
     """Found in review: an answer that did not finish (aborted, failed in the engine, or with

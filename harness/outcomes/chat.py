@@ -139,6 +139,7 @@ def parse_chat_response(body: dict[str, Any]) -> ChatResult:
         position_logprobs(entry) for entry in (choice.get("logprobs") or {}).get("content") or []
     ]
     _check_logprobs_are_of(positions, token_ids)
+    _check_usage_counts(body.get("usage"), token_ids)
     text = _optional_object(choice.get("message"), "choices[0].message").get("content")
     finish_reason = choice.get("finish_reason")
     for name, value in (("message.content", text), ("finish_reason", finish_reason)):
@@ -177,6 +178,24 @@ def _check_logprobs_are_of(positions: list[PositionLogprobs], token_ids: tuple[i
                 f"the answer's log-probs are not of its ids: entry {index} is of token "
                 f"{position.token_id}, its position's id is {token_id}"
             )
+
+
+def _check_usage_counts(usage: Any, token_ids: tuple[int, ...]) -> None:
+    """vLLM counts every generated id (EOS included) in `usage.completion_tokens`: another
+    count than the answer's ids means ids lost or added on the way, as the stream reader
+    (harness.outcomes.stream) makes it a problem of a stream (ValueError; a usage without
+    the count is not checked)."""
+    counted = _optional_object(usage, "usage").get("completion_tokens")
+    if counted is None:
+        return
+    if not isinstance(counted, int) or isinstance(counted, bool):
+        raise ValueError(
+            f"the answer's usage.completion_tokens is {json.dumps(counted)[:120]}, not an integer"
+        )
+    if counted != len(token_ids):
+        raise ValueError(
+            f"the answer's usage counts {counted} completion tokens, its token_ids {len(token_ids)}"
+        )
 
 
 def cached_tokens(usage: Any) -> int | None:
