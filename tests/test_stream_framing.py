@@ -159,6 +159,24 @@ def test_unreadable_prompt_ids_fail_the_stream_saying_so() -> None:
 
 
 @pytest.mark.parametrize(
+    "moved_to, other",
+    [(2, False), (2, True), (4, True)],
+    ids=["same-ids-later", "other-ids-later", "other-ids-last"],
+)
+def test_prompt_ids_on_a_later_chunk_than_the_first_are_a_problem(
+    moved_to: int, other: bool
+) -> None:
+    """Found in review: prompt_token_ids were taken from whichever chunk carried them first;
+    vLLM sends them on the first chunk alone, so on a later one (another request's, say) they
+    are a framing problem, not the answer's prompt taken silently."""
+    chunks = copy.deepcopy(vllm_chunks())
+    ids = chunks[0].pop("prompt_token_ids")
+    chunks[moved_to - 1]["prompt_token_ids"] = [i + 1 for i in ids] if other else ids
+    _, record = parse(encode(chunks))
+    assert f"chunk {moved_to} carries prompt_token_ids, not the first chunk" in record.problems
+
+
+@pytest.mark.parametrize(
     "details, problem",
     [
         (4, "usage.prompt_tokens_details is 4, not an object"),

@@ -272,6 +272,10 @@ def _read_chunk(
         if reading.prompt_token_ids is not None:
             record.problems.append(f"chunk {record.chunks} carries prompt_token_ids again")
         else:
+            if record.chunks != 1:  # vLLM sends them on the first chunk alone
+                record.problems.append(
+                    f"chunk {record.chunks} carries prompt_token_ids, not the first chunk"
+                )
             try:
                 reading.prompt_token_ids = _integers(chunk["prompt_token_ids"], "prompt_token_ids")
             except _Unreadable as exc:
