@@ -496,7 +496,9 @@ def response(prompt: list[int], tokens: list[int]) -> dict:
     content = [{"token": f"token_id:{t}", "logprob": -0.1, "top_logprobs": top} for t in tokens]
     return {
         "prompt_token_ids": prompt,
-        "choices": [{"token_ids": tokens, "logprobs": {"content": content}}],
+        "choices": [
+            {"token_ids": tokens, "logprobs": {"content": content}, "finish_reason": "length"}
+        ],
     }
 
 
@@ -609,6 +611,51 @@ def test_check_calls_unstreamed_ids_that_are_not_integers_an_error_as_the_harnes
     assert check.reference_answer(response(prompt, tokens), "baseline", {}) is None
 
 
+def two_choices(body: dict) -> None:
+    body["choices"].append({**body["choices"][0], "index": 1})
+
+
+def no_finish_reason(body: dict) -> None:
+    del body["choices"][0]["finish_reason"]
+
+
+def fewer_log_probs(body: dict) -> None:
+    del body["choices"][0]["logprobs"]["content"][-1]
+
+
+def log_probs_of_other_ids(body: dict) -> None:
+    body["choices"][0]["logprobs"]["content"].reverse()
+
+
+def usage_of_other_ids(body: dict) -> None:
+    body["usage"] = {"prompt_tokens": 3, "completion_tokens": 3}
+
+
+@pytest.mark.parametrize(
+    "mangle, problem",
+    [
+        (two_choices, "the answer has 2 choices (one expected)"),
+        (no_finish_reason, "the answer did not finish: finish_reason null"),
+        (fewer_log_probs, "log-probs are not of its ids: 4 token ids, 3 log-prob entries"),
+        (log_probs_of_other_ids, "log-probs are not of its ids: entry 0 is of token 10"),
+        (usage_of_other_ids, "usage counts 3 completion tokens, its token_ids 4"),
+    ],
+    ids=["two-choices", "no-finish", "fewer-log-probs", "log-probs-of-others", "usage"],
+)
+def test_check_calls_an_unstreamed_answer_the_harness_refuses_an_error(
+    tmp_path: Path, monkeypatch, mangle, problem: str
+) -> None:
+    """The harness refuses these unstreamed answers as broken (parse_chat_response: ERROR);
+    check.py judged their ids as if whole, here equal ones: a MATCH, exit 0."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    body = response([1, 2, 3], [7, 8, 9, 10])
+    assert judge(EXPECTED, answer(200, body), [], tmp_path)[:2] == ("MATCH", 0)
+    mangle(body)
+    verdict, code, detail = judge(EXPECTED, answer(200, body), [], tmp_path)
+    assert (verdict, code) == ("ERROR", 2), detail
+    assert problem in detail
+
+
 # EXPECTED with a near tie at position 1, a 0.05-nat floor and a policy that passes DRIFT.
 NEAR_TIE_EXPECTED = {
     **EXPECTED,
@@ -639,7 +686,9 @@ def answer_body(tops: list[list[tuple[int, float]]], prompt: list[int]) -> dict[
     ids = [top[0][0] for top in tops]
     return {
         "prompt_token_ids": prompt,
-        "choices": [{"token_ids": ids, "logprobs": {"content": content}}],
+        "choices": [
+            {"token_ids": ids, "logprobs": {"content": content}, "finish_reason": "length"}
+        ],
     }
 
 
@@ -677,12 +726,14 @@ def test_check_reads_no_drift_from_log_probs_of_other_tokens(
     """As the harness's judge (harness.judge.compare `_logprob_at`, `_top_at`): a log-prob
     entry whose token is not the id generated there is no evidence of closeness, in the
     agreeing prefix (0) or at the divergence (1). Read as if it were, the same numbers made
-    the flipped near tie a DRIFT that the pd-drift policy passes (exit 0)."""
+    the flipped near tie a DRIFT that the pd-drift policy passes (exit 0). An unstreamed
+    answer's log-probs of other tokens are, as in the harness (parse_chat_response), a broken
+    answer: an ERROR."""
     monkeypatch.setattr(check, "dead_instances", lambda *args: [])
     assert judge(NEAR_TIE_EXPECTED, flipped(), [], tmp_path)[:2] == ("DRIFT", 0)
     verdict, code, detail = judge(NEAR_TIE_EXPECTED, relabelled(flipped(), positions), [], tmp_path)
-    assert (verdict, code) == ("MISMATCH", 1), detail
-    assert "n/a" in detail
+    assert (verdict, code) == ("ERROR", 2), detail
+    assert "log-probs are not of its ids" in detail
 
 
 @pytest.mark.parametrize("received", [math.nan, -math.inf])

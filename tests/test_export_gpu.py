@@ -319,7 +319,9 @@ def chat_answer(ids: list[int], tops: list[list[tuple[int, float]]]) -> dict[str
     ]
     return {
         "prompt_token_ids": PROMPT_IDS,
-        "choices": [{"token_ids": ids, "logprobs": {"content": content}}],
+        "choices": [
+            {"token_ids": ids, "logprobs": {"content": content}, "finish_reason": "length"}
+        ],
     }
 
 

@@ -50,7 +50,9 @@ Exit codes:
   probe: the instance refused the request and kept serving);
 - 1: a difference: other token ids (the first divergence is printed; a DRIFT the policy does
   not pass included), or a probe answered;
-- 2: an error: an HTTP error, a timeout, an answer without token ids, an instance that died
+- 2: an error: an HTTP error, a timeout, an answer without token ids, an unstreamed answer
+  the harness refuses as broken (several choices, no finish_reason, log-probs not of its
+  ids, a usage counting other ids), an instance that died
   (named, with the error lines of its log and its last lines), an earlier request
   (`before/`) that got no answer, the case's request then not sent, or check.py could not
   run at all (an expected.json whose `noise_floor_nats` is no measured floor among the
@@ -617,7 +619,50 @@ def judgment(
             response = json.loads(answer.text)
         except ValueError:
             return Judgment("ERROR", EXIT_ERROR, f"the answer is not JSON: {answer.text[:300]}")
+        refused = unstreamed_refusal(response)
+        if refused is not None:
+            return Judgment("ERROR", EXIT_ERROR, f"{refused}; {answer.headline()}")
     return Judgment(*tokens_verdict(expected, response, broken), response, broken)
+
+
+def unstreamed_refusal(response: Any) -> str | None:
+    """Why the harness refuses this unstreamed answer as broken, where its ids alone would be
+    judged (its harness/outcomes/chat.py parse_chat_response: an ERROR), or None: several
+    choices (one would be judged for all), no finish_reason (vLLM always ends an answer with
+    one), log-probs that are not one per generated id, each of that id, or a usage that
+    counts other ids than the answer's. What compare_tokens reads (the ids) it judges."""
+    try:
+        choices = response["choices"]
+        choice = choices[0]
+        token_ids = integers(choice["token_ids"], "choices[0].token_ids")
+    except (KeyError, IndexError, TypeError, Unreadable):
+        return None  # compare_tokens says what is wrong with the ids
+    if not isinstance(choice, dict):
+        return None
+    if len(choices) != 1:
+        return f"the answer has {len(choices)} choices (one expected)"
+    if "finish_reason" not in choice or choice["finish_reason"] is None:
+        return "the answer did not finish: finish_reason null (none given)"
+    entries = (choice.get("logprobs") or {}).get("content") or []
+    if entries and len(entries) != len(token_ids):
+        return (
+            f"the answer's log-probs are not of its ids: {len(token_ids)} token ids, "
+            f"{len(entries)} log-prob entries"
+        )
+    for index, (entry, token_id) in enumerate(zip(entries, token_ids)):
+        token = entry.get("token") if isinstance(entry, dict) else None
+        if token != f"token_id:{token_id}":
+            return (
+                f"the answer's log-probs are not of its ids: entry {index} is of token "
+                f"{str(token).removeprefix('token_id:')}, its position's id is {token_id}"
+            )
+    usage = response.get("usage")
+    counted = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if counted is not None and counted != len(token_ids):
+        return (
+            f"the answer's usage counts {counted} completion tokens, its token_ids {len(token_ids)}"
+        )
+    return None
 
 
 def tokens_verdict(
