@@ -803,6 +803,7 @@ def stream_chunks(prompt: list[int], tokens: list[int]) -> list[dict]:
         {"choices": [{"token_ids": [t], "logprobs": {"content": [whole[i]]}}]}
         for i, t in enumerate(tokens)
     ]
+    chunks[-1]["choices"][0]["finish_reason"] = "length"
     chunks.append({"choices": [], "usage": {"completion_tokens": len(tokens)}})
     return chunks
 
@@ -951,6 +952,52 @@ def test_check_calls_an_answer_that_did_not_finish_an_error_as_the_harness_does(
     assert f'finish_reason "{finish}"' in detail
 
 
+def stream_without_finish(chunks: list[dict]) -> None:
+    del chunks[-2]["choices"][0]["finish_reason"]
+
+
+def stream_chunk_of_two_choices(chunks: list[dict]) -> None:
+    chunks[1]["choices"].append({"index": 1, "delta": {"content": ""}})
+
+
+def stream_log_probs_of_another_id(chunks: list[dict]) -> None:
+    chunks[1]["choices"][0]["logprobs"] = chunks[2]["choices"][0]["logprobs"]
+
+
+def stream_usage_of_other_ids(chunks: list[dict]) -> None:
+    chunks[-1]["usage"]["completion_tokens"] = 3
+
+
+def stream_without_usage(chunks: list[dict]) -> None:
+    del chunks[-1]
+
+
+@pytest.mark.parametrize(
+    "mangle, problem",
+    [
+        (stream_without_finish, "0 finish_reason(s) (one expected)"),
+        (stream_chunk_of_two_choices, "event 2 has 2 choices (one expected)"),
+        (stream_log_probs_of_another_id, "event 2: log-prob entry 0 is of token 8, its id is 7"),
+        (stream_usage_of_other_ids, "usage counts 3 completion tokens, the stream carried 4"),
+        (stream_without_usage, "no usage chunk"),
+    ],
+    ids=["no-finish", "two-choices", "log-probs-of-another", "usage", "no-usage"],
+)
+def test_check_calls_a_stream_the_harness_finds_framed_wrong_a_difference(
+    tmp_path: Path, monkeypatch, mangle, problem: str
+) -> None:
+    """The harness keeps each of these as a framing problem of the stream
+    (harness/outcomes/stream.py: a MISMATCH whatever its ids); check.py read the ids alone,
+    here equal ones: a MATCH, exit 0."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    chunks = stream_chunks([1, 2, 3], [7, 8, 9, 10])
+    assert judged_stream(events(*chunks), tmp_path)[:2] == ("MATCH", 0)
+    mangle(chunks)
+    verdict, code, detail = judged_stream(events(*chunks), tmp_path)
+    assert (verdict, code) == ("MISMATCH", 1), detail
+    assert problem in detail
+
+
 def test_check_calls_a_malformed_chunk_among_whole_ones_a_mismatch_not_a_match(
     tmp_path: Path, monkeypatch
 ) -> None:
@@ -1025,6 +1072,8 @@ def test_check_says_drift_does_not_apply_to_a_stream_whose_framing_is_broken(
         {"choices": [{"token_ids": [t], "logprobs": {"content": [entry]}}]}
         for t, entry in zip(choice["token_ids"], choice["logprobs"]["content"])
     ]
+    chunks[-1]["choices"][0]["finish_reason"] = "length"
+    chunks.append({"choices": [], "usage": {"completion_tokens": len(choice["token_ids"])}})
 
     def judged(text: str) -> tuple[str, int, str]:
         sent = check.Answer("http://x/v1/chat/completions", 200, text, 0.1)

@@ -463,14 +463,17 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
     shape of an unstreamed one: the first chunk's `prompt_token_ids`, every chunk's generated
     `token_ids` and log-probs in order. (None, why) for a stream that reported an error, or
     whose prompt ids cannot be read or are not there (an ERROR); (answer, why) for one whose
-    framing is broken (a MISMATCH: a client would wait or fail): `[DONE]` not last, or a
-    chunk of another shape than vLLM sends (a null choice, ids that are not integers), which
-    is named by its event and not read, as the harness's reader does; (answer, None) for a
-    whole one."""
+    framing is broken (a MISMATCH: a client would wait or fail): `[DONE]` not last, a chunk
+    of another shape than vLLM sends (a null choice, ids that are not integers, other than
+    one choice), which is named by its event and not read, as the harness's reader does,
+    log-probs not of a chunk's ids, other than one finish_reason, no usage chunk or one
+    counting other ids; (answer, None) for a whole one."""
     prompt_ids: list[int] | None = None
     token_ids: list[int] = []
     content: list[Any] = []
     finish_reason: str | None = None
+    finishes = 0  # chunks that carried a finish_reason
+    counted: list[Any] = []  # the usage chunks' completion_tokens
     problems: list[str] = []
     done = False
     event = 0
@@ -509,14 +512,21 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
             choices = chunk.get("choices")
             if choices is not None and not isinstance(choices, list):
                 raise Unreadable(f"choices is {shown(choices)}, not a list")
-            read = [read_choice(c, f"choices[{n}]") for n, c in enumerate(choices or [])]
+            if isinstance(chunk.get("usage"), dict) and not choices:
+                counted.append(chunk["usage"].get("completion_tokens"))
+                continue
+            if len(choices or []) != 1:
+                problems.append(f"event {event} has {len(choices or [])} choices (one expected)")
+                continue
+            ids, entries, finish = read_choice(choices[0], "choices[0]")
         except Unreadable as exc:
             problems.append(f"event {event}: {exc} (its chunk is not read)")
             continue
-        for ids, entries, finish in read:
-            token_ids += ids
-            content += entries
-            finish_reason = finish or finish_reason
+        problems += chunk_log_prob_problems(event, ids, entries)
+        token_ids += ids
+        content += entries
+        finishes += finish is not None
+        finish_reason = finish or finish_reason
     if prompt_ids is None:  # as the harness's StreamFailed: no prompt ids, no answer
         return None, "the stream carried no prompt_token_ids: was return_token_ids honoured?"
     answer: dict[str, Any] = {
@@ -531,7 +541,30 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
     }
     if not done:
         problems.append("the stream ended without [DONE]")
+    if finishes != 1:
+        problems.append(f"{finishes} finish_reason(s) (one expected)")
+    if not counted:
+        problems.append("no usage chunk (stream_options.include_usage was asked)")
+    elif counted[-1] != len(token_ids):
+        problems.append(
+            f"usage counts {counted[-1]} completion tokens, the stream carried "
+            f"{len(token_ids)} token ids"
+        )
     return answer, "; ".join(problems) or None
+
+
+def chunk_log_prob_problems(event: int, ids: list[int], entries: list[Any]) -> list[str]:
+    """A streamed chunk's log-probs must be one entry per id it carried, each of that id (as
+    the harness's stream reader requires; the drift rule reads them at a divergence)."""
+    if len(entries) != len(ids):
+        return [f"event {event}: {len(ids)} token id(s) but {len(entries)} log-prob entries"]
+    for index, (entry, token_id) in enumerate(zip(entries, ids)):
+        if str(entry["token"]) != f"token_id:{token_id}":
+            token = str(entry["token"]).partition(":")[2]
+            return [
+                f"event {event}: log-prob entry {index} is of token {token}, its id is {token_id}"
+            ]
+    return []
 
 
 @dataclass(frozen=True)
