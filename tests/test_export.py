@@ -972,6 +972,10 @@ def stream_without_usage(chunks: list[dict]) -> None:
     del chunks[-1]
 
 
+def stream_prompt_ids_later(chunks: list[dict]) -> None:
+    chunks[1]["prompt_token_ids"] = chunks[0].pop("prompt_token_ids")
+
+
 @pytest.mark.parametrize(
     "mangle, problem",
     [
@@ -980,8 +984,9 @@ def stream_without_usage(chunks: list[dict]) -> None:
         (stream_log_probs_of_another_id, "event 2: log-prob entry 0 is of token 8, its id is 7"),
         (stream_usage_of_other_ids, "usage counts 3 completion tokens, the stream carried 4"),
         (stream_without_usage, "no usage chunk"),
+        (stream_prompt_ids_later, "event 2 carries prompt_token_ids, not the first chunk"),
     ],
-    ids=["no-finish", "two-choices", "log-probs-of-another", "usage", "no-usage"],
+    ids=["no-finish", "two-choices", "log-probs-of-another", "usage", "no-usage", "prompt-later"],
 )
 def test_check_calls_a_stream_the_harness_finds_framed_wrong_a_difference(
     tmp_path: Path, monkeypatch, mangle, problem: str

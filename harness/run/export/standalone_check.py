@@ -467,13 +467,14 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
     of another shape than vLLM sends (a null choice, ids that are not integers, other than
     one choice), which is named by its event and not read, as the harness's reader does,
     log-probs not of a chunk's ids, other than one finish_reason, no usage chunk or one
-    counting other ids; (answer, None) for a whole one."""
+    counting other ids, prompt ids on another chunk than the first; (answer, None) for a whole one."""
     prompt_ids: list[int] | None = None
     token_ids: list[int] = []
     content: list[Any] = []
     finish_reason: str | None = None
     finishes = 0  # chunks that carried a finish_reason
     counted: list[Any] = []  # the usage chunks' completion_tokens
+    objects = 0  # events read as JSON objects: chunks
     problems: list[str] = []
     done = False
     event = 0
@@ -500,8 +501,14 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
             continue
         if "error" in chunk:
             return None, f"the stream reported an error: {json.dumps(chunk['error'])[:600]}"
+        objects += 1
         try:
             if chunk.get("prompt_token_ids") is not None:
+                if prompt_ids is not None:
+                    problems.append(f"event {event} carries prompt_token_ids again")
+                elif objects != 1:  # vLLM sends them on the first chunk alone
+                    problems.append(f"event {event} carries prompt_token_ids, not the first chunk")
+            if chunk.get("prompt_token_ids") is not None and prompt_ids is None:
                 try:
                     prompt_ids = integers(chunk["prompt_token_ids"], "prompt_token_ids")
                 except Unreadable as exc:
