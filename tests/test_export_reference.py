@@ -411,3 +411,39 @@ def test_an_expected_json_whose_noise_floor_is_no_measurement_is_refused_not_jud
     assert done.stderr.count("\n") == 1, done.stderr
     assert "noise_floor_nats" in done.stderr and str(path) in done.stderr
     assert "DRIFT" not in done.stdout and "MISMATCH" not in done.stdout
+
+
+def test_a_reference_answer_that_is_an_error_is_not_kept(tmp_path: Path, answering) -> None:
+    """An answer ended by an engine error (finish_reason "error": a KV load that failed) is an
+    ERROR, exit 2, and `--save-reference` kept it all the same, for `--reference` to judge the
+    case against a reference that never finished (found in review)."""
+    out = exact_export(tmp_path)
+    broken = {
+        **TIED,
+        "choices": [{**TIED["choices"][0], "finish_reason": "error"}],
+    }
+    state = out / "work/state"
+    state.mkdir(parents=True, exist_ok=True)
+    server = answering(broken)
+    (state / "endpoints.tsv").write_text(
+        f"mode\treference\nentry\t{server.url}\n"
+        f"instance\tprefill0\tprefill\t{server.url}\t{os.getpid()}\t{out}/none.log\n"
+    )
+    keep = out / "kept.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(out / "check.py"),
+            "--state",
+            str(state),
+            "--save-reference",
+            str(keep),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "ERROR" in done.stdout, done.stdout
+    assert not keep.exists(), f"an ERROR kept as the reference's answer: {keep.read_text()}"
+    assert "its answer is an ERROR, nothing kept" in done.stderr, done.stderr

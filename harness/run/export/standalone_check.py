@@ -1013,11 +1013,16 @@ def main(argv: list[str] | None = None) -> int:
         where = "monolithic vLLM" if expected.get("reference") == "baseline" else reference
         print(f"check.py: the expected ids {holds} on this machine's {where}")
         if args.save_reference:
-            kept = judged.response and reference_answer(
-                judged.response, expected["reference"], body
+            # An ERROR (an answer that did not finish, broken ids) is no reference answer:
+            # kept, `--reference` judged the case against it (found in review).
+            kept = (
+                verdict != "ERROR"
+                and judged.response
+                and reference_answer(judged.response, expected["reference"], body)
             )
             if not kept:
-                print(f"check.py: {reference} gave no ids to keep", file=sys.stderr)
+                why = "its answer is an ERROR" if verdict == "ERROR" else "it gave no ids"
+                print(f"check.py: {reference}: {why}, nothing kept", file=sys.stderr)
                 return EXIT_ERROR
             args.save_reference.write_text(json.dumps(kept) + "\n", encoding="utf-8")
             print(f"check.py: {reference}'s answer kept in {args.save_reference}")
