@@ -180,6 +180,26 @@ def test_a_swap_is_undone_before_a_later_request_reads_one_of_its_items(tmp_path
     assert not [p.name for p in path_a.parent.iterdir() if p != path_a], "temporary files left"
 
 
+def test_a_swap_narrowed_to_the_first_request_is_undone_or_refused(tmp_path: Path):
+    """`first_request_only` hands a later request's hook nothing, and the swap is put back by
+    that hook: the swapped files stayed for every later request with one of the items, the
+    fault acting beyond its request (found in review). Refused, or undone all the same."""
+    from harness.run.faults.planted import first_request_only
+
+    a = random_tensor(64, HIDDEN, seed=1, dtype=torch.bfloat16)
+    b = random_tensor(64, HIDDEN, seed=2, dtype=torch.bfloat16)
+    path_a = write_ec(tmp_path, HASH_A, a)
+    write_ec(tmp_path, HASH_B, b)
+    try:
+        fault = first_request_only(ec_swap_items(tmp_path))
+    except ValueError as refused:
+        assert "back when a later request" in str(refused), refused
+        return
+    fault.after_encode("req-1", {HASH_A: {}, HASH_B: {}})
+    fault.after_encode("req-2", {HASH_A: {}})  # a later request with image A
+    assert torch.equal(load_file(path_a)["ec_cache"], a), "req-2 read B's swapped-in embedding"
+
+
 def test_swap_items_refuses_unequal_shapes_and_single_items(tmp_path: Path):
     a = random_tensor(64, HIDDEN, seed=1)
     path_a = write_ec(tmp_path, HASH_A, a)

@@ -59,6 +59,14 @@ def ec_noise(ec_storage: Path, fraction: float, seed: int = 0) -> PlantedFault:
     return fault
 
 
+# Why the swap cannot act on one request alone (`first_request_only`).
+SWAP_PUT_BACK_BY_LATER_REQUESTS = (
+    "ec-swap-items puts a swapped file back when a later request reports its item, and "
+    "first_request_only runs no later request's hook: the swap would stay for every request "
+    "with one of the items"
+)
+
+
 def ec_swap_items(ec_storage: Path) -> PlantedFault:
     """After the encoders answered, the EC files of the request's items swap places.
 
@@ -74,7 +82,7 @@ def ec_swap_items(ec_storage: Path) -> PlantedFault:
     with one of the images may still get the swapped embedding from memory. Such a request,
     which the fault does not act on (one distinct item), is recorded as `outlived`.
     """
-    fault = PlantedFault()
+    fault = PlantedFault(not_one_request=SWAP_PUT_BACK_BY_LATER_REQUESTS)
     originals: dict[Path, bytes] = {}  # a swapped file's content before its first swap
     swapped: set[str] = set()  # the mm_hashes of every item swapped so far
 
