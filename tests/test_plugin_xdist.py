@@ -1,7 +1,10 @@
 """The pytest plugin under xdist (harness/testing/collection.py): a refusal made while a worker
-collects (pytest.UsageError) is the session's, shown as one line, as without xdist.
+collects (pytest.UsageError) is the session's, shown as one line, as without xdist; a worker
+that replaces a crashed one picks its ports from the crashed one's slice
+(harness/testing/worker_ports.py).
 
-Real xdist sessions over the repository's scenarios, collected only (nothing starts).
+Real xdist sessions over the repository's scenarios, collected only (nothing starts), and one
+over a test that crashes its worker.
 """
 
 from __future__ import annotations
@@ -130,3 +133,54 @@ def test_a_session_on_t4s_names_its_dtype_as_given(
         f"Interrupted: epd-harness: {asked} needs compute capability 8.0 or more" in done.stdout
     ), done.stdout[-3000:]
     assert "pass --epd-dtype float16" in done.stdout
+
+
+CRASHING_WORKER_CONFTEST = """
+import os
+from pathlib import Path
+
+pytest_plugins = ["harness.testing.worker_ports"]
+
+def pytest_sessionstart(session):
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:  # every worker, the one that replaces a crashed worker too
+        with Path(os.environ["SLICES_OUT"]).open("a") as out:
+            out.write(f"{worker} {os.environ['EPD_HARNESS_PORT_RANGE']}\\n")
+"""
+
+CRASHING_WORKER_TESTS = """
+import os
+from pathlib import Path
+
+def test_crashes_its_worker():
+    with Path(os.environ["SLICES_OUT"]).open("a") as out:
+        out.write(f"crashed {os.environ['PYTEST_XDIST_WORKER']}\\n")
+    os._exit(1)
+"""
+
+
+def test_a_worker_replacing_a_crashed_one_takes_its_slice(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """xdist replaces a crashed worker with one of a new id (gw2 of 2 workers): its slice was
+    the third of two, 30000-34999 past the job's 20000-29999 (another job's ports), and past
+    65535 after a few crashes. It takes the crashed worker's slice: within the range, apart
+    from the live worker's."""
+    from harness.environment import PORT_RANGE_ENV, parse_port_range
+
+    out = pytester.path / "slices.txt"
+    monkeypatch.setenv("SLICES_OUT", str(out))
+    monkeypatch.setenv(PORT_RANGE_ENV, "20000-29999")
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "EPD_HARNESS_PORT_SLICE_OF"):
+        monkeypatch.delenv(name, raising=False)
+    pytester.makeconftest(CRASHING_WORKER_CONFTEST)
+    pytester.makepyfile(test_crash=CRASHING_WORKER_TESTS)
+    pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider")
+    lines = [line.split() for line in out.read_text().splitlines()]
+    [crashed] = [worker for word, worker in lines if word == "crashed"]
+    slices = {word: parse_port_range(value) for word, value in lines if word != "crashed"}
+    assert set(slices) == {"gw0", "gw1", "gw2"}, lines  # gw2 replaced the crashed one
+    [alive] = {"gw0", "gw1"} - {crashed}
+    for worker, ports in slices.items():
+        assert ports.start >= 20000 and ports.stop <= 30000, (worker, ports)
+    assert not set(slices["gw2"]) & set(slices[alive]), slices
