@@ -1,7 +1,7 @@
 """The pytest plugin under xdist (harness/testing/collection.py): a refusal made while a worker
-collects (pytest.UsageError) is the session's, shown as one line, as without xdist; a worker
-that replaces a crashed one picks its ports from the crashed one's slice
-(harness/testing/worker_ports.py).
+collects (pytest.UsageError) is the session's, shown as one line, and what the workers deselect
+is listed, as without xdist; a worker that replaces a crashed one picks its ports from the
+crashed one's slice (harness/testing/worker_ports.py).
 
 Real xdist sessions over the repository's scenarios, collected only (nothing starts), and one
 over a test that crashes its worker.
@@ -184,3 +184,42 @@ def test_a_worker_replacing_a_crashed_one_takes_its_slice(
     for worker, ports in slices.items():
         assert ports.start >= 20000 and ports.stop <= 30000, (worker, ports)
     assert not set(slices["gw2"]) & set(slices[alive]), slices
+
+
+DESELECTING_CONFTEST = """
+pytest_plugins = ["harness.testing.plugin"]
+
+def pytest_addoption(parser):
+    parser.addoption("--epd-platform", default="cpu")
+    parser.addoption("--epd-kv-connector", default=None)
+"""
+
+NIXL_ONLY_TESTS = """
+import pytest
+
+@pytest.mark.e2e
+@pytest.mark.kv_connector("nixl")
+def test_nixl_only():
+    pass
+
+def test_pure_logic():
+    pass
+"""
+
+
+@pytest.mark.parametrize("workers", [(), ("-n", "2")])
+def test_a_deselection_is_listed_under_xdist_too(
+    pytester: pytest.Pytester, workers: tuple[str, ...]
+) -> None:
+    """Found in review: the workers collect and deselect under xdist, and the controller, which
+    prints the session's lines, collects nothing: an item of another KV connector was gone
+    without a line ("1 passed", not even "1 deselected"). The controller lists what its
+    workers deselected."""
+    pytester.makeconftest(DESELECTING_CONFTEST)
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    pytester.makepyfile(test_nixl=NIXL_ONLY_TESTS)
+    done = pytester.runpytest_subprocess(*workers, "-p", "no:cacheprovider")
+    done.assert_outcomes(passed=1)
+    out = done.stdout.str()
+    assert out.count("epd-harness: 1 test(s) deselected: they apply to another KV connector") == 1
+    assert out.count("  test_nixl.py::test_nixl_only (needs nixl)") == 1, out

@@ -45,6 +45,9 @@ PLATFORM_DESELECTED = pytest.StashKey[dict]()  # why -> the node ids deselected 
 # A scenario module lists the prompts its tests send (besides the sweep's) under this name.
 BASELINE_PROMPTS = "EPD_BASELINE_PROMPTS"
 WORKER_USAGE_ERROR = "epd_usage_error"  # how a worker hands its collection's refusal back
+WORKER_DESELECTED = "epd_deselected"  # how a worker hands its deselection lines back
+# On the xdist controller: each distinct list of deselection lines its workers handed back.
+WORKERS_DESELECTED_KEY = pytest.StashKey[dict]()
 
 # The xdist group of every e2e item on a platform whose instances share the host's cores.
 HOST_GROUP = "epd-host"
@@ -130,9 +133,13 @@ def pytest_collection(session: pytest.Session):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:  # xdist, on the controller
-    message = (getattr(node, "workeroutput", None) or {}).get(WORKER_USAGE_ERROR)
+    output = getattr(node, "workeroutput", None) or {}
+    message = output.get(WORKER_USAGE_ERROR)
     if message:
         raise pytest.UsageError(message)
+    lines = tuple(output.get(WORKER_DESELECTED) or ())
+    if lines:
+        node.config.stash.setdefault(WORKERS_DESELECTED_KEY, {})[lines] = None
 
 
 def shares_one_host(config: pytest.Config) -> bool:
@@ -208,6 +215,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             dropped.append(item)
     config.stash[KV_CONNECTOR_DESELECTED] = other_connector
     config.stash[PLATFORM_DESELECTED] = not_here
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:  # for the controller to list (`pytest_terminal_summary`)
+        workeroutput[WORKER_DESELECTED] = deselection_lines(config)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = [i for i in items if i not in dropped]
@@ -263,6 +273,11 @@ def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
     """Tests that do not apply to the session (another KV connector; on a GPU platform, the
     one-host Ray rehearsal; a command a test runs that a session option cannot reach) are
     deselected, never silently."""
+    return deselection_lines(config)
+
+
+def deselection_lines(config: pytest.Config) -> list[str]:
+    """The lines that list the tests this process's collection deselected, and why."""
     lines = []
     deselected = config.stash.get(KV_CONNECTOR_DESELECTED, [])
     if deselected:
@@ -277,6 +292,17 @@ def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
             *(f"  {node}" for node in nodes),
         ]
     return lines
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Under xdist, the deselections the workers listed: the controller collects nothing, and
+    the workers' collection lines are printed nowhere (found in review: an item of another KV
+    connector was gone from a `-n 2` session without a line). Every worker collects the same
+    items, so each distinct list is printed once."""
+    for lines in config.stash.get(WORKERS_DESELECTED_KEY, {}):
+        terminalreporter.section("EPD deselected")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 def baseline_prompts_of(modules) -> tuple:
