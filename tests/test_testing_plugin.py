@@ -763,3 +763,39 @@ def test_one_prompt_name_given_to_two_different_prompts_is_refused() -> None:
     clash_with_sweep = SimpleNamespace(__name__="scenarios.test_d", EPD_BASELINE_PROMPTS=(renamed,))
     with pytest.raises(pytest.UsageError, match="the sweep's own prompts"):
         baseline_prompts_of([clash_with_sweep])
+
+
+@pytest.mark.parametrize(
+    ("selection", "addopts", "refused"),
+    [
+        (("-k", "pure_logic"), "--epd-dtype float16", "--epd-dtype"),
+        (("-k", "pure_logic"), "--epd-topology=1P+1D", "--epd-topology"),
+        (("-k", "pure_logic or sweep_case"), "--epd-dtype float16", None),  # e2e: read
+    ],
+)
+def test_a_session_option_given_in_pytest_addopts_that_no_selected_test_reads_is_refused(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    selection: tuple[str, ...],
+    addopts: str,
+    refused: str | None,
+) -> None:
+    """Found in review: only the command line's own arguments were read, so a flag given in
+    $PYTEST_ADDOPTS (a job's setting) that no selected test reads changed nothing, and the
+    session was green all the same (every e2e item dropped by an `--epd-topology` there)."""
+    import os
+
+    pytester.makeconftest(
+        CONFTEST
+        + '    parser.addoption("--epd-dtype", default=None)\n'
+        + '    parser.addoption("--epd-topology", default=None)\n'
+    )
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    pytester.makepyfile(test_options=UNREAD_OPTIONS)
+    monkeypatch.setenv("PYTEST_ADDOPTS", f"{os.environ.get('PYTEST_ADDOPTS', '')} {addopts}")
+    run = pytester.runpytest("--collect-only", "-p", "no:cacheprovider", *selection)
+    if refused is None:
+        assert run.ret == pytest.ExitCode.OK, run.stdout.str() + run.stderr.str()
+        return
+    assert run.ret == pytest.ExitCode.USAGE_ERROR, run.stdout.str()
+    run.stderr.fnmatch_lines([f"ERROR: {refused}: no selected test reads it*"])

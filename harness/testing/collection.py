@@ -261,12 +261,27 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if any("epd_config" in getattr(item, "fixturenames", ()) for item in session.items):
         # Once, before any item: a bad value failed every e2e item, each with the same error.
         check_session_options(config.getoption)
-    given = given_on_the_command_line(config.invocation_params.args)
-    source = config.getoption(OPTION, None) if given else None
+    args = given_arguments(config)
+    source = config.getoption(OPTION, None) if given_on_the_command_line(args) else None
     why = refusal(source, config.getoption("--epd-proxy", None), session.items)
-    why = why or unread_option_refusal(config.invocation_params.args, session.items)
+    why = why or unread_option_refusal(args, session.items)
     if why:
         raise pytest.UsageError(why)
+
+
+def given_arguments(config: pytest.Config) -> list[str]:
+    """The arguments the session was given, as pytest parses them: the ini's `addopts`,
+    $PYTEST_ADDOPTS, then the command line's own. Found in review: only the command line's
+    were read, so an `--epd-*` flag in $PYTEST_ADDOPTS that no selected test reads was never
+    refused (every e2e item dropped by its `--epd-topology`, the session green)."""
+    import os
+    import shlex
+
+    return [
+        *config.getini("addopts"),
+        *shlex.split(os.environ.get("PYTEST_ADDOPTS", "")),
+        *config.invocation_params.args,
+    ]
 
 
 def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
