@@ -799,3 +799,34 @@ def test_a_session_option_given_in_pytest_addopts_that_no_selected_test_reads_is
         return
     assert run.ret == pytest.ExitCode.USAGE_ERROR, run.stdout.str()
     run.stderr.fnmatch_lines([f"ERROR: {refused}: no selected test reads it*"])
+
+
+ACCOUNT_TEST = """
+import json
+from pathlib import Path
+
+def test_writes_the_starts(request):
+    root = Path(request.config.getoption("--epd-run-dir"))
+    start = [{"topology": "1E+1PD", "reason": "first use", "seconds": 12.0}]
+    for run_dir in (root / "gw0", root / "gw0" / "planted-corrupt-ec"):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "topology-starts.json").write_text(json.dumps(start))
+"""
+
+
+def test_the_starts_of_a_run_of_its_own_are_not_counted_as_the_sessions(
+    pytester: pytest.Pytester,
+) -> None:
+    """Found in review: the account summed every `topology-starts.json` under the run root,
+    the runs an `own_instances` item's `epd-harness run` wrote there too (scenarios/
+    test_repro.py's planted-corrupt-ec): "topology starts: 2 for 1 distinct", 1E+1PD started
+    twice, each a first use, as if the session's pool had started it again with no reason.
+    The session's pools' starts are counted; a run of its own's are listed as its."""
+    pytester.makeconftest(CONFTEST + '    parser.addoption("--epd-run-dir", default=None)\n')
+    pytester.makepyfile(test_account=ACCOUNT_TEST)
+    run = pytester.runpytest("-p", "no:cacheprovider", "--epd-run-dir", str(pytester.path / "run"))
+    run.assert_outcomes(passed=1)
+    out = run.stdout.str()
+    assert "topology starts: 1 for 1 distinct (topology, connectors)" in out, out
+    assert "  1E+1PD: first use (12.0s)" in out, out
+    run.stdout.fnmatch_lines(["*gw0/planted-corrupt-ec*1E+1PD: first use (12.0s)*"])

@@ -104,13 +104,32 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     terminalreporter.section("EPD instance starts")
     for lines in sorted(root.glob(f"**/{INSTANCE_STARTS_FILE}")):
         terminalreporter.write_line(lines.read_text().rstrip())
-    starts = [start for path in files for start in json.loads(path.read_text())]
+    pools = [path for path in files if is_a_session_pools(root, path.parent)]
+    starts = [start for path in pools for start in json.loads(path.read_text())]
     distinct = {start["topology"] for start in starts}
     terminalreporter.section("EPD topology starts")
     terminalreporter.write_line(
         f"topology starts: {len(starts)} for {len(distinct)} distinct (topology, connectors)"
     )
     for start in starts:
-        took = "did not come up" if start["seconds"] is None else f"{start['seconds']:.1f}s"
-        terminalreporter.write_line(f"  {start['topology']}: {start['reason']} ({took})")
+        terminalreporter.write_line(f"  {describe_start(start)}")
+    for path in files:
+        if path not in pools:  # an `epd-harness` command a test ran, with a pool of its own
+            where = path.parent.relative_to(root)
+            for start in json.loads(path.read_text()):
+                terminalreporter.write_line(f"  in its own run {where}: {describe_start(start)}")
     terminalreporter.write_line(f"artifacts: {root}")
+
+
+def is_a_session_pools(root: Path, run_dir: Path) -> bool:
+    """Whether `run_dir` is where one of the session's pools wrote its starts: the run root,
+    or an xdist worker's directory in it (`epd_pool`). Found in review: the account summed
+    every `topology-starts.json` under the root, the runs an `own_instances` item's
+    `epd-harness run` wrote there too, so a topology it started counted as the session's
+    pool starting it again, each a "first use" ("2 for 1 distinct")."""
+    return run_dir == root or (run_dir.parent == root and run_dir.name.startswith("gw"))
+
+
+def describe_start(start: dict) -> str:
+    took = "did not come up" if start["seconds"] is None else f"{start['seconds']:.1f}s"
+    return f"{start['topology']}: {start['reason']} ({took})"
