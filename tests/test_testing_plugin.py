@@ -658,6 +658,25 @@ def test_a_vllm_source_that_no_selected_test_reads_is_refused(
     assert pytester.runpytest(*options).ret == pytest.ExitCode.OK, "without the flag: as before"
 
 
+def make_options_session(pytester: pytest.Pytester, *options: str) -> None:
+    """A session whose conftest declares `options` (each defaulting to None), with an e2e
+    test and a unit test (UNREAD_OPTIONS) to select from."""
+    pytester.makeconftest(
+        CONFTEST + "".join(f'    parser.addoption("{name}", default=None)\n' for name in options)
+    )
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    pytester.makepyfile(test_options=UNREAD_OPTIONS)
+
+
+def assert_refused_or_ok(run: pytest.RunResult, refused: str | None) -> None:
+    """`run` collected (refused None), or was refused for the option `refused` names."""
+    if refused is None:
+        assert run.ret == pytest.ExitCode.OK, run.stdout.str() + run.stderr.str()
+        return
+    assert run.ret == pytest.ExitCode.USAGE_ERROR, run.stdout.str()
+    run.stderr.fnmatch_lines([f"ERROR: {refused}: no selected test reads it*"])
+
+
 UNREAD_OPTIONS = """
 import pytest
 
@@ -694,21 +713,11 @@ def test_a_session_option_that_no_selected_test_reads_is_refused(
     `--epd-*` options configure what the e2e tests serve, and none was selected. A flag nothing
     selected reads is refused at collection, naming it (a flag a code path ignores is refused,
     never dropped)."""
-    pytester.makeconftest(
-        CONFTEST
-        + '    parser.addoption("--epd-dtype", default=None)\n'
-        + '    parser.addoption("--epd-topology", default=None)\n'
-        + '    parser.addoption("--epd-run-dir", default=None)\n'
-    )
-    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
-    pytester.makepyfile(test_options=UNREAD_OPTIONS)
+    make_options_session(pytester, "--epd-dtype", "--epd-topology", "--epd-run-dir")
     run = pytester.runpytest("--collect-only", "-p", "no:cacheprovider", *selection)
-    if refused is None:
-        assert run.ret == pytest.ExitCode.OK, run.stdout.str() + run.stderr.str()
-        return
-    assert run.ret == pytest.ExitCode.USAGE_ERROR, run.stdout.str()
-    run.stderr.fnmatch_lines([f"ERROR: {refused}: no selected test reads it*"])
-    assert len(run.stderr.str().strip().splitlines()) == 1, run.stderr.str()
+    assert_refused_or_ok(run, refused)
+    if refused is not None:
+        assert len(run.stderr.str().strip().splitlines()) == 1, run.stderr.str()
 
 
 def listed_after_what_they_import(modules: list[str]) -> list[str]:
@@ -785,20 +794,10 @@ def test_a_session_option_given_in_pytest_addopts_that_no_selected_test_reads_is
     session was green all the same (every e2e item dropped by an `--epd-topology` there)."""
     import os
 
-    pytester.makeconftest(
-        CONFTEST
-        + '    parser.addoption("--epd-dtype", default=None)\n'
-        + '    parser.addoption("--epd-topology", default=None)\n'
-    )
-    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
-    pytester.makepyfile(test_options=UNREAD_OPTIONS)
+    make_options_session(pytester, "--epd-dtype", "--epd-topology")
     monkeypatch.setenv("PYTEST_ADDOPTS", f"{os.environ.get('PYTEST_ADDOPTS', '')} {addopts}")
     run = pytester.runpytest("--collect-only", "-p", "no:cacheprovider", *selection)
-    if refused is None:
-        assert run.ret == pytest.ExitCode.OK, run.stdout.str() + run.stderr.str()
-        return
-    assert run.ret == pytest.ExitCode.USAGE_ERROR, run.stdout.str()
-    run.stderr.fnmatch_lines([f"ERROR: {refused}: no selected test reads it*"])
+    assert_refused_or_ok(run, refused)
 
 
 ACCOUNT_TEST = """
