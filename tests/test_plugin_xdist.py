@@ -164,8 +164,9 @@ def test_a_worker_replacing_a_crashed_one_takes_its_slice(
 ) -> None:
     """xdist replaces a crashed worker with one of a new id (gw2 of 2 workers): its slice was
     the third of two, 30000-34999 past the job's 20000-29999 (another job's ports), and past
-    65535 after a few crashes. It takes the crashed worker's slice: within the range, apart
-    from the live worker's."""
+    65535 after a few crashes. It takes the lowest slice no live worker holds: the crashed
+    one's, or the other's if that one had finished meanwhile (seen in a fresh-clone CI run:
+    gw0, with nothing to run, was down before gw2 started), always one of the job's slices."""
     from harness.environment import PORT_RANGE_ENV, parse_port_range
 
     out = pytester.path / "slices.txt"
@@ -183,7 +184,7 @@ def test_a_worker_replacing_a_crashed_one_takes_its_slice(
     [alive] = {"gw0", "gw1"} - {crashed}
     for worker, ports in slices.items():
         assert ports.start >= 20000 and ports.stop <= 30000, (worker, ports)
-    assert not set(slices["gw2"]) & set(slices[alive]), slices
+    assert slices["gw2"] in (slices[crashed], slices[alive]), slices
 
 
 DESELECTING_CONFTEST = """
