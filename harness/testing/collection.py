@@ -20,6 +20,9 @@ registered (`pytest_configure`).
 
 from __future__ import annotations
 
+import os
+import shlex
+
 import pytest
 
 from harness.testing.before_stop import (
@@ -274,9 +277,6 @@ def given_arguments(config: pytest.Config) -> list[str]:
     $PYTEST_ADDOPTS, then the command line's own. Found in review: only the command line's
     were read, so an `--epd-*` flag in $PYTEST_ADDOPTS that no selected test reads was never
     refused (every e2e item dropped by its `--epd-topology`, the session green)."""
-    import os
-    import shlex
-
     return [
         *config.getini("addopts"),
         *shlex.split(os.environ.get("PYTEST_ADDOPTS", "")),
