@@ -291,6 +291,14 @@ def bound_problems(resources: ResourceHistory, bounds: SoakBounds) -> list[str]:
         )
     else:
         warm = resources.instance_growth(after_first=True)
+        # Samples without an instance (an attached deployment's processes are not the
+        # harness's) leave the loop below nothing to hold: a bound never read is not held
+        # (found in review: such a soak passed).
+        if not warm:
+            problems.append(
+                "RSS and open files were not measured: no instance's processes were sampled "
+                "(an attached deployment's are not the harness's to read)"
+            )
     for name, figures in warm.items():
         rss, fds = figures["rss_bytes"], figures["open_fds"]
         if rss.change > bounds.rss_growth_bytes:
