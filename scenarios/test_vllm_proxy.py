@@ -118,9 +118,15 @@ def assert_matches_with_transfers_seen_at_the_taps(sweep, topology: str, prompt:
         ec = record.guards.get("encoder_output")
         assert ec and ec["ok"] and "seen at the taps" in ec["evidence"], record.guards
         assert record.guards["consumer_embeds"]["ok"], record.guards
+    # This very answer came through vLLM's proxy: the harness's keeps a trace of every request
+    # it serves, vLLM's none. (A proxy command file alone could be another module's: the
+    # streamed sweeps start vLLM's proxy on the same sessions.)
+    outcome = sweep.observed[topology][prompt].outcome
+    assert outcome.trace is None, f"the harness's proxy served {topology} / {prompt}"
     # vLLM's proxy runs beside the topology's instances, in its session's directory.
     root = sweep.pool.settings.run_dir
-    return [json.loads(p.read_text()) for p in root.rglob("*vllm-proxy*.cmd.json")]
+    commands = [json.loads(p.read_text()) for p in root.rglob("*vllm-proxy*.cmd.json")]
+    return [c for c in commands if c["name"].startswith(f"{topology}/vllm-proxy")]
 
 
 @pytest.mark.parametrize("topology,prompt", list(case_params()))
@@ -128,8 +134,9 @@ def test_vllm_proxy_matches_with_transfers_seen_at_the_taps(
     vllm_proxy_sweep, topology: str, prompt: str
 ) -> None:
     commands = assert_matches_with_transfers_seen_at_the_taps(vllm_proxy_sweep, topology, prompt)
-    # The proxy that served was vLLM's own, not the harness's.
-    argv = [command["argv"] for command in commands]
+    # The proxy that served was vLLM's own, not the harness's: its EPD proxy, statically
+    # registered (the dynamic one is another test's).
+    argv = [command["argv"] for command in commands if command["name"] == f"{topology}/vllm-proxy"]
     assert any(any(arg.endswith(EPD_PROXY_NAME) for arg in a) for a in argv), argv
 
 
