@@ -118,6 +118,10 @@ def test_streamed_answers_match_and_are_framed(
     records = streamed_sweeps[proxy].judge(topology, prompt)
     failures = [r for r in records if not r.policy_passed]
     assert not failures, "\n\n".join(format_failure(r) for r in failures)
+    # The proxy named served: the harness's keeps a trace of every request, vLLM's none (the
+    # harness cases once kept vLLM's proxy and passed for the harness's streaming).
+    outcome = streamed_sweeps[proxy].observed[topology][prompt].outcome
+    assert (outcome.trace is not None) == (proxy == "harness"), f"{proxy}'s proxy did not serve"
     toy_proxy = proxy == "vllm" and not TOPOLOGIES[topology].encoders
     for record in records:
         if toy_proxy:  # declared (harness.run.judging.TOY_PROXY_JSON_STREAM), and so it failed
