@@ -228,6 +228,21 @@ def test_every_instance_is_registered_and_read_back(admin_api: str) -> None:
     assert roster["decode"]["live"] == ["http://127.0.0.1:3"]
 
 
+def test_registration_goes_straight_to_the_proxy_whatever_http_proxy_says(
+    admin_api: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The proxy listens on loopback; a CI runner's HTTP_PROXY must not relay its admin calls
+    (as every other loopback request of the harness goes: `harness.serve.launch`). Found in
+    review: registration went to the environment's proxy and failed there."""
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # discard: nothing listens there
+    wanted = registrations(["http://127.0.0.1:1"], [], ["http://127.0.0.1:3"])
+    roster = register_instances(admin_api, FakeAdminApi.key, wanted)
+    assert roster["encode"]["live"] == ["http://127.0.0.1:1"], roster
+
+
 def test_a_refused_registration_names_the_instance(admin_api: str) -> None:
     with pytest.raises(RuntimeError, match=r"refused to register encode http://127.0.0.1:1: 403"):
         register_instances(admin_api, "wrong-key", [Registration("encode", "http://127.0.0.1:1")])

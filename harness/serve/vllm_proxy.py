@@ -28,6 +28,10 @@ INSTANCES_PATH = "/instances"
 REGISTRATION_TIMEOUT_S = 10.0
 # --prefill-servers-urls for E+PD: upstream's spelling (every release's proxy also takes "none").
 NO_PREFILL = "disable"
+# The proxy listens on loopback: its admin calls go straight to it, never through the
+# environment's HTTP(S)_PROXY (a CI runner's would relay them and fail), as every other
+# loopback request of the harness does (`harness.serve.launch`).
+_DIRECT_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 @dataclass(frozen=True)
@@ -137,14 +141,14 @@ def register_instances(
             headers={"Content-Type": "application/json", ADMIN_KEY_HEADER: admin_key},
         )
         try:
-            with urllib.request.urlopen(request, timeout=REGISTRATION_TIMEOUT_S) as answer:
+            with _DIRECT_OPENER.open(request, timeout=REGISTRATION_TIMEOUT_S) as answer:
                 answer.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:300]
             raise RuntimeError(
                 f"vLLM's proxy refused to register {item.role} {item.url}: {exc.code} {detail}"
             ) from exc
-    with urllib.request.urlopen(
+    with _DIRECT_OPENER.open(
         f"{proxy_url}{INSTANCES_PATH}", timeout=REGISTRATION_TIMEOUT_S
     ) as answer:
         roster = json.loads(answer.read())
