@@ -52,7 +52,16 @@ def test_nixl_1p1d_matches_with_the_whole_prompt_transferred(nixl_topology) -> N
 
 
 def test_misrouted_nixl_blocks_are_a_mismatch(nixl_topology) -> None:
+    """A MISMATCH under the fault shows it caught only if this very prompt passes under NIXL
+    without it (as scenarios/test_self_test.py's corrupted EC files): the sweep judges it under
+    the session's connector, not NIXL. Each request has a cache salt of its own, so the
+    control leaves nothing in P's or D's prefix cache for the faulted one."""
     live = nixl_topology
+    control = judged(live, live.send(FAULT_PROMPT))
+    assert passed_proven(control), (
+        "the prompt must pass under NIXL without the fault, or its MISMATCH with the fault "
+        "proves nothing about the fault:\n" + format_failure(control)
+    )
     fault = fault_for(
         "zero-kv", None, live.session.kv_storage, live.session.settings.serving.kv_connector
     )
