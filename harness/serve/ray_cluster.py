@@ -108,8 +108,10 @@ class Netns:
                     log_path=self.work_dir / f"netns-{name}.log",
                 )
             )
-            holder.start()
+            # Listed before its start: a start can raise after the spawn (a Ctrl-C held back
+            # during it), and `remove` stops only the holders listed here.
             self.holders.append(holder)
+            holder.start()
         deadline = time.monotonic() + 10.0
         while not all(self._in_own_netns(h) for h in self.holders):
             for holder in self.holders:
