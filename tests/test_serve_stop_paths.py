@@ -95,7 +95,7 @@ def test_a_stop_retried_after_the_leader_was_reaped_signals_no_group(tmp_path, m
     with pytest.raises(KeyboardInterrupt):
         server.stop()
     assert len(signalled) == 1
-    server.stop(0.0)  # what _stop_through_interrupts does next
+    server.stop(0.0)  # what stop_through_interrupts does next
     assert len(signalled) == 1, f"the reaped leader's group was signalled again: {signalled}"
     assert lease.releases == 2
     server.stop()

@@ -49,6 +49,7 @@ from harness.errors import HarnessError
 from harness.serve.launch import ManagedServer, ServerDied
 from harness.serve.ports import PortLease, reserve_ports
 from harness.serve.server_command import ServerCommand
+from harness.serve.server_group import stop_through_interrupts
 from harness.serve.signal_handlers import install_signal_handlers
 
 REHEARSAL_ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
@@ -133,12 +134,15 @@ class Netns:
             self._run(hub, IP, "link", "set", peer, "master", "br0")
             self._run(hub, IP, "link", "set", peer, "up")
 
-    def remove(self) -> list[str]:
-        """Stop the holders: each namespace goes with its last process. Returns failures."""
+    def remove(self, interrupts: list[BaseException]) -> list[str]:
+        """Stop the holders: each namespace goes with its last process. Returns failures; an
+        interrupt in a stop is added to `interrupts` and the stop retried (the others still
+        stop)."""
         failed = []
         for holder in reversed(self.holders):
             try:
-                holder.stop(1.0)
+                if not stop_through_interrupts(holder, 1.0, interrupts):
+                    failed.append(f"{holder.name} may still run: each of its stops was interrupted")
             except Exception as exc:  # noqa: BLE001 - the others must still stop
                 failed.append(str(exc))
         self.holders = []
@@ -317,21 +321,31 @@ class LocalRayCluster:
 
     def stop(self) -> None:
         """Stop every node (workers first, the head last), release their ports, remove the
-        namespaces and the temp directory. Every step runs even if one fails."""
+        namespaces and the temp directory. Every step runs even if one fails, or a Ctrl-C lands
+        in it (that stop is retried without grace, as `ServerGroup.stop_all` does; the
+        interrupt is raised at the end)."""
         failures: list[str] = []
+        interrupts: list[BaseException] = []
         self.sample()
         for node in reversed(self.nodes):
             try:
-                node.server.stop(NODE_STOP_GRACE_S)
+                if not stop_through_interrupts(node.server, NODE_STOP_GRACE_S, interrupts):
+                    failures.append(
+                        f"Ray node {node.address} may still run: each of its stops was interrupted"
+                    )
             except Exception as exc:  # noqa: BLE001 - the other nodes must still stop
                 failures.append(str(exc))
             for lease in node.leases:
                 lease.release()
         self.nodes = []
         if self.netns is not None:
-            failures += self.netns.remove()
+            failures += self.netns.remove(interrupts)
         for temp_dir in self.temp_dirs:
             shutil.rmtree(temp_dir, ignore_errors=True)
+        if interrupts:
+            for failure in failures:
+                interrupts[0].add_note(f"stopping the rehearsal cluster: {failure}")
+            raise interrupts[0]
         if failures:
             raise ClusterError("stopping the rehearsal cluster: " + "; ".join(failures))
 

@@ -124,7 +124,7 @@ class ServerGroup:
         for server in [*spawned, *unspawned]:
             was_started = server.pid is not None
             try:
-                stopped = _stop_through_interrupts(server, grace_s, failures)
+                stopped = stop_through_interrupts(server, grace_s, failures)
             except Exception as exc:
                 failures.append(exc)
                 continue
@@ -175,7 +175,7 @@ class ServerGroup:
 STOP_RETRIES_AFTER_INTERRUPT = 3
 
 
-def _stop_through_interrupts(
+def stop_through_interrupts(
     server: ManagedServer, grace_s: float, interrupts: list[BaseException]
 ) -> bool:
     """`server.stop(grace_s)`; an interrupt in it is recorded in `interrupts` and the stop
