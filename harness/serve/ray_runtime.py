@@ -102,13 +102,16 @@ class RayRuntime:
             )
 
     def close(self) -> None:
-        """Disconnect, then stop the rehearsal cluster if this harness started it."""
+        """Disconnect, then stop the rehearsal cluster if this harness started it (also when
+        the disconnect raised: the cluster is forgotten here, so nothing else would)."""
         cluster, self.cluster = self.cluster, None
         self.address = None
-        if ray.is_initialized():
-            ray.shutdown()
-        if cluster is not None:
-            cluster.stop()
+        try:
+            if ray.is_initialized():
+                ray.shutdown()
+        finally:
+            if cluster is not None:
+                cluster.stop()
 
 
 _RUNTIME = RayRuntime()
