@@ -302,6 +302,11 @@ class LocalRayCluster:
             if node.server.is_alive():
                 node.server.peak_rss_bytes()
 
+    def check_alive(self) -> None:
+        """Raise ServerDied, with its log tail, for the first node that is no longer running."""
+        for node in self.nodes:
+            node.server.check_alive()
+
     def memory_bytes(self) -> dict[str, int]:
         """Summed RSS of each node's process tree now (workers, agents and what they run
         included; pages shared between processes count once per process)."""
@@ -436,7 +441,8 @@ def private_mount(directory: str, argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`up`: start a rehearsal cluster, print how to use it, wait for SIGINT / SIGTERM, stop it.
+    """`up`: start a rehearsal cluster, print how to use it, wait for SIGINT / SIGTERM or a
+    node's death, stop it.
     `private-mount DIR -- ARGV...`: how a node of a cluster with `private_dir` starts."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["private-mount"] and "--" in argv:
@@ -462,8 +468,9 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.ready_file).write_text(
                 f"{cluster.address}\n{prefix}\n{cluster.instance_nodes}\n", encoding="utf-8"
             )
-        while True:
+        while True:  # a node that dies ends `up` at once, with its log tail
             time.sleep(1)
+            cluster.check_alive()
             cluster.sample()
     except KeyboardInterrupt:
         return 0
