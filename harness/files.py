@@ -131,3 +131,22 @@ def remove_if_empty(path: Path) -> None:
         path.rmdir()
     except OSError:
         pass
+
+
+def open_lock_file(path: Path | str) -> int:
+    """A read-only descriptor on the lock file `path`, created (mode 0666 less the umask) when
+    missing: flock needs no write access, and a lock file in a shared directory is often
+    another user's (flock(1)'s /tmp/epd-vllm.lock, a port lock another user's run made), which
+    a user who is not its owner may not open for writing, nor, in a sticky world-writable
+    directory under fs.protected_regular, open with O_CREAT at all. So an existing file is
+    opened without O_CREAT, and a missing one is created exclusively (O_EXCL), retrying the
+    plain open when another process made it first."""
+    while True:
+        try:
+            return os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            pass
+        try:
+            return os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue

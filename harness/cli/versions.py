@@ -42,7 +42,7 @@ from harness.cli.releases import (
 from harness.cli.serving_options import add_dtype_option
 from harness.environment import cache_dir
 from harness.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, HarnessError
-from harness.files import fresh_run_dir, write_json_atomic, write_text_atomic
+from harness.files import fresh_run_dir, open_lock_file, write_json_atomic, write_text_atomic
 from harness.preflight import RunRequest, names
 from harness.preflight.config import check_arguments, golden_release
 from harness.preflight.dtype import dtype_or_default
@@ -196,7 +196,7 @@ def wait_for_lock(lock_file: str, on_wait: Callable[[], None] = lambda: None) ->
     holds, so it serialises with every other vLLM job on the host), and the seconds waited.
     Taken here rather than by wrapping the run in flock(1), so the sweep's time excludes the
     wait for other jobs. `on_wait` is called only when another job holds the lock."""
-    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_lock_file(lock_file)
     started = time.monotonic()
     try:
         try:

@@ -24,6 +24,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.errors import BadInput
-from harness.files import write_text_atomic
+from harness.files import open_lock_file, write_text_atomic
 from harness.preflight.package_index import pip_indexes, project_files, safe_url
 from harness.preflight.vllm import interpreter_of
 from harness.serve.vllm_proxy import DYNAMIC_REGISTRATION_FLAG, EPD_PROXY_FILE, TOY_PROXY_FILE
@@ -263,12 +264,15 @@ def cached_or_fetched(
     # both found nothing, and the second copy into the directory failed: one fetches, the
     # other waits for it and reads the cache.
     directory.parent.mkdir(parents=True, exist_ok=True)
-    with open(directory.parent / f".{release}.lock", "w") as lock:
+    lock = open_lock_file(directory.parent / f".{release}.lock")
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         cached = _cached(directory)
         if cached is not None:
             return cached
         return _fetch(release, directory, interpreter)
+    finally:
+        os.close(lock)  # closing the only descriptor drops the flock
 
 
 def _fetch(release: str, directory: Path, interpreter: list[str] | None) -> ProxyFiles:

@@ -40,6 +40,7 @@ from pathlib import Path
 from harness.environment import LOOPBACK_HOST, port_lock_dir
 from harness.environment import port_range as configured_port_range
 from harness.errors import HarnessError
+from harness.files import open_lock_file
 from harness.serve.device_wants import marked_as_wanted
 
 
@@ -185,7 +186,7 @@ def _lock_port(lock_path: Path) -> int | None:
     this process is refused just like one from another process. The descriptor is close-on-exec
     (Python's default), so spawned servers do not inherit the lock and keep it past the harness.
     """
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    fd = open_lock_file(lock_path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -280,7 +281,7 @@ def devices_free(kind: str, devices: set[int], lock_dir: Path | None = None) -> 
 
 def _wait_until_free(lock_path: Path) -> None:
     """Block until nobody holds `lock_path`'s lock (taking it, then letting it go at once)."""
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    fd = open_lock_file(lock_path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
     finally:
