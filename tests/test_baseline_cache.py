@@ -679,3 +679,27 @@ def test_an_answer_whose_batched_pass_got_no_answer_is_not_stored_as_batched(
     assert warm.missing() == ["sweep"], "an entry the batched pass never measured stood in"
     warm.answer_on(NoisyWhenBatched())  # type: ignore[arg-type]
     assert warm.noise_floor == pytest.approx(0.05)
+
+
+def test_a_file_media_replaced_in_place_changes_the_baseline_and_golden_keys(
+    tmp_path: Path,
+) -> None:
+    """A file:// URL names media, it is not the media: a --media-dir whose file was replaced
+    under the same name (another video) must not reuse the old file's baseline or golden."""
+    image = tmp_path / "cat.png"
+    image.write_bytes(b"first image")
+    body = {
+        **BODY,
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": f"file://{image}"}}],
+            }
+        ],
+    }
+    before = baseline_key(SERVED, SERVING, "d", body, launch=LAUNCH)
+    golden_before = golden_key(SERVING, "d", body, LAUNCH)
+    assert before == baseline_key(SERVED, SERVING, "d", body, launch=LAUNCH)
+    image.write_bytes(b"another image")
+    assert baseline_key(SERVED, SERVING, "d", body, launch=LAUNCH) != before
+    assert golden_key(SERVING, "d", body, LAUNCH) != golden_before

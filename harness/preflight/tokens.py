@@ -21,6 +21,7 @@ from typing import Any
 from harness.errors import BadInput
 from harness.preflight.files import one_line
 from harness.spec import video_sampling
+from harness.spec.file_media import file_urls
 from harness.spec.prompts import PromptSpec, requested_tokens
 
 # A video sent as its frames: `data:video/jpeg;base64,<frame>,<frame>,...` (VideoFramesPart).
@@ -176,24 +177,13 @@ def _token_count_key(model_dir: Path, body: dict[str, Any]) -> str:
     digest.update(json.dumps(body, sort_keys=True).encode())
     # A file:// URL names media, it is not the media: the file may be replaced in place (a
     # --media-dir of the same names, another video), so its bytes enter the key, not its URL.
-    for url in sorted(_file_urls(body)):
+    for url in sorted(file_urls(body)):
         digest.update(url.encode() + b"\0")
         try:
             digest.update(hashlib.sha256(Path(url[len("file://") :]).read_bytes()).digest())
         except OSError:
             digest.update(b"unreadable")  # counting it fails with its own clear line
     return digest.hexdigest()
-
-
-def _file_urls(value: Any) -> set[str]:
-    """Every file:// URL anywhere in a request body (media parts, at any depth)."""
-    if isinstance(value, str):
-        return {value} if value.startswith("file://") else set()
-    if isinstance(value, Mapping):
-        return {url for item in value.values() for url in _file_urls(item)}
-    if isinstance(value, list | tuple):
-        return {url for item in value for url in _file_urls(item)}
-    return set()
 
 
 def _cached_count(cache_dir: Path | None, key: str) -> int | None:

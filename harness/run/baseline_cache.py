@@ -34,6 +34,7 @@ from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
 from harness.run.baseline_launch import NUMERICS_NEUTRAL_FIELDS, BaselineLaunch
 from harness.serve import client
+from harness.spec.file_media import file_media_digests
 from harness.spec.settings import ServedVllm
 from harness.spec.topology import ServingConfig
 
@@ -66,7 +67,7 @@ def baseline_key(
     """The cache key: the *served* vLLM and torch versions (never the harness's own), the
     model's content, every numerics-relevant flag, how the baseline is launched (its argv,
     the environment it gets and inherits, the device: `harness.run.baseline_launch`) and the
-    request body."""
+    request body, with the bytes of each file:// medium it names."""
     if not served.known:
         raise ValueError("a baseline of an unknown vLLM version cannot be cached")
     if served.cache_refusal is not None:
@@ -90,6 +91,9 @@ def baseline_key(
         "answer_parser": answer_parser_digest(),
         "request": body,
     }
+    media_files = file_media_digests(body)
+    if media_files:  # the file's bytes, not only its name (a key without files stays as it was)
+        material["media_files"] = media_files
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 

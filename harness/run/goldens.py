@@ -46,6 +46,7 @@ from harness.files import write_json_atomic
 from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
 from harness.run.baseline_launch import NUMERICS_NEUTRAL_FIELDS, BaselineLaunch
+from harness.spec.file_media import file_media_digests
 from harness.spec.generations import parse_version
 from harness.spec.settings import ServedVllm
 from harness.spec.topology import DEFAULT_DTYPE, ServingConfig
@@ -78,6 +79,9 @@ def golden_key(
         "env": dict(launch.env),
         "device": launch.device,
     }
+    media_files = file_media_digests(body)
+    if media_files:  # as in the baseline cache's key: the file's bytes, not only its name
+        material["media_files"] = media_files
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 
