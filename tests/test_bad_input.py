@@ -1590,6 +1590,21 @@ def test_load_kill_of_an_attached_deployment(epd_cli, tmp_path: Path, attach_fil
     )
 
 
+def test_load_soak_of_an_attached_deployment(epd_cli, tmp_path: Path, attach_file: Path) -> None:
+    """An attached soak ran its whole --duration and then failed on RSS and open-file bounds
+    it could never read (an attached deployment's processes are not the harness's)."""
+    hidden = ("--model", tmp_path / "no-model", "--run-dir", tmp_path / "r")
+    args = ("load", "--attach", attach_file, "--duration", "60")
+    code, err = shown_cli(epd_cli, tmp_path, *args, hidden=hidden)
+    assert_one_error_line(
+        code,
+        err,
+        "--duration is a soak, held to RSS and open-file bounds read from the instances' "
+        "processes; an attached deployment's are not the harness's to read: drop --duration "
+        "(or --attach)",
+    )
+
+
 @pytest.mark.parametrize("scenarios", ["all,all", "all,ec-video-mp4"])
 def test_scenario_all_with_more(bad_run: BadRun, scenarios: str) -> None:
     """'all' was called an unknown scenario when anything came with it."""

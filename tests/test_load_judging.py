@@ -312,16 +312,15 @@ def test_a_soak_within_its_first_round_measured_no_growth_and_says_so() -> None:
 
 
 def test_a_soak_that_sampled_no_instance_measured_no_growth_and_says_so() -> None:
-    """An attached deployment's processes are not the harness's: its samples hold storage
-    only. Found in review: the growth bounds looped over no instance and the soak passed with
-    its RSS and open files never read."""
+    """Samples that hold storage only (as an attached deployment's did, before the CLI refused
+    an attached soak). Found in review: the growth bounds looped over no instance and the soak
+    passed with its RSS and open files never read."""
     storage_only = [
         dataclasses.replace(sample(at, 900, 50, 10), instances={}) for at in (0, 60, 120)
     ]
     problems = bound_problems(ResourceHistory.of(storage_only), SoakBounds())
     assert problems == [
-        "RSS and open files were not measured: no instance's processes were sampled (an "
-        "attached deployment's are not the harness's to read)"
+        "RSS and open files were not measured: no instance's processes were sampled"
     ], problems
 
 

@@ -119,6 +119,12 @@ def refuse_load_flags(args: argparse.Namespace) -> None:
         load_spec_from_args(args, args.topology)
     else:  # attached: the topology is the attach file's, read later; the counts are not
         refuse_load_counts(args)
+        if args.duration is not None:
+            raise BadInput(
+                "--duration is a soak, held to RSS and open-file bounds read from the "
+                "instances' processes; an attached deployment's are not the harness's to "
+                "read: drop --duration (or --attach)"
+            )
 
 
 def load_request(args: argparse.Namespace) -> RunRequest:

@@ -291,13 +291,12 @@ def bound_problems(resources: ResourceHistory, bounds: SoakBounds) -> list[str]:
         )
     else:
         warm = resources.instance_growth(after_first=True)
-        # Samples without an instance (an attached deployment's processes are not the
-        # harness's) leave the loop below nothing to hold: a bound never read is not held
-        # (found in review: such a soak passed).
+        # Samples without an instance leave the loop below nothing to hold: a bound never
+        # read is not held (found in review: an attached soak passed so; the CLI now refuses
+        # one, and this stays for any other way of sampling nothing).
         if not warm:
             problems.append(
-                "RSS and open files were not measured: no instance's processes were sampled "
-                "(an attached deployment's are not the harness's to read)"
+                "RSS and open files were not measured: no instance's processes were sampled"
             )
     for name, figures in warm.items():
         rss, fds = figures["rss_bytes"], figures["open_fds"]
