@@ -54,6 +54,17 @@ def test_a_reference_without_result_is_an_error_naming_it() -> None:
     assert record.verdict is Verdict.ERROR and "reference 1P+1D has no result" in record.detail
 
 
+def test_an_empty_reference_answer_matches_nothing() -> None:
+    """vLLM generates at least one id for every request the harness sends (max_tokens >= 1),
+    so a reference with no generated ids is a broken answer, and equal to an empty candidate
+    it compared nothing: a MATCH there proved nothing (found in review: it passed)."""
+    record = judged("1E+1P+1D", "baseline", outcome(()), outcome(()), [HELD])
+    assert record.verdict is Verdict.ERROR and not record.policy_passed
+    assert "reference baseline generated no token ids" in record.detail
+    shorter = judged("1E+1P+1D", "baseline", outcome((5,)), outcome(()), [HELD])
+    assert shorter.verdict is Verdict.MISMATCH
+
+
 def test_an_unstable_baseline_is_its_own_verdict() -> None:
     record = judged("1P+1D", "baseline", outcome((5,)), outcome((7,)), [], stable=False)
     assert record.verdict is Verdict.UNSTABLE_BASELINE and not record.policy_passed

@@ -142,6 +142,12 @@ def _against(
         verdict = Verdict.ERROR
         detail = f"reference {reference.name} has no result"
         error = reference.outcome.error
+    elif not reference.outcome.result.token_ids:
+        # vLLM generates at least one id per request (max_tokens >= 1): an empty reference is
+        # a broken answer, and equal to an empty candidate it compared nothing (found in
+        # review: that MATCH passed).
+        verdict = Verdict.ERROR
+        detail = f"reference {reference.name} generated no token ids: nothing to compare"
     elif not reference.stable:
         verdict, detail = Verdict.UNSTABLE_BASELINE, "the reference disagreed with itself"
     else:
