@@ -152,6 +152,26 @@ def test_a_near_tie_after_an_agreeing_prefix_within_the_tolerance_is_drift():
     assert "drift: yes" in cmp.describe()
 
 
+def test_a_near_tie_whose_log_probs_moved_beyond_the_floor_is_no_drift():
+    """Numeric noise within the floor moves each log-prob by no more than the floor, at the
+    divergence as before it. A candidate whose two tokens are still a near tie, but 2.5 nats
+    below where the reference put them (a flattened distribution, as a corrupted embedding
+    makes), did not drift (found in review: it was DRIFT, and passed under pd-drift)."""
+    reference, candidate = near_tie(gap=0.02, prefix_lp=-0.51)
+    moved = list(candidate.logprobs)
+    moved[5] = PositionLogprobs(555, -3.0, ((555, -3.0), (105, -3.02)))
+    candidate = dataclasses.replace(candidate, logprobs=tuple(moved))
+    cmp = compare_results(reference, candidate, tolerance=0.05)
+    d = cmp.divergence
+    assert d.near_tie is True and d.prefix_delta <= d.tolerance
+    assert token_verdict(cmp) is Verdict.MISMATCH and not d.is_drift
+    assert d.divergence_delta == pytest.approx(2.52)
+    assert "log-prob delta at the divergence 2.520" in cmp.describe()
+    within = compare_results(*near_tie(gap=0.02, prefix_lp=-0.51), tolerance=0.05)
+    assert within.divergence.divergence_delta == pytest.approx(0.02)
+    assert token_verdict(within) is Verdict.DRIFT
+
+
 def test_a_near_tie_between_answers_to_other_prompt_ids_is_no_drift_and_says_why():
     """Drift is noise between two answers to one prompt; answers to other prompt ids are
     answers to another question, so a near-tie where they part excuses nothing. The verdict

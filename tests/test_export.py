@@ -708,6 +708,21 @@ def test_check_judges_drift_as_the_harness_does(tmp_path: Path, monkeypatch) -> 
     assert judge(expected, flipped(-0.6), [], tmp_path)[:2] == ("MISMATCH", 1)
 
 
+def test_check_reads_no_drift_from_a_near_tie_moved_beyond_the_floor(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """As the harness's judge (`_divergence_delta`): the flipped near tie, but both tokens 2.3
+    nats below where the expected answer put them, moved beyond any noise within the floor:
+    a MISMATCH, not a DRIFT the pd-drift policy passes (exit 0)."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    tops = [[(7, -0.5)], [(5, -2.992), (8, -2.998)], [(9, -0.5)], [(10, -0.5)]]
+    verdict, code, detail = judge(
+        NEAR_TIE_EXPECTED, answer(200, answer_body(tops, [1, 2, 3])), [], tmp_path
+    )
+    assert (verdict, code) == ("MISMATCH", 1), detail
+    assert "log-prob delta at the divergence 2.308" in detail
+
+
 def relabelled(answer: check.Answer, positions: tuple[int, ...]) -> check.Answer:
     """`answer` with the log-prob entries at `positions` made another token's (its id + 100),
     their log-probs and top-k kept: a batched answer handed another request's log-probs."""

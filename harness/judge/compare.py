@@ -8,8 +8,9 @@ baseline's, which directly proves the multimodal placeholders were sized right.
 At the first differing generated position the logprobs decide whether the difference is
 numerical drift or a real mismatch; after other prompt ids it is a mismatch whatever they say.
 Drift is what numeric noise looks like: the two tokens were a near-tie on *both* sides (each
-side's log-prob gap between them within the tolerance), and the two runs agreed on the log-prob
-of every token before it (within the tolerance). Upstream's looser rule ("each token is in the
+side's log-prob gap between them within the tolerance), the two sides put each of the two
+tokens at the same log-prob there (within the tolerance: noise moves no log-prob further), and
+the two runs agreed on the log-prob of every token before it (within the tolerance). Upstream's looser rule ("each token is in the
 other's top-k") excuses a corrupted embedding that merely happens to flip a token into second
 place. The tolerance is the noise floor the harness measured on this platform (the baseline
 against itself); on CPU with the numerics flags pinned it is zero, so any difference is a
@@ -51,6 +52,10 @@ class Divergence:
     prefix_delta: float | None
     tolerance: float  # nats: the measured noise floor the drift rule allows
     prompt_ids_equal: bool  # both sides answered the same prompt ids
+    # The largest |difference| between the sides' log-probs of the two tokens at the divergence;
+    # None unless both tokens are in both sides' top-k. A near tie both sides moved far from
+    # where the other put it (a flattened distribution) is no noise within the floor.
+    divergence_delta: float | None = None
     # The candidate's stream broke its framing: its ids are not an answer a client could read
     # (harness.judge.verdicts makes the case a MISMATCH whatever they say).
     framing_broken: bool = False
@@ -94,6 +99,8 @@ class Divergence:
             self.drift_not_applicable is None
             and self.tolerance > 0
             and self.near_tie is True
+            and self.divergence_delta is not None
+            and self.divergence_delta <= self.tolerance
             and self.prefix_delta is not None
             and self.prefix_delta <= self.tolerance
         )
@@ -116,6 +123,7 @@ class Divergence:
             "reference_gap": self.reference_gap,
             "candidate_gap": self.candidate_gap,
             "prefix_delta": self.prefix_delta,
+            "divergence_delta": self.divergence_delta,
             "tolerance": self.tolerance,
             "drift": self.is_drift,
             "drift_not_applicable": self.drift_not_applicable,
@@ -221,9 +229,11 @@ def _render_drift(d: Divergence) -> str:
             f"{side} gap {'n/a (other token not in its top-k)' if gap is None else f'{gap:.3f}'}"
         )
     prefix = "n/a" if d.prefix_delta is None else f"{d.prefix_delta:.3f}"
+    at = "n/a" if d.divergence_delta is None else f"{d.divergence_delta:.3f}"
     verdict = "yes" if d.is_drift else "no"
     return (
-        f"{verdict} ({', '.join(gaps)}; prefix log-prob delta {prefix}; tolerance "
+        f"{verdict} ({', '.join(gaps)}; log-prob delta at the divergence {at}; prefix "
+        f"log-prob delta {prefix}; tolerance "
         f"{d.tolerance:g} nats, the measured noise floor)"
     )
 
@@ -260,6 +270,22 @@ def _gap(
     if own not in logprobs or other not in logprobs:
         return None
     return logprobs[own] - logprobs[other]
+
+
+def _divergence_delta(
+    reference_top: tuple[tuple[int, float], ...] | None,
+    candidate_top: tuple[tuple[int, float], ...] | None,
+    tokens: tuple[int | None, int | None],
+) -> float | None:
+    """max |Δ log p| between the sides of the two tokens at the divergence; None unless each
+    side's top-k lists both, or when a difference is not finite (`max` would drop a NaN)."""
+    if reference_top is None or candidate_top is None or None in tokens:
+        return None
+    ref, cand = dict(reference_top), dict(candidate_top)
+    if any(token not in ref or token not in cand for token in tokens):
+        return None
+    deltas = [abs(ref[token] - cand[token]) for token in tokens]
+    return max(deltas) if all(math.isfinite(delta) for delta in deltas) else None
 
 
 def _prefix_delta(reference: ChatResult, candidate: ChatResult, index: int) -> float | None:
@@ -308,6 +334,7 @@ def _divergence(
         prefix_delta=_prefix_delta(reference, candidate, index),
         tolerance=tolerance,
         prompt_ids_equal=prompt_ids_equal,
+        divergence_delta=_divergence_delta(ref_top, cand_top, (ref_token, cand_token)),
     )
 
 

@@ -518,7 +518,8 @@ def judging_lines(expected: dict[str, Any]) -> list[str]:
     if floor > 0:
         drift = (
             f"a first difference that is a near-tie on both sides within the run's measured "
-            f"noise floor ({floor:g} nats), after a prefix whose log-probs agreed within it, is "
+            f"noise floor ({floor:g} nats), its two tokens at the same log-probs on both sides "
+            f"within it, after a prefix whose log-probs agreed within it, is "
             f"DRIFT, numeric noise, which the run's {expected.get('policy', '?')} policy "
             f"{'passes' if expected.get('drift_passes') else 'does not pass'} for this case "
             f"(check.py exits {0 if expected.get('drift_passes') else 1}); any other is a "

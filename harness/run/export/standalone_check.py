@@ -35,8 +35,9 @@ the reference served here does.
 Token ids are judged as the harness judges them (its harness/judge/compare.py, restated here
 in a few lines): a first difference in the generated ids is DRIFT, numeric noise, when the
 run measured a noise floor above zero (`noise_floor_nats`), both sides' log-prob gaps between
-the two tokens at that position are within it, and every earlier position's log-prob agreed
-within it too; any other difference is a MISMATCH. Whether a DRIFT passes is the case's
+the two tokens at that position are within it, both sides put each of the two tokens at the
+same log-prob within it, and every earlier position's log-prob agreed within it too; any other
+difference is a MISMATCH. Whether a DRIFT passes is the case's
 policy (`drift_passes`: under pd-drift, a P->D topology against the monolithic baseline).
 
 It says whether the case's recorded failure is reproduced as `epd-harness repro` does: the
@@ -369,6 +370,15 @@ def drift(
     want = ids[index] if index < len(ids) else None
     have = got[index] if index < len(got) else None
     gaps = (gap(tops[0], want, have), gap(tops[1], have, want))
+    # Each of the two tokens at the same log-prob on both sides, within the floor (as the
+    # harness's `_divergence_delta`): a near tie moved far from where the other side put it
+    # is no noise.
+    sides = [{int(t): float(lp) for t, lp in top or []} for top in tops]
+    moves = [
+        abs(sides[0][t] - sides[1][t]) if all(t in side for side in sides) else None
+        for t in (want, have)
+    ]
+    at = max(moves) if all(m is not None and math.isfinite(m) for m in moves) else None
     recorded = expected.get("token_logprobs") or []
     deltas = []
     for position in range(index):
@@ -383,12 +393,13 @@ def drift(
         f"{side} gap {'n/a' if g is None else f'{g:.3f}'}"
         for side, g in zip(("expected", "received"), gaps)
     )
+    shown += f", log-prob delta at the divergence {'n/a' if at is None else f'{at:.3f}'}"
     shown += f", prefix log-prob delta {'n/a' if prefix is None else f'{prefix:.3f}'}"
     where = f"the run's noise floor {floor:g} nats"
     if floor <= 0:
         return f"no ({shown}; {where}: no room for drift)"
     near = all(g is not None and math.isfinite(g) and abs(g) <= floor for g in gaps)
-    if near and prefix is not None and prefix <= floor:
+    if near and at is not None and at <= floor and prefix is not None and prefix <= floor:
         return f"yes, a near-tie within {where} after an agreeing prefix ({shown})"
     return f"no ({shown}; {where})"
 
