@@ -135,3 +135,11 @@ def test_the_report_header_names_the_dtype_beside_vllm_and_torch():
     meta = page.split('<p class="meta">', 1)[1].split("</p>", 1)[0]
     assert meta == "vLLM 0.32.0 · torch 2.13.0 · dtype float16", meta
     assert "dtype" not in render_report_html([case_record()], {}, {})
+
+
+def test_drift_summary_names_the_log_prob_delta_at_the_divergence():
+    """A near tie with an agreeing prefix whose two tokens moved beyond the floor is no drift:
+    the summary shows the number that says why."""
+    d = {"drift": False, "reference_gap": 0.02, "candidate_gap": 0.02, "prefix_delta": 0.01}
+    d |= {"divergence_delta": 2.52, "tolerance": 0.05}
+    assert "delta at the divergence 2.520" in drift_summary(d)

@@ -154,7 +154,8 @@ def format_failure(record: CaseRecord) -> str:
 
 
 def drift_summary(d: Mapping[str, Any]) -> str:
-    """'no (gaps 3.10 / 2.95 nats, prefix delta 0.000; tolerance 0 nats)' from Divergence.to_json,
+    """'no (gaps 3.10 / 2.95 nats, delta at the divergence 0.150, prefix delta 0.000; tolerance
+    0 nats)' from Divergence.to_json,
     or 'no (why)' where the drift rule does not apply (`Divergence.drift_not_applicable`)."""
 
     def nats(value: object) -> str:
@@ -164,6 +165,7 @@ def drift_summary(d: Mapping[str, Any]) -> str:
         return f"no ({d['drift_not_applicable']})"
     return (
         f"{'yes' if d.get('drift') else 'no'} (gaps {nats(d.get('reference_gap'))} / "
-        f"{nats(d.get('candidate_gap'))} nats, prefix delta {nats(d.get('prefix_delta'))}; "
+        f"{nats(d.get('candidate_gap'))} nats, delta at the divergence "
+        f"{nats(d.get('divergence_delta'))}, prefix delta {nats(d.get('prefix_delta'))}; "
         f"tolerance {d.get('tolerance', 0):g} nats)"
     )
