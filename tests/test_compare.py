@@ -356,6 +356,18 @@ def test_log_probs_of_other_tokens_read_no_noise_floor():
     assert noise_floor(alone, alone) == 0.0
 
 
+def test_answers_to_other_prompt_ids_read_no_noise_floor():
+    """The floor is noise between answers to one request. A batched answer to other prompt ids
+    (a request handed another's prompt) that happens to generate the same ids measures no
+    noise of this request: read as one, its 1.5-nat log-prob differences became the run's
+    tolerance, and every near tie within them a DRIFT (found in review)."""
+    alone = chat((5, 6, 7), prompt_ids=PROMPT, top=lambda i, t: [(t, -0.5)])
+    other_prompt = chat((5, 6, 7), prompt_ids=(9, 9, 9), top=lambda i, t: [(t, -2.0)])
+    assert prefix_noise_floor(alone, other_prompt) is None
+    assert noise_floor(alone, other_prompt) is None
+    assert noise_floor(alone, alone) == 0.0
+
+
 def test_describe_names_index_both_tokens_and_tops():
     cand = SEQ[:7] + (455,) + SEQ[8:]
     ref_r = result(SEQ, tops={7: (107, 455)})

@@ -412,7 +412,11 @@ def prefix_noise_floor(first: ChatResult, second: ChatResult) -> float | None:
     divergence as drift, and `max` would drop a NaN as if its position had agreed. None too
     when an entry is another token's than the id generated there: log-probs misaligned with
     the ids measure no noise of these tokens (as they are no evidence at a divergence,
-    `_top_at`), and compared as if they did they made a floor of any size."""
+    `_top_at`), and compared as if they did they made a floor of any size. None too for
+    answers to other prompt ids: noise is between answers to one request (found in review: a
+    batched answer to another prompt that generated the same ids read as a floor)."""
+    if first.prompt_token_ids != second.prompt_token_ids:
+        return None
     index = _first_difference(first.token_ids, second.token_ids)
     agreed = len(first.token_ids) if index is None else index
     if len(first.logprobs) < agreed or len(second.logprobs) < agreed:
