@@ -1102,6 +1102,33 @@ def held_port() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
+def test_no_free_port_for_the_nixl_side_channels(
+    bad_run: BadRun, tmp_path: Path, monkeypatch
+) -> None:
+    """A topology running NIXL holds a side-channel port per KV producer and consumer beside
+    its instances' ports: the check counted the instances' alone, so a range with room for
+    those let the run start its baseline and stop on the side channels (found in review)."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    tools = install_fake_nvidia_smi(tmp_path / "gpus", [A100, A100])
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    site = tmp_path / "site"
+    (site / "nixl").mkdir(parents=True)
+    (site / "nixl" / "__init__.py").write_text("")
+    (site / "nixl" / "_api.py").write_text("")
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    )
+    model = resolve_model(None, None, environment.cache_dir())  # the tiny one, built once
+    with held_port() as port:
+        monkeypatch.setenv(environment.PORT_RANGE_ENV, f"{port}-{port + 2}")
+        code, err = bad_run(
+            "--platform", "cuda", "--devices", "0,1", "--topology", "1P+1D", "--model", str(model)
+        )
+    # Ports beside the held one may be another process's: how many were found varies.
+    assert code == 2 and err.startswith("epd-harness: error: no free port: "), err
+    assert err.count("\n") == 1 and "of 4 free ports" in err, err
+
+
 def test_no_free_port(bad_run: BadRun, tmp_path: Path, monkeypatch) -> None:
     with held_port() as port:
         monkeypatch.setenv(environment.PORT_RANGE_ENV, f"{port}-{port}")

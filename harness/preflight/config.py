@@ -414,10 +414,6 @@ def prepare_run(request: RunRequest) -> RunConfig:
     launched = () if attach is not None else topologies
     if attach is None and request.served_topologies:
         launched = names.check_topologies(request.served_topologies)
-    resources.check_free_ports(
-        max(len(t.roles) for t in (TOPOLOGIES["baseline"], *launched)), ports
-    )
-
     serving = serving_for(
         platform,
         str(model_dir),
@@ -427,6 +423,9 @@ def prepare_run(request: RunRequest) -> RunConfig:
         ec_connector=ec_connector.vllm_class,
         enforce_eager=platform.enforce_eager and not request.no_enforce_eager,
         dtype=served_dtype,
+    )
+    resources.check_free_ports(
+        max(resources.ports_held(t, serving) for t in (TOPOLOGIES["baseline"], *launched)), ports
     )
     prompts = arguments.prompts
     bodies = {p.name: render_request(p, serving.served_model_name) for p in prompts}

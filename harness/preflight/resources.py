@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from harness.errors import BadInput
 from harness.preflight.files import describe_os_error
 from harness.serve.ports import NoFreePortError, reserve_ports
-from harness.spec.placement import TooFewDevices
+from harness.spec.placement import TooFewDevices, side_channel_port_count
 from harness.spec.platforms import DevicePlanError
-from harness.spec.topology import Topology
+from harness.spec.topology import ServingConfig, Topology
 
 
 def available_cpu_cores() -> tuple[int, ...]:
@@ -57,6 +57,14 @@ def _ranges(numbers: tuple[int, ...]) -> str:
         else:
             runs.append([n])
     return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs) or "none"
+
+
+def ports_held(topology: Topology, serving: ServingConfig) -> int:
+    """The ports a topology's launch holds at once: one per instance, and one per NIXL side
+    channel (a KV producer's or consumer's, `side_channel_port_count`), as the launcher leases
+    them. Counting the instances alone let a range too small for the side channels through
+    the check, and the run stopped after its baseline had started (found in review)."""
+    return len(topology.roles) + side_channel_port_count(topology, serving)
 
 
 def check_free_ports(count: int, port_range: range) -> None:
