@@ -34,3 +34,32 @@ def test_the_hub_cache_is_where_huggingface_hub_puts_it(
     environ: dict[str, str], expected: Path
 ) -> None:
     assert hf_hub_cache(environ) == expected
+
+
+@pytest.mark.parametrize(
+    "variable,value",
+    [("HF_HUB_OFFLINE", "1"), ("HF_HUB_OFFLINE", "true"), ("HF_HUB_OFFLINE", "YES")]
+    + [("TRANSFORMERS_OFFLINE", "1")],
+)
+def test_a_model_missing_offline_names_offline_mode(
+    variable: str, value: str, tmp_path: Path, monkeypatch
+) -> None:
+    """huggingface_hub is offline for any of its true values (1, ON, YES, TRUE, any case) of
+    HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE; the harness read only HF_HUB_OFFLINE=1, and for the
+    others tried a fetch the hub refuses, its line naming a failed download, not offline mode
+    (found in review)."""
+    from harness.errors import BadInput
+    from harness.preflight import model
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv(variable, value)
+    monkeypatch.setattr(model, "fetch_snapshot", lambda name: pytest.fail(f"fetched {name}"))
+    with pytest.raises(BadInput) as refused:
+        model.resolve_named_model("org/absent")
+    assert str(refused.value) == (
+        f"model org/absent is not in the Hugging Face cache ({tmp_path / 'hub'}) and "
+        f"{variable}={value} forbids fetching it: download it first (hf download org/absent) "
+        "or pass --model DIR"
+    )

@@ -30,6 +30,22 @@ def hf_hub_cache(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(home).expanduser() / "hub"
 
 
+# huggingface_hub's true values of a variable (constants.py `_is_true`, any case).
+HUB_TRUE_VALUES = frozenset({"1", "ON", "YES", "TRUE"})
+
+
+def hub_offline(environ: Mapping[str, str] = os.environ) -> str | None:
+    """What makes huggingface_hub offline, as `NAME=value`; None when it may fetch. It reads
+    HF_HUB_OFFLINE, or TRANSFORMERS_OFFLINE where that is unset or empty, as true for any of
+    HUB_TRUE_VALUES: read as HF_HUB_OFFLINE=1 alone, HF_HUB_OFFLINE=true tried a fetch the hub
+    refused, and the line named a failed download, not offline mode (found in review)."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        value = environ.get(name)
+        if value:
+            return f"{name}={value}" if value.upper() in HUB_TRUE_VALUES else None
+    return None
+
+
 def cached_snapshot(name: str, cache: Path) -> Path | None:
     """The snapshot directory `refs/main` points at in the hub cache, if it holds a config."""
     repo = cache / f"models--{name.replace('/', '--')}"
@@ -65,10 +81,11 @@ def resolve_named_model(name: str, fetch: bool = True) -> Path:
     """A model name (org/name) -> its local checkpoint directory, fetched if allowed."""
     snapshot = cached_snapshot(name, hf_hub_cache())
     if snapshot is None:
-        if not fetch or os.environ.get("HF_HUB_OFFLINE") == "1":
+        offline = hub_offline()
+        if not fetch or offline:
             raise BadInput(
                 f"model {name} is not in the Hugging Face cache ({hf_hub_cache()}) "
-                f"and HF_HUB_OFFLINE=1 forbids fetching it: download it first "
+                f"and {offline or 'HF_HUB_OFFLINE=1'} forbids fetching it: download it first "
                 f"(hf download {name}) or pass --model DIR"
             )
         snapshot = fetch_snapshot(name)
