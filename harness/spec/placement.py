@@ -244,16 +244,57 @@ class Schedule:
         return next(w for w in self.waves if any(s.topology.name == topology_name for s in w.slots))
 
 
+MEMINFO = Path("/proc/meminfo")
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")  # where cgroup v2 is mounted
+
+
 def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (the physical total where that is missing)."""
+    """MemAvailable from /proc/meminfo (the physical total where that is missing), or less
+    where this process's cgroup leaves less (`cgroup_memory_room`): /proc/meminfo is the
+    host's, and a container's limit is not in it (found in review: a job limited to 8 GB on a
+    64 GB host was given waves sized for 64)."""
+    host = None
     try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
+        with MEMINFO.open(encoding="ascii") as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    host = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if host is None:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    room = cgroup_memory_room()
+    return host if room is None else min(host, room)
+
+
+def cgroup_memory_room() -> int | None:
+    """What the cgroup v2 hierarchy still lets this process's cgroup allocate: the least, over
+    its cgroup and each one above it, of memory.max less memory.current; None where no limit
+    is set or cgroup v2 cannot be read."""
+    try:
+        lines = PROC_SELF_CGROUP.read_text(encoding="ascii").splitlines()
+    except OSError:
+        return None
+    own = next((line[len("0::") :] for line in lines if line.startswith("0::")), None)
+    if own is None:
+        return None
+    room = None
+    directory = CGROUP_ROOT / own.strip().lstrip("/")
+    while directory.is_relative_to(CGROUP_ROOT):
+        try:
+            limit = (directory / "memory.max").read_text(encoding="ascii").strip()
+            if limit != "max":
+                used = int((directory / "memory.current").read_text(encoding="ascii"))
+                left = max(0, int(limit) - used)
+                room = left if room is None else min(room, left)
+        except (OSError, ValueError):
+            pass  # the root has no memory.max; a controller not enabled here has neither
+        if directory == CGROUP_ROOT:
+            break
+        directory = directory.parent
+    return room
 
 
 def cpu_instance_budget(cores: int, memory_bytes: int, workers: int = 1) -> int:
