@@ -28,6 +28,12 @@ HOME = Path.home()
         ({"XDG_CACHE_HOME": "/data/cache"}, Path("/data/cache/huggingface/hub")),
         # the legacy name, still read by the hub after HF_HUB_CACHE
         ({"HUGGINGFACE_HUB_CACHE": "/legacy/hub", "HF_HOME": "/data/hf"}, Path("/legacy/hub")),
+        # and expands variables in both, as a unit file or an image's ENV may leave them
+        # (found in review: the harness looked under a directory named "$DATA")
+        ({"HF_HOME": "$DATA/hf", "DATA": "/data"}, Path("/data/hf/hub")),
+        ({"HF_HUB_CACHE": "${DATA}/hub", "DATA": "/data"}, Path("/data/hub")),
+        ({"HUGGINGFACE_HUB_CACHE": "$DATA/hub", "DATA": "/data"}, Path("/data/hub")),
+        ({"HF_HOME": "$UNSET_HERE/hf"}, Path("$UNSET_HERE/hf/hub")),  # left as it is
     ],
 )
 def test_the_hub_cache_is_where_huggingface_hub_puts_it(

@@ -10,6 +10,7 @@ stops with one line saying how to provide it. The tiny CPU model is built locall
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -20,14 +21,29 @@ from harness.preflight.files import check_model_dir, one_line
 def hf_hub_cache(environ: Mapping[str, str] = os.environ) -> Path:
     """Where huggingface_hub keeps models, as its constants.py reads it: $HF_HUB_CACHE, the
     legacy $HUGGINGFACE_HUB_CACHE, else $HF_HOME/hub, $XDG_CACHE_HOME/huggingface/hub or
-    ~/.cache/huggingface/hub; a leading ~ expanded. Read otherwise, an offline run refused a
-    model the hub had put in its cache."""
+    ~/.cache/huggingface/hub; a leading ~ and then $VARIABLES expanded. Read otherwise, an
+    offline run refused a model the hub had put in its cache."""
     given = environ.get("HF_HUB_CACHE") or environ.get("HUGGINGFACE_HUB_CACHE")
     if given:
-        return Path(given).expanduser()
+        return Path(_expanded(given, environ))
     cache_home = environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    home = environ.get("HF_HOME") or Path(cache_home) / "huggingface"
-    return Path(home).expanduser() / "hub"
+    home = environ.get("HF_HOME") or str(Path(cache_home) / "huggingface")
+    return Path(_expanded(home, environ)) / "hub"
+
+
+# `os.path.expandvars`'s pattern: $NAME or ${NAME}; a variable not set is left as written.
+_VARIABLE = re.compile(r"\$(\w+|\{[^}]*\})")
+
+
+def _expanded(path: str, environ: Mapping[str, str]) -> str:
+    """`os.path.expandvars(os.path.expanduser(path))`, as huggingface_hub expands its
+    directories, with the variables of `environ`."""
+
+    def value(match: re.Match[str]) -> str:
+        name = match[1][1:-1] if match[1].startswith("{") else match[1]
+        return environ.get(name, match[0])
+
+    return _VARIABLE.sub(value, os.path.expanduser(path))
 
 
 # huggingface_hub's true values of a variable (constants.py `_is_true`, any case).
