@@ -524,3 +524,24 @@ def test_memory_for_cpu_waves_is_what_this_process_cgroup_leaves(
     (root / "memory.current").write_text("0\n")
     monkeypatch.setattr(placement, "PROC_SELF_CGROUP", tmp_path / "self-cgroup")
     assert placement.available_memory_bytes() == 64 * 10**9 * 1024 // 1000
+
+
+def test_a_cgroups_reclaimable_page_cache_is_room(tmp_path: Path, monkeypatch) -> None:
+    """memory.current counts the page cache, most of which the kernel reclaims on demand (as
+    MemAvailable counts it available): a CI container that had just installed 3 GB of wheels
+    would have been given waves sized for what its cache left. Its inactive file pages are
+    room, as a container's working set leaves them out."""
+    from harness.spec import placement
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemAvailable: {64 * 10**6} kB\n")
+    (tmp_path / "self-cgroup").write_text("0::/job\n")
+    job = tmp_path / "cgroup" / "job"
+    job.mkdir(parents=True)
+    (job / "memory.max").write_text(f"{8 * 10**9}\n")
+    (job / "memory.current").write_text(f"{7 * 10**9}\n")
+    (job / "memory.stat").write_text(f"anon {10**9}\nfile {6 * 10**9}\ninactive_file {5 * 10**9}\n")
+    monkeypatch.setattr(placement, "MEMINFO", meminfo)
+    monkeypatch.setattr(placement, "PROC_SELF_CGROUP", tmp_path / "self-cgroup")
+    monkeypatch.setattr(placement, "CGROUP_ROOT", tmp_path / "cgroup")
+    assert placement.available_memory_bytes() == 6 * 10**9

@@ -271,8 +271,10 @@ def available_memory_bytes() -> int:
 
 def cgroup_memory_room() -> int | None:
     """What the cgroup v2 hierarchy still lets this process's cgroup allocate: the least, over
-    its cgroup and each one above it, of memory.max less memory.current; None where no limit
-    is set or cgroup v2 cannot be read."""
+    its cgroup and each one above it, of memory.max less what it uses; None where no limit is
+    set or cgroup v2 cannot be read. What it uses is memory.current less its inactive file
+    pages: page cache the kernel reclaims before it would refuse an allocation (MemAvailable
+    counts it available too; a CI job that just installed its wheels holds gigabytes)."""
     try:
         lines = PROC_SELF_CGROUP.read_text(encoding="ascii").splitlines()
     except OSError:
@@ -287,6 +289,7 @@ def cgroup_memory_room() -> int | None:
             limit = (directory / "memory.max").read_text(encoding="ascii").strip()
             if limit != "max":
                 used = int((directory / "memory.current").read_text(encoding="ascii"))
+                used -= reclaimable_bytes(directory / "memory.stat")
                 left = max(0, int(limit) - used)
                 room = left if room is None else min(room, left)
         except (OSError, ValueError):
@@ -295,6 +298,18 @@ def cgroup_memory_room() -> int | None:
             break
         directory = directory.parent
     return room
+
+
+def reclaimable_bytes(memory_stat: Path) -> int:
+    """A cgroup's inactive file pages (memory.stat's `inactive_file`), 0 where unread."""
+    try:
+        for line in memory_stat.read_text(encoding="ascii").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "inactive_file":
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def cpu_instance_budget(cores: int, memory_bytes: int, workers: int = 1) -> int:
