@@ -136,3 +136,13 @@ def test_a_node_that_cannot_be_spawned_gives_its_ports_back(
         with cluster:
             pass
     assert reserved and not [lease.port for lease in reserved if lease.held]
+
+
+def test_each_nodes_temp_dir_is_its_scratch_dir_for_the_watchdog(
+    fake_ray: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """So a SIGKILLed harness's watchdog removes it once it has stopped the node."""
+    python, _ = fake_ray
+    with LocalRayCluster(tmp_path / "nodes", python=str(python)) as cluster:
+        scratch = [node.server.command.scratch_dir for node in cluster.nodes]
+        assert scratch == cluster.temp_dirs

@@ -21,7 +21,7 @@ import pytest
 
 from harness.environment import WATCHDOG_ENV
 from harness.serve import watchdog
-from harness.testing.processes import child_env, is_live, seconds_until_gone
+from harness.testing.processes import child_env, is_live, seconds_until_gone, wait_for
 
 pytestmark = [pytest.mark.process, pytest.mark.wall_clock_bound]
 
@@ -59,6 +59,26 @@ server = ManagedServer(command)
 server.start()
 print(client().pid, flush=True)
 server.stop(grace_s=0.5)
+"""
+
+# A harness SIGKILLed while it runs one server with a scratch directory (as a Ray rehearsal
+# node's temp dir): argv log, scratch. Prints the server's pid and the watchdog's, then waits.
+KILLED_HARNESS = r"""
+import sys, time
+from pathlib import Path
+from harness.serve.launch import ManagedServer
+from harness.serve.server_command import ServerCommand
+from harness.serve.watchdog import client
+scratch = Path(sys.argv[2])
+scratch.mkdir()
+(scratch / "session.sock").write_text("")
+command = ServerCommand(name="killed/server0", argv=["sleep", "600"],
+                        health_url="http://127.0.0.1:9/health", log_path=Path(sys.argv[1]),
+                        scratch_dir=scratch)
+server = ManagedServer(command)
+server.start()
+print(server.pid, client().pid, flush=True)
+time.sleep(600)
 """
 
 
@@ -219,6 +239,62 @@ def test_groups_the_harness_stopped_are_forgotten_and_the_watchdog_exits_at_once
         assert exit_s < watchdog.GRACE_S, f"{exit_s:.2f} s"
         assert is_live(pid)
         assert not (tmp_path / watchdog.LOG_NAME).exists()
+    finally:
+        cleanup(sleeper, dog)
+
+
+def test_a_sigkilled_harness_leaves_no_scratch_dir_of_its_servers(tmp_path: Path) -> None:
+    """A Ray rehearsal node's temp dir outlived a SIGKILLed harness (43 files per node, one
+    directory per node per run): the watchdog stopped the node but nothing removed it."""
+    scratch = tmp_path / "scratch"
+    harness = subprocess.Popen(
+        [sys.executable, "-c", KILLED_HARNESS, str(tmp_path / "server.log"), str(scratch)],
+        stdout=subprocess.PIPE,
+        env=child_env(),
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        server, dog = map(int, harness.stdout.readline().split())
+        time.sleep(2 * watchdog.SAMPLE_INTERVAL_S)
+        harness.kill()
+        assert seconds_until_gone([server, dog], BOUND_S) is not None
+        log = (tmp_path / watchdog.LOG_NAME).read_text()
+        assert not scratch.exists(), log
+        assert f"removed its scratch directory {scratch}" in log, log
+    finally:
+        cleanup(harness)
+
+
+def test_a_scratch_dir_is_removed_only_once_its_group_is_gone(tmp_path: Path) -> None:
+    leader, pid = spawn_sleeper("fork")  # ignores SIGTERM: gone only at the SIGKILL
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    dog = start_watchdog()
+    try:
+        tell(dog, **start_line(leader.pid, tmp_path / "server.log"), scratch=str(scratch))
+        time.sleep(2 * watchdog.SAMPLE_INTERVAL_S)
+        dog.stdin.close()
+        wait_for(lambda: not scratch.exists(), "the scratch directory's removal", BOUND_S)
+        assert not is_live(leader.pid) and not is_live(pid), "removed while its group ran"
+        assert dog.wait(timeout=10) == 0
+    finally:
+        cleanup(leader, dog)
+
+
+def test_the_scratch_dir_of_a_group_the_harness_stopped_is_left_to_the_harness(
+    tmp_path: Path,
+) -> None:
+    sleeper, pid = spawn_sleeper("plain")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    dog = start_watchdog()
+    try:
+        tell(dog, **start_line(pid, tmp_path / "server.log"), scratch=str(scratch))
+        tell(dog, event="done", pgid=pid)
+        dog.stdin.close()
+        assert dog.wait(timeout=10) == 0
+        assert scratch.is_dir()
     finally:
         cleanup(sleeper, dog)
 

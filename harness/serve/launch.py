@@ -228,7 +228,9 @@ class ManagedServer:
                     raise
                 self._spawned_at = time.monotonic()
                 self._spawned_wall_s = time.time()
-                watchdog.client().started(self._popen.pid, command.name, command.log_path)
+                watchdog.client().started(
+                    self._popen.pid, command.name, command.log_path, command.scratch_dir
+                )
 
     def probe_health(self) -> bool:
         """One GET of the health URL: True on a 2xx answer, False on any error or timeout."""

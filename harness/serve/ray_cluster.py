@@ -409,6 +409,7 @@ class LocalRayCluster:
             health_url="",  # readiness is the node's own "started" line (start())
             log_path=self.work_dir / f"{name}.log",
             env={USAGE_STATS_ENV: "0"},
+            scratch_dir=self.temp_dirs[index],  # the watchdog's to remove after a SIGKILL
         )
         server = ManagedServer(command)
         try:

@@ -20,6 +20,10 @@ class ServerCommand:
     # The CPUs the server and everything it starts may run on (inherited by its children);
     # empty: wherever the harness itself may run.
     cpu_affinity: tuple[int, ...] = ()
+    # A directory the harness made for this server alone (a Ray rehearsal node's temp dir).
+    # Its owner removes it after a stop; if the harness is SIGKILLed first, the watchdog
+    # removes it once it has stopped the server's group (harness.serve.watchdog).
+    scratch_dir: Path | None = None
 
     def __post_init__(self) -> None:
         argv = tuple(self.argv)

@@ -15,14 +15,24 @@ the first server start, as `[sys.executable, "-m", "harness.serve.watchdog"]` in
 ignored. Protocol: one JSON object per line on the watchdog's stdin:
 
     {"event": "start", "pgid": 1234, "create_time": 1717.52, "name": "1P+1D/decode0",
-     "log": "/run/1P-1D/1P-1D__decode0.log"}      a server's group exists (pgid = leader pid)
+     "log": "/run/1P-1D/1P-1D__decode0.log",
+     "scratch": "/tmp/epdray-2ce98e-1"}           a server's group exists (pgid = leader pid)
     {"event": "done", "pgid": 1234}               the harness emptied that group itself
 
-(create_time: when the leader was created, in seconds after boot.)
+(create_time: when the leader was created, in seconds after boot. scratch, optional: a
+directory the harness made for that server alone, `ServerCommand.scratch_dir`.)
 
 End of file on stdin means the harness is gone, however it ended (the kernel closes the pipe of
 a SIGKILLed process too). With no group left, the watchdog exits at once; otherwise it acts and
 appends one line per action to `watchdog.log` beside the server's log (stderr if no log given).
+
+Scratch directories: a Ray rehearsal node's temp dir (/tmp/epdray-*, tens of files, sockets)
+is removed by the harness after it stopped the node, so a SIGKILLed harness left one per node
+per run. The watchdog removes a group's scratch directory, but only once that group is gone
+(nothing may still write into it, and a server must not lose its files while it runs), only
+for a group it stopped (one the harness reported "done" is its owner's to remove), never
+through a symbolic link, and only a path given in a "start" line, which the harness sends only
+for directories it made itself.
 
 Pid reuse: a process is its pid and its creation time in seconds after boot (`boot_seconds`;
 not an epoch time, which a step of the wall clock would change). While the harness lives, each leader is its unreaped child, so its pid (the group id)
@@ -44,6 +54,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -98,8 +109,11 @@ class WatchdogClient:
             if self._popen is None or self._popen.poll() is not None:
                 self._spawn()
 
-    def started(self, pgid: int, name: str, log_path: Path | None) -> None:
-        """Record a group whose leader `pgid` the harness just spawned (and has not reaped)."""
+    def started(
+        self, pgid: int, name: str, log_path: Path | None, scratch_dir: Path | None = None
+    ) -> None:
+        """Record a group whose leader `pgid` the harness just spawned (and has not reaped),
+        and the scratch directory the harness made for it, if any."""
         if not self.enabled():
             return
         try:
@@ -112,6 +126,7 @@ class WatchdogClient:
             create_time=create_time,
             name=name,
             log=str(log_path) if log_path else "",
+            scratch=str(scratch_dir) if scratch_dir else "",
         )
         with self._lock:
             self._groups[pgid] = line
@@ -197,6 +212,7 @@ class Group:
     create_time: float
     name: str
     log: str
+    scratch: str = ""  # a directory the harness made for this server, removed once it is gone
     # pid -> creation (seconds after boot) of every process seen in the group or under its leader
     members: dict[int, float] = field(default_factory=dict)
 
@@ -335,6 +351,7 @@ def stop_groups(groups: list[Group], log: Log) -> None:
     for group in groups:
         if group not in pending:
             log(group, "harness gone; nothing of this group left running")
+            remove_scratch(group, log)
     for group in pending:
         alive = live_processes(group)
         log(
@@ -368,11 +385,26 @@ def wait_until_gone(pending: list[Group], wait_s: float, start: float, log: Log)
             if not live_processes(group):
                 pending.remove(group)
                 log(group, f"gone {time.monotonic() - start:.1f} s after the harness's end")
+                remove_scratch(group, log)
         if not pending:
             return True
         if time.monotonic() >= deadline:
             return False
         time.sleep(POLL_S)
+
+
+def remove_scratch(group: Group, log: Log) -> None:
+    """Remove the scratch directory of `group`, which is gone (the callers' check): an absolute
+    path, not followed if it is a symbolic link (rmtree refuses those)."""
+    path = Path(group.scratch)
+    if not group.scratch or not path.is_absolute() or not path.exists():
+        return
+    try:
+        shutil.rmtree(path)
+    except OSError as exc:
+        log(group, f"could not remove its scratch directory {path}: {exc}")
+        return
+    log(group, f"removed its scratch directory {path}")
 
 
 def psutil_describe(proc: psutil.Process) -> str:
@@ -392,6 +424,7 @@ def handle(groups: dict[int, Group], line: bytes, log: Log) -> None:
                 float(message["create_time"]),
                 str(message["name"]),
                 str(message.get("log") or ""),
+                str(message.get("scratch") or ""),
             )
         elif event == "done":
             groups.pop(pgid, None)
