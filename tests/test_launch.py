@@ -406,6 +406,51 @@ def test_never_ready_server_ignoring_sigterm_gets_the_short_grace(make_server) -
     assert server.exit_code == -signal.SIGKILL
 
 
+# argv: ready_file. Readiness is a file, not a health URL (the netns rehearsal's `up`); on
+# SIGTERM it takes a second to wind down (`up` stopping its nodes), then exits 0.
+SLOW_TO_STOP = r"""
+import signal, sys, time
+from pathlib import Path
+def wind_down(signum, frame):
+    time.sleep(1.0)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, wind_down)
+Path(sys.argv[1]).write_text("up")
+while True:
+    time.sleep(1)
+"""
+
+
+def test_a_server_marked_ready_by_its_caller_gets_the_full_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server whose readiness is not a health URL (a ready file) was never marked ready, so
+    its stop's grace was cut to STARTUP_STOP_GRACE_S: the netns rehearsal's `up`, stopped with
+    30 s while it stopped 4 nodes and 5 namespace holders, was SIGKILLed after 3 s."""
+    monkeypatch.setattr("harness.serve.launch.STARTUP_STOP_GRACE_S", 0.2)
+    ready = tmp_path / "ready"
+    server = ManagedServer(
+        ServerCommand(
+            name="ready-file/cluster",
+            argv=[sys.executable, "-c", SLOW_TO_STOP, str(ready)],
+            health_url="",
+            log_path=tmp_path / "server.log",
+        )
+    )
+    server.start()
+    try:
+        deadline = time.monotonic() + GONE_TIMEOUT_S
+        while not ready.exists():
+            server.check_alive()
+            assert time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.05)
+        server.mark_ready()
+        assert server.startup_seconds is not None
+    finally:
+        server.stop(grace_s=20.0)
+    assert server.exit_code == 0, server.log_tail()
+
+
 def test_stop_is_idempotent_releases_the_port_and_allows_no_restart(make_server) -> None:
     server = make_server("once")
     lease = server.port_lease

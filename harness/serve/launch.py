@@ -371,8 +371,14 @@ class ManagedServer:
             self._port_lease.release()
         self._stopped = True
 
-    def _mark_ready(self) -> None:
-        self._startup_seconds = self._age_s()
+    def mark_ready(self) -> None:
+        """Record that the server is ready now. `await_ready` does it for a health URL; a
+        server whose readiness is something else (a ready file, a line in its log) is marked by
+        its caller, who saw it. Until then `stop()` gives it only STARTUP_STOP_GRACE_S, too
+        little for a ready server with work to wind down (the netns rehearsal's `up` stops its
+        nodes and namespaces on SIGTERM). The first call counts."""
+        if self._startup_seconds is None:
+            self._startup_seconds = self._age_s()
 
     def _age_s(self) -> float:
         return 0.0 if self._spawned_at is None else time.monotonic() - self._spawned_at
@@ -468,7 +474,7 @@ def await_ready(
                 continue
             failure = server.health_probe_failure()
             if failure is None and server.owns_health_port():
-                server._mark_ready()
+                server.mark_ready()
                 pending.remove(server)
                 on_ready(server)
             else:

@@ -177,7 +177,7 @@ class InstanceAgent:
     def stop(self, grace_s: float, ready: bool) -> None:
         if self.server is not None:
             if ready:
-                self.server._mark_ready()  # a serving server gets its full grace
+                self.server.mark_ready()  # a serving server gets its full grace
             self.server.stop(grace_s)
         for lease in self.leases:
             lease.release()

@@ -214,8 +214,10 @@ class RayServer:
         self._stopped = True
         ray.kill(self._agent)
 
-    def _mark_ready(self) -> None:
-        self._startup_seconds = self._age_s()
+    def mark_ready(self) -> None:
+        """Record that the server is ready now (`await_ready`; `ManagedServer.mark_ready`)."""
+        if self._startup_seconds is None:
+            self._startup_seconds = self._age_s()
 
     def _age_s(self) -> float:
         return 0.0 if self._spawned_at is None else time.monotonic() - self._spawned_at
