@@ -44,6 +44,12 @@ if "--head" not in argv and address in failing:
         print({RAY_REGISTRATION_TIMEOUT!r} if how == "timeout" else "Segmentation fault",
               flush=True)
         sys.exit(1)
+if os.environ.get("FAKE_RAY_TERM_S"):  # winds down that long on SIGTERM, then exits 0
+    import signal
+    def wind_down(signum, frame):
+        time.sleep(float(os.environ["FAKE_RAY_TERM_S"]))
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, wind_down)
 print({STARTED_MARK!r} + ".", flush=True)
 time.sleep(600)
 """
@@ -146,3 +152,17 @@ def test_each_nodes_temp_dir_is_its_scratch_dir_for_the_watchdog(
     with LocalRayCluster(tmp_path / "nodes", python=str(python)) as cluster:
         scratch = [node.server.command.scratch_dir for node in cluster.nodes]
         assert scratch == cluster.temp_dirs
+
+
+def test_a_started_node_gets_the_nodes_stop_grace_not_the_start_up_one(
+    fake_ray: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node's readiness is its "started" line, not a health URL: unmarked, its stop's grace
+    was cut from NODE_STOP_GRACE_S to STARTUP_STOP_GRACE_S, and a `ray start --block` still
+    winding down was SIGKILLed (its raylet and GCS with it, unasked)."""
+    python, _ = fake_ray
+    monkeypatch.setenv("FAKE_RAY_TERM_S", "1.0")
+    monkeypatch.setattr("harness.serve.launch.STARTUP_STOP_GRACE_S", 0.2)
+    with LocalRayCluster(tmp_path / "nodes", python=str(python)) as cluster:
+        servers = [node.server for node in cluster.nodes]
+    assert [server.exit_code for server in servers] == [0, 0, 0]

@@ -286,6 +286,8 @@ class LocalRayCluster:
         self.nodes[index] = self._start_node(index, node.address)
 
     def _wait_started(self, node: Node, deadline: float) -> None:
+        """Wait for the node's "started" line; then mark it ready (its readiness is not a
+        health URL), so its stop gets NODE_STOP_GRACE_S, not the start-up grace."""
         while STARTED_MARK not in node.server.log_tail(200):
             node.server.check_alive()
             if time.monotonic() > deadline:
@@ -294,6 +296,7 @@ class LocalRayCluster:
                     f"{node.server.command.log_path}:\n{node.server.log_tail(20)}"
                 )
             time.sleep(0.3)
+        node.server.mark_ready()
 
     def sample(self) -> None:
         """Record every node's descendants now (Ray's workers leave the node's process group):
