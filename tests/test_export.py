@@ -991,6 +991,19 @@ def stream_prompt_ids_later(chunks: list[dict]) -> None:
     chunks[1]["prompt_token_ids"] = chunks[0].pop("prompt_token_ids")
 
 
+def stream_role_again(chunks: list[dict]) -> None:
+    chunks[1]["choices"][0]["delta"] = {"role": "a"}
+
+
+def stream_without_role(chunks: list[dict]) -> None:
+    del chunks[0]["choices"][0]["delta"]["role"]
+
+
+def stream_role_later(chunks: list[dict]) -> None:
+    del chunks[0]["choices"][0]["delta"]["role"]
+    chunks[1]["choices"][0]["delta"] = {"role": "a"}
+
+
 @pytest.mark.parametrize(
     "mangle, problem",
     [
@@ -1000,8 +1013,21 @@ def stream_prompt_ids_later(chunks: list[dict]) -> None:
         (stream_usage_of_other_ids, "usage counts 3 completion tokens, the stream carried 4"),
         (stream_without_usage, "no usage chunk"),
         (stream_prompt_ids_later, "event 2 carries prompt_token_ids, not the first chunk"),
+        (stream_role_again, "2 role chunks (one expected)"),
+        (stream_without_role, "0 role chunks (one expected)"),
+        (stream_role_later, "event 2 carries the role, not the first chunk"),
     ],
-    ids=["no-finish", "two-choices", "log-probs-of-another", "usage", "no-usage", "prompt-later"],
+    ids=[
+        "no-finish",
+        "two-choices",
+        "log-probs-of-another",
+        "usage",
+        "no-usage",
+        "prompt-later",
+        "role-again",
+        "no-role",
+        "role-later",
+    ],
 )
 def test_check_calls_a_stream_the_harness_finds_framed_wrong_a_difference(
     tmp_path: Path, monkeypatch, mangle, problem: str
@@ -1087,7 +1113,7 @@ def test_check_says_drift_does_not_apply_to_a_stream_whose_framing_is_broken(
     monkeypatch.setattr(check, "dead_instances", lambda *args: [])
     body = json.loads(flipped().text)
     choice = body["choices"][0]
-    chunks = [{"prompt_token_ids": body["prompt_token_ids"], "choices": [{"delta": {}}]}]
+    chunks = [{"prompt_token_ids": body["prompt_token_ids"], "choices": [{"delta": {"role": "a"}}]}]
     chunks += [
         {"choices": [{"token_ids": [t], "logprobs": {"content": [entry]}}]}
         for t, entry in zip(choice["token_ids"], choice["logprobs"]["content"])

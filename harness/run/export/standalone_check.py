@@ -478,12 +478,14 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
     of another shape than vLLM sends (a null choice, ids that are not integers, other than
     one choice), which is named by its event and not read, as the harness's reader does,
     log-probs not of a chunk's ids, other than one finish_reason, no usage chunk or one
-    counting other ids, prompt ids on another chunk than the first; (answer, None) for a whole one."""
+    counting other ids, prompt ids or the role on another chunk than the first, other than
+    one role chunk; (answer, None) for a whole one."""
     prompt_ids: list[int] | None = None
     token_ids: list[int] = []
     content: list[Any] = []
     finish_reason: str | None = None
     finishes = 0  # chunks that carried a finish_reason
+    roles = 0  # chunks whose delta carried a role
     counted: list[Any] = []  # the usage chunks' completion_tokens
     objects = 0  # events read as JSON objects: chunks
     problems: list[str] = []
@@ -540,6 +542,10 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
         except Unreadable as exc:
             problems.append(f"event {event}: {exc} (its chunk is not read)")
             continue
+        if (choices[0].get("delta") or {}).get("role") is not None:
+            roles += 1
+            if objects != 1:  # vLLM sends the role once, on the first chunk
+                problems.append(f"event {event} carries the role, not the first chunk")
         problems += chunk_log_prob_problems(event, ids, entries)
         token_ids += ids
         content += entries
@@ -559,6 +565,8 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
     }
     if not done:
         problems.append("the stream ended without [DONE]")
+    if roles != 1:
+        problems.append(f"{roles} role chunks (one expected)")
     if finishes != 1:
         problems.append(f"{finishes} finish_reason(s) (one expected)")
     if not counted:
