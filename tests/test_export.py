@@ -991,6 +991,16 @@ def stream_prompt_ids_later(chunks: list[dict]) -> None:
     chunks[1]["prompt_token_ids"] = chunks[0].pop("prompt_token_ids")
 
 
+def stream_of_another_choice(chunks: list[dict]) -> None:
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            choice["index"] = 1
+
+
+def stream_of_two_choices_interleaved(chunks: list[dict]) -> None:
+    chunks[2]["choices"][0]["index"] = 1
+
+
 def stream_role_again(chunks: list[dict]) -> None:
     chunks[1]["choices"][0]["delta"] = {"role": "a"}
 
@@ -1016,6 +1026,8 @@ def stream_role_later(chunks: list[dict]) -> None:
         (stream_role_again, "2 role chunks (one expected)"),
         (stream_without_role, "0 role chunks (one expected)"),
         (stream_role_later, "event 2 carries the role, not the first chunk"),
+        (stream_of_another_choice, "event 1: choices[0].index is 1, not 0"),
+        (stream_of_two_choices_interleaved, "event 3: choices[0].index is 1, not 0"),
     ],
     ids=[
         "no-finish",
@@ -1027,6 +1039,8 @@ def stream_role_later(chunks: list[dict]) -> None:
         "role-again",
         "no-role",
         "role-later",
+        "another-choice",
+        "two-choices-interleaved",
     ],
 )
 def test_check_calls_a_stream_the_harness_finds_framed_wrong_a_difference(

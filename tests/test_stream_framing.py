@@ -105,6 +105,7 @@ def first_token_choice(**fields: object) -> list[dict]:
         (first_token_choice(logprobs={"content": 1}), "choices[0].logprobs.content is 1, not a"),
         (first_token_choice(logprobs={"content": [None]}), "choices[0].logprobs.content[0] is"),
         (first_token_choice(finish_reason=1), "choices[0].finish_reason is 1, not a string"),
+        (first_token_choice(index=1), "choices[0].index is 1, not 0 (one choice was asked)"),
     ],
     ids=[
         "choice-null",
@@ -120,6 +121,7 @@ def first_token_choice(**fields: object) -> list[dict]:
         "logprob-entries-number",
         "logprob-entry-null",
         "finish-number",
+        "another-choice",
     ],
 )
 def test_a_malformed_choice_is_a_problem_of_its_event_not_a_crash(chunks, problem: str) -> None:
@@ -129,6 +131,19 @@ def test_a_malformed_choice_is_a_problem_of_its_event_not_a_crash(chunks, proble
     result, record = parse(encode(chunks))
     assert f"event 2: {problem}" in "\n".join(record.problems), record.problems
     assert TOKENS[0] not in result.token_ids
+
+
+def test_a_stream_of_another_choice_than_the_one_asked_is_a_problem() -> None:
+    """The run asks for one choice, which vLLM streams as index 0: a stream of index 1 (or
+    of two indices interleaved) is another completion's, or two completions' ids mixed.
+    Found in review: the index was not read, and such a stream whole in every other rule
+    passed."""
+    chunks = vllm_chunks()
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            choice["index"] = 1
+    _, record = parse(encode(chunks))
+    assert any("choices[0].index is 1, not 0" in p for p in record.problems), record.problems
 
 
 def test_log_probs_of_another_token_than_their_chunks_id_are_a_problem() -> None:

@@ -5,7 +5,7 @@ answered the prompt's first token itself), so a stream can carry the right ids a
 broken for a client: an event that does not parse, a chunk of another shape than vLLM's (a
 null choice, token ids that are not integers), a second role chunk, a token relayed twice,
 `[DONE]` missing or not last, a final usage that counts other tokens than were streamed, two
-requests' events interleaved. The ids are read from the stream as vLLM 0.32 sends them with
+requests' events (or two choices' chunks) interleaved. The ids are read from the stream as vLLM 0.32 sends them with
 `return_token_ids` (the first chunk carries `prompt_token_ids`, each later chunk its
 `choices[0].token_ids` and their log-probs; with `stream_options.include_usage` a last chunk
 with no choices carries `usage`), so they are compared with the baseline's like any answer's,
@@ -238,6 +238,12 @@ def _read_choice(choice: Any) -> _Choice:
     """`choices[0]` read, or _Unreadable naming its first field of another shape."""
     if not isinstance(choice, dict):
         raise _Unreadable(f"choices[0] is {_shown(choice)}, not an object")
+    index = choice.get("index", 0)  # vLLM streams the one choice asked for as index 0
+    if index != 0 or isinstance(index, bool):
+        raise _Unreadable(
+            f"choices[0].index is {_shown(index)}, not 0 (one choice was asked): another "
+            "completion's chunk"
+        )
     delta = _object(choice.get("delta"), "choices[0].delta")
     content = delta.get("content")
     if content is not None and not isinstance(content, str):

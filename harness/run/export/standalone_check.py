@@ -449,6 +449,12 @@ def read_choice(choice: Any, where: str) -> tuple[list[int], list[Any], str | No
     field of another shape (as the harness's harness/outcomes/stream.py reads a chunk)."""
     if not isinstance(choice, dict):
         raise Unreadable(f"{where} is {shown(choice)}, not an object")
+    index = choice.get("index", 0)  # vLLM streams the one choice asked for as index 0
+    if index != 0 or isinstance(index, bool):
+        raise Unreadable(
+            f"{where}.index is {shown(index)}, not 0 (one choice was asked): another "
+            "completion's chunk"
+        )
     content = an_object(choice.get("delta"), f"{where}.delta").get("content")
     if content is not None and not isinstance(content, str):
         raise Unreadable(f"{where}.delta.content is {shown(content)}, not a string")
@@ -476,7 +482,7 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
     whose prompt ids cannot be read or are not there (an ERROR); (answer, why) for one whose
     framing is broken (a MISMATCH: a client would wait or fail): `[DONE]` not last, a chunk
     of another shape than vLLM sends (a null choice, ids that are not integers, other than
-    one choice), which is named by its event and not read, as the harness's reader does,
+    one choice, a choice index other than 0), which is named by its event and not read, as the harness's reader does,
     log-probs not of a chunk's ids, other than one finish_reason, no usage chunk or one
     counting other ids, prompt ids or the role on another chunk than the first, other than
     one role chunk; (answer, None) for a whole one."""
