@@ -1001,6 +1001,14 @@ def stream_of_two_choices_interleaved(chunks: list[dict]) -> None:
     chunks[2]["choices"][0]["index"] = 1
 
 
+def stream_usage_before_the_last_token(chunks: list[dict]) -> None:
+    chunks.insert(-2, chunks.pop())
+
+
+def stream_usage_twice(chunks: list[dict]) -> None:
+    chunks.append(dict(chunks[-1]))
+
+
 def stream_role_again(chunks: list[dict]) -> None:
     chunks[1]["choices"][0]["delta"] = {"role": "a"}
 
@@ -1028,6 +1036,8 @@ def stream_role_later(chunks: list[dict]) -> None:
         (stream_role_later, "event 2 carries the role, not the first chunk"),
         (stream_of_another_choice, "event 1: choices[0].index is 1, not 0"),
         (stream_of_two_choices_interleaved, "event 3: choices[0].index is 1, not 0"),
+        (stream_usage_before_the_last_token, "event 6 comes after the usage chunk"),
+        (stream_usage_twice, "event 7 is a second usage chunk"),
     ],
     ids=[
         "no-finish",
@@ -1041,6 +1051,8 @@ def stream_role_later(chunks: list[dict]) -> None:
         "role-later",
         "another-choice",
         "two-choices-interleaved",
+        "usage-early",
+        "usage-twice",
     ],
 )
 def test_check_calls_a_stream_the_harness_finds_framed_wrong_a_difference(

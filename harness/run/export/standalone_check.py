@@ -484,8 +484,9 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
     of another shape than vLLM sends (a null choice, ids that are not integers, other than
     one choice, a choice index other than 0), which is named by its event and not read, as the harness's reader does,
     log-probs not of a chunk's ids, other than one finish_reason, no usage chunk or one
-    counting other ids, prompt ids or the role on another chunk than the first, other than
-    one role chunk; (answer, None) for a whole one."""
+    counting other ids, a chunk after the usage chunk or a second one, prompt ids or the
+    role on another chunk than the first, other than one role chunk; (answer, None) for a
+    whole one."""
     prompt_ids: list[int] | None = None
     token_ids: list[int] = []
     content: list[Any] = []
@@ -539,8 +540,12 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
             if choices is not None and not isinstance(choices, list):
                 raise Unreadable(f"choices is {shown(choices)}, not a list")
             if isinstance(chunk.get("usage"), dict) and not choices:
+                if counted:
+                    problems.append(f"event {event} is a second usage chunk")
                 counted.append(chunk["usage"].get("completion_tokens"))
                 continue
+            if counted:  # vLLM sends the usage chunk last, just before [DONE]
+                problems.append(f"event {event} comes after the usage chunk")
             if len(choices or []) != 1:
                 problems.append(f"event {event} has {len(choices or [])} choices (one expected)")
                 continue
