@@ -215,6 +215,7 @@ def cached_baseline(tmp_path: Path, settings: RunSettings) -> BaselineCache:
         )
         answer = {  # what the fake pd answers, token for token
             "prompt_token_ids": [1, 2, 3],
+            "usage": {"prompt_tokens": 3, "completion_tokens": prompt.max_tokens},
             "choices": [
                 {
                     "finish_reason": "length",

@@ -102,10 +102,16 @@ def test_parse_recorded_body() -> None:
 
 
 def test_parse_cached_tokens_from_prompt_tokens_details() -> None:
-    body = body_with(usage={"prompt_tokens": 89, "prompt_tokens_details": {"cached_tokens": 64}})
+    body = body_with(
+        usage={
+            "prompt_tokens": 89,
+            "completion_tokens": 2,
+            "prompt_tokens_details": {"cached_tokens": 64},
+        }
+    )
     assert parse_chat_response(body).cached_tokens == 64
-    assert parse_chat_response(body_with(usage={"prompt_tokens": 8})).cached_tokens is None
-    assert parse_chat_response(body_with(usage=None)).cached_tokens is None
+    not_reported = {"prompt_tokens": 8, "completion_tokens": 2}
+    assert parse_chat_response(body_with(usage=not_reported)).cached_tokens is None
 
 
 def test_parse_without_logprobs() -> None:
@@ -190,6 +196,8 @@ def test_cached_tokens_of_another_shape_are_a_broken_answer(usage: object, probl
     as it was (to a TypeError in the guard), a float or a boolean compared as a count (True
     as 1), a list of details raised AttributeError, read like the harness's own crash. As
     the stream reader (harness/outcomes/stream.py): a broken answer naming the field."""
+    if isinstance(usage, dict):
+        usage = {"completion_tokens": 2, **usage}  # the count vLLM always reports
     with pytest.raises(ValueError, match=re.escape(f"the answer's {problem}")):
         parse_chat_response(body_with(usage=usage))
 
@@ -271,6 +279,23 @@ def test_usage_that_counts_other_ids_is_a_broken_answer(
         parse_chat_response(body)
 
 
+@pytest.mark.parametrize(
+    "usage",
+    [None, {"prompt_tokens": 8}, {"prompt_tokens": 8, "completion_tokens": None}],
+    ids=["no-usage", "no-count", "null-count"],
+)
+def test_an_answer_without_its_usage_count_is_a_broken_answer(usage: object) -> None:
+    """vLLM's unstreamed answer always carries usage with completion_tokens, an integer (its
+    ChatCompletionResponse requires usage; serving.py counts the generated ids into it), and
+    the count is what finds ids lost or added on the way. Found in review: an answer without
+    it (a relay that dropped it) was accepted unchecked."""
+    body = body_with(usage=usage)
+    if usage is None:
+        del body["usage"]
+    with pytest.raises(ValueError, match=re.escape("the answer's usage has no completion_tokens")):
+        parse_chat_response(body)
+
+
 @pytest.mark.parametrize("finish", [None, "abort", "error"])
 def test_an_unfinished_answer_is_refused(finish: str | None) -> None:
     """Found in review: an answer that did not finish (aborted, failed in the engine, or with
@@ -291,7 +316,9 @@ def test_logprob_token_must_be_a_token_id(label: str) -> None:
 
 
 def test_chat_result_json_round_trip() -> None:
-    result = parse_chat_response(body_with(usage={"prompt_tokens_details": {"cached_tokens": 5}}))
+    result = parse_chat_response(
+        body_with(usage={"completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 5}})
+    )
     data = result.to_json()
     assert data == {
         "prompt_token_ids": [151644, 872, 198, 151652, 151655, 151653, 3838, 374],

@@ -499,6 +499,7 @@ def response(prompt: list[int], tokens: list[int]) -> dict:
         "choices": [
             {"token_ids": tokens, "logprobs": {"content": content}, "finish_reason": "length"}
         ],
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(tokens)},
     }
 
 
@@ -631,6 +632,14 @@ def usage_of_other_ids(body: dict) -> None:
     body["usage"] = {"prompt_tokens": 3, "completion_tokens": 3}
 
 
+def no_usage(body: dict) -> None:
+    del body["usage"]
+
+
+def usage_without_count(body: dict) -> None:
+    body["usage"] = {"prompt_tokens": 3}
+
+
 @pytest.mark.parametrize(
     "mangle, problem",
     [
@@ -639,8 +648,18 @@ def usage_of_other_ids(body: dict) -> None:
         (fewer_log_probs, "log-probs are not of its ids: 4 token ids, 3 log-prob entries"),
         (log_probs_of_other_ids, "log-probs are not of its ids: entry 0 is of token 10"),
         (usage_of_other_ids, "usage counts 3 completion tokens, its token_ids 4"),
+        (no_usage, "the answer's usage has no completion_tokens"),
+        (usage_without_count, "the answer's usage has no completion_tokens"),
     ],
-    ids=["two-choices", "no-finish", "fewer-log-probs", "log-probs-of-others", "usage"],
+    ids=[
+        "two-choices",
+        "no-finish",
+        "fewer-log-probs",
+        "log-probs-of-others",
+        "usage",
+        "no-usage",
+        "usage-without-count",
+    ],
 )
 def test_check_calls_an_unstreamed_answer_the_harness_refuses_an_error(
     tmp_path: Path, monkeypatch, mangle, problem: str
@@ -689,6 +708,7 @@ def answer_body(tops: list[list[tuple[int, float]]], prompt: list[int]) -> dict[
         "choices": [
             {"token_ids": ids, "logprobs": {"content": content}, "finish_reason": "length"}
         ],
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)},
     }
 
 

@@ -322,6 +322,7 @@ def chat_answer(ids: list[int], tops: list[list[tuple[int, float]]]) -> dict[str
         "choices": [
             {"token_ids": ids, "logprobs": {"content": content}, "finish_reason": "length"}
         ],
+        "usage": {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": len(ids)},
     }
 
 

@@ -34,6 +34,7 @@ def fake_answer(max_tokens: int) -> dict:
     top = [{"token": f"token_id:{7 + i}", "logprob": -0.5} for i in range(max_tokens)]
     return {
         "prompt_token_ids": [1, 2, 3],
+        "usage": {"prompt_tokens": 3, "completion_tokens": max_tokens},
         "choices": [
             {
                 "finish_reason": "length",

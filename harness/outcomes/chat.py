@@ -183,11 +183,16 @@ def _check_logprobs_are_of(positions: list[PositionLogprobs], token_ids: tuple[i
 def _check_usage_counts(usage: Any, token_ids: tuple[int, ...]) -> None:
     """vLLM counts every generated id (EOS included) in `usage.completion_tokens`: another
     count than the answer's ids means ids lost or added on the way, as the stream reader
-    (harness.outcomes.stream) makes it a problem of a stream (ValueError; a usage without
-    the count is not checked)."""
+    (harness.outcomes.stream) makes it a problem of a stream (ValueError). vLLM's unstreamed
+    answer always carries the count (its ChatCompletionResponse requires usage, and
+    serving.py sets completion_tokens): an answer without it (a relay that dropped it) could
+    hide lost ids, and is refused too (found in review: it was accepted unchecked)."""
     counted = _optional_object(usage, "usage").get("completion_tokens")
     if counted is None:
-        return
+        raise ValueError(
+            "the answer's usage has no completion_tokens (vLLM always counts the generated "
+            "ids there): its ids cannot be checked whole"
+        )
     if not isinstance(counted, int) or isinstance(counted, bool):
         raise ValueError(
             f"the answer's usage.completion_tokens is {json.dumps(counted)[:120]}, not an integer"

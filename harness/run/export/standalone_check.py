@@ -53,7 +53,7 @@ Exit codes:
   not pass included), or a probe answered;
 - 2: an error: an HTTP error, a timeout, an answer without token ids, an unstreamed answer
   the harness refuses as broken (several choices, no finish_reason, log-probs not of its
-  ids, a usage counting other ids), an instance that died
+  ids, a usage counting other ids or none), an instance that died
   (named, with the error lines of its log and its last lines), an earlier request
   (`before/`) that got no answer, the case's request then not sent, or check.py could not
   run at all (an expected.json whose `noise_floor_nats` is no measured floor among the
@@ -700,7 +700,8 @@ def unstreamed_refusal(response: Any) -> str | None:
     judged (its harness/outcomes/chat.py parse_chat_response: an ERROR), or None: several
     choices (one would be judged for all), no finish_reason (vLLM always ends an answer with
     one), log-probs that are not one per generated id, each of that id, or a usage that
-    counts other ids than the answer's. What compare_tokens reads (the ids) it judges."""
+    counts other ids than the answer's or none (vLLM always counts them). What
+    compare_tokens reads (the ids) it judges."""
     try:
         choices = response["choices"]
         choice = choices[0]
@@ -728,7 +729,12 @@ def unstreamed_refusal(response: Any) -> str | None:
             )
     usage = response.get("usage")
     counted = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    if counted is not None and counted != len(token_ids):
+    if counted is None:  # vLLM always counts them: ids lost on the way would go unseen
+        return (
+            "the answer's usage has no completion_tokens (vLLM always counts the generated "
+            "ids there): its ids cannot be checked whole"
+        )
+    if counted != len(token_ids):
         return (
             f"the answer's usage counts {counted} completion tokens, its token_ids {len(token_ids)}"
         )
