@@ -632,6 +632,26 @@ def usage_of_other_ids(body: dict) -> None:
     body["usage"] = {"prompt_tokens": 3, "completion_tokens": 3}
 
 
+def content_not_a_string(body: dict) -> None:
+    body["choices"][0]["message"] = {"role": "assistant", "content": 5}
+
+
+def message_not_an_object(body: dict) -> None:
+    body["choices"][0]["message"] = "hi"
+
+
+def finish_not_a_string(body: dict) -> None:
+    body["choices"][0]["finish_reason"] = 5
+
+
+def cached_tokens_not_an_integer(body: dict) -> None:
+    body["usage"]["prompt_tokens_details"] = {"cached_tokens": "3"}
+
+
+def top_log_probs_not_of_token_ids(body: dict) -> None:
+    body["choices"][0]["logprobs"]["content"][0]["top_logprobs"] = [{"token": "hi", "logprob": -1}]
+
+
 def no_usage(body: dict) -> None:
     del body["usage"]
 
@@ -650,6 +670,11 @@ def usage_without_count(body: dict) -> None:
         (usage_of_other_ids, "usage counts 3 completion tokens, its token_ids 4"),
         (no_usage, "the answer's usage has no completion_tokens"),
         (usage_without_count, "the answer's usage has no completion_tokens"),
+        (content_not_a_string, "the answer's choices[0].message.content is 5, not a string"),
+        (message_not_an_object, 'the answer\'s choices[0].message is "hi", not an object'),
+        (finish_not_a_string, "the answer's choices[0].finish_reason is 5, not a string"),
+        (cached_tokens_not_an_integer, 'cached_tokens is "3", not an integer'),
+        (top_log_probs_not_of_token_ids, "choices[0].logprobs.content[0] is {"),
     ],
     ids=[
         "two-choices",
@@ -659,6 +684,11 @@ def usage_without_count(body: dict) -> None:
         "usage",
         "no-usage",
         "usage-without-count",
+        "content-number",
+        "message-string",
+        "finish-number",
+        "cached-string",
+        "top-log-probs-not-ids",
     ],
 )
 def test_check_calls_an_unstreamed_answer_the_harness_refuses_an_error(

@@ -721,6 +721,11 @@ def unstreamed_refusal(response: Any) -> str | None:
             f"{len(entries)} log-prob entries"
         )
     for index, (entry, token_id) in enumerate(zip(entries, token_ids)):
+        if isinstance(entry, dict) and entry.get("token") and not readable_logprob(entry):
+            return (
+                f"the answer's choices[0].logprobs.content[{index}] is {shown(entry)}, not a "
+                "log-prob entry of token_id:N tokens"
+            )
         token = entry.get("token") if isinstance(entry, dict) else None
         if token != f"token_id:{token_id}":
             return (
@@ -737,6 +742,33 @@ def unstreamed_refusal(response: Any) -> str | None:
     if counted != len(token_ids):
         return (
             f"the answer's usage counts {counted} completion tokens, its token_ids {len(token_ids)}"
+        )
+    return unstreamed_shape_refusal(choice, usage)
+
+
+def unstreamed_shape_refusal(choice: dict[str, Any], usage: dict[str, Any]) -> str | None:
+    """Why the harness refuses an unstreamed answer whose fields beside the ids have another
+    shape than vLLM's (its parse_chat_response and cached_tokens: a message that is no
+    object, a content or finish_reason that is no string, a cached_tokens count that is no
+    integer), or None. Found in review: check.py judged the ids alone, a MATCH where the
+    harness says ERROR."""
+    message = choice.get("message")
+    if message is not None and not isinstance(message, dict):
+        return f"the answer's choices[0].message is {shown(message)}, not an object"
+    for name, value in (
+        ("message.content", (message or {}).get("content")),
+        ("finish_reason", choice.get("finish_reason")),
+    ):
+        if value is not None and not isinstance(value, str):
+            return f"the answer's choices[0].{name} is {shown(value)}, not a string"
+    details = usage.get("prompt_tokens_details")
+    if details is not None and not isinstance(details, dict):
+        return f"the answer's usage.prompt_tokens_details is {shown(details)}, not an object"
+    cached = (details or {}).get("cached_tokens")
+    if cached is not None and (not isinstance(cached, int) or isinstance(cached, bool)):
+        return (
+            "the answer's usage.prompt_tokens_details.cached_tokens is "
+            f"{shown(cached)}, not an integer"
         )
     return None
 
