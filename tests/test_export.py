@@ -869,7 +869,8 @@ def stream_chunks(prompt: list[int], tokens: list[int]) -> list[dict]:
         for i, t in enumerate(tokens)
     ]
     chunks[-1]["choices"][0]["finish_reason"] = "length"
-    chunks.append({"choices": [], "usage": {"completion_tokens": len(tokens)}})
+    usage = {"prompt_tokens": len(prompt), "completion_tokens": len(tokens)}
+    chunks.append({"choices": [], "usage": usage})
     return chunks
 
 
@@ -1059,6 +1060,23 @@ def stream_usage_twice(chunks: list[dict]) -> None:
     chunks.append(dict(chunks[-1]))
 
 
+def stream_chunk_after_the_finish(chunks: list[dict]) -> None:
+    chunks[-3]["choices"][0]["finish_reason"] = chunks[-2]["choices"][0].pop("finish_reason")
+
+
+def stream_of_two_completions(chunks: list[dict]) -> None:
+    for number, chunk in enumerate(chunks):
+        chunk["id"] = "chatcmpl-a" if number < 2 else "chatcmpl-b"
+
+
+def stream_usage_of_another_prompt(chunks: list[dict]) -> None:
+    chunks[-1]["usage"]["prompt_tokens"] = 2
+
+
+def stream_cached_tokens_not_an_integer(chunks: list[dict]) -> None:
+    chunks[-1]["usage"]["prompt_tokens_details"] = {"cached_tokens": "3"}
+
+
 def stream_role_again(chunks: list[dict]) -> None:
     chunks[1]["choices"][0]["delta"] = {"role": "a"}
 
@@ -1088,6 +1106,10 @@ def stream_role_later(chunks: list[dict]) -> None:
         (stream_of_two_choices_interleaved, "event 3: choices[0].index is 1, not 0"),
         (stream_usage_before_the_last_token, "event 6 comes after the usage chunk"),
         (stream_usage_twice, "event 7 is a second usage chunk"),
+        (stream_chunk_after_the_finish, "event 5 comes after finish_reason"),
+        (stream_of_two_completions, "chunks of 2 completions"),
+        (stream_usage_of_another_prompt, "usage counts 2 prompt tokens, the stream's prompt"),
+        (stream_cached_tokens_not_an_integer, 'cached_tokens is "3", not an integer'),
     ],
     ids=[
         "no-finish",
@@ -1103,6 +1125,10 @@ def stream_role_later(chunks: list[dict]) -> None:
         "two-choices-interleaved",
         "usage-early",
         "usage-twice",
+        "after-finish",
+        "two-completions",
+        "usage-of-another-prompt",
+        "cached-string",
     ],
 )
 def test_check_calls_a_stream_the_harness_finds_framed_wrong_a_difference(
@@ -1118,6 +1144,20 @@ def test_check_calls_a_stream_the_harness_finds_framed_wrong_a_difference(
     verdict, code, detail = judged_stream(events(*chunks), tmp_path)
     assert (verdict, code) == ("MISMATCH", 1), detail
     assert problem in detail
+
+
+def test_check_calls_a_stream_whose_last_event_is_unterminated_a_difference(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The harness keeps an event the stream ends without its blank line as a framing problem
+    (an SSE client, the openai one among them, drops it: here the [DONE]); check.py read
+    the text line by line, and called the stream whole, a MATCH."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    text = streamed([1, 2, 3], [7, 8, 9, 10])
+    assert judged_stream(text, tmp_path)[:2] == ("MATCH", 0)
+    verdict, code, detail = judged_stream(text.removesuffix("\n\n"), tmp_path)
+    assert (verdict, code) == ("MISMATCH", 1), detail
+    assert "without the blank line that ends an event" in detail
 
 
 def test_check_calls_a_malformed_chunk_among_whole_ones_a_mismatch_not_a_match(
@@ -1195,7 +1235,8 @@ def test_check_says_drift_does_not_apply_to_a_stream_whose_framing_is_broken(
         for t, entry in zip(choice["token_ids"], choice["logprobs"]["content"])
     ]
     chunks[-1]["choices"][0]["finish_reason"] = "length"
-    chunks.append({"choices": [], "usage": {"completion_tokens": len(choice["token_ids"])}})
+    usage = {"prompt_tokens": 3, "completion_tokens": len(choice["token_ids"])}
+    chunks.append({"choices": [], "usage": usage})
 
     def judged(text: str) -> tuple[str, int, str]:
         sent = check.Answer("http://x/v1/chat/completions", 200, text, 0.1)

@@ -484,15 +484,18 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
     of another shape than vLLM sends (a null choice, ids that are not integers, other than
     one choice, a choice index other than 0), which is named by its event and not read, as the harness's reader does,
     log-probs not of a chunk's ids, other than one finish_reason, no usage chunk or one
-    counting other ids, a chunk after the usage chunk or a second one, prompt ids or the
-    role on another chunk than the first, other than one role chunk; (answer, None) for a
-    whole one."""
+    counting other ids or another prompt, a chunk after the usage chunk or a second one, a
+    chunk after the finish_reason, chunks of several completions (`id`s), a cached_tokens
+    that is no integer, prompt ids or the role on another chunk than the first, other than
+    one role chunk, a last event without its blank line; (answer, None) for a whole one."""
     prompt_ids: list[int] | None = None
     token_ids: list[int] = []
     content: list[Any] = []
     finish_reason: str | None = None
     finishes = 0  # chunks that carried a finish_reason
     roles = 0  # chunks whose delta carried a role
+    completions: list[str] = []  # the chunks' distinct `id`s: one completion's, in vLLM
+    prompt_counted: Any = None  # the usage chunk's prompt_tokens
     counted: list[Any] = []  # the usage chunks' completion_tokens
     objects = 0  # events read as JSON objects: chunks
     problems: list[str] = []
@@ -522,6 +525,8 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
         if "error" in chunk:
             return None, f"the stream reported an error: {json.dumps(chunk['error'])[:600]}"
         objects += 1
+        if isinstance(chunk.get("id"), str) and chunk["id"] not in completions:
+            completions.append(chunk["id"])
         try:
             if chunk.get("prompt_token_ids") is not None:
                 if prompt_ids is not None:
@@ -543,6 +548,8 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
                 if counted:
                     problems.append(f"event {event} is a second usage chunk")
                 counted.append(chunk["usage"].get("completion_tokens"))
+                prompt_counted = chunk["usage"].get("prompt_tokens")
+                problems += usage_shape_problems(event, chunk["usage"])
                 continue
             if counted:  # vLLM sends the usage chunk last, just before [DONE]
                 problems.append(f"event {event} comes after the usage chunk")
@@ -557,6 +564,8 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
             roles += 1
             if objects != 1:  # vLLM sends the role once, on the first chunk
                 problems.append(f"event {event} carries the role, not the first chunk")
+        if finishes:  # vLLM ends a choice's chunks with its finish_reason
+            problems.append(f"event {event} comes after finish_reason")
         problems += chunk_log_prob_problems(event, ids, entries)
         token_ids += ids
         content += entries
@@ -578,6 +587,19 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
         problems.append("the stream ended without [DONE]")
     if roles != 1:
         problems.append(f"{roles} role chunks (one expected)")
+    if len(completions) > 1:
+        problems.append(f"chunks of {len(completions)} completions: {completions[:4]}")
+    if counted and prompt_counted != len(prompt_ids):
+        problems.append(
+            f"usage counts {prompt_counted} prompt tokens, the stream's prompt_token_ids "
+            f"{len(prompt_ids)}"
+        )
+    unterminated = text.replace("\r\n", "\n").split("\n\n")[-1]
+    if any(line.startswith("data:") for line in unterminated.split("\n")):
+        problems.append(
+            "the stream's last event ends without the blank line that ends an event (an SSE "
+            "client drops it)"
+        )
     if finishes != 1:
         problems.append(f"{finishes} finish_reason(s) (one expected)")
     if not counted:
@@ -588,6 +610,21 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
             f"{len(token_ids)} token ids"
         )
     return answer, "; ".join(problems) or None
+
+
+def usage_shape_problems(event: int, usage: dict[str, Any]) -> list[str]:
+    """The usage chunk's cached_tokens must be an integer, as the harness's stream reader
+    requires (the KV guard's evidence)."""
+    details = usage.get("prompt_tokens_details")
+    if details is not None and not isinstance(details, dict):
+        return [f"event {event}: usage.prompt_tokens_details is {shown(details)}, not an object"]
+    cached = (details or {}).get("cached_tokens")
+    if cached is not None and (not isinstance(cached, int) or isinstance(cached, bool)):
+        return [
+            f"event {event}: usage.prompt_tokens_details.cached_tokens is {shown(cached)}, "
+            "not an integer"
+        ]
+    return []
 
 
 def chunk_log_prob_problems(event: int, ids: list[int], entries: list[Any]) -> list[str]:
