@@ -302,10 +302,21 @@ def test_the_space_follows_the_release_and_the_flags() -> None:
     old = space_for(GENERATIONS_BY_NAME["ec-items-report-only"], topology, serving)
     assert not old.media and old.max_images == 0 and old.notes
     by_hash = space_for(GENERATIONS_BY_NAME["by-hash"], topology, serving)
-    assert by_hash.media and not by_hash.media_kwargs
+    assert by_hash.media and by_hash.media_kwargs  # 0.30 needs no trust flag (below)
     untrusted = space_for(NEWEST, topology, ServingConfig(model="m", trust_request_mm_kwargs=False))
     assert not untrusted.media_kwargs
     assert space_for(GENERATIONS_BY_NAME["raw-media"], TOPOLOGIES["1P+1D"], serving).media
+
+
+def test_the_space_draws_media_kwargs_on_0_30_which_takes_them_without_a_trust_flag() -> None:
+    """0.30 (by-hash) accepts per-request media kwargs with no flag (it has none) and keys the
+    encoder's cache with them, as its kwargs scenarios show; the space turned them off there
+    for lacking a --trust-request-mm-kwargs that only 0.31+ needs (found in review)."""
+    topology = TOPOLOGIES["1E+1PD"]
+    by_hash = space_for(GENERATIONS_BY_NAME["by-hash"], topology, ServingConfig(model="m"))
+    assert by_hash.media_kwargs, by_hash.notes
+    untrusted = ServingConfig(model="m", trust_request_mm_kwargs=False)
+    assert space_for(GENERATIONS_BY_NAME["by-hash"], topology, untrusted).media_kwargs
 
 
 def test_prompt_specs_survive_json() -> None:

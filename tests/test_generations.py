@@ -168,6 +168,15 @@ def test_0_30_per_request_kwargs_reach_the_encoders_cache_key() -> None:
     assert not GENERATIONS_BY_NAME["by-hash"].has_trust_request_mm_kwargs_flag
 
 
+def test_only_releases_with_the_trust_flag_refuse_untrusted_media_kwargs() -> None:
+    """0.31+ answer per-request media kwargs with a 400 unless started trusted; older releases
+    have no such check (0.30 keys the encoder's cache with them all the same)."""
+    for generation in GENERATIONS:
+        assert generation.accepts_request_media_kwargs(trusted=True), generation.name
+        untrusted = generation.accepts_request_media_kwargs(trusted=False)
+        assert untrusted is not generation.has_trust_request_mm_kwargs_flag, generation.name
+
+
 def test_extra_fields_that_are_not_media_kwargs_apply_on_every_generation() -> None:
     """Only mm_processor_kwargs / media_io_kwargs depend on `per_request_media_kwargs`: a
     prompt whose extra fields are a cache salt or a token count (a fuzz-saved scenario, a

@@ -94,6 +94,13 @@ class ProtocolGeneration:
     # media are encoded).
     encoder_max_tokens: int | None = None
 
+    def accepts_request_media_kwargs(self, trusted: bool) -> bool:
+        """Whether its instances, rendered with `ServingConfig.trust_request_mm_kwargs` =
+        `trusted`, take a request's mm_processor_kwargs / media_io_kwargs at all: 0.31+ refuse
+        them with a 400 unless started with the flag; older releases have no such check (0.30
+        keys the encoder's cache with them, `per_request_media_kwargs`, with no flag)."""
+        return trusted or not self.has_trust_request_mm_kwargs_flag
+
     def covers(self, version: Version) -> bool:
         return self.first <= version and (self.until is None or version < self.until)
 

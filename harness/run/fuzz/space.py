@@ -61,13 +61,13 @@ def space_for(
     media = _allowed(generation, topology, image, notes)
     videos = media and _allowed(generation, topology, video, notes)
     media_kwargs = media and _allowed(generation, topology, kwargs, notes)
-    if media_kwargs and not (
-        serving.trust_request_mm_kwargs and generation.has_trust_request_mm_kwargs_flag
+    if media_kwargs and not generation.accepts_request_media_kwargs(
+        serving.trust_request_mm_kwargs
     ):
         media_kwargs = False
         notes.append(
-            "per-request media kwargs: the instances are not started with "
-            "--trust-request-mm-kwargs (the release lacks the flag, or the run turned it off)"
+            "per-request media kwargs: the release refuses them unless trusted, and the run "
+            "turned --trust-request-mm-kwargs off"
         )
     return FuzzSpace(
         block_size=serving.block_size,
