@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,8 @@ from harness.errors import BadInput
 from harness.judge.records import EXACT, LOGPROB_CLOSE, Verdict
 from harness.judge.verdicts import not_applicable_case
 from harness.outcomes.outcome import Outcome
+from harness.run.export.reference import rendered_commands
+from harness.run.repro import Bundle
 from harness.serve.proxy_protocol import (
     EncoderAnswerError,
     EncoderBatch,
@@ -451,3 +455,26 @@ def test_a_topology_whose_every_case_is_not_applicable_is_not_started(tmp_path: 
     assert started("image", "video") >= {"1P+1D"}
     assert not started("image", "video") & {"1E+1PD", "1E+1P+1D"}
     assert started("text", "image") >= {"1E+1PD", "1E+1P+1D", "1P+1D"}
+
+
+@pytest.mark.parametrize("version", ["0.32.0+cpu", "unknown"])
+def test_an_export_renders_the_reference_in_the_protocol_the_run_spoke(
+    tmp_path: Path, version: str
+) -> None:
+    """An export renders the commands of a reference the run recorded none of (a baseline from
+    the cache) for the run's release; under `--protocol ec-items` (or an unreadable version,
+    which speaks the newest) the run's instances had 0.29's flags, and the reference must too:
+    rendered by the served version instead, it had 0.31's --trust-request-mm-kwargs and no
+    --enable-mm-embeds, and a version of "unknown" failed the export (found in review)."""
+    serving = serving_for(CPU, "/models/tiny")
+    run = {
+        "serving": json.loads(json.dumps(dataclasses.asdict(serving))),
+        "platform_profile": "cpu",
+        "devices": [0, 1],
+        "served_vllm": {"version": version},
+        "protocol": GENERATIONS_BY_NAME["ec-items"].to_json(),
+    }
+    bundle = Bundle(path=tmp_path, run=run, requests={}, cases=[])
+    for name, command in rendered_commands(bundle, "1P+1D"):
+        assert "--trust-request-mm-kwargs" not in command["argv"], name
+        assert "--enable-mm-embeds" in command["argv"], name

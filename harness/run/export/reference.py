@@ -22,7 +22,7 @@ from harness.run.export.servers import (
 from harness.run.export.shell import Var
 from harness.run.repro import Bundle, ReproCase
 from harness.serve.session import safe_name
-from harness.spec.generations import generation_for
+from harness.spec.generations import NEWEST, ProtocolGeneration, generation_for
 from harness.spec.placement import place_instances, side_channel_port_count
 from harness.spec.platforms import get_platform
 from harness.spec.topology import BASELINE, Role, get_topology
@@ -131,8 +131,17 @@ def rendered_commands(bundle: Bundle, topology_name: str) -> list[tuple[str, dic
             FIRST_SIDE_CHANNEL_PORT + 50 + i
             for i in range(side_channel_port_count(topology, serving))
         ],
-        generation=generation_for(version).generation,
+        generation=spoken_generation(bundle, version),
     )
     return [
         (spec.name.rsplit("/", 1)[-1], {"argv": spec.argv(), "env": spec.env()}) for spec in specs
     ]
+
+
+def spoken_generation(bundle: Bundle, version: str) -> ProtocolGeneration:
+    """The protocol generation the run's instances were rendered for: the one run.json records
+    (`--protocol` may have chosen another than the release's), else the release's; the newest
+    for a version that could not be read, as the run spoke (`served_generation`)."""
+    if bundle.protocol is not None:
+        return bundle.protocol
+    return NEWEST if version == "unknown" else generation_for(version).generation
