@@ -458,3 +458,12 @@ def test_nixl_missing_on_a_gpu_names_the_nixl_the_served_vllm_declares(monkeypat
     on_cpu = refusal_on(CPU, monkeypatch)
     assert "install it with scripts/cpu setup --nixl" in on_cpu
     assert "upstream-requirement" not in on_cpu
+
+
+def test_a_connector_record_is_frozen_all_through() -> None:
+    """The connectors are module-wide records every run shares: a frozen dataclass whose NIXL
+    extra config was a dict could be changed in place for every later run, and could not be
+    hashed as its frozen form promises (found in review)."""
+    for connector in (EXAMPLE, NIXL):
+        hash(connector)
+    assert dict(NIXL.cpu_extra_config) == {"kv_lease_duration": 300}

