@@ -19,6 +19,7 @@ from harness.judge.policy import PD_DRIFT
 from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
 from harness.outcomes.stream import StreamRecord
+from harness.provenance import harness_source
 from harness.report import bundle as bundle_module
 from harness.report.bundle import (
     REDACTED,
@@ -227,6 +228,8 @@ def test_run_json_records_versions_model_config_and_instances(run_dir, model_dir
         "version": importlib.metadata.version("epd-harness"),
     }
     assert set(info["harness_packages"]) == {"vllm", "torch", "transformers", "harness"}
+    # The version above is the same at every commit: the commit says which harness judged.
+    assert info["harness_source"] == harness_source()
     assert info["python"] and info["platform"] and info["hostname"]
     assert info["model"] == {"dir": str(model_dir), "digest": model_digest(model_dir)}
     serving = dataclasses.asdict(ServingConfig(model=str(model_dir)))

@@ -33,6 +33,7 @@ from fixtures.checkpoint_digest import model_digest
 from harness.devices import host_cpu, run_devices
 from harness.files import write_text_atomic
 from harness.judge.records import CaseRecord
+from harness.provenance import harness_source
 from harness.redact import MIN_SCRUBBED_LEN, REDACTED, redact_argv, redact_env, secret_values
 from harness.report.html import strip_ansi, write_report_html
 from harness.report.text import drift_summary, format_failure, purpose_line, run_problems
@@ -208,6 +209,8 @@ def collect_run_info(
         "served_vllm": dataclasses.asdict(settings.vllm),
         # The harness's own interpreter; differs from served_vllm whenever --vllm points elsewhere.
         "harness_packages": package_versions(),
+        # The harness's own code: its package version is the same at every commit.
+        "harness_source": harness_source(),
         "python": sys.version,
         "platform": platform.platform(),
         "cpu": host_cpu(),
