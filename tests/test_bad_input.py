@@ -815,6 +815,41 @@ def test_vllm_parser_refuses_a_rendered_flag(
     assert_one_error_line(code, err, cause)
 
 
+@pytest.mark.xdist_group(served_parser.XDIST_GROUP)
+def test_repro_of_a_bundle_whose_extra_args_the_served_parser_refuses(
+    epd_cli, served_vllm_parser: served_parser.ServedParser, tmp_path: Path, vllm: Path, monkeypatch
+) -> None:
+    """repro started the bundle's command lines, its `extra_args` too, unjudged: a flag the
+    vLLM serving now does not know (the bundle made under another --vllm, or edited) got as
+    far as starting the baseline (found in review). The served vLLM's own parser judges them
+    first, as for `run` (its verdicts from the session's one probe of it)."""
+    monkeypatch.setenv(environment.ARGV_CHECK_DIR_ENV, str(tmp_path / "argv-check"))
+    monkeypatch.setattr(vllm_args, "_run_probe", served_vllm_parser.probe)
+    monkeypatch.setattr(resources, "available_cpu_cores", lambda: (0, 1))
+    bundle = write_bundle(tmp_path / "b", topology="1P+1D", proxy_kind="harness")
+    run = json.loads((bundle / "run.json").read_text())
+    run["serving"]["extra_args"] = [served_parser.BUNDLE_FLAG]
+    (bundle / "run.json").write_text(json.dumps(run))
+    code, err = shown_cli(
+        epd_cli,
+        tmp_path,
+        "repro",
+        bundle,
+        "--devices",
+        "0,1",
+        "--run-dir",
+        tmp_path / "r",
+        hidden=("--vllm", vllm),
+    )
+    assert_one_error_line(
+        code,
+        err,
+        "baseline/baseline0: the served vLLM's own parser refuses its command line: "
+        f"unrecognized arguments: {served_parser.BUNDLE_FLAG}",
+    )
+    assert not list((tmp_path / "r").rglob("*.log")), "an instance was started"
+
+
 def test_bfloat16_on_gpus_below_compute_capability_8(bad_run: BadRun, tmp_path: Path, monkeypatch):
     """A T4 / V100 box: vLLM refuses bfloat16 there only once each instance has started."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

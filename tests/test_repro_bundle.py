@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.preflight.vllm_args import ArgvCheck
 from harness.run.repro import Bundle, BundleError
 from harness.spec.settings import LauncherChoice
 from harness.spec.topology import ServingConfig
@@ -149,6 +150,12 @@ class ClosedSweep:
         @staticmethod
         def close() -> None:
             pass
+
+
+def every_line_taken(*_args: object) -> ArgvCheck:
+    """The served parser's check of a CLI test whose vLLM is only a name ("/v"), with no
+    interpreter to parse with: every line taken (the check itself: test_bad_input.py)."""
+    return ArgvCheck("vllm 0.32.0+cpu (stand-in)", (), judged=0, seconds=0.0)
 
 
 def rerun_bundle(root: Path, label: str, **run: object) -> Path:
@@ -345,6 +352,7 @@ def test_repro_prints_the_first_divergence_of_the_case_it_reran(
 
     monkeypatch.setattr(cli, "probe_served_vllm", lambda vllm: ServedVllm(vllm, "0.32.0+cpu"))
     monkeypatch.setattr(cli, "proxy_choice", lambda *args: None)
+    monkeypatch.setattr(cli, "check_repro_argvs", every_line_taken)
     monkeypatch.setattr(cli, "reproduce", rerun)
     assert cli.main(["repro", str(root), "--vllm", "/v"]) == 0
     out = capsys.readouterr().out
@@ -813,6 +821,7 @@ def test_repro_exits_1_when_the_stage_was_not_set(
 
     monkeypatch.setattr(cli, "probe_served_vllm", lambda vllm: ServedVllm(vllm, "0.32.0+cpu"))
     monkeypatch.setattr(cli, "proxy_choice", lambda *args: None)
+    monkeypatch.setattr(cli, "check_repro_argvs", every_line_taken)
     monkeypatch.setattr(cli, "reproduce", rerun)
     assert record.verdict.value == "ERROR"
     assert cli.main(["repro", str(root), "--vllm", "/v"]) == code
@@ -849,6 +858,7 @@ def rerun_against(
 
     monkeypatch.setattr(cli, "probe_served_vllm", lambda vllm: ServedVllm(vllm, "0.32.0+cpu"))
     monkeypatch.setattr(cli, "proxy_choice", lambda *args: None)
+    monkeypatch.setattr(cli, "check_repro_argvs", every_line_taken)
     monkeypatch.setattr(cli, "reproduce", rerun)
     code = cli.main(["repro", str(root), "--vllm", "/v"])
     return code

@@ -150,3 +150,7 @@ def test_an_earlier_request_without_an_answer_leaves_the_case_unsent_not_reprodu
     )
     responses = json.loads((tmp_path / "again/responses.json").read_text())
     assert responses["stage:1E+1PD"][EARLIER[0]]["error"]
+    # Its command lines were judged by the served vLLM's own parser first, recorded as `run`
+    # records it.
+    check = json.loads((tmp_path / "again/run.json").read_text())["argv_check"]
+    assert check["instances"] == ["baseline/baseline0", "1E+1PD/encoder0", "1E+1PD/pd0"], check

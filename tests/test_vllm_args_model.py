@@ -145,7 +145,6 @@ def test_a_line_marked_accepted_in_the_users_cache_cannot_let_a_refused_one_thro
     """A line the user's cache marks accepted (a session whose parser took it, or a hand) was
     accepted without a probe: the refusal tests passed or failed for the cache's reasons. Here
     the planted flag's lines are marked there, as the harness itself marks lines."""
-    from harness.preflight import config
     from harness.spec import instances
 
     users, request = users_cache_stand_in(tmp_path, monkeypatch)
@@ -157,7 +156,7 @@ def test_a_line_marked_accepted_in_the_users_cache_cannot_let_a_refused_one_thro
         raise BadInput("recorded")
 
     with monkeypatch.context() as patch:
-        patch.setattr(config, "check_serve_argvs", record)
+        patch.setattr(vllm_args, "check_serve_argvs", record)
         with pytest.raises(BadInput, match="recorded"):
             prepare_run(request)
     ((argvs, interpreter, version),) = rendered

@@ -71,6 +71,7 @@ from harness.preflight.files import (
 from harness.preflight.model import resolve_model
 from harness.preflight.upstream_proxy import proxy_choice
 from harness.preflight.vllm import default_vllm_executable, probe_served_vllm
+from harness.preflight.vllm_args import ArgvCheck, check_served_argvs, serve_argvs
 from harness.report.text import format_failure, format_verdict_table, purpose_line
 from harness.run.faults.spec import FAULT_NAMES, FAULT_SYNTAX, GRADED_FAULTS
 from harness.run.matrix import MatrixRun
@@ -83,6 +84,7 @@ from harness.run.repro import (
     parted_elsewhere,
     repro_line,
     reproduce,
+    serving_protocol,
 )
 from harness.run.scenarios import MATRIX, Scenario
 from harness.run.sweep import Sweep, SweepSpec
@@ -93,7 +95,7 @@ from harness.serve.signal_handlers import install_signal_handlers, restore_signa
 from harness.spec.placement import TooFewDevices, schedule
 from harness.spec.platforms import DevicePlanError, get_platform, parse_devices
 from harness.spec.prompts import SKELETON_PROMPTS, requested_tokens
-from harness.spec.settings import ATTACH_PROXY, RAY_LAUNCHER
+from harness.spec.settings import ATTACH_PROXY, RAY_LAUNCHER, ServedVllm
 from harness.spec.topology import TOPOLOGIES, get_topology
 
 log = logging.getLogger("harness")
@@ -383,6 +385,7 @@ def command_repro(args: argparse.Namespace) -> int:
                 asked=REPRO_ASKED_FLOAT16,
                 remedy=REPRO_NOT_FLOAT16_REMEDY,
             )
+        argv_check = check_repro_argvs(bundle, args.case, served, devices, args.colocate)
         proxy = proxy_choice(
             bundle.proxy_kind,
             bundle.vllm_source,
@@ -400,6 +403,7 @@ def command_repro(args: argparse.Namespace) -> int:
             args.progress.on_event,
             devices=devices,
             colocate=args.colocate,
+            argv_check=argv_check.to_json(),
         )
     except BundleError as exc:
         raise BadInput(str(exc)) from None
@@ -450,6 +454,29 @@ def refuse_too_few_devices(
             f"{exc}; rerun it on more with --devices, or let its instances share them "
             "with --colocate"
         ) from None
+
+
+def check_repro_argvs(
+    bundle: Bundle,
+    wanted: str | None,
+    served: ServedVllm,
+    devices: tuple[int, ...] | None,
+    colocate: bool,
+) -> ArgvCheck:
+    """The rerun's command lines (the baseline's, the case's topology's and its exact
+    reference's, the bundle's `extra_args` last), judged by the served vLLM's own parser before
+    anything starts, as `run` judges its own: a bundle made under another --vllm, or edited,
+    started its instances unjudged, and a flag the release serving now lacks was an instance
+    that died at start-up, a baseline later (found in review)."""
+    argvs = serve_argvs(
+        (get_topology(bundle.pick_case(wanted).topology),),
+        bundle.serving(),
+        get_platform(bundle.platform),
+        devices or bundle.devices,
+        colocate or bundle.colocate,
+        serving_protocol(bundle, served),
+    )
+    return check_served_argvs(argvs, served)
 
 
 def command_list(_args: argparse.Namespace) -> int:

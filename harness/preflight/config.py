@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.devices import host_cpuinfo, smi_gpu_indices
-from harness.environment import argv_check_dir, cache_dir, port_range
+from harness.environment import cache_dir, port_range
 from harness.errors import BadInput
 from harness.files import fresh_run_dir
 from harness.judge.policy import REFERENCE_POLICIES
@@ -41,10 +41,9 @@ from harness.preflight.vllm import (
     check_cpu_build,
     check_vllm,
     default_vllm_executable,
-    interpreter_of,
     served_generation,
 )
-from harness.preflight.vllm_args import check_serve_argvs, serve_argvs
+from harness.preflight.vllm_args import check_served_argvs, serve_argvs
 from harness.run.baseline_cache import BaselineCache
 from harness.run.faults.spec import (
     KV_FAULTS,
@@ -442,14 +441,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         )
     except TooFewDevices as exc:
         raise resources.too_few_devices(exc, launched) from None
-    argv_check = check_serve_argvs(
-        argvs,
-        interpreter_of(served.executable),
-        served.version,
-        # An editable install whose code cannot be identified: its verdicts are not kept.
-        None if served.cache_refusal else argv_check_dir(),
-        code=served.source_state,
-    )
+    argv_check = check_served_argvs(argvs, served)
     settings = RunSettings(
         serving=serving,
         run_dir=run_dir,

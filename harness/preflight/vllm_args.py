@@ -33,9 +33,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.environment import argv_check_dir
 from harness.errors import BadInput
 from harness.files import write_text_atomic
 from harness.preflight.files import one_line
+from harness.preflight.vllm import interpreter_of
 from harness.spec.generations import ProtocolGeneration
 from harness.spec.instances import (
     PLACEHOLDER_MEDIA,
@@ -45,6 +47,7 @@ from harness.spec.instances import (
 )
 from harness.spec.placement import place_instances, schedule, side_channel_port_count
 from harness.spec.platforms import PlatformProfile
+from harness.spec.settings import ServedVllm
 from harness.spec.topology import TOPOLOGIES, ServingConfig, Topology, ordered_topologies
 
 PARSE_TIMEOUT_S = 600.0  # importing vLLM on a loaded 2-core machine took 40 s
@@ -154,6 +157,20 @@ def serve_argvs(
             )
             argvs.update({spec.name: spec.argv("vllm")[1:] for spec in specs})
     return argvs
+
+
+def check_served_argvs(argvs: dict[str, list[str]], served: ServedVllm) -> ArgvCheck:
+    """`check_serve_argvs` by `served`'s own parser (the interpreter on its `#!` line), its
+    accepted lines kept where every command keeps them (`argv_check_dir`); an editable install
+    whose code cannot be identified keeps none. One place for `run` (and load, fuzz) and
+    `repro`, so that a line one accepted is never judged otherwise by the other."""
+    return check_serve_argvs(
+        argvs,
+        interpreter_of(served.executable),
+        served.version,
+        None if served.cache_refusal else argv_check_dir(),
+        code=served.source_state,
+    )
 
 
 def check_serve_argvs(

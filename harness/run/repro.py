@@ -667,12 +667,15 @@ def reproduce(
     on_event: EventCallback | None = None,
     devices: tuple[int, ...] | None = None,
     colocate: bool = False,
+    argv_check: dict[str, Any] | None = None,
 ) -> tuple[ReproCase, list[CaseRecord], Sweep]:
     """`proxy`: the proxy under test the bundle was run with (see `Bundle.proxy_kind`);
     `on_event`: told each server's state, as `run`'s are (what an interruption cut short).
     `devices`: this host's, to rerun on (default: the bundle's; a developer's one-GPU box
     has not the night's eight); `colocate`: share devices within the topology, as the
-    bundle's run may already have done.
+    bundle's run may already have done. `argv_check`: how the served vLLM's own parser judged
+    the rerun's command lines beforehand, for its run.json, as `run` records it (None: not
+    judged).
 
     A later case of a sequential scenario is sent after the scenario's earlier requests, to
     the same servers (the returned sweep's `staged` holds their answers, and `stage_unset`
@@ -700,6 +703,7 @@ def reproduce(
         protocol=protocol_for(bundle, served),
         reference_policy=bundle.reference_policy,
         launcher=bundle.launcher,
+        argv_check=argv_check,
     )
     topology = get_topology(case.topology)
     if recorded and recorded != served.version:

@@ -6,8 +6,9 @@ in a fraction of a second. So one probe, the harness's own (with main() judging 
 its lines again at the end, `BY_MAIN`), judges at once every line the parser tests read: each
 line the harness renders for any platform, KV connector, protocol generation and eager mode
 (`every_rendered_argv`), the planted refusals (`planted_refusals`), and the lines a run
-renders with a flag planted in the encoder's arguments (`ENCODER_FLAG`), and the lines the
-tests' runs of the fake vLLM render (`run_lines`). The tests that go through `prepare_run` or
+renders with a flag planted in the encoder's arguments (`ENCODER_FLAG`), the lines a repro
+renders of a bundle whose serving flags carry one (`BUNDLE_FLAG`), and the lines the tests'
+runs of the fake vLLM render (`run_lines`). The tests that go through `prepare_run` or
 the CLI get those verdicts in place of a probe of their own (`ServedParser.probe`); a line or
 an interpreter the batch did not judge still gets a probe of its own, so nothing is judged by
 anything but vLLM's parser.
@@ -47,6 +48,9 @@ EIGHT = tuple(range(8))
 # A flag vLLM 0.32.0 does not have, planted into the encoder's arguments by the tests that show
 # a run refusing before anything starts.
 ENCODER_FLAG = "--encoder-cache-turbo"
+# A flag vLLM 0.32.0 does not have, in the `extra_args` of a bundle's serving flags (a bundle
+# another vLLM's run recorded, or one edited by hand), as the tests of `repro` plant it.
+BUNDLE_FLAG = "--enable-epd-magic"
 # The line the planted refusals are made from.
 PLANTED_FROM = "cuda/NixlConnector/by-hash-indexed/eager=True/1P+1D/decode0"
 Verdicts = dict[str, "str | None"]  # name -> vLLM's complaint, None for a line it accepts
@@ -120,6 +124,18 @@ def with_encoder_flag() -> dict[str, list[str]]:
     return {f"{ENCODER_FLAG}/{n}": argv for n, argv in rendered.items() if n.startswith("cpu/")}
 
 
+def with_bundle_flag() -> dict[str, list[str]]:
+    """The lines `repro` renders of a CPU 1P+1D bundle on two cores, its serving flags the
+    defaults with BUNDLE_FLAG in their `extra_args`, for each protocol generation it may
+    speak."""
+    serving = serving_for(CPU, "/models/m", extra_args=(BUNDLE_FLAG,))
+    argvs: dict[str, list[str]] = {}
+    for generation in GENERATIONS:
+        rendered = serve_argvs((TOPOLOGIES["1P+1D"],), serving, CPU, (0, 1), False, generation)
+        argvs.update({f"{BUNDLE_FLAG}/{generation.name}/{n}": a for n, a in rendered.items()})
+    return argvs
+
+
 def run_lines() -> dict[str, list[str]]:
     """The lines of runs without a media directory (the default, as the tests' runs of the fake
     vLLM have), colocated on one GPU too."""
@@ -144,7 +160,13 @@ class ServedParser:
     def judge(self) -> None:
         """The one probe: every line the parser tests read, and the lines of the tests' runs."""
         first_name: dict[str, str] = {}  # each distinct line -> its first name
-        batch_lines = {**self.rendered, **self.planted, **with_encoder_flag(), **run_lines()}
+        batch_lines = {
+            **self.rendered,
+            **self.planted,
+            **with_encoder_flag(),
+            **with_bundle_flag(),
+            **run_lines(),
+        }
         for name, argv in batch_lines.items():
             first_name.setdefault(json.dumps(argv), name)
         batch = {name: json.loads(line) for line, name in first_name.items()}
