@@ -934,6 +934,21 @@ def test_check_calls_a_stream_with_a_stray_event_a_difference_as_the_harness_doe
     assert problem in detail
 
 
+def test_check_reads_an_event_of_two_data_lines_as_one_event_as_the_harness_does(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """An SSE event's `data:` lines are one datum, joined by newlines (the harness's
+    `event_data`): two chunks sent in one event do not parse, a framing problem (MISMATCH).
+    check.py read each `data:` line as an event of its own and said MATCH."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    chunks = stream_chunks([1, 2, 3], [7, 8, 9, 10])
+    joined = f"data: {json.dumps(chunks[1])}\ndata: {json.dumps(chunks[2])}\n\n"
+    text = events(chunks[0], done=False) + joined + events(*chunks[3:])
+    verdict, code, detail = judged_stream(text, tmp_path)
+    assert (verdict, code) == ("MISMATCH", 1), detail
+    assert "event 2 is not JSON" in detail
+
+
 def first_token_choice(**fields: object) -> list[dict]:
     """The stream of EXPECTED's answer with `fields` of its first token chunk's (event 2's)
     choice replaced."""

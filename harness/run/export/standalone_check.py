@@ -475,6 +475,19 @@ def read_choice(choice: Any, where: str) -> tuple[list[int], list[Any], str | No
     return token_ids, entries or [], finish
 
 
+def event_data(text: str) -> list[str]:
+    """Each event's data, as an SSE client reads it and the harness does: events end with a
+    blank line, and an event's `data:` lines are one datum joined by newlines (two chunks
+    sent in one event do not parse; read line by line they passed as two). Comment-only
+    events carry none."""
+    found = []
+    for event in text.replace("\r\n", "\n").split("\n\n"):
+        data = [line[5:].removeprefix(" ") for line in event.split("\n") if line[:5] == "data:"]
+        if data:
+            found.append("\n".join(data))
+    return found
+
+
 def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
     """A streamed answer (`stream: true` in request.json, as the run sent it) read into the
     shape of an unstreamed one: the first chunk's `prompt_token_ids`, every chunk's generated
@@ -501,11 +514,9 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
     problems: list[str] = []
     done = False
     event = 0
-    for line in text.splitlines():
-        if not line.startswith("data:"):
-            continue
+    for data in event_data(text):
         event += 1
-        data = line[len("data:") :].strip()
+        data = data.strip()
         # Framing problems of a stream that carried its answer, as the harness keeps them
         # (harness/outcomes/stream.py): a MISMATCH, not the ERROR of a stream without one.
         if done:
