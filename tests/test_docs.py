@@ -210,3 +210,78 @@ def test_every_module_member_the_docs_name_is_defined_there() -> None:
                     wrong.append(f"{page.relative_to(ROOT)}:{line}: {reference}")
     assert checked > 10, f"only {checked} references checked: the scan broke"
     assert not wrong, wrong
+
+
+# Names of other projects' code, configuration and logs that the docs quote, each read in that
+# project, not in ours: (the name, whose it is).
+FOREIGN_NAMES: dict[str, str] = {
+    "agent_config": "NIXL's nixl_agent_config field (connectors.md)",
+    "busy_loop_s": "vLLM's SpinCondition (shm_broadcast.py)",
+    "ec_buffer_device": "vLLM's Mooncake EC connector config",
+    "ec_buffer_size": "vLLM's Mooncake EC connector config",
+    "ec_enable_nixl": "vLLM's EC connector config",
+    "ec_ip": "vLLM's Mooncake EC connector config",
+    "ec_port": "vLLM's Mooncake EC connector config",
+    "enable_prog_thread": "NIXL's agent config",
+    "failure_policy": "vLLM's NIXL connector, in its log",
+    "get_data_parser": "vLLM's Qwen2-VL processing info",
+    "get_ip": "vLLM's Mooncake EC connector",
+    "get_new_notifs": "NIXL's agent API",
+    "handshake_setup_failed": "NIXL's transfer failure, in vLLM's log",
+    "mooncake_protocol": "vLLM's Mooncake EC connector config",
+    "nixl_agent_config": "NIXL's agent config, as vLLM passes it",
+    "num_computed_tokens": "vLLM's scheduler",
+    "num_preemptions": "vLLM's scheduler",
+    "num_threads": "NIXL's agent config",
+    "num_tokens_to_check": "vLLM's KV connector lookup",
+    "peer_host": "vLLM's EC connector metadata",
+    "peer_port": "vLLM's EC connector metadata",
+    "prefill_stats": "vLLM's scheduler",
+    "run_baseline": "a stage of vLLM's run_epd_correctness_test.sh",
+    "sched_yield": "the Linux system call",
+    "session_id": "vLLM's disagg_epd_proxy.py",
+    "start_load_caches": "vLLM's EC connector",
+    "use_audio_in_video": "vLLM's and Transformers' multimodal processing",
+}
+# A snake_case name standing alone in inline code (`judge_example`, `stage_of`), not part of a
+# path, a dotted name or a flag; a pytest `-k` expression matches part of a name, so it is left
+# out first.
+LONE_NAME = re.compile(r"(?<![\w./:-])([a-z]+(?:_[a-z0-9]+)+)(?![\w/-])")
+PYTEST_K = re.compile(r"-k\s+\S+")
+
+
+def lone_names_in_the_docs() -> dict[str, list[str]]:
+    """Each lone snake_case name of the README's and docs' inline code -> where it stands."""
+    where: dict[str, list[str]] = defaultdict(list)
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        if page.name == "bad-input.md":  # generated from the code's own messages
+            continue
+        text = page.read_text(encoding="utf-8")
+        for span in re.finditer(r"(?<!`)`([^`\n]+)`", text):
+            for name in LONE_NAME.findall(PYTEST_K.sub("", span[1])):
+                line = text.count("\n", 0, span.start()) + 1
+                where[name].append(f"{page.relative_to(ROOT)}:{line}")
+    return where
+
+
+def test_every_lone_name_the_docs_show_is_one_the_project_uses() -> None:
+    """fuzzing.md said a revived instance's prefix cache is forgotten by `consumer_restarted`:
+    renamed `ConsumerState.restarted`, it was no word of the code any more, and only dotted
+    names were checked (above). A lone name must be a word of some tracked file that is not
+    documentation (code, a workflow, a script, a key of a JSON file), or another project's."""
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    words: set[str] = set()
+    for path in tracked:
+        # This file names examples, and lists the foreign names.
+        if not path.endswith(".md") and (ROOT / path).is_file() and ROOT / path != Path(__file__):
+            words |= set(re.findall(r"\w+", (ROOT / path).read_text(encoding="utf-8")))
+    shown = lone_names_in_the_docs()
+    assert len(shown) > 100, f"only {len(shown)} names found: the scan broke"
+    unknown = {name: at for name, at in shown.items() if name not in words | set(FOREIGN_NAMES)}
+    assert not unknown, f"named in the docs, no word of the project's code: {unknown}"
+    stale = sorted(set(FOREIGN_NAMES) - set(shown))
+    assert not stale, f"FOREIGN_NAMES lists names no page shows any more: {stale}"
+    ours = sorted(set(FOREIGN_NAMES) & words)
+    assert not ours, f"FOREIGN_NAMES lists names the project's code uses: {ours}"
