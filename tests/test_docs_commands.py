@@ -2,9 +2,10 @@
 
 Users copy them. A flag renamed in the code, a value no longer accepted, a subcommand gone:
 each turns a copied command into a usage error. So every `epd-harness ...` (also as
-`.venv/bin/epd-harness`), `scripts/cpu ...` and pytest command line with an `--epd-*` option,
-in a fenced block or inline code, is checked by the path the real command takes before it
-starts anything, and nothing is started:
+`.venv/bin/epd-harness`), `scripts/cpu ...`, pytest command line with an `--epd-*` option and
+Python script or module of ours (`python scripts/gpu_rehearsal.py ...`, `python -m
+harness.serve.ray_cluster ...`), in a fenced block or inline code, is checked by the path the
+real command takes before it starts anything, and nothing is started:
 
 - `epd-harness`: `harness.cli.main.check_command_line`, the CLI's own parser and each
   subcommand's checks of names, values and flag combinations (topologies, prompts,
@@ -14,7 +15,9 @@ starts anything, and nothing is started:
   script hands on (`epd-harness ...` or `pytest ...`), which is then checked as such;
 - pytest: this session's own option parser (conftest.py's options, pytest's and its plugins'),
   then `harness.testing.session_options.check_session_options`, the same preflight as
-  `epd-harness run`.
+  `epd-harness run`;
+- a script or module of ours: the parser its `main()` builds, caught as it is about to parse
+  (nothing after that runs), flags written in full; one without a parser is shown bare.
 
 Synopses use a notation, resolved before the check (`shown_argvs`), each rule for a reason:
 
@@ -32,15 +35,21 @@ Synopses use a notation, resolved before the check (`shown_argvs`), each rule fo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import importlib
+import io
 import itertools
 import os
 import re
+import runpy
 import shlex
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -83,6 +92,13 @@ PREFIX = r"(?:\$\s+)?(?:[A-Z_][A-Z0-9_]*=\S*\s+)*(?:flock\s+\S+\s+)?"
 HARNESS = re.compile(PREFIX + r"(?:\S*/)?epd-harness\s+(?=[a-z])")
 SCRIPT = re.compile(PREFIX + r"(?:\./)?scripts/cpu\s+(?=\S)")
 PYTEST = re.compile(PREFIX + r"(?:\S*python3?\s+-m\s+)?pytest\s+(?=.*--epd-)")
+# `python scripts/gpu_rehearsal.py`, `"$VENV/bin/python" harness/cli/nixl_variant.py`,
+# `python -P -m harness.serve.ray_cluster`
+PYTHON_OF_OURS = re.compile(
+    PREFIX + r'"?(?:\S*/)?python3?"?\s+(?:-P\s+)?'
+    r"(?:-m\s+(?P<module>(?:harness|fixtures)(?:\.\w+)+)"
+    r"|(?P<script>(?:scripts|harness|fixtures)/[\w/]+\.py))(?=\s|$)"
+)
 INLINE_CODE = re.compile(r"(?<!`)`([^`\n]+(?:\n[^`\n]+)*)`(?!`)")
 SHELL_OPERATORS = {"|", "||", "&&", ";", "&", ">", ">>", "2>", "2>&1"}
 
@@ -130,7 +146,7 @@ def shown_commands(page: Path, root: Path = ROOT) -> list[ShownCommand]:
     return [
         ShownCommand(name, number, code)
         for number, code in sorted(found)
-        if any(kind.match(code) for kind in (HARNESS, SCRIPT, PYTEST))
+        if any(kind.match(code) for kind in (HARNESS, SCRIPT, PYTEST, PYTHON_OF_OURS))
     ]
 
 
@@ -184,9 +200,12 @@ def argvs_of(text: str) -> list[list[str]]:
         if word in SHELL_OPERATORS:
             words = words[:index]
             break
-    for kind, program in ((HARNESS, "epd-harness"), (SCRIPT, "scripts/cpu"), (PYTEST, "pytest")):
+    kinds = ((HARNESS, "epd-harness"), (SCRIPT, "scripts/cpu"), (PYTEST, "pytest"))
+    for kind, program in (*kinds, (PYTHON_OF_OURS, None)):
         match = kind.match(text)
         if match:
+            # A script or module of ours is its own program: its path, or its dotted name.
+            program = program or match["script"] or match["module"]
             words = [program, *words[len(shlex.split(match.group(0))) :]]
             break
     if words and words[-1] == "...":
@@ -233,6 +252,73 @@ def harness_problem(argv: list[str]) -> str | None:
     if abbreviated:
         flags = ", ".join(abbreviated)
         return f"{flags}: write the flag in full (see 'epd-harness {args.command} --help')"
+    return None
+
+
+class ParserCaught(Exception):
+    """Raised in place of parsing: carries the parser a script's main() was about to use."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        super().__init__(parser.prog)
+        self.parser = parser
+
+
+@functools.cache
+def parser_of(program: str) -> argparse.ArgumentParser | None:
+    """The parser the `main()` of `program` (a script's path, or a module's dotted name)
+    builds, caught as main() is about to parse, before anything else of it runs; None for one
+    that builds none (it reads no option: it must be shown bare)."""
+    path = ROOT / program if program.endswith(".py") else ROOT / f"{program.replace('.', '/')}.py"
+    if "ArgumentParser(" not in path.read_text(encoding="utf-8"):
+        return None
+    if program.startswith("scripts/"):  # not a package: run as its own file
+        main = runpy.run_path(str(path), run_name="shown_in_the_docs")["main"]
+    else:
+        main = importlib.import_module(program.removesuffix(".py").replace("/", ".")).main
+
+    def caught(self: argparse.ArgumentParser, *_args: object, **_kwargs: object) -> None:
+        raise ParserCaught(self)
+
+    with (
+        mock.patch.object(argparse.ArgumentParser, "parse_args", caught),
+        mock.patch.object(argparse.ArgumentParser, "parse_known_args", caught),
+        mock.patch.object(sys, "argv", [str(path)]),
+    ):
+        try:
+            main()
+        except ParserCaught as parsed:
+            return parsed.parser
+    raise AssertionError(f"{program}: main() returned without parsing its command line")
+
+
+def option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option `parser` and its subcommands' parsers know."""
+    known = set(parser._option_string_actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                known |= option_strings(subparser)
+    return known
+
+
+def script_of_ours_problem(program: str, argv: list[str]) -> str | None:
+    """Why `python program argv` (a script or module of ours) would be refused by its parser
+    before it does anything, or None."""
+    parser = parser_of(program)
+    if parser is None:
+        return f"{program} reads no option, yet is shown with {argv}" if argv else None
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            parser.parse_args(argv)
+    except SystemExit as exc:
+        if exc.code != 0:  # --help exits 0
+            return stderr.getvalue().strip().splitlines()[-1]
+    ours = argv[: argv.index("--")] if "--" in argv else argv  # after `--`: another command's
+    known = option_strings(parser)
+    abbreviated = [w for w in ours if w.startswith("--") and w.split("=")[0] not in known]
+    if abbreviated:
+        return f"{', '.join(abbreviated)}: write the flag in full (see '{program} --help')"
     return None
 
 
@@ -310,8 +396,10 @@ def check_shown(session_option_parser: pytest.Parser, tmp_path: Path):
                 checked[key] = harness_problem(argv)
             elif program == "scripts/cpu":
                 checked[key] = script_problem(argv, venv, parser)
-            else:
+            elif program == "pytest":
                 checked[key] = pytest_problem(argv, parser)
+            else:
+                checked[key] = script_of_ours_problem(program, argv)
         return checked[key]
 
     def problems(command: ShownCommand) -> Iterator[str]:
@@ -327,7 +415,9 @@ def check_shown(session_option_parser: pytest.Parser, tmp_path: Path):
 def test_every_command_the_docs_show_is_accepted(check_shown) -> None:
     commands = [command for page in PAGES for command in shown_commands(page)]
     programs = {argv[0] for c in commands for argv in shown_argvs(c.text)}
-    assert programs == {"epd-harness", "scripts/cpu", "pytest"}, programs
+    assert {"epd-harness", "scripts/cpu", "pytest"} < programs, programs
+    ours = programs - {"epd-harness", "scripts/cpu", "pytest"}
+    assert {"scripts/gpu_rehearsal.py", "harness.serve.ray_cluster"} <= ours, ours
     assert len(commands) > 100, f"only {len(commands)} commands found: the extraction broke"
     problems = [problem for command in commands for problem in check_shown(command)]
     assert not problems, "\n".join(problems)
@@ -420,6 +510,24 @@ PLANTED = {
         "--epd-reference-policy pd-drift",
         "--epd-reference-policy pd-drfit",
         "--epd-reference-policy pd-drfit: choose one of",
+    ),
+    "a script's flag that does not exist": (
+        "docs/running.md",
+        "python scripts/gpu_rehearsal.py --dry-run --devices 0,1,2,3",
+        "python scripts/gpu_rehearsal.py --dryrun --devices 0,1,2,3",
+        "unrecognized arguments: --dryrun",
+    ),
+    "a module's flag abbreviated": (
+        "docs/multi-node.md",
+        "`python -m harness.serve.ray_cluster up --netns`",
+        "`python -m harness.serve.ray_cluster up --net`",
+        "--net: write the flag in full",
+    ),
+    "a flag of a harness/cli script that does not exist": (
+        "docs/connectors.md",
+        'harness/cli/nixl_variant.py --cuda-major 12 --uv "$VENV/bin/uv"',
+        'harness/cli/nixl_variant.py --cuda 12 --uv "$VENV/bin/uv"',
+        "nixl_variant.py",
     ),
     "a placeholder the allowance list does not know": (
         "README.md",
