@@ -117,6 +117,20 @@ def test_p_d_gets_the_toy_proxy_with_hosts_and_ports(tmp_path: Path) -> None:
     assert plan.proxy.health_path == "/healthcheck"
 
 
+@pytest.mark.parametrize("topology", ["1P+1D", "1E+1PD"])
+def test_vllms_proxy_in_serve_sh_bypasses_http_proxy_after_the_users_own_list(
+    tmp_path: Path, topology: str
+) -> None:
+    """The toy proxy's httpx follows HTTP_PROXY with no bypass for loopback of its own: on a
+    machine with HTTP_PROXY set, serve.sh's proxy relayed its calls to P and D there (found
+    in review). The user's NO_PROXY is kept; `set -u` holds when it is unset."""
+    out = tmp_path / "out"
+    write_export(plan_for(write_bundle(tmp_path / "run", topology=topology)), out, REPAIR)
+    serve = (out / "serve.sh").read_text()
+    for name in ("NO_PROXY", "no_proxy"):
+        assert f'{name}="${{{name}:+${{{name}}},}}127.0.0.1,localhost,${{HOST}}"' in serve
+
+
 def test_a_proxy_file_without_licence_header_is_not_shipped(tmp_path: Path) -> None:
     upstream = write_upstream(tmp_path / "bare")
     proxy = upstream / "examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py"

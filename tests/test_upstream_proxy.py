@@ -17,10 +17,12 @@ from harness.serve.vllm_proxy import (
     ADMIN_KEY_ENV,
     DYNAMIC_REGISTRATION_FLAG,
     EPD_PROXY_FILE,
+    NO_PROXY_VARS,
     TOY_PROXY_FILE,
     Registration,
     registrations,
     vllm_proxy_launch,
+    with_inherited_bypass,
 )
 from harness.spec.settings import ServedVllm
 from harness.testing.fake_vllm import install_fake_vllm
@@ -109,6 +111,31 @@ def test_one_p_one_d_gets_the_toy_proxy(tmp_path: Path) -> None:
     assert launch.health_path == "/healthcheck"
 
 
+@pytest.mark.parametrize("encoders", [[], ["http://127.0.0.1:1"]])
+def test_the_proxy_bypasses_any_http_proxy_for_loopback_and_the_hosts_it_relays_to(
+    tmp_path: Path, encoders: list[str]
+) -> None:
+    """The toy proxy's httpx clients follow the environment's HTTP_PROXY and bypass nothing
+    by themselves: on a runner with HTTP_PROXY set, its calls to P and D went there (found in
+    review; the real toy proxy shows it in tests/test_vllm_proxy_direct.py)."""
+    launch = vllm_proxy_launch(
+        ("py",), tmp_path, "127.0.0.1", 9000, encoders, ["http://p.example:2"], ["http://[::1]:3"]
+    )
+    for name in NO_PROXY_VARS:
+        assert launch.env[name] == "127.0.0.1,localhost,p.example,[::1]"
+
+
+def test_the_bypass_is_appended_to_the_environments_own_never_replacing_it() -> None:
+    ours = {"NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost", "K": "v"}
+    merged = with_inherited_bypass(ours, {"NO_PROXY": "corp.example", "K": "user's"})
+    assert merged == {
+        "NO_PROXY": "corp.example,127.0.0.1,localhost",
+        "no_proxy": "127.0.0.1,localhost",
+        "K": "v",
+    }
+    assert with_inherited_bypass({"K": "v"}, {"NO_PROXY": "corp.example"}) == {"K": "v"}
+
+
 # -- dynamic registration ------------------------------------------------------------------------
 
 
@@ -128,7 +155,8 @@ def test_dynamic_registration_starts_the_epd_proxy_empty_with_its_admin_key(
     argv = list(launch.argv)
     assert DYNAMIC_REGISTRATION_FLAG in argv
     assert not [a for a in argv if a.endswith("-servers-urls")], argv
-    assert launch.env == {ADMIN_KEY_ENV: "k" * 32}
+    assert launch.env[ADMIN_KEY_ENV] == "k" * 32
+    assert set(launch.env) == {ADMIN_KEY_ENV, *NO_PROXY_VARS}
     with pytest.raises(ValueError, match="toy proxy"):
         vllm_proxy_launch(
             ("py",), tmp_path, "h", 1, [], ["http://127.0.0.1:2"], ["http://127.0.0.1:3"], "k"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import secrets
 import socket
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from harness.serve.vllm_proxy import (
     register_instances,
     registrations,
     vllm_proxy_launch,
+    with_inherited_bypass,
 )
 from harness.spec.instances import InstanceSpec
 from harness.spec.settings import (
@@ -157,7 +159,7 @@ def start_vllm_proxy(
         argv=launch.argv,
         health_url=f"{url}{launch.health_path}",
         log_path=log_path_for(session_dir, name),
-        env=launch.env,
+        env=with_inherited_bypass(launch.env, os.environ),
     )
     write_text_atomic(command.log_path.with_suffix(".cmd.json"), command_json(command))
     server = ManagedServer(command, port_lease=lease)

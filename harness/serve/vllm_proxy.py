@@ -32,6 +32,12 @@ NO_PREFILL = "disable"
 # environment's HTTP(S)_PROXY (a CI runner's would relay them and fail), as every other
 # loopback request of the harness does (`harness.serve.launch`).
 _DIRECT_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# The proxy's own calls to the instances must go direct too: the toy proxy's httpx clients
+# trust the environment, and httpx, unlike urllib, bypasses no proxy for 127.0.0.1 by itself,
+# so a runner's HTTP_PROXY relayed every call to P and D and failed. Both spellings are read
+# (urllib's getproxies: the lower-case one wins); each keeps what the environment names.
+NO_PROXY_VARS = ("NO_PROXY", "no_proxy")
+LOOPBACK_NAMES = ("127.0.0.1", "localhost")
 
 
 @dataclass(frozen=True)
@@ -66,11 +72,15 @@ def vllm_proxy_launch(
     """
     if not decode_urls:
         raise ValueError("vLLM's proxy needs a decode (or PD) URL")
+    direct = ",".join(
+        dict.fromkeys([*LOOPBACK_NAMES, *map(_host, [*encoder_urls, *prefill_urls, *decode_urls])])
+    )
+    bypass = {name: direct for name in NO_PROXY_VARS}
     if encoder_urls:
         argv = [*interpreter, str(files_dir / EPD_PROXY_FILE), "--host", host, "--port", str(port)]
         if admin_key is not None:
             argv.append(DYNAMIC_REGISTRATION_FLAG)
-            return VllmProxyLaunch(tuple(argv), "/health", {ADMIN_KEY_ENV: admin_key})
+            return VllmProxyLaunch(tuple(argv), "/health", {**bypass, ADMIN_KEY_ENV: admin_key})
         argv += [
             "--encode-servers-urls",
             ",".join(encoder_urls),
@@ -79,7 +89,7 @@ def vllm_proxy_launch(
             "--decode-servers-urls",
             ",".join(decode_urls),
         ]
-        return VllmProxyLaunch(tuple(argv), "/health")
+        return VllmProxyLaunch(tuple(argv), "/health", bypass)
     if admin_key is not None:
         raise ValueError("the toy proxy (1P+1D) has no dynamic registration")
     if not prefill_urls:
@@ -100,7 +110,17 @@ def vllm_proxy_launch(
         "--decoder-ports",
         *(_port(u) for u in decode_urls),
     ]
-    return VllmProxyLaunch(tuple(argv), "/healthcheck")
+    return VllmProxyLaunch(tuple(argv), "/healthcheck", bypass)
+
+
+def with_inherited_bypass(env: Mapping[str, str], environ: Mapping[str, str]) -> dict[str, str]:
+    """`env` with each NO_PROXY variable it sets appended to the environment's own list, never
+    replacing it (the environment's hosts still bypass the proxy too)."""
+    merged = dict(env)
+    for name in NO_PROXY_VARS:
+        if name in merged and environ.get(name):
+            merged[name] = f"{environ[name]},{merged[name]}"
+    return merged
 
 
 def _host(url: str) -> str:

@@ -262,6 +262,22 @@ DIFFERENCES: tuple[Difference, ...] = (
         "Reserved like every other port; upstream's is 10001.",
     ),
     Difference(
+        "env NO_PROXY",
+        Kind.HARNESS_ONLY,
+        PROXY_ROLES,
+        "127.0.0.1, localhost and the hosts it relays to, appended to the environment's own "
+        "list (serve.sh: to the user's): the toy proxy's httpx clients follow HTTP_PROXY and, "
+        "unlike urllib, bypass no proxy for loopback by themselves, so on a runner with "
+        "HTTP_PROXY set every call to P and D went to that proxy and failed. The EPD proxy's "
+        "aiohttp ignores the environment; it gets the same list should a release change that.",
+    ),
+    Difference(
+        "env no_proxy",
+        Kind.HARNESS_ONLY,
+        PROXY_ROLES,
+        "As env NO_PROXY: the lower-case spelling, which wins where both are set.",
+    ),
+    Difference(
         "--encode-servers-urls",
         Kind.VALUE,
         ("epd-proxy",),

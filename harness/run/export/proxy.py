@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from harness.errors import BadInput
 from harness.run.export.servers import FIRST_PORT, ExportedServer
 from harness.run.export.shell import Arg, Var, shell_variable
-from harness.serve.vllm_proxy import EPD_PROXY_FILE, TOY_PROXY_FILE, vllm_proxy_launch
+from harness.serve.vllm_proxy import (
+    EPD_PROXY_FILE,
+    NO_PROXY_VARS,
+    TOY_PROXY_FILE,
+    vllm_proxy_launch,
+)
 from harness.spec.topology import Role
 
 LICENCE_MARKER = "SPDX-License-Identifier"
@@ -47,7 +53,8 @@ def proxy_server(
 ) -> tuple[ExportedServer, ProxyFile]:
     """vLLM's proxy for these instances, rendered by the harness's one renderer of its
     command (`vllm_proxy_launch`) with static URLs straight to the instances (no taps);
-    `name` gives it its port variable (`proxy`: PROXY_PORT, `ref-proxy`: REF_PROXY_PORT)."""
+    `name` gives it its port variable (`proxy`: PROXY_PORT, `ref-proxy`: REF_PROXY_PORT).
+    Its NO_PROXY entries are appended to the user's own, as a session appends them."""
     marker = {"python": "\x00PYTHON\x00", "dir": "\x00PROXY_DIR\x00", "host": "\x00HOST\x00"}
 
     def url(server: ExportedServer) -> str:
@@ -90,10 +97,19 @@ def proxy_server(
         port=port,
         default_port=default_port,
         argv=tuple(argv),
-        env=tuple((k, (v,)) for k, v in sorted(launch.env.items())),
+        env=exported_env(launch.env, variables),
         health_path=launch.health_path,
     )
     return server, proxy_file
+
+
+def exported_env(env: Mapping[str, str], variables: dict[str, Var]) -> tuple[tuple[str, Arg], ...]:
+    """The proxy's environment in serve.sh: its NO_PROXY entries after the user's own list."""
+    rendered = []
+    for key, value in sorted(env.items()):
+        head = (Var(key, list_head=True),) if key in NO_PROXY_VARS else ()
+        rendered.append((key, (*head, *split_markers(value, variables))))
+    return tuple(rendered)
 
 
 def split_markers(text: str, variables: dict[str, Var]) -> Arg:

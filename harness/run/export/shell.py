@@ -13,6 +13,14 @@ class Var:
     """A shell variable in a rendered command line, e.g. `$DECODE0_PORT`."""
 
     name: str
+    # The user's own comma-separated list, then a comma if it is set and non-empty, else
+    # nothing (`${NO_PROXY:+${NO_PROXY},}`): what serve.sh appends its own entries to.
+    list_head: bool = False
+
+    def expansion(self) -> str:
+        if self.list_head:
+            return f"${{{self.name}:+${{{self.name}}},}}"
+        return f"${{{self.name}}}"
 
 
 # One argument: literal text and variables, concatenated.
@@ -33,8 +41,8 @@ def shell_word(arg: Arg) -> str:
         return shlex.quote("".join(str(piece) for piece in arg))
     literal = "".join(piece for piece in arg if isinstance(piece, str))
     if not re.search(r'["$`\\!]', literal):
-        inner = "".join(f"${{{p.name}}}" if isinstance(p, Var) else p for p in arg)
+        inner = "".join(p.expansion() if isinstance(p, Var) else p for p in arg)
         return f'"{inner}"'
     return "".join(
-        f'"${{{piece.name}}}"' if isinstance(piece, Var) else shlex.quote(piece) for piece in arg
+        f'"{piece.expansion()}"' if isinstance(piece, Var) else shlex.quote(piece) for piece in arg
     )
