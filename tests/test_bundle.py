@@ -428,6 +428,23 @@ def test_a_rerun_takes_a_credential_run_json_did_not_keep_from_its_environment(
         bundle.launcher  # noqa: B018 - the property is what is read
 
 
+def test_no_secret_reaches_summary_responses_or_verdicts(run_dir, model_dir, monkeypatch):
+    """Found in review: only the bundle's four files were scrubbed; summary.json, verdicts.txt
+    and responses.json (written beside them by `write_run_outputs`) kept a secret an error
+    or an answer carried, though no artifact may."""
+    from harness.report.run_outputs import write_run_outputs
+
+    monkeypatch.setenv("EPD_TEST_API_KEY", ENV_SECRET)
+    records, _ = sample_run()  # the ERROR case's text carries SECRET
+    failed = Outcome("image", error=f"HTTP 500 {SECRET} and {ENV_SECRET}")
+    write_run_outputs(
+        run_dir, records, {"2E+1PD": {"image": failed}}, {}, run_info(run_dir, model_dir)
+    )
+    for name in ("summary.json", "verdicts.txt", "responses.json"):
+        text = (run_dir / name).read_text()
+        assert SECRET not in text and ENV_SECRET not in text, name
+
+
 def test_junit_xml_has_one_testcase_per_record_and_a_failure_per_failed_policy(tmp_path):
     records, _ = sample_run()
     write_junit_xml(tmp_path, records)

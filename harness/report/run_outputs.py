@@ -16,7 +16,7 @@ from harness.devices import describe_devices
 from harness.files import write_json_atomic, write_text_atomic
 from harness.judge.records import CaseRecord
 from harness.outcomes.outcome import Outcome
-from harness.report.bundle import write_bundle
+from harness.report.bundle import Redactor, write_bundle
 from harness.report.text import (  # PURPOSE_LINE, purpose_line: read from here too
     PURPOSE_LINE,
     describe_baseline_sources,
@@ -42,14 +42,21 @@ def write_run_outputs(
     run_info: dict[str, Any],
 ) -> None:
     """`outcomes` by topology (or scenario label) and prompt; `summary` goes into
-    summary.json's run section; `run_info` is what `write_run_info` returned."""
-    responses = {
-        topology: {prompt: outcome.to_json() for prompt, outcome in by_prompt.items()}
-        for topology, by_prompt in outcomes.items()
-    }
+    summary.json's run section; `run_info` is what `write_run_info` returned. Every file is
+    scrubbed of the run's secrets as the bundle's are: an error's log tail or an answer may
+    carry one, and no artifact may."""
+    redactor = Redactor.for_run(run_dir)
+    responses = redactor.data(
+        {
+            topology: {prompt: outcome.to_json() for prompt, outcome in by_prompt.items()}
+            for topology, by_prompt in outcomes.items()
+        }
+    )
+    clean_records = [redactor.record(r) for r in records]
+    problems = redactor.data(run_info.get("problems") or [])
     write_json_atomic(run_dir / "responses.json", responses)
-    write_summary_json(run_dir / "summary.json", records, summary, run_info.get("problems") or ())
-    write_verdicts(run_dir, records, run_info)
+    write_summary_json(run_dir / "summary.json", clean_records, redactor.data(summary), problems)
+    write_verdicts(run_dir, clean_records, redactor.data(run_info))
     write_bundle(run_dir, records, responses, run_info)
 
 
