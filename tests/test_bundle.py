@@ -688,3 +688,14 @@ def test_junit_xml_of_a_run_failed_by_its_problems_has_a_failing_case(tmp_path):
     failure = cases[-1].find("failure")
     assert cases[-1].get("name") == "run problems"
     assert failure is not None and problems[0] in failure.text
+
+
+def test_junit_xml_of_a_run_without_cases_has_a_failing_case(tmp_path):
+    """A run that judged no case exits 1 and its summary.json says `passed: false` (it proved
+    nothing); its junit.xml said tests="0" failures="0", which a CI view shows as nothing
+    failed (found in review). The missing cases are one failing testcase of their own."""
+    write_junit_xml(tmp_path, [])
+    root = ET.parse(tmp_path / "junit.xml").getroot()
+    assert root.get("failures") == root.find("testsuite").get("failures") == "1"
+    (case,) = root.findall("./testsuite/testcase")
+    assert "proves nothing" in case.find("failure").text

@@ -53,6 +53,9 @@ JUNIT_XML = "junit.xml"
 # importing vllm takes seconds and may initialise a device.
 VERSIONED_PACKAGES = ("vllm", "torch", "transformers", "harness")
 
+# The `run problems` failure of a junit.xml without cases, as diff.md and report.html say it.
+NO_CASES = "no cases were judged: this run proves nothing"
+
 # XML 1.0 forbids most control characters (an error's log tail may hold any).
 _XML_INVALID = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
@@ -427,8 +430,11 @@ def render_junit_xml(records: Sequence[CaseRecord], problems: Sequence[str] = ()
     (`run_problems`: what failed the run beyond its verdicts) are one failing testcase more,
     "run problems": a CI view of a run that exited 1 must not show every test passed.
 
-    classname is the topology so CI views group cases by topology.
+    classname is the topology so CI views group cases by topology. A run without cases is
+    failed by that alone (it exits 1, it proved nothing): tests="0" failures="0" reads green.
     """
+    if not records:
+        problems = [*problems, NO_CASES]
     failures = sum(not r.policy_passed for r in records) + bool(problems)
     total_s = sum(r.timings.get("request_s", 0.0) for r in records)
     tests = len(records) + bool(problems)
