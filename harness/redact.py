@@ -60,3 +60,20 @@ def secret_values(env: Mapping[str, str], argv: Sequence[str]) -> set[str]:
     values |= {arg.partition("=")[2] for arg in argv if arg.partition("=")[0] in SECRET_FLAGS}
     values |= {value for arg in argv if (value := _secret_assignment(arg))}
     return values
+
+
+# Every credential value of a command this process launched: its `.cmd.json` is written
+# redacted (`harness.serve.entry.command_json`), so the bundle cannot learn them from it, and a
+# secret only an instance had (the vLLM proxy's fresh ADMIN_API_KEY) must still be scrubbed
+# from the free text of every artifact (an error's log tail, a response).
+_LAUNCHED_SECRETS: set[str] = set()
+
+
+def remember_secrets(env: Mapping[str, str], argv: Sequence[str]) -> None:
+    """Note the credential values of a command about to be launched, for `launched_secrets`."""
+    _LAUNCHED_SECRETS.update(secret_values(env, argv))
+
+
+def launched_secrets() -> frozenset[str]:
+    """The credential values of every command this process launched (`remember_secrets`)."""
+    return frozenset(_LAUNCHED_SECRETS)

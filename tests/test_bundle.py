@@ -445,6 +445,30 @@ def test_no_secret_reaches_summary_responses_or_verdicts(run_dir, model_dir, mon
         assert SECRET not in text and ENV_SECRET not in text, name
 
 
+def test_a_secret_only_an_instances_command_held_stays_out_of_every_file(tmp_path):
+    """Found in review: the bundle learnt the instances' secrets from their `.cmd.json` files,
+    but those are written redacted at launch (`command_json`), so a secret the process's own
+    environment and argv lack (the vLLM proxy's fresh ADMIN_API_KEY) was never known, and an
+    error carrying it reached diff.md, junit.xml, report.html and summary.json."""
+    from harness.report.run_outputs import write_run_outputs
+    from harness.serve.entry import command_json
+    from harness.serve.server_command import ServerCommand
+
+    key = "admin-key-only-the-proxy-had-5150"
+    run_dir = tmp_path / "run"
+    log = run_dir / "1E-1P-1D" / "1E-1P-1D__vllm-proxy.log"
+    log.parent.mkdir(parents=True)
+    proxy = ServerCommand("1E+1P+1D/vllm-proxy", ("python", "proxy.py"), "http://h/health", log)
+    proxy = dataclasses.replace(proxy, env={"ADMIN_API_KEY": key})
+    log.with_suffix(".cmd.json").write_text(command_json(proxy))  # as the launch writes it
+    records, _ = sample_run()
+    error = Outcome("image", error=f"proxy died: registration with {key} refused")
+    records[-1] = judged("2E+1PD", "baseline", Outcome("image", answer(REFERENCE_IDS)), error, [])
+    write_run_outputs(run_dir, records, {}, {}, {})
+    leaked = [p.name for p in run_dir.rglob("*") if p.is_file() and key in p.read_text()]
+    assert leaked == []
+
+
 def test_junit_xml_has_one_testcase_per_record_and_a_failure_per_failed_policy(tmp_path):
     records, _ = sample_run()
     write_junit_xml(tmp_path, records)

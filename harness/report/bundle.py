@@ -34,7 +34,14 @@ from harness.devices import host_cpu, run_devices
 from harness.files import write_text_atomic
 from harness.judge.records import CaseRecord
 from harness.provenance import harness_source
-from harness.redact import MIN_SCRUBBED_LEN, REDACTED, redact_argv, redact_env, secret_values
+from harness.redact import (
+    MIN_SCRUBBED_LEN,
+    REDACTED,
+    launched_secrets,
+    redact_argv,
+    redact_env,
+    secret_values,
+)
 from harness.report.html import strip_ansi, write_report_html
 from harness.report.text import drift_summary, format_failure, purpose_line, run_problems
 from harness.spec.placement import gpu_memory_policy
@@ -78,8 +85,9 @@ class Redactor:
 
     @classmethod
     def for_run(cls, run_dir: Path) -> Redactor:
-        """Secrets of this process's environment and of every instance's command."""
-        secrets = secret_values(os.environ, sys.argv)
+        """Secrets of this process's environment, of every command it launched, and of every
+        instance's command file (one another process wrote unredacted)."""
+        secrets = secret_values(os.environ, sys.argv) | launched_secrets()
         for path in _command_files(run_dir):
             command = json.loads(path.read_text(encoding="utf-8"))
             secrets |= secret_values(command.get("env", {}), command.get("argv", []))

@@ -22,7 +22,7 @@ from typing import Any
 from harness.environment import LOOPBACK_HOST
 from harness.files import write_text_atomic
 from harness.outcomes.trace import RequestTrace
-from harness.redact import redact_argv, redact_env
+from harness.redact import redact_argv, redact_env, remember_secrets
 from harness.serve.client import ChatClient
 from harness.serve.launch import ManagedServer
 from harness.serve.ports import PortLease, reserve_ports
@@ -217,7 +217,9 @@ def command_json(
 ) -> str:
     """The launch command as an artifact (and the node it ran on, when a launcher placed it on
     a cluster; the instances that had to be healthy before it was spawned, when it shares a
-    GPU with them); secret values never reach it."""
+    GPU with them); secret values never reach it, and are remembered for the bundle to
+    scrub from free text (`remember_secrets`)."""
+    remember_secrets(command.env, command.argv)
     document: dict[str, Any] = {
         "name": command.name,
         "argv": redact_argv(command.argv),
