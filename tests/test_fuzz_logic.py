@@ -2338,3 +2338,25 @@ def test_a_prompt_ids_mismatch_is_not_a_declared_generated_tokens_mismatch() -> 
     assert not recognise(old, prompt_ids, video, None).known
     tokens = record(Verdict.MISMATCH, "generated tokens differ at position 3 of 32/32")
     assert recognise(rules, tokens, frames, None).known, "the declared one still is"
+
+
+def test_no_secret_reaches_any_file_of_a_fuzz_bundle(tmp_path: Path, monkeypatch) -> None:
+    """Found in review: the fuzz run wrote summary.json, responses.json, verdicts.txt, fuzz.json
+    and fuzz.md itself, unscrubbed, beside the bundle's scrubbed files; a secret an instance's
+    error carried (its log tail) stayed in them, though no artifact may hold one."""
+    from harness.run.fuzz.bundle import write_fuzz_bundle
+    from harness.run.fuzz.records import FuzzReport
+    from harness.run.fuzz.strategies import FuzzExample
+
+    secret = "hf_fuzz_secret_31337"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    died = record(Verdict.ERROR, "request failed", f"{DECODE_TAIL_ERROR} token={secret}")
+    failing = _evaluation("ex-0001", image_prompt((56, 56)), died, False)
+    group = FailureGroup(failing.signature, failing.recognition, [failing])
+    report = FuzzReport([FuzzExample(failing.spec)], evaluations=[failing], groups=[group])
+    settings = served_settings(tmp_path / "no-model", tmp_path)
+    meta = {"topology": "1E+1P+1D", "seed": 3}
+    write_fuzz_bundle(settings, TOPOLOGIES["1E+1P+1D"], report, meta, None)
+    leaked = [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()]
+    leaked = [name for name in leaked if secret in (tmp_path / name).read_text()]
+    assert not leaked, leaked

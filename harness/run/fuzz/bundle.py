@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.files import write_json_atomic, write_text_atomic
 from harness.judge.records import CaseRecord
-from harness.report.bundle import SENT_AFTER, write_bundle, write_run_info
+from harness.report.bundle import SENT_AFTER, Redactor, write_bundle, write_run_info
 from harness.report.run_outputs import devices_line, write_verdicts
 from harness.report.text import format_failure, write_summary_json
 from harness.run.fuzz.consumer import block_aligned_kv
@@ -182,9 +182,11 @@ def write_group_bundle(
     )
     bodies = {**{e.spec.name: e.body for e in chosen}, **stage_bodies}
     write_json_atomic(directory / "requests.json", bodies)
-    records = _records(chosen)
-    write_summary_json(directory / "summary.json", records, {"fuzz_group": group_json(group)})
-    responses = _responses(chosen, topology.name)
+    scrub = Redactor.for_run(settings.run_dir)  # as the bundle's own files are
+    records = [scrub.record(r) for r in _records(chosen)]
+    summary = scrub.data({"fuzz_group": group_json(group)})
+    write_summary_json(directory / "summary.json", records, summary)
+    responses = scrub.data(_responses(chosen, topology.name))
     write_json_atomic(directory / "responses.json", responses)
     write_verdicts(directory, records, run_info)
     write_bundle(directory, records, responses, run_info)
@@ -292,7 +294,8 @@ def write_fuzz_bundle(
     # Minimal requests first: `repro RUN_DIR` picks the first failing case.
     judged = [e for e in report.evaluations if e.record is not None]
     ordered = minimal + [e for e in judged if not any(e is m for m in minimal)]
-    records = _records(ordered)
+    scrub = Redactor.for_run(run_dir)  # as the bundle's own files are
+    records = [scrub.record(r) for r in _records(ordered)]
     stage_bodies, sent_after = staged(key)
     bodies = {**{e.spec.name: e.body for e in key}, **stage_bodies}
     run_info = write_run_info(
@@ -305,24 +308,25 @@ def write_fuzz_bundle(
         **sent_after,
     )
     write_json_atomic(run_dir / "requests.json", bodies)
-    summary = fuzz_summary(report, meta, group_dirs)
+    summary = scrub.data(fuzz_summary(report, meta, group_dirs))
     write_summary_json(run_dir / "summary.json", records, {"fuzz": summary})
-    responses = _responses(
-        [*key, *(e for e in judged if not any(e is k for k in key))], topology.name
+    responses = scrub.data(
+        _responses([*key, *(e for e in judged if not any(e is k for k in key))], topology.name)
     )
     write_json_atomic(run_dir / "responses.json", responses)
     write_verdicts(run_dir, records, run_info)
     write_json_atomic(
         run_dir / FUZZ_JSON,
-        {
-            **summary,
-            "examples": [evaluation_json(e) for e in report.evaluations],
-            "groups": [group_json(g) for g in report.groups],
-        },
+        scrub.data(
+            {
+                **summary,
+                "examples": [evaluation_json(e) for e in report.evaluations],
+                "groups": [group_json(g) for g in report.groups],
+            }
+        ),
     )
-    write_text_atomic(
-        run_dir / FUZZ_MD, render_fuzz_md(report, meta, group_dirs, run_dir, devices_line(run_info))
-    )
+    fuzz_md = render_fuzz_md(report, meta, group_dirs, run_dir, devices_line(run_info))
+    write_text_atomic(run_dir / FUZZ_MD, scrub.text(fuzz_md))
     write_bundle(run_dir, records, responses, run_info)
     return group_dirs
 
