@@ -143,3 +143,18 @@ def test_drift_summary_names_the_log_prob_delta_at_the_divergence():
     d = {"drift": False, "reference_gap": 0.02, "candidate_gap": 0.02, "prefix_delta": 0.01}
     d |= {"divergence_delta": 2.52, "tolerance": 0.05}
     assert "delta at the divergence 2.520" in drift_summary(d)
+
+
+def test_the_table_says_a_pass_was_a_declared_failure_however_long_its_detail():
+    """Found in review: a case that passed only as a declared upstream failure said so at the
+    end of its detail alone, which the table cuts to 70 characters; a prompt-ids MISMATCH
+    read `MISMATCH  yes` in verdicts.txt and on the console, with nothing saying why."""
+    detail = (
+        "prompt ids differ at position 14 (reference 120 ids, candidate 110 ids); generated "
+        "tokens differ at position 0 of 8/8; declared upstream failure: vllm#12345"
+    )
+    declared = case_record(
+        verdict=Verdict.MISMATCH, detail=detail, declared_failure="ec-placeholder-size"
+    )
+    row = format_verdict_table([declared]).splitlines()[1]
+    assert "declared: ec-placeholder-size" in row

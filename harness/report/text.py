@@ -44,6 +44,15 @@ def _one_line(text: str, width: int) -> str:
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
+def _passed_cell(record: CaseRecord) -> str:
+    """`yes`, `NO`, or `yes (declared: NAME)` for a case that passed only as a declared
+    upstream failure: its detail says so at its end, which the table cuts, and a MISMATCH
+    marked `yes` with no reason would read as a harness that passes mismatches."""
+    if not record.policy_passed:
+        return "NO"
+    return f"yes (declared: {record.declared_failure})" if record.declared_failure else "yes"
+
+
 def _totals(records: Iterable[CaseRecord]) -> dict[str, int]:
     """Count per verdict, in the Verdict enum's order, omitting verdicts that never occurred."""
     counts = Counter(r.verdict for r in records)
@@ -62,7 +71,7 @@ def format_verdict_table(records: Sequence[CaseRecord]) -> str:
             r.prompt,
             r.reference,
             r.verdict.value,
-            "yes" if r.policy_passed else "NO",
+            _passed_cell(r),
             _one_line(r.detail, DETAIL_WIDTH),
         )
         for r in records
