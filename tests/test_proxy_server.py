@@ -610,3 +610,22 @@ def test_the_ec_items_generation_rewrites_one_image_per_sub_request(h: Harness) 
         assert tensor.tolist() == [[1, 16, 16]] and tensor.dtype == torch.int64
     assert len(decode.bodies[0]["ec_transfer_params"]["ec_items"]) == 2
     assert proxy.traces["req-items"].metadata_only == [True, True]
+
+
+@pytest.mark.parametrize(
+    "broken", [b"[]", b"null", b'{"id": "\xff"}'], ids=["list", "null", "bytes"]
+)
+def test_a_broken_200_answer_of_p_becomes_502_naming_p(h: Harness, broken: bytes) -> None:
+    """P answers 200 with a body that is no JSON object (or no text): the proxy cannot read its
+    KV coordinates, and says which hop sent it. It was a 500 of stage `proxy` naming no hop."""
+    prefill = FakeInstance(lambda body: Reply(broken), name="prefill")
+    h.lt.run(prefill.start())
+    h.fakes.append(prefill)
+    decode = h.fake("decode")
+    proxy, server = h.proxy((), (prefill,), (decode,))
+    status, body = raw_post(server.url, image_request(), "req-p-broken")
+    assert (status, body["error"]["stage"]) == (502, "prefill"), body
+    assert body["error"]["url"] == prefill.url
+    assert body["error"]["status"] == 200
+    assert decode.bodies == []
+    assert proxy.traces["req-p-broken"].error.startswith(f"prefill {prefill.url} answered 200")

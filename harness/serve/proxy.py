@@ -167,12 +167,21 @@ class EPDProxy:
             async with self._session.post(
                 f"{url}/v1/chat/completions", json=body, headers={"x-request-id": request_id}
             ) as response:
-                text = await response.text()
+                payload = await response.read()
+                text = payload.decode("utf-8", errors="replace")
                 if response.status != 200:
                     raise UpstreamError(stage, url, response.status, text)
-                return json.loads(text)
-        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise UpstreamError(stage, url, None, f"{type(exc).__name__}: {exc}") from exc
+        # A 200 whose body is no JSON object is a broken answer of this hop, named as such: read
+        # on, it failed later as the proxy's own error (`'list' object has no attribute 'get'`).
+        try:
+            answer = json.loads(payload)
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise UpstreamError(stage, url, 200, f"answer is not JSON ({exc}): {text}") from exc
+        if not isinstance(answer, dict):
+            raise UpstreamError(stage, url, 200, f"answer is no JSON object: {text}")
+        return answer
 
     async def _encode(
         self, request: dict, media: list[protocol.MediaRef], request_id: str, trace: RequestTrace
