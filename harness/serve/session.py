@@ -25,6 +25,7 @@ from harness.environment import LOOPBACK_HOST
 from harness.files import write_text_atomic
 from harness.outcomes.outcome import InstanceStats, Outcome, ServedTopology
 from harness.outcomes.startup import startup_timeline
+from harness.outcomes.taps import records_of
 from harness.serve.entry import Entry, command_json, open_entry, proxy_key
 from harness.serve.in_flight import InFlightWindows
 from harness.serve.kv_metrics import KvCounters, read_counters
@@ -454,8 +455,11 @@ class TopologySession:
 
     def waited_on_report(self, request_id: str, entry: Entry) -> str:
         """Which instance a failed request was still waiting on, from the proxy's trace (the
-        entry instance itself without a proxy), and that instance's last log lines."""
+        entry instance itself without a proxy), and that instance's last log lines; when none
+        was, the instance whose error status the proxy passed on (D's, which both proxies relay
+        as it came), or the case's error would name no instance."""
         url = entry.url
+        failed_status: int | None = None
         trace = entry.trace(request_id)
         if trace is not None:
             pending = [call.url for call in trace.encoder_calls if call.status is None]
@@ -465,6 +469,8 @@ class TopologySession:
             if trace.decode_url and not trace.decode_seconds:
                 pending.append(trace.decode_url)
             url = pending[0] if pending else ""
+            if not pending and trace.decode_status not in (None, 200):
+                url, failed_status = trace.decode_url or "", trace.decode_status
         by_url = {spec.url: server for spec, server in zip(self.instances, self._servers)}
         tap_urls = self.tap_urls
         by_url.update({tap_urls[u]: server for u, server in list(by_url.items()) if u in tap_urls})
@@ -472,13 +478,25 @@ class TopologySession:
             pending = [r for r in self._taps.records if not r.ended]
             names = {spec.name: server for spec, server in zip(self.instances, self._servers)}
             url = pending[-1].instance if pending else ""
+            refused = [
+                r
+                for r in records_of(self._taps.records, request_id)
+                if r.ended and r.status not in (None, 200)
+            ]
+            if not pending and refused:
+                url, failed_status = refused[-1].instance, refused[-1].status
             by_url.update(names)
         server = by_url.get(url)
         if server is None:
             return "no instance was still working on it (see the proxy's trace)"
+        what = (
+            f"{server.name} ({url}) answered {failed_status}"
+            if failed_status is not None
+            else f"the request was still waiting on {server.name} ({url})"
+        )
         return (
-            f"the request was still waiting on {server.name} ({url}); last lines of "
-            f"{server.command.log_path}:\n{server.log_tail(LOG_TAIL_SLICE_LINES)}"
+            f"{what}; last lines of {server.command.log_path}:\n"
+            f"{server.log_tail(LOG_TAIL_SLICE_LINES)}"
         )
 
     def dead_instance_report(self) -> str | None:

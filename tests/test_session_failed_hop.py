@@ -1,0 +1,114 @@
+"""A request an instance answered with an error: the case's error names that instance (no
+process, no socket: the session's proxy, taps and instances are stand-ins)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from harness.outcomes.trace import RequestTrace
+from harness.serve import session as session_module
+from harness.serve.client import ServerFailedError
+from harness.serve.session import TopologySession
+from harness.serve.tap import TapSet
+from harness.spec.settings import RunSettings
+from harness.spec.topology import TOPOLOGIES, ServingConfig
+
+pytestmark = pytest.mark.unit
+
+PD_URL, PD_TAP = "http://127.0.0.1:9001", "http://127.0.0.1:9101"
+ENCODER_URL, ENCODER_TAP = "http://127.0.0.1:9002", "http://127.0.0.1:9102"
+
+
+class Server:
+    """A running instance's stand-in: alive, with a log that says nothing of the failure."""
+
+    def __init__(self, name: str, tmp_path: Path) -> None:
+        self.name = name
+        self.command = SimpleNamespace(name=name, log_path=tmp_path / f"{name}.log")
+        self.lost = None
+
+    def is_alive(self) -> bool:
+        return True
+
+    def log_size(self) -> int:
+        return 0
+
+    def read_log_from(self, offset: int) -> str:
+        return ""
+
+    def log_tail(self, lines: int = 10) -> str:
+        return f"{self.name}: INFO serving"
+
+    def peak_rss_bytes(self) -> int:
+        return 0
+
+
+class Entry:
+    """The proxy in front: it passes on D's 500 as it came (docs/proxies.md), its trace saying
+    so when it is the harness's own (`traced`), and nothing when it is vLLM's."""
+
+    def __init__(self, traced: bool) -> None:
+        self.url = "http://127.0.0.1:9000"
+        self.client = self
+        self.traces: dict[str, RequestTrace] = {}
+        self.traced = traced
+        self.taps: TapSet | None = None
+
+    def check_alive(self) -> None:
+        pass
+
+    def down_report(self) -> None:
+        return None
+
+    def send(self, body: dict[str, Any], request_id: str) -> Any:
+        if self.traced:
+            self.traces[request_id] = RequestTrace(
+                request_id,
+                decode_url=PD_TAP,
+                decode_status=500,
+                decode_seconds=0.2,
+                error=f"decode {PD_TAP} answered 500: b'EngineCore encountered an issue'",
+            )
+        assert self.taps is not None
+        record = self.taps._new_record(  # what PD's tap saw
+            SimpleNamespace(name="1E+1PD/pd0", role="prefill_decode"), "/v1/chat/completions", None
+        )
+        record.status, record.seconds = 500, 0.2
+        raise ServerFailedError(500, '{"message": "EngineCore encountered an issue"}')
+
+    def trace(self, request_id: str) -> RequestTrace | None:
+        return self.traces.get(request_id)
+
+    def take_trace(self, request_id: str) -> RequestTrace | None:
+        return self.traces.pop(request_id, None)
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["harness-proxy", "vllm-proxy"])
+def test_an_error_status_of_d_passed_on_names_d(
+    tmp_path: Path, traced: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D answered 500 and the proxy passed it on, as both proxies do: found in review, the
+    case's error said "no instance was still working on it" and named no instance."""
+    monkeypatch.setattr(session_module, "DEATH_GRACE_S", 0.0)  # nothing dies here
+    serving = ServingConfig(model=str(tmp_path / "m"))
+    session = TopologySession(TOPOLOGIES["1E+1PD"], RunSettings(serving=serving, run_dir=tmp_path))
+    session.instances = [  # type: ignore[list-item]
+        SimpleNamespace(url=ENCODER_URL, name="1E+1PD/encoder0"),
+        SimpleNamespace(url=PD_URL, name="1E+1PD/pd0"),
+    ]
+    session._servers = [Server("1E+1PD/encoder0", tmp_path), Server("1E+1PD/pd0", tmp_path)]  # type: ignore[list-item]
+    session.tap_urls = {ENCODER_URL: ENCODER_TAP, PD_URL: PD_TAP}
+    session._taps = TapSet([])
+    entry = Entry(traced)
+    entry.taps = session._taps
+    session._entry, session._group = entry, entry  # type: ignore[assignment]
+    session.decode_counters = lambda: None  # type: ignore[method-assign]
+    session._sample_memory = lambda: None  # type: ignore[method-assign]
+    outcome = session.send("text", {"model": "m", "messages": []})
+    assert outcome.result is None
+    assert "1E+1PD/pd0" in outcome.error and "answered 500" in outcome.error, outcome.error
+    assert "1E+1PD/pd0: INFO serving" in outcome.error  # its log tail
