@@ -234,3 +234,34 @@ def test_a_stream_d_refuses_through_the_proxy_is_recorded_in_the_trace(d: Stream
         server.stop()
     error = proxy.traces["req-1"].error
     assert error and error.startswith(f"decode {d.url} answered 500") and "D exploded" in error
+
+
+def test_a_client_that_goes_away_mid_stream_is_not_recorded_at_the_tap_as_ds_failure(
+    d: StreamingD,
+) -> None:
+    """The tap's client (the proxy under test) gives up mid-stream: its record of D says so.
+    Found in review: the write to the gone client was recorded as D's own error
+    (`ClientConnectionResetError`), which the report and the bundle show under D."""
+    import httpx
+
+    d.events = encode(vllm_chunks(tokens=list(range(40, 80))))
+    d.delay_s = 0.05
+    taps = TapSet([TapTarget("t/decode0", "decode", d.url)]).start("127.0.0.1")
+    try:
+        with (
+            httpx.Client() as client,
+            client.stream(
+                "POST",
+                f"{taps.urls['t/decode0']}/v1/chat/completions",
+                json=BODY,
+                headers={"x-request-id": "r"},
+            ) as response,
+        ):
+            next(response.iter_bytes())
+        [record] = taps.records
+        deadline = time.monotonic() + 5
+        while record.error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        taps.stop()
+    assert record.error and record.error.startswith("the client went away"), record.error

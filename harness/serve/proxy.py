@@ -319,10 +319,9 @@ class EPDProxy:
                 return response
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             if response is not None and response.prepared:
-                client = http_request.transport
                 who = (
                     "the client went away"
-                    if client is None or client.is_closing()
+                    if client_gone(http_request)
                     else f"decode {url} broke off"
                 )
                 trace.error = f"{who} mid-stream: {type(exc).__name__}: {exc}"
@@ -356,6 +355,12 @@ class EPDProxy:
                 )
         except aiohttp.ClientError as exc:
             return web.json_response({"error": f"decode {url}: {exc}"}, status=502)
+
+
+def client_gone(request: web.Request) -> bool:
+    """Whether the client of a relayed answer has gone away (a write to it then fails, and
+    that failure is the client's, not the upstream's)."""
+    return request.transport is None or request.transport.is_closing()
 
 
 def break_off(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:

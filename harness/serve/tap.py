@@ -40,7 +40,13 @@ import aiohttp
 from aiohttp import web
 
 from harness.outcomes.taps import TapRecord, records_of
-from harness.serve.proxy import FirstTokenChunkTwice, ProxyFaults, break_off, stop_loop_thread
+from harness.serve.proxy import (
+    FirstTokenChunkTwice,
+    ProxyFaults,
+    break_off,
+    client_gone,
+    stop_loop_thread,
+)
 from harness.serve.proxy_protocol import MEDIA_PART_TYPES
 
 RECORDED_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -284,10 +290,13 @@ class TapSet:
                     return response
                 return await self._relay_recorded(request, upstream, response, record, started)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            relaying = response is not None and response.prepared
             if record is not None:
                 record.error = f"{type(exc).__name__}: {exc}"
+                if relaying and client_gone(request):  # not the instance's failure
+                    record.error = f"the client went away mid-stream: {record.error}"
                 record.seconds = time.monotonic() - started
-            if response is not None and response.prepared:
+            if relaying:
                 return break_off(request, response)
             return web.json_response(
                 {"error": f"tap for {target.name}: {target.url} unreachable: {exc}"}, status=502
