@@ -629,3 +629,29 @@ def test_a_broken_200_answer_of_p_becomes_502_naming_p(h: Harness, broken: bytes
     assert body["error"]["status"] == 200
     assert decode.bodies == []
     assert proxy.traces["req-p-broken"].error.startswith(f"prefill {prefill.url} answered 200")
+
+
+def test_an_encoder_failure_abandons_the_other_encoders_sub_requests(h: Harness) -> None:
+    """Two images on two encoders; the first answers 500 at once, the second slowly. The case
+    ends with the 502, and the proxy lets go of the second encoder's call then (its connection
+    closed, as an engine sees an abandoned request). Found in review: the call ran on after the
+    case had ended, into the next case's window (its EC file written there), its trace filled
+    in after the outcome held it."""
+    import time
+
+    def slow_answer(body: dict[str, Any]) -> Reply:
+        answer = json.dumps(encoder_answer(body)).encode()
+        return Reply([answer[:10], answer[10:]], chunk_delay_s=0.5)
+
+    failing, slow = h.fake("encoder", status=500), FakeInstance(slow_answer, name="slow")
+    h.lt.run(slow.start())
+    h.fakes.append(slow)
+    decode = h.fake("decode")
+    proxy, server = h.proxy((failing, slow), (), (decode,))
+    request = image_request(CAT)
+    request["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": DOG}})
+    status, body = raw_post(server.url, request, "req-enc-abandon")
+    assert (status, body["error"]["url"]) == (502, failing.url)
+    trace = proxy.traces["req-enc-abandon"]
+    time.sleep(1.5)  # the slow encoder's answer would have been read by now
+    assert [call.status for call in trace.encoder_calls] == [None, None]

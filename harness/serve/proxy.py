@@ -202,7 +202,17 @@ class EPDProxy:
             call.ec_transfer_params = response.get("ec_transfer_params")
             return batch, call
 
-        results = await asyncio.gather(*(run(n, b) for n, b in enumerate(batches)))
+        sub_requests = [asyncio.ensure_future(run(n, b)) for n, b in enumerate(batches)]
+        try:
+            results = await asyncio.gather(*sub_requests)
+        except BaseException:
+            # One sub-request failed and the case ends with it: the others are let go of (their
+            # connections closed, as an engine sees an abandoned request), not left running into
+            # the next case's window.
+            for sub_request in sub_requests:
+                sub_request.cancel()
+            await asyncio.gather(*sub_requests, return_exceptions=True)
+            raise
         merged = protocol.merge_encoder_params(
             [call.ec_transfer_params for _, call in results], self.generation
         )
