@@ -265,3 +265,30 @@ def test_a_client_that_goes_away_mid_stream_is_not_recorded_at_the_tap_as_ds_fai
     finally:
         taps.stop()
     assert record.error and record.error.startswith("the client went away"), record.error
+
+
+@pytest.mark.parametrize(
+    ("status", "content_type"),
+    [(200, "text/event-stream; charset=utf-8"), (500, "text/plain; charset=utf-8")],
+    ids=["stream", "refusal"],
+)
+def test_the_proxy_relays_ds_content_type_as_d_sent_it(status: int, content_type: str) -> None:
+    """vLLM's D serves its stream as `text/event-stream; charset=utf-8`, and an error of its
+    server as plain text. Found in review: the harness's proxy dropped the charset of the
+    one and labelled the other `application/json`, where the client is to see D's answer."""
+    import httpx
+
+    events = encode(vllm_chunks())
+    body: bytes | list[bytes] = events if status == 200 else b"Internal Server Error"
+    loop = LoopThread()
+    d = FakeInstance(lambda _body: Reply(body, status=status, content_type=content_type))
+    loop.run(d.start())
+    proxy, server = proxy_in_front(d.url)
+    try:
+        with httpx.Client() as client:
+            response = client.post(f"{server.url}/v1/chat/completions", json=BODY)
+    finally:
+        server.stop()
+        loop.run(d.stop())
+        loop.close()
+    assert (response.status_code, response.headers["content-type"]) == (status, content_type)

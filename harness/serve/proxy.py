@@ -312,10 +312,11 @@ class EPDProxy:
                     if upstream.status != 200:
                         trace.error = f"decode {url} answered {upstream.status}: {payload[:1000]!r}"
                     return web.Response(
-                        body=payload, status=upstream.status, content_type="application/json"
+                        body=payload, status=upstream.status, headers=content_type_of(upstream)
                     )
-                response = web.StreamResponse(status=upstream.status)
-                response.content_type = upstream.content_type
+                response = web.StreamResponse(
+                    status=upstream.status, headers=content_type_of(upstream)
+                )
                 await response.prepare(http_request)
                 fault = FirstTokenChunkTwice() if self.faults.duplicate_first_token_chunk else None
                 async for chunk in upstream.content.iter_any():
@@ -365,6 +366,12 @@ class EPDProxy:
                 )
         except aiohttp.ClientError as exc:
             return web.json_response({"error": f"decode {url}: {exc}"}, status=502)
+
+
+def content_type_of(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    """D's Content-Type as D sent it (charset and all; an error of its HTTP server may be plain
+    text): the client is to see D's answer, not the proxy's idea of it."""
+    return {"Content-Type": upstream.headers.get("Content-Type", "application/json")}
 
 
 def client_gone(request: web.Request) -> bool:

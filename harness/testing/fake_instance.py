@@ -38,6 +38,7 @@ class Reply:
     status: int = 200
     chunk_delay_s: float = 0.0
     break_after: int | None = None
+    content_type: str | None = None  # default: application/json, or text/event-stream
 
 
 # The request body (parsed) -> the reply; a dict or bytes stands for Reply(that).
@@ -110,13 +111,15 @@ class FakeInstance:
         if not isinstance(reply, Reply):
             reply = Reply(reply)
         if isinstance(reply.body, bytes):
+            content_type = reply.content_type or "application/json"
             return web.Response(
-                body=reply.body, status=reply.status, content_type="application/json"
+                body=reply.body, status=reply.status, headers={"Content-Type": content_type}
             )
         if isinstance(reply.body, dict):
             return web.json_response(reply.body, status=reply.status)
         response = web.StreamResponse(
-            status=reply.status, headers={"Content-Type": "text/event-stream"}
+            status=reply.status,
+            headers={"Content-Type": reply.content_type or "text/event-stream"},
         )
         await response.prepare(request)
         for index, chunk in enumerate(reply.body):
