@@ -474,3 +474,28 @@ def test_a_found_failure_is_declared_under_the_kv_connector_it_was_found_under(t
     assert kv.for_kv_connector("NixlConnector").declared is None
     assert ec_only.for_kv_connector("NixlConnector").declared is not None
     assert unsaid.for_kv_connector("NixlConnector").declared is not None
+
+
+def test_a_declared_failure_does_not_hide_a_transfer_guard_that_failed_too() -> None:
+    """A declared failure holds only while it is the case's one failure: a declared MISMATCH
+    ('generated tokens differ') whose transfer guard failed too, or a declared VACUOUS on the
+    kv_transfer guard whose EC guard failed too, is another failure of the same case (found in
+    review: both passed as declared, the failed guard named nowhere in the detail)."""
+    reference = Outcome("p", ChatResult((1, 2), (5, 6), "", "length"))
+    differs = Outcome("p", ChatResult((1, 2), (5, 7), "", "length"))
+    no_ec = GuardResult("consumer_embeds", False, "parts the consumer received: ['image_url']")
+    no_kv = GuardResult("kv_transfer", False, "D cached_tokens=0, expected >= 96")
+    mismatch = DeclaredFailure("MISMATCH", "generated tokens differ", "r", "s")
+    vacuous = DeclaredFailure("VACUOUS", "tokens equal but guard failed: kv_transfer", "r", "s")
+
+    def as_declared(candidate: Outcome, guards, declared: DeclaredFailure):
+        return judged("1E+1P+1D:s", "baseline", reference, candidate, guards, declared=declared)
+
+    assert as_declared(differs, [], mismatch).policy_passed  # the declared failure alone
+    hidden = as_declared(differs, [no_ec], mismatch)
+    assert hidden.verdict is Verdict.MISMATCH and not hidden.policy_passed, hidden.detail
+    assert "consumer_embeds" in hidden.detail
+    assert as_declared(reference, [no_kv], vacuous).policy_passed  # the declared failure alone
+    both = as_declared(reference, [no_kv, no_ec], vacuous)
+    assert both.verdict is Verdict.VACUOUS and not both.policy_passed, both.detail
+    assert "consumer_embeds" in both.detail

@@ -116,7 +116,7 @@ def judge_case(
         tolerance = rules.tolerance(batched)
         record = _against(label, reference, outcome, guards, policy, tolerance, answers)
         if declared is not None:
-            record = _as_declared(record, declared, outcome.error)
+            record = _as_declared(record, declared, outcome.error, guards)
         records.append(record)
     return records
 
@@ -197,7 +197,10 @@ def _against(
 
 
 def _as_declared(
-    record: CaseRecord, failure: Declaration, candidate_error: str | None
+    record: CaseRecord,
+    failure: Declaration,
+    candidate_error: str | None,
+    guards: Sequence[GuardResult] = (),
 ) -> CaseRecord:
     """`record` judged against a failure it is declared to have.
 
@@ -205,11 +208,15 @@ def _as_declared(
     starting its detail line (a comparison's headline) or inside the case's own error (what
     an instance of its topology logged: `candidate_error`, never the reference's, whose
     failure is no failure of the case); any other outcome, a MATCH included, fails and says
-    what was declared, so a declaration that no longer describes vLLM cannot hide a change."""
+    what was declared, so a declaration that no longer describes vLLM cannot hide a change.
+    A transfer guard that failed and is not the declared evidence (a VACUOUS names its guard)
+    is another failure of the case, which the declaration must not hide either (found in
+    review: a declared MISMATCH passed with its EC guard failed, named nowhere)."""
     shows = record.detail.startswith(failure.evidence) or failure.evidence in (
         candidate_error or ""
     )
-    held = record.verdict.value == failure.verdict and shows
+    undeclared = [g for g in guards if g.failed and g.name not in failure.evidence]
+    held = record.verdict.value == failure.verdict and shows and not undeclared
     if held:
         detail = f"{record.detail}; declared upstream failure: {failure.reason}"
     else:
@@ -217,6 +224,10 @@ def _as_declared(
             f"{record.detail}; NOT the declared {failure.verdict} "
             f"({failure.evidence.strip()!r}...): {failure.reason}"
         )
+        if undeclared:
+            detail += "; and guard failed: " + "; ".join(
+                f"{g.name}: {g.evidence}" for g in undeclared
+            )
     return dataclasses.replace(
         record, policy_passed=held, detail=detail, declared_failure=failure.name
     )
