@@ -716,3 +716,33 @@ def test_a_variant_a_class_started_stops_where_the_class_ends(
     assert run.returncode == 0 and " 3 passed" in run.stdout, run.stdout[-3000:]
     assert "1P+1D decode+env(EPD_HARNESS_TEST_VARIANT): first use" in run.stdout, run.stdout
     assert run.stdout.count("decode+env(EPD_HARNESS_TEST_VARIANT)") == 1, run.stdout[-3000:]
+
+
+def test_a_wave_that_fails_leaves_the_cases_of_the_waves_before_it_judged(
+    tmp_path: Path, fake_vllm_start_log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cases are judged as their topology (and its reference) has answered, not only after
+    the last wave: a run interrupted in a later wave (Ctrl-C on a GPU night, a start that
+    raises) keeps the verdicts of what already ran in summary.json. Found in review: every
+    case was judged after the last wave, so such a run kept answers and no verdict at all."""
+    settings = settings_for(tmp_path)
+    spec = SweepSpec((TOPOLOGIES["1E+1PD"], TOPOLOGIES["1P+1D"]), prompts=(TEXT,))
+    sweep = Sweep(spec, settings)
+    monkeypatch.setattr(sweep, "_cpu_budget", lambda: 2)  # a wave each
+    waves = [[s.topology.name for s in w.slots] for w in sweep.schedule().waves]
+    assert len(waves) == 3 and "1P+1D" in waves[-1], waves
+    opened = sweep.pool.open
+
+    def interrupted(requests):
+        if any(r.topology.name == "1P+1D" for r in requests):
+            raise KeyboardInterrupt
+        return opened(requests)
+
+    monkeypatch.setattr(sweep.pool, "open", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run_all()
+    judged = {(r.topology, r.prompt, r.verdict.value) for r in sweep.result.records}
+    assert judged == {("1E+1PD", "text", "MATCH")}, judged
+    summary = json.loads((settings.run_dir / "summary.json").read_text())
+    assert [(c["topology"], c["verdict"]) for c in summary["cases"]] == [("1E+1PD", "MATCH")]
+    assert sweep.pool.running() == [], "nothing is left running when a wave fails"

@@ -588,18 +588,34 @@ class Sweep:
         self.write_outputs()
 
     def run_all(self) -> SweepResult:
-        """Every wave, then every case (references before the topologies judged against them)."""
+        """Every wave, each followed by the cases it completed, then every case left
+        (references before the topologies judged against them). Judged wave by wave, a run
+        that fails or is interrupted in a later wave keeps the verdicts of what already ran
+        (found in review: every case waited for the last wave, and such a run kept none)."""
         try:
             for wave in self.schedule().waves:
                 self._serve_wave(wave)
-            for topology in ordered_topologies(self.spec.topologies):
-                if topology in self.spec.topologies:
-                    for prompt in self.topology_prompts:
-                        self.judge(topology.name, prompt)
+                self._judge_cases(served_only=True)
+            self._judge_cases(served_only=False)
         finally:
             if self.owns_pool:
                 self.pool.close()
         return self.result
+
+    def _judge_cases(self, served_only: bool) -> None:
+        """Every case of the spec's topologies; `served_only`: only those that need nothing
+        served any more (the baseline answered, the topology and its exact reference too)."""
+        for topology in ordered_topologies(self.spec.topologies):
+            if topology not in self.spec.topologies:
+                continue
+            if served_only and (
+                self.baseline.missing()
+                or topology.name not in self.observed
+                or (topology.exact_reference or topology.name) not in self.observed
+            ):
+                continue
+            for prompt in self.topology_prompts:
+                self.judge(topology.name, prompt)
 
     def guards(self, topology_name: str, prompt: str) -> list[GuardResult]:
         return list(self.observed[topology_name][prompt].guards)
