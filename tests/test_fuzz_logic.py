@@ -1341,6 +1341,28 @@ def test_a_saved_scenario_is_sent_cold_not_under_the_salt_its_example_drew(tmp_p
     assert sent[0] != sent[1], f"sent under one salt every time: {sent}"
 
 
+@pytest.mark.parametrize(
+    "cause",
+    [
+        "RuntimeError: cannot load the KV of /tmp/run/storage/kv/layer.safetensors: not found",
+        "KeyError: 'a3f9c0de11b2'",
+    ],
+)
+def test_a_saved_crash_declares_evidence_its_own_error_shows(cause: str) -> None:
+    """The signature's cause line blanks a path's directories ('.../') and hex digests ('H')
+    as it blanks numbers, but --save cut its evidence at the first blanked number only: a
+    path or a digest before any number went into the scenario's `expect_evidence` as '.../'
+    or 'H', which no real error contains, so the saved scenario could never hold its
+    declaration, and the fuzz would call the same crash new again (found in review)."""
+    error = f"InternalServerError: Error code: 500\n(EngineCore pid=7) ERROR [core.py:1] {cause}\n"
+    crash = record(Verdict.ERROR, "request failed", error)
+    new = _evaluation("ex-0003", image_prompt((56, 56), text=" hi"), crash, False)
+    group = FailureGroup(new.signature, new.recognition, [new], minimal=new)
+    evidence = evidence_of(group)
+    assert evidence.startswith(cause.split(":", 1)[0]), evidence
+    assert evidence in error, f"{evidence!r} is not in the error it was read from"
+
+
 # -- the command line's refusals ----------------------------------------------------------------
 
 

@@ -11,23 +11,25 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 from harness.files import write_text_atomic
 from harness.run.fuzz.records import FailureGroup
+from harness.run.fuzz.signature import BLANKED
 from harness.run.scenarios import FOUND_SCENARIOS_FILE
 from harness.spec.prompt_codec import prompt_to_json
 from harness.spec.prompts import CACHE_SALT, PromptSpec
 
 
 def evidence_of(group: FailureGroup) -> str:
-    """The part of the evidence a rerun must show: the cause line up to its first varying
-    number for a crash, the comparison's headline for a mismatch, the guard for VACUOUS."""
+    """The part of the evidence a rerun must show: the cause line up to the first part its
+    signature blanked for a crash (a number, a digest, a path's directories: cut at the
+    first number alone, a path before any went in as '.../', which no error shows), the
+    comparison's headline for a mismatch, the guard for VACUOUS."""
     signature = group.signature
     if signature.verdict == "ERROR":
-        return re.split(r"\bN\b", signature.cause, maxsplit=1)[0].rstrip(" :,=(") or signature.where
+        return BLANKED.split(signature.cause, maxsplit=1)[0].rstrip(" :,=('\"") or signature.where
     if signature.verdict == "VACUOUS":
         return "tokens equal but guard failed: " + signature.where.removeprefix("guard ")
     if signature.where.startswith("prompt ids"):

@@ -40,6 +40,9 @@ _NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?")
 _DIRECTORIES = re.compile(r"/(?:[^\s/'\"(),:]+/)+")
 _DIGEST = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{8,}\b")
 CAUSE_WIDTH = 160
+# What `normalize` puts in place of what varies: a number, a hex digest, a path's directories.
+# A cause line is the error's own text only up to the first of them.
+BLANKED = re.compile(r"\bN\b|\bH\b|\.\.\./")
 
 
 @dataclass(frozen=True)
