@@ -1363,6 +1363,21 @@ def test_a_saved_crash_declares_evidence_its_own_error_shows(cause: str) -> None
     assert evidence in error, f"{evidence!r} is not in the error it was read from"
 
 
+def test_a_saved_vacuous_declares_the_words_of_its_own_detail() -> None:
+    """A DRIFT whose guard failed is VACUOUS too, its detail 'tokens within the noise floor
+    but guard failed: ...'; --save declared every VACUOUS as 'tokens equal but guard failed:
+    ...', which that detail does not start with, so the saved scenario could never hold its
+    declaration and the fuzz called the same failure new again (found in review)."""
+    guards = {"kv_transfer": {"ok": False, "evidence": "D loaded 0 tokens"}}
+    detail = "tokens within the noise floor but guard failed: kv_transfer: D loaded 0 tokens"
+    vacuous = record(Verdict.VACUOUS, detail, guards=guards)
+    new = _evaluation("ex-0003", image_prompt((56, 56), text=" hi"), vacuous, False)
+    group = FailureGroup(new.signature, new.recognition, [new], minimal=new)
+    evidence = evidence_of(group)
+    assert evidence.endswith("guard failed: kv_transfer"), evidence
+    assert detail.startswith(evidence), f"{evidence!r} does not start {detail!r}"
+
+
 # -- the command line's refusals ----------------------------------------------------------------
 
 

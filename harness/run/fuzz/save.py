@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from harness.run.fuzz.signature import BLANKED
 from harness.run.scenarios import FOUND_SCENARIOS_FILE
 from harness.spec.prompt_codec import prompt_to_json
 from harness.spec.prompts import CACHE_SALT, PromptSpec
+
+_GUARD_FAILED = re.compile(r"tokens [^;:]*? but guard failed: [\w-]+")
 
 
 def evidence_of(group: FailureGroup) -> str:
@@ -31,6 +34,12 @@ def evidence_of(group: FailureGroup) -> str:
     if signature.verdict == "ERROR":
         return BLANKED.split(signature.cause, maxsplit=1)[0].rstrip(" :,=('\"") or signature.where
     if signature.verdict == "VACUOUS":
+        # As its own detail says it: 'tokens equal' or, for a DRIFT, 'tokens within the noise
+        # floor' (a detail must start with the evidence), and the guard it names first.
+        record = (group.minimal or group.start).record
+        said = _GUARD_FAILED.match(record.detail) if record is not None else None
+        if said is not None:
+            return said[0]
         return "tokens equal but guard failed: " + signature.where.removeprefix("guard ")
     if signature.where.startswith("prompt ids"):
         return "prompt ids differ"
