@@ -727,6 +727,17 @@ def test_candidates_are_smaller_and_come_smallest_first() -> None:
     assert not candidates(PromptSpec("t", (TextPart("a"),), max_tokens=1))
 
 
+def test_a_video_can_shrink_to_the_default_rate() -> None:
+    """`_smaller_media` offers an mp4 at 2 fps (the rate vLLM samples by default) in place of
+    its drawn one, but `size_key` does not count a rate, so that candidate was never smaller
+    and `candidates` dropped it: a minimal request kept a drawn 1, 3 or 4 fps the failure may
+    not need (found in review)."""
+    spec = PromptSpec("s", (VideoPart(1, 2, 4.0, (56, 56)), TextPart(" a b")), max_tokens=1)
+    at_two = [c for c in candidates(spec) if c.parts[0] == VideoPart(1, 2, 2.0, (56, 56))]
+    assert at_two, [c.parts for c in candidates(spec)]
+    assert size_key(at_two[0]) < size_key(spec)
+
+
 class FakeOracle:
     """Reproduces when `fails(spec)`; a reproduction "kills D" (restart before the next)."""
 

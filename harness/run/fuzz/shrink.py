@@ -47,11 +47,13 @@ from harness.spec.prompts import (
 
 SMALL_IMAGE = (56, 56)  # the smallest a Qwen2-VL processor keeps as is (4 tokens)
 MIN_SIDE = 28
+DEFAULT_FPS = 2.0  # the rate vLLM's video loader samples at unless told otherwise
 
 
 def size_key(spec: PromptSpec) -> tuple[int, ...]:
     """How big a request is, most significant first: media items, videos, pixels, text
-    parts, text length, kwargs, tokens to generate."""
+    parts, text length, kwargs, tokens to generate, and last mp4s not at the default 2 fps
+    (uncounted, the candidate at 2 fps was never smaller, and never tried)."""
     media = [p for p in spec.parts if isinstance(p, MEDIA_PARTS)]
     videos = sum(isinstance(p, (VideoPart, VideoFramesPart)) for p in media)
     pixels = sum(
@@ -66,6 +68,7 @@ def size_key(spec: PromptSpec) -> tuple[int, ...]:
         sum(len(t) for t in texts),
         len(spec.extra),
         spec.max_tokens,
+        sum(isinstance(p, VideoPart) and p.fps != DEFAULT_FPS for p in media),
     )
 
 
@@ -209,8 +212,8 @@ def _smaller_media(part: Part) -> list[Part]:
             out.append(_resized(part, size))
     if isinstance(part, (VideoPart, VideoFramesPart)) and part.num_frames > 2:
         out.append(_frames(part, max(2, part.num_frames // 2)))
-    if isinstance(part, VideoPart) and part.fps != 2.0:
-        out.append(VideoPart(part.seed, part.num_frames, 2.0, part.size))
+    if isinstance(part, VideoPart) and part.fps != DEFAULT_FPS:
+        out.append(VideoPart(part.seed, part.num_frames, DEFAULT_FPS, part.size))
     return out
 
 
