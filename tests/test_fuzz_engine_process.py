@@ -140,3 +140,32 @@ def test_an_engine_on_a_shared_pool_leaves_no_fault_planted_when_it_closes(
         assert pool.session(topology).faults == ProxyFaults()
     finally:
         pool.close()
+
+
+def test_a_layout_read_while_d_is_down_counts_on_nothing_in_its_prefix_cache(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request's layout (what D holds, which earlier request a bundle replays for it) is
+    read from the storage model when the baseline answers, before the topology is sent it;
+    a D that died on the request before is revived only then, with an empty prefix cache.
+    The model forgot D's cache at the revival, after the layout had counted on it: the
+    example was judged and recognised (and replayed) as if D held an earlier prompt it no
+    longer had (found in review)."""
+    from harness.run.fuzz.consumer import SentPrompt
+    from harness.testing.fake_vllm import MODE_ENV
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"image_token_id": 151655, "video_token_id": 151656}')
+    monkeypatch.setenv(MODE_ENV, "decode:die-request")
+    settings = fake_run_settings(tmp_path, fake_vllm, request_timeout_s=30.0)
+    words = " ".join(f"w{i}" for i in range(40))
+    dying, later = (PromptSpec(f"ex-000{i}", (TextPart(f" {i} {words}"),)) for i in (0, 1))
+    with FuzzEngine(settings, TOPOLOGIES["1P+1D"]) as engine:
+        ids = tuple(engine.ask_baseline(later).baseline.result.prompt_token_ids)
+        engine.consumer.cached.append(SentPrompt(ids, name="ex-early"))
+        assert engine.ask_baseline(later).layout.consumer_holds > 0, "D holds it while up"
+        assert engine.evaluate(dying).record.verdict is Verdict.ERROR
+        assert engine.topology_dead() is not None
+        layout = engine.ask_baseline(later).layout
+    assert layout.consumer_holds == 0, "D comes back with an empty prefix cache"

@@ -287,6 +287,11 @@ class FuzzEngine:
             evaluation.status = "baseline-rejected"
             evaluation.note = (answer.error or "no result").strip().splitlines()[0][:200]
         elif self.placeholders is not None:
+            # An instance down now is revived, its prefix cache empty, before this request
+            # reaches it (`_ensure_topology`, after this layout is read): forgotten at the
+            # revival only, its cache counted here for a D that no longer held it.
+            dead = dead_roles(self.session)
+            self.consumer.restarted(prefill=Role.PREFILL in dead, consumer=Role.DECODE in dead)
             ids = answer.result.prompt_token_ids
             layout = layout_from_ids(ids, self.placeholders, self.settings.serving.block_size)
             sent = sent_prompt(evaluation, layout)
