@@ -578,6 +578,20 @@ def test_a_cause_naming_a_path_or_a_digest_is_one_signature_whatever_they_are() 
     assert cause_line("ValueError: bad grid deadbeef") == "ValueError: bad grid deadbeef"
 
 
+def test_a_cause_naming_a_dashed_uuid_is_one_signature_whatever_it_is() -> None:
+    """A request id of `str(uuid.uuid4())` (a proxy's, with its dashes) is a digest too; its
+    short groups were blanked only where they held digits, so each id normalised otherwise
+    ('cmpl-H-NaN-NfN-...', 'cmpl-H-aN-N-...') and one crash made a group per request, each
+    shrunk apart (found in review)."""
+    ids = (
+        "5d1c8f0e-3b9a-4c2e-9f7d-1a2b3c4d5e6f",
+        "0a9b8c7d-e6f5-4a3b-b2c1-d0e9f8a7b6c5",
+        "12345678-9abc-4def-8123-456789abcdef",
+    )
+    causes = {cause_line(f"KeyError: 'cmpl-{uuid}-0'") for uuid in ids}
+    assert causes == {"KeyError: 'cmpl-H-N'"}, causes
+
+
 def test_mismatch_and_vacuous_signatures_ignore_positions() -> None:
     late = signature_of(record(Verdict.MISMATCH, "generated tokens differ at position 7 of 9/9"))
     later = signature_of(record(Verdict.MISMATCH, "generated tokens differ at position 2 of 3/3"))

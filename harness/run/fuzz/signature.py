@@ -39,6 +39,9 @@ _NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?")
 # a hex digest standing alone (a request id, a cache key): both vary with the request.
 _DIRECTORIES = re.compile(r"/(?:[^\s/'\"(),:]+/)+")
 _DIGEST = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{8,}\b")
+# A uuid with its dashes (`str(uuid.uuid4())`, a proxy's request id): one digest, whose
+# 4-digit groups `_DIGEST` does not take and `_NUMBER` would blank only in part.
+_UUID = re.compile(r"\b[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}\b")
 CAUSE_WIDTH = 160
 # What `normalize` puts in place of what varies: a number, a hex digest, a path's directories.
 # A cause line is the error's own text only up to the first of them.
@@ -66,10 +69,11 @@ class Signature:
 
 def normalize(line: str) -> str:
     """A cause line without what varies between occurrences: numbers, addresses, spacing, the
-    directories of a path and hex digests. With the path whole, one cause made as many groups
-    as it had KV folders (seen on real vLLM: P's `FileNotFoundError` on two folders of one run,
-    each group shrunk and confirmed apart, and the longer hash cut the line elsewhere)."""
-    text = _DIGEST.sub("H", _DIRECTORIES.sub(".../", line))
+    directories of a path and hex digests (a dashed uuid one of them). With the path whole,
+    one cause made as many groups as it had KV folders (seen on real vLLM: P's
+    `FileNotFoundError` on two folders of one run, each group shrunk and confirmed apart,
+    and the longer hash cut the line elsewhere)."""
+    text = _DIGEST.sub("H", _UUID.sub("H", _DIRECTORIES.sub(".../", line)))
     text = _NUMBER.sub("N", text)
     return re.sub(r"\s+", " ", text).strip()[:CAUSE_WIDTH]
 
