@@ -60,6 +60,8 @@ def served_cuda_vllm_without(
     python = tmp_path / "gpu-venv" / "bin" / "python"
     vllm = python.parent / "vllm"
     python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")  # there, as a GPU venv's is; never run (`served` answers)
+    python.chmod(0o755)
     vllm.write_text(f"#!{python}\n")
     vllm.chmod(0o755)
 

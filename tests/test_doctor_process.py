@@ -75,3 +75,24 @@ def test_a_vllm_that_does_not_exist_fails_the_first_check(
     assert f"ran in this Python ({sys.executable})" in first.detail, first
     assert doctor.format_checks([first]).startswith("[FAIL] environment checked: ")
     assert ran_in and set(ran_in) == {doctor.THIS_PYTHON}, ran_in
+
+
+def test_a_vllm_whose_interpreter_is_gone_is_said_in_one_line_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """A virtualenv moved or deleted after vLLM was installed leaves `bin/vllm` with a `#!`
+    line naming a Python that no longer exists (pip writes absolute paths there): doctor died
+    in a FileNotFoundError traceback from its first check instead of saying so (found in
+    review). The first check names the missing interpreter, and every check still answers."""
+    gone = tmp_path / "moved-away" / "bin" / "python"
+    vllm = tmp_path / "venv" / "bin" / "vllm"
+    vllm.parent.mkdir(parents=True)
+    vllm.write_text(f"#!{gone}\n")
+    vllm.chmod(0o755)
+    checks = doctor.run_checks(str(vllm), None)
+    first = checks[0]
+    assert not first.ok and f"{gone}" in first.detail and "does not exist" in first.detail, first
+    imports = next(c for c in checks if c.name == "vllm imports")
+    assert not imports.ok and f"cannot run {gone}" in imports.detail, imports
+    for line in doctor.format_checks(checks).splitlines():
+        assert "Traceback" not in line, line

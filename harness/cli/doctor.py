@@ -85,12 +85,19 @@ THIS_PYTHON: tuple[str, ...] = (sys.executable,)
 
 
 def _run_python(code: str, python: Sequence[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*python, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=CHECK_TIMEOUT_S,
-    )
+    """The check's result; an interpreter that cannot be started (a `#!` line naming the Python
+    of a virtualenv since moved or deleted) fails the check in one line, as a failing import
+    does, where it was a traceback that ended doctor (found in review)."""
+    try:
+        return subprocess.run(
+            [*python, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=CHECK_TIMEOUT_S,
+        )
+    except OSError as exc:
+        reason = (exc.strerror or str(exc)).lower()
+        return subprocess.CompletedProcess(python, 127, "", f"cannot run {python[0]}: {reason}")
 
 
 def _last_line(text: str) -> str:
@@ -280,7 +287,15 @@ def run_checks(
     # A --vllm that does not exist was reported "[ok] environment checked: this Python"
     # (found walking the CLI): the checks then describe an environment nobody named.
     exists = shutil.which(vllm_executable) is not None
-    if served:
+    hint = "" if exists else "give --vllm a vllm executable (a path, or a name on PATH)"
+    if served and shutil.which(served[0]) is None:
+        exists = False
+        hint = "reinstall vLLM where it runs (scripts/cpu: rm -rf the venv, run setup again)"
+        where = (
+            f"{served[0]}, the interpreter on {vllm_executable}'s #! line, does not exist or "
+            "cannot run: its virtualenv was moved or deleted after vLLM was installed there"
+        )
+    elif served:
         where = f"{shlex.join(python)} (the interpreter of {vllm_executable})"
     elif exists:
         where = f"{sys.executable} (this Python: no #! line read from {vllm_executable})"
@@ -296,7 +311,7 @@ def run_checks(
             "environment checked",
             exists,
             where,
-            hint="" if exists else "give --vllm a vllm executable (a path, or a name on PATH)",
+            hint=hint,
         ),
         imports,
         check_vllm_cli(vllm_executable),
