@@ -96,3 +96,22 @@ def test_a_cuda_vllm_without_nixl_fails_naming_the_nixl_it_declares(monkeypatch,
     assert ray.ok and ray.optional_missing, "Ray stays optional on cuda"
     installed = served_cuda_vllm_without({"ray"}, monkeypatch, tmp_path / "with-nixl")
     assert all(c.ok for c in installed), [c for c in installed if not c.ok]
+
+
+def test_an_installed_extra_that_fails_to_import_is_a_failure_not_absent(monkeypatch) -> None:
+    """An optional extra is optional to install, not to break: a NIXL that is installed and
+    cannot load its UCX library was reported "[--  ] ... not installed" with `scripts/cpu setup
+    --nixl` (which finds it installed and changes nothing), and doctor passed (found in review).
+    Absent still passes; installed and broken fails with the import's own error."""
+    extra = doctor.EXTRAS[0]
+
+    def importing(stderr: str):
+        failed = subprocess.CompletedProcess([], 1, "", stderr)
+        monkeypatch.setattr(doctor, "_run_python", lambda code, python: failed)
+        return doctor.check_extra(extra)
+
+    broken = importing("ImportError: libucs.so.0: cannot open shared object file")
+    assert not broken.ok and not broken.optional_missing, broken
+    assert broken.detail == "ImportError: libucs.so.0: cannot open shared object file", broken
+    absent = importing(f"ModuleNotFoundError: No module named '{extra.module}'")
+    assert absent.ok and absent.optional_missing and absent.detail == "not installed", absent

@@ -41,7 +41,13 @@ def test_the_environment_checked_is_the_one_vllm_runs_in(tmp_path: Path) -> None
     interpreter on OTHER's `#!` line, and the first line names it."""
     python = tmp_path / "other-venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
-    python.write_text("#!/bin/sh\necho 'the other venv has no vllm' >&2\nexit 1\n")
+    python.write_text(
+        "#!/bin/sh\n"
+        'case "$2" in *"import importlib.metadata, nixl;"*)\n'
+        "  echo \"ModuleNotFoundError: No module named 'nixl'\" >&2; exit 1;;\n"
+        "esac\n"
+        "echo 'the other venv has no vllm' >&2\nexit 1\n"
+    )
     python.chmod(0o755)
     vllm = python.parent / "vllm"
     vllm.write_text(f"#!{python}\n")

@@ -208,6 +208,17 @@ def check_extra(extra: Extra, python: Sequence[str] = THIS_PYTHON) -> Check:
         f"print(importlib.metadata.version({extra.distribution!r}))",
         python,
     )
+    error = _last_line(proc.stderr)
+    # Only its own module missing is an extra not installed; any other error is one installed
+    # and broken, which its setup command (pip: already installed) leaves as it is.
+    if proc.returncode != 0 and error != f"ModuleNotFoundError: No module named '{extra.module}'":
+        return Check(
+            name,
+            False,
+            error or f"import {extra.module} exited {proc.returncode}",
+            f"{extra.distribution} is installed but does not import: repair or uninstall it "
+            f"(`{extra.setup}` sees it installed and leaves it)",
+        )
     if proc.returncode != 0:
         return Check(
             name,
