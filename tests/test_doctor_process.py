@@ -102,3 +102,19 @@ def test_a_vllm_whose_interpreter_is_gone_is_said_in_one_line_not_a_traceback(
     assert not imports.ok and f"cannot run {gone}" in imports.detail, imports
     for line in doctor.format_checks(checks).splitlines():
         assert "Traceback" not in line, line
+
+
+def test_a_check_that_does_not_finish_fails_in_one_line_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A served interpreter that hangs (an import waiting on a lock, a dead network share)
+    ended doctor in a TimeoutExpired traceback after CHECK_TIMEOUT_S, with every check after
+    it unsaid (found in review). It fails that check, saying so, and the rest answer."""
+    python = tmp_path / "hanging" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\nexec sleep 60\n")
+    python.chmod(0o755)
+    monkeypatch.setattr(doctor, "CHECK_TIMEOUT_S", 0.5)
+    check = doctor.check_vllm_import((str(python),))
+    assert not check.ok and "did not finish within" in check.detail, check
+    assert f"{python}" in check.detail, check

@@ -98,6 +98,10 @@ def _run_python(code: str, python: Sequence[str]) -> subprocess.CompletedProcess
     except OSError as exc:
         reason = (exc.strerror or str(exc)).lower()
         return subprocess.CompletedProcess(python, 127, "", f"cannot run {python[0]}: {reason}")
+    except subprocess.TimeoutExpired:
+        # A hang (an import waiting on a lock or a dead network share) fails this check alone.
+        said = f"{python[0]} did not finish within {CHECK_TIMEOUT_S:g}s"
+        return subprocess.CompletedProcess(python, 124, "", said)
 
 
 def _last_line(text: str) -> str:
