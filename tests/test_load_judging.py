@@ -1129,3 +1129,46 @@ def test_a_calibration_request_the_baseline_did_not_answer_is_not_said_changed_b
     assert "batching changed" not in text and "every answer's ids equal" not in text, text
     said = f"the baseline did not answer 1 of them ({unanswered.prompt}): nothing measured there"
     assert said in text, text
+
+
+class DiesWithASecretInItsLog(StandIn):
+    """Its pd instance dies after `dies_after` answers; the error each request then gets
+    quotes the instance's log tail, and an HTTP error body, both holding a credential of the
+    environment (an instance that printed its HF token as it failed)."""
+
+    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
+        outcome = super().send(prompt, body)
+        if outcome.error is None:
+            return outcome
+        secret = os.environ["HF_TOKEN"]
+        return Outcome(prompt, error=f"HTTP 401: bad token {secret}\n{outcome.error}")
+
+    def dead_instance_report(self) -> str | None:
+        report = super().dead_instance_report()
+        if report is None:
+            return None
+        return report.replace("...", f"OSError: 401 for token {os.environ['HF_TOKEN']}")
+
+
+def test_no_secret_reaches_any_file_of_a_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: load.md, load.json and load-requests.jsonl wrote each request's
+    detail (an error's first line) and the calibration's (an error whole, with the instance's
+    log tail) as they came, where every file of the bundle is scrubbed of the environment's
+    secrets (`harness.report.bundle.Redactor`). The baseline dies during the calibration, then
+    every request of the load fails."""
+    secret = "hf_load_secret_4711"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    load, _ = stand_in_load(
+        tmp_path, requests=4, session_type=DiesWithASecretInItsLog, concurrency=2, dies_after=3
+    )
+    baseline_asked(load, monkeypatch)
+    result_ = load.run()
+    assert result_.calibration is not None and result_.calibration.unanswered
+    assert all(secret in (r.outcome.error or "") for r in result_.results if not r.not_sent)
+    for name in ("load.md", "load.json", "load-requests.jsonl", "load-samples.jsonl"):
+        text = (tmp_path / name).read_text()
+        assert secret not in text, f"{name} holds the environment's secret"
+    assert "for token [redacted]" in (tmp_path / "load.json").read_text()
+    assert "bad token [redacted]" in (tmp_path / "load-requests.jsonl").read_text()

@@ -1,6 +1,8 @@
 """A load's account, load.md and load.json, rewritten whole as the load grows: the figures
 over every request judged and every sample, and what is kept whole (`LoadResult`). Every
-request's row, sample and KV account is a line of its .jsonl file, appended as it is taken."""
+request's row, sample and KV account is a line of its .jsonl file, appended as it is taken.
+What a request's error or the calibration quotes (an instance's log tail, an HTTP error's
+body) is scrubbed of the run's secrets as the bundle's files are (`Redactor`)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.files import write_json_atomic, write_text_atomic
-from harness.report.load import REQUESTS_FILE, format_load, kv_account_line, load_stats, stats_json
+from harness.files import append_json_lines, write_json_atomic, write_text_atomic
+from harness.report.bundle import Redactor
+from harness.report.load import (
+    REQUESTS_FILE,
+    RequestRow,
+    format_load,
+    kv_account_line,
+    load_stats,
+    stats_json,
+)
 from harness.report.resources import SAMPLES_FILE, SoakBounds
 from harness.run.load.result import LoadResult
 from harness.spec.load import LoadSpec
@@ -64,19 +74,29 @@ def write_account(
         f"concurrency {spec.concurrency}{', streamed' if spec.stream else ''}"
     )
     rows = [r.row() for r in result.results]
+    redactor = Redactor.for_run(run_dir)
     write_text_atomic(
         run_dir / "load.md",
-        format_load(
-            title,
-            result.stats,
-            rows,
-            result.resources,
-            notes,
-            result.unlisted,
-            result.failed_unlisted,
+        redactor.text(
+            format_load(
+                title,
+                result.stats,
+                rows,
+                result.resources,
+                notes,
+                result.unlisted,
+                result.failed_unlisted,
+            )
         ),
     )
-    write_json_atomic(run_dir / "load.json", account_json(spec, result, notes))
+    write_json_atomic(run_dir / "load.json", redactor.data(account_json(spec, result, notes)))
+
+
+def append_request_rows(run_dir: Path, rows: Sequence[RequestRow]) -> None:
+    """A round's requests, a line each of load-requests.jsonl, scrubbed of the run's secrets
+    (a request's detail is its error's first line: an HTTP error's body may quote one)."""
+    redactor = Redactor.for_run(run_dir)
+    append_json_lines(run_dir / REQUESTS_FILE, [redactor.data(row.to_json()) for row in rows])
 
 
 def account_json(spec: LoadSpec, result: LoadResult, notes: list[str]) -> dict[str, Any]:

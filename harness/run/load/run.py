@@ -10,7 +10,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from harness.files import append_json_lines
 from harness.judge.records import DeclaredFailure
 from harness.outcomes.outcome import Outcome
 from harness.report.load import (
@@ -21,7 +20,7 @@ from harness.report.load import (
 )
 from harness.report.resources import SAMPLES_FILE, SoakBounds, bound_problems
 from harness.run.judging import Observed, observe
-from harness.run.load.account import write_account
+from harness.run.load.account import append_request_rows, write_account
 from harness.run.load.calibration import calibrate_load
 from harness.run.load.death import KILL_WAIT_S, PlantedKill, kill_problems, notice_a_quiet_death
 from harness.run.load.kv_account import account_kv, accounts_kv
@@ -306,9 +305,7 @@ class LoadRun:
                 )
             )
         rows, kept = self.result.add(results)
-        append_json_lines(
-            self.sweep.settings.run_dir / REQUESTS_FILE, [row.to_json() for row in rows]
-        )
+        append_request_rows(self.sweep.settings.run_dir, rows)
         # The run's bundle (responses.json, report.html) holds the requests the load keeps
         # whole (`LoadResult.add`: a soak's first round, the first failures of each prompt and
         # verdict), or a long soak's bundle would be rewritten whole at tens of MB per round.
