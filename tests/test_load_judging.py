@@ -500,6 +500,22 @@ def test_a_request_whose_kv_never_moved_fails_the_round_though_its_own_reading_h
     assert json.loads((tmp_path / "load.json").read_text())["passed"] is False
 
 
+def test_a_load_failed_by_its_problems_alone_is_red_in_every_report_of_its_bundle(
+    tmp_path: Path,
+) -> None:
+    """Every request MATCH on its own reading, and the round's KV account failed the load
+    (exit 1). Found in review: the load's problems never reached the run's `problems`, so
+    verdicts.txt, summary.json, diff.md and junit.xml (a CI view) showed every case passed."""
+    load, _ = stand_in_load(tmp_path, requests=6, session_type=NixlStandIn, withheld=4)
+    result_ = load.run()
+    assert all(r.record.policy_passed for r in result_.results) and not result_.passed
+    [problem] = result_.problems
+    assert f"problem: {problem}" in (tmp_path / "verdicts.txt").read_text()
+    assert json.loads((tmp_path / "summary.json").read_text())["problems"] == [problem]
+    junit = (tmp_path / "junit.xml").read_text()
+    assert 'name="run problems"' in junit and "round 1, KV account" in junit
+
+
 class NixlErrors(NixlStandIn):
     """A request (call `errs`) whose transfer failed: D computed its prompt itself and it
     ended in an HTTP error, every instance alive (no death ends the load)."""

@@ -335,6 +335,13 @@ class LoadRun:
             )
         if self.spec.duration_s is not None:
             result.problems += bound_problems(result.resources, self.bounds)
+        if result.problems:
+            # The run's problems: verdicts.txt, summary.json, diff.md, junit.xml and
+            # report.html say them, so a load every request of which passed and that failed
+            # by its KV account, its bounds or a death is red in its bundle as in its exit.
+            info = self.sweep.run_info
+            info["problems"] = [*info.get("problems", ()), *result.problems]
+            self.sweep.write_outputs()
         self._write_account()
         if self._attached is not None:
             self._attached.close()
