@@ -282,9 +282,12 @@ def summarize(run_dir: Path, wall_s: float) -> list[str]:
     """Start-up per instance, makespan and verdicts from every summary.json under run_dir; a
     failing case of a bundle red on purpose (`red_on_purpose`) is counted apart, since a green
     night holds them. A fuzz failure group's bundle (harness/run/fuzz/bundle.py) is skipped:
-    its cases are its fuzz run's, already counted from that run's summary."""
+    its cases are its fuzz run's, already counted from that run's summary. A run's `problems`
+    (summary.json's: a pass whose guard nothing could check, a planted fault missed) are listed
+    and counted: they fail a run whose every case passed, and every report must say so."""
     lines = ["", "start-up per instance (s):"]
     verdicts: list[tuple[str, str, str, str, str, str]] = []
+    problems: list[str] = []
     waves: list[str] = []
     for summary_path in sorted(run_dir.rglob("summary.json")):
         where = summary_path.parent.relative_to(run_dir).as_posix()
@@ -299,6 +302,7 @@ def summarize(run_dir: Path, wall_s: float) -> list[str]:
             lines.append(f"  {shown}  {instance['name']}{where}")
         for wave, seconds in (run.get("seconds_by_wave") or {}).items():
             waves.append(f"{wave}{where} {seconds:.0f} s")  # keyed "wave N" by the sweep
+        problems += [f"  problem: {p}{where}" for p in summary.get("problems") or ()]
         purpose = red_on_purpose(summary_path.parent)
         for case in summary.get("cases", []):
             passed = bool(case["policy_passed"])
@@ -324,9 +328,11 @@ def summarize(run_dir: Path, wall_s: float) -> list[str]:
     passed = sum(1 for v in verdicts if v[4] == "pass")
     failed = sum(1 for v in verdicts if v[4] == "FAIL")
     on_purpose = len(verdicts) - passed - failed  # marked with their `purpose_line`
+    lines += problems
     lines.append(
         f"{passed} pass, {failed} fail"
         + (f", {on_purpose} red on purpose" if on_purpose else "")
+        + (f", {len(problems)} problem{'s' * (len(problems) != 1)}" if problems else "")
         + f" ({len(verdicts)} cases)"
     )
     return lines

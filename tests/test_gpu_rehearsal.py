@@ -450,3 +450,23 @@ def test_a_fuzz_runs_failure_bundles_do_not_count_its_cases_again(tmp_path: Path
     (group / "summary.json").write_text(json.dumps(group_summary))
     lines = load_rehearsal().summarize(tmp_path, 10.0)
     assert lines[-1] == "1 pass, 1 fail (2 cases)", lines
+
+
+def test_the_summary_says_what_failed_a_run_beyond_its_verdicts(tmp_path: Path) -> None:
+    """summary.json's `problems` (a pass whose guard nothing could check, a planted fault not
+    caught) fail a run whose every case passed; the summary read such a red run as "1 pass,
+    0 fail", the reason only in pytest's output far above (found in review)."""
+    (tmp_path / "gw0").mkdir()
+    case = {
+        "topology": "1E+1PD",
+        "prompt": "image",
+        "reference": "baseline",
+        "verdict": "MATCH",
+        "policy_passed": True,
+    }
+    problem = "1E+1PD image: MATCH unproven (guard ec_transfer not checkable)"
+    summary = {"run": {}, "cases": [case], "passed": False, "problems": [problem]}
+    (tmp_path / "gw0" / "summary.json").write_text(json.dumps(summary))
+    lines = load_rehearsal().summarize(tmp_path, 10.0)
+    assert f"  problem: {problem} [gw0]" in lines, lines
+    assert lines[-1] == "1 pass, 0 fail, 1 problem (1 cases)", lines
