@@ -893,6 +893,58 @@ def test_cherry_pick_summary_names_the_vllm_version_installed(tmp_path: Path) ->
     assert "(installed: `none: vllm does not import in the venv" in summary, summary
 
 
+JUNIT_FAILED = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" tests="2" failures="1">
+<testcase classname="scenarios.test_matrix" name="test_scenario_behaves_as_declared[epd-streamed]"/>
+<testcase classname="scenarios.test_load" name="test_a_small_load_every_answer_its_own">
+<failure message="1P+1D/decode0 exited 1 while starting: CUDA out of memory">trace</failure>
+</testcase></testsuite></testsuites>
+"""
+
+
+def run_nightly_summary_step(tmp_path: Path, junit: str | None, verdicts: str | None) -> str:
+    """nightly-gpu's summary step, by bash, with the run's junit.xml and one worker's
+    verdicts.txt as given (None: not written): the step summary it wrote."""
+    steps = [s for s in all_steps(load("nightly-gpu.yml")) if s.get("name") == SUMMARY_STEP]
+    assert len(steps) == 1, "nightly-gpu.yml has no step writing the run summary"
+    (step,) = steps
+    assert step.get("if") == "always()"
+    run = tmp_path / "runs" / "night"
+    (run / "gw0").mkdir(parents=True)
+    if junit is not None:
+        (run / "junit.xml").write_text(junit)
+    if verdicts is not None:
+        (run / "gw0" / "verdicts.txt").write_text(verdicts)
+    summary = tmp_path / "summary.md"
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "VENV": str(tmp_path / "no-venv"),
+        "RUN_NAME": "night",
+        "VLLM_SPEC": "",
+        "DEFAULT_VLLM": "0.32.0",
+        "GITHUB_STEP_SUMMARY": str(summary),
+    }
+    code, printed = run_step_script(step["run"], tmp_path, env)
+    assert code == 0, printed
+    return summary.read_text()
+
+
+def test_a_red_night_says_why_in_its_summary(tmp_path: Path) -> None:
+    """The nightly wrote no run summary: a red night's page said nothing, its verdicts and the
+    failed tests' reasons (an instance that died starting judges no case) only in the log and
+    the artifact (found in review). Now its verdict tables and every failed test, with the
+    first line of why."""
+    summary = run_nightly_summary_step(tmp_path / "red", JUNIT_FAILED, "1E+1PD / image: MATCH\n")
+    assert "1E+1PD / image: MATCH" in summary, summary
+    assert "vLLM `0.32.0`" in summary, summary
+    assert "scenarios.test_load::test_a_small_load_every_answer_its_own" in summary, summary
+    assert "1P+1D/decode0 exited 1 while starting: CUDA out of memory" in summary, summary
+    assert "epd-streamed" not in summary, summary
+    stopped = run_nightly_summary_step(tmp_path / "stopped", None, None)
+    assert "No verdicts.txt was written" in stopped, stopped
+    assert "no junit.xml" in stopped, stopped
+
+
 LEFTOVER_STEP = "Leftover GPU processes (should be none)"
 
 
