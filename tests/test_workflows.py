@@ -902,11 +902,13 @@ JUNIT_FAILED = """<?xml version="1.0" encoding="utf-8"?>
 """
 
 
-def run_nightly_summary_step(tmp_path: Path, junit: str | None, verdicts: str | None) -> str:
-    """nightly-gpu's summary step, by bash, with the run's junit.xml and one worker's
+def run_nightly_summary_step(
+    tmp_path: Path, junit: str | None, verdicts: str | None, workflow: str = "nightly-gpu.yml"
+) -> str:
+    """A GPU workflow's summary step, by bash, with the run's junit.xml and one worker's
     verdicts.txt as given (None: not written): the step summary it wrote."""
-    steps = [s for s in all_steps(load("nightly-gpu.yml")) if s.get("name") == SUMMARY_STEP]
-    assert len(steps) == 1, "nightly-gpu.yml has no step writing the run summary"
+    steps = [s for s in all_steps(load(workflow)) if s.get("name") == SUMMARY_STEP]
+    assert len(steps) == 1, f"{workflow} has no step writing the run summary"
     (step,) = steps
     assert step.get("if") == "always()"
     run = tmp_path / "runs" / "night"
@@ -922,6 +924,7 @@ def run_nightly_summary_step(tmp_path: Path, junit: str | None, verdicts: str | 
         "RUN_NAME": "night",
         "VLLM_SPEC": "",
         "DEFAULT_VLLM": "0.32.0",
+        "HARNESS_REF": "main",
         "GITHUB_STEP_SUMMARY": str(summary),
     }
     code, printed = run_step_script(step["run"], tmp_path, env)
@@ -943,6 +946,18 @@ def test_a_red_night_says_why_in_its_summary(tmp_path: Path) -> None:
     stopped = run_nightly_summary_step(tmp_path / "stopped", None, None)
     assert "No verdicts.txt was written" in stopped, stopped
     assert "no junit.xml" in stopped, stopped
+
+
+def test_a_red_cherry_pick_run_names_its_failed_tests_in_its_summary(tmp_path: Path) -> None:
+    """cherry-pick's summary showed only the verdict tables: a run red by a test that judged
+    no case (an instance that died while starting) read as its green tables (found in
+    review). Its failed tests are listed as the nightly's are."""
+    summary = run_nightly_summary_step(
+        tmp_path, JUNIT_FAILED, "1E+1PD / image: MATCH\n", "cherry-pick.yml"
+    )
+    assert "1E+1PD / image: MATCH" in summary, summary
+    assert "scenarios.test_load::test_a_small_load_every_answer_its_own" in summary, summary
+    assert "1P+1D/decode0 exited 1 while starting: CUDA out of memory" in summary, summary
 
 
 LEFTOVER_STEP = "Leftover GPU processes (should be none)"
