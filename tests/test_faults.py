@@ -303,3 +303,13 @@ def test_kill_instance_sigkills_the_whole_process_group(tmp_path: Path):
     assert not psutil.pid_exists(child_pid) or psutil.Process(child_pid).status() == "zombie", (
         f"the group's child {child_pid} survived the kill"
     )
+
+
+def test_corrupt_ec_files_finds_the_files_of_an_ec_items_answer(tmp_path: Path):
+    """vLLM 0.29 (the floor of the version matrix) answers `{"ec_items": [{"mm_hash": h, ...}]}`;
+    the fault must corrupt h's file, not look for a file under `ec_items/` and act on nothing
+    (found in review: `--plant-fault corrupt-ec` on 0.29 touched no file)."""
+    path, original = write_ec_file(tmp_path)
+    fault = corrupt_ec_files(tmp_path)
+    fault.after_encode("req-1", {"ec_items": [{"mm_hash": MM_HASH, "image_grid_thw": [[1, 8, 8]]}]})
+    assert fault.touched == [path] and not fault.problems, (fault.touched, fault.problems)

@@ -292,3 +292,41 @@ def test_fault_for_builds_the_graded_faults(tmp_path: Path):
         fault_for("kv-noise:0.05", tmp_path, None)
     with pytest.raises(ValueError, match="needs a topology with an encoder"):
         fault_for("ec-noise:0.05", None, tmp_path)
+
+
+def test_video_faults_act_on_an_ec_items_answer(tmp_path: Path):
+    """vLLM 0.29 answers `{"ec_items": [{"mm_hash": h, "video_grid_thw": ...}]}` (the grid
+    beside the key, no "metadata"): ec-zero-frame must find the video's grid and file, and
+    ec-video-grid's wrong grid must reach the consumer's body through the proxy's reading of
+    that answer (found in review: both acted on nothing on 0.29)."""
+    from harness.spec.generations import GENERATIONS_BY_NAME
+
+    ec_items = GENERATIONS_BY_NAME["ec-items"]
+    path = write_ec(tmp_path, VIDEO_HASH, random_tensor(VIDEO_ROWS, HIDDEN, seed=5) + 10)
+    zero = ec_zero_frame(tmp_path, frame=1)
+    zero.after_encode(
+        "req-1", {"ec_items": [{"mm_hash": VIDEO_HASH, "video_grid_thw": VIDEO_GRID}]}
+    )
+    assert zero.touched == [path] and not zero.problems, zero
+
+    request = {
+        "model": "m",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+                    {"type": "text", "text": "Describe."},
+                ],
+            }
+        ],
+    }
+    media = protocol.collect_media(request)
+    batches, _ = protocol.plan_encoder_batches(media, 1, 0, ec_items)
+    answer = {"ec_items": [{"mm_hash": VIDEO_HASH, "video_grid_thw": [VIDEO_GRID]}]}
+    merged = protocol.merge_encoder_params([answer], ec_items)
+    grid = ec_video_grid()
+    grid.after_encode("req-2", merged)  # as the proxy calls it, before reading the answer
+    assert not grid.problems and len(grid.touched) == 1, grid
+    encoded = protocol.index_encoder_response(batches[0], answer, ec_items)
+    assert encoded[0].metadata["video_grid_thw"] == [[8, 8, 16]], encoded

@@ -41,7 +41,7 @@ explicit `--plant-fault` use them; a normal run never does.
 One module per concern, each importing only those listed before it: `spec` (the names a run
 accepts, parsed), `storage_files` (the safetensors files read and replaced), `planted` (what a
 fault records, and planting it on a running proxy), `tensors` (what a fault does to a tensor),
-`video_grid`, then the faults by where they act: `ec_files`, `kv_files`, `relayed` (the proxy's
+`encoded` (the items an encoders' answer reports, in either shape), `video_grid`, then the faults by where they act: `ec_files`, `kv_files`, `relayed` (the proxy's
 messages), `nixl` (with `nixl_kv_noise_plugin`, which imports nothing of the harness),
 `instance`; `by_name` builds any of them from its `--plant-fault` name.
 """

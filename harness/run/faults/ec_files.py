@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.judge.guards import EC_CACHE_FILE
+from harness.run.faults.encoded import encoded_items
 from harness.run.faults.planted import PlantedFault
 from harness.run.faults.storage_files import swap_tensor_files, write_bytes_atomic
 from harness.run.faults.tensors import (
@@ -27,9 +28,10 @@ def corrupt_ec_files(ec_storage: Path) -> PlantedFault:
     fault = PlantedFault()
 
     def after_encode(request_id: str, ec_transfer_params: dict[str, Any]) -> None:
-        if not ec_transfer_params:
+        hashes = list(encoded_items(ec_transfer_params))
+        if not hashes:
             fault.problems.append(f"{request_id}: the encoders reported no mm_hash")
-        for mm_hash in ec_transfer_params:
+        for mm_hash in hashes:
             fault.rewrite(request_id, ec_storage / mm_hash / EC_CACHE_FILE, flip_away_from_zero)
 
     fault.after_encode = after_encode
@@ -49,9 +51,10 @@ def ec_noise(ec_storage: Path, fraction: float, seed: int = 0) -> PlantedFault:
     fault = PlantedFault()
 
     def after_encode(request_id: str, ec_transfer_params: dict[str, Any]) -> None:
-        if not ec_transfer_params:
+        hashes = list(encoded_items(ec_transfer_params))
+        if not hashes:
             fault.problems.append(f"{request_id}: the encoders reported no mm_hash")
-        for mm_hash in ec_transfer_params:
+        for mm_hash in hashes:
             path = ec_storage / mm_hash / EC_CACHE_FILE
             fault.rewrite(request_id, path, content_seeded_noise(fraction, seed, fault))
 
@@ -87,7 +90,7 @@ def ec_swap_items(ec_storage: Path) -> PlantedFault:
     swapped: set[str] = set()  # the mm_hashes of every item swapped so far
 
     def after_encode(request_id: str, ec_transfer_params: dict[str, Any]) -> None:
-        hashes = list(ec_transfer_params)
+        hashes = list(encoded_items(ec_transfer_params))
         for path in [ec_storage / h / EC_CACHE_FILE for h in hashes]:
             if path in originals:
                 write_bytes_atomic(path, originals.pop(path))
@@ -135,11 +138,11 @@ def ec_zero_frame(ec_storage: Path, frame: int = 0) -> PlantedFault:
     fault = PlantedFault()
 
     def after_encode(request_id: str, ec_transfer_params: dict[str, Any]) -> None:
-        videos = {h: video_grid(e) for h, e in ec_transfer_params.items() if video_grid(e)}
+        items = encoded_items(ec_transfer_params)
+        videos = {h: video_grid(e) for h, e in items.items() if video_grid(e)}
         if not videos:
             fault.problems.append(
-                f"{request_id}: no video among the encoded items "
-                f"({len(ec_transfer_params)} item(s))"
+                f"{request_id}: no video among the encoded items ({len(items)} item(s))"
             )
         for mm_hash, grid in videos.items():
             path = ec_storage / mm_hash / EC_CACHE_FILE

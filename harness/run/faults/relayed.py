@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from harness.run.faults.encoded import encoded_items
 from harness.run.faults.planted import PlantedFault
 from harness.run.faults.video_grid import grid_like, video_grid
 
@@ -56,11 +57,11 @@ def ec_video_grid(ec_storage: Path | None = None) -> PlantedFault:
     fault = PlantedFault()
 
     def after_encode(request_id: str, ec_transfer_params: dict[str, Any]) -> None:
-        videos = {h: e for h, e in ec_transfer_params.items() if video_grid(e)}
+        items = encoded_items(ec_transfer_params)
+        videos = {h: e for h, e in items.items() if video_grid(e)}
         if not videos:
             fault.problems.append(
-                f"{request_id}: no video among the encoded items "
-                f"({len(ec_transfer_params)} item(s))"
+                f"{request_id}: no video among the encoded items ({len(items)} item(s))"
             )
         for mm_hash, entry in videos.items():
             t, h, w = video_grid(entry) or (0, 0, 0)
