@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from harness.judge.guards import EC_CACHE_FILE
-from harness.run.faults.ec_files import corrupt_ec_files
+from harness.run.faults.ec_files import corrupt_ec_files, ec_noise, ec_zero_frame
 from harness.run.faults.instance import kill_instance
 from harness.run.faults.kv_files import drop_kv, kv_noise, zero_kv_files
 from harness.run.faults.planted import PlantedFault, first_request_only, plant
@@ -239,6 +239,36 @@ def test_first_request_only_never_acts_on_another_in_flight_requests_kv_files(
     fault.after_prefill("req-neighbour", {})
     changed = [p.name for p in neighbour if not p.is_file() or p.read_bytes() != before[p]]
     assert not changed, f"the neighbour's KV files were changed: {changed}; {fault.effects}"
+
+
+@pytest.mark.parametrize(
+    "make_fault",
+    [
+        corrupt_ec_files,
+        lambda storage: ec_noise(storage, 0.5),
+        lambda storage: ec_zero_frame(storage, 0),
+    ],
+    ids=["corrupt-ec", "ec-noise", "ec-zero-frame"],
+)
+def test_first_request_only_never_leaves_an_ec_file_rewritten_for_other_requests(
+    tmp_path: Path, make_fault
+):
+    """An EC file is the item's (`<mm_hash>/`), not the request's: narrowed to the first
+    request, the EC file faults rewrote it for that request and left it so, and every other
+    request with the same image or video, in flight or later (the encoder finds the file and
+    writes it no more), read it too (found in review). Refused, saying why, or left as it was
+    for the other request."""
+    try:
+        fault = first_request_only(make_fault(tmp_path))
+    except ValueError as refused:
+        assert "every request with" in str(refused), refused
+        return
+    path, _ = write_ec_file(tmp_path)
+    before = path.read_bytes()
+    params = {MM_HASH: {"metadata": {"video_grid_thw": [[4, 4, 4]]}}}
+    fault.after_encode("req-first", params)
+    fault.after_encode("req-neighbour", params)  # the same image: it reads the same file
+    assert path.read_bytes() == before, f"the neighbour read a rewritten file: {fault.effects}"
 
 
 @pytest.mark.parametrize("make_fault", [drop_encoder_metadata, duplicate_stream_chunk])

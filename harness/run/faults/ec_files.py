@@ -18,6 +18,13 @@ from harness.run.faults.tensors import (
 )
 from harness.run.faults.video_grid import video_grid
 
+# Why the EC file faults cannot act on one request alone (`first_request_only`).
+EC_FILE_OF_EVERY_REQUEST_WITH_ITS_ITEM = (
+    "an EC file is the media item's (<mm_hash>/), not the request's, and the fault leaves it "
+    "rewritten: every request with the same item, in flight or later (the encoder finds the "
+    "file and writes it no more), would read it too"
+)
+
 
 def corrupt_ec_files(ec_storage: Path) -> PlantedFault:
     """After the encoders answered, corrupt the EC file of every mm_hash they reported.
@@ -25,7 +32,7 @@ def corrupt_ec_files(ec_storage: Path) -> PlantedFault:
     The file keeps its keys, shapes and dtypes, so the consumer loads it without complaint;
     only the values are wrong, as a broken transfer or a stale cache would make them.
     """
-    fault = PlantedFault()
+    fault = PlantedFault(not_one_request=EC_FILE_OF_EVERY_REQUEST_WITH_ITS_ITEM)
 
     def after_encode(request_id: str, ec_transfer_params: dict[str, Any]) -> None:
         hashes = list(encoded_items(ec_transfer_params))
@@ -48,7 +55,7 @@ def ec_noise(ec_storage: Path, fraction: float, seed: int = 0) -> PlantedFault:
     below the dtype's resolution (bf16: ~0.4% of a value) is partly rounded away: `effects`
     records the relative std really added, file by file.
     """
-    fault = PlantedFault()
+    fault = PlantedFault(not_one_request=EC_FILE_OF_EVERY_REQUEST_WITH_ITS_ITEM)
 
     def after_encode(request_id: str, ec_transfer_params: dict[str, Any]) -> None:
         hashes = list(encoded_items(ec_transfer_params))
@@ -135,7 +142,7 @@ def ec_zero_frame(ec_storage: Path, frame: int = 0) -> PlantedFault:
     publishes the grid as `video_grid_thw` in its metadata, which is where it is read from; a
     row count that does not divide by grid_t is reported as a problem.
     """
-    fault = PlantedFault()
+    fault = PlantedFault(not_one_request=EC_FILE_OF_EVERY_REQUEST_WITH_ITS_ITEM)
 
     def after_encode(request_id: str, ec_transfer_params: dict[str, Any]) -> None:
         items = encoded_items(ec_transfer_params)
