@@ -514,3 +514,49 @@ def test_a_nixl_request_in_flight_with_another_holds_no_kv_guard_on_its_p2p_toke
     assert "other requests were in flight" in guard["kv_transfer"].evidence
     alone = {g.name: g for g in transfer_guards(session.served, session.send("alone", text))}
     assert alone["kv_transfer"].ok  # alone, the counter's growth is its own
+
+
+def attached_1e1pd(tmp_path: Path) -> AttachSpec:
+    storage = tmp_path / "ec"
+    storage.mkdir(exist_ok=True)
+    topology = get_topology("1E+1PD")
+    return AttachSpec(
+        tmp_path / "attach.json",
+        topology,
+        "http://127.0.0.1:1",
+        attached_instances(
+            topology,
+            [(Role.ENCODER, "http://127.0.0.1:2"), (Role.PREFILL_DECODE, "http://127.0.0.1:3")],
+        ),
+        ec_storage=storage,
+    )
+
+
+def test_an_encoder_metrics_page_without_the_request_counter_fails_no_guard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An encoder URL whose /metrics answers without vLLM's finished-request counter (a sidecar
+    in front of it, a vLLM that names it otherwise) shows nothing of what the encoder did. Read
+    as "the encoders finished 0 request(s)" it failed `encoder_output` on a request that left
+    its EC file, making a correct deployment's MATCH VACUOUS for the harness's reason."""
+    spec = attached_1e1pd(tmp_path)
+    monkeypatch.setattr(attached, "health_problem", lambda url, timeout_s=0.0: None)
+    monkeypatch.setattr(attached, "read_counters", lambda url: KvCounters({}))
+
+    class Client:
+        def send(self, body: dict, request_id: str) -> ChatReply:
+            assert spec.ec_storage is not None
+            (spec.ec_storage / "item").mkdir(exist_ok=True)
+            (spec.ec_storage / "item" / EC_CACHE_FILE).write_bytes(b"ec")
+            return ChatReply(cached_answer(89, None))
+
+        def close(self) -> None:
+            pass
+
+    session = AttachedSession(spec, fake_run_settings(tmp_path, tmp_path / "vllm"))
+    session._client = Client()  # type: ignore[assignment]
+    image = render_request(next(p for p in SKELETON_PROMPTS if p.name == "image"), "m")
+    sent = session.send("image", image)
+    guard = {g.name: g for g in transfer_guards(session.served, sent)}["encoder_output"]
+    assert not guard.checkable, guard  # neither held nor failed
+    assert "finished 0" not in guard.evidence, guard.evidence

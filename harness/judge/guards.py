@@ -471,7 +471,7 @@ def check_encoder_files(evidence: AttachedEvidence) -> GuardResult:
         f"{evidence.ec_storage} during the request ({evidence.ec_files_before} there before)"
     )
     text += (
-        "; the encoders' /metrics could not be read"
+        "; the encoders' /metrics could not be read or have no finished-request counter"
         if served is None
         else f"; the encoders finished {served:g} request(s) (their /metrics)"
     )

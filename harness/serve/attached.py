@@ -294,13 +294,14 @@ class AttachedSession:
 
     def _encoder_requests(self) -> float | None:
         """Requests the encoders have finished so far (summed), or None if any /metrics
-        cannot be read."""
+        cannot be read or holds no finished-request counter: vLLM shows it from start-up, so
+        a page without it (a sidecar's, another naming) shows nothing, not 0 (found in review)."""
         total = 0.0
         for encoder in self.spec.with_role(Role.ENCODER):
             counters = read_counters(encoder.url)
-            if counters is None:
+            if counters is None or "finished_requests" not in counters.values:
                 return None
-            total += counters.values.get("finished_requests", 0.0)
+            total += counters.values["finished_requests"]
         return total
 
 
