@@ -86,6 +86,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self.reply(200, text.encode(), "text/plain")
         if self.path == "/version":
             return self.reply(200, b'{"version": "0.32.0+cpu"}')
+        if self.path == "/v1/models" and role != "proxy":  # as vLLM's ModelCard says it
+            max_len = int(os.environ.get("FAKE_DEPLOYMENT_MAX_MODEL_LEN", "4096"))
+            card = {"id": "epd-model", "object": "model", "max_model_len": max_len}
+            return self.reply(200, json.dumps({"object": "list", "data": [card]}).encode())
         self.reply(200 if self.path == "/health" and role != "proxy" else 404, b"{}")
 
     def do_POST(self):
@@ -339,6 +343,30 @@ def test_an_instance_dying_while_the_proxy_holds_the_request_ends_it_within_seco
     assert outcome.error.startswith(f"1E+1PD/pd0 (pd, {pd.url}) is not serving"), outcome.error
     assert "while the request was in flight" in outcome.error, outcome.error
     assert outcome.seconds < 1.0 + REPORTED_WITHIN_S, f"{outcome.seconds:.1f} s"
+
+
+def test_a_deployment_serving_another_max_model_len_than_the_baseline_sends_nothing(
+    tmp_path: Path, port_locks: Path, monkeypatch
+) -> None:
+    """The baseline is the harness's own, rendered with its --max-model-len; a deployment
+    serving another one is not the comparison the verdicts would claim (a long prompt is
+    refused by one and answered by the other). Its instances say theirs at /v1/models, so
+    the run says so before any request, naming the instance, and judges nothing."""
+    monkeypatch.setenv("FAKE_DEPLOYMENT_MAX_MODEL_LEN", "2048")
+    fake = Deployment(tmp_path)
+    try:
+        fake.start()
+        records = attach_sweep(tmp_path, fake.spec, "attach-maxlen").run_all().records
+    finally:
+        fake.stop()
+    encoder = fake.spec.with_role(Role.ENCODER)[0]
+    assert [r.verdict for r in records] == [Verdict.ERROR, Verdict.ERROR], records
+    first = (
+        f"request failed: 1E+1PD/encoder0 (encoder, {encoder.url}) serves epd-model with "
+        "max_model_len 2048, the baseline 4096"
+    )
+    assert records[0].detail.startswith(first), records[0].detail
+    assert "no request was sent" in (records[0].error or ""), records[0].error
 
 
 def test_a_proxy_that_is_gone_is_named(tmp_path: Path, deployment: Deployment) -> None:

@@ -37,7 +37,7 @@ from harness.run.faults.planted import PlantedFault, plant
 from harness.run.goldens import GoldenStore
 from harness.run.judging import CaseJudge, Observed, observe
 from harness.run.pool import SessionRequest, TopologyPool
-from harness.serve.attached import AttachedDown, AttachedSession
+from harness.serve.attached import AttachedDown, AttachedMismatch, AttachedSession
 from harness.serve.server_group import EventCallback
 from harness.serve.session import ProxiedSession, TopologySession
 from harness.spec.placement import (
@@ -387,6 +387,12 @@ class Sweep:
                 self.attached.topology,
                 f"{exc}\nthe attached {self.attached.topology.name} was not serving when the "
                 "run began: no request was sent",
+            )
+        except AttachedMismatch as exc:
+            self._fail_cases(
+                self.attached.topology,
+                f"{exc}\nthe attached {self.attached.topology.name} does not serve the model as "
+                "the baseline does, so its answers would not be comparable: no request was sent",
             )
         else:
             try:

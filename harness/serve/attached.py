@@ -42,7 +42,7 @@ from harness.serve.kv_metrics import KvCounters, read_counters
 from harness.serve.proxy import ProxyFaults
 from harness.serve.proxy_protocol import MediaRef, collect_media
 from harness.serve.session import DEATH_GRACE_S, TopologySession, safe_name, served_topology
-from harness.spec.attach import AttachSpec, attached_instances
+from harness.spec.attach import AttachedInstance, AttachSpec, attached_instances
 from harness.spec.connectors import EC_CACHE_FILE, kv_connector_for_class
 from harness.spec.settings import RunSettings
 from harness.spec.topology import Role
@@ -54,6 +54,11 @@ MISSES_BEFORE_DOWN = 2  # consecutive failed checks that end a request in flight
 VERSION_TIMEOUT_S = 5.0
 # Outside requests go to the deployment directly: a CI runner's HTTP(S)_PROXY must not relay.
 _DIRECT_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class AttachedMismatch(RuntimeError):
+    """An attached instance serves the model otherwise than the harness's baseline does (its
+    name, or its max_model_len): the verdicts would compare two different servings."""
 
 
 class AttachedDown(RuntimeError):
@@ -96,6 +101,39 @@ def read_version(url: str) -> str:
             return str(json.loads(reply.read()).get("version") or "unknown")
     except (OSError, ValueError, AttributeError, http.client.HTTPException):
         return "unknown"
+
+
+def model_cards(url: str) -> list[dict[str, Any]] | None:
+    """The model cards an instance lists at /v1/models (None: it does not say)."""
+    try:
+        with _DIRECT_OPENER.open(f"{url}/v1/models", timeout=VERSION_TIMEOUT_S) as reply:
+            cards = json.loads(reply.read()).get("data")
+    except (OSError, ValueError, AttributeError, http.client.HTTPException):
+        return None
+    return [c for c in cards if isinstance(c, dict)] if isinstance(cards, list) else None
+
+
+def serving_mismatch(
+    instance: AttachedInstance, served_model_name: str, max_model_len: int
+) -> str | None:
+    """What of the model an instance serves differs from the baseline's serving, as its
+    /v1/models says (None: nothing, or it does not say). vLLM's cards carry max_model_len."""
+    cards = model_cards(instance.url)
+    if not cards:
+        return None
+    card = next((c for c in cards if c.get("id") == served_model_name), None)
+    if card is None:
+        names = ", ".join(str(c.get("id")) for c in cards)
+        return (
+            f"{instance.describe()} serves no model named {served_model_name} (it serves {names})"
+        )
+    theirs = card.get("max_model_len")
+    if isinstance(theirs, int) and theirs != max_model_len:
+        return (
+            f"{instance.describe()} serves {served_model_name} with max_model_len {theirs}, "
+            f"the baseline {max_model_len}: run with --max-model-len {theirs}"
+        )
+    return None
 
 
 def ec_files(storage: Path) -> dict[str, int]:
@@ -148,13 +186,20 @@ class AttachedSession:
 
     def open(self) -> None:
         """Every instance must answer /health and the proxy must answer at all; otherwise
-        AttachedDown, naming the first that does not. Reads each instance's version."""
+        AttachedDown, naming the first that does not. Every instance that lists its models
+        must serve the baseline's model name and max_model_len; otherwise AttachedMismatch
+        (found in review). Reads each instance's version."""
         down = self.first_down()
         if down is not None:
             raise AttachedDown(down)
         problem = answers_http(f"{self.entry_url}/health")
         if problem is not None:
             raise AttachedDown(f"the proxy {self.entry_url} is not reachable: {problem}")
+        serving = self.settings.serving
+        for instance in self.spec.instances:
+            mismatch = serving_mismatch(instance, serving.served_model_name, serving.max_model_len)
+            if mismatch is not None:
+                raise AttachedMismatch(mismatch)
         self.versions = {i.name: read_version(i.url) for i in self.spec.instances}
         self._client = ChatClient(self.entry_url, timeout_s=self.settings.request_timeout_s)
 
