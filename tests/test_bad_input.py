@@ -320,6 +320,13 @@ MALFORMED_ATTACH_FILES = [
         {**GOOD_ATTACH, "instances": [ENCODER, {**PD, "url": " http://127.0.0.1:8002"}]},
         "instance 2: 'url' ' http://127.0.0.1:8002' has spaces around it",
     ),
+    (  # found in review: the password reached run.json, and urllib's /health took
+        # "ci:s3cret@127.0.0.1" for a host name; the refusal must not repeat the secret
+        "credentials.json",
+        {**GOOD_ATTACH, "proxy": "http://ci:s3cret@127.0.0.1:8000/v1"},
+        "'proxy' has credentials in it (user:password@), which the harness would write into "
+        "run.json and its logs and cannot send with every request; give http://127.0.0.1:8000",
+    ),
     (
         "proxy-host.json",
         {**GOOD_ATTACH, "proxy": "127.0.0.1:8000"},

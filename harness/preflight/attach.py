@@ -4,9 +4,9 @@ A misread attach file would judge the wrong deployment, or judge the right one b
 rule, and say so only after the baseline ran. So every field is checked before anything
 starts: unknown fields and roles are refused (a misspelt `ec_storge` would otherwise turn a
 checkable guard into an unchecked one without a word), the roles must make a known topology
-(and the one the file names, if it names one), URLs must be http(s) URLs without a path, none
-twice, and the EC storage must be a directory this machine can read. What the file means is
-documented in `harness.spec.attach`.
+(and the one the file names, if it names one), URLs must be http(s) URLs without a path or
+credentials (they would reach run.json), none twice, and the EC storage must be a directory
+this machine can read. What the file means is documented in `harness.spec.attach`.
 """
 
 from __future__ import annotations
@@ -122,6 +122,15 @@ def _url(value: Any, at: str) -> str:
     url = value.rstrip("/")
     try:
         parts = urlsplit(url)
+    except ValueError as exc:
+        raise BadInput(f"{at} {value!r} is not a URL: {exc}") from None
+    if "@" in parts.netloc:  # before any message that would repeat it (found in review)
+        root = f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
+        raise BadInput(
+            f"{at} has credentials in it (user:password@), which the harness would write into "
+            f"run.json and its logs and cannot send with every request; give {root}"
+        )
+    try:
         port = parts.port
     except ValueError as exc:
         raise BadInput(f"{at} {value!r} is not a URL: {exc}") from None
