@@ -83,6 +83,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/metrics":
             text = f'vllm:request_success_total{{finished_reason="length"}} {finished}\n'
+            block = os.environ.get("FAKE_DEPLOYMENT_BLOCK_SIZE")
+            if block and role != "proxy":  # vLLM's cache config, one label per field
+                text += f'vllm:cache_config_info{{block_size="{block}",cache_dtype="auto"}} 1.0\n'
             return self.reply(200, text.encode(), "text/plain")
         if self.path == "/version":
             return self.reply(200, b'{"version": "0.32.0+cpu"}')
@@ -367,6 +370,30 @@ def test_a_deployment_serving_another_max_model_len_than_the_baseline_sends_noth
     )
     assert records[0].detail.startswith(first), records[0].detail
     assert "no request was sent" in (records[0].error or ""), records[0].error
+
+
+def test_a_deployment_with_another_block_size_sends_nothing(
+    tmp_path: Path, port_locks: Path, monkeypatch
+) -> None:
+    """Every instance the harness launches, its baseline's too, serves blocks of 32, and the
+    KV guard's block-aligned rule is computed with them: a D with blocks of 64 moves
+    align_down(120, 64) = 64 of a 121-token prompt where the rule asks 96, so such cases
+    failed `kv_transfer` for the harness's reason. vLLM says its block size at /metrics
+    (`vllm:cache_config_info`); here the encoder is the first to say another."""
+    monkeypatch.setenv("FAKE_DEPLOYMENT_BLOCK_SIZE", "64")
+    fake = Deployment(tmp_path)
+    try:
+        fake.start()
+        records = attach_sweep(tmp_path, fake.spec, "attach-block").run_all().records
+    finally:
+        fake.stop()
+    encoder = fake.spec.with_role(Role.ENCODER)[0]
+    assert [r.verdict for r in records] == [Verdict.ERROR, Verdict.ERROR], records
+    first = (
+        f"request failed: 1E+1PD/encoder0 (encoder, {encoder.url}) serves with block_size 64, "
+        "the harness's 32"
+    )
+    assert records[0].detail.startswith(first), records[0].detail
 
 
 def test_a_proxy_that_is_gone_is_named(tmp_path: Path, deployment: Deployment) -> None:

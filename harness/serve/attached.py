@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import threading
 import time
@@ -38,27 +39,28 @@ from harness.outcomes.attached import AttachedEvidence
 from harness.outcomes.outcome import Outcome, ServedTopology
 from harness.serve.client import ChatClient, ChatReply
 from harness.serve.in_flight import InFlightWindows
-from harness.serve.kv_metrics import KvCounters, read_counters
+from harness.serve.kv_metrics import METRICS_TIMEOUT_S, KvCounters, read_counters
 from harness.serve.proxy import ProxyFaults
 from harness.serve.proxy_protocol import MediaRef, collect_media
 from harness.serve.session import DEATH_GRACE_S, TopologySession, safe_name, served_topology
 from harness.spec.attach import AttachedInstance, AttachSpec, attached_instances
 from harness.spec.connectors import EC_CACHE_FILE, kv_connector_for_class
 from harness.spec.settings import RunSettings
-from harness.spec.topology import Role
+from harness.spec.topology import Role, ServingConfig
 
 # vLLM answers /health in milliseconds; a remote deployment gets some slack for the network.
 HEALTH_TIMEOUT_S = 3.0
 WATCH_INTERVAL_S = 1.0  # how often every instance's /health is asked while a request runs
 MISSES_BEFORE_DOWN = 2  # consecutive failed checks that end a request in flight
 VERSION_TIMEOUT_S = 5.0
+_BLOCK_SIZE_LABEL = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.M)
 # Outside requests go to the deployment directly: a CI runner's HTTP(S)_PROXY must not relay.
 _DIRECT_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class AttachedMismatch(RuntimeError):
     """An attached instance serves the model otherwise than the harness's baseline does (its
-    name, or its max_model_len): the verdicts would compare two different servings."""
+    name, max_model_len or block size): the verdicts would compare two different servings."""
 
 
 class AttachedDown(RuntimeError):
@@ -113,11 +115,30 @@ def model_cards(url: str) -> list[dict[str, Any]] | None:
     return [c for c in cards if isinstance(c, dict)] if isinstance(cards, list) else None
 
 
-def serving_mismatch(
-    instance: AttachedInstance, served_model_name: str, max_model_len: int
-) -> str | None:
-    """What of the model an instance serves differs from the baseline's serving, as its
-    /v1/models says (None: nothing, or it does not say). vLLM's cards carry max_model_len."""
+def served_block_size(url: str) -> int | None:
+    """The KV block size an instance reports at /metrics, where vLLM labels
+    `vllm:cache_config_info` with every cache setting (None: it does not say)."""
+    try:
+        with _DIRECT_OPENER.open(f"{url}/metrics", timeout=METRICS_TIMEOUT_S) as reply:
+            page = reply.read().decode("utf-8", errors="replace")
+    except (OSError, http.client.HTTPException):
+        return None
+    found = _BLOCK_SIZE_LABEL.search(page)
+    return int(found[1]) if found else None
+
+
+def serving_mismatch(instance: AttachedInstance, serving: ServingConfig) -> str | None:
+    """What of the serving an instance reports differs from the baseline's (None: nothing, or
+    it does not say): its /v1/models cards carry the model's name and max_model_len, its
+    /metrics the block size (a numerics flag, and the KV guard's block-aligned rule)."""
+    block_size = served_block_size(instance.url)
+    if block_size is not None and block_size != serving.block_size:
+        return (
+            f"{instance.describe()} serves with block_size {block_size}, the harness's "
+            f"{serving.block_size} (its baseline's, and the KV guard's rule): serve it with "
+            f"--block-size {serving.block_size}"
+        )
+    served_model_name, max_model_len = serving.served_model_name, serving.max_model_len
     cards = model_cards(instance.url)
     if not cards:
         return None
@@ -186,18 +207,17 @@ class AttachedSession:
 
     def open(self) -> None:
         """Every instance must answer /health and the proxy must answer at all; otherwise
-        AttachedDown, naming the first that does not. Every instance that lists its models
-        must serve the baseline's model name and max_model_len; otherwise AttachedMismatch
-        (found in review). Reads each instance's version."""
+        AttachedDown, naming the first that does not. Every instance must serve the
+        baseline's model name, max_model_len and block size where it reports them; otherwise
+        AttachedMismatch (found in review). Reads each instance's version."""
         down = self.first_down()
         if down is not None:
             raise AttachedDown(down)
         problem = answers_http(f"{self.entry_url}/health")
         if problem is not None:
             raise AttachedDown(f"the proxy {self.entry_url} is not reachable: {problem}")
-        serving = self.settings.serving
         for instance in self.spec.instances:
-            mismatch = serving_mismatch(instance, serving.served_model_name, serving.max_model_len)
+            mismatch = serving_mismatch(instance, self.settings.serving)
             if mismatch is not None:
                 raise AttachedMismatch(mismatch)
         self.versions = {i.name: read_version(i.url) for i in self.spec.instances}
