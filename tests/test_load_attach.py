@@ -118,3 +118,24 @@ def test_an_attached_deployment_down_at_the_start_sends_nothing(
         load.sweep.pool.close()
     assert [r.not_sent for r in result.results] == [True] * 4
     assert all("1E+1PD/pd0" in r.record.detail for r in result.results)
+
+
+def test_an_attached_deployment_serving_otherwise_sends_nothing(
+    tmp_path: Path, port_locks: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deployment whose instances report another max_model_len than the baseline's ends the
+    load as one that is down does: nothing sent, every request naming the instance (not a
+    traceback of the session's refusal)."""
+    monkeypatch.setenv("FAKE_DEPLOYMENT_MAX_MODEL_LEN", "2048")
+    fake = Deployment(tmp_path)
+    fake.start()
+    try:
+        load = load_on(tmp_path, fake, 2, 1, on_progress=print)
+        try:
+            result = load.run()
+        finally:
+            load.sweep.pool.close()
+    finally:
+        fake.stop()
+    assert [r.not_sent for r in result.results] == [True] * 2
+    assert result.ended_by is not None and "max_model_len 2048" in result.ended_by

@@ -382,17 +382,17 @@ class Sweep:
         session = AttachedSession(self.attached, self.settings)
         try:
             session.open()
-        except AttachedDown as exc:
-            self._fail_cases(
-                self.attached.topology,
-                f"{exc}\nthe attached {self.attached.topology.name} was not serving when the "
-                "run began: no request was sent",
-            )
         except AttachedMismatch as exc:
             self._fail_cases(
                 self.attached.topology,
                 f"{exc}\nthe attached {self.attached.topology.name} does not serve the model as "
                 "the baseline does, so its answers would not be comparable: no request was sent",
+            )
+        except AttachedDown as exc:
+            self._fail_cases(
+                self.attached.topology,
+                f"{exc}\nthe attached {self.attached.topology.name} was not serving when the "
+                "run began: no request was sent",
             )
         else:
             try:

@@ -58,14 +58,15 @@ _BLOCK_SIZE_LABEL = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d
 _DIRECT_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-class AttachedMismatch(RuntimeError):
-    """An attached instance serves the model otherwise than the harness's baseline does (its
-    name, max_model_len or block size): the verdicts would compare two different servings."""
-
-
 class AttachedDown(RuntimeError):
     """An attached instance (or the deployment's proxy) is not serving; the message names it
     with its role and URL."""
+
+
+class AttachedMismatch(AttachedDown):
+    """An attached instance serves the model otherwise than the harness's baseline does (its
+    name, max_model_len or block size): the verdicts would compare two different servings.
+    An AttachedDown to every caller that ends on one (a load, a fuzz run): nothing is sent."""
 
 
 def health_problem(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
