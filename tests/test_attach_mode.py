@@ -560,3 +560,28 @@ def test_an_encoder_metrics_page_without_the_request_counter_fails_no_guard(
     guard = {g.name: g for g in transfer_guards(session.served, sent)}["encoder_output"]
     assert not guard.checkable, guard  # neither held nor failed
     assert "finished 0" not in guard.evidence, guard.evidence
+
+
+def test_a_fuzz_on_an_attached_deployment_that_is_down_is_one_line_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`epd-harness fuzz --attach FILE` opens the attached session in `FuzzEngine.__enter__`,
+    and the command catches nothing around it: the CLI prints one line for a HarnessError
+    only, so an instance that was down (or served otherwise) ended fuzz in a traceback."""
+    from harness.errors import EXIT_FAILED, HarnessError
+    from harness.run.fuzz.engine import FuzzEngine
+
+    spec = attached_1e1pd(tmp_path)
+    settings = fake_run_settings(
+        tmp_path,
+        tmp_path / "vllm",
+        proxy=ProxyChoice(ATTACH_PROXY, origin=str(spec.source), attach=spec),
+    )
+    monkeypatch.setattr(attached, "health_problem", lambda url, timeout_s=0.0: "connection refused")
+    engine = FuzzEngine(settings, spec.topology, attached=True)
+    monkeypatch.setattr(engine.pool, "session", lambda *a, **kw: object())  # the baseline
+    with pytest.raises(HarnessError) as raised:
+        with engine:
+            pass
+    assert str(raised.value).startswith("1E+1PD/encoder0 (encoder, http://127.0.0.1:2)")
+    assert raised.value.exit_code == EXIT_FAILED  # as a run's ERROR verdicts: not bad input

@@ -34,6 +34,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from harness.errors import EXIT_FAILED, HarnessError
 from harness.files import write_json_atomic
 from harness.outcomes.attached import AttachedEvidence
 from harness.outcomes.outcome import Outcome, ServedTopology
@@ -58,9 +59,12 @@ _BLOCK_SIZE_LABEL = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d
 _DIRECT_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-class AttachedDown(RuntimeError):
+class AttachedDown(HarnessError):
     """An attached instance (or the deployment's proxy) is not serving; the message names it
-    with its role and URL."""
+    with its role and URL. A sweep or a load makes it their cases' ERROR; where it reaches the
+    command line (a fuzz run's start), it is that one line, exit 1 (found in review)."""
+
+    exit_code = EXIT_FAILED
 
 
 class AttachedMismatch(AttachedDown):
