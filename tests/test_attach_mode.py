@@ -585,3 +585,20 @@ def test_a_fuzz_on_an_attached_deployment_that_is_down_is_one_line_not_a_traceba
             pass
     assert str(raised.value).startswith("1E+1PD/encoder0 (encoder, http://127.0.0.1:2)")
     assert raised.value.exit_code == EXIT_FAILED  # as a run's ERROR verdicts: not bad input
+
+
+def test_an_instance_serving_another_model_name_is_refused_saying_how_to_serve_it(
+    monkeypatch,
+) -> None:
+    """The harness's requests and baseline name the served model `epd-model`: a deployment
+    serving another name would answer every request 404, each case an ERROR of vLLM's words."""
+    from harness.spec.attach import AttachedInstance
+
+    monkeypatch.setattr(attached, "served_block_size", lambda url: None)
+    monkeypatch.setattr(attached, "model_cards", lambda url: [{"id": "Qwen/Qwen2.5-VL-3B"}])
+    instance = AttachedInstance(name="1E+1PD/pd0", role=Role.PREFILL_DECODE, url="http://127.0.0.1:9")
+    problem = attached.serving_mismatch(instance, ServingConfig(model="/m"))
+    assert problem is not None and "serves no model named epd-model" in problem, problem
+    assert "serve it with --served-model-name epd-model" in problem, problem
+    monkeypatch.setattr(attached, "model_cards", lambda url: [{"id": "epd-model"}])
+    assert attached.serving_mismatch(instance, ServingConfig(model="/m")) is None

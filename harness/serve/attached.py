@@ -151,7 +151,9 @@ def serving_mismatch(instance: AttachedInstance, serving: ServingConfig) -> str 
     if card is None:
         names = ", ".join(str(c.get("id")) for c in cards)
         return (
-            f"{instance.describe()} serves no model named {served_model_name} (it serves {names})"
+            f"{instance.describe()} serves no model named {served_model_name} (it serves "
+            f"{names}): serve it with --served-model-name {served_model_name}, the name the "
+            "harness's requests and baseline use"
         )
     theirs = card.get("max_model_len")
     if isinstance(theirs, int) and theirs != max_model_len:
