@@ -72,7 +72,7 @@ def test_no_path_of_the_recording_machine_survives(tmp_path: Path) -> None:
     serve = render_serve_sh(plan_for(bundle_dir))
     assert str(tmp_path) not in serve
     assert "/somewhere/venv/bin/vllm" not in serve
-    assert '"${WORK}"\'/storage/kv"' in serve and '"${WORK}"\'/storage/ec"' in serve
+    assert '"${WORK_JSON}"\'/storage/kv"' in serve and '"${WORK_JSON}"\'/storage/ec"' in serve
 
 
 def test_storage_paths_become_work_variables_and_stay_json() -> None:
@@ -80,7 +80,7 @@ def test_storage_paths_become_work_variables_and_stay_json() -> None:
         '{"kv_connector": "ExampleConnector", "kv_connector_extra_config": '
         '{"shared_storage_path": "/run/1E-1P-1D/storage/kv"}, "kv_role": "kv_consumer"}'
     )
-    assert Var("WORK") in arg
+    assert Var("WORK_JSON") in arg
     rendered = "".join("/w" if isinstance(piece, Var) else piece for piece in arg)
     config = json.loads(rendered)
     assert config["kv_connector_extra_config"]["shared_storage_path"] == "/w/storage/kv"

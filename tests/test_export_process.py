@@ -524,6 +524,20 @@ def test_a_port_another_server_answers_on_fails_the_start_not_the_case(
     assert_nothing_left(out, env)
 
 
+def test_a_work_directory_with_a_quote_or_backslash_still_configures_the_connectors(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """The connectors' storage path is `$WORK` inside a JSON argument: a `"` or `\\` in it
+    (an export unpacked under `bug "epd"/`) was pasted into the JSON as is, and every
+    instance with a connector died at start on a JSONDecodeError (found in review)."""
+    out = export_case(tmp_path, verdict="MATCH")
+    env = environment(leased_ports, tmp_path)
+    env["WORK"] = str(tmp_path / 'bug "epd" \\ work')
+    done = run_sh(out, env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "MATCH: the 4 generated" in done.stdout
+
+
 # -- moved from test_export.py: they run bash or python --------------------------------
 
 

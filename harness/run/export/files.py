@@ -508,6 +508,9 @@ fi
 HOST=${{HOST:-127.0.0.1}}
 {model}
 WORK=${{WORK:-$HERE/work}}
+# $WORK inside the connectors' JSON configs: its backslashes and double quotes escaped.
+WORK_JSON=${{WORK//'\'/'\\'}}
+WORK_JSON=${{WORK_JSON//'"'/'\"'}}
 PROXY_DIR=${{PROXY_DIR:-$HERE/vllm-proxy}}  # or a vLLM source checkout of the same release
 STARTUP_TIMEOUT=${{STARTUP_TIMEOUT:-900}}
 STOP_TIMEOUT=${{STOP_TIMEOUT:-15}}

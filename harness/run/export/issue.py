@@ -106,7 +106,8 @@ def render_issue(plan: ExportPlan) -> str:
         "",
         "## The commands",
         "",
-        "As `serve.sh` runs them (`$WORK` is the export's `work/`):",
+        "As `serve.sh` runs them (`$WORK` is the export's `work/`, `$WORK_JSON` the same "
+        "escaped for JSON):",
         "",
         "```bash",
         *(shell_command(server) + "\n" for server in plan.servers),

@@ -214,8 +214,14 @@ def without_local_media_path(argv: list[str]) -> list[str]:
     return kept
 
 
+# serve.sh's $WORK with its backslashes and `"` escaped, as a JSON string needs: $WORK itself
+# pasted into the config broke it on a path such as `bug "epd"/` (found in review).
+WORK_IN_JSON = Var("WORK_JSON")
+
+
 def template_storage(config_json: str) -> Arg:
-    """A transfer config with its shared storage path under `$WORK/storage/<ec|kv>`."""
+    """A transfer config with its shared storage path under `$WORK/storage/<ec|kv>` (as
+    `$WORK_JSON`, escaped for JSON)."""
     config = json.loads(config_json)
     marker = "@@EPD_EXPORT_WORK@@"
     for key, value in config.items():
@@ -226,7 +232,7 @@ def template_storage(config_json: str) -> Arg:
     head, *rest = json.dumps(config, sort_keys=True).split(marker)
     arg: list[str | Var] = [head]
     for piece in rest:
-        arg += [Var("WORK"), piece]
+        arg += [WORK_IN_JSON, piece]
     return tuple(a for a in arg if a != "")
 
 

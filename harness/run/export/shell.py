@@ -36,7 +36,7 @@ def shell_variable(name: str) -> str:
 def shell_word(arg: Arg) -> str:
     """One argument as a shell word: `"http://${HOST}:${PORT}"` when its literal text needs
     no escaping inside double quotes, else literal pieces single-quoted and variables
-    double-quoted (a JSON config: `'{"path": "'"${WORK}"'/storage/kv"}'`)."""
+    double-quoted (a JSON config: `'{"path": "'"${WORK_JSON}"'/storage/kv"}'`)."""
     if all(isinstance(piece, str) for piece in arg):
         return shlex.quote("".join(str(piece) for piece in arg))
     literal = "".join(piece for piece in arg if isinstance(piece, str))
