@@ -538,6 +538,31 @@ def test_a_work_directory_with_a_quote_or_backslash_still_configures_the_connect
     assert "MATCH: the 4 generated" in done.stdout
 
 
+def test_a_vllm_reached_through_a_symlink_runs_the_proxy_with_its_own_python(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """`uv tool install vllm` and pipx put a symlink to the venv's `vllm` on PATH: the scripts
+    looked for `python` beside the symlink, found none, and ran vLLM's proxy and the checks
+    with the system's python3, which lacks vLLM's packages (found in review)."""
+    out = export_case(tmp_path, verdict="MATCH")
+    env = environment(leased_ports, tmp_path)
+    on_path = tmp_path / "local-bin"
+    on_path.mkdir()
+    (on_path / "vllm").symlink_to(env.pop("VLLM"))
+    env.pop("PYTHON")
+    bare = tmp_path / "system-bin"
+    bare.mkdir()
+    python3 = bare / "python3"
+    python3.write_text(
+        "#!/bin/sh\necho \"ModuleNotFoundError: No module named 'fastapi'\" >&2\nexit 1\n"
+    )
+    python3.chmod(0o755)
+    env["PATH"] = f"{on_path}:{bare}:{env['PATH']}"
+    done = run_sh(out, env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "MATCH: the 4 generated" in done.stdout
+
+
 # -- moved from test_export.py: they run bash or python --------------------------------
 
 

@@ -502,7 +502,8 @@ if ! command -v "$VLLM" >/dev/null; then
   exit 2
 fi
 if [[ -z ${{PYTHON:-}} ]]; then  # vLLM's own Python: runs vLLM's proxy and the health checks
-  PYTHON=$(dirname "$(command -v "$VLLM")")/python
+  # Beside the vllm the symlink on PATH points to (`uv tool install`, pipx), not the link.
+  PYTHON=$(dirname "$(readlink -f "$(command -v "$VLLM")")")/python
   [[ -x $PYTHON ]] || PYTHON=python3
 fi
 HOST=${{HOST:-127.0.0.1}}
@@ -732,7 +733,8 @@ if ! command -v "$VLLM" >/dev/null; then
   exit 2
 fi
 if [[ -z ${{PYTHON:-}} ]]; then
-  PYTHON=$(dirname "$(command -v "$VLLM")")/python
+  # Beside the vllm the symlink on PATH points to (`uv tool install`, pipx), not the link.
+  PYTHON=$(dirname "$(readlink -f "$(command -v "$VLLM")")")/python
   [[ -x $PYTHON ]] || PYTHON=python3
 fi
 export PYTHON
