@@ -24,12 +24,14 @@ harness never launched it, so it has no commands to export: rerun the case with
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fixtures.tiny_model import CACHE_DIR_PREFIX as TINY_MODEL_DIR_PREFIX
 from harness.errors import BadInput
 from harness.judge.records import Verdict
 from harness.run.export.devices import RecordedDevice
@@ -81,6 +83,10 @@ class ModelSource:
     hub_revision: str | None = None
     size_bytes: int = 0
     digest: str | None = None
+    # A copied directory's `architectures` (config.json), and whether it is the harness's tiny
+    # model (its cache directory): any small local model is copied, a user's own too.
+    architecture: str | None = None
+    harness_tiny: bool = False
 
 
 @dataclass(frozen=True)
@@ -278,7 +284,13 @@ def model_source(bundle: Bundle) -> ModelSource:
     if path.is_dir():
         size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
         if size <= MAX_COPIED_MODEL_BYTES:
-            return ModelSource(path, size_bytes=size, digest=digest)
+            return ModelSource(
+                path,
+                size_bytes=size,
+                digest=digest,
+                architecture=architecture_of(path),
+                harness_tiny=path.name.startswith(TINY_MODEL_DIR_PREFIX),
+            )
     if snapshot is not None:
         name = f"{snapshot['org']}/{snapshot['name']}"
         return ModelSource(None, name, snapshot["rev"], digest=digest)
@@ -294,6 +306,22 @@ def model_source(bundle: Bundle) -> ModelSource:
         f"the model {model} is larger than {MAX_COPIED_MODEL_BYTES >> 20} MiB and not a "
         "Hugging Face snapshot: an export cannot carry or name it"
     )
+
+
+def architecture_of(model_dir: Path) -> str | None:
+    """The model class config.json names (`Qwen2_5_VLForConditionalGeneration`), else its
+    model_type, else None."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    architectures = config.get("architectures")
+    if isinstance(architectures, list) and architectures:
+        return ", ".join(str(a) for a in architectures)
+    model_type = config.get("model_type")
+    return str(model_type) if model_type else None
 
 
 def declared_failure(
