@@ -822,6 +822,21 @@ def test_vllm_parser_refuses_a_rendered_flag(
     assert_one_error_line(code, err, cause)
 
 
+def repro_on_cores_0_1(epd_cli, tmp_path: Path, bundle: Path, vllm: Path) -> tuple[int, str]:
+    """`repro BUNDLE --devices 0,1 --run-dir R` shown as run, the served vLLM hidden."""
+    return shown_cli(
+        epd_cli,
+        tmp_path,
+        "repro",
+        bundle,
+        "--devices",
+        "0,1",
+        "--run-dir",
+        tmp_path / "r",
+        hidden=("--vllm", vllm),
+    )
+
+
 @pytest.mark.xdist_group(served_parser.XDIST_GROUP)
 def test_repro_of_a_bundle_whose_extra_args_the_served_parser_refuses(
     epd_cli, served_vllm_parser: served_parser.ServedParser, tmp_path: Path, vllm: Path, monkeypatch
@@ -837,17 +852,7 @@ def test_repro_of_a_bundle_whose_extra_args_the_served_parser_refuses(
     run = json.loads((bundle / "run.json").read_text())
     run["serving"]["extra_args"] = [served_parser.BUNDLE_FLAG]
     (bundle / "run.json").write_text(json.dumps(run))
-    code, err = shown_cli(
-        epd_cli,
-        tmp_path,
-        "repro",
-        bundle,
-        "--devices",
-        "0,1",
-        "--run-dir",
-        tmp_path / "r",
-        hidden=("--vllm", vllm),
-    )
+    code, err = repro_on_cores_0_1(epd_cli, tmp_path, bundle, vllm)
     assert_one_error_line(
         code,
         err,
@@ -957,17 +962,7 @@ def test_repro_of_a_float16_run_on_an_amd_cpu_where_vllm_serves_zen_cpu_platform
     monkeypatch.setattr(devices, "CPUINFO", cpuinfo)
     monkeypatch.setattr(resources, "available_cpu_cores", lambda: (0, 1))
     bundle = write_bundle(tmp_path / "b", topology="1P+1D", dtype="float16")
-    code, err = shown_cli(
-        epd_cli,
-        tmp_path,
-        "repro",
-        bundle,
-        "--devices",
-        "0,1",
-        "--run-dir",
-        tmp_path / "r",
-        hidden=("--vllm", vllm),
-    )
+    code, err = repro_on_cores_0_1(epd_cli, tmp_path, bundle, vllm)
     assert_one_error_line(
         code,
         err,
