@@ -253,9 +253,9 @@ def test_ec_zero_frame_reads_the_grid_from_the_encoders_metadata(tmp_path: Path)
     assert not no_video.touched and "no video" in no_video.problems[0], no_video
 
 
-def test_video_grid_fault_reaches_the_consumer_body_with_the_same_size():
-    """Planted in after_encode, the wrong grid is what the proxy's rewrite forwards."""
-    request = {
+def one_video_request() -> dict:
+    """A chat request of one video and a line of text, as the proxy reads it."""
+    return {
         "model": "m",
         "messages": [
             {
@@ -267,6 +267,11 @@ def test_video_grid_fault_reaches_the_consumer_body_with_the_same_size():
             }
         ],
     }
+
+
+def test_video_grid_fault_reaches_the_consumer_body_with_the_same_size():
+    """Planted in after_encode, the wrong grid is what the proxy's rewrite forwards."""
+    request = one_video_request()
     media = protocol.collect_media(request)
     batches, _ = protocol.plan_encoder_batches(media, 1, 0)
     params = {VIDEO_HASH: {"item_indices": [0], "metadata": {"video_grid_thw": [VIDEO_GRID]}}}
@@ -309,18 +314,7 @@ def test_video_faults_act_on_an_ec_items_answer(tmp_path: Path):
     )
     assert zero.touched == [path] and not zero.problems, zero
 
-    request = {
-        "model": "m",
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
-                    {"type": "text", "text": "Describe."},
-                ],
-            }
-        ],
-    }
+    request = one_video_request()
     media = protocol.collect_media(request)
     batches, _ = protocol.plan_encoder_batches(media, 1, 0, ec_items)
     answer = {"ec_items": [{"mm_hash": VIDEO_HASH, "video_grid_thw": [VIDEO_GRID]}]}
