@@ -400,17 +400,12 @@ def test_an_unknown_prompt_with_attach_says_a_scenarios_prompt_is_known_too(
     )
 
 
-def test_a_request_in_flight_with_another_holds_no_guard_on_the_others_files(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A load sends to an attached deployment concurrently. The EC files written and the
-    encoders' requests finished during one request's window are then partly another's: the
-    first request here left nothing, the second (sent while the first was in flight) one file,
-    and the first must not hold `encoder_output` on it."""
+def attached_1e1pd(tmp_path: Path) -> AttachSpec:
+    """A 1E+1PD deployment at made-up loopback URLs, its EC storage under tmp_path."""
     storage = tmp_path / "ec"
-    storage.mkdir()
+    storage.mkdir(exist_ok=True)
     topology = get_topology("1E+1PD")
-    spec = AttachSpec(
+    return AttachSpec(
         tmp_path / "attach.json",
         topology,
         "http://127.0.0.1:1",
@@ -420,6 +415,17 @@ def test_a_request_in_flight_with_another_holds_no_guard_on_the_others_files(
         ),
         ec_storage=storage,
     )
+
+
+def test_a_request_in_flight_with_another_holds_no_guard_on_the_others_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load sends to an attached deployment concurrently. The EC files written and the
+    encoders' requests finished during one request's window are then partly another's: the
+    first request here left nothing, the second (sent while the first was in flight) one file,
+    and the first must not hold `encoder_output` on it."""
+    spec = attached_1e1pd(tmp_path)
+    storage = spec.ec_storage
     finished = {"requests": 0.0}
     monkeypatch.setattr(attached, "health_problem", lambda url, timeout_s=0.0: None)
     monkeypatch.setattr(
@@ -516,22 +522,6 @@ def test_a_nixl_request_in_flight_with_another_holds_no_kv_guard_on_its_p2p_toke
     assert alone["kv_transfer"].ok  # alone, the counter's growth is its own
 
 
-def attached_1e1pd(tmp_path: Path) -> AttachSpec:
-    storage = tmp_path / "ec"
-    storage.mkdir(exist_ok=True)
-    topology = get_topology("1E+1PD")
-    return AttachSpec(
-        tmp_path / "attach.json",
-        topology,
-        "http://127.0.0.1:1",
-        attached_instances(
-            topology,
-            [(Role.ENCODER, "http://127.0.0.1:2"), (Role.PREFILL_DECODE, "http://127.0.0.1:3")],
-        ),
-        ec_storage=storage,
-    )
-
-
 def test_an_encoder_metrics_page_without_the_request_counter_fails_no_guard(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -596,7 +586,9 @@ def test_an_instance_serving_another_model_name_is_refused_saying_how_to_serve_i
 
     monkeypatch.setattr(attached, "served_block_size", lambda url: None)
     monkeypatch.setattr(attached, "model_cards", lambda url: [{"id": "Qwen/Qwen2.5-VL-3B"}])
-    instance = AttachedInstance(name="1E+1PD/pd0", role=Role.PREFILL_DECODE, url="http://127.0.0.1:9")
+    instance = AttachedInstance(
+        name="1E+1PD/pd0", role=Role.PREFILL_DECODE, url="http://127.0.0.1:9"
+    )
     problem = attached.serving_mismatch(instance, ServingConfig(model="/m"))
     assert problem is not None and "serves no model named epd-model" in problem, problem
     assert "serve it with --served-model-name epd-model" in problem, problem
