@@ -37,7 +37,7 @@ from harness.serve.launch import ManagedServer
 from harness.serve.ports import reserve_ports
 from harness.serve.server_command import ServerCommand
 from harness.serve.server_log import log_path_for
-from harness.spec.attach import AttachSpec, attached_instances
+from harness.spec.attach import AttachedInstance, AttachSpec, attached_instances
 from harness.spec.prompts import SKELETON_PROMPTS, render_request
 from harness.spec.settings import ATTACH_PROXY, ProxyChoice, RunSettings, ServedVllm
 from harness.spec.topology import Role, ServingConfig, get_topology
@@ -348,6 +348,18 @@ def test_an_instance_dying_while_the_proxy_holds_the_request_ends_it_within_seco
     assert outcome.seconds < 1.0 + REPORTED_WITHIN_S, f"{outcome.seconds:.1f} s"
 
 
+def swept_deployment(tmp_path: Path, label: str) -> tuple[list, AttachedInstance]:
+    """The records of a sweep of a fake deployment started for it (as the environment's
+    FAKE_DEPLOYMENT_* cues say), and its encoder."""
+    fake = Deployment(tmp_path)
+    try:
+        fake.start()
+        records = attach_sweep(tmp_path, fake.spec, label).run_all().records
+    finally:
+        fake.stop()
+    return records, fake.spec.with_role(Role.ENCODER)[0]
+
+
 def test_a_deployment_serving_another_max_model_len_than_the_baseline_sends_nothing(
     tmp_path: Path, port_locks: Path, monkeypatch
 ) -> None:
@@ -356,13 +368,7 @@ def test_a_deployment_serving_another_max_model_len_than_the_baseline_sends_noth
     refused by one and answered by the other). Its instances say theirs at /v1/models, so
     the run says so before any request, naming the instance, and judges nothing."""
     monkeypatch.setenv("FAKE_DEPLOYMENT_MAX_MODEL_LEN", "2048")
-    fake = Deployment(tmp_path)
-    try:
-        fake.start()
-        records = attach_sweep(tmp_path, fake.spec, "attach-maxlen").run_all().records
-    finally:
-        fake.stop()
-    encoder = fake.spec.with_role(Role.ENCODER)[0]
+    records, encoder = swept_deployment(tmp_path, "attach-maxlen")
     assert [r.verdict for r in records] == [Verdict.ERROR, Verdict.ERROR], records
     first = (
         f"request failed: 1E+1PD/encoder0 (encoder, {encoder.url}) serves epd-model with "
@@ -381,13 +387,7 @@ def test_a_deployment_with_another_block_size_sends_nothing(
     failed `kv_transfer` for the harness's reason. vLLM says its block size at /metrics
     (`vllm:cache_config_info`); here the encoder is the first to say another."""
     monkeypatch.setenv("FAKE_DEPLOYMENT_BLOCK_SIZE", "64")
-    fake = Deployment(tmp_path)
-    try:
-        fake.start()
-        records = attach_sweep(tmp_path, fake.spec, "attach-block").run_all().records
-    finally:
-        fake.stop()
-    encoder = fake.spec.with_role(Role.ENCODER)[0]
+    records, encoder = swept_deployment(tmp_path, "attach-block")
     assert [r.verdict for r in records] == [Verdict.ERROR, Verdict.ERROR], records
     first = (
         f"request failed: 1E+1PD/encoder0 (encoder, {encoder.url}) serves with block_size 64, "
