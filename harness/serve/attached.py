@@ -40,7 +40,7 @@ from harness.outcomes.attached import AttachedEvidence
 from harness.outcomes.outcome import Outcome, ServedTopology
 from harness.serve.client import ChatClient, ChatReply
 from harness.serve.in_flight import InFlightWindows
-from harness.serve.kv_metrics import METRICS_TIMEOUT_S, KvCounters, read_counters
+from harness.serve.kv_metrics import KvCounters, metrics_page, read_counters
 from harness.serve.proxy import ProxyFaults
 from harness.serve.proxy_protocol import MediaRef, collect_media
 from harness.serve.session import DEATH_GRACE_S, TopologySession, safe_name, served_topology
@@ -123,12 +123,8 @@ def model_cards(url: str) -> list[dict[str, Any]] | None:
 def served_block_size(url: str) -> int | None:
     """The KV block size an instance reports at /metrics, where vLLM labels
     `vllm:cache_config_info` with every cache setting (None: it does not say)."""
-    try:
-        with _DIRECT_OPENER.open(f"{url}/metrics", timeout=METRICS_TIMEOUT_S) as reply:
-            page = reply.read().decode("utf-8", errors="replace")
-    except (OSError, http.client.HTTPException):
-        return None
-    found = _BLOCK_SIZE_LABEL.search(page)
+    page = metrics_page(url)
+    found = None if page is None else _BLOCK_SIZE_LABEL.search(page)
     return int(found[1]) if found else None
 
 

@@ -81,10 +81,16 @@ def _keep_source_label(labels: str) -> str:
     return f'{{source="{source[1]}"}}' if source else ""
 
 
-def read_counters(base_url: str) -> KvCounters | None:
-    """D's counters now, or None when its /metrics cannot be read (the guard then says so)."""
+def metrics_page(base_url: str) -> str | None:
+    """An instance's /metrics page now, or None when it cannot be read."""
     try:
         with _DIRECT_OPENER.open(f"{base_url}/metrics", timeout=METRICS_TIMEOUT_S) as reply:
-            return parse_counters(reply.read().decode("utf-8", errors="replace"))
+            return reply.read().decode("utf-8", errors="replace")
     except (OSError, http.client.HTTPException):  # a page cut short is no OSError (found in review)
         return None
+
+
+def read_counters(base_url: str) -> KvCounters | None:
+    """D's counters now, or None when its /metrics cannot be read (the guard then says so)."""
+    page = metrics_page(base_url)
+    return None if page is None else parse_counters(page)
