@@ -855,6 +855,38 @@ def test_a_planted_kill_whose_instance_answered_a_request_first_names_that(
     ]
 
 
+class RaisesMidRound(Killable):
+    """The session raises at the round's requests (a bug, a Ctrl-C), before the kill's moment
+    came (no request reaches pd0's tap: it never comes)."""
+
+    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
+        raise RuntimeError("the session broke mid-round")
+
+
+def test_a_round_that_raises_ends_its_planted_kill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: the killer was finished only after a round that returned, so a round
+    that raised left it waiting (up to KILL_WAIT_S) for a moment to kill an instance of a
+    session a later load may use, its taps' mark never released."""
+    import harness.run.load.run as run_module
+
+    killers: list[Any] = []
+
+    class Recorded(run_module.PlantedKill):
+        def start(self) -> None:
+            killers.append(self)
+            super().start()
+
+    monkeypatch.setattr(run_module, "PlantedKill", Recorded)
+    load, session, killed = killable_load(tmp_path, monkeypatch, session_type=RaisesMidRound)
+    with pytest.raises(RuntimeError, match="the session broke mid-round"):
+        load.run()
+    [killer] = killers
+    assert not killer.thread.is_alive(), "the killer outlived its round"
+    assert session.taps.open_marks == [] and killed == []
+
+
 # A fast pd0 answers a request this long after it reached it; the slow client puts each of its
 # requests out this long after the one before (a loaded host starting the load's threads).
 PD_ANSWERS_IN_S = 0.2

@@ -203,24 +203,27 @@ class LoadRun:
                 self.say,
             )
             killer.start()
-        self.say(
-            f"[load] {self.topology.name}: {len(planned)} request(s), "
-            f"{self.spec.concurrency} at a time{', streamed' if self.spec.stream else ''}"
-        )
-        sent = send_round(
-            session,
-            planned,
-            self.sweep.bodies,
-            concurrency=self.spec.concurrency,
-            stream=self.spec.stream,
-            flight=flight,
-            together=together,
-            now=self._now,
-            on_death=self._on_death,
-        )
-        if killer is not None:
-            killer.finish()
-        return sent
+        # A round that raises ends its killer all the same: else it waits on, up to
+        # KILL_WAIT_S, to kill an instance of a session a later load may be using.
+        try:
+            self.say(
+                f"[load] {self.topology.name}: {len(planned)} request(s), "
+                f"{self.spec.concurrency} at a time{', streamed' if self.spec.stream else ''}"
+            )
+            return send_round(
+                session,
+                planned,
+                self.sweep.bodies,
+                concurrency=self.spec.concurrency,
+                stream=self.spec.stream,
+                flight=flight,
+                together=together,
+                now=self._now,
+                on_death=self._on_death,
+            )
+        finally:
+            if killer is not None:
+                killer.finish()
 
     def _on_death(self, dead: str) -> None:
         """A death a request of the round found ends the load (unless it is the one planted)."""
