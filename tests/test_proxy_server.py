@@ -655,3 +655,40 @@ def test_an_encoder_failure_abandons_the_other_encoders_sub_requests(h: Harness)
     trace = proxy.traces["req-enc-abandon"]
     time.sleep(1.5)  # the slow encoder's answer would have been read by now
     assert [call.status for call in trace.encoder_calls] == [None, None]
+
+
+def answering(params: Any) -> Answer:
+    """An encoder that answers 200 with these ec_transfer_params, whatever it was sent."""
+    return lambda body: {**encoder_answer(body), "ec_transfer_params": params}
+
+
+@pytest.mark.parametrize(
+    "generation, params, cause",
+    [
+        ("by-hash-indexed", {"h": {"item_indices": [3], "metadata": {"x": 1}}}, "item index 3"),
+        ("by-hash-indexed", {"h": {"item_indices": ["0"], "metadata": {"x": 1}}}, "item index"),
+        (
+            "ec-items",
+            {"ec_items": [{"mm_hash": "a", "x": 1}, {"mm_hash": "b", "x": 2}]},
+            "2 entries with metadata for one item",
+        ),
+    ],
+    ids=["index-past-items", "index-not-a-number", "two-ec-items-for-one"],
+)
+def test_an_encoder_answer_that_does_not_fit_its_request_becomes_502_naming_the_encoder(
+    h: Harness, generation: str, params: dict[str, Any], cause: str
+) -> None:
+    """The encoder answers items its sub-request did not hold (of the generation's shape all
+    the same): its broken answer, said of its hop. It was a 500 of stage `proxy`, "proxy
+    failed: ValueError: encoder reported item index 3 ...", blaming the harness's proxy."""
+    encoder = FakeInstance(answering(params), name="encoder")
+    h.lt.run(encoder.start())
+    h.fakes.append(encoder)
+    decode = h.fake("decode")
+    proxy, server = h.proxy((encoder,), (), (decode,), generation=GENERATIONS_BY_NAME[generation])
+    status, body = raw_post(server.url, image_request(), "req-e-unfit")
+    assert (status, body["error"]["stage"]) == (502, "encoder"), body
+    assert (body["error"]["url"], body["error"]["status"]) == (encoder.url, 200)
+    assert cause in body["error"]["message"], body
+    assert decode.bodies == []
+    assert proxy.traces["req-e-unfit"].error.startswith(f"encoder {encoder.url} answered 200")

@@ -222,7 +222,12 @@ class EPDProxy:
             self.faults.after_encode(request_id, merged)
         encoded: dict[int, protocol.EncodedItem] = {}
         for batch, call in results:
-            items = protocol.index_encoder_response(batch, call.ec_transfer_params, self.generation)
+            try:
+                items = protocol.index_encoder_response(
+                    batch, call.ec_transfer_params, self.generation
+                )
+            except protocol.EncoderAnswerUnfit as exc:
+                raise UpstreamError("encoder", call.url, 200, str(exc)) from exc
             call.indexed = {position: item.mm_hash for position, item in items.items()}
             encoded.update(items)
         if self.faults.drop_encoder_metadata:

@@ -208,6 +208,12 @@ class EncoderAnswerError(ValueError):
     """The encoder's `ec_transfer_params` do not have the shape the generation expects."""
 
 
+class EncoderAnswerUnfit(EncoderAnswerError):
+    """The encoder's answer, of the generation's shape, names items its sub-request did not
+    hold (an item index past them, more items with metadata than it sent): a broken answer of
+    that encoder, which the proxy names as such (not the proxy's own failure)."""
+
+
 def index_encoder_response(
     batch: EncoderBatch,
     ec_transfer_params: dict[str, Any] | None,
@@ -248,8 +254,8 @@ def index_encoder_response(
             )
         metadata = entry.get("metadata") or {}
         for item_index in entry.get("item_indices") or []:
-            if not 0 <= item_index < len(batch.positions):
-                raise ValueError(
+            if type(item_index) is not int or not 0 <= item_index < len(batch.positions):
+                raise EncoderAnswerUnfit(
                     f"encoder reported item index {item_index} for a sub-request of "
                     f"{len(batch.positions)} item(s): {_excerpt(params)}"
                 )
@@ -278,7 +284,7 @@ def _index_single_item(
         )
     with_metadata = [(h, e) for h, e in entries if isinstance(e, dict) and e.get("metadata")]
     if len(with_metadata) > 1:
-        raise EncoderAnswerError(
+        raise EncoderAnswerUnfit(
             f"{len(with_metadata)} entries with metadata for one item: {_excerpt(params)}"
         )
     if not with_metadata:
