@@ -692,3 +692,23 @@ def test_an_encoder_answer_that_does_not_fit_its_request_becomes_502_naming_the_
     assert cause in body["error"]["message"], body
     assert decode.bodies == []
     assert proxy.traces["req-e-unfit"].error.startswith(f"encoder {encoder.url} answered 200")
+
+
+@pytest.mark.parametrize("generation", ["by-hash-indexed", "ec-items"])
+@pytest.mark.parametrize("params", [[], "h", 7], ids=["list", "string", "number"])
+def test_an_encoder_answer_whose_ec_transfer_params_are_no_object_becomes_502(
+    h: Harness, generation: str, params: Any
+) -> None:
+    """ec_transfer_params that are no JSON object are no generation's answer: a broken answer
+    of the encoder. Merged before they were read, they failed as the proxy's own 500 ("proxy
+    failed: AttributeError: 'list' object has no attribute 'get'")."""
+    encoder = FakeInstance(answering(params), name="encoder")
+    h.lt.run(encoder.start())
+    h.fakes.append(encoder)
+    decode = h.fake("decode")
+    proxy, server = h.proxy((encoder,), (), (decode,), generation=GENERATIONS_BY_NAME[generation])
+    status, body = raw_post(server.url, image_request(), "req-e-params")
+    assert (status, body["error"]["stage"]) == (502, "encoder"), body
+    assert (body["error"]["url"], body["error"]["status"]) == (encoder.url, 200)
+    assert "ec_transfer_params" in body["error"]["message"], body
+    assert decode.bodies == []

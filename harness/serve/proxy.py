@@ -199,7 +199,13 @@ class EPDProxy:
             response = await self._post("encoder", url, body, f"{request_id}:{n}:encode")
             call.seconds = time.monotonic() - started
             call.status = 200
-            call.ec_transfer_params = response.get("ec_transfer_params")
+            call.ec_transfer_params = params = response.get("ec_transfer_params")
+            # No generation answers them as anything but an object: read on, they failed as
+            # the proxy's own error (`'list' object has no attribute 'get'`).
+            if params is not None and not isinstance(params, dict):
+                raise UpstreamError(
+                    "encoder", url, 200, f"ec_transfer_params are no JSON object: {params!r:.300}"
+                )
             return batch, call
 
         sub_requests = [asyncio.ensure_future(run(n, b)) for n, b in enumerate(batches)]
