@@ -712,3 +712,24 @@ def test_an_encoder_answer_whose_ec_transfer_params_are_no_object_becomes_502(
     assert (body["error"]["url"], body["error"]["status"]) == (encoder.url, 200)
     assert "ec_transfer_params" in body["error"]["message"], body
     assert decode.bodies == []
+
+
+@pytest.mark.parametrize("kv_params", [[1, 2], "p0", 7], ids=["list", "string", "number"])
+def test_a_prefill_answer_whose_kv_transfer_params_are_no_object_becomes_502_naming_p(
+    h: Harness, kv_params: Any
+) -> None:
+    """P's kv_transfer_params that are no JSON object are no KV coordinates: P's broken answer.
+    They were handed to D as they came, so the case failed (if at all) as D's refusal."""
+    answer = vllm_answer("prefill")
+    prefill = FakeInstance(
+        lambda body: {**answer(body), "kv_transfer_params": kv_params}, name="prefill"
+    )
+    h.lt.run(prefill.start())
+    h.fakes.append(prefill)
+    decode = h.fake("decode")
+    _, server = h.proxy((), (prefill,), (decode,))
+    status, body = raw_post(server.url, image_request(), "req-p-kv")
+    assert (status, body.get("error", {}).get("stage")) == (502, "prefill"), body
+    assert (body["error"]["url"], body["error"]["status"]) == (prefill.url, 200)
+    assert "kv_transfer_params" in body["error"]["message"], body
+    assert decode.bodies == []

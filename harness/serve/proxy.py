@@ -295,7 +295,16 @@ class EPDProxy:
             )
             trace.prefill_seconds = time.monotonic() - started
             trace.prefill_status = 200
-            trace.prefill_kv_transfer_params = prefill_response.get("kv_transfer_params")
+            kv_params = prefill_response.get("kv_transfer_params")
+            trace.prefill_kv_transfer_params = kv_params
+            # No KV coordinates: handed on, they failed as D's refusal of its request.
+            if kv_params is not None and not isinstance(kv_params, dict):
+                raise UpstreamError(
+                    "prefill",
+                    prefill_url,
+                    200,
+                    f"kv_transfer_params are no JSON object: {kv_params!r:.300}",
+                )
             if self.faults.after_prefill is not None:
                 self.faults.after_prefill(request_id, prefill_response)
         return protocol.build_decode_request(rewrite.body, prefill_response)
