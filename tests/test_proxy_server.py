@@ -672,8 +672,18 @@ def answering(params: Any) -> Answer:
             {"ec_items": [{"mm_hash": "a", "x": 1}, {"mm_hash": "b", "x": 2}]},
             "2 entries with metadata for one item",
         ),
+        ("by-hash-indexed", {"h": {"item_indices": 0, "metadata": {"x": 1}}}, "item_indices"),
+        ("by-hash-indexed", {"h": {"item_indices": [0], "metadata": [1]}}, "metadata"),
+        ("by-hash-indexed", {"h": [0]}, "is not an object"),
     ],
-    ids=["index-past-items", "index-not-a-number", "two-ec-items-for-one"],
+    ids=[
+        "index-past-items",
+        "index-not-a-number",
+        "two-ec-items-for-one",
+        "indices-not-a-list",
+        "metadata-not-an-object",
+        "entry-not-an-object",
+    ],
 )
 def test_an_encoder_answer_that_does_not_fit_its_request_becomes_502_naming_the_encoder(
     h: Harness, generation: str, params: dict[str, Any], cause: str

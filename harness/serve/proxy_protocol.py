@@ -210,8 +210,9 @@ class EncoderAnswerError(ValueError):
 
 class EncoderAnswerUnfit(EncoderAnswerError):
     """The encoder's answer, of the generation's shape, names items its sub-request did not
-    hold (an item index past them, more items with metadata than it sent): a broken answer of
-    that encoder, which the proxy names as such (not the proxy's own failure)."""
+    hold (an item index past them, more items with metadata than it sent), or an entry of it
+    is broken (no object, item_indices no list, metadata no object): a broken answer of that
+    encoder, which the proxy names as such (not the proxy's own failure)."""
 
 
 def index_encoder_response(
@@ -249,11 +250,17 @@ def index_encoder_response(
     found: dict[int, EncodedItem] = {}
     for mm_hash, entry in params.items():
         if not isinstance(entry, dict):
-            raise EncoderAnswerError(
+            raise EncoderAnswerUnfit(
                 f"encoder entry {mm_hash!r} is not an object: {_excerpt(params)}"
             )
         metadata = entry.get("metadata") or {}
-        for item_index in entry.get("item_indices") or []:
+        indices = entry.get("item_indices")
+        if not isinstance(metadata, dict) or not isinstance(indices, list | None):
+            raise EncoderAnswerUnfit(
+                f"encoder entry {mm_hash!r} has item_indices no list or metadata no object: "
+                f"{_excerpt(params)}"
+            )
+        for item_index in indices or []:
             if type(item_index) is not int or not 0 <= item_index < len(batch.positions):
                 raise EncoderAnswerUnfit(
                     f"encoder reported item index {item_index} for a sub-request of "
