@@ -594,3 +594,39 @@ def test_an_instance_serving_another_model_name_is_refused_saying_how_to_serve_i
     assert "serve it with --served-model-name epd-model" in problem, problem
     monkeypatch.setattr(attached, "model_cards", lambda url: [{"id": "epd-model"}])
     assert attached.serving_mismatch(instance, ServingConfig(model="/m")) is None
+
+
+def cache_info_page(blocks: str, block_size: str = "32") -> str:
+    """A /metrics page with vLLM's cache config line (engine 0 and 1, as with DP=2)."""
+    return "".join(
+        f'vllm:cache_config_info{{block_size="{block_size}",engine="{engine}",'
+        f'num_gpu_blocks="{blocks}"}} 1.0\n'
+        for engine in (0, 1)
+    )
+
+
+def test_a_role_is_read_from_the_kv_cache_an_instance_holds() -> None:
+    """An encoder holds the null block only (one per engine: 2 with DP=2); an instance running
+    the language model holds at least max_model_len tokens of KV. What the page cannot tell is
+    said, never taken as verified."""
+    from harness.serve.attached_roles import read_role
+    from harness.spec.attach import AttachedInstance
+
+    encoder = AttachedInstance("1E+1PD/encoder0", Role.ENCODER, "http://127.0.0.1:8001")
+    pd = AttachedInstance("1E+1PD/pd0", Role.PREFILL_DECODE, "http://127.0.0.1:8002")
+    assert read_role(encoder, cache_info_page("2"), 4096, True).mismatch is None
+    assert read_role(pd, cache_info_page("128"), 4096, True).mismatch is None
+    plain = read_role(encoder, cache_info_page("128"), 4096, True).mismatch
+    assert plain is not None and plain.startswith(
+        "1E+1PD/encoder0 (encoder, http://127.0.0.1:8001) is declared an encoder, but its "
+        "/metrics reports a KV cache of 128 blocks of 32 tokens"
+    ), plain
+    swapped = read_role(pd, cache_info_page("1"), 4096, True).mismatch
+    assert swapped is not None and "reports a KV cache of 1 block of 32 tokens" in swapped
+    unread = read_role(pd, None, 4096, True)
+    assert unread.mismatch is None and unread.unverified[0] == "its /metrics cannot be read"
+    untold = read_role(encoder, "vllm:request_success_total 0\n", 4096, True)
+    assert untold.mismatch is None and "num_gpu_blocks" in untold.unverified[0]
+    assert any(
+        "ec_consumer" in u for u in read_role(pd, cache_info_page("128"), 4096, True).unverified
+    )

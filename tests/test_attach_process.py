@@ -84,8 +84,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if self.path == "/metrics":
             text = f'vllm:request_success_total{{finished_reason="length"}} {finished}\n'
             block = os.environ.get("FAKE_DEPLOYMENT_BLOCK_SIZE")
-            if block and role != "proxy":  # vLLM's cache config, one label per field
-                text += f'vllm:cache_config_info{{block_size="{block}",cache_dtype="auto"}} 1.0\n'
+            # "encoder=4096,pd=1": the KV blocks each role's engine allocated
+            kv_blocks = dict(pair.split("=") for pair in
+                             os.environ.get("FAKE_DEPLOYMENT_KV_BLOCKS", "").split(",") if pair)
+            labels = [f'block_size="{block}"'] if block else []
+            labels += [f'num_gpu_blocks="{kv_blocks[role]}"'] if role in kv_blocks else []
+            if labels and role != "proxy":  # vLLM's cache config, one label per field
+                text += f'vllm:cache_config_info{{{",".join(labels)},cache_dtype="auto"}} 1.0\n'
             return self.reply(200, text.encode(), "text/plain")
         if self.path == "/version":
             return self.reply(200, b'{"version": "0.32.0+cpu"}')
@@ -394,6 +399,46 @@ def test_a_deployment_with_another_block_size_sends_nothing(
         "the harness's 32"
     )
     assert records[0].detail.startswith(first), records[0].detail
+
+
+@pytest.mark.parametrize(
+    ("kv_blocks", "first"),
+    [
+        (  # a plain vLLM (or a PD) listed as the encoder
+            "encoder=4096,pd=4096",
+            "1E+1PD/encoder0 (encoder, {encoder}) is declared an encoder, but its /metrics "
+            "reports a KV cache of 4096 blocks",
+        ),
+        (  # encoder and PD swapped: the PD's URL is an encode-only instance
+            "encoder=1,pd=1",
+            "1E+1PD/pd0 (pd, {pd}) is declared a pd, but its /metrics reports a KV cache of "
+            "1 block",
+        ),
+    ],
+)
+def test_an_instance_whose_metrics_tell_another_role_sends_nothing(
+    tmp_path: Path, port_locks: Path, monkeypatch, kv_blocks: str, first: str
+) -> None:
+    """An encoder allocates no KV cache (vLLM gives an EC-producer-only instance an empty KV
+    cache spec: 1 block, the null block), and every instance that runs the language model holds
+    at least max_model_len tokens of it; `vllm:cache_config_info` says num_gpu_blocks. A URL
+    listed under the wrong role would be judged by the other role's evidence (the encoder
+    guard reading a plain vLLM's request counter), so the run says so before any request."""
+    monkeypatch.setenv("FAKE_DEPLOYMENT_BLOCK_SIZE", "32")
+    monkeypatch.setenv("FAKE_DEPLOYMENT_KV_BLOCKS", kv_blocks)
+    fake = Deployment(tmp_path)
+    urls = {i.role: i.url for i in fake.spec.instances}
+    try:
+        fake.start()
+        records = attach_sweep(tmp_path, fake.spec, "attach-role").run_all().records
+    finally:
+        fake.stop()
+    assert [r.verdict for r in records] == [Verdict.ERROR, Verdict.ERROR], records
+    expected = "request failed: " + first.format(
+        encoder=urls[Role.ENCODER], pd=urls[Role.PREFILL_DECODE]
+    )
+    assert records[0].detail.startswith(expected), records[0].detail
+    assert "no request was sent" in (records[0].error or ""), records[0].error
 
 
 def test_a_proxy_that_is_gone_is_named(tmp_path: Path, deployment: Deployment) -> None:

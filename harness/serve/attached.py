@@ -38,6 +38,7 @@ from harness.errors import EXIT_FAILED, HarnessError
 from harness.files import write_json_atomic
 from harness.outcomes.attached import AttachedEvidence
 from harness.outcomes.outcome import Outcome, ServedTopology
+from harness.serve.attached_roles import read_role
 from harness.serve.client import ChatClient, ChatReply
 from harness.serve.in_flight import InFlightWindows
 from harness.serve.kv_metrics import KvCounters, metrics_page, read_counters
@@ -69,7 +70,8 @@ class AttachedDown(HarnessError):
 
 class AttachedMismatch(AttachedDown):
     """An attached instance serves the model otherwise than the harness's baseline does (its
-    name, max_model_len or block size): the verdicts would compare two different servings.
+    name, max_model_len or block size), or reports another role than the attach file gives
+    it: the verdicts would compare two different servings, or judge by the wrong evidence.
     An AttachedDown to every caller that ends on one (a load, a fuzz run): nothing is sent."""
 
 
@@ -211,8 +213,9 @@ class AttachedSession:
     def open(self) -> None:
         """Every instance must answer /health and the proxy must answer at all; otherwise
         AttachedDown, naming the first that does not. Every instance must serve the
-        baseline's model name, max_model_len and block size where it reports them; otherwise
-        AttachedMismatch (found in review). Reads each instance's version."""
+        baseline's model name, max_model_len and block size where it reports them, and not
+        report another role than the attach file gives it (`harness.serve.attached_roles`);
+        otherwise AttachedMismatch (found in review). Reads each instance's version."""
         down = self.first_down()
         if down is not None:
             raise AttachedDown(down)
@@ -223,6 +226,15 @@ class AttachedSession:
             mismatch = serving_mismatch(instance, self.settings.serving)
             if mismatch is not None:
                 raise AttachedMismatch(mismatch)
+        for instance in self.spec.instances:
+            reading = read_role(
+                instance,
+                metrics_page(instance.url),
+                self.settings.serving.max_model_len,
+                self.topology.has_ec_transfer,
+            )
+            if reading.mismatch is not None:
+                raise AttachedMismatch(reading.mismatch)
         self.versions = {i.name: read_version(i.url) for i in self.spec.instances}
         self._client = ChatClient(self.entry_url, timeout_s=self.settings.request_timeout_s)
 
