@@ -614,19 +614,40 @@ def test_a_role_is_read_from_the_kv_cache_an_instance_holds() -> None:
 
     encoder = AttachedInstance("1E+1PD/encoder0", Role.ENCODER, "http://127.0.0.1:8001")
     pd = AttachedInstance("1E+1PD/pd0", Role.PREFILL_DECODE, "http://127.0.0.1:8002")
-    assert read_role(encoder, cache_info_page("2"), 4096, True).mismatch is None
-    assert read_role(pd, cache_info_page("128"), 4096, True).mismatch is None
-    plain = read_role(encoder, cache_info_page("128"), 4096, True).mismatch
+    assert read_role(encoder, cache_info_page("2"), "0.32.0", 4096, True).mismatch is None
+    assert read_role(pd, cache_info_page("128"), "0.32.0", 4096, True).mismatch is None
+    plain = read_role(encoder, cache_info_page("128"), "0.32.0", 4096, True).mismatch
     assert plain is not None and plain.startswith(
         "1E+1PD/encoder0 (encoder, http://127.0.0.1:8001) is declared an encoder, but its "
         "/metrics reports a KV cache of 128 blocks of 32 tokens"
     ), plain
-    swapped = read_role(pd, cache_info_page("1"), 4096, True).mismatch
+    swapped = read_role(pd, cache_info_page("1"), "0.32.0", 4096, True).mismatch
     assert swapped is not None and "reports a KV cache of 1 block of 32 tokens" in swapped
-    unread = read_role(pd, None, 4096, True)
+    unread = read_role(pd, None, "0.32.0", 4096, True)
     assert unread.mismatch is None and unread.unverified[0] == "its /metrics cannot be read"
-    untold = read_role(encoder, "vllm:request_success_total 0\n", 4096, True)
+    untold = read_role(encoder, "vllm:request_success_total 0\n", "0.32.0", 4096, True)
     assert untold.mismatch is None and "num_gpu_blocks" in untold.unverified[0]
     assert any(
-        "ec_consumer" in u for u in read_role(pd, cache_info_page("128"), 4096, True).unverified
+        "ec_consumer" in u
+        for u in read_role(pd, cache_info_page("128"), "0.32.0", 4096, True).unverified
     )
+
+
+def test_a_decode_is_a_kv_consumer_only_where_its_page_can_say_so() -> None:
+    """vLLM 0.32 shows `vllm:num_requests_kv_fetch_by_stage` on a KV consumer; an older
+    release, or a page without vLLM's stat logger (`--disable-log-stats`), cannot say it is
+    missing: that is said as not verified, never refused."""
+    from harness.serve.attached_roles import read_role
+    from harness.spec.attach import AttachedInstance
+
+    decode = AttachedInstance("1P+1D/decode0", Role.DECODE, "http://127.0.0.1:8003")
+    page = cache_info_page("128")
+    refused = read_role(decode, page, "0.32.0+cpu", 4096, False).mismatch
+    assert refused is not None and "no vllm:num_requests_kv_fetch_by_stage" in refused
+    consumer = page + 'vllm:num_requests_kv_fetch_by_stage{engine="0",stage="in_progress"} 0\n'
+    assert read_role(decode, consumer, "0.32.0", 4096, False).mismatch is None
+    older = read_role(decode, page, "0.31.0", 4096, False)
+    assert older.mismatch is None and "from vLLM 0.31.0" in older.unverified[0]
+    no_logger = read_role(decode, "", "0.32.0", 4096, False)
+    assert no_logger.mismatch is None
+    assert any("none of vLLM's engine metrics" in u for u in no_logger.unverified)

@@ -31,7 +31,7 @@ from harness.report.text import format_verdict_table
 from harness.run.baseline_cache import BaselineCache, baseline_key
 from harness.run.baseline_launch import BaselineLaunch
 from harness.run.sweep import Sweep, SweepSpec
-from harness.serve.attached import AttachedSession
+from harness.serve.attached import AttachedMismatch, AttachedSession
 from harness.serve.client import ChatReply
 from harness.serve.launch import ManagedServer
 from harness.serve.ports import reserve_ports
@@ -89,6 +89,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
                              os.environ.get("FAKE_DEPLOYMENT_KV_BLOCKS", "").split(",") if pair)
             labels = [f'block_size="{block}"'] if block else []
             labels += [f'num_gpu_blocks="{kv_blocks[role]}"'] if role in kv_blocks else []
+            if role in os.environ.get("FAKE_DEPLOYMENT_KV_CONSUMERS", "").split(","):
+                text += 'vllm:num_requests_kv_fetch_by_stage{engine="0",stage="in_progress"} 0.0\n'
             if labels and role != "proxy":  # vLLM's cache config, one label per field
                 text += f'vllm:cache_config_info{{{",".join(labels)},cache_dtype="auto"}} 1.0\n'
             return self.reply(200, text.encode(), "text/plain")
@@ -439,6 +441,43 @@ def test_an_instance_whose_metrics_tell_another_role_sends_nothing(
     )
     assert records[0].detail.startswith(expected), records[0].detail
     assert "no request was sent" in (records[0].error or ""), records[0].error
+
+
+@pytest.mark.parametrize("kv_consumers", ["", "pd"])
+def test_a_decode_that_is_no_kv_consumer_is_refused_where_vllm_tells(
+    tmp_path: Path, port_locks: Path, monkeypatch, kv_consumers: str
+) -> None:
+    """vLLM 0.32 registers `vllm:num_requests_kv_fetch_by_stage` only on a KV consumer (kv_role
+    kv_consumer or kv_both). P and D swapped in the attach file (or a PD listed as D) would
+    have the KV guard read P's counters as D's; the declared D without the gauge says so. Here
+    the fake's encoder and pd stand as P and D of a 1P+1D (both run no language model in the
+    fake: no cache config line, so only the KV-consumer rule speaks)."""
+    monkeypatch.setenv("FAKE_DEPLOYMENT_KV_CONSUMERS", kv_consumers)
+    monkeypatch.setenv("FAKE_DEPLOYMENT_BLOCK_SIZE", "32")  # vLLM's stat logger is there
+    fake = Deployment(tmp_path)
+    topology = get_topology("1P+1D")
+    urls = [i.url for i in fake.spec.instances]
+    spec = AttachSpec(
+        source=tmp_path / "attach.json",
+        topology=topology,
+        proxy_url=fake.spec.proxy_url,
+        instances=attached_instances(topology, [(Role.PREFILL, urls[0]), (Role.DECODE, urls[1])]),
+    )
+    session = AttachedSession(spec, attach_settings(tmp_path, spec, "attach-kv-role"))
+    try:
+        fake.start()
+        if kv_consumers:
+            session.open()  # the declared D reports itself a KV consumer: nothing to say
+            session.close()
+            return
+        with pytest.raises(AttachedMismatch) as raised:
+            session.open()
+    finally:
+        fake.stop()
+    assert str(raised.value).startswith(
+        f"1P+1D/decode0 (decode, {urls[1]}) is declared a decode, but its /metrics has no "
+        "vllm:num_requests_kv_fetch_by_stage"
+    ), raised.value
 
 
 def test_a_proxy_that_is_gone_is_named(tmp_path: Path, deployment: Deployment) -> None:

@@ -226,16 +226,17 @@ class AttachedSession:
             mismatch = serving_mismatch(instance, self.settings.serving)
             if mismatch is not None:
                 raise AttachedMismatch(mismatch)
+        self.versions = {i.name: read_version(i.url) for i in self.spec.instances}
         for instance in self.spec.instances:
             reading = read_role(
                 instance,
                 metrics_page(instance.url),
+                self.versions[instance.name],
                 self.settings.serving.max_model_len,
                 self.topology.has_ec_transfer,
             )
             if reading.mismatch is not None:
                 raise AttachedMismatch(reading.mismatch)
-        self.versions = {i.name: read_version(i.url) for i in self.spec.instances}
         self._client = ChatClient(self.entry_url, timeout_s=self.settings.request_timeout_s)
 
     def close(self) -> None:

@@ -30,6 +30,8 @@ from harness.spec.topology import Role
 
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
+KV_CONSUMER_METRIC = "vllm:num_requests_kv_fetch_by_stage"
+KV_CONSUMER_METRIC_SINCE = (0, 32)  # the first release that registers it
 _ARTICLE = {Role.ENCODER: "an", Role.PREFILL_DECODE: "a", Role.PREFILL: "a", Role.DECODE: "a"}
 
 
@@ -47,10 +49,21 @@ def cache_config_labels(page: str) -> dict[str, str]:
     return dict(_LABEL.findall(found["labels"])) if found else {}
 
 
+def release_of(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a /version answer such as "0.32.0+cpu" (None: "unknown" or other)."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found[1]), int(found[2])) if found else None
+
+
 def read_role(
-    instance: AttachedInstance, page: str | None, max_model_len: int, has_encoders: bool
+    instance: AttachedInstance,
+    page: str | None,
+    version: str,
+    max_model_len: int,
+    has_encoders: bool,
 ) -> RoleReading:
-    """Check `instance`'s declared role against its /metrics `page` (None: unreadable)."""
+    """Check `instance`'s declared role against its /metrics `page` (None: unreadable) and the
+    release it reports at /version."""
     role = instance.role
     declared = f"{instance.describe()} is declared {_ARTICLE[role]} {role.value}"
     if page is None:
@@ -80,6 +93,30 @@ def read_role(
             return reading
     else:
         reading.unverified.append("its /metrics has no vllm:cache_config_info num_gpu_blocks")
+    if role is Role.DECODE:
+        release = release_of(version)
+        if release is None or release < KV_CONSUMER_METRIC_SINCE:
+            reading.unverified.append(
+                f"that it is a KV consumer cannot be told from vLLM {version} (vLLM 0.32 "
+                f"shows {KV_CONSUMER_METRIC} on one)"
+            )
+        elif not labels:  # no stat logger (--disable-log-stats) or no vLLM page: it says nothing
+            reading.unverified.append(
+                "that it is a KV consumer cannot be told: its /metrics has none of vLLM's "
+                "engine metrics (vllm:cache_config_info)"
+            )
+        elif not re.search(rf"^{KV_CONSUMER_METRIC}\b", page, re.M):
+            reading.mismatch = (
+                f"{declared}, but its /metrics has no {KV_CONSUMER_METRIC}, which vLLM "
+                f"{version} shows on every KV consumer (kv_transfer_config kv_role kv_consumer "
+                "or kv_both): it receives no KV from a P. Is it the prefill (P and D swapped), "
+                "or an instance without a kv_transfer_config?"
+            )
+            return reading
+    if role is Role.PREFILL:
+        reading.unverified.append(
+            "that it is the KV producer, not a D, cannot be told from outside"
+        )
     if has_encoders and role in (Role.PREFILL_DECODE, Role.PREFILL):
         reading.unverified.append(
             "that it consumes the encoders' embeddings (ec_role ec_consumer) cannot be told "
