@@ -288,6 +288,25 @@ def test_a_sweep_judges_the_attached_deployment_and_launches_nothing(
     }
 
 
+def test_roles_the_metrics_cannot_tell_are_said_in_the_run_not_taken_as_verified(
+    tmp_path: Path, deployment: Deployment, caplog
+) -> None:
+    """The fake's pages carry no cache config line: no instance's role can be told from them,
+    and the run says so for each (run.json, and a warning) instead of judging silently as if
+    the attach file's roles were verified."""
+    sweep = attach_sweep(tmp_path, deployment.spec, "attach-unverified")
+    with caplog.at_level("WARNING"):
+        sweep.run_all()
+    unverified = sweep.run_info["attached_roles_unverified"]
+    assert unverified["1E+1PD/encoder0"] == [
+        "its /metrics has no vllm:cache_config_info num_gpu_blocks"
+    ], unverified
+    assert "ec_consumer" in unverified["1E+1PD/pd0"][-1], unverified
+    run = json.loads((sweep.settings.run_dir / "run.json").read_text())
+    assert run["attached_roles_unverified"] == unverified
+    assert "1E+1PD/encoder0's role (encoder) is not verified" in caplog.text, caplog.text
+
+
 def test_a_scenarios_prompt_sent_to_an_attached_deployment_is_judged_as_declared(
     tmp_path: Path, deployment: Deployment
 ) -> None:

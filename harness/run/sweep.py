@@ -397,10 +397,26 @@ class Sweep:
         else:
             try:
                 self._note_attached_versions(session.versions)
+                self._note_attached_roles(session)
                 self._serve_prompts(session)
             finally:
                 session.close()
         self.write_outputs()
+
+    def _note_attached_roles(self, session: AttachedSession) -> None:
+        """Record, and warn of, each attached instance whose declared role its /metrics cannot
+        confirm (`harness.serve.attached_roles`): the verdicts then rest on the attach file's
+        word for it, which the run must say rather than pass over (found in review)."""
+        unverified = session.roles_unverified
+        self.run_info["attached_roles_unverified"] = unverified
+        for instance in session.spec.instances:
+            if instance.name in unverified:
+                log.warning(
+                    "[sweep] %s's role (%s) is not verified: %s",
+                    instance.name,
+                    instance.role.value,
+                    "; ".join(unverified[instance.name]),
+                )
 
     def _note_attached_versions(self, versions: dict[str, str]) -> None:
         """Record the versions the attached instances report; a version other than the

@@ -183,6 +183,8 @@ class AttachedSession:
         self.faults = ProxyFaults()  # nothing is planted: the preflight refuses --plant-fault
         self.entry_url = spec.proxy_url
         self.versions: dict[str, str] = {}  # instance name -> its /version
+        # instance name -> what of its declared role its /metrics cannot tell (open() fills it)
+        self.roles_unverified: dict[str, list[str]] = {}
         self._client: ChatClient | None = None
         # A load sends concurrently: a window another request shared holds EC files and
         # encoder counts that are not one request's alone.
@@ -237,6 +239,8 @@ class AttachedSession:
             )
             if reading.mismatch is not None:
                 raise AttachedMismatch(reading.mismatch)
+            if reading.unverified:
+                self.roles_unverified[instance.name] = reading.unverified
         self._client = ChatClient(self.entry_url, timeout_s=self.settings.request_timeout_s)
 
     def close(self) -> None:
