@@ -19,9 +19,10 @@ from harness.outcomes.outcome import Outcome
 from harness.run import baseline_cache, baseline_launch
 from harness.run.baseline import BaselineAnswers
 from harness.run.baseline_cache import BaselineCache, BaselineCacheError, baseline_key
-from harness.run.baseline_launch import BaselineLaunch, numerics_env
+from harness.run.baseline_launch import BaselineLaunch
 from harness.run.goldens import GoldenStore, golden_key
 from harness.spec.generations import GENERATIONS_BY_NAME
+from harness.spec.inherited_env import numerics_env
 from harness.spec.platforms import CPU, CUDA
 from harness.spec.prompts import CACHE_SALT
 from harness.spec.settings import RunSettings, ServedVllm

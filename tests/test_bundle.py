@@ -469,6 +469,23 @@ def test_a_secret_only_an_instances_command_held_stays_out_of_every_file(tmp_pat
     assert leaked == []
 
 
+def test_an_inherited_secret_in_a_command_file_another_process_wrote_is_redacted(tmp_path):
+    """A `.cmd.json` records what its instance inherited (`inherited_env`) as well as its
+    `env`; one written unredacted by another process loses the secrets of both."""
+    from harness.report.bundle import Redactor, redact_command_files
+
+    secret = "inherited-secret-value-77"
+    path = tmp_path / "run" / "1P-1D" / "1P-1D__decode0.cmd.json"
+    path.parent.mkdir(parents=True)
+    command = {"name": "1P+1D/decode0", "argv": ["vllm"], "env": {}}
+    command["inherited_env"] = {"VLLM_ACCESSKEY": secret, "VLLM_ATTENTION_BACKEND": "X"}
+    path.write_text(json.dumps(command))
+    assert Redactor.for_run(tmp_path / "run").text(f"saw {secret}") == f"saw {REDACTED}"
+    redact_command_files(tmp_path / "run")
+    recorded = json.loads(path.read_text())["inherited_env"]
+    assert recorded == {"VLLM_ACCESSKEY": REDACTED, "VLLM_ATTENTION_BACKEND": "X"}
+
+
 def test_junit_xml_has_one_testcase_per_record_and_a_failure_per_failed_policy(tmp_path):
     records, _ = sample_run()
     write_junit_xml(tmp_path, records)

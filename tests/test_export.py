@@ -31,6 +31,7 @@ from export_bundle import (
 
 from harness.cli.main import main
 from harness.errors import BadInput
+from harness.redact import REDACTED
 from harness.run.export import files as files_module
 from harness.run.export import standalone_check as check
 from harness.run.export.files import render_serve_sh, write_export
@@ -203,6 +204,39 @@ def test_the_default_case_is_the_first_that_did_not_match_even_when_declared(
     assert plan.case.verdict == "ERROR"
     assert plan.declared is not None and "epd-media-in-decode-tail expects ERROR" in plan.declared
     assert plan.name == "vllm-0.32.0-1E-1P-1D-m-image-error"
+
+
+def test_the_numerics_env_the_run_inherited_is_set_by_serve_sh_and_named(tmp_path: Path) -> None:
+    """Found in review: an instance inherits the harness's environment, and a variable that
+    picks kernels or threads (VLLM_ATTENTION_BACKEND) is part of how the case ran, recorded in
+    `.cmd.json`'s `inherited_env`; serve.sh must set it for the case's instances and the
+    baseline (ISSUE.md saying so), a redacted one taken from the user's own environment."""
+    run = write_bundle(tmp_path / "run", verdict="MISMATCH")
+    inherited = {"VLLM_ATTENTION_BACKEND": "TORCH_SDPA", "VLLM_ACCESSKEY": REDACTED}
+    baseline_dir = run / "baseline"
+    baseline_dir.mkdir()
+    recorded = sorted(run.glob("*/*.cmd.json"))
+    argv = json.loads(recorded[0].read_text())["argv"]
+    (baseline_dir / "baseline0.cmd.json").write_text(
+        json.dumps({"name": "baseline/baseline0", "argv": argv, "env": {}})
+    )
+    for path in sorted(run.glob("*/*.cmd.json")):
+        command = json.loads(path.read_text())
+        if "vllm-proxy" not in path.name:
+            command["inherited_env"] = inherited
+            path.write_text(json.dumps(command))
+    plan = plan_for(run, f"1E+1P+1D:{PROMPT}")
+    assert plan.baseline is not None
+    for server in (*plan.servers, plan.baseline):
+        env = dict(server.env)
+        assert env.get("VLLM_ATTENTION_BACKEND") == ("TORCH_SDPA",), server.name
+        assert env.get("VLLM_ACCESSKEY") == (Var("VLLM_ACCESSKEY"),), server.name
+    serve = render_serve_sh(plan)
+    assert "VLLM_ATTENTION_BACKEND=TORCH_SDPA" in serve
+    assert 'VLLM_ACCESSKEY="${VLLM_ACCESSKEY}"' in serve
+    issue = render_issue(plan)
+    assert "`VLLM_ATTENTION_BACKEND=TORCH_SDPA`" in issue
+    assert "VLLM_ACCESSKEY" in issue
 
 
 def test_nixl_side_channel_ports_become_variables(tmp_path: Path) -> None:

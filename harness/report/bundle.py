@@ -90,7 +90,8 @@ class Redactor:
         secrets = secret_values(os.environ, sys.argv) | launched_secrets()
         for path in _command_files(run_dir):
             command = json.loads(path.read_text(encoding="utf-8"))
-            secrets |= secret_values(command.get("env", {}), command.get("argv", []))
+            env = {**command.get("inherited_env", {}), **command.get("env", {})}
+            secrets |= secret_values(env, command.get("argv", []))
         return cls(secrets)
 
     def text(self, text: str) -> str:
@@ -124,6 +125,8 @@ def redact_command_files(run_dir: Path) -> None:
             "env": redact_env(command.get("env", {})),
             "argv": redact_argv(command.get("argv", [])),
         }
+        if "inherited_env" in command:  # what it inherited (`harness.spec.inherited_env`)
+            redacted["inherited_env"] = redact_env(command["inherited_env"])
         if redacted != command:
             write_text_atomic(path, json.dumps(redacted, indent=2))
 

@@ -11,20 +11,14 @@ has. So besides the served build and the serving flags, a baseline's answers fol
   cache declares numerics-neutral (`NUMERICS_NEUTRAL_FIELDS`) are rendered at their defaults,
   so a line depends only on what changes numerics. Rendered for the baseline alone on its
   device: the GPU memory share of a colocated run sizes the KV pool, not a kernel;
-* the variables it inherits that pick kernels, threads or precision (`numerics_env`, the rule
-  below), e.g. VLLM_ATTENTION_BACKEND, VLLM_CPU_*, ONEDNN_*, CUBLAS_WORKSPACE_CONFIG,
-  ATEN_CPU_CAPABILITY, FBGEMM_ENABLE_INSTRUCTIONS;
+* the variables it inherits that pick kernels, threads or precision (`numerics_env`, whose rule
+  lives in `harness.spec.inherited_env`, shared with each instance's recorded command), e.g.
+  VLLM_ATTENTION_BACKEND, VLLM_CPU_*, ONEDNN_*, CUBLAS_WORKSPACE_CONFIG, ATEN_CPU_CAPABILITY,
+  FBGEMM_ENABLE_INSTRUCTIONS;
 * the platform and the device model (the CPU's model and the features vLLM-CPU's kernels are
   picked by; the GPUs' model), for a cache directory shared between hosts. On a Ray cluster
   (`--ray-address`) the baseline runs on one of its nodes, whose device this host cannot read:
   the cluster's address stands in for it (the one-host rehearsal's nodes are this host).
-
-The inherited rule: a variable counts when its name starts with one of
-`NUMERICS_ENV_PREFIXES` (or is one of `NUMERICS_ENV_NAMES`), unless one of the words of its
-name (split on '_') is in `NEUTRAL_ENV_WORDS` (where, who, how loudly, how long: ports, hosts,
-paths, caches, logging, usage statistics, timeouts, credentials) or it is one of
-`NEUTRAL_ENV_NAMES`. Those differ from run to run for no numeric reason; keyed, the cache would
-never hit. A variable outside the prefixes does not count: it is not read by what computes.
 """
 
 from __future__ import annotations
@@ -32,11 +26,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from harness import devices
+from harness.spec.inherited_env import numerics_env
 from harness.spec.instances import (
     PLACEHOLDER_DEVICE,
     PLACEHOLDER_MODEL,
@@ -56,97 +50,6 @@ NUMERICS_NEUTRAL_FIELDS = (
     "enable_prompt_tokens_details",
     "kv_connector",
 )
-
-# Read by vLLM, torch and the libraries beneath them that compute: kernel and backend choice,
-# threads and their binding, precision, determinism, allocator (vLLM-CPU preloads tcmalloc and
-# Intel's OpenMP through LD_PRELOAD).
-NUMERICS_ENV_PREFIXES = (
-    "VLLM_",
-    "TORCH",
-    "PYTORCH_",
-    "CUDA_",
-    "CUBLAS",
-    "CUDNN_",
-    "NCCL_",
-    "NVIDIA_TF32",
-    "TRITON_",
-    "FLASHINFER_",
-    "XFORMERS_",
-    "OMP_",
-    "GOMP_",
-    "KMP_",
-    "MKL_",
-    "ONEDNN_",
-    "DNNL_",
-    "FBGEMM_",  # FBGEMM_ENABLE_INSTRUCTIONS: torch's int8 / fp16-weight GEMMs of another ISA
-    "OPENBLAS_",
-    "ZE_",
-    "SYCL_",
-    "IPEX_",
-    "HIP_",
-    "ROCBLAS_",
-    "HIPBLASLT_",
-    "MIOPEN_",
-)
-# ATEN_CPU_CAPABILITY: torch runs the kernels of the named ISA (default, avx2, avx512) instead of
-# the CPU's best, and they round differently; /proc/cpuinfo (the key's device) cannot show it.
-NUMERICS_ENV_NAMES = ("LD_PRELOAD", "ATEN_CPU_CAPABILITY")
-# A word of a name that says it is about places, peers, reporting or secrets, not computing.
-NEUTRAL_ENV_WORDS = frozenset(
-    {
-        "PORT",
-        "PORTS",
-        "HOST",
-        "IP",
-        "ADDR",
-        "ADDRESS",
-        "PATH",
-        "DIR",
-        "ROOT",
-        "HOME",
-        "CACHE",
-        "LOG",
-        "LOGS",
-        "LOGGING",
-        "VERBOSE",
-        "DEBUG",
-        "TRACE",
-        "DISPLAY",
-        "WARNINGS",
-        "STACKTRACES",
-        "PROFILER",
-        "USAGE",
-        "STATS",
-        "TRACK",
-        "TIMEOUT",
-        "INTERVAL",
-        "KEY",
-        "TOKEN",
-        "SECRET",
-        "PASSWORD",
-        "PID",
-    }
-)
-NEUTRAL_ENV_NAMES = frozenset(
-    {
-        "VLLM_SERVER_DEV_MODE",  # debugging endpoints
-        "VLLM_RPC_BASE_PATH",
-        "VLLM_WORKER_MULTIPROC_METHOD",  # fork or spawn: how processes start, not what they compute
-        "CUDA_VISIBLE_DEVICES",  # which device: the harness renders it; the model is keyed
-        "ZE_AFFINITY_MASK",
-    }
-)
-
-
-def numerics_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables of `environ` that can change what an instance computes (module rule)."""
-    return {
-        name: value
-        for name, value in environ.items()
-        if (name.startswith(NUMERICS_ENV_PREFIXES) or name in NUMERICS_ENV_NAMES)
-        and name not in NEUTRAL_ENV_NAMES
-        and NEUTRAL_ENV_WORDS.isdisjoint(re.split(r"_+", name.upper()))
-    }
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import json
 import os
 import secrets
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -213,18 +213,29 @@ def bind_loopback_socket() -> socket.socket:
 
 
 def command_json(
-    command: ServerCommand, node: dict[str, Any] | None = None, start_after: Sequence[str] = ()
+    command: ServerCommand,
+    node: dict[str, Any] | None = None,
+    start_after: Sequence[str] = (),
+    inherited: Mapping[str, str] | None = None,
 ) -> str:
     """The launch command as an artifact (and the node it ran on, when a launcher placed it on
     a cluster; the instances that had to be healthy before it was spawned, when it shares a
     GPU with them); secret values never reach it, and are remembered for the bundle to
-    scrub from free text (`remember_secrets`)."""
-    remember_secrets(command.env, command.argv)
+    scrub from free text (`remember_secrets`).
+
+    `inherited`: what the instance inherits from the environment it is started in that can
+    change what it computes (`harness.spec.inherited_env.numerics_env`), recorded as
+    `inherited_env` less what `env` sets over it, so that `export` sets it again: a case run
+    under VLLM_ATTENTION_BACKEND is not re-run upstream without it."""
+    inherited_env = {k: v for k, v in (inherited or {}).items() if k not in command.env}
+    remember_secrets({**inherited_env, **command.env}, command.argv)
     document: dict[str, Any] = {
         "name": command.name,
         "argv": redact_argv(command.argv),
         "env": redact_env(command.env),
     }
+    if inherited_env:
+        document["inherited_env"] = redact_env(dict(sorted(inherited_env.items())))
     if command.cpu_affinity:
         document["cpu_affinity"] = list(command.cpu_affinity)
     if node is not None:

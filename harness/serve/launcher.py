@@ -1,8 +1,8 @@
 """The seam between a topology session and wherever its servers run.
 
 A `TopologySession` asks its launcher for four things, in this order: where each instance goes
-(`reserve`: its address, a held HTTP port, a held NIXL side-channel port, its node, and on GPU
-nodes its devices), what environment it gets (`instance_env`), whether the rendered commands
+(`reserve`: its address, a held HTTP port, a held NIXL side-channel port, its node, on GPU
+nodes its devices, and what it inherits there that can change what it computes), what environment it gets (`instance_env`), whether the rendered commands
 may start at all (`check_before_start`), and a server object for each (`server`): something with
 a URL to poll, a log, `check_alive()` and `stop()`, i.e. the interface of
 `harness.serve.launch.ManagedServer`. Once every server is healthy, `check_serving` verifies
@@ -21,6 +21,7 @@ Two launchers:
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from harness.errors import HarnessError
 from harness.serve.launch import ManagedServer
 from harness.serve.ports import PortLease, lease_devices, reserve_ports
 from harness.serve.server_command import ServerCommand
+from harness.spec.inherited_env import numerics_env
 from harness.spec.instances import InstanceSpec
 from harness.spec.placement import side_channel_port_count
 from harness.spec.settings import RunSettings
@@ -67,6 +69,10 @@ class Reservation:
     # Devices per instance from the launcher (Ray's accelerator ids on a GPU node); None: the
     # schedule's (harness.spec.placement).
     devices: list[tuple[int, ...]] | None = None
+    # Per instance, what it inherits from the environment it is started in that can change
+    # what it computes (`harness.spec.inherited_env.numerics_env`), recorded in its `.cmd.json`;
+    # empty: nothing known.
+    inherited: list[dict[str, str]] = field(default_factory=list)
 
 
 class LocalLauncher:
@@ -104,6 +110,8 @@ class LocalLauncher:
             hosts=[],  # loopback: InstanceSpec's default
             ports=[lease.port for lease in self._port_leases],
             side_channel_ports=[lease.port for lease in self._side_channel_leases],
+            # Started by `ManagedServer` with this process's environment under their own.
+            inherited=[numerics_env(os.environ) for _ in topology.roles],
         )
 
     def instance_env(self, spec: InstanceSpec) -> dict[str, str]:

@@ -35,6 +35,7 @@ from harness.serve.launch import ManagedServer
 from harness.serve.ports import PortLease, reserve_ports
 from harness.serve.ray_cluster import USAGE_STATS_ENV
 from harness.serve.server_command import ServerCommand
+from harness.spec.inherited_env import numerics_env
 
 KILL_CHILDREN_ENV = "RAY_kill_child_processes_on_worker_exit"
 # Given to every agent: its children (server leader, watchdog) must outlive it (see above).
@@ -62,6 +63,9 @@ class InstanceAgent:
             "accelerators": {k: list(v) for k, v in context.get_accelerator_ids().items()},
             "pid": os.getpid(),
             "kill_children": os.environ.get(KILL_CHILDREN_ENV),
+            # What a server this agent starts inherits that can change what it computes: the
+            # node's environment, not the harness's (recorded in the instance's `.cmd.json`).
+            "inherited": numerics_env(os.environ),
         }
 
     def reserve(self, address: str, side_channel: bool) -> tuple[int, int | None]:

@@ -168,6 +168,7 @@ class RayLauncher:
             side_channel_ports=[side for _, side in ports if side is not None],
             nodes=list(self._nodes),
             devices=accelerators,
+            inherited=[dict(w.get("inherited") or {}) for w in where],
         )
 
     def instance_env(self, spec: InstanceSpec) -> dict[str, str]:

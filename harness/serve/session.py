@@ -125,6 +125,7 @@ class TopologySession:
             self._launcher.storage_root(self.dir) / STORAGE_DIR_NAME
         )
         self.instances: list[InstanceSpec] = []
+        self._inherited: list[dict[str, str]] = []  # per instance: `Reservation.inherited`
         self.stats: dict[str, InstanceStats] = {}
         self._leases: list[PortLease] = []  # the proxies'; the instances' are the launcher's
         self._servers: list[ManagedServer] = []
@@ -205,6 +206,7 @@ class TopologySession:
                 for spec, devices in zip(self.instances, placed.devices, strict=True)
             ]
         nodes = placed.nodes or [None] * len(self.instances)
+        self._inherited = placed.inherited or [{} for _ in self.instances]
         for spec in self.instances:
             for storage in (spec.ec_storage, spec.kv_storage):
                 if storage is not None:
@@ -222,9 +224,9 @@ class TopologySession:
         ]
         # Instances sharing a GPU start one after another (`start_after`'s docstring says why).
         order = start_after(self.instances)
-        for command, node in zip(commands, nodes):
+        for command, node, inherited in zip(commands, nodes, self._inherited):
             node_json = node.to_json() if node is not None else None
-            document = command_json(command, node_json, order.get(command.name, ()))
+            document = command_json(command, node_json, order.get(command.name, ()), inherited)
             write_text_atomic(command.log_path.with_suffix(".cmd.json"), document)
         launcher.check_before_start(self.topology, self.instances, commands)
         for index, (spec, command, node) in enumerate(zip(self.instances, commands, nodes)):
@@ -280,7 +282,8 @@ class TopologySession:
             )
             waits = self._group.start_after.get(spec.name, ())
             write_text_atomic(
-                command.log_path.with_suffix(".cmd.json"), command_json(command, None, waits)
+                command.log_path.with_suffix(".cmd.json"),
+                command_json(command, None, waits, self._inherited[index]),
             )
             fresh = ManagedServer(command, port_lease=lease)
             self._servers[index] = fresh

@@ -15,6 +15,7 @@ from typing import Any
 from harness.devices import describe_devices
 from harness.judge.records import Verdict
 from harness.judge.verdicts import STREAM_BROKEN, STREAM_CHECK
+from harness.redact import REDACTED
 from harness.run.export.plan import ExportPlan
 from harness.run.export.request import describe_request
 from harness.run.export.servers import shell_command
@@ -389,7 +390,8 @@ def salts_said(plan: ExportPlan) -> str:
 
 def device_instructions(plan: ExportPlan) -> list[str]:
     """Which devices the instances take here: positions, mapped through DEVICES; a Ray run's
-    nodes, which this one host stands in for, and the cluster settings left out."""
+    nodes, which this one host stands in for, the cluster settings left out, and what the
+    instances inherited from the run's environment that serve.sh sets."""
     lines: list[str] = []
     if len(plan.nodes) > 1:
         lines += [
@@ -404,6 +406,18 @@ def device_instructions(plan: ExportPlan) -> list[str]:
             "",
             f"Left out, as settings of the recording cluster's network ({settings}): set them "
             "in your environment if your host needs them (the servers inherit it).",
+        ]
+    if plan.inherited_env:
+        settings = ", ".join(
+            f"`{k}` (a secret: serve.sh takes it from your environment)"
+            if v == REDACTED
+            else f"`{k}={v}`"
+            for k, v in plan.inherited_env
+        )
+        lines += [
+            "",
+            f"The run's instances inherited {settings} from its environment, which can change "
+            "what they compute: `serve.sh` sets them on every instance it starts, over yours.",
         ]
     if not plan.devices:
         return lines

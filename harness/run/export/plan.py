@@ -54,7 +54,13 @@ from harness.run.export.request import (
     inline_local_media,
     own_salt,
 )
-from harness.run.export.servers import ExportedServer, compacted, dropped_env, instance_servers
+from harness.run.export.servers import (
+    ExportedServer,
+    compacted,
+    dropped_env,
+    inherited_env,
+    instance_servers,
+)
 from harness.run.repro import (
     Bundle,
     BundleError,
@@ -123,6 +129,9 @@ class ExportPlan:
     # the cluster's network settings the export leaves out (`CLUSTER_ENV_PREFIXES`).
     nodes: tuple[str, ...] = ()
     dropped_env: tuple[tuple[str, str], ...] = ()
+    # What the case's instances inherited from the run's environment that can change what they
+    # compute (`.cmd.json`'s `inherited_env`), which serve.sh sets; a secret's value redacted.
+    inherited_env: tuple[tuple[str, str], ...] = ()
 
     @property
     def entry(self) -> ExportedServer:
@@ -221,6 +230,7 @@ def plan_export(
         devices=devices,
         nodes=tuple(dict.fromkeys(d.node for d in devices if d.node)),
         dropped_env=dropped_env(bundle, label),
+        inherited_env=inherited_env(bundle, label),
     )
 
 

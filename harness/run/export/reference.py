@@ -14,6 +14,7 @@ from harness.run.export.servers import (
     ExportedServer,
     cluster_env_keys,
     instance_servers,
+    launched_env,
     recorded_commands,
     template_argv,
     template_env,
@@ -96,7 +97,7 @@ def baseline_server(bundle: Bundle) -> tuple[ExportedServer, tuple[RecordedDevic
     else:
         [(_, command)] = rendered_commands(bundle, BASELINE.name)
     cluster = cluster_env_keys(bundle)
-    command["env"] = without_cluster_env(command["env"], cluster)
+    command["env"] = without_cluster_env(launched_env(command), cluster)
     port = Var("BASELINE0_PORT")
     [positions], devices = device_positions([command])
     server = ExportedServer(

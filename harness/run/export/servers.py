@@ -104,7 +104,7 @@ def instance_servers(
     model = bundle.serving().model
     cluster = cluster_env_keys(bundle)
     for _, command in commands:
-        command["env"] = without_cluster_env(command["env"], cluster)
+        command["env"] = without_cluster_env(launched_env(command), cluster)
     positions, devices = device_positions([command for _, command in commands])
     servers = []
     for index, (short, command) in enumerate(commands):
@@ -127,6 +127,24 @@ def instance_servers(
     return tuple(servers), devices
 
 
+def launched_env(command: dict[str, Any]) -> dict[str, Any]:
+    """The environment a recorded instance ran with, as far as it matters: what it inherited
+    that can change what it computes (`inherited_env`, `harness.spec.inherited_env`) under
+    what the harness gave it (`env`), as the launch merged them."""
+    return {**(command.get("inherited_env") or {}), **command["env"]}
+
+
+def inherited_env(bundle: Bundle, label: str) -> tuple[tuple[str, str], ...]:
+    """What the case's recorded instances inherited that can change what they compute and
+    serve.sh therefore sets (the cluster's network settings left out: `dropped_env`)."""
+    cluster = cluster_env_keys(bundle)
+    inherited: dict[str, str] = {}
+    for _, command in recorded_commands(bundle, label):
+        env = command.get("inherited_env") or {}
+        inherited.update({k: str(v) for k, v in env.items() if not is_cluster_env(k, cluster)})
+    return tuple(sorted(inherited.items()))
+
+
 def cluster_env_keys(bundle: Bundle) -> set[str]:
     """What a Ray run gave every instance for its cluster (`--ray-instance-env`)."""
     return set((bundle.run.get("launcher") or {}).get("instance_env") or {})
@@ -146,7 +164,8 @@ def dropped_env(bundle: Bundle, label: str) -> tuple[tuple[str, str], ...]:
     cluster = cluster_env_keys(bundle)
     dropped: dict[str, str] = {}
     for path in sorted(topology_dir(bundle, label).glob("*.cmd.json")):
-        env = json.loads(path.read_text(encoding="utf-8")).get("env") or {}
+        command = json.loads(path.read_text(encoding="utf-8"))
+        env = launched_env({"env": {}, **command})
         dropped.update({k: str(v) for k, v in env.items() if is_cluster_env(k, cluster)})
     return tuple(sorted(dropped.items()))
 
