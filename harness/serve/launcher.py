@@ -2,9 +2,10 @@
 
 A `TopologySession` asks its launcher for four things, in this order: where each instance goes
 (`reserve`: its address, a held HTTP port, a held NIXL side-channel port, its node, on GPU
-nodes its devices, and what it inherits there that can change what it computes), what environment it gets (`instance_env`), whether the rendered commands
-may start at all (`check_before_start`), and a server object for each (`server`): something with
-a URL to poll, a log, `check_alive()` and `stop()`, i.e. the interface of
+nodes its devices, and what it inherits there that can change what it computes), what
+environment it gets (`instance_env`), whether the rendered commands may start at all
+(`check_before_start`), and a server object for each (`server`): something with a URL to poll,
+a log, `check_alive()` and `stop()`, i.e. the interface of
 `harness.serve.launch.ManagedServer`. Once every server is healthy, `check_serving` verifies
 what can only be seen from running servers, before any request. Everything downstream (the
 proxy, the taps, the guards, the verdicts, the bundle) sees only URLs, logs and outcomes, so it
