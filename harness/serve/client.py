@@ -69,7 +69,12 @@ class ChatClient:
             max_keepalive_connections=64,
             keepalive_expiry=KEEPALIVE_S,
         )
-        self._http = httpx.Client(timeout=timeout_s, limits=limits, verify=_tls_context())
+        # Straight to the server, never through the environment's HTTP(S)_PROXY: httpx follows
+        # it and bypasses no loopback address by itself, so on a runner with a proxy set every
+        # request to 127.0.0.1 went there and failed (found in review).
+        self._http = httpx.Client(
+            timeout=timeout_s, limits=limits, verify=_tls_context(), trust_env=False
+        )
 
     def chat(self, body: dict[str, Any], request_id: str | None = None) -> ChatResult:
         return self.send(body, request_id).result

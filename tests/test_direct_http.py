@@ -1,0 +1,101 @@
+"""The harness's own HTTP calls to the servers it runs or attaches to go straight to them,
+whatever the environment's HTTP_PROXY says.
+
+urllib's default opener and an httpx client both follow HTTP(S)_PROXY / ALL_PROXY and, on
+Linux, bypass nothing by themselves, not even 127.0.0.1, unless NO_PROXY names it: on a CI
+runner with a proxy set, a call that honoured it went to the runner's proxy and failed. Each
+test sets HTTP_PROXY to a port nothing listens on and asks a stand-in server on loopback; a
+call through the proxy fails with a refused connection there, a direct one is answered.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+pytestmark = pytest.mark.process
+
+DEAD_PROXY = "http://127.0.0.1:9"  # discard: nothing listens there
+# A chat answer trimmed to what the client's parser reads.
+CHAT_ANSWER = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "model": "epd-model",
+    "prompt_token_ids": [1, 2, 3],
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "a"},
+            "finish_reason": "length",
+            "token_ids": [7],
+            "logprobs": {"content": [{"token": "token_id:7", "logprob": -0.1, "top_logprobs": []}]},
+        }
+    ],
+    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+}
+BLOCK = b"\x01" * 64  # what the stand-in P's side channel serves for a NIXL read
+
+
+class StandIn:
+    """A loopback server that answers every GET with a 200 page and every POST with a chat
+    answer, and counts the requests it was asked."""
+
+    def __init__(self) -> None:
+        owner = self
+        self.asked: list[str] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *_args: object) -> None:
+                pass
+
+            def answer(self, body: bytes, content_type: str) -> None:
+                owner.asked.append(f"{self.command} {self.path}")
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self.answer(BLOCK, "application/octet-stream")
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                self.answer(json.dumps(CHAT_ANSWER).encode(), "application/json")
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.host, self.port = self.server.server_address[:2]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[StandIn]:
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, DEAD_PROXY)
+    server = StandIn()
+    yield server
+    server.close()
+
+
+def test_the_chat_client_goes_straight_to_the_server(stand_in: StandIn) -> None:
+    from harness.serve.client import ChatClient
+
+    client = ChatClient(stand_in.url, timeout_s=10)
+    try:
+        result = client.chat({"model": "epd-model", "messages": []})
+    finally:
+        client.close()
+    assert list(result.token_ids) == [7]
+    assert stand_in.asked == ["POST /v1/chat/completions"]
