@@ -14,6 +14,7 @@ import http.server
 import json
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 
@@ -99,3 +100,23 @@ def test_the_chat_client_goes_straight_to_the_server(stand_in: StandIn) -> None:
         client.close()
     assert list(result.token_ids) == [7]
     assert stand_in.asked == ["POST /v1/chat/completions"]
+
+
+def test_the_fake_decodes_nixl_read_goes_straight_to_the_fake_prefill(stand_in: StandIn) -> None:
+    """The fake vLLM's D reads P's blocks over HTTP, as a stand-in for NIXL: through a proxy
+    the read failed and D recomputed, so a fake topology's transfer counters read nothing."""
+    from harness.testing.fake_vllm_server.engine import Engine
+
+    counted: dict[str, float] = {}
+    decode = SimpleNamespace(block_size=16, count=lambda **more: counted.update(more))
+    params = {
+        "do_remote_prefill": True,
+        "remote_block_ids": [[0]],
+        "remote_host": stand_in.host,
+        "remote_port": stand_in.port,
+        "remote_request_id": "r1",
+    }
+    Engine.read_remote_blocks(decode, params, prompt_tokens=16)  # type: ignore[arg-type]
+    assert "nixl_failed" not in counted, counted
+    assert counted["nixl_transfers"] == 1
+    assert stand_in.asked == ["GET /read?request=r1&blocks=0"]

@@ -55,6 +55,13 @@ def aligned_prefix(prompt_tokens: int, block_size: int) -> int:
     return ((prompt_tokens - 1) // block_size) * block_size
 
 
+# The read goes straight to P, never through the environment's HTTP(S)_PROXY, which urllib's
+# default opener follows for 127.0.0.1 too: through a runner's proxy every read failed and D
+# recomputed (found in review). Run as a script beside its modules, this fake cannot import
+# the harness's own opener (`harness.serve.http_direct`).
+DIRECT_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 class Engine:
     """What one fake instance knows and counts."""
 
@@ -253,7 +260,7 @@ class Engine:
             f"request={params.get('remote_request_id')}&blocks={','.join(map(str, blocks))}"
         )
         try:
-            with urllib.request.urlopen(url, timeout=30) as reply:
+            with DIRECT_OPENER.open(url, timeout=30) as reply:
                 data = reply.read()
         except (OSError, urllib.error.URLError) as exc:
             print(f"ERROR NIXL transfer failed: {exc}", flush=True)
