@@ -18,26 +18,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.test_chat_client import ANSWER as CHAT_ANSWER
+
 pytestmark = pytest.mark.process
 
 DEAD_PROXY = "http://127.0.0.1:9"  # discard: nothing listens there
-# A chat answer trimmed to what the client's parser reads.
-CHAT_ANSWER = {
-    "id": "chatcmpl-1",
-    "object": "chat.completion",
-    "model": "epd-model",
-    "prompt_token_ids": [1, 2, 3],
-    "choices": [
-        {
-            "index": 0,
-            "message": {"role": "assistant", "content": "a"},
-            "finish_reason": "length",
-            "token_ids": [7],
-            "logprobs": {"content": [{"token": "token_id:7", "logprob": -0.1, "top_logprobs": []}]},
-        }
-    ],
-    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-}
 BLOCK = b"\x01" * 64  # what the stand-in P's side channel serves for a NIXL read
 
 
@@ -98,7 +83,7 @@ def test_the_chat_client_goes_straight_to_the_server(stand_in: StandIn) -> None:
         result = client.chat({"model": "epd-model", "messages": []})
     finally:
         client.close()
-    assert list(result.token_ids) == [7]
+    assert list(result.token_ids) == [7, 8]
     assert stand_in.asked == ["POST /v1/chat/completions"]
 
 
@@ -120,3 +105,22 @@ def test_the_fake_decodes_nixl_read_goes_straight_to_the_fake_prefill(stand_in: 
     assert "nixl_failed" not in counted, counted
     assert counted["nixl_transfers"] == 1
     assert stand_in.asked == ["GET /read?request=r1&blocks=0"]
+
+
+def test_a_launched_servers_health_probe_goes_straight_to_it(stand_in: StandIn) -> None:
+    from harness.serve.launch import health_probe_failure
+
+    assert health_probe_failure(f"{stand_in.url}/health") is None
+
+
+def test_an_attached_instances_health_goes_straight_to_it(stand_in: StandIn) -> None:
+    from harness.serve.attached import health_problem
+
+    assert health_problem(f"{stand_in.url}/health") is None
+
+
+def test_an_instances_metrics_page_is_read_straight_from_it(stand_in: StandIn) -> None:
+    from harness.serve.kv_metrics import metrics_page
+
+    assert metrics_page(stand_in.url) is not None
+    assert stand_in.asked == ["GET /metrics"]

@@ -40,6 +40,7 @@ from harness.outcomes.attached import AttachedEvidence
 from harness.outcomes.outcome import Outcome, ServedTopology
 from harness.serve.attached_roles import read_role
 from harness.serve.client import ChatClient, ChatReply
+from harness.serve.http_direct import DIRECT_OPENER
 from harness.serve.in_flight import InFlightWindows
 from harness.serve.kv_metrics import KvCounters, metrics_page, read_counters
 from harness.serve.proxy import ProxyFaults
@@ -56,8 +57,6 @@ WATCH_INTERVAL_S = 1.0  # how often every instance's /health is asked while a re
 MISSES_BEFORE_DOWN = 2  # consecutive failed checks that end a request in flight
 VERSION_TIMEOUT_S = 5.0
 _BLOCK_SIZE_LABEL = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.M)
-# Outside requests go to the deployment directly: a CI runner's HTTP(S)_PROXY must not relay.
-_DIRECT_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class AttachedDown(HarnessError):
@@ -78,7 +77,7 @@ class AttachedMismatch(AttachedDown):
 def health_problem(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
     """None when `GET url` answers 2xx; otherwise what went wrong, in a few words."""
     try:
-        with _DIRECT_OPENER.open(url, timeout=timeout_s) as reply:
+        with DIRECT_OPENER.open(url, timeout=timeout_s) as reply:
             return None if 200 <= reply.status < 300 else f"HTTP {reply.status}"
     except urllib.error.HTTPError as exc:
         return f"HTTP {exc.code}"
@@ -106,7 +105,7 @@ def describe_network_error(reason: object) -> str:
 def read_version(url: str) -> str:
     """The vLLM version an instance reports at /version ("unknown" if it does not say)."""
     try:
-        with _DIRECT_OPENER.open(f"{url}/version", timeout=VERSION_TIMEOUT_S) as reply:
+        with DIRECT_OPENER.open(f"{url}/version", timeout=VERSION_TIMEOUT_S) as reply:
             return str(json.loads(reply.read()).get("version") or "unknown")
     except (OSError, ValueError, AttributeError, http.client.HTTPException):
         return "unknown"
@@ -115,7 +114,7 @@ def read_version(url: str) -> str:
 def model_cards(url: str) -> list[dict[str, Any]] | None:
     """The model cards an instance lists at /v1/models (None: it does not say)."""
     try:
-        with _DIRECT_OPENER.open(f"{url}/v1/models", timeout=VERSION_TIMEOUT_S) as reply:
+        with DIRECT_OPENER.open(f"{url}/v1/models", timeout=VERSION_TIMEOUT_S) as reply:
             cards = json.loads(reply.read()).get("data")
     except (OSError, ValueError, AttributeError, http.client.HTTPException):
         return None

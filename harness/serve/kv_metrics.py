@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import http.client
 import re
-import urllib.request
 from dataclasses import dataclass
+
+from harness.serve.http_direct import DIRECT_OPENER
 
 # A busy D is slow to render /metrics: under NIXL, 8 streamed requests in flight on a loaded
 # 2-core host, 7 of 16 reads taken as their requests ended waited out a 5 s bound (each request
@@ -41,9 +42,6 @@ COUNTERS = {
     "vllm:nixl_num_failed_transfers_total": "nixl_failed_transfers",
     "vllm:request_success_total": "finished_requests",
 }
-# Straight to the instance, wherever it runs (another node with --launcher ray): an HTTP(S)_PROXY
-# of a CI runner must not relay it.
-_DIRECT_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?P<labels>\{[^}]*\})?\s+(?P<value>\S+)")
 
 
@@ -84,7 +82,7 @@ def _keep_source_label(labels: str) -> str:
 def metrics_page(base_url: str) -> str | None:
     """An instance's /metrics page now, or None when it cannot be read."""
     try:
-        with _DIRECT_OPENER.open(f"{base_url}/metrics", timeout=METRICS_TIMEOUT_S) as reply:
+        with DIRECT_OPENER.open(f"{base_url}/metrics", timeout=METRICS_TIMEOUT_S) as reply:
             return reply.read().decode("utf-8", errors="replace")
     except (OSError, http.client.HTTPException):  # a page cut short is no OSError (found in review)
         return None

@@ -42,6 +42,7 @@ import psutil
 
 from harness.serve import watchdog
 from harness.serve.cpu_account import ProcessCpu, TreeCpuAccount
+from harness.serve.http_direct import DIRECT_OPENER
 from harness.serve.ports import PortLease
 from harness.serve.process_groups import (
     describe_exit,
@@ -83,9 +84,6 @@ STOP_POLL_INTERVAL_S = 0.05
 # a 251 s fake GPU night went there. Half the readiness poll, so every poll still samples;
 # stop() and cpu_seconds() always sample afresh.
 TREE_SAMPLE_INTERVAL_S = 0.25
-
-# Health checks go to 127.0.0.1 directly: a CI runner's HTTP(S)_PROXY must not relay them.
-_DIRECT_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class ServerDied(RuntimeError):
@@ -513,7 +511,7 @@ def health_probe_failure(url: str) -> str | None:
     ("connection refused", "no answer within 1.0 s", "HTTP 503"), for a start that times out
     to say whether nothing listened, something listened and did not answer, or it said no."""
     try:
-        with _DIRECT_OPENER.open(url, timeout=HEALTH_REQUEST_TIMEOUT_S) as response:
+        with DIRECT_OPENER.open(url, timeout=HEALTH_REQUEST_TIMEOUT_S) as response:
             return None if 200 <= response.status < 300 else f"HTTP {response.status}"
     except urllib.error.HTTPError as exc:
         return f"HTTP {exc.code}"

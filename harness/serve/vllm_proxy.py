@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.serve.http_direct import DIRECT_OPENER
+
 EPD_PROXY_FILE = "examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py"
 TOY_PROXY_FILE = "tests/v1/kv_connector/nixl_integration/toy_proxy_server.py"
 DYNAMIC_REGISTRATION_FLAG = "--dynamic-registration"
@@ -28,13 +30,10 @@ INSTANCES_PATH = "/instances"
 REGISTRATION_TIMEOUT_S = 10.0
 # --prefill-servers-urls for E+PD: upstream's spelling (every release's proxy also takes "none").
 NO_PREFILL = "disable"
-# The proxy listens on loopback: its admin calls go straight to it, never through the
-# environment's HTTP(S)_PROXY (a CI runner's would relay them and fail), as every other
-# loopback request of the harness does (`harness.serve.launch`).
-_DIRECT_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-# The proxy's own calls to the instances must go direct too: the toy proxy's httpx clients
-# trust the environment, and httpx, unlike urllib, bypasses no proxy for 127.0.0.1 by itself,
-# so a runner's HTTP_PROXY relayed every call to P and D and failed. Both spellings are read
+# The proxy's own calls to the instances must go direct too, as the harness's own admin calls
+# do (`harness.serve.http_direct`): the toy proxy's httpx clients trust the environment and
+# bypass no proxy for 127.0.0.1 by themselves, so a runner's HTTP_PROXY relayed every call to
+# P and D and failed. Both spellings are read
 # (urllib's getproxies: the lower-case one wins); each keeps what the environment names.
 NO_PROXY_VARS = ("NO_PROXY", "no_proxy")
 LOOPBACK_NAMES = ("127.0.0.1", "localhost")
@@ -161,14 +160,14 @@ def register_instances(
             headers={"Content-Type": "application/json", ADMIN_KEY_HEADER: admin_key},
         )
         try:
-            with _DIRECT_OPENER.open(request, timeout=REGISTRATION_TIMEOUT_S) as answer:
+            with DIRECT_OPENER.open(request, timeout=REGISTRATION_TIMEOUT_S) as answer:
                 answer.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:300]
             raise RuntimeError(
                 f"vLLM's proxy refused to register {item.role} {item.url}: {exc.code} {detail}"
             ) from exc
-    with _DIRECT_OPENER.open(
+    with DIRECT_OPENER.open(
         f"{proxy_url}{INSTANCES_PATH}", timeout=REGISTRATION_TIMEOUT_S
     ) as answer:
         roster = json.loads(answer.read())
