@@ -87,11 +87,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="every instance's --dtype: bfloat16 (default), float16 (a GPU below compute "
         "capability 8.0: T4, V100) or float32",
     )
+    # No default: given, it is checked as `run --proxy-registration` is (refused without
+    # --epd-proxy vllm, `static` too); not given, vLLM's proxy is static.
     group.addoption(
         "--epd-proxy-registration",
-        default="static",
-        help="with --epd-proxy vllm: static (URLs on its command line) or dynamic (registered "
-        "through its admin API)",
+        help="with --epd-proxy vllm: static (default: URLs on its command line) or dynamic "
+        "(registered through its admin API)",
     )
     group.addoption(
         "--epd-launcher",

@@ -33,7 +33,7 @@ NIGHT = {
     "--epd-kv-connector": "nixl",
     "--epd-reference-policy": "pd-drift",
     "--epd-proxy": "harness",
-    "--epd-proxy-registration": "static",
+    "--epd-proxy-registration": None,  # not given (its default): static with --proxy vllm
     "--epd-vllm-source": "/src/vllm",
     "--epd-launcher": "local",
     "--epd-stream": False,

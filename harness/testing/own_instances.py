@@ -76,7 +76,7 @@ SESSION_OPTIONS = (
     # The policies part only on a P->D hop (`harness.judge.policy`): "kv", as the CLI refuses it.
     SessionOption("--epd-reference-policy", "--reference-policy", moves="kv"),
     SessionOption("--epd-proxy", "--proxy", default="harness"),
-    SessionOption("--epd-proxy-registration", "--proxy-registration", default="static"),
+    SessionOption("--epd-proxy-registration", "--proxy-registration"),
     # Given to run and fuzz with vLLM's proxy only (`OwnInstances.args`), as to the session's.
     SessionOption(
         "--epd-vllm-source",

@@ -135,7 +135,6 @@ def session_request(
     every topology wanted two for 1P+1D and refused it)."""
     from harness.preflight import RunRequest
 
-    registration = option("--epd-proxy-registration")
     return RunRequest(
         served_topologies=tuple(served),
         model=option("--epd-model"),
@@ -156,9 +155,11 @@ def session_request(
         # The scenarios that run vLLM's own files read --epd-vllm-source themselves; the run's
         # proxy takes it only when it is vLLM's.
         vllm_source=option("--epd-vllm-source") if option("--epd-proxy") == "vllm" else None,
-        # Its default is static, which pytest cannot tell from static given: checked as
-        # not given (dynamic without --epd-proxy vllm is refused, as by the CLI).
-        proxy_registration=registration if registration != "static" else None,
+        # None when not given (static with --epd-proxy vllm); given without it, `static`
+        # too, it is refused as the CLI refuses it. Its default was static, which could not
+        # be told from static given: the session ran the harness's proxy (found in the audit
+        # of ignored flags).
+        proxy_registration=option("--epd-proxy-registration"),
         launcher=option("--epd-launcher"),
         ray_address=option("--epd-ray-address"),
         reference_policy=option("--epd-reference-policy"),
