@@ -1710,6 +1710,42 @@ def test_load_soak_of_an_attached_deployment(epd_cli, tmp_path: Path, attach_fil
     )
 
 
+RAY_CLUSTER = ("--launcher", "ray", "--ray-address", "10.0.0.1:6379")
+
+
+def test_load_kill_on_a_ray_cluster(epd_cli, tmp_path: Path) -> None:
+    """Found in the audit of ignored flags: `--kill` SIGKILLed the process group numbered as
+    the instance's pid on its node, here, where that number is another process's or none; the
+    instances of a cluster the harness did not start run on its nodes. The one-host rehearsal
+    cluster (no --ray-address) runs them here, and kills them."""
+    hidden = ("--model", tmp_path / "no-model", "--run-dir", tmp_path / "r")
+    args = ("load", "--topology", "1E+1P+1D", *RAY_CLUSTER, "--kill", "decode")
+    code, err = shown_cli(epd_cli, tmp_path, *args, hidden=hidden)
+    assert_one_error_line(
+        code,
+        err,
+        "--kill SIGKILLs an instance's processes from this host, and with --ray-address the "
+        "instances run on the cluster's nodes, whose processes are not this host's: drop "
+        "--kill (or --ray-address: the one-host rehearsal cluster runs them here)",
+    )
+
+
+def test_load_soak_on_a_ray_cluster(epd_cli, tmp_path: Path) -> None:
+    """Found in the audit of ignored flags: a soak read the RSS and open files of the
+    processes numbered as the instances' pids on their nodes, here: none, or another's."""
+    hidden = ("--model", tmp_path / "no-model", "--run-dir", tmp_path / "r")
+    args = ("load", "--topology", "1E+1P+1D", *RAY_CLUSTER, "--duration", "60")
+    code, err = shown_cli(epd_cli, tmp_path, *args, hidden=hidden)
+    assert_one_error_line(
+        code,
+        err,
+        "--duration is a soak, held to RSS and open-file bounds read from the instances' "
+        "processes, and with --ray-address the instances run on the cluster's nodes, whose "
+        "processes are not this host's to read: drop --duration (or --ray-address: the "
+        "one-host rehearsal cluster runs them here)",
+    )
+
+
 @pytest.mark.parametrize("scenarios", ["all,all", "all,ec-video-mp4"])
 def test_scenario_all_with_more(bad_run: BadRun, scenarios: str) -> None:
     """'all' was called an unknown scenario when anything came with it."""

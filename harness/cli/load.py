@@ -100,6 +100,35 @@ def load_spec_from_args(args: argparse.Namespace, topology: str) -> LoadSpec:
     )
 
 
+# Where a flag that reads or signals the instances' processes from this host is refused.
+ON_CLUSTER_NODES = (
+    "with --ray-address the instances run on the cluster's nodes, whose processes are not "
+    "this host's"
+)
+REHEARSAL_RUNS_HERE = "the one-host rehearsal cluster runs them here"
+
+
+def refuse_process_flags_on_a_cluster(args: argparse.Namespace) -> None:
+    """`--kill` signals, and a soak (`--duration`) reads, an instance's process tree by its
+    pid, on this host (`kill_instance`, `tree_usage`); a Ray cluster's node reports the pid on
+    that node. The one-host rehearsal cluster (no --ray-address) runs its nodes' processes
+    here; a cluster named by --ray-address is taken to be elsewhere, where that number is
+    another process's or none (found in the audit of ignored flags)."""
+    if args.ray_address is None:
+        return
+    if args.kill is not None:
+        raise BadInput(
+            f"--kill SIGKILLs an instance's processes from this host, and {ON_CLUSTER_NODES}: "
+            f"drop --kill (or --ray-address: {REHEARSAL_RUNS_HERE})"
+        )
+    if args.duration is not None:
+        raise BadInput(
+            "--duration is a soak, held to RSS and open-file bounds read from the instances' "
+            f"processes, and {ON_CLUSTER_NODES} to read: drop --duration (or --ray-address: "
+            f"{REHEARSAL_RUNS_HERE})"
+        )
+
+
 def refuse_load_flags(args: argparse.Namespace) -> None:
     """The load's own flags, checked before anything starts."""
     if args.attach and args.kill is not None:  # before the topology: the file names it
@@ -107,6 +136,7 @@ def refuse_load_flags(args: argparse.Namespace) -> None:
             "--kill SIGKILLs an instance the harness launched; an attached deployment's "
             "are not the harness's to kill: drop --kill (or --attach)"
         )
+    refuse_process_flags_on_a_cluster(args)
     if not args.attach and not args.topology:
         raise BadInput("load needs --topology (or --attach FILE: the deployment is the topology)")
     if args.topology and "," in args.topology:
