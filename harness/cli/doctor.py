@@ -15,14 +15,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness import amx
-from harness.devices import GpuCapability, bf16_shortfall, smi_compute_capabilities
-from harness.preflight.dtype import asked_bf16, dtype_or_default
+from harness.devices import (
+    GpuCapability,
+    bf16_shortfall,
+    host_cpuinfo,
+    smi_compute_capabilities,
+)
+from harness.preflight.dtype import ZENTORCH, asked_bf16, dtype_or_default, zen_float16_cause
 from harness.preflight.vllm import interpreter_of
 from harness.spec.connectors import NIXL
 
 CHECK_TIMEOUT_S = 180.0
 # The dtype check's fix, on its `-> ` line: the runs doctor checks for are run's and pytest's.
 DOCTOR_BF16_REMEDY = "run with --dtype float16 (pytest --epd-dtype float16)"
+DOCTOR_CPU_FLOAT16_REMEDY = (
+    "run with --dtype bfloat16 or float32 (pytest --epd-dtype bfloat16), or serve a vLLM "
+    "without zentorch"
+)
 
 
 @dataclass(frozen=True)
@@ -280,6 +289,35 @@ def check_dtype_on_gpus(
     return Check(name, False, shortfall, hint=DOCTOR_BF16_REMEDY)
 
 
+def check_dtype_on_cpu(dtype: str | None, zentorch: str | None, cpuinfo: str) -> Check:
+    """Whether a CPU build of vLLM computes in `dtype` here, as `run` checks it
+    (`zen_float16_cause`): `zentorch`, its version in the served interpreter (None: not
+    installed); `cpuinfo`, this host's /proc/cpuinfo."""
+    served = dtype_or_default(dtype)
+    name = f"--dtype {served} on this host's CPU"
+    cause = zen_float16_cause(served, {ZENTORCH: zentorch} if zentorch else {}, cpuinfo)
+    if cause is None:
+        return Check(name, True, "not refused here (as run checks it)")
+    return Check(name, False, f"--dtype {served} {cause}", hint=DOCTOR_CPU_FLOAT16_REMEDY)
+
+
+def served_zentorch(python: Sequence[str]) -> str | None:
+    """zentorch's version in the served interpreter, None when it is not installed."""
+    proc = _run_python(f"import importlib.metadata as m; print(m.version({ZENTORCH!r}))", python)
+    return _last_line(proc.stdout) if proc.returncode == 0 else None
+
+
+def check_dtype(dtype: str | None, device_type: str | None, python: Sequence[str]) -> Check:
+    """The dtype check of the served vLLM's platform: its GPUs' compute capability on cuda,
+    its CPU platform on cpu. On a CPU build `doctor --dtype float16` said "not needed" where
+    `run --dtype float16` is refused (found in the audit of ignored flags)."""
+    if device_type == "cpu":
+        zentorch = served_zentorch(python) if dtype_or_default(dtype) == "float16" else None
+        return check_dtype_on_cpu(dtype, zentorch, host_cpuinfo())
+    listed = smi_compute_capabilities() if device_type == "cuda" else None
+    return check_dtype_on_gpus(dtype, device_type, listed)
+
+
 def served_device_type(imports: Check) -> str | None:
     """The platform `check_vllm_import` read ("vllm 0.32.0+cpu cpu" -> "cpu"); None unknown."""
     words = imports.detail.split()
@@ -332,11 +370,7 @@ def run_checks(
         check_vllm_cli(vllm_executable),
         check_torchvision(python),
         check_amx_permission(device_type=device_type, python=python),
-        check_dtype_on_gpus(
-            dtype,
-            device_type,
-            smi_compute_capabilities() if device_type == "cuda" else None,
-        ),
+        check_dtype(dtype, device_type, python),
     ]
     if model_dir is not None:
         checks.append(check_model(model_dir, python, tiny))

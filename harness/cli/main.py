@@ -613,7 +613,11 @@ def build_parser() -> Parser:
     check = sub.add_parser("doctor", help="check that this environment can run vLLM EPD")
     check.add_argument("--model", help="model directory (default: the tiny model)")
     check.add_argument("--vllm", help="vllm executable (default: the one beside this Python)")
-    add_dtype_option(check, "the dtype the runs will serve, checked against this host's GPUs")
+    add_dtype_option(
+        check,
+        "the dtype the runs will serve, checked against this host's GPUs (its CPU, for a "
+        "CPU build of vLLM)",
+    )
     check.set_defaults(func=command_doctor)
 
     add_plan_parser(sub)

