@@ -478,6 +478,19 @@ def test_fault_that_reaches_nothing_in_a_named_topology(bad_run: BadRun) -> None
     assert_one_error_line(code, err, cause)
 
 
+def test_fault_in_a_topology_and_in_its_exact_reference(bad_run: BadRun) -> None:
+    """Found in review: 1P+1D under test is planted with the fault, and it is also 1E+1P+1D's
+    exact reference, so 1E+1P+1D was judged against faulted answers (MATCH: both zeroed)."""
+    code, err = bad_run("--plant-fault", "zero-kv", "--topology", "1P+1D,1E+1P+1D")
+    cause = (
+        "--plant-fault zero-kv: 1P+1D is under test, so the fault is planted in it, and it is "
+        "also 1E+1P+1D's exact reference: 1E+1P+1D would be judged against 1P+1D's faulted "
+        "answers; run them separately (--topology 1P+1D, then --topology 1E+1P+1D, which "
+        "starts 1P+1D unfaulted as its reference)"
+    )
+    assert_one_error_line(code, err, cause)
+
+
 FAULTS_NO_PROMPT_REACHES = [
     (
         ("--plant-fault", "corrupt-ec", "--topology", "1E+1PD", "--prompt", "text"),

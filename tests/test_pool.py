@@ -325,6 +325,19 @@ def test_a_fault_goes_into_the_topologies_under_test_never_their_references(
     }
 
 
+def test_a_fault_is_never_planted_in_a_reference_under_test_too(
+    tmp_path: Path, fake_vllm_start_log: Path
+) -> None:
+    """Found in review: `--plant-fault zero-kv --topology 1P+1D,1E+1P+1D` planted the fault in
+    1P+1D, under test, and judged 1E+1P+1D against those faulted answers: on the fake, every
+    1E+1P+1D case read MATCH against 1P+1D ("identical", both zeroed). Refused before a start."""
+    settings = settings_for(tmp_path)
+    both = (TOPOLOGIES["1P+1D"], TOPOLOGIES["1E+1P+1D"])
+    with pytest.raises(ValueError, match="1E\\+1P\\+1D would be judged against 1P\\+1D's"):
+        Sweep(SweepSpec(both, prompts=(TEXT,), fault="zero-kv"), settings).run_all()
+    assert logged_starts(fake_vllm_start_log) == [], "nothing started"
+
+
 def test_a_session_that_fails_to_close_does_not_leave_the_pools_others_running(
     tmp_path: Path,
 ) -> None:

@@ -49,6 +49,7 @@ from harness.run.faults.spec import (
     KV_FAULTS,
     STREAM_FAULTS,
     fault_reaches,
+    faulted_reference,
     parse_fault,
     refuse_unreached_prompts,
 )
@@ -322,6 +323,9 @@ def check_arguments(request: RunRequest, *, read_files: bool = True) -> CheckedA
                 "--proxy harness)"
             )
         refuse_unreached_prompts(request.plant_fault, prompts)
+        conflict = faulted_reference(request.plant_fault, topologies)
+        if conflict is not None:
+            raise BadInput(conflict)
     return CheckedArguments(
         platform=platform,
         launcher=launcher,

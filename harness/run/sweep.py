@@ -34,6 +34,7 @@ from harness.run.baseline import BaselineAnswers
 from harness.run.baseline_cache import BaselineCache
 from harness.run.faults.by_name import fault_for
 from harness.run.faults.planted import PlantedFault, plant
+from harness.run.faults.spec import faulted_reference
 from harness.run.goldens import GoldenStore
 from harness.run.judging import CaseJudge, Observed, observe
 from harness.run.pool import SessionRequest, TopologyPool
@@ -76,6 +77,12 @@ class SweepSpec:
     # Prompt -> the failure a matrix scenario declares it has on the sweep's one topology (an
     # attached deployment sent a scenario's prompt: `harness.run.scenarios.attached_prompt`).
     declared: tuple[tuple[str, Declaration], ...] = ()
+
+    def __post_init__(self) -> None:
+        # The CLI refuses it as bad input; any other caller is refused here, before a start.
+        conflict = faulted_reference(self.fault, self.topologies) if self.fault else None
+        if conflict is not None:
+            raise ValueError(conflict)
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,26 @@ def fault_reaches(kind: str, topology: Topology) -> bool:
     return topology.has_ec_transfer
 
 
+def faulted_reference(given: str, topologies: Sequence[Topology]) -> str | None:
+    """Why a fault cannot be planted in `topologies` together (None: it can): one of them is
+    another's exact reference (1P+1D for 1E+1P+1D). The fault goes into every topology under
+    test, so the other would be judged against faulted answers; found in review: with
+    `zero-kv` both were zeroed alike and 1E+1P+1D read MATCH against 1P+1D. Alone, a topology
+    with a reference has it started unfaulted, only to be compared with."""
+    names = {t.name for t in topologies}
+    for topology in topologies:
+        reference = topology.exact_reference
+        if reference in names:
+            return (
+                f"--plant-fault {given}: {reference} is under test, so the fault is planted in "
+                f"it, and it is also {topology.name}'s exact reference: {topology.name} would be "
+                f"judged against {reference}'s faulted answers; run them separately (--topology "
+                f"{reference}, then --topology {topology.name}, which starts {reference} "
+                "unfaulted as its reference)"
+            )
+    return None
+
+
 def fault_reaches_prompt(kind: str, prompt: PromptSpec, frame: int = 0) -> bool:
     """Whether a fault of `kind` has anything to act on in a request of `prompt`, on a topology
     it reaches (`fault_reaches`): KV and stream faults act on any request; the others on what
