@@ -1019,3 +1019,54 @@ def test_repro_of_a_mismatch_parting_elsewhere_is_reproduced_and_says_where(
     out = capsys.readouterr().out
     assert ": reproduced" in out and "the ids part at position 3 now" in out, out
     assert code == 0
+
+
+def test_a_faulted_runs_earlier_requests_are_sent_again_with_the_fault_planted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: a fuzz run plants its fault for every request, so the earlier requests
+    its bundle carries (run.json's `sent_after`) were sent faulted; repro sent them again with
+    no fault, planting it only for the case. A case that failed on what the fault did to an
+    earlier request (kv-noise on the KV folder an earlier request wrote, which P then loads and
+    writes no more) read that folder clean in the rerun: MATCH, and the fault "acted on
+    nothing"."""
+    from types import SimpleNamespace
+
+    import harness.run.sweep as sweep_module
+    from harness.outcomes.outcome import Outcome
+    from harness.run.judging import Observed
+    from harness.serve.proxy import ProxyFaults
+    from harness.spec.settings import RunSettings, ServedVllm
+    from harness.spec.topology import TOPOLOGIES
+
+    settings = RunSettings(
+        serving=ServingConfig(model="/m"),
+        run_dir=tmp_path / "run",
+        vllm=ServedVllm("vllm", "0.32.0+cpu", "2.13.0"),
+    )
+    body = {"model": "epd-model", "messages": [{"role": "user", "content": "hi"}]}
+    topology = TOPOLOGIES["1P+1D"]
+    sweep = sweep_module.Sweep(
+        sweep_module.SweepSpec((topology,), prompts=(), fault="kv-noise:0.05"),
+        settings,
+        bodies={"case": body},
+        stage=sweep_module.Stage(topology.name, (("earlier", body),)),
+    )
+    (tmp_path / "kv").mkdir()
+    session = SimpleNamespace(
+        topology=topology,
+        settings=settings,
+        faults=ProxyFaults(),
+        ec_storage=None,
+        kv_storage=tmp_path / "kv",
+    )
+    planted_when_sent: dict[str, bool] = {}
+
+    def observe(session, prompt, body, stream, *, fresh_prefix):
+        planted_when_sent[prompt] = session.faults.after_prefill is not None
+        return Observed(Outcome(prompt=prompt, result=object()), ())
+
+    monkeypatch.setattr(sweep_module, "observe", observe)
+    sweep._serve_prompts(session)
+    assert planted_when_sent == {"earlier": True, "case": True}, planted_when_sent
+    assert session.faults.after_prefill is None, "the session is handed back unfaulted"

@@ -93,8 +93,8 @@ class Stage:
     the encoder cache it filled, the encoder a round robin hands the case's request to).
 
     Sent as the scenario sent them (`harness.run.matrix`): one after another, streamed when the
-    sweep streams, each under a cache salt of its own (`observe`, fresh_prefix), and never
-    judged. The baseline and any reference answer the case's request alone, cold, as the
+    sweep streams, each under a cache salt of its own (`observe`, fresh_prefix), with the run's
+    planted fault if it has one (a fuzz run sent its earlier requests so), and never judged. The baseline and any reference answer the case's request alone, cold, as the
     run's baseline did. The first that gets no answer ends the stage, and the topology's own
     prompts are not sent (`Sweep.stage_unset` says why): they would meet servers in a state the
     run never left them in (an instance dead, nothing stored), and an ERROR there would read as
@@ -441,11 +441,11 @@ class Sweep:
     def _serve_prompts(self, session: TopologySession | ProxiedSession | AttachedSession) -> None:
         """Every prompt on one topology, each observed (guards read at once)."""
         topology = session.topology
-        # Before any fault is planted: the matrix, whose scenario's earlier requests these
-        # are, plants none.
-        unset = self._set_stage(session)
         # The fault goes into the topologies under test, never into an exact reference (1P+1D
-        # for 1E+1P+1D) that is only there to be compared with.
+        # for 1E+1P+1D) that is only there to be compared with. Planted before the stage's
+        # requests: a fuzz run, whose bundle's earlier requests these may be, sent them with
+        # its fault planted, and a case can fail on what the fault did to them (the matrix,
+        # whose scenario's earlier requests they may be too, plants none).
         planted = bool(self.spec.fault) and topology in self.spec.topologies
         if planted:  # the session's faults: its proxy's (harness) or its taps' (vllm)
             fault = fault_for(
@@ -457,6 +457,7 @@ class Sweep:
             plant(session.faults, fault)
         observed: dict[str, Observed] = {}
         try:
+            unset = self._set_stage(session)
             for name in self.topology_prompts:
                 if self.not_applicable(topology.name, name):
                     continue  # judged NOT_APPLICABLE without a request
