@@ -94,8 +94,9 @@ class Stage:
 
     Sent as the scenario sent them (`harness.run.matrix`): one after another, streamed when the
     sweep streams, each under a cache salt of its own (`observe`, fresh_prefix), with the run's
-    planted fault if it has one (a fuzz run sent its earlier requests so), and never judged. The baseline and any reference answer the case's request alone, cold, as the
-    run's baseline did. The first that gets no answer ends the stage, and the topology's own
+    planted fault if it has one (a fuzz run sent its earlier requests so), and never judged.
+    The baseline and any reference answer the case's request alone, cold, as the run's
+    baseline did. The first that gets no answer ends the stage, and the topology's own
     prompts are not sent (`Sweep.stage_unset` says why): they would meet servers in a state the
     run never left them in (an instance dead, nothing stored), and an ERROR there would read as
     the recorded one."""
