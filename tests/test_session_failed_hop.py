@@ -112,3 +112,42 @@ def test_an_error_status_of_d_passed_on_names_d(
     assert outcome.result is None
     assert "1E+1PD/pd0" in outcome.error and "answered 500" in outcome.error, outcome.error
     assert "1E+1PD/pd0: INFO serving" in outcome.error  # its log tail
+
+
+class FailingProxy(Entry):
+    """The harness's proxy failed itself while it relayed D's stream: it broke the stream off,
+    its trace naming itself, D's stream not ended."""
+
+    def send(self, body: dict[str, Any], request_id: str) -> Any:
+        self.traces[request_id] = RequestTrace(
+            request_id,
+            decode_url=PD_TAP,
+            decode_status=200,
+            error="proxy failed mid-stream: RuntimeError: relay bug",
+        )
+        raise ConnectionError("the stream broke off after 1 event(s)")
+
+
+def test_the_proxys_own_failure_mid_stream_names_the_proxy_not_d(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: the case's error said the request "was still waiting on" D, whose
+    stream the proxy itself had failed to relay, and quoted D's log as the evidence."""
+    monkeypatch.setattr(session_module, "DEATH_GRACE_S", 0.0)  # nothing dies here
+    serving = ServingConfig(model=str(tmp_path / "m"))
+    session = TopologySession(TOPOLOGIES["1E+1PD"], RunSettings(serving=serving, run_dir=tmp_path))
+    session.instances = [  # type: ignore[list-item]
+        SimpleNamespace(url=ENCODER_URL, name="1E+1PD/encoder0"),
+        SimpleNamespace(url=PD_URL, name="1E+1PD/pd0"),
+    ]
+    session._servers = [Server("1E+1PD/encoder0", tmp_path), Server("1E+1PD/pd0", tmp_path)]  # type: ignore[list-item]
+    session.tap_urls = {ENCODER_URL: ENCODER_TAP, PD_URL: PD_TAP}
+    session._taps = TapSet([])
+    entry = FailingProxy(traced=True)
+    session._entry, session._group = entry, entry  # type: ignore[assignment]
+    session.decode_counters = lambda: None  # type: ignore[method-assign]
+    session._sample_memory = lambda: None  # type: ignore[method-assign]
+    outcome = session.send("text", {"model": "m", "messages": []})
+    assert outcome.result is None
+    assert "proxy failed mid-stream: RuntimeError: relay bug" in outcome.error, outcome.error
+    assert "still waiting on 1E+1PD/pd0" not in outcome.error, outcome.error

@@ -292,3 +292,32 @@ def test_the_proxy_relays_ds_content_type_as_d_sent_it(status: int, content_type
         loop.run(d.stop())
         loop.close()
     assert (response.status_code, response.headers["content-type"]) == (status, content_type)
+
+
+def test_a_relay_the_proxy_itself_fails_mid_stream_breaks_off_naming_the_proxy(
+    d: StreamingD, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The proxy's own failure after the stream began (here its planted fault's rewriter
+    raising): a JSON 500 written into the open stream reached the client as a second response
+    inside the first ("illegal chunk header: HTTP/1.1 500"), and the trace blamed nothing
+    mid-stream. The stream is broken off, and the trace names the proxy (found in review)."""
+    from harness.serve import proxy as proxy_module
+
+    fed = []
+
+    def feed(_self: object, data: bytes) -> bytes:
+        fed.append(data)
+        if len(fed) == 2:
+            raise RuntimeError("relay bug")
+        return data
+
+    monkeypatch.setattr(proxy_module.FirstTokenChunkTwice, "feed", feed)
+    proxy, server = proxy_in_front(d.url, ProxyFaults(duplicate_first_token_chunk=True))
+    try:
+        with pytest.raises(StreamFailed, match="broke off") as failure:
+            send(server.url)
+    finally:
+        server.stop()
+    assert "HTTP/1.1 500" not in str(failure.value)  # no second response inside the first
+    error = proxy.traces["req-1"].error
+    assert error == "proxy failed mid-stream: RuntimeError: relay bug", error

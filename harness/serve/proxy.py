@@ -71,6 +71,11 @@ class ProxyFaults:
     duplicate_first_token_chunk: bool = False
 
 
+# How a trace's error begins when the proxy itself failed (no upstream did): a failed request's
+# report (`TopologySession.waited_on_report`) then names the proxy, not an instance.
+PROXY_FAILED = "proxy failed"
+
+
 class FirstTokenChunkTwice:
     """Relays a server-sent event stream, its first event carrying generated token ids
     twice (the planted `duplicate_first_token_chunk`); everything else byte for byte."""
@@ -270,7 +275,7 @@ class EPDProxy:
         except Exception as exc:
             # The proxy's own failure (e.g. an encoder answer of another protocol generation):
             # recorded with its cause, or the case's error would be an empty 500.
-            trace.error = f"proxy failed: {type(exc).__name__}: {exc}"
+            trace.error = f"{PROXY_FAILED}: {type(exc).__name__}: {exc}"
             return web.json_response(
                 {"error": {"stage": "proxy", "message": trace.error}}, status=500
             )
@@ -358,6 +363,13 @@ class EPDProxy:
                 trace.error = f"{who} mid-stream: {type(exc).__name__}: {exc}"
                 return break_off(http_request, response)
             raise UpstreamError("decode", url, None, f"{type(exc).__name__}: {exc}") from exc
+        except Exception as exc:
+            if response is None or not response.prepared:
+                raise  # `handle_chat` answers the proxy's own failure as a 500
+            # The proxy's own failure once the stream began: a 500 in its place would be a
+            # second response written into the open one (found in review).
+            trace.error = f"{PROXY_FAILED} mid-stream: {type(exc).__name__}: {exc}"
+            return break_off(http_request, response)
 
     async def handle_health(self, _request: web.Request) -> web.Response:
         assert self._session is not None

@@ -32,7 +32,7 @@ from harness.serve.kv_metrics import KvCounters, read_counters
 from harness.serve.launch import ManagedServer, ServerDied
 from harness.serve.launcher import LocalLauncher
 from harness.serve.ports import PortLease
-from harness.serve.proxy import EPDProxy, ProxyFaults
+from harness.serve.proxy import PROXY_FAILED, EPDProxy, ProxyFaults
 from harness.serve.proxy_protocol import collect_media
 from harness.serve.server_command import ServerCommand
 from harness.serve.server_group import ServerGroup
@@ -464,6 +464,9 @@ class TopologySession:
         url = entry.url
         failed_status: int | None = None
         trace = entry.trace(request_id)
+        if trace is not None and (trace.error or "").startswith(PROXY_FAILED):
+            # The proxy's own failure: an instance it was relaying (D's stream) is no cause.
+            return f"the harness's proxy ({url}) failed on it itself: {trace.error}"
         if trace is not None:
             pending = [call.url for call in trace.encoder_calls if call.status is None]
             if trace.prefill_url and trace.prefill_status is None:
