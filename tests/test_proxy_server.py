@@ -675,6 +675,8 @@ def answering(params: Any) -> Answer:
         ("by-hash-indexed", {"h": {"item_indices": 0, "metadata": {"x": 1}}}, "item_indices"),
         ("by-hash-indexed", {"h": {"item_indices": [0], "metadata": [1]}}, "metadata"),
         ("by-hash-indexed", {"h": [0]}, "is not an object"),
+        ("by-hash", {"h": {"metadata": [1]}}, "metadata"),
+        ("by-hash", {"h": [0]}, "is not an object"),
     ],
     ids=[
         "index-past-items",
@@ -683,6 +685,8 @@ def answering(params: Any) -> Answer:
         "indices-not-a-list",
         "metadata-not-an-object",
         "entry-not-an-object",
+        "by-hash-metadata-not-an-object",
+        "by-hash-entry-not-an-object",
     ],
 )
 def test_an_encoder_answer_that_does_not_fit_its_request_becomes_502_naming_the_encoder(

@@ -289,7 +289,17 @@ def _index_single_item(
             f"an answer without item positions needs one item per sub-request, "
             f"got {len(batch.positions)}"
         )
-    with_metadata = [(h, e) for h, e in entries if isinstance(e, dict) and e.get("metadata")]
+    for mm_hash, entry in entries:
+        # Else passed on: the media left raw, or a list handed to the consumers as metadata.
+        if not isinstance(entry, dict):
+            raise EncoderAnswerUnfit(
+                f"encoder entry {mm_hash!r} is not an object: {_excerpt(params)}"
+            )
+        if not isinstance(entry.get("metadata") or {}, dict):
+            raise EncoderAnswerUnfit(
+                f"encoder entry {mm_hash!r} has metadata no object: {_excerpt(params)}"
+            )
+    with_metadata = [(h, e) for h, e in entries if e.get("metadata")]
     if len(with_metadata) > 1:
         raise EncoderAnswerUnfit(
             f"{len(with_metadata)} entries with metadata for one item: {_excerpt(params)}"
