@@ -1220,3 +1220,24 @@ def test_no_secret_reaches_any_file_of_a_load(
         assert secret not in text, f"{name} holds the environment's secret"
     assert "for token [redacted]" in (tmp_path / "load.json").read_text()
     assert "bad token [redacted]" in (tmp_path / "load-requests.jsonl").read_text()
+
+
+def test_a_load_that_fails_before_its_first_round_still_writes_its_account(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hook given the load's session (`on_session`: a test plants a fault there) and the
+    first resource sample ran outside the part whose end writes the account: a failure there
+    left no load.json, and the calibration measured for the load was in no file. The failure
+    propagates, and the account says it (found in review)."""
+    load, _ = stand_in_load(tmp_path, requests=6, concurrency=3)
+    baseline_asked(load, monkeypatch)
+
+    def refuse(_session: object) -> None:
+        raise RuntimeError("planted fault refused")
+
+    load.on_session = refuse
+    with pytest.raises(RuntimeError, match="planted fault refused"):
+        load.run()
+    account = json.loads((tmp_path / "load.json").read_text())
+    assert account["calibration"]["source"] == "measured now, for this load"
+    assert account["ended_by"] == "the load failed: RuntimeError: planted fault refused"

@@ -95,15 +95,20 @@ class LoadRun:
             self._judge_round([Sent(r, None, 0.0, 0.0) for r in plan], declared)
             self._finish()
             return self.result
-        if self.on_session is not None:
-            self.on_session(session)
-        self._started = time.monotonic()
-        self._sample(session, "before")
+        # From here on the account is written however the load ends, and says what ended it:
+        # a failure of the hook or of the first sample left no load.json (found in review).
         try:
+            if self.on_session is not None:
+                self.on_session(session)
+            self._started = time.monotonic()
+            self._sample(session, "before")
             self._rounds(session, regular, declared)
             alone = [r for r in plan if r.alone]
             if alone:
                 self._send_alone(alone, declared)
+        except Exception as exc:
+            self.result.ended_by = f"the load failed: {type(exc).__name__}: {exc}".splitlines()[0]
+            raise
         finally:
             self._finish()
         return self.result
