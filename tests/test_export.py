@@ -289,6 +289,38 @@ def test_a_runs_media_dir_is_not_needed_its_files_travel_inline(
         plan_for(bundle_dir)
 
 
+def test_file_audio_travels_inline_as_images_and_videos_do(tmp_path: Path) -> None:
+    """An `audio_url` file:// part stayed a path of the recording machine while images and
+    videos were inlined (found in review): the export then needed a file its reader lacks.
+    vLLM's typeless form (`{"audio_url": "file://..."}`, the URL a plain string) is a media URL
+    it reads too."""
+    import base64
+
+    from harness.run.export.request import inline_local_media
+
+    sound = tmp_path / "bird.wav"
+    sound.write_bytes(b"RIFF not really")
+    url = f"file://{sound}"
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "audio_url", "audio_url": {"url": url}},
+                    {"audio_url": url},
+                    {"type": "text", "text": url},
+                ],
+            }
+        ]
+    }
+    inlined = inline_local_media(body)["messages"][0]["content"]
+    payload = f";base64,{base64.b64encode(sound.read_bytes()).decode()}"
+    for url_now in (inlined[0]["audio_url"]["url"], inlined[1]["audio_url"]):
+        assert url_now.startswith("data:audio/") and url_now.endswith(payload), url_now
+    assert inlined[2]["text"] == url, "a text part is the prompt's words, never media"
+    assert body["messages"][0]["content"][0]["audio_url"]["url"] == url
+
+
 def test_the_ec_side_channel_host_follows_host_as_nixls_does(tmp_path: Path) -> None:
     """A Ray run's node address must not survive into an export (found in review)."""
     plan = plan_for(write_bundle(tmp_path / "run"))

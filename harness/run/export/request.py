@@ -13,7 +13,9 @@ from typing import Any
 
 from harness.errors import BadInput
 from harness.run.export.standalone_check import BEFORE_DIR
+from harness.serve.proxy_protocol import MEDIA_URL_PART_TYPES
 from harness.serve.session import safe_name
+from harness.spec.file_media import FILE_URL_PREFIX
 from harness.spec.prompts import CACHE_SALT
 
 # The salts of an export with earlier requests: fixed, since serve.sh starts fresh instances
@@ -58,17 +60,25 @@ def own_salt(body: dict[str, Any], salt: str) -> dict[str, Any]:
 def inline_local_media(body: dict[str, Any]) -> dict[str, Any]:
     """`body` with every file:// media URL (a run with `--media-dir`) replaced by a data: URL
     of the same bytes, so the export needs no file of the recording machine. vLLM reads both
-    into the same bytes; BadInput when a file is gone since the run."""
+    into the same bytes; BadInput when a file is gone since the run.
+
+    Every kind vLLM reads by URL, audio too (found in review: only images and videos were),
+    and in either form it accepts: `{"url": ...}`, or the URL itself (its typeless parts)."""
     body = copy.deepcopy(body)
     for message in body.get("messages", []):
         content = message.get("content")
         for part in content if isinstance(content, list) else []:
-            for key in ("image_url", "video_url"):
-                media = part.get(key)
-                url = media.get("url", "") if isinstance(media, dict) else ""
-                if url.startswith("file://"):
-                    media["url"] = data_url(Path(url[len("file://") :]))
+            for key in MEDIA_URL_PART_TYPES:
+                media = part.get(key) if isinstance(part, dict) else None
+                if isinstance(media, dict) and is_file_url(media.get("url")):
+                    media["url"] = data_url(Path(media["url"][len(FILE_URL_PREFIX) :]))
+                elif is_file_url(media):
+                    part[key] = data_url(Path(media[len(FILE_URL_PREFIX) :]))
     return body
+
+
+def is_file_url(url: Any) -> bool:
+    return isinstance(url, str) and url.startswith(FILE_URL_PREFIX)
 
 
 def data_url(path: Path) -> str:
