@@ -321,6 +321,33 @@ def test_file_audio_travels_inline_as_images_and_videos_do(tmp_path: Path) -> No
     assert body["messages"][0]["content"][0]["audio_url"]["url"] == url
 
 
+def with_api_keys(bundle_dir: Path) -> Path:
+    """The bundle's decode given `--api-key=KEY`, its prefill `--api-key KEY`, as extra_args
+    would: the `.cmd.json` holds them redacted."""
+    for name, extra in (
+        ("decode0", [f"--api-key={REDACTED}"]),
+        ("prefill0", ["--api-key", REDACTED]),
+    ):
+        path = next(bundle_dir.rglob(f"*{name}.cmd.json"))
+        command = json.loads(path.read_text())
+        path.write_text(json.dumps({**command, "argv": command["argv"] + extra}))
+    return bundle_dir
+
+
+def test_a_recorded_api_key_comes_from_a_named_variable_never_the_placeholder(
+    tmp_path: Path,
+) -> None:
+    """`--api-key=KEY` reached serve.sh as `--api-key=[redacted]`, so vLLM started with the
+    key "[redacted]" (found in review); `--api-key KEY` refused the export. Both now take
+    serve.sh's $API_KEY, which it refuses to start without, before starting anything."""
+    plan = plan_for(with_api_keys(write_bundle(tmp_path / "run", verdict="MISMATCH")))
+    serve = render_serve_sh(plan)
+    assert REDACTED not in serve
+    assert '"--api-key=${API_KEY}"' in serve and '--api-key "${API_KEY}"' in serve
+    assert "if [[ -z ${API_KEY:-} ]]" in serve  # refused unset: tests/test_export_process.py
+    assert "set `API_KEY` (any value of your own)" in render_issue(plan)
+
+
 def test_the_ec_side_channel_host_follows_host_as_nixls_does(tmp_path: Path) -> None:
     """A Ray run's node address must not survive into an export (found in review)."""
     plan = plan_for(write_bundle(tmp_path / "run"))

@@ -874,3 +874,37 @@ def test_an_export_script_run_by_a_test_reaches_the_hub_as_the_session_does(
     (out / "run.sh").write_text('echo "home=${HF_HOME-unset} token=${HF_TOKEN-unset}"\n')
     done = run_export_script(out, ["run.sh"], {"PATH": os.environ["PATH"]}, 30)
     assert done.stdout == f"home={tmp_path / 'hf'} token=hf_test_token\n", done
+
+
+def test_a_recorded_api_key_is_the_users_own_and_serve_sh_refuses_without_it(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """A run whose servers had `--api-key=KEY` (and `--api-key KEY`): serve.sh started vLLM
+    with the key "[redacted]" (found in review). Unset, $API_KEY is refused before any server
+    starts; set, each server is given it."""
+    from test_export import with_api_keys
+
+    bundle = Bundle.load(with_api_keys(write_bundle(tmp_path / "run", verdict="MATCH")))
+    upstream = UpstreamProxy(Path(bundle.run["proxy"]["files_dir"]), "a stand-in proxy")
+    plan = plan_export(bundle, f"1E+1P+1D:{PROMPT}", lambda: upstream, None)
+    out = tmp_path / "scratch" / plan.name
+    write_export(plan, out, {"cpu_repair.py": "print('no repairs needed here')\n"})
+    env = environment(leased_ports, tmp_path)
+    refused = run_script(out, ["serve.sh"], env)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "serve.sh: set API_KEY" in refused.stderr
+    assert not list((out / "work").glob("state/*.pid")), "a server started without its key"
+    argv_dir = tmp_path / "argvs"
+    argv_dir.mkdir()
+    recording = tmp_path / "bin" / "vllm-recording"
+    recording.write_text(
+        f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" >"{argv_dir}/$$"\nexec "{env["VLLM"]}" "$@"\n'
+    )
+    recording.chmod(0o755)
+    done = run_sh(out, {**env, "VLLM": str(recording), "API_KEY": "the-users-key"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    argvs = [path.read_text().splitlines() for path in argv_dir.iterdir()]
+    given = sorted(
+        arg for argv in argvs for arg in argv if "the-users-key" in arg or "redacted" in arg
+    )
+    assert given == ["--api-key=the-users-key", "the-users-key"], given

@@ -25,7 +25,7 @@ from harness.files import write_text_atomic
 from harness.run.export.devices import DEVICES_VAR, RecordedDevice, device_var
 from harness.run.export.issue import render_issue
 from harness.run.export.plan import ExportPlan
-from harness.run.export.servers import ExportedServer, shell_command
+from harness.run.export.servers import ExportedServer, secret_variables, shell_command
 
 CHECK_SOURCE = Path(__file__).with_name("standalone_check.py")
 PROXY_DIR = "vllm-proxy"
@@ -219,10 +219,25 @@ def render_serve_sh(plan: ExportPlan) -> str:
         bundle=plan.bundle.name,
         modes=serve_modes(plan),
         alias=alias,
+        secrets=secret_check(everything),
         ports=ports + ("\n" + side_ports if side_ports else ""),
         proxy_check=proxy_check,
         devices=devices_lines(plan),
         body=body,
+    )
+
+
+def secret_check(servers: list[ExportedServer]) -> str:
+    """serve.sh's refusal to start, before anything, without a credential the run gave its
+    servers (`harness.run.export.servers.secret_variable`): the bundle holds it redacted, and
+    a server started without it would run with another key than the run's."""
+    return "".join(
+        f"if [[ -z ${{{name}:-}} ]]; then\n"
+        f'  echo "serve.sh: set {name}: the run gave its servers a credential there (recorded '
+        'redacted), and they start with it" >&2\n'
+        "  exit 2\n"
+        "fi\n"
+        for name in secret_variables(servers)
     )
 
 
@@ -495,7 +510,7 @@ case $MODE in
   {modes}) ;;
   *) echo "usage: serve.sh [{modes}]" >&2; exit 2 ;;
 esac
-{alias}
+{alias}{secrets}
 VLLM=${{VLLM:-vllm}}
 if ! command -v "$VLLM" >/dev/null; then
   echo "serve.sh: no '$VLLM' executable; set VLLM=/path/to/bin/vllm" >&2

@@ -18,7 +18,7 @@ from harness.judge.verdicts import STREAM_BROKEN, STREAM_CHECK
 from harness.redact import REDACTED
 from harness.run.export.plan import ExportPlan
 from harness.run.export.request import describe_request
-from harness.run.export.servers import shell_command
+from harness.run.export.servers import secret_variables, shell_command
 from harness.run.repro import ReproCase
 from harness.spec.generations import build_commit, is_dev_build
 from harness.spec.prompts import CACHE_SALT
@@ -98,6 +98,7 @@ def render_issue(plan: ExportPlan) -> str:
         "lines of its log). By hand: `bash serve.sh` in one terminal (Ctrl-C stops it), "
         "`python3 check.py` in another. Ports, host, model and working directory are variables "
         "at the top of `serve.sh`; logs go to `work/logs/`.",
+        *secret_instructions(plan),
         *before_instructions(plan),
         *device_instructions(plan),
         *reference_instructions(plan),
@@ -338,6 +339,22 @@ def model_line(plan: ExportPlan) -> str:
         return f"{what}, {model.size_bytes / 1e6:.1f} MB, shipped in `model/`{digest}"
     revision = f" at revision `{model.hub_revision}`" if model.hub_revision else ""
     return f"`{model.hub_name}`{revision} from the Hugging Face hub"
+
+
+def secret_instructions(plan: ExportPlan) -> list[str]:
+    """What a reader must set before run.sh starts anything: the credentials the run gave its
+    servers, which the export holds only redacted (`secret_variables`)."""
+    servers = [*plan.servers, *(plan.reference.servers if plan.reference else ())]
+    names = secret_variables(servers)
+    if not names:
+        return []
+    said = ", ".join(f"`{name}`" for name in names)
+    return [
+        "",
+        f"The run gave its servers a credential, which the export does not hold: set {said} "
+        "(any value of your own) or `serve.sh` starts nothing. `check.py` sends none, as the "
+        "harness sent none.",
+    ]
 
 
 def before_instructions(plan: ExportPlan) -> list[str]:

@@ -5,12 +5,13 @@ server as serve.sh's command line (`shell_command`)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from harness.errors import BadInput
-from harness.redact import REDACTED
+from harness.redact import REDACTED, SECRET_FLAGS
 from harness.run.export.devices import DEVICE_ENV_VARS, RecordedDevice, device_positions, device_var
 from harness.run.export.shell import Arg, Var, shell_variable, shell_word
 from harness.run.repro import Bundle
@@ -207,11 +208,32 @@ def template_argv(argv: list[str], model: str, port: Var) -> tuple[Arg, ...]:
             rendered.append((Var("MODEL"),))
         elif previous in TRANSFER_CONFIG_FLAGS:
             rendered.append(template_storage(arg))
+        elif previous in SECRET_FLAGS and arg == REDACTED:
+            rendered.append((secret_variable(previous),))
+        elif arg.partition("=")[0] in SECRET_FLAGS and arg.partition("=")[2] == REDACTED:
+            flag = arg.partition("=")[0]
+            rendered.append((f"{flag}=", secret_variable(flag)))
         elif arg == REDACTED:
             raise BadInput(f"the recorded command has a redacted argument after {previous}")
         else:
             rendered.append((arg,))
     return tuple(rendered)
+
+
+def secret_variable(flag: str) -> Var:
+    """`--api-key` -> serve.sh's $API_KEY: the credential the run gave it, which the bundle
+    holds only redacted (found in review: `--api-key=KEY` reached serve.sh as the placeholder
+    itself, vLLM's key then "[redacted]")."""
+    return Var(shell_variable(flag.lstrip("-")), secret=True)
+
+
+def secret_variables(servers: Iterable[ExportedServer]) -> tuple[str, ...]:
+    """The names of the credentials (`secret_variable`) `servers` start with, each once."""
+    names: dict[str, None] = {}
+    for server in servers:
+        for arg in (*server.argv, *(value for _, value in server.env)):
+            names.update({p.name: None for p in arg if isinstance(p, Var) and p.secret})
+    return tuple(names)
 
 
 LOCAL_MEDIA_FLAG = "--allowed-local-media-path"
