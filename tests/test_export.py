@@ -592,6 +592,14 @@ def test_describe_request_counts_media_and_words() -> None:
     assert describe_request(body) == "2 images + 1 video + 2 words of text"
 
 
+def test_describe_request_names_audio_as_audio() -> None:
+    """An issue's title said "a request of 1 audio_url + 1 input_audio + ..." (found in
+    review): part types, where images and videos are named as media."""
+    content = [{"type": "audio_url"}, {"type": "input_audio"}, {"type": "text", "text": "hi"}]
+    body = {"messages": [{"role": "user", "content": content}]}
+    assert describe_request(body) == "2 audio clips + 1 words of text"
+
+
 # -- check.py ----------------------------------------------------------------------------------
 
 

@@ -101,7 +101,14 @@ def asks_for_logprobs(body: dict[str, Any]) -> bool:
 
 def describe_request(body: dict[str, Any]) -> str:
     """'one image + 4 words of text': what a reader of the issue needs to picture it."""
-    kinds: dict[str, int] = {}
+    names = {
+        "image_url": "image",
+        "video_url": "video",
+        "image_embeds": "image_embeds part",
+        "audio_url": "audio clip",
+        "input_audio": "audio clip",
+    }
+    kinds: dict[str, int] = {}  # by name: an audio clip is one, by URL or inline
     words = 0
     for message in body.get("messages", []):
         content = message.get("content")
@@ -111,10 +118,7 @@ def describe_request(body: dict[str, Any]) -> str:
             if kind == "text":
                 words += len(str(part.get("text", "")).split())
             else:
-                kinds[kind] = kinds.get(kind, 0) + 1
-    names = {"image_url": "image", "video_url": "video", "image_embeds": "image_embeds part"}
-    media = [
-        f"{count} {names.get(kind, kind)}{'s' if count > 1 else ''}"
-        for kind, count in kinds.items()
-    ]
+                name = names.get(kind, kind)
+                kinds[name] = kinds.get(name, 0) + 1
+    media = [f"{count} {name}{'s' if count > 1 else ''}" for name, count in kinds.items()]
     return " + ".join([*media, f"{words} words of text"])
