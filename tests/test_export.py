@@ -394,6 +394,18 @@ def test_an_attached_run_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
     assert "attached deployment" in line and "no commands to export" in line
 
 
+def test_an_attached_runs_refusal_advises_no_command_that_refuses_it_too(
+    tmp_path: Path, capsys
+) -> None:
+    """The refusal said "rerun the case with 'epd-harness repro'", which refuses an attached
+    run as well, having nothing to start either (found in review)."""
+    bundle = write_bundle(tmp_path / "run", proxy_kind="attach")
+    line = one_line_refusal(capsys, ["export", str(bundle)])
+    repro = one_line_refusal(capsys, ["repro", str(bundle)])
+    assert "epd-harness repro" not in line, repro
+    assert "'epd-harness run --proxy vllm'" in line
+
+
 def test_an_all_match_run_needs_a_case_and_an_existing_out_is_kept(tmp_path: Path, capsys) -> None:
     bundle = write_bundle(tmp_path / "run", verdict="MATCH")
     assert "name one with --case" in one_line_refusal(capsys, ["export", str(bundle)])

@@ -256,8 +256,9 @@ def refuse_unexportable(bundle: Bundle) -> None:
     if bundle.proxy_kind == ATTACH_PROXY:
         raise BadInput(
             f"{bundle.path} judged an attached deployment: the harness never launched it, so "
-            "there are no commands to export; rerun the case with 'epd-harness repro' (or "
-            "'run --proxy vllm') and export that run"
+            "there are no commands to export (nor can repro start it); rerun the case with "
+            "'epd-harness run --proxy vllm' on the deployment's model and flags, and export "
+            "that run"
         )
     killed = killed_by_the_load(bundle)
     if killed:
