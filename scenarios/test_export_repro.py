@@ -6,12 +6,12 @@ recomputed tail (ERROR: D dies; under ExampleConnector only, as NIXL hands D the
 JPEG-frame video at the default fps (MISMATCH) and the same frames at 2 fps (MATCH: the
 control, without which an export that always fails would look right). One run per topology's
 xdist group (1E+1P+1D, 1E+1PD), on the session's options and the devices its plan gives that
-group; on GPUs run.sh gets those devices as DEVICES, leased as the pool leases them. Each case is exported, copied to a scratch directory and run there by its own
-`run.sh`, with a `PYTHONPATH` whose `harness` raises on import (so no process of the export can
-use the harness) and check.py's exit code and evidence asserted; so is the unknown-uuid probe
-(one request to D kills it). A clean 1E+1P+1D case judged against 1P+1D is exported too, and
-its `run.sh reference` serves 1P+1D there first and judges the case against that answer.
-Afterwards nothing an export started may be running.
+group; on GPUs run.sh gets those devices as DEVICES, leased as the pool leases them. Each case is
+exported, copied to a scratch directory and run there by its own `run.sh`, with a `PYTHONPATH` whose
+`harness` raises on import (so no process of the export can use the harness) and check.py's exit
+code and evidence asserted; so is the unknown-uuid probe (one request to D kills it). A clean
+1E+1P+1D case judged against 1P+1D is exported too, and its `run.sh reference` serves 1P+1D there
+first and judges the case against that answer. Afterwards nothing an export started may be running.
 """
 
 from __future__ import annotations

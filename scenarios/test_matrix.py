@@ -1,4 +1,5 @@
-"""The EPD scenario matrix (declared in harness/run/scenarios.py, run by harness/run/matrix.py): each scenario behaves exactly as declared.
+"""The EPD scenario matrix (declared in harness/run/scenarios.py, run by harness/run/matrix.py):
+each scenario behaves exactly as declared.
 
 Most scenarios must MATCH the baseline with every transfer guard holding. A scenario that
 documents an upstream vLLM failure passes only while that failure looks exactly as described

@@ -205,7 +205,8 @@ class TestKvFaults:
         send_clean(kv_topology)
 
     def test_zeroed_kv_is_a_mismatch(self, kv_topology: LiveTopology):
-        # ExampleConnector: its files zeroed; NixlConnector: its block ids misrouted (faults/by_name.py)
+        # ExampleConnector: its files zeroed; NixlConnector: its block ids misrouted
+        # (faults/by_name.py)
         fault, record = send_kv_fault(kv_topology, "zero-kv", ZERO_KV_PROMPT.name)
         assert record.verdict is Verdict.MISMATCH, (
             f"zeroed KV must be a MISMATCH, got {record.verdict.value} "

@@ -223,13 +223,14 @@ def held_by(call: str, tree: Path) -> list[str] | None:
 def test_the_nightly_holds_the_images_torch_through_both_installs(
     tmp_path: Path, from_files: tuple[str, ...]
 ) -> None:
-    """NIXL requires torch and the harness's own install resolves again; nothing held the torch the image's vLLM was built with, so either could replace it
-    (another version, another CUDA build) and the night would test vLLM on a torch it was not
-    built for. Both installs now pass a constraints file naming the image's torch (and
-    torchvision, torchaudio where present), kept in the run's artifacts. Read from the installed
-    distributions' metadata (harness/cli/torch_hold.py --hold, by the image's python3), not from
-    `uv pip freeze`'s `^torch==` lines: an image whose torch was installed from a wheel file
-    freezes as `torch @ file:///...whl`, and the night stopped "no torch" beside its torch."""
+    """NIXL requires torch and the harness's own install resolves again; nothing held the torch the
+    image's vLLM was built with, so either could replace it (another version, another CUDA build)
+    and the night would test vLLM on a torch it was not built for. Both installs now pass a
+    constraints file naming the image's torch (and torchvision, torchaudio where present), kept in
+    the run's artifacts. Read from the installed distributions' metadata (harness/cli/torch_hold.py
+    --hold, by the image's python3), not from `uv pip freeze`'s `^torch==` lines: an image whose
+    torch was installed from a wheel file freezes as `torch @ file:///...whl`, and the night stopped
+    "no torch" beside its torch."""
     done, calls, _ = run_nightly(tmp_path, from_files=from_files)
     assert done.returncode == 0, done.stderr
     harness, nixl = [call for call in calls if call.startswith("uv pip install")]

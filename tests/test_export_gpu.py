@@ -126,7 +126,8 @@ def gpu_bundle(
 
 
 def shares_by_device(serve_sh: str) -> dict[str, float]:
-    """--gpu-memory-utilization summed per CUDA_VISIBLE_DEVICES value over the case's start lines."""
+    """--gpu-memory-utilization summed per CUDA_VISIBLE_DEVICES value over the case's start
+    lines."""
     case = serve_sh.split("\nelse\n", 1)[1]
     sums: dict[str, float] = {}
     for block in case.split("  start ")[1:]:
@@ -677,8 +678,9 @@ def test_on_two_gpus_only_the_encoders_neighbour_waits(
 def test_an_instance_that_dies_while_its_neighbour_waits_fails_the_start_at_once(
     tmp_path: Path, leased_ports: TakePorts
 ) -> None:
-    """DEVICES=0,1 (E and P on 0): P waits for the (slow) encoder; D, started at once on its own GPU, dies:
-    serve.sh says so with D's log while it still waits, not after the encoder answered."""
+    """DEVICES=0,1 (E and P on 0): P waits for the (slow) encoder; D, started at once on its own
+    GPU, dies: serve.sh says so with D's log while it still waits, not after the encoder
+    answered."""
     out = tmp_path / "export"
     write_export(plan_for(gpu_bundle(tmp_path, devices=(4, 5))), out, REPAIR)
     env = {

@@ -1,7 +1,7 @@
-"""An export's run.sh / serve.sh / check.py as processes, on fake servers (harness/testing/fake_vllm.py and
-a stand-in proxy): what each exit code means, a death named, nothing left running, and the
-harness never imported. Whether the exports reproduce vLLM's failures is e2e
-(scenarios/test_export_repro.py): a fake only shows that the scripts handle processes right.
+"""An export's run.sh / serve.sh / check.py as processes, on fake servers
+(harness/testing/fake_vllm.py and a stand-in proxy): what each exit code means, a death named,
+nothing left running, and the harness never imported. Whether the exports reproduce vLLM's failures
+is e2e (scenarios/test_export_repro.py): a fake only shows that the scripts handle processes right.
 """
 
 from __future__ import annotations
@@ -755,7 +755,8 @@ PROMPT_STOP_S = 2
 def slow_ticks(root: Path, gate: Path | None = None) -> str:
     """A PATH entry whose `sleep 1` (the scripts' polling tick) lasts SLOW_TICK_S, once `gate`
     exists (always without one); any other sleep is the real one. A stop that waits out a tick
-    instead of the servers then shows as seconds, every time, where the real tick costs up to 1 s."""
+    instead of the servers then shows as seconds, every time, where the real tick costs up to
+    1 s."""
     root.mkdir()
     opened = f'-e "{gate}"' if gate is not None else "-n x"
     (root / "sleep").write_text(

@@ -1,5 +1,6 @@
-"""The fuzz engine end to end against the fake vLLM (harness/testing/fake_vllm.py): examples sent to a baseline and a
-topology kept up side by side, judged, grouped, shrunk, and written as bundles repro takes.
+"""The fuzz engine end to end against the fake vLLM (harness/testing/fake_vllm.py): examples sent to
+a baseline and a topology kept up side by side, judged, grouped, shrunk, and written as bundles
+repro takes.
 
 The fake encoder publishes no metadata, so every media request reaches the consumer as raw
 media and the transfer guards fail: a VACUOUS verdict that shrinking must keep. What the fake

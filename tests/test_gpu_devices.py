@@ -557,13 +557,13 @@ def test_scenarios_with_instances_of_their_own_share_eight_gpus_with_four_worker
     instances (each fake holds a lock per device while it lives, `LIVE_DIR_ENV`), the exports'
     servers included (`run_export_script` passes the fakes' observation variables into the
     environment a test builds: before, this check never saw them), every item ends, each CLI
-    command served cuda on its group's devices, and each topology of the pools started once. The fake moves EC and KV as vLLM's connectors do (NIXL here) and places a
-    video's steps as vLLM 0.32 does, so every item passes for the reasons it does on GPUs
-    (every transfer guard held; the planted faults caught; the video export's MISMATCH
-    reproduced and its control's MATCH). Found in review: the exports' items were only asked to
-    end, so a wrong verdict could not turn this red; the fake had no video timing bug, and
-    run.sh reference fell back to a `python3` without vLLM's proxy's dependencies (the fake had
-    no Python beside it, where a virtualenv keeps vLLM's)."""
+    command served cuda on its group's devices, and each topology of the pools started once. The
+    fake moves EC and KV as vLLM's connectors do (NIXL here) and places a video's steps as vLLM 0.32
+    does, so every item passes for the reasons it does on GPUs (every transfer guard held; the
+    planted faults caught; the video export's MISMATCH reproduced and its control's MATCH). Found in
+    review: the exports' items were only asked to end, so a wrong verdict could not turn this red;
+    the fake had no video timing bug, and run.sh reference fell back to a `python3` without vLLM's
+    proxy's dependencies (the fake had no Python beside it, where a virtualenv keeps vLLM's)."""
     live = tmp_path / "live"
     live.mkdir()
     monkeypatch.setenv(LIVE_DIR_ENV, str(live))

@@ -2,8 +2,9 @@
 
 The fakes (harness/testing/fake_instance.py) are small aiohttp apps on 127.0.0.1 (each on its
 own bound socket, port 0) that record every body they receive and answer the way vLLM 0.32
-does (`vllm_answer`). They run on one background event-loop thread; the proxy runs on its own (`ProxyServer`), and the test thread talks to it
-with `ChatClient` or plain urllib, so every call below is a real HTTP round trip.
+does (`vllm_answer`). They run on one background event-loop thread; the proxy runs on its own
+(`ProxyServer`), and the test thread talks to it with `ChatClient` or plain urllib, so every call
+below is a real HTTP round trip.
 """
 
 from __future__ import annotations

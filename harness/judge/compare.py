@@ -10,11 +10,11 @@ numerical drift or a real mismatch; after other prompt ids it is a mismatch what
 Drift is what numeric noise looks like: the two tokens were a near-tie on *both* sides (each
 side's log-prob gap between them within the tolerance), the two sides put each of the two
 tokens at the same log-prob there (within the tolerance: noise moves no log-prob further), and
-the two runs agreed on the log-prob of every token before it (within the tolerance). Upstream's looser rule ("each token is in the
-other's top-k") excuses a corrupted embedding that merely happens to flip a token into second
-place. The tolerance is the noise floor the harness measured on this platform (the baseline
-against itself); on CPU with the numerics flags pinned it is zero, so any difference is a
-MISMATCH.
+the two runs agreed on the log-prob of every token before it (within the tolerance). Upstream's
+looser rule ("each token is in the other's top-k") excuses a corrupted embedding that merely happens
+to flip a token into second place. The tolerance is the noise floor the harness measured on this
+platform (the baseline against itself); on CPU with the numerics flags pinned it is zero, so any
+difference is a MISMATCH.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ answered the prompt's first token itself), so a stream can carry the right ids a
 broken for a client: an event that does not parse, a chunk of another shape than vLLM's (a
 null choice, token ids that are not integers), a second role chunk, a token relayed twice,
 `[DONE]` missing or not last, a final usage that counts other tokens than were streamed, two
-requests' events (or two choices' chunks) interleaved. The ids are read from the stream as vLLM 0.32 sends them with
-`return_token_ids` (the first chunk carries `prompt_token_ids`, each later chunk its
+requests' events (or two choices' chunks) interleaved. The ids are read from the stream as vLLM 0.32
+sends them with `return_token_ids` (the first chunk carries `prompt_token_ids`, each later chunk its
 `choices[0].token_ids` and their log-probs; with `stream_options.include_usage` a last chunk
 with no choices carries `usage`), so they are compared with the baseline's like any answer's,
 and every framing rule broken is kept as a problem: evidence that fails the case

@@ -5,12 +5,13 @@ the vLLM source tree it was built from (`--vllm-source`).
 Wheels ship no EPD proxy; every release's sdist does (`disagg_epd_proxy.py`, the toy proxy its
 NIXL tests use for 1P+1D, and `run_epd_correctness_test.sh`, which upstream parity reads:
 `harness.preflight.upstream_parity`), and its `requirements/` files, which declare the KV
-connectors' libraries (NIXL) the release was tested with (`harness.preflight.upstream_requirements`).
-They change every release, so they must be the served release's own: the version comes from the served vLLM (a local suffix such as `+cpu` dropped).
-The index is pip's (PIP_INDEX_URL, `pip config`, else pip's own default), read through the
-standard simple API (PEP 691 JSON, or PEP 503 HTML), and the sdist's sha256 as the index gives
-it is verified. Only the needed files are extracted, into the harness cache by version; the
-sdist itself is not kept. No upstream file is ever part of this repository.
+connectors' libraries (NIXL) the release was tested with
+(`harness.preflight.upstream_requirements`). They change every release, so they must be the served
+release's own: the version comes from the served vLLM (a local suffix such as `+cpu` dropped). The
+index is pip's (PIP_INDEX_URL, `pip config`, else pip's own default), read through the standard
+simple API (PEP 691 JSON, or PEP 503 HTML), and the sdist's sha256 as the index gives it is
+verified. Only the needed files are extracted, into the harness cache by version; the sdist itself
+is not kept. No upstream file is ever part of this repository.
 
 A development build (`0.33.0.dev12+gabc1234`, what vLLM's main branch installs) has no sdist,
 and a release's files would be another version's: its files come only from `--vllm-source DIR`,

@@ -12,8 +12,8 @@ each one in load.json and load.md, rewritten every round, made a round cost what
 done so far. So every request judged is counted as it is (`LoadTally`: counts, token totals,
 and every latency, 8 bytes each, for exact percentiles) and reduced to its `RequestRow`, the
 compact line `load-requests.jsonl` appends; only the requests worth reading whole are kept and
-listed (which: `harness.run.load.result`). A soak's resource samples and the bounds they are held to:
-`harness.report.resources`.
+listed (which: `harness.run.load.result`). A soak's resource samples and the bounds they are held
+to: `harness.report.resources`.
 """
 
 from __future__ import annotations

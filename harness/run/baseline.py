@@ -8,16 +8,16 @@ each EPD case is):
   make EPD look broken when it is not, so its cases get UNSTABLE_BASELINE instead;
 * the batched pass: each of the sweep's requests once more, in flight together with another
   request, so the engine runs it in another batch shape (the scenarios' many other requests
-  get the control only: the floor is one number for the run). How far its log-probs move (over the tokens both
-  answers agree on) is the noise a change of kernel shapes makes on this platform: the same
-  kind of change a P->D hop makes (D computes only the prompt's tail). The largest such move
+  get the control only: the floor is one number for the run). How far its log-probs move (over the
+  tokens both answers agree on) is the noise a change of kernel shapes makes on this platform: the
+  same kind of change a P->D hop makes (D computes only the prompt's tail). The largest such move
   over the run is the noise floor the drift rule may excuse (`harness.judge.compare`); whether
   the ids changed at all is recorded per request (batch numerics, measured, not assumed).
 
 An answer already in the baseline cache (same served vLLM, model, flags, launch and request;
 and batched if this run batches it) is read from it, so a warm run starts no baseline at all,
-and records which entry answered (`sources`: directory, key, who computed it and when); `--golden` stands another release's stored
-answers in for the baseline instead (`harness.run.goldens`).
+and records which entry answered (`sources`: directory, key, who computed it and when); `--golden`
+stands another release's stored answers in for the baseline instead (`harness.run.goldens`).
 """
 
 from __future__ import annotations

@@ -225,9 +225,10 @@ def load_thresholds(
     path: Path, platform: str = "cpu", model: str = TINY_MODEL, dtype: str = DEFAULT_DTYPE
 ) -> dict[str, dict[str, float]] | None:
     """fault -> topology -> the committed smallest strength caught, as measured on `platform`
-    with `model` computing in `dtype` (the tiny model: built by this generator); None where nothing was measured there (report, do not
-    gate: the tiny CPU model's thresholds say nothing about a 3B model on a GPU, and
-    bfloat16's say nothing about a float16 run, whose rounding keeps other noise)."""
+    with `model` computing in `dtype` (the tiny model: built by this generator); None where nothing
+    was measured there (report, do not gate: the tiny CPU model's thresholds say nothing about a 3B
+    model on a GPU, and bfloat16's say nothing about a float16 run, whose rounding keeps other
+    noise)."""
     data = json.loads(path.read_text())
     for section in data["measured"]:
         if (section["platform"], section["model"], section["dtype"]) != (platform, model, dtype):

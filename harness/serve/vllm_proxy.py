@@ -5,9 +5,9 @@ Topologies with encoders get `disagg_epd_proxy.py`, either with static URLs (E+P
 prefill URLs, E+P+D with them) or, with dynamic registration, with none: it starts empty and
 each instance is registered through its `/instances` admin API, as an external launcher (e.g.
 Kubernetes) would do. 1P+1D gets the toy proxy of vLLM's NIXL tests, as upstream's own
-correctness script does; it knows only static URLs. It runs with the served vLLM's interpreter (its dependencies are
-vLLM's: fastapi, uvicorn, uvloop, msgspec, httpx), bound to loopback, as a managed process
-like an instance.
+correctness script does; it knows only static URLs. It runs with the served vLLM's interpreter (its
+dependencies are vLLM's: fastapi, uvicorn, uvloop, msgspec, httpx), bound to loopback, as a managed
+process like an instance.
 """
 
 from __future__ import annotations

@@ -4,14 +4,14 @@ Why: the parent-death signal (PR_SET_PDEATHSIG, see `harness.serve.launch`) only
 leader process to stop, and only the leader; vLLM 0.32's API server does not act on that
 SIGTERM while its engine starts (reported in issue 8: both instances of a run still alive 60 s
 after the harness was SIGKILLed 12-22 s into start-up; on this project's machine the servers went
-down by themselves in 13 of 13 trials, some only after 5 s). On a GPU such orphans hold device memory and fail
-the next job. So stopping must not depend on the servers' cooperation: a small process outlives
-the harness and, once the harness is gone, stops every process group it had not finished
-stopping: SIGTERM, a bounded wait, SIGKILL (group and recorded descendants).
+down by themselves in 13 of 13 trials, some only after 5 s). On a GPU such orphans hold device
+memory and fail the next job. So stopping must not depend on the servers' cooperation: a small
+process outlives the harness and, once the harness is gone, stops every process group it had not
+finished stopping: SIGTERM, a bounded wait, SIGKILL (group and recorded descendants).
 
-The harness (`WatchdogClient`, used by `harness.serve.launch.ManagedServer`) starts it once, lazily at
-the first server start, as `[sys.executable, "-m", "harness.serve.watchdog"]` in a session of its own
-(a signal to the harness's process group does not reach it) with SIGINT, SIGTERM and SIGHUP
+The harness (`WatchdogClient`, used by `harness.serve.launch.ManagedServer`) starts it once, lazily
+at the first server start, as `[sys.executable, "-m", "harness.serve.watchdog"]` in a session of its
+own (a signal to the harness's process group does not reach it) with SIGINT, SIGTERM and SIGHUP
 ignored. Protocol: one JSON object per line on the watchdog's stdin:
 
     {"event": "start", "pgid": 1234, "create_time": 1717.52, "name": "1P+1D/decode0",
@@ -35,13 +35,14 @@ through a symbolic link, and only a path given in a "start" line, which the harn
 for directories it made itself.
 
 Pid reuse: a process is its pid and its creation time in seconds after boot (`boot_seconds`;
-not an epoch time, which a step of the wall clock would change). While the harness lives, each leader is its unreaped child, so its pid (the group id)
-cannot be reused, and the watchdog samples the group's members and the leader's descendants
-(pid + create time) every SAMPLE_INTERVAL_S. After the harness died the leaders are reparented
-and may be reaped; then group G is signalled only while a recorded process (same pid and create
-time; a zombie counts, it still pins the id) is in it, and a descendant that left the group only
-while its pid still has the recorded create time. A member forked less than a sample interval
-before the harness died, in a group whose recorded processes are all gone, is missed.
+not an epoch time, which a step of the wall clock would change). While the harness lives, each
+leader is its unreaped child, so its pid (the group id) cannot be reused, and the watchdog samples
+the group's members and the leader's descendants (pid + create time) every SAMPLE_INTERVAL_S. After
+the harness died the leaders are reparented and may be reaped; then group G is signalled only while
+a recorded process (same pid and create time; a zombie counts, it still pins the id) is in it, and a
+descendant that left the group only while its pid still has the recorded create time. A member
+forked less than a sample interval before the harness died, in a group whose recorded processes are
+all gone, is missed.
 
 The harness never needs an answer, so a watchdog that died is not waited on; the client starts a
 new one and re-registers the live groups at the next event. Setting EPD_HARNESS_WATCHDOG=off (or 0)

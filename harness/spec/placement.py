@@ -9,8 +9,8 @@ vLLM instances on one device race for its memory: each sizes its KV cache from w
 free at start-up, so co-located start-ups fail or come up with caches of unpredictable size.
 A topology that needs more devices than the host has is an error naming it, unless `colocate`
 is set: then its instances share the devices it is given (non-encoders spread first, encoders
-fill in, since an encoder holds no KV cache). Topologies never share a device with each other: a wave runs
-side by side only topologies whose device sets are disjoint. The baseline keeps the first
+fill in, since an encoder holds no KV cache). Topologies never share a device with each other: a
+wave runs side by side only topologies whose device sets are disjoint. The baseline keeps the first
 device to itself through every wave where that takes no other topology a device (4 GPUs and
 more: `baseline_keeps_its_device`), since loads and fuzzing serve it beside the topology under
 test. Parallel xdist workers hold a

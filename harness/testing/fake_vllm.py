@@ -21,14 +21,15 @@ core that dies takes its API server down) and decode-step=<seconds> (how long on
 takes, by default 0.01 s on a decode instance and none elsewhere: an answer of n tokens is held
 n-1 steps after its first, a stream sends a token a step, so a request stays in flight at D
 while it decodes, as in vLLM) and prefix-cache (it keeps every prompt's full blocks under the
-request's `cache_salt` and serves a repeat from them, as vLLM's prefix cache does). With `FAKE_VLLM_START_LOG=<file>` every start appends
-a JSON line (role, argv without the port, CUDA_*/VLLM_* env): what start-counting tests count.
-With `FAKE_VLLM_LIVE_DIR=<dir>` each fake holds a lock per device of its
-CUDA_VISIBLE_DEVICES for as long as it lives (the kernel drops it when the process dies, however
-it dies), and its start line lists as `shared` every device a live fake already held: two live
-instances on one device, which a run without colocation must never show. An environment a test
-builds from scratch (an export's run.sh, `harness.testing.processes.run_export_script`) gets
-both from `observers`, or the servers started there would go unseen.
+request's `cache_salt` and serves a repeat from them, as vLLM's prefix cache does). With
+`FAKE_VLLM_START_LOG=<file>` every start appends a JSON line (role, argv without the port,
+CUDA_*/VLLM_* env): what start-counting tests count. With `FAKE_VLLM_LIVE_DIR=<dir>` each fake holds
+a lock per device of its CUDA_VISIBLE_DEVICES for as long as it lives (the kernel drops it when the
+process dies, however it dies), and its start line lists as `shared` every device a live fake
+already held: two live instances on one device, which a run without colocation must never show. An
+environment a test builds from scratch (an export's run.sh,
+`harness.testing.processes.run_export_script`) gets both from `observers`, or the servers started
+there would go unseen.
 
 With `serves=False` it only exits, saying a test got as far as starting a server: what
 bad-input tests pass, so a check that wrongly lets a run through fails on that line instead of

@@ -20,8 +20,8 @@ beside it: while `serve.sh` serves the case, check.py sends each first, in name 
 same entry point, and prints one line each; they are not judged. One that gets no answer (an
 HTTP error, no answer at all, a stream that reports an error) leaves the stage unset:
 check.py then sends no more, names any instance that died, and exits 2 without sending the
-case's request (an ERROR there would read as the recorded one), NOT reproduced. The reference answers
-request.json alone, as the run's baseline did. Without `before/` the case is sent alone.
+case's request (an ERROR there would read as the recorded one), NOT reproduced. The reference
+answers request.json alone, as the run's baseline did. Without `before/` the case is sent alone.
 
 `run.sh reference` runs it twice. While `serve.sh reference` serves the case's reference
 (the monolithic baseline, or an exact reference such as 1P+1D), `--save-reference FILE`
@@ -495,10 +495,10 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
     whose prompt ids cannot be read or are not there (an ERROR); (answer, why) for one whose
     framing is broken (a MISMATCH: a client would wait or fail): `[DONE]` not last, a chunk
     of another shape than vLLM sends (a null choice, ids that are not integers, other than
-    one choice, a choice index other than 0), which is named by its event and not read, as the harness's reader does,
-    log-probs not of a chunk's ids, other than one finish_reason, no usage chunk or one
-    counting other ids or another prompt, a chunk after the usage chunk or a second one, a
-    chunk after the finish_reason, chunks of several completions (`id`s), a cached_tokens
+    one choice, a choice index other than 0), which is named by its event and not read, as the
+    harness's reader does, log-probs not of a chunk's ids, other than one finish_reason, no usage
+    chunk or one counting other ids or another prompt, a chunk after the usage chunk or a second
+    one, a chunk after the finish_reason, chunks of several completions (`id`s), a cached_tokens
     that is no integer, prompt ids or the role on another chunk than the first, other than
     one role chunk, a last event without its blank line; (answer, None) for a whole one."""
     prompt_ids: list[int] | None = None

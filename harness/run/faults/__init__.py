@@ -35,13 +35,14 @@ sensitivity shows up as a number (docs/self-test.md; the search is in `harness.r
 
 Faults act only through the proxy's `ProxyFaults` hooks and on the files in the run's own
 storage directories (and, for `nixl_kv_noise`, through a plugin in a directory of the run that
-only a self-test's D is started with); vLLM's installed files are never touched. Only the self-tests and an
-explicit `--plant-fault` use them; a normal run never does.
+only a self-test's D is started with); vLLM's installed files are never touched. Only the self-tests
+and an explicit `--plant-fault` use them; a normal run never does.
 
 One module per concern, each importing only those listed before it: `spec` (the names a run
 accepts, parsed), `storage_files` (the safetensors files read and replaced), `planted` (what a
 fault records, and planting it on a running proxy), `tensors` (what a fault does to a tensor),
-`encoded` (the items an encoders' answer reports, in either shape), `video_grid`, then the faults by where they act: `ec_files`, `kv_files`, `relayed` (the proxy's
-messages), `nixl` (with `nixl_kv_noise_plugin`, which imports nothing of the harness),
-`instance`; `by_name` builds any of them from its `--plant-fault` name.
+`encoded` (the items an encoders' answer reports, in either shape), `video_grid`, then the faults by
+where they act: `ec_files`, `kv_files`, `relayed` (the proxy's messages), `nixl` (with
+`nixl_kv_noise_plugin`, which imports nothing of the harness), `instance`; `by_name` builds any of
+them from its `--plant-fault` name.
 """

@@ -27,8 +27,8 @@ def misroute_nixl_blocks() -> PlantedFault:
     block n times and none of the rest (the media's KV among it). A permutation would not do:
     keys carry their positions (RoPE is applied before caching) and attention over a set of
     keys ignores their order, so reversed blocks changed answers only through the partial last
-    block, and left one prompt in four (two_images) matching the baseline (measured). A prompt of one block has nothing to misroute: recorded as a
-    problem rather than passed off as planted.
+    block, and left one prompt in four (two_images) matching the baseline (measured). A prompt of
+    one block has nothing to misroute: recorded as a problem rather than passed off as planted.
     """
     fault = PlantedFault()
 
