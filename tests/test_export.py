@@ -230,13 +230,17 @@ def test_the_numerics_env_the_run_inherited_is_set_by_serve_sh_and_named(tmp_pat
     for server in (*plan.servers, plan.baseline):
         env = dict(server.env)
         assert env.get("VLLM_ATTENTION_BACKEND") == ("TORCH_SDPA",), server.name
-        assert env.get("VLLM_ACCESSKEY") == (Var("VLLM_ACCESSKEY"),), server.name
+        assert env.get("VLLM_ACCESSKEY") == (Var("VLLM_ACCESSKEY", secret=True),), server.name
     serve = render_serve_sh(plan)
     assert "VLLM_ATTENTION_BACKEND=TORCH_SDPA" in serve
     assert 'VLLM_ACCESSKEY="${VLLM_ACCESSKEY}"' in serve
+    # Refused unset before anything starts, as a recorded --api-key is (process test:
+    # test_a_redacted_inherited_variable_is_refused_before_any_server_starts).
+    assert "if [[ -z ${VLLM_ACCESSKEY:-} ]]" in serve
     issue = render_issue(plan)
     assert "`VLLM_ATTENTION_BACKEND=TORCH_SDPA`" in issue
-    assert "VLLM_ACCESSKEY" in issue
+    assert "`VLLM_ACCESSKEY` in their environment, recorded redacted" in issue
+    assert "set it to the run's value" in issue
 
 
 def test_nixl_side_channel_ports_become_variables(tmp_path: Path) -> None:

@@ -909,3 +909,42 @@ def test_a_recorded_api_key_is_the_users_own_and_serve_sh_refuses_without_it(
         arg for argv in argvs for arg in argv if "the-users-key" in arg or "redacted" in arg
     )
     assert given == ["--api-key=the-users-key", "the-users-key"], given
+
+
+def test_a_redacted_inherited_variable_is_refused_before_any_server_starts(
+    tmp_path: Path, leased_ports: TakePorts
+) -> None:
+    """An inherited numerics variable whose name the secret rule matches (`TOKEN` in
+    VLLM_MAX_TOKENS_PER_EXPERT_FP4_MOE) is recorded redacted and written into serve.sh as
+    `"${K}"`: unset, serve.sh died of "unbound variable" at the decode's start line, the
+    encoder and prefill already started (found in review). It is refused as a recorded
+    --api-key is, before anything starts; set, every instance is given it."""
+    name = "VLLM_MAX_TOKENS_PER_EXPERT_FP4_MOE"
+    run = write_bundle(tmp_path / "run", verdict="MATCH")
+    for path in sorted(run.glob("*/*.cmd.json")):
+        command = json.loads(path.read_text())
+        if "vllm-proxy" not in path.name:
+            command["inherited_env"] = {name: "[redacted]"}
+            path.write_text(json.dumps(command))
+    bundle = Bundle.load(run)
+    upstream = UpstreamProxy(Path(bundle.run["proxy"]["files_dir"]), "a stand-in proxy")
+    plan = plan_export(bundle, f"1E+1P+1D:{PROMPT}", lambda: upstream, None)
+    out = tmp_path / "scratch" / plan.name
+    write_export(plan, out, {"cpu_repair.py": "print('no repairs needed here')\n"})
+    env = environment(leased_ports, tmp_path)
+    refused = run_script(out, ["serve.sh"], env)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert f"serve.sh: set {name}" in refused.stderr, refused.stderr
+    assert not list((out / "work").glob("state/*.pid")), "a server started without it"
+    seen_dir = tmp_path / "seen"
+    seen_dir.mkdir()
+    recording = tmp_path / "bin" / "vllm-recording"
+    recording.write_text(
+        f'#!/usr/bin/env bash\nprintf "%s" "${{{name}-unset}}" >"{seen_dir}/$$"\n'
+        f'exec "{env["VLLM"]}" "$@"\n'
+    )
+    recording.chmod(0o755)
+    done = run_sh(out, {**env, "VLLM": str(recording), name: "4096"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    seen = sorted(path.read_text() for path in seen_dir.iterdir())
+    assert seen == ["4096"] * 3, seen

@@ -25,7 +25,12 @@ from harness.files import write_text_atomic
 from harness.run.export.devices import DEVICES_VAR, RecordedDevice, device_var
 from harness.run.export.issue import render_issue
 from harness.run.export.plan import ExportPlan
-from harness.run.export.servers import ExportedServer, secret_variables, shell_command
+from harness.run.export.servers import (
+    ExportedServer,
+    secret_env_variables,
+    secret_variables,
+    shell_command,
+)
 
 CHECK_SOURCE = Path(__file__).with_name("standalone_check.py")
 PROXY_DIR = "vllm-proxy"
@@ -228,17 +233,30 @@ def render_serve_sh(plan: ExportPlan) -> str:
 
 
 def secret_check(servers: list[ExportedServer]) -> str:
-    """serve.sh's refusal to start, before anything, without a credential the run gave its
-    servers (`harness.run.export.servers.secret_variable`): the bundle holds it redacted, and
-    a server started without it would run with another key than the run's."""
+    """serve.sh's refusal to start, before anything, without a value the run gave its servers
+    that the bundle holds redacted: a credential of their argv
+    (`harness.run.export.servers.secret_variable`) or a variable of their environment
+    (`secret_env_variables`). A server started without it would run with another key than the
+    run's; an unset variable of the environment aborted serve.sh under `set -u` with some
+    servers started (found in review)."""
+    in_env = set(secret_env_variables(servers))
     return "".join(
         f"if [[ -z ${{{name}:-}} ]]; then\n"
-        f'  echo "serve.sh: set {name}: the run gave its servers a credential there (recorded '
-        'redacted), and they start with it" >&2\n'
+        f'  echo "serve.sh: set {name}: {secret_said(name in in_env)}" >&2\n'
         "  exit 2\n"
         "fi\n"
         for name in secret_variables(servers)
     )
+
+
+def secret_said(in_env: bool) -> str:
+    """Why serve.sh needs a redacted value (`secret_check`), for its refusal."""
+    if in_env:
+        return (
+            "the run's servers had it in their environment, recorded redacted (its name "
+            "looks like a secret's), and they start with it: give it the run's value"
+        )
+    return "the run gave its servers a credential there (recorded redacted), and they start with it"
 
 
 def reference_words(plan: ExportPlan) -> str:

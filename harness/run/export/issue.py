@@ -18,7 +18,7 @@ from harness.judge.verdicts import STREAM_BROKEN, STREAM_CHECK
 from harness.redact import REDACTED
 from harness.run.export.plan import ExportPlan
 from harness.run.export.request import describe_request
-from harness.run.export.servers import secret_variables, shell_command
+from harness.run.export.servers import secret_env_variables, secret_variables, shell_command
 from harness.run.repro import ReproCase
 from harness.spec.generations import build_commit, is_dev_build
 from harness.spec.prompts import CACHE_SALT
@@ -345,16 +345,26 @@ def secret_instructions(plan: ExportPlan) -> list[str]:
     """What a reader must set before run.sh starts anything: the credentials the run gave its
     servers, which the export holds only redacted (`secret_variables`)."""
     servers = [*plan.servers, *(plan.reference.servers if plan.reference else ())]
-    names = secret_variables(servers)
-    if not names:
-        return []
-    said = ", ".join(f"`{name}`" for name in names)
-    return [
-        "",
-        f"The run gave its servers a credential, which the export does not hold: set {said} "
-        "(any value of your own) or `serve.sh` starts nothing. `check.py` sends none, as the "
-        "harness sent none.",
-    ]
+    in_env = secret_env_variables(servers)
+    names = [name for name in secret_variables(servers) if name not in in_env]
+    lines: list[str] = []
+    if names:
+        said = ", ".join(f"`{name}`" for name in names)
+        lines += [
+            "",
+            f"The run gave its servers a credential, which the export does not hold: set "
+            f"{said} (any value of your own) or `serve.sh` starts nothing. `check.py` sends "
+            "none, as the harness sent none.",
+        ]
+    if in_env:
+        said = ", ".join(f"`{name}`" for name in in_env)
+        lines += [
+            "",
+            f"The run's servers had {said} in their environment, recorded redacted because the "
+            "name looks like a secret's, so the export does not hold the value: set it to the "
+            "run's value (a credential: your own) or `serve.sh` starts nothing.",
+        ]
+    return lines
 
 
 def before_instructions(plan: ExportPlan) -> list[str]:
@@ -426,7 +436,7 @@ def device_instructions(plan: ExportPlan) -> list[str]:
         ]
     if plan.inherited_env:
         settings = ", ".join(
-            f"`{k}` (a secret: serve.sh takes it from your environment)"
+            f"`{k}` (recorded redacted: serve.sh takes it from your environment)"
             if v == REDACTED
             else f"`{k}={v}`"
             for k, v in plan.inherited_env

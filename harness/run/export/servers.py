@@ -228,11 +228,26 @@ def secret_variable(flag: str) -> Var:
 
 
 def secret_variables(servers: Iterable[ExportedServer]) -> tuple[str, ...]:
-    """The names of the credentials (`secret_variable`) `servers` start with, each once."""
+    """The names of the redacted values `servers` start with, each once: the credentials of
+    their argv (`secret_variable`) and the redacted variables of their environment
+    (`template_env`)."""
     names: dict[str, None] = {}
     for server in servers:
         for arg in (*server.argv, *(value for _, value in server.env)):
             names.update({p.name: None for p in arg if isinstance(p, Var) and p.secret})
+    return tuple(names)
+
+
+def secret_env_variables(servers: Iterable[ExportedServer]) -> tuple[str, ...]:
+    """Those of `secret_variables` that are a variable of a server's environment, recorded
+    redacted because its name matches the secret rule (`harness.redact.is_secret_name`): a
+    credential, or a numerics variable that only looks like one
+    (VLLM_MAX_TOKENS_PER_EXPERT_FP4_MOE), whose value the run had and the export lacks."""
+    names: dict[str, None] = {}
+    for server in servers:
+        for key, value in server.env:
+            if any(isinstance(p, Var) and p.secret for p in value):
+                names[key] = None
     return tuple(names)
 
 
@@ -294,7 +309,9 @@ def template_env(
         elif key in (SIDE_CHANNEL_HOST_ENV, EC_SIDE_CHANNEL_HOST_ENV):
             rendered.append((key, (Var("HOST"),)))
         elif value == REDACTED:
-            rendered.append((key, (Var(key),)))  # a secret: the user's own environment
+            # The user's own, refused unset before anything starts (`secret_check`): unset, it
+            # aborted serve.sh mid-start under `set -u` (found in review).
+            rendered.append((key, (Var(key, secret=True),)))
         else:
             rendered.append((key, (value,)))
     return tuple(rendered)

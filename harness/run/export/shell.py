@@ -16,8 +16,9 @@ class Var:
     # The user's own comma-separated list, then a comma if it is set and non-empty, else
     # nothing (`${NO_PROXY:+${NO_PROXY},}`): what serve.sh appends its own entries to.
     list_head: bool = False
-    # A credential the run gave a server (`--api-key KEY`), recorded redacted: serve.sh takes
-    # it from the user's environment and refuses to start without it (`secret_check`).
+    # A value the run gave a server recorded redacted (a credential, `--api-key KEY`, or an
+    # environment variable whose name the secret rule matches): serve.sh takes it from the
+    # user's environment and refuses to start without it (`secret_check`).
     secret: bool = False
 
     def expansion(self) -> str:
