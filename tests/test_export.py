@@ -243,6 +243,26 @@ def test_the_numerics_env_the_run_inherited_is_set_by_serve_sh_and_named(tmp_pat
     assert "set it to the run's value" in issue
 
 
+def test_a_baseline_from_the_cache_is_served_with_the_numerics_env_the_run_inherited(
+    tmp_path: Path,
+) -> None:
+    """Found in review: a baseline the run took from the cache left no `.cmd.json`, and the
+    export rendered its command with no inherited variables, though its cache key held them
+    (`harness.run.baseline_launch`): `run.sh reference` served it without the
+    VLLM_ATTENTION_BACKEND the case ran with. It now gets what the case's instances
+    inherited, as ISSUE.md says (`serve.sh` sets them on every instance)."""
+    run = write_bundle(tmp_path / "run", verdict="MISMATCH")
+    assert not (run / "baseline").exists(), "the baseline came from the cache"
+    for path in sorted(run.glob("*/*.cmd.json")):
+        command = json.loads(path.read_text())
+        if "vllm-proxy" not in path.name:
+            command["inherited_env"] = {"VLLM_ATTENTION_BACKEND": "TORCH_SDPA"}
+            path.write_text(json.dumps(command))
+    plan = plan_for(run, f"1E+1P+1D:{PROMPT}")
+    assert plan.baseline is not None
+    assert dict(plan.baseline.env).get("VLLM_ATTENTION_BACKEND") == ("TORCH_SDPA",)
+
+
 def test_nixl_side_channel_ports_become_variables(tmp_path: Path) -> None:
     plan = plan_for(write_bundle(tmp_path / "run", topology="1P+1D", kv_connector="NixlConnector"))
     env = {key: value for server in plan.servers for key, value in server.env}

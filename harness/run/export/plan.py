@@ -207,7 +207,7 @@ def plan_export(
         files = upstream()
         proxy, proxy_file = proxy_server(servers, files)
         expected = tokens_expectation(bundle, case, record, body)
-        reference = reference_serving(bundle, case, files)
+        reference = reference_serving(bundle, case, files, dict(inherited_env(bundle, label)))
     return ExportPlan(
         name=export_name(bundle, case, probe),
         bundle=bundle.path,

@@ -4,6 +4,7 @@ reference such as 1P+1D behind vLLM's proxy for it."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,18 +61,23 @@ class ReferenceServing:
         return self.proxy or self.servers[0]
 
 
-def reference_serving(bundle: Bundle, case: ReproCase, upstream: UpstreamProxy) -> ReferenceServing:
+def reference_serving(
+    bundle: Bundle,
+    case: ReproCase,
+    upstream: UpstreamProxy,
+    inherited: Mapping[str, str] | None = None,
+) -> ReferenceServing:
     """The case's reference as serve.sh starts it: the monolithic baseline, or the exact
-    reference's instances (as the run recorded them, else as the harness renders them) behind
-    vLLM's proxy for that topology."""
+    reference's instances (as the run recorded them, else as the harness renders them, with
+    `inherited`: what the case's instances inherited) behind vLLM's proxy for that topology."""
     if case.reference == BASELINE.name:
-        server, devices = baseline_server(bundle)
+        server, devices = baseline_server(bundle, inherited)
         return ReferenceServing(BASELINE.name, (server,), devices=devices)
     topology = get_topology(case.reference)
     commands = recorded_commands(bundle, topology.name)
     source = "recorded"
     if not commands:
-        commands, source = rendered_commands(bundle, topology.name), "rendered"
+        commands, source = rendered_commands(bundle, topology.name, inherited), "rendered"
     servers, devices = instance_servers(
         bundle,
         topology.name,
@@ -87,15 +93,17 @@ def reference_serving(bundle: Bundle, case: ReproCase, upstream: UpstreamProxy) 
     return ReferenceServing(topology.name, servers, proxy, proxy_file, devices, source)
 
 
-def baseline_server(bundle: Bundle) -> tuple[ExportedServer, tuple[RecordedDevice, ...]]:
+def baseline_server(
+    bundle: Bundle, inherited: Mapping[str, str] | None = None
+) -> tuple[ExportedServer, tuple[RecordedDevice, ...]]:
     """The monolithic reference: its recorded command, or when the run took its answers from
     the baseline cache (no baseline started), the command the harness's renderer gives it
-    for the run's flags, platform and release."""
+    for the run's flags, platform and release, with `inherited` (`rendered_commands`)."""
     recorded = sorted((bundle.path / safe_name(BASELINE.name)).glob("*.cmd.json"))
     if recorded:
         command = json.loads(recorded[0].read_text(encoding="utf-8"))
     else:
-        [(_, command)] = rendered_commands(bundle, BASELINE.name)
+        [(_, command)] = rendered_commands(bundle, BASELINE.name, inherited)
     cluster = cluster_env_keys(bundle)
     command["env"] = without_cluster_env(launched_env(command), cluster)
     port = Var("BASELINE0_PORT")
@@ -112,11 +120,15 @@ def baseline_server(bundle: Bundle) -> tuple[ExportedServer, tuple[RecordedDevic
     return server, devices
 
 
-def rendered_commands(bundle: Bundle, topology_name: str) -> list[tuple[str, dict[str, Any]]]:
+def rendered_commands(
+    bundle: Bundle, topology_name: str, inherited: Mapping[str, str] | None = None
+) -> list[tuple[str, dict[str, Any]]]:
     """The commands the harness's one renderer gives `topology_name` for the run's flags,
     platform and release: what the run would have started, for a topology it recorded no
     commands of (a baseline from the cache). Ports, storage and side channels become
-    variables later, as for recorded ones."""
+    variables later, as for recorded ones. Each inherits `inherited` (the run's numerics
+    variables, as the case's instances recorded them): a cached baseline's key held them, and
+    rendered without them it was served with other kernels than the run's (found in review)."""
     topology = get_topology(topology_name)
     serving = bundle.serving()
     version = str((bundle.run.get("served_vllm") or {}).get("version", "unknown"))
@@ -135,7 +147,11 @@ def rendered_commands(bundle: Bundle, topology_name: str) -> list[tuple[str, dic
         generation=spoken_generation(bundle, version),
     )
     return [
-        (spec.name.rsplit("/", 1)[-1], {"argv": spec.argv(), "env": spec.env()}) for spec in specs
+        (
+            spec.name.rsplit("/", 1)[-1],
+            {"argv": spec.argv(), "env": spec.env(), "inherited_env": dict(inherited or {})},
+        )
+        for spec in specs
     ]
 
 
