@@ -126,6 +126,7 @@ def attach_run(
 
 
 @pytest.mark.epd_ends_session
+@pytest.mark.reads_instance_processes  # SIGKILLs PD's process group by its pid, on this host
 def test_attach_judges_a_kept_up_topology_like_a_normal_run(
     normal_sweep, epd_config, epd_pool, epd_cli, capsys
 ) -> None:

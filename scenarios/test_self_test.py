@@ -155,6 +155,7 @@ class TestEncoderFaults:
         )
 
     @pytest.mark.epd_ends_session
+    @pytest.mark.reads_instance_processes  # kills E and reads its tree by pid, on this host
     def test_killed_encoder_fails_the_next_request_fast(self, encoder_topology: LiveTopology):
         live = encoder_topology
         send_clean(live)  # one good request first, in any test order

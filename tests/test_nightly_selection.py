@@ -268,3 +268,32 @@ def test_the_nightly_plan_shows_every_topology_its_scenarios_serve(tmp_path: Pat
     for index, env in enumerate(legs):
         request = plan_step_request(workflow, tmp_path / f"leg{index}", env)
         assert {t.name for t in request.topologies} == served, env["DEVICES"]
+
+
+# What signals or reads an instance's processes from this host by its pid (a node's, on a Ray
+# cluster named by --epd-ray-address).
+BY_PID_CALLS = re.compile(
+    r"\b(kill_instance|killpg|topology_processes|tree_usage|tree_pids)\(|psutil\.Process\("
+)
+ON_RAY = ["scenarios", "-m", "e2e", "--epd-launcher", "ray"]
+
+
+def by_pid(items: list[dict]) -> set[str]:
+    return {item["id"] for item in items if BY_PID_CALLS.search(item["source"])}
+
+
+def test_no_scenario_kills_or_reads_an_instance_by_pid_on_a_named_cluster(tmp_path: Path):
+    """Found in the audit of ignored flags: under `--epd-launcher ray --epd-ray-address ADDR`
+    the instances' pids are their nodes', yet the self-test's kill and the attach test's
+    SIGKILLed this host's process group of that number (`epd-harness load` refuses --kill
+    there). Such scenarios are deselected and listed there; on the one-host rehearsal cluster
+    (no address), whose nodes run here, they are collected, which shows the net catches them."""
+    rehearsal = by_pid(collect(ON_RAY, tmp_path)[0])
+    assert {n.split("::")[-1] for n in rehearsal} >= {
+        "test_killed_encoder_fails_the_next_request_fast",
+        "test_attach_judges_a_kept_up_topology_like_a_normal_run",
+        "test_death_under_load_ends_every_request_naming_d",
+    }, rehearsal
+    items, output = collect([*ON_RAY, "--epd-ray-address", "10.0.0.1:6379"], tmp_path)
+    assert not by_pid(items), by_pid(items)
+    assert "deselected: they signal or read the instances' processes" in output, output[-2000:]

@@ -573,6 +573,53 @@ def test_marked_unstreamed(epd_load_spec):
     run.assert_outcomes(passed=1)
 
 
+ON_A_CLUSTER = (
+    '    parser.addoption("--epd-launcher", default="local")\n'
+    '    parser.addoption("--epd-ray-address")\n'
+)
+KILLS = """
+@pytest.mark.epd_topology("1E+1PD")
+@pytest.mark.reads_instance_processes
+def test_kills_the_encoder():
+    pass
+"""
+
+
+@pytest.mark.parametrize("address", [("--epd-ray-address", "10.0.0.1:6379"), ()])
+def test_items_that_kill_or_read_instances_by_pid_are_deselected_on_a_named_cluster(
+    pytester: pytest.Pytester, address: tuple[str, ...]
+) -> None:
+    """Found in the audit of ignored flags: `epd-harness load --kill` and `--duration` with
+    --ray-address are refused (a node's pids are not this host's), but under `pytest
+    --epd-launcher ray --epd-ray-address ADDR` the death-under-load test SIGKILLed this host's
+    process group by D's pid on its node, and the soak read this host's process trees: another
+    process killed, or an instance read as gone. Those items (a load with a kill or a
+    duration, or marked reads_instance_processes) are deselected and listed, never passed;
+    the one-host rehearsal cluster (no address) runs its nodes' processes here and keeps
+    them."""
+    pytester.makeconftest(CONFTEST + ON_A_CLUSTER)
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    pytester.makepyfile(test_loads=LOADS + KILLS)
+    run = pytester.runpytest(
+        "--collect-only", "-p", "no:cacheprovider", "--epd-launcher", "ray", *address
+    )
+    assert run.ret == pytest.ExitCode.OK, run.stdout.str()
+    out = run.stdout.str()
+    if not address:
+        assert "test(s) deselected" not in out and "test_death" in out and "test_soak" in out, out
+        return
+    run.stdout.fnmatch_lines(
+        [
+            "*3 test(s) deselected: they signal or read the instances' processes from this host "
+            "by pid * with --epd-ray-address the instances run on the cluster's nodes*",
+            "*test_death*",
+            "*test_soak*",
+            "*test_kills_the_encoder*",
+        ]
+    )
+    assert "<Function test_small>" in out and "<Function test_death>" not in out, out
+
+
 def test_a_test_taking_the_load_spec_without_a_mark_is_refused(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(CONFTEST)
     pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")

@@ -30,10 +30,12 @@ from harness.testing.before_stop import (
     LOAD_SPECS_KEY,
     later_sweep_makers,
     load_specs,
+    marked_load,
 )
 from harness.testing.groups import E2E_QUEUE_KEY, E2eQueue, ends_session, epd_group, owns_instances
 from harness.testing.session_options import (
     check_session_options,
+    cluster_process_refusal,
     platform_refusal,
     session_kv_connector,
     unread_option_refusal,
@@ -110,6 +112,13 @@ def pytest_configure(config: pytest.Config) -> None:
         "group's devices (fixture epd_own_instances), run after every other e2e item of its "
         "xdist group with its worker's pool stopped; deselected and listed where a session "
         "option cannot reach a command",
+    )
+    config.addinivalue_line(
+        "markers",
+        "reads_instance_processes: the item signals or reads its instances' processes from "
+        "this host by pid (a kill, their process trees); so does an epd_load with a kill or a "
+        "duration: deselected and listed under --epd-ray-address, whose nodes' pids are not "
+        "this host's",
     )
     config.addinivalue_line(
         "markers",
@@ -207,7 +216,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 "pool stopped first)"
             )
         needs = item.get_closest_marker("kv_connector")
-        refusal = platform_refusal(config, item)
+        refusal = platform_refusal(config, item) or cluster_process_refusal(
+            config, item, marked_load(item)
+        )
         if connector is not None and needs is not None and connector not in needs.args:
             other_connector.append(f"{item.nodeid} (needs {', '.join(needs.args)})")
             dropped.append(item)
@@ -286,7 +297,8 @@ def given_arguments(config: pytest.Config) -> list[str]:
 
 def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
     """Tests that do not apply to the session (another KV connector; on a GPU platform, the
-    one-host Ray rehearsal; a command a test runs that a session option cannot reach) are
+    one-host Ray rehearsal; a command a test runs that a session option cannot reach; a kill
+    or a process read by pid on a cluster named by --epd-ray-address) are
     deselected, never silently."""
     return deselection_lines(config)
 

@@ -1,7 +1,7 @@
 """The session's `--epd-*` options (conftest.py), read as `epd-harness run` reads its own: the
 KV connector and launcher the session runs, the topologies it selects, the run they ask for
 (`session_request`), checked once before any item runs (`check_session_options`), why an
-item cannot run under them (`platform_refusal`), and the refusal of one no selected item reads
+item cannot run under them (`platform_refusal`, `cluster_process_refusal`), and the refusal of one no selected item reads
 (`unread_option_refusal`)."""
 
 from __future__ import annotations
@@ -98,6 +98,29 @@ def platform_refusal(config: pytest.Config, item: pytest.Item) -> str | None:
     if not rehearsal.kwargs.get("unless_ray_address", False):
         address = None
     return LauncherChoice(RAY_LAUNCHER, ray_address=address).refusal_on(platform)
+
+
+# Why an item that signals or reads its instances' processes by pid is not run on a cluster
+# named by --epd-ray-address (`epd-harness load` refuses --kill and --duration there alike).
+READS_PROCESSES_ON_A_CLUSTER = (
+    "they signal or read the instances' processes from this host by pid (a kill, a soak's "
+    "RSS and open files), and with --epd-ray-address the instances run on the cluster's "
+    "nodes, whose processes are not this host's (the one-host rehearsal cluster, without "
+    "--epd-ray-address, runs them here)"
+)
+
+
+def cluster_process_refusal(config: pytest.Config, item: pytest.Item, load: Any) -> str | None:
+    """Why an item cannot run on the session's Ray cluster, or None: one marked
+    `reads_instance_processes`, or whose load (`load`: its `epd_load` LoadSpec, or None) kills
+    an instance or soaks, takes a node's pid for this host's. Found in the audit of ignored
+    flags: the CLI refused `load --kill` and `--duration` with --ray-address, while the death
+    scenario under `--epd-ray-address` SIGKILLed this host's process group of that number."""
+    if session_launcher(config) is None or config.getoption("--epd-ray-address", None) is None:
+        return None
+    marked = item.get_closest_marker("reads_instance_processes") is not None
+    loads = load is not None and (load.kill is not None or load.duration_s is not None)
+    return READS_PROCESSES_ON_A_CLUSTER if marked or loads else None
 
 
 def session_option_values(config: pytest.Config) -> dict[str, object]:
