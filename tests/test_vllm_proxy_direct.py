@@ -1,8 +1,9 @@
 """vLLM's real toy proxy (1P+1D), started as a session starts it (`harness.serve.entry`), relays
 to P and D straight over loopback whatever the environment's HTTP_PROXY says.
 
-The toy proxy's `httpx.AsyncClient` trusts the environment (trust_env) and, unlike the
-harness's own loopback calls, has no implicit bypass for 127.0.0.1: on a CI runner with
+The toy proxy's `httpx.AsyncClient` trusts the environment (trust_env) and, as urllib does on
+Linux, bypasses no proxy for 127.0.0.1 unless NO_PROXY names it (the harness's own loopback
+calls go direct by design: `harness.serve.http_direct`, `trust_env=False`): on a CI runner with
 HTTP_PROXY set and no NO_PROXY, every relayed call went to the runner's proxy and failed. The
 proxy file is the 0.32.0 release's own (from its sdist, through the package index once, then
 the harness cache); P and D are stubs that answer any chat request.

@@ -267,8 +267,9 @@ DIFFERENCES: tuple[Difference, ...] = (
         PROXY_ROLES,
         "127.0.0.1, localhost and the hosts it relays to, appended to the environment's own "
         "list (serve.sh: to the user's): the toy proxy's httpx clients follow HTTP_PROXY and, "
-        "unlike urllib, bypass no proxy for loopback by themselves, so on a runner with "
-        "HTTP_PROXY set every call to P and D went to that proxy and failed. The EPD proxy's "
+        "as urllib does on Linux, bypass no proxy for loopback unless NO_PROXY names it, so on "
+        "a runner with HTTP_PROXY set every call to P and D went to that proxy and failed. The "
+        "EPD proxy's "
         "aiohttp ignores the environment; it gets the same list should a release change that.",
     ),
     Difference(
