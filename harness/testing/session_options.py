@@ -1,8 +1,8 @@
 """The session's `--epd-*` options (conftest.py), read as `epd-harness run` reads its own: the
 KV connector and launcher the session runs, the topologies it selects, the run they ask for
 (`session_request`), checked once before any item runs (`check_session_options`), why an
-item cannot run under them (`platform_refusal`, `cluster_process_refusal`), and the refusal of one no selected item reads
-(`unread_option_refusal`)."""
+item cannot run under them (`platform_refusal`, `cluster_process_refusal`), and the refusal
+of one no selected item reads (`unread_option_refusal`)."""
 
 from __future__ import annotations
 
