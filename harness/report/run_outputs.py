@@ -29,7 +29,8 @@ from harness.report.text import (  # PURPOSE_LINE, purpose_line: read from here 
 __all__ = ["PURPOSE_LINE", "purpose_line", "write_run_outputs", "write_verdicts"]
 
 VERDICTS_FILE = "verdicts.txt"  # the verdict table as the terminal shows it
-# verdicts.txt's first line: what computed the ids (another GPU model can change them).
+# verdicts.txt's first line (its second under a `red on purpose:` line): what computed the ids
+# (another GPU model can change them).
 DEVICES_LINE = "ran on: "
 DTYPE_PART = "; dtype "  # after the devices: the dtype every instance computed in
 
