@@ -34,7 +34,8 @@ DEFAULT_PORT_RANGE = range(20000, 30000)
 DEFAULT_PORT_LOCK_DIR = Path("/tmp/epd-harness-ports")
 LOWEST_PORT = 1024  # below it, binding needs privileges the harness should not have
 
-# name -> (default, what it does), for the documentation and `epd-harness doctor`.
+# name -> (default, what it does), for the documentation (tests/test_docs.py holds
+# docs/environment.md to it).
 VARIABLES: dict[str, tuple[str, str]] = {
     CACHE_ENV: ("~/.cache/epd-harness", "the tiny model, the baseline cache, token counts"),
     PORT_RANGE_ENV: (
