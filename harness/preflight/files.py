@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import BadInput
+from harness.serve.proxy_protocol import MEDIA_URL_PART_TYPES
 
 WRITE_PROBE_BYTES = 4096
 
@@ -129,12 +130,17 @@ def check_media_references(bodies: Mapping[str, dict[str, Any]], media_dir: Path
 
 
 def _media_urls(body: dict[str, Any]) -> Iterable[str]:
+    """Every media URL of the body: each kind vLLM reads by URL (audio too: found in review,
+    a run whose only file:// medium was a clip was refused), in either form it accepts,
+    `{"url": ...}` or the URL itself (its typeless parts)."""
     for message in body.get("messages", []):
         content = message.get("content")
         for part in content if isinstance(content, list) else []:
-            for key in ("image_url", "video_url"):
-                if isinstance(part.get(key), dict):
-                    yield part[key].get("url", "")
+            for key in MEDIA_URL_PART_TYPES:
+                media = part.get(key) if isinstance(part, dict) else None
+                url = media.get("url") if isinstance(media, dict) else media
+                if isinstance(url, str):
+                    yield url
 
 
 # OSErrors that mean "this environment cannot hold the run", not "the harness has a bug".
