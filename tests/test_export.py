@@ -636,6 +636,19 @@ def test_describe_request_names_audio_as_audio() -> None:
     assert describe_request(body) == "2 audio clips + 1 words of text"
 
 
+def test_describe_request_names_typeless_media() -> None:
+    """vLLM's typeless parts (`{"audio_url": "file://..."}`, which the export inlines) were
+    described as "1 ?" (found in review): a part is named by its media key when it has no
+    type."""
+    content = [
+        {"audio_url": "data:audio/wav;base64,UklGRg=="},
+        {"image_url": "data:image/png;base64,iVBO"},
+        {"type": "text", "text": "hi"},
+    ]
+    body = {"messages": [{"role": "user", "content": content}]}
+    assert describe_request(body) == "1 audio clip + 1 image + 1 words of text"
+
+
 # -- check.py ----------------------------------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from harness.errors import BadInput
 from harness.run.export.standalone_check import BEFORE_DIR
-from harness.serve.proxy_protocol import MEDIA_URL_PART_TYPES
+from harness.serve.proxy_protocol import MEDIA_PART_TYPES, MEDIA_URL_PART_TYPES
 from harness.serve.session import safe_name
 from harness.spec.file_media import FILE_URL_PREFIX
 from harness.spec.prompts import CACHE_SALT
@@ -114,7 +114,7 @@ def describe_request(body: dict[str, Any]) -> str:
         content = message.get("content")
         parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
         for part in parts:
-            kind = part.get("type", "?")
+            kind = part.get("type") or _typeless_kind(part)
             if kind == "text":
                 words += len(str(part.get("text", "")).split())
             else:
@@ -122,3 +122,9 @@ def describe_request(body: dict[str, Any]) -> str:
                 kinds[name] = kinds.get(name, 0) + 1
     media = [f"{count} {name}{'s' if count > 1 else ''}" for name, count in kinds.items()]
     return " + ".join([*media, f"{words} words of text"])
+
+
+def _typeless_kind(part: dict[str, Any]) -> str:
+    """The media kind of one of vLLM's typeless parts (`{"audio_url": "file://..."}`), named
+    by its media key as vLLM reads it; "?" for a part that has none."""
+    return next((key for key in MEDIA_PART_TYPES if key in part), "?")
