@@ -13,7 +13,10 @@ from typing import Any
 import pytest
 
 from harness.errors import BadInput
+from harness.outcomes.taps import TapRecord
 from harness.preflight import files
+from harness.serve.proxy_protocol import collect_media, media_uuid
+from harness.serve.tap import describe_request
 
 pytestmark = pytest.mark.unit
 
@@ -45,3 +48,26 @@ def test_media_dir_check_reads_audio_urls(tmp_path: Path, kind: str, typeless: b
     clip.unlink()
     with pytest.raises(BadInput, match=f"media file {clip} does not exist"):
         files.check_media_references({"clip": body}, media_dir)
+
+
+def test_typeless_audio_is_a_medium_of_the_request() -> None:
+    """vLLM reads a typeless `{"audio_url": ...}` part as it reads a typed one, but the proxy
+    collected only typed parts (found in review): an E+PD case whose only medium was such a
+    clip counted no media, so its EC guards were never applied and it passed as text."""
+    typed = {"type": "audio_url", "audio_url": {"url": "file:///media/clip.wav"}}
+    typeless = {"audio_url": "file:///media/clip.wav"}
+    refs = collect_media(_body(typeless))
+    assert [(r.part_index, r.part_type) for r in refs] == [(0, "audio_url")]
+    assert refs[0].uuid == media_uuid(typed)  # keyed by its URL, as the typed part is
+
+
+def test_a_tap_records_typeless_media_parts() -> None:
+    """A consumer sent a typeless clip raw must show it in its tap record, or the guards read
+    the consumer as sent no media at all."""
+    record = TapRecord(seq=0, instance="pd0", role="prefill_decode", path="/v1/chat/completions")
+    describe_request(record, _body({"audio_url": "file:///media/clip.wav", "uuid": "u1"}))
+    assert (record.part_types, record.metadata_only, record.uuids) == (
+        ["audio_url"],
+        [False],
+        ["u1"],
+    )

@@ -88,6 +88,20 @@ class RewriteResult:
     metadata_only: list[bool] = field(default_factory=list)  # per media position
 
 
+def media_part_type(part: Any) -> str | None:
+    """The media kind of a content part: its `type` when that is one of MEDIA_PART_TYPES; for
+    one of vLLM's typeless parts (`{"audio_url": "file://..."}`, which vLLM reads as the typed
+    part: `_parse_chat_message_content_mm_part`), the media key it carries; else None.
+    Typeless parts were not collected (found in review): a request whose only medium was one
+    counted no media, and its EC guards were never applied."""
+    if not isinstance(part, dict):
+        return None
+    kind = part.get("type")
+    if kind is None:
+        return next((key for key in MEDIA_PART_TYPES if part.get(key) is not None), None)
+    return kind if kind in MEDIA_PART_TYPES else None
+
+
 def media_uuid(part: dict[str, Any]) -> str:
     """A stable cache key for a media part: its own `uuid` if the client gave one, else a hash
     of its URL (of the whole part when it has none, e.g. `input_audio`), as vLLM 0.28-0.32's
@@ -103,28 +117,30 @@ def media_uuid(part: dict[str, Any]) -> str:
     """
     if part.get("uuid"):
         return str(part["uuid"])
-    source = part.get(part.get("type", "")) if part.get("type") in MEDIA_URL_PART_TYPES else None
-    url = source.get("url") if isinstance(source, dict) else None
+    kind = media_part_type(part)
+    source = part.get(kind) if kind in MEDIA_URL_PART_TYPES else None
+    url = source.get("url") if isinstance(source, dict) else source  # typeless: the URL itself
     keyed = url or json.dumps({k: v for k, v in part.items() if k != "uuid"}, sort_keys=True)
     digest = hashlib.sha256(str(keyed).encode()).hexdigest()
     return f"epd-{digest[:32]}"
 
 
 def collect_media(request: dict[str, Any]) -> list[MediaRef]:
-    """Every media part of the request, in order of appearance."""
+    """Every media part of the request, in order of appearance, typed or typeless."""
     refs: list[MediaRef] = []
     for message_index, message in enumerate(request.get("messages") or []):
         content = message.get("content")
         if not isinstance(content, list):
             continue
         for part_index, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") in MEDIA_PART_TYPES:
+            kind = media_part_type(part)
+            if kind is not None:
                 refs.append(
                     MediaRef(
                         position=len(refs),
                         message_index=message_index,
                         part_index=part_index,
-                        part_type=part["type"],
+                        part_type=kind,
                         uuid=media_uuid(part),
                     )
                 )

@@ -47,7 +47,7 @@ from harness.serve.proxy import (
     client_gone,
     stop_loop_thread,
 )
-from harness.serve.proxy_protocol import MEDIA_PART_TYPES
+from harness.serve.proxy_protocol import media_part_type
 
 RECORDED_PATHS = ("/v1/chat/completions", "/v1/completions")
 DECODE_ROLES = ("decode", "pd")  # where a client's stream comes from
@@ -97,9 +97,12 @@ def describe_request(record: TapRecord, body: Any) -> None:
         if not isinstance(content, list):
             continue
         for part in content:
-            if not isinstance(part, dict) or part.get("type") in (None, "text"):
+            if not isinstance(part, dict):
                 continue
-            record.part_types.append(str(part.get("type")))
+            kind = part.get("type") or media_part_type(part)  # typeless media parts too
+            if kind in (None, "text"):
+                continue
+            record.part_types.append(str(kind))
             record.metadata_only.append(is_metadata_only(part))
             record.uuids.append(part.get("uuid"))
     record.sent_ec_transfer_params = body.get("ec_transfer_params")
@@ -361,7 +364,7 @@ class TapSet:
     def _remember_raw_parts(self, body: dict[str, Any]) -> None:
         for message in body.get("messages") or []:
             for part in message.get("content") or []:
-                if isinstance(part, dict) and part.get("type") in MEDIA_PART_TYPES:
+                if media_part_type(part) is not None:
                     if part.get("uuid"):
                         self.raw_parts[str(part["uuid"])] = part
 
