@@ -17,6 +17,8 @@ from harness.outcomes.taps import TapRecord
 from harness.preflight import files
 from harness.serve.proxy_protocol import collect_media, media_uuid
 from harness.serve.tap import describe_request
+from harness.spec.prompts import VideoFramesPart, render_part
+from harness.testing.fake_vllm_server.model import tokenize
 
 pytestmark = pytest.mark.unit
 
@@ -71,3 +73,18 @@ def test_a_tap_records_typeless_media_parts() -> None:
         [False],
         ["u1"],
     )
+
+
+def test_the_fake_vllm_reads_typeless_parts_as_vllm_does() -> None:
+    """vLLM reads a typeless `{"audio_url": ...}` part as the typed one; the fake server died
+    of it (KeyError 'None'), and the proxy now sends such parts on (found in review)."""
+    typed = {"type": "audio_url", "audio_url": {"url": "file:///media/clip.wav"}}
+    typeless = {"audio_url": "file:///media/clip.wav"}
+    typed_ids, _, typed_items = tokenize(_body(typed))
+    typeless_ids, _, typeless_items = tokenize(_body(typeless))
+    assert typeless_ids == typed_ids
+    assert [i.kind for i in typeless_items] == [i.kind for i in typed_items] == ["audio"]
+    assert typeless_items[0].computed() == typed_items[0].computed()  # the same clip
+    frames = render_part(VideoFramesPart(seed=1))
+    typeless_video = {"video_url": frames["video_url"]["url"]}
+    assert tokenize(_body(typeless_video))[0] == tokenize(_body(frames))[0]

@@ -37,6 +37,27 @@ def media_kwargs(body: dict) -> str:
     return json.dumps(kwargs, sort_keys=True) if kwargs else ""
 
 
+# The media keys vLLM 0.31 reads a part without `type` by, in its order
+# (chat_utils `_parse_chat_message_content_mm_part`): `{"audio_url": "file://..."}`.
+TYPELESS_MEDIA_KEYS = (
+    "image_url",
+    "image_embeds",
+    "audio_embeds",
+    "video_embeds",
+    "audio_url",
+    "input_audio",
+    "video_url",
+)
+
+
+def part_type(part: dict) -> str:
+    """A content part's type: its own, or for a typeless part the media key vLLM reads it by
+    (the fake died of such a part, KeyError 'None': found in review)."""
+    if part.get("type") is not None:
+        return str(part["type"])
+    return next((key for key in TYPELESS_MEDIA_KEYS if key in part), "None")
+
+
 def modality(part_type: str) -> str:
     """A content part's modality (image, video, audio) from its type, raw or `*_embeds`."""
     return part_type.split("_")[0] if not part_type.startswith("input_audio") else "audio"
@@ -44,8 +65,8 @@ def modality(part_type: str) -> str:
 
 def source_of(part: dict) -> str:
     """What a raw media part's content is known by (its URL, else the whole part)."""
-    value = part.get(part.get("type", ""))
-    url = value.get("url") if isinstance(value, dict) else None
+    value = part.get(part_type(part))
+    url = value.get("url") if isinstance(value, dict) else value if isinstance(value, str) else None
     return url or json.dumps({k: v for k, v in part.items() if k != "uuid"}, sort_keys=True)
 
 
@@ -81,11 +102,11 @@ class MediaItem:
 
     def __init__(self, part: dict, kwargs: str, video_io: dict):
         self.part = part
-        self.kind = modality(str(part.get("type")))
-        self.embeds = str(part.get("type")).endswith("_embeds")
+        self.kind = modality(part_type(part))
+        self.embeds = part_type(part).endswith("_embeds")
         self.kwargs = kwargs
         self.hash = mm_hash(part, kwargs)
-        metadata = part.get(part["type"]) if self.embeds else None
+        metadata = part.get(part_type(part)) if self.embeds else None
         grid = metadata.get(GRID_KEYS.get(self.kind, "")) if isinstance(metadata, dict) else None
         raw_video = self.kind == "video" and not self.embeds
         self.sampling = video_sampling_of(part, video_io) if raw_video else None

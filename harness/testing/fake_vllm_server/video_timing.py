@@ -26,7 +26,8 @@ JPEG_FRAMES_PREFIX = "data:video/jpeg;base64,"
 def video_sampling_of(part: dict, video_io: dict) -> tuple[int, float]:
     """(frames the processor receives, the rate they stand for) of a raw video part, as vLLM
     0.32's loaders sample it: a `data:video/jpeg;base64,<f>,<f>,...` frame list, or an mp4."""
-    url = (part.get("video_url") or {}).get("url")
+    source = part.get("video_url")
+    url = source.get("url") if isinstance(source, dict) else source  # typeless: the URL itself
     if not isinstance(url, str):
         raise RequestFailed("a video_url part without a url")
     try:
