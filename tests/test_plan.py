@@ -500,6 +500,9 @@ def test_cli_plans_the_kv_connector_run_would_serve(epd_cli) -> None:
     ("argv", "cause"),
     [
         (["--topology", "baseline", "--kv-connector", "nixl"], "none of baseline has a D"),
+        # As `run` says it: the topologies asked for, not the baseline planned beside them.
+        (["--topology", "1E+1PD", "--kv-connector", "nixl"], "and none of 1E+1PD has a D;"),
+        (["--topology", "1P+1D", "--ec-connector", "example"], "and none of 1P+1D has an E;"),
         (["--kv-connector", "lmcache"], "lmcache"),
         (["--ec-connector", "mooncake"], "cannot run"),
     ],

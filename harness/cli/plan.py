@@ -162,15 +162,17 @@ def build_plan(request: PlanRequest) -> Plan:
         ).waves
     except TooFewDevices as exc:
         raise too_few_devices(exc, request.topologies) from None
+    # The connector checks name the topologies asked for, as `run` does: the baseline planned
+    # beside them has no D and no E, and named it read as if it had been asked for (found in
+    # review). Only `--topology baseline` plans it alone.
+    asked = tuple(t for t in request.topologies if not t.is_baseline) or request.topologies
     serving = serving_for(
         request.platform,
         request.model,
         enforce_eager=request.platform.enforce_eager and not request.no_enforce_eager,
         dtype=request.dtype,
-        kv_connector=kv_connector_for(
-            request.kv_connector, request.topologies, request.platform
-        ).vllm_class,
-        ec_connector=ec_connector_for(request.ec_connector, request.topologies).vllm_class,
+        kv_connector=kv_connector_for(request.kv_connector, asked, request.platform).vllm_class,
+        ec_connector=ec_connector_for(request.ec_connector, asked).vllm_class,
     )
     ports = itertools.count(PLACEHOLDER_PORT_START)
     planned_waves = []
