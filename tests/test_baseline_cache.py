@@ -368,6 +368,8 @@ class NoisyWhenBatched:
     """A baseline whose answers alone are identical, but whose log-probs move by 0.05 nats in
     another batch shape (the batched pass is a request's third send)."""
 
+    inherited_envs: list[dict[str, str]] = []  # none recorded: this process's
+
     def __init__(self) -> None:
         self.sent: dict[str, int] = {}
 
@@ -425,6 +427,8 @@ def test_an_entry_stored_without_the_batched_pass_does_not_stand_in_for_a_batche
 
 class RecordingBaseline:
     """A baseline that answers every request alike and keeps every body it was sent."""
+
+    inherited_envs: list[dict[str, str]] = []  # none recorded: this process's
 
     def __init__(self) -> None:
         self.sent: list[dict[str, Any]] = []

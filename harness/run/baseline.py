@@ -286,7 +286,7 @@ class BaselineAnswers:
         probes = [n for n in names if self.wants_batched(n)]
         batched = self._batched_pass(session, probes)
         wanted = self.cache is not None or self.goldens is not None
-        launch = BaselineLaunch.of(self.settings) if wanted else None
+        launch = self.launch_of(session) if wanted else None
         for name in names:
             control = baseline_stability(self.outcomes[name], again[name])
             if name in batched:
@@ -325,6 +325,30 @@ class BaselineAnswers:
                     "batched": measured,
                 }
             self._store_golden(name, self.outcomes[name], launch)
+
+    def launch_of(self, session: TopologySession) -> BaselineLaunch:
+        """The launch of the running baseline `session`, keyed by the variables it inherited
+        where it runs (its Reservation's). On a Ray node they are the node's, not this
+        process's, by which the cache was looked up before the start: stored under those, an
+        answer the node computed under another VLLM_ATTENTION_BACKEND stood in for a run
+        without it (found in review). Where they differ, the run says which, so that one who
+        wants a later run to hit its entries exports them as the nodes have them."""
+        recorded = session.inherited_envs
+        if not recorded:
+            return BaselineLaunch.of(self.settings)
+        launch = BaselineLaunch.of(self.settings, inherited=recorded[0])
+        assumed = dict(BaselineLaunch.of(self.settings).env)
+        ran = dict(launch.env)
+        differ = sorted(k for k in {*assumed, *ran} if assumed.get(k) != ran.get(k))
+        if differ:
+            log.warning(
+                "[baseline] it inherited %s where it runs, not this process's %s: its answers "
+                "are stored under the former, which a later run hits only with them exported "
+                "here as its node has them",
+                ", ".join(f"{k}={ran[k]}" if k in ran else f"no {k}" for k in differ),
+                ", ".join(f"{k}={assumed[k]}" if k in assumed else f"no {k}" for k in differ),
+            )
+        return launch
 
     def _batched_pass(self, session: TopologySession, names: list[str]) -> dict[str, Outcome]:
         """Each request in flight together with its neighbour in the list (itself when alone:

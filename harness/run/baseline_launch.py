@@ -14,7 +14,10 @@ has. So besides the served build and the serving flags, a baseline's answers fol
 * the variables it inherits that pick kernels, threads or precision (`numerics_env`, whose rule
   lives in `harness.spec.inherited_env`, shared with each instance's recorded command), e.g.
   VLLM_ATTENTION_BACKEND, VLLM_CPU_*, ONEDNN_*, CUBLAS_WORKSPACE_CONFIG, ATEN_CPU_CAPABILITY,
-  FBGEMM_ENABLE_INSTRUCTIONS;
+  FBGEMM_ENABLE_INSTRUCTIONS. A baseline started on a Ray node inherits the node's (its
+  raylet's, with OMP_NUM_THREADS=1 where Ray sets it), not this process's: what it computed is
+  stored under those (`inherited`, from its agent's report); a lookup before any start can
+  only assume the nodes give what this process has (`harness.run.baseline`);
 * the platform and the device model (the CPU's model and the features vLLM-CPU's kernels are
   picked by; the GPUs' model), for a cache directory shared between hosts. On a Ray cluster
   (`--ray-address`) the baseline runs on one of its nodes, whose device this host cannot read:
@@ -62,8 +65,16 @@ class BaselineLaunch:
     device: str
 
     @classmethod
-    def of(cls, settings: RunSettings, environ: Mapping[str, str] | None = None) -> BaselineLaunch:
-        """The baseline of `settings`, launched from `environ` (default: this process's)."""
+    def of(
+        cls,
+        settings: RunSettings,
+        environ: Mapping[str, str] | None = None,
+        *,
+        inherited: Mapping[str, str] | None = None,
+    ) -> BaselineLaunch:
+        """The baseline of `settings`, launched from `environ` (default: this process's).
+        `inherited`: what the baseline did inherit where it ran (its Reservation's, recorded
+        in its `.cmd.json`) in place of `environ`'s: on a Ray node, the node's variables."""
         environ = os.environ if environ is None else environ
         neutral = {
             field.name: field.default
@@ -84,7 +95,7 @@ class BaselineLaunch:
         if settings.platform.device_env_var is not None:
             rendered[settings.platform.device_env_var] = PLACEHOLDER_DEVICE
         inherited = {
-            **numerics_env(environ),
+            **numerics_env(environ if inherited is None else inherited),
             **numerics_env(dict(settings.launcher.instance_env)),
         }
         env = {**inherited, **rendered}

@@ -531,6 +531,13 @@ class TopologySession:
             if not server.is_alive()
         }
 
+    @property
+    def inherited_envs(self) -> list[dict[str, str]]:
+        """Per instance, the numerics variables it inherited where it runs (the launcher's
+        `Reservation.inherited`: this process's locally, its node's on Ray); empty before
+        the start."""
+        return [dict(env) for env in self._inherited]
+
     def server(self, role: Role, index: int = 0) -> ManagedServer:
         """The running server of the index-th instance with `role` (fault injection, checks)."""
         matching = [srv for spec, srv in zip(self.instances, self._servers) if spec.role is role]
