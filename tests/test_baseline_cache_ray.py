@@ -6,6 +6,8 @@ what computed it."""
 from __future__ import annotations
 
 import logging
+import os
+import types
 from pathlib import Path
 from typing import Any
 
@@ -65,18 +67,77 @@ def test_a_baseline_on_a_ray_node_is_stored_under_the_nodes_variables_not_the_ha
     cache = BaselineCache(tmp_path / "cache")
     first = BaselineAnswers(ray_settings(tmp_path), cache)
     first.add(BODIES)
+    fake_cluster(monkeypatch, {})  # the node asked gave none; the baseline's node did
     with caplog.at_level(logging.WARNING, logger="harness.run.baseline"):
         first.answer_on(BaselineOnANode())  # type: ignore[arg-type]
     assert first.sources["a"]["source"] == "this run's baseline"
 
+    fake_cluster(monkeypatch, {})  # a later run's nodes give no such variable
     assert warm_run(tmp_path, cache).missing() == ["a"], (
         "an answer computed under the node's VLLM_ATTENTION_BACKEND=TORCH_SDPA answered a run "
         "keyed without it"
     )
-    with monkeypatch.context() as env:
-        for name, value in NODE_ENV.items():
-            env.setenv(name, value)
-        assert warm_run(tmp_path, cache).missing() == [], "keyed as the node ran it: a hit"
-    # The run says so, naming each variable, and what makes a later run hit it.
+    fake_cluster(monkeypatch, NODE_ENV)
+    assert warm_run(tmp_path, cache).missing() == [], "keyed as the node ran it: a hit"
+    # The run says so, naming each variable.
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert "VLLM_ATTENTION_BACKEND=TORCH_SDPA" in warned and "ONEDNN_MAX_CPU_ISA=AVX2" in warned
+
+
+def fake_cluster(monkeypatch: pytest.MonkeyPatch, node_env: dict[str, str]) -> list[str]:
+    """A fake Ray whose every node has `node_env`: an agent placed there answers the real
+    `InstanceAgent.where` under it. Returns the list of what was done with agents."""
+    from harness.serve import ray_agent, ray_launcher
+
+    done: list[str] = []
+    context = types.SimpleNamespace(
+        get_node_id=lambda: "n" * 56, get_accelerator_ids=lambda: {"GPU": []}
+    )
+    monkeypatch.setattr(ray_agent.ray, "get_runtime_context", lambda: context)
+    monkeypatch.setattr(ray_agent.ray.util, "get_node_ip_address", lambda: "10.0.0.2")
+
+    def where_on_the_node() -> dict[str, Any]:
+        done.append("where")
+        with monkeypatch.context() as node:
+            node.setattr(os, "environ", {**node_env, **ray_agent.AGENT_ENV})
+            return ray_agent.InstanceAgent().where()
+
+    agent = types.SimpleNamespace(where=types.SimpleNamespace(remote=where_on_the_node))
+    options = types.SimpleNamespace(remote=lambda: agent)
+    monkeypatch.setattr(
+        ray_launcher, "RemoteAgent", types.SimpleNamespace(options=lambda **_: options)
+    )
+    monkeypatch.setattr(
+        ray_launcher, "runtime", lambda: types.SimpleNamespace(connect=lambda *_: None)
+    )
+    monkeypatch.setattr(ray_launcher, "get_or_refuse", lambda answer, doing: answer)
+    monkeypatch.setattr(ray_launcher.ray, "kill", lambda _: done.append("kill"))
+    return done
+
+
+def test_a_warm_run_on_a_ray_cluster_looks_the_baseline_up_by_its_nodes_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lookup, before any start, was keyed by the harness's variables, which reach no node:
+    a second run on the same cluster, its nodes unchanged, missed the entry its baseline had
+    stored and served the baseline again. It now asks an agent on a node of the cluster what
+    an instance inherits there (and ends it). Found in review."""
+    for name in NODE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    cache = BaselineCache(tmp_path / "cache")
+    first = BaselineAnswers(ray_settings(tmp_path), cache)
+    first.add(BODIES)
+    fake_cluster(monkeypatch, NODE_ENV)
+    first.answer_on(BaselineOnANode())  # type: ignore[arg-type]
+
+    done = fake_cluster(monkeypatch, NODE_ENV)
+    warm = warm_run(tmp_path, cache)
+    assert warm.missing() == [], "the same cluster's entry missed: keyed by the harness's env"
+    assert done == ["where", "kill"]
+    warm.load_stored(again=True)
+    assert done == ["where", "kill"], "the cluster is asked once per run"
+
+    other = fake_cluster(monkeypatch, {"VLLM_ATTENTION_BACKEND": "FLASH_ATTN"})
+    assert warm_run(tmp_path, cache).missing() == ["a"] and other == ["where", "kill"], (
+        "nodes that give another backend hit the entry computed under TORCH_SDPA"
+    )

@@ -36,7 +36,7 @@ from harness.outcomes.outcome import Outcome
 from harness.run.baseline_cache import BaselineCache, baseline_key
 from harness.run.baseline_launch import BaselineLaunch
 from harness.run.goldens import GoldenStore, golden_key
-from harness.serve.session import TopologySession
+from harness.serve.session import TopologySession, cluster_inherited
 from harness.spec.prompts import cold_request
 from harness.spec.settings import RunSettings
 
@@ -146,6 +146,9 @@ class BaselineAnswers:
         # cache entry (its directory, key and provenance) or a golden.
         self.sources: dict[str, dict[str, Any]] = {}
         self._digest: str | None = None
+        # On a Ray cluster: what its nodes give an instance, asked once per run for the lookup
+        # (`lookup_launch`); the harness's own variables reach no node.
+        self._nodes_inherited: dict[str, str] | None = None
 
     # -- what is known ---------------------------------------------------------------------
 
@@ -202,7 +205,7 @@ class BaselineAnswers:
         if self.cache is None:
             return
         hits, unbatched, oldest = 0, 0, None
-        launch = BaselineLaunch.of(self.settings)
+        launch = self.lookup_launch()
         for name in self.missing():
             key = self.cache_key(self.bodies[name], launch)
             cached = self.cache.load(key, name)
@@ -326,25 +329,34 @@ class BaselineAnswers:
                 }
             self._store_golden(name, self.outcomes[name], launch)
 
+    def lookup_launch(self) -> BaselineLaunch:
+        """The launch the cache is looked up by, before any start: with this process's
+        variables, or on a Ray cluster those a node of it gives an instance
+        (`cluster_inherited`, asked once): keyed by the harness's, which reach no node, a
+        second run on the same cluster missed what the first stored (found in review)."""
+        if self._nodes_inherited is None:
+            self._nodes_inherited = cluster_inherited(self.settings)
+        return BaselineLaunch.of(self.settings, inherited=self._nodes_inherited)
+
     def launch_of(self, session: TopologySession) -> BaselineLaunch:
         """The launch of the running baseline `session`, keyed by the variables it inherited
         where it runs (its Reservation's). On a Ray node they are the node's, not this
         process's, by which the cache was looked up before the start: stored under those, an
         answer the node computed under another VLLM_ATTENTION_BACKEND stood in for a run
-        without it (found in review). Where they differ, the run says which, so that one who
-        wants a later run to hit its entries exports them as the nodes have them."""
+        without it (found in review). Where they differ from the lookup's (`lookup_launch`:
+        this node gave it other variables than the one asked, or the harness's), it says
+        which."""
         recorded = session.inherited_envs
         if not recorded:
             return BaselineLaunch.of(self.settings)
         launch = BaselineLaunch.of(self.settings, inherited=recorded[0])
-        assumed = dict(BaselineLaunch.of(self.settings).env)
+        assumed = dict(self.lookup_launch().env)
         ran = dict(launch.env)
         differ = sorted(k for k in {*assumed, *ran} if assumed.get(k) != ran.get(k))
         if differ:
             log.warning(
-                "[baseline] it inherited %s where it runs, not this process's %s: its answers "
-                "are stored under the former, which a later run hits only with them exported "
-                "here as its node has them",
+                "[baseline] it inherited %s where it runs, not %s as the cache was looked up "
+                "by: its answers are stored under what it inherited",
                 ", ".join(f"{k}={ran[k]}" if k in ran else f"no {k}" for k in differ),
                 ", ".join(f"{k}={assumed[k]}" if k in assumed else f"no {k}" for k in differ),
             )

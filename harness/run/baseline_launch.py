@@ -16,8 +16,8 @@ has. So besides the served build and the serving flags, a baseline's answers fol
   VLLM_ATTENTION_BACKEND, VLLM_CPU_*, ONEDNN_*, CUBLAS_WORKSPACE_CONFIG, ATEN_CPU_CAPABILITY,
   FBGEMM_ENABLE_INSTRUCTIONS. A baseline started on a Ray node inherits the node's (its
   raylet's, with OMP_NUM_THREADS=1 where Ray sets it), not this process's: what it computed is
-  stored under those (`inherited`, from its agent's report); a lookup before any start can
-  only assume the nodes give what this process has (`harness.run.baseline`);
+  stored under those (`inherited`, from its agent's report), and looked up by those an agent
+  placed on a node reports before any start (`harness.run.baseline`);
 * the platform and the device model (the CPU's model and the features vLLM-CPU's kernels are
   picked by; the GPUs' model), for a cache directory shared between hosts. On a Ray cluster
   (`--ray-address`) the baseline runs on one of its nodes, whose device this host cannot read:

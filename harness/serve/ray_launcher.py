@@ -171,6 +171,29 @@ class RayLauncher:
             inherited=[dict(w.get("inherited") or {}) for w in where],
         )
 
+    def node_inherited(self) -> dict[str, str]:
+        """What an instance started on a node of the cluster inherits that can change what it
+        computes, before any start (the baseline cache's lookup): the report of one agent
+        holding no resources (so that topologies holding every bundle cannot keep it
+        waiting), which Ray places on a node of its choice, ended at once. The harness's own
+        variables reach no node; a cluster whose nodes differ is answered by whichever node
+        this agent landed on."""
+        runtime().connect(self.choice, self.settings.run_dir)
+        agent = RemoteAgent.options(
+            num_cpus=0,
+            runtime_env={"env_vars": dict(AGENT_ENV)},
+            max_restarts=0,
+        ).remote()
+        try:
+            where = get_or_refuse(
+                agent.where.remote(),
+                "asking a node of the cluster what an instance inherits there "
+                "(is epd-harness installed on every node?)",
+            )
+        finally:
+            ray.kill(agent)
+        return dict(where.get("inherited") or {})
+
     def instance_env(self, spec: InstanceSpec) -> dict[str, str]:
         return {**spec.env(), **dict(self.choice.instance_env)}
 

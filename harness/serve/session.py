@@ -86,6 +86,19 @@ def launcher_for(settings: RunSettings) -> Any:
     return RayLauncher(settings)
 
 
+def cluster_inherited(settings: RunSettings) -> dict[str, str] | None:
+    """On a Ray cluster (`--ray-address`), what an instance inherits on its nodes that can
+    change what it computes, asked of one of them (`RayLauncher.node_inherited`); None where
+    instances inherit this process's variables (the local launcher; the one-host rehearsal,
+    whose nodes it starts)."""
+    choice = settings.launcher
+    if choice.is_local or choice.rehearses_on_this_host:
+        return None
+    from harness.serve.ray_launcher import RayLauncher
+
+    return RayLauncher(settings).node_inherited()
+
+
 def safe_name(name: str) -> str:
     """A topology name usable in paths and request ids: 1E+1P+1D -> 1E-1P-1D."""
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
