@@ -141,3 +141,26 @@ def test_a_warm_run_on_a_ray_cluster_looks_the_baseline_up_by_its_nodes_variable
     assert warm_run(tmp_path, cache).missing() == ["a"] and other == ["where", "kill"], (
         "nodes that give another backend hit the entry computed under TORCH_SDPA"
     )
+
+
+def test_goldens_a_ray_run_stored_answer_golden_on_the_same_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The goldens are stored under the variables the baseline's node gave it (as the cache's
+    entries); `--golden` looked them up by the harness's, so a run on the same cluster found
+    no golden its own earlier run had stored there (found in review)."""
+    from harness.run.goldens import GoldenStore
+
+    for name in NODE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    goldens = GoldenStore(tmp_path / "goldens")
+    fake_cluster(monkeypatch, NODE_ENV)
+    first = BaselineAnswers(ray_settings(tmp_path), None, goldens)
+    first.add(BODIES)
+    first.answer_on(BaselineOnANode())  # type: ignore[arg-type]
+
+    fake_cluster(monkeypatch, NODE_ENV)
+    golden = BaselineAnswers(ray_settings(tmp_path), None, goldens, "0.32.0")
+    golden.add(BODIES)
+    golden.load_stored()
+    assert golden.missing() == [] and golden.sources["a"]["source"] == "golden"

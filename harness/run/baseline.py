@@ -249,7 +249,7 @@ class BaselineAnswers:
     def _load_goldens(self) -> None:
         """--golden: another release's stored answers; a missing one is BadInput."""
         assert self.goldens is not None and self.golden_release is not None
-        launch = BaselineLaunch.of(self.settings)
+        launch = self.lookup_launch()  # as they were stored: by what the baseline inherited
         for name in self.missing():
             self.outcomes[name] = self.goldens.outcome_for(
                 self.golden_key(name, launch),
