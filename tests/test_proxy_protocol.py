@@ -8,6 +8,7 @@ import pytest
 
 from harness.serve.proxy_protocol import (
     EncodedItem,
+    EncoderAnswerUnfit,
     EncoderBatch,
     MediaRef,
     build_decode_request,
@@ -438,3 +439,12 @@ def test_build_decode_request_without_prefill() -> None:
     consumer = chat([text("hi")])
     assert build_decode_request(consumer, None) == consumer
     assert "kv_transfer_params" not in build_decode_request(consumer, {"choices": []})
+
+
+@pytest.mark.parametrize("indices", [0, [True]])
+def test_index_rejects_item_indices_that_are_no_list_of_integers(indices: object) -> None:
+    """`item_indices: 0` is no list, `[true]` no index (it would read as item 1): a broken
+    answer of that encoder (EncoderAnswerUnfit), not a crash and not another item's metadata."""
+    params = {"hA": {"item_indices": indices, "metadata": {"image_grid_thw": [1, 2, 2]}}}
+    with pytest.raises(EncoderAnswerUnfit):
+        index_encoder_response(EncoderBatch(0, (4, 5)), params)
