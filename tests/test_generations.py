@@ -16,6 +16,7 @@ from harness.run.export.reference import rendered_commands
 from harness.run.repro import Bundle
 from harness.serve.proxy_protocol import (
     EncoderAnswerError,
+    EncoderAnswerUnfit,
     EncoderBatch,
     MediaRef,
     build_encoder_request,
@@ -478,3 +479,14 @@ def test_an_export_renders_the_reference_in_the_protocol_the_run_spoke(
     for name, command in rendered_commands(bundle, "1P+1D"):
         assert "--trust-request-mm-kwargs" not in command["argv"], name
         assert "--enable-mm-embeds" in command["argv"], name
+
+
+def test_an_ec_items_answer_is_the_proxys_generation_error_not_a_broken_encoder() -> None:
+    """An `ec_items` list reaching a by-hash proxy says the served release speaks another
+    generation: EncoderAnswerError, which the proxy reports as its own failure; read as an
+    entry by hash it became EncoderAnswerUnfit, which the proxy blames on the encoder."""
+    params = {"ec_items": [{"mm_hash": "h1", "metadata": {"x": 1}}]}
+    for generation in (NEWEST, GENERATIONS_BY_NAME["by-hash"]):
+        with pytest.raises(EncoderAnswerError, match="does not speak") as raised:
+            index_encoder_response(EncoderBatch(0, (0,)), params, generation)
+        assert not isinstance(raised.value, EncoderAnswerUnfit), generation.name
