@@ -490,3 +490,22 @@ def test_an_ec_items_answer_is_the_proxys_generation_error_not_a_broken_encoder(
         with pytest.raises(EncoderAnswerError, match="does not speak") as raised:
             index_encoder_response(EncoderBatch(0, (0,)), params, generation)
         assert not isinstance(raised.value, EncoderAnswerUnfit), generation.name
+
+
+@pytest.mark.parametrize(
+    ("params", "problem"),
+    [
+        ({"h": {"metadata": [1, 2, 2]}}, "metadata no object"),
+        (
+            {"h1": {"metadata": {"image_grid_thw": [1, 2, 2]}}, "h2": {"metadata": {"x": 1}}},
+            "2 entries with metadata for one item",
+        ),
+    ],
+)
+def test_a_broken_answer_without_positions_is_the_encoders(
+    params: dict[str, object], problem: str
+) -> None:
+    """Metadata that is no object, or two entries' metadata for the one item: a broken answer
+    of that encoder, not metadata to hand the consumers."""
+    with pytest.raises(EncoderAnswerUnfit, match=problem):
+        index_encoder_response(EncoderBatch(0, (0,)), params, GENERATIONS_BY_NAME["by-hash"])
