@@ -509,3 +509,11 @@ def test_a_broken_answer_without_positions_is_the_encoders(
     of that encoder, not metadata to hand the consumers."""
     with pytest.raises(EncoderAnswerUnfit, match=problem):
         index_encoder_response(EncoderBatch(0, (0,)), params, GENERATIONS_BY_NAME["by-hash"])
+
+
+def test_an_answer_without_positions_fits_only_a_one_item_sub_request() -> None:
+    """A by-hash answer names no item: for a sub-request of two it cannot say which item its
+    metadata is of, so it is refused rather than given to the first."""
+    params = {"h": {"metadata": {"image_grid_thw": [1, 2, 2]}}}
+    with pytest.raises(ValueError, match="one item per sub-request, got 2"):
+        index_encoder_response(EncoderBatch(0, (0, 1)), params, GENERATIONS_BY_NAME["by-hash"])
