@@ -517,3 +517,12 @@ def test_an_answer_without_positions_fits_only_a_one_item_sub_request() -> None:
     params = {"h": {"metadata": {"image_grid_thw": [1, 2, 2]}}}
     with pytest.raises(ValueError, match="one item per sub-request, got 2"):
         index_encoder_response(EncoderBatch(0, (0, 1)), params, GENERATIONS_BY_NAME["by-hash"])
+
+
+def test_raw_media_ignores_whatever_a_0_27_encoder_answers() -> None:
+    """0.27's consumer finds the EC file by its own key and is sent the media raw: entries in
+    its encoder's answer are neither indexed nor forwarded."""
+    raw = GENERATIONS_BY_NAME["raw-media"]
+    params = {"h": {"item_indices": [0], "metadata": {"image_grid_thw": [1, 2, 2]}}}
+    assert index_encoder_response(EncoderBatch(0, (0,)), params, raw) == {}
+    assert merge_encoder_params([params], raw) == {}
