@@ -15,6 +15,7 @@ from harness.outcomes.outcome import Outcome
 from harness.run.export.reference import rendered_commands
 from harness.run.repro import Bundle
 from harness.serve.proxy_protocol import (
+    EncodedItem,
     EncoderAnswerError,
     EncoderAnswerUnfit,
     EncoderBatch,
@@ -526,3 +527,25 @@ def test_raw_media_ignores_whatever_a_0_27_encoder_answers() -> None:
     params = {"h": {"item_indices": [0], "metadata": {"image_grid_thw": [1, 2, 2]}}}
     assert index_encoder_response(EncoderBatch(0, (0,)), params, raw) == {}
     assert merge_encoder_params([params], raw) == {}
+
+
+def test_0_28_and_0_29_consumers_get_each_metadata_value_as_a_saved_tensor() -> None:
+    """vLLM 0.28 / 0.29 read every value of a metadata-only part as base64 of
+    `torch.save(tensor)`: handed the encoder's plain lists, their consumers cannot load them."""
+    import base64
+    import io
+
+    torch = pytest.importorskip("torch")
+    request = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///c"}}]}
+        ],
+    }
+    media = collect_media(request)
+    encoded = {0: EncodedItem("h", {"image_grid_thw": [1, 2, 2]})}
+    for name in ("ec-items-report-only", "ec-items"):
+        body = rewrite_for_consumer(request, media, encoded, {}, GENERATIONS_BY_NAME[name]).body
+        value = body["messages"][0]["content"][0]["image_embeds"]["image_grid_thw"]
+        tensor = torch.load(io.BytesIO(base64.b64decode(value)))
+        assert tensor.tolist() == [1, 2, 2], name
