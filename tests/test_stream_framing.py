@@ -458,3 +458,75 @@ def test_the_toy_proxys_declaration_holds_the_content_type_alone_and_identical_i
     assert declared(other_ids) == (Verdict.MISMATCH, False)
     no_kv = GuardResult("kv_transfer", False, "D cached_tokens=0, expected >= 160")
     assert declared(events, [no_kv]) == (Verdict.MISMATCH, False)
+
+
+def without_role() -> list[dict]:
+    chunks = copy.deepcopy(vllm_chunks())
+    del chunks[0]["choices"][0]["delta"]["role"]
+    return chunks
+
+
+def role_on_the_first_token_chunk() -> list[dict]:
+    chunks = without_role()
+    chunks[1]["choices"][0]["delta"]["role"] = "assistant"
+    return chunks
+
+
+def usage_details(**details: object) -> list[dict]:
+    chunks = copy.deepcopy(vllm_chunks())
+    chunks[-1]["usage"]["prompt_tokens_details"] = details
+    return chunks
+
+
+def without_finish_reason() -> list[dict]:
+    chunks = copy.deepcopy(vllm_chunks())
+    chunks[-2]["choices"][0]["finish_reason"] = None
+    return chunks
+
+
+def usage_of(**fields: object) -> list[dict]:
+    chunks = copy.deepcopy(vllm_chunks())
+    chunks[-1]["usage"].update(fields)
+    return chunks
+
+
+def two_choices() -> list[dict]:
+    chunks = copy.deepcopy(vllm_chunks())
+    chunks[1]["choices"] = [chunks[1]["choices"][0], chunks[1]["choices"][0]]
+    return chunks
+
+
+@pytest.mark.parametrize(
+    "chunks, problem",
+    [
+        (first_token_chunk(prompt_token_ids=PROMPT_IDS), "chunk 2 carries prompt_token_ids again"),
+        ([*vllm_chunks(), vllm_chunks()[-1]], "chunk 6 is a second usage chunk"),
+        (usage_details(cached_tokens=True), "cached_tokens is true, not an integer"),
+        (two_choices(), "chunk 2 has 2 choices (one expected)"),
+        (without_role(), "0 role chunks (one expected)"),
+        (role_on_the_first_token_chunk(), "role chunk at chunk 2, not first"),
+        (first_token_choice(logprobs={"content": []}), "chunk 2: 1 token id(s) but 0 log-prob"),
+        (first_token_choice(index=False), "choices[0].index is false, not 0"),
+        (without_finish_reason(), "0 finish_reason(s) (one expected)"),
+        (usage_of(prompt_tokens=5), "usage counts 5 prompt tokens"),
+    ],
+    ids=[
+        "prompt-ids-again",
+        "second-usage",
+        "cached-boolean",
+        "two-choices",
+        "no-role",
+        "role-late",
+        "logprobs-missing",
+        "index-boolean",
+        "no-finish",
+        "prompt-miscounted",
+    ],
+)
+def test_each_chunk_rule_broken_is_a_problem_of_an_otherwise_whole_stream(
+    chunks: list[dict], problem: str
+) -> None:
+    """Each stream breaks one rule, the rest of it whole: the problem is the one thing that
+    fails it, so a rule not kept would pass the stream."""
+    _, record = parse(encode(chunks))
+    assert any(problem in p for p in record.problems), record.problems
