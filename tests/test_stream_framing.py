@@ -530,3 +530,14 @@ def test_each_chunk_rule_broken_is_a_problem_of_an_otherwise_whole_stream(
     fails it, so a rule not kept would pass the stream."""
     _, record = parse(encode(chunks))
     assert any(problem in p for p in record.problems), record.problems
+
+
+def test_usage_on_token_chunks_is_not_the_usage_chunk() -> None:
+    """vLLM's `continuous_usage_stats` puts a usage on every chunk that has choices: those are
+    token chunks still, read as such; only the last chunk, with no choices, is the usage one."""
+    chunks = copy.deepcopy(vllm_chunks())
+    for index, token_chunk in enumerate(chunks[1:-1], start=1):
+        token_chunk["usage"] = {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": index}
+    result, record = parse(encode(chunks))
+    assert result.token_ids == tuple(TOKENS)
+    assert record.ok, record.problems
