@@ -541,3 +541,11 @@ def test_usage_on_token_chunks_is_not_the_usage_chunk() -> None:
     result, record = parse(encode(chunks))
     assert result.token_ids == tuple(TOKENS)
     assert record.ok, record.problems
+
+
+def test_done_is_not_last_when_an_event_follows_it() -> None:
+    """`done_last`, which `compare` shows of each proxy's stream, is false when an event comes
+    after [DONE], as after none."""
+    events = encode(vllm_chunks())
+    _, record = parse([*events, events[1]])
+    assert not record.done_last
