@@ -1282,6 +1282,22 @@ def stream_without_role(chunks: list[dict]) -> None:
     del chunks[0]["choices"][0]["delta"]["role"]
 
 
+def stream_of_a_boolean_choice_index(chunks: list[dict]) -> None:
+    chunks[1]["choices"][0]["index"] = False
+
+
+def stream_cached_tokens_a_boolean(chunks: list[dict]) -> None:
+    chunks[-1]["usage"]["prompt_tokens_details"] = {"cached_tokens": True}
+
+
+def stream_without_log_probs(chunks: list[dict]) -> None:
+    chunks[1]["choices"][0]["logprobs"] = {"content": []}
+
+
+def stream_chunk_without_choices(chunks: list[dict]) -> None:
+    chunks.insert(1, {"choices": []})
+
+
 def stream_role_later(chunks: list[dict]) -> None:
     del chunks[0]["choices"][0]["delta"]["role"]
     chunks[1]["choices"][0]["delta"] = {"role": "a"}
@@ -1307,6 +1323,10 @@ def stream_role_later(chunks: list[dict]) -> None:
         (stream_of_two_completions, "chunks of 2 completions"),
         (stream_usage_of_another_prompt, "usage counts 2 prompt tokens, the stream's prompt"),
         (stream_cached_tokens_not_an_integer, 'cached_tokens is "3", not an integer'),
+        (stream_of_a_boolean_choice_index, "event 2: choices[0].index is false, not 0"),
+        (stream_chunk_without_choices, "event 2 has 0 choices (one expected)"),
+        (stream_cached_tokens_a_boolean, "cached_tokens is true, not an integer"),
+        (stream_without_log_probs, "event 2: 1 token id(s) but 0 log-prob entries"),
     ],
     ids=[
         "no-finish",
@@ -1326,6 +1346,10 @@ def stream_role_later(chunks: list[dict]) -> None:
         "two-completions",
         "usage-of-another-prompt",
         "cached-string",
+        "boolean-index",
+        "no-choices",
+        "cached-boolean",
+        "no-log-probs",
     ],
 )
 def test_check_calls_a_stream_the_harness_finds_framed_wrong_a_difference(
