@@ -822,6 +822,14 @@ def message_not_an_object(body: dict) -> None:
     body["choices"][0]["message"] = "hi"
 
 
+def finish_reason_null(body: dict) -> None:
+    body["choices"][0]["finish_reason"] = None
+
+
+def cached_tokens_a_boolean(body: dict) -> None:
+    body["usage"]["prompt_tokens_details"] = {"cached_tokens": True}
+
+
 def finish_not_a_string(body: dict) -> None:
     body["choices"][0]["finish_reason"] = 5
 
@@ -857,6 +865,8 @@ def usage_without_count(body: dict) -> None:
         (finish_not_a_string, "the answer's choices[0].finish_reason is 5, not a string"),
         (cached_tokens_not_an_integer, 'cached_tokens is "3", not an integer'),
         (top_log_probs_not_of_token_ids, "choices[0].logprobs.content[0] is {"),
+        (finish_reason_null, "the answer did not finish: finish_reason null"),
+        (cached_tokens_a_boolean, "cached_tokens is true, not an integer"),
     ],
     ids=[
         "two-choices",
@@ -871,6 +881,8 @@ def usage_without_count(body: dict) -> None:
         "finish-number",
         "cached-string",
         "top-log-probs-not-ids",
+        "finish-null",
+        "cached-boolean",
     ],
 )
 def test_check_calls_an_unstreamed_answer_the_harness_refuses_an_error(
