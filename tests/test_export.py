@@ -1379,6 +1379,18 @@ def test_check_calls_a_stream_the_harness_finds_framed_wrong_a_difference(
     assert problem in detail
 
 
+def test_check_reads_usage_on_token_chunks_as_token_chunks(tmp_path: Path, monkeypatch) -> None:
+    """vLLM's `continuous_usage_stats` puts a usage on every chunk that has choices: those are
+    token chunks still (as the harness's stream reader takes them), and the stream is whole;
+    only the last chunk, with no choices, is the usage chunk."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    chunks = stream_chunks([1, 2, 3], [7, 8, 9, 10])
+    for number, chunk in enumerate(chunks[1:-1], start=1):
+        chunk["usage"] = {"prompt_tokens": 3, "completion_tokens": number}
+    verdict, code, detail = judged_stream(events(*chunks), tmp_path)
+    assert (verdict, code) == ("MATCH", 0), detail
+
+
 def test_check_calls_a_stream_whose_last_event_is_unterminated_a_difference(
     tmp_path: Path, monkeypatch
 ) -> None:
