@@ -1391,6 +1391,24 @@ def test_check_reads_usage_on_token_chunks_as_token_chunks(tmp_path: Path, monke
     assert (verdict, code) == ("MATCH", 0), detail
 
 
+def test_check_reads_no_drift_without_a_noise_floor_even_from_an_exact_tie(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A run that measured no noise floor (0) leaves no room for drift: even a tie resolved
+    the other way at equal log-probs, after an equal prefix, is a MISMATCH, as the harness
+    judges it; read as within a floor of 0 it passed as DRIFT (exit 0 under pd-drift)."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    expected = {
+        **NEAR_TIE_EXPECTED,
+        "top_logprobs": [[[7, -0.5]], [[8, -0.69], [5, -0.69]], [[9, -0.5]], [[10, -0.5]]],
+        "noise_floor_nats": 0,
+    }
+    tops = [[(7, -0.5)], [(5, -0.69), (8, -0.69)], [(9, -0.5)], [(10, -0.5)]]
+    verdict, code, detail = judge(expected, answer(200, answer_body(tops, [1, 2, 3])), [], tmp_path)
+    assert (verdict, code) == ("MISMATCH", 1), detail
+    assert "no room for drift" in detail
+
+
 def test_check_calls_a_stream_whose_last_event_is_unterminated_a_difference(
     tmp_path: Path, monkeypatch
 ) -> None:
