@@ -748,6 +748,20 @@ def test_check_reproduces_a_failure_where_it_was_recorded_as_repro_does() -> Non
     assert check.reproduction(died, "MATCH", (), None) == "NOT reproduced"
 
 
+def test_check_names_a_prompt_of_another_length_another_count_as_the_harness_does() -> None:
+    """The harness's signature counts prompt ids of another length (here one fewer: the
+    media placeholders sized differently) as "prompt ids, another count"; so recorded, the
+    same parting here is the recorded failure, and one of the same length is not."""
+    shorter = check.parting(EXPECTED, response([1, 2], [7, 8, 9, 10]))
+    assert shorter == ("prompt ids, another count", 2)
+    recorded = {"verdict": "MISMATCH", "ids": "prompt ids, another count", "position": 2}
+    assert check.reproduction(recorded, "MISMATCH", (), shorter) == "reproduced"
+    same = check.parting(EXPECTED, response([1, 2, 4], [7, 8, 9, 10]))
+    assert check.reproduction(recorded, "MISMATCH", (), same) == (
+        "NOT reproduced (prompt ids, same count now, prompt ids, another count in the recording)"
+    )
+
+
 @pytest.mark.parametrize(
     "payload",
     [
