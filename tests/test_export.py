@@ -762,6 +762,17 @@ def test_check_names_a_prompt_of_another_length_another_count_as_the_harness_doe
     )
 
 
+def test_check_reproduces_a_prompt_parting_an_export_recorded_as_prompt_ids() -> None:
+    """An export that recorded the parting as "prompt ids" (no count) is reproduced by prompt
+    ids parting here, of either count; generated ids parting are another failure."""
+    recorded = {"verdict": "MISMATCH", "ids": "prompt ids", "position": 2}
+    for prompt in ([1, 2, 4], [1, 2]):
+        parted = check.parting(EXPECTED, response(prompt, [7, 8, 9, 10]))
+        assert check.reproduction(recorded, "MISMATCH", (), parted) == "reproduced", prompt
+    generated = check.parting(EXPECTED, response([1, 2, 3], [7, 5, 9, 10]))
+    assert check.reproduction(recorded, "MISMATCH", (), generated).startswith("NOT reproduced")
+
+
 @pytest.mark.parametrize(
     "payload",
     [
