@@ -405,3 +405,13 @@ def test_policies():
     for failing in (Verdict.MISMATCH, Verdict.VACUOUS, Verdict.UNSTABLE_BASELINE, Verdict.ERROR):
         assert not EXACT.passes(failing) and not LOGPROB_CLOSE.passes(failing)
     assert Policy(frozenset({Verdict.VACUOUS})).passes(Verdict.VACUOUS)
+
+
+def test_an_answer_without_log_probs_reads_no_noise_floor():
+    """The floor is read from both answers' log-probs: one side without them (a batched answer
+    whose server sent none) measured nothing, so no floor, never a floor of 0 read from the
+    other side alone (which says batching moved nothing)."""
+    alone = chat((5, 6, 7), top=lambda i, t: [(t, -0.5)])
+    bare = chat((5, 6, 7))
+    assert prefix_noise_floor(alone, bare) is None
+    assert prefix_noise_floor(bare, alone) is None
