@@ -13,6 +13,7 @@ from harness.judge.compare import (
     noise_floor,
     prefix_noise_floor,
     token_verdict,
+    whose_answer,
 )
 from harness.judge.records import EXACT, LOGPROB_CLOSE, Policy
 from harness.outcomes.chat import ChatResult, PositionLogprobs
@@ -415,3 +416,12 @@ def test_an_answer_without_log_probs_reads_no_noise_floor():
     bare = chat((5, 6, 7))
     assert prefix_noise_floor(alone, bare) is None
     assert prefix_noise_floor(bare, alone) is None
+
+
+def test_an_empty_answer_is_nobody_elses():
+    """Naming whose answer a candidate is needs ids to compare: an empty answer equals every
+    other empty one, and "received request 4's answer" would blame a swap for a request that
+    generated nothing."""
+    empty = chat(())
+    assert whose_answer(empty, [("request 4", chat(()))]) is None
+    assert whose_answer(chat((5,)), [("request 4", chat((5,)))]) == "received request 4's answer"
