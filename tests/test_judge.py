@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from harness.judge.compare import Verdict
@@ -153,3 +155,13 @@ def test_a_fresh_prefix_request_has_a_salt_of_its_own_and_keeps_a_given_one() ->
     }
     given = {**body, CACHE_SALT: "the-users-own"}
     assert fresh_prefix_request(given) == given
+
+
+def test_a_failed_request_is_an_error_even_with_an_answer() -> None:
+    """ "A failed request is ERROR whatever else holds": an error beside an answer (one read
+    before the request failed) leaves no answer to compare."""
+    answered = outcome((5, 6))
+    failed = dataclasses.replace(answered, error="HTTP 500: boom")
+    record = judged("1E+1PD", "baseline", answered, failed, [HELD])
+    assert record.verdict is Verdict.ERROR and record.error == "HTTP 500: boom"
+    assert not record.policy_passed
