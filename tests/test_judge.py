@@ -165,3 +165,12 @@ def test_a_failed_request_is_an_error_even_with_an_answer() -> None:
     record = judged("1E+1PD", "baseline", answered, failed, [HELD])
     assert record.verdict is Verdict.ERROR and record.error == "HTTP 500: boom"
     assert not record.policy_passed
+
+
+def test_a_reference_that_failed_is_an_error_even_with_an_answer() -> None:
+    """A reference whose request failed is no answer to hold a case to, whatever it carries."""
+    answered = outcome((5, 6))
+    failed = dataclasses.replace(answered, error="HTTP 500: boom")
+    record = judged("1E+1PD", "baseline", failed, answered, [HELD])
+    assert record.verdict is Verdict.ERROR and not record.policy_passed
+    assert "reference baseline has no result" in record.detail
