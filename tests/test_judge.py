@@ -8,8 +8,8 @@ import pytest
 
 from harness.judge.compare import Verdict
 from harness.judge.guards import GuardResult
-from harness.judge.policy import PD_DRIFT
-from harness.judge.verdicts import baseline_stability
+from harness.judge.policy import PD_DRIFT, ReferencePolicy
+from harness.judge.verdicts import JudgingRules, baseline_stability
 from harness.outcomes.outcome import Outcome
 from harness.testing import builders
 from harness.testing.judging import judged
@@ -174,3 +174,14 @@ def test_a_reference_that_failed_is_an_error_even_with_an_answer() -> None:
     record = judged("1E+1PD", "baseline", failed, answered, [HELD])
     assert record.verdict is Verdict.ERROR and not record.policy_passed
     assert "reference baseline has no result" in record.detail
+
+
+def test_a_batched_answer_keeps_the_noise_the_control_showed() -> None:
+    """A batched answer runs under the control's run-to-run noise as well as the batch's: its
+    tolerance is the larger floor, never the batch's alone (a batch floor of 0 would make a
+    near tie within the control's noise a MISMATCH only because it was batched)."""
+    reference, candidate = outcome((5, 6), top=(8,)), outcome((5, 8), top=(6,))
+    rules = JudgingRules(ReferencePolicy(PD_DRIFT), 0.2, batched_noise_floor_nats=0.0)
+    assert rules.tolerance(batched=True) == 0.2
+    record = judged("1E+1P+1D", "baseline", reference, candidate, rules=rules, batched=True)
+    assert record.verdict is Verdict.DRIFT and record.policy_passed
