@@ -185,3 +185,12 @@ def test_a_batched_answer_keeps_the_noise_the_control_showed() -> None:
     assert rules.tolerance(batched=True) == 0.2
     record = judged("1E+1P+1D", "baseline", reference, candidate, rules=rules, batched=True)
     assert record.verdict is Verdict.DRIFT and record.policy_passed
+
+
+def test_a_control_answered_from_other_prompt_ids_is_unstable() -> None:
+    """The control asks the same request twice: prompt ids that differ between the two (a
+    placeholder sized otherwise the second time) are a baseline that disagreed with itself,
+    even when the generated ids came out equal."""
+    again = builders.outcome("image", (5, 6), prompt_ids=(1, 2, 4))
+    unstable = baseline_stability(outcome((5, 6)), again)
+    assert unstable.stable is False and "prompt ids differ" in unstable.detail
