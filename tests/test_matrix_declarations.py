@@ -499,3 +499,27 @@ def test_a_declared_failure_does_not_hide_a_transfer_guard_that_failed_too() -> 
     both = as_declared(reference, [no_kv, no_ec], vacuous)
     assert both.verdict is Verdict.VACUOUS and not both.policy_passed, both.detail
     assert "consumer_embeds" in both.detail
+
+
+def test_a_declared_mismatch_that_now_drifts_is_not_as_declared() -> None:
+    """A declaration holds only while the case ends with the declared verdict: a DRIFT's
+    headline reads "generated tokens differ" too, so the evidence alone would hold a declared
+    MISMATCH that vLLM now answers within the noise floor, and hide that change."""
+
+    def near_tie(tokens: tuple[int, ...]) -> Outcome:
+        ranked = lambda i, t: [(t, -1.0), (8 if t == 6 else 6, -1.1)]  # noqa: E731
+        return Outcome("p", chat(tokens, top=ranked))
+
+    mismatch = DeclaredFailure("MISMATCH", "generated tokens differ", "r", "s")
+    record = judged(
+        "1E+1P+1D:s",
+        "baseline",
+        near_tie((5, 6)),
+        near_tie((5, 8)),
+        [],
+        reference_policy="pd-drift",
+        tolerance=0.2,
+        declared=mismatch,
+    )
+    assert record.verdict is Verdict.DRIFT and record.detail.startswith("generated tokens differ")
+    assert not record.policy_passed and "NOT the declared MISMATCH" in record.detail
