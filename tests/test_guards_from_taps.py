@@ -259,3 +259,14 @@ def test_under_nixl_d_calls_of_several_requests_in_one_window_hold_no_kv_guard_e
     )
     assert not guard.ok and not guard.checkable, guard
     assert "2 requests" in guard.evidence, guard.evidence
+
+
+def test_d_calls_without_ids_in_one_window_are_no_ones_kv_evidence() -> None:
+    """A proxy that sends D no request id leaves nothing to tell a retry from a neighbour's
+    call: two id-less calls at D in one window are no request's evidence either (read as one
+    request's, the neighbour's cached tokens held this one's guard)."""
+    first, second = consumer(2, "decode", cached=0), consumer(3, "decode", cached=64)
+    first.request_id = second.request_id = None
+    evidence = TransferEvidence.from_taps([first, second], 0)
+    guard = check_kv_transfer(cached_answer(89, 64), block_size=32, evidence=evidence)
+    assert not guard.ok and not guard.checkable, guard
