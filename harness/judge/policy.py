@@ -15,8 +15,9 @@ runs in other batch shapes than the baseline's single request did; whether that 
 on a platform is measured, never assumed: the baseline's batched pass sends each sweep request
 together with another, a load has the baseline answer its requests at the load's concurrency
 (`harness.run.baseline.BaselineAnswers.calibrate_batched`), and a batched answer is held to the
-drift rule within the noise that showed. Where batching moved nothing (a floor of 0) no drift
-can pass, so the comparison stays exact in effect.
+drift rule within the larger of the noise that showed batched and the noise its repeat showed
+alone (`JudgingRules.tolerance`). Where neither moved anything (both floors 0) no drift can
+pass, so the comparison stays exact in effect.
 
 On CPU with the numerics pinned (one thread per instance, eager) every comparison is
 bitwise repeatable, so everything is exact there. The policy is chosen by platform, recorded in
@@ -56,8 +57,9 @@ class ReferencePolicy:
         PD_DRIFT, where numeric drift within the measured floor passes too; and, under either
         policy, a batched answer (computed in flight with other requests: a load) against the
         monolithic single-request reference, which may drift within the noise the baseline
-        itself showed when batched. That floor is measured, never assumed: where batching
-        moved no log-prob (it is 0) no drift can pass and the comparison is exact in effect."""
+        itself showed when batched (or alone, whichever is larger). That floor is measured,
+        never assumed: where neither moved a log-prob (both 0) no drift can pass and the
+        comparison is exact in effect."""
         if self.name == PD_DRIFT and reference_is_monolithic and topology.has_kv_transfer:
             return LOGPROB_CLOSE
         if batched and reference_is_monolithic:
