@@ -87,12 +87,10 @@ class Entry:
         return self.traces.pop(request_id, None)
 
 
-@pytest.mark.parametrize("traced", [True, False], ids=["harness-proxy", "vllm-proxy"])
-def test_an_error_status_of_d_passed_on_names_d(
-    tmp_path: Path, traced: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """D answered 500 and the proxy passed it on, as both proxies do: found in review, the
-    case's error said "no instance was still working on it" and named no instance."""
+def session_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, entry: Entry
+) -> TopologySession:
+    """A 1E+1PD session of stand-in servers and taps whose requests go to `entry`."""
     monkeypatch.setattr(session_module, "DEATH_GRACE_S", 0.0)  # nothing dies here
     serving = ServingConfig(model=str(tmp_path / "m"))
     session = TopologySession(TOPOLOGIES["1E+1PD"], RunSettings(serving=serving, run_dir=tmp_path))
@@ -103,11 +101,20 @@ def test_an_error_status_of_d_passed_on_names_d(
     session._servers = [Server("1E+1PD/encoder0", tmp_path), Server("1E+1PD/pd0", tmp_path)]  # type: ignore[list-item]
     session.tap_urls = {ENCODER_URL: ENCODER_TAP, PD_URL: PD_TAP}
     session._taps = TapSet([])
-    entry = Entry(traced)
     entry.taps = session._taps
     session._entry, session._group = entry, entry  # type: ignore[assignment]
     session.decode_counters = lambda: None  # type: ignore[method-assign]
     session._sample_memory = lambda: None  # type: ignore[method-assign]
+    return session
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["harness-proxy", "vllm-proxy"])
+def test_an_error_status_of_d_passed_on_names_d(
+    tmp_path: Path, traced: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D answered 500 and the proxy passed it on, as both proxies do: found in review, the
+    case's error said "no instance was still working on it" and named no instance."""
+    session = session_behind(tmp_path, monkeypatch, Entry(traced))
     outcome = session.send("text", {"model": "m", "messages": []})
     assert outcome.result is None
     assert "1E+1PD/pd0" in outcome.error and "answered 500" in outcome.error, outcome.error
@@ -133,20 +140,7 @@ def test_the_proxys_own_failure_mid_stream_names_the_proxy_not_d(
 ) -> None:
     """Found in review: the case's error said the request "was still waiting on" D, whose
     stream the proxy itself had failed to relay, and quoted D's log as the evidence."""
-    monkeypatch.setattr(session_module, "DEATH_GRACE_S", 0.0)  # nothing dies here
-    serving = ServingConfig(model=str(tmp_path / "m"))
-    session = TopologySession(TOPOLOGIES["1E+1PD"], RunSettings(serving=serving, run_dir=tmp_path))
-    session.instances = [  # type: ignore[list-item]
-        SimpleNamespace(url=ENCODER_URL, name="1E+1PD/encoder0"),
-        SimpleNamespace(url=PD_URL, name="1E+1PD/pd0"),
-    ]
-    session._servers = [Server("1E+1PD/encoder0", tmp_path), Server("1E+1PD/pd0", tmp_path)]  # type: ignore[list-item]
-    session.tap_urls = {ENCODER_URL: ENCODER_TAP, PD_URL: PD_TAP}
-    session._taps = TapSet([])
-    entry = FailingProxy(traced=True)
-    session._entry, session._group = entry, entry  # type: ignore[assignment]
-    session.decode_counters = lambda: None  # type: ignore[method-assign]
-    session._sample_memory = lambda: None  # type: ignore[method-assign]
+    session = session_behind(tmp_path, monkeypatch, FailingProxy(traced=True))
     outcome = session.send("text", {"model": "m", "messages": []})
     assert outcome.result is None
     assert "proxy failed mid-stream: RuntimeError: relay bug" in outcome.error, outcome.error
