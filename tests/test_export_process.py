@@ -877,6 +877,22 @@ def test_an_export_script_run_by_a_test_reaches_the_hub_as_the_session_does(
     assert done.stdout == f"home={tmp_path / 'hf'} token=hf_test_token\n", done
 
 
+def serve_sh_refused(
+    run: Path, tmp_path: Path, leased_ports: TakePorts
+) -> tuple[Path, dict[str, str], subprocess.CompletedProcess[str]]:
+    """`run`'s 1E+1P+1D case exported, and its serve.sh run once without the value it needs:
+    the export, its environment and serve.sh's refusal (exit 2)."""
+    bundle = Bundle.load(run)
+    upstream = UpstreamProxy(Path(bundle.run["proxy"]["files_dir"]), "a stand-in proxy")
+    plan = plan_export(bundle, f"1E+1P+1D:{PROMPT}", lambda: upstream, None)
+    out = tmp_path / "scratch" / plan.name
+    write_export(plan, out, {"cpu_repair.py": "print('no repairs needed here')\n"})
+    env = environment(leased_ports, tmp_path)
+    refused = run_script(out, ["serve.sh"], env)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    return out, env, refused
+
+
 def test_a_recorded_api_key_is_the_users_own_and_serve_sh_refuses_without_it(
     tmp_path: Path, leased_ports: TakePorts
 ) -> None:
@@ -885,14 +901,8 @@ def test_a_recorded_api_key_is_the_users_own_and_serve_sh_refuses_without_it(
     starts; set, each server is given it."""
     from test_export import with_api_keys
 
-    bundle = Bundle.load(with_api_keys(write_bundle(tmp_path / "run", verdict="MATCH")))
-    upstream = UpstreamProxy(Path(bundle.run["proxy"]["files_dir"]), "a stand-in proxy")
-    plan = plan_export(bundle, f"1E+1P+1D:{PROMPT}", lambda: upstream, None)
-    out = tmp_path / "scratch" / plan.name
-    write_export(plan, out, {"cpu_repair.py": "print('no repairs needed here')\n"})
-    env = environment(leased_ports, tmp_path)
-    refused = run_script(out, ["serve.sh"], env)
-    assert refused.returncode == 2, refused.stdout + refused.stderr
+    run = with_api_keys(write_bundle(tmp_path / "run", verdict="MATCH"))
+    out, env, refused = serve_sh_refused(run, tmp_path, leased_ports)
     assert "serve.sh: set API_KEY" in refused.stderr
     assert not list((out / "work").glob("state/*.pid")), "a server started without its key"
     argv_dir = tmp_path / "argvs"
@@ -926,14 +936,7 @@ def test_a_redacted_inherited_variable_is_refused_before_any_server_starts(
         if "vllm-proxy" not in path.name:
             command["inherited_env"] = {name: "[redacted]"}
             path.write_text(json.dumps(command))
-    bundle = Bundle.load(run)
-    upstream = UpstreamProxy(Path(bundle.run["proxy"]["files_dir"]), "a stand-in proxy")
-    plan = plan_export(bundle, f"1E+1P+1D:{PROMPT}", lambda: upstream, None)
-    out = tmp_path / "scratch" / plan.name
-    write_export(plan, out, {"cpu_repair.py": "print('no repairs needed here')\n"})
-    env = environment(leased_ports, tmp_path)
-    refused = run_script(out, ["serve.sh"], env)
-    assert refused.returncode == 2, refused.stdout + refused.stderr
+    out, env, refused = serve_sh_refused(run, tmp_path, leased_ports)
     assert f"serve.sh: set {name}" in refused.stderr, refused.stderr
     assert not list((out / "work").glob("state/*.pid")), "a server started without it"
     seen_dir = tmp_path / "seen"
