@@ -726,6 +726,8 @@ def test_junit_xml_of_a_run_failed_by_its_problems_has_a_failing_case(tmp_path):
     cases = root.findall("./testsuite/testcase")
     assert len(cases) == len(passing) + 1
     assert root.get("failures") == root.find("testsuite").get("failures") == "1"
+    # Counted among the tests too: tests="N" failures="N+1" reads as a broken report.
+    assert root.get("tests") == root.find("testsuite").get("tests") == str(len(cases))
     failure = cases[-1].find("failure")
     assert cases[-1].get("name") == "run problems"
     assert failure is not None and problems[0] in failure.text
