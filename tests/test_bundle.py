@@ -733,6 +733,20 @@ def test_junit_xml_of_a_run_failed_by_its_problems_has_a_failing_case(tmp_path):
     assert failure is not None and problems[0] in failure.text
 
 
+def test_junit_xml_fails_only_what_failed_its_policy_not_every_non_match(tmp_path):
+    """A MISMATCH that passed as a declared release failure exits 0, as summary.json and the
+    table say: junit.xml, which CI annotates from, must not show it failed."""
+    records, _ = sample_run()
+    mismatch = next(r for r in records if r.verdict is Verdict.MISMATCH)
+    declared = dataclasses.replace(
+        mismatch, policy_passed=True, declared_failure="video-timing-before-0.31"
+    )
+    write_junit_xml(tmp_path, [records[0], declared])
+    root = ET.parse(tmp_path / "junit.xml").getroot()
+    assert root.get("failures") == "0"
+    assert root.findall("./testsuite/testcase/failure") == []
+
+
 def test_junit_xml_of_a_run_without_cases_has_a_failing_case(tmp_path):
     """A run that judged no case exits 1 and its summary.json says `passed: false` (it proved
     nothing); its junit.xml said tests="0" failures="0", which a CI view shows as nothing
