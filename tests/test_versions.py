@@ -1007,6 +1007,7 @@ def test_matrix_rows_follow_the_newest_release_and_evidence_is_not_repeated() ->
         (2, ["MATCH", "MATCH"], False),  # could not start: an earlier attempt's summary.json
         (-9, ["MATCH"], False),  # killed part way: the cases judged so far
         (1, ["MATCH", "MATCH"], False),  # exit 1 with every case passed: something else failed
+        (2, ["NOT_APPLICABLE", "MATCH"], False),  # exit 2 is no verdict's, whatever the cases
     ],
 )
 def test_a_release_passes_the_matrix_only_when_its_run_went_through(
