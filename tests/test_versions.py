@@ -357,6 +357,20 @@ def test_a_match_whose_guard_was_not_checkable_is_marked_and_unexplained() -> No
     )
 
 
+def test_an_unproven_match_is_unexplained_beside_a_not_applicable_case() -> None:
+    """The release's `run` exits 1 for a NOT_APPLICABLE case, which the matrix accepts: an
+    unproven MATCH beside it must fail the matrix by itself, not by the exit code."""
+    guards = {"kv_transfer": {"ok": False, "evidence": "not checkable", "not_checkable": True}}
+    unproven = case("1P+1D", "text", "MATCH", guards=guards)
+    not_applicable = case("1E+1PD", "text", "NOT_APPLICABLE")
+    run = ReleaseRun("0.30.0", "by-hash", 1, 1.0, 0.0, 0, [not_applicable, unproven])
+    assert not matrix_passed([run])
+    proven = case("1P+1D", "text", "MATCH")
+    assert matrix_passed(
+        [ReleaseRun("0.30.0", "by-hash", 1, 1.0, 0.0, 0, [not_applicable, proven])]
+    )
+
+
 def test_golden_references_label_like_the_baseline() -> None:
     assert case_label(case("1E+1PD", "text", "MATCH", reference="golden-0.31.0")) == "1E+1PD / text"
 
