@@ -1346,6 +1346,24 @@ def test_a_full_sweep_reused_for_a_selection_answers_only_the_selected_cases(
     assert whole.cases == cases and whole.exit_code == 1
 
 
+def test_a_reused_sweep_that_ended_before_judging_keeps_its_exit_code_when_narrowed(
+    tmp_path: Path,
+) -> None:
+    """A finished run interrupted (130) or refused (2) part way keeps that exit code when
+    reused for a selection: recomputed from the cases it had judged, it passed the matrix."""
+    from harness.cli.versions import RELEASE_RUN_FILE, run_release
+
+    cases = [case("1P+1D", "image", "MATCH"), case("1E+1PD", "image", "MATCH")]
+    for code in (130, 2):
+        run_dir = tmp_path / str(code) / "0.30.0"
+        run_dir.mkdir(parents=True)
+        run = ReleaseRun("0.30.0", "by-hash", code, 1.0, 0.0, 0, cases)
+        (run_dir / RELEASE_RUN_FILE).write_text(json.dumps(run.to_json()))
+        narrowed = run_release("0.30.0", run_dir, ["--topology", "1P+1D"], None)
+        assert narrowed.exit_code == code and len(narrowed.cases) == 1
+        assert not matrix_passed([narrowed])
+
+
 def dtype_action(command: str):
     from harness.cli.main import subcommand_parsers
 
