@@ -1364,6 +1364,20 @@ def test_a_reused_sweep_that_ended_before_judging_keeps_its_exit_code_when_narro
         assert not matrix_passed([narrowed])
 
 
+def test_a_reused_sweep_narrowed_to_no_case_fails_the_matrix(tmp_path: Path) -> None:
+    """A full sweep reused for a selection it has no case of is narrowed to nothing (its
+    exit code recomputed over no case reads 0): a release that answered nothing proved
+    nothing."""
+    from harness.cli.versions import RELEASE_RUN_FILE, run_release
+
+    run = ReleaseRun("0.30.0", "by-hash", 0, 1.0, 0.0, 0, [case("1P+1D", "image", "MATCH")])
+    (tmp_path / "0.30.0").mkdir()
+    (tmp_path / "0.30.0" / RELEASE_RUN_FILE).write_text(json.dumps(run.to_json()))
+    narrowed = run_release("0.30.0", tmp_path / "0.30.0", ["--topology", "1E+1PD"], None)
+    assert narrowed.cases == [] and not narrowed.failure
+    assert not matrix_passed([narrowed])
+
+
 def dtype_action(command: str):
     from harness.cli.main import subcommand_parsers
 
