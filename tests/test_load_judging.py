@@ -1241,3 +1241,20 @@ def test_a_load_that_fails_before_its_first_round_still_writes_its_account(
     account = json.loads((tmp_path / "load.json").read_text())
     assert account["calibration"]["source"] == "measured now, for this load"
     assert account["ended_by"] == "the load failed: RuntimeError: planted fault refused"
+
+
+def test_a_load_that_judged_nothing_or_ended_early_did_not_pass() -> None:
+    """`LoadResult.passed` decides `epd-harness load`'s exit code: a load with no request
+    judged proved nothing, and one a death ended early did not run its load, however its
+    judged requests ended."""
+    from harness.run.load.result import LoadResult
+
+    spec = LoadSpec("1E+1PD", requests=3, concurrency=1, distinct_media=3)
+    nothing = LoadResult(spec)
+    assert not nothing.passed
+    clean = LoadResult(spec)
+    clean.tally.requests = clean.tally.passed = 2
+    assert clean.passed
+    ended = LoadResult(spec, ended_by="decode0 died (exit 137)")
+    ended.tally.requests = ended.tally.passed = 2
+    assert not ended.passed
