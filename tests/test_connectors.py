@@ -230,6 +230,14 @@ def test_the_account_of_prompts_d_held_whole_is_not_checkable() -> None:
     assert broken.failed and "failed +1" in broken.evidence, broken.evidence
 
 
+def test_an_account_with_a_few_tokens_from_p_and_the_rest_held_holds() -> None:
+    """D held most of the round's prompts and P sent the rest: KV moved and D computed none of
+    it, so the account holds; it is "held every prompt itself" only when nothing came from P."""
+    prompts = {"request 1": 39, "request 2": 39}
+    account = check_kv_account(prompts, round_counters(2, 76, 0), KvRule.WHOLE_PROMPT, 32)
+    assert (account.ok, account.checkable) == (True, True), account.evidence
+
+
 def test_rule_follows_the_serving_config_connector() -> None:
     assert kv_rule_for("ExampleConnector") is KvRule.BLOCK_ALIGNED_PREFIX
     assert kv_rule_for("NixlConnector") is KvRule.WHOLE_PROMPT
