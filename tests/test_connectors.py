@@ -238,6 +238,13 @@ def test_an_account_with_a_few_tokens_from_p_and_the_rest_held_holds() -> None:
     assert (account.ok, account.checkable) == (True, True), account.evidence
 
 
+def test_an_account_whose_counters_did_not_move_fails_not_unchecked() -> None:
+    """D's counters show nothing over the round (none from P, none held, none computed): that
+    is no "D held every prompt itself", it is prompts D never counted."""
+    account = check_kv_account(ROUND_PROMPTS, round_counters(0, 0, 0), KvRule.WHOLE_PROMPT, 32)
+    assert account.failed, account.evidence
+
+
 def test_rule_follows_the_serving_config_connector() -> None:
     assert kv_rule_for("ExampleConnector") is KvRule.BLOCK_ALIGNED_PREFIX
     assert kv_rule_for("NixlConnector") is KvRule.WHOLE_PROMPT
