@@ -245,6 +245,14 @@ def test_an_account_whose_counters_did_not_move_fails_not_unchecked() -> None:
     assert account.failed, account.evidence
 
 
+def test_an_account_of_held_prompts_that_d_also_computed_past_the_rule_fails() -> None:
+    """Nothing from P and the prompts held, but D computed more than one token a request
+    itself: not "nothing had to move", a failure."""
+    prompts = {"request 1": 39, "request 2": 39}
+    account = check_kv_account(prompts, round_counters(0, 76, 10), KvRule.WHOLE_PROMPT, 32)
+    assert account.failed and "D computed 8 prompt tokens more" in account.evidence, account
+
+
 def test_rule_follows_the_serving_config_connector() -> None:
     assert kv_rule_for("ExampleConnector") is KvRule.BLOCK_ALIGNED_PREFIX
     assert kv_rule_for("NixlConnector") is KvRule.WHOLE_PROMPT
