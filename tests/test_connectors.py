@@ -253,6 +253,14 @@ def test_an_account_of_held_prompts_that_d_also_computed_past_the_rule_fails() -
     assert account.failed and "D computed 8 prompt tokens more" in account.evidence, account
 
 
+def test_the_account_allows_d_exactly_what_the_rule_leaves_it() -> None:
+    """One token a request under NIXL is D's to compute: 16 over the 16-request round holds."""
+    account = check_kv_account(
+        ROUND_PROMPTS, round_counters(3024, 928, 16), KvRule.WHOLE_PROMPT, 32
+    )
+    assert account.ok and account.checkable, account.evidence
+
+
 def test_rule_follows_the_serving_config_connector() -> None:
     assert kv_rule_for("ExampleConnector") is KvRule.BLOCK_ALIGNED_PREFIX
     assert kv_rule_for("NixlConnector") is KvRule.WHOLE_PROMPT
