@@ -261,6 +261,17 @@ def test_the_account_allows_d_exactly_what_the_rule_leaves_it() -> None:
     assert account.ok and account.checkable, account.evidence
 
 
+ERRORED = {"request 17": 100}
+
+
+def test_an_errored_request_that_explains_exactly_what_d_computed_leaves_it_unchecked() -> None:
+    """D computed the answered requests' allowance plus the errored request's whole prompt,
+    no more: the account cannot tell whose, so it is not checkable, never failed."""
+    counters = round_counters(3040, 928, 16 + 100)
+    account = check_kv_account(ROUND_PROMPTS, counters, KvRule.WHOLE_PROMPT, 32, ERRORED)
+    assert (account.ok, account.checkable) == (False, False), account.evidence
+
+
 def test_rule_follows_the_serving_config_connector() -> None:
     assert kv_rule_for("ExampleConnector") is KvRule.BLOCK_ALIGNED_PREFIX
     assert kv_rule_for("NixlConnector") is KvRule.WHOLE_PROMPT
