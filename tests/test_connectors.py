@@ -272,6 +272,14 @@ def test_an_errored_request_that_explains_exactly_what_d_computed_leaves_it_unch
     assert (account.ok, account.checkable) == (False, False), account.evidence
 
 
+def test_an_errored_request_excuses_no_prompts_d_left_uncounted() -> None:
+    """With a request errored, D counting fewer prompt tokens than the answered requests
+    alone had still fails the account: no errored request explains tokens missing."""
+    counters = round_counters(2040, 928, 50)
+    account = check_kv_account(ROUND_PROMPTS, counters, KvRule.WHOLE_PROMPT, 32, ERRORED)
+    assert account.failed and "D counted 3018 prompt tokens" in account.evidence, account
+
+
 def test_rule_follows_the_serving_config_connector() -> None:
     assert kv_rule_for("ExampleConnector") is KvRule.BLOCK_ALIGNED_PREFIX
     assert kv_rule_for("NixlConnector") is KvRule.WHOLE_PROMPT
