@@ -280,6 +280,14 @@ def test_an_errored_request_excuses_no_prompts_d_left_uncounted() -> None:
     assert account.failed and "D counted 3018 prompt tokens" in account.evidence, account
 
 
+def test_an_account_that_holds_with_a_request_errored_still_holds() -> None:
+    """A request errored but D computed nothing: the answered requests' KV all moved, the
+    account holds (the errored one fails the load as an ERROR of its own)."""
+    counters = round_counters(3040, 928, 0)
+    account = check_kv_account(ROUND_PROMPTS, counters, KvRule.WHOLE_PROMPT, 32, ERRORED)
+    assert (account.ok, account.checkable) == (True, True), account.evidence
+
+
 def test_rule_follows_the_serving_config_connector() -> None:
     assert kv_rule_for("ExampleConnector") is KvRule.BLOCK_ALIGNED_PREFIX
     assert kv_rule_for("NixlConnector") is KvRule.WHOLE_PROMPT
