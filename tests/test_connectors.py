@@ -141,6 +141,13 @@ def test_nixl_rule_is_not_checkable_when_d_held_the_whole_prompt() -> None:
     assert broken.failed and "failed +1" in broken.evidence, broken.evidence
 
 
+def test_nixl_rule_holds_when_d_held_the_prompt_and_p_still_sent_some() -> None:
+    """D held the prompt in its own prefix cache and P's tokens came too: something moved and
+    nothing failed, so the guard holds; "nothing had to move" is only for no p2p tokens."""
+    guard = check_kv_transfer(cached_answer(39, 38), 32, KvRule.WHOLE_PROMPT, nixl_counters(1))
+    assert (guard.ok, guard.checkable) == (True, True), guard.evidence
+
+
 def test_nixl_rule_fails_on_a_failed_transfer() -> None:
     guard = check_kv_transfer(cached_answer(89, 0), 32, KvRule.WHOLE_PROMPT, nixl_counters(89, 1))
     assert not guard.ok and "failed +1" in guard.evidence
