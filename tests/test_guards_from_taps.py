@@ -213,6 +213,28 @@ def test_only_the_consumers_metadata_only_parts_must_have_been_encoded(tmp_path:
     assert guard.ok, guard.evidence
 
 
+def test_an_item_only_an_encoder_without_metadata_was_sent_fails_the_encoder_guard(
+    tmp_path: Path,
+) -> None:
+    """Two images: the first sent to two encoders that both answered its metadata, the second
+    to one that answered none (it did not encode it). Counted per call the items add up and
+    the second's file may be in the storage from an earlier case; the consumer's second
+    metadata-only part was still encoded by no one in this request."""
+    storage = with_file(tmp_path, "h0")
+    with_file(tmp_path, "h1")
+    first, again = encoder(0, {"h0": ENTRY}), encoder(1, {"h0": ENTRY})
+    first.uuids, again.uuids = ["h0"], ["h0"]
+    empty = encoder(2, {})
+    empty.uuids = ["h1"]
+    consumed = consumer(3, "pd")
+    consumed.part_types = ["image_embeds"] * 2
+    consumed.metadata_only = [True, True]
+    consumed.uuids = ["h0", "h1"]
+    evidence = TransferEvidence.from_taps([first, again, empty, consumed], media_count=2)
+    guard = check_encoder_output(evidence, storage)
+    assert guard.ok is False and "h1 as metadata" in guard.evidence, guard.evidence
+
+
 def test_d_calls_of_several_requests_in_one_window_are_no_ones_kv_evidence() -> None:
     """vLLM's toy P/D proxy sends its own id (one uuid per client request) to P and D, so a
     request's records are its window's; under load the window also holds the calls of the
