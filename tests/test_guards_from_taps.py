@@ -235,6 +235,27 @@ def test_an_item_only_an_encoder_without_metadata_was_sent_fails_the_encoder_gua
     assert guard.ok is False and "h1 as metadata" in guard.evidence, guard.evidence
 
 
+def test_one_encoder_part_without_a_uuid_leaves_the_consumers_items_unjudged(
+    tmp_path: Path,
+) -> None:
+    """Some encoder parts with a uuid and one without: the one without names its item in no
+    way the consumer's uuid can be matched with, so nothing is claimed either way (not only
+    when every part lacks one)."""
+    storage = with_file(tmp_path, "h0")
+    with_file(tmp_path, "h1")
+    anonymous = encoder(0, {"h0": ENTRY})
+    anonymous.uuids = [None]
+    named = encoder(1, {"h1": ENTRY})
+    named.uuids = ["h1"]
+    consumed = consumer(2, "pd")
+    consumed.part_types = ["image_embeds"] * 2
+    consumed.metadata_only = [True, True]
+    consumed.uuids = ["h0", "h1"]
+    evidence = TransferEvidence.from_taps([anonymous, named, consumed], media_count=2)
+    guard = check_encoder_output(evidence, storage)
+    assert guard.ok, guard.evidence
+
+
 def test_d_calls_of_several_requests_in_one_window_are_no_ones_kv_evidence() -> None:
     """vLLM's toy P/D proxy sends its own id (one uuid per client request) to P and D, so a
     request's records are its window's; under load the window also holds the calls of the
