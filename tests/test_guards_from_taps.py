@@ -256,6 +256,16 @@ def test_one_encoder_part_without_a_uuid_leaves_the_consumers_items_unjudged(
     assert guard.ok, guard.evidence
 
 
+def test_a_text_only_request_on_an_epd_topology_has_no_ec_guards() -> None:
+    """No media, nothing for an encoder to do: no EC guard at all, rather than two that hold
+    on nothing and make a text-only MATCH look encoder-guarded."""
+    records = [consumer(0, "pd", cached=None)]
+    records[0].part_types, records[0].metadata_only = [], []
+    evidence = TransferEvidence.from_taps(records, media_count=0)
+    guards = check_transfers(get_topology("1E+1PD"), evidence, cached_answer(89, None), None, 32)
+    assert [g.name for g in guards] == []
+
+
 def test_d_calls_of_several_requests_in_one_window_are_no_ones_kv_evidence() -> None:
     """vLLM's toy P/D proxy sends its own id (one uuid per client request) to P and D, so a
     request's records are its window's; under load the window also holds the calls of the
