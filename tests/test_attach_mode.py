@@ -224,6 +224,15 @@ def test_a_kv_guard_d_held_from_its_own_prefix_cache_is_not_checkable() -> None:
     assert held["kv_transfer"].ok
 
 
+def test_an_example_connector_request_in_flight_with_another_is_judged_by_its_own_answer() -> None:
+    """Another request in flight makes D's p2p counter (NIXL's evidence) shared, not the
+    answer's own `cached_tokens` (ExampleConnector's): that guard is still decided."""
+    evidence = AttachedEvidence(media_items=0, shared=True)
+    held = guards_of("1P+1D", evidence, result=cached_answer(89, 64))["kv_transfer"]
+    assert held.ok and held.checkable, held.evidence
+    assert guards_of("1P+1D", evidence, result=cached_answer(89, 0))["kv_transfer"].failed
+
+
 @pytest.mark.parametrize(
     "document, said",
     [
