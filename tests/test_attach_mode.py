@@ -233,6 +233,15 @@ def test_an_example_connector_request_in_flight_with_another_is_judged_by_its_ow
     assert guards_of("1P+1D", evidence, result=cached_answer(89, 0))["kv_transfer"].failed
 
 
+def test_a_kv_guard_with_tokens_through_the_connector_is_judged_though_d_held_some() -> None:
+    """D took part of the prompt from its own prefix cache and the rest through the
+    connector (its /metrics): something moved, so the guard is decided, not "not checkable"."""
+    evidence = AttachedEvidence(media_items=0)
+    mixed = {"local_cache_hit_tokens": 64.0, "external_kv_tokens": 16.0}
+    guard = guards_of("1P+1D", evidence, result=cached_answer(89, 80), counters=mixed)
+    assert guard["kv_transfer"].ok and guard["kv_transfer"].checkable, guard["kv_transfer"]
+
+
 @pytest.mark.parametrize(
     "document, said",
     [
