@@ -295,6 +295,21 @@ def test_an_account_that_holds_with_a_request_errored_still_holds() -> None:
     assert (account.ok, account.checkable) == (True, True), account.evidence
 
 
+def test_an_errored_request_beside_prompts_d_held_whole_leaves_the_account_unchecked() -> None:
+    """D held every answered prompt itself and computed past their allowance only what the
+    errored request's prompt explains: whose tokens those are cannot be told, so the account
+    is not checkable. Found in review: it failed, naming no cause, the round's answered
+    requests' KV all accounted for."""
+    prompts = {"request 1": 39, "request 2": 39}
+    counters = round_counters(0, 76, 7)
+    account = check_kv_account(prompts, counters, KvRule.WHOLE_PROMPT, 32, {"request 3": 39})
+    assert (account.ok, account.checkable) == (False, False), account.evidence
+    past = check_kv_account(
+        prompts, round_counters(0, 76, 50), KvRule.WHOLE_PROMPT, 32, {"request 3": 39}
+    )
+    assert past.failed and "D computed 9 prompt tokens more" in past.evidence, past.evidence
+
+
 def test_rule_follows_the_serving_config_connector() -> None:
     assert kv_rule_for("ExampleConnector") is KvRule.BLOCK_ALIGNED_PREFIX
     assert kv_rule_for("NixlConnector") is KvRule.WHOLE_PROMPT
