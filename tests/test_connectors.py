@@ -148,6 +148,16 @@ def test_nixl_rule_holds_when_d_held_the_prompt_and_p_still_sent_some() -> None:
     assert (guard.ok, guard.checkable) == (True, True), guard.evidence
 
 
+def test_a_prompt_too_short_for_a_whole_block_holds_no_kv_guard() -> None:
+    """A 20-token prompt under block 32: the rule expects no token to move, so nothing shows
+    a transfer; the guard must not hold on D reporting 0 >= 0."""
+    guard = check_kv_transfer(cached_answer(20, 0), 32)
+    assert guard.failed and "expected >= 0" in guard.evidence, guard.evidence
+    counted = {"local_cache_hit_tokens": 0.0, "external_kv_tokens": 0.0}
+    by_source = check_kv_transfer(cached_answer(20, 0), 32, counters=counted)
+    assert by_source.failed, by_source.evidence
+
+
 def test_nixl_rule_fails_on_a_failed_transfer() -> None:
     guard = check_kv_transfer(cached_answer(89, 0), 32, KvRule.WHOLE_PROMPT, nixl_counters(89, 1))
     assert not guard.ok and "failed +1" in guard.evidence
