@@ -158,6 +158,14 @@ def test_a_prompt_too_short_for_a_whole_block_holds_no_kv_guard() -> None:
     assert by_source.failed, by_source.evidence
 
 
+def test_a_prompt_prefix_d_held_exactly_from_its_own_cache_holds_no_kv_guard() -> None:
+    """D's /metrics: exactly the rule's 64 tokens from its own prefix cache, none through the
+    connector. cached_tokens=64 meets the rule, yet nothing moved: not checkable, never held."""
+    own = {"local_cache_hit_tokens": 64.0, "external_kv_tokens": 0.0}
+    guard = check_kv_transfer(cached_answer(89, 64), 32, counters=own)
+    assert (guard.ok, guard.checkable) == (False, False), guard.evidence
+
+
 def test_nixl_rule_fails_on_a_failed_transfer() -> None:
     guard = check_kv_transfer(cached_answer(89, 0), 32, KvRule.WHOLE_PROMPT, nixl_counters(89, 1))
     assert not guard.ok and "failed +1" in guard.evidence
