@@ -369,6 +369,46 @@ def test_an_item_whose_command_would_ignore_a_session_option_is_deselected_and_l
     assert "test_own_repro" in run.stdout.str(), "run and repro take --stream or leave it aside"
 
 
+KV_CONNECTORS = """
+import pytest
+
+@pytest.mark.kv_connector("nixl")
+def test_nixl_only():
+    pass
+
+@pytest.mark.kv_connector("example", "nixl")
+def test_either_connector():
+    pass
+
+def test_any_connector():
+    pass
+"""
+
+
+def test_an_item_of_another_kv_connector_is_deselected_counted_and_listed(
+    pytester: pytest.Pytester,
+) -> None:
+    """Without xdist too (tests/test_plugin_xdist.py has the workers' case): on cpu
+    (ExampleConnector) an item marked kv_connector("nixl") does not run, and is neither gone
+    silently nor counted a pass: pytest counts it deselected, the plugin names it with the
+    connectors it needs; one naming the session's connector among others runs. Found in
+    review by mutation: the unit tier stayed green with the items dropped but not reported
+    to pytest ("2 passed", no "1 deselected"), with the listing empty, and with the
+    connector test inverted."""
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_connectors=KV_CONNECTORS)
+    run = pytester.runpytest("-p", "no:cacheprovider", "-rA")
+    run.assert_outcomes(passed=2, deselected=1)
+    run.stdout.fnmatch_lines(
+        [
+            "epd-harness: 1 test(s) deselected: they apply to another KV connector than this "
+            "session's (example):",
+            "  test_connectors.py::test_nixl_only (needs nixl)",
+        ]
+    )
+    assert "PASSED test_connectors.py::test_nixl_only" not in run.stdout.str()
+
+
 def test_an_item_with_instances_of_its_own_must_take_their_fixture(
     pytester: pytest.Pytester,
 ) -> None:
