@@ -45,3 +45,17 @@ def test_proxy_registration_with_vllm_proxy_or_not_given_is_accepted(
     session_option_parser: pytest.Parser, argv: list[str]
 ) -> None:
     check_session_options(option_reader(session_option_parser, argv))
+
+
+@pytest.mark.parametrize(
+    "argv", [["--epd-model", ""], ["--epd-model", " "], ["--epd-run-dir", "  "]]
+)
+def test_an_empty_or_blank_value_is_refused_as_the_cli_refuses_it(
+    session_option_parser: pytest.Parser, argv: list[str]
+) -> None:
+    """`epd-harness run -k ' '` is refused as empty (tests/test_gpu_rehearsal.py); so is a
+    session's blank `--epd-*` value, never read as unset and served as the default. Found in
+    review by mutation: with only `""` refused, the quick tier stayed green."""
+    with pytest.raises(pytest.UsageError) as refused:
+        check_session_options(option_reader(session_option_parser, argv))
+    assert f"{argv[0]} {argv[1]!r} is empty" in str(refused.value), str(refused.value)
