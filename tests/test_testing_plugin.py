@@ -111,6 +111,55 @@ def test_e2e_items_run_by_topology_with_session_enders_last(pytester: pytest.Pyt
     assert "test_rehearsal_cluster_registered_within_30s" not in groups
 
 
+SCENARIOS = """
+import dataclasses
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    topology: str
+    ends_its_session: bool = False
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        Scenario("kills-decode", "1P+1D", ends_its_session=True),
+        Scenario("plain", "1P+1D"),
+        Scenario("other", "1E+1PD"),
+    ],
+    ids=lambda s: s.name,
+)
+def test_scenario(scenario):
+    pass
+"""
+
+
+def test_a_scenario_that_ends_its_session_runs_last_of_its_topology(
+    pytester: pytest.Pytester,
+) -> None:
+    """A matrix scenario that ends its session (`Scenario.ends_its_session`: a kill, a rerun
+    on kept storage) says so on its parameter, not with a marker: it runs after every other
+    item of its topology, which would otherwise find its instances gone. Found in review by
+    mutation: with the parameter's attribute ignored the unit tier stayed green."""
+    pytester.makeconftest(CONFTEST)
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    pytester.makepyfile(test_matrix=SCENARIOS)
+    run = pytester.inline_run("--collect-only", "-p", "no:cacheprovider")
+    [finished] = run.getcalls("pytest_collection_finish")
+    order = [item.name for item in finished.session.items]
+    assert order == [
+        "test_scenario[other]",
+        "test_scenario[plain]",
+        "test_scenario[kills-decode]",
+    ], order
+
+
 def test_a_variant_of_another_kv_connector_runs_after_every_default_group(
     pytester: pytest.Pytester,
 ) -> None:
