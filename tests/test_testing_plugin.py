@@ -445,17 +445,17 @@ def test_an_item_of_another_kv_connector_is_deselected_counted_and_listed(
     to pytest ("2 passed", no "1 deselected"), with the listing empty, and with the
     connector test inverted."""
     pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_connectors=KV_CONNECTORS)
+    pytester.makepyfile(test_kv_marked=KV_CONNECTORS)
     run = pytester.runpytest("-p", "no:cacheprovider", "-rA")
     run.assert_outcomes(passed=2, deselected=1)
     run.stdout.fnmatch_lines(
         [
             "epd-harness: 1 test(s) deselected: they apply to another KV connector than this "
             "session's (example):",
-            "  test_connectors.py::test_nixl_only (needs nixl)",
+            "  test_kv_marked.py::test_nixl_only (needs nixl)",
         ]
     )
-    assert "PASSED test_connectors.py::test_nixl_only" not in run.stdout.str()
+    assert "PASSED test_kv_marked.py::test_nixl_only" not in run.stdout.str()
 
 
 def test_an_item_with_instances_of_its_own_must_take_their_fixture(
