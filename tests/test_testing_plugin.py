@@ -149,7 +149,8 @@ def test_a_scenario_that_ends_its_session_runs_last_of_its_topology(
     mutation: with the parameter's attribute ignored the unit tier stayed green."""
     pytester.makeconftest(CONFTEST)
     pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
-    pytester.makepyfile(test_matrix=SCENARIOS)
+    # A basename no module of the suite has: pytest imports both in one worker otherwise.
+    pytester.makepyfile(test_scenario_order=SCENARIOS)
     run = pytester.inline_run("--collect-only", "-p", "no:cacheprovider")
     [finished] = run.getcalls("pytest_collection_finish")
     order = [item.name for item in finished.session.items]
