@@ -127,6 +127,17 @@ def test_a_yaml_error_names_the_file(tmp_path: Path) -> None:
 # -- guards ------------------------------------------------------------------------------------
 
 
+def session_sending_an_image(
+    spec: AttachSpec, tmp_path: Path, client: object
+) -> tuple[AttachedSession, dict]:
+    """An attached session whose requests go to `client` (its /health and /metrics stubbed by
+    the test), and the image prompt's body to send through it."""
+    session = AttachedSession(spec, fake_run_settings(tmp_path, tmp_path / "vllm"))
+    session._client = client  # type: ignore[assignment]
+    image = render_request(next(p for p in SKELETON_PROMPTS if p.name == "image"), "m")
+    return session, image
+
+
 def guards_of(topology: str, evidence: AttachedEvidence, **kw) -> dict[str, GuardResult]:
     guards = attached_guards(
         get_topology(topology),
@@ -467,9 +478,7 @@ def test_a_request_in_flight_with_another_holds_no_guard_on_the_others_files(
         def close(self) -> None:
             pass
 
-    session = AttachedSession(spec, fake_run_settings(tmp_path, tmp_path / "vllm"))
-    session._client = Client()  # type: ignore[assignment]
-    image = render_request(next(p for p in SKELETON_PROMPTS if p.name == "image"), "m")
+    session, image = session_sending_an_image(spec, tmp_path, Client())
     outcomes: dict[str, Outcome] = {}
     first = threading.Thread(target=lambda: outcomes.update(first=session.send("first", image)))
     first.start()
@@ -561,9 +570,7 @@ def test_an_encoder_metrics_page_without_the_request_counter_fails_no_guard(
         def close(self) -> None:
             pass
 
-    session = AttachedSession(spec, fake_run_settings(tmp_path, tmp_path / "vllm"))
-    session._client = Client()  # type: ignore[assignment]
-    image = render_request(next(p for p in SKELETON_PROMPTS if p.name == "image"), "m")
+    session, image = session_sending_an_image(spec, tmp_path, Client())
     sent = session.send("image", image)
     guard = {g.name: g for g in transfer_guards(session.served, sent)}["encoder_output"]
     assert not guard.checkable, guard  # neither held nor failed
