@@ -609,16 +609,15 @@ def test_an_instance_serving_another_model_name_is_refused_saying_how_to_serve_i
     serving another name would answer every request 404, each case an ERROR of vLLM's words."""
     from harness.spec.attach import AttachedInstance
 
-    monkeypatch.setattr(attached, "served_block_size", lambda url: None)
     monkeypatch.setattr(attached, "model_cards", lambda url: [{"id": "Qwen/Qwen2.5-VL-3B"}])
     instance = AttachedInstance(
         name="1E+1PD/pd0", role=Role.PREFILL_DECODE, url="http://127.0.0.1:9"
     )
-    problem = attached.serving_mismatch(instance, ServingConfig(model="/m"))
+    problem = attached.serving_mismatch(instance, ServingConfig(model="/m"), None)
     assert problem is not None and "serves no model named epd-model" in problem, problem
     assert "serve it with --served-model-name epd-model" in problem, problem
     monkeypatch.setattr(attached, "model_cards", lambda url: [{"id": "epd-model"}])
-    assert attached.serving_mismatch(instance, ServingConfig(model="/m")) is None
+    assert attached.serving_mismatch(instance, ServingConfig(model="/m"), None) is None
 
 
 def cache_info_page(blocks: str, block_size: str = "32") -> str:

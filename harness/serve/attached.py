@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
 import socket
 import threading
 import time
@@ -38,7 +37,7 @@ from harness.errors import EXIT_FAILED, HarnessError
 from harness.files import write_json_atomic
 from harness.outcomes.attached import AttachedEvidence
 from harness.outcomes.outcome import Outcome, ServedTopology
-from harness.serve.attached_roles import read_role
+from harness.serve.attached_roles import cache_config_labels, read_role
 from harness.serve.client import ChatClient, ChatReply
 from harness.serve.http_direct import DIRECT_OPENER
 from harness.serve.in_flight import InFlightWindows
@@ -56,7 +55,6 @@ HEALTH_TIMEOUT_S = 3.0
 WATCH_INTERVAL_S = 1.0  # how often every instance's /health is asked while a request runs
 MISSES_BEFORE_DOWN = 2  # consecutive failed checks that end a request in flight
 VERSION_TIMEOUT_S = 5.0
-_BLOCK_SIZE_LABEL = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.M)
 
 
 class AttachedDown(HarnessError):
@@ -121,19 +119,20 @@ def model_cards(url: str) -> list[dict[str, Any]] | None:
     return [c for c in cards if isinstance(c, dict)] if isinstance(cards, list) else None
 
 
-def served_block_size(url: str) -> int | None:
-    """The KV block size an instance reports at /metrics, where vLLM labels
+def served_block_size(page: str | None) -> int | None:
+    """The KV block size a /metrics `page` reports, where vLLM labels
     `vllm:cache_config_info` with every cache setting (None: it does not say)."""
-    page = metrics_page(url)
-    found = None if page is None else _BLOCK_SIZE_LABEL.search(page)
-    return int(found[1]) if found else None
+    block_size = cache_config_labels(page or "").get("block_size", "")
+    return int(block_size) if block_size.isdigit() else None
 
 
-def serving_mismatch(instance: AttachedInstance, serving: ServingConfig) -> str | None:
+def serving_mismatch(
+    instance: AttachedInstance, serving: ServingConfig, page: str | None
+) -> str | None:
     """What of the serving an instance reports differs from the baseline's (None: nothing, or
     it does not say): its /v1/models cards carry the model's name and max_model_len, its
-    /metrics the block size (a numerics flag, and the KV guard's block-aligned rule)."""
-    block_size = served_block_size(instance.url)
+    /metrics `page` the block size (a numerics flag, and the KV guard's block-aligned rule)."""
+    block_size = served_block_size(page)
     if block_size is not None and block_size != serving.block_size:
         return (
             f"{instance.describe()} serves with block_size {block_size}, the harness's "
@@ -223,15 +222,16 @@ class AttachedSession:
         problem = answers_http(f"{self.entry_url}/health")
         if problem is not None:
             raise AttachedDown(f"the proxy {self.entry_url} is not reachable: {problem}")
+        pages = {i.name: metrics_page(i.url) for i in self.spec.instances}  # read once
         for instance in self.spec.instances:
-            mismatch = serving_mismatch(instance, self.settings.serving)
+            mismatch = serving_mismatch(instance, self.settings.serving, pages[instance.name])
             if mismatch is not None:
                 raise AttachedMismatch(mismatch)
         self.versions = {i.name: read_version(i.url) for i in self.spec.instances}
         for instance in self.spec.instances:
             reading = read_role(
                 instance,
-                metrics_page(instance.url),
+                pages[instance.name],
                 self.versions[instance.name],
                 self.settings.serving.max_model_len,
                 self.topology.has_ec_transfer,
