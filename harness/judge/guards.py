@@ -107,7 +107,6 @@ class TransferEvidence:
     encoder_uuids: tuple[tuple[str | None, ...], ...] = ()  # the parts' uuids, one per call
     consumer_calls: tuple[ConsumerCall, ...] = ()
     decode_cached_tokens: int | None = None
-    decode_answered: bool = False
     source: str = "taps"
     # Why D's answers here are not one request's (then D's cached_tokens is no one's evidence).
     decode_unattributed: str | None = None
@@ -140,7 +139,6 @@ class TransferEvidence:
                 for r in consumers
             ),
             decode_cached_tokens=decodes[-1].cached_tokens if decodes else None,
-            decode_answered=bool(decodes),
             source="taps",
             decode_unattributed=unattributed,
         )
@@ -156,7 +154,6 @@ class TransferEvidence:
                 ),
             ),
             decode_cached_tokens=result.cached_tokens if result is not None else None,
-            decode_answered=result is not None,
             source="proxy trace",
         )
 
