@@ -171,3 +171,17 @@ def test_what_cannot_be_expanded_is_marked_never_guessed() -> None:
 def test_a_script_it_cannot_follow_is_one_error_naming_the_line(script: str, message: str) -> None:
     with pytest.raises(ScriptError, match=message):
         read_commands(script)
+
+
+def test_commands_of_a_nested_call_belong_to_the_top_level_stage() -> None:
+    """Parity groups launches by stage: a helper a stage calls to start each server must not
+    make every server a stage of its own."""
+    script = """
+        launch() { serve "$1"; }
+        run_stage() { launch a; launch b; }
+        run_stage
+    """
+    assert [(stage, argv) for stage, _env, argv in commands(script)] == [
+        ("run_stage", ("serve", "a")),
+        ("run_stage", ("serve", "b")),
+    ]
