@@ -185,3 +185,12 @@ def test_commands_of_a_nested_call_belong_to_the_top_level_stage() -> None:
         ("run_stage", ("serve", "a")),
         ("run_stage", ("serve", "b")),
     ]
+
+
+def test_an_empty_default_and_an_assigning_default_expand_like_bash() -> None:
+    script = """
+        EMPTY=""
+        serve "${EMPTY:-fallback}" "${EMPTY-kept}" "${UNSET:=given}" "$UNSET"
+    """
+    ((_stage, _env, argv),) = commands(script)
+    assert argv == ("serve", "fallback", "", "given", "given")
