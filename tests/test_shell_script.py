@@ -194,3 +194,11 @@ def test_an_empty_default_and_an_assigning_default_expand_like_bash() -> None:
     """
     ((_stage, _env, argv),) = commands(script)
     assert argv == ("serve", "fallback", "", "given", "given")
+
+
+def test_an_empty_quoted_argument_is_an_argument_and_a_hash_inside_a_word_is_text() -> None:
+    script = """
+        serve --empty "" --url http://host/#anchor a#b  # a comment
+    """
+    ((_stage, _env, argv),) = commands(script)
+    assert argv == ("serve", "--empty", "", "--url", "http://host/#anchor", "a#b")
