@@ -202,3 +202,16 @@ def test_an_empty_quoted_argument_is_an_argument_and_a_hash_inside_a_word_is_tex
     """
     ((_stage, _env, argv),) = commands(script)
     assert argv == ("serve", "--empty", "", "--url", "http://host/#anchor", "a#b")
+
+
+def test_pinned_variables_win_over_declarations_and_call_prefixes() -> None:
+    script = """
+        export MODE=cpu
+        start() { serve "$MODE"; }
+        MODE=rocm start
+        serve "$MODE"
+    """
+    assert [argv for _stage, _env, argv in commands(script, MODE="cuda")] == [
+        ("serve", "cuda"),
+        ("serve", "cuda"),
+    ]
