@@ -215,3 +215,13 @@ def test_pinned_variables_win_over_declarations_and_call_prefixes() -> None:
         ("serve", "cuda"),
         ("serve", "cuda"),
     ]
+
+
+def test_special_parameters_are_unknown_and_an_append_prefix_appends() -> None:
+    script = """
+        OPTS=a
+        OPTS+=b serve "$#" "$@"
+    """
+    ((_stage, env, argv),) = commands(script)
+    assert env == {"OPTS": "ab"}
+    assert argv == ("serve", UNKNOWN, UNKNOWN)
