@@ -336,6 +336,10 @@ def test_unused_entries_are_reported_as_stale() -> None:
     # 1P+1D: entries for the instances it has, which explained nothing, are stale for it.
     assert ("--allowed-local-media-path", Kind.UPSTREAM_ONLY) in stale
     assert ("env VLLM_NIXL_SIDE_CHANNEL_PORT", Kind.VALUE) not in stale, "no KV role compared"
+    assert parity.used, "the small script's deliberate differences explain findings"
+    assert not parity.used & set(parity.unused()), (
+        "an entry that explained a finding is no stale one"
+    )
 
 
 # --- unit: the table and its page -------------------------------------------------------------
