@@ -275,6 +275,18 @@ def test_stages_the_harness_cannot_match_are_problems_not_silence() -> None:
     ]
 
 
+def test_an_instance_a_stage_launches_twice_is_a_problem() -> None:
+    """Two proxy lines in one stage: the second would replace the first in the comparison, so
+    the repetition itself is reported."""
+    proxy_start = next(i for i, t in enumerate(SMALL.splitlines()) if "disagg_epd_proxy" in t)
+    proxy = "\n".join(SMALL.splitlines()[proxy_start : proxy_start + 3]) + "\n"
+    script = SMALL.replace(proxy, proxy + proxy)
+    assert script.count("disagg_epd_proxy") == 2
+    assert compare(script, NEWEST, CUDA).report() == [
+        f"1E+1PD/epd-proxy is launched twice (line {proxy_start + 4})"
+    ]
+
+
 def test_a_proxy_upstream_launches_from_elsewhere_is_named_not_dropped() -> None:
     """A proxy line the harness does not know (a module run with -m, a moved file) is the
     finding itself: the report names what upstream launches and what the harness launches,
