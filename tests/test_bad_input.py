@@ -1014,6 +1014,30 @@ def test_repro_of_a_bfloat16_run_on_a_gpu_below_compute_capability_8(
     )
 
 
+def test_colocate_on_cpu(bad_run: BadRun) -> None:
+    code, err = bad_run("--colocate")
+    assert_one_error_line(
+        code,
+        err,
+        "--colocate shares GPUs within a topology; on cpu instances always share the cores: "
+        "drop --colocate",
+    )
+
+
+def test_kv_noise_with_nixl(bad_run: BadRun) -> None:
+    """kv-noise rewrites ExampleConnector's files: under NIXL it would plant nothing and the
+    self-test would come out green."""
+    code, err = bad_run(
+        "--plant-fault", "kv-noise:0.05", "--kv-connector", "nixl", "--topology", "1P+1D"
+    )
+    assert_one_error_line(
+        code,
+        err,
+        "--plant-fault kv-noise rewrites ExampleConnector's KV files; with --kv-connector nixl "
+        "the KV never leaves P's memory (zero-kv misroutes NIXL's block ids instead)",
+    )
+
+
 def test_no_enforce_eager_on_cpu(bad_run: BadRun) -> None:
     code, err = bad_run("--no-enforce-eager")
     cause = (
@@ -1364,6 +1388,20 @@ def test_golden_with_the_baseline_cache_off(bad_run: BadRun) -> None:
         "--golden 0.31.0 starts no baseline and reads the goldens kept beside the baseline "
         "cache, which --baseline-cache off does not change: drop --baseline-cache off (a "
         "--baseline-cache DIR moves the goldens beside DIR)",
+    )
+
+
+def test_golden_with_refresh_baseline(bad_run: BadRun, tmp_path: Path) -> None:
+    """`--golden` starts no baseline: a `--refresh-baseline` beside it would be dropped."""
+    code, err = bad_run(
+        "--prompt", "text", "--topology", "1P+1D", "--golden", "0.31.0",
+        "--refresh-baseline", "--baseline-cache", str(tmp_path / "cache"),
+    )  # fmt: skip
+    assert_one_error_line(
+        code,
+        err,
+        "--golden starts no baseline, so there is nothing to refresh; drop "
+        "--refresh-baseline (or --golden)",
     )
 
 
