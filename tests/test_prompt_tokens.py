@@ -127,3 +127,32 @@ def test_a_prompt_that_leaves_room_for_its_answer_fits() -> None:
     tokens.check_prompts_fit(182, [prompt], {"p": 150})
     with pytest.raises(BadInput, match=r"150 prompt tokens .* \+ 32 to generate = 182"):
         tokens.check_prompts_fit(181, [prompt], {"p": 150})
+
+
+def test_a_count_is_keyed_by_the_request_and_the_models_processor_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another request, or a changed chat template, must be counted again; weights need not."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "chat_template.jinja").write_text("a")
+    counted: list[str] = []
+
+    def count(_model: Path, bodies: dict) -> dict[str, int]:
+        counted.extend(bodies)
+        return {name: 7 for name in bodies}
+
+    monkeypatch.setattr(tokens, "_count_with_processor", count)
+    cache = tmp_path / "prompt-tokens"
+    short = {"messages": [{"role": "user", "content": "hi"}]}
+    long = {"messages": [{"role": "user", "content": "hi " * 50}]}
+    tokens.estimate_prompt_tokens(model, {"short": short}, cache)
+    tokens.estimate_prompt_tokens(model, {"long": long}, cache)
+    assert counted == ["short", "long"], "another body reused a count"
+    (model / "model.safetensors").write_bytes(b"weights")
+    tokens.estimate_prompt_tokens(model, {"short": short}, cache)
+    assert counted == ["short", "long"], "weights do not change a count"
+    (model / "chat_template.jinja").write_text("b")
+    tokens.estimate_prompt_tokens(model, {"short": short}, cache)
+    assert counted == ["short", "long", "short"], "a changed template reused a count"
