@@ -156,3 +156,16 @@ def test_a_count_is_keyed_by_the_request_and_the_models_processor_files(
     (model / "chat_template.jinja").write_text("b")
     tokens.estimate_prompt_tokens(model, {"short": short}, cache)
     assert counted == ["short", "long", "short"], "a changed template reused a count"
+
+
+@pytest.mark.parametrize(
+    ("max_model_len", "refused"), [(0, True), (1, False), (32, False), (33, True)]
+)
+def test_max_model_len_is_refused_at_zero_and_past_the_models_limit(
+    max_model_len: int, refused: bool
+) -> None:
+    if refused:
+        with pytest.raises(BadInput, match=f"--max-model-len {max_model_len}"):
+            tokens.check_model_limit(max_model_len, 32)
+    else:
+        tokens.check_model_limit(max_model_len, 32)
