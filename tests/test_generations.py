@@ -291,6 +291,45 @@ def test_the_sweep_judges_a_declared_case_by_its_declaration(tmp_path: Path) -> 
     assert no_encoder.to_json()["declared_failure"] == ""
 
 
+@pytest.mark.parametrize(
+    "version, protocol", [("0.30.0+cpu", "by-hash"), ("0.32.0+cpu", NEWEST.name)]
+)
+def test_a_scenarios_declaration_is_not_replaced_by_the_releases(
+    tmp_path: Path, version: str, protocol: str
+) -> None:
+    """An attached deployment (or `repro`) sent a matrix scenario's prompt: the sweep judges
+    it by the scenario's declaration (SweepSpec.declared), whether the served release declares
+    a failure of its own for the prompt (0.30's video timing, a MISMATCH) or none (0.32).
+    Found in review by a mutant that let the release's word (or its silence) stand in for the
+    caller's, and no test went red."""
+    from harness.judge.records import DeclaredFailure
+    from harness.judge.verdicts import Stability
+    from harness.run.judging import Observed
+    from harness.run.sweep import Sweep, SweepSpec
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    settings = RunSettings(
+        serving=serving_for(CPU, "/not-a-dir-model", max_model_len=4096),
+        run_dir=tmp_path / "run",
+        vllm=ServedVllm("vllm", version, "2.13.0"),
+        protocol=GENERATIONS_BY_NAME[protocol],
+    )
+    died = DeclaredFailure("ERROR", "encoder0 died", "the encoder crashes on it", "a-scenario")
+    spec = SweepSpec(
+        topologies=(TOPOLOGIES["1E+1PD"],),
+        prompts=(PROMPTS["video"],),
+        declared=(("video", died),),
+    )
+    sweep = Sweep(spec, settings)
+    sweep.baseline.outcomes["video"] = outcome("video", [5, 6, 7])
+    sweep.baseline.stability["video"] = Stability(True, "planted", 0.0)
+    failed = Observed(outcome("video", error="upstream 500: encoder0 died"), ())
+    sweep.serve_topology = lambda name: {"video": failed}  # type: ignore[method-assign]
+    (record,) = sweep.judge("1E+1PD", "video")
+    assert record.verdict is Verdict.ERROR and record.policy_passed, record.detail
+    assert record.to_json()["declared_failure"] == "a-scenario"
+
+
 # -- the proxy speaking older generations ----------------------------------------------------
 
 
