@@ -219,6 +219,41 @@ def test_batched_answers_may_drift_within_the_floor_the_baseline_showed_batched(
     assert zero.verdict is Verdict.MISMATCH  # a floor of 0: batched or not, exact
 
 
+def test_a_batched_answer_may_drift_within_the_floor_its_caller_measured() -> None:
+    """The floor a load's calibration measured at its concurrency (`CaseJudge.judge`'s
+    batched_noise_floor) is its batched answers' tolerance beyond the run's. Found in review:
+    a mutant that ignored it, holding every load to the baseline's batched pass alone (a
+    calibrated load's near ties then fail as MISMATCH), survived every test."""
+    from harness.judge.verdicts import Reference
+    from harness.run.judging import CaseJudge, Observed
+
+    reference = result((5, 6, 7))
+    near_tie = ChatResult(
+        (1, 2, 3),
+        (5, 6, 8),
+        "",
+        "length",
+        (*reference.logprobs[:2], PositionLogprobs(8, -1.0, ((8, -1.0), (7, -1.005)))),
+    )
+    settings = RunSettings(
+        serving=ServingConfig(model="/m"),
+        run_dir=Path("/nonexistent"),
+        reference_policy=EXACT_EVERYWHERE,
+    )
+    baseline = SimpleNamespace(
+        label="baseline",
+        noise_floor=0.0,  # the baseline's batched pass moved nothing
+        reference=lambda prompt: Reference("baseline", Outcome(prompt, reference), True),
+    )
+    judging = CaseJudge(settings, baseline)  # type: ignore[arg-type]
+    observed = Observed(Outcome("a", result=near_tie), ())
+    epd = TOPOLOGIES["1E+1P+1D"]
+    [drift] = judging.judge(epd, observed, batched=True, batched_noise_floor=0.02)
+    assert drift.verdict is Verdict.DRIFT and drift.policy_passed, drift.detail
+    [held] = judging.judge(epd, observed, batched=True)  # none measured: the run's floor, 0
+    assert held.verdict is Verdict.MISMATCH and not held.policy_passed, held.detail
+
+
 # -- statistics --------------------------------------------------------------------------------
 
 
