@@ -106,3 +106,38 @@ def test_the_batch_noise_is_read_over_the_tokens_both_answers_agree_on() -> None
     assert "differ at position 1" in detail
     floor, detail = batch_shape_noise(alone, Outcome("image", error="HTTP 500"))
     assert floor is None and "HTTP 500" in detail
+
+
+def test_the_sweep_judges_1e1p1d_against_1p1d_too_and_holds_that_pair_exact(tmp_path) -> None:
+    """A topology with an exact reference (1E+1P+1D's 1P+1D) is judged against the baseline
+    and against it, on the one judging path, under the pair's own policy: upstream holds the
+    pair exact, so a drift pd-drift lets pass against the monolithic baseline fails there.
+    Found in review: mutants that dropped the reference's record, or judged it as monolithic,
+    survived every unit test."""
+    from harness.judge.verdicts import Stability
+    from harness.run.judging import Observed
+    from harness.run.sweep import Sweep, SweepSpec
+    from harness.spec.prompts import SKELETON_PROMPTS
+    from harness.spec.settings import RunSettings
+    from harness.spec.topology import serving_for
+
+    settings = RunSettings(
+        serving=serving_for(CPU, "/not-a-dir-model", max_model_len=4096),
+        run_dir=tmp_path / "run",
+        reference_policy=PD_DRIFT,
+    )
+    image = next(p for p in SKELETON_PROMPTS if p.name == "image")
+    sweep = Sweep(SweepSpec(topologies=(TOPOLOGIES["1E+1P+1D"],), prompts=(image,)), settings)
+    reference, candidate = near_tie_divergence()
+    sweep.baseline.outcomes["image"] = reference
+    sweep.baseline.stability["image"] = Stability(True, "planted", 0.1)  # the drift's floor
+    served = {
+        "1E+1P+1D": {"image": Observed(candidate, ())},
+        "1P+1D": {"image": Observed(reference, ())},
+    }
+    sweep.serve_topology = lambda name: served[name]  # type: ignore[method-assign]
+    records = sweep.judge("1E+1P+1D", "image")
+    assert [r.reference for r in records] == ["baseline", "1P+1D"]
+    against_baseline, against_pair = records
+    assert against_baseline.verdict is Verdict.DRIFT and against_baseline.policy_passed
+    assert against_pair.verdict is Verdict.DRIFT and not against_pair.policy_passed
