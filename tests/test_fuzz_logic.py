@@ -2422,3 +2422,38 @@ def test_no_secret_reaches_any_file_of_a_fuzz_bundle(tmp_path: Path, monkeypatch
     leaked = [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()]
     leaked = [name for name in leaked if secret in (tmp_path / name).read_text()]
     assert not leaked, leaked
+
+
+def test_a_fuzz_case_is_judged_against_the_answer_asked_for_it_within_its_controls_floor(
+    tmp_path: Path,
+) -> None:
+    """The fuzzer asks the baseline for each request itself: its case is judged against that
+    answer (the run's baseline answers hold none for it) and may drift within the noise that
+    request's own control showed. Found in review: a mutant that ignored the floor (every
+    near tie a MISMATCH on GPUs) and one that judged against the run's baseline answers
+    survived every test."""
+    from harness.judge.policy import PD_DRIFT
+    from harness.outcomes.chat import ChatResult, PositionLogprobs
+    from harness.run.baseline import BaselineAnswers
+    from harness.run.fuzz.engine import judge_example
+    from harness.run.judging import CaseJudge
+    from harness.spec.settings import RunSettings
+    from harness.spec.topology import TOPOLOGIES, ServingConfig
+
+    def answer(last: int, rival: int) -> Outcome:
+        logprobs = (
+            PositionLogprobs(5, -1.0, ((5, -1.0), (6, -1.5))),
+            PositionLogprobs(last, -1.0, ((last, -1.0), (rival, -1.005))),
+        )
+        return Outcome("fuzz-1", ChatResult((1, 2, 3), (5, last), "", "length", logprobs))
+
+    settings = RunSettings(
+        serving=ServingConfig(model="/m"), run_dir=tmp_path / "run", reference_policy=PD_DRIFT
+    )
+    judging = CaseJudge(settings, BaselineAnswers(settings))
+    baseline, near_tie = answer(7, 8), answer(8, 7)
+    pair = TOPOLOGIES["1P+1D"]
+    drift = judge_example(judging, pair, baseline, near_tie, [], drift_tolerance=0.1)
+    assert drift.verdict is Verdict.DRIFT and drift.policy_passed, drift.detail
+    exact = judge_example(judging, pair, baseline, near_tie, [], drift_tolerance=0.0)
+    assert exact.verdict is Verdict.MISMATCH and not exact.policy_passed, exact.detail
