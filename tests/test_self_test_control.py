@@ -102,3 +102,35 @@ def test_the_fault_is_caught_on_a_consumer_that_never_held_the_controls_embeddin
     corrupt_ec_check(live, fresh)
     assert live.sent == [(CORRUPT_EC_PROMPT.name, False)] and live.session.closed, live.sent
     assert fresh.sent == [(CORRUPT_EC_PROMPT.name, True)], fresh.sent
+
+
+@pytest.mark.parametrize(
+    "fault, missed",
+    [
+        (PlantedFault(problems=["no video among the encoded items"]), True),
+        (PlantedFault(problems=["one item only"], touched=[Path("ec/a.safetensors")]), False),
+        (PlantedFault(problems=["one item only"], effects=["relative std 0.1"]), False),
+        (PlantedFault(), False),  # a proxy flag records nothing either way: no miss
+    ],
+)
+def test_a_planted_fault_is_a_miss_only_when_it_acted_on_nothing_and_said_why(
+    tmp_path: Path, fault: PlantedFault, missed: bool
+) -> None:
+    """A miss fails `run --plant-fault` (a run that proves nothing of the fault); a fault that
+    rewrote a file or measured an effect acted, whatever else it could not do. Found in review:
+    mutants that counted a fault that acted as a miss survived every unit test."""
+    from harness.run.sweep import Sweep, SweepSpec
+    from harness.spec.platforms import CPU
+    from harness.spec.prompts import SKELETON_PROMPTS
+    from harness.spec.settings import RunSettings
+    from harness.spec.topology import TOPOLOGIES, serving_for
+
+    settings = RunSettings(
+        serving=serving_for(CPU, "/not-a-dir-model", max_model_len=4096), run_dir=tmp_path / "run"
+    )
+    image = next(p for p in SKELETON_PROMPTS if p.name == "image")
+    spec = SweepSpec((TOPOLOGIES["1E+1PD"],), prompts=(image,), fault="corrupt-ec")
+    sweep = Sweep(spec, settings)
+    sweep._account_fault("1E+1PD", fault)
+    assert bool(sweep.fault_misses) is missed, sweep.fault_misses
+    assert sweep.run_info["fault_effects"]["1E+1PD"]["problems"] == fault.problems
