@@ -115,3 +115,23 @@ def test_an_installed_extra_that_fails_to_import_is_a_failure_not_absent(monkeyp
     assert broken.detail == "ImportError: libucs.so.0: cannot open shared object file", broken
     absent = importing(f"ModuleNotFoundError: No module named '{extra.module}'")
     assert absent.ok and absent.optional_missing and absent.detail == "not installed", absent
+
+
+@pytest.mark.parametrize(
+    "oks, exit_code", [((True, True), 0), ((True, False), 1), ((False, False), 1)]
+)
+def test_doctor_exits_0_only_when_every_check_passed(
+    monkeypatch, tmp_path: Path, capsys, oks: tuple[bool, ...], exit_code: int
+) -> None:
+    """One failed check fails `doctor` (exit 1), whatever the others say. Found in
+    review: a mutant that passed doctor when any check did survived every test."""
+    import argparse
+
+    from harness.cli import main
+
+    checks = [doctor.Check(f"check {n}", ok, "detail") for n, ok in enumerate(oks)]
+    monkeypatch.setattr(main, "resolve_model", lambda *args: tmp_path)
+    monkeypatch.setattr(main.doctor, "run_checks", lambda *args, **kwargs: checks)
+    args = argparse.Namespace(model=str(tmp_path), vllm="/no/vllm", dtype=None)
+    assert main.command_doctor(args) == exit_code
+    assert "check 1" in capsys.readouterr().out
