@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.errors import BadInput
+from harness.serve.attached import AttachedDown
+
 pytestmark = pytest.mark.unit
 
 
@@ -201,3 +204,29 @@ def test_the_version_is_the_installed_one_only_when_it_is_the_code_running(
     assert harness_version(tree, FakeDistribution("0.1.0", tmp_path / "site", other)).startswith(
         "unknown"
     )
+
+
+@pytest.mark.parametrize(
+    "raised, exit_code",
+    [
+        # A fuzz run's start meeting a deployment that is not serving: exit 1, not bad input.
+        (AttachedDown("the proxy http://127.0.0.1:1 is not reachable"), 1),
+        (BadInput("unknown topology 'nope'"), 2),
+    ],
+)
+def test_a_harness_error_reaching_the_command_line_exits_with_its_own_code(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    raised: Exception,
+    exit_code: int,
+) -> None:
+    """Each HarnessError says its exit code (harness.errors); `main` exits with it. Found in
+    review: a mutant that exited 2 for every one of them survived every test."""
+    from harness.cli import main as cli
+
+    def raising(_args: object) -> int:
+        raise raised
+
+    monkeypatch.setattr(cli, "command_list", raising)
+    assert cli.main(["list"]) == exit_code
+    assert capsys.readouterr().err == f"epd-harness: error: {raised}\n"
