@@ -675,3 +675,51 @@ def test_a_decode_is_a_kv_consumer_only_where_its_page_can_say_so() -> None:
     no_logger = read_role(decode, "", "0.32.0", 4096, False)
     assert no_logger.mismatch is None
     assert any("none of vLLM's engine metrics" in u for u in no_logger.unverified)
+
+
+def test_an_attached_1e1p1d_is_judged_against_the_baseline_only(tmp_path: Path) -> None:
+    """1E+1P+1D's exact reference (1P+1D) would have to be started beside the attached
+    deployment, which is not the deployment under test: its cases are judged against the
+    baseline alone, and nothing is started for the reference. Found in review: a mutant that
+    asked for the reference of an attached topology survived every unit test."""
+    from harness.judge.verdicts import Stability
+    from harness.run.judging import Observed
+    from harness.run.sweep import Sweep, SweepSpec
+
+    storage = tmp_path / "ec"
+    storage.mkdir()
+    topology = get_topology("1E+1P+1D")
+    spec = AttachSpec(
+        tmp_path / "attach.json",
+        topology,
+        "http://127.0.0.1:1",
+        attached_instances(
+            topology,
+            [
+                (Role.ENCODER, "http://127.0.0.1:2"),
+                (Role.PREFILL, "http://127.0.0.1:3"),
+                (Role.DECODE, "http://127.0.0.1:4"),
+            ],
+        ),
+        ec_storage=storage,
+    )
+    settings = fake_run_settings(
+        tmp_path,
+        tmp_path / "vllm",
+        proxy=ProxyChoice(ATTACH_PROXY, origin=str(spec.source), attach=spec),
+    )
+    image = next(p for p in SKELETON_PROMPTS if p.name == "image")
+    sweep = Sweep(SweepSpec((topology,), prompts=(image,)), settings)
+    answer = cached_answer(3, None, (5, 6, 7))
+    sweep.baseline.outcomes["image"] = Outcome("image", answer)
+    sweep.baseline.stability["image"] = Stability(True, "planted", 0.0)
+    asked: list[str] = []
+
+    def serve_topology(name: str) -> dict[str, Observed]:
+        asked.append(name)
+        return {"image": Observed(Outcome("image", answer), ())}
+
+    sweep.serve_topology = serve_topology  # type: ignore[method-assign]
+    records = sweep.judge("1E+1P+1D", "image")
+    assert asked == ["1E+1P+1D"]
+    assert [(r.reference, r.verdict) for r in records] == [("baseline", Verdict.MATCH)]
