@@ -116,3 +116,31 @@ def test_the_reports_of_a_run_failed_by_its_problems_say_so(tmp_path, capsys) ->
     diff = (tmp_path / "diff.md").read_text()
     assert diff.startswith("# EPD diff\n\n## The run failed by 1 problem(s)\n\n- problem: ")
     assert "check &lt;encoder_calls&gt; failed" in diff
+
+
+@pytest.mark.parametrize("cases, exit_code", [(0, 1), (1, 0)])
+def test_a_run_without_cases_exits_1_as_its_reports_say(
+    tmp_path, capsys, cases: int, exit_code: int
+) -> None:
+    """A run that judged nothing proved nothing: summary.json says `passed: false` and
+    junit.xml a failing case (NO_CASES), and `run` exits 1 with them. Found in review: a
+    mutant that exited 0 for a run without cases survived every test."""
+    import json
+    import time
+
+    from harness.cli.main import finish_run
+    from harness.report.run_outputs import write_run_outputs
+
+    records = [case_record("1E+1PD", "video", guards=HELD)][:cases]
+    sweep = SimpleNamespace(
+        attached=None,
+        result=SimpleNamespace(records=records, run_dir=tmp_path),
+        run_info={},
+        pool=SimpleNamespace(summary=lambda: "pool: 1 start"),
+    )
+    sweep.write_outputs = lambda: write_run_outputs(tmp_path, records, {}, {}, sweep.run_info)
+    sweep.write_outputs()
+    args = SimpleNamespace(progress=SimpleNamespace(started=time.monotonic()))
+    assert finish_run(args, served_unproven(sweep), sweep) == exit_code
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["passed"] is (exit_code == 0)
