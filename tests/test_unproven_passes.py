@@ -144,3 +144,51 @@ def test_a_run_without_cases_exits_1_as_its_reports_say(
     assert finish_run(args, served_unproven(sweep), sweep) == exit_code
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["passed"] is (exit_code == 0)
+
+
+def test_a_planted_fault_that_acted_on_nothing_fails_run_with_every_case_a_match(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """`run --plant-fault` whose fault acted on nothing proved nothing of the harness: the
+    sweep's fault misses are problems of the run, which exits 1 and says them, every case a
+    MATCH notwithstanding. Found in review: a mutant that left the misses out of `run`'s
+    problems survived every unit test (test_fake_transfers reads the sweep's list only)."""
+    import json
+    import time
+
+    from harness.cli import main
+    from harness.preflight.config import RunConfig
+    from harness.report.run_outputs import write_run_outputs
+    from harness.spec.platforms import CPU
+    from harness.spec.prompts import SKELETON_PROMPTS
+    from harness.spec.settings import RunSettings
+    from harness.spec.topology import TOPOLOGIES, serving_for
+
+    miss = "1E+1PD: the planted fault corrupt-ec acted on nothing (no EC file): its cases prove"
+    records = [case_record("1E+1PD", "image", guards=HELD)]
+
+    class FaultMissedSweep:
+        def __init__(self, spec, settings, **_kwargs) -> None:
+            self.attached, self.run_info, self.fault_misses = None, {}, []
+            self.result = SimpleNamespace(records=records, run_dir=settings.run_dir)
+            self.pool = SimpleNamespace(summary=lambda: "pool: 1 start", close=lambda: None)
+
+        def run_all(self) -> None:
+            self.fault_misses.append(miss)
+
+        def write_outputs(self) -> None:
+            write_run_outputs(tmp_path, records, {}, {}, self.run_info)
+
+    monkeypatch.setattr(main, "Sweep", FaultMissedSweep)
+    settings = RunSettings(
+        serving=serving_for(CPU, "/not-a-dir-model", max_model_len=4096), run_dir=tmp_path
+    )
+    image = next(p for p in SKELETON_PROMPTS if p.name == "image")
+    config = RunConfig(
+        (TOPOLOGIES["1E+1PD"],), (image,), (), (), settings, None, fault="corrupt-ec"
+    )
+    progress = SimpleNamespace(started=time.monotonic(), on_event=None, run_dir=None)
+    args = SimpleNamespace(progress=progress, max_model_len=4096)
+    assert main.run_config(args, config) == main.EXIT_FAILED
+    assert f"problem: {miss}" in capsys.readouterr().out
+    assert json.loads((tmp_path / "summary.json").read_text())["problems"] == [miss]
