@@ -192,3 +192,42 @@ def test_a_planted_fault_that_acted_on_nothing_fails_run_with_every_case_a_match
     assert main.run_config(args, config) == main.EXIT_FAILED
     assert f"problem: {miss}" in capsys.readouterr().out
     assert json.loads((tmp_path / "summary.json").read_text())["problems"] == [miss]
+
+
+def test_a_matrix_scenarios_problem_fails_run_scenario(tmp_path, monkeypatch, capsys) -> None:
+    """`run --scenario` fails on what its scenarios' problems say (a check that failed, a
+    verdict other than declared), though every record passed. Found in review: a mutant that
+    finished the matrix run without its problems survived every unit test."""
+    import time
+
+    from harness.cli import main
+    from harness.preflight.config import RunConfig
+    from harness.report.run_outputs import write_run_outputs
+    from harness.run.scenarios import get_scenario
+    from harness.spec.platforms import CPU
+    from harness.spec.settings import RunSettings
+    from harness.spec.topology import serving_for
+
+    problem = "scenario ec-x: check <encoder_calls> failed: the encoder was called twice"
+    records = [case_record("1E+1PD", "image", guards=HELD)]
+
+    class MatrixSweep:
+        def __init__(self, spec, settings, **_kwargs) -> None:
+            self.attached, self.run_info, self.fault_misses = None, {}, []
+            self.result = SimpleNamespace(records=records, run_dir=settings.run_dir)
+            self.pool = SimpleNamespace(summary=lambda: "pool: 1 start", close=lambda: None)
+
+        def write_outputs(self) -> None:
+            write_run_outputs(tmp_path, records, {}, {}, self.run_info)
+
+    monkeypatch.setattr(main, "Sweep", MatrixSweep)
+    monkeypatch.setattr(main, "run_matrix", lambda sweep, scenarios: [problem])
+    settings = RunSettings(
+        serving=serving_for(CPU, "/not-a-dir-model", max_model_len=4096), run_dir=tmp_path
+    )
+    scenario = get_scenario("ec-images-1-2-3")
+    config = RunConfig((), scenario.prompts, (), (scenario,), settings, None, fault=None)
+    progress = SimpleNamespace(started=time.monotonic(), on_event=None, run_dir=None)
+    args = SimpleNamespace(progress=progress, max_model_len=4096)
+    assert main.run_config(args, config) == main.EXIT_FAILED
+    assert f"problem: {problem}" in capsys.readouterr().out
