@@ -430,6 +430,32 @@ def test_the_toy_proxys_json_stream_is_a_declared_failure_only_there(tmp_path) -
     assert fixed.verdict is Verdict.MATCH and not fixed.policy_passed  # a fix turns it red
 
 
+def test_the_judging_path_judges_a_toy_proxy_stream_as_declared(tmp_path) -> None:
+    """`CaseJudge.judge` applies the proxy's declared failure where the caller declares none:
+    a `--proxy vllm` 1P+1D streamed case passes as declared, named so. Found in review: a
+    mutant that never asked `proxy_failure` (every such case a failing MISMATCH) survived
+    every test, which asked `proxy_failure` itself."""
+    from types import SimpleNamespace
+
+    from harness.judge.verdicts import Reference
+    from harness.run.judging import CaseJudge, Observed
+    from harness.spec.settings import ProxyChoice, RunSettings
+    from harness.spec.topology import TOPOLOGIES, ServingConfig
+
+    vllm = RunSettings(ServingConfig(model="m"), tmp_path, proxy=ProxyChoice("vllm"))
+    baseline = SimpleNamespace(
+        label="baseline",
+        noise_floor=0.0,
+        reference=lambda prompt: Reference("baseline", baseline_outcome(), True),
+    )
+    _, as_json = parse(encode(vllm_chunks()), content_type="application/json")
+    streamed = Outcome("text", result=baseline_outcome().result, stream=as_json)
+    judging = CaseJudge(vllm, baseline)  # type: ignore[arg-type]
+    [record] = judging.judge(TOPOLOGIES["1P+1D"], Observed(streamed, ()))
+    assert record.verdict is Verdict.MISMATCH and record.policy_passed, record.detail
+    assert record.declared_failure == "toy-proxy-json-stream"
+
+
 def test_the_toy_proxys_declaration_holds_the_content_type_alone_and_identical_ids() -> None:
     """Found in review: with the content type alone as evidence, whatever else was broken
     behind it (a chunk relayed twice, another request's ids, a transfer that did not happen)
