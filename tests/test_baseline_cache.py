@@ -708,3 +708,41 @@ def test_a_file_media_replaced_in_place_changes_the_baseline_and_golden_keys(
     image.write_bytes(b"another image")
     assert baseline_key(SERVED, SERVING, "d", body, launch=LAUNCH) != before
     assert golden_key(SERVING, "d", body, LAUNCH) != golden_before
+
+
+class DisagreesWithItself(NoisyWhenBatched):
+    """Answers `flaky` with other ids the second time (a nondeterministic baseline), every
+    other request alike each time."""
+
+    def send(self, name: str, body: dict[str, Any]) -> Outcome:
+        answer = super().send(name, body)
+        if name.removesuffix("-partner") == "flaky" and self.sent["flaky"] == 2:
+            return Outcome("flaky", chat((5, 9), top=lambda i, t: [(t, -0.5), (t + 1, -3.0)]))
+        return answer
+
+
+def test_a_baseline_that_disagrees_with_itself_is_no_reference_and_is_never_stored(
+    tmp_path: Path,
+) -> None:
+    """The control (each request sent twice, alone) is what makes UNSTABLE_BASELINE: a request
+    the baseline answered two ways must judge its cases as unstable, not as MISMATCH against
+    whichever answer came first, and its answer must not be cached or kept as a golden, where
+    every later run would take it for a reference; the steady one beside it is both."""
+    cache, goldens = BaselineCache(tmp_path / "cache"), GoldenStore(tmp_path / "goldens")
+    bodies = {"flaky": {**RUN_BODY, "seed": 1}, "steady": {**RUN_BODY, "seed": 2}}
+    answers = BaselineAnswers(run_settings(tmp_path), cache, goldens)
+    answers.add(bodies)
+    answers.answer_on(DisagreesWithItself())  # type: ignore[arg-type]
+
+    assert answers.reference("flaky").stable is False
+    assert answers.reference("steady").stable is True
+    assert "flaky" not in answers.sources and "steady" in answers.sources
+    stored = {path.stem for path in cache.directory.glob("*.json")}
+    assert stored == {answers.sources["steady"]["key"]}, "an unstable answer was cached"
+    assert not (goldens.directory / answers.golden_key("flaky")).exists()
+    assert (goldens.directory / answers.golden_key("steady")).is_dir()
+
+    warm = BaselineAnswers(run_settings(tmp_path), cache)
+    warm.add(bodies)
+    warm.load_stored()
+    assert warm.missing() == ["flaky"], "the unstable answer stood in for a baseline"
