@@ -99,6 +99,28 @@ def test_store_then_load_round_trips(tmp_path: Path) -> None:
     assert loaded.outcome.prompt == "image" and loaded.noise_floor_nats == 0.25
 
 
+def test_refreshing_reads_no_entry_an_earlier_run_stored_only_what_it_stored_itself(
+    tmp_path: Path,
+) -> None:
+    """--refresh-baseline is how a user distrusts what the cache holds (a vLLM rebuilt in
+    place, an entry computed on a broken node): an entry an earlier run stored is a miss, so
+    the baseline is served again; what this run (or a worker of its session, through the
+    ledger) stored afresh is read, so the refresh starts the baseline once, not per worker."""
+    earlier = BaselineCache(tmp_path / "cache")
+    with earlier.locked():
+        earlier.store("k", Outcome("image", result=RESULT), 0.25, batched=True)
+    ledger = tmp_path / "ledger"
+    refreshing = BaselineCache(tmp_path / "cache", refresh=True, refresh_ledger=ledger)
+    assert refreshing.load("k", "image") is None, "--refresh-baseline read a stale entry"
+    with refreshing.locked():
+        refreshing.store("k", Outcome("image", result=RESULT), 0.5, batched=True)
+    renewed = refreshing.load("k", "image")
+    assert renewed is not None and renewed.noise_floor_nats == 0.5
+    worker = BaselineCache(tmp_path / "cache", refresh=True, refresh_ledger=ledger)
+    stored = worker.load("k", "image")
+    assert stored is not None and stored.noise_floor_nats == 0.5
+
+
 def test_an_unbatched_answer_never_replaces_a_batched_one_of_the_same_body(
     tmp_path: Path,
 ) -> None:
