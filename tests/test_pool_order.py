@@ -9,7 +9,7 @@ import pytest
 
 from harness.run.pool import SessionRequest, TopologyPool
 from harness.spec.settings import RunSettings
-from harness.spec.topology import BASELINE, TOPOLOGIES, ServingConfig
+from harness.spec.topology import BASELINE, TOPOLOGIES, Role, ServingConfig
 
 pytestmark = pytest.mark.unit
 
@@ -101,3 +101,23 @@ def test_a_topology_that_dies_and_will_not_stop_fails_alone_with_its_death(
     assert isinstance(dead, RuntimeError) and "died while starting" in str(dead), dead
     assert any("survived SIGKILL" in note for note in getattr(dead, "__notes__", [])), dead
     assert serving.topology.name == "1E+1PD"
+
+
+def test_a_session_with_environment_added_to_a_role_is_never_the_plain_topologys(
+    tmp_path: Path,
+) -> None:
+    """A scenario's variant (the KV-noise plugin in D) runs instances the plain topology does
+    not: handed the plain topology's running session, the variant would plant nothing, and
+    handed the variant's, the plain sweep would be judged on a plugin's noise. The same
+    environment again shares the variant's session."""
+    settings = RunSettings(serving=ServingConfig(model="/models/tiny"), run_dir=tmp_path)
+    pool = TopologyPool(settings)
+    pool._new_session = lambda request: StandIn(request, False)
+    topology = TOPOLOGIES["1E+1P+1D"]
+    plain = pool.session(topology)
+    noisy = {Role.DECODE: {"EPD_KV_NOISE": "1"}}
+    variant = pool.session(topology, role_env=noisy)
+    assert variant is not plain
+    assert pool.session(topology, role_env={Role.DECODE: {"EPD_KV_NOISE": "1"}}) is variant
+    assert pool.session(topology) is plain
+    assert len(pool.starts) == 2
