@@ -768,3 +768,33 @@ def test_a_baseline_that_disagrees_with_itself_is_no_reference_and_is_never_stor
     warm.add(bodies)
     warm.load_stored()
     assert warm.missing() == ["flaky"], "the unstable answer stood in for a baseline"
+
+
+class OtherPromptWhenBatched(RecordingBaseline):
+    """Answers alike each time, except that in flight with others it answers from other
+    prompt ids (a batch that mangled the rendered prompt): the same output ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batched = False
+
+    def send(self, name: str, body: dict[str, Any]) -> Outcome:
+        answer = super().send(name, body)
+        if self.batched and answer.result is not None:
+            return Outcome(answer.prompt, chat((5, 6), prompt_ids=(9, 9, 9)))
+        return answer
+
+
+def test_a_calibration_answer_from_other_prompt_ids_is_changed_by_batching(
+    tmp_path: Path,
+) -> None:
+    """Batching that changed the prompt the engine ran is a change, even where the output
+    ids happen to agree: said unchanged, the load's batched answers were judged against a
+    calibration that hid it (as the control does: `baseline_stability`)."""
+    answers = BaselineAnswers(run_settings(tmp_path), None)
+    answers.add({"a": RUN_BODY})
+    baseline = OtherPromptWhenBatched()
+    answers.answer_on(baseline)  # type: ignore[arg-type]
+    baseline.batched = True
+    calibration = answers.calibrate_batched(baseline, [("request 1", "a")], 1)  # type: ignore[arg-type]
+    assert [a.label for a in calibration.changed] == ["request 1"]
