@@ -723,3 +723,16 @@ def test_an_attached_1e1p1d_is_judged_against_the_baseline_only(tmp_path: Path) 
     records = sweep.judge("1E+1P+1D", "image")
     assert asked == ["1E+1P+1D"]
     assert [(r.reference, r.verdict) for r in records] == [("baseline", Verdict.MATCH)]
+
+
+def test_a_cache_config_line_without_a_block_size_is_said_unverified_not_a_crash() -> None:
+    """Only both labels tell the KV tokens an instance holds; a page with num_gpu_blocks
+    alone (another exporter, a relabelled scrape) cannot, and is said so, never read."""
+    from harness.serve.attached_roles import read_role
+    from harness.spec.attach import AttachedInstance
+
+    pd = AttachedInstance("1E+1PD/pd0", Role.PREFILL_DECODE, "http://127.0.0.1:8002")
+    page = 'vllm:cache_config_info{engine="0",num_gpu_blocks="2"} 1.0\n'
+    reading = read_role(pd, page, "0.32.0", 4096, True)
+    assert reading.mismatch is None
+    assert "its /metrics has no vllm:cache_config_info num_gpu_blocks" in reading.unverified
