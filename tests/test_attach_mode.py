@@ -736,3 +736,16 @@ def test_a_cache_config_line_without_a_block_size_is_said_unverified_not_a_crash
     reading = read_role(pd, page, "0.32.0", 4096, True)
     assert reading.mismatch is None
     assert "its /metrics has no vllm:cache_config_info num_gpu_blocks" in reading.unverified
+
+
+def test_without_encoders_an_ec_consumer_is_not_listed_as_unverified() -> None:
+    """'consumes the encoders' embeddings' is unverified only where there are encoders: a
+    1P+1D deployment has none, and saying it there would misreport what was not checked."""
+    from harness.serve.attached_roles import read_role
+    from harness.spec.attach import AttachedInstance
+
+    prefill = AttachedInstance("1P+1D/prefill0", Role.PREFILL, "http://127.0.0.1:8002")
+    alone = read_role(prefill, cache_info_page("128"), "0.32.0", 4096, False).unverified
+    assert not any("ec_consumer" in u for u in alone), alone
+    with_encoders = read_role(prefill, cache_info_page("128"), "0.32.0", 4096, True).unverified
+    assert any("ec_consumer" in u for u in with_encoders), with_encoders
