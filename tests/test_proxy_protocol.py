@@ -8,6 +8,7 @@ import pytest
 
 from harness.serve.proxy_protocol import (
     EncodedItem,
+    EncoderAnswerError,
     EncoderAnswerUnfit,
     EncoderBatch,
     MediaRef,
@@ -290,6 +291,14 @@ def test_index_rejects_out_of_range_item_index(bad_index: int) -> None:
     params = {"hA": {"item_indices": [bad_index], "metadata": {"image_grid_thw": [1, 2, 2]}}}
     with pytest.raises(ValueError, match=f"item index {bad_index} for a sub-request of 1 item"):
         index_encoder_response(EncoderBatch(0, (4,)), params)
+
+
+@pytest.mark.parametrize("params", [[{"mm_hash": "hA"}], "hA"], ids=["list", "str"])
+def test_index_names_ec_transfer_params_that_are_no_object(params: object) -> None:
+    """Called on its own (not only behind the proxy's check), an answer that is no object is
+    the generation's shape error with the answer, not an AttributeError of `.items()`."""
+    with pytest.raises(EncoderAnswerError, match="ec_transfer_params of type"):
+        index_encoder_response(EncoderBatch(0, (0,)), params)  # type: ignore[arg-type]
 
 
 # --- rewrite_for_consumer --------------------------------------------------------------------
