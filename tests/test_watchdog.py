@@ -186,6 +186,24 @@ def test_a_process_that_is_not_the_recorded_one_is_spared(tmp_path: Path) -> Non
         cleanup(stranger, dog)
 
 
+def test_a_recorded_member_that_left_the_group_does_not_make_a_reused_group_id_ours() -> None:
+    """After the harness died, group id G may belong to strangers; a recorded member still
+    alive elsewhere (it left G) is signalled by its own pid, but is no evidence that G is
+    still the harness's: only a recorded process inside G is. Else the strangers of G get
+    the SIGTERM and SIGKILL."""
+    stranger, pid = spawn_sleeper("plain")
+    try:
+        me = os.getpid()  # a recorded member, alive, in another group than `pid`'s
+        group = watchdog.Group(
+            pid, watchdog.boot_seconds(pid) - 100, "1P+1D/decode0", "", members={}
+        )
+        group.members[me] = watchdog.boot_seconds(me)
+        assert not watchdog.group_is_ours(group)
+        assert [p.pid for p in watchdog.live_processes(group)] == [me]
+    finally:
+        cleanup(stranger)
+
+
 # A sitecustomize for the watchdog: the wall clock stepped 2 s forward after the
 # harness recorded its groups (an NTP step, a VM resumed), as psutil's epoch times see it.
 CLOCK_STEPPED = """
