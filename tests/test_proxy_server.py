@@ -410,6 +410,23 @@ def test_encoder_error_becomes_502_naming_the_encoder(h: Harness) -> None:
     assert trace.decode_url is None
 
 
+@pytest.mark.parametrize("stage", ["encoder", "prefill"])
+def test_a_4xx_refusal_of_e_or_p_becomes_502_and_reaches_no_later_hop(
+    h: Harness, stage: str
+) -> None:
+    """Any status but 200 is the hop's failure, a 4xx too: an error object read as the answer
+    left the media raw (no ec_transfer_params) or D without KV coordinates (it computes the
+    prompt itself), and the case passed through a hop that had refused it."""
+    encoder = h.fake("encoder", status=400 if stage == "encoder" else 200)
+    prefill = h.fake("prefill", status=400 if stage == "prefill" else 200)
+    decode = h.fake("decode")
+    _, server = h.proxy((encoder,), (prefill,), (decode,))
+    status, body = raw_post(server.url, image_request(), f"req-{stage}-400")
+    assert status == 502, body
+    assert (body["error"]["stage"], body["error"]["status"]) == (stage, 400), body
+    assert decode.bodies == []
+
+
 def test_unreachable_decode_becomes_502(h: Harness) -> None:
     encoder, prefill = h.fake("encoder"), h.fake("prefill")
     dead = h.dead_url()
