@@ -300,6 +300,18 @@ def test_a_scratch_dir_is_removed_only_once_its_group_is_gone(tmp_path: Path) ->
         cleanup(leader, dog)
 
 
+def test_a_relative_scratch_path_is_never_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The harness sends absolute paths only; a relative one (a malformed line) would name a
+    directory under wherever the watchdog runs, which is not the harness's to remove."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "work").mkdir()
+    group = watchdog.Group(1, 0.0, "1P+1D/decode0", str(tmp_path / "server.log"), "work")
+    watchdog.remove_scratch(group, watchdog.Log())
+    assert (tmp_path / "work").is_dir()
+
+
 def test_the_scratch_dir_of_a_group_the_harness_stopped_is_left_to_the_harness(
     tmp_path: Path,
 ) -> None:
