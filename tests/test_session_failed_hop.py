@@ -145,3 +145,29 @@ def test_the_proxys_own_failure_mid_stream_names_the_proxy_not_d(
     assert outcome.result is None
     assert "proxy failed mid-stream: RuntimeError: relay bug" in outcome.error, outcome.error
     assert "still waiting on 1E+1PD/pd0" not in outcome.error, outcome.error
+
+
+class DeadServer(Server):
+    """An instance whose engine died on the request: exited, its log saying why."""
+
+    exit_code = -9
+
+    def is_alive(self) -> bool:
+        return False
+
+    def log_tail(self, lines: int = 10) -> str:
+        return f"{self.name}: ERROR EngineCore died"
+
+
+def test_an_instance_that_died_on_the_request_leads_the_error_with_its_log_tail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request failed because PD died: the case's error names it first, how it ended and
+    its log's last lines, not only the HTTP error the proxy passed on."""
+    session = session_behind(tmp_path, monkeypatch, Entry(traced=True))
+    session._servers[1] = DeadServer("1E+1PD/pd0", tmp_path)  # type: ignore[call-overload]
+    outcome = session.send("text", {"model": "m", "messages": []})
+    assert outcome.error is not None and outcome.error.startswith(
+        f"instance 1E+1PD/pd0 exited with code -9; last lines of {tmp_path / '1E+1PD/pd0.log'}:\n"
+        "1E+1PD/pd0: ERROR EngineCore died\n"
+    ), outcome.error
