@@ -48,3 +48,10 @@ def test_a_short_traceback_is_kept_whole_and_in_order() -> None:
 def test_a_log_without_errors_gives_its_last_lines() -> None:
     lines = [f"INFO line {n}" for n in range(30)]
     assert select_evidence(lines).splitlines() == lines[-LOG_TAIL_SLICE_LINES:]
+
+
+def test_an_error_line_among_the_last_lines_is_shown_once() -> None:
+    """A log that ends on its error (the engine died at once): the error line is in the tail
+    too, and is shown once, first, the rest of the tail after it."""
+    lines = [f"INFO line {n}" for n in range(3)] + [f"{PREFIX} {CAUSE}"]
+    assert select_evidence(lines).splitlines() == [lines[-1], "...", *lines[:3]]
