@@ -329,6 +329,34 @@ def test_the_scratch_dir_of_a_group_the_harness_stopped_is_left_to_the_harness(
         cleanup(sleeper, dog)
 
 
+def test_a_replacement_watchdog_takes_over_the_groups_recorded_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watchdog died while the harness ran; the next event starts a new one, which must
+    learn every live group, the earlier ones too, or a SIGKILLed harness leaves them running."""
+    monkeypatch.delenv(WATCHDOG_ENV, raising=False)
+    first, _ = spawn_sleeper("plain")  # ignore SIGTERM: gone at the watchdog's SIGKILL
+    second, _ = spawn_sleeper("plain")
+    dog = watchdog.WatchdogClient()
+    replacement = None
+    try:
+        dog.started(first.pid, "t/first", tmp_path / "first.log")
+        died = dog._popen
+        died.kill()
+        died.wait()
+        dog.started(second.pid, "t/second", tmp_path / "second.log")
+        replacement = dog._popen
+        assert replacement is not died
+        dog.close()  # the harness's end, as the watchdog sees it
+        wait_for(
+            lambda: not is_live(first.pid) and not is_live(second.pid),
+            "both groups stopped by the replacement watchdog",
+            BOUND_S,
+        )
+    finally:
+        cleanup(first, second, *([replacement] if replacement else []))
+
+
 def test_a_normally_ending_harness_leaves_no_watchdog(tmp_path: Path) -> None:
     harness = subprocess.run(
         [sys.executable, "-c", NORMAL_HARNESS, str(tmp_path / "server.log"), SLEEPER],
