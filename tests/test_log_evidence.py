@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from harness.serve.session import LOG_SLICE_LINES, LOG_TAIL_SLICE_LINES, select_evidence
+from harness.serve.session import (
+    LOG_SLICE_LINES,
+    LOG_TAIL_SLICE_LINES,
+    prepare_session_dir,
+    select_evidence,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -55,3 +62,22 @@ def test_an_error_line_among_the_last_lines_is_shown_once() -> None:
     too, and is shown once, first, the rest of the tail after it."""
     lines = [f"INFO line {n}" for n in range(3)] + [f"{PREFIX} {CAUSE}"]
     assert select_evidence(lines).splitlines() == [lines[-1], "...", *lines[:3]]
+
+
+def test_a_restart_keeps_the_earlier_logs_and_clears_everything_else(tmp_path: Path) -> None:
+    """A topology started again in its directory: the log of the start it replaces holds the
+    restart's cause and is kept beside the ones kept before (they stay as they are); storage
+    and command files of the earlier start are gone."""
+    (tmp_path / "1P-1D__decode0.log").write_text("died")
+    (tmp_path / "1P-1D__decode0.1.log").write_text("died before")
+    (tmp_path / "1P-1D__decode0.cmd.json").write_text("{}")
+    (tmp_path / "storage").mkdir()
+    (tmp_path / "storage" / "kv.bin").write_text("stale")
+    kept = prepare_session_dir(tmp_path)
+    assert kept == {tmp_path / "1P-1D__decode0.log": tmp_path / "1P-1D__decode0.2.log"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "1P-1D__decode0.1.log",
+        "1P-1D__decode0.2.log",
+    ]
+    assert (tmp_path / "1P-1D__decode0.1.log").read_text() == "died before"
+    assert (tmp_path / "1P-1D__decode0.2.log").read_text() == "died"
