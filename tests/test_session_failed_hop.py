@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from harness.outcomes.trace import RequestTrace
+from harness.outcomes.trace import EncoderCall, RequestTrace
 from harness.serve import session as session_module
 from harness.serve.client import ServerFailedError
 from harness.serve.session import TopologySession
@@ -171,3 +171,27 @@ def test_an_instance_that_died_on_the_request_leads_the_error_with_its_log_tail(
         f"instance 1E+1PD/pd0 exited with code -9; last lines of {tmp_path / '1E+1PD/pd0.log'}:\n"
         "1E+1PD/pd0: ERROR EngineCore died\n"
     ), outcome.error
+
+
+class EncoderHangs(Entry):
+    """The harness's proxy gave up on the request while E had not answered its sub-request."""
+
+    def send(self, body: dict[str, Any], request_id: str) -> Any:
+        trace = RequestTrace(request_id)
+        trace.encoder_calls.append(EncoderCall(url=ENCODER_TAP, positions=(0,)))
+        self.traces[request_id] = trace
+        raise TimeoutError("no answer in 600 s")
+
+
+def test_a_request_still_waiting_on_the_encoder_names_the_encoder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """E's sub-request never returned (its status unset in the trace): the case's error names
+    E and shows its log, not "no instance was still working on it"."""
+    session = session_behind(tmp_path, monkeypatch, EncoderHangs(traced=True))
+    outcome = session.send("image", {"model": "m", "messages": []})
+    assert (
+        f"the request was still waiting on 1E+1PD/encoder0 ({ENCODER_TAP}); last lines of"
+        in outcome.error
+    ), outcome.error
+    assert "1E+1PD/encoder0: INFO serving" in outcome.error
