@@ -195,3 +195,23 @@ def test_a_request_still_waiting_on_the_encoder_names_the_encoder(
         in outcome.error
     ), outcome.error
     assert "1E+1PD/encoder0: INFO serving" in outcome.error
+
+
+class UnreadableAnswer(Entry):
+    """D answered 200 and its answer ended; the client could not read it."""
+
+    def send(self, body: dict[str, Any], request_id: str) -> Any:
+        self.traces[request_id] = RequestTrace(
+            request_id, decode_url=PD_TAP, decode_status=200, decode_seconds=0.2
+        )
+        raise ValueError("the answer is no chat completion")
+
+
+def test_a_request_no_instance_failed_names_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every hop answered 200 and ended: no instance is blamed (D's 200 is no refusal)."""
+    session = session_behind(tmp_path, monkeypatch, UnreadableAnswer(traced=True))
+    outcome = session.send("text", {"model": "m", "messages": []})
+    assert "no instance was still working on it" in outcome.error, outcome.error
+    assert "answered 200" not in outcome.error, outcome.error
