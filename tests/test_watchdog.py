@@ -28,13 +28,16 @@ pytestmark = [pytest.mark.process, pytest.mark.wall_clock_bound]
 BOUND_S = 30.0
 
 # argv: mode. Ignores SIGTERM; "fork" forks a child into its group and prints its pid; with
-# "fork,exit" the leader then exits, leaving the child holding the group.
+# "fork,exit" the leader then exits, leaving the child holding the group; with "fork,setsid"
+# the child leaves the group for a session of its own.
 SLEEPER = r"""
 import os, signal, sys, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if "fork" in sys.argv[1]:
     child = os.fork()
     if child == 0:
+        if "setsid" in sys.argv[1]:
+            os.setsid()  # leaves the group (and the session), still the leader's child
         time.sleep(600)
         os._exit(0)
     print(child, flush=True)
@@ -167,6 +170,25 @@ def test_a_member_holding_the_group_after_the_leader_was_reaped_is_stopped(
     finally:
         if is_live(child):
             os.kill(child, signal.SIGKILL)
+        cleanup(leader, dog)
+
+
+def test_a_recorded_descendant_that_left_the_group_is_stopped_too(tmp_path: Path) -> None:
+    """A server's child that moved to a session of its own (a daemon, a Ray worker) is out of
+    reach of the group's signal; the watchdog recorded it under the leader, and stops it by
+    its pid."""
+    leader, pid = spawn_sleeper("fork,setsid")
+    dog = start_watchdog()
+    try:
+        wait_for(lambda: os.getpgid(pid) == pid, "the child's own session", BOUND_S)
+        tell(dog, **start_line(leader.pid, tmp_path / "server.log"))
+        time.sleep(2 * watchdog.SAMPLE_INTERVAL_S)
+        dog.stdin.close()
+        wait_for(lambda: not is_live(pid), "the child that left the group stopped", BOUND_S)
+        assert dog.wait(timeout=10) == 0
+    finally:
+        if is_live(pid):
+            os.kill(pid, signal.SIGKILL)
         cleanup(leader, dog)
 
 
