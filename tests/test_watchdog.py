@@ -192,6 +192,27 @@ def test_a_recorded_descendant_that_left_the_group_is_stopped_too(tmp_path: Path
         cleanup(leader, dog)
 
 
+def test_a_group_gone_before_the_harness_still_has_its_scratch_dir_removed(
+    tmp_path: Path,
+) -> None:
+    """The server died by itself before the harness was SIGKILLed (no "done" sent): nothing
+    is left to stop, and its scratch directory goes all the same."""
+    sleeper, pid = spawn_sleeper("plain")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    dog = start_watchdog()
+    try:
+        tell(dog, **start_line(pid, tmp_path / "server.log"), scratch=str(scratch))
+        time.sleep(2 * watchdog.SAMPLE_INTERVAL_S)
+        sleeper.kill()
+        sleeper.wait()
+        dog.stdin.close()
+        assert dog.wait(timeout=10) == 0
+        assert not scratch.exists(), (tmp_path / watchdog.LOG_NAME).read_text()
+    finally:
+        cleanup(sleeper, dog)
+
+
 def test_a_process_that_is_not_the_recorded_one_is_spared(tmp_path: Path) -> None:
     """Pid reuse: the group's id now belongs to a process created at another time."""
     stranger, pid = spawn_sleeper("plain")
