@@ -992,6 +992,25 @@ def test_check_reads_no_drift_from_a_near_tie_moved_beyond_the_floor(
     assert "log-prob delta at the divergence 2.308" in detail
 
 
+def test_check_reads_no_drift_from_a_gap_beyond_the_floor_of_either_sign(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """As the harness's judge (`max(abs(gap))`): the expected answer picked 8 though its own
+    top-k put 5 0.06 nats above it, beyond the 0.05-nat floor. Both tokens moved within the
+    floor and the received gap is 0.01, but a gap of either sign beyond the floor is no near
+    tie: a MISMATCH, not a DRIFT the pd-drift policy passes (exit 0)."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    expected = {
+        **NEAR_TIE_EXPECTED,
+        "top_logprobs": [[[7, -0.5]], [[8, -0.74], [5, -0.68]], [[9, -0.5]], [[10, -0.5]]],
+        "token_logprobs": [-0.5, -0.74, -0.5, -0.5],
+    }
+    tops = [[(7, -0.5)], [(5, -0.70), (8, -0.71)], [(9, -0.5)], [(10, -0.5)]]
+    verdict, code, detail = judge(expected, answer(200, answer_body(tops, [1, 2, 3])), [], tmp_path)
+    assert (verdict, code) == ("MISMATCH", 1), detail
+    assert "expected gap -0.060, received gap 0.010" in detail
+
+
 def relabelled(answer: check.Answer, positions: tuple[int, ...]) -> check.Answer:
     """`answer` with the log-prob entries at `positions` made another token's (its id + 100),
     their log-probs and top-k kept: a batched answer handed another request's log-probs."""
