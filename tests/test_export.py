@@ -718,6 +718,20 @@ def test_check_judges_match_mismatch_and_prompt_difference(tmp_path: Path, monke
     assert (verdict, code) == ("MISMATCH", 1) and "prompt token ids differ at position 2" in detail
 
 
+@pytest.mark.parametrize("status", [500, 503, 404, 201])
+def test_check_calls_any_answer_but_http_200_an_error_whatever_its_body(
+    tmp_path: Path, monkeypatch, status: int
+) -> None:
+    """An HTTP error is an ERROR (exit 2) said by its status, as the harness fails it, even
+    when its body carries the expected ids: read as an answer, it was a MATCH (exit 0)."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    verdict, code, detail = judge(
+        EXPECTED, answer(status, response([1, 2, 3], [7, 8, 9, 10])), [], tmp_path
+    )
+    assert (verdict, code) == ("ERROR", 2), detail
+    assert f"-> HTTP {status} after" in detail
+
+
 def test_check_reproduces_a_failure_where_it_was_recorded_as_repro_does() -> None:
     """`epd-harness repro`'s `another_failure` and `parted_elsewhere`, restated in check.py:
     the same verdict showing elsewhere is another failure; ids parting at another position
