@@ -1070,3 +1070,24 @@ def test_a_faulted_runs_earlier_requests_are_sent_again_with_the_fault_planted(
     sweep._serve_prompts(session)
     assert planted_when_sent == {"earlier": True, "case": True}, planted_when_sent
     assert session.faults.after_prefill is None, "the session is handed back unfaulted"
+
+
+def test_another_instance_of_the_same_role_dying_is_another_failure() -> None:
+    """2E+1PD runs two encoders: encode1 dying where the bundle recorded encode0's death is
+    the same role's ERROR, but another instance's, so not the failure the bundle holds (as
+    check.py's `reproduction` names the instance too); the same instance again is."""
+    from harness.outcomes.outcome import Outcome
+    from harness.run.repro import another_failure
+    from harness.testing.builders import chat
+    from harness.testing.judging import judged
+
+    def died(name: str):
+        error = f"2E+1PD/{name} (pid 11) died while serving: killed by SIGKILL, noticed 3.0 s"
+        baseline = Outcome("image", chat([5, 6, 7, 8]))
+        return judged("2E+1PD", "baseline", baseline, Outcome("image", error=error))
+
+    recorded = died("encode0").to_json()
+    assert another_failure(recorded, died("encode0")) is None
+    assert another_failure(recorded, died("encode1")) == (
+        "2E+1PD/encode1 died now, 2E+1PD/encode0 in the bundle"
+    )
