@@ -902,7 +902,8 @@ def test_repro_of_the_same_failure_is_reproduced(
     capsys: pytest.CaptureFixture,
     then: tuple[str, object],
 ) -> None:
-    """The same failure again (another pid, another time) is reproduced."""
+    """The same failure again (another pid, another time) is reproduced, and says no other
+    position of parting (its ids part where they did)."""
     kind, value = then
     now = (
         (kind, value.replace("pid 11", "pid 97").replace("3.0 s", "4.2 s"))
@@ -912,6 +913,7 @@ def test_repro_of_the_same_failure_is_reproduced(
     code = rerun_against(tmp_path, monkeypatch, then, now)
     out = capsys.readouterr().out
     assert ": reproduced" in out and code == 0, out
+    assert "the ids part at position" not in out, out
 
 
 def test_a_case_judged_against_a_golden_is_rerun_against_that_golden(
