@@ -732,6 +732,49 @@ def test_check_calls_any_answer_but_http_200_an_error_whatever_its_body(
     assert f"-> HTTP {status} after" in detail
 
 
+@pytest.mark.parametrize(
+    "mode, flag, says",
+    [
+        ("case", "--save-reference", "serve.sh serves the case, not the reference"),
+        ("reference", "--reference", "serve.sh serves the reference, not the case"),
+    ],
+)
+def test_check_refuses_to_keep_or_judge_against_a_reference_the_wrong_side_serves(
+    tmp_path: Path, monkeypatch, capsys, mode: str, flag: str, says: str
+) -> None:
+    """`--save-reference` while serve.sh serves the case would take the case's answer for the
+    reference's (or keep nothing, exit 0, for `--reference` to fail on later); `--reference`
+    while it serves the reference would judge the reference against itself. Each is refused
+    before anything is sent: exit 2, one line naming the cause."""
+    here = tmp_path / "export"
+    state = here / "work" / "state"
+    state.mkdir(parents=True)
+    (here / "request.json").write_text(json.dumps({"messages": []}))
+    (here / "expected.json").write_text(
+        json.dumps({**EXPECTED, "what": "a case", "reference": "baseline"})
+    )
+    (state / "endpoints.tsv").write_text(
+        f"mode\t{mode}\nentry\thttp://127.0.0.1:9\n"
+        "instance\tdecode0\tdecode\thttp://127.0.0.1:9\t\tnone.log\n"
+    )
+    kept = tmp_path / "kept.json"
+    if flag == "--reference":
+        kept.write_text(json.dumps({"reference": "baseline"}))
+    sent = []
+    monkeypatch.setattr(check, "__file__", str(here / "check.py"))
+
+    def post_json(url: str, *args: object) -> check.Answer:
+        sent.append(url)
+        return check.Answer(url, None, "refused", 0.0)
+
+    monkeypatch.setattr(check, "post_json", post_json)
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    assert check.main(["--state", str(state), flag, str(kept)]) == check.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1, err
+    assert sent == []
+
+
 def test_check_reproduces_a_failure_where_it_was_recorded_as_repro_does() -> None:
     """`epd-harness repro`'s `another_failure` and `parted_elsewhere`, restated in check.py:
     the same verdict showing elsewhere is another failure; ids parting at another position
