@@ -765,7 +765,8 @@ def test_the_verdict_line_of_a_stage_not_set_says_nothing_was_reproduced(tmp_pat
 
 def test_a_stage_the_run_could_not_set_either_names_its_first_failure(tmp_path: Path) -> None:
     """When the bundle recorded the earlier request failing too, the run's stage was as
-    broken, and the case's ERROR a consequence: the line names the earlier case to rerun."""
+    broken, and the case's ERROR a consequence: the line names the earlier case to rerun;
+    recorded passing, it names none."""
     from harness.run.repro import repro_line
     from harness.spec.settings import ServedVllm
 
@@ -782,6 +783,13 @@ def test_a_stage_the_run_could_not_set_either_names_its_first_failure(tmp_path: 
         "m-text-stores-the-lookup-key ERROR too: --case 1E+1P+1D:m-text-stores-the-lookup-key "
         "reruns that earlier failure"
     ), line
+    # Recorded passing, it set the run's stage: no earlier failure to name.
+    summary["cases"][-1] = case(KILLS_PREFILL, "m-text-stores-the-lookup-key", "MATCH", True)
+    (root / "summary.json").write_text(json.dumps(summary))
+    bundle = Bundle.load(root)
+    case_ = bundle.pick_case("1E+1P+1D:m-text-at-block-plus-one")
+    line = repro_line(case_, "ERROR", bundle, ServedVllm("/v", "unknown"), False, stage_unset())
+    assert line.endswith("so the case's own request was not sent"), line
 
 
 @pytest.mark.parametrize("unset, code", [(False, 0), (True, 1)])
