@@ -1101,3 +1101,19 @@ def test_another_instance_of_the_same_role_dying_is_another_failure() -> None:
     assert another_failure(recorded, died("encode1")) == (
         "2E+1PD/encode1 died now, 2E+1PD/encode0 in the bundle"
     )
+
+
+def test_a_case_without_its_body_in_requests_json_is_refused_before_anything_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """requests.json holds no body for the case's prompt (a bundle cut by hand, or written
+    by a run that died mid-way): refused in one line naming the prompt, before a server
+    starts, not a KeyError after the topology was set up."""
+    import harness.run.repro as repro
+    from harness.spec.settings import ServedVllm
+
+    root = write_bundle(tmp_path / "b", [case("1P+1D", "video", "MISMATCH", False)])
+    seen = stub_the_rerun(monkeypatch)
+    with pytest.raises(BundleError, match=r"requests\.json has no body for 'video'$"):
+        repro.reproduce(Bundle.load(root), tmp_path / "again", ServedVllm("vllm", "0.32.0+cpu"))
+    assert "settings" not in seen
