@@ -25,6 +25,7 @@ from export_bundle import (
     plan_for,
     write,
     write_bundle,
+    write_model,
     write_scenario_bundle,
     write_upstream,
 )
@@ -488,6 +489,20 @@ def test_the_cli_writes_the_export_beside_the_run(tmp_path: Path, capsys) -> Non
     assert "cpu_env" in (out / "cpu_repair.py").read_text()  # the harness's repairs, copied
     printed = capsys.readouterr().out
     assert f"bash {out}/run.sh" in printed
+
+
+def test_the_exported_model_leaves_out_the_directorys_hidden_files(tmp_path: Path) -> None:
+    """`model/` is the model's files only: a hub snapshot's or a clone's hidden entries (the
+    `.complete` marker, a `.git` with its history) are no part of the model, and shipped they
+    made the export as large as the history and handed it to whoever the issue reaches."""
+    model = write_model(tmp_path / "m")
+    (model / ".git").mkdir()
+    (model / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    bundle = write_bundle(tmp_path / "run", model=model)
+    assert main(["export", str(bundle)]) == 0
+    shipped = bundle / "exports" / "vllm-0.32.0-1E-1P-1D-m-image-error" / "model"
+    files = sorted(p.relative_to(shipped).as_posix() for p in shipped.rglob("*"))
+    assert files == ["config.json", "model.safetensors"]
 
 
 # -- ISSUE.md ----------------------------------------------------------------------------------
