@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -503,6 +504,17 @@ def test_the_exported_model_leaves_out_the_directorys_hidden_files(tmp_path: Pat
     shipped = bundle / "exports" / "vllm-0.32.0-1E-1P-1D-m-image-error" / "model"
     files = sorted(p.relative_to(shipped).as_posix() for p in shipped.rglob("*"))
     assert files == ["config.json", "model.safetensors"]
+
+
+def test_the_exported_scripts_are_executable(tmp_path: Path) -> None:
+    """run.sh and serve.sh, and check.py and cpu_repair.py with their `#!/usr/bin/env
+    python3`, run by name (`./check.py --state DIR`) as a developer handed them would."""
+    bundle = write_bundle(tmp_path / "run")
+    assert main(["export", str(bundle)]) == 0
+    out = bundle / "exports" / "vllm-0.32.0-1E-1P-1D-m-image-error"
+    for name in ("run.sh", "serve.sh", "check.py", "cpu_repair.py"):
+        assert os.access(out / name, os.X_OK), f"{name} is not executable"
+    assert (out / "check.py").read_text().startswith("#!/usr/bin/env python3\n")
 
 
 # -- ISSUE.md ----------------------------------------------------------------------------------
