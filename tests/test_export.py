@@ -26,6 +26,7 @@ from export_bundle import (
     plan_for,
     write,
     write_bundle,
+    write_exact_reference_bundle,
     write_model,
     write_scenario_bundle,
     write_upstream,
@@ -596,6 +597,17 @@ def test_issue_md_of_a_mismatch_names_the_first_divergence(tmp_path: Path) -> No
     text = (write(tmp_path, verdict="MISMATCH") / "ISSUE.md").read_text()
     assert "first difference at generated token 1" in text.splitlines()[0]
     assert "generated tokens differ at position 1" in issue_fields(text)["## What happened"]
+
+
+def test_issue_md_names_the_reference_a_case_differs_from(tmp_path: Path) -> None:
+    """A case judged against its exact reference 1P+1D differs from 1P+1D serving, not from
+    monolithic serving: the title sent upstream names the comparison the run made."""
+    plan = plan_for(write_exact_reference_bundle(tmp_path / "run"))
+    assert plan.case.reference == "1P+1D"
+    title = render_issue(plan).splitlines()[0]
+    assert "output differs from 1P+1D serving for" in title, title
+    monolithic = render_issue(plan_for(write_bundle(tmp_path / "b", verdict="MISMATCH")))
+    assert "output differs from monolithic serving for" in monolithic.splitlines()[0]
 
 
 def test_issue_md_of_a_stream_framed_wrong_with_equal_tokens_says_so(tmp_path: Path) -> None:
