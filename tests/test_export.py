@@ -610,6 +610,17 @@ def test_issue_md_names_the_reference_a_case_differs_from(tmp_path: Path) -> Non
     assert "output differs from monolithic serving for" in monolithic.splitlines()[0]
 
 
+def test_issue_md_of_a_run_without_a_noise_floor_says_any_difference_is_a_mismatch(
+    tmp_path: Path,
+) -> None:
+    """A run that measured no noise (a floor of 0, as on CPU) leaves check.py no room for
+    drift; ISSUE.md said a near tie within a floor of 0 nats was DRIFT, which check.py never
+    calls it."""
+    text = (write(tmp_path, verdict="MISMATCH") / "ISSUE.md").read_text()
+    assert "the run measured no noise (a floor of 0), so any difference is a MISMATCH" in text
+    assert "DRIFT, numeric noise" not in text
+
+
 def test_issue_md_of_a_stream_framed_wrong_with_equal_tokens_says_so(tmp_path: Path) -> None:
     """vLLM's toy P/D proxy streams as application/json with the right ids: a MISMATCH whose
     title said "output differs from monolithic serving", a difference there is none of (found
