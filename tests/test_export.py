@@ -644,6 +644,29 @@ def test_issue_md_of_a_stream_framed_wrong_with_equal_tokens_says_so(tmp_path: P
     assert title.endswith("its tokens equal monolithic serving's"), title
 
 
+def test_issue_md_of_a_stream_framed_wrong_whose_tokens_differ_says_they_differ(
+    tmp_path: Path,
+) -> None:
+    """Broken framing and a token difference both: the title names the difference, never
+    "its tokens equal monolithic serving's" of tokens that do not."""
+    run = write_bundle(tmp_path / "run", topology="1P+1D", verdict="MISMATCH")
+    summary = json.loads((run / "summary.json").read_text())
+    case = summary["cases"][0]
+    assert case["divergence"]["index"] == 1
+    case["detail"] = (
+        "stream framing broken: served as application/json, not text/event-stream; "
+        f"{case['explanation']}"
+    )
+    case["guards"] = {"stream_framing": {"ok": False, "evidence": "stream framing broken: ..."}}
+    (run / "summary.json").write_text(json.dumps(summary))
+    out = tmp_path / "export"
+    write_export(plan_for(run, f"1P+1D:{PROMPT}"), out, REPAIR)
+    title = (out / "ISSUE.md").read_text().splitlines()[0]
+    assert "tokens equal" not in title, title
+    assert "output differs from monolithic serving" in title, title
+    assert title.endswith("(first difference at generated token 1)"), title
+
+
 @pytest.mark.parametrize(
     "client_line",
     [
