@@ -2457,3 +2457,30 @@ def test_a_fuzz_case_is_judged_against_the_answer_asked_for_it_within_its_contro
     assert drift.verdict is Verdict.DRIFT and drift.policy_passed, drift.detail
     exact = judge_example(judging, pair, baseline, near_tie, [], drift_tolerance=0.0)
     assert exact.verdict is Verdict.MISMATCH and not exact.policy_passed, exact.detail
+
+
+def test_a_request_the_baseline_rejects_is_counted_and_never_sent_to_the_topology(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The baseline's answer is the reference: a request it has none for cannot be judged,
+    so it is counted as baseline-rejected, with the baseline's reason, and the topology never
+    gets it. Found in review (mutation): an engine that marked it judged and sent it on left
+    every test green."""
+    import harness.run.fuzz.engine as engine_module
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.strategies import FuzzExample
+
+    monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
+    settings = served_settings(tmp_path / "model", tmp_path)
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"])
+    engine.baseline = KeepsBodies(error="HTTP 400: too many images\nTraceback")  # type: ignore[assignment]
+    engine.session = topology = KeepsBodies()  # type: ignore[assignment]
+    engine.topology_dead = lambda: None  # type: ignore[method-assign]
+    report = engine.run([FuzzExample(image_prompt((56, 56), name="ex-0001"))])
+    [evaluation] = report.evaluations
+    assert (evaluation.status, evaluation.note) == (
+        "baseline-rejected",
+        "HTTP 400: too many images",
+    )
+    assert evaluation.record is None and not report.groups
+    assert topology.sent == [], "the topology got a request nothing judges"
