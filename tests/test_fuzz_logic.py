@@ -2484,3 +2484,53 @@ def test_a_request_the_baseline_rejects_is_counted_and_never_sent_to_the_topolog
     )
     assert evaluation.record is None and not report.groups
     assert topology.sent == [], "the topology got a request nothing judges"
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "exit_code"),
+    [(("match",), 0), (("known",), 0), (("known", "new"), 1), (("match", "new"), 1)],
+)
+def test_a_fuzz_run_exits_failed_on_a_new_failure_only(
+    tmp_path: Path, monkeypatch, outcomes: tuple[str, ...], exit_code: int
+) -> None:
+    """The command's exit code is the run's verdict: 1 when a judged example failed in a
+    way no declaration explains (a new group), 0 when every failure is a declared upstream
+    one or nothing failed. Found in review (mutation): the command returning 0 whatever the
+    groups, or 1 for known groups too, left every test green."""
+    from types import SimpleNamespace
+
+    from harness.cli import fuzz as fuzz_cli
+    from harness.cli.main import Progress, build_parser
+    from harness.run.fuzz.engine import FuzzEngine
+
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    made = {
+        "match": lambda name: _evaluation(
+            name, image_prompt((56, 56)), record(Verdict.MATCH), False
+        ),
+        "known": lambda name: _evaluation(name, image_prompt((56, 56)), crash, True),
+        "new": lambda name: _evaluation(name, image_prompt((56, 56)), crash, False),
+    }
+
+    def run(self, examples, report, on_progress):
+        report.evaluations = [made[kind](f"ex-{n:04d}") for n, kind in enumerate(outcomes)]
+        for evaluation in report.evaluations:
+            if not evaluation.failed:
+                evaluation.signature = evaluation.recognition = None
+        report.groups = group_failures(report.evaluations)
+        on_progress(report)
+        return report
+
+    settings = served_settings(tmp_path / "model", tmp_path / "run")
+    config = SimpleNamespace(settings=settings, topologies=(TOPOLOGIES["1E+1P+1D"],))
+    monkeypatch.setattr(fuzz_cli, "prepare_run", lambda request: config)
+    monkeypatch.setattr(FuzzEngine, "__enter__", lambda self: self)  # nothing is started
+    monkeypatch.setattr(FuzzEngine, "run", run)
+    argv = ["fuzz", "--topology", "1E+1P+1D", "--examples", "2", "--seed", "0"]
+    args = build_parser().parse_args([*argv, "--run-dir", str(tmp_path / "run")])
+    args.progress = Progress()
+    assert fuzz_cli.command_fuzz(args) == exit_code
+    document = json.loads((tmp_path / "run" / "summary.json").read_text())
+    summary = document["run"]["fuzz"]
+    assert summary["new_failures"] == outcomes.count("new")
+    assert summary["known_failures"] == outcomes.count("known")
