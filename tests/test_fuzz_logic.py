@@ -2534,3 +2534,44 @@ def test_a_fuzz_run_exits_failed_on_a_new_failure_only(
     summary = document["run"]["fuzz"]
     assert summary["new_failures"] == outcomes.count("new")
     assert summary["known_failures"] == outcomes.count("known")
+
+
+class AnswersInTurn(KeepsBodies):
+    """A baseline that answers each send with the next of `answers`' ids (an unstable one
+    when they differ)."""
+
+    def __init__(self, *answers: tuple[int, ...]) -> None:
+        super().__init__()
+        self.answers = list(answers)
+
+    def send(self, name: str, body: dict) -> Outcome:
+        self.sent.append(body)
+        return outcome(name, self.answers[(len(self.sent) - 1) % len(self.answers)])
+
+
+def test_a_failure_against_a_baseline_that_disagrees_with_itself_blames_nothing(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A failing example is checked against a second baseline answer; where the two differ
+    the verdict is UNSTABLE_BASELINE, no failure of the topology's, grouped and shrunk as
+    none. Found in review (mutation): judging it as if the baseline were stable (a MISMATCH,
+    a new failure group, exit 1) left every test green."""
+    import harness.run.fuzz.engine as engine_module
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.records import FuzzReport
+    from harness.run.fuzz.strategies import FuzzExample
+
+    monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
+    settings = served_settings(tmp_path / "model", tmp_path)
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"])
+    engine.baseline = AnswersInTurn((5, 6), (7, 8))  # type: ignore[assignment]
+    engine.session = AnswersInTurn((9, 9))  # type: ignore[assignment]
+    engine.topology_dead = lambda: None  # type: ignore[method-assign]
+    examples = [FuzzExample(image_prompt((56, 56), name="ex-0001"))]
+    report = FuzzReport(examples)
+    engine._send_examples(examples, report)
+    [evaluation] = report.evaluations
+    assert len(engine.baseline.sent) == 2, "the answer and its control"
+    assert evaluation.record is not None
+    assert evaluation.record.verdict is Verdict.UNSTABLE_BASELINE, evaluation.record.detail
+    assert not evaluation.failed and evaluation.signature is None
