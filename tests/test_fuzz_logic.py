@@ -2575,3 +2575,39 @@ def test_a_failure_against_a_baseline_that_disagrees_with_itself_blames_nothing(
     assert evaluation.record is not None
     assert evaluation.record.verdict is Verdict.UNSTABLE_BASELINE, evaluation.record.detail
     assert not evaluation.failed and evaluation.signature is None
+
+
+def test_only_a_failing_examples_body_is_kept_for_the_bundle(tmp_path: Path, monkeypatch) -> None:
+    """The bundle replays a failure from the body the topology got: a failing example keeps
+    it, a passing one drops it (the bundle needs none). Found in review (mutation): dropping
+    every body left every test green, and the bundle of a failure had no request to send."""
+    import harness.run.fuzz.engine as engine_module
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.records import FuzzReport
+    from harness.run.fuzz.strategies import FuzzExample
+    from harness.spec.prompts import render_request
+
+    monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
+    settings = served_settings(tmp_path / "model", tmp_path)
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"])
+    engine.baseline = KeepsBodies()  # type: ignore[assignment]
+    failing = image_prompt((56, 56), name="ex-0001")
+    passing = PromptSpec("ex-0002", (TextPart(" hello there"),))
+
+    class FailsOnImages(KeepsBodies):
+        def send(self, name: str, body: dict) -> Outcome:
+            return (
+                Outcome(name, error="HTTP 500")
+                if name == failing.name
+                else super().send(name, body)
+            )
+
+    engine.session = FailsOnImages()  # type: ignore[assignment]
+    engine.topology_dead = lambda: None  # type: ignore[method-assign]
+    examples = [FuzzExample(failing), FuzzExample(passing)]
+    report = FuzzReport(examples)
+    engine._send_examples(examples, report)
+    kept, dropped = report.evaluations
+    assert kept.failed and not dropped.failed
+    assert kept.body == render_request(failing, settings.serving.served_model_name)
+    assert dropped.body == {}
