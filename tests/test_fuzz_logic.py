@@ -2611,3 +2611,28 @@ def test_only_a_failing_examples_body_is_kept_for_the_bundle(tmp_path: Path, mon
     assert kept.failed and not dropped.failed
     assert kept.body == render_request(failing, settings.serving.served_model_name)
     assert dropped.body == {}
+
+
+def test_a_group_shrunk_against_its_prediction_is_confirmed_by_sending_its_minimal_request(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A known crash shrunk against its trigger (baseline requests only) is left unconfirmed
+    by `shrink_group`; the run then sends its minimal request (`confirm_predicted`), else the
+    report would give a predicted request as the minimal one without its crash ever seen.
+    Found in review (mutation): a run that never confirmed left every test green."""
+    import harness.run.fuzz.engine as engine_module
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.strategies import FuzzExample
+
+    monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
+    settings = served_settings(tmp_path / "model", tmp_path)
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"])
+    engine.baseline = KeepsBodies()  # type: ignore[assignment]
+    engine.session = KeepsBodies(error="HTTP 500")  # type: ignore[assignment]
+    engine.topology_dead = lambda: None  # type: ignore[method-assign]
+    shrunk, confirmed = [], []
+    monkeypatch.setattr(engine_module, "shrink_group", lambda e, g: shrunk.append(g) or False)
+    monkeypatch.setattr(engine_module, "confirm_predicted", lambda e, g: confirmed.append(g))
+    report = engine.run([FuzzExample(image_prompt((56, 56), name="ex-0001"))])
+    assert len(report.groups) == 1
+    assert shrunk == confirmed == report.groups
