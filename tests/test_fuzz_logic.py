@@ -2636,3 +2636,33 @@ def test_a_group_shrunk_against_its_prediction_is_confirmed_by_sending_its_minim
     report = engine.run([FuzzExample(image_prompt((56, 56), name="ex-0001"))])
     assert len(report.groups) == 1
     assert shrunk == confirmed == report.groups
+
+
+def test_a_failure_is_judged_again_within_the_noise_its_stable_baseline_showed(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The control answer of a failing example gives the platform's log-prob noise even when
+    its ids agree with the first answer: the failure is judged again with that noise as its
+    drift tolerance (a near tie within it is no MISMATCH). Found in review (mutation): an
+    engine that judged again only for an unstable baseline left every test green."""
+    import harness.run.fuzz.engine as engine_module
+    from harness.judge.verdicts import Stability
+    from harness.run.fuzz.engine import FuzzEngine
+
+    monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
+    monkeypatch.setattr(engine_module, "baseline_stability", lambda a, b: Stability(True, "", 0.25))
+    judged = []
+    real_judge = engine_module.judge_example
+
+    def judge_example(*args, **kwargs):
+        judged.append((kwargs.get("baseline_stable", True), kwargs.get("drift_tolerance", 0.0)))
+        return real_judge(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "judge_example", judge_example)
+    settings = served_settings(tmp_path / "model", tmp_path)
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"])
+    engine.baseline = AnswersInTurn((5, 6))  # type: ignore[assignment]
+    engine.session = AnswersInTurn((9, 9))  # type: ignore[assignment]
+    engine.topology_dead = lambda: None  # type: ignore[method-assign]
+    engine.send_topology(engine.ask_baseline(image_prompt((56, 56), name="ex-0001")))
+    assert judged == [(True, 0.0), (True, 0.25)]
