@@ -2666,3 +2666,22 @@ def test_a_failure_is_judged_again_within_the_noise_its_stable_baseline_showed(
     engine.topology_dead = lambda: None  # type: ignore[method-assign]
     engine.send_topology(engine.ask_baseline(image_prompt((56, 56), name="ex-0001")))
     assert judged == [(True, 0.0), (True, 0.25)]
+
+
+def test_a_spent_restart_budget_stops_a_shrink_only_when_a_restart_is_due() -> None:
+    """The restart budget caps restarts, not trials: once it is spent, candidates go on being
+    tried while the topology is up (one that did not reproduce killed nothing), and the
+    shrink stops only when the next one would need a restart. Found in review (mutation):
+    stopping at the spent budget whatever was pending left every test green, and a shrink
+    could end at "restart budget" with its cheap candidates untried."""
+    calls: list[PromptSpec] = []
+
+    def first_only(spec: PromptSpec) -> bool:
+        calls.append(spec)
+        return len(calls) == 1
+
+    start = image_prompt((448, 448), (224, 224), text=" a b c")
+    result = shrink(start, FakeOracle(first_only), ShrinkBudget(max_trials=100, max_restarts=1))
+    assert result.restarts == 1 and result.accepted == 1
+    assert result.stopped_by == "local minimum"
+    assert len(result.trials) == 1 + len(candidates(result.minimal)) > 2
