@@ -2685,3 +2685,42 @@ def test_a_spent_restart_budget_stops_a_shrink_only_when_a_restart_is_due() -> N
     assert result.restarts == 1 and result.accepted == 1
     assert result.stopped_by == "local minimum"
     assert len(result.trials) == 1 + len(candidates(result.minimal)) > 2
+
+
+def test_a_fuzz_run_whose_examples_were_all_predicted_crashes_tested_nothing(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """An example whose known crash the run trusts its prediction of is not sent: counted,
+    never judged. A run of such examples alone tested nothing on the topology and exits 1,
+    as one the budget or the baseline stopped does. Found in review (mutation): counting
+    every status but baseline-rejected as tested left every test green."""
+    from types import SimpleNamespace
+
+    from harness.cli import fuzz as fuzz_cli
+    from harness.cli.main import Progress, build_parser
+    from harness.run.fuzz.engine import FuzzEngine
+
+    def run(self, examples, report, on_progress):
+        for example in examples:
+            evaluation = Evaluation(
+                example.spec, {}, Outcome(prompt=example.name), "known-predicted"
+            )
+            evaluation.note = "decode-tail: media in D's tail (not sent)"
+            report.evaluations.append(evaluation)
+        on_progress(report)
+        return report
+
+    settings = served_settings(tmp_path / "model", tmp_path / "run")
+    config = SimpleNamespace(settings=settings, topologies=(TOPOLOGIES["1E+1P+1D"],))
+    monkeypatch.setattr(fuzz_cli, "prepare_run", lambda request: config)
+    monkeypatch.setattr(FuzzEngine, "__enter__", lambda self: self)  # nothing is started
+    monkeypatch.setattr(FuzzEngine, "run", run)
+    argv = ["fuzz", "--topology", "1E+1P+1D", "--examples", "2", "--seed", "0"]
+    args = build_parser().parse_args([*argv, "--run-dir", str(tmp_path / "run")])
+    args.progress = Progress()
+    assert fuzz_cli.command_fuzz(args) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert (
+        last
+        == "epd-harness fuzz: no example was judged (2 known-predicted): the run tested nothing"
+    )
