@@ -2724,3 +2724,51 @@ def test_a_fuzz_run_whose_examples_were_all_predicted_crashes_tested_nothing(
         last
         == "epd-harness fuzz: no example was judged (2 known-predicted): the run tested nothing"
     )
+
+
+def test_a_sent_candidate_reproduces_only_with_the_groups_signature_and_declaration() -> None:
+    """The shrinker keeps a failure only while its candidates fail as the group did: the same
+    signature, and the same declaration (or new). A candidate that failed otherwise (another
+    verdict, or the same crash under a declared upstream failure where the group is new) is
+    not the group's failure and must not become its minimal request. Found in review
+    (mutation): a SendingOracle that compared either alone left every test green."""
+    from harness.run.fuzz.oracles import SendingOracle
+    from harness.run.fuzz.predictions import CrashPredictions
+
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    mismatch = record(Verdict.MISMATCH, "generated tokens differ at position 2 of 4/4")
+    answers = {
+        "same": _evaluation("same", image_prompt((56, 56)), crash, False),
+        "declared": _evaluation("declared", image_prompt((56, 56)), crash, True),
+        "other": _evaluation("other", image_prompt((56, 56)), mismatch, False),
+    }
+    assert answers["declared"].recognition.known and not answers["same"].recognition.known
+
+    class Engine:
+        predictions = CrashPredictions([], 2)
+
+        def topology_dead(self) -> None:
+            return None
+
+        def ask_baseline(self, spec: PromptSpec) -> Evaluation:
+            return Evaluation(spec, {}, Outcome(prompt=spec.name), "judged")
+
+        def too_short(self, evaluation: Evaluation) -> None:
+            return None
+
+        def send_topology(self, evaluation: Evaluation) -> Evaluation:
+            answer = answers[evaluation.spec.name]
+            evaluation.record, evaluation.signature = answer.record, answer.signature
+            evaluation.recognition = answer.recognition
+            return evaluation
+
+    start = answers["same"]
+    group = FailureGroup(start.signature, start.recognition, [start])
+    oracle = SendingOracle(Engine(), group)
+    tried = {name: oracle.attempt(PromptSpec(name, (TextPart(" a"),))) for name in answers}
+    assert {name: trial.reproduced for name, trial in tried.items()} == {
+        "same": True,
+        "declared": False,
+        "other": False,
+    }
+    assert oracle.last_reproduced is not None and oracle.last_reproduced.spec.name == "same"
