@@ -1324,6 +1324,85 @@ def test_a_fuzz_bundle_says_which_devices_computed_the_ids(tmp_path: Path, monke
     assert line in (tmp_path / FUZZ_MD).read_text().splitlines()
 
 
+@pytest.mark.parametrize("run", ["known only", "known and new", "nothing judged"])
+def test_a_fuzz_runs_top_level_files_say_what_its_exit_code_says(tmp_path: Path, run) -> None:
+    """Found in review: a fuzz run whose every failure was known exited 0, while its
+    summary.json said `passed: false`, its junit.xml had a failure per known case and
+    verdicts.txt and diff.md counted them failed: a CI job reading them went red on a green
+    run. In the run's own bundle a known failure is a declared pass, as a matrix scenario's
+    is (`declared_failure` names the rule); its group bundle keeps it failing, the case
+    `repro` and `export` of that bundle pick, and `repro RUN_DIR` names the group bundles."""
+    import xml.etree.ElementTree as ET
+
+    from harness.report.run_outputs import VERDICTS_FILE
+    from harness.run.fuzz.bundle import write_fuzz_bundle
+    from harness.run.fuzz.records import FuzzReport
+    from harness.run.fuzz.strategies import FuzzExample
+    from harness.run.repro import Bundle, BundleError
+
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    start = _evaluation("ex-0007", image_prompt((448, 448), (56, 56)), crash, True)
+    minimal = _evaluation("ex-0007-s004", image_prompt((56, 56)), crash, True)
+    known = FailureGroup(start.signature, start.recognition, [start], minimal=minimal)
+    rule = start.recognition.rule
+    mismatch = record(Verdict.MISMATCH, "generated tokens differ at position 2 of 4/4")
+    new = _evaluation("ex-0003", image_prompt((56, 56), text=" hi"), mismatch, False)
+    fine = _evaluation("ex-0001", image_prompt((56, 56)), record(Verdict.MATCH), False)
+    fine.signature = fine.recognition = None
+    skipped = Evaluation(
+        image_prompt((56, 56), name="ex-0002"), {}, Outcome("ex-0002"), "known-predicted"
+    )
+    evaluations, groups = {
+        "known only": ([fine, start], [known]),
+        "known and new": (
+            [fine, new, start],
+            [FailureGroup(new.signature, new.recognition, [new], minimal=new), known],
+        ),
+        "nothing judged": ([skipped], []),
+    }[run]
+    report = FuzzReport([FuzzExample(e.spec) for e in evaluations], evaluations, groups)
+    settings = served_settings(tmp_path / "no-model", tmp_path)
+    meta = {"topology": "1E+1P+1D", "seed": 3}
+    group_dirs = write_fuzz_bundle(settings, TOPOLOGIES["1E+1P+1D"], report, meta, None)
+    passed = report.passed
+    assert passed == (run == "known only")
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["passed"] is passed
+    cases = {c["prompt"]: c for c in summary["cases"]}
+    suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
+    failed = {c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None}
+    verdicts = (tmp_path / VERDICTS_FILE).read_text()
+    diff = (tmp_path / "diff.md").read_text()
+    assert (suite.get("failures") == "0") is passed, failed
+    assert ("verdicts: " in verdicts and " 0 fail " in verdicts) is (passed or not cases)
+    assert diff.startswith("# EPD diff: ") is (run == "known and new"), diff
+    for name in ("ex-0007", "ex-0007-s004") if run != "nothing judged" else ():
+        assert cases[name]["policy_passed"] and cases[name]["declared_failure"] == rule.name
+        assert cases[name]["verdict"] == "ERROR", "the verdict stays what it was"
+        assert f"{name} vs baseline" not in failed
+        assert f"yes (declared: {rule.name})" in verdicts
+    if run == "known and new":
+        assert not cases["ex-0003"]["policy_passed"] and "ex-0003 vs baseline" in failed
+
+    # The group's own bundle keeps its case failing: repro and export pick it.
+    known_dir = group_dirs[-1] if groups else None
+    if known_dir is not None:
+        assert known_dir.name.startswith(f"{len(groups):02d}-known-")
+        assert json.loads((known_dir / "summary.json").read_text())["passed"] is False
+        assert Bundle.load(known_dir).pick_case(None).prompt == "ex-0007-s004"
+        assert Bundle.load(known_dir).pick_record(None, declared_too=True)["prompt"] == (
+            "ex-0007-s004"
+        )
+    if run == "known only":
+        with pytest.raises(BundleError) as refused:
+            Bundle.load(tmp_path).pick_case(None)
+        assert "failed as declared" in str(refused.value)
+        assert str(known_dir) in str(refused.value), "names the group bundle to reproduce"
+    elif run == "known and new":
+        assert Bundle.load(tmp_path).pick_case(None).prompt == "ex-0003"
+
+
 def test_save_writes_a_new_failure_as_a_declared_scenario(tmp_path: Path) -> None:
     crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
     new = _evaluation("ex-0003", image_prompt((56, 56), text=" hi"), crash, False)

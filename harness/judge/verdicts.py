@@ -216,20 +216,29 @@ def _as_declared(
         candidate_error or ""
     )
     undeclared = [g for g in guards if g.failed and g.name not in failure.evidence]
-    held = record.verdict.value == failure.verdict and shows and not undeclared
-    if held:
-        detail = f"{record.detail}; declared upstream failure: {failure.reason}"
-    else:
-        detail = (
-            f"{record.detail}; NOT the declared {failure.verdict} "
-            f"({failure.evidence.strip()!r}...): {failure.reason}"
-        )
-        if undeclared:
-            detail += "; and guard failed: " + "; ".join(
-                f"{g.name}: {g.evidence}" for g in undeclared
-            )
+    if record.verdict.value == failure.verdict and shows and not undeclared:
+        return held_as_declared(record, failure)
+    detail = (
+        f"{record.detail}; NOT the declared {failure.verdict} "
+        f"({failure.evidence.strip()!r}...): {failure.reason}"
+    )
+    if undeclared:
+        detail += "; and guard failed: " + "; ".join(f"{g.name}: {g.evidence}" for g in undeclared)
     return dataclasses.replace(
-        record, policy_passed=held, detail=detail, declared_failure=failure.name
+        record, policy_passed=False, detail=detail, declared_failure=failure.name
+    )
+
+
+def held_as_declared(record: CaseRecord, failure: Declaration) -> CaseRecord:
+    """`record`, which failed exactly as `failure` declares, as the pass a run counts it: the
+    declaration named (`declared_failure`: the verdict table says `yes (declared: NAME)`)
+    and its upstream cause said. A fuzz run's own bundle counts a known failure so
+    (`harness.run.fuzz.bundle`), having told it from a new one by the declaration."""
+    return dataclasses.replace(
+        record,
+        policy_passed=True,
+        detail=f"{record.detail}; declared upstream failure: {failure.reason}",
+        declared_failure=failure.name,
     )
 
 

@@ -33,6 +33,7 @@ from harness.judge.records import CaseRecord, Verdict
 from harness.judge.verdicts import Declaration
 from harness.redact import REDACTED
 from harness.report.bundle import SENT_AFTER
+from harness.run.fuzz.bundle import FAILURES_DIR
 from harness.run.fuzz.signature import died_instance, signature_of
 from harness.run.goldens import GoldenStore
 from harness.run.pool import TopologyPool
@@ -412,6 +413,15 @@ class Bundle:
         """The vLLM version the bundle's run served, as recorded."""
         return (self.run.get("served_vllm") or {}).get("version")
 
+    def fuzz_group_bundles(self) -> list[Path]:
+        """A fuzz run's failure groups' bundles (`failures/NN-...`), in report order; none for
+        any other run. The run's own bundle passes a known failure as declared, as its exit
+        code does; the group's bundle keeps the case failing (`harness.run.fuzz.bundle`)."""
+        if not self.run.get("fuzz"):
+            return []
+        groups = sorted((self.path / FAILURES_DIR).glob("*/summary.json"))
+        return [summary.parent for summary in groups]
+
     def pick_case(self, wanted: str | None, declared_too: bool = False) -> ReproCase:
         """The case `pick_record` picks."""
         return case_of(self.pick_record(wanted, declared_too))
@@ -453,6 +463,12 @@ class Bundle:
                 if declared
                 else ""
             )
+            if groups := self.fuzz_group_bundles():
+                known += (
+                    "; this fuzz run's failures are all known ones, passes here as declared: "
+                    "each group's own bundle keeps its case failing, to reproduce: "
+                    + " or ".join(f"epd-harness repro {group}" for group in groups)
+                )
             raise BundleError(
                 f"{self.path}: every case passed; name one with --case TOPOLOGY:PROMPT "
                 f"(its cases: {', '.join(names)}){known}"

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.files import write_json_atomic, write_text_atomic
 from harness.judge.records import CaseRecord
+from harness.judge.verdicts import held_as_declared
 from harness.report.bundle import SENT_AFTER, Redactor, write_bundle, write_run_info
 from harness.report.run_outputs import devices_line, write_verdicts
 from harness.report.text import format_failure, write_summary_json
@@ -158,6 +159,26 @@ def _records(evaluations: list[Evaluation]) -> list[CaseRecord]:
     return [e.record for e in evaluations if e.record is not None]
 
 
+def _run_records(evaluations: list[Evaluation], groups: list[FailureGroup]) -> list[CaseRecord]:
+    """The run bundle's records: a known group's cases as the declared passes the exit code
+    counts them (`held_as_declared`, as a matrix scenario's declared failure), so that
+    summary.json, verdicts.txt, junit.xml and diff.md say what the exit code says (found in
+    review: a run of known failures only exited 0 and its junit.xml had them failed). A
+    group's own bundle keeps them failing: `repro` and `export` of it pick that case."""
+    rules = {
+        id(evaluation): group.recognition.rule
+        for group in groups
+        if group.recognition.rule is not None
+        for evaluation in (*group.members, group.minimal)
+        if evaluation is not None
+    }
+    return [
+        held_as_declared(record, rules[id(e)]) if id(e) in rules else record
+        for e in evaluations
+        if (record := e.record) is not None
+    ]
+
+
 def write_group_bundle(
     directory: Path,
     settings: RunSettings,
@@ -295,7 +316,7 @@ def write_fuzz_bundle(
     judged = [e for e in report.evaluations if e.record is not None]
     ordered = minimal + [e for e in judged if not any(e is m for m in minimal)]
     scrub = Redactor.for_run(run_dir)  # as the bundle's own files are
-    records = [scrub.record(r) for r in _records(ordered)]
+    records = [scrub.record(r) for r in _run_records(ordered, report.groups)]
     stage_bodies, sent_after = staged(key)
     bodies = {**{e.spec.name: e.body for e in key}, **stage_bodies}
     run_info = write_run_info(

@@ -131,6 +131,17 @@ class FuzzReport:
     def new_groups(self) -> list[FailureGroup]:
         return [g for g in self.groups if not g.known]
 
+    @property
+    def judged_any(self) -> bool:
+        return any(e.status == "judged" for e in self.evaluations)
+
+    @property
+    def passed(self) -> bool:
+        """What the command's exit code says, and every top-level file of its bundle with it
+        (`harness.run.fuzz.bundle`): some example was judged and no failure is new (a known
+        one is a declared upstream failure, as a matrix scenario's is)."""
+        return self.judged_any and not self.new_groups
+
     def fault_effect(self) -> dict[str, Any]:
         """What a planted fault did to the examples sent to the topology: how many it acted
         on, and how many it did not, by its reason (numbers blanked, so one reason counts
