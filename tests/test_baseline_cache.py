@@ -77,6 +77,24 @@ def test_key_is_the_served_vllm_and_torch_not_the_harness_interpreters() -> None
     )
 
 
+def test_key_is_the_served_libraries_besides_torch() -> None:
+    """transformers resizes the image and tokenizers makes the prompt's ids before vLLM and
+    torch compute anything: a baseline served under other versions of them must not answer a
+    run (the key's `libraries`; `harness.preflight.vllm.LIBRARIES`)."""
+    libraries = (("tokenizers", "0.22.1"), ("transformers", "4.57.1"))
+    served = dataclasses.replace(SERVED, libraries=libraries)
+    key = baseline_key(served, SERVING, "d", BODY, launch=LAUNCH)
+    for changed in (
+        (("tokenizers", "0.22.1"), ("transformers", "4.58.0")),
+        (("tokenizers", "0.21.0"), ("transformers", "4.57.1")),
+        (("transformers", "4.57.1"),),
+    ):
+        other = dataclasses.replace(SERVED, libraries=changed)
+        assert key != baseline_key(other, SERVING, "d", BODY, launch=LAUNCH), (
+            f"an entry served under {dict(libraries)} answers a run under {dict(changed)}"
+        )
+
+
 def test_unknown_served_version_is_never_cached() -> None:
     with pytest.raises(ValueError, match="unknown vLLM version"):
         baseline_key(ServedVllm("/opt/vllm", "unknown"), SERVING, "d", BODY, launch=LAUNCH)
