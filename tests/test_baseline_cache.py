@@ -100,6 +100,25 @@ def test_unknown_served_version_is_never_cached() -> None:
         baseline_key(ServedVllm("/opt/vllm", "unknown"), SERVING, "d", BODY, launch=LAUNCH)
 
 
+def test_an_editable_install_whose_code_cannot_be_identified_is_never_keyed() -> None:
+    """Its version names no code (the tree may have been edited since it was installed), and
+    its code state could not be read: an entry keyed without that state would answer a run of
+    other code under the same version."""
+    unreadable = dataclasses.replace(
+        SERVED, source_tree="/src/vllm", source_state="", source_problem="git: not a repository"
+    )
+    with pytest.raises(ValueError, match="cannot be identified"):
+        baseline_key(unreadable, SERVING, "d", BODY, launch=LAUNCH)
+    readable = dataclasses.replace(unreadable, source_state="git abc + diff 0123")
+    assert baseline_key(readable, SERVING, "d", BODY, launch=LAUNCH) != baseline_key(
+        dataclasses.replace(readable, source_state="git abd + diff 0123"),
+        SERVING,
+        "d",
+        BODY,
+        launch=LAUNCH,
+    ), "two states of the tree share an entry"
+
+
 def test_key_ignores_where_the_model_lives() -> None:
     moved = dataclasses.replace(SERVING, model="/elsewhere/tiny")
     assert baseline_key(SERVED, SERVING, "d", BODY, launch=LAUNCH) == baseline_key(
