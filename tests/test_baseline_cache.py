@@ -670,6 +670,35 @@ def test_a_baseline_started_for_a_miss_prints_one_cache_line(
         assert len(lines.lines) == 1, lines.lines
 
 
+def test_the_read_again_under_the_lock_says_nothing_of_what_the_first_read_found(
+    tmp_path: Path,
+) -> None:
+    """The read again (under the lock, before the baseline starts for what missed) looks up
+    only what is still missing: had it read every request again, the hit of the first read
+    was counted once more and printed as "1 hit(s) stored meanwhile by a parallel run" when
+    no parallel run stored anything."""
+    cache = BaselineCache(tmp_path / "cache")
+    bodies = {"hit": {**RUN_BODY, "seed": 1}, "miss": {**RUN_BODY, "seed": 2}}
+    answers = BaselineAnswers(run_settings(tmp_path), cache)
+    answers.add(bodies)
+    key = answers.cache_key(bodies["hit"])
+    cache.store(key, outcome("hit", (4, 5)), 0.0, "d", batched=True, served=SERVED)
+    lines = CacheLines()
+    logger = logging.getLogger("harness.run.baseline")
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        answers.load_stored()
+        answers.load_stored(again=True)
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    assert answers.missing() == ["miss"]
+    first = f"[baseline] cache {cache.directory}: 1 hit(s) (the oldest computed "
+    assert len(lines.lines) == 1 and lines.lines[0].startswith(first), lines.lines
+
+
 def test_two_dtypes_never_share_a_baseline() -> None:
     """A float16 baseline (a T4's) must not answer for a bfloat16 run, nor the reverse: the
     dtype is in the key through the serving flags and through the baseline's own argv."""
