@@ -5,6 +5,7 @@ what computed it."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import types
@@ -16,6 +17,7 @@ import pytest
 from harness.outcomes.outcome import Outcome
 from harness.run.baseline import BaselineAnswers
 from harness.run.baseline_cache import BaselineCache
+from harness.run.baseline_launch import BaselineLaunch
 from harness.spec.platforms import CPU
 from harness.spec.settings import RAY_LAUNCHER, LauncherChoice, RunSettings, ServedVllm
 from harness.spec.topology import serving_for
@@ -82,6 +84,25 @@ def test_a_baseline_on_a_ray_node_is_stored_under_the_nodes_variables_not_the_ha
     # The run says so, naming each variable.
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert "VLLM_ATTENTION_BACKEND=TORCH_SDPA" in warned and "ONEDNN_MAX_CPU_ISA=AVX2" in warned
+
+
+def test_what_the_launcher_gives_every_instance_is_in_the_baseline_key(
+    tmp_path: Path,
+) -> None:
+    """`--ray-instance-env` is given to every instance on the cluster, the baseline included,
+    over what its node gives it: a baseline served with VLLM_ATTENTION_BACKEND set there must
+    not answer a run without it (nor the other way), whatever the nodes inherit."""
+    plain = BaselineLaunch.of(ray_settings(tmp_path), environ={}, inherited={})
+    keys = {plain}
+    for given in ("TORCH_SDPA", "FLASH_ATTN"):
+        launcher = LauncherChoice(
+            RAY_LAUNCHER, "head:6379", instance_env=(("VLLM_ATTENTION_BACKEND", given),)
+        )
+        settings = dataclasses.replace(ray_settings(tmp_path), launcher=launcher)
+        launch = BaselineLaunch.of(settings, environ={}, inherited={})
+        assert ("VLLM_ATTENTION_BACKEND", given) in launch.env, launch.env
+        keys.add(launch)
+    assert len(keys) == 3, "a baseline served under one --ray-instance-env answers another"
 
 
 def fake_cluster(monkeypatch: pytest.MonkeyPatch, node_env: dict[str, str]) -> list[str]:
