@@ -3,12 +3,15 @@ server: sessions stand in for a topology's instances."""
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import pytest
 
+from harness.run import pool as pool_module
 from harness.run.pool import SessionRequest, TopologyPool
-from harness.spec.settings import RunSettings
+from harness.spec.platforms import CUDA
+from harness.spec.settings import ProxyChoice, RunSettings
 from harness.spec.topology import BASELINE, TOPOLOGIES, Role, ServingConfig
 
 pytestmark = pytest.mark.unit
@@ -121,3 +124,45 @@ def test_a_session_with_environment_added_to_a_role_is_never_the_plain_topologys
     assert pool.session(topology, role_env={Role.DECODE: {"EPD_KV_NOISE": "1"}}) is variant
     assert pool.session(topology) is plain
     assert len(pool.starts) == 2
+
+
+class Placed(StandIn):
+    """A `TopologySession` stand-in built as the pool builds one (`harness.run.pool`'s
+    `TopologySession`): it keeps the devices it was given and says whether it was closed,
+    and reached through another proxy it is a view of itself."""
+
+    def __init__(self, topology, settings, *, devices=None, **_: object) -> None:
+        super().__init__(SessionRequest(topology, settings), fails=False)
+        self.devices = devices or ()
+        self.closed = False
+
+    def __enter__(self) -> Placed:
+        return self
+
+    def close(self) -> None:
+        self.closed = True
+
+    def via(self, proxy: ProxyChoice) -> types.SimpleNamespace:
+        return types.SimpleNamespace(of=self, entry=types.SimpleNamespace(key=proxy.kind))
+
+
+@pytest.fixture
+def gpu_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> TopologyPool:
+    """A pool on four GPUs, no other process waiting for any of them."""
+    monkeypatch.setattr(pool_module, "TopologySession", Placed)
+    monkeypatch.setattr(pool_module, "wanted_devices", lambda lock_dir, kind: [])
+    serving = ServingConfig(model="/models/tiny")
+    return TopologyPool(RunSettings(serving=serving, run_dir=tmp_path, platform=CUDA))
+
+
+def test_a_topology_starts_where_it_was_first_placed_unless_asked_for_other_devices(
+    gpu_pool: TopologyPool,
+) -> None:
+    """The sweep's schedule places each topology; a later sweep on the pool (a load's) does
+    not move it, and a caller that names devices gets those."""
+    topology = TOPOLOGIES["1E+1PD"]
+    gpu_pool.place({"1E+1PD": (1,)})
+    gpu_pool.place({"1E+1PD": (2, 3)})  # a later plan: the first placement stands
+    assert gpu_pool.session(topology).devices == (1,)
+    gpu_pool.release()
+    assert gpu_pool.session(topology, devices=(3,)).devices == (3,)
