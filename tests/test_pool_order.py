@@ -166,3 +166,15 @@ def test_a_topology_starts_where_it_was_first_placed_unless_asked_for_other_devi
     assert gpu_pool.session(topology).devices == (1,)
     gpu_pool.release()
     assert gpu_pool.session(topology, devices=(3,)).devices == (3,)
+
+
+def test_a_private_session_stops_the_shared_one_of_the_same_key_on_its_devices(
+    gpu_pool: TopologyPool,
+) -> None:
+    """A private start is another start beside whatever runs under its key: on GPUs the
+    shared session of the same topology holds its devices, and left running the private one
+    waits on its own process's lease for ever (seen with the fake vLLM on eight devices)."""
+    topology = TOPOLOGIES["1E+1PD"]
+    shared = gpu_pool.session(topology, devices=(0,))
+    with gpu_pool.private(topology, "a rerun", "rerun", devices=(0,)) as private:
+        assert shared.closed and not private.closed
