@@ -3,6 +3,7 @@ server: sessions stand in for a topology's instances."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from harness.run import pool as pool_module
 from harness.run.pool import SessionRequest, TopologyPool
 from harness.spec.platforms import CUDA
-from harness.spec.settings import ProxyChoice, RunSettings
+from harness.spec.settings import VLLM_PROXY, ProxyChoice, RunSettings
 from harness.spec.topology import BASELINE, TOPOLOGIES, Role, ServingConfig
 
 pytestmark = pytest.mark.unit
@@ -178,3 +179,17 @@ def test_a_private_session_stops_the_shared_one_of_the_same_key_on_its_devices(
     shared = gpu_pool.session(topology, devices=(0,))
     with gpu_pool.private(topology, "a rerun", "rerun", devices=(0,)) as private:
         assert shared.closed and not private.closed
+
+
+def test_a_session_asked_through_another_proxy_is_reached_through_that_proxy(
+    gpu_pool: TopologyPool,
+) -> None:
+    """The instances are shared whatever the proxy, but the caller that asks for vLLM's proxy
+    is judging that proxy: handed the session itself, it went through the harness's."""
+    topology = TOPOLOGIES["1E+1PD"]
+    running = gpu_pool.session(topology, devices=(0,))
+    other = dataclasses.replace(gpu_pool.settings, proxy=ProxyChoice(kind=VLLM_PROXY))
+    view = gpu_pool.session(topology, other, devices=(0,))
+    assert view is not running and (view.of, view.entry.key) == (running, VLLM_PROXY)
+    assert gpu_pool.session(topology, devices=(0,)) is running
+    assert len(gpu_pool.starts) == 1
