@@ -193,3 +193,14 @@ def test_a_session_asked_through_another_proxy_is_reached_through_that_proxy(
     assert view is not running and (view.of, view.entry.key) == (running, VLLM_PROXY)
     assert gpu_pool.session(topology, devices=(0,)) is running
     assert len(gpu_pool.starts) == 1
+
+
+def test_reviving_a_session_with_no_dead_instance_hands_it_back_as_it_is(
+    gpu_pool: TopologyPool,
+) -> None:
+    """`revive` is for a session one of whose instances died (fuzzing); called on one that
+    serves whole, it is the running session, nothing started or revived."""
+    topology = TOPOLOGIES["1E+1PD"]
+    running = gpu_pool.session(topology, devices=(0,))
+    assert gpu_pool.revive(topology, devices=(0,)) is running
+    assert len(gpu_pool.starts) == 1 and not running.closed
