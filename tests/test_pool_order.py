@@ -204,3 +204,18 @@ def test_reviving_a_session_with_no_dead_instance_hands_it_back_as_it_is(
     running = gpu_pool.session(topology, devices=(0,))
     assert gpu_pool.revive(topology, devices=(0,)) is running
     assert len(gpu_pool.starts) == 1 and not running.closed
+
+
+def test_a_cpu_session_that_fits_beside_the_running_ones_stops_none_of_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CPU the least recently used sessions stop only until the coming one fits: with room
+    for exactly its instances, every running session stays."""
+    monkeypatch.setattr(pool_module, "TopologySession", Placed)
+    settings = RunSettings(serving=ServingConfig(model="/models/tiny"), run_dir=tmp_path)
+    pool = TopologyPool(settings)
+    monkeypatch.setattr(pool_module, "cpu_instances_that_fit", lambda: 100)
+    running = pool.session(TOPOLOGIES["1E+1PD"])
+    monkeypatch.setattr(pool_module, "cpu_instances_that_fit", lambda: 3)  # 1E+1P+1D: three
+    pool.session(TOPOLOGIES["1E+1P+1D"])
+    assert not running.closed, "a session stopped though the coming one fitted beside it"
