@@ -11,6 +11,7 @@ import pytest
 
 from harness.run import pool as pool_module
 from harness.run.pool import SessionRequest, TopologyPool
+from harness.spec.placement import CPU_INSTANCE_BYTES, CPU_MEMORY_HEADROOM
 from harness.spec.platforms import CUDA
 from harness.spec.settings import VLLM_PROXY, ProxyChoice, RunSettings
 from harness.spec.topology import BASELINE, TOPOLOGIES, Role, ServingConfig
@@ -219,3 +220,17 @@ def test_a_cpu_session_that_fits_beside_the_running_ones_stops_none_of_them(
     monkeypatch.setattr(pool_module, "cpu_instances_that_fit", lambda: 3)  # 1E+1P+1D: three
     pool.session(TOPOLOGIES["1E+1P+1D"])
     assert not running.closed, "a session stopped though the coming one fitted beside it"
+
+
+def test_the_memory_a_cpu_instance_may_take_keeps_a_headroom(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Memory for exactly three instances is not room for three: the page cache, the
+    harness and the proxy need some too (`CPU_MEMORY_HEADROOM`)."""
+    monkeypatch.setattr(pool_module, "available_memory_bytes", lambda: 3 * CPU_INSTANCE_BYTES)
+    assert pool_module.cpu_instances_that_fit() == 2
+    roomy = 10 * CPU_INSTANCE_BYTES
+    monkeypatch.setattr(pool_module, "available_memory_bytes", lambda: roomy)
+    assert pool_module.cpu_instances_that_fit() == int(roomy * CPU_MEMORY_HEADROOM) // (
+        CPU_INSTANCE_BYTES
+    )
