@@ -234,3 +234,14 @@ def test_the_memory_a_cpu_instance_may_take_keeps_a_headroom(
     assert pool_module.cpu_instances_that_fit() == int(roomy * CPU_MEMORY_HEADROOM) // (
         CPU_INSTANCE_BYTES
     )
+
+
+def test_a_gpu_session_stops_only_the_sessions_on_the_devices_it_comes_on(
+    gpu_pool: TopologyPool,
+) -> None:
+    """On GPUs no two sessions hold one device: the one on the coming session's device stops,
+    the one on another device keeps running (stopped, it would only start again later)."""
+    elsewhere = gpu_pool.session(TOPOLOGIES["1P+1D"], devices=(1,))
+    in_the_way = gpu_pool.session(TOPOLOGIES["1E+1PD"], devices=(0,))
+    gpu_pool.session(TOPOLOGIES["2E+1PD"], devices=(0,))
+    assert in_the_way.closed and not elsewhere.closed
