@@ -11,6 +11,7 @@ import pytest
 
 from harness.run import pool as pool_module
 from harness.run.pool import SessionRequest, TopologyPool
+from harness.serve.device_wants import DeviceWant
 from harness.spec.placement import CPU_INSTANCE_BYTES, CPU_MEMORY_HEADROOM
 from harness.spec.platforms import CUDA
 from harness.spec.settings import VLLM_PROXY, ProxyChoice, RunSettings
@@ -245,3 +246,26 @@ def test_a_gpu_session_stops_only_the_sessions_on_the_devices_it_comes_on(
     in_the_way = gpu_pool.session(TOPOLOGIES["1E+1PD"], devices=(0,))
     gpu_pool.session(TOPOLOGIES["2E+1PD"], devices=(0,))
     assert in_the_way.closed and not elsewhere.closed
+
+
+def waiting_for(monkeypatch: pytest.MonkeyPatch, *devices: int) -> None:
+    """Another process (pid 4242) waits for `devices` of the pool's GPUs, all or none."""
+    wants = [DeviceWant(CUDA.name, d, 4242, "w") for d in devices]
+    monkeypatch.setattr(pool_module, "wanted_devices", lambda lock_dir, kind: wants)
+    monkeypatch.setattr(pool_module, "devices_free", lambda kind, devices, lock_dir: True)
+
+
+def test_a_session_the_item_uses_is_not_let_go_of_for_another_process(
+    gpu_pool: TopologyPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the running pytest item asked for is in use until the next item begins: stopped
+    for another worker waiting for its device, the item's own scenario lost it mid-way. Once
+    the next item begins, an idle session on the wanted device is let go of."""
+    gpu_pool.item_begins()
+    used = gpu_pool.session(TOPOLOGIES["1E+1PD"], devices=(0,))
+    waiting_for(monkeypatch, 0)
+    gpu_pool.session(TOPOLOGIES["1P+1D"], devices=(1,))
+    assert not used.closed, "a session the item uses was stopped for another process"
+    gpu_pool.item_begins()
+    gpu_pool.session(TOPOLOGIES["1P+1D"], devices=(1,))
+    assert used.closed, "an idle session kept the device another process waits for"
