@@ -269,3 +269,18 @@ def test_a_session_the_item_uses_is_not_let_go_of_for_another_process(
     gpu_pool.item_begins()
     gpu_pool.session(TOPOLOGIES["1P+1D"], devices=(1,))
     assert used.closed, "an idle session kept the device another process waits for"
+
+
+def test_no_session_is_let_go_of_when_the_waiter_would_still_wait(
+    gpu_pool: TopologyPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A waiter leases all its devices or none: where a session kept here (in use) holds one
+    of them, stopping the idle one on the other would only cost its restart later (the fake
+    8-GPU night: each let go of in turn, and restarted, while 2E+1PD still waited)."""
+    gpu_pool.item_begins()
+    idle = gpu_pool.session(TOPOLOGIES["1P+1D"], devices=(1,))
+    gpu_pool.item_begins()
+    used = gpu_pool.session(TOPOLOGIES["1E+1PD"], devices=(0,))
+    waiting_for(monkeypatch, 0, 1)
+    gpu_pool.session(TOPOLOGIES["1E+1PD"], devices=(0,))
+    assert not used.closed and not idle.closed, "let go of while the waiter still waits"
