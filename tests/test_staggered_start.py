@@ -81,6 +81,17 @@ def test_on_one_gpu_the_encoder_starts_first_and_the_others_one_after_another() 
     assert start_after(specs("1E+1PD", CUDA, (0,))) == {"1E+1PD/pd0": ("1E+1PD/encoder0",)}
 
 
+def test_the_encoder_starts_first_on_its_device_wherever_it_is_listed() -> None:
+    """The encoder's profiling transient must be over before a KV holder takes its memory
+    snapshot, whatever order the instances come in (every topology lists its encoders first
+    today; one that did not would start its encoder last, beside a profiling KV holder)."""
+    encoder, prefill, decode = specs("1E+1P+1D", CUDA, (0,))
+    assert start_after([prefill, decode, encoder]) == {
+        "1E+1P+1D/prefill0": ("1E+1P+1D/encoder0",),
+        "1E+1P+1D/decode0": ("1E+1P+1D/prefill0",),
+    }
+
+
 def test_on_two_gpus_only_the_instances_of_the_shared_device_wait() -> None:
     placed = specs("1E+1P+1D", CUDA, (0, 1))
     shared = {spec.name for spec in placed if spec.devices == (0,)}
