@@ -864,3 +864,27 @@ def test_a_calibration_answer_from_other_prompt_ids_is_changed_by_batching(
     baseline.batched = True
     calibration = answers.calibrate_batched(baseline, [("request 1", "a")], 1)  # type: ignore[arg-type]
     assert [a.label for a in calibration.changed] == ["request 1"]
+
+
+def test_a_build_whose_code_cannot_be_told_apart_gets_no_session_private_cache(
+    tmp_path: Path,
+) -> None:
+    """`--baseline-cache off` with parallel workers sharing GPUs gets the session's private
+    cache, whose key names the served code; an editable vLLM whose tree's state could not be
+    read names none (`ServedVllm.cache_refusal`), so it gets no cache at all, as with a cache
+    asked for. Found in review: the private cache was made anyway and its first lookup raised
+    a bare ValueError."""
+    from harness.preflight.config import RunRequest, _run_baseline_cache
+    from harness.spec.platforms import CUDA
+
+    request = RunRequest(baseline_cache="off", session_dir=str(tmp_path), workers=4)
+    plain = ServedVllm("/venv/bin/vllm", "0.33.0.dev1+gabc", "2.13.0")
+    private = _run_baseline_cache(None, plain, request, CUDA, None)
+    assert private is not None, "parallel GPU workers share one baseline start"
+    baseline_key(plain, SERVING, "d", BODY, launch=LAUNCH)  # keyed: no refusal
+    unreadable = ServedVllm("/venv/bin/vllm", "0.33.0.dev1+gabc", "2.13.0", source_tree="/src/vllm")
+    assert unreadable.cache_refusal is not None
+    assert _run_baseline_cache(None, unreadable, request, CUDA, None) is None
+    asked = BaselineCache(tmp_path / "cache")
+    assert _run_baseline_cache(asked, unreadable, request, CUDA, None) is None
+    assert _run_baseline_cache(asked, plain, request, CUDA, None) is asked

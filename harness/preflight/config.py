@@ -87,6 +87,7 @@ from harness.spec.settings import (
     LauncherChoice,
     ProxyChoice,
     RunSettings,
+    ServedVllm,
 )
 from harness.spec.topology import (
     EPD_TOPOLOGY_NAMES,
@@ -463,11 +464,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
     )
     golden_release = arguments.golden_release
     goldens = _goldens(golden_release, baseline_cache)
-    if baseline_cache is not None and served.cache_refusal is not None:
-        log.warning("epd-harness: %s", served.cache_refusal)
-        baseline_cache = None  # an editable build whose code cannot be told apart
-    if baseline_cache is None and served.known and golden_release is None:
-        baseline_cache = _session_private_cache(request, platform)
+    baseline_cache = _run_baseline_cache(baseline_cache, served, request, platform, golden_release)
     return RunConfig(
         goldens=goldens,
         golden_release=golden_release,
@@ -716,6 +713,26 @@ def _baseline_cache(request: RunRequest) -> BaselineCache | None:
         raise BadInput(f"baseline cache {directory} is not a directory (pass a directory or 'off')")
     ledger = Path(request.session_dir) / BASELINE_REFRESHED_DIR if request.session_dir else None
     return BaselineCache(directory, refresh=request.refresh_baseline, refresh_ledger=ledger)
+
+
+def _run_baseline_cache(
+    asked: BaselineCache | None,
+    served: ServedVllm,
+    request: RunRequest,
+    platform: PlatformProfile,
+    golden_release: str | None,
+) -> BaselineCache | None:
+    """The cache the run's baselines are read from and kept in: the one asked for, none for a
+    build whose code cannot be told apart (an editable install whose state could not be read:
+    a key would name no code), else the session's private one where parallel workers share
+    devices."""
+    if served.cache_refusal is not None:
+        if asked is not None:
+            log.warning("epd-harness: %s", served.cache_refusal)
+        return None  # each worker computes its own baseline, as `off` would without sharing
+    if asked is None and served.known and golden_release is None:
+        return _session_private_cache(request, platform)
+    return asked
 
 
 def _session_private_cache(request: RunRequest, platform: PlatformProfile) -> BaselineCache | None:
