@@ -26,9 +26,11 @@ import harness.run.load.sessions as sessions_module
 from harness.outcomes.load import InstanceUsage, ResourceSample, StorageUsage
 from harness.outcomes.outcome import Outcome
 from harness.report.load import (
+    FAILURES_KEPT_WHOLE,
     KV_ACCOUNTS_FILE,
     REQUESTS_FILE,
     LatencySeries,
+    LoadRequestResult,
     LoadTally,
     Percentiles,
     load_stats,
@@ -44,6 +46,9 @@ from harness.report.resources import (
     growth,
     rate,
 )
+from harness.run.load.result import LoadResult
+from harness.spec.load import LoadSpec
+from harness.testing.builders import case_record
 
 pytestmark = pytest.mark.unit
 
@@ -493,3 +498,29 @@ def test_a_soak_under_nixl_keeps_the_kv_accounts_that_failed_first_and_counts_ev
         "file": KV_ACCOUNTS_FILE,
     }
     assert "0 of 30 round(s) held" in (tmp_path / "load.md").read_text()
+
+
+def test_a_failure_is_kept_whole_however_often_its_prompt_passed_with_the_same_verdict() -> None:
+    """Kept whole are the first failures of each prompt and verdict: what passed earlier with
+    that verdict does not use up their room. A MATCH can fail (a guard found the KV
+    recomputed); in a soak whose first rounds passed with MATCH, that failure was unlisted."""
+
+    def request(number: int, round_number: int, passed: bool) -> LoadRequestResult:
+        return LoadRequestResult(
+            number=number,
+            prompt="ld-shared-a",
+            region="no media",
+            outcome=Outcome("ld-shared-a", error=None),
+            record=case_record(prompt="ld-shared-a", passed=passed),
+            batched=False,
+            started_s=0.0,
+            ended_s=1.0,
+            round_number=round_number,
+        )
+
+    result = LoadResult(LoadSpec("1E+1PD", requests=3, concurrency=1, distinct_media=3))
+    passing = FAILURES_KEPT_WHOLE + 1
+    result.add([request(n, 1, passed=True) for n in range(1, passing + 1)])
+    _, kept = result.add([request(passing + 1, 2, passed=False)])
+    assert [r.number for r in kept] == [passing + 1]
+    assert not result.failed_unlisted
