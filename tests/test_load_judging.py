@@ -1293,3 +1293,14 @@ def test_a_load_that_judged_nothing_or_ended_early_did_not_pass() -> None:
     ended = LoadResult(spec, ended_by="decode0 died (exit 137)")
     ended.tally.requests = ended.tally.passed = 2
     assert not ended.passed
+
+
+def test_a_loads_problems_are_in_its_own_account(tmp_path: Path) -> None:
+    """load.md and load.json say what failed a load whose every request passed (here its
+    round's KV account), not only the run's verdicts.txt: a reader of the load's account
+    saw a red `passed` and no reason."""
+    load, _ = stand_in_load(tmp_path, requests=6, session_type=NixlStandIn, withheld=4)
+    result_ = load.run()
+    [problem] = result_.problems
+    assert f"- problem: {problem}" in (tmp_path / "load.md").read_text()
+    assert json.loads((tmp_path / "load.json").read_text())["problems"] == [problem]
