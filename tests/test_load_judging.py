@@ -1304,3 +1304,11 @@ def test_a_loads_problems_are_in_its_own_account(tmp_path: Path) -> None:
     [problem] = result_.problems
     assert f"- problem: {problem}" in (tmp_path / "load.md").read_text()
     assert json.loads((tmp_path / "load.json").read_text())["problems"] == [problem]
+
+
+def test_what_ended_a_load_early_is_in_its_account(tmp_path: Path) -> None:
+    load, _ = stand_in_load(tmp_path, requests=10, dies_after=4)
+    result_ = load.run()
+    assert result_.ended_by is not None
+    assert f"- the load ended early: {result_.ended_by}" in (tmp_path / "load.md").read_text()
+    assert json.loads((tmp_path / "load.json").read_text())["ended_by"] == result_.ended_by
