@@ -32,7 +32,9 @@ from harness.report.load import (
 )
 from harness.report.resources import ResourceHistory, SoakBounds, bound_problems, growth
 from harness.run.baseline import BatchCalibration
+from harness.run.load.account import account_notes
 from harness.run.load.plan import decode_tail_failure, media_token_ids
+from harness.run.load.result import LoadResult
 from harness.run.load.run import LoadRun
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.kv_metrics import KvCounters
@@ -1312,3 +1314,17 @@ def test_what_ended_a_load_early_is_in_its_account(tmp_path: Path) -> None:
     assert result_.ended_by is not None
     assert f"- the load ended early: {result_.ended_by}" in (tmp_path / "load.md").read_text()
     assert json.loads((tmp_path / "load.json").read_text())["ended_by"] == result_.ended_by
+
+
+def test_a_kill_whose_requests_did_not_all_end_error_naming_it_is_not_said_to_have_held() -> None:
+    """The kill's note says every request ended ERROR naming the killed instance only when
+    the load found no problem: else load.md said so beside the problem that it did not."""
+    spec = LoadSpec("1E+1PD", requests=2, concurrency=2, distinct_media=3, kill="pd")
+    broke = LoadResult(spec, killed="1E+1PD/pd0", killed_at_s=1.0)
+    broke.problems.append("request 1: MATCH, not ERROR")
+    [kill_note, problem] = account_notes(spec, SoakBounds(), (), broke)
+    assert kill_note.startswith("killed 1E+1PD/pd0 at 1.0s (planted)")
+    assert "as it must" not in kill_note and problem == "problem: request 1: MATCH, not ERROR"
+    held = LoadResult(spec, killed="1E+1PD/pd0", killed_at_s=1.0)
+    [kill_note] = account_notes(spec, SoakBounds(), (), held)
+    assert kill_note.endswith("; every request ended ERROR naming it, as it must")
