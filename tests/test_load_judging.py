@@ -1016,12 +1016,16 @@ def test_too_few_requests_for_the_ending_prompt_leave_it_out_and_say_so(tmp_path
     ), load.notes
 
 
-@pytest.mark.parametrize("share, released", [(False, []), (True, ["baseline"])])
+@pytest.mark.parametrize(
+    "keep, share, released",
+    [(True, False, []), (True, True, ["baseline"]), (False, False, ["baseline"])],
+)
 def test_a_kept_baseline_is_stopped_all_the_same_where_workers_share_devices(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, share: bool, released: list[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep: bool, share: bool, released: list[str]
 ) -> None:
     """Kept up after a load's calibration, the baseline holds its GPU for the worker's whole
-    session and every other worker's calibration waits for it (found in review)."""
+    session and every other worker's calibration waits for it (found in review). One not
+    asked to be kept is stopped: a load's topology may need its device."""
     import dataclasses
 
     import harness.run.load.sessions as sessions_module
@@ -1037,7 +1041,7 @@ def test_a_kept_baseline_is_stopped_all_the_same_where_workers_share_devices(
     monkeypatch.setattr(sweep.pool, "session", lambda *args, **kwargs: baseline_session)
     monkeypatch.setattr(sweep.pool, "release", lambda name, *args: stopped.append(name))
     monkeypatch.setattr(sweep.baseline, "calibrate_batched", lambda *args: None)
-    load.keep_baseline = True
+    load.keep_baseline = keep
     load._calibrate([])
     assert stopped == released
 
