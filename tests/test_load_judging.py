@@ -33,6 +33,7 @@ from harness.report.load import (
 from harness.report.resources import ResourceHistory, SoakBounds, bound_problems, growth
 from harness.run.baseline import BatchCalibration
 from harness.run.load.account import account_notes
+from harness.run.load.calibration import calibrate_ahead
 from harness.run.load.plan import decode_tail_failure, media_token_ids
 from harness.run.load.result import LoadResult
 from harness.run.load.run import LoadRun
@@ -1332,3 +1333,19 @@ def test_a_kill_whose_requests_did_not_all_end_error_naming_it_is_not_said_to_ha
     held = LoadResult(spec, killed="1E+1PD/pd0", killed_at_s=1.0)
     [kill_note] = account_notes(spec, SoakBounds(), (), held)
     assert kill_note.endswith("; every request ended ERROR naming it, as it must")
+
+
+def test_a_load_whose_prompt_the_baseline_did_not_answer_is_left_to_calibrate_its_own(
+    tmp_path: Path,
+) -> None:
+    """`calibrate_ahead` as a pytest session's baseline stops: a load one of whose prompts
+    the baseline has no answer to is not planned there (its plan reads every prompt's
+    answer), and nothing is sent for it."""
+
+    load, session = stand_in_load(tmp_path, requests=6, concurrency=3)
+    baseline = load.sweep.baseline
+    del baseline.outcomes["ld-text"]
+    assert "ld-text" in baseline.bodies
+    measured = calibrate_ahead([load.spec], baseline, load.sweep.settings.serving, session)  # type: ignore[arg-type]
+    assert measured == 0 and session.calls == 0
+
