@@ -34,7 +34,7 @@ from harness.report.resources import ResourceHistory, SoakBounds, bound_problems
 from harness.run.baseline import BatchCalibration
 from harness.run.load.account import account_notes
 from harness.run.load.calibration import calibrate_ahead
-from harness.run.load.plan import decode_tail_failure, media_token_ids
+from harness.run.load.plan import decode_tail_failure, media_token_ids, plan_load
 from harness.run.load.result import LoadResult
 from harness.run.load.run import LoadRun
 from harness.run.sweep import Sweep, SweepSpec
@@ -1349,3 +1349,31 @@ def test_a_load_whose_prompt_the_baseline_did_not_answer_is_left_to_calibrate_it
     measured = calibrate_ahead([load.spec], baseline, load.sweep.settings.serving, session)  # type: ignore[arg-type]
     assert measured == 0 and session.calls == 0
 
+
+def test_a_calibration_ahead_is_of_a_rounds_requests_not_of_those_sent_alone(
+    tmp_path: Path,
+) -> None:
+    """A load sends the prompt declared to end D alone, after its rounds, and its
+    calibration is of the rounds' requests: one computed ahead must be of those, or the
+    load finds none and serves the baseline again for its own."""
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"image_token_id": 999}))
+    settings = RunSettings(serving=ServingConfig(model=str(model)), run_dir=tmp_path)
+    mix = load_mix(3)
+    sweep = Sweep(SweepSpec((), (), baseline_only_prompts=mix), settings)
+    answers = {
+        p.name: result((10 + n, 20 + n), prompt=(1, n, *range(100, 138))) for n, p in enumerate(mix)
+    }
+    # Its image ends past the last whole block of 32: in the part D computes itself.
+    answers[TAIL_PROMPT] = result((7, 8), prompt=(1, *range(100, 133), 999, 999, 5, 6))
+    for name, answer in answers.items():
+        sweep.baseline.outcomes[name] = Outcome(name, result=answer)
+    session = EpdStandIn(answers, settings)
+    spec = LoadSpec("1E+1P+1D", requests=8, concurrency=2, distinct_media=3)
+    plan = plan_load(spec, list(answers), sweep.baseline, settings.serving)
+    assert [r.prompt for r in plan.requests if r.alone] == [TAIL_PROMPT]
+    assert calibrate_ahead([spec], sweep.baseline, settings.serving, session) == 1  # type: ignore[arg-type]
+    regular = [(r.name, r.prompt) for r in plan.regular]
+    assert sweep.baseline.known_calibration(regular, 2) is not None
