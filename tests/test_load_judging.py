@@ -1377,3 +1377,27 @@ def test_a_calibration_ahead_is_of_a_rounds_requests_not_of_those_sent_alone(
     assert calibrate_ahead([spec], sweep.baseline, settings.serving, session) == 1  # type: ignore[arg-type]
     regular = [(r.name, r.prompt) for r in plan.regular]
     assert sweep.baseline.known_calibration(regular, 2) is not None
+
+
+class EncoderAnswersFirst(Killable):
+    """The round's requests reach pd0 after the encoder answered them, as every request with
+    media does in 1E+1PD: the encoder's tap holds an answered call of the round."""
+
+    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
+        with self.lock:
+            index = len(self.taps.records)
+            encoded = TapRecord(index, "1E+1PD/encoder0", "encoder", "/v1/encode", f"e{index}")
+            encoded.status, encoded.seconds = 200, 0.01
+            self.taps.records.append(encoded)
+        return super().send(prompt, body)
+
+
+def test_a_planted_kill_reads_the_calls_of_its_own_instance_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another instance that answered a request of the round (the encoder, before pd0 took
+    it) is no sign that the killed instance's moment passed."""
+    load, _, killed = killable_load(tmp_path, monkeypatch, session_type=EncoderAnswersFirst)
+    result_ = load.run()
+    assert killed == ["1E+1PD/pd0"] and result_.killed == "1E+1PD/pd0", result_.problems
+    assert result_.passed, result_.problems
