@@ -1401,3 +1401,12 @@ def test_a_planted_kill_reads_the_calls_of_its_own_instance_only(
     result_ = load.run()
     assert killed == ["1E+1PD/pd0"] and result_.killed == "1E+1PD/pd0", result_.problems
     assert result_.passed, result_.problems
+
+
+def test_load_md_says_how_many_requests_passed_and_which_did_not(tmp_path: Path) -> None:
+    load, _ = stand_in_load(tmp_path, requests=4, swap={3: "ld-shared-a"})
+    load.run()
+    markdown = (tmp_path / "load.md").read_text()
+    assert "; 3/4 passed" in markdown
+    rows = {line.split(" | ")[0]: line for line in markdown.splitlines() if line.startswith("| ")}
+    assert "| MISMATCH | no |" in rows["| 3"] and "| MATCH | yes |" in rows["| 1"]
