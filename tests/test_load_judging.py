@@ -59,6 +59,7 @@ from harness.spec.platforms import CUDA
 from harness.spec.prompts import TextPart
 from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, ServingConfig
+from harness.testing.builders import case_record
 from harness.testing.judging import judged
 
 pytestmark = pytest.mark.unit
@@ -1410,3 +1411,29 @@ def test_load_md_says_how_many_requests_passed_and_which_did_not(tmp_path: Path)
     assert "; 3/4 passed" in markdown
     rows = {line.split(" | ")[0]: line for line in markdown.splitlines() if line.startswith("| ")}
     assert "| MISMATCH | no |" in rows["| 3"] and "| MATCH | yes |" in rows["| 1"]
+
+
+def test_a_request_that_failed_as_declared_passed_the_load() -> None:
+    """A request's row passes by its policy, not by its verdict: one that ended ERROR as the
+    matrix declares for its media (passed by its declaration) or drifted within the batch
+    floor passed, and a load of such requests passes (its exit is 0)."""
+    declared = case_record(
+        prompt="ld-shared-a",
+        verdict=Verdict.ERROR,
+        passed=True,
+        declared_failure="epd-media-in-decode-tail",
+    )
+    request = LoadRequestResult(
+        number=1,
+        prompt="ld-shared-a",
+        region="decode tail",
+        outcome=Outcome("ld-shared-a", error="instance 1E+1P+1D/decode0 exited"),
+        record=declared,
+        batched=False,
+        started_s=0.0,
+        ended_s=1.0,
+    )
+    assert request.row().passed
+    load = LoadResult(LoadSpec("1E+1P+1D", requests=1, concurrency=1, distinct_media=3))
+    load.add([request])
+    assert load.tally.passed == 1 and load.passed
