@@ -34,6 +34,7 @@ from harness.report.resources import ResourceHistory, SoakBounds, bound_problems
 from harness.run.baseline import BatchCalibration
 from harness.run.load.account import account_notes
 from harness.run.load.calibration import calibrate_ahead
+from harness.run.load.death import KILL_END_S, kill_problems
 from harness.run.load.plan import decode_tail_failure, media_token_ids, plan_load
 from harness.run.load.result import LoadResult
 from harness.run.load.run import LoadRun
@@ -1437,3 +1438,42 @@ def test_a_request_that_failed_as_declared_passed_the_load() -> None:
     load = LoadResult(LoadSpec("1E+1P+1D", requests=1, concurrency=1, distinct_media=3))
     load.add([request])
     assert load.tally.passed == 1 and load.passed
+
+
+def test_under_a_planted_kill_each_request_must_end_error_naming_it_soon_after() -> None:
+    """What a planted kill demands of every request of its round (`kill_problems`): ERROR,
+    the killed instance named first, and ended within KILL_END_S of the kill; a request
+    never sent has no end to time."""
+
+    def request(number: int, verdict: Verdict, error: str | None, ended_s: float, **kw: Any):
+        return LoadRequestResult(
+            number=number,
+            prompt="ld-text",
+            region="no media",
+            outcome=Outcome("ld-text", error=error),
+            record=case_record(prompt="ld-text", verdict=verdict, passed=False),
+            batched=True,
+            started_s=0.0,
+            ended_s=ended_s,
+            **kw,
+        )
+
+    named = "instance 1E+1PD/pd0 exited with code -9\nHTTP 502"
+    late = 1.0 + KILL_END_S + 1.0
+    load = LoadResult(
+        LoadSpec("1E+1PD", requests=5, concurrency=5, distinct_media=3, kill="pd"),
+        killed="1E+1PD/pd0",
+        killed_at_s=1.0,
+    )
+    load.results = [
+        request(1, Verdict.ERROR, named, 2.0),
+        request(2, Verdict.MATCH, None, 2.0),
+        request(3, Verdict.ERROR, "HTTP 502\ninstance 1E+1PD/pd0 exited", 2.0),
+        request(4, Verdict.ERROR, named, late),
+        request(5, Verdict.ERROR, f"not sent: {named}", 0.0, not_sent=True),
+    ]
+    assert kill_problems(load) == [
+        "request 2: MATCH, not ERROR",
+        "request 3: ERROR without 1E+1PD/pd0 first: HTTP 502",
+        f"request 4 ended {late - 1.0:.1f}s after the kill (bound {KILL_END_S:g}s)",
+    ]
