@@ -266,6 +266,10 @@ def test_percentiles_are_nearest_rank() -> None:
     values = [float(v) for v in range(1, 101)]
     assert percentile(values, 50) == 50.0 and percentile(values, 99) == 99.0
     assert percentile([3.0], 99) == 3.0
+    # Where p% of the values falls between two ranks, the rank above: the smallest value with
+    # at least p% of the values at or below it.
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert percentile([float(v) for v in range(1, 11)], 99) == 10.0
 
 
 def test_growth_is_fitted_after_the_first_sample() -> None:
