@@ -323,6 +323,19 @@ def test_load_stats_count_verdicts_latency_roles_and_regions() -> None:
     assert role_seconds(Outcome("a", taps=[tap("decode", 9.0, status=None)])) == {}
 
 
+def test_the_tally_counts_what_was_sent_and_batched_whatever_order_requests_end_in() -> None:
+    """Rows come as their round is judged, in number order, not start order; a request not
+    sent is counted but neither sent nor timed."""
+    later = load_result(2, Verdict.MATCH, 1.0)  # started at 1 s, ended at 3 s
+    first = load_result(1, Verdict.MATCH, 1.5)  # started at 0 s, ended at 2.5 s
+    first.number, first.batched = 3, False
+    unsent = load_result(4, Verdict.ERROR, 0.0)
+    unsent.not_sent, unsent.started_s, unsent.ended_s = True, 50.0, 99.0
+    tally = tally_of([later, first, unsent])
+    assert (tally.requests, tally.sent, tally.batched) == (3, 2, 1)
+    assert (tally.first_started_s, tally.last_ended_s) == (0.0, 3.0)
+
+
 def sample(at: float, rss_mib: int, fds: int, kv_mib: int, alive: bool = True) -> ResourceSample:
     return ResourceSample(
         at_s=at,
