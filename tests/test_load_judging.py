@@ -336,6 +336,16 @@ def test_the_tally_counts_what_was_sent_and_batched_whatever_order_requests_end_
     assert (tally.first_started_s, tally.last_ended_s) == (0.0, 3.0)
 
 
+def test_a_roles_time_is_its_longest_call_answered_or_failed() -> None:
+    """A request's encoder calls run side by side: the role took the longest, whichever came
+    last. A call that failed took its time too; one never answered has none."""
+    failed = TapRecord(
+        0, "t/prefill0", "prefill", "/v1/chat/completions", seconds=2.0, error="reset"
+    )
+    taps = [tap("encoder", 0.3), tap("encoder", 0.1), failed, tap("decode", 9.0, status=None)]
+    assert role_seconds(Outcome("a", taps=taps)) == {"encoder": 0.3, "prefill": 2.0}
+
+
 def sample(at: float, rss_mib: int, fds: int, kv_mib: int, alive: bool = True) -> ResourceSample:
     return ResourceSample(
         at_s=at,
