@@ -162,6 +162,9 @@ def test_media_token_ids_come_from_the_model_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"image_token_id": 7, "video_token_id": 8}))
     assert media_token_ids(str(tmp_path)) == {7, 8}
     assert media_token_ids("org/hub-name") == frozenset()
+    # A config that nests them in its text_config: read there too.
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"image_token_id": 9}}))
+    assert media_token_ids(str(tmp_path)) == {9}
 
 
 # -- whose answer, batched answers -------------------------------------------------------------
