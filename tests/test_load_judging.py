@@ -35,6 +35,7 @@ from harness.run.baseline import BatchCalibration
 from harness.run.load.account import account_notes
 from harness.run.load.calibration import calibrate_ahead
 from harness.run.load.death import KILL_END_S, kill_problems
+from harness.run.load.kv_account import accounts_kv
 from harness.run.load.plan import decode_tail_failure, media_token_ids, plan_load
 from harness.run.load.result import LoadResult
 from harness.run.load.run import LoadRun
@@ -1509,3 +1510,11 @@ def test_under_a_planted_kill_each_request_must_end_error_naming_it_soon_after()
         "request 3: ERROR without 1E+1PD/pd0 first: HTTP 502",
         f"request 4 ended {late - 1.0:.1f}s after the kill (bound {KILL_END_S:g}s)",
     ]
+
+
+def test_a_load_accounts_kv_on_a_topology_that_moves_kv_under_the_whole_prompt_rule_only() -> None:
+    """A topology with no KV transfer (1E+1PD) has no D counters to account, whatever the
+    connector: accounting it would fail every round of a load on it."""
+    assert accounts_kv(TOPOLOGIES["1P+1D"], "NixlConnector")
+    assert not accounts_kv(TOPOLOGIES["1E+1PD"], "NixlConnector")
+    assert not accounts_kv(TOPOLOGIES["1P+1D"], "ExampleConnector")
