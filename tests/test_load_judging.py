@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from harness.judge.guards import GuardResult, not_checkable
 from harness.judge.policy import EXACT_EVERYWHERE, ReferencePolicy
 from harness.judge.records import EXACT, LOGPROB_CLOSE, Verdict
 from harness.judge.verdicts import JudgingRules
@@ -24,6 +25,7 @@ from harness.outcomes.load import InstanceUsage, ResourceSample, StorageUsage
 from harness.outcomes.outcome import Outcome, ServedTopology
 from harness.outcomes.taps import TapRecord
 from harness.report.load import (
+    KvAccountLog,
     LoadRequestResult,
     load_stats,
     percentile,
@@ -1518,3 +1520,11 @@ def test_a_load_accounts_kv_on_a_topology_that_moves_kv_under_the_whole_prompt_r
     assert accounts_kv(TOPOLOGIES["1P+1D"], "NixlConnector")
     assert not accounts_kv(TOPOLOGIES["1E+1PD"], "NixlConnector")
     assert not accounts_kv(TOPOLOGIES["1P+1D"], "ExampleConnector")
+
+
+def test_a_kv_account_log_counts_the_rounds_nothing_could_check() -> None:
+    log = KvAccountLog()
+    log.add(1, GuardResult("kv_account", True, "held"))
+    log.add(2, not_checkable("kv_account", "D held every prompt itself"))
+    assert (log.rounds, log.held, log.failed, log.not_checkable) == (2, 1, 0, 1)
+    assert log.to_json()["not_checkable"] == 1
