@@ -1393,20 +1393,8 @@ def test_a_calibration_ahead_is_of_a_rounds_requests_not_of_those_sent_alone(
     """A load sends the prompt declared to end D alone, after its rounds, and its
     calibration is of the rounds' requests: one computed ahead must be of those, or the
     load finds none and serves the baseline again for its own."""
-
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"image_token_id": 999}))
-    settings = RunSettings(serving=ServingConfig(model=str(model)), run_dir=tmp_path)
-    mix = load_mix(3)
-    sweep = Sweep(SweepSpec((), (), baseline_only_prompts=mix), settings)
-    answers = {
-        p.name: result((10 + n, 20 + n), prompt=(1, n, *range(100, 138))) for n, p in enumerate(mix)
-    }
-    # Its image ends past the last whole block of 32: in the part D computes itself.
-    answers[TAIL_PROMPT] = result((7, 8), prompt=(1, *range(100, 133), 999, 999, 5, 6))
-    for name, answer in answers.items():
-        sweep.baseline.outcomes[name] = Outcome(name, result=answer)
+    sweep, answers = tail_sweep(tmp_path)
+    settings = sweep.settings
     session = EpdStandIn(answers, settings)
     spec = LoadSpec("1E+1P+1D", requests=8, concurrency=2, distinct_media=3)
     plan = plan_load(spec, list(answers), sweep.baseline, settings.serving)
@@ -1528,3 +1516,38 @@ def test_a_kv_account_log_counts_the_rounds_nothing_could_check() -> None:
     log.add(2, not_checkable("kv_account", "D held every prompt itself"))
     assert (log.rounds, log.held, log.failed, log.not_checkable) == (2, 1, 0, 1)
     assert log.to_json()["not_checkable"] == 1
+
+
+def tail_sweep(tmp_path: Path) -> tuple[Sweep, dict[str, ChatResult]]:
+    """A sweep whose baseline answered the mix, TAIL_PROMPT with its image in the part D
+    recomputes (declared to end D under ExampleConnector): (sweep, the answers)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"image_token_id": 999}))
+    settings = RunSettings(serving=ServingConfig(model=str(model)), run_dir=tmp_path)
+    mix = load_mix(3)
+    sweep = Sweep(SweepSpec((), (), baseline_only_prompts=mix), settings)
+    answers = {
+        p.name: result((10 + n, 20 + n), prompt=(1, n, *range(100, 138))) for n, p in enumerate(mix)
+    }
+    # Its image ends past the last whole block of 32: in the part D computes itself.
+    answers[TAIL_PROMPT] = result((7, 8), prompt=(1, *range(100, 133), 999, 999, 5, 6))
+    for name, answer in answers.items():
+        sweep.baseline.outcomes[name] = Outcome(name, result=answer)
+    return sweep, answers
+
+
+def test_a_soak_or_a_planted_kill_leaves_out_the_prompt_declared_to_end_d(tmp_path: Path) -> None:
+    """A soak measures resources over time and a planted kill its own death: a request that
+    ends D by a declared failure would cut either short. A plain load sends it last, alone."""
+    sweep, answers = tail_sweep(tmp_path)
+    plain = LoadSpec("1E+1P+1D", requests=8, concurrency=2, distinct_media=3)
+    for spec, sent_alone in [
+        (plain, [TAIL_PROMPT]),
+        (dataclasses.replace(plain, duration_s=60.0), []),
+        (dataclasses.replace(plain, kill="decode"), []),
+    ]:
+        plan = plan_load(spec, list(answers), sweep.baseline, sweep.settings.serving)
+        assert [r.prompt for r in plan.requests if r.alone] == sent_alone, spec
+        assert TAIL_PROMPT not in [r.prompt for r in plan.regular]
+        assert bool(plan.notes) == (not sent_alone), plan.notes
