@@ -1551,3 +1551,21 @@ def test_a_soak_or_a_planted_kill_leaves_out_the_prompt_declared_to_end_d(tmp_pa
         assert [r.prompt for r in plan.requests if r.alone] == sent_alone, spec
         assert TAIL_PROMPT not in [r.prompt for r in plan.regular]
         assert bool(plan.notes) == (not sent_alone), plan.notes
+
+
+class OutlivesItsKill(Killable):
+    """pd0 killed, and its requests answered all the same: no sign of the death reached the
+    client (a proxy that answered from elsewhere, say)."""
+
+    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
+        super().send(prompt, body)
+        return Outcome(prompt, result=self.answers[prompt], seconds=0.01)
+
+
+def test_a_planted_kill_whose_requests_were_answered_fails_the_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    load, _, killed = killable_load(tmp_path, monkeypatch, session_type=OutlivesItsKill)
+    result_ = load.run()
+    assert killed == ["1E+1PD/pd0"] and not result_.passed
+    assert result_.problems == ["request 1: MATCH, not ERROR", "request 2: MATCH, not ERROR"]
