@@ -1569,3 +1569,23 @@ def test_a_planted_kill_whose_requests_were_answered_fails_the_load(
     result_ = load.run()
     assert killed == ["1E+1PD/pd0"] and not result_.passed
     assert result_.problems == ["request 1: MATCH, not ERROR", "request 2: MATCH, not ERROR"]
+
+
+def test_a_planted_kill_that_failed_to_kill_fails_the_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What stops the killer (here the kill itself) is the load's problem, not a traceback on
+    a thread's stderr beside a load that passed."""
+    import harness.run.load.death as death_module
+
+    load, _, _ = killable_load(tmp_path, monkeypatch)
+
+    def cannot(server: Any) -> None:
+        raise PermissionError(f"cannot signal {server.name}")
+
+    monkeypatch.setattr(death_module, "kill_instance", cannot)
+    result_ = load.run()
+    assert not result_.passed
+    assert result_.problems[0] == (
+        "the planted kill failed: PermissionError: cannot signal 1E+1PD/pd0"
+    )
