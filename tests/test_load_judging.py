@@ -1539,13 +1539,15 @@ def tail_sweep(tmp_path: Path) -> tuple[Sweep, dict[str, ChatResult]]:
 
 def test_a_soak_or_a_planted_kill_leaves_out_the_prompt_declared_to_end_d(tmp_path: Path) -> None:
     """A soak measures resources over time and a planted kill its own death: a request that
-    ends D by a declared failure would cut either short. A plain load sends it last, alone."""
+    ends D by a declared failure would cut either short. A plain load sends it last, alone,
+    unless asked not to (`LoadSpec.ending`)."""
     sweep, answers = tail_sweep(tmp_path)
     plain = LoadSpec("1E+1P+1D", requests=8, concurrency=2, distinct_media=3)
     for spec, sent_alone in [
         (plain, [TAIL_PROMPT]),
         (dataclasses.replace(plain, duration_s=60.0), []),
         (dataclasses.replace(plain, kill="decode"), []),
+        (dataclasses.replace(plain, ending=False), []),  # asked not to send it
     ]:
         plan = plan_load(spec, list(answers), sweep.baseline, sweep.settings.serving)
         assert [r.prompt for r in plan.requests if r.alone] == sent_alone, spec
