@@ -1591,3 +1591,12 @@ def test_a_planted_kill_that_failed_to_kill_fails_the_load(
     assert result_.problems[0] == (
         "the planted kill failed: PermissionError: cannot signal 1E+1PD/pd0"
     )
+
+
+def test_a_loads_problems_add_to_those_the_run_had_before_it(tmp_path: Path) -> None:
+    """A pytest session's loads share one run: each one's problems join those of the run
+    (an earlier load's, a fault's), never replace them."""
+    load, _ = stand_in_load(tmp_path, requests=6, session_type=NixlStandIn, withheld=4)
+    load.sweep.run_info["problems"] = ["an earlier load's problem"]
+    [problem] = load.run().problems
+    assert load.sweep.run_info["problems"] == ["an earlier load's problem", problem]
