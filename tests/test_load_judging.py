@@ -34,6 +34,7 @@ from harness.report.load import (
 )
 from harness.report.resources import ResourceHistory, SoakBounds, bound_problems, growth
 from harness.run.baseline import BatchCalibration
+from harness.run.judging import Observed
 from harness.run.load.account import account_notes
 from harness.run.load.calibration import calibrate_ahead
 from harness.run.load.death import KILL_END_S, kill_problems
@@ -41,6 +42,7 @@ from harness.run.load.kv_account import accounts_kv
 from harness.run.load.plan import decode_tail_failure, media_token_ids, plan_load
 from harness.run.load.result import LoadResult
 from harness.run.load.run import LoadRun
+from harness.run.load.sending import Sent
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.kv_metrics import KvCounters
 from harness.spec.load import (
@@ -51,6 +53,7 @@ from harness.spec.load import (
     SHARED_MEDIA,
     TAIL_PROMPT,
     LoadSpec,
+    PlannedRequest,
     Region,
     distinct_media_of,
     load_mix,
@@ -1600,3 +1603,12 @@ def test_a_loads_problems_add_to_those_the_run_had_before_it(tmp_path: Path) -> 
     load.sweep.run_info["problems"] = ["an earlier load's problem"]
     [problem] = load.run().problems
     assert load.sweep.run_info["problems"] == ["an earlier load's problem", problem]
+
+
+def test_requests_that_only_touch_in_time_were_not_in_flight_together() -> None:
+    answered = Observed(Outcome("ld-text", result=result((1,))), ())
+    first = Sent(PlannedRequest(1, "ld-text"), answered, 0.0, 1.0)
+    after = Sent(PlannedRequest(2, "ld-text"), answered, 1.0, 2.0)
+    during = Sent(PlannedRequest(3, "ld-text"), answered, 0.5, 1.5)
+    assert not first.overlaps(after) and not after.overlaps(first)
+    assert first.overlaps(during) and during.overlaps(after)
