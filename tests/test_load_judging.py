@@ -25,6 +25,7 @@ from harness.outcomes.load import InstanceUsage, ResourceSample, StorageUsage
 from harness.outcomes.outcome import Outcome, ServedTopology
 from harness.outcomes.taps import TapRecord
 from harness.report.load import (
+    KV_ACCOUNTS_FILE,
     KvAccountLog,
     LoadRequestResult,
     load_stats,
@@ -1612,3 +1613,26 @@ def test_requests_that_only_touch_in_time_were_not_in_flight_together() -> None:
     during = Sent(PlannedRequest(3, "ld-text"), answered, 0.5, 1.5)
     assert not first.overlaps(after) and not after.overlaps(first)
     assert first.overlaps(during) and during.overlaps(after)
+
+
+class DiesUnderNixl(NixlStandIn):
+    """1P+1D under NIXL whose instance dies after answering 3 requests."""
+
+    def __init__(self, answers: dict[str, ChatResult], settings: RunSettings) -> None:
+        super().__init__(answers, settings)
+        self.dies_after = 3
+
+    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
+        if self.calls >= self.dies_after:
+            return StandIn.send(self, prompt, body)  # the instance is dead: an error
+        return super().send(prompt, body)
+
+
+def test_a_round_a_death_ended_is_not_accounted(tmp_path: Path) -> None:
+    """Its requests' transfers stopped part way: D's counters hold no whole round to account,
+    and the death is what failed the load."""
+    load, _ = stand_in_load(tmp_path, requests=6, session_type=DiesUnderNixl)
+    result_ = load.run()
+    assert result_.ended_by is not None and not result_.passed
+    assert result_.kv.rounds == 0 and result_.kv_accounts == []
+    assert not (tmp_path / KV_ACCOUNTS_FILE).exists()
