@@ -1636,3 +1636,14 @@ def test_a_round_a_death_ended_is_not_accounted(tmp_path: Path) -> None:
     assert result_.ended_by is not None and not result_.passed
     assert result_.kv.rounds == 0 and result_.kv_accounts == []
     assert not (tmp_path / KV_ACCOUNTS_FILE).exists()
+
+
+def test_a_plain_load_sends_the_prompt_declared_to_end_d_last_alone(tmp_path: Path) -> None:
+    sweep, answers = tail_sweep(tmp_path)
+    session = EpdStandIn(answers, sweep.settings)
+    sweep.pool.session = lambda topology, settings=None, devices=None: session  # type: ignore[method-assign]
+    spec = LoadSpec("1E+1P+1D", requests=8, concurrency=1, distinct_media=3)
+    result_ = LoadRun(spec, sweep, on_progress=lambda _: None).run()
+    last = result_.results[-1]
+    assert last.prompt == TAIL_PROMPT and not last.not_sent
+    assert TAIL_PROMPT not in [r.prompt for r in result_.results[:-1]]
