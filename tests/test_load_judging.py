@@ -1647,3 +1647,18 @@ def test_a_plain_load_sends_the_prompt_declared_to_end_d_last_alone(tmp_path: Pa
     last = result_.results[-1]
     assert last.prompt == TAIL_PROMPT and not last.not_sent
     assert TAIL_PROMPT not in [r.prompt for r in result_.results[:-1]]
+
+
+def test_a_death_ends_a_soak_with_the_round_it_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No round starts after a death, however long the soak had to run."""
+    import harness.run.load.run as run_module
+
+    ticks = iter(range(10_000))
+    monkeypatch.setattr(run_module, "time", SimpleNamespace(monotonic=lambda: float(next(ticks))))
+    load, session = stand_in_load(tmp_path, requests=4, dies_after=6)
+    load.spec = dataclasses.replace(load.spec, duration_s=1000.0)
+    result_ = load.run()
+    assert result_.ended_by is not None
+    assert result_.rounds == 2 and session.calls == 7
