@@ -524,3 +524,27 @@ def test_a_failure_is_kept_whole_however_often_its_prompt_passed_with_the_same_v
     _, kept = result.add([request(passing + 1, 2, passed=False)])
     assert [r.number for r in kept] == [passing + 1]
     assert not result.failed_unlisted
+
+
+def test_a_sample_reads_each_storage_and_cleans_the_kv_one_only_between_rounds(
+    tmp_path: Path,
+) -> None:
+    """The EC storage is never cleaned (an encoder holding an item's embeddings does not
+    write them again) and the KV one only between a soak's rounds, after it was read."""
+    ec, kv = tmp_path / "ec", tmp_path / "kv"
+    ec.mkdir()
+    kv.mkdir()
+    (ec / "item").write_bytes(b"e" * 10)
+    (kv / "a").write_bytes(b"k" * 300)
+    (kv / "b").write_bytes(b"k" * 200)
+    session: Any = SimpleNamespace(ec_storage=ec, kv_storage=kv)
+    result = LoadResult(LoadSpec("1E+1P+1D", requests=3, concurrency=1, distinct_media=3))
+    samples_module.sample_resources(session, "after", 1.0, result, tmp_path)
+    last = result.resources.last
+    assert last is not None and not last.cleaned
+    assert last.storage == {"ec": StorageUsage(1, 10), "kv": StorageUsage(2, 500)}
+    samples_module.sample_resources(session, "round 1", 2.0, result, tmp_path, clean_kv=True)
+    last = result.resources.last
+    assert last is not None and last.storage["kv"] == StorageUsage(2, 500)
+    assert last.cleaned == {"kv": StorageUsage(2, 500)}
+    assert not list(kv.iterdir()) and list(ec.iterdir()) == [ec / "item"]
