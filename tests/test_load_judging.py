@@ -900,6 +900,8 @@ def test_a_planted_kill_comes_with_every_request_in_flight_and_one_at_its_instan
     assert session.taps.open_marks == []  # the killer's mark, released with the round
     # run.json's too: verdicts.txt says the run is red on purpose.
     assert load.sweep.run_info["killed"] == "1E+1PD/pd0"
+    # The death was the one planted: nothing ended the load early.
+    assert result_.ended_by is None
 
 
 def test_a_planted_kill_does_not_count_a_call_its_instance_had_before_the_round(
