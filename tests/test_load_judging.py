@@ -43,7 +43,7 @@ from harness.run.load.kv_account import accounts_kv
 from harness.run.load.plan import decode_tail_failure, media_token_ids, plan_load
 from harness.run.load.result import LoadResult
 from harness.run.load.run import LoadRun
-from harness.run.load.sending import Sent
+from harness.run.load.sending import Sent, carrier
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.kv_metrics import KvCounters
 from harness.spec.load import (
@@ -1664,3 +1664,14 @@ def test_a_death_ends_a_soak_with_the_round_it_ended(
     result_ = load.run()
     assert result_.ended_by is not None
     assert result_.rounds == 2 and session.calls == 7
+
+
+def test_the_request_named_as_carrying_a_prompt_is_one_in_flight_with_the_answer() -> None:
+    """An answer that belongs to another prompt came from a request in flight with it: that
+    one is named, before one nearer by number that was not."""
+    answered = Observed(Outcome("ld-text", result=result((1,))), ())
+    item = Sent(PlannedRequest(5, "ld-text"), answered, 10.0, 11.0)
+    nearer = Sent(PlannedRequest(4, "ld-shared-a"), answered, 0.0, 1.0)
+    together = Sent(PlannedRequest(9, "ld-shared-a"), answered, 10.5, 12.0)
+    assert carrier([nearer, item, together], item, "ld-shared-a") == together.request.name
+    assert carrier([nearer, item], item, "ld-shared-a") == nearer.request.name
