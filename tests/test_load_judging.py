@@ -1579,11 +1579,14 @@ def test_a_planted_kill_whose_requests_were_answered_fails_the_load(
     assert result_.problems == ["request 1: MATCH, not ERROR", "request 2: MATCH, not ERROR"]
 
 
+@pytest.mark.parametrize("earlier", [None, "1P+1D/decode0"])
 def test_a_planted_kill_that_failed_to_kill_fails_the_load(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, earlier: str | None
 ) -> None:
     """What stops the killer (here the kill itself) is the load's problem, not a traceback on
-    a thread's stderr beside a load that passed."""
+    a thread's stderr beside a load that passed; and no instance was killed, so nothing names
+    one (run.json's `killed` would call the run red on purpose, load.json a planted kill).
+    Found in review: the killed instance was recorded before the kill was tried."""
     import harness.run.load.death as death_module
 
     load, _, _ = killable_load(tmp_path, monkeypatch)
@@ -1592,11 +1595,15 @@ def test_a_planted_kill_that_failed_to_kill_fails_the_load(
         raise PermissionError(f"cannot signal {server.name}")
 
     monkeypatch.setattr(death_module, "kill_instance", cannot)
+    if earlier is not None:  # an earlier load of the same run killed one
+        load.sweep.run_info["killed"] = earlier
     result_ = load.run()
     assert not result_.passed
     assert result_.problems[0] == (
         "the planted kill failed: PermissionError: cannot signal 1E+1PD/pd0"
     )
+    assert result_.killed is None and result_.killed_at_s is None
+    assert load.sweep.run_info.get("killed") == earlier
 
 
 def test_a_loads_problems_add_to_those_the_run_had_before_it(tmp_path: Path) -> None:

@@ -108,10 +108,21 @@ class PlantedKill:
                 f"in flight and one at {server.name} {when}"
             )
             return
+        # Named before the signal, so the death it causes is never read as an unplanned one.
+        earlier = self.run_info.get("killed")  # an earlier load's of the same run
         self.result.killed_at_s = self.now()
         self.result.killed = server.name
         self.run_info["killed"] = server.name  # run.json, verdicts.txt: red on purpose
-        kill_instance(server)
+        try:
+            kill_instance(server)
+        except Exception:
+            # Nothing was killed: nothing of this load is red on purpose.
+            self.result.killed = self.result.killed_at_s = None
+            if earlier is None:
+                self.run_info.pop("killed", None)
+            else:
+                self.run_info["killed"] = earlier
+            raise
         self.say(f"[load] killed {server.name} with {self.flight.current} request(s) in flight")
 
 
