@@ -2851,3 +2851,36 @@ def test_a_sent_candidate_reproduces_only_with_the_groups_signature_and_declarat
         "other": False,
     }
     assert oracle.last_reproduced is not None and oracle.last_reproduced.spec.name == "same"
+
+
+def test_a_known_failure_does_not_hide_a_transfer_guard_that_failed_beside_it() -> None:
+    """A failure is known only while it is the example's one failure, as a matrix scenario's
+    declared failure holds only then (`harness.judge.verdicts`): a known MISMATCH whose EC
+    guard failed too is another failure, new, and fails the run. Found in review: it was
+    recognised as the declaration by its verdict, evidence and trigger, and the run exited 0."""
+    from harness.run.fuzz.records import FuzzReport
+    from harness.run.fuzz.strategies import FuzzExample
+
+    rules = rules_for(TOPOLOGIES["1E+1PD"], "ExampleConnector", NEWEST)
+    frames = PromptSpec("ex-0001", (VideoFramesPart(1), TextPart("x")))
+    headline = "generated tokens differ at position 3 of 32/32"
+    no_ec = {"consumer_embeds": {"ok": False, "evidence": "parts the consumer received: []"}}
+    assert recognise(rules, record(Verdict.MISMATCH, headline), frames, None).known
+    mismatch = record(Verdict.MISMATCH, headline, guards=no_ec)
+    recognition = recognise(rules, mismatch, frames, None)
+    assert not recognition.known, recognition.rule
+    evaluation = Evaluation(frames, {}, Outcome("ex-0001"), "judged", record=mismatch)
+    evaluation.signature, evaluation.recognition = signature_of(mismatch), recognition
+    report = FuzzReport([FuzzExample(frames)], [evaluation], group_failures([evaluation]))
+    assert [g.known for g in report.groups] == [False] and not report.passed
+    # A declared VACUOUS names its guard: that guard failing is the declaration itself.
+    vacuous = record(
+        Verdict.VACUOUS,
+        "tokens equal but guard failed: kv_transfer: D cached 0 of 64",
+        guards={"kv_transfer": {"ok": False, "evidence": ""}},
+    )
+    kv_rules = rules_for(TOPOLOGIES["1E+1P+1D"], "ExampleConnector", NEWEST)
+    text = PromptSpec("t", (TextPart(" x"),))
+    assert recognise(kv_rules, vacuous, text, PromptLayout(65, (), 32)).known
+    both = dataclasses.replace(vacuous, guards={**vacuous.guards, **no_ec})
+    assert not recognise(kv_rules, both, text, PromptLayout(65, (), 32)).known

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from harness.judge.records import CaseRecord, Verdict
+from harness.judge.verdicts import excuses_guard
 from harness.run.fuzz.layout import PromptLayout
 from harness.run.fuzz.video_timing import video_positions_differ
 from harness.run.scenarios import MATRIX, Scenario
@@ -120,9 +121,13 @@ class KnownRule:
         """The declared verdict, and the evidence where the matrix reads it (`_as_declared`):
         the start of the case's detail, or inside the topology's own error. Anywhere in the
         detail, a prompt-ids MISMATCH ('prompt ids differ ...; generated tokens differ ...')
-        was the video-timing declaration, whose prompt ids match (found in review)."""
+        was the video-timing declaration, whose prompt ids match (found in review). And no
+        failed guard the declaration does not excuse (`excuses_guard`, the matrix's rule):
+        one beside it is another failure, new (found in review: a known MISMATCH with its
+        EC guard failed exited 0)."""
         shows = record.detail.startswith(self.evidence) or self.evidence in (record.error or "")
-        return record.verdict.value == self.verdict and shows
+        unexcused = [g for g in record.failed_guards() if not excuses_guard(self, g)]
+        return record.verdict.value == self.verdict and shows and not unexcused
 
     def to_json(self) -> dict[str, str]:
         return {
