@@ -61,6 +61,7 @@ from harness.testing.builders import case_record, outcome
 pytestmark = pytest.mark.unit
 
 IDS = PlaceholderIds(image=785, video=786)
+UNSTABLE = "the reference disagreed with itself"
 DECODE_TAIL_ERROR = (
     "InternalServerError: Error code: 500 - {'error': 'EngineCore encountered an issue'}\n"
     "--- 1E+1P+1D/decode0 logged during the request ---\n"
@@ -1324,7 +1325,9 @@ def test_a_fuzz_bundle_says_which_devices_computed_the_ids(tmp_path: Path, monke
     assert line in (tmp_path / FUZZ_MD).read_text().splitlines()
 
 
-@pytest.mark.parametrize("run", ["known only", "known and new", "nothing judged"])
+@pytest.mark.parametrize(
+    "run", ["known only", "known and new", "nothing judged", "known and unstable baseline"]
+)
 def test_a_fuzz_runs_top_level_files_say_what_its_exit_code_says(tmp_path: Path, run) -> None:
     """Found in review: a fuzz run whose every failure was known exited 0, while its
     summary.json said `passed: false`, its junit.xml had a failure per known case and
@@ -1352,6 +1355,9 @@ def test_a_fuzz_runs_top_level_files_say_what_its_exit_code_says(tmp_path: Path,
     skipped = Evaluation(
         image_prompt((56, 56), name="ex-0002"), {}, Outcome("ex-0002"), "known-predicted"
     )
+    unsure = record(Verdict.UNSTABLE_BASELINE, UNSTABLE)
+    unstable = _evaluation("ex-0004", image_prompt((56, 56)), unsure, False)
+    unstable.signature = unstable.recognition = None  # no failure of the topology's
     evaluations, groups = {
         "known only": ([fine, start], [known]),
         "known and new": (
@@ -1359,6 +1365,7 @@ def test_a_fuzz_runs_top_level_files_say_what_its_exit_code_says(tmp_path: Path,
             [FailureGroup(new.signature, new.recognition, [new], minimal=new), known],
         ),
         "nothing judged": ([skipped], []),
+        "known and unstable baseline": ([fine, unstable, start], [known]),
     }[run]
     report = FuzzReport([FuzzExample(e.spec) for e in evaluations], evaluations, groups)
     settings = served_settings(tmp_path / "no-model", tmp_path)
@@ -1376,7 +1383,7 @@ def test_a_fuzz_runs_top_level_files_say_what_its_exit_code_says(tmp_path: Path,
     diff = (tmp_path / "diff.md").read_text()
     assert (suite.get("failures") == "0") is passed, failed
     assert ("verdicts: " in verdicts and " 0 fail " in verdicts) is (passed or not cases)
-    assert diff.startswith("# EPD diff: ") is (run == "known and new"), diff
+    assert diff.startswith("# EPD diff: ") is (bool(cases) and not passed), diff
     for name in ("ex-0007", "ex-0007-s004") if run != "nothing judged" else ():
         assert cases[name]["policy_passed"] and cases[name]["declared_failure"] == rule.name
         assert cases[name]["verdict"] == "ERROR", "the verdict stays what it was"
@@ -1384,6 +1391,9 @@ def test_a_fuzz_runs_top_level_files_say_what_its_exit_code_says(tmp_path: Path,
         assert f"yes (declared: {rule.name})" in verdicts
     if run == "known and new":
         assert not cases["ex-0003"]["policy_passed"] and "ex-0003 vs baseline" in failed
+    if run == "known and unstable baseline":
+        assert not cases["ex-0004"]["policy_passed"] and "ex-0004 vs baseline" in failed
+        assert "UNSTABLE_BASELINE" in verdicts
 
     # The group's own bundle keeps its case failing: repro and export pick it.
     known_dir = group_dirs[-1] if groups else None
@@ -2567,15 +2577,25 @@ def test_a_request_the_baseline_rejects_is_counted_and_never_sent_to_the_topolog
 
 @pytest.mark.parametrize(
     ("outcomes", "exit_code"),
-    [(("match",), 0), (("known",), 0), (("known", "new"), 1), (("match", "new"), 1)],
+    [
+        (("match",), 0),
+        (("known",), 0),
+        (("known", "new"), 1),
+        (("match", "new"), 1),
+        (("match", "unstable"), 1),
+        (("known", "unstable"), 1),
+    ],
 )
 def test_a_fuzz_run_exits_failed_on_a_new_failure_only(
-    tmp_path: Path, monkeypatch, outcomes: tuple[str, ...], exit_code: int
+    tmp_path: Path, monkeypatch, capsys, outcomes: tuple[str, ...], exit_code: int
 ) -> None:
     """The command's exit code is the run's verdict: 1 when a judged example failed in a
     way no declaration explains (a new group), 0 when every failure is a declared upstream
     one or nothing failed. Found in review (mutation): the command returning 0 whatever the
-    groups, or 1 for known groups too, left every test green."""
+    groups, or 1 for known groups too, left every test green. An example whose baseline
+    disagreed with itself could not be judged, which is no pass (as `epd-harness run` has
+    it): 1, with the baseline blamed and not EPD (found in review: the run exited 0 while
+    its summary.json said `passed: false`)."""
     from types import SimpleNamespace
 
     from harness.cli import fuzz as fuzz_cli
@@ -2589,6 +2609,9 @@ def test_a_fuzz_run_exits_failed_on_a_new_failure_only(
         ),
         "known": lambda name: _evaluation(name, image_prompt((56, 56)), crash, True),
         "new": lambda name: _evaluation(name, image_prompt((56, 56)), crash, False),
+        "unstable": lambda name: _evaluation(
+            name, image_prompt((56, 56)), record(Verdict.UNSTABLE_BASELINE, UNSTABLE), False
+        ),
     }
 
     def run(self, examples, report, on_progress):
@@ -2610,9 +2633,20 @@ def test_a_fuzz_run_exits_failed_on_a_new_failure_only(
     args.progress = Progress()
     assert fuzz_cli.command_fuzz(args) == exit_code
     document = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert document["passed"] is (exit_code == 0), "summary.json says what the exit code says"
     summary = document["run"]["fuzz"]
     assert summary["new_failures"] == outcomes.count("new")
     assert summary["known_failures"] == outcomes.count("known")
+    assert summary["unstable_baseline"] == outcomes.count("unstable")
+    printed = capsys.readouterr().out
+    fuzz_md = (tmp_path / "run" / "fuzz.md").read_text()
+    said = "against a baseline that disagreed with itself (not judged: nothing blamed on EPD)"
+    last = printed.strip().splitlines()[-1]
+    if "unstable" in outcomes:
+        assert f"1 example(s) {said}" in fuzz_md and "ex-0001" in fuzz_md, fuzz_md
+        assert f"1 example(s) {said}" in last, last
+    else:
+        assert said not in fuzz_md and said not in last
 
 
 class AnswersInTurn(KeepsBodies):

@@ -292,10 +292,12 @@ def command_fuzz(args: argparse.Namespace) -> int:
             if (why := unsaved_reason(group)) is not None:
                 print(f"not saved: {group.signature.key}: {why}")
     timing = report.timing()
+    unstable = report.unstable_baseline_line()
     print(
         f"epd-harness fuzz: {len(report.new_groups)} new, "
         f"{len(report.groups) - len(report.new_groups)} known failure group(s); "
-        f"{len(examples)} examples, {timing['total_s']} s; artifacts in {settings.run_dir}"
+        + (f"{unstable}; " if unstable else "")
+        + f"{len(examples)} examples, {timing['total_s']} s; artifacts in {settings.run_dir}"
         + (f"; first repro bundle: {group_dirs[0]}" if group_dirs else "")
     )
     if args.plant_fault:

@@ -364,6 +364,7 @@ def fuzz_summary(
         "predictions": report.predictions,
         "new_failures": len(report.new_groups),
         "known_failures": len(report.groups) - len(report.new_groups),
+        "unstable_baseline": len(report.unstable_baseline),
         "failure_bundles": [str(d) for d in group_dirs],
         "fault_effect": report.fault_effect() if meta.get("fault") else None,
     }
@@ -412,6 +413,8 @@ def render_fuzz_md(
         f"examples by outcome: {json.dumps(report.counts(), sort_keys=True)}"
     )
     lines.append("")
+    if unstable := report.unstable_baseline_line():
+        lines += [f"**{unstable}**: the run fails on it, as `epd-harness run` does", ""]
     if meta.get("fault"):
         lines += render_fault_effect(meta["fault"], report)
     for number, (group, directory) in enumerate(zip(report.groups, group_dirs), 1):

@@ -9,7 +9,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from harness.judge.records import CaseRecord
+from harness.judge.records import CaseRecord, Verdict
 from harness.outcomes.outcome import Outcome
 from harness.run.fuzz.fault_effect import (
     FAULT_ACTED,
@@ -23,6 +23,10 @@ from harness.run.fuzz.layout import PromptLayout
 from harness.run.fuzz.shrink import ShrinkResult, size_key
 from harness.run.fuzz.signature import Signature, is_failure
 from harness.spec.prompts import PromptSpec
+
+# How an example whose baseline disagreed with itself is told: the run fails on it, and says
+# whose fault it is not.
+UNSTABLE_SAID = "against a baseline that disagreed with itself (not judged: nothing blamed on EPD)"
 
 if TYPE_CHECKING:  # the strategies need Hypothesis, which the records themselves do not
     from harness.run.fuzz.strategies import FuzzExample
@@ -136,11 +140,32 @@ class FuzzReport:
         return any(e.status == "judged" for e in self.evaluations)
 
     @property
+    def unstable_baseline(self) -> list[Evaluation]:
+        """The examples whose baseline disagreed with itself (UNSTABLE_BASELINE): no failure of
+        the topology's (`is_failure`: not grouped, shrunk or blamed on EPD), and no pass
+        either: a case the run could not judge proved nothing, as `epd-harness run` has it."""
+        return [
+            e
+            for e in self.evaluations
+            if e.record is not None and e.record.verdict is Verdict.UNSTABLE_BASELINE
+        ]
+
+    def unstable_baseline_line(self) -> str:
+        """What fuzz.md and the command's last line say of `unstable_baseline` ('' if none)."""
+        if not (unstable := self.unstable_baseline):
+            return ""
+        return f"{len(unstable)} example(s) {UNSTABLE_SAID}: " + ", ".join(
+            e.spec.name for e in unstable
+        )
+
+    @property
     def passed(self) -> bool:
         """What the command's exit code says, and every top-level file of its bundle with it
-        (`harness.run.fuzz.bundle`): some example was judged and no failure is new (a known
-        one is a declared upstream failure, as a matrix scenario's is)."""
-        return self.judged_any and not self.new_groups
+        (`harness.run.fuzz.bundle`): some example was judged, no failure is new (a known
+        one is a declared upstream failure, as a matrix scenario's is) and no example's
+        baseline disagreed with itself (found in review: such a run exited 0 while its
+        summary.json, which counts the case failed, said `passed: false`)."""
+        return self.judged_any and not self.new_groups and not self.unstable_baseline
 
     def fault_effect(self) -> dict[str, Any]:
         """What a planted fault did to the examples sent to the topology: how many it acted
