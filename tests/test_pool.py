@@ -186,6 +186,32 @@ def test_a_shared_sweep_answers_its_reference_before_the_pool_stops_it(
         pool.close()
 
 
+def test_a_shared_sweep_answers_nothing_on_a_reference_served_under_other_flags(
+    tmp_path: Path, fake_vllm_start_log: Path
+) -> None:
+    """1P+1D started by another scenario with other serving flags (another max_num_seqs) is
+    stopped: its answers are not the ones this sweep's 1E+1P+1D is held exact to, so the
+    sweep sends it nothing, and judging 1E+1P+1D starts 1P+1D under the sweep's own flags."""
+    settings = settings_for(tmp_path)
+    pool = TopologyPool(settings)
+    try:
+        spec = SweepSpec((TOPOLOGIES["1E+1P+1D"],), prompts=(TEXT,))
+        sweep = Sweep(spec, settings, pool=pool)
+        sweep.serve_baseline()
+        other = dataclasses.replace(
+            settings, serving=dataclasses.replace(settings.serving, max_num_seqs=4)
+        )
+        pool.session(TOPOLOGIES["1P+1D"], other)  # another scenario's, under its own flags
+        pool.release("1P+1D")
+        assert "1P+1D" not in sweep.observed
+        records = sweep.judge("1E+1P+1D", "text")
+        assert {r.reference for r in records} == {"baseline", "1P+1D"}
+        starts = [(s.key.topology, s.key.serving.max_num_seqs) for s in pool.starts]
+        assert ("1P+1D", settings.serving.max_num_seqs) in starts, starts
+    finally:
+        pool.close()
+
+
 def test_a_streamed_sweep_streams_on_a_topology_an_unstreamed_one_started(
     tmp_path: Path, fake_vllm_start_log: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
