@@ -1117,3 +1117,52 @@ def test_a_case_without_its_body_in_requests_json_is_refused_before_anything_ser
     with pytest.raises(BundleError, match=r"requests\.json has no body for 'video'$"):
         repro.reproduce(Bundle.load(root), tmp_path / "again", ServedVllm("vllm", "0.32.0+cpu"))
     assert "settings" not in seen
+
+
+def test_the_stage_goes_once_to_its_own_topology_never_to_its_exact_reference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A staged 1E+1P+1D case is judged against 1P+1D too: 1P+1D, served first (a
+    reference), answers the case's request alone, cold, as the run's reference did; the stage
+    goes to 1E+1P+1D, before its case, and once, however often its prompts are served."""
+    from types import SimpleNamespace
+
+    import harness.run.sweep as sweep_module
+    from harness.outcomes.outcome import Outcome
+    from harness.run.judging import Observed
+    from harness.serve.proxy import ProxyFaults
+    from harness.spec.settings import RunSettings, ServedVllm
+    from harness.spec.topology import TOPOLOGIES
+
+    settings = RunSettings(
+        serving=ServingConfig(model="/m"),
+        run_dir=tmp_path / "run",
+        vllm=ServedVllm("vllm", "0.32.0+cpu", "2.13.0"),
+    )
+    body = {"model": "epd-model", "messages": [{"role": "user", "content": "hi"}]}
+    staged, reference = TOPOLOGIES["1E+1P+1D"], TOPOLOGIES["1P+1D"]
+    sweep = sweep_module.Sweep(
+        sweep_module.SweepSpec((staged,), prompts=()),
+        settings,
+        bodies={"case": body},
+        stage=sweep_module.Stage(staged.name, (("earlier", body),)),
+    )
+    sent: list[tuple[str, str]] = []
+
+    def observe(session, prompt, body, stream, *, fresh_prefix):
+        sent.append((session.topology.name, prompt))
+        return Observed(Outcome(prompt=prompt, result=object()), ())
+
+    def session_of(topology):
+        return SimpleNamespace(topology=topology, settings=settings, faults=ProxyFaults())
+
+    monkeypatch.setattr(sweep_module, "observe", observe)
+    sweep._serve_prompts(session_of(reference))
+    sweep._serve_prompts(session_of(staged))
+    sweep._serve_prompts(session_of(staged))  # served again: the stage is set already
+    assert sent == [
+        ("1P+1D", "case"),
+        ("1E+1P+1D", "earlier"),
+        ("1E+1P+1D", "case"),
+        ("1E+1P+1D", "case"),
+    ], sent
