@@ -498,6 +498,41 @@ def test_a_topology_whose_every_case_is_not_applicable_is_not_started(tmp_path: 
     assert started("text", "image") >= {"1E+1PD", "1E+1P+1D", "1P+1D"}
 
 
+def test_a_not_applicable_case_of_a_started_topology_is_never_sent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On 0.28 1E+1PD runs the text prompt, so it starts; its image case, NOT_APPLICABLE
+    there, is judged so without a request: sent, it would only cost time, and whatever it did
+    to the encoder would be there for the cases after it."""
+    from types import SimpleNamespace
+
+    import harness.run.sweep as sweep_module
+    from harness.run.judging import Observed
+    from harness.serve.proxy import ProxyFaults
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    settings = RunSettings(
+        serving=serving_for(CPU, "/not-a-dir-model", max_model_len=4096),
+        run_dir=tmp_path / "run",
+        vllm=ServedVllm("vllm", "0.28.0+cpu", "2.13.0"),
+        protocol=GENERATIONS_BY_NAME["ec-items-report-only"],
+    )
+    topology = TOPOLOGIES["1E+1PD"]
+    spec = sweep_module.SweepSpec((topology,), prompts=(PROMPTS["image"], PROMPTS["text"]))
+    sweep = sweep_module.Sweep(spec, settings)
+    sent: list[str] = []
+
+    def observe(session, prompt, body, stream, *, fresh_prefix):
+        sent.append(prompt)
+        return Observed(Outcome(prompt=prompt, error="unsent in this test"), ())
+
+    monkeypatch.setattr(sweep_module, "observe", observe)
+    session = SimpleNamespace(topology=topology, settings=settings, faults=ProxyFaults())
+    sweep._serve_prompts(session)
+    assert sent == ["text"]
+    assert [r.verdict.value for r in sweep.judge(topology.name, "image")] == ["NOT_APPLICABLE"]
+
+
 @pytest.mark.parametrize("version", ["0.32.0+cpu", "unknown"])
 def test_an_export_renders_the_reference_in_the_protocol_the_run_spoke(
     tmp_path: Path, version: str
