@@ -165,6 +165,21 @@ def test_a_private_session_is_counted_with_its_reason(
     pool.close()
 
 
+def test_a_sweep_judges_only_its_topologies_not_the_references_it_starts_for_them(
+    tmp_path: Path, fake_vllm_start_log: Path
+) -> None:
+    """A sweep of 1E+1P+1D starts 1P+1D to hold it exact to, and judges 1E+1P+1D alone:
+    cases of 1P+1D would be verdicts nobody asked for, each a failure that could fail the
+    run."""
+    sweep = Sweep(SweepSpec((TOPOLOGIES["1E+1P+1D"],), prompts=(TEXT,)), settings_for(tmp_path))
+    result = sweep.run_all()
+    assert {(r.topology, r.reference) for r in result.records} == {
+        ("1E+1P+1D", "baseline"),
+        ("1E+1P+1D", "1P+1D"),
+    }
+    assert "1P+1D" in sweep.observed
+
+
 def test_a_shared_sweep_answers_its_reference_before_the_pool_stops_it(
     tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:
