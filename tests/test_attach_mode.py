@@ -749,3 +749,28 @@ def test_without_encoders_an_ec_consumer_is_not_listed_as_unverified() -> None:
     assert not any("ec_consumer" in u for u in alone), alone
     with_encoders = read_role(prefill, cache_info_page("128"), "0.32.0", 4096, True).unverified
     assert any("ec_consumer" in u for u in with_encoders), with_encoders
+
+
+@pytest.mark.parametrize(
+    ("theirs", "warned"),
+    [("0.32.0+cu128", False), ("0.32.0", False), ("unknown", False), ("0.31.0+cpu", True)],
+)
+def test_an_attached_version_is_warned_of_only_when_its_release_is_not_the_baselines(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, theirs: str, warned: bool
+) -> None:
+    """The baseline serves 0.32.0+cpu: an attached 0.32.0 built for CUDA is the same release
+    (a local build suffix is not one), so no warning; 0.31.0 is another release."""
+    from harness.run.sweep import Sweep, SweepSpec
+    from harness.spec.settings import RunSettings, ServedVllm
+
+    settings = RunSettings(
+        serving=ServingConfig(model="/m"),
+        run_dir=tmp_path / "run",
+        vllm=ServedVllm("vllm", "0.32.0+cpu", "2.13.0"),
+    )
+    sweep = Sweep(SweepSpec((), prompts=()), settings)
+    with caplog.at_level("WARNING", logger="harness.run.sweep"):
+        sweep._note_attached_versions({"encoder-0": theirs})
+    assert sweep.run_info["attached_versions"] == {"encoder-0": theirs}
+    said = [r.getMessage() for r in caplog.records if "the attached instances serve" in r.message]
+    assert bool(said) is warned, said
