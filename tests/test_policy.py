@@ -59,6 +59,33 @@ def test_the_platform_chooses_the_policy() -> None:
         ReferencePolicy("loose")
 
 
+@pytest.mark.parametrize(
+    ("platform", "given", "judged_by"),
+    [
+        (CPU, PD_DRIFT, PD_DRIFT),
+        (CUDA, EXACT_EVERYWHERE, EXACT_EVERYWHERE),
+        (CPU, "", EXACT_EVERYWHERE),
+        (CUDA, "", PD_DRIFT),
+    ],
+)
+def test_a_given_reference_policy_wins_over_the_platforms(platform, given, judged_by) -> None:
+    """`--reference-policy` is what the run judges by (repro reruns a bundle under the one it
+    recorded); only without it does the platform choose."""
+    from pathlib import Path
+
+    from harness.run.judging import reference_policy_of
+    from harness.spec.settings import RunSettings
+    from harness.spec.topology import ServingConfig
+
+    settings = RunSettings(
+        serving=ServingConfig(model="/m"),
+        run_dir=Path("/nonexistent"),
+        platform=platform,
+        reference_policy=given,
+    )
+    assert reference_policy_of(settings).name == judged_by
+
+
 def near_tie_divergence() -> tuple[Outcome, Outcome]:
     """Equal first token (log-probs 0.02 apart), then a near tie (0.05 nats) flipped."""
 
