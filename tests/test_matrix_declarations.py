@@ -376,6 +376,8 @@ def test_a_scenario_whose_topology_cannot_start_fails_its_cases_and_the_matrix_g
     )
     result = MatrixRun(sweep).run(scenario)
     assert [r.verdict for r in result.records] == [Verdict.ERROR] * len(scenario.prompts)
+    # Each case under its scenario's label (the report's row, repro's case name).
+    assert {r.topology for r in result.records} == {"1E+1PD:ec-images-1-2-3"}
     assert all("1E+1PD could not start" in (r.error or "") for r in result.records)
     assert "encoder0 exited" in (result.records[0].error or "")
     assert added == result.records and result.problems()
