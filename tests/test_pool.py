@@ -227,6 +227,35 @@ def test_a_shared_sweep_answers_nothing_on_a_reference_served_under_other_flags(
         pool.close()
 
 
+def test_a_shared_sweep_answers_on_a_stopping_topology_only_its_unanswered_references(
+    tmp_path: Path, fake_vllm_start_log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool stops everything: 1P+1D, the sweep's reference, already answered the sweep's
+    prompts, and 1E+1PD is nobody's reference here, so neither is sent them again (a request
+    each that nothing would judge, on instances about to stop)."""
+    import harness.run.sweep as sweep_module
+
+    asked: list[str] = []
+    real_observe = sweep_module.observe
+
+    def counted(session, prompt, body, stream, *, fresh_prefix):
+        asked.append(session.topology.name)
+        return real_observe(session, prompt, body, stream, fresh_prefix=fresh_prefix)
+
+    monkeypatch.setattr(sweep_module, "observe", counted)
+    settings = settings_for(tmp_path)
+    pool = TopologyPool(settings)
+    try:
+        sweep = Sweep(SweepSpec((TOPOLOGIES["1E+1P+1D"],), prompts=(TEXT,)), settings, pool=pool)
+        sweep.judge("1E+1P+1D", "text")
+        pool.session(TOPOLOGIES["1E+1PD"])  # another scenario's
+        pool.release()
+        assert sorted(asked) == ["1E+1P+1D", "1P+1D"], asked
+        assert "1E+1PD" not in sweep.observed
+    finally:
+        pool.close()
+
+
 def test_a_streamed_sweep_streams_on_a_topology_an_unstreamed_one_started(
     tmp_path: Path, fake_vllm_start_log: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
