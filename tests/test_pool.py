@@ -180,6 +180,24 @@ def test_a_sweep_judges_only_its_topologies_not_the_references_it_starts_for_the
     assert "1P+1D" in sweep.observed
 
 
+def test_a_sweep_on_its_own_pool_stops_each_topology_once_its_prompts_are_answered(
+    tmp_path: Path, fake_vllm_start_log: Path
+) -> None:
+    """Without a shared pool, each topology is stopped as soon as its wave has answered (the
+    memory is the next wave's), not left running until the run ends."""
+    sweep = Sweep(SweepSpec((TOPOLOGIES["1P+1D"],), prompts=(TEXT,)), settings_for(tmp_path))
+    released: list[str | None] = []
+    release = sweep.pool.release
+
+    def noted(topology=None, launcher=None):
+        released.append(topology)
+        release(topology, launcher)
+
+    sweep.pool.release = noted  # type: ignore[method-assign]
+    sweep.run_all()
+    assert released[:2] == ["baseline", "1P+1D"], released
+
+
 def test_a_shared_sweep_answers_its_reference_before_the_pool_stops_it(
     tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:
