@@ -256,6 +256,14 @@ def test_cases_file_with_topology_flag(bad_run: BadRun, tmp_path: Path) -> None:
     assert_one_error_line(code, err, cause)
 
 
+def test_cases_file_with_prompt_flag(bad_run: BadRun, tmp_path: Path) -> None:
+    """Found in review by mutation: only --topology beside --cases-file was tried, and with
+    --prompt dropped from the refusal the cases file ran and --prompt was ignored."""
+    code, err = bad_run("--cases-file", str(tmp_path / "s.json"), "--prompt", "text")
+    cause = "--cases-file names the cases itself; drop --topology and --prompt"
+    assert_one_error_line(code, err, cause)
+
+
 def test_good_cases_file_is_read_in_order(tmp_path: Path) -> None:
     path = tmp_path / "cases.yaml"
     path.write_text("- {topology: 1E+1P+1D, prompt: video}\n- {topology: 1P+1D, prompt: text}\n")
