@@ -264,6 +264,20 @@ def test_cases_file_with_prompt_flag(bad_run: BadRun, tmp_path: Path) -> None:
     assert_one_error_line(code, err, cause)
 
 
+@pytest.mark.parametrize(
+    "flag,value", [("--prompt", "text"), ("--cases-file", "s.json")], ids=["prompt", "cases-file"]
+)
+def test_scenario_with_a_flag_naming_cases(
+    bad_run: BadRun, tmp_path: Path, flag: str, value: str
+) -> None:
+    """Found in review by mutation: only --scenario with --topology was tried; with --prompt or
+    --cases-file dropped from the refusal, the scenario ran and the flag was ignored."""
+    given = str(tmp_path / value) if flag == "--cases-file" else value
+    code, err = bad_run("--scenario", "ec-video-mp4", flag, given)
+    cause = "--scenario names its topology and prompts; drop --topology, --prompt and --cases-file"
+    assert_one_error_line(code, err, cause)
+
+
 def test_good_cases_file_is_read_in_order(tmp_path: Path) -> None:
     path = tmp_path / "cases.yaml"
     path.write_text("- {topology: 1E+1P+1D, prompt: video}\n- {topology: 1P+1D, prompt: text}\n")
