@@ -588,6 +588,11 @@ IGNORED_BY_ATTACH = [
         "--scenario names topologies to launch; with --attach the deployment is the "
         "topology: drop --scenario and choose prompts with --prompt",
     ),
+    (  # found in review by mutation: only --scenario was tried, and the file was ignored
+        ("--cases-file", "cases.json"),
+        "--cases-file names topologies to launch; with --attach the deployment is the "
+        "topology: drop --cases-file and choose prompts with --prompt",
+    ),
     (
         ("--topology", "1P+1D"),
         "--topology 1P+1D: the attach file describes 1E+1PD, the one topology it "
