@@ -500,6 +500,15 @@ def test_fault_that_reaches_nothing_in_a_named_topology(bad_run: BadRun) -> None
     assert_one_error_line(code, err, cause)
 
 
+def test_stream_fault_without_stream(bad_run: BadRun) -> None:
+    """A stream fault acts on streamed answers only: without --stream it would plant nothing
+    and the self-test could not turn red. Found in review by mutation: only fuzz's refusal of
+    it was tried, and with run's skipped the quick tier stayed green."""
+    code, err = bad_run("--plant-fault", "stream-duplicate-chunk", "--topology", "1P+1D")
+    cause = "--plant-fault stream-duplicate-chunk acts on streamed answers only: add --stream"
+    assert_one_error_line(code, err, cause)
+
+
 def test_fault_in_a_topology_and_in_its_exact_reference(bad_run: BadRun) -> None:
     """Found in review: 1P+1D under test is planted with the fault, and it is also 1E+1P+1D's
     exact reference, so 1E+1P+1D was judged against faulted answers (MATCH: both zeroed)."""
