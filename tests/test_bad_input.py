@@ -509,6 +509,18 @@ def test_stream_fault_without_stream(bad_run: BadRun) -> None:
     assert_one_error_line(code, err, cause)
 
 
+def test_kv_fault_that_reaches_nothing_in_two_named_topologies(bad_run: BadRun) -> None:
+    """A KV fault needs a P->D hop, and the refusal names what is missing, and every topology
+    that lacks it. Found in review by mutation: only an EC fault's was tried, so the cause
+    could say "encoder" for a KV fault unnoticed."""
+    code, err = bad_run("--plant-fault", "zero-kv", "--topology", "1E+1PD,2E+1PD")
+    cause = (
+        "--plant-fault zero-kv: 1E+1PD, 2E+1PD have no P->D hop for it to act on; leave them "
+        "out with --topology"
+    )
+    assert_one_error_line(code, err, cause)
+
+
 def test_fault_in_a_topology_and_in_its_exact_reference(bad_run: BadRun) -> None:
     """Found in review: 1P+1D under test is planted with the fault, and it is also 1E+1P+1D's
     exact reference, so 1E+1P+1D was judged against faulted answers (MATCH: both zeroed)."""
