@@ -24,7 +24,7 @@ import pytest
 from export_bundle import write_bundle
 
 from harness import devices, environment
-from harness.cli.main import build_parser, request_from_args
+from harness.cli.main import build_parser, check_command_line, request_from_args
 from harness.errors import BadInput
 from harness.preflight import files, names, resources, tokens, vllm_args
 from harness.preflight.config import prepare_run
@@ -591,6 +591,14 @@ def test_swap_items_through_vllms_proxy_on_two_encoders(bad_run: BadRun) -> None
         "nothing to swap; leave 2E+1PD out with --topology (or use --proxy harness)"
     )
     assert_one_error_line(code, err, cause)
+
+
+def test_swap_items_on_two_encoders_through_the_harnesss_proxy_passes_the_checks() -> None:
+    """The refusal above offers --proxy harness, whose taps see a request's items together.
+    Found in review by mutation: with the proxy dropped from that refusal, 2E+1PD was refused
+    under either proxy, and no test noticed."""
+    argv = ["run", "--topology", "2E+1PD", "--prompt", "two_images"]
+    check_command_line([*argv, "--plant-fault", "ec-swap-items"])
 
 
 IGNORED_BY_ATTACH = [
