@@ -1420,6 +1420,25 @@ def test_corrupt_baseline_cache_entry(
     assert {"run.json", "requests.json"} <= set(kept), f"artifacts written so far: {kept}"
 
 
+def test_goldens_are_kept_beside_the_baseline_cache_and_not_with_it_off(
+    vllm: Path, tmp_path: Path, port_locks: Path, monkeypatch
+) -> None:
+    """A --baseline-cache DIR moves the goldens beside DIR (as --golden's refusal of `off`
+    says), and `off` keeps none: no answer is kept for another session. Found in review by
+    mutation: with either dropped from the preflight's choice of goldens, every test stayed
+    green."""
+    monkeypatch.delenv(environment.PORT_RANGE_ENV, raising=False)
+
+    def goldens(run: str, *flags: str):
+        argv = run_argv(vllm, tmp_path / run, "--prompt", "text", "--topology", "1P+1D", *flags)
+        return prepare_run(request_from_args(build_parser().parse_args(argv))).goldens
+
+    cache = tmp_path / "cache" / "baseline"
+    beside = goldens("r1", "--baseline-cache", str(cache))
+    assert beside is not None and beside.directory == cache.resolve().parent / "goldens"
+    assert goldens("r2", "--baseline-cache", "off") is None
+
+
 def test_golden_of_a_release_candidate(bad_run: BadRun) -> None:
     """Goldens are filed for final releases only (harness.run.goldens): an rc would have read
     the final release's golden under the rc's name."""
