@@ -1439,6 +1439,19 @@ def test_goldens_are_kept_beside_the_baseline_cache_and_not_with_it_off(
     assert goldens("r2", "--baseline-cache", "off") is None
 
 
+def test_refresh_baseline_reaches_the_baseline_cache(
+    vllm: Path, tmp_path: Path, port_locks: Path, monkeypatch
+) -> None:
+    """--refresh-baseline is kept by the cache the run reads. Found in review by mutation: with
+    it dropped from the preflight's cache, the run read the stale entry it was told to
+    replace, and every test stayed green."""
+    monkeypatch.delenv(environment.PORT_RANGE_ENV, raising=False)
+    flags = ("--prompt", "text", "--topology", "1P+1D", "--baseline-cache", str(tmp_path / "c"))
+    argv = run_argv(vllm, tmp_path / "run", *flags, "--refresh-baseline")
+    cache = prepare_run(request_from_args(build_parser().parse_args(argv))).baseline_cache
+    assert cache is not None and cache.refresh, cache
+
+
 def test_golden_of_a_release_candidate(bad_run: BadRun) -> None:
     """Goldens are filed for final releases only (harness.run.goldens): an rc would have read
     the final release's golden under the rc's name."""
