@@ -469,6 +469,18 @@ def test_proxy_attach_without_a_file(bad_run: BadRun) -> None:
     assert_one_error_line(code, err, cause)
 
 
+def test_an_attached_run_checks_the_port_of_the_baseline_it_launches(
+    vllm: Path, tmp_path: Path, port_locks: Path, monkeypatch, attach_file: Path
+) -> None:
+    """Attached, the harness launches only the baseline, and the free ports it needs are the
+    baseline's. Found in review by mutation: with the baseline dropped from the ports checked,
+    an attached run's preflight asked max() of nothing (a traceback), and no test noticed."""
+    monkeypatch.delenv(environment.PORT_RANGE_ENV, raising=False)
+    argv = run_argv(vllm, tmp_path / "run", "--attach", str(attach_file), "--prompt", "text")
+    config = prepare_run(request_from_args(build_parser().parse_args(argv)))
+    assert config.settings.proxy.kind == "attach", config.settings.proxy
+
+
 def test_attach_with_another_proxy(bad_run: BadRun, attach_file: Path) -> None:
     code, err = bad_run("--attach", str(attach_file), "--proxy", "vllm")
     cause = (
