@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -628,6 +629,7 @@ def test_a_later_case_of_a_sequential_scenario_is_sent_after_its_earlier_request
     from harness.run.sweep import Stage
     from harness.spec.settings import ServedVllm
 
+    caplog.set_level(logging.INFO, logger="harness.run.repro")  # repro says how it sent it
     seen = stub_the_rerun(monkeypatch)
     root = scenario_bundle(tmp_path / "b", label, prompt)
     recorded = json.loads((root / "requests.json").read_text())
