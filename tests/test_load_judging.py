@@ -212,19 +212,25 @@ def test_an_answer_like_no_other_is_a_plain_mismatch() -> None:
     assert record.detail.startswith("generated tokens differ at position 2")
 
 
-def test_batched_answers_may_drift_within_the_floor_the_baseline_showed_batched() -> None:
-    policy = ReferencePolicy(EXACT_EVERYWHERE)
-    epd = TOPOLOGIES["1E+1P+1D"]
-    assert policy.policy_for(epd, True, batched=True) is LOGPROB_CLOSE
-    assert policy.policy_for(epd, True) is EXACT and policy.policy_for(epd, False, True) is EXACT
-    reference = result((5, 6, 7))
-    near_tie = ChatResult(
+def near_tie_answer(reference: ChatResult) -> ChatResult:
+    """`reference` (5, 6, 7) answered with 8 last, where 8 and 7 were a near tie (0.005 nats
+    apart): a drift a batched floor may tolerate, a mismatch under an exact one."""
+    return ChatResult(
         (1, 2, 3),
         (5, 6, 8),
         "",
         "length",
         (*reference.logprobs[:2], PositionLogprobs(8, -1.0, ((8, -1.0), (7, -1.005)))),
     )
+
+
+def test_batched_answers_may_drift_within_the_floor_the_baseline_showed_batched() -> None:
+    policy = ReferencePolicy(EXACT_EVERYWHERE)
+    epd = TOPOLOGIES["1E+1P+1D"]
+    assert policy.policy_for(epd, True, batched=True) is LOGPROB_CLOSE
+    assert policy.policy_for(epd, True) is EXACT and policy.policy_for(epd, False, True) is EXACT
+    reference = result((5, 6, 7))
+    near_tie = near_tie_answer(reference)
     measured = JudgingRules(policy, 0.0, batched_noise_floor_nats=0.02)
     drift = judge(near_tie, reference, rules=measured, batched=True)
     assert drift.verdict is Verdict.DRIFT and drift.policy_passed
@@ -243,13 +249,7 @@ def test_a_batched_answer_may_drift_within_the_floor_its_caller_measured() -> No
     from harness.run.judging import CaseJudge, Observed
 
     reference = result((5, 6, 7))
-    near_tie = ChatResult(
-        (1, 2, 3),
-        (5, 6, 8),
-        "",
-        "length",
-        (*reference.logprobs[:2], PositionLogprobs(8, -1.0, ((8, -1.0), (7, -1.005)))),
-    )
+    near_tie = near_tie_answer(reference)
     settings = RunSettings(
         serving=ServingConfig(model="/m"),
         run_dir=Path("/nonexistent"),
@@ -1032,23 +1032,11 @@ def test_too_few_requests_for_the_ending_prompt_leave_it_out_and_say_so(tmp_path
     """`load --topology 1E+1P+1D --requests 1` under ExampleConnector, whose mix holds a prompt
     declared to end D: found in review, a ValueError's traceback after the baseline was
     served. One request is one of the others; the ending prompt is left out, with a note."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"image_token_id": 999}))
-    settings = RunSettings(serving=ServingConfig(model=str(model)), run_dir=tmp_path)
-    mix = load_mix(3)
-    sweep = Sweep(SweepSpec((), (), baseline_only_prompts=mix), settings)
-    answers = {
-        p.name: result((10 + n, 20 + n), prompt=(1, n, *range(100, 138))) for n, p in enumerate(mix)
-    }
-    # Its image ends past the last whole block of 32: in the part D computes itself.
-    answers[TAIL_PROMPT] = result((7, 8), prompt=(1, *range(100, 133), 999, 999, 5, 6))
-    for name, answer in answers.items():
-        sweep.baseline.outcomes[name] = Outcome(name, result=answer)
+    sweep, answers = tail_sweep(tmp_path)
     from harness.judge.verdicts import Stability
 
     sweep.baseline.stability = {name: Stability(True, "stable", 0.0) for name in answers}
-    session = EpdStandIn(answers, settings)
+    session = EpdStandIn(answers, sweep.settings)
     sweep.pool.session = lambda topology, settings=None, devices=None: session  # type: ignore[method-assign]
     spec = LoadSpec("1E+1P+1D", requests=1, concurrency=1, distinct_media=3)
     load = LoadRun(spec, sweep, on_progress=lambda _: None)
