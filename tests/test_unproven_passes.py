@@ -3,6 +3,7 @@ the run as it fails the matrix and the pytest sweep (no vLLM, no process)."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +11,10 @@ import pytest
 from harness.cli.main import served_unproven
 from harness.judge.compare import Verdict
 from harness.judge.records import unproven_passes
+from harness.report.run_outputs import write_run_outputs
+from harness.spec.platforms import CPU
+from harness.spec.settings import RunSettings
+from harness.spec.topology import serving_for
 from harness.testing.builders import case_record
 
 pytestmark = pytest.mark.unit
@@ -57,28 +62,32 @@ def test_an_attached_deployment_reports_its_unchecked_guards_without_failing() -
     assert served_unproven(sweep_of(records, attached=object())) == []
 
 
-def test_summary_json_says_a_run_failed_by_its_problems_did_not_pass(tmp_path, capsys) -> None:
-    """`run` exits 1 on an unproven pass (a problem); summary.json, which a CI job reads
-    instead of the exit code, said `passed: true` for the same run (found in review). It says
-    false now, with the problems."""
-    import json
-    import time
-
-    from harness.cli.main import EXIT_FAILED, finish_run
-    from harness.report.run_outputs import write_run_outputs
-    from harness.report.text import write_summary_json
-
-    records = [case_record("1E+1P+1D", "video", guards=UNCHECKED)]
-    write_summary_json(tmp_path / "summary.json", records, {})
-    assert json.loads((tmp_path / "summary.json").read_text())["passed"] is True
+def finished_sweep(tmp_path, records) -> SimpleNamespace:
+    """A sweep whose run judged `records`, for `finish_run`: its write_outputs does what
+    Sweep.write_outputs does with the run's records and run.json's fields, into `tmp_path`."""
     sweep = SimpleNamespace(
         attached=None,
         result=SimpleNamespace(records=records, run_dir=tmp_path),
         run_info={},
         pool=SimpleNamespace(summary=lambda: "pool: 1 start"),
     )
-    # What Sweep.write_outputs does with the run's records and run.json's fields.
     sweep.write_outputs = lambda: write_run_outputs(tmp_path, records, {}, {}, sweep.run_info)
+    return sweep
+
+
+def test_summary_json_says_a_run_failed_by_its_problems_did_not_pass(tmp_path, capsys) -> None:
+    """`run` exits 1 on an unproven pass (a problem); summary.json, which a CI job reads
+    instead of the exit code, said `passed: true` for the same run (found in review). It says
+    false now, with the problems."""
+    import json
+
+    from harness.cli.main import EXIT_FAILED, finish_run
+    from harness.report.text import write_summary_json
+
+    records = [case_record("1E+1P+1D", "video", guards=UNCHECKED)]
+    write_summary_json(tmp_path / "summary.json", records, {})
+    assert json.loads((tmp_path / "summary.json").read_text())["passed"] is True
+    sweep = finished_sweep(tmp_path, records)
     args = SimpleNamespace(progress=SimpleNamespace(started=time.monotonic()))
     assert finish_run(args, served_unproven(sweep), sweep) == EXIT_FAILED
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -91,20 +100,11 @@ def test_the_reports_of_a_run_failed_by_its_problems_say_so(tmp_path, capsys) ->
     unproven pass) exited 1 and summary.json said so, while report.html led with PASS, "all 1
     case(s) passed their policy", verdicts.txt (what the cherry-pick workflow shows) with
     "1 pass, 0 fail", and diff.md "All 1 case(s) passed", none naming the problem."""
-    import time
-
     from harness.cli.main import EXIT_FAILED, finish_run
-    from harness.report.run_outputs import write_run_outputs
 
     records = [case_record("1E+1PD", "video", guards=HELD)]
     problem = "scenario ec-x: check <encoder_calls> failed: the encoder was called twice"
-    sweep = SimpleNamespace(
-        attached=None,
-        result=SimpleNamespace(records=records, run_dir=tmp_path),
-        run_info={},
-        pool=SimpleNamespace(summary=lambda: "pool: 1 start"),
-    )
-    sweep.write_outputs = lambda: write_run_outputs(tmp_path, records, {}, {}, sweep.run_info)
+    sweep = finished_sweep(tmp_path, records)
     sweep.write_outputs()
     args = SimpleNamespace(progress=SimpleNamespace(started=time.monotonic()))
     assert finish_run(args, [problem], sweep) == EXIT_FAILED
@@ -126,24 +126,45 @@ def test_a_run_without_cases_exits_1_as_its_reports_say(
     junit.xml a failing case (NO_CASES), and `run` exits 1 with them. Found in review: a
     mutant that exited 0 for a run without cases survived every test."""
     import json
-    import time
 
     from harness.cli.main import finish_run
-    from harness.report.run_outputs import write_run_outputs
 
     records = [case_record("1E+1PD", "video", guards=HELD)][:cases]
-    sweep = SimpleNamespace(
-        attached=None,
-        result=SimpleNamespace(records=records, run_dir=tmp_path),
-        run_info={},
-        pool=SimpleNamespace(summary=lambda: "pool: 1 start"),
-    )
-    sweep.write_outputs = lambda: write_run_outputs(tmp_path, records, {}, {}, sweep.run_info)
+    sweep = finished_sweep(tmp_path, records)
     sweep.write_outputs()
     args = SimpleNamespace(progress=SimpleNamespace(started=time.monotonic()))
     assert finish_run(args, served_unproven(sweep), sweep) == exit_code
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["passed"] is (exit_code == 0)
+
+
+def sweep_class_of(tmp_path, records) -> type:
+    """A stand-in for `main.Sweep` whose run judged `records` and writes its reports to
+    `tmp_path`: what `run_config` does after the sweep is what these tests look at."""
+
+    class RecordedSweep:
+        def __init__(self, spec, settings, **_kwargs) -> None:
+            self.attached, self.run_info, self.fault_misses = None, {}, []
+            self.result = SimpleNamespace(records=records, run_dir=settings.run_dir)
+            self.pool = SimpleNamespace(summary=lambda: "pool: 1 start", close=lambda: None)
+
+        def write_outputs(self) -> None:
+            write_run_outputs(tmp_path, records, {}, {}, self.run_info)
+
+    return RecordedSweep
+
+
+def cpu_settings(tmp_path) -> RunSettings:
+    """Settings of a CPU run whose model is never loaded (the sweep is a stand-in)."""
+    return RunSettings(
+        serving=serving_for(CPU, "/not-a-dir-model", max_model_len=4096), run_dir=tmp_path
+    )
+
+
+def run_args() -> SimpleNamespace:
+    """The parsed arguments `run_config` reads: its progress and --max-model-len."""
+    progress = SimpleNamespace(started=time.monotonic(), on_event=None, run_dir=None)
+    return SimpleNamespace(progress=progress, max_model_len=4096)
 
 
 def test_a_planted_fault_that_acted_on_nothing_fails_run_with_every_case_a_match(
@@ -154,42 +175,26 @@ def test_a_planted_fault_that_acted_on_nothing_fails_run_with_every_case_a_match
     MATCH notwithstanding. Found in review: a mutant that left the misses out of `run`'s
     problems survived every unit test (test_fake_transfers reads the sweep's list only)."""
     import json
-    import time
 
     from harness.cli import main
     from harness.preflight.config import RunConfig
-    from harness.report.run_outputs import write_run_outputs
-    from harness.spec.platforms import CPU
     from harness.spec.prompts import SKELETON_PROMPTS
-    from harness.spec.settings import RunSettings
-    from harness.spec.topology import TOPOLOGIES, serving_for
+    from harness.spec.topology import TOPOLOGIES
 
     miss = "1E+1PD: the planted fault corrupt-ec acted on nothing (no EC file): its cases prove"
     records = [case_record("1E+1PD", "image", guards=HELD)]
 
-    class FaultMissedSweep:
-        def __init__(self, spec, settings, **_kwargs) -> None:
-            self.attached, self.run_info, self.fault_misses = None, {}, []
-            self.result = SimpleNamespace(records=records, run_dir=settings.run_dir)
-            self.pool = SimpleNamespace(summary=lambda: "pool: 1 start", close=lambda: None)
-
+    class FaultMissedSweep(sweep_class_of(tmp_path, records)):
         def run_all(self) -> None:
             self.fault_misses.append(miss)
 
-        def write_outputs(self) -> None:
-            write_run_outputs(tmp_path, records, {}, {}, self.run_info)
-
     monkeypatch.setattr(main, "Sweep", FaultMissedSweep)
-    settings = RunSettings(
-        serving=serving_for(CPU, "/not-a-dir-model", max_model_len=4096), run_dir=tmp_path
-    )
+    settings = cpu_settings(tmp_path)
     image = next(p for p in SKELETON_PROMPTS if p.name == "image")
     config = RunConfig(
         (TOPOLOGIES["1E+1PD"],), (image,), (), (), settings, None, fault="corrupt-ec"
     )
-    progress = SimpleNamespace(started=time.monotonic(), on_event=None, run_dir=None)
-    args = SimpleNamespace(progress=progress, max_model_len=4096)
-    assert main.run_config(args, config) == main.EXIT_FAILED
+    assert main.run_config(run_args(), config) == main.EXIT_FAILED
     assert f"problem: {miss}" in capsys.readouterr().out
     assert json.loads((tmp_path / "summary.json").read_text())["problems"] == [miss]
 
@@ -198,36 +203,17 @@ def test_a_matrix_scenarios_problem_fails_run_scenario(tmp_path, monkeypatch, ca
     """`run --scenario` fails on what its scenarios' problems say (a check that failed, a
     verdict other than declared), though every record passed. Found in review: a mutant that
     finished the matrix run without its problems survived every unit test."""
-    import time
-
     from harness.cli import main
     from harness.preflight.config import RunConfig
-    from harness.report.run_outputs import write_run_outputs
     from harness.run.scenarios import get_scenario
-    from harness.spec.platforms import CPU
-    from harness.spec.settings import RunSettings
-    from harness.spec.topology import serving_for
 
     problem = "scenario ec-x: check <encoder_calls> failed: the encoder was called twice"
     records = [case_record("1E+1PD", "image", guards=HELD)]
 
-    class MatrixSweep:
-        def __init__(self, spec, settings, **_kwargs) -> None:
-            self.attached, self.run_info, self.fault_misses = None, {}, []
-            self.result = SimpleNamespace(records=records, run_dir=settings.run_dir)
-            self.pool = SimpleNamespace(summary=lambda: "pool: 1 start", close=lambda: None)
-
-        def write_outputs(self) -> None:
-            write_run_outputs(tmp_path, records, {}, {}, self.run_info)
-
-    monkeypatch.setattr(main, "Sweep", MatrixSweep)
+    monkeypatch.setattr(main, "Sweep", sweep_class_of(tmp_path, records))
     monkeypatch.setattr(main, "run_matrix", lambda sweep, scenarios: [problem])
-    settings = RunSettings(
-        serving=serving_for(CPU, "/not-a-dir-model", max_model_len=4096), run_dir=tmp_path
-    )
+    settings = cpu_settings(tmp_path)
     scenario = get_scenario("ec-images-1-2-3")
     config = RunConfig((), scenario.prompts, (), (scenario,), settings, None, fault=None)
-    progress = SimpleNamespace(started=time.monotonic(), on_event=None, run_dir=None)
-    args = SimpleNamespace(progress=progress, max_model_len=4096)
-    assert main.run_config(args, config) == main.EXIT_FAILED
+    assert main.run_config(run_args(), config) == main.EXIT_FAILED
     assert f"problem: {problem}" in capsys.readouterr().out
