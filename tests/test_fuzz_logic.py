@@ -2575,6 +2575,26 @@ def test_a_request_the_baseline_rejects_is_counted_and_never_sent_to_the_topolog
     assert topology.sent == [], "the topology got a request nothing judges"
 
 
+def fuzz_exit_code(tmp_path: Path, monkeypatch, run) -> int:
+    """`fuzz --topology 1E+1P+1D --examples 2` with `FuzzEngine.run` replaced by `run` and
+    nothing started: its exit code (its reports are in tmp_path/run)."""
+    from types import SimpleNamespace
+
+    from harness.cli import fuzz as fuzz_cli
+    from harness.cli.main import Progress, build_parser
+    from harness.run.fuzz.engine import FuzzEngine
+
+    settings = served_settings(tmp_path / "model", tmp_path / "run")
+    config = SimpleNamespace(settings=settings, topologies=(TOPOLOGIES["1E+1P+1D"],))
+    monkeypatch.setattr(fuzz_cli, "prepare_run", lambda request: config)
+    monkeypatch.setattr(FuzzEngine, "__enter__", lambda self: self)  # nothing is started
+    monkeypatch.setattr(FuzzEngine, "run", run)
+    argv = ["fuzz", "--topology", "1E+1P+1D", "--examples", "2", "--seed", "0"]
+    args = build_parser().parse_args([*argv, "--run-dir", str(tmp_path / "run")])
+    args.progress = Progress()
+    return fuzz_cli.command_fuzz(args)
+
+
 @pytest.mark.parametrize(
     ("outcomes", "exit_code"),
     [
@@ -2596,12 +2616,6 @@ def test_a_fuzz_run_exits_failed_on_a_new_failure_only(
     disagreed with itself could not be judged, which is no pass (as `epd-harness run` has
     it): 1, with the baseline blamed and not EPD (found in review: the run exited 0 while
     its summary.json said `passed: false`)."""
-    from types import SimpleNamespace
-
-    from harness.cli import fuzz as fuzz_cli
-    from harness.cli.main import Progress, build_parser
-    from harness.run.fuzz.engine import FuzzEngine
-
     crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
     made = {
         "match": lambda name: _evaluation(
@@ -2623,15 +2637,7 @@ def test_a_fuzz_run_exits_failed_on_a_new_failure_only(
         on_progress(report)
         return report
 
-    settings = served_settings(tmp_path / "model", tmp_path / "run")
-    config = SimpleNamespace(settings=settings, topologies=(TOPOLOGIES["1E+1P+1D"],))
-    monkeypatch.setattr(fuzz_cli, "prepare_run", lambda request: config)
-    monkeypatch.setattr(FuzzEngine, "__enter__", lambda self: self)  # nothing is started
-    monkeypatch.setattr(FuzzEngine, "run", run)
-    argv = ["fuzz", "--topology", "1E+1P+1D", "--examples", "2", "--seed", "0"]
-    args = build_parser().parse_args([*argv, "--run-dir", str(tmp_path / "run")])
-    args.progress = Progress()
-    assert fuzz_cli.command_fuzz(args) == exit_code
+    assert fuzz_exit_code(tmp_path, monkeypatch, run) == exit_code
     document = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert document["passed"] is (exit_code == 0), "summary.json says what the exit code says"
     summary = document["run"]["fuzz"]
@@ -2807,11 +2813,6 @@ def test_a_fuzz_run_whose_examples_were_all_predicted_crashes_tested_nothing(
     never judged. A run of such examples alone tested nothing on the topology and exits 1,
     as one the budget or the baseline stopped does. Found in review (mutation): counting
     every status but baseline-rejected as tested left every test green."""
-    from types import SimpleNamespace
-
-    from harness.cli import fuzz as fuzz_cli
-    from harness.cli.main import Progress, build_parser
-    from harness.run.fuzz.engine import FuzzEngine
 
     def run(self, examples, report, on_progress):
         for example in examples:
@@ -2823,15 +2824,7 @@ def test_a_fuzz_run_whose_examples_were_all_predicted_crashes_tested_nothing(
         on_progress(report)
         return report
 
-    settings = served_settings(tmp_path / "model", tmp_path / "run")
-    config = SimpleNamespace(settings=settings, topologies=(TOPOLOGIES["1E+1P+1D"],))
-    monkeypatch.setattr(fuzz_cli, "prepare_run", lambda request: config)
-    monkeypatch.setattr(FuzzEngine, "__enter__", lambda self: self)  # nothing is started
-    monkeypatch.setattr(FuzzEngine, "run", run)
-    argv = ["fuzz", "--topology", "1E+1P+1D", "--examples", "2", "--seed", "0"]
-    args = build_parser().parse_args([*argv, "--run-dir", str(tmp_path / "run")])
-    args.progress = Progress()
-    assert fuzz_cli.command_fuzz(args) == 1
+    assert fuzz_exit_code(tmp_path, monkeypatch, run) == 1
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert (
         last
