@@ -9,6 +9,7 @@ import logging
 import math
 import socket
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -613,6 +614,21 @@ class CacheLines(logging.Handler):
             self.lines.append(message)
 
 
+@contextlib.contextmanager
+def cache_lines() -> Iterator[CacheLines]:
+    """The baseline's cache lines logged within, at INFO whatever level the logger had."""
+    lines = CacheLines()
+    logger = logging.getLogger("harness.run.baseline")
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+
+
 @pytest.mark.parametrize("stored_meanwhile", [False, True])
 def test_a_baseline_started_for_a_miss_prints_one_cache_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stored_meanwhile: bool
@@ -650,16 +666,8 @@ def test_a_baseline_started_for_a_miss_prints_one_cache_line(
                 yield
 
         monkeypatch.setattr(sweep.baseline, "locked", store_then_lock)
-    lines = CacheLines()
-    logger = logging.getLogger("harness.run.baseline")
-    level = logger.level
-    logger.addHandler(lines)
-    logger.setLevel(logging.INFO)
-    try:
+    with cache_lines() as lines:
         assert sweep.serve_baseline()["text"].result.token_ids == (4, 5)
-    finally:
-        logger.removeHandler(lines)
-        logger.setLevel(level)
     assert started == ([] if stored_meanwhile else ["baseline"])
     first = f"[baseline] cache {cache.directory}: 0 hit(s), 1 to compute"
     meanwhile = f"[baseline] cache {cache.directory}: 1 hit(s) stored meanwhile by a parallel run"
@@ -683,17 +691,9 @@ def test_the_read_again_under_the_lock_says_nothing_of_what_the_first_read_found
     answers.add(bodies)
     key = answers.cache_key(bodies["hit"])
     cache.store(key, outcome("hit", (4, 5)), 0.0, "d", batched=True, served=SERVED)
-    lines = CacheLines()
-    logger = logging.getLogger("harness.run.baseline")
-    level = logger.level
-    logger.addHandler(lines)
-    logger.setLevel(logging.INFO)
-    try:
+    with cache_lines() as lines:
         answers.load_stored()
         answers.load_stored(again=True)
-    finally:
-        logger.removeHandler(lines)
-        logger.setLevel(level)
     assert answers.missing() == ["miss"]
     first = f"[baseline] cache {cache.directory}: 1 hit(s) (the oldest computed "
     assert len(lines.lines) == 1 and lines.lines[0].startswith(first), lines.lines
