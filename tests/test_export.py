@@ -621,6 +621,14 @@ def test_issue_md_of_a_run_without_a_noise_floor_says_any_difference_is_a_mismat
     assert "DRIFT, numeric noise" not in text
 
 
+def issue_title(run: Path, summary: dict, out: Path) -> str:
+    """The title of ISSUE.md exported to `out` from the 1P+1D case of `run`, whose
+    summary.json is first rewritten as `summary`."""
+    (run / "summary.json").write_text(json.dumps(summary))
+    write_export(plan_for(run, f"1P+1D:{PROMPT}"), out, REPAIR)
+    return (out / "ISSUE.md").read_text().splitlines()[0]
+
+
 def test_issue_md_of_a_stream_framed_wrong_with_equal_tokens_says_so(tmp_path: Path) -> None:
     """vLLM's toy P/D proxy streams as application/json with the right ids: a MISMATCH whose
     title said "output differs from monolithic serving", a difference there is none of (found
@@ -635,10 +643,7 @@ def test_issue_md_of_a_stream_framed_wrong_with_equal_tokens_says_so(tmp_path: P
         "identical: generated tokens equal (4/4); declared upstream failure: the toy proxy"
     )
     case["guards"] = {"stream_framing": {"ok": False, "evidence": "stream framing broken: ..."}}
-    (run / "summary.json").write_text(json.dumps(summary))
-    out = tmp_path / "export"
-    write_export(plan_for(run, f"1P+1D:{PROMPT}"), out, REPAIR)
-    title = (out / "ISSUE.md").read_text().splitlines()[0]
+    title = issue_title(run, summary, tmp_path / "export")
     assert "output differs" not in title, title
     assert "is framed wrong (served as application/json, not text/event-stream)" in title
     assert title.endswith("its tokens equal monolithic serving's"), title
@@ -658,10 +663,7 @@ def test_issue_md_of_a_stream_framed_wrong_whose_tokens_differ_says_they_differ(
         f"{case['explanation']}"
     )
     case["guards"] = {"stream_framing": {"ok": False, "evidence": "stream framing broken: ..."}}
-    (run / "summary.json").write_text(json.dumps(summary))
-    out = tmp_path / "export"
-    write_export(plan_for(run, f"1P+1D:{PROMPT}"), out, REPAIR)
-    title = (out / "ISSUE.md").read_text().splitlines()[0]
+    title = issue_title(run, summary, tmp_path / "export")
     assert "tokens equal" not in title, title
     assert "output differs from monolithic serving" in title, title
     assert title.endswith("(first difference at generated token 1)"), title
