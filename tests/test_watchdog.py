@@ -8,12 +8,14 @@ is SIGKILLed is tests/test_chaos.py's part (tests/test_chaos_vllm.py's with real
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -132,6 +134,24 @@ def cleanup(*procs: subprocess.Popen) -> None:
                 stream.close()
 
 
+@contextlib.contextmanager
+def watched_with_scratch(
+    tmp_path: Path, mode: str
+) -> Iterator[tuple[subprocess.Popen[str], int, Path, subprocess.Popen[bytes]]]:
+    """A sleeper (`mode` as SLEEPER reads it) whose group a watchdog was told of, with an
+    existing scratch directory: (the sleeper, the pid it printed, the scratch dir, the
+    watchdog). Both processes are cleaned up after."""
+    sleeper, pid = spawn_sleeper(mode)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    dog = start_watchdog()
+    try:
+        tell(dog, **start_line(sleeper.pid, tmp_path / "server.log"), scratch=str(scratch))
+        yield sleeper, pid, scratch, dog
+    finally:
+        cleanup(sleeper, dog)
+
+
 def test_harness_gone_stops_a_group_that_ignores_sigterm(tmp_path: Path) -> None:
     leader, pid = spawn_sleeper("fork")
     dog = start_watchdog()
@@ -197,20 +217,13 @@ def test_a_group_gone_before_the_harness_still_has_its_scratch_dir_removed(
 ) -> None:
     """The server died by itself before the harness was SIGKILLed (no "done" sent): nothing
     is left to stop, and its scratch directory goes all the same."""
-    sleeper, pid = spawn_sleeper("plain")
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    dog = start_watchdog()
-    try:
-        tell(dog, **start_line(pid, tmp_path / "server.log"), scratch=str(scratch))
+    with watched_with_scratch(tmp_path, "plain") as (sleeper, _, scratch, dog):
         time.sleep(2 * watchdog.SAMPLE_INTERVAL_S)
         sleeper.kill()
         sleeper.wait()
         dog.stdin.close()
         assert dog.wait(timeout=10) == 0
         assert not scratch.exists(), (tmp_path / watchdog.LOG_NAME).read_text()
-    finally:
-        cleanup(sleeper, dog)
 
 
 def test_a_process_that_is_not_the_recorded_one_is_spared(tmp_path: Path) -> None:
@@ -328,19 +341,13 @@ def test_a_sigkilled_harness_leaves_no_scratch_dir_of_its_servers(tmp_path: Path
 
 
 def test_a_scratch_dir_is_removed_only_once_its_group_is_gone(tmp_path: Path) -> None:
-    leader, pid = spawn_sleeper("fork")  # ignores SIGTERM: gone only at the SIGKILL
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    dog = start_watchdog()
-    try:
-        tell(dog, **start_line(leader.pid, tmp_path / "server.log"), scratch=str(scratch))
+    # "fork" ignores SIGTERM: gone only at the SIGKILL
+    with watched_with_scratch(tmp_path, "fork") as (leader, pid, scratch, dog):
         time.sleep(2 * watchdog.SAMPLE_INTERVAL_S)
         dog.stdin.close()
         wait_for(lambda: not scratch.exists(), "the scratch directory's removal", BOUND_S)
         assert not is_live(leader.pid) and not is_live(pid), "removed while its group ran"
         assert dog.wait(timeout=10) == 0
-    finally:
-        cleanup(leader, dog)
 
 
 def test_a_relative_scratch_path_is_never_removed(
@@ -358,18 +365,11 @@ def test_a_relative_scratch_path_is_never_removed(
 def test_the_scratch_dir_of_a_group_the_harness_stopped_is_left_to_the_harness(
     tmp_path: Path,
 ) -> None:
-    sleeper, pid = spawn_sleeper("plain")
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    dog = start_watchdog()
-    try:
-        tell(dog, **start_line(pid, tmp_path / "server.log"), scratch=str(scratch))
+    with watched_with_scratch(tmp_path, "plain") as (_, pid, scratch, dog):
         tell(dog, event="done", pgid=pid)
         dog.stdin.close()
         assert dog.wait(timeout=10) == 0
         assert scratch.is_dir()
-    finally:
-        cleanup(sleeper, dog)
 
 
 def test_a_replacement_watchdog_takes_over_the_groups_recorded_before(
