@@ -599,6 +599,21 @@ def test_issue_md_of_a_mismatch_names_the_first_divergence(tmp_path: Path) -> No
     assert "generated tokens differ at position 1" in issue_fields(text)["## What happened"]
 
 
+def test_issue_md_cuts_a_long_comparison_to_its_first_lines_and_says_how_many(
+    tmp_path: Path,
+) -> None:
+    """An upstream report quotes the evidence, not a whole dump of it: a comparison of a few
+    hundred lines is cut to its first MAX_EVIDENCE_LINES and says how long it was."""
+    run = write_bundle(tmp_path / "run", verdict="MISMATCH")
+    summary = json.loads((run / "summary.json").read_text())
+    summary["cases"][0]["explanation"] = "\n".join(f"token {i} differs" for i in range(300))
+    (run / "summary.json").write_text(json.dumps(summary))
+    happened = issue_fields(render_issue(plan_for(run)))["## What happened"]
+    assert "token 59 differs" in happened
+    assert "token 60 differs" not in happened
+    assert "... (300 lines in all)" in happened
+
+
 def test_issue_md_names_the_reference_a_case_differs_from(tmp_path: Path) -> None:
     """A case judged against its exact reference 1P+1D differs from 1P+1D serving, not from
     monolithic serving: the title sent upstream names the comparison the run made."""
