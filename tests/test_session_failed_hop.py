@@ -215,3 +215,39 @@ def test_a_request_no_instance_failed_names_none(
     outcome = session.send("text", {"model": "m", "messages": []})
     assert "no instance was still working on it" in outcome.error, outcome.error
     assert "answered 200" not in outcome.error, outcome.error
+
+
+PREFILL_URL, PREFILL_TAP = "http://127.0.0.1:9003", "http://127.0.0.1:9103"
+
+
+def with_instance(session: TopologySession, name: str, url: str, tmp_path: Path) -> None:
+    """One more stand-in instance behind `session` (a P, or a second E)."""
+    session.instances.append(SimpleNamespace(url=url, name=name))  # type: ignore[arg-type]
+    session._servers.append(Server(name, tmp_path))  # type: ignore[arg-type]
+
+
+class PrefillHangs(Entry):
+    """The harness's proxy gave up on the request while P had not answered: E had, and D was
+    never called (the proxy calls D once P is done)."""
+
+    def send(self, body: dict[str, Any], request_id: str) -> Any:
+        trace = RequestTrace(request_id, prefill_url=PREFILL_TAP)
+        trace.encoder_calls.append(EncoderCall(url=ENCODER_TAP, positions=(0,), status=200))
+        self.traces[request_id] = trace
+        raise TimeoutError("no answer in 600 s")
+
+
+def test_a_request_still_waiting_on_p_names_p(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """P's sub-request never returned (its status unset in the trace): the case's error names
+    P and shows its log, not "no instance was still working on it"."""
+    session = session_behind(tmp_path, monkeypatch, PrefillHangs(traced=True))
+    with_instance(session, "1E+1P+1D/prefill0", PREFILL_URL, tmp_path)
+    session.tap_urls[PREFILL_URL] = PREFILL_TAP
+    outcome = session.send("image", {"model": "m", "messages": []})
+    assert (
+        f"the request was still waiting on 1E+1P+1D/prefill0 ({PREFILL_TAP}); last lines of"
+        in outcome.error
+    ), outcome.error
+    assert "1E+1P+1D/prefill0: INFO serving" in outcome.error
