@@ -218,6 +218,7 @@ def test_a_request_no_instance_failed_names_none(
 
 
 PREFILL_URL, PREFILL_TAP = "http://127.0.0.1:9003", "http://127.0.0.1:9103"
+SECOND_ENCODER_URL = "http://127.0.0.1:9004"
 
 
 def with_instance(session: TopologySession, name: str, url: str, tmp_path: Path) -> None:
@@ -251,3 +252,31 @@ def test_a_request_still_waiting_on_p_names_p(
         in outcome.error
     ), outcome.error
     assert "1E+1P+1D/prefill0: INFO serving" in outcome.error
+
+
+class OneEncoderRefusesOneHangs(Entry):
+    """vLLM's proxy (no trace) waits for every encoder sub-request before it goes on: one E
+    refused its part with 500, the other never answered, and the client timed out."""
+
+    def send(self, body: dict[str, Any], request_id: str) -> Any:
+        assert self.taps is not None
+        refused = self.taps._new_record(
+            SimpleNamespace(name="1E+1PD/encoder0", role="encode"), "/v1/chat/completions", None
+        )
+        refused.status, refused.seconds = 500, 0.1
+        self.taps._new_record(
+            SimpleNamespace(name="1E+1PD/encoder1", role="encode"), "/v1/chat/completions", None
+        )
+        raise TimeoutError("no answer in 600 s")
+
+
+def test_with_vllms_proxy_the_instance_still_working_outranks_one_that_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client timed out because the proxy still waited on encoder1; encoder0's 500 did not
+    end the request, so the case's error names encoder1 as still working, not encoder0."""
+    session = session_behind(tmp_path, monkeypatch, OneEncoderRefusesOneHangs(traced=False))
+    with_instance(session, "1E+1PD/encoder1", SECOND_ENCODER_URL, tmp_path)
+    outcome = session.send("image", {"model": "m", "messages": []})
+    assert "the request was still waiting on 1E+1PD/encoder1" in outcome.error, outcome.error
+    assert "answered 500" not in outcome.error, outcome.error
