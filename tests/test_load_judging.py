@@ -1646,6 +1646,22 @@ def test_a_plain_load_sends_the_prompt_declared_to_end_d_last_alone(tmp_path: Pa
     assert TAIL_PROMPT not in [r.prompt for r in result_.results[:-1]]
 
 
+def test_the_prompt_declared_to_end_d_is_not_sent_alone_after_a_death_ended_the_load(
+    tmp_path: Path,
+) -> None:
+    """A death in the rounds ends the load: the request kept to go last, alone, is recorded
+    as not sent, never sent to a topology started again after the load ended."""
+    sweep, answers = tail_sweep(tmp_path)
+    session = EpdStandIn(answers, sweep.settings)
+    session.dies_after = 3
+    sweep.pool.session = lambda topology, settings=None, devices=None: session  # type: ignore[method-assign]
+    spec = LoadSpec("1E+1P+1D", requests=8, concurrency=1, distinct_media=3)
+    result_ = LoadRun(spec, sweep, on_progress=lambda _: None).run()
+    assert result_.ended_by is not None
+    last = result_.results[-1]
+    assert last.prompt == TAIL_PROMPT and last.not_sent
+
+
 def test_a_death_ends_a_soak_with_the_round_it_ended(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
