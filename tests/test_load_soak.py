@@ -393,6 +393,24 @@ def test_a_soak_lists_a_few_samples_and_appends_every_one_and_its_bounds_are_eve
     assert f"Sampled {rounds + 1} time(s): before, round 1 ... round {rounds}." in markdown
 
 
+def test_a_soak_holds_each_instances_process_tree_once_however_many_rounds_it_ran(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process trees (what must be gone once the topology is stopped) are read before the
+    first round: a list extended at every sample would grow with the soak's length."""
+    rounds = 5
+    clock = SoakClock()
+    monkeypatch.setattr(run_module, "time", SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(sessions_module, "TopologySession", Launched)
+    monkeypatch.setattr(samples_module, "tree_usage", leaking_usage(random.Random(3)))
+    monkeypatch.setattr(samples_module, "tree_pids", lambda pid: [pid, f"{pid}-engine"])
+    load, _ = stand_in_load(tmp_path, requests=3, session_type=Launched, clock=clock)
+    load.spec = dataclasses.replace(load.spec, duration_s=3.0 * rounds)
+    result = load.run()
+    assert result.rounds == rounds
+    assert result.processes == ["e0", "e0-engine", "pd0", "pd0-engine"]
+
+
 class WrongAnswers(TimedStandIn):
     """A broken build: every request is answered with the next prompt's answer."""
 
