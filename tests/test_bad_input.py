@@ -9,6 +9,7 @@ Run with `-s` to see each error line as users see it (docs/bad-input.md is made 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -26,7 +27,7 @@ from export_bundle import write_bundle
 from harness import devices, environment
 from harness.cli.main import build_parser, check_command_line, request_from_args
 from harness.errors import BadInput
-from harness.preflight import files, names, resources, tokens, vllm_args
+from harness.preflight import config, files, names, resources, tokens, vllm_args
 from harness.preflight.config import prepare_run
 from harness.preflight.model import resolve_model
 from harness.preflight.vllm import check_vllm
@@ -1462,6 +1463,25 @@ def test_refresh_baseline_reaches_the_baseline_cache(
     argv = run_argv(vllm, tmp_path / "run", *flags, "--refresh-baseline")
     cache = prepare_run(request_from_args(build_parser().parse_args(argv))).baseline_cache
     assert cache is not None and cache.refresh, cache
+
+
+def test_a_vllm_of_unknown_version_reads_and_keeps_no_baseline_cache(
+    vllm: Path, tmp_path: Path, port_locks: Path, monkeypatch
+) -> None:
+    """A vLLM whose version could not be read (let through by --allow-untested-vllm) gets no
+    baseline cache, asked for or not: its key would name no release, and an entry of another
+    build would answer for it. Found in review by mutation: with the preflight's drop of the
+    cache removed, every test stayed green (the run's first lookup then raised ValueError)."""
+    monkeypatch.delenv(environment.PORT_RANGE_ENV, raising=False)
+    probed = config.check_vllm
+    monkeypatch.setattr(
+        config,
+        "check_vllm",
+        lambda *args: dataclasses.replace(probed(*args), version="unknown"),
+    )
+    flags = ("--prompt", "text", "--topology", "1P+1D", "--baseline-cache", str(tmp_path / "c"))
+    argv = run_argv(vllm, tmp_path / "run", *flags, "--allow-untested-vllm")
+    assert prepare_run(request_from_args(build_parser().parse_args(argv))).baseline_cache is None
 
 
 def test_golden_of_a_release_candidate(bad_run: BadRun) -> None:
