@@ -1484,6 +1484,21 @@ def test_a_vllm_of_unknown_version_reads_and_keeps_no_baseline_cache(
     assert prepare_run(request_from_args(build_parser().parse_args(argv))).baseline_cache is None
 
 
+def test_a_sessions_plan_is_made_for_the_topologies_its_items_serve(
+    vllm: Path, tmp_path: Path, port_locks: Path, monkeypatch
+) -> None:
+    """A pytest session asks for every topology but plans instances only for those its selected
+    items serve (`RunRequest.served_topologies`): one GPU serves a session of 1E+1PD's items,
+    which a plan of every topology refused. Found in review by mutation: with the served
+    topologies ignored, every test stayed green."""
+    monkeypatch.delenv(environment.PORT_RANGE_ENV, raising=False)
+    argv = run_argv(vllm, tmp_path / "run", "--prompt", "text")
+    request = request_from_args(build_parser().parse_args(argv))
+    request = dataclasses.replace(request, served_topologies=("1E+1PD",))
+    planned = prepare_run(request).settings.argv_check["instances"]
+    assert {name.split("/")[0] for name in planned} == {"baseline", "1E+1PD"}, planned
+
+
 def test_golden_of_a_release_candidate(bad_run: BadRun) -> None:
     """Goldens are filed for final releases only (harness.run.goldens): an rc would have read
     the final release's golden under the rc's name."""
