@@ -1499,6 +1499,27 @@ def test_a_sessions_plan_is_made_for_the_topologies_its_items_serve(
     assert {name.split("/")[0] for name in planned} == {"baseline", "1E+1PD"}, planned
 
 
+def test_no_enforce_eager_reaches_the_instances_served_on_gpus(
+    vllm: Path, tmp_path: Path, port_locks: Path, monkeypatch
+) -> None:
+    """--no-enforce-eager serves with CUDA graphs where the platform enforces eager mode.
+    Found in review by mutation: with the flag dropped from the serving config, every test
+    stayed green."""
+    monkeypatch.delenv(environment.PORT_RANGE_ENV, raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    tools = install_fake_nvidia_smi(tmp_path / "gpus", [A100, A100])
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    tiny_model = str(resolve_model(None, None, environment.cache_dir()))
+
+    def serving(*flags: str):
+        argv = run_argv(vllm, tmp_path / "run", "--prompt", "text", "--topology", "1E+1PD")
+        argv += ["--platform", "cuda", "--devices", "0,1", "--model", tiny_model, *flags]
+        return prepare_run(request_from_args(build_parser().parse_args(argv))).settings.serving
+
+    assert serving().enforce_eager
+    assert not serving("--no-enforce-eager").enforce_eager
+
+
 def test_golden_of_a_release_candidate(bad_run: BadRun) -> None:
     """Goldens are filed for final releases only (harness.run.goldens): an rc would have read
     the final release's golden under the rc's name."""
