@@ -1520,6 +1520,24 @@ def test_no_enforce_eager_reaches_the_instances_served_on_gpus(
     assert not serving("--no-enforce-eager").enforce_eager
 
 
+def test_ray_places_the_instances_so_this_hosts_gpus_are_not_read(
+    vllm: Path, tmp_path: Path, port_locks: Path, monkeypatch
+) -> None:
+    """Under --launcher ray the cluster places every instance: a head with one GPU of its own
+    runs instances on GPUs 0 and 1 of its nodes. Found in review by mutation: with this host's
+    GPUs read all the same (GPU 1 is not here), every test stayed green."""
+    monkeypatch.delenv(environment.PORT_RANGE_ENV, raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    tiny_model = str(resolve_model(None, None, environment.cache_dir()))
+    tools = install_fake_nvidia_smi(tmp_path / "gpus", [A100])
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    argv = run_argv(vllm, tmp_path / "run", "--prompt", "text", "--topology", "1E+1PD")
+    argv += ["--platform", "cuda", "--devices", "0,1", "--model", tiny_model]
+    argv += ["--launcher", "ray", "--ray-address", "127.0.0.1:6379"]
+    config = prepare_run(request_from_args(build_parser().parse_args(argv)))
+    assert config.settings.launcher.kind == "ray", config.settings.launcher
+
+
 def test_golden_of_a_release_candidate(bad_run: BadRun) -> None:
     """Goldens are filed for final releases only (harness.run.goldens): an rc would have read
     the final release's golden under the rc's name."""
