@@ -556,3 +556,12 @@ def test_a_command_planted_in_a_copy_of_a_page_is_refused_by_name(
     assert len(problems) == 1, problems
     assert problems[0].startswith(f"{page}:{line}: "), problems[0]
     assert expected in problems[0], problems[0]
+
+
+@pytest.mark.parametrize("flag", ["--cases-file", "--attach"])
+def test_a_file_a_shown_command_names_is_not_read(flag: str) -> None:
+    """FILE needs no placeholder entry because the check of a shown command reads no file it
+    names (`check_arguments(read_files=False)`): a `run --cases-file FILE` copied into a page
+    would otherwise be refused for a file that is the reader's. Found in review by mutation:
+    with the cases file read all the same, every test stayed green."""
+    check_command_line(["run", flag, "/nonexistent/FILE"])
