@@ -482,6 +482,24 @@ def test_an_attached_run_checks_the_port_of_the_baseline_it_launches(
     assert config.settings.proxy.kind == "attach", config.settings.proxy
 
 
+def test_an_attached_run_on_goldens_takes_any_local_vllm_build(
+    vllm: Path, tmp_path: Path, port_locks: Path, monkeypatch, attach_file: Path
+) -> None:
+    """Attached with --golden nothing is started here (docs/proxies.md): the deployment brings
+    its own build, so a local vLLM whose version says no CPU build is not refused under the
+    default cpu plan. Found in review by mutation: with the local build checked for attached
+    runs too, every test stayed green."""
+    monkeypatch.delenv(environment.PORT_RANGE_ENV, raising=False)
+    probed = config.check_vllm
+    monkeypatch.setattr(
+        config, "check_vllm", lambda *args: dataclasses.replace(probed(*args), version="0.32.0")
+    )
+    argv = run_argv(vllm, tmp_path / "run", "--attach", str(attach_file), "--prompt", "text")
+    argv += ["--golden", "0.32.0", "--baseline-cache", str(tmp_path / "cache" / "baseline")]
+    golden_run = prepare_run(request_from_args(build_parser().parse_args(argv)))
+    assert golden_run.golden_release == "0.32.0", golden_run.golden_release
+
+
 def test_attach_with_another_proxy(bad_run: BadRun, attach_file: Path) -> None:
     code, err = bad_run("--attach", str(attach_file), "--proxy", "vllm")
     cause = (
