@@ -1055,6 +1055,27 @@ def test_a_mismatch_shrink_restarts_nothing_and_the_trial_budget_holds() -> None
     assert result.stopped_by == "trial budget (3)"
 
 
+def test_the_time_budget_stops_a_shrink_once_its_seconds_have_passed_and_says_so() -> None:
+    """No trial starts once the shrink's seconds are spent (a clock that moves 10 s a trial,
+    30 s of budget: three trials). Found in review (mutation): a shrink that started one more
+    trial on the budget's last instant, or ignored it, left every test green."""
+    now = [0.0]
+    fails = FakeOracle(lambda spec: any(isinstance(p, ImagePart) for p in spec.parts), False)
+
+    class TenSecondsATrial:
+        def restart_pending(self) -> bool:
+            return False
+
+        def attempt(self, spec: PromptSpec) -> Trial:
+            now[0] += 10.0
+            return fails.attempt(spec)
+
+    start = image_prompt((448, 448), (224, 224), text=" a b c d e f")
+    budget = ShrinkBudget(max_trials=100, max_seconds=30.0)
+    result = shrink(start, TenSecondsATrial(), budget, clock=lambda: now[0])
+    assert result.stopped_by == "time budget (30 s)" and len(result.trials) == 3, result
+
+
 def test_a_predicted_shrinks_candidates_are_named_apart_from_a_sent_ones() -> None:
     """Found in review: a known crash is shrunk against its prediction, its minimal request
     is sent to confirm it, and when that does not reproduce, the shrink by sending numbers
