@@ -2596,6 +2596,36 @@ def test_a_request_the_baseline_rejects_is_counted_and_never_sent_to_the_topolog
     assert topology.sent == [], "the topology got a request nothing judges"
 
 
+def test_a_crash_a_trusted_declaration_predicts_is_not_sent_and_says_which(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """An example whose known crash is predicted (its trigger confirmed often enough by now)
+    is counted known-predicted, with the declaration's name and trigger, and the topology
+    never gets it: sending it would only kill an instance again and cost a restart. Found in
+    review (mutation): an engine that sent it anyway left every test green."""
+    from types import SimpleNamespace
+
+    import harness.run.fuzz.engine as engine_module
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.strategies import FuzzExample
+
+    monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
+    settings = served_settings(tmp_path / "model", tmp_path)
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"])
+    engine.baseline = KeepsBodies()  # type: ignore[assignment]
+    engine.session = topology = KeepsBodies()  # type: ignore[assignment]
+    engine.topology_dead = lambda: None  # type: ignore[method-assign]
+    rule = SimpleNamespace(name="decode-tail", trigger_text="an image in D's tail")
+    monkeypatch.setattr(engine.predictions, "predicted_crash", lambda evaluation: rule)
+    report = engine.run([FuzzExample(image_prompt((56, 56), name="ex-0001"))])
+    [evaluation] = report.evaluations
+    assert (evaluation.status, evaluation.note) == (
+        "known-predicted",
+        "decode-tail: an image in D's tail (not sent)",
+    )
+    assert topology.sent == [], "the topology got a crash the run already knows"
+
+
 def fuzz_exit_code(tmp_path: Path, monkeypatch, run) -> int:
     """`fuzz --topology 1E+1P+1D --examples 2` with `FuzzEngine.run` replaced by `run` and
     nothing started: its exit code (its reports are in tmp_path/run)."""
