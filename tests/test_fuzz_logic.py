@@ -2626,6 +2626,36 @@ def test_a_crash_a_trusted_declaration_predicts_is_not_sent_and_says_which(
     assert topology.sent == [], "the topology got a crash the run already knows"
 
 
+def test_after_an_attached_deployment_dies_the_rest_come_back_not_sent_and_the_run_goes_on(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """An attached deployment is never restarted: once one of its instances died, every
+    later example is counted not sent, saying why, and the run still writes what it judged.
+    Found in review (mutation): an engine that went on to `_ensure_topology` raised there
+    (nothing may restart it), ending the run, and left every test green."""
+    import harness.run.fuzz.engine as engine_module
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.strategies import FuzzExample
+
+    class DiesAfterOne(KeepsBodies):
+        def first_down(self) -> str | None:
+            return "decode0 exited" if self.sent else None
+
+    monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
+    monkeypatch.setattr(engine_module, "AttachedSession", DiesAfterOne)
+    settings = served_settings(tmp_path / "model", tmp_path)
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"])
+    engine.baseline = KeepsBodies()  # type: ignore[assignment]
+    engine.session = topology = DiesAfterOne()  # type: ignore[assignment]
+    examples = [FuzzExample(image_prompt((56, 56), name=f"ex-000{i}")) for i in (1, 2)]
+    report = engine.run(examples)
+    assert [(e.status, e.note) for e in report.evaluations] == [
+        ("judged", ""),
+        ("not-sent", "the attached deployment is down"),
+    ]
+    assert len(topology.sent) == 1
+
+
 def fuzz_exit_code(tmp_path: Path, monkeypatch, run) -> int:
     """`fuzz --topology 1E+1P+1D --examples 2` with `FuzzEngine.run` replaced by `run` and
     nothing started: its exit code (its reports are in tmp_path/run)."""
