@@ -2656,6 +2656,37 @@ def test_after_an_attached_deployment_dies_the_rest_come_back_not_sent_and_the_r
     assert len(topology.sent) == 1
 
 
+def test_an_attached_deployment_shrinks_a_mismatch_but_not_a_crash(monkeypatch) -> None:
+    """An attached deployment cannot be restarted: a crash there is left unshrunk (its first
+    trial would kill what nothing revives), but a mismatch kills nothing and is shrunk as
+    anywhere. Found in review (mutation): a shrink that left every failure of an attached
+    deployment unshrunk left every test green."""
+    from types import SimpleNamespace
+
+    import harness.run.fuzz.group_shrink as group_shrink
+    from harness.run.fuzz.shrink import ShrinkBudget
+
+    shrunk: list[str] = []
+    monkeypatch.setattr(
+        group_shrink,
+        "_shrink_by_sending",
+        lambda engine, group, budget, divergence: shrunk.append(group.start.spec.name),
+    )
+    engine = SimpleNamespace(attached=True, budget=ShrinkBudget(), time_left=lambda: 600.0)
+    mismatch = record(Verdict.MISMATCH, "generated tokens differ at position 2 of 4/4")
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    groups = []
+    for name, rec in (("ex-0001", mismatch), ("ex-0002", crash)):
+        failing = _evaluation(name, image_prompt((56, 56)), rec, False)
+        groups.append(FailureGroup(failing.signature, Recognition(None), [failing]))
+        assert group_shrink.shrink_group(engine, groups[-1])  # type: ignore[arg-type]
+    assert shrunk == ["ex-0001"]
+    assert groups[0].note == ""
+    assert groups[1].note == (
+        "not shrunk: an attached deployment cannot be restarted after a crash"
+    )
+
+
 def fuzz_exit_code(tmp_path: Path, monkeypatch, run) -> int:
     """`fuzz --topology 1E+1P+1D --examples 2` with `FuzzEngine.run` replaced by `run` and
     nothing started: its exit code (its reports are in tmp_path/run)."""
