@@ -2687,6 +2687,33 @@ def test_an_attached_deployment_shrinks_a_mismatch_but_not_a_crash(monkeypatch) 
     )
 
 
+def test_a_sent_shrink_of_a_known_crash_sends_the_candidates_its_own_trigger_predicts() -> None:
+    """When a known crash's predicted minimal request does not reproduce, it is shrunk by
+    sending: a candidate its own declaration predicts is the one to send (it is the crash
+    being shrunk); only another declaration's prediction is skipped. Found in review
+    (mutation): a shrink that skipped its own predictions too, never reproducing, left every
+    test green."""
+    from types import SimpleNamespace
+
+    from harness.run.fuzz.oracles import SendingOracle
+
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    start = _evaluation("ex-0001", image_prompt((56, 56)), crash, True)
+    assert start.recognition is not None and start.recognition.rule is not None
+    group = FailureGroup(start.signature, start.recognition, [start])
+    sent: list[str] = []
+    engine = SimpleNamespace(
+        ask_baseline=lambda spec: _evaluation(spec.name, spec, crash, True),
+        too_short=lambda evaluation: None,
+        predictions=SimpleNamespace(predicted_crash=lambda evaluation: group.recognition.rule),
+        send_topology=lambda evaluation: sent.append(evaluation.spec.name),
+        topology_dead=lambda: None,
+    )
+    oracle = SendingOracle(engine, group)  # type: ignore[arg-type]
+    trial = oracle.attempt(image_prompt((28, 28), name="ex-0001-s000"))
+    assert trial.reproduced and sent == ["ex-0001-s000"], trial
+
+
 def fuzz_exit_code(tmp_path: Path, monkeypatch, run) -> int:
     """`fuzz --topology 1E+1P+1D --examples 2` with `FuzzEngine.run` replaced by `run` and
     nothing started: its exit code (its reports are in tmp_path/run)."""
