@@ -2714,6 +2714,33 @@ def test_a_sent_shrink_of_a_known_crash_sends_the_candidates_its_own_trigger_pre
     assert trial.reproduced and sent == ["ex-0001-s000"], trial
 
 
+def test_a_group_found_after_the_runs_time_is_spent_is_not_shrunk_and_says_so(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The run's time budget bounds the shrinking too: a group left when it is spent is not
+    shrunk, and says why (fuzz.md shows it). Found in review (mutation): an engine that went
+    on shrinking it (a shrink that stopped at once, its note empty) left every test green."""
+    import harness.run.fuzz.engine as engine_module
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.strategies import FuzzExample
+
+    monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
+    settings = served_settings(tmp_path / "model", tmp_path)
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"])
+    engine.baseline = KeepsBodies()  # type: ignore[assignment]
+    engine.session = KeepsBodies(error="request failed: 500")  # type: ignore[assignment]
+    engine.topology_dead = lambda: None  # type: ignore[method-assign]
+    left = [600.0]
+    engine.time_left = lambda: left[0]  # type: ignore[method-assign]
+
+    def examples_sent(report) -> None:
+        left[0] = 0.0  # the examples took the run's time
+
+    report = engine.run([FuzzExample(image_prompt((56, 56), name="ex-0001"))], None, examples_sent)
+    [group] = report.groups
+    assert (group.shrink, group.note) == (None, "not shrunk: the run's time budget is spent")
+
+
 def fuzz_exit_code(tmp_path: Path, monkeypatch, run) -> int:
     """`fuzz --topology 1E+1P+1D --examples 2` with `FuzzEngine.run` replaced by `run` and
     nothing started: its exit code (its reports are in tmp_path/run)."""
