@@ -212,11 +212,8 @@ def _as_declared(
     A transfer guard that failed and is not the declared evidence (a VACUOUS names its guard)
     is another failure of the case, which the declaration must not hide either (found in
     review: a declared MISMATCH passed with its EC guard failed, named nowhere)."""
-    shows = record.detail.startswith(failure.evidence) or failure.evidence in (
-        candidate_error or ""
-    )
     undeclared = [g for g in guards if g.failed and not excuses_guard(failure, g.name)]
-    if record.verdict.value == failure.verdict and shows and not undeclared:
+    if shows_declared(record, failure, candidate_error) and not undeclared:
         return held_as_declared(record, failure)
     detail = (
         f"{record.detail}; NOT the declared {failure.verdict} "
@@ -227,6 +224,15 @@ def _as_declared(
     return dataclasses.replace(
         record, policy_passed=False, detail=detail, declared_failure=failure.name
     )
+
+
+def shows_declared(record: CaseRecord, failure: Declaration, error: str | None) -> bool:
+    """Whether `record` shows the failure `failure` declares: its verdict, and its evidence
+    text starting the detail line (a comparison's headline) or inside `error`, the case's own
+    error. With `excuses_guard`, what a declared case (`_as_declared`) and a fuzz run's known
+    failure (`harness.run.fuzz.known`) are both held to."""
+    shows = record.detail.startswith(failure.evidence) or failure.evidence in (error or "")
+    return record.verdict.value == failure.verdict and shows
 
 
 def excuses_guard(failure: Declaration, guard: str) -> bool:

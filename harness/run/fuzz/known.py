@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from harness.judge.records import CaseRecord, Verdict
-from harness.judge.verdicts import excuses_guard
+from harness.judge.verdicts import excuses_guard, shows_declared
 from harness.run.fuzz.layout import PromptLayout
 from harness.run.fuzz.video_timing import video_positions_differ
 from harness.run.scenarios import MATRIX, Scenario
@@ -125,9 +125,8 @@ class KnownRule:
         failed guard the declaration does not excuse (`excuses_guard`, the matrix's rule):
         one beside it is another failure, new (found in review: a known MISMATCH with its
         EC guard failed exited 0)."""
-        shows = record.detail.startswith(self.evidence) or self.evidence in (record.error or "")
         unexcused = [g for g in record.failed_guards() if not excuses_guard(self, g)]
-        return record.verdict.value == self.verdict and shows and not unexcused
+        return shows_declared(record, self, record.error) and not unexcused
 
     def to_json(self) -> dict[str, str]:
         return {
