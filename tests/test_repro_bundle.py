@@ -952,6 +952,40 @@ def test_a_case_judged_against_a_golden_is_rerun_against_that_golden(
     assert reference["goldens"].directory == goldens
 
 
+def test_the_rerun_of_a_golden_case_judges_no_baseline_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rerun of a case judged against a golden starts no baseline (`reproduce` reads the
+    golden), yet the served vLLM's parser judged the baseline's line and run.json listed it
+    among the lines checked (found in review). A case judged against a baseline still has it
+    judged."""
+    from harness.cli.main import check_repro_argvs
+    from harness.environment import ARGV_CHECK_DIR_ENV
+    from harness.preflight import vllm_args
+    from harness.spec.settings import ServedVllm
+
+    probed: list[str] = []
+
+    def probe(_interpreter, argvs):
+        probed.extend(argvs)
+        return dict.fromkeys(argvs), 0.0
+
+    monkeypatch.setattr(vllm_args, "_run_probe", probe)
+    monkeypatch.setattr(vllm_args, "interpreter_of", lambda _: ["python3"])
+    monkeypatch.setenv(ARGV_CHECK_DIR_ENV, str(tmp_path / "argv-check"))
+    served = ServedVllm("vllm", "0.32.0+cpu")
+    golden = rerun_bundle(tmp_path / "golden", "1P+1D", golden_release="0.31.0")
+    run = json.loads((golden / "run.json").read_text())
+    run["baseline_sources"] = {"image": {"source": "golden", "release": "0.31.0"}}
+    (golden / "run.json").write_text(json.dumps(run))
+    check = check_repro_argvs(Bundle.load(golden), None, served, None, False)
+    assert {name.split("/")[0] for name in check.instances} == {"1P+1D"}, check.instances
+    assert {name.split("/")[0] for name in probed} == {"1P+1D"}, probed
+    plain = rerun_bundle(tmp_path / "plain", "1P+1D")
+    check = check_repro_argvs(Bundle.load(plain), None, served, None, False)
+    assert {name.split("/")[0] for name in check.instances} == {"baseline", "1P+1D"}
+
+
 def test_repro_judges_under_the_runs_reference_policy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

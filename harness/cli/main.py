@@ -467,14 +467,17 @@ def check_repro_argvs(
     reference's, the bundle's `extra_args` last), judged by the served vLLM's own parser before
     anything starts, as `run` judges its own: a bundle made under another --vllm, or edited,
     started its instances unjudged, and a flag the release serving now lacks was an instance
-    that died at start-up, a baseline later (found in review)."""
+    that died at start-up, a baseline later (found in review). A case judged against a golden
+    is rerun against it, starting no baseline: its line is not judged."""
+    case = bundle.pick_case(wanted)
     argvs = serve_argvs(
-        (get_topology(bundle.pick_case(wanted).topology),),
+        (get_topology(case.topology),),
         bundle.serving(),
         get_platform(bundle.platform),
         devices or bundle.devices,
         colocate or bundle.colocate,
         serving_protocol(bundle, served),
+        baseline_starts=bundle.goldens(case.prompt) is None,
     )
     return check_served_argvs(argvs, served)
 

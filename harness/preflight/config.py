@@ -418,6 +418,9 @@ def prepare_run(request: RunRequest) -> RunConfig:
     launched = () if attach is not None else topologies
     if attach is None and request.served_topologies:
         launched = names.check_topologies(request.served_topologies)
+    # --golden stands a release's stored answers in for the baseline: it never starts
+    # (`BaselineAnswers.load_stored`), so nothing of it is checked here.
+    starts_baseline = arguments.golden_release is None
     serving = serving_for(
         platform,
         str(model_dir),
@@ -442,11 +445,18 @@ def prepare_run(request: RunRequest) -> RunConfig:
         tokens.check_prompts_fit(request.max_model_len, prompts, prompt_tokens)
     try:
         argvs = serve_argvs(
-            launched, serving, platform, devices, request.colocate, protocol.generation
+            launched,
+            serving,
+            platform,
+            devices,
+            request.colocate,
+            protocol.generation,
+            baseline_starts=starts_baseline,
         )
     except TooFewDevices as exc:
         raise resources.too_few_devices(exc, launched) from None
-    argv_check = check_served_argvs(argvs, served)
+    # Attached with --golden nothing starts: no line to judge, and run.json says so (None).
+    argv_check = check_served_argvs(argvs, served) if argvs else None
     settings = RunSettings(
         serving=serving,
         run_dir=run_dir,
@@ -460,7 +470,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         launcher=arguments.launcher,
         reference_policy=request.reference_policy or "",
         stream=request.stream,
-        argv_check=argv_check.to_json(),
+        argv_check=argv_check.to_json() if argv_check is not None else None,
     )
     golden_release = arguments.golden_release
     goldens = _goldens(golden_release, baseline_cache)

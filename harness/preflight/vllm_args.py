@@ -130,20 +130,33 @@ def serve_argvs(
     devices: Sequence[int],
     colocate: bool,
     generation: ProtocolGeneration,
+    *,
+    baseline_starts: bool = True,
 ) -> dict[str, list[str]]:
     """Each instance's `vllm serve` arguments (after the executable), as a run of these
     topologies (and the baseline, and the exact references they are judged against: a run
-    starts those too) renders them, with placeholder ports, paths and model."""
+    starts those too) renders them, with placeholder ports, paths and model.
+
+    `baseline_starts`: False where stored answers stand in for the baseline (`--golden`), which
+    then never starts, so its line is not one of the run's. Where instances own devices it
+    keeps its slot all the same, as the sweep keeps it (`Sweep.schedule`), so the others are
+    placed as they will run; with no topology either (attached), nothing is rendered."""
     opaque = dataclasses.replace(
         serving,
         model=PLACEHOLDER_MODEL,
         allowed_local_media_path=PLACEHOLDER_MEDIA if serving.allowed_local_media_path else None,
     )
-    wanted = [TOPOLOGIES["baseline"], *ordered_topologies(tuple(topologies))]
+    launched = ordered_topologies(tuple(topologies))
+    placed = baseline_starts or (bool(launched) and platform.exclusive_devices)
+    wanted = [TOPOLOGIES["baseline"], *launched] if placed else launched
     argvs: dict[str, list[str]] = {}
+    if not wanted:
+        return argvs
     for wave in schedule(wanted, devices, platform, colocate, cpu_budget=len(devices)).waves:
         for slot in wave.slots:
             topology = slot.topology
+            if topology.is_baseline and not baseline_starts:
+                continue
             specs = place_instances(
                 topology,
                 opaque,

