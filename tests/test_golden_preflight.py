@@ -6,14 +6,16 @@ GPUs, CPU and ports are stand-ins, so nothing starts and no socket opens."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
+from harness.devices import GpuCapability
 from harness.environment import ARGV_CHECK_DIR_ENV
 from harness.errors import BadInput
-from harness.preflight import config, resources, vllm_args
+from harness.preflight import config, dtype, resources, vllm_args
 from harness.preflight.config import RunConfig, RunRequest, prepare_run
 from harness.spec.settings import ATTACH_PROXY, ServedVllm
 
@@ -28,6 +30,8 @@ ATTACHED_1E1PD = {
 }
 # What vLLM's CLI says where a CUDA build of it cannot find a GPU (a laptop).
 NO_DEVICE = "RuntimeError: Failed to infer device type"
+ZEN_CPUINFO = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 avx512f\n"
+T4_AT_0 = GpuCapability(0, "Tesla T4", (7, 5))  # no bfloat16
 
 
 class Host:
@@ -66,6 +70,7 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Host:
 
 
 def golden_request(tmp_path: Path, attached: bool = True, **fields) -> RunRequest:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     attach = tmp_path / "attach.json"
     attach.write_text(json.dumps(ATTACHED_1E1PD))
     where = {"proxy": ATTACH_PROXY, "attach": str(attach)} if attached else {}
@@ -112,3 +117,47 @@ def test_an_attached_run_without_goldens_still_judges_the_baselines_line(
     request = golden_request(tmp_path, golden=None)
     with pytest.raises(BadInput, match=r"^baseline/baseline0: .*Failed to infer device type"):
         prepare_run(request)
+
+
+# -- this host's room for a launch ----------------------------------------------------------------
+
+
+def test_an_attached_golden_run_needs_no_core_port_or_cpu_of_this_host(
+    host: Host, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attached with --golden, the cores, ports and CPU a baseline here would take were
+    checked all the same: one core to this process refused the default cores 0,1, and
+    float16 under zentorch on a Zen CPU was refused for a deployment computing elsewhere
+    (found in review). Without --golden the baseline starts here, and both still refuse."""
+    monkeypatch.setattr(resources, "available_cpu_cores", lambda: (0,))
+    run = prepare_run(golden_request(tmp_path))
+    assert host.ports == [] and run.settings.devices == (0, 1)
+    with pytest.raises(BadInput, match="core 1 is not available to this process"):
+        prepare_run(golden_request(tmp_path / "baseline", golden=None))
+    monkeypatch.setattr(resources, "available_cpu_cores", lambda: (0, 1))
+    zen = dataclasses.replace(config.check_vllm(), libraries=(("zentorch", "5.1.0"),))
+    monkeypatch.setattr(config, "check_vllm", lambda *_: zen)
+    monkeypatch.setattr(config, "host_cpuinfo", lambda: ZEN_CPUINFO)
+    run = prepare_run(golden_request(tmp_path / "zen", dtype="float16"))
+    assert run.settings.serving.dtype == "float16"
+    with pytest.raises(BadInput, match="ZenCpuPlatform"):
+        prepare_run(golden_request(tmp_path / "zen-baseline", golden=None, dtype="float16"))
+
+
+def test_an_attached_golden_run_reads_no_gpu_of_this_host(
+    host: Host, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On cuda, attached with --golden, the GPUs the baseline would run on here were checked:
+    a T4 (no bfloat16) or a job given another GPU refused a run that computes nothing here
+    (found in review)."""
+    monkeypatch.setattr(config, "smi_gpu_indices", lambda: (0,))
+    monkeypatch.setattr(dtype, "smi_compute_capabilities", lambda: [T4_AT_0])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    on_cuda = {"platform": "cuda", "devices": "0"}
+    run = prepare_run(golden_request(tmp_path, **on_cuda))
+    assert run.settings.devices == (0,) and host.ports == []
+    with pytest.raises(BadInput, match="CUDA_VISIBLE_DEVICES=1 gives this process no device 0"):
+        prepare_run(golden_request(tmp_path / "baseline", golden=None, **on_cuda))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(BadInput, match="bfloat16"):
+        prepare_run(golden_request(tmp_path / "t4", golden=None, **on_cuda))

@@ -377,12 +377,25 @@ def prepare_run(request: RunRequest) -> RunConfig:
     platform, attach, topologies = arguments.platform, arguments.attach, arguments.topologies
     kv_connector, ec_connector = arguments.kv_connector, arguments.ec_connector
     check_launcher_here(arguments.launcher)
-    # Attached, the harness still launches the baseline here, on the first of --devices.
-    places_here = arguments.launcher.kind != RAY_LAUNCHER
+    launched = () if attach is not None else topologies
+    if attach is None and request.served_topologies:
+        launched = names.check_topologies(request.served_topologies)
+    # --golden stands a release's stored answers in for the baseline: it never starts
+    # (`BaselineAnswers.load_stored`), so nothing of it is checked here. Attached as well,
+    # nothing starts at all: no core, GPU, CPU feature or port of this host is the run's.
+    starts_baseline = arguments.golden_release is None
+    starts_any = starts_baseline or bool(launched)
+    # Attached, the harness still launches the baseline here (unless --golden), on the first
+    # of --devices.
+    places_here = arguments.launcher.kind != RAY_LAUNCHER and starts_any
     served_dtype = dtype.dtype_or_default(request.dtype)
     source = "--devices" if request.devices is not None else "the default devices"
-    devices = devices_here(arguments.devices, platform, source, places_here)
-    if platform.name == "cuda" and arguments.launcher.kind != RAY_LAUNCHER:
+    devices = (
+        devices_here(arguments.devices, platform, source, places_here)
+        if starts_any
+        else arguments.devices
+    )
+    if platform.name == "cuda" and places_here:
         # Here run the instances (or, attached, the baseline): their GPUs can be read.
         dtype.check_bf16_here(request.dtype, devices)
     ports = port_range()
@@ -413,14 +426,8 @@ def prepare_run(request: RunRequest) -> RunConfig:
     if attach is None:  # an attached deployment brings its own build and connector
         check_cpu_build(served, platform.name)
         check_kv_connector(served, kv_connector, platform)
-    if platform.name == "cpu" and arguments.launcher.kind != RAY_LAUNCHER:
+    if platform.name == "cpu" and places_here:
         dtype.check_cpu_dtype(served_dtype, dict(served.libraries), host_cpuinfo())
-    launched = () if attach is not None else topologies
-    if attach is None and request.served_topologies:
-        launched = names.check_topologies(request.served_topologies)
-    # --golden stands a release's stored answers in for the baseline: it never starts
-    # (`BaselineAnswers.load_stored`), so nothing of it is checked here.
-    starts_baseline = arguments.golden_release is None
     serving = serving_for(
         platform,
         str(model_dir),
@@ -431,9 +438,9 @@ def prepare_run(request: RunRequest) -> RunConfig:
         enforce_eager=platform.enforce_eager and not request.no_enforce_eager,
         dtype=served_dtype,
     )
-    resources.check_free_ports(
-        max(resources.ports_held(t, serving) for t in (TOPOLOGIES["baseline"], *launched)), ports
-    )
+    started = (*((TOPOLOGIES["baseline"],) if starts_baseline else ()), *launched)
+    if started:
+        resources.check_free_ports(max(resources.ports_held(t, serving) for t in started), ports)
     prompts = arguments.prompts
     bodies = {p.name: render_request(p, serving.served_model_name) for p in prompts}
     files.check_media_references(bodies, media_dir)
