@@ -15,7 +15,8 @@ from harness.report.text import (
     format_verdict_table,
     write_summary_json,
 )
-from harness.testing.builders import case_record
+from harness.testing.builders import case_record, outcome
+from harness.testing.judging import judged
 
 pytestmark = pytest.mark.unit
 
@@ -113,6 +114,23 @@ def test_failure_block_carries_all_evidence():
 def test_failure_block_falls_back_to_detail():
     text = format_failure(case_record(verdict=Verdict.ERROR, passed=False, detail="timed out"))
     assert "timed out" in text and "ERROR" in text
+
+
+def test_failure_block_of_a_failed_request_says_its_error_once():
+    """A request that failed is judged ERROR with its error as the explanation: the block said
+    it twice (the explanation, then `error:`), every instance's log slice and the entry's last
+    lines printed two times over in a pytest assertion (seen on a NIXL handshake that timed
+    out under Ray)."""
+    error = (
+        "ServerFailedError: Error code: 500\n"
+        "--- 1E+1P+1D/decode0 logged during the request ---\n"
+        "NIXL transfer failure: handshake_failed"
+    )
+    record = judged("1E+1P+1D", "baseline", outcome("image", (1, 2)), outcome("image", error=error))
+    assert record.verdict is Verdict.ERROR and record.error == error
+    text = format_failure(record)
+    assert text.count("NIXL transfer failure: handshake_failed") == 1, text
+    assert text.count("ServerFailedError: Error code: 500") == 1, text
 
 
 def test_drift_summary_of_a_side_that_ended_says_why_drift_does_not_apply():

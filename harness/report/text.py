@@ -157,7 +157,9 @@ def format_failure(record: CaseRecord) -> str:
         lines.append(f"  guard {name} failed: {guard.get('evidence', '(no evidence)')}")
     for name, guard in record.unchecked_guards().items():
         lines.append(f"  guard {name} {guard.get('evidence', 'not checkable')}")
-    if record.error:
+    # A failed request's error is its explanation already (`judge_case`): said once, its log
+    # slices are long enough.
+    if record.error and record.error not in (explanation or ""):
         lines.append(f"  error: {record.error}")
     return "\n".join(lines)
 
