@@ -9,7 +9,14 @@ import pytest
 
 from harness.errors import BadInput
 from harness.preflight import tokens
-from harness.spec.prompts import PromptSpec, TextPart, VideoFramesPart, render_part, render_request
+from harness.spec.prompts import (
+    PromptSpec,
+    TextPart,
+    VideoFramesPart,
+    render_part,
+    render_request,
+    requested_tokens,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -120,6 +127,25 @@ def test_a_prompt_whose_extra_fields_ask_for_more_tokens_is_held_to_them(field: 
     with pytest.raises(BadInput, match=r"'p': it has 150 prompt tokens .* \+ 400 to generate"):
         tokens.check_prompts_fit(200, [prompt], {"p": 150})
     tokens.check_prompts_fit(550, [prompt], {"p": 150})
+
+
+def test_max_completion_tokens_wins_over_max_tokens_as_vllm_reads_them() -> None:
+    """vLLM takes max_completion_tokens before max_tokens: a prompt setting both is held to
+    the first, whichever it lists first, or a 400-token answer passed as an 8-token one."""
+    for extra in (
+        (("max_tokens", 8), ("max_completion_tokens", 400)),
+        (("max_completion_tokens", 400), ("max_tokens", 8)),
+    ):
+        assert requested_tokens(PromptSpec("p", (TextPart("hi"),), extra=extra)) == 400
+
+
+@pytest.mark.parametrize("value", [0, -3, True, 2.5, "8"])
+def test_a_prompt_asking_for_no_whole_positive_number_of_tokens_is_refused(value) -> None:
+    """0, a negative count, a bool (an int to isinstance: True would count as 1) or a
+    non-integer is no number of tokens to generate."""
+    prompt = PromptSpec("p", (TextPart("hi"),), extra=(("max_tokens", value),))
+    with pytest.raises(BadInput, match=r"prompt 'p': max_tokens .* is not a positive number"):
+        requested_tokens(prompt)
 
 
 def test_a_prompt_that_leaves_room_for_its_answer_fits() -> None:
