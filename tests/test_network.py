@@ -78,6 +78,17 @@ def test_local_instances_keep_loopback_and_break_nothing_on_one_host(
         assert any("node address" in v for v in found(spec, multi_node=True))
 
 
+@pytest.mark.parametrize("address", ["LOCALHOST", "Localhost", "IP6-LOCALHOST"])
+def test_a_name_for_this_machine_in_capitals_is_one_all_the_same(
+    address: str, tmp_path: Path
+) -> None:
+    """Host names are case-insensitive: 'LOCALHOST' resolves to this machine as 'localhost'
+    does, so a node given by it is refused on several nodes like the lower-case one."""
+    spec = dataclasses.replace(placed("1E+1PD", "ExampleConnector", tmp_path)[0], host=address)
+    assert any("node address" in v for v in found(spec, multi_node=True))
+    assert found(spec, multi_node=False) == []
+
+
 def test_a_side_channel_host_left_at_localhost_is_named(tmp_path: Path) -> None:
     prefill = placed("1P+1D", NIXL_CONNECTOR, tmp_path)[0]
     problems = found(prefill, env={**prefill.env(), SIDE_CHANNEL_HOST_ENV: "localhost"})
