@@ -252,6 +252,9 @@ def test_parse_devices_accepts_a_comma_list() -> None:
         ("1.5", "device '1.5'"),
         ("", "no devices given"),
         ("0,,1", "empty entry in device list '0,,1'"),
+        # a digit to str.isdigit() that int() cannot read: refused, not a ValueError
+        ("0,\u00b2", "device '\u00b2' in '0,\u00b2' is not a non-negative integer"),
+        ("\u0661", "is not a non-negative integer"),  # Arabic-Indic one: int() reads it as 1
     ],
 )
 def test_parse_devices_rejects_bad_lists_in_one_line(text: str, cause: str) -> None:
