@@ -414,6 +414,30 @@ def test_a_credential_handed_to_ray_instances_stays_out_of_every_file(tmp_path, 
     assert run["harness_argv"][-1] == f"HF_TOKEN={REDACTED}"
 
 
+def test_a_credential_the_launcher_was_given_by_no_flag_stays_out_of_run_json(
+    tmp_path, monkeypatch
+):
+    """The pytest plugin's Ray driver and a repro hand the launcher its instance environment
+    without a --ray-instance-env on the command line, so nothing but the launcher's own
+    record (`LauncherChoice.to_json`) knows the value is a credential to mask."""
+    import sys
+
+    token = "hf_from_no_command_line_4242"
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(sys, "argv", ["pytest", "tests"])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    settings = RunSettings(
+        ServingConfig(model=str(tmp_path / "no-model")),
+        run_dir,
+        vllm=ServedVllm("/venv/bin/vllm", "0.32.0+cpu", "2.9.1+cpu"),
+        launcher=LauncherChoice("ray", instance_env=(("HF_TOKEN", token),)),
+    )
+    info = write_run_info(settings, (TOPOLOGIES["1P+1D"],), SKELETON_PROMPTS[:1])
+    assert token not in (run_dir / "run.json").read_text()
+    assert info["launcher"]["instance_env"] == {"HF_TOKEN": REDACTED}
+
+
 def test_a_rerun_takes_a_credential_run_json_did_not_keep_from_its_environment(
     tmp_path, monkeypatch
 ):
