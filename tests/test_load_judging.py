@@ -140,6 +140,13 @@ def test_a_plan_sends_prompts_round_robin_and_each_ending_one_last_alone() -> No
     assert plan[4].name == "request 5"
     with pytest.raises(ValueError):
         plan_requests(["tail"], 4, frozenset({"tail"}))
+    # One request a round is the ending prompt's alone: the load would send nothing else.
+    with pytest.raises(ValueError, match="1 request"):
+        plan_requests(["a", "tail"], 1, frozenset({"tail"}))
+    assert [r.prompt for r in plan_requests(["a", "tail"], 2, frozenset({"tail"}))] == [
+        "a",
+        "tail",
+    ]
 
 
 @pytest.mark.parametrize(
