@@ -156,6 +156,12 @@ def test_a_plan_sends_prompts_round_robin_and_each_ending_one_last_alone() -> No
         ([1, IMAGE, IMAGE] + [2] * 80, Region.PREFIX),  # 83 tokens: D computes from 64
         ([1] * 40 + [IMAGE] * 20 + [2] * 23, Region.LAST_BLOCK),  # media end at 60 <= 64
         ([1] * 40 + [IMAGE] * 30 + [2] * 13, Region.DECODE_TAIL),  # media end at 70 > 64
+        # the edges: media ending right where D starts are all transferred, and media ending
+        # at the last transferred block's start are in the prefix before it
+        ([1] * 40 + [IMAGE] * 24 + [2] * 19, Region.LAST_BLOCK),  # media end at 64 = 64
+        ([1] * 10 + [IMAGE] * 22 + [2] * 51, Region.PREFIX),  # media end at 32 = 64 - 32
+        # 96 tokens: D computes the last one, so its own part starts at 64, not 96
+        ([1] * 40 + [IMAGE] * 30 + [2] * 26, Region.DECODE_TAIL),
     ],
 )
 def test_where_media_end_against_the_part_d_recomputes(ids: list[int], region: Region) -> None:
