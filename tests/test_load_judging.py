@@ -1062,15 +1062,26 @@ def test_too_few_requests_for_the_ending_prompt_leave_it_out_and_say_so(tmp_path
 
 
 @pytest.mark.parametrize(
-    "keep, share, released",
-    [(True, False, []), (True, True, ["baseline"]), (False, False, ["baseline"])],
+    "keep, share, workers, released",
+    [
+        (True, False, 2, []),
+        (True, True, 2, ["baseline"]),
+        (True, True, 1, []),
+        (False, False, 2, ["baseline"]),
+    ],
 )
 def test_a_kept_baseline_is_stopped_all_the_same_where_workers_share_devices(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep: bool, share: bool, released: list[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    keep: bool,
+    share: bool,
+    workers: int,
+    released: list[str],
 ) -> None:
     """Kept up after a load's calibration, the baseline holds its GPU for the worker's whole
     session and every other worker's calibration waits for it (found in review). One not
-    asked to be kept is stopped: a load's topology may need its device."""
+    asked to be kept is stopped: a load's topology may need its device. A GPU run of one
+    worker has no other worker to wait, and keeps it."""
     import dataclasses
 
     import harness.run.load.sessions as sessions_module
@@ -1079,7 +1090,7 @@ def test_a_kept_baseline_is_stopped_all_the_same_where_workers_share_devices(
     monkeypatch.setattr(sessions_module, "TopologySession", StandIn)
     sweep = load.sweep
     sweep.settings = dataclasses.replace(
-        sweep.settings, platform=CUDA if share else sweep.settings.platform, workers=2
+        sweep.settings, platform=CUDA if share else sweep.settings.platform, workers=workers
     )
     stopped: list[str] = []
     baseline_session = StandIn({}, sweep.settings)
