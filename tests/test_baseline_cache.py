@@ -798,6 +798,19 @@ def test_a_file_media_replaced_in_place_changes_the_baseline_and_golden_keys(
     assert golden_key(SERVING, "d", body, LAUNCH) != golden_before
 
 
+def test_each_file_a_request_reads_is_in_its_key_not_only_the_first(tmp_path: Path) -> None:
+    """Two images read from files: replacing the second under its name must change the key
+    as replacing the first does."""
+    first, second = tmp_path / "a.png", tmp_path / "b.png"
+    first.write_bytes(b"first image")
+    second.write_bytes(b"second image")
+    parts = [{"type": "image_url", "image_url": {"url": f"file://{p}"}} for p in (first, second)]
+    body = {**BODY, "messages": [{"role": "user", "content": parts}]}
+    before = baseline_key(SERVED, SERVING, "d", body, launch=LAUNCH)
+    second.write_bytes(b"another second image")
+    assert baseline_key(SERVED, SERVING, "d", body, launch=LAUNCH) != before
+
+
 class DisagreesWithItself(NoisyWhenBatched):
     """Answers `flaky` with other ids the second time (a nondeterministic baseline), every
     other request alike each time."""
