@@ -86,6 +86,18 @@ def test_a_script_in_upstreams_form_shows_only_deliberate_differences() -> None:
     assert ("baseline/baseline", "--enforce-eager") not in explained
 
 
+def test_a_difference_declared_for_some_releases_excuses_nothing_on_the_others() -> None:
+    """--enable-mm-embeds upstream passes and the harness leaves out is deliberate only where
+    vLLM turns it on itself (0.30 on): on an ec-items release (0.29) the same difference
+    would start consumers that refuse metadata-only parts, and must be a finding there."""
+    (entry,) = [
+        d for d in DIFFERENCES if d.item == "--enable-mm-embeds" and d.kind is Kind.UPSTREAM_ONLY
+    ]
+    assert entry.applies_to("1E+1PD/pd", "by-hash")
+    assert not entry.applies_to("1E+1PD/pd", "ec-items")
+    assert not entry.applies_to("1E+1PD/encoder", "by-hash")
+
+
 def test_a_planted_flag_fails_naming_the_instance_and_the_flag() -> None:
     script = planted(
         SMALL, "--gpu-memory-utilization 0.01 --enable-request-id-headers \\", "--x-new"
