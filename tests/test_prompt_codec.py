@@ -14,7 +14,7 @@ from harness.run.fuzz.space import FuzzSpace
 from harness.run.fuzz.strategies import fuzz_examples
 from harness.run.scenarios import MATRIX, found_scenarios
 from harness.spec.load import load_mix
-from harness.spec.prompt_codec import prompt_from_json, prompt_to_json
+from harness.spec.prompt_codec import part_from_json, prompt_from_json, prompt_to_json
 from harness.spec.prompts import SKELETON_PROMPTS, PromptSpec
 
 pytestmark = pytest.mark.unit
@@ -44,3 +44,11 @@ def test_every_known_prompt_survives_json(prompt: PromptSpec) -> None:
 def test_every_drawn_prompt_survives_json(examples) -> None:
     for example in examples:
         assert through_json(example.spec) == example.spec
+
+
+@pytest.mark.parametrize("data", [{"kind": "AudioPart", "seed": 1}, {"seed": 1}])
+def test_a_part_of_no_known_kind_is_refused_naming_the_kinds_known(data: dict) -> None:
+    """A run.json or found scenario whose part names no kind this harness knows (a newer
+    harness's, or none) is refused saying so, not with a bare KeyError of the kind."""
+    with pytest.raises(ValueError, match="unknown prompt part kind .*known: ImagePart, "):
+        part_from_json(data)
