@@ -217,3 +217,19 @@ def test_a_matrix_scenarios_problem_fails_run_scenario(tmp_path, monkeypatch, ca
     config = RunConfig((), scenario.prompts, (), (scenario,), settings, None, fault=None)
     assert main.run_config(run_args(), config) == main.EXIT_FAILED
     assert f"problem: {problem}" in capsys.readouterr().out
+
+
+def test_a_matrix_scenarios_unproven_pass_is_one_of_its_problems() -> None:
+    """The matrix's pytest items (scenarios/test_matrix.py) fail on a scenario's problems
+    alone, with no run-wide check after them: a pass whose guard nothing could check must be
+    among them, as in `run`, though every record passed. Found in review: a mutant that left
+    the unproven passes out of ScenarioResult.problems survived every test."""
+    from harness.run.matrix import ScenarioResult
+    from harness.run.scenarios import Scenario
+
+    unproven = case_record("1E+1P+1D", "video", guards=UNCHECKED)
+    result = ScenarioResult(Scenario("s", "1E+1P+1D", ()), [unproven])
+    assert result.problems() == unproven_passes([unproven]) != []
+    assert (
+        ScenarioResult(Scenario("s", "1E+1P+1D", ()), [case_record(guards=HELD)]).problems() == []
+    )
