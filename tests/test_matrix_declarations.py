@@ -525,3 +525,47 @@ def test_a_declared_mismatch_that_now_drifts_is_not_as_declared() -> None:
     )
     assert record.verdict is Verdict.DRIFT and record.detail.startswith("generated tokens differ")
     assert not record.policy_passed and "NOT the declared MISMATCH" in record.detail
+
+
+@pytest.mark.parametrize(
+    ("kv_connector", "declared"), [("ExampleConnector", True), ("NixlConnector", False)]
+)
+def test_a_matrix_run_judges_a_scenario_as_declared_under_the_runs_kv_connector(
+    kv_connector: str, declared: bool
+) -> None:
+    """A failure declared of one KV connector only (`expect_by_kv_connector`) is judged as
+    declared under that one, and as a plain case under the run's other connector: declared
+    under every one, a NixlConnector run's MATCH failed as 'NOT as declared'. Found in review:
+    a mutant that ran the scenario as written, whatever the run's connector, survived."""
+    from types import SimpleNamespace
+
+    from harness.run.judging import Observed
+    from harness.run.matrix import MatrixRun
+    from harness.testing.builders import outcome
+
+    prompt = PromptSpec("p", (ImagePart(seed=9), TextPart("hi")))
+    scenario = Scenario(
+        "kv-only",
+        "1E+1P+1D",
+        (prompt,),
+        expect=(Verdict.ERROR,),
+        expect_evidence="boom",
+        reason="upstream",
+        expect_by_kv_connector=(("NixlConnector", (Verdict.MATCH,)),),
+    )
+    judging = RecordingJudge()
+    judging.not_applicable = lambda topology, spec: None
+    sweep = SimpleNamespace(
+        settings=SimpleNamespace(serving=SimpleNamespace(kv_connector=kv_connector)),
+        judging=judging,
+        baseline=SimpleNamespace(outcomes={"p": outcome("p", [1, 2, 3])}),
+        serve_baseline=lambda: None,
+        pool=SimpleNamespace(session=lambda topology: SimpleNamespace(topology=topology)),
+        add_records=lambda *args: None,
+    )
+    run = MatrixRun(sweep)
+    run._send = lambda session, scenario: [Observed(outcome("p", [1, 2, 3]), ())]
+    run.run(scenario)
+    (call,) = judging.calls
+    assert call["declared"] == (scenario.declared if declared else None)
+    assert declared == (call["declared"] is not None)
