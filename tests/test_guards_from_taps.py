@@ -323,3 +323,27 @@ def test_d_calls_without_ids_in_one_window_are_no_ones_kv_evidence() -> None:
     evidence = TransferEvidence.from_taps([first, second], 0)
     guard = check_kv_transfer(cached_answer(89, 64), block_size=32, evidence=evidence)
     assert not guard.ok and not guard.checkable, guard
+
+
+def test_an_encoder_that_refused_its_work_was_not_used() -> None:
+    """Only an encoder that answered (200) took the work: one that refused it (a 500 at its
+    tap) proves nothing of round robin. Found in review: a mutant that counted any tap record
+    of an encoder as its work survived every test."""
+    from types import SimpleNamespace
+
+    from harness.outcomes.outcome import Outcome
+    from harness.run.matrix import check_every_encoder_used
+    from harness.spec.topology import Role
+
+    session = SimpleNamespace(
+        instances=[
+            SimpleNamespace(name="t/encoder0", role=Role.ENCODER),
+            SimpleNamespace(name="t/encoder1", role=Role.ENCODER),
+        ]
+    )
+    first = Outcome("image", taps=[encoder(0, {"h": ENTRY})])
+    refused = encoder(1, None)
+    refused.instance, refused.status = "t/encoder1", 500
+    check = check_every_encoder_used(session, [first, Outcome("image", taps=[refused])])
+    assert check.ok is False
+    assert "received work: ['t/encoder0']" in check.evidence
