@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness.errors import BadInput
+from harness.judge.records import Verdict
 from harness.run.faults.spec import FaultSpec, parse_fault
 from harness.run.graded import (
     DETECTION_PROMPTS,
@@ -21,7 +22,9 @@ from harness.run.graded import (
     model_key,
     regressions,
     run_ladder,
+    rung_from_record,
 )
+from harness.testing.builders import case_record
 
 pytestmark = pytest.mark.unit
 
@@ -200,3 +203,25 @@ def test_thresholds_of_another_tiny_model_generator_do_not_gate(tmp_path: Path):
     older.write_text(json.dumps({"measured": [unsaid]}))
     assert load_thresholds(older, "cpu", TINY_MODEL) is None
     assert section["generator"] == GENERATOR_VERSION, "the committed ones: the current generator"
+
+
+@pytest.mark.parametrize(
+    ("verdict", "caught", "prompt_ids_equal"),
+    [
+        (Verdict.MISMATCH, True, True),
+        (Verdict.VACUOUS, True, True),
+        (Verdict.MATCH, False, True),
+        (Verdict.DRIFT, False, True),
+        (Verdict.ERROR, False, None),
+    ],
+)
+def test_a_rung_is_caught_by_a_mismatch_or_a_vacuous_match_only(
+    verdict: Verdict, caught: bool, prompt_ids_equal: bool | None
+):
+    """VACUOUS (tokens equal, a transfer guard failed) catches a fault as a MISMATCH does, as
+    the module says; an ERROR compared nothing, so it says nothing of the prompt ids. Found in
+    review: a mutant that caught on MISMATCH alone survived every test (the table's tests build
+    their rungs by hand)."""
+    record = case_record("1E+1PD", "d-ec-noise-0", verdict, passed=False, detail="d")
+    made = rung_from_record("ec-noise", 0.5, record, touched=1)
+    assert (made.caught, made.prompt_ids_equal) == (caught, prompt_ids_equal)
