@@ -901,3 +901,21 @@ def test_a_build_whose_code_cannot_be_told_apart_gets_no_session_private_cache(
     asked = BaselineCache(tmp_path / "cache")
     assert _run_baseline_cache(asked, unreadable, request, CUDA, None) is None
     assert _run_baseline_cache(asked, plain, request, CUDA, None) is asked
+
+
+def test_a_golden_is_one_request_whatever_its_numerics_neutral_flags() -> None:
+    """A golden stands in for a baseline, whose key leaves out the flags that cannot change
+    its tokens (the KV connector the monolithic baseline never runs, where media and the model
+    live, what usage reports): a release's golden stored by an ExampleConnector run is the one
+    a NixlConnector run's `--golden` reads. The dtype still tells goldens apart. Found in
+    review: a mutant that kept every flag in the golden's key survived every test."""
+    neutral = dataclasses.replace(
+        SERVING,
+        model="/elsewhere/tiny",
+        kv_connector="NixlConnector",
+        allowed_local_media_path="/media",
+        enable_prompt_tokens_details=not SERVING.enable_prompt_tokens_details,
+    )
+    assert golden_key(neutral, "d", BODY, LAUNCH) == golden_key(SERVING, "d", BODY, LAUNCH)
+    other_dtype = dataclasses.replace(SERVING, dtype="float16")
+    assert golden_key(other_dtype, "d", BODY, LAUNCH) != golden_key(SERVING, "d", BODY, LAUNCH)
