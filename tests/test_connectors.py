@@ -565,3 +565,18 @@ def test_a_connector_record_is_frozen_all_through() -> None:
     for connector in (EXAMPLE, NIXL):
         hash(connector)
     assert dict(NIXL.cpu_extra_config) == {"kv_lease_duration": 300}
+
+
+def test_a_counter_that_first_appears_after_a_request_counts_from_zero() -> None:
+    """vLLM renders a labelled counter only once it moved: NIXL's transfer counters are not
+    on D's page before its first transfer. The request that moved them first moved them by
+    their whole value. Found in review: a mutant that read a counter missing before as
+    unchanged (difference 0, the KV guard's evidence lost) survived every test."""
+    from harness.serve.kv_metrics import parse_counters
+
+    before = parse_counters('vllm:request_success_total{engine="0"} 3.0')
+    after = parse_counters(
+        'vllm:request_success_total{engine="0"} 4.0\n'
+        'vllm:nixl_xfer_time_seconds_count{engine="0",model_name="m"} 2.0'
+    )
+    assert after.minus(before) == {"finished_requests": 1.0, "nixl_transfers": 2.0}
