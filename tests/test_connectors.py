@@ -580,3 +580,16 @@ def test_a_counter_that_first_appears_after_a_request_counts_from_zero() -> None
         'vllm:nixl_xfer_time_seconds_count{engine="0",model_name="m"} 2.0'
     )
     assert after.minus(before) == {"finished_requests": 1.0, "nixl_transfers": 2.0}
+
+
+def test_a_counter_of_several_engines_is_their_sum() -> None:
+    """A D of more than one engine (data parallel) renders each counter once per engine: the
+    instance moved the sum of them. Found in review: a mutant that kept the last engine's
+    line alone survived every test."""
+    from harness.serve.kv_metrics import parse_counters
+
+    page = "\n".join(
+        f'vllm:prompt_tokens_cached_by_source_total{{engine="{n}",source="p2p"}} {tokens}'
+        for n, tokens in ((0, 121.0), (1, 66.0))
+    )
+    assert parse_counters(page).values == {"p2p_cached_tokens": 187.0}
