@@ -74,3 +74,19 @@ def test_a_nixl_request_in_flight_with_another_holds_no_kv_guard_on_its_p2p_toke
     assert "other requests were in flight" in guard["kv_transfer"].evidence
     alone = {g.name: g for g in transfer_guards(session.served, session.send("alone", {}))}
     assert alone["kv_transfer"].ok  # alone, the counter's growth is its own
+
+
+def test_a_request_begun_while_another_is_in_flight_shares_its_window() -> None:
+    """Each of two overlapping requests was in flight with the other, the later one too: the
+    counters it reads around itself moved for the earlier one as well. A request alone
+    throughout was not. Found in review: a mutant that opened a window as alone whatever was
+    in flight (only a later request could mark it) survived every test."""
+    from harness.serve.in_flight import InFlightWindows
+
+    windows = InFlightWindows()
+    windows.begin("first")
+    windows.begin("second")
+    assert windows.end("second") is True
+    assert windows.end("first") is True
+    windows.begin("alone")
+    assert windows.end("alone") is False
