@@ -421,3 +421,18 @@ def test_a_mark_of_a_process_that_is_gone_is_ignored(tmp_path: Path) -> None:
             (5, os.getpid())
         ]
     assert wanted_devices(tmp_path, "cuda") == []
+
+
+def test_a_scan_from_near_the_ranges_end_wraps_around_to_its_start(port_locks: Path) -> None:
+    """A random start near the range's end must not leave a reservation a port or two: the
+    scan goes on from the range's first port. Found in review: a mutant that scanned from the
+    start to the range's end only survived every test."""
+    last = DEFAULT_PORT_RANGE[-1]
+    leases = reserve_ports(3, start=last, lock_dir=port_locks, port_range=DEFAULT_PORT_RANGE)
+    try:
+        ports = [lease.port for lease in leases]
+        assert len(set(ports)) == 3 and all(port in DEFAULT_PORT_RANGE for port in ports)
+        assert sum(port < last for port in ports) >= 2, ports
+    finally:
+        for lease in leases:
+            lease.release()
