@@ -436,3 +436,14 @@ def test_a_scan_from_near_the_ranges_end_wraps_around_to_its_start(port_locks: P
     finally:
         for lease in leases:
             lease.release()
+
+
+def test_a_host_that_cannot_be_bound_is_an_error_not_a_busy_port(port_locks: Path) -> None:
+    """Only a port in use (EADDRINUSE) is skipped as busy; an address this host does not have
+    (a Ray node's, mistyped) is an error naming it, not 'N bound by other processes' after a
+    scan of the whole range. Found in review: a mutant that took every bind error for a busy
+    port survived every test."""
+    port = a_free_port(port_locks)
+    with pytest.raises(OSError, match="cannot probe 192.0.2.1") as failed:
+        reserve_ports(1, lock_dir=port_locks, port_range=range(port, port + 1), host="192.0.2.1")
+    assert not isinstance(failed.value, NoFreePortError)
