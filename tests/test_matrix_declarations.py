@@ -569,3 +569,53 @@ def test_a_matrix_run_judges_a_scenario_as_declared_under_the_runs_kv_connector(
     (call,) = judging.calls
     assert call["declared"] == (scenario.declared if declared else None)
     assert declared == (call["declared"] is not None)
+
+
+def test_a_rerun_on_kept_storage_adds_its_own_verdicts_and_checks_to_the_scenarios() -> None:
+    """A scenario rerun on the storage its session left (encoder-cache hits) is judged on
+    both runs: the rerun's records and checks are the scenario's too, so a rerun that failed
+    fails it. Found in review: mutants that dropped the rerun's records, or its checks,
+    survived every unit test."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from harness.run.matrix import MatrixRun
+
+    scenario = Scenario(
+        "rerun",
+        "1E+1PD",
+        (PromptSpec("p", (ImagePart(seed=9), TextPart("hi"))),),
+        rerun_on_kept_storage=True,
+    )
+    released: list[str] = []
+
+    @contextlib.contextmanager
+    def private(topology, why, label, reuse_storage):
+        assert reuse_storage == "/kept"
+        yield SimpleNamespace(name="rerun")
+
+    sweep = SimpleNamespace(
+        settings=SimpleNamespace(serving=SimpleNamespace(kv_connector="ExampleConnector")),
+        judging=SimpleNamespace(not_applicable=lambda topology, spec: None),
+        serve_baseline=lambda: None,
+        pool=SimpleNamespace(
+            session=lambda topology: SimpleNamespace(name="first", storage_dir="/kept"),
+            release=released.append,
+            private=private,
+        ),
+    )
+    run = MatrixRun(sweep)
+    run._send = lambda session, scenario: session.name
+    failed = GuardResult("encoder_cache_hit", False, "no hit")
+
+    def judge(scenario, session, observed):
+        if observed == "first":
+            return ScenarioResult(scenario, [record(Verdict.MATCH)], [])
+        return ScenarioResult(scenario, [record(Verdict.MISMATCH, passed=False)], [failed])
+
+    run._judge = judge
+    result = run.run(scenario)
+    assert released == ["1E+1PD"]
+    assert [r.verdict for r in result.records] == [Verdict.MATCH, Verdict.MISMATCH]
+    assert result.checks == [failed]
+    assert len(result.problems()) == 2
