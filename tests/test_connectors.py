@@ -454,6 +454,21 @@ def test_nixl_fault_that_cannot_act_says_so(params: dict, problem: str, tmp_path
     assert problem in fault.problems[0] and not fault.effects
 
 
+def test_drop_kv_by_name_under_nixl_withholds_ps_params_and_touches_no_file(
+    tmp_path: Path,
+) -> None:
+    """`--plant-fault drop-kv --kv-connector nixl`: the name alone must give the NIXL form.
+    The ExampleConnector form looks for KV files P never writes under NIXL, so D still read
+    P's blocks and only a problem ("P wrote no new *.safetensors") said the fault missed."""
+    from harness.run.faults.by_name import fault_for
+
+    fault = fault_for("drop-kv", None, tmp_path, "NixlConnector")
+    response = {"kv_transfer_params": {"remote_block_ids": [[4, 5]], "remote_port": 1}}
+    fault.after_prefill("r1", response)
+    assert "kv_transfer_params" not in response, response
+    assert fault.problems == [] and fault.effects[0].startswith("r1: kv_transfer_params withheld")
+
+
 def test_kv_noise_has_no_nixl_form(tmp_path: Path) -> None:
     from harness.run.faults.by_name import fault_for
 
