@@ -163,6 +163,18 @@ def test_expected_json_records_which_ids_parted_and_where(tmp_path: Path) -> Non
     }
 
 
+def test_a_record_without_detail_tells_nowhere_and_still_exports() -> None:
+    """A summary.json record with no `detail` (nothing to tell the dead instance or the ids
+    by) gives expected.json no `died`, `ids` or `position`, as repro's `another_failure`
+    reads such a record: never a KeyError that stops the export of an ERROR or a MISMATCH."""
+    from harness.run.export.expectation import where_it_failed
+
+    for verdict in ("ERROR", "MISMATCH", "DRIFT"):
+        assert where_it_failed(verdict, {"verdict": verdict}) == {}, verdict
+    died = where_it_failed("ERROR", {"detail": "x", "error": "decode0 (pid 7) died: exit 1"})
+    assert set(died) == {"died"}
+
+
 def test_expected_json_keeps_no_log_probs_of_other_tokens(tmp_path: Path) -> None:
     """check.py judges drift with expected.json's log-probs as those of its ids: the reference's
     recorded entry of another token than the id it generated there (a batched answer's, which
