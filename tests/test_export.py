@@ -2080,3 +2080,25 @@ def test_the_policy_and_floor_are_read_where_the_run_writes_them(tmp_path: Path)
     fuzz = {"platform_profile": "cpu", "fuzz": {"reference_policy": PD_DRIFT}}
     (run / "run.json").write_text(json.dumps(fuzz))
     assert reference_policy(Bundle.load(run)).name == PD_DRIFT
+
+
+def test_under_pd_drift_drift_passes_against_the_baseline_never_against_an_exact_reference(
+    tmp_path: Path,
+) -> None:
+    """pd-drift lets a P->D topology DRIFT against the monolithic baseline only; against its
+    exact reference (1E+1P+1D vs 1P+1D) the judge asked for the same ids. expected.json's
+    `drift_passes` is what check.py passes a DRIFT by: true there passed what the harness
+    judged a MISMATCH."""
+
+    def pd_drift(run: Path) -> Path:
+        summary = json.loads((run / "summary.json").read_text())
+        summary["run"] = {"reference_policy": "pd-drift", "noise_floor_nats": 0.05}
+        (run / "summary.json").write_text(json.dumps(summary))
+        return run
+
+    exact = plan_for(pd_drift(write_exact_reference_bundle(tmp_path / "exact")))
+    assert (exact.expected["reference"], exact.expected["policy"]) == ("1P+1D", "pd-drift")
+    assert exact.expected["drift_passes"] is False
+    monolithic = plan_for(pd_drift(write_bundle(tmp_path / "baseline", verdict="MISMATCH")))
+    assert monolithic.expected["reference"] == "baseline"
+    assert monolithic.expected["drift_passes"] is True
