@@ -2102,3 +2102,16 @@ def test_under_pd_drift_drift_passes_against_the_baseline_never_against_an_exact
     monolithic = plan_for(pd_drift(write_bundle(tmp_path / "baseline", verdict="MISMATCH")))
     assert monolithic.expected["reference"] == "baseline"
     assert monolithic.expected["drift_passes"] is True
+
+
+def test_a_drift_records_which_ids_parted_and_where_as_a_mismatch_does() -> None:
+    """check.py's "reproduced" compares where a DRIFT parted too (`where_it_failed`): without
+    `ids` and `position` a DRIFT at another position, or of the prompt ids, reproduced it."""
+    from harness.run.export.expectation import where_it_failed
+
+    record = {
+        "verdict": "DRIFT",
+        "detail": "generated tokens differ at position 2 of 4/4, within the noise floor",
+        "divergence": {"index": 2},
+    }
+    assert where_it_failed("DRIFT", record) == {"ids": "generated ids", "position": 2}
