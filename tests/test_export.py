@@ -2115,3 +2115,17 @@ def test_a_drift_records_which_ids_parted_and_where_as_a_mismatch_does() -> None
         "divergence": {"index": 2},
     }
     assert where_it_failed("DRIFT", record) == {"ids": "generated ids", "position": 2}
+
+
+@pytest.mark.parametrize("floor", [math.inf, math.nan, -0.1, "0.05", True])
+def test_a_recorded_noise_floor_that_is_no_measurement_is_refused_naming_its_file(
+    tmp_path: Path, floor: Any
+) -> None:
+    """expected.json's noise floor is check.py's drift tolerance: an infinite one passes every
+    near tie, so one that is no finite number of nats 0 or more is refused, not exported."""
+    run = write_bundle(tmp_path / "run", verdict="MISMATCH")
+    summary = json.loads((run / "summary.json").read_text())
+    summary["run"] = {"reference_policy": "pd-drift", "noise_floor_nats": floor}
+    (run / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(BadInput, match=r"summary\.json: noise_floor_nats is .*not a measured"):
+        plan_for(run)
