@@ -2129,3 +2129,20 @@ def test_a_recorded_noise_floor_that_is_no_measurement_is_refused_naming_its_fil
     (run / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(BadInput, match=r"summary\.json: noise_floor_nats is .*not a measured"):
         plan_for(run)
+
+
+def test_the_noise_floor_is_the_tolerance_the_case_was_judged_with_before_the_runs(
+    tmp_path: Path,
+) -> None:
+    """The case's divergence records the tolerance the judge used (a batched answer's, larger
+    than the run's single-request floor): check.py must judge with that one, not the run's."""
+    from harness.run.export.expectation import noise_floor
+    from harness.run.repro import Bundle
+
+    run = write_bundle(tmp_path / "run", verdict="MISMATCH")
+    summary = json.loads((run / "summary.json").read_text())
+    summary["run"] = {"reference_policy": "pd-drift", "noise_floor_nats": 0.05}
+    (run / "summary.json").write_text(json.dumps(summary))
+    bundle = Bundle.load(run)
+    assert noise_floor(bundle, {"divergence": {"index": 1, "tolerance": 0.2}}) == 0.2
+    assert noise_floor(bundle, {"divergence": {"index": 1}}) == 0.05
