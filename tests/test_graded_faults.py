@@ -299,6 +299,26 @@ def test_fault_for_builds_the_graded_faults(tmp_path: Path):
         fault_for("ec-noise:0.05", None, tmp_path)
 
 
+def test_fault_for_plants_the_strength_its_name_gives(tmp_path: Path):
+    """`--plant-fault kv-noise:0.5` must plant 0.5, not some default: the graded self-test's
+    ladder reads a threshold off the strength each rung names."""
+    ec, kv = tmp_path / "ec", tmp_path / "kv"
+    kv_fault = fault_for("kv-noise:0.5", None, kv)
+    write_kv(kv, "prompt-new", seed=2)
+    kv_fault.after_prefill("req-1", {})
+    assert kv_fault.effects[0].startswith("noise 0.5 of std asked"), kv_fault.effects
+
+    write_ec(ec, HASH_A, random_tensor(64, HIDDEN, seed=1))
+    ec_fault = fault_for("ec-noise:0.3", ec, None)
+    ec_fault.after_encode("req-1", {HASH_A: {}})
+    assert ec_fault.effects[0].startswith("noise 0.3 of std asked"), ec_fault.effects
+
+    write_ec(ec, VIDEO_HASH, random_tensor(VIDEO_ROWS, HIDDEN, seed=5) + 10)
+    frame = fault_for("ec-zero-frame:2", ec, None)
+    frame.after_encode("req-1", {VIDEO_HASH: {"metadata": {"video_grid_thw": [VIDEO_GRID]}}})
+    assert frame.effects == [f"zeroed rows 128-191 (frame 2 of 4) of ({VIDEO_ROWS}, {HIDDEN})"]
+
+
 def test_video_faults_act_on_an_ec_items_answer(tmp_path: Path):
     """vLLM 0.29 answers `{"ec_items": [{"mm_hash": h, "video_grid_thw": ...}]}` (the grid
     beside the key, no "metadata"): ec-zero-frame must find the video's grid and file, and
