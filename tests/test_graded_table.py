@@ -37,6 +37,8 @@ THRESHOLDS = Path(__file__).resolve().parents[1] / "scenarios" / "detection_thre
         ("corrupt-ec", FaultSpec("corrupt-ec")),
         ("ec-noise:0.05", FaultSpec("ec-noise", 0.05)),
         ("kv-noise:5e-3", FaultSpec("kv-noise", 0.005)),
+        # the top of the range the refusal names, "(0, 100]"
+        ("kv-noise:100", FaultSpec("kv-noise", 100.0)),
         ("ec-swap-items", FaultSpec("ec-swap-items")),
         ("ec-zero-frame", FaultSpec("ec-zero-frame")),
         ("ec-zero-frame:2", FaultSpec("ec-zero-frame", 2.0)),
@@ -56,6 +58,7 @@ def test_fault_values_parse(text: str, spec: FaultSpec):
         ("kv-noise:-0.1", "in (0, 100]"),
         ("ec-noise:nan", "in (0, 100]"),
         ("ec-noise:inf", "in (0, 100]"),
+        ("ec-noise:100.5", "in (0, 100]"),
         ("ec-noise:lots", "e.g. ec-noise:0.05"),
         ("ec-zero-frame:-1", "takes a temporal frame index"),
         # Found in review: a ValueError and an OverflowError traceback, not one line.
