@@ -50,6 +50,7 @@ from harness.run.export.probe import NEVER_ENCODED_UUID, UNKNOWN_UUID_PROBE
 from harness.run.export.request import describe_request
 from harness.run.export.servers import template_storage
 from harness.run.export.shell import Var, shell_word
+from harness.serve.session import safe_name
 
 pytestmark = pytest.mark.unit
 
@@ -69,6 +70,18 @@ def test_the_instances_come_in_role_order_with_their_recorded_flags(tmp_path: Pa
     assert words[words.index("--host") + 1] == '"${HOST}"'
     assert "--enable-prompt-tokens-details" in words and "--block-size" in words
     assert dict(decode.env)["OMP_NUM_THREADS"] == ("1",)
+
+
+def test_a_bundle_missing_an_instances_command_is_refused_naming_the_count(
+    tmp_path: Path,
+) -> None:
+    """1E+1P+1D with decode0's .cmd.json gone: serve.sh would start a topology without its D
+    and check.py would wait on a port nothing serves. Refused in one line, with the count."""
+    run = write_bundle(tmp_path / "run")
+    [decode] = (run / safe_name("1E+1P+1D")).glob("*decode0.cmd.json")
+    decode.unlink()
+    with pytest.raises(BadInput, match="expected 3 instance commands of 1E\\+1P\\+1D .* found 2"):
+        plan_for(run)
 
 
 def test_no_path_of_the_recording_machine_survives(tmp_path: Path) -> None:
