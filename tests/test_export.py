@@ -84,6 +84,26 @@ def test_a_bundle_missing_an_instances_command_is_refused_naming_the_count(
         plan_for(run)
 
 
+@pytest.mark.parametrize(
+    "argv, cause",
+    [
+        (["python", "-m", "vllm.entrypoints.openai.api_server"], "not a 'vllm serve' command"),
+        (
+            ["vllm", "serve", "m", "--chat-template", REDACTED],
+            "redacted argument after --chat-template",
+        ),
+    ],
+)
+def test_a_recorded_command_serve_sh_cannot_rerun_is_refused(argv: list[str], cause: str) -> None:
+    """Only a `vllm serve` line is templated (its executable, model and port made variables);
+    a redacted value of a flag serve.sh has no variable for would reach vLLM as the placeholder
+    itself."""
+    from harness.run.export.servers import template_argv
+
+    with pytest.raises(BadInput, match=re.escape(cause)):
+        template_argv(argv, "m", Var("DECODE0_PORT"))
+
+
 def test_no_path_of_the_recording_machine_survives(tmp_path: Path) -> None:
     bundle_dir = write_bundle(tmp_path / "run")
     serve = render_serve_sh(plan_for(bundle_dir))
