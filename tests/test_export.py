@@ -2179,3 +2179,32 @@ def test_the_noise_floor_is_the_tolerance_the_case_was_judged_with_before_the_ru
     bundle = Bundle.load(run)
     assert noise_floor(bundle, {"divergence": {"index": 1, "tolerance": 0.2}}) == 0.2
     assert noise_floor(bundle, {"divergence": {"index": 1}}) == 0.05
+
+
+def test_the_unknown_uuid_probe_refuses_a_case_of_other_than_one_image(tmp_path: Path) -> None:
+    """The probe sends one image as a metadata-only part under a never-encoded uuid: a case of
+    two images (or the encoder's answer for two) has no one image to send so, and probing its
+    first alone would leave the second as raw media beside it. Refused, naming the count."""
+    from types import SimpleNamespace
+
+    from harness.run.export.probe import encoder_metadata, unknown_uuid_body
+
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    text = {"type": "text", "text": "Describe."}
+    case = SimpleNamespace(prompt="two_images")
+    for images in ([], [image, image]):
+        body = {"messages": [{"role": "user", "content": [*images, text]}]}
+        with pytest.raises(BadInput, match=f"exactly one image; two_images has {len(images)}"):
+            unknown_uuid_body(body, {"image_grid_thw": [[1, 4, 4]]}, case)  # type: ignore[arg-type]
+
+    taps = [
+        {
+            "role": "encoder",
+            "ec_transfer_params": {h: {"metadata": {"image_grid_thw": [[1, 4, 4]]}}},
+        }
+        for h in ("hash-a", "hash-b")
+    ]
+    (tmp_path / "responses.json").write_text(json.dumps({"1E+1PD": {"p": {"taps": taps}}}))
+    bundle = SimpleNamespace(path=tmp_path)
+    with pytest.raises(BadInput, match="the bundle's taps hold 2"):
+        encoder_metadata(bundle, "1E+1PD", "p")  # type: ignore[arg-type]
