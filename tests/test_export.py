@@ -2208,3 +2208,15 @@ def test_the_unknown_uuid_probe_refuses_a_case_of_other_than_one_image(tmp_path:
     bundle = SimpleNamespace(path=tmp_path)
     with pytest.raises(BadInput, match="the bundle's taps hold 2"):
         encoder_metadata(bundle, "1E+1PD", "p")  # type: ignore[arg-type]
+
+
+def test_a_case_against_an_exact_reference_has_no_monolithic_baseline_to_serve(
+    tmp_path: Path,
+) -> None:
+    """`run.sh baseline` serves the monolithic reference; a case judged against 1P+1D has
+    none, and 1P+1D's first instance (its prefill) is no baseline to start under that name."""
+    plan = plan_for(write_exact_reference_bundle(tmp_path / "run"))
+    assert plan.reference is not None and plan.reference.name == "1P+1D"
+    assert plan.baseline is None
+    monolithic = plan_for(write_bundle(tmp_path / "baseline-run"))
+    assert monolithic.baseline is not None and monolithic.baseline.role == "baseline"
