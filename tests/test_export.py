@@ -2220,3 +2220,15 @@ def test_a_case_against_an_exact_reference_has_no_monolithic_baseline_to_serve(
     assert plan.baseline is None
     monolithic = plan_for(write_bundle(tmp_path / "baseline-run"))
     assert monolithic.baseline is not None and monolithic.baseline.role == "baseline"
+
+
+def test_a_body_keeps_its_own_cache_salt_and_asks_for_two_log_probs_at_least() -> None:
+    """A request the run sent under its own `cache_salt` goes under that one (what it shared
+    with the run's other requests is the question); and top-1 log-probs are no ask for
+    check.py's drift rule, which reads the other token's."""
+    from harness.run.export.request import asks_for_logprobs, own_salt
+
+    assert own_salt({"cache_salt": "runs-own"}, "epd-export-case")["cache_salt"] == "runs-own"
+    assert own_salt({}, "epd-export-case")["cache_salt"] == "epd-export-case"
+    assert asks_for_logprobs({"logprobs": True, "top_logprobs": 2})
+    assert not asks_for_logprobs({"logprobs": True, "top_logprobs": 1})
