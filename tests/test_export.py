@@ -444,6 +444,18 @@ def test_a_planted_fault_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
     assert not (bundle / "exports").exists()
 
 
+def test_a_graded_self_tests_bundle_is_refused_as_a_planted_fault_is(
+    tmp_path: Path, capsys
+) -> None:
+    """A graded self-test plants its faults rung by rung and records no single `fault` in
+    run.json, only its detection.json: its MISMATCHes are the harness's too, which vLLM
+    alone would not show."""
+    bundle = write_bundle(tmp_path / "run", verdict="MISMATCH")
+    (bundle / "detection.json").write_text("{}")
+    line = one_line_refusal(capsys, ["export", str(bundle)])
+    assert "planted by the harness's self-test (graded faults)" in line
+
+
 def test_a_load_that_killed_an_instance_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
     """`export` of a `load --kill decode` run (real vLLM, 1P+1D) wrote "[Bug]: EPD 1P+1D
     (ExampleConnector): D dies on a request of ..." with D's exit code -9: an upstream report
