@@ -129,6 +129,26 @@ def test_kv_noise_touches_only_files_written_for_this_request(tmp_path: Path):
     assert "wrote no new" in fault.problems[0], fault.problems
 
 
+def test_kv_noise_acts_on_a_file_p_wrote_again_after_the_storage_was_cleaned(tmp_path: Path):
+    """A load cleans the KV storage between rounds; P then writes a prompt's file again at the
+    same path. Written since the fault last looked, it is this request's: noised, not taken
+    for a file P found stored (a "leftover" miss the fuzzer accepts, with D reading clean KV)."""
+    import os
+    import shutil
+
+    fault = kv_noise(tmp_path, 0.05, seed=0)
+    path = write_kv(tmp_path, "prompt-a", seed=1)
+    fault.after_prefill("req-1", {})
+    shutil.rmtree(path.parent)  # the round's cleaning
+    assert write_kv(tmp_path, "prompt-a", seed=3) == path  # P writes it again
+    stamp = path.stat()
+    os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 1_000_000))
+    before = load_file(path)["kv_cache"]
+    fault.after_prefill("req-2", {})
+    assert fault.touched == [path, path] and not fault.problems, fault
+    assert 0.04 < relative_change(before, load_file(path)["kv_cache"]) < 0.06
+
+
 def test_kv_noise_calls_a_miss_leftover_only_on_storage_it_noised_all_of(tmp_path: Path):
     """The fuzzer's shrink accepts a candidate kv-noise missed for leftover state (P found its
     prompt's KV stored), since D then read a file the fault noised as it would for this request
