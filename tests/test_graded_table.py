@@ -228,3 +228,16 @@ def test_a_rung_is_caught_by_a_mismatch_or_a_vacuous_match_only(
     record = case_record("1E+1PD", "d-ec-noise-0", verdict, passed=False, detail="d")
     made = rung_from_record("ec-noise", 0.5, record, touched=1)
     assert (made.caught, made.prompt_ids_equal) == (caught, prompt_ids_equal)
+
+
+def test_a_kv_or_stream_fault_acts_on_a_prompt_without_media() -> None:
+    """zero-kv and stream-duplicate-chunk act on any request (P's KV, D's stream): a run of the
+    text prompt alone is no run the fault cannot reach, and is not refused as one."""
+    from harness.run.faults.spec import refuse_unreached_prompts
+    from harness.spec.prompts import SKELETON_PROMPTS
+
+    text = [p for p in SKELETON_PROMPTS if p.name == "text"]
+    for fault in ("zero-kv", "drop-kv", "stream-duplicate-chunk"):
+        refuse_unreached_prompts(fault, text)
+    with pytest.raises(BadInput, match="needs a media item"):
+        refuse_unreached_prompts("corrupt-ec", text)
