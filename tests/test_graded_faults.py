@@ -307,6 +307,16 @@ def test_video_grid_fault_reaches_the_consumer_body_with_the_same_size():
     assert t * h * w == VIDEO_GRID[0] * VIDEO_GRID[1] * VIDEO_GRID[2], "the size changed"
 
 
+def test_video_grid_fault_refuses_a_height_it_cannot_halve_keeping_the_merge_size():
+    """Halving a grid height of 6 gives 3, which no 2x2 merge covers: the consumer would
+    reject the grid (an ERROR, not the position error planted). Recorded as a problem."""
+    params = {VIDEO_HASH: {"metadata": {"video_grid_thw": [[4, 6, 16]]}}}
+    fault = ec_video_grid()
+    fault.after_encode("req-1", params)
+    assert not fault.touched and "not a multiple of 4" in fault.problems[0], fault
+    assert params[VIDEO_HASH]["metadata"]["video_grid_thw"] == [[4, 6, 16]]
+
+
 def test_fault_for_builds_the_graded_faults(tmp_path: Path):
     assert fault_for("ec-noise:0.05", tmp_path, None).after_encode is not None
     assert fault_for("kv-noise:0.5", None, tmp_path).after_prefill is not None
