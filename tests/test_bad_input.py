@@ -1309,6 +1309,20 @@ def test_malformed_port_range(bad_run: BadRun, monkeypatch) -> None:
     assert_one_error_line(code, err, cause)
 
 
+@pytest.mark.parametrize("text", ["24099-24000", "80-1100", "1023-2000", "60000-65536"])
+def test_a_port_range_upside_down_or_outside_the_unprivileged_ports_is_refused(text: str) -> None:
+    """LOW-HIGH is inclusive and must lie within 1024..65535, LOW first: an upside-down range
+    was an empty one (every reservation then failed as if all ports were taken), and a LOW
+    below 1024 asked for ports only root may bind."""
+    assert environment.parse_port_range("24000-24099") == range(24000, 24100)
+    assert environment.parse_port_range(" 1024 - 1024 ") == range(1024, 1025)
+    with pytest.raises(BadInput) as refused:
+        environment.parse_port_range(text)
+    assert str(refused.value) == (
+        f"EPD_HARNESS_PORT_RANGE={text!r}: need 1024 <= LOW <= HIGH <= 65535"
+    )
+
+
 # -- files: media, run directory, disk space, baseline cache ------------------------------------
 
 
