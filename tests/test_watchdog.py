@@ -21,7 +21,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness.environment import WATCHDOG_ENV
+from harness.environment import (
+    NETWORK_CHECKS_ENV,
+    WATCHDOG_ENV,
+    network_checks_enabled,
+    watchdog_enabled,
+)
 from harness.serve import watchdog
 from harness.testing.processes import child_env, is_live, seconds_until_gone, wait_for
 
@@ -413,6 +418,17 @@ def test_a_normally_ending_harness_leaves_no_watchdog(tmp_path: Path) -> None:
     dog_pid = int(harness.stdout.split()[0])
     assert not is_live(dog_pid), f"watchdog {dog_pid} outlived the harness"
     assert not (tmp_path / watchdog.LOG_NAME).exists()
+
+
+def test_every_spelling_of_off_the_docs_name_turns_the_switches_off() -> None:
+    """docs/environment.md says "off (or 0)"; a value as a CI matrix or a shell writes it
+    (`Off`, ` 0 `, `false`, `NO`) turns the watchdog and the network checks off too, and
+    anything else, unset included, leaves them on."""
+    for value in ("off", " Off ", "0", "false", "NO"):
+        assert not watchdog_enabled({WATCHDOG_ENV: value}), value
+        assert not network_checks_enabled({NETWORK_CHECKS_ENV: value}), value
+    for environ in ({}, {WATCHDOG_ENV: "on", NETWORK_CHECKS_ENV: "1"}):
+        assert watchdog_enabled(environ) and network_checks_enabled(environ), environ
 
 
 def test_disabled_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
