@@ -90,6 +90,9 @@ def test_switched_off_or_off_x86_linux_it_makes_no_call(tmp_path: Path) -> None:
     call = RecordingArchPrctl()
     off = decide(tmp_path, FLAGS_WITH_AMX, call, environ={amx.DISABLE_ENV: "off"})
     assert off.startswith(amx.DISABLED), off
+    for value in ("0", "False", " no ", "OFF"):  # the spellings harness.amx.DISABLE_ENV names
+        said = decide(tmp_path, FLAGS_WITH_AMX, call, environ={amx.DISABLE_ENV: value})
+        assert said.startswith(amx.DISABLED), (value, said)
     arm = decide(tmp_path, FLAGS_WITH_AMX, call, machine="aarch64")
     assert arm.startswith(amx.NOT_NEEDED), arm
     assert call.calls == []
