@@ -195,6 +195,10 @@ def test_the_version_is_the_installed_one_only_when_it_is_the_code_running(
     assert harness_version(tree, FakeDistribution("0.2.0", tmp_path / "site", editable)) == "0.2.0"
     # A wheel install whose `harness` is the one running (site-packages/harness).
     assert harness_version(tree, FakeDistribution("0.2.0", tmp_path / "checkout")) == "0.2.0"
+    # A wheel of another version in site-packages, this checkout run through PYTHONPATH.
+    assert harness_version(tree, FakeDistribution("0.1.0", tmp_path / "site")) == (
+        f"0.2.0 (source tree {tree}, not the installed distribution)"
+    )
     # Another checkout installed (editable), this one run through PYTHONPATH: its version.
     other = {"url": (tmp_path / "main").as_uri(), "dir_info": {"editable": True}}
     assert harness_version(tree, FakeDistribution("0.1.0", tmp_path / "site", other)) == (
