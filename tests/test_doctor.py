@@ -39,6 +39,19 @@ def test_a_model_that_fails_to_load_is_not_blamed_on_the_tiny_model(monkeypatch,
     assert failing_model_load(monkeypatch, tmp_path, tiny=True).hint == "rebuild the tiny model"
 
 
+def test_a_directory_without_config_json_is_said_so_without_loading_it(monkeypatch, tmp_path):
+    """No config.json is not a model directory: said so in one line, no interpreter started
+    to load it (whose traceback would blame transformers or the tiny model)."""
+
+    def started(code, python):
+        raise AssertionError(f"a check ran in {python}")
+
+    monkeypatch.setattr(doctor, "_run_python", started)
+    assert doctor.check_model(tmp_path) == doctor.Check(
+        "model loads", False, f"{tmp_path} has no config.json", "is this a model directory?"
+    )
+
+
 def test_hints_that_repair_vllm_cpu_say_so(monkeypatch) -> None:
     """A GPU box's failing vLLM import was told to run scripts/cpu setup, and its failing
     torchvision to run python -m harness.cli.cpu_env (which uninstalls torchaudio)."""
