@@ -181,3 +181,14 @@ def test_runs_served_with_other_flags_name_each_flag_that_differs(tmp_path: Path
     ], across.out
     alike = epd_cli("compare", bf16, bf16)
     assert "served differently" not in alike.out
+
+
+def test_one_case_that_differs_fails_the_comparison_whatever_the_others(
+    tmp_path: Path, epd_cli
+) -> None:
+    """Exit 0 says every case in common is the same: one differing among equal ones is exit 1."""
+    same = outcome([1], [ENCODE])
+    a = write_run(tmp_path / "a", {"t": {"p": same, "q": same}}, "harness")
+    b = write_run(tmp_path / "b", {"t": {"p": same, "q": outcome([2], [ENCODE])}}, "vllm")
+    assert epd_cli("compare", a, b).code == 1
+    assert epd_cli("compare", a, a).code == 0
