@@ -192,3 +192,14 @@ def test_one_case_that_differs_fails_the_comparison_whatever_the_others(
     b = write_run(tmp_path / "b", {"t": {"p": same, "q": outcome([2], [ENCODE])}}, "vllm")
     assert epd_cli("compare", a, b).code == 1
     assert epd_cli("compare", a, a).code == 0
+
+
+def test_runs_with_no_case_in_common_are_refused_not_passed(tmp_path: Path, epd_cli) -> None:
+    """Nothing compared is nothing proven: exit 2, one line, never exit 0 on an empty table."""
+    a = write_run(tmp_path / "a", {"t": {"p": outcome([1], [ENCODE])}}, "harness")
+    b = write_run(tmp_path / "b", {"t": {"other": outcome([1], [ENCODE])}}, "vllm")
+    refused = epd_cli("compare", a, b)
+    assert (refused.code, refused.err) == (
+        2,
+        f"epd-harness: error: {a} and {b} hold no case in common\n",
+    )
