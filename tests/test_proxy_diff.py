@@ -203,3 +203,16 @@ def test_runs_with_no_case_in_common_are_refused_not_passed(tmp_path: Path, epd_
         2,
         f"epd-harness: error: {a} and {b} hold no case in common\n",
     )
+
+
+def test_a_run_without_serving_flags_is_compared_without_naming_any(
+    tmp_path: Path, epd_cli
+) -> None:
+    """A run.json without `serving` (an older run's) beside one with it: the tokens are
+    compared, no flag is said to differ, and nothing fails on the missing record."""
+    responses = {"t": {"p": outcome([1], [ENCODE])}}
+    older = write_run(tmp_path / "older", responses, "harness")
+    newer = write_run(tmp_path / "newer", responses, "vllm", serving={"dtype": "bfloat16"})
+    compared = epd_cli("compare", older, newer)
+    assert compared.code == 0, compared.err
+    assert "served differently" not in compared.out
