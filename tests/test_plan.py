@@ -411,6 +411,7 @@ def test_cli_topologies_are_repeatable_and_comma_separated(epd_cli) -> None:
         (["--platform", "cuda"], "--devices is required with --platform cuda"),
         (["--platform", "cuda", "--devices", "0,1,2", "--topology", "nope"], "unknown topology"),
         (["--topology", "1P+1D,1P+1D"], "topology 1P+1D is listed twice"),
+        (["--colocate"], "--colocate shares GPUs within a topology; on cpu"),
     ],
 )
 def test_cli_bad_input_is_exit_2_with_one_line_naming_the_cause(
