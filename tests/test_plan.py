@@ -425,6 +425,18 @@ def test_cli_bad_input_is_exit_2_with_one_line_naming_the_cause(
     assert cause in err
 
 
+def test_the_common_environment_is_only_what_every_instance_has(epd_cli) -> None:
+    """Printed once as every instance's, an entry must be every instance's: each GPU
+    instance's own device is printed with it, never in the common line."""
+    argv = ["--platform", "cuda", "--devices", "0,1,2", "--topology", "1E+1P+1D"]
+    code, out, err = epd_cli("plan", *argv, "--model", MODEL, "--vllm", "vllm")
+    assert code == 0, err
+    common = next(line for line in out.splitlines() if line.startswith("environment of every"))
+    assert "CUDA_VISIBLE_DEVICES" not in common, common
+    own = [line for line in out.splitlines() if line.startswith("    env: ")]
+    assert own and all("CUDA_VISIBLE_DEVICES=" in line for line in own), own
+
+
 def test_cli_one_gpu_with_colocate_is_a_valid_plan(epd_cli) -> None:
     argv = ["--platform", "cuda", "--devices", "0", "--colocate", "--vllm", "vllm"]
     code, out, err = epd_cli("plan", *argv)
