@@ -233,3 +233,27 @@ def test_without_the_directory_every_run_probes(
     check_kv_connector(served, NIXL)
     check_kv_connector(served, NIXL)
     assert len(probes(tmp_path)) == 2
+
+
+def test_a_kept_import_answers_for_its_own_module_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kept verdict is keyed by the module too: an interpreter that imported `nixl._api`
+    may still lack another connector's module, which must be probed and refused."""
+    monkeypatch.setenv(IMPORT_CHECK_DIR_ENV, str(tmp_path / "import-check"))
+    python = tmp_path / "python"
+    python.write_text(
+        f'#!/bin/sh\necho "$2" >> {tmp_path / "probes"}\n'
+        'case "$2" in *other_kv*) echo "ModuleNotFoundError: No module named '
+        "'other_kv'\" >&2; exit 1;; esac\n"
+    )
+    python.chmod(0o755)
+    vllm = tmp_path / "vllm"
+    vllm.write_text(f"#!{python}\n")
+    vllm.chmod(0o755)
+    served = dataclasses.replace(SERVED, executable=str(vllm))
+    other = dataclasses.replace(NIXL, name="other", requires_module="other_kv")
+    check_kv_connector(served, NIXL)
+    with pytest.raises(BadInput, match="No module named 'other_kv'"):
+        check_kv_connector(served, other)
+    assert probes(tmp_path) == ["import nixl._api", "import other_kv"]
