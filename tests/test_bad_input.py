@@ -219,6 +219,11 @@ REPEATED = '[{"topology": "1P+1D", "prompt": "text"}, {"topology": "1P+1D", "pro
             "entry 1: 'prompt' must be a name (a string), got nothing",
         ),
         (
+            "list-name.json",
+            '[{"topology": ["1P+1D"], "prompt": "text"}]',
+            "entry 1: 'topology' must be a name (a string), got a list",
+        ),
+        (
             "unclosed.yaml",
             "- topology: 1E+1PD\n  prompt: [image\n",
             "not valid YAML: line 3 column 1: expected ',' or ']', but got '<stream end>'",
