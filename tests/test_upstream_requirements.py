@@ -73,6 +73,12 @@ def test_comments_blank_lines_and_continuations_are_read_as_pip_reads_them() -> 
     ]
 
 
+def test_a_continuation_on_the_last_line_is_still_read() -> None:
+    """pip reads a file whose last line ends in `\\` as if the line ended there: the
+    requirement on it is declared, not dropped."""
+    assert logical_lines("lmcache\nnixl == 1.5.0 \\\n") == [(1, "lmcache"), (2, "nixl == 1.5.0")]
+
+
 def test_only_the_package_itself_is_declared_not_its_cuda_builds_or_commented_pins(
     tmp_path: Path,
 ) -> None:
