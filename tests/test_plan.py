@@ -437,6 +437,15 @@ def test_the_common_environment_is_only_what_every_instance_has(epd_cli) -> None
     assert own and all("CUDA_VISIBLE_DEVICES=" in line for line in own), own
 
 
+def test_cli_too_few_gpus_for_the_one_topology_named_offers_only_colocate(epd_cli) -> None:
+    """The baseline plan adds beside the topology named is no topology the user chose: leaving
+    the one named out would plan the whole sweep, so it is not offered (`run` too)."""
+    argv = ["--platform", "cuda", "--devices", "0", "--topology", "1P+1D", "--vllm", "vllm"]
+    code, out, err = epd_cli("plan", *argv)
+    assert (code, out) == (2, "")
+    assert err.rstrip().endswith("; use --colocate to share devices within a topology"), err
+
+
 def test_cli_one_gpu_with_colocate_is_a_valid_plan(epd_cli) -> None:
     argv = ["--platform", "cuda", "--devices", "0", "--colocate", "--vllm", "vllm"]
     code, out, err = epd_cli("plan", *argv)
