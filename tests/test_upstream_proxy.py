@@ -200,6 +200,24 @@ def test_dynamic_registration_is_refused_where_it_would_be_ignored(tmp_path: Pat
     upstream_proxy.check_dynamic_registration(old, "vllm-0.32.0.tar.gz")
 
 
+def test_the_proxy_chosen_for_dynamic_registration_is_checked_for_the_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`proxy_choice` itself refuses dynamic registration with a release's proxy that lacks
+    it, before anything starts (the mode appeared in vLLM's proxy after EPD itself)."""
+    monkeypatch.setattr(upstream_proxy, "git_commit", lambda directory: None)  # no process
+    tree = tmp_path / "vllm-tree"
+    for name in (EPD_PROXY_FILE, TOY_PROXY_FILE):
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text("parser.add_argument('--encode-servers-urls')\n")
+    served = ServedVllm(str(install_fake_vllm(tmp_path / "bin", serves=False)), "0.32.0+cpu")
+    with pytest.raises(BadInput, match="has no --dynamic-registration"):
+        upstream_proxy.proxy_choice("vllm", str(tree), served, tmp_path, "dynamic")
+    (tree / EPD_PROXY_FILE).write_text(f"parser.add_argument('{DYNAMIC_REGISTRATION_FLAG}')\n")
+    chosen = upstream_proxy.proxy_choice("vllm", str(tree), served, tmp_path, "dynamic")
+    assert chosen.registration == "dynamic"
+
+
 # --- development builds (their source trees: tests/test_vllm_source_tree.py) ----------------------
 
 
