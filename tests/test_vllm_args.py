@@ -115,3 +115,60 @@ def test_pydantic_refusals_keep_the_flag_and_the_field_and_drop_the_noise() -> N
 def test_a_vllm_without_an_interpreter_cannot_be_checked(tmp_path: Path) -> None:
     with pytest.raises(BadInput, match=r"names no Python interpreter"):
         check_serve_argvs({"x": ["serve"]}, None, "unknown", tmp_path)
+
+
+def counting_probe(monkeypatch, verdicts=None) -> list[dict]:
+    """`_run_probe` stood in: each call kept, every line accepted (or `verdicts` answered)."""
+    calls: list[dict] = []
+
+    def fake_probe(interpreter, given):
+        calls.append(given)
+        return ({name: None for name in given} if verdicts is None else verdicts), 1.0
+
+    monkeypatch.setattr(vllm_args, "_run_probe", fake_probe)
+    return calls
+
+
+def test_a_kept_verdict_is_another_interpreters_or_code_states_no_more(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Another environment's vLLM of the same version, or an editable install whose code
+    changed while its version stayed, may parse the line otherwise: it is judged again."""
+    calls = counting_probe(monkeypatch)
+    argvs = {"t/baseline0": ["serve", "MODEL"]}
+    assert check_serve_argvs(argvs, PYTHON, "0.32.0+cpu", tmp_path).judged == 1
+    assert check_serve_argvs(argvs, ["/other/python"], "0.32.0+cpu", tmp_path).judged == 1
+    assert check_serve_argvs(argvs, PYTHON, "0.32.0+cpu", tmp_path, code="a1").judged == 1
+    assert check_serve_argvs(argvs, PYTHON, "0.32.0+cpu", tmp_path, code="a1").judged == 0
+    assert check_serve_argvs(argvs, PYTHON, "0.32.0+cpu", tmp_path, code="b2").judged == 1
+    assert len(calls) == 4
+
+
+def test_a_line_the_probe_left_without_a_verdict_is_refused(tmp_path: Path, monkeypatch) -> None:
+    """A probe that answered for no line (it died part-way) accepted nothing."""
+    counting_probe(monkeypatch, verdicts={})
+    with pytest.raises(BadInput, match="t/baseline0: .* refuses its command line: no verdict"):
+        check_serve_argvs({"t/baseline0": ["serve", "MODEL"]}, PYTHON, "0.32.0", tmp_path)
+    assert not list(tmp_path.iterdir()), "nothing kept"
+
+
+def test_an_editable_install_of_unknown_code_keeps_no_verdict(tmp_path: Path, monkeypatch) -> None:
+    """Its version names no code, so a verdict kept under it could answer for other code."""
+    from harness.environment import ARGV_CHECK_DIR_ENV
+    from harness.preflight.vllm_args import check_served_argvs
+    from harness.spec.settings import ServedVllm
+    from harness.testing.fake_vllm import install_fake_vllm
+
+    kept = tmp_path / "argv-check"
+    monkeypatch.setenv(ARGV_CHECK_DIR_ENV, str(kept))
+    calls = counting_probe(monkeypatch)
+    vllm = str(install_fake_vllm(tmp_path / "bin", serves=False))
+    unknown = ServedVllm(vllm, "0.33.0.dev1", source_tree=str(tmp_path / "tree"))
+    assert unknown.cache_refusal is not None
+    argvs = {"t/baseline0": ["serve", "MODEL"]}
+    for _ in range(2):
+        assert check_served_argvs(argvs, unknown).judged == 1
+    assert len(calls) == 2 and not (kept.exists() and list(kept.iterdir()))
+    known = ServedVllm(vllm, "0.33.0.dev1", source_tree=str(tmp_path / "tree"), source_state="s")
+    check_served_argvs(argvs, known)
+    assert check_served_argvs(argvs, known).judged == 0
