@@ -1307,6 +1307,18 @@ def test_no_free_port(bad_run: BadRun, tmp_path: Path, monkeypatch) -> None:
     assert_one_error_line(code, err, cause)
 
 
+def test_the_port_check_gives_back_every_lease_it_took(port_locks: Path) -> None:
+    """The check proves the range has room before anything starts, and must leave it so: a
+    lease it kept would make the run's own leases find that range full."""
+    from harness.serve.ports import reserve_ports
+
+    with held_port() as port:
+        pass  # a port that was free a moment ago
+    resources.check_free_ports(1, range(port, port + 1))
+    for lease in reserve_ports(1, port_range=range(port, port + 1)):
+        lease.release()
+
+
 def test_malformed_port_range(bad_run: BadRun, monkeypatch) -> None:
     monkeypatch.setenv(environment.PORT_RANGE_ENV, "24000:24100")
     code, err = bad_run()
