@@ -267,6 +267,25 @@ def test_an_origin_record_a_crash_left_unreadable_is_fetched_again(
     assert again == first and index.downloads == 2
 
 
+@pytest.mark.parametrize("removed", [EPD_PROXY_FILE, "proxy files unlisted"])
+def test_a_cache_missing_a_file_or_not_listing_the_proxies_is_fetched_again(
+    index: FakeIndex, tmp_path: Path, removed: str
+) -> None:
+    """A cache whose file was deleted since (a cleaner of old files), or whose record does not
+    list the proxies, would launch a proxy that is not there: it is fetched again."""
+    first = upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+    origin = first.directory / upstream_proxy.ORIGIN_FILE
+    if removed == EPD_PROXY_FILE:
+        (first.directory / EPD_PROXY_FILE).unlink()
+    else:
+        record = json.loads(origin.read_text())
+        record["files"] = [f for f in record["files"] if f not in upstream_proxy.PROXY_FILES]
+        origin.write_text(json.dumps(record))
+    again = upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+    assert again == first and index.downloads == 2
+    assert (again.directory / EPD_PROXY_FILE).read_bytes() == STANDIN[EPD_PROXY_FILE]
+
+
 def test_two_runs_fetching_the_same_release_at_once_both_get_it(
     index: FakeIndex, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
