@@ -264,3 +264,24 @@ def test_without_the_source_tree_a_development_build_is_one_error_naming_the_opt
         upstream_proxy.proxy_choice("vllm", None, served, tmp_path / "cache")
     with pytest.raises(BadInput, match=r"development build.*--epd-vllm-source"):
         upstream_proxy.upstream_files(served, None, tmp_path / "cache")
+
+
+@pytest.mark.parametrize(
+    ("inner", "sought"),
+    [
+        (EPD_PROXY_FILE, True),
+        ("requirements/kv_connectors.txt", True),
+        ("requirements/common/nixl.txt", True),
+        ("requirements/../../../home/user/.bashrc.txt", False),  # out of the staging directory
+        ("/requirements/x.txt", False),
+        ("requirements/build.py", False),
+        ("requirements", False),
+        ("setup.py", False),
+    ],
+)
+def test_only_the_epd_files_and_requirements_inside_the_sdist_are_extracted(
+    inner: str, sought: bool
+) -> None:
+    """A member's path is joined under the staging directory: one climbing out of it with `..`
+    would be written wherever it points, so it is never sought."""
+    assert upstream_proxy.is_sought(inner) is sought
