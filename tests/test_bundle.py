@@ -388,6 +388,18 @@ def test_redact_argv_hides_credential_flags_only():
     ]
 
 
+@pytest.mark.parametrize("name", ["DB_PASSWORD", "hf_token", "Openai_Api_Key", "my_secret"])
+def test_a_credential_is_known_by_each_name_part_whatever_its_case(name):
+    """docs/running.md: names containing TOKEN, KEY, SECRET or PASSWORD are redacted; a
+    lower-case `hf_token` is as much a credential as `HF_TOKEN`."""
+    from harness.redact import redact_env
+
+    assert redact_env({name: "value-of-it", "HF_HOME": "/models"}) == {
+        name: REDACTED,
+        "HF_HOME": "/models",
+    }
+
+
 def test_a_credential_handed_to_ray_instances_stays_out_of_every_file(tmp_path, monkeypatch):
     """`--ray-instance-env HF_TOKEN=...`: found in review, its value reached run.json and
     report.html (the argv and the launcher's record)."""
