@@ -388,6 +388,19 @@ def test_redact_argv_hides_credential_flags_only():
     ]
 
 
+def test_redact_argv_hides_the_value_of_a_secret_named_assignment_whole():
+    """`--ray-instance-env HF_TOKEN=...`: an instance's `.cmd.json` and its log header are
+    written with `redact_argv` at launch, before any bundle scrubs text, so it alone keeps the
+    value out of them; an assignment of any other name is left as it is."""
+    argv = ["--ray-instance-env", "HF_TOKEN=hf_abc", "--ray-instance-env", "UCX_TLS=tcp"]
+    assert redact_argv(argv) == [
+        "--ray-instance-env",
+        f"HF_TOKEN={REDACTED}",
+        "--ray-instance-env",
+        "UCX_TLS=tcp",
+    ]
+
+
 @pytest.mark.parametrize("name", ["DB_PASSWORD", "hf_token", "Openai_Api_Key", "my_secret"])
 def test_a_credential_is_known_by_each_name_part_whatever_its_case(name):
     """docs/running.md: names containing TOKEN, KEY, SECRET or PASSWORD are redacted; a
