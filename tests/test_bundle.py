@@ -413,6 +413,29 @@ def test_a_credential_is_known_by_each_name_part_whatever_its_case(name):
     }
 
 
+@pytest.mark.parametrize(
+    "given",
+    [
+        ["--api-key", "sk-given-4711"],
+        ["--hf-token=sk-given-4711"],
+        ["--ray-instance-env", "HF_TOKEN=sk-given-4711"],
+    ],
+)
+def test_a_credential_given_on_the_harness_command_line_is_scrubbed_from_free_text(
+    given, tmp_path, monkeypatch
+):
+    """`--api-key X`, `--hf-token=X` and a secret-named `NAME=X` in the harness's own argv:
+    their values are secrets to scrub from every artifact's free text (an error that echoes
+    the key), not only masked in the argv recorded."""
+    import sys
+
+    from harness.report.bundle import Redactor
+
+    monkeypatch.setattr(sys, "argv", ["epd-harness", "run", *given])
+    text = Redactor.for_run(tmp_path).text("401: sk-given-4711 refused")
+    assert text == f"401: {REDACTED} refused"
+
+
 def test_a_credential_handed_to_ray_instances_stays_out_of_every_file(tmp_path, monkeypatch):
     """`--ray-instance-env HF_TOKEN=...`: found in review, its value reached run.json and
     report.html (the argv and the launcher's record)."""
