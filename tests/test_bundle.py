@@ -401,6 +401,17 @@ def test_redact_argv_hides_the_value_of_a_secret_named_assignment_whole():
     ]
 
 
+def test_a_flag_that_only_mentions_tokens_keeps_its_value_in_either_form():
+    """Flags are not matched by name (`--max-num-batched-tokens=64` is no credential): only a
+    `NAME=VALUE` whose NAME is an environment variable's name is taken for an assignment."""
+    argv = ["--max-num-batched-tokens=64", "--max-model-len=4096", "--api-key=k1"]
+    assert redact_argv(argv) == [
+        "--max-num-batched-tokens=64",
+        "--max-model-len=4096",
+        f"--api-key={REDACTED}",
+    ]
+
+
 @pytest.mark.parametrize("name", ["DB_PASSWORD", "hf_token", "Openai_Api_Key", "my_secret"])
 def test_a_credential_is_known_by_each_name_part_whatever_its_case(name):
     """docs/running.md: names containing TOKEN, KEY, SECRET or PASSWORD are redacted; a
