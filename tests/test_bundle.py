@@ -412,6 +412,15 @@ def test_a_flag_that_only_mentions_tokens_keeps_its_value_in_either_form():
     ]
 
 
+def test_a_secret_that_holds_another_is_scrubbed_whole():
+    """The longer secret goes first: scrubbing the shorter one inside it first would leave the
+    rest of the longer one in the artifact."""
+    from harness.report.bundle import Redactor
+
+    redactor = Redactor(["token-part", "token-part-and-its-tail"])
+    assert redactor.text("saw token-part-and-its-tail") == f"saw {REDACTED}"
+
+
 @pytest.mark.parametrize("name", ["DB_PASSWORD", "hf_token", "Openai_Api_Key", "my_secret"])
 def test_a_credential_is_known_by_each_name_part_whatever_its_case(name):
     """docs/running.md: names containing TOKEN, KEY, SECRET or PASSWORD are redacted; a
