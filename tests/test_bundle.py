@@ -412,6 +412,18 @@ def test_a_flag_that_only_mentions_tokens_keeps_its_value_in_either_form():
     ]
 
 
+def test_a_secret_in_a_run_problem_reaches_no_file_of_the_bundle(run_dir, model_dir):
+    """A run problem's text (an attached proxy's refusal echoing a key) is said in diff.md,
+    junit.xml and report.html's header: scrubbed there as any other text."""
+    records, responses = sample_run()
+    info = {**run_info(run_dir, model_dir), "problems": [f"the proxy refused key {SECRET}"]}
+    write_bundle(run_dir, records, responses, info)
+    for name in ("diff.md", "junit.xml", "report.html"):
+        text = (run_dir / name).read_text()
+        assert f"the proxy refused key {REDACTED}" in text, name
+        assert SECRET not in text, name
+
+
 def test_a_secret_that_holds_another_is_scrubbed_whole():
     """The longer secret goes first: scrubbing the shorter one inside it first would leave the
     rest of the longer one in the artifact."""
