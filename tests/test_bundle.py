@@ -424,6 +424,17 @@ def test_a_secret_in_a_run_problem_reaches_no_file_of_the_bundle(run_dir, model_
         assert SECRET not in text, name
 
 
+def test_a_secret_is_scrubbed_from_the_keys_of_data_too():
+    """responses.json and run.json are keyed by prompts, topologies and names: a secret there
+    is as much in the artifact as in a value."""
+    from harness.report.bundle import Redactor
+
+    redactor = Redactor(["key-holding-secret"])
+    assert redactor.data({"p key-holding-secret": ["key-holding-secret"]}) == {
+        f"p {REDACTED}": [REDACTED]
+    }
+
+
 def test_a_secret_that_holds_another_is_scrubbed_whole():
     """The longer secret goes first: scrubbing the shorter one inside it first would leave the
     rest of the longer one in the artifact."""
