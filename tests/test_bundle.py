@@ -689,6 +689,21 @@ def test_run_json_and_the_report_name_each_instances_node(run_dir, model_dir):
     assert "# 1E+1P+1D/decode0 (on node 10.0.0.4, node-d)" in page
 
 
+def test_run_json_says_which_instances_one_waited_for_before_its_spawn(run_dir, model_dir):
+    """An instance spawned only once those before it on a shared GPU were healthy: run.json
+    says so, since its startup_s counts from its own spawn, not its topology's start."""
+    path = run_dir / "1E-1P-1D" / "1E-1P-1D__decode0.cmd.json"
+    command = json.loads(path.read_text())
+    path.write_text(json.dumps({**command, "start_after": ["1E+1P+1D/prefill0"]}))
+    write_run_info(
+        RunSettings(ServingConfig(model=str(model_dir)), run_dir, vllm=SERVED),
+        (TOPOLOGIES["1E+1P+1D"],),
+        SKELETON_PROMPTS[:1],
+    )
+    instances = json.loads((run_dir / "run.json").read_text())["instances"]
+    assert instances["1E+1P+1D/decode0"]["start_after"] == ["1E+1P+1D/prefill0"]
+
+
 def test_a_run_on_a_ray_cluster_does_not_record_this_hosts_devices_as_its_own(run_dir, model_dir):
     """With --launcher ray --ray-address the instances run on the cluster's nodes: run.json's
     `devices_used` described the harness's own host (its CPU model, its GPUs), and
