@@ -635,6 +635,17 @@ def test_diff_md_shows_each_failing_case_with_its_evidence(tmp_path):
     assert text.count("\n## ") == 3  # the MATCH case is not in the diff
 
 
+def test_diff_md_says_a_side_that_ended_at_the_divergence_ended():
+    """A candidate that stopped where the reference went on: its token is `(ended)`, not
+    `None`, and its ids end in the `[end]` marker at the divergence's position."""
+    reference = Outcome("image", answer(REFERENCE_IDS))
+    shorter = Outcome("image", answer(REFERENCE_IDS[:DIVERGENCE]))
+    text = render_diff_md([judged("1P+1D", "baseline", reference, shorter, [])])
+    assert "| candidate | (ended) | " in text
+    candidate_row = next(line for line in text.splitlines() if line.startswith("| candidate |"))
+    assert candidate_row.endswith(f"{REFERENCE_IDS[DIVERGENCE - 1]} **[end]** |")
+
+
 def test_diff_md_for_a_passing_run_is_a_short_note():
     records, _ = sample_run()
     assert render_diff_md(records[:1]) == "# EPD diff\n\nAll 1 case(s) passed their policy.\n"
