@@ -646,6 +646,23 @@ def test_diff_md_says_a_side_that_ended_at_the_divergence_ended():
     assert candidate_row.endswith(f"{REFERENCE_IDS[DIVERGENCE - 1]} **[end]** |")
 
 
+def test_diff_md_names_the_guards_nothing_could_check_and_fences_an_error_whole():
+    """A guard nothing could check is said under its own heading; an error holding a fence of
+    its own (a log tail quoting Markdown) stays inside a longer one."""
+    reference = Outcome("image", answer(REFERENCE_IDS))
+    unchecked = GuardResult("encoder_output", False, "no EC storage in reach", checkable=False)
+    failed = Outcome("image", error="HTTP 500\n```\nnot the end of the block")
+    records = [
+        judged(
+            "1E+1P+1D", "baseline", reference, Outcome("image", answer(CANDIDATE_IDS)), [unchecked]
+        ),
+        judged("2E+1PD", "baseline", reference, failed, []),
+    ]
+    text = render_diff_md(records)
+    assert "### Guards not checkable\n\n- `encoder_output`: no EC storage in reach" in text
+    assert "````text\nHTTP 500\n```\nnot the end of the block\n````" in text
+
+
 def test_diff_md_for_a_passing_run_is_a_short_note():
     records, _ = sample_run()
     assert render_diff_md(records[:1]) == "# EPD diff\n\nAll 1 case(s) passed their policy.\n"
