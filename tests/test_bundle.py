@@ -663,6 +663,19 @@ def test_diff_md_names_the_guards_nothing_could_check_and_fences_an_error_whole(
     assert "````text\nHTTP 500\n```\nnot the end of the block\n````" in text
 
 
+def test_diff_md_leaves_out_a_mismatch_that_passed_as_a_declared_failure():
+    """diff.md lists what failed its policy, as the exit code and junit.xml say: a MISMATCH
+    that passed as a declared release failure is no failing case of a pull request."""
+    records, _ = sample_run()
+    mismatch = next(r for r in records if r.verdict is Verdict.MISMATCH)
+    declared = dataclasses.replace(
+        mismatch, policy_passed=True, declared_failure="video-timing-before-0.31"
+    )
+    assert render_diff_md([records[0], declared]) == (
+        "# EPD diff\n\nAll 2 case(s) passed their policy.\n"
+    )
+
+
 def test_diff_md_for_a_passing_run_is_a_short_note():
     records, _ = sample_run()
     assert render_diff_md(records[:1]) == "# EPD diff\n\nAll 1 case(s) passed their policy.\n"
