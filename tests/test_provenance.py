@@ -62,3 +62,19 @@ def test_this_checkout_is_read_as_git_reads_it() -> None:
         assert "not a git checkout" in found["why"], found
     else:
         assert len(found["commit"]) in (40, 64), found
+
+
+def test_a_worktree_whose_git_file_points_relatively_reads_its_repository(tmp_path: Path) -> None:
+    """`gitdir: ../checkout/.git/worktrees/wt` (git worktree add --relative-paths, and a
+    submodule's checkout): read from the worktree, not from the process's directory."""
+    main = repo(tmp_path)
+    (main / ".git" / "refs" / "heads" / "review").write_text(A + "\n")
+    own = main / ".git" / "worktrees" / "wt"
+    own.mkdir(parents=True)
+    (own / "HEAD").write_text("ref: refs/heads/review\n")
+    (own / "commondir").write_text("../..\n")
+    worktree = tmp_path / "wt"
+    worktree.mkdir()
+    (worktree / ".git").write_text("gitdir: ../checkout/.git/worktrees/wt\n")
+    assert harness_source.__wrapped__(worktree)["commit"] == A
+
