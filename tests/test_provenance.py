@@ -78,3 +78,15 @@ def test_a_worktree_whose_git_file_points_relatively_reads_its_repository(tmp_pa
     (worktree / ".git").write_text("gitdir: ../checkout/.git/worktrees/wt\n")
     assert harness_source.__wrapped__(worktree)["commit"] == A
 
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_ref_that_holds_no_object_name_is_no_commit(tmp_path: Path, packed: bool) -> None:
+    """run.json's commit is an object name or None with why: a branch file holding anything
+    else (a symbolic ref, a torn write) is never recorded as the commit."""
+    root = repo(tmp_path)
+    if packed:
+        (root / ".git" / "packed-refs").write_text("not-a-sha refs/heads/main\n")
+    else:
+        (root / ".git" / "refs" / "heads" / "main").write_text("ref: refs/heads/other\n")
+    found = harness_source.__wrapped__(root)
+    assert found["commit"] is None and "names no commit" in found["why"], found
