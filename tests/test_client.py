@@ -279,6 +279,19 @@ def test_usage_that_counts_other_ids_is_a_broken_answer(
         parse_chat_response(body)
 
 
+def test_a_boolean_usage_count_is_no_count_even_where_it_equals_one() -> None:
+    """`true == 1` in Python: a one-id answer whose usage.completion_tokens is `true` would
+    pass the count check, though it counts nothing (as the stream reader flags a boolean)."""
+    body = copy.deepcopy(RECORDED_BODY)
+    choice = body["choices"][0]
+    choice["token_ids"] = choice["token_ids"][:1]
+    choice["logprobs"]["content"] = choice["logprobs"]["content"][:1]
+    body["usage"]["completion_tokens"] = True
+    problem = "the answer's usage.completion_tokens is true, not an integer"
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        parse_chat_response(body)
+
+
 @pytest.mark.parametrize(
     "usage",
     [None, {"prompt_tokens": 8}, {"prompt_tokens": 8, "completion_tokens": None}],
