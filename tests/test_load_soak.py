@@ -566,3 +566,15 @@ def test_a_sample_reads_each_storage_and_cleans_the_kv_one_only_between_rounds(
     assert last is not None and last.storage["kv"] == StorageUsage(2, 500)
     assert last.cleaned == {"kv": StorageUsage(2, 500)}
     assert not list(kv.iterdir()) and list(ec.iterdir()) == [ec / "item"]
+
+
+def test_what_the_harness_cleaned_is_summed_over_every_sample_that_cleaned() -> None:
+    """load.md says how much the soak's cleaning removed: every cleaning's bytes, by kind, not
+    the last one's."""
+    cleaned = {"kv": StorageUsage(files=2, bytes=3 * 2**20)}
+    samples = [
+        ResourceSample(at_s=float(n), requests_done=n, label=f"round {n}", cleaned=cleaned)
+        for n in range(3)
+    ]
+    history = ResourceHistory.of([*samples, ResourceSample(9.0, 9, "after")])
+    assert (history.cleaned_samples, history.cleaned_bytes) == (3, {"kv": 9 * 2**20})
