@@ -578,3 +578,23 @@ def test_what_the_harness_cleaned_is_summed_over_every_sample_that_cleaned() -> 
     ]
     history = ResourceHistory.of([*samples, ResourceSample(9.0, 9, "after")])
     assert (history.cleaned_samples, history.cleaned_bytes) == (3, {"kv": 9 * 2**20})
+
+
+def test_growth_up_to_its_bound_passes_and_a_byte_or_a_file_more_fails() -> None:
+    """The bounds are what growth may reach: RSS up to 256 MiB and 64 open files more after the
+    first round pass; one byte or one file beyond fails."""
+
+    def soak(rss_growth: int, fd_growth: int) -> list[str]:
+        def sample(n: int, rss: int, fds: int) -> ResourceSample:
+            usage = InstanceUsage(rss_bytes=rss, open_fds=fds, processes=3)
+            return ResourceSample(float(n), n, f"round {n}", instances={"decode0": usage})
+
+        base = sample(1, 2**30, 100)
+        end = sample(2, 2**30 + rss_growth, 100 + fd_growth)
+        return bound_problems(ResourceHistory.of([sample(0, 0, 0), base, end]), SoakBounds())
+
+    assert soak(256 * 2**20, 64) == []
+    assert [p.split(" grew")[0] for p in soak(256 * 2**20 + 1, 65)] == [
+        "decode0: RSS",
+        "decode0: open files",
+    ]
