@@ -702,6 +702,19 @@ def test_html_highlights_the_divergence_on_both_sides_and_escapes_text():
     assert "cached_tokens=0: D recomputed the prompt" in page
 
 
+def test_html_says_fail_for_a_run_without_cases_and_in_its_title_for_a_run_problem():
+    """A run that judged nothing proved nothing, and one its problems failed exits 1 however
+    its cases went: report.html's badge and its title (what a browser tab and an artifact
+    list show) say FAIL for both, as summary.json and the exit code do."""
+    empty = render_report_html([], {}, {})
+    assert '<span class="status fail">FAIL</span>' in empty
+    assert "<title>EPD report: FAIL</title>" in empty
+    records, responses = sample_run()
+    failed_by_problem = render_report_html(records[:1], responses, {"problems": ["check x"]})
+    assert "<title>EPD report: FAIL</title>" in failed_by_problem
+    assert "<title>EPD report: PASS</title>" in render_report_html(records[:1], responses, {})
+
+
 def test_html_falls_back_to_the_windows_without_responses():
     records, _ = sample_run()
     page = render_report_html(records[1:2], {}, {})
