@@ -715,6 +715,16 @@ def test_html_says_fail_for_a_run_without_cases_and_in_its_title_for_a_run_probl
     assert "<title>EPD report: PASS</title>" in render_report_html(records[:1], responses, {})
 
 
+def test_html_leads_with_the_failing_cases_expanded_and_keeps_the_passing_collapsed():
+    """The page leads with what needs a person's eyes: a failing case comes first and open,
+    a passing one after it and closed, each under its anchor from the verdict table."""
+    records, responses = sample_run()  # records[0] a MATCH, records[1] a MISMATCH
+    page = render_report_html(records[:2], responses, {})
+    failing = page.index('<details class="case fail" id="case-1" open>')
+    passing = page.index('<details class="case pass" id="case-0">')
+    assert failing < passing
+
+
 def test_html_falls_back_to_the_windows_without_responses():
     records, _ = sample_run()
     page = render_report_html(records[1:2], {}, {})
