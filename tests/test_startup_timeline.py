@@ -75,3 +75,17 @@ def test_startup_cpu_is_shown_per_process_with_its_sum() -> None:
     cpu = {"server": 8.63, "python": 0.02, "EngineCore": 7.65, "Worker": 9.40}
     assert describe_startup_cpu(cpu) == "CPU 25.7 s (server 8.6, EngineCore 7.7, Worker 9.4)"
     assert describe_startup_cpu({}) == "CPU not sampled"
+
+
+def test_each_phase_is_its_first_sign_and_a_log_may_cross_new_year(tmp_path: Path) -> None:
+    """A second worker loading its weights later does not move model_loaded; vLLM's stamps
+    carry no year, so a start spawned on 31 December reads January's lines as after it."""
+    log = tmp_path / "instance.log"
+    log.write_text(
+        "(APIServer pid=1) INFO 12-31 23:59:58 [api_utils.py:347] version 0.32.0\n"
+        "(Worker pid=3) INFO 01-01 00:00:10 [loader.py:501] Loading weights took 0.03 seconds\n"
+        "(Worker pid=4) INFO 01-01 00:00:20 [loader.py:501] Loading weights took 0.03 seconds\n"
+    )
+    spawned = datetime.datetime(2026, 12, 31, 23, 59, 55).timestamp()
+    timeline = startup_timeline(log, spawned, None)
+    assert (timeline["api_server"], timeline["model_loaded"]) == (3.0, 15.0)
