@@ -725,6 +725,16 @@ def test_html_leads_with_the_failing_cases_expanded_and_keeps_the_passing_collap
     assert failing < passing
 
 
+def test_html_escapes_a_prompt_name_wherever_it_is_shown():
+    """A prompt's name comes from a cases file or a fuzz draw: markup in it is text in the
+    verdict table and in its case's summary, never markup of the page."""
+    records, responses = sample_run()
+    hostile = dataclasses.replace(records[0], prompt=HOSTILE_TEXT)
+    page = render_report_html([hostile], responses, {})
+    assert HOSTILE_TEXT not in page
+    assert page.count("&lt;script&gt;alert(&#x27;pwned&#x27;)&lt;/script&gt;") >= 2
+
+
 def test_html_falls_back_to_the_windows_without_responses():
     records, _ = sample_run()
     page = render_report_html(records[1:2], {}, {})
