@@ -163,6 +163,13 @@ def test_drift_summary_names_the_log_prob_delta_at_the_divergence():
     assert "delta at the divergence 2.520" in drift_summary(d)
 
 
+def test_drift_summary_says_yes_for_a_divergence_the_drift_rule_took():
+    """A DRIFT verdict's evidence: every report's `drift:` line says yes, with the gaps."""
+    d = {"drift": True, "reference_gap": 0.01, "candidate_gap": 0.02, "prefix_delta": 0.0}
+    d |= {"divergence_delta": 0.01, "tolerance": 0.05}
+    assert drift_summary(d).startswith("yes (gaps 0.010 / 0.020 nats")
+
+
 def test_the_table_says_a_pass_was_a_declared_failure_however_long_its_detail():
     """Found in review: a case that passed only as a declared upstream failure said so at the
     end of its detail alone, which the table cuts to 70 characters; a prompt-ids MISMATCH
