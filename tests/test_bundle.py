@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -479,6 +480,21 @@ def test_a_credential_given_on_the_harness_command_line_is_scrubbed_from_free_te
     assert text == f"401: {REDACTED} refused"
 
 
+def ray_run_info(
+    tmp_path: Path, instance_env: tuple[tuple[str, str], ...]
+) -> tuple[Path, dict[str, Any]]:
+    """run.json of a 1P+1D run on Ray whose launcher hands the nodes `instance_env`."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    settings = RunSettings(
+        ServingConfig(model=str(tmp_path / "no-model")),
+        run_dir,
+        vllm=ServedVllm("/venv/bin/vllm", "0.32.0+cpu", "2.9.1+cpu"),
+        launcher=LauncherChoice("ray", instance_env=instance_env),
+    )
+    return run_dir, write_run_info(settings, (TOPOLOGIES["1P+1D"],), SKELETON_PROMPTS[:1])
+
+
 def test_a_credential_handed_to_ray_instances_stays_out_of_every_file(tmp_path, monkeypatch):
     """`--ray-instance-env HF_TOKEN=...`: found in review, its value reached run.json and
     report.html (the argv and the launcher's record)."""
@@ -488,15 +504,7 @@ def test_a_credential_handed_to_ray_instances_stays_out_of_every_file(tmp_path, 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     argv = ["epd-harness", "run", "--launcher", "ray", "--ray-instance-env", f"HF_TOKEN={token}"]
     monkeypatch.setattr(sys, "argv", argv)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    settings = RunSettings(
-        ServingConfig(model=str(tmp_path / "no-model")),
-        run_dir,
-        vllm=ServedVllm("/venv/bin/vllm", "0.32.0+cpu", "2.9.1+cpu"),
-        launcher=LauncherChoice("ray", instance_env=(("HF_TOKEN", token), ("UCX_TLS", "tcp"))),
-    )
-    info = write_run_info(settings, (TOPOLOGIES["1P+1D"],), SKELETON_PROMPTS[:1])
+    run_dir, info = ray_run_info(tmp_path, (("HF_TOKEN", token), ("UCX_TLS", "tcp")))
     write_bundle(run_dir, [], {}, info)
     leaked = [p.name for p in run_dir.rglob("*") if p.is_file() and token in p.read_text()]
     assert leaked == []
@@ -516,15 +524,7 @@ def test_a_credential_the_launcher_was_given_by_no_flag_stays_out_of_run_json(
     token = "hf_from_no_command_line_4242"
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setattr(sys, "argv", ["pytest", "tests"])
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    settings = RunSettings(
-        ServingConfig(model=str(tmp_path / "no-model")),
-        run_dir,
-        vllm=ServedVllm("/venv/bin/vllm", "0.32.0+cpu", "2.9.1+cpu"),
-        launcher=LauncherChoice("ray", instance_env=(("HF_TOKEN", token),)),
-    )
-    info = write_run_info(settings, (TOPOLOGIES["1P+1D"],), SKELETON_PROMPTS[:1])
+    run_dir, info = ray_run_info(tmp_path, (("HF_TOKEN", token),))
     assert token not in (run_dir / "run.json").read_text()
     assert info["launcher"]["instance_env"] == {"HF_TOKEN": REDACTED}
 
