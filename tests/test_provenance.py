@@ -35,17 +35,23 @@ def test_a_detached_head_is_its_commit(tmp_path: Path) -> None:
     assert harness_source.__wrapped__(repo(tmp_path, head=B + "\n"))["commit"] == B
 
 
-def test_a_worktree_reads_the_repository_it_points_to(tmp_path: Path) -> None:
-    main = repo(tmp_path)
-    (main / ".git" / "packed-refs").write_text(f"{A} refs/heads/review\n")
+def worktree_of(tmp_path: Path, main: Path, gitdir: str | None = None) -> Path:
+    """A worktree of `main` on branch review, its `.git` file pointing at `gitdir` (default:
+    its own directory under main's .git, absolute)."""
     own = main / ".git" / "worktrees" / "wt"
     own.mkdir(parents=True)
     (own / "HEAD").write_text("ref: refs/heads/review\n")
     (own / "commondir").write_text("../..\n")
     worktree = tmp_path / "wt"
     worktree.mkdir()
-    (worktree / ".git").write_text(f"gitdir: {own}\n")
-    assert harness_source.__wrapped__(worktree)["commit"] == A
+    (worktree / ".git").write_text(f"gitdir: {gitdir or own}\n")
+    return worktree
+
+
+def test_a_worktree_reads_the_repository_it_points_to(tmp_path: Path) -> None:
+    main = repo(tmp_path)
+    (main / ".git" / "packed-refs").write_text(f"{A} refs/heads/review\n")
+    assert harness_source.__wrapped__(worktree_of(tmp_path, main))["commit"] == A
 
 
 def test_no_checkout_or_no_commit_says_why(tmp_path: Path) -> None:
@@ -69,13 +75,7 @@ def test_a_worktree_whose_git_file_points_relatively_reads_its_repository(tmp_pa
     submodule's checkout): read from the worktree, not from the process's directory."""
     main = repo(tmp_path)
     (main / ".git" / "refs" / "heads" / "review").write_text(A + "\n")
-    own = main / ".git" / "worktrees" / "wt"
-    own.mkdir(parents=True)
-    (own / "HEAD").write_text("ref: refs/heads/review\n")
-    (own / "commondir").write_text("../..\n")
-    worktree = tmp_path / "wt"
-    worktree.mkdir()
-    (worktree / ".git").write_text("gitdir: ../checkout/.git/worktrees/wt\n")
+    worktree = worktree_of(tmp_path, main, gitdir="../checkout/.git/worktrees/wt")
     assert harness_source.__wrapped__(worktree)["commit"] == A
 
 
