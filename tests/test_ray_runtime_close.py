@@ -36,3 +36,72 @@ def test_a_disconnect_interrupted_still_stops_the_rehearsal_cluster(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         runtime.close()
     assert cluster.stopped
+
+
+class RecordingRay:
+    """`ray.init` and what `connect` asks of Ray afterwards, answered in-process: `fails` an
+    init that raises; `alive` how many nodes each look finds alive."""
+
+    def __init__(self, monkeypatch, fails: bool = False, alive: tuple[int, ...] = (1,)) -> None:
+        self.inits: list[dict] = []
+        self.looks = 0
+        self.connected = False
+        self.fails = fails
+        self.alive = alive
+        monkeypatch.setenv(ray_runtime.USAGE_STATS_ENV, "0")
+        monkeypatch.setattr(ray_runtime.atexit, "register", lambda *_: None)
+        monkeypatch.setattr(ray_runtime.ray, "init", self.init)
+        monkeypatch.setattr(ray_runtime.ray, "is_initialized", lambda: self.connected)
+        monkeypatch.setattr(ray_runtime.ray, "shutdown", lambda: None)
+        monkeypatch.setattr(ray_runtime, "alive_nodes", self.alive_nodes)
+        monkeypatch.setattr(ray_runtime, "describe_nodes", lambda: "alive")
+        monkeypatch.setattr(ray_runtime.time, "sleep", lambda _: None)
+
+    def init(self, **given) -> None:
+        self.inits.append(given)
+        if self.fails:
+            raise ConnectionError("GCS unreachable\nmore lines")
+        self.connected = True
+
+    def alive_nodes(self) -> list[dict]:
+        self.looks += 1
+        return [{}] * self.alive[min(self.looks, len(self.alive)) - 1]
+
+
+class StartedCluster(FakeCluster):
+    """A rehearsal cluster of three nodes that starts at once."""
+
+    addresses = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+    address = "127.0.0.2:6379"
+    driver_address = "127.0.0.2"
+
+    def __init__(self, work_dir) -> None:
+        StartedCluster.made.append(self)
+
+    def start(self) -> None:
+        pass
+
+
+def test_the_rehearsal_is_waited_for_node_by_node_and_stopped_when_ray_cannot_connect(
+    tmp_path, monkeypatch
+) -> None:
+    """The driver starts once every node of the rehearsal cluster is alive, not at the first;
+    a connection Ray refuses is one line, and the cluster this harness started for it stops."""
+    from harness.serve.launcher import LaunchRefused
+    from harness.spec.settings import LauncherChoice
+
+    monkeypatch.setattr(ray_runtime, "LocalRayCluster", StartedCluster)
+    monkeypatch.setattr(StartedCluster, "made", [], raising=False)
+    ray = RecordingRay(monkeypatch, alive=(1, 2, 3))
+    runtime = RayRuntime()
+    runtime.connect(LauncherChoice("ray"), tmp_path)
+    assert ray.looks == 3, ray.looks
+    assert ray.inits[-1]["_node_ip_address"] == "127.0.0.2"
+    ray = RecordingRay(monkeypatch, fails=True)
+    runtime = RayRuntime()
+    with pytest.raises(LaunchRefused) as refused:
+        runtime.connect(LauncherChoice("ray"), tmp_path)
+    assert str(refused.value) == (
+        "cannot connect to the Ray cluster at 127.0.0.2:6379: ConnectionError: GCS unreachable"
+    )
+    assert StartedCluster.made[-1].stopped and runtime.address is None

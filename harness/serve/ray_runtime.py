@@ -75,11 +75,11 @@ class RayRuntime:
                 namespace=f"epd-harness-{os.getpid()}",
             )
         except Exception as exc:
+            address = self.address  # named before close() forgets it
             self.close()
             first = (str(exc).strip().splitlines() or [""])[0]
             raise LaunchRefused(
-                f"cannot connect to the Ray cluster at {self.address}: {type(exc).__name__}: "
-                f"{first}"
+                f"cannot connect to the Ray cluster at {address}: {type(exc).__name__}: {first}"
             ) from None
         except BaseException:
             self.close()
