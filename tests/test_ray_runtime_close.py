@@ -82,6 +82,31 @@ class StartedCluster(FakeCluster):
         pass
 
 
+def test_a_run_connects_to_one_cluster_naming_a_loopback_head_as_its_own_address(
+    tmp_path, monkeypatch
+) -> None:
+    """A driver on a loopback cluster address (127.x) says that address is its own node's (Ray
+    would take it for the host's routable one and hang); any other address is left to Ray.
+    A connected run refuses a second --ray-address: one run, one cluster."""
+    from harness.serve.launcher import LaunchRefused
+    from harness.spec.settings import LauncherChoice
+
+    ray = RecordingRay(monkeypatch)
+    for address, node_ip in (("127.0.0.5:6379", "127.0.0.5"), ("10.0.0.1:6379", None)):
+        ray.connected = False
+        runtime = RayRuntime()
+        runtime.connect(LauncherChoice("ray", ray_address=address), tmp_path)
+        assert (ray.inits[-1]["address"], ray.inits[-1]["_node_ip_address"]) == (address, node_ip)
+    runtime.connect(LauncherChoice("ray", ray_address="10.0.0.1:6379"), tmp_path)
+    assert len(ray.inits) == 2  # connected already: no second init
+    with pytest.raises(LaunchRefused) as refused:
+        runtime.connect(LauncherChoice("ray", ray_address="10.0.0.9:6379"), tmp_path)
+    assert str(refused.value) == (
+        "--ray-address 10.0.0.9:6379: this harness is connected to 10.0.0.1:6379; "
+        "one run, one cluster"
+    )
+
+
 def test_the_rehearsal_is_waited_for_node_by_node_and_stopped_when_ray_cannot_connect(
     tmp_path, monkeypatch
 ) -> None:
