@@ -431,6 +431,117 @@ def test_repro_of_a_ray_bundle_is_refused_on_its_nodes_gpus(tmp_path, monkeypatc
     assert str(refused.value) == ON_THE_T4
 
 
+def node_report(address: str, gpus: list[str], kill_children: str | None = "0") -> dict:
+    """What an agent's `where` says of its node."""
+    return {
+        "address": address,
+        "node_id": address.replace(".", "") * 8,
+        "hostname": f"host-{address}",
+        "accelerators": {"GPU": gpus},
+        "pid": 7,
+        "kill_children": kill_children,
+        "inherited": {},
+    }
+
+
+class PlacingRay:
+    """Ray as `RayLauncher.reserve` calls it, answered in-process: records each placement
+    group's bundles and strategy, each agent's options and the side channels asked of them."""
+
+    def __init__(self, monkeypatch, *reports: dict) -> None:
+        self.groups: list[tuple[list[dict], str]] = []
+        self.options: list[dict] = []
+        self.sides: list[bool] = []
+        monkeypatch.setattr(
+            ray_launcher, "runtime", lambda: types.SimpleNamespace(connect=lambda *_: None)
+        )
+        monkeypatch.setattr(ray_launcher, "placement_group", self.placement_group)
+        monkeypatch.setattr(ray_launcher.ray, "get", lambda *a, **k: None)
+        monkeypatch.setattr(ray_launcher, "PlacementGroupSchedulingStrategy", lambda *a, **k: None)
+        monkeypatch.setattr(ray_launcher, "get_or_refuse", lambda answers, doing: answers)
+        agents = iter(reports)
+
+        def options(**given):
+            self.options.append(given)
+            agent = NodeAgent(where=next(agents))
+            agent.reserve = types.SimpleNamespace(remote=self.reserve)  # type: ignore[attr-defined]
+            return types.SimpleNamespace(remote=lambda: agent)
+
+        monkeypatch.setattr(ray_launcher, "RemoteAgent", types.SimpleNamespace(options=options))
+
+    def placement_group(self, bundles: list[dict], strategy: str, name: str):
+        self.groups.append((bundles, strategy))
+        return types.SimpleNamespace(ready=lambda: None)
+
+    def reserve(self, address: str, side: bool) -> tuple[int, int | None]:
+        self.sides.append(side)
+        return 41000 + len(self.sides), (42000 + len(self.sides)) if side else None
+
+
+def test_reserve_asks_ray_for_a_node_and_a_gpu_per_instance_and_binds_what_each_agent_got(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """STRICT_SPREAD unless --ray-placement pack; on a GPU platform a GPU in each bundle and the
+    instance's devices the accelerator ids Ray gave its agent; a NIXL instance a side-channel
+    port on its node (found in review: none of it was checked by a test without a cluster)."""
+    cluster = LauncherChoice("ray", ray_address="10.0.0.1:6379")
+    nixl = serving_for(CUDA, "/m", kv_connector=NIXL_CONNECTOR)
+    settings = RunSettings(nixl, tmp_path, platform=CUDA, launcher=cluster)
+    placing = PlacingRay(
+        monkeypatch, node_report("10.0.0.2", ["3"]), node_report("10.0.0.3", ["5"])
+    )
+    reservation = ray_launcher.RayLauncher(settings).reserve(TOPOLOGIES["1P+1D"], ())
+    assert placing.groups == [([{"CPU": 1, "GPU": 1}] * 2, "STRICT_SPREAD")]
+    assert [(o["num_cpus"], o["num_gpus"]) for o in placing.options] == [(1, 1), (1, 1)]
+    assert reservation.devices == [(3,), (5,)]
+    assert reservation.hosts == ["10.0.0.2", "10.0.0.3"]
+    assert placing.sides == [True, True]
+    assert reservation.ports == [41001, 41002]
+    assert reservation.side_channel_ports == [42001, 42002]
+
+    packed = dataclasses.replace(
+        settings,
+        serving=serving_for(CPU, "/m"),
+        platform=CPU,
+        launcher=dataclasses.replace(cluster, placement="pack"),
+    )
+    placing = PlacingRay(monkeypatch, node_report("10.0.0.2", []), node_report("10.0.0.2", []))
+    reservation = ray_launcher.RayLauncher(packed).reserve(TOPOLOGIES["1P+1D"], ())
+    assert placing.groups == [([{"CPU": 1}] * 2, "PACK")]
+    assert [(o["num_cpus"], o["num_gpus"]) for o in placing.options] == [(1, 0), (1, 0)]
+    assert reservation.devices is None
+    assert placing.sides == [False, False]  # no NIXL: no side channel
+    assert reservation.side_channel_ports == []
+
+
+def test_reserve_refuses_the_rehearsal_on_gpus_and_an_agent_ray_would_kill_the_children_of(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The one-host rehearsal on a GPU platform is refused before Ray is asked for anything
+    (its nodes would each report every device of the host); an agent running with Ray's
+    default of SIGKILLing its children would leave vLLM's engine behind when it ends."""
+    rehearsal = RunSettings(
+        serving_for(CUDA, "/m"), tmp_path, platform=CUDA, launcher=LauncherChoice("ray")
+    )
+    placing = PlacingRay(monkeypatch)
+    with pytest.raises(LaunchRefused, match=r"^1P\+1D: .*--ray-address"):
+        ray_launcher.RayLauncher(rehearsal).reserve(TOPOLOGIES["1P+1D"], ())
+    assert placing.groups == []
+    cpu = RunSettings(
+        serving_for(CPU, "/m"), tmp_path, platform=CPU, launcher=LauncherChoice("ray")
+    )
+    PlacingRay(
+        monkeypatch,
+        node_report("10.0.0.2", []),
+        node_report("10.0.0.3", [], kill_children=None),
+    )
+    with pytest.raises(LaunchRefused) as refused:
+        ray_launcher.RayLauncher(cpu).reserve(TOPOLOGIES["1P+1D"], ())
+    assert str(refused.value).startswith(
+        "1P+1D: the agent on node 10.0.0.3 runs with RAY_kill_child_processes_on_worker_exit=None"
+    ), refused.value
+
+
 class ExitingServer:
     """A server as its agent polls it, that writes its last lines and exits the moment its
     exit status is first asked for: the moment a dying vLLM writes its traceback and ends."""
