@@ -30,6 +30,7 @@ import psutil
 import pytest
 
 from harness.devices import GpuCapability
+from harness.environment import NETWORK_CHECKS_ENV
 from harness.serve import ray_launcher
 from harness.serve.launch import ServerDied
 from harness.serve.launcher import LaunchRefused, NodeInfo
@@ -540,6 +541,47 @@ def test_reserve_refuses_the_rehearsal_on_gpus_and_an_agent_ray_would_kill_the_c
     assert str(refused.value).startswith(
         "1P+1D: the agent on node 10.0.0.3 runs with RAY_kill_child_processes_on_worker_exit=None"
     ), refused.value
+
+
+def test_a_network_rule_broken_or_a_node_without_the_served_vllm_is_refused_before_a_start(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A rendered command that breaks a network rule is refused (only warned of with the
+    network checks off), judged as multi-node when its instances are on several nodes; a node
+    that lacks the served vLLM executable is refused naming the instance and the node."""
+    cpu = RunSettings(
+        serving_for(CPU, "/m"), tmp_path, platform=CPU, launcher=LauncherChoice("ray")
+    )
+    judged: list[bool] = []
+
+    def violations(spec, argv, env, multi_node):
+        judged.append(multi_node)
+        return [f"{spec.name}: the side channel is announced as localhost"] * (
+            spec.name == "1P+1D/decode0"
+        )
+
+    agents = [NodeAgent(check_executable=None) for _ in range(2)]
+    launcher = placed_launcher(cpu, monkeypatch, *agents)
+    monkeypatch.setattr(ray_launcher, "violations", violations)
+    with pytest.raises(LaunchRefused) as refused:
+        check_before_start(launcher, placed((), ()))
+    assert str(refused.value) == "1P+1D/decode0: the side channel is announced as localhost"
+    assert judged == [True, True]
+    monkeypatch.setenv(NETWORK_CHECKS_ENV, "off")
+    check_before_start(launcher, placed((), ()))  # warned of, not refused
+    judged.clear()
+    one_node = [dataclasses.replace(spec, host="10.0.0.2") for spec in placed((), ())]
+    check_before_start(launcher, one_node)
+    assert judged == [False, False]
+    monkeypatch.delenv(NETWORK_CHECKS_ENV)
+
+    missing = NodeAgent(check_executable="vllm is not an executable on this node")
+    launcher = placed_launcher(cpu, monkeypatch, NodeAgent(check_executable=None), missing)
+    with pytest.raises(LaunchRefused) as refused:
+        check_before_start(launcher, placed((), ()))
+    assert str(refused.value) == (
+        "1P+1D/decode0: vllm is not an executable on this node (node 10.0.0.3)"
+    )
 
 
 class ExitingServer:
