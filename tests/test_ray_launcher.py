@@ -23,7 +23,7 @@ import signal
 import threading
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -582,6 +582,83 @@ def test_a_network_rule_broken_or_a_node_without_the_served_vllm_is_refused_befo
     assert str(refused.value) == (
         "1P+1D/decode0: vllm is not an executable on this node (node 10.0.0.3)"
     )
+
+
+@dataclasses.dataclass
+class StoringSpec(PlacedSpec):
+    """An instance whose connector stores under `storage` (ExampleConnector's directory)."""
+
+    storage: Path = Path()
+
+    def shared_storage(self) -> dict:
+        return {"KV storage": self.storage}
+
+
+def storage_node(view: Callable[[Path, bool], Path]) -> types.SimpleNamespace:
+    """An agent whose node sees the path the harness names as `view(path, writing)`: the real
+    `storage_probe` run on what that node would read and write."""
+
+    def probe(reads: list[tuple[str, str]], write: tuple[str, str] | None) -> str:
+        return InstanceAgent().storage_probe(
+            [(str(view(Path(p), False)), text) for p, text in reads],
+            None if write is None else (str(view(Path(write[0]), True)), write[1]),
+        )
+
+    return types.SimpleNamespace(storage_probe=types.SimpleNamespace(remote=probe))
+
+
+def test_connector_storage_is_refused_unless_each_node_and_the_harness_see_every_write(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Each way a directory can fail to be one directory is refused, by the probe that sees it:
+    a node that does not see the harness's file, nodes that do not see each other's, and nodes
+    that see each other's where the harness does not (found in review: only the first was
+    checked, and with a cluster)."""
+    shared, elsewhere = tmp_path / "shared", tmp_path / "elsewhere"
+    for directory in (shared, elsewhere, elsewhere / "0", elsewhere / "1"):
+        directory.mkdir()
+    cpu = RunSettings(
+        serving_for(CPU, "/m"), tmp_path, platform=CPU, launcher=LauncherChoice("ray")
+    )
+    instances = [StoringSpec(spec.name, spec.host, (), storage=shared) for spec in placed((), ())]
+
+    def check(*views: Callable[[Path, bool], Path]) -> None:
+        agents = [storage_node(view) for view in views]
+        placed_launcher(cpu, monkeypatch, *agents)._check_storage(instances)
+
+    def same(path: Path, writing: bool) -> Path:
+        return path
+
+    check(same, same)
+    assert list(shared.iterdir()) == []  # the probe's files removed
+    with pytest.raises(
+        LaunchRefused,
+        match=r"1P\+1D/decode0's node 10\.0\.0\.3 does not see "
+        r"what the harness wrote there \(cannot read",
+    ):
+        check(same, lambda path, writing: elsewhere / path.name)
+    writes_aside = iter([elsewhere / "0", elsewhere / "1"])
+    asides = [
+        lambda path, writing, aside=next(writes_aside): aside / path.name if writing else path
+        for _ in range(2)
+    ]
+    with pytest.raises(
+        LaunchRefused,
+        match=r"1P\+1D/prefill0's node 10\.0\.0\.2 does not see "
+        r"what another node wrote there",
+    ):
+        check(*asides)
+
+    def among_nodes(path: Path, writing: bool) -> Path:
+        """The harness's file where it wrote it; the nodes' own in a directory of theirs."""
+        return path if path.name.endswith("-harness") else elsewhere / path.name
+
+    with pytest.raises(
+        LaunchRefused,
+        match=r"the harness does not see what 1P\+1D/prefill0's "
+        r"node 10\.0\.0\.2 wrote there",
+    ):
+        check(among_nodes, among_nodes)
 
 
 class ExitingServer:
