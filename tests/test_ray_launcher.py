@@ -661,6 +661,21 @@ def test_connector_storage_is_refused_unless_each_node_and_the_harness_see_every
         check(among_nodes, among_nodes)
 
 
+def test_a_nodes_storage_probe_reads_what_was_written_and_writes_its_own(tmp_path: Path) -> None:
+    """A file holding something else than what was written is no shared file; the node's own
+    file is written for the others to read."""
+    written = tmp_path / "harness"
+    written.write_text("token harness", encoding="utf-8")
+    agent = InstanceAgent()
+    assert agent.storage_probe([(str(written), "token harness")], None) == ""
+    assert agent.storage_probe([(str(written), "token other")], None) == (
+        f"{written} holds something else than what was written"
+    )
+    own = tmp_path / "node"
+    assert agent.storage_probe([], (str(own), "token 0")) == ""
+    assert own.read_text(encoding="utf-8") == "token 0"
+
+
 class ExitingServer:
     """A server as its agent polls it, that writes its last lines and exits the moment its
     exit status is first asked for: the moment a dying vLLM writes its traceback and ends."""
