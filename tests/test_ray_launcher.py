@@ -676,6 +676,55 @@ def test_a_nodes_storage_probe_reads_what_was_written_and_writes_its_own(tmp_pat
     assert own.read_text(encoding="utf-8") == "token 0"
 
 
+def test_an_instance_not_listening_at_its_node_or_a_side_channel_a_peer_cannot_reach_is_refused(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """From the nodes: each instance listens at its node's address, and each NIXL side channel
+    opens from every peer on another node (a peer on the same node is not asked: the channel's
+    reach between nodes is what is checked)."""
+    cpu = RunSettings(
+        serving_for(CPU, "/m"), tmp_path, platform=CPU, launcher=LauncherChoice("ray")
+    )
+    monkeypatch.setattr(ray_launcher, "SIDE_CHANNEL_WAIT_S", 0.0)
+    monkeypatch.setattr(ray_launcher, "side_channels", lambda spec: [(spec.host, 5600)])
+    monkeypatch.setattr(
+        ray_launcher, "runtime", lambda: types.SimpleNamespace(log_memory=lambda: None)
+    )
+    instances = [
+        dataclasses.make_dataclass("Spec", ["name", "host", "port"])(name, host, 8000)
+        for name, host in (("1P+1D/prefill0", "10.0.0.2"), ("1P+1D/decode0", "10.0.0.3"))
+    ]
+
+    def node(host: str, **answers) -> NodeAgent:
+        return NodeAgent(listening=[(host, 8000), (host, 5600)], **answers)
+
+    placed_launcher(
+        cpu, monkeypatch, node("10.0.0.2", can_connect=""), node("10.0.0.3", can_connect="")
+    ).check_serving(instances)
+    deaf = NodeAgent(listening=[("127.0.0.1", 8000)], can_connect="")
+    with pytest.raises(LaunchRefused) as refused:
+        placed_launcher(cpu, monkeypatch, node("10.0.0.2", can_connect=""), deaf).check_serving(
+            instances
+        )
+    assert str(refused.value) == (
+        "1P+1D/decode0: nothing listens at 10.0.0.3:8000 (--host/--port) on its node; it "
+        "listens on 127.0.0.1:8000"
+    )
+    cut_off = node("10.0.0.3", can_connect="ConnectionRefusedError: refused")
+    with pytest.raises(
+        LaunchRefused,
+        match=r"^1P\+1D/prefill0's NIXL side channel "
+        r"10\.0\.0\.2:5600 cannot be reached from 1P\+1D/decode0's node",
+    ):
+        placed_launcher(cpu, monkeypatch, node("10.0.0.2", can_connect=""), cut_off).check_serving(
+            instances
+        )
+    # Two instances on one node: neither is asked to reach the other's channel (no
+    # `can_connect` on these agents: asked, they would raise AttributeError).
+    same_node = [dataclasses.replace(spec, host="10.0.0.2") for spec in instances]
+    placed_launcher(cpu, monkeypatch, node("10.0.0.2"), node("10.0.0.2")).check_serving(same_node)
+
+
 class ExitingServer:
     """A server as its agent polls it, that writes its last lines and exits the moment its
     exit status is first asked for: the moment a dying vLLM writes its traceback and ends."""
