@@ -725,6 +725,31 @@ def test_an_instance_not_listening_at_its_node_or_a_side_channel_a_peer_cannot_r
     placed_launcher(cpu, monkeypatch, node("10.0.0.2"), node("10.0.0.2")).check_serving(same_node)
 
 
+def test_a_shared_dir_is_fresh_per_run_and_close_frees_the_agents_and_the_placement(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Without --ray-shared-dir a connector stores under the session's own directory; with it,
+    under a directory of this run's in the shared one. `close` ends each agent and removes the
+    placement group, so the next topology can be placed."""
+    cpu = RunSettings(
+        serving_for(CPU, "/m"), tmp_path, platform=CPU, launcher=LauncherChoice("ray")
+    )
+    session = tmp_path / "run" / "1P+1D"
+    assert ray_launcher.RayLauncher(cpu).storage_root(session) == session
+    shared = dataclasses.replace(cpu, launcher=LauncherChoice("ray", shared_dir=tmp_path / "nfs"))
+    root = ray_launcher.RayLauncher(shared).storage_root(session)
+    assert root.parent.parent == tmp_path / "nfs" and root.name == "1P+1D", root
+    assert root.parent.name.startswith("epd-"), root
+    launcher = ray_launcher.RayLauncher(cpu)
+    ended: list = []
+    monkeypatch.setattr(ray_launcher.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray_launcher.ray, "kill", ended.append)
+    monkeypatch.setattr(ray_launcher, "remove_placement_group", ended.append)
+    launcher._agents, launcher._group = ["agent0", "agent1"], "group"
+    launcher.close()
+    assert ended == ["agent0", "agent1", "group"]
+
+
 class ExitingServer:
     """A server as its agent polls it, that writes its last lines and exits the moment its
     exit status is first asked for: the moment a dying vLLM writes its traceback and ends."""
