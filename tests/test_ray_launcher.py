@@ -883,3 +883,76 @@ def test_a_stop_the_agent_never_confirms_fails_naming_the_instance(tmp_path, mon
     with pytest.raises(ServerStopFailed, match=r"1P\+1D/decode0: .*Ray node 10\.0\.0\.3"):
         server.stop(1.0)
     assert killed == [agent]
+
+
+class ScriptedAgent:
+    """A RayServer's agent whose calls `ray.get` answers from `answers` (a method name to a
+    list of answers, the last one repeated; an exception is raised), recording each call."""
+
+    def __init__(self, monkeypatch, **answers: list) -> None:
+        from harness.serve import ray_server
+
+        self.calls: list[tuple] = []
+        self.answers = answers
+        for method in ("poll", "stop", "discard", "owns_health_port"):
+            setattr(
+                self,
+                method,
+                types.SimpleNamespace(remote=lambda *args, method=method: (method, *args)),
+            )
+        monkeypatch.setattr(ray_server.ray, "get", self.get)
+        monkeypatch.setattr(ray_server.ray, "kill", lambda agent: self.calls.append(("kill",)))
+
+    def get(self, call: tuple, timeout: float | None = None):
+        self.calls.append(call)
+        queue = self.answers.get(call[0], [None])
+        answer = queue.pop(0) if len(queue) > 1 else queue[0]
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+
+def started_server(tmp_path: Path, agent: ScriptedAgent):
+    from harness.serve import ray_server
+    from harness.serve.server_command import ServerCommand
+
+    command = ServerCommand(
+        "1P+1D/decode0", ["vllm"], "http://10.0.0.3:8000/health", tmp_path / "d.log"
+    )
+    command.log_path.write_bytes(b"")
+    server = ray_server.RayServer(agent, command, NodeInfo("10.0.0.3"))
+    server._pid = 4242
+    return server
+
+
+def polled(rss: int, cpu: dict, exit_code: int | None = None) -> dict:
+    return {"exit": exit_code, "data": b"", "rss": rss, "cpu": cpu}
+
+
+def test_a_ray_servers_usage_is_its_peak_and_its_death_names_the_phase(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The peak RSS of every poll, not the last one's; the CPU seconds of the last poll that
+    had them; a death before readiness said to be during startup, after it while serving."""
+    agent = ScriptedAgent(
+        monkeypatch,
+        poll=[
+            polled(900, {"user": 2.0}),
+            polled(400, {}),
+            polled(400, {}, exit_code=1),
+        ],
+    )
+    server = started_server(tmp_path, agent)
+    assert server.peak_rss_bytes() == 900
+    assert server.peak_rss_bytes() == 900
+    assert server.cpu_seconds() == {"user": 2.0}
+    with pytest.raises(ServerDied, match=r"died during startup: "):
+        server.check_alive()
+    serving = started_server(tmp_path, ScriptedAgent(monkeypatch, poll=[polled(0, {}, 1)]))
+    serving._spawned_at = time.monotonic() - 5.0  # spawned 5 s ago
+    serving.mark_ready()
+    first = serving.startup_seconds
+    serving.mark_ready()
+    assert serving.startup_seconds == first  # readiness is when it came first
+    with pytest.raises(ServerDied, match=r"died while serving: "):
+        serving.check_alive()
