@@ -956,3 +956,24 @@ def test_a_ray_servers_usage_is_its_peak_and_its_death_names_the_phase(
     assert serving.startup_seconds == first  # readiness is when it came first
     with pytest.raises(ServerDied, match=r"died while serving: "):
         serving.check_alive()
+
+
+def test_a_ray_server_whose_agent_is_lost_is_not_alive_and_its_stop_asks_no_more_of_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """An agent lost during the stop ended its server (its watchdog): the instance is not
+    alive, and nothing more is asked of the agent, whose node-side log is gone with it."""
+    from ray.exceptions import RayActorError
+
+    agent = ScriptedAgent(
+        monkeypatch, poll=[polled(0, {})], stop=[RayActorError()], owns_health_port=[True]
+    )
+    server = started_server(tmp_path, agent)
+    assert server.is_alive() and server.owns_health_port()
+    agent.calls.clear()
+    server.stop(1.0)
+    assert [call[0] for call in agent.calls] == ["poll", "stop", "kill"]
+    assert server.lost is not None and "10.0.0.3 is gone" in server.lost
+    assert not server.is_alive()
+    agent.answers["owns_health_port"] = [RayActorError()]
+    assert not server.owns_health_port()  # no answer is no readiness
