@@ -977,3 +977,22 @@ def test_a_ray_server_whose_agent_is_lost_is_not_alive_and_its_stop_asks_no_more
     assert not server.is_alive()
     agent.answers["owns_health_port"] = [RayActorError()]
     assert not server.owns_health_port()  # no answer is no readiness
+
+
+def test_a_ray_server_stopped_before_it_was_ready_gets_the_start_up_grace(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """As a local server: a server not yet ready is stopped with at most the start-up grace,
+    a ready one with the grace asked for, and a second stop does nothing."""
+    from harness.serve.launch import STARTUP_STOP_GRACE_S
+
+    for ready, grace in ((False, STARTUP_STOP_GRACE_S), (True, 60.0)):
+        agent = ScriptedAgent(monkeypatch, poll=[polled(0, {})])
+        server = started_server(tmp_path, agent)
+        if ready:
+            server.mark_ready()
+        server.stop(60.0)
+        assert ("stop", grace, ready) in agent.calls, agent.calls
+        calls = len(agent.calls)
+        server.stop(60.0)
+        assert len(agent.calls) == calls
