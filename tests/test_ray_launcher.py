@@ -996,3 +996,18 @@ def test_a_ray_server_stopped_before_it_was_ready_gets_the_start_up_grace(
         calls = len(agent.calls)
         server.stop(60.0)
         assert len(agent.calls) == calls
+
+
+def test_a_poll_brings_every_chunk_the_node_has_in_one_call(tmp_path: Path, monkeypatch) -> None:
+    """A log that grew by more than one chunk since the last poll is brought over whole: the
+    poll asks again while a chunk came back full."""
+    from harness.serve import ray_server
+
+    monkeypatch.setattr(ray_server, "LOG_CHUNK_BYTES", 4)
+    chunks = [b"abcd", b"efgh", b"ij"]
+    agent = ScriptedAgent(
+        monkeypatch, poll=[{"exit": None, "data": c, "rss": 0, "cpu": {}} for c in chunks]
+    )
+    server = started_server(tmp_path, agent)
+    assert server.log_size() == 10
+    assert server.command.log_path.read_bytes() == b"abcdefghij"
