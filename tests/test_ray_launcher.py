@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import threading
 import time
 import types
@@ -1011,3 +1012,23 @@ def test_a_poll_brings_every_chunk_the_node_has_in_one_call(tmp_path: Path, monk
     server = started_server(tmp_path, agent)
     assert server.log_size() == 10
     assert server.command.log_path.read_bytes() == b"abcdefghij"
+
+
+def test_an_agent_holds_a_side_channel_port_only_for_nixl_and_finds_the_served_executable(
+    tmp_path: Path,
+) -> None:
+    """`reserve` holds an HTTP port, and a NIXL side-channel port only when asked; an
+    executable the node lacks is named, one it has is not."""
+    agent = InstanceAgent()
+    try:
+        http, side = agent.reserve("127.0.0.1", True)
+        assert len(agent.leases) == 2 and side is not None and side != http
+    finally:
+        agent.stop(0.0, ready=False)
+    try:
+        assert agent.reserve("127.0.0.1", False)[1] is None and len(agent.leases) == 1
+    finally:
+        agent.stop(0.0, ready=False)
+    assert agent.check_executable(sys.executable) is None
+    missing = str(tmp_path / "vllm")
+    assert agent.check_executable(missing) == f"{missing} is not an executable on this node"
