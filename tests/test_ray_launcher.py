@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -1032,3 +1033,35 @@ def test_an_agent_holds_a_side_channel_port_only_for_nixl_and_finds_the_served_e
     assert agent.check_executable(sys.executable) is None
     missing = str(tmp_path / "vllm")
     assert agent.check_executable(missing) == f"{missing} is not an executable on this node"
+
+
+def test_an_agent_lists_only_what_its_server_listens_on_and_stops_a_ready_one_as_ready(
+    tmp_path: Path,
+) -> None:
+    """`listening` is the sockets the server's tree listens on, not its open connections;
+    a server stopped as ready is marked ready first, so it gets its full grace."""
+    agent = InstanceAgent()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    client = socket.create_connection(listener.getsockname())
+    accepted, _ = listener.accept()
+    try:
+        agent.server = types.SimpleNamespace(pid=os.getpid())  # type: ignore[assignment]
+        found = agent.listening()
+        assert listener.getsockname() in found and client.getsockname() not in found, found
+    finally:
+        for sock in (accepted, client, listener):
+            sock.close()
+    media = tmp_path / "media"
+    media.mkdir()
+    for name in "abcdefghij":
+        (media / name).write_bytes(b"")
+    assert agent.directory_listing(str(media)) == list("abcdefghij")  # as the harness lists it
+    done: list = []
+    agent.server = types.SimpleNamespace(  # type: ignore[assignment]
+        mark_ready=lambda: done.append("ready"), stop=lambda grace: done.append(grace)
+    )
+    agent.stop(30.0, ready=True)
+    agent.stop(5.0, ready=False)
+    assert done == ["ready", 30.0, 5.0]
