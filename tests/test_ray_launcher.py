@@ -1065,3 +1065,21 @@ def test_an_agent_lists_only_what_its_server_listens_on_and_stops_a_ready_one_as
     agent.stop(30.0, ready=True)
     agent.stop(5.0, ready=False)
     assert done == ["ready", 30.0, 5.0]
+
+
+def test_a_call_that_raised_on_the_node_is_one_line_naming_what_was_done_and_the_cause(
+    monkeypatch,
+) -> None:
+    from ray.exceptions import RayTaskError
+
+    from harness.serve import ray_calls
+
+    def raised_there(refs, timeout=None):
+        raise RayTaskError("storage_probe", "PermissionError: read-only", PermissionError())
+
+    monkeypatch.setattr(ray_calls.ray, "get", raised_there)
+    with pytest.raises(LaunchRefused) as refused:
+        ray_calls.get_or_refuse([], "probing KV storage /nfs on the nodes")
+    assert str(refused.value).startswith(
+        "probing KV storage /nfs on the nodes: RayTaskError(PermissionError): "
+    ), refused.value
