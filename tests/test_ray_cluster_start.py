@@ -166,3 +166,36 @@ def test_a_started_node_gets_the_nodes_stop_grace_not_the_start_up_one(
     with LocalRayCluster(tmp_path / "nodes", python=str(python)) as cluster:
         servers = [node.server for node in cluster.nodes]
     assert [server.exit_code for server in servers] == [0, 0, 0]
+
+
+def test_each_node_starts_as_asked_and_gives_its_ports_back_at_the_stop(
+    fake_ray: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The head without the private directory and with `head_cpus` (0: no instance on it, so
+    one node fewer to place instances on); each other node with `cpus_per_node` in its private
+    directory; every port a node held given back once the cluster stops, not kept until the
+    harness ends. A netns rehearsal's head hosts only the driver."""
+    from harness.serve import ray_cluster
+
+    reserved = []
+
+    def recording(*args, **kwargs):
+        leases = reserve_ports(*args, **kwargs)
+        reserved.extend(leases)
+        return leases
+
+    reserve_ports = ray_cluster.reserve_ports
+    monkeypatch.setattr(ray_cluster, "reserve_ports", recording)
+    python, _ = fake_ray
+    private = tmp_path / "private"
+    with LocalRayCluster(
+        tmp_path / "nodes", python=str(python), private_dir=private, cpus_per_node=2, head_cpus=0
+    ) as cluster:
+        argvs = [node.server.command.argv for node in cluster.nodes]
+        assert cluster.instance_nodes == 2
+    for argv, private_mount, cpus in zip(argvs, (False, True, True), ("0", "2", "2")):
+        assert ("private-mount" in argv) == private_mount, argv
+        assert argv[argv.index("--num-cpus") + 1] == cpus, argv
+    assert reserved and not [lease.port for lease in reserved if lease.held]
+    netns = LocalRayCluster(tmp_path / "netns", netns=True)  # nothing started
+    assert (netns.head_cpus, netns.instance_nodes) == (0, 3)
