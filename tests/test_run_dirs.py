@@ -232,3 +232,30 @@ def test_a_runs_directory_there_before_the_session_or_written_to_stays(
     assert (tmp_path / "before" / "runs").is_dir()  # there before: the user's
     written = plugin_session(tmp_path / "written", writes=True)
     assert (written / "gw0").is_dir()
+
+
+def test_a_reused_run_root_is_cleared_of_what_the_summary_sums_and_keeps_the_rest(
+    tmp_path: Path,
+) -> None:
+    """A rerun into the same `--epd-run-dir` (`--lf`): the summary sums every pool's starts
+    and shows every worker's verdict table found under the root by name, so the earlier
+    session's were counted as this one's; and a baseline refresh recorded in the directory
+    the session's processes share stood for this session's. The controller removes those as
+    it configures; the earlier session's logs and run records stay."""
+    root = tmp_path / "given"
+    cleared = [
+        "session-shared/baseline-refresh.json",
+        "topology-starts.json",
+        "instance-starts.txt",
+        "gw0/topology-starts.json",
+        "gw0/instance-starts.txt",
+        "gw0/verdicts.txt",
+        "gw0/planted-corrupt-ec/topology-starts.json",
+    ]
+    kept = ["verdicts.txt", "gw0/run.json", "gw0/logs/encode0.log", "gw0/planted-corrupt-ec/x"]
+    for name in cleared + kept:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("earlier session\n")
+    plugin_session(tmp_path, writes=False, run_dir=root)
+    left = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
+    assert left == set(kept)
