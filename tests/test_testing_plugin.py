@@ -966,3 +966,58 @@ def test_the_starts_of_a_run_of_its_own_are_not_counted_as_the_sessions(
     assert "topology starts: 1 for 1 distinct (topology, connectors)" in out, out
     assert "  1E+1PD: first use (12.0s)" in out, out
     run.stdout.fnmatch_lines(["*gw0/planted-corrupt-ec*1E+1PD: first use (12.0s)*"])
+
+
+ROOT_POOL_TEST = """
+import json
+from pathlib import Path
+
+def test_writes_the_starts(request):
+    root = Path(request.config.getoption("--epd-run-dir"))
+    start = [{"topology": "1P+1D", "reason": "first use", "seconds": None}]
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "topology-starts.json").write_text(json.dumps(start))
+"""
+
+
+def test_the_starts_of_the_pool_of_a_session_without_xdist_are_the_sessions(
+    pytester: pytest.Pytester,
+) -> None:
+    """Without xdist the session's pool writes its starts into the run root itself, not a
+    gw* directory: they are the session's, not a run of its own's."""
+    pytester.makeconftest(CONFTEST + '    parser.addoption("--epd-run-dir", default=None)\n')
+    pytester.makepyfile(test_account=ROOT_POOL_TEST)
+    run = pytester.runpytest("-p", "no:cacheprovider", "--epd-run-dir", str(pytester.path / "run"))
+    run.assert_outcomes(passed=1)
+    out = run.stdout.str()
+    assert "topology starts: 1 for 1 distinct (topology, connectors)" in out, out
+    assert "  1P+1D: first use (did not come up)" in out, out
+    assert "in its own run" not in out, out
+
+
+WORKER_TABLES_TEST = """
+from pathlib import Path
+
+def test_writes_the_tables(request):
+    root = Path(request.config.getoption("--epd-run-dir"))
+    for worker, verdict in (("gw0", "MATCH"), ("gw1", "MISMATCH")):
+        (root / worker).mkdir(parents=True)
+        (root / worker / "verdicts.txt").write_text(f"1E+1PD  text  {verdict}\\n")
+"""
+
+
+def test_the_summary_shows_each_workers_verdict_table(pytester: pytest.Pytester) -> None:
+    """Under xdist the controller has no sweep of its own: the verdicts it shows are the
+    tables each worker wrote (gw*/verdicts.txt), each under its worker's name."""
+    pytester.makeconftest(CONFTEST + '    parser.addoption("--epd-run-dir", default=None)\n')
+    pytester.makepyfile(test_account=WORKER_TABLES_TEST)
+    run = pytester.runpytest("-p", "no:cacheprovider", "--epd-run-dir", str(pytester.path / "run"))
+    run.assert_outcomes(passed=1)
+    run.stdout.fnmatch_lines(
+        [
+            "*EPD verdicts (gw0)*",
+            "1E+1PD  text  MATCH",
+            "*EPD verdicts (gw1)*",
+            "1E+1PD  text  MISMATCH",
+        ]
+    )
