@@ -18,6 +18,7 @@ from harness.testing.own_instances import (
     OPTION_BY_NAME,
     OwnInstances,
     commands_of,
+    in_session_terms,
     refusal,
 )
 
@@ -140,11 +141,18 @@ def test_held_devices_are_leased_as_the_pool_leases_them(tmp_path: Path) -> None
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released afterwards
     finally:
         os.close(fd)
-    cpu = OwnInstances(
-        values={}, commands=("export",), platform="cpu", exclusive_devices=False, devices=None
-    )
-    with cpu.held_devices() as devices:
-        assert devices is None
+    for cores in (None, (0, 1)):  # on CPU the cores the session was given lease nothing
+        cpu = OwnInstances(
+            values={},
+            commands=("export",),
+            platform="cpu",
+            exclusive_devices=False,
+            devices=cores,
+            lock_dir=tmp_path / "cpu",
+        )
+        with cpu.held_devices() as devices:
+            assert devices is None
+            assert not (tmp_path / "cpu").exists(), sorted((tmp_path / "cpu").iterdir())
 
 
 @pytest.mark.parametrize(
@@ -199,3 +207,18 @@ def test_a_reference_policy_reaches_only_a_command_whose_topologies_have_a_p_to_
     argv = own().args(command, topologies=topologies)
     assert ("--reference-policy" in argv) == kept, argv
     check_command_line([command, "--topology", ",".join(topologies), *argv])
+
+
+def test_a_preflight_message_names_the_session_options_not_the_clis_flags() -> None:
+    """The session's preflight is the CLI's: its refusal named `--platform` or `--topology`,
+    flags a pytest command line does not have; each is written as the session option that
+    sets it, and a longer flag is not taken for a shorter one it begins with."""
+    message = (
+        "--platform tpu: unknown; leave 1P+1D out with --topology (or use --colocate); "
+        "--proxy-registration dynamic needs --proxy vllm and --vllm-source; --run-dir x"
+    )
+    assert in_session_terms(message) == (
+        "--epd-platform tpu: unknown; leave 1P+1D out with --epd-topology (or use "
+        "--epd-colocate); --epd-proxy-registration dynamic needs --epd-proxy vllm and "
+        "--epd-vllm-source; --epd-run-dir x"
+    )
