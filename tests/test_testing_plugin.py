@@ -1021,3 +1021,35 @@ def test_the_summary_shows_each_workers_verdict_table(pytester: pytest.Pytester)
             "1E+1PD  text  MISMATCH",
         ]
     )
+
+
+def stub_session(plan: dict[str, tuple[int, ...]], devices: tuple[int, ...], exclusive: bool):
+    """A sweep whose plan places `plan` (topology: devices) and the settings of a session on
+    `devices`, as `own_devices` reads them."""
+    from types import SimpleNamespace
+
+    slots = [SimpleNamespace(topology=SimpleNamespace(name=n), devices=d) for n, d in plan.items()]
+    schedule = SimpleNamespace(waves=[SimpleNamespace(slots=slots)])
+    sweep = SimpleNamespace(schedule=lambda: schedule)
+    platform = SimpleNamespace(exclusive_devices=exclusive)
+    return sweep, SimpleNamespace(platform=platform, devices=devices)
+
+
+def test_an_own_instances_item_gets_its_groups_slots_and_the_baselines_in_the_sessions_order():
+    """On GPUs the commands of an `own_instances` item use the devices the session's plan
+    gives its xdist group's topologies (1E+1P+1D goes with its reference 1P+1D) and the
+    baseline's, in the session's device order; no other group's. A group the plan places
+    nowhere fails the item, naming the plan; on CPU the session's cores, only if given."""
+    from harness.testing.e2e_fixtures import own_devices
+    from harness.testing.groups import EpdGroup
+
+    plan = {"baseline": (0,), "1E+1PD": (1, 2), "1P+1D": (3, 4), "1E+1P+1D": (5, 6, 7)}
+    order = (7, 6, 5, 4, 3, 2, 1, 0)
+    sweep, gpus = stub_session(plan, order, exclusive=True)
+    assert own_devices(sweep, EpdGroup("1E+1P+1D"), gpus, True) == (7, 6, 5, 4, 3, 0)
+    assert own_devices(sweep, EpdGroup("1E+1PD"), gpus, True) == (2, 1, 0)
+    with pytest.raises(pytest.fail.Exception, match="places no topology of 2E\\+1PD's group"):
+        own_devices(sweep, EpdGroup("2E+1PD"), gpus, True)
+    sweep, cores = stub_session(plan, (2, 3), exclusive=False)
+    assert own_devices(sweep, EpdGroup("1E+1PD"), cores, True) == (2, 3)
+    assert own_devices(sweep, EpdGroup("1E+1PD"), cores, False) is None
