@@ -51,3 +51,32 @@ def test_a_pytest_inside_a_worker_leaves_the_range_alone(
     monkeypatch.setenv(PORT_RANGE_ENV, "24000-24000")  # a test's own range
     worker_ports.pytest_configure(pytester.parseconfig())  # a pytest inside that test
     assert os.environ[PORT_RANGE_ENV] == "24000-24000"
+
+
+def test_a_worker_replacing_a_crashed_one_takes_the_crashed_ones_slice() -> None:
+    """Whichever worker crashed, its replacement takes its slice, never a live worker's: with
+    gw0 down and gw1 alive, gw2 takes slice 0 (gw1 keeps 1); with gw1 down, slice 1."""
+    from types import SimpleNamespace
+
+    from harness.testing.worker_ports import (
+        WORKER_SLICE,
+        pytest_configure_node,
+        pytest_testnodedown,
+    )
+
+    for crashed, freed in (("gw0", 0), ("gw1", 1)):
+        config = SimpleNamespace(stash=pytest.Stash())
+
+        def node(worker: str, config: SimpleNamespace = config) -> SimpleNamespace:
+            return SimpleNamespace(
+                config=config, gateway=SimpleNamespace(id=worker), workerinput={}
+            )
+
+        started = {worker: node(worker) for worker in ("gw0", "gw1")}
+        for worker in started.values():
+            pytest_configure_node(worker)
+        assert [w.workerinput[WORKER_SLICE] for w in started.values()] == [0, 1]
+        pytest_testnodedown(started[crashed], error=None)
+        replacement = node("gw2")
+        pytest_configure_node(replacement)
+        assert replacement.workerinput[WORKER_SLICE] == freed, crashed
