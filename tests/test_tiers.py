@@ -76,6 +76,7 @@ def test_a_module_without_exactly_one_readable_tier_is_refused(
         ("not e2e", set(TIERS) - {"e2e"}),
         ("(not e2e or ci)", set(TIERS)),  # an e2e module may hold `ci` tests
         ("e2e and ci", {"e2e"}),
+        ("e2e and (ci or epd_topology) and not slow", {"e2e"}),  # several other markers
         ("unit or check", {"unit", "check"}),
         ("process", {"process"}),
         ("ci", set(TIERS)),  # `ci` outside e2e is refused later, per test
