@@ -187,6 +187,38 @@ def test_a_worker_replacing_a_crashed_one_takes_its_slice(
     assert slices["gw2"] in (slices[crashed], slices[alive]), slices
 
 
+SHARED_ROOT_CONFTEST = """
+import os
+from pathlib import Path
+
+from harness.testing.session_account import RUN_ROOT_KEY
+
+pytest_plugins = ["harness.testing.plugin"]
+
+def pytest_addoption(parser):
+    parser.addoption("--epd-platform", default="cpu")
+    parser.addoption("--epd-run-dir", default=None)
+
+def pytest_sessionstart(session):
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        (Path(session.config.stash[RUN_ROOT_KEY]) / f"{worker}.txt").write_text(worker)
+"""
+
+
+def test_every_worker_writes_under_the_run_root_the_controller_made(
+    pytester: pytest.Pytester,
+) -> None:
+    """The controller makes the session's runs/pytest-<time> and hands it to its workers: a
+    worker that made a root of its own wrote its bundle where the summary, reading the
+    controller's root, never looked (and each worker cleared its own of earlier accounts)."""
+    pytester.makeconftest(SHARED_ROOT_CONFTEST)
+    pytester.makepyfile(test_pass="def test_pass():\n    pass\n")
+    pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider").assert_outcomes(passed=1)
+    [root] = (pytester.path / "runs").iterdir()
+    assert sorted(p.name for p in root.iterdir()) == ["gw0.txt", "gw1.txt"]
+
+
 DESELECTING_CONFTEST = """
 pytest_plugins = ["harness.testing.plugin"]
 
