@@ -289,6 +289,19 @@ def test_a_reservation_cut_short_holds_no_port(
     assert held == [], f"still locked after the reservation was cut short: {held}"
 
 
+def test_a_lease_still_taken_is_seen_held_and_one_given_back_is_not(tmp_path: Path) -> None:
+    """`lease_is_held` is what the process tests ask to prove that a run gave its ports back:
+    it must say yes while a lease is taken, or every such check passes whatever was left."""
+    from harness.testing.processes import lease_is_held
+
+    [lease] = reserve_ports(1, lock_dir=tmp_path)
+    lock = tmp_path / f"port-{lease.port}.lock"
+    assert lease_is_held(lock)
+    lease.release()
+    assert not lease_is_held(lock)
+    assert not lease_is_held(tmp_path / "port-1.lock")  # never taken
+
+
 # --- device leases ---------------------------------------------------------------------------
 
 
