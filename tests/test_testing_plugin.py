@@ -1053,3 +1053,27 @@ def test_an_own_instances_item_gets_its_groups_slots_and_the_baselines_in_the_se
     sweep, cores = stub_session(plan, (2, 3), exclusive=False)
     assert own_devices(sweep, EpdGroup("1E+1PD"), cores, True) == (2, 3)
     assert own_devices(sweep, EpdGroup("1E+1PD"), cores, False) is None
+
+
+def test_a_vllm_source_is_read_by_what_runs_vllms_files_and_given_in_either_spelling() -> None:
+    """Under `--epd-proxy vllm` the e2e items read the source (served through vLLM's proxy),
+    a unit or process test does not unless marked a reader: `-m unit --epd-proxy vllm
+    --epd-vllm-source X` reads nothing of it and is refused. `--epd-vllm-source=X` is the
+    option given as much as `--epd-vllm-source X` (only a given one is refused)."""
+    from types import SimpleNamespace
+
+    from harness.testing.vllm_source import given_on_the_command_line, reads_vllm_source
+
+    def item(**markers: tuple) -> SimpleNamespace:
+        marks = {name: SimpleNamespace(args=args) for name, args in markers.items()}
+        return SimpleNamespace(get_closest_marker=marks.get)
+
+    assert reads_vllm_source(item(e2e=()), "vllm")
+    assert not reads_vllm_source(item(e2e=()), "harness")
+    assert not reads_vllm_source(item(unit=()), "vllm")
+    assert reads_vllm_source(item(process=(), reads_vllm_source=()), "harness")
+    assert reads_vllm_source(item(e2e=(), own_instances=("run", "export")), "harness")
+    assert not reads_vllm_source(item(e2e=(), own_instances=("run", "repro")), "harness")
+    assert given_on_the_command_line(["-m", "e2e", "--epd-vllm-source", "/src/vllm"])
+    assert given_on_the_command_line(["-m", "e2e", "--epd-vllm-source=/src/vllm"])
+    assert not given_on_the_command_line(["-m", "e2e", "--epd-vllm-sources=/src/vllm"])
