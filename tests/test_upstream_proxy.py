@@ -69,6 +69,27 @@ def test_pip_config_sections_rank_as_pip_install_reads_them(
     assert package_index.pip_find_links(["python"]) == []
 
 
+def test_the_strongest_section_wins_in_the_order_pip_config_list_prints(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`pip config list` prints its keys sorted, so `:env:` (PIP_INDEX_URL) comes before
+    [global] and [install]: read as the last line wins, a pip.conf's [install] index replaced
+    the PIP_INDEX_URL the user exported over it."""
+    listed = (
+        ":env:.index-url='http://e/simple'\nglobal.find-links='/g/wheels'\n"
+        "global.index-url='http://g/simple'\ninstall.find-links='/i/wheels'\n"
+        "install.index-url='http://i/simple'\n"
+    )
+    assert listed.splitlines() == sorted(listed.splitlines())  # as pip prints them
+
+    class Done:
+        stdout = listed
+
+    monkeypatch.setattr(package_index.subprocess, "run", lambda *a, **k: Done())
+    assert package_index.pip_indexes(["python"]) == ["http://e/simple"]
+    assert package_index.pip_find_links(["python"]) == ["/i/wheels"]
+
+
 def test_vllm_source_without_the_vllm_proxy_is_refused() -> None:
     with pytest.raises(BadInput, match="--vllm-source .* --proxy vllm"):
         prepare_run(RunRequest(vllm_source="/somewhere", count_tokens=False))
