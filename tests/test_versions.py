@@ -54,6 +54,12 @@ def test_release_range_expands_to_the_known_releases_within_it() -> None:
     assert parse_release_list("0.32.0,0.28.0,0.28.0") == ("0.28.0", "0.32.0")
 
 
+def test_a_release_range_of_one_release_is_that_release() -> None:
+    """`0.30.0..0.30.0` is a range as a script computes one (from a bisect's ends, say): its
+    ends equal are no range upside down."""
+    assert parse_release_list("0.30.0..0.30.0") == ("0.30.0",)
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
