@@ -1238,6 +1238,17 @@ def test_where_pip_names_no_index_and_no_find_links_no_release_is_refused(
     releases_module.check_on_index(["0.99.0"])
 
 
+def test_a_release_installed_here_is_not_asked_of_the_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A release whose venv is installed needs nothing from the index: asked all the same, an
+    index that no longer lists it (yanked, a mirror pruned) refused a run its venv can serve."""
+    ready_release_venv(tmp_path, monkeypatch, "0.99.0", releases.ready_text("0.99.0"))
+    asked = release_index(monkeypatch)
+    releases.check_on_index(["0.99.0"])
+    assert asked == []
+
+
 def test_an_index_without_the_project_leaves_the_answer_to_the_next_index(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
