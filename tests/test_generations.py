@@ -12,6 +12,7 @@ from harness.errors import BadInput
 from harness.judge.records import EXACT, LOGPROB_CLOSE, Verdict
 from harness.judge.verdicts import not_applicable_case
 from harness.outcomes.outcome import Outcome
+from harness.preflight.vllm import served_generation
 from harness.run.export.reference import rendered_commands
 from harness.run.repro import Bundle
 from harness.serve.proxy_protocol import (
@@ -42,6 +43,7 @@ from harness.spec.generations import (
 from harness.spec.instances import InstanceSpec
 from harness.spec.platforms import CPU
 from harness.spec.prompts import SKELETON_PROMPTS, ImagePart, PromptSpec, TextPart
+from harness.spec.settings import ServedVllm
 from harness.spec.topology import TOPOLOGIES, Role, serving_for
 from harness.testing.builders import outcome
 from harness.testing.judging import judged
@@ -126,6 +128,15 @@ def test_protocol_override_wins_over_the_version() -> None:
     assert generation_for("0.32.0", "ec-items").generation.name == "ec-items"
     with pytest.raises(BadInput, match="protocol generation"):
         generation_for("0.32.0", "no-such-generation")
+
+
+def test_protocol_override_wins_for_a_vllm_whose_version_is_unknown() -> None:
+    """The warning for a vLLM of unknown version says "pass --protocol NAME to choose": the
+    generation so chosen is the one spoken, not the newest the warning was about."""
+    unknown = ServedVllm("/opt/vllm/bin/vllm", "unknown")
+    assert served_generation(unknown, None).generation is NEWEST
+    choice = served_generation(unknown, "ec-items")
+    assert (choice.generation.name, choice.warning) == ("ec-items", None)
 
 
 def test_unreadable_version_is_bad_input() -> None:
