@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.files import empty_run_dirs_removed, fresh_run_dir
+from harness.files import empty_run_dirs_removed, fresh_run_dir, write_text_atomic
 
 pytestmark = pytest.mark.unit
 
@@ -259,3 +259,11 @@ def test_a_reused_run_root_is_cleared_of_what_the_summary_sums_and_keeps_the_res
     plugin_session(tmp_path, writes=False, run_dir=root)
     left = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
     assert left == set(kept)
+
+
+def test_an_artifact_is_readable_by_everyone_who_reads_the_run(tmp_path: Path) -> None:
+    """write_text_atomic writes through mkstemp, which makes its file 0600: renamed as it is,
+    run.json or report.md of a CI job's run was unreadable to anyone but the user who ran it."""
+    path = tmp_path / "run.json"
+    write_text_atomic(path, "{}\n")
+    assert (path.read_text(), path.stat().st_mode & 0o777) == ("{}\n", 0o644)
