@@ -274,6 +274,17 @@ def test_a_role_or_connector_that_is_no_string_is_one_line(
     assert str(path) in str(refused.value) and "\n" not in str(refused.value)
 
 
+def test_ec_storage_for_a_deployment_without_encoders_is_refused(tmp_path: Path) -> None:
+    """`ec_storage` is where the encoders write: given for a 1P+1D (a file copied from an EPD
+    deployment's), it was taken silently, and run.json named an EC storage no instance used."""
+    pair = [{"role": "prefill", "url": "http://h:2"}, {"role": "decode", "url": "http://h:3"}]
+    (tmp_path / "ec").mkdir()
+    path = tmp_path / "attach.json"
+    path.write_text(json.dumps({"proxy": "http://h:1", "instances": pair, "ec_storage": "ec"}))
+    with pytest.raises(BadInput, match="'ec_storage' is the encoders' directory, and there is no"):
+        load_attach_file(str(path), "example")
+
+
 # -- verdicts and reports ----------------------------------------------------------------------
 
 
