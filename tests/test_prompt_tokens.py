@@ -3,12 +3,13 @@ what it decodes of each medium, and what its cache key covers."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from harness.errors import BadInput
-from harness.preflight import tokens
+from harness.preflight import files, tokens
 from harness.spec.prompts import (
     PromptSpec,
     TextPart,
@@ -195,3 +196,20 @@ def test_max_model_len_is_refused_at_zero_and_past_the_models_limit(
             tokens.check_model_limit(max_model_len, 32)
     else:
         tokens.check_model_limit(max_model_len, 32)
+
+
+@pytest.mark.parametrize(
+    ("config", "limit"),
+    [
+        ({"text_config": {"max_position_embeddings": 0}, "max_position_embeddings": 4096}, 4096),
+        ({"max_position_embeddings": -1}, None),
+        ({"text_config": {"max_position_embeddings": 32768}, "max_position_embeddings": 8}, 32768),
+    ],
+)
+def test_the_models_limit_is_its_first_positive_max_position_embeddings(
+    tmp_path: Path, config: dict, limit: int | None
+) -> None:
+    """A 0 or negative value (a config that leaves the field unset that way) is no limit: taken
+    for one, every --max-model-len was refused as past the model's limit of 0."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert files.max_position_tokens(tmp_path) == limit
