@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.preflight.model import hf_hub_cache
+from harness.preflight.model import cached_snapshot, hf_hub_cache
 
 pytestmark = pytest.mark.unit
 
@@ -69,3 +69,17 @@ def test_a_model_missing_offline_names_offline_mode(
         f"{variable}={value} forbids fetching it: download it first (hf download org/absent) "
         "or pass --model DIR"
     )
+
+
+def test_a_snapshot_is_cached_only_once_it_holds_its_config(tmp_path: Path) -> None:
+    """A download cut short leaves refs/main and a snapshot directory without config.json:
+    taken as the cached model, the run was refused as "no config.json" where fetching the
+    model again would have completed it."""
+    repo = tmp_path / "models--org--name"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123\n")
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    assert cached_snapshot("org/name", tmp_path) is None
+    (snapshot / "config.json").write_text("{}")
+    assert cached_snapshot("org/name", tmp_path) == snapshot
