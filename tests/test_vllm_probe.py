@@ -17,6 +17,7 @@ import pytest
 
 from harness.environment import IMPORT_CHECK_DIR_ENV
 from harness.errors import BadInput
+from harness.preflight import vllm as vllm_preflight
 from harness.preflight.connectors import check_kv_connector
 from harness.preflight.vllm import probe_served_vllm
 from harness.run.baseline_cache import baseline_key
@@ -257,3 +258,21 @@ def test_a_kept_import_answers_for_its_own_module_only(
     with pytest.raises(BadInput, match="No module named 'other_kv'"):
         check_kv_connector(served, other)
     assert probes(tmp_path) == ["import nixl._api", "import other_kv"]
+
+
+def test_the_oldest_generations_release_passes_the_version_gate_and_the_one_before_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The gate refuses what is older than the oldest generation: a patch of that generation's
+    own first series (0.27.x) is one the harness speaks, and was refused as untested if the
+    series itself counted as older."""
+    major, minor = vllm_preflight.GENERATIONS[0].first[:2]
+    served = {"version": ""}
+    monkeypatch.setattr(
+        vllm_preflight, "probe_served_vllm", lambda exe: ServedVllm(exe, served["version"])
+    )
+    served["version"] = f"{major}.{minor}.1+cpu"
+    assert vllm_preflight.check_vllm("/v/vllm", False).version == served["version"]
+    served["version"] = f"{major}.{minor - 1}.9+cpu"
+    with pytest.raises(BadInput, match="is untested"):
+        vllm_preflight.check_vllm("/v/vllm", False)
