@@ -128,6 +128,24 @@ def test_gpu_processes_are_named_by_the_index_nvidia_smi_lists(fake_gpu_host):
     ]
 
 
+def test_a_process_on_a_gpu_the_gpu_list_does_not_name_is_left_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The two nvidia-smi queries are read one after the other: a GPU the compute-apps list
+    names by a UUID the GPU list did not give (reset or hidden between the two) has no index
+    to report it under; looked up all the same, the lookup raised KeyError."""
+    answers = {
+        "--query-gpu=index,uuid": "0, GPU-aaa\n",
+        "--query-compute-apps=pid,process_name,gpu_uuid,used_memory": (
+            "111, python, GPU-gone, 10 MiB\n222, VLLM::EngineCore, GPU-aaa, 20 MiB\n"
+        ),
+    }
+    monkeypatch.setattr(devices, "run_nvidia_smi", lambda query, _fmt: answers[query])
+    assert devices.smi_compute_processes() == [
+        devices.GpuProcess(pid=222, name="VLLM::EngineCore", gpu=0, used_mib=20)
+    ]
+
+
 def test_gpu_processes_nvidia_smi_cannot_list_are_unknown_not_none(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
