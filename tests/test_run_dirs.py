@@ -267,3 +267,23 @@ def test_an_artifact_is_readable_by_everyone_who_reads_the_run(tmp_path: Path) -
     path = tmp_path / "run.json"
     write_text_atomic(path, "{}\n")
     assert (path.read_text(), path.stat().st_mode & 0o777) == ("{}\n", 0o644)
+
+
+def test_a_failed_artifact_write_names_the_artifact_and_leaves_no_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk fails write() with no file name: the error said "No space left on device"
+    and not which artifact (a failing rename stands in for it here); it names the target now,
+    and the temporary file is gone."""
+    import errno
+
+    from harness import files
+
+    def full(*_args: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files.os, "replace", full)
+    path = tmp_path / "run.json"
+    with pytest.raises(OSError) as failed:
+        write_text_atomic(path, "{}")
+    assert (failed.value.filename, list(tmp_path.iterdir())) == (str(path), [])
