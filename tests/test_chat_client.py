@@ -95,13 +95,20 @@ def test_the_answer_is_kept_as_the_server_sent_it(instance: Instance) -> None:
 
 @pytest.mark.parametrize(
     ("status", "error"),
-    [(400, RequestRefusedError), (404, RequestRefusedError), (500, ServerFailedError)],
+    [
+        (400, RequestRefusedError),
+        (404, RequestRefusedError),
+        (500, ServerFailedError),
+        (302, ServerFailedError),
+    ],
 )
 def test_another_status_raises_with_it_and_the_body(
     instance: Instance, status: int, error: type[ChatHTTPError]
 ) -> None:
     """A refusal (4xx: the body says why) and a failure (5xx: the cause is in the body or the
-    instance's log, so the fuzzer's signatures look past it) are told apart by their names."""
+    instance's log, so the fuzzer's signatures look past it) are told apart by their names.
+    Any other status than 200 is no answer: a redirect (a proxy in the way, which httpx does
+    not follow) is not parsed as one."""
     instance.reply = Reply({"error": {"message": "no such thing"}}, status=status)
     with pytest.raises(error) as raised:
         send(instance.fake.url)
