@@ -1,6 +1,7 @@
 """The start-up CPU account of a server's process tree (`ManagedServer.cpu_seconds`), over a
 faked process table: what helpers that came and went between two samples, and a pid the
-kernel gave again, do to the sums per kind of process."""
+kernel gave again, do to the sums per kind of process; and the tree's peak RSS, which those
+samples also take."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class FakeProcess:
     started: float  # create_time: tells a process from a later one given the same pid
     user: float = 0.0
     reaped: float = 0.0  # children_user: CPU of the children it waited for
+    rss: int = 1
     descendants: list[FakeProcess] = field(default_factory=list)
 
     def name(self) -> str:
@@ -49,7 +51,7 @@ class FakeProcess:
         )
 
     def memory_info(self) -> SimpleNamespace:
-        return SimpleNamespace(rss=1)
+        return SimpleNamespace(rss=self.rss)
 
     def children(self, recursive: bool = False) -> list[FakeProcess]:
         return list(self.descendants)
@@ -115,3 +117,16 @@ def test_a_pid_given_again_keeps_the_earlier_process_figure(
     worker = FakeProcess(300, "VLLM::Worker", ROOT_PID, started=3.0, user=0.2)
     table.root.reaped, table.root.descendants = 0.45, [worker]  # 0.05 s after its sample
     assert server.cpu_seconds() == {"server": 1.05, "uname": 0.4, "Worker": 0.2}
+
+
+def test_the_peak_rss_is_the_largest_sample_not_the_latest(
+    table: Table, server: ManagedServer
+) -> None:
+    """A worker that held 900 bytes and is gone by the next sample still made the peak: the
+    report's peak RSS is what the tree needed at its most, not what it holds at the end."""
+    worker = FakeProcess(200, "VLLM::Worker", ROOT_PID, started=2.0, rss=900)
+    table.root.rss, table.root.descendants = 100, [worker]
+    server._sample_tree(max_age_s=0.0)
+    table.root.descendants = []
+    server._sample_tree(max_age_s=0.0)
+    assert server.peak_rss_bytes() == 1000
