@@ -26,7 +26,7 @@ from harness.serve.launch import (
 from harness.serve.ports import reserve_ports
 from harness.serve.server_command import ServerCommand
 from harness.serve.server_group import ServerGroup
-from harness.serve.server_log import keep_earlier_log, log_path_for
+from harness.serve.server_log import LOG_TAIL_LINES, keep_earlier_log, log_path_for, read_log_tail
 from harness.testing.processes import (
     child_env,
     is_live,
@@ -593,6 +593,17 @@ def test_server_command_normalises_its_fields(tmp_path: Path) -> None:
 def test_log_path_for_makes_a_flat_readable_file_name(tmp_path: Path) -> None:
     assert log_path_for(tmp_path, "1E+1P+1D/encoder0") == tmp_path / "1E-1P-1D__encoder0.log"
     assert log_path_for(tmp_path, "a b:c") == tmp_path / "a_b_c.log"
+
+
+def test_a_logs_tail_is_its_last_lines(tmp_path: Path) -> None:
+    """A death is shown with the end of the log, where vLLM's traceback is, not its start
+    (the argument dump every vLLM log begins with)."""
+    log = tmp_path / "server.log"
+    log.write_text("".join(f"line {n}\n" for n in range(1, 101)))
+    tail = read_log_tail(log)
+    assert tail.splitlines() == [f"line {n}" for n in range(101 - LOG_TAIL_LINES, 101)]
+    assert read_log_tail(log, 2) == "line 99\nline 100"
+    assert read_log_tail(tmp_path / "none.log") == ""
 
 
 def test_a_second_start_keeps_the_first_starts_log(tmp_path: Path) -> None:
