@@ -121,6 +121,8 @@ def test_the_planted_fault_at_ds_tap_relays_a_chunk_twice(d: StreamingD) -> None
 
 
 def test_a_stream_that_breaks_off_is_no_answer(d: StreamingD) -> None:
+    """The failure says how the connection ended (the transport's error), not only what the
+    stream held: a peer that closed is told from a stream that ended unfinished."""
     d.break_after = 2
     _, server = proxy_in_front(d.url)
     try:
@@ -129,6 +131,7 @@ def test_a_stream_that_breaks_off_is_no_answer(d: StreamingD) -> None:
     finally:
         server.stop()
     assert failure.value.record.ids_counted <= 1
+    assert "(RemoteProtocolError: peer closed connection" in str(failure.value)
 
 
 def test_an_error_in_the_stream_is_no_answer(d: StreamingD) -> None:
