@@ -52,3 +52,17 @@ def test_storage_is_counted_and_cleaned_keeping_the_directory(tmp_path: Path) ->
     assert (removed.files, removed.bytes) == (2, 110)
     assert tmp_path.is_dir() and not any(tmp_path.iterdir())
     assert storage_usage(tmp_path / "missing").files == 0 and storage_usage(None).bytes == 0
+
+
+def test_a_link_in_the_storage_is_removed_and_what_it_points_to_is_kept(tmp_path: Path) -> None:
+    """A connector's storage may hold a link to a directory elsewhere (a cache shared on
+    purpose): cleaning removes the link, the storage is left empty, and the directory it
+    pointed to keeps its files."""
+    storage, elsewhere = tmp_path / "storage", tmp_path / "elsewhere"
+    storage.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "kept.safetensors").write_bytes(b"z" * 5)
+    (storage / "shared").symlink_to(elsewhere, target_is_directory=True)
+    clean_storage(storage)
+    assert not any(storage.iterdir())
+    assert (elsewhere / "kept.safetensors").read_bytes() == b"z" * 5
