@@ -49,6 +49,7 @@ GONE_TIMEOUT_S = 5.0
 #   never-ready  stay alive, never listen
 #   ignore-term  ignore SIGTERM (only SIGKILL ends it)
 #   children     first spawn two sleepers: one in the group, one in a session of its own
+#   stubborn-orphan  first spawn a sleeper in a session of its own that ignores SIGTERM
 FAKE_SERVER = r"""
 import http.server, os, signal, subprocess, sys, time
 port, delay_s, modes = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3].split(",")
@@ -60,6 +61,10 @@ if "children" in modes:
     sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
     print(f"CHILD {subprocess.Popen(sleeper).pid}", flush=True)
     print(f"CHILD {subprocess.Popen(sleeper, start_new_session=True).pid}", flush=True)
+if "stubborn-orphan" in modes:
+    stubborn = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                "print(f'STUBBORN {os.getpid()}', flush=True); time.sleep(120)")
+    subprocess.Popen([sys.executable, "-c", stubborn], start_new_session=True)
 if "engine-core" in modes:  # a child named as vLLM names its engine core, busy for 0.5 s of CPU
     busy = ("import ctypes, time; ctypes.CDLL(None).prctl(15, b'VLLM::EngineCore', 0, 0, 0)\n"
             "while time.process_time() < 0.5: pass\n"
@@ -212,6 +217,23 @@ def test_orphans_of_a_dead_server_are_stopped_too(make_server) -> None:
     # The one in the group falls to killpg; the one in its own session only to the psutil
     # record taken while the server was still alive.
     assert all(is_gone(pid) for pid in children)
+
+
+def test_a_descendant_that_left_the_group_is_waited_for_and_killed_before_stop_returns(
+    make_server,
+) -> None:
+    """An empty group is not the end of the stop: a helper in a session of its own that
+    ignores SIGTERM outlives its leader, and holds a port or a GPU until it is SIGKILLed."""
+    server = make_server("stubborn", mode="stubborn-orphan")
+    server.start()
+    server.wait_until_ready(timeout_s=20)
+    [orphan] = [int(pid) for pid in wait_for_log(server, r"STUBBORN (\d+)")]
+    try:
+        server.stop(grace_s=1.0)
+        assert is_gone(orphan)
+    finally:
+        if not is_gone(orphan):
+            os.kill(orphan, signal.SIGKILL)
 
 
 def test_cpu_affinity_confines_the_server_and_what_it_starts(make_server) -> None:
