@@ -26,7 +26,14 @@ from harness.serve.launch import (
 from harness.serve.ports import reserve_ports
 from harness.serve.server_command import ServerCommand
 from harness.serve.server_group import ServerGroup
-from harness.serve.server_log import LOG_TAIL_LINES, keep_earlier_log, log_path_for, read_log_tail
+from harness.serve.server_log import (
+    LOG_TAIL_LINES,
+    keep_earlier_log,
+    log_path_for,
+    log_size,
+    read_log_from,
+    read_log_tail,
+)
 from harness.testing.processes import (
     child_env,
     is_live,
@@ -610,6 +617,8 @@ def test_server_command_normalises_its_fields(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as rejected:
         ServerCommand(name="y", argv=["vllm", 8000], health_url="", log_path=tmp_path / "y")
     assert str(rejected.value) == "y: argv must be a non-empty list of str, got ('vllm', 8000)"
+    with pytest.raises(ValueError, match=r"^z: argv must be a non-empty list of str, got \(\)$"):
+        ServerCommand(name="z", argv=[], health_url="", log_path=tmp_path / "z")
 
 
 def test_log_path_for_makes_a_flat_readable_file_name(tmp_path: Path) -> None:
@@ -626,6 +635,18 @@ def test_a_logs_tail_is_its_last_lines(tmp_path: Path) -> None:
     assert tail.splitlines() == [f"line {n}" for n in range(101 - LOG_TAIL_LINES, 101)]
     assert read_log_tail(log, 2) == "line 99\nline 100"
     assert read_log_tail(tmp_path / "none.log") == ""
+
+
+def test_what_a_log_got_after_an_offset_is_only_that(tmp_path: Path) -> None:
+    """A failed request's evidence is what each instance logged while it was in flight (read
+    from the size its log had before), not the lines of the requests before it."""
+    log = tmp_path / "server.log"
+    assert (log_size(log), read_log_from(log, 0)) == (0, "")
+    log.write_text("earlier request\n")
+    offset = log_size(log)
+    with log.open("a") as more:
+        more.write("this request's traceback\n")
+    assert read_log_from(log, offset) == "this request's traceback\n"
 
 
 def test_a_second_start_keeps_the_first_starts_log(tmp_path: Path) -> None:
