@@ -248,3 +248,41 @@ def test_a_vllm_proxy_start_whose_stop_fails_too_raises_the_start_failure(
     with pytest.raises(ServerDied, match="died during startup") as raised:
         entry.start_vllm_proxy(TOPOLOGIES["1P+1D"], choice, routes, tmp_path, [])
     assert any("survived SIGKILL" in note for note in raised.value.__notes__)
+
+
+class ProbedServer(StubServer):
+    """A stub that answers its health probe at once and records each probe."""
+
+    def check_alive(self) -> None:
+        pass
+
+    def health_probe_failure(self) -> str | None:
+        self._log.append(f"probe {self.name}")
+        return None
+
+    def owns_health_port(self) -> bool:
+        return True
+
+    def mark_ready(self) -> None:
+        if self.startup_seconds is None:
+            self.startup_seconds = 1.0
+
+
+def test_a_revival_waits_for_the_revived_server_only() -> None:
+    """After one instance died and was started again, the group's wait is for that one: the
+    instances still ready from before are neither probed nor reported ready a second time
+    (a session's events and startup times would count their start twice)."""
+    log: list[str] = []
+    events: list[tuple[str, str]] = []
+    ready, dead = ProbedServer("e", log), ProbedServer("pd", log)
+    group = ServerGroup(
+        [ready, dead], on_event=lambda name, state, elapsed_s: events.append((name, state))
+    )
+    group.start_all()
+    group.wait_all_ready(timeout_s=5)
+    revived = ProbedServer("pd", log)
+    group.replace(dead, revived)
+    del log[:], events[:]
+    group.wait_all_ready(timeout_s=5)
+    assert log == ["start pd", "probe pd"]
+    assert events == [("pd", "starting"), ("pd", "ready")]
