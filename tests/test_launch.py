@@ -841,3 +841,20 @@ def test_a_signal_held_back_from_a_spawn_is_not_lost_behind_an_ignored_one() -> 
         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # nohup
     )
     assert done.stdout.strip() == "interrupted: received SIGTERM", done.stderr
+
+
+def test_a_default_sigterm_held_back_from_a_spawn_still_ends_the_process_after_it() -> None:
+    """Without the harness's handlers SIGTERM ends Python at once: one that came during a
+    spawn is held back, not dropped, and ends the process once the server is recorded."""
+    script = (
+        "import os, signal\n"
+        "from harness.serve.signal_handlers import signals_deferred\n"
+        "with signals_deferred():\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    print('held back', flush=True)\n"
+        "print('still running', flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=30, env=child_env()
+    )
+    assert (done.returncode, done.stdout) == (-signal.SIGTERM, "held back\n"), done.stderr
