@@ -494,6 +494,24 @@ def test_stop_is_idempotent_releases_the_port_and_allows_no_restart(make_server)
     assert str(refused.value) == "once: a ManagedServer starts once; it is already stopped"
 
 
+def test_a_server_stopped_before_its_start_is_never_started(tmp_path: Path) -> None:
+    """A group stopped while a server still waited for its turn stops that one unspawned: a
+    start after that is refused, lease or none (a released lease refuses too, but a server
+    need not hold one)."""
+    command = ServerCommand(
+        name="never",
+        argv=[sys.executable, "-c", "pass"],
+        health_url="http://127.0.0.1:1/health",
+        log_path=tmp_path / "never.log",
+    )
+    server = ManagedServer(command)
+    server.stop()
+    with pytest.raises(RuntimeError) as refused:
+        server.start()
+    assert str(refused.value) == "never: a ManagedServer starts once; it is already stopped"
+    assert server.pid is None
+
+
 def test_spawn_failure_names_the_server(tmp_path: Path) -> None:
     command = ServerCommand(
         name="missing/encoder0",
