@@ -143,6 +143,17 @@ def test_one_p_one_d_gets_the_toy_proxy(tmp_path: Path) -> None:
     assert launch.health_path == "/healthcheck"
 
 
+def test_the_toy_proxy_gets_bare_ports_from_urls_with_a_trailing_slash(tmp_path: Path) -> None:
+    """The toy proxy takes hosts and ports apart; a URL written with its trailing slash must
+    not hand it the port "3/", which it cannot parse."""
+    launch = vllm_proxy_launch(
+        ("py",), tmp_path, "127.0.0.1", 9000, [], ["http://127.0.0.1:2/"], ["http://127.0.0.1:3/"]
+    )
+    argv = list(launch.argv)
+    assert argv[argv.index("--prefiller-ports") + 1] == "2"
+    assert argv[argv.index("--decoder-ports") + 1] == "3"
+
+
 @pytest.mark.parametrize("encoders", [[], ["http://127.0.0.1:1"]])
 def test_the_proxy_bypasses_any_http_proxy_for_loopback_and_the_hosts_it_relays_to(
     tmp_path: Path, encoders: list[str]
