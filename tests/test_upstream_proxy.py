@@ -143,6 +143,14 @@ def test_one_p_one_d_gets_the_toy_proxy(tmp_path: Path) -> None:
     assert launch.health_path == "/healthcheck"
 
 
+@pytest.mark.parametrize("encoders", [[], ["http://127.0.0.1:1"]])
+def test_a_proxy_without_a_decode_url_is_refused(tmp_path: Path, encoders: list[str]) -> None:
+    """Every topology's proxy relays to a D or a PD; one started without would answer no
+    request, and the run would judge its failures."""
+    with pytest.raises(ValueError, match=r"^vLLM's proxy needs a decode \(or PD\) URL$"):
+        vllm_proxy_launch(("py",), tmp_path, "127.0.0.1", 9000, encoders, ["http://h:2"], [])
+
+
 def test_the_toy_proxy_gets_bare_ports_from_urls_with_a_trailing_slash(tmp_path: Path) -> None:
     """The toy proxy takes hosts and ports apart; a URL written with its trailing slash must
     not hand it the port "3/", which it cannot parse."""
