@@ -286,3 +286,12 @@ def test_a_revival_waits_for_the_revived_server_only() -> None:
     group.wait_all_ready(timeout_s=5)
     assert log == ["start pd", "probe pd"]
     assert events == [("pd", "starting"), ("pd", "ready")]
+
+
+def test_two_servers_of_one_name_are_refused() -> None:
+    """Names key the logs, the start order and a death's report: two servers of one name
+    would write one log and be stopped or revived for each other."""
+    log: list[str] = []
+    with pytest.raises(ValueError) as refused:
+        ServerGroup([StubServer("a", log), StubServer("b", log), StubServer("a", log)])
+    assert str(refused.value) == "server names must be unique; repeated: ['a']"
