@@ -13,6 +13,7 @@ import pytest
 from harness.errors import BadInput
 from harness.preflight import package_index, upstream_proxy
 from harness.preflight.config import RunRequest, prepare_run
+from harness.serve.entry import proxy_key
 from harness.serve.vllm_proxy import (
     ADMIN_KEY_ENV,
     DYNAMIC_REGISTRATION_FLAG,
@@ -24,7 +25,14 @@ from harness.serve.vllm_proxy import (
     vllm_proxy_launch,
     with_inherited_bypass,
 )
-from harness.spec.settings import ServedVllm
+from harness.spec.settings import (
+    DYNAMIC_REGISTRATION,
+    HARNESS_PROXY,
+    VLLM_PROXY,
+    ProxyChoice,
+    ServedVllm,
+)
+from harness.spec.topology import TOPOLOGIES
 from harness.testing.fake_vllm import install_fake_vllm
 
 pytestmark = pytest.mark.unit
@@ -141,6 +149,16 @@ def test_one_p_one_d_gets_the_toy_proxy(tmp_path: Path) -> None:
     assert argv[argv.index("--prefiller-ports") + 1] == "2"
     assert argv[argv.index("--decoder-hosts") + 1] == "127.0.0.1"
     assert launch.health_path == "/healthcheck"
+
+
+def test_an_entrys_key_names_the_registration_only_where_the_proxy_has_one() -> None:
+    """1P+1D runs vLLM's toy proxy, which has static URLs only: asked for dynamic
+    registration it is the static entry (a pool reuses it, a report does not claim a mode
+    that never ran), where a topology with encoders gets the EPD proxy's dynamic one."""
+    dynamic = ProxyChoice(kind=VLLM_PROXY, registration=DYNAMIC_REGISTRATION)
+    assert proxy_key(TOPOLOGIES["1P+1D"], dynamic) == "vllm/static"
+    assert proxy_key(TOPOLOGIES["1E+1P+1D"], dynamic) == "vllm/dynamic"
+    assert proxy_key(TOPOLOGIES["1E+1P+1D"], ProxyChoice(kind=HARNESS_PROXY)) == HARNESS_PROXY
 
 
 @pytest.mark.parametrize("encoders", [[], ["http://127.0.0.1:1"]])
