@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.serve.server_group import ServerGroup
+from harness.serve.server_group import ServerGroup, stop_through_interrupts
 
 pytestmark = pytest.mark.unit
 
@@ -295,3 +295,26 @@ def test_two_servers_of_one_name_are_refused() -> None:
     with pytest.raises(ValueError) as refused:
         ServerGroup([StubServer("a", log), StubServer("b", log), StubServer("a", log)])
     assert str(refused.value) == "server names must be unique; repeated: ['a']"
+
+
+class GraceRecordingServer(StubServer):
+    """A server whose first stop is cut short by a Ctrl-C; records the grace of each."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        super().__init__(name, log)
+        self.graces: list[float] = []
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        self.graces.append(grace_s)
+        if len(self.graces) == 1:
+            raise KeyboardInterrupt
+
+
+def test_a_stop_cut_short_by_a_ctrl_c_is_retried_without_grace() -> None:
+    """A user who presses Ctrl-C during a server's grace is in a hurry: the retry goes
+    straight to SIGKILL (no grace), not another 15 s for a server that ignores SIGTERM."""
+    server = GraceRecordingServer("a", [])
+    interrupts: list[BaseException] = []
+    assert stop_through_interrupts(server, 15.0, interrupts)  # type: ignore[arg-type]
+    assert server.graces == [15.0, 0.0]
+    assert [type(i) for i in interrupts] == [KeyboardInterrupt]
