@@ -318,3 +318,19 @@ def test_a_stop_cut_short_by_a_ctrl_c_is_retried_without_grace() -> None:
     assert stop_through_interrupts(server, 15.0, interrupts)  # type: ignore[arg-type]
     assert server.graces == [15.0, 0.0]
     assert [type(i) for i in interrupts] == [KeyboardInterrupt]
+
+
+def test_the_first_mark_of_readiness_is_the_startup_time(tmp_path, monkeypatch) -> None:
+    """A server's caller may see it ready more than once (a ready file, a log line read
+    again): the startup time is the first sighting, not the last."""
+    from harness.serve import launch
+    from harness.serve.server_command import ServerCommand
+
+    command = ServerCommand("s", ["true"], "http://127.0.0.1:1/health", tmp_path / "s.log")
+    server = launch.ManagedServer(command)
+    server._spawned_at = 100.0
+    now = iter([103.0, 110.0])
+    monkeypatch.setattr(launch.time, "monotonic", lambda: next(now))
+    server.mark_ready()
+    server.mark_ready()
+    assert server.startup_seconds == 3.0
