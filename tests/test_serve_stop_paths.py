@@ -334,3 +334,22 @@ def test_the_first_mark_of_readiness_is_the_startup_time(tmp_path, monkeypatch) 
     server.mark_ready()
     server.mark_ready()
     assert server.startup_seconds == 3.0
+
+
+class FailingStopServer(StubServer):
+    """A server whose stop fails (processes outlived SIGKILL)."""
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        self._log.append(f"stop {self.name}")
+        raise RuntimeError(f"{self.name}: processes survived SIGKILL")
+
+
+def test_a_ctrl_c_during_the_stops_is_raised_though_a_stop_failed_before_it() -> None:
+    """The stops go on through a Ctrl-C and a failed stop alike; at the end the interrupt is
+    what is raised (the user asked to stop), the failure a note on it, whichever came first."""
+    log: list[str] = []
+    group = ServerGroup([GraceRecordingServer("a", log), FailingStopServer("b", log)])
+    group.start_all()
+    with pytest.raises(KeyboardInterrupt) as raised:
+        group.stop_all()
+    assert any("b: processes survived SIGKILL" in note for note in raised.value.__notes__)
