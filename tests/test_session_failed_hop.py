@@ -280,3 +280,15 @@ def test_with_vllms_proxy_the_instance_still_working_outranks_one_that_refused(
     outcome = session.send("image", {"model": "m", "messages": []})
     assert "the request was still waiting on 1E+1PD/encoder1" in outcome.error, outcome.error
     assert "answered 500" not in outcome.error, outcome.error
+
+
+def test_an_entry_says_its_proxy_is_down_only_when_it_is() -> None:
+    """When no instance died, a failed request's cause may be the proxy itself: the harness's
+    proxy that stopped or crashed is named; one still serving is no cause."""
+    from harness.serve.entry import Entry as RealEntry
+
+    proxy = SimpleNamespace(running=True)
+    entry = RealEntry("harness", "http://127.0.0.1:9", client=None, proxy_server=proxy)  # type: ignore[arg-type]
+    assert entry.down_report() is None
+    proxy.running = False
+    assert entry.down_report() == ("proxy http://127.0.0.1:9 is not running (stopped or crashed)")
