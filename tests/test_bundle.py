@@ -584,6 +584,24 @@ def test_a_secret_only_an_instances_command_held_stays_out_of_every_file(tmp_pat
     assert leaked == []
 
 
+def test_a_command_file_is_written_without_a_secret_value(tmp_path):
+    """A `.cmd.json` is written at launch, long before any bundle scrubs the run: a harness
+    killed mid-run leaves it as written, so no secret of its env may be in it then."""
+    from harness.serve.entry import command_json
+    from harness.serve.server_command import ServerCommand
+
+    key = "admin-key-written-at-launch-6061"
+    proxy = ServerCommand(
+        "1E+1P+1D/vllm-proxy",
+        ("python", "proxy.py"),
+        "http://h/health",
+        tmp_path / "p.log",
+        env={"ADMIN_API_KEY": key, "NO_PROXY": "127.0.0.1"},
+    )
+    recorded = json.loads(command_json(proxy))
+    assert recorded["env"] == {"ADMIN_API_KEY": REDACTED, "NO_PROXY": "127.0.0.1"}
+
+
 def test_an_inherited_secret_in_a_command_file_another_process_wrote_is_redacted(tmp_path):
     """A `.cmd.json` records what its instance inherited (`inherited_env`) as well as its
     `env`; one written unredacted by another process loses the secrets of both."""
