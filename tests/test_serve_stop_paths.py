@@ -353,3 +353,35 @@ def test_a_ctrl_c_during_the_stops_is_raised_though_a_stop_failed_before_it() ->
     with pytest.raises(KeyboardInterrupt) as raised:
         group.stop_all()
     assert any("b: processes survived SIGKILL" in note for note in raised.value.__notes__)
+
+
+class DeadServer(StubServer):
+    """A spawned server that has died: each check raises its death."""
+
+    def check_alive(self) -> None:
+        from harness.serve.launch import ServerDied
+
+        raise ServerDied(f"{self.name} died while serving", self.name, 1)
+
+
+def test_a_revived_server_that_dies_again_is_reported_dead_again() -> None:
+    """A death is reported once per server object: the revival of one that died is a new
+    start, and its own death is a new "died" event, not swallowed as the first one's."""
+    from harness.serve.launch import ServerDied
+
+    log: list[str] = []
+    events: list[tuple[str, str]] = []
+    dead = DeadServer("pd", log)
+    group = ServerGroup(
+        [dead], on_event=lambda name, state, elapsed_s: events.append((name, state))
+    )
+    group.start_all()
+    for _ in range(2):
+        with pytest.raises(ServerDied):
+            group.check_alive()
+    revived = DeadServer("pd", log)
+    group.replace(dead, revived)
+    group._start_due()
+    with pytest.raises(ServerDied):
+        group.check_alive()
+    assert [state for _, state in events] == ["starting", "died", "starting", "died"]
