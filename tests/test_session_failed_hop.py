@@ -292,3 +292,22 @@ def test_an_entry_says_its_proxy_is_down_only_when_it_is() -> None:
     assert entry.down_report() is None
     proxy.running = False
     assert entry.down_report() == ("proxy http://127.0.0.1:9 is not running (stopped or crashed)")
+
+
+def test_an_entry_says_vllms_proxy_exited_with_its_code_and_log() -> None:
+    """vLLM's proxy, run like an instance, is named down once it has exited, with its exit
+    code and the last lines of its log (the cause is there, not in the harness)."""
+    from harness.serve.entry import Entry as RealEntry
+
+    proxy = SimpleNamespace(
+        is_alive=lambda: True,
+        exit_code=1,
+        command=SimpleNamespace(log_path=Path("/logs/vllm-proxy.log")),
+        log_tail=lambda lines: "Traceback: address in use",
+    )
+    entry = RealEntry("vllm/static", "http://127.0.0.1:9", client=None, vllm_proxy=proxy)  # type: ignore[arg-type]
+    assert entry.down_report() is None
+    proxy.is_alive = lambda: False
+    assert entry.down_report() == (
+        "vLLM's proxy exited (1); last lines of /logs/vllm-proxy.log:\nTraceback: address in use"
+    )
