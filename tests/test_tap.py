@@ -20,7 +20,7 @@ import pytest
 from harness.judge.guards import TransferEvidence, check_consumer_embeds, check_encoder_output
 from harness.outcomes.taps import TapRecord, records_of
 from harness.serve.proxy import ProxyFaults
-from harness.serve.tap import TapSet, TapTarget
+from harness.serve.tap import TapSet, TapTarget, is_metadata_only
 from harness.testing.fake_instance import FakeInstance, LoopThread, Reply
 
 pytestmark = pytest.mark.process
@@ -336,3 +336,14 @@ def test_a_tap_set_whose_start_fails_stops_what_it_started(
         taps.start("127.0.0.1")
     assert not taps.running
     assert [sock for sock in taps._socks if sock.fileno() != -1] == []
+
+
+def test_an_embeds_part_is_metadata_only_when_it_holds_a_dict_not_tensors() -> None:
+    """The encoder's metadata is a dict; an `*_embeds` part whose value is a string carries
+    the tensors themselves (a client's precomputed embeddings), which a consumer must not be
+    judged as having been sent by an encoder."""
+    metadata = {"type": "image_embeds", "image_embeds": {"mm_hash": "h1"}, "uuid": "u1"}
+    tensors = {"type": "image_embeds", "image_embeds": "dGVuc29y", "uuid": "u1"}
+    assert is_metadata_only(metadata)
+    assert not is_metadata_only(tensors)
+    assert not is_metadata_only({"type": "image_url", "image_url": {"url": "x"}})
