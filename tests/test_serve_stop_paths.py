@@ -385,3 +385,22 @@ def test_a_revived_server_that_dies_again_is_reported_dead_again() -> None:
     with pytest.raises(ServerDied):
         group.check_alive()
     assert [state for _, state in events] == ["starting", "died", "starting", "died"]
+
+
+class CheckedServer(StubServer):
+    """A stub that, as a ManagedServer does, refuses a check before its start."""
+
+    def check_alive(self) -> None:
+        if self.pid is None:
+            raise RuntimeError(f"{self.name}: not started")
+
+
+def test_a_server_still_waiting_for_its_turn_is_not_checked() -> None:
+    """Between requests the group checks its servers; one that starts after another and is
+    not spawned yet has nothing to check (a check would refuse: not started)."""
+    log: list[str] = []
+    first, waiting = CheckedServer("e", log), CheckedServer("pd", log)
+    group = ServerGroup([first, waiting], start_after={"pd": ("e",)})
+    group.start_all()
+    group.check_alive()
+    assert log == ["start e"]
