@@ -130,3 +130,21 @@ def test_the_peak_rss_is_the_largest_sample_not_the_latest(
     table.root.descendants = []
     server._sample_tree(max_age_s=0.0)
     assert server.peak_rss_bytes() == 1000
+
+
+def test_a_reaped_childs_own_reaped_helpers_are_not_counted_twice() -> None:
+    """The engine core waited for a compiler (its children times hold it), then the server
+    waited for the engine core: the server's children times hold both, and both are the
+    engine core's figure already, so the server gains nothing from them."""
+    from harness.serve.cpu_account import ProcessCpu, TreeCpuAccount
+
+    root, core = (ROOT_PID, 1.0), (200, 2.0)
+    account = TreeCpuAccount()
+    account.record(
+        [
+            ProcessCpu(root, None, "server", own_s=1.0, reaped_s=0.0),
+            ProcessCpu(core, root, "EngineCore", own_s=2.0, reaped_s=0.5),
+        ]
+    )
+    account.record([ProcessCpu(root, None, "server", own_s=1.0, reaped_s=2.5)])
+    assert account.by_kind() == {"server": 1.0, "EngineCore": 2.5}
