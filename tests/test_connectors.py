@@ -444,7 +444,12 @@ def test_nixl_fault_handles_a_flat_block_list(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("params", "problem"),
-    [({}, "no remote_block_ids"), ({"remote_block_ids": [[7]]}, "nothing to misroute")],
+    [
+        ({}, "no remote_block_ids"),
+        ({"remote_block_ids": []}, "no remote_block_ids"),
+        ({"remote_block_ids": [[7]]}, "nothing to misroute"),
+        ({"remote_block_ids": [[7], [], [8]]}, "nothing to misroute"),
+    ],
 )
 def test_nixl_fault_that_cannot_act_says_so(params: dict, problem: str, tmp_path: Path) -> None:
     from harness.run.faults.by_name import fault_for
@@ -452,6 +457,21 @@ def test_nixl_fault_that_cannot_act_says_so(params: dict, problem: str, tmp_path
     fault = fault_for("zero-kv", None, tmp_path, "NixlConnector")
     fault.after_prefill("r1", {"kv_transfer_params": params})
     assert problem in fault.problems[0] and not fault.effects
+
+
+def test_nixl_fault_misroutes_every_kv_cache_group_that_has_blocks_to_misroute(
+    tmp_path: Path,
+) -> None:
+    """A hybrid model's P hands D one block list per KV cache group: each group's blocks all
+    point at that group's first, a group of one block is left as it is, and only a hand-over
+    whose every group has one block or none is nothing to misroute."""
+    from harness.run.faults.by_name import fault_for
+
+    fault = fault_for("zero-kv", None, tmp_path, "NixlConnector")
+    response = {"kv_transfer_params": {"remote_block_ids": [[7], [4, 5, 6], [8, 9]]}}
+    fault.after_prefill("r1", response)
+    assert response["kv_transfer_params"]["remote_block_ids"] == [[7], [4, 4, 4], [8, 8]]
+    assert fault.problems == [] and len(fault.effects) == 1, (fault.problems, fault.effects)
 
 
 def test_drop_kv_by_name_under_nixl_withholds_ps_params_and_touches_no_file(
