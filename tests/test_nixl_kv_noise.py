@@ -46,12 +46,19 @@ class Results:
     failed_recving: set[str] = field(default_factory=set)
 
 
-def fake_worker_class(receiving: dict[str, Meta], finished: set[str]) -> type:
+def fake_worker_class(
+    receiving: dict[str, Meta],
+    finished: set[str],
+    failed: frozenset[str] = frozenset(),
+    num_blocks: int = NUM_BLOCKS,
+) -> type:
     """The attributes of vLLM 0.32's NixlPullConnectorWorker the plugin uses, nothing else."""
     import torch
 
+    blocks_in_cache = num_blocks
+
     class Worker:
-        num_blocks = NUM_BLOCKS
+        num_blocks = blocks_in_cache
 
         def __init__(self) -> None:
             torch.manual_seed(0)
@@ -64,7 +71,7 @@ def fake_worker_class(receiving: dict[str, Meta], finished: set[str]) -> type:
         def get_transfer_results(self) -> Results:
             for req_id in finished:  # as vLLM's: finished requests leave the metadata
                 self._recving_metadata.pop(req_id, None)
-            return Results(set(finished))
+            return Results(set(finished), failed_recving=set(failed))
 
     return Worker
 
@@ -244,3 +251,124 @@ def test_vllms_own_plugin_loader_finds_and_applies_it(tmp_path: Path) -> None:
     assert plugin.PACKAGE in discovered_plugins({**os.environ, **site.env()})
     without = {k: v for k, v in os.environ.items() if k != plugin.CONTROL_ENV}
     assert plugin.PACKAGE not in discovered_plugins(without), "no plugin outside the self-test's D"
+
+
+def test_only_a_completed_read_of_the_ordered_request_is_perturbed(tmp_path: Path) -> None:
+    """A read that failed is not planted on (D recomputes or errors: no noise of the fault's
+    reached the answer), and a finished request D holds no receive metadata for is passed
+    over: the wrapper runs inside D's worker, where an exception stops D."""
+    import torch
+
+    receiving = {"d-1": Meta(([3, 5],), Remote("p-ordered"))}
+    worker_class = fake_worker_class(receiving, {"d-1", "d-gone"}, failed=frozenset({"d-1"}))
+    plugin.wrap(worker_class, tmp_path)
+    worker = worker_class()
+    before = {k: v.clone() for k, v in worker.device_kv_caches.items()}
+    order(tmp_path, "p-ordered")
+    worker.get_transfer_results()
+    assert all(torch.equal(v, before[k]) for k, v in worker.device_kv_caches.items())
+    assert not (tmp_path / plugin.EFFECTS_FILE).exists()
+
+
+def test_what_d_cannot_plant_is_a_problem_line_and_d_keeps_serving(tmp_path: Path) -> None:
+    """A request that received no blocks, and a cache whose block dimension is not found, each
+    come back as a problem in effects.jsonl, not as an exception out of D's worker."""
+    for name, meta, num_blocks, problem in (
+        ("empty", Meta(([],), Remote("p-1")), NUM_BLOCKS, "the request received no blocks"),
+        ("layout", Meta(([3],), Remote("p-1")), 5, "ValueError: no dimension"),
+    ):
+        control = tmp_path / name
+        control.mkdir()
+        worker_class = fake_worker_class({"d-1": meta}, {"d-1"}, num_blocks=num_blocks)
+        plugin.wrap(worker_class, control)
+        order(control, "p-1")
+        worker_class().get_transfer_results()
+        (effect,) = [
+            json.loads(x) for x in (control / plugin.EFFECTS_FILE).read_text().splitlines()
+        ]
+        assert effect["problem"].startswith(problem), effect
+
+
+def test_the_noise_is_a_fraction_of_the_std_of_the_blocks_but_the_last(tmp_path: Path) -> None:
+    """The std is the received blocks' own (a cache of std 8 gets 8 times the noise of one of
+    std 1), taken without the last block, whose unused slots hold what an earlier request left."""
+    import torch
+
+    torch.manual_seed(1)
+    cache = torch.randn(4, HEADS, SLOTS, DIM) * 8
+    cache[2] = torch.randn(HEADS, SLOTS, DIM) * 800  # the last block's leftovers
+    before = cache.clone()
+    planted = plugin.perturb_blocks(cache, 0, [0, 1, 2], 0.05, seed=3)
+    noise = (cache[:2] - before[:2]).std() / before[:2].std()
+    assert 0.045 < float(noise) < 0.055, float(noise)
+    assert 0.045 < planted < 0.055, planted
+    assert torch.equal(cache[3], before[3]), "a block not received is never touched"
+
+
+def test_the_noise_is_seeded_by_seed_key_and_layer_each() -> None:
+    seeds = {
+        plugin.layer_seed(seed, key, layer)
+        for seed in (1, 2)
+        for key in ("prompt-a", "prompt-b")
+        for layer in ("layer.0", "layer.1")
+    }
+    assert len(seeds) == 8, "every layer of every (seed, key) draws noise of its own"
+    assert plugin.layer_seed(1, "prompt-a", "layer.0") == plugin.layer_seed(
+        1, "prompt-a", "layer.0"
+    )
+
+
+def test_the_harness_orders_with_the_rungs_key_and_collects_each_request_once(
+    tmp_path: Path,
+) -> None:
+    """The order carries the key the fault was given (a rerun's request ids differ, its noise
+    must not); each request is read back by its own label, once: a request D reported a
+    problem for, or nothing at all, is a problem of that request only."""
+    site = install_nixl_kv_noise_plugin(tmp_path / "site")
+    fault = nixl_kv_noise(site, 0.05, seed=10, key="d-kv-noise-1")
+
+    def request(label: str, record: dict | None) -> None:
+        fault.after_prefill(label, {"kv_transfer_params": {"remote_request_id": f"p-{label}"}})
+        written = json.loads((site.control / plugin.FAULT_FILE).read_text())
+        assert (written["key"], written["label"]) == ("d-kv-noise-1", label), written
+        if record is not None:
+            plugin.append_line(site.control, plugin.EFFECTS_FILE, {"label": label, **record})
+        fault.collect()
+
+    done = {"req_id": "d-A", "blocks": 6, "layers": 2, "planted": 0.05, "cache_shape": [9]}
+    request("req-A", done)
+    request("req-B", {"req_id": "d-B", "problem": "the request received no blocks"})
+    request("req-C", None)
+    assert fault.touched == [Path("D:d-A")] and len(fault.effects) == 1, fault.touched
+    assert fault.problems[0] == "req-B: D's plugin: the request received no blocks"
+    assert fault.problems[1].startswith("req-C: D's plugin reported nothing"), fault.problems
+    assert len(fault.problems) == 2, fault.problems
+
+
+def test_the_plugin_wraps_once_and_does_nothing_without_the_control_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM may load general plugins more than once in a process: the worker is wrapped once
+    (wrapped twice, each read would be planted on twice). Without the control variable, or
+    with it empty, the plugin neither wraps nor writes anything."""
+    import types
+
+    worker_class = fake_worker_class({"d-1": Meta(([3],), Remote("p-1"))}, {"d-1"})
+    module = types.ModuleType(plugin.WORKER_MODULE)
+    setattr(module, plugin.WORKER_CLASS, worker_class)
+    monkeypatch.setitem(sys.modules, plugin.WORKER_MODULE, module)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(plugin.CONTROL_ENV, "")
+    plugin.register()
+    assert not getattr(worker_class, plugin.PATCHED_FLAG, False) and not list(tmp_path.iterdir())
+
+    control = tmp_path / "control"
+    control.mkdir()
+    monkeypatch.setenv(plugin.CONTROL_ENV, str(control))
+    plugin.register()
+    plugin.register()
+    order(control, "p-1")
+    worker_class().get_transfer_results()
+    effects = (control / plugin.EFFECTS_FILE).read_text().splitlines()
+    assert len(effects) == 1, effects
+    assert len((control / plugin.LOADED_FILE).read_text().splitlines()) == 2
