@@ -216,3 +216,61 @@ def test_a_run_without_serving_flags_is_compared_without_naming_any(
     compared = epd_cli("compare", older, newer)
     assert compared.code == 0, compared.err
     assert "served differently" not in compared.out
+
+
+def test_every_call_field_and_framing_part_that_differs_is_a_difference() -> None:
+    """Each field of a call the taps record (KV params sent, EC entries answered, prompt
+    tokens), and each part of a stream's framing (media type, [DONE], usage against the ids,
+    problems), makes a case differ when only it differs; the baseline group is no case."""
+    base = dict(ENCODE, usage={"prompt_tokens": 9}, ec_transfer_params={"h": {}})
+    calls = [
+        dict(base, sent_kv_transfer_params={"remote_block_ids": [1]}),
+        dict(base, ec_transfer_params={}),
+        dict(base, usage={"prompt_tokens": 8}),
+    ]
+    stream = {
+        "content_type": "text/event-stream; charset=utf-8",
+        "role_chunks": 1,
+        "done_last": True,
+        "usage_completion_tokens": 3,
+        "ids_counted": 3,
+        "problems": [],
+    }
+    streams = [
+        dict(stream, content_type="application/json"),
+        dict(stream, done_last=False),
+        dict(stream, usage_completion_tokens=4),
+        dict(stream, problems=["a chunk after [DONE]"]),
+    ]
+    same = {**outcome([1, 2], [base]), "stream": stream}
+    for other in [
+        *({**same, "taps": [call]} for call in calls),
+        *({**same, "stream": framing} for framing in streams),
+    ]:
+        (diff,) = diff_runs({"t": {"p": same}}, {"t": {"p": other}})
+        assert not diff.same, other
+    charset = dict(stream, content_type="text/event-stream")
+    (alike,) = diff_runs({"t": {"p": same}}, {"t": {"p": {**same, "stream": charset}}})
+    assert alike.same, alike
+    baseline = {"baseline": {"p": outcome([1], [])}}
+    other_baseline = {"baseline": {"p": outcome([2], []), "q": outcome([1], [])}}
+    assert diff_runs(baseline, other_baseline) == []
+    assert unpaired_cases(baseline, other_baseline) == []
+
+
+def test_tokens_are_said_where_they_part_and_which_run_has_none() -> None:
+    """An answer that is the other's start parts where it ends; a run without tokens is named,
+    the other's tokens not compared against nothing; the summary counts the same cases only."""
+    first = {"t": {"p": outcome([1, 2], []), "q": outcome([1], []), "r": outcome([5], [])}}
+    second = {"t": {"p": outcome([1, 2, 3], []), "q": outcome(None, []), "r": outcome([5], [])}}
+    p, q, r = diff_runs(first, second)
+    assert p.tokens == "differ at 2", p
+    assert q.tokens == "no tokens on the second run", q
+    assert r.same
+    table = format_diff([p, q, r], "harness", "vllm")
+    assert "\n1/3 cases" in table, table
+    stream_only = diff_runs(
+        {"t": {"p": {**outcome([1], []), "stream": {"done_last": True}}}},
+        {"t": {"p": {**outcome([1], []), "stream": {"done_last": False}}}},
+    )
+    assert "\n0/1 cases" in format_diff(stream_only, "harness", "vllm")
