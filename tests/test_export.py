@@ -254,6 +254,30 @@ def test_the_default_case_is_the_first_that_did_not_match_even_when_declared(
     assert plan.name == "vllm-0.32.0-1E-1P-1D-m-image-error"
 
 
+def test_a_scenarios_declaration_covers_the_verdict_it_declares_only(tmp_path: Path) -> None:
+    """epd-media-in-decode-tail declares an ERROR: a MISMATCH of the same case is no failure
+    the harness declares, and ISSUE.md must not call it expected."""
+    root = write_bundle(tmp_path / "run", verdict="MISMATCH", scenario="epd-media-in-decode-tail")
+    plan = plan_for(root)
+    assert plan.label == "1E+1P+1D:epd-media-in-decode-tail" and plan.case.verdict == "MISMATCH"
+    assert plan.declared is None, plan.declared
+
+
+def test_a_probe_is_sent_without_the_log_probs_a_token_check_adds(tmp_path: Path) -> None:
+    """A probe is judged by refusal and survival, not by check.py's drift rule: its crafted
+    body is sent as crafted, and ISSUE.md does not say log-probs were asked for."""
+    root = write_bundle(tmp_path / "run")
+    recorded = json.loads((root / "requests.json").read_text())
+    for body in recorded.values():
+        del body["logprobs"], body["top_logprobs"]  # a run that did not ask for them
+    (root / "requests.json").write_text(json.dumps(recorded))
+    token_check = plan_for(root)
+    assert token_check.request["top_logprobs"] >= 2 and "log-probs" in token_check.sent_unlike
+    probe = plan_for(root, probe=UNKNOWN_UUID_PROBE)
+    assert "logprobs" not in probe.request and "top_logprobs" not in probe.request
+    assert probe.sent_unlike is None, probe.sent_unlike
+
+
 def test_the_numerics_env_the_run_inherited_is_set_by_serve_sh_and_named(tmp_path: Path) -> None:
     """Found in review: an instance inherits the harness's environment, and a variable that
     picks kernels or threads (VLLM_ATTENTION_BACKEND) is part of how the case ran, recorded in
