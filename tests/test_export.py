@@ -254,6 +254,35 @@ def test_the_default_case_is_the_first_that_did_not_match_even_when_declared(
     assert plan.name == "vllm-0.32.0-1E-1P-1D-m-image-error"
 
 
+def test_devices_are_positions_in_first_use_order_and_a_node_is_part_of_a_device() -> None:
+    """An instance on a device an earlier one used gets that device's position, not the last
+    one's; a recorded list's spaces are no part of a device; a Ray node, by address or by id,
+    makes its GPU 0 a device of its own, named with the node."""
+    from harness.run.export.devices import device_positions
+
+    positions, devices = device_positions(
+        [
+            {"env": {"CUDA_VISIBLE_DEVICES": "4, 5"}},
+            {"env": {"CUDA_VISIBLE_DEVICES": "6"}},
+            {"env": {"CUDA_VISIBLE_DEVICES": "4"}},
+            {"env": {"ZE_AFFINITY_MASK": "0"}, "node": {"node_id": "abc"}},
+            {
+                "env": {"CUDA_VISIBLE_DEVICES": "0"},
+                "node": {"address": "10.0.0.12", "hostname": "h1"},
+            },
+            {"env": {}},
+        ]
+    )
+    assert positions == [(0, 1), (2,), (0,), (3,), (4,), ()]
+    assert [d.describe() for d in devices] == [
+        "GPU 4",
+        "GPU 5",
+        "GPU 6",
+        "device 0 of node abc",
+        "GPU 0 of node 10.0.0.12 (h1)",
+    ]
+
+
 def test_a_scenarios_declaration_covers_the_verdict_it_declares_only(tmp_path: Path) -> None:
     """epd-media-in-decode-tail declares an ERROR: a MISMATCH of the same case is no failure
     the harness declares, and ISSUE.md must not call it expected."""
