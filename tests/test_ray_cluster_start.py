@@ -118,23 +118,29 @@ def test_a_worker_that_dies_another_way_fails_the_start_at_once(
     assert not (tmp_path / "nodes" / "ray-node-127.0.0.3.attempt1.log").exists()
 
 
-def test_a_node_that_cannot_be_spawned_gives_its_ports_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The node's interpreter cannot be run (spawning it raises): the start fails with that
-    error, and the ports reserved for the node are given back, not held until the process
-    ends (the node was never recorded, so the cluster's stop could not release them)."""
+def record_reserved_ports(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Every port lease the cluster reserves, in the list returned, to see it given back."""
     from harness.serve import ray_cluster
 
-    reserved = []
+    reserved: list = []
+    reserve_ports = ray_cluster.reserve_ports
 
     def recording(*args, **kwargs):
         leases = reserve_ports(*args, **kwargs)
         reserved.extend(leases)
         return leases
 
-    reserve_ports = ray_cluster.reserve_ports
     monkeypatch.setattr(ray_cluster, "reserve_ports", recording)
+    return reserved
+
+
+def test_a_node_that_cannot_be_spawned_gives_its_ports_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node's interpreter cannot be run (spawning it raises): the start fails with that
+    error, and the ports reserved for the node are given back, not held until the process
+    ends (the node was never recorded, so the cluster's stop could not release them)."""
+    reserved = record_reserved_ports(monkeypatch)
     not_runnable = tmp_path / "python-not-executable"
     not_runnable.write_text("")
     cluster = LocalRayCluster(tmp_path / "nodes", python=str(not_runnable))
@@ -175,17 +181,7 @@ def test_each_node_starts_as_asked_and_gives_its_ports_back_at_the_stop(
     one node fewer to place instances on); each other node with `cpus_per_node` in its private
     directory; every port a node held given back once the cluster stops, not kept until the
     harness ends. A netns rehearsal's head hosts only the driver."""
-    from harness.serve import ray_cluster
-
-    reserved = []
-
-    def recording(*args, **kwargs):
-        leases = reserve_ports(*args, **kwargs)
-        reserved.extend(leases)
-        return leases
-
-    reserve_ports = ray_cluster.reserve_ports
-    monkeypatch.setattr(ray_cluster, "reserve_ports", recording)
+    reserved = record_reserved_ports(monkeypatch)
     python, _ = fake_ray
     private = tmp_path / "private"
     with LocalRayCluster(
