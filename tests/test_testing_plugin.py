@@ -950,6 +950,15 @@ def test_writes_the_starts(request):
 """
 
 
+def account_session(pytester: pytest.Pytester, test: str) -> pytest.RunResult:
+    """A session under --epd-run-dir whose one test (`test`) passed, its account printed."""
+    pytester.makeconftest(CONFTEST + '    parser.addoption("--epd-run-dir", default=None)\n')
+    pytester.makepyfile(test_account=test)
+    run = pytester.runpytest("-p", "no:cacheprovider", "--epd-run-dir", str(pytester.path / "run"))
+    run.assert_outcomes(passed=1)
+    return run
+
+
 def test_the_starts_of_a_run_of_its_own_are_not_counted_as_the_sessions(
     pytester: pytest.Pytester,
 ) -> None:
@@ -958,10 +967,7 @@ def test_the_starts_of_a_run_of_its_own_are_not_counted_as_the_sessions(
     test_repro.py's planted-corrupt-ec): "topology starts: 2 for 1 distinct", 1E+1PD started
     twice, each a first use, as if the session's pool had started it again with no reason.
     The session's pools' starts are counted; a run of its own's are listed as its."""
-    pytester.makeconftest(CONFTEST + '    parser.addoption("--epd-run-dir", default=None)\n')
-    pytester.makepyfile(test_account=ACCOUNT_TEST)
-    run = pytester.runpytest("-p", "no:cacheprovider", "--epd-run-dir", str(pytester.path / "run"))
-    run.assert_outcomes(passed=1)
+    run = account_session(pytester, ACCOUNT_TEST)
     out = run.stdout.str()
     assert "topology starts: 1 for 1 distinct (topology, connectors)" in out, out
     assert "  1E+1PD: first use (12.0s)" in out, out
@@ -985,11 +991,7 @@ def test_the_starts_of_the_pool_of_a_session_without_xdist_are_the_sessions(
 ) -> None:
     """Without xdist the session's pool writes its starts into the run root itself, not a
     gw* directory: they are the session's, not a run of its own's."""
-    pytester.makeconftest(CONFTEST + '    parser.addoption("--epd-run-dir", default=None)\n')
-    pytester.makepyfile(test_account=ROOT_POOL_TEST)
-    run = pytester.runpytest("-p", "no:cacheprovider", "--epd-run-dir", str(pytester.path / "run"))
-    run.assert_outcomes(passed=1)
-    out = run.stdout.str()
+    out = account_session(pytester, ROOT_POOL_TEST).stdout.str()
     assert "topology starts: 1 for 1 distinct (topology, connectors)" in out, out
     assert "  1P+1D: first use (did not come up)" in out, out
     assert "in its own run" not in out, out
