@@ -165,13 +165,18 @@ def test_a_private_session_is_counted_with_its_reason(
     pool.close()
 
 
+def text_sweep(settings: RunSettings, pool: TopologyPool | None = None) -> Sweep:
+    """A sweep of 1E+1P+1D on the text prompt (1P+1D its exact reference), on `pool` if any."""
+    return Sweep(SweepSpec((TOPOLOGIES["1E+1P+1D"],), prompts=(TEXT,)), settings, pool=pool)
+
+
 def test_a_sweep_judges_only_its_topologies_not_the_references_it_starts_for_them(
     tmp_path: Path, fake_vllm_start_log: Path
 ) -> None:
     """A sweep of 1E+1P+1D starts 1P+1D to hold it exact to, and judges 1E+1P+1D alone:
     cases of 1P+1D would be verdicts nobody asked for, each a failure that could fail the
     run. Each case is judged once, though its wave's judging and the run's last both ask."""
-    sweep = Sweep(SweepSpec((TOPOLOGIES["1E+1P+1D"],), prompts=(TEXT,)), settings_for(tmp_path))
+    sweep = text_sweep(settings_for(tmp_path))
     result = sweep.run_all()
     assert sorted((r.topology, r.reference) for r in result.records) == [
         ("1E+1P+1D", "1P+1D"),
@@ -206,8 +211,7 @@ def test_a_shared_sweep_answers_its_reference_before_the_pool_stops_it(
     settings = settings_for(tmp_path)
     pool = TopologyPool(settings)
     try:
-        spec = SweepSpec((TOPOLOGIES["1E+1P+1D"],), prompts=(TEXT,))
-        sweep = Sweep(spec, settings, pool=pool)
+        sweep = text_sweep(settings, pool)
         sweep.serve_baseline()
         pool.session(TOPOLOGIES["1P+1D"])  # something else used it
         pool.release("1P+1D")
@@ -228,8 +232,7 @@ def test_a_shared_sweep_answers_nothing_on_a_reference_served_under_other_flags(
     settings = settings_for(tmp_path)
     pool = TopologyPool(settings)
     try:
-        spec = SweepSpec((TOPOLOGIES["1E+1P+1D"],), prompts=(TEXT,))
-        sweep = Sweep(spec, settings, pool=pool)
+        sweep = text_sweep(settings, pool)
         sweep.serve_baseline()
         other = dataclasses.replace(
             settings, serving=dataclasses.replace(settings.serving, max_num_seqs=4)
@@ -264,7 +267,7 @@ def test_a_shared_sweep_answers_on_a_stopping_topology_only_its_unanswered_refer
     settings = settings_for(tmp_path)
     pool = TopologyPool(settings)
     try:
-        sweep = Sweep(SweepSpec((TOPOLOGIES["1E+1P+1D"],), prompts=(TEXT,)), settings, pool=pool)
+        sweep = text_sweep(settings, pool)
         sweep.judge("1E+1P+1D", "text")
         pool.session(TOPOLOGIES["1E+1PD"])  # another scenario's
         pool.release()
@@ -755,7 +758,7 @@ def test_a_variant_with_added_environment_is_stopped_alone_and_answers_no_refere
     settings = settings_for(tmp_path)
     pool = TopologyPool(settings)
     try:
-        sweep = Sweep(SweepSpec((TOPOLOGIES["1E+1P+1D"],), prompts=(TEXT,)), settings, pool=pool)
+        sweep = text_sweep(settings, pool)
         sweep.serve_baseline()
         variant = pool.session(TOPOLOGIES["1P+1D"], role_env={Role.DECODE: {"EPD_X": "1"}})
         plain = pool.session(TOPOLOGIES["1E+1PD"])
