@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -1683,6 +1684,20 @@ class KeepsBodies:
         return None
 
 
+def engine_of_1e1pd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, session: Any) -> Any:
+    """A fuzz engine on 1E+1PD whose baseline keeps the bodies it is sent and whose topology
+    is `session` (alive throughout), judged without transfer guards."""
+    import harness.run.fuzz.engine as engine_module
+    from harness.run.fuzz.engine import FuzzEngine
+
+    monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
+    engine = FuzzEngine(served_settings(tmp_path / "model", tmp_path), TOPOLOGIES["1E+1PD"])
+    engine.baseline = KeepsBodies()
+    engine.session = session
+    engine.topology_dead = lambda: None
+    return engine
+
+
 def test_the_fuzzers_baseline_answers_cold_and_its_topology_as_the_traffic_left_it(
     tmp_path: Path,
 ) -> None:
@@ -2605,16 +2620,10 @@ def test_a_crash_a_trusted_declaration_predicts_is_not_sent_and_says_which(
     review (mutation): an engine that sent it anyway left every test green."""
     from types import SimpleNamespace
 
-    import harness.run.fuzz.engine as engine_module
-    from harness.run.fuzz.engine import FuzzEngine
     from harness.run.fuzz.strategies import FuzzExample
 
-    monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
-    settings = served_settings(tmp_path / "model", tmp_path)
-    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"])
-    engine.baseline = KeepsBodies()  # type: ignore[assignment]
-    engine.session = topology = KeepsBodies()  # type: ignore[assignment]
-    engine.topology_dead = lambda: None  # type: ignore[method-assign]
+    topology = KeepsBodies()
+    engine = engine_of_1e1pd(tmp_path, monkeypatch, topology)
     rule = SimpleNamespace(name="decode-tail", trigger_text="an image in D's tail")
     monkeypatch.setattr(engine.predictions, "predicted_crash", lambda evaluation: rule)
     report = engine.run([FuzzExample(image_prompt((56, 56), name="ex-0001"))])
@@ -2720,16 +2729,9 @@ def test_a_group_found_after_the_runs_time_is_spent_is_not_shrunk_and_says_so(
     """The run's time budget bounds the shrinking too: a group left when it is spent is not
     shrunk, and says why (fuzz.md shows it). Found in review (mutation): an engine that went
     on shrinking it (a shrink that stopped at once, its note empty) left every test green."""
-    import harness.run.fuzz.engine as engine_module
-    from harness.run.fuzz.engine import FuzzEngine
     from harness.run.fuzz.strategies import FuzzExample
 
-    monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
-    settings = served_settings(tmp_path / "model", tmp_path)
-    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"])
-    engine.baseline = KeepsBodies()  # type: ignore[assignment]
-    engine.session = KeepsBodies(error="request failed: 500")  # type: ignore[assignment]
-    engine.topology_dead = lambda: None  # type: ignore[method-assign]
+    engine = engine_of_1e1pd(tmp_path, monkeypatch, KeepsBodies(error="request failed: 500"))
     left = [600.0]
     engine.time_left = lambda: left[0]  # type: ignore[method-assign]
 
@@ -2906,15 +2908,9 @@ def test_a_group_shrunk_against_its_prediction_is_confirmed_by_sending_its_minim
     report would give a predicted request as the minimal one without its crash ever seen.
     Found in review (mutation): a run that never confirmed left every test green."""
     import harness.run.fuzz.engine as engine_module
-    from harness.run.fuzz.engine import FuzzEngine
     from harness.run.fuzz.strategies import FuzzExample
 
-    monkeypatch.setattr(engine_module, "transfer_guards", lambda served, outcome: [])
-    settings = served_settings(tmp_path / "model", tmp_path)
-    engine = FuzzEngine(settings, TOPOLOGIES["1E+1PD"])
-    engine.baseline = KeepsBodies()  # type: ignore[assignment]
-    engine.session = KeepsBodies(error="HTTP 500")  # type: ignore[assignment]
-    engine.topology_dead = lambda: None  # type: ignore[method-assign]
+    engine = engine_of_1e1pd(tmp_path, monkeypatch, KeepsBodies(error="HTTP 500"))
     shrunk, confirmed = [], []
     monkeypatch.setattr(engine_module, "shrink_group", lambda e, g: shrunk.append(g) or False)
     monkeypatch.setattr(engine_module, "confirm_predicted", lambda e, g: confirmed.append(g))
