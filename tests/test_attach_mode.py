@@ -869,3 +869,17 @@ def test_two_missed_health_checks_in_a_row_end_the_request_naming_the_instance(
     outcome = session.send("image", image)
     assert outcome.result is None
     assert outcome.error == f"{PD_DOWN} (while the request was in flight)", outcome.error
+
+
+def test_a_request_to_a_deployment_whose_instance_went_down_since_open_is_not_sent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`open()` found every instance serving; the pd stopped before this request: the
+    outcome's error names it and nothing reaches the proxy (whose answer, a 502 or a hang,
+    would name no instance)."""
+    health = PdHealth(["connection refused"])
+    client = HeldClient(health)
+    session, image = watched_session(tmp_path, monkeypatch, health, client)
+    outcome = session.send("image", image)
+    assert client.sent == []
+    assert (outcome.result, outcome.error) == (None, PD_DOWN), outcome.error
