@@ -883,3 +883,62 @@ def test_a_request_to_a_deployment_whose_instance_went_down_since_open_is_not_se
     outcome = session.send("image", image)
     assert client.sent == []
     assert (outcome.result, outcome.error) == (None, PD_DOWN), outcome.error
+
+
+# -- naming the cause of a failed request --------------------------------------------------------
+
+
+class FailingClient:
+    """The proxy drops every request at once (as when the instance behind it died)."""
+
+    def send(self, body: dict, request_id: str) -> ChatReply:
+        raise ConnectionResetError("the proxy closed the connection")
+
+    def close(self) -> None:
+        pass
+
+
+def failed_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, health: PdHealth, grace_s: float
+) -> Outcome:
+    """The outcome of one request the proxy drops, the instances' /health answering `health`
+    (its first pd answer is the check before sending; no check runs while in flight)."""
+    session, image = watched_session(tmp_path, monkeypatch, health, FailingClient())
+    monkeypatch.setattr(attached, "WATCH_INTERVAL_S", 30.0)  # the request ends first
+    monkeypatch.setattr(attached, "DEATH_GRACE_S", grace_s)
+    outcome = session.send("image", image)
+    assert outcome.result is None and outcome.error is not None
+    return outcome
+
+
+def test_an_instance_still_dying_when_the_request_fails_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The proxy answers the request's failure before the dying pd stops answering /health:
+    the grace after the failure lets the pd be named, not the proxy's error alone."""
+    health = PdHealth([None, None, "connection refused"])  # serving, still serving, dead
+    outcome = failed_request(tmp_path, monkeypatch, health, grace_s=30.0)  # ends when named
+    assert outcome.error.splitlines() == [
+        PD_DOWN,
+        "ConnectionResetError: the proxy closed the connection",
+    ], outcome.error
+
+
+def test_a_failed_request_with_every_instance_serving_names_the_proxy_if_it_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    health = PdHealth([], proxy_problem="connection refused")
+    outcome = failed_request(tmp_path, monkeypatch, health, grace_s=0.0)
+    assert outcome.error.splitlines()[0] == (
+        "the proxy http://127.0.0.1:1 is not reachable: connection refused"
+    ), outcome.error
+
+
+def test_a_dying_instance_is_named_before_a_proxy_that_went_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pd dying and its proxy gone too (one host, one restart): the pd is the cause the
+    report names; the proxy's refusal is its consequence at most."""
+    health = PdHealth([None, None, "connection refused"], proxy_problem="connection refused")
+    outcome = failed_request(tmp_path, monkeypatch, health, grace_s=30.0)
+    assert outcome.error.splitlines()[0] == PD_DOWN, outcome.error
