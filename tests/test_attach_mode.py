@@ -6,6 +6,7 @@ them. Malformed attach files and refused flags are in tests/test_bad_input.py (t
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -942,3 +943,64 @@ def test_a_dying_instance_is_named_before_a_proxy_that_went_with_it(
     health = PdHealth([None, None, "connection refused"], proxy_problem="connection refused")
     outcome = failed_request(tmp_path, monkeypatch, health, grace_s=30.0)
     assert outcome.error.splitlines()[0] == PD_DOWN, outcome.error
+
+
+# -- what a request left in the EC storage -------------------------------------------------------
+
+
+def ec_file(storage: Path, mm_hash: str, mtime_ns: int, name: str = EC_CACHE_FILE) -> None:
+    """`<mm_hash>/<name>` in the storage, its modification time set (no clock in the test)."""
+    path = storage / mm_hash / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(b"ec")
+    os.utime(path, ns=(mtime_ns, mtime_ns))
+
+
+def test_the_ec_files_a_request_wrote_are_the_new_and_the_rewritten_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An EC file written during the request is evidence that the encoder stored the item:
+    a new one, or one rewritten (same bytes, new mtime: the same image encoded again). One
+    left untouched is not, nor a file of another name (found in review: no test held
+    `ec_files`' keys, its mtimes, its file name, nor the before/after comparison)."""
+    spec = attached_1e1pd(tmp_path)
+    storage = spec.ec_storage
+    assert storage is not None
+    ec_file(storage, "rewritten", 1_000)
+    ec_file(storage, "untouched", 1_000)
+
+    class Client:
+        def send(self, body: dict, request_id: str) -> ChatReply:
+            ec_file(storage, "rewritten", 2_000)
+            ec_file(storage, "new", 2_000)
+            ec_file(storage, "other", 2_000, name="metadata.json")
+            return ChatReply(cached_answer(89, None))
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(attached, "health_problem", lambda url, timeout_s=0.0: None)
+    monkeypatch.setattr(attached, "read_counters", lambda url: None)
+    session, image = session_sending_an_image(spec, tmp_path, Client())
+    evidence = session.send("image", image).attached
+    assert evidence is not None
+    assert (evidence.ec_files_before, evidence.ec_files_written) == (2, ["new", "rewritten"])
+
+
+def test_an_ec_file_removed_while_the_storage_is_listed_is_left_out(tmp_path: Path) -> None:
+    """vLLM may remove an EC file between the listing and the reading of its mtime: the file
+    is not there, which is no crash of the request's evidence."""
+
+    class Vanished:
+        parent = tmp_path / "vanished"
+
+        def stat(self) -> os.stat_result:
+            raise FileNotFoundError(self.parent)
+
+    ec_file(tmp_path, "kept", 1_000)
+
+    class Listing:
+        def glob(self, pattern: str) -> list:
+            return [*tmp_path.glob(pattern), Vanished()]
+
+    assert attached.ec_files(Listing()) == {"kept": 1_000}  # type: ignore[arg-type]
