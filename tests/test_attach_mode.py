@@ -1039,3 +1039,12 @@ def test_keep_up_of_a_nixl_topology_writes_an_attach_file_judged_by_nixls_rule(
     assert load_attach_file(str(path), "example") == spec
     unknown = kept_up_1p1d(tmp_path, "SomeoneElsesConnector")
     assert attached.attach_spec_for(unknown, path).kv_connector == "example"  # type: ignore[arg-type]
+
+
+def test_a_block_size_the_metrics_do_not_give_as_a_number_is_not_read() -> None:
+    """vLLM labels `vllm:cache_config_info` with str() of every cache setting: one not yet
+    set reads "None". That says no block size (nothing to compare), not a crash of `open()`
+    (found in review: no test held the digits check, nor an unreadable page)."""
+    assert attached.served_block_size(cache_info_page("4096", block_size="64")) == 64
+    assert attached.served_block_size(cache_info_page("4096", block_size="None")) is None
+    assert attached.served_block_size(None) is None
