@@ -1048,3 +1048,38 @@ def test_a_block_size_the_metrics_do_not_give_as_a_number_is_not_read() -> None:
     assert attached.served_block_size(cache_info_page("4096", block_size="64")) == 64
     assert attached.served_block_size(cache_info_page("4096", block_size="None")) is None
     assert attached.served_block_size(None) is None
+
+
+def test_the_same_image_twice_in_a_request_is_one_item_for_the_encoder_guard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The encoder caches by the item's hash: an image sent twice in one request is encoded
+    and stored once, one EC file, which holds `encoder_output` (found in review: no test held it;
+    counted per part, a request repeating an image would fail it for the harness's reason)."""
+    spec = attached_1e1pd(tmp_path)
+    storage = spec.ec_storage
+    assert storage is not None
+    monkeypatch.setattr(attached, "health_problem", lambda url, timeout_s=0.0: None)
+    finished = {"requests": 0.0}
+    monkeypatch.setattr(
+        attached,
+        "read_counters",
+        lambda url: KvCounters({"finished_requests": finished["requests"]}),
+    )
+
+    class Client:
+        def send(self, body: dict, request_id: str) -> ChatReply:
+            ec_file(storage, "the-image", 2_000)
+            finished["requests"] += 1
+            return ChatReply(cached_answer(89, None))
+
+        def close(self) -> None:
+            pass
+
+    session, image = session_sending_an_image(spec, tmp_path, Client())
+    content = next(m["content"] for m in image["messages"] if isinstance(m["content"], list))
+    content.extend([dict(part) for part in content if part.get("type") == "image_url"])
+    sent = session.send("image-twice", image)
+    assert sent.attached is not None and sent.attached.media_items == 1, sent.attached
+    guard = {g.name: g for g in transfer_guards(session.served, sent)}["encoder_output"]
+    assert guard.ok, guard
