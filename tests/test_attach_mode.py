@@ -1083,3 +1083,20 @@ def test_the_same_image_twice_in_a_request_is_one_item_for_the_encoder_guard(
     assert sent.attached is not None and sent.attached.media_items == 1, sent.attached
     guard = {g.name: g for g in transfer_guards(session.served, sent)}["encoder_output"]
     assert guard.ok, guard
+
+
+def test_open_names_a_proxy_that_does_not_answer_and_reads_nothing_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every instance serving but the proxy gone: `open()` says so, naming the proxy, before
+    any request (found in review: no test held this check; a sweep still named the proxy,
+    request by request, through each failure's cause)."""
+    spec = attached_1e1pd(tmp_path)
+    health = PdHealth([], proxy_problem="connection refused")
+    monkeypatch.setattr(attached, "health_problem", health)
+    for unread in ("metrics_page", "model_cards", "read_version"):
+        monkeypatch.setattr(attached, unread, lambda url, name=unread: pytest.fail(f"{name} read"))
+    session = AttachedSession(spec, fake_run_settings(tmp_path, tmp_path / "vllm"))
+    with pytest.raises(attached.AttachedDown) as raised:
+        session.open()
+    assert str(raised.value) == "the proxy http://127.0.0.1:1 is not reachable: connection refused"
