@@ -47,8 +47,9 @@ from harness.run.export.issue import (
     render_issue,
 )
 from harness.run.export.probe import NEVER_ENCODED_UUID, UNKNOWN_UUID_PROBE
+from harness.run.export.reference import REFERENCE_FIRST_PORT
 from harness.run.export.request import describe_request
-from harness.run.export.servers import template_storage
+from harness.run.export.servers import FIRST_PORT, template_storage
 from harness.run.export.shell import Var, shell_word
 from harness.serve.session import safe_name
 
@@ -173,6 +174,31 @@ def test_a_proxy_file_without_licence_header_is_not_shipped(tmp_path: Path) -> N
     proxy = upstream / "examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py"
     proxy.write_text("print('no header')\n")
     with pytest.raises(BadInput, match="no licence header"):
+        plan_for(write_bundle(tmp_path / "run", upstream=upstream))
+
+
+def test_each_proxy_listens_on_its_own_port_variable_with_its_own_default(tmp_path: Path) -> None:
+    """serve.sh waits for the proxy on ${PROXY_PORT} (the reference's on ${REF_PROXY_PORT}):
+    the proxy must be told that port, not the renderer's placeholder or the case proxy's
+    variable, or it listens where nothing looks (the reference's colliding with the case's)."""
+    plan = plan_for(write_exact_reference_bundle(tmp_path / "run"))
+    assert plan.proxy is not None and plan.reference is not None
+    proxies = (plan.proxy, plan.reference.proxy)
+    for proxy, variable in zip(proxies, ("PROXY_PORT", "REF_PROXY_PORT")):
+        words = [shell_word(arg) for arg in proxy.argv]
+        assert proxy.port == Var(variable)
+        assert words[words.index("--port") + 1] == f'"${{{variable}}}"'
+        assert str(proxy.default_port) not in words
+    assert [p.default_port for p in proxies] == [FIRST_PORT, REFERENCE_FIRST_PORT]
+
+
+def test_a_missing_proxy_file_is_refused_naming_it(tmp_path: Path) -> None:
+    """The release's proxy file absent from the harness's copy: one refusal naming the file
+    and where the copy came from, not a traceback from reading it."""
+    upstream = write_upstream(tmp_path / "partial")
+    proxy = upstream / "examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py"
+    proxy.unlink()
+    with pytest.raises(BadInput, match=f"proxy file {re.escape(str(proxy))} is missing"):
         plan_for(write_bundle(tmp_path / "run", upstream=upstream))
 
 
