@@ -124,6 +124,31 @@ def test_noise_lands_on_the_ordered_requests_blocks_only(tmp_path: Path) -> None
     assert 0.04 < effect["planted"] < 0.06, "5% of std asked; bf16 rounding keeps it near"
 
 
+def test_a_hybrid_models_state_layers_are_skipped_and_its_attention_layers_perturbed(
+    tmp_path: Path,
+) -> None:
+    """A hybrid model's D holds (conv, ssm) state tuples beside its attention KV: those are no
+    KV blocks to noise, and trying them turned the whole request into a problem line, with no
+    layer perturbed. Skipped, the attention layers get the noise and the states stay as they
+    were."""
+    import torch
+
+    worker_class = fake_worker_class({"d-1": Meta(([3, 5],), Remote("p-1"))}, {"d-1"})
+    plugin.wrap(worker_class, tmp_path)
+    worker = worker_class()
+    state = (torch.randn(NUM_BLOCKS, 4, 3), torch.randn(NUM_BLOCKS, HEADS, DIM))
+    worker.device_kv_caches = {"mamba.0": state, **worker.device_kv_caches}
+    before = [tensor.clone() for tensor in state]
+    order(tmp_path, "p-1")
+    worker.get_transfer_results()
+
+    (effect,) = [
+        json.loads(line) for line in (tmp_path / plugin.EFFECTS_FILE).read_text().splitlines()
+    ]
+    assert "problem" not in effect and effect["layers"] == 2, effect
+    assert all(torch.equal(a, b) for a, b in zip(worker.device_kv_caches["mamba.0"], before))
+
+
 def test_without_an_order_nothing_is_touched(tmp_path: Path) -> None:
     import torch
 
