@@ -57,6 +57,7 @@ GONE_TIMEOUT_S = 5.0
 #   ignore-term  ignore SIGTERM (only SIGKILL ends it)
 #   children     first spawn two sleepers: one in the group, one in a session of its own
 #   stubborn-orphan  first spawn a sleeper in a session of its own that ignores SIGTERM
+#   graceful-orphan  first spawn a sleeper in a session of its own that logs its SIGTERM, exits
 FAKE_SERVER = r"""
 import http.server, os, signal, subprocess, sys, time
 port, delay_s, modes = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3].split(",")
@@ -72,6 +73,13 @@ if "stubborn-orphan" in modes:
     stubborn = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
                 "print(f'STUBBORN {os.getpid()}', flush=True); time.sleep(120)")
     subprocess.Popen([sys.executable, "-c", stubborn], start_new_session=True)
+if "graceful-orphan" in modes:
+    graceful = ("import os, signal, sys, time\n"
+                "def wind_down(signum, frame):\n"
+                "    print(f'TERMINATED {os.getpid()}', flush=True); sys.exit(0)\n"
+                "signal.signal(signal.SIGTERM, wind_down)\n"
+                "print(f'GRACEFUL {os.getpid()}', flush=True); time.sleep(120)")
+    subprocess.Popen([sys.executable, "-c", graceful], start_new_session=True)
 if "engine-core" in modes:  # a child named as vLLM names its engine core, busy for 0.5 s of CPU
     busy = ("import ctypes, time; ctypes.CDLL(None).prctl(15, b'VLLM::EngineCore', 0, 0, 0)\n"
             "while time.process_time() < 0.5: pass\n"
@@ -238,6 +246,23 @@ def test_a_descendant_that_left_the_group_is_waited_for_and_killed_before_stop_r
     try:
         server.stop(grace_s=1.0)
         assert is_gone(orphan)
+    finally:
+        if not is_gone(orphan):
+            os.kill(orphan, signal.SIGKILL)
+
+
+def test_a_descendant_that_left_the_group_gets_sigterm_before_any_sigkill(make_server) -> None:
+    """killpg misses a helper in a session of its own: it must get its own SIGTERM, the chance
+    to wind down (release a GPU, flush a log) that a vLLM worker gets, not only the SIGKILL
+    after the grace."""
+    server = make_server("graceful", mode="graceful-orphan")
+    server.start()
+    server.wait_until_ready(timeout_s=20)
+    [orphan] = [int(pid) for pid in wait_for_log(server, r"GRACEFUL (\d+)")]
+    try:
+        server.stop(grace_s=2.0)
+        assert is_gone(orphan)
+        assert f"TERMINATED {orphan}" in server.command.log_path.read_text(), server.log_tail()
     finally:
         if not is_gone(orphan):
             os.kill(orphan, signal.SIGKILL)
