@@ -202,6 +202,23 @@ def test_a_missing_proxy_file_is_refused_naming_it(tmp_path: Path) -> None:
         plan_for(write_bundle(tmp_path / "run", upstream=upstream))
 
 
+def test_the_entry_is_the_proxy_and_only_a_probe_without_one_sends_to_an_instance(
+    tmp_path: Path,
+) -> None:
+    """run.sh and check.py send the request to ENTRY: through vLLM's proxy when there is one
+    (the case's and the reference's each their own), the probed consumer itself otherwise.
+    Sent to the first instance, a case through the proxy would ask the encoder for text."""
+    plan = plan_for(write_exact_reference_bundle(tmp_path / "run"))
+    entries = re.findall(r"^ *ENTRY=(.*)$", render_serve_sh(plan), re.M)
+    assert sorted(entries) == [
+        '"http://${HOST}:${PROXY_PORT}"',
+        '"http://${HOST}:${REF_PROXY_PORT}"',
+    ]
+    probe = plan_for(write_bundle(tmp_path / "probe"), probe=UNKNOWN_UUID_PROBE)
+    entries = re.findall(r"^ *ENTRY=(.*)$", render_serve_sh(probe), re.M)
+    assert entries == ['"http://${HOST}:${DECODE0_PORT}"']
+
+
 def test_request_and_expected_answer_are_the_recorded_ones(tmp_path: Path) -> None:
     out = write(tmp_path)
     recorded = json.loads((tmp_path / "run/requests.json").read_text())[PROMPT]
