@@ -219,6 +219,13 @@ def test_the_entry_is_the_proxy_and_only_a_probe_without_one_sends_to_an_instanc
     assert entries == ['"http://${HOST}:${DECODE0_PORT}"']
 
 
+def test_the_export_directory_is_readable_by_others(tmp_path: Path) -> None:
+    """The export is written in a temporary directory renamed into place, and mkdtemp's is
+    0700: left so, nobody but its writer could open the export it is meant to be sent as."""
+    out = write(tmp_path)
+    assert out.stat().st_mode & 0o777 == 0o755
+
+
 def test_request_and_expected_answer_are_the_recorded_ones(tmp_path: Path) -> None:
     out = write(tmp_path)
     recorded = json.loads((tmp_path / "run/requests.json").read_text())[PROMPT]
