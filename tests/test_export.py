@@ -40,6 +40,7 @@ from harness.run.export import standalone_check as check
 from harness.run.export.files import render_serve_sh, write_export
 from harness.run.export.issue import (
     ENVIRONMENT_KEYS,
+    HEADLINE_CHARS,
     ISSUE_FIELDS,
     TITLE_PREFIX,
     condensed_error,
@@ -859,6 +860,14 @@ def test_the_error_headline_skips_generic_engine_errors(client_line: str) -> Non
     )
     assert error_headline(error) == "Expected number of multimodal embeddings"
     assert error_headline("nothing here") == ""
+
+
+def test_the_error_headline_is_the_messages_first_sentence_cut_to_a_title() -> None:
+    """A title holds the exception's first sentence (`expected 3, got 2. Check the mm
+    processor ...` continues with advice a title has no room for), at most HEADLINE_CHARS."""
+    line = "ERROR ValueError: Expected 3 embeddings, got 2. Check the processor. Or the model."
+    assert error_headline(line) == "Expected 3 embeddings, got 2"
+    assert error_headline("ValueError: " + "x" * 500) == "x" * HEADLINE_CHARS
 
 
 def test_describe_request_counts_media_and_words() -> None:
