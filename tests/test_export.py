@@ -34,6 +34,7 @@ from export_bundle import (
 
 from harness.cli.main import main
 from harness.errors import BadInput
+from harness.judge.verdicts import STREAM_BROKEN, STREAM_CHECK
 from harness.redact import REDACTED
 from harness.run.export import files as files_module
 from harness.run.export import standalone_check as check
@@ -43,6 +44,7 @@ from harness.run.export.issue import (
     HEADLINE_CHARS,
     ISSUE_FIELDS,
     TITLE_PREFIX,
+    broken_framing,
     condensed_error,
     error_headline,
     render_issue,
@@ -868,6 +870,18 @@ def test_the_error_headline_is_the_messages_first_sentence_cut_to_a_title() -> N
     line = "ERROR ValueError: Expected 3 embeddings, got 2. Check the processor. Or the model."
     assert error_headline(line) == "Expected 3 embeddings, got 2"
     assert error_headline("ValueError: " + "x" * 500) == "x" * HEADLINE_CHARS
+
+
+def test_a_framing_detail_not_in_the_judges_form_is_not_copied_into_the_title() -> None:
+    """broken_framing reads the problems out of `stream framing broken: PROBLEMS`; a detail in
+    another form (an older run's, another verdict's) gives the plain name, not the detail."""
+    record = {
+        "guards": {STREAM_CHECK: {"ok": False}},
+        "detail": "generated tokens differ at 3 (long detail of another check)",
+    }
+    assert broken_framing(record) == "stream framing broken"
+    record["detail"] = STREAM_BROKEN + "served as application/json"
+    assert broken_framing(record) == "served as application/json"
 
 
 def test_describe_request_counts_media_and_words() -> None:
