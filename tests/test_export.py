@@ -636,6 +636,29 @@ def test_an_export_that_failed_midway_leaves_nothing_and_can_be_written_again(
         write_export(plan, out, REPAIR)
 
 
+def test_an_export_racing_another_into_the_same_out_is_refused_and_keeps_the_others(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Two exports to one --out, both past the emptiness check: the one that renames its
+    staging directory second meets a non-empty directory. It gets the one-line refusal, not
+    an OSError traceback, and the first one's files stay."""
+    plan = plan_for(write_bundle(tmp_path / "run"), f"1E+1P+1D:{PROMPT}")
+    out = tmp_path / "exports" / "case"
+    real = files_module.write_files
+
+    def racing(*args: Any) -> list[Path]:
+        written = real(*args)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ISSUE.md").write_text("the other export's")
+        return written
+
+    monkeypatch.setattr(files_module, "write_files", racing)
+    with pytest.raises(BadInput, match="is not empty"):
+        write_export(plan, out, REPAIR)
+    assert [p.name for p in out.iterdir()] == ["ISSUE.md"]
+    assert [p.name for p in out.parent.iterdir()] == ["case"]
+
+
 def test_the_cli_writes_the_export_beside_the_run(tmp_path: Path, capsys) -> None:
     bundle = write_bundle(tmp_path / "run")
     assert main(["export", str(bundle)]) == 0
