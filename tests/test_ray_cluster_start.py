@@ -10,13 +10,16 @@ the whole Ray scenario errored for the host's load. Real Ray's start is exercise
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
 from pathlib import Path
 
 import psutil
 import pytest
 
-from harness.serve.launch import ServerDied
+from harness.serve.launch import ManagedServer, ServerDied
 from harness.serve.ray_cluster import (
     RAY_REGISTRATION_TIMEOUT,
     STARTED_MARK,
@@ -116,6 +119,38 @@ def test_a_worker_that_dies_another_way_fails_the_start_at_once(
             pass
     assert attempts(state, "127.0.0.3") == 1
     assert not (tmp_path / "nodes" / "ray-node-127.0.0.3.attempt1.log").exists()
+
+
+def test_a_node_spawned_then_interrupted_is_stopped_and_gives_its_ports_back(
+    fake_ray: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node's start can raise after its spawn (a Ctrl-C held back during it): the node is
+    not recorded yet, so the cluster's stop cannot see it; the spawned `ray start` is stopped
+    there and then, and its ports given back, with every node started before it."""
+    reserved = record_reserved_ports(monkeypatch)
+    python, _ = fake_ray
+    spawned: list[ManagedServer] = []
+    start = ManagedServer.start
+
+    def start_then_interrupt(server: ManagedServer) -> None:
+        start(server)
+        spawned.append(server)
+        if server.name == "ray-node-127.0.0.3":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ManagedServer, "start", start_then_interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with LocalRayCluster(tmp_path / "nodes", python=str(python)):
+                pass
+        assert [server.name for server in spawned] == ["ray-node-127.0.0.2", "ray-node-127.0.0.3"]
+        assert [server.name for server in spawned if server.exit_code is None] == []
+        assert reserved and not [lease.port for lease in reserved if lease.held]
+    finally:
+        for server in spawned:
+            with contextlib.suppress(ProcessLookupError):
+                if server.exit_code is None:
+                    os.killpg(server.pid, signal.SIGKILL)
 
 
 def record_reserved_ports(monkeypatch: pytest.MonkeyPatch) -> list:
