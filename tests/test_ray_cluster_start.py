@@ -21,6 +21,8 @@ import pytest
 
 from harness.serve.launch import ManagedServer, ServerDied
 from harness.serve.ray_cluster import (
+    HEAD_PORTS,
+    NODE_PORTS,
     RAY_REGISTRATION_TIMEOUT,
     STARTED_MARK,
     LocalRayCluster,
@@ -43,6 +45,10 @@ failing = dict(
 if "--head" not in argv and address in failing:
     how, times = failing[address].split(":")
     if int(attempts.read_text()) <= int(times):
+        if how == "timeout" and os.environ.get("FAKE_RAY_ORPHAN"):  # left in its group
+            import subprocess
+            helper = subprocess.Popen(["sleep", "600"])
+            (state / ("helper-" + address)).write_text(str(helper.pid))
         print("Failed to get node info b'RPC error: Deadline Exceeded'", flush=True)
         print({RAY_REGISTRATION_TIMEOUT!r} if how == "timeout" else "Segmentation fault",
               flush=True)
@@ -119,6 +125,30 @@ def test_a_worker_that_dies_another_way_fails_the_start_at_once(
             pass
     assert attempts(state, "127.0.0.3") == 1
     assert not (tmp_path / "nodes" / "ray-node-127.0.0.3.attempt1.log").exists()
+
+
+def test_a_worker_started_again_leaves_nothing_of_its_first_attempt(
+    fake_ray: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The `ray start` Ray gave up on exits, but what it started (a raylet, an agent) may still
+    run in its process group: that group is stopped before the node starts again, and the
+    first attempt's ports are given back, not held until the harness ends (the retried node
+    reserves ports of its own)."""
+    reserved = record_reserved_ports(monkeypatch)
+    python, state = fake_ray
+    monkeypatch.setenv("FAKE_RAY_FAIL", "127.0.0.3=timeout:1")
+    monkeypatch.setenv("FAKE_RAY_ORPHAN", "1")
+    helper = 0
+    try:
+        with LocalRayCluster(tmp_path / "nodes", python=str(python)):
+            helper = int((state / "helper-127.0.0.3").read_text())
+            assert not psutil.pid_exists(helper) or psutil.Process(helper).status() == "zombie"
+            first = reserved[NODE_PORTS + HEAD_PORTS : 2 * NODE_PORTS + HEAD_PORTS]
+            assert first and not [lease.port for lease in first if lease.held]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            if helper:
+                os.kill(helper, signal.SIGKILL)
 
 
 def test_a_node_spawned_then_interrupted_is_stopped_and_gives_its_ports_back(
