@@ -138,3 +138,20 @@ def test_each_node_gets_its_own_namespace_address_and_link_and_a_failed_command_
     assert str(failed.value) == (
         "ip link set eth0 up (netns of 4002): RTNETLINK answers: Operation not permitted"
     )
+
+
+def test_no_ip_command_runs_before_every_holder_is_in_a_namespace_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder still in this namespace (its unshare not done) is waited for: an `ip` command
+    then would change this host's own network. A holder that dies ends the wait at once with
+    its own death (its log says why), though the dead have no namespace to compare; one that
+    never unshares ends it after 10 s."""
+    dying = netns_of(monkeypatch, tmp_path, unshared=False, dies=True)
+    with pytest.raises(ServerDied, match="netns-n0 .* died during startup"):
+        dying.create()
+    assert dying.ran == []  # type: ignore[attr-defined]
+    stuck = netns_of(monkeypatch, tmp_path / "stuck", unshared=False, dies=False)
+    with pytest.raises(ClusterError, match="holders did not start in 10 s"):
+        stuck.create()
+    assert stuck.ran == []  # type: ignore[attr-defined]
