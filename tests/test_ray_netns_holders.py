@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.environment import LOOPBACK_HOST
 from harness.serve import ray_cluster
 from harness.serve.launch import ServerDied
 from harness.serve.ray_cluster import ClusterError, LocalRayCluster, Netns
@@ -155,3 +156,44 @@ def test_no_ip_command_runs_before_every_holder_is_in_a_namespace_of_its_own(
     with pytest.raises(ClusterError, match="holders did not start in 10 s"):
         stuck.create()
     assert stuck.ran == []  # type: ignore[attr-defined]
+
+
+class FakeLease:
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    def hand_over(self) -> int:
+        return self.port
+
+    def release(self) -> None:
+        pass
+
+
+def test_a_netns_node_reserves_its_ports_on_loopback_and_starts_in_its_namespace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node's address in a namespace does not exist in this one: its ports are reserved on
+    loopback (the lock files alone hold them; a probe bound to 10.77.x.y here fails), and its
+    `ray start` runs in its own namespace, joining the head at the head's address there."""
+    hosts: list[str] = []
+
+    def reserve_ports(count: int, *, host: str) -> list[FakeLease]:
+        hosts.append(host)
+        return [FakeLease(7000 + 10 * len(hosts) + i) for i in range(count)]
+
+    monkeypatch.setattr(ray_cluster, "reserve_ports", reserve_ports)
+    monkeypatch.setattr(ray_cluster, "ManagedServer", FakeHolder)
+    monkeypatch.setattr(FakeHolder, "spawned", [])
+    cluster = LocalRayCluster(tmp_path / "nodes", netns=True)
+    assert cluster.netns is not None
+    cluster.netns.holders = [FakeHolder(None) for _ in range(5)]  # type: ignore[misc]
+    for index, holder in enumerate(cluster.netns.holders):
+        holder.pid = 4100 + index
+    head = cluster._start_node(0, cluster.addresses[0])
+    worker = cluster._start_node(2, cluster.addresses[2])
+    assert hosts == [LOOPBACK_HOST, LOOPBACK_HOST]
+    head_argv, argv = list(head.server.command.argv), list(worker.server.command.argv)
+    assert head_argv[:4] == ["nsenter", "-t", "4101", "-n"]
+    assert argv[:4] == ["nsenter", "-t", "4103", "-n"]
+    assert argv[argv.index("--address") + 1] == f"{cluster.addresses[0]}:{cluster.gcs_port}"
+    assert argv[argv.index("--node-ip-address") + 1] == cluster.addresses[2]
