@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.serve.ray_cluster import LocalRayCluster, Node
+from harness.serve.ray_cluster import ClusterError, LocalRayCluster, Node
 
 pytestmark = pytest.mark.unit
 
@@ -21,8 +21,9 @@ pytestmark = pytest.mark.unit
 class FakeNodeServer:
     """A node's server whose stop is interrupted `interrupts` times before it succeeds."""
 
-    def __init__(self, interrupts: int = 0) -> None:
+    def __init__(self, interrupts: int = 0, fails: str = "") -> None:
         self.interrupts = interrupts
+        self.fails = fails  # what its stop raises, every time
         self.stopped = False
 
     def is_alive(self) -> bool:
@@ -35,6 +36,8 @@ class FakeNodeServer:
         if self.interrupts:
             self.interrupts -= 1
             raise KeyboardInterrupt
+        if self.fails:
+            raise RuntimeError(self.fails)
         self.stopped = True
 
 
@@ -63,3 +66,31 @@ def test_a_ctrl_c_in_one_namespace_holders_stop_still_removes_every_namespace(
     with pytest.raises(KeyboardInterrupt):
         cluster.stop()
     assert [holder.stopped for holder in holders] == [True, True, True]
+
+
+def test_a_node_or_namespace_that_would_not_stop_fails_the_stop_once_all_else_is_done(
+    tmp_path: Path,
+) -> None:
+    """A node or a namespace holder that outlived SIGKILL is named in the stop's error, after
+    every other node and holder was stopped and every node's temp directory removed: a stop
+    that says nothing leaves a Ray node or a namespace behind unseen."""
+    cluster = LocalRayCluster(tmp_path / "nodes", netns=True)
+    assert cluster.netns is not None
+    servers = [FakeNodeServer(), FakeNodeServer(fails="ray-node-10: survived SIGKILL")]
+    servers += [FakeNodeServer(), FakeNodeServer()]
+    cluster.nodes = [
+        Node(address, index == 0, server)  # type: ignore[arg-type]
+        for index, (address, server) in enumerate(zip(cluster.addresses, servers))
+    ]
+    holders = [FakeNodeServer(fails="netns-hub: survived SIGKILL"), FakeNodeServer()]
+    cluster.netns.holders = holders  # type: ignore[assignment]
+    for temp_dir in cluster.temp_dirs:
+        (temp_dir / "session_latest").mkdir(parents=True)
+    with pytest.raises(ClusterError) as failed:
+        cluster.stop()
+    assert str(failed.value) == (
+        "stopping the rehearsal cluster: ray-node-10: survived SIGKILL; netns-hub: survived SIGKILL"
+    )
+    assert [server.stopped for server in servers] == [True, False, True, True]
+    assert [holder.stopped for holder in holders] == [False, True]
+    assert not [temp_dir for temp_dir in cluster.temp_dirs if temp_dir.exists()]
