@@ -25,6 +25,7 @@ from harness.serve.ray_cluster import (
     NODE_PORTS,
     RAY_REGISTRATION_TIMEOUT,
     STARTED_MARK,
+    ClusterError,
     LocalRayCluster,
 )
 
@@ -53,6 +54,10 @@ if "--head" not in argv and address in failing:
         print({RAY_REGISTRATION_TIMEOUT!r} if how == "timeout" else "Segmentation fault",
               flush=True)
         sys.exit(1)
+if os.environ.get("FAKE_RAY_SILENT"):  # starts, never says so, gives up after 20 s
+    print("Usage stats collection is disabled.", flush=True)
+    time.sleep(20)
+    sys.exit(0)
 if os.environ.get("FAKE_RAY_TERM_S"):  # winds down that long on SIGTERM, then exits 0
     import signal
     def wind_down(signum, frame):
@@ -181,6 +186,26 @@ def test_a_node_spawned_then_interrupted_is_stopped_and_gives_its_ports_back(
             with contextlib.suppress(ProcessLookupError):
                 if server.exit_code is None:
                     os.killpg(server.pid, signal.SIGKILL)
+
+
+def test_a_node_that_never_says_it_started_fails_the_start_in_time_with_its_log_tail(
+    fake_ray: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `ray start` that runs but never prints STARTED_MARK (a GCS it cannot reach) ends the
+    start at the deadline, naming the node and showing its log's last lines."""
+    python, _ = fake_ray
+    monkeypatch.setenv("FAKE_RAY_SILENT", "1")
+    cluster = LocalRayCluster(tmp_path / "nodes", python=str(python))
+    try:
+        with pytest.raises(ClusterError) as late:
+            cluster.start(timeout_s=1.0)
+    finally:
+        cluster.stop()
+    log = tmp_path / "nodes" / "ray-node-127.0.0.2.log"
+    assert str(late.value).startswith(
+        f"Ray node 127.0.0.2 has not started in time; last lines of {log}:\n"
+    )
+    assert str(late.value).endswith("Usage stats collection is disabled.")
 
 
 def record_reserved_ports(monkeypatch: pytest.MonkeyPatch) -> list:
