@@ -84,3 +84,29 @@ def test_a_node_that_dies_while_up_ends_up_naming_it(tmp_path: Path, monkeypatch
     with pytest.raises(ServerDied, match=r"ray-node-127\.0\.0\.4 .*died while serving"):
         ray_cluster.main(["up", "--work-dir", str(tmp_path / "nodes")])
     assert FakeCluster.instances[0].stopped
+
+
+def test_up_says_how_to_use_the_cluster_and_a_ctrl_c_stops_it_with_exit_code_0(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """The ready file is what a script waits for: three lines, the address, the driver's
+    prefix and the nodes an instance can land on (scenarios/test_ray_netns.py unpacks all
+    three). A Ctrl-C or SIGTERM is how `up` is meant to end: it stops the cluster and is a
+    success, not a failure."""
+
+    def interrupt(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ray_cluster, "LocalRayCluster", FakeCluster)
+    monkeypatch.setattr(FakeCluster, "instances", [])
+    monkeypatch.setattr(FakeCluster, "driver_prefix", lambda self: ["nsenter", "-t", "7", "-n"])
+    monkeypatch.setattr(ray_cluster, "install_signal_handlers", lambda: {})
+    monkeypatch.setattr(ray_cluster.time, "sleep", interrupt)
+    ready = tmp_path / "ready"
+    argv = ["up", "--work-dir", str(tmp_path / "nodes"), "--ready-file", str(ready)]
+    assert ray_cluster.main(argv) == 0
+    assert FakeCluster.instances[0].stopped
+    assert ready.read_text() == "127.0.0.2:6379\nnsenter -t 7 -n\n3\n"
+    assert capsys.readouterr().out == (
+        "ray cluster up: address 127.0.0.2:6379\nrun a driver there with: nsenter -t 7 -n\n"
+    )
