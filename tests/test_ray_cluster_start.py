@@ -54,6 +54,21 @@ if "--head" not in argv and address in failing:
         print({RAY_REGISTRATION_TIMEOUT!r} if how == "timeout" else "Segmentation fault",
               flush=True)
         sys.exit(1)
+if os.environ.get("FAKE_RAY_BIND"):  # binds its ports as Ray's servers do, listening
+    import socket
+    flags = [a for a in argv if a.endswith("-port") and a not in ("--min-worker-port",
+             "--max-worker-port", "--dashboard-port")]
+    bound = []
+    for flag in flags:
+        sock = socket.socket()
+        try:
+            sock.bind((address, int(argv[argv.index(flag) + 1])))
+        except OSError as exc:
+            print(flag, argv[argv.index(flag) + 1], exc, flush=True)
+            sys.exit(1)
+        sock.listen()
+        bound.append(sock)
+    print("bound", len(bound), "ports", flush=True)
 if os.environ.get("FAKE_RAY_SILENT"):  # starts, never says so, gives up after 20 s
     print("Usage stats collection is disabled.", flush=True)
     time.sleep(20)
@@ -186,6 +201,19 @@ def test_a_node_spawned_then_interrupted_is_stopped_and_gives_its_ports_back(
             with contextlib.suppress(ProcessLookupError):
                 if server.exit_code is None:
                     os.killpg(server.pid, signal.SIGKILL)
+
+
+def test_each_node_can_bind_every_port_reserved_for_it(
+    fake_ray: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lease's probe socket keeps other programs off its port until `hand_over()`: a node
+    started with its leases not handed over found its own ports taken (by the harness)."""
+    python, _ = fake_ray
+    monkeypatch.setenv("FAKE_RAY_BIND", "1")
+    with LocalRayCluster(tmp_path / "nodes", python=str(python)) as cluster:
+        logs = [node.server.command.log_path.read_text() for node in cluster.nodes]
+    assert [log.count("bound") for log in logs] == [1, 1, 1], logs
+    assert "bound 8 ports" in logs[0] and "bound 6 ports" in logs[1], logs
 
 
 def test_a_node_that_never_says_it_started_fails_the_start_in_time_with_its_log_tail(
