@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.preflight.model import cached_snapshot, hf_hub_cache
+from harness.preflight.model import cached_snapshot, hf_hub_cache, hub_offline
 
 pytestmark = pytest.mark.unit
 
@@ -69,6 +69,24 @@ def test_a_model_missing_offline_names_offline_mode(
         f"{variable}={value} forbids fetching it: download it first (hf download org/absent) "
         "or pass --model DIR"
     )
+
+
+@pytest.mark.parametrize(
+    "environ,offline",
+    [
+        ({"HF_HUB_OFFLINE": "", "TRANSFORMERS_OFFLINE": "1"}, "TRANSFORMERS_OFFLINE=1"),
+        ({"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "1"}, None),
+        ({"TRANSFORMERS_OFFLINE": "on"}, "TRANSFORMERS_OFFLINE=on"),
+        ({"HF_HUB_OFFLINE": "false"}, None),
+    ],
+)
+def test_transformers_offline_counts_only_where_hf_hub_offline_is_unset_or_empty(
+    environ: dict[str, str], offline: str | None
+) -> None:
+    """huggingface_hub reads `HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE`: an empty HF_HUB_OFFLINE
+    (exported blank by a job template) leaves TRANSFORMERS_OFFLINE to decide, a set one
+    decides alone; taken otherwise, the run tried a fetch the hub would refuse."""
+    assert hub_offline(environ) == offline
 
 
 def test_a_snapshot_is_cached_only_once_it_holds_its_config(tmp_path: Path) -> None:
