@@ -122,6 +122,24 @@ def test_a_model_path_that_does_not_exist_is_not_taken_for_a_hub_name(tmp_path: 
         resolve_model(str(tmp_path / "no-model"), None, tmp_path)
 
 
+@pytest.mark.parametrize("given", ["./no-model", "~/no-model", "/no-model-here"])
+def test_a_path_of_one_slash_is_a_path_not_a_hub_name(
+    given: str, tmp_path: Path, monkeypatch
+) -> None:
+    """`./qwen`, `~/qwen` and `/qwen` have one slash, as `org/name` has: spelled as a path,
+    a missing one is a missing directory, never looked up in the hub cache or fetched."""
+    from harness.preflight import model
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(model, "fetch_snapshot", lambda name: pytest.fail(f"fetched {name}"))
+    with pytest.raises(BadInput) as refused:
+        resolve_model(given, None, tmp_path)
+    missing = (tmp_path / "no-model") if given != "/no-model-here" else Path(given)
+    assert str(refused.value) == f"model directory {missing} does not exist"
+
+
 # -- 5: every script the project points at exists (the scan of the tree: tests/test_docs.py) ---
 
 
