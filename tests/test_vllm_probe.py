@@ -40,6 +40,32 @@ def test_served_version_is_read_from_the_served_interpreter(tmp_path: Path) -> N
     assert (served.version, served.torch_version) == ("0.28.0", "2.9.1+cpu")
 
 
+def test_an_interpreter_without_vllm_or_that_says_nothing_readable_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A `vllm` script whose interpreter has no vLLM (a venv rebuilt without it, a launcher
+    copied between venvs) is refused naming that interpreter; one whose probe prints no
+    version record, naming its last error line. Taken as served, its version was None, and
+    the version gate's match of it a TypeError: a traceback, not one line."""
+    interpreter = tmp_path / "python-without-vllm"
+    answer = tmp_path / "answer"
+    interpreter.write_text(f"#!/bin/sh\ncat {answer}\necho 'warning: no GPU' >&2\n")
+    interpreter.chmod(0o755)
+    executable = tmp_path / "vllm"
+    executable.write_text(f"#!{interpreter}\nimport vllm\n")
+    executable.chmod(0o755)
+    answer.write_text(json.dumps({"vllm": None, "torch": "2.13.0"}) + "\n")
+    with pytest.raises(BadInput) as refused:
+        probe_served_vllm(str(executable))
+    assert str(refused.value) == (
+        f"vLLM is not installed for {interpreter}, the interpreter of {executable}"
+    )
+    answer.write_text('["vllm", "0.32.0"]\n')
+    with pytest.raises(BadInput) as unread:
+        probe_served_vllm(str(executable))
+    assert str(unread.value) == f"cannot read the vLLM version of {executable}: warning: no GPU"
+
+
 def test_nixl_refused_in_one_line_when_the_served_python_lacks_it(tmp_path: Path) -> None:
     vllm = install_fake_vllm(tmp_path, missing_modules=["nixl"])
     served = dataclasses.replace(SERVED, executable=str(vllm))
