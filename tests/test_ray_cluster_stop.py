@@ -21,6 +21,8 @@ pytestmark = pytest.mark.unit
 class FakeNodeServer:
     """A node's server whose stop is interrupted `interrupts` times before it succeeds."""
 
+    stops: list[FakeNodeServer] = []  # every stop asked, in order
+
     def __init__(self, interrupts: int = 0, fails: str = "") -> None:
         self.interrupts = interrupts
         self.fails = fails  # what its stop raises, every time
@@ -33,6 +35,7 @@ class FakeNodeServer:
         return 0
 
     def stop(self, grace_s: float) -> None:
+        FakeNodeServer.stops.append(self)
         if self.interrupts:
             self.interrupts -= 1
             raise KeyboardInterrupt
@@ -94,3 +97,23 @@ def test_a_node_or_namespace_that_would_not_stop_fails_the_stop_once_all_else_is
     assert [server.stopped for server in servers] == [True, False, True, True]
     assert [holder.stopped for holder in holders] == [False, True]
     assert not [temp_dir for temp_dir in cluster.temp_dirs if temp_dir.exists()]
+
+
+def test_the_workers_stop_before_the_head_and_the_namespaces_after_every_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers first and the head (their GCS) last, so no worker runs on without its head;
+    the namespaces after every node, the hub last, so no node loses its network while it
+    stops."""
+    monkeypatch.setattr(FakeNodeServer, "stops", [])
+    cluster = LocalRayCluster(tmp_path / "nodes", netns=True)
+    assert cluster.netns is not None
+    servers = [FakeNodeServer() for _ in cluster.addresses]
+    cluster.nodes = [
+        Node(address, index == 0, server)  # type: ignore[arg-type]
+        for index, (address, server) in enumerate(zip(cluster.addresses, servers))
+    ]
+    holders = [FakeNodeServer() for _ in range(len(cluster.addresses) + 1)]
+    cluster.netns.holders = holders  # type: ignore[assignment]
+    cluster.stop()
+    assert FakeNodeServer.stops == [*reversed(servers), *reversed(holders)]
