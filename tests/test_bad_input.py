@@ -1307,6 +1307,19 @@ def test_no_free_port(bad_run: BadRun, tmp_path: Path, monkeypatch) -> None:
     assert_one_error_line(code, err, cause)
 
 
+def test_a_port_lock_directory_that_cannot_be_made(
+    bad_run: BadRun, tmp_path: Path, monkeypatch
+) -> None:
+    """The port check is where a run first takes a lease: a lock directory it cannot make
+    (here under a regular file) is one line naming it, not a traceback mid-run."""
+    taken = tmp_path / "not-a-directory"
+    taken.write_text("")
+    monkeypatch.setenv(environment.PORT_LOCK_DIR_ENV, str(taken / "port-locks"))
+    code, err = bad_run("--topology", "1E+1P+1D")
+    cause = f"cannot reserve ports: not a directory: {taken / 'port-locks'}"
+    assert_one_error_line(code, err, cause)
+
+
 def test_the_port_check_gives_back_every_lease_it_took(port_locks: Path) -> None:
     """The check proves the range has room before anything starts, and must leave it so: a
     lease it kept would make the run's own leases find that range full."""
