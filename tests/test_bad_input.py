@@ -796,6 +796,18 @@ def test_model_config_not_json(bad_run: BadRun, tmp_path: Path) -> None:
     assert_one_error_line(code, err, cause)
 
 
+def test_model_config_not_utf8(bad_run: BadRun, tmp_path: Path) -> None:
+    """A config.json saved in another encoding (Latin-1 here) is no checkpoint's either."""
+    model = tmp_path / "latin1-model"
+    model.mkdir()
+    (model / "config.json").write_bytes(
+        '{"model_type": "qwen2_5_vl", "name": "é"}'.encode("latin-1")
+    )
+    code, err = bad_run("--model", str(model))
+    cause = f"model directory {model}: config.json is not valid JSON (not UTF-8)"
+    assert_one_error_line(code, err, cause)
+
+
 def test_model_is_a_file(bad_run: BadRun, tmp_path: Path) -> None:
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"\0")
