@@ -1373,6 +1373,14 @@ def test_media_dir_missing(bad_run: BadRun, tmp_path: Path) -> None:
     assert_one_error_line(code, err, f"media directory {tmp_path / 'media'} does not exist")
 
 
+def test_media_dir_is_a_file(bad_run: BadRun, tmp_path: Path) -> None:
+    """vLLM's --allowed-local-media-path takes a directory; a file there (the one medium,
+    say) is refused before any instance starts with it."""
+    (tmp_path / "cat.png").write_bytes(b"\x89PNG")
+    code, err = bad_run("--media-dir", str(tmp_path / "cat.png"))
+    assert_one_error_line(code, err, f"media directory {tmp_path / 'cat.png'} is not a directory")
+
+
 def test_media_file_referenced_but_missing(tmp_path: Path) -> None:
     """No built-in prompt uses file:// media yet; this is the check every rendered body passes."""
     (tmp_path / "media").mkdir()
