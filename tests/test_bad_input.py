@@ -1396,6 +1396,21 @@ def test_media_file_referenced_but_missing(tmp_path: Path) -> None:
     assert str(outside.value) == expected
 
 
+def test_media_file_that_leads_out_of_the_media_dir_is_outside_it(tmp_path: Path) -> None:
+    """Where a file:// URL leads, not how it is spelled, decides: through `..` or a link in
+    the media directory, a file outside it is refused, as vLLM refuses it per request."""
+    media = tmp_path / "media"
+    media.mkdir()
+    (tmp_path / "secret.png").write_bytes(b"\x89PNG")
+    (media / "link.png").symlink_to(tmp_path / "secret.png")
+    for path in (media / ".." / "secret.png", media / "link.png"):
+        part = {"type": "image_url", "image_url": {"url": f"file://{path}"}}
+        body = {"messages": [{"role": "user", "content": [part]}]}
+        with pytest.raises(BadInput) as outside:
+            files.check_media_references({"cat": body}, media)
+        assert str(outside.value) == f"prompt 'cat' references {path}, outside --media-dir {media}"
+
+
 def test_media_dir_no_prompt_reads(bad_run: BadRun, tmp_path: Path) -> None:
     """`--media-dir` only added `--allowed-local-media-path` to every instance: no prompt of a
     run names a file:// medium, so no request read it, and the run went on as if the user's
