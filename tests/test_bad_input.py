@@ -1687,6 +1687,10 @@ def test_baseline_cache_that_is_a_file(bad_run: BadRun, tmp_path: Path) -> None:
 def test_describe_os_error_is_one_lowercase_line_with_the_path() -> None:
     exc = OSError(errno.ENOSPC, "No space left on device", "/runs/a")
     assert files.describe_os_error(exc) == "no space left on device: /runs/a"
+    # A move or a link names both ends: the error may be the target's (here: not there).
+    moved = OSError(errno.ENOENT, "No such file or directory", "/runs/a.tmp", None, "/gone/a")
+    assert files.describe_os_error(moved) == "no such file or directory: /runs/a.tmp -> /gone/a"
+    assert files.describe_os_error(OSError("unnamed")) == "unnamed"
 
 
 # -- found in review ---------------------------------------------------------------------------
