@@ -849,6 +849,23 @@ def test_vllm_missing(bad_run: BadRun) -> None:
     assert_one_error_line(code, err, cause)
 
 
+def test_vllm_not_executable_or_not_on_path_says_which(tmp_path: Path, monkeypatch) -> None:
+    """A --vllm that is there but lacks its execute bit (copied without it) is not "not
+    found"; a bare name is looked for on PATH, and the line says so."""
+    from harness.preflight.vllm import probe_served_vllm
+
+    script = tmp_path / "vllm"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o644)
+    with pytest.raises(BadInput) as refused:
+        probe_served_vllm(str(script))
+    assert str(refused.value) == f"vLLM executable {script} is not executable (pass --vllm PATH)"
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(BadInput) as unnamed:
+        probe_served_vllm("vllm-absent")
+    assert str(unnamed.value) == "vLLM executable vllm-absent not found on PATH (pass --vllm PATH)"
+
+
 def fake_vllm_of_version(tmp_path: Path, version: str) -> Path:
     """A vllm whose interpreter finds a `vllm` distribution of `version` first on its path."""
     return install_fake_vllm(tmp_path, serves=False, vllm_version=version, name=f"vllm-{version}")
