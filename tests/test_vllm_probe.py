@@ -149,6 +149,26 @@ def test_an_editable_vllm_whose_code_cannot_be_read_is_not_cached(tmp_path: Path
         baseline_key(served, SERVING, "digest", BODY, launch=LAUNCH)
 
 
+@pytest.mark.parametrize(
+    "direct_url,tree",
+    [
+        ({"url": "file:///src/my%20vllm", "dir_info": {"editable": True}}, Path("/src/my vllm")),
+        ({"url": "file:///src/vllm", "dir_info": {}}, None),
+        ({"url": "file:///src/vllm", "dir_info": {"editable": False}}, None),
+        ({"url": "https://example.org/src/vllm", "dir_info": {"editable": True}}, None),
+        ({"url": "file:///wheels/vllm.whl", "archive_info": {}}, None),
+    ],
+)
+def test_only_an_editable_install_from_a_local_tree_is_read_as_its_tree(
+    direct_url: dict, tree: Path | None
+) -> None:
+    """`pip install /src/vllm` (not -e) copies the tree at install time: the tree's later
+    edits are not what serves, so its git state must not key the baseline; read as editable,
+    an edit to it, never installed, made a new key for the same served code, and a tree
+    since deleted refused the cache. A URL that is no local path names no tree either."""
+    assert vllm_preflight.editable_tree(direct_url) == tree
+
+
 def test_the_served_transformers_version_is_in_the_key_and_recorded(tmp_path: Path) -> None:
     """vLLM preprocesses images and videos with the *served* environment's transformers (the
     HF image/video processors: resize, normalise; e.g. the slow/fast processor default that
