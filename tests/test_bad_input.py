@@ -866,6 +866,22 @@ def test_vllm_not_executable_or_not_on_path_says_which(tmp_path: Path, monkeypat
     assert str(unnamed.value) == "vLLM executable vllm-absent not found on PATH (pass --vllm PATH)"
 
 
+def test_vllm_that_is_no_python_script(tmp_path: Path) -> None:
+    """A `vllm` without a `#!` line (a compiled launcher, a wrapper binary) names no
+    interpreter to ask its version: said so, with the way past it, not called an untested
+    release of version 'unknown'."""
+    binary = tmp_path / "vllm"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01")
+    binary.chmod(0o755)
+    with pytest.raises(BadInput) as refused:
+        check_vllm(str(binary), allow_untested=False)
+    assert str(refused.value) == (
+        f"cannot tell which vLLM {binary} runs (it is not a Python script); pass "
+        "--allow-untested-vllm to skip the version check"
+    )
+    assert check_vllm(str(binary), allow_untested=True).version == "unknown"
+
+
 def fake_vllm_of_version(tmp_path: Path, version: str) -> Path:
     """A vllm whose interpreter finds a `vllm` distribution of `version` first on its path."""
     return install_fake_vllm(tmp_path, serves=False, vllm_version=version, name=f"vllm-{version}")
