@@ -247,6 +247,53 @@ def test_a_slightly_negative_gap_is_still_a_near_tie():
     assert cmp.divergence.near_tie is True and token_verdict(cmp) is Verdict.DRIFT
 
 
+def test_a_divergence_whose_every_measure_equals_the_floor_is_within_it():
+    """The floor is the largest difference the baseline showed against itself, so a difference
+    of exactly that size is noise the platform makes: the gaps, the log-prob delta at the
+    divergence and the prefix's delta each at the floor (0.25 nats, exact in binary) is DRIFT;
+    a hair above it, in the prefix or in the tie, is not."""
+    reference, candidate = near_tie(gap=0.25, prefix_lp=-0.75)
+    cmp = compare_results(reference, candidate, tolerance=0.25)
+    d = cmp.divergence
+    assert (d.reference_gap, d.candidate_gap) == (0.25, 0.25)
+    assert (d.divergence_delta, d.prefix_delta) == (0.25, 0.25)
+    assert d.is_drift and token_verdict(cmp) is Verdict.DRIFT
+    for above in (near_tie(gap=0.25, prefix_lp=-0.7500001), near_tie(gap=0.2500001)):
+        over = compare_results(*above, tolerance=0.25)
+        assert token_verdict(over) is Verdict.MISMATCH, over.describe()
+
+
+def test_the_prefix_must_agree_up_to_the_position_before_the_divergence():
+    """The prefix's agreement is read at every position before the divergence, the last one
+    included: a candidate whose log-prob moved beyond the floor just before it parted is no
+    drift, however near the tie where it parted."""
+    reference, candidate = near_tie(gap=0.02, prefix_lp=-0.51)
+    moved = list(candidate.logprobs)
+    moved[4] = PositionLogprobs(SEQ[4], -2.0, ((SEQ[4], -2.0),))
+    candidate = dataclasses.replace(candidate, logprobs=tuple(moved))
+    cmp = compare_results(reference, candidate, tolerance=0.05)
+    assert cmp.divergence.prefix_delta == pytest.approx(1.5)
+    assert token_verdict(cmp) is Verdict.MISMATCH
+
+
+def test_a_near_tie_at_the_first_token_is_drift_with_nothing_before_it():
+    """A divergence at position 0 has no prefix to disagree: its prefix delta is 0, not
+    unknown, so a near tie within the floor at the first generated token is DRIFT as anywhere
+    else, and its window starts at the sequence's start."""
+    cand_tokens = (555,) + SEQ[1:]
+
+    def top(own: int, other: int):
+        return lambda i, t: ((own, -0.5), (other, -0.52)) if i == 0 else ((t, -0.5),)
+
+    reference = chat(SEQ, prompt_ids=PROMPT, top=top(SEQ[0], 555))
+    candidate = chat(cand_tokens, prompt_ids=PROMPT, top=top(555, SEQ[0]))
+    cmp = compare_results(reference, candidate, window=2, tolerance=0.05)
+    d = cmp.divergence
+    assert (d.index, d.window_start, d.prefix_delta) == (0, 0, 0.0)
+    assert d.reference_window == SEQ[:3] and d.candidate_window == cand_tokens[:3]
+    assert d.is_drift and token_verdict(cmp) is Verdict.DRIFT
+
+
 def test_a_nan_log_prob_in_the_prefix_proves_no_agreement():
     reference, candidate = near_tie(gap=0.02, prefix_lp=math.nan)
     cmp = compare_results(reference, candidate, tolerance=0.05)
