@@ -465,6 +465,16 @@ def test_an_answer_without_log_probs_reads_no_noise_floor():
     assert prefix_noise_floor(bare, alone) is None
 
 
+def test_answers_that_part_at_the_first_token_read_a_floor_of_zero():
+    """The batch floor is read over the tokens two answers agree on; answers that part at the
+    first generated token agree on none, so nothing moved: a floor of 0 (no drift excused),
+    not a crash of the run's baseline pass."""
+    alone = chat((5, 6, 7), top=lambda i, t: [(t, -0.5)])
+    batched = chat((8, 6, 7), top=lambda i, t: [(t, -3.0)])
+    assert prefix_noise_floor(alone, batched) == 0.0
+    assert noise_floor(alone, batched) is None
+
+
 def test_an_empty_answer_is_nobody_elses():
     """Naming whose answer a candidate is needs ids to compare: an empty answer equals every
     other empty one, and "received request 4's answer" would blame a swap for a request that
