@@ -187,6 +187,20 @@ def test_a_batched_answer_keeps_the_noise_the_control_showed() -> None:
     assert record.verdict is Verdict.DRIFT and record.policy_passed
 
 
+def test_an_unbatched_answer_is_held_to_the_noise_of_the_request_alone() -> None:
+    """The batch floor is the noise of answers computed in flight with others; an answer that
+    was computed alone is held to the control's floor alone, however much a batch moved the
+    baseline: a near tie of 0.1 nats passes batched under a batch floor of 0.2, and fails
+    alone under a control floor of 0.05."""
+    reference, candidate = outcome((5, 6), top=(8,)), outcome((5, 8), top=(6,))
+    rules = JudgingRules(ReferencePolicy(PD_DRIFT), 0.05, batched_noise_floor_nats=0.2)
+    assert (rules.tolerance(batched=False), rules.tolerance(batched=True)) == (0.05, 0.2)
+    alone = judged("1P+1D", "baseline", reference, candidate, rules=rules)
+    assert alone.verdict is Verdict.MISMATCH and not alone.policy_passed
+    batched = judged("1P+1D", "baseline", reference, candidate, rules=rules, batched=True)
+    assert batched.verdict is Verdict.DRIFT and batched.policy_passed
+
+
 def test_a_control_answered_from_other_prompt_ids_is_unstable() -> None:
     """The control asks the same request twice: prompt ids that differ between the two (a
     placeholder sized otherwise the second time) are a baseline that disagreed with itself,
