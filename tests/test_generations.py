@@ -266,6 +266,8 @@ def test_a_declared_failure_passes_only_when_it_fails_exactly_as_declared() -> N
         record = as_declared_by(candidate)
         assert not record.policy_passed, record.detail
         assert "NOT the declared MISMATCH" in record.detail
+        # and names the declaration it was held to, as a pass does (summary.json's record)
+        assert record.declared_failure == failure.name, record
 
 
 def test_the_sweep_judges_a_declared_case_by_its_declaration(tmp_path: Path) -> None:
