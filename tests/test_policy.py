@@ -51,6 +51,18 @@ def test_pd_drift_allows_drift_only_across_a_p_to_d_hop_against_the_baseline(
     assert ReferencePolicy(EXACT_EVERYWHERE).policy_for(TOPOLOGIES[topology], monolithic) == EXACT
 
 
+@pytest.mark.parametrize("name", [EXACT_EVERYWHERE, PD_DRIFT])
+def test_a_batched_answer_may_drift_against_the_monolithic_reference_only(name: str) -> None:
+    """The batch floor is the noise the monolithic baseline showed batched; against another
+    topology's answer (1E+1P+1D against 1P+1D, the pair upstream holds exact) it measures
+    nothing, so a batched answer there stays exact under either policy."""
+    policy = ReferencePolicy(name)
+    for topology in ("1E+1PD", "1E+1P+1D", "1P+1D"):
+        assert policy.policy_for(TOPOLOGIES[topology], True, batched=True) == LOGPROB_CLOSE
+    assert policy.policy_for(TOPOLOGIES["1E+1P+1D"], False, batched=True) == EXACT
+    assert policy.policy_for(TOPOLOGIES["1E+1PD"], True, batched=False) == EXACT
+
+
 def test_the_platform_chooses_the_policy() -> None:
     assert default_reference_policy(CPU).name == EXACT_EVERYWHERE
     assert default_reference_policy(CUDA).name == PD_DRIFT
