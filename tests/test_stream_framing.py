@@ -516,6 +516,14 @@ def usage_of(**fields: object) -> list[dict]:
     return chunks
 
 
+def an_empty_chunk() -> list[dict]:
+    """vLLM's stream with a chunk of no choices and no usage after its first token chunk: a
+    relay's keep-alive, say, shaped like the usage chunk without its usage."""
+    chunks = copy.deepcopy(vllm_chunks())
+    empty = {key: value for key, value in chunks[1].items() if key != "usage"}
+    return [*chunks[:2], {**empty, "choices": []}, *chunks[2:]]
+
+
 def two_choices() -> list[dict]:
     chunks = copy.deepcopy(vllm_chunks())
     chunks[1]["choices"] = [chunks[1]["choices"][0], chunks[1]["choices"][0]]
@@ -529,6 +537,7 @@ def two_choices() -> list[dict]:
         ([*vllm_chunks(), vllm_chunks()[-1]], "chunk 6 is a second usage chunk"),
         (usage_details(cached_tokens=True), "cached_tokens is true, not an integer"),
         (two_choices(), "chunk 2 has 2 choices (one expected)"),
+        (an_empty_chunk(), "chunk 3 has 0 choices (one expected)"),
         (without_role(), "0 role chunks (one expected)"),
         (role_on_the_first_token_chunk(), "role chunk at chunk 2, not first"),
         (first_token_choice(logprobs={"content": []}), "chunk 2: 1 token id(s) but 0 log-prob"),
@@ -541,6 +550,7 @@ def two_choices() -> list[dict]:
         "second-usage",
         "cached-boolean",
         "two-choices",
+        "no-choices",
         "no-role",
         "role-late",
         "logprobs-missing",
