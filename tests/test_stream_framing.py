@@ -510,6 +510,15 @@ def without_finish_reason() -> list[dict]:
     return chunks
 
 
+def a_token_after_the_finish() -> list[dict]:
+    """vLLM's stream whose finish_reason comes a token chunk early: its last token follows
+    the end of the answer, every count still right."""
+    chunks = copy.deepcopy(vllm_chunks())
+    chunks[-3]["choices"][0]["finish_reason"] = chunks[-2]["choices"][0]["finish_reason"]
+    chunks[-2]["choices"][0]["finish_reason"] = None
+    return chunks
+
+
 def usage_of(**fields: object) -> list[dict]:
     chunks = copy.deepcopy(vllm_chunks())
     chunks[-1]["usage"].update(fields)
@@ -543,6 +552,7 @@ def two_choices() -> list[dict]:
         (first_token_choice(logprobs={"content": []}), "chunk 2: 1 token id(s) but 0 log-prob"),
         (first_token_choice(index=False), "choices[0].index is false, not 0"),
         (without_finish_reason(), "0 finish_reason(s) (one expected)"),
+        (a_token_after_the_finish(), "chunk 4 comes after finish_reason"),
         (usage_of(prompt_tokens=5), "usage counts 5 prompt tokens"),
     ],
     ids=[
@@ -556,6 +566,7 @@ def two_choices() -> list[dict]:
         "logprobs-missing",
         "index-boolean",
         "no-finish",
+        "token-after-finish",
         "prompt-miscounted",
     ],
 )
