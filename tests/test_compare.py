@@ -432,6 +432,28 @@ def test_describe_names_index_both_tokens_and_tops():
     assert "drift: no" in text and "tolerance 0 nats" in text
 
 
+@pytest.mark.parametrize(
+    "reference, candidate, shown",
+    [
+        (SEQ, SEQ[:10] + (555,) + SEQ[11:], ("…108 109 [110] 111 112…", "…108 109 [555] 111 112…")),
+        (SEQ, (555,) + SEQ[1:], ("[100] 101 102…", "[555] 101 102…")),
+        (SEQ, SEQ[:19] + (555,), ("…117 118 [119]", "…117 118 [555]")),
+        (SEQ, SEQ[:19], ("…117 118 [119]", "…117 118 [end]")),
+    ],
+    ids=["mid", "first-token", "last-token", "candidate-ended"],
+)
+def test_the_windows_show_the_ids_around_the_divergence_and_whether_more_lie_beyond(
+    reference, candidate, shown
+):
+    """Each side's window is printed with every id before the divergence in it, the one at it
+    bracketed, and an ellipsis only on a side where the sequence goes on past the window: at
+    the first or the last token there is none on that side."""
+    text = compare_results(result(reference), result(candidate), window=2).describe()
+    lines = {line.split()[0]: line for line in text.splitlines()[1:3]}
+    assert lines["reference"].endswith(" " + shown[0]), text
+    assert lines["candidate"].endswith(" " + shown[1]), text
+
+
 def test_negative_window_is_refused():
     with pytest.raises(ValueError, match="window"):
         compare_results(result(SEQ), result(SEQ), window=-1)
