@@ -201,6 +201,19 @@ def test_an_unbatched_answer_is_held_to_the_noise_of_the_request_alone() -> None
     assert batched.verdict is Verdict.DRIFT and batched.policy_passed
 
 
+def test_an_answer_equal_to_its_reference_is_its_own_whoever_else_gave_it() -> None:
+    """Whose answer a candidate is gets named only when it is not its reference's: a VACUOUS
+    whose ids equal the baseline's is its own answer, however many requests in flight with it
+    (a load repeats prompts) answered alike, and its detail begins with its guard's failure,
+    the evidence a declared VACUOUS is held to."""
+    reference = outcome((5, 6))
+    twin = [("request 4", outcome((5, 6)))]
+    record = judged("1E+1PD", "baseline", reference, outcome((5, 6)), [BROKEN], others=twin)
+    assert record.verdict is Verdict.VACUOUS
+    assert record.detail.startswith("tokens equal but guard failed: consumer_embeds"), record
+    assert "request 4" not in record.detail
+
+
 def test_a_control_answered_from_other_prompt_ids_is_unstable() -> None:
     """The control asks the same request twice: prompt ids that differ between the two (a
     placeholder sized otherwise the second time) are a baseline that disagreed with itself,
