@@ -628,3 +628,50 @@ def test_a_counter_of_several_engines_is_their_sum() -> None:
         for n, tokens in ((0, 121.0), (1, 66.0))
     )
     assert parse_counters(page).values == {"p2p_cached_tokens": 187.0}
+
+
+def test_every_counter_the_guards_read_comes_from_its_own_sample_and_nothing_else() -> None:
+    """D's page under NIXL as vLLM 0.32 renders it, with the samples beside the counters: each
+    counter the KV guards and a load's account read comes out under its own short name (summed
+    over its label sets: `request_success` has one per finish reason), and no other sample does
+    (`_created`, a histogram's `_sum` or `_count` of another metric, a source nobody reads, a
+    gauge, a value that is no number). Found in review: mutants that dropped NIXL's failed
+    transfers (a failed transfer then read as KV that moved) or D's own prefix-cache hits
+    (which a load's account counts), kept every unknown sample under its own name, or let a
+    sample that is no number zero its counter survived every test."""
+    from harness.serve.kv_metrics import parse_counters
+
+    labels = 'engine="0",model_name="m"'
+    page = "\n".join(
+        [
+            "# HELP vllm:prompt_tokens_by_source Prompt tokens by source",
+            "# TYPE vllm:prompt_tokens_by_source counter",
+            f'vllm:prompt_tokens_cached_by_source_total{{{labels},source="p2p"}} 121.0',
+            f'vllm:prompt_tokens_cached_by_source_created{{{labels},source="p2p"}} 1.79e+09',
+            f'vllm:prompt_tokens_cached_by_source_total{{{labels},source="external_unspecified"}} 3.0',
+            f'vllm:prompt_tokens_by_source_total{{{labels},source="external_kv_transfer"}} 120.0',
+            f'vllm:prompt_tokens_by_source_total{{{labels},source="local_compute"}} 1.0',
+            f'vllm:prompt_tokens_by_source_total{{{labels},source="local_cache_hit"}} 16.0',
+            f'vllm:prompt_tokens_by_source_total{{{labels},source="elsewhere"}} 7.0',
+            f"vllm:nixl_xfer_time_seconds_count{{{labels}}} 2.0",
+            f"vllm:nixl_xfer_time_seconds_sum{{{labels}}} 0.01",
+            f"vllm:nixl_bytes_transferred_sum{{{labels}}} 65536.0",
+            f"vllm:nixl_bytes_transferred_count{{{labels}}} 2.0",
+            f"vllm:nixl_num_failed_transfers_total{{{labels}}} 1.0",
+            f'vllm:request_success_total{{{labels},finished_reason="stop"}} 3.0',
+            f'vllm:request_success_total{{{labels},finished_reason="length"}} 1.0',
+            'vllm:request_success_total{engine="1",finished_reason="stop"} n/a',
+            f"vllm:num_requests_running{{{labels}}} 0.0",
+        ]
+    )
+    assert parse_counters(page).values == {
+        "p2p_cached_tokens": 121.0,
+        "external_cached_tokens": 3.0,
+        "external_kv_tokens": 120.0,
+        "local_compute_tokens": 1.0,
+        "local_cache_hit_tokens": 16.0,
+        "nixl_transfers": 2.0,
+        "nixl_bytes": 65536.0,
+        "nixl_failed_transfers": 1.0,
+        "finished_requests": 4.0,
+    }
