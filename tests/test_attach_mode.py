@@ -502,8 +502,12 @@ def test_a_request_in_flight_with_another_holds_no_guard_on_the_others_files(
     assert not guard["encoder_output"].ok, guard["encoder_output"]
     assert not guard["encoder_output"].checkable  # nor failed: the files may well be its too
     assert "other requests were in flight" in guard["encoder_output"].evidence
+    # The case's record says so too (found in review: a mutant that left `shared` out of the
+    # evidence's JSON survived every test).
+    assert outcomes["first"].to_json()["attached"]["shared"] is True
     alone = session.send("alone", image)  # nothing else in flight: its own evidence again
     assert alone.attached is not None and not alone.attached.shared
+    assert alone.to_json()["attached"]["shared"] is False
 
 
 def test_a_nixl_request_in_flight_with_another_holds_no_kv_guard_on_its_p2p_tokens(
