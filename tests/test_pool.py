@@ -248,6 +248,32 @@ def test_a_shared_sweep_answers_nothing_on_a_reference_served_under_other_flags(
         pool.close()
 
 
+def test_a_shared_sweep_answers_nothing_on_a_reference_run_by_another_launcher(
+    tmp_path: Path, fake_vllm_start_log: Path
+) -> None:
+    """1P+1D started by another scenario under another launcher (its instances given other
+    environment, as a Ray cluster's nodes would be) is stopped: under the same serving flags its
+    answers are still not those of the instances this sweep's 1E+1P+1D is held exact to, so the
+    sweep sends it nothing, and judging 1E+1P+1D starts 1P+1D under the sweep's own launcher.
+    Found in review: a mutant that compared the serving flags alone survived every test."""
+    settings = settings_for(tmp_path)
+    pool = TopologyPool(settings)
+    try:
+        sweep = text_sweep(settings, pool)
+        sweep.serve_baseline()
+        launcher = dataclasses.replace(settings.launcher, instance_env=(("EPD_OTHER", "1"),))
+        other = dataclasses.replace(settings, launcher=launcher)
+        pool.session(TOPOLOGIES["1P+1D"], other)  # another scenario's, on its own launcher
+        pool.release("1P+1D")
+        assert "1P+1D" not in sweep.observed
+        records = sweep.judge("1E+1P+1D", "text")
+        assert {r.reference for r in records} == {"baseline", "1P+1D"}
+        starts = [(s.key.topology, s.key.launcher) for s in pool.starts]
+        assert ("1P+1D", settings.launcher) in starts, starts
+    finally:
+        pool.close()
+
+
 def test_a_shared_sweep_answers_on_a_stopping_topology_only_its_unanswered_references(
     tmp_path: Path, fake_vllm_start_log: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
