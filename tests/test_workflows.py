@@ -10,6 +10,7 @@ these tests fail and say how to install them, instead of passing without having 
 from __future__ import annotations
 
 import configparser
+import os
 import shutil
 import subprocess
 import sys
@@ -1299,3 +1300,24 @@ def test_a_vllm_input_of_no_known_form_is_refused_before_any_install(
                 f"::error::vllm input '{spec}': expected a version (0.32.1), a full 40-character "
                 "commit SHA (wheels.vllm.ai serves no short one) or a wheel URL\n"
             )
+
+
+def test_the_stand_in_uv_uninstalls_what_the_stand_in_site_had_installed(tmp_path: Path) -> None:
+    """An image's venv may hold nixl-cu12 before a night's NIXL step uninstalls the variants:
+    the stand-in uv must then remove it as uv would, which it finds by pip's dist-info folder
+    name (dashes written as underscores). Found in review: a mutant of `dist_info` that kept the
+    dashes left such a distribution installed after its uninstall, and survived every test."""
+    env = {
+        **os.environ,
+        **stand_in_site(tmp_path / "site", {"nixl": "1.1.0", "nixl-cu12": "1.1.0"}),
+    }
+    done = subprocess.run(
+        ["bash", "-e", "-c", FAKE_UV_NIXL + "fake_uv_nixl pip uninstall nixl-cu12"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    left = sorted(p.name for p in (tmp_path / "site").glob("*.dist-info"))
+    assert left == ["nixl-1.1.0.dist-info"], left
