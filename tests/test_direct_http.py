@@ -124,3 +124,24 @@ def test_an_instances_metrics_page_is_read_straight_from_it(stand_in: StandIn) -
 
     assert metrics_page(stand_in.url) is not None
     assert stand_in.asked == ["GET /metrics"]
+
+
+def test_the_direct_opener_ignores_a_proxy_the_environment_had_when_the_harness_started(
+    stand_in: StandIn,
+) -> None:
+    """The opener is built once, at import: a runner's HTTP_PROXY is in the environment by
+    then, unlike the tests above, which set it after the harness was imported (a default
+    urllib opener reads the environment's proxies when it is built). Found in review: a mutant
+    that built the opener with urllib's default handlers survived every test."""
+    import importlib
+    import urllib.request
+
+    from harness.serve import http_direct
+
+    opener = importlib.reload(http_direct).DIRECT_OPENER  # built under DEAD_PROXY
+    with opener.open(f"{stand_in.url}/metrics", timeout=10) as reply:
+        assert reply.status == 200
+    assert stand_in.asked == ["GET /metrics"]
+    # An empty ProxyHandler opens nothing, so urllib keeps none: no handler sends elsewhere.
+    proxied = [h.proxies for h in opener.handlers if isinstance(h, urllib.request.ProxyHandler)]
+    assert proxied == [], proxied
