@@ -234,3 +234,17 @@ def test_a_harness_error_reaching_the_command_line_exits_with_its_own_code(
     monkeypatch.setattr(cli, "command_list", raising)
     assert cli.main(["list"]) == exit_code
     assert capsys.readouterr().err == f"epd-harness: error: {raised}\n"
+
+
+def test_the_cli_runner_returns_only_what_its_call_printed(epd_cli) -> None:
+    """A test's own prints before the call are not the CLI's: a refusal compared whole
+    (`(code, err) == (2, "epd-harness: error: ...")`) must not fail on them, nor pass on them.
+    Found in review: a mutant of the runner that kept them survived the CLI tests."""
+    import sys
+
+    print("the test's own line")
+    print("the test's own error", file=sys.stderr)
+    result = epd_cli("run", "--topology", "9Z")
+    assert result.code == 2
+    assert "the test's own" not in result.out + result.err, result
+    assert result.err.startswith("epd-harness: error:"), result.err
