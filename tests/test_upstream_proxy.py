@@ -287,6 +287,31 @@ def test_the_proxy_chosen_for_dynamic_registration_is_checked_for_the_mode(
     assert chosen.registration == "dynamic"
 
 
+def test_a_served_vllm_without_a_python_to_run_the_proxy_with_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's proxy runs with the served vLLM's Python (its `#!` line): an executable that
+    names none is one line of bad input before any file is fetched, not a TypeError from the
+    proxy's command (found in review)."""
+    monkeypatch.setattr(upstream_proxy, "git_commit", lambda directory: None)  # no process
+    tree = tmp_path / "vllm-tree"
+    for name in (EPD_PROXY_FILE, TOY_PROXY_FILE):
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text("parser.add_argument('--encode-servers-urls')\n")
+    binary = tmp_path / "bin" / "vllm"
+    binary.parent.mkdir()
+    binary.write_bytes(b"\x7fELF not a script\n")
+    binary.chmod(0o755)
+    served = ServedVllm(str(binary), "0.32.0+cpu")
+    with pytest.raises(BadInput, match=r"--proxy vllm runs vLLM's proxy .* names none \(#! line\)"):
+        upstream_proxy.proxy_choice("vllm", str(tree), served, tmp_path / "cache")
+    assert not (tmp_path / "cache").exists(), "nothing fetched"
+    # The same tree with a vLLM that names its Python is taken, run with that Python.
+    named = ServedVllm(str(install_fake_vllm(tmp_path / "named", serves=False)), "0.32.0+cpu")
+    chosen = upstream_proxy.proxy_choice("vllm", str(tree), named, tmp_path / "cache")
+    assert chosen.interpreter and chosen.files_dir == tree.resolve()
+
+
 # --- development builds (their source trees: tests/test_vllm_source_tree.py) ----------------------
 
 
