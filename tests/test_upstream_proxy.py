@@ -312,6 +312,27 @@ def test_a_served_vllm_without_a_python_to_run_the_proxy_with_is_refused(
     assert chosen.interpreter and chosen.files_dir == tree.resolve()
 
 
+def test_the_sdist_is_the_releases_own_file_not_one_whose_name_begins_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The index lists every vllm file: 0.10.1.1's sdist, and its signature, begin with
+    0.10.1's name, and listed first they must not be taken for it (their proxy would be
+    another release's)."""
+    listed = [
+        ("vllm-0.10.1.1.tar.gz", "https://files/vllm-0.10.1.1.tar.gz", "1" * 64),
+        ("vllm-0.10.1.tar.gz.asc", "https://files/vllm-0.10.1.tar.gz.asc", "2" * 64),
+        ("vllm-0.10.1-cp38-abi3-manylinux1_x86_64.whl", "https://files/w.whl", "3" * 64),
+        ("vllm-0.10.1.tar.gz", "https://files/vllm-0.10.1.tar.gz", "4" * 64),
+    ]
+    monkeypatch.setattr(upstream_proxy, "project_files", lambda index, project: listed)
+    assert upstream_proxy.find_sdist("https://index/simple", "0.10.1") == (
+        "https://files/vllm-0.10.1.tar.gz",
+        "4" * 64,
+    )
+    with pytest.raises(LookupError, match=r"no vllm-0\.10\.tar\.gz"):
+        upstream_proxy.find_sdist("https://index/simple", "0.10")
+
+
 # --- development builds (their source trees: tests/test_vllm_source_tree.py) ----------------------
 
 
