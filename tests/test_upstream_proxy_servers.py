@@ -176,6 +176,22 @@ def test_a_cache_written_before_it_listed_its_files_is_fetched_again_once(
     assert index.downloads == 2
 
 
+def test_an_sdist_without_a_proxy_is_refused_and_nothing_is_cached(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A release whose sdist lacks one of the proxies (moved in its tree) is refused naming
+    the file, and leaves no cache a later run would launch a missing proxy from."""
+    without_toy = {k: v for k, v in STANDIN.items() if k != TOY_PROXY_FILE}
+    fake = FakeIndex(make_sdist(RELEASE, without_toy), "json")
+    monkeypatch.setattr(upstream_proxy, "pip_indexes", lambda _interpreter=None: [fake.url])
+    try:
+        with pytest.raises(BadInput, match=f"the vLLM sdist has no {TOY_PROXY_FILE}"):
+            upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+    finally:
+        fake.close()
+    assert not (tmp_path / "vllm-proxy" / RELEASE).exists()
+
+
 class FakeAdminApi(http.server.BaseHTTPRequestHandler):
     """The shape of disagg_epd_proxy's /instances: POST (x-api-key) adds, GET lists."""
 
