@@ -192,6 +192,23 @@ def test_an_sdist_without_a_proxy_is_refused_and_nothing_is_cached(
     assert not (tmp_path / "vllm-proxy" / RELEASE).exists()
 
 
+def test_an_index_without_the_sdist_leaves_it_to_the_next_index(
+    index: FakeIndex, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pip's main index may not have vLLM's sdist (a mirror of wheels, or one that cannot be
+    read): an extra index that has it gives it; with none that has it, each one's reason is
+    said."""
+    unreadable = "http://127.0.0.1:9/simple"  # the discard port: refused
+    monkeypatch.setattr(
+        upstream_proxy, "pip_indexes", lambda _interpreter=None: [unreadable, index.url]
+    )
+    files = upstream_proxy.cached_or_fetched(RELEASE, tmp_path)
+    assert (files.directory / EPD_PROXY_FILE).read_bytes() == STANDIN[EPD_PROXY_FILE]
+    assert index.downloads == 1
+    with pytest.raises(BadInput, match=r"refused>; .*: no vllm-1\.2\.3\.tar\.gz\)"):
+        upstream_proxy.cached_or_fetched("1.2.3", tmp_path)
+
+
 class FakeAdminApi(http.server.BaseHTTPRequestHandler):
     """The shape of disagg_epd_proxy's /instances: POST (x-api-key) adds, GET lists."""
 
