@@ -333,6 +333,22 @@ def test_the_sdist_is_the_releases_own_file_not_one_whose_name_begins_with_it(
         upstream_proxy.find_sdist("https://index/simple", "0.10")
 
 
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("https://user:secret@mirror.example:8443/simple", "https://mirror.example:8443/simple"),
+        ("https://__token__:pypi-abc@pypi.example/simple/", "https://pypi.example/simple/"),
+        ("http://127.0.0.1:3141/root/pypi/+simple", "http://127.0.0.1:3141/root/pypi/+simple"),
+        ("file:///srv/index", "file:///srv/index"),
+    ],
+)
+def test_an_index_is_named_without_its_credentials_and_with_its_port(url: str, shown: str) -> None:
+    """A message names the index it could not read: its user and password never (they would
+    end up in logs and CI output), its port always (two local indexes, a devpi on 3141 and a
+    mirror on 8080, were both named http://127.0.0.1/simple, which neither is)."""
+    assert package_index.safe_url(url) == shown
+
+
 # --- development builds (their source trees: tests/test_vllm_source_tree.py) ----------------------
 
 

@@ -140,9 +140,16 @@ def file_version(filename: str, project: str) -> str | None:
 
 
 def safe_url(url: str) -> str:
-    """An index URL without credentials, for messages."""
+    """An index URL without credentials, for messages; its port kept, which names no secret
+    and tells two indexes on one host apart (found in review: a devpi on :3141 was named
+    http://127.0.0.1/simple)."""
     parts = urllib.parse.urlsplit(url)
     host = parts.hostname or ""
+    if ":" in host:  # an IPv6 address, bracketed as in the URL
+        host = f"[{host}]"
+    _, colon, port = parts.netloc.rpartition("@")[2].rpartition("]")[2].rpartition(":")
+    if colon and port:
+        host = f"{host}:{port}"
     return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
