@@ -1840,6 +1840,24 @@ def test_repro_into_the_bundle_itself(epd_cli, tmp_path: Path) -> None:
     )
 
 
+def test_repro_into_the_bundle_itself_named_relative_to_the_cwd(
+    epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative --run-dir is the directory it names from the working directory, as the
+    user means it: `cd runs; repro B --run-dir B` is the bundle itself too, and is refused."""
+    bundle = minimal_bundle(tmp_path / "b", {"platform_profile": "cpu"})
+    monkeypatch.chdir(tmp_path)
+    code, err = shown_cli(
+        epd_cli, tmp_path, "repro", bundle, "--run-dir", "b", "--vllm", tmp_path / "no-vllm"
+    )
+    assert_one_error_line(
+        code,
+        err,
+        "--run-dir b is the bundle itself: the rerun's logs and storage would overwrite "
+        "what it reproduces; give another directory (default: <bundle>-repro)",
+    )
+
+
 def test_repro_on_a_core_this_process_may_not_use(epd_cli, tmp_path: Path, monkeypatch) -> None:
     """`repro --devices 7` on a two-core host was a ValueError traceback from the baseline's
     spawn, exit 1, where `run` refuses the core in one line (found in review)."""
