@@ -2393,3 +2393,42 @@ def test_a_body_keeps_its_own_cache_salt_and_asks_for_two_log_probs_at_least() -
     assert own_salt({}, "epd-export-case")["cache_salt"] == "epd-export-case"
     assert asks_for_logprobs({"logprobs": True, "top_logprobs": 2})
     assert not asks_for_logprobs({"logprobs": True, "top_logprobs": 1})
+
+
+@pytest.mark.parametrize("left", ["both files", "one file", "harness proxy"])
+def test_the_export_takes_the_runs_proxy_files_only_while_they_are_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, left: str
+) -> None:
+    """The proxy files of a `--proxy vllm` run are its own while its files directory still
+    holds both; once a cleaner took one (or the run used the harness's proxy) the release's
+    are fetched, not an export shipped without a proxy."""
+    from types import SimpleNamespace
+
+    from harness.cli import export as export_cli
+    from harness.preflight.upstream_proxy import PROXY_FILES, ProxyFiles
+
+    files_dir = tmp_path / "proxy-files"
+    for name in PROXY_FILES:
+        (files_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (files_dir / name).write_text("# stand-in\n")
+    if left == "one file":
+        (files_dir / PROXY_FILES[1]).unlink()
+    kind = "harness" if left == "harness proxy" else "vllm"
+    fetched: list[str] = []
+
+    def fetch(version: str, cache: Path, interpreter: object = None) -> ProxyFiles:
+        fetched.append(version)
+        return ProxyFiles(tmp_path / "fetched", f"vllm-{version}.tar.gz")
+
+    monkeypatch.setattr(export_cli, "cached_or_fetched", fetch)
+    bundle = SimpleNamespace(
+        run={
+            "served_vllm": {"version": "0.32.0+cpu"},
+            "proxy": {"kind": kind, "files_dir": str(files_dir), "origin": "the run's"},
+        }
+    )
+    upstream = export_cli.upstream_proxy(bundle)  # type: ignore[arg-type]
+    if left == "both files":
+        assert (upstream.directory, upstream.origin, fetched) == (files_dir, "the run's", [])
+    else:
+        assert (upstream.directory, fetched) == (tmp_path / "fetched", ["0.32.0+cpu"])
