@@ -578,3 +578,23 @@ def test_the_plan_prints_which_instances_sharing_a_gpu_start_one_after_another()
     eight = format_plan(build_plan(request(CUDA, tuple(range(8)))))
     assert "no device is shared" in eight
     assert "start order" not in format_plan(build_plan(request(CPU, (0, 1))))
+
+
+def test_cli_plan_names_a_relative_run_dirs_storage_from_the_working_directory(
+    epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative --run-dir is the directory it names from where `plan` was run, as `run`
+    resolves it: the plan's EC / KV storage paths are absolute there, not `r1/...` that an
+    instance started from another directory would read as another place."""
+    monkeypatch.chdir(tmp_path)
+    argv = ("plan", "--platform", "cuda", "--devices", "0,1,2,3", "--vllm", "vllm", "--json")
+    code, out, err = epd_cli(*argv, "--run-dir", "r1")
+    assert code == 0, err
+    argvs = [
+        " ".join(i["argv"])
+        for w in json.loads(out)["waves"]
+        for t in w["topologies"]
+        for i in t["instances"]
+    ]
+    assert any(str(tmp_path / "r1") in line for line in argvs), argvs
+    assert not any(" r1/" in line or "'r1/" in line or '"r1/' in line for line in argvs), argvs
