@@ -64,7 +64,7 @@ from harness.serve.session import safe_name
 from harness.spec.connectors import NIXL
 from harness.spec.prompts import PromptSpec
 from harness.spec.topology import TOPOLOGIES, Role
-from harness.testing.judging import passed_proven
+from harness.testing.judging import fault_inaction, passed_proven
 from harness.testing.live import LiveTopology
 
 pytestmark = pytest.mark.e2e
@@ -107,9 +107,8 @@ class Live:
 
     def rung(self, kind: str, strength: float, prompt: PromptSpec, fault: PlantedFault) -> Rung:
         record, seconds = self.judge(prompt, fault)
-        assert fault.touched and not fault.problems, (
-            f"{kind} {strength:g} on {self.name} did not do its job (a verdict would mean "
-            f"nothing): touched {fault.touched}, problems {fault.problems}"
+        assert fault.touched and not fault.problems, fault_inaction(
+            f"{kind} {strength:g} on {self.name}", fault, record
         )
         rung = rung_from_record(kind, strength, record, len(fault.touched), fault.effects, seconds)
         if not rung.caught:
@@ -266,9 +265,8 @@ def nixl_rung(live: Live, strength: float, prompt: PromptSpec, fault: NixlKvNois
     """`Live.rung` for the fault D's plugin plants: what D did is read back after D answered."""
     record, seconds = live.judge(prompt, fault)
     fault.collect()
-    assert fault.touched and not fault.problems, (
-        f"nixl-kv-noise {strength:g} on {live.name} did not do its job (a verdict would mean "
-        f"nothing): touched {fault.touched}, problems {fault.problems}"
+    assert fault.touched and not fault.problems, fault_inaction(
+        f"nixl-kv-noise {strength:g} on {live.name}", fault, record
     )
     rung = rung_from_record(
         "nixl-kv-noise", strength, record, len(fault.touched), fault.effects, seconds

@@ -45,7 +45,7 @@ from harness.serve.launch import ManagedServer
 from harness.serve.process_groups import describe_process, is_live_process
 from harness.serve.session import TopologySession
 from harness.spec.topology import Role
-from harness.testing.judging import passed_proven
+from harness.testing.judging import fault_inaction, passed_proven
 from harness.testing.live import LiveTopology
 
 pytestmark = pytest.mark.e2e
@@ -72,10 +72,10 @@ def judged(live: LiveTopology, observed: Observed) -> CaseRecord:
     return record
 
 
-def assert_fault_fired(fault: PlantedFault) -> None:
+def assert_fault_fired(fault: PlantedFault, record: CaseRecord) -> None:
     """A fault that touched nothing would make a red verdict mean something else."""
-    assert (fault.touched or fault.effects) and not fault.problems, (
-        f"the planted fault did not do its job: touched {fault.touched}, problems {fault.problems}"
+    assert (fault.touched or fault.effects) and not fault.problems, fault_inaction(
+        "the planted fault", fault, record
     )
 
 
@@ -83,9 +83,9 @@ def send_kv_fault(live: LiveTopology, name: str, prompt: str) -> tuple[PlantedFa
     """`prompt` sent with the KV fault `name` in the form the session's KV connector takes."""
     session = live.session
     fault = fault_for(name, None, session.kv_storage, session.settings.serving.kv_connector)
-    observed = live.send_with_fault(fault, prompt)
-    assert_fault_fired(fault)
-    return fault, judged(live, observed)
+    record = judged(live, live.send_with_fault(fault, prompt))
+    assert_fault_fired(fault, record)
+    return fault, record
 
 
 def send_clean(live: LiveTopology) -> CaseRecord:
@@ -120,10 +120,9 @@ class TestEncoderFaults:
         epd_pool.release(encoder_topology.name)  # its next use starts it again
         live = epd_live(encoder_topology.name)
         fault = corrupt_ec_files(live.session.ec_storage)
-        observed = live.send_with_fault(fault, CORRUPT_EC_PROMPT.name)
-        assert_fault_fired(fault)
+        record = judged(live, live.send_with_fault(fault, CORRUPT_EC_PROMPT.name))
+        assert_fault_fired(fault, record)
         assert len(fault.touched) == 2, f"two images, two EC files expected: {fault.touched}"
-        record = judged(live, observed)
         assert record.verdict is Verdict.MISMATCH, (
             f"corrupted embeddings must be a MISMATCH, got {record.verdict.value}:\n"
             + format_failure(record)

@@ -221,3 +221,23 @@ def test_a_control_answered_from_other_prompt_ids_is_unstable() -> None:
     again = builders.outcome("image", (5, 6), prompt_ids=(1, 2, 4))
     unstable = baseline_stability(outcome((5, 6)), again)
     assert unstable.stable is False and "prompt ids differ" in unstable.detail
+
+
+def test_a_fault_that_acted_on_nothing_because_its_request_failed_says_why() -> None:
+    """A fault acts on what its request leaves (files, D's blocks): a request that failed first
+    (found on real vLLM: D's NIXL handshake timed out under load) leaves it nothing, and the
+    assertion said only "D's plugin reported nothing". The request's failure is the cause, so
+    the message carries it; a request that was answered adds nothing to the message."""
+    from harness.run.faults.planted import PlantedFault
+    from harness.testing.judging import fault_inaction
+
+    fault = PlantedFault(problems=["d-kv-noise-0: D's plugin reported nothing for this request"])
+    handshake = "1E+1P+1D/decode0: NIXL transfer failure: handshake_setup_failed"
+    failed = judged("1E+1P+1D", "baseline", outcome((5, 6)), outcome((), error=handshake))
+    message = fault_inaction("nixl-kv-noise 0.5 on 1E+1P+1D", fault, failed)
+    assert message.startswith("nixl-kv-noise 0.5 on 1E+1P+1D did not do its job")
+    assert "D's plugin reported nothing" in message
+    assert message.count("handshake_setup_failed") == 1
+    assert "ERROR" in message
+    answered = judged("1E+1P+1D", "baseline", outcome((5, 6)), outcome((5, 6)), [HELD])
+    assert "\n" not in fault_inaction("nixl-kv-noise 0.5 on 1E+1P+1D", fault, answered)

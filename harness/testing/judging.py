@@ -10,6 +10,8 @@ from harness.judge.policy import EXACT_EVERYWHERE, ReferencePolicy
 from harness.judge.records import CaseRecord, DeclaredFailure
 from harness.judge.verdicts import JudgingRules, Reference, judge_case
 from harness.outcomes.outcome import Outcome
+from harness.report.text import format_failure
+from harness.run.faults.planted import PlantedFault
 from harness.spec.topology import TOPOLOGIES
 
 
@@ -64,3 +66,18 @@ def passed_proven(record: CaseRecord) -> bool:
     every guard has evidence; one that could not be checked there means the MATCH is unproven.
     A load repeats prompts into warm caches, so its requests are held to `passed_clean`."""
     return passed_clean(record) and not record.unchecked_guards()
+
+
+def fault_inaction(what: str, fault: PlantedFault, record: CaseRecord) -> str:
+    """Why `what`, a planted fault, did not do its job, for a scenario's assertion. A fault
+    acts on what its request leaves (EC files, D's blocks), so a request that failed first
+    leaves it nothing; that failure is then the cause, and its block (the error, each
+    instance's log lines) follows (found on real vLLM: with D's NIXL handshake timed out under
+    load, a ladder said only "D's plugin reported nothing for this request")."""
+    message = (
+        f"{what} did not do its job (a verdict would mean nothing): touched {fault.touched}, "
+        f"problems {fault.problems}"
+    )
+    if record.error:
+        message += "\nits request failed:\n" + format_failure(record)
+    return message
