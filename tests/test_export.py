@@ -636,6 +636,26 @@ def test_an_export_that_failed_midway_leaves_nothing_and_can_be_written_again(
         write_export(plan, out, REPAIR)
 
 
+def test_an_out_that_is_not_empty_is_refused_before_anything_is_written(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The rename at the end refuses a non-empty --out too, but only after every file (a
+    copied model among them) was written beside it: the refusal comes first."""
+    plan = plan_for(write_bundle(tmp_path / "run"), f"1E+1P+1D:{PROMPT}")
+    out = tmp_path / "exports" / "case"
+    out.mkdir(parents=True)
+    (out / "mine").write_text("keep")
+
+    def written(*args: object) -> list[Path]:
+        raise AssertionError("the export was written before --out was found not empty")
+
+    monkeypatch.setattr(files_module, "write_files", written)
+    with pytest.raises(BadInput, match="is not empty"):
+        write_export(plan, out, REPAIR)
+    assert [p.name for p in out.parent.iterdir()] == ["case"]
+    assert (out / "mine").read_text() == "keep"
+
+
 def test_an_export_racing_another_into_the_same_out_is_refused_and_keeps_the_others(
     tmp_path: Path, monkeypatch
 ) -> None:
