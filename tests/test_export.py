@@ -147,6 +147,10 @@ def test_vllms_own_proxy_is_shipped_with_its_sha256_and_pointed_at_the_instances
     assert '--prefill-servers-urls "http://${HOST}:${PREFILL0_PORT}"' in serve
     assert '--decode-servers-urls "http://${HOST}:${DECODE0_PORT}"' in serve
     assert "harness" not in (out / "serve.sh").read_text().split("# Every variable")[1]
+    # vLLM's file travels with its licence named, as Apache-2.0 asks of a redistributed copy.
+    origin = (out / "vllm-proxy/ORIGIN").read_text()
+    assert f"{name}: vLLM's own file, unmodified, from " in origin
+    assert "Licensed under Apache-2.0" in origin
 
 
 def test_p_d_gets_the_toy_proxy_with_hosts_and_ports(tmp_path: Path) -> None:
