@@ -717,6 +717,22 @@ def test_the_exported_model_leaves_out_the_directorys_hidden_files(tmp_path: Pat
     assert files == ["config.json", "model.safetensors"]
 
 
+def test_run_sh_of_a_run_that_could_not_read_its_vllm_version_compares_none(
+    tmp_path: Path,
+) -> None:
+    """A run that could not read its served vLLM's version recorded none ("unknown"): compared
+    with that, run.sh would say on every run that the export was recorded with "vllm unknown"
+    and a different outcome may be the other release. It compares nothing then."""
+    run = write_bundle(tmp_path / "run")
+    info = json.loads((run / "run.json").read_text())
+    del info["served_vllm"]["version"]
+    (run / "run.json").write_text(json.dumps(info))
+    out = tmp_path / "export"
+    write_export(plan_for(run), out, REPAIR)
+    run_sh = (out / "run.sh").read_text()
+    assert "RECORDED_VLLM" not in run_sh and "the installed vllm is" not in run_sh, run_sh
+
+
 def test_the_exported_scripts_are_executable(tmp_path: Path) -> None:
     """run.sh and serve.sh, and check.py and cpu_repair.py with their `#!/usr/bin/env
     python3`, run by name (`./check.py --state DIR`) as a developer handed them would."""
