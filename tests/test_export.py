@@ -2177,7 +2177,8 @@ def test_a_later_case_carries_its_scenarios_earlier_requests_as_the_run_sent_the
     assert "Not as the run sent it" not in issue
     assert all(f"| `{file}` |" in issue for file in files)
     assert f"So `check.py` first sends `{files[0]}` ({earlier[0]}: " in issue
-    assert "check.py first sends the" in (out / "run.sh").read_text()
+    requests = "request" if len(earlier) == 1 else f"{len(earlier)} requests"
+    assert f"check.py first sends the {requests} in before/" in (out / "run.sh").read_text()
     assert "Each file carries a `cache_salt` of its own: without one" in issue
     assert "each under a cache salt of its own, as the run's found nothing" in issue
     # A fuzz follow-up went under its earlier turn's salt (its bundle says so): ISSUE.md too.
