@@ -1996,6 +1996,34 @@ def test_check_calls_a_dead_instance_an_error_naming_it(tmp_path: Path, monkeypa
     assert "prefill0" not in detail.split("\n", 1)[0]
 
 
+def test_check_names_an_instance_that_goes_down_only_after_a_failed_answer(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """vLLM answers a request its dead engine failed with a 500, and its API server still
+    answers /health a moment before it goes down: after a failed answer check.py looks again
+    (DEATH_GRACE_S) before it says nobody died, or the death went unnamed."""
+    log = tmp_path / "decode0.log"
+    log.write_text("ERROR EngineCore failed: no embeddings\n")
+    (tmp_path / "decode0.exit").write_text("0\n")
+    dying = check.Instance("decode0", "decode", "http://127.0.0.1:1", None, str(log))
+    checks: list[str] = []
+
+    def healthy(url: str) -> bool:  # still up at the first look after the answer, then down
+        checks.append(url)
+        return len(checks) == 1
+
+    monkeypatch.setattr(check, "healthy", healthy)
+    verdict, code, detail = judge(
+        EXPECTED,
+        answer(500, {"error": {"message": "EngineCore encountered an issue"}}),
+        [dying],
+        tmp_path,
+    )
+    assert (verdict, code) == ("ERROR", 2)
+    assert detail.startswith("decode0 died during the request"), detail
+    assert "decode0 (decode, http://127.0.0.1:1) exited with code 0" in detail
+
+
 def test_check_judges_a_probe_by_refusal_and_survival(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(check, "dead_instances", lambda *args: [])
     probe = {"check": "refused-and-alive", "send_to": "decode0"}
