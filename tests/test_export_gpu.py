@@ -609,6 +609,31 @@ def test_a_cpu_export_still_starts_every_instance_at_once(tmp_path: Path) -> Non
     assert re.search(r"^ *start encoder0 encoder ", serve, re.MULTILINE), serve
 
 
+def without_recorded_devices(run: Path, *names: str) -> None:
+    """The case's instances `names` as a run records one it pinned to no device."""
+    for name in names:
+        [path] = (run / safe_name("1E+1P+1D")).glob(f"*__{name}.cmd.json")
+        command = json.loads(path.read_text())
+        del command["env"]["CUDA_VISIBLE_DEVICES"]
+        path.write_text(json.dumps(command))
+
+
+def test_instances_on_a_gpu_start_in_turn_when_another_is_on_none(tmp_path: Path) -> None:
+    """E and P on GPU 4, D pinned to none: E and P still start one after another (D at
+    once, on no device); starting all three at once put P's memory profiling beside the
+    encoder's start on one GPU."""
+    run = gpu_bundle(tmp_path, devices=(4, 5))
+    without_recorded_devices(run, "decode0")
+    case = render_serve_sh(plan_for(run)).split("\nelse\n", 1)[1]
+    queued = re.findall(r"^ *in_turn (\w+) (\S+) ?(.*)$", case, re.MULTILINE)
+    assert [(name, devices) for name, _, devices in queued] == [
+        ("encoder0", '"${DEVICE_0}"'),
+        ("prefill0", '"${DEVICE_0}"'),
+        ("decode0", ""),
+    ], case
+    assert "start_in_turn\n" in case
+
+
 def started_and_ready(output: str) -> list[str]:
     """serve.sh's `started NAME` and `NAME is ready` lines, in order, as `+NAME` / `NAME!`."""
     events = []
