@@ -634,6 +634,22 @@ def test_instances_on_a_gpu_start_in_turn_when_another_is_on_none(tmp_path: Path
     assert "start_in_turn\n" in case
 
 
+def test_the_references_devices_are_mapped_when_the_cases_instances_had_none(
+    tmp_path: Path,
+) -> None:
+    """The case's instances pinned to no device, its baseline to GPU 0: `serve.sh reference`
+    calls `use_devices`, which must be defined (with DEVICES) though the case needs none, or
+    the reference never starts (bash: use_devices: command not found)."""
+    run = gpu_bundle(tmp_path)
+    without_recorded_devices(run, "encoder0", "prefill0", "decode0")
+    plan = plan_for(run)
+    assert plan.devices == () and plan.reference is not None and plan.reference.devices
+    serve = render_serve_sh(plan)
+    reference = serve.split("if [[ $MODE == reference ]]; then\n", 1)[1].split("\nelse\n")[0]
+    assert re.search(r"^ *use_devices 1  # recorded: GPU 0$", reference, re.MULTILINE), reference
+    assert "\nuse_devices() {" in serve and "\nDEVICES=${DEVICES:-}\n" in serve
+
+
 def started_and_ready(output: str) -> list[str]:
     """serve.sh's `started NAME` and `NAME is ready` lines, in order, as `+NAME` / `NAME!`."""
     events = []
