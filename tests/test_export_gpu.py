@@ -194,6 +194,21 @@ def test_a_ray_export_says_it_runs_the_nodes_on_one_host_without_their_network_s
     assert "`UCX_NET_DEVICES=mlx5_0:1`" in issue
 
 
+def test_a_ray_export_of_two_nodes_says_it_runs_them_on_one_host(tmp_path: Path) -> None:
+    """E and P on one node, D on another: two nodes are a cluster this one host stands in for
+    as much as three are."""
+    run = gpu_bundle(tmp_path, devices=(0, 1, 2), per_node=True)
+    [encoder] = (run / safe_name("1E+1P+1D")).glob("*__encoder0.cmd.json")
+    [prefill] = (run / safe_name("1E+1P+1D")).glob("*__prefill0.cmd.json")
+    command = json.loads(prefill.read_text())
+    command["node"] = json.loads(encoder.read_text())["node"]
+    prefill.write_text(json.dumps(command))
+    plan = plan_for(run)
+    assert len(plan.nodes) == 2, plan.nodes
+    issue = render_issue(plan)
+    assert "spread these instances over 2 nodes" in issue and "on one host" in issue, issue
+
+
 # -- which case, judged how ------------------------------------------------------------------------
 
 
