@@ -232,12 +232,12 @@ def test_a_fault_that_acted_on_nothing_because_its_request_failed_says_why() -> 
     from harness.testing.judging import fault_inaction
 
     fault = PlantedFault(problems=["d-kv-noise-0: D's plugin reported nothing for this request"])
-    handshake = "1E+1P+1D/decode0: NIXL transfer failure: handshake_setup_failed"
+    handshake = "1E+1P+1D/decode0: NIXL handshake with P timed out"
     failed = judged("1E+1P+1D", "baseline", outcome((5, 6)), outcome((), error=handshake))
     message = fault_inaction("nixl-kv-noise 0.5 on 1E+1P+1D", fault, failed)
     assert message.startswith("nixl-kv-noise 0.5 on 1E+1P+1D did not do its job")
     assert "D's plugin reported nothing" in message
-    assert message.count("handshake_setup_failed") == 1
+    assert message.count("NIXL handshake with P timed out") == 1
     assert "ERROR" in message
     answered = judged("1E+1P+1D", "baseline", outcome((5, 6)), outcome((5, 6)), [HELD])
     assert "\n" not in fault_inaction("nixl-kv-noise 0.5 on 1E+1P+1D", fault, answered)
