@@ -161,3 +161,19 @@ def test_an_attached_golden_run_reads_no_gpu_of_this_host(
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     with pytest.raises(BadInput, match="bfloat16"):
         prepare_run(golden_request(tmp_path / "t4", golden=None, **on_cuda))
+
+
+def test_golden_reads_the_goldens_beside_the_given_baseline_cache_whatever_the_served_version(
+    host: Host, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--golden VERSION --baseline-cache DIR` reads VERSION's goldens beside DIR. Where the
+    served vLLM's version could not be read, the cache was dropped (no unknown version may
+    match another's baseline) before the goldens were placed, so they were read from the
+    default cache's directory, DIR silently ignored (found in review): the goldens are
+    another release's answers, and where they are does not depend on the served version."""
+    unknown = dataclasses.replace(config.check_vllm(), version="unknown")
+    monkeypatch.setattr(config, "check_vllm", lambda *_: unknown)
+    run = prepare_run(golden_request(tmp_path, attached=False, topologies=("1E+1PD",)))
+    assert run.goldens is not None
+    assert run.goldens.directory == tmp_path / "cache" / "goldens"
+    assert run.baseline_cache is None

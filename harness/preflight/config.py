@@ -406,6 +406,9 @@ def prepare_run(request: RunRequest) -> RunConfig:
     run_dir = _run_dir(request)
     files.check_run_dir(run_dir)
     baseline_cache = _baseline_cache(request)
+    # Where --golden reads: beside the cache asked for, whatever the served version (which
+    # may drop the cache below): a golden is another release's answer (found in review).
+    goldens_beside = baseline_cache
 
     served = check_vllm(request.vllm or default_vllm_executable(), request.allow_untested_vllm)
     if attach is not None:
@@ -480,7 +483,7 @@ def prepare_run(request: RunRequest) -> RunConfig:
         argv_check=argv_check.to_json() if argv_check is not None else None,
     )
     golden_release = arguments.golden_release
-    goldens = _goldens(golden_release, baseline_cache)
+    goldens = _goldens(golden_release, goldens_beside if golden_release else baseline_cache)
     baseline_cache = _run_baseline_cache(baseline_cache, served, request, platform, golden_release)
     return RunConfig(
         goldens=goldens,
