@@ -38,7 +38,7 @@ from harness.run.fuzz.shrink import (
     size_key,
 )
 from harness.run.fuzz.signature import cause_line, died_role, signature_of
-from harness.run.fuzz.space import FuzzSpace, space_for
+from harness.run.fuzz.space import FuzzSpace, fault_refusal, space_for
 from harness.run.fuzz.strategies import FILLER, draw_examples
 from harness.run.fuzz.video_timing import video_positions_differ
 from harness.run.scenarios import found_scenarios
@@ -1845,6 +1845,49 @@ def test_a_fuzz_run_that_judged_nothing_fails(tmp_path: Path, monkeypatch, how: 
     last = capsys.readouterr().out.strip().splitlines()[-1]
     status = "not-sent" if how == "budget" else "baseline-rejected"
     assert last == f"epd-harness fuzz: no example was judged (3 {status}): the run tested nothing"
+
+
+@pytest.mark.parametrize(
+    ("fault", "generation", "needs"),
+    [
+        ("corrupt-ec", "ec-items-report-only", "a media item"),
+        ("ec-video-grid", "ec-items-report-only", "a video"),
+    ],
+)
+def test_a_planted_fault_the_fuzz_space_gives_nothing_to_act_on_is_refused(
+    tmp_path: Path, monkeypatch, fault: str, generation: str, needs: str
+) -> None:
+    """The fuzz draws its own requests, within the space the served release allows on the
+    topology (`space_for`): on a release whose encoder publishes no metadata it draws no
+    media for 1E+1PD, so a planted media fault acted on nothing and the self-test, finding
+    nothing, exited 0 (found in review). The preflight had checked the fault against the
+    run's skeleton prompts, which the fuzz never sends. Refused before anything starts."""
+    from types import SimpleNamespace
+
+    from harness.cli import fuzz as fuzz_cli
+    from harness.cli.main import Progress, build_parser
+    from harness.errors import BadInput
+    from harness.run.fuzz.engine import FuzzEngine
+
+    settings = dataclasses.replace(
+        served_settings(tmp_path / "model", tmp_path / "run"),
+        protocol=GENERATIONS_BY_NAME[generation],
+    )
+    config = SimpleNamespace(settings=settings, topologies=(TOPOLOGIES["1E+1PD"],))
+    monkeypatch.setattr(fuzz_cli, "prepare_run", lambda request: config)
+
+    def started(self, *args, **kwargs):
+        raise AssertionError(f"the fuzz started with --plant-fault {fault}, which acts on nothing")
+
+    monkeypatch.setattr(FuzzEngine, "__init__", started)
+    argv = ["fuzz", "--topology", "1E+1PD", "--examples", "3", "--plant-fault", fault]
+    args = build_parser().parse_args([*argv, "--run-dir", str(tmp_path / "run")])
+    args.progress = Progress()
+    with pytest.raises(BadInput, match=rf"^--plant-fault {fault} needs {needs}.*1E\+1PD"):
+        fuzz_cli.command_fuzz(args)
+    # Where the release sends media through the encoder, the fuzz draws them: planted as before.
+    newest = space_for(NEWEST, TOPOLOGIES["1E+1PD"], settings.serving)
+    assert fault_refusal(fault, newest, TOPOLOGIES["1E+1PD"]) is None
 
 
 def image_urls(body: dict) -> set[str]:

@@ -208,7 +208,7 @@ def command_fuzz(args: argparse.Namespace) -> int:
     from harness.run.fuzz.layout import TokenizerEstimator
     from harness.run.fuzz.records import FuzzReport
     from harness.run.fuzz.save import save_scenarios, unsaved_reason
-    from harness.run.fuzz.space import space_for
+    from harness.run.fuzz.space import fault_refusal, space_for
     from harness.run.fuzz.strategies import draw_examples
 
     fresh = None if args.run_dir else str(fresh_run_dir(Path("runs"), "fuzz-"))
@@ -223,6 +223,9 @@ def command_fuzz(args: argparse.Namespace) -> int:
     model_dir = Path(settings.serving.model)
     estimator = TokenizerEstimator(model_dir) if (model_dir / "tokenizer.json").is_file() else None
     space = space_for(settings.protocol, topology, settings.serving)
+    refusal = fault_refusal(args.plant_fault, space, topology) if args.plant_fault else None
+    if refusal is not None:
+        raise BadInput(refusal)
     for note in space.notes:
         log.warning("epd-harness fuzz: %s", note)
     budget = shrink_budget(args)

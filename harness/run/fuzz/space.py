@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from harness.run.faults.spec import KV_FAULTS, STREAM_FAULTS, VIDEO_FAULTS, parse_fault
 from harness.spec.generations import ProtocolGeneration, not_applicable
 from harness.spec.prompts import ImagePart, PromptSpec, TextPart, VideoPart
 from harness.spec.topology import ServingConfig, Topology
@@ -89,3 +90,25 @@ def _allowed(
     if reason is not None:
         notes.append(f"{probe.name.removeprefix('probe-')}: {reason}")
     return reason is None
+
+
+def fault_refusal(fault: str, space: FuzzSpace, topology: Topology) -> str | None:
+    """Why `--plant-fault fault` would act on nothing the fuzz draws in `space`, or None. The
+    fuzz sends its own requests, not the run's prompts the preflight checks a fault against;
+    where the served release allows no media (or no video) on the topology, a fault on what
+    the encoders return never acts, and the self-test, finding nothing, exited 0 (found in
+    review)."""
+    kind = parse_fault(fault).kind
+    if kind in KV_FAULTS or kind in STREAM_FAULTS:
+        return None
+    videos = kind in VIDEO_FAULTS
+    if space.videos if videos else space.media:
+        return None
+    needs = "a video" if videos else "a media item (an image or a video)"
+    why = "; ".join(space.notes)
+    return (
+        f"--plant-fault {fault} needs {needs}, and the fuzz draws none for {topology.name} "
+        f"on this release ({why}): it would act on nothing and the fuzz could not find a "
+        "failure; plant it on a release that sends them through the encoder, or drop "
+        "--plant-fault"
+    )
