@@ -882,6 +882,25 @@ def test_vllm_that_is_no_python_script(tmp_path: Path) -> None:
     assert check_vllm(str(binary), allow_untested=True).version == "unknown"
 
 
+def test_baseline_cache_for_a_vllm_whose_version_cannot_be_read(
+    bad_run: BadRun, tmp_path: Path
+) -> None:
+    """Not a Python script, its version unread (--allow-untested-vllm): no baseline cache
+    holds its answers, so a --baseline-cache DIR was dropped without a word (found in review)."""
+    binary = tmp_path / "vllm-binary"
+    binary.write_bytes(b"\x7fELF")
+    binary.chmod(0o755)
+    code, err = bad_run(
+        "--vllm", str(binary), "--allow-untested-vllm", "--baseline-cache", str(tmp_path / "cache")
+    )
+    cause = (
+        f"--baseline-cache {tmp_path}/cache: baselines are cached by the served vLLM's "
+        f"version, and the version of {binary} cannot be read (it is not a Python script), so "
+        "none would be read or kept: drop it"
+    )
+    assert_one_error_line(code, err, cause)
+
+
 def fake_vllm_of_version(tmp_path: Path, version: str) -> Path:
     """A vllm whose interpreter finds a `vllm` distribution of `version` first on its path."""
     return install_fake_vllm(tmp_path, serves=False, vllm_version=version, name=f"vllm-{version}")
@@ -1599,19 +1618,29 @@ def test_a_vllm_of_unknown_version_reads_and_keeps_no_baseline_cache(
     vllm: Path, tmp_path: Path, port_locks: Path, monkeypatch
 ) -> None:
     """A vLLM whose version could not be read (let through by --allow-untested-vllm) gets no
-    baseline cache, asked for or not: its key would name no release, and an entry of another
-    build would answer for it. Found in review by mutation: with the preflight's drop of the
-    cache removed, every test stayed green (the run's first lookup then raised ValueError)."""
+    baseline cache: its key would name no release, and an entry of another build would answer
+    for it. The default cache is left out; one asked for by --baseline-cache DIR is refused
+    (`test_baseline_cache_for_a_vllm_whose_version_cannot_be_read`). Found in review by
+    mutation: with the preflight's drop of the cache removed, every test stayed green (the
+    run's first lookup then raised ValueError)."""
     monkeypatch.delenv(environment.PORT_RANGE_ENV, raising=False)
+    # The default baseline cache in this test's directory; the model and the parser's
+    # verdicts where they were kept before (built and asked once, not again here).
+    model = resolve_model(None, None, environment.cache_dir())
+    monkeypatch.setenv(environment.ARGV_CHECK_DIR_ENV, str(environment.argv_check_dir()))
+    monkeypatch.setenv(environment.CACHE_ENV, str(tmp_path / "cache"))
     probed = config.check_vllm
     monkeypatch.setattr(
         config,
         "check_vllm",
         lambda *args: dataclasses.replace(probed(*args), version="unknown"),
     )
-    flags = ("--prompt", "text", "--topology", "1P+1D", "--baseline-cache", str(tmp_path / "c"))
-    argv = run_argv(vllm, tmp_path / "run", *flags, "--allow-untested-vllm")
-    assert prepare_run(request_from_args(build_parser().parse_args(argv))).baseline_cache is None
+    flags = ("--prompt", "text", "--topology", "1P+1D", "--allow-untested-vllm")
+    request = request_from_args(build_parser().parse_args(run_argv(vllm, tmp_path / "run", *flags)))
+    default_cache = dataclasses.replace(
+        request, baseline_cache=None, model=str(model), count_tokens=False
+    )
+    assert prepare_run(default_cache).baseline_cache is None
 
 
 def test_a_sessions_plan_is_made_for_the_topologies_its_items_serve(

@@ -177,3 +177,30 @@ def test_golden_reads_the_goldens_beside_the_given_baseline_cache_whatever_the_s
     assert run.goldens is not None
     assert run.goldens.directory == tmp_path / "cache" / "goldens"
     assert run.baseline_cache is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "flag"),
+    [
+        ({}, "--baseline-cache"),
+        ({"baseline_cache": None, "refresh_baseline": True}, "--refresh-baseline"),
+    ],
+)
+def test_a_baseline_cache_option_for_a_vllm_whose_version_is_unknown_is_refused(
+    host: Host, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fields: dict, flag: str
+) -> None:
+    """A vLLM whose version cannot be read (not a Python script, run with
+    --allow-untested-vllm) has no baseline cache: an unknown version must never match another
+    build's baseline. `--baseline-cache DIR` or `--refresh-baseline` given for one was dropped
+    without a word, the baseline computed and kept nowhere (found in review): refused, naming
+    the option. With --golden a --baseline-cache DIR says where the goldens are: kept."""
+    unknown = dataclasses.replace(config.check_vllm(), version="unknown")
+    monkeypatch.setattr(config, "check_vllm", lambda *_: unknown)
+    asked = {"topologies": ("1E+1PD",), "golden": None, **fields}
+    with pytest.raises(BadInput, match=rf"^{flag}\b.*version .*cannot be read"):
+        prepare_run(golden_request(tmp_path, attached=False, **asked))
+    left_out = {"topologies": ("1E+1PD",), "golden": None, "baseline_cache": None}
+    assert (
+        prepare_run(golden_request(tmp_path / "none", attached=False, **left_out)).baseline_cache
+        is None
+    )

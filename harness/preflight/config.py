@@ -424,7 +424,8 @@ def prepare_run(request: RunRequest) -> RunConfig:
     protocol = served_generation(served, request.protocol)
     if protocol.warning:
         log.warning("epd-harness: %s", protocol.warning)
-    if baseline_cache is not None and not served.known:
+    if not served.known:
+        _refuse_cache_flags_of_an_unknown_version(request, served)
         baseline_cache = None  # an unknown version must never match another's baseline
     if attach is None:  # an attached deployment brings its own build and connector
         check_cpu_build(served, platform.name)
@@ -733,6 +734,30 @@ def _baseline_cache(request: RunRequest) -> BaselineCache | None:
         raise BadInput(f"baseline cache {directory} is not a directory (pass a directory or 'off')")
     ledger = Path(request.session_dir) / BASELINE_REFRESHED_DIR if request.session_dir else None
     return BaselineCache(directory, refresh=request.refresh_baseline, refresh_ledger=ledger)
+
+
+def _refuse_cache_flags_of_an_unknown_version(request: RunRequest, served: ServedVllm) -> None:
+    """A served vLLM whose version cannot be read (--allow-untested-vllm) has no baseline
+    cache, so `--baseline-cache DIR` and `--refresh-baseline` would be dropped: refused, never
+    dropped without a word (found in review). With --golden a DIR says where the goldens are,
+    which the version does not change."""
+    given = [
+        flag
+        for flag, meant in (
+            (
+                f"--baseline-cache {request.baseline_cache}",
+                request.baseline_cache not in (None, "off") and request.golden is None,
+            ),
+            ("--refresh-baseline", request.refresh_baseline),
+        )
+        if meant
+    ]
+    if given:
+        raise BadInput(
+            f"{' and '.join(given)}: baselines are cached by the served vLLM's version, and "
+            f"the version of {served.executable} cannot be read (it is not a Python script), "
+            f"so none would be read or kept: drop {'it' if len(given) == 1 else 'them'}"
+        )
 
 
 def _run_baseline_cache(
