@@ -1390,6 +1390,27 @@ def test_a_file_index_is_read_as_pip_reads_one(tmp_path: Path) -> None:
         find_links_files(str(tmp_path / "nowhere"))
 
 
+def test_only_a_sha256_fragment_of_a_link_is_taken_for_its_sha256(tmp_path: Path) -> None:
+    """PEP 503 links may carry another hash in their fragment (#md5=, as pypiserver wrote,
+    or #sha512=): read as the sha256 the fetched sdist is checked against, a good sdist
+    would be refused as corrupt. Only #sha256= is one; the others are no hash."""
+    from harness.preflight.package_index import find_links_files
+
+    page = tmp_path / "links.html"
+    page.write_text(
+        '<html><body><a href="files/vllm-0.32.0.tar.gz#md5=0cc175b9c0f1b6a8">'
+        'vllm-0.32.0.tar.gz</a><br/>\n<a href="files/vllm-0.31.0.tar.gz#sha512=1f40fc92">'
+        'vllm-0.31.0.tar.gz</a><br/>\n<a href="files/vllm-0.30.0.tar.gz#sha256=ab12">'
+        "vllm-0.30.0.tar.gz</a></body></html>"
+    )
+    listed = [(name, sha256) for name, _, sha256 in find_links_files(str(page))]
+    assert listed == [
+        ("vllm-0.32.0.tar.gz", None),
+        ("vllm-0.31.0.tar.gz", None),
+        ("vllm-0.30.0.tar.gz", "ab12"),
+    ]
+
+
 @pytest.mark.usefixtures("no_install")
 def test_gather_only_installs_nothing_and_refuses_what_it_would_drop(
     epd_cli, tmp_path: Path
