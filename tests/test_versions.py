@@ -807,6 +807,18 @@ def test_bisect_refuses_a_baseline_case_before_installing(epd_cli, tmp_path: Pat
     assert "would install" not in err, err
 
 
+@pytest.mark.usefixtures("no_install")
+def test_bisect_refuses_ends_that_name_one_release_before_installing(
+    epd_cli, tmp_path: Path
+) -> None:
+    """`--good 0.32 --bad 0.32.0` is one release (as `versions` names it): nothing lies
+    between the ends to bisect, so it is refused in one line before its venv is built."""
+    code, _, err = epd_cli(
+        "bisect", "1E+1PD:image", "--good", "0.32", "--bad", "0.32.0", "--run-dir", tmp_path
+    )
+    assert (code, err) == (2, "epd-harness: error: --good and --bad name the same release\n")
+
+
 def test_bisect_cannot_answer_when_a_release_gave_no_verdict(
     epd_cli, tmp_path: Path, monkeypatch, capsys
 ) -> None:
