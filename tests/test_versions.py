@@ -819,6 +819,25 @@ def test_bisect_refuses_ends_that_name_one_release_before_installing(
     assert (code, err) == (2, "epd-harness: error: --good and --bad name the same release\n")
 
 
+def test_bisect_reads_the_case_judged_against_its_own_baseline_not_another_reference() -> None:
+    """A run's cases include a topology judged against another topology's answer
+    ("1E+1PD / image vs 1P+1D"): bisect follows the case against its own baseline (or its
+    golden), whichever order the run recorded them in."""
+    from harness.cli.versions import case_verdict
+
+    against_other = case("1E+1PD", "image", "MISMATCH", reference="1P+1D")
+    own = case("1E+1PD", "image", "MATCH")
+    golden = case("1E+1PD", "image", "MISMATCH", reference="golden-0.31.0")
+    for cases, verdict in (
+        ([against_other, own], "MATCH"),
+        ([own, against_other], "MATCH"),
+        ([against_other, golden], "MISMATCH"),
+        ([against_other], "NO_RESULT"),
+    ):
+        run = ReleaseRun("0.32.0", "by-hash-indexed", 1, 1.0, 0.0, 0, cases)
+        assert case_verdict(run, "1E+1PD", "image") == verdict, cases
+
+
 def test_bisect_cannot_answer_when_a_release_gave_no_verdict(
     epd_cli, tmp_path: Path, monkeypatch, capsys
 ) -> None:
