@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -239,30 +240,31 @@ def test_a_descendant_that_left_the_group_is_waited_for_and_killed_before_stop_r
 ) -> None:
     """An empty group is not the end of the stop: a helper in a session of its own that
     ignores SIGTERM outlives its leader, and holds a port or a GPU until it is SIGKILLed."""
-    server = make_server("stubborn", mode="stubborn-orphan")
-    server.start()
-    server.wait_until_ready(timeout_s=20)
-    [orphan] = [int(pid) for pid in wait_for_log(server, r"STUBBORN (\d+)")]
-    try:
+    with server_with_orphan(make_server, "stubborn", "STUBBORN") as (server, orphan):
         server.stop(grace_s=1.0)
         assert is_gone(orphan)
-    finally:
-        if not is_gone(orphan):
-            os.kill(orphan, signal.SIGKILL)
 
 
 def test_a_descendant_that_left_the_group_gets_sigterm_before_any_sigkill(make_server) -> None:
     """killpg misses a helper in a session of its own: it must get its own SIGTERM, the chance
     to wind down (release a GPU, flush a log) that a vLLM worker gets, not only the SIGKILL
     after the grace."""
-    server = make_server("graceful", mode="graceful-orphan")
-    server.start()
-    server.wait_until_ready(timeout_s=20)
-    [orphan] = [int(pid) for pid in wait_for_log(server, r"GRACEFUL (\d+)")]
-    try:
+    with server_with_orphan(make_server, "graceful", "GRACEFUL") as (server, orphan):
         server.stop(grace_s=2.0)
         assert is_gone(orphan)
         assert f"TERMINATED {orphan}" in server.command.log_path.read_text(), server.log_tail()
+
+
+@contextlib.contextmanager
+def server_with_orphan(make_server, mode: str, marker: str) -> Iterator[tuple[ManagedServer, int]]:
+    """A started fake server (`mode`-orphan) and the pid of its helper that left the group, as
+    the helper logged it after `marker`; SIGKILLed afterwards if the test left it alive."""
+    server = make_server(mode, mode=f"{mode}-orphan")
+    server.start()
+    server.wait_until_ready(timeout_s=20)
+    [orphan] = [int(pid) for pid in wait_for_log(server, rf"{marker} (\d+)")]
+    try:
+        yield server, orphan
     finally:
         if not is_gone(orphan):
             os.kill(orphan, signal.SIGKILL)
