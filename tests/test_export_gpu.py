@@ -597,6 +597,12 @@ def test_serve_sh_refuses_a_nixl_side_channel_port_in_use(
 # -- instances that share a device start one after another ---------------------------------------
 
 
+def queued_in_turn(case: str) -> list[tuple[str, str, str]]:
+    """serve.sh's `in_turn NAME HEALTH DEVICES` lines of a case, in order (DEVICES is "" for
+    an instance pinned to no device)."""
+    return re.findall(r"^ *in_turn (\w+) (\S+) ?(.*)$", case, re.MULTILINE)
+
+
 def test_serve_sh_starts_the_instances_of_a_gpu_in_turn_encoders_first(tmp_path: Path) -> None:
     """The harness starts the instances that share a GPU one after another (`start_after` in
     harness/spec/placement.py: vLLM's memory profiling asserts when another process on its
@@ -605,7 +611,7 @@ def test_serve_sh_starts_the_instances_of_a_gpu_in_turn_encoders_first(tmp_path:
     position on one GPU), and started once the one before it on that device answers."""
     serve = render_serve_sh(plan_for(gpu_bundle(tmp_path, devices=(4, 5))))
     case = serve.split("\nelse\n", 1)[1]
-    queued = re.findall(r"^ *in_turn (\w+) (\S+) (.*)$", case, re.MULTILINE)
+    queued = queued_in_turn(case)
     assert [(name, devices) for name, _, devices in queued] == [
         ("encoder0", '"${DEVICE_0}"'),
         ("prefill0", '"${DEVICE_0}"'),
@@ -640,7 +646,7 @@ def test_instances_on_a_gpu_start_in_turn_when_another_is_on_none(tmp_path: Path
     run = gpu_bundle(tmp_path, devices=(4, 5))
     without_recorded_devices(run, "decode0")
     case = render_serve_sh(plan_for(run)).split("\nelse\n", 1)[1]
-    queued = re.findall(r"^ *in_turn (\w+) (\S+) ?(.*)$", case, re.MULTILINE)
+    queued = queued_in_turn(case)
     assert [(name, devices) for name, _, devices in queued] == [
         ("encoder0", '"${DEVICE_0}"'),
         ("prefill0", '"${DEVICE_0}"'),
