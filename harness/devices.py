@@ -367,6 +367,8 @@ def run_devices(
     `elsewhere`: where the instances ran when not on this host (a Ray cluster's nodes); then
     nothing is read, since this host's CPU or GPUs computed none of the ids."""
     indices = tuple(indices)
+    if not indices:  # attached with --golden: no device of this host computed anything
+        return DevicesUsed(platform, None, 0, (), f"{NOT_READ}nothing of the run ran on this host")
     if elsewhere is not None:
         return DevicesUsed(platform, None, len(indices), indices, f"{NOT_READ}{elsewhere}")
     if not pins_devices:

@@ -1738,6 +1738,24 @@ def test_golden_with_refresh_baseline(bad_run: BadRun, tmp_path: Path) -> None:
     )
 
 
+def test_devices_of_an_attached_golden_run(
+    bad_run: BadRun, attach_file: Path, tmp_path: Path
+) -> None:
+    """Attached with --golden nothing starts on this host: cuda required --devices all the
+    same, and given they placed nothing (found in review)."""
+    code, err = bad_run(
+        "--attach", str(attach_file), "--golden", "0.31.0", "--baseline-cache",
+        str(tmp_path / "cache"), "--platform", "cuda", "--devices", "0",
+    )  # fmt: skip
+    assert_one_error_line(
+        code,
+        err,
+        "--devices places what the harness starts on this host, and attached with --golden "
+        "it starts nothing on this host (the deployment serves elsewhere, the stored answers "
+        "stand in for the baseline): drop --devices",
+    )
+
+
 def test_baseline_cache_that_is_a_file(bad_run: BadRun, tmp_path: Path) -> None:
     cache = tmp_path / "cache-file"
     cache.write_text("")

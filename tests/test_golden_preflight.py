@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import devices
 from harness.devices import GpuCapability
 from harness.environment import ARGV_CHECK_DIR_ENV
 from harness.errors import BadInput
@@ -131,7 +132,7 @@ def test_an_attached_golden_run_needs_no_core_port_or_cpu_of_this_host(
     (found in review). Without --golden the baseline starts here, and both still refuse."""
     monkeypatch.setattr(resources, "available_cpu_cores", lambda: (0,))
     run = prepare_run(golden_request(tmp_path))
-    assert host.ports == [] and run.settings.devices == (0, 1)
+    assert host.ports == [] and run.settings.devices == ()  # not the default cores 0,1
     with pytest.raises(BadInput, match="core 1 is not available to this process"):
         prepare_run(golden_request(tmp_path / "baseline", golden=None))
     monkeypatch.setattr(resources, "available_cpu_cores", lambda: (0, 1))
@@ -154,8 +155,8 @@ def test_an_attached_golden_run_reads_no_gpu_of_this_host(
     monkeypatch.setattr(dtype, "smi_compute_capabilities", lambda: [T4_AT_0])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     on_cuda = {"platform": "cuda", "devices": "0"}
-    run = prepare_run(golden_request(tmp_path, **on_cuda))
-    assert run.settings.devices == (0,) and host.ports == []
+    run = prepare_run(golden_request(tmp_path, platform="cuda"))  # no --devices: none start
+    assert run.settings.devices == () and host.ports == []
     with pytest.raises(BadInput, match="CUDA_VISIBLE_DEVICES=1 gives this process no device 0"):
         prepare_run(golden_request(tmp_path / "baseline", golden=None, **on_cuda))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
@@ -204,3 +205,21 @@ def test_a_baseline_cache_option_for_a_vllm_whose_version_is_unknown_is_refused(
         prepare_run(golden_request(tmp_path / "none", attached=False, **left_out)).baseline_cache
         is None
     )
+
+
+def test_an_attached_golden_run_on_cuda_needs_no_devices(
+    host: Host, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On cuda, attached with --golden, nothing starts on this host, yet the preflight
+    required --devices all the same, and given they were ignored: recorded in run.json with
+    this host's GPUs described as the run's (found in review). Now none are asked for, and
+    given they are refused, naming why; run.json records none."""
+    monkeypatch.setattr(devices, "smi_gpus", lambda: pytest.fail("read this host's GPUs"))
+    run = prepare_run(golden_request(tmp_path, platform="cuda"))
+    assert run.settings.devices == () and host.ports == []
+    used = devices.run_devices("cuda", True, run.settings.devices)  # run.json's devices_used
+    assert used.count == 0 and "nothing of the run ran on this host" in used.describe()
+    with pytest.raises(BadInput, match=r"^--devices places .* starts nothing on this host"):
+        prepare_run(golden_request(tmp_path / "given", platform="cuda", devices="0"))
+    with pytest.raises(BadInput, match=r"^--platform cuda needs --devices"):
+        prepare_run(golden_request(tmp_path / "baseline", platform="cuda", golden=None))

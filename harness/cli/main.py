@@ -242,7 +242,7 @@ def run_config(args: argparse.Namespace, config: RunConfig) -> int:
         settings.vllm.torch_version,
         settings.vllm.executable,
         settings.platform.device_kind,
-        ",".join(map(str, settings.devices)),
+        ",".join(map(str, settings.devices)) or "none (nothing starts here)",
         settings.serving.dtype,
     )
     log.info("epd-harness: prompt tokens: %s (max model len %d)", counts, args.max_model_len)

@@ -214,7 +214,7 @@ class CheckedArguments:
     prompts: tuple[PromptSpec, ...]
     kv_connector: KvConnector
     ec_connector: EcConnector
-    devices: tuple[int, ...]  # as given (or the default); this machine's are checked later
+    devices: tuple[int, ...]  # as given, or the default; () where nothing starts here
     golden_release: str | None
     declared: tuple[tuple[str, DeclaredFailure], ...] = ()  # RunConfig.declared
 
@@ -282,7 +282,9 @@ def check_arguments(request: RunRequest, *, read_files: bool = True) -> CheckedA
         prompts, declared = _attached_prompts(prompt_names, attach, kv_connector, request.stream)
     else:
         prompts = names.check_prompts(prompt_names) if prompt_names else SKELETON_PROMPTS
-    devices = _parse_devices(request.devices, platform)
+    golden = golden_release(request.golden, request.baseline_cache, request.refresh_baseline)
+    # Attached with --golden nothing starts on this host: no device of it is the run's.
+    devices = _parse_devices(request.devices, platform, starts_here=not (request.attach and golden))
     if launcher.shared_dir is not None and not any(
         t.has_ec_transfer or (t.has_kv_transfer and kv_connector.uses_shared_storage)
         for t in topologies
@@ -338,9 +340,7 @@ def check_arguments(request: RunRequest, *, read_files: bool = True) -> CheckedA
         kv_connector=kv_connector,
         ec_connector=ec_connector,
         devices=devices,
-        golden_release=golden_release(
-            request.golden, request.baseline_cache, request.refresh_baseline
-        ),
+        golden_release=golden,
         declared=tuple(declared),
     )
 
@@ -641,9 +641,22 @@ def _scenarios(requested: tuple[str, ...]) -> tuple[Scenario, ...]:
     return tuple(get_scenario(name) for name in requested)
 
 
-def _parse_devices(text: str | None, platform: PlatformProfile) -> tuple[int, ...]:
+def _parse_devices(
+    text: str | None, platform: PlatformProfile, starts_here: bool
+) -> tuple[int, ...]:
     """The CPU cores, or the GPU / XPU indices to spread instances over (required there), as
-    written."""
+    written. None where nothing starts on this host (`starts_here` false: attached, with
+    --golden): nothing would be placed on them, so they are not asked for, and given they are
+    refused rather than ignored (found in review: cuda required them, run.json described this
+    host's GPUs as the run's)."""
+    if not starts_here:
+        if text is not None:
+            raise BadInput(
+                "--devices places what the harness starts on this host, and attached with "
+                "--golden it starts nothing on this host (the deployment serves elsewhere, "
+                "the stored answers stand in for the baseline): drop --devices"
+            )
+        return ()
     if platform.exclusive_devices and text is None:
         raise BadInput(f"--platform {platform.name} needs --devices (e.g. --devices 0,1,2,3)")
     try:
