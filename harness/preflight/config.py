@@ -645,7 +645,7 @@ def _parse_devices(
     text: str | None, platform: PlatformProfile, starts_here: bool
 ) -> tuple[int, ...]:
     """The CPU cores, or the GPU / XPU indices to spread instances over (required there), as
-    written. None where nothing starts on this host (`starts_here` false: attached, with
+    written; () where nothing starts on this host (`starts_here` false: attached, with
     --golden): nothing would be placed on them, so they are not asked for, and given they are
     refused rather than ignored (found in review: cuda required them, run.json described this
     host's GPUs as the run's)."""
