@@ -3116,3 +3116,153 @@ def test_a_known_failure_does_not_hide_a_transfer_guard_that_failed_beside_it() 
     assert recognise(kv_rules, vacuous, text, PromptLayout(65, (), 32)).known
     both = dataclasses.replace(vacuous, guards={**vacuous.guards, **no_ec})
     assert not recognise(kv_rules, both, text, PromptLayout(65, (), 32)).known
+
+
+def kept_frame_pairs(part: VideoPart | VideoFramesPart) -> int:
+    """Temporal frame pairs vLLM's Qwen2.5-VL makes of one drawn video (no media_io_kwargs)."""
+    from harness.spec.video_sampling import TEMPORAL_PATCH, container_frames, jpeg_frames
+
+    if isinstance(part, VideoFramesPart):
+        kept = jpeg_frames(part.num_frames)
+    else:
+        kept = container_frames(part.num_frames, part.fps, {}, qwen2vl=True)
+    return -(-kept // TEMPORAL_PATCH)
+
+
+@pytest.mark.parametrize("frame", [4, 7])
+def test_fuzz_plants_ec_zero_frame_on_a_frame_pair_its_videos_reach(frame: int) -> None:
+    """Found in review: `fuzz --plant-fault ec-zero-frame:4` was refused by the preflight,
+    which judged the fault against run's built-in prompts (an 8-frame video, pairs 0-3) and
+    told the user to "add such a prompt", though fuzz has no --prompt and draws videos of up
+    to 16 frames itself (pairs 0-7). Now the fuzz judges it against what it may draw."""
+    from hypothesis import find
+
+    from harness.cli.main import check_command_line
+    from harness.run.fuzz.strategies import video_parts
+
+    drawn = find(video_parts(FuzzSpace()), lambda part: kept_frame_pairs(part) > frame)
+    assert kept_frame_pairs(drawn) > frame  # the fuzz can draw a video the fault acts on
+    fault = f"ec-zero-frame:{frame}"
+    check_command_line(["fuzz", "--topology", "1E+1PD", "--plant-fault", fault])
+    newest = space_for(NEWEST, TOPOLOGIES["1E+1PD"], ServingConfig(model="m"))
+    assert fault_refusal(fault, newest, TOPOLOGIES["1E+1PD"]) is None
+
+
+def test_fuzz_refuses_ec_zero_frame_past_its_videos_naming_its_bound(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Frame pair 8 is past every video the fuzz draws (16 frames at most): refused before
+    anything starts, naming the fuzz's bound. It was refused against run's prompts, telling
+    the user to "add such a prompt", which fuzz cannot (no --prompt)."""
+    from types import SimpleNamespace
+
+    from harness.cli import fuzz as fuzz_cli
+    from harness.cli.main import Progress, build_parser
+    from harness.errors import BadInput
+    from harness.run.fuzz.engine import FuzzEngine
+
+    settings = served_settings(tmp_path / "model", tmp_path / "run")
+    config = SimpleNamespace(settings=settings, topologies=(TOPOLOGIES["1E+1PD"],))
+    monkeypatch.setattr(fuzz_cli, "prepare_run", lambda request: config)
+
+    def started(self, *args, **kwargs):
+        raise AssertionError("the fuzz started with a frame its videos never reach")
+
+    monkeypatch.setattr(FuzzEngine, "__init__", started)
+    argv = ["fuzz", "--topology", "1E+1PD", "--plant-fault", "ec-zero-frame:8"]
+    args = build_parser().parse_args([*argv, "--run-dir", str(tmp_path / "run")])
+    args.progress = Progress()
+    with pytest.raises(BadInput) as refused:
+        fuzz_cli.command_fuzz(args)
+    assert str(refused.value) == (
+        "--plant-fault ec-zero-frame:8 needs a video of more than 16 frames (temporal frame "
+        "pair 8), and the fuzz's videos have at most 8 temporal frame pairs (mp4s of up to 16 "
+        "frames, JPEG frame lists of up to 8): it would act on nothing and the fuzz could not "
+        "find a failure; give a frame index below 8"
+    )
+
+
+def options_of(command: str) -> set[str]:
+    import argparse
+
+    from harness.cli.main import build_parser
+
+    subparsers = next(
+        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    parser = subparsers.choices[command]
+    return {flag for action in parser._actions for flag in action.option_strings}
+
+
+def flags_advised_to(command: str, message: str) -> list[tuple[str, str]]:
+    """(command, flag) for every flag a refusal names: a flag inside a quoted
+    'epd-harness OTHER ...' belongs to OTHER, every other one to `command`."""
+    import re
+
+    named: list[tuple[str, str]] = []
+    for other, quoted in re.findall(r"'epd-harness (\w+)([^']*)'", message):
+        named += [(other, flag) for flag in re.findall(r"--[a-z][a-z-]*", quoted)]
+    rest = re.sub(r"'epd-harness [^']*'", "", message)
+    return named + [(command, flag) for flag in re.findall(r"--[a-z][a-z-]*", rest)]
+
+
+FUZZ_FAULTS = (
+    "corrupt-ec", "zero-kv", "drop-kv", "drop-metadata", "stream-duplicate-chunk",
+    "ec-noise:0.05", "kv-noise:0.05", "ec-swap-items", "ec-video-grid",
+    "ec-zero-frame:0", "ec-zero-frame:4", "ec-zero-frame:8", "ec-zero-frame:9999",
+)  # fmt: skip
+
+
+def test_a_fuzz_refusal_of_a_planted_fault_advises_only_flags_the_command_has(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Found in review: the preflight refused `fuzz --plant-fault ec-zero-frame:8` telling the
+    user to add a prompt, which only run can (fuzz has no --prompt). Every refusal of a fault
+    the fuzz is given, by its own checks, the preflight's and the space's on every release and
+    topology, names only flags fuzz has (or quotes the command that has them)."""
+    from types import SimpleNamespace
+
+    from harness.cli import fuzz as fuzz_cli
+    from harness.cli.main import Progress, build_parser, check_command_line
+    from harness.errors import BadInput
+    from harness.run.fuzz import strategies
+
+    class Passed(Exception):
+        """The checks let the fault through: the fuzz went on to draw its examples."""
+
+    def passed(*args: object, **kwargs: object) -> None:
+        raise Passed
+
+    monkeypatch.setattr(strategies, "draw_examples", passed)
+    settings = served_settings(tmp_path / "model", tmp_path / "run")
+    messages: list[str] = []
+    for topology in ("1E+1PD", "1P+1D", "1E+1P+1D", "2E+1PD"):
+        for fault in FUZZ_FAULTS:
+            argv = ["fuzz", "--topology", topology, "--plant-fault", fault]
+            for proxy in ((), ("--proxy", "vllm")):
+                try:
+                    check_command_line([*argv, *proxy])
+                except BadInput as error:
+                    messages.append(str(error))
+                    continue
+            for generation in GENERATIONS_BY_NAME.values():
+                served = dataclasses.replace(settings, protocol=generation)
+                config = SimpleNamespace(settings=served, topologies=(TOPOLOGIES[topology],))
+                monkeypatch.setattr(fuzz_cli, "prepare_run", lambda request, c=config: c)
+                args = build_parser().parse_args([*argv, "--run-dir", str(tmp_path / "run")])
+                args.progress = Progress()
+                try:
+                    fuzz_cli.command_fuzz(args)
+                except BadInput as error:
+                    messages.append(str(error))
+                except Passed:
+                    pass  # no refusal to read
+    assert len(messages) > 10  # the sweep met refusals of several kinds
+    wrong = {
+        (command, flag, message)
+        for message in messages
+        for command, flag in flags_advised_to("fuzz", message)
+        if flag not in options_of(command)
+    }
+    assert not wrong, wrong
+    assert not [m for m in messages if "add such a prompt" in m]

@@ -184,6 +184,7 @@ def fuzz_request(args: argparse.Namespace, run_dir: str | None = None) -> RunReq
         run_dir=args.run_dir or run_dir,
         baseline_cache="off",
         plant_fault=args.plant_fault,
+        draws_own_requests=True,
         **serving_fields(args),
         **proxy_fields(args),
     )

@@ -171,6 +171,9 @@ class RunRequest:
     stream: bool = False
     # Prompts given as specs, not names (a load's mix): checked like named ones.
     prompt_specs: tuple[PromptSpec, ...] = ()
+    # The command sends requests it draws itself (fuzz), never `prompts`: a planted fault is
+    # judged against what it may draw (harness.run.fuzz.space.fault_refusal), not the prompts.
+    draws_own_requests: bool = False
     # GPU platforms: drop --enforce-eager, so vLLM compiles and captures graphs (upstream's
     # correctness script, and the harness by default, serve eager).
     no_enforce_eager: bool = False
@@ -325,7 +328,8 @@ def check_arguments(request: RunRequest, *, read_files: bool = True) -> CheckedA
                 f"request's two: nothing to swap; leave {where} out with --topology (or use "
                 "--proxy harness)"
             )
-        refuse_unreached_prompts(request.plant_fault, prompts)
+        if not request.draws_own_requests:
+            refuse_unreached_prompts(request.plant_fault, prompts)
         conflict = faulted_reference(request.plant_fault, topologies)
         if conflict is not None:
             raise BadInput(conflict)

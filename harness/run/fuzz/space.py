@@ -14,10 +14,25 @@ from harness.run.faults.spec import KV_FAULTS, STREAM_FAULTS, VIDEO_FAULTS, pars
 from harness.spec.generations import ProtocolGeneration, not_applicable
 from harness.spec.prompts import ImagePart, PromptSpec, TextPart, VideoPart
 from harness.spec.topology import ServingConfig, Topology
+from harness.spec.video_sampling import TEMPORAL_PATCH, container_frames, jpeg_frames
 
 # Per-request media kwargs the strategies may add (values JSON-able, as sent).
 MAX_PIXELS_CHOICES = (28 * 28 * 16, 28 * 28 * 64, 28 * 28 * 256)
 VIDEO_FPS_CHOICES = (1.0, 2.0, 4.0)
+# The videos the strategies draw: an mp4 of 2..MAX_MP4_FRAMES frames recorded at one of
+# MP4_RECORD_FPS, or a JPEG frame list of 2..MAX_JPEG_FRAMES frames.
+MAX_MP4_FRAMES = 16
+MP4_RECORD_FPS = (2.0, 1.0, 3.0, 4.0)
+MAX_JPEG_FRAMES = 8
+
+
+def most_frame_pairs() -> int:
+    """The most temporal frame pairs of any video the fuzz draws, as vLLM's Qwen2.5-VL makes
+    them of the frames its loaders keep (an mp4 below 2 fps is kept whole): ec-zero-frame:N
+    acts on the fuzz's requests only for N below it."""
+    kept = [container_frames(MAX_MP4_FRAMES, fps, {}, qwen2vl=True) for fps in MP4_RECORD_FPS]
+    kept.append(jpeg_frames(MAX_JPEG_FRAMES))
+    return -(-max(kept) // TEMPORAL_PATCH)
 
 
 @dataclass(frozen=True)
@@ -94,16 +109,28 @@ def _allowed(
 
 def fault_refusal(fault: str, space: FuzzSpace, topology: Topology) -> str | None:
     """Why `--plant-fault fault` would act on nothing the fuzz draws in `space`, or None. The
-    fuzz sends its own requests, not the run's prompts the preflight checks a fault against;
-    where the served release allows no media (or no video) on the topology, a fault on what
-    the encoders return never acts, and the self-test, finding nothing, exited 0 (found in
-    review)."""
-    kind = parse_fault(fault).kind
+    fuzz sends its own requests, not the run's prompts (the preflight leaves the fault to this
+    check: `draws_own_requests`); where the served release allows no media (or no video) on
+    the topology, a fault on what the encoders return never acts, and the self-test, finding
+    nothing, exited 0 (found in review); ec-zero-frame:N acts on the drawn videos of more than
+    N temporal frame pairs only (`most_frame_pairs`)."""
+    spec = parse_fault(fault)
+    kind = spec.kind
     if kind in KV_FAULTS or kind in STREAM_FAULTS:
         return None
     videos = kind in VIDEO_FAULTS
     if space.videos if videos else space.media:
-        return None
+        frame = int(spec.strength or 0) if kind == "ec-zero-frame" else 0
+        pairs = most_frame_pairs()
+        if frame < pairs:
+            return None
+        return (
+            f"--plant-fault {fault} needs a video of more than {frame * TEMPORAL_PATCH} frames "
+            f"(temporal frame pair {frame}), and the fuzz's videos have at most {pairs} "
+            f"temporal frame pairs (mp4s of up to {MAX_MP4_FRAMES} frames, JPEG frame lists of "
+            f"up to {MAX_JPEG_FRAMES}): it would act on nothing and the fuzz could not find a "
+            f"failure; give a frame index below {pairs}"
+        )
     needs = "a video" if videos else "a media item (an image or a video)"
     why = "; ".join(space.notes)
     return (

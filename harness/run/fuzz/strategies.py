@@ -32,7 +32,14 @@ from hypothesis import strategies as st
 
 from harness.run.fuzz.consumer import stored_tokens
 from harness.run.fuzz.layout import LayoutEstimator, estimate_positions
-from harness.run.fuzz.space import MAX_PIXELS_CHOICES, VIDEO_FPS_CHOICES, FuzzSpace
+from harness.run.fuzz.space import (
+    MAX_JPEG_FRAMES,
+    MAX_MP4_FRAMES,
+    MAX_PIXELS_CHOICES,
+    MP4_RECORD_FPS,
+    VIDEO_FPS_CHOICES,
+    FuzzSpace,
+)
 from harness.spec.prompt_codec import prompt_to_json
 from harness.spec.prompts import (
     CACHE_SALT,
@@ -98,10 +105,10 @@ def video_parts(draw: st.DrawFn, space: FuzzSpace) -> VideoPart | VideoFramesPar
     seed = draw(st.integers(0, space.seed_pool - 1))
     size = draw(st.sampled_from(VIDEO_SIZES))
     if draw(st.booleans()):
-        frames = draw(st.integers(2, 16))
-        fps = draw(st.sampled_from((2.0, 1.0, 3.0, 4.0)))
+        frames = draw(st.integers(2, MAX_MP4_FRAMES))
+        fps = draw(st.sampled_from(MP4_RECORD_FPS))
         return VideoPart(seed=seed, num_frames=frames, fps=fps, size=size)
-    return VideoFramesPart(seed=seed, num_frames=draw(st.integers(2, 8)), size=size)
+    return VideoFramesPart(seed=seed, num_frames=draw(st.integers(2, MAX_JPEG_FRAMES)), size=size)
 
 
 @st.composite
