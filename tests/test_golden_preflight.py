@@ -205,6 +205,9 @@ def test_a_baseline_cache_option_for_a_vllm_whose_version_is_unknown_is_refused(
     # Nothing kept: no baseline, and no golden either (one would be stored under a version
     # that names no build, for a later `--golden` to read as a release's answers).
     assert run.baseline_cache is None and run.goldens is None
+    # `--baseline-cache off` asks for what such a run does anyway: accepted, not refused.
+    off = {**left_out, "baseline_cache": "off"}
+    assert prepare_run(golden_request(tmp_path / "off", attached=False, **off)).goldens is None
 
 
 def test_an_attached_golden_run_on_cuda_needs_no_devices(
