@@ -200,6 +200,12 @@ def test_a_baseline_cache_option_for_a_vllm_whose_version_is_unknown_is_refused(
     asked = {"topologies": ("1E+1PD",), "golden": None, **fields}
     with pytest.raises(BadInput, match=rf"^{flag}\b.*version .*cannot be read"):
         prepare_run(golden_request(tmp_path, attached=False, **asked))
+    # Both given, both named at once: a user drops them in one go, not one per attempt.
+    both = {**asked, "baseline_cache": str(tmp_path / "dir"), "refresh_baseline": True}
+    with pytest.raises(
+        BadInput, match=r"^--baseline-cache \S+ and --refresh-baseline: .*drop them$"
+    ):
+        prepare_run(golden_request(tmp_path / "both", attached=False, **both))
     left_out = {"topologies": ("1E+1PD",), "golden": None, "baseline_cache": None}
     run = prepare_run(golden_request(tmp_path / "none", attached=False, **left_out))
     # Nothing kept: no baseline, and no golden either (one would be stored under a version
