@@ -340,6 +340,8 @@ def test_the_sdist_is_the_releases_own_file_not_one_whose_name_begins_with_it(
         ("https://__token__:pypi-abc@pypi.example/simple/", "https://pypi.example/simple/"),
         ("http://127.0.0.1:3141/root/pypi/+simple", "http://127.0.0.1:3141/root/pypi/+simple"),
         ("file:///srv/index", "file:///srv/index"),
+        # An IPv6 host keeps its brackets: without them its port reads as part of the address.
+        ("http://[::1]:3141/simple", "http://[::1]:3141/simple"),
     ],
 )
 def test_an_index_is_named_without_its_credentials_and_with_its_port(url: str, shown: str) -> None:
