@@ -342,6 +342,7 @@ def test_the_sdist_is_the_releases_own_file_not_one_whose_name_begins_with_it(
         ("file:///srv/index", "file:///srv/index"),
         # An IPv6 host keeps its brackets: without them its port reads as part of the address.
         ("http://[::1]:3141/simple", "http://[::1]:3141/simple"),
+        ("https://user:secret@[fe80::1]/simple", "https://[fe80::1]/simple"),
     ],
 )
 def test_an_index_is_named_without_its_credentials_and_with_its_port(url: str, shown: str) -> None:
