@@ -1890,6 +1890,17 @@ def test_a_planted_fault_the_fuzz_space_gives_nothing_to_act_on_is_refused(
     assert fault_refusal(fault, newest, TOPOLOGIES["1E+1PD"]) is None
 
 
+@pytest.mark.parametrize("fault", ["zero-kv", "kv-noise:0.5", "stream-duplicate-chunk"])
+def test_a_fault_on_the_kv_hop_or_the_stream_is_planted_whatever_media_the_fuzz_draws(
+    fault: str,
+) -> None:
+    """A KV fault acts on what P leaves for D, a stream fault on the answer's chunks: every
+    request the fuzz draws has them, text-only or not. Refused, the fuzz could not self-test
+    P->D on a release that runs no media on the topology."""
+    textual = FuzzSpace(media=False, videos=False, max_images=0, max_videos=0)
+    assert fault_refusal(fault, textual, TOPOLOGIES["1E+1P+1D"]) is None
+
+
 def image_urls(body: dict) -> set[str]:
     """The distinct images a chat request names: what the encoder gives one mm_hash each."""
     return {
