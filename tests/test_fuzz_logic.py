@@ -1901,6 +1901,27 @@ def test_a_fault_on_the_kv_hop_or_the_stream_is_planted_whatever_media_the_fuzz_
     assert fault_refusal(fault, textual, TOPOLOGIES["1E+1P+1D"]) is None
 
 
+@pytest.mark.parametrize(
+    ("fault", "refused"),
+    [("corrupt-ec", False), ("ec-swap-items", False), ("ec-video-grid", True)],
+)
+def test_where_the_fuzz_draws_images_but_no_video_only_a_video_fault_is_refused(
+    fault: str, refused: bool
+) -> None:
+    """A release may run images on a topology but not video (the space's `videos` off): a
+    media fault acts on the images the fuzz draws, a video fault on nothing. And where the
+    fuzz draws no media at all, every fault on what the encoders return is refused, two
+    items swapped as much as one corrupted."""
+    no_video = ("video: the release sends no video through the encoder here",)
+    images = FuzzSpace(videos=False, max_videos=0, notes=no_video)
+    refusal = fault_refusal(fault, images, TOPOLOGIES["1E+1PD"])
+    assert (refusal is not None) == refused
+    if refused:
+        assert refusal.startswith(f"--plant-fault {fault} needs a video") and no_video[0] in refusal
+    textual = FuzzSpace(media=False, videos=False, max_images=0, max_videos=0)
+    assert fault_refusal(fault, textual, TOPOLOGIES["1E+1PD"]) is not None
+
+
 def image_urls(body: dict) -> set[str]:
     """The distinct images a chat request names: what the encoder gives one mm_hash each."""
     return {
