@@ -3298,3 +3298,26 @@ def test_a_fuzz_refusal_of_a_planted_fault_advises_only_flags_the_command_has(
     }
     assert not wrong, wrong
     assert not [m for m in messages if "add such a prompt" in m]
+
+
+def test_a_faults_reason_counts_once_whatever_file_it_names() -> None:
+    """Seen on real vLLM (`fuzz --topology 1E+1PD --plant-fault ec-zero-frame:4 --examples
+    40`): one reason, a video too short for the frame, was counted apart per EC folder (its
+    path's hash kept, only digits blanked), and cut mid-word at 160 characters of path. A
+    reason is blanked as a failure's cause is: a path's directories and digests too."""
+    from harness.run.faults.planted import PlantedFault
+    from harness.run.fuzz.fault_effect import fault_since
+
+    reasons = set()
+    for folder in ("epd-f3e9ab01cd77e2", "epd-a0c4dd9e7f1b03"):
+        fault = PlantedFault()
+        fault.problems.append(
+            f"1E-1PD-ex-0011-{folder}: rewriting /tmp/fz/1E-1PD/storage/ec/{folder}/"
+            "encoder_cache.safetensors: ValueError: frame 4 is outside the video's 3 temporal "
+            "frames"
+        )
+        reasons.add(fault_since(fault, (0, 0, 0, 0, 0)))
+    assert reasons == {
+        "not acted: rewriting .../encoder_cache.safetensors: ValueError: frame N is outside "
+        "the video's N temporal frames"
+    }
