@@ -3321,3 +3321,36 @@ def test_a_faults_reason_counts_once_whatever_file_it_names() -> None:
         "not acted: rewriting .../encoder_cache.safetensors: ValueError: frame N is outside "
         "the video's N temporal frames"
     }
+
+
+@pytest.mark.parametrize(
+    ("mp4_frames", "jpeg_frames", "pairs"),
+    [
+        (16, 8, 8),  # the fuzz's own bounds: a 16-frame mp4 at 1 or 2 fps, kept whole
+        (4, 17, 9),  # a JPEG list the longest, of an odd count: its last frame pads a pair
+        (40, 8, 20),  # an mp4 past 32 frames: Qwen2.5-VL's loader keeps it whole, not 32
+    ],
+)
+def test_the_frame_pair_bound_is_the_most_any_drawn_video_makes(
+    mp4_frames: int, jpeg_frames: int, pairs: int, monkeypatch
+) -> None:
+    """`ec-zero-frame:N` is refused from N = `most_frame_pairs()` on: the bound must be the
+    most temporal frame pairs of any video the fuzz may draw, counting JPEG frame lists and an
+    odd frame count's padded last pair (vLLM pads it to a whole step), else a fault on a pair
+    the fuzz reaches is refused, or one on a pair it never reaches lets the fuzz find nothing
+    (found in review: floor division, a dropped JPEG or loader rule, passed the suite)."""
+    from harness.run.fuzz import space
+
+    monkeypatch.setattr(space, "MAX_MP4_FRAMES", mp4_frames)
+    monkeypatch.setattr(space, "MAX_JPEG_FRAMES", jpeg_frames)
+    size = (64, 64)
+    drawn = [
+        VideoPart(seed=0, num_frames=frames, fps=fps, size=size)
+        for frames in range(2, mp4_frames + 1)
+        for fps in space.MP4_RECORD_FPS
+    ] + [VideoFramesPart(seed=0, num_frames=n, size=size) for n in range(2, jpeg_frames + 1)]
+    assert max(map(kept_frame_pairs, drawn)) == space.most_frame_pairs() == pairs
+    videos = space_for(NEWEST, TOPOLOGIES["1E+1PD"], ServingConfig(model="m"))
+    assert fault_refusal(f"ec-zero-frame:{pairs - 1}", videos, TOPOLOGIES["1E+1PD"]) is None
+    refused = fault_refusal(f"ec-zero-frame:{pairs}", videos, TOPOLOGIES["1E+1PD"])
+    assert refused is not None and refused.endswith(f"give a frame index below {pairs}")
