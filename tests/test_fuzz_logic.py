@@ -3355,3 +3355,32 @@ def test_the_frame_pair_bound_is_the_most_any_drawn_video_makes(
     for past in (pairs, 9999):  # the advice names the bound, not the frame given
         refused = fault_refusal(f"ec-zero-frame:{past}", videos, TOPOLOGIES["1E+1PD"])
         assert refused is not None and refused.endswith(f"give a frame index below {pairs}")
+
+
+def test_the_fuzz_draws_videos_up_to_the_bounds_its_refusal_names_and_none_past() -> None:
+    """The refusal of ec-zero-frame past the fuzz's videos names "mp4s of up to
+    MAX_MP4_FRAMES frames, JPEG frame lists of up to MAX_JPEG_FRAMES", and `most_frame_pairs`
+    is computed of those bounds: the strategies must draw up to each and never past it, else
+    the message misstates what is drawn and the bound may refuse a frame the fuzz reaches
+    (found in review: JPEG lists drawn past their bound passed the suite)."""
+    from hypothesis import find
+    from hypothesis.errors import NoSuchExample
+
+    from harness.run.fuzz.space import MAX_JPEG_FRAMES, MAX_MP4_FRAMES, MP4_RECORD_FPS
+    from harness.run.fuzz.strategies import video_parts
+
+    def bound(part: VideoPart | VideoFramesPart) -> int:
+        return MAX_MP4_FRAMES if isinstance(part, VideoPart) else MAX_JPEG_FRAMES
+
+    videos = video_parts(FuzzSpace())
+    for kind in (VideoPart, VideoFramesPart):
+        longest = find(videos, lambda p, k=kind: isinstance(p, k) and p.num_frames >= bound(p))
+        assert longest.num_frames == bound(longest)
+    with pytest.raises(NoSuchExample):
+        find(
+            videos,
+            lambda p: (
+                p.num_frames > bound(p)
+                or (isinstance(p, VideoPart) and p.fps not in MP4_RECORD_FPS)
+            ),
+        )
