@@ -232,3 +232,31 @@ def test_an_attached_golden_run_on_cuda_needs_no_devices(
         prepare_run(golden_request(tmp_path / "given", platform="cuda", devices="0"))
     with pytest.raises(BadInput, match=r"^--platform cuda needs --devices"):
         prepare_run(golden_request(tmp_path / "baseline", platform="cuda", golden=None))
+
+
+def test_an_attached_golden_run_logs_that_no_device_of_this_host_is_the_runs(
+    host: Host, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The run's first lines name the platform and the devices it uses; attached with
+    --golden none are (nothing starts here), and without its words the line reads
+    "device ; dtype", as if the list had been lost (found in review: dropping them passed
+    the suite)."""
+    from types import SimpleNamespace
+
+    from harness.cli import main
+
+    class Started(Exception):
+        """The run went past its opening lines to build the sweep."""
+
+    def started(*args: object, **kwargs: object) -> None:
+        raise Started
+
+    monkeypatch.setattr(main, "Sweep", started)
+    run = prepare_run(golden_request(tmp_path, platform="cuda"))
+    args = SimpleNamespace(progress=main.Progress(), max_model_len=4096)
+    with caplog.at_level("INFO", logger="harness"), pytest.raises(Started):
+        main.run_config(args, run)
+    said = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("epd-harness: vLLM")
+    ]
+    assert len(said) == 1 and "; device none (nothing starts here); dtype" in said[0], said
