@@ -3384,3 +3384,13 @@ def test_the_fuzz_draws_videos_up_to_the_bounds_its_refusal_names_and_none_past(
                 or (isinstance(p, VideoPart) and p.fps not in MP4_RECORD_FPS)
             ),
         )
+
+
+def test_fuzz_plants_a_bare_ec_zero_frame_on_the_first_frame_pair() -> None:
+    """`ec-zero-frame` without `:N` zeroes pair 0 (its documented default), which every video
+    the fuzz draws has: the fuzz takes it (found in review: refusing it passed the suite)."""
+    from harness.cli.main import check_command_line
+
+    check_command_line(["fuzz", "--topology", "1E+1PD", "--plant-fault", "ec-zero-frame"])
+    newest = space_for(NEWEST, TOPOLOGIES["1E+1PD"], ServingConfig(model="m"))
+    assert fault_refusal("ec-zero-frame", newest, TOPOLOGIES["1E+1PD"]) is None
