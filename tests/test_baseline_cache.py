@@ -919,3 +919,22 @@ def test_a_golden_is_one_request_whatever_its_numerics_neutral_flags() -> None:
     assert golden_key(neutral, "d", BODY, LAUNCH) == golden_key(SERVING, "d", BODY, LAUNCH)
     other_dtype = dataclasses.replace(SERVING, dtype="float16")
     assert golden_key(other_dtype, "d", BODY, LAUNCH) != golden_key(SERVING, "d", BODY, LAUNCH)
+
+
+def test_the_key_of_a_run_that_places_no_device_here_is_the_key_of_one_that_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attached with --golden nothing starts on this host, so the run has no device (5e9e532);
+    yet the goldens are looked up by the baseline's launch, which placed the baseline on the
+    run's devices: on real vLLM the run then failed, "baseline: no cores to place it on" (exit
+    2). The key sees no device index (CPU cores are the affinity, a GPU's index a
+    placeholder), so a run of no device keys the goldens as one of any devices does."""
+    base = run_settings(tmp_path)
+    assert BaselineLaunch.of(dataclasses.replace(base, devices=()), environ={}) == (
+        BaselineLaunch.of(base, environ={})
+    )
+    monkeypatch.setattr(baseline_launch, "device_model", lambda platform: "cuda: test")
+    cuda = dataclasses.replace(base, platform=CUDA, devices=(3,))
+    assert BaselineLaunch.of(dataclasses.replace(cuda, devices=()), environ={}) == (
+        BaselineLaunch.of(cuda, environ={})
+    )

@@ -88,7 +88,11 @@ class BaselineLaunch:
             settings.platform,
             [PLACEHOLDER_PORT],
             PLACEHOLDER_RUN_DIR / "baseline",
-            settings.devices,
+            # No device index is part of the key (CPU cores are the affinity, a device
+            # variable is rendered as a placeholder below), so a run that places nothing on
+            # this host (attached, with --golden: no device) keys the goldens on a stand-in
+            # one (found on real vLLM: "baseline: no cores to place it on").
+            settings.devices or (0,),
             generation=settings.protocol,
         )
         rendered = spec.env()
