@@ -421,6 +421,16 @@ def test_cpu_budget_is_one_instance_per_core_within_memory_and_shared_by_workers
     assert cpu_instance_budget(cores=1, memory_bytes=1 * gib, workers=4) == 1
 
 
+@pytest.mark.parametrize("profile", [CPU, CUDA], ids=["cpu", "cuda"])
+def test_nothing_to_start_needs_no_device(profile) -> None:
+    """Attached with --golden nothing starts on this host and no device is the run's: its
+    schedule has no wave, not "no cores given" (found on real vLLM: the run failed so, exit 2).
+    A topology to start still needs devices."""
+    assert schedule([], (), profile).waves == ()
+    with pytest.raises(DevicePlanError, match=r"^no \w+s given$"):
+        schedule(DEFAULT_SET, (), profile)
+
+
 def test_schedule_rejects_a_repeated_device() -> None:
     with pytest.raises(DevicePlanError, match="repeats a device"):
         schedule(DEFAULT_SET, (0, 0), CUDA)

@@ -337,6 +337,8 @@ def schedule(
     a wave fills, and the pool stops the cluster's topology before the next). Raises
     DevicePlanError naming every topology that cannot fit.
     """
+    if not topologies:  # attached with --golden: nothing starts here, on no device
+        return Schedule(())
     if not devices:
         raise DevicePlanError(f"no {profile.device_kind}s given")
     if len(set(devices)) != len(devices):
