@@ -669,3 +669,54 @@ def test_a_metrics_page_cut_off_mid_answer_is_no_crash(tmp_path: Path) -> None:
     finally:
         listener.close()
     assert outcome.result is not None and outcome.kv_counters is None  # D's counters unread
+
+
+def test_an_attached_golden_run_judges_the_deployment_by_a_releases_goldens_end_to_end(
+    tmp_path: Path, port_locks: Path, fake_vllm: Path, epd_cli
+) -> None:
+    """`run --attach FILE --golden VERSION`, the whole command: nothing starts on this host,
+    the goldens stand in for the baseline. Tested only in pieces with the sweep stubbed
+    (tests/test_golden_preflight.py), the run failed on real vLLM all the same: with no device
+    (an attached --golden run has none), the goldens' lookup placed the baseline on the run's
+    devices, "baseline: no cores to place it on" (exit 2). The deployment is fake vLLM behind
+    the harness's proxy, as `repro --keep-up` leaves one; the goldens are filed as a run files
+    them, by a first run of it without --golden whose baseline starts here."""
+    from harness.environment import cache_dir
+    from harness.preflight.model import resolve_model
+    from harness.serve.attached import write_attach_file
+
+    model = resolve_model(None, None, cache_dir())  # the CLI's default: served by both runs
+    deployed = fake_run_settings(
+        tmp_path, fake_vllm, ServingConfig(model=str(model)), run_dir=tmp_path / "deployed"
+    )
+    topology = get_topology("1E+1PD")
+    deployment = Sweep(SweepSpec(topologies=(topology,), prompts=()), deployed)
+    cache = tmp_path / "cache" / "baseline"
+    run_dir = tmp_path / "golden-run"
+    try:
+        attach_file = tmp_path / "attach.json"
+        write_attach_file(deployment.pool.session(topology), attach_file)
+        asked = ("--vllm", fake_vllm, "--attach", attach_file, "--baseline-cache", cache)
+        asked += ("--prompt", "text,image")
+        code, out, err = epd_cli("run", *asked, "--run-dir", tmp_path / "filing-run")
+        assert code == 0, out + err
+        goldens = sorted((cache.parent / "goldens").rglob("*.json"))
+        assert len(goldens) == 2, goldens  # text's and image's, of the served release
+        release = goldens[0].stem.split("+torch-")[0]
+        code, out, err = epd_cli("run", *asked, "--golden", release, "--run-dir", run_dir)
+    finally:
+        deployment.pool.close()
+    assert code == 0, out + err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    judged = [(c["prompt"], c["reference"], c["verdict"]) for c in summary["cases"]]
+    assert judged == [
+        ("text", f"golden-{release}", "MATCH"),
+        ("image", f"golden-{release}", "MATCH"),
+    ], judged
+    # Nothing started here: no baseline's log or command, no instance in the summary.
+    assert not (run_dir / "baseline").exists(), sorted(run_dir.iterdir())
+    assert not list(run_dir.rglob("*.cmd.json")), list(run_dir.rglob("*.cmd.json"))
+    assert summary["run"]["instances"] == []
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["devices"] == [], run["devices"]
+    assert run["devices_used"]["count"] == 0, run["devices_used"]
