@@ -758,17 +758,11 @@ def _refuse_cache_flags_of_an_unknown_version(request: RunRequest, served: Serve
     cache, so `--baseline-cache DIR` and `--refresh-baseline` would be dropped: refused, never
     dropped without a word (found in review). With --golden a DIR says where the goldens are,
     which the version does not change."""
-    given = [
-        flag
-        for flag, meant in (
-            (
-                f"--baseline-cache {request.baseline_cache}",
-                request.baseline_cache not in (None, "off") and request.golden is None,
-            ),
-            ("--refresh-baseline", request.refresh_baseline),
-        )
-        if meant
-    ]
+    given = []
+    if request.baseline_cache not in (None, "off") and request.golden is None:
+        given.append(f"--baseline-cache {request.baseline_cache}")
+    if request.refresh_baseline:
+        given.append("--refresh-baseline")
     if given:
         raise BadInput(
             f"{' and '.join(given)}: baselines are cached by the served vLLM's version, and "
