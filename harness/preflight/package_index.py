@@ -147,7 +147,9 @@ def safe_url(url: str) -> str:
     host = parts.hostname or ""
     if ":" in host:  # an IPv6 address, bracketed as in the URL
         host = f"[{host}]"
-    _, colon, port = parts.netloc.rpartition("@")[2].rpartition("]")[2].rpartition(":")
+    host_and_port = parts.netloc.rpartition("@")[2]  # credentials left out
+    after_address = host_and_port.rpartition("]")[2]  # past an IPv6 address's colons
+    _, colon, port = after_address.rpartition(":")
     if colon and port:
         host = f"{host}:{port}"
     return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
