@@ -98,6 +98,12 @@ def parse_fault(text: str) -> FaultSpec:
     return FaultSpec(kind)
 
 
+def zero_frame_of(spec: FaultSpec) -> int:
+    """The temporal frame pair ec-zero-frame zeroes (its strength; default 0); 0 for every
+    other fault."""
+    return int(spec.strength or 0) if spec.kind == "ec-zero-frame" else 0
+
+
 def fault_reaches(kind: str, topology: Topology) -> bool:
     """Whether a fault of `kind` has anything to act on in `topology`: KV faults need a P->D
     hop, stream faults a stream from D (or PD) through a proxy, the others an encoder."""
@@ -154,7 +160,7 @@ def refuse_unreached_prompts(given: str, prompts: Sequence[PromptSpec]) -> None:
     BadInput, naming what the fault needs and a prompt that has it."""
     spec = parse_fault(given)
     kind = spec.kind
-    frame = int(spec.strength or 0) if kind == "ec-zero-frame" else 0
+    frame = zero_frame_of(spec)
     if any(fault_reaches_prompt(kind, prompt, frame) for prompt in prompts):
         return
     if kind == "ec-swap-items":

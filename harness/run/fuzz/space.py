@@ -10,7 +10,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from harness.run.faults.spec import KV_FAULTS, STREAM_FAULTS, VIDEO_FAULTS, parse_fault
+from harness.run.faults.spec import (
+    KV_FAULTS,
+    STREAM_FAULTS,
+    VIDEO_FAULTS,
+    parse_fault,
+    zero_frame_of,
+)
 from harness.spec.generations import ProtocolGeneration, not_applicable
 from harness.spec.prompts import ImagePart, PromptSpec, TextPart, VideoPart
 from harness.spec.topology import ServingConfig, Topology
@@ -115,27 +121,25 @@ def fault_refusal(fault: str, space: FuzzSpace, topology: Topology) -> str | Non
     nothing, exited 0 (found in review); ec-zero-frame:N acts on the drawn videos of more than
     N temporal frame pairs only (`most_frame_pairs`)."""
     spec = parse_fault(fault)
-    kind = spec.kind
-    if kind in KV_FAULTS or kind in STREAM_FAULTS:
+    if spec.kind in KV_FAULTS or spec.kind in STREAM_FAULTS:
         return None
-    videos = kind in VIDEO_FAULTS
-    if space.videos if videos else space.media:
-        frame = int(spec.strength or 0) if kind == "ec-zero-frame" else 0
-        pairs = most_frame_pairs()
-        if frame < pairs:
-            return None
+    videos = spec.kind in VIDEO_FAULTS
+    if not (space.videos if videos else space.media):
+        needs = "a video" if videos else "a media item (an image or a video)"
+        why = "; ".join(space.notes)
         return (
-            f"--plant-fault {fault} needs a video of more than {frame * TEMPORAL_PATCH} frames "
-            f"(temporal frame pair {frame}), and the fuzz's videos have at most {pairs} "
-            f"temporal frame pairs (mp4s of up to {MAX_MP4_FRAMES} frames, JPEG frame lists of "
-            f"up to {MAX_JPEG_FRAMES}): it would act on nothing and the fuzz could not find a "
-            f"failure; give a frame index below {pairs}"
+            f"--plant-fault {fault} needs {needs}, and the fuzz draws none for {topology.name} "
+            f"on this release ({why}): it would act on nothing and the fuzz could not find a "
+            "failure; plant it on a release that sends them through the encoder, or drop "
+            "--plant-fault"
         )
-    needs = "a video" if videos else "a media item (an image or a video)"
-    why = "; ".join(space.notes)
+    frame, pairs = zero_frame_of(spec), most_frame_pairs()
+    if frame < pairs:
+        return None
     return (
-        f"--plant-fault {fault} needs {needs}, and the fuzz draws none for {topology.name} "
-        f"on this release ({why}): it would act on nothing and the fuzz could not find a "
-        "failure; plant it on a release that sends them through the encoder, or drop "
-        "--plant-fault"
+        f"--plant-fault {fault} needs a video of more than {frame * TEMPORAL_PATCH} frames "
+        f"(temporal frame pair {frame}), and the fuzz's videos have at most {pairs} "
+        f"temporal frame pairs (mp4s of up to {MAX_MP4_FRAMES} frames, JPEG frame lists of "
+        f"up to {MAX_JPEG_FRAMES}): it would act on nothing and the fuzz could not find a "
+        f"failure; give a frame index below {pairs}"
     )
