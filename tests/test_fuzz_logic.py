@@ -2818,9 +2818,9 @@ def test_a_group_found_after_the_runs_time_is_spent_is_not_shrunk_and_says_so(
     assert (group.shrink, group.note) == (None, "not shrunk: the run's time budget is spent")
 
 
-def fuzz_exit_code(tmp_path: Path, monkeypatch, run) -> int:
-    """`fuzz --topology 1E+1P+1D --examples 2` with `FuzzEngine.run` replaced by `run` and
-    nothing started: its exit code (its reports are in tmp_path/run)."""
+def fuzz_exit_code(tmp_path: Path, monkeypatch, run, *extra: str) -> int:
+    """`fuzz --topology 1E+1P+1D --examples 2` (and `extra`) with `FuzzEngine.run` replaced by
+    `run` and nothing started: its exit code (its reports are in tmp_path/run)."""
     from types import SimpleNamespace
 
     from harness.cli import fuzz as fuzz_cli
@@ -2833,9 +2833,43 @@ def fuzz_exit_code(tmp_path: Path, monkeypatch, run) -> int:
     monkeypatch.setattr(FuzzEngine, "__enter__", lambda self: self)  # nothing is started
     monkeypatch.setattr(FuzzEngine, "run", run)
     argv = ["fuzz", "--topology", "1E+1P+1D", "--examples", "2", "--seed", "0"]
-    args = build_parser().parse_args([*argv, "--run-dir", str(tmp_path / "run")])
+    args = build_parser().parse_args([*argv, *extra, "--run-dir", str(tmp_path / "run")])
     args.progress = Progress()
     return fuzz_cli.command_fuzz(args)
+
+
+@pytest.mark.parametrize(
+    ("faults", "exit_code"),
+    [(("not acted: no video",) * 2, 1), (("not acted: no video", "acted"), 0), (("acted",) * 2, 0)],
+)
+def test_a_planted_fuzz_whose_fault_acted_on_nothing_fails(
+    tmp_path: Path, monkeypatch, capsys, faults: tuple[str, ...], exit_code: int
+) -> None:
+    """A planted fault that acted on no example left a self-test that tested nothing, which
+    exited 0 (`run` says it as a `problem:` and exits 1), its summary.json saying it passed.
+    Here every example matches: one the fault acted on and not caught is the scenario's to
+    judge (scenarios/test_fuzz.py), as before."""
+
+    def run(self, examples, report, on_progress):
+        for n, fault in enumerate(faults):
+            name = f"ex-{n:04d}"
+            evaluation = _evaluation(name, image_prompt((56, 56)), record(Verdict.MATCH), False)
+            evaluation.signature = evaluation.recognition = None
+            evaluation.fault = fault
+            report.evaluations.append(evaluation)
+        on_progress(report)
+        return report
+
+    plant = ("--plant-fault", "ec-video-grid")
+    assert fuzz_exit_code(tmp_path, monkeypatch, run, *plant) == exit_code
+    document = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert document["passed"] is (exit_code == 0), "summary.json says what the exit code says"
+    junit = (tmp_path / "run" / "junit.xml").read_text()
+    assert ('name="run problems"' in junit) == (exit_code == 1), junit
+    assert ("tested nothing" in (tmp_path / "run" / "verdicts.txt").read_text()) == (exit_code == 1)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("epd-harness fuzz: planted fault ec-video-grid acted on "), last
+    assert ("the self-test tested nothing" in last) == (exit_code == 1), last
 
 
 @pytest.mark.parametrize(

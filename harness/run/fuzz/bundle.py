@@ -319,6 +319,8 @@ def write_fuzz_bundle(
     records = [scrub.record(r) for r in _run_records(ordered, report.groups)]
     stage_bodies, sent_after = staged(key)
     bodies = {**{e.spec.name: e.body for e in key}, **stage_bodies}
+    # As `run` fails a planted fault that acted on nothing, with every report saying why.
+    problems = [fault_effect_line(fault, report)] if fault and report.fault_acted_on_nothing else []
     run_info = write_run_info(
         settings,
         (BASELINE, topology),
@@ -326,11 +328,12 @@ def write_fuzz_bundle(
         fault=fault,
         protocol=settings.protocol.to_json(),
         fuzz=meta,
+        **({"problems": problems} if problems else {}),
         **sent_after,
     )
     write_json_atomic(run_dir / "requests.json", bodies)
     summary = scrub.data(fuzz_summary(report, meta, group_dirs))
-    write_summary_json(run_dir / "summary.json", records, {"fuzz": summary})
+    write_summary_json(run_dir / "summary.json", records, {"fuzz": summary}, scrub.data(problems))
     responses = scrub.data(
         _responses([*key, *(e for e in judged if not any(e is k for k in key))], topology.name)
     )
@@ -380,7 +383,7 @@ def fault_effect_line(fault: str, report: FuzzReport) -> str:
     if effect["reasons"]:
         reasons = sorted(effect["reasons"].items(), key=lambda item: -item[1])
         line += "; not on " + "; ".join(f"{n}: {reason}" for reason, n in reasons)
-    if sent and not effect["acted"]:
+    if report.fault_acted_on_nothing:
         line += " (the self-test tested nothing: no example had a shape the fault acts on)"
     return line
 

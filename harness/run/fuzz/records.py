@@ -164,8 +164,21 @@ class FuzzReport:
         (`harness.run.fuzz.bundle`): some example was judged, no failure is new (a known
         one is a declared upstream failure, as a matrix scenario's is) and no example's
         baseline disagreed with itself (found in review: such a run exited 0 while its
-        summary.json, which counts the case failed, said `passed: false`)."""
-        return self.judged_any and not self.new_groups and not self.unstable_baseline
+        summary.json, which counts the case failed, said `passed: false`), and a planted fault
+        acted on some example (one that acted on none left a self-test that tested nothing,
+        which exited 0: `run` says that as a `problem:` and fails)."""
+        return (
+            self.judged_any
+            and not self.new_groups
+            and not self.unstable_baseline
+            and not self.fault_acted_on_nothing
+        )
+
+    @property
+    def fault_acted_on_nothing(self) -> bool:
+        """A fault was planted (the examples sent record what it did) and acted on none."""
+        effect = self.fault_effect()
+        return effect["not_acted"] > 0 and not effect["acted"]
 
     def fault_effect(self) -> dict[str, Any]:
         """What a planted fault did to the examples sent to the topology: how many it acted
