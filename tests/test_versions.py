@@ -1576,9 +1576,17 @@ class FinishedChild:
 
 class FakeReleaseRuns:
     """Each release's child `epd-harness run` as run_release starts it, faked: its argv is
-    recorded and its summary.json written with one MATCH (no venv is built, nothing starts)."""
+    recorded, `console` written to its console log, its summary.json written with one MATCH
+    (unless `summary` is False), and it exits `returncode` (no venv is built, nothing starts)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path,
+        returncode: int = 0,
+        summary: bool = True,
+        console: str = "",
+    ) -> None:
         from harness.cli import versions as versions_module
         from harness.cli.releases import ReleaseEnv
 
@@ -1591,9 +1599,13 @@ class FakeReleaseRuns:
             self.argvs.append(list(argv))
             run_dir = Path(argv[argv.index("--run-dir") + 1])
             run_dir.mkdir(parents=True, exist_ok=True)
-            summary = {"cases": [case("1P+1D", "text", "MATCH")]}
-            (run_dir / "summary.json").write_text(json.dumps(summary))
-            return FinishedChild()
+            if summary:
+                cases = {"cases": [case("1P+1D", "text", "MATCH")]}
+                (run_dir / "summary.json").write_text(json.dumps(cases))
+            kwargs["stdout"].write(console)
+            child = FinishedChild()
+            child.returncode = returncode
+            return child
 
         monkeypatch.setattr(
             versions_module,
@@ -1760,3 +1772,17 @@ def test_a_golden_of_another_dtype_never_stands_in(tmp_path: Path) -> None:
         sweep("float16").serve_baseline()
     keep("float16", [7, 6])
     assert sweep("float16").serve_baseline()["text"].result.token_ids == (7, 6)
+
+
+def test_a_releases_run_is_recorded_as_it_ended_not_as_a_stale_summary_reads(
+    epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each release's run is read by its own exit code: one that exited 2 beside a
+    summary.json of MATCHes an earlier attempt left is no pass (`ran_through`); recorded as
+    exit 0, the release passed the matrix on answers it never gave."""
+    FakeReleaseRuns(monkeypatch, tmp_path, returncode=2)
+    run_dir = tmp_path / "v"
+    code, out, err = epd_cli("versions", "0.32.0", "--topology", "1P+1D", "--run-dir", run_dir)
+    recorded = json.loads((run_dir / "0.32.0" / "release-run.json").read_text())
+    assert recorded["exit_code"] == 2 and recorded["cases"], recorded
+    assert code == 1, out + err
