@@ -1786,3 +1786,17 @@ def test_a_releases_run_is_recorded_as_it_ended_not_as_a_stale_summary_reads(
     recorded = json.loads((run_dir / "0.32.0" / "release-run.json").read_text())
     assert recorded["exit_code"] == 2 and recorded["cases"], recorded
     assert code == 1, out + err
+
+
+def test_a_releases_run_without_cases_is_named_by_the_error_it_printed(
+    epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A release's run that judged nothing is shown with the last line of its console that
+    names an error (the table's evidence, bisect's 'cannot answer'), not with nothing."""
+    console = "starting\nepd-harness: error: no model at /m\nstopped the servers\n"
+    FakeReleaseRuns(monkeypatch, tmp_path, returncode=2, summary=False, console=console)
+    run_dir = tmp_path / "v"
+    code, out, err = epd_cli("versions", "0.32.0", "--topology", "1P+1D", "--run-dir", run_dir)
+    recorded = json.loads((run_dir / "0.32.0" / "release-run.json").read_text())
+    assert recorded["failure"] == "epd-harness: error: no model at /m", recorded
+    assert code == 1 and "- 0.32.0: no cases: epd-harness: error: no model at /m" in out, out
