@@ -1800,3 +1800,29 @@ def test_a_releases_run_without_cases_is_named_by_the_error_it_printed(
     recorded = json.loads((run_dir / "0.32.0" / "release-run.json").read_text())
     assert recorded["failure"] == "epd-harness: error: no model at /m", recorded
     assert code == 1 and "- 0.32.0: no cases: epd-harness: error: no model at /m" in out, out
+
+
+def test_each_releases_run_is_judged_against_the_golden_and_cache_asked(
+    epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`versions --golden V --baseline-cache DIR` passes both to every release's run: without
+    --golden each release was judged against a baseline of its own, the comparison asked for
+    never made, and without the cache its goldens were read from another directory."""
+    runs = FakeReleaseRuns(monkeypatch, tmp_path)
+    cache = tmp_path / "cache"
+    code, out, err = epd_cli(
+        "versions",
+        "0.31.0,0.32.0",
+        "--topology",
+        "1P+1D",
+        "--golden",
+        "0.30.0",
+        "--baseline-cache",
+        cache,
+        "--run-dir",
+        tmp_path / "v",
+    )
+    assert code == 0 and len(runs.argvs) == 2, out + err
+    for argv in runs.argvs:
+        assert argv[argv.index("--golden") + 1] == "0.30.0", argv
+        assert argv[argv.index("--baseline-cache") + 1] == str(cache), argv
