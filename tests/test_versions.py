@@ -1826,3 +1826,19 @@ def test_each_releases_run_is_judged_against_the_golden_and_cache_asked(
     for argv in runs.argvs:
         assert argv[argv.index("--golden") + 1] == "0.30.0", argv
         assert argv[argv.index("--baseline-cache") + 1] == str(cache), argv
+
+
+def test_a_full_sweep_reused_for_topologies_named_in_one_flag_answers_each(
+    tmp_path: Path,
+) -> None:
+    """`versions --topology 1E+1PD,1P+1D` forwards the comma-separated value as given: a full
+    sweep reused for it keeps the cases of both topologies, not none (read as one name)."""
+    from harness.cli.versions import RELEASE_RUN_FILE, run_release
+
+    cases = [case(t, "image", "MATCH") for t in ("1E+1PD", "1P+1D", "1E+1P+1D")]
+    run = ReleaseRun("0.30.0", "by-hash", 0, 1.0, 0.0, 0, cases)
+    (tmp_path / "0.30.0").mkdir()
+    (tmp_path / "0.30.0" / RELEASE_RUN_FILE).write_text(json.dumps(run.to_json()))
+    narrowed = run_release("0.30.0", tmp_path / "0.30.0", ["--topology", "1E+1PD,1P+1D"], None)
+    assert [c["topology"] for c in narrowed.cases] == ["1E+1PD", "1P+1D"]
+    assert matrix_passed([narrowed])
