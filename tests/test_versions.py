@@ -1842,3 +1842,23 @@ def test_a_full_sweep_reused_for_topologies_named_in_one_flag_answers_each(
     narrowed = run_release("0.30.0", tmp_path / "0.30.0", ["--topology", "1E+1PD,1P+1D"], None)
     assert [c["topology"] for c in narrowed.cases] == ["1E+1PD", "1P+1D"]
     assert matrix_passed([narrowed])
+
+
+def test_goldens_exits_1_until_a_request_has_goldens_of_two_releases(
+    epd_cli, tmp_path: Path
+) -> None:
+    """`goldens` exit codes (its epilog): 1 when no request has goldens of two releases
+    (nothing was compared), 0 once rows are printed."""
+    store = GoldenStore(tmp_path / "goldens")
+    key = golden_key(serving_for(CPU, "/m"), "digest", {"messages": []}, LAUNCH)
+
+    def file(version: str) -> None:
+        answer = outcome("text", [1, 2], prompt_ids=(1,))
+        store.store(key, "text", ServedVllm("vllm", version, "2.13.0"), answer, dtype="bfloat16")
+
+    file("0.31.0")
+    code, out, err = epd_cli("goldens", "--dir", tmp_path / "goldens")
+    assert code == 1 and "no request has goldens of two releases" in out, out + err
+    file("0.32.0")
+    code, out, err = epd_cli("goldens", "--dir", tmp_path / "goldens")
+    assert code == 0 and "text: 0.31.0 -> 0.32.0: identical" in out, out + err
