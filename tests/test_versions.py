@@ -1862,3 +1862,15 @@ def test_goldens_exits_1_until_a_request_has_goldens_of_two_releases(
     file("0.32.0")
     code, out, err = epd_cli("goldens", "--dir", tmp_path / "goldens")
     assert code == 0 and "text: 0.31.0 -> 0.32.0: identical" in out, out + err
+
+
+def test_a_failed_answer_is_not_filed_as_a_golden(tmp_path: Path) -> None:
+    """A baseline request that failed has no tokens to stand in for a baseline: it is not
+    filed (and storing it must not raise: the sweep files every baseline answer)."""
+    from harness.outcomes.outcome import Outcome
+
+    store = GoldenStore(tmp_path)
+    failed = Outcome(prompt="text", error="HTTP 500")
+    served = ServedVllm("vllm", "0.32.0", "2.13.0")
+    assert store.store("key", "text", served, failed, dtype="bfloat16") is False
+    assert not list(tmp_path.rglob("*.json"))
