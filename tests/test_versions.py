@@ -1874,3 +1874,17 @@ def test_a_failed_answer_is_not_filed_as_a_golden(tmp_path: Path) -> None:
     served = ServedVllm("vllm", "0.32.0", "2.13.0")
     assert store.store("key", "text", served, failed, dtype="bfloat16") is False
     assert not list(tmp_path.rglob("*.json"))
+
+
+def test_goldens_compare_releases_in_release_order_not_text_order(tmp_path: Path) -> None:
+    """Consecutive releases are consecutive by number: 0.9.0 comes before 0.10.0 (as text it
+    sorts after 0.11.0, and 0.11.0 -> 0.9.0 was compared)."""
+    store = GoldenStore(tmp_path)
+    key = golden_key(serving_for(CPU, "/m"), "digest", {"messages": []}, LAUNCH)
+    for version, ids in (("0.11.0", [5, 7]), ("0.9.0", [5, 6]), ("0.10.0", [5, 6])):
+        answer = outcome("text", ids, prompt_ids=(1,))
+        store.store(key, "text", ServedVllm("vllm", version, "2.13.0"), answer, dtype="bfloat16")
+    assert [r.describe() for r in agreement(store)] == [
+        "text: 0.9.0 -> 0.10.0: identical",
+        "text: 0.10.0 -> 0.11.0: differ from token 1",
+    ]
