@@ -598,3 +598,24 @@ def test_cli_plan_names_a_relative_run_dirs_storage_from_the_working_directory(
     ]
     assert any(str(tmp_path / "r1") in line for line in argvs), argvs
     assert not any(" r1/" in line or "'r1/" in line or '"r1/' in line for line in argvs), argvs
+
+
+def test_a_cpu_plan_without_a_budget_shares_this_machine_among_its_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CPU plan given no budget packs its waves within what this machine gives each of its
+    `workers` xdist workers (`cpu_instance_budget`), as each worker's run packs them: planned
+    for the machine whole, two workers' plan put twice the instances in a wave."""
+    from harness.cli import plan as plan_module
+
+    memory = 64 * 1024**3  # more than four cores' instances need: the cores decide
+    monkeypatch.setattr(plan_module, "available_memory_bytes", lambda: memory)
+    alone = request(CPU, (0, 1, 2, 3))
+    shared = dataclasses.replace(alone, workers=2)
+
+    def waves(plan: Plan) -> list[list[str]]:
+        return [[t.name for t in w.topologies] for w in plan.waves]
+
+    given = dataclasses.replace(alone, cpu_budget=cpu_instance_budget(4, memory, workers=2))
+    assert waves(build_plan(shared)) == waves(build_plan(given))
+    assert waves(build_plan(shared)) != waves(build_plan(alone))
