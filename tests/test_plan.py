@@ -619,3 +619,14 @@ def test_a_cpu_plan_without_a_budget_shares_this_machine_among_its_workers(
     given = dataclasses.replace(alone, cpu_budget=cpu_instance_budget(4, memory, workers=2))
     assert waves(build_plan(shared)) == waves(build_plan(given))
     assert waves(build_plan(shared)) != waves(build_plan(alone))
+
+
+def test_the_text_plan_names_each_kv_instances_nixl_side_channel_port() -> None:
+    """A shared NIXL side-channel port is one of the mistakes a plan is read for: the text
+    names each P's and D's port, as the JSON does."""
+    plan = build_plan(request(CUDA, tuple(range(8))))
+    text = format_plan(plan)
+    holders = [i for i in plan.instances if i.side_channel_port is not None]
+    assert holders, "a NIXL plan has side-channel ports"
+    for instance in holders:
+        assert f"nixl side channel {instance.side_channel_port}" in text, instance.name
