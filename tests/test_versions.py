@@ -1888,3 +1888,15 @@ def test_goldens_compare_releases_in_release_order_not_text_order(tmp_path: Path
         "text: 0.9.0 -> 0.10.0: identical",
         "text: 0.10.0 -> 0.11.0: differ from token 1",
     ]
+
+
+def test_evidence_names_a_vacuous_cases_failed_guard_and_keeps_to_one_short_line() -> None:
+    """The table's evidence of a VACUOUS case says which guard failed and on what (its detail
+    alone read like a MATCH's), and a long detail is cut to EVIDENCE_WIDTH, marked so."""
+    from harness.cli.versions import EVIDENCE_WIDTH, evidence
+
+    guards = {"ec_transfer": {"ok": False, "evidence": "P read no EC"}}
+    vacuous = case("1E+1PD", "image", "VACUOUS", detail="tokens equal", guards=guards)
+    assert evidence(vacuous) == "tokens equal; guard ec_transfer: P read no EC"
+    long = evidence(case("1P+1D", "text", "MISMATCH", detail="token 3 differs\n" * 40))
+    assert len(long) == EVIDENCE_WIDTH and long.endswith("...") and "\n" not in long
