@@ -1900,3 +1900,24 @@ def test_evidence_names_a_vacuous_cases_failed_guard_and_keeps_to_one_short_line
     assert evidence(vacuous) == "tokens equal; guard ec_transfer: P read no EC"
     long = evidence(case("1P+1D", "text", "MISMATCH", detail="token 3 differs\n" * 40))
     assert len(long) == EVIDENCE_WIDTH and long.endswith("...") and "\n" not in long
+
+
+def test_a_declared_failure_with_a_failed_guard_is_explained_not_unproven() -> None:
+    """Only a guard nothing could check makes a pass unproven: a release failure declared by
+    the generations table whose guard was checked and failed is still explained (read as
+    unchecked, it failed the matrix on a failure the table declares)."""
+    from harness.cli.versions import explained, unchecked
+
+    guards = {"ec_transfer": {"ok": False, "evidence": "P read no EC"}}
+    declared = case(
+        "1E+1PD",
+        "video",
+        "MISMATCH",
+        guards=guards,
+        policy_passed=True,
+        declared_failure="video-timing-before-0.31",
+    )
+    assert unchecked(declared) == [] and explained(declared)
+    assert matrix_passed([ReleaseRun("0.30.0", "x", 0, 1.0, 0.0, 0, [declared])])
+    unproven = {"ec_transfer": {"ok": False, "not_checkable": True, "evidence": "no log"}}
+    assert unchecked(case("1E+1PD", "image", "MATCH", guards=unproven)) == ["ec_transfer"]
