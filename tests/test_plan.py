@@ -630,3 +630,17 @@ def test_the_text_plan_names_each_kv_instances_nixl_side_channel_port() -> None:
     assert holders, "a NIXL plan has side-channel ports"
     for instance in holders:
         assert f"nixl side channel {instance.side_channel_port}" in text, instance.name
+
+
+def test_an_instances_env_line_holds_only_what_the_common_environment_lacks(epd_cli) -> None:
+    """The common environment is printed once: each instance's env line adds its own entries
+    only (each repeating the common ones buried the one that differs, its device)."""
+    argv = ["--platform", "cuda", "--devices", "0,1,2", "--topology", "1E+1P+1D"]
+    code, out, err = epd_cli("plan", *argv, "--model", MODEL, "--vllm", "vllm")
+    assert code == 0, err
+    common_line = next(line for line in out.splitlines() if line.startswith("environment of"))
+    common = common_line.partition(": ")[2].split()
+    own = [line for line in out.splitlines() if line.startswith("    env: ")]
+    assert common and own, out
+    for line in own:
+        assert not set(line.partition(": ")[2].split()) & set(common), line
