@@ -644,3 +644,11 @@ def test_an_instances_env_line_holds_only_what_the_common_environment_lacks(epd_
     assert common and own, out
     for line in own:
         assert not set(line.partition(": ")[2].split()) & set(common), line
+
+
+def test_a_colocated_plan_says_colocation_is_allowed(epd_cli) -> None:
+    argv = ["--platform", "cuda", "--devices", "0", "--vllm", "vllm"]
+    code, out, err = epd_cli("plan", *argv, "--colocate")
+    assert code == 0 and out.splitlines()[0].endswith(", colocation allowed"), out + err
+    code, out, err = epd_cli("plan", *argv[:3], "0,1,2,3,4,5,6,7", *argv[4:])
+    assert code == 0 and "colocation" not in out.splitlines()[0], out + err
