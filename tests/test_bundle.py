@@ -619,6 +619,18 @@ def test_an_inherited_secret_in_a_command_file_another_process_wrote_is_redacted
     assert recorded == {"VLLM_ACCESSKEY": REDACTED, "VLLM_ATTENTION_BACKEND": "X"}
 
 
+def test_a_secret_as_short_as_the_scrubbed_minimum_is_scrubbed_and_a_shorter_one_is_not():
+    """MIN_SCRUBBED_LEN is the shortest value scrubbed from free text: a credential of
+    exactly that length is a secret like any longer one; a shorter one is left (scrubbing
+    every "1" would wreck the artifacts)."""
+    from harness.redact import MIN_SCRUBBED_LEN
+    from harness.report.bundle import Redactor
+
+    shortest, shorter = "s" * MIN_SCRUBBED_LEN, "t" * (MIN_SCRUBBED_LEN - 1)
+    redactor = Redactor([shortest, shorter])
+    assert redactor.text(f"a {shortest} b {shorter}") == f"a {REDACTED} b {shorter}"
+
+
 def test_junit_xml_has_one_testcase_per_record_and_a_failure_per_failed_policy(tmp_path):
     records, _ = sample_run()
     write_junit_xml(tmp_path, records)
