@@ -619,6 +619,21 @@ def test_an_inherited_secret_in_a_command_file_another_process_wrote_is_redacted
     assert recorded == {"VLLM_ACCESSKEY": REDACTED, "VLLM_ATTENTION_BACKEND": "X"}
 
 
+def test_a_secret_an_instances_argv_held_in_a_command_file_another_process_wrote_is_scrubbed(
+    tmp_path,
+):
+    """A `.cmd.json` another process wrote unredacted may carry a credential on its command
+    line (`--api-key VALUE`), in no environment: it is scrubbed from free text all the same."""
+    from harness.report.bundle import Redactor
+
+    secret = "argv-only-api-key-9090"
+    path = tmp_path / "run" / "1P-1D" / "1P-1D__decode0.cmd.json"
+    path.parent.mkdir(parents=True)
+    command = {"name": "1P+1D/decode0", "argv": ["vllm", "serve", "--api-key", secret], "env": {}}
+    path.write_text(json.dumps(command))
+    assert Redactor.for_run(tmp_path / "run").text(f"401 for {secret}") == f"401 for {REDACTED}"
+
+
 def test_a_secret_as_short_as_the_scrubbed_minimum_is_scrubbed_and_a_shorter_one_is_not():
     """MIN_SCRUBBED_LEN is the shortest value scrubbed from free text: a credential of
     exactly that length is a secret like any longer one; a shorter one is left (scrubbing
