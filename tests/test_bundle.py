@@ -1005,3 +1005,16 @@ def test_junit_xml_of_a_run_without_cases_has_a_failing_case(tmp_path):
     assert root.get("failures") == root.find("testsuite").get("failures") == "1"
     (case,) = root.findall("./testsuite/testcase")
     assert "proves nothing" in case.find("failure").text
+
+
+def test_junit_xml_of_a_run_failed_by_several_problems_shows_every_one(tmp_path):
+    """A CI view shows a failure's text, not the run's summary.json: each problem that failed
+    the run is in it, not only the first (its message names the first)."""
+    records, _ = sample_run()
+    passing = [r for r in records if r.policy_passed]
+    problems = ["problem: an unproven pass", "problem: the planted fault acted on nothing"]
+    write_junit_xml(tmp_path, passing, problems)
+    root = ET.parse(tmp_path / "junit.xml").getroot()
+    (failure,) = root.findall("./testsuite/testcase[@name='run problems']/failure")
+    assert failure.get("message") == problems[0]
+    assert failure.text.splitlines() == problems
