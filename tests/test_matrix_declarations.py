@@ -619,3 +619,12 @@ def test_a_rerun_on_kept_storage_adds_its_own_verdicts_and_checks_to_the_scenari
     assert [r.verdict for r in result.records] == [Verdict.MATCH, Verdict.MISMATCH]
     assert result.checks == [failed]
     assert len(result.problems()) == 2
+
+
+def test_a_scenario_declaring_two_failing_verdicts_is_refused() -> None:
+    """A declared failure names one verdict: a scenario that expected ERROR or MISMATCH would
+    pass either way, so neither is a claim anything checks."""
+    prompt = PromptSpec("two-verdicts", (TextPart("one"),))
+    scenario = Scenario("x", "1E+1PD", (prompt,), expect=(Verdict.MISMATCH, Verdict.ERROR))
+    with pytest.raises(ValueError, match="a declared failure names one verdict"):
+        scenario.declared  # noqa: B018
