@@ -628,3 +628,21 @@ def test_a_scenario_declaring_two_failing_verdicts_is_refused() -> None:
     scenario = Scenario("x", "1E+1PD", (prompt,), expect=(Verdict.MISMATCH, Verdict.ERROR))
     with pytest.raises(ValueError, match="a declared failure names one verdict"):
         scenario.declared  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    "name, ends",
+    [
+        ("epd-media-in-decode-tail", True),  # declared ERROR: an instance dies
+        ("ec-rerun-on-kept-storage", True),  # stops the shared session to start afresh
+        ("ec-video-jpeg-frames-default-fps", False),  # declared MISMATCH: nothing dies
+        ("ec-images-1-2-3", False),
+    ],
+)
+def test_a_scenario_that_kills_an_instance_or_reruns_ends_its_session(
+    name: str, ends: bool
+) -> None:
+    """The matrix runs a scenario that ends its session after the others of its topology
+    (harness.cli.main.run_matrix): one run before them would leave them a dead or stopped
+    topology."""
+    assert get_scenario(name).ends_its_session is ends
