@@ -20,13 +20,14 @@ from harness.outcomes.outcome import Outcome
 from harness.preflight.attach import load_attach_file
 from harness.report.html import _guards
 from harness.report.text import format_failure, format_verdict_table
+from harness.run.scenarios import Scenario, SendMode, attached_prompt
 from harness.serve import attached
 from harness.serve.attached import AttachedSession
 from harness.serve.client import ChatReply
 from harness.serve.kv_metrics import KvCounters
 from harness.spec.attach import AttachSpec, attached_instances
 from harness.spec.connectors import EC_CACHE_FILE, KvRule
-from harness.spec.prompts import SKELETON_PROMPTS, render_request
+from harness.spec.prompts import SKELETON_PROMPTS, PromptSpec, TextPart, render_request
 from harness.spec.settings import ATTACH_PROXY, ProxyChoice
 from harness.spec.topology import Role, ServingConfig, get_topology
 from harness.testing.builders import cached_answer
@@ -1104,3 +1105,65 @@ def test_open_names_a_proxy_that_does_not_answer_and_reads_nothing_more(
     with pytest.raises(attached.AttachedDown) as raised:
         session.open()
     assert str(raised.value) == "the proxy http://127.0.0.1:1 is not reachable: connection refused"
+
+
+ALONE = PromptSpec("declared-alone", (TextPart("a prompt whose scenario declares it fails"),))
+STAGE = PromptSpec("sets-the-stage", (TextPart("an earlier request of the scenario"),))
+
+
+def declaring(**fields: object) -> Scenario:
+    """A stand-in matrix scenario on 1E+1PD that declares its prompt fails, as `fields` send it."""
+    return Scenario(
+        "declares-a-failure",
+        "1E+1PD",
+        fields.pop("prompts", (ALONE,)),  # type: ignore[arg-type]
+        expect=(Verdict.MISMATCH,),
+        expect_evidence="generated tokens differ",
+        reason="a stand-in",
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(
+    "scenario, stream",
+    [
+        (declaring(prompts=(STAGE, ALONE)), False),  # an earlier request sets its stage
+        (declaring(mode=SendMode.CONCURRENT), False),
+        (declaring(mode=SendMode.IDLE_GAPS), False),
+        (declaring(rerun_on_kept_storage=True), False),
+        (declaring(require_every_encoder=True), False),
+        (declaring(stream=True), False),  # the scenario streams, the attached run does not
+    ],
+    ids=["two-requests", "concurrent", "idle-gaps", "rerun", "every-encoder", "streamed"],
+)
+def test_a_prompt_is_judged_as_declared_only_where_one_request_is_its_scenario(
+    monkeypatch: pytest.MonkeyPatch, scenario: Scenario, stream: bool
+) -> None:
+    """`run --attach --prompt P` sends P alone: a scenario's declaration is its claim about
+    the requests as the scenario sends them, so anything more it does (another request, all
+    at once, a pause, a rerun, every encoder, a stream) makes one request another claim."""
+    import harness.run.scenarios as scenarios
+
+    monkeypatch.setattr(scenarios, "MATRIX", (scenario,))
+    with pytest.raises(BadInput, match="run 'epd-harness run --scenario declares-a-failure'"):
+        attached_prompt(ALONE.name, "1E+1PD", "ExampleConnector", stream)
+
+
+def test_a_prompt_sent_alone_as_its_scenario_sends_it_is_judged_as_declared(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import harness.run.scenarios as scenarios
+
+    alone, streamed = declaring(), declaring(stream=True)
+    monkeypatch.setattr(scenarios, "MATRIX", (alone,))
+    assert attached_prompt(ALONE.name, "1E+1PD", "ExampleConnector", False) == (
+        ALONE,
+        alone.declared,
+    )
+    monkeypatch.setattr(scenarios, "MATRIX", (streamed,))
+    assert attached_prompt(ALONE.name, "1E+1PD", "ExampleConnector", True) == (
+        ALONE,
+        streamed.declared,
+    )
+    with pytest.raises(BadInput, match="on 1E\\+1PD as the scenario sends it"):
+        attached_prompt(ALONE.name, "1E+1P+1D", "ExampleConnector", True)
