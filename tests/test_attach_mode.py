@@ -1167,3 +1167,19 @@ def test_a_prompt_sent_alone_as_its_scenario_sends_it_is_judged_as_declared(
     )
     with pytest.raises(BadInput, match="on 1E\\+1PD as the scenario sends it"):
         attached_prompt(ALONE.name, "1E+1P+1D", "ExampleConnector", True)
+
+
+def test_a_prompt_is_judged_under_the_declaration_of_any_scenario_that_owns_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prompt may belong to a scenario expected to MATCH and to one that declares it fails:
+    the declaration is found whichever comes first in the matrix."""
+    import harness.run.scenarios as scenarios
+
+    plain, failing = Scenario("plain", "1E+1PD", (ALONE,)), declaring()
+    for matrix in ((plain, failing), (failing, plain)):
+        monkeypatch.setattr(scenarios, "MATRIX", matrix)
+        assert attached_prompt(ALONE.name, "1E+1PD", "ExampleConnector", False) == (
+            ALONE,
+            failing.declared,
+        )
