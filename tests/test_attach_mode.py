@@ -20,7 +20,7 @@ from harness.outcomes.outcome import Outcome
 from harness.preflight.attach import load_attach_file
 from harness.report.html import _guards
 from harness.report.text import format_failure, format_verdict_table
-from harness.run.scenarios import Scenario, SendMode, attached_prompt
+from harness.run.scenarios import Scenario, SendMode, attached_prompt, get_scenario
 from harness.serve import attached
 from harness.serve.attached import AttachedSession
 from harness.serve.client import ChatReply
@@ -1183,3 +1183,13 @@ def test_a_prompt_is_judged_under_the_declaration_of_any_scenario_that_owns_it(
             ALONE,
             failing.declared,
         )
+
+
+def test_a_prompt_is_judged_as_declared_under_the_attached_deployments_kv_connector() -> None:
+    """epd-media-in-decode-tail declares D's death under ExampleConnector only: NIXL hands D
+    the whole prompt's KV and the prompt must MATCH there (`expect_by_kv_connector`)."""
+    tail = get_scenario("epd-media-in-decode-tail")
+    (prompt,) = tail.prompts
+    spec, declared = attached_prompt(prompt.name, "1E+1P+1D", "ExampleConnector", False)
+    assert (spec, declared) == (prompt, tail.declared) and declared.verdict == "ERROR"
+    assert attached_prompt(prompt.name, "1E+1P+1D", "NixlConnector", False) == (prompt, None)
