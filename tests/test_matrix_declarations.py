@@ -646,3 +646,16 @@ def test_a_scenario_that_kills_an_instance_or_reruns_ends_its_session(
     (harness.cli.main.run_matrix): one run before them would leave them a dead or stopped
     topology."""
     assert get_scenario(name).ends_its_session is ends
+
+
+def test_each_scenario_sends_its_requests_as_its_name_says() -> None:
+    """A scenario's name is what docs/scenarios.md and a run's verdicts call it: one named
+    streamed, concurrent, idle, round-robin or a rerun on kept storage must send its requests
+    that way, or the matrix covers less than it says (ec-streamed-concurrent without its
+    stream is ec-concurrent-requests twice)."""
+    for s in MATRIX:
+        assert ("streamed" in s.name) is s.stream, s.name
+        assert ("concurrent" in s.name) is (s.mode is SendMode.CONCURRENT), s.name
+        assert ("idle" in s.name) is (s.mode is SendMode.IDLE_GAPS), s.name
+        assert ("round-robin" in s.name) is s.require_every_encoder, s.name
+        assert ("rerun-on-kept-storage" in s.name) is s.rerun_on_kept_storage, s.name
