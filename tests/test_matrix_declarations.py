@@ -13,7 +13,7 @@ from harness.outcomes.chat import ChatResult
 from harness.outcomes.outcome import Outcome
 from harness.report.text import CaseRecord
 from harness.run.matrix import Scenario, ScenarioResult
-from harness.run.scenarios import MATRIX, SendMode, get_scenario, matrix_prompts
+from harness.run.scenarios import IDLE_GAP_S, MATRIX, SendMode, get_scenario, matrix_prompts
 from harness.spec.prompts import ImagePart, PromptSpec, TextPart
 from harness.spec.topology import TOPOLOGIES
 from harness.testing.builders import case_record, chat
@@ -659,3 +659,10 @@ def test_each_scenario_sends_its_requests_as_its_name_says() -> None:
         assert ("idle" in s.name) is (s.mode is SendMode.IDLE_GAPS), s.name
         assert ("round-robin" in s.name) is s.require_every_encoder, s.name
         assert ("rerun-on-kept-storage" in s.name) is s.rerun_on_kept_storage, s.name
+
+
+def test_the_idle_gap_outlasts_vllms_keep_alive() -> None:
+    """ec-idle-over-keepalive pauses between requests so that vLLM closes the idle keep-alive
+    connection (after 5 s, #41567): a shorter pause tests nothing."""
+    vllm_keep_alive_s = 5.0
+    assert IDLE_GAP_S > vllm_keep_alive_s
