@@ -1193,3 +1193,25 @@ def test_a_prompt_is_judged_as_declared_under_the_attached_deployments_kv_connec
     spec, declared = attached_prompt(prompt.name, "1E+1P+1D", "ExampleConnector", False)
     assert (spec, declared) == (prompt, tail.declared) and declared.verdict == "ERROR"
     assert attached_prompt(prompt.name, "1E+1P+1D", "NixlConnector", False) == (prompt, None)
+
+
+def test_a_prompt_declared_on_an_emptied_kv_storage_is_refused_on_an_attached_deployment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """epd-kv-lookup-miss-text's VACUOUS holds on a KV storage with nothing in it, which the
+    matrix empties first (`empty_kv_storage`); an attached deployment's KV storage is not the
+    harness's to see or empty, and after a prompt of the same prefix (the skeleton's text) P
+    dies instead (epd-kv-lookup-miss-kills-prefill). Judged as declared there, that death read
+    as a new failure: refused, naming the scenario to run, as for any declaration one request
+    to the deployment is not."""
+    import harness.run.scenarios as scenarios
+
+    miss = get_scenario("epd-kv-lookup-miss-text")
+    (prompt,) = miss.prompts
+    with pytest.raises(BadInput, match=f"run 'epd-harness run --scenario {miss.name}' instead"):
+        attached_prompt(prompt.name, "1E+1P+1D", "ExampleConnector", False)
+    # Under NIXL it must MATCH: no declaration, nothing to refuse.
+    assert attached_prompt(prompt.name, "1E+1P+1D", "NixlConnector", False) == (prompt, None)
+    monkeypatch.setattr(scenarios, "MATRIX", (declaring(empty_kv_storage=True),))
+    with pytest.raises(BadInput, match="run 'epd-harness run --scenario declares-a-failure'"):
+        attached_prompt(ALONE.name, "1E+1PD", "ExampleConnector", False)

@@ -434,8 +434,9 @@ def attached_prompt(
     under as the scenario's run judged it. None: no scenario's prompt.
 
     Only where one request alone is the scenario (on its topology, sent alone, streamed as it
-    streams) is the declaration the same claim; elsewhere a declared failure judged without it
-    reads as a new one, and is refused in favour of running the scenario itself."""
+    streams, on whatever KV storage the deployment holds) is the declaration the same claim;
+    elsewhere a declared failure judged without it reads as a new one, and is refused in favour
+    of running the scenario itself."""
     owners = [s for s in MATRIX if any(p.name == name for p in s.prompts)]
     if not owners:
         return None
@@ -449,6 +450,9 @@ def attached_prompt(
             and scenario.mode is SendMode.SEQUENTIAL
             and not scenario.rerun_on_kept_storage
             and not scenario.require_every_encoder
+            # On an emptied KV storage: the matrix empties it first, an attached
+            # deployment's is not the harness's to empty (found in review).
+            and not scenario.empty_kv_storage
             and (stream or not scenario.stream)
         )
         if alone and scenario.topology == topology:
