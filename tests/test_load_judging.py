@@ -51,6 +51,7 @@ from harness.spec.load import (
     MAX_CONCURRENCY,
     MAX_REQUESTS,
     MAX_SOAK_S,
+    MIN_DISTINCT_MEDIA,
     SHARED_MEDIA,
     TAIL_PROMPT,
     LoadSpec,
@@ -116,6 +117,9 @@ def test_too_few_media_is_refused() -> None:
 @pytest.mark.parametrize(
     "fields, cause",
     [
+        ({"requests": 0}, "at least one request and a concurrency of one"),
+        ({"concurrency": 0}, "at least one request and a concurrency of one"),
+        ({"distinct_media": MIN_DISTINCT_MEDIA - 1}, "at least 3 distinct media"),
         ({"requests": 4, "distinct_media": 20}, "some media would never be sent"),
         ({"requests": MAX_REQUESTS + 1}, "at most 100000 requests a round"),
         ({"concurrency": MAX_CONCURRENCY + 1}, "at most 1000 in flight"),
