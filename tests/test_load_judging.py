@@ -164,6 +164,10 @@ def test_a_plan_sends_prompts_round_robin_and_each_ending_one_last_alone() -> No
         # at the last transferred block's start are in the prefix before it
         ([1] * 40 + [IMAGE] * 24 + [2] * 19, Region.LAST_BLOCK),  # media end at 64 = 64
         ([1] * 10 + [IMAGE] * 22 + [2] * 51, Region.PREFIX),  # media end at 32 = 64 - 32
+        # one past each edge: a placeholder at position 64 is D's own, one at 32 is in the
+        # last transferred block
+        ([1] * 40 + [IMAGE] * 25 + [2] * 18, Region.DECODE_TAIL),  # media end at 65 > 64
+        ([1] * 10 + [IMAGE] * 23 + [2] * 50, Region.LAST_BLOCK),  # media end at 33 > 32
         # 96 tokens: D computes the last one, so its own part starts at 64, not 96
         ([1] * 40 + [IMAGE] * 30 + [2] * 26, Region.DECODE_TAIL),
     ],
