@@ -91,6 +91,9 @@ def test_the_mix_has_k_distinct_media_shared_and_unique(k: int) -> None:
     assert len(shared) == SHARED_MEDIA and all(n == 1 for p, n in uses.items() if p not in shared)
     assert TAIL_PROMPT in {p.name for p in mix} and any(not p.media_count for p in mix)
     assert len(mix) == mix_size(k), "what --media is checked against, counted without the mix"
+    # Each medium drawn from a seed of its own: one seed at two sizes draws the same colours
+    # and shapes (fixtures.media), a unique prompt's image then a near copy of a shared one.
+    assert len({part.seed for part in uses}) == k
 
 
 @pytest.mark.parametrize("requests", [12, 13, 64])
