@@ -65,7 +65,7 @@ from harness.spec.load import (
     plan_requests,
 )
 from harness.spec.platforms import CUDA
-from harness.spec.prompts import TextPart
+from harness.spec.prompts import TextPart, VideoPart
 from harness.spec.settings import RunSettings
 from harness.spec.topology import TOPOLOGIES, ServingConfig
 from harness.testing.builders import case_record
@@ -94,6 +94,9 @@ def test_the_mix_has_k_distinct_media_shared_and_unique(k: int) -> None:
     # Each medium drawn from a seed of its own: one seed at two sizes draws the same colours
     # and shapes (fixtures.media), a unique prompt's image then a near copy of a shared one.
     assert len({part.seed for part in uses}) == k
+    # The fourth medium is a video, so a load of the default mix sends video through the EC
+    # hop too; the smallest mixes have no room for it.
+    assert any(isinstance(part, VideoPart) for part in uses) is (k > 4)
 
 
 @pytest.mark.parametrize("requests", [12, 13, 64])
