@@ -175,6 +175,10 @@ def test_probe_keeps_the_port_bound_until_hand_over(port_locks: Path) -> None:
         assert refused.value.errno == errno.EADDRINUSE
 
         assert lease.hand_over() == lease.port
+        # Unbound, not only bindable with SO_REUSEADDR: a server that binds without it (or
+        # checks the port that way first) must find it free too.
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as strict:
+            strict.bind(("127.0.0.1", lease.port))
         bind_listener(lease.port).close()
 
 
