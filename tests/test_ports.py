@@ -464,3 +464,15 @@ def test_a_host_that_cannot_be_bound_is_an_error_not_a_busy_port(port_locks: Pat
     with pytest.raises(OSError, match="cannot probe 192.0.2.1") as failed:
         reserve_ports(1, lock_dir=port_locks, port_range=range(port, port + 1), host="192.0.2.1")
     assert not isinstance(failed.value, NoFreePortError)
+
+
+def test_asking_whether_devices_are_free_leaves_them_free(tmp_path: Path) -> None:
+    """A pool asks `devices_free` before it lets go of a session for a waiter: each lock is
+    taken and given back at once. One kept would hold the device from every other worker,
+    and from this process's own next lease of it (a flock is of its open file)."""
+    from harness.serve.ports import devices_free
+    from harness.testing.processes import lease_is_held
+
+    assert devices_free("gpu", {0, 1}, tmp_path)
+    held = [d for d in (0, 1) if lease_is_held(tmp_path / f"gpu-device-{d}.lock")]
+    assert held == [], f"devices still locked after the check: {held}"
