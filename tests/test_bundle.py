@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -1018,3 +1019,31 @@ def test_junit_xml_of_a_run_failed_by_several_problems_shows_every_one(tmp_path)
     (failure,) = root.findall("./testsuite/testcase[@name='run problems']/failure")
     assert failure.get("message") == problems[0]
     assert failure.text.splitlines() == problems
+
+
+@pytest.mark.parametrize(
+    "reference_top, candidate_top, rows",
+    [
+        (
+            [[107, -0.5], [108, -1.25], [109, -2.0]],
+            [[555, -0.5], [107, -1.0]],
+            ["| 1 | 107 | -0.5000 | 555 | -0.5000 |", "| 2 | 108 | -1.2500 | 107 | -1.0000 |"]
+            + ["| 3 | 109 | -2.0000 |  |  |"],
+        ),
+        ([[107, -0.5]], None, ["| 1 | 107 | -0.5000 |  |  |"]),  # the candidate asked none
+    ],
+    ids=["uneven", "one-side"],
+)
+def test_diff_md_shows_every_rank_of_either_sides_top_k(reference_top, candidate_top, rows):
+    """The top-k table runs to the longer side's last rank, each side's cells empty past its
+    own; a side without log-probs leaves its cells empty, the other side's still shown."""
+    records, _ = sample_run()
+    mismatch = next(r for r in records if r.verdict is Verdict.MISMATCH)
+    divergence = {
+        **mismatch.divergence,
+        "reference_top": reference_top,
+        "candidate_top": candidate_top,
+    }
+    text = render_diff_md([dataclasses.replace(mismatch, divergence=divergence)])
+    table = [line for line in text.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert table == rows
