@@ -1047,3 +1047,14 @@ def test_diff_md_shows_every_rank_of_either_sides_top_k(reference_top, candidate
     text = render_diff_md([dataclasses.replace(mismatch, divergence=divergence)])
     table = [line for line in text.splitlines() if re.match(r"\| \d+ \|", line)]
     assert table == rows
+
+
+def test_diff_md_escapes_markup_in_a_cases_detail_and_evidence():
+    """diff.md is posted as a pull-request comment: a chat template's <|image_pad|> or a
+    log's <stdin> in a detail is text to show, not an HTML tag GitHub drops."""
+    records, _ = sample_run()
+    mismatch = next(r for r in records if r.verdict is Verdict.MISMATCH)
+    tagged = dataclasses.replace(mismatch, detail="ids differ after <|image_pad|> <stdin>")
+    text = render_diff_md([tagged])
+    assert "<|image_pad|>" not in text and "<stdin>" not in text
+    assert "- detail: ids differ after &lt;" in text and "&lt;stdin&gt;" in text
