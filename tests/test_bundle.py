@@ -1058,3 +1058,16 @@ def test_diff_md_escapes_markup_in_a_cases_detail_and_evidence():
     text = render_diff_md([tagged])
     assert "<|image_pad|>" not in text and "<stdin>" not in text
     assert "- detail: ids differ after &lt;" in text and "&lt;stdin&gt;" in text
+
+
+def test_a_secret_in_the_env_of_a_command_file_another_process_wrote_is_scrubbed(tmp_path):
+    """A `.cmd.json` another process wrote unredacted: its `env`'s credentials are scrubbed
+    from free text, as its `inherited_env`'s and its argv's are."""
+    from harness.report.bundle import Redactor
+
+    secret = "env-only-hf-token-4242"
+    path = tmp_path / "run" / "1P-1D" / "1P-1D__prefill0.cmd.json"
+    path.parent.mkdir(parents=True)
+    command = {"name": "1P+1D/prefill0", "argv": ["vllm"], "env": {"HF_TOKEN": secret}}
+    path.write_text(json.dumps(command))
+    assert Redactor.for_run(tmp_path / "run").text(f"403 for {secret}") == f"403 for {REDACTED}"
