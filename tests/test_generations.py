@@ -34,6 +34,7 @@ from harness.spec.generations import (
     GENERATIONS_BY_NAME,
     KNOWN_RELEASES,
     NEWEST,
+    ProtocolGeneration,
     dotted,
     generation_for,
     known_failure,
@@ -214,6 +215,18 @@ def test_extra_fields_that_are_not_media_kwargs_apply_on_every_generation() -> N
     assert "per-request media kwargs" in (
         not_applicable(generation, TOPOLOGIES["1E+1PD"], kwargs) or ""
     )
+
+
+def test_the_runs_protocol_record_names_every_field_of_its_generation() -> None:
+    """summary.json and a fuzz bundle keep `to_json()` as the protocol the run spoke: each
+    field of the generation is in it, so a record says all the run assumed of its release."""
+    for generation in GENERATIONS:
+        record = generation.to_json()
+        fields = {f.name for f in dataclasses.fields(ProtocolGeneration)} - {"first", "until"}
+        assert fields <= set(record), (generation.name, fields - set(record))
+        assert record["versions"] == generation.version_range
+        for name in fields - {"encoder_answer", "known_failures"}:
+            assert record[name] == getattr(generation, name), (generation.name, name)
 
 
 def test_not_applicable_never_passes_any_policy() -> None:
