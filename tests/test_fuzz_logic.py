@@ -452,6 +452,21 @@ def test_d_dies_of_its_media_before_it_loads_an_unwritten_folder() -> None:
     assert not first.media_past_kv_miss and not first.decode_dies_of_media, "P dies first"
 
 
+def test_a_model_whose_config_names_no_placeholder_ids_has_no_layout(tmp_path: Path) -> None:
+    """The engine reads the ids from the served model's config.json; a model that does not
+    name them (or no config at all) leaves the layout facts unknown, not the fuzz crashed."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"image_token_id": 785, "video_token_id": 786}))
+    assert PlaceholderIds.from_model_dir(tmp_path) == IDS
+    for written in ({"model_type": "qwen2_5_vl"}, {"image_token_id": 785}, ["x"]):
+        config.write_text(json.dumps(written))
+        assert PlaceholderIds.from_model_dir(tmp_path) is None, written
+    config.write_text("{not json")
+    assert PlaceholderIds.from_model_dir(tmp_path) is None
+    config.unlink()
+    assert PlaceholderIds.from_model_dir(tmp_path) is None
+
+
 def test_a_prefill_death_is_no_consumer_crash_and_is_known_by_its_own_trigger() -> None:
     rules = rules_for(TOPOLOGIES["1E+1P+1D"], "ExampleConnector", NEWEST)
     died = record(
