@@ -452,6 +452,24 @@ def test_d_dies_of_its_media_before_it_loads_an_unwritten_folder() -> None:
     assert not first.media_past_kv_miss and not first.decode_dies_of_media, "P dies first"
 
 
+@pytest.mark.parametrize(
+    ("holds", "computes_from", "short"), [(0, 0, True), (32, 32, True), (64, 64, False)]
+)
+def test_where_keys_differ_d_computes_from_what_it_holds(
+    holds: int, computes_from: int, short: bool
+) -> None:
+    """At n = k * block + 1 D finds none of P's KV: it computes from what it held before
+    (its prefix cache, an earlier request's folder), and is short of the transfer only while
+    that is less than the k blocks P stored."""
+    layout = PromptLayout(65, (), 32, consumer_holds=holds)
+    assert not layout.kv_keys_agree and layout.kv_prefix == 64
+    assert layout.consumer_computes_from == computes_from
+    assert layout.to_json()["consumer_computes_from"] == computes_from
+    assert layout.kv_short_of_transfer is short
+    agreeing = PromptLayout(66, (), 32, consumer_holds=holds)
+    assert agreeing.consumer_computes_from == 64, "keys agree: D computes past P's KV"
+
+
 def test_a_model_whose_config_names_no_placeholder_ids_has_no_layout(tmp_path: Path) -> None:
     """The engine reads the ids from the served model's config.json; a model that does not
     name them (or no config at all) leaves the layout facts unknown, not the fuzz crashed."""
