@@ -497,6 +497,15 @@ def test_a_prefill_death_is_no_consumer_crash_and_is_known_by_its_own_trigger() 
     assert not loads_missing.kv_short_of_transfer, "P dies before D is asked"
     media = PromptLayout(65, (("image", 20, 24),), 32, prefill_loads_missing=True)
     assert not media.media_past_kv_miss and not media.media_in_decode_tail
+    # The keys agree (66 tokens) and the image ends in D's tail, but P loads a hollow folder
+    # and dies first: D computes nothing, so D is not said to die of its media (the engine
+    # would then bundle the failure without the request that left the folder).
+    tail = PromptLayout(66, (("image", 62, 66),), 32, prefill_loads_missing=True)
+    assert (
+        tail.kv_keys_agree
+        and dataclasses.replace(tail, prefill_loads_missing=False).media_in_decode_tail
+    )
+    assert not tail.media_in_decode_tail and not tail.decode_dies_of_media
     known = recognise(rules, died, text, loads_missing)
     assert known.rule.name == "scenario epd-kv-lookup-miss-kills-prefill"
     untriggered = recognise(rules, died, text, PromptLayout(65, (), 32))
