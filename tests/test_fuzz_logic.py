@@ -470,6 +470,17 @@ def test_where_keys_differ_d_computes_from_what_it_holds(
     assert agreeing.consumer_computes_from == 64, "keys agree: D computes past P's KV"
 
 
+@pytest.mark.parametrize(("end", "past"), [(32, False), (33, True)])
+def test_where_keys_differ_only_media_past_what_d_holds_is_computed_by_d(
+    end: int, past: bool
+) -> None:
+    """A run ending at what D holds (end exclusive) is all held: D gathers no embedding for
+    it, and the prompt is epd-kv-lookup-miss-text's, not -media's."""
+    layout = PromptLayout(65, (("image", end - 4, end),), 32, consumer_holds=32)
+    assert layout.media_past_kv_miss is past
+    assert layout.decode_dies_of_media is past
+
+
 def test_a_model_whose_config_names_no_placeholder_ids_has_no_layout(tmp_path: Path) -> None:
     """The engine reads the ids from the served model's config.json; a model that does not
     name them (or no config at all) leaves the layout facts unknown, not the fuzz crashed."""
