@@ -481,6 +481,12 @@ def test_where_keys_differ_only_media_past_what_d_holds_is_computed_by_d(
     assert layout.decode_dies_of_media is past
 
 
+@pytest.mark.parametrize(("end", "offset"), [(47, 15), (48, -16), (63, -1), (64, 0), (65, 1)])
+def test_the_boundary_offset_is_read_from_the_nearest_boundary(end: int, offset: int) -> None:
+    """In [-block/2, block/2): half a block past one boundary is read from the next."""
+    assert PromptLayout(80, (("image", end - 4, end),), 32).boundary_offset == offset
+
+
 def test_a_model_whose_config_names_no_placeholder_ids_has_no_layout(tmp_path: Path) -> None:
     """The engine reads the ids from the served model's config.json; a model that does not
     name them (or no config at all) leaves the layout facts unknown, not the fuzz crashed."""
