@@ -481,6 +481,24 @@ def test_where_keys_differ_only_media_past_what_d_holds_is_computed_by_d(
     assert layout.decode_dies_of_media is past
 
 
+def test_a_layouts_record_holds_every_field_it_was_made_of() -> None:
+    """The bundle's and the report's record of a layout (`to_json`) keeps each field, so
+    what an example really hit can be read back from it."""
+    layout = PromptLayout(
+        66,
+        (("image", 20, 24), ("video", 40, 48)),
+        32,
+        consumer_holds=32,
+        prefill_loads_missing=True,
+        decode_loads_missing=True,
+        decode_has_media=True,
+    )
+    record = layout.to_json()
+    fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(PromptLayout)}
+    fields["runs"] = [list(r) for r in layout.runs]
+    assert {k: record.get(k) for k in fields} == fields
+
+
 @pytest.mark.parametrize(("end", "offset"), [(47, 15), (48, -16), (63, -1), (64, 0), (65, 1)])
 def test_the_boundary_offset_is_read_from_the_nearest_boundary(end: int, offset: int) -> None:
     """In [-block/2, block/2): half a block past one boundary is read from the next."""
