@@ -569,6 +569,10 @@ def test_vision_grid_matches_the_qwen2_vl_resize_rule() -> None:
     assert grid.image_tokens(448, 448) == 256
     assert grid.image_tokens(640, 360) <= 256  # scaled down under max_pixels
     assert grid.image_tokens(224, 224, max_pixels=28 * 28 * 16) == 16
+    # Rounded to exactly max_pixels (448 x 448) or min_pixels (56 x 56): kept, not scaled
+    # (smart_resize scales only past the bounds; scaled, they read 240 and 6 tokens).
+    assert grid.image_tokens(446, 450) == 256
+    assert grid.image_tokens(60, 50) == 4
 
 
 def video_tokens_estimated(grid: VisionGrid, part, **video_io) -> int:
