@@ -562,6 +562,28 @@ def test_media_identities_follow_the_part_and_its_kwargs() -> None:
     assert media_identities(plain)[0] != media_identities(kwargs)[0]
 
 
+def test_the_estimate_ends_the_last_run_where_the_prompt_ids_do() -> None:
+    """The aims read the estimate's end of the last placeholder run: after its vision start
+    and its placeholders, before its vision end, as the baseline's ids show it."""
+    estimator = FakeEstimator()
+    specs = (
+        image_prompt((224, 224)),
+        image_prompt((56, 56), (224, 448), text=" a b c"),
+        PromptSpec(
+            "v",
+            (
+                TextPart(" x y"),
+                VideoFramesPart(seed=1, num_frames=4, size=(56, 56)),
+                TextPart(" z"),
+            ),
+        ),
+    )
+    for spec in specs:
+        ids, _ = fake_ids(spec, estimator)
+        layout = layout_from_ids(ids, PlaceholderIds(image=99, video=99), 32)
+        assert estimate_positions(spec, estimator) == (layout.last_media_end, layout.prompt_tokens)
+
+
 def test_vision_grid_matches_the_qwen2_vl_resize_rule() -> None:
     grid = VisionGrid(min_pixels=3136, max_pixels=200704)
     assert grid.image_tokens(224, 224) == 64
