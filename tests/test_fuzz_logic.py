@@ -595,6 +595,8 @@ def test_vision_grid_matches_the_qwen2_vl_resize_rule() -> None:
     # (smart_resize scales only past the bounds; scaled, they read 240 and 6 tokens).
     assert grid.image_tokens(446, 450) == 256
     assert grid.image_tokens(60, 50) == 4
+    capped = PromptSpec("k", (), extra=(("mm_processor_kwargs", {"max_pixels": 28 * 28 * 16}),))
+    assert grid.media_tokens(ImagePart(seed=0, size=(224, 224)), capped) == 16, "the request's"
 
 
 def video_tokens_estimated(grid: VisionGrid, part, **video_io) -> int:
