@@ -23,6 +23,7 @@ from harness.run.fuzz.known import Recognition, recognise, rules_for
 from harness.run.fuzz.layout import (
     PlaceholderIds,
     PromptLayout,
+    TokenizerEstimator,
     VisionGrid,
     estimate_positions,
     layout_from_ids,
@@ -597,6 +598,31 @@ def test_vision_grid_matches_the_qwen2_vl_resize_rule() -> None:
     assert grid.image_tokens(60, 50) == 4
     capped = PromptSpec("k", (), extra=(("mm_processor_kwargs", {"max_pixels": 28 * 28 * 16}),))
     assert grid.media_tokens(ImagePart(seed=0, size=(224, 224)), capped) == 16, "the request's"
+
+
+def test_the_estimators_grid_is_read_from_the_models_processor_configs(tmp_path: Path) -> None:
+    """A checkpoint's own resize rule and video processor (Qwen3-VL's is not Qwen2-VL's, and
+    vLLM picks its frame loader by that name), not the defaults, size the estimated media."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")).save(
+        str(tmp_path / "tokenizer.json")
+    )
+    assert TokenizerEstimator(tmp_path).grid == VisionGrid(), "no processor config: defaults"
+    image = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2}
+    image["size"] = {"shortest_edge": 4096, "longest_edge": 524288}
+    video = {"size": {"longest_edge": 65536}, "video_processor_type": "Qwen3VLVideoProcessor"}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(image))
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(video))
+    assert TokenizerEstimator(tmp_path).grid == VisionGrid(
+        patch=16,
+        merge=2,
+        temporal=2,
+        min_pixels=4096,
+        max_pixels=524288,
+        video_max_pixels=65536,
+        video_processor="Qwen3VLVideoProcessor",
+    )
 
 
 def video_tokens_estimated(grid: VisionGrid, part, **video_io) -> int:
