@@ -154,6 +154,16 @@ def test_examples_stay_inside_the_space() -> None:
         assert total + spec.max_tokens <= space.max_model_len
 
 
+def test_the_draw_keeps_to_the_spaces_image_count_and_seed_pool() -> None:
+    """max_images and seed_pool bound every request (repeats across requests come from the
+    small pool), not only on average."""
+    space = FuzzSpace(max_images=1, seed_pool=2, videos=False, max_videos=0)
+    examples = draw_examples(space, 60, seed=3, estimator=FakeEstimator())
+    images = [[p for p in e.spec.parts if isinstance(p, ImagePart)] for e in examples]
+    assert max(len(i) for i in images) == 1
+    assert {p.seed for i in images for p in i} == {0, 1}
+
+
 def test_the_draw_covers_the_dimensions_epd_depends_on() -> None:
     examples = draw_examples(FuzzSpace(), 150, seed=0, estimator=FakeEstimator())
     specs = [e.spec for e in examples]
