@@ -164,6 +164,18 @@ def test_the_draw_keeps_to_the_spaces_image_count_and_seed_pool() -> None:
     assert {p.seed for i in images for p in i} == {0, 1}
 
 
+def test_a_space_without_media_or_without_videos_draws_none_whatever_its_counts() -> None:
+    """`media` and `videos` switch a dimension off by themselves (the release cannot run it),
+    whatever max_images and max_videos say."""
+    estimator = FakeEstimator()
+    texts = draw_examples(FuzzSpace(media=False), 40, seed=1, estimator=estimator)
+    assert texts and not any(isinstance(p, MEDIA_PARTS) for e in texts for p in e.spec.parts)
+    images = draw_examples(FuzzSpace(videos=False), 60, seed=1, estimator=estimator)
+    parts = [p for e in images for p in e.spec.parts]
+    assert any(isinstance(p, ImagePart) for p in parts)
+    assert not any(isinstance(p, (VideoPart, VideoFramesPart)) for p in parts)
+
+
 def test_the_draw_covers_the_dimensions_epd_depends_on() -> None:
     examples = draw_examples(FuzzSpace(), 150, seed=0, estimator=FakeEstimator())
     specs = [e.spec for e in examples]
