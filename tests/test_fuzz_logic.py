@@ -176,6 +176,28 @@ def test_a_space_without_media_or_without_videos_draws_none_whatever_its_counts(
     assert not any(isinstance(p, (VideoPart, VideoFramesPart)) for p in parts)
 
 
+def test_media_kwargs_are_drawn_only_for_the_media_they_act_on() -> None:
+    """media_io_kwargs' video fps for a video of JPEG frames, mm_processor_kwargs' fps for an
+    mp4 and max_pixels for an image: a kwarg for media the request lacks would be a kwarg the
+    request does not test."""
+    examples = draw_examples(FuzzSpace(), 150, seed=4, estimator=FakeEstimator())
+    drawn = {"media_io_kwargs": 0, "fps": 0, "max_pixels": 0}
+    for example in examples:
+        extra = dict(example.spec.extra)
+        kinds = {type(p) for p in example.spec.parts}
+        processor = extra.get("mm_processor_kwargs") or {}
+        if "media_io_kwargs" in extra:
+            drawn["media_io_kwargs"] += 1
+            assert VideoFramesPart in kinds, example.spec
+        if "fps" in processor:
+            drawn["fps"] += 1
+            assert VideoPart in kinds, example.spec
+        if "max_pixels" in processor:
+            drawn["max_pixels"] += 1
+            assert ImagePart in kinds, example.spec
+    assert all(drawn.values()), drawn
+
+
 def test_the_draw_covers_the_dimensions_epd_depends_on() -> None:
     examples = draw_examples(FuzzSpace(), 150, seed=0, estimator=FakeEstimator())
     specs = [e.spec for e in examples]
