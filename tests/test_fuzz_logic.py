@@ -243,7 +243,9 @@ def test_boundary_aims_land_where_the_estimator_says(aim: str, offset: int) -> N
 
 def test_tail_aims_put_the_last_run_inside_or_past_the_recomputed_tail() -> None:
     estimator = FakeEstimator()
-    examples = draw_examples(FuzzSpace(), 150, seed=5, estimator=estimator)
+    # Seed 1 aims at the tail runs that end on a block boundary, which no text after them
+    # puts in it (the run is in the KV P moves): such an aim is left unmet, not miscounted.
+    examples = [e for seed in (5, 1) for e in draw_examples(FuzzSpace(), 150, seed, estimator)]
     inside = past = 0
     for example in examples:
         tail = example.aim.get("tail")
@@ -254,9 +256,11 @@ def test_tail_aims_put_the_last_run_inside_or_past_the_recomputed_tail() -> None
             continue
         in_tail = end > ((total - 1) // 32) * 32
         if tail == "in-tail" and set(example.spec.parts[-1].text.split()) <= {FILLER.strip()}:
-            inside += in_tail
+            assert in_tail, (example.spec, end, total)
+            inside += 1
         if tail == "past-tail":
-            past += not in_tail
+            assert not in_tail, (example.spec, end, total)
+            past += 1
     assert inside and past
 
 
