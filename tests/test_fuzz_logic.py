@@ -152,6 +152,13 @@ def test_examples_stay_inside_the_space() -> None:
         assert space.min_max_tokens <= spec.max_tokens <= space.max_max_tokens
         _, total = estimate_positions(spec, FakeEstimator())
         assert total + spec.max_tokens <= space.max_model_len
+    # A follow-up extends a request that already fits: it keeps to the context as well.
+    tight = dataclasses.replace(space, max_model_len=150, min_prompt_tokens=34)
+    examples = draw_examples(tight, 60, seed=3, estimator=FakeEstimator())
+    assert any(e.aim.get("follows") for e in examples)
+    for example in examples:
+        _, total = estimate_positions(example.spec, FakeEstimator())
+        assert total + example.spec.max_tokens <= tight.max_model_len, example.aim
 
 
 def test_the_draw_keeps_to_the_spaces_image_count_and_seed_pool() -> None:
