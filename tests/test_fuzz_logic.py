@@ -136,6 +136,13 @@ def test_a_seed_draws_the_same_examples_and_another_seed_others() -> None:
     assert len({json.dumps(j, sort_keys=True) for j in as_json}) == 30, "duplicates dropped"
 
 
+@pytest.mark.parametrize("count", [5, 14, 16])
+def test_a_run_draws_exactly_the_examples_asked_for(count: int) -> None:
+    """A request and its follow-up are kept together until `count` is reached, never past
+    it: the run sends, and its budget counts, the examples asked for."""
+    assert len(draw_examples(FuzzSpace(), count, seed=4, estimator=FakeEstimator())) == count
+
+
 def test_examples_stay_inside_the_space() -> None:
     """A context the drawn requests would overrun (at 900 tokens none came within 270 of it,
     and the bound below held with the space's limit taken out of the strategy: found in
