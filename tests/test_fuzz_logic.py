@@ -226,6 +226,8 @@ def test_the_draw_covers_the_dimensions_epd_depends_on() -> None:
     assert any(dict(s.extra).get("mm_processor_kwargs") for s in specs)
     assert any(isinstance(s.parts[0], TextPart) and len(media(s)) for s in specs), "text first"
     assert any(isinstance(s.parts[-1], MEDIA_PARTS) for s in specs), "media last"
+    assert any(all(isinstance(p, MEDIA_PARTS) for p in s.parts) for s in specs), "media alone"
+    assert all(p.text for s in specs for p in s.parts if isinstance(p, TextPart)), "empty text"
     sizes = {p.size for s in specs for p in s.parts if isinstance(p, ImagePart)}
     assert any(w != h for w, h in sizes), "aspect ratios other than square"
 
