@@ -344,6 +344,8 @@ def test_a_block_plus_one_follow_up_makes_prefill_load_a_folder_never_written() 
             if later.aim.get("follow_up") != "block-plus-one":
                 continue
             aimed[later.aim["cache_salt"]] += 1
+            # The follow-up sets the earlier request's length: its tail is not aimed as well.
+            assert by_name[later.aim["follows"]].aim["tail"] == "free"
             earlier = by_name[later.aim["follows"]].spec
             ids, starts = fake_ids(later.spec, estimator)
             salt = dict(later.spec.extra).get("cache_salt")
