@@ -740,6 +740,33 @@ def test_log_header_redacts_credentials_but_the_server_gets_them(tmp_path: Path)
     assert f"token length {len(secret)}" in log, log
 
 
+def test_an_instances_own_environment_wins_over_the_harnesss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The instance's devices (CUDA_VISIBLE_DEVICES), connector settings and threads are set in
+    its command's env; the same name in the shell that started the harness (a runner's
+    CUDA_VISIBLE_DEVICES=0,1) must not put it back on the devices of another plan."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setenv("EPD_AMBIENT_ONLY", "kept")
+    report = (
+        "import os; e = os.environ; print('seen', e['CUDA_VISIBLE_DEVICES'], e['EPD_AMBIENT_ONLY'])"
+    )
+    command = ServerCommand(
+        name="placed",
+        argv=[sys.executable, "-c", report],
+        health_url="http://127.0.0.1:1/health",
+        log_path=tmp_path / "placed.log",
+        env={"CUDA_VISIBLE_DEVICES": "1"},
+    )
+    server = ManagedServer(command)
+    server.start()
+    try:
+        wait_until_gone([server.pid])
+    finally:
+        server.stop(grace_s=1.0)
+    assert "seen 1 kept" in command.log_path.read_text(), command.log_path.read_text()
+
+
 SIGNALLED_TWICE = r"""
 import os, signal, sys
 from harness.serve.signal_handlers import install_signal_handlers
