@@ -404,3 +404,42 @@ def test_a_server_still_waiting_for_its_turn_is_not_checked() -> None:
     group.start_all()
     group.check_alive()
     assert log == ["start e"]
+
+
+class AnsweredServer:
+    """A server whose health URL answers 200 (whoever listens there) and that owns its port."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.startup_seconds, self.probed = name, None, 0
+
+    def check_alive(self) -> None:
+        pass
+
+    def health_probe_failure(self) -> str | None:
+        self.probed += 1
+        return None
+
+    def owns_health_port(self) -> bool:
+        return True  # as a ManagedServer not spawned yet says: it has no tree to ask
+
+    def mark_ready(self) -> None:
+        self.startup_seconds = 0.0
+
+
+def test_a_server_not_spawned_yet_is_not_ready_whatever_answers_on_its_port() -> None:
+    """A server that starts once another is healthy (`start_after`) is not spawned while it
+    waits: a program already answering on its port (an earlier run's leftover) is not its
+    readiness, and marking it ready would let the group go on without ever spawning it."""
+    from harness.serve.launch import StartupTimeout, await_ready
+
+    first, waiting = AnsweredServer("e"), AnsweredServer("pd")
+    readied: list[str] = []
+    with pytest.raises(StartupTimeout, match="pd was never started"):
+        await_ready(
+            [first, waiting],  # type: ignore[list-item]
+            0.0,
+            on_ready=lambda server: readied.append(server.name),
+            waits_for=lambda server: ("e",) if server is waiting else (),
+        )
+    assert readied == ["e"]
+    assert waiting.probed == 0 and waiting.startup_seconds is None
