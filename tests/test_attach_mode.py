@@ -1215,3 +1215,32 @@ def test_a_prompt_declared_on_an_emptied_kv_storage_is_refused_on_an_attached_de
     monkeypatch.setattr(scenarios, "MATRIX", (declaring(empty_kv_storage=True),))
     with pytest.raises(BadInput, match="run 'epd-harness run --scenario declares-a-failure'"):
         attached_prompt(ALONE.name, "1E+1PD", "ExampleConnector", False)
+
+
+def test_open_of_a_deployment_without_encoders_says_no_ec_role_unverified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`open()` reads each role by whether the topology moves embeddings: a 1P+1D deployment
+    has no encoders, so 'consumes the encoders' embeddings' is nothing it left unchecked; the
+    run saying it was would misreport what was not verified."""
+    topology = get_topology("1P+1D")
+    spec = AttachSpec(
+        tmp_path / "attach.json",
+        topology,
+        "http://127.0.0.1:1",
+        attached_instances(
+            topology, [(Role.PREFILL, "http://127.0.0.1:2"), (Role.DECODE, "http://127.0.0.1:3")]
+        ),
+    )
+    consumer = 'vllm:num_requests_kv_fetch_by_stage{engine="0",stage="in_progress"} 0\n'
+    monkeypatch.setattr(attached, "health_problem", lambda url, timeout_s=0.0: None)
+    monkeypatch.setattr(attached, "metrics_page", lambda url: cache_info_page("128") + consumer)
+    monkeypatch.setattr(attached, "model_cards", lambda url: None)
+    monkeypatch.setattr(attached, "read_version", lambda url: "0.32.0")
+    session = AttachedSession(spec, fake_run_settings(tmp_path, tmp_path / "vllm"))
+    session.open()
+    try:
+        said = [u for unverified in session.roles_unverified.values() for u in unverified]
+        assert not any("ec_consumer" in u for u in said), said
+    finally:
+        session.close()
