@@ -1244,3 +1244,41 @@ def test_open_of_a_deployment_without_encoders_says_no_ec_role_unverified(
         assert not any("ec_consumer" in u for u in said), said
     finally:
         session.close()
+
+
+def test_the_kv_counters_of_a_request_are_ds_not_ps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D's counters are the KV evidence of a 1P+1D deployment: the tokens D received from P.
+    P's page counts what P did (its own prefix cache, its own p2p counter where it has one),
+    which is no proof that the KV reached D."""
+    topology = get_topology("1P+1D")
+    spec = AttachSpec(
+        tmp_path / "attach.json",
+        topology,
+        "http://127.0.0.1:1",
+        attached_instances(
+            topology, [(Role.PREFILL, "http://127.0.0.1:2"), (Role.DECODE, "http://127.0.0.1:3")]
+        ),
+        kv_connector="nixl",
+    )
+    sent = {"http://127.0.0.1:2": 0.0, "http://127.0.0.1:3": 0.0}
+    monkeypatch.setattr(attached, "health_problem", lambda url, timeout_s=0.0: None)
+    monkeypatch.setattr(
+        attached, "read_counters", lambda url: KvCounters({"p2p_cached_tokens": sent[url]})
+    )
+
+    class Client:
+        def send(self, body: dict, request_id: str) -> ChatReply:
+            sent["http://127.0.0.1:3"] += 96  # D received 96 tokens
+            sent["http://127.0.0.1:2"] += 7  # P's page moved too, by something else
+            return ChatReply(cached_answer(89, 0))
+
+        def close(self) -> None:
+            pass
+
+    session = AttachedSession(spec, fake_run_settings(tmp_path, tmp_path / "vllm"))
+    session._client = Client()  # type: ignore[assignment]
+    outcome = session.send("text", {"messages": [{"role": "user", "content": "hi"}]})
+    assert outcome.error is None, outcome.error
+    assert outcome.kv_counters == {"p2p_cached_tokens": 96.0}
