@@ -226,6 +226,24 @@ def test_records_older_than_every_open_mark_are_dropped_when_a_mark_is_released(
         assert taps.records == []
 
 
+def test_a_mark_released_before_an_older_one_keeps_what_the_older_still_reads(
+    fakes: dict[str, Any],
+) -> None:
+    """Requests in flight together end in any order: the later one's release must not drop
+    the records the earlier one, still open, will read as its evidence."""
+    with taps_for(fakes) as taps:
+        older = taps.mark()
+        post(taps.urls["x/encoder"], chat_bytes([IMAGE]))
+        newer = taps.mark()
+        post(taps.urls["x/pd"], chat_bytes([EMBEDS]))
+        newest = taps.mark()
+        taps.release(newer)
+        assert [r.instance for r in taps.since(older)] == ["x/encoder", "x/pd"]
+        taps.release(newest)
+        taps.release(older)
+        assert taps.records == []
+
+
 def test_after_encode_runs_before_the_answer_leaves_the_tap(fakes: dict[str, Any]) -> None:
     seen: list[dict[str, Any]] = []
     faults = ProxyFaults(after_encode=lambda _rid, params: seen.append(params))
