@@ -20,7 +20,7 @@ import pytest
 from harness.judge.guards import TransferEvidence, check_consumer_embeds, check_encoder_output
 from harness.outcomes.taps import TapRecord, records_of
 from harness.serve.proxy import ProxyFaults
-from harness.serve.tap import TapSet, TapTarget, is_metadata_only
+from harness.serve.tap import TapSet, TapTarget, describe_answer, is_metadata_only
 from harness.testing.fake_instance import FakeInstance, LoopThread, Reply
 
 pytestmark = pytest.mark.process
@@ -365,3 +365,18 @@ def test_an_embeds_part_is_metadata_only_when_it_holds_a_dict_not_tensors() -> N
     assert is_metadata_only(metadata)
     assert not is_metadata_only(tensors)
     assert not is_metadata_only({"type": "image_url", "image_url": {"url": "x"}})
+
+
+def test_a_later_chunk_without_transfer_params_does_not_erase_the_earlier_ones() -> None:
+    """A stream's chunks each carry the answer's fields, most of them empty (`null`): the
+    record keeps the last one that said something, so D's or an encoder's params sent in one
+    chunk are still the evidence when the next chunk says null."""
+    kv = {"remote_block_ids": [1, 2], "remote_engine_id": "p0"}
+    chunks = [
+        {"choices": [], "kv_transfer_params": kv, "usage": None},
+        {"choices": [], "kv_transfer_params": None, "ec_transfer_params": None, "usage": None},
+    ]
+    stream = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    record = TapRecord(0, "x/pd", "pd", "/v1/chat/completions")
+    assert describe_answer(record, stream.encode(), "text/event-stream") is None
+    assert record.streamed and record.kv_transfer_params == kv
