@@ -380,3 +380,19 @@ def test_a_later_chunk_without_transfer_params_does_not_erase_the_earlier_ones()
     record = TapRecord(0, "x/pd", "pd", "/v1/chat/completions")
     assert describe_answer(record, stream.encode(), "text/event-stream") is None
     assert record.streamed and record.kv_transfer_params == kv
+
+
+def test_drop_metadata_leaves_a_consumer_request_without_metadata_as_it_was(
+    fakes: dict[str, Any],
+) -> None:
+    """Under the planted `drop_encoder_metadata` a consumer sent no metadata-only part (raw
+    media, text) has nothing to lose: its body passes byte for byte, its EC params too, and
+    its record does not say the fault rewrote it (which the self-test reads as the fault
+    having acted)."""
+    sent = chat_bytes([IMAGE], ec_transfer_params={"h1": {}})
+    with taps_for(fakes, ProxyFaults(drop_encoder_metadata=True)) as taps:
+        post(taps.urls["x/encoder"], chat_bytes([IMAGE]))
+        post(taps.urls["x/pd"], sent)
+        consumer = taps.records[-1]
+    assert fakes["instances"]["pd"].received[-1] == sent
+    assert not consumer.rewritten_by_fault
