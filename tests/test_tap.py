@@ -396,3 +396,38 @@ def test_drop_metadata_leaves_a_consumer_request_without_metadata_as_it_was(
         consumer = taps.records[-1]
     assert fakes["instances"]["pd"].received[-1] == sent
     assert not consumer.rewritten_by_fault
+
+
+TOKEN_STREAM = [
+    b'data: {"choices": [{"index": 0, "token_ids": [5], "delta": {"content": "a"}}]}\n\n',
+    b'data: {"choices": [{"index": 0, "token_ids": [6], "delta": {"content": "b"}}]}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+
+def test_the_first_token_chunk_fault_acts_on_ds_stream_only_and_is_said_only_where_it_acted(
+    fakes: dict[str, Any],
+) -> None:
+    """`duplicate_first_token_chunk` stands for a D that repeats its first tokens: another
+    role's stream (a P asked to stream) passes byte for byte, and a D stream with no event
+    carrying tokens is not rewritten, so neither record says the fault acted."""
+    loop = LoopThread()
+    prefill = FakeInstance(lambda body: Reply(TOKEN_STREAM))
+    loop.run(prefill.start())
+    targets = [
+        TapTarget("x/prefill", "prefill", prefill.url),
+        TapTarget("x/decode", "decode", fakes["urls"]["pd"]),
+    ]
+    try:
+        taps = TapSet(targets, ProxyFaults(duplicate_first_token_chunk=True)).start("127.0.0.1")
+        with taps:
+            _, from_p, _ = post(taps.urls["x/prefill"], chat_bytes([EMBEDS], stream=True))
+            _, from_d, _ = post(taps.urls["x/decode"], chat_bytes([EMBEDS], stream=True))
+            by_instance = {r.instance: r for r in taps.records}
+    finally:
+        loop.run(prefill.stop())
+        loop.close()
+    assert from_p == b"".join(TOKEN_STREAM)
+    assert from_d == b"".join(STREAM_CHUNKS)  # no event of it carries token ids
+    assert not by_instance["x/prefill"].rewritten_by_fault
+    assert not by_instance["x/decode"].rewritten_by_fault
