@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -431,3 +432,27 @@ def test_the_first_token_chunk_fault_acts_on_ds_stream_only_and_is_said_only_whe
     assert from_d == b"".join(STREAM_CHUNKS)  # no event of it carries token ids
     assert not by_instance["x/prefill"].rewritten_by_fault
     assert not by_instance["x/decode"].rewritten_by_fault
+
+
+def test_an_error_answer_of_p_passes_unhooked() -> None:
+    """P's answer hooks (a KV fault under NIXL) act on a 200 answer: an error answer has no
+    KV to misroute, and a hook run on it would count the fault as planted on a request P
+    refused."""
+    error = b'{"error": {"message": "no",   "type": "BadRequestError"}, "kv_transfer_params": {}}'
+    hooked: list[str] = []
+    loop = LoopThread()
+    prefill = FakeInstance(lambda body: Reply(error, status=400))
+    loop.run(prefill.start())
+    faults = ProxyFaults(after_prefill=lambda rid, answer: hooked.append(rid))
+    try:
+        with TapSet([TapTarget("x/prefill", "prefill", prefill.url)], faults).start(
+            "127.0.0.1"
+        ) as taps:
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                post(taps.urls["x/prefill"], chat_bytes([EMBEDS], max_tokens=1))
+            [record] = taps.records
+    finally:
+        loop.run(prefill.stop())
+        loop.close()
+    assert refused.value.code == 400 and refused.value.read() == error
+    assert hooked == [] and not record.rewritten_by_fault
