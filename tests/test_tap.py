@@ -255,6 +255,18 @@ def test_after_encode_runs_before_the_answer_leaves_the_tap(fakes: dict[str, Any
     assert len(seen) == 1  # only encoder answers
 
 
+def test_after_prefill_runs_on_ps_answers_only(fakes: dict[str, Any]) -> None:
+    """A KV fault acts on P's answer: an encoder's or a PD's answer passing its hook would
+    count the fault as planted where no KV left P (and a withholding hook would strip them)."""
+    seen: list[str] = []
+    faults = ProxyFaults(after_prefill=lambda _rid, answer: seen.append(json.dumps(answer)))
+    with taps_for(fakes, faults) as taps:
+        _, from_encoder, _ = post(taps.urls["x/encoder"], chat_bytes([IMAGE]))
+        _, from_pd, _ = post(taps.urls["x/pd"], chat_bytes([EMBEDS]))
+    assert seen == []
+    assert (from_encoder, from_pd) == (ENCODER_ANSWER, DECODE_ANSWER)
+
+
 PREFILL_ANSWER = (
     b'{"choices": [],   "kv_transfer_params": {"do_remote_prefill": true, '
     b'"remote_block_ids": [[3, 4]], "remote_engine_id": "p0"}}'
