@@ -511,6 +511,20 @@ def test_a_request_in_flight_with_another_holds_no_guard_on_the_others_files(
     assert alone.to_json()["attached"]["shared"] is False
 
 
+def one_p_one_d(tmp_path: Path, **options: str) -> AttachSpec:
+    """An attached 1P+1D: its proxy on port 1, P on 2, D on 3 (nothing listens on any)."""
+    topology = get_topology("1P+1D")
+    return AttachSpec(
+        tmp_path / "attach.json",
+        topology,
+        "http://127.0.0.1:1",
+        attached_instances(
+            topology, [(Role.PREFILL, "http://127.0.0.1:2"), (Role.DECODE, "http://127.0.0.1:3")]
+        ),
+        **options,
+    )
+
+
 def test_a_nixl_request_in_flight_with_another_holds_no_kv_guard_on_its_p2p_tokens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -518,16 +532,7 @@ def test_a_nixl_request_in_flight_with_another_holds_no_kv_guard_on_its_p2p_toke
     request here moved nothing to D, the second (sent while the first was in flight) its
     whole prompt, and the first must not hold `kv_transfer` on the second's tokens (a load's
     round account, `harness.run.load.kv_account`, judges the round's counter as a whole)."""
-    topology = get_topology("1P+1D")
-    spec = AttachSpec(
-        tmp_path / "attach.json",
-        topology,
-        "http://127.0.0.1:1",
-        attached_instances(
-            topology, [(Role.PREFILL, "http://127.0.0.1:2"), (Role.DECODE, "http://127.0.0.1:3")]
-        ),
-        kv_connector="nixl",
-    )
+    spec = one_p_one_d(tmp_path, kv_connector="nixl")
     p2p = {"tokens": 0.0}
     monkeypatch.setattr(attached, "health_problem", lambda url, timeout_s=0.0: None)
     monkeypatch.setattr(
@@ -1223,15 +1228,7 @@ def test_open_of_a_deployment_without_encoders_says_no_ec_role_unverified(
     """`open()` reads each role by whether the topology moves embeddings: a 1P+1D deployment
     has no encoders, so 'consumes the encoders' embeddings' is nothing it left unchecked; the
     run saying it was would misreport what was not verified."""
-    topology = get_topology("1P+1D")
-    spec = AttachSpec(
-        tmp_path / "attach.json",
-        topology,
-        "http://127.0.0.1:1",
-        attached_instances(
-            topology, [(Role.PREFILL, "http://127.0.0.1:2"), (Role.DECODE, "http://127.0.0.1:3")]
-        ),
-    )
+    spec = one_p_one_d(tmp_path)
     consumer = 'vllm:num_requests_kv_fetch_by_stage{engine="0",stage="in_progress"} 0\n'
     monkeypatch.setattr(attached, "health_problem", lambda url, timeout_s=0.0: None)
     monkeypatch.setattr(attached, "metrics_page", lambda url: cache_info_page("128") + consumer)
@@ -1252,16 +1249,7 @@ def test_the_kv_counters_of_a_request_are_ds_not_ps(
     """D's counters are the KV evidence of a 1P+1D deployment: the tokens D received from P.
     P's page counts what P did (its own prefix cache, its own p2p counter where it has one),
     which is no proof that the KV reached D."""
-    topology = get_topology("1P+1D")
-    spec = AttachSpec(
-        tmp_path / "attach.json",
-        topology,
-        "http://127.0.0.1:1",
-        attached_instances(
-            topology, [(Role.PREFILL, "http://127.0.0.1:2"), (Role.DECODE, "http://127.0.0.1:3")]
-        ),
-        kv_connector="nixl",
-    )
+    spec = one_p_one_d(tmp_path, kv_connector="nixl")
     sent = {"http://127.0.0.1:2": 0.0, "http://127.0.0.1:3": 0.0}
     monkeypatch.setattr(attached, "health_problem", lambda url, timeout_s=0.0: None)
     monkeypatch.setattr(

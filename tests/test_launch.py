@@ -717,6 +717,17 @@ def test_a_second_start_keeps_the_first_starts_log(tmp_path: Path) -> None:
     assert keep_earlier_log(tmp_path / "never.log") is None
 
 
+def run_to_its_end(command: ServerCommand) -> str:
+    """Start `command`'s program, wait for it to exit by itself, and return its log."""
+    server = ManagedServer(command)
+    server.start()
+    try:
+        wait_until_gone([server.pid])
+    finally:
+        server.stop(grace_s=1.0)
+    return command.log_path.read_text()
+
+
 def test_log_header_redacts_credentials_but_the_server_gets_them(tmp_path: Path) -> None:
     """The server needs its token; the log, an artifact that gets uploaded, must not show it."""
     secret = "hf_planted_secret_9d2c"
@@ -728,13 +739,7 @@ def test_log_header_redacts_credentials_but_the_server_gets_them(tmp_path: Path)
         log_path=tmp_path / "secretive.log",
         env={"HF_TOKEN": secret, "OMP_NUM_THREADS": "1"},
     )
-    server = ManagedServer(command)
-    server.start()
-    try:
-        wait_until_gone([server.pid])
-    finally:
-        server.stop(grace_s=1.0)
-    log = command.log_path.read_text()
+    log = run_to_its_end(command)
     assert secret not in log, log
     assert "HF_TOKEN=[redacted] OMP_NUM_THREADS=1" in log, log
     assert f"token length {len(secret)}" in log, log
@@ -758,13 +763,8 @@ def test_an_instances_own_environment_wins_over_the_harnesss(
         log_path=tmp_path / "placed.log",
         env={"CUDA_VISIBLE_DEVICES": "1"},
     )
-    server = ManagedServer(command)
-    server.start()
-    try:
-        wait_until_gone([server.pid])
-    finally:
-        server.stop(grace_s=1.0)
-    assert "seen 1 kept" in command.log_path.read_text(), command.log_path.read_text()
+    log = run_to_its_end(command)
+    assert "seen 1 kept" in log, log
 
 
 SIGNALLED_TWICE = r"""
