@@ -322,3 +322,20 @@ def test_the_oldest_generations_release_passes_the_version_gate_and_the_one_befo
     served["version"] = f"{major}.{minor - 1}.9+cpu"
     with pytest.raises(BadInput, match="is untested"):
         vllm_preflight.check_vllm("/v/vllm", False)
+
+
+def test_a_vllm_that_is_no_python_script_has_an_unknown_version_refused_unless_allowed(
+    tmp_path: Path,
+) -> None:
+    """An executable with no `#!` line (a compiled launcher, a wrapper binary) names no
+    interpreter to read versions from: its version is "unknown", which the version gate refuses
+    and only --allow-untested-vllm lets through. Read as any release, it passed the gate and
+    keyed baselines with a version nobody read."""
+    executable = tmp_path / "vllm"
+    executable.write_bytes(b"\x7fELF\x02\x01\x01\x00not a script\n")
+    executable.chmod(0o755)
+    served = probe_served_vllm(str(executable))
+    assert (served.version, served.known) == ("unknown", False)
+    with pytest.raises(BadInput, match="cannot tell which vLLM .* runs"):
+        vllm_preflight.check_vllm(str(executable), False)
+    assert vllm_preflight.check_vllm(str(executable), True).version == "unknown"
