@@ -339,3 +339,20 @@ def test_a_vllm_that_is_no_python_script_has_an_unknown_version_refused_unless_a
     with pytest.raises(BadInput, match="cannot tell which vLLM .* runs"):
         vllm_preflight.check_vllm(str(executable), False)
     assert vllm_preflight.check_vllm(str(executable), True).version == "unknown"
+
+
+def test_an_edit_staged_with_git_add_is_still_the_edited_code(tmp_path: Path) -> None:
+    """`git add` changes nothing vLLM imports: staged or not, an edit is code the installed
+    version does not say. Hashed from the unstaged diff alone, a staged edit read as the tree
+    as committed, and its EPD answers were judged against the cached baseline of that code."""
+    tree = tmp_path / "vllm-src"
+    tree.mkdir()
+    (tree / "model.py").write_text("SCALE = 1.0\n")
+    git(tree, "init", "-q")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-q", "-m", "the tree as installed")
+    clean = vllm_preflight.source_state(tree)
+    (tree / "model.py").write_text("SCALE = 2.0\n")
+    edited = vllm_preflight.source_state(tree)
+    git(tree, "add", "-A")
+    assert vllm_preflight.source_state(tree) == edited != clean
