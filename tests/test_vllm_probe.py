@@ -356,3 +356,20 @@ def test_an_edit_staged_with_git_add_is_still_the_edited_code(tmp_path: Path) ->
     edited = vllm_preflight.source_state(tree)
     git(tree, "add", "-A")
     assert vllm_preflight.source_state(tree) == edited != clean
+
+
+def test_an_untracked_file_moved_to_another_module_is_other_code(tmp_path: Path) -> None:
+    """Where an untracked .py file lies decides what imports it: the same bytes moved from a
+    scratch folder into vLLM's package are a module that serves. Hashed by content alone, the
+    move kept the state, and the baseline of the code without that module answered for it."""
+    tree = tmp_path / "vllm-src"
+    (tree / "vllm").mkdir(parents=True)
+    (tree / "vllm" / "__init__.py").write_text("")
+    git(tree, "init", "-q")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-q", "-m", "the tree as installed")
+    (tree / "scratch").mkdir()
+    (tree / "scratch" / "patch.py").write_text("SCALE = 2.0\n")
+    scratch = vllm_preflight.source_state(tree)
+    (tree / "scratch" / "patch.py").rename(tree / "vllm" / "patch.py")
+    assert vllm_preflight.source_state(tree) != scratch
