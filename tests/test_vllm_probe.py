@@ -373,3 +373,22 @@ def test_an_untracked_file_moved_to_another_module_is_other_code(tmp_path: Path)
     scratch = vllm_preflight.source_state(tree)
     (tree / "scratch" / "patch.py").rename(tree / "vllm" / "patch.py")
     assert vllm_preflight.source_state(tree) != scratch
+
+
+def test_an_interpreter_that_fails_after_its_version_record_is_refused(tmp_path: Path) -> None:
+    """A served interpreter that prints the version record and then fails (a start-up hook or
+    an atexit handler that crashes) is one vLLM's own start fails in too: refused with its
+    last error line, not taken at the word of what it printed before failing."""
+    interpreter = tmp_path / "python-that-fails"
+    answer = tmp_path / "answer"
+    answer.write_text(json.dumps({"vllm": "0.32.0+cpu", "torch": "2.13.0"}) + "\n")
+    interpreter.write_text(f"#!/bin/sh\ncat {answer}\necho 'Segmentation fault' >&2\nexit 139\n")
+    interpreter.chmod(0o755)
+    executable = tmp_path / "vllm"
+    executable.write_text(f"#!{interpreter}\nimport vllm\n")
+    executable.chmod(0o755)
+    with pytest.raises(BadInput) as refused:
+        probe_served_vllm(str(executable))
+    assert str(refused.value) == (
+        f"cannot read the vLLM version of {executable}: Segmentation fault"
+    )
