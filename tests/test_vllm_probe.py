@@ -392,3 +392,16 @@ def test_an_interpreter_that_fails_after_its_version_record_is_refused(tmp_path:
     assert str(refused.value) == (
         f"cannot read the vLLM version of {executable}: Segmentation fault"
     )
+
+
+@pytest.mark.parametrize("version", ["main", "dev0+gabc1234", ""])
+def test_a_version_with_no_release_number_is_refused_by_the_version_gate(
+    monkeypatch: pytest.MonkeyPatch, version: str
+) -> None:
+    """A version string that names no MAJOR.MINOR (a build from a branch that wrote its own)
+    tells the gate nothing about the protocol spoken: refused as untested like an older
+    release, not let through as if it were one of the harness's."""
+    monkeypatch.setattr(vllm_preflight, "probe_served_vllm", lambda exe: ServedVllm(exe, version))
+    with pytest.raises(BadInput, match="is untested"):
+        vllm_preflight.check_vllm("/v/vllm", False)
+    assert vllm_preflight.check_vllm("/v/vllm", True).version == version
