@@ -172,3 +172,14 @@ def test_an_editable_install_of_unknown_code_keeps_no_verdict(tmp_path: Path, mo
     known = ServedVllm(vllm, "0.33.0.dev1", source_tree=str(tmp_path / "tree"), source_state="s")
     check_served_argvs(argvs, known)
     assert check_served_argvs(argvs, known).judged == 0
+
+
+def test_where_stored_answers_stand_in_for_the_baseline_its_line_is_not_checked() -> None:
+    """With --golden the baseline never starts: its line is not one of the run's, and a flag
+    only it carries must not refuse a run that never serves it."""
+    serving = serving_for(CUDA, "/models/real")
+    topologies = (get_topology("1E+1P+1D"),)
+    argvs = serve_argvs(topologies, serving, CUDA, EIGHT, False, NEWEST, baseline_starts=False)
+    with_baseline = serve_argvs(topologies, serving, CUDA, EIGHT, False, NEWEST)
+    assert "baseline/baseline0" in with_baseline and "baseline/baseline0" not in argvs
+    assert argvs == {name: argv for name, argv in with_baseline.items() if name in argvs}
