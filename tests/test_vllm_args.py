@@ -183,3 +183,18 @@ def test_where_stored_answers_stand_in_for_the_baseline_its_line_is_not_checked(
     with_baseline = serve_argvs(topologies, serving, CUDA, EIGHT, False, NEWEST)
     assert "baseline/baseline0" in with_baseline and "baseline/baseline0" not in argvs
     assert argvs == {name: argv for name, argv in with_baseline.items() if name in argvs}
+
+
+def test_a_media_dir_runs_line_is_checked_with_its_media_flag() -> None:
+    """A --media-dir run serves `--allowed-local-media-path DIR` on every instance: the flag is
+    in the checked line too (its directory a placeholder), or a release that refuses it, or
+    its value, let the run start and every instance die."""
+    serving = serving_for(CPU, "/models/tiny", allowed_local_media_path="/data/media")
+    argvs = serve_argvs((get_topology("1E+1PD"),), serving, CPU, (0, 1), False, NEWEST)
+    for name, argv in argvs.items():
+        flag = argv.index("--allowed-local-media-path")
+        assert argv[flag + 1] == str(vllm_args.PLACEHOLDER_MEDIA), name
+    plain = serve_argvs(
+        (get_topology("1E+1PD"),), serving_for(CPU, "/m"), CPU, (0, 1), False, NEWEST
+    )
+    assert not any("--allowed-local-media-path" in argv for argv in plain.values())
