@@ -198,3 +198,27 @@ def test_a_media_dir_runs_line_is_checked_with_its_media_flag() -> None:
         (get_topology("1E+1PD"),), serving_for(CPU, "/m"), CPU, (0, 1), False, NEWEST
     )
     assert not any("--allowed-local-media-path" in argv for argv in plain.values())
+
+
+def test_a_kept_verdict_of_an_editable_install_answers_for_its_code_state_only(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """`check_served_argvs` keys its verdicts by the served vLLM's code state, not by its
+    version alone: after an edit to an editable install's argument parsing, a line its old
+    parser accepted is judged again by the new one."""
+    from harness.environment import ARGV_CHECK_DIR_ENV
+    from harness.preflight.vllm_args import check_served_argvs
+    from harness.spec.settings import ServedVllm
+    from harness.testing.fake_vllm import install_fake_vllm
+
+    monkeypatch.setenv(ARGV_CHECK_DIR_ENV, str(tmp_path / "argv-check"))
+    calls = counting_probe(monkeypatch)
+    vllm = str(install_fake_vllm(tmp_path / "bin", serves=False))
+    tree = str(tmp_path / "tree")
+    before = ServedVllm(vllm, "0.33.0.dev1", source_tree=tree, source_state="git a + diff 1")
+    after = ServedVllm(vllm, "0.33.0.dev1", source_tree=tree, source_state="git a + diff 2")
+    argvs = {"t/baseline0": ["serve", "MODEL"]}
+    assert check_served_argvs(argvs, before).judged == 1
+    assert check_served_argvs(argvs, before).judged == 0
+    assert check_served_argvs(argvs, after).judged == 1
+    assert len(calls) == 2
