@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.errors import BadInput
 from harness.preflight import vllm_args
 
 pytestmark = pytest.mark.check
@@ -132,3 +133,29 @@ def test_a_main_that_never_validates_judges_every_line(
     results, builds = probe(fake_cli, monkeypatch)
     assert builds == len(LINES)
     assert results["validate"] is None  # this main() does not validate, so neither may the probe
+
+
+def test_a_probe_killed_while_writing_its_verdicts_is_one_line_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """The served interpreter killed (the OOM killer on a loaded machine) after it opened the
+    verdicts file and before it finished it: what it left is no verdict of any line. Refused
+    in one line by its exit status, not read: read, it was a JSONDecodeError's traceback."""
+    killed = tmp_path / "killed.py"
+    killed.write_text(
+        textwrap.dedent(
+            """
+            import os, sys
+            program = sys.argv[2]
+            out = program.split("\\n", 1)[0].split("=", 1)[1].strip().strip("'")
+            with open(out, "w") as verdicts:
+                verdicts.write('{"good/a": nu')
+            sys.stderr.write("Killed\\n")
+            sys.stderr.flush()
+            os._exit(137)
+            """
+        )
+    )
+    with pytest.raises(BadInput) as refused:
+        vllm_args._run_probe(["python3", str(killed)], LINES)
+    assert str(refused.value) == (f"cannot run the served vLLM's parser (python3 {killed}): Killed")
