@@ -35,3 +35,16 @@ def test_pips_sh_launcher_names_the_interpreter_not_sh(tmp_path: Path, venv: str
         f"#!/bin/sh\n'''exec' \"{python}\" \"$0\" \"$@\"\n' '''",
     )
     assert interpreter_of(str(vllm)) == [str(python)]
+
+
+def test_a_vllm_named_without_a_path_is_the_one_on_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--vllm vllm` (or the default where the harness's venv has none) names the `vllm` on
+    PATH: its interpreter is read from there, not from a file `vllm` in the working directory,
+    which there is none of, so no interpreter was named to run vLLM's parser and proxy with."""
+    python = tmp_path / "venv" / "bin" / "python"
+    launcher(tmp_path / "venv" / "bin" / "vllm", f"#!{python}")
+    monkeypatch.setenv("PATH", str(tmp_path / "venv" / "bin"))
+    monkeypatch.chdir(tmp_path)
+    assert interpreter_of("vllm") == [str(python)]
