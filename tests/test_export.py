@@ -2270,6 +2270,8 @@ def test_a_probe_carries_no_earlier_request(tmp_path: Path) -> None:
     root = write_scenario_bundle(tmp_path / "run", KILLS_PREFILL, "m-text-at-block-plus-one")
     plan = plan_for(root, probe=UNKNOWN_UUID_PROBE)
     assert plan.before == () and "cache_salt" not in plan.request
+    assert plan.sent_after is None, plan.sent_after
+    assert "which `check.py` sends first" not in render_issue(plan)
 
 
 def test_an_earlier_body_the_run_lacks_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
