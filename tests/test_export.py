@@ -287,6 +287,21 @@ def test_a_gone_model_directory_is_refused(tmp_path: Path) -> None:
         plan_for(write_bundle(tmp_path / "run", model="/gone/model"))
 
 
+def test_a_local_model_past_the_copy_limit_and_no_hub_snapshot_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model directory larger than an export carries, whose path names no Hugging Face
+    snapshot: neither copied (an export of gigabytes) nor named (no hub name to fetch)."""
+    from harness.run.export import plan as plan_module
+
+    root = write_bundle(tmp_path / "run")
+    monkeypatch.setattr(plan_module, "MAX_COPIED_MODEL_BYTES", 1024)
+    with pytest.raises(BadInput, match="is larger than 0 MiB and not a Hugging Face snapshot"):
+        plan_for(root)
+    monkeypatch.setattr(plan_module, "MAX_COPIED_MODEL_BYTES", 2048)
+    assert plan_for(root).model.directory is not None
+
+
 def test_the_unknown_uuid_probe_sends_only_the_consumer_a_never_encoded_uuid(
     tmp_path: Path,
 ) -> None:
