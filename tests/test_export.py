@@ -302,6 +302,15 @@ def test_a_local_model_past_the_copy_limit_and_no_hub_snapshot_is_refused(
     assert plan_for(root).model.directory is not None
 
 
+def test_a_relative_model_path_deeper_than_org_name_is_no_hub_name(tmp_path: Path) -> None:
+    """`org/name` is a hub model's name; `models/org/name`, gone from here, is a directory of
+    the recording machine, which an export cannot name as a model to download."""
+    with pytest.raises(BadInput, match="model directory models/acme/vl is gone"):
+        plan_for(write_bundle(tmp_path / "run", model="models/acme/vl"))
+    plan = plan_for(write_bundle(tmp_path / "hub", model="acme/vl"))
+    assert (plan.model.directory, plan.model.hub_name) == (None, "acme/vl")
+
+
 def test_the_unknown_uuid_probe_sends_only_the_consumer_a_never_encoded_uuid(
     tmp_path: Path,
 ) -> None:
