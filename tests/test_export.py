@@ -311,6 +311,26 @@ def test_a_relative_model_path_deeper_than_org_name_is_no_hub_name(tmp_path: Pat
     assert (plan.model.directory, plan.model.hub_name) == (None, "acme/vl")
 
 
+@pytest.mark.parametrize(
+    "config, architecture",
+    [
+        (
+            {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl"},
+            "Qwen2VLForConditionalGeneration",
+        ),
+        ({"architectures": [], "model_type": "qwen2_vl"}, "qwen2_vl"),
+        ({"model_type": ""}, None),
+    ],
+)
+def test_a_models_architecture_is_its_class_else_its_model_type(
+    tmp_path: Path, config: dict, architecture: str | None
+) -> None:
+    from harness.run.export.plan import architecture_of
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert architecture_of(tmp_path) == architecture
+
+
 def test_the_unknown_uuid_probe_sends_only_the_consumer_a_never_encoded_uuid(
     tmp_path: Path,
 ) -> None:
