@@ -476,6 +476,17 @@ def test_nixl_side_channel_ports_become_variables(tmp_path: Path) -> None:
     assert "DECODE0_NIXL_PORT=${DECODE0_NIXL_PORT:-" in render_serve_sh(plan)
 
 
+def test_the_local_media_flag_is_dropped_in_either_spelling() -> None:
+    """`--allowed-local-media-path DIR` and `--allowed-local-media-path=DIR` name a directory
+    of the recording machine; vLLM refuses every media request where it is missing."""
+    from harness.run.export.servers import template_argv
+
+    for flag in (["--allowed-local-media-path", "/rec/media"], ["--allowed-local-media-path=/rec"]):
+        argv = ["vllm", "serve", "m", *flag, "--block-size", "16"]
+        words = [shell_word(arg) for arg in template_argv(argv, "m", Var("DECODE0_PORT"))]
+        assert words == ['"${VLLM}"', "serve", '"${MODEL}"', "--block-size", "16"], words
+
+
 def test_a_runs_media_dir_is_not_needed_its_files_travel_inline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
