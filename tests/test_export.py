@@ -393,6 +393,30 @@ def test_a_scenarios_declaration_covers_the_verdict_it_declares_only(tmp_path: P
     assert plan.declared is None, plan.declared
 
 
+def test_a_failure_declared_for_the_release_is_exported_as_declared(tmp_path: Path) -> None:
+    """A release's own known failure (`KnownFailure`, docs/versions.md) is recorded as the judge
+    writes it: `declared_failure` names it and the detail ends with its upstream cause. ISSUE.md
+    must say the harness declares it, not that it does not expect it; a case that failed
+    otherwise than declared is no declared failure."""
+    from harness.judge.records import CaseRecord, Verdict
+    from harness.judge.verdicts import held_as_declared
+    from harness.spec.generations import VIDEO_TIMING_BEFORE_0_31 as KNOWN
+
+    root = write_bundle(tmp_path / "run", verdict="MISMATCH")
+    [record] = json.loads((root / "summary.json").read_text())["cases"]
+    fields = {k: v for k, v in record.items() if k in CaseRecord.__dataclass_fields__}
+    judged = CaseRecord(**{**fields, "verdict": Verdict.MISMATCH})
+    declared = held_as_declared(judged, KNOWN).to_json()
+    (root / "summary.json").write_text(json.dumps({"cases": [declared]}))
+    plan = plan_for(root)
+    assert plan.declared is not None and KNOWN.name in plan.declared, plan.declared
+    assert KNOWN.reason in plan.declared
+    assert f"Declared by the harness: {plan.declared}" in render_issue(plan)
+    otherwise = {**declared, "policy_passed": False, "detail": "request failed"}
+    (root / "summary.json").write_text(json.dumps({"cases": [otherwise]}))
+    assert plan_for(root).declared is None
+
+
 def test_a_probe_is_sent_without_the_log_probs_a_token_check_adds(tmp_path: Path) -> None:
     """A probe is judged by refusal and survival, not by check.py's drift rule: its crafted
     body is sent as crafted, and ISSUE.md does not say log-probs were asked for."""

@@ -245,6 +245,11 @@ def excuses_guard(failure: Declaration, guard: str) -> bool:
     return guard in failure.evidence
 
 
+# What a case held as declared says before its upstream cause, which the export reads back
+# (`harness.run.export.plan.declared_failure`).
+DECLARED_UPSTREAM = "declared upstream failure: "
+
+
 def held_as_declared(record: CaseRecord, failure: Declaration) -> CaseRecord:
     """`record`, which failed exactly as `failure` declares, as the pass a run counts it: the
     declaration named (`declared_failure`: the verdict table says `yes (declared: NAME)`)
@@ -253,7 +258,7 @@ def held_as_declared(record: CaseRecord, failure: Declaration) -> CaseRecord:
     return dataclasses.replace(
         record,
         policy_passed=True,
-        detail=f"{record.detail}; declared upstream failure: {failure.reason}",
+        detail=f"{record.detail}; {DECLARED_UPSTREAM}{failure.reason}",
         declared_failure=failure.name,
     )
 

@@ -34,6 +34,7 @@ from typing import Any
 from fixtures.tiny_model import CACHE_DIR_PREFIX as TINY_MODEL_DIR_PREFIX
 from harness.errors import BadInput
 from harness.judge.records import Verdict
+from harness.judge.verdicts import DECLARED_UPSTREAM
 from harness.run.export.devices import RecordedDevice
 from harness.run.export.expectation import tokens_expectation
 from harness.run.export.probe import (
@@ -339,7 +340,9 @@ def declared_failure(
     bundle: Bundle, label: str, case: ReproCase, record: dict[str, Any]
 ) -> str | None:
     """How the harness declares this failure: a matrix scenario's expectation, or the
-    release's declared failure (`docs/versions.md`); None when it is not declared."""
+    release's declared failure (`docs/versions.md`, the record's `declared_failure`, found in
+    review: read from a detail phrase the judge no longer wrote, every release-declared failure
+    was exported as 'not declared'); None when it is not declared."""
     if case.verdict == Verdict.MATCH.value:
         return None
     scenario_name = label.partition(":")[2]
@@ -351,7 +354,11 @@ def declared_failure(
         if declared is not None and case.verdict == declared.verdict:
             return f"matrix scenario {scenario.name} expects {case.verdict}: {scenario.reason}"
     detail = str(record.get("detail", ""))
-    if "declared for this release:" in detail:
+    name = record.get("declared_failure")
+    if name and record.get("policy_passed"):  # failed as the release's KnownFailure declares
+        reason = detail.partition(DECLARED_UPSTREAM)[2]
+        return f"declared for this release as {name}" + (f": {reason}" if reason else "")
+    if "declared for this release:" in detail:  # a bundle judged before records named it
         return "declared for this release: " + detail.split("declared for this release:", 1)[1]
     return None
 
