@@ -162,6 +162,17 @@ def test_devices_are_positions_and_colocated_instances_share_one(tmp_path: Path)
     assert all(total <= 0.9 for total in shares.values()), shares
 
 
+def test_a_one_host_export_names_no_node_and_says_the_devices_were_its_hosts(
+    tmp_path: Path,
+) -> None:
+    """A run on one host recorded no node: the export names none and says the run used GPUs
+    4 and 5 of its host, not that a cluster's nodes are run on one host here."""
+    plan = plan_for(gpu_bundle(tmp_path, devices=(4, 5)))
+    assert plan.nodes == (), plan.nodes
+    assert "(the run used GPU 4, GPU 5 of its host)" in render_issue(plan)
+    assert "on one host here" not in render_serve_sh(plan)
+
+
 def test_serve_sh_refuses_fewer_devices_than_it_needs(
     tmp_path: Path, leased_ports: TakePorts
 ) -> None:
