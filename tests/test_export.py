@@ -500,6 +500,18 @@ def test_nixl_side_channel_ports_become_variables(tmp_path: Path) -> None:
     assert "DECODE0_NIXL_PORT=${DECODE0_NIXL_PORT:-" in render_serve_sh(plan)
 
 
+def test_only_nixl_instances_get_a_side_channel_port_each_its_own(tmp_path: Path) -> None:
+    """P and D of a NixlConnector run each listen on a NIXL side channel of their own: one
+    default port for both makes the second fail on one host. An instance of a connector
+    without one gets no port variable, which serve.sh would otherwise check free."""
+    nixl = plan_for(write_bundle(tmp_path / "nixl", topology="1P+1D", kv_connector="NixlConnector"))
+    sides = [s.default_side_channel for s in nixl.servers]
+    assert None not in sides and len(set(sides)) == len(sides) == 2, sides
+    plain = plan_for(write_bundle(tmp_path / "plain"))
+    assert [s.side_channel for s in plain.servers] == [None, None, None]
+    assert "NIXL_PORT" not in render_serve_sh(plain)
+
+
 def test_the_local_media_flag_is_dropped_in_either_spelling() -> None:
     """`--allowed-local-media-path DIR` and `--allowed-local-media-path=DIR` name a directory
     of the recording machine; vLLM refuses every media request where it is missing."""
