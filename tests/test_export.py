@@ -512,6 +512,20 @@ def test_only_nixl_instances_get_a_side_channel_port_each_its_own(tmp_path: Path
     assert "NIXL_PORT" not in render_serve_sh(plain)
 
 
+def test_what_the_harness_gave_an_instance_wins_over_what_it_inherited(tmp_path: Path) -> None:
+    """The launch set the harness's env over the inherited one: OMP_NUM_THREADS=1 of the
+    harness ran, not the shell's 8, and serve.sh must start it so."""
+    run = write_bundle(tmp_path / "run")
+    for path in sorted(run.glob("*/*.cmd.json")):
+        command = json.loads(path.read_text())
+        if "vllm-proxy" not in path.name:
+            command["inherited_env"] = {"OMP_NUM_THREADS": "8", "VLLM_USE_V2": "1"}
+            path.write_text(json.dumps(command))
+    decode = plan_for(run).servers[2]
+    assert dict(decode.env)["OMP_NUM_THREADS"] == ("1",)
+    assert dict(decode.env)["VLLM_USE_V2"] == ("1",)
+
+
 def test_the_local_media_flag_is_dropped_in_either_spelling() -> None:
     """`--allowed-local-media-path DIR` and `--allowed-local-media-path=DIR` name a directory
     of the recording machine; vLLM refuses every media request where it is missing."""
