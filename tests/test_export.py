@@ -526,6 +526,31 @@ def test_what_the_harness_gave_an_instance_wins_over_what_it_inherited(tmp_path:
     assert dict(decode.env)["VLLM_USE_V2"] == ("1",)
 
 
+def test_a_clusters_network_settings_are_dropped_wherever_they_were_recorded(
+    tmp_path: Path,
+) -> None:
+    """What a Ray run gave every instance (run.json's launcher.instance_env, whatever its
+    name) and a network prefix (UCX_), in the harness's env or inherited: none set by
+    serve.sh, each named as dropped."""
+    run = write_bundle(tmp_path / "run")
+    info = json.loads((run / "run.json").read_text())
+    info["launcher"] = {"kind": "ray", "instance_env": {"MY_FABRIC": "ib0"}}
+    (run / "run.json").write_text(json.dumps(info))
+    for path in sorted(run.glob("*/*.cmd.json")):
+        command = json.loads(path.read_text())
+        if "vllm-proxy" not in path.name:
+            command["env"] = {**command["env"], "MY_FABRIC": "ib0"}
+            command["inherited_env"] = {"UCX_TLS": "rc", "VLLM_USE_V2": "1"}
+            path.write_text(json.dumps(command))
+    plan = plan_for(run)
+    for server in plan.servers:
+        assert "MY_FABRIC" not in dict(server.env) and "UCX_TLS" not in dict(server.env)
+    assert plan.inherited_env == (("VLLM_USE_V2", "1"),)
+    assert plan.dropped_env == (("MY_FABRIC", "ib0"), ("UCX_TLS", "rc"))
+    serve = render_serve_sh(plan)
+    assert "MY_FABRIC" not in serve and "UCX_TLS" not in serve
+
+
 def test_the_local_media_flag_is_dropped_in_either_spelling() -> None:
     """`--allowed-local-media-path DIR` and `--allowed-local-media-path=DIR` name a directory
     of the recording machine; vLLM refuses every media request where it is missing."""
