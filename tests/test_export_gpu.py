@@ -173,6 +173,19 @@ def test_a_one_host_export_names_no_node_and_says_the_devices_were_its_hosts(
     assert "on one host here" not in render_serve_sh(plan)
 
 
+def test_a_probe_starts_its_consumer_on_device_position_0(tmp_path: Path) -> None:
+    """The unknown-uuid probe starts only D, which ran on GPU 6 (position 2 of the case's
+    4,5,6): serve.sh needs one device, and D's CUDA_VISIBLE_DEVICES must be that one, not a
+    position past the DEVICES it asks for."""
+    from harness.run.export.probe import UNKNOWN_UUID_PROBE
+    from harness.run.export.shell import Var
+
+    plan = plan_for(gpu_bundle(tmp_path), probe=UNKNOWN_UUID_PROBE)
+    [decode] = plan.servers
+    assert [d.device for d in plan.devices] == ["6"] and decode.devices == (0,)
+    assert dict(decode.env)["CUDA_VISIBLE_DEVICES"] == (Var("DEVICE_0"),)
+
+
 def test_serve_sh_refuses_fewer_devices_than_it_needs(
     tmp_path: Path, leased_ports: TakePorts
 ) -> None:
