@@ -417,6 +417,35 @@ def test_a_failure_declared_for_the_release_is_exported_as_declared(tmp_path: Pa
     assert plan_for(root).declared is None
 
 
+def test_a_fuzz_groups_known_failure_is_exported_as_declared(tmp_path: Path) -> None:
+    """Seen on real vLLM 0.32.0: `fuzz --topology 1E+1PD --examples 12 --seed 0` reported one
+    known group (scenario ec-video-jpeg-frames-default-fps, a declared upstream MISMATCH), and
+    the ISSUE.md `export` wrote of its bundle said "not declared: the harness does not expect
+    this failure". A group's bundle keeps its cases failing (so that repro and export pick
+    them) and names the rule it is known by in summary.json's `fuzz_group`."""
+    root = write_bundle(tmp_path / "run", verdict="MISMATCH")
+    summary = json.loads((root / "summary.json").read_text())
+    rule = {
+        "name": "scenario ec-video-jpeg-frames-default-fps",
+        "verdict": "MISMATCH",
+        "reason": "the consumer assumes 1.0 s per grid, the baseline 2.0",
+        "evidence": "generated tokens differ",
+        "trigger": "a video as JPEG frames",
+    }
+    summary["run"] = {"fuzz_group": {"known": rule}}
+    (root / "summary.json").write_text(json.dumps(summary))
+    plan = plan_for(root)
+    assert plan.declared is not None, "the fuzz's known failure exported as not declared"
+    assert rule["name"] in plan.declared and rule["reason"] in plan.declared, plan.declared
+    assert f"Declared by the harness: {plan.declared}" in render_issue(plan)
+    summary["run"]["fuzz_group"]["known"] = {**rule, "verdict": "ERROR"}  # failed otherwise
+    (root / "summary.json").write_text(json.dumps(summary))
+    assert plan_for(root).declared is None
+    summary["run"]["fuzz_group"]["known"] = None  # a new group
+    (root / "summary.json").write_text(json.dumps(summary))
+    assert plan_for(root).declared is None
+
+
 def test_a_probe_is_sent_without_the_log_probs_a_token_check_adds(tmp_path: Path) -> None:
     """A probe is judged by refusal and survival, not by check.py's drift rule: its crafted
     body is sent as crafted, and ISSUE.md does not say log-probs were asked for."""
