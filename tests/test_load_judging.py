@@ -559,7 +559,24 @@ def test_a_death_ends_the_load_and_every_later_request_says_why(tmp_path: Path) 
     for later in result_.results[4:]:
         assert "instance 1E+1PD/pd0 exited with code -9" in later.record.detail
     assert [r.not_sent for r in result_.results] == [False] * 5 + [True] * 5
+    assert result_.results[5].record.detail.startswith(
+        "request failed: not sent: the load had ended: instance 1E+1PD/pd0 exited with code -9"
+    ), result_.results[5].record.detail
+    # load.md's figures say the five never left, not that 5 + 5 made the 10.
+    assert "; 5 never sent: the load ended first); verdicts:" in (tmp_path / "load.md").read_text()
     assert not result_.passed
+
+
+def test_a_request_never_sent_says_what_ended_the_load_before_its_turn() -> None:
+    """A planted kill's unsent requests name the killed instance (first, as `kill_problems`
+    wants); a death that ended the load is quoted; with neither, the load just ended."""
+    spec = LoadSpec("1E+1PD", requests=4, concurrency=2, distinct_media=3, kill="pd")
+    why = LoadRun._unsent_why
+    killed = SimpleNamespace(result=LoadResult(spec, killed="1E+1PD/pd0"))
+    assert why(killed) == "not sent: 1E+1PD/pd0 was killed (planted) before its turn"  # type: ignore[arg-type]
+    died = SimpleNamespace(result=LoadResult(spec, ended_by="instance 1E+1PD/pd0 exited"))
+    assert why(died) == "not sent: the load had ended: instance 1E+1PD/pd0 exited"  # type: ignore[arg-type]
+    assert why(SimpleNamespace(result=LoadResult(spec))) == "not sent: the load had ended"  # type: ignore[arg-type]
 
 
 def test_a_swapped_answer_is_never_named_after_a_request_that_was_not_sent(tmp_path: Path) -> None:

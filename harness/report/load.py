@@ -377,8 +377,8 @@ def format_load(
     lines = [
         f"# {title}",
         "",
-        f"- requests: {stats.requests} ({stats.sent} sent, {stats.batched} in flight with "
-        f"another); verdicts: {verdicts}; {stats.passed}/{stats.requests} passed",
+        f"- requests: {stats.requests} ({sent_line(stats)}); verdicts: {verdicts}; "
+        f"{stats.passed}/{stats.requests} passed",
         f"- wall {stats.wall_s:.1f}s: {stats.requests_per_s:.2f} requests/s, "
         f"{stats.tokens_per_s:.1f} generated tokens/s",
         f"- latency end to end: {stats.end_to_end.describe()}",
@@ -412,6 +412,17 @@ def format_load(
             f"{'yes' if row.passed else 'no'} | {row.seconds:.2f} | {detail} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def sent_line(stats: LoadStats) -> str:
+    """How many requests went out, and of those how many shared the server with another; the
+    rest never left because the load ended first (an instance died): without saying so, "16
+    (8 sent, 8 in flight with another)" read as two halves of the 16."""
+    line = f"{stats.sent} sent, {stats.batched} of them in flight with another"
+    unsent = stats.requests - stats.sent
+    if unsent:
+        line += f"; {unsent} never sent: the load ended first"
+    return line
 
 
 def unlisted_lines(unlisted: int, failed: Mapping[tuple[str, str], int]) -> list[str]:

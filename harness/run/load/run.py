@@ -259,6 +259,15 @@ class LoadRun:
 
     # -- judging -----------------------------------------------------------------------------
 
+    def _unsent_why(self) -> str:
+        """A request the load never sent says what ended the load before its turn (a planted
+        kill's request names the killed instance first, as `kill_problems` demands)."""
+        if self.result.ended_by is not None:
+            return f"not sent: the load had ended: {self.result.ended_by}"
+        if self.result.killed is not None:
+            return f"not sent: {self.result.killed} was killed (planted) before its turn"
+        return "not sent: the load had ended"
+
     def _judge_round(
         self,
         sent: list[Sent],
@@ -277,8 +286,7 @@ class LoadRun:
             request = item.request
             observed = item.observed
             if observed is None:
-                cause = self.result.ended_by or self.result.killed or "the load ended"
-                observed = Observed(Outcome(prompt=request.prompt, error=f"not sent: {cause}"), ())
+                observed = Observed(Outcome(prompt=request.prompt, error=self._unsent_why()), ())
             batched = not alone and any(
                 other is not item and other.observed is not None and item.overlaps(other)
                 for other in sent
