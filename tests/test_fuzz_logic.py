@@ -2535,6 +2535,37 @@ def test_a_topology_without_d_is_not_described_by_ds_tail(tmp_path: Path) -> Non
     assert coverage(report, kv=True)["in D's tail"] == 1
 
 
+def test_a_predicted_shrinks_confirmation_is_counted_apart_from_its_trial_budget(
+    tmp_path: Path,
+) -> None:
+    """Seen on real vLLM (fuzz --proxy vllm, 1E+1P+1D, seed 3): "1 step(s), 81 trial(s), ...
+    ended by trial budget (80)": the 81st was the minimal request sent to confirm it."""
+    from harness.run.fuzz.bundle import render_group
+    from harness.run.fuzz.shrink import ShrinkResult, Trial
+
+    spec = image_prompt((56, 56))
+    evaluation = _evaluation("ex-0001", spec, record(Verdict.ERROR, "decode died"), True)
+    group = FailureGroup(
+        evaluation.signature, evaluation.recognition, [evaluation], minimal=evaluation
+    )
+    budget_spent = [Trial(spec, False, "predicted", 0.0) for _ in range(80)]
+    group.shrink = ShrinkResult(
+        spec,
+        spec,
+        "predicted",
+        [*budget_spent, Trial(spec, True, "confirmation", 1.0)],
+        accepted=1,
+        stopped_by="trial budget (80)",
+        confirmed=True,
+    )
+    text = "\n".join(render_group(1, group, tmp_path, tmp_path))
+    assert "in 1 step(s), 80 trial(s) and 1 sent to confirm it, 0 restart(s)" in text, text
+    # A shrink by sending has no confirmation: every trial is one of the budget.
+    group.shrink = ShrinkResult(spec, spec, "sent", budget_spent, accepted=1)
+    text = "\n".join(render_group(1, group, tmp_path, tmp_path))
+    assert "in 1 step(s), 80 trial(s), 0 restart(s)" in text, text
+
+
 def test_d_tail_words_follow_the_kv_connector_not_only_the_topology() -> None:
     """Real vLLM under NIXL (1E+1P+1D, seed 42) MATCHed three requests whose media ended in
     what would be ExampleConnector's tail (D gets the whole prompt's KV there), while the run

@@ -506,10 +506,15 @@ def render_group(
         ]
     shrink = group.shrink
     if shrink is not None:
+        # A predicted shrink's confirmation (`confirm_predicted`) is kept among its trials,
+        # but is no trial of the budget: "81 trial(s) ... ended by trial budget (80)" read as
+        # the budget overrun.
+        confirmation = shrink.confirmed is not None
         lines.append(
             f"Shrunk from {shrink.start.name} ({len(group.members)} example(s) failed so) in "
-            f"{shrink.accepted} step(s), {len(shrink.trials)} trial(s), {shrink.restarts} "
-            f"restart(s), {shrink.seconds:.0f} s; mode {shrink.mode}"
+            f"{shrink.accepted} step(s), {len(shrink.trials) - confirmation} trial(s)"
+            + (" and 1 sent to confirm it" if confirmation else "")
+            + f", {shrink.restarts} restart(s), {shrink.seconds:.0f} s; mode {shrink.mode}"
             + (f", confirmed: {shrink.confirmed}" if shrink.confirmed is not None else "")
             + (f"; {shrink.skipped} candidate(s) skipped as too short" if shrink.skipped else "")
             + f"; ended by {shrink.stopped_by}."
