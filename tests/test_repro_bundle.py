@@ -132,8 +132,9 @@ def stub_the_rerun(monkeypatch: pytest.MonkeyPatch) -> dict:
             seen["stage"] = stage
             seen["reference"] = reference
 
-        def judge(self, topology, prompt, declared=None):
+        def judge(self, topology, prompt, declared=None, exact_reference=True):
             seen[prompt] = declared
+            seen["exact_reference"] = exact_reference
             return []
 
     monkeypatch.setattr(repro, "TopologyPool", NoPool)
@@ -360,6 +361,27 @@ def test_repro_prints_the_first_divergence_of_the_case_it_reran(
     assert "generated tokens differ at position 2" in out
     assert "reference ⟶ 7        5 6 [7] 8" in out and "candidate ⟶ 9        5 6 [9] 8" in out, out
     assert "reference top-k at 2" in out and "candidate top-k at 2" in out, out
+
+
+def test_repro_judges_a_case_against_the_references_its_run_judged_it_against(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real vLLM: `repro` of a fuzz bundle (1E+1P+1D judged against the baseline alone)
+    started 1P+1D too, and judged a comparison the bundle never made. The exact reference is
+    served only for a case its run judged against it."""
+    import harness.run.repro as repro
+    from harness.spec.settings import ServedVllm
+
+    seen = stub_the_rerun(monkeypatch)
+    fuzzed = rerun_bundle(tmp_path / "fuzz", "1E+1P+1D")
+    repro.reproduce(Bundle.load(fuzzed), tmp_path / "again", ServedVllm("vllm", "0.32.0+cpu"))
+    assert seen["exact_reference"] is False
+    swept = rerun_bundle(tmp_path / "sweep", "1E+1P+1D")
+    summary = json.loads((swept / "summary.json").read_text())
+    against_1p1d = {**summary["cases"][0], "reference": "1P+1D"}
+    (swept / "summary.json").write_text(json.dumps({"cases": [*summary["cases"], against_1p1d]}))
+    repro.reproduce(Bundle.load(swept), tmp_path / "again2", ServedVllm("vllm", "0.32.0+cpu"))
+    assert seen["exact_reference"] is True
 
 
 DECLARED_LABEL = "1E+1PD:ec-video-jpeg-frames-default-fps"

@@ -760,9 +760,17 @@ def reproduce(
         goldens=goldens,
         golden_release=golden_release,
     )
+    # Judged against what the bundle's run judged the case against: a fuzz judges against
+    # the baseline alone, and its repro started 1P+1D beside 1E+1P+1D for a comparison the
+    # bundle never made (real vLLM: 55 s more, a verdict line more).
+    exact = topology.exact_reference
     try:
         records = sweep.judge(
-            topology.name, case.prompt, declared=declared.failure if declared else None
+            topology.name,
+            case.prompt,
+            declared=declared.failure if declared else None,
+            exact_reference=exact is not None
+            and bundle.recorded(case.label, case.prompt, exact) is not None,
         )
     except BaseException:
         pool.close()

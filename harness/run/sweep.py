@@ -568,13 +568,18 @@ class Sweep:
         return self.judging.not_applicable(TOPOLOGIES[topology_name], self.specs.get(prompt))
 
     def judge(
-        self, topology_name: str, prompt: str, declared: Declaration | None = None
+        self,
+        topology_name: str,
+        prompt: str,
+        declared: Declaration | None = None,
+        exact_reference: bool = True,
     ) -> list[CaseRecord]:
-        """Records for one case: against the baseline, and its exact reference if it has one.
-        A case the served release cannot run is NOT_APPLICABLE, with the table's reason; one
-        it is declared to fail (by its release, or `declared`, else the spec's: a matrix
-        scenario's failure, rerun by `repro` or sent to an attached deployment) passes only
-        when it failed exactly so."""
+        """Records for one case: against the baseline, and its exact reference if it has one
+        (unless `exact_reference` is False: a rerun of a case its run never judged so). A case
+        the served release cannot run is NOT_APPLICABLE, with the table's reason; one it is
+        declared to fail (by its release, or `declared`, else the spec's: a matrix scenario's
+        failure, rerun by `repro` or sent to an attached deployment) passes only when it
+        failed exactly so."""
         key = (topology_name, prompt)
         if key in self._judged:
             return self._judged[key]
@@ -587,7 +592,7 @@ class Sweep:
             self.serve_baseline()
             observed = self.serve_topology(topology_name)[prompt]
             exact = None
-            if topology.exact_reference and self.attached is None:
+            if topology.exact_reference and exact_reference and self.attached is None:
                 reference = self.serve_topology(topology.exact_reference)[prompt]
                 exact = (topology.exact_reference, reference.outcome)
             records = self.judging.judge(
