@@ -981,6 +981,28 @@ def test_a_ray_server_whose_agent_is_lost_is_not_alive_and_its_stop_asks_no_more
     assert not server.owns_health_port()  # no answer is no readiness
 
 
+def test_a_ray_server_whose_agent_stopped_answering_is_named_dead_and_its_stop_asks_it_nothing(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """An agent that no longer answers (its node gone or cut off) took its server with it (its
+    watchdog): `check_alive` raises ServerDied saying so, which is how a request's failure and
+    the pool learn of it, and the stop asks the lost agent nothing more (asked, a stop of an
+    unreachable node waits out its timeout and then fails the stop) (found in review)."""
+    from ray.exceptions import GetTimeoutError
+
+    agent = ScriptedAgent(monkeypatch, poll=[GetTimeoutError("no answer")])
+    server = started_server(tmp_path, agent)
+    with pytest.raises(
+        ServerDied,
+        match=r"^1P\+1D/decode0 \(pid 4242 on Ray node 10\.0\.0\.3\): its agent is gone during "
+        r"startup \(",
+    ):
+        server.check_alive()
+    agent.calls.clear()
+    server.stop(1.0)
+    assert agent.calls == [("kill",)]
+
+
 def test_a_ray_server_stopped_before_it_was_ready_gets_the_start_up_grace(
     tmp_path: Path, monkeypatch
 ) -> None:
