@@ -712,6 +712,20 @@ def test_an_instance_not_listening_at_its_node_or_a_side_channel_a_peer_cannot_r
         "1P+1D/decode0: nothing listens at 10.0.0.3:8000 (--host/--port) on its node; it "
         "listens on 127.0.0.1:8000"
     )
+    # Its HTTP port at its node's address but its NIXL side channel elsewhere (on loopback):
+    # the peers' KV transfers would find nothing there (found in review: only the HTTP
+    # address was checked by a test without a cluster).
+    side_on_loopback = NodeAgent(
+        listening=[("10.0.0.3", 8000), ("127.0.0.1", 5600)], can_connect=""
+    )
+    with pytest.raises(LaunchRefused) as refused:
+        placed_launcher(
+            cpu, monkeypatch, node("10.0.0.2", can_connect=""), side_on_loopback
+        ).check_serving(instances)
+    assert str(refused.value) == (
+        "1P+1D/decode0: nothing listens at 10.0.0.3:5600 (VLLM_NIXL_SIDE_CHANNEL_HOST/_PORT) on "
+        "its node; it listens on 10.0.0.3:8000, 127.0.0.1:5600"
+    )
     cut_off = node("10.0.0.3", can_connect="ConnectionRefusedError: refused")
     with pytest.raises(
         LaunchRefused,
