@@ -739,6 +739,10 @@ def test_an_instance_not_listening_at_its_node_or_a_side_channel_a_peer_cannot_r
     # `can_connect` on these agents: asked, they would raise AttributeError).
     same_node = [dataclasses.replace(spec, host="10.0.0.2") for spec in instances]
     placed_launcher(cpu, monkeypatch, node("10.0.0.2"), node("10.0.0.2")).check_serving(same_node)
+    # With the network checks off nothing is asked of the nodes (NodeAgents without
+    # `listening`: asked, they would raise AttributeError), so nothing can refuse the topology.
+    monkeypatch.setenv(NETWORK_CHECKS_ENV, "off")
+    placed_launcher(cpu, monkeypatch, NodeAgent(), NodeAgent()).check_serving(instances)
 
 
 def test_a_shared_dir_is_fresh_per_run_and_close_frees_the_agents_and_the_placement(
