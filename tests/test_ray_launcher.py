@@ -517,6 +517,29 @@ def test_reserve_asks_ray_for_a_node_and_a_gpu_per_instance_and_binds_what_each_
     assert reservation.side_channel_ports == []
 
 
+def test_what_ray_instance_env_gives_every_instance_wins_over_what_the_harness_renders(
+    tmp_path: Path,
+) -> None:
+    """`--ray-instance-env NAME=VALUE` is set over the instance's own variables: the planted
+    `VLLM_NIXL_SIDE_CHANNEL_HOST=localhost` of docs/multi-node.md reaches the command, where
+    `check_before_start` refuses it, instead of being replaced by the node's address and passing
+    unseen (found in review: only a test with a cluster showed it)."""
+    given = (("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"), ("UCX_TLS", "tcp"))
+    cpu = RunSettings(
+        serving_for(CPU, "/m"),
+        tmp_path,
+        platform=CPU,
+        launcher=LauncherChoice("ray", instance_env=given),
+    )
+    own = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.3", "OMP_NUM_THREADS": "1"}
+    spec = types.SimpleNamespace(env=lambda: dict(own))
+    assert ray_launcher.RayLauncher(cpu).instance_env(spec) == {  # type: ignore[arg-type]
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "localhost",
+        "OMP_NUM_THREADS": "1",
+        "UCX_TLS": "tcp",
+    }
+
+
 def test_reserve_refuses_the_rehearsal_on_gpus_and_an_agent_ray_would_kill_the_children_of(
     tmp_path: Path, monkeypatch
 ) -> None:
