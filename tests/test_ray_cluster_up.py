@@ -110,3 +110,23 @@ def test_up_says_how_to_use_the_cluster_and_a_ctrl_c_stops_it_with_exit_code_0(
     assert capsys.readouterr().out == (
         "ray cluster up: address 127.0.0.2:6379\nrun a driver there with: nsenter -t 7 -n\n"
     )
+
+
+def test_a_private_mount_runs_the_ray_start_after_the_double_dash_unchanged(monkeypatch) -> None:
+    """How each node but the head of a cluster with `private_dir` starts (`_start_node` wraps
+    its `ray start` in `private-mount DIR -- ARGV`): the tmpfs at DIR, then exactly ARGV, the
+    `--` itself not taken as the program (found in review: only the e2e cluster ran it)."""
+    mounted: list[tuple[str, list[str]]] = []
+
+    class Execed(Exception):
+        """What replaces the process in `private_mount` (os.execvp) here."""
+
+    def private_mount(directory: str, argv: list[str]) -> None:
+        mounted.append((directory, argv))
+        raise Execed
+
+    monkeypatch.setattr(ray_cluster, "private_mount", private_mount)
+    ray_start = ["python", "-m", "ray.scripts.scripts", "start", "--block", "--", "x"]
+    with pytest.raises(Execed):
+        ray_cluster.main(["private-mount", "/data/kv", "--", *ray_start])
+    assert mounted == [("/data/kv", ray_start)]
