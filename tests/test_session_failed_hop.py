@@ -294,6 +294,18 @@ def test_an_entry_says_its_proxy_is_down_only_when_it_is() -> None:
     assert entry.down_report() == ("proxy http://127.0.0.1:9 is not running (stopped or crashed)")
 
 
+def test_a_trace_taken_from_an_entry_is_let_go_of() -> None:
+    """The outcome holds a request's trace once taken: the harness's proxy keeps it no longer,
+    or a soak's every request's stays in the proxy for the run (found in review)."""
+    from harness.serve.entry import Entry as RealEntry
+
+    proxy = SimpleNamespace(traces={"req-1": "trace of req-1"})
+    entry = RealEntry("harness", "http://127.0.0.1:9", client=None, proxy=proxy)  # type: ignore[arg-type]
+    assert entry.trace("req-1") == "trace of req-1"
+    assert entry.take_trace("req-1") == "trace of req-1"
+    assert entry.trace("req-1") is None and proxy.traces == {}
+
+
 def test_an_entry_says_vllms_proxy_exited_with_its_code_and_log() -> None:
     """vLLM's proxy, run like an instance, is named down once it has exited, with its exit
     code and the last lines of its log (the cause is there, not in the harness)."""
