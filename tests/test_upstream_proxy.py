@@ -161,6 +161,53 @@ def test_an_entrys_key_names_the_registration_only_where_the_proxy_has_one() -> 
     assert proxy_key(TOPOLOGIES["1E+1P+1D"], ProxyChoice(kind=HARNESS_PROXY)) == HARNESS_PROXY
 
 
+def test_vllms_proxy_is_started_dynamic_only_with_encoders_and_keeps_the_shells_no_proxy(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """1P+1D asked for dynamic registration runs the toy P/D proxy, which has static URLs only:
+    no admin key, no registration through an admin API it lacks; the proxy's NO_PROXY is the
+    environment's list then its own, so the shell's hosts still bypass HTTP_PROXY (found in
+    review: only the process tier started vLLM's proxy)."""
+    from types import SimpleNamespace
+
+    from harness.serve import entry
+    from harness.serve.proxy import ProxyRoutes
+
+    started: list = []
+    launched: list = []
+
+    class StartedProxy:
+        def __init__(self, command, *, port_lease) -> None:
+            started.append(command)
+
+        def start(self) -> None:
+            pass
+
+        def wait_until_ready(self, timeout_s: float) -> None:
+            pass
+
+    def launch(*args):
+        launched.append(args)
+        return SimpleNamespace(argv=["proxy"], health_path="/health", env={"NO_PROXY": "h"})
+
+    def register(*args):
+        raise AssertionError("the toy proxy has no admin API to register through")
+
+    monkeypatch.setattr(entry, "ManagedServer", StartedProxy)
+    monkeypatch.setattr(entry, "reserve_ports", lambda count: [SimpleNamespace(port=20001)])
+    monkeypatch.setattr(entry, "vllm_proxy_launch", launch)
+    monkeypatch.setattr(entry, "register_instances", register)
+    monkeypatch.setenv("NO_PROXY", "corp.example")
+    dynamic = ProxyChoice(
+        VLLM_PROXY, registration=DYNAMIC_REGISTRATION, files_dir=tmp_path, interpreter=("py",)
+    )
+    routes = ProxyRoutes(encoder_urls=(), prefill_urls=("http://p",), decode_urls=("http://d",))
+    entry.start_vllm_proxy(TOPOLOGIES["1P+1D"], dynamic, routes, tmp_path, [])
+    assert launched[0][-1] is None  # no admin key
+    assert started[0].name == "1P+1D/vllm-proxy"
+    assert started[0].env == {"NO_PROXY": "corp.example,h"}
+
+
 @pytest.mark.parametrize("encoders", [[], ["http://127.0.0.1:1"]])
 def test_a_proxy_without_a_decode_url_is_refused(tmp_path: Path, encoders: list[str]) -> None:
     """Every topology's proxy relays to a D or a PD; one started without would answer no
