@@ -601,6 +601,16 @@ def test_a_command_file_is_written_without_a_secret_value(tmp_path):
     )
     recorded = json.loads(command_json(proxy))
     assert recorded["env"] == {"ADMIN_API_KEY": REDACTED, "NO_PROXY": "127.0.0.1"}
+    # What an instance inherits from its node is recorded too (`inherited_env`): its secret is
+    # redacted there as well, and remembered for the bundle to scrub from the logs (found in
+    # review: neither was checked where the file is written).
+    from harness.redact import launched_secrets
+
+    inherited = "inherited-at-launch-secret-6062"
+    node_env = {"VLLM_ACCESSKEY": inherited, "VLLM_ATTENTION_BACKEND": "X"}
+    recorded = json.loads(command_json(proxy, inherited=node_env))
+    assert recorded["inherited_env"] == {"VLLM_ACCESSKEY": REDACTED, "VLLM_ATTENTION_BACKEND": "X"}
+    assert inherited in launched_secrets()
 
 
 def test_an_inherited_secret_in_a_command_file_another_process_wrote_is_redacted(tmp_path):
