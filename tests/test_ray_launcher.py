@@ -1060,6 +1060,7 @@ def test_a_ray_server_stopped_before_it_was_ready_gets_the_start_up_grace(
         assert ("stop", grace, ready) in agent.calls, agent.calls
         calls = len(agent.calls)
         server.stop(60.0)
+        server.log_size()  # a stopped server's ended agent is polled no more
         assert len(agent.calls) == calls
 
 
