@@ -294,6 +294,37 @@ def test_an_entry_says_its_proxy_is_down_only_when_it_is() -> None:
     assert entry.down_report() == ("proxy http://127.0.0.1:9 is not running (stopped or crashed)")
 
 
+def test_the_baselines_entry_is_the_instance_itself(tmp_path: Path, monkeypatch) -> None:
+    """The monolithic baseline is the reference: its requests go straight to the instance,
+    through no proxy whose relaying or faults would then be part of the reference (found in
+    review: only the process tier opened a baseline's entry)."""
+    from harness.serve import entry as entry_module
+    from harness.serve.proxy import ProxyFaults
+    from harness.spec.platforms import CPU
+    from harness.spec.topology import BASELINE, Role, serving_for
+
+    def no_proxy(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the baseline is served through no proxy")
+
+    monkeypatch.setattr(entry_module, "ProxyServer", no_proxy)
+    monkeypatch.setattr(entry_module, "start_vllm_proxy", no_proxy)
+    settings = RunSettings(serving_for(CPU, "/m"), tmp_path, platform=CPU)
+    instance = SimpleNamespace(url="http://127.0.0.1:8000", role=Role.BASELINE)
+    opened = entry_module.open_entry(
+        BASELINE,
+        settings,
+        [instance],  # type: ignore[list-item]
+        {"http://127.0.0.1:8000": "http://127.0.0.1:9000"},
+        ProxyFaults(),
+        tmp_path,
+        [],
+    )
+    try:
+        assert (opened.url, opened.proxy, opened.proxy_server) == (instance.url, None, None)
+    finally:
+        opened.close()
+
+
 def test_a_trace_taken_from_an_entry_is_let_go_of() -> None:
     """The outcome holds a request's trace once taken: the harness's proxy keeps it no longer,
     or a soak's every request's stays in the proxy for the run (found in review)."""
