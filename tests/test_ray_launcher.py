@@ -1064,6 +1064,24 @@ def test_a_ray_server_stopped_before_it_was_ready_gets_the_start_up_grace(
         assert len(agent.calls) == calls
 
 
+def test_a_ray_server_started_again_keeps_its_earlier_log(tmp_path: Path, monkeypatch) -> None:
+    """On Ray a dead instance's topology is started again under the same names: the new start
+    moves the earlier mirror aside (<name>.1.log, as a local server does) instead of writing
+    over the log that shows why the restart was needed (found in review)."""
+    from harness.serve import ray_server
+
+    monkeypatch.setattr(ray_server, "get_or_refuse", lambda call, doing: {"pid": 4243})
+    agent = types.SimpleNamespace(start=types.SimpleNamespace(remote=lambda *args: "start"))
+    server = started_server(tmp_path, ScriptedAgent(monkeypatch))
+    server.command.log_path.write_text("RuntimeError: the first start's death\n")
+    again = ray_server.RayServer(agent, server.command, NodeInfo("10.0.0.3"))
+    again.start()
+    kept = tmp_path / "d.1.log"
+    assert kept.read_text() == "RuntimeError: the first start's death\n"
+    assert "the first start's death" not in server.command.log_path.read_text()
+    assert again.pid == 4243
+
+
 def test_a_poll_brings_every_chunk_the_node_has_in_one_call(tmp_path: Path, monkeypatch) -> None:
     """A log that grew by more than one chunk since the last poll is brought over whole: the
     poll asks again while a chunk came back full."""
