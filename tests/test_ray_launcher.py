@@ -791,6 +791,13 @@ def test_a_shared_dir_is_fresh_per_run_and_close_frees_the_agents_and_the_placem
     launcher._agents, launcher._group = ["agent0", "agent1"], "group"
     launcher.close()
     assert ended == ["agent0", "agent1", "group"]
+    # Ray already shut down (the run's connection closed after a Ctrl-C): nothing is asked of
+    # it, where a placement group's removal would raise from the run's clean-up (found in
+    # review).
+    monkeypatch.setattr(ray_launcher.ray, "is_initialized", lambda: False)
+    launcher._agents, launcher._group = ["agent2"], "group2"
+    launcher.close()
+    assert ended == ["agent0", "agent1", "group"] and launcher._agents == []
 
 
 class ExitingServer:
