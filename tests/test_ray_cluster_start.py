@@ -313,3 +313,7 @@ def test_each_node_starts_as_asked_and_gives_its_ports_back_at_the_stop(
     assert reserved and not [lease.port for lease in reserved if lease.held]
     netns = LocalRayCluster(tmp_path / "netns", netns=True)  # nothing started
     assert (netns.head_cpus, netns.instance_nodes) == (0, 3)
+    # Unless the head's CPUs are asked for: then an instance may land on it too (found in
+    # review: only the default was checked).
+    asked = LocalRayCluster(tmp_path / "netns-head", netns=True, head_cpus=1)
+    assert (asked.head_cpus, asked.instance_nodes) == (1, 4)
