@@ -198,3 +198,17 @@ def test_the_alias_is_recorded_on_lines_of_its_own(only_site: Path) -> None:
     record = (cpu / "RECORD").read_text().splitlines()
     assert record[:2] == ["vllm/__init__.py,,", f"{cpu.name}/RECORD,,"], record
     assert len(record) == 5, record
+
+
+def test_only_torchaudio_and_torchcodec_present_are_uninstalled(
+    only_site: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pip uninstall is run with the unloadable packages installed, and not at all where none
+    is (`pip uninstall -y` of nothing fails, and a repair run again would stop there)."""
+    ran: list[list[str]] = []
+    monkeypatch.setattr(cpu_env.subprocess, "run", lambda argv, check: ran.append(argv))
+    assert cpu_env.remove_unloadable_packages() == "ok: torchaudio / torchcodec absent"
+    assert ran == []
+    dist_info(only_site, "torchaudio", "2.8.0")
+    assert cpu_env.remove_unloadable_packages() == "fixed: uninstalled torchaudio"
+    assert [argv[-1] for argv in ran] == ["torchaudio"] and "uninstall" in ran[0], ran
