@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -212,3 +213,56 @@ def test_only_torchaudio_and_torchcodec_present_are_uninstalled(
     dist_info(only_site, "torchaudio", "2.8.0")
     assert cpu_env.remove_unloadable_packages() == "fixed: uninstalled torchaudio"
     assert [argv[-1] for argv in ran] == ["torchaudio"] and "uninstall" in ran[0], ran
+
+
+TORCHVISION_META_REGISTRATIONS = """\
+import functools
+
+
+@torch.library.register_fake("torchvision::nms")
+def meta_nms(dets, scores, iou_threshold):
+    return "nms"
+
+
+def unrelated():
+    return "unrelated"
+
+
+@torch.library.register_fake("torchvision::qnms")
+def meta_qnms(dets, scores, iou_threshold):
+    return "qnms"
+"""
+
+
+def stand_in_torch(ops: set[str], registered: list[str]) -> SimpleNamespace:
+    """torch as far as torchvision's fake registrations use it: `register_fake` of an op this
+    build lacks raises, as CPU torch does for the CUDA torchvision's `torchvision::nms`."""
+
+    def register_fake(op: str):
+        if op not in ops:
+            raise RuntimeError(f"operator {op} does not exist")
+        return lambda fn: registered.append(op) or fn
+
+    return SimpleNamespace(library=SimpleNamespace(register_fake=register_fake))
+
+
+def test_the_patched_torchvision_imports_without_the_op_and_registers_it_where_present(
+    tmp_path: Path,
+) -> None:
+    """The CUDA torchvision beside CPU torch raised at import in its nms fake registration.
+    Patched, its module runs (the op missing is skipped, one present still registered), and a
+    second repair finds it patched and leaves it."""
+    path = tmp_path / "torchvision" / "_meta_registrations.py"
+    assert cpu_env.patch_torchvision_meta_registrations(tmp_path) == (
+        "skipped: torchvision is not installed"
+    )
+    path.parent.mkdir()
+    path.write_text(TORCHVISION_META_REGISTRATIONS)
+    assert cpu_env.patch_torchvision_meta_registrations(tmp_path) == f"fixed: patched {path}"
+    patched = path.read_text()
+    registered: list[str] = []
+    module = {"torch": stand_in_torch({"torchvision::qnms"}, registered)}
+    exec(compile(patched, str(path), "exec"), module)
+    assert module["meta_nms"](None, None, 0.5) == "nms" and registered == ["torchvision::qnms"]
+    again = cpu_env.patch_torchvision_meta_registrations(tmp_path)
+    assert again == "ok: torchvision already patched" and path.read_text() == patched
