@@ -169,3 +169,25 @@ def test_doctor_exits_0_only_when_every_check_passed(
     args = argparse.Namespace(model=str(tmp_path), vllm="/no/vllm", dtype=None)
     assert main.command_doctor(args) == exit_code
     assert "check 1" in capsys.readouterr().out
+
+
+def test_doctor_given_a_model_fails_when_it_does_not_load(monkeypatch, tmp_path: Path) -> None:
+    """`doctor --model DIR` (the GPU rehearsal's first step, with its checkpoint) checks that
+    the served environment loads DIR: every other check passing, a DIR that is no model fails
+    doctor."""
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")  # never run: every check's subprocess is answered here
+    python.chmod(0o755)
+    vllm = python.parent / "vllm"
+    vllm.write_text(f"#!{python}\n")
+    vllm.chmod(0o755)
+    answers = subprocess.CompletedProcess([], 0, "0.32.0 cuda\n", "")
+    monkeypatch.setattr(doctor, "_run_python", lambda code, interpreter: answers)
+    monkeypatch.setattr(doctor, "check_vllm_cli", lambda vllm: doctor.Check("vllm CLI", True, ""))
+    monkeypatch.setattr(doctor, "smi_compute_capabilities", lambda: None)
+    assert all(check.ok for check in doctor.run_checks(str(vllm), None))
+    checks = doctor.run_checks(str(vllm), tmp_path / "no-model", tiny=False)
+    [model] = [check for check in checks if check.name == "model loads"] or [None]
+    assert model is not None, "no model check"
+    assert not model.ok and model.detail.endswith("no-model has no config.json"), model
