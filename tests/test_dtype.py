@@ -265,3 +265,13 @@ def test_doctor_checks_the_dtype_on_a_cpu_vllm_as_run_does(monkeypatch, tmp_path
         where = tmp_path / f"{dtype}-{cpuinfo[12:16]}-{zentorch}"
         fine = doctor_on_a_cpu_vllm(monkeypatch, where, dtype, cpuinfo, zentorch)
         assert fine.ok, (dtype, zentorch, fine)
+
+
+def test_doctor_on_a_cuda_vllm_checks_the_gpus_nvidia_smi_lists(monkeypatch) -> None:
+    """On a CUDA build the dtype check reads this host's GPUs (`smi_compute_capabilities`): a
+    T4 box asked for the default bfloat16 fails doctor, not "not checked", and passes with
+    float16."""
+    monkeypatch.setattr(doctor, "smi_compute_capabilities", lambda: [A100, T4])
+    failed = doctor.check_dtype(None, "cuda", doctor.THIS_PYTHON)
+    assert not failed.ok and "GPU 1 (Tesla T4" in failed.detail, failed
+    assert doctor.check_dtype("float16", "cuda", doctor.THIS_PYTHON).ok
