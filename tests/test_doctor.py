@@ -205,3 +205,18 @@ def test_a_vllm_that_detects_no_platform_fails_its_import_check(monkeypatch) -> 
     assert not check.ok, check
     assert "no platform" in check.detail and "cpu_env" in check.hint, check
     assert doctor.served_device_type(check) is None
+
+
+def test_a_cpu_whose_flags_cannot_be_read_is_taken_to_have_no_amx(monkeypatch) -> None:
+    """Where /proc/cpuinfo cannot be read (a container that hides it), nothing says the CPU
+    has AMX: the AMX check passes saying "CPU has no AMX", instead of failing every such host
+    for a grant no AMX kernel was shown to need."""
+
+    def unreadable() -> bool:
+        raise PermissionError(13, "Permission denied", "/proc/cpuinfo")
+
+    no_hook = subprocess.CompletedProcess([], 0, "no hook: not imported\n", "")
+    monkeypatch.setattr(doctor.amx, "cpu_has_amx", unreadable)
+    monkeypatch.setattr(doctor, "_run_python", lambda code, python: no_hook)
+    check = doctor.check_amx_permission(device_type="cpu")
+    assert check.ok and check.detail == "CPU has no AMX; no hook: not imported", check
