@@ -1741,3 +1741,77 @@ def test_the_request_named_as_carrying_a_prompt_is_one_in_flight_with_the_answer
     together = Sent(PlannedRequest(9, "ld-shared-a"), answered, 10.5, 12.0)
     assert carrier([nearer, item, together], item, "ld-shared-a") == together.request.name
     assert carrier([nearer, item], item, "ld-shared-a") == nearer.request.name
+
+
+def command_load_with_stand_ins(
+    argv: list[str], result_of, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> tuple[int, list[LoadSpec], list[Any]]:
+    """`epd-harness load ARGV` through `command_load`, its run stood in: no preflight, no pool,
+    no sweep; `result_of(spec)` is what the load's run returns. The exit code, every spec the
+    load was run with, and every run request it prepared."""
+    import harness.cli.load as load_cli
+    from harness.cli.main import Progress, build_parser
+
+    settings = SimpleNamespace(run_dir=tmp_path)
+
+    asked: list[Any] = []
+
+    def prepared(request):
+        asked.append(request)
+        topology = SimpleNamespace(name=request.topologies[0])
+        return SimpleNamespace(
+            settings=settings, topologies=[topology], prompts=(), baseline_cache=None, goldens=()
+        )
+
+    class Pool:
+        def __init__(self, *args: object) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+        def summary(self) -> str:
+            return "no instance started"
+
+    class StoodInSweep:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            self.run_info: dict[str, Any] = {}
+
+        def write_outputs(self) -> None:
+            (tmp_path / "load.md").write_text("# Load\n\n## Requests\n")
+
+    ran: list[LoadSpec] = []
+
+    class StoodInRun:
+        def __init__(self, spec: LoadSpec, sweep: object) -> None:
+            self.spec = spec
+
+        def run(self) -> LoadResult:
+            ran.append(self.spec)
+            return result_of(self.spec)
+
+    monkeypatch.setattr(load_cli, "prepare_run", prepared)
+    monkeypatch.setattr(load_cli, "TopologyPool", Pool)
+    monkeypatch.setattr(load_cli, "Sweep", StoodInSweep)
+    monkeypatch.setattr(load_cli, "LoadRun", StoodInRun)
+    args = build_parser().parse_args(["load", *argv])
+    args.progress = Progress()
+    return load_cli.command_load(args), ran, asked
+
+
+@pytest.mark.parametrize("passed, exit_code", [(2, 0), (1, 1), (0, 1)])
+def test_load_exits_0_only_when_every_request_passed(
+    passed: int, exit_code: int, monkeypatch, tmp_path: Path
+) -> None:
+    """`epd-harness load`'s exit code is its result's verdict (`LoadResult.passed`): a load
+    one of whose requests failed exits 1, whatever the rest did."""
+
+    def judged_two(spec: LoadSpec) -> LoadResult:
+        result_ = LoadResult(spec)
+        result_.tally.requests, result_.tally.passed = 2, passed
+        return result_
+
+    code, _, _ = command_load_with_stand_ins(
+        ["--topology", "1E+1PD"], judged_two, monkeypatch, tmp_path
+    )
+    assert code == exit_code
