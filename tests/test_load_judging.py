@@ -1815,3 +1815,20 @@ def test_load_exits_0_only_when_every_request_passed(
         ["--topology", "1E+1PD"], judged_two, monkeypatch, tmp_path
     )
     assert code == exit_code
+
+
+def test_the_load_run_is_the_one_its_flags_ask_for(monkeypatch, tmp_path: Path) -> None:
+    """Every load flag reaches the load that runs, not only its checks: a dropped one ran
+    the default load (no kill planted, unstreamed, the default mix) and judged it."""
+    flags = ["--topology", "1E+1P+1D", "--requests", "20", "--concurrency", "5", "--stream"]
+    _, [killed], [request] = command_load_with_stand_ins(
+        [*flags, "--media", "7", "--kill", "decode"], LoadResult, monkeypatch, tmp_path
+    )
+    assert killed == LoadSpec(
+        "1E+1P+1D", requests=20, concurrency=5, stream=True, distinct_media=7, kill="decode"
+    )
+    assert request.stream, "the run's settings (run.json's stream) say the load streamed"
+    _, [soak], _ = command_load_with_stand_ins(
+        ["--topology", "1E+1PD", "--duration", "90"], LoadResult, monkeypatch, tmp_path
+    )
+    assert soak.duration_s == 90 and not soak.stream and soak.kill is None
