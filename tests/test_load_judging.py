@@ -750,6 +750,7 @@ def test_counts_past_what_a_load_sends_are_refused_before_its_mix_is_built(
         ],
         ["--requests", "64", "--media", "60"],
         ["--requests", "1"],  # the default mix of 8 media, as a load of one request always had
+        ["--media", str(MIN_DISTINCT_MEDIA)],  # the fewest a mix has
     ],
 )
 def test_a_load_at_its_count_limits_passes_its_checks(argv: list[str]) -> None:
