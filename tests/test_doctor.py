@@ -231,3 +231,26 @@ def test_doctor_on_a_cuda_vllm_asks_no_amx_grant_of_an_amx_cpu(monkeypatch, tmp_
     [amx_check] = [c for c in checks if c.name == "AMX permission at start-up"]
     assert amx_check.ok, amx_check
     assert amx_check.detail.startswith("not needed: the served vLLM runs on cuda"), amx_check
+
+
+def test_doctor_given_a_checkpoint_that_fails_to_load_blames_no_tiny_model(
+    monkeypatch, tmp_path
+) -> None:
+    """`doctor --model DIR` hands its check that DIR is not the tiny model: the GPU
+    rehearsal's checkpoint failing to load is not told to rebuild the tiny model."""
+    served_cuda_vllm_without(set(), monkeypatch, tmp_path)
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    answered = doctor._run_python
+
+    def served(code: str, interpreter) -> subprocess.CompletedProcess:
+        if "AutoConfig" in code:
+            return subprocess.CompletedProcess([], 1, "", "ValueError: unrecognized model type")
+        return answered(code, interpreter)
+
+    monkeypatch.setattr(doctor, "_run_python", served)
+    vllm = tmp_path / "gpu-venv" / "bin" / "vllm"
+    checks = doctor.run_checks(str(vllm), checkpoint, tiny=False)
+    [model] = [c for c in checks if c.name == "model loads"]
+    assert not model.ok and "tiny" not in model.hint, model
