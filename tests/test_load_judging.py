@@ -1784,11 +1784,15 @@ def command_load_with_stand_ins(
     ran: list[LoadSpec] = []
 
     class StoodInRun:
-        def __init__(self, spec: LoadSpec, sweep: object) -> None:
+        def __init__(self, spec: LoadSpec, sweep: StoodInSweep) -> None:
             self.spec = spec
+            self.recorded = sweep.run_info["load"]  # run.json's record of the load
 
         def run(self) -> LoadResult:
             ran.append(self.spec)
+            fields = ("requests", "concurrency", "stream", "distinct_media", "kill")
+            said = {"topology": self.spec.topology, "duration_s": self.spec.duration_s}
+            assert self.recorded == said | {f: getattr(self.spec, f) for f in fields}
             return result_of(self.spec)
 
     monkeypatch.setattr(load_cli, "prepare_run", prepared)
@@ -1819,8 +1823,9 @@ def test_load_exits_0_only_when_every_request_passed(
 
 
 def test_the_load_run_is_the_one_its_flags_ask_for(monkeypatch, tmp_path: Path) -> None:
-    """Every load flag reaches the load that runs, not only its checks: a dropped one ran
-    the default load (no kill planted, unstreamed, the default mix) and judged it."""
+    """Every load flag reaches the load that runs, and run.json's record of it, not only its
+    checks: a dropped one ran the default load (no kill planted, unstreamed, the default mix)
+    and judged it."""
     flags = ["--topology", "1E+1P+1D", "--requests", "20", "--concurrency", "5", "--stream"]
     _, [killed], [request] = command_load_with_stand_ins(
         [*flags, "--media", "7", "--kill", "decode"], LoadResult, monkeypatch, tmp_path
