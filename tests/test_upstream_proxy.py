@@ -45,6 +45,14 @@ def test_release_version_drops_the_local_suffix() -> None:
         upstream_proxy.release_version("unknown")
 
 
+@pytest.mark.parametrize("version", ["0.32.0-custom", "0.32.0 (local build)", "0.32.0.rc1x!"])
+def test_a_version_that_only_begins_with_a_release_number_names_no_release(version: str) -> None:
+    """The whole version must read as a release: one that only begins like one is refused
+    naming --vllm-source, never taken as a release whose sdist the index is then asked for."""
+    with pytest.raises(BadInput, match=r"cannot tell the vLLM release .*--vllm-source"):
+        upstream_proxy.release_version(version)
+
+
 def test_pip_config_scopes_rank_like_pip(monkeypatch: pytest.MonkeyPatch) -> None:
     listed = (
         "global.index-url='http://g/simple'\n:env:.index-url='http://e/simple'\n"
