@@ -117,6 +117,16 @@ def test_no_index_is_named_where_pip_has_none_configured_and_no_default(
     assert package_index.pip_indexes(["python"]) == []
 
 
+def test_a_vllm_source_that_does_not_exist_is_refused_as_such_whatever_files_are_needed(
+    tmp_path: Path,
+) -> None:
+    """A mistyped --vllm-source is told to be no directory, also for a caller that needs no
+    proxy file from it (upstream-requirement): never read as a tree that declares nothing."""
+    for required in (upstream_proxy.PROXY_FILES, ()):
+        with pytest.raises(BadInput, match="is not a vLLM checkout: no such directory"):
+            upstream_proxy.from_checkout(str(tmp_path / "no-such-tree"), required=required)
+
+
 def test_vllm_source_without_the_vllm_proxy_is_refused() -> None:
     with pytest.raises(BadInput, match="--vllm-source .* --proxy vllm"):
         prepare_run(RunRequest(vllm_source="/somewhere", count_tokens=False))
