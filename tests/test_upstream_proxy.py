@@ -398,6 +398,18 @@ def test_the_sdist_is_the_releases_own_file_not_one_whose_name_begins_with_it(
         upstream_proxy.find_sdist("https://index/simple", "0.10")
 
 
+def test_an_sdist_listed_without_its_sha256_is_not_found_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An index that lists the sdist but gives no sha256 cannot have it verified: a
+    LookupError naming the missing hash (so the next index is asked), never a download that
+    fails its check against an empty hash."""
+    listed = [("vllm-0.32.0.tar.gz", "https://files/vllm-0.32.0.tar.gz", "")]
+    monkeypatch.setattr(upstream_proxy, "project_files", lambda index, project: listed)
+    with pytest.raises(LookupError, match=r"vllm-0\.32\.0\.tar\.gz has no sha256"):
+        upstream_proxy.find_sdist("https://index/simple", "0.32.0")
+
+
 @pytest.mark.parametrize(
     ("url", "shown"),
     [
