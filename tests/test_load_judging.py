@@ -315,6 +315,20 @@ def test_growth_is_fitted_after_the_first_sample() -> None:
     assert growth([(0, 1.0), (60, 2.0)]).per_minute is None
 
 
+def test_a_rate_is_fitted_from_two_points_after_the_first_and_a_late_rate_from_three() -> None:
+    """The rate needs two points after the first; the late rate three in the last half (two
+    would be the last step alone, no rate a cache levelling off could show); no points at all
+    measured nothing, and say so (rate n/a), never a rate of 0."""
+    short = growth([(0, 100.0), (60, 500.0), (120, 510.0)])
+    assert short.per_minute == pytest.approx(10.0) and short.late_per_minute is None
+    four_after = growth([(60 * m, 100.0 + 10 * m) for m in range(5)])  # late half: 2 points
+    assert four_after.per_minute == pytest.approx(10.0) and four_after.late_per_minute is None
+    six_after = growth([(60 * m, 100.0 + 10 * m) for m in range(7)])  # late half: 3 points
+    assert six_after.late_per_minute == pytest.approx(10.0)
+    nothing = growth([])
+    assert (nothing.change, nothing.per_minute, nothing.late_per_minute) == (0.0, None, None)
+
+
 def test_a_filling_cache_levels_off_where_a_leak_keeps_its_rate() -> None:
     minutes = range(11)
     filling = growth([(60 * m, 1000 - 500 * 0.5**m) for m in minutes])
