@@ -598,3 +598,24 @@ def test_growth_up_to_its_bound_passes_and_a_byte_or_a_file_more_fails() -> None
         "decode0: RSS",
         "decode0: open files",
     ]
+
+
+def test_storage_up_to_its_bound_passes_and_a_byte_more_fails() -> None:
+    """As growth: a storage may reach its bound (512 MiB at its peak); one byte beyond fails."""
+
+    def soak(peak: int) -> list[str]:
+        def sample(n: int, stored: int) -> ResourceSample:
+            usage = InstanceUsage(rss_bytes=2**30, open_fds=100, processes=3)
+            return ResourceSample(
+                float(n),
+                n,
+                f"round {n}",
+                instances={"decode0": usage},
+                storage={"kv": StorageUsage(files=1, bytes=stored)},
+            )
+
+        history = ResourceHistory.of([sample(0, 0), sample(1, peak), sample(2, 0)])
+        return bound_problems(history, SoakBounds())
+
+    assert soak(512 * 2**20) == []
+    assert soak(512 * 2**20 + 1) == ["kv storage reached 512.0 MiB (bound 512 MiB)"]
