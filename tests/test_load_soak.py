@@ -393,6 +393,30 @@ def test_a_soak_lists_a_few_samples_and_appends_every_one_and_its_bounds_are_eve
     assert f"Sampled {rounds + 1} time(s): before, round 1 ... round {rounds}." in markdown
 
 
+def test_a_history_lists_up_to_its_trend_limit_the_first_peak_and_names_the_last_once() -> None:
+    """The trend keeps up to its limit of samples before thinning (4 of 4 here, all listed as
+    trend); a storage's peak is the first sample that reached it; the labels are the first four
+    and, only past four samples, the last's."""
+
+    def sample(n: int, stored: int) -> ResourceSample:
+        label = "before" if n == 0 else f"round {n}"
+        return ResourceSample(float(n), n, label, storage={"kv": StorageUsage(1, stored)})
+
+    history = ResourceHistory(trend_samples=4)
+    for n, stored in enumerate((5, 10, 10, 7)):
+        history.add(sample(n, stored))
+    listed = {number: why for number, why, _ in history.listed()}
+    assert listed == {
+        0: ["first", "trend"],
+        1: ["end of the first round: growth is held from here", "peak kv storage", "trend"],
+        2: ["trend"],
+        3: ["trend", "last"],
+    }
+    assert history.labels() == ["before", "round 1", "round 2", "round 3"]
+    history.add(sample(4, 0))
+    assert history.labels() == ["before", "round 1", "round 2", "round 3", "round 4"]
+
+
 def test_a_soak_holds_each_instances_process_tree_once_however_many_rounds_it_ran(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
