@@ -1807,6 +1807,16 @@ def test_an_ec_path_declaration_covers_every_encoder_topology() -> None:
     assert not {name for name in pd if "ec-" in name or "media" in name}, pd
 
 
+def test_a_prompt_of_video_alone_is_no_text_only_prompt() -> None:
+    """`rules_for` carries a declaration to every KV topology when its prompts hold no media
+    (`media_count`): a video, as an mp4 or as JPEG frames, is media as an image is, or a
+    failure declared on a video reaching 1E+1P+1D's encoder would be taken as known on 1P+1D,
+    whose D has no encoder path to fail on."""
+    for part in (ImagePart(seed=1), VideoPart(seed=1), VideoFramesPart(seed=1)):
+        assert PromptSpec("p", (part, TextPart(" x"), part)).media_count == 2, part
+    assert PromptSpec("t", (TextPart(" x"),)).media_count == 0
+
+
 def test_a_text_only_kv_declaration_covers_every_topology_that_moves_kv() -> None:
     """Seen on real vLLM: `fuzz --topology 1P+1D --examples 40 --seed 1` met the text-only
     VACUOUS at k*block+1 tokens that epd-kv-lookup-miss-text declares on 1E+1P+1D, and called
