@@ -95,6 +95,24 @@ def vllm_tree(path: Path, commit: bool) -> str | None:
     return head.stdout.strip()
 
 
+def test_a_tree_inside_another_git_checkout_has_no_commit_of_its_own(tmp_path: Path) -> None:
+    """A vLLM tree unpacked (not cloned) inside some other repository, a user's project, is
+    no checkout: git answers for it with the enclosing repository's HEAD, which is not the
+    tree's commit. It is recorded as not checked, never refused as being at that commit."""
+    outer = tmp_path / "project"
+    outer_commit = vllm_tree(outer, commit=True)
+    assert outer_commit is not None
+    tree = outer / "third_party" / "vllm"
+    vllm_tree(tree, commit=False)
+    served = fake_dev_vllm(tmp_path, "0.33.0.dev12+gabc1234")
+    files = upstream_proxy.from_checkout(str(tree), served)
+    assert files.commit is None
+    assert files.commit_check.startswith("not checked: ") and "not a git checkout" in (
+        files.commit_check
+    )
+    assert upstream_proxy.from_checkout(str(outer), served=None).commit == outer_commit
+
+
 def test_the_source_trees_commit_is_recorded_and_must_be_the_builds(tmp_path: Path) -> None:
     tree = tmp_path / "vllm"
     commit = vllm_tree(tree, commit=True)

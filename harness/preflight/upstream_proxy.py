@@ -238,18 +238,25 @@ def missing_proxy(directory: Path, missing: str) -> str:
 
 
 def git_commit(directory: Path) -> str | None:
-    """The commit a checkout has checked out (HEAD), or None: not a git checkout, no git."""
+    """The commit a checkout has checked out (HEAD), or None: not a git checkout, no git. A
+    tree that is no checkout's top, one unpacked inside another repository, is none: git would
+    answer with that repository's HEAD, another tree's commit."""
     try:
         done = subprocess.run(
-            ["git", "-C", str(directory), "rev-parse", "--verify", "HEAD"],
+            ["git", "-C", str(directory), "rev-parse", "--show-toplevel", "HEAD"],
             capture_output=True,
             text=True,
             timeout=GIT_TIMEOUT_S,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    commit = done.stdout.strip()
-    return commit if done.returncode == 0 and re.fullmatch(r"[0-9a-f]{40,64}", commit) else None
+    lines = done.stdout.splitlines()
+    if done.returncode != 0 or len(lines) != 2:
+        return None
+    top, commit = Path(lines[0]).resolve(), lines[1].strip()
+    if top != directory.resolve() or not re.fullmatch(r"[0-9a-f]{40,64}", commit):
+        return None
+    return commit
 
 
 def cached_or_fetched(
