@@ -352,6 +352,15 @@ def test_the_proxy_chosen_for_dynamic_registration_is_checked_for_the_mode(
     assert chosen.registration == "dynamic"
 
 
+def test_the_harnesss_proxy_needs_nothing_of_the_served_vllm(tmp_path: Path) -> None:
+    """Only --proxy vllm reads the served vLLM's Python and release files: the harness's own
+    proxy is chosen as it is, for a vLLM of no known version or interpreter, nothing fetched."""
+    served = ServedVllm(str(tmp_path / "no-such-vllm"), "unknown")
+    choice = upstream_proxy.proxy_choice(HARNESS_PROXY, None, served, tmp_path / "cache")
+    assert choice == ProxyChoice(HARNESS_PROXY)
+    assert not (tmp_path / "cache").exists()
+
+
 def test_a_served_vllm_without_a_python_to_run_the_proxy_with_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
