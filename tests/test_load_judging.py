@@ -1852,3 +1852,14 @@ def test_the_load_run_is_the_one_its_flags_ask_for(monkeypatch, tmp_path: Path) 
         ["--topology", "1E+1PD", "--duration", "90"], LoadResult, monkeypatch, tmp_path
     )
     assert soak.duration_s == 90 and not soak.stream and soak.kill is None
+
+
+def test_a_load_sent_one_at_a_time_has_no_request_batched(tmp_path: Path) -> None:
+    """A request is batched only if another request was in flight with it, never by
+    overlapping itself: a load of concurrency 1 judges every answer exactly, with no batch
+    floor, and its account counts none batched."""
+    load, _ = stand_in_load(tmp_path, requests=4)
+    result_ = load.run()
+    assert [r.batched for r in result_.results] == [False] * 4
+    assert result_.tally.batched == 0
+    assert json.loads((tmp_path / "load.json").read_text())["stats"]["batched"] == 0
