@@ -1863,3 +1863,46 @@ def test_a_load_sent_one_at_a_time_has_no_request_batched(tmp_path: Path) -> Non
     assert [r.batched for r in result_.results] == [False] * 4
     assert result_.tally.batched == 0
     assert json.loads((tmp_path / "load.json").read_text())["stats"]["batched"] == 0
+
+
+class NearTie(SlowStandIn):
+    """Answers ld-shared-a with "near-tie" every time (no calibration runs on it here)."""
+
+    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
+        time.sleep(0.2)
+        given = "near-tie" if prompt == "ld-shared-a" else prompt
+        return Outcome(prompt, result=self.answers[given], seconds=0.01)
+
+
+def test_a_batched_answer_may_drift_within_its_own_loads_floor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The floor this load's calibration measured at its concurrency is its batched answers'
+    tolerance: a near tie within it is a DRIFT that passes, as the baseline showed batching
+    moves log-probs that much."""
+    import harness.run.load.run as run_module
+    from harness.run.baseline import BatchedAnswer
+
+    load, session = stand_in_load(tmp_path, requests=2, session_type=NearTie, concurrency=2)
+    reference = session.answers["ld-shared-a"]
+    last = reference.logprobs[-1]
+    session.answers["near-tie"] = dataclasses.replace(
+        reference,
+        token_ids=(*reference.token_ids[:-1], last.token_id + 1),
+        logprobs=(
+            *reference.logprobs[:-1],
+            PositionLogprobs(
+                last.token_id + 1, -1.0, ((last.token_id + 1, -1.0), (last.token_id, -1.005))
+            ),
+        ),
+    )
+    load.sweep.settings = dataclasses.replace(load.sweep.settings, platform=CUDA)
+    load.sweep.judging.settings = load.sweep.settings
+    load.sweep.judging.reference_policy = ReferencePolicy(EXACT_EVERYWHERE)
+    own = BatchCalibration(2, (BatchedAnswer("request 1", "ld-shared-a", True, 0.5, ""),), "x")
+    monkeypatch.setattr(run_module, "calibrate_load", lambda *_: (own, "measured"))
+    result_ = load.run()
+    first = result_.results[0]
+    assert first.prompt == "ld-shared-a" and first.batched
+    assert first.record.verdict is Verdict.DRIFT and first.record.policy_passed, first.record
+    assert result_.passed, result_.problems
