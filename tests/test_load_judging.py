@@ -1906,3 +1906,18 @@ def test_a_batched_answer_may_drift_within_its_own_loads_floor(
     assert first.prompt == "ld-shared-a" and first.batched
     assert first.record.verdict is Verdict.DRIFT and first.record.policy_passed, first.record
     assert result_.passed, result_.problems
+
+
+def test_an_answer_whose_prompt_ids_alone_differ_names_no_request_of_its_own_prompt(
+    tmp_path: Path,
+) -> None:
+    """Request 8 carries ld-shared-a as request 1 does; its answer generated ld-shared-a's
+    tokens on other prompt ids. That is its own prompt's answer gone wrong, no answer of
+    another request: no "generated request 1's answer"."""
+    load, session = stand_in_load(tmp_path, requests=10, swap={8: "other-ids"})
+    own = session.answers["ld-shared-a"]
+    session.answers["other-ids"] = dataclasses.replace(own, prompt_token_ids=(1, 7, 7, 7))
+    result_ = load.run()
+    eighth = result_.results[7]
+    assert eighth.prompt == "ld-shared-a" and eighth.record.verdict is Verdict.MISMATCH
+    assert "request" not in eighth.record.detail, eighth.record.detail
