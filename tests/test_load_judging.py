@@ -1921,3 +1921,34 @@ def test_an_answer_whose_prompt_ids_alone_differ_names_no_request_of_its_own_pro
     eighth = result_.results[7]
     assert eighth.prompt == "ld-shared-a" and eighth.record.verdict is Verdict.MISMATCH
     assert "request" not in eighth.record.detail, eighth.record.detail
+
+
+class DiesOfItsDecodeTail(EpdStandIn):
+    """D dies on the request whose media end in the part it recomputes, as declared."""
+
+    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
+        if prompt != TAIL_PROMPT:
+            return super().send(prompt, body)
+        self.calls += 1
+        return Outcome(
+            prompt,
+            error="instance 1E+1P+1D/decode0 exited with code 1; last lines of decode0.log:\n"
+            "AssertionError: Expected number of multimodal embeddings to match\nHTTP 502",
+        )
+
+
+def test_the_request_sent_alone_that_ends_d_as_declared_passes_the_load(tmp_path: Path) -> None:
+    """The prompt declared to end D is sent last, alone, and judged with its declaration: its
+    ERROR is the declared failure, a row of the load that passed (no load fails by it)."""
+    sweep, answers = tail_sweep(tmp_path)
+    from harness.judge.verdicts import Stability
+
+    sweep.baseline.stability = {name: Stability(True, "stable", 0.0) for name in answers}
+    session = DiesOfItsDecodeTail(answers, sweep.settings)
+    sweep.pool.session = lambda topology, settings=None, devices=None: session  # type: ignore[method-assign]
+    spec = LoadSpec("1E+1P+1D", requests=8, concurrency=1, distinct_media=3)
+    result_ = LoadRun(spec, sweep, on_progress=lambda _: None).run()
+    last = result_.results[-1]
+    assert last.prompt == TAIL_PROMPT and last.record.verdict is Verdict.ERROR
+    assert last.record.declared_failure == "epd-media-in-decode-tail", last.record
+    assert last.record.policy_passed and last.row().passed
