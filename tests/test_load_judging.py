@@ -1952,3 +1952,19 @@ def test_the_request_sent_alone_that_ends_d_as_declared_passes_the_load(tmp_path
     assert last.prompt == TAIL_PROMPT and last.record.verdict is Verdict.ERROR
     assert last.record.declared_failure == "epd-media-in-decode-tail", last.record
     assert last.record.policy_passed and last.row().passed
+
+
+def test_a_kill_planted_in_a_round_of_fewer_requests_than_its_concurrency_comes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--requests 2 --concurrency 4 --kill pd`: the round can have 2 requests in flight, not
+    4, and the kill comes once both are (a wait short here: held for the 4 of the concurrency
+    the round would wait out KILL_WAIT_S and the kill never come)."""
+    import harness.run.load.run as run_module
+
+    monkeypatch.setattr(run_module, "KILL_WAIT_S", 2.0)
+    load, _, killed = killable_load(tmp_path, monkeypatch)
+    load.spec = LoadSpec("1E+1PD", requests=2, concurrency=4, distinct_media=3, kill="pd")
+    result_ = load.run()
+    assert killed == ["1E+1PD/pd0"] and result_.killed == "1E+1PD/pd0", result_.problems
+    assert result_.passed, result_.problems
