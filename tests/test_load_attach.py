@@ -118,6 +118,8 @@ def test_an_attached_deployment_down_at_the_start_sends_nothing(
         load.sweep.pool.close()
     assert [r.not_sent for r in result.results] == [True] * 4
     assert all("1E+1PD/pd0" in r.record.detail for r in result.results)
+    # Of the load's one round, though none was sent: no round 0 in load-requests.jsonl.
+    assert [r.round_number for r in result.results] == [1] * 4
 
 
 def test_an_attached_deployment_serving_otherwise_sends_nothing(
