@@ -643,3 +643,35 @@ def test_storage_up_to_its_bound_passes_and_a_byte_more_fails() -> None:
 
     assert soak(512 * 2**20) == []
     assert soak(512 * 2**20 + 1) == ["kv storage reached 512.0 MiB (bound 512 MiB)"]
+
+
+class WritesKv(TimedStandIn):
+    """Each request leaves a file in the KV storage, as a connector's store does."""
+
+    def send(self, prompt: str, body: dict[str, Any]) -> Outcome:
+        outcome = super().send(prompt, body)
+        (self.kv_storage / f"{self.calls}.bin").write_bytes(b"kv")
+        return outcome
+
+
+def test_a_soak_cleans_the_kv_storage_between_rounds_and_leaves_the_last_rounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The KV storage is cleaned to make room for the next round, never after the last: what
+    the soak's last round stored is there to read after it, and load.md's cleaned bytes are
+    those cleaned between rounds."""
+    clock = SoakClock()
+    monkeypatch.setattr(run_module, "time", SimpleNamespace(monotonic=clock.monotonic))
+    load, session = stand_in_load(tmp_path, requests=3, session_type=WritesKv, clock=clock)
+    session.kv_storage = tmp_path / "kv"
+    session.kv_storage.mkdir()
+    load.spec = dataclasses.replace(load.spec, duration_s=5.0)  # 3 s a round: 2 rounds
+    result = load.run()
+    assert result.rounds == 2
+    lines = [json.loads(line) for line in (tmp_path / SAMPLES_FILE).read_text().splitlines()]
+    assert [(line["label"], line["cleaned"]) for line in lines] == [
+        ("before", {}),
+        ("round 1", {"kv": {"files": 3, "bytes": 6}}),
+        ("round 2", {}),
+    ]
+    assert sorted(p.name for p in session.kv_storage.iterdir()) == ["4.bin", "5.bin", "6.bin"]
