@@ -241,3 +241,25 @@ def test_a_kv_or_stream_fault_acts_on_a_prompt_without_media() -> None:
         refuse_unreached_prompts(fault, text)
     with pytest.raises(BadInput, match="needs a media item"):
         refuse_unreached_prompts("corrupt-ec", text)
+
+
+def test_the_threshold_is_the_ladders_down_to_its_first_miss_whatever_is_caught_below() -> None:
+    """A cell's rungs below its first miss (a second ladder of the same fault and topology in
+    one session, or strengths given by hand) do not move it: a catch below a miss is no
+    threshold (else a regression at 0.05 hid behind a lucky 0.005), and the miss it reports
+    is the first."""
+    table = DetectionTable(
+        [
+            rung(0.5, "MISMATCH"),
+            rung(0.05, "MATCH"),
+            rung(0.005, "MISMATCH"),
+            rung(0.0005, "DRIFT"),
+        ]
+    )
+    cell = table.cells()["ec-noise"]["1E+1PD"]
+    assert (cell["smallest_caught"], cell["missed_at"], cell["missed_verdict"]) == (
+        0.5,
+        0.05,
+        "MATCH",
+    ), cell
+    assert cell["tried"] == [0.5, 0.05, 0.005, 0.0005]
