@@ -263,3 +263,21 @@ def test_the_threshold_is_the_ladders_down_to_its_first_miss_whatever_is_caught_
         "MATCH",
     ), cell
     assert cell["tried"] == [0.5, 0.05, 0.005, 0.0005]
+
+
+def test_a_rung_says_whether_the_fault_moved_the_prompt_ids() -> None:
+    """detection.json's prompt_ids_equal is read from the verdict's detail: a fault caught by
+    prompt ids that differ (an EC fault that changed what the consumer tokenized) is told apart
+    from one caught by the generated tokens alone."""
+    moved = case_record(
+        "1E+1PD",
+        "d-video-grid",
+        Verdict.MISMATCH,
+        passed=False,
+        detail="prompt ids differ at position 12; generated tokens differ at 0",
+    )
+    assert rung_from_record("ec-video-grid", 1.0, moved, touched=1).prompt_ids_equal is False
+    kept = case_record(
+        "1E+1PD", "d-ec-noise-0", Verdict.MISMATCH, passed=False, detail="tokens differ at 3"
+    )
+    assert rung_from_record("ec-noise", 0.5, kept, touched=1).prompt_ids_equal is True
