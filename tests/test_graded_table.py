@@ -281,3 +281,14 @@ def test_a_rung_says_whether_the_fault_moved_the_prompt_ids() -> None:
         "1E+1PD", "d-ec-noise-0", Verdict.MISMATCH, passed=False, detail="tokens differ at 3"
     )
     assert rung_from_record("ec-noise", 0.5, kept, touched=1).prompt_ids_equal is True
+
+
+def test_a_model_directory_given_by_a_relative_path_is_named_by_its_own_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--model models/my-vl` where that directory exists here is a local model, not the hub's
+    `models/my-vl`: its thresholds are committed under my-vl, as an absolute path's are."""
+    (tmp_path / "models" / "my-vl").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert model_key("models/my-vl") == "my-vl"
+    assert model_key(str(tmp_path / "models" / "my-vl")) == "my-vl"
