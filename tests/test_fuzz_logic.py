@@ -1986,6 +1986,9 @@ def test_a_releases_encoder_failure_does_not_hide_a_mismatch_of_a_topology_witho
     text_only = PromptSpec("t", (TextPart(" one two three"),))
     rules = rules_for(TOPOLOGIES["1P+1D"], "ExampleConnector", GENERATIONS_BY_NAME["by-hash"])
     assert not recognise(rules, review_mismatch(), text_only, None).known
+    # Nor is it said to bear the release's signature untriggered: no such rule applies there.
+    assert not [r.name for r in rules if r.name.startswith("release")]
+    assert recognise(rules, review_mismatch(), text_only, None).outside_trigger is None
 
 
 def test_a_saved_scenario_is_known_for_its_own_request_shape_only(tmp_path: Path, monkeypatch):
