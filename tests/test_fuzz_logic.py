@@ -3669,3 +3669,27 @@ def test_fuzz_plants_a_bare_ec_zero_frame_on_the_first_frame_pair() -> None:
     check_command_line(["fuzz", "--topology", "1E+1PD", "--plant-fault", "ec-zero-frame"])
     newest = space_for(NEWEST, TOPOLOGIES["1E+1PD"], ServingConfig(model="m"))
     assert fault_refusal("ec-zero-frame", newest, TOPOLOGIES["1E+1PD"]) is None
+
+
+def test_only_a_declaration_all_text_on_a_topology_that_moves_kv_covers_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The text-only widening (`declared_for`) is for requests no encoder takes part in, on a
+    topology whose P and D move KV: a scenario with one media request among its text ones
+    (a saved request and its follow-up) stays on its topology, and a text-only one declared
+    where no KV moves (1E+1PD) says nothing of 1P+1D's KV connector."""
+    import harness.run.fuzz.known as known_module
+    from harness.run.fuzz.known import declared_for
+    from harness.run.scenarios import MATRIX, get_scenario
+
+    media = get_scenario("epd-kv-lookup-miss-media")
+    mixed = dataclasses.replace(
+        media,
+        name="mixed-text-then-media",
+        prompts=(PromptSpec("t-first", (TextPart(" x"),)), *media.prompts),
+    )
+    monkeypatch.setattr(known_module, "MATRIX", (*MATRIX, mixed))
+    pd = {r.name for r in rules_for(TOPOLOGIES["1P+1D"], "ExampleConnector", NEWEST)}
+    assert "scenario mixed-text-then-media" not in pd, pd
+    assert not declared_for(TOPOLOGIES["1E+1PD"], TOPOLOGIES["1P+1D"], text_only=True)
+    assert declared_for(TOPOLOGIES["1E+1P+1D"], TOPOLOGIES["1P+1D"], text_only=True)
