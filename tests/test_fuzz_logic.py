@@ -859,6 +859,9 @@ def test_the_video_timing_mismatch_is_known_for_frames_not_at_two_fps() -> None:
     assert recognise(rules, mismatch, frames, None).known
     assert not recognise(rules, mismatch, at_two, None).known
     assert not recognise(rules, mismatch, image_prompt((56, 56)), None).known
+    # An mp4 sampled at 1 fps is the mp4 declaration's, not the frames' (found in review).
+    mp4 = PromptSpec("m", (VideoPart(1, fps=1.0), TextPart("x")))
+    assert recognise(rules, mismatch, mp4, None).rule.name == "scenario ec-video-mp4-not-at-2-fps"
     old = rules_for(TOPOLOGIES["1E+1PD"], "ExampleConnector", GENERATIONS_BY_NAME["by-hash"])
     video = PromptSpec("v", (VideoPart(1), TextPart("x")))
     assert recognise(old, mismatch, video, None).rule.name == "release by-hash"
