@@ -222,3 +222,6 @@ def test_a_preflight_message_names_the_session_options_not_the_clis_flags() -> N
         "--epd-colocate); --epd-proxy-registration dynamic needs --epd-proxy vllm and "
         "--epd-vllm-source; --epd-run-dir x"
     )
+    # vLLM's own flags that begin with one of the CLI's are vLLM's, not the session's.
+    vllms = "unrecognized arguments: --model-impl x --kv-connector-extra-config {}"
+    assert in_session_terms(vllms) == vllms
