@@ -553,6 +553,20 @@ def test_epd_topology_shrinks_the_session_plan_to_what_was_asked_and_its_referen
     assert {name: devices for wave in waves for name, devices in wave.items()} == planned
 
 
+def test_the_session_sweep_lists_each_prompt_once() -> None:
+    """The modules' prompts the skeleton has not go to the baseline alone, besides the
+    skeleton's: a module's copy of a skeleton prompt among them listed it twice in the
+    session's run.json."""
+    from harness.spec.prompts import SKELETON_PROMPTS, PromptSpec, TextPart
+    from harness.testing.e2e_fixtures import session_sweep_spec
+
+    extra = PromptSpec("extra", (TextPart("x"),))
+    spec = session_sweep_spec(("2E+1PD", "1P+1D"), (*SKELETON_PROMPTS[:2], extra))
+    assert [t.name for t in spec.topologies] == ["1P+1D"]
+    assert [t.name for t in spec.placed_only] == ["2E+1PD"]
+    assert spec.prompts == SKELETON_PROMPTS and spec.baseline_only_prompts == (extra,)
+
+
 LOADS = """
 import pytest
 
