@@ -18,7 +18,9 @@ import contextlib
 import errno
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -758,6 +760,35 @@ def test_an_exports_port_counts_as_left_only_when_a_process_of_its_run_holds_it(
         assert export_ports_left(tmp_path, [port]) == [f"{port} (LISTEN pid {pid})"]
         os.utime(pid_file, (born + 5.0, born + 5.0))
         assert export_ports_left(tmp_path, [port]) == []
+
+
+def test_nothing_left_behind_fails_on_a_process_left_and_kills_it(tmp_path: Path) -> None:
+    """The check every chaos trial ends with can go red: a process still running fails it,
+    and is killed before the failure propagates, so it leaks into no later test."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with pytest.raises(AssertionError, match=f"processes left behind: pid {sleeper.pid} "):
+            with nothing_left_behind([sleeper.pid], [], tmp_path):
+                pass
+        assert sleeper.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_nothing_left_behind_fails_on_a_port_the_tests_own_process_holds(
+    tmp_path: Path,
+) -> None:
+    """A harness run in-process leaks its sockets into the test's own process, born long
+    before the block: a port it still listens on fails the check all the same."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        held = re.escape(str([f"{port} (LISTEN pid {os.getpid()})"]))
+        with pytest.raises(AssertionError, match=f"ports left held: {held}"):
+            with nothing_left_behind([], [port], tmp_path):
+                pass
 
 
 @contextlib.contextmanager
