@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import re
@@ -789,6 +790,17 @@ def test_nothing_left_behind_fails_on_a_port_the_tests_own_process_holds(
         with pytest.raises(AssertionError, match=f"ports left held: {held}"):
             with nothing_left_behind([], [port], tmp_path):
                 pass
+
+
+def test_a_lease_still_locked_is_a_port_held(tmp_path: Path) -> None:
+    """A port no socket holds is still the run's while a process keeps its lease locked."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with open(tmp_path / f"port-{port}.lock", "w") as lease:
+        fcntl.flock(lease, fcntl.LOCK_EX)
+        assert held_ports([port], tmp_path) == [f"{port} (lease still locked)"]
+    assert held_ports([port], tmp_path) == []
 
 
 @contextlib.contextmanager
