@@ -52,6 +52,7 @@ from harness.testing.processes import (
     export_ports_left,
     files_under,
     held_ports,
+    is_live,
     kill_all,
     nothing_left_behind,
     pythons_own_ctrl_c,
@@ -801,6 +802,39 @@ def test_a_lease_still_locked_is_a_port_held(tmp_path: Path) -> None:
         fcntl.flock(lease, fcntl.LOCK_EX)
         assert held_ports([port], tmp_path) == [f"{port} (lease still locked)"]
     assert held_ports([port], tmp_path) == []
+
+
+def test_what_has_ended_is_gone_an_unreaped_process_and_a_time_wait_too(tmp_path: Path) -> None:
+    """A process that ends while the check waits is no survivor, nor one ended but not yet
+    reaped (this machine's init reaps no orphans); a connection of a closed port left in
+    TIME_WAIT is the kernel's, no process holds the port."""
+    ending = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        assert survivors([ending.pid]) == []
+        wait_for(lambda: psutil.Process(ended.pid).status() == psutil.STATUS_ZOMBIE, "a zombie")
+        assert not is_live(ended.pid) and survivors([ended.pid], timeout_s=0) == []
+    finally:
+        for child in (ending, ended):
+            child.kill()
+            child.wait()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        served, _ = listener.accept()
+        served.close()  # the server's end closes first, so it is the one left in TIME_WAIT
+        client.close()
+
+    def time_wait() -> bool:
+        return any(
+            c.laddr and c.laddr.port == port and c.status == psutil.CONN_TIME_WAIT
+            for c in psutil.net_connections(kind="tcp")
+        )
+
+    wait_for(time_wait, f"port {port} in TIME_WAIT")
+    assert held_ports([port], tmp_path, always=[os.getpid()]) == []
 
 
 @contextlib.contextmanager
