@@ -2085,7 +2085,8 @@ def test_an_empty_value_is_refused_not_taken_for_the_default(
 
 
 def test_fuzz_of_a_stream_fault(epd_cli, tmp_path: Path) -> None:
-    """fuzz sends its requests unstreamed and has no --stream: it was told to 'add --stream'."""
+    """fuzz sends its requests unstreamed unless --stream asks: a stream fault without it acts
+    on nothing (before fuzz had --stream, it was told to 'add --stream', which it lacked)."""
     args = ("fuzz", "--topology", "1P+1D", "--plant-fault", "stream-duplicate-chunk")
     code, _, err = epd_cli(*args, "--model", tmp_path / "no-model", "--run-dir", tmp_path / "r")
     LAST_ARGS.update(args=" ".join(args), tmp=str(tmp_path))
@@ -2093,7 +2094,7 @@ def test_fuzz_of_a_stream_fault(epd_cli, tmp_path: Path) -> None:
         code,
         err,
         "--plant-fault stream-duplicate-chunk acts on streamed answers, and fuzz sends its "
-        "requests unstreamed: plant it with 'epd-harness run --stream'",
+        "requests unstreamed unless asked: add --stream",
     )
 
 

@@ -71,6 +71,40 @@ def test_the_engine_judges_groups_shrinks_and_bundles(
     assert "Minimal request" in (settings.run_dir / "fuzz.md").read_text()
 
 
+def test_a_streamed_fuzz_streams_to_the_topology_and_judges_the_framing(
+    tmp_path: Path, fake_vllm: Path, port_locks: Path
+) -> None:
+    """`fuzz --stream`: every example reaches the topology streamed (the baseline answers
+    unstreamed) and its framing is judged, so a planted duplicated chunk is a failure the run
+    finds; the bundle says it streamed, so `repro` streams its case again."""
+    settings = fake_run_settings(tmp_path, fake_vllm, request_timeout_s=30.0, stream=True)
+    examples = [
+        FuzzExample(PromptSpec("ex-0000", (TextPart(" a b"),), max_tokens=4)),
+        FuzzExample(PromptSpec("ex-0001", (TextPart(" one two three"),), max_tokens=6)),
+    ]
+    topology = TOPOLOGIES["1E+1PD"]  # text alone: MATCH on the fake
+    write_examples(settings.run_dir, examples, {"seed": 0, "space": FuzzSpace().to_json()})
+    with FuzzEngine(settings, topology, budget=ShrinkBudget(max_trials=0)) as engine:
+        report = engine.run(examples)
+    assert report.counts() == {"MATCH": 2}
+    assert all(e.candidate.stream is not None for e in report.evaluations), "not streamed"
+    assert all(e.baseline.stream is None for e in report.evaluations), "the baseline streamed"
+    planted = fake_run_settings(
+        tmp_path / "planted", fake_vllm, request_timeout_s=30.0, stream=True
+    )
+    write_examples(planted.run_dir, examples, {"seed": 0, "space": FuzzSpace().to_json()})
+    budget = ShrinkBudget(max_trials=0)
+    with FuzzEngine(planted, topology, fault="stream-duplicate-chunk", budget=budget) as engine:
+        report = engine.run(examples)
+    assert report.counts() == {"MISMATCH": 2}, report.counts()
+    assert all(e.record.detail.startswith("stream framing broken: ") for e in report.evaluations), [
+        e.record.detail for e in report.evaluations
+    ]
+    meta = {"topology": topology.name, "seed": 0, "vllm": "unknown", "kv_connector": "x"}
+    write_fuzz_bundle(planted, topology, report, meta, None)
+    assert json.loads((planted.run_dir / "run.json").read_text())["stream"] is True
+
+
 def test_the_command_line_imports_without_hypothesis() -> None:
     """In a fresh interpreter: this one has imported Hypothesis already."""
     code = (

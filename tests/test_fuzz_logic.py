@@ -1763,6 +1763,23 @@ def test_fuzz_restart_budgets_default_as_documented_and_pass_with_attach_when_no
     assert run_budget(given).max_restarts == 0
 
 
+def test_fuzz_stream_reaches_the_run_and_lets_a_stream_fault_be_planted() -> None:
+    """`--stream` reaches the run's request (the engine streams by the run's settings); a
+    stream fault passes the checks with it, and without it is refused (it would act on
+    nothing)."""
+    from harness.cli.fuzz import fuzz_request
+    from harness.cli.main import check_command_line
+    from harness.errors import BadInput
+
+    streamed = ["fuzz", "--topology", "1P+1D", "--stream"]
+    assert fuzz_request(check_command_line(streamed)).stream is True
+    assert fuzz_request(check_command_line(streamed[:-1])).stream is False
+    fault = ["--plant-fault", "stream-duplicate-chunk"]
+    assert check_command_line([*streamed, *fault]).plant_fault == "stream-duplicate-chunk"
+    with pytest.raises(BadInput, match="unstreamed unless asked: add --stream"):
+        check_command_line([*streamed[:-1], *fault])
+
+
 def test_fuzz_refuses_more_examples_than_a_run_draws_before_drawing_any(
     epd_cli, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -72,6 +72,12 @@ def add_fuzz_parser(sub: Any) -> None:
         f"({FAULT_SYNTAX}) in the topology; the fuzz must find failures",
     )
     fuzz.add_argument(
+        "--stream",
+        action="store_true",
+        help="send every example to the topology streamed (stream: true, with usage), its "
+        "framing judged too; the baseline answers unstreamed, as for 'run --stream'",
+    )
+    fuzz.add_argument(
         "--confirm-known",
         type=int,
         default=2,
@@ -120,10 +126,10 @@ def _refuse(args: argparse.Namespace) -> None:
             "--save declares upstream failures; a planted fault is the harness's own, and "
             "the scenario would run without it: drop --save (or --plant-fault)"
         )
-    if args.plant_fault and parse_fault(args.plant_fault).kind in STREAM_FAULTS:
+    if args.plant_fault and parse_fault(args.plant_fault).kind in STREAM_FAULTS and not args.stream:
         raise BadInput(
             f"--plant-fault {args.plant_fault} acts on streamed answers, and fuzz sends its "
-            "requests unstreamed: plant it with 'epd-harness run --stream'"
+            "requests unstreamed unless asked: add --stream"
         )
     if "," in args.topology:
         raise BadInput(f"--topology {args.topology}: fuzz runs one topology at a time")
@@ -184,6 +190,7 @@ def fuzz_request(args: argparse.Namespace, run_dir: str | None = None) -> RunReq
         run_dir=args.run_dir or run_dir,
         baseline_cache="off",
         plant_fault=args.plant_fault,
+        stream=args.stream,
         draws_own_requests=True,
         **serving_fields(args),
         **proxy_fields(args),
@@ -250,6 +257,7 @@ def command_fuzz(args: argparse.Namespace) -> int:
         "proxy": settings.proxy.kind,
         "protocol": settings.protocol.name,
         "fault": args.plant_fault,
+        "stream": settings.stream,
         "attached": bool(args.attach),
         "space": space.to_json(),
         "layout_estimator": type(estimator).__name__ if estimator else None,

@@ -402,7 +402,8 @@ def render_fuzz_md(
     """fuzz.md, which the command prints at its end; `ran_on`: verdicts.txt's devices line."""
     timing = report.timing()
     lines = [
-        f"# Fuzz: {meta['topology']}, seed {meta['seed']}, {len(report.examples)} examples",
+        f"# Fuzz: {meta['topology']}, seed {meta['seed']}, {len(report.examples)} examples"
+        + (", streamed" if meta.get("stream") else ""),
         "",
         f"vLLM {meta.get('vllm')}, KV connector {meta.get('kv_connector')}"
         + (f", planted fault {meta['fault']}" if meta.get("fault") else ""),

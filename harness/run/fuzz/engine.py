@@ -70,6 +70,7 @@ from harness.spec.prompts import (
     PromptSpec,
     cold_request,
     render_request,
+    streaming_request,
 )
 from harness.spec.settings import RunSettings
 from harness.spec.topology import BASELINE, Role, Topology
@@ -329,7 +330,10 @@ class FuzzEngine:
             return evaluation
         assert self.session is not None
         mark = fault_mark(self.planted)
-        candidate = self.session.send(spec.name, evaluation.body)
+        # Streamed under --stream, as real traffic is: the baseline answers unstreamed (its
+        # control too), and the stream's framing is judged beside its ids (`run --stream`).
+        sent = streaming_request(evaluation.body) if self.settings.stream else evaluation.body
+        candidate = self.session.send(spec.name, sent)
         evaluation.fault = fault_since(self.planted, mark)
         content = request_content(evaluation.body)
         if evaluation.fault == FAULT_ACTED:
