@@ -832,6 +832,20 @@ def test_prompt_ids_mismatches_of_another_count_have_signatures_apart() -> None:
     assert generated == where("generated tokens differ at position 5 of 8/3")
 
 
+def test_a_broken_streams_signature_is_its_framing_whatever_its_ids_did() -> None:
+    """Real vLLM, `fuzz --stream --plant-fault stream-duplicate-chunk`: the duplicated chunk
+    also shifts the ids, and the group read "MISMATCH | generated ids", as an answer that is
+    wrong. A failed stream framing check is the signature; a stream framed right is not."""
+    broken = {"stream_framing": {"ok": False, "evidence": "chunk 3 comes after finish_reason"}}
+    framed = {"stream_framing": {"ok": True, "evidence": "5 events"}}
+    detail = "stream framing broken: chunk 3; generated tokens differ at position 1 of 1/2"
+    assert signature_of(record(Verdict.MISMATCH, detail, guards=broken)).key == (
+        "MISMATCH | stream framing"
+    )
+    ids = "generated tokens differ at position 1 of 1/2"
+    assert signature_of(record(Verdict.MISMATCH, ids, guards=framed)).where == "generated ids"
+
+
 def _tail_layout(in_tail: bool) -> PromptLayout:
     return PromptLayout(38, (("image", 28, 33 if in_tail else 32),), 32)
 
@@ -2248,6 +2262,15 @@ def test_a_planted_fuzz_says_how_many_examples_the_fault_acted_on(
     report.evaluations = [e for e in report.evaluations if e.fault != "acted"]
     assert "acted on 0 of the 3" in fault_effect_line("ec-swap-items", report)
     assert "the self-test tested nothing" in fault_effect_line("ec-swap-items", report)
+    # A fault with no hook (stream-duplicate-chunk in the proxy) records nothing per example:
+    # never "acted on 0 of the 0 example(s) sent" (real vLLM, fuzz --stream).
+    for evaluation in report.evaluations:
+        evaluation.fault = None
+    assert not report.fault_acted_on_nothing
+    assert fault_effect_line("stream-duplicate-chunk", report) == (
+        "planted fault stream-duplicate-chunk acts on every request sent and records no effect "
+        "per request: the failures found are the self-test's evidence"
+    )
 
 
 def test_a_group_bundle_holds_the_instance_commands_export_needs(tmp_path: Path) -> None:

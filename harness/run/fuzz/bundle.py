@@ -379,6 +379,14 @@ def fault_effect_line(fault: str, report: FuzzReport) -> str:
     found nothing says whether the fault ever acted."""
     effect = report.fault_effect()
     sent = effect["acted"] + effect["not_acted"]
+    if not sent:
+        # A fault with no hook of its own (drop-metadata's flag, stream-duplicate-chunk in the
+        # proxy) records nothing per request: "acted on 0 of the 0 example(s) sent" (real
+        # vLLM, fuzz --stream --plant-fault stream-duplicate-chunk) read as a fault idle.
+        return (
+            f"planted fault {fault} acts on every request sent and records no effect per "
+            "request: the failures found are the self-test's evidence"
+        )
     line = f"planted fault {fault} acted on {effect['acted']} of the {sent} example(s) sent"
     if effect["reasons"]:
         reasons = sorted(effect["reasons"].items(), key=lambda item: -item[1])

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from harness.judge.records import CaseRecord, Verdict
+from harness.judge.verdicts import STREAM_CHECK
 
 # Exception lines that only wrap the cause: an engine that died, a client that saw a 500 (the
 # harness's client's ServerFailedError; the openai client's names, in runs before it went).
@@ -125,6 +126,11 @@ def signature_of(record: CaseRecord) -> Signature:
         failed = sorted(record.failed_guards())
         return Signature(verdict, f"guard {failed[0]}" if failed else "guard")
     if record.verdict in (Verdict.MISMATCH, Verdict.DRIFT):
+        # A stream whose framing broke (`fuzz --stream`) is that failure whatever its ids did:
+        # a duplicated chunk also shifts the ids, and grouped as "generated ids" it would
+        # join, and be shrunk as, a failure of the answer itself.
+        if STREAM_CHECK in record.failed_guards():
+            return Signature(verdict, "stream framing")
         return Signature(verdict, ids_kind(record.detail))
     return Signature(verdict, "")
 
