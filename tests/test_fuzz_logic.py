@@ -2059,6 +2059,36 @@ def test_a_drift_the_runs_policy_accepts_is_no_failure() -> None:
     assert is_failure(review_mismatch())
 
 
+def test_a_failure_that_held_as_the_judging_paths_own_declaration_is_no_failure() -> None:
+    """Real vLLM, `fuzz --stream --proxy vllm --topology 1P+1D`: every streamed answer of
+    vLLM's toy proxy is its declared application/json MISMATCH, passed as declared (`run`
+    passes it), and the fuzz grouped them as one new failure. Passed as declared, it is none,
+    and the counts say how it passed; declared but not held, it stays one."""
+    from harness.run.fuzz.records import FuzzReport
+    from harness.run.fuzz.signature import is_failure
+
+    def toy(passed: bool) -> CaseRecord:
+        return case_record(
+            "1P+1D",
+            "ex-0001",
+            Verdict.MISMATCH,
+            passed,
+            detail="stream framing broken: served as application/json",
+            declared_failure="toy-proxy-json-stream",
+        )
+
+    assert not is_failure(toy(True)) and is_failure(toy(False))
+    spec = PromptSpec("ex-0001", (TextPart(" hi"),))
+    report = FuzzReport(
+        examples=[],
+        evaluations=[
+            Evaluation(spec, {}, Outcome(prompt="ex-0001"), "judged", record=toy(True)),
+            Evaluation(spec, {}, Outcome(prompt="ex-0001"), "judged", record=toy(False)),
+        ],
+    )
+    assert report.counts() == {"MISMATCH (declared: toy-proxy-json-stream)": 1, "MISMATCH": 1}
+
+
 @pytest.mark.parametrize("how", ["budget", "baseline-rejected"])
 def test_a_fuzz_run_that_judged_nothing_fails(tmp_path: Path, monkeypatch, how: str, capsys):
     """A budget spent before the first example, or a baseline that answers nothing: found in
