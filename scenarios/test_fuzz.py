@@ -101,6 +101,41 @@ def test_a_seeded_fuzz_of_1e_1pd_finds_no_new_failure(epd_settings, epd_pool) ->
     print(f"[fuzz] {report.counts()} {report.timing()}")
 
 
+STREAMED_EXAMPLES = 8
+
+
+@pytest.mark.epd_topology("1E+1PD")
+def test_a_streamed_fuzz_of_1e_1pd_streams_every_example_and_finds_no_new_failure(
+    epd_settings, epd_pool
+) -> None:
+    """`fuzz --stream`, on the pool's 1E+1PD: every example's answer came as a stream
+    (framing judged beside the ids), the baseline's unstreamed, and nothing new failed."""
+    import dataclasses
+
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.layout import TokenizerEstimator
+    from harness.run.fuzz.space import space_for
+    from harness.run.fuzz.strategies import draw_examples
+    from harness.spec.topology import TOPOLOGIES
+
+    topology = TOPOLOGIES["1E+1PD"]
+    settings = dataclasses.replace(epd_settings, stream=True)
+    space = space_for(settings.protocol, topology, settings.serving)
+    estimator = TokenizerEstimator(Path(settings.serving.model))
+    examples = draw_examples(space, STREAMED_EXAMPLES, 1, estimator)
+    engine = FuzzEngine(
+        settings, topology, pool=epd_pool, min_prompt_tokens=space.min_prompt_tokens
+    )
+    with engine:
+        report = engine.run(examples)
+    judged = [e for e in report.evaluations if e.status == "judged"]
+    assert len(judged) >= STREAMED_EXAMPLES // 2, report.counts()
+    assert all(e.candidate.stream is not None for e in judged), "an answer was not streamed"
+    assert all(e.baseline.stream is None for e in judged), "the baseline streamed"
+    new = [(g.signature.key, [e.spec.name for e in g.members]) for g in report.new_groups]
+    assert not new, f"new failures: {new}; counts {report.counts()}"
+
+
 @pytest.mark.epd_topology("1E+1PD")
 @pytest.mark.own_instances("fuzz")  # the CLI's fuzz, with topologies of its own
 def test_fuzzing_finds_and_shrinks_a_planted_shape_dependent_fault(
