@@ -496,6 +496,20 @@ def test_d_dies_where_p_had_the_prefix_cached_and_d_did_not() -> None:
     assert not layout.kv_short_of_transfer, "D dies before it answers"
 
 
+def test_a_revived_d_that_loads_the_folder_p_wrote_lives() -> None:
+    """D's lookup finds a folder and its cache, emptied by a revival, covers less, so its
+    connector loads the folder of align(n) tokens: one P wrote, so D loads real KV and lives.
+    Only a folder nobody wrote kills it (`decode_loads_missing`)."""
+    state = ConsumerState(block=32)
+    text = list(range(100, 165))  # 65 tokens: P stores 64, both look up 32
+    state.served(sent(text), name="ex-0001")  # looks up 32, finds nothing: stores 64
+    state.served(sent(text[:40]), name="ex-0002")  # stores 32: text's lookup key
+    state.restarted(consumer=True)
+    assert not state.prefill_loads_missing(sent(text)), "P's cache covers the lookup"
+    assert state.holds(sent(text)) == 32, "D finds the 32-token folder"
+    assert not state.decode_loads_missing(sent(text)), "the folder D loads holds ex-0001's KV"
+
+
 def test_d_dies_of_its_media_before_it_loads_an_unwritten_folder() -> None:
     """D gathers a placeholder's embeddings before its connector loads (vLLM 0.32's model
     runner: _preprocess, then the forward context's start_load_kv). Seen on real vLLM: a
