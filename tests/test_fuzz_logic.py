@@ -1488,6 +1488,20 @@ def test_what_d_holds_names_the_requests_that_left_it() -> None:
     assert state.holds_stage(sent(text, ("image-a",), (10,))) == (), "D forgot it"
 
 
+def test_what_d_holds_is_staged_by_the_longer_of_its_folder_and_its_cache() -> None:
+    """D holds the longer of a folder under its lookup key and its prefix-cache hit, and the
+    stage is what gives that: replaying the request that left a 32-token folder where D's
+    cache serves 64 would have D hold 32, and the transfer judged short, sent again."""
+    state = ConsumerState(block=32)
+    text = list(range(100, 165))  # 65 tokens: looks up 32
+    state.served(sent(text[:40]), name="ex-0001")  # stores 32: text's lookup key
+    state.served(sent(text[:64] + [7, 8]), name="ex-0002")  # D caches 64 of text
+    assert state.holds(sent(text)) == 64
+    assert state.holds_stage(sent(text)) == ("ex-0002",)
+    state.restarted(consumer=True)
+    assert state.holds(sent(text)) == 32 and state.holds_stage(sent(text)) == ("ex-0001",)
+
+
 def follow_up_engine(tmp_path: Path, ids: list[int]):
     """A 1E+1P+1D engine whose baseline answers " first" with the first 40 of `ids` and
     " then" with all of them (a request and its follow-up), and whose topology keeps what it
