@@ -1456,6 +1456,19 @@ def test_a_p_that_died_on_a_request_it_did_not_load_for_stored_nothing() -> None
     assert state.stage_of(sent(text, salt="b")) == ("ex-0002",)
 
 
+def test_a_request_the_encoder_died_on_left_nothing_in_p_or_d() -> None:
+    """The proxy asks P only after the encoder answered: a request that killed the encoder
+    stored no folder and reached neither prefix cache, so a later request of its prefix
+    finds nothing of it (counted, P would be predicted to load a folder nobody wrote)."""
+    state = ConsumerState(block=32)
+    text = list(range(100, 165))  # 65 tokens: both look up 32
+    state.served(sent(text[:40], salt="a"), reached_prefill=False, name="ex-0001")
+    assert not state.stored and not state.hollow and not state.made_by
+    assert not state.prefill_cached and not state.cached
+    assert not state.prefill_loads_missing(sent(text, salt="b"))
+    assert state.holds(sent(text, salt="a")) == 0 and state.stage_of(sent(text)) == ()
+
+
 def test_a_folder_remembers_the_requests_that_made_it() -> None:
     state = ConsumerState(block=32)
     text = list(range(100, 165))  # 65 tokens: P stores 64, both look up 32
