@@ -452,6 +452,22 @@ def test_what_d_holds_follows_the_storage_and_its_prefix_cache() -> None:
     assert state.holds(sent(text)) == 0, "a revived D holds nothing of its own"
 
 
+def test_a_topology_started_afresh_holds_nothing_of_what_it_was_sent_before() -> None:
+    """A topology the pool could not revive starts in a new session directory with new
+    instances (`storage_reset`): their prefix caches are as empty as the new storage. D
+    credited with its predecessor's cache would be judged holding a prefix it lacks; P, its
+    lookup covered by a cache it lacks, predicted to load nothing where it dies loading."""
+    state = ConsumerState(block=32)
+    text = list(range(100, 165))  # 65 tokens: P stores 64, both look up 32
+    state.served(sent(text[:64] + [7, 8]), name="ex-0001")  # both caches hold 64 of text
+    assert state.holds(sent(text)) == 64 and state.prefill_hit(sent(text)) == 64
+    state.storage_reset()
+    assert state.holds(sent(text)) == 0, "the new D caches nothing yet"
+    assert state.prefill_hit(sent(text)) == 0, "the new P caches nothing yet"
+    state.served(sent(text[:40], salt="a"), name="ex-0002")  # stores 32: text's lookup key
+    assert state.prefill_loads_missing(sent(text)), "the new P's cache holds only ex-0002"
+
+
 def test_p_dies_where_its_lookup_finds_a_folder_and_the_one_it_loads_was_never_written() -> None:
     """P runs D's lookup too (align(n - 1)) and loads the folder of align(n) tokens: an
     earlier, shorter prompt of the same prefix is such a hit (measured on real vLLM 0.32: the
