@@ -652,6 +652,17 @@ def test_a_prefix_hit_stops_where_another_media_item_sits() -> None:
     assert state.holds(sent(ids, ("image-b",), (10,))) == 0, "same placeholders, another image"
 
 
+def test_a_prefix_cache_hit_leaves_the_last_block_of_a_whole_block_prompt_to_compute() -> None:
+    """vLLM computes at least one prompt token (max_cache_hit_length = n - 1): a prompt of
+    exactly two blocks sent again is served one block from the cache, not two, so D holds 32
+    of it and the second block, with any media in it, is computed again."""
+    state = ConsumerState(block=32)
+    text = list(range(100, 164))  # 64 tokens: two whole blocks
+    state.served(sent(text), name="ex-0001")
+    assert state.holds(sent(text)) == 32 and state.prefill_hit(sent(text)) == 32
+    assert state.holds(sent(text + [7])) == 64, "one token more: both blocks are a hit"
+
+
 def test_media_identities_follow_the_part_and_its_kwargs() -> None:
     plain = image_prompt((56, 56), (56, 56))
     kwargs = PromptSpec("k", plain.parts, extra=(("mm_processor_kwargs", {"max_pixels": 9}),))
