@@ -652,6 +652,16 @@ def test_a_prefix_hit_stops_where_another_media_item_sits() -> None:
     assert state.holds(sent(ids, ("image-b",), (10,))) == 0, "same placeholders, another image"
 
 
+def test_a_prefix_hit_keeps_the_blocks_before_another_media_item_on_a_boundary() -> None:
+    """Another image whose placeholders start on a block boundary leaves every block before
+    it shared: D's cache serves those, and computes from the image on."""
+    state = ConsumerState(block=32)
+    ids = [1] * 32 + [785] * 40 + [2] * 30  # an image at 32..72, 102 tokens
+    state.served(sent(ids, ("image-a",), (32,)), name="ex-0001")
+    assert state.holds(sent(ids, ("image-b",), (32,))) == 32, "the block before the image"
+    assert state.holds_stage(sent(ids, ("image-b",), (32,))) == ("ex-0001",)
+
+
 def test_a_prefix_cache_hit_leaves_the_last_block_of_a_whole_block_prompt_to_compute() -> None:
     """vLLM computes at least one prompt token (max_cache_hit_length = n - 1): a prompt of
     exactly two blocks sent again is served one block from the cache, not two, so D holds 32
