@@ -74,9 +74,10 @@ def fuzz(epd_cli, run_dir: Path, *args: str) -> tuple[int, dict]:
     return code, json.loads((run_dir / "fuzz.json").read_text())
 
 
-@pytest.mark.ci
-@pytest.mark.epd_topology("1E+1PD")
-def test_a_seeded_fuzz_of_1e_1pd_finds_no_new_failure(epd_settings, epd_pool) -> None:
+def fuzz_on_the_pool(settings, pool, count: int, seed: int):
+    """A seeded fuzz of `count` examples on the session's running baseline and 1E+1PD (the
+    pool's: nothing of its own started); its report, after checking at least half were
+    judged and no new failure was found."""
     from harness.run.fuzz.engine import FuzzEngine
     from harness.run.fuzz.layout import TokenizerEstimator
     from harness.run.fuzz.space import space_for
@@ -84,20 +85,26 @@ def test_a_seeded_fuzz_of_1e_1pd_finds_no_new_failure(epd_settings, epd_pool) ->
     from harness.spec.topology import TOPOLOGIES
 
     topology = TOPOLOGIES["1E+1PD"]
-    space = space_for(epd_settings.protocol, topology, epd_settings.serving)
-    estimator = TokenizerEstimator(Path(epd_settings.serving.model))
-    examples = draw_examples(space, CI_EXAMPLES, 0, estimator)
-    assert len(examples) == CI_EXAMPLES
-    engine = FuzzEngine(
-        epd_settings, topology, pool=epd_pool, min_prompt_tokens=space.min_prompt_tokens
-    )
+    space = space_for(settings.protocol, topology, settings.serving)
+    estimator = TokenizerEstimator(Path(settings.serving.model))
+    examples = draw_examples(space, count, seed, estimator)
+    assert len(examples) == count
+    engine = FuzzEngine(settings, topology, pool=pool, min_prompt_tokens=space.min_prompt_tokens)
     with engine:
         report = engine.run(examples)
     judged = [e for e in report.evaluations if e.status == "judged"]
-    assert len(judged) >= CI_EXAMPLES // 2, report.counts()
-    assert any(e.layout and e.layout.runs for e in judged), "no media example judged"
+    assert len(judged) >= count // 2, report.counts()
     new = [(g.signature.key, [e.spec.name for e in g.members]) for g in report.new_groups]
     assert not new, f"new failures: {new}; counts {report.counts()}"
+    return report
+
+
+@pytest.mark.ci
+@pytest.mark.epd_topology("1E+1PD")
+def test_a_seeded_fuzz_of_1e_1pd_finds_no_new_failure(epd_settings, epd_pool) -> None:
+    report = fuzz_on_the_pool(epd_settings, epd_pool, CI_EXAMPLES, seed=0)
+    judged = [e for e in report.evaluations if e.status == "judged"]
+    assert any(e.layout and e.layout.runs for e in judged), "no media example judged"
     print(f"[fuzz] {report.counts()} {report.timing()}")
 
 
@@ -112,28 +119,11 @@ def test_a_streamed_fuzz_of_1e_1pd_streams_every_example_and_finds_no_new_failur
     (framing judged beside the ids), the baseline's unstreamed, and nothing new failed."""
     import dataclasses
 
-    from harness.run.fuzz.engine import FuzzEngine
-    from harness.run.fuzz.layout import TokenizerEstimator
-    from harness.run.fuzz.space import space_for
-    from harness.run.fuzz.strategies import draw_examples
-    from harness.spec.topology import TOPOLOGIES
-
-    topology = TOPOLOGIES["1E+1PD"]
-    settings = dataclasses.replace(epd_settings, stream=True)
-    space = space_for(settings.protocol, topology, settings.serving)
-    estimator = TokenizerEstimator(Path(settings.serving.model))
-    examples = draw_examples(space, STREAMED_EXAMPLES, 1, estimator)
-    engine = FuzzEngine(
-        settings, topology, pool=epd_pool, min_prompt_tokens=space.min_prompt_tokens
-    )
-    with engine:
-        report = engine.run(examples)
+    streamed = dataclasses.replace(epd_settings, stream=True)
+    report = fuzz_on_the_pool(streamed, epd_pool, STREAMED_EXAMPLES, seed=1)
     judged = [e for e in report.evaluations if e.status == "judged"]
-    assert len(judged) >= STREAMED_EXAMPLES // 2, report.counts()
     assert all(e.candidate.stream is not None for e in judged), "an answer was not streamed"
     assert all(e.baseline.stream is None for e in judged), "the baseline streamed"
-    new = [(g.signature.key, [e.spec.name for e in g.members]) for g in report.new_groups]
-    assert not new, f"new failures: {new}; counts {report.counts()}"
 
 
 @pytest.mark.epd_topology("1E+1PD")

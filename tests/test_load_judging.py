@@ -1265,19 +1265,10 @@ class NearTieAfterCalibration(SlowStandIn):
         return Outcome(prompt, result=self.answers[given], seconds=0.01)
 
 
-def test_a_batched_answer_is_held_to_its_own_loads_floor_not_another_loads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A load's batched answers may drift within the noise the baseline showed under that
-    load's requests at its concurrency. Found in review: the tolerance was the largest floor
-    of every calibration the baseline had measured (every load's of a pytest session, measured
-    ahead), so a load whose own calibration moved nothing passed a drift another load's
-    traffic had shown."""
-    from harness.run.baseline import BatchedAnswer
-
-    load, session = stand_in_load(
-        tmp_path, requests=2, session_type=NearTieAfterCalibration, concurrency=2
-    )
+def near_tie_on_a_gpu(load: LoadRun, session: Any) -> None:
+    """The stand-in's "near-tie" answer: ld-shared-a's, its last token the runner-up of a
+    0.005-nat tie; and the load judged as on a GPU, under EXACT everywhere, so that only a
+    batch floor can let it pass as DRIFT."""
     reference = session.answers["ld-shared-a"]
     last = reference.logprobs[-1]
     session.answers["near-tie"] = dataclasses.replace(
@@ -1293,6 +1284,22 @@ def test_a_batched_answer_is_held_to_its_own_loads_floor_not_another_loads(
     load.sweep.settings = dataclasses.replace(load.sweep.settings, platform=CUDA)
     load.sweep.judging.settings = load.sweep.settings
     load.sweep.judging.reference_policy = ReferencePolicy(EXACT_EVERYWHERE)
+
+
+def test_a_batched_answer_is_held_to_its_own_loads_floor_not_another_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load's batched answers may drift within the noise the baseline showed under that
+    load's requests at its concurrency. Found in review: the tolerance was the largest floor
+    of every calibration the baseline had measured (every load's of a pytest session, measured
+    ahead), so a load whose own calibration moved nothing passed a drift another load's
+    traffic had shown."""
+    from harness.run.baseline import BatchedAnswer
+
+    load, session = stand_in_load(
+        tmp_path, requests=2, session_type=NearTieAfterCalibration, concurrency=2
+    )
+    near_tie_on_a_gpu(load, session)
     wider = BatchCalibration(16, (BatchedAnswer("request 1", "ld-text", True, 0.5, ""),), "x")
     load.sweep.baseline.calibrations.append(wider)  # another load's, measured ahead
     baseline_asked(load, monkeypatch)
@@ -1884,21 +1891,7 @@ def test_a_batched_answer_may_drift_within_its_own_loads_floor(
     from harness.run.baseline import BatchedAnswer
 
     load, session = stand_in_load(tmp_path, requests=2, session_type=NearTie, concurrency=2)
-    reference = session.answers["ld-shared-a"]
-    last = reference.logprobs[-1]
-    session.answers["near-tie"] = dataclasses.replace(
-        reference,
-        token_ids=(*reference.token_ids[:-1], last.token_id + 1),
-        logprobs=(
-            *reference.logprobs[:-1],
-            PositionLogprobs(
-                last.token_id + 1, -1.0, ((last.token_id + 1, -1.0), (last.token_id, -1.005))
-            ),
-        ),
-    )
-    load.sweep.settings = dataclasses.replace(load.sweep.settings, platform=CUDA)
-    load.sweep.judging.settings = load.sweep.settings
-    load.sweep.judging.reference_policy = ReferencePolicy(EXACT_EVERYWHERE)
+    near_tie_on_a_gpu(load, session)
     own = BatchCalibration(2, (BatchedAnswer("request 1", "ld-shared-a", True, 0.5, ""),), "x")
     monkeypatch.setattr(run_module, "calibrate_load", lambda *_: (own, "measured"))
     result_ = load.run()
