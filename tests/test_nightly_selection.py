@@ -39,6 +39,8 @@ CLI_IN_POOL = {
     "scenarios/test_fuzz.py::test_a_seeded_fuzz_of_1e_1pd_finds_no_new_failure": (
         "the fuzz engine on the session's pool, not the CLI"
     ),
+    "scenarios/test_fuzz.py::test_a_streamed_fuzz_of_1e_1pd_streams_every_example_and_finds_"
+    "no_new_failure": "the fuzz engine on the session's pool, streamed, not the CLI",
 }
 # Calls that work only with ExampleConnector: its KV files, or its block-aligned rule.
 EXAMPLE_ONLY_CALLS = re.compile(
