@@ -282,3 +282,25 @@ def test_a_sweep_on_a_gpu_cluster_runs_one_topology_a_wave_too(tmp_path) -> None
         waves = Sweep(SweepSpec(topologies, prompts=()), settings).schedule().waves
         assert [len(w.slots) == 1 for w in waves] == [waves_of_one] * len(waves), waves
         assert len(waves) == (4 if waves_of_one else 1), waves  # the baseline and three
+
+
+def test_a_rehearsal_cluster_has_a_node_for_every_instance_a_run_keeps_up() -> None:
+    """Found on real vLLM: `fuzz --topology 1E+1P+1D --launcher ray` keeps the baseline up
+    beside the topology, and the rehearsal's three nodes held the baseline and two of the
+    three instances: Ray waited 60 s and refused the placement. A fuzz's rehearsal cluster has
+    a node for the baseline too; a run's (one topology at a time) stays at three; a cluster
+    given by address is the user's, never resized."""
+    from harness.cli.fuzz import fuzz_request
+    from harness.cli.main import check_command_line, request_from_args
+    from harness.preflight.config import check_arguments
+
+    def nodes(*argv: str) -> int:
+        args = check_command_line(list(argv))
+        request = fuzz_request(args) if argv[0] == "fuzz" else request_from_args(args)
+        return check_arguments(request, read_files=False).launcher.rehearsal_nodes
+
+    assert nodes("fuzz", "--topology", "1E+1P+1D", "--launcher", "ray") == 4
+    assert nodes("fuzz", "--topology", "1E+1PD", "--launcher", "ray") == 3
+    assert nodes("run", "--topology", "1E+1P+1D", "--launcher", "ray") == 3
+    given = ("--launcher", "ray", "--ray-address", "10.0.0.1:6379")
+    assert nodes("fuzz", "--topology", "1E+1P+1D", *given) == 3

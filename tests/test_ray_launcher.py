@@ -1172,3 +1172,13 @@ def test_a_call_that_raised_on_the_node_is_one_line_naming_what_was_done_and_the
     assert str(refused.value).startswith(
         "probing KV storage /nfs on the nodes: RayTaskError(PermissionError): "
     ), refused.value
+
+
+def test_a_refused_placement_says_what_the_cluster_has_free(monkeypatch) -> None:
+    """Found on real vLLM: a placement refused on three alive nodes of CPU 1 for three
+    instances read as if Ray were wrong; a fuzz's baseline held one of them. The refusal says
+    what is free of what the bundle asks, of the cluster's total."""
+    monkeypatch.setattr(ray_launcher.ray, "available_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(ray_launcher.ray, "cluster_resources", lambda: {"CPU": 3.0, "GPU": 8.0})
+    assert ray_launcher.describe_free({"CPU": 1}) == "CPU 2 of 3"
+    assert ray_launcher.describe_free({"CPU": 1, "GPU": 1}) == "CPU 2 of 3, GPU 0 of 8"

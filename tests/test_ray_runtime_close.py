@@ -75,7 +75,7 @@ class StartedCluster(FakeCluster):
     address = "127.0.0.2:6379"
     driver_address = "127.0.0.2"
 
-    def __init__(self, work_dir) -> None:
+    def __init__(self, work_dir, addresses=None) -> None:
         StartedCluster.made.append(self)
 
     def start(self) -> None:
@@ -130,3 +130,38 @@ def test_the_rehearsal_is_waited_for_node_by_node_and_stopped_when_ray_cannot_co
         "cannot connect to the Ray cluster at 127.0.0.2:6379: ConnectionError: GCS unreachable"
     )
     assert StartedCluster.made[-1].stopped and runtime.address is None
+
+
+class SizedCluster(StartedCluster):
+    """A rehearsal cluster that records the addresses it was asked to start on."""
+
+    def __init__(self, work_dir, addresses=None) -> None:
+        self.addresses = addresses
+        SizedCluster.made.append(self)
+
+
+def test_the_rehearsal_has_the_nodes_the_run_asks_for_and_a_smaller_one_is_refused(
+    tmp_path, monkeypatch
+) -> None:
+    """A run keeping four instances up at once (a fuzz of 1E+1P+1D beside its baseline) starts
+    a rehearsal of four nodes, 127.0.0.2-5, and waits for every one; a connection already held
+    to a rehearsal of fewer nodes is refused in one line, not left to Ray's 60 s placement
+    wait."""
+    from harness.serve.launcher import LaunchRefused
+    from harness.spec.settings import LauncherChoice
+
+    monkeypatch.setattr(ray_runtime, "LocalRayCluster", SizedCluster)
+    monkeypatch.setattr(SizedCluster, "made", [], raising=False)
+    ray = RecordingRay(monkeypatch, alive=(1, 2, 3, 4))
+    runtime = RayRuntime()
+    runtime.connect(LauncherChoice("ray", rehearsal_nodes=4), tmp_path)
+    assert SizedCluster.made[-1].addresses == ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")
+    assert ray.looks == 4, ray.looks
+    runtime.connect(LauncherChoice("ray", rehearsal_nodes=4), tmp_path)  # connected: as it is
+    with pytest.raises(LaunchRefused) as refused:
+        runtime.connect(LauncherChoice("ray", rehearsal_nodes=5), tmp_path)
+    assert str(refused.value) == (
+        "the rehearsal cluster this harness started has 4 nodes, and this run keeps 5 "
+        "instances up at once; one run, one cluster"
+    )
+    assert len(SizedCluster.made) == 1

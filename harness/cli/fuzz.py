@@ -192,6 +192,7 @@ def fuzz_request(args: argparse.Namespace, run_dir: str | None = None) -> RunReq
         plant_fault=args.plant_fault,
         stream=args.stream,
         draws_own_requests=True,
+        baseline_beside=True,
         **serving_fields(args),
         **proxy_fields(args),
     )

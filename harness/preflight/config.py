@@ -35,6 +35,7 @@ from harness.preflight.launcher import (
     check_launcher_here,
     launcher_choice,
     refuse_ray_flags_without_ray,
+    sized_for,
 )
 from harness.preflight.model import resolve_model
 from harness.preflight.vllm import (
@@ -174,6 +175,9 @@ class RunRequest:
     # The command sends requests it draws itself (fuzz), never `prompts`: a planted fault is
     # judged against what it may draw (harness.run.fuzz.space.fault_refusal), not the prompts.
     draws_own_requests: bool = False
+    # The baseline stays up beside the topology (fuzz sends every example to both): a
+    # rehearsal Ray cluster needs a node for it too (`harness.preflight.launcher.sized_for`).
+    baseline_beside: bool = False
     # GPU platforms: drop --enforce-eager, so vLLM compiles and captures graphs (upstream's
     # correctness script, and the harness by default, serve eager).
     no_enforce_eager: bool = False
@@ -251,6 +255,7 @@ def check_arguments(request: RunRequest, *, read_files: bool = True) -> CheckedA
         topology_names = list(request.topologies) or list(EPD_TOPOLOGY_NAMES)
         prompt_names = list(request.prompts)
     topologies = names.check_topologies(topology_names)
+    launcher = sized_for(launcher, topologies, request.baseline_beside)
     if any(t.is_baseline for t in topologies):  # found in review: it ran, and judged nothing
         raise BadInput(
             "--topology baseline: 'baseline' is the reference every case is compared with; "

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -20,9 +22,11 @@ from harness.spec.settings import (
     LOCAL_LAUNCHER,
     PLACEMENTS,
     RAY_LAUNCHER,
+    REHEARSAL_NODES,
     SPREAD_PLACEMENT,
     LauncherChoice,
 )
+from harness.spec.topology import Topology
 
 RAY_DISTRIBUTION = "ray"
 SETUP_HINT = "scripts/cpu setup --ray, or pip install 'epd-harness[ray]'"
@@ -114,6 +118,20 @@ def launcher_choice(request: LauncherRequest) -> LauncherChoice:
         shared_dir=shared_dir,
         instance_env=tuple(env),
     )
+
+
+def sized_for(
+    choice: LauncherChoice, topologies: Sequence[Topology], baseline_beside: bool
+) -> LauncherChoice:
+    """`choice` with its rehearsal cluster sized for what the run keeps up at once: its largest
+    topology, one node per instance, and the baseline's node beside it where the command keeps
+    the baseline up too (found on real vLLM: `fuzz --topology 1E+1P+1D --launcher ray` placed
+    the baseline on one of three nodes, then waited 60 s for 1E+1P+1D's three and was refused).
+    A cluster given by address is the user's, as it is."""
+    if not choice.rehearses_on_this_host or not topologies:
+        return choice
+    most = max(len(t.roles) for t in topologies) + (1 if baseline_beside else 0)
+    return replace(choice, rehearsal_nodes=max(REHEARSAL_NODES, most))
 
 
 def check_launcher_here(choice: LauncherChoice) -> None:

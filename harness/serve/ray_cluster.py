@@ -1,7 +1,9 @@
 """A Ray cluster of several nodes on this one host: the rehearsal of a multi-node run.
 
 `epd-harness run --launcher ray` without `--ray-address` starts one (three nodes, on 127.0.0.2,
-127.0.0.3 and 127.0.0.4) for the run and stops it afterwards; the e2e scenarios do the same.
+127.0.0.3 and 127.0.0.4; a node more for each instance a run keeps up beyond three, as a fuzz
+of 1E+1P+1D does with its baseline) for the run and stops it afterwards; the e2e scenarios do
+the same.
 Why those addresses: Ray rewrites a node address of 127.0.0.1 or `localhost` to the host's
 routable address, and a driver then hangs retrying it; other loopback addresses are taken as
 given, and each node, and each actor on it, reports its own.
@@ -51,8 +53,15 @@ from harness.serve.ports import PortLease, reserve_ports
 from harness.serve.server_command import ServerCommand
 from harness.serve.server_group import stop_through_interrupts
 from harness.serve.signal_handlers import install_signal_handlers
+from harness.spec.settings import REHEARSAL_NODES
 
-REHEARSAL_ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+
+def rehearsal_addresses(nodes: int) -> tuple[str, ...]:
+    """The loopback addresses of a rehearsal cluster of `nodes` nodes: 127.0.0.2 and up."""
+    return tuple(f"127.0.0.{2 + index}" for index in range(nodes))
+
+
+REHEARSAL_ADDRESSES = rehearsal_addresses(REHEARSAL_NODES)
 NODE_START_TIMEOUT_S = 90.0
 NODE_STOP_GRACE_S = 5.0  # `ray start --block` takes its time on SIGTERM; then SIGKILL
 STARTED_MARK = "Ray runtime started"

@@ -65,6 +65,14 @@ RAY_BF16_REMEDY = (
 )
 
 
+def describe_free(bundle: dict[str, float]) -> str:
+    """What of each resource a bundle asks for the cluster has free now, of its total: a
+    placement refused on a cluster whose nodes look enough shows that something else holds
+    them (e.g. the baseline a fuzz keeps up beside its topology)."""
+    free, total = ray.available_resources(), ray.cluster_resources()
+    return ", ".join(f"{name} {free.get(name, 0):g} of {total.get(name, 0):g}" for name in bundle)
+
+
 class RayLauncher:
     """Places a topology's instances on the cluster's nodes and runs each through an agent."""
 
@@ -115,7 +123,8 @@ class RayLauncher:
                 f"{topology.name}: Ray cannot place its {len(roles)} instances "
                 f"({', '.join(f'{k} {v:g}' for k, v in bundle.items())} each"
                 f"{', every one on a node of its own' if spread else ''}) within "
-                f"{PLACEMENT_TIMEOUT_S:.0f} s; nodes: {describe_nodes()}"
+                f"{PLACEMENT_TIMEOUT_S:.0f} s; nodes: {describe_nodes()}; "
+                f"free now: {describe_free(bundle)}"
             ) from None
         self._agents = [
             RemoteAgent.options(

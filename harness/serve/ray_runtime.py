@@ -16,7 +16,7 @@ from typing import Any
 import ray
 
 from harness.serve.launcher import LaunchRefused
-from harness.serve.ray_cluster import USAGE_STATS_ENV, LocalRayCluster
+from harness.serve.ray_cluster import USAGE_STATS_ENV, LocalRayCluster, rehearsal_addresses
 from harness.spec.settings import LauncherChoice
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,13 @@ class RayRuntime:
                     f"--ray-address {wanted}: this harness is connected to {self.address}; "
                     "one run, one cluster"
                 )
+            started = self.cluster
+            if started is not None and len(started.addresses) < choice.rehearsal_nodes:
+                raise LaunchRefused(
+                    f"the rehearsal cluster this harness started has {len(started.addresses)} "
+                    f"nodes, and this run keeps {choice.rehearsal_nodes} instances up at once; "
+                    "one run, one cluster"
+                )
             return
         os.environ[USAGE_STATS_ENV] = "0"
         if not self._at_exit:
@@ -51,7 +58,9 @@ class RayRuntime:
         node_ip = None
         expected_nodes = 1
         if choice.ray_address is None:
-            cluster = LocalRayCluster(run_dir / REHEARSAL_DIR)
+            cluster = LocalRayCluster(
+                run_dir / REHEARSAL_DIR, rehearsal_addresses(choice.rehearsal_nodes)
+            )
             log.info("[ray] starting a one-host cluster: nodes %s", ", ".join(cluster.addresses))
             try:
                 cluster.start()

@@ -116,6 +116,9 @@ LAUNCHER_KINDS = (LOCAL_LAUNCHER, RAY_LAUNCHER)
 SPREAD_PLACEMENT = "spread"
 PACK_PLACEMENT = "pack"
 PLACEMENTS = (SPREAD_PLACEMENT, PACK_PLACEMENT)
+# The one-host rehearsal cluster's nodes, at the least: the largest topology's instances, each
+# on a node of its own (a run keeping more up at once asks for more: `rehearsal_nodes`).
+REHEARSAL_NODES = 3
 
 
 @dataclass(frozen=True)
@@ -127,8 +130,8 @@ class LauncherChoice:
     same."""
 
     kind: str = LOCAL_LAUNCHER
-    # The cluster (GCS "host:port"); None with `ray`: a one-host rehearsal cluster of three
-    # nodes on 127.0.0.2-4 is started for the run and stopped after it.
+    # The cluster (GCS "host:port"); None with `ray`: a one-host rehearsal cluster of
+    # `rehearsal_nodes` nodes on 127.0.0.2 and up is started for the run and stopped after it.
     ray_address: str | None = None
     placement: str = SPREAD_PLACEMENT
     # A directory every node (and the harness) sees, for connectors that move data through
@@ -137,6 +140,9 @@ class LauncherChoice:
     # Environment given to every instance besides what the spec renders (a cluster's UCX or
     # network settings); the network invariants (harness.spec.network) still apply to it.
     instance_env: tuple[tuple[str, str], ...] = ()
+    # The rehearsal cluster's nodes: as many as the run keeps instances up at once (a fuzz
+    # keeps the baseline up beside its topology), at least REHEARSAL_NODES.
+    rehearsal_nodes: int = REHEARSAL_NODES
 
     @property
     def is_local(self) -> bool:
@@ -144,7 +150,7 @@ class LauncherChoice:
 
     @property
     def rehearses_on_this_host(self) -> bool:
-        """`ray` without an address: the run starts its own cluster of three nodes here."""
+        """`ray` without an address: the run starts its own cluster of nodes here."""
         return self.kind == RAY_LAUNCHER and self.ray_address is None
 
     def refusal_on(self, platform: PlatformProfile) -> str | None:
