@@ -14,8 +14,10 @@ import pytest
 
 from harness.cli.main import build_parser
 from harness.testing.own_instances import (
+    COMMANDS,
     NOT_SERVING,
     OPTION_BY_NAME,
+    RAY_WHY,
     OwnInstances,
     commands_of,
     in_session_terms,
@@ -112,15 +114,39 @@ def test_a_command_the_marker_does_not_declare_is_refused() -> None:
 
 
 def test_a_session_option_a_command_would_ignore_refuses_the_item() -> None:
-    streamed = {**NIGHT, "--epd-stream": True}
-    assert refusal(streamed, ("run", "repro")) is None
-    why = refusal(streamed, ("fuzz",))
-    assert why is not None and "--epd-stream cannot reach `epd-harness fuzz`" in why
     on_ray = {**NIGHT, "--epd-launcher": "ray", "--epd-ray-address": "10.0.0.1:6379"}
     for command in ("run", "repro", "fuzz", "export"):
         why = refusal(on_ray, (command,))
         assert why is not None and "Ray connection" in why, command
     assert refusal(NIGHT, ("run", "repro", "fuzz", "export")) is None
+
+
+def test_a_streamed_session_streams_the_fuzz_it_runs() -> None:
+    """`fuzz --stream` exists (docs/fuzzing.md), yet a session's `--epd-stream` deselected the
+    planted-fault fuzz as a command that "has no --stream" (found walking the docs:
+    docs/testing.md said the same): now it reaches fuzz as it reaches run."""
+    streamed = {**NIGHT, "--epd-stream": True}
+    assert refusal(streamed, ("run", "repro", "fuzz", "export")) is None
+    args = build_parser().parse_args(["fuzz", "--topology", "1E+1PD", *own(streamed).args("fuzz")])
+    assert args.stream is True
+
+
+def test_only_ray_refuses_a_command_whose_parser_has_the_flag() -> None:
+    """A command refused a session option while its own parser has the flag: fuzz gained
+    --stream and `--epd-stream` still deselected it as lacking one. Only the Ray options are
+    refused so, for a reason of their own (`RAY_WHY`); any other such option must reach the
+    command (its `takes`)."""
+    parsers = build_parser().subcommands
+    refused = {
+        (option.option, command)
+        for option in OPTION_BY_NAME.values()
+        for command in COMMANDS
+        if command not in option.takes | option.moot
+        and option.flag in parsers[command]._option_string_actions
+    }
+    assert refused, "no option is refused where its flag exists: the check would pass vacuously"
+    wrongly = sorted((o, c) for o, c in refused if OPTION_BY_NAME[o].why != RAY_WHY)
+    assert not wrongly, f"refused though the command has the flag: {wrongly}"
 
 
 def test_held_devices_are_leased_as_the_pool_leases_them(tmp_path: Path) -> None:

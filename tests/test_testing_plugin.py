@@ -406,17 +406,33 @@ def test_items_with_instances_of_their_own_run_after_every_item_of_the_pool(
 def test_an_item_whose_command_would_ignore_a_session_option_is_deselected_and_listed(
     pytester: pytest.Pytester,
 ) -> None:
-    pytester.makeconftest(CONFTEST + '    parser.addoption("--epd-stream", action="store_true")\n')
+    pytester.makeconftest(CONFTEST + '    parser.addoption("--epd-launcher", default="local")\n')
     pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
     pytester.makepyfile(test_a_e2e=OWN)
-    run = pytester.runpytest("--collect-only", "-p", "no:cacheprovider", "--epd-stream")
+    run = pytester.runpytest("--collect-only", "-p", "no:cacheprovider", "--epd-launcher", "ray")
     run.stdout.fnmatch_lines(
         [
-            "*1 test(s) deselected: the session's --epd-stream cannot reach `epd-harness fuzz`*",
+            "*1 test(s) deselected: the session's --epd-launcher cannot reach `epd-harness run`*",
+            "*test_own_repro*",
+            "*1 test(s) deselected: the session's --epd-launcher cannot reach `epd-harness fuzz`*",
             "*test_own_fuzz*",
         ]
     )
-    assert "test_own_repro" in run.stdout.str(), "run and repro take --stream or leave it aside"
+
+
+def test_a_streamed_session_keeps_the_items_whose_commands_stream(
+    pytester: pytest.Pytester,
+) -> None:
+    """run, fuzz (`fuzz --stream`) and repro (the bundle's own) take `--epd-stream`: the
+    planted-fault fuzz was deselected as a command that "has no --stream" (found walking the
+    docs)."""
+    pytester.makeconftest(CONFTEST + '    parser.addoption("--epd-stream", action="store_true")\n')
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: real vLLM\n")
+    pytester.makepyfile(test_a_e2e=OWN)
+    run = pytester.inline_run("--collect-only", "-p", "no:cacheprovider", "--epd-stream")
+    [finished] = run.getcalls("pytest_collection_finish")
+    names = {item.name for item in finished.session.items}
+    assert {"test_own_repro", "test_own_fuzz"} <= names, names
 
 
 KV_CONNECTORS = """

@@ -84,12 +84,8 @@ SESSION_OPTIONS = (
         takes=frozenset({"run", "fuzz", "export"}),
         moot=frozenset({"repro"}),
     ),
-    SessionOption(
-        "--epd-stream",
-        "--stream",
-        takes=frozenset({"run"}),
-        why="it has no --stream",
-    ),
+    # fuzz --stream sends every example streamed, as run --stream does its cases.
+    SessionOption("--epd-stream", "--stream"),
     # Fuzz serves its baseline live for every example; repro judges against a live one.
     SessionOption(
         "--epd-baseline-cache",
