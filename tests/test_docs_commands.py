@@ -30,6 +30,9 @@ Synopses use a notation, resolved before the check (`shown_argvs`), each rule fo
 - `PLACEHOLDERS`: a word standing for a value the CLI checks, with the stand-in checked in its
   place. A placeholder for a value nothing checks before a start (DIR, FILE, RUN_DIR) needs no
   entry.
+
+A flag named on its own, in prose, must be one some parser of ours knows, or listed as another
+program's (`FOREIGN_FLAGS`): a renamed flag left its old name in prose, where no command is shown.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from unittest import mock
 
 import pytest
 
-from harness.cli.main import check_command_line, subcommand_parsers
+from harness.cli.main import build_parser, check_command_line, subcommand_parsers
 from harness.errors import BadInput
 from harness.testing.session_options import check_session_options
 
@@ -565,3 +568,140 @@ def test_a_file_a_shown_command_names_is_not_read(flag: str) -> None:
     would otherwise be refused for a file that is the reader's. Found in review by mutation:
     with the cases file read all the same, every test stayed green."""
     check_command_line(["run", flag, "/nonexistent/FILE"])
+
+
+# Flags the pages name that are another program's, each read there, not in a parser of ours:
+# (the flag, whose it is). `vllm serve`'s are checked by the served vLLM's own parser
+# (docs/running.md), pip's and the others' by their programs.
+FOREIGN_FLAGS: dict[str, str] = {
+    "--allowed-local-media-path": "vllm serve's",
+    "--api-key": "vllm serve's",
+    "--block-size": "vllm serve's",
+    "--disable-log-stats": "vllm serve's",
+    "--distributed-executor-backend": "vllm serve's",
+    "--ec-transfer-config": "vllm serve's",
+    "--enable-mm-embeds": "vllm serve's",
+    "--enable-prompt-tokens-details": "vllm serve's",
+    "--enable-request-id-headers": "vllm serve's",
+    "--enforce-eager": "vllm serve's (the harness's --no-enforce-eager drops it)",
+    "--generation-config": "vllm serve's",
+    "--gpu-memory-utilization": "vllm serve's",
+    "--hf-token": "vllm serve's",
+    "--host": "vllm serve's",
+    "--kv-transfer-config": "vllm serve's",
+    "--max-logprobs": "vllm serve's",
+    "--max-num-batched-tokens": "vllm serve's",
+    "--max-num-seqs": "vllm serve's",
+    "--no-enable-prefix-caching": "vllm serve's",
+    "--port": "vllm serve's, and its proxies'",
+    "--served-model-name": "vllm serve's",
+    "--trust-request-mm-kwargs": "vllm serve's",
+    "--encoder-cache-turbo": "no one's: running.md's example of a flag vLLM's parser refuses",
+    "--no-such-flag": "no one's: versions.md's flag planted for vLLM's parser to refuse",
+    "--decode-retries": "vLLM's disagg_epd_proxy.py",
+    "--decode-servers-urls": "vLLM's disagg_epd_proxy.py",
+    "--decoder-hosts": "vLLM's toy P/D proxy",
+    "--decoder-ports": "vLLM's toy P/D proxy",
+    "--dynamic-registration": "vLLM's disagg_epd_proxy.py (releases that have it)",
+    "--encode-servers-urls": "vLLM's disagg_epd_proxy.py",
+    "--prefill-servers-urls": "vLLM's disagg_epd_proxy.py",
+    "--prefiller-hosts": "vLLM's toy P/D proxy",
+    "--prefiller-ports": "vLLM's toy P/D proxy",
+    "--constraint": "pip install's",
+    "--constraints": "uv pip install's",
+    "--extra-index-url": "pip install's",
+    "--no-deps": "pip's and uv's",
+    "--target": "pip install's",
+    "--query-gpu": "nvidia-smi's",
+    "--block": "ray start's",
+    "--net": "unshare's",
+    "--ref": "gh workflow run's (a dispatch's branch)",
+}
+
+# What makes a flag: `--` and lower-case words joined by single hyphens (`--attach-` in a
+# generated table's truncated cell is no flag, nor is `---` of a Markdown rule).
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?![\w-])")
+# Scripts and modules of ours that parse a command line (a fake of vLLM's server mimics
+# vLLM's flags: not ours to document).
+PROGRAMS_OF_OURS = (
+    "harness/serve/ray_cluster.py",
+    "harness/cli/cpu_env.py",
+    "harness/cli/nixl_variant.py",
+    "harness/cli/torch_hold.py",
+    "harness/run/export/standalone_check.py",
+    "scripts/benchmark.py",
+    "scripts/cpu_cost.py",
+    "scripts/connector_costs.py",
+    "scripts/gpu_rehearsal.py",
+    "fixtures/tiny_model.py",
+)
+
+
+def flags_of_ours(pytest_parser: pytest.Parser) -> Callable[[str], bool]:
+    """Whether a flag is one some parser of ours knows: epd-harness's and its subcommands',
+    a script's or module's of ours, scripts/cpu's (its `case` patterns), or pytest's (this
+    session's: conftest.py's options, pytest's and its plugins')."""
+    known = option_strings(build_parser())
+    for program in PROGRAMS_OF_OURS:
+        parser = parser_of(program)
+        assert parser is not None, f"{program} builds no parser: drop it from PROGRAMS_OF_OURS"
+        known |= option_strings(parser)
+    script = (ROOT / "scripts" / "cpu").read_text(encoding="utf-8")
+    known |= set(re.findall(r"^\s*(--[a-z][a-z-]*)\)", script, re.M))
+    known |= set(re.findall(r"== (--[a-z][a-z-]*) \]\]", script))
+
+    def is_ours(flag: str) -> bool:
+        if flag in known:
+            return True
+        try:
+            _, unknown = pytest_parser.parse_known_and_unknown_args([flag, "VALUE"])
+        except (pytest.UsageError, SystemExit):
+            return True  # known, and its value refused
+        return flag not in unknown
+
+    return is_ours
+
+
+def flags_named(pages: list[Path], root: Path = ROOT) -> dict[str, list[str]]:
+    """Each flag the pages name, in code or prose -> where (page:line)."""
+    where: dict[str, list[str]] = {}
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        for match in FLAG.finditer(text):
+            line = text.count("\n", 0, match.start()) + 1
+            where.setdefault(match[0], []).append(f"{page.relative_to(root)}:{line}")
+    return where
+
+
+def test_every_flag_the_docs_name_is_one_a_parser_knows(
+    session_option_parser: pytest.Parser,
+) -> None:
+    """Shown commands are checked whole (above), but prose names flags on their own (`repro`'s
+    `--keep-up`, `load`'s `--kill`, connector_costs.py's `--idle-before`): a renamed flag
+    would leave its old name there, read by nobody's parser. Every `--flag` of the pages is
+    one of ours (`flags_of_ours`) or listed as another program's (`FOREIGN_FLAGS`)."""
+    is_ours = flags_of_ours(session_option_parser)
+    named = flags_named(PAGES)
+    assert len(named) > 100, f"only {len(named)} flags found: the scan broke"
+    unknown = {flag: at for flag, at in named.items() if not is_ours(flag)}
+    unlisted = {flag: at[:3] for flag, at in unknown.items() if flag not in FOREIGN_FLAGS}
+    assert not unlisted, f"named in the docs, known to no parser of ours: {unlisted}"
+    stale = sorted(set(FOREIGN_FLAGS) - set(unknown))
+    assert not stale, f"FOREIGN_FLAGS lists flags no page names, or ours: {stale}"
+
+
+def test_a_flag_renamed_in_prose_is_named(
+    session_option_parser: pytest.Parser, tmp_path: Path
+) -> None:
+    """The drift the test above catches, planted in a copy of the README: a flag named in
+    prose alone, in no shown command, that no parser knows."""
+    real, wrong = "`--keep-up` then leaves", "`--keep-running` then leaves"
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert text.count(real) == 1, f"README.md no longer says {real!r}: plant elsewhere"
+    copy = tmp_path / "README.md"
+    copy.write_text(text.replace(real, wrong), encoding="utf-8")
+    assert not any("--keep-running" in c.text for c in shown_commands(copy, tmp_path))
+    is_ours = flags_of_ours(session_option_parser)
+    named = flags_named([copy], tmp_path)
+    unknown = {flag for flag in named if not is_ours(flag) and flag not in FOREIGN_FLAGS}
+    assert unknown == {"--keep-running"}, unknown
