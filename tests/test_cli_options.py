@@ -75,6 +75,25 @@ def test_every_subcommand_shows_its_defaults_and_no_empty_ones() -> None:
         assert "(default: [])" not in text, name
 
 
+def test_every_option_of_every_subcommand_says_what_it_does() -> None:
+    """Found walking the docs: `load --refresh-baseline` had no help at all, and `load
+    --baseline-cache` hid the cache it defaults to, which `run --help` names; the two
+    commands read both options alike."""
+    from harness.cli.main import subcommand_parsers
+
+    silent = [
+        f"{name} {max(action.option_strings, key=len)}"
+        for name, sub in subcommand_parsers().items()
+        for action in sub._actions
+        if action.option_strings and not (action.help or "").strip()
+    ]
+    assert not silent, silent
+    flat = {name: " ".join(text.split()) for name, text in subcommand_helps().items()}
+    for name in ("run", "load"):
+        assert "baseline cache directory, or 'off' (default: " in flat[name], name
+        assert "--refresh-baseline recompute the baseline and overwrite" in flat[name], name
+
+
 RAY_CUDA = ["--launcher", "ray", "--ray-address", "10.0.0.1:6379", "--platform", "cuda"]
 
 

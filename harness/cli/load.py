@@ -11,6 +11,7 @@ import math
 import time
 
 from harness.cli.serving_options import (
+    add_baseline_cache_options,
     add_proxy_options,
     add_serving_options,
     proxy_fields,
@@ -264,8 +265,7 @@ def add_load_parser(sub: argparse._SubParsersAction) -> None:
         "every request is in flight; each must end ERROR naming it",
     )
     load.add_argument("--run-dir", help="artifact directory (default: runs/<timestamp>)")
-    load.add_argument("--baseline-cache", help="baseline cache directory, or 'off'")
-    load.add_argument("--refresh-baseline", action="store_true")
+    add_baseline_cache_options(load)
     add_serving_options(load)
     add_proxy_options(load, attach_help="load a running deployment (attach file) instead")
     load.set_defaults(func=command_load, check_arguments=check_load_arguments)

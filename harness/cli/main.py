@@ -24,6 +24,7 @@ from harness.cli.fuzz import add_fuzz_parser
 from harness.cli.load import add_load_parser
 from harness.cli.plan import add_plan_parser
 from harness.cli.serving_options import (
+    add_baseline_cache_options,
     add_dtype_option,
     add_proxy_options,
     add_serving_options,
@@ -543,15 +544,7 @@ def build_parser() -> Parser:
         help="directory file:// media may come from (refused when no prompt names one: the "
         "built-in prompts carry their media inline)",
     )
-    run.add_argument(
-        "--baseline-cache",
-        help=f"baseline cache directory, or 'off' (default: {cache_dir() / 'baseline'})",
-    )
-    run.add_argument(
-        "--refresh-baseline",
-        action="store_true",
-        help="recompute the baseline and overwrite its cache entries",
-    )
+    add_baseline_cache_options(run)
     run.add_argument(
         "--plant-fault",
         metavar="FAULT",

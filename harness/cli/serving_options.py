@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from harness.environment import cache_dir
 from harness.judge.policy import REFERENCE_POLICIES
 from harness.preflight.config import DEFAULT_MAX_MODEL_LEN
 from harness.spec.connectors import EC_CONNECTORS, KV_CONNECTORS
@@ -53,6 +54,20 @@ SERVING_FIELDS = (
 # The RunRequest fields `add_proxy_options` fills, for commands that can put vLLM's own proxy
 # (or an attached deployment's) in front of the instances.
 PROXY_FIELDS = ("proxy", "attach", "vllm_source", "proxy_registration")
+
+
+def add_baseline_cache_options(parser: argparse.ArgumentParser) -> None:
+    """Where the baseline's answers are cached, for the commands that read the cache (`run`,
+    `load`): one help, so that neither hides the default (`load`'s said nothing of it)."""
+    parser.add_argument(
+        "--baseline-cache",
+        help=f"baseline cache directory, or 'off' (default: {cache_dir() / 'baseline'})",
+    )
+    parser.add_argument(
+        "--refresh-baseline",
+        action="store_true",
+        help="recompute the baseline and overwrite its cache entries",
+    )
 
 
 def add_serving_options(parser: argparse.ArgumentParser) -> None:
