@@ -40,6 +40,16 @@ def test_list_names_scenarios_and_faults(epd_cli) -> None:
     assert code == 0
     assert "epd-media-in-decode-tail" in out and "expects ERROR" in out
     assert "corrupt-ec, zero-kv, drop-kv, drop-metadata" in out
+    # `epd-harness --help` said list shows "known topologies and prompts" (found walking the
+    # docs): every section it prints is named there.
+    from harness.cli.main import build_parser
+
+    usage = " ".join(build_parser().format_help().split())
+    said = re.search(r" list (.*?) doctor ", usage)
+    assert said, usage
+    sections = re.findall(r"^([a-z]+(?: [a-z]+)?)(?: \(|:)", out, re.M)
+    assert sections == ["topologies", "prompts", "scenarios", "faults", "graded faults"], out
+    assert all(section.split()[-1] in said[1] for section in sections), said[1]
 
 
 def subcommand_helps() -> dict[str, str]:

@@ -603,7 +603,9 @@ def build_parser() -> Parser:
     )
     repro.set_defaults(func=command_repro)
 
-    listing = sub.add_parser("list", help="known topologies and prompts")
+    listing = sub.add_parser(
+        "list", help="known topologies, prompts, matrix scenarios and faults (graded faults too)"
+    )
     listing.set_defaults(func=command_list)
 
     check = sub.add_parser("doctor", help="check that this environment can run vLLM EPD")
