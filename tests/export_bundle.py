@@ -136,6 +136,7 @@ def write_bundle(
     prompt: str = PROMPT,
     bodies: dict[str, dict[str, Any]] | None = None,
     dtype: str = DEFAULT_DTYPE,
+    guards: dict[str, Any] | None = None,
 ) -> Path:
     """A bundle of one case of `topology` with `verdict`, baseline answer and encoder taps; a
     matrix scenario's commands in the shared `<topology>/` (or, `pre_pool_layout`, in the
@@ -174,9 +175,10 @@ def write_bundle(
             "ERROR": "request failed",
             "MISMATCH": "generated tokens differ at position 1 of 4/4",
             "MATCH": "identical: generated tokens equal (4/4)",
+            "VACUOUS": "tokens equal but guard failed: kv_transfer: D cached_tokens=0 (taps)",
         }[verdict],
         "divergence": {"index": 1} if verdict == "MISMATCH" else None,
-        "guards": {},
+        "guards": guards or {},
         "timings": {},
         "error": DEATH if verdict == "ERROR" else None,
         "explanation": "generated tokens differ at position 1" if verdict == "MISMATCH" else "",

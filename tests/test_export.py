@@ -2674,3 +2674,104 @@ def test_the_export_takes_the_runs_proxy_files_only_while_they_are_there(
         assert (upstream.directory, upstream.origin, fetched) == (files_dir, "the run's", [])
     else:
         assert (upstream.directory, fetched) == (tmp_path / "fetched", ["0.32.0+cpu"])
+
+
+FAILED_KV_GUARD = {"kv_transfer": {"ok": False, "evidence": "D cached_tokens=0 (taps)"}}
+
+
+def test_a_vacuous_kv_case_exports_its_kv_guard_for_check_py_to_hold(tmp_path: Path) -> None:
+    """Found on real vLLM: a fuzz's known VACUOUS case (D loads none of P's KV at k*block+1
+    prompt tokens) exported, and check.py, judging ids alone, said MATCH and "NOT
+    reproduced". expected.json now carries the KV guard the run judged under ExampleConnector's
+    rule (D's cached_tokens, which the answer's usage shows), and ISSUE.md says check.py holds
+    it; under NIXL's rule (D's /metrics) and where the run judged no KV guard there is none."""
+    from harness.spec.connectors import KvRule, expected_kv_tokens
+
+    out = write(tmp_path / "a", verdict="VACUOUS", guards=FAILED_KV_GUARD)
+    expected = json.loads((out / "expected.json").read_text())
+    minimum = expected_kv_tokens(KvRule.BLOCK_ALIGNED_PREFIX, len(PROMPT_IDS), 32)
+    assert expected["kv_transfer"] == {
+        "min_cached_tokens": minimum,
+        "rule": "block-aligned prefix",
+        "block_size": 32,
+        "recorded": "D cached_tokens=0 (taps)",
+    }
+    assert (
+        f"`cached_tokens` in the answer's usage must reach {minimum}"
+        in (out / "ISSUE.md").read_text()
+    )
+    nixl = write(
+        tmp_path / "b", verdict="VACUOUS", guards=FAILED_KV_GUARD, kv_connector="NixlConnector"
+    )
+    assert "kv_transfer" not in json.loads((nixl / "expected.json").read_text())
+    unguarded = write(tmp_path / "c", verdict="MISMATCH")
+    assert "kv_transfer" not in json.loads((unguarded / "expected.json").read_text())
+    assert "KV guard" not in (unguarded / "ISSUE.md").read_text()
+
+
+KV_GUARD = {"min_cached_tokens": 64, "rule": "block-aligned prefix", "block_size": 32}
+
+
+def cached(payload: dict, tokens: int | None) -> dict:
+    """`payload` (an answer) with D's cached_tokens in its usage (None: no details)."""
+    if tokens is not None:
+        payload["usage"]["prompt_tokens_details"] = {"cached_tokens": tokens}
+    return payload
+
+
+def test_check_holds_the_kv_guard_where_expected_json_has_it(tmp_path: Path, monkeypatch) -> None:
+    """Equal ids with D's cached_tokens below the block-aligned prefix are the harness's
+    VACUOUS, exit 1, in an unstreamed and a streamed answer alike; at or above it a MATCH that
+    says the guard held; an answer without cached_tokens proves no transfer either. Ids that
+    differ stay the difference they are; without `kv_guard` (the reference served alone)
+    nothing is held."""
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    right = [1, 2, 3], [7, 8, 9, 10]
+
+    def judged(payload: dict, streamed: bool = False, guard=KV_GUARD) -> tuple[str, int, str]:
+        text = json.dumps(payload)
+        if streamed:
+            chunks = stream_chunks(payload["prompt_token_ids"], payload["choices"][0]["token_ids"])
+            chunks[-1]["usage"] = payload["usage"]
+            text = events(*chunks)
+        sent = check.Answer("http://x/v1/chat/completions", 200, text, 0.1)
+        return judge(EXPECTED, sent, [], tmp_path, streamed=streamed, kv_guard=guard)
+
+    for streamed in (False, True):
+        verdict, code, detail = judged(cached(response(*right), 32), streamed)
+        assert (verdict, code) == ("VACUOUS", 1), (streamed, detail)
+        assert detail == (
+            "tokens equal but the KV guard failed: D cached_tokens=32 (the answer's usage), "
+            "expected >= 64 by the block-aligned prefix rule (prompt 3 tokens, block 32): D "
+            "did not load the KV P stored"
+        )
+        verdict, code, detail = judged(cached(response(*right), 64), streamed)
+        assert (verdict, code) == ("MATCH", 0) and "the KV guard held" in detail, detail
+    assert judged(cached(response(*right), None))[:2] == ("VACUOUS", 1)
+    assert judged(cached(response([1, 2, 3], [7, 5, 9, 10]), 0))[:2] == ("MISMATCH", 1)
+    assert judged(cached(response(*right), 0), guard=None)[:2] == ("MATCH", 0)
+
+
+def test_a_vacuous_case_on_a_guard_check_py_cannot_see_says_so(tmp_path: Path) -> None:
+    """A VACUOUS case whose failed guard was read at the harness's taps (an EC guard, or the
+    KV guard under NIXL's rule) is recorded as such: ISSUE.md says check.py cannot hold it,
+    and check.py's equal ids say why the failure is not reproduced, not a bare "NOT
+    reproduced". A guard check.py holds (the KV guard it carries) is not among them."""
+    ec = {"consumer_embeds": {"ok": False, "evidence": "raw media reached prefill0"}}
+    out = write(tmp_path / "a", verdict="VACUOUS", guards={**ec, **FAILED_KV_GUARD})
+    recorded = json.loads((out / "expected.json").read_text())["recorded"]
+    assert recorded["unjudged_guards"] == ["consumer_embeds"]
+    assert "It cannot hold consumer_embeds" in (out / "ISSUE.md").read_text()
+    nixl = write(
+        tmp_path / "b", verdict="VACUOUS", guards=FAILED_KV_GUARD, kv_connector="NixlConnector"
+    )
+    recorded = json.loads((nixl / "expected.json").read_text())["recorded"]
+    assert recorded["unjudged_guards"] == ["kv_transfer"]
+    assert check.reproduction(recorded, "MATCH", (), None) == (
+        "NOT reproduced, and check.py cannot show it: the recorded VACUOUS rests on "
+        "kv_transfer, which the harness read from the instances (its taps between them and "
+        "the proxy, D's /metrics); check.py sees only the answer"
+    )
+    held = write(tmp_path / "c", verdict="VACUOUS", guards=FAILED_KV_GUARD)
+    assert "unjudged_guards" not in json.loads((held / "expected.json").read_text())["recorded"]
+    assert check.reproduction({"verdict": "VACUOUS"}, "MATCH", (), None) == "NOT reproduced"

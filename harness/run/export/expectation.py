@@ -9,11 +9,13 @@ from typing import Any
 from harness.devices import describe_devices
 from harness.errors import BadInput
 from harness.judge.compare import is_measured_floor
+from harness.judge.guards import kv_rule_for
 from harness.judge.policy import ReferencePolicy, default_reference_policy
 from harness.judge.records import Verdict
 from harness.run.export.request import describe_request
 from harness.run.fuzz.signature import died_instance, ids_kind
 from harness.run.repro import Bundle, ReproCase
+from harness.spec.connectors import KvRule, expected_kv_tokens
 from harness.spec.platforms import get_platform
 from harness.spec.topology import BASELINE, get_topology
 
@@ -30,8 +32,11 @@ def tokens_expectation(
     drift_passes = policy.policy_for(topology, case.reference == BASELINE.name).passes(
         Verdict.DRIFT
     )
+    answer = expected_answer(bundle, case)
+    guard = kv_guard(bundle, record, len(answer["prompt_token_ids"]))
     return {
-        **expected_answer(bundle, case),
+        **answer,
+        **({"kv_transfer": guard} if guard else {}),
         "check": "tokens",
         "what": f"{case.topology} / {case.prompt}: {describe_request(body)}; expecting "
         f"{reference_words(case.reference)}'s token ids",
@@ -45,7 +50,51 @@ def tokens_expectation(
             "where": recording_host(bundle.run),
             "ids_vary_with": ids_vary_with(bundle.run),
             **where_it_failed(case.verdict, record),
+            **unjudged_guards(case.verdict, record, guard),
         },
+    }
+
+
+def unjudged_guards(
+    verdict: str, record: dict[str, Any], kv_guard: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A VACUOUS case's failed guards that check.py does not hold (every one but the KV guard
+    it carries, `kv_guard`): guards the harness read from the instances (taps, D's /metrics),
+    which an export without the harness cannot, so check.py's MATCH there says why it cannot
+    reproduce the failure instead of a bare "NOT reproduced"."""
+    if verdict != Verdict.VACUOUS.value:
+        return {}
+    guards = record.get("guards") or {}
+    unseen = [
+        name
+        for name, result in guards.items()
+        if isinstance(result, dict)
+        and result.get("ok") is False
+        and not result.get("not_checkable")
+        and not (name == "kv_transfer" and kv_guard)
+    ]
+    return {"unjudged_guards": unseen} if unseen else {}
+
+
+def kv_guard(bundle: Bundle, record: dict[str, Any], prompt_tokens: int) -> dict[str, Any] | None:
+    """The KV guard check.py judges beside the ids, where the harness judged one and a client
+    can see what it reads: D's `cached_tokens` in the answer's usage (vLLM's proxy passes D's
+    answer on), held to ExampleConnector's block-aligned prefix rule. Found on real vLLM: a
+    fuzz's known VACUOUS case (D loads none of P's KV at k*block+1 prompt tokens) exported,
+    and check.py, judging ids alone, said MATCH and "NOT reproduced". None where the run
+    judged no KV guard, or could not, and under NIXL's rule, which reads D's /metrics."""
+    guard = (record.get("guards") or {}).get("kv_transfer")
+    if not isinstance(guard, dict) or "ok" not in guard or guard.get("not_checkable"):
+        return None
+    serving = bundle.serving()
+    rule = kv_rule_for(serving.kv_connector)
+    if rule is not KvRule.BLOCK_ALIGNED_PREFIX:
+        return None
+    return {
+        "min_cached_tokens": expected_kv_tokens(rule, prompt_tokens, serving.block_size),
+        "rule": rule.value,
+        "block_size": serving.block_size,
+        "recorded": guard.get("evidence"),
     }
 
 

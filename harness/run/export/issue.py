@@ -574,9 +574,26 @@ def judging_lines(expected: dict[str, Any]) -> list[str]:
     recorded = expected.get("recorded") or {}
     where = recorded.get("where") or "the recording host"
     vary = recorded.get("ids_vary_with") or "another machine"
+    guard = expected.get("kv_transfer")
+    held = ""
+    if guard:
+        held = (
+            f" It holds the KV guard too, as the harness did: D's `cached_tokens` in the "
+            f"answer's usage must reach {guard['min_cached_tokens']}, the {guard['rule']} of "
+            f"the prompt (block {guard['block_size']}); equal ids with fewer are VACUOUS "
+            "(exit 1): D computed the prompt itself, and the match proves no transfer."
+        )
+    unseen = recorded.get("unjudged_guards")
+    if unseen:
+        held += (
+            f" It cannot hold {', '.join(unseen)}, on which the recorded VACUOUS rests: the "
+            "harness read that from the instances (its taps between them and the proxy, D's "
+            "/metrics), and check.py sees only the answer; it reports equal ids as NOT "
+            "reproduced, saying so."
+        )
     return [
-        f"`check.py` judges as the harness did: {drift}. The expected ids were recorded on "
-        f"{where}: {vary} can give other ids by itself.",
+        f"`check.py` judges as the harness did: {drift}.{held} The expected ids were recorded "
+        f"on {where}: {vary} can give other ids by itself.",
     ]
 
 

@@ -510,6 +510,7 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
     completions: list[str] = []  # the chunks' distinct `id`s: one completion's, in vLLM
     prompt_counted: Any = None  # the usage chunk's prompt_tokens
     counted: list[Any] = []  # the usage chunks' completion_tokens
+    usage: dict[str, Any] = {}  # the last usage chunk
     objects = 0  # events read as JSON objects: chunks
     problems: list[str] = []
     done = False
@@ -560,6 +561,7 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
                     problems.append(f"event {event} is a second usage chunk")
                 counted.append(chunk["usage"].get("completion_tokens"))
                 prompt_counted = chunk["usage"].get("prompt_tokens")
+                usage = chunk["usage"]
                 problems += usage_shape_problems(event, chunk["usage"])
                 continue
             if counted:  # vLLM sends the usage chunk last, just before [DONE]
@@ -593,6 +595,7 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
                 "finish_reason": finish_reason,
             }
         ],
+        "usage": usage,  # the last usage chunk's: the KV guard's cached_tokens
     }
     if not done:
         problems.append("the stream ended without [DONE]")
@@ -693,10 +696,12 @@ def judgment(
     instances: list[Instance],
     state_dir: Path,
     streamed: bool = False,
+    kv_guard: dict[str, Any] | None = None,
 ) -> Judgment:
     """(verdict, exit code, evidence) for one answer (`streamed`: server-sent events), the
-    instances checked afterwards; with the answer read, which `--save-reference` stores and
-    `--reference` compares a second time (with the recorded ids)."""
+    instances checked afterwards, the KV guard judged where `kv_guard` is expected.json's
+    (`guarded`); with the answer read, which `--save-reference` stores and `--reference`
+    compares a second time (with the recorded ids)."""
     grace = DEATH_GRACE_S if answer.status != 200 else 0.0
     dead = dead_instances(instances, state_dir, grace)
     if dead:
@@ -740,7 +745,41 @@ def judgment(
         refused = unstreamed_refusal(response)
         if refused is not None:
             return Judgment("ERROR", EXIT_ERROR, f"{refused}; {answer.headline()}")
-    return Judgment(*tokens_verdict(expected, response, broken), response, broken)
+    verdict, code, detail = tokens_verdict(expected, response, broken)
+    if kv_guard is not None:
+        verdict, code, detail = guarded(kv_guard, expected, response, verdict, code, detail)
+    return Judgment(verdict, code, detail, response, broken)
+
+
+def guarded(
+    guard: dict[str, Any],
+    expected: dict[str, Any],
+    response: dict[str, Any],
+    verdict: str,
+    code: int,
+    detail: str,
+) -> tuple[str, int, str]:
+    """The harness's VACUOUS: ids equal (or a DRIFT the policy passes), and yet D says in its
+    answer's usage that it loaded less of the prompt's KV than the connector moves (its
+    harness/judge/guards.py check_kv_transfer, ExampleConnector's block-aligned prefix rule):
+    D computed the prompt itself and the match proves nothing about the transfer."""
+    if code != EXIT_MATCH:
+        return verdict, code, detail
+    details = (response.get("usage") or {}).get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    minimum = guard["min_cached_tokens"]
+    said = (
+        f"D cached_tokens={cached} (the answer's usage), expected >= {minimum} by the "
+        f"{guard['rule']} rule (prompt {len(expected['prompt_token_ids'])} tokens, block "
+        f"{guard['block_size']})"
+    )
+    if isinstance(cached, int) and not isinstance(cached, bool) and 0 < minimum <= cached:
+        return verdict, code, f"{detail}; the KV guard held: {said}"
+    return (
+        "VACUOUS",
+        EXIT_DIFFERENCE,
+        f"tokens equal but the KV guard failed: {said}: D did not load the KV P stored",
+    )
 
 
 def unstreamed_refusal(response: Any) -> str | None:
@@ -876,6 +915,13 @@ def reproduction(
     What the recording holds of where (`died`, `ids`, `position`) is the exporter's; an
     export without it is judged on the verdict."""
     if recorded["verdict"] != verdict:
+        unseen = recorded.get("unjudged_guards")
+        if recorded["verdict"] == "VACUOUS" and unseen:
+            return (
+                f"NOT reproduced, and check.py cannot show it: the recorded VACUOUS rests on "
+                f"{', '.join(unseen)}, which the harness read from the instances (its taps "
+                "between them and the proxy, D's /metrics); check.py sees only the answer"
+            )
         return "NOT reproduced"
     if verdict == "ERROR" and "died" in recorded:
         then = recorded["died"]
@@ -1117,7 +1163,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"check.py: POST {url}")
     answer = post_json(url, body, timeout_s)
     streamed = bool(body.get("stream"))
-    judged = judgment(fresh or expected, answer, endpoints.instances, args.state, streamed)
+    # The KV guard is the case's (P->D); the reference served alone moves no KV.
+    kv_guard = None if serving_reference else expected.get("kv_transfer")
+    judged = judgment(
+        fresh or expected, answer, endpoints.instances, args.state, streamed, kv_guard
+    )
     verdict, code = judged.verdict, judged.code
     against = f"against {reference}'s answer produced here: " if fresh else ""
     print(f"{against}{verdict}: {judged.detail}")
