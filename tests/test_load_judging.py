@@ -581,6 +581,16 @@ def test_a_death_ends_the_load_and_every_later_request_says_why(tmp_path: Path) 
     assert not result_.passed
 
 
+def test_a_load_whose_every_request_left_names_none_never_sent(tmp_path: Path) -> None:
+    """load.md counts the batched among the sent ("of them"), and says "never sent" only of
+    a load that ended first: a whole load's line read "; 0 never sent" otherwise."""
+    load, _ = stand_in_load(tmp_path, requests=4)
+    load.run()
+    text = (tmp_path / "load.md").read_text()
+    assert "- requests: 4 (4 sent, 0 of them in flight with another); verdicts:" in text, text
+    assert "never sent" not in text, text
+
+
 def test_a_request_never_sent_says_what_ended_the_load_before_its_turn() -> None:
     """A planted kill's unsent requests name the killed instance (first, as `kill_problems`
     wants); a death that ended the load is quoted; with neither, the load just ended."""
