@@ -3220,14 +3220,36 @@ def fuzz_exit_code(tmp_path: Path, monkeypatch, run, *extra: str) -> int:
     from harness.run.fuzz.engine import FuzzEngine
 
     settings = served_settings(tmp_path / "model", tmp_path / "run")
-    config = SimpleNamespace(settings=settings, topologies=(TOPOLOGIES["1E+1P+1D"],))
-    monkeypatch.setattr(fuzz_cli, "prepare_run", lambda request: config)
+
+    def prepare_run(request):  # what the request asks of the settings, as prepare_run
+        streamed = dataclasses.replace(settings, stream=request.stream)
+        return SimpleNamespace(settings=streamed, topologies=(TOPOLOGIES["1E+1P+1D"],))
+
+    monkeypatch.setattr(fuzz_cli, "prepare_run", prepare_run)
     monkeypatch.setattr(FuzzEngine, "__enter__", lambda self: self)  # nothing is started
     monkeypatch.setattr(FuzzEngine, "run", run)
     argv = ["fuzz", "--topology", "1E+1P+1D", "--examples", "2", "--seed", "0"]
     args = build_parser().parse_args([*argv, *extra, "--run-dir", str(tmp_path / "run")])
     args.progress = Progress()
     return fuzz_cli.command_fuzz(args)
+
+
+def test_a_streamed_fuzz_says_so_in_the_title_of_fuzz_md(tmp_path: Path, monkeypatch) -> None:
+    """fuzz.md's title says the examples went streamed: its verdicts (a stream's framing
+    judged too) are another run's than an unstreamed fuzz of the same seed."""
+
+    def run(self, examples, report, on_progress):
+        evaluation = _evaluation("ex-0000", image_prompt((56, 56)), record(Verdict.MATCH), False)
+        evaluation.signature = evaluation.recognition = None
+        report.evaluations.append(evaluation)
+        on_progress(report)
+        return report
+
+    for extra, said in (((), ""), (("--stream",), ", streamed")):
+        run_dir = tmp_path / ("streamed" if extra else "unstreamed")
+        assert fuzz_exit_code(run_dir, monkeypatch, run, *extra) == 0
+        title = (run_dir / "run" / "fuzz.md").read_text().splitlines()[0]
+        assert title == f"# Fuzz: 1E+1P+1D, seed 0, 2 examples{said}", title
 
 
 @pytest.mark.parametrize(
