@@ -53,6 +53,8 @@ def test_the_engine_judges_groups_shrinks_and_bundles(
     with FuzzEngine(settings, topology, fault="drop-metadata", budget=budget) as engine:
         report = engine.run(examples)
     assert report.counts() == {"MATCH": 1, "VACUOUS": 2}
+    # Unstreamed unless asked (`fuzz --stream`): no stream framing to judge.
+    assert all(e.candidate.stream is None for e in report.evaluations), "streamed unasked"
     (group,) = report.groups
     assert group.signature.verdict == Verdict.VACUOUS.value and not group.known
     assert group.start.spec.name == "ex-0002", "shrinking starts from the smallest member"
