@@ -180,3 +180,36 @@ def test_the_sweep_judges_1e1p1d_against_1p1d_too_and_holds_that_pair_exact(tmp_
     against_baseline, against_pair = records
     assert against_baseline.verdict is Verdict.DRIFT and against_baseline.policy_passed
     assert against_pair.verdict is Verdict.DRIFT and not against_pair.policy_passed
+
+
+def test_a_rerun_its_run_never_judged_against_1p1d_serves_no_1p1d(tmp_path) -> None:
+    """`repro` of a fuzz bundle judges 1E+1P+1D against the baseline alone, as the fuzz did
+    (`exact_reference=False`): 1P+1D is neither started nor compared. Found in review: a
+    mutant that judged against it all the same survived, every test of repro standing in for
+    the sweep's judge."""
+    from harness.judge.verdicts import Stability
+    from harness.run.judging import Observed
+    from harness.run.sweep import Sweep, SweepSpec
+    from harness.spec.prompts import SKELETON_PROMPTS
+    from harness.spec.settings import RunSettings
+    from harness.spec.topology import serving_for
+
+    settings = RunSettings(
+        serving=serving_for(CPU, "/not-a-dir-model", max_model_len=4096),
+        run_dir=tmp_path / "run",
+    )
+    image = next(p for p in SKELETON_PROMPTS if p.name == "image")
+    sweep = Sweep(SweepSpec(topologies=(TOPOLOGIES["1E+1P+1D"],), prompts=(image,)), settings)
+    answer = outcome((5, 6, 7))
+    sweep.baseline.outcomes["image"] = answer
+    sweep.baseline.stability["image"] = Stability(True, "stable", 0.0)
+    served: list[str] = []
+
+    def serve_topology(name: str) -> dict[str, Observed]:
+        served.append(name)
+        return {"image": Observed(answer, ())}
+
+    sweep.serve_topology = serve_topology  # type: ignore[method-assign]
+    records = sweep.judge("1E+1P+1D", "image", exact_reference=False)
+    assert [r.reference for r in records] == ["baseline"]
+    assert served == ["1E+1P+1D"], served
