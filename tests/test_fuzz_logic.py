@@ -2379,6 +2379,13 @@ def test_a_planted_fuzz_says_how_many_examples_the_fault_acted_on(
         "planted fault stream-duplicate-chunk acts on every request sent and records no effect "
         "per request: the failures found are the self-test's evidence"
     )
+    # Found in review: a run that sent no example (its budget spent first) said the same of
+    # ec-swap-items, beside "no example was judged": its line counts the none sent.
+    for evaluation in report.evaluations:
+        evaluation.status, evaluation.record = "not-sent", None
+    assert fault_effect_line("ec-swap-items", report) == (
+        "planted fault ec-swap-items acted on 0 of the 0 example(s) sent"
+    )
 
 
 def test_a_group_bundle_holds_the_instance_commands_export_needs(tmp_path: Path) -> None:

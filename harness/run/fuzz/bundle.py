@@ -379,10 +379,11 @@ def fault_effect_line(fault: str, report: FuzzReport) -> str:
     found nothing says whether the fault ever acted."""
     effect = report.fault_effect()
     sent = effect["acted"] + effect["not_acted"]
-    if not sent:
+    if not sent and report.judged_any:
         # A fault with no hook of its own (drop-metadata's flag, stream-duplicate-chunk in the
         # proxy) records nothing per request: "acted on 0 of the 0 example(s) sent" (real
-        # vLLM, fuzz --stream --plant-fault stream-duplicate-chunk) read as a fault idle.
+        # vLLM, fuzz --stream --plant-fault stream-duplicate-chunk) read as a fault idle. A
+        # run that sent nothing is told as such, whatever the fault.
         return (
             f"planted fault {fault} acts on every request sent and records no effect per "
             "request: the failures found are the self-test's evidence"
