@@ -1749,6 +1749,22 @@ def test_save_writes_a_new_failure_as_a_declared_scenario(tmp_path: Path) -> Non
     assert Recognition(None).known is False
 
 
+def test_a_scenario_saved_by_a_streamed_fuzz_streams(tmp_path: Path) -> None:
+    """`fuzz --stream --save`: the failure was found streamed (a stream's framing among what
+    was judged), so its scenario streams whatever the matrix run's --stream says. Found in
+    review: it was saved unstreamed, and a stream-only failure then MATCHed in every matrix
+    run without --stream, 'NOT as declared'."""
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    new = _evaluation("ex-0003", image_prompt((56, 56), text=" hi"), crash, False)
+    group = FailureGroup(new.signature, new.recognition, [new], minimal=new)
+    for stream in (False, True):
+        path = tmp_path / f"found-{stream}.json"
+        meta = {"seed": 3, "vllm": "0.32.0+cpu", "stream": stream}
+        save_scenarios([group], "1E+1P+1D", meta, "a cause", path=path)
+        (scenario,) = found_scenarios(path)
+        assert scenario.stream is stream, scenario
+
+
 def test_a_saved_scenario_is_sent_cold_not_under_the_salt_its_example_drew(tmp_path: Path) -> None:
     """A follow-up example draws a tenant's `cache_salt`; --save kept it in the scenario's
     request, and the matrix keeps a body's own salt (`fresh_prefix_request`, for a replayed

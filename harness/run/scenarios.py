@@ -389,6 +389,7 @@ def found_scenarios(path: Path = FOUND_SCENARIOS_FILE) -> tuple[Scenario, ...]:
             expect_evidence=entry.get("expect_evidence", ""),
             reason=entry.get("reason", ""),
             expect_by_kv_connector=elsewhere_expected(entry),
+            stream=bool(entry.get("stream", False)),
         )
         for entry in entries
     )

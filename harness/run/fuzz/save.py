@@ -77,7 +77,7 @@ def scenario_entry(
     name = f"fuzz-{group.signature.slug[:40]}-{digest}"
     spec = PromptSpec(f"{name}-request", minimal.parts, minimal.max_tokens, minimal.extra)
     found = f"epd-harness fuzz --topology {topology} --seed {meta['seed']} (vLLM {meta['vllm']})"
-    return {
+    entry = {
         "name": name,
         "topology": topology,
         "prompts": [prompt_to_json(spec)],
@@ -86,6 +86,11 @@ def scenario_entry(
         "reason": reason or f"found by {found}; cause not investigated yet",
         "found_by": {**meta, "signature": group.signature.key},
     }
+    if meta.get("stream"):
+        # Found streamed (`fuzz --stream`): the scenario streams whatever the matrix run's
+        # --stream says, or a failure of the stream alone would MATCH there.
+        entry["stream"] = True
+    return entry
 
 
 def save_scenarios(
