@@ -523,7 +523,7 @@ def test_keep_up_writes_an_attach_file_that_reaches_the_kept_up_topology(
     sweep = Sweep(SweepSpec(topologies=(get_topology("1E+1PD"),), prompts=()), settings)
     seen: dict[str, object] = {}
 
-    def while_kept_up() -> None:  # stands in for signal.pause(): the topology is serving
+    def while_kept_up() -> None:  # stands in for serve_until_death: the topology serves
         spec = load_attach_file(str(settings.run_dir / "attach.json"), "example")
         seen["spec"] = spec
         with AttachedSession(spec, settings) as session:
@@ -532,7 +532,7 @@ def test_keep_up_writes_an_attach_file_that_reaches_the_kept_up_topology(
         argvs = [json.loads(c.read_text())["argv"] for c in commands]
         seen["ports"] = [argv[argv.index("--port") + 1] for argv in argvs]
 
-    monkeypatch.setattr(repro.signal, "pause", while_kept_up)
+    monkeypatch.setattr(repro, "serve_until_death", lambda session: while_kept_up())
     with caplog.at_level("INFO", logger="harness"):
         try:
             repro.keep_up(sweep, "1E+1PD")
@@ -576,7 +576,7 @@ def test_keep_up_of_a_planted_fault_serves_a_topology_started_again_without_it(
             seen["starts"] = len(sweep.pool.starts)
             seen["altered_left"] = altered.exists()
 
-        monkeypatch.setattr(repro.signal, "pause", while_kept_up)
+        monkeypatch.setattr(repro, "serve_until_death", lambda session: while_kept_up())
         with caplog.at_level("INFO", logger="harness"):
             repro.keep_up(sweep, "1E+1PD")
     finally:
@@ -612,7 +612,7 @@ def test_keep_up_stops_the_sessions_it_does_not_list(
             seen["running"] = sorted(key.topology for key in sweep.pool.running())
             seen["interrupted"] = progress.describe()
 
-        monkeypatch.setattr(repro.signal, "pause", while_kept_up)
+        monkeypatch.setattr(repro, "serve_until_death", lambda session: while_kept_up())
         with caplog.at_level("INFO", logger="harness"):
             repro.keep_up(sweep, "1E+1PD", settled=progress.settled)
     finally:
@@ -621,6 +621,40 @@ def test_keep_up_stops_the_sessions_it_does_not_list(
     # The baseline's stop was keep-up's, not an interruption's (real vLLM: SIGTERM then said
     # "interrupted ... while baseline/baseline0 was ready", stopped 60 s before).
     assert seen["interrupted"] == "while 1E+1PD/encoder0 was ready, 1E+1PD/pd0 was ready"
+
+
+def test_keep_up_says_at_once_that_an_instance_of_the_kept_topology_died(
+    tmp_path: Path, port_locks: Path, fake_vllm: Path
+) -> None:
+    """Found on real vLLM: `repro --keep-up` on Ray kept 1E+1P+1D up for a fuzz of the attached
+    deployment, a shrink trial (two images, no text) crashed D, and the kept-up terminal said
+    nothing: it waited on signal.pause() until Ctrl-C. Keep-up ends as soon as an instance
+    dies, returning its report (name, exit, log tail) for the command to print."""
+    from harness.run import repro
+
+    settings = fake_run_settings(
+        tmp_path, fake_vllm, ServingConfig(model=MODEL), run_dir=tmp_path / "repro"
+    )
+    sweep = Sweep(SweepSpec(topologies=(get_topology("1E+1PD"),), prompts=()), settings)
+    returned: list[str | None] = []
+    try:
+        pd = sweep.pool.session(get_topology("1E+1PD")).server(Role.PREFILL_DECODE)
+        kept = threading.Thread(
+            target=lambda: returned.append(repro.keep_up(sweep, "1E+1PD")), daemon=True
+        )
+        kept.start()
+        # Once the attach file is written keep-up serves (a death before it is the case's,
+        # whose topology keep-up starts again).
+        attach_file = settings.run_dir / "attach.json"
+        while not attach_file.exists() and kept.is_alive():
+            time.sleep(0.05)
+        os.killpg(pd.pid, signal.SIGKILL)
+        kept.join(60)  # a bound on a hang (keep-up waiting for a signal), not a speed
+    finally:
+        sweep.pool.close()
+    assert returned, "keep-up went on waiting after its instance died"
+    died = returned[0]
+    assert died is not None and died.startswith("instance 1E+1PD/pd0 exited with code -9"), died
 
 
 def test_a_metrics_page_cut_off_mid_answer_is_no_crash(tmp_path: Path) -> None:

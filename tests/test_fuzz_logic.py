@@ -3150,7 +3150,11 @@ def test_after_an_attached_deployment_dies_the_rest_come_back_not_sent_and_the_r
     report = engine.run(examples)
     assert [(e.status, e.note) for e in report.evaluations] == [
         ("judged", ""),
-        ("not-sent", "the attached deployment is down"),
+        (
+            "not-sent",
+            "the attached deployment is down: decode0 exited (since ex-0001, the last "
+            "request sent)",
+        ),
     ]
     assert len(topology.sent) == 1
 

@@ -429,7 +429,14 @@ def command_repro(args: argparse.Namespace) -> int:
             line += f" ({elsewhere})"
         print(f"\nepd-harness: {line}; artifacts in {run_dir}")
         if args.keep_up:
-            keep_up(sweep, case.topology, settled=args.progress.settled)
+            died = keep_up(sweep, case.topology, settled=args.progress.settled)
+            if died is not None:
+                print(
+                    f"\nepd-harness: {case.topology}, kept up, lost an instance; stopping every "
+                    f"server: {died}",
+                    file=sys.stderr,
+                )
+                return EXIT_FAILED
     finally:
         sweep.pool.close()
     return EXIT_OK if same else EXIT_FAILED

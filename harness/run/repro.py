@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import shlex
-import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +73,7 @@ RECORD_FIELDS = ("topology", "prompt", "reference", "verdict")
 LOAD_LABEL = "load#"
 LOAD_ACCOUNT = "load.json"
 DIGEST_SHOWN = 12  # hex digits of a model digest a line names
+KEEP_UP_POLL_S = 1.0  # how often a kept-up topology's instances are looked at
 
 
 class BundleError(ValueError):
@@ -818,7 +819,9 @@ def serving_protocol(bundle: Bundle, served: ServedVllm) -> ProtocolGeneration:
     return generation_for(served.version).generation if served.known else NEWEST
 
 
-def keep_up(sweep: Sweep, topology_name: str, settled: Callable[[], None] | None = None) -> None:
+def keep_up(
+    sweep: Sweep, topology_name: str, settled: Callable[[], None] | None = None
+) -> str | None:
     """Serve the topology the case was reproduced on until Ctrl-C (or SIGTERM), showing how
     to reach and relaunch it (started again only if an instance died in the case).
 
@@ -853,4 +856,16 @@ def keep_up(sweep: Sweep, topology_name: str, settled: Callable[[], None] | None
     if settled is not None:  # what stopped before now was keep-up's doing, not Ctrl-C's
         settled()
     log.info("Ctrl-C stops everything.")
-    signal.pause()
+    return serve_until_death(session)
+
+
+def serve_until_death(session: Any) -> str | None:
+    """Block while the kept-up topology serves: until Ctrl-C or SIGTERM (raised through the
+    harness's signal handlers), or until one of its instances dies, whose report (name, exit
+    and log tail) is returned at once. Found on real vLLM: a kept-up D that a fuzz of the
+    attached deployment crashed went unsaid for as long as `signal.pause()` waited."""
+    while True:
+        dead = session.dead_instance_report()
+        if dead is not None:
+            return dead
+        time.sleep(KEEP_UP_POLL_S)

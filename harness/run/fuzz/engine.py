@@ -321,7 +321,8 @@ class FuzzEngine:
         began = time.monotonic()
         spec = evaluation.spec
         if self._down is not None:
-            evaluation.status, evaluation.note = "not-sent", "the attached deployment is down"
+            evaluation.status = "not-sent"
+            evaluation.note = f"the attached deployment is down: {self._down}"
             return evaluation
         try:
             evaluation.restart_seconds += self._ensure_topology()
@@ -361,8 +362,13 @@ class FuzzEngine:
         if is_failure(record):
             evaluation.signature = signature_of(record)
             evaluation.recognition = recognise(self.rules, record, spec, evaluation.layout)
-        if isinstance(self.session, AttachedSession) and self.session.first_down():
-            self._down = self.session.first_down()
+        if isinstance(self.session, AttachedSession):
+            # Which instance, and after which request: the report's only trace of a crash a
+            # shrink trial caused (found on real vLLM: "the attached deployment is down" was
+            # all a fuzz said after two images without text took D down).
+            down = self.session.first_down()
+            if down is not None:
+                self._down = f"{down} (since {spec.name}, the last request sent)"
         evaluation.seconds += time.monotonic() - began
         return evaluation
 
