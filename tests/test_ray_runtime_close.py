@@ -165,3 +165,32 @@ def test_the_rehearsal_has_the_nodes_the_run_asks_for_and_a_smaller_one_is_refus
         "instances up at once; one run, one cluster"
     )
     assert len(SizedCluster.made) == 1
+
+
+def test_connecting_to_ray_leaves_sigterm_as_the_harness_handles_it(tmp_path, monkeypatch) -> None:
+    """`ray.init` puts its own SIGTERM handler (sys.exit) in place, and its core worker a
+    C-level one over it that ends the process a moment later: SIGTERM to `run --launcher ray`
+    on real vLLM stopped one instance, then the harness died without its "interrupted" line.
+    After connecting, SIGTERM is handled by whatever handled it before."""
+    import signal
+
+    from harness.spec.settings import LauncherChoice
+
+    ray = RecordingRay(monkeypatch)
+    recorded_init = ray.init
+
+    def init_as_ray_does(**given) -> None:
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        recorded_init(**given)
+
+    monkeypatch.setattr(ray_runtime.ray, "init", init_as_ray_does)
+
+    def harness_handler(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, harness_handler)
+    try:
+        RayRuntime().connect(LauncherChoice("ray", ray_address="10.0.0.1:6379"), tmp_path)
+        assert signal.getsignal(signal.SIGTERM) is harness_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -9,7 +9,10 @@ import atexit
 import contextlib
 import logging
 import os
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,26 @@ log = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60.0
 REHEARSAL_DIR = "ray-cluster"
+
+
+@contextlib.contextmanager
+def sigterm_kept() -> Iterator[None]:
+    """SIGTERM handled after `ray.init` as before it. Ray's init sets a Python handler that
+    calls sys.exit, and its driver's core worker then puts a C-level handler over it that logs
+    the signal and ends the process a moment later. Found on real vLLM: SIGTERM to `run
+    --launcher ray` (CI cancelling a job) stopped one instance, then the harness died without
+    its "interrupted" line, its rehearsal cluster left to the watchdog and a node's scratch
+    directory to nobody. Setting the handler again puts Python's own C-level handler back
+    (only the main thread may, as only it handles signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if before is not None:  # None: set outside Python, which cannot be put back
+            signal.signal(signal.SIGTERM, before)
 
 
 class RayRuntime:
@@ -77,12 +100,13 @@ class RayRuntime:
             # Ray takes a driver's loopback address for the host's routable one: say which.
             node_ip = host if host.startswith("127.") else None
         try:
-            ray.init(
-                address=self.address,
-                _node_ip_address=node_ip,
-                log_to_driver=False,
-                namespace=f"epd-harness-{os.getpid()}",
-            )
+            with sigterm_kept():
+                ray.init(
+                    address=self.address,
+                    _node_ip_address=node_ip,
+                    log_to_driver=False,
+                    namespace=f"epd-harness-{os.getpid()}",
+                )
         except Exception as exc:
             address = self.address  # named before close() forgets it
             self.close()
