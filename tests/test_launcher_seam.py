@@ -302,5 +302,7 @@ def test_a_rehearsal_cluster_has_a_node_for_every_instance_a_run_keeps_up() -> N
     assert nodes("fuzz", "--topology", "1E+1P+1D", "--launcher", "ray") == 4
     assert nodes("fuzz", "--topology", "1E+1PD", "--launcher", "ray") == 3
     assert nodes("run", "--topology", "1E+1P+1D", "--launcher", "ray") == 3
+    # Never fewer than three (docs/multi-node.md): a run of two instances rehearses on three.
+    assert nodes("run", "--topology", "1P+1D", "--launcher", "ray") == 3
     given = ("--launcher", "ray", "--ray-address", "10.0.0.1:6379")
     assert nodes("fuzz", "--topology", "1E+1P+1D", *given) == 3
