@@ -1182,3 +1182,30 @@ def test_a_refused_placement_says_what_the_cluster_has_free(monkeypatch) -> None
     monkeypatch.setattr(ray_launcher.ray, "cluster_resources", lambda: {"CPU": 3.0, "GPU": 8.0})
     assert ray_launcher.describe_free({"CPU": 1}) == "CPU 2 of 3"
     assert ray_launcher.describe_free({"CPU": 1, "GPU": 1}) == "CPU 2 of 3, GPU 0 of 8"
+
+
+def test_a_placement_ray_never_grants_is_refused_naming_the_nodes_and_what_is_free(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The refusal a user reads when Ray waits out the placement: the topology, its bundles,
+    the nodes and what is free of them (a mutant that dropped 'free now' from the message
+    survived: describe_free was checked alone)."""
+    from ray.exceptions import GetTimeoutError
+
+    def never(*args, **kwargs):
+        raise GetTimeoutError("placement group not ready")
+
+    PlacingRay(monkeypatch)
+    monkeypatch.setattr(ray_launcher.ray, "get", never)
+    monkeypatch.setattr(ray_launcher, "describe_nodes", lambda: "127.0.0.2, 127.0.0.3")
+    monkeypatch.setattr(ray_launcher.ray, "available_resources", lambda: {"CPU": 1.0})
+    monkeypatch.setattr(ray_launcher.ray, "cluster_resources", lambda: {"CPU": 2.0})
+    settings = RunSettings(
+        serving_for(CPU, "/m"), tmp_path, platform=CPU, launcher=LauncherChoice("ray")
+    )
+    with pytest.raises(LaunchRefused) as refused:
+        ray_launcher.RayLauncher(settings).reserve(TOPOLOGIES["1E+1P+1D"], ())
+    assert str(refused.value) == (
+        "1E+1P+1D: Ray cannot place its 3 instances (CPU 1 each, every one on a node of its "
+        "own) within 60 s; nodes: 127.0.0.2, 127.0.0.3; free now: CPU 1 of 2"
+    )
