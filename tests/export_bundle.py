@@ -137,6 +137,7 @@ def write_bundle(
     bodies: dict[str, dict[str, Any]] | None = None,
     dtype: str = DEFAULT_DTYPE,
     guards: dict[str, Any] | None = None,
+    block_size: int | None = None,
 ) -> Path:
     """A bundle of one case of `topology` with `verdict`, baseline answer and encoder taps; a
     matrix scenario's commands in the shared `<topology>/` (or, `pre_pool_layout`, in the
@@ -146,6 +147,8 @@ def write_bundle(
     if model is None:
         model = write_model(root.parent / f"{root.name}-model")
     serving = ServingConfig(model=str(model), kv_connector=kv_connector, dtype=dtype)
+    if block_size is not None:
+        serving = dataclasses.replace(serving, block_size=block_size)
     label = f"{topology}:{scenario}" if scenario else topology
     own_dir = scenario and pre_pool_layout
     session_dir = root / safe_name(f"matrix-{topology}" if own_dir else topology)

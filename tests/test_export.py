@@ -2750,6 +2750,10 @@ def test_check_holds_the_kv_guard_where_expected_json_has_it(tmp_path: Path, mon
     assert judged(cached(response(*right), None))[:2] == ("VACUOUS", 1)
     assert judged(cached(response([1, 2, 3], [7, 5, 9, 10]), 0))[:2] == ("MISMATCH", 1)
     assert judged(cached(response(*right), 0), guard=None)[:2] == ("MATCH", 0)
+    # A prompt of one block or less leaves nothing to move: the harness's guard fails it
+    # (check_kv_transfer: expected > 0), and so does check.py's.
+    nothing_to_move = {**KV_GUARD, "min_cached_tokens": 0}
+    assert judged(cached(response(*right), 0), guard=nothing_to_move)[:2] == ("VACUOUS", 1)
 
 
 def test_a_vacuous_case_on_a_guard_check_py_cannot_see_says_so(tmp_path: Path) -> None:
@@ -2775,3 +2779,30 @@ def test_a_vacuous_case_on_a_guard_check_py_cannot_see_says_so(tmp_path: Path) -
     held = write(tmp_path / "c", verdict="VACUOUS", guards=FAILED_KV_GUARD)
     assert "unjudged_guards" not in json.loads((held / "expected.json").read_text())["recorded"]
     assert check.reproduction({"verdict": "VACUOUS"}, "MATCH", (), None) == "NOT reproduced"
+
+
+def test_check_py_is_given_the_guards_the_harness_judged_and_only_those(tmp_path: Path) -> None:
+    """What expected.json hands check.py of the guards: the KV guard's minimum from the
+    prompt the case sent (24 tokens, block 8: 16, the block-aligned prefix short of the last
+    token); no KV guard the run could not check (D's own prefix-cache hit: check.py would call
+    it VACUOUS where the harness did not); no guard it could not check among those a VACUOUS
+    rests on; and none of a case that is no VACUOUS, whose ISSUE.md would otherwise explain a
+    VACUOUS never recorded. Mutants of each survived the tests above."""
+    small = write(tmp_path / "a", verdict="VACUOUS", guards=FAILED_KV_GUARD, block_size=8)
+    assert len(PROMPT_IDS) == 24
+    assert (
+        json.loads((small / "expected.json").read_text())["kv_transfer"]["min_cached_tokens"] == 16
+    )
+    unchecked = {"ok": False, "not_checkable": True, "evidence": "not checkable: D's own cache"}
+    out = write(tmp_path / "b", verdict="MATCH", guards={"kv_transfer": unchecked})
+    assert "kv_transfer" not in json.loads((out / "expected.json").read_text())
+    out = write(
+        tmp_path / "c",
+        verdict="VACUOUS",
+        guards={**FAILED_KV_GUARD, "consumer_embeds": unchecked},
+    )
+    assert "unjudged_guards" not in json.loads((out / "expected.json").read_text())["recorded"]
+    ec = {"consumer_embeds": {"ok": False, "evidence": "raw media reached prefill0"}}
+    out = write(tmp_path / "d", verdict="MISMATCH", guards=ec)
+    assert "unjudged_guards" not in json.loads((out / "expected.json").read_text())["recorded"]
+    assert "cannot hold" not in (out / "ISSUE.md").read_text()
