@@ -29,6 +29,7 @@ from export_bundle import (
     PROMPT_IDS,
     REPAIR,
     plan_for,
+    write,
     write_exact_reference_bundle,
 )
 from test_export_gpu import FLIPPED, Answering, answering, chat_answer, near_tie_export
@@ -371,6 +372,30 @@ def test_an_exact_reference_passes_no_drift_and_another_references_answer_is_ref
     assert "is 'baseline''s answer, the case's reference is '1P+1D'" in done.stderr
     done = check_against(out, answering(FLIPPED), kept("1P+1D", TIED, out), mode="reference")
     assert done.returncode == 2 and "serve.sh serves the reference, not the case" in done.stderr
+
+
+def test_the_reference_served_alone_is_not_held_to_the_cases_kv_guard(
+    tmp_path: Path, answering
+) -> None:
+    """A VACUOUS case's export carries the KV guard (D's cached_tokens); the monolithic
+    reference served alone moves no KV, so its answer (cached_tokens none) is judged on its
+    ids: the expected ids hold, exit 0. The case served, the same answer is the VACUOUS it
+    was (a mutant that held the reference to the guard too survived)."""
+    out = write(
+        tmp_path,
+        verdict="VACUOUS",
+        guards={"kv_transfer": {"ok": False, "evidence": "D cached_tokens=0 (taps)"}},
+        block_size=8,
+    )
+    assert json.loads((out / "expected.json").read_text())["kv_transfer"]
+    answer = chat_answer(BASELINE_IDS, [[(t, -0.5)] for t in BASELINE_IDS])
+    done = check_against(out, answering(answer), None, mode="reference")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "the expected ids hold on this machine's monolithic vLLM" in done.stdout
+    assert "KV guard" not in done.stdout
+    done = check_against(out, answering(answer), None)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "VACUOUS: tokens equal but the KV guard failed" in done.stdout
 
 
 def test_an_answer_kept_for_another_request_is_refused_not_judged(
