@@ -99,8 +99,15 @@ def test_every_option_of_every_subcommand_says_what_it_does() -> None:
     ]
     assert not silent, silent
     flat = {name: " ".join(text.split()) for name, text in subcommand_helps().items()}
+    from harness.cli.main import check_command_line, request_from_args
+    from harness.preflight.config import _baseline_cache
+
+    read = _baseline_cache(request_from_args(check_command_line(["run"])))
+    assert read is not None
     for name in ("run", "load"):
-        assert "baseline cache directory, or 'off' (default: " in flat[name], name
+        # The default named is the directory the command reads (a mutant naming the cache's
+        # parent survived).
+        assert f"baseline cache directory, or 'off' (default: {read.directory})" in flat[name]
         assert "--refresh-baseline recompute the baseline and overwrite" in flat[name], name
 
 
