@@ -46,6 +46,7 @@ from harness.run.load.run import LoadRun
 from harness.run.load.sending import Sent, carrier
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.kv_metrics import KvCounters
+from harness.serve.session import DeadInstance
 from harness.spec.load import (
     DEFAULT_DISTINCT_MEDIA,
     MAX_CONCURRENCY,
@@ -919,6 +920,11 @@ class Killable(StandIn):
             return "instance 1E+1PD/pd0 exited with code -9; last lines of pd0.log:\n..."
         return None
 
+    def dead_instances(self) -> list[DeadInstance]:
+        return (
+            [DeadInstance(self.pd.name, -9, Path("pd0.log"), "...")] if self.killed.is_set() else []
+        )
+
 
 class KillableBaseline(Killable):
     """The baseline beside a Killable topology: it answers at once, through no tap."""
@@ -971,6 +977,36 @@ def test_a_planted_kill_comes_with_every_request_in_flight_and_one_at_its_instan
     assert load.sweep.run_info["killed"] == "1E+1PD/pd0"
     # The death was the one planted: nothing ended the load early.
     assert result_.ended_by is None
+
+
+class KillTakesAnotherDown(Killable):
+    """The planted kill of pd0 takes another instance down with it (P's death crashing D, as
+    vLLM's D should not): the requests found pd0 dead first, as one does where the killed
+    instance comes first in the topology (P before D)."""
+
+    def dead_instances(self) -> list[DeadInstance]:
+        beside = DeadInstance("1E+1PD/encoder0", -11, Path("encoder0.log"), "Segmentation fault")
+        return [*super().dead_instances(), beside] if self.killed.is_set() else []
+
+
+def test_an_instance_that_died_beside_the_planted_kill_fails_the_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: under a planted kill every death a request found was taken for the
+    planted one, so a kill of pd0 that took encoder0 down too passed, load.md saying "every
+    request ended ERROR naming it, as it must" and nothing of encoder0. The death beside the
+    kill is a problem of the load, named; what ended the load is still the kill."""
+    load, _, killed = killable_load(tmp_path, monkeypatch, session_type=KillTakesAnotherDown)
+    result_ = load.run()
+    assert killed == ["1E+1PD/pd0"] and result_.killed == "1E+1PD/pd0"
+    assert result_.problems == [
+        "round 1: beside the planted kill of 1E+1PD/pd0, instance 1E+1PD/encoder0 exited with "
+        "code -11; last lines of encoder0.log:"
+    ]
+    assert not result_.passed and result_.ended_by is None
+    text = (tmp_path / "load.md").read_text()
+    assert "instance 1E+1PD/encoder0 exited with code -11" in text
+    assert "as it must" not in text
 
 
 def test_a_planted_kill_does_not_count_a_call_its_instance_had_before_the_round(

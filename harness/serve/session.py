@@ -525,16 +525,21 @@ class TopologySession:
 
     def dead_instance(self) -> DeadInstance | None:
         """The first instance that died, if any."""
-        for server in self._servers:
-            if not server.is_alive():
-                return DeadInstance(
-                    server.command.name,
-                    server.exit_code,
-                    server.command.log_path,
-                    server.log_tail(LOG_TAIL_LINES),
-                    server.lost,
-                )
-        return None
+        return next(iter(self.dead_instances()), None)
+
+    def dead_instances(self) -> list[DeadInstance]:
+        """Every instance that died, in the topology's order."""
+        return [
+            DeadInstance(
+                server.command.name,
+                server.exit_code,
+                server.command.log_path,
+                server.log_tail(LOG_TAIL_LINES),
+                server.lost,
+            )
+            for server in self._servers
+            if not server.is_alive()
+        ]
 
     def dead_roles(self) -> set[Role]:
         """The roles of the instances that are not running."""

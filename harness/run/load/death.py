@@ -17,7 +17,7 @@ from harness.judge.records import Verdict
 from harness.run.faults.instance import kill_instance
 from harness.run.load.result import LoadResult
 from harness.run.load.sending import InFlight
-from harness.run.load.sessions import Session, dead_instance, launched
+from harness.run.load.sessions import Session, dead_instance, deaths_beside, launched
 from harness.spec.topology import Role
 
 if TYPE_CHECKING:  # not at run time: `sessions` is the one module that tells sessions apart
@@ -147,6 +147,21 @@ def kill_problems(result: LoadResult) -> list[str]:
                 f"after the kill (bound {KILL_END_S:g}s)"
             )
     return problems
+
+
+def notice_deaths_beside_the_kill(
+    session: Session, result: LoadResult, say: Callable[[str], None]
+) -> None:
+    """An instance that died beside the planted kill (P's death taking D down) is a problem of
+    the load: the requests name the instance they found dead first, often the killed one, and
+    every death was taken for the planted one (found in review: such a load passed)."""
+    assert result.killed is not None
+    for died in deaths_beside(session, result.killed):
+        result.problems.append(
+            f"round {result.rounds}: beside the planted kill of {result.killed}, "
+            f"{died.splitlines()[0]}"
+        )
+        say(f"[load] {died}")
 
 
 def notice_a_quiet_death(session: Session, result: LoadResult, say: Callable[[str], None]) -> None:

@@ -22,7 +22,13 @@ from harness.report.resources import SAMPLES_FILE, SoakBounds, bound_problems
 from harness.run.judging import Observed, observe
 from harness.run.load.account import append_request_rows, write_account
 from harness.run.load.calibration import calibrate_load
-from harness.run.load.death import KILL_WAIT_S, PlantedKill, kill_problems, notice_a_quiet_death
+from harness.run.load.death import (
+    KILL_WAIT_S,
+    PlantedKill,
+    kill_problems,
+    notice_a_quiet_death,
+    notice_deaths_beside_the_kill,
+)
 from harness.run.load.kv_account import account_kv, accounts_kv
 from harness.run.load.plan import plan_load
 from harness.run.load.result import LoadResult
@@ -176,7 +182,9 @@ class LoadRun:
                 )
             self._judge_round(sent, declared)
             label = f"round {self.result.rounds}" if deadline is not None else "after"
-            if not (self.result.ended_by or self.result.killed):
+            if self.result.ended_by is None and self.result.killed is not None:
+                notice_deaths_beside_the_kill(session, self.result, self.say)
+            elif self.result.ended_by is None:
                 notice_a_quiet_death(session, self.result, self.say)
             stop = self.result.ended_by or self.result.killed
             last = bool(stop) or deadline is None or time.monotonic() >= deadline

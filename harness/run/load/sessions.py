@@ -29,3 +29,12 @@ def dead_instance(session: Session) -> str | None:
     if isinstance(session, AttachedSession):
         return session.first_down()
     return session.dead_instance_report()
+
+
+def deaths_beside(session: Session, killed: str) -> list[str]:
+    """The reports of the instances of `session` that died other than `killed`, the planted
+    kill's (a launched topology's: an attached deployment is never killed)."""
+    base = launched(session)
+    if base is None:
+        return []
+    return [dead.report() for dead in base.dead_instances() if dead.name != killed]
