@@ -213,3 +213,10 @@ def test_a_rerun_its_run_never_judged_against_1p1d_serves_no_1p1d(tmp_path) -> N
     records = sweep.judge("1E+1P+1D", "image", exact_reference=False)
     assert [r.reference for r in records] == ["baseline"]
     assert served == ["1E+1P+1D"], served
+    # A case is judged once: asked again with another reference it is refused, not given
+    # the records of the first judgment (which the cache, keyed by topology and prompt alone,
+    # returned: no caller asks twice today).
+    assert sweep.judge("1E+1P+1D", "image", exact_reference=False) == records
+    with pytest.raises(ValueError, match="judged already with exact_reference=False"):
+        sweep.judge("1E+1P+1D", "image")
+    assert served == ["1E+1P+1D"], served

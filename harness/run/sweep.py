@@ -184,7 +184,10 @@ class Sweep:
         if not self.owns_pool:
             self.pool.before_stop(self._serve_as_reference)
         self.observed: dict[str, dict[str, Observed]] = {}
-        self._judged: dict[tuple[str, str], list[CaseRecord]] = {}
+        # (topology, prompt) -> what it was asked with (declared, exact_reference), records
+        self._judged: dict[
+            tuple[str, str], tuple[tuple[Declaration | None, bool], list[CaseRecord]]
+        ] = {}
         self._schedule: Schedule | None = None
         self._baseline_loaded = False
         self.attached = settings.proxy.attach  # the deployment under test (--proxy attach)
@@ -581,8 +584,16 @@ class Sweep:
         failure, rerun by `repro` or sent to an attached deployment) passes only when it
         failed exactly so."""
         key = (topology_name, prompt)
+        asked = (declared, exact_reference)
         if key in self._judged:
-            return self._judged[key]
+            first, records = self._judged[key]
+            if first != asked:  # the cache would answer another question
+                raise ValueError(
+                    f"{topology_name} {prompt}: judged already with exact_reference="
+                    f"{first[1]} and declared={first[0]!r}, now asked with {exact_reference} "
+                    f"and {declared!r}: a case is judged once"
+                )
+            return records
         topology = TOPOLOGIES[topology_name]
         reason = self.not_applicable(topology_name, prompt)
         if reason is not None:
@@ -611,7 +622,7 @@ class Sweep:
                     record.verdict.value,
                     record.detail,
                 )
-        self._judged[key] = records
+        self._judged[key] = (asked, records)
         self.result.records.extend(records)
         self.write_outputs()
         return records
