@@ -2806,3 +2806,15 @@ def test_check_py_is_given_the_guards_the_harness_judged_and_only_those(tmp_path
     out = write(tmp_path / "d", verdict="MISMATCH", guards=ec)
     assert "unjudged_guards" not in json.loads((out / "expected.json").read_text())["recorded"]
     assert "cannot hold" not in (out / "ISSUE.md").read_text()
+    # A VACUOUS resting on two guards check.py cannot see names both, in ISSUE.md and in
+    # check.py's line (mutants naming the first alone survived).
+    two = {**ec, "encoder_output": {"ok": False, "evidence": "no embeddings from encoder0"}}
+    out = write(tmp_path / "e", verdict="VACUOUS", guards=two)
+    recorded = json.loads((out / "expected.json").read_text())["recorded"]
+    assert recorded["unjudged_guards"] == ["consumer_embeds", "encoder_output"]
+    assert (
+        "It cannot hold consumer_embeds, encoder_output, on which" in (out / "ISSUE.md").read_text()
+    )
+    assert "rests on consumer_embeds, encoder_output, which" in check.reproduction(
+        recorded, "MATCH", (), None
+    )
