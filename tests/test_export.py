@@ -2756,6 +2756,51 @@ def test_check_holds_the_kv_guard_where_expected_json_has_it(tmp_path: Path, mon
     assert judged(cached(response(*right), 0), guard=nothing_to_move)[:2] == ("VACUOUS", 1)
 
 
+def test_check_does_not_hold_the_kv_guard_on_servers_that_answered_the_request_before(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Found in review: check.py run a second time against the same serve.sh (by hand, as
+    ISSUE.md offers) sends request.json under the same cache_salt, D takes the prompt from its
+    own prefix cache and counts it in cached_tokens: the known VACUOUS (D loads none of P's
+    KV) read 'the KV guard held', MATCH, 'recorded VACUOUS: NOT reproduced'. The harness calls
+    such a guard not checkable; check.py says it does not judge it there, and why."""
+    here = tmp_path / "export"
+    state = here / "work" / "state"
+    state.mkdir(parents=True)
+    (here / "request.json").write_text(json.dumps({"messages": []}))
+    expected = {
+        **EXPECTED,
+        "what": "a case",
+        "reference": "baseline",
+        "kv_transfer": KV_GUARD,
+        "recorded": {"verdict": "VACUOUS"},
+    }
+    (here / "expected.json").write_text(json.dumps(expected))
+    (state / "endpoints.tsv").write_text(
+        "mode\tcase\nentry\thttp://127.0.0.1:9\n"
+        "instance\tdecode0\tdecode\thttp://127.0.0.1:9\t\tnone.log\n"
+    )
+    d_cached = iter([0, 64])  # D computed the prompt itself, then found it in its own cache
+
+    def post_json(url: str, *args: object) -> check.Answer:
+        answer = cached(response([1, 2, 3], [7, 8, 9, 10]), next(d_cached))
+        return check.Answer(url, 200, json.dumps(answer), 0.1)
+
+    monkeypatch.setattr(check, "__file__", str(here / "check.py"))
+    monkeypatch.setattr(check, "post_json", post_json)
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    assert check.main(["--state", str(state)]) == check.EXIT_DIFFERENCE
+    assert "recorded VACUOUS: reproduced" in capsys.readouterr().out
+    assert check.main(["--state", str(state)]) == check.EXIT_MATCH
+    out = capsys.readouterr().out
+    assert "the KV guard held" not in out, out
+    assert (
+        "check.py: the KV guard is not judged: these servers answered request.json before, "
+        "and D counts what its own prefix cache holds of the prompt (the harness's guard is "
+        "not checkable then); start serve.sh again to judge it"
+    ) in out, out
+
+
 def test_a_vacuous_case_on_a_guard_check_py_cannot_see_says_so(tmp_path: Path) -> None:
     """A VACUOUS case whose failed guard was read at the harness's taps (an EC guard, or the
     KV guard under NIXL's rule) is recorded as such: ISSUE.md says check.py cannot hold it,

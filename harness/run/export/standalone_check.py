@@ -88,6 +88,9 @@ WINDOW = 5  # ids shown on each side of a divergence
 LOG_ERROR_LINES = 30
 LOG_TAIL_LINES = 12
 ENDPOINTS_FILE = "endpoints.tsv"
+# Written once the case's request went to the servers serve.sh started (its start clears the
+# state directory): sent again, D finds the prompt in its own prefix cache.
+CASE_SENT_FILE = "case-sent"
 # The scenario's earlier requests, sent first in name order (01-..., 02-...): `read_before`.
 BEFORE_DIR = "before"
 EXCEPTION_LINE = re.compile(r"\b\w*(?:Error|Exception): (?P<message>.+)$")
@@ -1161,10 +1164,22 @@ def main(argv: list[str] | None = None) -> int:
                 )
             return EXIT_ERROR
     print(f"check.py: POST {url}")
-    answer = post_json(url, body, timeout_s)
-    streamed = bool(body.get("stream"))
     # The KV guard is the case's (P->D); the reference served alone moves no KV.
     kv_guard = None if serving_reference else expected.get("kv_transfer")
+    sent_before = args.state / CASE_SENT_FILE
+    if kv_guard is not None and sent_before.exists():
+        # request.json keeps its cache_salt, so D counts its own prefix-cache hit in
+        # cached_tokens: the guard would hold whatever P moved (found in review).
+        print(
+            "check.py: the KV guard is not judged: these servers answered request.json "
+            "before, and D counts what its own prefix cache holds of the prompt (the "
+            "harness's guard is not checkable then); start serve.sh again to judge it"
+        )
+        kv_guard = None
+    answer = post_json(url, body, timeout_s)
+    if not serving_reference:
+        sent_before.touch()
+    streamed = bool(body.get("stream"))
     judged = judgment(
         fresh or expected, answer, endpoints.instances, args.state, streamed, kv_guard
     )
