@@ -1969,11 +1969,17 @@ class DiesOfItsDecodeTail(EpdStandIn):
         if prompt != TAIL_PROMPT:
             return super().send(prompt, body)
         self.calls += 1
+        self.tail_sent = True
         return Outcome(
             prompt,
             error="instance 1E+1P+1D/decode0 exited with code 1; last lines of decode0.log:\n"
             "AssertionError: Expected number of multimodal embeddings to match\nHTTP 502",
         )
+
+    def dead_instance_report(self) -> str | None:
+        if getattr(self, "tail_sent", False):
+            return "instance 1E+1P+1D/decode0 exited with code 1; last lines of decode0.log:\n..."
+        return None
 
 
 def test_the_request_sent_alone_that_ends_d_as_declared_passes_the_load(tmp_path: Path) -> None:
@@ -1991,6 +1997,14 @@ def test_the_request_sent_alone_that_ends_d_as_declared_passes_the_load(tmp_path
     assert last.prompt == TAIL_PROMPT and last.record.verdict is Verdict.ERROR
     assert last.record.declared_failure == "epd-media-in-decode-tail", last.record
     assert last.record.policy_passed and last.row().passed
+    # The death it declares is said, not only its ERROR counted (real vLLM: load.md named
+    # neither D nor its end).
+    assert result_.declared_deaths == [
+        f"request 8 ({TAIL_PROMPT}), sent last and alone, ended instance 1E+1P+1D/decode0 "
+        "exited with code 1"
+    ], result_.declared_deaths
+    notes = json.loads((tmp_path / "load.json").read_text())["notes"]
+    assert f"as declared: {result_.declared_deaths[0]}" in notes, notes
 
 
 def test_a_kill_planted_in_a_round_of_fewer_requests_than_its_concurrency_comes(

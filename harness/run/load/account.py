@@ -30,7 +30,8 @@ def account_notes(
     spec: LoadSpec, bounds: SoakBounds, planned: Sequence[str], result: LoadResult
 ) -> list[str]:
     """What the figures do not say: the plan's notes (`planned`), where the batch numerics
-    came from, the kill, what ended the load, the KV accounts, a soak's bounds, the problems."""
+    came from, the kill, the deaths declared, what ended the load, the KV accounts, a soak's
+    bounds, the problems."""
     notes = list(planned)
     if result.calibration is not None:
         notes.append(
@@ -43,6 +44,7 @@ def account_notes(
             f"killed {result.killed} at {result.killed_at_s:.1f}s (planted); the last "
             f"request in flight ended {max(ends, default=0.0):.2f}s later{held}"
         )
+    notes += [f"as declared: {death}" for death in result.declared_deaths]
     if result.ended_by is not None:
         notes.append(f"the load ended early: {result.ended_by}")
     if result.kv.rounds:

@@ -42,6 +42,8 @@ class LoadResult:
     killed: str | None = None  # the instance a planted kill ended
     killed_at_s: float | None = None
     problems: list[str] = field(default_factory=list)  # bounds a soak broke, a kill not seen
+    # What each request sent alone, declared to end an instance, did end (its first line).
+    declared_deaths: list[str] = field(default_factory=list)
     kv: KvAccountLog = field(default_factory=KvAccountLog)  # one account a round (NIXL's rule)
     processes: list[int] = field(default_factory=list)  # every instance's process tree, at start
     stats: LoadStats | None = None

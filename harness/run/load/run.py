@@ -34,7 +34,7 @@ from harness.run.load.plan import plan_load
 from harness.run.load.result import LoadResult
 from harness.run.load.samples import sample_resources
 from harness.run.load.sending import InFlight, Sent, Together, carrier, send_round
-from harness.run.load.sessions import Session
+from harness.run.load.sessions import Session, dead_instance
 from harness.run.sweep import Sweep
 from harness.serve.attached import AttachedDown, AttachedSession
 from harness.spec.load import LoadSpec, PlannedRequest
@@ -263,6 +263,12 @@ class LoadRun:
                     session, request.prompt, body, stream=self.spec.stream, fresh_prefix=False
                 )
                 sent = Sent(request, observed, started, self._now())
+                died = dead_instance(session)
+                if died is not None:  # as declared; said, not only counted (real vLLM: unsaid)
+                    ended = died.splitlines()[0].split("; last lines of", 1)[0]
+                    self.result.declared_deaths.append(
+                        f"{request.name} ({request.prompt}), sent last and alone, ended {ended}"
+                    )
             self._judge_round([sent], declared, alone=True)
 
     # -- judging -----------------------------------------------------------------------------
