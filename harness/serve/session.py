@@ -17,7 +17,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -524,22 +524,23 @@ class TopologySession:
         return dead.report() if dead is not None else None
 
     def dead_instance(self) -> DeadInstance | None:
-        """The first instance that died, if any."""
-        return next(iter(self.dead_instances()), None)
+        """The first instance that died, if any (the others' logs are not read)."""
+        return next(self._dead_instances(), None)
 
     def dead_instances(self) -> list[DeadInstance]:
         """Every instance that died, in the topology's order."""
-        return [
-            DeadInstance(
-                server.command.name,
-                server.exit_code,
-                server.command.log_path,
-                server.log_tail(LOG_TAIL_LINES),
-                server.lost,
-            )
-            for server in self._servers
-            if not server.is_alive()
-        ]
+        return list(self._dead_instances())
+
+    def _dead_instances(self) -> Iterator[DeadInstance]:
+        for server in self._servers:
+            if not server.is_alive():
+                yield DeadInstance(
+                    server.command.name,
+                    server.exit_code,
+                    server.command.log_path,
+                    server.log_tail(LOG_TAIL_LINES),
+                    server.lost,
+                )
 
     def dead_roles(self) -> set[Role]:
         """The roles of the instances that are not running."""

@@ -632,16 +632,25 @@ def read_stream(text: str) -> tuple[dict[str, Any] | None, str | None]:
 def usage_shape_problems(event: int, usage: dict[str, Any]) -> list[str]:
     """The usage chunk's cached_tokens must be an integer, as the harness's stream reader
     requires (the KV guard's evidence)."""
+    problem = cached_tokens_problem(usage)
+    return [f"event {event}: {problem}"] if problem else []
+
+
+def cached_tokens_in(usage: dict[str, Any]) -> Any:
+    """D's `cached_tokens` in an answer's usage, as it is there; None where it is not."""
+    details = usage.get("prompt_tokens_details")
+    return details.get("cached_tokens") if isinstance(details, dict) else None
+
+
+def cached_tokens_problem(usage: dict[str, Any]) -> str | None:
+    """What makes a usage's cached_tokens of another shape than vLLM's, or None."""
     details = usage.get("prompt_tokens_details")
     if details is not None and not isinstance(details, dict):
-        return [f"event {event}: usage.prompt_tokens_details is {shown(details)}, not an object"]
-    cached = (details or {}).get("cached_tokens")
+        return f"usage.prompt_tokens_details is {shown(details)}, not an object"
+    cached = cached_tokens_in(usage)
     if cached is not None and (not isinstance(cached, int) or isinstance(cached, bool)):
-        return [
-            f"event {event}: usage.prompt_tokens_details.cached_tokens is {shown(cached)}, "
-            "not an integer"
-        ]
-    return []
+        return f"usage.prompt_tokens_details.cached_tokens is {shown(cached)}, not an integer"
+    return None
 
 
 def chunk_log_prob_problems(event: int, ids: list[int], entries: list[Any]) -> list[str]:
@@ -768,8 +777,7 @@ def guarded(
     D computed the prompt itself and the match proves nothing about the transfer."""
     if code != EXIT_MATCH:
         return verdict, code, detail
-    details = (response.get("usage") or {}).get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    cached = cached_tokens_in(response.get("usage") or {})
     minimum = guard["min_cached_tokens"]
     said = (
         f"D cached_tokens={cached} (the answer's usage), expected >= {minimum} by the "
@@ -851,16 +859,8 @@ def unstreamed_shape_refusal(choice: dict[str, Any], usage: dict[str, Any]) -> s
     ):
         if value is not None and not isinstance(value, str):
             return f"the answer's choices[0].{name} is {shown(value)}, not a string"
-    details = usage.get("prompt_tokens_details")
-    if details is not None and not isinstance(details, dict):
-        return f"the answer's usage.prompt_tokens_details is {shown(details)}, not an object"
-    cached = (details or {}).get("cached_tokens")
-    if cached is not None and (not isinstance(cached, int) or isinstance(cached, bool)):
-        return (
-            "the answer's usage.prompt_tokens_details.cached_tokens is "
-            f"{shown(cached)}, not an integer"
-        )
-    return None
+    problem = cached_tokens_problem(usage)
+    return f"the answer's {problem}" if problem else None
 
 
 def tokens_verdict(
