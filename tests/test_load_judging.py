@@ -2007,6 +2007,42 @@ def test_the_request_sent_alone_that_ends_d_as_declared_passes_the_load(tmp_path
     assert f"as declared: {result_.declared_deaths[0]}" in notes, notes
 
 
+class ExitsAfterItsDecodeTail(DiesOfItsDecodeTail):
+    """As real vLLM 0.32.0: the tail request's error comes back while D is still shutting down
+    (its API server exits a second or two after its engine died), so D is found dead only on
+    a later look."""
+
+    looks_before_dead = 3
+
+    def dead_instance_report(self) -> str | None:
+        if not getattr(self, "tail_sent", False):
+            return None
+        self.looks_before_dead -= 1
+        return super().dead_instance_report() if self.looks_before_dead < 0 else None
+
+
+def test_the_death_a_request_sent_alone_declares_is_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load on real vLLM looked for D's death the moment the tail request's error came back,
+    found D still exiting, and load.md said nothing of it. The death is waited for (bounded)."""
+    sweep, answers = tail_sweep(tmp_path)
+    from harness.judge.verdicts import Stability
+    from harness.run.load import death as death_module
+
+    monkeypatch.setattr(death_module, "DEATH_POLL_S", 0.0)
+    sweep.baseline.stability = {name: Stability(True, "stable", 0.0) for name in answers}
+    session = ExitsAfterItsDecodeTail(answers, sweep.settings)
+    sweep.pool.session = lambda topology, settings=None, devices=None: session  # type: ignore[method-assign]
+    spec = LoadSpec("1E+1P+1D", requests=8, concurrency=1, distinct_media=3)
+    result_ = LoadRun(spec, sweep, on_progress=lambda _: None).run()
+    assert result_.results[-1].record.verdict is Verdict.ERROR
+    assert result_.declared_deaths == [
+        f"request 8 ({TAIL_PROMPT}), sent last and alone, ended instance 1E+1P+1D/decode0 "
+        "exited with code 1"
+    ], result_.declared_deaths
+
+
 def test_a_kill_planted_in_a_round_of_fewer_requests_than_its_concurrency_comes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -26,6 +26,11 @@ if TYPE_CHECKING:  # not at run time: `sessions` is the one module that tells se
 
 KILL_WAIT_S = 300.0  # how long a planted kill waits for every request to be in flight
 KILL_END_S = 30.0  # a request in flight when its instance is killed must end within this
+# vLLM's API server exits a second or two after its engine died, and the request that killed
+# it is answered first (real vLLM 0.32.0: the tail request's error came back with D still
+# shutting down), so a death a request declares is looked for this long at most.
+DECLARED_DEATH_WAIT_S = 30.0
+DEATH_POLL_S = 0.25
 
 
 @dataclass
@@ -176,3 +181,15 @@ def notice_a_quiet_death(session: Session, result: LoadResult, say: Callable[[st
         f"round {result.rounds}: every request was answered, then {result.ended_by}"
     )
     say(f"[load] {died}")
+
+
+def declared_death(session: Session, request_failed: bool) -> str | None:
+    """The report of the instance a request declared to end an instance ended: after a failed
+    request, looked for until one is dead or DECLARED_DEATH_WAIT_S has passed (None: every
+    instance is still serving)."""
+    deadline = time.monotonic() + (DECLARED_DEATH_WAIT_S if request_failed else 0.0)
+    while True:
+        died = dead_instance(session)
+        if died is not None or time.monotonic() >= deadline:
+            return died
+        time.sleep(DEATH_POLL_S)

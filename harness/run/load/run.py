@@ -25,6 +25,7 @@ from harness.run.load.calibration import calibrate_load
 from harness.run.load.death import (
     KILL_WAIT_S,
     PlantedKill,
+    declared_death,
     kill_problems,
     notice_a_quiet_death,
     notice_deaths_beside_the_kill,
@@ -34,7 +35,7 @@ from harness.run.load.plan import plan_load
 from harness.run.load.result import LoadResult
 from harness.run.load.samples import sample_resources
 from harness.run.load.sending import InFlight, Sent, Together, carrier, send_round
-from harness.run.load.sessions import Session, dead_instance
+from harness.run.load.sessions import Session
 from harness.run.sweep import Sweep
 from harness.serve.attached import AttachedDown, AttachedSession
 from harness.spec.load import LoadSpec, PlannedRequest
@@ -263,7 +264,7 @@ class LoadRun:
                     session, request.prompt, body, stream=self.spec.stream, fresh_prefix=False
                 )
                 sent = Sent(request, observed, started, self._now())
-                died = dead_instance(session)
+                died = declared_death(session, request_failed=observed.outcome.error is not None)
                 if died is not None:  # as declared; said, not only counted (real vLLM: unsaid)
                     ended = died.splitlines()[0].split("; last lines of", 1)[0]
                     self.result.declared_deaths.append(
