@@ -43,6 +43,9 @@ class Server:
     def log_tail(self, lines: int = 10) -> str:
         return f"{self.name}: INFO serving"
 
+    def health_probe_failure(self) -> str | None:
+        return None
+
     def peak_rss_bytes(self) -> int:
         return 0
 
@@ -171,6 +174,74 @@ def test_an_instance_that_died_on_the_request_leads_the_error_with_its_log_tail(
         f"instance 1E+1PD/pd0 exited with code -9; last lines of {tmp_path / '1E+1PD/pd0.log'}:\n"
         "1E+1PD/pd0: ERROR EngineCore died\n"
     ), outcome.error
+
+
+class Clock:
+    """The session's `time`: sleeping moves it on, nothing waits."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+class ExitsAfterItsEngine(Server):
+    """As real vLLM 0.32.0 on two cores: its engine died with the request (its /health answers
+    503 from then on), and its API server exits more than 3 s later (shutdown, nanobind's leak
+    report at exit)."""
+
+    exit_code = 0
+
+    def __init__(self, name: str, tmp_path: Path, clock: Clock, exits_at: float) -> None:
+        super().__init__(name, tmp_path)
+        self.clock, self.exits_at = clock, exits_at
+
+    def is_alive(self) -> bool:
+        return self.clock.now < self.exits_at
+
+    def health_probe_failure(self) -> str | None:
+        return "HTTP 503"
+
+
+def test_an_instance_still_exiting_after_its_engine_died_is_waited_for_and_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A streamed load on real vLLM: D's engine died of the request, whose error came back at
+    once; 3 s later D's server was still exiting, so the request's error named no instance
+    (and its export said "NOT reproduced (decode0 died now, no instance in the recording)").
+    An instance whose /health fails is given the whole grace to exit."""
+    session = session_behind(tmp_path, monkeypatch, Entry(traced=True))
+    monkeypatch.undo()  # the real grace, on the session's clock
+    clock = Clock()
+    monkeypatch.setattr(session_module, "time", clock)
+    session._servers[1] = ExitsAfterItsEngine("1E+1PD/pd0", tmp_path, clock, clock.now + 6.0)  # type: ignore[call-overload]
+    outcome = session.send("text", {"model": "m", "messages": []})
+    assert outcome.error is not None and outcome.error.startswith(
+        "instance 1E+1PD/pd0 exited with code 0; last lines of"
+    ), outcome.error
+
+
+def test_a_failed_request_with_every_instance_healthy_waits_for_no_death(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No instance's /health fails: no engine is dying, so the failed request's cause is looked
+    for at once (a fuzz's refused trials do not each wait out the grace)."""
+    session = session_behind(tmp_path, monkeypatch, Entry(traced=True))
+    monkeypatch.undo()  # the real grace, on the session's clock
+    clock = Clock()
+    monkeypatch.setattr(session_module, "time", clock)
+    outcome = session.send("text", {"model": "m", "messages": []})
+    assert outcome.error is not None and "1E+1PD/pd0" in outcome.error, outcome.error
+    assert clock.slept == [], clock.slept
 
 
 class EncoderHangs(Entry):

@@ -44,7 +44,7 @@ from harness.serve.in_flight import InFlightWindows
 from harness.serve.kv_metrics import KvCounters, metrics_page, read_counters
 from harness.serve.proxy import ProxyFaults
 from harness.serve.proxy_protocol import MediaRef, collect_media
-from harness.serve.session import DEATH_GRACE_S, TopologySession, safe_name, served_topology
+from harness.serve.session import TopologySession, safe_name, served_topology
 from harness.spec.attach import AttachedInstance, AttachSpec, attached_instances
 from harness.spec.connectors import EC_CACHE_FILE, kv_connector_for_class
 from harness.spec.settings import RunSettings
@@ -55,6 +55,10 @@ HEALTH_TIMEOUT_S = 3.0
 WATCH_INTERVAL_S = 1.0  # how often every instance's /health is asked while a request runs
 MISSES_BEFORE_DOWN = 2  # consecutive failed checks that end a request in flight
 VERSION_TIMEOUT_S = 5.0
+# After a failed request: how long an engine may still be failing before its /health says so.
+# A dead engine's server answers 503 at once, and an attached instance is down from then on
+# (its exit is not waited for, as a launched one's is): a short grace.
+DEATH_GRACE_S = 3.0
 
 
 class AttachedDown(HarnessError):
