@@ -172,6 +172,10 @@ def test_a_death_during_the_request_exits_2_naming_the_instance(
     assert "fake engine core died on a request (chaos-9e2a)" in done.stdout
     assert "recorded ERROR: reproduced" in done.stdout
     assert "decode0 exited with code 0" in done.stdout + done.stderr  # serve.sh noticed too
+    # serve.sh's own tail of D's log shows the assertion, not only nanobind's leak report at
+    # exit (real vLLM: 20 lines of it were all serve.sh showed of D's death).
+    assert "chaos-9e2a" in done.stderr and "leaked function" not in done.stderr, done.stderr
+    assert "lines of nanobind's leak report at exit left out]" in done.stderr, done.stderr
     assert_nothing_left(out, env)
 
 

@@ -31,6 +31,7 @@ from harness.run.export.servers import (
     secret_variables,
     shell_command,
 )
+from harness.serve.server_log import NANOBIND_LEAK_LINE
 
 CHECK_SOURCE = Path(__file__).with_name("standalone_check.py")
 PROXY_DIR = "vllm-proxy"
@@ -224,6 +225,7 @@ def render_serve_sh(plan: ExportPlan) -> str:
         bundle=plan.bundle.name,
         modes=serve_modes(plan),
         alias=alias,
+        nanobind_leak=shlex.quote(NANOBIND_LEAK_LINE),
         secrets=secret_check(everything),
         ports=ports + ("\n" + side_ports if side_ports else ""),
         proxy_check=proxy_check,
@@ -551,6 +553,14 @@ STOP_TIMEOUT=${{STOP_TIMEOUT:-15}}
 {ports}
 {devices}
 log() {{ printf '[serve.sh %(%H:%M:%S)T] %s\n' -1 "$*"; }}
+NANOBIND_LEAK={nanobind_leak}
+log_tail() {{  # log_tail LINES NAME: its log's last lines, nanobind's leak report left out: every
+  # vLLM process prints it as it exits where Triton is installed, and it filled a dead D's tail
+  local left
+  left=$(grep -cE "$NANOBIND_LEAK" "$WORK/logs/$2.log" || true)
+  grep -vE "$NANOBIND_LEAK" "$WORK/logs/$2.log" | tail -n "$1" >&2 || true
+  if ((left)); then echo "[$left lines of nanobind's leak report at exit left out]" >&2; fi
+}}
 declare -A PID_OF=() ROLE_OF=() URL_OF=() READY=()
 declare -A EXITED=()  # servers seen exit while serving: their pids are no longer ours to signal
 ORDER=()
@@ -661,7 +671,7 @@ u.build_opener(u.ProxyHandler({{}})).open(sys.argv[1], timeout=5)' "$1" >/dev/nu
 alive() {{  # alive NAME: or say it exited while starting, with its log's last lines, and exit
   if ! kill -0 "${{PID_OF[$1]}}" 2>/dev/null; then
     log "$1 exited while starting; last lines of $WORK/logs/$1.log:"
-    tail -n 40 "$WORK/logs/$1.log" >&2
+    log_tail 40 "$1"
     exit 1
   fi
 }}
@@ -690,7 +700,7 @@ wait_ready() {{  # wait_ready [--any] NAME URL [NAME URL]...: until each answers
       log "not ready after ${{STARTUP_TIMEOUT}}s: ${{pending[*]}}"
       for ((i = 0; i < ${{#pending[@]}}; i += 2)); do  # stuck where? (NCCL, UCX, compiling)
         log "last lines of $WORK/logs/${{pending[i]}}.log:"
-        tail -n 40 "$WORK/logs/${{pending[i]}}.log" >&2
+        log_tail 40 "${{pending[i]}}"
       done
       exit 1
     fi
@@ -735,7 +745,7 @@ while true; do  # report each server that exits; keep the others serving
       EXITED[$name]=1
       echo "$code" >"$WORK/state/$name.exit"
       log "$name exited with code $code; last lines of $WORK/logs/$name.log:"
-      tail -n 20 "$WORK/logs/$name.log" >&2
+      log_tail 20 "$name"
     fi
   done
   sleep 1 &
