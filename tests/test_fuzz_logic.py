@@ -3893,3 +3893,44 @@ def test_only_a_declaration_all_text_on_a_topology_that_moves_kv_covers_the_othe
     assert "scenario mixed-text-then-media" not in pd, pd
     assert not declared_for(TOPOLOGIES["1E+1PD"], TOPOLOGIES["1P+1D"], text_only=True)
     assert declared_for(TOPOLOGIES["1E+1P+1D"], TOPOLOGIES["1P+1D"], text_only=True)
+
+
+def test_a_failure_whose_declared_trigger_holds_but_whose_evidence_is_unseen_says_which(
+    tmp_path: Path,
+) -> None:
+    """Seen on real vLLM (`fuzz --attach` of a kept-up 1E+1P+1D behind vLLM's proxy, seed 5):
+    P died of the request epd-kv-lookup-miss-kills-prefill's trigger names, but an attached
+    deployment shows the harness no log, so the error lacked the declared evidence and the
+    group read "NEW" with nothing said of what it most likely was."""
+    from harness.run.fuzz.bundle import render_group
+
+    rules = rules_for(TOPOLOGIES["1E+1P+1D"], "ExampleConnector", NEWEST)
+    died = record(
+        Verdict.ERROR,
+        "request failed: 1E+1P+1D/prefill0 (prefill, http://127.0.0.1:1) is not serving: "
+        "GET /health: HTTP 503",
+        "StreamFailed: the stream broke off after 0 event(s)",
+    )
+    text = PromptSpec("t", (TextPart(" x"),))
+    loads_missing = PromptLayout(65, (), 32, prefill_loads_missing=True)
+    recognition = recognise(rules, died, text, loads_missing)
+    assert not recognition.known, "its evidence is not there to confirm it"
+    assert recognition.unseen_evidence is not None
+    assert recognition.unseen_evidence.name == "scenario epd-kv-lookup-miss-kills-prefill"
+    assert recognise(rules, died, text, PromptLayout(65, (), 32)).unseen_evidence is None
+    mismatch = record(Verdict.MISMATCH, "generated tokens differ at position 2 of 4/4")
+    assert recognise(rules, mismatch, text, loads_missing).unseen_evidence is None
+
+    evaluation = Evaluation(
+        text, {"messages": []}, Outcome(prompt="t"), status="judged", layout=loads_missing
+    )
+    evaluation.record, evaluation.signature = died, signature_of(died)
+    evaluation.recognition = recognition
+    group = FailureGroup(evaluation.signature, recognition, [evaluation], minimal=evaluation)
+    attached = "\n".join(render_group(1, group, tmp_path, tmp_path, attached=True))
+    assert "NEW" in attached and "scenario epd-kv-lookup-miss-kills-prefill" in attached
+    assert "FileNotFoundError: No such file or directory" in attached, attached
+    assert "An attached deployment shows the harness no instance's log" in attached, attached
+    launched = "\n".join(render_group(1, group, tmp_path, tmp_path))
+    assert "scenario epd-kv-lookup-miss-kills-prefill" in launched, launched
+    assert "attached" not in launched, launched

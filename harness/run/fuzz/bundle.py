@@ -231,11 +231,13 @@ def copy_instance_commands(run_dir: Path, directory: Path, topology: Topology) -
 def group_json(group: FailureGroup) -> dict[str, Any]:
     rule = group.recognition.rule
     outside = group.recognition.outside_trigger
+    unseen = group.recognition.unseen_evidence
     return {
         "signature": group.signature.to_json(),
         "key": group.signature.key,
         "known": rule.to_json() if rule else None,
         "declared_signature_outside_its_trigger": outside.to_json() if outside else None,
+        "declared_trigger_without_its_evidence": unseen.to_json() if unseen else None,
         "members": [e.spec.name for e in group.members],
         "start": group.start.spec.name,
         "minimal": prompt_to_json(group.minimal.spec) if group.minimal else None,
@@ -431,7 +433,9 @@ def render_fuzz_md(
     if meta.get("fault"):
         lines += render_fault_effect(meta["fault"], report)
     for number, (group, directory) in enumerate(zip(report.groups, group_dirs), 1):
-        lines += render_group(number, group, directory, run_dir, moves_kv(meta))
+        lines += render_group(
+            number, group, directory, run_dir, moves_kv(meta), bool(meta.get("attached"))
+        )
     lines += [
         "## Cost",
         "",
@@ -484,7 +488,12 @@ def moves_kv(meta: dict[str, Any]) -> bool:
 
 
 def render_group(
-    number: int, group: FailureGroup, directory: Path, run_dir: Path, kv: bool = True
+    number: int,
+    group: FailureGroup,
+    directory: Path,
+    run_dir: Path,
+    kv: bool = True,
+    attached: bool = False,
 ) -> list[str]:
     rule = group.recognition.rule
     status = f"known ({rule.name})" if rule else "NEW"
@@ -512,6 +521,20 @@ def render_group(
         lines += [
             f"Its verdict and evidence are those of {outside.name}, but without that "
             f"declaration's trigger ({outside.trigger_text}): reported as new.",
+            "",
+        ]
+    unseen = group.recognition.unseen_evidence
+    if unseen:
+        lines += [
+            f"Its verdict is that of {unseen.name}, whose trigger holds ({unseen.trigger_text}), "
+            f"but its error does not show that declaration's evidence ('{unseen.evidence}'): "
+            "reported as new."
+            + (
+                " An attached deployment shows the harness no instance's log, where vLLM "
+                "writes that evidence: look for it there."
+                if attached
+                else ""
+            ),
             "",
         ]
     shrink = group.shrink

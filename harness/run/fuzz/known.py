@@ -231,6 +231,9 @@ class Recognition:
 
     rule: KnownRule | None  # the declaration it is (None: new)
     outside_trigger: KnownRule | None = None  # a declaration whose signature it has, untriggered
+    # A declaration whose trigger holds and whose verdict it has, its evidence not in the error
+    # (an attached deployment shows no log, where vLLM writes it): new, and said to be likely it.
+    unseen_evidence: KnownRule | None = None
 
     @property
     def known(self) -> bool:
@@ -240,11 +243,13 @@ class Recognition:
 def recognise(
     rules: list[KnownRule], record: CaseRecord, spec: PromptSpec, layout: PromptLayout | None
 ) -> Recognition:
-    outside = None
+    outside = unseen = None
     for rule in rules:
         if not rule.signature_matches(record):
+            if record.verdict.value == rule.verdict and rule.predicts(spec, layout):
+                unseen = unseen or rule
             continue
         if rule.trigger is None or rule.predicts(spec, layout):
             return Recognition(rule)
         outside = outside or rule
-    return Recognition(None, outside)
+    return Recognition(None, outside, unseen)
