@@ -363,12 +363,12 @@ def test_repro_prints_the_first_divergence_of_the_case_it_reran(
     assert "reference top-k at 2" in out and "candidate top-k at 2" in out, out
 
 
-def test_repro_judges_a_case_against_the_references_its_run_judged_it_against(
+def test_repro_serves_the_exact_reference_only_for_a_case_judged_against_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Real vLLM: `repro` of a fuzz bundle (1E+1P+1D judged against the baseline alone)
     started 1P+1D too, and judged a comparison the bundle never made. The exact reference is
-    served only for a case its run judged against it."""
+    served only for the case against it."""
     import harness.run.repro as repro
     from harness.spec.settings import ServedVllm
 
@@ -380,8 +380,14 @@ def test_repro_judges_a_case_against_the_references_its_run_judged_it_against(
     summary = json.loads((swept / "summary.json").read_text())
     against_1p1d = {**summary["cases"][0], "reference": "1P+1D"}
     (swept / "summary.json").write_text(json.dumps({"cases": [*summary["cases"], against_1p1d]}))
-    repro.reproduce(Bundle.load(swept), tmp_path / "again2", ServedVllm("vllm", "0.32.0+cpu"))
+    served = ServedVllm("vllm", "0.32.0+cpu")
+    repro.reproduce(Bundle.load(swept), tmp_path / "again2", served, "1E+1P+1D:image@1P+1D")
     assert seen["exact_reference"] is True
+    # Real vLLM: `repro --case 1E+1P+1D:image@baseline` of a sweep's bundle started 1P+1D
+    # (40 s more on two cores) and judged the case against it too, though the verdict line
+    # names the baseline alone. The case names its reference: only that one is served.
+    repro.reproduce(Bundle.load(swept), tmp_path / "again3", served, "1E+1P+1D:image@baseline")
+    assert seen["exact_reference"] is False
 
 
 DECLARED_LABEL = "1E+1PD:ec-video-jpeg-frames-default-fps"

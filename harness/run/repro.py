@@ -761,17 +761,16 @@ def reproduce(
         goldens=goldens,
         golden_release=golden_release,
     )
-    # Judged against what the bundle's run judged the case against: a fuzz judges against
-    # the baseline alone, and its repro started 1P+1D beside 1E+1P+1D for a comparison the
-    # bundle never made (real vLLM: 55 s more, a verdict line more).
-    exact = topology.exact_reference
+    # Judged against the reference the case names, the baseline served in any case: a fuzz
+    # judges against the baseline alone, and its repro started 1P+1D beside 1E+1P+1D for a
+    # comparison the bundle never made (real vLLM: 55 s more, a verdict line more); so did a
+    # sweep's case named `@baseline`.
     try:
         records = sweep.judge(
             topology.name,
             case.prompt,
             declared=declared.failure if declared else None,
-            exact_reference=exact is not None
-            and bundle.recorded(case.label, case.prompt, exact) is not None,
+            exact_reference=case.reference == topology.exact_reference,
         )
     except BaseException:
         pool.close()
