@@ -675,3 +675,24 @@ def test_a_soak_cleans_the_kv_storage_between_rounds_and_leaves_the_last_rounds(
         ("round 2", {}),
     ]
     assert sorted(p.name for p in session.kv_storage.iterdir()) == ["4.bin", "5.bin", "6.bin"]
+
+
+def test_an_instance_that_died_during_the_load_is_marked_in_the_resources_table() -> None:
+    """Real vLLM (`load --kill encoder`): the table gave the killed encoder "RSS last 1483 MiB",
+    its last figure while alive, as if it still ran. Its row says from which sample it was down."""
+    from harness.report.load import resource_lines
+
+    def sample(n: int, label: str, encoder_alive: bool) -> ResourceSample:
+        up = InstanceUsage(rss_bytes=2**30, open_fds=100, processes=2)
+        encoder = up if encoder_alive else InstanceUsage(alive=False)
+        return ResourceSample(
+            float(n), n, label, instances={"1E+1P+1D/encoder0": encoder, "1E+1P+1D/decode0": up}
+        )
+
+    history = ResourceHistory.of([sample(0, "before", True), sample(1, "after", False)])
+    lines = resource_lines(load_stats(LoadTally(), history), history)
+    rows = {line.split(" | ")[0]: line for line in lines if line.startswith("| 1E+1P+1D/")}
+    assert set(rows) == {
+        "| 1E+1P+1D/encoder0 (down from sample 'after': its figures are from before)",
+        "| 1E+1P+1D/decode0",
+    }, rows

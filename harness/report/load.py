@@ -467,8 +467,11 @@ def resource_lines(stats: LoadStats, resources: ResourceHistory) -> list[str]:
     ]
     for name, figures in stats.instances.items():
         rss, fds = figures["rss_bytes"], figures["open_fds"]
+        # Its figures are of the samples it ran in: a killed encoder's "RSS last" read as alive.
+        down = resources.down_from(name)
+        shown = f"{name} (down from sample '{down}': its figures are from before)" if down else name
         lines.append(
-            f"| {name} | {rss.first / MIB:.0f} MiB | {rss.last / MIB:.0f} MiB | "
+            f"| {shown} | {rss.first / MIB:.0f} MiB | {rss.last / MIB:.0f} MiB | "
             f"{rate(rss.per_minute, MIB, 'MiB')} | {rate(rss.late_per_minute, MIB, 'MiB')} | "
             f"{fds.first:.0f} | {fds.last:.0f} | {rate(fds.per_minute, 1, 'fds')} |"
         )

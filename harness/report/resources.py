@@ -113,6 +113,7 @@ class _InstanceTrack:
 
     points: _Points = field(default_factory=lambda: _Points(("rss_bytes", "open_fds")))
     from_first: bool = False
+    down_from: str | None = None  # the sample it was first seen down in, while it stays down
 
     def growth(self, after_first: bool) -> dict[str, Growth]:
         start = 1 if after_first and self.from_first else 0
@@ -180,6 +181,9 @@ class ResourceHistory:
                 if not len(track.points):
                     track.from_first = number == 0
                 track.points.add(sample.at_s, rss_bytes=usage.rss_bytes, open_fds=usage.open_fds)
+                track.down_from = None
+            elif track.down_from is None:
+                track.down_from = sample.label
         for kind, usage in sample.storage.items():
             points = self._storage.setdefault(kind, _Points(("files", "bytes")))
             points.add(sample.at_s, files=usage.files, bytes=usage.bytes)
@@ -228,6 +232,11 @@ class ResourceHistory:
         sample, or (`after_first`) from the end of the first round on."""
         names = self._warm_names if after_first else self._instances
         return {name: self._instances[name].growth(after_first) for name in names}
+
+    def down_from(self, name: str) -> str | None:
+        """The sample from which instance `name` is down to the last (None: it runs)."""
+        track = self._instances.get(name)
+        return track.down_from if track is not None else None
 
     def storage_growth(self) -> dict[str, dict[str, Growth]]:
         """Per storage kind: the files and bytes each sample saw (before any cleaning)."""
