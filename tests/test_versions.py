@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import releases
+from harness.cli.main import Progress
 from harness.cli.releases import parse_release_list, release_env
 from harness.cli.versions import ReleaseRun, case_label, format_matrix, matrix_passed
 from harness.errors import BadInput
@@ -44,6 +45,7 @@ def bisect_args(
         run_dir=None if run_dir is None else str(run_dir),
         lock_file=None,
         dtype=dtype,
+        progress=Progress(),
     )
 
 
@@ -698,7 +700,7 @@ def test_bisect_finds_the_first_release_whose_verdict_differs(
 
     tried: list[str] = []
 
-    def fake_run(version: str, run_dir: Path, run_args: list[str], lock_file: str | None):
+    def fake_run(version: str, run_dir: Path, run_args: list[str], lock_file: str | None, *_):
         tried.append(version)
         verdict = "NOT_APPLICABLE" if version == "0.27.1" else "MATCH"
         return ReleaseRun(version, "x", 0, 1.0, 0.0, 0, [case("1E+1PD", "image", verdict)])
@@ -723,7 +725,7 @@ def test_bisect_says_which_verdicts_are_failures_the_release_is_declared_to_have
     records) stays the raw verdict."""
     from harness.cli import versions
 
-    def fake_run(version: str, run_dir: Path, run_args: list[str], lock_file: str | None):
+    def fake_run(version: str, run_dir: Path, run_args: list[str], lock_file: str | None, *_):
         if version == "0.32.0":
             verdict = case("1E+1PD", "video", "MATCH")
         elif version == "0.31.0":  # a MISMATCH nothing declares
@@ -845,7 +847,7 @@ def test_bisect_cannot_answer_when_a_release_gave_no_verdict(
     verdict, NO_RESULT, and named "the first release that differs" with exit 0."""
     from harness.cli import versions
 
-    def fake_run(version: str, run_dir: Path, run_args: list[str], lock_file: str | None):
+    def fake_run(version: str, run_dir: Path, run_args: list[str], lock_file: str | None, *_):
         if version == "0.30.0":
             failure = "epd-harness: error: vllm serve exited at start-up"
             return ReleaseRun(version, "x", 2, 1.0, 0.0, 0, [], failure=failure)
@@ -1692,7 +1694,7 @@ def test_bisect_runs_each_release_in_the_dtype_asked_apart_from_other_dtypes_run
     finished(tmp_path / "0.30.0", [])  # a bfloat16 matrix sweep (recorded before --dtype)
     tried: dict[str, tuple[Path, list[str]]] = {}
 
-    def fake_run(version: str, run_dir: Path, run_args: list[str], lock_file: str | None):
+    def fake_run(version: str, run_dir: Path, run_args: list[str], lock_file: str | None, *_):
         tried[version] = (run_dir, run_args)
         verdict = "MISMATCH" if version == "0.30.0" else "MATCH"
         return ReleaseRun(version, "x", 0, 1.0, 0.0, 0, [case("1E+1PD", "video", verdict)])
@@ -1722,7 +1724,7 @@ def test_bisect_runs_each_release_in_the_dtype_asked_apart_from_other_dtypes_run
 def test_the_ends_agreeing_says_in_which_dtype(tmp_path: Path, monkeypatch, capsys) -> None:
     from harness.cli import versions
 
-    def fake_run(version: str, run_dir: Path, run_args: list[str], lock_file: str | None):
+    def fake_run(version: str, run_dir: Path, run_args: list[str], lock_file: str | None, *_):
         return ReleaseRun(version, "x", 0, 1.0, 0.0, 0, [case("1P+1D", "text", "MATCH")])
 
     monkeypatch.setattr(versions, "run_release", fake_run)

@@ -118,6 +118,14 @@ def test_an_interrupted_versions_lets_its_releases_run_stop_its_servers(
     console = (run_dir / "0.32.0.console.log").read_text()
     assert "epd-harness: interrupted (received SIGTERM)" in console, console
     assert "every server was stopped" in console, console
+    # Its own line says which run it cut short and where that run said what it stopped (real
+    # vLLM: "interrupted (received SIGTERM) before any server was running", the release's
+    # baseline ready at the time).
+    assert (
+        f"epd-harness: interrupted (received SIGTERM) during vLLM 0.32.0's run, which "
+        f"stopped its own servers (its console: {run_dir / '0.32.0.console.log'})" in err
+    ), err
+    assert f"artifacts in {run_dir}" in err, err
     ours = [
         p
         for p in psutil.process_iter(["cmdline"])

@@ -179,6 +179,9 @@ class Progress:
         # interruption stops every server before the message can be printed.
         self.stopped_from: dict[str, str] = {}
         self.run_dir: Path | None = None
+        # A run in a process of its own (versions, bisect: a release's), as an interruption
+        # names it: that process reports its servers, not this one.
+        self.child_run: str | None = None
 
     def on_event(self, name: str, state: str, elapsed_s: float) -> None:
         if state == "starting" and self.stopped_from:
@@ -187,6 +190,10 @@ class Progress:
             self.stopped_from[name] = self.states.get(name, "starting")
         self.states[name] = state
         log.info("[%7.1fs] %s: %s (%.1fs)", time.monotonic() - self.started, name, state, elapsed_s)
+
+    def running(self, child_run: str | None) -> None:
+        """What runs in a process of its own now (None: nothing), for `describe`."""
+        self.child_run = child_run
 
     def settled(self) -> None:
         """The servers stopped so far were stopped on purpose (repro --keep-up stops the
@@ -202,7 +209,11 @@ class Progress:
             for name, state in current.items()
             if state in ("starting", "ready")
         ]
-        return "while " + ", ".join(busy) if busy else "before any server was running"
+        if busy:
+            return "while " + ", ".join(busy)
+        if self.child_run is not None:
+            return f"during {self.child_run}"
+        return "before any server was running"
 
 
 def request_from_args(args: argparse.Namespace) -> RunRequest:

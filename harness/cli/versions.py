@@ -216,8 +216,16 @@ def finished_run(run_dir: Path) -> ReleaseRun | None:
 
 
 def run_release(
-    version: str, run_dir: Path, run_args: list[str], lock_file: str | None
+    version: str,
+    run_dir: Path,
+    run_args: list[str],
+    lock_file: str | None,
+    on_child: Callable[[str | None], None] = lambda _: None,
 ) -> ReleaseRun:
+    """The release's sweep, run in a process of its own on its venv's vLLM (or its finished run
+    in `run_dir`, reused). `on_child` is told what that process is while it runs, and None once
+    it ended on its own: an interruption meanwhile waits for it to stop its servers
+    (`wait_for_release_run`), then names it."""
     finished = finished_run(run_dir)
     if finished is not None:
         refuse_uncovered(version, run_dir, finished, run_args)
@@ -255,7 +263,11 @@ def run_release(
                 stderr=subprocess.STDOUT,
                 pass_fds=() if lock_fd is None else (lock_fd,),
             )
+            on_child(
+                f"vLLM {version}'s run, which stopped its own servers (its console: {console})"
+            )
             returncode = wait_for_release_run(child)
+            on_child(None)
         seconds = time.monotonic() - started
     finally:
         if lock_fd is not None:
@@ -439,7 +451,10 @@ def command_versions(args: argparse.Namespace) -> int:
     # Made only now: --install-only, or a release refused above, left an empty
     # runs/versions-<time> behind (found walking the CLI).
     root = given or fresh_run_dir(Path("runs"), "versions-")
-    runs = [run_release(v, root / v, run_args, args.lock_file) for v in versions]
+    args.progress.run_dir = root
+    runs = [
+        run_release(v, root / v, run_args, args.lock_file, args.progress.running) for v in versions
+    ]
     return write_matrix(root, runs)
 
 
@@ -607,6 +622,7 @@ def command_bisect(args: argparse.Namespace) -> int:
     check_on_index(path)  # its ends may be any version; those between are known releases
     check_disk_for([path[0], path[-1]])
     root = Path(args.run_dir) if args.run_dir else fresh_run_dir(Path("runs"), "bisect-")
+    args.progress.run_dir = root
     dtype = dtype_or_default(args.dtype)
     run_args = ["--topology", topology, "--prompt", prompt, DTYPE_FLAG, dtype]
     what = f"{topology}:{prompt} in {dtype}"  # the case as the answer names it
@@ -616,7 +632,9 @@ def command_bisect(args: argparse.Namespace) -> int:
     def verdict(version: str) -> str:
         if version not in verdicts:
             bundles[version] = bisect_run_dir(root, version, args.case, run_args)
-            run = run_release(version, bundles[version], run_args, args.lock_file)
+            run = run_release(
+                version, bundles[version], run_args, args.lock_file, args.progress.running
+            )
             verdicts[version] = case_verdict(run, topology, prompt)
             if verdicts[version] == "NO_RESULT":
                 # Read as a verdict, a run that failed (no venv, no server) was "the first
