@@ -3934,3 +3934,40 @@ def test_a_failure_whose_declared_trigger_holds_but_whose_evidence_is_unseen_say
     launched = "\n".join(render_group(1, group, tmp_path, tmp_path))
     assert "scenario epd-kv-lookup-miss-kills-prefill" in launched, launched
     assert "attached" not in launched, launched
+
+
+def test_crash_predictions_trust_a_trigger_after_its_confirmations_until_it_misses() -> None:
+    """What `CrashPredictions` counts decides which examples a run does not send, and
+    fuzz.json reports the counts: a trigger is trusted after exactly `confirm_known` crashes,
+    never again once it held without its crash (the first such example named, the run's one
+    warning), and a crash no trigger predicted is listed under every declaration it looks
+    like, while a predicted one is listed under none. Found in review (mutation): counting
+    two per crash, trusting a trigger after it missed, naming the last miss, listing every
+    predicted crash as outside its trigger too, or reporting none outside, all left every
+    test green."""
+    from harness.run.fuzz.predictions import CrashPredictions
+
+    rules = {r.name: r for r in rules_for(TOPOLOGIES["1E+1P+1D"], "ExampleConnector", NEWEST)}
+    decode_tail = rules["scenario epd-media-in-decode-tail"]
+    lookup_miss = rules["scenario epd-kv-lookup-miss-media"]
+    predictions = CrashPredictions(list(rules.values()), confirm_known=2)
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    spec = image_prompt((56, 56))
+
+    first = _evaluation("ex-0001", spec, crash, True)
+    predictions.check(first)
+    assert predictions.predicted_crash(first) is None, "one crash of the two it needs"
+    predictions.check(_evaluation("ex-0002", spec, crash, True))
+    assert predictions.predicted_crash(first) is decode_tail
+    predictions.check(_evaluation("ex-0003", spec, crash, False))
+    for name in ("ex-0004", "ex-0005"):
+        answered = _evaluation(name, spec, record(Verdict.MATCH), True)
+        answered.signature, answered.recognition = None, None
+        predictions.check(answered)
+    assert predictions.predicted_crash(first) is None, "it held without its crash"
+    assert predictions.summary() == {
+        "confirm_known": 2,
+        "confirmed": {decode_tail.name: 2},
+        "mispredicted": {decode_tail.name: "ex-0004"},
+        "crashed_outside_trigger": {decode_tail.name: ["ex-0003"], lookup_miss.name: ["ex-0003"]},
+    }
