@@ -3971,3 +3971,42 @@ def test_crash_predictions_trust_a_trigger_after_its_confirmations_until_it_miss
         "mispredicted": {decode_tail.name: "ex-0004"},
         "crashed_outside_trigger": {decode_tail.name: ["ex-0003"], lookup_miss.name: ["ex-0003"]},
     }
+
+
+def test_a_predicting_oracle_says_whether_the_trigger_holds_and_why_it_tried_nothing() -> None:
+    """A known crash shrunk against its trigger sends nothing: each trial's outcome in
+    fuzz.md is the trigger's answer and the layout it read, "not tried" for a prompt under
+    the minimum, the baseline's own answer for one it refused. Found in review (mutation): an
+    oracle that inverted the trigger, said "holds" for a miss, named the wrong layout field,
+    said "not sent", or dropped the baseline's answer left every test green."""
+    from types import SimpleNamespace
+
+    from harness.run.fuzz.oracles import PredictingOracle
+
+    rules = {r.name: r for r in rules_for(TOPOLOGIES["1E+1P+1D"], "ExampleConnector", NEWEST)}
+    layouts = {"tail": _tail_layout(True), "aligned": _tail_layout(False)}
+    short = "not sent: 25 prompt tokens, under the space's 34 (no KV moved)"
+
+    def ask_baseline(spec: PromptSpec) -> Evaluation:
+        if spec.name == "refused":
+            note = "the baseline refused it: HTTP 400"
+            return Evaluation(spec, {}, Outcome(prompt=spec.name), "baseline-rejected", note=note)
+        return Evaluation(spec, {}, Outcome(prompt=spec.name), "judged", layouts.get(spec.name))
+
+    engine = SimpleNamespace(
+        ask_baseline=ask_baseline,
+        too_short=lambda evaluation: short if evaluation.layout is None else None,
+    )
+    oracle = PredictingOracle(engine, rules["scenario epd-media-in-decode-tail"])  # type: ignore[arg-type]
+    tried = {
+        name: oracle.attempt(image_prompt((56, 56), name=name))
+        for name in ("tail", "aligned", "short", "refused")
+    }
+    layout = "prompt 38 tokens, last media ends at {}, D loads 32"
+    assert {name: (t.reproduced, t.outcome) for name, t in tried.items()} == {
+        "tail": (True, f"trigger holds (predicted, not sent): {layout.format(33)}"),
+        "aligned": (False, f"trigger does not hold (predicted, not sent): {layout.format(32)}"),
+        "short": (False, "not tried: 25 prompt tokens, under the space's 34 (no KV moved)"),
+        "refused": (False, "baseline-rejected: the baseline refused it: HTTP 400"),
+    }
+    assert tried["short"].too_short
