@@ -3997,7 +3997,8 @@ def test_a_predicting_oracle_says_whether_the_trigger_holds_and_why_it_tried_not
         ask_baseline=ask_baseline,
         too_short=lambda evaluation: short if evaluation.layout is None else None,
     )
-    oracle = PredictingOracle(engine, rules["scenario epd-media-in-decode-tail"])  # type: ignore[arg-type]
+    decode_tail = rules["scenario epd-media-in-decode-tail"]
+    oracle = PredictingOracle(engine, decode_tail)  # type: ignore[arg-type]
     tried = {
         name: oracle.attempt(image_prompt((56, 56), name=name))
         for name in ("tail", "aligned", "short", "refused")
