@@ -4011,3 +4011,24 @@ def test_a_predicting_oracle_says_whether_the_trigger_holds_and_why_it_tried_not
         "refused": (False, "baseline-rejected: the baseline refused it: HTTP 400"),
     }
     assert tried["short"].too_short
+
+
+@pytest.mark.parametrize(
+    "fault", ["corrupt-ec", "ec-swap-items", "ec-video-grid", "ec-zero-frame:8"]
+)
+def test_run_and_fuzz_refuse_a_fault_naming_one_requirement_alike(fault: str) -> None:
+    """A fault refused by `run` (none of its prompts has what the fault needs) and by `fuzz`
+    (the fuzz draws none of it) names the same need: ec-swap-items' was "two distinct media
+    items in one request" to `run` and "a media item" to `fuzz`, which it would not act on
+    (found in review)."""
+    from harness.errors import BadInput
+    from harness.run.faults.spec import refuse_unreached_prompts
+
+    with pytest.raises(BadInput) as refused:
+        refuse_unreached_prompts(fault, [PromptSpec("text", (TextPart(" a"),))])
+    textual = FuzzSpace(media=False, videos=False, max_images=0, max_videos=0)
+    by_fuzz = fault_refusal(fault, textual, TOPOLOGIES["1E+1PD"])
+    assert by_fuzz is not None
+    run_needs = str(refused.value).split(" needs ", 1)[1].split(", which none")[0]
+    fuzz_needs = by_fuzz.split(" needs ", 1)[1].split(", and the fuzz")[0]
+    assert fuzz_needs == run_needs

@@ -153,6 +153,21 @@ def fault_reaches_prompt(kind: str, prompt: PromptSpec, frame: int = 0) -> bool:
     return bool(media)
 
 
+def fault_needs(spec: FaultSpec) -> str:
+    """What a request must hold for a fault on what the encoders return to act on it
+    (`fault_reaches_prompt`), in the one wording both refusals use: the run's prompts
+    (`refuse_unreached_prompts`) and the fuzz's space (`harness.run.fuzz.space.fault_refusal`),
+    which had said "a media item" of ec-swap-items, a need it does not act on."""
+    frame = zero_frame_of(spec)
+    if spec.kind == "ec-swap-items":
+        return "two distinct media items in one request"
+    if frame:
+        return f"a video of more than {frame * TEMPORAL_PATCH} frames (temporal frame pair {frame})"
+    if spec.kind in VIDEO_FAULTS:
+        return "a video"
+    return "a media item (an image or a video)"
+
+
 def refuse_unreached_prompts(given: str, prompts: Sequence[PromptSpec]) -> None:
     """A fault none of the run's prompts gives anything to act on is planted and never acts:
     every case MATCHes and the self-test exits 0 (found in the audit of ignored flags:
@@ -163,16 +178,7 @@ def refuse_unreached_prompts(given: str, prompts: Sequence[PromptSpec]) -> None:
     frame = zero_frame_of(spec)
     if any(fault_reaches_prompt(kind, prompt, frame) for prompt in prompts):
         return
-    if kind == "ec-swap-items":
-        needs = "two distinct media items in one request"
-    elif frame:
-        needs = (
-            f"a video of more than {frame * TEMPORAL_PATCH} frames (temporal frame pair {frame})"
-        )
-    elif kind in VIDEO_FAULTS:
-        needs = "a video"
-    else:
-        needs = "a media item (an image or a video)"
+    needs = fault_needs(spec)
     names = ", ".join(prompt.name for prompt in prompts)
     offers = [p.name for p in SKELETON_PROMPTS if fault_reaches_prompt(kind, p, frame)]
     offer = f" (e.g. {offers[0]})" if offers else " or give a smaller frame index"

@@ -14,6 +14,7 @@ from harness.run.faults.spec import (
     KV_FAULTS,
     STREAM_FAULTS,
     VIDEO_FAULTS,
+    fault_needs,
     parse_fault,
     zero_frame_of,
 )
@@ -125,21 +126,19 @@ def fault_refusal(fault: str, space: FuzzSpace, topology: Topology) -> str | Non
         return None
     videos = spec.kind in VIDEO_FAULTS
     if not (space.videos if videos else space.media):
-        needs = "a video" if videos else "a media item (an image or a video)"
         why = "; ".join(space.notes)
         return (
-            f"--plant-fault {fault} needs {needs}, and the fuzz draws none for {topology.name} "
-            f"on this release ({why}): it would act on nothing and the fuzz could not find a "
-            "failure; plant it on a release that sends them through the encoder, or drop "
-            "--plant-fault"
+            f"--plant-fault {fault} needs {fault_needs(spec)}, and the fuzz draws none for "
+            f"{topology.name} on this release ({why}): it would act on nothing and the fuzz "
+            "could not find a failure; plant it on a release that sends them through the "
+            "encoder, or drop --plant-fault"
         )
     frame, pairs = zero_frame_of(spec), most_frame_pairs()
     if frame < pairs:
         return None
     return (
-        f"--plant-fault {fault} needs a video of more than {frame * TEMPORAL_PATCH} frames "
-        f"(temporal frame pair {frame}), and the fuzz's videos have at most {pairs} "
-        f"temporal frame pairs (mp4s of up to {MAX_MP4_FRAMES} frames, JPEG frame lists of "
+        f"--plant-fault {fault} needs {fault_needs(spec)}, and the fuzz's videos have at most "
+        f"{pairs} temporal frame pairs (mp4s of up to {MAX_MP4_FRAMES} frames, JPEG frame lists of "
         f"up to {MAX_JPEG_FRAMES}): it would act on nothing and the fuzz could not find a "
         f"failure; give a frame index below {pairs}"
     )
