@@ -2487,9 +2487,13 @@ def test_a_planted_fault_shrinks_from_and_to_requests_it_acted_on(
     images = [p for p in minimal.spec.parts if isinstance(p, ImagePart)]
     assert len({p.seed for p in images}) == 2, minimal.spec
     assert all(p.size == (28, 28) for p in images), minimal.spec
-    assert any("planted fault did not act" in t.outcome for t in group.shrink.trials), (
-        "a candidate failing on what an earlier swap left is not a reproduction"
-    )
+    missed = [t for t in group.shrink.trials if "planted fault did not act" in t.outcome]
+    assert missed, "a candidate failing on what an earlier swap left is not a reproduction"
+    for trial in missed:  # the fault's own reason, once (fuzz.md shows it per trial)
+        why = trial.fault.removeprefix("not acted: ")
+        assert trial.outcome.endswith(
+            f"(not reproduced: the planted fault did not act on it: {why})"
+        )
     # Each trial says whether the fault acted on it, in fuzz.json as each example does.
     trials = [t.to_json() for t in group.shrink.trials]
     assert {t["fault"].split(":")[0] for t in trials} == {"acted", "not acted"}, trials
@@ -3580,6 +3584,8 @@ def test_a_sent_candidate_reproduces_only_with_the_groups_signature_and_declarat
             evaluation.recognition = answer.recognition
             return evaluation
 
+    same = answers["same"]  # where it diverges aims the shrinker's next "fewer tokens"
+    same.record = dataclasses.replace(same.record, divergence={"index": 3})
     start = answers["same"]
     group = FailureGroup(start.signature, start.recognition, [start])
     oracle = SendingOracle(Engine(), group)
@@ -3590,6 +3596,7 @@ def test_a_sent_candidate_reproduces_only_with_the_groups_signature_and_declarat
         "other": False,
     }
     assert oracle.last_reproduced is not None and oracle.last_reproduced.spec.name == "same"
+    assert tried["same"].divergence == 3, "where the smaller request diverges"
 
 
 def test_a_known_failure_does_not_hide_a_transfer_guard_that_failed_beside_it() -> None:
