@@ -4039,3 +4039,59 @@ def test_run_and_fuzz_refuse_a_fault_naming_one_requirement_alike(fault: str) ->
     run_needs = str(refused.value).split(" needs ", 1)[1].split(", which none")[0]
     fuzz_needs = by_fuzz.split(" needs ", 1)[1].split(", and the fuzz")[0]
     assert fuzz_needs == run_needs
+
+
+def test_groups_shrink_cheapest_first_and_a_known_crash_against_its_trigger(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The shrink's cost policy: a new failure that kills nothing first, a known crash with a
+    trigger (baseline requests only) next, a known failure that kills nothing, then a new crash
+    (a revival per step); the known crash is shrunk against its prediction within what is left
+    of the run's time and handed back unconfirmed, and a confirmed minimal request becomes the
+    group's minimal. Found in review (mutation): shrinking a known crash last, reading a crash
+    as a mismatch, confirming nothing, an uncapped shrink and a confirmation the group did not
+    keep all left every test green."""
+    from types import SimpleNamespace
+
+    import harness.run.fuzz.group_shrink as group_shrink
+    from harness.run.fuzz.engine import FuzzEngine
+    from harness.run.fuzz.shrink import ShrinkBudget, ShrinkResult
+
+    def kind(verdict: str, crash: bool | None) -> Any:
+        rule = None if crash is None else SimpleNamespace(crash=crash, trigger=lambda *a: True)
+        return SimpleNamespace(
+            recognition=SimpleNamespace(rule=rule), signature=SimpleNamespace(verdict=verdict)
+        )
+
+    groups = {
+        "new crash": kind("ERROR", None),
+        "known mismatch": kind("MISMATCH", False),
+        "known crash": kind("ERROR", True),
+        "new mismatch": kind("MISMATCH", None),
+    }
+    order = sorted(groups, key=lambda name: group_shrink.shrink_order(groups[name]))
+    assert order == ["new mismatch", "known crash", "known mismatch", "new crash"]
+
+    settings = served_settings(tmp_path / "model", tmp_path)
+    engine = FuzzEngine(settings, TOPOLOGIES["1E+1P+1D"], budget=ShrinkBudget(max_seconds=600.0))
+    monkeypatch.setattr(engine, "time_left", lambda: 45.0)
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    start = _evaluation("ex-0005", image_prompt((448, 448), text=" a b c"), crash, True)
+    group = FailureGroup(start.signature, start.recognition, [start])
+    assert group.recognition.rule.name == "scenario epd-media-in-decode-tail"
+    minimal = PromptSpec("ex-0005-p003", (ImagePart(0, (56, 56)),), max_tokens=1)
+    budgets: list[ShrinkBudget] = []
+
+    def shrink(spec, oracle, budget, mode, *args, **kwargs) -> ShrinkResult:
+        budgets.append(budget)
+        return ShrinkResult(spec, minimal, mode, accepted=3)
+
+    monkeypatch.setattr(group_shrink, "shrink", shrink)
+    assert group_shrink.shrink_group(engine, group) is False, "left for its confirmation"
+    assert group.shrink is not None and group.shrink.mode == "predicted"
+    assert [b.max_seconds for b in budgets] == [45.0], "what is left of the run's time"
+
+    confirm = _evaluation("ex-0005-p003", minimal, crash, True)
+    monkeypatch.setattr(engine, "evaluate", lambda spec: confirm)
+    group_shrink.confirm_predicted(engine, group)
+    assert group.shrink.confirmed and group.minimal is confirm
