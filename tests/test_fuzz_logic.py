@@ -4095,3 +4095,23 @@ def test_groups_shrink_cheapest_first_and_a_known_crash_against_its_trigger(
     monkeypatch.setattr(engine, "evaluate", lambda spec: confirm)
     group_shrink.confirm_predicted(engine, group)
     assert group.shrink.confirmed and group.minimal is confirm
+
+
+def test_a_fault_that_did_not_act_is_said_in_one_line_without_tensor_layouts() -> None:
+    """fuzz.json and fuzz.md count the examples a fault did not act on by its reason: one
+    line, less the tensors' layouts a problem goes on to print, so one reason counts as one.
+    Found in review (mutation): keeping the layouts or every line left every test green."""
+    from harness.run.faults.planted import PlantedFault
+    from harness.run.fuzz.fault_effect import fault_mark, fault_since
+
+    fault = PlantedFault()
+    fault.after_encode = lambda request_id, params: None
+    said = []
+    for problem in (
+        'req-7: no frame to zero in the video: {"grid": [4, 16, 16]}',
+        "req-8: no frame to zero in the video\nTraceback (most recent call last): ...",
+    ):
+        mark = fault_mark(fault)
+        fault.problems.append(problem)
+        said.append(fault_since(fault, mark))
+    assert said == ["not acted: no frame to zero in the video"] * 2
