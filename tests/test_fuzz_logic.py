@@ -4115,3 +4115,13 @@ def test_a_fault_that_did_not_act_is_said_in_one_line_without_tensor_layouts() -
         fault.problems.append(problem)
         said.append(fault_since(fault, mark))
     assert said == ["not acted: no frame to zero in the video"] * 2
+
+
+def test_the_run_budget_is_recorded_as_given() -> None:
+    """fuzz.json's meta keeps the run's caps (`run_budget`), what a reader checks a spent
+    budget against. Found in review (mutation): recording the restarts as the seconds left
+    every test green."""
+    from harness.run.fuzz.run_budget import RunBudget
+
+    budget = RunBudget(max_restarts=3, max_seconds=120.0).to_json()
+    assert budget == {"max_restarts": 3, "max_seconds": 120.0}
