@@ -1867,6 +1867,7 @@ def test_fuzz_restart_budgets_default_as_documented_and_pass_with_attach_when_no
 
     args = check_command_line(["fuzz", "--topology", "1E+1PD", "--attach", "deployment.json"])
     assert (shrink_budget(args).max_restarts, run_budget(args).max_restarts) == (6, 6)
+    assert run_budget(args).max_seconds == 780.0, "docs/fuzzing.md: --budget-s, default 780 s"
     given = check_command_line(["fuzz", "--topology", "1E+1PD", "--max-run-restarts", "0"])
     assert run_budget(given).max_restarts == 0
 
