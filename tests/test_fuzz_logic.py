@@ -4048,8 +4048,8 @@ def test_groups_shrink_cheapest_first_and_a_known_crash_against_its_trigger(
     """The shrink's cost policy: a new failure that kills nothing first, a known crash with a
     trigger (baseline requests only) next, a known failure that kills nothing, then a new crash
     (a revival per step); the known crash is shrunk against its prediction within what is left
-    of the run's time and handed back unconfirmed, and a confirmed minimal request becomes the
-    group's minimal. Found in review (mutation): shrinking a known crash last, reading a crash
+    of the run's time and handed back unconfirmed, a confirmation that could not be sent says
+    so, and a confirmed minimal request becomes the group's minimal. Found in review (mutation): shrinking a known crash last, reading a crash
     as a mismatch, confirming nothing, an uncapped shrink and a confirmation the group did not
     keep all left every test green."""
     from types import SimpleNamespace
@@ -4091,6 +4091,12 @@ def test_groups_shrink_cheapest_first_and_a_known_crash_against_its_trigger(
     assert group_shrink.shrink_group(engine, group) is False, "left for its confirmation"
     assert group.shrink is not None and group.shrink.mode == "predicted"
     assert [b.max_seconds for b in budgets] == [45.0], "what is left of the run's time"
+
+    unsent = Evaluation(minimal, {}, Outcome(prompt=minimal.name), "not-sent", note="D is down")
+    monkeypatch.setattr(engine, "evaluate", lambda spec: unsent)
+    group_shrink.confirm_predicted(engine, group)
+    assert group.note == "minimal request not confirmed: D is down"
+    assert group.shrink.mode == "predicted" and group.shrink.confirmed is None
 
     confirm = _evaluation("ex-0005-p003", minimal, crash, True)
     monkeypatch.setattr(engine, "evaluate", lambda spec: confirm)
