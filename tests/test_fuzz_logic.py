@@ -4049,9 +4049,10 @@ def test_groups_shrink_cheapest_first_and_a_known_crash_against_its_trigger(
     trigger (baseline requests only) next, a known failure that kills nothing, then a new crash
     (a revival per step); the known crash is shrunk against its prediction within what is left
     of the run's time and handed back unconfirmed, a confirmation that could not be sent says
-    so, and a confirmed minimal request becomes the group's minimal. Found in review (mutation): shrinking a known crash last, reading a crash
-    as a mismatch, confirming nothing, an uncapped shrink and a confirmation the group did not
-    keep all left every test green."""
+    so, and a confirmed minimal request becomes the group's minimal. Found in review
+    (mutation): shrinking a known crash last, reading a crash as a mismatch, confirming
+    nothing, an uncapped shrink, a confirmation the group did not keep and an unsent one sent
+    on all left every test green."""
     from types import SimpleNamespace
 
     import harness.run.fuzz.group_shrink as group_shrink
