@@ -1700,6 +1700,32 @@ def test_check_reads_a_streamed_answer_from_its_events(tmp_path: Path, monkeypat
     assert judged(events("not json"))[:2] == ("ERROR", 2)  # no prompt ids: no answer
 
 
+def test_check_reproduces_a_broken_stream_whose_ids_equal_the_expected_ones(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A stream whose framing broke is a MISMATCH whatever its ids did; with equal ids no ids
+    part, and the exporter records it as the harness's signature counts it, among the
+    generated ids (`where_it_failed`). check.py must read "no ids parted" as that kind too, or
+    the very failure it shows reads "NOT reproduced (prompt ids now ...)"."""
+    from harness.run.export.expectation import where_it_failed
+
+    monkeypatch.setattr(check, "dead_instances", lambda *args: [])
+    record = {
+        "verdict": "MISMATCH",
+        "detail": STREAM_BROKEN + "the stream ended without [DONE]",
+        "divergence": None,
+    }
+    recorded = {"verdict": "MISMATCH", **where_it_failed("MISMATCH", record)}
+    assert recorded == {"verdict": "MISMATCH", "ids": "generated ids", "position": None}
+    text = streamed([1, 2, 3], [7, 8, 9, 10], done=False)
+    cut = check.Answer("http://x/v1/chat/completions", 200, text, 0.1)
+    judged = check.judgment(EXPECTED, cut, [], tmp_path, streamed=True)
+    assert (judged.verdict, judged.broken) == ("MISMATCH", "the stream ended without [DONE]")
+    parted = check.parting(EXPECTED, judged.response)
+    assert parted is None  # the ids are equal: only the framing failed
+    assert check.reproduction(recorded, judged.verdict, judged.died, parted) == "reproduced"
+
+
 @pytest.mark.parametrize(
     "text, problem",
     [
