@@ -2193,6 +2193,38 @@ def test_check_calls_a_dead_instance_an_error_naming_it(tmp_path: Path, monkeypa
     assert "prefill0" not in detail.split("\n", 1)[0]
 
 
+@pytest.mark.parametrize(
+    "alive, state",
+    [
+        (False, "exited"),
+        (True, "is running but its /health does not answer 200"),
+        (None, "is running but its /health does not answer 200"),
+    ],
+)
+def test_check_says_whether_a_down_instance_exited_or_still_runs(
+    tmp_path: Path, monkeypatch, alive: bool | None, state: str
+) -> None:
+    """Without serve.sh's exit file the report rests on the process: one that is gone
+    "exited", one that runs (or is not ours to signal) hangs without answering /health. Said
+    the other way round, an upstream developer looks for a crash in a server that hangs."""
+    log = tmp_path / "decode0.log"
+    log.write_text("stuck\n")
+    instance = check.Instance("decode0", "decode", "http://127.0.0.1:1", 7, str(log))
+    monkeypatch.setattr(check, "healthy", lambda url: False)
+    monkeypatch.setattr(check, "process_alive", lambda pid: alive)
+    monkeypatch.setattr(check, "EXIT_WAIT_S", 0.0)
+    report = check.down_report(instance, tmp_path)
+    assert report is not None
+    assert report.startswith(f"decode0 (decode, http://127.0.0.1:1) {state}; evidence"), report
+
+
+def test_check_knows_a_live_process_from_a_gone_one() -> None:
+    """A running pid is alive; no pid is unknown, not gone: read as gone, an instance whose
+    endpoints.tsv line has no pid "exited" while it hangs."""
+    assert check.process_alive(os.getpid()) is True
+    assert check.process_alive(None) is None
+
+
 def test_check_names_an_instance_that_goes_down_only_after_a_failed_answer(
     tmp_path: Path, monkeypatch
 ) -> None:
