@@ -1700,30 +1700,67 @@ def test_check_reads_a_streamed_answer_from_its_events(tmp_path: Path, monkeypat
     assert judged(events("not json"))[:2] == ("ERROR", 2)  # no prompt ids: no answer
 
 
-def test_check_reproduces_a_broken_stream_whose_ids_equal_the_expected_ones(
-    tmp_path: Path, monkeypatch
-) -> None:
-    """A stream whose framing broke is a MISMATCH whatever its ids did; with equal ids no ids
-    part, and the exporter records it as the harness's signature counts it, among the
-    generated ids (`where_it_failed`). check.py must read "no ids parted" as that kind too, or
-    the very failure it shows reads "NOT reproduced (prompt ids now ...)"."""
+def broken_or_parted(tmp_path: Path, monkeypatch, capsys, record: dict[str, Any], text: str) -> str:
+    """What check.py says of a streamed case's failure the harness recorded as `record`
+    (its summary.json entry, recorded as the exporter records it), answered with `text`."""
     from harness.run.export.expectation import where_it_failed
 
+    here = tmp_path / "export"
+    state = here / "work" / "state"
+    state.mkdir(parents=True)
+    (here / "request.json").write_text(json.dumps({"messages": [], "stream": True}))
+    recorded = {"verdict": record["verdict"], **where_it_failed(record["verdict"], record)}
+    (here / "expected.json").write_text(
+        json.dumps({**EXPECTED, "what": "a case", "reference": "baseline", "recorded": recorded})
+    )
+    (state / "endpoints.tsv").write_text(
+        "mode\tcase\nentry\thttp://127.0.0.1:9\n"
+        "instance\tdecode0\tdecode\thttp://127.0.0.1:9\t\tnone.log\n"
+    )
+    monkeypatch.setattr(check, "__file__", str(here / "check.py"))
+    monkeypatch.setattr(
+        check, "post_json", lambda url, *args: check.Answer(url, 200, text, 0.1, check.EVENT_STREAM)
+    )
     monkeypatch.setattr(check, "dead_instances", lambda *args: [])
-    record = {
+    assert check.main(["--state", str(state)]) == check.EXIT_DIFFERENCE
+    said = [line for line in capsys.readouterr().out.splitlines() if "recorded" in line]
+    assert len(said) == 1, said
+    return said[0].split("recorded MISMATCH: ", 1)[1]
+
+
+def test_check_reproduces_a_broken_stream_as_repro_does_not_as_generated_ids(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A stream whose framing broke is that failure whatever its ids did: the harness's
+    signature (`signature_of`, which `epd-harness repro`'s `another_failure` compares) says
+    "stream framing", not "generated ids". Recorded and read as generated ids, check.py said
+    "reproduced" of generated ids parting in a well-framed stream where the framing had
+    broken, and of a broken framing where generated ids had parted; repro says NOT reproduced
+    of both (found in review)."""
+    broken = {
         "verdict": "MISMATCH",
-        "detail": STREAM_BROKEN + "the stream ended without [DONE]",
+        "detail": STREAM_BROKEN + "the stream ended without [DONE]; identical",
         "divergence": None,
+        "guards": {STREAM_CHECK: {"ok": False, "evidence": "the stream ended without [DONE]"}},
     }
-    recorded = {"verdict": "MISMATCH", **where_it_failed("MISMATCH", record)}
-    assert recorded == {"verdict": "MISMATCH", "ids": "generated ids", "position": None}
-    text = streamed([1, 2, 3], [7, 8, 9, 10], done=False)
-    cut = check.Answer("http://x/v1/chat/completions", 200, text, 0.1)
-    judged = check.judgment(EXPECTED, cut, [], tmp_path, streamed=True)
-    assert (judged.verdict, judged.broken) == ("MISMATCH", "the stream ended without [DONE]")
-    parted = check.parting(EXPECTED, judged.response)
-    assert parted is None  # the ids are equal: only the framing failed
-    assert check.reproduction(recorded, judged.verdict, judged.died, parted) == "reproduced"
+    parted = {
+        "verdict": "MISMATCH",
+        "detail": "generated tokens differ at position 1 of 4/4",
+        "divergence": {"index": 1},
+        "guards": {STREAM_CHECK: {"ok": True, "evidence": "framed as vLLM frames it"}},
+    }
+    cut = streamed([1, 2, 3], [7, 8, 9, 10], done=False)
+    other = streamed([1, 2, 3], [7, 5, 9, 10])
+    cases = [(broken, cut), (broken, other), (parted, cut), (parted, other)]
+    said = []
+    for number, (record, text) in enumerate(cases):
+        said.append(broken_or_parted(tmp_path / str(number), monkeypatch, capsys, record, text))
+    assert said == [
+        "reproduced",
+        "NOT reproduced (generated ids now, stream framing in the recording)",
+        "NOT reproduced (stream framing now, generated ids in the recording)",
+        "reproduced",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,9 @@ from harness.judge.compare import is_measured_floor
 from harness.judge.guards import kv_rule_for
 from harness.judge.policy import ReferencePolicy, default_reference_policy
 from harness.judge.records import Verdict
+from harness.judge.verdicts import STREAM_CHECK
 from harness.run.export.request import describe_request
-from harness.run.fuzz.signature import died_instance, ids_kind
+from harness.run.fuzz.signature import STREAM_FRAMING, died_instance, ids_kind
 from harness.run.repro import Bundle, ReproCase
 from harness.spec.connectors import KvRule, expected_kv_tokens
 from harness.spec.platforms import get_platform
@@ -101,10 +102,12 @@ def kv_guard(bundle: Bundle, record: dict[str, Any], prompt_tokens: int) -> dict
 def where_it_failed(verdict: str, record: dict[str, Any]) -> dict[str, Any]:
     """Where the recorded failure showed, for check.py's "reproduced" (its `reproduction`):
     for an ERROR the instance that died (`died`, its name in the export; None: none did), for
-    ids that differ which ones (`ids`, the harness's signature kind) and the first `position`.
-    The verdict alone made another instance's death, or prompt ids parting where generated
-    ids had, "reproduced" (found in review). Nothing when the record has no detail to tell
-    by, as `epd-harness repro`'s `another_failure`."""
+    ids that differ which ones (`ids`, the harness's signature kind: "stream framing" for a
+    stream whose framing broke, whatever its ids did) and the first `position`. The verdict
+    alone made another instance's death, or prompt ids parting where generated ids had,
+    "reproduced"; read as generated ids, so did a broken framing where ids had parted, and
+    the other way round (both found in review). Nothing when the record has no detail to
+    tell by, as `epd-harness repro`'s `another_failure`."""
     if "detail" not in record:
         return {}
     if verdict == Verdict.ERROR.value:
@@ -114,7 +117,11 @@ def where_it_failed(verdict: str, record: dict[str, Any]) -> dict[str, Any]:
         divergence = record.get("divergence")
         index = divergence.get("index") if isinstance(divergence, dict) else None
         position = index if isinstance(index, int) and not isinstance(index, bool) else None
-        return {"ids": ids_kind(str(record["detail"])), "position": position}
+        guards = record.get("guards")
+        framing = guards.get(STREAM_CHECK) if isinstance(guards, dict) else None
+        broke = isinstance(framing, dict) and framing.get("ok") is False
+        ids = STREAM_FRAMING if broke else ids_kind(str(record["detail"]))
+        return {"ids": ids, "position": position}
     return {}
 
 

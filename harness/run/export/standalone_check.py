@@ -42,7 +42,8 @@ policy (`drift_passes`: under pd-drift, a P->D topology against the monolithic b
 
 It says whether the case's recorded failure is reproduced as `epd-harness repro` does: the
 same verdict, shown where it was recorded (the same instance died; the same ids parted, at
-whatever position); the verdict showing elsewhere is NOT reproduced, the difference named.
+whatever position; a stream's framing broke); the verdict showing elsewhere is NOT
+reproduced, the difference named.
 The exit code says what happened here, reproduced or not.
 
 Exit codes:
@@ -102,6 +103,9 @@ EVENT_STREAM = "text/event-stream"
 # finish_reasons of an answer that did not finish, as the harness's harness/outcomes/chat.py
 # `UNFINISHED` (vLLM: the request was aborted, or failed in the engine): an ERROR.
 UNFINISHED = ("abort", "error")
+# Where a failure of a stream whose framing broke showed, as the harness's failure signature
+# names it (harness/run/fuzz/signature.py STREAM_FRAMING): `reproduction`.
+STREAM_FRAMING = "stream framing"
 
 
 @dataclass(frozen=True)
@@ -908,15 +912,20 @@ def parting(expected: dict[str, Any], response: dict[str, Any]) -> tuple[str, in
 
 
 def reproduction(
-    recorded: dict[str, Any], verdict: str, died: tuple[str, ...], parted: tuple[str, int] | None
+    recorded: dict[str, Any],
+    verdict: str,
+    died: tuple[str, ...],
+    parted: tuple[str, int] | None,
+    broken: bool = False,
 ) -> str:
     """Whether the answer here reproduces the recorded failure, as `epd-harness repro` says it
     (its `another_failure` and `parted_elsewhere`): the same verdict showing elsewhere is
     another failure, NOT reproduced (another instance died; prompt ids parted where
-    generated ids had); ids parting at another position are still the failure, reproduced,
-    with the position said. The verdict alone said "reproduced" of both (found in review).
-    What the recording holds of where (`died`, `ids`, `position`) is the exporter's; an
-    export without it is judged on the verdict."""
+    generated ids had; `broken`, a stream's framing broke, where ids had parted in a whole
+    one, or the other way round); ids parting at another position are still the failure,
+    reproduced, with the position said. The verdict alone said "reproduced" of all of them
+    (found in review). What the recording holds of where (`died`, `ids`, `position`) is the
+    exporter's; an export without it is judged on the verdict."""
     if recorded["verdict"] != verdict:
         unseen = recorded.get("unjudged_guards")
         if recorded["verdict"] == "VACUOUS" and unseen:
@@ -932,9 +941,10 @@ def reproduction(
             now = ", ".join(died) or "no instance"
             return f"NOT reproduced ({now} died now, {then or 'no instance'} in the recording)"
     if verdict in ("MISMATCH", "DRIFT") and recorded.get("ids"):
-        # A stream's broken framing with equal ids is a MISMATCH of no ids: the harness's
-        # signature counts it among the generated ones.
+        # A stream whose framing broke is that failure whatever its ids did, as the harness's
+        # signature names it (its fuzz/signature.py STREAM_FRAMING).
         kind, index = parted or ("generated ids", None)
+        kind = STREAM_FRAMING if broken else kind
         then = str(recorded["ids"])
         if kind != then and not (then == "prompt ids" and kind.startswith(then)):
             return f"NOT reproduced ({kind} now, {then} in the recording)"
@@ -1209,7 +1219,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"check.py: {reference}'s answer kept in {args.save_reference}")
     elif recorded.get("verdict"):
         parted = parting(fresh or expected, judged.response) if judged.response else None
-        same = reproduction(recorded, verdict, judged.died, parted)
+        same = reproduction(recorded, verdict, judged.died, parted, judged.broken is not None)
         source = recorded.get("source", "the harness")
         vs = f" (against {reference} served here)" if fresh else ""
         print(f"check.py: {source} recorded {recorded['verdict']}: {same}{vs}")

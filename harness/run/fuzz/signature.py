@@ -130,10 +130,13 @@ def signature_of(record: CaseRecord) -> Signature:
         # a duplicated chunk also shifts the ids, and grouped as "generated ids" it would
         # join, and be shrunk as, a failure of the answer itself.
         if STREAM_CHECK in record.failed_guards():
-            return Signature(verdict, "stream framing")
+            return Signature(verdict, STREAM_FRAMING)
         return Signature(verdict, ids_kind(record.detail))
     return Signature(verdict, "")
 
+
+# Where a MISMATCH or DRIFT of a stream whose framing broke showed (`signature_of`).
+STREAM_FRAMING = "stream framing"
 
 _PROMPT_IDS = re.compile(
     r"^prompt ids differ at position \d+ \(reference (\d+) ids, candidate (\d+) ids\)"
