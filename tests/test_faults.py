@@ -176,6 +176,23 @@ def test_drop_kv_removes_only_the_directories_p_wrote_since_it_was_made(tmp_path
     assert fault.effects == ["req-7: removed prompt-now/ (2 files)"], fault.effects
 
 
+def test_drop_kv_calls_a_directory_it_could_not_remove_a_problem_not_an_effect(
+    tmp_path: Path, monkeypatch
+):
+    """rmtree ignores its errors: a directory that stayed (a file another user owns, a busy
+    mount) is KV D still reads, so the fault did not act; recorded as removed, the self-test
+    counted a fault planted that was not."""
+    from harness.run.faults import kv_files
+
+    fault = drop_kv(tmp_path)
+    write_kv_files(tmp_path, "prompt-now")
+    monkeypatch.setattr(kv_files.shutil, "rmtree", lambda path, ignore_errors: None)
+    fault.after_prefill("req-7", {"kv_transfer_params": None})
+    assert (tmp_path / "prompt-now").is_dir()
+    assert not fault.effects and not fault.touched, fault
+    assert fault.problems == [f"req-7: {tmp_path / 'prompt-now'} could not be removed"], fault
+
+
 def test_drop_kv_says_so_when_p_wrote_nothing_new(tmp_path: Path):
     write_kv_files(tmp_path, "prompt-earlier")
     fault = drop_kv(tmp_path)
