@@ -25,6 +25,7 @@ from harness.serve.launch import (
     StartupTimeout,
 )
 from harness.serve.ports import reserve_ports
+from harness.serve.process_groups import in_child
 from harness.serve.server_command import ServerCommand
 from harness.serve.server_group import ServerGroup
 from harness.serve.server_log import (
@@ -117,6 +118,7 @@ from harness.serve.server_group import ServerGroup
 from harness.serve.server_log import log_path_for
 from harness.serve.signal_handlers import install_signal_handlers
 from harness.serve.ports import reserve_ports
+from harness.serve.process_groups import in_child
 from harness.testing.processes import (
     child_env,
     is_live,
@@ -633,6 +635,27 @@ def test_sigkilled_harness_takes_its_server_down(tmp_path: Path) -> None:
         if not is_gone(server_pid):
             server.kill()  # psutil refuses if the pid was reused
         harness.stdout.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_server_gets_sigterm_as_its_parent_death_signal_with_or_without_cpus() -> None:
+    """The kernel's SIGTERM on the harness's death is what stops a server before the watchdog
+    notices (the test above passes on the watchdog alone): the child asks the kernel which
+    signal it was given (PR_GET_PDEATHSIG), with CPUs to pin and without."""
+    read_it = (
+        "import ctypes; n = ctypes.c_int(); "
+        "assert ctypes.CDLL(None, use_errno=True).prctl(2, ctypes.byref(n), 0, 0, 0) == 0; "
+        "print(n.value)"
+    )
+    for cpus in ((), tuple(sorted(os.sched_getaffinity(0)))[:1]):
+        done = subprocess.run(
+            [sys.executable, "-c", read_it],
+            preexec_fn=in_child(os.getpid(), cpus),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert done.stdout.strip() == str(int(signal.SIGTERM)), (cpus, done)
 
 
 def test_sigterm_to_the_harness_stops_its_group_cleanly(tmp_path: Path) -> None:
