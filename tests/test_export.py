@@ -2360,6 +2360,30 @@ def test_check_cuts_a_log_to_exception_messages_and_its_tail() -> None:
     assert lines[-1] == "Shutting down"  # then the log's last lines
 
 
+def test_checks_log_tail_leaves_out_nanobinds_leak_report_and_says_so() -> None:
+    """Real vLLM (an exported probe of 1E+1P+1D): the tail of a dead D's evidence was its
+    shutdown and nanobind's report of what Triton leaked at exit, as every vLLM process where
+    Triton is installed prints it; the shutdown lines are what show how it ended."""
+    log = "\n".join(
+        [
+            "(EngineCore) ERROR AssertionError: Expected number of multimodal embeddings",
+            "INFO:     Application shutdown complete.",
+            "nanobind: leaked 1207 instances!",
+            ' - leaked instance 0x7f39d5a3d0a8 of type "triton._C.libtriton.ir.attribute"',
+            "nanobind: leaked 514 functions!",
+            ' - leaked function "create_fdiv"',
+            " - ... skipped remainder",
+            "nanobind: this is likely caused by a reference counting issue in the binding code.",
+            "See https://nanobind.readthedocs.io/en/latest/refleaks.html",
+        ]
+    )
+    lines = check.evidence(log).splitlines()
+    assert lines[lines.index("...") + 1 :] == [
+        "INFO:     Application shutdown complete.",
+        "[7 lines of nanobind's leak report at exit left out]",
+    ], lines
+
+
 def test_the_baseline_is_rendered_with_the_runs_flags_when_it_came_from_the_cache(
     tmp_path: Path,
 ) -> None:

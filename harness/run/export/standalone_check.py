@@ -96,6 +96,12 @@ CASE_SENT_FILE = "case-sent"
 BEFORE_DIR = "before"
 EXCEPTION_LINE = re.compile(r"\b\w*(?:Error|Exception): (?P<message>.+)$")
 SERVER_ERROR_LINE = re.compile(r'HTTP/1\.1" 5\d\d')
+# nanobind's report of what Triton's bindings leaked, printed as every vLLM process exits where
+# Triton is installed: it filled a dead server's last lines (the harness's
+# harness/serve/server_log.py NANOBIND_LEAK_LINE; this file imports nothing of the harness).
+NANOBIND_LEAK_LINE = re.compile(
+    r"^(nanobind: | +- leaked | +- \.\.\. skipped remainder|See https://nanobind\.readthedocs)"
+)
 # Straight to 127.0.0.1: an HTTP(S)_PROXY in the environment must not relay these requests.
 DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 # What a streamed answer must be served as (harness/outcomes/stream.py's EVENT_STREAM).
@@ -179,7 +185,7 @@ def process_alive(pid: int | None) -> bool | None:
 
 def evidence(log_text: str) -> str:
     """A log cut to what says why: each exception message once (not the traceback frames that
-    precede it), 5xx answers, then the log's last lines."""
+    precede it), 5xx answers, then the log's last lines but nanobind's leak report."""
     lines = log_text.splitlines()
     picked: list[str] = []
     seen: set[str] = set()
@@ -191,7 +197,10 @@ def evidence(log_text: str) -> str:
         elif SERVER_ERROR_LINE.search(line):
             picked.append(line)
     picked = picked[:LOG_ERROR_LINES]
-    tail = [line for line in lines[-LOG_TAIL_LINES:] if line not in picked]
+    kept = [line for line in lines if not NANOBIND_LEAK_LINE.match(line)]
+    tail = [line for line in kept[-LOG_TAIL_LINES:] if line not in picked]
+    if len(kept) < len(lines):
+        tail.append(f"[{len(lines) - len(kept)} lines of nanobind's leak report at exit left out]")
     return "\n".join(picked + (["..."] if picked and tail else []) + tail)
 
 
