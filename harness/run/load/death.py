@@ -184,9 +184,9 @@ def notice_a_quiet_death(session: Session, result: LoadResult, say: Callable[[st
 
 
 def declared_death(session: Session, request_failed: bool) -> str | None:
-    """The report of the instance a request declared to end an instance ended: after a failed
-    request, looked for until one is dead or DECLARED_DEATH_WAIT_S has passed (None: every
-    instance is still serving)."""
+    """After a request declared to end an instance: the report of the instance that died
+    (None: every instance still serves), looked for, after a failed request, until one is dead
+    or DECLARED_DEATH_WAIT_S has passed."""
     deadline = time.monotonic() + (DECLARED_DEATH_WAIT_S if request_failed else 0.0)
     while True:
         died = dead_instance(session)
