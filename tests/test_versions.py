@@ -903,6 +903,48 @@ def test_golden_stands_in_for_the_baseline_without_starting_it(tmp_path: Path) -
         sweep((text, image)).serve_baseline()
 
 
+def test_a_release_declared_failure_is_held_only_against_a_golden_declaring_it_too(
+    tmp_path: Path,
+) -> None:
+    """Real vLLM: `run --vllm <0.30.0> --golden 0.31.0 --topology 1E+1PD --prompt video`:
+    0.30.0's video through the encoder MATCHed 0.31.0's golden, and the run failed on its
+    release's declaration ("NOT the declared MISMATCH"), which is of its own baseline: 0.31.0's
+    baseline answers video otherwise (`goldens`: differ from token 0). Against the golden of a
+    release that declares the same failure it still holds."""
+    from harness.judge.verdicts import Stability
+    from harness.run.baseline import BaselineAnswers
+    from harness.run.judging import CaseJudge, Observed
+    from harness.spec.generations import generation_for
+    from harness.spec.prompts import SKELETON_PROMPTS
+    from harness.spec.settings import RunSettings
+    from harness.spec.topology import TOPOLOGIES
+
+    settings = RunSettings(
+        serving=serving_for(CPU, "/not-a-dir-model", max_model_len=4096),
+        run_dir=tmp_path / "run",
+        vllm=ServedVllm("vllm", "0.30.0+cpu", "2.13.0"),
+        protocol=generation_for("0.30.0").generation,
+    )
+    video = next(p for p in SKELETON_PROMPTS if p.name == "video")
+    answer = outcome("video", [9, 8], prompt_ids=(1, 2))
+
+    def judged(golden_release: str):
+        baseline = BaselineAnswers(
+            settings, goldens=GoldenStore(tmp_path / "g"), golden_release=golden_release
+        )
+        baseline.outcomes["video"] = answer
+        baseline.stability["video"] = Stability(True, "golden", 0.0)
+        observed = Observed(outcome("video", [9, 8], prompt_ids=(1, 2)), ())
+        [record] = CaseJudge(settings, baseline).judge(TOPOLOGIES["1E+1PD"], observed, spec=video)
+        return record
+
+    other = judged("0.31.0")
+    assert other.verdict.value == "MATCH" and other.policy_passed, other.detail
+    assert not other.declared_failure, other.declared_failure
+    same_failure = judged("0.29.0")
+    assert not same_failure.policy_passed, "0.29.0 declares it too: the MATCH is not declared"
+
+
 def test_a_golden_served_under_another_isa_or_on_another_device_never_stands_in(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,6 +10,7 @@ run accepts (the reference policy, the measured noise floor), is decided here on
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ from harness.judge.verdicts import (
 from harness.outcomes.outcome import Outcome, ServedTopology
 from harness.outcomes.stream import EVENT_STREAM
 from harness.run.baseline import BaselineAnswers
-from harness.spec.generations import known_failure, not_applicable
+from harness.spec.generations import KnownFailure, generation_for, known_failure, not_applicable
 from harness.spec.prompts import PromptSpec, fresh_prefix_request, streaming_request
 from harness.spec.settings import VLLM_PROXY, RunSettings
 from harness.spec.topology import Topology
@@ -109,6 +110,9 @@ def reference_policy_of(settings: RunSettings) -> ReferencePolicy:
     return default_reference_policy(settings.platform)
 
 
+log = logging.getLogger(__name__)
+
+
 class CaseJudge:
     """Judges observed answers against the baseline (and an exact reference, where a topology
     has one) under the run's reference policy and measured noise floor."""
@@ -117,6 +121,7 @@ class CaseJudge:
         self.settings = settings
         self.baseline = baseline
         self.reference_policy = reference_policy_of(settings)
+        self._undeclared: set[str] = set()  # release declarations a golden set aside, said once
 
     @property
     def rules(self) -> JudgingRules:
@@ -133,6 +138,29 @@ class CaseJudge:
         if spec is None:
             return None
         return not_applicable(self.settings.protocol, topology, spec)
+
+    def release_declared(self, topology: Topology, spec: PromptSpec) -> KnownFailure | None:
+        """The served release's declared failure for the case. It is a difference from the
+        release's own baseline: against another release's golden (`--golden`) it holds only
+        where that release declares it too; elsewhere the case is judged as any case is (real
+        vLLM: 0.30.0's video through the encoder MATCHed golden-0.31.0, and its declared
+        MISMATCH failed the run)."""
+        failure = known_failure(self.settings.protocol, topology, spec)
+        if failure is None or self.baseline.golden_release is None:
+            return failure
+        golden = self.baseline.golden_release
+        if known_failure(generation_for(golden).generation, topology, spec) == failure:
+            return failure
+        if failure.name not in self._undeclared:
+            self._undeclared.add(failure.name)
+            log.warning(
+                "[judge] vLLM %s declares %s against its own baseline; vLLM %s, whose golden "
+                "judges this run, does not: its cases are judged as any case is",
+                self.settings.vllm.version,
+                failure.name,
+                golden,
+            )
+        return None
 
     def not_applicable_record(self, label: str, prompt: str, reason: str) -> CaseRecord:
         return not_applicable_case(label, prompt, self.baseline.label, reason)
@@ -167,7 +195,7 @@ class CaseJudge:
             name, outcome = exact_reference
             references.append(Reference(name, outcome, monolithic=False))
         if declared is None and spec is not None:
-            declared = known_failure(self.settings.protocol, topology, spec)
+            declared = self.release_declared(topology, spec)
         if declared is None:
             declared = proxy_failure(self.settings, topology, observed.outcome)
         rules = self.rules
