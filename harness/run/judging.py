@@ -33,6 +33,8 @@ from harness.spec.prompts import PromptSpec, fresh_prefix_request, streaming_req
 from harness.spec.settings import VLLM_PROXY, RunSettings
 from harness.spec.topology import Topology
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Observed:
@@ -108,9 +110,6 @@ def reference_policy_of(settings: RunSettings) -> ReferencePolicy:
     if settings.reference_policy:
         return ReferencePolicy(settings.reference_policy)
     return default_reference_policy(settings.platform)
-
-
-log = logging.getLogger(__name__)
 
 
 class CaseJudge:
