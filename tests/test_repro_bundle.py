@@ -566,6 +566,42 @@ def test_the_verdict_line_names_a_releases_declaration(
     assert line.endswith(says), line
 
 
+@pytest.mark.parametrize("golden, held", [("0.31.0", False), ("0.29.0", True)])
+def test_a_golden_judged_bundle_is_rerun_under_the_golden_rule_of_its_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog, golden: str, held: bool
+) -> None:
+    """Real vLLM: `run --vllm <0.30.0> --golden 0.31.0 --prompt video` MATCHed golden-0.31.0,
+    0.30.0's declared video timing set aside (0.31.0 declares none); its repro judged the
+    rerun under that declaration ("repro: judged as protocol generation by-hash declares
+    it"), so the same MATCH failed it. Against the golden of 0.29.0, which declares it too,
+    the declaration holds, as in the run."""
+    from harness.run.repro import repro_line
+    from harness.spec.generations import VIDEO_TIMING_BEFORE_0_31
+    from harness.spec.settings import ServedVllm
+
+    root = release_bundle(tmp_path / "b", "0.30.0+cpu", "by-hash", verdict="MATCH")
+    run = json.loads((root / "run.json").read_text())
+    (root / "run.json").write_text(json.dumps({**run, "golden_release": golden}))
+    with caplog.at_level(logging.WARNING, logger="harness.run.repro"):
+        declared = judged_under(root, "0.30.0+cpu", monkeypatch)
+    assert declared == (VIDEO_TIMING_BEFORE_0_31 if held else None)
+    said = [r.getMessage() for r in caplog.records if "its own baseline" in r.getMessage()]
+    assert said == (
+        []
+        if held
+        else [
+            "repro: vLLM 0.30.0+cpu declares video-timing-before-0.31 against its own "
+            "baseline; vLLM 0.31.0, whose golden judges this run, does not: its cases are "
+            "judged as any case is"
+        ]
+    )
+    bundle = Bundle.load(root)
+    line = repro_line(
+        bundle.pick_case("1E+1PD:video"), "MATCH", bundle, ServedVllm("/v", "0.30.0+cpu")
+    )
+    assert line.endswith("MATCH in the bundle: reproduced") != held, line
+
+
 def test_a_bundle_prompt_that_is_no_spec_is_refused_naming_it(tmp_path: Path) -> None:
     """run.json's prompt entry is where a release's declaration is read from; a broken one is
     one error naming the file and the prompt, not a KeyError from deep in the rerun."""

