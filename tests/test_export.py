@@ -759,6 +759,23 @@ def test_an_attached_runs_refusal_advises_no_command_that_refuses_it_too(
     assert "'epd-harness run --proxy vllm'" in line
 
 
+def test_a_golden_judged_run_is_refused_in_one_line_naming_the_golden(
+    tmp_path: Path, capsys
+) -> None:
+    """Real vLLM: `export` of `run --vllm <0.30.0> --golden 0.31.0`'s video case said only
+    "responses.json has no answer of golden-0.31.0 to 'video'". The golden is another
+    release's recorded answer, which the export's vLLM alone cannot serve as the reference
+    (serve.sh would start its own release's baseline, another comparison): refused, saying
+    which run can be exported."""
+    bundle = write_bundle(tmp_path / "run")
+    run = json.loads((bundle / "run.json").read_text())
+    (bundle / "run.json").write_text(json.dumps({**run, "golden_release": "0.31.0"}))
+    line = one_line_refusal(capsys, ["export", str(bundle)])
+    assert "judged against the golden of vLLM 0.31.0 (--golden)" in line, line
+    assert "export a run judged against its own baseline" in line, line
+    assert not (bundle / "exports").exists()
+
+
 def test_an_all_match_run_needs_a_case_and_an_existing_out_is_kept(tmp_path: Path, capsys) -> None:
     bundle = write_bundle(tmp_path / "run", verdict="MATCH")
     assert "name one with --case" in one_line_refusal(capsys, ["export", str(bundle)])

@@ -18,8 +18,10 @@ request, expectation, probe); `harness.run.export.files` writes it.
 
 Refused, in one line: a case whose failure the harness planted (a self-test fault: no vLLM
 plugin can carry it, so vLLM alone would not fail), and a run of an attached deployment (the
-harness never launched it, so it has no commands to export: rerun the case with
-`epd-harness repro`, or judge it again with `--attach`, and export a run the harness started).
+harness never launched it, so it has no commands to export, nor can repro start it: rerun
+the case with `epd-harness run --proxy vllm` on its model and flags, and export that run),
+and a run judged against another release's golden (`--golden`), whose reference vLLM alone
+cannot serve.
 """
 
 from __future__ import annotations
@@ -264,6 +266,15 @@ def refuse_unexportable(bundle: Bundle) -> None:
     killed = killed_by_the_load(bundle)
     if killed:
         raise BadInput(killed)
+    golden = bundle.run.get("golden_release")
+    if golden:
+        raise BadInput(
+            f"{bundle.path} was judged against the golden of vLLM {golden} (--golden): a "
+            "release's recorded answer, which the export's vLLM alone cannot serve as the "
+            "reference (its serve.sh starts the served release's own baseline, another "
+            "comparison); rerun the case without --golden and export a run judged against its "
+            "own baseline"
+        )
     fault = bundle.run.get("fault")
     if fault or (bundle.path / "detection.json").is_file():
         raise BadInput(
