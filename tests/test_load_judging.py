@@ -46,7 +46,7 @@ from harness.run.load.run import LoadRun
 from harness.run.load.sending import Sent, carrier
 from harness.run.sweep import Sweep, SweepSpec
 from harness.serve.kv_metrics import KvCounters
-from harness.serve.session import DeadInstance
+from harness.serve.session import DeadInstance, TopologySession
 from harness.spec.load import (
     DEFAULT_DISTINCT_MEDIA,
     MAX_CONCURRENCY,
@@ -485,10 +485,12 @@ class StandIn:
         given = self.swap.get(self.calls, prompt)
         return Outcome(prompt, result=self.answers[given], seconds=0.01)
 
-    def dead_instance_report(self) -> str | None:
+    def dead_instance(self) -> DeadInstance | None:
         if self.dies_after is not None and self.calls > self.dies_after:
-            return "instance 1E+1PD/pd0 exited with code -9; last lines of pd0.log:\n..."
+            return DeadInstance("1E+1PD/pd0", -9, Path("pd0.log"), "...")
         return None
+
+    dead_instance_report = TopologySession.dead_instance_report
 
 
 class NixlStandIn(StandIn):
@@ -568,7 +570,7 @@ def test_a_death_ends_the_load_and_every_later_request_says_why(tmp_path: Path) 
     load, session = stand_in_load(tmp_path, requests=10, dies_after=4)
     result_ = load.run()
     assert session.calls == 5  # the fifth found the instance dead: nothing was sent after it
-    assert result_.ended_by == "instance 1E+1PD/pd0 exited with code -9; last lines of pd0.log:"
+    assert result_.ended_by == "instance 1E+1PD/pd0 exited with code -9 (its log: pd0.log)"
     verdicts = [r.record.verdict for r in result_.results]
     assert verdicts == [Verdict.MATCH] * 4 + [Verdict.ERROR] * 6
     for later in result_.results[4:]:
@@ -797,9 +799,9 @@ class DiesQuietly(StandIn):
     """Answers every request, and its pd instance is gone once the round has been answered
     (P crashing as it frees the KV it sent, say): no request ever failed."""
 
-    def dead_instance_report(self) -> str | None:
+    def dead_instance(self) -> DeadInstance | None:
         if self.calls >= 6:
-            return "instance 1E+1PD/pd0 exited with code -11; last lines of pd0.log:\n..."
+            return DeadInstance("1E+1PD/pd0", -11, Path("pd0.log"), "...")
         return None
 
 
@@ -812,7 +814,7 @@ def test_an_instance_that_died_after_answering_every_request_fails_the_load(
     result_ = load.run()
     assert all(record.policy_passed for record in result_.records)
     assert not result_.passed
-    assert result_.ended_by == "instance 1E+1PD/pd0 exited with code -11; last lines of pd0.log:"
+    assert result_.ended_by == "instance 1E+1PD/pd0 exited with code -11 (its log: pd0.log)"
     assert result_.problems == [f"round 1: every request was answered, then {result_.ended_by}"]
 
 
@@ -915,9 +917,9 @@ class Killable(StandIn):
             return Outcome(prompt, error=f"{self.dead_instance_report()}\nHTTP 502")
         return Outcome(prompt, result=self.answers[prompt], seconds=0.01)
 
-    def dead_instance_report(self) -> str | None:
+    def dead_instance(self) -> DeadInstance | None:
         if self.killed.is_set():
-            return "instance 1E+1PD/pd0 exited with code -9; last lines of pd0.log:\n..."
+            return DeadInstance("1E+1PD/pd0", -9, Path("pd0.log"), "...")
         return None
 
     def dead_instances(self) -> list[DeadInstance]:
@@ -1001,7 +1003,7 @@ def test_an_instance_that_died_beside_the_planted_kill_fails_the_load(
     assert killed == ["1E+1PD/pd0"] and result_.killed == "1E+1PD/pd0"
     assert result_.problems == [
         "round 1: beside the planted kill of 1E+1PD/pd0, instance 1E+1PD/encoder0 exited with "
-        "code -11; last lines of encoder0.log:"
+        "code -11 (its log: encoder0.log)"
     ]
     assert not result_.passed and result_.ended_by is None
     text = (tmp_path / "load.md").read_text()
@@ -1387,11 +1389,12 @@ class DiesWithASecretInItsLog(StandIn):
         secret = os.environ["HF_TOKEN"]
         return Outcome(prompt, error=f"HTTP 401: bad token {secret}\n{outcome.error}")
 
-    def dead_instance_report(self) -> str | None:
-        report = super().dead_instance_report()
-        if report is None:
+    def dead_instance(self) -> DeadInstance | None:
+        dead = super().dead_instance()
+        if dead is None:
             return None
-        return report.replace("...", f"OSError: 401 for token {os.environ['HF_TOKEN']}")
+        tail = f"OSError: 401 for token {os.environ['HF_TOKEN']}"
+        return dataclasses.replace(dead, log_tail=tail)
 
 
 def test_no_secret_reaches_any_file_of_a_load(
@@ -1976,9 +1979,9 @@ class DiesOfItsDecodeTail(EpdStandIn):
             "AssertionError: Expected number of multimodal embeddings to match\nHTTP 502",
         )
 
-    def dead_instance_report(self) -> str | None:
+    def dead_instance(self) -> DeadInstance | None:
         if getattr(self, "tail_sent", False):
-            return "instance 1E+1P+1D/decode0 exited with code 1; last lines of decode0.log:\n..."
+            return DeadInstance("1E+1P+1D/decode0", 1, Path("decode0.log"), "...")
         return None
 
 
@@ -2001,7 +2004,7 @@ def test_the_request_sent_alone_that_ends_d_as_declared_passes_the_load(tmp_path
     # neither D nor its end).
     assert result_.declared_deaths == [
         f"request 8 ({TAIL_PROMPT}), sent last and alone, ended instance 1E+1P+1D/decode0 "
-        "exited with code 1"
+        "exited with code 1 (its log: decode0.log)"
     ], result_.declared_deaths
     notes = json.loads((tmp_path / "load.json").read_text())["notes"]
     assert f"as declared: {result_.declared_deaths[0]}" in notes, notes
@@ -2014,11 +2017,11 @@ class ExitsAfterItsDecodeTail(DiesOfItsDecodeTail):
 
     looks_before_dead = 3
 
-    def dead_instance_report(self) -> str | None:
+    def dead_instance(self) -> DeadInstance | None:
         if not getattr(self, "tail_sent", False):
             return None
         self.looks_before_dead -= 1
-        return super().dead_instance_report() if self.looks_before_dead < 0 else None
+        return super().dead_instance() if self.looks_before_dead < 0 else None
 
 
 def test_the_death_a_request_sent_alone_declares_is_waited_for(
@@ -2039,7 +2042,7 @@ def test_the_death_a_request_sent_alone_declares_is_waited_for(
     assert result_.results[-1].record.verdict is Verdict.ERROR
     assert result_.declared_deaths == [
         f"request 8 ({TAIL_PROMPT}), sent last and alone, ended instance 1E+1P+1D/decode0 "
-        "exited with code 1"
+        "exited with code 1 (its log: decode0.log)"
     ], result_.declared_deaths
 
 

@@ -71,6 +71,10 @@ class DeadInstance:
         """How it ended: its exit code, or why there is none to read."""
         return f"exited with code {self.exit_code}" if self.lost is None else f"lost: {self.lost}"
 
+    def headline(self) -> str:
+        """One line naming it and its log, for a line of its own (what ended a load)."""
+        return f"instance {self.name} {self.ended()} (its log: {self.log_path})"
+
     def report(self) -> str:
         return (
             f"instance {self.name} {self.ended()}; last lines of {self.log_path}:\n{self.log_tail}"
@@ -652,6 +656,9 @@ class ProxiedSession:
 
     def dead_instance_report(self) -> str | None:
         return self.base.dead_instance_report()
+
+    def dead_instance(self) -> DeadInstance | None:
+        return self.base.dead_instance()
 
     def decode_counters(self) -> KvCounters | None:
         return self.base.decode_counters()

@@ -17,7 +17,7 @@ from harness.judge.records import Verdict
 from harness.run.faults.instance import kill_instance
 from harness.run.load.result import LoadResult
 from harness.run.load.sending import InFlight
-from harness.run.load.sessions import Session, dead_instance, deaths_beside, launched
+from harness.run.load.sessions import Death, Session, dead_instance, deaths_beside, launched
 from harness.spec.topology import Role
 
 if TYPE_CHECKING:  # not at run time: `sessions` is the one module that tells sessions apart
@@ -163,10 +163,9 @@ def notice_deaths_beside_the_kill(
     assert result.killed is not None
     for died in deaths_beside(session, result.killed):
         result.problems.append(
-            f"round {result.rounds}: beside the planted kill of {result.killed}, "
-            f"{died.splitlines()[0]}"
+            f"round {result.rounds}: beside the planted kill of {result.killed}, {died.headline}"
         )
-        say(f"[load] {died}")
+        say(f"[load] {died.report}")
 
 
 def notice_a_quiet_death(session: Session, result: LoadResult, say: Callable[[str], None]) -> None:
@@ -176,15 +175,15 @@ def notice_a_quiet_death(session: Session, result: LoadResult, say: Callable[[st
     died = dead_instance(session)
     if died is None:
         return
-    result.ended_by = died.splitlines()[0]
+    result.ended_by = died.headline
     result.problems.append(
         f"round {result.rounds}: every request was answered, then {result.ended_by}"
     )
-    say(f"[load] {died}")
+    say(f"[load] {died.report}")
 
 
-def declared_death(session: Session, request_failed: bool) -> str | None:
-    """After a request declared to end an instance: the report of the instance that died
+def declared_death(session: Session, request_failed: bool) -> Death | None:
+    """After a request declared to end an instance: the instance that died
     (None: every instance still serves), looked for, after a failed request, until one is dead
     or DECLARED_DEATH_WAIT_S has passed."""
     deadline = time.monotonic() + (DECLARED_DEATH_WAIT_S if request_failed else 0.0)

@@ -35,7 +35,7 @@ from harness.run.load.plan import plan_load
 from harness.run.load.result import LoadResult
 from harness.run.load.samples import sample_resources
 from harness.run.load.sending import InFlight, Sent, Together, carrier, send_round
-from harness.run.load.sessions import Session
+from harness.run.load.sessions import Death, Session
 from harness.run.sweep import Sweep
 from harness.serve.attached import AttachedDown, AttachedSession
 from harness.spec.load import LoadSpec, PlannedRequest
@@ -239,10 +239,10 @@ class LoadRun:
             if killer is not None:
                 killer.finish()
 
-    def _on_death(self, dead: str) -> None:
+    def _on_death(self, dead: Death) -> None:
         """A death a request of the round found ends the load (unless it is the one planted)."""
         if self.result.killed is None:
-            self.result.ended_by = dead.splitlines()[0]
+            self.result.ended_by = dead.headline
 
     def _send_alone(
         self, alone: list[PlannedRequest], declared: dict[str, DeclaredFailure | None]
@@ -266,9 +266,9 @@ class LoadRun:
                 sent = Sent(request, observed, started, self._now())
                 died = declared_death(session, request_failed=observed.outcome.error is not None)
                 if died is not None:  # as declared; said, not only counted (real vLLM: unsaid)
-                    ended = died.splitlines()[0].split("; last lines of", 1)[0]
                     self.result.declared_deaths.append(
-                        f"{request.name} ({request.prompt}), sent last and alone, ended {ended}"
+                        f"{request.name} ({request.prompt}), sent last and alone, ended "
+                        f"{died.headline}"
                     )
             self._judge_round([sent], declared, alone=True)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.run.judging import Observed, observe
-from harness.run.load.sessions import Session, dead_instance
+from harness.run.load.sessions import Death, Session, dead_instance
 from harness.spec.load import PlannedRequest
 
 
@@ -83,10 +83,10 @@ def send_round(
     flight: InFlight,
     together: Together,
     now: Callable[[], float],
-    on_death: Callable[[str], None],
+    on_death: Callable[[Death], None],
 ) -> list[Sent]:
     """Every planned request, at most `concurrency` in flight; after a death (a request that
-    failed found an instance dead: `on_death` is given its report), nothing more is sent."""
+    failed found an instance dead: `on_death` is told which), nothing more is sent."""
     stop = threading.Event()
 
     def one(request: PlannedRequest) -> Sent:

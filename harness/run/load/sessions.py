@@ -5,6 +5,7 @@ topology is one name to replace (`TopologySession`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TypeGuard
 
 from harness.serve.attached import AttachedSession
@@ -24,17 +25,33 @@ def launched(session: Session) -> TopologySession | None:
     return base if is_launched(base) else None
 
 
-def dead_instance(session: Session) -> str | None:
-    """The report of an instance of `session` that died (its name first), if one did."""
+@dataclass(frozen=True)
+class Death:
+    """An instance of the load's session found dead: `headline`, one line naming it, for what
+    ended the load and a problem's line (cut from `report`, it ended "last lines of PATH:"),
+    and `report`, what the load says of it (a launched instance's log tail too)."""
+
+    headline: str
+    report: str
+
+
+def dead_instance(session: Session) -> Death | None:
+    """An instance of `session` that died, if one did (an attached one: down)."""
     if isinstance(session, AttachedSession):
-        return session.first_down()
-    return session.dead_instance_report()
+        down = session.first_down()
+        return None if down is None else Death(down, down)
+    dead = session.dead_instance()
+    return None if dead is None else Death(dead.headline(), dead.report())
 
 
-def deaths_beside(session: Session, killed: str) -> list[str]:
-    """The reports of the instances of `session` that died other than `killed`, the planted
-    kill's (a launched topology's: an attached deployment is never killed)."""
+def deaths_beside(session: Session, killed: str) -> list[Death]:
+    """The instances of `session` that died other than `killed`, the planted kill's (a
+    launched topology's: an attached deployment is never killed)."""
     base = launched(session)
     if base is None:
         return []
-    return [dead.report() for dead in base.dead_instances() if dead.name != killed]
+    return [
+        Death(dead.headline(), dead.report())
+        for dead in base.dead_instances()
+        if dead.name != killed
+    ]
