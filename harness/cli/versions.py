@@ -44,7 +44,11 @@ from harness.environment import cache_dir
 from harness.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput, HarnessError
 from harness.files import fresh_run_dir, open_lock_file, write_json_atomic, write_text_atomic
 from harness.preflight import RunRequest, names
-from harness.preflight.config import check_arguments, golden_release
+from harness.preflight.config import (
+    check_arguments,
+    golden_release,
+    refuse_prompts_without_goldens,
+)
 from harness.preflight.dtype import dtype_or_default
 from harness.run.goldens import GoldenStore, agreement
 from harness.spec.generations import generation_for, parse_version
@@ -813,4 +817,13 @@ def refuse_conflicts(args: argparse.Namespace) -> None:
             dtype=args.dtype,
         ),
         read_files=False,
+    )
+    # Each release's run finds a prompt without a golden of --golden's release only once its
+    # venv is built (real vLLM: three releases, 365 s, a venv built, three identical errors).
+    refuse_prompts_without_goldens(
+        RunRequest(
+            prompts=names.split_names(args.prompt),
+            golden=args.golden,
+            baseline_cache=args.baseline_cache,
+        )
     )

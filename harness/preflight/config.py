@@ -734,6 +734,30 @@ def golden_release(
     return release
 
 
+def refuse_prompts_without_goldens(request: RunRequest) -> None:
+    """`--golden RELEASE`: a prompt of which the goldens directory holds no golden of that
+    release at all (for any model or flags) is refused before anything runs. Each run checks
+    the golden of its very request only once its vLLM is probed; `versions 0.30.0..0.32.0
+    --golden 0.31.0 --prompt image` without an image golden of 0.31.0 built a 3.3 GB venv
+    and ran every release only to fail each the same way (real vLLM: 365 s)."""
+    release = golden_release(request.golden, request.baseline_cache, refresh_baseline=False)
+    store = _goldens(release, _baseline_cache(request))
+    if release is None or store is None:
+        return
+    prompts = (
+        [p.name for p in names.check_prompts(request.prompts)]
+        if request.prompts
+        else [p.name for p in SKELETON_PROMPTS]
+    )
+    missing = sorted(set(prompts) - store.prompts_of(release))
+    if missing:
+        raise BadInput(
+            f"no golden of vLLM {release} for prompt(s) {', '.join(missing)} under "
+            f"{store.directory} (of any model or flags); run that release's sweep of "
+            "them once, as the goldens' run, to store them"
+        )
+
+
 def _goldens(
     golden_release: str | None, baseline_cache: BaselineCache | None
 ) -> GoldenStore | None:

@@ -240,6 +240,12 @@ class GoldenStore:
             )
         return Outcome(prompt=prompt, result=golden.result)
 
+    def prompts_of(self, release: str) -> set[str]:
+        """The prompts with a golden of `release` here, for any model, flags or request."""
+        return {
+            g.prompt for goldens in self.all().values() for g in goldens if g.release == release
+        }
+
     def all(self) -> dict[str, list[Golden]]:
         """key -> its goldens, oldest release first (one per release and torch)."""
         found: dict[str, dict[tuple[str, str], Golden]] = {}
