@@ -1256,6 +1256,26 @@ def test_check_calls_any_answer_but_http_200_an_error_whatever_its_body(
     assert f"-> HTTP {status} after" in detail
 
 
+@pytest.mark.parametrize("flag", ["--save-reference", "--reference"])
+def test_check_refuses_a_reference_flag_of_a_probe_export_before_serve_sh_is_needed(
+    tmp_path: Path, monkeypatch, capsys, flag: str
+) -> None:
+    """A probe's export checks no token ids, so it has no reference to keep or judge against;
+    said only once serve.sh's state could be read, the refusal first sent the user to start
+    serve.sh ("is serve.sh serving?"), minutes, to be told so then (found in review)."""
+    here = tmp_path / "export"
+    here.mkdir()
+    (here / "request.json").write_text(json.dumps({"messages": []}))
+    (here / "expected.json").write_text(json.dumps({"check": "survives", "what": "a probe"}))
+    monkeypatch.setattr(check, "__file__", str(here / "check.py"))
+    kept = tmp_path / "kept.json"
+    kept.write_text(json.dumps({"reference": "baseline"}))
+    no_state = here / "work" / "state"  # serve.sh never ran
+    assert check.main(["--state", str(no_state), flag, str(kept)]) == check.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "this export checks no token ids" in err and "serve.sh serving" not in err, err
+
+
 @pytest.mark.parametrize(
     "mode, flag, says",
     [

@@ -1138,10 +1138,16 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"check.py: error: cannot run: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    if (args.save_reference or args.reference) and expected.get("check") != "tokens":
+        # Said before serve.sh's state is read, which would send the user to start it first.
+        print(
+            "check.py: error: this export checks no token ids: it has no reference to keep "
+            "or judge against; drop --save-reference / --reference",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
     try:
         endpoints = read_endpoints(args.state)
-        if (args.save_reference or args.reference) and expected.get("check") != "tokens":
-            raise ValueError("this export checks no token ids: it has no reference to keep")
         serving_reference = endpoints.mode in ("reference", "baseline")
         if args.save_reference and not serving_reference:
             raise ValueError("--save-reference: serve.sh serves the case, not the reference")
