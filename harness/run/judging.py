@@ -148,12 +148,9 @@ class CaseJudge:
         """The served release's declared failure for the case, as it holds against this run's
         reference (`golden_declares_too` against another release's golden)."""
         failure = known_failure(self.settings.protocol, topology, spec)
-        golden = self.baseline.golden_release
-        if (
-            failure is None
-            or golden is None
-            or golden_declares_too(failure, golden, topology, spec)
-        ):
+        if failure is None or (golden := self.baseline.golden_release) is None:
+            return failure
+        if golden_declares_too(failure, golden, topology, spec):
             return failure
         if failure.name not in self._undeclared:
             self._undeclared.add(failure.name)
