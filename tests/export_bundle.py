@@ -29,7 +29,7 @@ DEATH = (
     "(EngineCore pid=7) ERROR [core.py:1] EngineCore encountered an issue.\n"
     "(EngineCore pid=7) AssertionError: Expected number of multimodal embeddings to match "
     "number of input items: 1, but got len(mm_embeddings)=0\n"
-    "instance 1E+1P+1D/decode0 exited with code 0; last lines of /x/decode0.log:\nbye"
+    "instance 1E+1P+1D/decode0 exited with code 0 (its log: /x/decode0.log)\nits last lines:\nbye"
 )
 # A stand-in for vLLM's proxies with their command lines (the EPD proxy's URLs, the toy
 # proxy's hosts and ports): forwards a chat request to the first decode (502 when that fails)

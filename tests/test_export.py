@@ -2466,7 +2466,7 @@ def test_issue_md_names_no_path_of_the_recording_host(tmp_path: Path) -> None:
     issue = (out / "ISSUE.md").read_text()
     assert str(tmp_path) not in issue
     assert "--run-dir run`" in issue
-    assert "last lines of run/1E-1P-1D/1E-1P-1D__decode0.log" in issue
+    assert "(its log: run/1E-1P-1D/1E-1P-1D__decode0.log)" in issue
 
 
 # -- a scenario's earlier requests, sent first -------------------------------------------------

@@ -171,8 +171,8 @@ def test_an_instance_that_died_on_the_request_leads_the_error_with_its_log_tail(
     session._servers[1] = DeadServer("1E+1PD/pd0", tmp_path)  # type: ignore[call-overload]
     outcome = session.send("text", {"model": "m", "messages": []})
     assert outcome.error is not None and outcome.error.startswith(
-        f"instance 1E+1PD/pd0 exited with code -9; last lines of {tmp_path / '1E+1PD/pd0.log'}:\n"
-        "1E+1PD/pd0: ERROR EngineCore died\n"
+        f"instance 1E+1PD/pd0 exited with code -9 (its log: {tmp_path / '1E+1PD/pd0.log'})\n"
+        "its last lines:\n1E+1PD/pd0: ERROR EngineCore died\n"
     ), outcome.error
 
 
@@ -226,7 +226,7 @@ def test_an_instance_still_exiting_after_its_engine_died_is_waited_for_and_named
     session._servers[1] = ExitsAfterItsEngine("1E+1PD/pd0", tmp_path, clock, clock.now + 6.0)  # type: ignore[call-overload]
     outcome = session.send("text", {"model": "m", "messages": []})
     assert outcome.error is not None and outcome.error.startswith(
-        "instance 1E+1PD/pd0 exited with code 0; last lines of"
+        "instance 1E+1PD/pd0 exited with code 0 (its log: "
     ), outcome.error
 
 
@@ -262,7 +262,7 @@ def test_a_request_still_waiting_on_the_encoder_names_the_encoder(
     session = session_behind(tmp_path, monkeypatch, EncoderHangs(traced=True))
     outcome = session.send("image", {"model": "m", "messages": []})
     assert (
-        f"the request was still waiting on 1E+1PD/encoder0 ({ENCODER_TAP}); last lines of"
+        f"the request was still waiting on 1E+1PD/encoder0 ({ENCODER_TAP}) (its log: "
         in outcome.error
     ), outcome.error
     assert "1E+1PD/encoder0: INFO serving" in outcome.error
@@ -319,7 +319,7 @@ def test_a_request_still_waiting_on_p_names_p(
     session.tap_urls[PREFILL_URL] = PREFILL_TAP
     outcome = session.send("image", {"model": "m", "messages": []})
     assert (
-        f"the request was still waiting on 1E+1P+1D/prefill0 ({PREFILL_TAP}); last lines of"
+        f"the request was still waiting on 1E+1P+1D/prefill0 ({PREFILL_TAP}) (its log: "
         in outcome.error
     ), outcome.error
     assert "1E+1P+1D/prefill0: INFO serving" in outcome.error

@@ -54,6 +54,8 @@ DEATH_GRACE_S = 15.0
 STORAGE_DIR_NAME = "storage"
 # A log an earlier start's `<name>.log` was kept as (`keep_earlier_log`): `<name>.<n>.log`.
 KEPT_LOG = re.compile(r"\.\d+\.log$")
+# Between an instance's one-line report and its log's last lines.
+LOG_TAIL_HEADING = "its last lines:"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,13 +74,13 @@ class DeadInstance:
         return f"exited with code {self.exit_code}" if self.lost is None else f"lost: {self.lost}"
 
     def headline(self) -> str:
-        """One line naming it and its log, for a line of its own (what ended a load)."""
+        """One line naming it and its log: a failed request's error begins with it, and its
+        case's detail is that first line (it ended "; last lines of PATH:" before, which read
+        "...PATH:; declared upstream failure" there, real vLLM)."""
         return f"instance {self.name} {self.ended()} (its log: {self.log_path})"
 
     def report(self) -> str:
-        return (
-            f"instance {self.name} {self.ended()}; last lines of {self.log_path}:\n{self.log_tail}"
-        )
+        return f"{self.headline()}\n{LOG_TAIL_HEADING}\n{self.log_tail}"
 
 
 def launcher_for(settings: RunSettings) -> Any:
@@ -524,7 +526,7 @@ class TopologySession:
             else f"the request was still waiting on {server.name} ({url})"
         )
         return (
-            f"{what}; last lines of {server.command.log_path}:\n"
+            f"{what} (its log: {server.command.log_path})\n{LOG_TAIL_HEADING}\n"
             f"{server.log_tail(LOG_TAIL_SLICE_LINES)}"
         )
 

@@ -28,8 +28,8 @@ def launched(session: Session) -> TopologySession | None:
 @dataclass(frozen=True)
 class Death:
     """An instance of the load's session found dead: `headline`, one line naming it, for what
-    ended the load and a problem's line (cut from `report`, it ended "last lines of PATH:"),
-    and `report`, what the load says of it (a launched instance's log tail too)."""
+    ended the load and a problem's line, and `report`, what the load says of it (a launched
+    instance's log tail too)."""
 
     headline: str
     report: str
