@@ -335,6 +335,17 @@ def test_matrix_table_has_every_case_and_evidence_for_each_non_match() -> None:
     assert not matrix_passed([ReleaseRun("0.31.0", "by-hash-indexed", 1, 1.0, 0.0, 0, [])])
 
 
+def test_the_matrix_says_what_each_releases_cases_were_judged_against() -> None:
+    """Real vLLM: `versions 0.30.0..0.32.0 --golden 0.31.0 --prompt video` wrote MATCH three
+    times and nowhere against what; a table of each release's own baseline read the same."""
+    cases = [case("1E+1PD", "video", "MATCH", reference="golden-0.31.0")]
+    golden = ReleaseRun("0.30.0", "by-hash", 0, 1.0, 0.0, 0, cases, run_args=["--golden", "0.31.0"])
+    own = ReleaseRun(
+        "0.32.0", "by-hash-indexed", 0, 1.0, 0.0, 0, [case("1E+1PD", "video", "MATCH")]
+    )
+    assert "| reference | golden-0.31.0 | own baseline |" in format_matrix([golden, own])
+
+
 def test_a_declared_release_failure_is_marked_and_explained_an_undeclared_one_is_not() -> None:
     declared = case(
         "1E+1PD",

@@ -84,6 +84,16 @@ class ReleaseRun:
         """The dtype every instance of this run served, its baseline's too."""
         return dtype_of(self.run_args)
 
+    @property
+    def reference(self) -> str:
+        """What its cases were judged against: the release's own baseline, or the goldens of
+        the release `--golden` named (the table's cells read alike either way: real vLLM,
+        `versions 0.30.0..0.32.0 --golden 0.31.0` said MATCH three times, against what not)."""
+        given = [
+            value for flag, value in zip(self.run_args, self.run_args[1:]) if flag == "--golden"
+        ]
+        return f"golden-{given[-1]}" if given else "own baseline"
+
     def covers(self, run_args: list[str]) -> bool:
         """Whether this finished run answers a run with `run_args`: the same arguments, or a
         full sweep (no --topology / --prompt) made with the same other arguments. The dtype
@@ -355,6 +365,7 @@ def format_matrix(runs: list[ReleaseRun]) -> str:
     for label in labels:
         cells = [cell(run.verdicts().get(label)) for run in runs]
         lines.append("| " + " | ".join([label, *cells]) + " |")
+    lines.append("| reference | " + " | ".join(r.reference for r in runs) + " |")
     lines.append("| dtype | " + " | ".join(r.dtype for r in runs) + " |")
     lines.append("| sweep time (s) | " + " | ".join(f"{r.seconds:.0f}" for r in runs) + " |")
     lines.append(
