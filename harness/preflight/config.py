@@ -741,9 +741,10 @@ def refuse_prompts_without_goldens(request: RunRequest) -> None:
     --golden 0.31.0 --prompt image` without an image golden of 0.31.0 built a 3.3 GB venv
     and ran every release only to fail each the same way (real vLLM: 365 s)."""
     release = golden_release(request.golden, request.baseline_cache, refresh_baseline=False)
-    store = _goldens(release, _baseline_cache(request))
-    if release is None or store is None:
+    if release is None:
         return
+    store = _goldens(release, _baseline_cache(request))
+    assert store is not None  # a golden release always has its store
     prompts = (
         [p.name for p in names.check_prompts(request.prompts)]
         if request.prompts
