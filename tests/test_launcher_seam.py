@@ -188,6 +188,9 @@ class StubSession:
     def dead_instance_report(self) -> None:
         return None
 
+    def dead_instance(self) -> None:
+        return None
+
     def close(self) -> None:
         self._stopped.append(self.name)
 
@@ -225,6 +228,53 @@ def test_a_ray_session_is_another_session_and_frees_its_cluster_for_the_next(
         pool._live[keys[name]] = _Live(StubSession(name, stopped), 0.0)  # type: ignore[arg-type]
     pool._make_room([(keys["nixl-ray"], epd, ())])
     assert stopped == ["ray"], stopped
+
+
+class StartingStub(StubSession):
+    """A session the pool starts: it serves at once."""
+
+    def __init__(self, name: str, stopped: list[str], topology, devices=()) -> None:
+        super().__init__(name, stopped)
+        self.topology, self.devices = topology, devices
+        self.dir, self.earlier_logs, self.stats = Path("/nowhere"), (), {}
+
+    def start_servers(self) -> None:
+        pass
+
+    def wait_until_serving(self) -> None:
+        pass
+
+
+def test_a_restart_on_ray_keeps_the_sessions_asked_for_with_it(tmp_path, monkeypatch) -> None:
+    """Found on real vLLM: `fuzz --launcher ray --plant-fault corrupt-ec` on 1E+1P+1D: D died,
+    its revival is the local launcher's, so the topology started again, and the pool stopped
+    the baseline beside it on the cluster (one topology at a time); the shrink's next control
+    request to the baseline was a traceback ("session not started"). Sessions asked for
+    together are kept together: a running one asked for with one that starts stays up."""
+    from harness.run import pool as pool_module
+    from harness.run.pool import SessionKey, SessionRequest, TopologyPool, _Live
+    from harness.spec.topology import BASELINE
+
+    on_ray = RunSettings(
+        serving=serving_for(CPU, "/models/m"),
+        run_dir=tmp_path / "run",
+        launcher=LauncherChoice("ray"),
+    )
+    epd = TOPOLOGIES["1E+1P+1D"]
+    monkeypatch.setattr(pool_module, "cpu_instances_that_fit", lambda: 100)
+    pool = TopologyPool(on_ray)
+    stopped: list[str] = []
+    baseline = StubSession("baseline", stopped)
+    pool._live[SessionKey.of(BASELINE, on_ray)] = _Live(baseline, 0.0)  # type: ignore[arg-type]
+    monkeypatch.setattr(
+        pool, "_new_session", lambda request: StartingStub("epd", stopped, request.topology)
+    )
+    opened = pool.open([SessionRequest(t, on_ray, None) for t in (BASELINE, epd)])
+    assert stopped == [] and list(opened.values())[0] is baseline, stopped
+    # Asked for alone, the topology on the cluster still stops the others there.
+    pool._live.pop(SessionKey.of(epd, on_ray))
+    pool.open([SessionRequest(epd, on_ray, None)])
+    assert stopped == ["baseline"], stopped
 
 
 def test_the_one_host_ray_rehearsal_is_refused_on_a_gpu_platform() -> None:

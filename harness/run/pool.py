@@ -213,12 +213,15 @@ class TopologyPool:
         settings: RunSettings | None = None,
         devices: tuple[int, ...] | None = None,
         role_env: RoleEnv | None = None,
+        beside: Sequence[SessionRequest] = (),
     ) -> TopologySession | ProxiedSession:
         """The running session of `topology` under `settings` (default: the run's), started
         now if it is not running, reached through the proxy `settings` names (the instances
-        are shared whatever the proxy); raises what stopped it from starting."""
+        are shared whatever the proxy); raises what stopped it from starting. `beside`: the
+        sessions the caller uses with it, asked for together (`open`): kept up, or started
+        too, never stopped to make room for it."""
         request = SessionRequest(topology, settings or self.settings, devices, role_env)
-        outcome = self.open([request])[request.key]
+        outcome = self.open([*beside, request])[request.key]
         if isinstance(outcome, BaseException):
             raise outcome
         return self.through(outcome, request.settings)
@@ -228,19 +231,21 @@ class TopologyPool:
         topology: Topology,
         settings: RunSettings | None = None,
         devices: tuple[int, ...] | None = None,
+        beside: Sequence[SessionRequest] = (),
     ) -> TopologySession | ProxiedSession:
         """`session(topology)`, except that a running session whose instance died gets only
         that instance started again, in place (`TopologySession.revive_dead`: its siblings,
         storage and proxy kept), where `session` would start the whole topology afresh. For
         callers that send request after request that kill one instance (fuzzing): on CPU one
         instance starts in about half the time three do. Counted among the starts with its
-        cause; a revival that fails falls back to a full restart, on `devices` (its slot)."""
+        cause; a revival that fails falls back to a full restart, on `devices` (its slot),
+        with the sessions `beside` it kept (`session`)."""
         settings = settings or self.settings
         key = SessionKey.of(topology, settings)
         live = self._live.get(key)
         died = live.session.dead_instance_report() if live is not None else None
         if live is None or died is None:
-            return self.session(topology, settings, devices)
+            return self.session(topology, settings, devices, beside=beside)
         cause = died.splitlines()[0]
         started = time.monotonic()
         try:
@@ -253,7 +258,7 @@ class TopologyPool:
             # it first (`before_stop`): it is stopped as it is.
             self._live.pop(key, None)
             live.session.close()
-            return self.session(topology, settings, devices)
+            return self.session(topology, settings, devices, beside=beside)
         names = ", ".join(s.name.rsplit("/", 1)[-1] for s in revived)
         seconds = round(time.monotonic() - started, 1)
         self.starts.append(StartRecord(key, f"revive {names}: {cause}", seconds))
@@ -302,7 +307,9 @@ class TopologyPool:
         self._let_go_of_wanted(keep=asked | (self._in_use or set()))
         for _, session, _ in starting:
             session.before_device_wait = lambda: self._let_go(keep=asked)
-        self._make_room([(key, s.topology, s.devices) for key, s, _ in starting])
+        # Those asked for that are running now stay: asked for together, they are used
+        # together (a fuzz's baseline beside its topology on one Ray cluster).
+        self._make_room([(key, s.topology, s.devices) for key, s, _ in starting], keep=asked)
         with contextlib.ExitStack() as undo:
             for _, session, _ in starting:
                 undo.callback(session.close)  # cleared below for those that come up
@@ -574,6 +581,7 @@ class TopologyPool:
         self,
         coming: Sequence[tuple[SessionKey, Topology, tuple[int, ...]]],
         shared: bool = True,
+        keep: Collection[SessionKey] = (),
     ) -> None:
         """Stop least recently used sessions until the coming ones fit: on GPUs no two
         sessions hold the same device; on CPU the instances fit in the memory available now
@@ -582,9 +590,10 @@ class TopologyPool:
         per instance (a rehearsal cluster has three nodes: one topology at a time), and a group
         Ray cannot place would only wait and be refused. `shared`: the coming sessions are the
         pool's own, so a running one of the same key is not in their way; a private one is
-        another start, beside whatever runs under its key."""
+        another start, beside whatever runs under its key. `keep`: running sessions asked for
+        with the coming ones, never stopped for them."""
         keys = {key for key, _, _ in coming}
-        keep = keys if shared else set()
+        keep = (keys if shared else set()) | set(keep)
         clusters = {k.launcher.ray_address for k in keys if not k.launcher.is_local}
         for key in [k for k in self._live if k not in keep and not k.launcher.is_local]:
             if key.launcher.ray_address in clusters:

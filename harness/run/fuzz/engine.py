@@ -166,12 +166,7 @@ class FuzzEngine:
             else:
                 # The baseline and the topology start together (one wave) and stay up side
                 # by side: every example goes to both.
-                opened = self.pool.open(
-                    [
-                        SessionRequest(t, self.settings, self.devices[t.name])
-                        for t in (BASELINE, self.topology)
-                    ]
-                )
+                opened = self.pool.open(self._requests(BASELINE, self.topology))
                 for session in opened.values():
                     if isinstance(session, BaseException):
                         raise session
@@ -183,6 +178,11 @@ class FuzzEngine:
             self.close()
             raise
         return self
+
+    def _requests(self, *topologies: Topology) -> list[SessionRequest]:
+        """What the pool is asked for `topologies`, each on its devices. Asked for together,
+        the baseline and the topology stay up together (`TopologyPool.session`'s `beside`)."""
+        return [SessionRequest(t, self.settings, self.devices[t.name]) for t in topologies]
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
@@ -240,7 +240,12 @@ class FuzzEngine:
         roles = dead_roles(self.session)
         # The dead instance starts again in place (its log stays as evidence); a topology the
         # pool could not revive starts afresh, in a new session directory with new storage.
-        self.session = self.pool.revive(self.topology, devices=self.devices[self.topology.name])
+        # With the baseline beside it: on a Ray cluster a restart stopped it (real vLLM).
+        self.session = self.pool.revive(
+            self.topology,
+            devices=self.devices[self.topology.name],
+            beside=self._requests(BASELINE),
+        )
         how = "revived"
         if _base(self.session) is before:
             self.consumer.restarted(prefill=Role.PREFILL in roles, consumer=Role.DECODE in roles)
@@ -266,7 +271,10 @@ class FuzzEngine:
             return 0.0
         began = time.monotonic()
         log.warning("[fuzz] the baseline died; restarting (%s)", dead.splitlines()[0])
-        self.baseline = self.pool.session(BASELINE, devices=self.devices[BASELINE.name])
+        beside = () if isinstance(self.session, AttachedSession) else self._requests(self.topology)
+        self.baseline = self.pool.session(
+            BASELINE, devices=self.devices[BASELINE.name], beside=beside
+        )
         seconds = time.monotonic() - began
         self.report_restarts.append(
             {"what": "baseline", "why": dead.splitlines()[0], "seconds": round(seconds, 1)}
