@@ -11,17 +11,25 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 
+from harness.outcomes import chat as chat_module
 from harness.outcomes.chat import ChatResult, PositionLogprobs
 from harness.outcomes.outcome import Outcome
 from harness.run import baseline_cache, baseline_launch
 from harness.run.baseline import BaselineAnswers
-from harness.run.baseline_cache import BaselineCache, BaselineCacheError, baseline_key
+from harness.run.baseline_cache import (
+    BaselineCache,
+    BaselineCacheError,
+    CacheProvenance,
+    baseline_key,
+)
 from harness.run.baseline_launch import BaselineLaunch
 from harness.run.goldens import GoldenStore, golden_key
+from harness.serve import client
 from harness.spec.generations import GENERATIONS_BY_NAME
 from harness.spec.inherited_env import numerics_env
 from harness.spec.platforms import CPU, CUDA
@@ -137,6 +145,32 @@ def test_store_then_load_round_trips(tmp_path: Path) -> None:
     assert loaded.outcome.prompt == "image" and loaded.noise_floor_nats == 0.25
 
 
+def test_an_entry_reads_back_who_computed_it_and_what_its_batched_pass_saw(
+    tmp_path: Path,
+) -> None:
+    """A warm run's stability line is all a user chasing a MISMATCH has of a reference it did
+    not serve: what the batched pass saw, and which build computed it where and when (an
+    editable install's code state too: its version names no code). Mutants that dropped the
+    stored batch detail, the code state read back, and the time from the line survived."""
+    served = dataclasses.replace(SERVED, source_tree="/src/vllm", source_state="git abc + diff 01")
+    cache = BaselineCache(tmp_path)
+    detail = "batched with another request: same ids"
+    cache.store("k", Outcome("image", result=RESULT), 0.25, detail, batched=True, served=served)
+    loaded = cache.load("k", "image")
+    assert loaded is not None and loaded.batch_detail == detail
+    assert loaded.provenance == CacheProvenance(
+        vllm=SERVED.version,
+        torch=SERVED.torch_version,
+        vllm_source="git abc + diff 01",
+        host=socket.gethostname(),
+        created=loaded.provenance.created,
+    )
+    described = loaded.provenance.describe()
+    for shown in (SERVED.version, "(git abc + diff 01)", SERVED.torch_version):
+        assert shown in described, (shown, described)
+    assert described.endswith(f"on {socket.gethostname()} at {loaded.provenance.created}")
+
+
 def test_refreshing_reads_no_entry_an_earlier_run_stored_only_what_it_stored_itself(
     tmp_path: Path,
 ) -> None:
@@ -183,14 +217,39 @@ def test_an_unbatched_answer_never_replaces_a_batched_one_of_the_same_body(
     assert renewed is not None and not renewed.batched, "--refresh-baseline replaces the old"
 
 
+def test_a_second_worker_waits_for_the_lock_the_first_holds(tmp_path: Path) -> None:
+    """The lock is what makes a parallel worker wait while the first computes the baseline,
+    then read what it stored, rather than start a baseline of its own. Mutants that took no
+    lock, or a shared one, survived. (Two opens of the lock file lock each other as two
+    processes do: flock belongs to the open file.)"""
+    first, second = BaselineCache(tmp_path), BaselineCache(tmp_path)
+    entered, release = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with second.locked():
+            entered.set()
+            release.wait(10)
+
+    with first.locked():
+        waiter = threading.Thread(target=hold_the_lock)
+        waiter.start()
+        assert not entered.wait(0.5), "a second worker took the lock the first holds"
+    assert entered.wait(10), "the lock was not handed on once released"
+    release.set()
+    waiter.join(10)
+
+
 def test_failed_outcomes_are_not_stored(tmp_path: Path) -> None:
     cache = BaselineCache(tmp_path)
     cache.store("k", Outcome(prompt="image", error="boom"))
     assert cache.load("k", "image") is None
 
 
-def test_corrupt_entry_is_an_error_naming_the_file(tmp_path: Path) -> None:
-    (tmp_path / "k.json").write_text("{not json")
+@pytest.mark.parametrize("stored", ["{not json", "[]", "null", '"an answer"'])
+def test_corrupt_entry_is_an_error_naming_the_file(tmp_path: Path, stored: str) -> None:
+    """JSON that is no object (a list, null, a string) is as corrupt as JSON that does not
+    parse: the same one line naming the file, never a traceback from reading its fields."""
+    (tmp_path / "k.json").write_text(stored)
     with pytest.raises(BaselineCacheError, match=r"corrupt baseline cache entry .*k\.json"):
         BaselineCache(tmp_path).load("k", "image")
 
@@ -599,6 +658,37 @@ def test_the_answer_parsers_code_is_in_the_key(monkeypatch: pytest.MonkeyPatch) 
     key = baseline_key(SERVED, SERVING, "d", BODY, launch=LAUNCH)
     monkeypatch.setattr(baseline_cache, "answer_parser_digest", lambda: "another parser")
     assert baseline_key(SERVED, SERVING, "d", BODY, launch=LAUNCH) != key
+
+
+@pytest.mark.parametrize("parser", [chat_module, client], ids=lambda m: m.__name__)
+def test_a_change_to_either_answer_parser_changes_its_digest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, parser: ModuleType
+) -> None:
+    """harness.serve.client reads the HTTP answer (ids, log-probs, prompt ids) before
+    harness.outcomes.chat makes it a ChatResult: a change to either must retire the entries
+    the code before stored. Mutants that hashed only the first module, or left client out of
+    `ANSWER_PARSERS`, survived."""
+    before = baseline_cache.answer_parser_digest()
+    edited = tmp_path / "edited.py"
+    edited.write_bytes(Path(str(parser.__file__)).read_bytes() + b"# parsed otherwise\n")
+    monkeypatch.setattr(parser, "__file__", str(edited))
+    baseline_cache.answer_parser_digest.cache_clear()
+    try:
+        assert baseline_cache.answer_parser_digest() != before, f"{parser.__name__} is unhashed"
+    finally:
+        monkeypatch.undo()
+        baseline_cache.answer_parser_digest.cache_clear()
+
+
+def test_the_key_is_the_bodys_content_not_the_order_of_its_fields() -> None:
+    """One request is one entry whatever order its fields come in: the sweep renders a body
+    in its own order, requests.json keeps it with its fields sorted (`write_json_atomic`), and
+    a key that followed the order would make them two entries, each a baseline start."""
+    reordered = dict(reversed(list(BODY.items())))
+    assert list(reordered) != list(BODY)
+    assert baseline_key(SERVED, SERVING, "d", reordered, launch=LAUNCH) == baseline_key(
+        SERVED, SERVING, "d", BODY, launch=LAUNCH
+    )
 
 
 class CacheLines(logging.Handler):
