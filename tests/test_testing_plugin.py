@@ -189,13 +189,21 @@ def test_on_a_cpu_host_one_xdist_group_takes_every_e2e_item(pytester: pytest.Pyt
     assert len(host) == len(items) - 2
 
 
-def test_a_wall_clock_bound_refuses_what_it_does_not_know(pytester: pytest.Pytester) -> None:
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [('on_e2e_worker="yes"', "'yes'"), ("True", "True"), ("on_worker=True", "on_worker")],
+)
+def test_a_wall_clock_bound_refuses_what_it_does_not_know(
+    pytester: pytest.Pytester, arguments: str, named: str
+) -> None:
+    """A positional True or a misspelt keyword is refused, never dropped: dropped, the item
+    would leave the e2e worker it asked for (a mutant that checked only the value survived)."""
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(
-        test_c_bad="""
+        test_c_bad=f"""
 import pytest
 
-@pytest.mark.wall_clock_bound(on_e2e_worker="yes")
+@pytest.mark.wall_clock_bound({arguments})
 def test_bad_value():
     pass
 """
@@ -203,7 +211,7 @@ def test_bad_value():
     run = pytester.runpytest("--collect-only", "-p", "no:cacheprovider")
     assert run.ret != 0
     run.stderr.fnmatch_lines(
-        ["*test_bad_value: wall_clock_bound takes only on_e2e_worker=True or False, not 'yes'*"]
+        [f"*test_bad_value: wall_clock_bound takes only on_e2e_worker=True or False, not {named}*"]
     )
 
 
@@ -965,6 +973,18 @@ def test_a_session_option_given_in_pytest_addopts_that_no_selected_test_reads_is
     monkeypatch.setenv("PYTEST_ADDOPTS", f"{os.environ.get('PYTEST_ADDOPTS', '')} {addopts}")
     run = pytester.runpytest("--collect-only", "-p", "no:cacheprovider", *selection)
     assert_refused_or_ok(run, refused)
+
+
+def test_a_session_option_given_in_the_ini_addopts_that_no_selected_test_reads_is_refused(
+    pytester: pytest.Pytester,
+) -> None:
+    """The ini's `addopts` are given arguments as $PYTEST_ADDOPTS' are (a mutant that read
+    only the latter survived): a project's pytest.ini fixing `--epd-topology` would otherwise
+    drop every e2e item of a unit-only selection without a word."""
+    make_options_session(pytester, "--epd-dtype", "--epd-topology")
+    pytester.makeini("[pytest]\naddopts = --epd-topology=1P+1D\nmarkers =\n    e2e: real vLLM\n")
+    run = pytester.runpytest("--collect-only", "-p", "no:cacheprovider", "-k", "pure_logic")
+    assert_refused_or_ok(run, "--epd-topology")
 
 
 ACCOUNT_TEST = """
