@@ -6,6 +6,9 @@ parser's verdicts are tests/test_vllm_args_model.py's (the model tier).
 
 from __future__ import annotations
 
+import fcntl
+import json
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -107,3 +110,26 @@ def test_only_the_lines_the_batch_accepted_are_marked_accepted(
     assert check_serve_argvs({"good": GOOD}, ("/served/python",), "0.32.0", marks).judged == 0
     with pytest.raises(BadInput, match=f"unrecognized arguments: {MAGIC}"):
         check_serve_argvs({"bad": BAD}, ("/served/python",), "0.32.0", marks)
+
+
+def test_a_process_that_needs_the_batch_while_another_probes_waits_and_reads_it(
+    fake_probe: FakeProbe, tmp_path: Path
+) -> None:
+    """The first process to need the batch probes under the shared directory's lock; another
+    (an xdist worker) waits for it and reads its verdicts, never probing the served vLLM's
+    parser a second time (about 10 s each on a 2-core host). A mutant that took no lock
+    survived: here the first holds the lock, as while it probes, and leaves its verdicts."""
+    found: list[ServedParser] = []
+    with open(tmp_path / "served-parser.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waiter = threading.Thread(
+            target=lambda: found.append(served_parser.served_parser(["/other/python"], tmp_path))
+        )
+        waiter.start()
+        waiter.join(0.5)
+        assert not found, "a second process went on while the first held the lock"
+        record = {"interpreter": ["/other/python"], "by_line": {"[]": None}, "by_main": {}}
+        (tmp_path / "served-parser.json").write_text(json.dumps(record))
+    waiter.join(30)
+    assert [parser.by_line for parser in found] == [{"[]": None}]
+    assert fake_probe.calls == [], "the waiting process probed the parser again"
