@@ -293,6 +293,25 @@ def test_index_rejects_out_of_range_item_index(bad_index: int) -> None:
         index_encoder_response(EncoderBatch(0, (4,)), params)
 
 
+def test_index_rejects_two_entries_with_metadata_for_one_item() -> None:
+    """Each item has one mm_hash, so a second entry with metadata claiming an item is a broken
+    answer of the encoder, as it is for the answers without positions. It was read silently,
+    the last entry's metadata winning: the consumer got one of two encodings, unsaid which."""
+    params = {
+        "hA": {"item_indices": [0], "metadata": {"image_grid_thw": [1, 2, 2]}},
+        "hB": {"item_indices": [1, 0], "metadata": {"image_grid_thw": [1, 4, 4]}},
+        "hC": {"item_indices": [0], "metadata": {}},  # no metadata: no claim, left out
+    }
+    with pytest.raises(
+        EncoderAnswerUnfit, match="entries .hA. and .hB. both have metadata for item 0"
+    ):
+        index_encoder_response(EncoderBatch(0, (4, 5)), params)
+    del params["hB"]
+    assert index_encoder_response(EncoderBatch(0, (4, 5)), params) == {
+        4: EncodedItem("hA", {"image_grid_thw": [1, 2, 2]})
+    }
+
+
 @pytest.mark.parametrize("params", [[{"mm_hash": "hA"}], "hA"], ids=["list", "str"])
 def test_index_names_ec_transfer_params_that_are_no_object(params: object) -> None:
     """Called on its own (not only behind the proxy's check), an answer that is no object is

@@ -690,6 +690,14 @@ def answering(params: Any) -> Answer:
             {"ec_items": [{"mm_hash": "a", "x": 1}, {"mm_hash": "b", "x": 2}]},
             "2 entries with metadata for one item",
         ),
+        (
+            "by-hash-indexed",
+            {
+                "a": {"item_indices": [0], "metadata": {"x": 1}},
+                "b": {"item_indices": [0], "metadata": {"x": 2}},
+            },
+            "both have metadata for item 0",
+        ),
         ("by-hash-indexed", {"h": {"item_indices": 0, "metadata": {"x": 1}}}, "item_indices"),
         ("by-hash-indexed", {"h": {"item_indices": [0], "metadata": [1]}}, "metadata"),
         ("by-hash-indexed", {"h": [0]}, "is not an object"),
@@ -700,6 +708,7 @@ def answering(params: Any) -> Answer:
         "index-past-items",
         "index-not-a-number",
         "two-ec-items-for-one",
+        "two-entries-for-one-item",
         "indices-not-a-list",
         "metadata-not-an-object",
         "entry-not-an-object",

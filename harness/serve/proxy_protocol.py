@@ -243,7 +243,9 @@ def index_encoder_response(
     `by-hash-indexed`: each entry's `item_indices` (sub-request order) say where it belongs.
     Older answers carry no position; their sub-requests hold one item (`plan_encoder_batches`),
     so every entry belongs to it. An entry without metadata is left out: such media stay raw
-    downstream. A shape other than the generation's raises EncoderAnswerError with the answer.
+    downstream. An item claimed by two entries with metadata is a broken answer (each item
+    has one mm_hash), as is more than one such entry for a one-item sub-request. A shape
+    other than the generation's raises EncoderAnswerError with the answer.
     """
     answer = generation.encoder_answer
     if answer is EncoderAnswer.NONE:
@@ -282,8 +284,15 @@ def index_encoder_response(
                     f"encoder reported item index {item_index} for a sub-request of "
                     f"{len(batch.positions)} item(s): {_excerpt(params)}"
                 )
-            if metadata:
-                found[batch.positions[item_index]] = EncodedItem(mm_hash, metadata)
+            if not metadata:
+                continue
+            position = batch.positions[item_index]
+            if position in found and found[position].mm_hash != mm_hash:
+                raise EncoderAnswerUnfit(
+                    f"encoder entries {found[position].mm_hash!r} and {mm_hash!r} both have "
+                    f"metadata for item {item_index}: {_excerpt(params)}"
+                )
+            found[position] = EncodedItem(mm_hash, metadata)
     return found
 
 
