@@ -465,6 +465,19 @@ def test_index_ec_items_answer() -> None:
     assert found[3].mm_hash == "h1" and found[3].metadata == {"image_grid_thw": [1, 4, 4]}
 
 
+@pytest.mark.parametrize("items", [["h1"], [{"mm_hash": "h1", "x": 1}, 7]], ids=["str", "int"])
+def test_an_ec_items_list_whose_items_are_no_objects_is_the_generations_shape_error(
+    items: list,
+) -> None:
+    """0.28 / 0.29 answer objects in `ec_items`; anything else in the list is no answer of
+    the generation, said with the answer (the proxy's 502 naming the encoder), not an
+    AttributeError of reading an item as one (the proxy's own 500)."""
+    with pytest.raises(EncoderAnswerError, match="expected"):
+        index_encoder_response(
+            EncoderBatch(0, (0,)), {"ec_items": items}, GENERATIONS_BY_NAME["ec-items"]
+        )
+
+
 def test_index_by_hash_answer_without_item_indices() -> None:
     params = {"h2": {"metadata": {"image_grid_thw": [1, 2, 2]}}}
     found = index_encoder_response(EncoderBatch(0, (1,)), params, GENERATIONS_BY_NAME["by-hash"])
