@@ -189,6 +189,18 @@ def test_a_proxy_given_another_roles_instance_fails_naming_the_flag() -> None:
     ]
 
 
+def test_a_proxy_url_with_a_trailing_slash_reaches_the_instance_at_its_port() -> None:
+    """A URL ending in a slash, "http://localhost:19534/", is the encoder at 19534: read as
+    port "19534/", it reached no instance, a finding parity invented."""
+    slashed = SMALL.replace('"http://localhost:19534"', '"http://localhost:19534/"')
+    slashed = slashed.replace('"http://localhost:19537"', '"http://localhost:19537/"')
+    assert slashed.count('/"') == 2
+    parity = compare(slashed, NEWEST, CUDA)
+    assert parity.report() == []
+    roles = {f.item for f in parity.findings if f.item.endswith(" role")}
+    assert roles == set(), "each URL reaches the role the harness's does"
+
+
 def test_a_repeated_json_flag_is_read_as_vllm_takes_it_the_last_one() -> None:
     """vLLM's argparse keeps the last of two --ec-transfer-config: the keys of the first are
     gone. Merged key by key, the PD line still read as an EC consumer and parity stayed green
