@@ -341,6 +341,14 @@ def test_a_proxy_upstream_launches_from_elsewhere_is_named_not_dropped() -> None
         f"disaggregated_encoder/disagg_epd_proxy.py' (line {line}), a proxy the harness does "
         f"not know; the harness launches {ours}"
     ]
+    # --port=N is the same flag as --port N to argparse: such a line is a proxy all the same.
+    assert "--port 10001 --encode-servers-urls" in SMALL
+    as_module_port_equals = as_module.replace(
+        "--port 10001 --encode-servers-urls", "--port=10001 --encode-servers-urls"
+    )
+    assert compare(as_module_port_equals, NEWEST, CUDA).report() == (
+        compare(as_module, NEWEST, CUDA).report()
+    )
     as_subcommand = SMALL.replace(proxy, "    vllm disagg-proxy")
     assert compare(as_subcommand, NEWEST, CUDA).report() == [
         f"1E+1PD/epd-proxy: upstream launches 'vllm disagg-proxy' (line {line}), a proxy the "
