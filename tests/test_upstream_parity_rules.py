@@ -319,6 +319,34 @@ def test_an_instance_a_stage_launches_twice_is_a_problem() -> None:
     ]
 
 
+def two_encoder_stage(first_encoder_flag: str = "") -> str:
+    """SMALL with a second encoder (port 19538) in its 1E+1PD stage, which makes it 2E+1PD;
+    `first_encoder_flag`, if given, planted on the first encoder's line."""
+    start = SMALL.index('    env "$DEVICE_AFFINITY_ENV=$GPU_E"')
+    end = SMALL.index('    env "$DEVICE_AFFINITY_ENV=$GPU_PD" vllm serve "$MODEL" --port 19537')
+    encoder = SMALL[start:end]
+    first = encoder.replace("--port 19534", f"--port 19534 {first_encoder_flag}".rstrip())
+    script = SMALL.replace(encoder, first + encoder.replace("19534", "19538"))
+    return script.replace(
+        '--encode-servers-urls "http://localhost:19534"',
+        '--encode-servers-urls "http://localhost:19534,http://localhost:19538"',
+    )
+
+
+def test_two_instances_of_one_role_are_each_compared_not_launched_twice() -> None:
+    """A topology with two encoders launches two instances named "2E+1PD/encoder" on either
+    side. Keyed by that name alone, the first upstream encoder was replaced by the second
+    (never compared: a flag planted on it went unseen) and reported as "launched twice"."""
+    line = next(i for i, text in enumerate(SMALL.splitlines(), 1) if "--port 19534" in text)
+    parity = compare(two_encoder_stage("--x-new"), NEWEST, CUDA)
+    assert [p for p in parity.report() if "encoder" in p] == [
+        f"2E+1PD/encoder: --x-new is set upstream (line {line}), absent in the harness"
+    ]
+    assert parity.compared.count("2E+1PD/encoder") == 2
+    ports = [f.upstream for f in parity.findings if f.instance == "2E+1PD/encoder"]
+    assert {"19534", "19538"} <= set(ports), "each upstream encoder against one of the harness"
+
+
 def test_a_proxy_upstream_launches_from_elsewhere_is_named_not_dropped() -> None:
     """A proxy line the harness does not know (a module run with -m, a moved file) is the
     finding itself: the report names what upstream launches and what the harness launches,

@@ -380,10 +380,11 @@ def compare(
                 f"stage {name[1:]} launches {roles}: no harness topology has these roles"
             )
             continue
-        ours = {
-            launch.instance: launch
-            for launch in harness_launches(TOPOLOGIES[name], generation, platform)
-        }
+        # Grouped by name: a topology with two instances of one role (2E+1PD's encoders)
+        # names them alike, on either side; each is compared with its counterpart in order.
+        ours: dict[str, list[Launch]] = {}
+        for launch in harness_launches(TOPOLOGIES[name], generation, platform):
+            ours.setdefault(launch.instance, []).append(launch)
         unknown = [launch for launch in launches if launch.instance.endswith(UNKNOWN_PROXY)]
         launches = [launch for launch in launches if launch not in unknown]
         for launch in unknown:
@@ -391,7 +392,7 @@ def compare(
             # which, against the harness's own, instead of "only the harness launches it".
             mine = next(
                 (
-                    ours.pop(instance)
+                    ours.pop(instance)[0]
                     for instance in sorted(ours)
                     if instance.rsplit("/", 1)[1] in PROXY_ROLES.values()
                 ),
@@ -403,18 +404,21 @@ def compare(
                 f"{instance}: upstream launches {launch.items['program']!r} ({launch.where}), "
                 f"a proxy the harness does not know; the harness {ours_there}"
             )
-        theirs: dict[str, Launch] = {}
+        theirs: dict[str, list[Launch]] = {}
         for launch in launches:
-            if launch.instance in theirs:
-                parity.problems.append(f"{launch.instance} is launched twice ({launch.where})")
-            theirs[launch.instance] = launch
+            theirs.setdefault(launch.instance, []).append(launch)
         for instance in sorted(set(ours) | set(theirs)):
             if instance not in theirs or instance not in ours:
                 side = "upstream" if instance in theirs else "the harness"
                 parity.problems.append(f"{instance}: only {side} launches it")
                 continue
-            parity.compared.append(instance)
-            parity.findings += _differences(theirs[instance], ours[instance], generation.name)
+            # Serve roles come in equal numbers (the topology was matched by them): only a
+            # stage's proxy can come more often upstream, which the harness launches once.
+            for extra in theirs[instance][len(ours[instance]) :]:
+                parity.problems.append(f"{instance} is launched twice ({extra.where})")
+            for upstream, harness in zip(theirs[instance], ours[instance], strict=False):
+                parity.compared.append(instance)
+                parity.findings += _differences(upstream, harness, generation.name)
     return parity
 
 
