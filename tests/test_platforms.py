@@ -306,6 +306,10 @@ def test_an_encoder_beside_p_leaves_p_upstreams_share_and_kv_holders_split_the_r
     two_encoders = (Role.ENCODER, Role.ENCODER, Role.PREFILL_DECODE)
     assert memory_fractions(two_encoders, ((1,), (0,), (0,)), CUDA) == (0.01, 0.01, 0.7)
     assert memory_fractions(two_encoders, ((0,), (0,), (0,)), CUDA) == (0.01, 0.01, 0.5)
+    # Rounded down, never to the nearest: 0.5 / 3 is 0.16 each (3 x 0.17 + 2 x 0.2 = 0.91 would
+    # pass the device's 0.9).
+    crowded = (*two_encoders, Role.PREFILL, Role.DECODE)
+    assert memory_fractions(crowded, ((0,),) * 5, CUDA) == (0.01, 0.01, 0.16, 0.16, 0.16)
 
 
 @pytest.mark.parametrize("name", list(TOPOLOGIES))
