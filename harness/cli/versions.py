@@ -89,10 +89,8 @@ class ReleaseRun:
         """What its cases were judged against: the release's own baseline, or the goldens of
         the release `--golden` named (the table's cells read alike either way: real vLLM,
         `versions 0.30.0..0.32.0 --golden 0.31.0` said MATCH three times, against what not)."""
-        given = [
-            value for flag, value in zip(self.run_args, self.run_args[1:]) if flag == "--golden"
-        ]
-        return f"golden-{given[-1]}" if given else "own baseline"
+        golden = flag_value(self.run_args, "--golden")
+        return f"golden-{golden}" if golden else "own baseline"
 
     def covers(self, run_args: list[str]) -> bool:
         """Whether this finished run answers a run with `run_args`: the same arguments, or a
@@ -195,8 +193,13 @@ def dtype_of(run_args: list[str]) -> str:
     """The dtype a run with `run_args` serves: its --dtype, else bfloat16, the default (every
     release-run.json recorded before `versions` and `bisect` passed --dtype is a bfloat16
     run's)."""
-    given = [value for flag, value in zip(run_args, run_args[1:]) if flag == DTYPE_FLAG]
-    return given[-1] if given else DEFAULT_DTYPE
+    return flag_value(run_args, DTYPE_FLAG) or DEFAULT_DTYPE
+
+
+def flag_value(run_args: list[str], name: str) -> str | None:
+    """The value `run_args` give flag `name` last (as argparse keeps it), None without one."""
+    given = [value for flag, value in zip(run_args, run_args[1:]) if flag == name]
+    return given[-1] if given else None
 
 
 def _with_dtype(run_args: list[str]) -> list[str]:

@@ -243,10 +243,10 @@ class TopologyPool:
         settings = settings or self.settings
         key = SessionKey.of(topology, settings)
         live = self._live.get(key)
-        died = live.session.dead_instance_report() if live is not None else None
+        died = live.session.dead_instance() if live is not None else None
         if live is None or died is None:
             return self.session(topology, settings, devices, beside=beside)
-        cause = died.splitlines()[0]
+        cause = died.headline()
         started = time.monotonic()
         try:
             revived = live.session.revive_dead()

@@ -37,7 +37,7 @@ from harness.run.fuzz.bundle import FAILURES_DIR
 from harness.run.fuzz.signature import died_instance, signature_of
 from harness.run.goldens import GoldenStore
 from harness.run.pool import TopologyPool
-from harness.run.scenarios import MATRIX, SendMode
+from harness.run.scenarios import MATRIX, Scenario, SendMode
 from harness.run.sweep import Stage, StageUnset, Sweep, SweepSpec
 from harness.serve.attached import write_attach_file
 from harness.serve.server_group import EventCallback
@@ -128,6 +128,12 @@ class ReproCase:
     verdict: str  # what the bundle recorded
     reference: str
     label: str = ""  # the case's label in the bundle ("1E+1PD:ec-video-mp4"), scenario and all
+
+
+def _scenario_of(case: ReproCase) -> Scenario | None:
+    """The matrix scenario a case's label names ("1E+1PD:ec-video-mp4"), if any."""
+    _, _, name = case.label.partition(":")
+    return next((s for s in MATRIX if s.name == name), None)
 
 
 @dataclass(frozen=True)
@@ -316,8 +322,7 @@ class Bundle:
         Judged with a declaration the bundle's golden sets aside, a 0.30.0 video case that
         MATCHed golden-0.31.0 was rerun as "NOT as protocol generation by-hash declares"
         (real vLLM)."""
-        _, _, name = case.label.partition(":")
-        scenario = next((s for s in MATRIX if s.name == name), None)
+        scenario = _scenario_of(case)
         if scenario is not None:
             failure = scenario.for_kv_connector(self.serving().kv_connector).declared_of(
                 case.prompt
@@ -359,8 +364,7 @@ class Bundle:
         """The prompt spec a release's declaration is read from: a matrix scenario's own (the
         matrix judges a scenario expected to MATCH under the release's declared failures too;
         run.json keeps only the sweep's prompts), else the one run.json keeps."""
-        _, _, name = case.label.partition(":")
-        scenario = next((s for s in MATRIX if s.name == name), None)
+        scenario = _scenario_of(case)
         if scenario is not None:
             return next((p for p in scenario.prompts if p.name == case.prompt), None)
         return self.prompt_spec(case.prompt)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TypeGuard
 
 from harness.serve.attached import AttachedSession
-from harness.serve.session import ProxiedSession, TopologySession
+from harness.serve.session import DeadInstance, ProxiedSession, TopologySession
 
 Session = TopologySession | ProxiedSession | AttachedSession
 
@@ -34,6 +34,10 @@ class Death:
     headline: str
     report: str
 
+    @classmethod
+    def of(cls, dead: DeadInstance) -> Death:
+        return cls(dead.headline(), dead.report())
+
 
 def dead_instance(session: Session) -> Death | None:
     """An instance of `session` that died, if one did (an attached one: down)."""
@@ -41,7 +45,7 @@ def dead_instance(session: Session) -> Death | None:
         down = session.first_down()
         return None if down is None else Death(down, down)
     dead = session.dead_instance()
-    return None if dead is None else Death(dead.headline(), dead.report())
+    return None if dead is None else Death.of(dead)
 
 
 def deaths_beside(session: Session, killed: str) -> list[Death]:
@@ -50,8 +54,4 @@ def deaths_beside(session: Session, killed: str) -> list[Death]:
     base = launched(session)
     if base is None:
         return []
-    return [
-        Death(dead.headline(), dead.report())
-        for dead in base.dead_instances()
-        if dead.name != killed
-    ]
+    return [Death.of(dead) for dead in base.dead_instances() if dead.name != killed]
