@@ -1985,9 +1985,17 @@ class DiesOfItsDecodeTail(EpdStandIn):
         return None
 
 
-def test_the_request_sent_alone_that_ends_d_as_declared_passes_the_load(tmp_path: Path) -> None:
+def test_the_request_sent_alone_that_ends_d_as_declared_passes_the_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The prompt declared to end D is sent last, alone, and judged with its declaration: its
     ERROR is the declared failure, a row of the load that passed (no load fails by it)."""
+    from harness.report.resources import ResourceHistory
+
+    ended: list[tuple[str, str]] = []
+    monkeypatch.setattr(
+        ResourceHistory, "ended_after_the_samples", lambda _, *args: ended.append(args)
+    )
     sweep, answers = tail_sweep(tmp_path)
     from harness.judge.verdicts import Stability
 
@@ -2008,6 +2016,8 @@ def test_the_request_sent_alone_that_ends_d_as_declared_passes_the_load(tmp_path
     ], result_.declared_deaths
     notes = json.loads((tmp_path / "load.json").read_text())["notes"]
     assert f"as declared: {result_.declared_deaths[0]}" in notes, notes
+    # D's resources row says it ended after the last sample (real vLLM: its live figures).
+    assert ended == [("1E+1P+1D/decode0", "after request 8 (sent alone, after the last sample)")]
 
 
 class ExitsAfterItsDecodeTail(DiesOfItsDecodeTail):

@@ -696,3 +696,27 @@ def test_an_instance_that_died_during_the_load_is_marked_in_the_resources_table(
         "| 1E+1P+1D/encoder0 (down from sample 'after': its figures are from before)",
         "| 1E+1P+1D/decode0",
     }, rows
+
+
+def test_an_instance_a_request_sent_alone_ended_is_marked_though_no_sample_saw_it() -> None:
+    """Real vLLM (`load --topology 1E+1P+1D --stream`): the tail request declared to end D is
+    sent alone after the last sample, so D's row showed its live figures from before. The
+    load says it ended after that request, with no sample taken (a soak's growth and bounds
+    stay its rounds')."""
+    from harness.report.load import resource_lines
+
+    up = InstanceUsage(rss_bytes=2**30, open_fds=100, processes=2)
+    history = ResourceHistory.of(
+        [
+            ResourceSample(float(n), n, label, {"1E+1P+1D/decode0": up})
+            for n, label in enumerate(("before", "after"))
+        ]
+    )
+    history.ended_after_the_samples("1E+1P+1D/decode0", "after request 8 (sent alone)")
+    history.ended_after_the_samples("1E+1P+1D/prefill0", "after request 8 (sent alone)")
+    lines = resource_lines(load_stats(LoadTally(), history), history)
+    rows = [line.split(" | ")[0] for line in lines if line.startswith("| 1E+1P+1D/")]
+    assert rows == [
+        "| 1E+1P+1D/decode0 (down after request 8 (sent alone): its figures are from before)"
+    ], rows
+    assert history.down is None and history.count == 2  # no sample, nothing for the bounds

@@ -469,7 +469,7 @@ def resource_lines(stats: LoadStats, resources: ResourceHistory) -> list[str]:
         rss, fds = figures["rss_bytes"], figures["open_fds"]
         # Its figures are of the samples it ran in: a killed encoder's "RSS last" read as alive.
         down = resources.down_from(name)
-        shown = f"{name} (down from sample '{down}': its figures are from before)" if down else name
+        shown = f"{name} (down {down}: its figures are from before)" if down else name
         lines.append(
             f"| {shown} | {rss.first / MIB:.0f} MiB | {rss.last / MIB:.0f} MiB | "
             f"{rate(rss.per_minute, MIB, 'MiB')} | {rate(rss.late_per_minute, MIB, 'MiB')} | "

@@ -113,7 +113,7 @@ class _InstanceTrack:
 
     points: _Points = field(default_factory=lambda: _Points(("rss_bytes", "open_fds")))
     from_first: bool = False
-    down_from: str | None = None  # the sample it was first seen down in, while it stays down
+    down_from: str | None = None  # since when it is down ("from sample 'after'"), while it is
 
     def growth(self, after_first: bool) -> dict[str, Growth]:
         start = 1 if after_first and self.from_first else 0
@@ -183,7 +183,7 @@ class ResourceHistory:
                 track.points.add(sample.at_s, rss_bytes=usage.rss_bytes, open_fds=usage.open_fds)
                 track.down_from = None
             elif track.down_from is None:
-                track.down_from = sample.label
+                track.down_from = f"from sample '{sample.label}'"
         for kind, usage in sample.storage.items():
             points = self._storage.setdefault(kind, _Points(("files", "bytes")))
             points.add(sample.at_s, files=usage.files, bytes=usage.bytes)
@@ -234,9 +234,19 @@ class ResourceHistory:
         return {name: self._instances[name].growth(after_first) for name in names}
 
     def down_from(self, name: str) -> str | None:
-        """The sample from which instance `name` is down to the last (None: it runs)."""
+        """When instance `name` was first seen down, if it is down to the last (None: it
+        runs)."""
         track = self._instances.get(name)
         return track.down_from if track is not None else None
+
+    def ended_after_the_samples(self, name: str, when: str) -> None:
+        """Instance `name` died after the last sample (`when`: of a request declared to end it,
+        sent alone after every round). No sample is taken for it: the topology may have started
+        again for that request, and a soak's growth and bounds are those of its rounds; its
+        row only stops showing its figures from before as live ones."""
+        track = self._instances.get(name)
+        if track is not None and track.down_from is None:
+            track.down_from = when
 
     def storage_growth(self) -> dict[str, dict[str, Growth]]:
         """Per storage kind: the files and bytes each sample saw (before any cleaning)."""

@@ -270,6 +270,11 @@ class LoadRun:
                         f"{request.name} ({request.prompt}), sent last and alone, ended "
                         f"{died.headline}"
                     )
+                    if died.instance is not None:  # its row showed its live figures (review)
+                        self.result.resources.ended_after_the_samples(
+                            died.instance,
+                            f"after {request.name} (sent alone, after the last sample)",
+                        )
             self._judge_round([sent], declared, alone=True)
 
     # -- judging -----------------------------------------------------------------------------

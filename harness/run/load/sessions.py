@@ -33,10 +33,11 @@ class Death:
 
     headline: str
     report: str
+    instance: str | None = None  # a launched instance's name (an attached one's is not sampled)
 
     @classmethod
     def of(cls, dead: DeadInstance) -> Death:
-        return cls(dead.headline(), dead.report())
+        return cls(dead.headline(), dead.report(), dead.name)
 
 
 def dead_instance(session: Session) -> Death | None:
