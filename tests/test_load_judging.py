@@ -1077,8 +1077,10 @@ def test_a_round_that_raises_ends_its_planted_kill(
 
 # A fast pd0 answers a request this long after it reached it; the slow client puts each of its
 # requests out this long after the one before (a loaded host starting the load's threads).
-PD_ANSWERS_IN_S = 0.2
-CLIENT_SEND_GAP_S = 0.5
+# The killer looks every 0.05 s; PD's answer leaves it 1 s to see the round in flight (0.2 s
+# was missed once under a full machine), and the client's gap stays longer than the answer.
+PD_ANSWERS_IN_S = 1.0
+CLIENT_SEND_GAP_S = 1.5
 
 
 class AnswersInTime(Killable):
