@@ -3019,3 +3019,21 @@ def test_check_py_is_given_the_guards_the_harness_judged_and_only_those(tmp_path
     assert "rests on consumer_embeds, encoder_output, which" in check.reproduction(
         recorded, "MATCH", (), None
     )
+
+
+def test_a_cpu_ray_export_says_the_run_spread_its_instances_over_nodes(tmp_path: Path) -> None:
+    """Real vLLM (`run --launcher ray` on CPU): E, P and D ran on nodes 127.0.0.2-4, and the
+    export said nothing of it, as the nodes were read off the devices and a CPU run pins
+    none. The nodes are the instances'; no device is said where none was pinned."""
+    run = write_bundle(tmp_path / "run")
+    commands = sorted((run / safe_name("1E+1P+1D")).glob("*0.cmd.json"))
+    for number, path in enumerate(commands, start=2):
+        command = json.loads(path.read_text())
+        command["node"] = {"address": f"127.0.0.{number}", "node_id": "n", "hostname": "vm"}
+        path.write_text(json.dumps(command))
+    plan = plan_for(run)
+    assert plan.devices == () and len(plan.nodes) == 3, plan.nodes
+    issue = render_issue(plan)
+    assert "spread these instances over 3 nodes (`--launcher ray`: 127.0.0." in issue, issue
+    assert all(f"127.0.0.{number} (vm)" in issue for number in (2, 3, 4)), issue
+    assert "runs them all on one host, so a failure" in issue, issue

@@ -421,11 +421,12 @@ def device_instructions(plan: ExportPlan) -> list[str]:
     instances inherited from the run's environment that serve.sh sets."""
     lines: list[str] = []
     if len(plan.nodes) > 1:
+        devices = ", each node's device a device of its own here" if plan.devices else ""
         lines += [
             "",
             f"The run spread these instances over {len(plan.nodes)} nodes (`--launcher ray`: "
-            f"{', '.join(plan.nodes)}); this export runs them all on one host, each node's "
-            "device a device of its own here.",
+            f"{', '.join(plan.nodes)}); this export runs them all on one host{devices}, so a "
+            "failure that needs them on separate hosts may not show here.",
         ]
     if plan.dropped_env:
         settings = " ".join(f"`{k}={v}`" for k, v in plan.dropped_env)

@@ -231,7 +231,9 @@ def plan_export(
         before=before,
         sent_after=sending.after if before else None,
         devices=devices,
-        nodes=tuple(dict.fromkeys(d.node for d in devices if d.node)),
+        # From the instances, not their devices: a CPU run on Ray pins none (real vLLM: the
+        # export of a run spread over three nodes said nothing of them).
+        nodes=tuple(dict.fromkeys(s.node for s in servers if s.node)),
         dropped_env=dropped_env(bundle, label),
         inherited_env=inherited_env(bundle, label),
     )

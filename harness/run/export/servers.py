@@ -12,7 +12,13 @@ from typing import Any
 
 from harness.errors import BadInput
 from harness.redact import REDACTED, SECRET_FLAGS
-from harness.run.export.devices import DEVICE_ENV_VARS, RecordedDevice, device_positions, device_var
+from harness.run.export.devices import (
+    DEVICE_ENV_VARS,
+    RecordedDevice,
+    device_positions,
+    device_var,
+    node_of,
+)
 from harness.run.export.shell import Arg, Var, shell_variable, shell_word
 from harness.run.repro import Bundle
 from harness.serve.session import safe_name
@@ -49,6 +55,7 @@ class ExportedServer:
     # Positions in serve.sh's DEVICES list this instance runs on (its device variable's value);
     # () on CPU, and for vLLM's proxy.
     devices: tuple[int, ...] = ()
+    node: str | None = None  # the Ray node it ran on (`node_of`); None: the run's one host
 
     @property
     def url(self) -> Arg:
@@ -123,6 +130,7 @@ def instance_servers(
                 side_channel=side,
                 default_side_channel=first_side_channel + index if side else None,
                 devices=positions[index],
+                node=node_of(command),
             )
         )
     return tuple(servers), devices
