@@ -328,6 +328,33 @@ def test_a_case_the_bundle_lacks_is_refused_naming_those_it_has(tmp_path: Path) 
     assert bundle.pick_case("1E+1PD:m-video-jpeg-frames-2fps").verdict == "MATCH"
 
 
+def test_the_verdict_tables_scenario_cell_names_its_case_when_the_scenario_has_one(
+    tmp_path: Path,
+) -> None:
+    """Real vLLM: `export RUN --case 1E+1PD:ec-video-mp4-not-at-2-fps`, the TOPOLOGY cell of
+    the run's verdict table, was refused though that scenario judged one prompt. It names that
+    case now; a scenario of several prompts is refused naming each."""
+    bundle = Bundle.load(
+        write_bundle(
+            tmp_path / "b",
+            [
+                case("1E+1PD:ec-video-mp4-not-at-2-fps", "m-video-mp4-1fps", "MISMATCH", True),
+                case("1E+1PD:ec-images-1-2-3", "m-one-image", "MATCH", True),
+                case("1E+1PD:ec-images-1-2-3", "m-two-images", "MATCH", True),
+            ],
+        )
+    )
+    picked = bundle.pick_case("1E+1PD:ec-video-mp4-not-at-2-fps")
+    assert (picked.prompt, picked.verdict) == ("m-video-mp4-1fps", "MISMATCH"), picked
+    with pytest.raises(BundleError) as refused:
+        bundle.pick_case("1E+1PD:ec-images-1-2-3")
+    assert str(refused.value) == (
+        f"{bundle.path}: scenario '1E+1PD:ec-images-1-2-3' has 2 cases; name one with --case: "
+        "1E+1PD:m-one-image (scenario ec-images-1-2-3), 1E+1PD:m-two-images (scenario "
+        "ec-images-1-2-3)"
+    )
+
+
 def test_repro_prints_the_first_divergence_of_the_case_it_reran(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

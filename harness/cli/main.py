@@ -597,7 +597,8 @@ def build_parser() -> Parser:
     repro.add_argument("bundle", help="a run directory written by 'epd-harness run'")
     repro.add_argument(
         "--case",
-        help="TOPOLOGY:PROMPT[@REFERENCE] (default: the first case that failed its policy; "
+        help="TOPOLOGY:PROMPT[@REFERENCE], or a one-prompt scenario's TOPOLOGY:SCENARIO as "
+        "the verdict table names it (default: the first case that failed its policy; "
         "@REFERENCE picks one of a case's references, e.g. @1P+1D)",
     )
     repro.add_argument("--run-dir", help="artifact directory (default: <bundle>-repro)")

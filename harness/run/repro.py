@@ -466,7 +466,8 @@ class Bundle:
         return case_of(self.pick_record(wanted, declared_too))
 
     def pick_record(self, wanted: str | None, declared_too: bool = False) -> dict[str, Any]:
-        """The record of the named case, `TOPOLOGY:PROMPT[@REFERENCE]`, else of the first that
+        """The record of the named case, `TOPOLOGY:PROMPT[@REFERENCE]` (or a one-prompt
+        scenario's `TOPOLOGY:SCENARIO`, as the verdict table names it), else of the first that
         failed its policy; `declared_too`: else the first failure the harness declares (a
         verdict no policy passes, passed only as declared), else the first that is not a
         MATCH (a DRIFT its policy passed: chosen only when nothing else is left).
@@ -520,8 +521,22 @@ class Bundle:
             and reference in ("", record["reference"])
         ]
         if not matches:
-            # The verdict table's TOPOLOGY column names a scenario (`1E+1PD:SCENARIO`), which
-            # the case's name leaves out: say how each case is named.
+            # The verdict table's TOPOLOGY column names a scenario (`1E+1PD:SCENARIO`): taken
+            # as the case's name when the scenario has one prompt (real vLLM: a user copied
+            # the cell and was refused).
+            matches = [
+                record
+                for record in self.cases
+                if record["topology"] == name and reference in ("", record["reference"])
+            ]
+            prompts = dict.fromkeys(case_name(record) for record in matches)
+            if len(prompts) > 1:
+                raise BundleError(
+                    f"{self.path}: scenario {name!r} has {len(prompts)} cases; name one with "
+                    f"--case: {', '.join(prompts)}"
+                )
+        if not matches:
+            # Say how each case is named: TOPOLOGY:PROMPT, a scenario's said apart.
             names = dict.fromkeys(case_name(record) for record in self.cases)
             raise BundleError(
                 f"{self.path}: no case {wanted!r}; its cases: {', '.join(names) or 'none'}"
