@@ -159,6 +159,26 @@ def test_runs_of_two_vllm_versions_name_each_version_in_the_headers(
     assert "vllm (unrecorded, vLLM not recorded)" in older.out.splitlines()[0], older.out
 
 
+def test_a_ray_run_and_a_local_one_name_where_each_ran_in_the_headers(
+    tmp_path: Path, epd_cli
+) -> None:
+    """Real vLLM: a local run and a `--launcher ray` run of the same cases were headed
+    "harness (A)" and "harness (B)". Each column names its launcher when they differ; a run
+    recorded without one ran locally."""
+    responses = {"t": {"p": outcome([1], [ENCODE])}}
+    local = write_run(tmp_path / "local", responses, "harness")
+    ray = write_run(tmp_path / "ray", responses, "harness")
+    run = json.loads((Path(ray) / "run.json").read_text())
+    (Path(ray) / "run.json").write_text(json.dumps({**run, "launcher": {"kind": "ray"}}))
+    across = epd_cli("compare", local, ray)
+    assert across.code == 0, across.err
+    header = across.out.splitlines()[0]
+    assert "calls only with harness (local, local launcher) |" in header, header
+    assert "calls only with harness (ray, ray launcher) |" in header, header
+    alike = epd_cli("compare", ray, ray)
+    assert "launcher" not in alike.out, alike.out
+
+
 def test_runs_served_with_other_flags_name_each_flag_that_differs(tmp_path: Path, epd_cli) -> None:
     """A float32 run's tokens differed from a bfloat16 run's and compare said only where, as if
     one were wrong (found checking --dtype on real vLLM): each serving flag that differs is

@@ -56,6 +56,14 @@ def served_version(run: dict[str, Any]) -> str | None:
     return str(version) if version else None
 
 
+def launcher_of(run: dict[str, Any]) -> str:
+    """Where the run's instances ran, as run.json records it: `local` (also a run recorded
+    before launchers were), or `ray`."""
+    launcher = run.get("launcher")
+    kind = launcher.get("kind") if isinstance(launcher, dict) else None
+    return str(kind) if kind else "local"
+
+
 # Serving fields that name a run's own files, not how it computes.
 RUN_LOCAL_SERVING_FIELDS = ("allowed_local_media_path",)
 
@@ -76,14 +84,22 @@ def serving_differences(first: dict[str, Any], second: dict[str, Any]) -> list[s
     ]
 
 
-def proxy_label(run_dir: str, version: str | None = None, with_version: bool = False) -> str:
+def proxy_label(
+    run_dir: str,
+    version: str | None = None,
+    with_version: bool = False,
+    launcher: str | None = None,
+) -> str:
     """The run's proxy under test (run.json), to head the columns; the directory otherwise.
-    `with_version`: the served vLLM's version too (the two runs served different ones)."""
+    `with_version`: the served vLLM's version too (the two runs served different ones);
+    `launcher`: where its instances ran (the two runs ran them in different places)."""
     proxy = read_run_json(run_dir).get("proxy")
     kind = proxy.get("kind") if isinstance(proxy, dict) else None
     name = Path(run_dir).name
     if with_version:
         name = f"{name}, vLLM {version or 'not recorded'}"
+    if launcher is not None:
+        name = f"{name}, {launcher} launcher"
     return f"{kind} ({name})" if kind else name
 
 
@@ -92,13 +108,18 @@ def command_compare(args: argparse.Namespace) -> int:
     diffs = diff_runs(first, second)
     if not diffs:
         raise BadInput(f"{args.first} and {args.second} hold no case in common")
-    # Comparing releases: each column names the vLLM its run served, when they differ.
+    # Comparing releases, or a Ray run with a local one: each column names the vLLM its run
+    # served and where its instances ran, when they differ (real vLLM: a local run and a Ray
+    # run were headed "harness (A)" and "harness (B)").
     runs = [read_run_json(d) for d in (args.first, args.second)]
     served = [served_version(run) for run in runs]
     differ = served[0] != served[1]
+    launchers = [launcher_of(run) for run in runs]
+    if launchers[0] == launchers[1]:
+        launchers = [None, None]
     labels = [
-        proxy_label(d, v, with_version=differ)
-        for d, v in zip((args.first, args.second), served, strict=True)
+        proxy_label(d, v, with_version=differ, launcher=where)
+        for d, v, where in zip((args.first, args.second), served, launchers, strict=True)
     ]
     print(format_diff(diffs, *labels))
     for line in serving_differences(*runs):
