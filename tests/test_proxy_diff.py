@@ -85,11 +85,18 @@ def test_cases_only_one_run_holds_are_named() -> None:
 
 
 def write_run(
-    path: Path, responses: dict, proxy: str, vllm: str | None = None, serving: dict | None = None
+    path: Path,
+    responses: dict,
+    proxy: str,
+    vllm: str | None = None,
+    serving: dict | None = None,
+    launcher: str | None = None,
 ) -> str:
     path.mkdir()
     (path / "responses.json").write_text(json.dumps(responses))
     run: dict[str, Any] = {"proxy": {"kind": proxy}}
+    if launcher is not None:
+        run["launcher"] = {"kind": launcher}
     if vllm is not None:
         run["served_vllm"] = {"version": vllm}
     if serving is not None:
@@ -167,12 +174,8 @@ def test_a_ray_run_and_a_local_one_name_where_each_ran_in_the_headers(
     recorded without one ran locally."""
     responses = {"t": {"p": outcome([1], [ENCODE])}}
     local = write_run(tmp_path / "local", responses, "harness")
-    ray = write_run(tmp_path / "ray", responses, "harness")
-    run = json.loads((Path(ray) / "run.json").read_text())
-    (Path(ray) / "run.json").write_text(json.dumps({**run, "launcher": {"kind": "ray"}}))
-    across = epd_cli("compare", local, ray)
-    assert across.code == 0, across.err
-    header = across.out.splitlines()[0]
+    ray = write_run(tmp_path / "ray", responses, "harness", launcher="ray")
+    header = epd_cli("compare", local, ray).out.splitlines()[0]
     assert "calls only with harness (local, local launcher) |" in header, header
     assert "calls only with harness (ray, ray launcher) |" in header, header
     alike = epd_cli("compare", ray, ray)
