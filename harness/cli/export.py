@@ -118,7 +118,8 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
     export.add_argument(
         "--case",
         help="TOPOLOGY:PROMPT[@REFERENCE], or a one-prompt scenario's TOPOLOGY:SCENARIO as "
-        "the verdict table names it (default: the first case that failed its policy, else the first failure the harness declares; @REFERENCE picks one of a case's "
+        "the verdict table names it (default: the first case that failed its policy, else "
+        "the first failure the harness declares; @REFERENCE picks one of a case's "
         "references, e.g. @1P+1D, and is needed when more than one failed)",
     )
     export.add_argument("--out", help=f"export directory (default: RUN_DIR/{EXPORTS_DIR}/<name>)")
