@@ -579,7 +579,7 @@ def test_a_sample_reads_each_storage_and_cleans_the_kv_one_only_between_rounds(
     (ec / "item").write_bytes(b"e" * 10)
     (kv / "a").write_bytes(b"k" * 300)
     (kv / "b").write_bytes(b"k" * 200)
-    session: Any = SimpleNamespace(ec_storage=ec, kv_storage=kv)
+    session: Any = stand_in_with_storage(ec, kv, "ExampleConnector")
     result = LoadResult(LoadSpec("1E+1P+1D", requests=3, concurrency=1, distinct_media=3))
     samples_module.sample_resources(session, "after", 1.0, result, tmp_path)
     last = result.resources.last
@@ -590,6 +590,25 @@ def test_a_sample_reads_each_storage_and_cleans_the_kv_one_only_between_rounds(
     assert last is not None and last.storage["kv"] == StorageUsage(2, 500)
     assert last.cleaned == {"kv": StorageUsage(2, 500)}
     assert not list(kv.iterdir()) and list(ec.iterdir()) == [ec / "item"]
+
+
+def stand_in_with_storage(ec: Path, kv: Path, kv_connector: str) -> Any:
+    """A session with these storage directories, served with `kv_connector` (vLLM's class)."""
+    serving = SimpleNamespace(kv_connector=kv_connector)
+    return SimpleNamespace(ec_storage=ec, kv_storage=kv, settings=SimpleNamespace(serving=serving))
+
+
+def test_under_nixl_no_kv_storage_is_sampled(tmp_path: Path) -> None:
+    """Real vLLM (`load --kv-connector nixl`): load.md gave a KV storage row of 0 files, which
+    read as if no KV had moved; NIXL keeps the KV in P's memory and shares no directory."""
+    ec, kv = tmp_path / "ec", tmp_path / "kv"
+    ec.mkdir()
+    kv.mkdir()
+    session = stand_in_with_storage(ec, kv, "NixlConnector")
+    result = LoadResult(LoadSpec("1E+1P+1D", requests=3, concurrency=1, distinct_media=3))
+    samples_module.sample_resources(session, "after", 1.0, result, tmp_path)
+    last = result.resources.last
+    assert last is not None and set(last.storage) == {"ec"}, last.storage
 
 
 def test_what_the_harness_cleaned_is_summed_over_every_sample_that_cleaned() -> None:

@@ -19,6 +19,7 @@ from harness.report.resources import SAMPLES_FILE, sample_line
 from harness.run.load.result import LoadResult
 from harness.run.load.sessions import Session, launched
 from harness.serve.usage import clean_storage, storage_usage, tree_pids, tree_usage
+from harness.spec.connectors import kv_connector_for_class
 
 
 def sample_resources(
@@ -52,4 +53,10 @@ def sample_resources(
 
 
 def _storage_of(session: Session, kind: str) -> Path | None:
-    return session.ec_storage if kind == "ec" else session.kv_storage
+    """The directory a connector of `kind` shares files in; None where it shares none. NIXL
+    keeps the KV in P's memory: its topology's KV directory stays empty, and load.md's row of
+    zero KV files read as if no KV had moved (real vLLM, `load --kv-connector nixl`)."""
+    if kind == "ec":
+        return session.ec_storage
+    known = kv_connector_for_class(session.settings.serving.kv_connector)
+    return session.kv_storage if known is None or known.uses_shared_storage else None
