@@ -3222,6 +3222,26 @@ def test_a_sent_shrink_of_a_known_crash_sends_the_candidates_its_own_trigger_pre
     assert trial.reproduced and sent == ["ex-0001-s000"], trial
 
 
+def test_a_sending_shrink_restarts_only_a_topology_one_of_whose_instances_died() -> None:
+    """The shrink's restart budget counts the restarts the oracle asks for: it asks exactly
+    when an instance of the topology is dead (a review left this untested: an oracle that
+    never asked went over the budget unseen, one that always asked restarted for nothing)."""
+    from types import SimpleNamespace
+
+    from harness.run.fuzz.oracles import SendingOracle
+    from harness.serve.session import DeadInstance
+
+    crash = record(Verdict.ERROR, "request failed", DECODE_TAIL_ERROR)
+    start = _evaluation("ex-0001", image_prompt((56, 56)), crash, True)
+    group = FailureGroup(start.signature, start.recognition, [start])
+    dead: list[DeadInstance] = []
+    engine = SimpleNamespace(topology_dead=lambda: dead[0] if dead else None)
+    oracle = SendingOracle(engine, group)  # type: ignore[arg-type]
+    assert not oracle.restart_pending()
+    dead.append(DeadInstance("1E+1P+1D/decode0", 0, Path("decode0.log"), ""))
+    assert oracle.restart_pending()
+
+
 def test_a_group_found_after_the_runs_time_is_spent_is_not_shrunk_and_says_so(
     tmp_path: Path, monkeypatch
 ) -> None:
