@@ -129,6 +129,22 @@ def test_kv_noise_touches_only_files_written_for_this_request(tmp_path: Path):
     assert "wrote no new" in fault.problems[0], fault.problems
 
 
+def test_kv_noise_is_seeded_by_each_files_key(tmp_path: Path):
+    """The same file key gets the same noise on every run (a repro reruns what the run
+    planted), and two files of equal KV under other keys get other noise (a review left the
+    key's part of the seed untested: noise of the seed alone passed)."""
+    noised = {}
+    for run in ("first", "second"):
+        storage = tmp_path / run
+        fault = kv_noise(storage, 0.05, seed=0)
+        paths = [write_kv(storage, prompt, seed=1) for prompt in ("prompt-a", "prompt-b")]
+        before = load_file(paths[0])["kv_cache"]
+        fault.after_prefill("req-1", {})
+        noised[run] = [load_file(path)["kv_cache"] - before for path in paths]
+    assert torch.equal(noised["first"][0], noised["second"][0]), "a key's noise changed"
+    assert not torch.equal(noised["first"][0], noised["first"][1]), "two keys got one noise"
+
+
 def test_kv_noise_acts_on_a_file_p_wrote_again_after_the_storage_was_cleaned(tmp_path: Path):
     """A load cleans the KV storage between rounds; P then writes a prompt's file again at the
     same path. Written since the fault last looked, it is this request's: noised, not taken
