@@ -1640,6 +1640,30 @@ def test_a_kv_account_log_counts_the_rounds_nothing_could_check() -> None:
     assert log.to_json()["not_checkable"] == 1
 
 
+def test_a_kv_account_log_says_where_d_took_every_rounds_prompts_from() -> None:
+    """Real vLLM (a NIXL soak of 26 rounds): load.md gave the first round's account alone, "D
+    took 1338 from P", while rounds 2-26 took 122 of 1402 tokens from P and 1280 from D's own
+    prefix cache (the load's prompts repeat into a warm cache). The sum over every round is
+    said beside it, and recorded in load.json."""
+    log = KvAccountLog()
+    first = {"p2p_cached_tokens": 1338.0, "local_cache_hit_tokens": 64.0, "nixl_transfers": 6.0}
+    later = {"p2p_cached_tokens": 122.0, "local_cache_hit_tokens": 1280.0}
+    log.add(1, GuardResult("kv_account", True, "D took 1338 from P"), first)
+    assert "over all" not in log.describe()  # one round: its own account says it all
+    log.add(2, GuardResult("kv_account", True, "D took 122 from P"), later)
+    assert "; over all 2 rounds D took 1460 prompt tokens from P" in log.describe()
+    log.add(3, GuardResult("kv_account", False, "D's /metrics could not be read"), None)
+    assert log.describe().endswith(
+        "; over the 2 rounds whose counters were read D took 1460 prompt tokens from P, 1344 "
+        "from its own prefix cache and computed 0 itself"
+    ), log.describe()
+    assert log.to_json()["prompt_tokens_by_source"] == {
+        "p2p_cached_tokens": 1460.0,
+        "local_cache_hit_tokens": 1344.0,
+        "local_compute_tokens": 0.0,
+    }
+
+
 def tail_sweep(tmp_path: Path) -> tuple[Sweep, dict[str, ChatResult]]:
     """A sweep whose baseline answered the mix, TAIL_PROMPT with its image in the part D
     recomputes (declared to end D under ExampleConnector): (sweep, the answers)."""

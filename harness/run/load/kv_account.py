@@ -55,7 +55,7 @@ def account_kv(
     }
     counters = None if before is None or after is None else after.minus(before)
     account = check_kv_account(prompts, counters, KvRule.WHOLE_PROMPT, block_size, errored)
-    kept = result.kv.add(result.rounds, account)
+    kept = result.kv.add(result.rounds, account, counters)
     append_json_lines(run_dir / KV_ACCOUNTS_FILE, [kv_account_line(result.rounds, account)])
     if account.failed and kept:  # the others are counted (the load's end says how many)
         result.problems.append(f"round {result.rounds}, KV account: {account.evidence}")
