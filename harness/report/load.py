@@ -285,10 +285,10 @@ class KvAccountLog:
     not_checkable: int = 0  # D held every prompt itself: nothing had to move
     kept: list[tuple[int, GuardResult]] = field(default_factory=list)  # (round, account)
     kept_failed: int = 0  # of `kept`, those that failed
-    # Over every round, where D took its prompt tokens from (`KV_SOURCES`): a
-    # load's prompts repeat into D's warm prefix cache, and the first round's figures alone
-    # read as if every round moved its KV (real vLLM, a NIXL soak: rounds 2-26 took 122 of
-    # 1402 tokens from P, 1280 from D's own cache).
+    # Over every round, where D took its prompt tokens from (`KV_SOURCES`): a load's prompts
+    # repeat into D's warm prefix cache, and the first round's figures alone read as if every
+    # round moved its KV (real vLLM, a NIXL soak: rounds 2-26 took 122 of 1402 tokens from P,
+    # 1280 from D's own cache).
     sources: dict[str, float] = field(default_factory=dict)
     sourced_rounds: int = 0  # the rounds whose counters were read, summed in `sources`
 
