@@ -616,6 +616,17 @@ def test_under_nixl_no_kv_storage_is_sampled(tmp_path: Path) -> None:
     assert last is not None and set(last.storage) == {"ec"}, last.storage
 
 
+def test_a_load_without_shared_storage_says_so_instead_of_an_empty_table() -> None:
+    """1P+1D under NIXL shares no directory: load.md's storage table would be headers alone."""
+    from harness.report.load import resource_lines
+
+    up = InstanceUsage(rss_bytes=2**30, open_fds=100, processes=2)
+    history = ResourceHistory.of([ResourceSample(0.0, 0, "before", {"1P+1D/decode0": up})])
+    lines = resource_lines(load_stats(LoadTally(), history), history)
+    assert lines[-1] == "Storage: none sampled (no connector here shares a directory).", lines
+    assert not any(line.startswith("| storage") for line in lines), lines
+
+
 def test_what_the_harness_cleaned_is_summed_over_every_sample_that_cleaned() -> None:
     """load.md says how much the soak's cleaning removed: every cleaning's bytes, by kind, not
     the last one's."""

@@ -505,6 +505,8 @@ def resource_lines(stats: LoadStats, resources: ResourceHistory) -> list[str]:
             f"{rate(rss.per_minute, MIB, 'MiB')} | {rate(rss.late_per_minute, MIB, 'MiB')} | "
             f"{fds.first:.0f} | {fds.last:.0f} | {rate(fds.per_minute, 1, 'fds')} |"
         )
+    if not stats.storage:  # 1P+1D under NIXL: a table of headers alone said nothing
+        return [*lines, "", "Storage: none sampled (no connector here shares a directory)."]
     lines += ["", "| storage | files first | files last | bytes first | bytes last | bytes rate |"]
     lines.append("|---|---|---|---|---|---|")
     for kind, figures in stats.storage.items():
