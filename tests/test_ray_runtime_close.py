@@ -55,6 +55,7 @@ class RecordingRay:
         monkeypatch.setattr(ray_runtime.ray, "shutdown", lambda: None)
         monkeypatch.setattr(ray_runtime, "alive_nodes", self.alive_nodes)
         monkeypatch.setattr(ray_runtime, "describe_nodes", lambda: "alive")
+        monkeypatch.setattr(ray_runtime, "gcs_problem", lambda address: None)
         monkeypatch.setattr(ray_runtime.time, "sleep", lambda _: None)
 
     def init(self, **given) -> None:
@@ -105,6 +106,30 @@ def test_a_run_connects_to_one_cluster_naming_a_loopback_head_as_its_own_address
         "--ray-address 10.0.0.9:6379: this harness is connected to 10.0.0.1:6379; "
         "one run, one cluster"
     )
+
+
+def test_an_address_nothing_listens_at_is_refused_before_ray_init(tmp_path, monkeypatch) -> None:
+    """Real vLLM: `load --launcher ray --ray-address 127.0.0.9:1` was still in `ray.init`'s
+    own retries after 214 s, warning every 30 s, no error said. A head's port that refuses
+    the connection is one line at once, and Ray is never asked."""
+    from harness.serve.launcher import LaunchRefused
+    from harness.spec.settings import LauncherChoice
+
+    ray = RecordingRay(monkeypatch)
+    monkeypatch.setattr(ray_runtime, "gcs_problem", RAY_GCS_PROBLEM)
+    runtime = RayRuntime()
+    with pytest.raises(LaunchRefused) as refused:
+        runtime.connect(LauncherChoice("ray", ray_address="127.0.0.9:1"), tmp_path)
+    assert str(refused.value).startswith(
+        "--ray-address 127.0.0.9:1: no Ray cluster answers there (connect: "
+    ), refused.value
+    assert str(refused.value).endswith(
+        "); start its head (`ray start --head`) or give the address it printed"
+    )
+    assert ray.inits == [] and runtime.address is None
+
+
+RAY_GCS_PROBLEM = ray_runtime.gcs_problem  # the real probe: a refused port answers at once
 
 
 def test_the_rehearsal_is_waited_for_node_by_node_and_stopped_when_ray_cannot_connect(

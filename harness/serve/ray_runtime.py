@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +27,10 @@ log = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60.0
 REHEARSAL_DIR = "ray-cluster"
+# How long the head's GCS port is given to accept a connection before `ray.init`, which on an
+# address nothing listens at retries on its own, warning every 30 s (real vLLM: `load
+# --launcher ray --ray-address 127.0.0.9:1` was still retrying after 214 s, no error said).
+GCS_CONNECT_TIMEOUT_S = 10.0
 
 
 @contextlib.contextmanager
@@ -95,6 +100,13 @@ class RayRuntime:
             self.address, node_ip = cluster.address, cluster.driver_address
             expected_nodes = len(cluster.addresses)
         else:
+            problem = gcs_problem(choice.ray_address)
+            if problem is not None:
+                raise LaunchRefused(
+                    f"--ray-address {choice.ray_address}: no Ray cluster answers there "
+                    f"({problem}); start its head (`ray start --head`) or give the address "
+                    "it printed"
+                )
             self.address = choice.ray_address
             host = self.address.rsplit(":", 1)[0]
             # Ray takes a driver's loopback address for the host's routable one: say which.
@@ -157,6 +169,17 @@ def runtime() -> RayRuntime:
 def close_runtime() -> None:
     """End the run's Ray connection (and its rehearsal cluster); harmless when there is none."""
     _RUNTIME.close()
+
+
+def gcs_problem(address: str, timeout_s: float = GCS_CONNECT_TIMEOUT_S) -> str | None:
+    """Why nothing accepts a connection at a cluster head's `HOST:PORT` (None: something
+    does, which `ray.init` then speaks to)."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        return f"connect: {exc.strerror or exc}"
+    return None
 
 
 def alive_nodes() -> list[dict[str, Any]]:
