@@ -1624,6 +1624,47 @@ def test_under_a_planted_kill_each_request_must_end_error_naming_it_soon_after()
     ]
 
 
+def test_a_request_another_instance_of_the_killed_role_served_may_pass() -> None:
+    """Real vLLM: `load --topology 2E+1PD --kill encoder` killed encoder0, and request 1, which
+    encoder1 had served, MATCHed as it should; the load failed on "request 1: MATCH, not
+    ERROR". A request whose every call was at another instance passes the kill's rule; one
+    that reached the killed instance, or recorded no call at all, must still end ERROR."""
+    from harness.outcomes.taps import TapRecord
+    from harness.run.load.account import account_notes
+
+    def request(number: int, verdict: Verdict, *instances: str) -> LoadRequestResult:
+        taps = [
+            TapRecord(n, name, name.rstrip("0123456789"), "/v1/chat/completions")
+            for n, name in enumerate(instances)
+        ]
+        return LoadRequestResult(
+            number=number,
+            prompt="ld-shared-a",
+            region="prefix",
+            outcome=Outcome("ld-shared-a", error=None, taps=taps or None),
+            record=case_record(prompt="ld-shared-a", verdict=verdict, passed=True),
+            batched=True,
+            started_s=0.0,
+            ended_s=2.0,
+        )
+
+    spec = LoadSpec("2E+1PD", requests=3, concurrency=3, distinct_media=3, kill="encoder")
+    load = LoadResult(spec, killed="2E+1PD/encoder0", killed_at_s=1.0)
+    load.results = [request(1, Verdict.MATCH, "2E+1PD/encoder1", "2E+1PD/pd0")]
+    assert kill_problems(load) == []
+    notes = account_notes(spec, SoakBounds(), [], load)
+    assert any(
+        "every request that reached it ended ERROR naming it, as it must; request(s) 1, "
+        "served whole by the other instances of its role, passed" in note
+        for note in notes
+    ), notes
+    load.results = [
+        request(2, Verdict.MATCH, "2E+1PD/encoder0", "2E+1PD/pd0"),
+        request(3, Verdict.MATCH),
+    ]
+    assert kill_problems(load) == ["request 2: MATCH, not ERROR", "request 3: MATCH, not ERROR"]
+
+
 def test_a_load_accounts_kv_on_a_topology_that_moves_kv_under_the_whole_prompt_rule_only() -> None:
     """A topology with no KV transfer (1E+1PD) has no D counters to account, whatever the
     connector: accounting it would fail every round of a load on it."""
