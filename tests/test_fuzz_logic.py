@@ -526,6 +526,29 @@ def test_a_revived_d_that_loads_the_folder_p_wrote_lives() -> None:
     assert not state.decode_loads_missing(sent(text)), "the folder D loads holds ex-0001's KV"
 
 
+def test_a_hollow_lookup_folder_gives_d_what_it_looks_up_when_the_folder_it_loads_holds_kv() -> (
+    None
+):
+    """D's lookup tests only that its folder exists (vLLM 0.32's `_found_match_for_prompt`),
+    so a hollow one, left by an earlier failed load, is a hit like any: a revived D counts the
+    lookup's tokens as loaded and loads the folder of align(n) tokens, which an earlier
+    request wrote. It computes only past the lookup, so a placeholder before it is no miss.
+    Found in review by a reference model of the connector: D was said to hold nothing there,
+    and to compute (and die of) media it loaded. Sent alone, D holds it only after both
+    folders' making: the stage replays the KV's writer first."""
+    state = ConsumerState(block=32)
+    text = list(range(100, 200))
+    state.served(sent(text[:97], salt="a"), name="ex-0001")  # looks up 64, none: stores 96
+    state.served(sent(text[:40], salt="a"), name="ex-0002")  # stores 32
+    state.served(sent(text[:65], salt="b"), prefill_alive=False, name="ex-0003")  # 64 hollow
+    state.restarted(prefill=True, consumer=True)
+    target = sent(text[:97], salt="c")
+    assert state.hollow == {(tuple(text[:64]), ())} and (tuple(text[:96]), ()) in state.stored
+    assert not state.prefill_loads_missing(target) and not state.decode_loads_missing(target)
+    assert state.holds(target) == 64, "the hollow 64 is found; the 96 D loads holds KV"
+    assert state.holds_stage(target) == ("ex-0001", "ex-0002", "ex-0003")
+
+
 def test_d_dies_of_its_media_before_it_loads_an_unwritten_folder() -> None:
     """D gathers a placeholder's embeddings before its connector loads (vLLM 0.32's model
     runner: _preprocess, then the forward context's start_load_kv). Seen on real vLLM: a

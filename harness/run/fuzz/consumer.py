@@ -150,7 +150,8 @@ class ConsumerState:
 
     def holds(self, prompt: SentPrompt) -> int:
         """Tokens of this prompt D has before P's transfer: its prefix-cache hit, or an
-        earlier request's folder under its lookup key, whichever is longer."""
+        earlier request's folder under its lookup key (a hollow one too: the lookup tests
+        only that it exists, and D computes past it), whichever is longer."""
         from_storage, hit, _ = self._decode_sources(prompt)
         return max(from_storage, hit)
 
@@ -161,14 +162,22 @@ class ConsumerState:
         death): sent alone, the request finds D holding nothing (found in review)."""
         from_storage, hit, source = self._decode_sources(prompt)
         if from_storage and from_storage >= hit:
-            return self.made_by.get(self.keys_of(prompt)[0], ())
+            lookup, load = self.keys_of(prompt)
+            if lookup in self.stored:
+                return self.made_by.get(lookup, ())
+            # A hollow lookup folder gives D tokens only when the folder D then loads holds
+            # KV: its writer goes first, or the replay's load finds nothing and dies.
+            return tuple(
+                dict.fromkeys((*self.made_by.get(load, ()), *self.made_by.get(lookup, ())))
+            )
         return (source.name,) if hit and source is not None and source.name else ()
 
     def _decode_sources(self, prompt: SentPrompt) -> tuple[int, int, SentPrompt | None]:
         """What D could take of this prompt: the tokens of an earlier request's folder under
-        its lookup key, its prefix-cache hit, and the earlier prompt that gives the hit."""
+        its lookup key (stored or hollow: found all the same), its prefix-cache hit, and the
+        earlier prompt that gives the hit."""
         lookup, _ = self.keys_of(prompt)
-        from_storage = len(lookup[0]) if lookup in self.stored else 0
+        from_storage = len(lookup[0]) if self._found(lookup) else 0
         return (from_storage, *self._best_hit(self.cached, prompt))
 
     def served(
