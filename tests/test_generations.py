@@ -146,6 +146,15 @@ def test_protocol_override_wins_for_a_vllm_whose_version_is_unknown() -> None:
     assert (choice.generation.name, choice.warning) == ("ec-items", None)
 
 
+def test_a_version_without_a_patch_number_is_the_series_first_release() -> None:
+    """`versions 0.28..0.30` and `--golden 0.31` name releases by their series: a missing
+    patch number counts as 0, or the range would leave out 0.28.0 and the golden be looked
+    up as 0.31.1 (a mutant reading it as 1 survived review)."""
+    assert parse_version("0.31") == (0, 31, 0)
+    assert parse_version("0.28+cpu") == (0, 28, 0)
+    assert parse_version("0.30.2") == (0, 30, 2)
+
+
 def test_unreadable_version_is_bad_input() -> None:
     with pytest.raises(BadInput, match="cannot read a vLLM version"):
         parse_version("dev")
@@ -256,6 +265,17 @@ def test_0_29_and_0_30_declare_the_video_timing_failure_and_only_through_an_enco
     for generation in GENERATIONS:
         if generation.name not in declaring:
             assert generation.known_failures == (), generation.name
+
+
+def test_a_video_sent_as_jpeg_frames_is_not_applicable_for_the_reason_an_mp4_is() -> None:
+    """A release whose encoder never gets video (0.27.1's proxy sends it image and audio only)
+    says so of a video however it is sent: JPEG frames are a video too (a mutant counting only
+    mp4 parts gave them the image's reason, the encoder's missing metadata, and survived)."""
+    frames = PromptSpec("frames", (VideoFramesPart(seed=3), TextPart("what happens?")))
+    raw = GENERATIONS_BY_NAME["raw-media"]
+    reason = not_applicable(raw, TOPOLOGIES["1E+1PD"], frames)
+    assert reason == not_applicable(raw, TOPOLOGIES["1E+1PD"], PROMPTS["video"])
+    assert reason is not None and "video does not go through the encoder" in reason
 
 
 def test_a_video_sent_as_jpeg_frames_is_declared_as_a_video() -> None:
