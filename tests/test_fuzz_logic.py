@@ -2166,6 +2166,35 @@ def test_a_saved_scenario_is_known_for_its_own_request_shape_only(tmp_path: Path
     assert not recognition.known and recognition.outside_trigger is not None
 
 
+def test_a_saved_scenario_is_known_only_under_its_own_media_kwargs(tmp_path: Path, monkeypatch):
+    """A found scenario's request keeps its media kwargs (the saved body's extra fields), and
+    they can be its whole cause (an fps that moves a video's temporal positions, a pixel cap):
+    the same parts sent without them, failing with the same broad evidence, are another
+    failure. Counted known, a new failure hid behind a declaration (found in review). The
+    cache salt a request draws is no part of it: the saved scenario drops it."""
+    import harness.run.fuzz.known as known_module
+    from harness.run.scenarios import MATRIX
+    from harness.spec.prompts import CACHE_SALT
+
+    kwargs = (("mm_processor_kwargs", {"max_pixels": 3136}),)
+    parts = (ImagePart(seed=1, size=(28, 28)), TextPart(" hi"))
+    saved = PromptSpec("ex-0007", parts, extra=kwargs)
+    record = review_mismatch()
+    evaluation = Evaluation(saved, {}, Outcome(prompt=saved.name), "judged", record=record)
+    evaluation.signature = signature_of(record)
+    evaluation.recognition = Recognition(None)
+    group = FailureGroup(evaluation.signature, evaluation.recognition, [evaluation], evaluation)
+    path = tmp_path / "found.json"
+    save_scenarios([group], "1E+1PD", {"seed": 0, "vllm": "0.32.0"}, "vLLM #1: x", path=path)
+    monkeypatch.setattr(known_module, "MATRIX", MATRIX + found_scenarios(path))
+    rules = rules_for(TOPOLOGIES["1E+1PD"], "ExampleConnector", NEWEST)
+    again = PromptSpec("ex-0099", parts, extra=(*kwargs, (CACHE_SALT, "t1")))
+    assert recognise(rules, record, again, None).known, "its kwargs, under a salt of its own"
+    bare = PromptSpec("ex-0100", parts)
+    recognition = recognise(rules, record, bare, None)
+    assert not recognition.known and recognition.outside_trigger is not None
+
+
 def test_a_drift_the_runs_policy_accepts_is_no_failure() -> None:
     """Under pd-drift a P->D near tie passes; the fuzzer grouped it as a new failure."""
     from harness.run.fuzz.signature import is_failure

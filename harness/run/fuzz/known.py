@@ -15,6 +15,7 @@ knows will kill D again (each kill costs a restart) once the prediction has been
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from harness.run.fuzz.layout import PromptLayout
 from harness.run.fuzz.video_timing import video_positions_differ
 from harness.run.scenarios import MATRIX, Scenario
 from harness.spec.generations import KnownFailure, ProtocolGeneration, known_failure
-from harness.spec.prompts import PromptSpec, VideoFramesPart, VideoPart
+from harness.spec.prompts import CACHE_SALT, PromptSpec, VideoFramesPart, VideoPart
 from harness.spec.topology import TOPOLOGIES, Topology
 
 Trigger = Callable[[PromptSpec, PromptLayout | None], bool]
@@ -178,10 +179,10 @@ def _scenario_rule(scenario: Scenario) -> KnownRule | None:
     if trigger is None:
         # A scenario `fuzz --save` wrote: its evidence is as broad as "generated tokens
         # differ", so by verdict and evidence alone it would call every later failure of its
-        # verdict known (found in review). It stands for its own request: the same parts, any
-        # media seeds.
+        # verdict known (found in review). It stands for its own request: the same parts and
+        # request fields (media kwargs), any media seeds or cache salt.
         text, trigger = (
-            "a request of its shape (the same parts, any media seeds)",
+            "a request of its shape (the same parts and request fields, any media seeds or salt)",
             _same_shape(scenario),
         )
     return KnownRule(
@@ -195,9 +196,13 @@ def _scenario_rule(scenario: Scenario) -> KnownRule | None:
 
 
 def _shape(spec: PromptSpec) -> tuple:
-    return tuple(
+    """Its parts, any media seeds, and its extra fields but the cache salt (a saved
+    scenario drops it): media kwargs can be a failure's whole cause."""
+    parts = tuple(
         dataclasses.replace(part, seed=0) if hasattr(part, "seed") else part for part in spec.parts
     )
+    extra = sorted(json.dumps([k, v], sort_keys=True) for k, v in spec.extra if k != CACHE_SALT)
+    return parts, tuple(extra)
 
 
 def _same_shape(scenario: Scenario) -> Trigger:
