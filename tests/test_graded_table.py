@@ -147,6 +147,13 @@ def test_table_is_written_as_json_and_markdown(tmp_path: Path):
     assert "| ec-noise | 1E+1PD | 0.05 | 2 | MISMATCH | 0.005 (MATCH) |" in markdown, markdown
 
 
+def test_a_fault_the_strongest_rung_missed_reads_not_caught_in_the_markdown():
+    """detection.md is what a person reads: a fault never caught must say so, not show the
+    '-' of a column with nothing in it (a mutant writing '-' there survived review)."""
+    markdown = DetectionTable([rung(0.5, "DRIFT")]).to_markdown()
+    assert "| ec-noise | 1E+1PD | NOT CAUGHT | - | - | 0.5 (DRIFT) |" in markdown, markdown
+
+
 def test_committed_thresholds_cover_the_acceptance_topologies():
     committed = load_thresholds(THRESHOLDS)
     for fault, topologies in (
