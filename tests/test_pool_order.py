@@ -138,6 +138,7 @@ class Placed(StandIn):
         super().__init__(SessionRequest(topology, settings), fails=False)
         self.devices = devices or ()
         self.closed = False
+        self.before_device_wait = None  # as a `TopologySession`'s: the pool sets it
 
     def __enter__(self) -> Placed:
         return self
@@ -238,10 +239,13 @@ def test_the_memory_a_cpu_instance_may_take_keeps_a_headroom(
 
 
 def test_a_gpu_session_stops_only_the_sessions_on_the_devices_it_comes_on(
-    gpu_pool: TopologyPool,
+    gpu_pool: TopologyPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On GPUs no two sessions hold one device: the one on the coming session's device stops,
-    the one on another device keeps running (stopped, it would only start again later)."""
+    the one on another device keeps running (stopped, it would only start again later),
+    however little host memory is free (the CPU rule: a GPU instance's memory is its
+    device's)."""
+    monkeypatch.setattr(pool_module, "cpu_instances_that_fit", lambda: 0)
     elsewhere = gpu_pool.session(TOPOLOGIES["1P+1D"], devices=(1,))
     in_the_way = gpu_pool.session(TOPOLOGIES["1E+1PD"], devices=(0,))
     gpu_pool.session(TOPOLOGIES["2E+1PD"], devices=(0,))
@@ -284,3 +288,68 @@ def test_no_session_is_let_go_of_when_the_waiter_would_still_wait(
     waiting_for(monkeypatch, 0, 1)
     gpu_pool.session(TOPOLOGIES["1E+1PD"], devices=(0,))
     assert not used.closed and not idle.closed, "let go of while the waiter still waits"
+
+
+def test_a_session_asked_for_now_is_not_let_go_of_for_another_process(
+    gpu_pool: TopologyPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CLI run has no items, so only what a step asks for is in use: let go of for a
+    process waiting for its device, the session asked for was handed back stopped."""
+    running = gpu_pool.session(TOPOLOGIES["1E+1PD"], devices=(0,))
+    waiting_for(monkeypatch, 0)
+    assert gpu_pool.session(TOPOLOGIES["1E+1PD"], devices=(0,)) is running
+    assert not running.closed, "the session asked for was stopped for another process"
+
+
+def test_a_session_a_later_item_needs_is_not_let_go_of_for_another_process(
+    gpu_pool: TopologyPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A topology the worker's later items need is its to come back to: let go of, it starts
+    again for them. Its devices are kept, so an idle session on the waiter's other device is
+    not stopped either (the waiter leases all its devices or none)."""
+    gpu_pool.item_begins()
+    later = gpu_pool.session(TOPOLOGIES["1P+1D"], devices=(1,))
+    idle = gpu_pool.session(TOPOLOGIES["2E+1PD"], devices=(0,))
+    gpu_pool.item_begins(needed_later=["1P+1D"])
+    waiting_for(monkeypatch, 1)
+    gpu_pool.session(TOPOLOGIES["1E+1PD"], devices=(2,))
+    assert not later.closed, "a session a later item needs was let go of"
+    waiting_for(monkeypatch, 0, 1)
+    gpu_pool.session(TOPOLOGIES["1E+1PD"], devices=(2,))
+    assert not idle.closed, "let go of while a session kept for later holds the waiter's device"
+
+
+def test_no_session_is_let_go_of_while_another_holder_keeps_the_waiter_waiting(
+    gpu_pool: TopologyPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a third process holds one of the waiter's devices, letting go of ours would only
+    cost a restart: the waiter still waits."""
+    gpu_pool.item_begins()
+    idle = gpu_pool.session(TOPOLOGIES["1P+1D"], devices=(0,))
+    gpu_pool.item_begins()
+    waiting_for(monkeypatch, 0, 1)
+    monkeypatch.setattr(pool_module, "devices_free", lambda kind, devices, lock_dir: False)
+    gpu_pool.session(TOPOLOGIES["1E+1PD"], devices=(2,))
+    assert not idle.closed, "let go of while another holder keeps the waiter waiting"
+
+
+def test_before_waiting_for_a_device_a_start_lets_go_of_all_but_what_was_asked_with_it(
+    gpu_pool: TopologyPool,
+) -> None:
+    """A start about to wait for a device another xdist worker holds stops this pool's other
+    sessions (one could hold what that worker waits for in turn), but not those asked for
+    with it: they are used together."""
+    settings = gpu_pool.settings
+    beside = gpu_pool.session(TOPOLOGIES["1P+1D"], devices=(1,))
+    other = gpu_pool.session(TOPOLOGIES["2E+1PD"], devices=(2,))
+    wanted = [
+        SessionRequest(TOPOLOGIES["1P+1D"], settings, (1,)),
+        SessionRequest(TOPOLOGIES["1E+1PD"], settings, (0,)),
+    ]
+    coming = gpu_pool.open(wanted)[wanted[1].key]
+    coming.before_device_wait()  # as its start does before waiting for device 0
+    assert other.closed, "a session kept while a start waited for another worker's device"
+    assert not beside.closed and not coming.closed, "a session asked for with it was stopped"
+    with gpu_pool.private(TOPOLOGIES["1E+1PD"], "a rerun", "rerun", devices=(3,)) as private:
+        private.before_device_wait()
+        assert beside.closed and coming.closed, "a private start waited with sessions kept"
