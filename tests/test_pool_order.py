@@ -12,9 +12,10 @@ import pytest
 from harness.run import pool as pool_module
 from harness.run.pool import SessionRequest, TopologyPool
 from harness.serve.device_wants import DeviceWant
+from harness.serve.session import DeadInstance
 from harness.spec.placement import CPU_INSTANCE_BYTES, CPU_MEMORY_HEADROOM
 from harness.spec.platforms import CUDA
-from harness.spec.settings import VLLM_PROXY, ProxyChoice, RunSettings
+from harness.spec.settings import VLLM_PROXY, LauncherChoice, ProxyChoice, RunSettings
 from harness.spec.topology import BASELINE, TOPOLOGIES, Role, ServingConfig
 
 pytestmark = pytest.mark.unit
@@ -353,3 +354,80 @@ def test_before_waiting_for_a_device_a_start_lets_go_of_all_but_what_was_asked_w
     with gpu_pool.private(TOPOLOGIES["1E+1PD"], "a rerun", "rerun", devices=(3,)) as private:
         private.before_device_wait()
         assert beside.closed and coming.closed, "a private start waited with sessions kept"
+
+
+def test_a_topology_that_cannot_start_is_counted_and_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start that fails part-way (a port taken after the first instance spawned) leaves
+    nothing running, and the account shows it did not come up."""
+    made: list[Placed] = []
+
+    class CannotStart(Placed):
+        def start_servers(self) -> None:
+            made.append(self)
+            raise RuntimeError(f"{self.topology.name}: a port was taken")
+
+    monkeypatch.setattr(pool_module, "TopologySession", CannotStart)
+    monkeypatch.setattr(pool_module, "cpu_instances_that_fit", lambda: 100)
+    pool = TopologyPool(RunSettings(serving=ServingConfig(model="/models/tiny"), run_dir=tmp_path))
+    with pytest.raises(RuntimeError, match="a port was taken"):
+        pool.session(TOPOLOGIES["1P+1D"])
+    assert [(s.reason, s.seconds) for s in pool.starts] == [("first use", None)]
+    assert made[0].closed, "what the failed start spawned was left running"
+
+
+def test_a_session_whose_instance_died_is_stopped_before_its_topology_starts_again(
+    gpu_pool: TopologyPool, tmp_path: Path
+) -> None:
+    """Its siblings still run: left to themselves they hold their memory, devices and ports
+    until the harness ends. The restart names the death."""
+    running = gpu_pool.session(TOPOLOGIES["1P+1D"], devices=(0,))
+    log = tmp_path / "decode0.log"
+    running.dead_instance = lambda: DeadInstance("1P+1D/decode0", -9, log, "")
+    again = gpu_pool.session(TOPOLOGIES["1P+1D"], devices=(0,))
+    assert again is not running and running.closed, "the dead instance's siblings still run"
+    reason = gpu_pool.starts[-1].reason
+    assert reason == f"restart: instance 1P+1D/decode0 exited with code -9; its log {log}", reason
+
+
+def test_the_sessions_asked_for_beside_one_on_a_ray_cluster_stay_up_however_it_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session coming on a Ray cluster stops the others there, except those asked for with
+    it (the fuzzer's baseline beside its topology): asked for with `session`, with `revive`
+    when nothing runs, and with `revive` whose revival failed and restarts the topology."""
+    monkeypatch.setattr(pool_module, "TopologySession", Placed)
+    monkeypatch.setattr(pool_module, "cpu_instances_that_fit", lambda: 100)
+    serving = ServingConfig(model="/models/tiny")
+    settings = RunSettings(serving=serving, run_dir=tmp_path, launcher=LauncherChoice("ray"))
+    pool = TopologyPool(settings)
+    epd, beside = TOPOLOGIES["1E+1P+1D"], [SessionRequest(BASELINE, settings)]
+    baseline = pool.session(BASELINE)
+    pool.session(epd, beside=beside)
+    assert not baseline.closed, "session(beside=...) stopped the baseline on the cluster"
+    pool.release(epd.name)
+    running = pool.revive(epd, beside=beside)
+    assert not baseline.closed, "revive(beside=...) of a stopped topology stopped the baseline"
+
+    def revival_fails() -> list:
+        raise RuntimeError("the revived decode0 did not come up")
+
+    running.dead_instance = lambda: DeadInstance("1E+1P+1D/decode0", -9, tmp_path / "d.log", "")
+    running.revive_dead = revival_fails
+    assert pool.revive(epd, beside=beside) is not running and running.closed
+    assert not baseline.closed, "the restart after a failed revival stopped the baseline"
+
+
+def test_a_session_with_a_dead_instance_serves_no_reference_as_it_stops(
+    gpu_pool: TopologyPool, tmp_path: Path
+) -> None:
+    """What a sweep serves on a stopping topology becomes an exact reference; a topology whose
+    instance died answers errors (or a surviving instance's half of the flow), no reference."""
+    served: list[str] = []
+    gpu_pool.before_stop(lambda session: served.append(session.topology.name))
+    healthy = gpu_pool.session(TOPOLOGIES["1E+1PD"], devices=(0,))
+    dead = gpu_pool.session(TOPOLOGIES["1P+1D"], devices=(1,))
+    dead.dead_instance_report = lambda: f"instance 1P+1D/decode0 exited with code -9 ({tmp_path})"
+    gpu_pool.release()
+    assert served == ["1E+1PD"] and healthy.closed and dead.closed, served
