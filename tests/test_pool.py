@@ -574,6 +574,8 @@ def test_a_restart_keeps_the_log_of_the_instance_that_died(
         assert str(dead_log) in reason, reason
         kept = sorted(p.name for p in dead_log.parent.glob(f"{dead_log.stem}*.log"))
         assert f"{dead_log.stem}.1.log" in kept, f"the dead D's log is gone: {kept}"
+        # The new D writes `dead_log` again: the reason names where the dead one's went.
+        assert reason.endswith(f"is kept as {dead_log.stem}.1.log"), reason
     finally:
         pool.close()
 

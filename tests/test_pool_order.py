@@ -197,6 +197,7 @@ def test_a_session_asked_through_another_proxy_is_reached_through_that_proxy(
     assert view is not running and (view.of, view.entry.key) == (running, VLLM_PROXY)
     assert gpu_pool.session(topology, devices=(0,)) is running
     assert len(gpu_pool.starts) == 1
+    assert gpu_pool.summary().endswith("(no start: another proxy in front)"), gpu_pool.summary()
 
 
 def test_reviving_a_session_with_no_dead_instance_hands_it_back_as_it_is(
@@ -431,3 +432,54 @@ def test_a_session_with_a_dead_instance_serves_no_reference_as_it_stops(
     dead.dead_instance_report = lambda: f"instance 1P+1D/decode0 exited with code -9 ({tmp_path})"
     gpu_pool.release()
     assert served == ["1E+1PD"] and healthy.closed and dead.closed, served
+
+
+def test_a_revival_is_counted_with_its_cause_and_its_instance(
+    gpu_pool: TopologyPool, tmp_path: Path
+) -> None:
+    """`starts` and `instances` are what pytest and `epd-harness` print at the end: a revived
+    instance is a start after the topology's first use, said with the death it answers."""
+    topology = TOPOLOGIES["1P+1D"]
+    running = gpu_pool.session(topology, devices=(0,))
+    log = tmp_path / "decode0.log"
+    running.dead_instance = lambda: DeadInstance("1P+1D/decode0", -9, log, "")
+    revived = types.SimpleNamespace(name="1P+1D/decode0")
+    running.revive_dead = lambda: [revived]
+    assert gpu_pool.revive(topology, devices=(0,)) is running
+    assert gpu_pool.starts[-1].reason == (
+        f"revive decode0: instance 1P+1D/decode0 exited with code -9 (its log: {log})"
+    )
+    assert gpu_pool.instances == [revived]
+    first_line = gpu_pool.summary().splitlines()[0]
+    assert first_line.endswith("; 1 more than once, each with its reason:"), first_line
+
+
+def test_a_private_start_is_counted_with_its_instances_whether_or_not_it_comes_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refuse = False
+
+    class Private(Placed):
+        def __init__(self, topology, settings, **kwargs: object) -> None:
+            super().__init__(topology, settings, **kwargs)
+            self.stats = {"encoder0": types.SimpleNamespace(name=f"{topology.name}/encoder0")}
+
+        def __enter__(self) -> Private:
+            if refuse:
+                raise RuntimeError("the rerun's encoder0 did not come up")
+            return self
+
+    monkeypatch.setattr(pool_module, "TopologySession", Private)
+    monkeypatch.setattr(pool_module, "cpu_instances_that_fit", lambda: 100)
+    pool = TopologyPool(RunSettings(serving=ServingConfig(model="/models/tiny"), run_dir=tmp_path))
+    with pool.private(TOPOLOGIES["1E+1PD"], "a rerun", "rerun"):
+        pass
+    refuse = True
+    with pytest.raises(RuntimeError, match="did not come up"):
+        with pool.private(TOPOLOGIES["1E+1PD"], "a rerun", "rerun"):
+            pass
+    assert [(s.reason, s.seconds is None) for s in pool.starts] == [
+        ("private: a rerun", False),
+        ("private: a rerun", True),
+    ]
+    assert [stats.name for stats in pool.instances] == ["1E+1PD/encoder0"]
