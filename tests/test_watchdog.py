@@ -474,3 +474,52 @@ def test_the_watchdog_imports_the_harness_it_watches_for(
         timeout=60,
     ).stdout.strip()
     assert Path(imported).resolve() == Path(harness.__file__).resolve()
+
+
+def test_a_malformed_line_is_logged_and_the_watch_goes_on(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A line the watchdog cannot read must not end it: the groups it was told of before and
+    after still need stopping if the harness dies."""
+    groups: dict[int, watchdog.Group] = {}
+    for line in (b"not json", b'{"event": "start", "pgid": "x"}', b'{"event": "stop", "pgid": 1}'):
+        watchdog.handle(groups, line, watchdog.Log())
+    watchdog.handle(
+        groups, json.dumps(start_line(os.getpid(), Path("/nowhere"))).encode(), watchdog.Log()
+    )
+    assert list(groups) == [os.getpid()]
+    assert capsys.readouterr().err.count("ignoring a malformed line") == 3
+
+
+def test_a_forked_copy_of_the_harness_gets_a_watchdog_client_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sharing the parent's, a forked harness's servers would be told to a watchdog that
+    watches the parent: SIGKILLed, the fork would leave its servers running."""
+    parents = watchdog.client()
+    assert watchdog.client() is parents
+    monkeypatch.setattr(watchdog.os, "getpid", lambda: parents.owner_pid + 1)
+    assert watchdog.client() is not parents
+
+
+def test_the_watchdog_runs_in_a_session_of_its_own_and_ignores_the_stop_signals(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal to the harness's process group (Ctrl-C, a CI job's SIGTERM or SIGHUP) must
+    not stop the process that stops the servers once the harness is gone."""
+    monkeypatch.delenv(WATCHDOG_ENV, raising=False)
+    sleeper, pid = spawn_sleeper("plain")
+    client = watchdog.WatchdogClient()
+    try:
+        client.ensure_running()
+        assert os.getsid(client.pid) not in (os.getsid(0), os.getpgid(0))
+        client.started(pid, "t/signalled", tmp_path / "server.log")
+        time.sleep(2 * watchdog.SAMPLE_INTERVAL_S)  # it has set up its signal handling
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            os.kill(client.pid, sig)
+        dog = psutil.Process(client.pid)
+        client.close()  # the harness is gone
+        assert seconds_until_gone([pid], BOUND_S) is not None, "the watchdog died of a signal"
+        dog.wait(timeout=10)
+    finally:
+        cleanup(sleeper)
