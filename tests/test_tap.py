@@ -446,6 +446,29 @@ def test_the_first_token_chunk_fault_acts_on_ds_stream_only_and_is_said_only_whe
     assert not by_instance["x/decode"].rewritten_by_fault
 
 
+def test_the_first_token_chunk_fault_acts_on_the_stream_of_d_and_of_pd() -> None:
+    """The client's stream comes from D, or from PD on 1E+1PD: the fault must act on both (a
+    review's mutant dropping PD left a 1E+1PD self-test whose fault acted on nothing)."""
+    loop = LoopThread()
+    server = FakeInstance(lambda body: Reply(TOKEN_STREAM))
+    loop.run(server.start())
+    targets = [TapTarget(f"x/{role}", role, server.url) for role in ("pd", "decode")]
+    try:
+        taps = TapSet(targets, ProxyFaults(duplicate_first_token_chunk=True)).start("127.0.0.1")
+        with taps:
+            answers = {
+                role: post(taps.urls[f"x/{role}"], chat_bytes([EMBEDS], stream=True))[1]
+                for role in ("pd", "decode")
+            }
+            by_instance = {r.instance: r for r in taps.records}
+    finally:
+        loop.run(server.stop())
+        loop.close()
+    for role in ("pd", "decode"):
+        assert by_instance[f"x/{role}"].rewritten_by_fault, role
+        assert answers[role].count(TOKEN_STREAM[0]) == 2, answers[role]
+
+
 def test_an_error_answer_of_p_passes_unhooked() -> None:
     """P's answer hooks (a KV fault under NIXL) act on a 200 answer: an error answer has no
     KV to misroute, and a hook run on it would count the fault as planted on a request P
