@@ -2143,13 +2143,12 @@ def test_a_releases_encoder_failure_does_not_hide_a_mismatch_of_a_topology_witho
     assert recognise(rules, review_mismatch(), text_only, None).outside_trigger is None
 
 
-def test_a_saved_scenario_is_known_for_its_own_request_shape_only(tmp_path: Path, monkeypatch):
-    """A found scenario's evidence is as broad as "generated tokens differ": by verdict and
-    evidence alone it called every later MISMATCH known (found in review)."""
+def rules_with_saved(saved: PromptSpec, tmp_path: Path, monkeypatch) -> tuple[list, CaseRecord]:
+    """1E+1PD's rules with `saved` failing (a broad MISMATCH) saved by `fuzz --save` among the
+    matrix's scenarios: (the rules, the failure's record)."""
     import harness.run.fuzz.known as known_module
     from harness.run.scenarios import MATRIX
 
-    saved = PromptSpec("ex-0007", (ImagePart(seed=1, size=(28, 28)), TextPart(" hi")))
     record = review_mismatch()
     evaluation = Evaluation(saved, {}, Outcome(prompt=saved.name), "judged", record=record)
     evaluation.signature = signature_of(record)
@@ -2158,7 +2157,14 @@ def test_a_saved_scenario_is_known_for_its_own_request_shape_only(tmp_path: Path
     path = tmp_path / "found.json"
     save_scenarios([group], "1E+1PD", {"seed": 0, "vllm": "0.32.0"}, "vLLM #1: x", path=path)
     monkeypatch.setattr(known_module, "MATRIX", MATRIX + found_scenarios(path))
-    rules = rules_for(TOPOLOGIES["1E+1PD"], "ExampleConnector", NEWEST)
+    return rules_for(TOPOLOGIES["1E+1PD"], "ExampleConnector", NEWEST), record
+
+
+def test_a_saved_scenario_is_known_for_its_own_request_shape_only(tmp_path: Path, monkeypatch):
+    """A found scenario's evidence is as broad as "generated tokens differ": by verdict and
+    evidence alone it called every later MISMATCH known (found in review)."""
+    saved = PromptSpec("ex-0007", (ImagePart(seed=1, size=(28, 28)), TextPart(" hi")))
+    rules, record = rules_with_saved(saved, tmp_path, monkeypatch)
     again = PromptSpec("ex-0099", (ImagePart(seed=5, size=(28, 28)), TextPart(" hi")))
     assert recognise(rules, record, again, None).known  # the same shape, other pixels
     other = PromptSpec("ex-0042", (ImagePart(seed=1, size=(448, 448)), TextPart(" what")))
@@ -2172,22 +2178,12 @@ def test_a_saved_scenario_is_known_only_under_its_own_media_kwargs(tmp_path: Pat
     the same parts sent without them, failing with the same broad evidence, are another
     failure. Counted known, a new failure hid behind a declaration (found in review). The
     cache salt a request draws is no part of it: the saved scenario drops it."""
-    import harness.run.fuzz.known as known_module
-    from harness.run.scenarios import MATRIX
     from harness.spec.prompts import CACHE_SALT
 
     kwargs = (("mm_processor_kwargs", {"max_pixels": 3136}),)
     parts = (ImagePart(seed=1, size=(28, 28)), TextPart(" hi"))
     saved = PromptSpec("ex-0007", parts, extra=kwargs)
-    record = review_mismatch()
-    evaluation = Evaluation(saved, {}, Outcome(prompt=saved.name), "judged", record=record)
-    evaluation.signature = signature_of(record)
-    evaluation.recognition = Recognition(None)
-    group = FailureGroup(evaluation.signature, evaluation.recognition, [evaluation], evaluation)
-    path = tmp_path / "found.json"
-    save_scenarios([group], "1E+1PD", {"seed": 0, "vllm": "0.32.0"}, "vLLM #1: x", path=path)
-    monkeypatch.setattr(known_module, "MATRIX", MATRIX + found_scenarios(path))
-    rules = rules_for(TOPOLOGIES["1E+1PD"], "ExampleConnector", NEWEST)
+    rules, record = rules_with_saved(saved, tmp_path, monkeypatch)
     again = PromptSpec("ex-0099", parts, extra=(*kwargs, (CACHE_SALT, "t1")))
     assert recognise(rules, record, again, None).known, "its kwargs, under a salt of its own"
     bare = PromptSpec("ex-0100", parts)
