@@ -41,13 +41,16 @@ def account_notes(
     if result.killed is not None and result.killed_at_s is not None:
         ends = [r.ended_s - result.killed_at_s for r in result.results if not r.not_sent]
         spared = [str(request.number) for request in spared_by_the_kill(result)]
-        held = "" if result.problems else "; every request ended ERROR naming it, as it must"
-        if spared and not result.problems:
+        if result.problems:
+            held = ""
+        elif spared:
             held = (
                 "; every request that reached it ended ERROR naming it, as it must; "
                 f"request(s) {', '.join(spared)}, served whole by the other instances of "
                 "its role, passed"
             )
+        else:
+            held = "; every request ended ERROR naming it, as it must"
         notes.append(
             f"killed {result.killed} at {result.killed_at_s:.1f}s (planted); the last "
             f"request in flight ended {max(ends, default=0.0):.2f}s later{held}"
