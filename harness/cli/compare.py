@@ -84,22 +84,18 @@ def serving_differences(first: dict[str, Any], second: dict[str, Any]) -> list[s
     ]
 
 
-def proxy_label(
-    run_dir: str,
-    version: str | None = None,
-    with_version: bool = False,
-    launcher: str | None = None,
-) -> str:
-    """The run's proxy under test (run.json), to head the columns; the directory otherwise.
-    `with_version`: the served vLLM's version too (the two runs served different ones);
-    `launcher`: where its instances ran (the two runs ran them in different places)."""
-    proxy = read_run_json(run_dir).get("proxy")
+def proxy_label(run_dir: str, run: dict[str, Any], with_version: bool, with_launcher: bool) -> str:
+    """The proxy under test of the run in `run_dir` (its run.json, `run`), to head the
+    columns; the directory otherwise. `with_version`: the served vLLM's version too (the two
+    runs served different ones); `with_launcher`: where its instances ran (the two runs ran
+    them in different places)."""
+    proxy = run.get("proxy")
     kind = proxy.get("kind") if isinstance(proxy, dict) else None
     name = Path(run_dir).name
     if with_version:
-        name = f"{name}, vLLM {version or 'not recorded'}"
-    if launcher is not None:
-        name = f"{name}, {launcher} launcher"
+        name = f"{name}, vLLM {served_version(run) or 'not recorded'}"
+    if with_launcher:
+        name = f"{name}, {launcher_of(run)} launcher"
     return f"{kind} ({name})" if kind else name
 
 
@@ -112,14 +108,11 @@ def command_compare(args: argparse.Namespace) -> int:
     # served and where its instances ran, when they differ (real vLLM: a local run and a Ray
     # run were headed "harness (A)" and "harness (B)").
     runs = [read_run_json(d) for d in (args.first, args.second)]
-    served = [served_version(run) for run in runs]
-    differ = served[0] != served[1]
-    launchers = [launcher_of(run) for run in runs]
-    if launchers[0] == launchers[1]:
-        launchers = [None, None]
+    versions_differ = served_version(runs[0]) != served_version(runs[1])
+    launchers_differ = launcher_of(runs[0]) != launcher_of(runs[1])
     labels = [
-        proxy_label(d, v, with_version=differ, launcher=where)
-        for d, v, where in zip((args.first, args.second), served, launchers, strict=True)
+        proxy_label(d, run, versions_differ, launchers_differ)
+        for d, run in zip((args.first, args.second), runs, strict=True)
     ]
     print(format_diff(diffs, *labels))
     for line in serving_differences(*runs):
